@@ -1,0 +1,109 @@
+"""What an event or a body means, for every reply format replystream reads.
+
+The measuring client sees only the wire format, so it must recognise each server's way of
+carrying text and of saying "finished" or "failed":
+- the lab stream: ``data: "text"`` (a JSON string per event), ended by ``data: [DONE]``;
+- replystream's native stream: named ``token`` events (``{"text", "tokens"}``), ended by ``done``;
+- OpenAI-compatible chunks: ``choices[0].delta.content`` (chat) or ``choices[0].text``,
+  ended by ``data: [DONE]``, with an ``{"error": ...}`` object for in-band failures;
+- buffered bodies: ``{"text": ...}`` or an OpenAI ``chat.completion`` / ``text_completion``.
+``event: error`` always means failure, and a terminal marker is required for success.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from replystream.sse import Event
+
+Kind = Literal["text", "done", "error", "other"]
+
+
+@dataclass(frozen=True, slots=True)
+class Meaning:
+    """What one event says: text (with how many tokens it carries), the end, or a failure."""
+
+    kind: Kind
+    text: str = ""
+    tokens: int = 0
+    error: str | None = None
+
+
+OTHER = Meaning("other")
+DONE = Meaning("done")
+_TERMINAL_FAILURES = frozenset({"error", "moderated"})
+
+
+def _error_text(payload: Any) -> str:
+    if isinstance(payload, dict):
+        inner = payload.get("error", payload)
+        if isinstance(inner, dict):
+            message = inner.get("message") or inner.get("reason")
+            code = inner.get("code") or inner.get("type")
+            if message and code:
+                return f"{code}: {message}"
+            return str(message or code or inner)
+        return str(inner)
+    return str(payload)
+
+
+def _choice_text(payload: dict[str, Any]) -> str | None:
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    for holder in (choice.get("delta"), choice.get("message")):
+        if isinstance(holder, dict):
+            content = holder.get("content")
+            return content if isinstance(content, str) else ""
+    text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def interpret_event(event: Event) -> Meaning:
+    """The meaning of one parsed SSE event."""
+    if event.type in _TERMINAL_FAILURES:
+        try:
+            detail = _error_text(json.loads(event.data))
+        except ValueError:
+            detail = event.data
+        return Meaning("error", error=f"{event.type}: {detail}")
+    if event.type == "done" or event.data == "[DONE]":
+        return DONE
+    if event.type not in ("message", "token"):
+        return OTHER
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
+    if isinstance(payload, str):
+        return Meaning("text", payload, 1)
+    if isinstance(payload, dict):
+        if "error" in payload:
+            return Meaning("error", error=_error_text(payload))
+        if isinstance(payload.get("text"), str):
+            tokens = payload.get("tokens", 1)
+            return Meaning("text", payload["text"], tokens if isinstance(tokens, int) else 1)
+        text = _choice_text(payload)
+        if text is not None:
+            return Meaning("text", text, 1 if text else 0)
+    return OTHER
+
+
+def interpret_body(body: bytes) -> Meaning:
+    """The reply text in a complete buffered JSON body (``done``), or why there is none."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return Meaning("error", error=f"body is not complete JSON ({len(body)} bytes)")
+    if isinstance(payload, dict):
+        if "error" in payload:
+            return Meaning("error", error=_error_text(payload))
+        if isinstance(payload.get("text"), str):
+            return Meaning("done", payload["text"])
+        text = _choice_text(payload)
+        if text is not None:
+            return Meaning("done", text)
+    return Meaning("error", error="body holds no reply text")

@@ -1,0 +1,202 @@
+"""Timed reads of one reply, buffered or streamed, as a reader experiences it.
+
+Every timestamp is milliseconds from the moment the request was sent (``perf_counter``).
+A reply counts as complete only with an explicit terminal marker: a parsed 2xx JSON body, or
+the stream's end marker (``[DONE]`` or a ``done`` event). A clean end of file without one, an
+in-band error, a truncated body or a reset connection is reported as incomplete, with the
+reason, and never as a timing result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from replystream.client.formats import interpret_body, interpret_event
+from replystream.client.transport import Connection, HTTPResponse, TransportError, http_request
+from replystream.sse import EventParser, SSEError
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyTiming:
+    """What one reader saw of one reply. Times are ms from request start; None if never."""
+
+    url: str
+    streamed: bool
+    complete: bool
+    error: str | None
+    status: int | None
+    headers_ms: float | None
+    first_byte_ms: float | None
+    first_text_ms: float | None
+    last_text_ms: float | None
+    closed_ms: float
+    body_bytes: int
+    text: str
+    tokens: int
+    text_event_ms: tuple[float, ...] = ()
+    text_event_chars: tuple[int, ...] = ()
+    reply_id: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gaps_ms(self) -> list[float]:
+        """Time between consecutive text events."""
+        times = self.text_event_ms
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "streamed": self.streamed,
+            "complete": self.complete,
+            "error": self.error,
+            "status": self.status,
+            "headers_ms": self.headers_ms,
+            "first_byte_ms": self.first_byte_ms,
+            "first_text_ms": self.first_text_ms,
+            "last_text_ms": self.last_text_ms,
+            "closed_ms": self.closed_ms,
+            "body_bytes": self.body_bytes,
+            "tokens": self.tokens,
+            "text_events": len(self.text_event_ms),
+            "text_event_ms": list(self.text_event_ms),
+        }
+
+
+class _Reading:
+    """Mutable state of one read in progress; frozen into a ``ReplyTiming`` at the end."""
+
+    def __init__(self, url: str, started: float) -> None:
+        self.url = url
+        self.started = started
+        self.streamed = False
+        self.complete = False
+        self.error: str | None = None
+        self.status: int | None = None
+        self.headers_ms: float | None = None
+        self.first_byte_ms: float | None = None
+        self.body_bytes = 0
+        self.parts: list[str] = []
+        self.tokens = 0
+        self.event_ms: list[float] = []
+        self.event_chars: list[int] = []
+        self.headers: dict[str, str] = {}
+
+    def ms(self, at: float) -> float:
+        """``perf_counter()`` time ``at`` as ms since the request started."""
+        return (at - self.started) * 1000.0
+
+    def on_text(self, text: str, tokens: int, at_ms: float) -> None:
+        if not text:
+            return
+        self.parts.append(text)
+        self.tokens += tokens
+        self.event_ms.append(at_ms)
+        self.event_chars.append(len(text))
+
+    def finish(self) -> ReplyTiming:
+        if not self.complete and self.error is None:
+            self.error = "stream ended without an end marker" if self.streamed else "no reply"
+        return ReplyTiming(
+            url=self.url,
+            streamed=self.streamed,
+            complete=self.complete and self.error is None,
+            error=self.error,
+            status=self.status,
+            headers_ms=self.headers_ms,
+            first_byte_ms=self.first_byte_ms,
+            first_text_ms=self.event_ms[0] if self.event_ms else None,
+            last_text_ms=self.event_ms[-1] if self.event_ms else None,
+            closed_ms=self.ms(time.perf_counter()),
+            body_bytes=self.body_bytes,
+            text="".join(self.parts),
+            tokens=self.tokens,
+            text_event_ms=tuple(self.event_ms),
+            text_event_chars=tuple(self.event_chars),
+            reply_id=self.headers.get("x-reply-id"),
+            headers=self.headers,
+        )
+
+
+async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
+    parser = EventParser()
+    async for chunk in response:
+        at = reading.ms(chunk.at)
+        if reading.first_byte_ms is None:
+            reading.first_byte_ms = at
+        reading.body_bytes += len(chunk.data)
+        for event in parser.feed(chunk.data):
+            meaning = interpret_event(event)
+            if meaning.kind == "text":
+                reading.on_text(meaning.text, meaning.tokens, at)
+            elif meaning.kind == "done":
+                reading.complete = True
+            elif meaning.kind == "error":
+                reading.error = meaning.error
+                return
+    parser.close()
+
+
+async def _read_body(reading: _Reading, response: HTTPResponse) -> None:
+    chunks: list[bytes] = []
+    at = 0.0
+    async for chunk in response:
+        at = reading.ms(chunk.at)
+        if reading.first_byte_ms is None:
+            reading.first_byte_ms = at
+        reading.body_bytes += len(chunk.data)
+        chunks.append(chunk.data)
+    meaning = interpret_body(b"".join(chunks))
+    if not 200 <= response.status < 300:
+        reading.error = f"HTTP {response.status}: {meaning.error or 'error'}"
+    elif meaning.kind == "done":
+        reading.on_text(meaning.text, max(1, len(meaning.text.split())), at)
+        reading.complete = True
+    else:
+        reading.error = meaning.error
+
+
+async def measure_reply(
+    url: str,
+    *,
+    method: str = "GET",
+    json_body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+    connection: Connection | None = None,
+) -> ReplyTiming:
+    """Send one request and time how its reply arrives; never raises for a failed reply.
+
+    With an open ``connection`` (see ``transport.connect``), timing starts when the request is
+    written, so connection setup is not counted; otherwise it starts before connecting.
+    """
+    body = b"" if json_body is None else json.dumps(json_body).encode()
+    sent = {"Accept": "text/event-stream, application/json", "Accept-Encoding": "gzip, deflate"}
+    if json_body is not None:
+        sent["Content-Type"] = "application/json"
+    sent.update(headers or {})
+    reading = _Reading(url, time.perf_counter())
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with http_request(
+                url, method=method, body=body, headers=sent, connection=connection
+            ) as response:
+                reading.headers_ms = reading.ms(response.head_at)
+                reading.status = response.status
+                reading.headers = response.headers
+                reading.streamed = response.content_type == "text/event-stream"
+                if reading.streamed and 200 <= response.status < 300:
+                    await _read_stream(reading, response)
+                else:
+                    await _read_body(reading, response)
+    except TimeoutError:
+        reading.error = f"timed out after {timeout_s:g} s"
+    except (TransportError, SSEError, zlib.error) as exc:
+        reading.error = f"read failed: {exc}"
+    return reading.finish()

@@ -1,0 +1,194 @@
+"""The measuring client's HTTP/1.1 transport: one request per connection, timed at arrival.
+
+Each body chunk is stamped with ``perf_counter()`` inside ``data_received``, the moment the
+event loop hands the bytes over, not when a consumer task next runs; that keeps timings honest
+when many replies are read at once. HTTP framing (status line, headers, chunked coding) is
+parsed by h11, a sans-IO HTTP/1.1 library; content encodings are undone here so a compressed
+event stream is still readable (and visible, through the ``content-encoding`` header).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import h11
+
+
+class TransportError(ConnectionError):
+    """The connection failed or broke the HTTP framing before the response ended."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Body bytes as they arrived: ``at`` is ``perf_counter()`` when the socket delivered them."""
+
+    at: float
+    data: bytes
+
+
+class _ResponseProtocol(asyncio.Protocol):
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.conn = h11.Connection(h11.CLIENT)
+        self.transport: asyncio.Transport | None = None
+        self.head: asyncio.Future[h11.Response] = loop.create_future()
+        self.head_at = 0.0
+        self.chunks: deque[Chunk] = deque()
+        self.ended = False
+        self.error: TransportError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop = loop
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._receive(data, time.perf_counter())
+
+    def eof_received(self) -> bool | None:
+        self._receive(b"", time.perf_counter())
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ended and self.error is None:
+            self._fail(TransportError(f"connection lost before the response ended: {exc}"))
+
+    def _receive(self, data: bytes, at: float) -> None:
+        try:
+            self.conn.receive_data(data)
+            while True:
+                event = self.conn.next_event()
+                if event is h11.NEED_DATA or event is h11.PAUSED:
+                    break
+                if isinstance(event, h11.Response):
+                    self.head_at = at
+                    self.head.set_result(event)
+                elif isinstance(event, h11.Data):
+                    self.chunks.append(Chunk(at, bytes(event.data)))
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    self.ended = True
+                    break
+        except h11.RemoteProtocolError as exc:
+            self._fail(TransportError(f"response broke HTTP/1.1 framing: {exc}"))
+            return
+        self._wake()
+
+    def _fail(self, error: TransportError) -> None:
+        self.error = error
+        if not self.head.done():
+            self.head.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next_chunk(self) -> Chunk | None:
+        while not self.chunks:
+            if self.ended:
+                return None
+            if self.error is not None:
+                raise self.error
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return self.chunks.popleft()
+
+
+class HTTPResponse:
+    """A response being read: status and headers at once, then the body chunk by chunk."""
+
+    def __init__(self, protocol: _ResponseProtocol, head: h11.Response) -> None:
+        self._protocol = protocol
+        self.status = head.status_code
+        self.head_at = protocol.head_at
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+        encoding = self.headers.get("content-encoding", "identity").strip().lower()
+        self._decoder = (
+            zlib.decompressobj(zlib.MAX_WBITS | 32) if encoding in ("gzip", "deflate") else None
+        )
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").split(";")[0].strip().lower()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while (chunk := await self._protocol.next_chunk()) is not None:
+            if self._decoder is None:
+                yield chunk
+            else:
+                data = self._decoder.decompress(chunk.data)
+                if data:
+                    yield Chunk(chunk.at, data)
+
+
+class Connection:
+    """An open connection to one server, ready to carry one request."""
+
+    def __init__(self, url: str, transport: asyncio.Transport, protocol: _ResponseProtocol):
+        self.netloc = urlsplit(url).netloc
+        self.transport = transport
+        self.protocol = protocol
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+async def connect(url: str) -> Connection:
+    """Open a TCP connection to the server of ``url``.
+
+    Raises:
+        TransportError: the connection could not be made.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "http" or parts.hostname is None:
+        raise ValueError(f"only http:// URLs are supported, got {url!r}")
+    loop = asyncio.get_running_loop()
+    try:
+        transport, protocol = await loop.create_connection(
+            lambda: _ResponseProtocol(loop), parts.hostname, parts.port or 80
+        )
+    except OSError as exc:
+        raise TransportError(f"cannot connect to {parts.netloc}: {exc}") from exc
+    return Connection(url, transport, protocol)
+
+
+@asynccontextmanager
+async def http_request(
+    url: str,
+    *,
+    method: str = "GET",
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    connection: Connection | None = None,
+) -> AsyncIterator[HTTPResponse]:
+    """Send one request (on ``connection`` if given) and yield the response once its head
+    arrived. The connection is closed on exit.
+
+    Raises:
+        TransportError: the connection failed or the response broke HTTP framing.
+    """
+    conn = connection or await connect(url)
+    try:
+        parts = urlsplit(url)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        fields = [("Host", conn.netloc), ("Connection", "close")]
+        fields += list((headers or {}).items())
+        if body:
+            fields.append(("Content-Length", str(len(body))))
+        h11_conn = conn.protocol.conn
+        out = h11_conn.send(h11.Request(method=method, target=target, headers=fields))
+        if body:
+            out += h11_conn.send(h11.Data(data=body))
+        out += h11_conn.send(h11.EndOfMessage())
+        conn.transport.write(out)
+        head = await conn.protocol.head
+        yield HTTPResponse(conn.protocol, head)
+    finally:
+        conn.close()

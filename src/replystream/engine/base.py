@@ -1,0 +1,114 @@
+"""The engine seam: what every token source (simulated, built-in model, upstream server) offers.
+
+An engine knows nothing about HTTP. It takes a ``GenerationRequest`` and, once admitted, yields
+``Delta`` values as tokens are made. The consumer cancels a generation by closing the stream
+(``aclose()``) or by cancelling the task that iterates it; an engine must stop making tokens
+at the next step either way and free what the request held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class EngineError(Exception):
+    """Generation failed. ``code`` is a short machine-readable reason sent to clients."""
+
+    def __init__(self, message: str, *, code: str = "generation_failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RequestRejected(EngineError):
+    """The engine refused the request before making any token (bad input, no capacity)."""
+
+    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message, code=code)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each token. ``seed=None`` lets the engine choose (and stay deterministic)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One reply to make: the prompt text and how to sample it."""
+
+    prompt: str = ""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """Text made by one engine step.
+
+    Attributes:
+        text: the new text (may be empty while a multi-byte character is incomplete).
+        tokens: how many tokens this delta carries (more than one with speculative decoding).
+        made_at: ``time.monotonic()`` when the engine made it.
+        finish_reason: set on the last delta: ``"stop"`` or ``"length"``.
+    """
+
+    text: str
+    tokens: int = 1
+    made_at: float = 0.0
+    finish_reason: str | None = None
+
+
+class DeltaStream(Protocol):
+    """An async iterator of deltas that can be closed early (an async generator fits)."""
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+    def __anext__(self) -> Awaitable[Delta]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters an engine reports as data (for metrics, the lab and tests)."""
+
+    started: int
+    finished: int
+    cancelled: int
+    failed: int
+    active: int
+    steps: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A source of tokens."""
+
+    name: str
+
+    async def start(self, request: GenerationRequest) -> DeltaStream:
+        """Admit a request and return its delta stream.
+
+        Raises:
+            RequestRejected: the request is invalid for this engine or cannot be admitted.
+            EngineError: the engine failed before the first token (the server answers 500).
+        """
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` is for this engine (prompt usage accounting)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def aclose(self) -> None:
+        """Stop every generation and release the engine's resources."""
+        ...

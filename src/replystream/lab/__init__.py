@@ -1,0 +1,1 @@
+"""Experiments and measuring tools built on the server and the client (nothing imports this)."""

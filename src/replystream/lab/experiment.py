@@ -1,0 +1,143 @@
+"""The stream-vs-wait experiment: the same generation, delivered buffered and streamed.
+
+Fires ``calls`` requests at each mode, all at once, and compares when the first text and the
+last text arrive. Call i of each mode uses seed ``seed + i``, so the two modes see identical
+token schedules pair by pair and differ only in delivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+from replystream.client import ReplyTiming, measure_reply
+from replystream.client.transport import Connection, connect
+from replystream.stats import percentile
+
+MODES = ("wait", "stream")
+
+
+@dataclass(frozen=True, slots=True)
+class LabConfig:
+    """Parameters of one experiment (defaults match the reference lab)."""
+
+    tokens: int = 120
+    delay_ms: float = 33.0
+    jitter_ms: float = 8.0
+    seed: int = 42
+    first_token_ms: float = 0.0
+    calls: int = 20
+    url: str | None = None
+
+    def server_args(self) -> list[str]:
+        """Arguments for a local ``replystream serve`` that generates with this config."""
+        return [
+            "--engine",
+            "simulated",
+            "--tokens",
+            str(self.tokens),
+            "--delay-ms",
+            f"{self.delay_ms:g}",
+            "--jitter-ms",
+            f"{self.jitter_ms:g}",
+            "--seed",
+            str(self.seed),
+            "--first-token-ms",
+            f"{self.first_token_ms:g}",
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class LabRun:
+    """Every reply each mode received, in call order."""
+
+    config: LabConfig
+    timings: dict[str, list[ReplyTiming]]
+
+    def summary(self) -> dict[str, Any]:
+        """The machine-readable result (the ``--json`` contract)."""
+        result: dict[str, Any] = {}
+        for mode in MODES:
+            done = [t for t in self.timings[mode] if t.complete]
+            first = [t.first_text_ms for t in done if t.first_text_ms is not None]
+            total = [t.last_text_ms for t in done if t.last_text_ms is not None]
+            headers = [t.headers_ms for t in done if t.headers_ms is not None]
+            result[mode] = {
+                "calls": len(self.timings[mode]),
+                "complete": len(done),
+                "first_text_ms": _median_p95(first),
+                "total_ms": _median_p95(total),
+                "headers_ms": _median_p95(headers),
+                "body_bytes": _median_p95([float(t.body_bytes) for t in done]),
+                "errors": sorted({t.error for t in self.timings[mode] if t.error}),
+            }
+        wait_first = result["wait"]["first_text_ms"]["median"]
+        stream_first = result["stream"]["first_text_ms"]["median"]
+        wait_total = result["wait"]["total_ms"]["median"]
+        stream_total = result["stream"]["total_ms"]["median"]
+        both = None not in (wait_first, stream_first, wait_total, stream_total)
+        result["first_text_sooner_ms"] = wait_first - stream_first if both else None
+        result["total_median_diff_ms"] = stream_total - wait_total if both else None
+        result["total_median_diff_pct"] = (
+            100.0 * (stream_total - wait_total) / wait_total if both and wait_total else None
+        )
+        result["config"] = asdict(self.config)
+        return result
+
+    def timeline(self) -> dict[str, Any]:
+        """Word-by-word arrival times of the first call of each mode (``timeline.json``)."""
+        out: dict[str, Any] = {}
+        for mode in MODES:
+            timing = self.timings[mode][0]
+            arrivals = []
+            offset = 0
+            for at, chars in zip(timing.text_event_ms, timing.text_event_chars, strict=True):
+                arrivals.append(
+                    {"t_ms": round(at, 3), "text": timing.text[offset : offset + chars]}
+                )
+                offset += chars
+            out[mode] = {
+                "complete": timing.complete,
+                "headers_ms": timing.headers_ms,
+                "first_text_ms": timing.first_text_ms,
+                "total_ms": timing.last_text_ms,
+                "arrivals": arrivals,
+            }
+        return out
+
+
+def _median_p95(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "p95": None}
+    return {"median": round(percentile(values, 50), 3), "p95": round(percentile(values, 95), 3)}
+
+
+async def run_experiment(
+    config: LabConfig, url: str, on_done: Callable[[str, ReplyTiming], None] | None = None
+) -> LabRun:
+    """Fire every call of both modes at once against ``url`` and collect their timings."""
+
+    async def one(mode: str, index: int, connection: Connection) -> ReplyTiming:
+        query = urlencode({"seed": config.seed + index})
+        timing = await measure_reply(f"{url}/{mode}?{query}", connection=connection)
+        if on_done is not None:
+            on_done(mode, timing)
+        return timing
+
+    # One short call per mode first, so one-time costs (code paths run for the first time)
+    # are not charged to the measured calls.
+    for mode in MODES:
+        await measure_reply(f"{url}/{mode}?max_tokens=1")
+
+    # Connections are opened first, as a client with warm connections has them, so "all at
+    # once" means all requests written in one burst and connection setup is not timed.
+    connections = {mode: [await connect(url) for _ in range(config.calls)] for mode in MODES}
+    async with asyncio.TaskGroup() as group:
+        tasks = {
+            mode: [group.create_task(one(mode, i, c)) for i, c in enumerate(connections[mode])]
+            for mode in MODES
+        }
+    return LabRun(config, {mode: [t.result() for t in tasks[mode]] for mode in MODES})

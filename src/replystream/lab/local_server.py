@@ -1,0 +1,50 @@
+"""Start ``replystream serve`` in a child process on a free loopback port, for tools to measure.
+
+A separate process keeps the server's event loop apart from the measuring client's, as it would
+be in production, so client-side parsing cannot delay the server's timers or the reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Sequence
+
+READY_PREFIX = "replystream listening on "
+
+
+@contextlib.asynccontextmanager
+async def local_server(args: Sequence[str], *, ready_timeout_s: float = 30.0) -> AsyncIterator[str]:
+    """Run ``replystream serve --port 0 ARGS`` and yield its base URL; stop it on exit."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(ready_timeout_s):
+            while True:
+                line = (await process.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError(f"server exited early with status {await process.wait()}")
+                if line.startswith(READY_PREFIX):
+                    break
+        yield line[len(READY_PREFIX) :].strip()
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                async with asyncio.timeout(10):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()

@@ -1,0 +1,55 @@
+"""The one error shape every replystream endpoint answers with.
+
+Errors before a response starts are HTTP statuses with a JSON body
+``{"error": {"message", "type", "param", "code"}}`` (the shape OpenAI-compatible clients read).
+Errors after a stream started are in-band events built from the same fields.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(
+    message: str, *, code: str, status: int = 500, param: str | None = None
+) -> dict[str, Any]:
+    """The JSON error object for ``status``."""
+    kind = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, *, code: str, param: str | None = None
+) -> web.Response:
+    """An HTTP error in the API's own format."""
+    body = json.dumps(error_body(message, code=code, status=status, param=param))
+    return web.Response(status=status, text=body, content_type="application/json")
+
+
+class HTTPAPIError(Exception):
+    """Raised inside a handler to answer with an error response before any byte is sent."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, code=self.code, param=self.param)

@@ -1,0 +1,40 @@
+"""Shared fixtures: real servers on loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import pytest
+
+from replystream.engine import SimulatedConfig, SimulatedEngine
+from replystream.server import create_app, running
+
+ServeEngine = Callable[[SimulatedEngine], AbstractAsyncContextManager[str]]
+
+
+def fast_engine(**overrides: object) -> SimulatedEngine:
+    """A simulated engine with short delays so tests run quickly."""
+    settings: dict[str, object] = {"delay_ms": 5.0, "jitter_ms": 1.0}
+    settings.update(overrides)
+    return SimulatedEngine(SimulatedConfig(**settings))  # type: ignore[arg-type]
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110  (polls state owned by another component)
+            await asyncio.sleep(0.005)
+
+
+@asynccontextmanager
+async def serve_engine(engine: SimulatedEngine) -> AsyncIterator[str]:
+    """Serve ``engine`` with the real app on a free loopback port; yield the base URL."""
+    async with running(create_app(engine)) as url:
+        yield url
+
+
+@pytest.fixture
+def serve() -> ServeEngine:
+    return serve_engine

@@ -1,0 +1,100 @@
+"""The measuring client against deliberately broken servers: incomplete is never a result."""
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from replystream.client import measure_reply
+from replystream.server import running
+from tests.conftest import fast_engine, serve_engine
+
+
+def broken_app() -> web.Application:
+    async def cut_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("one ", "two ", "three "):
+            await response.write(f"data: {json.dumps(word)}\n\n".encode())
+        await response.write_eof()  # a clean end of file, but no [DONE]
+        return response
+
+    async def half_event(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: "one "\n\ndata: [DO')
+        await response.write_eof()
+        return response
+
+    async def truncated_json(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"text":"half a rep')
+        await response.write_eof()
+        return response
+
+    async def reset(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: "one "\n\n')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()  # RST-like: the connection dies mid-reply
+        return response
+
+    async def done_then_gone(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b': keep-alive\n\ndata: "hi "\n\ndata: [DONE]\n\n')
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/cut", cut_stream)
+    app.router.add_get("/half", half_event)
+    app.router.add_get("/truncated", truncated_json)
+    app.router.add_get("/reset", reset)
+    app.router.add_get("/ok", done_then_gone)
+    return app
+
+
+async def test_broken_replies_are_reported_incomplete_with_a_reason():
+    async with running(broken_app()) as url:
+        cut = await measure_reply(f"{url}/cut")
+        half = await measure_reply(f"{url}/half")
+        truncated = await measure_reply(f"{url}/truncated")
+        reset = await measure_reply(f"{url}/reset")
+        ok = await measure_reply(f"{url}/ok")
+    assert not cut.complete and cut.error == "stream ended without an end marker"
+    assert cut.text == "one two three " and cut.tokens == 3
+    assert not half.complete and half.text == "one "
+    assert not truncated.complete and truncated.error and "not complete JSON" in truncated.error
+    assert truncated.first_text_ms is None
+    assert not reset.complete and reset.error is not None
+    assert ok.complete and ok.error is None and ok.text == "hi "
+
+
+async def test_timings_are_ordered_and_count_every_event():
+    async with serve_engine(fast_engine(first_token_ms=100)) as url:
+        stream = await measure_reply(f"{url}/stream")
+        wait = await measure_reply(f"{url}/wait")
+    assert stream.complete and wait.complete
+    assert stream.headers_ms is not None and stream.first_text_ms is not None
+    assert stream.headers_ms < stream.first_text_ms
+    assert stream.first_text_ms >= 100
+    assert stream.last_text_ms is not None and stream.last_text_ms <= stream.closed_ms
+    assert len(stream.text_event_ms) == 120 == stream.tokens
+    assert len(stream.gaps_ms) == 119 and min(stream.gaps_ms) >= 0
+    # Buffered: the first text is the last text, and it arrives with the body.
+    assert wait.first_text_ms == wait.last_text_ms
+    assert wait.headers_ms is not None and wait.first_text_ms is not None
+    assert wait.first_text_ms >= 100 + 120 * 4
+    assert wait.text == stream.text
+
+
+async def test_a_stream_that_never_ends_times_out_as_incomplete():
+    async with serve_engine(fast_engine(delay_ms=200, jitter_ms=0)) as url:
+        timing = await measure_reply(f"{url}/stream", timeout_s=0.5)
+    assert not timing.complete
+    assert timing.error == "timed out after 0.5 s"
+    assert timing.text  # what arrived before the timeout is kept, but is not a result
