@@ -1,95 +1,42 @@
-"""One entry point: ``replystream serve | lab``."""
+"""One entry point: ``replystream serve | lab | ...``.
+
+Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``;
+add a row to ``COMMANDS`` to add one. Modules are imported only when their command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import sys
+import importlib
 from collections.abc import Sequence
 
 from replystream import __version__
-from replystream.engine.simulated import (
-    DEFAULT_REPLY,
-    SimulatedConfig,
-    SimulatedEngine,
-    reply_of_length,
-)
-from replystream.lab import command as lab_command
+
+# name, module, one-line help
+COMMANDS: list[tuple[str, str, str]] = [
+    ("serve", "replystream.server.command", "run the reply server"),
+    ("lab", "replystream.lab.command", "measure stream vs wait over real HTTP"),
+]
 
 
-def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = SimulatedConfig()
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--engine", choices=["simulated"], default="simulated")
-    sim = parser.add_argument_group("simulated engine")
-    sim.add_argument("--reply-text", default=DEFAULT_REPLY, help="the reply, one word per token")
-    sim.add_argument("--tokens", type=int, help="cut or repeat the reply to this many tokens")
-    sim.add_argument("--delay-ms", type=float, default=defaults.delay_ms)
-    sim.add_argument("--jitter-ms", type=float, default=defaults.jitter_ms)
-    sim.add_argument("--seed", type=int, default=defaults.seed)
-    sim.add_argument(
-        "--first-token-ms",
-        type=float,
-        default=defaults.first_token_ms,
-        help="time before the first token (queueing plus prefill)",
-    )
-    sim.add_argument(
-        "--prefill-ms-per-token",
-        type=float,
-        default=0.0,
-        help="extra time before the first token per prompt word",
-    )
-    sim.add_argument(
-        "--fail-after",
-        type=int,
-        default=None,
-        help="fault injection for client tests: fail after N tokens (0: at once)",
-    )
-    parser.add_argument("--log-level", default="WARNING")
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from replystream.server import create_app, serve_forever
-
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    text = args.reply_text if args.tokens is None else reply_of_length(args.reply_text, args.tokens)
-    try:
-        config = SimulatedConfig(
-            reply_text=text,
-            delay_ms=args.delay_ms,
-            jitter_ms=args.jitter_ms,
-            seed=args.seed,
-            first_token_ms=args.first_token_ms,
-            prefill_ms_per_token=args.prefill_ms_per_token,
-            fail_after=args.fail_after,
-        )
-    except ValueError as exc:
-        print(f"replystream serve: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(serve_forever(create_app(SimulatedEngine(config)), args.host, args.port))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="replystream", description=__doc__)
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="replystream", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"replystream {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the reply server")
-    _add_serve_arguments(serve)
-    serve.set_defaults(run=_run_serve)
-    lab = commands.add_parser("lab", help="measure stream vs wait over real HTTP")
-    lab_command.add_arguments(lab)
-    lab.set_defaults(run=lab_command.run)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv or () if not a.startswith("-")), None)
+    for name, module_name, help_text in COMMANDS:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    import sys
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(args_in).parse_args(args_in)
     code: int = args.run(args)
     return code
