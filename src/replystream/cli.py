@@ -16,6 +16,7 @@ from replystream import __version__
 COMMANDS: list[tuple[str, str, str]] = [
     ("serve", "replystream.server.command", "run the reply server"),
     ("lab", "replystream.lab.command", "measure stream vs wait over real HTTP"),
+    ("kv", "replystream.lab.kvcalc", "size the KV cache: bytes per token, fit, decode-step floor"),
 ]
 
 

@@ -1,0 +1,240 @@
+"""``replystream kv``: how much KV cache a model needs, how many sequences fit, and what a decode
+step must read from memory.
+
+This file decides the arithmetic (the reference article's formula, exactly, in integer bytes)
+and the published shapes of a few well-known models. It must not know about servers, clients or
+any real allocator: block rounding, activations and fragmentation are outside the formula.
+
+    KV bytes = 2 (K and V) x layers x cached tokens x KV heads x head dim x bytes per element
+
+A sliding-window model caches at most ``window`` tokens per sequence. A decode step at batch B
+reads every weight once plus each active sequence's cache, so memory bandwidth bounds it below:
+``(weights + B x cache per sequence) / bandwidth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Bits per cached element: int4 packs two elements per byte.
+DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
+
+GIB = 1 << 30
+GB = 10**9
+TB = 10**12
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The attention shape that sizes the cache, as published in the model's ``config.json``."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    context: int  # max_position_embeddings
+    params_b: float  # total parameters, billions (weights in bf16 = 2 bytes each)
+    sliding_window: int | None = None
+
+
+# head_dim = hidden_size / num_attention_heads in each config.
+PRESETS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        # hidden 4096, 32 query heads, 8 KV heads (GQA)
+        ModelShape("llama-3-8b", 32, 8, 128, 8192, 8.03),
+        # hidden 8192, 64 query heads, 8 KV heads (GQA)
+        ModelShape("llama-3-70b", 80, 8, 128, 8192, 70.55),
+        # hidden 4096, 32 query heads, 32 KV heads: full multi-head attention, 4x the cache
+        ModelShape("llama-2-7b", 32, 32, 128, 4096, 6.74),
+        # hidden 4096, 32 query heads, 8 KV heads, every layer windowed to 4,096 tokens
+        ModelShape("mistral-7b-v0.1", 32, 8, 128, 32768, 7.24, sliding_window=4096),
+        # hidden 3584, 28 query heads, 4 KV heads (use_sliding_window is false)
+        ModelShape("qwen2-7b", 28, 4, 128, 32768, 7.62),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuery:
+    """What to size. Memory in GiB (2^30 bytes); weights in GB (10^9); bandwidth in TB/s."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    dtype: str = "bf16"
+    sliding_window: int | None = None
+    memory_gib: float | None = None
+    weights_gb: float | None = None
+    bandwidth_tbs: float | None = None
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim", "tokens", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.dtype not in DTYPE_BITS:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BITS)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError("sliding_window must be at least 1")
+        for name in ("memory_gib", "weights_gb", "bandwidth_tbs"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive")
+
+
+def kv_sizes(query: KVQuery) -> dict[str, Any]:
+    """Every derived number for ``query`` (the ``--json`` contract)."""
+    bits = DTYPE_BITS[query.dtype]
+    bytes_per_token = 2 * query.layers * query.kv_heads * query.head_dim * bits // 8
+    cached = query.tokens
+    if query.sliding_window is not None:
+        cached = min(cached, query.sliding_window)
+    per_sequence = bytes_per_token * cached
+    out: dict[str, Any] = {
+        "inputs": asdict(query),
+        "bytes_per_element": bits / 8,
+        "bytes_per_token": bytes_per_token,
+        "cached_tokens_per_sequence": cached,
+        "bytes_per_sequence": per_sequence,
+    }
+    if query.memory_gib is not None:
+        memory = query.memory_gib * GIB
+        out["memory_bytes"] = memory
+        out["sequences_that_fit"] = int(memory // per_sequence)
+        out["tokens_that_fit"] = int(memory // bytes_per_token)
+    if query.bandwidth_tbs is not None:
+        bandwidth = query.bandwidth_tbs * TB
+        weights = (query.weights_gb or 0.0) * GB
+        batch_cache = query.batch * per_sequence
+        step_s = (weights + batch_cache) / bandwidth
+        out["decode_step"] = {
+            "batch": query.batch,
+            "weights_bytes": weights,
+            "batch_cache_bytes": batch_cache,
+            "bytes_read_per_step": weights + batch_cache,
+            "weights_only_floor_ms": weights / bandwidth * 1000,
+            "step_floor_ms": step_s * 1000,
+            "tokens_per_s_ceiling": query.batch / step_s,
+        }
+    return out
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the value at least 1 (``128 KiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if value == int(value) else f"{value:,.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def render(result: dict[str, Any]) -> str:
+    """The human-readable report of ``kv_sizes``."""
+    q = result["inputs"]
+    formula = (
+        f"2 x {q['layers']} layers x {q['kv_heads']} KV heads x {q['head_dim']} dim"
+        f" x {result['bytes_per_element']:g} B ({q['dtype']})"
+    )
+    lines = [
+        f"per token:     {formula} = {result['bytes_per_token']:,} B"
+        f" = {format_bytes(result['bytes_per_token'])}",
+    ]
+    cached = result["cached_tokens_per_sequence"]
+    window = f" (window caps {q['tokens']:,} at {cached:,})" if cached < q["tokens"] else ""
+    lines.append(
+        f"per sequence:  {cached:,} tokens{window} = {result['bytes_per_sequence']:,} B"
+        f" = {format_bytes(result['bytes_per_sequence'])}"
+    )
+    if "sequences_that_fit" in result:
+        lines.append(
+            f"in {q['memory_gib']:g} GiB:     {result['sequences_that_fit']:,} full-length"
+            f" sequences ({result['tokens_that_fit']:,} tokens), before weights, activations"
+            " and fragmentation"
+        )
+    step = result.get("decode_step")
+    if step is not None:
+        lines.append(
+            f"decode step:   ({step['weights_bytes'] / GB:,.2f} GB weights"
+            f" + {step['batch']} x {format_bytes(result['bytes_per_sequence'])}"
+            f" = {step['batch_cache_bytes'] / GB:,.2f} GB cache)"
+            f" / {q['bandwidth_tbs']:g} TB/s >= {step['step_floor_ms']:,.2f} ms"
+            f" (weights alone: {step['weights_only_floor_ms']:,.2f} ms);"
+            f" at most {step['tokens_per_s_ceiling']:,.0f} tokens/s"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        help="take layers, KV heads, head dim, window, context and weights (bf16) from a preset",
+    )
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--head-dim", type=int)
+    parser.add_argument("--tokens", type=int, help="tokens per sequence (preset: its context)")
+    parser.add_argument("--dtype", choices=list(DTYPE_BITS), default="bf16", help="cache elements")
+    parser.add_argument("--window", type=int, help="sliding window: tokens cached per sequence")
+    parser.add_argument("--memory-gib", type=float, help="memory left for the cache, GiB")
+    parser.add_argument("--weights-gb", type=float, help="weight bytes read per step, GB")
+    parser.add_argument("--bandwidth-tbs", type=float, help="memory bandwidth, TB/s")
+    parser.add_argument("--batch", type=int, default=1, help="full-length sequences per step")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _shape_value(given: int | None, preset: ModelShape | None, field: str) -> int:
+    if given is not None:
+        return given
+    if preset is None:
+        raise ValueError(f"give --model or --{field.replace('_', '-')}")
+    value: int = getattr(preset, "context" if field == "tokens" else field)
+    return value
+
+
+def query_from_args(args: argparse.Namespace) -> KVQuery:
+    """Explicit options win over the preset's values."""
+    preset = PRESETS[args.model] if args.model else None
+    weights = args.weights_gb
+    if weights is None and preset is not None and args.bandwidth_tbs is not None:
+        weights = preset.params_b * 2
+    window = args.window
+    if window is None and preset is not None:
+        window = preset.sliding_window
+    return KVQuery(
+        layers=_shape_value(args.layers, preset, "layers"),
+        kv_heads=_shape_value(args.kv_heads, preset, "kv_heads"),
+        head_dim=_shape_value(args.head_dim, preset, "head_dim"),
+        tokens=_shape_value(args.tokens, preset, "tokens"),
+        dtype=args.dtype,
+        sliding_window=window,
+        memory_gib=args.memory_gib,
+        weights_gb=weights,
+        bandwidth_tbs=args.bandwidth_tbs,
+        batch=args.batch,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        query = query_from_args(args)
+    except ValueError as exc:
+        print(f"replystream kv: {exc}", file=sys.stderr)
+        return 2
+    result = kv_sizes(query)
+    if args.model:
+        result["model"] = asdict(PRESETS[args.model])
+    if args.json:
+        print(json.dumps(result))
+    else:
+        if args.model:
+            print(f"model: {args.model} (published shape; weights assume bf16 when not given)")
+        print(render(result))
+    return 0

@@ -1,0 +1,103 @@
+"""``replystream kv`` reproduces every worked number of the reference article exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from replystream.cli import main
+from replystream.lab.kvcalc import PRESETS, KVQuery, format_bytes, kv_sizes
+
+ARTICLE = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bf16"]
+
+
+def kv_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["kv", *args, "--json"]) == 0
+    result: dict[str, object] = json.loads(capsys.readouterr().out)
+    return result
+
+
+def test_article_bytes_per_token_is_128_kib(capsys):
+    result = kv_json(capsys, *ARTICLE, "--tokens", "4096")
+    assert result["bytes_per_token"] == 131_072
+    assert format_bytes(131_072) == "128 KiB"
+
+
+def test_article_4096_token_sequence_is_512_mib(capsys):
+    result = kv_json(capsys, *ARTICLE, "--tokens", "4096")
+    assert result["bytes_per_sequence"] == 536_870_912
+    assert format_bytes(536_870_912) == "512 MiB"
+
+
+def test_article_128_sequences_fit_in_64_gib(capsys):
+    result = kv_json(capsys, *ARTICLE, "--tokens", "4096", "--memory-gib", "64")
+    assert result["sequences_that_fit"] == 128
+
+
+def test_article_decode_step_25_ms_against_8_ms_for_weights_alone(capsys):
+    result = kv_json(
+        capsys,
+        *ARTICLE,
+        "--tokens",
+        "4096",
+        "--weights-gb",
+        "16",
+        "--bandwidth-tbs",
+        "2",
+        "--batch",
+        "64",
+    )
+    step = result["decode_step"]
+    assert isinstance(step, dict)
+    assert step["batch_cache_bytes"] == 32 * 2**30  # 32 GiB, about 34.4 GB
+    assert round(step["batch_cache_bytes"] / 1e9, 1) == 34.4
+    assert round(step["step_floor_ms"]) == 25
+    assert step["weights_only_floor_ms"] == pytest.approx(8.0)
+
+
+def test_article_practice_2048_tokens_is_256_mib_and_128_fit_in_32_gib(capsys):
+    result = kv_json(capsys, *ARTICLE, "--tokens", "2048", "--memory-gib", "32")
+    assert result["bytes_per_sequence"] == 268_435_456
+    assert format_bytes(268_435_456) == "256 MiB"
+    assert result["sequences_that_fit"] == 128
+
+
+def test_human_report_prints_the_article_numbers(capsys):
+    args = [*ARTICLE, "--tokens", "4096", "--memory-gib", "64"]
+    args += ["--weights-gb", "16", "--bandwidth-tbs", "2", "--batch", "64"]
+    assert main(["kv", *args]) == 0
+    out = capsys.readouterr().out
+    for text in ("131,072 B = 128 KiB", "536,870,912 B = 512 MiB", "128 full-length", "25.18 ms"):
+        assert text in out
+    assert "weights alone: 8.00 ms" in out
+
+
+def test_sliding_window_caps_the_cache_per_sequence():
+    full = kv_sizes(KVQuery(layers=32, kv_heads=8, head_dim=128, tokens=32768))
+    windowed = kv_sizes(
+        KVQuery(layers=32, kv_heads=8, head_dim=128, tokens=32768, sliding_window=4096)
+    )
+    assert windowed["bytes_per_sequence"] == full["bytes_per_sequence"] // 8
+
+
+@pytest.mark.parametrize(
+    ("dtype", "per_token"), [("fp32", 262_144), ("fp8", 65_536), ("int4", 32_768)]
+)
+def test_bytes_per_element_follows_the_cache_dtype(dtype, per_token):
+    result = kv_sizes(KVQuery(layers=32, kv_heads=8, head_dim=128, tokens=1, dtype=dtype))
+    assert result["bytes_per_token"] == per_token
+
+
+def test_presets_carry_the_published_shapes(capsys):
+    assert (PRESETS["llama-3-8b"].layers, PRESETS["llama-3-8b"].kv_heads) == (32, 8)
+    assert (PRESETS["llama-3-70b"].layers, PRESETS["llama-3-70b"].kv_heads) == (80, 8)
+    assert PRESETS["mistral-7b-v0.1"].sliding_window == 4096
+    assert (PRESETS["qwen2-7b"].layers, PRESETS["qwen2-7b"].kv_heads) == (28, 4)
+    result = kv_json(capsys, "--model", "llama-3-8b", "--tokens", "4096")
+    assert result["bytes_per_sequence"] == 536_870_912  # the article's shape is Llama-3-8B's
+
+
+def test_missing_shape_is_a_usage_error(capsys):
+    assert main(["kv", "--layers", "32", "--tokens", "10"]) == 2
+    assert "--kv-heads" in capsys.readouterr().err
