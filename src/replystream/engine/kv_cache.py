@@ -1,0 +1,192 @@
+"""Paged KV cache: fixed-size blocks in one preallocated pool, a block table per sequence.
+
+This file decides where a sequence's keys and values live. ``BlockAllocator`` is the
+bookkeeping alone (free list, block tables, token counts; no arrays), so the scheduler can plan
+with it and be tested without a model. ``PagedKVCache`` adds the pool itself: per layer one
+(num_blocks, block_size, kv heads, head dim) array for K and one for V, allocated once.
+A sequence's blocks return to the free list the moment ``free`` is called (finished,
+cancelled or preempted). ``ContiguousKVCache`` keeps each sequence in one contiguous array; it
+is the reference the paged cache is tested against. This file must not know about models,
+requests or time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+F32 = NDArray[np.float32]
+
+
+class OutOfBlocks(Exception):
+    """The pool has too few free blocks for the requested growth."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """Occupancy of the block pool.
+
+    Attributes:
+        wasted_tokens: slots reserved in sequences' last, partly filled blocks but unused.
+        wasted_bytes: ``wasted_tokens`` times the K and V bytes of one token (all layers).
+    """
+
+    block_size: int
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    sequences: int
+    live_tokens: int
+    wasted_tokens: int
+    bytes_per_token: int
+    wasted_bytes: int
+
+    @property
+    def live_bytes(self) -> int:
+        return self.live_tokens * self.bytes_per_token
+
+    @property
+    def wasted_fraction(self) -> float:
+        """Share of the reserved slots that hold no token (0 when nothing is reserved)."""
+        reserved = self.used_blocks * self.block_size
+        return self.wasted_tokens / reserved if reserved else 0.0
+
+
+class BlockAllocator:
+    """Free list and block tables of a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, bytes_per_token: int = 0) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("need at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, seq_id: int, length: int) -> int:
+        """Extra blocks ``seq_id`` needs to hold ``length`` tokens."""
+        return max(0, self.blocks_for(length) - len(self._tables.get(seq_id, ())))
+
+    def can_hold(self, seq_id: int, length: int) -> bool:
+        return self.blocks_needed(seq_id, length) <= len(self._free)
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Grow ``seq_id``'s table to hold ``length`` tokens (never shrinks).
+
+        Raises:
+            OutOfBlocks: fewer free blocks than needed; nothing is changed.
+        """
+        need = self.blocks_needed(seq_id, length)
+        if need > len(self._free):
+            raise OutOfBlocks(f"sequence {seq_id} needs {need} blocks, {len(self._free)} free")
+        table = self._tables.setdefault(seq_id, [])
+        table.extend(self._free.pop() for _ in range(need))
+        self._lengths[seq_id] = max(self._lengths.get(seq_id, 0), length)
+
+    def free(self, seq_id: int) -> int:
+        """Return every block of ``seq_id`` to the pool; how many were freed (0 if none)."""
+        table = self._tables.pop(seq_id, [])
+        self._lengths.pop(seq_id, None)
+        self._free.extend(reversed(table))
+        return len(table)
+
+    def table(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self._tables.get(seq_id, ()))
+
+    def length(self, seq_id: int) -> int:
+        return self._lengths.get(seq_id, 0)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tables
+
+    def stats(self) -> KVCacheStats:
+        used = self.num_blocks - len(self._free)
+        live = sum(self._lengths.values())
+        wasted = used * self.block_size - live
+        return KVCacheStats(
+            block_size=self.block_size,
+            total_blocks=self.num_blocks,
+            used_blocks=used,
+            free_blocks=len(self._free),
+            sequences=len(self._tables),
+            live_tokens=live,
+            wasted_tokens=wasted,
+            bytes_per_token=self.bytes_per_token,
+            wasted_bytes=wasted * self.bytes_per_token,
+        )
+
+
+class PagedKVCache:
+    """The block pool's K and V arrays, addressed through a ``BlockAllocator``'s tables."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+    ) -> None:
+        shape = (n_layers, num_blocks, block_size, kv_heads, head_dim)
+        self._k = np.zeros(shape, np.float32)  # (layers, blocks, block size, kv heads, head dim)
+        self._v = np.zeros(shape, np.float32)
+        bytes_per_token = 2 * n_layers * kv_heads * head_dim * self._k.itemsize
+        self.allocator = BlockAllocator(num_blocks, block_size, bytes_per_token)
+        self.block_size = block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes
+
+    def write(self, layer: int, seq_id: int, start: int, k: F32, v: F32) -> None:
+        pos = np.arange(start, start + k.shape[0])  # (T,)
+        table = np.asarray(self.allocator.table(seq_id))
+        if pos[-1] >= len(table) * self.block_size:
+            raise OutOfBlocks(f"sequence {seq_id} has no block reserved for position {pos[-1]}")
+        blocks, offsets = table[pos // self.block_size], pos % self.block_size  # (T,), (T,)
+        self._k[layer, blocks, offsets] = k  # k: (T, kv heads, head dim)
+        self._v[layer, blocks, offsets] = v
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[F32, F32]:
+        blocks = list(self.allocator.table(seq_id)[: -(-length // self.block_size)])
+        KV, D = self._k.shape[3:]
+        k = self._k[layer, blocks].reshape(-1, KV, D)[:length]  # (length, kv heads, head dim)
+        v = self._v[layer, blocks].reshape(-1, KV, D)[:length]
+        return k, v
+
+    def stats(self) -> KVCacheStats:
+        return self.allocator.stats()
+
+
+class ContiguousKVCache:
+    """One (layers, context, kv heads, head dim) array per sequence: the simple reference."""
+
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, context: int) -> None:
+        self._shape = (n_layers, context, kv_heads, head_dim)
+        self._k: dict[int, F32] = {}
+        self._v: dict[int, F32] = {}
+
+    def write(self, layer: int, seq_id: int, start: int, k: F32, v: F32) -> None:
+        if seq_id not in self._k:
+            self._k[seq_id] = np.zeros(self._shape, np.float32)
+            self._v[seq_id] = np.zeros(self._shape, np.float32)
+        self._k[seq_id][layer, start : start + k.shape[0]] = k
+        self._v[seq_id][layer, start : start + v.shape[0]] = v
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[F32, F32]:
+        return self._k[seq_id][layer, :length], self._v[seq_id][layer, :length]
+
+    def free(self, seq_id: int) -> None:
+        self._k.pop(seq_id, None)
+        self._v.pop(seq_id, None)

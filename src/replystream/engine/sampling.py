@@ -1,0 +1,109 @@
+"""Picking the next token from logits, and cutting a reply at a stop sequence.
+
+This file decides how logits become one token id: greedy at temperature 0, otherwise
+softmax(logits / temperature) computed stably (the max is subtracted before ``exp``), narrowed
+by top-k and then top-p (the smallest set of tokens whose probabilities reach p), and drawn
+with the request's own seeded generator, so the same seed gives the same reply. It also decides
+how much generated text may be shown while a stop sequence could still be forming. It must not
+know about models, caches, batches or time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.typing import NDArray
+
+from replystream.engine.base import RequestRejected, SamplingParams
+
+MAX_STOP_SEQUENCES = 4
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """Refuse sampling values no sampler can honour.
+
+    Raises:
+        RequestRejected: naming the offending field in ``param``.
+    """
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise RequestRejected("temperature must be a finite number >= 0", param="temperature")
+    if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
+        raise RequestRejected("top_p must be in (0, 1]", param="top_p")
+    if params.top_k < 0:
+        raise RequestRejected("top_k must be >= 0 (0 keeps every token)", param="top_k")
+    if len(params.stop) > MAX_STOP_SEQUENCES or any(not s for s in params.stop):
+        raise RequestRejected(
+            f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop"
+        )
+
+
+def probabilities(logits: NDArray[np.floating], temperature: float = 1.0) -> NDArray[np.float64]:
+    """softmax(logits / temperature); subtracting the max keeps ``exp`` from overflowing."""
+    z = logits.astype(np.float64) / temperature  # (vocab,)
+    z -= z.max()
+    e = np.exp(z)
+    return e / e.sum()  # type: ignore[no-any-return]
+
+
+def filtered_probabilities(
+    logits: NDArray[np.float32], params: SamplingParams
+) -> NDArray[np.float64]:
+    """The distribution a token is drawn from: temperature, then top-k, then top-p."""
+    z = logits.astype(np.float64)  # (vocab,)
+    if 0 < params.top_k < z.size:
+        kth = np.partition(z, -params.top_k)[-params.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    p = probabilities(z, params.temperature)  # (vocab,)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")  # most likely first
+        before = np.cumsum(p[order]) - p[order]  # mass of the tokens ranked above each one
+        drop = order[before >= params.top_p]  # the set above already reached top_p
+        p[drop] = 0.0
+        p /= p.sum()
+    return p
+
+
+def sample_token(
+    logits: NDArray[np.float32], params: SamplingParams, rng: np.random.Generator
+) -> int:
+    """One token id from ``logits`` (vocab,); greedy when ``temperature == 0``."""
+    if params.temperature == 0:
+        return int(np.argmax(logits))
+    p = filtered_probabilities(logits, params)
+    # One uniform draw per token, inverted through the cumulative distribution.
+    index = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
+    return min(index, p.size - 1)
+
+
+class StopMatcher:
+    """Holds back text that might begin a stop sequence; reports when one is complete."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Text that is safe to show now; sets ``stopped`` when a stop sequence appears."""
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buffer[: min(hits)]  # the stop sequence itself is not part of the reply
+        keep = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(buffer)), keep, -1):
+                if buffer.endswith(stop[:n]):
+                    keep = n
+                    break
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        """The held text, at the end of a reply that did not stop on a sequence."""
+        held, self._held = self._held, ""
+        return held

@@ -1,0 +1,250 @@
+"""Continuous batching as pure state: which tokens of which sequences run in the next step.
+
+This file decides, step by step, how a token budget is spent and who holds KV blocks:
+1. Running sequences go first, oldest first: a decoding sequence costs 1 token, a sequence
+   still in prefill gets its next chunk (what is left of the budget, so a long prompt is
+   prefilled over several steps instead of stalling every running stream for one long step).
+2. When a running sequence needs a block and none is free, the newest running sequence is
+   preempted: its blocks are freed and it goes back to the front of the queue, to be
+   recomputed (prompt plus the tokens it already made) when blocks allow.
+3. Then waiting sequences are admitted in arrival order while budget, ``max_running`` and free
+   blocks allow (none are admitted in a step that had to preempt).
+4. ``abort`` and ``finish`` free a sequence's blocks at once.
+``schedule()`` returns a frozen ``Batch``; ``record()`` takes the sampled tokens back. It must
+not know about models, clocks, threads or asyncio.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from replystream.engine.kv_cache import BlockAllocator, KVCacheStats
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step."""
+
+    token_budget: int = 128
+    max_running: int = 32
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.max_running < 1:
+            raise ValueError("token_budget and max_running must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens of one sequence to run, the first at position ``start``.
+
+    ``samples`` is true when the chunk reaches the sequence's last known token, so the step
+    must sample the next one (a decode step, or the last chunk of a prefill).
+    """
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    start: int
+    samples: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's work, and the sequences preempted while planning it."""
+
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A sequence that ended in ``record``: it made its last allowed token."""
+
+    seq_id: int
+    reason: str = "length"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Queue and pool state as data."""
+
+    waiting: int
+    running: int
+    steps: int
+    preemptions: int
+    finished: int
+    aborted: int
+    kv: KVCacheStats
+
+
+@dataclass(slots=True, eq=False)  # compared by identity
+class _Sequence:
+    seq_id: int
+    tokens: list[int]  # prompt, then every token made so far
+    max_new: int
+    prompt_len: int
+    computed: int = 0  # tokens whose keys and values are in the cache
+
+    @property
+    def made(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Scheduler:
+    """Plans steps over a ``BlockAllocator``; owns each sequence's tokens for recompute."""
+
+    def __init__(self, allocator: BlockAllocator, config: SchedulerConfig | None = None) -> None:
+        self.allocator = allocator
+        self.config = config or SchedulerConfig()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # admission order: the last is the newest
+        self._by_id: dict[int, _Sequence] = {}
+        self._steps = 0
+        self._preemptions = 0
+        self._finished = 0
+        self._aborted = 0
+
+    def blocks_to_finish(self, prompt_len: int, max_new: int) -> int:
+        """Blocks a sequence holds at most (the last token made is never run)."""
+        return self.allocator.blocks_for(prompt_len + max_new - 1)
+
+    def add(self, seq_id: int, prompt: Sequence[int], max_new: int) -> None:
+        """Queue a sequence.
+
+        Raises:
+            ValueError: an empty prompt, a reused id, or a sequence the whole pool cannot hold.
+        """
+        if not prompt or max_new < 1:
+            raise ValueError("need a non-empty prompt and max_new >= 1")
+        if self._find(seq_id) is not None:
+            raise ValueError(f"sequence {seq_id} is already scheduled")
+        if self.blocks_to_finish(len(prompt), max_new) > self.allocator.num_blocks:
+            raise ValueError("the sequence needs more blocks than the pool has")
+        seq = _Sequence(seq_id, list(prompt), max_new, len(prompt))
+        self._by_id[seq_id] = seq
+        self._waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def schedule(self) -> Batch:
+        """Plan the next step (may preempt; reserves the blocks the chunks need)."""
+        budget = self.config.token_budget
+        chunks: list[ScheduledChunk] = []
+        preempted: list[int] = []
+        index = 0
+        while index < len(self._running) and budget > 0:
+            seq = self._running[index]
+            n = min(len(seq.tokens) - seq.computed, budget)
+            while not self.allocator.can_hold(seq.seq_id, seq.computed + n):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if preempted and preempted[-1] == seq.seq_id:
+                break  # it was the newest: nothing after it is running any more
+            chunks.append(self._take(seq, n))
+            budget -= n
+            index += 1
+        while (
+            not preempted
+            and self._waiting
+            and budget > 0
+            and len(self._running) < self.config.max_running
+        ):
+            seq = self._waiting[0]
+            n = min(len(seq.tokens) - seq.computed, budget)
+            if not self.allocator.can_hold(seq.seq_id, seq.computed + n):
+                break
+            self._running.append(self._waiting.popleft())
+            chunks.append(self._take(seq, n))
+            budget -= n
+        self._steps += 1
+        return Batch(self._steps, tuple(chunks), tuple(preempted))
+
+    def _take(self, seq: _Sequence, n: int) -> ScheduledChunk:
+        end = seq.computed + n
+        self.allocator.reserve(seq.seq_id, end)
+        return ScheduledChunk(
+            seq.seq_id, tuple(seq.tokens[seq.computed : end]), seq.computed, end == len(seq.tokens)
+        )
+
+    def _preempt(self, seq: _Sequence) -> None:
+        self._running.remove(seq)
+        self.allocator.free(seq.seq_id)
+        seq.computed = 0
+        self._waiting.appendleft(seq)
+        self._preemptions += 1
+
+    def record(self, batch: Batch, sampled: Mapping[int, int]) -> tuple[Finished, ...]:
+        """Take a step's results: chunks are now cached, sampled tokens appended.
+
+        Sequences aborted since ``schedule`` are skipped. A sequence that made ``max_new``
+        tokens finishes here and frees its blocks.
+        """
+        finished: list[Finished] = []
+        for chunk in batch.chunks:
+            seq = self._find(chunk.seq_id)
+            if seq is None or seq not in self._running or seq.computed != chunk.start:
+                continue
+            seq.computed += len(chunk.tokens)
+            if chunk.samples:
+                seq.tokens.append(sampled[chunk.seq_id])
+                if seq.made >= seq.max_new:
+                    self._release(seq)
+                    self._finished += 1
+                    finished.append(Finished(seq.seq_id))
+        return tuple(finished)
+
+    def finish(self, seq_id: int) -> bool:
+        """End a sequence early (a stop sequence); frees its blocks. False if unknown."""
+        seq = self._find(seq_id)
+        if seq is None:
+            return False
+        self._release(seq)
+        self._finished += 1
+        return True
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a sequence (cancelled); frees its blocks at once. False if unknown."""
+        seq = self._find(seq_id)
+        if seq is None:
+            return False
+        self._release(seq)
+        self._aborted += 1
+        return True
+
+    def _release(self, seq: _Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        del self._by_id[seq.seq_id]
+        self.allocator.free(seq.seq_id)
+
+    def _find(self, seq_id: int) -> _Sequence | None:
+        return self._by_id.get(seq_id)
+
+    def running_ids(self) -> tuple[int, ...]:
+        return tuple(s.seq_id for s in self._running)
+
+    def waiting_ids(self) -> tuple[int, ...]:
+        return tuple(s.seq_id for s in self._waiting)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            waiting=len(self._waiting),
+            running=len(self._running),
+            steps=self._steps,
+            preemptions=self._preemptions,
+            finished=self._finished,
+            aborted=self._aborted,
+            kv=self.allocator.stats(),
+        )
