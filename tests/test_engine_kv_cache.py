@@ -1,0 +1,74 @@
+"""The paged KV cache: block accounting, waste, and reads equal to a contiguous cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replystream.engine.kv_cache import (
+    BlockAllocator,
+    ContiguousKVCache,
+    OutOfBlocks,
+    PagedKVCache,
+)
+
+
+def test_reserve_grows_by_whole_blocks_and_free_returns_them() -> None:
+    a = BlockAllocator(num_blocks=6, block_size=16, bytes_per_token=100)
+    a.reserve(1, 17)
+    a.reserve(2, 16)
+    assert len(a.table(1)) == 2 and len(a.table(2)) == 1
+    stats = a.stats()
+    assert (stats.used_blocks, stats.free_blocks, stats.live_tokens) == (3, 3, 33)
+    assert stats.wasted_tokens == 15  # sequence 1's second block holds 1 of 16
+    assert stats.wasted_bytes == 1500
+    assert stats.wasted_fraction == pytest.approx(15 / 48)
+    assert a.free(1) == 2
+    assert a.stats().used_blocks == 1 and 1 not in a
+
+
+def test_reserve_that_does_not_fit_changes_nothing() -> None:
+    a = BlockAllocator(num_blocks=2, block_size=4)
+    a.reserve(1, 4)
+    with pytest.raises(OutOfBlocks):
+        a.reserve(2, 9)
+    assert a.table(2) == () and a.free_blocks == 1
+
+
+def test_bytes_per_token_counts_k_and_v_of_every_layer() -> None:
+    cache = PagedKVCache(n_layers=4, kv_heads=2, head_dim=32, num_blocks=8, block_size=16)
+    assert cache.allocator.bytes_per_token == 2 * 4 * 2 * 32 * 4  # K and V, float32
+    assert cache.pool_bytes == 8 * 16 * cache.allocator.bytes_per_token
+
+
+def test_paged_cache_reads_what_a_contiguous_cache_reads() -> None:
+    rng = np.random.default_rng(0)
+    paged = PagedKVCache(n_layers=2, kv_heads=2, head_dim=8, num_blocks=32, block_size=4)
+    flat = ContiguousKVCache(n_layers=2, kv_heads=2, head_dim=8, context=64)
+    lengths = {0: 0, 1: 0, 2: 0}
+    for _ in range(40):  # interleaved appends of random sizes, as a batch would make
+        seq = int(rng.integers(3))
+        n = int(rng.integers(1, 6))
+        start = lengths[seq]
+        paged.allocator.reserve(seq, start + n)
+        for layer in range(2):
+            k = rng.standard_normal((n, 2, 8)).astype(np.float32)
+            v = rng.standard_normal((n, 2, 8)).astype(np.float32)
+            paged.write(layer, seq, start, k, v)
+            flat.write(layer, seq, start, k, v)
+        lengths[seq] = start + n
+    interleaved = [b for seq in lengths for b in paged.allocator.table(seq)]
+    assert interleaved != sorted(interleaved)  # the sequences' blocks are not contiguous
+    for seq, length in lengths.items():
+        for layer in range(2):
+            pk, pv = paged.read(layer, seq, length)
+            ck, cv = flat.read(layer, seq, length)
+            np.testing.assert_array_equal(pk, ck)
+            np.testing.assert_array_equal(pv, cv)
+
+
+def test_write_past_the_reserved_blocks_is_refused() -> None:
+    cache = PagedKVCache(n_layers=1, kv_heads=1, head_dim=2, num_blocks=4, block_size=4)
+    cache.allocator.reserve(0, 4)
+    with pytest.raises(OutOfBlocks):
+        cache.write(0, 0, 3, np.zeros((2, 1, 2), np.float32), np.zeros((2, 1, 2), np.float32))

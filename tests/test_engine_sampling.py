@@ -1,0 +1,103 @@
+"""Sampling: stable probabilities, greedy, top-k, top-p, seeds; stop sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replystream.engine.base import RequestRejected, SamplingParams
+from replystream.engine.sampling import (
+    StopMatcher,
+    check_sampling,
+    filtered_probabilities,
+    probabilities,
+    sample_token,
+)
+
+
+def test_probabilities_survive_huge_logits() -> None:
+    p = probabilities(np.array([1000.0, 999.0, -1000.0], np.float32))
+    assert np.all(np.isfinite(p))
+    assert p.sum() == pytest.approx(1.0)
+    assert p[0] / p[1] == pytest.approx(np.e, rel=1e-6)
+
+
+def test_temperature_zero_is_greedy() -> None:
+    logits = np.array([0.1, 3.0, 2.9], np.float32)
+    rng = np.random.default_rng(0)
+    picks = {sample_token(logits, SamplingParams(temperature=0), rng) for _ in range(20)}
+    assert picks == {1}
+
+
+def test_top_k_keeps_only_the_k_best() -> None:
+    logits = np.array([1.0, 4.0, 3.0, 2.0], np.float32)
+    p = filtered_probabilities(logits, SamplingParams(top_k=2))
+    assert set(np.flatnonzero(p)) == {1, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    p = filtered_probabilities(logits, SamplingParams(top_p=0.8))
+    assert set(np.flatnonzero(p)) == {0, 1}  # 0.5 + 0.3 reaches 0.8
+    p = filtered_probabilities(logits, SamplingParams(top_p=0.81))
+    assert set(np.flatnonzero(p)) == {0, 1, 2}
+    assert p.sum() == pytest.approx(1.0)
+
+
+def test_same_seed_same_draws() -> None:
+    logits = np.random.default_rng(1).standard_normal(500).astype(np.float32)
+    params = SamplingParams(temperature=1.0)
+
+    def draws(seed: int) -> list[int]:
+        rng = np.random.default_rng(seed)
+        return [sample_token(logits, params, rng) for _ in range(30)]
+
+    assert draws(5) == draws(5)
+    assert draws(5) != draws(6)
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = np.log(np.array([0.7, 0.2, 0.1], np.float32))
+    rng = np.random.default_rng(3)
+    counts = np.bincount(
+        [sample_token(logits, SamplingParams(), rng) for _ in range(4000)], minlength=3
+    )
+    np.testing.assert_allclose(counts / 4000, [0.7, 0.2, 0.1], atol=0.03)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(temperature=-0.5), "temperature"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(stop=("",)), "stop"),
+        (SamplingParams(stop=("a", "b", "c", "d", "e")), "stop"),
+    ],
+)
+def test_bad_sampling_values_are_rejected_by_name(params: SamplingParams, field: str) -> None:
+    with pytest.raises(RequestRejected) as caught:
+        check_sampling(params)
+    assert caught.value.param == field
+
+
+def test_stop_sequence_split_across_pieces_is_cut_and_never_shown() -> None:
+    m = StopMatcher(("\n\nThe",))
+    shown = [m.feed(p) for p in ["and so", " it was.\n", "\nTh", "e end"]]
+    assert shown == ["and so", " it was.", "", ""]
+    assert m.stopped
+
+
+def test_text_held_for_a_possible_stop_is_released_when_it_is_not_one() -> None:
+    m = StopMatcher(("END",))
+    assert m.feed("the EN") == "the "
+    assert m.feed("D") == ""  # completes the stop sequence
+    m2 = StopMatcher(("END",))
+    assert m2.feed("the EN") == "the "
+    assert m2.feed("tire") == "ENtire"
+    assert m2.feed(" E") == " "
+    assert m2.flush() == "E"
+    assert not m2.stopped
