@@ -1,0 +1,231 @@
+"""Judge how one reply was delivered: streaming, buffered, bursty, compressed or failed.
+
+This file decides the verdict from the parsed text events of one reply (as the reference
+article advises: time to first byte says nothing, the text events say everything), which hop
+is the likely culprit, and the fix. It is pure: it reads a finished ``ReplyTiming`` and must
+not know how the reply was requested.
+
+The rules, in order:
+1. failed: no complete reply (error status, in-band error, no end marker, timeout), or too few
+   text events to judge;
+2. compressed: the event stream carries a ``Content-Encoding`` (a compressor holds small events);
+3. not an event stream at all: buffered (one JSON body);
+4. events are grouped into bursts, split wherever a gap exceeds ``burst_gap_ms``; when the
+   median gap is above ``burst_gap_ms`` the text arrived spread out: streaming;
+5. otherwise most text arrived together: buffered when one burst holds ``buffered_share`` of the
+   events (all at the end), else bursty (long silences, then buffer-sized bursts).
+A noisy machine can merge a few tokens into one read, which leaves the median gap near the
+token time, so one stall does not turn a stream into a burst.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from replystream.client import ReplyTiming
+from replystream.lab.benchstats import distribution
+from replystream.stats import percentile
+
+Verdict = Literal["streaming", "buffered", "bursty", "compressed", "failed"]
+
+# The response headers that decide whether a hop may hold the body.
+HEADERS = (
+    "content-type",
+    "content-encoding",
+    "cache-control",
+    "x-accel-buffering",
+    "transfer-encoding",
+    "server",
+)
+
+_PAGE_SIZES = (4096, 8192)
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """``burst_gap_ms`` must sit below the generator's time per token."""
+
+    burst_gap_ms: float = 3.0
+    buffered_share: float = 0.9
+    min_events: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Burst:
+    """Text events that arrived within ``burst_gap_ms`` of each other."""
+
+    at_ms: float
+    events: int
+    approx_bytes: int  # events x the reply's mean body bytes per event
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    """The verdict on one reply, with the evidence behind it."""
+
+    url: str
+    verdict: Verdict
+    reason: str
+    hop: str | None
+    fix: str | None
+    status: int | None
+    first_byte_ms: float | None
+    first_chunk_ms: float | None
+    first_text_ms: float | None
+    last_text_ms: float | None
+    events: int
+    tokens: int
+    body_bytes: int
+    median_gap_ms: float | None
+    gaps_ms: dict[str, float | int | None]
+    bursts: list[Burst] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def streams(self) -> bool:
+        return self.verdict == "streaming"
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["burst_sizes"] = [b.events for b in self.bursts]
+        return out
+
+
+def bursts_of(timing: ReplyTiming, burst_gap_ms: float) -> list[Burst]:
+    """Group the text events into bursts separated by gaps above ``burst_gap_ms``."""
+    times = timing.text_event_ms
+    if not times:
+        return []
+    per_event = timing.body_bytes / len(times)
+    sizes = [1]
+    starts = [times[0]]
+    for before, after in itertools.pairwise(times):
+        if after - before > burst_gap_ms:
+            sizes.append(1)
+            starts.append(after)
+        else:
+            sizes[-1] += 1
+    return [Burst(at, n, round(n * per_event)) for at, n in zip(starts, sizes, strict=True)]
+
+
+def diagnose(timing: ReplyTiming, thresholds: Thresholds | None = None) -> Diagnosis:
+    """The verdict on one measured reply."""
+    limits = thresholds or Thresholds()
+    gaps = timing.gaps_ms
+    median_gap = percentile(gaps, 50) if gaps else None
+    bursts = bursts_of(timing, limits.burst_gap_ms)
+    verdict, reason = _verdict(timing, limits, median_gap, bursts)
+    headers = {name: timing.headers[name] for name in HEADERS if name in timing.headers}
+    hop, fix = _hop_and_fix(verdict, headers, bursts)
+    return Diagnosis(
+        url=timing.url,
+        verdict=verdict,
+        reason=reason,
+        hop=hop,
+        fix=fix,
+        status=timing.status,
+        first_byte_ms=timing.headers_ms,
+        first_chunk_ms=timing.first_byte_ms,
+        first_text_ms=timing.first_text_ms,
+        last_text_ms=timing.last_text_ms,
+        events=len(timing.text_event_ms),
+        tokens=timing.tokens,
+        body_bytes=timing.body_bytes,
+        median_gap_ms=median_gap,
+        gaps_ms=distribution(gaps),
+        bursts=bursts,
+        headers=headers,
+    )
+
+
+def _verdict(
+    timing: ReplyTiming, limits: Thresholds, median_gap: float | None, bursts: list[Burst]
+) -> tuple[Verdict, str]:
+    if not timing.complete:
+        return "failed", f"no complete reply: {timing.error}"
+    encoding = timing.headers.get("content-encoding", "identity").strip().lower()
+    if timing.streamed and encoding not in ("", "identity"):
+        return "compressed", f"the event stream arrived with Content-Encoding: {encoding}"
+    if not timing.streamed:
+        kind = timing.headers.get("content-type", "no content type")
+        return "buffered", f"not an event stream ({kind}): the whole reply came as one body"
+    events = len(timing.text_event_ms)
+    if events < limits.min_events or median_gap is None:
+        return "failed", (
+            f"only {events} text events: too few to judge, ask for a longer reply (max_tokens)"
+        )
+    if median_gap > limits.burst_gap_ms:
+        return "streaming", (
+            f"text spread over {events} events, median gap {median_gap:.1f} ms"
+            f" (about one token's time)"
+        )
+    largest = max(b.events for b in bursts)
+    if largest >= limits.buffered_share * events:
+        return "buffered", (
+            f"{largest} of {events} text events arrived together at"
+            f" {max(bursts, key=lambda b: b.events).at_ms:,.1f} ms"
+        )
+    sizes = ", ".join(str(b.events) for b in bursts[:12]) + (" ..." if len(bursts) > 12 else "")
+    return "bursty", (
+        f"median gap {median_gap:.1f} ms: {events} events came in {len(bursts)} bursts"
+        f" after long silences (events per burst: {sizes})"
+    )
+
+
+def _hop_and_fix(
+    verdict: Verdict, headers: dict[str, str], bursts: list[Burst]
+) -> tuple[str | None, str | None]:
+    server = headers.get("server", "").lower()
+    nginx = "nginx" in server
+    if verdict == "compressed":
+        hop = "nginx gzip" if nginx else "a compressing hop (proxy, CDN or app middleware)"
+        return hop, (
+            "do not compress text/event-stream: drop it from gzip_types (nginx) or the "
+            "compressor's type list, or flush the compressor after every event"
+        )
+    if verdict not in ("buffered", "bursty"):
+        return None, None
+    if "text/event-stream" not in headers.get("content-type", ""):
+        return "the server: it answers with one body", "use the streaming endpoint (SSE)"
+    page = _page_sized(bursts)
+    sized = f"; bursts of about {page // 1024} KiB match one proxy buffer" if page else ""
+    if nginx:
+        return f"nginx proxy buffering{sized}", (
+            "proxy_buffering off; in the streaming location (or send X-Accel-Buffering: no "
+            "from the app and do not list it in proxy_ignore_headers)"
+        )
+    return f"a buffering hop between the app and this client{sized}", (
+        "turn off response buffering on that hop (reverse proxy, CDN, load balancer or the "
+        "app framework); compare with --direct to find which"
+    )
+
+
+def _page_sized(bursts: list[Burst]) -> int | None:
+    # All bursts but the last (the remainder) near one buffer size suggest a buffering proxy.
+    full = [b.approx_bytes for b in bursts[:-1]]
+    if not full:
+        return None
+    typical = percentile(full, 50)
+    for size in _PAGE_SIZES:
+        if 0.8 * size <= typical <= 1.1 * size:
+            return size
+    return None
+
+
+def compare(direct: Diagnosis, proxied: Diagnosis) -> str:
+    """Which side of the proxy the trouble is on, from the two paths' verdicts."""
+    if direct.streams and proxied.streams:
+        return "both paths stream: no buffering hop found"
+    if direct.streams:
+        return (
+            f"the app streams but the proxied path is {proxied.verdict}: the hop between "
+            f"them ({proxied.hop or 'the proxy'}) holds the stream"
+        )
+    if direct.verdict == "failed":
+        return f"the direct path failed ({direct.reason}); fix the app first"
+    return (
+        f"the app itself is already {direct.verdict} before any proxy: fix the app "
+        "(or its framework) first"
+    )

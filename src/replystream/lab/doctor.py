@@ -1,0 +1,129 @@
+"""``replystream doctor URL [--direct URL]``: find the hop that stops a reply from streaming.
+
+This file decides the command line, the requests (one streamed reply per path; with
+``--direct``, the app's own URL and the proxied URL are measured at the same time) and how the
+diagnosis is printed. The verdict itself is ``diagnosis.diagnose``. The exit status is 0 only
+when the URL streams, so the command can gate CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from replystream.client import ReplyTiming, measure_reply
+from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
+from replystream.lab.workload import APIS, Api, build_request, detect_api
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Thresholds()
+    parser.add_argument("url", help="the public (proxied) URL of a streaming endpoint")
+    parser.add_argument("--direct", help="the same endpoint straight at the app, to compare")
+    parser.add_argument(
+        "--api", choices=["auto", *APIS], default="auto", help="request shape (auto: URL path)"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help="reply length to ask for; long replies separate the verdicts clearly",
+    )
+    parser.add_argument(
+        "--prompt", help=f"prompt text (default: none for the lab API, else {DEFAULT_PROMPT!r})"
+    )
+    parser.add_argument("--model", default="default", help="model name (openai API)")
+    parser.add_argument(
+        "--burst-gap-ms",
+        type=float,
+        default=defaults.burst_gap_ms,
+        help="events closer than this are one burst; keep it below the time per token",
+    )
+    parser.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+DEFAULT_PROMPT = "Tell me about streaming."
+
+
+async def _measure(url: str, api: Api, args: argparse.Namespace) -> ReplyTiming:
+    prompt = args.prompt
+    if prompt is None:
+        prompt = "" if api == "lab" else DEFAULT_PROMPT
+    spec = build_request(api, url, prompt=prompt, max_tokens=args.max_tokens, model=args.model)
+    return await measure_reply(
+        spec.url, method=spec.method, json_body=spec.json_body, timeout_s=args.timeout
+    )
+
+
+async def examine(args: argparse.Namespace) -> tuple[ReplyTiming, ReplyTiming | None]:
+    """Measure the URL and, if given, the direct URL, both at once."""
+    api: Api = detect_api(args.url) if args.api == "auto" else args.api
+    async with asyncio.TaskGroup() as group:
+        proxied = group.create_task(_measure(args.url, api, args))
+        direct = group.create_task(_measure(args.direct, api, args)) if args.direct else None
+    return proxied.result(), direct.result() if direct else None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f} ms"
+
+
+def describe(d: Diagnosis) -> list[str]:
+    """The human-readable report of one path."""
+    gaps = d.gaps_ms
+    lines = [
+        f"{d.url}",
+        f"  verdict:            {d.verdict.upper()}: {d.reason}",
+        f"  status:             {d.status}",
+        f"  first byte:         {_ms(d.first_byte_ms)} (response head)",
+        f"  first chunk:        {_ms(d.first_chunk_ms)} (first body bytes)",
+        f"  first text:         {_ms(d.first_text_ms)} (first parsed text event)",
+        f"  last text:          {_ms(d.last_text_ms)}",
+        f"  text events:        {d.events} ({d.tokens} tokens, {d.body_bytes:,} body bytes)",
+    ]
+    if gaps["count"]:
+        lines.append(
+            f"  gaps:               p50 {_ms(gaps['p50'])}, p90 {_ms(gaps['p90'])}, "
+            f"p99 {_ms(gaps['p99'])}, max {_ms(gaps['max'])}"
+        )
+    if d.verdict in ("bursty", "buffered"):
+        shown = ", ".join(
+            f"{b.events} events (~{b.approx_bytes:,} B) at {b.at_ms:,.0f} ms" for b in d.bursts[:8]
+        )
+        more = f", ... ({len(d.bursts)} bursts)" if len(d.bursts) > 8 else ""
+        lines.append(f"  bursts:             {shown}{more}")
+    for name, value in d.headers.items():
+        lines.append(f"  {name + ':':<20}{value}")
+    if d.hop:
+        lines.append(f"  likely hop:         {d.hop}")
+    if d.fix:
+        lines.append(f"  fix:                {d.fix}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.burst_gap_ms <= 0 or (args.max_tokens is not None and args.max_tokens < 1):
+        print(
+            "replystream doctor: --burst-gap-ms and --max-tokens must be positive", file=sys.stderr
+        )
+        return 2
+    thresholds = Thresholds(burst_gap_ms=args.burst_gap_ms)
+    proxied_timing, direct_timing = asyncio.run(examine(args))
+    proxied = diagnose(proxied_timing, thresholds)
+    direct = diagnose(direct_timing, thresholds) if direct_timing else None
+    if args.json:
+        result: dict[str, Any] = proxied.as_dict()
+        if direct is not None:
+            result["direct"] = direct.as_dict()
+            result["comparison"] = compare(direct, proxied)
+        print(json.dumps(result))
+    else:
+        lines = describe(proxied)
+        if direct is not None:
+            lines += ["", "direct to the app:", *describe(direct), ""]
+            lines.append(f"comparison: {compare(direct, proxied)}")
+        print("\n".join(lines))
+    return 0 if proxied.streams else 1

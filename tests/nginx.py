@@ -1,0 +1,120 @@
+"""Run a real nginx for a test: a non-daemon child with its own config, logs and temp paths.
+
+Everything nginx writes (pid file, error log, temp files) lives in the test's tmp dir, and
+``master_process off`` keeps it one process, so stopping the child stops nginx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.services import require_binary
+
+_MAIN = """daemon off;
+master_process off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/client_body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+{http}
+}}
+"""
+
+_PROXY = """    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://{upstream};
+{location}
+        }}
+    }}"""
+
+# Explicit 4 KiB buffers, so the buffered cases behave the same on every page size.
+SMALL_BUFFERS = "proxy_buffer_size 4k; proxy_buffers 8 4k; proxy_busy_buffers_size 8k;"
+
+# The location directives of each configuration under test.
+LOCATIONS = {
+    # nginx's default, with the app's X-Accel-Buffering: no ignored.
+    "buffering_on": f"proxy_buffering on; proxy_ignore_headers X-Accel-Buffering; {SMALL_BUFFERS}",
+    "buffering_off": "proxy_buffering off;",
+    # Buffering on, but nginx honours the app's X-Accel-Buffering: no (its default).
+    "accel_honoured": f"proxy_buffering on; {SMALL_BUFFERS}",
+    "gzip": "proxy_buffering off; gzip on; gzip_types text/event-stream;",
+    # Buffers larger than the whole reply: nothing leaves before the reply ends.
+    "large_buffers": (
+        "proxy_buffering on; proxy_ignore_headers X-Accel-Buffering; "
+        "proxy_buffer_size 64k; proxy_buffers 8 64k; proxy_busy_buffers_size 128k;"
+    ),
+}
+
+
+def proxy_config(upstream: str, port: int, location: str) -> str:
+    """An http-context server block proxying ``127.0.0.1:port`` to ``upstream`` (host:port).
+
+    Everything not in ``location`` keeps nginx's defaults, including HTTP/1.0 to the upstream
+    (with ``proxy_http_version 1.1`` and a chunked upstream response, nginx 1.22 was seen to
+    pass chunks on despite ``proxy_buffering on``; the default is what most sites run).
+    """
+    return _PROXY.format(port=port, upstream=upstream, location=f"            {location}")
+
+
+def _write_config(http_config: str, tmp: Path) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    conf = tmp / "nginx.conf"
+    conf.write_text(_MAIN.format(tmp=tmp, http=http_config))
+    return conf
+
+
+def _read(log: Path) -> str:
+    return log.read_text() if log.exists() else "(no error log)"
+
+
+@contextlib.asynccontextmanager
+async def running_nginx(http_config: str, port: int, tmp: Path) -> AsyncIterator[str]:
+    """Start nginx with ``http_config`` inside its http block; yield ``http://127.0.0.1:port``.
+
+    ``http_config`` must listen on ``127.0.0.1:port``.
+    """
+    binary = require_binary("nginx")
+    conf = _write_config(http_config, tmp)
+    error_log = tmp / "error.log"
+    process = await asyncio.create_subprocess_exec(
+        binary, "-p", str(tmp), "-c", str(conf), "-e", str(error_log)
+    )
+    try:
+        await _wait_listening(port, process, error_log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                async with asyncio.timeout(10):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+async def _wait_listening(port: int, process: asyncio.subprocess.Process, log: Path) -> None:
+    async with asyncio.timeout(15):
+        while True:
+            if process.returncode is not None:
+                pytest.fail(f"nginx exited with {process.returncode}: {_read(log)}")
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            await writer.wait_closed()
+            return

@@ -1,0 +1,47 @@
+"""Real external services for tests (nginx now, redis later): find them, or skip with a reason.
+
+A test that needs a service binary calls ``require_binary``. When the binary is missing the
+test is skipped with a clear reason, unless ``REPLYSTREAM_REQUIRE_SERVICES=1`` is set (CI sets
+it), in which case it fails: CI must never pass by skipping the tests that matter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+import pytest
+
+REQUIRE_ENV = "REPLYSTREAM_REQUIRE_SERVICES"
+# Debian installs daemons in sbin, which is not on every user's PATH.
+_EXTRA_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+
+
+def services_required() -> bool:
+    return os.environ.get(REQUIRE_ENV, "") == "1"
+
+
+def require_binary(name: str, debian_package: str | None = None) -> str:
+    """The path of executable ``name``; skip the test (or fail, in CI) when it is missing."""
+    path = shutil.which(name)
+    if path is None:
+        search = os.pathsep.join([os.environ.get("PATH", ""), *_EXTRA_DIRS])
+        path = shutil.which(name, path=search)
+    if path is not None:
+        return path
+    reason = (
+        f"{name} is not installed (Debian package {debian_package or name}; "
+        "scripts/test installs it when run as root)"
+    )
+    if services_required():
+        pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires it")
+    pytest.skip(reason)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port

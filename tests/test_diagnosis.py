@@ -1,0 +1,99 @@
+"""The delivery verdict from text-event times alone, including on a noisy machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replystream.client import ReplyTiming
+from replystream.lab.diagnosis import Thresholds, bursts_of, compare, diagnose
+
+SSE = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+
+
+def timing(times: list[float], **overrides: Any) -> ReplyTiming:
+    fields: dict[str, Any] = {
+        "url": "http://test/stream",
+        "streamed": True,
+        "complete": True,
+        "error": None,
+        "status": 200,
+        "headers_ms": 1.0,
+        "first_byte_ms": times[0] if times else None,
+        "first_text_ms": times[0] if times else None,
+        "last_text_ms": times[-1] if times else None,
+        "closed_ms": (times[-1] if times else 0.0) + 1,
+        "body_bytes": 16 * len(times),
+        "text": "w " * len(times),
+        "tokens": len(times),
+        "text_event_ms": tuple(times),
+        "text_event_chars": tuple(2 for _ in times),
+        "headers": dict(SSE),
+    }
+    fields.update(overrides)
+    return ReplyTiming(**fields)
+
+
+def steady(n: int, every_ms: float, start_ms: float = 10.0) -> list[float]:
+    return [start_ms + i * every_ms for i in range(n)]
+
+
+def test_events_one_token_time_apart_are_streaming():
+    result = diagnose(timing(steady(200, 10.0)))
+    assert result.verdict == "streaming"
+    assert result.median_gap_ms == 10.0
+
+
+def test_a_stall_that_merges_tokens_does_not_make_a_stream_bursty():
+    times = steady(200, 10.0)
+    # A 150 ms stall on a busy machine: 15 tokens arrive in one read, then the stream goes on.
+    times[50:65] = [times[65]] * 15
+    assert diagnose(timing(times)).verdict == "streaming"
+
+
+def test_everything_within_milliseconds_at_the_end_is_buffered():
+    times = [4000.0 + 0.01 * i for i in range(200)]
+    result = diagnose(timing(times))
+    assert result.verdict == "buffered"
+    assert [b.events for b in result.bursts] == [200]
+
+
+def test_page_sized_bursts_after_silences_are_bursty_and_name_the_buffer():
+    times = [1000.0] * 256 + [2000.0] * 256 + [2600.0] * 88
+    result = diagnose(timing(times, headers={**SSE, "server": "nginx/1.22.1"}))
+    assert result.verdict == "bursty"
+    assert [b.events for b in result.bursts] == [256, 256, 88]
+    assert result.bursts[0].approx_bytes == 4096
+    assert result.hop is not None and "4 KiB" in result.hop and "nginx" in result.hop
+
+
+def test_content_encoding_on_an_event_stream_is_compressed_whatever_the_gaps():
+    result = diagnose(timing(steady(100, 10.0), headers={**SSE, "content-encoding": "gzip"}))
+    assert result.verdict == "compressed"
+    assert result.fix is not None and "gzip_types" in result.fix
+
+
+def test_a_json_body_is_buffered():
+    headers = {"content-type": "application/json"}
+    assert diagnose(timing([900.0], streamed=False, headers=headers)).verdict == "buffered"
+
+
+def test_incomplete_and_too_short_replies_are_failed():
+    broken = timing(steady(100, 10.0), complete=False, error="stream ended without an end marker")
+    assert diagnose(broken).verdict == "failed"
+    assert "end marker" in diagnose(broken).reason
+    assert diagnose(timing(steady(3, 10.0))).verdict == "failed"
+
+
+def test_burst_gap_is_a_threshold_the_caller_sets():
+    times = steady(100, 2.0)
+    assert diagnose(timing(times)).verdict != "streaming"
+    assert diagnose(timing(times), Thresholds(burst_gap_ms=1.0)).verdict == "streaming"
+    assert len(bursts_of(timing(times), 1.0)) == 100
+
+
+def test_compare_blames_the_hop_between_a_streaming_app_and_a_buffering_proxy():
+    direct = diagnose(timing(steady(100, 10.0)))
+    proxied = diagnose(timing([1000.0] * 100, headers={**SSE, "server": "nginx"}))
+    assert "the app streams" in compare(direct, proxied)
+    assert "fix the app" in compare(proxied, proxied)
+    assert "both paths stream" in compare(direct, direct)

@@ -1,0 +1,173 @@
+"""The doctor names the buffering hop correctly through a real nginx in front of a real server.
+
+Each test starts the replystream app on a loopback port and nginx in front of it, then asks for
+one 400-token reply at 10 ms per token (about 6 KiB of events), long enough for the verdicts to
+separate clearly. Verdicts and their evidence are checked, never tight timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from replystream.client import measure_reply
+from replystream.engine import SimulatedConfig, SimulatedEngine
+from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
+from replystream.lab.diagnosis import Diagnosis, Thresholds, diagnose
+from tests.conftest import serve_engine
+from tests.nginx import LOCATIONS, proxy_config, running_nginx
+from tests.services import free_port
+
+TOKENS = 400
+REPO = Path(__file__).resolve().parents[1]
+
+
+def long_reply_engine() -> SimulatedEngine:
+    text = reply_of_length(DEFAULT_REPLY, TOKENS)
+    return SimulatedEngine(SimulatedConfig(reply_text=text, delay_ms=10.0, jitter_ms=2.0))
+
+
+@pytest.fixture
+async def app_url() -> AsyncIterator[str]:
+    async with serve_engine(long_reply_engine()) as url:
+        yield url
+
+
+def upstream_of(url: str) -> str:
+    return urlsplit(url).netloc
+
+
+async def doctor(url: str) -> Diagnosis:
+    timing = await measure_reply(f"{url}/stream?max_tokens={TOKENS}", timeout_s=60)
+    return diagnose(timing, Thresholds())
+
+
+async def test_direct_path_streams(app_url):
+    result = await doctor(app_url)
+    assert result.verdict == "streaming", result.reason
+    assert result.events == TOKENS
+    assert result.headers["x-accel-buffering"] == "no"
+    assert result.median_gap_ms is not None and result.median_gap_ms > 3.0
+    assert result.hop is None
+
+
+async def test_default_proxy_buffering_arrives_in_buffer_sized_bursts(app_url, tmp_path):
+    port = free_port()
+    config = proxy_config(upstream_of(app_url), port, LOCATIONS["buffering_on"])
+    async with running_nginx(config, port, tmp_path) as proxy:
+        result = await doctor(proxy)
+    assert result.verdict == "bursty", result.reason
+    assert len(result.bursts) >= 2
+    assert sum(b.events for b in result.bursts) == TOKENS
+    # Every full burst is one 4 KiB buffer of events; the text came long after the first byte
+    # could have been sent.
+    assert all(3000 <= b.approx_bytes <= 4600 for b in result.bursts[:-1])
+    assert result.hop is not None and "nginx proxy buffering" in result.hop
+    assert result.fix is not None and "proxy_buffering off" in result.fix
+    assert result.first_text_ms is not None and result.first_text_ms > 1000
+
+
+async def test_buffers_larger_than_the_reply_deliver_it_all_at_the_end(app_url, tmp_path):
+    port = free_port()
+    config = proxy_config(upstream_of(app_url), port, LOCATIONS["large_buffers"])
+    async with running_nginx(config, port, tmp_path) as proxy:
+        result = await doctor(proxy)
+    assert result.verdict == "buffered", result.reason
+    assert result.first_text_ms is not None and result.last_text_ms is not None
+    assert result.last_text_ms - result.first_text_ms < 0.1 * result.last_text_ms
+
+
+async def test_proxy_buffering_off_streams(app_url, tmp_path):
+    port = free_port()
+    config = proxy_config(upstream_of(app_url), port, LOCATIONS["buffering_off"])
+    async with running_nginx(config, port, tmp_path) as proxy:
+        result = await doctor(proxy)
+    assert result.verdict == "streaming", result.reason
+    assert result.events == TOKENS
+
+
+async def test_honoured_x_accel_buffering_streams_with_buffering_on(app_url, tmp_path):
+    port = free_port()
+    config = proxy_config(upstream_of(app_url), port, LOCATIONS["accel_honoured"])
+    async with running_nginx(config, port, tmp_path) as proxy:
+        result = await doctor(proxy)
+    assert result.verdict == "streaming", result.reason
+
+
+async def test_gzip_on_the_event_stream_is_named_compressed(app_url, tmp_path):
+    port = free_port()
+    config = proxy_config(upstream_of(app_url), port, LOCATIONS["gzip"])
+    async with running_nginx(config, port, tmp_path) as proxy:
+        result = await doctor(proxy)
+    assert result.verdict == "compressed", result.reason
+    assert result.headers["content-encoding"] == "gzip"
+    assert result.events == TOKENS  # the client still decoded every event
+    assert result.fix is not None and "text/event-stream" in result.fix
+
+
+def deploy_config(app_url: str, port: int) -> str:
+    """docs/deploy/nginx.conf with its listen port and upstream address substituted."""
+    text = (REPO / "docs" / "deploy" / "nginx.conf").read_text()
+    text, listens = re.subn(r"listen 8080;", f"listen 127.0.0.1:{port};", text)
+    text, servers = re.subn(r"server 127\.0\.0\.1:8000;", f"server {upstream_of(app_url)};", text)
+    assert (listens, servers) == (1, 1)
+    return text
+
+
+async def test_deploy_config_streams_events_and_compresses_json(app_url, tmp_path):
+    port = free_port()
+    async with running_nginx(deploy_config(app_url, port), port, tmp_path) as proxy:
+        stream, wait = await asyncio.gather(
+            doctor(proxy), measure_reply(f"{proxy}/wait?max_tokens=40", timeout_s=30)
+        )
+    assert stream.verdict == "streaming", stream.reason
+    assert "content-encoding" not in stream.headers
+    assert wait.complete and wait.headers.get("content-encoding") == "gzip"
+
+
+async def run_cli(*args: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode()
+
+
+async def test_cli_compares_direct_and_proxied_paths_and_fails_ci(app_url, tmp_path):
+    port = free_port()
+    config = proxy_config(upstream_of(app_url), port, LOCATIONS["buffering_on"])
+    query = f"/stream?max_tokens={TOKENS}"
+    async with running_nginx(config, port, tmp_path) as proxy:
+        code, out = await run_cli("doctor", proxy + query, "--direct", app_url + query, "--json")
+    result = json.loads(out)
+    assert code == 1
+    assert result["verdict"] == "bursty"
+    for key in ("first_byte_ms", "first_text_ms", "events", "gaps_ms", "median_gap_ms"):
+        assert key in result
+    assert result["direct"]["verdict"] == "streaming"
+    assert "the app streams" in result["comparison"]
+    assert result["first_text_ms"] > result["direct"]["first_text_ms"]
+
+
+async def test_cli_exits_zero_when_the_stream_streams(app_url):
+    code, out = await run_cli("doctor", f"{app_url}/stream?max_tokens=40")
+    assert code == 0
+    assert "STREAMING" in out
+
+
+async def test_cli_reports_failed_for_a_server_that_is_not_there():
+    code, out = await run_cli("doctor", f"http://127.0.0.1:{free_port()}/stream", "--json")
+    assert code == 1
+    assert json.loads(out)["verdict"] == "failed"
