@@ -1,0 +1,73 @@
+"""PNG plots of a load run (matplotlib without a display): TTFT CDF, gap histogram, timeline.
+
+This file decides how a summary's per-request timings are drawn; it must not compute metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # the backend is chosen first, above
+
+
+def plot_all(summary: dict[str, Any], folder: Path) -> list[Path]:
+    """Write ``ttft_cdf.png``, ``gap_histogram.png`` and ``timeline.png``; return their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = [r for r in summary["requests"] if r["complete"]]
+    paths = [folder / "ttft_cdf.png", folder / "gap_histogram.png", folder / "timeline.png"]
+    _ttft_cdf(done, paths[0])
+    _gap_histogram(done, paths[1])
+    _timeline(summary["requests"], paths[2])
+    return paths
+
+
+def _ttft_cdf(done: list[dict[str, Any]], path: Path) -> None:
+    values = sorted(r["ttft_ms"] for r in done if r["ttft_ms"] is not None)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if values:
+        shares = [(i + 1) / len(values) for i in range(len(values))]
+        ax.step(values, shares, where="post", color="#2471a3", linewidth=2)
+    ax.set_xlabel("TTFT: request sent to first parsed text (ms)")
+    ax.set_ylabel("share of complete requests")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"TTFT, cumulative ({len(values)} requests)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _gap_histogram(done: list[dict[str, Any]], path: Path) -> None:
+    gaps = [b - a for r in done for a, b in itertools.pairwise(r["text_event_ms"])]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if gaps:
+        ax.hist(gaps, bins=min(60, max(5, len(gaps) // 10)), color="#2471a3")
+    ax.set_xlabel("gap between consecutive text events (ms)")
+    ax.set_ylabel("gaps")
+    ax.set_title(f"Inter-event gaps ({len(gaps)} gaps, all requests)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _timeline(requests: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, max(3.0, min(12.0, 0.12 * len(requests) + 2))), dpi=110)
+    for row, r in enumerate(requests):
+        start = r["start_s"] * 1000
+        colour = "#2471a3" if r["complete"] else "#c0392b"
+        ax.plot([start, start + r["e2el_ms"]], [row, row], color=colour, linewidth=1.5)
+        if r["ttft_ms"] is not None:
+            ax.plot(start + r["ttft_ms"], row, marker="|", color="black", markersize=6)
+    ax.set_xlabel("time since the run started (ms); tick: first text; red: not complete")
+    ax.set_ylabel("request")
+    ax.set_title("Per-request timeline: sent to end of reply")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,186 @@
+"""What a load run's timings mean: per-request metrics, their distributions, throughput, goodput.
+
+This file decides the definitions (they are also written in ``docs/metrics.md``, because tools
+disagree on the names) and the ``--json`` contract of ``replystream bench``. It is pure: it
+reads finished records and must not know how requests were sent or how results are shown.
+
+Every time is client side, in ms from the moment the request was sent:
+- TTFT: to the first parsed event (or body) holding non-empty reply text;
+- TPOT: per request, (last text - first text) / (tokens - 1); needs at least 2 tokens;
+- ITL: every gap between consecutive text events, pooled over all requests;
+- E2EL: to the end of the reply (terminal marker read, connection closed);
+- first byte: when the response head (status line and headers) arrived;
+- first chunk: when the first body chunk arrived (raw bytes, not yet parsed);
+- tokens per event: tokens / text events, per request.
+Percentiles are linear interpolation between closest ranks (``replystream.stats.percentile``).
+Only complete replies (explicit end marker) contribute timings; the rest are counted with reasons.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from replystream.lab.load import LoadRun, RequestRecord
+from replystream.stats import percentile
+
+PERCENTILES = (50, 90, 95, 99)
+METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "first_byte_ms", "first_chunk_ms")
+SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
+
+DEFINITIONS = {
+    "ttft_ms": "request sent -> first parsed non-empty text",
+    "tpot_ms": "per request: (last text - first text) / (tokens - 1)",
+    "itl_ms": "gaps between consecutive text events, all requests pooled",
+    "e2el_ms": "request sent -> end of reply (end marker read, connection closed)",
+    "first_byte_ms": "request sent -> response head (status and headers) arrived",
+    "first_chunk_ms": "request sent -> first raw body chunk arrived (before parsing)",
+    "tokens_per_event": "per request: tokens / text events",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """A per-request bound for goodput: ``metric`` (ttft, tpot or e2el) at most ``limit_ms``."""
+
+    metric: str
+    limit_ms: float
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """Read ``ttft:200`` (milliseconds); raises ValueError otherwise."""
+        name, _, value = text.partition(":")
+        if name not in SLO_METRICS:
+            raise ValueError(f"SLO {text!r}: metric must be one of {', '.join(SLO_METRICS)}")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise ValueError(f"SLO {text!r}: want METRIC:MILLISECONDS") from None
+        if limit <= 0:
+            raise ValueError(f"SLO {text!r}: the limit must be positive")
+        return cls(name, limit)
+
+    def met(self, metrics: dict[str, Any]) -> bool:
+        value = metrics[SLO_METRICS[self.metric]]
+        return value is not None and value <= self.limit_ms
+
+
+def distribution(values: list[float]) -> dict[str, float | int | None]:
+    """count, mean, p50, p90, p95, p99, min, max (None when there are no values)."""
+    out: dict[str, float | int | None] = {"count": len(values)}
+    ordered = sorted(values)
+    out["mean"] = sum(ordered) / len(ordered) if ordered else None
+    for p in PERCENTILES:
+        out[f"p{p}"] = percentile(ordered, p) if ordered else None
+    out["min"] = ordered[0] if ordered else None
+    out["max"] = ordered[-1] if ordered else None
+    return out
+
+
+def request_metrics(record: RequestRecord) -> dict[str, Any]:
+    """One request's metrics and raw timings (an entry of the JSON ``requests`` list)."""
+    t = record.timing
+    events = len(t.text_event_ms)
+    tpot = None
+    if t.complete and t.tokens >= 2 and t.first_text_ms is not None and t.last_text_ms is not None:
+        tpot = (t.last_text_ms - t.first_text_ms) / (t.tokens - 1)
+    return {
+        "index": record.index,
+        "start_s": record.start_s,
+        "prompt_words": record.prompt_words,
+        "max_tokens": record.max_tokens,
+        "status": t.status,
+        "complete": t.complete,
+        "error": t.error,
+        "ttft_ms": t.first_text_ms,
+        "tpot_ms": tpot,
+        "e2el_ms": t.closed_ms,
+        "first_byte_ms": t.headers_ms,
+        "first_chunk_ms": t.first_byte_ms,
+        "last_text_ms": t.last_text_ms,
+        "tokens": t.tokens,
+        "events": events,
+        "tokens_per_event": t.tokens / events if events else None,
+        "body_bytes": t.body_bytes,
+        "content_encoding": t.headers.get("content-encoding"),
+        "text_event_ms": list(t.text_event_ms),
+    }
+
+
+def _outcome(record: RequestRecord) -> str:
+    t = record.timing
+    if t.complete:
+        return "complete"
+    # Started streaming text but never reached its end marker: a partial reply.
+    return "incomplete" if t.status is not None and t.text_event_ms else "failed"
+
+
+def summarize(run: LoadRun, slos: tuple[SLO, ...] = ()) -> dict[str, Any]:
+    """The whole ``--json`` object: aggregates, counts, throughput and per-request timings."""
+    per_request = [request_metrics(r) for r in run.records]
+    outcomes = [_outcome(r) for r in run.records]
+    done = [m for m, o in zip(per_request, outcomes, strict=True) if o == "complete"]
+    result: dict[str, Any] = {}
+    for name in METRICS:
+        if name == "itl_ms":
+            gaps = [b - a for m in done for a, b in itertools.pairwise(m["text_event_ms"])]
+            result[name] = distribution(gaps)
+        else:
+            result[name] = distribution([m[name] for m in done if m[name] is not None])
+    result["tokens_per_event"] = distribution(
+        [m["tokens_per_event"] for m in done if m["tokens_per_event"] is not None]
+    )
+    wall = run.wall_s
+    tokens = sum(m["tokens"] for m in done)
+    events = sum(m["events"] for m in done)
+    good = [m for m in done if all(slo.met(m) for slo in slos)]
+    reasons: dict[str, Counter[str]] = {"incomplete": Counter(), "failed": Counter()}
+    for record, outcome in zip(run.records, outcomes, strict=True):
+        if outcome != "complete":
+            reasons[outcome][record.timing.error or "unknown"] += 1
+    result["counts"] = {
+        "requests": len(per_request),
+        "complete": len(done),
+        "incomplete": sum(reasons["incomplete"].values()),
+        "failed": sum(reasons["failed"].values()),
+        "incomplete_reasons": dict(reasons["incomplete"]),
+        "failed_reasons": dict(reasons["failed"]),
+    }
+    result["throughput"] = {
+        "wall_s": wall,
+        "requests_per_s": len(done) / wall if wall else 0.0,
+        "output_tokens_per_s": tokens / wall if wall else 0.0,
+        "events_per_s": events / wall if wall else 0.0,
+        "output_tokens": tokens,
+        "events": events,
+    }
+    result["goodput"] = {
+        "slos": {slo.metric: slo.limit_ms for slo in slos},
+        "good_requests": len(good),
+        "requests_per_s": len(good) / wall if wall else 0.0,
+        "share_of_requests": len(good) / len(per_request) if per_request else 0.0,
+    }
+    result["client"] = {
+        "cpu_s": run.client_cpu_s,
+        "cpu_share_of_one_core": run.client_cpu_share,
+    }
+    config = run.config
+    result["config"] = {
+        "url": config.url,
+        "api": config.api,
+        "mode": config.mode,
+        "concurrency": config.concurrency,
+        "rate": config.rate,
+        "burstiness": config.burstiness,
+        "requests": config.requests,
+        "duration_s": config.duration_s,
+        "prompt_words": config.prompt_words.describe(),
+        "output_tokens": config.output_tokens.describe() if config.output_tokens else None,
+        "seed": config.seed,
+    }
+    result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"
+    result["definitions"] = DEFINITIONS
+    result["requests"] = per_request
+    return result

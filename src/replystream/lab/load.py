@@ -1,0 +1,166 @@
+"""Drive an endpoint with a closed or an open loop and keep every reply's timing.
+
+This file decides when requests are issued: a closed loop keeps ``concurrency`` requests in
+flight (a finished request starts the next); an open loop issues requests at gamma-distributed
+arrival times whatever is still in flight, so a slow server meets a growing queue as it would
+in production. ``requests`` or ``duration_s`` bounds how many are issued; every issued request
+is awaited. It also measures the load client's own CPU use (process CPU time over wall time),
+so a saturated client is visible. It must not know what the timings mean (``benchstats``) or
+how they are shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from replystream.client import ReplyTiming, measure_reply
+from replystream.lab.workload import Api, Lengths, arrival_offsets, build_request, prompt_of
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """One load run. Exactly one of ``concurrency`` and ``rate`` is set, and at least one of
+    ``requests`` and ``duration_s``; ``output_tokens=None`` lets the server pick reply length."""
+
+    url: str
+    api: Api
+    concurrency: int | None = 1
+    rate: float | None = None
+    burstiness: float = 1.0
+    requests: int | None = 10
+    duration_s: float | None = None
+    prompt_words: Lengths = field(default_factory=lambda: Lengths("fixed", 0))
+    output_tokens: Lengths | None = None
+    model: str = "default"
+    seed: int = 0
+    timeout_s: float = 300.0
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.concurrency is None) == (self.rate is None):
+            raise ValueError("give exactly one of concurrency (closed loop) and rate (open loop)")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.requests is None and self.duration_s is None:
+            raise ValueError("give requests, duration_s or both")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError("requests must be at least 1")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError("duration_s must be positive")
+        if self.burstiness <= 0 or (self.rate is not None and self.rate <= 0):
+            raise ValueError("rate and burstiness must be positive")
+
+    @property
+    def mode(self) -> str:
+        if self.rate is not None:
+            return f"open loop, {self.rate:g} req/s, gamma k={self.burstiness:g}"
+        return f"closed loop, concurrency {self.concurrency}"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request and its reply. ``start_s`` is when it was sent, from the run's start."""
+
+    index: int
+    start_s: float
+    prompt_words: int
+    max_tokens: int | None
+    timing: ReplyTiming
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRun:
+    """Everything one run measured, requests in index order."""
+
+    config: LoadConfig
+    records: tuple[RequestRecord, ...]
+    wall_s: float  # first request sent to last reply ended
+    client_cpu_s: float  # this process's CPU time over the same span
+
+    @property
+    def client_cpu_share(self) -> float:
+        """Process CPU time / wall time: 1.0 is one core fully busy."""
+        return self.client_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class _Issuer:
+    """Hands out request indexes until the count or the duration is used up."""
+
+    def __init__(self, config: LoadConfig, started: float) -> None:
+        self._config = config
+        self._started = started
+        self._next = 0
+
+    def take(self, at: float | None = None) -> int | None:
+        config = self._config
+        if config.requests is not None and self._next >= config.requests:
+            return None
+        elapsed = (time.perf_counter() if at is None else at) - self._started
+        if config.duration_s is not None and elapsed >= config.duration_s:
+            return None
+        index = self._next
+        self._next += 1
+        return index
+
+
+async def run_load(
+    config: LoadConfig, on_done: Callable[[RequestRecord], None] | None = None
+) -> LoadRun:
+    """Run the load described by ``config`` and return every request's record."""
+    if config.warmup:
+        # One request first, not recorded, so one-time costs (first code paths, connection
+        # pools behind the URL) are not charged to the measured requests.
+        await _one(config, -1, 0.0)
+    records: list[RequestRecord] = []
+    cpu_start = time.process_time()
+    started = time.perf_counter()
+    issuer = _Issuer(config, started)
+
+    async def send(index: int) -> None:
+        record = await _one(config, index, started)
+        records.append(record)
+        if on_done is not None:
+            on_done(record)
+
+    async with asyncio.TaskGroup() as group:
+        if config.concurrency is not None:
+
+            async def worker() -> None:
+                while (index := issuer.take()) is not None:
+                    await send(index)
+
+            for _ in range(config.concurrency):
+                group.create_task(worker())
+        else:
+            assert config.rate is not None
+            for offset in arrival_offsets(config.rate, config.burstiness, config.seed):
+                index = issuer.take(started + offset)
+                if index is None:
+                    break
+                delay = started + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                group.create_task(send(index))
+    wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu_start
+    records.sort(key=lambda r: r.index)
+    return LoadRun(config, tuple(records), wall, cpu)
+
+
+async def _one(config: LoadConfig, index: int, started: float) -> RequestRecord:
+    # Lengths are drawn per index, so a request's shape does not depend on completion order.
+    rng = random.Random(f"{config.seed}:{index}")
+    words = config.prompt_words.draw(rng)
+    max_tokens = config.output_tokens.draw(rng) if config.output_tokens else None
+    spec = build_request(
+        config.api, config.url, prompt=prompt_of(words), max_tokens=max_tokens, model=config.model
+    )
+    sent = time.perf_counter()
+    timing = await measure_reply(
+        spec.url, method=spec.method, json_body=spec.json_body, timeout_s=config.timeout_s
+    )
+    return RequestRecord(index, sent - started, words, max_tokens, timing)

@@ -1,0 +1,231 @@
+"""``replystream bench`` against real servers: it recovers a known schedule and keeps every timing.
+
+The schedule tests run the server in its own process (as in production, so the load client and
+the server do not share an event loop) with a simulated engine whose timing is known: 200 ms
+before the first token, then one token every 20 ms, no jitter. The simulated engine makes its
+first token one token-delay after the first-token time, so TTFT is expected near 220 ms and
+TPOT near 20 ms. Bounds are generous (timers fire late, never early); order and completeness
+are what is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from replystream.engine import SimulatedConfig, SimulatedEngine
+from replystream.lab.benchstats import SLO, summarize
+from replystream.lab.load import LoadConfig, run_load
+from replystream.lab.local_server import local_server
+from replystream.lab.workload import Lengths, arrival_offsets, build_request, detect_api
+from replystream.server import running
+from tests.conftest import serve_engine
+from tests.services import free_port
+
+SCHEDULE = ["--first-token-ms", "200", "--delay-ms", "20", "--jitter-ms", "0", "--tokens", "30"]
+
+
+@pytest.fixture
+async def scheduled_server() -> AsyncIterator[str]:
+    async with local_server(SCHEDULE) as url:
+        yield url
+
+
+async def test_closed_loop_recovers_the_simulated_schedule(scheduled_server):
+    config = LoadConfig(url=f"{scheduled_server}/stream", api="lab", concurrency=2, requests=6)
+    summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 6
+    assert 219.0 <= summary["ttft_ms"]["p50"] <= 270.0  # configured: 200 + 20
+    assert 19.5 <= summary["tpot_ms"]["p50"] <= 23.0  # configured: 20
+    assert 15.0 <= summary["itl_ms"]["p50"] <= 25.0
+    for request in summary["requests"]:
+        assert request["tokens"] == 30 and len(request["text_event_ms"]) == 30
+        assert request["first_byte_ms"] < request["ttft_ms"] <= request["e2el_ms"]
+        assert request["tokens_per_event"] == 1.0
+    assert summary["throughput"]["output_tokens"] == 180
+    assert 0.0 <= summary["client"]["cpu_share_of_one_core"] < 1.0
+
+
+async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tmp_path):
+    out = tmp_path / "bench.json"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "bench",
+        f"{scheduled_server}/stream",
+        "--concurrency",
+        "3",
+        "--requests",
+        "6",
+        "--slo",
+        "ttft:100000",
+        "tpot:1",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "plots"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, _ = await process.communicate()
+    assert process.returncode == 0
+    text = stdout.decode()
+    for shown in ("TTFT", "TPOT", "ITL", "E2EL", "linear interpolation", "% of one core"):
+        assert shown in text
+    result = await asyncio.to_thread(lambda: json.loads(out.read_text()))
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        for key in ("mean", "p50", "p90", "p95", "p99"):
+            assert isinstance(result[metric][key], float)
+    assert len(result["requests"]) == 6
+    assert result["goodput"]["good_requests"] == 0  # nobody meets tpot <= 1 ms
+    for name in ("ttft_cdf.png", "gap_histogram.png", "timeline.png"):
+        png = await asyncio.to_thread((tmp_path / "plots" / name).read_bytes)
+        assert png.startswith(b"\x89PNG")
+
+
+def test_gamma_arrivals_keep_the_mean_rate_and_burstiness_spreads_the_gaps():
+    def gaps(k: float) -> list[float]:
+        offsets = arrival_offsets(rate=50.0, burstiness=k, seed=1)
+        times = [next(offsets) for _ in range(4001)]
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    def cv(values: list[float]) -> float:
+        return statistics.stdev(values) / statistics.mean(values)
+
+    for k in (0.25, 1.0, 4.0):
+        assert statistics.mean(gaps(k)) == pytest.approx(1 / 50.0, rel=0.1)
+    # The coefficient of variation of gamma gaps is 1 / sqrt(k): 2, 1 and 0.5.
+    assert cv(gaps(0.25)) == pytest.approx(2.0, rel=0.15)
+    assert cv(gaps(1.0)) == pytest.approx(1.0, rel=0.15)
+    assert cv(gaps(4.0)) == pytest.approx(0.5, rel=0.15)
+
+
+async def test_open_loop_issues_on_schedule_while_replies_are_in_flight():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=20.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            concurrency=None,
+            rate=40.0,
+            requests=12,
+            output_tokens=Lengths.parse("uniform:5:15", minimum=1),
+            seed=3,
+        )
+        run = await run_load(config)
+    starts = [r.start_s for r in run.records]
+    assert all(r.timing.complete for r in run.records)
+    assert starts == sorted(starts)
+    # Arrivals do not wait for replies (each takes >= 100 ms): many overlap.
+    ends = [r.start_s + r.timing.closed_ms / 1000 for r in run.records]
+    assert sum(1 for i in range(1, 12) if starts[i] < ends[i - 1]) >= 6
+    assert {r.timing.tokens for r in run.records} == {r.max_tokens for r in run.records}
+
+
+async def test_duration_bounds_issuing_and_every_issued_request_finishes():
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=5.0, jitter_ms=0.0))) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=10",
+            api="lab",
+            concurrency=2,
+            requests=None,
+            duration_s=0.5,
+        )
+        run = await run_load(config)
+    assert len(run.records) >= 4
+    assert all(r.start_s < 0.5 and r.timing.complete for r in run.records)
+
+
+async def test_incomplete_and_failed_requests_are_counted_with_reasons():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0, fail_after=3))
+    async with serve_engine(engine) as url:
+        run = await run_load(LoadConfig(url=f"{url}/stream", api="lab", requests=3))
+    counts = summarize(run)["counts"]
+    assert counts["incomplete"] == 3 and counts["complete"] == 0
+    assert any("simulated failure" in reason for reason in counts["incomplete_reasons"])
+
+    gone = LoadConfig(
+        url=f"http://127.0.0.1:{free_port()}/stream", api="lab", requests=2, warmup=False
+    )
+    counts = summarize(await run_load(gone))["counts"]
+    assert counts["failed"] == 2
+    assert any("cannot connect" in reason for reason in counts["failed_reasons"])
+
+
+async def test_goodput_counts_only_requests_within_every_slo():
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=5.0, jitter_ms=0.0))) as url:
+        run = await run_load(LoadConfig(url=f"{url}/stream?max_tokens=5", api="lab", requests=4))
+    loose = summarize(run, (SLO.parse("ttft:60000"), SLO.parse("tpot:60000")))
+    strict = summarize(run, (SLO.parse("ttft:60000"), SLO.parse("tpot:0.001")))
+    assert loose["goodput"]["good_requests"] == 4
+    assert strict["goodput"]["good_requests"] == 0
+    with pytest.raises(ValueError, match="metric must be one of"):
+        SLO.parse("itl:5")
+
+
+async def test_native_replies_endpoint_counts_tokens_per_event():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        api = detect_api(f"{url}/v1/replies")
+        assert api == "native"
+        config = LoadConfig(
+            url=f"{url}/v1/replies", api=api, requests=2, output_tokens=Lengths.parse("8")
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2, summary["counts"]
+    assert all(r["tokens"] == 8 for r in summary["requests"])
+
+
+async def test_openai_chat_completions_request_shape_and_stream():
+    bodies: list[dict[str, Any]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("Hello ", "there ", "friend"):
+            chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": word}}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.005)
+        usage = {"choices": [], "usage": {"completion_tokens": 3}}
+        await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    async with running(app) as url:
+        target = f"{url}/v1/chat/completions"
+        config = LoadConfig(
+            url=target,
+            api=detect_api(target),
+            requests=2,
+            model="m",
+            prompt_words=Lengths.parse("5"),
+            output_tokens=Lengths.parse("3"),
+            warmup=False,
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2
+    assert summary["tpot_ms"]["count"] == 2
+    assert bodies[0] == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "alpha bravo charlie delta echo"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 3,
+    }
+
+
+def test_lab_requests_keep_the_urls_own_query():
+    spec = build_request("lab", "http://h/stream?seed=7", prompt="a b", max_tokens=4, model="x")
+    assert (spec.method, spec.json_body) == ("GET", None)
+    assert spec.url == "http://h/stream?seed=7&prompt=a+b&max_tokens=4"
