@@ -101,6 +101,8 @@ def interpret_body(body: bytes) -> Meaning:
     if isinstance(payload, dict):
         if "error" in payload:
             return Meaning("error", error=_error_text(payload))
+        if payload.get("finish_reason") == "moderated":
+            return Meaning("error", error=f"moderated: {_error_text(payload.get('moderation'))}")
         if isinstance(payload.get("text"), str):
             return Meaning("done", payload["text"])
         text = _choice_text(payload)

@@ -137,9 +137,8 @@ class SimulatedEngine:
                 if self.config.fail_after is not None and index == self.config.fail_after:
                     outcome = "failed"
                     raise EngineError(f"simulated failure after {index} tokens")
-                wait = start + at - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
+                # Overdue tokens still yield to the loop, so a fast schedule cannot starve it.
+                await asyncio.sleep(max(0.0, start + at - loop.time()))
                 self._steps += 1
                 last = index == count - 1
                 finish = ("length" if truncated else "stop") if last else None

@@ -5,23 +5,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
+from pathlib import Path
 
+from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.simulated import (
     DEFAULT_REPLY,
     SimulatedConfig,
     SimulatedEngine,
     reply_of_length,
 )
-from replystream.server.app import create_app
+from replystream.server.app import ServerConfig, create_app
 from replystream.server.serve import serve_forever
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SimulatedConfig()
+    policy = DeliveryPolicy()
+    server = ServerConfig()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--engine", choices=["simulated"], default="simulated")
+    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--max-body-bytes", type=int, default=server.max_body_bytes)
+    parser.add_argument("--max-prompt-chars", type=int, default=server.max_prompt_chars)
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=server.shutdown_grace_s,
+        help="on SIGTERM, how long replies in flight may take to finish",
+    )
+
     sim = parser.add_argument_group("simulated engine")
     sim.add_argument("--reply-text", default=DEFAULT_REPLY, help="the reply, one word per token")
     sim.add_argument("--tokens", type=int, help="cut or repeat the reply to this many tokens")
@@ -46,7 +62,111 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fault injection for client tests: fail after N tokens (0: at once)",
     )
-    parser.add_argument("--log-level", default="WARNING")
+
+    delivery = parser.add_argument_group("delivery defaults (requests may override the first four)")
+    delivery.add_argument(
+        "--batch-tokens", type=int, default=policy.batch_tokens, help="send an event every k tokens"
+    )
+    delivery.add_argument(
+        "--batch-ms",
+        type=float,
+        default=policy.batch_ms,
+        help="or once the oldest waiting token is this old",
+    )
+    delivery.add_argument(
+        "--holdback-tokens",
+        type=int,
+        default=policy.holdback_tokens,
+        help="tokens held back until moderation checks have seen them",
+    )
+    delivery.add_argument(
+        "--keepalive-s",
+        type=float,
+        default=policy.keepalive_s,
+        help="comment after this long without other bytes (0: never)",
+    )
+    delivery.add_argument(
+        "--slow-client-bytes",
+        type=int,
+        default=policy.slow_client_bytes,
+        help="cut a stream with more than this much text queued",
+    )
+    delivery.add_argument(
+        "--slow-client-s",
+        type=float,
+        default=policy.slow_client_s,
+        help="cut a stream whose socket has not drained for this long",
+    )
+
+    checks = parser.add_argument_group("moderation checks (run on held-back text)")
+    checks.add_argument(
+        "--ban",
+        action="append",
+        default=[],
+        metavar="PHRASE",
+        help="a banned phrase, matched case-insensitively (repeatable)",
+    )
+    checks.add_argument("--ban-file", type=Path, help="banned phrases, one per line")
+    checks.add_argument(
+        "--ban-regex",
+        action="append",
+        default=[],
+        metavar="NAME=REGEX",
+        help="a named regular expression that must not match (repeatable)",
+    )
+    checks.add_argument(
+        "--block-secrets",
+        action="store_true",
+        help="stop replies that contain credential-shaped strings",
+    )
+
+
+def build_checks(args: argparse.Namespace) -> list[Check]:
+    """The moderation checks the command line asks for.
+
+    Raises:
+        ValueError: a regular expression is malformed or a file cannot be read.
+    """
+    checks: list[Check] = []
+    phrases = list(args.ban)
+    if args.ban_file is not None:
+        phrases += [line.strip() for line in args.ban_file.read_text().splitlines()]
+    if any(p.strip() for p in phrases):
+        checks.append(BannedPhrases(phrases))
+    if args.ban_regex:
+        patterns: dict[str, str] = {}
+        for item in args.ban_regex:
+            name, sep, pattern = item.partition("=")
+            if not sep or not name or not pattern:
+                raise ValueError(f"--ban-regex wants NAME=REGEX, got {item!r}")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"--ban-regex {name}: {exc}") from None
+            patterns[name] = pattern
+        checks.append(RegexCheck(patterns, name="regex"))
+    if args.block_secrets:
+        checks.append(secret_check())
+    return checks
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """Server configuration from the command line; raises ValueError on bad values."""
+    policy = DeliveryPolicy(
+        batch_tokens=args.batch_tokens,
+        batch_ms=args.batch_ms,
+        holdback_tokens=args.holdback_tokens,
+        keepalive_s=args.keepalive_s or None,
+        slow_client_bytes=args.slow_client_bytes,
+        slow_client_s=args.slow_client_s,
+        checks=tuple(build_checks(args)),
+    )
+    return ServerConfig(
+        policy=policy,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        shutdown_grace_s=args.shutdown_grace_s,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,19 +175,27 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    text = args.reply_text if args.tokens is None else reply_of_length(args.reply_text, args.tokens)
     try:
-        config = SimulatedConfig(
-            reply_text=text,
-            delay_ms=args.delay_ms,
-            jitter_ms=args.jitter_ms,
-            seed=args.seed,
-            first_token_ms=args.first_token_ms,
-            prefill_ms_per_token=args.prefill_ms_per_token,
-            fail_after=args.fail_after,
+        text = (
+            args.reply_text
+            if args.tokens is None
+            else reply_of_length(args.reply_text, args.tokens)
         )
-    except ValueError as exc:
+        engine = SimulatedEngine(
+            SimulatedConfig(
+                reply_text=text,
+                delay_ms=args.delay_ms,
+                jitter_ms=args.jitter_ms,
+                seed=args.seed,
+                first_token_ms=args.first_token_ms,
+                prefill_ms_per_token=args.prefill_ms_per_token,
+                fail_after=args.fail_after,
+            )
+        )
+        config = build_config(args)
+    except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve_forever(create_app(SimulatedEngine(config)), args.host, args.port))
+    app = create_app(engine, config)
+    asyncio.run(serve_forever(app, args.host, args.port, config.shutdown_grace_s))
     return 0

@@ -1,14 +1,22 @@
-"""Run an application on a socket until SIGINT or SIGTERM."""
+"""Run an application on a socket; stop it gracefully on SIGINT or SIGTERM.
+
+Shutdown order: stop accepting connections; let replies in flight finish for the grace period;
+tell the rest to end with an in-band ``shutdown`` error (a buffered reply gets a 503); then
+close connections. No stream is ever cut silently.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import signal
 import socket
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from aiohttp import web
+
+log = logging.getLogger("replystream.server")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -24,32 +32,70 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-@asynccontextmanager
-async def running(
+class RunningServer:
+    """An application listening on a socket."""
+
+    def __init__(self, app: web.Application, runner: web.AppRunner, site: web.SockSite, url: str):
+        self.app = app
+        self.runner = runner
+        self.site = site
+        self.url = url
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting, give replies ``grace_s`` to finish, then end the rest in-band."""
+        from replystream.server.app import ACTIVE_KEY
+
+        await self.site.stop()
+        active = self.app[ACTIVE_KEY]
+        if len(active):
+            log.warning("shutting down: %d replies in flight, %.1f s grace", len(active), grace_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await active.idle.wait()
+        if len(active):
+            active.shut_down()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await active.idle.wait()
+
+
+@contextlib.asynccontextmanager
+async def serving(
     app: web.Application, host: str = "127.0.0.1", port: int = 0
-) -> AsyncIterator[str]:
-    """Serve ``app`` on ``host:port`` (0 picks a free port) and yield its base URL."""
+) -> AsyncIterator[RunningServer]:
+    """Serve ``app`` on ``host:port`` (0 picks a free port); clean up on exit."""
     # handler_cancellation: a client that disconnects cancels its handler, which is how a
     # buffered request learns to stop generating (a streamed one also sees failed writes).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     sock = bind_socket(host, port)
     try:
-        await web.SockSite(runner, sock).start()
+        site = web.SockSite(runner, sock)
+        await site.start()
         bound_host, bound_port = sock.getsockname()[:2]
         shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-        yield f"http://{shown_host}:{bound_port}"
+        yield RunningServer(app, runner, site, f"http://{shown_host}:{bound_port}")
     finally:
         await runner.cleanup()
         sock.close()
 
 
-async def serve_forever(app: web.Application, host: str, port: int) -> None:
+@contextlib.asynccontextmanager
+async def running(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[str]:
+    """Serve ``app`` on ``host:port`` (0 picks a free port) and yield its base URL."""
+    async with serving(app, host, port) as server:
+        yield server.url
+
+
+async def serve_forever(app: web.Application, host: str, port: int, grace_s: float) -> None:
     """Serve until SIGINT or SIGTERM, announcing the URL on stdout (tools read that line)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with running(app, host, port) as url:
-        print(f"replystream listening on {url}", flush=True)
+    async with serving(app, host, port) as server:
+        print(f"replystream listening on {server.url}", flush=True)
         await stop.wait()
+        await server.shutdown(grace_s)

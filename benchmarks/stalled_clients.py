@@ -1,0 +1,113 @@
+"""Server memory per stalled stream: clients that send a request and never read.
+
+Starts ``replystream serve`` with a fast reply of large tokens, opens N raw sockets that
+request a stream and never read, waits until the server has cut them all as slow clients,
+and prints the server's peak resident memory per stalled stream (Linux /proc). The bound is
+the slow-client byte limit plus the socket writer's high-water mark (64 KiB) per stream.
+
+Run: python benchmarks/stalled_clients.py [--clients 500] [--slow-client-bytes 1048576]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from replystream.lab.local_server import READY_PREFIX
+
+
+def memory_kib(pid: int, field: str) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
+    assert found, field
+    return int(found.group(1))
+
+
+def metric(url: str, pattern: str) -> int:
+    with urllib.request.urlopen(f"{url}/metrics") as response:
+        text = response.read().decode()
+    found = re.search("^" + pattern + r" (\S+)$", text, re.MULTILINE)
+    return int(float(found.group(1))) if found else 0
+
+
+def slow_cuts(url: str) -> int:
+    return metric(url, r'replystream_replies_total\{endpoint="/stream",outcome="slow_client"\}')
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=500)
+    parser.add_argument("--slow-client-bytes", type=int, default=1 << 20)
+    parser.add_argument("--slow-client-s", type=float, default=5.0)
+    args = parser.parse_args()
+    word = "z" * 16000  # big tokens: the socket fills after a few hundred of them
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        "--port",
+        "0",
+        "--reply-text",
+        word,
+        "--tokens",
+        "2000",
+        "--delay-ms",
+        "0.5",
+        "--jitter-ms",
+        "0",
+        "--slow-client-bytes",
+        str(args.slow_client_bytes),
+        "--slow-client-s",
+        str(args.slow_client_s),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    line = (await process.stdout.readline()).decode()
+    url = line[len(READY_PREFIX) :].strip()
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        await asyncio.to_thread(slow_cuts, url)  # warm the server up
+        baseline = memory_kib(process.pid, "VmRSS")
+        sockets = []
+        for _ in range(args.clients):
+            sock = socket.socket()
+            # A small receive window (set before connecting), so the reader's kernel does not
+            # absorb the stream on the client's behalf.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.sendall(f"GET /stream HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            sockets.append(sock)
+        started = time.monotonic()
+        while (cut := await asyncio.to_thread(slow_cuts, url)) < args.clients:
+            if time.monotonic() - started > 120:
+                break
+            await asyncio.sleep(0.5)
+        peak = memory_kib(process.pid, "VmHWM")
+        elapsed = time.monotonic() - started
+        for sock in sockets:
+            sock.close()
+        while await asyncio.to_thread(metric, url, "replystream_active_streams"):  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
+        after = memory_kib(process.pid, "VmRSS")
+    finally:
+        process.terminate()
+        await process.wait()
+    per_stream = (peak - baseline) / args.clients
+    bound = (args.slow_client_bytes + 65536) / 1024
+    print(f"stalled clients           {args.clients}")
+    print(f"cut as slow clients       {cut} in {elapsed:.1f} s")
+    print(f"server RSS before         {baseline / 1024:.1f} MiB")
+    print(f"server peak RSS           {peak / 1024:.1f} MiB")
+    print(f"server RSS after closing  {after / 1024:.1f} MiB")
+    print(f"peak per stalled stream   {per_stream:.1f} KiB (bound: {bound:.0f} KiB)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

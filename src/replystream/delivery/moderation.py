@@ -1,0 +1,189 @@
+"""Hold-back moderation: text is released only after checks have seen it with w tokens after it.
+
+``HoldBack`` keeps the newest ``window`` tokens unreleased. Each time a token arrives, every
+check runs over the unreleased text plus a tail of already released text (so a phrase split
+across tokens, or across batch edges, is seen whole). When a check matches, the reply stops:
+nothing from the start of the match on is ever released, and the caller learns how much text
+was released before it. A bigger window lets a check stop earlier text (a longer phrase whose
+end arrives late); the cost is ``window`` tokens of delay on every token.
+This file is pure: no clock, no I/O. It must not know about events or sockets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """Where a check matched, in the text it was given, and why."""
+
+    start: int
+    end: int
+    check: str
+    reason: str
+
+
+class Check(Protocol):
+    """One rule text must pass before release."""
+
+    name: str
+    context_chars: int  # how much already released text it needs to see again
+
+    def find(self, text: str) -> Finding | None: ...
+
+
+class BannedPhrases:
+    """Fails text containing any of the phrases (case-insensitive unless told otherwise)."""
+
+    name = "banned_phrase"
+
+    def __init__(self, phrases: Iterable[str], *, case_sensitive: bool = False) -> None:
+        cleaned = sorted({p for p in phrases if p.strip()}, key=len, reverse=True)
+        if not cleaned:
+            raise ValueError("BannedPhrases needs at least one non-blank phrase")
+        flags = 0 if case_sensitive else re.IGNORECASE
+        self._pattern = re.compile("|".join(re.escape(p) for p in cleaned), flags)
+        self.context_chars = max(len(p) for p in cleaned)
+
+    def find(self, text: str) -> Finding | None:
+        match = self._pattern.search(text)
+        if match is None:
+            return None
+        return Finding(match.start(), match.end(), self.name, "banned phrase")
+
+
+class RegexCheck:
+    """Fails text matching any of the regular expressions (named for reporting)."""
+
+    def __init__(
+        self,
+        patterns: dict[str, str],
+        *,
+        name: str = "pattern",
+        case_insensitive: bool = False,
+        context_chars: int = 256,
+    ) -> None:
+        if not patterns:
+            raise ValueError("RegexCheck needs at least one pattern")
+        flags = re.IGNORECASE if case_insensitive else 0
+        self._patterns = [(label, re.compile(p, flags)) for label, p in patterns.items()]
+        self.name = name
+        self.context_chars = context_chars
+
+    def find(self, text: str) -> Finding | None:
+        found: Finding | None = None
+        for label, pattern in self._patterns:
+            match = pattern.search(text)
+            if match is not None and (found is None or match.start() < found.start):
+                found = Finding(match.start(), match.end(), self.name, label)
+        return found
+
+
+# Shapes of credentials that must never leave in a reply. Anchored on distinctive prefixes so
+# ordinary prose does not trip them.
+SECRET_PATTERNS = {
+    "openai_key": r"\bsk-(?:proj-)?[A-Za-z0-9_-]{20,}",
+    "aws_access_key_id": r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
+    "github_token": r"\bgh[pousr]_[A-Za-z0-9]{36,}",
+    "slack_token": r"\bxox[abprs]-[A-Za-z0-9-]{10,}",
+    "private_key": r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
+}
+
+
+def secret_check() -> RegexCheck:
+    return RegexCheck(SECRET_PATTERNS, name="secret")
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """The reply was stopped: which check, and how much had been released before."""
+
+    check: str
+    reason: str
+    released_chars: int
+    released_tokens: int
+
+
+class HoldBack:
+    """Releases text ``window`` tokens late, after every check has seen it in context."""
+
+    def __init__(self, window: int, checks: Sequence[Check]) -> None:
+        if window < 0:
+            raise ValueError("window must be >= 0")
+        self.window = window
+        self._checks = list(checks)
+        self._context = max((c.context_chars for c in self._checks), default=0)
+        self._held: deque[tuple[str, int]] = deque()  # (text, tokens), oldest first
+        self._held_tokens = 0
+        self._tail = ""  # the end of released text, as context for checks
+        self.released_chars = 0
+        self.released_tokens = 0
+        self.violation: Violation | None = None
+
+    def push(self, text: str, tokens: int) -> tuple[str, int]:
+        """Add newly made text; return what may be released now as (text, tokens).
+
+        When a check fails, this returns the held text before the match (if any) and sets
+        ``violation``; from then on nothing more is released.
+        """
+        if self.violation is not None:
+            return "", 0
+        self._held.append((text, tokens))
+        self._held_tokens += tokens
+        if self._checks:
+            held = "".join(t for t, _ in self._held)
+            for check in self._checks:
+                finding = check.find(self._tail + held)
+                if finding is not None:
+                    return self._stop(finding, max(0, finding.start - len(self._tail)))
+        return self._release(lambda: self._held_tokens > self.window)
+
+    def finish(self) -> tuple[str, int]:
+        """The reply ended: release everything still held (it has been checked)."""
+        if self.violation is not None:
+            return "", 0
+        return self._release(lambda: bool(self._held))
+
+    def _stop(self, finding: Finding, safe_chars: int) -> tuple[str, int]:
+        # Whole tokens before the match go out; a token the match starts inside goes out only
+        # up to the match, and does not count as a released token.
+        parts: list[str] = []
+        tokens = 0
+        remaining = safe_chars
+        while self._held and len(self._held[0][0]) <= remaining:
+            text, count = self._held.popleft()
+            parts.append(text)
+            tokens += count
+            remaining -= len(text)
+        if self._held and remaining > 0:
+            parts.append(self._held[0][0][:remaining])
+        out = "".join(parts)
+        self.released_chars += len(out)
+        self.released_tokens += tokens
+        self._held.clear()
+        self._held_tokens = 0
+        self.violation = Violation(
+            finding.check, finding.reason, self.released_chars, self.released_tokens
+        )
+        return out, tokens
+
+    def _release(self, more: Callable[[], bool]) -> tuple[str, int]:
+        parts: list[str] = []
+        released_tokens = 0
+        while self._held and more():
+            text, tokens = self._held.popleft()
+            self._held_tokens -= tokens
+            parts.append(text)
+            released_tokens += tokens
+        out = "".join(parts)
+        if out:
+            self.released_chars += len(out)
+            self.released_tokens += released_tokens
+            if self._context:
+                self._tail = (self._tail + out)[-self._context :]
+        return out, released_tokens

@@ -1,0 +1,47 @@
+"""Delivery policy: how one reply travels from the engine to its reader."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from replystream.delivery.moderation import Check
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryPolicy:
+    """Server defaults come from the command line; requests may override the first four.
+
+    Attributes:
+        batch_tokens: send an event once this many tokens are waiting (1: every token).
+        batch_ms: or once the oldest waiting token is this old (None: no time window).
+        holdback_tokens: tokens kept back until checks have seen the text after them.
+        keepalive_s: send a comment after this long without any other byte (None: never).
+        slow_client_bytes: cut a stream when this much text waits for its socket.
+        slow_client_s: cut a stream whose socket has not drained for this long.
+        checks: moderation checks run on held-back text.
+    """
+
+    batch_tokens: int = 1
+    batch_ms: float | None = None
+    holdback_tokens: int = 0
+    keepalive_s: float | None = 15.0
+    slow_client_bytes: int = 1 << 20
+    slow_client_s: float = 30.0
+    checks: Sequence[Check] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.batch_tokens < 1:
+            raise ValueError("batch_tokens must be at least 1")
+        if self.batch_ms is not None and self.batch_ms < 0:
+            raise ValueError("batch_ms must be >= 0")
+        if self.holdback_tokens < 0:
+            raise ValueError("holdback_tokens must be >= 0")
+        if self.keepalive_s is not None and self.keepalive_s <= 0:
+            raise ValueError("keepalive_s must be > 0")
+        if self.slow_client_bytes < 1 or self.slow_client_s <= 0:
+            raise ValueError("slow-client limits must be positive")
+
+    def with_overrides(self, **changes: object) -> DeliveryPolicy:
+        """A copy with the given fields changed (validated again)."""
+        return replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,156 @@
+"""Delivery policies through the real server on loopback: moderation, batching, keep-alive,
+slow clients, compression, cancellation and metrics."""
+
+import asyncio
+import gzip
+import re
+from functools import partial
+
+import pytest
+
+from replystream.delivery.moderation import BannedPhrases
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine import SimulatedEngine
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from tests.conftest import fast_engine, wait_for
+from tests.rawhttp import raw_request
+from tests.sse_client import post_events
+
+REPLY = "we will now launch the rocket at dawn and then we go home to rest"
+
+
+def steps_reached(engine: SimulatedEngine, target: int) -> bool:
+    return engine.stats().steps >= target
+
+
+def serve(engine: SimulatedEngine, **policy: object):
+    return running(create_app(engine, ServerConfig(policy=DeliveryPolicy(**policy))))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("holdback", [0, 1, 2, 3, 6])
+@pytest.mark.parametrize("phrase", ["the rocket at", "unch the ro"])
+async def test_banned_phrase_across_tokens_and_batches_is_never_sent(
+    batch_tokens: int, holdback: int, phrase: str
+):
+    engine = fast_engine(reply_text=REPLY, delay_ms=2, jitter_ms=0)
+    async with serve(engine, checks=(BannedPhrases([phrase.upper()]),)) as url:
+        got = await post_events(
+            f"{url}/v1/replies",
+            {"prompt": "x", "batch_tokens": batch_tokens, "holdback_tokens": holdback},
+        )
+        await wait_for(lambda: engine.stats().active == 0)
+    sent = got.text
+    assert phrase not in sent
+    assert got.types[-1] == "moderated" and "done" not in got.types
+    moderated = got.of_type("moderated")[0]
+    assert moderated["released_chars"] == len(sent)
+    assert moderated["check"] == "banned_phrase"
+    assert REPLY.startswith(sent)
+    assert engine.stats().cancelled == 1  # generation stopped with the reply
+    # With a window at least as long as the phrase, no part of it leaves.
+    if holdback >= 3:
+        assert sent == REPLY[: REPLY.index(phrase)]
+
+
+async def test_buffered_reply_is_checked_too():
+    engine = fast_engine(reply_text=REPLY)
+    async with serve(engine, checks=(BannedPhrases(["rocket"]),)) as url:
+        response = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt": "x", "stream": false}'
+        )
+        body = await response.read_body()
+    assert b"rocket" not in body
+    assert b'"finish_reason":"moderated"' in body
+
+
+async def test_batches_carry_k_tokens_and_lose_or_repeat_nothing():
+    engine = fast_engine(delay_ms=1, jitter_ms=0)
+    async with serve(engine) as url:
+        one = await post_events(f"{url}/v1/replies", {"prompt": "x", "max_tokens": 23})
+        three = await post_events(
+            f"{url}/v1/replies", {"prompt": "x", "max_tokens": 23, "batch_tokens": 3}
+        )
+    counts = [t["tokens"] for t in three.of_type("token")]
+    assert counts == [3] * 7 + [2]
+    assert three.text == one.text
+    assert len(one.of_type("token")) == 23
+
+
+async def test_a_time_window_flushes_a_partial_batch_while_tokens_are_slow():
+    engine = fast_engine(delay_ms=40, jitter_ms=0)
+    async with serve(engine) as url:
+        got = await post_events(
+            f"{url}/v1/replies",
+            {"prompt": "x", "max_tokens": 6, "batch_tokens": 100, "batch_ms": 10},
+        )
+    # Each token waits at most the 10 ms window, so no batch gathers two 40 ms tokens.
+    assert [t["tokens"] for t in got.of_type("token")] == [1] * 6
+
+
+async def test_keep_alive_comment_arrives_during_a_long_wait_for_the_first_token():
+    engine = fast_engine(first_token_ms=2000, delay_ms=5)
+    async with serve(engine, keepalive_s=0.5) as url:
+        response = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt": "x", "max_tokens": 2}'
+        )
+        body = await response.read_body()
+    assert response.status == 200
+    first_event = body.index(b"event: token")
+    assert body.count(b": keep-alive", 0, first_event) >= 2
+
+
+async def test_event_streams_are_never_compressed_and_json_is():
+    engine = fast_engine(delay_ms=1, jitter_ms=0)
+    async with serve(engine) as url:
+        gz = {"Accept-Encoding": "gzip"}
+        stream = await raw_request(f"{url}/stream", headers=gz)
+        stream_body = await stream.read_body()
+        wait = await raw_request(f"{url}/wait", headers=gz)
+        wait_body = await wait.read_body()
+    assert "content-encoding" not in stream.headers
+    assert stream_body.endswith(b"data: [DONE]\n\n")
+    assert wait.headers["content-encoding"] == "gzip"
+    assert gzip.decompress(wait_body).startswith(b'{"text":"A language model')
+
+
+async def test_a_client_that_stops_reading_is_cut_and_its_generation_cancelled():
+    # Big fast tokens (3,000 of 4 KB), a reader that never reads: the socket stops draining.
+    engine = fast_engine(reply_text=" ".join(["y" * 4000] * 3000), delay_ms=0.2, jitter_ms=0.1)
+    async with serve(engine, slow_client_s=1.0, slow_client_bytes=256 << 10) as url:
+        response = await raw_request(f"{url}/v1/replies", "POST", b'{"prompt": "x"}')
+        await wait_for(lambda: engine.stats().active == 0, timeout_s=20)
+        assert engine.stats().cancelled == 1
+        assert engine.stats().steps < 3000
+        tail = await response.read_body()  # now read what the server left for us
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    assert tail.rstrip().endswith(b"}")
+    assert b"event: error" in tail[-300:] and b"slow_client" in tail[-300:]
+    assert re.search(
+        rb'replystream_replies_total\{endpoint="/v1/replies",outcome="slow_client"\} 1', metrics
+    )
+
+
+async def test_client_leaving_cancels_in_both_native_modes_and_metrics_say_so():
+    engine = fast_engine(delay_ms=10, jitter_ms=0)
+    async with serve(engine) as url:
+        for stream in (b"true", b"false"):
+            task = asyncio.create_task(
+                raw_request(f"{url}/v1/replies", "POST", b'{"prompt":"x","stream":%s}' % stream)
+            )
+            target = engine.stats().steps + 3
+            await wait_for(partial(steps_reached, engine, target))
+            if stream == b"true":
+                response = await task
+                await response.aclose()
+            else:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await wait_for(lambda: engine.stats().active == 0)
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    assert engine.stats().cancelled == 2 and engine.stats().finished == 0
+    assert re.search(
+        rb'replystream_replies_total\{endpoint="/v1/replies",outcome="cancelled"\} 2', metrics
+    )

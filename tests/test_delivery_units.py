@@ -1,0 +1,96 @@
+"""Hold-back moderation and batching as pure state: no clock, no sockets."""
+
+import pytest
+
+from replystream.delivery.batching import Batcher
+from replystream.delivery.moderation import BannedPhrases, HoldBack, RegexCheck, secret_check
+
+
+def run_holdback(tokens: list[str], window: int, phrases: list[str]) -> tuple[str, HoldBack]:
+    holdback = HoldBack(window, [BannedPhrases(phrases)])
+    out = []
+    for token in tokens:
+        out.append(holdback.push(token, 1)[0])
+        if holdback.violation:
+            break
+    else:
+        out.append(holdback.finish()[0])
+    return "".join(out), holdback
+
+
+def test_clean_text_is_released_window_tokens_late_and_whole_at_the_end():
+    holdback = HoldBack(2, [BannedPhrases(["nope"])])
+    assert holdback.push("a ", 1) == ("", 0)
+    assert holdback.push("b ", 1) == ("", 0)
+    assert holdback.push("c ", 1) == ("a ", 1)
+    assert holdback.finish() == ("b c ", 2)
+    assert (holdback.released_chars, holdback.released_tokens) == (6, 3)
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 5])
+def test_phrase_split_across_tokens_is_never_released(window: int):
+    tokens = ["we ", "launch ", "the ", "rock", "et now ", "please "]
+    released, holdback = run_holdback(tokens, window, ["ROCKET NOW"])
+    assert "rocket now" not in released.lower()
+    assert holdback.violation is not None
+    assert holdback.violation.released_chars == len(released)
+    # With a window, nothing of the match goes out; with none, its start ("rock") already left
+    # before the token that completes the phrase arrived, and that token never does.
+    assert released == ("we launch the rock" if window == 0 else "we launch the ")
+
+
+def test_a_match_inside_a_token_releases_up_to_the_match_only():
+    released, holdback = run_holdback(["safe ", "xxBADyy ", "more "], 3, ["bad"])
+    assert released == "safe xx"
+    assert holdback.violation is not None
+    assert (holdback.violation.released_chars, holdback.violation.released_tokens) == (7, 1)
+
+
+def test_checks_see_released_text_as_context_across_the_window_edge():
+    # With window 0, "rock" is already out when "et" arrives; the phrase is still caught and
+    # the token that completes it is never sent.
+    released, holdback = run_holdback(["rock", "et ", "ship "], 0, ["rocket"])
+    assert released == "rock"
+    assert holdback.violation is not None
+
+
+def test_secret_patterns_and_named_regexes():
+    key = "sk-" + "A1b2C3d4" * 4
+    holdback = HoldBack(4, [secret_check()])
+    out = "".join(holdback.push(t, 1)[0] for t in ["my ", "key ", "is ", key[:10], key[10:], " x"])
+    assert holdback.violation is not None and holdback.violation.reason == "openai_key"
+    assert key[:3] not in out
+    check = RegexCheck({"card": r"\b\d{4}-\d{4}-\d{4}-\d{4}\b"})
+    assert check.find("pay 1234-5678-9012-3456 now") is not None
+    assert check.find("pay 1234-5678 now") is None
+
+
+def test_banned_phrases_case_sensitivity_and_blank_lists():
+    assert BannedPhrases(["Foo"]).find("a foo b") is not None
+    assert BannedPhrases(["Foo"], case_sensitive=True).find("a foo b") is None
+    with pytest.raises(ValueError):
+        BannedPhrases(["  "])
+
+
+def test_batcher_flushes_every_k_tokens_and_keeps_the_rest():
+    batcher = Batcher(3)
+    got = [batcher.add(f"{i} ", 1, now=float(i)) for i in range(7)]
+    assert [g for g in got if g] == [("0 1 2 ", 3), ("3 4 5 ", 3)]
+    assert batcher.flush() == ("6 ", 1)
+    assert batcher.flush() is None
+
+
+def test_batcher_window_starts_at_the_first_token_of_a_batch():
+    batcher = Batcher(100, window_s=0.05)
+    assert batcher.add("a", 1, now=1.0) is None
+    assert batcher.due_at == pytest.approx(1.05)
+    assert not batcher.expired(1.04)
+    assert batcher.add("b", 1, now=1.06) == ("ab", 2)  # the window ran out
+    assert batcher.due_at is None
+
+
+def test_batcher_refuses_nonsense():
+    with pytest.raises(ValueError):
+        Batcher(0)
+    with pytest.raises(ValueError):
+        Batcher(1, window_s=-1)

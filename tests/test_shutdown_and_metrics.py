@@ -1,0 +1,114 @@
+"""SIGTERM with streams open, and /metrics counting exactly what happened."""
+
+import asyncio
+import re
+import signal
+import sys
+
+from replystream.client import measure_reply
+from replystream.delivery.moderation import BannedPhrases
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.lab.local_server import READY_PREFIX
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from tests.conftest import fast_engine, wait_for
+from tests.rawhttp import raw_request
+
+
+async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        "--port",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+    assert line.startswith(READY_PREFIX), line
+    return process, line[len(READY_PREFIX) :].strip()
+
+
+async def test_sigterm_with_50_open_streams_ends_each_with_a_reply_or_an_error_event():
+    # Replies take about 3 s; the grace period is 1 s, so some finish and most are told.
+    process, url = await start_server(
+        "--tokens", "100", "--delay-ms", "30", "--jitter-ms", "0", "--shutdown-grace-s", "1"
+    )
+    try:
+        tasks = [
+            asyncio.create_task(measure_reply(f"{url}/stream?max_tokens={20 + 2 * i}"))
+            for i in range(50)
+        ]
+        await asyncio.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        timings = await asyncio.gather(*tasks)
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    finished = [t for t in timings if t.complete]
+    told = [t for t in timings if not t.complete and t.error and "shutdown" in t.error]
+    assert len(finished) + len(told) == 50, [t.error for t in timings if not t.complete]
+    assert finished and told  # short replies made it within the grace period, long ones not
+
+
+async def test_a_buffered_request_at_shutdown_gets_a_503():
+    process, url = await start_server("--delay-ms", "30", "--shutdown-grace-s", "0.3")
+    try:
+        task = asyncio.create_task(measure_reply(f"{url}/wait"))
+        await asyncio.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        timing = await task
+        await asyncio.wait_for(process.wait(), 15)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert timing.status == 503 and not timing.complete
+
+
+def replies_count(metrics: bytes, endpoint: str, outcome: str) -> float:
+    found = re.search(
+        rb'replystream_replies_total\{endpoint="%s",outcome="%s"\} ([0-9.e+]+)'
+        % (endpoint.encode(), outcome.encode()),
+        metrics,
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_metrics_count_what_happened():
+    engine = fast_engine(reply_text="alpha beta gamma delta forbidden epsilon", delay_ms=5)
+    policy = DeliveryPolicy(checks=(BannedPhrases(["forbidden"]),))
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        for _ in range(3):
+            assert (await measure_reply(f"{url}/stream?max_tokens=3")).complete
+        assert (await measure_reply(f"{url}/wait?max_tokens=2")).complete
+        moderated = await measure_reply(
+            f"{url}/v1/replies", method="POST", json_body={"prompt": "x"}
+        )
+        assert not moderated.complete
+        response = await raw_request(f"{url}/stream")
+        await response.reader.readuntil(b"\n\n")
+        await response.aclose()
+        await wait_for(lambda: engine.stats().active == 0)
+        bad = await raw_request(f"{url}/stream?seed=x")
+        await bad.read_body()
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    assert replies_count(metrics, "/stream", "finished") == 3
+    assert replies_count(metrics, "/wait", "finished") == 1
+    assert replies_count(metrics, "/v1/replies", "moderated") == 1
+    assert replies_count(metrics, "/stream", "cancelled") == 1
+    assert b"replystream_active_streams 0.0" in metrics
+    # Tokens made: 3 x 3 + 2 + 5 (the fifth completes the phrase) + at least 1 before leaving.
+    tokens = re.search(
+        rb"replystream_tokens_generated_total\{endpoint=\"/stream\"\} (\d+)", metrics
+    )
+    assert tokens and int(float(tokens.group(1))) >= 10
+    ttft = re.search(
+        rb'replystream_time_to_first_token_seconds_count\{endpoint="/stream"\} (\S+)', metrics
+    )
+    assert ttft and float(ttft.group(1)) == 4
