@@ -1,0 +1,305 @@
+"""The step loop: scheduler, then model, then sampler, in a worker thread off the event loop.
+
+This file decides how requests cross between asyncio and the worker thread, and what is
+recorded about each request's time:
+1. ``submit`` and ``abort`` may be called from any thread; they only append to pending lists.
+   The worker applies them at the start of its next step, so the scheduler, the KV cache and
+   every request's sampler are touched by the worker alone.
+2. Each delta (or an ``EngineError``) goes to the request's ``asyncio.Queue`` through
+   ``loop.call_soon_threadsafe``; the model never waits for a reader.
+3. BLAS runs on ``blas_threads`` threads (1 by default) while the worker runs.
+4. Timestamps (queued, first scheduled, each token, each preemption, finished) are taken
+   with the injected clock and read back as frozen ``RequestTimings``.
+The lock guards the pending lists, the scheduler and the counters; the model runs outside it.
+It must not know about HTTP or about how a reply is delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+from replystream.engine.base import Delta, EngineError, EngineStats, SamplingParams
+from replystream.engine.kv_cache import PagedKVCache
+from replystream.engine.model import Chunk, TinyModel
+from replystream.engine.sampling import StopMatcher, sample_token
+from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
+from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
+
+DeltaQueue = asyncio.Queue[Delta | EngineError]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """When things happened to one request (clock seconds; ``None`` if not yet)."""
+
+    queued: float
+    scheduled: float | None
+    first_token: float | None
+    tokens: tuple[float, ...]
+    preempted: tuple[float, ...]
+    finished: float | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: int
+    prompt: list[int]
+    max_new: int
+    params: SamplingParams
+    deliver: Callable[[Delta | EngineError], None]
+    detokenizer: IncrementalDetokenizer
+    stop: StopMatcher
+    rng: np.random.Generator
+    queued: float
+    scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preempted: list[float] = field(default_factory=list)
+    finished: float | None = None
+    finish_reason: str | None = None
+
+
+class Runner:
+    """Owns a scheduler, a KV cache and a model; runs steps in a worker thread."""
+
+    def __init__(
+        self,
+        model: TinyModel,
+        tokenizer: ByteTokenizer,
+        cache: PagedKVCache,
+        scheduler: Scheduler,
+        clock: Callable[[], float] = time.monotonic,
+        blas_threads: int | None = 1,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.scheduler = scheduler
+        self.clock = clock
+        self.blas_threads = blas_threads
+        self._cond = threading.Condition()
+        self._pending: list[_Request] = []
+        self._aborts: list[int] = []
+        self._requests: dict[int, _Request] = {}
+        self._timings: dict[int, RequestTimings] = {}
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
+        self._steps = 0
+
+    def submit(
+        self, prompt: list[int], max_new: int, params: SamplingParams
+    ) -> tuple[int, DeltaQueue]:
+        """Queue a request (call on the event loop); its deltas arrive on the returned queue."""
+        loop = asyncio.get_running_loop()
+        queue: DeltaQueue = asyncio.Queue()
+
+        def deliver(item: Delta | EngineError) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop closed: nobody is reading any more
+                pass
+
+        return self.submit_with(prompt, max_new, params, deliver), queue
+
+    def submit_with(
+        self,
+        prompt: list[int],
+        max_new: int,
+        params: SamplingParams,
+        deliver: Callable[[Delta | EngineError], None],
+    ) -> int:
+        """Queue a request whose deltas go to ``deliver`` (called on the worker thread)."""
+        seed = 0 if params.seed is None else params.seed
+        with self._cond:
+            request_id = self._next_id
+            self._next_id += 1
+            self._pending.append(
+                _Request(
+                    request_id=request_id,
+                    prompt=prompt,
+                    max_new=max_new,
+                    params=params,
+                    deliver=deliver,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer),
+                    stop=StopMatcher(params.stop),
+                    rng=np.random.default_rng(seed),
+                    queued=self.clock(),
+                )
+            )
+            self._counts["started"] += 1
+            self._cond.notify()
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Cancel a request; the worker drops it and frees its blocks at its next step."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def step(self) -> Batch:
+        """Apply pending submissions and aborts, then run one scheduled step."""
+        with self._cond:
+            self._apply_pending()
+            batch = self.scheduler.schedule()
+            now = self.clock()
+            for seq_id in batch.preempted:
+                self._requests[seq_id].preempted.append(now)
+            requests = {c.seq_id: self._requests[c.seq_id] for c in batch.chunks}
+            for request in requests.values():
+                request.scheduled = now if request.scheduled is None else request.scheduled
+        if not batch.chunks:
+            return batch
+        logits = self.model.forward(
+            [Chunk(c.seq_id, c.tokens, c.start) for c in batch.chunks], self.cache
+        )  # (chunks, vocab)
+        sampled = {
+            c.seq_id: sample_token(logits[row], requests[c.seq_id].params, requests[c.seq_id].rng)
+            for row, c in enumerate(batch.chunks)
+            if c.samples
+        }
+        with self._cond:
+            self._steps += 1
+            ended = {f.seq_id for f in self.scheduler.record(batch, sampled)}
+            now = self.clock()
+            for seq_id, token in sampled.items():
+                if seq_id in self._requests:  # not cancelled by stop() during the step
+                    self._emit(self._requests[seq_id], token, seq_id in ended, now)
+        return batch
+
+    def _emit(self, request: _Request, token: int, at_length: bool, now: float) -> None:
+        request.token_times.append(now)
+        text = request.stop.feed(request.detokenizer.push(token))
+        reason = "stop" if request.stop.stopped else "length" if at_length else None
+        if reason == "stop" and not at_length:
+            self.scheduler.finish(request.request_id)
+        if reason == "length":
+            text += request.stop.feed(request.detokenizer.flush())
+            if request.stop.stopped:
+                reason = "stop"
+            else:
+                text += request.stop.flush()
+        request.deliver(Delta(text, 1, now, reason))
+        if reason is not None:
+            request.finished, request.finish_reason = now, reason
+            self._counts["finished"] += 1
+            self._retire(request)
+
+    def _apply_pending(self) -> None:
+        for request in self._pending:
+            self._requests[request.request_id] = request
+            self.scheduler.add(request.request_id, request.prompt, request.max_new)
+        self._pending.clear()
+        for request_id in self._aborts:
+            live = self._requests.get(request_id)
+            if live is not None and self.scheduler.abort(request_id):
+                self._cancel(live)
+        self._aborts.clear()
+
+    def _cancel(self, request: _Request, error: EngineError | None = None) -> None:
+        request.finished, request.finish_reason = self.clock(), "cancelled"
+        self._counts["cancelled"] += 1
+        if error is not None:
+            request.deliver(error)
+        self._retire(request)
+
+    def _retire(self, request: _Request) -> None:
+        self._timings[request.request_id] = self._snapshot(request)
+        del self._requests[request.request_id]
+
+    @staticmethod
+    def _snapshot(r: _Request) -> RequestTimings:
+        return RequestTimings(
+            queued=r.queued,
+            scheduled=r.scheduled,
+            first_token=r.token_times[0] if r.token_times else None,
+            tokens=tuple(r.token_times),
+            preempted=tuple(r.preempted),
+            finished=r.finished,
+            finish_reason=r.finish_reason,
+        )
+
+    def timings(self, request_id: int) -> RequestTimings | None:
+        """A request's timestamps so far (kept after it ends)."""
+        with self._cond:
+            live = self._requests.get(request_id)
+            if live is not None:
+                return self._snapshot(live)
+            for pending in self._pending:
+                if pending.request_id == request_id:
+                    return self._snapshot(pending)
+            return self._timings.get(request_id)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cond:
+            self._apply_pending()
+            for request in list(self._requests.values()):
+                self.scheduler.abort(request.request_id)
+                request.finished, request.finish_reason = self.clock(), "failed"
+                request.deliver(EngineError(f"generation failed: {error!r}"))
+                self._counts["failed"] += 1
+                self._retire(request)
+
+    def _idle(self) -> bool:
+        return not (self._pending or self._aborts or self.scheduler.has_work())
+
+    def _loop(self) -> None:
+        # BLAS threads for the whole process (OpenBLAS has one setting): at these matrix sizes
+        # a second thread costs more than it gains, and the event loop needs the other core.
+        with threadpool_limits(limits=self.blas_threads, user_api="blas"):
+            self._steps_until_stopped()
+
+    def _steps_until_stopped(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and self._idle():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as error:  # a failed step ends every request it touched
+                self._fail_all(error)
+
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tiny-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Cancel every request, end the worker thread and wait for it."""
+        with self._cond:
+            self._apply_pending()
+            closed = EngineError("the engine was closed", code="engine_closed")
+            for request in list(self._requests.values()):
+                self.scheduler.abort(request.request_id)
+                self._cancel(request, closed)
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            return EngineStats(
+                started=self._counts["started"],
+                finished=self._counts["finished"],
+                cancelled=self._counts["cancelled"],
+                failed=self._counts["failed"],
+                active=len(self._requests) + len(self._pending),
+                steps=self._steps,
+            )
+
+    def scheduler_stats(self) -> SchedulerStats:
+        with self._cond:
+            return self.scheduler.stats()

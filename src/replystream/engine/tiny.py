@@ -1,0 +1,144 @@
+"""``TinyEngine``: the built-in transformer behind the ``Engine`` protocol.
+
+This file decides what a request means to the tiny model: the prompt is plain text that the
+model continues (it was trained on plain prose; an empty prompt starts a new paragraph), how
+many tokens a reply may have (``max_tokens``, else ``default_max_tokens``, never past the
+context), and which requests are refused before any token (``RequestRejected`` naming the
+field). Closing a delta stream or cancelling its reader aborts the request at the runner's next
+step. It must not know about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+
+from replystream.engine.base import (
+    Delta,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    RequestRejected,
+)
+from replystream.engine.kv_cache import PagedKVCache
+from replystream.engine.model import TinyModel
+from replystream.engine.runner import DeltaQueue, RequestTimings, Runner
+from replystream.engine.sampling import check_sampling
+from replystream.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from replystream.engine.tokenizer import ByteTokenizer
+
+ASSETS = Path(__file__).parent / "tiny_assets"
+EMPTY_PROMPT = "\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class TinyEngineConfig:
+    """Capacity of the engine: the KV pool and the step limits."""
+
+    num_blocks: int = 512
+    block_size: int = 16
+    token_budget: int = 128
+    max_running: int = 32
+    default_max_tokens: int = 128
+    blas_threads: int | None = 1  # None leaves BLAS's own thread count
+
+    def __post_init__(self) -> None:
+        if min(self.num_blocks, self.block_size, self.default_max_tokens) < 1:
+            raise ValueError("num_blocks, block_size and default_max_tokens must be >= 1")
+
+
+class TinyDeltaStream:
+    """A request's deltas; ``request_id`` finds its timings (``TinyEngine.timings``)."""
+
+    def __init__(self, request_id: int, deltas: AsyncGenerator[Delta]) -> None:
+        self.request_id = request_id
+        self._deltas = deltas
+
+    def __aiter__(self) -> TinyDeltaStream:
+        return self
+
+    def __anext__(self) -> Awaitable[Delta]:
+        return self._deltas.__anext__()
+
+    def aclose(self) -> Awaitable[None]:
+        return self._deltas.aclose()
+
+
+class TinyEngine:
+    """Serves the tiny transformer with a paged KV cache and continuous batching."""
+
+    name = "tiny"
+
+    def __init__(
+        self, model: TinyModel, tokenizer: ByteTokenizer, config: TinyEngineConfig | None = None
+    ) -> None:
+        self.config = cfg = config or TinyEngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        c = model.config
+        cache = PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, cfg.num_blocks, cfg.block_size)
+        scheduler = Scheduler(cache.allocator, SchedulerConfig(cfg.token_budget, cfg.max_running))
+        self.runner = Runner(model, tokenizer, cache, scheduler, blas_threads=cfg.blas_threads)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    async def start(self, request: GenerationRequest) -> TinyDeltaStream:
+        check_sampling(request.sampling)
+        prompt = self.tokenizer.encode(request.prompt or EMPTY_PROMPT)
+        context = self.model.config.context
+        if len(prompt) >= context:
+            raise RequestRejected(
+                f"the prompt is {len(prompt)} tokens; the context holds {context}, "
+                f"so a prompt may have at most {context - 1}",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+        wanted = request.sampling.max_tokens or self.config.default_max_tokens
+        max_new = min(wanted, context - len(prompt))
+        scheduler = self.runner.scheduler
+        if scheduler.blocks_to_finish(len(prompt), max_new) > scheduler.allocator.num_blocks:
+            raise RequestRejected(
+                "the reply would need more KV blocks than the engine has", param="max_tokens"
+            )
+        self.runner.start()
+        request_id, queue = self.runner.submit(prompt, max_new, request.sampling)
+        return TinyDeltaStream(request_id, self._deltas(request_id, queue))
+
+    async def _deltas(self, request_id: int, queue: DeltaQueue) -> AsyncGenerator[Delta]:
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, EngineError):
+                    done = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    done = True
+                    return
+        finally:
+            if not done:  # closed early or the reader was cancelled
+                self.runner.abort(request_id)
+
+    def timings(self, request_id: int) -> RequestTimings | None:
+        """Timestamps of one request: queued, scheduled, each token, preemptions, finished."""
+        return self.runner.timings(request_id)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """Queue, step and KV-pool state (blocks used and free, bytes wasted)."""
+        return self.runner.scheduler_stats()
+
+    def stats(self) -> EngineStats:
+        return self.runner.stats()
+
+    async def aclose(self) -> None:
+        """Cancel every request and stop the worker thread (waits for at most one step)."""
+        await asyncio.to_thread(self.runner.stop)
+
+
+def load_default_engine(config: TinyEngineConfig | None = None) -> TinyEngine:
+    """The engine with the weights and tokenizer shipped in the package."""
+    return TinyEngine(TinyModel.load(ASSETS), ByteTokenizer(ASSETS / "tokenizer.json"), config)
