@@ -1,0 +1,272 @@
+"""``replystream lab-engine ttft|step|pool``: what prefill, batching and KV capacity cost.
+
+Each experiment runs the built-in tiny engine in this process, prints a table and writes a PNG:
+- ttft: time to first token against prompt length (prefill grows with the prompt);
+- step: time per decode step and tokens/s against the number of running sequences;
+- pool: more requests than the KV pool holds at once, against a pool that holds them all:
+  queueing grows time to first token, preemption shows as a stall inside a running stream.
+Times are the engine's own timestamps (``TinyEngine.timings``), not client-side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # the backend is chosen first, above
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+from replystream.engine.base import GenerationRequest, SamplingParams
+from replystream.engine.runner import RequestTimings
+from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+
+EXPERIMENTS = ("ttft", "step", "pool")
+WORDS = "and the children of Israel went up out of the land of Egypt unto the mount of God ".split()
+
+
+def prompt_of(engine: TinyEngine, tokens: int) -> str:
+    """A prompt of exactly ``tokens`` tokens (prose from the corpus's own words)."""
+    ids = engine.tokenizer.encode(" ".join(WORDS[i % len(WORDS)] for i in range(tokens)))
+    return engine.tokenizer.decode(ids[:tokens])
+
+
+async def _run_all(engine: TinyEngine, requests: list[GenerationRequest]) -> list[RequestTimings]:
+    streams = [await engine.start(r) for r in requests]
+
+    async def drain(stream_index: int) -> None:
+        async for _ in streams[stream_index]:
+            pass
+
+    async with asyncio.TaskGroup() as group:
+        for i in range(len(streams)):
+            group.create_task(drain(i))
+    timings = [engine.timings(s.request_id) for s in streams]
+    return [t for t in timings if t is not None]
+
+
+async def _warm_up(engine: TinyEngine) -> None:
+    """One short reply first, so the worker thread's start is not in any measurement."""
+    await _run_all(engine, [GenerationRequest("And", SamplingParams(max_tokens=2))])
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class TtftRow:
+    prompt_tokens: int
+    ttft_ms: float
+
+
+async def run_ttft(lengths: tuple[int, ...], repeats: int) -> list[TtftRow]:
+    """Median time from queued to first token, one request at a time, per prompt length."""
+    engine = load_default_engine()
+    rows = []
+    try:
+        await _warm_up(engine)
+        for n in lengths:
+            request = GenerationRequest(prompt_of(engine, n), SamplingParams(max_tokens=1))
+            samples = []
+            for _ in range(repeats):
+                (t,) = await _run_all(engine, [request])
+                assert t.first_token is not None
+                samples.append(_ms(t.first_token - t.queued))
+            rows.append(TtftRow(n, statistics.median(samples)))
+    finally:
+        await engine.aclose()
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    batch: int
+    step_ms: float
+    tokens_per_s: float
+
+
+async def run_step(batches: tuple[int, ...], tokens: int) -> list[StepRow]:
+    """Median gap between tokens while ``batch`` sequences decode together."""
+    engine = load_default_engine(TinyEngineConfig(max_running=max(batches)))
+    rows = []
+    try:
+        await _warm_up(engine)
+        prompt = prompt_of(engine, 32)
+        for batch in batches:
+            requests = [
+                GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=i))
+                for i in range(batch)
+            ]
+            timings = await _run_all(engine, requests)
+            gaps = [
+                b - a for t in timings for a, b in zip(t.tokens[4:], t.tokens[5:], strict=False)
+            ]
+            step = statistics.median(gaps)
+            rows.append(StepRow(batch, _ms(step), batch / step))
+    finally:
+        await engine.aclose()
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRun:
+    label: str
+    num_blocks: int
+    timings: list[RequestTimings]
+
+    @property
+    def ttfts_ms(self) -> list[float]:
+        return [_ms((t.first_token or t.queued) - t.queued) for t in self.timings]
+
+    @property
+    def max_gaps_ms(self) -> list[float]:
+        return [
+            _ms(max((b - a for a, b in zip(t.tokens, t.tokens[1:], strict=False)), default=0.0))
+            for t in self.timings
+        ]
+
+
+async def run_pool(requests: int, tokens: int, small_blocks: int) -> list[PoolRun]:
+    """The same burst of requests on a pool that holds them all and on one that does not."""
+    runs = []
+    for label, blocks in (("pool holds all", 2048), (f"{small_blocks}-block pool", small_blocks)):
+        engine = load_default_engine(TinyEngineConfig(num_blocks=blocks, max_running=requests))
+        try:
+            await _warm_up(engine)
+            prompt = prompt_of(engine, 40)
+            burst = [
+                GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=i))
+                for i in range(requests)
+            ]
+            runs.append(PoolRun(label, blocks, await _run_all(engine, burst)))
+        finally:
+            await engine.aclose()
+    return runs
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]], console: Console) -> None:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def report_ttft(rows: list[TtftRow], out: Path, console: Console) -> Path:
+    _table(
+        "time to first token against prompt length (tiny engine, one request at a time)",
+        ["prompt tokens", "TTFT, median"],
+        [[str(r.prompt_tokens), f"{r.ttft_ms:.2f} ms"] for r in rows],
+        console,
+    )
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([r.prompt_tokens for r in rows], [r.ttft_ms for r in rows], "o-")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("Prefill grows with the prompt")
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "engine-ttft.png")
+
+
+def report_step(rows: list[StepRow], out: Path, console: Console) -> Path:
+    _table(
+        "decode step time against running sequences (tiny engine)",
+        ["batch", "ms per step", "tokens/s, all sequences"],
+        [[str(r.batch), f"{r.step_ms:.2f}", f"{r.tokens_per_s:,.0f}"] for r in rows],
+        console,
+    )
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    left.plot([r.batch for r in rows], [r.step_ms for r in rows], "o-")
+    left.set_xlabel("sequences in the batch")
+    left.set_ylabel("time per decode step (ms)")
+    right.plot([r.batch for r in rows], [r.tokens_per_s for r in rows], "o-", color="#1e8449")
+    right.set_xlabel("sequences in the batch")
+    right.set_ylabel("tokens per second, all sequences")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle("A bigger batch makes each step slower and the engine faster")
+    return _save(fig, out / "engine-step.png")
+
+
+def report_pool(runs: list[PoolRun], out: Path, console: Console) -> Path:
+    rows = []
+    for run in runs:
+        ttft, gaps = run.ttfts_ms, run.max_gaps_ms
+        preempted = sum(1 for t in run.timings if t.preempted)
+        rows.append(
+            [
+                run.label,
+                f"{statistics.median(ttft):.1f} ms",
+                f"{max(ttft):.1f} ms",
+                f"{statistics.median(gaps):.1f} ms",
+                f"{max(gaps):.1f} ms",
+                f"{preempted}/{len(run.timings)}",
+            ]
+        )
+    _table(
+        "a burst of requests against KV capacity (engine-side times)",
+        ["pool", "TTFT median", "TTFT max", "longest gap, median", "longest gap, max", "preempted"],
+        rows,
+        console,
+    )
+    fig, axes = plt.subplots(1, len(runs), figsize=(12, 5), dpi=110, sharex=True)
+    for ax, run in zip(axes, runs, strict=True):
+        start = min(t.queued for t in run.timings)
+        for row, t in enumerate(run.timings):
+            first = t.first_token or t.queued
+            ax.plot([_ms(t.queued - start), _ms(first - start)], [row, row], color="#c0392b", lw=3)
+            ax.plot(
+                [_ms(x - start) for x in t.tokens],
+                [row] * len(t.tokens),
+                "|",
+                ms=4,
+                color="#2471a3",
+            )
+            for p in t.preempted:
+                ax.plot(_ms(p - start), row, "x", color="black")
+        ax.set_title(f"{run.label} ({run.num_blocks} blocks of 16)")
+        ax.set_xlabel("ms since the burst (red: waiting, blue: tokens, x: preempted)")
+        ax.set_ylabel("request")
+        ax.invert_yaxis()
+    return _save(fig, out / "engine-pool.png")
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("experiment", choices=EXPERIMENTS)
+    parser.add_argument("--out", type=Path, default=Path("."), help="folder for the PNG")
+    parser.add_argument("--repeats", type=int, default=5, help="ttft: runs per prompt length")
+    parser.add_argument("--tokens", type=int, default=64, help="step, pool: tokens per reply")
+    parser.add_argument("--requests", type=int, default=16, help="pool: requests in the burst")
+    parser.add_argument("--small-blocks", type=int, default=40, help="pool: the small pool")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    if args.experiment == "ttft":
+        lengths = (8, 32, 64, 128, 192, 255)
+        path = report_ttft(asyncio.run(run_ttft(lengths, args.repeats)), args.out, console)
+    elif args.experiment == "step":
+        batches = (1, 2, 4, 8, 16, 32)
+        path = report_step(asyncio.run(run_step(batches, args.tokens)), args.out, console)
+    else:
+        runs = asyncio.run(run_pool(args.requests, args.tokens, args.small_blocks))
+        path = report_pool(runs, args.out, console)
+    console.print(f"wrote {path}")
+    return 0
