@@ -10,6 +10,7 @@ import pytest
 from replystream.engine.base import (
     Delta,
     Engine,
+    EngineError,
     GenerationRequest,
     RequestRejected,
     SamplingParams,
@@ -191,7 +192,29 @@ async def test_aclose_ends_open_streams_with_an_error() -> None:
     stream = await engine.start(GenerationRequest(PROMPT, SamplingParams(max_tokens=250)))
     await anext(stream)
     await engine.aclose()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(EngineError, match="closed"):
         async for _ in stream:
             pass
     assert engine.stats().active == 0
+
+
+async def test_a_failing_step_ends_every_stream_with_an_engine_error(
+    engine: TinyEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object) -> None:
+        raise FloatingPointError("boom")
+
+    monkeypatch.setattr(engine.model, "forward", broken)
+    stream = await engine.start(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))
+    with pytest.raises(EngineError, match="boom"):
+        await anext(stream)
+    stats = engine.stats()
+    assert (stats.failed, stats.active) == (1, 0)
+    assert engine.scheduler_stats().kv.used_blocks == 0
+
+
+async def test_start_after_aclose_is_an_engine_error() -> None:
+    engine = load_default_engine()
+    await engine.aclose()
+    with pytest.raises(EngineError, match="closed"):
+        await engine.start(GenerationRequest(PROMPT))

@@ -117,9 +117,15 @@ class Runner:
         params: SamplingParams,
         deliver: Callable[[Delta | EngineError], None],
     ) -> int:
-        """Queue a request whose deltas go to ``deliver`` (called on the worker thread)."""
+        """Queue a request whose deltas go to ``deliver`` (called on the worker thread).
+
+        Raises:
+            EngineError: the runner was stopped.
+        """
         seed = 0 if params.seed is None else params.seed
         with self._cond:
+            if self._stopping:
+                raise EngineError("the engine was closed", code="engine_closed")
             request_id = self._next_id
             self._next_id += 1
             self._pending.append(
@@ -194,10 +200,13 @@ class Runner:
             self._retire(request)
 
     def _apply_pending(self) -> None:
-        for request in self._pending:
+        pending, self._pending = self._pending, []
+        for request in pending:
             self._requests[request.request_id] = request
-            self.scheduler.add(request.request_id, request.prompt, request.max_new)
-        self._pending.clear()
+            try:
+                self.scheduler.add(request.request_id, request.prompt, request.max_new)
+            except ValueError as error:  # the engine checks first; this is the last guard
+                self._fail(request, EngineError(str(error)))
         for request_id in self._aborts:
             live = self._requests.get(request_id)
             if live is not None and self.scheduler.abort(request_id):
@@ -243,10 +252,13 @@ class Runner:
             self._apply_pending()
             for request in list(self._requests.values()):
                 self.scheduler.abort(request.request_id)
-                request.finished, request.finish_reason = self.clock(), "failed"
-                request.deliver(EngineError(f"generation failed: {error!r}"))
-                self._counts["failed"] += 1
-                self._retire(request)
+                self._fail(request, EngineError(f"generation failed: {error!r}"))
+
+    def _fail(self, request: _Request, error: EngineError) -> None:
+        request.finished, request.finish_reason = self.clock(), "failed"
+        request.deliver(error)
+        self._counts["failed"] += 1
+        self._retire(request)
 
     def _idle(self) -> bool:
         return not (self._pending or self._aborts or self.scheduler.has_work())

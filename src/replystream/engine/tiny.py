@@ -103,8 +103,8 @@ class TinyEngine:
             raise RequestRejected(
                 "the reply would need more KV blocks than the engine has", param="max_tokens"
             )
-        self.runner.start()
         request_id, queue = self.runner.submit(prompt, max_new, request.sampling)
+        self.runner.start()
         return TinyDeltaStream(request_id, self._deltas(request_id, queue))
 
     async def _deltas(self, request_id: int, queue: DeltaQueue) -> AsyncGenerator[Delta]:
