@@ -2,8 +2,9 @@
 
 This file decides the command line, the requests (one streamed reply per path; with
 ``--direct``, the app's own URL and the proxied URL are measured at the same time) and how the
-diagnosis is printed. The verdict itself is ``diagnosis.diagnose``. The exit status is 0 only
-when the URL streams, so the command can gate CI.
+diagnosis is printed. It must not judge the delivery itself: the verdict, hop and fix are
+``diagnosis.diagnose``'s. The exit status is 0 only when the URL streams, so the command can
+gate CI.
 """
 
 from __future__ import annotations
