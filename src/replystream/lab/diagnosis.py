@@ -159,7 +159,7 @@ def _verdict(
     if median_gap > limits.burst_gap_ms:
         return "streaming", (
             f"text spread over {events} events, median gap {median_gap:.1f} ms"
-            f" (about one token's time)"
+            f" ({timing.tokens / events:.2f} tokens per event)"
         )
     largest = max(b.events for b in bursts)
     if largest >= limits.buffered_share * events:
