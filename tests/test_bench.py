@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from replystream.cli import main
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.load import LoadConfig, run_load
@@ -229,3 +230,17 @@ def test_lab_requests_keep_the_urls_own_query():
     spec = build_request("lab", "http://h/stream?seed=7", prompt="a b", max_tokens=4, model="x")
     assert (spec.method, spec.json_body) == ("GET", None)
     assert spec.url == "http://h/stream?seed=7&prompt=a+b&max_tokens=4"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "https://example.com/stream"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "itl:5"],
+        ["bench", "http://127.0.0.1:1/stream", "--output-tokens", "uniform:9:3"],
+        ["doctor", "ftp://example.com/stream"],
+    ],
+)
+def test_usage_errors_exit_2_before_sending_anything(argv, capsys):
+    assert main(argv) == 2
+    assert f"replystream {argv[0]}:" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from replystream.lab.bench_plots import plot_all
 from replystream.lab.bench_report import render
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
-from replystream.lab.workload import APIS, Lengths, detect_api
+from replystream.lab.workload import APIS, Lengths, check_url, detect_api
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +78,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, tuple[SLO, .
     if requests is None and args.duration is None:
         requests = 10
     config = LoadConfig(
-        url=args.url,
+        url=check_url(args.url),
         api=detect_api(args.url) if args.api == "auto" else args.api,
         concurrency=None if args.rate is not None else closed,
         rate=args.rate,

@@ -17,7 +17,7 @@ from typing import Any
 
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
-from replystream.lab.workload import APIS, Api, build_request, detect_api
+from replystream.lab.workload import APIS, Api, build_request, check_url, detect_api
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             "replystream doctor: --burst-gap-ms and --max-tokens must be positive", file=sys.stderr
         )
+        return 2
+    try:
+        for url in (args.url, args.direct):
+            if url is not None:
+                check_url(url)
+    except ValueError as exc:
+        print(f"replystream doctor: {exc}", file=sys.stderr)
         return 2
     thresholds = Thresholds(burst_gap_ms=args.burst_gap_ms)
     proxied_timing, direct_timing = asyncio.run(examine(args))
