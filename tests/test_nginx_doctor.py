@@ -123,12 +123,16 @@ def deploy_config(app_url: str, port: int) -> str:
 
 async def test_deploy_config_streams_events_and_compresses_json(app_url, tmp_path):
     port = free_port()
+    native_body = {"prompt": "hello", "max_tokens": 100}
     async with running_nginx(deploy_config(app_url, port), port, tmp_path) as proxy:
-        stream, wait = await asyncio.gather(
-            doctor(proxy), measure_reply(f"{proxy}/wait?max_tokens=40", timeout_s=30)
+        stream, native, wait = await asyncio.gather(
+            doctor(proxy),
+            measure_reply(f"{proxy}/v1/replies", method="POST", json_body=native_body),
+            measure_reply(f"{proxy}/wait?max_tokens=40", timeout_s=30),
         )
     assert stream.verdict == "streaming", stream.reason
     assert "content-encoding" not in stream.headers
+    assert diagnose(native).verdict == "streaming", diagnose(native).reason
     assert wait.complete and wait.headers.get("content-encoding") == "gzip"
 
 
