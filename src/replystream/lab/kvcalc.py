@@ -53,7 +53,8 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("llama-2-7b", 32, 32, 128, 4096, 6.74),
         # hidden 4096, 32 query heads, 8 KV heads, every layer windowed to 4,096 tokens
         ModelShape("mistral-7b-v0.1", 32, 8, 128, 32768, 7.24, sliding_window=4096),
-        # hidden 3584, 28 query heads, 4 KV heads (use_sliding_window is false)
+        # hidden 3584, 28 query heads, 4 KV heads; no window (use_sliding_window is false);
+        # context as in Qwen2-7B-Instruct's config (longer contexts need YaRN scaling)
         ModelShape("qwen2-7b", 28, 4, 128, 32768, 7.62),
     )
 }
