@@ -59,9 +59,9 @@ def decode_run(
     for b in range(batch):  # prompts of different lengths, as real traffic has
         n = int(rng.integers(len(prompt) // 2, len(prompt) + 1))
         cache.allocator.reserve(b, n)
-        logits = model.forward([Chunk(b, tuple(prompt[:n]), 0)], cache)
+        logits = model.prefill(b, prompt[:n], cache)
         lengths.append(n)
-        nxt.append(int(np.argmax(logits[0])))
+        nxt.append(int(np.argmax(logits)))
     times, read = [], []
     waste = []
     for _ in range(steps):
@@ -69,7 +69,7 @@ def decode_run(
         for b in range(batch):
             cache.allocator.reserve(b, lengths[b] + 1)
         began = time.perf_counter()
-        logits = model.forward(chunks, cache)  # (batch, vocab)
+        logits = model.decode(chunks, cache)  # (batch, vocab)
         nxt = [int(i) for i in np.argmax(logits, axis=-1)]
         times.append(time.perf_counter() - began)
         lengths = [n + 1 for n in lengths]

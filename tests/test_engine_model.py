@@ -50,7 +50,7 @@ def reserve(cache: KVStore, seq_id: int, length: int) -> None:
 
 def prefill(model: TinyModel, cache: KVStore, seq_id: int, tokens: list[int]) -> np.ndarray:
     reserve(cache, seq_id, len(tokens))
-    logits: np.ndarray = model.forward([Chunk(seq_id, tuple(tokens), 0)], cache)[0]
+    logits: np.ndarray = model.prefill(seq_id, tokens, cache)
     return logits
 
 
@@ -63,7 +63,7 @@ def test_decode_with_the_kv_cache_equals_a_full_recompute(
     got = [prefill(model, cache, 0, tokens[:5])]
     for pos in range(5, len(tokens)):
         reserve(cache, 0, pos + 1)
-        got.append(model.forward([Chunk(0, (tokens[pos],), pos)], cache)[0])
+        got.append(model.decode([Chunk(0, (tokens[pos],), pos)], cache)[0])
     np.testing.assert_allclose(np.stack(got), full[4:], atol=ATOL, rtol=0)
 
 
@@ -95,9 +95,9 @@ def decode_steps(
         for ch in chunks:
             reserve(cache, ch.seq_id, ch.start + 1)
         if batched:
-            last = list(model.forward(chunks, cache))
+            last = list(model.decode(chunks, cache))
         else:
-            last = [model.forward([ch], cache)[0] for ch in chunks]
+            last = [model.decode([ch], cache)[0] for ch in chunks]
         lengths = [n + 1 for n in lengths]
         out.append(np.stack(last))
     return out
@@ -135,6 +135,11 @@ def test_paged_cache_equals_a_contiguous_one(model: TinyModel, prompts: list[lis
     with_arrays = decode_steps(model, contiguous, prompts, 10, batched=True)
     for a, b in zip(with_blocks, with_arrays, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_decode_refuses_a_chunk_of_several_tokens(model: TinyModel) -> None:
+    with pytest.raises(ValueError, match="one token"):
+        model.decode([Chunk(0, (1, 2), 0)], paged(model))
 
 
 def test_positions_beyond_the_context_are_refused(model: TinyModel) -> None:

@@ -229,12 +229,9 @@ class TinyModel:
                 rows = slice(ends[i] - lengths[i], ends[i])
                 cache.write(layer, ch.seq_id, ch.start, k[rows], v[rows])
             for i, ch in enumerate(chunks):
-                if lengths[i] > 1:  # prefill: causal within the chunk, all of the cached prefix
+                if lengths[i] > 1:
                     rows = slice(ends[i] - lengths[i], ends[i])
-                    total = ch.start + lengths[i]
-                    kc, vc = cache.read(layer, ch.seq_id, total)  # (total, KV, D)
-                    causal = np.arange(total)[None, :] <= pos[rows][:, None]  # (T, total)
-                    att[rows] = self._attend(q[rows][None], kc[None], vc[None], causal[None])[0]
+                    att[rows] = self._prefill_attention(layer, ch, q[rows], cache)
             if decode:
                 rows_d = ends[decode] - 1  # (B,)
                 att[rows_d] = self._decode_attention(
@@ -243,7 +240,27 @@ class TinyModel:
             x = x + att.reshape(len(ids), -1) @ w.wo  # (N, d_model)
             x = x + self._mlp(w, x)
         last = rms_norm(x[ends - 1], self.final_norm, c.norm_eps)  # (chunks, d_model)
-        return (last @ self.unembed_t).astype(np.float32)  # (chunks, vocab)
+        return (last @ self.unembed_t).astype(np.float32, copy=False)  # (chunks, vocab)
+
+    def prefill(self, seq_id: int, tokens: Sequence[int], cache: KVStore) -> F32:
+        """Run a whole prompt in one pass, fill its cache; the next token's logits (vocab,)."""
+        logits: F32 = self.forward([Chunk(seq_id, tuple(tokens), 0)], cache)[0]
+        return logits
+
+    def decode(self, chunks: Sequence[Chunk], cache: KVStore) -> F32:
+        """One new token per sequence against its cache: (sequences, vocab) logits."""
+        if any(len(ch.tokens) != 1 for ch in chunks):
+            raise ValueError("decode takes exactly one token per sequence")
+        return self.forward(chunks, cache)
+
+    def _prefill_attention(self, layer: int, chunk: Chunk, q: F32, cache: KVStore) -> F32:
+        """A chunk's queries (T, H, D), causal within the chunk, over all of its cached prefix."""
+        total = chunk.start + len(chunk.tokens)
+        k, v = cache.read(layer, chunk.seq_id, total)  # (total, kv heads, head dim)
+        query_pos = np.arange(chunk.start, total)  # (T,)
+        causal = np.arange(total)[None, :] <= query_pos[:, None]  # (T, total)
+        out: F32 = self._attend(q[None], k[None], v[None], causal[None])[0]  # (T, heads, head dim)
+        return out
 
     def _decode_attention(self, layer: int, chunks: Sequence[Chunk], q: F32, cache: KVStore) -> F32:
         """One new query per sequence against its cache, padded to the longest: (B, H, D)."""
@@ -269,4 +286,5 @@ class TinyModel:
             att = self._attend(q[None], k[None], v[None], causal)[0]  # (T, heads, head dim)
             x = x + att.reshape(T, -1) @ w.wo
             x = x + self._mlp(w, x)
-        return (rms_norm(x, self.final_norm, c.norm_eps) @ self.unembed_t).astype(np.float32)
+        logits: F32 = rms_norm(x, self.final_norm, c.norm_eps) @ self.unembed_t  # (T, vocab)
+        return logits
