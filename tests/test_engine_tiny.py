@@ -218,3 +218,11 @@ async def test_start_after_aclose_is_an_engine_error() -> None:
     await engine.aclose()
     with pytest.raises(EngineError, match="closed"):
         await engine.start(GenerationRequest(PROMPT))
+
+
+async def test_closing_a_stream_before_reading_it_aborts_the_request(engine: TinyEngine) -> None:
+    stream = await engine.start(GenerationRequest(PROMPT, SamplingParams(max_tokens=250)))
+    await stream.aclose()
+    await wait_for(lambda: engine.stats().active == 0)
+    assert engine.stats().cancelled == 1
+    assert engine.scheduler_stats().kv.used_blocks == 0

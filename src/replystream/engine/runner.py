@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 DeltaQueue = asyncio.Queue[Delta | EngineError]
+TIMINGS_KEPT = 4096  # timings of ended requests kept for readers, oldest dropped first
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +90,7 @@ class Runner:
         self._pending: list[_Request] = []
         self._aborts: list[int] = []
         self._requests: dict[int, _Request] = {}
-        self._timings: dict[int, RequestTimings] = {}
+        self._timings: OrderedDict[int, RequestTimings] = OrderedDict()  # ended, newest last
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -222,6 +224,8 @@ class Runner:
 
     def _retire(self, request: _Request) -> None:
         self._timings[request.request_id] = self._snapshot(request)
+        while len(self._timings) > TIMINGS_KEPT:
+            self._timings.popitem(last=False)
         del self._requests[request.request_id]
 
     @staticmethod
@@ -237,7 +241,7 @@ class Runner:
         )
 
     def timings(self, request_id: int) -> RequestTimings | None:
-        """A request's timestamps so far (kept after it ends)."""
+        """A request's timestamps so far (kept after it ends, for the last 4,096 that ended)."""
         with self._cond:
             live = self._requests.get(request_id)
             if live is not None:

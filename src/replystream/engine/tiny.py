@@ -50,11 +50,16 @@ class TinyEngineConfig:
 
 
 class TinyDeltaStream:
-    """A request's deltas; ``request_id`` finds its timings (``TinyEngine.timings``)."""
+    """A request's deltas; ``request_id`` finds its timings (``TinyEngine.timings``).
 
-    def __init__(self, request_id: int, deltas: AsyncGenerator[Delta]) -> None:
+    ``aclose`` aborts the request even before the first read (an async generator that never
+    started would skip its ``finally``); aborting a finished request does nothing.
+    """
+
+    def __init__(self, request_id: int, deltas: AsyncGenerator[Delta], runner: Runner) -> None:
         self.request_id = request_id
         self._deltas = deltas
+        self._runner = runner
 
     def __aiter__(self) -> TinyDeltaStream:
         return self
@@ -63,6 +68,7 @@ class TinyDeltaStream:
         return self._deltas.__anext__()
 
     def aclose(self) -> Awaitable[None]:
+        self._runner.abort(self.request_id)
         return self._deltas.aclose()
 
 
@@ -105,7 +111,7 @@ class TinyEngine:
             )
         request_id, queue = self.runner.submit(prompt, max_new, request.sampling)
         self.runner.start()
-        return TinyDeltaStream(request_id, self._deltas(request_id, queue))
+        return TinyDeltaStream(request_id, self._deltas(request_id, queue), self.runner)
 
     async def _deltas(self, request_id: int, queue: DeltaQueue) -> AsyncGenerator[Delta]:
         done = False
