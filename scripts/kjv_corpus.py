@@ -20,6 +20,7 @@ def ensure_bible_program() -> str:
     """Path of the ``bible`` program, installing Debian's ``bible-kjv`` as root if missing."""
     found = shutil.which("bible")
     if found is None:
+        subprocess.run(["apt-get", "update", "-q"], check=True)
         subprocess.run(["apt-get", "install", "-y", "-q", "bible-kjv"], check=True)
         found = shutil.which("bible")
     if found is None:
