@@ -16,7 +16,11 @@ async def test_stream_has_named_token_usage_and_done_events():
         got = await post_events(f"{url}/v1/replies", {"prompt": "say it", "seed": 1})
     assert got.status == 200
     assert got.headers["content-type"] == "text/event-stream"
-    assert got.types == ["token"] * 4 + ["usage", "done"]
+    assert got.types == ["reply"] + ["token"] * 4 + ["usage", "done"]
+    # Every event is numbered, the first names the reply, and the header does too.
+    assert [e.id for e in got.events] == [str(n) for n in range(1, 8)]
+    assert got.of_type("reply") == [{"reply_id": got.headers["x-reply-id"]}]
+    assert len(got.headers["x-reply-id"]) >= 22  # at least 128 random bits, base64url
     assert got.text == "one two three four "
     assert got.of_type("token")[0] == {"text": "one ", "tokens": 1}
     assert got.of_type("usage") == [{"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}]
@@ -101,6 +105,6 @@ async def test_generator_errors_before_and_after_the_first_byte():
         got = await post_events(f"{url}/v1/replies", {"prompt": "x"})
         timing = await measure_reply(f"{url}/v1/replies", method="POST", json_body={"prompt": "x"})
     assert got.status == 200
-    assert got.types == ["token"] * 4 + ["error"]
+    assert got.types == ["reply"] + ["token"] * 4 + ["error"]
     assert got.of_type("error")[0]["error"]["code"] == "generation_failed"
     assert not timing.complete and timing.error and "error" in timing.error

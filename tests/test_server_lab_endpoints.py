@@ -16,7 +16,8 @@ async def test_article_reply_is_93_bytes_buffered_and_276_streamed():
     async with serve_engine(engine) as url:
         wait = await raw_request(f"{url}/wait")
         wait_body = await wait.read_body()
-        stream = await raw_request(f"{url}/stream")
+        # ids=0: the article's exact framing, without event ids or the opening reply event.
+        stream = await raw_request(f"{url}/stream?ids=0")
         stream_body = await stream.read_body()
     assert wait.status == stream.status == 200
     assert len(wait_body) == 93
@@ -25,6 +26,17 @@ async def test_article_reply_is_93_bytes_buffered_and_276_streamed():
     assert stream_body.startswith(b'data: "A "\n\ndata: "model "\n\n')
     assert stream_body.endswith(b'data: "time. "\n\ndata: [DONE]\n\n')
     assert wait.headers["content-type"].startswith("application/json")
+
+
+async def test_lab_stream_numbers_every_event_and_names_its_reply():
+    engine = fast_engine(reply_text=ARTICLE_REPLY)
+    async with serve_engine(engine) as url:
+        stream = await raw_request(f"{url}/stream")
+        body = await stream.read_body()
+    reply_id = stream.headers["x-reply-id"]
+    assert body.startswith(b'event: reply\nid: 1\ndata: {"reply_id": "%s"}\n\n' % reply_id.encode())
+    assert b'id: 2\ndata: "A "\n\n' in body
+    assert body.endswith(b"id: 20\ndata: [DONE]\n\n")
 
 
 async def test_stream_headers_arrive_before_the_first_token_exists():
@@ -58,8 +70,8 @@ async def test_client_leaving_a_stream_cancels_generation():
     engine = fast_engine(delay_ms=10, jitter_ms=0)
     async with serve_engine(engine) as url:
         response = await raw_request(f"{url}/stream")
-        await response.reader.readuntil(b"\n\n")
-        await response.reader.readuntil(b"\n\n")
+        for _ in range(3):  # the reply event and two tokens
+            await response.reader.readuntil(b"\n\n")
         await response.aclose()
         await _assert_generation_stops(engine, 2)
 
@@ -88,7 +100,7 @@ async def test_mid_stream_error_is_an_error_event_and_the_reply_is_incomplete():
     assert not timing.complete
     assert timing.error is not None and "error" in timing.error
     assert timing.tokens == 5
-    assert b"event: error\ndata: " in body
+    assert b"event: error\nid: 7\ndata: " in body
     assert b"[DONE]" not in body
 
 

@@ -92,7 +92,8 @@ async def test_metrics_count_what_happened():
         )
         assert not moderated.complete
         response = await raw_request(f"{url}/stream")
-        await response.reader.readuntil(b"\n\n")
+        await response.reader.readuntil(b"\n\n")  # the reply event
+        await response.reader.readuntil(b"\n\n")  # the first token
         await response.aclose()
         await wait_for(lambda: engine.stats().active == 0)
         bad = await raw_request(f"{url}/stream?seed=x")

@@ -1,9 +1,13 @@
-"""How a reply's pieces are framed as server-sent events, one class per wire dialect.
+"""How a reply's pieces become server-sent events, one class per wire dialect.
 
-The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
-``data: [DONE]`` at the end. The native dialect names every event (``token``, ``usage``,
-``moderated``, ``error``, ``done``), so a client can tell an error from a finish without
-parsing JSON. Both end a failed reply with ``event: error`` and never with their end marker.
+A format returns event specs, ``(type, data)`` with ``type=None`` for a plain message; the
+pipeline numbers and encodes them. Every dialect starts a reply with a ``reply`` event naming
+its id (what a client needs to resume), and ends a failed reply with ``event: error`` and
+never with its end marker.
+- The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
+  ``data: [DONE]`` at the end.
+- The native dialect names every event (``token``, ``usage``, ``moderated``, ``error``,
+  ``done``), so a client can tell an error from a finish without parsing JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from replystream.delivery.moderation import Violation
 from replystream.sse import encode_comment, encode_data
 
 KEEPALIVE = encode_comment("keep-alive")
+
+Spec = tuple[str | None, str]  # (event type, None meaning "message"; data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,19 +38,26 @@ class Usage:
 
 
 class StreamFormat(Protocol):
-    """Frames for one dialect; each method returns whole events as bytes."""
+    """The events of one dialect."""
 
-    def text(self, text: str, tokens: int) -> bytes: ...
+    def started(self, reply_id: str) -> list[Spec]: ...
 
-    def finished(self, finish_reason: str, usage: Usage) -> bytes: ...
+    def text(self, text: str, tokens: int) -> Spec: ...
 
-    def error(self, message: str, code: str) -> bytes: ...
+    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]: ...
 
-    def moderated(self, violation: Violation) -> bytes: ...
+    def error(self, message: str, code: str) -> list[Spec]: ...
+
+    def moderated(self, violation: Violation) -> list[Spec]: ...
+
+
+def error_spec(message: str, code: str) -> Spec:
+    return "error", json.dumps({"error": {"message": message, "code": code}})
 
 
 def error_frame(message: str, code: str) -> bytes:
-    return encode_data(json.dumps({"error": {"message": message, "code": code}}), type="error")
+    """An unnumbered in-band error event (for endings decided by a reader, not the log)."""
+    return encode_data(error_spec(message, code)[1], type="error")
 
 
 def moderated_payload(violation: Violation) -> dict[str, object]:
@@ -56,35 +69,46 @@ def moderated_payload(violation: Violation) -> dict[str, object]:
     }
 
 
+def reply_spec(reply_id: str) -> Spec:
+    return "reply", json.dumps({"reply_id": reply_id})
+
+
 class LabFormat:
     """``data: "text"`` per event, ``data: [DONE]`` at the end (the article's format)."""
 
-    def text(self, text: str, tokens: int) -> bytes:
-        return encode_data(json.dumps(text))
+    def started(self, reply_id: str) -> list[Spec]:
+        return [reply_spec(reply_id)]
 
-    def finished(self, finish_reason: str, usage: Usage) -> bytes:
-        return b"data: [DONE]\n\n"
+    def text(self, text: str, tokens: int) -> Spec:
+        return None, json.dumps(text)
 
-    def error(self, message: str, code: str) -> bytes:
-        return error_frame(message, code)
+    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+        return [(None, "[DONE]")]
 
-    def moderated(self, violation: Violation) -> bytes:
-        return encode_data(json.dumps(moderated_payload(violation)), type="moderated")
+    def error(self, message: str, code: str) -> list[Spec]:
+        return [error_spec(message, code)]
+
+    def moderated(self, violation: Violation) -> list[Spec]:
+        return [("moderated", json.dumps(moderated_payload(violation)))]
 
 
 class NativeFormat:
-    """Named events: ``token``, ``usage``, ``moderated``, ``error``, ``done``."""
+    """Named events: ``reply``, ``token``, ``usage``, ``moderated``, ``error``, ``done``."""
 
-    def text(self, text: str, tokens: int) -> bytes:
-        return encode_data(json.dumps({"text": text, "tokens": tokens}), type="token")
+    def started(self, reply_id: str) -> list[Spec]:
+        return [reply_spec(reply_id)]
 
-    def finished(self, finish_reason: str, usage: Usage) -> bytes:
-        return encode_data(json.dumps(usage.as_dict()), type="usage") + encode_data(
-            json.dumps({"finish_reason": finish_reason}), type="done"
-        )
+    def text(self, text: str, tokens: int) -> Spec:
+        return "token", json.dumps({"text": text, "tokens": tokens})
 
-    def error(self, message: str, code: str) -> bytes:
-        return error_frame(message, code)
+    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+        return [
+            ("usage", json.dumps(usage.as_dict())),
+            ("done", json.dumps({"finish_reason": finish_reason})),
+        ]
 
-    def moderated(self, violation: Violation) -> bytes:
-        return encode_data(json.dumps(moderated_payload(violation)), type="moderated")
+    def error(self, message: str, code: str) -> list[Spec]:
+        return [error_spec(message, code)]
+
+    def moderated(self, violation: Violation) -> list[Spec]:
+        return [("moderated", json.dumps(moderated_payload(violation)))]

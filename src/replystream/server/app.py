@@ -3,16 +3,23 @@
 Routes:
 - ``GET /wait`` and ``GET /stream``: the lab's two deliveries of the same generation (a JSON
   body ``{"text": ...}``, or one ``data: "<token>"`` event per token then ``data: [DONE]``);
-  query parameters ``prompt``, ``seed``, ``max_tokens``.
-- ``POST /v1/replies``: the native endpoint (named events, delivery policies, ``stream``).
+  query parameters ``prompt``, ``seed``, ``max_tokens``, ``resumable=1``, and ``ids=0`` for
+  the reference article's exact framing (no event ids, no ``reply`` event).
+- ``POST /v1/replies``: the native endpoint (named events, delivery policies, ``stream``,
+  ``resumable``).
+- ``GET /v1/replies/{id}/stream``: resume a reply after ``Last-Event-ID`` (header) or
+  ``last_event_id`` (query); ``POST /v1/replies/{id}/cancel``: stop it.
 - ``GET /metrics`` (Prometheus text format) and ``GET /healthz``.
-Requests become generations here; how they are delivered is ``server.delivery``'s job.
-It must not know how tokens are made.
+A streamed reply is produced into its reply log by a task of the ``ReplyManager`` and read from
+the log by the connection (``server.reader``); buffered replies are collected whole
+(``server.buffered``). This file turns requests into those; it must not know how tokens are
+made.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,8 +28,22 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from replystream.delivery.formats import (
+    LabFormat,
+    NativeFormat,
+    StreamFormat,
+    Usage,
+    moderated_payload,
+)
 from replystream.delivery.moderation import Violation
+from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import (
+    MemoryReplayStore,
+    ReplayStore,
+    ReplyInfo,
+    StoreUnavailable,
+)
 from replystream.engine.base import (
     DeltaStream,
     Engine,
@@ -31,16 +52,13 @@ from replystream.engine.base import (
     RequestRejected,
     SamplingParams,
 )
-from replystream.server.delivery import (
-    ActiveReplies,
-    ReplyContext,
-    buffered_reply,
-    stream_reply,
-)
+from replystream.server.buffered import buffered_reply
 from replystream.server.errors import HTTPAPIError, error_response
-from replystream.server.formats import LabFormat, NativeFormat, Usage, moderated_payload
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.native import parse_reply_request, read_json_object
+from replystream.server.pages import add_page_routes
+from replystream.server.reader import SSE_HEADERS, LogReader
+from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
 
 log = logging.getLogger("replystream.server")
 
@@ -54,12 +72,16 @@ class ServerConfig:
     max_prompt_chars: int = 100_000
     shutdown_grace_s: float = 10.0
     gzip_min_bytes: int = 512
+    resumable_by_default: bool = False
+    detach_grace_s: float = 30.0
 
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 CONFIG_KEY = web.AppKey("config", ServerConfig)
 METRICS_KEY = web.AppKey("metrics", Metrics)
-ACTIVE_KEY = web.AppKey("active", ActiveReplies)
+MANAGER_KEY = web.AppKey("manager", ReplyManager)
+STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
+LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LAB_FORMAT = LabFormat()
@@ -83,6 +105,17 @@ def _int_query(request: web.Request, name: str, *, minimum: int) -> int | None:
     return value
 
 
+def _flag_query(request: web.Request, name: str, default: bool) -> bool:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "no"):
+        return False
+    raise HTTPAPIError(400, f"{name} must be 0 or 1, got {raw!r}", code="invalid_value", param=name)
+
+
 def lab_request(request: web.Request) -> GenerationRequest:
     """The generation asked for by the lab endpoints' query string (prompt, seed, max_tokens)."""
     sampling = SamplingParams(
@@ -90,6 +123,12 @@ def lab_request(request: web.Request) -> GenerationRequest:
         max_tokens=_int_query(request, "max_tokens", minimum=1),
     )
     return GenerationRequest(prompt=request.query.get("prompt", ""), sampling=sampling)
+
+
+def owner_of(request: web.Request) -> str:
+    """Who may read and cancel the replies this request starts ("" when auth is off)."""
+    owner = request.get("owner", "")
+    return owner if isinstance(owner, str) else ""
 
 
 async def start_generation(
@@ -110,47 +149,131 @@ async def start_generation(
     return deltas
 
 
-def _context(
-    request: web.Request, record: ReplyRecord, policy: DeliveryPolicy, prompt: str
-) -> ReplyContext:
+async def start_reply(
+    request: web.Request,
+    generation: GenerationRequest,
+    *,
+    endpoint: str,
+    fmt: StreamFormat,
+    policy: DeliveryPolicy,
+    resumable: bool,
+    disconnect: Disconnect | None = None,
+    numbered: bool = True,
+) -> Reply:
+    """Admit a generation and start producing it into a new reply log."""
     app = request.app
-    return ReplyContext(
-        policy=policy,
-        metrics=app[METRICS_KEY],
-        active=app[ACTIVE_KEY],
+    record = ReplyRecord(endpoint, streamed=True)
+    store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
+    reply_id = secrets.token_urlsafe(18)  # 144 random bits: not guessable, not enumerable
+    deltas = await start_generation(request, generation, record)
+    try:
+        await store.create(ReplyInfo(reply_id, owner=owner_of(request)))
+    except StoreUnavailable as exc:
+        await close_quietly(deltas)
+        record.outcome, record.reason = "rejected", "replay_store_unavailable"
+        app[METRICS_KEY].observe(record)
+        raise HTTPAPIError(
+            503,
+            f"resumable replies are unavailable right now: {exc}",
+            code="replay_store_unavailable",
+        ) from exc
+    reply = Reply(
+        reply_id=reply_id,
+        deltas=deltas,
+        pipeline=ReplyPipeline(fmt, policy, numbered=numbered),
+        store=store,
         record=record,
-        prompt_tokens=app[ENGINE_KEY].count_tokens(prompt),
+        prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
+        disconnect=disconnect or ("detach" if resumable else "cancel"),
+        detach_grace_s=app[CONFIG_KEY].detach_grace_s,
+        manager=app[MANAGER_KEY],
+        resumable=resumable,
     )
+    app[MANAGER_KEY].start(reply)
+    return reply
+
+
+async def follow_reply(
+    request: web.Request,
+    *,
+    reply_id: str,
+    store: ReplayStore,
+    policy: DeliveryPolicy,
+    reply: Reply | None,
+    after: int = 0,
+) -> web.StreamResponse:
+    """Stream a reply's log to this connection, from after event ``after``."""
+    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Reply-Id": reply_id})
+    reader = LogReader(
+        request=request,
+        response=response,
+        reply_id=reply_id,
+        store=store,
+        policy=policy,
+        manager=request.app[MANAGER_KEY],
+        reply=reply,
+        record=None if reply is None else reply.record,
+        after=after,
+    )
+    await reader.run()
+    return response
 
 
 def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
     return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
 
 
+def _native_body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    return {"text": text, "finish_reason": finish_reason, "usage": usage.as_dict()}
+
+
+async def _buffered(
+    request: web.Request,
+    generation: GenerationRequest,
+    endpoint: str,
+    policy: DeliveryPolicy,
+    body: Callable[[str, str, Usage], dict[str, Any]],
+) -> web.Response:
+    app = request.app
+    record = ReplyRecord(endpoint, streamed=False)
+    deltas = await start_generation(request, generation, record)
+    return await buffered_reply(
+        deltas,
+        manager=app[MANAGER_KEY],
+        record=record,
+        checks=policy.checks,
+        prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
+        body=body,
+        moderated_body=_moderated_body,
+    )
+
+
 async def handle_wait(request: web.Request) -> web.StreamResponse:
     """Buffered delivery: collect the whole reply, then send ``{"text": ...}`` once."""
-    record = ReplyRecord("/wait", streamed=False)
-    generation = lab_request(request)
     policy = request.app[CONFIG_KEY].policy
-    deltas = await start_generation(request, generation, record)
-    ctx = _context(request, record, policy, generation.prompt)
-    return await buffered_reply(
-        deltas, ctx, lambda text, _reason, _usage: {"text": text}, _moderated_body
+    return await _buffered(
+        request, lab_request(request), "/wait", policy, lambda text, _r, _u: {"text": text}
     )
 
 
 async def handle_stream(request: web.Request) -> web.StreamResponse:
     """Streamed delivery: one event per token (a JSON string), then ``data: [DONE]``."""
-    record = ReplyRecord("/stream", streamed=True)
+    config = request.app[CONFIG_KEY]
     generation = lab_request(request)
-    policy = request.app[CONFIG_KEY].policy
-    deltas = await start_generation(request, generation, record)
-    ctx = _context(request, record, policy, generation.prompt)
-    return await stream_reply(request, deltas, LAB_FORMAT, ctx)
-
-
-def _native_body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-    return {"text": text, "finish_reason": finish_reason, "usage": usage.as_dict()}
+    numbered = _flag_query(request, "ids", True)
+    resumable = _flag_query(request, "resumable", config.resumable_by_default) and numbered
+    reply = await start_reply(
+        request,
+        generation,
+        endpoint="/stream",
+        fmt=LAB_FORMAT,
+        policy=config.policy,
+        resumable=resumable,
+        numbered=numbered,
+    )
+    return await follow_reply(
+        request, reply_id=reply.reply_id, store=reply.store, policy=config.policy, reply=reply
+    )
 
 
 async def handle_replies(request: web.Request) -> web.StreamResponse:
@@ -158,15 +281,89 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
     body = await read_json_object(request)
     try:
-        reply = parse_reply_request(body, config.policy, config.max_prompt_chars)
+        ask = parse_reply_request(body, config.policy, config.max_prompt_chars)
     except ValueError as exc:  # a policy value the field checks let through
         raise HTTPAPIError(400, str(exc), code="invalid_value") from exc
-    record = ReplyRecord("/v1/replies", streamed=reply.stream)
-    deltas = await start_generation(request, reply.generation, record)
-    ctx = _context(request, record, reply.policy, reply.generation.prompt)
-    if reply.stream:
-        return await stream_reply(request, deltas, NATIVE_FORMAT, ctx)
-    return await buffered_reply(deltas, ctx, _native_body, _moderated_body)
+    if not ask.stream:
+        return await _buffered(request, ask.generation, "/v1/replies", ask.policy, _native_body)
+    resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
+    reply = await start_reply(
+        request,
+        ask.generation,
+        endpoint="/v1/replies",
+        fmt=NATIVE_FORMAT,
+        policy=ask.policy,
+        resumable=resumable,
+        disconnect=ask.disconnect,
+    )
+    return await follow_reply(
+        request, reply_id=reply.reply_id, store=reply.store, policy=ask.policy, reply=reply
+    )
+
+
+def _last_event_id(request: web.Request) -> int:
+    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", "0")).strip()
+    if raw == "":
+        return 0
+    if not raw.isdigit():
+        raise HTTPAPIError(
+            400,
+            f"Last-Event-ID must be an event id from this reply, got {raw!r}",
+            code="invalid_value",
+            param="last_event_id",
+        )
+    return int(raw)
+
+
+async def _find_reply(request: web.Request) -> tuple[str, ReplayStore, Reply | None]:
+    """The reply named in the path, if it exists, has not expired and is the caller's."""
+    app = request.app
+    reply_id = request.match_info["reply_id"]
+    local = app[MANAGER_KEY].get(reply_id)
+    store = local.store if local is not None else app[STORE_KEY]
+    try:
+        info = await store.info(reply_id)
+        if info is None and local is None and store is not app[LOCAL_STORE_KEY]:
+            store = app[LOCAL_STORE_KEY]
+            info = await store.info(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(
+            503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
+        ) from exc
+    # Another key's reply looks exactly like one that does not exist.
+    if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
+        raise HTTPAPIError(
+            404,
+            "no such reply (unknown, expired, or not yours)",
+            code="reply_not_found",
+            param="reply_id",
+        )
+    return reply_id, store, local
+
+
+async def handle_resume(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live."""
+    after = _last_event_id(request)
+    reply_id, store, local = await _find_reply(request)
+    policy = request.app[CONFIG_KEY].policy
+    return await follow_reply(
+        request, reply_id=reply_id, store=store, policy=policy, reply=local, after=after
+    )
+
+
+async def handle_cancel(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/replies/{id}/cancel``: stop generating a reply (on whichever replica)."""
+    reply_id, store, local = await _find_reply(request)
+    if local is not None:
+        local.stop("cancelled")
+    else:
+        try:
+            await store.request_cancel(reply_id)
+        except StoreUnavailable as exc:
+            raise HTTPAPIError(
+                503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
+            ) from exc
+    return web.json_response({"reply_id": reply_id, "cancel_requested": True})
 
 
 async def handle_metrics(request: web.Request) -> web.StreamResponse:
@@ -219,24 +416,38 @@ async def compress_documents(request: web.Request, handler: Handler) -> web.Stre
     return response
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> web.Application:
-    """The replystream application serving ``engine``."""
+def create_app(
+    engine: Engine, config: ServerConfig | None = None, store: ReplayStore | None = None
+) -> web.Application:
+    """The replystream application serving ``engine``; resumable replies go to ``store``
+    (default: this process's memory)."""
     config = config or ServerConfig()
     app = web.Application(
         middlewares=[compress_documents, api_errors], client_max_size=config.max_body_bytes
     )
+    local_store = MemoryReplayStore()
+    metrics = Metrics()
     app[ENGINE_KEY] = engine
     app[CONFIG_KEY] = config
-    app[METRICS_KEY] = Metrics()
-    app[ACTIVE_KEY] = ActiveReplies()
+    app[METRICS_KEY] = metrics
+    app[MANAGER_KEY] = ReplyManager(metrics)
+    app[LOCAL_STORE_KEY] = local_store
+    app[STORE_KEY] = store if store is not None else local_store
     app.router.add_get("/wait", handle_wait)
     app.router.add_get("/stream", handle_stream)
     app.router.add_post("/v1/replies", handle_replies)
+    app.router.add_get("/v1/replies/{reply_id}/stream", handle_resume)
+    app.router.add_post("/v1/replies/{reply_id}/cancel", handle_cancel)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/healthz", handle_health)
+    add_page_routes(app)
 
-    async def close_engine(app: web.Application) -> None:
+    async def close_all(app: web.Application) -> None:
+        await app[MANAGER_KEY].aclose()
         await app[ENGINE_KEY].aclose()
+        if app[STORE_KEY] is not app[LOCAL_STORE_KEY]:
+            await app[STORE_KEY].aclose()
+        await app[LOCAL_STORE_KEY].aclose()
 
-    app.on_cleanup.append(close_engine)
+    app.on_cleanup.append(close_all)
     return app

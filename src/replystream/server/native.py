@@ -5,6 +5,7 @@
     {"prompt": "..."}  or  {"messages": [{"role": "user", "content": "..."}, ...]}
     sampling:  max_tokens, temperature, top_p, top_k, seed, stop (a string or a list)
     delivery:  stream (default true), batch_tokens, batch_ms, holdback_tokens, keepalive_s
+    resume:    resumable (true/false), disconnect ("cancel" or "detach")
 
 Every mistake is an ``HTTPAPIError`` (400 with the field in ``param``), never a 500.
 """
@@ -21,6 +22,7 @@ from aiohttp import web
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.server.errors import HTTPAPIError
+from replystream.server.replies import Disconnect
 
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 KNOWN_FIELDS = frozenset(
@@ -38,6 +40,8 @@ KNOWN_FIELDS = frozenset(
         "batch_ms",
         "holdback_tokens",
         "keepalive_s",
+        "resumable",
+        "disconnect",
     }
 )
 
@@ -47,6 +51,8 @@ class ReplyRequest:
     generation: GenerationRequest
     stream: bool
     policy: DeliveryPolicy
+    resumable: bool | None = None  # None: the server's default
+    disconnect: Disconnect | None = None  # None: detach if resumable, else cancel
 
 
 def _bad(param: str, message: str) -> HTTPAPIError:
@@ -163,9 +169,16 @@ def parse_reply_request(
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         raise _bad("stream", "stream must be true or false")
-    return ReplyRequest(
-        GenerationRequest(prompt, sampling), stream, delivery_overrides(body, defaults)
-    )
+    resumable = body.get("resumable")
+    if resumable is not None and not isinstance(resumable, bool):
+        raise _bad("resumable", "resumable must be true or false")
+    if resumable and not stream:
+        raise _bad("resumable", "a resumable reply must be streamed (stream: true)")
+    disconnect = body.get("disconnect")
+    if disconnect not in (None, "cancel", "detach"):
+        raise _bad("disconnect", 'disconnect must be "cancel" or "detach"')
+    policy = delivery_overrides(body, defaults)
+    return ReplyRequest(GenerationRequest(prompt, sampling), stream, policy, resumable, disconnect)
 
 
 def delivery_overrides(body: dict[str, Any], defaults: DeliveryPolicy) -> DeliveryPolicy:

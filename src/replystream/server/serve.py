@@ -43,20 +43,18 @@ class RunningServer:
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting, give replies ``grace_s`` to finish, then end the rest in-band."""
-        from replystream.server.app import ACTIVE_KEY
+        from replystream.server.app import MANAGER_KEY
 
         await self.site.stop()
-        active = self.app[ACTIVE_KEY]
-        if len(active):
-            log.warning("shutting down: %d replies in flight, %.1f s grace", len(active), grace_s)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(grace_s):
-                    await active.idle.wait()
-        if len(active):
-            active.shut_down()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5.0):
-                    await active.idle.wait()
+        manager = self.app[MANAGER_KEY]
+        if len(manager):
+            log.warning("shutting down: %d replies in flight, %.1f s grace", len(manager), grace_s)
+            await manager.wait_stopped(grace_s)
+        # Replies still running, and readers of replies made elsewhere, end with an error.
+        manager.shut_down()
+        await manager.wait_stopped(5.0)
+        if manager.readers:
+            await asyncio.sleep(0.2)  # let readers write what the producers ended with
 
 
 @contextlib.asynccontextmanager

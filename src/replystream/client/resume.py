@@ -1,0 +1,152 @@
+"""A reader that survives dropped connections: it resumes a reply where it left off.
+
+Start a reply (``POST``, or ``GET /stream?resumable=1``), then read its events. When the
+connection drops, or ends without the reply's end marker, reconnect to the reply's resume URL
+(``GET /v1/replies/{id}/stream``) with ``Last-Event-ID`` set to the last event seen; the prompt
+is never sent twice. Between attempts it waits with capped exponential backoff and full
+jitter, never less than the server's ``retry:`` value. Events are yielded once each (an id at
+or below the last one seen is dropped); ``gap`` events and the ``generator_lost`` error are
+yielded for the caller to see. It stops after the end marker (``[DONE]`` or ``done``), an
+``error`` or ``moderated`` event, or when attempts run out (``ResumeFailed``). An unnumbered
+``slow_client`` or ``shutdown`` error is about the connection, not the reply, so it leads to a
+resume too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+from replystream.client.transport import TransportError, http_request
+from replystream.sse import Event, EventParser, SSEError
+
+TERMINAL_TYPES = frozenset({"done", "error", "moderated"})
+# Errors a server sends about one connection, not the reply: reading again may succeed.
+RESUMABLE_CUTS = frozenset({"slow_client", "shutdown"})
+
+
+class ResumeFailed(Exception):
+    """The reply could not be read to its end within the allowed attempts."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Capped exponential backoff with full jitter: uniform(0, min(cap, base x 2^n))."""
+
+    base_s: float = 0.1
+    cap_s: float = 5.0
+    max_attempts: int = 20
+
+    def delay(self, attempt: int, server_retry_s: float | None, rng: random.Random) -> float:
+        ceiling = min(self.cap_s, self.base_s * (2**attempt))
+        wait = rng.uniform(0, ceiling)
+        return max(wait, server_retry_s or 0.0)
+
+
+def resume_url(start_url: str, reply_id: str) -> str:
+    parts = urlsplit(start_url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/v1/replies/{reply_id}/stream", "", ""))
+
+
+class ResumingReader:
+    """Reads one reply to its end across reconnects.
+
+    Attributes after (or during) a read: ``reply_id``, ``last_event_id``, ``reconnects``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        method: str = "POST",
+        json_body: object = None,
+        headers: dict[str, str] | None = None,
+        backoff: Backoff | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.url = url
+        self.method = method
+        self.json_body = json_body
+        self.headers = dict(headers or {})
+        self.backoff = backoff or Backoff()
+        self.reply_id: str | None = None
+        self.last_event_id = 0
+        self.reconnects = 0
+        self.finished = False
+        self._retry_s: float | None = None
+        self._rng = random.Random(seed)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event of the reply once, in order, across reconnects."""
+        attempt = 0
+        while not self.finished:
+            try:
+                async for event in self._one_connection():
+                    attempt = 0
+                    yield event
+            except (TransportError, SSEError, OSError):
+                pass  # a dropped or broken connection: resume below
+            if self.finished:
+                return
+            if self.reply_id is None:
+                raise ResumeFailed("the reply's id never arrived, so it cannot be resumed")
+            attempt += 1
+            if attempt > self.backoff.max_attempts:
+                raise ResumeFailed(f"gave up after {self.backoff.max_attempts} attempts")
+            await asyncio.sleep(self.backoff.delay(attempt - 1, self._retry_s, self._rng))
+            self.reconnects += 1
+
+    async def _one_connection(self) -> AsyncIterator[Event]:
+        headers = {"Accept": "text/event-stream", **self.headers}
+        if self.reply_id is None:
+            url, method = self.url, self.method
+            body = b"" if self.json_body is None else json.dumps(self.json_body).encode()
+            if body:
+                headers["Content-Type"] = "application/json"
+        else:
+            url, method, body = resume_url(self.url, self.reply_id), "GET", b""
+            headers["Last-Event-ID"] = str(self.last_event_id)
+        async with http_request(url, method=method, body=body, headers=headers) as response:
+            if response.status == 404 and self.reply_id is not None:
+                raise ResumeFailed(f"reply {self.reply_id} is gone (expired or never existed)")
+            if response.status >= 400 or response.content_type != "text/event-stream":
+                detail = b"".join([c.data async for c in response])[:300].decode(errors="replace")
+                raise ResumeFailed(f"HTTP {response.status}: {detail}")
+            self.reply_id = self.reply_id or response.headers.get("x-reply-id")
+            parser = EventParser()
+            previous_id = ""
+            async for chunk in response:
+                for event in parser.feed(chunk.data):
+                    if parser.retry is not None:
+                        self._retry_s = parser.retry / 1000.0
+                    # Reply events carry increasing ids; an event that repeats the id in force
+                    # carried none: the server sent it about this connection (a gap, a cut).
+                    numbered = event.id != previous_id and (event.id or "").isdigit()
+                    previous_id = event.id or ""
+                    if numbered:
+                        seq = int(previous_id)
+                        if seq <= self.last_event_id:
+                            continue  # already seen before the reconnect
+                        self.last_event_id = seq
+                    elif event.type == "error" and _code(event) in RESUMABLE_CUTS:
+                        return  # this connection was cut; the reply goes on: resume
+                    if event.type == "reply" and self.reply_id is None:
+                        self.reply_id = json.loads(event.data).get("reply_id")
+                    if event.type in TERMINAL_TYPES or event.data == "[DONE]":
+                        self.finished = True
+                    yield event
+                    if self.finished:
+                        return
+
+
+def _code(event: Event) -> str | None:
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    return error.get("code") if isinstance(error, dict) else None

@@ -1,0 +1,269 @@
+"""The reply log: every event of a reply, numbered, kept so readers can replay and resume.
+
+Generation appends to the log; readers (the connection that started the reply, or any later
+one carrying ``Last-Event-ID``) read from it: everything after the id they hold, then the live
+tail until the reply's terminal entry. ``ReplayStore`` is the seam; ``MemoryReplayStore``
+serves one process, ``replystream.delivery.redis_store.RedisReplayStore`` many replicas.
+Both pass the same contract tests (``tests/test_replay_contract.py``).
+
+Rules every store keeps:
+1. Entries of a reply have consecutive sequence numbers starting at 1; ``append`` never waits.
+2. A reader asking for entries after ``n`` gets them in order; if some are no longer kept it
+   is told which (``lost``), never silently skipped.
+3. A reply's terminal entry (its ending) is read after every entry; then the reader stops.
+4. A reply without an ending whose producer stopped refreshing its liveness is reported as
+   ``producer_lost`` once its entries are read, so no reader hangs on a dead replica.
+5. A reply is kept while live and for ``ttl_after_end_s`` after its ending; then it is gone
+   (``read`` and ``info`` return None), as is a reply id that never existed.
+This file must not know about HTTP or event formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class StoreUnavailable(Exception):
+    """The store cannot take or serve replies right now (e.g. Redis is down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One event of a reply: its sequence number and its encoded bytes (``id:`` included)."""
+
+    seq: int
+    frame: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyInfo:
+    """What a store keeps about a reply besides its events."""
+
+    reply_id: str
+    owner: str = ""  # a digest of the API key that started it ("" with auth off)
+    content_type: str = "text/event-stream"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """The outcome of one read: entries after the asked id, and what is known beyond them."""
+
+    entries: list[LogEntry]
+    lost: tuple[int, int] | None = None  # (first, last) sequence numbers no longer kept
+    ending: str | None = None  # set once every entry has been read and the reply has ended
+    producer_lost: bool = False  # no ending, and its producer stopped refreshing liveness
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStats:
+    replies: int
+    live: int
+    entries: int
+    bytes: int
+
+
+class ReplayStore(Protocol):
+    name: str
+
+    async def create(self, info: ReplyInfo) -> None:
+        """Start a reply's log (live). Raises ``StoreUnavailable``."""
+        ...
+
+    def append(self, reply_id: str, entries: Sequence[LogEntry]) -> None:
+        """Add entries in order; never waits (a remote store sends them in the background)."""
+        ...
+
+    def end(self, reply_id: str, ending: str) -> None:
+        """Write the terminal entry; the reply is kept for ``ttl_after_end_s`` from now."""
+        ...
+
+    def failure(self, reply_id: str) -> str | None:
+        """Why appends to this reply are failing, if they are (the producer should stop)."""
+        ...
+
+    async def info(self, reply_id: str) -> ReplyInfo | None: ...
+
+    async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
+        """Entries after ``after``; if there are none yet, wait up to ``wait_s`` for some.
+
+        Returns None for an unknown or expired reply. Raises ``StoreUnavailable``.
+        """
+        ...
+
+    async def request_cancel(self, reply_id: str) -> None: ...
+
+    async def cancel_requested(self, reply_id: str) -> bool: ...
+
+    def stats(self) -> ReplayStats: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _Log:
+    info: ReplyInfo
+    max_entries: int
+    entries: list[LogEntry] = field(default_factory=list)
+    first_seq: int = 1  # sequence number of entries[0]
+    next_seq: int = 1
+    bytes: int = 0
+    ending: str | None = None
+    expires_at: float | None = None
+    cancel_requested: bool = False
+    waiters: set[asyncio.Future[None]] = field(default_factory=set)
+
+    def append(self, new: Sequence[LogEntry]) -> None:
+        for entry in new:
+            if entry.seq != self.next_seq:
+                raise ValueError(f"entry {entry.seq} out of order: expected {self.next_seq}")
+            self.next_seq += 1
+            self.bytes += len(entry.frame)
+        self.entries.extend(new)
+        excess = len(self.entries) - self.max_entries
+        # Trim in steps of a tenth, so a long reply is not re-sliced on every append.
+        if excess > self.max_entries // 10:
+            for entry in self.entries[:excess]:
+                self.bytes -= len(entry.frame)
+            del self.entries[:excess]
+            self.first_seq += excess
+        self.wake()
+
+    def wake(self) -> None:
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.waiters.clear()
+
+    def after(self, seq: int) -> ReadResult:
+        lost = None
+        start = seq + 1
+        if start < self.first_seq:
+            lost = (start, self.first_seq - 1)
+            start = self.first_seq
+        # Every entry after ``start`` is returned, so the ending (if any) comes with them.
+        return ReadResult(self.entries[start - self.first_seq :], lost, self.ending)
+
+
+class MemoryReplayStore:
+    """Reply logs in this process's memory (the default for a single server).
+
+    A reply's producer lives in the same process, so it is live until it writes its ending;
+    nothing can lose it without losing the store too.
+    """
+
+    name = "memory"
+
+    def __init__(self, *, ttl_after_end_s: float = 600.0, max_entries: int = 10_000) -> None:
+        if ttl_after_end_s < 0 or max_entries < 1:
+            raise ValueError("need ttl_after_end_s >= 0 and max_entries >= 1")
+        self.ttl_after_end_s = ttl_after_end_s
+        self.max_entries = max_entries
+        self._logs: dict[str, _Log] = {}
+        self._sweeps = 0
+
+    async def create(self, info: ReplyInfo) -> None:
+        self._sweep()
+        if info.reply_id in self._logs:
+            raise ValueError(f"reply {info.reply_id} exists")
+        self._logs[info.reply_id] = _Log(info, self.max_entries)
+
+    def _log(self, reply_id: str) -> _Log | None:
+        log = self._logs.get(reply_id)
+        if log is not None and log.expires_at is not None and time.monotonic() >= log.expires_at:
+            del self._logs[reply_id]
+            return None
+        return log
+
+    def append(self, reply_id: str, entries: Sequence[LogEntry]) -> None:
+        log = self._logs.get(reply_id)
+        if log is None or log.ending is not None:
+            raise KeyError(f"reply {reply_id} is not live")
+        log.append(entries)
+
+    def end(self, reply_id: str, ending: str) -> None:
+        log = self._logs.get(reply_id)
+        if log is None or log.ending is not None:
+            return
+        log.ending = ending
+        log.expires_at = time.monotonic() + self.ttl_after_end_s
+        log.wake()
+
+    def failure(self, reply_id: str) -> str | None:
+        return None
+
+    async def info(self, reply_id: str) -> ReplyInfo | None:
+        log = self._log(reply_id)
+        return None if log is None else log.info
+
+    def backlog_bytes(self, reply_id: str, after: int) -> int:
+        """Bytes of entries after ``after`` (what a reader at ``after`` has yet to send)."""
+        log = self._logs.get(reply_id)
+        if log is None:
+            return 0
+        start = max(0, after + 1 - log.first_seq)
+        return sum(len(e.frame) for e in log.entries[start:])
+
+    async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
+        log = self._log(reply_id)
+        if log is None:
+            return None
+        result = log.after(after)
+        if result.entries or result.lost or result.ending is not None or wait_s <= 0:
+            return result
+        waiter = asyncio.get_running_loop().create_future()
+        log.waiters.add(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await waiter
+        finally:
+            log.waiters.discard(waiter)
+        return log.after(after)
+
+    async def request_cancel(self, reply_id: str) -> None:
+        log = self._log(reply_id)
+        if log is not None:
+            log.cancel_requested = True
+            log.wake()
+
+    async def cancel_requested(self, reply_id: str) -> bool:
+        log = self._logs.get(reply_id)
+        return log is not None and log.cancel_requested
+
+    def discard(self, reply_id: str) -> None:
+        """Forget a reply at once (one nobody may resume)."""
+        log = self._logs.pop(reply_id, None)
+        if log is not None:
+            log.wake()
+
+    def _sweep(self) -> None:
+        # Expired replies go when touched or, in bulk, every 256 new replies.
+        self._sweeps += 1
+        if self._sweeps % 256:
+            return
+        now = time.monotonic()
+        for reply_id in [
+            k
+            for k, log in self._logs.items()
+            if log.expires_at is not None and now >= log.expires_at
+        ]:
+            del self._logs[reply_id]
+
+    def stats(self) -> ReplayStats:
+        logs = self._logs.values()
+        return ReplayStats(
+            replies=len(self._logs),
+            live=sum(1 for log in logs if log.ending is None),
+            entries=sum(len(log.entries) for log in logs),
+            bytes=sum(log.bytes for log in logs),
+        )
+
+    async def aclose(self) -> None:
+        for log in self._logs.values():
+            log.wake()
+        self._logs.clear()

@@ -1,0 +1,185 @@
+"""Write a reply log to one HTTP response: replay, follow live, keep alive, cut slow readers.
+
+A reader starts after the event id it was given (0: from the start), writes every entry the
+log has, then waits for more until the reply's terminal entry. While idle it sends keep-alive
+comments. Each write waits for the socket to drain, at most ``slow_client_s``; a local reader
+whose unsent backlog passes ``slow_client_bytes`` is cut at once (the producer's append
+reaches it through an interrupt hook, even while it is blocked on the socket). A cut reader
+gets a last ``error`` event if the socket still takes it. This file must not know about the
+engine or how the log is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from aiohttp import web
+
+from replystream.delivery.formats import KEEPALIVE, error_frame
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import MemoryReplayStore, ReplayStore
+from replystream.server.metrics import ReplyRecord
+from replystream.server.replies import Reply, ReplyManager
+from replystream.sse import encode_data
+
+log = logging.getLogger("replystream.reader")
+
+LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
+LIVENESS_POLL_S = 1.0  # how often a reader of a remote reply checks its producer is alive
+
+ReaderEnding = Literal[
+    "ended", "client_gone", "slow_client", "shutdown", "producer_lost", "expired"
+]
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    # Asks nginx (and proxies that honour it) not to hold this response in a buffer.
+    "X-Accel-Buffering": "no",
+}
+
+
+class _Cut(Exception):
+    def __init__(self, ending: ReaderEnding, detail: str) -> None:
+        super().__init__(detail)
+        self.ending = ending
+
+
+@dataclass(eq=False)
+class LogReader:
+    """One connection following one reply's log."""
+
+    request: web.Request
+    response: web.StreamResponse
+    reply_id: str
+    store: ReplayStore
+    policy: DeliveryPolicy
+    manager: ReplyManager
+    reply: Reply | None  # the producer, when it runs in this process
+    record: ReplyRecord | None  # where to count what is sent (the producer's record)
+    after: int = 0
+    overflow: bool = False
+    _deadline: asyncio.Timeout | None = None
+
+    def _interrupt(self) -> None:
+        """Called on every append while this reader may be blocked, and on shutdown."""
+        deadline = self._deadline
+        if deadline is None or deadline.expired():
+            return
+        if not self.manager.shutting_down:
+            if not isinstance(self.store, MemoryReplayStore):
+                return
+            if self.store.backlog_bytes(self.reply_id, self.after) <= self.policy.slow_client_bytes:
+                return
+            self.overflow = True
+        deadline.reschedule(asyncio.get_running_loop().time())
+
+    async def _send(self, frame: bytes, events: int) -> None:
+        if self.overflow:
+            raise _Cut("slow_client", f"more than {self.policy.slow_client_bytes} bytes behind")
+        try:
+            async with asyncio.timeout(self.policy.slow_client_s) as deadline:
+                self._deadline = deadline
+                await self.response.write(frame)
+        except TimeoutError:
+            if self.manager.shutting_down:
+                raise _Cut("shutdown", "the server is shutting down") from None
+            if self.overflow:
+                raise _Cut(
+                    "slow_client", f"more than {self.policy.slow_client_bytes} bytes behind"
+                ) from None
+            raise _Cut(
+                "slow_client", f"socket did not drain for {self.policy.slow_client_s:g} s"
+            ) from None
+        finally:
+            self._deadline = None
+        if self.record is not None:
+            self.record.on_send(len(frame), events)
+
+    def _last_words(self, message: str, code: str) -> None:
+        """Queue a final event without waiting, then close; abort if it cannot leave soon.
+
+        Used when the socket is not draining, so the response's own (awaiting) writer cannot
+        be used: the frame goes to the transport directly, framed as the last HTTP chunk.
+        """
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            return
+        frame = error_frame(message, code)
+        if self.response.headers.get("Transfer-Encoding") == "chunked":
+            frame = b"%x\r\n%s\r\n0\r\n\r\n" % (len(frame), frame)
+        transport.write(frame)
+        transport.close()
+        # A reader that never reads would keep the socket (and its buffer) forever.
+        asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+
+    async def run(self) -> ReaderEnding:
+        """Send the headers, follow the log to its end (or until cut); say how it ended."""
+        hooks: list[set[Callable[[], None]]] = [self.manager.readers]
+        if self.reply is not None:
+            hooks.append(self.reply.hooks)
+            self.reply.reader_joined()
+        for group in hooks:
+            group.add(self._interrupt)
+        ending: ReaderEnding = "client_gone"
+        try:
+            # Headers leave now, before the first token exists.
+            await self.response.prepare(self.request)
+            ending = await self._follow()
+            await self.response.write_eof()
+        except _Cut as cut:
+            ending = cut.ending
+            if cut.ending == "slow_client" and self.record is not None:
+                self.record.reason = str(cut)
+            log.info("reader of %s cut: %s", self.reply_id[:8], cut)
+            self._last_words(str(cut), cut.ending)
+        except ConnectionError:
+            ending = "client_gone"
+        finally:
+            for group in hooks:
+                group.discard(self._interrupt)
+            if self.reply is not None:
+                self.reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
+        return ending
+
+    async def _follow(self) -> ReaderEnding:
+        keepalive = self.policy.keepalive_s
+        last_write = time.monotonic()
+        while True:
+            if self.manager.shutting_down and self.reply is None:
+                raise _Cut("shutdown", "the server is shutting down")
+            wait = LIVENESS_POLL_S
+            if keepalive is not None:
+                wait = min(wait, keepalive - (time.monotonic() - last_write))
+            result = await self.store.read(self.reply_id, self.after, max(0.0, wait))
+            if result is None:
+                await self._send(error_frame("the reply expired while being read", "expired"), 1)
+                return "expired"
+            parts: list[bytes] = []
+            if result.lost is not None:
+                first, last = result.lost
+                gap = json.dumps({"lost_from": first, "lost_to": last})
+                parts.append(encode_data(gap, type="gap"))
+            for entry in result.entries:
+                parts.append(entry.frame)
+            if parts:
+                # Everything available goes out in one write: fewer syscalls for a replay.
+                await self._send(b"".join(parts), len(parts))
+                last_write = time.monotonic()
+                if result.entries:
+                    self.after = result.entries[-1].seq
+            if result.ending is not None:
+                return "ended"
+            if result.producer_lost:
+                message = "the replica generating this reply is gone"
+                await self._send(error_frame(message, "generator_lost"), 1)
+                return "producer_lost"
+            if not parts and keepalive is not None and time.monotonic() - last_write >= keepalive:
+                await self._send(KEEPALIVE, 0)
+                last_write = time.monotonic()

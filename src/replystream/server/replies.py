@@ -1,0 +1,235 @@
+"""Replies in flight: each one's producer task, its readers, and how it stops.
+
+A reply's producer runs in a task owned by the ``ReplyManager``, not by the connection that
+asked for it: it feeds the engine's deltas through the ``ReplyPipeline`` into the reply log,
+where any reader (the first connection, or a resume on any replica) follows it.
+Disconnect policies: ``cancel`` stops generation when the last local reader leaves (the
+default for replies nobody can resume); ``detach`` keeps generating for a grace period so a
+client can come back, and stops if none has by then (the default for resumable replies).
+Every producer ends by writing its terminal entry and closing the engine's stream in
+``finally``, whatever stopped it. This file must not know about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from replystream.delivery.channel import DeltaChannel, End
+from replystream.delivery.pipeline import ReplyPipeline
+from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore
+from replystream.engine.base import DeltaStream, EngineError
+from replystream.server.metrics import Metrics, Outcome, ReplyRecord
+
+log = logging.getLogger("replystream.replies")
+
+Disconnect = Literal["cancel", "detach"]
+StopReason = Literal["cancelled", "client_gone", "slow_client", "shutdown", "detach_expired"]
+
+
+async def close_quietly(deltas: DeltaStream) -> None:
+    """Close an engine stream, bounded and shielded, from any exit path."""
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        async with asyncio.timeout(1.0):
+            await asyncio.shield(deltas.aclose())
+
+
+@dataclass(eq=False)
+class Reply:
+    """One reply being generated in this process."""
+
+    reply_id: str
+    deltas: DeltaStream
+    pipeline: ReplyPipeline
+    store: ReplayStore
+    record: ReplyRecord
+    prompt_tokens: int
+    disconnect: Disconnect
+    detach_grace_s: float
+    manager: ReplyManager
+    resumable: bool = False
+    readers: int = 0
+    stop_reason: StopReason | None = None
+    hooks: set[Callable[[], None]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+    _window_timer: asyncio.TimerHandle | None = None
+    _detach_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def stop(self, reason: StopReason) -> None:
+        """Stop generating; the producer ends the log with an event that says why."""
+        if self.live and self.stop_reason is None:
+            self.stop_reason = reason
+            assert self.task is not None
+            self.task.cancel()
+
+    def reader_joined(self) -> None:
+        self.readers += 1
+        if self._detach_timer is not None:
+            self._detach_timer.cancel()
+            self._detach_timer = None
+
+    def reader_left(self, reason: StopReason) -> None:
+        self.readers -= 1
+        if not self.live:
+            self.forget_if_unwanted()
+            return
+        if self.readers:
+            return
+        if self.disconnect == "cancel":
+            self.stop(reason)
+        elif self._detach_timer is None:
+            loop = asyncio.get_running_loop()
+            self._detach_timer = loop.call_later(self.detach_grace_s, self._detach_expired)
+
+    def forget_if_unwanted(self) -> None:
+        """Drop the log of an ended reply nobody may resume, once its last reader is done."""
+        if not self.resumable and self.readers == 0 and isinstance(self.store, MemoryReplayStore):
+            self.store.discard(self.reply_id)
+
+    def _detach_expired(self) -> None:
+        self._detach_timer = None
+        if self.readers == 0:
+            self.stop("detach_expired")
+
+    def _append(self, entries: list[LogEntry]) -> None:
+        if entries:
+            self.store.append(self.reply_id, entries)
+            for hook in list(self.hooks):
+                hook()
+
+    def _flush_window(self) -> None:
+        self._window_timer = None
+        self._append(self.pipeline.flush_due(time.monotonic()))
+
+    def _arm_window(self) -> None:
+        due = self.pipeline.batcher.due_at
+        if due is not None and self._window_timer is None:
+            delay = max(0.0, due - time.monotonic())
+            self._window_timer = asyncio.get_running_loop().call_later(delay, self._flush_window)
+
+    async def produce(self) -> None:
+        """Run the generation into the log until it ends, whatever ends it."""
+        pipeline, record = self.pipeline, self.record
+        outcome: Outcome = "cancelled"
+        ending = "cancelled"
+        try:
+            self._append(pipeline.start(self.reply_id))
+            async for delta in self.deltas:
+                record.on_delta(delta.made_at, delta.tokens)
+                self._append(pipeline.push(delta, time.monotonic()))
+                if pipeline.violation is not None:
+                    outcome, ending = "moderated", "moderated"
+                    record.reason = pipeline.violation.check
+                    return
+                failure = self.store.failure(self.reply_id)
+                if failure is not None:
+                    raise EngineError(
+                        f"reply log unavailable: {failure}", code="replay_store_error"
+                    )
+                self._arm_window()
+            self._append(pipeline.finish(self.prompt_tokens))
+            outcome, ending = "finished", "finished"
+        except EngineError as exc:
+            log.warning("generation failed: %s", exc)
+            self._append(pipeline.fail(str(exc), exc.code))
+            outcome, ending, record.reason = "errored", "errored", exc.code
+        except asyncio.CancelledError:
+            reason = self.stop_reason or "cancelled"
+            if reason == "shutdown":
+                self._append(pipeline.fail("the server is shutting down", "shutdown"))
+                outcome = ending = "shutdown"
+            else:
+                self._append(pipeline.fail(f"reply stopped: {reason}", "cancelled"))
+                outcome = "slow_client" if reason == "slow_client" else "cancelled"
+                ending = "cancelled"
+            record.reason = reason
+            # This task is only ever cancelled through ``stop``; the reply ends here.
+        except Exception as exc:
+            log.exception("reply producer failed")
+            self._append(pipeline.fail(f"internal error: {type(exc).__name__}", "internal_error"))
+            outcome = ending = "errored"
+        finally:
+            for timer in (self._window_timer, self._detach_timer):
+                if timer is not None:
+                    timer.cancel()
+            await close_quietly(self.deltas)
+            record.outcome = outcome
+            self.store.end(self.reply_id, ending)
+            for hook in list(self.hooks):
+                hook()
+            self.manager.finished(self)
+            self.forget_if_unwanted()
+
+
+class ReplyManager:
+    """Owns every producer task of this process; stops them on shutdown."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.replies: dict[str, Reply] = {}
+        self.channels: set[DeltaChannel] = set()  # buffered replies being collected
+        self.readers: set[Callable[[], None]] = set()  # interrupt hooks of every open reader
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.shutting_down = False
+
+    def __len__(self) -> int:
+        return len(self.replies) + len(self.channels)
+
+    def track(self, channel: DeltaChannel) -> None:
+        self.channels.add(channel)
+        self.idle.clear()
+
+    def untrack(self, channel: DeltaChannel) -> None:
+        self.channels.discard(channel)
+        if not len(self):
+            self.idle.set()
+
+    def start(self, reply: Reply) -> None:
+        self.replies[reply.reply_id] = reply
+        self.idle.clear()
+        self.metrics.active.inc()
+        reply.task = asyncio.get_running_loop().create_task(
+            reply.produce(), name=f"reply-{reply.reply_id[:8]}"
+        )
+
+    def finished(self, reply: Reply) -> None:
+        self.replies.pop(reply.reply_id, None)
+        self.metrics.active.dec()
+        self.metrics.observe(reply.record)
+        if not len(self):
+            self.idle.set()
+
+    def get(self, reply_id: str) -> Reply | None:
+        return self.replies.get(reply_id)
+
+    def shut_down(self) -> None:
+        """Stop every producer with a shutdown error, and interrupt every blocked reader."""
+        self.shutting_down = True
+        for reply in list(self.replies.values()):
+            reply.stop("shutdown")
+        for channel in list(self.channels):
+            channel.close(End("shutdown"))
+        for hook in list(self.readers):
+            hook()
+
+    async def wait_stopped(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.idle.wait()
+
+    async def aclose(self) -> None:
+        """Stop everything still running and wait for the producers' cleanup."""
+        self.shut_down()
+        tasks = [r.task for r in self.replies.values() if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)

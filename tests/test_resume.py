@@ -1,0 +1,164 @@
+"""Resumable replies on one server with the in-memory reply log."""
+
+import asyncio
+import json
+import random
+from urllib.parse import urlsplit
+
+import pytest
+
+from replystream.client import ResumeFailed, ResumingReader
+from replystream.client.resume import Backoff
+from replystream.delivery.replay import MemoryReplayStore
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from tests.chaos_proxy import chaos_proxy, random_budget
+from tests.conftest import fast_engine, wait_for
+from tests.rawhttp import raw_request
+from tests.sse_client import post_events
+
+FAST_RETRY = Backoff(base_s=0.005, cap_s=0.05, max_attempts=50)
+
+
+def host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname and parts.port
+    return parts.hostname, parts.port
+
+
+async def read_text(reader: ResumingReader) -> tuple[str, list[int]]:
+    text, ids = [], []
+    async for event in reader.events():
+        if event.type == "token":
+            text.append(json.loads(event.data)["text"])
+            ids.append(int(event.id or 0))
+    return "".join(text), ids
+
+
+async def test_100_disconnects_at_random_points_each_resumed_without_gap_or_duplicate():
+    engine = fast_engine(delay_ms=2, jitter_ms=1)
+    rng = random.Random(7)
+    async with running(create_app(engine)) as url:
+        expected = (await post_events(f"{url}/v1/replies", {"prompt": "x", "seed": 0})).text
+        # Each connection passes 260-1200 response bytes: past the headers (which carry the
+        # reply id), then anywhere, mid-event included.
+        async with chaos_proxy(lambda: host_port(url), random_budget(rng, 260, 1200)) as (
+            proxied,
+            proxy,
+        ):
+            replies = 0
+            while proxy.cuts < 100:
+                reader = ResumingReader(
+                    f"{proxied}/v1/replies",
+                    json_body={"prompt": "x", "seed": 0, "resumable": True},
+                    backoff=FAST_RETRY,
+                    seed=replies,
+                )
+                text, ids = await read_text(reader)
+                replies += 1
+                assert text == expected  # byte for byte: nothing lost, nothing twice
+                assert ids == sorted(set(ids))
+    assert proxy.cuts >= 100
+
+
+async def test_resume_after_the_reply_finished_until_it_expires_then_404():
+    store = MemoryReplayStore(ttl_after_end_s=0.5)
+    engine = fast_engine(delay_ms=1, jitter_ms=0)
+    async with running(create_app(engine, store=store)) as url:
+        first = await post_events(
+            f"{url}/v1/replies", {"prompt": "x", "resumable": True, "max_tokens": 10}
+        )
+        reply_id = first.headers["x-reply-id"]
+        late = await raw_request(
+            f"{url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "3"}
+        )
+        late_body = await late.read_body()
+        from_start = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        whole = await from_start.read_body()
+        await asyncio.sleep(0.7)
+        gone = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        gone_body = json.loads(await gone.read_body())
+    assert first.raw == whole  # a replay from the start is the same bytes
+    assert late_body.startswith(b"event: token\nid: 4\n")
+    assert late_body == whole[whole.index(b"event: token\nid: 4\n") :]
+    assert gone.status == 404 and gone_body["error"]["code"] == "reply_not_found"
+
+
+async def test_unknown_ids_bad_last_event_ids_and_non_resumable_replies():
+    async with running(create_app(fast_engine(delay_ms=1, jitter_ms=0))) as url:
+        unknown = await raw_request(f"{url}/v1/replies/not-a-reply/stream")
+        assert unknown.status == 404
+        await unknown.read_body()
+        done = await post_events(f"{url}/v1/replies", {"prompt": "x", "max_tokens": 3})
+        reply_id = done.headers["x-reply-id"]
+        bad = await raw_request(
+            f"{url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "abc"}
+        )
+        assert bad.status in (400, 404)
+        await bad.read_body()
+        # Not resumable: its log is dropped once it ended and its reader is done.
+        await asyncio.sleep(0.05)
+        after = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        assert after.status == 404
+        await after.read_body()
+
+
+async def test_detached_reply_keeps_generating_and_an_explicit_cancel_stops_it():
+    engine = fast_engine(delay_ms=10, jitter_ms=0)
+    async with running(create_app(engine)) as url:
+        response = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt": "x", "resumable": true}'
+        )
+        reply_id = response.headers["x-reply-id"]
+        await response.aclose()
+        steps = engine.stats().steps
+        await asyncio.sleep(0.1)
+        assert engine.stats().steps > steps + 3  # still generating with nobody connected
+        cancel = await raw_request(f"{url}/v1/replies/{reply_id}/cancel", "POST")
+        assert cancel.status == 200
+        await cancel.read_body()
+        await wait_for(lambda: engine.stats().active == 0)
+        assert engine.stats().cancelled == 1
+        resumed = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        body = await resumed.read_body()
+    assert body.rstrip().endswith(b'"code": "cancelled"}}')
+
+
+async def test_detached_reply_stops_when_nobody_comes_back_within_the_grace_period():
+    engine = fast_engine(delay_ms=10, jitter_ms=0)
+    app = create_app(engine, ServerConfig(detach_grace_s=0.2))
+    async with running(app) as url:
+        response = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt":"x","resumable":true}'
+        )
+        await response.aclose()
+        await wait_for(lambda: engine.stats().cancelled == 1)
+    assert engine.stats().steps < 60
+
+
+async def test_resumable_lab_stream_and_an_interrupted_reader_resumes():
+    engine = fast_engine(delay_ms=3, jitter_ms=0)
+    async with running(create_app(engine)) as url:
+        reader = ResumingReader(
+            f"{url}/stream?resumable=1&seed=4", method="GET", backoff=FAST_RETRY
+        )
+        seen = []
+        async for event in reader.events():
+            seen.append(event)
+            if len(seen) == 10:
+                break  # the consumer walks away mid-reply
+        rest = ResumingReader(f"{url}/stream", method="GET", backoff=FAST_RETRY)
+        rest.reply_id, rest.last_event_id = reader.reply_id, reader.last_event_id
+        remaining = [e async for e in rest.events()]
+    data = [json.loads(e.data) for e in seen[1:] + remaining if e.data != "[DONE]"]
+    assert len(data) == 120
+    assert remaining[-1].data == "[DONE]"
+
+
+async def test_resume_of_an_expired_reply_fails_clearly():
+    async with running(create_app(fast_engine())) as url:
+        reader = ResumingReader(f"{url}/v1/replies", backoff=FAST_RETRY)
+        reader.reply_id, reader.last_event_id = "expired-or-never-existed", 4
+        with pytest.raises(ResumeFailed, match="gone"):
+            async for _ in reader.events():
+                pass
