@@ -1,0 +1,51 @@
+"""The chat pages: ``/`` (the chat), ``/eventsource.html`` and their assets under ``/static/``.
+
+The files live in the ``replystream.web`` package and are served as they are: no build step.
+Only files present when the application is created are served, looked up by name in a table,
+so no request path ever reaches the filesystem. Every answer carries ``Cache-Control:
+no-cache`` (revalidate with the ETag each time), so an upgraded package is never mixed with
+a stale cached module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+
+import replystream.web
+
+WEB_DIR = Path(replystream.web.__file__).parent
+PAGES = {"/": "index.html", "/eventsource.html": "eventsource.html"}
+# Module scripts must be served with a JavaScript MIME type; do not rely on the host's
+# mime.types for it.
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
+
+
+def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    headers = {
+        "Cache-Control": "no-cache",
+        "Content-Type": CONTENT_TYPES.get(path.suffix, "application/octet-stream"),
+    }
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(path, headers=headers)
+
+    return handle
+
+
+def add_page_routes(app: web.Application) -> None:
+    """Serve the chat pages and their static assets from the installed package."""
+    for route, name in PAGES.items():
+        app.router.add_get(route, _file_handler(WEB_DIR / name))
+    static = WEB_DIR / "static"
+    for path in sorted(static.iterdir()):
+        if path.is_file() and path.suffix in CONTENT_TYPES:
+            app.router.add_get(f"/static/{path.name}", _file_handler(path))

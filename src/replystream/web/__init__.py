@@ -1,0 +1,1 @@
+"""The chat pages: static HTML, CSS and JavaScript modules, served by ``server.pages``."""

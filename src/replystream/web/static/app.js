@@ -1,0 +1,311 @@
+// The chat page: a conversation whose replies stream in, and a "wait vs stream" mode that
+// sends the same prompt with the same seed to the buffered and the streamed delivery and
+// shows both panes growing (or not) with live timers.
+//
+// Timers start when the request is sent. "First text" is when the first text was painted
+// (the animation frame that drew it), "Total" when the whole reply was on screen.
+
+import { StreamedReply, bufferedReply } from './reply.js';
+import { TextSink } from './render.js';
+
+const $ = (selector) => document.querySelector(selector);
+const conversation = $('#conversation');
+const composer = $('#composer');
+const promptBox = $('#prompt');
+const sendButton = $('#send');
+const stopButton = $('#stop');
+const statusLine = $('#status');
+const settingsForm = $('#settings');
+
+const BADGES = {
+  waiting: 'waiting', streaming: 'streaming', reconnecting: 'reconnecting', done: 'complete',
+  stopped: 'stopped', error: 'error', moderated: 'moderated', incomplete: 'incomplete',
+};
+
+function formatMs(ms) {
+  if (ms === null) return '—';
+  return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
+}
+
+function element(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
+  node.append(...children);
+  return node;
+}
+
+// Stay at the bottom of the conversation while text grows, unless the reader scrolled up.
+let followBottom = true;
+addEventListener('scroll', () => {
+  followBottom = innerHeight + scrollY >= document.documentElement.scrollHeight - 48;
+}, { passive: true });
+function keepBottom() {
+  if (followBottom) scrollTo({ top: document.documentElement.scrollHeight });
+}
+
+/** One reply's view: its text, state badge and timers. */
+class Pane {
+  #t0 = 0;
+  #first = null;
+  #total = null;
+  #sink;
+  #firstTimer;
+  #totalTimer;
+  #note;
+  #tokens;
+
+  constructor(kind, title) {
+    this.text = element('div', { class: 'reply-text' });
+    this.badge = element('span', { class: 'badge' });
+    this.#firstTimer = element('strong', { 'data-timer': 'first' }, '—');
+    this.#totalTimer = element('strong', { 'data-timer': 'total' }, '—');
+    this.#tokens = element('span', { class: 'tokens' });
+    this.#note = element('p', { class: 'pane-note', hidden: '' });
+    const meta = element('footer', { class: 'pane-meta' },
+      element('span', { class: 'metric' }, 'First text ', this.#firstTimer),
+      element('span', { class: 'metric' }, 'Total ', this.#totalTimer),
+      this.#tokens);
+    this.root = element('section', { class: 'pane', 'data-pane': kind });
+    if (title) {
+      this.root.append(element('header', { class: 'pane-head' }, element('h2', {}, title), this.badge));
+    } else {
+      meta.prepend(this.badge);  // a chat reply has no title row; its state sits with its timers
+    }
+    this.root.append(this.text, this.#note, meta);
+    this.#sink = new TextSink(this.text, (at) => this.#painted(at));
+  }
+
+  get shownText() { return this.#sink.text; }
+
+  start() {
+    this.#sink.clear();
+    this.#first = this.#total = null;
+    for (const timer of [this.#firstTimer, this.#totalTimer]) timer.removeAttribute('data-ms');
+    this.#tokens.textContent = '';
+    this.#note.hidden = true;
+    this.setState('waiting');
+    this.#t0 = performance.now();
+    ticker.add(this);
+  }
+
+  setState(state) {
+    this.root.dataset.state = state;
+    this.badge.textContent = BADGES[state] ?? state;
+  }
+
+  push(text) { this.#sink.push(text); }
+
+  gap(lost) {
+    const mark = element('span', { class: 'gap', title: `events ${lost.lost_from}–${lost.lost_to}` },
+      ' [some text was lost here] ');
+    this.#sink.insert(mark);
+  }
+
+  finish(result) {
+    this.#sink.flush();
+    this.#total = performance.now() - this.#t0;
+    this.#totalTimer.dataset.ms = this.#total.toFixed(1);
+    ticker.delete(this);
+    this.tick();
+    this.setState(result.state);
+    const tokens = result.usage?.completion_tokens;
+    if (tokens) this.#tokens.textContent = `${tokens} tokens`;
+    if (result.message) {
+      this.#note.textContent = result.message;
+      this.#note.hidden = false;
+    }
+  }
+
+  // Live display: a running timer is shown in a muted style until its value is final.
+  tick(now = performance.now()) {
+    const elapsed = Math.max(0, now - this.#t0);
+    this.#firstTimer.textContent = formatMs(this.#first ?? (this.#total ?? elapsed));
+    this.#firstTimer.classList.toggle('running', this.#first === null && this.#total === null);
+    this.#totalTimer.textContent = formatMs(this.#total ?? elapsed);
+    this.#totalTimer.classList.toggle('running', this.#total === null);
+  }
+
+  #painted(at) {
+    if (this.#first === null) {
+      this.#first = Math.max(0, at - this.#t0);
+      this.#firstTimer.dataset.ms = this.#first.toFixed(1);
+      if (this.root.dataset.state === 'waiting') this.setState('streaming');
+    }
+    keepBottom();
+  }
+}
+
+// One animation-frame loop updates every running timer, and stops when none is running.
+const ticker = {
+  panes: new Set(),
+  frame: 0,
+  add(pane) {
+    this.panes.add(pane);
+    if (!this.frame) this.frame = requestAnimationFrame((now) => this.tick(now));
+  },
+  delete(pane) { this.panes.delete(pane); },
+  tick(now) {
+    this.frame = 0;
+    for (const pane of this.panes) pane.tick(now);
+    if (this.panes.size) this.frame = requestAnimationFrame((at) => this.tick(at));
+  },
+};
+
+/** One exchange: the prompt, and its reply in one pane (chat) or two (wait vs stream). */
+class Turn {
+  constructor(prompt, mode) {
+    this.prompt = prompt;
+    this.mode = mode;
+    this.stream = new Pane('stream', mode === 'compare' ? 'Stream (SSE)' : '');
+    this.wait = mode === 'compare' ? new Pane('wait', 'Wait (buffered)') : null;
+    this.retryButton = element('button', { type: 'button', class: 'button secondary small' },
+      'Retry');
+    this.retryButton.hidden = true;
+    this.retryButton.addEventListener('click', () => runTurn(this));
+    this.seedLabel = element('span', { class: 'seed' });
+    const panes = element('div', { class: 'panes' },
+      ...(this.wait ? [this.wait.root] : []), this.stream.root);
+    this.root = element('article', { class: `turn assistant ${mode}` },
+      panes, element('div', { class: 'turn-actions' }, this.seedLabel, this.retryButton));
+    this.user = element('article', { class: 'turn user' },
+      element('div', { class: 'bubble' }, prompt));
+    this.active = null;
+  }
+
+  get reply() { return this.stream.shownText; }
+}
+
+const turns = [];
+let running = null;
+
+function settings() {
+  const values = {};
+  for (const input of settingsForm.elements) {
+    if (input.name && input.value.trim() !== '' && input.validity.valid) {
+      values[input.name] = Number(input.value);
+    }
+  }
+  return values;
+}
+
+function history(upTo) {
+  const messages = [];
+  for (const turn of turns) {
+    if (turn === upTo) break;
+    messages.push({ role: 'user', content: turn.prompt });
+    if (turn.reply) messages.push({ role: 'assistant', content: turn.reply });
+  }
+  messages.push({ role: 'user', content: upTo.prompt });
+  return messages;
+}
+
+function setBusy(busy) {
+  sendButton.disabled = busy;
+  stopButton.disabled = !busy;
+}
+
+async function runTurn(turn) {
+  if (running) return;
+  running = turn;
+  setBusy(true);
+  turn.retryButton.hidden = true;
+  turn.root.setAttribute('aria-busy', 'true');  // screen readers read the reply once, whole
+  const { seed = Math.floor(Math.random() * 2 ** 31), ...delivery } = settings();
+  turn.seedLabel.textContent = `seed ${seed}`;
+  const body = { messages: history(turn), seed, ...delivery };
+
+  const stream = new StreamedReply(body, {
+    onText: (text) => turn.stream.push(text),
+    onGap: (lost) => turn.stream.gap(lost),
+    onStatus: (message) => {
+      statusLine.textContent = message;
+      if (message) turn.stream.setState('reconnecting');
+      else if (turn.stream.root.dataset.state === 'reconnecting') turn.stream.setState('streaming');
+    },
+  });
+  const waitAbort = new AbortController();
+  turn.active = { stream, waitAbort };
+
+  const jobs = [];
+  turn.stream.start();
+  jobs.push(stream.run().then((result) => turn.stream.finish(result)));
+  if (turn.wait) {
+    turn.wait.start();
+    jobs.push(bufferedReply(body, { signal: waitAbort.signal }).then(
+      (reply) => {
+        turn.wait.push(reply.text);
+        const moderated = reply.finish_reason === 'moderated';
+        turn.wait.finish({
+          state: moderated ? 'moderated' : 'done',
+          usage: reply.usage,
+          message: moderated ? `Stopped by the ${reply.moderation?.check} check.` : '',
+        });
+      },
+      (error) => turn.wait.finish(waitAbort.signal.aborted
+        ? { state: 'stopped', message: 'Stopped.' }
+        : { state: 'error', message: error.message }),
+    ));
+  }
+  await Promise.all(jobs);
+
+  turn.root.removeAttribute('aria-busy');
+  turn.active = null;
+  const failed = [turn.stream, turn.wait].some((pane) => pane && pane.root.dataset.state !== 'done');
+  turn.retryButton.hidden = !failed;
+  running = null;
+  setBusy(false);
+  promptBox.focus();
+}
+
+function send(prompt) {
+  for (const turn of turns) turn.retryButton.remove();  // only the newest reply can be retried
+  const mode = document.querySelector('input[name="mode"]:checked').value;
+  const turn = new Turn(prompt, mode);
+  turns.push(turn);
+  $('#intro')?.remove();
+  conversation.append(turn.user, turn.root);
+  followBottom = true;
+  keepBottom();
+  runTurn(turn);
+}
+
+composer.addEventListener('submit', (event) => {
+  event.preventDefault();
+  const prompt = promptBox.value.trim();
+  if (!prompt || running) return;
+  promptBox.value = '';
+  fitPrompt();
+  send(prompt);
+});
+
+// Enter sends, Shift+Enter adds a line; Enter while an input method composes is not a send.
+promptBox.addEventListener('keydown', (event) => {
+  if (event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    composer.requestSubmit();
+  }
+});
+
+function fitPrompt() {
+  promptBox.style.height = 'auto';
+  promptBox.style.height = `${Math.min(promptBox.scrollHeight, 200)}px`;
+}
+promptBox.addEventListener('input', fitPrompt);
+
+stopButton.addEventListener('click', () => {
+  if (!running?.active) return;
+  running.active.waitAbort.abort();
+  running.active.stream.stop();
+});
+
+// A resumable reply keeps generating when its reader leaves; closing the page cancels it.
+addEventListener('pagehide', () => {
+  const id = running?.active?.stream.replyId;
+  if (id) navigator.sendBeacon(`/v1/replies/${encodeURIComponent(id)}/cancel`);
+});
+
+document.querySelectorAll('input[name="mode"]').forEach((radio) => {
+  radio.addEventListener('change', () => { document.body.dataset.mode = radio.value; });
+});
+document.body.dataset.mode = document.querySelector('input[name="mode"]:checked').value;
+promptBox.focus();

@@ -1,0 +1,110 @@
+// The EventSource page: the browser's built-in reader on the resume URL, to show its own
+// reconnect with Last-Event-ID. EventSource only makes GET requests, so the reply is started
+// with a POST whose body we never read: we take the id from the X-Reply-Id header and abort.
+// A resumable reply keeps generating when its first reader leaves, so nothing is lost.
+
+import { TextSink } from './render.js';
+
+const $ = (selector) => document.querySelector(selector);
+const pane = $('#pane');
+const sink = new TextSink($('#text'));
+let source = null;
+let opens = 0;
+let lastSeq = -Infinity;
+
+function setState(state, label = state) {
+  pane.dataset.state = state;
+  $('#badge').textContent = label;
+}
+
+function log(message) {
+  const stamp = new Date().toISOString().slice(11, 23);
+  $('#log').append(Object.assign(document.createElement('li'), { textContent: `${stamp}  ${message}` }));
+}
+
+function finish(state, label, message) {
+  source?.close();  // without this, EventSource would reconnect even after a normal end
+  sink.flush();
+  setState(state, label);
+  log(message);
+  $('#go').disabled = false;
+}
+
+async function startReply(prompt) {
+  const abort = new AbortController();
+  const response = await fetch('/v1/replies', {
+    method: 'POST',
+    headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify({ prompt, resumable: true }),
+    signal: abort.signal,
+  });
+  const id = response.headers.get('X-Reply-Id');
+  abort.abort();  // we only wanted the id; the reply keeps generating for its next reader
+  if (!response.ok || !id) {
+    throw new Error(`this server does not offer resumable replies (HTTP ${response.status})`);
+  }
+  return id;
+}
+
+function follow(id) {
+  source = new EventSource(`/v1/replies/${encodeURIComponent(id)}/stream`);
+  source.addEventListener('open', () => {
+    opens += 1;
+    $('#opens').textContent = String(opens);
+    setState('streaming', 'streaming');
+    log(opens === 1 ? 'connected' : `reconnected (Last-Event-ID: ${$('#last-id').textContent})`);
+  });
+  const handlers = {
+    token: (data) => sink.push(data.text),
+    gap: (data) => log(`the server lost events ${data.lost_from}–${data.lost_to}`),
+    done: (data) => finish('done', 'complete', `done (${data.finish_reason}); source closed`),
+    moderated: (data) => finish('moderated', 'moderated', `moderated by the ${data.check} check`),
+  };
+  for (const [type, handle] of Object.entries(handlers)) {
+    source.addEventListener(type, (event) => {
+      // Replayed events the page already has are skipped; ids are sequence numbers.
+      const seq = Number(event.lastEventId);
+      if (Number.isFinite(seq) && event.lastEventId !== '') {
+        if (seq <= lastSeq) return;
+        lastSeq = seq;
+        $('#last-id').textContent = event.lastEventId;
+      }
+      handle(JSON.parse(event.data));
+    });
+  }
+  // Two different things arrive as "error": the server's `event: error` (a MessageEvent with
+  // data) ends the reply; a plain Event is the connection failing, which EventSource retries
+  // by itself unless it gave up (readyState CLOSED, e.g. after a 404).
+  source.addEventListener('error', (event) => {
+    if (event instanceof MessageEvent) {
+      const { message = 'unknown error', code = 'error' } = JSON.parse(event.data).error ?? {};
+      finish('error', 'error', `server error (${code}): ${message}`);
+    } else if (source.readyState === EventSource.CLOSED) {
+      finish('incomplete', 'incomplete', 'the browser gave up on the connection');
+    } else {
+      setState('reconnecting', 'reconnecting');
+      log('connection lost; EventSource reconnects by itself');
+    }
+  });
+}
+
+$('#start').addEventListener('submit', async (event) => {
+  event.preventDefault();
+  source?.close();
+  sink.clear();
+  $('#log').replaceChildren();
+  opens = 0;
+  lastSeq = -Infinity;
+  $('#opens').textContent = '0';
+  $('#last-id').textContent = '—';
+  $('#go').disabled = true;
+  setState('waiting', 'starting');
+  try {
+    const id = await startReply($('#prompt').value);
+    $('#reply-id').textContent = id;
+    log(`reply ${id} started; its POST was aborted after the headers`);
+    follow(id);
+  } catch (error) {
+    finish('error', 'error', error.message);
+  }
+});

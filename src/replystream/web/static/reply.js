@@ -1,0 +1,252 @@
+// Reading one reply from POST /v1/replies: streamed (fetch + stream reader + our SSE parser)
+// with resume after a dropped connection, or buffered (one JSON body).
+//
+// Rules this file keeps:
+// 1. A reply is complete only with its `done` event (or a buffered 2xx body). A stream that
+//    ends without one, cleanly or not, is a dropped connection, never a finished reply.
+// 2. A dropped reply that has an id is resumed: GET /v1/replies/{id}/stream with
+//    Last-Event-ID, after a capped exponential backoff with jitter (the server's `retry:`
+//    sets the base). The prompt is never sent again, and events whose id is not above the
+//    last one seen are dropped, so no text is shown twice or skipped.
+// 3. Stop cancels the work on the server, not just the local read: a resumable reply keeps
+//    generating when its reader leaves, so aborting the fetch is followed by an explicit
+//    POST /v1/replies/{id}/cancel.
+// It must not know about the page: the caller gets text and status through callbacks.
+
+import { SSEParser } from './sse.js';
+
+const BACKOFF = { baseMs: 300, maxMs: 8000, attempts: 8 };
+// Before the first `retry:` arrives, the base delay is BACKOFF.baseMs.
+
+/** A reply's ending: state is 'done', 'error', 'moderated', 'incomplete' or 'stopped'. */
+function ending(state, message = '', extra = {}) {
+  return { state, message, ...extra };
+}
+
+function sleep(ms, signal) {
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(resolve, ms);
+    signal?.addEventListener('abort', () => {
+      clearTimeout(timer);
+      reject(signal.reason);
+    }, { once: true });
+  });
+}
+
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    if (body?.error?.message) return body.error.message;
+  } catch { /* not a JSON error body */ }
+  return `HTTP ${response.status}`;
+}
+
+/** Ask the server to stop generating reply `id`; a server without cancel answers 404. */
+export async function cancelReply(id, base = '') {
+  try {
+    await fetch(`${base}/v1/replies/${encodeURIComponent(id)}/cancel`, {
+      method: 'POST',
+      keepalive: true,  // still sent if the page is closing
+    });
+  } catch { /* best effort: the connection's close also stops a non-resumable reply */ }
+}
+
+/**
+ * POST a request body and send it again without `resumable` if the server rejects that field
+ * (servers from before resumable replies refuse unknown fields with a 400 naming them).
+ */
+async function postReply(base, body, signal) {
+  const send = (payload) => fetch(`${base}/v1/replies`, {
+    method: 'POST',
+    headers: { 'Content-Type': 'application/json', Accept: 'text/event-stream, application/json' },
+    body: JSON.stringify(payload),
+    signal,
+  });
+  let response = await send(body);
+  if (response.status === 400 && 'resumable' in body) {
+    const error = await response.clone().json().catch(() => null);
+    if (error?.error?.param === 'resumable') {
+      const { resumable: _ignored, ...rest } = body;
+      response = await send(rest);
+    }
+  }
+  return response;
+}
+
+/** One buffered reply: resolves to {text, finish_reason, usage} or throws with the message. */
+export async function bufferedReply(body, { signal, base = '' } = {}) {
+  const response = await postReply(base, { ...body, stream: false }, signal);
+  if (!response.ok) throw new Error(await errorMessage(response));
+  return response.json();
+}
+
+/**
+ * One streamed reply, resumed across dropped connections.
+ *
+ * Callbacks (all optional): onText(text, tokens), onReplyId(id), onStatus(message or ''),
+ * onGap({lost_from, lost_to}), onUsage(usage).
+ */
+export class StreamedReply {
+  #body;
+  #base;
+  #on;
+  #abort = new AbortController();
+  #stopped = false;
+  #headers = null;          // settles once the first response's headers are in (or it failed)
+  #replyId = null;
+  #lastSeq = -Infinity;     // highest numeric event id handled
+  #lastId = null;           // the id string to send as Last-Event-ID
+  #retryMs = BACKOFF.baseMs;
+  #usage = null;
+
+  constructor(body, callbacks = {}, { base = '' } = {}) {
+    this.#body = { ...body, stream: true, resumable: true };
+    this.#base = base;
+    this.#on = callbacks;
+  }
+
+  get replyId() { return this.#replyId; }
+
+  /** Run the reply to its end; resolves to an ending (see `ending`), never rejects. */
+  async run() {
+    try {
+      const post = postReply(this.#base, this.#body, this.#abort.signal);
+      this.#headers = post.catch(() => null);
+      let response = await post;
+      if (!response.ok) return ending('error', await errorMessage(response));
+      this.#setReplyId(response.headers.get('X-Reply-Id'));
+      for (;;) {
+        const result = await this.#read(response);
+        if (result) return result;
+        if (!this.#replyId) {
+          return ending('incomplete', 'The connection closed before the reply finished.');
+        }
+        response = await this.#reconnect();
+        if (!response.ok) return ending('incomplete', await this.#resumeFailure(response));
+      }
+    } catch (error) {
+      if (this.#stopped) return ending('stopped', 'Stopped.');
+      return ending('incomplete', `The connection failed: ${error.message}`);
+    } finally {
+      this.#on.onStatus?.('');
+    }
+  }
+
+  /** Stop reading and cancel the reply on the server. */
+  async stop() {
+    if (this.#stopped) return;
+    this.#stopped = true;
+    // Without an id the reply cannot be cancelled by name; the headers carry it and are sent
+    // before the first token, so wait for them briefly rather than abort blind.
+    if (!this.#replyId && this.#headers) {
+      await Promise.race([this.#headers, sleep(2000)]);
+    }
+    this.#abort.abort();
+    if (this.#replyId) await cancelReply(this.#replyId, this.#base);
+  }
+
+  #setReplyId(id) {
+    if (!id || id === this.#replyId) return;
+    this.#replyId = id;
+    this.#on.onReplyId?.(id);
+  }
+
+  // Read one connection's events until a terminal event (returns the ending) or until the
+  // connection ends or fails without one (returns null: resume if possible).
+  async #read(response) {
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();  // one per connection: a new body may start with a BOM
+    const parser = new SSEParser();
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        const text = done ? decoder.decode() : decoder.decode(value, { stream: true });
+        const result = this.#handle(parser.feed(text));
+        if (parser.retry !== null) this.#retryMs = parser.retry;
+        if (result) {
+          reader.cancel().catch(() => {});
+          return result;
+        }
+        if (done) return null;
+      }
+    } catch (error) {
+      if (this.#stopped) throw error;
+      return null;  // reset, truncated chunked body, network change: all the same to us
+    }
+  }
+
+  // Dispatch parsed events; the first terminal one ends the reply.
+  #handle(events) {
+    for (const event of events) {
+      const seq = event.id === '' ? NaN : Number(event.id);
+      if (Number.isFinite(seq)) {
+        if (seq <= this.#lastSeq) continue;  // already shown before a reconnect
+        this.#lastSeq = seq;
+      }
+      if (event.id !== '') this.#lastId = event.id;
+      let data;
+      try {
+        data = JSON.parse(event.data);
+      } catch {
+        return ending('error', `The server sent an unreadable ${event.type} event.`);
+      }
+      switch (event.type) {
+        case 'reply': this.#setReplyId(data.reply_id); break;
+        case 'token': this.#on.onText?.(data.text, data.tokens); break;
+        case 'usage': this.#usage = data; this.#on.onUsage?.(data); break;
+        case 'gap': this.#on.onGap?.(data); break;
+        case 'done':
+          return ending('done', '', { finishReason: data.finish_reason, usage: this.#usage });
+        case 'moderated':
+          return ending('moderated', `Stopped by the ${data.check} check: ${data.reason}`, {
+            moderation: data,
+          });
+        case 'error': {
+          const { code = 'error', message = 'unknown error' } = data.error ?? {};
+          return ending('error', message, { code });
+        }
+        default: break;  // events this page does not know are ignored
+      }
+    }
+    return null;
+  }
+
+  // Capped exponential backoff with jitter: half the delay is fixed, half random, so many
+  // clients dropped at the same moment do not come back at the same moment.
+  #delay(attempt) {
+    const capped = Math.min(BACKOFF.maxMs, this.#retryMs * 2 ** (attempt - 1));
+    return capped / 2 + Math.random() * (capped / 2);
+  }
+
+  // Reconnect to the resume URL until a 2xx or an answer that retrying cannot change.
+  async #reconnect() {
+    const url = `${this.#base}/v1/replies/${encodeURIComponent(this.#replyId)}/stream`;
+    let last = null;
+    for (let attempt = 1; attempt <= BACKOFF.attempts; attempt++) {
+      this.#on.onStatus?.(attempt === 1 ? 'reconnecting…' : `reconnecting… (attempt ${attempt})`);
+      await sleep(this.#delay(attempt), this.#abort.signal);
+      const headers = { Accept: 'text/event-stream' };
+      if (this.#lastId !== null) headers['Last-Event-ID'] = this.#lastId;
+      try {
+        last = await fetch(url, { headers, cache: 'no-store', signal: this.#abort.signal });
+      } catch (error) {
+        if (this.#stopped) throw error;
+        continue;  // the server is not reachable yet
+      }
+      if (last.ok) {
+        this.#on.onStatus?.('');
+        return last;
+      }
+      if (last.status < 500 && last.status !== 429) return last;
+    }
+    if (last) return last;
+    throw new Error(`gave up after ${BACKOFF.attempts} attempts to reconnect`);
+  }
+
+  async #resumeFailure(response) {
+    if (response.status === 404) {
+      return 'The connection dropped and the server no longer has this reply.';
+    }
+    return `The connection dropped and resuming failed: ${await errorMessage(response)}`;
+  }
+}
