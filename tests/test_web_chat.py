@@ -1,0 +1,253 @@
+"""The chat pages in headless Chromium against a real server on loopback.
+
+Timings here are only compared with the server's own, with generous margins: the page's
+clocks start before the request leaves and stop after the text is painted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+
+from replystream.engine.simulated import split_words
+from replystream.server import create_app, running
+from tests.browser import LoopbackProxy, TimedEngine, chromium
+from tests.conftest import fast_engine, wait_for
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, Page
+
+pytestmark = pytest.mark.slow
+
+SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "chat-side-by-side.png"
+# How much later than the server a page timer may stop: request, parse and paint on a noisy
+# 2-core machine. It bounds nothing the tests claim; it only catches a timer that is wrong.
+SLACK_S = 1.5
+TURN = ".turn.assistant:last-child"
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    async with chromium() as launched:
+        yield launched
+
+
+async def open_page(browser: Browser, url: str, width: int = 1200, height: int = 760) -> Page:
+    page = await browser.new_page(viewport={"width": width, "height": height})
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    await page.goto(url)
+    page.set_default_timeout(30_000)
+    return page
+
+
+async def set_delivery(page: Page, **values: int) -> None:
+    await page.click(".settings summary")
+    for name, value in values.items():
+        await page.fill(f'#settings input[name="{name}"]', str(value))
+    await page.click(".settings summary")
+
+
+async def send(page: Page, prompt: str) -> None:
+    await page.fill("#prompt", prompt)
+    await page.press("#prompt", "Enter")
+
+
+def pane(kind: str) -> str:
+    return f'{TURN} [data-pane="{kind}"]'
+
+
+async def wait_state(page: Page, kind: str, state: str) -> None:
+    await page.wait_for_selector(f'{pane(kind)}[data-state="{state}"]')
+
+
+async def shown_text(page: Page, kind: str) -> str:
+    return await page.locator(f"{pane(kind)} .reply-text").text_content() or ""
+
+
+async def timer_s(page: Page, kind: str, which: str) -> float:
+    value = await page.get_attribute(f'{pane(kind)} [data-timer="{which}"]', "data-ms")
+    assert value is not None, f"{kind} pane has no final {which} timer"
+    return float(value) / 1000.0
+
+
+async def words_shown(page: Page, kind: str, at_least: int) -> None:
+    await page.wait_for_function(
+        """([selector, n]) => {
+            const node = document.querySelector(selector);
+            return node !== null && node.textContent.split(' ').length > n;
+        }""",
+        arg=[f'[data-pane="{kind}"] .reply-text', at_least],
+    )
+
+
+def reply_text(engine: TimedEngine, tokens: int) -> str:
+    return "".join(split_words(engine.inner.config.reply_text)[:tokens])
+
+
+def replies_count(metrics: str, outcome: str) -> float:
+    sample = f'replystream_replies_total{{endpoint="/v1/replies",outcome="{outcome}"}} '
+    for line in metrics.splitlines():
+        if line.startswith(sample):
+            return float(line.removeprefix(sample))
+    return 0.0
+
+
+async def test_side_by_side_stream_shows_text_while_the_wait_pane_is_blank(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=5.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url, height=600)
+        bodies: list[dict[str, Any]] = []
+        page.on(
+            "request",
+            lambda request: (
+                bodies.append(json.loads(request.post_data or "{}"))
+                if request.url.endswith("/v1/replies")
+                else None
+            ),
+        )
+        await page.get_by_label("Wait vs stream").check()
+        await set_delivery(page, seed=7, max_tokens=90, batch_tokens=1)
+        await send(page, "Why stream a reply instead of waiting for all of it?")
+
+        # 40 of 90 tokens: the buffered reply cannot have been sent yet (it needs all 90).
+        await words_shown(page, "stream", 40)
+        assert await shown_text(page, "wait") == ""
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        await page.screenshot(path=str(SCREENSHOT))
+
+        await wait_state(page, "stream", "done")
+        await wait_state(page, "wait", "done")
+        expected = reply_text(engine, 90)
+        assert await shown_text(page, "stream") == expected
+        assert await shown_text(page, "wait") == expected
+
+        # Both deliveries asked for the same generation: same messages, same seed.
+        sent = {body.get("stream", True): body for body in bodies if "messages" in body}
+        assert set(sent) == {True, False}
+        assert sent[True]["seed"] == sent[False]["seed"] == 7
+        assert sent[True]["messages"] == sent[False]["messages"]
+        assert sent[True]["batch_tokens"] == 1
+
+        # The page's timers against the engine's: never earlier, not much later.
+        assert len(engine.replies) == 2
+        server_first = min(r.first_token_s for r in engine.replies)
+        server_last = min(r.last_token_s for r in engine.replies)
+        stream_first = await timer_s(page, "stream", "first")
+        stream_total = await timer_s(page, "stream", "total")
+        wait_first = await timer_s(page, "wait", "first")
+        wait_total = await timer_s(page, "wait", "total")
+        assert server_first <= stream_first + 0.005 < server_first + SLACK_S
+        assert server_last <= stream_total + 0.005 < server_last + SLACK_S
+        assert server_last <= wait_first + 0.005 < server_last + SLACK_S
+        assert wait_first <= wait_total + 0.005
+        assert stream_first < wait_first
+
+
+async def test_stop_cancels_the_reply_on_the_server(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=5.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        await send(page, "Tell me everything.")
+        await words_shown(page, "stream", 5)
+        await page.click("#stop")
+        await wait_state(page, "stream", "stopped")
+        await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+        stats = engine.stats()
+        assert stats.active == 0 and stats.finished == 0
+        # The engine stopped early: it did not go on making the rest of the reply.
+        assert stats.steps < len(split_words(engine.inner.config.reply_text))
+        assert await page.is_visible(f"{TURN} .turn-actions button:has-text('Retry')")
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+        assert replies_count(metrics, "cancelled") == 1
+
+
+async def test_dropped_connection_is_resumed_without_repeating_the_prompt(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=5.0))
+    async with running(create_app(engine)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        async with LoopbackProxy(host, int(port)) as proxy:
+            page = await open_page(browser, proxy.url)
+            await page.evaluate(
+                """() => {
+                    window.statusSeen = [];
+                    const line = document.querySelector('#status');
+                    new MutationObserver(() => statusSeen.push(line.textContent))
+                        .observe(line, {childList: true, characterData: true, subtree: true});
+                }"""
+            )
+            await set_delivery(page, max_tokens=60)
+            await send(page, "Keep going.")
+            await words_shown(page, "stream", 10)
+            proxy.cut()
+            await wait_state(page, "stream", "done")
+            assert await shown_text(page, "stream") == reply_text(engine, 60)
+            assert engine.stats().started == 1  # resumed, never asked again
+            sent = proxy.sent.decode("latin-1").lower()
+            assert re.search(r"get /v1/replies/[^/ ]+/stream http/1.1\r\n", sent)
+            assert re.search(r"\r\nlast-event-id: \d+\r\n", sent)
+            assert "reconnecting…" in await page.evaluate("statusSeen")
+            assert await page.text_content("#status") == ""
+
+
+async def test_eventsource_page_reconnects_with_last_event_id(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=5.0))
+    async with running(create_app(engine)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        async with LoopbackProxy(host, int(port)) as proxy:
+            page = await open_page(browser, f"{proxy.url}/eventsource.html")
+            await page.click("#go")
+            await page.wait_for_function(
+                "document.querySelector('#text').textContent.split(' ').length > 10"
+            )
+            proxy.cut()
+            await page.wait_for_selector('#pane[data-state="done"]')
+            full = reply_text(engine, len(split_words(engine.inner.config.reply_text)))
+            assert await page.text_content("#text") == full
+            assert int(await page.text_content("#opens") or 0) >= 2
+            assert engine.stats().started == 1
+            sent = proxy.sent.decode("latin-1").lower()
+            assert re.search(r"\r\nlast-event-id: \d+\r\n", sent)
+            # Closed on `done`: no request for the stream after the last one that ended it.
+            log = await page.locator("#log li").all_text_contents()
+            assert "source closed" in log[-1]
+
+
+async def test_phone_width_stacks_the_panes_and_keyboard_sends(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=5.0, jitter_ms=1.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url, width=390, height=780)
+        await page.get_by_label("Wait vs stream").check()
+        await set_delivery(page, max_tokens=8)
+        await page.focus("#prompt")
+        await page.keyboard.type("first line")
+        await page.keyboard.press("Shift+Enter")
+        await page.keyboard.type("second line")
+        assert await page.input_value("#prompt") == "first line\nsecond line"
+        await page.keyboard.press("Enter")
+        await wait_state(page, "stream", "done")
+        await wait_state(page, "wait", "done")
+        assert await page.text_content(".turn.user .bubble") == "first line\nsecond line"
+        wait_box = await page.locator(pane("wait")).bounding_box()
+        stream_box = await page.locator(pane("stream")).bounding_box()
+        assert wait_box is not None and stream_box is not None
+        assert stream_box["y"] >= wait_box["y"] + wait_box["height"]  # stacked, not side by side
+        overflow = await page.evaluate(
+            "document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        )
+        assert overflow <= 0
+        assert await page.get_attribute("#conversation", "aria-live") == "polite"
+        # Send and Stop are real buttons reachable with the keyboard.
+        await page.focus("#prompt")
+        focused = []
+        for _ in range(2):
+            await page.keyboard.press("Tab")
+            focused.append(await page.evaluate("document.activeElement.id"))
+        assert "send" in focused
