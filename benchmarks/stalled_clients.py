@@ -52,6 +52,8 @@ async def main() -> None:
         "-m",
         "replystream",
         "serve",
+        "--engine",
+        "simulated",
         "--port",
         "0",
         "--reply-text",

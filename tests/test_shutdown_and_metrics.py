@@ -21,6 +21,8 @@ async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
         "-m",
         "replystream",
         "serve",
+        "--engine",
+        "simulated",
         "--port",
         "0",
         *args,

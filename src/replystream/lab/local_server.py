@@ -16,7 +16,12 @@ READY_PREFIX = "replystream listening on "
 
 @contextlib.asynccontextmanager
 async def local_server(args: Sequence[str], *, ready_timeout_s: float = 30.0) -> AsyncIterator[str]:
-    """Run ``replystream serve --port 0 ARGS`` and yield its base URL; stop it on exit."""
+    """Run ``replystream serve --port 0 ARGS`` and yield its base URL; stop it on exit.
+
+    The engine is the simulated one unless ARGS choose another: lab tools need its schedule.
+    """
+    if "--engine" not in args:
+        args = ["--engine", "simulated", *args]
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine.base import Engine
 from replystream.engine.simulated import (
     DEFAULT_REPLY,
     SimulatedConfig,
     SimulatedEngine,
     reply_of_length,
 )
+from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server.app import ServerConfig, create_app
 from replystream.server.serve import serve_forever
 
@@ -27,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = ServerConfig()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument("--engine", choices=["simulated"], default="simulated")
+    parser.add_argument(
+        "--engine",
+        choices=["tiny", "simulated"],
+        default="tiny",
+        help="tiny: the built-in transformer; simulated: the lab's seeded word generator",
+    )
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--max-body-bytes", type=int, default=server.max_body_bytes)
     parser.add_argument("--max-prompt-chars", type=int, default=server.max_prompt_chars)
@@ -36,6 +43,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=server.shutdown_grace_s,
         help="on SIGTERM, how long replies in flight may take to finish",
+    )
+
+    tiny = parser.add_argument_group("tiny engine")
+    tiny_defaults = TinyEngineConfig()
+    tiny.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=tiny_defaults.num_blocks,
+        help="KV cache blocks in the pool (16 tokens each)",
+    )
+    tiny.add_argument(
+        "--token-budget",
+        type=int,
+        default=tiny_defaults.token_budget,
+        help="tokens one engine step may process (decode plus prefill chunks)",
+    )
+    tiny.add_argument(
+        "--max-running",
+        type=int,
+        default=tiny_defaults.max_running,
+        help="sequences decoded together at most",
+    )
+    tiny.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=tiny_defaults.default_max_tokens,
+        help="reply length when a request does not set max_tokens",
     )
 
     sim = parser.add_argument_group("simulated engine")
@@ -150,6 +184,33 @@ def build_checks(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The engine the command line asks for; raises ValueError on bad values."""
+    if args.engine == "tiny":
+        return load_default_engine(
+            TinyEngineConfig(
+                num_blocks=args.kv_blocks,
+                token_budget=args.token_budget,
+                max_running=args.max_running,
+                default_max_tokens=args.default_max_tokens,
+            )
+        )
+    text = args.reply_text
+    if args.tokens is not None:
+        text = reply_of_length(text, args.tokens)
+    return SimulatedEngine(
+        SimulatedConfig(
+            reply_text=text,
+            delay_ms=args.delay_ms,
+            jitter_ms=args.jitter_ms,
+            seed=args.seed,
+            first_token_ms=args.first_token_ms,
+            prefill_ms_per_token=args.prefill_ms_per_token,
+            fail_after=args.fail_after,
+        )
+    )
+
+
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """Server configuration from the command line; raises ValueError on bad values."""
     policy = DeliveryPolicy(
@@ -176,22 +237,7 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
-        text = (
-            args.reply_text
-            if args.tokens is None
-            else reply_of_length(args.reply_text, args.tokens)
-        )
-        engine = SimulatedEngine(
-            SimulatedConfig(
-                reply_text=text,
-                delay_ms=args.delay_ms,
-                jitter_ms=args.jitter_ms,
-                seed=args.seed,
-                first_token_ms=args.first_token_ms,
-                prefill_ms_per_token=args.prefill_ms_per_token,
-                fail_after=args.fail_after,
-            )
-        )
+        engine = build_engine(args)
         config = build_config(args)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
