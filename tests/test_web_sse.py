@@ -128,6 +128,7 @@ def split_after_cr(body: bytes) -> list[bytes]:
 
 
 Chunker = Callable[[], list[bytes]]
+DROPPED_AFTER = 3  # tokens sent before the scripted connection drop
 SCENARIOS: dict[str, Chunker] = {
     "one byte at a time": lambda: [
         bytes([b]) for b in b"".join(reply_events("done", with_id=False))
@@ -142,8 +143,16 @@ SCENARIOS: dict[str, Chunker] = {
     "error": lambda: reply_events("error", with_id=False),
     "moderated": lambda: reply_events("moderated", with_id=False),
     "end of file without done": lambda: reply_events("eof", with_id=False),
+    "gap": lambda: [
+        *reply_events("done")[:4],
+        event("gap", {"lost_from": 4, "lost_to": 6}, 6).encode(),
+        *reply_events("done")[7:],
+    ],
+    # reply (id 1) and three tokens (ids 2-4), then the connection ends without `done`.
+    "dropped, then replayed with overlap": lambda: reply_events("done")[1 : 2 + DROPPED_AFTER],
 }
 CALLS = web.AppKey("calls", dict[str, int])
+RESUMES = web.AppKey("resumes", list[str])
 
 
 async def scripted_replies(request: web.Request) -> web.StreamResponse:
@@ -156,6 +165,18 @@ async def scripted_replies(request: web.Request) -> web.StreamResponse:
     chunks = SCENARIOS[scenario]()
     if scenario == "end of file without done" and calls[scenario] > 1:
         chunks = reply_events("done", with_id=False)
+    return await write_chunks(request, chunks)
+
+
+async def scripted_resume(request: web.Request) -> web.StreamResponse:
+    """Replay from two events before the client's Last-Event-ID: the client must drop those."""
+    last = request.headers.get("Last-Event-ID", "")
+    request.app[RESUMES].append(last)
+    events = reply_events("done")[1:]  # reply event has id 1, so events[k] has id k + 1
+    return await write_chunks(request, events[max(0, int(last) - 3) :])
+
+
+async def write_chunks(request: web.Request, chunks: list[bytes]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     # Pause after each write so that it reaches the page as a read of its own (the browser
@@ -169,11 +190,18 @@ async def scripted_replies(request: web.Request) -> web.StreamResponse:
 
 
 @pytest.fixture
-async def page() -> AsyncIterator[Page]:
+def app() -> web.Application:
     app = web.Application()
     app[CALLS] = {}
+    app[RESUMES] = []
     add_page_routes(app)
     app.router.add_post("/v1/replies", scripted_replies)
+    app.router.add_get("/v1/replies/{reply_id}/stream", scripted_resume)
+    return app
+
+
+@pytest.fixture
+async def page(app: web.Application) -> AsyncIterator[Page]:
     browser: Browser
     async with running(app) as url, chromium() as browser:
         page = await browser.new_page()
@@ -243,3 +271,27 @@ async def test_reply_without_done_is_shown_incomplete_with_retry(
         await page.wait_for_selector('[data-pane="stream"][data-state="done"]')
         assert await page.text_content('[data-pane="stream"] .reply-text') == TEXT
         assert await retry.is_hidden()
+
+
+async def test_resumed_reply_drops_replayed_events_it_already_showed(
+    page: Page, app: web.Application
+):
+    await page.fill("#prompt", "dropped, then replayed with overlap")
+    await page.press("#prompt", "Enter")
+    await page.wait_for_selector('[data-pane="stream"][data-state="done"]')
+    assert await page.text_content('[data-pane="stream"] .reply-text') == TEXT
+    # One reconnect, naming the last event seen: the reply event and three tokens.
+    assert app[RESUMES] == [str(1 + DROPPED_AFTER)]
+    assert app[CALLS]["dropped, then replayed with overlap"] == 1  # the prompt went once
+
+
+async def test_gap_in_a_replayed_reply_is_marked(page: Page):
+    await page.fill("#prompt", "gap")
+    await page.press("#prompt", "Enter")
+    await page.wait_for_selector('[data-pane="stream"][data-state="done"]')
+    gap = page.locator('[data-pane="stream"] .reply-text .gap')
+    assert await gap.count() == 1
+    shown = await page.text_content('[data-pane="stream"] .reply-text') or ""
+    marker = await gap.text_content() or ""
+    lost = "".join(WORDS[2:5])  # ids 4-6 never came
+    assert shown.replace(marker, "") == TEXT.replace(lost, "")
