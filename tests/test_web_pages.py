@@ -1,0 +1,77 @@
+"""The chat pages' routes, without a browser: what is served, how, and what is not."""
+
+from __future__ import annotations
+
+import sys
+
+import aiohttp
+import pytest
+
+from replystream.server import create_app, running
+from replystream.server.pages import WEB_DIR
+from tests import browser
+from tests.conftest import fast_engine
+from tests.services import REQUIRE_ENV
+
+MODULES = ["app.js", "reply.js", "render.js", "sse.js", "eventsource.js"]
+
+
+async def test_pages_and_assets_are_served_uncached_with_their_types():
+    expected = {
+        "/": "text/html",
+        "/eventsource.html": "text/html",
+        "/static/style.css": "text/css",
+        **{f"/static/{name}": "text/javascript" for name in MODULES},
+    }
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        for path, content_type in expected.items():
+            async with http.get(f"{url}{path}") as response:
+                assert response.status == 200, path
+                assert response.content_type == content_type, path
+                assert response.headers["Cache-Control"] == "no-cache", path
+                assert "ETag" in response.headers, path
+                await response.read()
+
+
+async def test_unknown_or_escaping_paths_are_not_found():
+    paths = [
+        "/static/nope.js",
+        "/static/../__init__.py",
+        "/static/%2e%2e/__init__.py",
+        "/static/",
+        "/index.html/../eventsource.html/x",
+        "/__init__.py",
+    ]
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        for path in paths:
+            async with http.get(f"{url}{path}") as response:
+                assert response.status == 404, path
+
+
+async def test_a_revalidated_page_is_not_modified():
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/static/sse.js") as response:
+            etag = response.headers["ETag"]
+        async with http.get(f"{url}/static/sse.js", headers={"If-None-Match": etag}) as response:
+            assert response.status == 304
+
+
+def test_every_module_the_pages_import_is_in_the_package():
+    for name in MODULES:
+        source = (WEB_DIR / "static" / name).read_text()
+        for line in source.splitlines():
+            if line.startswith("import ") and " from './" in line:
+                imported = line.split("from './", 1)[1].split("'", 1)[0]
+                assert (WEB_DIR / "static" / imported).is_file(), (name, imported)
+
+
+async def test_missing_playwright_skips_unless_services_are_required(monkeypatch):
+    monkeypatch.setitem(sys.modules, "playwright.async_api", None)
+    monkeypatch.delenv(REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="pip install playwright"):
+        async with browser.chromium():
+            pass
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=REQUIRE_ENV):
+        async with browser.chromium():
+            pass
