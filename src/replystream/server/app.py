@@ -9,6 +9,8 @@ Routes:
   ``resumable``).
 - ``GET /v1/replies/{id}/stream``: resume a reply after ``Last-Event-ID`` (header) or
   ``last_event_id`` (query); ``POST /v1/replies/{id}/cancel``: stop it.
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``: the
+  OpenAI-compatible API (``server.openai_api``).
 - ``GET /metrics`` (Prometheus text format) and ``GET /healthz``.
 A streamed reply is produced into its reply log by a task of the ``ReplyManager`` and read from
 the log by the connection (``server.reader``); buffered replies are collected whole
@@ -29,6 +31,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from replystream.delivery.formats import (
+    KEEPALIVE,
     LabFormat,
     NativeFormat,
     StreamFormat,
@@ -74,6 +77,7 @@ class ServerConfig:
     gzip_min_bytes: int = 512
     resumable_by_default: bool = False
     detach_grace_s: float = 30.0
+    model_name: str | None = None  # the model the OpenAI routes serve (None: the engine's name)
 
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -201,6 +205,7 @@ async def follow_reply(
     policy: DeliveryPolicy,
     reply: Reply | None,
     after: int = 0,
+    keepalive: bytes = KEEPALIVE,
 ) -> web.StreamResponse:
     """Stream a reply's log to this connection, from after event ``after``."""
     response = web.StreamResponse(headers={**SSE_HEADERS, "X-Reply-Id": reply_id})
@@ -214,6 +219,7 @@ async def follow_reply(
         reply=reply,
         record=None if reply is None else reply.record,
         after=after,
+        keepalive=keepalive,
     )
     await reader.run()
     return response
@@ -421,6 +427,9 @@ def create_app(
 ) -> web.Application:
     """The replystream application serving ``engine``; resumable replies go to ``store``
     (default: this process's memory)."""
+    # Imported here: it builds on this module's start_reply and follow_reply.
+    from replystream.server.openai_api import add_openai_routes
+
     config = config or ServerConfig()
     app = web.Application(
         middlewares=[compress_documents, api_errors], client_max_size=config.max_body_bytes
@@ -433,6 +442,14 @@ def create_app(
     app[MANAGER_KEY] = ReplyManager(metrics)
     app[LOCAL_STORE_KEY] = local_store
     app[STORE_KEY] = store if store is not None else local_store
+    if store is not None and hasattr(store, "on_cancel_request"):
+        # A cancel asked for on another replica reaches this one's producer.
+        def cancel_local(reply_id: str) -> None:
+            reply = app[MANAGER_KEY].get(reply_id)
+            if reply is not None:
+                reply.stop("cancelled")
+
+        store.on_cancel_request = cancel_local
     app.router.add_get("/wait", handle_wait)
     app.router.add_get("/stream", handle_stream)
     app.router.add_post("/v1/replies", handle_replies)
@@ -441,6 +458,7 @@ def create_app(
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/healthz", handle_health)
     add_page_routes(app)
+    add_openai_routes(app)
 
     async def close_all(app: web.Application) -> None:
         await app[MANAGER_KEY].aclose()

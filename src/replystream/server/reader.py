@@ -64,6 +64,7 @@ class LogReader:
     reply: Reply | None  # the producer, when it runs in this process
     record: ReplyRecord | None  # where to count what is sent (the producer's record)
     after: int = 0
+    keepalive: bytes = KEEPALIVE  # the idle frame (dialects may need another spelling)
     overflow: bool = False
     _deadline: asyncio.Timeout | None = None
 
@@ -181,5 +182,5 @@ class LogReader:
                 await self._send(error_frame(message, "generator_lost"), 1)
                 return "producer_lost"
             if not parts and keepalive is not None and time.monotonic() - last_write >= keepalive:
-                await self._send(KEEPALIVE, 0)
+                await self._send(self.keepalive, 0)
                 last_write = time.monotonic()

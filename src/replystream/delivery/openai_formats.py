@@ -1,0 +1,134 @@
+"""The OpenAI wire dialect: chat and legacy completion chunks, and their whole-reply bodies.
+
+This file decides what an OpenAI-compatible client reads, byte for byte:
+- A streamed chat reply is ``data: {chat.completion.chunk}`` messages: a first chunk with
+  ``delta.role = "assistant"`` (it carries the reply id, as resume needs), one chunk per
+  batch of text, a chunk with ``finish_reason`` and an empty delta, a usage chunk
+  (``choices: []``) when the client asked for one, then ``data: [DONE]``.
+- A legacy ``text_completion`` stream is the same with ``choices[0].text`` and no role chunk
+  (its first chunk has empty text).
+- An error after the first byte is ``data: {"error": {"message", "type", "param", "code"}}``
+  (the OpenAI SDKs raise ``APIError`` on it) and the stream never ends with ``[DONE]``.
+- A moderated reply ends like OpenAI's own filtered replies: a chunk with
+  ``finish_reason: "content_filter"`` (plus a ``replystream_moderation`` object naming the
+  check; OpenAI's own ``moderation`` field has another shape), then ``[DONE]``. The finish
+  reason, not a missing end marker, tells the client it was cut.
+A format object serves one reply: it remembers the reply id ``started`` was given, because
+every chunk repeats it. It must not know about sockets, tasks or stores.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from replystream.delivery.formats import Spec, Usage, moderated_payload
+from replystream.delivery.moderation import Violation
+
+Kind = Literal["chat", "text"]
+DONE: Spec = (None, "[DONE]")
+MODERATED_FINISH = "content_filter"
+MODERATION_FIELD = "replystream_moderation"
+_ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-"}
+_CHUNK_OBJECT = {"chat": "chat.completion.chunk", "text": "text_completion"}
+_BODY_OBJECT = {"chat": "chat.completion", "text": "text_completion"}
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def completion_id(kind: Kind, reply_id: str) -> str:
+    """The OpenAI-style id of a reply: ``chatcmpl-<reply id>`` or ``cmpl-<reply id>``."""
+    return _ID_PREFIX[kind] + reply_id
+
+
+def in_band_error(message: str, code: str) -> Spec:
+    """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on."""
+    error = {"message": message, "type": "server_error", "param": None, "code": code}
+    return None, _dumps({"error": error})
+
+
+@dataclass(slots=True)
+class OpenAIStreamFormat:
+    """Chunks of one streamed chat (``kind="chat"``) or legacy completion (``"text"``) reply."""
+
+    kind: Kind
+    model: str
+    created: int
+    include_usage: bool = False
+    reply_id: str = field(default="", init=False)
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> Spec:
+        payload: dict[str, Any] = {
+            "id": completion_id(self.kind, self.reply_id),
+            "object": _CHUNK_OBJECT[self.kind],
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        if self.include_usage and "usage" not in payload:
+            payload["usage"] = None  # as OpenAI does: null on every chunk but the last
+        return None, _dumps(payload)
+
+    def _choice(self, content: str | None, finish_reason: str | None, **delta: Any) -> Any:
+        if self.kind == "text":
+            text = content or ""
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if content is not None:
+            delta["content"] = content
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def started(self, reply_id: str) -> list[Spec]:
+        self.reply_id = reply_id
+        return [self._chunk([self._choice("", None, role="assistant")])]
+
+    def text(self, text: str, tokens: int) -> Spec:
+        return self._chunk([self._choice(text, None)])
+
+    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+        specs = [self._chunk([self._choice(None, finish_reason)])]
+        if self.include_usage:
+            specs.append(self._chunk([], usage=usage.as_dict()))
+        return [*specs, DONE]
+
+    def error(self, message: str, code: str) -> list[Spec]:
+        return [in_band_error(message, code)]
+
+    def moderated(self, violation: Violation) -> list[Spec]:
+        choice = self._choice(None, MODERATED_FINISH)
+        return [self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)}), DONE]
+
+
+def completion_body(
+    kind: Kind,
+    *,
+    reply_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage: Usage | None,
+    moderation: dict[str, object] | None = None,
+) -> dict[str, Any]:
+    """A whole ``chat.completion`` or ``text_completion`` object."""
+    choice: dict[str, Any]
+    if kind == "chat":
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None}
+    choice["finish_reason"] = finish_reason
+    body: dict[str, Any] = {
+        "id": completion_id(kind, reply_id),
+        "object": _BODY_OBJECT[kind],
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": None if usage is None else usage.as_dict(),
+    }
+    if moderation is not None:
+        body[MODERATION_FIELD] = moderation
+    return body

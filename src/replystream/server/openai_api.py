@@ -1,0 +1,172 @@
+"""The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+A streamed completion is an ordinary reply (``start_reply`` + ``follow_reply``) in the OpenAI
+dialect (``delivery.openai_formats``), so batching, hold-back moderation, keep-alive,
+slow-client limits, cancellation and resume all apply; its ``X-Reply-Id`` header and chunk id
+(``chatcmpl-<reply id>``) name it for ``GET /v1/replies/{id}/stream`` and ``.../cancel``.
+A reply with ``stream: false`` is collected whole (``buffered_reply``). The server serves one
+model, named by ``ServerConfig.model_name`` or else the engine. This file turns requests into
+replies; it must not know how tokens are made or how events are framed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.moderation import Violation
+from replystream.delivery.openai_formats import (
+    MODERATED_FINISH,
+    Kind,
+    OpenAIStreamFormat,
+    completion_body,
+)
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.server.app import (
+    CONFIG_KEY,
+    ENGINE_KEY,
+    MANAGER_KEY,
+    follow_reply,
+    start_generation,
+    start_reply,
+)
+from replystream.server.buffered import buffered_reply
+from replystream.server.metrics import ReplyRecord
+from replystream.server.native import read_json_object
+from replystream.server.openai_requests import (
+    CompletionAsk,
+    model_not_found,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+# A comment line without the blank line after it: the OpenAI Python SDK turns a blank line
+# after a comment into an empty event once it has seen an ``id:``, and fails to parse it.
+SDK_KEEPALIVE = b": keep-alive\n"
+STARTED_AT = web.AppKey("openai_started_at", int)
+
+Parse = Callable[..., CompletionAsk]
+
+
+def served_model(app: web.Application) -> str:
+    """The one model name this server answers to."""
+    return app[CONFIG_KEY].model_name or app[ENGINE_KEY].name
+
+
+def _model_object(app: web.Application) -> dict[str, Any]:
+    return {
+        "id": served_model(app),
+        "object": "model",
+        "created": app[STARTED_AT],
+        "owned_by": "replystream",
+    }
+
+
+async def handle_models(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/models``: the list of the one model served."""
+    return web.json_response({"object": "list", "data": [_model_object(request.app)]})
+
+
+async def handle_model(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/models/{model}``: that model, or 404 ``model_not_found``."""
+    name = request.match_info["model"]
+    if name != served_model(request.app):
+        raise model_not_found(name)
+    return web.json_response(_model_object(request.app))
+
+
+async def _buffered(
+    request: web.Request, kind: Kind, ask: CompletionAsk, model: str, created: int
+) -> web.StreamResponse:
+    app = request.app
+    reply_id = secrets.token_urlsafe(18)
+    record = ReplyRecord(request.path, streamed=False)
+    deltas = await start_generation(request, ask.generation, record)
+
+    def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        return completion_body(
+            kind,
+            reply_id=reply_id,
+            model=model,
+            created=created,
+            text=text,
+            finish_reason=finish_reason,
+            usage=usage,
+        )
+
+    def moderated(text: str, violation: Violation) -> dict[str, Any]:
+        return completion_body(
+            kind,
+            reply_id=reply_id,
+            model=model,
+            created=created,
+            text=text,
+            finish_reason=MODERATED_FINISH,
+            usage=None,  # the tokens made are not all shown; no count would be honest
+            moderation=moderated_payload(violation),
+        )
+
+    response = await buffered_reply(
+        deltas,
+        manager=app[MANAGER_KEY],
+        record=record,
+        checks=ask.policy.checks,
+        prompt_tokens=app[ENGINE_KEY].count_tokens(ask.generation.prompt),
+        body=body,
+        moderated_body=moderated,
+    )
+    response.headers["X-Reply-Id"] = reply_id
+    return response
+
+
+async def _complete(request: web.Request, kind: Kind, parse: Parse) -> web.StreamResponse:
+    app = request.app
+    config = app[CONFIG_KEY]
+    model = served_model(app)
+    body = await read_json_object(request)
+    ask = parse(body, model=model, defaults=config.policy, max_prompt_chars=config.max_prompt_chars)
+    created = int(time.time())
+    if not ask.stream:
+        return await _buffered(request, kind, ask, model, created)
+    policy: DeliveryPolicy = ask.policy
+    resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
+    reply = await start_reply(
+        request,
+        ask.generation,
+        endpoint=request.path,
+        fmt=OpenAIStreamFormat(kind, model, created, ask.include_usage),
+        policy=policy,
+        resumable=resumable,
+    )
+    return await follow_reply(
+        request,
+        reply_id=reply.reply_id,
+        store=reply.store,
+        policy=policy,
+        reply=reply,
+        keepalive=SDK_KEEPALIVE,
+    )
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``: a ``chat.completion``, or its chunks streamed."""
+    return await _complete(request, "chat", parse_chat_request)
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``: a legacy ``text_completion``, or its chunks streamed."""
+    return await _complete(request, "text", parse_completion_request)
+
+
+def add_openai_routes(app: web.Application) -> None:
+    """Register the OpenAI-compatible routes on ``app``."""
+    app[STARTED_AT] = int(time.time())
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{model}", handle_model)

@@ -1,0 +1,199 @@
+"""The official openai SDK, unchanged, against the real server on a loopback socket."""
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from replystream.delivery.moderation import BannedPhrases
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from tests.conftest import fast_engine
+
+REPLY = "one two three four five six seven eight nine ten"
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "count"},
+]
+
+
+def sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def sync_sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_async_chat_streamed_text_equals_whole_text_and_usage_matches():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.chat.completions.create(
+            model="simulated", messages=MESSAGES, seed=3, max_tokens=7
+        )
+        stream = await client.chat.completions.create(
+            model="simulated",
+            messages=MESSAGES,
+            seed=3,
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    assert whole.object == "chat.completion"
+    assert whole.model == "simulated"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == "one two three four five six seven "
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (5, 7)
+    # First the role, then text, then the finish reason, then the usage chunk.
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage == whole.usage
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert chunks[0].id.startswith("chatcmpl-")
+
+
+async def test_sync_chat_and_legacy_completions_work_unchanged():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url:
+
+        def calls() -> tuple[str, str, str, str, list[str]]:
+            with sync_sdk(url) as client:
+                chat = client.chat.completions.create(model="simulated", messages=MESSAGES, seed=1)
+                streamed = "".join(
+                    chunk.choices[0].delta.content or ""
+                    for chunk in client.chat.completions.create(
+                        model="simulated", messages=MESSAGES, seed=1, stream=True
+                    )
+                    if chunk.choices
+                )
+                legacy = client.completions.create(model="simulated", prompt="count", max_tokens=4)
+                legacy_chunks = list(
+                    client.completions.create(
+                        model="simulated", prompt="count", max_tokens=4, stream=True
+                    )
+                )
+                models = [m.id for m in client.models.list()]
+            assert chat.choices[0].message.content is not None
+            assert legacy.object == "text_completion"
+            assert legacy.choices[0].finish_reason == "length"
+            legacy_text = "".join(c.choices[0].text for c in legacy_chunks)
+            return (
+                chat.choices[0].message.content,
+                streamed,
+                legacy.choices[0].text,
+                legacy_text,
+                models,
+            )
+
+        chat, streamed, legacy, legacy_streamed, models = await asyncio.to_thread(calls)
+    assert chat == streamed == REPLY + " "
+    assert legacy == legacy_streamed == "one two three four "
+    assert models == ["simulated"]
+
+
+async def test_async_legacy_completion_defaults_to_16_tokens_and_streams_usage():
+    async with running(create_app(fast_engine())) as url, sdk(url) as client:
+        whole = await client.completions.create(model="simulated", prompt="hi there", seed=2)
+        stream = await client.completions.create(
+            model="simulated",
+            prompt="hi there",
+            seed=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    assert whole.usage is not None and whole.usage.completion_tokens == 16
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage == whole.usage
+
+
+async def test_model_is_named_by_the_server_option():
+    config = ServerConfig(model_name="replystream-small")
+    async with running(create_app(fast_engine(), config)) as url, sdk(url) as client:
+        models = [m.id async for m in client.models.list()]
+        one = await client.models.retrieve("replystream-small")
+        reply = await client.chat.completions.create(
+            model="replystream-small", messages=MESSAGES, max_tokens=2
+        )
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert models == ["replystream-small"] and one.id == "replystream-small"
+    assert reply.model == "replystream-small"
+    assert missing.value.code == "model_not_found"
+
+
+async def test_error_mid_stream_raises_in_the_sdk_and_the_stream_has_no_done():
+    engine = fast_engine(fail_after=3)
+    async with running(create_app(engine)) as url:
+        async with sdk(url) as client:
+            stream = await client.chat.completions.create(
+                model="simulated", messages=MESSAGES, stream=True
+            )
+            got: list[str] = []
+            with pytest.raises(openai.APIError, match="simulated failure"):
+                async for chunk in stream:
+                    got.append(chunk.choices[0].delta.content or "")
+        assert "".join(got) == "A language model "
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "simulated", "messages": MESSAGES, "stream": True}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+                raw = await response.text()
+    assert "[DONE]" not in raw
+    last = raw.strip().split("\n")[-1]
+    error = json.loads(last.removeprefix("data: "))["error"]
+    assert error["code"] == "generation_failed" and error["type"] == "server_error"
+
+
+async def test_moderated_reply_ends_with_content_filter():
+    policy = DeliveryPolicy(holdback_tokens=3, checks=(BannedPhrases(["five six"]),))
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url, sdk(url) as client:
+        stream = await client.chat.completions.create(
+            model="simulated", messages=MESSAGES, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+        whole = await client.chat.completions.create(model="simulated", messages=MESSAGES)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert "five" not in text and text.startswith("one two")
+    assert chunks[-1].choices[0].finish_reason == "content_filter"
+    assert chunks[-1].model_dump()["replystream_moderation"]["check"] == "banned_phrase"
+    assert whole.model_dump()["replystream_moderation"]["check"] == "banned_phrase"
+    assert whole.choices[0].finish_reason == "content_filter"
+    assert "six" not in (whole.choices[0].message.content or "")
+
+
+async def test_keepalive_comments_do_not_break_the_sdk():
+    policy = DeliveryPolicy(keepalive_s=0.02)
+    engine = fast_engine(reply_text=REPLY, delay_ms=60, jitter_ms=0)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url, sdk(url) as client:
+        stream = await client.chat.completions.create(
+            model="simulated", messages=MESSAGES, stream=True, max_tokens=4
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == "one two three four "
+
+
+async def test_streamed_reply_is_named_for_resume_and_cancel():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        body = {"messages": MESSAGES, "stream": True, "max_tokens": 2, "batch_tokens": 2}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            reply_id = response.headers["X-Reply-Id"]
+            raw = await response.text()
+        first = json.loads(raw.split("data: ", 1)[1].split("\n", 1)[0])
+        assert first["id"] == f"chatcmpl-{reply_id}"
+        # Two tokens in one batch: role, one text chunk, finish, [DONE].
+        assert raw.count("data: ") == 4 and raw.rstrip().endswith("data: [DONE]")
+        async with http.post(f"{url}/v1/chat/completions", json={**body, "stream": False}) as got:
+            assert got.headers["X-Reply-Id"]
