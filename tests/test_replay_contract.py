@@ -1,0 +1,165 @@
+"""The contract every ReplayStore keeps: the in-memory store and the Redis store alike.
+
+For Redis, "a reader elsewhere" is a second store instance on the same Redis (another
+replica), which has no local copy and reads the stream itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore, ReplyInfo
+from tests.redis_server import redis_server
+
+
+def frames(start: int, stop: int) -> list[LogEntry]:
+    return [LogEntry(n, b"id: %d\ndata: %d\n\n" % (n, n)) for n in range(start, stop)]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def stores(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[ReplayStore, ReplayStore]]:
+    """(the producer's store, a reader's store): the same object for memory."""
+    if request.param == "memory":
+        store = MemoryReplayStore(ttl_after_end_s=0.5, max_entries=50)
+        yield store, store
+        await store.aclose()
+        return
+    with redis_server(tmp_path) as server:
+        options = {"ttl_after_end_s": 1.0, "liveness_s": 1.0, "max_entries": 50}
+        producer = RedisReplayStore(server.url, **options)  # type: ignore[arg-type]
+        reader = RedisReplayStore(server.url, **options)  # type: ignore[arg-type]
+        yield producer, reader
+        await producer.aclose()
+        await reader.aclose()
+
+
+async def settle(store: ReplayStore) -> None:
+    if isinstance(store, RedisReplayStore):
+        await store.flush()
+
+
+async def test_replay_after_an_id_then_follow_the_live_tail_to_the_end(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("r1", owner="k"))
+    producer.append("r1", frames(1, 6))
+    await settle(producer)
+    first = await reader.read("r1", 2, wait_s=0)
+    assert [e.seq for e in first.entries] == [3, 4, 5]
+    assert first.ending is None and first.lost is None
+
+    async def produce_later() -> None:
+        await asyncio.sleep(0.1)
+        producer.append("r1", frames(6, 8))
+        await settle(producer)
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(produce_later())
+        live = await reader.read("r1", 5, wait_s=5)
+    assert [e.seq for e in live.entries][:1] == [6]
+    producer.end("r1", "finished")
+    await settle(producer)
+    rest = await reader.read("r1", live.entries[-1].seq, wait_s=1)
+    assert [e.seq for e in rest.entries] == list(range(live.entries[-1].seq + 1, 8))
+    assert rest.ending == "finished"
+    whole = await reader.read("r1", 0, wait_s=0)
+    assert [e.frame for e in whole.entries] == [e.frame for e in frames(1, 8)]
+    assert (await reader.info("r1")) == ReplyInfo("r1", owner="k")
+
+
+async def test_a_finished_reply_is_readable_until_its_ttl_then_gone(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("r2"))
+    producer.append("r2", frames(1, 3))
+    producer.end("r2", "finished")
+    await settle(producer)
+    assert (await reader.read("r2", 0, wait_s=0)).ending == "finished"
+    if isinstance(producer, RedisReplayStore):
+        await producer.aclose()  # the producing replica goes away; Redis keeps the reply
+    await asyncio.sleep(1.6)
+    assert await reader.read("r2", 0, wait_s=0) is None
+    assert await reader.info("r2") is None
+
+
+async def test_unknown_replies_are_none(stores):
+    _, reader = stores
+    assert await reader.read("never", 0, wait_s=0) is None
+    assert await reader.info("never") is None
+
+
+async def test_entries_no_longer_kept_are_reported_as_lost_not_skipped(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("r3"))
+    for start in range(1, 201, 20):  # 200 entries into a log that keeps about 50
+        producer.append("r3", frames(start, start + 20))
+        await settle(producer)
+    result = await reader.read("r3", 10, wait_s=0)
+    assert result.lost is not None
+    first_kept = result.entries[0].seq
+    assert result.lost == (11, first_kept - 1)
+    assert first_kept > 11 and result.entries[-1].seq == 200
+
+
+async def test_a_reader_blocked_on_a_live_reply_wakes_for_the_ending(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("r4"))
+    producer.append("r4", frames(1, 2))
+    await settle(producer)
+
+    async def end_later() -> None:
+        await asyncio.sleep(0.1)
+        producer.end("r4", "errored")
+        await settle(producer)
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(end_later())
+        result = await reader.read("r4", 1, wait_s=5)
+    assert result.entries == [] and result.ending == "errored"
+
+
+async def test_cancel_requests_reach_the_producer(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("r5"))
+    assert not await reader.cancel_requested("r5")
+    await reader.request_cancel("r5")
+    assert await producer.cancel_requested("r5")
+
+
+async def test_redis_reader_reports_a_producer_that_stopped_refreshing_liveness(tmp_path: Path):
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url, liveness_s=1.0)
+        reader = RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("r6"))
+        producer.append("r6", frames(1, 4))
+        await producer.flush()
+        # The producing replica dies without writing an ending (no flush, no heartbeat).
+        for task in producer._tasks:
+            task.cancel()
+        await asyncio.sleep(1.5)
+        result = await reader.read("r6", 0, wait_s=0)
+        assert [e.seq for e in result.entries] == [1, 2, 3]
+        lost = await reader.read("r6", 3, wait_s=0.2)
+        assert lost.producer_lost and lost.ending is None
+        await reader.aclose()
+        await producer.redis.aclose()
+
+
+async def test_redis_down_makes_create_fail_clearly_and_recovers(tmp_path: Path):
+    from replystream.delivery.replay import StoreUnavailable
+
+    with redis_server(tmp_path) as server:
+        store = RedisReplayStore(server.url, connect_timeout_s=0.5)
+        await store.create(ReplyInfo("before"))
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            await store.create(ReplyInfo("during"))
+        server.start()
+        await store.create(ReplyInfo("after"))
+        assert await store.info("after") is not None
+        await store.aclose()
