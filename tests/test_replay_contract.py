@@ -143,9 +143,9 @@ async def test_redis_reader_reports_a_producer_that_stopped_refreshing_liveness(
             task.cancel()
         await asyncio.sleep(1.5)
         result = await reader.read("r6", 0, wait_s=0)
-        assert [e.seq for e in result.entries] == [1, 2, 3]
+        assert result is not None and [e.seq for e in result.entries] == [1, 2, 3]
         lost = await reader.read("r6", 3, wait_s=0.2)
-        assert lost.producer_lost and lost.ending is None
+        assert lost is not None and lost.producer_lost and lost.ending is None
         await reader.aclose()
         await producer.redis.aclose()
 
