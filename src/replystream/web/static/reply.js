@@ -202,8 +202,9 @@ export class StreamedReply {
             moderation: data,
           });
         case 'error': {
+          // generator_lost: the server lost the process making this reply; nothing more comes.
           const { code = 'error', message = 'unknown error' } = data.error ?? {};
-          return ending('error', message, { code });
+          return ending('error', `${message} (${code})`, { code });
         }
         default: break;  // events this page does not know are ignored
       }
