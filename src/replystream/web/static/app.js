@@ -170,6 +170,7 @@ class Turn {
     this.user = element('article', { class: 'turn user' },
       element('div', { class: 'bubble' }, prompt));
     this.active = null;
+    this.seed = null;
   }
 
   get reply() { return this.stream.shownText; }
@@ -210,9 +211,11 @@ async function runTurn(turn) {
   setBusy(true);
   turn.retryButton.hidden = true;
   turn.root.setAttribute('aria-busy', 'true');  // screen readers read the reply once, whole
-  const { seed = Math.floor(Math.random() * 2 ** 31), ...delivery } = settings();
-  turn.seedLabel.textContent = `seed ${seed}`;
-  const body = { messages: history(turn), seed, ...delivery };
+  const { seed, ...delivery } = settings();
+  // A retry asks for the same generation again: it keeps the turn's first seed.
+  turn.seed ??= seed ?? Math.floor(Math.random() * 2 ** 31);
+  turn.seedLabel.textContent = `seed ${turn.seed}`;
+  const body = { messages: history(turn), seed: turn.seed, ...delivery };
 
   const stream = new StreamedReply(body, {
     onText: (text) => turn.stream.push(text),
