@@ -24,6 +24,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [
                 self.binary,
