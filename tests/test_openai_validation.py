@@ -1,0 +1,137 @@
+"""Every bad OpenAI-style request gets its status and the error shape before any stream starts."""
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from tests.conftest import fast_engine
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+LEGACY = "/v1/completions"
+
+CASES: list[tuple[str, Any, int, str, str | None]] = [
+    # (path, body, status, code, param)
+    (CHAT, {"model": "simulated"}, 400, "missing_required_parameter", "messages"),
+    (CHAT, {"messages": []}, 400, "invalid_value", "messages"),
+    (CHAT, {"messages": "hi"}, 400, "invalid_value", "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value", None),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "invalid_value", "messages[0].content"),
+    (CHAT, {"messages": USER, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    (CHAT, {"messages": USER, "max_tokens": "9"}, 400, "invalid_value", "max_tokens"),
+    (CHAT, {"messages": USER, "max_tokens": 1 << 40}, 400, "invalid_value", "max_tokens"),
+    (CHAT, {"messages": USER, "max_completion_tokens": -1}, 400, "invalid_value", None),
+    (CHAT, {"messages": USER, "temperature": 2.5}, 400, "invalid_value", "temperature"),
+    (CHAT, {"messages": USER, "temperature": -0.1}, 400, "invalid_value", "temperature"),
+    (CHAT, {"messages": USER, "top_p": 1.5}, 400, "invalid_value", "top_p"),
+    (CHAT, {"messages": USER, "n": 2}, 400, "invalid_value", "n"),
+    (CHAT, {"messages": USER, "logprobs": True}, 400, "invalid_value", "logprobs"),
+    (CHAT, {"messages": USER, "seed": "x"}, 400, "invalid_value", "seed"),
+    (CHAT, {"messages": USER, "stop": 5}, 400, "invalid_value", "stop"),
+    (CHAT, {"messages": USER, "stream": "yes"}, 400, "invalid_value", "stream"),
+    (CHAT, {"messages": USER, "stream_options": []}, 400, "invalid_value", None),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "unsupported_parameter", None),
+    (CHAT, {"messages": USER, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
+    (CHAT, {"messages": USER, "batch_tokens": 0}, 400, "invalid_value", "batch_tokens"),
+    (CHAT, {"messages": USER, "model": "gpt-4o"}, 404, "model_not_found", "model"),
+    (CHAT, [1, 2], 400, "invalid_json", None),
+    (LEGACY, {"model": "simulated"}, 400, "missing_required_parameter", "prompt"),
+    (LEGACY, {"prompt": ["a", "b"]}, 400, "invalid_value", "prompt"),
+    (LEGACY, {"prompt": [1, 2, 3]}, 400, "invalid_value", "prompt"),
+    (LEGACY, {"prompt": "a", "echo": True}, 400, "invalid_value", "echo"),
+    (LEGACY, {"prompt": "a", "best_of": 3}, 400, "invalid_value", "best_of"),
+    (LEGACY, {"prompt": "a", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    (LEGACY, {"prompt": "a", "model": "nope"}, 404, "model_not_found", "model"),
+]
+
+
+def assert_error_shape(body: Any, status: int, code: str, param: str | None) -> None:
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code", "param"), CASES)
+async def test_bad_request_gets_status_and_error_shape(path, body, status, code, param):
+    engine = fast_engine()
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            sent = (
+                {**body, "stream": stream}
+                if isinstance(body, dict) and "stream" not in body
+                else body
+            )
+            async with http.post(f"{url}{path}", json=sent) as response:
+                assert response.status == status
+                assert response.content_type == "application/json"
+                assert_error_shape(await response.json(), status, code, param)
+    assert engine.stats().started == 0
+
+
+async def test_malformed_json_oversized_body_and_long_prompt():
+    config = ServerConfig(max_body_bytes=2000, max_prompt_chars=50)
+    async with running(create_app(fast_engine(), config)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}{CHAT}", data=b'{"messages": [', headers=JSON) as response:
+            assert response.status == 400
+            assert_error_shape(await response.json(), 400, "invalid_json", None)
+        huge = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        async with http.post(f"{url}{CHAT}", json=huge) as response:
+            assert response.status == 413
+            assert_error_shape(await response.json(), 413, "body_too_large", None)
+        long = {"messages": [{"role": "user", "content": "word " * 20}], "stream": True}
+        async with http.post(f"{url}{CHAT}", json=long) as response:
+            assert response.status == 400
+            assert_error_shape(await response.json(), 400, "context_length_exceeded", "messages")
+        async with http.post(f"{url}{LEGACY}", json={"prompt": "y" * 51}) as response:
+            assert response.status == 400
+            assert_error_shape(await response.json(), 400, "context_length_exceeded", "prompt")
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+async def test_fields_a_server_may_ignore_are_accepted():
+    body = {
+        "model": "simulated",
+        "messages": [{"role": "developer", "content": "x"}, *USER],
+        "max_tokens": 3,
+        "n": 1,
+        "logprobs": False,
+        "user": "u-1",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"42": 3},
+        "parallel_tool_calls": False,
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "response_format": {"type": "text"},
+        "temperature": 0,
+        "top_p": 0.5,
+        "stop": ["never"],
+        "stream": False,
+        "stream_options": None,
+    }
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}{CHAT}", json=body) as response:
+            assert response.status == 200
+            reply = await response.json()
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 3
+
+
+async def test_engine_failure_before_the_first_token_is_a_json_500_not_a_stream():
+    engine = fast_engine(fail_after=0)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        body = {"messages": USER, "stream": True}
+        async with http.post(f"{url}{CHAT}", json=body) as response:
+            assert response.status == 500
+            error = (await response.json())["error"]
+    assert error["type"] == "server_error" and error["code"] == "generation_failed"
