@@ -12,6 +12,7 @@ Routes:
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``: the
   OpenAI-compatible API (``server.openai_api``).
 - ``GET /metrics`` (Prometheus text format) and ``GET /healthz``.
+Every ``/v1/*`` route needs an API key once keys are configured (``server.auth``).
 A streamed reply is produced into its reply log by a task of the ``ReplyManager`` and read from
 the log by the connection (``server.reader``); buffered replies are collected whole
 (``server.buffered``). This file turns requests into those; it must not know how tokens are
@@ -55,6 +56,7 @@ from replystream.engine.base import (
     RequestRejected,
     SamplingParams,
 )
+from replystream.server.auth import OWNER, api_key_middleware
 from replystream.server.buffered import buffered_reply
 from replystream.server.errors import HTTPAPIError, error_response
 from replystream.server.metrics import Metrics, ReplyRecord
@@ -77,6 +79,7 @@ class ServerConfig:
     gzip_min_bytes: int = 512
     resumable_by_default: bool = False
     detach_grace_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     model_name: str | None = None  # the model the OpenAI routes serve (None: the engine's name)
 
 
@@ -131,7 +134,7 @@ def lab_request(request: web.Request) -> GenerationRequest:
 
 def owner_of(request: web.Request) -> str:
     """Who may read and cancel the replies this request starts ("" when auth is off)."""
-    owner = request.get("owner", "")
+    owner = request.get(OWNER, "")
     return owner if isinstance(owner, str) else ""
 
 
@@ -431,8 +434,9 @@ def create_app(
     from replystream.server.openai_api import add_openai_routes
 
     config = config or ServerConfig()
+    auth = [api_key_middleware(config.api_keys)] if config.api_keys else []
     app = web.Application(
-        middlewares=[compress_documents, api_errors], client_max_size=config.max_body_bytes
+        middlewares=[compress_documents, api_errors, *auth], client_max_size=config.max_body_bytes
     )
     local_store = MemoryReplayStore()
     metrics = Metrics()

@@ -1,0 +1,136 @@
+"""Bearer-token API keys: who may call ``/v1/*``, and whose replies a caller may touch.
+
+This file decides:
+- Every ``/v1/*`` route needs ``Authorization: Bearer <key>`` once keys are configured;
+  ``/healthz``, ``/metrics`` and the static pages do not. A missing or wrong key is a 401 in
+  the API's error shape (``authentication_error`` / ``invalid_api_key``) with
+  ``WWW-Authenticate: Bearer``.
+- ``GET /v1/replies/{id}/stream`` (resume) also takes the key as ``?api_key=``, because
+  ``EventSource`` cannot send headers. No other route does: a key in a URL ends up in logs.
+- ``GET /v1/ws`` without an ``Authorization`` header is let through marked unauthenticated;
+  the socket handler then wants the key in its first message (a browser's ``WebSocket``
+  cannot send headers either). A wrong header is refused before the upgrade.
+- A candidate key is compared with every configured key in constant time, without stopping
+  at a match, so timing reveals neither which key matched nor how much of one did.
+- ``request[OWNER]`` is the SHA-256 hex digest of the key; replies are owned by it, so
+  resume and cancel work only with the key that started the reply. Keys are never logged.
+It must not know about replies, engines or wire formats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from replystream.server.errors import error_response
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+RESUME_PATH = re.compile(r"^/v1/replies/[^/]+/stream$")
+WEBSOCKET_PATH = "/v1/ws"
+OWNER = web.RequestKey("owner", str)  # who may read and cancel the replies a request starts
+
+
+def read_keys_file(path: Path) -> list[str]:
+    """API keys from a file: one per line; blank lines and lines starting with ``#`` skipped.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it holds no key (auth would silently be off otherwise).
+    """
+    keys = [line.strip() for line in path.read_text().splitlines()]
+    keys = [key for key in keys if key and not key.startswith("#")]
+    if not keys:
+        raise ValueError(f"{path}: no API keys in the file")
+    return keys
+
+
+def collect_keys(flags: Sequence[str], path: Path | None) -> list[str]:
+    """The keys given as ``--api-key`` flags and in ``--api-keys-file`` (none: auth off).
+
+    Raises:
+        ValueError: a flag is empty, or the file holds no key.
+        OSError: the file cannot be read.
+    """
+    keys = [key.strip() for key in flags]
+    if any(not key for key in keys):
+        raise ValueError("--api-key must not be empty")
+    if path is not None:
+        keys += read_keys_file(path)
+    return keys
+
+
+def key_owner(key: str) -> str:
+    """The owner id of replies started with ``key`` (its SHA-256, hex): never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyRing:
+    """The configured keys; answers whether a candidate is one of them, in constant time."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = [key.encode() for key in keys if key]
+        if not self._keys:
+            raise ValueError("need at least one non-empty API key")
+
+    def __repr__(self) -> str:
+        return f"KeyRing({len(self._keys)} keys)"  # never the keys
+
+    def accepts(self, candidate: str) -> bool:
+        given = candidate.encode()
+        matched = False
+        for key in self._keys:  # every key, no early exit
+            matched |= hmac.compare_digest(given, key)
+        return matched
+
+
+# Set on a WebSocket upgrade without a key: the socket handler must authenticate with this ring.
+AUTH_PENDING = web.RequestKey("auth_pending", KeyRing)
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The token of an ``Authorization: Bearer`` header, "" if the header is malformed."""
+    header = request.headers.get("Authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def unauthorized(message: str) -> web.Response:
+    response = error_response(401, message, code="invalid_api_key")
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def api_key_middleware(keys: Sequence[str]) -> Middleware:
+    """A middleware requiring one of ``keys`` on every ``/v1/*`` route."""
+    ring = KeyRing(keys)
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if not (path == "/v1" or path.startswith("/v1/")):
+            return await handler(request)
+        token = bearer_token(request)
+        if token is None and request.method == "GET" and RESUME_PATH.match(path):
+            token = request.query.get("api_key")
+        if token is None and request.method == "GET" and path == WEBSOCKET_PATH:
+            request[AUTH_PENDING] = ring
+            return await handler(request)
+        if token is None:
+            return unauthorized(
+                "You didn't provide an API key: send it as 'Authorization: Bearer <key>'."
+            )
+        if not ring.accepts(token):
+            return unauthorized("Incorrect API key provided.")
+        request[OWNER] = key_owner(token)
+        return await handler(request)
+
+    return require_api_key
