@@ -11,6 +11,7 @@ Routes:
   ``last_event_id`` (query); ``POST /v1/replies/{id}/cancel``: stop it.
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``: the
   OpenAI-compatible API (``server.openai_api``).
+- ``GET /v1/ws``: the same replies over a WebSocket, several at once (``server.websocket``).
 - ``GET /metrics`` (Prometheus text format) and ``GET /healthz``.
 Every ``/v1/*`` route needs an API key once keys are configured (``server.auth``).
 A streamed reply is produced into its reply log by a task of the ``ReplyManager`` and read from
@@ -81,6 +82,7 @@ class ServerConfig:
     detach_grace_s: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     model_name: str | None = None  # the model the OpenAI routes serve (None: the engine's name)
+    ws_max_replies: int = 8  # replies one WebSocket may run at once
 
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -430,8 +432,9 @@ def create_app(
 ) -> web.Application:
     """The replystream application serving ``engine``; resumable replies go to ``store``
     (default: this process's memory)."""
-    # Imported here: it builds on this module's start_reply and follow_reply.
+    # Imported here: these modules build on this one's start_reply and follow_reply.
     from replystream.server.openai_api import add_openai_routes
+    from replystream.server.websocket import add_websocket_route
 
     config = config or ServerConfig()
     auth = [api_key_middleware(config.api_keys)] if config.api_keys else []
@@ -463,6 +466,7 @@ def create_app(
     app.router.add_get("/healthz", handle_health)
     add_page_routes(app)
     add_openai_routes(app)
+    add_websocket_route(app)
 
     async def close_all(app: web.Application) -> None:
         await app[MANAGER_KEY].aclose()

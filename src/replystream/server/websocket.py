@@ -1,0 +1,317 @@
+"""``GET /v1/ws``: replies over a WebSocket, several at once, each tagged by the client.
+
+Client messages are JSON objects:
+- ``{"type": "auth", "api_key": "..."}``: only when keys are configured and the upgrade
+  request had no ``Authorization`` header (browsers cannot send one); it must come first.
+- ``{"type": "reply", "id": "<tag>", ...}``: start a reply; the other fields are those of
+  ``POST /v1/replies`` (``stream`` must stay true).
+- ``{"type": "cancel", "id": "<tag>"}``: stop that reply's generation.
+Server messages are one JSON object per event of a reply, with the native endpoint's event
+names: ``{"type": "reply"|"token"|"usage"|"done"|"error"|"moderated"|"gap", "id": <tag>,
+"reply_id": ..., "seq": n, "data": {...}}``; a bad message gets ``{"type": "error", "id":
+<tag or null>, "data": {"error": {...}}}`` and the socket stays open.
+
+Rules:
+1. Each reply is produced into its reply log like any other and read from the log by one task
+   of this socket's ``TaskGroup``; the handler owns them all and waits for them.
+2. Closing the socket cancels every reader task; a reader leaving stops its reply's
+   generation (unless the reply is resumable: then it detaches, as over SSE).
+3. Sends are serialised and awaited (they wait for the socket to drain); one that does not
+   finish within ``slow_client_s``, or a reply whose unsent backlog passes
+   ``slow_client_bytes``, closes the socket (code 1008, reason ``slow_client``).
+4. At most ``ServerConfig.ws_max_replies`` replies run on one socket; idle sockets are kept
+   alive and checked with WebSocket pings every ``keepalive_s``.
+This file must not know how tokens are made or how the log is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import ReadResult, StoreUnavailable
+from replystream.server.app import CONFIG_KEY, NATIVE_FORMAT, start_reply
+from replystream.server.auth import AUTH_PENDING, OWNER, KeyRing, key_owner
+from replystream.server.errors import HTTPAPIError, error_body
+from replystream.server.native import ReplyRequest, parse_reply_request
+from replystream.server.replies import Reply, StopReason
+from replystream.sse import EventParser
+
+log = logging.getLogger("replystream.websocket")
+
+AUTH_TIMEOUT_S = 10.0
+LIVENESS_POLL_S = 1.0
+MAX_TAG_CHARS = 128
+CLOSE_UNAUTHORIZED = 4401  # application range (4000-4999): "401" over a WebSocket
+CLOSE_POLICY = 1008
+
+
+class _SlowClient(Exception):
+    """The socket cannot keep up; every reply on it ends and the socket closes."""
+
+
+@dataclass(eq=False)
+class _Running:
+    task: asyncio.Task[None]
+    reply: Reply | None = None
+    cancelled: bool = False
+
+
+class Session:
+    """One WebSocket connection and the replies running over it."""
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse) -> None:
+        self.request = request
+        self.ws = ws
+        self.config = request.app[CONFIG_KEY]
+        self.policy: DeliveryPolicy = self.config.policy
+        self.running: dict[str, _Running] = {}
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, message: dict[str, Any]) -> int:
+        """Send one message, waiting for the socket to drain; cut a socket that does not."""
+        text = json.dumps(message, separators=(",", ":"))
+        async with self._send_lock:
+            try:
+                async with asyncio.timeout(self.policy.slow_client_s):
+                    await self.ws.send_str(text)
+            except TimeoutError:
+                raise _SlowClient(
+                    f"socket did not drain for {self.policy.slow_client_s:g} s"
+                ) from None
+        return len(text)
+
+    async def send_error(
+        self, tag: str | None, message: str, code: str, param: str | None = None
+    ) -> None:
+        body = error_body(message, code=code, status=400, param=param)
+        await self.send({"type": "error", "id": tag, "data": body})
+
+    async def authenticate(self, ring: KeyRing) -> bool:
+        """Wait for the first message to carry a valid key."""
+        try:
+            async with asyncio.timeout(AUTH_TIMEOUT_S):
+                msg = await self.ws.receive()
+        except TimeoutError:
+            msg = None
+        key = None
+        if msg is not None and msg.type == WSMsgType.TEXT:
+            with contextlib.suppress(ValueError):
+                first = json.loads(msg.data)
+                if isinstance(first, dict) and first.get("type") == "auth":
+                    key = first.get("api_key")
+        if isinstance(key, str) and ring.accepts(key):
+            self.request[OWNER] = key_owner(key)
+            return True
+        if not self.ws.closed:
+            with contextlib.suppress(ConnectionError, _SlowClient):
+                await self.send_error(
+                    None,
+                    'send {"type": "auth", "api_key": ...} first, with a valid key',
+                    "invalid_api_key",
+                )
+            await self.ws.close(code=CLOSE_UNAUTHORIZED, message=b"invalid_api_key")
+        return False
+
+    async def run(self) -> None:
+        """Read client messages until the socket closes, running replies alongside."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                try:
+                    async for msg in self.ws:
+                        if msg.type == WSMsgType.TEXT:
+                            await self._on_message(msg.data, group)
+                        elif msg.type == WSMsgType.BINARY:
+                            await self.send_error(
+                                None, "messages must be JSON text", "invalid_json"
+                            )
+                finally:
+                    # The client is gone (or the socket is being cut): stop every reader.
+                    for running in self.running.values():
+                        running.task.cancel()
+        except* _SlowClient as cut:
+            log.info("websocket cut: %s", cut.exceptions[0])
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await self.ws.close(code=CLOSE_POLICY, message=b"slow_client")
+            if self.request.transport is not None:
+                self.request.transport.abort()
+        except* ConnectionError:
+            pass  # the client left while a reply was being sent; its readers have stopped
+
+    async def _on_message(self, data: str, group: asyncio.TaskGroup) -> None:
+        try:
+            message = json.loads(data)
+        except ValueError as exc:
+            await self.send_error(None, f"message is not valid JSON: {exc}", "invalid_json")
+            return
+        if not isinstance(message, dict):
+            await self.send_error(None, "a message must be a JSON object", "invalid_json")
+            return
+        tag = message.get("id")
+        kind = message.get("type")
+        if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG_CHARS:
+            await self.send_error(
+                None,
+                f"id must be a string of 1 to {MAX_TAG_CHARS} characters",
+                "invalid_value",
+                "id",
+            )
+            return
+        if kind == "reply":
+            await self._start(tag, message, group)
+        elif kind == "cancel":
+            await self._cancel(tag)
+        else:
+            await self.send_error(tag, 'type must be "reply" or "cancel"', "invalid_value", "type")
+
+    async def _start(self, tag: str, message: dict[str, Any], group: asyncio.TaskGroup) -> None:
+        if tag in self.running:
+            await self.send_error(tag, f"a reply tagged {tag!r} is running", "duplicate_id", "id")
+            return
+        if len(self.running) >= self.config.ws_max_replies:
+            await self.send_error(
+                tag,
+                f"at most {self.config.ws_max_replies} replies may run on one socket",
+                "too_many_replies",
+            )
+            return
+        body = {k: v for k, v in message.items() if k not in ("type", "id")}
+        try:
+            ask = parse_reply_request(body, self.policy, self.config.max_prompt_chars)
+            if not ask.stream:
+                raise HTTPAPIError(
+                    400,
+                    "replies over a WebSocket are streamed",
+                    code="invalid_value",
+                    param="stream",
+                )
+        except HTTPAPIError as exc:
+            await self.send_error(tag, exc.message, exc.code, exc.param)
+            return
+        except ValueError as exc:
+            await self.send_error(tag, str(exc), "invalid_value")
+            return
+        task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
+        self.running[tag] = _Running(task)
+
+    async def _cancel(self, tag: str) -> None:
+        running = self.running.get(tag)
+        if running is None:
+            await self.send_error(tag, f"no reply tagged {tag!r} is running", "reply_not_found")
+            return
+        running.cancelled = True
+        if running.reply is not None:
+            running.reply.stop("cancelled")  # its log ends with an error event, sent below
+        else:
+            running.task.cancel()  # still being admitted
+
+    async def _reply(self, tag: str, ask: ReplyRequest) -> None:
+        """Start one reply and send its log; any failure of this reply stays with it."""
+        running = self.running[tag]
+        try:
+            resumable = self.config.resumable_by_default if ask.resumable is None else ask.resumable
+            try:
+                reply = await start_reply(
+                    self.request,
+                    ask.generation,
+                    endpoint="/v1/ws",
+                    fmt=NATIVE_FORMAT,
+                    policy=ask.policy,
+                    resumable=resumable,
+                    disconnect=ask.disconnect,
+                )
+            except HTTPAPIError as exc:
+                body = error_body(exc.message, code=exc.code, status=exc.status, param=exc.param)
+                await self.send({"type": "error", "id": tag, "data": body})
+                return
+            running.reply = reply
+            if running.cancelled:
+                reply.stop("cancelled")
+            await self._follow(tag, reply, ask.policy)
+        finally:
+            self.running.pop(tag, None)
+
+    async def _follow(self, tag: str, reply: Reply, policy: DeliveryPolicy) -> None:
+        parser = EventParser()
+        after = 0
+        left_as: StopReason = "client_gone"
+        reply.reader_joined()
+        try:
+            while True:
+                try:
+                    result = await reply.store.read(reply.reply_id, after, LIVENESS_POLL_S)
+                except StoreUnavailable as exc:
+                    await self._end(tag, reply, f"the reply store failed: {exc}", "store_error")
+                    return
+                if result is None:
+                    await self._end(tag, reply, "the reply expired while being read", "expired")
+                    return
+                if sum(len(e.frame) for e in result.entries) > policy.slow_client_bytes:
+                    raise _SlowClient(f"more than {policy.slow_client_bytes} bytes behind")
+                after = await self._forward(tag, reply, parser, result, after)
+                if result.ending is not None:
+                    return
+                if result.producer_lost:
+                    message = "the replica generating this reply is gone"
+                    await self._end(tag, reply, message, "generator_lost")
+                    return
+        except _SlowClient:
+            left_as = "slow_client"
+            reply.record.reason = "slow_client"
+            raise
+        finally:
+            reply.reader_left(left_as)
+
+    async def _forward(
+        self, tag: str, reply: Reply, parser: EventParser, result: ReadResult, after: int
+    ) -> int:
+        if result.lost is not None:
+            first, last = result.lost
+            gap = {"lost_from": first, "lost_to": last}
+            await self.send({"type": "gap", "id": tag, "reply_id": reply.reply_id, "data": gap})
+        for entry in result.entries:
+            for event in parser.feed(entry.frame):
+                message = {
+                    "type": event.type,
+                    "id": tag,
+                    "reply_id": reply.reply_id,
+                    "seq": entry.seq,
+                    "data": json.loads(event.data),
+                }
+                reply.record.on_send(await self.send(message), 1)
+            after = entry.seq
+        return after
+
+    async def _end(self, tag: str, reply: Reply, message: str, code: str) -> None:
+        error = {"error": {"message": message, "code": code}}
+        await self.send({"type": "error", "id": tag, "reply_id": reply.reply_id, "data": error})
+
+
+async def handle_websocket(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/ws``: upgrade, authenticate if needed, then serve replies until closed."""
+    config = request.app[CONFIG_KEY]
+    ws = web.WebSocketResponse(
+        heartbeat=config.policy.keepalive_s, max_msg_size=config.max_body_bytes
+    )
+    await ws.prepare(request)
+    session = Session(request, ws)
+    ring = request.get(AUTH_PENDING)
+    if ring is not None and not await session.authenticate(ring):
+        return ws
+    await session.run()
+    if not ws.closed:
+        await ws.close()
+    return ws
+
+
+def add_websocket_route(app: web.Application) -> None:
+    """Register ``GET /v1/ws`` on ``app``."""
+    app.router.add_get("/v1/ws", handle_websocket)

@@ -1,0 +1,171 @@
+"""GET /v1/ws over a real loopback socket: tagged replies side by side, cancel, close, bad input."""
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from tests.conftest import fast_engine, wait_for
+from tests.sse_client import post_events
+
+
+async def read_until_ended(ws: aiohttp.ClientWebSocketResponse, tags: set[str]) -> list[Any]:
+    """Every message until each tag's reply has ended (``done`` or ``error``)."""
+    messages: list[Any] = []
+    open_tags = set(tags)
+    async with asyncio.timeout(10):
+        while open_tags:
+            message = await ws.receive_json()
+            messages.append(message)
+            if message["type"] in ("done", "error", "moderated"):
+                open_tags.discard(message["id"])
+    return messages
+
+
+def of(messages: list[Any], tag: str) -> list[Any]:
+    return [m for m in messages if m["id"] == tag]
+
+
+def text_of(messages: list[Any]) -> str:
+    return "".join(m["data"]["text"] for m in messages if m["type"] == "token")
+
+
+async def test_two_replies_interleave_on_one_socket_each_complete_and_tagged():
+    engine = fast_engine(delay_ms=4, jitter_ms=1)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        expected_a = (await post_events(f"{url}/v1/replies", {"prompt": "a", "seed": 1})).text
+        body_b = {"prompt": "b", "seed": 2, "max_tokens": 30}
+        expected_b = (await post_events(f"{url}/v1/replies", body_b)).text
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "a", "prompt": "a", "seed": 1})
+            await ws.send_json({"type": "reply", "id": "b", **body_b})
+            messages = await read_until_ended(ws, {"a", "b"})
+    for tag, expected in (("a", expected_a), ("b", expected_b)):
+        mine = of(messages, tag)
+        types = [m["type"] for m in mine]
+        assert types[0] == "reply" and types[-2:] == ["usage", "done"]
+        assert set(types[1:-2]) == {"token"}
+        assert text_of(mine) == expected
+        assert [m["seq"] for m in mine] == list(range(1, len(mine) + 1))
+        assert {m["reply_id"] for m in mine} == {mine[0]["data"]["reply_id"]}
+    tags = [m["id"] for m in messages]
+    assert tags.index("b") < len(of(messages, "a"))  # b started before a was done
+    assert engine.stats().finished == 4
+
+
+async def test_cancel_message_stops_generation():
+    engine = fast_engine(delay_ms=20, jitter_ms=0)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "x", "prompt": "p"})
+            seen: list[Any] = []
+            while len([m for m in seen if m["type"] == "token"]) < 2:
+                seen.append(await ws.receive_json())
+            await ws.send_json({"type": "cancel", "id": "x"})
+            rest = await read_until_ended(ws, {"x"})
+            assert rest[-1]["type"] == "error"
+            assert rest[-1]["data"]["error"]["code"] == "cancelled"
+            # The socket stays usable: the same tag may start again.
+            await ws.send_json({"type": "reply", "id": "x", "prompt": "p", "max_tokens": 2})
+            again = await read_until_ended(ws, {"x"})
+            assert again[-1]["type"] == "done"
+    stats = engine.stats()
+    assert stats.cancelled == 1 and stats.finished == 1
+    assert stats.steps < 120
+
+
+async def test_closing_the_socket_stops_every_reply_on_it():
+    engine = fast_engine(delay_ms=20, jitter_ms=0)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            for tag in ("one", "two"):
+                await ws.send_json({"type": "reply", "id": tag, "prompt": "p"})
+            tokens = 0
+            while tokens < 4:
+                tokens += (await ws.receive_json())["type"] == "token"
+        await wait_for(lambda: engine.stats().cancelled == 2)
+    assert engine.stats().active == 0 and engine.stats().steps < 60
+
+
+@pytest.mark.parametrize(
+    ("message", "tag", "code"),
+    [
+        ("not json", None, "invalid_json"),
+        ("[1, 2]", None, "invalid_json"),
+        (json.dumps({"type": "reply", "prompt": "x"}), None, "invalid_value"),
+        (json.dumps({"type": "reply", "id": ""}), None, "invalid_value"),
+        (json.dumps({"type": "dance", "id": "t"}), "t", "invalid_value"),
+        (json.dumps({"type": "reply", "id": "t", "prompt": "x", "max_tokens": 0}), "t", None),
+        (json.dumps({"type": "reply", "id": "t"}), "t", "invalid_value"),
+        (json.dumps({"type": "reply", "id": "t", "prompt": "x", "stream": False}), "t", None),
+        (json.dumps({"type": "cancel", "id": "nobody"}), "nobody", "reply_not_found"),
+    ],
+)
+async def test_bad_messages_get_an_error_message_and_the_socket_lives_on(message, tag, code):
+    engine = fast_engine()
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_str(message)
+            error = await ws.receive_json()
+            assert error["type"] == "error" and error["id"] == tag
+            assert set(error["data"]["error"]) == {"message", "type", "param", "code"}
+            assert error["data"]["error"]["code"] == (code or "invalid_value")
+            await ws.send_bytes(b"\x00")
+            assert (await ws.receive_json())["data"]["error"]["code"] == "invalid_json"
+            await ws.send_json({"type": "reply", "id": "ok", "prompt": "x", "max_tokens": 3})
+            ok = await read_until_ended(ws, {"ok"})
+    assert ok[-1]["type"] == "done" and text_of(ok) == "A language model "
+
+
+async def test_replies_per_socket_are_limited_and_tags_unique():
+    engine = fast_engine(delay_ms=20, jitter_ms=0)
+    config = ServerConfig(ws_max_replies=1)
+    async with running(create_app(engine, config)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "a", "prompt": "x", "max_tokens": 5})
+            await ws.send_json({"type": "reply", "id": "a", "prompt": "x"})
+            await ws.send_json({"type": "reply", "id": "b", "prompt": "x"})
+            messages = [await ws.receive_json()]
+            while messages[-1]["type"] != "done":
+                messages.append(await ws.receive_json())
+    errors = [m["data"]["error"]["code"] for m in messages if m["type"] == "error"]
+    assert errors == ["duplicate_id", "too_many_replies"]
+    assert engine.stats().started == 1
+
+
+async def test_error_mid_reply_is_an_error_message_for_that_tag():
+    async with running(create_app(fast_engine(fail_after=2))) as url:
+        async with aiohttp.ClientSession() as http, http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "f", "prompt": "x"})
+            messages = await read_until_ended(ws, {"f"})
+    assert [m["type"] for m in messages] == ["reply", "token", "token", "error"]
+    assert messages[-1]["data"]["error"]["code"] == "generation_failed"
+
+
+async def test_keys_on_the_upgrade_or_in_the_first_message():
+    config = ServerConfig(api_keys=("sk-ws-key",))
+    engine = fast_engine()
+    async with running(create_app(engine, config)) as url, aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(f"{url}/v1/ws", headers={"Authorization": "Bearer nope"})
+        assert refused.value.status == 401
+        start = {"type": "reply", "id": "k", "prompt": "x", "max_tokens": 2}
+        headers = {"Authorization": "Bearer sk-ws-key"}
+        async with http.ws_connect(f"{url}/v1/ws", headers=headers) as ws:
+            await ws.send_json(start)
+            assert (await read_until_ended(ws, {"k"}))[-1]["type"] == "done"
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "auth", "api_key": "sk-ws-key"})
+            await ws.send_json(start)
+            assert (await read_until_ended(ws, {"k"}))[-1]["type"] == "done"
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json(start)  # no key first
+            error = await ws.receive_json()
+            assert error["data"]["error"]["code"] == "invalid_api_key"
+            closed = await ws.receive()
+            assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 4401
+    assert engine.stats().started == 2
