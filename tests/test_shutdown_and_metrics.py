@@ -3,41 +3,30 @@
 import asyncio
 import re
 import signal
-import sys
 
 from replystream.client import measure_reply
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.lab.local_server import READY_PREFIX
 from replystream.server import create_app, running
 from replystream.server.app import ServerConfig
 from tests.conftest import fast_engine, wait_for
+from tests.processes import start_server
 from tests.rawhttp import raw_request
-
-
-async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "serve",
-        "--engine",
-        "simulated",
-        "--port",
-        "0",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
-    assert line.startswith(READY_PREFIX), line
-    return process, line[len(READY_PREFIX) :].strip()
 
 
 async def test_sigterm_with_50_open_streams_ends_each_with_a_reply_or_an_error_event():
     # Replies take about 3 s; the grace period is 1 s, so some finish and most are told.
     process, url = await start_server(
-        "--tokens", "100", "--delay-ms", "30", "--jitter-ms", "0", "--shutdown-grace-s", "1"
+        "--engine",
+        "simulated",
+        "--tokens",
+        "100",
+        "--delay-ms",
+        "30",
+        "--jitter-ms",
+        "0",
+        "--shutdown-grace-s",
+        "1",
     )
     try:
         tasks = [
@@ -59,7 +48,9 @@ async def test_sigterm_with_50_open_streams_ends_each_with_a_reply_or_an_error_e
 
 
 async def test_a_buffered_request_at_shutdown_gets_a_503():
-    process, url = await start_server("--delay-ms", "30", "--shutdown-grace-s", "0.3")
+    process, url = await start_server(
+        "--engine", "simulated", "--delay-ms", "30", "--shutdown-grace-s", "0.3"
+    )
     try:
         task = asyncio.create_task(measure_reply(f"{url}/wait"))
         await asyncio.sleep(0.3)

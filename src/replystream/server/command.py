@@ -11,6 +11,8 @@ from pathlib import Path
 
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.delivery.replay import MemoryReplayStore, ReplayStore
 from replystream.engine.base import Engine
 from replystream.engine.simulated import (
     DEFAULT_REPLY,
@@ -20,6 +22,7 @@ from replystream.engine.simulated import (
 )
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server.app import ServerConfig, create_app
+from replystream.server.auth import collect_keys
 from replystream.server.serve import serve_forever
 
 
@@ -43,6 +46,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=server.shutdown_grace_s,
         help="on SIGTERM, how long replies in flight may take to finish",
+    )
+
+    api = parser.add_argument_group("OpenAI-compatible API, WebSocket and API keys")
+    api.add_argument(
+        "--model-name",
+        default=server.model_name,
+        help="the model name /v1/models lists and requests may name (default: the engine's)",
+    )
+    api.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this bearer key on /v1/* (repeatable; visible in ps: prefer a file)",
+    )
+    api.add_argument(
+        "--api-keys-file", type=Path, help="API keys, one per line (# starts a comment line)"
+    )
+    api.add_argument(
+        "--ws-max-replies",
+        type=int,
+        default=server.ws_max_replies,
+        help="replies one WebSocket may run at once",
     )
 
     tiny = parser.add_argument_group("tiny engine")
@@ -130,6 +156,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=policy.slow_client_s,
         help="cut a stream whose socket has not drained for this long",
+    )
+
+    resume = parser.add_argument_group("resumable replies")
+    resume.add_argument(
+        "--redis-url",
+        help="keep reply logs in Redis (redis://HOST:PORT/DB), so any replica can resume any "
+        "reply; without it, this process's memory",
+    )
+    resume.add_argument(
+        "--reply-ttl-s",
+        type=float,
+        default=600.0,
+        help="how long a finished resumable reply can still be read",
+    )
+    resume.add_argument(
+        "--resumable-by-default",
+        action="store_true",
+        help="make replies resumable unless a request says otherwise",
+    )
+    resume.add_argument(
+        "--detach-grace-s",
+        type=float,
+        default=server.detach_grace_s,
+        help="how long a resumable reply keeps generating with no reader",
     )
 
     checks = parser.add_argument_group("moderation checks (run on held-back text)")
@@ -227,7 +277,23 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         max_prompt_chars=args.max_prompt_chars,
         shutdown_grace_s=args.shutdown_grace_s,
+        api_keys=tuple(collect_keys(args.api_key, args.api_keys_file)),
+        model_name=args.model_name,
+        ws_max_replies=args.ws_max_replies,
+        resumable_by_default=args.resumable_by_default,
+        detach_grace_s=args.detach_grace_s,
     )
+
+
+def build_store(args: argparse.Namespace) -> ReplayStore:
+    """Where resumable replies are logged; raises ValueError on bad values."""
+    if args.reply_ttl_s <= 0:
+        raise ValueError("--reply-ttl-s must be positive")
+    if args.redis_url:
+        if not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--redis-url must be a redis:// URL, got {args.redis_url!r}")
+        return RedisReplayStore(args.redis_url, ttl_after_end_s=args.reply_ttl_s)
+    return MemoryReplayStore(ttl_after_end_s=args.reply_ttl_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,9 +305,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = build_engine(args)
         config = build_config(args)
+        store = build_store(args)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(engine, config)
+    app = create_app(engine, config, store)
     asyncio.run(serve_forever(app, args.host, args.port, config.shutdown_grace_s))
     return 0

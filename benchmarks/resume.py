@@ -1,0 +1,164 @@
+"""Resume costs: time from reconnect to the first replayed event, and the server CPU per event
+of logging replies to Redis instead of memory.
+
+Starts a redis-server (Debian's, on a free loopback port) and replicas of ``replystream serve``
+with the simulated engine. Everything is measured side by side in one run.
+
+Run: python benchmarks/resume.py [--repeats 20] [--replies 40] [--tokens 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from replystream.client.transport import http_request
+from replystream.lab.local_server import local_server
+from replystream.sse import EventParser
+from replystream.stats import percentile
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def server_pid(url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True)
+    return int(out.stdout.split("pid=")[1].split(",")[0])
+
+
+async def first_event_after(url: str, reply_id: str, after: int) -> float:
+    """ms from sending a resume request to parsing its first event."""
+    headers = {"Last-Event-ID": str(after)}
+    started = time.perf_counter()
+    async with http_request(f"{url}/v1/replies/{reply_id}/stream", headers=headers) as response:
+        parser = EventParser()
+        async for chunk in response:
+            if parser.feed(chunk.data):
+                return (chunk.at - started) * 1000.0
+    raise RuntimeError("no event")
+
+
+async def start_and_cut(url: str, events: int) -> str:
+    body = b'{"prompt": "x", "resumable": true}'
+    async with http_request(
+        f"{url}/v1/replies", method="POST", body=body, headers={"Content-Type": "application/json"}
+    ) as response:
+        parser = EventParser()
+        seen = 0
+        async for chunk in response:
+            seen += len(parser.feed(chunk.data))
+            if seen >= events:
+                return response.headers["x-reply-id"]
+    raise RuntimeError("reply ended early")
+
+
+async def stream_replies(url: str, replies: int) -> int:
+    async def one() -> int:
+        body = b'{"prompt": "x", "resumable": true}'
+        parser = EventParser()
+        count = 0
+        async with http_request(
+            f"{url}/v1/replies",
+            method="POST",
+            body=body,
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            async for chunk in response:
+                count += len(parser.feed(chunk.data))
+        return count
+
+    counts = await asyncio.gather(*(one() for _ in range(replies)))
+    return sum(counts)
+
+
+def summary(values: list[float]) -> str:
+    return f"median {statistics.median(values):6.2f} ms, p95 {percentile(values, 95):6.2f} ms"
+
+
+async def measure(args: argparse.Namespace, redis_url: str) -> None:
+    common = ["--tokens", str(args.tokens), "--delay-ms", "1", "--jitter-ms", "0"]
+    async with (
+        local_server(common) as memory_url,
+        local_server([*common, "--redis-url", redis_url]) as redis_a,
+        local_server([*common, "--redis-url", redis_url]) as redis_b,
+    ):
+        same, other, local = [], [], []
+        for _ in range(args.repeats):
+            reply_id = await start_and_cut(memory_url, 20)
+            local.append(await first_event_after(memory_url, reply_id, 10))
+            reply_id = await start_and_cut(redis_a, 20)
+            same.append(await first_event_after(redis_a, reply_id, 10))
+            other.append(await first_event_after(redis_b, reply_id, 10))
+        print(f"Reconnect to first replayed event ({args.repeats} resumes each)")
+        print(f"  memory store, same replica      {summary(local)}")
+        print(f"  Redis store, same replica       {summary(same)}")
+        print(f"  Redis store, other replica      {summary(other)}")
+
+        costs = {}
+        for name, url in (("memory", memory_url), ("redis", redis_a)):
+            pid = server_pid(url)
+            before = cpu_seconds(pid)
+            events = await stream_replies(url, args.replies)
+            costs[name] = (cpu_seconds(pid) - before) / events * 1e6
+        print(
+            f"Server CPU per event ({args.replies} resumable replies of "
+            f"{args.tokens} tokens at once)"
+        )
+        print(f"  memory store  {costs['memory']:6.1f} us")
+        print(
+            f"  Redis store   {costs['redis']:6.1f} us "
+            f"(+{costs['redis'] - costs['memory']:.1f} us, "
+            f"x{costs['redis'] / costs['memory']:.2f})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--replies", type=int, default=40)
+    parser.add_argument("--tokens", type=int, default=400)
+    args = parser.parse_args()
+    redis_binary = shutil.which("redis-server") or "/usr/sbin/redis-server"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as workdir:
+        redis = subprocess.Popen(
+            [
+                redis_binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(0.5)
+            asyncio.run(measure(args, f"redis://127.0.0.1:{port}/0"))
+        finally:
+            redis.terminate()
+            redis.wait()
+
+
+if __name__ == "__main__":
+    main()
