@@ -7,8 +7,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from replystream.server.app import ServerConfig
+from replystream.server.app import METRICS_KEY, ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.sse_client import post_events
 
@@ -169,3 +170,40 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
             closed = await ws.receive()
             assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 4401
     assert engine.stats().started == 2
+
+
+async def open_raw_websocket(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket handshake by hand, so the test controls whether anything is ever read."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101")
+    return reader, writer
+
+
+def client_frame(payload: bytes) -> bytes:
+    """One masked text frame (clients must mask; a zero mask keeps the payload as is)."""
+    assert len(payload) < 126
+    return bytes([0x81, 0x80 | len(payload)]) + b"\0\0\0\0" + payload
+
+
+async def test_a_socket_that_is_never_read_is_cut_and_its_reply_stopped():
+    # 1,000 tokens of 20 kB in 3 s: the socket's buffers fill long before the reply ends.
+    words = " ".join(f"{n:05d}" * 4000 for n in range(1000))
+    engine = fast_engine(reply_text=words, delay_ms=3, jitter_ms=0)
+    policy = DeliveryPolicy(slow_client_s=0.3, slow_client_bytes=64 << 20)
+    app = create_app(engine, ServerConfig(policy=policy))
+    async with running(app) as url:
+        _reader, writer = await open_raw_websocket(url)
+        try:
+            start = {"type": "reply", "id": "s", "prompt": "x"}
+            writer.write(client_frame(json.dumps(start).encode()))
+            await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+        finally:
+            writer.close()
+    assert engine.stats().finished == 0 and engine.stats().steps < 1000
+    assert 'outcome="slow_client"} 1.0' in app[METRICS_KEY].render().decode()
