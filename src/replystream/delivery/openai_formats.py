@@ -7,8 +7,10 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   (``choices: []``) when the client asked for one, then ``data: [DONE]``.
 - A legacy ``text_completion`` stream is the same with ``choices[0].text`` and no role chunk
   (its first chunk has empty text).
-- An error after the first byte is ``data: {"error": {"message", "type", "param", "code"}}``
-  (the OpenAI SDKs raise ``APIError`` on it) and the stream never ends with ``[DONE]``.
+- An error after the first byte is ``event: error`` with ``data: {"error": {"message",
+  "type", "param", "code"}}``: the OpenAI SDKs raise ``APIError`` on an ``error`` key in any
+  message, clients that read only ``data:`` lines see the same object, and replystream's own
+  clients see the event type. The stream then never ends with ``[DONE]``.
 - A moderated reply ends like OpenAI's own filtered replies: a chunk with
   ``finish_reason: "content_filter"`` (plus a ``replystream_moderation`` object naming the
   check; OpenAI's own ``moderation`` field has another shape), then ``[DONE]``. The finish
@@ -47,7 +49,7 @@ def completion_id(kind: Kind, reply_id: str) -> str:
 def in_band_error(message: str, code: str) -> Spec:
     """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on."""
     error = {"message": message, "type": "server_error", "param": None, "code": code}
-    return None, _dumps({"error": error})
+    return "error", _dumps({"error": error})
 
 
 @dataclass(slots=True)

@@ -1,0 +1,92 @@
+"""Delivery policies on the OpenAI routes: resume across cuts, batching, cancel, ownership."""
+
+import json
+import random
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from replystream.client import ResumingReader
+from replystream.client.resume import Backoff
+from replystream.server import create_app, running
+from replystream.sse import EventParser
+from tests.chaos_proxy import chaos_proxy, random_budget
+from tests.conftest import fast_engine, wait_for
+
+USER = [{"role": "user", "content": "hi"}]
+FAST_RETRY = Backoff(base_s=0.005, cap_s=0.05, max_attempts=50)
+
+
+def host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname and parts.port
+    return parts.hostname, parts.port
+
+
+def chunk_text(data: str) -> str:
+    chunk = json.loads(data)
+    return "".join(c["delta"].get("content", "") for c in chunk["choices"])
+
+
+async def test_a_resumable_chat_stream_survives_cuts_without_gap_or_duplicate():
+    engine = fast_engine(delay_ms=2, jitter_ms=1)
+    body = {"messages": USER, "seed": 4, "stream": True, "resumable": True}
+    async with running(create_app(engine)) as url:
+        async with aiohttp.ClientSession() as http:
+            whole = {**body, "stream": False, "resumable": None}
+            async with http.post(f"{url}/v1/chat/completions", json=whole) as response:
+                expected = (await response.json())["choices"][0]["message"]["content"]
+        rng = random.Random(3)
+        async with chaos_proxy(lambda: host_port(url), random_budget(rng, 600, 3000)) as (
+            proxied,
+            proxy,
+        ):
+            for n in range(5):
+                reader = ResumingReader(
+                    f"{proxied}/v1/chat/completions", json_body=body, backoff=FAST_RETRY, seed=n
+                )
+                data = [event.data async for event in reader.events()]
+                assert data[-1] == "[DONE]"
+                assert "".join(chunk_text(d) for d in data[:-1]) == expected
+        assert proxy.cuts >= 5
+
+
+async def test_batching_sends_fewer_chunks_with_the_same_text():
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        texts, counts = [], []
+        for batch in (1, 8):
+            body = {"messages": USER, "stream": True, "max_tokens": 32, "batch_tokens": batch}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+                lines = [ln for ln in (await response.text()).split("\n") if ln.startswith("data:")]
+            payloads = [ln.removeprefix("data: ") for ln in lines[:-1]]
+            texts.append("".join(chunk_text(p) for p in payloads))
+            counts.append(len(payloads))
+    assert texts[0] == texts[1]
+    assert counts == [1 + 32 + 1, 1 + 4 + 1]  # role, text chunks, finish
+
+
+async def test_cancel_endpoint_stops_an_openai_stream_with_an_in_band_error():
+    engine = fast_engine(delay_ms=20, jitter_ms=0)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        body = {"messages": USER, "stream": True}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            reply_id = response.headers["X-Reply-Id"]
+            await response.content.readuntil(b"\n\n")
+            async with http.post(f"{url}/v1/replies/{reply_id}/cancel") as cancel:
+                assert cancel.status == 200
+            raw = await response.text()
+    last = EventParser().feed(raw.encode())[-1]
+    assert "[DONE]" not in raw and last.type == "error"
+    assert json.loads(last.data)["error"]["code"] == "cancelled"
+    await wait_for(lambda: engine.stats().cancelled == 1)
+
+
+async def test_a_client_that_leaves_stops_generation():
+    engine = fast_engine(delay_ms=20, jitter_ms=0)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        body = {"prompt": "x", "stream": True, "max_tokens": 100}
+        async with http.post(f"{url}/v1/completions", json=body) as response:
+            await response.content.readuntil(b"\n\n")
+            await response.content.readuntil(b"\n\n")
+        await wait_for(lambda: engine.stats().cancelled == 1)
+    assert engine.stats().steps < 100
