@@ -1,5 +1,6 @@
 """Bearer API keys on /v1/*: 401 without a valid key; a reply belongs to the key that started it."""
 
+import argparse
 import logging
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from replystream.server import create_app, running
 from replystream.server.app import ServerConfig
 from replystream.server.auth import KeyRing, collect_keys, key_owner, read_keys_file
+from replystream.server.command import add_arguments, build_config
 from tests.conftest import fast_engine
 
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-beta-9876543210"
@@ -120,3 +122,17 @@ def test_keys_come_from_flags_and_a_file_with_comments(tmp_path: Path):
         read_keys_file(empty)
     with pytest.raises(ValueError):
         collect_keys([" "], None)
+
+
+def test_serve_flags_reach_the_server_config(tmp_path: Path):
+    path = tmp_path / "keys"
+    path.write_text("sk-file\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--api-key", "sk-flag", "--api-keys-file", str(path)]
+    args = parser.parse_args([*flags, "--model-name", "m1", "--ws-max-replies", "3"])
+    config = build_config(args)
+    assert config.api_keys == ("sk-flag", "sk-file")
+    assert (config.model_name, config.ws_max_replies) == ("m1", 3)
+    assert "sk-flag" not in repr(config)
+    assert build_config(parser.parse_args([])).api_keys == ()
