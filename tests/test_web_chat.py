@@ -18,6 +18,7 @@ import pytest
 
 from replystream.engine.simulated import split_words
 from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
 from tests.conftest import fast_engine, wait_for
 
@@ -48,7 +49,7 @@ async def open_page(browser: Browser, url: str, width: int = 1200, height: int =
     return page
 
 
-async def set_delivery(page: Page, **values: int) -> None:
+async def set_delivery(page: Page, **values: int | str) -> None:
     await page.click(".settings summary")
     for name, value in values.items():
         await page.fill(f'#settings input[name="{name}"]', str(value))
@@ -84,7 +85,7 @@ async def words_shown(page: Page, kind: str, at_least: int) -> None:
             const node = document.querySelector(selector);
             return node !== null && node.textContent.split(' ').length > n;
         }""",
-        arg=[f'[data-pane="{kind}"] .reply-text', at_least],
+        arg=[f"{pane(kind)} .reply-text", at_least],
     )
 
 
@@ -256,3 +257,26 @@ async def test_phone_width_stacks_the_panes_and_keyboard_sends(browser: Browser)
             await page.keyboard.press("Tab")
             focused.append(await page.evaluate("document.activeElement.id"))
         assert "send" in focused
+
+
+async def test_api_key_from_the_settings_reaches_every_route_the_pages_use(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=20.0, jitter_ms=2.0))
+    config = ServerConfig(api_keys=("sk-page-test",))
+    async with running(create_app(engine, config)) as url:
+        page = await open_page(browser, url)
+        await send(page, "No key yet.")
+        await wait_state(page, "stream", "error")
+        assert "API key" in (await page.text_content(f"{TURN} .pane-note") or "")
+
+        await set_delivery(page, api_key="sk-page-test")
+        await send(page, "Now with the key.")
+        await words_shown(page, "stream", 5)
+        await page.click("#stop")  # the cancel must carry the key that started the reply
+        await wait_state(page, "stream", "stopped")
+        await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+
+        await page.goto(f"{url}/eventsource.html")
+        await page.fill("#api-key", "sk-page-test")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="done"]')
+        assert engine.stats().finished == 1

@@ -5,7 +5,7 @@
 // Timers start when the request is sent. "First text" is when the first text was painted
 // (the animation frame that drew it), "Total" when the whole reply was on screen.
 
-import { StreamedReply, bufferedReply } from './reply.js';
+import { StreamedReply, bufferedReply, cancelReply } from './reply.js';
 import { TextSink } from './render.js';
 
 const $ = (selector) => document.querySelector(selector);
@@ -179,15 +179,18 @@ class Turn {
 const turns = [];
 let running = null;
 
+// The delivery settings sent in the request body (numbers; empty means the server's default).
 function settings() {
   const values = {};
   for (const input of settingsForm.elements) {
-    if (input.name && input.value.trim() !== '' && input.validity.valid) {
+    if (input.type === 'number' && input.value.trim() !== '' && input.validity.valid) {
       values[input.name] = Number(input.value);
     }
   }
   return values;
 }
+
+const apiKey = () => settingsForm.elements.api_key.value.trim();
 
 function history(upTo) {
   const messages = [];
@@ -217,6 +220,7 @@ async function runTurn(turn) {
   turn.seedLabel.textContent = `seed ${turn.seed}`;
   const body = { messages: history(turn), seed: turn.seed, ...delivery };
 
+  const key = apiKey();
   const stream = new StreamedReply(body, {
     onText: (text) => turn.stream.push(text),
     onGap: (lost) => turn.stream.gap(lost),
@@ -225,16 +229,16 @@ async function runTurn(turn) {
       if (message) turn.stream.setState('reconnecting');
       else if (turn.stream.root.dataset.state === 'reconnecting') turn.stream.setState('streaming');
     },
-  });
+  }, { apiKey: key });
   const waitAbort = new AbortController();
-  turn.active = { stream, waitAbort };
+  turn.active = { stream, waitAbort, key };
 
   const jobs = [];
   turn.stream.start();
   jobs.push(stream.run().then((result) => turn.stream.finish(result)));
   if (turn.wait) {
     turn.wait.start();
-    jobs.push(bufferedReply(body, { signal: waitAbort.signal }).then(
+    jobs.push(bufferedReply(body, { signal: waitAbort.signal, apiKey: key }).then(
       (reply) => {
         turn.wait.push(reply.text);
         const moderated = reply.finish_reason === 'moderated';
@@ -301,10 +305,11 @@ stopButton.addEventListener('click', () => {
   running.active.stream.stop();
 });
 
-// A resumable reply keeps generating when its reader leaves; closing the page cancels it.
+// A resumable reply keeps generating when its reader leaves; closing the page cancels it
+// (a keepalive fetch, unlike sendBeacon, can carry the API key header).
 addEventListener('pagehide', () => {
   const id = running?.active?.stream.replyId;
-  if (id) navigator.sendBeacon(`/v1/replies/${encodeURIComponent(id)}/cancel`);
+  if (id) cancelReply(id, { apiKey: running.active.key });
 });
 
 document.querySelectorAll('input[name="mode"]').forEach((radio) => {

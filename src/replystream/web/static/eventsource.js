@@ -30,24 +30,30 @@ function finish(state, label, message) {
   $('#go').disabled = false;
 }
 
-async function startReply(prompt) {
+async function startReply(prompt, apiKey) {
   const abort = new AbortController();
   const response = await fetch('/v1/replies', {
     method: 'POST',
-    headers: { 'Content-Type': 'application/json' },
+    headers: {
+      'Content-Type': 'application/json',
+      ...(apiKey ? { Authorization: `Bearer ${apiKey}` } : {}),
+    },
     body: JSON.stringify({ prompt, resumable: true }),
     signal: abort.signal,
   });
   const id = response.headers.get('X-Reply-Id');
   abort.abort();  // we only wanted the id; the reply keeps generating for its next reader
+  if (response.status === 401) throw new Error('the server wants an API key (HTTP 401)');
   if (!response.ok || !id) {
     throw new Error(`this server does not offer resumable replies (HTTP ${response.status})`);
   }
   return id;
 }
 
-function follow(id) {
-  source = new EventSource(`/v1/replies/${encodeURIComponent(id)}/stream`);
+function follow(id, apiKey) {
+  // EventSource cannot send headers, so the resume route also takes the key in the query.
+  const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : '';
+  source = new EventSource(`/v1/replies/${encodeURIComponent(id)}/stream${query}`);
   source.addEventListener('open', () => {
     opens += 1;
     $('#opens').textContent = String(opens);
@@ -100,10 +106,11 @@ $('#start').addEventListener('submit', async (event) => {
   $('#go').disabled = true;
   setState('waiting', 'starting');
   try {
-    const id = await startReply($('#prompt').value);
+    const apiKey = $('#api-key').value.trim();
+    const id = await startReply($('#prompt').value, apiKey);
     $('#reply-id').textContent = id;
     log(`reply ${id} started; its POST was aborted after the headers`);
-    follow(id);
+    follow(id, apiKey);
   } catch (error) {
     finish('error', 'error', error.message);
   }

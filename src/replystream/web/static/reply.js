@@ -15,8 +15,8 @@
 
 import { SSEParser } from './sse.js';
 
+// Reconnect delays: the base doubles per attempt up to the cap; a `retry:` replaces the base.
 const BACKOFF = { baseMs: 300, maxMs: 8000, attempts: 8 };
-// Before the first `retry:` arrives, the base delay is BACKOFF.baseMs.
 
 /** A reply's ending: state is 'done', 'error', 'moderated', 'incomplete' or 'stopped'. */
 function ending(state, message = '', extra = {}) {
@@ -41,11 +41,20 @@ async function errorMessage(response) {
   return `HTTP ${response.status}`;
 }
 
-/** Ask the server to stop generating reply `id`; a server without cancel answers 404. */
-export async function cancelReply(id, base = '') {
+/** Request headers carrying the API key, if the server wants one. */
+function authorization(apiKey) {
+  return apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+}
+
+/**
+ * Ask the server to stop generating reply `id` (only the key that started it may).
+ * A server without cancel answers 404, which is fine: nothing is left to stop there.
+ */
+export async function cancelReply(id, { base = '', apiKey = '' } = {}) {
   try {
     await fetch(`${base}/v1/replies/${encodeURIComponent(id)}/cancel`, {
       method: 'POST',
+      headers: authorization(apiKey),
       keepalive: true,  // still sent if the page is closing
     });
   } catch { /* best effort: the connection's close also stops a non-resumable reply */ }
@@ -55,12 +64,14 @@ export async function cancelReply(id, base = '') {
  * POST a request body and send it again without `resumable` if the server rejects that field
  * (servers from before resumable replies refuse unknown fields with a 400 naming them).
  */
-async function postReply(base, body, signal) {
+async function postReply(body, { base = '', apiKey = '', signal } = {}) {
+  const headers = {
+    'Content-Type': 'application/json',
+    Accept: 'text/event-stream, application/json',
+    ...authorization(apiKey),
+  };
   const send = (payload) => fetch(`${base}/v1/replies`, {
-    method: 'POST',
-    headers: { 'Content-Type': 'application/json', Accept: 'text/event-stream, application/json' },
-    body: JSON.stringify(payload),
-    signal,
+    method: 'POST', headers, body: JSON.stringify(payload), signal,
   });
   let response = await send(body);
   if (response.status === 400 && 'resumable' in body) {
@@ -73,9 +84,12 @@ async function postReply(base, body, signal) {
   return response;
 }
 
-/** One buffered reply: resolves to {text, finish_reason, usage} or throws with the message. */
-export async function bufferedReply(body, { signal, base = '' } = {}) {
-  const response = await postReply(base, { ...body, stream: false }, signal);
+/**
+ * One buffered reply: resolves to {text, finish_reason, usage} or throws with the message.
+ * Options: signal, base (URL prefix), apiKey.
+ */
+export async function bufferedReply(body, options = {}) {
+  const response = await postReply({ ...body, stream: false }, options);
   if (!response.ok) throw new Error(await errorMessage(response));
   return response.json();
 }
@@ -89,6 +103,7 @@ export async function bufferedReply(body, { signal, base = '' } = {}) {
 export class StreamedReply {
   #body;
   #base;
+  #apiKey;
   #on;
   #abort = new AbortController();
   #stopped = false;
@@ -99,9 +114,11 @@ export class StreamedReply {
   #retryMs = BACKOFF.baseMs;
   #usage = null;
 
-  constructor(body, callbacks = {}, { base = '' } = {}) {
+  /** Options: base (URL prefix), apiKey. */
+  constructor(body, callbacks = {}, { base = '', apiKey = '' } = {}) {
     this.#body = { ...body, stream: true, resumable: true };
     this.#base = base;
+    this.#apiKey = apiKey;
     this.#on = callbacks;
   }
 
@@ -110,7 +127,9 @@ export class StreamedReply {
   /** Run the reply to its end; resolves to an ending (see `ending`), never rejects. */
   async run() {
     try {
-      const post = postReply(this.#base, this.#body, this.#abort.signal);
+      const post = postReply(this.#body, {
+        base: this.#base, apiKey: this.#apiKey, signal: this.#abort.signal,
+      });
       this.#headers = post.catch(() => null);
       let response = await post;
       if (!response.ok) return ending('error', await errorMessage(response));
@@ -142,7 +161,7 @@ export class StreamedReply {
       await Promise.race([this.#headers, sleep(2000)]);
     }
     this.#abort.abort();
-    if (this.#replyId) await cancelReply(this.#replyId, this.#base);
+    if (this.#replyId) await cancelReply(this.#replyId, { base: this.#base, apiKey: this.#apiKey });
   }
 
   #setReplyId(id) {
@@ -226,7 +245,7 @@ export class StreamedReply {
     for (let attempt = 1; attempt <= BACKOFF.attempts; attempt++) {
       this.#on.onStatus?.(attempt === 1 ? 'reconnecting…' : `reconnecting… (attempt ${attempt})`);
       await sleep(this.#delay(attempt), this.#abort.signal);
-      const headers = { Accept: 'text/event-stream' };
+      const headers = { Accept: 'text/event-stream', ...authorization(this.#apiKey) };
       if (this.#lastId !== null) headers['Last-Event-ID'] = this.#lastId;
       try {
         last = await fetch(url, { headers, cache: 'no-store', signal: this.#abort.signal });
