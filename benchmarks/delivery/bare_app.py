@@ -1,0 +1,69 @@
+"""Baseline: the least a server can do to stream these replies, a bare aiohttp SSE handler.
+
+``POST /v1/replies`` reads the seed, computes the same seeded schedule as the simulated engine,
+sleeps until each token's due time from the start (a fixed schedule, so lateness does not
+accumulate) and writes replystream's token events byte for byte, then ``event: done``. No
+event log, no metrics, no moderation: the cost of this handler is the floor.
+
+Run: python benchmarks/delivery/bare_app.py [--port 0]; prints ``listening on URL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from aiohttp import web
+from procstats import raise_nofile
+from workload import TOKENS, done_frame, parse_body, schedule, token_frame
+
+HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+async def replies(request: web.Request) -> web.StreamResponse:
+    try:
+        seed, tokens = parse_body(await request.read())
+    except ValueError as error:
+        raise web.HTTPBadRequest(text=str(error)) from error
+    due = schedule(seed, tokens)
+    response = web.StreamResponse(headers=HEADERS)
+    await response.prepare(request)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for index, at in enumerate(due):
+        await asyncio.sleep(max(0.0, start + at - loop.time()))
+        await response.write(token_frame(index))
+    await response.write(done_frame(tokens, "stop" if tokens == TOKENS else "length"))
+    await response.write_eof()
+    return response
+
+
+async def serve(host: str, port: int) -> None:
+    app = web.Application()
+    app.router.add_post("/v1/replies", replies)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    print(f"bare aiohttp listening on http://{bound_host}:{bound_port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    raise_nofile()
+    try:
+        asyncio.run(serve(args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The benchmark's table: every metric per server and concurrency, with replystream's ratios.
+
+Printed as a Markdown table so a run can be pasted into docs/performance.md as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+Run = dict[str, Any]
+RATIO_METRICS = ("server CPU s / 1,000 events", "server memory / stream (KiB)", "completion p95")
+
+
+def _ms(section: str, point: str) -> Callable[[Run], float]:
+    return lambda run: float(run["client"][section][point])
+
+
+ROWS: list[tuple[str, Callable[[Run], float], str]] = [
+    ("streams completed", lambda r: r["client"]["completed"], "{:,.0f}"),
+    ("failures", lambda r: r["client"]["failed"], "{:,.0f}"),
+    ("connect retries", lambda r: r["client"]["connect_retries"], "{:,.0f}"),
+    ("peak streams open at once", lambda r: r["client"]["peak_open"], "{:,.0f}"),
+    ("events / s delivered", lambda r: r["client"]["events_per_s"], "{:,.0f}"),
+    ("completion median (ms)", _ms("completion_ms", "p50"), "{:,.0f}"),
+    ("completion p95", _ms("completion_ms", "p95"), "{:,.0f}"),
+    ("ideal completion median / p95", lambda r: math.nan, ""),
+    ("lateness p50 (ms)", _ms("lateness_ms", "p50"), "{:,.1f}"),
+    ("lateness p95", _ms("lateness_ms", "p95"), "{:,.1f}"),
+    ("lateness p99", _ms("lateness_ms", "p99"), "{:,.1f}"),
+    ("first text median (ms)", _ms("first_text_ms", "p50"), "{:,.1f}"),
+    ("first text p95", _ms("first_text_ms", "p95"), "{:,.1f}"),
+    ("server CPU s / 1,000 events", lambda r: r["server_cpu_s_per_1k_events"], "{:.4f}"),
+    ("server CPU µs / event", lambda r: r["server_us_per_event"], "{:.1f}"),
+    ("server memory / stream (KiB)", lambda r: r["memory_per_stream_kib"], "{:.1f}"),
+    ("server RSS at rest (MiB)", lambda r: r["rest_rss_kib"] / 1024, "{:.1f}"),
+    ("client CPU µs / event", lambda r: r["client"]["client_us_per_event"], "{:.1f}"),
+]
+
+
+def _cell(value: float, fmt: str) -> str:
+    return "n/a" if math.isnan(value) else fmt.format(value)
+
+
+def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
+    """The Markdown table of ``runs``; ratio columns when replystream and a baseline ran."""
+    baselines = [s for s in servers if s != "replystream"] if "replystream" in servers else []
+    header = ["metric", *servers, *(f"replystream / {b}" for b in baselines)]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    by_key = {(r["server"], r["concurrency"]): r for r in runs}
+    for concurrency in concurrencies:
+        present = {s: by_key[(s, concurrency)] for s in servers if (s, concurrency) in by_key}
+        if not present:
+            continue
+        lines.append(f"| **C = {concurrency:,}** |" + " |" * (len(header) - 1))
+        for label, get, fmt in ROWS:
+            if label.startswith("ideal"):
+                any_run = next(iter(present.values()))["client"]["ideal_ms"]
+                ideal = f"{any_run['p50']:,.0f} / {any_run['p95']:,.0f} (same seeds everywhere)"
+                lines.append(f"| {label} | {ideal} |" + " |" * (len(header) - 2))
+                continue
+            cells = [_cell(get(present[s]), fmt) if s in present else "" for s in servers]
+            ratios = []
+            for baseline in baselines:
+                ours, theirs = present.get("replystream"), present.get(baseline)
+                if label in RATIO_METRICS and ours is not None and theirs is not None:
+                    ratios.append(
+                        _cell(get(ours) / get(theirs) if get(theirs) else math.nan, "{:.2f}x")
+                    )
+                else:
+                    ratios.append("")
+            lines.append("| " + " | ".join([label, *cells, *ratios]) + " |")
+    return "\n".join(lines)
+
+
+def failure_notes(runs: list[Run]) -> list[str]:
+    """One line per run whose streams failed, with the reasons and their counts."""
+    notes = []
+    for run in runs:
+        failures = run["client"]["failures"]
+        if failures:
+            reasons = ", ".join(f"{reason} x{count}" for reason, count in failures.items())
+            notes.append(f"{run['server']} at C = {run['concurrency']}: {reasons}")
+    return notes

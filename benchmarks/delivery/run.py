@@ -1,0 +1,143 @@
+"""Delivery load benchmark: replystream against a bare aiohttp handler and Starlette, side by side.
+
+For each concurrency C and each server, a fresh server process streams C replies opened at
+once (120 tokens, 33 ± 8 ms each, one seed per stream, the same seeds for every server) to a
+load client in its own process. Measured: delivered events per second, completion against the
+schedule's ideal, per-event lateness, first text, server CPU per 1,000 events and peak memory
+per open stream (Linux /proc, summed over the server's processes), the peak number of streams
+open at once, failures and the client's own CPU per event. See docs/performance.md.
+
+Run: python benchmarks/delivery/run.py [--concurrency 100 1000 3000]
+         [--servers replystream bare starlette] [--workers N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from procstats import cpu_seconds, memory_kib, process_tree, raise_nofile
+from report import failure_notes, table
+from servers import HERE, SERVER_NAMES, Started, started_server
+from workload import TOKENS, schedule, stream_seeds
+
+from replystream.engine import GenerationRequest, SamplingParams, SimulatedConfig, SimulatedEngine
+
+WARMUP_STREAMS = 20
+WARMUP_TOKENS = 5
+SETTLE_S = 0.5
+
+
+async def run_client(url: str, seeds: list[int], max_tokens: int | None, timeout_s: float) -> Any:
+    """Run the load client in its own process and return its measurements."""
+    config = {"url": url, "seeds": seeds, "max_tokens": max_tokens, "timeout_s": timeout_s}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(HERE / "loadclient.py"),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await process.communicate(json.dumps(config).encode())
+    if process.returncode != 0:
+        raise RuntimeError(f"load client failed with status {process.returncode}")
+    return json.loads(out)
+
+
+async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[str, Any]:
+    """Warm the server up, then run C streams and read its CPU and memory around them."""
+    warm = await run_client(server.url, stream_seeds(WARMUP_STREAMS, 1), WARMUP_TOKENS, 30.0)
+    if warm["failed"]:
+        raise RuntimeError(f"{server.name} failed its warm-up: {warm['failures']}")
+    await asyncio.sleep(SETTLE_S)
+    pids = process_tree(server.pid)
+    rest_rss = memory_kib(pids, "VmRSS")
+    cpu_before = cpu_seconds(pids)
+    client = await run_client(server.url, stream_seeds(concurrency), None, timeout_s)
+    pids_after = process_tree(server.pid)
+    cpu = cpu_seconds(pids_after) - cpu_before
+    peak = memory_kib(pids_after, "VmHWM")
+    events = client["events"]
+    return {
+        "server": server.name,
+        "concurrency": concurrency,
+        "processes": len(pids_after),
+        "client": client,
+        "server_cpu_s": cpu,
+        "server_cpu_s_per_1k_events": cpu / events * 1000 if events else math.nan,
+        "server_us_per_event": cpu / events * 1e6 if events else math.nan,
+        "rest_rss_kib": rest_rss,
+        "peak_hwm_kib": peak,
+        "memory_per_stream_kib": (peak - rest_rss) / concurrency,
+    }
+
+
+def check_schedule(count: int) -> None:
+    """The shared schedule must be the simulated engine's, seed for seed."""
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=33.0, jitter_ms=8.0))
+    for seed in stream_seeds(count):
+        ours = schedule(seed)
+        theirs = engine.schedule(GenerationRequest(sampling=SamplingParams(seed=seed)))
+        if len(ours) != TOKENS or any(abs(a - b) > 1e-9 for a, b in zip(ours, theirs, strict=True)):
+            raise SystemExit(f"benchmark schedule differs from SimulatedEngine's for seed {seed}")
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in ("replystream", "aiohttp", "starlette", "sse-starlette", "uvicorn", "uvloop"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[100, 1000, 3000])
+    parser.add_argument("--servers", nargs="+", choices=SERVER_NAMES, default=list(SERVER_NAMES))
+    parser.add_argument("--workers", type=int, default=1, help="passed to replystream serve")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="per run, from the burst")
+    parser.add_argument("--json", type=Path, help="write every measurement to this file")
+    args = parser.parse_args()
+    nofile = raise_nofile()  # children inherit it
+    check_schedule(max(args.concurrency))
+    runs: list[dict[str, Any]] = []
+    for concurrency in args.concurrency:
+        for name in args.servers:
+            async with started_server(name, args.workers) as server:
+                result = await measure(server, concurrency, args.timeout_s)
+            result["workers"] = args.workers if name == "replystream" else 1
+            runs.append(result)
+            client = result["client"]
+            print(
+                f"{name:>11} C={concurrency:<5} completed {client['completed']}/{concurrency}"
+                f"  {result['server_us_per_event']:.1f} µs CPU/event"
+                f"  {result['memory_per_stream_kib']:.1f} KiB/stream",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(table(runs, args.servers, args.concurrency))
+    notes = failure_notes(runs)
+    for note in notes:
+        print(f"FAILED {note}")
+    if args.json:
+        report = {
+            "command": ["python", "benchmarks/delivery/run.py", *sys.argv[1:]],
+            "machine": {"cpus": os.cpu_count(), "nofile": nofile, "platform": platform.platform()},
+            "versions": versions(),
+            "runs": runs,
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if notes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,73 @@
+"""The servers under test: how each is started fresh in a child process and where it listens.
+
+Every server prints one line containing ``listening on URL`` when it accepts connections;
+the harness waits for that line, and fails loudly if the process exits or stays silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+READY = re.compile(r"listening on (http://\S+)")
+SERVER_NAMES = ("replystream", "bare", "starlette")
+
+
+def server_command(name: str, workers: int) -> list[str]:
+    """The command line that starts server ``name`` on a free loopback port."""
+    if name == "replystream":
+        command = [sys.executable, "-m", "replystream", "serve", "--host", "127.0.0.1"]
+        command += ["--port", "0", "--engine", "simulated", "--delay-ms", "33"]
+        command += ["--jitter-ms", "8", "--keepalive-s", "15"]
+        return command + (["--workers", str(workers)] if workers > 1 else [])
+    if name == "bare":
+        return [sys.executable, str(HERE / "bare_app.py"), "--port", "0"]
+    if name == "starlette":
+        return [sys.executable, str(HERE / "starlette_app.py"), "--port", "0"]
+    raise ValueError(f"unknown server {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    name: str
+    pid: int
+    url: str
+
+
+@contextlib.asynccontextmanager
+async def started_server(
+    name: str, workers: int = 1, ready_timeout_s: float = 30.0
+) -> AsyncIterator[Started]:
+    """Start server ``name`` and yield its pid and URL; stop it on exit."""
+    process = await asyncio.create_subprocess_exec(
+        *server_command(name, workers), stdout=asyncio.subprocess.PIPE
+    )
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(ready_timeout_s):
+            while True:
+                line = (await process.stdout.readline()).decode()
+                if not line:
+                    status = await process.wait()
+                    raise RuntimeError(f"{name} server exited with status {status} before ready")
+                found = READY.search(line)
+                if found:
+                    break
+        yield Started(name, process.pid, found.group(1))
+        if process.returncode is not None:
+            raise RuntimeError(f"{name} server died during the run (status {process.returncode})")
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                async with asyncio.timeout(10):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
