@@ -94,6 +94,19 @@ class BlockAllocator:
         table.extend(self._free.pop() for _ in range(need))
         self._lengths[seq_id] = max(self._lengths.get(seq_id, 0), length)
 
+    def truncate(self, seq_id: int, length: int) -> int:
+        """Keep only ``length`` tokens of ``seq_id`` (rejected draft positions roll back);
+        blocks past them go back to the pool. How many blocks were freed."""
+        table = self._tables.get(seq_id)
+        if table is None or length >= self._lengths[seq_id]:
+            return 0
+        keep = self.blocks_for(length)
+        freed = table[keep:]
+        del table[keep:]
+        self._free.extend(reversed(freed))
+        self._lengths[seq_id] = length
+        return len(freed)
+
     def free(self, seq_id: int) -> int:
         """Return every block of ``seq_id`` to the pool; how many were freed (0 if none)."""
         table = self._tables.pop(seq_id, [])

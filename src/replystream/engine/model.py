@@ -206,11 +206,16 @@ class TinyModel:
         out = softmax(scores) @ vg  # (B, kv heads, group, T, D)
         return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)  # query head = kv head * G + g
 
-    def forward(self, chunks: Sequence[Chunk], cache: KVStore) -> F32:
+    def forward(
+        self, chunks: Sequence[Chunk], cache: KVStore, last: Sequence[int] | None = None
+    ) -> F32:
         """Run every chunk through the model, store its keys/values, return next-token logits.
 
+        ``last[i]`` asks for the logits of chunk ``i``'s last ``last[i]`` positions (1 when
+        ``last`` is None); a speculative step verifies its draft with them.
+
         Returns:
-            (chunks, vocab) logits at the last position of each chunk.
+            (sum(last), vocab) logits, chunk by chunk, positions in order.
         """
         c = self.config
         lengths = [len(ch.tokens) for ch in chunks]
@@ -239,8 +244,12 @@ class TinyModel:
                 )
             x = x + att.reshape(len(ids), -1) @ w.wo  # (N, d_model)
             x = x + self._mlp(w, x)
-        last = rms_norm(x[ends - 1], self.final_norm, c.norm_eps)  # (chunks, d_model)
-        return (last @ self.unembed_t).astype(np.float32, copy=False)  # (chunks, vocab)
+        if last is None:
+            wanted = ends - 1  # (chunks,)
+        else:
+            wanted = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, last, strict=True)])
+        h = rms_norm(x[wanted], self.final_norm, c.norm_eps)  # (rows, d_model)
+        return (h @ self.unembed_t).astype(np.float32, copy=False)  # (rows, vocab)
 
     def prefill(self, seq_id: int, tokens: Sequence[int], cache: KVStore) -> F32:
         """Run a whole prompt in one pass, fill its cache; the next token's logits (vocab,)."""

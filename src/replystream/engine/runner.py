@@ -8,6 +8,8 @@ recorded about each request's time:
 2. Each delta (or an ``EngineError``) goes to the request's ``asyncio.Queue`` through
    ``loop.call_soon_threadsafe``; the model never waits for a reader.
 3. BLAS runs on ``blas_threads`` threads (1 by default) while the worker runs.
+   A chunk with a speculative draft is verified here (``speculative.accept``), and every token
+   one step makes for a request goes out as one delta (``Delta.tokens`` says how many).
 4. Timestamps (queued, first scheduled, each token, each preemption, finished) are taken
    with the injected clock and read back as frozen ``RequestTimings``.
 The lock guards the pending lists, the scheduler and the counters; the model runs outside it.
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import NDArray
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 from replystream.engine.base import Delta, EngineError, EngineStats, SamplingParams
@@ -31,6 +34,7 @@ from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
 from replystream.engine.sampling import StopMatcher, sample_token
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
+from replystream.engine.speculative import accept
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 DeltaQueue = asyncio.Queue[Delta | EngineError]
@@ -166,26 +170,41 @@ class Runner:
                 request.scheduled = now if request.scheduled is None else request.scheduled
         if not batch.chunks:
             return batch
+        rows = [1 + c.draft for c in batch.chunks]  # a draft is verified at every position
         logits = self.model.forward(
-            [Chunk(c.seq_id, c.tokens, c.start) for c in batch.chunks], self.cache
-        )  # (chunks, vocab)
-        sampled = {
-            c.seq_id: sample_token(logits[row], requests[c.seq_id].params, requests[c.seq_id].rng)
-            for row, c in enumerate(batch.chunks)
-            if c.samples
-        }
+            [Chunk(c.seq_id, c.tokens, c.start) for c in batch.chunks], self.cache, rows
+        )  # (sum(rows), vocab)
+        sampled: dict[int, list[int]] = {}
+        first = 0
+        for c, n in zip(batch.chunks, rows, strict=True):
+            if c.samples:
+                request = requests[c.seq_id]
+
+                def pick(row: NDArray[np.float32], r: _Request = request) -> int:
+                    return sample_token(row, r.params, r.rng)
+
+                sampled[c.seq_id] = accept(
+                    list(logits[first : first + n]), c.tokens[len(c.tokens) - c.draft :], pick
+                )
+            first += n
         with self._cond:
             self._steps += 1
             ended = {f.seq_id for f in self.scheduler.record(batch, sampled)}
             now = self.clock()
-            for seq_id, token in sampled.items():
+            for seq_id, tokens in sampled.items():
                 if seq_id in self._requests:  # not cancelled by stop() during the step
-                    self._emit(self._requests[seq_id], token, seq_id in ended, now)
+                    self._emit(self._requests[seq_id], tokens, seq_id in ended, now)
         return batch
 
-    def _emit(self, request: _Request, token: int, at_length: bool, now: float) -> None:
-        request.token_times.append(now)
-        text = request.stop.feed(request.detokenizer.push(token))
+    def _emit(self, request: _Request, tokens: list[int], at_length: bool, now: float) -> None:
+        text = ""
+        count = 0
+        for token in tokens:  # several with speculative decoding; a stop cuts the rest
+            request.token_times.append(now)
+            count += 1
+            text += request.stop.feed(request.detokenizer.push(token))
+            if request.stop.stopped:
+                break
         reason = "stop" if request.stop.stopped else "length" if at_length else None
         if reason == "stop" and not at_length:
             self.scheduler.finish(request.request_id)
@@ -195,7 +214,7 @@ class Runner:
                 reason = "stop"
             else:
                 text += request.stop.flush()
-        request.deliver(Delta(text, 1, now, reason))
+        request.deliver(Delta(text, count, now, reason))
         if reason is not None:
             request.finished, request.finish_reason = now, reason
             self._counts["finished"] += 1

@@ -10,6 +10,9 @@ This file decides, step by step, how a token budget is spent and who holds KV bl
 3. Then waiting sequences are admitted in arrival order while budget, ``max_running`` and free
    blocks allow (none are admitted in a step that had to preempt).
 4. ``abort`` and ``finish`` free a sequence's blocks at once.
+5. With ``spec_tokens`` > 0 a decoding sequence's chunk also carries a draft (prompt lookup,
+   ``speculative.propose``), never past ``max_new`` nor the budget; ``record`` then takes the
+   tokens the model accepted and rolls the cache back over the rejected draft positions.
 ``schedule()`` returns a frozen ``Batch``; ``record()`` takes the sampled tokens back. It must
 not know about models, clocks, threads or asyncio.
 """
@@ -21,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from replystream.engine.kv_cache import BlockAllocator, KVCacheStats
+from replystream.engine.speculative import propose
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +33,14 @@ class SchedulerConfig:
 
     token_budget: int = 128
     max_running: int = 32
+    spec_tokens: int = 0  # draft tokens per decode step at most (0: no speculative decoding)
+    spec_ngram: int = 3  # longest tail looked up in the context for a draft
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_running < 1:
             raise ValueError("token_budget and max_running must be at least 1")
+        if self.spec_tokens < 0 or self.spec_ngram < 1:
+            raise ValueError("spec_tokens must be >= 0 and spec_ngram >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +48,15 @@ class ScheduledChunk:
     """Tokens of one sequence to run, the first at position ``start``.
 
     ``samples`` is true when the chunk reaches the sequence's last known token, so the step
-    must sample the next one (a decode step, or the last chunk of a prefill).
+    must sample the next one (a decode step, or the last chunk of a prefill). The last
+    ``draft`` tokens are a speculative draft to verify, not yet part of the sequence.
     """
 
     seq_id: int
     tokens: tuple[int, ...]
     start: int
     samples: bool
+    draft: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +91,8 @@ class SchedulerStats:
     finished: int
     aborted: int
     kv: KVCacheStats
+    draft_proposed: int = 0  # draft tokens sent to the model for verification
+    draft_accepted: int = 0  # of those, tokens the model agreed with
 
 
 @dataclass(slots=True, eq=False)  # compared by identity
@@ -109,6 +121,8 @@ class Scheduler:
         self._preemptions = 0
         self._finished = 0
         self._aborted = 0
+        self._proposed = 0
+        self._accepted = 0
 
     def blocks_to_finish(self, prompt_len: int, max_new: int) -> int:
         """Blocks a sequence holds at most (the last token made is never run)."""
@@ -142,7 +156,11 @@ class Scheduler:
         while index < len(self._running) and budget > 0:
             seq = self._running[index]
             n = min(len(seq.tokens) - seq.computed, budget)
-            while not self.allocator.can_hold(seq.seq_id, seq.computed + n):
+            draft = self._draft(seq, budget) if n == 1 else ()
+            while not self.allocator.can_hold(seq.seq_id, seq.computed + n + len(draft)):
+                if draft:  # drop the draft before preempting anyone for it
+                    draft = ()
+                    continue
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
@@ -150,8 +168,8 @@ class Scheduler:
                     break
             if preempted and preempted[-1] == seq.seq_id:
                 break  # it was the newest: nothing after it is running any more
-            chunks.append(self._take(seq, n))
-            budget -= n
+            chunks.append(self._take(seq, n, draft))
+            budget -= n + len(draft)
             index += 1
         while (
             not preempted
@@ -169,12 +187,17 @@ class Scheduler:
         self._steps += 1
         return Batch(self._steps, tuple(chunks), tuple(preempted))
 
-    def _take(self, seq: _Sequence, n: int) -> ScheduledChunk:
+    def _draft(self, seq: _Sequence, budget: int) -> tuple[int, ...]:
+        # A draft of k tokens makes up to k + 1: never more than the reply may still have.
+        k = min(self.config.spec_tokens, budget - 1, seq.max_new - seq.made - 1)
+        return propose(seq.tokens, self.config.spec_ngram, k) if k > 0 else ()
+
+    def _take(self, seq: _Sequence, n: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
         end = seq.computed + n
-        self.allocator.reserve(seq.seq_id, end)
-        return ScheduledChunk(
-            seq.seq_id, tuple(seq.tokens[seq.computed : end]), seq.computed, end == len(seq.tokens)
-        )
+        self.allocator.reserve(seq.seq_id, end + len(draft))
+        self._proposed += len(draft)
+        tokens = (*seq.tokens[seq.computed : end], *draft)
+        return ScheduledChunk(seq.seq_id, tokens, seq.computed, end == len(seq.tokens), len(draft))
 
     def _preempt(self, seq: _Sequence) -> None:
         self._running.remove(seq)
@@ -183,20 +206,32 @@ class Scheduler:
         self._waiting.appendleft(seq)
         self._preemptions += 1
 
-    def record(self, batch: Batch, sampled: Mapping[int, int]) -> tuple[Finished, ...]:
+    def record(
+        self, batch: Batch, sampled: Mapping[int, int | Sequence[int]]
+    ) -> tuple[Finished, ...]:
         """Take a step's results: chunks are now cached, sampled tokens appended.
 
-        Sequences aborted since ``schedule`` are skipped. A sequence that made ``max_new``
-        tokens finishes here and frees its blocks.
+        A chunk with a draft takes the tokens its verification made (the accepted draft
+        tokens, then the model's own); the cache keeps the positions up to the last accepted
+        one and gives back blocks reserved past them. Sequences aborted since ``schedule`` are
+        skipped. A sequence that made ``max_new`` tokens finishes here and frees its blocks.
         """
         finished: list[Finished] = []
         for chunk in batch.chunks:
             seq = self._find(chunk.seq_id)
             if seq is None or seq not in self._running or seq.computed != chunk.start:
                 continue
-            seq.computed += len(chunk.tokens)
+            made = sampled.get(chunk.seq_id, ())
+            new = [made] if isinstance(made, int) else list(made)
+            if chunk.draft:
+                accepted = len(new) - 1
+                self._accepted += accepted
+                seq.computed += len(chunk.tokens) - chunk.draft + accepted
+                self.allocator.truncate(seq.seq_id, seq.computed)
+            else:
+                seq.computed += len(chunk.tokens)
             if chunk.samples:
-                seq.tokens.append(sampled[chunk.seq_id])
+                seq.tokens.extend(new)
                 if seq.made >= seq.max_new:
                     self._release(seq)
                     self._finished += 1
@@ -247,4 +282,6 @@ class Scheduler:
             finished=self._finished,
             aborted=self._aborted,
             kv=self.allocator.stats(),
+            draft_proposed=self._proposed,
+            draft_accepted=self._accepted,
         )

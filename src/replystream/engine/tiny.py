@@ -43,6 +43,8 @@ class TinyEngineConfig:
     max_running: int = 32
     default_max_tokens: int = 128
     blas_threads: int | None = 1  # None leaves BLAS's own thread count
+    spec_tokens: int = 0  # prompt-lookup draft tokens per step at most (0: off)
+    spec_ngram: int = 3  # longest context n-gram a draft is looked up by
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.default_max_tokens) < 1:
@@ -85,7 +87,10 @@ class TinyEngine:
         self.tokenizer = tokenizer
         c = model.config
         cache = PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, cfg.num_blocks, cfg.block_size)
-        scheduler = Scheduler(cache.allocator, SchedulerConfig(cfg.token_budget, cfg.max_running))
+        scheduler = Scheduler(
+            cache.allocator,
+            SchedulerConfig(cfg.token_budget, cfg.max_running, cfg.spec_tokens, cfg.spec_ngram),
+        )
         self.runner = Runner(model, tokenizer, cache, scheduler, blas_threads=cfg.blas_threads)
 
     def count_tokens(self, text: str) -> int:

@@ -1,0 +1,111 @@
+"""Prompt-lookup speculative decoding in the tiny engine: same reply, fewer steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replystream.engine.base import GenerationRequest, SamplingParams
+from replystream.engine.kv_cache import BlockAllocator
+from replystream.engine.scheduler import Scheduler, SchedulerConfig
+from replystream.engine.speculative import accept, propose
+from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+
+PROMPTS = (
+    "And the LORD said unto Moses,",
+    "These are the generations of",
+    "",
+    "And he said, Behold, here am I. And he said, Behold, here am I. And he said,",
+    "In the beginning God created the heaven and the earth. And the earth was without form, "
+    "and void; and darkness was upon the face of the deep.",
+)
+REPETITIVE = "the children of Judah, the children of Levi, the children of Judah, the children of"
+
+
+async def reply(engine: TinyEngine, prompt: str, **sampling: object) -> tuple[str, list[int]]:
+    params = SamplingParams(**{"max_tokens": 80, "temperature": 0.0, **sampling})  # type: ignore[arg-type]
+    stream = await engine.start(GenerationRequest(prompt, params))
+    texts, counts = [], []
+    async for delta in stream:
+        texts.append(delta.text)
+        counts.append(delta.tokens)
+    return "".join(texts), counts
+
+
+@pytest.fixture
+async def engines():
+    plain = load_default_engine()
+    spec = load_default_engine(TinyEngineConfig(spec_tokens=4, spec_ngram=3))
+    yield plain, spec
+    await plain.aclose()
+    await spec.aclose()
+
+
+def test_propose_takes_what_followed_the_latest_match_of_the_longest_tail():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert propose(tokens, max_ngram=3, max_draft=2) == (7, 8)  # the later match wins
+    assert propose([4, 5, 6, 5], max_ngram=3, max_draft=4) == (6, 5)  # falls back to a 1-gram
+    assert propose([1, 2, 3, 4], max_ngram=3, max_draft=4) == ()  # nothing repeats
+    assert propose([1, 1], max_ngram=3, max_draft=0) == ()
+
+
+def test_accept_keeps_agreeing_draft_tokens_then_the_models_own():
+    picks = {0: 5, 1: 6, 2: 9, 3: 1}
+    assert accept([0, 1, 2, 3], [5, 6, 7], picks.__getitem__) == [5, 6, 9]
+    assert accept([0, 1, 2, 3], [5, 6, 9], picks.__getitem__) == [5, 6, 9, 1]  # all + bonus
+    assert accept([0, 1], [4], picks.__getitem__) == [5]  # rejected at once: one token
+
+
+def test_rejected_draft_positions_give_their_blocks_back():
+    allocator = BlockAllocator(num_blocks=8, block_size=4)
+    scheduler = Scheduler(allocator, SchedulerConfig(token_budget=64, spec_tokens=4))
+    scheduler.add(0, [1, 2, 3, 1, 2], max_new=10)
+    prefill = scheduler.schedule()
+    scheduler.record(prefill, {0: 3})  # tokens 1 2 3 1 2 3: the tail "1 2 3" drafts "1 2 3"
+    step = scheduler.schedule()
+    (chunk,) = step.chunks
+    assert chunk.tokens == (3, 1, 2, 3) and chunk.draft == 3
+    assert allocator.length(0) == 9 and len(allocator.table(0)) == 3
+    scheduler.record(step, {0: [1, 7]})  # draft token 1 accepted, then 7 instead of 2
+    assert allocator.length(0) == 7 and len(allocator.table(0)) == 2
+    assert scheduler.stats().draft_proposed == 3 and scheduler.stats().draft_accepted == 1
+    scheduler.abort(0)
+    assert allocator.free_blocks == 8
+
+
+async def test_greedy_replies_are_identical_with_and_without_speculation(engines):
+    plain, spec = engines
+    for prompt in PROMPTS:
+        assert (await reply(spec, prompt))[0] == (await reply(plain, prompt))[0]
+    assert spec.scheduler_stats().kv.used_blocks == 0  # nothing leaked by rejected drafts
+
+
+async def test_concurrent_speculative_replies_match_their_plain_replies(engines):
+    plain, spec = engines
+    both = await asyncio.gather(*(reply(spec, p, max_tokens=60) for p in PROMPTS))
+    for prompt, (text, _) in zip(PROMPTS, both, strict=True):
+        assert text == (await reply(plain, prompt, max_tokens=60))[0]
+
+
+async def test_a_stop_sequence_inside_an_accepted_draft_still_cuts_the_reply(engines):
+    plain, spec = engines
+    expected, _ = await reply(plain, REPETITIVE, stop=("Levi",))
+    text, _ = await reply(spec, REPETITIVE, stop=("Levi",))
+    assert text == expected and "Levi" not in text
+
+
+async def test_a_repetitive_prompt_takes_fewer_steps_than_tokens(engines):
+    plain, spec = engines
+    before = spec.stats().steps
+    text, counts = await reply(spec, REPETITIVE, max_tokens=100)
+    steps = spec.stats().steps - before
+    stats = spec.scheduler_stats()
+    assert sum(counts) == 100 and len(counts) < 100 and max(counts) > 1
+    assert steps < 100  # prefill is one step; decoding took fewer steps than tokens
+    rate = stats.draft_accepted / stats.draft_proposed
+    print(
+        f"\nprompt lookup: 100 tokens in {steps} steps, {len(counts)} deltas, "
+        f"{stats.draft_accepted}/{stats.draft_proposed} draft tokens accepted ({rate:.0%})"
+    )
+    assert text == (await reply(plain, REPETITIVE, max_tokens=100))[0]
