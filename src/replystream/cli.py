@@ -16,7 +16,11 @@ from replystream import __version__
 COMMANDS: list[tuple[str, str, str]] = [
     ("serve", "replystream.server.command", "run the reply server"),
     ("lab", "replystream.lab.command", "measure stream vs wait over real HTTP"),
-    ("lab-engine", "replystream.lab.engine_lab", "measure the built-in engine: ttft, step, pool"),
+    (
+        "lab-engine",
+        "replystream.lab.engine_lab",
+        "measure the built-in engine: ttft, step, pool, spec",
+    ),
     ("bench", "replystream.lab.bench", "load a streaming endpoint: TTFT, TPOT, ITL, goodput"),
     ("doctor", "replystream.lab.doctor", "find the hop that buffers a stream (CI exit status)"),
     ("kv", "replystream.lab.kvcalc", "size the KV cache: bytes per token, fit, decode-step floor"),

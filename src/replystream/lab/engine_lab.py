@@ -1,10 +1,11 @@
-"""``replystream lab-engine ttft|step|pool``: what prefill, batching and KV capacity cost.
+"""``replystream lab-engine ttft|step|pool|spec``: what prefill, batching, KV capacity cost.
 
 Each experiment runs the built-in tiny engine in this process, prints a table and writes a PNG:
 - ttft: time to first token against prompt length (prefill grows with the prompt);
 - step: time per decode step and tokens/s against the number of running sequences;
 - pool: more requests than the KV pool holds at once, against a pool that holds them all:
-  queueing grows time to first token, preemption shows as a stall inside a running stream.
+  queueing grows time to first token, preemption shows as a stall inside a running stream;
+- spec: prompt-lookup speculative decoding against plain decoding (``lab.spec_lab``).
 Times are the engine's own timestamps (``TinyEngine.timings``), not client-side.
 """
 
@@ -28,7 +29,7 @@ from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.runner import RequestTimings
 from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
 
-EXPERIMENTS = ("ttft", "step", "pool")
+EXPERIMENTS = ("ttft", "step", "pool", "spec")
 WORDS = "and the children of Israel went up out of the land of Egypt unto the mount of God ".split()
 
 
@@ -255,6 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=64, help="step, pool: tokens per reply")
     parser.add_argument("--requests", type=int, default=16, help="pool: requests in the burst")
     parser.add_argument("--small-blocks", type=int, default=40, help="pool: the small pool")
+    parser.add_argument("--spec-tokens", type=int, default=4, help="spec: draft tokens per step")
+    parser.add_argument("--spec-ngram", type=int, default=3, help="spec: longest n-gram looked up")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,8 +268,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.experiment == "step":
         batches = (1, 2, 4, 8, 16, 32)
         path = report_step(asyncio.run(run_step(batches, args.tokens)), args.out, console)
-    else:
+    elif args.experiment == "pool":
         runs = asyncio.run(run_pool(args.requests, args.tokens, args.small_blocks))
         path = report_pool(runs, args.out, console)
+    else:
+        from replystream.lab.spec_lab import report_spec, run_spec
+
+        spec = run_spec(args.tokens, args.repeats, args.spec_tokens, args.spec_ngram)
+        path = report_spec(asyncio.run(spec), args.out, console)
     console.print(f"wrote {path}")
     return 0
