@@ -149,6 +149,14 @@ SCENARIOS: dict[str, Chunker] = {
         *reply_events("done")[7:],
     ],
     # reply (id 1) and three tokens (ids 2-4), then the connection ends without `done`.
+    "300 events in 6 reads": lambda: [
+        b"".join(
+            event("token", {"text": f"w{i} ", "tokens": 1}, i + 1).encode()
+            for i in range(start, start + 50)
+        )
+        + (event("done", {"finish_reason": "stop"}, 301).encode() if start == 250 else b"")
+        for start in range(0, 300, 50)
+    ],
     "dropped, then replayed with overlap": lambda: reply_events("done")[1 : 2 + DROPPED_AFTER],
 }
 CALLS = web.AppKey("calls", dict[str, int])
@@ -295,3 +303,29 @@ async def test_gap_in_a_replayed_reply_is_marked(page: Page):
     marker = await gap.text_content() or ""
     lost = "".join(WORDS[2:5])  # ids 4-6 never came
     assert shown.replace(marker, "") == TEXT.replace(lost, "")
+
+
+async def test_text_is_appended_once_per_frame_not_per_event(page: Page):
+    await page.evaluate(COUNT_READS)
+    await page.evaluate(
+        """() => {
+            window.textWrites = 0;
+            new MutationObserver((records) => { window.textWrites += records.length; })
+                .observe(document.querySelector('#conversation'),
+                         { subtree: true, characterData: true });
+        }"""
+    )
+    await page.fill("#prompt", "300 events in 6 reads")
+    await page.press("#prompt", "Enter")
+    await page.wait_for_selector('[data-pane="stream"][data-state="done"]')
+    text = await page.text_content('[data-pane="stream"] .reply-text')
+    assert text == "".join(f"w{i} " for i in range(300))
+    # 300 token events, a handful of reads: text waits for the next frame, so there is at
+    # most one write per read (plus the flush at the end), all to the same one text node.
+    writes, reads = await page.evaluate("[window.textWrites, window.bodyReads]")
+    assert writes <= reads + 1 < 300 // 5
+    nodes = await page.evaluate(
+        """() => [...document.querySelector('[data-pane="stream"] .reply-text').childNodes]
+                .map((node) => node.nodeType)"""
+    )
+    assert nodes == [3]  # Node.TEXT_NODE
