@@ -34,6 +34,7 @@ ROWS: list[tuple[str, Callable[[Run], float], str]] = [
     ("server CPU s / 1,000 events", lambda r: r["server_cpu_s_per_1k_events"], "{:.4f}"),
     ("server CPU µs / event", lambda r: r["server_us_per_event"], "{:.1f}"),
     ("server memory / stream (KiB)", lambda r: r["memory_per_stream_kib"], "{:.1f}"),
+    ("server memory / peak open stream", lambda r: r["memory_per_open_stream_kib"], "{:.1f}"),
     ("server RSS at rest (MiB)", lambda r: r["rest_rss_kib"] / 1024, "{:.1f}"),
     ("client CPU µs / event", lambda r: r["client"]["client_us_per_event"], "{:.1f}"),
 ]
@@ -44,9 +45,11 @@ def _cell(value: float, fmt: str) -> str:
 
 
 def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
-    """The Markdown table of ``runs``; ratio columns when replystream and a baseline ran."""
-    baselines = [s for s in servers if s != "replystream"] if "replystream" in servers else []
-    header = ["metric", *servers, *(f"replystream / {b}" for b in baselines)]
+    """The Markdown table of ``runs``; a ratio column per replystream column and baseline."""
+    ours_labels = [s for s in servers if s.startswith("replystream")]
+    baselines = [s for s in servers if not s.startswith("replystream")]
+    pairs = [(ours, theirs) for ours in ours_labels for theirs in baselines]
+    header = ["metric", *servers, *(f"{ours} / {theirs}" for ours, theirs in pairs)]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     by_key = {(r["server"], r["concurrency"]): r for r in runs}
     for concurrency in concurrencies:
@@ -62,8 +65,8 @@ def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
                 continue
             cells = [_cell(get(present[s]), fmt) if s in present else "" for s in servers]
             ratios = []
-            for baseline in baselines:
-                ours, theirs = present.get("replystream"), present.get(baseline)
+            for ours_label, baseline in pairs:
+                ours, theirs = present.get(ours_label), present.get(baseline)
                 if label in RATIO_METRICS and ours is not None and theirs is not None:
                     ratios.append(
                         _cell(get(ours) / get(theirs) if get(theirs) else math.nan, "{:.2f}x")

@@ -26,7 +26,7 @@ from typing import Any
 
 from procstats import cpu_seconds, memory_kib, process_tree, raise_nofile
 from report import failure_notes, table
-from servers import HERE, SERVER_NAMES, Started, started_server
+from servers import HERE, SERVER_NAMES, Started, Variant, check_wire, started_server
 from workload import TOKENS, schedule, stream_seeds
 
 from replystream.engine import GenerationRequest, SamplingParams, SimulatedConfig, SimulatedEngine
@@ -53,6 +53,8 @@ async def run_client(url: str, seeds: list[int], max_tokens: int | None, timeout
 
 async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[str, Any]:
     """Warm the server up, then run C streams and read its CPU and memory around them."""
+    await check_wire(server)
+    load_before = os.getloadavg()[0]  # other work on the machine skews every number
     warm = await run_client(server.url, stream_seeds(WARMUP_STREAMS, 1), WARMUP_TOKENS, 30.0)
     if warm["failed"]:
         raise RuntimeError(f"{server.name} failed its warm-up: {warm['failures']}")
@@ -65,10 +67,11 @@ async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[s
     cpu = cpu_seconds(pids_after) - cpu_before
     peak = memory_kib(pids_after, "VmHWM")
     events = client["events"]
+    peak_open = client["peak_open"]
     return {
-        "server": server.name,
         "concurrency": concurrency,
         "processes": len(pids_after),
+        "loadavg_1min_before": load_before,
         "client": client,
         "server_cpu_s": cpu,
         "server_cpu_s_per_1k_events": cpu / events * 1000 if events else math.nan,
@@ -76,6 +79,7 @@ async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[s
         "rest_rss_kib": rest_rss,
         "peak_hwm_kib": peak,
         "memory_per_stream_kib": (peak - rest_rss) / concurrency,
+        "memory_per_open_stream_kib": (peak - rest_rss) / peak_open if peak_open else math.nan,
     }
 
 
@@ -103,28 +107,46 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[100, 1000, 3000])
     parser.add_argument("--servers", nargs="+", choices=SERVER_NAMES, default=list(SERVER_NAMES))
-    parser.add_argument("--workers", type=int, default=1, help="passed to replystream serve")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="replystream serve --workers N; several values measure each (1 2: one vs two)",
+    )
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per run, from the burst")
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     args = parser.parse_args()
     nofile = raise_nofile()  # children inherit it
     check_schedule(max(args.concurrency))
+    variants = [
+        Variant(name, workers)
+        for name in args.servers
+        for workers in (args.workers if name == "replystream" else [1])
+    ]
+    labels = [variant.label for variant in variants]
     runs: list[dict[str, Any]] = []
     for concurrency in args.concurrency:
-        for name in args.servers:
-            async with started_server(name, args.workers) as server:
+        for variant in variants:
+            async with started_server(variant.name, variant.workers) as server:
                 result = await measure(server, concurrency, args.timeout_s)
-            result["workers"] = args.workers if name == "replystream" else 1
+            result = {
+                "server": variant.label,
+                "name": variant.name,
+                "workers": variant.workers,
+                **result,
+            }
             runs.append(result)
             client = result["client"]
             print(
-                f"{name:>11} C={concurrency:<5} completed {client['completed']}/{concurrency}"
+                f"{variant.label:>11} C={concurrency:<5}"
+                f" completed {client['completed']}/{concurrency}"
                 f"  {result['server_us_per_event']:.1f} µs CPU/event"
                 f"  {result['memory_per_stream_kib']:.1f} KiB/stream",
                 file=sys.stderr,
                 flush=True,
             )
-    print(table(runs, args.servers, args.concurrency))
+    print(table(runs, labels, args.concurrency))
     notes = failure_notes(runs)
     for note in notes:
         print(f"FAILED {note}")

@@ -10,9 +10,12 @@ import asyncio
 import contextlib
 import re
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from workload import TOKEN_MARKER, request_body, token_frame
 
 HERE = Path(__file__).resolve().parent
 READY = re.compile(r"listening on (http://\S+)")
@@ -31,6 +34,20 @@ def server_command(name: str, workers: int) -> list[str]:
     if name == "starlette":
         return [sys.executable, str(HERE / "starlette_app.py"), "--port", "0"]
     raise ValueError(f"unknown server {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One column of the table: a server, and for replystream its number of workers."""
+
+    name: str
+    workers: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.workers == 1:
+            return self.name
+        return f"{self.name} ({self.workers} workers)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +88,23 @@ async def started_server(
             except TimeoutError:
                 process.kill()
                 await process.wait()
+
+
+def token_frames(url: str, tokens: int = 3) -> list[bytes]:
+    """The token events of one short reply from ``url``, as bytes (blocking)."""
+    request = urllib.request.Request(
+        f"{url}/v1/replies",
+        data=request_body(7, tokens),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        body: bytes = response.read()
+    return [block + b"\n\n" for block in body.split(b"\n\n") if block.startswith(TOKEN_MARKER)]
+
+
+async def check_wire(server: Started) -> None:
+    """Fail unless ``server`` writes token events byte for byte as the benchmark counts them."""
+    frames = await asyncio.to_thread(token_frames, server.url)
+    expected = [token_frame(index) for index in range(3)]
+    if frames != expected:
+        raise RuntimeError(f"{server.name} token events differ: {frames!r} != {expected!r}")
