@@ -83,6 +83,22 @@ async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[s
     }
 
 
+async def measure_variant(variant: Variant, concurrency: int, timeout_s: float) -> dict[str, Any]:
+    """Start ``variant`` fresh, measure it at ``concurrency``, stop it; print a progress line."""
+    async with started_server(variant.name, variant.workers) as server:
+        result = await measure(server, concurrency, timeout_s)
+    result = {"server": variant.label, "name": variant.name, "workers": variant.workers, **result}
+    client = result["client"]
+    print(
+        f"{variant.label:>11} C={concurrency:<5} completed {client['completed']}/{concurrency}"
+        f"  {result['server_us_per_event']:.1f} µs CPU/event"
+        f"  {result['memory_per_stream_kib']:.1f} KiB/stream",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
 def check_schedule(count: int) -> None:
     """The shared schedule must be the simulated engine's, seed for seed."""
     engine = SimulatedEngine(SimulatedConfig(delay_ms=33.0, jitter_ms=8.0))
@@ -126,28 +142,21 @@ async def main() -> int:
     ]
     labels = [variant.label for variant in variants]
     runs: list[dict[str, Any]] = []
-    for concurrency in args.concurrency:
-        for variant in variants:
-            async with started_server(variant.name, variant.workers) as server:
-                result = await measure(server, concurrency, args.timeout_s)
-            result = {
-                "server": variant.label,
-                "name": variant.name,
-                "workers": variant.workers,
-                **result,
-            }
-            runs.append(result)
-            client = result["client"]
-            print(
-                f"{variant.label:>11} C={concurrency:<5}"
-                f" completed {client['completed']}/{concurrency}"
-                f"  {result['server_us_per_event']:.1f} µs CPU/event"
-                f"  {result['memory_per_stream_kib']:.1f} KiB/stream",
-                file=sys.stderr,
-                flush=True,
-            )
+    fatal: str | None = None
+    try:
+        for concurrency in args.concurrency:
+            for variant in variants:
+                runs.append(await measure_variant(variant, concurrency, args.timeout_s))
+    except RuntimeError as error:  # a server that did not start, died or wrote other bytes
+        fatal = str(error)
     print(table(runs, labels, args.concurrency))
     notes = failure_notes(runs)
+    if fatal is not None:
+        notes.append(fatal)
+    for run in runs:
+        if run["client"]["client_us_per_event"] >= run["server_us_per_event"]:
+            print(f"WARNING the load client cost more CPU per event than {run['server']}", end="")
+            print(f" at C = {run['concurrency']}: its numbers measure the client too")
     for note in notes:
         print(f"FAILED {note}")
     if args.json:
@@ -156,6 +165,7 @@ async def main() -> int:
             "machine": {"cpus": os.cpu_count(), "nofile": nofile, "platform": platform.platform()},
             "versions": versions(),
             "runs": runs,
+            "failed": notes,
         }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if notes else 0
