@@ -82,7 +82,7 @@ class Stream(asyncio.Protocol):
                 return
             status = self.head[: self.head.find(b"\r\n")]
             if not status.startswith(b"HTTP/1.1 200"):
-                self._finish(f"status {status[9:12].decode(errors='replace')}")
+                self.finish(f"status {status[9:12].decode(errors='replace')}")
                 return
             self.in_body = True
             run = self.run
@@ -97,14 +97,14 @@ class Stream(asyncio.Protocol):
             self.arrivals.extend([now] * found)
         if DONE_MARKER in chunk and not self.ended:
             self.done_at = now
-            self._finish(None)
+            self.finish(None)
         self.tail = chunk[-TAIL:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.ended:
-            self._finish(f"closed before done: {exc!r}" if exc else "closed before done")
+            self.finish(f"closed before done: {exc!r}" if exc else "closed before done")
 
-    def _finish(self, failure: str | None) -> None:
+    def finish(self, failure: str | None) -> None:
         self.ended = True
         self.failure = failure
         if self.in_body:
@@ -165,7 +165,7 @@ async def load(config: dict[str, Any]) -> dict[str, Any]:
     except TimeoutError:
         for stream in streams:
             if not stream.ended:
-                stream._finish("timeout")
+                stream.finish("timeout")
     ended = time.perf_counter()
     client_cpu = time.process_time() - cpu_before
     return summarize(config, run, streams, started, ended, client_cpu)

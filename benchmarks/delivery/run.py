@@ -111,7 +111,15 @@ def check_schedule(count: int) -> None:
 
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
-    for package in ("replystream", "aiohttp", "starlette", "sse-starlette", "uvicorn", "uvloop"):
+    for package in (
+        "replystream",
+        "aiohttp",
+        "starlette",
+        "sse-starlette",
+        "uvicorn",
+        "httptools",
+        "uvloop",
+    ):
         try:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
