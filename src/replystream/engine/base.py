@@ -8,13 +8,19 @@ at the next step either way and free what the request held.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class EngineError(Exception):
-    """Generation failed. ``code`` is a short machine-readable reason sent to clients."""
+    """Generation failed. ``code`` is a short machine-readable reason sent to clients.
+
+    ``status`` is the HTTP status a server answers with when this is raised by ``start``
+    (before any byte of the reply): 500 here, 502 or 504 for an unreachable upstream.
+    """
+
+    status = 500
 
     def __init__(self, message: str, *, code: str = "generation_failed") -> None:
         super().__init__(message)
@@ -23,6 +29,8 @@ class EngineError(Exception):
 
 class RequestRejected(EngineError):
     """The engine refused the request before making any token (bad input, no capacity)."""
+
+    status = 400
 
     def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
         super().__init__(message, code=code)
@@ -43,10 +51,16 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One reply to make: the prompt text and how to sample it."""
+    """One reply to make: the prompt text and how to sample it.
+
+    ``messages`` are the chat messages as the client sent them (validated, else unchanged),
+    for an engine that relays them to a chat model; ``prompt`` is always their plain-text
+    form, which every other engine reads.
+    """
 
     prompt: str = ""
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    messages: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

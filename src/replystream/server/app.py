@@ -153,7 +153,7 @@ async def start_generation(
         if isinstance(exc, RequestRejected):
             raise HTTPAPIError(400, str(exc), code=exc.code, param=exc.param) from exc
         log.warning("generation failed before the first token: %s", exc)
-        raise HTTPAPIError(500, str(exc), code=exc.code) from exc
+        raise HTTPAPIError(exc.status, str(exc), code=exc.code) from exc
     record.admitted_at = time.monotonic()
     return deltas
 

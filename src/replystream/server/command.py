@@ -21,6 +21,7 @@ from replystream.engine.simulated import (
     reply_of_length,
 )
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
+from replystream.server import engine_options
 from replystream.server.app import ServerConfig, create_app
 from replystream.server.auth import collect_keys
 from replystream.server.serve import serve_forever
@@ -34,9 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
         "--engine",
-        choices=["tiny", "simulated"],
-        default="tiny",
-        help="tiny: the built-in transformer; simulated: the lab's seeded word generator",
+        action="append",
+        metavar="ENGINE",
+        help="tiny (default): the built-in transformer; simulated: the lab's seeded word "
+        "generator; hf:PATH: a local Hugging Face causal LM; upstream:URL[=WEIGHT]: relay an "
+        "OpenAI-compatible server (repeatable: weighted round robin)",
     )
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--max-body-bytes", type=int, default=server.max_body_bytes)
@@ -97,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=tiny_defaults.default_max_tokens,
         help="reply length when a request does not set max_tokens",
     )
+
+    engine_options.add_arguments(parser)
 
     sim = parser.add_argument_group("simulated engine")
     sim.add_argument("--reply-text", default=DEFAULT_REPLY, help="the reply, one word per token")
@@ -236,13 +241,20 @@ def build_checks(args: argparse.Namespace) -> list[Check]:
 
 def build_engine(args: argparse.Namespace) -> Engine:
     """The engine the command line asks for; raises ValueError on bad values."""
-    if args.engine == "tiny":
+    choice = engine_options.parse_engines(args.engine)
+    if choice.kind == "upstream":
+        return engine_options.build_upstream(args, choice)
+    if choice.kind == "hf":
+        return engine_options.build_hf(args, choice)
+    if choice.kind == "tiny":
         return load_default_engine(
             TinyEngineConfig(
                 num_blocks=args.kv_blocks,
                 token_budget=args.token_budget,
                 max_running=args.max_running,
                 default_max_tokens=args.default_max_tokens,
+                spec_tokens=engine_options.spec_tokens(args),
+                spec_ngram=args.spec_ngram,
             )
         )
     text = args.reply_text

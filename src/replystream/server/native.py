@@ -178,7 +178,9 @@ def parse_reply_request(
     if disconnect not in (None, "cancel", "detach"):
         raise _bad("disconnect", 'disconnect must be "cancel" or "detach"')
     policy = delivery_overrides(body, defaults)
-    return ReplyRequest(GenerationRequest(prompt, sampling), stream, policy, resumable, disconnect)
+    messages = tuple(body["messages"]) if "messages" in body else None
+    generation = GenerationRequest(prompt, sampling, messages)
+    return ReplyRequest(generation, stream, policy, resumable, disconnect)
 
 
 def delivery_overrides(body: dict[str, Any], defaults: DeliveryPolicy) -> DeliveryPolicy:

@@ -12,7 +12,7 @@ generation starts. It must not know about HTTP handlers, engines or wire formats
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from replystream.delivery.policy import DeliveryPolicy
@@ -219,7 +219,9 @@ def parse_chat_request(
     limit = _integer(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
     legacy_limit = _integer(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
     max_tokens = limit if limit is not None else legacy_limit
-    return _ask(body, prompt, "messages", max_tokens, defaults, max_prompt_chars)
+    ask = _ask(body, prompt, "messages", max_tokens, defaults, max_prompt_chars)
+    messages = tuple(body["messages"])  # validated above; relayed unchanged to chat upstreams
+    return replace(ask, generation=replace(ask.generation, messages=messages))
 
 
 def parse_completion_request(

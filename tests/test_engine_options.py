@@ -1,0 +1,79 @@
+"""``replystream serve --engine ...``: the grammar, and that every flag reaches its engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from replystream.engine.tiny import TinyEngine
+from replystream.engine.upstream import UpstreamEngine, UpstreamTarget
+from replystream.server import command
+from replystream.server.engine_options import API_KEY_ENV, EngineChoice, parse_engines
+
+
+def args_of(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_engine_specs_parse_into_a_choice():
+    assert parse_engines(None) == EngineChoice("tiny")
+    assert parse_engines(["simulated"]) == EngineChoice("simulated")
+    assert parse_engines(["hf:/models/x"]) == EngineChoice("hf", path=Path("/models/x"))
+    two = parse_engines(["upstream:http://a:1/v1=3", "upstream:http://b:2/v1/"])
+    assert two.targets == (UpstreamTarget("http://a:1/v1", 3), UpstreamTarget("http://b:2/v1"))
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        ["gpt"],
+        ["tiny", "simulated"],
+        ["upstream:http://a/v1", "tiny"],
+        ["upstream:ftp://a"],
+        ["hf:"],
+    ],
+)
+def test_bad_engine_specs_are_refused(specs):
+    with pytest.raises(ValueError):
+        parse_engines(specs)
+
+
+async def test_upstream_flags_reach_the_engine(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    args = args_of(
+        "--engine",
+        "upstream:http://127.0.0.1:9/v1=2",
+        "--upstream-stall-s",
+        "7",
+        "--upstream-timeout-s",
+        "3",
+        "--upstream-model",
+        "m",
+        "--upstream-max-event-bytes",
+        "99",
+    )
+    engine = command.build_engine(args)
+    assert isinstance(engine, UpstreamEngine)
+    c = engine.config
+    assert (c.stall_s, c.headers_timeout_s, c.model, c.max_event_size) == (7, 3, "m", 99)
+    assert c.api_key == "from-env" and c.targets[0].weight == 2
+    flag = command.build_engine(
+        args_of("--engine", "upstream:http://h/v1", "--upstream-api-key", "k")
+    )
+    assert isinstance(flag, UpstreamEngine) and flag.config.api_key == "k"
+
+
+async def test_speculative_flags_reach_the_tiny_engine():
+    engine = command.build_engine(
+        args_of("--speculative", "prompt-lookup", "--spec-tokens", "6", "--spec-ngram", "2")
+    )
+    assert isinstance(engine, TinyEngine)
+    assert (engine.config.spec_tokens, engine.config.spec_ngram) == (6, 2)
+    plain = command.build_engine(args_of("--spec-tokens", "6"))
+    assert isinstance(plain, TinyEngine) and plain.config.spec_tokens == 0  # off unless asked
+    with pytest.raises(ValueError):
+        command.build_engine(args_of("--speculative", "prompt-lookup", "--spec-tokens", "0"))

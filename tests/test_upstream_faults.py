@@ -1,0 +1,299 @@
+"""The upstream relay against a misbehaving upstream: every failure is contained and bounded.
+
+The upstream is a small aiohttp app in this file; the mode is the first path segment of its
+base URL (``http://127.0.0.1:PORT/<mode>/v1``). replystream serves an ``UpstreamEngine``
+pointed at it on a real loopback socket, and the test reads our OpenAI stream as a client does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import web
+
+from replystream.engine.base import GenerationRequest, SamplingParams
+from replystream.engine.upstream import (
+    UpstreamConfig,
+    UpstreamEngine,
+    UpstreamTarget,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    WeightedRoundRobin,
+    request_body,
+)
+from replystream.server import create_app, running
+from tests.conftest import wait_for
+from tests.services import free_port
+from tests.sse_client import post_events
+
+STALL_S = 0.4
+MAX_EVENT = 4096
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
+    delta = {} if content is None else {"content": content}
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    body = {"object": "chat.completion.chunk", "choices": [choice], **extra}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class FakeUpstream:
+    """Scripted upstream behaviours; remembers what it was sent and whether it was cut off."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.disconnected = asyncio.Event()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        mode = request.match_info["mode"]
+        self.bodies.append(await request.json())
+        self.headers.append(dict(request.headers))
+        if mode == "slowhead":
+            await asyncio.sleep(30)
+        if mode == "reject":
+            error = {"message": "prompt too long", "code": "context_length_exceeded"}
+            return web.json_response({"error": error}, status=400)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            await getattr(self, "mode_" + mode)(response)
+        except (ConnectionError, asyncio.CancelledError):
+            self.disconnected.set()
+            raise
+        return response
+
+    async def mode_ok(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("", role="assistant"))
+        for word in ("one ", "two ", "three "):
+            await r.write(chunk(word))
+        await r.write(chunk(None, "stop"))
+        usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        await r.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await r.write(b"data: [DONE]\n\n")
+
+    async def mode_errmid(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one ") + chunk("two "))
+        await r.write(b'data: {"error": {"message": "out of memory", "code": 500}}\n\n')
+        await asyncio.sleep(30)
+
+    async def mode_stall(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one "))
+        await asyncio.sleep(30)
+
+    async def mode_malformed(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one "))
+        for _ in range(10_000):  # lines without a colon are fields SSE ignores: no event, ever
+            await r.write(b'data{"choices": [{"delta": {"content": "x"}}]}\n')
+            await asyncio.sleep(0.001)
+
+    async def mode_notjson(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one ") + b"data: this is not json\n\n")
+        await asyncio.sleep(30)
+
+    async def mode_endless(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one ") + b"data: ")
+        for _ in range(10_000):  # one event that never ends
+            await r.write(b"x" * 256)
+            await asyncio.sleep(0.001)
+
+    async def mode_eof(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one "))
+
+    async def mode_forever(self, r: web.StreamResponse) -> None:
+        for i in range(10_000):
+            await r.write(chunk(f"w{i} "))
+            await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def fake_upstream() -> AsyncIterator[tuple[FakeUpstream, str]]:
+    """The fake upstream on a loopback port; yields it and its root URL."""
+    fake = FakeUpstream()
+    app = web.Application()
+    app.router.add_post("/{mode}/v1/chat/completions", fake.chat)
+    async with running(app) as url:
+        yield fake, url
+
+
+async def relay_mode(mode: str):
+    """One streamed chat request through a relay in front of the fake upstream's ``mode``."""
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(
+            UpstreamConfig(
+                targets=(UpstreamTarget(f"{upstream}/{mode}/v1"),),
+                model="m",
+                stall_s=STALL_S,
+                max_event_size=MAX_EVENT,
+                headers_timeout_s=0.5,
+            )
+        )
+        async with running(create_app(engine)) as relay:
+            started = time.monotonic()
+            got = await post_events(f"{relay}/v1/chat/completions", CHAT)
+            return got, time.monotonic() - started, fake
+
+
+def content_of(got) -> str:
+    parts = []
+    for event in got.events:
+        if event.type == "message" and event.data != "[DONE]":
+            for choice in json.loads(event.data)["choices"]:
+                parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+def error_of(got) -> dict[str, Any]:
+    errors = got.of_type("error")
+    assert len(errors) == 1, got.raw
+    assert "[DONE]" not in got.raw.decode()
+    error: dict[str, Any] = errors[0]["error"]
+    return error
+
+
+async def test_a_clean_upstream_reply_is_relayed_with_its_usage_and_finish_reason():
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(
+            UpstreamConfig((UpstreamTarget(f"{upstream}/ok/v1"),), model="m", api_key="k1")
+        )
+        async with running(create_app(engine)) as relay:
+            body = {**CHAT, "stream_options": {"include_usage": True}, "seed": 5, "top_k": 7}
+            got = await post_events(f"{relay}/v1/chat/completions", body)
+    assert got.status == 200
+    assert content_of(got) == "one two three "
+    payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
+    assert payloads[-1]["usage"]["completion_tokens"] == 5  # the upstream's count, not ours
+    assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
+    sent = fake.bodies[0]
+    assert sent["messages"] == CHAT["messages"] and sent["model"] == "m"
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["seed"] == 5 and sent["top_k"] == 7
+    assert fake.headers[0]["Authorization"] == "Bearer k1"
+
+
+async def test_an_error_chunk_mid_reply_becomes_an_in_band_error_after_the_text():
+    got, _, _ = await relay_mode("errmid")
+    assert content_of(got) == "one two "
+    error = error_of(got)
+    assert error["code"] == "upstream_error" and "out of memory" in error["message"]
+
+
+async def test_a_stalled_upstream_ends_the_reply_within_the_stall_limit():
+    got, took, fake = await relay_mode("stall")
+    assert content_of(got) == "one "
+    assert error_of(got)["code"] == "upstream_stalled"
+    assert STALL_S <= took < STALL_S + 2.0
+    await wait_for(fake.disconnected.is_set)  # and the upstream connection was closed
+
+
+async def test_malformed_sse_ends_the_reply_once_the_byte_bound_passes():
+    got, took, fake = await relay_mode("malformed")
+    assert content_of(got) == "one "
+    assert error_of(got)["code"] == "upstream_malformed"
+    assert took < 5.0
+    await wait_for(fake.disconnected.is_set)
+
+
+async def test_a_chunk_that_is_not_json_is_an_in_band_error():
+    got, _, _ = await relay_mode("notjson")
+    assert content_of(got) == "one "
+    error = error_of(got)
+    assert error["code"] == "upstream_bad_chunk" and "not JSON" in error["message"]
+
+
+async def test_an_event_that_never_ends_is_cut_at_the_event_size_limit():
+    got, took, fake = await relay_mode("endless")
+    assert content_of(got) == "one "
+    assert error_of(got)["code"] == "upstream_event_too_large"
+    assert took < 5.0
+    await wait_for(fake.disconnected.is_set)
+
+
+async def test_an_upstream_that_ends_without_finishing_is_an_incomplete_reply():
+    got, _, _ = await relay_mode("eof")
+    assert content_of(got) == "one "
+    assert error_of(got)["code"] == "upstream_incomplete"
+
+
+async def test_connection_refused_is_502_in_the_error_shape():
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(dead),), model="m"))
+    async with running(create_app(engine)) as relay:
+        got = await post_events(f"{relay}/v1/chat/completions", CHAT)
+        whole = await post_events(f"{relay}/v1/replies", {"prompt": "hi", "stream": False})
+    for response in (got, whole):
+        assert response.status == 502
+        error = json.loads(response.raw)["error"]
+        assert error["code"] == "upstream_unavailable" and error["type"] == "server_error"
+
+
+async def test_no_response_head_in_time_is_504_in_the_error_shape():
+    got, took, _ = await relay_mode("slowhead")
+    assert got.status == 504
+    assert json.loads(got.raw)["error"]["code"] == "upstream_timeout"
+    assert took < 3.0
+
+
+async def test_an_upstream_refusal_of_the_request_is_a_400_with_its_message():
+    got, _, _ = await relay_mode("reject")
+    assert got.status == 400
+    error = json.loads(got.raw)["error"]
+    assert error["code"] == "context_length_exceeded" and "prompt too long" in error["message"]
+
+
+async def test_closing_the_stream_closes_the_upstream_connection():
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/forever/v1"),)))
+        stream = await engine.start(GenerationRequest("hi"))
+        first = await anext(stream)
+        assert first.text == "w0 "
+        await stream.aclose()
+        await wait_for(fake.disconnected.is_set)
+        assert engine.stats().cancelled == 1 and engine.stats().active == 0
+        await engine.aclose()
+
+
+async def test_cancelling_the_reader_closes_the_upstream_connection():
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/forever/v1"),)))
+        stream = await engine.start(GenerationRequest("hi"))
+
+        async def read_all() -> None:
+            async for _ in stream:
+                pass
+
+        task = asyncio.ensure_future(read_all())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_for(fake.disconnected.is_set)
+        await engine.aclose()
+
+
+def test_engine_errors_carry_the_status_the_server_answers_with():
+    assert UpstreamUnavailable("x").status == 502
+    assert UpstreamTimeout("x").status == 504
+
+
+def test_weights_share_requests_in_proportion_and_interleave():
+    balancer = WeightedRoundRobin([3, 1])
+    picks = [balancer.pick() for _ in range(8)]
+    assert picks == [0, 0, 1, 0, 0, 0, 1, 0]
+    assert UpstreamTarget.parse("http://h:1/v1=3") == UpstreamTarget("http://h:1/v1", 3)
+    assert UpstreamTarget.parse("http://h:1/v1?a=b") == UpstreamTarget("http://h:1/v1?a=b", 1)
+
+
+def test_the_prompt_goes_up_as_one_user_message_when_there_are_no_messages():
+    body = request_body(
+        GenerationRequest("Hello", SamplingParams(max_tokens=9, temperature=0, stop=("x",))),
+        None,
+    )
+    assert body["messages"] == [{"role": "user", "content": "Hello"}]
+    assert body["max_tokens"] == 9 and body["temperature"] == 0 and body["stop"] == ["x"]
+    assert "model" not in body and "seed" not in body and "top_k" not in body
