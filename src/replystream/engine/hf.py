@@ -1,0 +1,296 @@
+"""``HFEngine``: a local Hugging Face causal LM, served through ``transformers`` and PyTorch.
+
+This file decides how a model folder on disk (``config.json``, weights, a tokenizer; nothing
+is downloaded) makes a reply: the prompt (or the chat messages, through the tokenizer's chat
+template when it has one) is encoded, then one forward pass per token with the model's own KV
+cache, each token picked by ``sampling.sample_token`` (the same greedy / temperature / top-k /
+top-p / seeded draws as the tiny engine), and sent on at once as a ``Delta``. Each reply runs
+in a worker thread (at most ``max_running`` at a time), never on the event loop. Closing the
+stream or cancelling its reader sets the reply's ``threading.Event``, which the thread checks
+before every token, so it stops between two tokens. Text is decoded incrementally
+(``HFDetokenizer``). It must not know about HTTP. It needs the ``hf`` extra (torch,
+transformers); nothing else in replystream imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from replystream.engine.base import (
+    Delta,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    RequestRejected,
+)
+from replystream.engine.sampling import StopMatcher, check_sampling, sample_token
+
+Item = Delta | EngineError | None  # None: the thread ended (after a finish or a cancel)
+Deliver = Callable[[Item], None]
+
+
+@dataclass(frozen=True, slots=True)
+class HFEngineConfig:
+    """How many replies run at once, and a reply's length when a request sets none."""
+
+    max_running: int = 4
+    default_max_tokens: int = 128
+    torch_threads: int | None = 1  # per process; None leaves torch's own choice
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.default_max_tokens < 1:
+            raise ValueError("max_running and default_max_tokens must be at least 1")
+
+
+class HFDetokenizer:
+    """Token ids to text as soon as it is whole: the new suffix of a growing decode.
+
+    The ids since the last emitted boundary are decoded twice (without and with the newest
+    token); the difference is the new text. A decode that ends in U+FFFD (a character whose
+    bytes are split across tokens) is held back until a later token completes it.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # ids before this are emitted and never decoded again
+        self._read = 0  # ids before this are emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
+        return text
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        prefix = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """What is still held at the end of a reply (an incomplete character stays U+FFFD)."""
+        prefix = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return full[len(prefix) :]
+
+
+class HFDeltaStream:
+    """One reply's deltas; ``aclose`` stops its thread before its next token."""
+
+    def __init__(self, deltas: AsyncGenerator[Delta], cancel: threading.Event) -> None:
+        self._deltas = deltas
+        self._cancel = cancel
+
+    def __aiter__(self) -> HFDeltaStream:
+        return self
+
+    def __anext__(self) -> Awaitable[Delta]:
+        return self._deltas.__anext__()
+
+    def aclose(self) -> Awaitable[None]:
+        self._cancel.set()
+        return self._deltas.aclose()
+
+
+class HFEngine:
+    """Serves a ``transformers`` causal LM, one worker thread per running reply."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: HFEngineConfig | None = None) -> None:
+        self.config = config or HFEngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
+        self.context = int(getattr(model.config, "max_position_embeddings", 2048))
+        eos = getattr(model.config, "eos_token_id", None) or tokenizer.eos_token_id
+        self.eos: frozenset[int] = frozenset(
+            eos if isinstance(eos, list) else [eos] if eos is not None else []
+        )
+        # transformers 5 renamed ``past_key_values`` to ``cache``; older releases take the former.
+        forward = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
+        self._keep = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self._executor = ThreadPoolExecutor(self.config.max_running, thread_name_prefix="hf-engine")
+        self._cancels: set[threading.Event] = set()
+        self._lock = threading.Lock()
+        self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0, "steps": 0}
+        self._closed = False
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        if request.messages and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [dict(m) for m in request.messages], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        ids = self.tokenizer.encode(request.prompt)
+        if not ids and self.tokenizer.bos_token_id is not None:
+            ids = [self.tokenizer.bos_token_id]
+        return [int(i) for i in ids]
+
+    async def start(self, request: GenerationRequest) -> HFDeltaStream:
+        if self._closed:
+            raise EngineError("the engine was closed", code="engine_closed")
+        check_sampling(request.sampling)
+        prompt = self._prompt_ids(request)
+        if not prompt:
+            raise RequestRejected(
+                "the prompt is empty and the tokenizer has no BOS token", param="prompt"
+            )
+        if len(prompt) >= self.context:
+            raise RequestRejected(
+                f"the prompt is {len(prompt)} tokens; the context holds {self.context}",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+        wanted = request.sampling.max_tokens or self.config.default_max_tokens
+        max_new = min(wanted, self.context - len(prompt))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def deliver(item: Item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop closed: nobody is reading any more
+                pass
+
+        with self._lock:
+            self._cancels.add(cancel)
+            self._counts["started"] += 1
+        self._executor.submit(self._generate, prompt, max_new, request, cancel, deliver)
+        return HFDeltaStream(self._deltas(queue, cancel), cancel)
+
+    async def _deltas(
+        self, queue: asyncio.Queue[Item], cancel: threading.Event
+    ) -> AsyncGenerator[Delta]:
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    raise EngineError("the engine was closed", code="engine_closed")
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()  # a no-op after a finish; stops the thread otherwise
+
+    def _generate(
+        self,
+        prompt: list[int],
+        max_new: int,
+        request: GenerationRequest,
+        cancel: threading.Event,
+        deliver: Deliver,
+    ) -> None:
+        outcome = "cancelled"
+        try:
+            if self.config.torch_threads is not None:
+                torch.set_num_threads(self.config.torch_threads)
+            outcome = self._decode_loop(prompt, max_new, request, cancel, deliver)
+        except Exception as error:  # a failed forward pass ends this reply only
+            outcome = "failed"
+            deliver(EngineError(f"generation failed: {error!r}"))
+        finally:
+            with self._lock:
+                self._cancels.discard(cancel)
+                self._counts[outcome] += 1
+            if outcome == "cancelled":
+                deliver(None)
+
+    @torch.inference_mode()
+    def _decode_loop(
+        self,
+        prompt: list[int],
+        max_new: int,
+        request: GenerationRequest,
+        cancel: threading.Event,
+        deliver: Deliver,
+    ) -> str:
+        params = request.sampling
+        rng = np.random.default_rng(0 if params.seed is None else params.seed)
+        detok = HFDetokenizer(self.tokenizer)
+        stop = StopMatcher(params.stop)
+        ids = torch.tensor([prompt], dtype=torch.long)  # (1, prompt tokens)
+        past = None
+        for made in range(1, max_new + 1):
+            if cancel.is_set():
+                return "cancelled"
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past}, **self._keep)
+            with self._lock:
+                self._counts["steps"] += 1
+            past = getattr(out, self._cache_arg)
+            logits = out.logits[0, -1].float().numpy()  # (vocab,)
+            token = sample_token(logits, params, rng)
+            now = time.monotonic()
+            if token in self.eos:
+                text = stop.feed(detok.flush())
+                deliver(Delta(text + ("" if stop.stopped else stop.flush()), 1, now, "stop"))
+                return "finished"
+            text = stop.feed(detok.push(token))
+            reason = "stop" if stop.stopped else "length" if made == max_new else None
+            if reason == "length":
+                text += stop.feed(detok.flush())
+                reason = "stop" if stop.stopped else "length"
+                text += "" if stop.stopped else stop.flush()
+            deliver(Delta(text, 1, now, reason))
+            if reason is not None:
+                return "finished"
+            ids = torch.tensor([[token]], dtype=torch.long)  # (1, 1): the next step's input
+        return "finished"
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            c = self._counts
+            return EngineStats(
+                started=c["started"],
+                finished=c["finished"],
+                cancelled=c["cancelled"],
+                failed=c["failed"],
+                active=len(self._cancels),
+                steps=c["steps"],
+            )
+
+    async def aclose(self) -> None:
+        """Stop every reply between two tokens and wait for the worker threads."""
+        self._closed = True
+        with self._lock:
+            for cancel in self._cancels:
+                cancel.set()
+        await asyncio.to_thread(self._executor.shutdown, wait=True)  # queued replies see the cancel
+
+
+def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine:
+    """Load a causal LM and its tokenizer from a local folder (never from the network).
+
+    Raises:
+        ValueError: the folder does not hold a model ``transformers`` can load.
+    """
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load a causal LM from {path}: {exc}") from exc
+    return HFEngine(model, tokenizer, config)

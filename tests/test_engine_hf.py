@@ -1,0 +1,187 @@
+"""The Hugging Face engine on a tiny random Llama that the test builds and saves (no download).
+
+Skipped with a reason when torch or transformers is missing (the ``hf`` extra), unless
+``REPLYSTREAM_REQUIRE_SERVICES=1``, which makes that a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replystream.client.transport import http_request
+from replystream.engine.base import GenerationRequest, SamplingParams
+from replystream.server import create_app, running
+from replystream.sse import EventParser
+from tests.conftest import wait_for
+from tests.processes import replica
+from tests.services import REQUIRE_ENV, services_required
+from tests.sse_client import post_events
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a stream of tokens arrives one at a time, and each one is sent on at once",
+    "café, naïve, déjà vu: accents are two bytes each in UTF-8",
+] * 20
+
+
+def _require_hf() -> None:
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    reason = f"{' and '.join(missing)} not installed (the hf extra: pip install '.[hf]')"
+    if services_required():
+        pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires it")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with random weights and a byte-level BPE tokenizer, saved locally."""
+    _require_hf()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")  # type: ignore[no-untyped-call]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=None,  # no end token: a reply runs to max_tokens unless it is stopped
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+async def engine(model_dir: Path) -> Any:
+    from replystream.engine.hf import HFEngineConfig, load_hf_engine
+
+    engine = load_hf_engine(model_dir, HFEngineConfig(max_running=2))
+    yield engine
+    await engine.aclose()
+
+
+async def collect(engine: Any, prompt: str, **sampling: Any) -> tuple[str, list[Any]]:
+    stream = await engine.start(GenerationRequest(prompt, SamplingParams(**sampling)))
+    deltas = [d async for d in stream]
+    return "".join(d.text for d in deltas), deltas
+
+
+async def test_greedy_tokens_are_the_ones_generate_makes(engine: Any, model_dir: Path):
+    import torch
+
+    text, deltas = await collect(engine, "the quick", max_tokens=24, temperature=0.0)
+    assert len(deltas) == 24 and deltas[-1].finish_reason == "length"
+    ids = engine.tokenizer("the quick", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        reference = engine.model.generate(
+            ids, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    expected = engine.tokenizer.decode(reference[0, ids.shape[1] :], skip_special_tokens=True)
+    assert text == expected
+
+
+async def test_the_same_seed_gives_the_same_sampled_reply(engine: Any):
+    first, _ = await collect(engine, "a stream", max_tokens=30, temperature=0.9, seed=4)
+    again, _ = await collect(engine, "a stream", max_tokens=30, temperature=0.9, seed=4)
+    assert first == again
+
+
+def test_split_characters_come_out_whole(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    from replystream.engine.hf import HFDetokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    text = "déjà vu 🙂 漢字 café"
+    ids = tokenizer.encode(text)
+    detok = HFDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) + detok.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces  # the emoji's and the CJK's bytes span several tokens: held, then whole
+
+
+async def test_an_end_token_finishes_the_reply_with_stop(engine: Any):
+    import torch
+
+    with torch.inference_mode():
+        logits = engine.model(engine.tokenizer("the quick", return_tensors="pt").input_ids).logits
+    first_token = int(logits[0, -1].argmax())
+    engine.eos = frozenset({first_token})  # as if the model's first pick were its end token
+    text, deltas = await collect(engine, "the quick", max_tokens=5, temperature=0.0)
+    assert text == "" and len(deltas) == 1 and deltas[0].finish_reason == "stop"
+
+
+async def test_the_openai_endpoint_streams_the_engines_reply(engine: Any):
+    expected, _ = await collect(engine, "user: hi", max_tokens=20, temperature=0.0)
+    async with running(create_app(engine)) as url:
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": 20,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+        got = await post_events(f"{url}/v1/chat/completions", body)
+    chunks = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
+    text = "".join(c["delta"].get("content") or "" for p in chunks for c in p["choices"])
+    assert text == expected
+    assert chunks[-1]["usage"]["completion_tokens"] == 20
+    assert got.raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_client_that_leaves_stops_generation_between_tokens(engine: Any):
+    async with running(create_app(engine)) as url:
+        body = {"prompt": "the", "max_tokens": 4000, "batch_tokens": 1}
+        async with http_request(
+            f"{url}/v1/replies",
+            method="POST",
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            parser = EventParser()
+            tokens = 0
+            async for piece in response:
+                tokens += sum(e.type == "token" for e in parser.feed(piece.data))
+                if tokens >= 3:
+                    break
+        await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+        steps = engine.stats().steps
+        await asyncio.sleep(0.2)
+        assert engine.stats().steps == steps < 4000  # it stopped, long before max_tokens
+        assert engine.stats().active == 0
+
+
+async def test_serve_runs_a_model_folder(model_dir: Path):
+    async with replica("--engine", f"hf:{model_dir}") as (_, url):
+        body = {"prompt": "the quick", "max_tokens": 8, "temperature": 0, "stream": False}
+        got = await post_events(f"{url}/v1/replies", body)
+    reply = json.loads(got.raw)
+    assert got.status == 200 and reply["usage"]["completion_tokens"] == 8
