@@ -258,6 +258,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-blocks", type=int, default=40, help="pool: the small pool")
     parser.add_argument("--spec-tokens", type=int, default=4, help="spec: draft tokens per step")
     parser.add_argument("--spec-ngram", type=int, default=3, help="spec: longest n-gram looked up")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="spec: 0 is greedy; above, seeded draws"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         from replystream.lab.spec_lab import report_spec, run_spec
 
-        spec = run_spec(args.tokens, args.repeats, args.spec_tokens, args.spec_ngram)
-        path = report_spec(asyncio.run(spec), args.out, console)
+        spec = run_spec(
+            args.tokens, args.repeats, args.spec_tokens, args.spec_ngram, args.temperature
+        )
+        path = report_spec(asyncio.run(spec), args.out, console, args.temperature)
     console.print(f"wrote {path}")
     return 0

@@ -1,10 +1,11 @@
 """``replystream lab-engine spec``: prompt-lookup speculative decoding against plain decoding.
 
-One greedy request at a time, in this process, on the tiny engine with and without
-speculation, for a repetitive prompt (where drafts come true) and plain prose (where they
-rarely do). It reports steps, deltas (events), tokens per event, draft acceptance and TPOT
-from the engine's own timestamps, checks that both modes made the same text, prints a table
-and writes a PNG of when the tokens arrived. It must not know about HTTP.
+One request at a time (greedy by default; ``temperature`` > 0 samples with a fixed seed), in
+this process, on the tiny engine with and without speculation, for a repetitive prompt (where
+drafts come true) and plain prose (where they rarely do). It reports steps, deltas (events),
+tokens per event, draft acceptance and TPOT from the engine's own timestamps, checks that both
+modes made the same text, prints a table and writes a PNG of when the tokens arrived. It must
+not know about HTTP.
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ class SpecRun:
         return self.accepted / self.proposed if self.proposed else None
 
 
-async def _one(engine: TinyEngine, prompt: str, tokens: int) -> tuple[SpecRun, float]:
+async def _one(
+    engine: TinyEngine, prompt: str, tokens: int, temperature: float = 0.0
+) -> tuple[SpecRun, float]:
     before_steps = engine.stats().steps
     before = engine.scheduler_stats()
-    request = GenerationRequest(prompt, SamplingParams(max_tokens=tokens, temperature=0.0))
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=1)
+    request = GenerationRequest(prompt, params)
     stream = await engine.start(request)
     parts, arrivals, made = [], [], 0
     async for delta in stream:
@@ -83,7 +87,9 @@ async def _one(engine: TinyEngine, prompt: str, tokens: int) -> tuple[SpecRun, f
     return run, tpot
 
 
-async def run_spec(tokens: int, repeats: int, spec_tokens: int, ngram: int) -> list[SpecRun]:
+async def run_spec(
+    tokens: int, repeats: int, spec_tokens: int, ngram: int, temperature: float = 0.0
+) -> list[SpecRun]:
     """Every prompt in both modes; TPOT and total are medians over ``repeats`` runs."""
     runs = []
     for mode, k in (("plain", 0), (f"lookup k={spec_tokens} n={ngram}", spec_tokens)):
@@ -91,7 +97,7 @@ async def run_spec(tokens: int, repeats: int, spec_tokens: int, ngram: int) -> l
         try:
             await _one(engine, "And", 2)  # start the worker thread outside the measurement
             for name, prompt in PROMPTS.items():
-                samples = [await _one(engine, prompt, tokens) for _ in range(repeats)]
+                samples = [await _one(engine, prompt, tokens, temperature) for _ in range(repeats)]
                 middle = sorted(samples, key=lambda s: s[1])[len(samples) // 2][0]
                 total = statistics.median(s[0].total_ms for s in samples)
                 runs.append(replace(middle, mode=mode, prompt=name, total_ms=total))
@@ -100,9 +106,10 @@ async def run_spec(tokens: int, repeats: int, spec_tokens: int, ngram: int) -> l
     return runs
 
 
-def report_spec(runs: list[SpecRun], out: Path, console: Console) -> Path:
+def report_spec(runs: list[SpecRun], out: Path, console: Console, temperature: float = 0.0) -> Path:
     """Print the table (and whether the texts matched); write ``engine-spec.png``."""
-    table = Table(title="prompt-lookup speculative decoding (tiny engine, greedy, engine times)")
+    how = "greedy" if temperature == 0 else f"temperature {temperature:g}, seed 1"
+    table = Table(title=f"prompt-lookup speculative decoding (tiny engine, {how}, engine times)")
     columns = ["mode", "prompt", "tokens", "steps", "events", "tok/ev", "accepted", "TPOT"]
     for column in [*columns, "total"]:
         table.add_column(column, justify="right")
@@ -137,9 +144,9 @@ def report_spec(runs: list[SpecRun], out: Path, console: Console) -> Path:
         ax.set_ylabel("tokens made")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-    fig.suptitle("Accepted drafts arrive several tokens per step")
+    fig.suptitle(f"Accepted drafts arrive several tokens per step ({how})")
     fig.tight_layout()
-    path = out / "engine-spec.png"
+    path = out / ("engine-spec.png" if temperature == 0 else "engine-spec-sampled.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
