@@ -13,7 +13,9 @@ never with its end marker.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Protocol
 
 from replystream.delivery.moderation import Violation
@@ -73,6 +75,11 @@ def reply_spec(reply_id: str) -> Spec:
     return "reply", json.dumps({"reply_id": reply_id})
 
 
+# The C routine json.dumps uses for a str: the same bytes, without building an encoder per
+# call (json.dumps of a dict does, which costs more than the rest of an event's path).
+json_string: Callable[[str], str] = encode_basestring_ascii
+
+
 class LabFormat:
     """``data: "text"`` per event, ``data: [DONE]`` at the end (the article's format)."""
 
@@ -80,7 +87,7 @@ class LabFormat:
         return [reply_spec(reply_id)]
 
     def text(self, text: str, tokens: int) -> Spec:
-        return None, json.dumps(text)
+        return None, json_string(text)
 
     def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
         return [(None, "[DONE]")]
@@ -99,7 +106,8 @@ class NativeFormat:
         return [reply_spec(reply_id)]
 
     def text(self, text: str, tokens: int) -> Spec:
-        return "token", json.dumps({"text": text, "tokens": tokens})
+        # Byte for byte what json.dumps({"text": text, "tokens": tokens}) writes.
+        return "token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}'
 
     def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
         return [

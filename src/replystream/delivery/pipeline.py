@@ -16,6 +16,9 @@ from replystream.delivery.replay import LogEntry
 from replystream.engine.base import Delta
 from replystream.sse import encode_data
 
+_NO_HOLDBACK = HoldBack(0, ())  # shared, stateless while nothing is pushed through it
+_NO_BATCHER = Batcher(1)
+
 
 class ReplyPipeline:
     """Turns one reply's deltas into log entries under a delivery policy."""
@@ -23,9 +26,19 @@ class ReplyPipeline:
     def __init__(self, fmt: StreamFormat, policy: DeliveryPolicy, *, numbered: bool = True) -> None:
         self.fmt = fmt
         self.numbered = numbered
-        self.holdback = HoldBack(policy.holdback_tokens, policy.checks)
         window_s = None if policy.batch_ms is None else policy.batch_ms / 1000.0
-        self.batcher = Batcher(policy.batch_tokens, window_s)
+        # Every token its own event, nothing held: the common case skips both stages (and
+        # does not even build them: thousands of open replies each carry this object).
+        self._direct = (
+            policy.holdback_tokens == 0
+            and not policy.checks
+            and policy.batch_tokens == 1
+            and window_s is None
+        )
+        self.holdback = (
+            HoldBack(policy.holdback_tokens, policy.checks) if not self._direct else _NO_HOLDBACK
+        )
+        self.batcher = Batcher(policy.batch_tokens, window_s) if not self._direct else _NO_BATCHER
         self.next_seq = 1
         self.tokens = 0
         self.finish_reason = "stop"
@@ -49,6 +62,10 @@ class ReplyPipeline:
         self.tokens += delta.tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+        if self._direct:
+            if not delta.text and not delta.tokens:
+                return []
+            return self._entries([self.fmt.text(delta.text, delta.tokens)])
         text, tokens = self.holdback.push(delta.text, delta.tokens)
         batch = self.batcher.add(text, tokens, now)
         specs = [] if batch is None else [self.fmt.text(*batch)]

@@ -133,6 +133,15 @@ class _Log:
             self.first_seq += excess
         self.wake()
 
+    def trim(self, upto: int) -> None:
+        """Drop entries up to ``upto`` (in steps of 16, so a stream is not re-sliced per event)."""
+        drop = upto + 1 - self.first_seq
+        if drop >= 16:
+            for entry in self.entries[:drop]:
+                self.bytes -= len(entry.frame)
+            del self.entries[:drop]
+            self.first_seq += drop
+
     def wake(self) -> None:
         for waiter in self.waiters:
             if not waiter.done():
@@ -199,6 +208,12 @@ class MemoryReplayStore:
     async def info(self, reply_id: str) -> ReplyInfo | None:
         log = self._log(reply_id)
         return None if log is None else log.info
+
+    def release(self, reply_id: str, upto: int) -> None:
+        """Entries up to ``upto`` will never be read again (a reply nobody may resume)."""
+        log = self._logs.get(reply_id)
+        if log is not None:
+            log.trim(upto)
 
     def backlog_bytes(self, reply_id: str, after: int) -> int:
         """Bytes of entries after ``after`` (what a reader at ``after`` has yet to send)."""

@@ -90,6 +90,27 @@ class DeltaStream(Protocol):
     def aclose(self) -> Awaitable[None]: ...
 
 
+class DeltaSink(Protocol):
+    """Where a push-capable stream delivers: called on the event loop, must not block."""
+
+    def on_delta(self, delta: Delta) -> None: ...
+
+    def on_end(self, error: EngineError | None) -> None:
+        """The stream ended: normally (None) or with a failure."""
+        ...
+
+
+@runtime_checkable
+class PushDeltaStream(DeltaStream, Protocol):
+    """A delta stream that can also push its deltas to a sink, with no task per stream.
+
+    Serving many replies, a consumer that attaches a sink avoids one task wake-up per token
+    per reply. After ``attach`` the stream must not be iterated; ``aclose`` still stops it.
+    """
+
+    def attach(self, sink: DeltaSink) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """Counters an engine reports as data (for metrics, the lab and tests)."""

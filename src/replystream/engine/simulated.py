@@ -4,21 +4,25 @@ This file decides the timing of a simulated reply: an optional time before the f
 (queueing plus a prefill that grows with the prompt) and then one token every ``d ± j`` ms.
 Delays come from a random source seeded per request, so the same seed gives the same schedule.
 Each token is due at a fixed deadline measured from the start (not "sleep d after the last
-token"), so a timer that fires late does not push every later token back.
+token"), so a timer that fires late does not push every later token back. A stream can be
+iterated (one timer per token) or attached to a sink; attached streams share one timer, so
+thousands of concurrent replies cost one wake-up per tick instead of one per token each.
 It must not know about HTTP or about who reads the tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import math
 import random
 import time
-from collections.abc import AsyncGenerator
+from array import array
 from dataclasses import dataclass
 
 from replystream.engine.base import (
     Delta,
-    DeltaStream,
+    DeltaSink,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -94,17 +98,18 @@ class SimulatedEngine:
         self._failed = 0
         self._active = 0
         self._steps = 0
+        self._ticker: _Ticker | None = None
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
-    def schedule(self, request: GenerationRequest) -> list[float]:
-        """Seconds from the start at which each token of this request is due."""
+    def schedule(self, request: GenerationRequest) -> array[float]:
+        """Seconds from the start at which each token of this request is due (8 bytes each)."""
         cfg = self.config
         seed = cfg.seed if request.sampling.seed is None else request.sampling.seed
         rng = random.Random(seed)
         first = cfg.first_token_ms + cfg.prefill_ms_per_token * self.count_tokens(request.prompt)
-        due: list[float] = []
+        due = array("d")
         elapsed_ms = first
         for _ in range(self._reply_length(request)):
             elapsed_ms += rng.uniform(cfg.delay_ms - cfg.jitter_ms, cfg.delay_ms + cfg.jitter_ms)
@@ -115,7 +120,7 @@ class SimulatedEngine:
         limit = request.sampling.max_tokens
         return len(self._words) if limit is None else min(limit, len(self._words))
 
-    async def start(self, request: GenerationRequest) -> DeltaStream:
+    async def start(self, request: GenerationRequest) -> SimulatedStream:
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
@@ -123,36 +128,28 @@ class SimulatedEngine:
             self._failed += 1
             raise EngineError("simulated failure before the first token")
         self._started += 1
-        return self._run(request, self.schedule(request))
-
-    async def _run(self, request: GenerationRequest, due: list[float]) -> AsyncGenerator[Delta]:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        count = len(due)
-        truncated = count < len(self._words)
         self._active += 1
-        outcome = "cancelled"
-        try:
-            for index, at in enumerate(due):
-                if self.config.fail_after is not None and index == self.config.fail_after:
-                    outcome = "failed"
-                    raise EngineError(f"simulated failure after {index} tokens")
-                # Overdue tokens still yield to the loop, so a fast schedule cannot starve it.
-                await asyncio.sleep(max(0.0, start + at - loop.time()))
-                self._steps += 1
-                last = index == count - 1
-                finish = ("length" if truncated else "stop") if last else None
-                yield Delta(self._words[index], 1, time.monotonic(), finish)
-            outcome = "finished"
-        finally:
-            # Runs on normal end, on aclose() and on cancellation of the reading task alike.
-            self._active -= 1
-            if outcome == "finished":
-                self._finished += 1
-            elif outcome == "failed":
-                self._failed += 1
-            else:
-                self._cancelled += 1
+        loop = asyncio.get_running_loop()
+        if self._ticker is None:
+            self._ticker = _Ticker(loop)
+        return SimulatedStream(self, self.schedule(request), loop.time())
+
+    def _token(self, index: int, count: int) -> Delta:
+        """Token ``index`` of a reply of ``count`` tokens, counted as one step."""
+        self._steps += 1
+        finish = None
+        if index == count - 1:
+            finish = "length" if count < len(self._words) else "stop"
+        return Delta(self._words[index], 1, time.monotonic(), finish)
+
+    def _ended(self, outcome: str) -> None:
+        self._active -= 1
+        if outcome == "finished":
+            self._finished += 1
+        elif outcome == "failed":
+            self._failed += 1
+        else:
+            self._cancelled += 1
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -165,4 +162,138 @@ class SimulatedEngine:
         )
 
     async def aclose(self) -> None:
-        """Nothing to release: every generation lives in its reader's task."""
+        """Nothing to release: a stream holds only its schedule."""
+
+
+class SimulatedStream:
+    """One simulated reply: iterate it (a timer per token), or attach a sink (shared ticks).
+
+    Either way each token is due at ``start + due[i]``: late timers do not accumulate.
+    """
+
+    def __init__(self, engine: SimulatedEngine, due: array[float], start: float) -> None:
+        self._engine = engine
+        self._due = due
+        self._start = start
+        self._next = 0
+        self._ended = False
+        self._sink: DeltaSink | None = None
+
+    def _finish(self, outcome: str) -> None:
+        if not self._ended:
+            self._ended = True
+            self._engine._ended(outcome)
+
+    def _fails_now(self) -> bool:
+        return self._engine.config.fail_after == self._next
+
+    def _failure(self) -> EngineError:
+        return EngineError(f"simulated failure after {self._next} tokens")
+
+    # Pull: the reader's task waits for each token.
+
+    def __aiter__(self) -> SimulatedStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._ended:
+            raise StopAsyncIteration
+        if self._fails_now():
+            self._finish("failed")
+            raise self._failure()
+        loop = asyncio.get_running_loop()
+        try:
+            # Overdue tokens still yield to the loop, so a fast schedule cannot starve it.
+            await asyncio.sleep(max(0.0, self._start + self._due[self._next] - loop.time()))
+        except asyncio.CancelledError:
+            self._finish("cancelled")  # a reader cancelled mid-wait never comes back
+            raise
+        if self._ended:
+            raise StopAsyncIteration
+        index = self._next
+        self._next += 1
+        delta = self._engine._token(index, len(self._due))
+        if self._next >= len(self._due):
+            self._finish("finished")
+        return delta
+
+    async def aclose(self) -> None:
+        if self._sink is not None and self._engine._ticker is not None:
+            self._engine._ticker.remove(self)
+        self._finish("cancelled")
+
+    # Push: one shared timer for every attached stream delivers due tokens to sinks.
+
+    def attach(self, sink: DeltaSink) -> None:
+        self._sink = sink
+        ticker = self._engine._ticker
+        assert ticker is not None
+        if self._due:
+            ticker.add(self, self._start + self._due[0])
+        else:
+            self._finish("finished")
+            sink.on_end(None)
+
+    def _fire(self) -> float | None:
+        """Deliver the due token; the next due time, or None once the stream ended."""
+        sink = self._sink
+        if self._ended or sink is None:
+            return None
+        if self._fails_now():
+            self._finish("failed")
+            sink.on_end(self._failure())
+            return None
+        index = self._next
+        self._next += 1
+        sink.on_delta(self._engine._token(index, len(self._due)))
+        if self._ended:  # the sink closed the stream while handling the token
+            return None
+        if self._next >= len(self._due):
+            self._finish("finished")
+            sink.on_end(None)
+            return None
+        return self._start + self._due[self._next]
+
+
+class _Ticker:
+    """One timer for many streams: a heap of due times, fired in order by a single callback.
+
+    Thousands of concurrent replies cost one timer wake-up per tick, not one per token each.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._heap: list[tuple[float, int, SimulatedStream]] = []
+        self._order = 0  # breaks ties between equal due times without comparing streams
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed_for = math.inf
+
+    def add(self, stream: SimulatedStream, due: float) -> None:
+        self._order += 1
+        heapq.heappush(self._heap, (due, self._order, stream))
+        if due < self._armed_for:
+            self._arm(due)
+
+    def remove(self, stream: SimulatedStream) -> None:
+        """Forget a stream; its heap entry is dropped lazily when it comes due."""
+        stream._sink = None
+
+    def _arm(self, due: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed_for = due
+        self._timer = self._loop.call_at(due, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._armed_for = math.inf
+        heap = self._heap
+        now = self._loop.time()
+        while heap and heap[0][0] <= now:
+            _, _, stream = heapq.heappop(heap)
+            following = stream._fire()
+            if following is not None:
+                self._order += 1
+                heapq.heappush(heap, (following, self._order, stream))
+        if heap:
+            self._arm(heap[0][0])

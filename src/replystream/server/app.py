@@ -171,7 +171,7 @@ async def start_reply(
 ) -> Reply:
     """Admit a generation and start producing it into a new reply log."""
     app = request.app
-    record = ReplyRecord(endpoint, streamed=True)
+    record = app[METRICS_KEY].record(endpoint, streamed=True)
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = secrets.token_urlsafe(18)  # 144 random bits: not guessable, not enumerable
     deltas = await start_generation(request, generation, record)
@@ -246,7 +246,7 @@ async def _buffered(
     body: Callable[[str, str, Usage], dict[str, Any]],
 ) -> web.Response:
     app = request.app
-    record = ReplyRecord(endpoint, streamed=False)
+    record = app[METRICS_KEY].record(endpoint, streamed=False)
     deltas = await start_generation(request, generation, record)
     return await buffered_reply(
         deltas,

@@ -1,17 +1,22 @@
-"""Prometheus metrics for replies, fed once per reply so the per-event path stays free of them.
+"""Prometheus metrics for replies, kept off the per-event path.
 
-Each reply keeps its own plain counters and timestamps in a ``ReplyRecord`` while it streams;
-when it ends, ``Metrics.observe`` moves them into the registry in one go.
+Each reply keeps plain counters and timestamps in a ``ReplyRecord`` while it streams; when it
+ends, ``Metrics.observe`` moves them into the registry in one go. The one per-token metric,
+time between tokens, goes into ``GapHistogram``: a bisect and an add, no lock, no per-reply
+list, exported through a collector.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 import time
+from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 Outcome = Literal[
     "finished", "cancelled", "errored", "moderated", "slow_client", "shutdown", "rejected"
@@ -45,15 +50,49 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
+class GapHistogram:
+    """Time between tokens, for every reply: a histogram fed per token at the cost of one
+    bisect and one add, with no per-reply storage (exported by ``Metrics``' collector)."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = buckets
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, endpoint: str, value: float) -> None:
+        counts = self.counts.get(endpoint)
+        if counts is None:
+            counts = self.counts[endpoint] = [0] * (len(self.bounds) + 1)
+            self.sums[endpoint] = 0.0
+        counts[bisect_left(self.bounds, value)] += 1
+        self.sums[endpoint] += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "replystream_time_between_tokens_seconds",
+            "Server time between consecutive tokens of a reply.",
+            labels=["endpoint"],
+        )
+        for endpoint, counts in self.counts.items():
+            cumulative, total = [], 0
+            for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
+                total += count
+                cumulative.append(("+Inf" if bound == math.inf else repr(bound), total))
+            family.add_metric([endpoint], cumulative, self.sums[endpoint])
+        yield family
+
+
 @dataclass(slots=True)
 class ReplyRecord:
-    """What one reply did, in ``time.monotonic()`` seconds; owned by its handler alone."""
+    """What one reply did, in ``time.monotonic()`` seconds; owned by its producer alone."""
 
     endpoint: str
     streamed: bool
     arrived_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: GapHistogram | None = None  # where time between tokens goes, as it happens
     tokens: int = 0
     events: int = 0
     bytes_sent: int = 0
@@ -61,7 +100,11 @@ class ReplyRecord:
     reason: str = ""
 
     def on_delta(self, made_at: float, tokens: int) -> None:
-        self.token_times.append(made_at)
+        if self.last_token_at is None:
+            self.first_token_at = made_at
+        elif self.gaps is not None:
+            self.gaps.observe(self.endpoint, made_at - self.last_token_at)
+        self.last_token_at = made_at
         self.tokens += tokens
 
     def on_send(self, nbytes: int, events: int = 1) -> None:
@@ -82,13 +125,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
-            "replystream_time_between_tokens_seconds",
-            "Server time between consecutive tokens of a reply.",
-            ["endpoint"],
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
+        self.gaps = GapHistogram(_TOKEN_BUCKETS)
+        r.register(self.gaps)
         self.tpot = Histogram(
             "replystream_time_per_output_token_seconds",
             "Per reply: (last token - first token) / (tokens - 1).",
@@ -129,6 +167,10 @@ class Metrics:
             "replystream_tokens_generated", "Tokens the engine made.", ["endpoint"], registry=r
         )
 
+    def record(self, endpoint: str, *, streamed: bool) -> ReplyRecord:
+        """A new reply's record, wired to the per-token histogram."""
+        return ReplyRecord(endpoint, streamed, gaps=self.gaps)
+
     def observe(self, record: ReplyRecord) -> None:
         """Account for one reply that has ended."""
         endpoint = record.endpoint
@@ -137,14 +179,11 @@ class Metrics:
         self.e2e.labels(endpoint).observe(ended - record.arrived_at)
         if record.admitted_at is not None:
             self.queue.labels(endpoint).observe(record.admitted_at - record.arrived_at)
-        times = record.token_times
-        if times:
-            self.ttft.labels(endpoint).observe(times[0] - record.arrived_at)
-            itl = self.itl.labels(endpoint)
-            for before, after in itertools.pairwise(times):
-                itl.observe(after - before)
+        first, last = record.first_token_at, record.last_token_at
+        if first is not None and last is not None:
+            self.ttft.labels(endpoint).observe(first - record.arrived_at)
             if record.tokens > 1:
-                self.tpot.labels(endpoint).observe((times[-1] - times[0]) / (record.tokens - 1))
+                self.tpot.labels(endpoint).observe((last - first) / (record.tokens - 1))
         if record.events:
             self.events.labels(endpoint).inc(record.events)
         if record.bytes_sent:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from replystream.delivery.formats import KEEPALIVE, error_frame
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import MemoryReplayStore, ReplayStore
+from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore
 from replystream.server.metrics import ReplyRecord
 from replystream.server.replies import Reply, ReplyManager
 from replystream.sse import encode_data
@@ -64,8 +64,12 @@ class LogReader:
     reply: Reply | None  # the producer, when it runs in this process
     record: ReplyRecord | None  # where to count what is sent (the producer's record)
     after: int = 0
+    last_write: float = 0.0
+    _woken: asyncio.Future[None] | None = None
     keepalive: bytes = KEEPALIVE  # the idle frame (dialects may need another spelling)
     overflow: bool = False
+    _chunked: bool = False
+    _transport: asyncio.Transport | None = None  # cached: the request property costs per event
     _deadline: asyncio.Timeout | None = None
 
     def _interrupt(self) -> None:
@@ -100,6 +104,7 @@ class LogReader:
             ) from None
         finally:
             self._deadline = None
+        self.last_write = time.monotonic()
         if self.record is not None:
             self.record.on_send(len(frame), events)
 
@@ -132,6 +137,8 @@ class LogReader:
         try:
             # Headers leave now, before the first token exists.
             await self.response.prepare(self.request)
+            self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
+            self._transport = self.request.transport
             ending = await self._follow()
             await self.response.write_eof()
         except _Cut as cut:
@@ -151,13 +158,17 @@ class LogReader:
 
     async def _follow(self) -> ReaderEnding:
         keepalive = self.policy.keepalive_s
-        last_write = time.monotonic()
+        self.last_write = time.monotonic()
         while True:
             if self.manager.shutting_down and self.reply is None:
                 raise _Cut("shutdown", "the server is shutting down")
-            wait = LIVENESS_POLL_S
-            if keepalive is not None:
-                wait = min(wait, keepalive - (time.monotonic() - last_write))
+            idle_for = time.monotonic() - self.last_write
+            wait = (
+                LIVENESS_POLL_S if keepalive is None else min(LIVENESS_POLL_S, keepalive - idle_for)
+            )
+            if self._can_go_direct():
+                await self._direct(keepalive)
+                wait = 0.0  # whatever woke us, look at the log now
             result = await self.store.read(self.reply_id, self.after, max(0.0, wait))
             if result is None:
                 await self._send(error_frame("the reply expired while being read", "expired"), 1)
@@ -172,15 +183,81 @@ class LogReader:
             if parts:
                 # Everything available goes out in one write: fewer syscalls for a replay.
                 await self._send(b"".join(parts), len(parts))
-                last_write = time.monotonic()
                 if result.entries:
                     self.after = result.entries[-1].seq
+                    if self.reply is not None:
+                        self.reply.consumed(self.after)
             if result.ending is not None:
                 return "ended"
             if result.producer_lost:
                 message = "the replica generating this reply is gone"
                 await self._send(error_frame(message, "generator_lost"), 1)
                 return "producer_lost"
-            if not parts and keepalive is not None and time.monotonic() - last_write >= keepalive:
+            idle_for = time.monotonic() - self.last_write
+            if not parts and keepalive is not None and idle_for >= keepalive:
                 await self._send(self.keepalive, 0)
-                last_write = time.monotonic()
+
+    # The direct path: a reader that has caught up with a reply produced in this process lets
+    # the producer write each new event straight into the socket, so a live stream costs no
+    # wake-up of this task per event. Any doubt (a paused socket, a gap, the end) hands the
+    # work back to the task, which then writes with backpressure and the slow-client limits.
+
+    def _can_go_direct(self) -> bool:
+        reply = self.reply
+        transport = self.request.transport
+        return (
+            reply is not None
+            and reply.live
+            and reply.pipeline.next_seq - 1 == self.after
+            and transport is not None
+            and not transport.is_closing()
+            and transport.get_write_buffer_size() < transport.get_write_buffer_limits()[1]
+        )
+
+    async def _direct(self, keepalive: float | None) -> None:
+        reply = self.reply
+        assert reply is not None
+        loop = asyncio.get_running_loop()
+        reply.sinks.add(self)
+        try:
+            while True:
+                idle_for = time.monotonic() - self.last_write
+                if keepalive is not None and idle_for >= keepalive:
+                    return  # the loop sends the keep-alive
+                self._woken = loop.create_future()
+                try:
+                    async with asyncio.timeout(None if keepalive is None else keepalive - idle_for):
+                        await self._woken
+                    return
+                except TimeoutError:
+                    continue  # a keep-alive may be due; direct writes may have made it not
+        finally:
+            reply.sinks.discard(self)
+            self._woken = None
+
+    def push(self, entries: list[LogEntry]) -> None:
+        """Called by the producer with events just logged; writes them now if it safely can."""
+        transport = self._transport
+        if (
+            entries[0].seq != self.after + 1
+            or transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size() >= transport.get_write_buffer_limits()[1]
+        ):
+            self.wake()
+            return
+        data = entries[0].frame if len(entries) == 1 else b"".join(e.frame for e in entries)
+        if self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        transport.write(data)
+        self.after = entries[-1].seq
+        self.last_write = time.monotonic()
+        if self.record is not None:
+            self.record.on_send(len(data), len(entries))
+        if self.reply is not None:
+            self.reply.consumed(self.after)
+
+    def wake(self) -> None:
+        """Hand the work back to the reader's task (the reply ended, or it must wait)."""
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)

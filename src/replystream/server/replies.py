@@ -18,12 +18,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from replystream.delivery.channel import DeltaChannel, End
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore
-from replystream.engine.base import DeltaStream, EngineError
+from replystream.engine.base import Delta, DeltaStream, EngineError, PushDeltaStream
 from replystream.server.metrics import Metrics, Outcome, ReplyRecord
 
 log = logging.getLogger("replystream.replies")
@@ -37,6 +37,14 @@ async def close_quietly(deltas: DeltaStream) -> None:
     with contextlib.suppress(Exception, asyncio.CancelledError):
         async with asyncio.timeout(1.0):
             await asyncio.shield(deltas.aclose())
+
+
+class LogSink(Protocol):
+    """A reader that takes new events straight from the producer (see server.reader)."""
+
+    def push(self, entries: list[LogEntry]) -> None: ...
+
+    def wake(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -56,8 +64,11 @@ class Reply:
     readers: int = 0
     stop_reason: StopReason | None = None
     hooks: set[Callable[[], None]] = field(default_factory=set)
+    sinks: set[LogSink] = field(default_factory=set)  # readers the producer writes to directly
     task: asyncio.Task[None] | None = None
     _window_timer: asyncio.TimerHandle | None = None
+    _stopping: EngineError | str | None = None  # why production ended ("finished", ...)
+    _pushed_done: asyncio.Future[None] | None = None
     _detach_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -90,6 +101,12 @@ class Reply:
             loop = asyncio.get_running_loop()
             self._detach_timer = loop.call_later(self.detach_grace_s, self._detach_expired)
 
+    def consumed(self, upto: int) -> None:
+        """A reader has sent everything up to ``upto``; a reply nobody may resume, with one
+        reader, needs none of it again, so its log stops growing with the reply."""
+        if not self.resumable and self.readers == 1 and isinstance(self.store, MemoryReplayStore):
+            self.store.release(self.reply_id, upto)
+
     def forget_if_unwanted(self) -> None:
         """Drop the log of an ended reply nobody may resume, once its last reader is done."""
         if not self.resumable and self.readers == 0 and isinstance(self.store, MemoryReplayStore):
@@ -103,6 +120,8 @@ class Reply:
     def _append(self, entries: list[LogEntry]) -> None:
         if entries:
             self.store.append(self.reply_id, entries)
+            for sink in list(self.sinks):
+                sink.push(entries)
             for hook in list(self.hooks):
                 hook()
 
@@ -116,6 +135,49 @@ class Reply:
             delay = max(0.0, due - time.monotonic())
             self._window_timer = asyncio.get_running_loop().call_later(delay, self._flush_window)
 
+    def on_delta(self, delta: Delta) -> None:
+        """One delta from the engine: through the pipeline into the log (sync, no waiting)."""
+        if self._stopping is not None:
+            return
+        self.record.on_delta(delta.made_at, delta.tokens)
+        self._append(self.pipeline.push(delta, time.monotonic()))
+        if self.pipeline.violation is not None:
+            self._stop_producing("moderated")
+            return
+        failure = self.store.failure(self.reply_id)
+        if failure is not None:
+            error = EngineError(f"reply log unavailable: {failure}", code="replay_store_error")
+            self._stop_producing(error)
+            return
+        self._arm_window()
+
+    def on_end(self, error: EngineError | None) -> None:
+        """The engine's stream ended (pushed streams only)."""
+        self._stop_producing(error if error is not None else "finished")
+
+    def _stop_producing(self, why: EngineError | str) -> None:
+        if self._stopping is None:
+            self._stopping = why
+            if self._pushed_done is not None and not self._pushed_done.done():
+                self._pushed_done.set_result(None)
+
+    async def _run_engine(self) -> None:
+        """Feed every delta to ``on_delta`` until the stream ends or the reply stops early."""
+        if isinstance(self.deltas, PushDeltaStream):
+            # The engine calls on_delta itself: no wake-up of this task per token.
+            self._pushed_done = asyncio.get_running_loop().create_future()
+            self.deltas.attach(self)
+            await self._pushed_done
+        else:
+            async for delta in self.deltas:
+                self.on_delta(delta)
+                if self._stopping is not None:
+                    break
+            else:
+                self._stopping = "finished"
+        if isinstance(self._stopping, EngineError):
+            raise self._stopping
+
     async def produce(self) -> None:
         """Run the generation into the log until it ends, whatever ends it."""
         pipeline, record = self.pipeline, self.record
@@ -123,19 +185,12 @@ class Reply:
         ending = "cancelled"
         try:
             self._append(pipeline.start(self.reply_id))
-            async for delta in self.deltas:
-                record.on_delta(delta.made_at, delta.tokens)
-                self._append(pipeline.push(delta, time.monotonic()))
-                if pipeline.violation is not None:
-                    outcome, ending = "moderated", "moderated"
-                    record.reason = pipeline.violation.check
-                    return
-                failure = self.store.failure(self.reply_id)
-                if failure is not None:
-                    raise EngineError(
-                        f"reply log unavailable: {failure}", code="replay_store_error"
-                    )
-                self._arm_window()
+            await self._run_engine()
+            if self._stopping == "moderated":
+                assert pipeline.violation is not None
+                outcome, ending = "moderated", "moderated"
+                record.reason = pipeline.violation.check
+                return
             self._append(pipeline.finish(self.prompt_tokens))
             outcome, ending = "finished", "finished"
         except EngineError as exc:
@@ -164,6 +219,8 @@ class Reply:
             await close_quietly(self.deltas)
             record.outcome = outcome
             self.store.end(self.reply_id, ending)
+            for sink in list(self.sinks):
+                sink.wake()
             for hook in list(self.hooks):
                 hook()
             self.manager.finished(self)
