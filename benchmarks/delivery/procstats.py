@@ -68,3 +68,17 @@ def memory_kib(pids: list[int], field: str) -> int:
         if found:
             total += int(found.group(1))
     return total
+
+
+def listen_overflows() -> int:
+    """The kernel's count of connections dropped from full listen queues (all sockets).
+
+    A server whose accept queue is too short for a burst loses the handshake's last packet;
+    the client believes it is connected and waits for the retransmitted SYN-ACK, seconds later.
+    """
+    lines = Path("/proc/net/netstat").read_text().splitlines()
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            fields = dict(zip(names.split()[1:], values.split()[1:], strict=True))
+            return int(fields.get("ListenOverflows", 0))
+    return 0

@@ -21,6 +21,7 @@ ROWS: list[tuple[str, Callable[[Run], float], str]] = [
     ("streams completed", lambda r: r["client"]["completed"], "{:,.0f}"),
     ("failures", lambda r: r["client"]["failed"], "{:,.0f}"),
     ("connect retries", lambda r: r["client"]["connect_retries"], "{:,.0f}"),
+    ("listen queue overflows (kernel)", lambda r: r["listen_overflows"], "{:,.0f}"),
     ("peak streams open at once", lambda r: r["client"]["peak_open"], "{:,.0f}"),
     ("events / s delivered", lambda r: r["client"]["events_per_s"], "{:,.0f}"),
     ("completion median (ms)", _ms("completion_ms", "p50"), "{:,.0f}"),

@@ -19,12 +19,13 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from procstats import cpu_seconds, memory_kib, process_tree, raise_nofile
+from procstats import cpu_seconds, listen_overflows, memory_kib, process_tree, raise_nofile
 from report import failure_notes, table
 from servers import HERE, SERVER_NAMES, Started, Variant, check_wire, started_server
 from workload import TOKENS, schedule, stream_seeds
@@ -62,7 +63,9 @@ async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[s
     pids = process_tree(server.pid)
     rest_rss = memory_kib(pids, "VmRSS")
     cpu_before = cpu_seconds(pids)
+    overflows_before = listen_overflows()
     client = await run_client(server.url, stream_seeds(concurrency), None, timeout_s)
+    overflows = listen_overflows() - overflows_before
     pids_after = process_tree(server.pid)
     cpu = cpu_seconds(pids_after) - cpu_before
     peak = memory_kib(pids_after, "VmHWM")
@@ -72,6 +75,7 @@ async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[s
         "concurrency": concurrency,
         "processes": len(pids_after),
         "loadavg_1min_before": load_before,
+        "listen_overflows": overflows,
         "client": client,
         "server_cpu_s": cpu,
         "server_cpu_s_per_1k_events": cpu / events * 1000 if events else math.nan,
@@ -109,8 +113,23 @@ def check_schedule(count: int) -> None:
             raise SystemExit(f"benchmark schedule differs from SimulatedEngine's for seed {seed}")
 
 
+def revision() -> str:
+    """The checkout's commit, ``-dirty`` when the working tree has changes."""
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return described.stdout.strip()
+
+
 def versions() -> dict[str, str]:
-    found = {"python": platform.python_version()}
+    found = {"python": platform.python_version(), "replystream_revision": revision()}
     for package in (
         "replystream",
         "aiohttp",
