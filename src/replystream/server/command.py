@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server import engine_options
 from replystream.server.app import ServerConfig, create_app
 from replystream.server.auth import collect_keys
-from replystream.server.serve import serve_forever
+from replystream.server.serve import run_workers, serve_forever
+
+log = logging.getLogger("replystream.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = ServerConfig()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes sharing the port (use --redis-url so any of them can resume any reply)",
+    )
+    # A worker started by --workers serves the socket its parent opened.
+    parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--engine",
         action="append",
@@ -315,12 +326,40 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
-        engine = build_engine(args)
         config = build_config(args)
         store = build_store(args)
+        if args.workers < 1:
+            raise ValueError("--workers must be at least 1")
+        if args.workers > 1:
+            if not args.redis_url:
+                log.warning(
+                    "--workers without --redis-url: a reply can be resumed only "
+                    "through the worker that made it"
+                )
+            return run_workers(worker_argv(sys.argv), args.workers, args.host, args.port)
+        engine = build_engine(args)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, config, store)
-    asyncio.run(serve_forever(app, args.host, args.port, config.shutdown_grace_s))
+    sock = None
+    if args.listen_fd is not None:
+        sock = socket.socket(fileno=args.listen_fd)
+        sock.setblocking(False)
+    asyncio.run(serve_forever(app, args.host, args.port, config.shutdown_grace_s, sock))
     return 0
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """This command's arguments for a worker: everything after ``serve`` but ``--workers``."""
+    rest = argv[argv.index("serve") + 1 :] if "serve" in argv else argv[1:]
+    out: list[str] = []
+    skip = False
+    for arg in rest:
+        if skip:
+            skip = False
+        elif arg == "--workers":
+            skip = True
+        elif not arg.startswith("--workers="):
+            out.append(arg)
+    return out

@@ -12,6 +12,9 @@ import contextlib
 import logging
 import signal
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -59,14 +62,18 @@ class RunningServer:
 
 @contextlib.asynccontextmanager
 async def serving(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    sock: socket.socket | None = None,
 ) -> AsyncIterator[RunningServer]:
-    """Serve ``app`` on ``host:port`` (0 picks a free port); clean up on exit."""
+    """Serve ``app`` on ``host:port`` (0 picks a free port), or on a listening socket that
+    another process opened (``--workers``); clean up on exit."""
     # handler_cancellation: a client that disconnects cancels its handler, which is how a
     # buffered request learns to stop generating (a streamed one also sees failed writes).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    sock = bind_socket(host, port)
+    sock = sock if sock is not None else bind_socket(host, port)
     try:
         site = web.SockSite(runner, sock)
         await site.start()
@@ -87,13 +94,77 @@ async def running(
         yield server.url
 
 
-async def serve_forever(app: web.Application, host: str, port: int, grace_s: float) -> None:
-    """Serve until SIGINT or SIGTERM, announcing the URL on stdout (tools read that line)."""
+async def serve_forever(
+    app: web.Application,
+    host: str,
+    port: int,
+    grace_s: float,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve until SIGINT or SIGTERM, announcing the URL on stdout (tools read that line);
+    a worker serving an inherited socket stays quiet (its parent announced the URL)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with serving(app, host, port) as server:
-        print(f"replystream listening on {server.url}", flush=True)
+    async with serving(app, host, port, sock) as server:
+        if sock is None:
+            print(f"replystream listening on {server.url}", flush=True)
         await stop.wait()
         await server.shutdown(grace_s)
+
+
+def url_of(sock: socket.socket) -> str:
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return f"http://{shown_host}:{bound_port}"
+
+
+def run_workers(argv: list[str], workers: int, host: str, port: int) -> int:
+    """Run ``workers`` processes of ``replystream serve`` accepting on one listening socket.
+
+    The parent binds the socket, starts each worker with it inherited (``--listen-fd``), and
+    the kernel hands each new connection to one of them. The parent forwards SIGINT and
+    SIGTERM (each worker then shuts down gracefully), restarts a worker that dies on its own,
+    and returns when all have stopped.
+    """
+    sock = bind_socket(host, port)
+    sock.set_inheritable(True)
+    command = [
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        *argv,
+        "--listen-fd",
+        str(sock.fileno()),
+    ]
+    children: list[subprocess.Popen[bytes]] = []
+    stopping = False
+
+    def spawn() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(command, pass_fds=(sock.fileno(),))
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    children.extend(spawn() for _ in range(workers))
+    print(f"replystream listening on {url_of(sock)}", flush=True)
+    log.warning("%d workers share the port", workers)
+    while True:
+        for index, child in enumerate(children):
+            code = child.poll()
+            if code is not None and not stopping:
+                log.error("worker %d exited with %d; starting another", child.pid, code)
+                children[index] = spawn()
+        if stopping and all(child.poll() is not None for child in children):
+            break
+        time.sleep(0.2)
+    sock.close()
+    return max(abs(child.returncode or 0) for child in children) if not stopping else 0
