@@ -207,3 +207,15 @@ async def test_a_socket_that_is_never_read_is_cut_and_its_reply_stopped():
             writer.close()
     assert engine.stats().finished == 0 and engine.stats().steps < 1000
     assert 'outcome="slow_client"} 1.0' in app[METRICS_KEY].render().decode()
+
+
+async def test_a_reply_cancelled_while_being_admitted_still_ends_with_an_error_message():
+    engine = fast_engine(first_token_ms=50)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "c", "prompt": "x"})
+            await ws.send_json({"type": "cancel", "id": "c"})
+            messages = await read_until_ended(ws, {"c"})
+    assert [m["type"] for m in messages] == ["reply", "error"]
+    assert messages[-1]["data"]["error"]["code"] == "cancelled"
+    assert engine.stats().steps == 0

@@ -207,11 +207,11 @@ class Session:
         if running is None:
             await self.send_error(tag, f"no reply tagged {tag!r} is running", "reply_not_found")
             return
+        # The reply's log ends with an ``error`` event (``cancelled``), which its reader sends;
+        # a reply still being admitted is stopped as soon as it is, so it ends the same way.
         running.cancelled = True
         if running.reply is not None:
-            running.reply.stop("cancelled")  # its log ends with an error event, sent below
-        else:
-            running.task.cancel()  # still being admitted
+            running.reply.stop("cancelled")
 
     async def _reply(self, tag: str, ask: ReplyRequest) -> None:
         """Start one reply and send its log; any failure of this reply stays with it."""
@@ -234,6 +234,9 @@ class Session:
                 return
             running.reply = reply
             if running.cancelled:
+                # Let the producer take its first step first: a task cancelled before it
+                # starts never runs its ``finally``, and its log would never get an ending.
+                await asyncio.sleep(0)
                 reply.stop("cancelled")
             await self._follow(tag, reply, ask.policy)
         finally:
