@@ -82,3 +82,10 @@ def listen_overflows() -> int:
             fields = dict(zip(names.split()[1:], values.split()[1:], strict=True))
             return int(fields.get("ListenOverflows", 0))
     return 0
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (not idle, not waiting for I/O), all cores."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(value) for value in fields[:8]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS

@@ -38,6 +38,7 @@ ROWS: list[tuple[str, Callable[[Run], float], str]] = [
     ("server memory / peak open stream", lambda r: r["memory_per_open_stream_kib"], "{:.1f}"),
     ("server RSS at rest (MiB)", lambda r: r["rest_rss_kib"] / 1024, "{:.1f}"),
     ("client CPU µs / event", lambda r: r["client"]["client_us_per_event"], "{:.1f}"),
+    ("other load on the machine (cores)", lambda r: r["other_cores_during"], "{:.2f}"),
 ]
 
 

@@ -21,11 +21,19 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from procstats import cpu_seconds, listen_overflows, memory_kib, process_tree, raise_nofile
+from procstats import (
+    cpu_seconds,
+    listen_overflows,
+    machine_busy_seconds,
+    memory_kib,
+    process_tree,
+    raise_nofile,
+)
 from report import failure_notes, table
 from servers import HERE, SERVER_NAMES, Started, Variant, check_wire, started_server
 from workload import TOKENS, schedule, stream_seeds
@@ -35,6 +43,23 @@ from replystream.engine import GenerationRequest, SamplingParams, SimulatedConfi
 WARMUP_STREAMS = 20
 WARMUP_TOKENS = 5
 SETTLE_S = 0.5
+QUIET_CORES = 0.3
+
+
+async def other_load(seconds: float = 1.0) -> float:
+    """Cores busy on the whole machine over ``seconds`` (call it while the benchmark is idle)."""
+    before = machine_busy_seconds()
+    await asyncio.sleep(seconds)
+    return (machine_busy_seconds() - before) / seconds
+
+
+async def wait_quiet(limit_s: float) -> float:
+    """Wait up to ``limit_s`` for other work on the machine to fall below QUIET_CORES."""
+    load = await other_load()
+    deadline = time.monotonic() + limit_s
+    while load > QUIET_CORES and time.monotonic() < deadline:
+        load = await other_load()
+    return load
 
 
 async def run_client(url: str, seeds: list[int], max_tokens: int | None, timeout_s: float) -> Any:
@@ -52,19 +77,25 @@ async def run_client(url: str, seeds: list[int], max_tokens: int | None, timeout
     return json.loads(out)
 
 
-async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[str, Any]:
+async def measure(
+    server: Started, concurrency: int, timeout_s: float, quiet_s: float
+) -> dict[str, Any]:
     """Warm the server up, then run C streams and read its CPU and memory around them."""
     await check_wire(server)
-    load_before = os.getloadavg()[0]  # other work on the machine skews every number
     warm = await run_client(server.url, stream_seeds(WARMUP_STREAMS, 1), WARMUP_TOKENS, 30.0)
     if warm["failed"]:
         raise RuntimeError(f"{server.name} failed its warm-up: {warm['failures']}")
-    await asyncio.sleep(SETTLE_S)
+    # Other work on the machine skews every number: wait for quiet, and measure it anyway.
+    load_before = await wait_quiet(quiet_s) if quiet_s > 0 else await other_load(SETTLE_S)
     pids = process_tree(server.pid)
     rest_rss = memory_kib(pids, "VmRSS")
     cpu_before = cpu_seconds(pids)
     overflows_before = listen_overflows()
+    busy_before = machine_busy_seconds()
+    wall_before = time.perf_counter()
     client = await run_client(server.url, stream_seeds(concurrency), None, timeout_s)
+    wall = time.perf_counter() - wall_before
+    busy = machine_busy_seconds() - busy_before
     overflows = listen_overflows() - overflows_before
     pids_after = process_tree(server.pid)
     cpu = cpu_seconds(pids_after) - cpu_before
@@ -74,7 +105,9 @@ async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[s
     return {
         "concurrency": concurrency,
         "processes": len(pids_after),
-        "loadavg_1min_before": load_before,
+        "other_cores_before": load_before,
+        # Busy CPU on the machine not spent by the server or the load client, on average.
+        "other_cores_during": max(0.0, busy - cpu - client["client_cpu_s"]) / wall,
         "listen_overflows": overflows,
         "client": client,
         "server_cpu_s": cpu,
@@ -87,10 +120,12 @@ async def measure(server: Started, concurrency: int, timeout_s: float) -> dict[s
     }
 
 
-async def measure_variant(variant: Variant, concurrency: int, timeout_s: float) -> dict[str, Any]:
+async def measure_variant(
+    variant: Variant, concurrency: int, timeout_s: float, quiet_s: float
+) -> dict[str, Any]:
     """Start ``variant`` fresh, measure it at ``concurrency``, stop it; print a progress line."""
     async with started_server(variant.name, variant.workers) as server:
-        result = await measure(server, concurrency, timeout_s)
+        result = await measure(server, concurrency, timeout_s, quiet_s)
     result = {"server": variant.label, "name": variant.name, "workers": variant.workers, **result}
     client = result["client"]
     print(
@@ -158,6 +193,12 @@ async def main() -> int:
         help="replystream serve --workers N; several values measure each (1 2: one vs two)",
     )
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per run, from the burst")
+    parser.add_argument(
+        "--wait-quiet-s",
+        type=float,
+        default=20.0,
+        help=f"before each run, wait up to this long for other load below {QUIET_CORES} cores",
+    )
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     args = parser.parse_args()
     nofile = raise_nofile()  # children inherit it
@@ -173,7 +214,9 @@ async def main() -> int:
     try:
         for concurrency in args.concurrency:
             for variant in variants:
-                runs.append(await measure_variant(variant, concurrency, args.timeout_s))
+                runs.append(
+                    await measure_variant(variant, concurrency, args.timeout_s, args.wait_quiet_s)
+                )
     except RuntimeError as error:  # a server that did not start, died or wrote other bytes
         fatal = str(error)
     print(table(runs, labels, args.concurrency))
