@@ -49,8 +49,13 @@ class ReplyPipeline:
         for event_type, data in specs:
             seq = self.next_seq
             self.next_seq += 1
-            event_id = str(seq) if self.numbered else None
-            out.append(LogEntry(seq, encode_data(data, type=event_type, id=event_id)))
+            if self.numbered and event_type and "\n" not in data and "\r" not in data:
+                # The common one-line event, written directly (what encode_data would write).
+                frame = f"event: {event_type}\nid: {seq}\ndata: {data}\n\n".encode()
+            else:
+                event_id = str(seq) if self.numbered else None
+                frame = encode_data(data, type=event_type, id=event_id)
+            out.append(LogEntry(seq, frame))
         return out
 
     def start(self, reply_id: str) -> list[LogEntry]:

@@ -25,16 +25,17 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class StoreUnavailable(Exception):
     """The store cannot take or serve replies right now (e.g. Redis is down)."""
 
 
-@dataclass(frozen=True, slots=True)
-class LogEntry:
-    """One event of a reply: its sequence number and its encoded bytes (``id:`` included)."""
+class LogEntry(NamedTuple):
+    """One event of a reply: its sequence number and its encoded bytes (``id:`` included).
+
+    A NamedTuple (immutable, and cheap to make: one is made per event)."""
 
     seq: int
     frame: bytes

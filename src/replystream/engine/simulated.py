@@ -178,6 +178,7 @@ class SimulatedStream:
         self._next = 0
         self._ended = False
         self._sink: DeltaSink | None = None
+        self._fail_at = engine.config.fail_after
 
     def _finish(self, outcome: str) -> None:
         if not self._ended:
@@ -239,7 +240,7 @@ class SimulatedStream:
         sink = self._sink
         if self._ended or sink is None:
             return None
-        if self._fails_now():
+        if self._fail_at == self._next:
             self._finish("failed")
             sink.on_end(self._failure())
             return None

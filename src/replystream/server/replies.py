@@ -120,9 +120,10 @@ class Reply:
     def _append(self, entries: list[LogEntry]) -> None:
         if entries:
             self.store.append(self.reply_id, entries)
-            for sink in list(self.sinks):
+            # Neither a push nor a hook changes these sets (readers leave from their own task).
+            for sink in self.sinks:
                 sink.push(entries)
-            for hook in list(self.hooks):
+            for hook in self.hooks:
                 hook()
 
     def _flush_window(self) -> None:

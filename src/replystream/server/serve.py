@@ -21,6 +21,11 @@ from aiohttp import web
 
 log = logging.getLogger("replystream.server")
 
+# Connections the kernel queues before we accept them. aiohttp's default (128) re-listens the
+# socket with a small queue, and a burst of thousands of clients then overflows it: their
+# SYNs are dropped and retried a second later.
+LISTEN_BACKLOG = 4096
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port``; port 0 lets the kernel pick a free one."""
@@ -30,7 +35,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(address)
-    sock.listen(4096)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -75,7 +80,7 @@ async def serving(
     await runner.setup()
     sock = sock if sock is not None else bind_socket(host, port)
     try:
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)
         await site.start()
         bound_host, bound_port = sock.getsockname()[:2]
         shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
