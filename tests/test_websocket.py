@@ -9,7 +9,7 @@ import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from replystream.server.app import METRICS_KEY, ServerConfig
+from replystream.server.app import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.sse_client import post_events
 
@@ -219,3 +219,16 @@ async def test_a_reply_cancelled_while_being_admitted_still_ends_with_an_error_m
     assert [m["type"] for m in messages] == ["reply", "error"]
     assert messages[-1]["data"]["error"]["code"] == "cancelled"
     assert engine.stats().steps == 0
+
+
+async def test_a_long_reply_nobody_may_resume_does_not_keep_its_log_while_read():
+    engine = fast_engine(delay_ms=2, jitter_ms=0)
+    app = create_app(engine)
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "long", "prompt": "x"})
+            tokens = 0
+            while tokens < 100:
+                tokens += (await ws.receive_json())["type"] == "token"
+            assert app[LOCAL_STORE_KEY].stats().entries < 40
+            assert (await read_until_ended(ws, {"long"}))[-1]["type"] == "done"

@@ -260,6 +260,8 @@ class Session:
                 if sum(len(e.frame) for e in result.entries) > policy.slow_client_bytes:
                     raise _SlowClient(f"more than {policy.slow_client_bytes} bytes behind")
                 after = await self._forward(tag, reply, parser, result, after)
+                if result.entries:
+                    reply.consumed(after)  # a log nobody may resume need not keep what was sent
                 if result.ending is not None:
                     return
                 if result.producer_lost:
