@@ -10,6 +10,7 @@ import pytest
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.app import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
+from replystream.server.websocket import Session
 from tests.conftest import fast_engine, wait_for
 from tests.sse_client import post_events
 
@@ -232,3 +233,23 @@ async def test_a_long_reply_nobody_may_resume_does_not_keep_its_log_while_read()
                 tokens += (await ws.receive_json())["type"] == "token"
             assert app[LOCAL_STORE_KEY].stats().entries < 40
             assert (await read_until_ended(ws, {"long"}))[-1]["type"] == "done"
+
+
+async def test_a_failure_inside_one_reply_leaves_the_socket_and_other_replies_alone(monkeypatch):
+    forward = Session._forward
+
+    async def failing_forward(self, tag, reply, parser, result, after):
+        if tag == "boom":
+            raise RuntimeError("injected")
+        return await forward(self, tag, reply, parser, result, after)
+
+    monkeypatch.setattr(Session, "_forward", failing_forward)
+    engine = fast_engine()
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "boom", "prompt": "x"})
+            await ws.send_json({"type": "reply", "id": "fine", "prompt": "x", "max_tokens": 3})
+            messages = await read_until_ended(ws, {"boom", "fine"})
+    assert of(messages, "boom")[-1]["data"]["error"]["code"] == "internal_error"
+    assert of(messages, "fine")[-1]["type"] == "done"
+    await wait_for(lambda: engine.stats().active == 0)

@@ -239,6 +239,11 @@ class Session:
                 await asyncio.sleep(0)
                 reply.stop("cancelled")
             await self._follow(tag, reply, ask.policy)
+        except (_SlowClient, ConnectionError):
+            raise  # the socket itself is done for: every reply on it ends
+        except Exception:  # a bug in one reply must not take the others down with it
+            log.exception("reply %s on a websocket failed", tag)
+            await self.send_error(tag, "internal error", "internal_error")
         finally:
             self.running.pop(tag, None)
 
