@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -50,7 +49,13 @@ from replystream.server.openai_requests import (
 SDK_KEEPALIVE = b": keep-alive\n"
 STARTED_AT = web.AppKey("openai_started_at", int)
 
-Parse = Callable[..., CompletionAsk]
+
+class Parse(Protocol):
+    """A body validator: ``parse_chat_request`` or ``parse_completion_request``."""
+
+    def __call__(
+        self, body: dict[str, Any], *, model: str, defaults: DeliveryPolicy, max_prompt_chars: int
+    ) -> CompletionAsk: ...
 
 
 def served_model(app: web.Application) -> str:
@@ -133,7 +138,7 @@ async def _complete(request: web.Request, kind: Kind, parse: Parse) -> web.Strea
     created = int(time.time())
     if not ask.stream:
         return await _buffered(request, kind, ask, model, created)
-    policy: DeliveryPolicy = ask.policy
+    policy = ask.policy
     resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
     reply = await start_reply(
         request,
