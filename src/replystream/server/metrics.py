@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -166,6 +166,19 @@ class Metrics:
         self.tokens = Counter(
             "replystream_tokens_generated", "Tokens the engine made.", ["endpoint"], registry=r
         )
+        self._states: dict[str, Gauge] = {}
+
+    def state(
+        self, name: str, documentation: str, read: Callable[[], float], **labels: str
+    ) -> None:
+        """A gauge read from ``read`` when scraped: what the process holds right now (tasks,
+        files, KV blocks, reply logs), never updated per event."""
+        gauge = self._states.get(name)
+        if gauge is None:
+            gauge = self._states[name] = Gauge(
+                name, documentation, sorted(labels), registry=self.registry
+            )
+        (gauge.labels(**labels) if labels else gauge).set_function(read)
 
     def record(self, endpoint: str, *, streamed: bool) -> ReplyRecord:
         """A new reply's record, wired to the per-token histogram."""

@@ -1,0 +1,99 @@
+"""Gauges of what the server process holds right now, read when ``/metrics`` is scraped.
+
+A long run that leaks shows here first: asyncio tasks and file descriptors that outlive their
+replies, KV blocks nobody frees, reply logs nobody drops. Each gauge is computed on scrape
+from the owner's own ``stats()`` (or the interpreter's), so nothing is touched per event.
+This file must not know how tokens are made: an engine's KV pool is read only if it offers
+``scheduler_stats()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from aiohttp import web
+
+from replystream.delivery.replay import ReplayStore
+from replystream.engine.scheduler import SchedulerStats
+from replystream.server.app import (
+    ENGINE_KEY,
+    LOCAL_STORE_KEY,
+    MANAGER_KEY,
+    METRICS_KEY,
+    STORE_KEY,
+)
+
+_FD_DIR = "/proc/self/fd"
+
+
+@runtime_checkable
+class PagedEngine(Protocol):
+    """An engine with a paged KV cache that reports its pool (the tiny engine)."""
+
+    def scheduler_stats(self) -> SchedulerStats: ...
+
+
+def open_tasks() -> float:
+    """asyncio tasks not yet done in this thread's running loop (0 outside a loop)."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return 0
+
+
+def open_fds() -> float:
+    """File descriptors open in this process (NaN where ``/proc`` does not list them)."""
+    try:
+        # The directory listing holds one descriptor of its own while it runs.
+        return len(os.listdir(_FD_DIR)) - 1
+    except OSError:
+        return float("nan")
+
+
+def add_state_gauges(app: web.Application) -> None:
+    """Register the process-state gauges of ``app`` on its metrics registry."""
+    metrics = app[METRICS_KEY]
+    engine = app[ENGINE_KEY]
+    manager = app[MANAGER_KEY]
+    metrics.state("replystream_open_tasks", "asyncio tasks alive in this process.", open_tasks)
+    metrics.state("replystream_open_fds", "File descriptors open in this process.", open_fds)
+    metrics.state(
+        "replystream_replies_in_flight",
+        "Replies being produced or collected (streamed and buffered).",
+        lambda: len(manager),
+    )
+    metrics.state(
+        "replystream_open_readers",
+        "Connections following a reply log.",
+        lambda: len(manager.readers),
+    )
+    metrics.state(
+        "replystream_engine_requests",
+        "Requests the engine holds, queued or running.",
+        lambda: engine.stats().active,
+    )
+    if isinstance(engine, PagedEngine):
+        paged = engine
+        metrics.state(
+            "replystream_kv_blocks_used",
+            "KV cache blocks held by requests.",
+            lambda: paged.scheduler_stats().kv.used_blocks,
+        )
+    local = app[LOCAL_STORE_KEY]
+    stores: list[tuple[str, ReplayStore]] = [("local", local)]
+    if app[STORE_KEY] is not local:  # else one store serves both
+        stores.append(("resumable", app[STORE_KEY]))
+    for label, store in stores:
+        metrics.state(
+            "replystream_reply_logs",
+            "Reply logs kept (live, or ended and not yet expired or dropped).",
+            _log_count(store),
+            store=label,
+        )
+
+
+def _log_count(store: ReplayStore) -> Callable[[], float]:
+    return lambda: store.stats().replies

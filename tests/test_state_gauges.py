@@ -1,0 +1,35 @@
+import re
+
+from replystream.engine.tiny import TinyEngineConfig, load_default_engine
+from replystream.server import create_app, running
+from replystream.server.state import add_state_gauges
+from tests.conftest import wait_for
+from tests.rawhttp import raw_request
+
+
+def gauge(metrics: bytes, name: str) -> float:
+    found = re.search(rb"^%s ([0-9.e+-]+)$" % name.encode(), metrics, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))
+
+
+async def test_state_gauges_return_to_zero_after_a_reply_is_abandoned():
+    engine = load_default_engine(TinyEngineConfig(num_blocks=64))
+    app = create_app(engine)
+    add_state_gauges(app)
+    async with running(app) as url:
+        response = await raw_request(f"{url}/stream?max_tokens=200")
+        await response.reader.readuntil(b"\n\n")  # the reply event
+        await response.reader.readuntil(b"\n\n")  # the first token
+        during = await (await raw_request(f"{url}/metrics")).read_body()
+        await response.aclose()
+        await wait_for(lambda: engine.stats().active == 0)
+        after = await (await raw_request(f"{url}/metrics")).read_body()
+    assert gauge(during, "replystream_kv_blocks_used") > 0
+    assert gauge(during, "replystream_replies_in_flight") == 1
+    assert gauge(after, "replystream_kv_blocks_used") == 0
+    assert gauge(after, "replystream_replies_in_flight") == 0
+    assert gauge(after, "replystream_open_readers") == 0
+    assert gauge(after, 'replystream_reply_logs{store="local"}') == 0
+    assert gauge(after, "replystream_open_tasks") >= 1
+    assert gauge(after, "replystream_open_fds") > 0
