@@ -1,0 +1,93 @@
+"""An engine that says exactly what a test tells it to: one delta per scripted piece of text.
+
+A test sets the script (`ScriptedEngine.say`, or `say_bytes` for the raw bytes of a
+byte-level tokenizer) before each request; every reply started after that replays it. It
+implements the `Engine` protocol and nothing more: no timing, no sampling, no prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+from collections.abc import AsyncGenerator, Iterable
+
+from replystream.engine.base import Delta, DeltaStream, EngineStats, GenerationRequest
+from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
+
+
+class _PieceTokenizer(ByteTokenizer):
+    """A byte-level vocabulary whose token ``i`` is ``pieces[i]`` (no trained BPE needed)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:  # no super(): there is no tokenizer.json
+        self._bytes = pieces
+
+
+def detokenize(pieces: Iterable[bytes]) -> list[str]:
+    """The texts the built-in engine's detokenizer makes of byte-level tokens, one per token.
+
+    It runs the real `IncrementalDetokenizer`: a token ending inside a multi-byte character
+    gives ``""`` until the character completes; invalid UTF-8 becomes U+FFFD (Python's
+    ``errors="replace"``: one U+FFFD per maximal invalid subsequence); and, as the runner
+    does, the last token's text also carries the flush of whatever is still held.
+    """
+    vocab = list(pieces)
+    detokenizer = IncrementalDetokenizer(_PieceTokenizer(vocab))
+    texts = [detokenizer.push(token_id) for token_id in range(len(vocab))]
+    if texts:
+        texts[-1] += detokenizer.flush()
+    return texts
+
+
+def decoded(pieces: Iterable[bytes]) -> str:
+    """What the client must read for byte-level tokens: all their bytes, decoded at once."""
+    return codecs.decode(b"".join(pieces), "utf-8", errors="replace")
+
+
+class ScriptedEngine:
+    """Replays the current script: one `Delta` per piece, the last with ``finish_reason``."""
+
+    name = "scripted"
+
+    def __init__(self, texts: Iterable[str] = ()) -> None:
+        self._script: tuple[str, ...] = tuple(texts)
+        self._counts = dict.fromkeys(("started", "finished", "cancelled", "failed"), 0)
+        self._active = 0
+        self._steps = 0
+
+    def say(self, texts: Iterable[str]) -> None:
+        """Every reply started from now on makes exactly these deltas' texts."""
+        self._script = tuple(texts)
+
+    def say_bytes(self, pieces: Iterable[bytes]) -> None:
+        """Like `say`, for byte-level tokens detokenized as the built-in engine does."""
+        self.say(detokenize(pieces))
+
+    async def start(self, request: GenerationRequest) -> DeltaStream:
+        self._counts["started"] += 1
+        return self._generate(self._script)
+
+    async def _generate(self, script: tuple[str, ...]) -> AsyncGenerator[Delta, None]:
+        self._active += 1
+        finished = False
+        try:
+            for index, text in enumerate(script):
+                # Yield to the loop between tokens, as a real engine does, so events are
+                # written (and may be split by TCP) while the reply is still being made.
+                await asyncio.sleep(0)
+                self._steps += 1
+                last = index == len(script) - 1
+                yield Delta(text, 1, time.monotonic(), "stop" if last else None)
+            finished = True
+        finally:
+            self._active -= 1
+            self._counts["finished" if finished else "cancelled"] += 1
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def stats(self) -> EngineStats:
+        return EngineStats(active=self._active, steps=self._steps, **self._counts)
+
+    async def aclose(self) -> None:
+        return None
