@@ -253,3 +253,11 @@ async def test_a_failure_inside_one_reply_leaves_the_socket_and_other_replies_al
     assert of(messages, "boom")[-1]["data"]["error"]["code"] == "internal_error"
     assert of(messages, "fine")[-1]["type"] == "done"
     await wait_for(lambda: engine.stats().active == 0)
+
+
+async def test_a_plain_get_is_a_400_in_the_error_shape():
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/v1/ws") as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+    assert error["code"] == "upgrade_required" and error["type"] == "invalid_request_error"

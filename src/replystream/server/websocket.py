@@ -311,6 +311,10 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(
         heartbeat=config.policy.keepalive_s, max_msg_size=config.max_body_bytes
     )
+    if not ws.can_prepare(request).ok:
+        raise HTTPAPIError(
+            400, "GET /v1/ws is a WebSocket: send an Upgrade request", code="upgrade_required"
+        )
     await ws.prepare(request)
     session = Session(request, ws)
     ring = request.get(AUTH_PENDING)
