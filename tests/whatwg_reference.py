@@ -46,6 +46,8 @@ class Interpretation:
     last_event_id_buffer: str = ""
     last_event_id_string: str = ""
     reconnection_time: int | None = None
+    # End of file found a partial line, or field lines (not comments) without their blank line.
+    discarded_incomplete: bool = False
 
 
 def utf8_decode(stream: bytes) -> str:
@@ -137,7 +139,10 @@ def interpret(stream: bytes) -> Interpretation:
     result = Interpretation()
     data_buffer = ""
     event_type_buffer = ""
-    for line in lines_of(utf8_decode(stream)):
+    text = utf8_decode(stream)
+    pending = False
+    for line in lines_of(text):
+        pending = line != "" and (pending or line[0] != ":")
         if line == "":
             # Dispatch the event.
             result.last_event_id_string = result.last_event_id_buffer
@@ -173,7 +178,31 @@ def interpret(stream: bytes) -> Interpretation:
                     result.reconnection_time = _base_ten(value)
         # Any other field name is ignored.
     # End of file: pending data (an event without its blank line, a partial line) is discarded.
+    result.discarded_incomplete = pending or after_last_line_end(text) != ""
     return result
+
+
+def after_last_line_end(text: str) -> str:
+    """The characters after the last CR or LF: a line not (yet) ended."""
+    return text[max(text.rfind(CR), text.rfind(LF)) + 1 :]
+
+
+def pending_peaks(stream: bytes) -> tuple[int, int]:
+    """The largest "data buffer plus line being read", in characters, over complete lines and
+    then with the final partial line too: what `EventParser`'s ``max_event_size`` bounds.
+
+    Not part of the standard (which sets no limit); measured here on the standard's lines.
+    """
+    text = utf8_decode(stream)
+    data_size = peak = 0
+    for line in lines_of(text):
+        peak = max(peak, data_size + len(line))
+        if line == "":
+            data_size = 0
+        elif line.startswith("data:") or line == "data":
+            value = line[5:]
+            data_size += len(value[1:] if value[:1] == " " else value) + 1  # value and its LF
+    return peak, max(peak, data_size + len(after_last_line_end(text)))
 
 
 def _base_ten(digits: str) -> int:
