@@ -3,6 +3,7 @@ slow clients, compression, cancellation and metrics."""
 
 import asyncio
 import gzip
+import json
 import re
 from functools import partial
 
@@ -52,6 +53,17 @@ async def test_banned_phrase_across_tokens_and_batches_is_never_sent(
     # With a window at least as long as the phrase, no part of it leaves.
     if holdback >= 3:
         assert sent == REPLY[: REPLY.index(phrase)]
+
+
+async def test_buffered_reply_never_contains_any_part_of_a_phrase_across_tokens():
+    engine = fast_engine(reply_text=REPLY)
+    async with serve(engine, checks=(BannedPhrases(["rocket at dawn"]),)) as url:
+        response = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt": "x", "stream": false}'
+        )
+        body = json.loads(await response.read_body())
+    assert body["text"] == "we will now launch the "
+    assert body["finish_reason"] == "moderated"
 
 
 async def test_buffered_reply_is_checked_too():

@@ -60,6 +60,17 @@ from replystream.engine.base import (
 from replystream.server.auth import OWNER, api_key_middleware
 from replystream.server.buffered import buffered_reply
 from replystream.server.errors import HTTPAPIError, error_response
+from replystream.server.guard import (
+    GUARD_KEY,
+    REPLY_ID,
+    ClientGate,
+    GuardConfig,
+    client_limits,
+    cors_preflight,
+    mark_started,
+    request_ids,
+    stamp_response,
+)
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.native import parse_reply_request, read_json_object
 from replystream.server.pages import add_page_routes
@@ -83,6 +94,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     model_name: str | None = None  # the model the OpenAI routes serve (None: the engine's name)
     ws_max_replies: int = 8  # replies one WebSocket may run at once
+    guard: GuardConfig = field(default_factory=GuardConfig)  # per-client limits, CORS, timeouts
+    max_header_bytes: int = 8190  # one request line or header field at most
 
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -213,6 +226,7 @@ async def follow_reply(
     keepalive: bytes = KEEPALIVE,
 ) -> web.StreamResponse:
     """Stream a reply's log to this connection, from after event ``after``."""
+    request[REPLY_ID] = reply_id
     response = web.StreamResponse(headers={**SSE_HEADERS, "X-Reply-Id": reply_id})
     reader = LogReader(
         request=request,
@@ -438,9 +452,24 @@ def create_app(
 
     config = config or ServerConfig()
     auth = [api_key_middleware(config.api_keys)] if config.api_keys else []
+    guard = config.guard
+    gate = ClientGate(guard.max_concurrent, guard.per_minute)
+    # Outermost first: the request id covers everything; CORS preflights are answered before
+    # auth; limits count per API key, so they run after auth has named the caller.
     app = web.Application(
-        middlewares=[compress_documents, api_errors, *auth], client_max_size=config.max_body_bytes
+        middlewares=[
+            request_ids,
+            mark_started,
+            cors_preflight(guard.cors_origins),
+            compress_documents,
+            api_errors,
+            *auth,
+            client_limits(gate),
+        ],
+        client_max_size=config.max_body_bytes,
     )
+    app[GUARD_KEY] = guard
+    app.on_response_prepare.append(stamp_response)
     local_store = MemoryReplayStore()
     metrics = Metrics()
     app[ENGINE_KEY] = engine

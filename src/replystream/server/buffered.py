@@ -27,6 +27,8 @@ from replystream.server.replies import ReplyManager, close_quietly
 
 log = logging.getLogger("replystream.buffered")
 
+WHOLE_REPLY = 1 << 30  # a hold-back window longer than any reply
+
 BodyFn = Callable[[str, str, Usage], dict[str, Any]]
 ModeratedFn = Callable[[str, Violation], dict[str, Any]]
 
@@ -47,7 +49,9 @@ async def buffered_reply(
     text, violation)`` a reply a check stopped. A failure is a 500, a shutdown a 503.
     """
     channel = DeltaChannel()
-    holdback = HoldBack(0, checks)
+    # Nothing leaves before the end, so every token stays held: a phrase whose start came
+    # tokens before its end is cut from its start, as a stream's window would if it were long.
+    holdback = HoldBack(WHOLE_REPLY, checks)
     parts: list[str] = []
     finish_reason = "stop"
     item: Delta | End | object = None

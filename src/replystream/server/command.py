@@ -25,7 +25,9 @@ from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server import engine_options
 from replystream.server.app import ServerConfig, create_app
 from replystream.server.auth import collect_keys
+from replystream.server.guard import GuardConfig
 from replystream.server.serve import run_workers, serve_forever
+from replystream.server.state import add_state_gauges
 
 log = logging.getLogger("replystream.serve")
 
@@ -60,6 +62,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=server.shutdown_grace_s,
         help="on SIGTERM, how long replies in flight may take to finish",
+    )
+
+    limits = parser.add_argument_group("client limits (0 turns a limit off)")
+    guard = GuardConfig()
+    limits.add_argument(
+        "--max-concurrent-per-client",
+        type=int,
+        default=guard.max_concurrent,
+        help="open requests per API key (or per address with auth off); more get 429",
+    )
+    limits.add_argument(
+        "--requests-per-minute",
+        type=int,
+        default=guard.per_minute,
+        help="requests per API key (or address) per minute; more get 429 with Retry-After",
+    )
+    limits.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=guard.header_timeout_s,
+        help="close a connection whose first request headers take longer",
+    )
+    limits.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=guard.body_timeout_s,
+        help="answer 408 when a request body takes longer",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=server.max_header_bytes,
+        help="longest request line or header field",
+    )
+    limits.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser pages from this origin (repeatable; * for any)",
     )
 
     api = parser.add_argument_group("OpenAI-compatible API, WebSocket and API keys")
@@ -305,6 +347,25 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         ws_max_replies=args.ws_max_replies,
         resumable_by_default=args.resumable_by_default,
         detach_grace_s=args.detach_grace_s,
+        max_header_bytes=args.max_header_bytes,
+        guard=build_guard(args),
+    )
+
+
+def build_guard(args: argparse.Namespace) -> GuardConfig:
+    """Per-client limits from the command line; raises ValueError on bad values."""
+    if min(args.max_concurrent_per_client, args.requests_per_minute) < 0:
+        raise ValueError("client limits must be >= 0 (0 turns a limit off)")
+    if min(args.header_timeout_s, args.body_timeout_s) <= 0:
+        raise ValueError("--header-timeout-s and --body-timeout-s must be positive")
+    if args.max_header_bytes < 256:
+        raise ValueError("--max-header-bytes must be at least 256")
+    return GuardConfig(
+        max_concurrent=args.max_concurrent_per_client,
+        per_minute=args.requests_per_minute,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        cors_origins=tuple(args.cors_origin),
     )
 
 
@@ -342,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, config, store)
+    add_state_gauges(app)
     sock = None
     if args.listen_fd is not None:
         sock = socket.socket(fileno=args.listen_fd)

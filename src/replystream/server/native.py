@@ -22,6 +22,7 @@ from aiohttp import web
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.server.errors import HTTPAPIError
+from replystream.server.guard import read_body
 from replystream.server.replies import Disconnect
 
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
@@ -61,7 +62,7 @@ def _bad(param: str, message: str) -> HTTPAPIError:
 
 async def read_json_object(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.read()
+    raw = await read_body(request)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

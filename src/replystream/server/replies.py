@@ -69,6 +69,7 @@ class Reply:
     _window_timer: asyncio.TimerHandle | None = None
     _stopping: EngineError | str | None = None  # why production ended ("finished", ...)
     _pushed_done: asyncio.Future[None] | None = None
+    _started: bool = False
     _detach_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -79,8 +80,11 @@ class Reply:
         """Stop generating; the producer ends the log with an event that says why."""
         if self.live and self.stop_reason is None:
             self.stop_reason = reason
-            assert self.task is not None
-            self.task.cancel()
+            # A task cancelled before it first runs never enters ``produce`` (nor its
+            # ``finally``); one that has not started sees ``stop_reason`` as it starts.
+            if self._started:
+                assert self.task is not None
+                self.task.cancel()
 
     def reader_joined(self) -> None:
         self.readers += 1
@@ -184,8 +188,11 @@ class Reply:
         pipeline, record = self.pipeline, self.record
         outcome: Outcome = "cancelled"
         ending = "cancelled"
+        self._started = True
         try:
             self._append(pipeline.start(self.reply_id))
+            if self.stop_reason is not None:
+                raise asyncio.CancelledError  # stopped before it began: end like any stop
             await self._run_engine()
             if self._stopping == "moderated":
                 assert pipeline.violation is not None

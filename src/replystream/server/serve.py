@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from replystream.server.guard import GuardedSockSite
+
 log = logging.getLogger("replystream.server")
 
 # Connections the kernel queues before we accept them. aiohttp's default (128) re-listens the
@@ -76,11 +78,25 @@ async def serving(
     another process opened (``--workers``); clean up on exit."""
     # handler_cancellation: a client that disconnects cancels its handler, which is how a
     # buffered request learns to stop generating (a streamed one also sees failed writes).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    from replystream.server.app import CONFIG_KEY
+
+    config = app.get(CONFIG_KEY)
+    header_bytes = 8190 if config is None else config.max_header_bytes
+    header_timeout_s = 10.0 if config is None else config.guard.header_timeout_s
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=5.0,
+        max_line_size=header_bytes,
+        max_field_size=header_bytes,
+    )
     await runner.setup()
     sock = sock if sock is not None else bind_socket(host, port)
     try:
-        site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)
+        site = GuardedSockSite(
+            runner, sock, header_timeout_s=header_timeout_s, backlog=LISTEN_BACKLOG
+        )
         await site.start()
         bound_host, bound_port = sock.getsockname()[:2]
         shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host

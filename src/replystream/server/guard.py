@@ -1,0 +1,251 @@
+"""Limits for clients that misbehave: too many requests, slow requests, foreign origins.
+
+This file decides who may send how much, and stamps every response with a request id that
+also names it in the server's structured access log. Identity is the API key's digest when
+auth is on (``request[OWNER]``), else the peer address. It must not know about replies.
+
+- ``ClientGate``: at most ``max_concurrent`` open requests and ``per_minute`` requests (a
+  token bucket) per identity; a refusal is ``429`` with ``Retry-After``.
+- Slow clients before the handler: a connection that has not finished its first request's
+  headers within ``header_timeout_s`` is closed (``GuardedSockSite``); a request body that
+  does not arrive within ``body_timeout_s`` is a ``408`` (``read_body``).
+- CORS: origins on the allow-list get the headers the chat page needs; others get none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import secrets
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from replystream.server.auth import OWNER
+from replystream.server.errors import HTTPAPIError, error_response
+
+access_log = logging.getLogger("replystream.access")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+LIMITED_PREFIXES = ("/v1/", "/wait", "/stream")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    """Client limits; 0 turns a limit off."""
+
+    max_concurrent: int = 0
+    per_minute: int = 0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    cors_origins: tuple[str, ...] = ()
+
+
+GUARD_KEY = web.AppKey("guard", GuardConfig)
+REQUEST_ID = web.RequestKey("request_id", str)
+REPLY_ID = web.RequestKey("reply_id", str)  # set by routes that start or follow a reply
+
+
+class ClientGate:
+    """Open requests and a request-rate bucket per identity."""
+
+    def __init__(self, max_concurrent: int, per_minute: int) -> None:
+        self.max_concurrent = max_concurrent
+        self.per_minute = per_minute
+        self.open: dict[str, int] = {}
+        self._buckets: dict[str, tuple[float, float]] = {}  # identity -> (tokens, at)
+        self._admits = 0
+
+    def admit(self, identity: str, now: float) -> float | None:
+        """None if the request may go on (and is counted open), else seconds to wait."""
+        if self.max_concurrent and self.open.get(identity, 0) >= self.max_concurrent:
+            return 1.0
+        if self.per_minute:
+            rate = self.per_minute / 60.0
+            tokens, at = self._buckets.get(identity, (float(self.per_minute), now))
+            tokens = min(float(self.per_minute), tokens + (now - at) * rate)
+            if tokens < 1.0:
+                return (1.0 - tokens) / rate
+            self._buckets[identity] = (tokens - 1.0, now)
+            self._admits += 1
+            if self._admits % 1024 == 0:
+                self._forget_full_buckets(now)
+        self.open[identity] = self.open.get(identity, 0) + 1
+        return None
+
+    def release(self, identity: str) -> None:
+        left = self.open.get(identity, 0) - 1
+        if left > 0:
+            self.open[identity] = left
+        else:
+            self.open.pop(identity, None)
+
+    def _forget_full_buckets(self, now: float) -> None:
+        # A bucket that has refilled completely carries no state worth keeping.
+        full_after = 60.0
+        for identity, (_, at) in list(self._buckets.items()):
+            if now - at >= full_after:
+                del self._buckets[identity]
+
+
+def identity_of(request: web.Request) -> str:
+    owner = request.get(OWNER)
+    if owner:
+        return f"key:{owner}"
+    return f"addr:{request.remote or 'unknown'}"
+
+
+def client_limits(gate: ClientGate) -> Middleware:
+    """Middleware refusing requests over the per-identity limits with ``429``."""
+
+    @web.middleware
+    async def limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith(LIMITED_PREFIXES):
+            return await handler(request)
+        identity = identity_of(request)
+        wait = gate.admit(identity, time.monotonic())
+        if wait is not None:
+            response = error_response(
+                429, "too many requests from this client; retry later", code="rate_limited"
+            )
+            response.headers["Retry-After"] = str(max(1, math.ceil(wait)))
+            return response
+        try:
+            return await handler(request)
+        finally:
+            gate.release(identity)
+
+    return limit
+
+
+@web.middleware
+async def request_ids(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give every request an id (the client's ``X-Request-Id`` if sane) and log it once."""
+    given = request.headers.get("X-Request-Id", "")
+    request_id = given if _REQUEST_ID.match(given) else secrets.token_hex(8)
+    request[REQUEST_ID] = request_id
+    started = time.monotonic()
+    status: int | str = "client_gone"
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        access_log.info(
+            "%s",
+            json.dumps(
+                {
+                    "request_id": request_id,
+                    "method": request.method,
+                    "path": request.path,
+                    "status": status,
+                    "ms": round((time.monotonic() - started) * 1000.0, 1),
+                    "client": request.remote,
+                    "reply_id": request.get(REPLY_ID),
+                }
+            ),
+        )
+
+
+def cors_preflight(origins: Sequence[str]) -> Middleware:
+    """Middleware answering CORS preflights for allowed origins (others get no CORS headers)."""
+
+    @web.middleware
+    async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            if origin is None or not _allowed(origin, origins):
+                return error_response(403, "origin not allowed", code="cors_forbidden")
+            return web.Response(
+                status=204,
+                headers={
+                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": "Authorization, Content-Type, "
+                    "Last-Event-ID, X-Request-Id",
+                    "Access-Control-Max-Age": "600",
+                },
+            )
+        return await handler(request)
+
+    return preflight
+
+
+def _allowed(origin: str, origins: Sequence[str]) -> bool:
+    return "*" in origins or origin in origins
+
+
+async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
+    """Before headers leave (streams included): the request id and CORS headers."""
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers["X-Request-Id"] = request_id
+    origin = request.headers.get("Origin")
+    origins = request.app[GUARD_KEY].cors_origins
+    if origin is not None and origins and _allowed(origin, origins):
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = "X-Reply-Id, X-Request-Id"
+        response.headers["Vary"] = "Origin"
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, or a ``408`` if it does not arrive within the body timeout."""
+    timeout = request.app[GUARD_KEY].body_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise HTTPAPIError(
+            408, f"the request body did not arrive within {timeout:g} s", code="body_timeout"
+        ) from None
+
+
+# Transports that have finished a request's headers (a request reached the application).
+_STARTED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+
+
+@web.middleware
+async def mark_started(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.transport is not None:
+        _STARTED.add(request.transport)
+    return await handler(request)
+
+
+class GuardedSockSite(web.SockSite):
+    """A site that closes connections whose first request's headers take too long."""
+
+    def __init__(
+        self, runner: web.BaseRunner, sock: object, *, header_timeout_s: float, backlog: int
+    ) -> None:
+        super().__init__(runner, sock, backlog=backlog)  # type: ignore[arg-type]
+        self._header_timeout_s = header_timeout_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        timeout = self._header_timeout_s
+
+        def protocol() -> asyncio.Protocol:
+            handler = server()
+            loop.call_later(timeout, _close_if_silent, handler)
+            return handler
+
+        self._server = await loop.create_server(protocol, sock=self._sock, backlog=self._backlog)
+
+
+def _close_if_silent(handler: asyncio.Protocol) -> None:
+    transport = getattr(handler, "transport", None)
+    if transport is not None and not transport.is_closing() and transport not in _STARTED:
+        transport.close()

@@ -1,0 +1,176 @@
+"""Abusive clients get limits, not crashes: rates, concurrency, slow requests, CORS, ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from urllib.parse import urlsplit
+
+import pytest
+
+from replystream.engine.base import GenerationRequest
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from replystream.server.guard import GuardConfig
+from tests.conftest import fast_engine
+from tests.rawhttp import raw_request
+
+
+def serve_with(guard: GuardConfig, **config: object):
+    return running(create_app(fast_engine(), ServerConfig(guard=guard, **config)))  # type: ignore[arg-type]
+
+
+async def test_requests_over_the_rate_get_429_with_retry_after():
+    async with serve_with(GuardConfig(per_minute=3)) as url:
+        statuses = []
+        for _ in range(4):
+            response = await raw_request(f"{url}/wait?max_tokens=1")
+            body = await response.read_body()
+            statuses.append(response.status)
+        assert statuses == [200, 200, 200, 429]
+        assert int(response.headers["retry-after"]) >= 1
+        assert json.loads(body)["error"]["code"] == "rate_limited"
+        health = await raw_request(f"{url}/healthz")  # not limited: operators must see in
+        assert health.status == 200
+        await health.read_body()
+
+
+async def test_open_requests_per_client_are_capped_and_freed_when_they_end():
+    async with serve_with(GuardConfig(max_concurrent=2)) as url:
+        first = await raw_request(f"{url}/stream")
+        second = await raw_request(f"{url}/stream")
+        third = await raw_request(f"{url}/stream")
+        assert (first.status, second.status, third.status) == (200, 200, 429)
+        await third.read_body()
+        await first.read_body()  # the first stream ends: its slot is free again
+        fourth = await raw_request(f"{url}/stream?max_tokens=2")
+        assert fourth.status == 200
+        await fourth.read_body()
+        await second.aclose()
+
+
+async def test_limits_count_per_api_key_not_per_address():
+    config = {"api_keys": ("key-a", "key-b")}
+    async with serve_with(GuardConfig(per_minute=1), **config) as url:
+
+        async def status(key: str) -> int:
+            response = await raw_request(
+                f"{url}/v1/replies",
+                "POST",
+                b'{"prompt": "x", "max_tokens": 1, "stream": false}',
+                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            )
+            await response.read_body()
+            return response.status
+
+        assert [await status("key-a"), await status("key-b")] == [200, 200]
+        assert await status("key-a") == 429
+
+
+async def test_a_connection_that_never_finishes_its_headers_is_closed():
+    app = create_app(fast_engine(), ServerConfig(guard=GuardConfig(header_timeout_s=0.3)))
+    async with running(app) as url:
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.write(b"GET /wait HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and then nothing
+        await writer.drain()
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # closed by the server
+        writer.close()
+
+
+async def test_a_body_that_does_not_arrive_is_a_408():
+    app = create_app(fast_engine(), ServerConfig(guard=GuardConfig(body_timeout_s=0.3)))
+    async with running(app) as url:
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.write(
+            b"POST /v1/replies HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
+        await writer.drain()
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            body = await reader.read(4096)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 408")
+    assert b'"code": "body_timeout"' in body
+
+
+async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback():
+    class Broken:
+        name = "broken"
+
+        async def start(self, request: GenerationRequest):
+            raise RuntimeError("secret internals")
+
+        def count_tokens(self, text: str) -> int:
+            return 0
+
+        def stats(self):
+            raise NotImplementedError
+
+        async def aclose(self) -> None:
+            pass
+
+    async with running(create_app(Broken(), ServerConfig(max_header_bytes=1024))) as url:
+        big = await raw_request(f"{url}/healthz", headers={"X-Big": "x" * 4000})
+        assert big.status in (400, 431)
+        await big.read_body()
+        failed = await raw_request(f"{url}/wait")
+        body = await failed.read_body()
+    assert failed.status == 500
+    assert json.loads(body)["error"]["code"] == "internal_error"
+    assert b"Traceback" not in body and b"secret internals" not in body
+
+
+async def test_cors_allows_listed_origins_only_including_on_event_streams():
+    async with serve_with(GuardConfig(cors_origins=("https://chat.example",))) as url:
+        allowed = await raw_request(
+            f"{url}/stream?max_tokens=2", headers={"Origin": "https://chat.example"}
+        )
+        await allowed.read_body()
+        other = await raw_request(
+            f"{url}/stream?max_tokens=2", headers={"Origin": "https://evil.example"}
+        )
+        await other.read_body()
+        preflight = await raw_request(
+            f"{url}/v1/replies",
+            "OPTIONS",
+            headers={"Origin": "https://chat.example", "Access-Control-Request-Method": "POST"},
+        )
+        await preflight.read_body()
+        refused = await raw_request(
+            f"{url}/v1/replies",
+            "OPTIONS",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
+        await refused.read_body()
+    assert allowed.headers["access-control-allow-origin"] == "https://chat.example"
+    assert "x-reply-id" in allowed.headers["access-control-expose-headers"].lower()
+    assert "access-control-allow-origin" not in other.headers
+    assert preflight.status == 204
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert refused.status == 403
+
+
+async def test_every_response_has_a_request_id_that_the_access_log_names(
+    caplog: pytest.LogCaptureFixture,
+):
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with serve_with(GuardConfig()) as url:
+        mine = await raw_request(f"{url}/stream?max_tokens=2", headers={"X-Request-Id": "abc-123"})
+        await mine.read_body()
+        fresh = await raw_request(f"{url}/nowhere")
+        await fresh.read_body()
+        await asyncio.sleep(0.05)
+    assert mine.headers["x-request-id"] == "abc-123"
+    assert len(fresh.headers["x-request-id"]) == 16
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
+    by_id = {line["request_id"]: line for line in lines}
+    assert (
+        by_id["abc-123"]["status"] == 200
+        and by_id["abc-123"]["reply_id"] == mine.headers["x-reply-id"]
+    )
+    assert by_id[fresh.headers["x-request-id"]]["status"] == 404
