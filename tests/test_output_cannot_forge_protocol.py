@@ -243,6 +243,20 @@ async def test_chat_completion_stream_carries_any_text_exactly(served, tokens: l
 
 @EXAMPLES
 @given(tokens=replies)
+async def test_legacy_completion_stream_carries_any_text_exactly(served, tokens: list[str]):
+    url, engine = served
+    engine.say(tokens)
+    body = {"model": "scripted", "prompt": "hi", "stream": True}
+    events = await read_stream(f"{url}/v1/completions", body)
+    assert all(e.type == "message" for e in events)
+    # An empty first chunk, one chunk per token, the finish chunk, then [DONE].
+    check_events(events, ["", *tokens, ""], opening=0, closing=["done"])
+    finishes = [json.loads(e.data)["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finishes == [None] * (len(tokens) + 1) + ["stop"]
+
+
+@EXAMPLES
+@given(tokens=replies)
 async def test_chat_completion_body_carries_any_text_exactly(served, tokens: list[str]):
     url, engine = served
     engine.say(tokens)
