@@ -98,3 +98,24 @@ async def test_a_stream_that_never_ends_times_out_as_incomplete():
     assert not timing.complete
     assert timing.error == "timed out after 0.5 s"
     assert timing.text  # what arrived before the timeout is kept, but is not a result
+
+
+def test_the_servers_usage_count_is_read_from_native_and_openai_streams():
+    from replystream.client.formats import interpret_event
+    from replystream.sse import Event
+
+    native = interpret_event(Event('{"prompt_tokens": 3, "completion_tokens": 9}', type="usage"))
+    chunk = interpret_event(Event('{"choices": [], "usage": {"completion_tokens": 12}}'))
+    assert (native.kind, native.tokens) == ("usage", 9)
+    assert (chunk.kind, chunk.tokens) == ("usage", 12)
+
+
+async def test_tokens_come_from_usage_when_events_carry_several_each():
+    async with serve_engine(fast_engine(delay_ms=1, jitter_ms=0)) as url:
+        timing = await measure_reply(
+            f"{url}/v1/replies",
+            method="POST",
+            json_body={"prompt": "x", "max_tokens": 10, "batch_tokens": 4},
+        )
+    assert timing.complete and timing.tokens == 10
+    assert len(timing.text_event_ms) == 3

@@ -5,7 +5,8 @@ carrying text and of saying "finished" or "failed":
 - the lab stream: ``data: "text"`` (a JSON string per event), ended by ``data: [DONE]``;
 - replystream's native stream: named ``token`` events (``{"text", "tokens"}``), ended by ``done``;
 - OpenAI-compatible chunks: ``choices[0].delta.content`` (chat) or ``choices[0].text``,
-  ended by ``data: [DONE]``, with an ``{"error": ...}`` object for in-band failures;
+  ended by ``data: [DONE]``, with an ``{"error": ...}`` object for in-band failures and a
+  ``usage`` chunk when asked for;
 - buffered bodies: ``{"text": ...}`` or an OpenAI ``chat.completion`` / ``text_completion``.
 ``event: error`` always means failure, and a terminal marker is required for success.
 """
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 from replystream.sse import Event
 
-Kind = Literal["text", "done", "error", "other"]
+Kind = Literal["text", "done", "error", "usage", "other"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,8 @@ def interpret_event(event: Event) -> Meaning:
         return Meaning("error", error=f"{event.type}: {detail}")
     if event.type == "done" or event.data == "[DONE]":
         return DONE
+    if event.type == "usage":
+        return _usage(event.data)
     if event.type not in ("message", "token"):
         return OTHER
     try:
@@ -89,7 +92,19 @@ def interpret_event(event: Event) -> Meaning:
         text = _choice_text(payload)
         if text is not None:
             return Meaning("text", text, 1 if text else 0)
+        if isinstance(payload.get("usage"), dict):  # an OpenAI usage chunk
+            return _usage(payload["usage"])
     return OTHER
+
+
+def _usage(source: str | dict[str, Any]) -> Meaning:
+    """The server's own count of the tokens it sent (native ``usage`` event, OpenAI chunk)."""
+    try:
+        usage = json.loads(source) if isinstance(source, str) else source
+    except ValueError:
+        return OTHER
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return Meaning("usage", tokens=tokens) if isinstance(tokens, int) else OTHER
 
 
 def interpret_body(body: bytes) -> Meaning:

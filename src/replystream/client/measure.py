@@ -84,6 +84,7 @@ class _Reading:
         self.body_bytes = 0
         self.parts: list[str] = []
         self.tokens = 0
+        self.reported_tokens: int | None = None  # the server's own count, when it sends one
         self.event_ms: list[float] = []
         self.event_chars: list[int] = []
         self.headers: dict[str, str] = {}
@@ -116,7 +117,9 @@ class _Reading:
             closed_ms=self.ms(time.perf_counter()),
             body_bytes=self.body_bytes,
             text="".join(self.parts),
-            tokens=self.tokens,
+            # Servers that put several tokens in one chunk (without saying so per event) do
+            # report the total in their usage; it is the better count.
+            tokens=self.reported_tokens if self.reported_tokens is not None else self.tokens,
             text_event_ms=tuple(self.event_ms),
             text_event_chars=tuple(self.event_chars),
             reply_id=self.headers.get("x-reply-id"),
@@ -137,6 +140,8 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
                 reading.on_text(meaning.text, meaning.tokens, at)
             elif meaning.kind == "done":
                 reading.complete = True
+            elif meaning.kind == "usage":
+                reading.reported_tokens = meaning.tokens
             elif meaning.kind == "error":
                 reading.error = meaning.error
                 return
