@@ -61,7 +61,7 @@ async def buffered_reply(
             pump_task = group.create_task(pump(deltas, channel))
             try:
                 while True:
-                    item = await channel.get(None)
+                    item = await channel.get()
                     if isinstance(item, End):
                         break
                     assert isinstance(item, Delta)
