@@ -8,7 +8,8 @@ per open stream (Linux /proc, summed over the server's processes), the peak numb
 open at once, failures and the client's own CPU per event. See docs/performance.md.
 
 Run: python benchmarks/delivery/run.py [--concurrency 100 1000 3000]
-         [--servers replystream bare starlette] [--workers N] [--json FILE]
+         [--servers replystream bare starlette] [--workers N [N ...]] [--wait-quiet-s 20]
+         [--timeout-s 60] [--json FILE]
 """
 
 from __future__ import annotations
@@ -138,6 +139,20 @@ async def measure_variant(
     return result
 
 
+async def quietest_run(variant: Variant, concurrency: int, args: argparse.Namespace) -> Any:
+    """Measure ``variant``; repeat up to ``--rerun-if-busy`` times while others used the CPU."""
+    best: dict[str, Any] | None = None
+    for attempt in range(1 + args.rerun_if_busy):
+        result = await measure_variant(variant, concurrency, args.timeout_s, args.wait_quiet_s)
+        result["attempt"] = attempt + 1
+        if best is None or result["other_cores_during"] < best["other_cores_during"]:
+            best = result
+        if result["other_cores_during"] <= QUIET_CORES:
+            break
+    assert best is not None
+    return best
+
+
 def check_schedule(count: int) -> None:
     """The shared schedule must be the simulated engine's, seed for seed."""
     engine = SimulatedEngine(SimulatedConfig(delay_ms=33.0, jitter_ms=8.0))
@@ -146,6 +161,17 @@ def check_schedule(count: int) -> None:
         theirs = engine.schedule(GenerationRequest(sampling=SamplingParams(seed=seed)))
         if len(ours) != TOKENS or any(abs(a - b) > 1e-9 for a, b in zip(ours, theirs, strict=True)):
             raise SystemExit(f"benchmark schedule differs from SimulatedEngine's for seed {seed}")
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with NaN (a metric with no samples) as null, which every JSON reader accepts."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [strict_json(item) for item in value]
+    return value
 
 
 def revision() -> str:
@@ -199,6 +225,14 @@ async def main() -> int:
         default=20.0,
         help=f"before each run, wait up to this long for other load below {QUIET_CORES} cores",
     )
+    parser.add_argument(
+        "--rerun-if-busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"repeat a run up to N times while other load was above {QUIET_CORES} cores;"
+        " the table keeps the quietest",
+    )
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     args = parser.parse_args()
     nofile = raise_nofile()  # children inherit it
@@ -214,9 +248,7 @@ async def main() -> int:
     try:
         for concurrency in args.concurrency:
             for variant in variants:
-                runs.append(
-                    await measure_variant(variant, concurrency, args.timeout_s, args.wait_quiet_s)
-                )
+                runs.append(await quietest_run(variant, concurrency, args))
     except RuntimeError as error:  # a server that did not start, died or wrote other bytes
         fatal = str(error)
     print(table(runs, labels, args.concurrency))
@@ -237,7 +269,7 @@ async def main() -> int:
             "runs": runs,
             "failed": notes,
         }
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        args.json.write_text(json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")
     return 1 if notes else 0
 
 
