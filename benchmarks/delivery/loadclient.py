@@ -75,6 +75,8 @@ class Stream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
+        if self.ended:
+            return  # a failed stream being closed, or the chunked ending after done
         if not self.in_body:
             self.head += data
             end = self.head.find(b"\r\n\r\n")
@@ -95,7 +97,7 @@ class Stream(asyncio.Protocol):
         found = chunk.count(TOKEN_MARKER)
         if found:
             self.arrivals.extend([now] * found)
-        if DONE_MARKER in chunk and not self.ended:
+        if DONE_MARKER in chunk:
             self.done_at = now
             self.finish(None)
         self.tail = chunk[-TAIL:]
