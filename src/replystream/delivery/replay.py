@@ -112,7 +112,8 @@ class _Log:
     entries: list[LogEntry] = field(default_factory=list)
     first_seq: int = 1  # sequence number of entries[0]
     next_seq: int = 1
-    bytes: int = 0
+    bytes: int = 0  # bytes of the entries kept
+    appended: int = 0  # bytes of every entry ever appended (readers measure their lag by it)
     ending: str | None = None
     expires_at: float | None = None
     cancel_requested: bool = False
@@ -124,6 +125,7 @@ class _Log:
                 raise ValueError(f"entry {entry.seq} out of order: expected {self.next_seq}")
             self.next_seq += 1
             self.bytes += len(entry.frame)
+            self.appended += len(entry.frame)
         self.entries.extend(new)
         excess = len(self.entries) - self.max_entries
         # Trim in steps of a tenth, so a long reply is not re-sliced on every append.
@@ -215,6 +217,11 @@ class MemoryReplayStore:
         log = self._logs.get(reply_id)
         if log is not None:
             log.trim(upto)
+
+    def appended_bytes(self, reply_id: str) -> int:
+        """Bytes of every entry ever appended to a reply (0 if unknown)."""
+        log = self._logs.get(reply_id)
+        return 0 if log is None else log.appended
 
     def backlog_bytes(self, reply_id: str, after: int) -> int:
         """Bytes of entries after ``after`` (what a reader at ``after`` has yet to send)."""

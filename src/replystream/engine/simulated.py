@@ -256,6 +256,11 @@ class SimulatedStream:
         return self._start + self._due[self._next]
 
 
+# Tokens one tick may deliver before it lets the loop run sockets and other tasks: when the
+# machine falls behind the schedule, overdue tokens would otherwise starve all I/O.
+TOKENS_PER_TICK = 256
+
+
 class _Ticker:
     """One timer for many streams: a heap of due times, fired in order by a single callback.
 
@@ -290,7 +295,9 @@ class _Ticker:
         self._armed_for = math.inf
         heap = self._heap
         now = self._loop.time()
-        while heap and heap[0][0] <= now:
+        budget = TOKENS_PER_TICK
+        while heap and heap[0][0] <= now and budget:
+            budget -= 1
             _, _, stream = heapq.heappop(heap)
             following = stream._fire()
             if following is not None:

@@ -32,6 +32,7 @@ log = logging.getLogger("replystream.reader")
 
 LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
 LIVENESS_POLL_S = 1.0  # how often a reader of a remote reply checks its producer is alive
+WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
 
 ReaderEnding = Literal[
     "ended", "client_gone", "slow_client", "shutdown", "producer_lost", "expired"
@@ -68,6 +69,7 @@ class LogReader:
     _woken: asyncio.Future[None] | None = None
     keepalive: bytes = KEEPALIVE  # the idle frame (dialects may need another spelling)
     overflow: bool = False
+    _sent_log_bytes: int = 0  # bytes of log entries this reader has sent (or skipped)
     _chunked: bool = False
     _transport: asyncio.Transport | None = None  # cached: the request property costs per event
     _deadline: asyncio.Timeout | None = None
@@ -78,12 +80,16 @@ class LogReader:
         if deadline is None or deadline.expired():
             return
         if not self.manager.shutting_down:
-            if not isinstance(self.store, MemoryReplayStore):
-                return
-            if self.store.backlog_bytes(self.reply_id, self.after) <= self.policy.slow_client_bytes:
+            if self._lag_bytes() <= self.policy.slow_client_bytes:
                 return
             self.overflow = True
         deadline.reschedule(asyncio.get_running_loop().time())
+
+    def _lag_bytes(self) -> int:
+        """Bytes logged but not yet sent to this reader (0 when the log is not local)."""
+        if not isinstance(self.store, MemoryReplayStore):
+            return 0
+        return self.store.appended_bytes(self.reply_id) - self._sent_log_bytes
 
     async def _send(self, frame: bytes, events: int) -> None:
         if self.overflow:
@@ -138,6 +144,10 @@ class LogReader:
             # Headers leave now, before the first token exists.
             await self.response.prepare(self.request)
             self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
+            if isinstance(self.store, MemoryReplayStore):
+                self._sent_log_bytes = self.store.appended_bytes(
+                    self.reply_id
+                ) - self.store.backlog_bytes(self.reply_id, self.after)
             self._transport = self.request.transport
             ending = await self._follow()
             await self.response.write_eof()
@@ -173,20 +183,11 @@ class LogReader:
             if result is None:
                 await self._send(error_frame("the reply expired while being read", "expired"), 1)
                 return "expired"
-            parts: list[bytes] = []
             if result.lost is not None:
                 first, last = result.lost
                 gap = json.dumps({"lost_from": first, "lost_to": last})
-                parts.append(encode_data(gap, type="gap"))
-            for entry in result.entries:
-                parts.append(entry.frame)
-            if parts:
-                # Everything available goes out in one write: fewer syscalls for a replay.
-                await self._send(b"".join(parts), len(parts))
-                if result.entries:
-                    self.after = result.entries[-1].seq
-                    if self.reply is not None:
-                        self.reply.consumed(self.after)
+                await self._send(encode_data(gap, type="gap"), 1)
+            await self._send_entries(result.entries)
             if result.ending is not None:
                 return "ended"
             if result.producer_lost:
@@ -194,8 +195,29 @@ class LogReader:
                 await self._send(error_frame(message, "generator_lost"), 1)
                 return "producer_lost"
             idle_for = time.monotonic() - self.last_write
-            if not parts and keepalive is not None and idle_for >= keepalive:
+            if not result.entries and keepalive is not None and idle_for >= keepalive:
                 await self._send(self.keepalive, 0)
+
+    async def _send_entries(self, entries: list[LogEntry]) -> None:
+        """Write log entries in writes of at most WRITE_CHUNK bytes, each waiting to drain;
+        a reader further behind than the slow-client limit is cut instead."""
+        if not entries:
+            return
+        if self.overflow or self._lag_bytes() > self.policy.slow_client_bytes:
+            raise _Cut("slow_client", f"more than {self.policy.slow_client_bytes} bytes behind")
+        batch: list[bytes] = []
+        size = 0
+        for index, entry in enumerate(entries):
+            batch.append(entry.frame)
+            size += len(entry.frame)
+            if size >= WRITE_CHUNK or index == len(entries) - 1:
+                # Several events in one write: fewer syscalls for a replay.
+                await self._send(b"".join(batch), len(batch))
+                self._sent_log_bytes += size
+                self.after = entry.seq
+                batch, size = [], 0
+        if self.reply is not None:
+            self.reply.consumed(self.after)
 
     # The direct path: a reader that has caught up with a reply produced in this process lets
     # the producer write each new event straight into the socket, so a live stream costs no
@@ -244,11 +266,17 @@ class LogReader:
             or transport.is_closing()
             or transport.get_write_buffer_size() >= transport.get_write_buffer_limits()[1]
         ):
+            # The socket is not keeping up. Past the slow-client limit this reader is done
+            # for; say so now, so the producer stops in this tick rather than after it.
+            if not self.overflow and self._lag_bytes() > self.policy.slow_client_bytes:
+                self.overflow = True
+                if self.reply is not None:
+                    self.reply.reader_fell_behind()
             self.wake()
             return
-        data = entries[0].frame if len(entries) == 1 else b"".join(e.frame for e in entries)
-        if self._chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
+        payload = entries[0].frame if len(entries) == 1 else b"".join(e.frame for e in entries)
+        self._sent_log_bytes += len(payload)
+        data = b"%x\r\n%s\r\n" % (len(payload), payload) if self._chunked else payload
         transport.write(data)
         self.after = entries[-1].seq
         self.last_write = time.monotonic()

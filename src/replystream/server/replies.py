@@ -111,6 +111,12 @@ class Reply:
         if not self.resumable and self.readers == 1 and isinstance(self.store, MemoryReplayStore):
             self.store.release(self.reply_id, upto)
 
+    def reader_fell_behind(self) -> None:
+        """The only reader of a reply nobody may resume is past the slow-client limit: stop
+        generating now (its task will cut the connection), so the log stops growing."""
+        if self.disconnect == "cancel" and self.readers == 1:
+            self.stop("slow_client")
+
     def forget_if_unwanted(self) -> None:
         """Drop the log of an ended reply nobody may resume, once its last reader is done."""
         if not self.resumable and self.readers == 0 and isinstance(self.store, MemoryReplayStore):
@@ -142,7 +148,7 @@ class Reply:
 
     def on_delta(self, delta: Delta) -> None:
         """One delta from the engine: through the pipeline into the log (sync, no waiting)."""
-        if self._stopping is not None:
+        if self._stopping is not None or self.stop_reason is not None:
             return
         self.record.on_delta(delta.made_at, delta.tokens)
         self._append(self.pipeline.push(delta, time.monotonic()))
