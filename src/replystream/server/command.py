@@ -8,6 +8,7 @@ import logging
 import re
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="processes sharing the port (use --redis-url so any of them can resume any reply)",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=["asyncio", "uvloop"],
+        default="asyncio",
+        help="event loop (uvloop needs the uvloop package; see docs/performance.md)",
     )
     # A worker started by --workers serves the socket its parent opened.
     parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
@@ -399,6 +406,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             return run_workers(worker_argv(sys.argv), args.workers, args.host, args.port)
         engine = build_engine(args)
+        new_loop = loop_factory(args.loop)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2
@@ -408,8 +416,20 @@ def run(args: argparse.Namespace) -> int:
     if args.listen_fd is not None:
         sock = socket.socket(fileno=args.listen_fd)
         sock.setblocking(False)
-    asyncio.run(serve_forever(app, args.host, args.port, config.shutdown_grace_s, sock))
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(serve_forever(app, args.host, args.port, config.shutdown_grace_s, sock))
     return 0
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop to serve on (None: the standard one)."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        raise ValueError("--loop uvloop needs the uvloop package") from None
+    return uvloop.new_event_loop
 
 
 def worker_argv(argv: list[str]) -> list[str]:
