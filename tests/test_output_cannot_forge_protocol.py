@@ -186,7 +186,7 @@ async def test_native_stream_carries_any_text_exactly(served, tokens: list[str])
     engine.say(tokens)
     events = await read_stream(f"{url}/v1/replies", {"prompt": "hi"})
     assert [e.type for e in events] == ["reply"] + ["token"] * len(tokens) + ["usage", "done"]
-    check_events(events, tokens, opening=1, closing=["other", "done"])
+    check_events(events, tokens, opening=1, closing=["usage", "done"])
     assert json.loads(events[-2].data)["completion_tokens"] == len(tokens)
     assert json.loads(events[-1].data) == {"finish_reason": "stop"}
 
@@ -277,7 +277,7 @@ async def test_byte_level_tokens_arrive_as_their_bytes_decoded_with_replacement(
     assert expected == utf8_decoder(b"".join(pieces))
     events = await read_stream(f"{url}/v1/replies", {"prompt": "hi"})
     # One token event per token, even one whose bytes are still an unfinished character.
-    check_events(events, detokenize(pieces), opening=1, closing=["other", "done"])
+    check_events(events, detokenize(pieces), opening=1, closing=["usage", "done"])
     assert "".join(interpret_event(e).text for e in events) == expected
     lab = await read_stream(f"{url}/stream")
     check_events(lab, detokenize(pieces), opening=1, closing=["done"])
