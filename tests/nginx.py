@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from replystream.lab.local_server import stop_process
 from tests.services import require_binary
 
 _MAIN = """daemon off;
@@ -95,14 +96,7 @@ async def running_nginx(http_config: str, port: int, tmp: Path) -> AsyncIterator
         await _wait_listening(port, process, error_log)
         yield f"http://127.0.0.1:{port}"
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
 
 
 async def _wait_listening(port: int, process: asyncio.subprocess.Process, log: Path) -> None:

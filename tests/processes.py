@@ -7,7 +7,7 @@ import contextlib
 import sys
 from collections.abc import AsyncIterator
 
-from replystream.lab.local_server import READY_PREFIX
+from replystream.lab.local_server import READY_PREFIX, stop_process
 
 
 async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
@@ -28,14 +28,7 @@ async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
     return process, line[len(READY_PREFIX) :].strip()
 
 
-async def stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), 10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+stop = stop_process
 
 
 @contextlib.asynccontextmanager

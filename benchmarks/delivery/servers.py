@@ -17,6 +17,8 @@ from pathlib import Path
 
 from workload import TOKEN_MARKER, request_body, token_frame
 
+from replystream.lab.local_server import stop_process
+
 HERE = Path(__file__).resolve().parent
 READY = re.compile(r"listening on (http://\S+)")
 SERVER_NAMES = ("replystream", "bare", "starlette")
@@ -80,14 +82,7 @@ async def started_server(
         if process.returncode is not None:
             raise RuntimeError(f"{name} server died during the run (status {process.returncode})")
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
 
 
 def token_frames(url: str, tokens: int = 3) -> list[bytes]:

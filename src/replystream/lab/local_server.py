@@ -45,11 +45,17 @@ async def local_server(args: Sequence[str], *, ready_timeout_s: float = 30.0) ->
                     break
         yield line[len(READY_PREFIX) :].strip()
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
+
+
+async def stop_process(process: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    """Ask a child process to stop (SIGTERM); kill it if it has not within ``grace_s``."""
+    if process.returncode is not None:
+        return
+    process.terminate()
+    try:
+        async with asyncio.timeout(grace_s):
+            await process.wait()
+    except TimeoutError:
+        process.kill()
+        await process.wait()

@@ -72,7 +72,8 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+def number_field(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    """``body[name]`` as a finite number within [low, high], None if absent; else a 400."""
     value = body.get(name)
     if value is None:
         return None
@@ -83,7 +84,8 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+def integer_field(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    """``body[name]`` as an integer within [low, high], None if absent; else a 400."""
     value = body.get(name)
     if value is None:
         return None
@@ -157,14 +159,14 @@ def parse_reply_request(
             code="prompt_too_long",
             param=param,
         )
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    temperature = number_field(body, "temperature", 0.0, 2.0)
+    top_p = number_field(body, "top_p", 0.0, 1.0)
     sampling = SamplingParams(
-        max_tokens=_integer(body, "max_tokens", 1, 1 << 20),
+        max_tokens=integer_field(body, "max_tokens", 1, 1 << 20),
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=_integer(body, "top_k", 0, 1 << 20) or 0,
-        seed=_integer(body, "seed", 0, 2**63 - 1),
+        top_k=integer_field(body, "top_k", 0, 1 << 20) or 0,
+        seed=integer_field(body, "seed", 0, 2**63 - 1),
         stop=parse_stop(body.get("stop")),
     )
     stream = body.get("stream", True)
@@ -187,14 +189,14 @@ def parse_reply_request(
 def delivery_overrides(body: dict[str, Any], defaults: DeliveryPolicy) -> DeliveryPolicy:
     """The server's delivery policy with this request's overrides applied."""
     changes: dict[str, object] = {}
-    batch_tokens = _integer(body, "batch_tokens", 1, 4096)
+    batch_tokens = integer_field(body, "batch_tokens", 1, 4096)
     if batch_tokens is not None:
         changes["batch_tokens"] = batch_tokens
     if body.get("batch_ms") is not None:
-        changes["batch_ms"] = _number(body, "batch_ms", 0.0, 60_000.0)
-    holdback = _integer(body, "holdback_tokens", 0, 4096)
+        changes["batch_ms"] = number_field(body, "batch_ms", 0.0, 60_000.0)
+    holdback = integer_field(body, "holdback_tokens", 0, 4096)
     if holdback is not None:
         changes["holdback_tokens"] = holdback
     if body.get("keepalive_s") is not None:
-        changes["keepalive_s"] = _number(body, "keepalive_s", 0.1, 3600.0)
+        changes["keepalive_s"] = number_field(body, "keepalive_s", 0.1, 3600.0)
     return defaults.with_overrides(**changes) if changes else defaults

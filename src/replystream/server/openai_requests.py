@@ -18,7 +18,13 @@ from typing import Any
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.server.errors import HTTPAPIError
-from replystream.server.native import delivery_overrides, parse_stop, prompt_from_messages
+from replystream.server.native import (
+    delivery_overrides,
+    integer_field,
+    number_field,
+    parse_stop,
+    prompt_from_messages,
+)
 
 MAX_TOKENS_LIMIT = 1 << 20
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -97,28 +103,6 @@ def model_not_found(model: object) -> HTTPAPIError:
     )
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise bad(name, f"{name} must be a number")
-    if not low <= value <= high:
-        raise bad(name, f"{name} must be between {low:g} and {high:g}, got {value}")
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(name, f"{name} must be an integer")
-    if not low <= value <= high:
-        raise bad(name, f"{name} must be between {low} and {high}, got {value}")
-    return value
-
-
 def _require(body: dict[str, Any], name: str, allowed: tuple[object, ...], why: str) -> None:
     value = body.get(name)
     if value is not None and value not in allowed:
@@ -134,10 +118,10 @@ def _common_checks(body: dict[str, Any], fields: frozenset[str], model: str) -> 
     requested = body.get("model")
     if requested is not None and requested != model:
         raise model_not_found(requested)
-    _integer(body, "n", 1, 1)
+    integer_field(body, "n", 1, 1)
     _require(body, "logprobs", (False, 0), "false")
     for name in ("presence_penalty", "frequency_penalty"):
-        _number(body, name, -2.0, 2.0)
+        number_field(body, name, -2.0, 2.0)
 
 
 def _stream_options(body: dict[str, Any], stream: bool) -> bool:
@@ -166,14 +150,14 @@ def _ask(
             f"the prompt is {len(prompt)} characters; this server's limit is {max_prompt_chars}",
             "context_length_exceeded",
         )
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
+    temperature = number_field(body, "temperature", 0.0, 2.0)
+    top_p = number_field(body, "top_p", 0.0, 1.0)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=_integer(body, "top_k", 0, MAX_TOKENS_LIMIT) or 0,
-        seed=_integer(body, "seed", 0, 2**63 - 1),
+        top_k=integer_field(body, "top_k", 0, MAX_TOKENS_LIMIT) or 0,
+        seed=integer_field(body, "seed", 0, 2**63 - 1),
         stop=parse_stop(body.get("stop")),
     )
     stream = body.get("stream", False)
@@ -207,7 +191,7 @@ def parse_chat_request(
     if "messages" not in body:
         raise bad("messages", "messages is required", "missing_required_parameter")
     prompt = prompt_from_messages(body["messages"])
-    _integer(body, "top_logprobs", 0, 0)
+    integer_field(body, "top_logprobs", 0, 0)
     if body.get("tools"):
         raise bad("tools", "tools are not supported by this server", "unsupported_parameter")
     _require(body, "tool_choice", ("none",), '"none"')
@@ -216,8 +200,8 @@ def parse_chat_request(
         raise bad(
             "response_format", 'response_format must be {"type": "text"}', "unsupported_parameter"
         )
-    limit = _integer(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
-    legacy_limit = _integer(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
+    limit = integer_field(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
+    legacy_limit = integer_field(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
     max_tokens = limit if limit is not None else legacy_limit
     ask = _ask(body, prompt, "messages", max_tokens, defaults, max_prompt_chars)
     messages = tuple(body["messages"])  # validated above; relayed unchanged to chat upstreams
@@ -240,7 +224,7 @@ def parse_completion_request(
     _require(body, "best_of", (1,), "1")
     if body.get("suffix") not in (None, ""):
         raise bad("suffix", "suffix is not supported by this server", "unsupported_parameter")
-    max_tokens = _integer(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
+    max_tokens = integer_field(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
     if "max_tokens" not in body:
         max_tokens = LEGACY_DEFAULT_MAX_TOKENS
     return _ask(body, prompt, "prompt", max_tokens, defaults, max_prompt_chars)
