@@ -1,0 +1,1 @@
+"""The soak benchmark: ``python benchmarks/soak/run.py`` (see ``run.py``)."""

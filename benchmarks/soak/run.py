@@ -1,0 +1,414 @@
+"""Soak: many replies against one server, every way a reply can end; then nothing is left over.
+
+Starts ``replystream serve`` (the tiny engine by default, whose KV blocks must all come back)
+and runs ``--replies`` replies at a steady ``--concurrency``, mixed: read to the end, buffered,
+left mid-reply, cancelled with ``POST /v1/replies/{id}/cancel``, resumable and cut one to three
+times (read through ``ResumingReader``), dropped at a random point (mid-request, before the
+headers, after some bytes, with a reset), and ``--slow`` WebSocket readers that stop reading
+until the server's slow-client limits cut them. A banned phrase that about a third of the
+replies contain makes those end moderated.
+
+What the engine makes is known beforehand: every distinct request (a prompt, a seed, seeded
+sampling) is read once, one at a time, from a separate quiet server without the banned phrase.
+A reply read to its end must equal that text exactly (or, if it contains the phrase, end
+moderated with a prefix that stops before it); a reply cut short must be a prefix of it.
+
+Prints server memory (RSS) at the start, middle and end; open tasks, file descriptors, readers,
+replies in flight, engine requests, KV blocks and reply logs at the end against the baseline;
+and the count of replies whose text differs from the engine's. Exits 1 if any check fails.
+
+Run: python benchmarks/soak/run.py [--replies 20000] [--concurrency 64]
+         [--engine tiny|simulated] [--slow 5] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replystream.client.transport import http_request
+
+if __package__ in (None, ""):  # run as a script: make the ``soak`` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from soak.clients import (
+    Ask,
+    Kind,
+    Result,
+    buffered,
+    disconnect,
+    resume,
+    slow,
+    stream,
+)
+from soak.server import (
+    Server,
+    Snapshot,
+    holds_connection,
+    metrics_text,
+    outcomes,
+    snapshot,
+    started_server,
+)
+
+# Share of each kind among the replies (the slow readers are counted apart, --slow).
+MIX: dict[Kind, int] = {
+    "complete": 40,
+    "buffered": 8,
+    "leave": 12,
+    "cancel": 10,
+    "resume": 15,
+    "disconnect": 15,
+}
+OPENERS = (
+    "The",
+    "And the",
+    "Behold, the",
+    "Then the",
+    "Now the",
+    "In the days of the",
+    "And he said unto the",
+    "Once upon a time the",
+    "She looked at the",
+    "It was the",
+    "They went to the",
+    "Hear the",
+    "For the",
+    "When the",
+    "All the",
+    "Upon the",
+)
+SUBJECTS = (
+    "king",
+    "city",
+    "river",
+    "people",
+    "house",
+    "night",
+    "mountain",
+    "children",
+    "field",
+    "gate",
+    "prophet",
+    "sea",
+    "garden",
+    "stone",
+    "word",
+    "fire",
+)
+MAX_TOKENS = (8, 16)  # each distinct request asks for a length in this range
+TARGET_MODERATED = 0.3  # share of references the banned phrase is chosen to appear in
+LIMITS = {  # low, so that cuts and expiries happen within the run
+    "--slow-client-bytes": "8192",
+    "--slow-client-s": "1",
+    "--detach-grace-s": "2",
+    "--reply-ttl-s": "3",
+    "--holdback-tokens": "4",
+    "--ws-max-replies": "10000",
+}
+REPLY_TTL_S = 3.0
+LAST_WORDS_S = 5.0  # a cut connection that cannot take its last event is aborted after this
+RSS_SLACK_KIB = 8 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    engine_args: list[str]
+    asks: list[Ask]
+    slow_ask: Ask
+    slow_replies: int  # replies each slow WebSocket starts
+
+
+def plan(engine: str, n_asks: int) -> Plan:
+    """The distinct requests and engine options of a run."""
+    low, high = MAX_TOKENS
+    if engine == "tiny":
+        # Greedy: seeded sampling at a temperature can flip a token when the batch around a
+        # request changes the logits in their last bits (see docs/reliability.md).
+        prompts = [f"{o} {w}" for o in OPENERS for w in SUBJECTS]
+        asks = [
+            Ask(prompts[i % len(prompts)], i, low + i % (high - low + 1), 0.0)
+            for i in range(n_asks)
+        ]
+        # The context holds 256 tokens; a WebSocket message is about 100 bytes per token.
+        return Plan(["--engine", "tiny"], asks, Ask("Once upon a time", 1, 240, 0.0), 120)
+    # The simulated engine makes one text, so every reply is a prefix of every longer one:
+    # the slow readers' replies stop short of the banned phrase, and are many (bytes fill).
+    asks = [Ask("x", i, low + i % (high - low + 1), 1.0) for i in range(n_asks)]
+    args = ["--engine", "simulated", "--delay-ms", "5", "--jitter-ms", "2"]
+    return Plan(args, asks, Ask("x", 1, 12, 1.0), 8000)
+
+
+async def references(server: Server, asks: list[Ask]) -> list[str]:
+    """Each distinct request's text, read once, one at a time, from a quiet server."""
+    texts = []
+    for i, ask in enumerate(asks):
+        result = await stream(server.url, i, ask, "complete")
+        if result.ending != "done" or result.text is None:
+            raise RuntimeError(f"reference {i} ended {result.ending}")
+        texts.append(result.text)
+    return texts
+
+
+def choose_phrase(texts: list[str], avoid: str) -> tuple[str, float]:
+    """A word (3+ letters) whose share of texts containing it is nearest TARGET_MODERATED,
+    and that ``avoid`` (the slow readers' reply, which must run long) does not contain."""
+    lowered = [t.lower() for t in texts]
+    words = {w for t in lowered for w in re.findall(r"[a-z]{3,}", t) if w not in avoid.lower()}
+    shares = {w: sum(w in t for t in lowered) / len(texts) for w in sorted(words)}
+    word = min(shares, key=lambda w: abs(shares[w] - TARGET_MODERATED))
+    return word, shares[word]
+
+
+@dataclass(slots=True)
+class Progress:
+    total: int
+    done: int = 0
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)  # percent -> state
+    samples_taken: set[int] = field(default_factory=set)
+
+
+async def run_one(url: str, i: int, kind: Kind, plan_: Plan, seed: int) -> Result:
+    rng = random.Random(seed * 1_000_003 + i)
+    ask_index = rng.randrange(len(plan_.asks))
+    ask = plan_.asks[ask_index]
+    some = rng.randint(1, ask.max_tokens - 1)
+    if kind == "complete":
+        return await stream(url, ask_index, ask, kind)
+    if kind == "buffered":
+        return await buffered(url, ask_index, ask)
+    if kind == "leave":
+        return await stream(url, ask_index, ask, kind, leave_after=some)
+    if kind == "cancel":
+        return await stream(url, ask_index, ask, kind, cancel_after=some)
+    if kind == "resume":
+        cuts = rng.sample(range(1, ask.max_tokens), rng.randint(1, 3))
+        return await resume(url, ask_index, ask, cuts, seed=i)
+    return await disconnect(url, ask_index, ask, rng)
+
+
+def kinds_of(n: int, seed: int) -> list[Kind]:
+    rng = random.Random(seed)
+    names = list(MIX)
+    return rng.choices(names, weights=[MIX[k] for k in names], k=n)
+
+
+async def soak(
+    server: Server, plan_: Plan, kinds: list[Kind], args: argparse.Namespace
+) -> tuple[list[Result], Progress]:
+    """Run every reply at a steady concurrency; the slow readers one at a time beside them."""
+    results: list[Result] = []
+    progress = Progress(len(kinds) + args.slow)
+    queue = collections.deque(enumerate(kinds))
+
+    async def sample() -> None:
+        percent = progress.done * 100 // progress.total
+        step = percent - percent % 10
+        if step not in progress.samples_taken:
+            progress.samples_taken.add(step)
+            progress.snapshots[step] = await snapshot(server)
+
+    async def worker() -> None:
+        while queue:
+            i, kind = queue.popleft()
+            results.append(await run_one(server.url, i, kind, plan_, args.seed))
+            progress.done += 1
+            await sample()
+
+    def server_holds(port: int) -> bool:
+        return holds_connection(server.pid, port)
+
+    async def slow_lane() -> None:
+        for k in range(args.slow):
+            # Spread over the run, the first at its start (so the memory their buffers take is
+            # in the first half too): the k-th starts once k / slow of it is done.
+            start_at = progress.total * k // args.slow
+            while progress.done < start_at and queue:  # noqa: ASYNC110  (others' progress)
+                await asyncio.sleep(0.2)
+            results.append(
+                await slow(server.url, -1, plan_.slow_ask, plan_.slow_replies, server_holds)
+            )
+            progress.done += 1
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(args.concurrency):
+            group.create_task(worker())
+        group.create_task(slow_lane())
+    return results, progress
+
+
+def problem(result: Result, reference: str | None, phrase: str) -> tuple[str, str] | None:
+    """("text" | "ending", why) if this reply is not what its kind allows, else None."""
+    kind, ending, text = result.kind, result.ending, result.text
+    if kind == "disconnect":
+        return None if ending == "gone" else ("ending", f"{kind}: {ending}")
+    if kind == "slow":
+        return None if ending == "cut" else ("ending", f"{kind}: {ending}")
+    assert reference is not None
+    if text is None:
+        return ("ending", f"{kind}: {ending}")
+    contains = phrase in reference.lower()
+    if ending == "done":
+        if contains:
+            return ("ending", f"{kind}: finished although it contains the banned phrase")
+        return None if text == reference else ("text", f"{kind}: final text differs")
+    partial = (
+        ending == "moderated"
+        or (kind == "leave" and ending == "left")
+        or (kind == "cancel" and ending == "error:cancelled")
+    )
+    if not partial:
+        return ("ending", f"{kind}: {ending}")
+    if ending == "moderated" and not contains:
+        return ("ending", f"{kind}: moderated without the banned phrase")
+    if not reference.startswith(text):
+        return ("text", f"{kind} ({ending}): not a prefix of the engine's text")
+    if phrase in text.lower():
+        return ("text", f"{kind} ({ending}): the banned phrase was delivered")
+    return None
+
+
+async def settle(server: Server, resumable_ids: list[str]) -> int:
+    """Wait until nothing is in flight, let cut sockets be aborted and resumable logs expire;
+    then ask for every resumable reply (each must be gone). Returns how many were not."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        g = (await snapshot(server)).gauges
+        busy = g["in_flight"] + g["readers"] + g["engine_requests"] + g.get("kv_blocks", 0)
+        if not busy:
+            break
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(max(LAST_WORDS_S, REPLY_TTL_S) + 1)
+    still_there = 0
+    for reply_id in resumable_ids:
+        async with http_request(f"{server.url}/v1/replies/{reply_id}/stream") as response:
+            async for _chunk in response:
+                pass
+            still_there += response.status != 404
+    return still_there
+
+
+def mib(kib: float) -> str:
+    return f"{kib / 1024:.1f} MiB"
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replies", type=int, default=20_000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--engine", choices=("tiny", "simulated"), default="tiny")
+    parser.add_argument("--slow", type=int, default=5, help="slow WebSocket readers")
+    parser.add_argument("--asks", type=int, default=256, help="distinct requests")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    plan_ = plan(args.engine, args.asks)
+    limits = [item for pair in LIMITS.items() for item in pair]
+    started = time.monotonic()
+    async with started_server(plan_.engine_args) as quiet:
+        refs = await references(quiet, plan_.asks)
+        slow_text = (await references(quiet, [plan_.slow_ask]))[0]
+    phrase, share = choose_phrase(refs, slow_text)
+    print(
+        f"soak: {args.replies} replies at concurrency {args.concurrency}, engine {args.engine}, "
+        f"{len(refs)} distinct requests (max_tokens {MAX_TOKENS[0]}-{MAX_TOKENS[1]}), "
+        f"references read in {time.monotonic() - started:.1f} s"
+    )
+    print(f"banned phrase {phrase!r}: in {share:.0%} of the reference texts")
+    kinds = kinds_of(args.replies - args.slow, args.seed)
+    server_args = [*plan_.engine_args, *limits, "--ban", phrase]
+    async with started_server(server_args) as server:
+        for i in range(2 * args.concurrency):  # warm-up: imports, pools, first allocations
+            await stream(
+                server.url, i % len(plan_.asks), plan_.asks[i % len(plan_.asks)], "complete"
+            )
+        baseline = await snapshot(server)
+        before = outcomes(await metrics_text(server.url))
+        t0 = time.monotonic()
+        results, progress = await soak(server, plan_, kinds, args)
+        wall = time.monotonic() - t0
+        resumable_ids = [r.reply_id for r in results if r.kind == "resume" and r.reply_id]
+        not_expired = await settle(server, resumable_ids)
+        end = await snapshot(server)
+        after = outcomes(await metrics_text(server.url))
+    middle = progress.snapshots.get(50, end)
+
+    by_kind = collections.Counter(r.kind for r in results)
+    endings = collections.Counter(f"{r.kind} {r.ending.split(':')[0]}" for r in results)
+    problems: collections.Counter[str] = collections.Counter()
+    examples: dict[str, str] = {}
+    for r in results:
+        found = problem(r, refs[r.ask] if r.ask >= 0 else None, phrase)
+        if found is not None:
+            problems[found[0]] += 1
+            seen = "" if r.text is None else f", read {r.text!r}"
+            expected = "" if r.ask < 0 else f", engine made {refs[r.ask]!r}"
+            examples.setdefault(found[1], f"ask {r.ask}, ending {r.ending}{seen}{expected}")
+    served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(
+        f"ran {len(results)} replies in {wall:.1f} s ({len(results) / wall:.0f}/s); "
+        f"resumed connections: {sum(r.reconnects for r in results if r.kind == 'resume')}"
+    )
+    print("by kind: " + ", ".join(f"{k} {by_kind[k]}" for k in (*MIX, "slow")))
+    print("client endings: " + ", ".join(f"{k} {v}" for k, v in sorted(endings.items())))
+    print("server outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(served.items()) if v))
+    print("server state (RSS and fds from /proc, the rest from /metrics):")
+    for label, snap in (("baseline", baseline), ("middle", middle), ("end", end)):
+        print(f"  {label:8s} {snap.line()}")
+    for percent in sorted(progress.snapshots):
+        print(f"  {percent:3d} %    RSS {mib(progress.snapshots[percent].rss_kib)}")
+    print(
+        f"server RSS: start {mib(baseline.rss_kib)}, middle {mib(middle.rss_kib)}, "
+        f"end {mib(end.rss_kib)}"
+    )
+
+    g0, g = baseline.gauges, end.gauges
+    checks = [
+        ("replies whose text differs from the engine's: 0", problems["text"] == 0),
+        ("replies that ended in a way their kind does not allow: 0", problems["ending"] == 0),
+        (
+            f"open tasks back to baseline ({g['tasks']:.0f} <= {g0['tasks']:.0f})",
+            g["tasks"] <= g0["tasks"],
+        ),
+        (
+            f"file descriptors back to baseline ({end.fds} <= {baseline.fds})",
+            end.fds <= baseline.fds,
+        ),
+        (f"KV blocks in use: {g.get('kv_blocks', 0):.0f}", g.get("kv_blocks", 0) == 0),
+        (
+            f"replies in flight {g['in_flight']:.0f}, readers {g['readers']:.0f}, engine "
+            f"requests {g['engine_requests']:.0f}",
+            g["in_flight"] + g["readers"] + g["engine_requests"] == 0,
+        ),
+        (
+            f"reply logs kept: {g['local_logs']:.0f} + {g.get('resumable_logs', 0):.0f} resumable",
+            g["local_logs"] + g.get("resumable_logs", 0) == 0,
+        ),
+        (
+            f"expired resumable replies answer 404: {len(resumable_ids) - not_expired}/"
+            f"{len(resumable_ids)}",
+            not_expired == 0,
+        ),
+        (
+            f"RSS middle to end: {(end.rss_kib - middle.rss_kib) / 1024:+.1f} MiB "
+            f"(allowed: +{RSS_SLACK_KIB / 1024:.0f} MiB)",
+            end.rss_kib - middle.rss_kib <= RSS_SLACK_KIB,
+        ),
+    ]
+    failed = 0
+    for text, ok in checks:
+        print(f"  [{'ok' if ok else 'FAIL'}] {text}")
+        failed += not ok
+    for why, where in list(examples.items())[:10]:
+        print(f"    e.g. {why} ({where})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

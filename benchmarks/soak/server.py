@@ -1,0 +1,166 @@
+"""The soak's server: a ``replystream serve`` child process, what it holds, and its metrics.
+
+Memory and file descriptors are read from Linux ``/proc``; asyncio tasks, KV blocks, reply
+logs and replies by outcome from the server's own ``/metrics`` gauges and counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from replystream.client.transport import http_request
+from replystream.lab.local_server import READY_PREFIX
+
+# Gauges the server exposes about what it holds (``replystream.server.state``).
+GAUGES = {
+    "tasks": "replystream_open_tasks",
+    "readers": "replystream_open_readers",
+    "in_flight": "replystream_replies_in_flight",
+    "engine_requests": "replystream_engine_requests",
+    "kv_blocks": "replystream_kv_blocks_used",
+    "local_logs": 'replystream_reply_logs{store="local"}',
+    "resumable_logs": 'replystream_reply_logs{store="resumable"}',
+}
+_OUTCOME = re.compile(
+    r'^replystream_replies_total\{endpoint="([^"]*)",outcome="([^"]*)"\} (\S+)$', re.MULTILINE
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    url: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the server holds at one moment."""
+
+    rss_kib: int
+    fds: int
+    gauges: dict[str, float]
+
+    def line(self) -> str:
+        g = self.gauges
+        return (
+            f"RSS {self.rss_kib / 1024:7.1f} MiB, fds {self.fds:4d}, "
+            f"tasks {g['tasks']:4.0f}, readers {g['readers']:3.0f}, "
+            f"in flight {g['in_flight']:3.0f}, engine requests {g['engine_requests']:3.0f}, "
+            f"KV blocks {g.get('kv_blocks', 0):4.0f}, "
+            f"reply logs {g['local_logs']:.0f}+{g.get('resumable_logs', 0):.0f}"
+        )
+
+
+@contextlib.asynccontextmanager
+async def started_server(args: Sequence[str]) -> AsyncIterator[Server]:
+    """Run ``replystream serve --port 0 ARGS``; yield its URL and pid; stop it on exit."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                line = (await process.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError(f"server exited early with status {await process.wait()}")
+                if line.startswith(READY_PREFIX):
+                    break
+        yield Server(line[len(READY_PREFIX) :].strip(), process.pid)
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                async with asyncio.timeout(15):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+    assert found
+    return int(found.group(1))
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def holds_connection(pid: int, peer_port: int) -> bool:
+    """Whether process ``pid`` still has a socket open to a loopback peer on ``peer_port``.
+
+    Reads the kernel's TCP table (``/proc/net/tcp``, ``tcp6``) for a socket whose remote port
+    is ``peer_port`` and looks for its inode among the process's descriptors. A socket the
+    process closed may linger in the kernel (unsent data), but with no descriptor.
+    """
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == peer_port and fields[9] != "0":
+                    inodes.add(fields[9])
+    if not inodes:
+        return False
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
+async def metrics_text(url: str) -> str:
+    async with http_request(f"{url}/metrics") as response:
+        return b"".join([chunk.data async for chunk in response]).decode()
+
+
+def gauge(text: str, name: str) -> float | None:
+    found = re.search("^" + re.escape(name) + r" (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else None
+
+
+def outcomes(text: str) -> dict[str, int]:
+    """Replies the server counted, by how they ended (all endpoints together)."""
+    counts: dict[str, int] = {}
+    for _endpoint, outcome, value in _OUTCOME.findall(text):
+        counts[outcome] = counts.get(outcome, 0) + int(float(value))
+    return counts
+
+
+async def snapshot(server: Server) -> Snapshot:
+    """Memory and descriptors from /proc, the rest from the server's gauges.
+
+    Raises:
+        RuntimeError: the server does not expose the state gauges.
+    """
+    text = await metrics_text(server.url)
+    gauges: dict[str, float] = {}
+    for key, name in GAUGES.items():
+        value = gauge(text, name)
+        if value is not None:
+            gauges[key] = value
+    missing = {"tasks", "readers", "in_flight", "engine_requests", "local_logs"} - set(gauges)
+    if missing:
+        raise RuntimeError(f"the server exposes no {sorted(missing)} gauges (/metrics)")
+    return Snapshot(rss_kib(server.pid), open_fds(server.pid), gauges)
