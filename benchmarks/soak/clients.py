@@ -44,7 +44,7 @@ KINDS: tuple[Kind, ...] = (
     "disconnect",
     "slow",
 )
-SLOW_WAIT_S = 180.0  # a slow reader not cut by then counts as not cut
+SLOW_WAIT_S = 30.0  # how long a slow reader waits for the server to let its connection go
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,8 @@ class Result:
 
     ``ending``: ``done``, ``moderated``, ``error:CODE``, ``left`` (the reader closed),
     ``eof`` (the stream ended without an end marker), ``http:STATUS``, ``failed:WHY``,
-    ``gone`` (disconnects), ``cut`` / ``not_cut`` (slow readers).
+    ``gone`` (disconnects), ``cut`` / ``not_cut`` (slow readers; ``:held`` when the server
+    still held the connection after ``SLOW_WAIT_S``).
     """
 
     kind: Kind
@@ -288,8 +289,10 @@ async def slow(
     One reply is small next to what a loopback socket absorbs (the kernel's send buffer grows
     to 4 MiB), so many replies side by side are what fill it. Once full, the server's sends
     wait and its slow-client limits cut the socket. ``server_holds(port)`` (whether the server
-    still has a socket open to this reader's port) says when; then this reader reads what
-    the connection still carries, which must end with the close frame naming ``slow_client``.
+    still has a socket open to this reader's port) says when: the server must let the
+    connection go within ``SLOW_WAIT_S`` although nothing is read (else the ending says
+    ``:held``). Then this reader reads what the connection still carries, which must end
+    with the close frame naming ``slow_client``.
     """
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -323,12 +326,15 @@ async def slow(
         deadline = loop.time() + SLOW_WAIT_S
         while loop.time() < deadline and server_holds(port):  # noqa: ASYNC110
             await asyncio.sleep(0.25)
+        released = not server_holds(port)
         tail = b""
         with contextlib.suppress(TimeoutError, OSError):
             async with asyncio.timeout(30):
                 while data := await loop.sock_recv(sock, 1 << 16):
                     tail = (tail + data)[-4096:]
         ending = "cut" if b"slow_client" in tail else "not_cut"
+        if not released:
+            ending += ":held"  # the server kept the connection while nothing was read
     except OSError as exc:
         ending = f"failed:{type(exc).__name__}"
     finally:

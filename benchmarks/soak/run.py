@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the ``soak`` package impo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from soak.clients import (
+    SLOW_WAIT_S,
     Ask,
     Kind,
     Result,
@@ -138,7 +139,7 @@ def plan(engine: str, n_asks: int) -> Plan:
             for i in range(n_asks)
         ]
         # The context holds 256 tokens; a WebSocket message is about 100 bytes per token.
-        return Plan(["--engine", "tiny"], asks, Ask("Once upon a time", 1, 240, 0.0), 120)
+        return Plan(["--engine", "tiny"], asks, Ask("Once upon a time", 1, 240, 0.0), 250)
     # The simulated engine makes one text, so every reply is a prefix of every longer one:
     # the slow readers' replies stop short of the banned phrase, and are many (bytes fill).
     asks = [Ask("x", i, low + i % (high - low + 1), 1.0) for i in range(n_asks)]
@@ -245,11 +246,13 @@ async def soak(
 
 
 def problem(result: Result, reference: str | None, phrase: str) -> tuple[str, str] | None:
-    """("text" | "ending", why) if this reply is not what its kind allows, else None."""
+    """("text" | "ending" | "held", why) if this reply is not what its kind allows."""
     kind, ending, text = result.kind, result.ending, result.text
     if kind == "disconnect":
         return None if ending == "gone" else ("ending", f"{kind}: {ending}")
     if kind == "slow":
+        if ending.endswith(":held"):
+            return ("held", f"{kind}: cut, but the connection was still open {SLOW_WAIT_S:g} s on")
         return None if ending == "cut" else ("ending", f"{kind}: {ending}")
     assert reference is not None
     if text is None:
@@ -372,6 +375,11 @@ async def main() -> int:
     checks = [
         ("replies whose text differs from the engine's: 0", problems["text"] == 0),
         ("replies that ended in a way their kind does not allow: 0", problems["ending"] == 0),
+        (
+            f"slow readers whose connection the server let go within {SLOW_WAIT_S:g} s: "
+            f"{by_kind['slow'] - problems['held']}/{by_kind['slow']}",
+            problems["held"] == 0,
+        ),
         (
             f"open tasks back to baseline ({g['tasks']:.0f} <= {g0['tasks']:.0f})",
             g["tasks"] <= g0["tasks"],
