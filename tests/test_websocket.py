@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.server import create_app, running
+from replystream.server import create_app, running, serving
 from replystream.server.app import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
 from replystream.server.websocket import Session
 from tests.conftest import fast_engine, wait_for
@@ -198,12 +198,17 @@ async def test_a_socket_that_is_never_read_is_cut_and_its_reply_stopped():
     engine = fast_engine(reply_text=words, delay_ms=3, jitter_ms=0)
     policy = DeliveryPolicy(slow_client_s=0.3, slow_client_bytes=64 << 20)
     app = create_app(engine, ServerConfig(policy=policy))
-    async with running(app) as url:
-        _reader, writer = await open_raw_websocket(url)
+    async with serving(app) as server:
+        _reader, writer = await open_raw_websocket(server.url)
         try:
             start = {"type": "reply", "id": "s", "prompt": "x"}
             writer.write(client_frame(json.dumps(start).encode()))
             await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+            # The server lets the connection go too, though this client still reads nothing
+            # (its close frame cannot leave, so it must not wait for it forever).
+            connections = server.runner.server
+            assert connections is not None
+            await wait_for(lambda: not connections.connections, timeout_s=15)
         finally:
             writer.close()
     assert engine.stats().finished == 0 and engine.stats().steps < 1000

@@ -448,6 +448,7 @@ def create_app(
     (default: this process's memory)."""
     # Imported here: these modules build on this one's start_reply and follow_reply.
     from replystream.server.openai_api import add_openai_routes
+    from replystream.server.state import add_state_gauges
     from replystream.server.websocket import add_websocket_route
 
     config = config or ServerConfig()
@@ -496,6 +497,7 @@ def create_app(
     add_page_routes(app)
     add_openai_routes(app)
     add_websocket_route(app)
+    add_state_gauges(app)
 
     async def close_all(app: web.Application) -> None:
         await app[MANAGER_KEY].aclose()

@@ -28,7 +28,6 @@ from replystream.server.app import ServerConfig, create_app
 from replystream.server.auth import collect_keys
 from replystream.server.guard import GuardConfig
 from replystream.server.serve import run_workers, serve_forever
-from replystream.server.state import add_state_gauges
 
 log = logging.getLogger("replystream.serve")
 
@@ -411,7 +410,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, config, store)
-    add_state_gauges(app)
     sock = None
     if args.listen_fd is not None:
         sock = socket.socket(fileno=args.listen_fd)

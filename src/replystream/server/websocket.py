@@ -41,6 +41,7 @@ from replystream.server.app import CONFIG_KEY, NATIVE_FORMAT, start_reply
 from replystream.server.auth import AUTH_PENDING, OWNER, KeyRing, key_owner
 from replystream.server.errors import HTTPAPIError, error_body
 from replystream.server.native import ReplyRequest, parse_reply_request
+from replystream.server.reader import LAST_WORDS_S
 from replystream.server.replies import Reply, StopReason
 from replystream.sse import EventParser
 
@@ -74,6 +75,9 @@ class Session:
         self.policy: DeliveryPolicy = self.config.policy
         self.running: dict[str, _Running] = {}
         self._send_lock = asyncio.Lock()
+        # Kept from the start: a cut must be able to drop the connection whatever state the
+        # WebSocket machinery is in by then.
+        self.transport = request.transport
 
     async def send(self, message: dict[str, Any]) -> int:
         """Send one message, waiting for the socket to drain; cut a socket that does not."""
@@ -138,11 +142,15 @@ class Session:
                         running.task.cancel()
         except* _SlowClient as cut:
             log.info("websocket cut: %s", cut.exceptions[0])
+            transport = self.transport
+            if transport is not None:
+                # The close frame waits behind everything the reader did not take; if it has
+                # not left soon, the connection goes without it (a close waits for the
+                # buffer to drain, which a reader that does not read never lets happen).
+                asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await self.ws.close(code=CLOSE_POLICY, message=b"slow_client")
-            if self.request.transport is not None:
-                self.request.transport.abort()
         except* ConnectionError:
             pass  # the client left while a reply was being sent; its readers have stopped
 
