@@ -291,8 +291,9 @@ async def slow(
     wait and its slow-client limits cut the socket. ``server_holds(port)`` (whether the server
     still has a socket open to this reader's port) says when: the server must let the
     connection go within ``SLOW_WAIT_S`` although nothing is read (else the ending says
-    ``:held``). Then this reader reads what the connection still carries, which must end
-    with the close frame naming ``slow_client``.
+    ``:held``). Then this reader reads what the connection still carries: the close frame
+    naming ``slow_client`` (``cut``), or nothing more because the server, after waiting for
+    that frame to leave, aborted the connection (``cut:aborted``).
     """
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -332,9 +333,14 @@ async def slow(
             async with asyncio.timeout(30):
                 while data := await loop.sock_recv(sock, 1 << 16):
                     tail = (tail + data)[-4096:]
-        ending = "cut" if b"slow_client" in tail else "not_cut"
-        if not released:
-            ending += ":held"  # the server kept the connection while nothing was read
+        if b"slow_client" in tail:
+            ending = "cut"
+        elif released:
+            # The server dropped the connection with its close frame still queued behind what
+            # this reader never took (the kernel discards that on abort): a cut all the same.
+            ending = "cut:aborted"
+        else:
+            ending = "not_cut:held"  # the server kept the connection while nothing was read
     except OSError as exc:
         ending = f"failed:{type(exc).__name__}"
     finally:

@@ -253,7 +253,7 @@ def problem(result: Result, reference: str | None, phrase: str) -> tuple[str, st
     if kind == "slow":
         if ending.endswith(":held"):
             return ("held", f"{kind}: cut, but the connection was still open {SLOW_WAIT_S:g} s on")
-        return None if ending == "cut" else ("ending", f"{kind}: {ending}")
+        return None if ending in ("cut", "cut:aborted") else ("ending", f"{kind}: {ending}")
     assert reference is not None
     if text is None:
         return ("ending", f"{kind}: {ending}")
