@@ -7,7 +7,7 @@ method, the ``R-7`` estimator): p-th percentile of sorted x at rank (n - 1) * p 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -23,15 +23,16 @@ def percentile(values: Sequence[float], p: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(values: Iterable[float], points: Sequence[float] = (50, 95)) -> dict[str, float]:
-    """``median`` (as p50), the requested percentiles, ``mean``, ``min`` and ``max``."""
-    data = sorted(values)
-    if not data:
-        return {"count": 0}
-    out: dict[str, float] = {"count": len(data), "median": percentile(data, 50)}
-    for p in points:
-        out[f"p{p:g}"] = percentile(data, p)
-    out["mean"] = sum(data) / len(data)
-    out["min"] = data[0]
-    out["max"] = data[-1]
+PERCENTILES = (50, 90, 95, 99)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
+    """count, mean, p50, p90, p95, p99, min, max (None when there are no values)."""
+    out: dict[str, float | int | None] = {"count": len(values)}
+    ordered = sorted(values)
+    out["mean"] = sum(ordered) / len(ordered) if ordered else None
+    for p in PERCENTILES:
+        out[f"p{p}"] = percentile(ordered, p) if ordered else None
+    out["min"] = ordered[0] if ordered else None
+    out["max"] = ordered[-1] if ordered else None
     return out

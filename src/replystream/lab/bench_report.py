@@ -11,7 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from replystream.lab.benchstats import DEFINITIONS, PERCENTILES
+from replystream.lab.benchstats import DEFINITIONS
+from replystream.stats import PERCENTILES
 
 _ROWS = (
     ("TTFT", "ttft_ms"),

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from replystream.lab.load import LoadRun, RequestRecord
-from replystream.stats import percentile
+from replystream.stats import distribution
 
-PERCENTILES = (50, 90, 95, 99)
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "first_byte_ms", "first_chunk_ms")
 SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
 
@@ -65,18 +64,6 @@ class SLO:
     def met(self, metrics: dict[str, Any]) -> bool:
         value = metrics[SLO_METRICS[self.metric]]
         return value is not None and value <= self.limit_ms
-
-
-def distribution(values: list[float]) -> dict[str, float | int | None]:
-    """count, mean, p50, p90, p95, p99, min, max (None when there are no values)."""
-    out: dict[str, float | int | None] = {"count": len(values)}
-    ordered = sorted(values)
-    out["mean"] = sum(ordered) / len(ordered) if ordered else None
-    for p in PERCENTILES:
-        out[f"p{p}"] = percentile(ordered, p) if ordered else None
-    out["min"] = ordered[0] if ordered else None
-    out["max"] = ordered[-1] if ordered else None
-    return out
 
 
 def request_metrics(record: RequestRecord) -> dict[str, Any]:

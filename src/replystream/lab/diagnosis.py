@@ -25,8 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from replystream.client import ReplyTiming
-from replystream.lab.benchstats import distribution
-from replystream.stats import percentile
+from replystream.stats import distribution, percentile
 
 Verdict = Literal["streaming", "buffered", "bursty", "compressed", "failed"]
 
