@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from replystream.client.transport import http_request
-from replystream.lab.local_server import local_server
+from replystream.lab.local_server import serve_process
 from replystream.sse import EventParser
 from replystream.stats import percentile
 
@@ -31,12 +31,6 @@ TICKS = os.sysconf("SC_CLK_TCK")
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def server_pid(url: str) -> int:
-    port = url.rsplit(":", 1)[1]
-    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True)
-    return int(out.stdout.split("pid=")[1].split(",")[0])
 
 
 async def first_event_after(url: str, reply_id: str, after: int) -> float:
@@ -89,12 +83,14 @@ def summary(values: list[float]) -> str:
 
 
 async def measure(args: argparse.Namespace, redis_url: str) -> None:
-    common = ["--tokens", str(args.tokens), "--delay-ms", "1", "--jitter-ms", "0"]
+    common = ["--engine", "simulated", "--tokens", str(args.tokens), "--delay-ms", "1"]
+    common += ["--jitter-ms", "0"]
     async with (
-        local_server(common) as memory_url,
-        local_server([*common, "--redis-url", redis_url]) as redis_a,
-        local_server([*common, "--redis-url", redis_url]) as redis_b,
+        serve_process(common) as memory,
+        serve_process([*common, "--redis-url", redis_url]) as redis_a_server,
+        serve_process([*common, "--redis-url", redis_url]) as redis_b_server,
     ):
+        memory_url, redis_a, redis_b = memory.url, redis_a_server.url, redis_b_server.url
         same, other, local = [], [], []
         for _ in range(args.repeats):
             reply_id = await start_and_cut(memory_url, 20)
@@ -108,11 +104,10 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
         print(f"  Redis store, other replica      {summary(other)}")
 
         costs = {}
-        for name, url in (("memory", memory_url), ("redis", redis_a)):
-            pid = server_pid(url)
-            before = cpu_seconds(pid)
-            events = await stream_replies(url, args.replies)
-            costs[name] = (cpu_seconds(pid) - before) / events * 1e6
+        for name, server in (("memory", memory), ("redis", redis_a_server)):
+            before = cpu_seconds(server.pid)
+            events = await stream_replies(server.url, args.replies)
+            costs[name] = (cpu_seconds(server.pid) - before) / events * 1e6
         print(
             f"Server CPU per event ({args.replies} resumable replies of "
             f"{args.tokens} tokens at once)"

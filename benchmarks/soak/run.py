@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replystream.client.transport import http_request
+from replystream.lab.local_server import LocalServer, serve_process
 
 if __package__ in (None, ""):  # run as a script: make the ``soak`` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,13 +51,11 @@ from soak.clients import (
     stream,
 )
 from soak.server import (
-    Server,
     Snapshot,
     holds_connection,
     metrics_text,
     outcomes,
     snapshot,
-    started_server,
 )
 
 # Share of each kind among the replies (the slow readers are counted apart, --slow).
@@ -147,7 +146,7 @@ def plan(engine: str, n_asks: int) -> Plan:
     return Plan(args, asks, Ask("x", 1, 12, 1.0), 8000)
 
 
-async def references(server: Server, asks: list[Ask]) -> list[str]:
+async def references(server: LocalServer, asks: list[Ask]) -> list[str]:
     """Each distinct request's text, read once, one at a time, from a quiet server."""
     texts = []
     for i, ask in enumerate(asks):
@@ -202,7 +201,7 @@ def kinds_of(n: int, seed: int) -> list[Kind]:
 
 
 async def soak(
-    server: Server, plan_: Plan, kinds: list[Kind], args: argparse.Namespace
+    server: LocalServer, plan_: Plan, kinds: list[Kind], args: argparse.Namespace
 ) -> tuple[list[Result], Progress]:
     """Run every reply at a steady concurrency; the slow readers one at a time beside them."""
     results: list[Result] = []
@@ -278,7 +277,7 @@ def problem(result: Result, reference: str | None, phrase: str) -> tuple[str, st
     return None
 
 
-async def settle(server: Server, resumable_ids: list[str]) -> int:
+async def settle(server: LocalServer, resumable_ids: list[str]) -> int:
     """Wait until nothing is in flight, let cut sockets be aborted and resumable logs expire;
     then ask for every resumable reply (each must be gone). Returns how many were not."""
     deadline = time.monotonic() + 60
@@ -314,7 +313,7 @@ async def main() -> int:
     plan_ = plan(args.engine, args.asks)
     limits = [item for pair in LIMITS.items() for item in pair]
     started = time.monotonic()
-    async with started_server(plan_.engine_args) as quiet:
+    async with serve_process(plan_.engine_args) as quiet:
         refs = await references(quiet, plan_.asks)
         slow_text = (await references(quiet, [plan_.slow_ask]))[0]
     phrase, share = choose_phrase(refs, slow_text)
@@ -326,7 +325,7 @@ async def main() -> int:
     print(f"banned phrase {phrase!r}: in {share:.0%} of the reference texts")
     kinds = kinds_of(args.replies - args.slow, args.seed)
     server_args = [*plan_.engine_args, *limits, "--ban", phrase]
-    async with started_server(server_args) as server:
+    async with serve_process(server_args) as server:
         for i in range(2 * args.concurrency):  # warm-up: imports, pools, first allocations
             await stream(
                 server.url, i % len(plan_.asks), plan_.asks[i % len(plan_.asks)], "complete"

@@ -6,17 +6,14 @@ logs and replies by outcome from the server's own ``/metrics`` gauges and counte
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
-import sys
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from replystream.client.transport import http_request
-from replystream.lab.local_server import READY_PREFIX
+from replystream.lab.local_server import LocalServer
 
 # Gauges the server exposes about what it holds (``replystream.server.state``).
 GAUGES = {
@@ -31,12 +28,6 @@ GAUGES = {
 _OUTCOME = re.compile(
     r'^replystream_replies_total\{endpoint="([^"]*)",outcome="([^"]*)"\} (\S+)$', re.MULTILINE
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Server:
-    url: str
-    pid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,42 +47,6 @@ class Snapshot:
             f"KV blocks {g.get('kv_blocks', 0):4.0f}, "
             f"reply logs {g['local_logs']:.0f}+{g.get('resumable_logs', 0):.0f}"
         )
-
-
-@contextlib.asynccontextmanager
-async def started_server(args: Sequence[str]) -> AsyncIterator[Server]:
-    """Run ``replystream serve --port 0 ARGS``; yield its URL and pid; stop it on exit."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        async with asyncio.timeout(60):
-            while True:
-                line = (await process.stdout.readline()).decode()
-                if not line:
-                    raise RuntimeError(f"server exited early with status {await process.wait()}")
-                if line.startswith(READY_PREFIX):
-                    break
-        yield Server(line[len(READY_PREFIX) :].strip(), process.pid)
-    finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                async with asyncio.timeout(15):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 def rss_kib(pid: int) -> int:
@@ -148,7 +103,7 @@ def outcomes(text: str) -> dict[str, int]:
     return counts
 
 
-async def snapshot(server: Server) -> Snapshot:
+async def snapshot(server: LocalServer) -> Snapshot:
     """Memory and descriptors from /proc, the rest from the server's gauges.
 
     Raises:

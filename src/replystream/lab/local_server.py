@@ -10,18 +10,24 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 READY_PREFIX = "replystream listening on "
 
 
-@contextlib.asynccontextmanager
-async def local_server(args: Sequence[str], *, ready_timeout_s: float = 30.0) -> AsyncIterator[str]:
-    """Run ``replystream serve --port 0 ARGS`` and yield its base URL; stop it on exit.
+@dataclass(frozen=True, slots=True)
+class LocalServer:
+    """A running ``replystream serve`` child: its base URL and process id."""
 
-    The engine is the simulated one unless ARGS choose another: lab tools need its schedule.
-    """
-    if "--engine" not in args:
-        args = ["--engine", "simulated", *args]
+    url: str
+    pid: int
+
+
+@contextlib.asynccontextmanager
+async def serve_process(
+    args: Sequence[str], *, ready_timeout_s: float = 30.0
+) -> AsyncIterator[LocalServer]:
+    """Run ``replystream serve --port 0 ARGS``; yield its URL and pid; stop it on exit."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -43,9 +49,21 @@ async def local_server(args: Sequence[str], *, ready_timeout_s: float = 30.0) ->
                     raise RuntimeError(f"server exited early with status {await process.wait()}")
                 if line.startswith(READY_PREFIX):
                     break
-        yield line[len(READY_PREFIX) :].strip()
+        yield LocalServer(line[len(READY_PREFIX) :].strip(), process.pid)
     finally:
         await stop_process(process)
+
+
+@contextlib.asynccontextmanager
+async def local_server(args: Sequence[str], *, ready_timeout_s: float = 30.0) -> AsyncIterator[str]:
+    """Run ``replystream serve --port 0 ARGS`` and yield its base URL; stop it on exit.
+
+    The engine is the simulated one unless ARGS choose another: lab tools need its schedule.
+    """
+    if "--engine" not in args:
+        args = ["--engine", "simulated", *args]
+    async with serve_process(args, ready_timeout_s=ready_timeout_s) as server:
+        yield server.url
 
 
 async def stop_process(process: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
