@@ -71,6 +71,7 @@ class LogReader:
     overflow: bool = False
     _sent_log_bytes: int = 0  # bytes of log entries this reader has sent (or skipped)
     _chunked: bool = False
+    _high_water: int = 0  # the transport's write high-water mark: above it, writes wait
     _transport: asyncio.Transport | None = None  # cached: the request property costs per event
     _deadline: asyncio.Timeout | None = None
 
@@ -149,6 +150,8 @@ class LogReader:
                     self.reply_id
                 ) - self.store.backlog_bytes(self.reply_id, self.after)
             self._transport = self.request.transport
+            if self._transport is not None:
+                self._high_water = self._transport.get_write_buffer_limits()[1]
             ending = await self._follow()
             await self.response.write_eof()
         except _Cut as cut:
@@ -233,7 +236,7 @@ class LogReader:
             and reply.pipeline.next_seq - 1 == self.after
             and transport is not None
             and not transport.is_closing()
-            and transport.get_write_buffer_size() < transport.get_write_buffer_limits()[1]
+            and transport.get_write_buffer_size() < self._high_water
         )
 
     async def _direct(self, keepalive: float | None) -> None:
@@ -264,7 +267,7 @@ class LogReader:
             entries[0].seq != self.after + 1
             or transport is None
             or transport.is_closing()
-            or transport.get_write_buffer_size() >= transport.get_write_buffer_limits()[1]
+            or transport.get_write_buffer_size() >= self._high_water
         ):
             # The socket is not keeping up. Past the slow-client limit this reader is done
             # for; say so now, so the producer stops in this tick rather than after it.
