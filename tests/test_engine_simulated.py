@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import pytest
 
@@ -123,3 +124,74 @@ async def test_invalid_requests_and_configs_are_refused():
 def test_reply_of_length_cuts_and_repeats():
     assert reply_of_length("a b c", 2) == "a b"
     assert reply_of_length("a b", 5) == "a b a b a"
+
+
+def hold_the_loop(seconds: float) -> None:
+    """Keep the event loop busy, as an overloaded server does, so tokens come due together."""
+    time.sleep(seconds)
+
+
+class RecordingSink:
+    """Records each push: the texts delivered together, and how the stream ended."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.ended = asyncio.Event()
+        self.error: EngineError | None = None
+
+    def on_deltas(self, deltas) -> None:
+        self.calls.append([delta.text for delta in deltas])
+
+    def on_end(self, error: EngineError | None) -> None:
+        self.error = error
+        self.ended.set()
+
+
+async def attached(engine: SimulatedEngine, seed: int = 1) -> RecordingSink:
+    sink = RecordingSink()
+    (await engine.start(request(seed=seed))).attach(sink)
+    return sink
+
+
+async def test_attached_stream_pushes_the_same_tokens_as_iteration():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2, jitter_ms=1))
+    iterated = [delta.text async for delta in await engine.start(request(seed=3))]
+    sink = await attached(engine, seed=3)
+    await asyncio.wait_for(sink.ended.wait(), 10)
+    assert [text for call in sink.calls for text in call] == iterated
+    assert sink.error is None
+    assert engine.stats().finished == 2 and engine.stats().active == 0
+
+
+async def test_overdue_tokens_of_a_stream_arrive_in_one_push_in_order():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=5, jitter_ms=0))
+    sink = await attached(engine)
+    hold_the_loop(0.2)  # about 40 tokens come due meanwhile
+    await asyncio.wait_for(sink.ended.wait(), 10)
+    assert len(sink.calls[0]) >= 20, "the overdue tokens should leave in one push"
+    assert [text for call in sink.calls for text in call] == split_words(DEFAULT_REPLY)
+
+
+async def test_a_failure_due_among_overdue_tokens_comes_after_the_tokens_before_it():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2, jitter_ms=0, fail_after=7))
+    sink = await attached(engine)
+    hold_the_loop(0.1)  # all of them overdue, the failure among them
+    await asyncio.wait_for(sink.ended.wait(), 10)
+    assert sum(map(len, sink.calls)) == 7
+    assert isinstance(sink.error, EngineError)
+    assert engine.stats().failed == 1 and engine.stats().active == 0
+
+
+async def test_one_tick_delivers_a_bounded_number_of_overdue_tokens():
+    from replystream.engine.simulated import TOKENS_PER_TICK
+
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1, jitter_ms=0))
+    sinks = [await attached(engine, seed) for seed in range(10)]  # 1,200 tokens in all
+    hold_the_loop(0.3)  # every token of every stream is overdue
+    delivered_per_turn: list[int] = []
+    while not all(sink.ended.is_set() for sink in sinks):
+        before = sum(len(call) for sink in sinks for call in sink.calls)
+        await asyncio.sleep(0)  # one turn of the loop: at most one tick
+        delivered_per_turn.append(sum(len(c) for s in sinks for c in s.calls) - before)
+    assert max(delivered_per_turn) <= TOKENS_PER_TICK
+    assert all(sum(map(len, sink.calls)) == 120 for sink in sinks)

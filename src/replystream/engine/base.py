@@ -8,7 +8,7 @@ at the next step either way and free what the request held.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -95,7 +95,10 @@ class DeltaStream(Protocol):
 class DeltaSink(Protocol):
     """Where a push-capable stream delivers: called on the event loop, must not block."""
 
-    def on_delta(self, delta: Delta) -> None: ...
+    def on_deltas(self, deltas: Sequence[Delta]) -> None:
+        """Deltas that came due together, in order (one, while the stream keeps its
+        schedule; several when the loop fell behind, so they can leave in one write)."""
+        ...
 
     def on_end(self, error: EngineError | None) -> None:
         """The stream ended: normally (None) or with a failure."""

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -146,13 +146,27 @@ class Reply:
             delay = max(0.0, due - time.monotonic())
             self._window_timer = asyncio.get_running_loop().call_later(delay, self._flush_window)
 
-    def on_delta(self, delta: Delta) -> None:
-        """One delta from the engine: through the pipeline into the log (sync, no waiting)."""
+    def on_deltas(self, deltas: Sequence[Delta]) -> None:
+        """Deltas from the engine: through the pipeline into the log (sync, no waiting).
+        Deltas that came due together are appended together, so a reader writes them at once.
+        """
         if self._stopping is not None or self.stop_reason is not None:
             return
-        self.record.on_delta(delta.made_at, delta.tokens)
-        self._append(self.pipeline.push(delta, time.monotonic()))
-        if self.pipeline.violation is not None:
+        record, pipeline = self.record, self.pipeline
+        now = time.monotonic()
+        if len(deltas) == 1:
+            delta = deltas[0]
+            record.on_delta(delta.made_at, delta.tokens)
+            entries = pipeline.push(delta, now)
+        else:
+            entries = []
+            for delta in deltas:
+                record.on_delta(delta.made_at, delta.tokens)
+                entries += pipeline.push(delta, now)
+                if pipeline.violation is not None:
+                    break
+        self._append(entries)
+        if pipeline.violation is not None:
             self._stop_producing("moderated")
             return
         failure = self.store.failure(self.reply_id)
@@ -173,15 +187,15 @@ class Reply:
                 self._pushed_done.set_result(None)
 
     async def _run_engine(self) -> None:
-        """Feed every delta to ``on_delta`` until the stream ends or the reply stops early."""
+        """Feed every delta to ``on_deltas`` until the stream ends or the reply stops early."""
         if isinstance(self.deltas, PushDeltaStream):
-            # The engine calls on_delta itself: no wake-up of this task per token.
+            # The engine calls on_deltas itself: no wake-up of this task per token.
             self._pushed_done = asyncio.get_running_loop().create_future()
             self.deltas.attach(self)
             await self._pushed_done
         else:
             async for delta in self.deltas:
-                self.on_delta(delta)
+                self.on_deltas((delta,))
                 if self._stopping is not None:
                     break
             else:
