@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -115,6 +116,23 @@ async def running(
         yield server.url
 
 
+# Young objects the collector lets pile up before it runs (CPython's default is 700). A server
+# holding thousands of streams allocates fast and keeps most of it alive for the whole reply;
+# with the default, full collections walked every live stream's objects several times a
+# burst (80 ms each at 3,000 streams, stalling every stream). The cost: at most this many
+# objects of cyclic garbage wait a little longer to be freed.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_collector() -> None:
+    """Freeze what start-up made (modules, the app: never garbage) out of every future
+    collection, and collect young objects less often."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
 async def serve_forever(
     app: web.Application,
     host: str,
@@ -129,6 +147,7 @@ async def serve_forever(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with serving(app, host, port, sock) as server:
+        tune_collector()
         if sock is None:
             print(f"replystream listening on {server.url}", flush=True)
         await stop.wait()
