@@ -117,7 +117,7 @@ class _Log:
     ending: str | None = None
     expires_at: float | None = None
     cancel_requested: bool = False
-    waiters: set[asyncio.Future[None]] = field(default_factory=set)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)  # lighter than a set
 
     def append(self, new: Sequence[LogEntry]) -> None:
         for entry in new:
@@ -239,13 +239,14 @@ class MemoryReplayStore:
         if result.entries or result.lost or result.ending is not None or wait_s <= 0:
             return result
         waiter = asyncio.get_running_loop().create_future()
-        log.waiters.add(waiter)
+        log.waiters.append(waiter)
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s):
                     await waiter
         finally:
-            log.waiters.discard(waiter)
+            if waiter in log.waiters:  # wake() empties the list
+                log.waiters.remove(waiter)
         return log.after(after)
 
     async def request_cancel(self, reply_id: str) -> None:

@@ -142,20 +142,21 @@ async def request_ids(request: web.Request, handler: Handler) -> web.StreamRespo
         status = exc.status
         raise
     finally:
-        access_log.info(
-            "%s",
-            json.dumps(
-                {
-                    "request_id": request_id,
-                    "method": request.method,
-                    "path": request.path,
-                    "status": status,
-                    "ms": round((time.monotonic() - started) * 1000.0, 1),
-                    "client": request.remote,
-                    "reply_id": request.get(REPLY_ID),
-                }
-            ),
-        )
+        if access_log.isEnabledFor(logging.INFO):  # off by default: skip building the line
+            access_log.info(
+                "%s",
+                json.dumps(
+                    {
+                        "request_id": request_id,
+                        "method": request.method,
+                        "path": request.path,
+                        "status": status,
+                        "ms": round((time.monotonic() - started) * 1000.0, 1),
+                        "client": request.remote,
+                        "reply_id": request.get(REPLY_ID),
+                    }
+                ),
+            )
 
 
 def cors_preflight(origins: Sequence[str]) -> Middleware:

@@ -13,7 +13,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
@@ -112,6 +112,19 @@ class ReplyRecord:
         self.events += events
 
 
+class _Children(NamedTuple):
+    """The labelled series of one endpoint (replies also by outcome, filled as seen)."""
+
+    replies: dict[str, Counter]
+    e2e: Histogram
+    queue: Histogram
+    ttft: Histogram
+    tpot: Histogram
+    events: Counter
+    bytes: Counter
+    tokens: Counter
+
+
 class Metrics:
     """The server's metric families, in a registry of its own (one per application)."""
 
@@ -167,6 +180,7 @@ class Metrics:
             "replystream_tokens_generated", "Tokens the engine made.", ["endpoint"], registry=r
         )
         self._states: dict[str, Gauge] = {}
+        self._children: dict[str, _Children] = {}
 
     def state(
         self, name: str, documentation: str, read: Callable[[], float], **labels: str
@@ -188,21 +202,41 @@ class Metrics:
         """Account for one reply that has ended."""
         endpoint = record.endpoint
         ended = time.monotonic()
-        self.replies.labels(endpoint, record.outcome).inc()
-        self.e2e.labels(endpoint).observe(ended - record.arrived_at)
+        children = self._children.get(endpoint) or self._label(endpoint)
+        outcome = children.replies.get(record.outcome)
+        if outcome is None:
+            outcome = children.replies[record.outcome] = self.replies.labels(
+                endpoint, record.outcome
+            )
+        outcome.inc()
+        children.e2e.observe(ended - record.arrived_at)
         if record.admitted_at is not None:
-            self.queue.labels(endpoint).observe(record.admitted_at - record.arrived_at)
+            children.queue.observe(record.admitted_at - record.arrived_at)
         first, last = record.first_token_at, record.last_token_at
         if first is not None and last is not None:
-            self.ttft.labels(endpoint).observe(first - record.arrived_at)
+            children.ttft.observe(first - record.arrived_at)
             if record.tokens > 1:
-                self.tpot.labels(endpoint).observe((last - first) / (record.tokens - 1))
+                children.tpot.observe((last - first) / (record.tokens - 1))
         if record.events:
-            self.events.labels(endpoint).inc(record.events)
+            children.events.inc(record.events)
         if record.bytes_sent:
-            self.bytes.labels(endpoint).inc(record.bytes_sent)
+            children.bytes.inc(record.bytes_sent)
         if record.tokens:
-            self.tokens.labels(endpoint).inc(record.tokens)
+            children.tokens.inc(record.tokens)
+
+    def _label(self, endpoint: str) -> _Children:
+        """One endpoint's labelled series, looked up once (``labels()`` costs per call)."""
+        children = self._children[endpoint] = _Children(
+            replies={},
+            e2e=self.e2e.labels(endpoint),
+            queue=self.queue.labels(endpoint),
+            ttft=self.ttft.labels(endpoint),
+            tpot=self.tpot.labels(endpoint),
+            events=self.events.labels(endpoint),
+            bytes=self.bytes.labels(endpoint),
+            tokens=self.tokens.labels(endpoint),
+        )
+        return children
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,7 +52,7 @@ class _Cut(Exception):
         self.ending = ending
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LogReader:
     """One connection following one reply's log."""
 
@@ -94,13 +93,16 @@ class LogReader:
             return 0
         return self.store.appended_bytes(self.reply_id) - self._sent_log_bytes
 
-    async def _send(self, frame: bytes, events: int) -> None:
+    async def _send(self, frame: bytes, events: int, *, last: bool = False) -> None:
         if self.overflow:
             raise _Cut("slow_client", f"more than {self.policy.slow_client_bytes} bytes behind")
         try:
             async with asyncio.timeout(self.policy.slow_client_s) as deadline:
                 self._deadline = deadline
-                await self.response.write(frame)
+                if last:  # the end of the body leaves in the same write
+                    await self.response.write_eof(frame)
+                else:
+                    await self.response.write(frame)
         except TimeoutError:
             if self.manager.shutting_down:
                 raise _Cut("shutdown", "the server is shutting down") from None
@@ -136,15 +138,22 @@ class LogReader:
 
     async def run(self) -> ReaderEnding:
         """Send the headers, follow the log to its end (or until cut); say how it ended."""
-        hooks: list[set[Callable[[], None]]] = [self.manager.readers]
+        self.manager.readers.add(self._interrupt)
         if self.reply is not None:
-            hooks.append(self.reply.hooks)
+            self.reply.hooks.append(self._interrupt)
             self.reply.reader_joined()
-        for group in hooks:
-            group.add(self._interrupt)
         ending: ReaderEnding = "client_gone"
         try:
-            # Headers leave now, before the first token exists.
+            # Headers leave now, before the first token exists: alone, or, when the reply's
+            # opening events are already in this process's log, in one write with them
+            # (aiohttp holds the headers until the first body write; _follow makes it now).
+            reply = self.reply
+            if (
+                reply is not None
+                and isinstance(self.store, MemoryReplayStore)
+                and reply.pipeline.next_seq - 1 > self.after
+            ):
+                self.response._send_headers_immediately = False
             await self.response.prepare(self.request)
             self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
             if isinstance(self.store, MemoryReplayStore):
@@ -165,9 +174,9 @@ class LogReader:
         except ConnectionError:
             ending = "client_gone"
         finally:
-            for group in hooks:
-                group.discard(self._interrupt)
+            self.manager.readers.discard(self._interrupt)
             if self.reply is not None:
+                self.reply.hooks.remove(self._interrupt)
                 self.reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
         return ending
 
@@ -192,7 +201,7 @@ class LogReader:
                 first, last = result.lost
                 gap = json.dumps({"lost_from": first, "lost_to": last})
                 await self._send(encode_data(gap, type="gap"), 1)
-            await self._send_entries(result.entries)
+            await self._send_entries(result.entries, last=result.ending is not None)
             if result.ending is not None:
                 return "ended"
             if result.producer_lost:
@@ -203,9 +212,10 @@ class LogReader:
             if not result.entries and keepalive is not None and idle_for >= keepalive:
                 await self._send(self.keepalive, 0)
 
-    async def _send_entries(self, entries: list[LogEntry]) -> None:
+    async def _send_entries(self, entries: list[LogEntry], *, last: bool = False) -> None:
         """Write log entries in writes of at most WRITE_CHUNK bytes, each waiting to drain;
-        a reader further behind than the slow-client limit is cut instead."""
+        a reader further behind than the slow-client limit is cut instead. ``last``: these
+        end the reply, and the end of the body goes with them."""
         if not entries:
             return
         if self.overflow or self._lag_bytes() > self.policy.slow_client_bytes:
@@ -217,7 +227,8 @@ class LogReader:
             size += len(entry.frame)
             if size >= WRITE_CHUNK or index == len(entries) - 1:
                 # Several events in one write: fewer syscalls for a replay.
-                await self._send(b"".join(batch), len(batch))
+                final = last and index == len(entries) - 1
+                await self._send(b"".join(batch), len(batch), last=final)
                 self._sent_log_bytes += size
                 self.after = entry.seq
                 batch, size = [], 0
@@ -246,7 +257,7 @@ class LogReader:
         reply = self.reply
         assert reply is not None
         loop = asyncio.get_running_loop()
-        reply.sinks.add(self)
+        reply.sinks.append(self)
         try:
             while True:
                 idle_for = time.monotonic() - self.last_write
@@ -260,7 +271,7 @@ class LogReader:
                 except TimeoutError:
                     continue  # a keep-alive may be due; direct writes may have made it not
         finally:
-            reply.sinks.discard(self)
+            reply.sinks.remove(self)
             self._woken = None
 
     def push(self, entries: list[LogEntry]) -> None:
