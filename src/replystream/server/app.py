@@ -57,6 +57,7 @@ from replystream.engine.base import (
     RequestRejected,
     SamplingParams,
 )
+from replystream.server import ids
 from replystream.server.auth import OWNER, api_key_middleware
 from replystream.server.buffered import buffered_reply
 from replystream.server.errors import HTTPAPIError, error_response
@@ -186,7 +187,7 @@ async def start_reply(
     app = request.app
     record = app[METRICS_KEY].record(endpoint, streamed=True)
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
-    reply_id = secrets.token_urlsafe(18)  # 144 random bits: not guessable, not enumerable
+    reply_id = ids.reply_id()
     deltas = await start_generation(request, generation, record)
     try:
         await store.create(ReplyInfo(reply_id, owner=owner_of(request)))

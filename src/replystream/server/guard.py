@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import re
-import secrets
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from replystream.server import ids
 from replystream.server.auth import OWNER
 from replystream.server.errors import HTTPAPIError, error_response
 
@@ -130,7 +130,7 @@ def client_limits(gate: ClientGate) -> Middleware:
 async def request_ids(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Give every request an id (the client's ``X-Request-Id`` if sane) and log it once."""
     given = request.headers.get("X-Request-Id", "")
-    request_id = given if _REQUEST_ID.match(given) else secrets.token_hex(8)
+    request_id = given if _REQUEST_ID.match(given) else ids.request_id()
     request[REQUEST_ID] = request_id
     started = time.monotonic()
     status: int | str = "client_gone"

@@ -11,7 +11,6 @@ replies; it must not know how tokens are made or how events are framed.
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any, Protocol
 
@@ -26,6 +25,7 @@ from replystream.delivery.openai_formats import (
     completion_body,
 )
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.server import ids
 from replystream.server.app import (
     CONFIG_KEY,
     ENGINE_KEY,
@@ -89,7 +89,7 @@ async def _buffered(
     request: web.Request, kind: Kind, ask: CompletionAsk, model: str, created: int
 ) -> web.StreamResponse:
     app = request.app
-    reply_id = secrets.token_urlsafe(18)
+    reply_id = ids.reply_id()
     record = ReplyRecord(request.path, streamed=False)
     deltas = await start_generation(request, ask.generation, record)
 
