@@ -57,10 +57,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     args = parser.parse_args()
     raise_nofile()
+    new_loop = None
+    if args.loop == "uvloop":
+        import uvloop
+
+        new_loop = uvloop.new_event_loop
     try:
-        asyncio.run(serve(args.host, args.port))
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(serve(args.host, args.port))
     except KeyboardInterrupt:
         pass
 

@@ -36,7 +36,7 @@ from procstats import (
     raise_nofile,
 )
 from report import failure_notes, table
-from servers import HERE, SERVER_NAMES, Started, Variant, check_wire, started_server
+from servers import HERE, LOOPS, SERVER_NAMES, Started, Variant, check_wire, started_server
 from workload import TOKENS, schedule, stream_seeds
 
 from replystream.engine import GenerationRequest, SamplingParams, SimulatedConfig, SimulatedEngine
@@ -122,12 +122,18 @@ async def measure(
 
 
 async def measure_variant(
-    variant: Variant, concurrency: int, timeout_s: float, quiet_s: float
+    variant: Variant, concurrency: int, timeout_s: float, quiet_s: float, loop: str
 ) -> dict[str, Any]:
     """Start ``variant`` fresh, measure it at ``concurrency``, stop it; print a progress line."""
-    async with started_server(variant.name, variant.workers) as server:
+    async with started_server(variant.name, variant.workers, loop) as server:
         result = await measure(server, concurrency, timeout_s, quiet_s)
-    result = {"server": variant.label, "name": variant.name, "workers": variant.workers, **result}
+    result = {
+        "server": variant.label,
+        "name": variant.name,
+        "workers": variant.workers,
+        "loop": loop,
+        **result,
+    }
     client = result["client"]
     print(
         f"{variant.label:>11} C={concurrency:<5} completed {client['completed']}/{concurrency}"
@@ -143,7 +149,9 @@ async def quietest_run(variant: Variant, concurrency: int, args: argparse.Namesp
     """Measure ``variant``; repeat up to ``--rerun-if-busy`` times while others used the CPU."""
     best: dict[str, Any] | None = None
     for attempt in range(1 + args.rerun_if_busy):
-        result = await measure_variant(variant, concurrency, args.timeout_s, args.wait_quiet_s)
+        result = await measure_variant(
+            variant, concurrency, args.timeout_s, args.wait_quiet_s, args.loop
+        )
         result["attempt"] = attempt + 1
         if best is None or result["other_cores_during"] < best["other_cores_during"]:
             best = result
@@ -219,6 +227,12 @@ async def main() -> int:
         default=[1],
         help="replystream serve --workers N; several values measure each (1 2: one vs two)",
     )
+    parser.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default="asyncio",
+        help="the event loop of every server (uvicorn's too), so they are compared on the same",
+    )
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per run, from the burst")
     parser.add_argument(
         "--wait-quiet-s",
@@ -252,6 +266,7 @@ async def main() -> int:
                 runs.append(await quietest_run(variant, concurrency, args))
     except RuntimeError as error:  # a server that did not start, died or wrote other bytes
         fatal = str(error)
+    print(f"Every server on the {args.loop} event loop.\n")
     print(table(runs, labels, args.concurrency))
     notes = failure_notes(runs)
     if fatal is not None:

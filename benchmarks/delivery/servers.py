@@ -24,17 +24,20 @@ READY = re.compile(r"listening on (http://\S+)")
 SERVER_NAMES = ("replystream", "bare", "starlette")
 
 
-def server_command(name: str, workers: int) -> list[str]:
-    """The command line that starts server ``name`` on a free loopback port."""
+LOOPS = ("asyncio", "uvloop")
+
+
+def server_command(name: str, workers: int, loop: str = "asyncio") -> list[str]:
+    """The command line that starts server ``name`` on a free loopback port, on ``loop``."""
     if name == "replystream":
         command = [sys.executable, "-m", "replystream", "serve", "--host", "127.0.0.1"]
         command += ["--port", "0", "--engine", "simulated", "--delay-ms", "33"]
-        command += ["--jitter-ms", "8", "--keepalive-s", "15"]
+        command += ["--jitter-ms", "8", "--keepalive-s", "15", "--loop", loop]
         return command + (["--workers", str(workers)] if workers > 1 else [])
     if name == "bare":
-        return [sys.executable, str(HERE / "bare_app.py"), "--port", "0"]
+        return [sys.executable, str(HERE / "bare_app.py"), "--port", "0", "--loop", loop]
     if name == "starlette":
-        return [sys.executable, str(HERE / "starlette_app.py"), "--port", "0"]
+        return [sys.executable, str(HERE / "starlette_app.py"), "--port", "0", "--loop", loop]
     raise ValueError(f"unknown server {name!r}")
 
 
@@ -61,11 +64,11 @@ class Started:
 
 @contextlib.asynccontextmanager
 async def started_server(
-    name: str, workers: int = 1, ready_timeout_s: float = 30.0
+    name: str, workers: int = 1, loop: str = "asyncio", ready_timeout_s: float = 30.0
 ) -> AsyncIterator[Started]:
     """Start server ``name`` and yield its pid and URL; stop it on exit."""
     process = await asyncio.create_subprocess_exec(
-        *server_command(name, workers), stdout=asyncio.subprocess.PIPE
+        *server_command(name, workers, loop), stdout=asyncio.subprocess.PIPE
     )
     assert process.stdout is not None
     try:
