@@ -284,6 +284,11 @@ class SimulatedStream:
 TOKENS_PER_TICK = 256
 
 
+# uvloop's timers count whole milliseconds and can fire up to one early: a token due within
+# that is delivered now, instead of re-arming for it and spinning the loop until its time.
+TIMER_SLACK_S = 0.001
+
+
 class _Ticker:
     """One timer for many streams: a heap of due times, fired in order by a single callback.
 
@@ -317,7 +322,7 @@ class _Ticker:
         self._timer = None
         self._armed_for = math.inf
         heap = self._heap
-        now = self._loop.time()
+        now = self._loop.time() + TIMER_SLACK_S
         budget = TOKENS_PER_TICK
         while heap and heap[0][0] <= now and budget > 0:
             _, _, stream = heapq.heappop(heap)
