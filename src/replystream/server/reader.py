@@ -75,6 +75,7 @@ class LogReader:
     _transport: asyncio.Transport | None = None  # cached: the request property costs per event
     _deadline: asyncio.Timeout | None = None
     _released: int = 0  # the log entries up to here were handed back to the reply
+    _body_ended: bool = False  # the body's last chunk is written: nothing may follow it
 
     def _interrupt(self) -> None:
         """Called on every append while this reader may be blocked, and on shutdown."""
@@ -100,6 +101,7 @@ class LogReader:
             async with asyncio.timeout(self.policy.slow_client_s) as deadline:
                 self._deadline = deadline
                 if last:  # the end of the body leaves in the same write
+                    self._body_ended = True
                     await self.response.write_eof(frame)
                 else:
                     await self.response.write(frame)
@@ -128,10 +130,12 @@ class LogReader:
         transport = self.request.transport
         if transport is None or transport.is_closing():
             return
-        frame = error_frame(message, code)
-        if self.response.headers.get("Transfer-Encoding") == "chunked":
-            frame = b"%x\r\n%s\r\n0\r\n\r\n" % (len(frame), frame)
-        transport.write(frame)
+        # When the reply's end is queued already (it just could not leave), nothing follows.
+        if not self._body_ended:
+            frame = error_frame(message, code)
+            if self.response.headers.get("Transfer-Encoding") == "chunked":
+                frame = b"%x\r\n%s\r\n0\r\n\r\n" % (len(frame), frame)
+            transport.write(frame)
         transport.close()
         # A reader that never reads would keep the socket (and its buffer) forever.
         asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)

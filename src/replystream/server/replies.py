@@ -131,7 +131,7 @@ class Reply:
     def _append(self, entries: list[LogEntry]) -> None:
         if entries:
             self.store.append(self.reply_id, entries)
-            # Neither a push nor a hook changes these sets (readers leave from their own task).
+            # Neither a push nor a hook changes these lists (readers leave from their own task).
             for sink in self.sinks:
                 sink.push(entries)
             for hook in self.hooks:
