@@ -12,7 +12,13 @@ import codecs
 import time
 from collections.abc import AsyncGenerator, Iterable
 
-from replystream.engine.base import Delta, DeltaStream, EngineStats, GenerationRequest
+from replystream.engine.base import (
+    Delta,
+    DeltaSink,
+    DeltaStream,
+    EngineStats,
+    GenerationRequest,
+)
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 
@@ -91,3 +97,53 @@ class ScriptedEngine:
 
     async def aclose(self) -> None:
         return None
+
+
+class GroupedPushEngine(ScriptedEngine):
+    """Pushes its script to the reply's sink ``group`` deltas at a time, ``pause_s`` apart:
+    what a push-capable engine that fell behind its schedule delivers."""
+
+    name = "grouped"
+
+    def __init__(self, texts: Iterable[str], group: int, pause_s: float = 0.005) -> None:
+        super().__init__(texts)
+        self.group = group
+        self.pause_s = pause_s
+
+    async def start(self, request: GenerationRequest) -> DeltaStream:
+        self._counts["started"] += 1
+        return _GroupedStream(self, self._script)
+
+
+class _GroupedStream:
+    def __init__(self, engine: GroupedPushEngine, script: tuple[str, ...]) -> None:
+        self._engine = engine
+        self._script = script
+        self._task: asyncio.Task[None] | None = None
+
+    def __aiter__(self) -> _GroupedStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        raise RuntimeError("a grouped stream only pushes: attach a sink")
+
+    def attach(self, sink: DeltaSink) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._push(sink))
+
+    async def _push(self, sink: DeltaSink) -> None:
+        engine, script = self._engine, self._script
+        deltas = [
+            Delta(text, 1, time.monotonic(), "stop" if i == len(script) - 1 else None)
+            for i, text in enumerate(script)
+        ]
+        for start in range(0, len(deltas), engine.group):
+            await asyncio.sleep(engine.pause_s)
+            engine._steps += len(deltas[start : start + engine.group])
+            sink.on_deltas(deltas[start : start + engine.group])
+        engine._counts["finished"] += 1
+        sink.on_end(None)
+
+    async def aclose(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            self._engine._counts["cancelled"] += 1

@@ -1,9 +1,7 @@
 """POST /v1/replies over a real loopback socket: events, bodies and validation."""
 
-import asyncio
 import io
 import json
-import time
 
 import aiohttp
 import pytest
@@ -12,6 +10,7 @@ from replystream.client import measure_reply
 from replystream.server.app import LOCAL_STORE_KEY, create_app
 from replystream.server.serve import running
 from tests.conftest import fast_engine, serve_engine
+from tests.scripted_engine import GroupedPushEngine
 from tests.sse_client import post_events
 
 
@@ -115,25 +114,16 @@ async def test_generator_errors_before_and_after_the_first_byte():
 
 
 async def test_a_live_stream_drops_sent_events_even_when_they_leave_several_at_a_time():
-    # With 2 ms tokens and the loop held for 20 ms every 30 ms, about ten tokens come due
-    # together and leave in one write; the log must still let go of what was sent.
-    app = create_app(fast_engine(delay_ms=2, jitter_ms=0))
-    loop = asyncio.get_running_loop()
-
-    def hold_the_loop() -> None:
-        time.sleep(0.02)
-        holder[0] = loop.call_later(0.01, hold_the_loop)
-
-    holder = [loop.call_later(0.01, hold_the_loop)]
-    try:
-        async with running(app) as url, aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/v1/replies", json={"prompt": "x"}) as response:
-                tokens = 0
-                kept: list[int] = []
-                async for line in response.content:
-                    tokens += line == b"event: token\n"
-                    kept.append(app[LOCAL_STORE_KEY].stats().entries)
-                assert tokens == 120
-    finally:
-        holder[0].cancel()
+    # Pushes of 10 events put the last sent id at 11, 21, ..., 121: never a multiple of 16,
+    # so release must go by count, not by the id it reached.
+    engine = GroupedPushEngine([f"w{i} " for i in range(120)], group=10)
+    app = create_app(engine)
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/replies", json={"prompt": "x"}) as response:
+            tokens = 0
+            kept: list[int] = []
+            async for line in response.content:
+                tokens += line == b"event: token\n"
+                kept.append(app[LOCAL_STORE_KEY].stats().entries)
+            assert tokens == 120
     assert max(kept) < 40
