@@ -194,7 +194,7 @@ class SimulatedStream:
             self._engine._ended(outcome)
 
     def _fails_now(self) -> bool:
-        return self._engine.config.fail_after == self._next
+        return self._fail_at == self._next
 
     def _failure(self) -> EngineError:
         return EngineError(f"simulated failure after {self._next} tokens")
@@ -243,13 +243,12 @@ class SimulatedStream:
             self._finish("finished")
             sink.on_end(None)
 
-    def _fire(self, now: float, budget: int) -> tuple[float | None, int]:
+    def _fire(self, now: float, budget: int) -> float | None:
         """Deliver every token due by ``now`` (at most ``budget``, at least one) in one call
-        to the sink; the next due time (None once the stream ended) and the tokens delivered.
-        """
+        to the sink; the next due time, or None once the stream ended."""
         sink = self._sink
         if self._ended or sink is None:
-            return None, 0
+            return None
         due, start, first = self._due, self._start, self._next
         count = len(due)
         end = first + 1
@@ -265,16 +264,16 @@ class SimulatedStream:
             token = self._engine._token
             sink.on_deltas([token(index, count, made_at) for index in range(first, end)])
             if self._ended:  # the sink closed the stream while handling the tokens
-                return None, end - first
+                return None
         if fail_at == self._next:
             self._finish("failed")
             sink.on_end(self._failure())
-            return None, end - first
+            return None
         if self._next >= count:
             self._finish("finished")
             sink.on_end(None)
-            return None, end - first
-        return start + due[self._next], end - first
+            return None
+        return start + due[self._next]
 
 
 # Tokens one tick may deliver before it lets the loop run sockets and other tasks: when the
@@ -326,8 +325,9 @@ class _Ticker:
         budget = TOKENS_PER_TICK
         while heap and heap[0][0] <= now and budget > 0:
             _, _, stream = heapq.heappop(heap)
-            following, delivered = stream._fire(now, budget)
-            budget -= max(1, delivered)
+            before = stream._next
+            following = stream._fire(now, budget)
+            budget -= max(1, stream._next - before)  # tokens delivered (a failure counts 1)
             if following is not None:
                 self._order += 1
                 heapq.heappush(heap, (following, self._order, stream))

@@ -155,17 +155,12 @@ class Reply:
             return
         record, pipeline = self.record, self.pipeline
         now = time.monotonic()
-        if len(deltas) == 1:
-            delta = deltas[0]
+        entries: list[LogEntry] = []
+        for delta in deltas:
             record.on_delta(delta.made_at, delta.tokens)
-            entries = pipeline.push(delta, now)
-        else:
-            entries = []
-            for delta in deltas:
-                record.on_delta(delta.made_at, delta.tokens)
-                entries += pipeline.push(delta, now)
-                if pipeline.violation is not None:
-                    break
+            entries += pipeline.push(delta, now)
+            if pipeline.violation is not None:
+                break
         self._append(entries)
         if pipeline.violation is not None:
             self._stop_producing("moderated")
