@@ -14,12 +14,11 @@ import argparse
 import asyncio
 import re
 import socket
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from replystream.lab.local_server import READY_PREFIX
+from replystream.lab.local_server import serve_process
 
 
 def memory_kib(pid: int, field: str) -> int:
@@ -47,36 +46,15 @@ async def main() -> None:
     parser.add_argument("--slow-client-s", type=float, default=5.0)
     args = parser.parse_args()
     word = "z" * 16000  # big tokens: the socket fills after a few hundred of them
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "serve",
-        "--engine",
-        "simulated",
-        "--port",
-        "0",
-        "--reply-text",
-        word,
-        "--tokens",
-        "2000",
-        "--delay-ms",
-        "0.5",
-        "--jitter-ms",
-        "0",
-        "--slow-client-bytes",
-        str(args.slow_client_bytes),
-        "--slow-client-s",
-        str(args.slow_client_s),
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    line = (await process.stdout.readline()).decode()
-    url = line[len(READY_PREFIX) :].strip()
-    host, port = url.removeprefix("http://").split(":")
-    try:
+    server_args = ["--engine", "simulated", "--reply-text", word, "--tokens", "2000"]
+    server_args += ["--delay-ms", "0.5", "--jitter-ms", "0"]
+    server_args += ["--slow-client-bytes", str(args.slow_client_bytes)]
+    server_args += ["--slow-client-s", str(args.slow_client_s)]
+    async with serve_process(server_args) as server:
+        url = server.url
+        host, port = url.removeprefix("http://").split(":")
         await asyncio.to_thread(slow_cuts, url)  # warm the server up
-        baseline = memory_kib(process.pid, "VmRSS")
+        baseline = memory_kib(server.pid, "VmRSS")
         sockets = []
         for _ in range(args.clients):
             sock = socket.socket()
@@ -91,16 +69,13 @@ async def main() -> None:
             if time.monotonic() - started > 120:
                 break
             await asyncio.sleep(0.5)
-        peak = memory_kib(process.pid, "VmHWM")
+        peak = memory_kib(server.pid, "VmHWM")
         elapsed = time.monotonic() - started
         for sock in sockets:
             sock.close()
         while await asyncio.to_thread(metric, url, "replystream_active_streams"):  # noqa: ASYNC110
             await asyncio.sleep(0.2)
-        after = memory_kib(process.pid, "VmRSS")
-    finally:
-        process.terminate()
-        await process.wait()
+        after = memory_kib(server.pid, "VmRSS")
     per_stream = (peak - baseline) / args.clients
     bound = (args.slow_client_bytes + 65536) / 1024
     print(f"stalled clients           {args.clients}")

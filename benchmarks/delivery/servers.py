@@ -17,7 +17,7 @@ from pathlib import Path
 
 from workload import TOKEN_MARKER, request_body, token_frame
 
-from replystream.lab.local_server import stop_process
+from replystream.lab.local_server import announced_process
 
 HERE = Path(__file__).resolve().parent
 READY = re.compile(r"listening on (http://\S+)")
@@ -67,25 +67,13 @@ async def started_server(
     name: str, workers: int = 1, loop: str = "asyncio", ready_timeout_s: float = 30.0
 ) -> AsyncIterator[Started]:
     """Start server ``name`` and yield its pid and URL; stop it on exit."""
-    process = await asyncio.create_subprocess_exec(
-        *server_command(name, workers, loop), stdout=asyncio.subprocess.PIPE
-    )
-    assert process.stdout is not None
-    try:
-        async with asyncio.timeout(ready_timeout_s):
-            while True:
-                line = (await process.stdout.readline()).decode()
-                if not line:
-                    status = await process.wait()
-                    raise RuntimeError(f"{name} server exited with status {status} before ready")
-                found = READY.search(line)
-                if found:
-                    break
-        yield Started(name, process.pid, found.group(1))
-        if process.returncode is not None:
-            raise RuntimeError(f"{name} server died during the run (status {process.returncode})")
-    finally:
-        await stop_process(process)
+    async with announced_process(
+        server_command(name, workers, loop),
+        READY,
+        name=f"{name} server",
+        ready_timeout_s=ready_timeout_s,
+    ) as server:
+        yield Started(name, server.pid, server.url)
 
 
 def token_frames(url: str, tokens: int = 3) -> list[bytes]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 READY_PREFIX = "replystream listening on "
+READY = re.compile(re.escape(READY_PREFIX) + r"(\S+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,34 +26,44 @@ class LocalServer:
 
 
 @contextlib.asynccontextmanager
-async def serve_process(
-    args: Sequence[str], *, ready_timeout_s: float = 30.0
+async def announced_process(
+    command: Sequence[str], ready: re.Pattern[str], *, name: str, ready_timeout_s: float = 30.0
 ) -> AsyncIterator[LocalServer]:
-    """Run ``replystream serve --port 0 ARGS``; yield its URL and pid; stop it on exit."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-    )
+    """Run ``command``, wait for a stdout line matching ``ready`` (group 1: the URL); yield
+    the URL and pid; stop it on exit. A child that exits before it is ready, or while in
+    use, is an error: measuring a dead server would report nonsense."""
+    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
     assert process.stdout is not None
     try:
         async with asyncio.timeout(ready_timeout_s):
             while True:
                 line = (await process.stdout.readline()).decode()
                 if not line:
-                    raise RuntimeError(f"server exited early with status {await process.wait()}")
-                if line.startswith(READY_PREFIX):
+                    status = await process.wait()
+                    raise RuntimeError(f"{name} exited with status {status} before ready")
+                found = ready.search(line)
+                if found:
                     break
-        yield LocalServer(line[len(READY_PREFIX) :].strip(), process.pid)
+        yield LocalServer(found.group(1), process.pid)
+        if process.returncode is not None:
+            raise RuntimeError(f"{name} died while in use (status {process.returncode})")
     finally:
         await stop_process(process)
+
+
+@contextlib.asynccontextmanager
+async def serve_process(
+    args: Sequence[str], *, ready_timeout_s: float = 30.0
+) -> AsyncIterator[LocalServer]:
+    """Run ``replystream serve --port 0 ARGS``; yield its URL and pid; stop it on exit."""
+    command = [sys.executable, "-m", "replystream", "serve", "--host", "127.0.0.1"]
+    async with announced_process(
+        [*command, "--port", "0", *args],
+        READY,
+        name="replystream serve",
+        ready_timeout_s=ready_timeout_s,
+    ) as server:
+        yield server
 
 
 @contextlib.asynccontextmanager
