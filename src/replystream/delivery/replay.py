@@ -137,9 +137,15 @@ class _Log:
         self.wake()
 
     def trim(self, upto: int) -> None:
-        """Drop entries up to ``upto`` (in steps of 16, so a stream is not re-sliced per event)."""
+        """Drop entries up to ``upto``."""
+        if upto >= self.next_seq - 1:
+            # The common case, a reader that has sent everything: nothing to count or slice.
+            self.entries.clear()
+            self.bytes = 0
+            self.first_seq = self.next_seq
+            return
         drop = upto + 1 - self.first_seq
-        if drop >= 16:
+        if drop > 0:
             for entry in self.entries[:drop]:
                 self.bytes -= len(entry.frame)
             del self.entries[:drop]

@@ -32,7 +32,6 @@ log = logging.getLogger("replystream.reader")
 LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
 LIVENESS_POLL_S = 1.0  # how often a reader of a remote reply checks its producer is alive
 WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
-RELEASE_EVERY = 16  # a direct reader lets its reply drop sent events in steps of this many
 
 ReaderEnding = Literal[
     "ended", "client_gone", "slow_client", "shutdown", "producer_lost", "expired"
@@ -74,7 +73,6 @@ class LogReader:
     _high_water: int = 0  # the transport's write high-water mark: above it, writes wait
     _transport: asyncio.Transport | None = None  # cached: the request property costs per event
     _deadline: asyncio.Timeout | None = None
-    _released: int = 0  # the log entries up to here were handed back to the reply
     _body_ended: bool = False  # the body's last chunk is written: nothing may follow it
 
     def _interrupt(self) -> None:
@@ -237,7 +235,6 @@ class LogReader:
                 self.after = entry.seq
                 batch, size = [], 0
         if self.reply is not None:
-            self._released = self.after
             self.reply.consumed(self.after)
 
     # The direct path: a reader that has caught up with a reply produced in this process lets
@@ -303,9 +300,7 @@ class LogReader:
         self.last_write = time.monotonic()
         if self.record is not None:
             self.record.on_send(len(data), len(entries))
-        # Every 16 events or so is enough; pushes may carry several, so count, not match.
-        if self.reply is not None and self.after - self._released >= RELEASE_EVERY:
-            self._released = self.after
+        if self.reply is not None:
             self.reply.consumed(self.after)
 
     def wake(self) -> None:

@@ -72,6 +72,11 @@ class Reply:
     _pushed_done: asyncio.Future[None] | None = None
     _started: bool = False
     _detach_timer: asyncio.TimerHandle | None = None
+    # Nobody may resume it and its log is in this process: what is sent may be dropped.
+    _private_log: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._private_log = not self.resumable and isinstance(self.store, MemoryReplayStore)
 
     @property
     def live(self) -> bool:
@@ -109,7 +114,7 @@ class Reply:
     def consumed(self, upto: int) -> None:
         """A reader has sent everything up to ``upto``; a reply nobody may resume, with one
         reader, needs none of it again, so its log stops growing with the reply."""
-        if not self.resumable and self.readers == 1 and isinstance(self.store, MemoryReplayStore):
+        if self._private_log and self.readers == 1:
             self.store.release(self.reply_id, upto)
 
     def reader_fell_behind(self) -> None:
@@ -120,7 +125,7 @@ class Reply:
 
     def forget_if_unwanted(self) -> None:
         """Drop the log of an ended reply nobody may resume, once its last reader is done."""
-        if not self.resumable and self.readers == 0 and isinstance(self.store, MemoryReplayStore):
+        if self._private_log and self.readers == 0:
             self.store.discard(self.reply_id)
 
     def _detach_expired(self) -> None:
