@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,18 +58,15 @@ from replystream.engine.base import (
     SamplingParams,
 )
 from replystream.server import ids
-from replystream.server.auth import OWNER, api_key_middleware
+from replystream.server.auth import OWNER, api_key_check
 from replystream.server.buffered import buffered_reply
-from replystream.server.errors import HTTPAPIError, error_response
+from replystream.server.errors import HTTPAPIError
+from replystream.server.front_door import FrontDoor, front_door
 from replystream.server.guard import (
     GUARD_KEY,
     REPLY_ID,
     ClientGate,
     GuardConfig,
-    client_limits,
-    cors_preflight,
-    mark_started,
-    request_ids,
     stamp_response,
 )
 from replystream.server.metrics import Metrics, ReplyRecord
@@ -106,7 +103,6 @@ MANAGER_KEY = web.AppKey("manager", ReplyManager)
 STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
 LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LAB_FORMAT = LabFormat()
 NATIVE_FORMAT = NativeFormat()
 
@@ -401,47 +397,6 @@ async def handle_health(request: web.Request) -> web.StreamResponse:
     return web.json_response({"status": "ok", "engine": request.app[ENGINE_KEY].name})
 
 
-@web.middleware
-async def api_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer every failure in the API's JSON error shape; never leak a stack trace."""
-    try:
-        return await handler(request)
-    except HTTPAPIError as exc:
-        return exc.response()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[CONFIG_KEY].max_body_bytes
-        return error_response(
-            413, f"request body is larger than {limit} bytes", code="body_too_large"
-        )
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal server error", code="internal_error")
-
-
-@web.middleware
-async def compress_documents(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """gzip JSON and HTML bodies for clients that accept it; never an event stream.
-
-    Runs on the finished ``web.Response`` before it is sent; a stream is already on the wire
-    by the time its handler returns, and is never touched.
-    """
-    response = await handler(request)
-    if (
-        isinstance(response, web.Response)
-        and not response.prepared
-        and response.content_type in ("application/json", "text/html")
-        and isinstance(response.body, bytes)
-        and len(response.body) >= request.app[CONFIG_KEY].gzip_min_bytes
-        and "gzip" in request.headers.get("Accept-Encoding", "")
-    ):
-        response.enable_compression(web.ContentCoding.gzip)
-    return response
-
-
 def create_app(
     engine: Engine, config: ServerConfig | None = None, store: ReplayStore | None = None
 ) -> web.Application:
@@ -453,23 +408,15 @@ def create_app(
     from replystream.server.websocket import add_websocket_route
 
     config = config or ServerConfig()
-    auth = [api_key_middleware(config.api_keys)] if config.api_keys else []
     guard = config.guard
-    gate = ClientGate(guard.max_concurrent, guard.per_minute)
-    # Outermost first: the request id covers everything; CORS preflights are answered before
-    # auth; limits count per API key, so they run after auth has named the caller.
-    app = web.Application(
-        middlewares=[
-            request_ids,
-            mark_started,
-            cors_preflight(guard.cors_origins),
-            compress_documents,
-            api_errors,
-            *auth,
-            client_limits(gate),
-        ],
-        client_max_size=config.max_body_bytes,
+    door = FrontDoor(
+        cors_origins=guard.cors_origins,
+        gate=ClientGate(guard.max_concurrent, guard.per_minute),
+        check_key=api_key_check(config.api_keys) if config.api_keys else None,
+        max_body_bytes=config.max_body_bytes,
+        gzip_min_bytes=config.gzip_min_bytes,
     )
+    app = web.Application(middlewares=[front_door(door)], client_max_size=config.max_body_bytes)
     app[GUARD_KEY] = guard
     app.on_response_prepare.append(stamp_response)
     local_store = MemoryReplayStore()

@@ -22,15 +22,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from replystream.server.errors import error_response
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 RESUME_PATH = re.compile(r"^/v1/replies/[^/]+/stream$")
 WEBSOCKET_PATH = "/v1/ws"
@@ -109,21 +106,21 @@ def unauthorized(message: str) -> web.Response:
     return response
 
 
-def api_key_middleware(keys: Sequence[str]) -> Middleware:
-    """A middleware requiring one of ``keys`` on every ``/v1/*`` route."""
+def api_key_check(keys: Sequence[str]) -> Callable[[web.Request], web.Response | None]:
+    """A check requiring one of ``keys`` on every ``/v1/*`` route: None lets the request on,
+    a response refuses it."""
     ring = KeyRing(keys)
 
-    @web.middleware
-    async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def check(request: web.Request) -> web.Response | None:
         path = request.path
         if not (path == "/v1" or path.startswith("/v1/")):
-            return await handler(request)
+            return None
         token = bearer_token(request)
         if token is None and request.method == "GET" and RESUME_PATH.match(path):
             token = request.query.get("api_key")
         if token is None and request.method == "GET" and path == WEBSOCKET_PATH:
             request[AUTH_PENDING] = ring
-            return await handler(request)
+            return None
         if token is None:
             return unauthorized(
                 "You didn't provide an API key: send it as 'Authorization: Bearer <key>'."
@@ -131,6 +128,6 @@ def api_key_middleware(keys: Sequence[str]) -> Middleware:
         if not ring.accepts(token):
             return unauthorized("Incorrect API key provided.")
         request[OWNER] = key_owner(token)
-        return await handler(request)
+        return None
 
-    return require_api_key
+    return check

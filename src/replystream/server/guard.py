@@ -21,11 +21,10 @@ import math
 import re
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from replystream.server import ids
 from replystream.server.auth import OWNER
@@ -33,7 +32,6 @@ from replystream.server.errors import HTTPAPIError, error_response
 
 access_log = logging.getLogger("replystream.access")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LIMITED_PREFIXES = ("/v1/", "/wait", "/stream")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -103,83 +101,57 @@ def identity_of(request: web.Request) -> str:
     return f"addr:{request.remote or 'unknown'}"
 
 
-def client_limits(gate: ClientGate) -> Middleware:
-    """Middleware refusing requests over the per-identity limits with ``429``."""
-
-    @web.middleware
-    async def limit(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith(LIMITED_PREFIXES):
-            return await handler(request)
-        identity = identity_of(request)
-        wait = gate.admit(identity, time.monotonic())
-        if wait is not None:
-            response = error_response(
-                429, "too many requests from this client; retry later", code="rate_limited"
-            )
-            response.headers["Retry-After"] = str(max(1, math.ceil(wait)))
-            return response
-        try:
-            return await handler(request)
-        finally:
-            gate.release(identity)
-
-    return limit
+def rate_limited(wait_s: float) -> web.Response:
+    """The ``429`` for a request ``ClientGate.admit`` refused, with when to try again."""
+    response = error_response(
+        429, "too many requests from this client; retry later", code="rate_limited"
+    )
+    response.headers["Retry-After"] = str(max(1, math.ceil(wait_s)))
+    return response
 
 
-@web.middleware
-async def request_ids(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Give every request an id (the client's ``X-Request-Id`` if sane) and log it once."""
+def assign_request_id(request: web.Request) -> str:
+    """Give the request an id: the client's ``X-Request-Id`` if sane, else a new one."""
     given = request.headers.get("X-Request-Id", "")
     request_id = given if _REQUEST_ID.match(given) else ids.request_id()
     request[REQUEST_ID] = request_id
-    started = time.monotonic()
-    status: int | str = "client_gone"
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    finally:
-        if access_log.isEnabledFor(logging.INFO):  # off by default: skip building the line
-            access_log.info(
-                "%s",
-                json.dumps(
-                    {
-                        "request_id": request_id,
-                        "method": request.method,
-                        "path": request.path,
-                        "status": status,
-                        "ms": round((time.monotonic() - started) * 1000.0, 1),
-                        "client": request.remote,
-                        "reply_id": request.get(REPLY_ID),
-                    }
-                ),
-            )
+    return request_id
 
 
-def cors_preflight(origins: Sequence[str]) -> Middleware:
-    """Middleware answering CORS preflights for allowed origins (others get no CORS headers)."""
+def log_access(request: web.Request, request_id: str, status: int | str, started: float) -> None:
+    """The request's one structured access-log line."""
+    access_log.info(
+        "%s",
+        json.dumps(
+            {
+                "request_id": request_id,
+                "method": request.method,
+                "path": request.path,
+                "status": status,
+                "ms": round((time.monotonic() - started) * 1000.0, 1),
+                "client": request.remote,
+                "reply_id": request.get(REPLY_ID),
+            }
+        ),
+    )
 
-    @web.middleware
-    async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
-        origin = request.headers.get("Origin")
-        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-            if origin is None or not _allowed(origin, origins):
-                return error_response(403, "origin not allowed", code="cors_forbidden")
-            return web.Response(
-                status=204,
-                headers={
-                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                    "Access-Control-Allow-Headers": "Authorization, Content-Type, "
-                    "Last-Event-ID, X-Request-Id",
-                    "Access-Control-Max-Age": "600",
-                },
-            )
-        return await handler(request)
 
-    return preflight
+def preflight_response(request: web.Request, origins: Sequence[str]) -> web.Response | None:
+    """The answer to a CORS preflight (a ``403`` for origins not allowed); None otherwise."""
+    if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+        return None
+    origin = request.headers.get("Origin")
+    if origin is None or not _allowed(origin, origins):
+        return error_response(403, "origin not allowed", code="cors_forbidden")
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type, "
+            "Last-Event-ID, X-Request-Id",
+            "Access-Control-Max-Age": "600",
+        },
+    )
 
 
 def _allowed(origin: str, origins: Sequence[str]) -> bool:
@@ -215,11 +187,10 @@ async def read_body(request: web.Request) -> bytes:
 _STARTED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
 
 
-@web.middleware
-async def mark_started(request: web.Request, handler: Handler) -> web.StreamResponse:
+def mark_started(request: web.Request) -> None:
+    """The request's headers have arrived: its connection is safe from the header timeout."""
     if request.transport is not None:
         _STARTED.add(request.transport)
-    return await handler(request)
 
 
 class GuardedSockSite(web.SockSite):

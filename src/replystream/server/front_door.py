@@ -1,0 +1,126 @@
+"""The one middleware every request passes through, and the order of what it does.
+
+In order: the request gets an id and counts as started (``guard``); a CORS preflight is
+answered; on ``/v1/*`` the API key is checked (``auth``); the per-client limits admit the
+request (``guard``); the handler runs. Whatever fails becomes the API's error shape
+(``errors``), JSON and HTML bodies are gzipped for clients that accept them, and one access
+log line names the request.
+
+Each step is a plain function owned by its module; they run in one coroutine, not a stack of
+middlewares, because a streaming request holds its middleware frames for its whole reply: six
+layers cost about 1.6 KiB and a dozen microseconds a stream. This file must not know about
+replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from replystream.server.errors import HTTPAPIError, error_response
+from replystream.server.guard import (
+    LIMITED_PREFIXES,
+    ClientGate,
+    access_log,
+    assign_request_id,
+    identity_of,
+    log_access,
+    mark_started,
+    preflight_response,
+    rate_limited,
+)
+
+log = logging.getLogger("replystream.server")
+
+# A step that may answer a request itself (a refusal) before the handler sees it.
+Check = Callable[[web.Request], web.StreamResponse | None]
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoor:
+    cors_origins: tuple[str, ...]
+    gate: ClientGate
+    check_key: Check | None  # None: no API keys configured
+    max_body_bytes: int
+    gzip_min_bytes: int
+
+
+def front_door(door: FrontDoor) -> Middleware:
+    """The middleware running ``door``'s steps around every handler."""
+    origins, gate, check_key = door.cors_origins, door.gate, door.check_key
+
+    @web.middleware
+    async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = assign_request_id(request)
+        mark_started(request)
+        started = time.monotonic()
+        status: int | str = "client_gone"
+        try:
+            response: web.StreamResponse | None = preflight_response(request, origins)
+            if response is None:
+                identity = None
+                try:
+                    response = check_key(request) if check_key is not None else None
+                    if response is None and request.path.startswith(LIMITED_PREFIXES):
+                        identity = identity_of(request)
+                        wait = gate.admit(identity, time.monotonic())
+                        if wait is not None:
+                            identity = None  # not counted open: nothing to release
+                            response = rate_limited(wait)
+                    if response is None:
+                        response = await handler(request)
+                except Exception as exc:
+                    response = error_answer(request, exc, door.max_body_bytes)
+                finally:
+                    if identity is not None:
+                        gate.release(identity)
+                compress_if_worthwhile(request, response, door.gzip_min_bytes)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            if access_log.isEnabledFor(logging.INFO):  # off by default: skip building the line
+                log_access(request, request_id, status, started)
+
+    return front
+
+
+def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> web.Response:
+    """Any failure as a response in the API's error shape; never a stack trace.
+
+    Redirects and other non-error ``HTTPException`` are raised again for aiohttp to send.
+    """
+    if isinstance(exc, HTTPAPIError):
+        return exc.response()
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        message = f"request body is larger than {max_body_bytes} bytes"
+        return error_response(413, message, code="body_too_large")
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        return error_response(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+    log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
+    return error_response(500, "internal server error", code="internal_error")
+
+
+def compress_if_worthwhile(
+    request: web.Request, response: web.StreamResponse, min_bytes: int
+) -> None:
+    """gzip a finished JSON or HTML body for a client that accepts it; never an event stream
+    (a stream is on the wire by the time its handler returns, and is never touched)."""
+    if (
+        isinstance(response, web.Response)
+        and not response.prepared
+        and response.content_type in ("application/json", "text/html")
+        and isinstance(response.body, bytes)
+        and len(response.body) >= min_bytes
+        and "gzip" in request.headers.get("Accept-Encoding", "")
+    ):
+        response.enable_compression(web.ContentCoding.gzip)
