@@ -144,6 +144,9 @@ class _GroupedStream:
         sink.on_end(None)
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
             self._engine._counts["cancelled"] += 1

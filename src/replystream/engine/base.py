@@ -110,10 +110,15 @@ class PushDeltaStream(DeltaStream, Protocol):
     """A delta stream that can also push its deltas to a sink, with no task per stream.
 
     Serving many replies, a consumer that attaches a sink avoids one task wake-up per token
-    per reply. After ``attach`` the stream must not be iterated; ``aclose`` still stops it.
+    per reply, and needs no task of its own. After ``attach`` the stream must not be
+    iterated; ``close`` stops it at once (``aclose`` too).
     """
 
     def attach(self, sink: DeltaSink) -> None: ...
+
+    def close(self) -> None:
+        """Stop now: the sink is called no more. Safe from inside the sink's own calls."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

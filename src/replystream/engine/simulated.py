@@ -227,6 +227,9 @@ class SimulatedStream:
         return delta
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self._sink is not None and self._engine._ticker is not None:
             self._engine._ticker.remove(self)
         self._finish("cancelled")

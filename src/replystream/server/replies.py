@@ -1,13 +1,14 @@
-"""Replies in flight: each one's producer task, its readers, and how it stops.
+"""Replies in flight: each one's production, its readers, and how it stops.
 
-A reply's producer runs in a task owned by the ``ReplyManager``, not by the connection that
-asked for it: it feeds the engine's deltas through the ``ReplyPipeline`` into the reply log,
-where any reader (the first connection, or a resume on any replica) follows it.
+A reply is produced under the ``ReplyManager``, not by the connection that asked for it: its
+deltas go through the ``ReplyPipeline`` into the reply log, where any reader (the first
+connection, or a resume on any replica) follows it. An engine that pushes calls the reply
+with its deltas (no task per reply); any other is pulled by a producer task.
 Disconnect policies: ``cancel`` stops generation when the last local reader leaves (the
 default for replies nobody can resume); ``detach`` keeps generating for a grace period so a
 client can come back, and stops if none has by then (the default for resumable replies).
-Every producer ends by writing its terminal entry and closing the engine's stream in
-``finally``, whatever stopped it. This file must not know about HTTP.
+Every reply ends in ``Reply._conclude``, whatever stopped it: the engine's stream closed,
+the terminal entry written, the outcome counted. This file must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -18,18 +19,21 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from replystream.delivery.channel import DeltaChannel, End
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore
-from replystream.engine.base import Delta, DeltaSink, DeltaStream, EngineError
+from replystream.engine.base import Delta, DeltaStream, EngineError, PushDeltaStream
 from replystream.server.metrics import Metrics, Outcome, ReplyRecord
 
 log = logging.getLogger("replystream.replies")
 
 Disconnect = Literal["cancel", "detach"]
 StopReason = Literal["cancelled", "client_gone", "slow_client", "shutdown", "detach_expired"]
+# Why a reply ended: its stream finished, a check stopped it, the engine (or this server)
+# failed, or it was stopped.
+Ending = Literal["finished", "moderated"] | StopReason | Exception
 
 
 async def close_quietly(deltas: DeltaStream) -> None:
@@ -66,10 +70,11 @@ class Reply:
     # Lists, not sets: a reply has one reader or a few, and thousands of replies each hold these.
     hooks: list[Callable[[], None]] = field(default_factory=list)
     sinks: list[LogSink] = field(default_factory=list)  # readers the producer writes to directly
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # the producer task, for engines that do not push
+    live: bool = False  # begun and not yet ended
     _window_timer: asyncio.TimerHandle | None = None
-    _stopping: EngineError | str | None = None  # why production ended ("finished", ...)
-    _pushed_done: asyncio.Future[None] | None = None
+    _stopping: Ending | None = None  # why production ended
+    _close_pushed: Callable[[], None] | None = None  # a pushing engine's stream: stop it
     _started: bool = False
     _detach_timer: asyncio.TimerHandle | None = None
     # The store, when nobody may resume the reply and its log is in this process: what is
@@ -81,18 +86,17 @@ class Reply:
         if not self.resumable and isinstance(self.store, MemoryReplayStore):
             self._private_log = self.store
 
-    @property
-    def live(self) -> bool:
-        return self.task is not None and not self.task.done()
-
     def stop(self, reason: StopReason) -> None:
-        """Stop generating; the producer ends the log with an event that says why."""
+        """Stop generating; the log ends with an event that says why."""
         if self.live and self.stop_reason is None:
             self.stop_reason = reason
+            if self.task is None:
+                # A pushed reply ends in the next loop turn, as a cancelled task would: the
+                # caller may be in the middle of this reply's own append.
+                self._stop_producing(reason, asap=False)
             # A task cancelled before it first runs never enters ``produce`` (nor its
             # ``finally``); one that has not started sees ``stop_reason`` as it starts.
-            if self._started:
-                assert self.task is not None
+            elif self._started:
                 self.task.cancel()
 
     def reader_joined(self) -> None:
@@ -184,81 +188,99 @@ class Reply:
         """The engine's stream ended (pushed streams only)."""
         self._stop_producing(error if error is not None else "finished")
 
-    def _stop_producing(self, why: EngineError | str) -> None:
-        if self._stopping is None:
-            self._stopping = why
-            if self._pushed_done is not None and not self._pushed_done.done():
-                self._pushed_done.set_result(None)
-
-    async def _run_engine(self) -> None:
-        """Feed every delta to ``on_deltas`` until the stream ends or the reply stops early."""
+    def begin(self) -> None:
+        """Log the opening events and start production: the engine pushes deltas to this
+        reply if it can (no task of its own), else a producer task pulls them."""
+        self.live = True
+        # The opening events are logged at once, so the first reader finds them ready and
+        # its response headers leave together with them.
+        self._append(self.pipeline.start(self.reply_id))
         # A PushDeltaStream; asked by attribute, as isinstance against a runtime-checkable
         # protocol costs about 7 us a reply.
-        attach: Callable[[DeltaSink], None] | None = getattr(self.deltas, "attach", None)
-        if attach is not None:
-            # The engine calls on_deltas itself: no wake-up of this task per token.
-            self._pushed_done = asyncio.get_running_loop().create_future()
-            attach(self)
-            await self._pushed_done
+        if hasattr(self.deltas, "attach"):
+            pushed = cast(PushDeltaStream, self.deltas)
+            self._close_pushed = pushed.close
+            pushed.attach(self)
         else:
-            async for delta in self.deltas:
-                self.on_deltas((delta,))
-                if self._stopping is not None:
-                    break
+            self.task = asyncio.get_running_loop().create_task(
+                self.produce(), name=f"reply-{self.reply_id[:8]}"
+            )
+
+    def _stop_producing(self, why: Ending, *, asap: bool = True) -> None:
+        if self._stopping is not None:
+            return
+        self._stopping = why
+        if self._close_pushed is not None:
+            self._close_pushed()  # no more deltas; ``finally`` of a pushed reply, part one
+            if asap:
+                self._conclude(why)
             else:
-                self._stopping = "finished"
-        if isinstance(self._stopping, EngineError):
-            raise self._stopping
+                asyncio.get_running_loop().call_soon(self._conclude, why)
 
     async def produce(self) -> None:
-        """Run the generation into the log until it ends, whatever ends it."""
-        pipeline, record = self.pipeline, self.record
-        outcome: Outcome = "cancelled"
-        ending = "cancelled"
+        """Pull the engine's deltas into the log until the stream ends or the reply stops."""
+        why: Ending = "cancelled"
         self._started = True
         try:
             if self.stop_reason is not None:
                 raise asyncio.CancelledError  # stopped before it began: end like any stop
-            await self._run_engine()
-            if self._stopping == "moderated":
-                assert pipeline.violation is not None
-                outcome, ending = "moderated", "moderated"
-                record.reason = pipeline.violation.check
-                return
-            self._append(pipeline.finish(self.prompt_tokens))
-            outcome, ending = "finished", "finished"
-        except EngineError as exc:
-            log.warning("generation failed: %s", exc)
-            self._append(pipeline.fail(str(exc), exc.code))
-            outcome, ending, record.reason = "errored", "errored", exc.code
+            async for delta in self.deltas:
+                self.on_deltas((delta,))
+                if self._stopping is not None:
+                    break
+            why = self._stopping or "finished"
         except asyncio.CancelledError:
-            reason = self.stop_reason or "cancelled"
-            if reason == "shutdown":
-                self._append(pipeline.fail("the server is shutting down", "shutdown"))
-                outcome = ending = "shutdown"
-            else:
-                self._append(pipeline.fail(f"reply stopped: {reason}", "cancelled"))
-                outcome = "slow_client" if reason == "slow_client" else "cancelled"
-                ending = "cancelled"
-            record.reason = reason
             # This task is only ever cancelled through ``stop``; the reply ends here.
-        except Exception as exc:
-            log.exception("reply producer failed")
-            self._append(pipeline.fail(f"internal error: {type(exc).__name__}", "internal_error"))
-            outcome = ending = "errored"
+            why = self.stop_reason or "cancelled"
+        except Exception as exc:  # an EngineError, or a failure of our own
+            why = exc
         finally:
-            for timer in (self._window_timer, self._detach_timer):
-                if timer is not None:
-                    timer.cancel()
             await close_quietly(self.deltas)
-            record.outcome = outcome
-            self.store.end(self.reply_id, ending)
-            for sink in list(self.sinks):
-                sink.wake()
-            for hook in list(self.hooks):
-                hook()
-            self.manager.finished(self)
-            self.forget_if_unwanted()
+            self._conclude(why)
+
+    def _conclude(self, why: Ending) -> None:
+        """End the reply for ``why``: its last events, its outcome, and everything it held.
+        Runs once, however the reply ended."""
+        if not self.live:
+            return
+        self.live = False
+        pipeline, record = self.pipeline, self.record
+        outcome: Outcome
+        if why == "finished":
+            self._append(pipeline.finish(self.prompt_tokens))
+            outcome = ending = "finished"
+        elif why == "moderated":
+            assert pipeline.violation is not None  # its event is logged already
+            outcome = ending = "moderated"
+            record.reason = pipeline.violation.check
+        elif isinstance(why, EngineError):
+            log.warning("generation failed: %s", why)
+            self._append(pipeline.fail(str(why), why.code))
+            outcome, ending, record.reason = "errored", "errored", why.code
+        elif isinstance(why, Exception):
+            log.error("reply producer failed", exc_info=why)
+            self._append(pipeline.fail(f"internal error: {type(why).__name__}", "internal_error"))
+            outcome = ending = "errored"
+        elif why == "shutdown":
+            self._append(pipeline.fail("the server is shutting down", "shutdown"))
+            outcome = ending = "shutdown"
+            record.reason = why
+        else:
+            self._append(pipeline.fail(f"reply stopped: {why}", "cancelled"))
+            outcome = "slow_client" if why == "slow_client" else "cancelled"
+            ending = "cancelled"
+            record.reason = why
+        for timer in (self._window_timer, self._detach_timer):
+            if timer is not None:
+                timer.cancel()
+        record.outcome = outcome
+        self.store.end(self.reply_id, ending)
+        for sink in list(self.sinks):
+            sink.wake()
+        for hook in list(self.hooks):
+            hook()
+        self.manager.finished(self)
+        self.forget_if_unwanted()
 
 
 class ReplyManager:
@@ -289,12 +311,7 @@ class ReplyManager:
         self.replies[reply.reply_id] = reply
         self.idle.clear()
         self.metrics.active.inc()
-        # The opening events are logged at once, so the first reader finds them ready and
-        # its response headers leave together with them.
-        reply._append(reply.pipeline.start(reply.reply_id))
-        reply.task = asyncio.get_running_loop().create_task(
-            reply.produce(), name=f"reply-{reply.reply_id[:8]}"
-        )
+        reply.begin()
 
     def finished(self, reply: Reply) -> None:
         self.replies.pop(reply.reply_id, None)
@@ -324,6 +341,4 @@ class ReplyManager:
     async def aclose(self) -> None:
         """Stop everything still running and wait for the producers' cleanup."""
         self.shut_down()
-        tasks = [r.task for r in self.replies.values() if r.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+        await self.wait_stopped(5.0)
