@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,7 +212,7 @@ async def start_reply(
     return reply
 
 
-async def follow_reply(
+def follow_reply(
     request: web.Request,
     *,
     reply_id: str,
@@ -221,8 +221,10 @@ async def follow_reply(
     reply: Reply | None,
     after: int = 0,
     keepalive: bytes = KEEPALIVE,
-) -> web.StreamResponse:
-    """Stream a reply's log to this connection, from after event ``after``."""
+) -> Awaitable[web.StreamResponse]:
+    """Stream a reply's log to this connection, from after event ``after``: await it.
+
+    A plain function returning the reader's coroutine, so a stream holds no frame of it."""
     request[REPLY_ID] = reply_id
     response = web.StreamResponse(headers={**SSE_HEADERS, "X-Reply-Id": reply_id})
     reader = LogReader(
@@ -237,8 +239,7 @@ async def follow_reply(
         after=after,
         keepalive=keepalive,
     )
-    await reader.run()
-    return response
+    return reader.run()
 
 
 def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
@@ -300,6 +301,13 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
 
 async def handle_replies(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies``: a reply streamed as named events, or one JSON body."""
+    # Two steps, so the request's body and its parsed form are not held for the whole stream.
+    deliver = await _open_reply(request)
+    return await deliver
+
+
+async def _open_reply(request: web.Request) -> Awaitable[web.StreamResponse]:
+    """Parse and start a native reply; what delivers it (not yet awaited)."""
     config = request.app[CONFIG_KEY]
     body = await read_json_object(request)
     try:
@@ -307,7 +315,7 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:  # a policy value the field checks let through
         raise HTTPAPIError(400, str(exc), code="invalid_value") from exc
     if not ask.stream:
-        return await _buffered(request, ask.generation, "/v1/replies", ask.policy, _native_body)
+        return _buffered(request, ask.generation, "/v1/replies", ask.policy, _native_body)
     resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
     reply = await start_reply(
         request,
@@ -318,7 +326,7 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
         resumable=resumable,
         disconnect=ask.disconnect,
     )
-    return await follow_reply(
+    return follow_reply(
         request, reply_id=reply.reply_id, store=reply.store, policy=ask.policy, reply=reply
     )
 

@@ -32,6 +32,7 @@ log = logging.getLogger("replystream.reader")
 LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
 LIVENESS_POLL_S = 1.0  # how often a reader of a remote reply checks its producer is alive
 WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
+WRITE_OVERHEAD = 8 * 1024  # room for what a write may add: the headers, chunk framing
 
 ReaderEnding = Literal[
     "ended", "client_gone", "slow_client", "shutdown", "producer_lost", "expired"
@@ -65,7 +66,7 @@ class LogReader:
     record: ReplyRecord | None  # where to count what is sent (the producer's record)
     after: int = 0
     last_write: float = 0.0
-    _woken: asyncio.Future[None] | None = None
+    _woken: asyncio.Future[bool] | None = None  # True: the producer wants this task
     keepalive: bytes = KEEPALIVE  # the idle frame (dialects may need another spelling)
     overflow: bool = False
     _sent_log_bytes: int = 0  # bytes of log entries this reader has sent (or skipped)
@@ -92,17 +93,39 @@ class LogReader:
             return 0
         return self.store.appended_bytes(self.reply_id) - self._sent_log_bytes
 
+    def _takes_at_once(self, size: int) -> bool:
+        """Whether the socket's buffer takes ``size`` more bytes without pausing the writer,
+        so a write of them cannot wait (aiohttp's writes wait only on a paused protocol)."""
+        transport = self._transport
+        return (
+            transport is not None
+            and not self.request.protocol.writing_paused
+            and transport.get_write_buffer_size() + size + WRITE_OVERHEAD <= self._high_water
+        )
+
+    async def _write(self, frame: bytes, last: bool) -> None:
+        if last:  # the end of the body leaves in the same write
+            self._body_ended = True
+            await self.response.write_eof(frame)
+        else:
+            await self.response.write(frame)
+
     async def _send(self, frame: bytes, events: int, *, last: bool = False) -> None:
         if self.overflow:
             raise _Cut("slow_client", f"more than {self.policy.slow_client_bytes} bytes behind")
+        if self._takes_at_once(len(frame)):
+            await self._write(frame, last)  # cannot wait: no deadline to arm
+        else:
+            await self._write_within_deadline(frame, last)
+        self.last_write = time.monotonic()
+        if self.record is not None:
+            self.record.on_send(len(frame), events)
+
+    async def _write_within_deadline(self, frame: bytes, last: bool) -> None:
         try:
             async with asyncio.timeout(self.policy.slow_client_s) as deadline:
                 self._deadline = deadline
-                if last:  # the end of the body leaves in the same write
-                    self._body_ended = True
-                    await self.response.write_eof(frame)
-                else:
-                    await self.response.write(frame)
+                await self._write(frame, last)
         except TimeoutError:
             if self.manager.shutting_down:
                 raise _Cut("shutdown", "the server is shutting down") from None
@@ -115,9 +138,6 @@ class LogReader:
             ) from None
         finally:
             self._deadline = None
-        self.last_write = time.monotonic()
-        if self.record is not None:
-            self.record.on_send(len(frame), events)
 
     def _last_words(self, message: str, code: str) -> None:
         """Queue a final event without waiting, then close; abort if it cannot leave soon.
@@ -138,8 +158,8 @@ class LogReader:
         # A reader that never reads would keep the socket (and its buffer) forever.
         asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
 
-    async def run(self) -> ReaderEnding:
-        """Send the headers, follow the log to its end (or until cut); say how it ended."""
+    async def run(self) -> web.StreamResponse:
+        """Send the headers, follow the log to its end (or until cut); the response sent."""
         self.manager.readers.add(self._interrupt)
         if self.reply is not None:
             self.reply.hooks.append(self._interrupt)
@@ -180,7 +200,7 @@ class LogReader:
             if self.reply is not None:
                 self.reply.hooks.remove(self._interrupt)
                 self.reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
-        return ending
+        return self.response
 
     async def _follow(self) -> ReaderEnding:
         keepalive = self.policy.keepalive_s
@@ -264,16 +284,27 @@ class LogReader:
                 idle_for = time.monotonic() - self.last_write
                 if keepalive is not None and idle_for >= keepalive:
                     return  # the loop sends the keep-alive
-                self._woken = loop.create_future()
+                self._woken = woken = loop.create_future()
+                # A bare timer, not asyncio.timeout: thousands of idle readers hold one each.
+                timer = (
+                    None
+                    if keepalive is None
+                    else loop.call_later(keepalive - idle_for, self._keepalive_due)
+                )
                 try:
-                    async with asyncio.timeout(None if keepalive is None else keepalive - idle_for):
-                        await self._woken
-                    return
-                except TimeoutError:
-                    continue  # a keep-alive may be due; direct writes may have made it not
+                    if await woken:
+                        return
+                    # The timer: a keep-alive may be due; direct writes may have made it not.
+                finally:
+                    if timer is not None:
+                        timer.cancel()
         finally:
             reply.sinks.remove(self)
             self._woken = None
+
+    def _keepalive_due(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(False)
 
     def push(self, entries: list[LogEntry]) -> None:
         """Called by the producer with events just logged; writes them now if it safely can."""
@@ -306,4 +337,4 @@ class LogReader:
     def wake(self) -> None:
         """Hand the work back to the reader's task (the reply ended, or it must wait)."""
         if self._woken is not None and not self._woken.done():
-            self._woken.set_result(None)
+            self._woken.set_result(True)

@@ -140,12 +140,13 @@ class Reply:
         if self.readers == 0:
             self.stop("detach_expired")
 
-    def _append(self, entries: list[LogEntry]) -> None:
+    def _append(self, entries: list[LogEntry], *, push: bool = True) -> None:
         if entries:
             self.store.append(self.reply_id, entries)
             # Neither a push nor a hook changes these lists (readers leave from their own task).
-            for sink in self.sinks:
-                sink.push(entries)
+            if push:
+                for sink in self.sinks:
+                    sink.push(entries)
             for hook in self.hooks:
                 hook()
 
@@ -246,8 +247,9 @@ class Reply:
         self.live = False
         pipeline, record = self.pipeline, self.record
         outcome: Outcome
+        last: list[LogEntry] = []
         if why == "finished":
-            self._append(pipeline.finish(self.prompt_tokens))
+            last = pipeline.finish(self.prompt_tokens)
             outcome = ending = "finished"
         elif why == "moderated":
             assert pipeline.violation is not None  # its event is logged already
@@ -255,21 +257,23 @@ class Reply:
             record.reason = pipeline.violation.check
         elif isinstance(why, EngineError):
             log.warning("generation failed: %s", why)
-            self._append(pipeline.fail(str(why), why.code))
+            last = pipeline.fail(str(why), why.code)
             outcome, ending, record.reason = "errored", "errored", why.code
         elif isinstance(why, Exception):
             log.error("reply producer failed", exc_info=why)
-            self._append(pipeline.fail(f"internal error: {type(why).__name__}", "internal_error"))
+            last = pipeline.fail(f"internal error: {type(why).__name__}", "internal_error")
             outcome = ending = "errored"
         elif why == "shutdown":
-            self._append(pipeline.fail("the server is shutting down", "shutdown"))
+            last = pipeline.fail("the server is shutting down", "shutdown")
             outcome = ending = "shutdown"
             record.reason = why
         else:
-            self._append(pipeline.fail(f"reply stopped: {why}", "cancelled"))
+            last = pipeline.fail(f"reply stopped: {why}", "cancelled")
             outcome = "slow_client" if why == "slow_client" else "cancelled"
             ending = "cancelled"
             record.reason = why
+        # Not pushed: the readers, woken below, send the last events with the end of the body.
+        self._append(last, push=False)
         for timer in (self._window_timer, self._detach_timer):
             if timer is not None:
                 timer.cancel()
