@@ -80,6 +80,29 @@ async def test_a_connection_that_never_finishes_its_headers_is_closed():
         writer.close()
 
 
+async def test_the_header_timeout_closes_silent_connections_not_long_streams():
+    # Three connections accepted together: one stays silent, two send a request whose reply
+    # streams for about a second, well past the 0.3 s header timeout.
+    engine = fast_engine(delay_ms=50.0, jitter_ms=0.0)
+    app = create_app(engine, ServerConfig(guard=GuardConfig(header_timeout_s=0.3)))
+    async with running(app) as url:
+        parts = urlsplit(url)
+        silent_reader, silent_writer = await asyncio.open_connection(parts.hostname, parts.port)
+        body = b'{"prompt": "x", "max_tokens": 20}'
+        replies = [
+            raw_request(f"{url}/v1/replies", "POST", body, headers={"X-Request-Id": f"r{i}"})
+            for i in range(2)
+        ]
+        responses = await asyncio.gather(*replies)
+        bodies = await asyncio.gather(*(response.read_body() for response in responses))
+        async with asyncio.timeout(5):
+            assert await silent_reader.read() == b""  # the silent one was closed
+        silent_writer.close()
+    assert [response.status for response in responses] == [200, 200]
+    for streamed in bodies:
+        assert streamed.count(b"event: token") == 20 and b"event: done" in streamed
+
+
 async def test_a_body_that_does_not_arrive_is_a_408():
     app = create_app(fast_engine(), ServerConfig(guard=GuardConfig(body_timeout_s=0.3)))
     async with running(app) as url:

@@ -15,16 +15,17 @@ auth is on (``request[OWNER]``), else the peer address. It must not know about r
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
 import re
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from replystream.server import ids
 from replystream.server.auth import OWNER
@@ -183,14 +184,14 @@ async def read_body(request: web.Request) -> bytes:
         ) from None
 
 
-# Transports that have finished a request's headers (a request reached the application).
-_STARTED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+# Connections (their protocols) accepted by a guarded site whose first request has not yet
+# reached the application. A set entry only while headers are awaited, not for a whole stream.
+_AWAITING_HEADERS: set[asyncio.BaseProtocol] = set()
 
 
 def mark_started(request: web.Request) -> None:
     """The request's headers have arrived: its connection is safe from the header timeout."""
-    if request.transport is not None:
-        _STARTED.add(request.transport)
+    _AWAITING_HEADERS.discard(request.protocol)
 
 
 class GuardedSockSite(web.SockSite):
@@ -201,6 +202,8 @@ class GuardedSockSite(web.SockSite):
     ) -> None:
         super().__init__(runner, sock, backlog=backlog)  # type: ignore[arg-type]
         self._header_timeout_s = header_timeout_s
+        self._deadlines: collections.deque[tuple[float, RequestHandler]] = collections.deque()
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
@@ -208,16 +211,39 @@ class GuardedSockSite(web.SockSite):
         server = self._runner.server
         assert server is not None
         timeout = self._header_timeout_s
+        deadlines = self._deadlines
 
         def protocol() -> asyncio.Protocol:
             handler = server()
-            loop.call_later(timeout, _close_if_silent, handler)
+            _AWAITING_HEADERS.add(handler)
+            # One timer for every waiting connection: deadlines come in accept order.
+            deadlines.append((loop.time() + timeout, handler))
+            if self._sweeper is None:
+                self._sweeper = loop.call_at(deadlines[0][0], self._sweep)
             return handler
 
         self._server = await loop.create_server(protocol, sock=self._sock, backlog=self._backlog)
 
+    def _sweep(self) -> None:
+        """Close the connections past their deadline that are still silent."""
+        self._sweeper = None
+        loop = asyncio.get_running_loop()
+        deadlines, now = self._deadlines, loop.time()
+        while deadlines and deadlines[0][0] <= now:
+            _, handler = deadlines.popleft()
+            if handler in _AWAITING_HEADERS:
+                _AWAITING_HEADERS.discard(handler)
+                transport = handler.transport
+                if transport is not None and not transport.is_closing():
+                    transport.close()
+        if deadlines:
+            self._sweeper = loop.call_at(deadlines[0][0], self._sweep)
 
-def _close_if_silent(handler: asyncio.Protocol) -> None:
-    transport = getattr(handler, "transport", None)
-    if transport is not None and not transport.is_closing() and transport not in _STARTED:
-        transport.close()
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for _, handler in self._deadlines:
+            _AWAITING_HEADERS.discard(handler)
+        self._deadlines.clear()
+        await super().stop()

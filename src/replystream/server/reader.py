@@ -4,7 +4,7 @@ A reader starts after the event id it was given (0: from the start), writes ever
 log has, then waits for more until the reply's terminal entry. While idle it sends keep-alive
 comments. Each write waits for the socket to drain, at most ``slow_client_s``; a local reader
 whose unsent backlog passes ``slow_client_bytes`` is cut at once (the producer's append
-reaches it through an interrupt hook, even while it is blocked on the socket). A cut reader
+reaches it through ``interrupt``, even while it is blocked on the socket). A cut reader
 gets a last ``error`` event if the socket still takes it. This file must not know about the
 engine or how the log is stored.
 """
@@ -76,7 +76,7 @@ class LogReader:
     _deadline: asyncio.Timeout | None = None
     _body_ended: bool = False  # the body's last chunk is written: nothing may follow it
 
-    def _interrupt(self) -> None:
+    def interrupt(self) -> None:
         """Called on every append while this reader may be blocked, and on shutdown."""
         deadline = self._deadline
         if deadline is None or deadline.expired():
@@ -160,9 +160,9 @@ class LogReader:
 
     async def run(self) -> web.StreamResponse:
         """Send the headers, follow the log to its end (or until cut); the response sent."""
-        self.manager.readers.add(self._interrupt)
+        self.manager.readers.add(self)
         if self.reply is not None:
-            self.reply.hooks.append(self._interrupt)
+            self.reply.followers.append(self)
             self.reply.reader_joined()
         ending: ReaderEnding = "client_gone"
         try:
@@ -196,9 +196,9 @@ class LogReader:
         except ConnectionError:
             ending = "client_gone"
         finally:
-            self.manager.readers.discard(self._interrupt)
+            self.manager.readers.discard(self)
             if self.reply is not None:
-                self.reply.hooks.remove(self._interrupt)
+                self.reply.followers.remove(self)
                 self.reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
         return self.response
 

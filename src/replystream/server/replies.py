@@ -43,6 +43,14 @@ async def close_quietly(deltas: DeltaStream) -> None:
             await asyncio.shield(deltas.aclose())
 
 
+class LogFollower(Protocol):
+    """A reader of a reply's log (see server.reader)."""
+
+    def interrupt(self) -> None:
+        """Called on every append while the reader may be blocked, and on shutdown."""
+        ...
+
+
 class LogSink(Protocol):
     """A reader that takes new events straight from the producer (see server.reader)."""
 
@@ -68,7 +76,7 @@ class Reply:
     readers: int = 0
     stop_reason: StopReason | None = None
     # Lists, not sets: a reply has one reader or a few, and thousands of replies each hold these.
-    hooks: list[Callable[[], None]] = field(default_factory=list)
+    followers: list[LogFollower] = field(default_factory=list)  # its readers in this process
     sinks: list[LogSink] = field(default_factory=list)  # readers the producer writes to directly
     task: asyncio.Task[None] | None = None  # the producer task, for engines that do not push
     live: bool = False  # begun and not yet ended
@@ -143,12 +151,13 @@ class Reply:
     def _append(self, entries: list[LogEntry], *, push: bool = True) -> None:
         if entries:
             self.store.append(self.reply_id, entries)
-            # Neither a push nor a hook changes these lists (readers leave from their own task).
+            # Neither a push nor an interrupt changes these lists (readers leave from their
+            # own task).
             if push:
                 for sink in self.sinks:
                     sink.push(entries)
-            for hook in self.hooks:
-                hook()
+            for follower in self.followers:
+                follower.interrupt()
 
     def _flush_window(self) -> None:
         self._window_timer = None
@@ -281,8 +290,8 @@ class Reply:
         self.store.end(self.reply_id, ending)
         for sink in list(self.sinks):
             sink.wake()
-        for hook in list(self.hooks):
-            hook()
+        for follower in list(self.followers):
+            follower.interrupt()
         self.manager.finished(self)
         self.forget_if_unwanted()
 
@@ -294,7 +303,7 @@ class ReplyManager:
         self.metrics = metrics
         self.replies: dict[str, Reply] = {}
         self.channels: set[DeltaChannel] = set()  # buffered replies being collected
-        self.readers: set[Callable[[], None]] = set()  # interrupt hooks of every open reader
+        self.readers: set[LogFollower] = set()  # every open reader, to interrupt on shutdown
         self.idle = asyncio.Event()
         self.idle.set()
         self.shutting_down = False
@@ -334,8 +343,8 @@ class ReplyManager:
             reply.stop("shutdown")
         for channel in list(self.channels):
             channel.close(End("shutdown"))
-        for hook in list(self.readers):
-            hook()
+        for reader in list(self.readers):
+            reader.interrupt()
 
     async def wait_stopped(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
