@@ -53,6 +53,7 @@ class FrontDoor:
 def front_door(door: FrontDoor) -> Middleware:
     """The middleware running ``door``'s steps around every handler."""
     origins, gate, check_key = door.cors_origins, door.gate, door.check_key
+    limits = gate.limits
 
     @web.middleware
     async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -66,7 +67,7 @@ def front_door(door: FrontDoor) -> Middleware:
                 identity = None
                 try:
                     response = check_key(request) if check_key is not None else None
-                    if response is None and request.path.startswith(LIMITED_PREFIXES):
+                    if limits and response is None and request.path.startswith(LIMITED_PREFIXES):
                         identity = identity_of(request)
                         wait = gate.admit(identity, time.monotonic())
                         if wait is not None:

@@ -63,6 +63,11 @@ class ClientGate:
         self._buckets: dict[str, tuple[float, float]] = {}  # identity -> (tokens, at)
         self._admits = 0
 
+    @property
+    def limits(self) -> bool:
+        """Whether any limit is on (with none, requests need not be counted at all)."""
+        return bool(self.max_concurrent or self.per_minute)
+
     def admit(self, identity: str, now: float) -> float | None:
         """None if the request may go on (and is counted open), else seconds to wait."""
         if self.max_concurrent and self.open.get(identity, 0) >= self.max_concurrent:
@@ -174,6 +179,8 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
 
 async def read_body(request: web.Request) -> bytes:
     """The request body, or a ``408`` if it does not arrive within the body timeout."""
+    if request.content.is_eof():
+        return await request.read()  # all of it has arrived: nothing to wait for, no timer
     timeout = request.app[GUARD_KEY].body_timeout_s
     try:
         async with asyncio.timeout(timeout):
