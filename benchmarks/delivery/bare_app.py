@@ -1,9 +1,10 @@
 """Baseline: the least a server can do to stream these replies, a bare aiohttp SSE handler.
 
-``POST /v1/replies`` reads the seed, computes the same seeded schedule as the simulated engine,
-sleeps until each token's due time from the start (a fixed schedule, so lateness does not
-accumulate) and writes replystream's token events byte for byte, then ``event: done``. No
-event log, no metrics, no moderation: the cost of this handler is the floor.
+``POST /v1/replies`` reads the seed, computes the same seeded schedule as the simulated engine
+(kept, as the engine keeps it, in 4-byte floats), sleeps until each token's due time from the
+start (a fixed schedule, so lateness does not accumulate) and writes replystream's token
+events byte for byte, then ``event: done``. No event log, no metrics, no moderation: the cost
+of this handler is the floor.
 
 Run: python benchmarks/delivery/bare_app.py [--port 0]; prints ``listening on URL``.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from array import array
 
 from aiohttp import web
 from procstats import raise_nofile
@@ -25,7 +27,8 @@ async def replies(request: web.Request) -> web.StreamResponse:
         seed, tokens = parse_body(await request.read())
     except ValueError as error:
         raise web.HTTPBadRequest(text=str(error)) from error
-    due = schedule(seed, tokens)
+    # 4-byte floats, as the engine keeps its schedule: the memory floor is then aiohttp's own.
+    due = array("f", schedule(seed, tokens))
     response = web.StreamResponse(headers=HEADERS)
     await response.prepare(request)
     loop = asyncio.get_running_loop()
