@@ -44,16 +44,22 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User plus system CPU seconds used so far by ``pids`` (utime + stime)."""
-    ticks = 0
+def cpu_split(pids: list[int]) -> tuple[float, float]:
+    """User and system CPU seconds used so far by ``pids`` (utime, stime)."""
+    user = system = 0
     for pid in pids:
         try:
             fields = _stat_fields(pid)
         except OSError:
             continue
-        ticks += int(fields[11]) + int(fields[12])  # stat fields 14 and 15
-    return ticks / CLOCK_TICKS
+        user += int(fields[11])  # stat field 14
+        system += int(fields[12])  # stat field 15
+    return user / CLOCK_TICKS, system / CLOCK_TICKS
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU seconds used so far by ``pids`` (utime + stime)."""
+    return sum(cpu_split(pids))
 
 
 def memory_kib(pids: list[int], field: str) -> int:

@@ -1,0 +1,181 @@
+"""Where a live stream's memory goes: Python heap per open stream, by line and by object type.
+
+Serves replystream (or the bare aiohttp baseline) in this process, opens C streams with the
+load client in a child process, and ``--after-s`` seconds later, while every stream is open,
+compares the heap with the one before the burst: tracemalloc's bytes per stream by the line
+that allocated them (and by the innermost replystream frame, so what a library allocates for
+a replystream call is charged to that call), and the garbage collector's live objects per
+stream by type (coroutine frames by function). Tracing slows the server several times over,
+so the streams fall behind; the bytes they hold are what matters here. The delivery benchmark
+(``run.py``) measures the same memory untraced, from the kernel's view.
+
+Run: python benchmarks/delivery/memory_breakdown.py [--server replystream|bare] [-C 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import gc
+import json
+import sys
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from procstats import raise_nofile
+
+HERE = Path(__file__).resolve().parent
+OURS = "/replystream/"
+
+
+@asynccontextmanager
+async def serving(server: str) -> AsyncIterator[str]:
+    """The server under study, in this process (so its heap can be traced); yields its URL."""
+    if server == "replystream":
+        from replystream.engine import SimulatedConfig, SimulatedEngine
+        from replystream.server.app import create_app
+        from replystream.server.serve import running, tune_collector
+
+        app = create_app(SimulatedEngine(SimulatedConfig(delay_ms=33, jitter_ms=8)))
+        async with running(app) as url:
+            tune_collector()  # as `replystream serve` does
+            yield url
+        return
+    import bare_app
+
+    bare = web.Application()
+    bare.router.add_post("/v1/replies", bare_app.replies)
+    runner = web.AppRunner(bare, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def live_objects() -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Bytes and counts of the collector's live objects by type (coroutines by function)."""
+    size: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for item in gc.get_objects():
+        kind = type(item)
+        name = f"{getattr(kind, '__module__', '?')}.{kind.__qualname__}"
+        if kind.__name__ == "coroutine":
+            name = f"coroutine {item.cr_code.co_qualname}"
+        size[name] += sys.getsizeof(item)
+        count[name] += 1
+    return size, count
+
+
+def where(trace: tracemalloc.StatisticDiff, ours_first: bool) -> str:
+    frames = list(trace.traceback)  # oldest first
+    if ours_first:
+        mine = [frame for frame in frames if OURS in frame.filename]
+        if mine:
+            frame = mine[-1]
+            return f"{frame.filename.split(OURS)[-1]}:{frame.lineno}"
+    frame = frames[-1]
+    return f"{frame.filename.split('site-packages/')[-1].split('/lib/python')[-1]}:{frame.lineno}"
+
+
+def table(title: str, rows: list[tuple[str, float, float]], streams: int, top: int) -> list[str]:
+    lines = [f"\n{title}", f"{'bytes/stream':>12} {'objects/stream':>14}  where"]
+    for name, nbytes, objects in sorted(rows, key=lambda row: -row[1])[:top]:
+        lines.append(f"{nbytes / streams:12.0f} {objects / streams:14.2f}  {name}")
+    return lines
+
+
+def grouped(
+    diffs: list[tracemalloc.StatisticDiff], key: Callable[[tracemalloc.StatisticDiff], str]
+) -> list[tuple[str, float, float]]:
+    nbytes: collections.Counter[str] = collections.Counter()
+    objects: collections.Counter[str] = collections.Counter()
+    for diff in diffs:
+        nbytes[key(diff)] += diff.size_diff
+        objects[key(diff)] += diff.count_diff
+    return [(name, float(nbytes[name]), float(objects[name])) for name in nbytes]
+
+
+async def study(server: str, streams: int, after_s: float, top: int, frames: int) -> list[str]:
+    async with serving(server) as url:
+        gc.collect()
+        tracemalloc.start(frames)
+        before = tracemalloc.take_snapshot()
+        size_before, count_before = live_objects()
+        config = {
+            "url": f"{url}/v1/replies",
+            "seeds": list(range(1000, 1000 + streams)),
+            "max_tokens": None,
+            "timeout_s": 120,
+        }
+        client = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(HERE / "loadclient.py"),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert client.stdin is not None and client.stdout is not None
+        client.stdin.write(json.dumps(config).encode())
+        client.stdin.close()
+        await asyncio.sleep(after_s)
+        # Objects first: the snapshot is itself a heap of lists and tuples.
+        size_after, count_after = live_objects()
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        result: dict[str, Any] = json.loads(await client.stdout.read())
+        await client.wait()
+    diffs = after.compare_to(before, "traceback")
+    total = sum(diff.size_diff for diff in diffs)
+    lines = [
+        f"{server}: {streams} streams, heap {after_s:g} s into the run "
+        f"(the run: {result['completed']}/{streams} completed, peak {result['peak_open']} open)",
+        f"traced heap per open stream: {total / streams:,.0f} bytes",
+    ]
+    lines += table("by allocating line", grouped(diffs, lambda d: where(d, False)), streams, top)
+    lines += table(
+        "by innermost replystream frame (else the allocating line)",
+        grouped(diffs, lambda d: where(d, True)),
+        streams,
+        top,
+    )
+    types = [
+        (
+            name,
+            float(size_after[name] - size_before[name]),
+            float(count_after[name] - count_before[name]),
+        )
+        for name in size_after
+    ]
+    lines += table("live objects by type (shallow sizes)", types, streams, top)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", choices=["replystream", "bare"], default="replystream")
+    parser.add_argument("-C", "--concurrency", type=int, default=1000)
+    parser.add_argument("--after-s", type=float, default=3.0, help="when to look, from the burst")
+    parser.add_argument("--top", type=int, default=30, help="rows per table")
+    parser.add_argument(
+        "--frames",
+        type=int,
+        default=1,
+        help="stack frames kept per allocation: more finds the replystream call behind a "
+        "library's allocation, but slows the server so that it falls behind the schedule",
+    )
+    args = parser.parse_args()
+    raise_nofile()
+    lines = study(args.server, args.concurrency, args.after_s, args.top, args.frames)
+    print("\n".join(asyncio.run(lines)))
+
+
+if __name__ == "__main__":
+    main()
