@@ -66,7 +66,8 @@ class LogReader:
     record: ReplyRecord | None  # where to count what is sent (the producer's record)
     after: int = 0
     last_write: float = 0.0
-    _woken: asyncio.Future[bool] | None = None  # True: the producer wants this task
+    _woken: asyncio.Future[None] | None = None  # while direct: done when the task has work
+    _keepalive_timer: asyncio.TimerHandle | None = None
     keepalive: bytes = KEEPALIVE  # the idle frame (dialects may need another spelling)
     overflow: bool = False
     _sent_log_bytes: int = 0  # bytes of log entries this reader has sent (or skipped)
@@ -213,26 +214,40 @@ class LogReader:
                 LIVENESS_POLL_S if keepalive is None else min(LIVENESS_POLL_S, keepalive - idle_for)
             )
             if self._can_go_direct():
-                await self._direct(keepalive)
+                try:
+                    await self._go_direct()
+                finally:
+                    self._leave_direct()
                 wait = 0.0  # whatever woke us, look at the log now
-            result = await self.store.read(self.reply_id, self.after, max(0.0, wait))
-            if result is None:
-                await self._send(error_frame("the reply expired while being read", "expired"), 1)
-                return "expired"
-            if result.lost is not None:
-                first, last = result.lost
-                gap = json.dumps({"lost_from": first, "lost_to": last})
-                await self._send(encode_data(gap, type="gap"), 1)
-            await self._send_entries(result.entries, last=result.ending is not None)
-            if result.ending is not None:
-                return "ended"
-            if result.producer_lost:
-                message = "the replica generating this reply is gone"
-                await self._send(error_frame(message, "generator_lost"), 1)
-                return "producer_lost"
-            idle_for = time.monotonic() - self.last_write
-            if not result.entries and keepalive is not None and idle_for >= keepalive:
-                await self._send(self.keepalive, 0)
+            ending = await self._catch_up(max(0.0, wait))
+            if ending is not None:
+                return ending
+
+    async def _catch_up(self, wait_s: float) -> ReaderEnding | None:
+        """Send what the log has after ``after`` (waiting up to ``wait_s`` for something), or a
+        keep-alive if nothing came and one is due; how the reader ended, if it did.
+
+        Its own frame, so what it read is not held while the reader waits for more."""
+        result = await self.store.read(self.reply_id, self.after, wait_s)
+        if result is None:
+            await self._send(error_frame("the reply expired while being read", "expired"), 1)
+            return "expired"
+        if result.lost is not None:
+            first, last = result.lost
+            gap = json.dumps({"lost_from": first, "lost_to": last})
+            await self._send(encode_data(gap, type="gap"), 1)
+        await self._send_entries(result.entries, last=result.ending is not None)
+        if result.ending is not None:
+            return "ended"
+        if result.producer_lost:
+            message = "the replica generating this reply is gone"
+            await self._send(error_frame(message, "generator_lost"), 1)
+            return "producer_lost"
+        keepalive = self.policy.keepalive_s
+        idle_for = time.monotonic() - self.last_write
+        if not result.entries and keepalive is not None and idle_for >= keepalive:
+            await self._send(self.keepalive, 0)
+        return None
 
     async def _send_entries(self, entries: list[LogEntry], *, last: bool = False) -> None:
         """Write log entries in writes of at most WRITE_CHUNK bytes, each waiting to drain;
@@ -274,37 +289,37 @@ class LogReader:
             and transport.get_write_buffer_size() < self._high_water
         )
 
-    async def _direct(self, keepalive: float | None) -> None:
-        reply = self.reply
-        assert reply is not None
-        loop = asyncio.get_running_loop()
-        reply.sinks.append(self)
-        try:
-            while True:
-                idle_for = time.monotonic() - self.last_write
-                if keepalive is not None and idle_for >= keepalive:
-                    return  # the loop sends the keep-alive
-                self._woken = woken = loop.create_future()
-                # A bare timer, not asyncio.timeout: thousands of idle readers hold one each.
-                timer = (
-                    None
-                    if keepalive is None
-                    else loop.call_later(keepalive - idle_for, self._keepalive_due)
-                )
-                try:
-                    if await woken:
-                        return
-                    # The timer: a keep-alive may be due; direct writes may have made it not.
-                finally:
-                    if timer is not None:
-                        timer.cancel()
-        finally:
-            reply.sinks.remove(self)
-            self._woken = None
+    def _go_direct(self) -> asyncio.Future[None]:
+        """Become the reply's sink; the future is done when this task has work again: the
+        producer needs it (a paused socket, the end) or a keep-alive is due. Awaiting one
+        future, not a loop in a coroutine: thousands of readers wait here."""
+        assert self.reply is not None
+        self.reply.sinks.append(self)
+        self._woken = asyncio.get_running_loop().create_future()
+        self._keepalive_due()
+        return self._woken
+
+    def _leave_direct(self) -> None:
+        assert self.reply is not None
+        self.reply.sinks.remove(self)
+        self._woken = None
+        if self._keepalive_timer is not None:
+            self._keepalive_timer.cancel()
+            self._keepalive_timer = None
 
     def _keepalive_due(self) -> None:
-        if self._woken is not None and not self._woken.done():
-            self._woken.set_result(False)
+        """Wake the task if nothing was written for a keep-alive period, else look again
+        when one would have passed (direct writes move the moment on)."""
+        self._keepalive_timer = None
+        keepalive = self.policy.keepalive_s
+        if keepalive is None or self._woken is None or self._woken.done():
+            return
+        idle_for = time.monotonic() - self.last_write
+        if idle_for >= keepalive:
+            self._woken.set_result(None)
+        else:
+            loop = asyncio.get_running_loop()
+            self._keepalive_timer = loop.call_later(keepalive - idle_for, self._keepalive_due)
 
     def push(self, entries: list[LogEntry]) -> None:
         """Called by the producer with events just logged; writes them now if it safely can."""
@@ -337,4 +352,4 @@ class LogReader:
     def wake(self) -> None:
         """Hand the work back to the reader's task (the reply ended, or it must wait)."""
         if self._woken is not None and not self._woken.done():
-            self._woken.set_result(True)
+            self._woken.set_result(None)
