@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
@@ -82,7 +82,7 @@ class Reply:
     live: bool = False  # begun and not yet ended
     _window_timer: asyncio.TimerHandle | None = None
     _stopping: Ending | None = None  # why production ended
-    _close_pushed: Callable[[], None] | None = None  # a pushing engine's stream: stop it
+    _pushed: PushDeltaStream | None = None  # the stream, when the engine pushes its deltas
     _started: bool = False
     _detach_timer: asyncio.TimerHandle | None = None
     # The store, when nobody may resume the reply and its log is in this process: what is
@@ -208,9 +208,8 @@ class Reply:
         # A PushDeltaStream; asked by attribute, as isinstance against a runtime-checkable
         # protocol costs about 7 us a reply.
         if hasattr(self.deltas, "attach"):
-            pushed = cast(PushDeltaStream, self.deltas)
-            self._close_pushed = pushed.close
-            pushed.attach(self)
+            self._pushed = cast(PushDeltaStream, self.deltas)
+            self._pushed.attach(self)
         else:
             self.task = asyncio.get_running_loop().create_task(
                 self.produce(), name=f"reply-{self.reply_id[:8]}"
@@ -220,8 +219,9 @@ class Reply:
         if self._stopping is not None:
             return
         self._stopping = why
-        if self._close_pushed is not None:
-            self._close_pushed()  # no more deltas; ``finally`` of a pushed reply, part one
+        if self._pushed is not None:
+            # No more deltas, then the ending: what ``produce`` does for a pulled stream.
+            self._pushed.close()
             if asap:
                 self._conclude(why)
             else:
