@@ -2,14 +2,17 @@
 
 import io
 import json
+import re
 
 import aiohttp
 import pytest
 
 from replystream.client import measure_reply
-from replystream.server.app import LOCAL_STORE_KEY, create_app
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.server.app import LOCAL_STORE_KEY, MANAGER_KEY, ServerConfig, create_app
 from replystream.server.serve import running
-from tests.conftest import fast_engine, serve_engine
+from tests.conftest import fast_engine, serve_engine, wait_for
+from tests.rawhttp import raw_request
 from tests.scripted_engine import GroupedPushEngine
 from tests.sse_client import post_events
 
@@ -111,6 +114,25 @@ async def test_generator_errors_before_and_after_the_first_byte():
     assert got.types == ["reply"] + ["token"] * 4 + ["error"]
     assert got.of_type("error")[0]["error"]["code"] == "generation_failed"
     assert not timing.complete and timing.error and "error" in timing.error
+
+
+async def test_a_reader_past_its_limit_stops_a_late_burst_of_tokens_part_way():
+    # One push of 200 tokens of 128 KB (25 MB) to a client that never reads. The kernel's
+    # buffers take a few MB; past that, the slow-client limit must stop the reply within a
+    # piece of the push, not after all of it has been logged.
+    engine = GroupedPushEngine(["y" * (128 << 10)] * 200, group=200)
+    config = ServerConfig(policy=DeliveryPolicy(slow_client_bytes=256 << 10, slow_client_s=5.0))
+    app = create_app(engine, config)
+    async with running(app) as url:
+        response = await raw_request(f"{url}/v1/replies", "POST", b'{"prompt": "x"}')
+        await wait_for(lambda: not app[MANAGER_KEY].replies, timeout_s=20)
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+        await response.aclose()
+    assert b'outcome="slow_client"} 1.0' in metrics
+    taken = re.search(
+        rb'replystream_tokens_generated_total\{endpoint="/v1/replies"\} (\S+)', metrics
+    )
+    assert taken is not None and float(taken.group(1)) < 150  # all 200 without the pieces
 
 
 async def test_a_live_stream_drops_sent_events_even_when_they_leave_several_at_a_time():

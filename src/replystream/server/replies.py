@@ -30,6 +30,9 @@ from replystream.server.metrics import Metrics, Outcome, ReplyRecord
 log = logging.getLogger("replystream.replies")
 
 Disconnect = Literal["cancel", "detach"]
+# Overdue deltas are appended together, but in pieces of about this many bytes: a reader past
+# its slow-client limit stops the reply after one piece, not after all of a late tick's tokens.
+APPEND_CHUNK_BYTES = 16 * 1024
 StopReason = Literal["cancelled", "client_gone", "slow_client", "shutdown", "detach_expired"]
 # Why a reply ended: its stream finished, a check stopped it, the engine (or this server)
 # failed, or it was stopped.
@@ -178,11 +181,24 @@ class Reply:
         record, pipeline = self.record, self.pipeline
         now = time.monotonic()
         entries: list[LogEntry] = []
+        size = 0
         for delta in deltas:
             record.on_delta(delta.made_at, delta.tokens)
-            entries += pipeline.push(delta, now)
+            new = pipeline.push(delta, now)
             if pipeline.violation is not None:
+                entries += new
                 break
+            if new:
+                entries += new
+                for entry in new:
+                    size += len(entry.frame)
+                if size >= APPEND_CHUNK_BYTES:
+                    # A reader that cannot take this much stops the reply during the append;
+                    # the rest of the deltas are then never logged.
+                    self._append(entries)
+                    if self._stopping is not None or self.stop_reason is not None:
+                        return
+                    entries, size = [], 0
         self._append(entries)
         if pipeline.violation is not None:
             self._stop_producing("moderated")
