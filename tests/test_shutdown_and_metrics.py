@@ -87,7 +87,6 @@ async def test_metrics_count_what_happened():
         response = await raw_request(f"{url}/stream")
         await response.reader.readuntil(b"\n\n")  # the reply event
         await response.reader.readuntil(b"\n\n")  # the first token
-        during = await (await raw_request(f"{url}/metrics")).read_body()
         await response.aclose()
         await wait_for(lambda: engine.stats().active == 0)
         bad = await raw_request(f"{url}/stream?seed=x")
@@ -97,7 +96,6 @@ async def test_metrics_count_what_happened():
     assert replies_count(metrics, "/wait", "finished") == 1
     assert replies_count(metrics, "/v1/replies", "moderated") == 1
     assert replies_count(metrics, "/stream", "cancelled") == 1
-    assert b"replystream_active_streams 1.0" in during
     assert b"replystream_active_streams 0.0" in metrics
     # Tokens made: 3 x 3 + 2 + 5 (the fifth completes the phrase) + at least 1 before leaving.
     tokens = re.search(

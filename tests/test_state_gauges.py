@@ -27,8 +27,10 @@ async def test_state_gauges_return_to_zero_after_a_reply_is_abandoned():
         after = await (await raw_request(f"{url}/metrics")).read_body()
     assert gauge(during, "replystream_kv_blocks_used") > 0
     assert gauge(during, "replystream_replies_in_flight") == 1
+    assert gauge(during, "replystream_active_streams") == 1  # read when scraped
     assert gauge(after, "replystream_kv_blocks_used") == 0
     assert gauge(after, "replystream_replies_in_flight") == 0
+    assert gauge(after, "replystream_active_streams") == 0
     assert gauge(after, "replystream_open_readers") == 0
     assert gauge(after, 'replystream_reply_logs{store="local"}') == 0
     assert gauge(after, "replystream_open_tasks") >= 1

@@ -41,13 +41,19 @@ async def replies(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def serve(host: str, port: int) -> None:
+async def started(host: str, port: int) -> web.AppRunner:
+    """The bare app, accepting on ``host:port`` (0: a free port); clean the runner up after."""
     app = web.Application()
     app.router.add_post("/v1/replies", replies)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096)
     await site.start()
+    return runner
+
+
+async def serve(host: str, port: int) -> None:
+    runner = await started(host, port)
     bound_host, bound_port = runner.addresses[0][:2]
     print(f"bare aiohttp listening on http://{bound_host}:{bound_port}", flush=True)
     try:

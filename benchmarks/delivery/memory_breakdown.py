@@ -18,18 +18,15 @@ import argparse
 import asyncio
 import collections
 import gc
-import json
 import sys
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from procstats import raise_nofile
+from run import run_client
 
-HERE = Path(__file__).resolve().parent
 OURS = "/replystream/"
 
 
@@ -48,12 +45,7 @@ async def serving(server: str) -> AsyncIterator[str]:
         return
     import bare_app
 
-    bare = web.Application()
-    bare.router.add_post("/v1/replies", bare_app.replies)
-    runner = web.AppRunner(bare, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
-    await site.start()
+    runner = await bare_app.started("127.0.0.1", 0)
     host, port = runner.addresses[0][:2]
     try:
         yield f"http://{host}:{port}"
@@ -110,28 +102,14 @@ async def study(server: str, streams: int, after_s: float, top: int, frames: int
         tracemalloc.start(frames)
         before = tracemalloc.take_snapshot()
         size_before, count_before = live_objects()
-        config = {
-            "url": f"{url}/v1/replies",
-            "seeds": list(range(1000, 1000 + streams)),
-            "max_tokens": None,
-            "timeout_s": 120,
-        }
-        client = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(HERE / "loadclient.py"),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        assert client.stdin is not None and client.stdout is not None
-        client.stdin.write(json.dumps(config).encode())
-        client.stdin.close()
+        seeds = list(range(1000, 1000 + streams))
+        client = asyncio.create_task(run_client(f"{url}/v1/replies", seeds, None, 120.0))
         await asyncio.sleep(after_s)
         # Objects first: the snapshot is itself a heap of lists and tuples.
         size_after, count_after = live_objects()
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
-        result: dict[str, Any] = json.loads(await client.stdout.read())
-        await client.wait()
+        result: dict[str, Any] = await client
     diffs = after.compare_to(before, "traceback")
     total = sum(diff.size_diff for diff in diffs)
     lines = [

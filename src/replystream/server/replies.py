@@ -30,7 +30,7 @@ from replystream.server.metrics import Metrics, Outcome, ReplyRecord
 log = logging.getLogger("replystream.replies")
 
 Disconnect = Literal["cancel", "detach"]
-# Overdue deltas are appended together, but in pieces of about this many bytes: a reader past
+# Overdue deltas are appended together, but in pieces of about this much text: a reader past
 # its slow-client limit stops the reply after one piece, not after all of a late tick's tokens.
 APPEND_CHUNK_BYTES = 16 * 1024
 StopReason = Literal["cancelled", "client_gone", "slow_client", "shutdown", "detach_expired"]
@@ -184,21 +184,17 @@ class Reply:
         size = 0
         for delta in deltas:
             record.on_delta(delta.made_at, delta.tokens)
-            new = pipeline.push(delta, now)
+            entries += pipeline.push(delta, now)
             if pipeline.violation is not None:
-                entries += new
                 break
-            if new:
-                entries += new
-                for entry in new:
-                    size += len(entry.frame)
-                if size >= APPEND_CHUNK_BYTES:
-                    # A reader that cannot take this much stops the reply during the append;
-                    # the rest of the deltas are then never logged.
-                    self._append(entries)
-                    if self._stopping is not None or self.stop_reason is not None:
-                        return
-                    entries, size = [], 0
+            size += len(delta.text)
+            if size >= APPEND_CHUNK_BYTES:
+                # A reader that cannot take this much stops the reply during the append; the
+                # rest of the deltas are then never logged.
+                self._append(entries)
+                if self._stopping is not None or self.stop_reason is not None:
+                    return
+                entries, size = [], 0
         self._append(entries)
         if pipeline.violation is not None:
             self._stop_producing("moderated")
