@@ -1,8 +1,8 @@
 """Baseline: the least a server can do to stream these replies, a bare aiohttp SSE handler.
 
-``POST /v1/replies`` reads the seed, computes the same seeded schedule as the simulated engine
-(kept, as the engine keeps it, in 4-byte floats), sleeps until each token's due time from the
-start (a fixed schedule, so lateness does not accumulate) and writes replystream's token
+``POST /v1/replies`` reads the seed, follows the same seeded schedule as the simulated engine
+(each delay computed when it is needed, as the engine does), sleeps until each token's due time
+from the start (a fixed schedule, so lateness does not accumulate) and writes replystream's token
 events byte for byte, then ``event: done``. No event log, no metrics, no moderation: the cost
 of this handler is the floor.
 
@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from array import array
 
 from aiohttp import web
 from procstats import raise_nofile
-from workload import TOKENS, done_frame, parse_body, schedule, token_frame
+from workload import TOKENS, done_frame, gap_ms, parse_body, token_frame
 
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -27,14 +26,14 @@ async def replies(request: web.Request) -> web.StreamResponse:
         seed, tokens = parse_body(await request.read())
     except ValueError as error:
         raise web.HTTPBadRequest(text=str(error)) from error
-    # 4-byte floats, as the engine keeps its schedule: the memory floor is then aiohttp's own.
-    due = array("f", schedule(seed, tokens))
     response = web.StreamResponse(headers=HEADERS)
     await response.prepare(request)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    for index, at in enumerate(due):
-        await asyncio.sleep(max(0.0, start + at - loop.time()))
+    due_ms = 0.0
+    for index in range(tokens):
+        due_ms += gap_ms(seed, index)
+        await asyncio.sleep(max(0.0, start + due_ms / 1000.0 - loop.time()))
         await response.write(token_frame(index))
     await response.write(done_frame(tokens, "stop" if tokens == TOKENS else "length"))
     await response.write_eof()

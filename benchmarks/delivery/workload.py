@@ -9,9 +9,8 @@ exist once. It must not know about sockets or processes.
 from __future__ import annotations
 
 import json
-import random
 
-from replystream.engine.simulated import DEFAULT_REPLY, split_words
+from replystream.engine.simulated import DEFAULT_REPLY, split_words, token_draw
 
 DELAY_MS = 33.0
 JITTER_MS = 8.0
@@ -27,15 +26,19 @@ def stream_seeds(count: int, base: int = BASE_SEED) -> list[int]:
     return [base + i for i in range(count)]
 
 
-def schedule(
-    seed: int, tokens: int = TOKENS, delay_ms: float = DELAY_MS, jitter_ms: float = JITTER_MS
-) -> list[float]:
-    """Seconds from the start at which each token is due (`SimulatedEngine.schedule`'s rule)."""
-    rng = random.Random(seed)
+def gap_ms(
+    seed: int, index: int, delay_ms: float = DELAY_MS, jitter_ms: float = JITTER_MS
+) -> float:
+    """The delay before token ``index`` of the reply seeded ``seed`` (`SimulatedEngine`'s rule)."""
+    return delay_ms - jitter_ms + 2.0 * jitter_ms * token_draw(seed, index)
+
+
+def schedule(seed: int, tokens: int = TOKENS) -> list[float]:
+    """Seconds from the start at which each token is due."""
     due: list[float] = []
     elapsed_ms = 0.0
-    for _ in range(tokens):
-        elapsed_ms += rng.uniform(delay_ms - jitter_ms, delay_ms + jitter_ms)
+    for index in range(tokens):
+        elapsed_ms += gap_ms(seed, index)
         due.append(elapsed_ms / 1000.0)
     return due
 

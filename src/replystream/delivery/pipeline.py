@@ -23,6 +23,19 @@ _NO_BATCHER = Batcher(1)
 class ReplyPipeline:
     """Turns one reply's deltas into log entries under a delivery policy."""
 
+    # Every open reply holds one: slots instead of an instance dict (about 250 bytes less).
+    __slots__ = (
+        "_direct",
+        "batcher",
+        "ended",
+        "finish_reason",
+        "fmt",
+        "holdback",
+        "next_seq",
+        "numbered",
+        "tokens",
+    )
+
     def __init__(self, fmt: StreamFormat, policy: DeliveryPolicy, *, numbered: bool = True) -> None:
         self.fmt = fmt
         self.numbered = numbered
