@@ -113,6 +113,23 @@ async def test_keep_alive_comment_arrives_during_a_long_wait_for_the_first_token
     assert body.count(b": keep-alive", 0, first_event) >= 2
 
 
+async def test_waiting_readers_get_keep_alives_each_at_its_own_period():
+    # One clock serves every waiting reader; each still gets keep-alives at its own rate.
+    engine = fast_engine(first_token_ms=2500, delay_ms=5)
+    async with serve(engine, keepalive_s=30) as url:
+
+        async def stream(keepalive_s: float) -> bytes:
+            body = json.dumps({"prompt": "x", "max_tokens": 1, "keepalive_s": keepalive_s})
+            response = await raw_request(f"{url}/v1/replies", "POST", body.encode())
+            return await response.read_body()
+
+        often, seldom = await asyncio.gather(stream(0.2), stream(1.0))
+    before_token = [body[: body.index(b"event: token")] for body in (often, seldom)]
+    counts = [part.count(b": keep-alive") for part in before_token]
+    # 2.5 s of waiting: about 10 and 2 (a sweep may be a quarter period late).
+    assert counts[0] >= 5 and 1 <= counts[1] <= 3, counts
+
+
 async def test_event_streams_are_never_compressed_and_json_is():
     engine = fast_engine(delay_ms=1, jitter_ms=0)
     async with serve(engine) as url:

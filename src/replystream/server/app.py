@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,7 @@ from replystream.server.guard import (
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.native import parse_reply_request, read_json_object
 from replystream.server.pages import add_page_routes
-from replystream.server.reader import SSE_HEADERS, LogReader
+from replystream.server.reader import SSE_HEADERS, EventStream, KeepaliveClock, LogReader
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
 
 log = logging.getLogger("replystream.server")
@@ -100,6 +100,7 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 CONFIG_KEY = web.AppKey("config", ServerConfig)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 MANAGER_KEY = web.AppKey("manager", ReplyManager)
+KEEPALIVE_CLOCK_KEY = web.AppKey("keepalive_clock", KeepaliveClock)
 STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
 LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
 
@@ -221,25 +222,25 @@ def follow_reply(
     reply: Reply | None,
     after: int = 0,
     keepalive: bytes = KEEPALIVE,
-) -> Awaitable[web.StreamResponse]:
-    """Stream a reply's log to this connection, from after event ``after``: await it.
-
-    A plain function returning the reader's coroutine, so a stream holds no frame of it."""
+) -> EventStream:
+    """The response that streams a reply's log to this connection, from after event
+    ``after``; the handler returns it, and aiohttp sends it after the handler has returned."""
     request[REPLY_ID] = reply_id
-    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Reply-Id": reply_id})
-    reader = LogReader(
+    response = EventStream({**SSE_HEADERS, "X-Reply-Id": reply_id})
+    response.reader = LogReader(
         request=request,
         response=response,
         reply_id=reply_id,
         store=store,
         policy=policy,
         manager=request.app[MANAGER_KEY],
+        clock=request.app[KEEPALIVE_CLOCK_KEY],
         reply=reply,
         record=None if reply is None else reply.record,
         after=after,
         keepalive=keepalive,
     )
-    return reader.run()
+    return response
 
 
 def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
@@ -294,20 +295,13 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         resumable=resumable,
         numbered=numbered,
     )
-    return await follow_reply(
+    return follow_reply(
         request, reply_id=reply.reply_id, store=reply.store, policy=config.policy, reply=reply
     )
 
 
 async def handle_replies(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies``: a reply streamed as named events, or one JSON body."""
-    # Two steps, so the request's body and its parsed form are not held for the whole stream.
-    deliver = await _open_reply(request)
-    return await deliver
-
-
-async def _open_reply(request: web.Request) -> Awaitable[web.StreamResponse]:
-    """Parse and start a native reply; what delivers it (not yet awaited)."""
     config = request.app[CONFIG_KEY]
     body = await read_json_object(request)
     try:
@@ -315,7 +309,7 @@ async def _open_reply(request: web.Request) -> Awaitable[web.StreamResponse]:
     except ValueError as exc:  # a policy value the field checks let through
         raise HTTPAPIError(400, str(exc), code="invalid_value") from exc
     if not ask.stream:
-        return _buffered(request, ask.generation, "/v1/replies", ask.policy, _native_body)
+        return await _buffered(request, ask.generation, "/v1/replies", ask.policy, _native_body)
     resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
     reply = await start_reply(
         request,
@@ -376,7 +370,7 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
     after = _last_event_id(request)
     reply_id, store, local = await _find_reply(request)
     policy = request.app[CONFIG_KEY].policy
-    return await follow_reply(
+    return follow_reply(
         request, reply_id=reply_id, store=store, policy=policy, reply=local, after=after
     )
 
@@ -433,6 +427,7 @@ def create_app(
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics
     app[MANAGER_KEY] = ReplyManager(metrics)
+    app[KEEPALIVE_CLOCK_KEY] = KeepaliveClock()
     app[LOCAL_STORE_KEY] = local_store
     app[STORE_KEY] = store if store is not None else local_store
     if store is not None and hasattr(store, "on_cancel_request"):
@@ -457,6 +452,7 @@ def create_app(
 
     async def close_all(app: web.Application) -> None:
         await app[MANAGER_KEY].aclose()
+        app[KEEPALIVE_CLOCK_KEY].close()
         await app[ENGINE_KEY].aclose()
         if app[STORE_KEY] is not app[LOCAL_STORE_KEY]:
             await app[STORE_KEY].aclose()

@@ -7,9 +7,10 @@ request (``guard``); the handler runs. Whatever fails becomes the API's error sh
 log line names the request.
 
 Each step is a plain function owned by its module; they run in one coroutine, not a stack of
-middlewares, because a streaming request holds its middleware frames for its whole reply: six
-layers cost about 1.6 KiB and a dozen microseconds a stream. This file must not know about
-replies.
+middlewares (six layers cost a stream about 1.6 KiB and a dozen microseconds). A stream's
+response is a ``SentLater``: its body is sent after this middleware returned, so a stream
+holds none of these frames, and the last steps run when the body has been sent. This file
+must not know about replies.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -50,6 +52,16 @@ class FrontDoor:
     gzip_min_bytes: int
 
 
+class SentLater(web.StreamResponse):
+    """A response whose whole body is sent after the handler and this middleware returned: by
+    ``prepare``, which aiohttp calls then (as it sends a ``FileResponse``). A stream of an hour
+    holds none of their frames. The front door's last steps for the request (the client's
+    open-request slot, the access log line) wait for ``sent``, which the body's sender calls
+    with the status the access log names; it is set only when there is such a step."""
+
+    sent: Callable[[int | str], None] | None = None
+
+
 def front_door(door: FrontDoor) -> Middleware:
     """The middleware running ``door``'s steps around every handler."""
     origins, gate, check_key = door.cors_origins, door.gate, door.check_key
@@ -61,10 +73,11 @@ def front_door(door: FrontDoor) -> Middleware:
         mark_started(request)
         started = time.monotonic()
         status: int | str = "client_gone"
+        identity = None  # a client counted open, to release when the request is done
+        sent_later = False
         try:
             response: web.StreamResponse | None = preflight_response(request, origins)
             if response is None:
-                identity = None
                 try:
                     response = check_key(request) if check_key is not None else None
                     if limits and response is None and request.path.startswith(LIMITED_PREFIXES):
@@ -77,20 +90,36 @@ def front_door(door: FrontDoor) -> Middleware:
                         response = await handler(request)
                 except Exception as exc:
                     response = error_answer(request, exc, door.max_body_bytes)
-                finally:
-                    if identity is not None:
-                        gate.release(identity)
                 compress_if_worthwhile(request, response, door.gzip_min_bytes)
             status = response.status
+            if isinstance(response, SentLater):
+                sent_later = True
+                if identity is not None or access_log.isEnabledFor(logging.INFO):
+                    response.sent = partial(finish, request, request_id, started, gate, identity)
             return response
         except web.HTTPException as exc:
             status = exc.status
             raise
         finally:
-            if access_log.isEnabledFor(logging.INFO):  # off by default: skip building the line
-                log_access(request, request_id, status, started)
+            if not sent_later:
+                finish(request, request_id, started, gate, identity, status)
 
     return front
+
+
+def finish(
+    request: web.Request,
+    request_id: str,
+    started: float,
+    gate: ClientGate,
+    identity: str | None,
+    status: int | str,
+) -> None:
+    """A request's last steps: its client's slot is free again; its access log line."""
+    if identity is not None:
+        gate.release(identity)
+    if access_log.isEnabledFor(logging.INFO):  # off by default: skip building the line
+        log_access(request, request_id, status, started)
 
 
 def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> web.Response:

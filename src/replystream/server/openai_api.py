@@ -12,7 +12,6 @@ replies; it must not know how tokens are made or how events are framed.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -131,15 +130,7 @@ async def _buffered(
 
 
 async def _complete(request: web.Request, kind: Kind, parse: Parse) -> web.StreamResponse:
-    # Two steps, so the request's body and its parsed form are not held for the whole stream.
-    deliver = await _open_completion(request, kind, parse)
-    return await deliver
-
-
-async def _open_completion(
-    request: web.Request, kind: Kind, parse: Parse
-) -> Awaitable[web.StreamResponse]:
-    """Parse and start a completion; what delivers it (not yet awaited)."""
+    """Parse and start a completion: its chunks streamed, or one JSON body."""
     app = request.app
     config = app[CONFIG_KEY]
     model = served_model(app)
@@ -147,7 +138,7 @@ async def _open_completion(
     ask = parse(body, model=model, defaults=config.policy, max_prompt_chars=config.max_prompt_chars)
     created = int(time.time())
     if not ask.stream:
-        return _buffered(request, kind, ask, model, created)
+        return await _buffered(request, kind, ask, model, created)
     policy = ask.policy
     resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
     reply = await start_reply(

@@ -15,14 +15,16 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from aiohttp import web
 
 from replystream.delivery.formats import KEEPALIVE, error_frame
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore
+from replystream.server.front_door import SentLater
 from replystream.server.metrics import ReplyRecord
 from replystream.server.replies import Reply, ReplyManager
 from replystream.sse import encode_data
@@ -33,6 +35,7 @@ LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
 LIVENESS_POLL_S = 1.0  # how often a reader of a remote reply checks its producer is alive
 WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
 WRITE_OVERHEAD = 8 * 1024  # room for what a write may add: the headers, chunk framing
+MAX_SWEEP_S = 1.0  # the keep-alive clock looks at waiting readers at least this often
 
 ReaderEnding = Literal[
     "ended", "client_gone", "slow_client", "shutdown", "producer_lost", "expired"
@@ -52,22 +55,91 @@ class _Cut(Exception):
         self.ending = ending
 
 
+class KeepaliveClock:
+    """One timer for the keep-alives of every reader waiting on the direct path.
+
+    A sweep every quarter of the shortest keep-alive period among them (at most every
+    second) wakes each one idle for a whole period, so a keep-alive leaves at most a quarter
+    period (or a second) late. Thousands of readers cost one wake-up a second, not a timer
+    each (a handle, its context and a bound method: 240 bytes a stream)."""
+
+    def __init__(self) -> None:
+        self._waiting: set[LogReader] = set()
+        self._period_s = MAX_SWEEP_S
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, reader: LogReader, keepalive_s: float) -> None:
+        self._waiting.add(reader)
+        period = min(MAX_SWEEP_S, keepalive_s / 4.0)
+        if self._timer is None or period < self._period_s:
+            self._arm(period)
+
+    def forget(self, reader: LogReader) -> None:
+        self._waiting.discard(reader)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, period_s: float) -> None:
+        self.close()
+        self._period_s = period_s
+        self._timer = asyncio.get_running_loop().call_later(period_s, self._sweep)
+
+    def _sweep(self) -> None:
+        self._timer = None
+        if not self._waiting:
+            return  # armed again by the next reader to wait
+        now = time.monotonic()
+        shortest = MAX_SWEEP_S * 4.0
+        for reader in list(self._waiting):  # a woken reader leaves the set when it runs
+            reader.wake_if_idle(now)
+            if reader.policy.keepalive_s is not None:
+                shortest = min(shortest, reader.policy.keepalive_s)
+        self._arm(min(MAX_SWEEP_S, shortest / 4.0))
+
+
+class EventStream(SentLater):
+    """The response of a streamed reply. aiohttp calls ``prepare`` after the handler returned;
+    that runs the reader, which sends the headers and then every event to the end."""
+
+    def __init__(self, headers: Mapping[str, str]) -> None:
+        super().__init__(headers=headers)
+        self.reader: LogReader | None = None
+
+    def prepare(self, request: web.BaseRequest) -> Coroutine[Any, Any, None]:
+        reader, self.reader = self.reader, None  # no cycle with the reader once it runs
+        if reader is None:
+            raise RuntimeError("an event stream is sent once, by its reader")
+        return reader.run()
+
+    async def send_headers(self, request: web.BaseRequest) -> None:
+        await super().prepare(request)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        # aiohttp ends every response it prepared; a reader that ended before its headers
+        # left (the client was gone) has nothing to end.
+        if self.prepared:
+            await super().write_eof(data)
+
+
 @dataclass(eq=False, slots=True)
 class LogReader:
     """One connection following one reply's log."""
 
     request: web.Request
-    response: web.StreamResponse
+    response: EventStream
     reply_id: str
     store: ReplayStore
     policy: DeliveryPolicy
     manager: ReplyManager
+    clock: KeepaliveClock  # wakes this reader for a keep-alive while it waits directly
     reply: Reply | None  # the producer, when it runs in this process
     record: ReplyRecord | None  # where to count what is sent (the producer's record)
     after: int = 0
     last_write: float = 0.0
     _woken: asyncio.Future[None] | None = None  # while direct: done when the task has work
-    _keepalive_timer: asyncio.TimerHandle | None = None
     keepalive: bytes = KEEPALIVE  # the idle frame (dialects may need another spelling)
     overflow: bool = False
     _sent_log_bytes: int = 0  # bytes of log entries this reader has sent (or skipped)
@@ -159,34 +231,38 @@ class LogReader:
         # A reader that never reads would keep the socket (and its buffer) forever.
         asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
 
-    async def run(self) -> web.StreamResponse:
-        """Send the headers, follow the log to its end (or until cut); the response sent."""
+    async def run(self) -> None:
+        """Send the headers, then follow the log to its end (or until cut).
+
+        One frame for the whole stream: thousands of readers are in it at once."""
         self.manager.readers.add(self)
         if self.reply is not None:
             self.reply.followers.append(self)
             self.reply.reader_joined()
         ending: ReaderEnding = "client_gone"
         try:
-            # Headers leave now, before the first token exists: alone, or, when the reply's
-            # opening events are already in this process's log, in one write with them
-            # (aiohttp holds the headers until the first body write; _follow makes it now).
-            reply = self.reply
-            if (
-                reply is not None
-                and isinstance(self.store, MemoryReplayStore)
-                and reply.pipeline.next_seq - 1 > self.after
-            ):
-                self.response._send_headers_immediately = False
-            await self.response.prepare(self.request)
-            self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
-            if isinstance(self.store, MemoryReplayStore):
-                self._sent_log_bytes = self.store.appended_bytes(
-                    self.reply_id
-                ) - self.store.backlog_bytes(self.reply_id, self.after)
-            self._transport = self.request.transport
-            if self._transport is not None:
-                self._high_water = self._transport.get_write_buffer_limits()[1]
-            ending = await self._follow()
+            await self._send_headers()
+            keepalive = self.policy.keepalive_s
+            self.last_write = time.monotonic()
+            while True:
+                if self.manager.shutting_down and self.reply is None:
+                    raise _Cut("shutdown", "the server is shutting down")
+                idle_for = time.monotonic() - self.last_write
+                wait = (
+                    LIVENESS_POLL_S
+                    if keepalive is None
+                    else min(LIVENESS_POLL_S, keepalive - idle_for)
+                )
+                if self._can_go_direct():
+                    try:
+                        await self._go_direct()
+                    finally:
+                        self._leave_direct()
+                    wait = 0.0  # whatever woke us, look at the log now
+                found = await self._catch_up(max(0.0, wait))
+                if found is not None:
+                    ending = found
+                    break
             await self.response.write_eof()
         except _Cut as cut:
             ending = cut.ending
@@ -201,27 +277,29 @@ class LogReader:
             if self.reply is not None:
                 self.reply.followers.remove(self)
                 self.reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
-        return self.response
+            if self.response.sent is not None:
+                self.response.sent("client_gone" if ending == "client_gone" else 200)
 
-    async def _follow(self) -> ReaderEnding:
-        keepalive = self.policy.keepalive_s
-        self.last_write = time.monotonic()
-        while True:
-            if self.manager.shutting_down and self.reply is None:
-                raise _Cut("shutdown", "the server is shutting down")
-            idle_for = time.monotonic() - self.last_write
-            wait = (
-                LIVENESS_POLL_S if keepalive is None else min(LIVENESS_POLL_S, keepalive - idle_for)
-            )
-            if self._can_go_direct():
-                try:
-                    await self._go_direct()
-                finally:
-                    self._leave_direct()
-                wait = 0.0  # whatever woke us, look at the log now
-            ending = await self._catch_up(max(0.0, wait))
-            if ending is not None:
-                return ending
+    async def _send_headers(self) -> None:
+        """Headers leave now, before the first token exists: alone, or, when the reply's
+        opening events are already in this process's log, in one write with them (aiohttp
+        holds the headers until the first body write; the first catch-up makes it now)."""
+        reply = self.reply
+        if (
+            reply is not None
+            and isinstance(self.store, MemoryReplayStore)
+            and reply.pipeline.next_seq - 1 > self.after
+        ):
+            self.response._send_headers_immediately = False
+        await self.response.send_headers(self.request)
+        self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
+        if isinstance(self.store, MemoryReplayStore):
+            self._sent_log_bytes = self.store.appended_bytes(
+                self.reply_id
+            ) - self.store.backlog_bytes(self.reply_id, self.after)
+        self._transport = self.request.transport
+        if self._transport is not None:
+            self._high_water = self._transport.get_write_buffer_limits()[1]
 
     async def _catch_up(self, wait_s: float) -> ReaderEnding | None:
         """Send what the log has after ``after`` (waiting up to ``wait_s`` for something), or a
@@ -296,30 +374,21 @@ class LogReader:
         assert self.reply is not None
         self.reply.sinks.append(self)
         self._woken = asyncio.get_running_loop().create_future()
-        self._keepalive_due()
+        if self.policy.keepalive_s is not None:
+            self.clock.watch(self, self.policy.keepalive_s)
         return self._woken
 
     def _leave_direct(self) -> None:
         assert self.reply is not None
         self.reply.sinks.remove(self)
         self._woken = None
-        if self._keepalive_timer is not None:
-            self._keepalive_timer.cancel()
-            self._keepalive_timer = None
+        self.clock.forget(self)
 
-    def _keepalive_due(self) -> None:
-        """Wake the task if nothing was written for a keep-alive period, else look again
-        when one would have passed (direct writes move the moment on)."""
-        self._keepalive_timer = None
+    def wake_if_idle(self, now: float) -> None:
+        """Hand the work back to the task if nothing was written for a keep-alive period."""
         keepalive = self.policy.keepalive_s
-        if keepalive is None or self._woken is None or self._woken.done():
-            return
-        idle_for = time.monotonic() - self.last_write
-        if idle_for >= keepalive:
-            self._woken.set_result(None)
-        else:
-            loop = asyncio.get_running_loop()
-            self._keepalive_timer = loop.call_later(keepalive - idle_for, self._keepalive_due)
+        if keepalive is not None and now - self.last_write >= keepalive:
+            self.wake()
 
     def push(self, entries: list[LogEntry]) -> None:
         """Called by the producer with events just logged; writes them now if it safely can."""
