@@ -6,10 +6,12 @@ compares the heap with the one before the burst: tracemalloc's bytes per stream 
 that allocated them (and by the innermost replystream frame, so what a library allocates for
 a replystream call is charged to that call), and the garbage collector's live objects per
 stream by type (coroutine frames by function). Tracing slows the server several times over,
-so the streams fall behind; the bytes they hold are what matters here. The delivery benchmark
-(``run.py``) measures the same memory untraced, from the kernel's view.
+so the streams fall behind; the bytes they hold are what matters here. ``--untraced`` skips
+the tracer: the resident memory per open stream (what the delivery benchmark, ``run.py``,
+measures) and the live objects, at the server's own speed.
 
 Run: python benchmarks/delivery/memory_breakdown.py [--server replystream|bare] [-C 1000]
+     [--untraced]
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import argparse
 import asyncio
 import collections
 import gc
+import os
 import sys
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from procstats import raise_nofile
+from procstats import memory_kib, raise_nofile
 from run import WARMUP_STREAMS, WARMUP_TOKENS, run_client
 from workload import stream_seeds
 
@@ -97,7 +100,9 @@ def grouped(
     return [(name, float(nbytes[name]), float(objects[name])) for name in nbytes]
 
 
-async def study(server: str, streams: int, after_s: float, top: int, frames: int) -> list[str]:
+async def study(
+    server: str, streams: int, after_s: float, top: int, frames: int, traced: bool
+) -> list[str]:
     async with serving(server) as url:
         # Warm up as the benchmark does. Without it the burst's first thousand connections are
         # made before any response has set its attributes, and CPython 3.11 then gives every
@@ -106,31 +111,29 @@ async def study(server: str, streams: int, after_s: float, top: int, frames: int
         warm = stream_seeds(WARMUP_STREAMS, 1)
         await run_client(f"{url}/v1/replies", warm, WARMUP_TOKENS, 30.0)
         gc.collect()
-        tracemalloc.start(frames)
-        before = tracemalloc.take_snapshot()
+        rss_before = memory_kib([os.getpid()], "VmRSS")
+        if traced:
+            tracemalloc.start(frames)
+            before = tracemalloc.take_snapshot()
         size_before, count_before = live_objects()
         seeds = list(range(1000, 1000 + streams))
         client = asyncio.create_task(run_client(f"{url}/v1/replies", seeds, None, 120.0))
         await asyncio.sleep(after_s)
+        rss_after = memory_kib([os.getpid()], "VmRSS")
         # Objects first: the snapshot is itself a heap of lists and tuples.
         size_after, count_after = live_objects()
-        after = tracemalloc.take_snapshot()
-        tracemalloc.stop()
+        if traced:
+            after = tracemalloc.take_snapshot()
+            tracemalloc.stop()
         result: dict[str, Any] = await client
-    diffs = after.compare_to(before, "traceback")
-    total = sum(diff.size_diff for diff in diffs)
     lines = [
         f"{server}: {streams} streams, heap {after_s:g} s into the run "
         f"(the run: {result['completed']}/{streams} completed, peak {result['peak_open']} open)",
-        f"traced heap per open stream: {total / streams:,.0f} bytes",
+        f"resident memory per open stream: {(rss_after - rss_before) / streams:.2f} KiB"
+        + (" (traced: slower, and the tracer's own memory)" if traced else ""),
     ]
-    lines += table("by allocating line", grouped(diffs, lambda d: where(d, False)), streams, top)
-    lines += table(
-        "by innermost replystream frame (else the allocating line)",
-        grouped(diffs, lambda d: where(d, True)),
-        streams,
-        top,
-    )
+    if traced:
+        lines += traced_tables(before, after, streams, top)
     types = [
         (
             name,
@@ -140,6 +143,22 @@ async def study(server: str, streams: int, after_s: float, top: int, frames: int
         for name in size_after
     ]
     lines += table("live objects by type (shallow sizes)", types, streams, top)
+    return lines
+
+
+def traced_tables(
+    before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, streams: int, top: int
+) -> list[str]:
+    diffs = after.compare_to(before, "traceback")
+    total = sum(diff.size_diff for diff in diffs)
+    lines = [f"traced heap per open stream: {total / streams:,.0f} bytes"]
+    lines += table("by allocating line", grouped(diffs, lambda d: where(d, False)), streams, top)
+    lines += table(
+        "by innermost replystream frame (else the allocating line)",
+        grouped(diffs, lambda d: where(d, True)),
+        streams,
+        top,
+    )
     return lines
 
 
@@ -156,9 +175,17 @@ def main() -> None:
         help="stack frames kept per allocation: more finds the replystream call behind a "
         "library's allocation, but slows the server so that it falls behind the schedule",
     )
+    parser.add_argument(
+        "--untraced",
+        action="store_true",
+        help="no tracemalloc: resident memory and live objects only, at the server's own speed "
+        "(what the delivery benchmark measures, by type)",
+    )
     args = parser.parse_args()
     raise_nofile()
-    lines = study(args.server, args.concurrency, args.after_s, args.top, args.frames)
+    lines = study(
+        args.server, args.concurrency, args.after_s, args.top, args.frames, not args.untraced
+    )
     print("\n".join(asyncio.run(lines)))
 
 
