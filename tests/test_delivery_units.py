@@ -1,8 +1,11 @@
-"""Hold-back moderation and batching as pure state: no clock, no sockets."""
+"""Delivery's pure parts (hold-back moderation, batching, event bytes): no clock, no sockets."""
+
+import json
 
 import pytest
 
 from replystream.delivery.batching import Batcher
+from replystream.delivery.formats import NativeFormat, Usage
 from replystream.delivery.moderation import BannedPhrases, HoldBack, RegexCheck, secret_check
 
 
@@ -94,3 +97,15 @@ def test_batcher_refuses_nonsense():
         Batcher(0)
     with pytest.raises(ValueError):
         Batcher(1, window_s=-1)
+
+
+@pytest.mark.parametrize("reason", ["stop", "length", 'odd "reason" \u00e9'])
+def test_native_events_spelt_out_are_byte_for_byte_what_json_dumps_writes(reason: str):
+    native = NativeFormat()
+    usage = Usage(prompt_tokens=7, completion_tokens=120)
+    assert usage.as_json() == json.dumps(usage.as_dict())
+    assert native.started("a1b2")[0][1] == json.dumps({"reply_id": "a1b2"})
+    (_, usage_data), (_, done_data) = native.finished(reason, usage)
+    assert usage_data == json.dumps(usage.as_dict())
+    assert done_data == json.dumps({"finish_reason": reason})
+    assert native.text('say "hi"\n', 2)[1] == json.dumps({"text": 'say "hi"\n', "tokens": 2})

@@ -38,6 +38,14 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
+    def as_json(self) -> str:
+        """``json.dumps(self.as_dict())``, spelt out: every streamed reply sends it."""
+        prompt, completion = self.prompt_tokens, self.completion_tokens
+        return (
+            f'{{"prompt_tokens": {prompt:d}, "completion_tokens": {completion:d}, '
+            f'"total_tokens": {prompt + completion:d}}}'
+        )
+
 
 class StreamFormat(Protocol):
     """The events of one dialect."""
@@ -71,13 +79,14 @@ def moderated_payload(violation: Violation) -> dict[str, object]:
     }
 
 
-def reply_spec(reply_id: str) -> Spec:
-    return "reply", json.dumps({"reply_id": reply_id})
-
-
 # The C routine json.dumps uses for a str: the same bytes, without building an encoder per
-# call (json.dumps of a dict does, which costs more than the rest of an event's path).
+# call (json.dumps of a dict does, which costs more than the rest of an event's path). The
+# events every reply sends are spelt out with it, byte for byte what json.dumps writes.
 json_string: Callable[[str], str] = encode_basestring_ascii
+
+
+def reply_spec(reply_id: str) -> Spec:
+    return "reply", f'{{"reply_id": {json_string(reply_id)}}}'
 
 
 class LabFormat:
@@ -111,8 +120,8 @@ class NativeFormat:
 
     def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
         return [
-            ("usage", json.dumps(usage.as_dict())),
-            ("done", json.dumps({"finish_reason": finish_reason})),
+            ("usage", usage.as_json()),
+            ("done", f'{{"finish_reason": {json_string(finish_reason)}}}'),
         ]
 
     def error(self, message: str, code: str) -> list[Spec]:

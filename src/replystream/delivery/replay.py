@@ -117,7 +117,9 @@ class _Log:
     ending: str | None = None
     expires_at: float | None = None
     cancel_requested: bool = False
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)  # lighter than a set
+    # Readers waiting for more: made when the first one waits (thousands of logs are read
+    # by a reader on the direct path, which never waits here); a list is lighter than a set.
+    waiters: list[asyncio.Future[None]] | None = None
 
     def append(self, new: Sequence[LogEntry]) -> None:
         for entry in new:
@@ -152,10 +154,11 @@ class _Log:
             self.first_seq += drop
 
     def wake(self) -> None:
-        for waiter in self.waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self.waiters.clear()
+        if self.waiters:
+            for waiter in self.waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self.waiters.clear()
 
     def after(self, seq: int) -> ReadResult:
         lost = None
@@ -245,6 +248,8 @@ class MemoryReplayStore:
         if result.entries or result.lost or result.ending is not None or wait_s <= 0:
             return result
         waiter = asyncio.get_running_loop().create_future()
+        if log.waiters is None:
+            log.waiters = []
         log.waiters.append(waiter)
         try:
             with contextlib.suppress(TimeoutError):
