@@ -117,12 +117,6 @@ class EventStream(SentLater):
     async def send_headers(self, request: web.BaseRequest) -> None:
         await super().prepare(request)
 
-    async def write_eof(self, data: bytes = b"") -> None:
-        # aiohttp ends every response it prepared; a reader that ended before its headers
-        # left (the client was gone) has nothing to end.
-        if self.prepared:
-            await super().write_eof(data)
-
 
 @dataclass(eq=False, slots=True)
 class LogReader:
