@@ -438,10 +438,12 @@ def create_app(
                 reply.stop("cancelled")
 
         store.on_cancel_request = cancel_local
-    app.router.add_get("/wait", handle_wait)
-    app.router.add_get("/stream", handle_stream)
+    # A HEAD of a route that generates or streams would start a generation and, on the direct
+    # path, write a body no HEAD may have: such routes answer HEAD with 405 (docs/api.md).
+    app.router.add_get("/wait", handle_wait, allow_head=False)
+    app.router.add_get("/stream", handle_stream, allow_head=False)
     app.router.add_post("/v1/replies", handle_replies)
-    app.router.add_get("/v1/replies/{reply_id}/stream", handle_resume)
+    app.router.add_get("/v1/replies/{reply_id}/stream", handle_resume, allow_head=False)
     app.router.add_post("/v1/replies/{reply_id}/cancel", handle_cancel)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/healthz", handle_health)

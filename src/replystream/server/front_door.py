@@ -1,6 +1,6 @@
 """The one middleware every request passes through, and the order of what it does.
 
-In order: the request gets an id and counts as started (``guard``); a CORS preflight is
+In order: the request gets an id (``guard``); a CORS preflight is
 answered; on ``/v1/*`` the API key is checked (``auth``); the per-client limits admit the
 request (``guard``); the handler runs. Whatever fails becomes the API's error shape
 (``errors``), JSON and HTML bodies are gzipped for clients that accept them, and one access
@@ -32,7 +32,6 @@ from replystream.server.guard import (
     assign_request_id,
     identity_of,
     log_access,
-    mark_started,
     preflight_response,
     rate_limited,
 )
@@ -70,7 +69,6 @@ def front_door(door: FrontDoor) -> Middleware:
     @web.middleware
     async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
         request_id = assign_request_id(request)
-        mark_started(request)
         started = time.monotonic()
         status: int | str = "client_gone"
         identity = None  # a client counted open, to release when the request is done
@@ -135,7 +133,12 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc
-        return error_response(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+        response = error_response(
+            exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")
+        )
+        if "Allow" in exc.headers:  # a 405 says which methods the route serves
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
     return error_response(500, "internal server error", code="internal_error")
 

@@ -6,8 +6,8 @@ auth is on (``request[OWNER]``), else the peer address. It must not know about r
 
 - ``ClientGate``: at most ``max_concurrent`` open requests and ``per_minute`` requests (a
   token bucket) per identity; a refusal is ``429`` with ``Retry-After``.
-- Slow clients before the handler: a connection that has not finished its first request's
-  headers within ``header_timeout_s`` is closed (``GuardedSockSite``); a request body that
+- Slow clients before the handler: a request whose headers take longer than
+  ``header_timeout_s`` closes its connection (``server.connection``); a request body that
   does not arrive within ``body_timeout_s`` is a ``408`` (``read_body``).
 - CORS: origins on the allow-list get the headers the chat page needs; others get none.
 """
@@ -15,7 +15,6 @@ auth is on (``request[OWNER]``), else the peer address. It must not know about r
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import math
@@ -25,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
 from replystream.server import ids
 from replystream.server.auth import OWNER
@@ -189,68 +187,3 @@ async def read_body(request: web.Request) -> bytes:
         raise HTTPAPIError(
             408, f"the request body did not arrive within {timeout:g} s", code="body_timeout"
         ) from None
-
-
-# Connections (their protocols) accepted by a guarded site whose first request has not yet
-# reached the application. A set entry only while headers are awaited, not for a whole stream.
-_AWAITING_HEADERS: set[asyncio.BaseProtocol] = set()
-
-
-def mark_started(request: web.Request) -> None:
-    """The request's headers have arrived: its connection is safe from the header timeout."""
-    _AWAITING_HEADERS.discard(request.protocol)
-
-
-class GuardedSockSite(web.SockSite):
-    """A site that closes connections whose first request's headers take too long."""
-
-    def __init__(
-        self, runner: web.BaseRunner, sock: object, *, header_timeout_s: float, backlog: int
-    ) -> None:
-        super().__init__(runner, sock, backlog=backlog)  # type: ignore[arg-type]
-        self._header_timeout_s = header_timeout_s
-        self._deadlines: collections.deque[tuple[float, RequestHandler]] = collections.deque()
-        self._sweeper: asyncio.TimerHandle | None = None
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-        timeout = self._header_timeout_s
-        deadlines = self._deadlines
-
-        def protocol() -> asyncio.Protocol:
-            handler = server()
-            _AWAITING_HEADERS.add(handler)
-            # One timer for every waiting connection: deadlines come in accept order.
-            deadlines.append((loop.time() + timeout, handler))
-            if self._sweeper is None:
-                self._sweeper = loop.call_at(deadlines[0][0], self._sweep)
-            return handler
-
-        self._server = await loop.create_server(protocol, sock=self._sock, backlog=self._backlog)
-
-    def _sweep(self) -> None:
-        """Close the connections past their deadline that are still silent."""
-        self._sweeper = None
-        loop = asyncio.get_running_loop()
-        deadlines, now = self._deadlines, loop.time()
-        while deadlines and deadlines[0][0] <= now:
-            _, handler = deadlines.popleft()
-            if handler in _AWAITING_HEADERS:
-                _AWAITING_HEADERS.discard(handler)
-                transport = handler.transport
-                if transport is not None and not transport.is_closing():
-                    transport.close()
-        if deadlines:
-            self._sweeper = loop.call_at(deadlines[0][0], self._sweep)
-
-    async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-        for _, handler in self._deadlines:
-            _AWAITING_HEADERS.discard(handler)
-        self._deadlines.clear()
-        await super().stop()

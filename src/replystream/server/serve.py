@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from replystream.server.guard import GuardedSockSite
+from replystream.server.connection import GuardedSockSite
 
 log = logging.getLogger("replystream.server")
 

@@ -336,4 +336,4 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
 
 def add_websocket_route(app: web.Application) -> None:
     """Register ``GET /v1/ws`` on ``app``."""
-    app.router.add_get("/v1/ws", handle_websocket)
+    app.router.add_get("/v1/ws", handle_websocket, allow_head=False)

@@ -1,0 +1,205 @@
+"""One HTTP/1.1 connection: aiohttp's, with our rules for what arrives before a request.
+
+This file is the only place that reaches into aiohttp's connection class (``RequestHandler``).
+It decides two things:
+
+- **A deadline for every request's headers.** The headers of a connection's first request
+  must arrive within ``header_timeout_s`` of the accept; on a kept-alive connection, those of
+  each later request within ``header_timeout_s`` of its first byte. A client that trickles a
+  header line a second is closed then, whichever request it is on. (An idle kept-alive
+  connection, silent between requests, is aiohttp's keep-alive timeout's business.)
+- **Requests aiohttp's parser refuses** (framing in doubt: Content-Length with
+  Transfer-Encoding, a duplicate Content-Length, a line over the size limit, a bad method)
+  are answered in the API's JSON error shape, echo none of the bytes they were sent, are
+  logged in one line without a traceback, and close the connection: after a framing error
+  nothing on it can be trusted.
+
+It must not know about routes or replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import http_exceptions, web
+from aiohttp.web_protocol import RequestHandler
+
+from replystream.server.errors import error_response
+
+log = logging.getLogger("replystream.server")
+
+# What the client is told for each kind of parser refusal: fixed words, never its bytes.
+_REFUSALS: tuple[tuple[type[BaseException], int, str, str], ...] = (
+    (
+        http_exceptions.LineTooLong,
+        HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+        "header_too_large",
+        "the request line or a header field is longer than the server accepts",
+    ),
+    (
+        http_exceptions.BadHttpMethod,
+        HTTPStatus.BAD_REQUEST,
+        "bad_method",
+        "the request method is not a valid HTTP method",
+    ),
+    (
+        http_exceptions.InvalidURLError,
+        HTTPStatus.BAD_REQUEST,
+        "bad_target",
+        "the request target is not a valid URL",
+    ),
+    (
+        http_exceptions.InvalidHeader,
+        HTTPStatus.BAD_REQUEST,
+        "bad_header",
+        "a header name or value is not valid HTTP",
+    ),
+    (
+        http_exceptions.PayloadEncodingError,
+        HTTPStatus.BAD_REQUEST,
+        "bad_body_framing",
+        "the request body's framing (Content-Length or Transfer-Encoding) is not valid",
+    ),
+)
+_MALFORMED = (
+    HTTPStatus.BAD_REQUEST,
+    "malformed_request",
+    "the request is not valid HTTP/1.1 (its framing cannot be trusted)",
+)
+
+
+def refusal(exc: BaseException | None) -> tuple[int, str, str]:
+    """The status, code and message for a request aiohttp's parser refused with ``exc``."""
+    for kind, status, code, message in _REFUSALS:
+        if isinstance(exc, kind):
+            return status, code, message
+    return _MALFORMED
+
+
+class HeaderDeadlines:
+    """The header deadlines of one listening site, swept by one timer.
+
+    Every deadline is ``timeout`` after it was set, so they fall due in the order they were
+    set: a deque, and one timer for the oldest. A connection's entry is stale once it set a
+    newer deadline or its headers arrived (its ``header_deadline`` no longer matches)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._due: collections.deque[tuple[float, Connection]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self, connection: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        connection.header_deadline = deadline
+        self._due.append((deadline, connection))
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections whose headers are overdue."""
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        due, now = self._due, loop.time()
+        while due and due[0][0] <= now:
+            deadline, connection = due.popleft()
+            if connection.header_deadline == deadline:
+                connection.header_deadline = None
+                transport = connection.transport
+                if transport is not None and not transport.is_closing():
+                    log.info("closed a connection whose request headers took too long")
+                    transport.close()
+        if due:
+            self._timer = loop.call_at(due[0][0], self._sweep)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for _, connection in self._due:
+            connection.header_deadline = None
+        self._due.clear()
+
+
+class Connection(RequestHandler):
+    """aiohttp's connection protocol with a header deadline per request and parser
+    refusals in the API's error shape."""
+
+    __slots__ = ("_deadlines", "header_deadline")
+
+    def __init__(self, manager: web.Server, *, deadlines: HeaderDeadlines, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._deadlines = deadlines
+        self.header_deadline: float | None = None  # set while a request's headers are due
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._deadlines.arm(self)
+
+    def data_received(self, data: bytes) -> None:
+        # Between requests, the first byte of the next one starts its header deadline.
+        if (
+            self.header_deadline is None
+            and data
+            and not self._request_in_progress
+            and not self._messages
+            and not self._upgraded
+        ):
+            self._deadlines.arm(self)
+        super().data_received(data)
+        if self._messages or self._upgraded:
+            self.header_deadline = None  # a whole request (or a refusal) has arrived
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A request aiohttp could not hand to the application, in the API's error shape."""
+        if request.writer.output_size > 0:  # part of a response left: nothing may follow it
+            raise ConnectionError("a response already started; closing the connection")
+        if status >= 500:
+            log.error(
+                "request from %s failed outside the application", request.remote, exc_info=exc
+            )
+            response = error_response(status, "internal server error", code="internal_error")
+        else:
+            status, code, text = refusal(exc)
+            log.info("refused a malformed request from %s: %s", request.remote, code)
+            response = error_response(status, text, code=code)
+        response.force_close()
+        return response
+
+
+class GuardedSockSite(web.SockSite):
+    """A listening site whose connections are ``Connection``s sharing one set of header
+    deadlines."""
+
+    def __init__(
+        self, runner: web.BaseRunner, sock: object, *, header_timeout_s: float, backlog: int
+    ) -> None:
+        super().__init__(runner, sock, backlog=backlog)  # type: ignore[arg-type]
+        self.deadlines = HeaderDeadlines(header_timeout_s)
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        # The arguments aiohttp's own server would make its connections with.
+        options = server._kwargs  # aiohttp keeps them only here
+
+        def connection() -> asyncio.Protocol:
+            return Connection(server, loop=loop, deadlines=self.deadlines, **options)
+
+        self._server = await loop.create_server(connection, sock=self._sock, backlog=self._backlog)
+
+    async def stop(self) -> None:
+        self.deadlines.close()
+        await super().stop()

@@ -1,0 +1,249 @@
+"""HTTP/1.1 correctness on a kept-alive connection: no body where none may be, refusals in
+our error shape that close the connection, a header deadline for every request.
+
+Each test talks raw HTTP over a loopback socket (or through a real nginx), so a stray body
+byte shows up as the next response's broken status line, as it would for a real client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+import pytest
+from aiohttp import web
+
+from replystream.server import create_app, running
+from replystream.server.app import ENGINE_KEY, ServerConfig
+from replystream.server.guard import GuardConfig
+from tests.conftest import fast_engine
+from tests.nginx import running_nginx
+from tests.services import free_port
+from tests.test_nginx_doctor import deploy_config
+
+MARKER = "EVIL-bytes-7f3a"  # sent inside bad requests; must never come back
+
+
+class Connection:
+    """One kept-alive client connection that reads each response exactly by its framing."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def response(self, *, head_only: bool = False) -> tuple[int, dict[str, str], bytes]:
+        """The next response: status, headers, body (none for a HEAD)."""
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        version, status = lines[0].split()[:2]
+        assert version in ("HTTP/1.1", "HTTP/1.0"), f"not a status line: {lines[0]!r}"
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                name, value = line.split(":", 1)
+                headers[name.strip().lower()] = value.strip()
+        if head_only:
+            return int(status), headers, b""
+        if headers.get("transfer-encoding") == "chunked":
+            body = bytearray()
+            while size := int((await self.reader.readuntil(b"\r\n"))[:-2], 16):
+                body += (await self.reader.readexactly(size + 2))[:-2]
+            await self.reader.readuntil(b"\r\n")
+            return int(status), headers, bytes(body)
+        length = int(headers.get("content-length", "0"))
+        return int(status), headers, await self.reader.readexactly(length)
+
+    async def request(
+        self, method: str, target: str, body: bytes = b"", *, head_only: bool = False
+    ) -> tuple[int, dict[str, str], bytes]:
+        lines = [f"{method} {target} HTTP/1.1", "Host: test"]
+        if body:
+            lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        await self.send(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        return await self.response(head_only=head_only)
+
+    async def closed_by_server(self) -> bool:
+        """Whether the server closes the connection (within a generous bound)."""
+        async with asyncio.timeout(10):
+            return await self.reader.read() == b""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@asynccontextmanager
+async def connect(url: str) -> AsyncIterator[Connection]:
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    connection = Connection(reader, writer)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def route_targets(app: web.Application, reply_id: str, model: str) -> list[tuple[str, str]]:
+    """Every (method, path) the app serves, path parameters filled with real values."""
+    values = {"reply_id": reply_id, "model": model}
+    targets = []
+    for resource in app.router.resources():
+        info = resource.get_info()
+        path = info.get("path") or info["formatter"].format(**values)
+        for route in resource:
+            targets.append((route.method, path))
+    return targets
+
+
+async def test_head_never_sends_a_body_or_starts_a_generation_on_any_route():
+    engine = fast_engine(delay_ms=1.0, jitter_ms=0.0)
+    app = create_app(engine)
+    async with running(app) as url, connect(url) as client:
+        status, headers, _ = await client.request(
+            "POST", "/v1/replies", b'{"prompt": "x", "max_tokens": 3}'
+        )
+        assert status == 200
+        reply_id = headers["x-reply-id"]
+        started = engine.stats().started
+        targets = route_targets(app, reply_id, app[ENGINE_KEY].name)
+        paths = sorted({path for _, path in targets})
+        assert {"/stream", "/wait", f"/v1/replies/{reply_id}/stream", "/v1/ws"} <= set(paths)
+        for path in paths:
+            status, headers, _ = await client.request("HEAD", path, head_only=True)
+            assert status in (200, 405), (path, status)
+            if status == 405:
+                assert "HEAD" not in headers["allow"].split(","), path
+            else:
+                assert headers.get("transfer-encoding") != "chunked", path
+                assert "text/event-stream" not in headers.get("content-type", ""), path
+            # The connection is still in step: the next response is read as a response.
+            status, _, body = await client.request("GET", "/healthz")
+            assert (status, json.loads(body)["status"]) == (200, "ok"), f"after HEAD {path}"
+        assert engine.stats().started == started, "a HEAD started a generation"
+
+
+async def test_a_method_a_route_does_not_serve_is_a_405_in_the_error_shape():
+    app = create_app(fast_engine())
+    async with running(app) as url, connect(url) as client:
+        targets = route_targets(app, "r" * 32, app[ENGINE_KEY].name)
+        for path in sorted({path for _, path in targets}):
+            served = {method for method, p in targets if p == path}
+            for method in ("PUT", "DELETE", "PATCH", "OPTIONS", *({"GET", "POST"} - served)):
+                status, headers, body = await client.request(method, path)
+                assert status == 405, (method, path)
+                assert set(headers["allow"].split(",")) == served | (
+                    {"HEAD"} if "HEAD" in served else set()
+                )
+                assert json.loads(body)["error"]["code"] == "method_not_allowed"
+
+
+async def test_head_through_nginx_leaves_the_pooled_upstream_connection_in_step(tmp_path):
+    engine = fast_engine(delay_ms=2.0, jitter_ms=0.0)
+    port = free_port()
+    async with running(create_app(engine)) as app_url:
+        config = deploy_config(app_url, port)
+        async with running_nginx(config, port, tmp_path) as proxy:
+            for _ in range(3):
+                async with connect(proxy) as client:
+                    status, _, _ = await client.request(
+                        "HEAD", "/stream?max_tokens=5", head_only=True
+                    )
+                    assert status == 405
+            # Requests from other clients reuse nginx's pooled connections to the app.
+            async with asyncio.timeout(10):
+                for _ in range(6):
+                    async with connect(proxy) as client:
+                        status, _, body = await client.request("GET", "/healthz")
+                        assert status == 200 and json.loads(body)["status"] == "ok"
+                        status, _, body = await client.request("GET", "/wait?max_tokens=2")
+                        assert status == 200 and json.loads(body)["text"]
+    assert engine.stats().started == 6
+
+
+BAD_REQUESTS = {
+    "content-length with transfer-encoding": (
+        "POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
+        f"Transfer-Encoding: chunked\r\nX-Note: {MARKER}\r\n\r\n0\r\n\r\n"
+    ),
+    "duplicate content-length": (
+        "POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n"
+        f"X-Note: {MARKER}\r\n\r\n{{}}"
+    ),
+    "bad content-length": (
+        f"POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: 1{MARKER}\r\n\r\n{{}}"
+    ),
+    "unknown transfer-encoding": (
+        f"POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: {MARKER}\r\n\r\n"
+    ),
+    "header field too long": f"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: {MARKER * 900}\r\n\r\n",
+    "url too long": f"GET /healthz?q={MARKER * 900} HTTP/1.1\r\nHost: t\r\n\r\n",
+    "bad method": f"G{MARKER}(T /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+    "space in header name": f"GET /healthz HTTP/1.1\r\nHost: t\r\nX {MARKER}: 1\r\n\r\n",
+    "control byte in header": f"GET /healthz HTTP/1.1\r\nHost: t\r\nX-A: {MARKER}\x01\r\n\r\n",
+    "not http at all": f"\x16\x03\x01{MARKER}\r\n\r\n",
+    "bad version": f"GET /healthz HTTP/9.{MARKER}\r\nHost: t\r\n\r\n",
+    "bad chunk size": (
+        "POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        f"{MARKER}\r\n{{}}\r\n0\r\n\r\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+async def test_parser_refusals_use_the_error_shape_echo_nothing_and_close(case, caplog):
+    caplog.set_level(logging.DEBUG)
+    async with running(create_app(fast_engine())) as url, connect(url) as client:
+        # One good request first: the refusal must also hold on a kept-alive connection.
+        status, _, _ = await client.request("GET", "/healthz")
+        assert status == 200
+        await client.send(BAD_REQUESTS[case].encode("latin-1"))
+        status, headers, body = await client.response()
+        assert 400 <= status < 500
+        assert headers["content-type"].startswith("application/json")
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert MARKER not in body.decode("latin-1") and MARKER not in str(headers)
+        assert await client.closed_by_server()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_the_header_deadline_holds_for_every_request_on_a_kept_alive_connection():
+    config = ServerConfig(guard=GuardConfig(header_timeout_s=0.5))
+    async with running(create_app(fast_engine(), config)) as url, connect(url) as client:
+        for _ in range(2):  # kept alive, and in good standing
+            status, _, _ = await client.request("GET", "/healthz")
+            assert status == 200
+        await client.send(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        closed = False
+        for line in range(60):  # a header line every 0.1 s: 6 s if nobody stops it
+            try:
+                await client.send(b"X-Line-%d: 1\r\n" % line)
+            except ConnectionError:
+                closed = True
+                break
+            await asyncio.sleep(0.1)
+            if client.reader.at_eof():
+                closed = True
+                break
+        if not closed:
+            closed = await client.closed_by_server()
+        assert closed
+        assert loop.time() - started < 4.0  # the deadline (0.5 s), not the trickle's end
+
+
+async def test_an_idle_kept_alive_connection_is_not_cut_by_the_header_deadline():
+    config = ServerConfig(guard=GuardConfig(header_timeout_s=0.3))
+    async with running(create_app(fast_engine(), config)) as url, connect(url) as client:
+        status, _, _ = await client.request("GET", "/healthz")
+        assert status == 200
+        await asyncio.sleep(0.8)  # silent between requests: keep-alive's business
+        status, _, _ = await client.request("GET", "/healthz")
+        assert status == 200
