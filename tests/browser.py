@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 
-from replystream.engine.base import Delta, DeltaStream, EngineStats, GenerationRequest
+from replystream.engine.base import (
+    Delta,
+    DeltaStream,
+    EngineStats,
+    GenerationRequest,
+    Readiness,
+)
 from replystream.engine.simulated import SimulatedEngine
 from tests.services import REQUIRE_ENV, require_binary, services_required
 
@@ -171,6 +177,9 @@ class TimedEngine:
 
     def stats(self) -> EngineStats:
         return self.inner.stats()
+
+    async def readiness(self) -> Readiness:
+        return await self.inner.readiness()
 
     async def aclose(self) -> None:
         await self.inner.aclose()

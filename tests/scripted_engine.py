@@ -13,11 +13,13 @@ import time
 from collections.abc import AsyncGenerator, Iterable
 
 from replystream.engine.base import (
+    READY,
     Delta,
     DeltaSink,
     DeltaStream,
     EngineStats,
     GenerationRequest,
+    Readiness,
 )
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
@@ -94,6 +96,9 @@ class ScriptedEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(active=self._active, steps=self._steps, **self._counts)
+
+    async def readiness(self) -> Readiness:
+        return READY
 
     async def aclose(self) -> None:
         return None

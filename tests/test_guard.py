@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from replystream.engine.base import GenerationRequest
+from replystream.engine.base import READY, GenerationRequest, Readiness
 from replystream.server import create_app, running
 from replystream.server.app import ServerConfig
 from replystream.server.guard import GuardConfig
@@ -133,6 +133,9 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
 
         def stats(self):
             raise NotImplementedError
+
+        async def readiness(self) -> Readiness:
+            return READY
 
         async def aclose(self) -> None:
             pass

@@ -73,7 +73,12 @@ def test_sse_imports_nothing_of_ours():
 
 @pytest.mark.parametrize("name", ["delivery", "engine"])
 def test_delivery_and_engine_know_no_http_server(name):
-    forbidden = ("aiohttp.web", "replystream.server", "replystream.client", "replystream.lab")
+    forbidden: tuple[str, ...] = (
+        "aiohttp.web",
+        "replystream.server",
+        "replystream.client",
+        "replystream.lab",
+    )
     if name == "delivery":
         forbidden = (*forbidden, "aiohttp")
     assert offending(name, forbidden) == {}

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -297,3 +299,108 @@ def test_the_prompt_goes_up_as_one_user_message_when_there_are_no_messages():
     assert body["messages"] == [{"role": "user", "content": "Hello"}]
     assert body["max_tokens"] == 9 and body["temperature"] == 0 and body["stop"] == ["x"]
     assert "model" not in body and "seed" not in body and "top_k" not in body
+
+
+# Words a client must never see in an error about the upstream: library and exception names,
+# reprs, the socket layer's own tuples.
+LIBRARY_WORDS = ("aiohttp", "Error", "Exception", "ssl:", "<", "[", "errno", "Errno", "!r")
+
+
+def in_our_words(message: str) -> bool:
+    return not any(word in message for word in LIBRARY_WORDS)
+
+
+async def raw_upstream(answer: bytes) -> tuple[asyncio.Server, str]:
+    """A TCP server that reads what comes, writes ``answer`` (maybe nothing) and hangs up."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}/v1"
+
+
+async def relay_error(base_url: str) -> tuple[int, dict[str, Any]]:
+    engine = UpstreamEngine(
+        UpstreamConfig((UpstreamTarget(base_url),), model="m", headers_timeout_s=2.0)
+    )
+    async with running(create_app(engine)) as relay:
+        got = await post_events(f"{relay}/v1/chat/completions", CHAT)
+    error: dict[str, Any] = json.loads(got.raw)["error"]
+    return got.status, error
+
+
+async def test_connection_refused_says_so_in_our_words():
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    status, error = await relay_error(dead)
+    assert status == 502 and error["code"] == "upstream_unavailable"
+    assert error["message"] == f"cannot connect to the upstream at {dead}: connection refused"
+
+
+async def test_an_upstream_that_hangs_up_before_answering_is_a_disconnect_in_our_words():
+    server, base = await raw_upstream(b"")
+    async with server:
+        status, error = await relay_error(base)
+    assert status == 502 and error["code"] == "upstream_disconnected"
+    assert error["message"] == f"the upstream at {base} closed the connection before answering"
+
+
+async def test_an_answer_that_is_not_http_is_named_as_such():
+    server, base = await raw_upstream(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+    async with server:
+        status, error = await relay_error(base)
+    assert status == 502 and error["code"] == "upstream_bad_response"
+    assert error["message"] == f"the upstream at {base} sent a response that is not valid HTTP"
+
+
+async def test_an_error_page_from_the_upstream_is_not_quoted():
+    page = b"<html><body><h1>500 Internal Server Error</h1><pre>Traceback...</pre></body></html>"
+    answer = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/html\r\n"
+    answer += b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+    server, base = await raw_upstream(answer)
+    async with server:
+        status, error = await relay_error(base)
+    assert status == 502 and error["code"] == "upstream_error_status"
+    assert error["message"] == f"the upstream at {base} answered 500"
+
+
+async def test_tls_spoken_to_a_plain_http_upstream_is_a_tls_failure_in_our_words():
+    server, base = await raw_upstream(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    async with server:
+        status, error = await relay_error(base.replace("http://", "https://"))
+    assert status == 502 and error["code"] == "upstream_tls"
+    assert error["message"].startswith("cannot connect to the upstream at https://")
+    assert "TLS handshake failed" in error["message"] and in_our_words(error["message"])
+
+
+async def test_an_untrusted_certificate_is_named_in_our_words(tmp_path: Path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    openssl = await asyncio.create_subprocess_exec(
+        *("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"),
+        *("-nodes", "-subj", "/CN=127.0.0.1", "-days", "1"),
+        *("-keyout", str(key), "-out", str(cert)),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert await openssl.wait() == 0
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=context)
+    base = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    async with server:
+        status, error = await relay_error(base)
+    assert status == 502 and error["code"] == "upstream_tls"
+    assert error["message"] == (
+        f"cannot connect to the upstream at {base}: "
+        "its TLS certificate is not trusted (self-signed certificate)"
+    )
+
+
+async def test_every_mid_reply_error_is_in_our_words():
+    for mode in ("errmid", "stall", "malformed", "notjson", "endless", "eof"):
+        got, _, _ = await relay_mode(mode)
+        assert in_our_words(error_of(got)["message"]), (mode, error_of(got))

@@ -133,6 +133,17 @@ class EngineStats:
     steps: int
 
 
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether an engine can serve requests now; if not, why, in words for an operator."""
+
+    ready: bool
+    reason: str = ""
+
+
+READY = Readiness(True)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A source of tokens."""
@@ -153,6 +164,12 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    async def readiness(self) -> Readiness:
+        """Whether requests can be served now (``/healthz`` asks). Cheap enough for a health
+        check every second: an engine that depends on something remote answers from what it
+        learned recently, and asks again only when that is old."""
+        ...
 
     async def aclose(self) -> None:
         """Stop every generation and release the engine's resources."""

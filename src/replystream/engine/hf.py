@@ -29,10 +29,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from replystream.engine.base import (
+    READY,
     Delta,
     EngineError,
     EngineStats,
     GenerationRequest,
+    Readiness,
     RequestRejected,
 )
 from replystream.engine.sampling import StopMatcher, check_sampling, sample_token
@@ -270,6 +272,10 @@ class HFEngine:
                 active=len(self._cancels),
                 steps=c["steps"],
             )
+
+    async def readiness(self) -> Readiness:
+        """In-process: ready whenever the process is up to answer."""
+        return READY
 
     async def aclose(self) -> None:
         """Stop every reply between two tokens and wait for the worker threads."""

@@ -21,11 +21,13 @@ import time
 from dataclasses import dataclass
 
 from replystream.engine.base import (
+    READY,
     Delta,
     DeltaSink,
     EngineError,
     EngineStats,
     GenerationRequest,
+    Readiness,
     RequestRejected,
 )
 
@@ -190,6 +192,10 @@ class SimulatedEngine:
             active=self._active,
             steps=self._steps,
         )
+
+    async def readiness(self) -> Readiness:
+        """In-process: ready whenever the process is up to answer."""
+        return READY
 
     async def aclose(self) -> None:
         """Nothing to release: a stream holds only its schedule."""

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replystream.engine.base import (
+    READY,
     Delta,
     EngineError,
     EngineStats,
     GenerationRequest,
+    Readiness,
     RequestRejected,
 )
 from replystream.engine.kv_cache import PagedKVCache
@@ -144,6 +146,10 @@ class TinyEngine:
 
     def stats(self) -> EngineStats:
         return self.runner.stats()
+
+    async def readiness(self) -> Readiness:
+        """In-process: ready whenever the process is up to answer."""
+        return READY
 
     async def aclose(self) -> None:
         """Cancel every request and stop the worker thread (waits for at most one step)."""

@@ -7,8 +7,10 @@ robin over ``UpstreamTarget``s), and what an upstream failure before the first b
 our client: connection refused is ``UpstreamUnavailable`` (502), no response head within
 ``headers_timeout_s`` is ``UpstreamTimeout`` (504), an upstream 4xx about the request is a
 ``RequestRejected`` (400) carrying the upstream's message, 429 and 503 stay overload (503).
-Upstream API keys come from configuration only, never from our clients. Everything after the
-head is ``upstream_stream.UpstreamStream``'s. It must not know about our HTTP server.
+Every message is ours (``upstream_errors``); an upstream's own words appear only quoted, from
+a JSON error body. Readiness is ``upstream_health``'s. Upstream API keys come from
+configuration only, never from our clients. Everything after the head is
+``upstream_stream.UpstreamStream``'s. It must not know about our HTTP server.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from replystream.engine.base import (
     EngineError,
     EngineStats,
     GenerationRequest,
+    Readiness,
     RequestRejected,
 )
+from replystream.engine.upstream_errors import connect_failure, quoted
+from replystream.engine.upstream_health import UpstreamHealth
 from replystream.engine.upstream_stream import UpstreamStream
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
@@ -135,21 +140,23 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
     return body
 
 
-def _upstream_message(raw: bytes) -> tuple[str, str | None, str | None]:
-    """Message, code and param of an upstream error body (any of the common shapes)."""
+def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
+    """Message, code and param of an upstream's JSON error body (any of the common shapes);
+    no message for a body that is not one (an HTML page, a proxy's text, nothing)."""
     try:
         body = json.loads(raw)
     except ValueError:
-        return raw.decode("utf-8", "replace")[:500], None, None
+        return None, None, None
     error = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(error, dict):
         code, param = error.get("code"), error.get("param")
+        message = error.get("message") or error.get("detail")
         return (
-            str(error.get("message") or error.get("detail") or error)[:500],
+            quoted(message) if isinstance(message, str) and message.strip() else None,
             code if isinstance(code, str) else None,
             param if isinstance(param, str) else None,
         )
-    return str(error)[:500], None, None
+    return (quoted(error) if isinstance(error, str) and error.strip() else None), None, None
 
 
 class UpstreamEngine:
@@ -162,6 +169,7 @@ class UpstreamEngine:
         self._balancer = WeightedRoundRobin([t.weight for t in config.targets])
         self._models: dict[str, str | None] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._health = UpstreamHealth([t.base_url for t in config.targets])
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._active = 0
         self._deltas = 0
@@ -225,28 +233,28 @@ class UpstreamEngine:
         except TimeoutError:
             raise self._failed(
                 UpstreamTimeout(
-                    f"the upstream {target.base_url} did not answer within {timeout:g} s",
+                    f"the upstream at {target.base_url} did not answer within {timeout:g} s",
                     code="upstream_timeout",
                 )
             ) from None
         except aiohttp.ClientError as exc:
-            raise self._failed(
-                UpstreamUnavailable(
-                    f"the upstream {target.base_url} cannot be reached: {exc}",
-                    code="upstream_unavailable",
-                )
-            ) from exc
+            failure = connect_failure(exc, target.base_url, timeout)
+            kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
+            if failure.code in ("upstream_unavailable", "upstream_tls"):
+                self._health.saw(target.base_url, failure.message)
+            raise self._failed(kind(failure.message, code=failure.code)) from None
         if response.status != 200:
             raise self._failed(await self._refusal(response, target))
         if response.content_type != "text/event-stream":
             response.close()
             raise self._failed(
                 UpstreamUnavailable(
-                    f"the upstream answered {response.content_type or 'no content type'}, "
-                    "not an event stream",
+                    f"the upstream at {target.base_url} answered "
+                    f"{response.content_type or 'no content type'}, not an event stream",
                     code="upstream_bad_response",
                 )
             )
+        self._health.saw(target.base_url, None)
         self._counts["started"] += 1
         self._active += 1
         return UpstreamStream(
@@ -277,14 +285,15 @@ class UpstreamEngine:
             response.close()
         message, code, param = _upstream_message(raw)
         status = response.status
-        where = f"the upstream {target.base_url} answered {status}"
+        where = f"the upstream at {target.base_url} answered {status}"
+        said = f"{where}: {message}" if message else where
         if status in (400, 413, 422):
-            return RequestRejected(
-                f"{where}: {message}", code=code or "upstream_rejected", param=param
-            )
+            return RequestRejected(said, code=code or "upstream_rejected", param=param)
         if status in (429, 503):
-            return UpstreamOverloaded(f"{where}: {message}", code="upstream_overloaded")
-        return UpstreamUnavailable(f"{where}: {message}", code="upstream_error_status")
+            return UpstreamOverloaded(said, code="upstream_overloaded")
+        if status in (401, 403):  # our configuration, not the client's request
+            said = f"{where}: it refused our API key (see --upstream-api-key)"
+        return UpstreamUnavailable(said, code="upstream_error_status")
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -295,6 +304,10 @@ class UpstreamEngine:
             active=self._active,
             steps=self._deltas,
         )
+
+    async def readiness(self) -> Readiness:
+        """Whether every upstream answers (asked again when the last answer is 5 s old)."""
+        return await self._health.readiness(self._client(), self._headers())
 
     async def aclose(self) -> None:
         """Close the session and with it every upstream connection still open."""

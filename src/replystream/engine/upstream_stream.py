@@ -12,7 +12,9 @@ its own code, within bounded time and memory:
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
 - ``upstream_stalled``: no byte for ``stall_s`` seconds;
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
-- ``upstream_broken``: the connection broke.
+- ``upstream_disconnected``: the upstream closed the connection mid-body (killed, restarted);
+- ``upstream_broken``: the connection broke otherwise.
+Messages are ours (``upstream_errors``); an upstream's own words appear only quoted.
 Closing the stream early (``aclose``, or cancelling its reader) closes the upstream
 connection, which vLLM, TGI and llama.cpp treat as an abort. It must not know how the request
 was built, which upstream was picked, or anything about our own HTTP server.
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import aiohttp
 
 from replystream.engine.base import Delta, EngineError
+from replystream.engine.upstream_errors import broken_stream, quoted
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 # Finish reasons upstreams use, mapped to ours ("stop" or "length"; a filter passes through).
@@ -50,9 +53,11 @@ class UpstreamStreamError(EngineError):
 
 
 def _message_of(error: object) -> str:
-    if isinstance(error, dict):
-        return str(error.get("message") or error.get("error") or error)
-    return str(error)
+    """The upstream's own message in an error it sent mid-stream, quoted (or a placeholder)."""
+    message = error.get("message") or error.get("error") if isinstance(error, dict) else error
+    if isinstance(message, str) and message.strip():
+        return quoted(message)
+    return "no message given"
 
 
 class UpstreamStream:
@@ -131,8 +136,9 @@ class UpstreamStream:
             raise self._fail(
                 f"the upstream sent nothing for {self._stall_s:g} s", "upstream_stalled"
             ) from None
-        except aiohttp.ClientError as exc:
-            raise self._fail(f"the upstream connection broke: {exc}", "upstream_broken") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            failure = broken_stream(exc)
+            raise self._fail(failure.message, failure.code) from None
         if not data:
             self._end_of_body()
             return
@@ -145,8 +151,8 @@ class UpstreamStream:
             ) from None
         except SSEError as exc:
             raise self._fail(
-                f"the upstream stream is malformed: {exc}", "upstream_malformed"
-            ) from exc
+                f"the upstream's event stream is malformed: {exc}", "upstream_malformed"
+            ) from None
         if events:
             self._bytes_at_last_event = self._parser.bytes_fed
         elif self._parser.bytes_fed - self._bytes_at_last_event > self._max_event_size:
@@ -177,7 +183,10 @@ class UpstreamStream:
                 error = json.loads(event.data).get("error", event.data)
             except (ValueError, AttributeError):
                 error = event.data[:500]
-            raise self._fail(f"upstream error: {_message_of(error)}", "upstream_error")
+            raise self._fail(
+                f"the upstream reported an error mid-reply: {_message_of(error)}",
+                "upstream_error",
+            )
         if event.data.strip() == "[DONE]":
             if self._finish is None:
                 raise self._fail(
@@ -189,7 +198,7 @@ class UpstreamStream:
             chunk = json.loads(event.data)
         except ValueError:
             raise self._fail(
-                f"the upstream sent a chunk that is not JSON: {event.data[:200]!r}",
+                f"the upstream sent an event that is not JSON ({len(event.data)} characters)",
                 "upstream_bad_chunk",
             ) from None
         if not isinstance(chunk, dict):
@@ -198,7 +207,9 @@ class UpstreamStream:
             )
         if "error" in chunk or chunk.get("object") == "error":
             raise self._fail(
-                f"upstream error: {_message_of(chunk.get('error', chunk))}", "upstream_error"
+                "the upstream reported an error mid-reply: "
+                f"{_message_of(chunk.get('error', chunk))}",
+                "upstream_error",
             )
         usage = chunk.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

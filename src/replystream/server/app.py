@@ -396,7 +396,22 @@ async def handle_metrics(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_health(request: web.Request) -> web.StreamResponse:
-    return web.json_response({"status": "ok", "engine": request.app[ENGINE_KEY].name})
+    """``200 {"status": "ok"}`` while the engine can serve; ``503 {"status": "unavailable",
+    "reason": ...}`` while it cannot (a relay whose upstream does not answer), so a load
+    balancer sends requests elsewhere instead of to certain 502s."""
+    engine = request.app[ENGINE_KEY]
+    readiness = await engine.readiness()
+    if readiness.ready:
+        return web.json_response({"status": "ok", "engine": engine.name})
+    body = {"status": "unavailable", "engine": engine.name, "reason": readiness.reason}
+    return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+
+async def report_readiness(app: web.Application) -> None:
+    """At start-up: say at once when the engine cannot serve yet (its first check)."""
+    readiness = await app[ENGINE_KEY].readiness()
+    if not readiness.ready:
+        log.warning("the engine is not ready: %s; /healthz answers 503", readiness.reason)
 
 
 def create_app(
@@ -460,5 +475,6 @@ def create_app(
             await app[STORE_KEY].aclose()
         await app[LOCAL_STORE_KEY].aclose()
 
+    app.on_startup.append(report_readiness)
     app.on_cleanup.append(close_all)
     return app

@@ -26,7 +26,7 @@ from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server import engine_options
 from replystream.server.app import ServerConfig, create_app
 from replystream.server.auth import collect_keys
-from replystream.server.guard import GuardConfig
+from replystream.server.guard import GuardConfig, parse_trusted_proxies
 from replystream.server.serve import run_workers, serve_forever
 
 log = logging.getLogger("replystream.serve")
@@ -101,6 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=server.max_header_bytes,
         help="longest request line or header field",
+    )
+    limits.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="a proxy (IP address or CIDR network; repeatable or comma-separated) whose "
+        "X-Forwarded-For names the client for limits and the access log (default: none)",
     )
     limits.add_argument(
         "--cors-origin",
@@ -372,6 +380,7 @@ def build_guard(args: argparse.Namespace) -> GuardConfig:
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         cors_origins=tuple(args.cors_origin),
+        trusted_proxies=parse_trusted_proxies(args.trusted_proxy),
     )
 
 

@@ -133,9 +133,7 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc
-        response = error_response(
-            exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")
-        )
+        response = error_response(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
         if "Allow" in exc.headers:  # a 405 says which methods the route serves
             response.headers["Allow"] = exc.headers["Allow"]
         return response

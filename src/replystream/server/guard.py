@@ -2,7 +2,9 @@
 
 This file decides who may send how much, and stamps every response with a request id that
 also names it in the server's structured access log. Identity is the API key's digest when
-auth is on (``request[OWNER]``), else the peer address. It must not know about replies.
+auth is on (``request[OWNER]``), else the client's address (``client_address``): the peer,
+or behind a trusted proxy the address that proxy says it served. It must not know about
+replies.
 
 - ``ClientGate``: at most ``max_concurrent`` open requests and ``per_minute`` requests (a
   token bucket) per identity; a refusal is ``429`` with ``Retry-After``.
@@ -15,6 +17,7 @@ auth is on (``request[OWNER]``), else the peer address. It must not know about r
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
@@ -35,15 +38,77 @@ LIMITED_PREFIXES = ("/v1/", "/wait", "/stream")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
 @dataclass(frozen=True, slots=True)
 class GuardConfig:
-    """Client limits; 0 turns a limit off."""
+    """Client limits; 0 turns a limit off. ``trusted_proxies``: peers whose
+    ``X-Forwarded-For`` names the client (none by default: the header is ignored)."""
 
     max_concurrent: int = 0
     per_minute: int = 0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
+    trusted_proxies: tuple[Network, ...] = ()
+
+
+def parse_trusted_proxies(values: Sequence[str]) -> tuple[Network, ...]:
+    """Addresses and CIDR networks, each value one or a comma-separated list.
+
+    Raises:
+        ValueError: an entry is neither (the message names ``--trusted-proxy``).
+    """
+    networks: list[Network] = []
+    for value in values:
+        for entry in value.split(","):
+            entry = entry.strip()
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                raise ValueError(
+                    f"--trusted-proxy wants IP addresses or CIDR networks "
+                    f"(e.g. 10.0.0.0/8,127.0.0.1), got {entry!r}"
+                ) from None
+    return tuple(networks)
+
+
+def _address(text: str) -> Address | None:
+    try:
+        address = ipaddress.ip_address(text.strip())
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped  # a dual-stack socket's view of an IPv4 peer
+    return address
+
+
+def _trusted(address: Address | None, proxies: Sequence[Network]) -> bool:
+    return address is not None and any(address in network for network in proxies)
+
+
+def client_address(request: web.Request, proxies: Sequence[Network]) -> str:
+    """Who sent the request: the peer, unless the peer is a trusted proxy; then the right-most
+    address in ``X-Forwarded-For`` that is not itself a trusted proxy (each proxy appends
+    the address it served, so entries left of that one are the client's word and may be
+    forged). With no proxies listed the header is never read."""
+    peer = request.remote or "unknown"
+    if not proxies or not _trusted(_address(peer), proxies):
+        return peer
+    hops = [
+        hop for header in request.headers.getall("X-Forwarded-For", ()) for hop in header.split(",")
+    ]
+    client = peer
+    for hop in reversed(hops):
+        address = _address(hop)
+        if address is None:
+            break  # not an address: nothing left of it can be trusted either
+        client = str(address)
+        if not _trusted(address, proxies):
+            break
+    return client
 
 
 GUARD_KEY = web.AppKey("guard", GuardConfig)
@@ -99,10 +164,11 @@ class ClientGate:
 
 
 def identity_of(request: web.Request) -> str:
+    """Whom the limits count this request against: its API key, else its client's address."""
     owner = request.get(OWNER)
     if owner:
         return f"key:{owner}"
-    return f"addr:{request.remote or 'unknown'}"
+    return f"addr:{client_address(request, request.app[GUARD_KEY].trusted_proxies)}"
 
 
 def rate_limited(wait_s: float) -> web.Response:
@@ -133,7 +199,7 @@ def log_access(request: web.Request, request_id: str, status: int | str, started
                 "path": request.path,
                 "status": status,
                 "ms": round((time.monotonic() - started) * 1000.0, 1),
-                "client": request.remote,
+                "client": client_address(request, request.app[GUARD_KEY].trusted_proxies),
                 "reply_id": request.get(REPLY_ID),
             }
         ),

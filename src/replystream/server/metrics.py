@@ -4,19 +4,39 @@ Each reply keeps plain counters and timestamps in a ``ReplyRecord`` while it str
 ends, ``Metrics.observe`` moves them into the registry in one go. The one per-token metric,
 time between tokens, goes into ``GapHistogram``: a bisect and an add, no lock, no per-reply
 list, exported through a collector.
+
+With ``--workers N`` every worker process counts its own replies; a scrape reaches one of
+them. Aggregation is prometheus-client's multiprocess mode: the parent sets
+``PROMETHEUS_MULTIPROC_DIR`` for its workers, each metric's value then lives in a per-process
+memory-mapped file there, and a scrape merges every worker's files (``render``). Two things
+cannot ride along by themselves and are published by hand in that mode only: the gap
+histogram (its counts move into the files once per reply end, not per token) and the gauges
+read on scrape (a scrape runs in one worker and cannot call another's functions, so each
+worker writes its readings into its files every ``STATE_REFRESH_S`` and before it renders).
+A single process keeps the plain in-memory registry, at the same cost as before.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as prometheus_values
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# Set (by ``run_workers``) to a directory shared by the worker processes: prometheus-client
+# then keeps values in per-process files there, and a scrape merges them. Read by
+# prometheus-client when it is imported, so it must be set before the process starts.
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# How often a worker writes its scrape-time gauges into its files (multiprocess mode only).
+STATE_REFRESH_S = 1.0
 
 Outcome = Literal[
     "finished", "cancelled", "errored", "moderated", "slow_client", "shutdown", "rejected"
@@ -50,14 +70,27 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
+def _le(bound: float) -> str:
+    """A bucket's upper bound as its ``le`` label."""
+    return "+Inf" if bound == math.inf else repr(bound)
+
+
+_GAPS_NAME = "replystream_time_between_tokens_seconds"
+_GAPS_HELP = "Server time between consecutive tokens of a reply."
+
+
 class GapHistogram:
     """Time between tokens, for every reply: a histogram fed per token at the cost of one
-    bisect and one add, with no per-reply storage (exported by ``Metrics``' collector)."""
+    bisect and one add, with no per-reply storage (exported by ``Metrics``' collector, or
+    by ``publish`` into the multiprocess files)."""
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.bounds = buckets
         self.counts: dict[str, list[int]] = {}
         self.sums: dict[str, float] = {}
+        # Multiprocess mode: what has been written to the files so far, and where.
+        self._published: dict[str, tuple[list[int], list[float]]] = {}
+        self._files: dict[str, tuple[list[_FileValue], _FileValue]] = {}
 
     def observe(self, endpoint: str, value: float) -> None:
         counts = self.counts.get(endpoint)
@@ -67,17 +100,49 @@ class GapHistogram:
         counts[bisect_left(self.bounds, value)] += 1
         self.sums[endpoint] += value
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(
-            "replystream_time_between_tokens_seconds",
-            "Server time between consecutive tokens of a reply.",
-            labels=["endpoint"],
+    def publish(self) -> None:
+        """Write what was observed since the last call into this process's multiprocess
+        files, as a histogram prometheus-client's merge reads (per-bucket counts, a sum)."""
+        for endpoint, counts in self.counts.items():
+            files = self._files.get(endpoint) or self._open_files(endpoint)
+            done_counts, done_sum = self._published[endpoint]
+            buckets, total = files
+            for i, count in enumerate(counts):
+                if count != done_counts[i]:
+                    buckets[i].inc(count - done_counts[i])
+                    done_counts[i] = count
+            if self.sums[endpoint] != done_sum[0]:
+                total.inc(self.sums[endpoint] - done_sum[0])
+                done_sum[0] = self.sums[endpoint]
+
+    def _open_files(self, endpoint: str) -> tuple[list[_FileValue], _FileValue]:
+        # The same keys prometheus-client's own Histogram writes, so its merge adds them up.
+        value = prometheus_values.ValueClass
+        buckets = [
+            value(
+                "histogram",
+                _GAPS_NAME,
+                _GAPS_NAME + "_bucket",
+                ("endpoint", "le"),
+                (endpoint, _le(bound)),
+                _GAPS_HELP,
+            )
+            for bound in (*self.bounds, math.inf)
+        ]
+        total = value(
+            "histogram", _GAPS_NAME, _GAPS_NAME + "_sum", ("endpoint",), (endpoint,), _GAPS_HELP
         )
+        self._files[endpoint] = buckets, total
+        self._published[endpoint] = [0] * len(buckets), [0.0]
+        return buckets, total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(_GAPS_NAME, _GAPS_HELP, labels=["endpoint"])
         for endpoint, counts in self.counts.items():
             cumulative, total = [], 0
             for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
                 total += count
-                cumulative.append(("+Inf" if bound == math.inf else repr(bound), total))
+                cumulative.append((_le(bound), total))
             family.add_metric([endpoint], cumulative, self.sums[endpoint])
         yield family
 
@@ -125,10 +190,24 @@ class _Children(NamedTuple):
     tokens: Counter
 
 
-class Metrics:
-    """The server's metric families, in a registry of its own (one per application)."""
+class _FileValue(Protocol):
+    """One value prometheus-client keeps (in a multiprocess file, in that mode)."""
 
-    def __init__(self) -> None:
+    def inc(self, amount: float) -> None: ...
+
+
+class Metrics:
+    """The server's metric families, in a registry of its own (one per application).
+
+    Args:
+        multiprocess_dir: the directory worker processes share their values through
+            (default: ``$PROMETHEUS_MULTIPROC_DIR``, set by ``run_workers``); None for one
+            process.
+    """
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROCESS_DIR_ENV) or None
+        self._readings: list[tuple[Gauge, Callable[[], float]]] = []
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -162,7 +241,10 @@ class Metrics:
             registry=r,
         )
         self.active = Gauge(
-            "replystream_active_streams", "Streamed replies open right now.", registry=r
+            "replystream_active_streams",
+            "Streamed replies open right now.",
+            registry=r,
+            multiprocess_mode="livesum",  # summed over the workers alive now
         )
         self.replies = Counter(
             "replystream_replies",
@@ -190,9 +272,32 @@ class Metrics:
         gauge = self._states.get(name)
         if gauge is None:
             gauge = self._states[name] = Gauge(
-                name, documentation, sorted(labels), registry=self.registry
+                name,
+                documentation,
+                sorted(labels),
+                registry=self.registry,
+                multiprocess_mode="livesum",  # what every worker alive now holds, summed
             )
-        (gauge.labels(**labels) if labels else gauge).set_function(read)
+        self.read_on_scrape(gauge.labels(**labels) if labels else gauge, read)
+
+    def read_on_scrape(self, gauge: Gauge, read: Callable[[], float]) -> None:
+        """Give ``gauge`` the value of ``read()`` whenever metrics are scraped: called by the
+        scrape in one process; with workers, written by each every ``STATE_REFRESH_S`` (and
+        before it renders) by ``refresh_readings``."""
+        if self.multiprocess_dir is None:
+            gauge.set_function(read)
+        else:
+            self._readings.append((gauge, read))
+
+    @property
+    def has_readings(self) -> bool:
+        """Whether ``refresh_readings`` has work (only with workers sharing their values)."""
+        return bool(self._readings)
+
+    def refresh_readings(self) -> None:
+        """Write every scrape-time gauge's current reading into this process's files."""
+        for gauge, read in self._readings:
+            gauge.set(read())
 
     def record(self, endpoint: str, *, streamed: bool) -> ReplyRecord:
         """A new reply's record, wired to the per-token histogram."""
@@ -223,6 +328,8 @@ class Metrics:
             children.bytes.inc(record.bytes_sent)
         if record.tokens:
             children.tokens.inc(record.tokens)
+        if self.multiprocess_dir is not None:
+            self.gaps.publish()
 
     def _label(self, endpoint: str) -> _Children:
         """One endpoint's labelled series, looked up once (``labels()`` costs per call)."""
@@ -239,4 +346,12 @@ class Metrics:
         return children
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text for a scrape: this process's registry, or with workers every
+        worker's values merged (counters and histograms summed, gauges of live workers
+        summed)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        self.refresh_readings()
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)

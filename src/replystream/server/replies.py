@@ -320,7 +320,7 @@ class ReplyManager:
         self.idle.set()
         self.shutting_down = False
         # Read when scraped: a gauge moved on every start and end costs a lock each time.
-        metrics.active.set_function(lambda: len(self.replies))
+        metrics.read_on_scrape(metrics.active, lambda: len(self.replies))
 
     def __len__(self) -> int:
         return len(self.replies) + len(self.channels)

@@ -11,16 +11,20 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from prometheus_client.multiprocess import mark_process_dead
 
 from replystream.server.connection import GuardedSockSite
+from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 
 log = logging.getLogger("replystream.server")
 
@@ -166,9 +170,15 @@ def run_workers(argv: list[str], workers: int, host: str, port: int) -> int:
     The parent binds the socket, starts each worker with it inherited (``--listen-fd``), and
     the kernel hands each new connection to one of them. The parent forwards SIGINT and
     SIGTERM (each worker then shuts down gracefully), restarts a worker that dies on its own,
-    and returns when all have stopped.
+    and returns when all have stopped. The workers share their metrics through files in a
+    fresh directory (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts them all;
+    the parent removes it when it returns.
     """
-    sock = bind_socket(host, port)
+    with tempfile.TemporaryDirectory(prefix="replystream-metrics-") as metrics_dir:
+        return _supervise(argv, workers, bind_socket(host, port), metrics_dir)
+
+
+def _supervise(argv: list[str], workers: int, sock: socket.socket, metrics_dir: str) -> int:
     sock.set_inheritable(True)
     command = [
         sys.executable,
@@ -179,11 +189,12 @@ def run_workers(argv: list[str], workers: int, host: str, port: int) -> int:
         "--listen-fd",
         str(sock.fileno()),
     ]
+    env = {**os.environ, MULTIPROCESS_DIR_ENV: metrics_dir}
     children: list[subprocess.Popen[bytes]] = []
     stopping = False
 
     def spawn() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(command, pass_fds=(sock.fileno(),))
+        return subprocess.Popen(command, pass_fds=(sock.fileno(),), env=env)
 
     def forward(signum: int, _frame: object) -> None:
         nonlocal stopping
@@ -202,6 +213,8 @@ def run_workers(argv: list[str], workers: int, host: str, port: int) -> int:
             code = child.poll()
             if code is not None and not stopping:
                 log.error("worker %d exited with %d; starting another", child.pid, code)
+                # Its counts stay in the totals; what it held (live gauges) does not.
+                mark_process_dead(child.pid, metrics_dir)  # type: ignore[no-untyped-call]
                 children[index] = spawn()
         if stopping and all(child.poll() is not None for child in children):
             break

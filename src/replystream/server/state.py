@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 from aiohttp import web
@@ -25,6 +25,7 @@ from replystream.server.app import (
     METRICS_KEY,
     STORE_KEY,
 )
+from replystream.server.metrics import STATE_REFRESH_S, Metrics
 
 _FD_DIR = "/proc/self/fd"
 
@@ -93,6 +94,28 @@ def add_state_gauges(app: web.Application) -> None:
             _log_count(store),
             store=label,
         )
+    if metrics.has_readings:
+        app.cleanup_ctx.append(_publishing_readings)
+
+
+async def _publishing_readings(app: web.Application) -> AsyncIterator[None]:
+    """While the app runs, write its scrape-time gauges to the shared files periodically, so
+    a scrape served by another worker sees this one's state at most that old."""
+    metrics: Metrics = app[METRICS_KEY]
+    loop = asyncio.get_running_loop()
+    timer: asyncio.TimerHandle | None = None
+
+    def publish() -> None:
+        nonlocal timer
+        metrics.refresh_readings()
+        timer = loop.call_later(STATE_REFRESH_S, publish)
+
+    publish()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def _log_count(store: ReplayStore) -> Callable[[], float]:

@@ -1,0 +1,96 @@
+"""What went wrong with an upstream, in our words: a client (and an operator reading
+``/healthz``) learns what failed and where, never an exception class or a library's repr.
+
+This file decides the message and code of each transport failure: before the response head
+(``connect_failure``: refused, unresolvable, TLS, disconnected, not HTTP), and after it
+(``broken_stream``). What the failure means for the reply (its status, whether it ends) is the
+callers'. The library's own text goes to the log at debug level only. It must not know how a
+request is built or which upstream was picked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger("replystream.upstream")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A transport failure in words: what happened, and a short machine-readable code."""
+
+    message: str
+    code: str
+    timed_out: bool = False
+
+
+def _os_reason(error: OSError | None) -> str:
+    """``connection refused``, ``network is unreachable``: the system's words for an errno."""
+    if error is not None and error.errno:
+        return os.strerror(error.errno).lower()
+    return "the connection failed"
+
+
+def _tls_reason(exc: aiohttp.ClientSSLError) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        verify = getattr(exc.certificate_error, "verify_message", None)
+        return f"its TLS certificate is not trusted ({verify or 'verification failed'})"
+    cause = exc.os_error
+    reason = cause.reason if isinstance(cause, ssl.SSLError) else None
+    if reason:  # e.g. WRONG_VERSION_NUMBER: usually TLS spoken to a plain-HTTP port
+        return f"the TLS handshake failed ({reason.lower().replace('_', ' ')})"
+    return "the TLS handshake failed"
+
+
+def connect_failure(exc: aiohttp.ClientError, base_url: str, timeout_s: float) -> Failure:
+    """A failure to send a request to ``base_url`` or to read its response head."""
+    log.debug("upstream %s: %r", base_url, exc)
+    where = f"the upstream at {base_url}"
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return Failure(
+            f"{where} did not answer within {timeout_s:g} s", "upstream_timeout", timed_out=True
+        )
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return Failure(f"cannot connect to {where}: {_tls_reason(exc)}", "upstream_tls")
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return Failure(
+            f"cannot connect to {where}: its host name does not resolve", "upstream_unavailable"
+        )
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return Failure(
+            f"cannot connect to {where}: {_os_reason(exc.os_error)}", "upstream_unavailable"
+        )
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientConnectionResetError):
+        return Failure(f"{where} closed the connection before answering", "upstream_disconnected")
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return Failure(f"{where} sent a response that is not valid HTTP", "upstream_bad_response")
+    if isinstance(exc, aiohttp.InvalidURL):
+        return Failure(f"{where} is not a valid URL", "upstream_unavailable")
+    if isinstance(exc, aiohttp.ClientOSError):
+        return Failure(f"the connection to {where} failed: {_os_reason(exc)}", "upstream_broken")
+    return Failure(f"the request to {where} failed", "upstream_unavailable")
+
+
+def broken_stream(exc: aiohttp.ClientError | OSError) -> Failure:
+    """A failure reading the body of a reply that had started streaming."""
+    log.debug("upstream stream broke: %r", exc)
+    if isinstance(
+        exc,
+        aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError | ConnectionResetError,
+    ):
+        # A killed or restarted model server: the body ends before its framing says it may.
+        return Failure(
+            "the upstream model server closed the connection mid-reply", "upstream_disconnected"
+        )
+    return Failure("the connection to the upstream model server broke mid-reply", "upstream_broken")
+
+
+def quoted(text: str, limit: int = 300) -> str:
+    """An upstream's own message, fit for one line of ours: controls out, length bounded."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"

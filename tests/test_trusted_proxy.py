@@ -1,0 +1,105 @@
+"""Per-client limits behind a proxy: ``--trusted-proxy`` reads ``X-Forwarded-For`` from listed
+proxies only.
+
+Clients are told apart by their source address: every 127.x.y.z is loopback on Linux, so a
+test client binds 127.0.0.2 or 127.0.0.3 before it connects. The app listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from replystream.server import create_app, running
+from replystream.server.app import ServerConfig
+from replystream.server.guard import GuardConfig, parse_trusted_proxies
+from tests.conftest import fast_engine
+from tests.nginx import running_nginx
+from tests.services import free_port
+from tests.test_nginx_doctor import deploy_config
+
+PER_MINUTE = 2
+
+
+async def status_from(source: str, url: str, forwarded_for: str | None = None) -> int:
+    """GET ``url`` from the local address ``source``; the response's status."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(
+        parts.hostname, parts.port, local_addr=(source, 0)
+    )
+    head = [f"GET {parts.path}?{parts.query} HTTP/1.1", f"Host: {parts.netloc}"]
+    head.append("Connection: close")
+    if forwarded_for is not None:
+        head.append(f"X-Forwarded-For: {forwarded_for}")
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    await reader.read()  # the whole reply: the request has ended on the server too
+    writer.close()
+    return status
+
+
+def serve(trusted: str):
+    guard = GuardConfig(per_minute=PER_MINUTE, trusted_proxies=parse_trusted_proxies([trusted]))
+    return running(create_app(fast_engine(), ServerConfig(guard=guard)))
+
+
+async def test_clients_behind_a_trusted_proxy_get_a_bucket_each(caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with serve("127.0.0.1") as url:
+        stream = f"{url}/stream?max_tokens=2"
+        # The proxy (peer 127.0.0.1) appends the address it served to what the client sent.
+        alice = [await status_from("127.0.0.1", stream, "10.9.9.9, 203.0.113.1") for _ in range(3)]
+        bob = await status_from("127.0.0.1", stream, "203.0.113.2")
+    assert alice == [200, 200, 429]
+    assert bob == 200
+    clients = [json.loads(r.getMessage())["client"] for r in caplog.records]
+    assert clients == ["203.0.113.1"] * 3 + ["203.0.113.2"]
+
+
+async def test_a_direct_client_cannot_forge_x_forwarded_for():
+    async with serve("10.0.0.0/8") as url:
+        stream = f"{url}/stream?max_tokens=2"
+        forged = [await status_from("127.0.0.2", stream, f"198.51.100.{n}") for n in range(3)]
+        other = await status_from("127.0.0.3", stream, "198.51.100.1")
+    assert forged == [200, 200, 429]  # one bucket, whatever the header claims
+    assert other == 200  # a different peer is a different client
+
+
+async def test_two_clients_through_the_shipped_nginx_config_are_limited_apart(tmp_path: Path):
+    async with serve("127.0.0.1") as url:
+        port = free_port()
+        async with running_nginx(deploy_config(url, port), port, tmp_path) as proxy:
+            stream = f"{proxy}/stream?max_tokens=2"
+            first = [await status_from("127.0.0.2", stream, "192.0.2.7") for _ in range(3)]
+            second = await status_from("127.0.0.3", stream)
+    # The forged 192.0.2.7 is left of what nginx appended: the limit counts 127.0.0.2.
+    assert first == [200, 200, 429]
+    assert second == 200
+
+
+async def test_a_bad_trusted_proxy_is_one_line_naming_the_flag():
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        "--port",
+        "0",
+        "--trusted-proxy",
+        "10.0.0.0/8,proxy.internal",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 2 and out == b""
+    assert err.decode().splitlines() == [
+        "replystream serve: --trusted-proxy wants IP addresses or CIDR networks "
+        "(e.g. 10.0.0.0/8,127.0.0.1), got 'proxy.internal'"
+    ]

@@ -1,0 +1,77 @@
+"""The relay as real processes: its health follows its upstream's, and an upstream that dies
+mid-reply is reported in our words.
+
+The relay is ``replystream serve --engine upstream:URL``; the upstream is
+``replystream serve --engine simulated``, started (and killed) by the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import aiohttp
+
+from replystream.sse import Event, EventParser
+from tests.processes import replica, start_server, stop
+from tests.rawhttp import raw_request
+from tests.services import free_port
+
+
+async def health(url: str) -> tuple[int, dict[str, str]]:
+    response = await raw_request(f"{url}/healthz")
+    body: dict[str, str] = json.loads(await response.read_body())
+    return response.status, body
+
+
+async def test_healthz_is_503_with_the_reason_until_the_upstream_answers():
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/v1"
+    async with replica("--engine", f"upstream:{base}") as (_, relay):
+        status, body = await health(relay)
+        assert status == 503
+        assert body == {
+            "status": "unavailable",
+            "engine": "upstream",
+            "reason": f"cannot connect to the upstream at {base}: connection refused",
+        }
+        async with replica("--engine", "simulated", "--port", str(port)):
+            # Asked again every few seconds: healthy soon after the upstream is.
+            for _ in range(60):
+                status, body = await health(relay)
+                if status == 200:
+                    break
+                await asyncio.sleep(0.25)
+            assert (status, body) == (200, {"status": "ok", "engine": "upstream"})
+
+
+async def test_an_upstream_killed_mid_reply_is_reported_in_our_words():
+    upstream, upstream_url = await start_server(
+        "--engine", "simulated", "--delay-ms", "50", "--tokens", "400"
+    )
+    try:
+        async with (
+            replica("--engine", f"upstream:{upstream_url}/v1") as (_, relay),
+            aiohttp.ClientSession() as session,
+        ):
+            chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+            parser = EventParser()
+            events: list[Event] = []
+            async with (
+                asyncio.timeout(30),
+                session.post(f"{relay}/v1/chat/completions", json=chat) as response,
+            ):
+                assert response.status == 200
+                async for data in response.content.iter_any():
+                    events += parser.feed(data)
+                    if len(events) == 3:  # a few tokens relayed: the reply is under way
+                        upstream.send_signal(signal.SIGKILL)
+            errors = [json.loads(e.data)["error"] for e in events if e.type == "error"]
+            assert len(errors) == 1, events
+            assert errors[0]["code"] == "upstream_disconnected"
+            assert errors[0]["message"] == (
+                "the upstream model server closed the connection mid-reply"
+            )
+    finally:
+        await stop(upstream)
