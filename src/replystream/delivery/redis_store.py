@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -45,6 +46,16 @@ def _seq(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[1])
 
 
+def shown_url(url: str) -> str:
+    """``url`` as errors may show it: without a user name or password."""
+    parts = urlsplit(url)
+    if parts.hostname is None:
+        return f"{parts.scheme}://{parts.path}"  # a unix socket
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
 class RedisReplayStore:
     """A ``ReplayStore`` shared by every replica that points at the same Redis."""
 
@@ -61,6 +72,7 @@ class RedisReplayStore:
         connect_timeout_s: float = 2.0,
     ) -> None:
         self.url = url
+        self.where = f"Redis at {shown_url(url)}"  # errors reach clients: no credentials
         self.ttl_after_end_s = ttl_after_end_s
         self.liveness_s = liveness_s
         self.max_entries = max_entries
@@ -101,7 +113,7 @@ class RedisReplayStore:
                 pipe.set(self._key(info.reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
         await self._local.create(info)
         self._live.add(info.reply_id)
 
@@ -194,7 +206,7 @@ class RedisReplayStore:
         try:
             meta = await self.redis.hgetall(self._key(reply_id, ":meta"))
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
         if not meta:
             return None
         owner = meta.get(b"owner", b"")
@@ -216,7 +228,7 @@ class RedisReplayStore:
                 return result
             alive = await self.redis.exists(self._key(reply_id, ":live"))
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
         return ReadResult([], result.lost, None, producer_lost=not alive)
 
     async def _read_remote(self, reply_id: str, after: int) -> ReadResult | None:
@@ -251,13 +263,13 @@ class RedisReplayStore:
                 self._key(reply_id, ":cancel"), b"1", ex=max(1, int(self.ttl_after_end_s))
             )
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
 
     async def cancel_requested(self, reply_id: str) -> bool:
         try:
             return bool(await self.redis.exists(self._key(reply_id, ":cancel")))
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
 
     def stats(self) -> ReplayStats:
         return self._local.stats()
