@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from replystream.delivery.replay import MemoryReplayStore, ReadResult
 from replystream.server import create_app, serving
 from tests.conftest import fast_engine
 from tests.processes import replica, start_server
@@ -131,3 +132,21 @@ async def ws_replies(ws: aiohttp.ClientWebSocketResponse):
         yield message
         if message["type"] in ("done", "error", "moderated"):
             return
+
+
+class StoreFailingOnRead(MemoryReplayStore):
+    """A store with a bug: every read fails with something that is not StoreUnavailable."""
+
+    async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
+        raise RuntimeError("injected")
+
+
+async def test_a_reader_whose_store_fails_unexpectedly_ends_its_body_with_an_error_event():
+    app = create_app(fast_engine(), store=StoreFailingOnRead())
+    async with serving(app) as server:
+        body = b'{"prompt": "x", "resumable": true}'
+        response = await raw_request(f"{server.url}/v1/replies", "POST", body)
+        async with asyncio.timeout(10):
+            whole = await response.read_body()  # fails unless the body's last chunk came
+    assert response.status == 200
+    assert last_event(whole)["code"] == "internal_error"

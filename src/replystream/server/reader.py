@@ -227,6 +227,8 @@ class LogReader:
         transport = self.request.transport
         if transport is None or transport.is_closing():
             return
+        # Headers held back to leave with the first events must go first.
+        self.request.writer.send_headers()
         # When the reply's end is queued already (it just could not leave), nothing follows.
         if not self._body_ended:
             frame = error_frame(message, code)
