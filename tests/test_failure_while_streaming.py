@@ -150,3 +150,25 @@ async def test_a_reader_whose_store_fails_unexpectedly_ends_its_body_with_an_err
             whole = await response.read_body()  # fails unless the body's last chunk came
     assert response.status == 200
     assert last_event(whole)["code"] == "internal_error"
+
+
+async def test_a_redis_that_stops_answering_ends_every_reader_in_band_too(tmp_path: Path):
+    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0", "--tokens", "600")
+    with redis_server(tmp_path) as redis:
+        args = (*slow, "--redis-url", redis.url)
+        assert redis.process is not None
+        async with replica(*args) as (_, a_url), replica(*args) as (_, b_url):
+            body = b'{"prompt": "x", "resumable": true}'
+            on_producer = await raw_request(f"{a_url}/v1/replies", "POST", body)
+            reply_id = on_producer.headers["x-reply-id"]
+            elsewhere = await raw_request(f"{b_url}/v1/replies/{reply_id}/stream")
+            bodies = asyncio.gather(on_producer.read_body(), elsewhere.read_body())
+            await asyncio.sleep(1.0)
+            redis.process.send_signal(signal.SIGSTOP)  # alive, connected, silent
+            try:
+                producer_body, remote_body = await asyncio.wait_for(bodies, 30)
+            finally:
+                redis.process.send_signal(signal.SIGCONT)
+    for body in (producer_body, remote_body):
+        assert body.count(b"event: token") >= 5
+        assert last_event(body)["code"] == "replay_store_unavailable"

@@ -12,8 +12,9 @@ Writes never wait: ``append`` and ``end`` queue entries for one flusher task, wh
 everything queued in one pipeline per round trip. Replies produced here are also kept in a
 local ``MemoryReplayStore``, so their own readers never wait on Redis. A failed write marks
 the reply (``failure``), so its producer stops with an in-band error instead of writing into
-a hole. Redis going away makes ``create`` raise ``StoreUnavailable``; redis-py reconnects by
-itself once it is back. This file must not know about HTTP or event formats.
+a hole. Redis going away, or not answering within ``COMMAND_TIMEOUT_S``, makes ``create`` and
+``read`` raise ``StoreUnavailable`` (and a write fail); redis-py reconnects by itself once it
+is back. This file must not know about HTTP or event formats.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ log = logging.getLogger("replystream.redis_store")
 
 READ_BATCH = 1000
 HEARTBEAT_S = 1.0
+# Every command's answer must come within this: a Redis that stops answering (hung, or a
+# network that drops packets) is then reported like one that is down, and no reader or
+# flush waits on it for ever. A blocking read blocks for at most half of it.
+COMMAND_TIMEOUT_S = 5.0
 
 
 def _seq(entry_id: bytes) -> int:
@@ -78,7 +83,7 @@ class RedisReplayStore:
         self.max_entries = max_entries
         self.prefix = prefix
         self.redis = aioredis.Redis.from_url(
-            url, socket_connect_timeout=connect_timeout_s, socket_timeout=None
+            url, socket_connect_timeout=connect_timeout_s, socket_timeout=COMMAND_TIMEOUT_S
         )
         self._local = MemoryReplayStore(
             ttl_after_end_s=min(ttl_after_end_s, 30.0), max_entries=max_entries
@@ -220,8 +225,9 @@ class RedisReplayStore:
             if result is None or result.entries or result.lost or result.ending or wait_s <= 0:
                 return result
             # Nothing new: block on the stream until an entry lands or the wait runs out.
+            block_s = min(wait_s, COMMAND_TIMEOUT_S / 2)
             await self.redis.xread(
-                {self._key(reply_id): f"0-{after}"}, count=1, block=max(1, int(wait_s * 1000))
+                {self._key(reply_id): f"0-{after}"}, count=1, block=max(1, int(block_s * 1000))
             )
             result = await self._read_remote(reply_id, after)
             if result is None or result.entries or result.ending:
