@@ -21,6 +21,11 @@ Rules:
    ``slow_client_bytes``, closes the socket (code 1008, reason ``slow_client``).
 4. At most ``ServerConfig.ws_max_replies`` replies run on one socket; idle sockets are kept
    alive and checked with WebSocket pings every ``keepalive_s``.
+5. One error boundary per client message and per reply task: whatever fails there becomes
+   an ``error`` message for its tag. Only ``Session.send`` failing (``_SocketDone``) ends the
+   socket; nothing escapes the handler after the upgrade (a session failure closes 1011).
+6. At shutdown (``server_stopping``) the replies' ``shutdown`` errors are sent, then the
+   socket closes with 1001; every close is bounded (a client that does not answer is dropped).
 This file must not know how tokens are made or how the log is stored.
 """
 
