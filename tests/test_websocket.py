@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.server import create_app, running, serving
+from replystream.server import create_app, native, running, serving
 from replystream.server.app import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
 from replystream.server.websocket import Session
 from tests.conftest import fast_engine, wait_for
@@ -28,7 +28,7 @@ async def read_until_ended(ws: aiohttp.ClientWebSocketResponse, tags: set[str]) 
     return messages
 
 
-def of(messages: list[Any], tag: str) -> list[Any]:
+def of(messages: list[Any], tag: str | None) -> list[Any]:
     return [m for m in messages if m["id"] == tag]
 
 
@@ -266,3 +266,85 @@ async def test_a_plain_get_is_a_400_in_the_error_shape():
             assert response.status == 400
             error = (await response.json())["error"]
     assert error["code"] == "upgrade_required" and error["type"] == "invalid_request_error"
+
+
+async def read_raw_frames(reader: asyncio.StreamReader) -> list[tuple[int, bytes]]:
+    """Every unmasked server frame (opcode, payload) until the connection ends."""
+    frames: list[tuple[int, bytes]] = []
+    async with asyncio.timeout(15):
+        while True:
+            try:
+                head = await reader.readexactly(2)
+            except asyncio.IncompleteReadError:
+                return frames
+            opcode, size = head[0] & 0x0F, head[1] & 0x7F
+            if size == 126:
+                size = int.from_bytes(await reader.readexactly(2), "big")
+            elif size == 127:
+                size = int.from_bytes(await reader.readexactly(8), "big")
+            frames.append((opcode, await reader.readexactly(size)))
+
+
+def masked_close_frame() -> bytes:
+    return bytes([0x88, 0x82]) + b"\0\0\0\0" + (1000).to_bytes(2, "big")
+
+
+async def test_a_message_that_fails_anywhere_is_an_error_for_its_tag_and_other_replies_go_on(
+    monkeypatch, caplog
+):
+    parse = native.parse_reply_request
+
+    def parse_with_a_bug(body, defaults, max_prompt_chars):
+        if body.get("prompt") == "bug":
+            raise RuntimeError("injected")
+        return parse(body, defaults, max_prompt_chars)
+
+    monkeypatch.setattr("replystream.server.websocket.parse_reply_request", parse_with_a_bug)
+    engine = fast_engine(delay_ms=10, jitter_ms=0)
+    bad = {
+        "bug": {"type": "reply", "id": "bug", "prompt": "bug"},
+        "unknown": {"type": 7, "id": "unknown"},
+        "refused": {"type": "reply", "id": "refused", "prompt": "x", "stop": 5},
+    }
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "long", "prompt": "x", "max_tokens": 60})
+            assert (await ws.receive_json())["type"] == "reply"
+            for message in bad.values():
+                await ws.send_json(message)
+            await ws.send_str('{"type": "reply", "id": ')
+            messages = await read_until_ended(ws, {"long", *bad})
+            await ws.send_json({"type": "reply", "id": "after", "prompt": "x", "max_tokens": 3})
+            after = await read_until_ended(ws, {"after"})
+    for tag in bad:
+        (error,) = of(messages, tag)
+        assert error["type"] == "error"
+        assert set(error["data"]["error"]) == {"message", "type", "param", "code"}
+    assert of(messages, "bug")[0]["data"]["error"]["code"] == "internal_error"
+    assert of(messages, "refused")[0]["data"]["error"]["param"] == "stop"
+    assert of(messages, None)[0]["data"]["error"]["code"] == "invalid_json"
+    long = of(messages, "long")
+    assert long[-1]["type"] == "done" and len(text_of(long).split()) == 60
+    assert after[-1]["type"] == "done"
+    # A client's mistake is one log line; only the bug comes with a traceback.
+    failures = [r.exc_info[1] for r in caplog.records if r.exc_info]
+    assert [str(failure) for failure in failures] == ["injected"]
+
+
+async def test_a_session_that_fails_after_the_upgrade_closes_with_1011_and_no_http_response(
+    monkeypatch,
+):
+    async def broken_run(self):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Session, "run", broken_run)
+    async with serving(create_app(fast_engine())) as server:
+        reader, writer = await open_raw_websocket(server.url)
+        try:
+            frames = await read_raw_frames(reader)
+            writer.write(masked_close_frame())
+        finally:
+            writer.close()
+    assert b"HTTP/1.1" not in b"".join(payload for _, payload in frames)
+    closes = [payload for opcode, payload in frames if opcode == 0x8]
+    assert closes and int.from_bytes(closes[0][:2], "big") == 1011

@@ -12,8 +12,9 @@ Writes never wait: ``append`` and ``end`` queue entries for one flusher task, wh
 everything queued in one pipeline per round trip. Replies produced here are also kept in a
 local ``MemoryReplayStore``, so their own readers never wait on Redis. A failed write marks
 the reply (``failure``), so its producer stops with an in-band error instead of writing into
-a hole. Redis going away makes ``create`` raise ``StoreUnavailable``; redis-py reconnects by
-itself once it is back. This file must not know about HTTP or event formats.
+a hole. Redis going away, or not answering within ``COMMAND_TIMEOUT_S``, makes ``create`` and
+``read`` raise ``StoreUnavailable`` (and a write fail); redis-py reconnects by itself once it
+is back. This file must not know about HTTP or event formats.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -39,10 +41,24 @@ log = logging.getLogger("replystream.redis_store")
 
 READ_BATCH = 1000
 HEARTBEAT_S = 1.0
+# Every command's answer must come within this: a Redis that stops answering (hung, or a
+# network that drops packets) is then reported like one that is down, and no reader or
+# flush waits on it for ever. A blocking read blocks for at most half of it.
+COMMAND_TIMEOUT_S = 5.0
 
 
 def _seq(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[1])
+
+
+def shown_url(url: str) -> str:
+    """``url`` as errors may show it: without a user name or password."""
+    parts = urlsplit(url)
+    if parts.hostname is None:
+        return f"{parts.scheme}://{parts.path}"  # a unix socket
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 class RedisReplayStore:
@@ -61,12 +77,13 @@ class RedisReplayStore:
         connect_timeout_s: float = 2.0,
     ) -> None:
         self.url = url
+        self.where = f"Redis at {shown_url(url)}"  # errors reach clients: no credentials
         self.ttl_after_end_s = ttl_after_end_s
         self.liveness_s = liveness_s
         self.max_entries = max_entries
         self.prefix = prefix
         self.redis = aioredis.Redis.from_url(
-            url, socket_connect_timeout=connect_timeout_s, socket_timeout=None
+            url, socket_connect_timeout=connect_timeout_s, socket_timeout=COMMAND_TIMEOUT_S
         )
         self._local = MemoryReplayStore(
             ttl_after_end_s=min(ttl_after_end_s, 30.0), max_entries=max_entries
@@ -101,7 +118,7 @@ class RedisReplayStore:
                 pipe.set(self._key(info.reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
         await self._local.create(info)
         self._live.add(info.reply_id)
 
@@ -194,7 +211,7 @@ class RedisReplayStore:
         try:
             meta = await self.redis.hgetall(self._key(reply_id, ":meta"))
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
         if not meta:
             return None
         owner = meta.get(b"owner", b"")
@@ -208,15 +225,16 @@ class RedisReplayStore:
             if result is None or result.entries or result.lost or result.ending or wait_s <= 0:
                 return result
             # Nothing new: block on the stream until an entry lands or the wait runs out.
+            block_s = min(wait_s, COMMAND_TIMEOUT_S / 2)
             await self.redis.xread(
-                {self._key(reply_id): f"0-{after}"}, count=1, block=max(1, int(wait_s * 1000))
+                {self._key(reply_id): f"0-{after}"}, count=1, block=max(1, int(block_s * 1000))
             )
             result = await self._read_remote(reply_id, after)
             if result is None or result.entries or result.ending:
                 return result
             alive = await self.redis.exists(self._key(reply_id, ":live"))
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
         return ReadResult([], result.lost, None, producer_lost=not alive)
 
     async def _read_remote(self, reply_id: str, after: int) -> ReadResult | None:
@@ -251,13 +269,13 @@ class RedisReplayStore:
                 self._key(reply_id, ":cancel"), b"1", ex=max(1, int(self.ttl_after_end_s))
             )
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
 
     async def cancel_requested(self, reply_id: str) -> bool:
         try:
             return bool(await self.redis.exists(self._key(reply_id, ":cancel")))
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
 
     def stats(self) -> ReplayStats:
         return self._local.stats()

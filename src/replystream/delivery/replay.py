@@ -25,11 +25,19 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 
 class StoreUnavailable(Exception):
-    """The store cannot take or serve replies right now (e.g. Redis is down)."""
+    """The store cannot take or serve replies right now (e.g. Redis is down).
+
+    Every transport tells its client the same thing: ``code`` and ``describe()``."""
+
+    code: ClassVar[str] = "replay_store_unavailable"
+
+    def describe(self) -> str:
+        """What a client is told: the reply store failed, not the reply."""
+        return f"the reply store cannot be reached: {self}"
 
 
 class LogEntry(NamedTuple):

@@ -156,6 +156,10 @@ async def start_generation(
 ) -> DeltaStream:
     """Admit a request, turning engine refusals into API errors sent before any byte."""
     app = request.app
+    if not app[MANAGER_KEY].accepting:
+        record.outcome, record.reason = "rejected", "shutdown"
+        app[METRICS_KEY].observe(record)
+        raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
     try:
         deltas = await app[ENGINE_KEY].start(generation)
     except (RequestRejected, EngineError) as exc:
@@ -190,12 +194,10 @@ async def start_reply(
         await store.create(ReplyInfo(reply_id, owner=owner_of(request)))
     except StoreUnavailable as exc:
         await close_quietly(deltas)
-        record.outcome, record.reason = "rejected", "replay_store_unavailable"
+        record.outcome, record.reason = "rejected", exc.code
         app[METRICS_KEY].observe(record)
         raise HTTPAPIError(
-            503,
-            f"resumable replies are unavailable right now: {exc}",
-            code="replay_store_unavailable",
+            503, f"resumable replies are unavailable right now: {exc}", code=exc.code
         ) from exc
     reply = Reply(
         reply_id=reply_id,
@@ -351,9 +353,7 @@ async def _find_reply(request: web.Request) -> tuple[str, ReplayStore, Reply | N
             store = app[LOCAL_STORE_KEY]
             info = await store.info(reply_id)
     except StoreUnavailable as exc:
-        raise HTTPAPIError(
-            503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
-        ) from exc
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     # Another key's reply looks exactly like one that does not exist.
     if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
         raise HTTPAPIError(
@@ -384,9 +384,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
         try:
             await store.request_cancel(reply_id)
         except StoreUnavailable as exc:
-            raise HTTPAPIError(
-                503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
-            ) from exc
+            raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     return web.json_response({"reply_id": reply_id, "cancel_requested": True})
 
 

@@ -61,6 +61,22 @@ class SentLater(web.StreamResponse):
     sent: Callable[[int | str], None] | None = None
 
 
+class AbandonedResponse(web.StreamResponse):
+    """What a handler that failed after its response began leaves aiohttp to send: nothing.
+    The connection closes, so the client sees a response cut short, never a second one."""
+
+    def __init__(self) -> None:
+        super().__init__(status=500)
+        self.force_close()
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        if request.transport is not None:
+            request.transport.close()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        pass
+
+
 def front_door(door: FrontDoor) -> Middleware:
     """The middleware running ``door``'s steps around every handler."""
     origins, gate, check_key = door.cors_origins, door.gate, door.check_key
@@ -87,7 +103,18 @@ def front_door(door: FrontDoor) -> Middleware:
                     if response is None:
                         response = await handler(request)
                 except Exception as exc:
-                    response = error_answer(request, exc, door.max_body_bytes)
+                    if request.writer.output_size:
+                        # The response (or a WebSocket's upgrade) is on the wire: a second
+                        # one would be read as part of it. The connection just ends.
+                        log.error(
+                            "%s %s failed after its response began",
+                            request.method,
+                            request.path,
+                            exc_info=exc,
+                        )
+                        response = AbandonedResponse()
+                    else:
+                        response = error_answer(request, exc, door.max_body_bytes)
                 compress_if_worthwhile(request, response, door.gzip_min_bytes)
             status = response.status
             if isinstance(response, SentLater):

@@ -23,7 +23,12 @@ from aiohttp import web
 
 from replystream.delivery.formats import KEEPALIVE, error_frame
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore
+from replystream.delivery.replay import (
+    LogEntry,
+    MemoryReplayStore,
+    ReplayStore,
+    StoreUnavailable,
+)
 from replystream.server.front_door import SentLater
 from replystream.server.metrics import ReplyRecord
 from replystream.server.replies import Reply, ReplyManager
@@ -38,7 +43,14 @@ WRITE_OVERHEAD = 8 * 1024  # room for what a write may add: the headers, chunk f
 MAX_SWEEP_S = 1.0  # the keep-alive clock looks at waiting readers at least this often
 
 ReaderEnding = Literal[
-    "ended", "client_gone", "slow_client", "shutdown", "producer_lost", "expired"
+    "ended",
+    "client_gone",
+    "slow_client",
+    "shutdown",
+    "producer_lost",
+    "expired",
+    "store_unavailable",
+    "failed",
 ]
 
 SSE_HEADERS = {
@@ -215,6 +227,8 @@ class LogReader:
         transport = self.request.transport
         if transport is None or transport.is_closing():
             return
+        # Headers held back to leave with the first events must go first.
+        self.request.writer.send_headers()
         # When the reply's end is queued already (it just could not leave), nothing follows.
         if not self._body_ended:
             frame = error_frame(message, code)
@@ -266,8 +280,15 @@ class LogReader:
             self._last_words(str(cut), cut.ending)
         except ConnectionError:
             ending = "client_gone"
+        except Exception as exc:  # a bug of ours (or a store failing in a way it should not)
+            ending = "failed"
+            log.error("reader of %s failed", self.reply_id[:8], exc_info=exc)
+            if self.response.prepared:
+                self._last_words("internal error", "internal_error")
+            elif self.request.transport is not None:
+                self.request.transport.close()  # no headers yet: nothing can be said in-band
         finally:
-            self.manager.readers.discard(self)
+            self.manager.forget_reader(self)
             if self.reply is not None:
                 self.reply.followers.remove(self)
                 self.reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
@@ -300,7 +321,12 @@ class LogReader:
         keep-alive if nothing came and one is due; how the reader ended, if it did.
 
         Its own frame, so what it read is not held while the reader waits for more."""
-        result = await self.store.read(self.reply_id, self.after, wait_s)
+        try:
+            result = await self.store.read(self.reply_id, self.after, wait_s)
+        except StoreUnavailable as exc:
+            log.warning("reader of %s: %s", self.reply_id[:8], exc)
+            await self._send(error_frame(exc.describe(), exc.code), 1)
+            return "store_unavailable"
         if result is None:
             await self._send(error_frame("the reply expired while being read", "expired"), 1)
             return "expired"

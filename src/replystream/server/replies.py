@@ -23,7 +23,12 @@ from typing import Literal, Protocol, cast
 
 from replystream.delivery.channel import DeltaChannel, End
 from replystream.delivery.pipeline import ReplyPipeline
-from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore
+from replystream.delivery.replay import (
+    LogEntry,
+    MemoryReplayStore,
+    ReplayStore,
+    StoreUnavailable,
+)
 from replystream.engine.base import Delta, DeltaStream, EngineError, PushDeltaStream
 from replystream.server.metrics import Metrics, Outcome, ReplyRecord
 
@@ -52,6 +57,13 @@ class LogFollower(Protocol):
     def interrupt(self) -> None:
         """Called on every append while the reader may be blocked, and on shutdown."""
         ...
+
+
+class ReplyConnection(Protocol):
+    """A connection that carries replies of its own and outlives each of them (a
+    WebSocket): told when the server shuts down, so it can say goodbye and close."""
+
+    def server_stopping(self) -> None: ...
 
 
 class LogSink(Protocol):
@@ -201,8 +213,9 @@ class Reply:
             return
         failure = self.store.failure(self.reply_id)
         if failure is not None:
-            error = EngineError(f"reply log unavailable: {failure}", code="replay_store_error")
-            self._stop_producing(error)
+            # Said as every reader elsewhere says it, when the store fails under them.
+            lost = StoreUnavailable(failure)
+            self._stop_producing(EngineError(lost.describe(), code=lost.code))
             return
         self._arm_window()
 
@@ -316,9 +329,12 @@ class ReplyManager:
         self.replies: dict[str, Reply] = {}
         self.channels: set[DeltaChannel] = set()  # buffered replies being collected
         self.readers: set[LogFollower] = set()  # every open reader, to interrupt on shutdown
+        self.connections: set[ReplyConnection] = set()  # to close on shutdown
+        self.quiet = asyncio.Event()  # set once shut down, with no reader or connection left
         self.idle = asyncio.Event()
         self.idle.set()
-        self.shutting_down = False
+        self.accepting = True  # False from the moment shutdown begins: no new replies
+        self.shutting_down = False  # True once the grace period is over
         # Read when scraped: a gauge moved on every start and end costs a lock each time.
         metrics.read_on_scrape(metrics.active, lambda: len(self.replies))
 
@@ -348,8 +364,14 @@ class ReplyManager:
     def get(self, reply_id: str) -> Reply | None:
         return self.replies.get(reply_id)
 
+    def stop_accepting(self) -> None:
+        """Shutdown has begun: replies in flight may finish, new ones are refused."""
+        self.accepting = False
+
     def shut_down(self) -> None:
-        """Stop every producer with a shutdown error, and interrupt every blocked reader."""
+        """Stop every producer with a shutdown error, interrupt every blocked reader, and
+        tell every connection carrying replies to close once it has sent their endings."""
+        self.accepting = False
         self.shutting_down = True
         for reply in list(self.replies.values()):
             reply.stop("shutdown")
@@ -357,6 +379,27 @@ class ReplyManager:
             channel.close(End("shutdown"))
         for reader in list(self.readers):
             reader.interrupt()
+        for connection in list(self.connections):
+            connection.server_stopping()
+        self._note_if_quiet()
+
+    def forget_reader(self, reader: LogFollower) -> None:
+        self.readers.discard(reader)
+        self._note_if_quiet()
+
+    def forget_connection(self, connection: ReplyConnection) -> None:
+        self.connections.discard(connection)
+        self._note_if_quiet()
+
+    def _note_if_quiet(self) -> None:
+        if self.shutting_down and not self.readers and not self.connections:
+            self.quiet.set()
+
+    async def wait_quiet(self, timeout_s: float) -> None:
+        """After ``shut_down``: wait for every reader and connection to be done."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.quiet.wait()
 
     async def wait_stopped(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):

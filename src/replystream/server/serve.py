@@ -32,6 +32,10 @@ log = logging.getLogger("replystream.server")
 # socket with a small queue, and a burst of thousands of clients then overflows it: their
 # SYNs are dropped and retried a second later.
 LISTEN_BACKLOG = 4096
+# After the grace period: how long producers may take to stop, and then how long readers and
+# WebSockets may take to send the endings and close (each closes itself within less).
+STOP_TIMEOUT_S = 5.0
+LAST_WORDS_TIMEOUT_S = 8.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -57,19 +61,21 @@ class RunningServer:
         self.url = url
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting, give replies ``grace_s`` to finish, then end the rest in-band."""
+        """Stop accepting, give replies ``grace_s`` to finish, then end the rest in-band and
+        close every connection that carries replies, each within a bounded time."""
         from replystream.server.app import MANAGER_KEY
 
         await self.site.stop()
         manager = self.app[MANAGER_KEY]
+        manager.stop_accepting()
         if len(manager):
             log.warning("shutting down: %d replies in flight, %.1f s grace", len(manager), grace_s)
             await manager.wait_stopped(grace_s)
-        # Replies still running, and readers of replies made elsewhere, end with an error.
+        # Replies still running, and readers of replies made elsewhere, end with an error;
+        # each WebSocket sends its replies' endings, then closes (1001).
         manager.shut_down()
-        await manager.wait_stopped(5.0)
-        if manager.readers:
-            await asyncio.sleep(0.2)  # let readers write what the producers ended with
+        await manager.wait_stopped(STOP_TIMEOUT_S)
+        await manager.wait_quiet(LAST_WORDS_TIMEOUT_S)
 
 
 @contextlib.asynccontextmanager

@@ -21,6 +21,11 @@ Rules:
    ``slow_client_bytes``, closes the socket (code 1008, reason ``slow_client``).
 4. At most ``ServerConfig.ws_max_replies`` replies run on one socket; idle sockets are kept
    alive and checked with WebSocket pings every ``keepalive_s``.
+5. One error boundary per client message and per reply task: whatever fails there becomes
+   an ``error`` message for its tag. Only ``Session.send`` failing (``_SocketDone``) ends the
+   socket; nothing escapes the handler after the upgrade (a session failure closes 1011).
+6. At shutdown (``server_stopping``) the replies' ``shutdown`` errors are sent, then the
+   socket closes with 1001; every close is bounded (a client that does not answer is dropped).
 This file must not know how tokens are made or how the log is stored.
 """
 
@@ -33,16 +38,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import ReadResult, StoreUnavailable
-from replystream.server.app import CONFIG_KEY, NATIVE_FORMAT, start_reply
+from replystream.server.app import CONFIG_KEY, MANAGER_KEY, NATIVE_FORMAT, start_reply
 from replystream.server.auth import AUTH_PENDING, OWNER, KeyRing, key_owner
 from replystream.server.errors import HTTPAPIError, error_body
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.reader import LAST_WORDS_S
-from replystream.server.replies import Reply, StopReason
+from replystream.server.replies import Reply, ReplyManager, StopReason
 from replystream.sse import EventParser
 
 log = logging.getLogger("replystream.websocket")
@@ -52,10 +57,24 @@ LIVENESS_POLL_S = 1.0
 MAX_TAG_CHARS = 128
 CLOSE_UNAUTHORIZED = 4401  # application range (4000-4999): "401" over a WebSocket
 CLOSE_POLICY = 1008
+CLOSE_GOING_AWAY = 1001  # the server is shutting down
+CLOSE_INTERNAL_ERROR = 1011
+CLOSE_TIMEOUT_S = 1.0  # how long a close waits for the client's answering close frame
+# At shutdown, how long the replies on a socket may take to send their last events (each
+# reply's log already ends with its ``shutdown`` error) before the socket is closed.
+SHUTDOWN_LAST_WORDS_S = 2.0
 
 
-class _SlowClient(Exception):
-    """The socket cannot keep up; every reply on it ends and the socket closes."""
+class _SocketDone(Exception):
+    """The socket itself failed: every reply on it ends (raised only by ``Session.send``)."""
+
+
+class _SlowClient(_SocketDone):
+    """The socket cannot keep up; it is closed with ``CLOSE_POLICY``."""
+
+
+class _ClientGone(_SocketDone):
+    """The connection is gone (or closing): there is nobody left to tell anything."""
 
 
 @dataclass(eq=False)
@@ -65,6 +84,62 @@ class _Running:
     cancelled: bool = False
 
 
+def decode_message(data: str) -> dict[str, Any]:
+    """A client message as a JSON object, or a 400 saying why it is not one."""
+    try:
+        message = json.loads(data)
+    except ValueError as exc:
+        raise HTTPAPIError(400, f"message is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(message, dict):
+        raise HTTPAPIError(400, "a message must be a JSON object", code="invalid_json")
+    return message
+
+
+def message_tag(message: dict[str, Any]) -> str:
+    """The client's tag for the reply a message is about, or a 400."""
+    tag = message.get("id")
+    if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG_CHARS:
+        raise HTTPAPIError(
+            400,
+            f"id must be a string of 1 to {MAX_TAG_CHARS} characters",
+            code="invalid_value",
+            param="id",
+        )
+    return tag
+
+
+def parse_reply_message(
+    message: dict[str, Any], defaults: DeliveryPolicy, max_prompt_chars: int
+) -> ReplyRequest:
+    """A ``reply`` message's body as a streamed reply request, or a 400 naming the field."""
+    body = {k: v for k, v in message.items() if k not in ("type", "id")}
+    try:
+        ask = parse_reply_request(body, defaults, max_prompt_chars)
+    except ValueError as exc:  # a policy value the field checks let through
+        raise HTTPAPIError(400, str(exc), code="invalid_value") from exc
+    if not ask.stream:
+        raise HTTPAPIError(
+            400, "replies over a WebSocket are streamed", code="invalid_value", param="stream"
+        )
+    return ask
+
+
+def failure_message(tag: str | None, exc: Exception) -> dict[str, Any]:
+    """The ``error`` message for a client message (or its reply) that failed with ``exc``.
+
+    A refusal (``HTTPAPIError``: the client's mistake, or the server declining) is logged
+    in one line; anything else is a bug of ours, logged with its traceback, and the client
+    is told no more than that."""
+    if isinstance(exc, HTTPAPIError):
+        level = logging.INFO if exc.status < 500 else logging.WARNING
+        log.log(level, "websocket message %r refused: %s (%s)", tag, exc.message, exc.code)
+        body = error_body(exc.message, code=exc.code, status=exc.status, param=exc.param)
+    else:
+        log.error("websocket message %r failed", tag, exc_info=exc)
+        body = error_body("internal error", code="internal_error", status=500)
+    return {"type": "error", "id": tag, "data": body}
+
+
 class Session:
     """One WebSocket connection and the replies running over it."""
 
@@ -72,9 +147,12 @@ class Session:
         self.request = request
         self.ws = ws
         self.config = request.app[CONFIG_KEY]
+        self.manager: ReplyManager = request.app[MANAGER_KEY]
         self.policy: DeliveryPolicy = self.config.policy
         self.running: dict[str, _Running] = {}
         self._send_lock = asyncio.Lock()
+        self._group: asyncio.TaskGroup | None = None  # while ``run`` runs
+        self._closing = False
         # Kept from the start: a cut must be able to drop the connection whatever state the
         # WebSocket machinery is in by then.
         self.transport = request.transport
@@ -90,6 +168,8 @@ class Session:
                 raise _SlowClient(
                     f"socket did not drain for {self.policy.slow_client_s:g} s"
                 ) from None
+            except ConnectionError as exc:
+                raise _ClientGone(str(exc)) from None
         return len(text)
 
     async def send_error(
@@ -97,6 +177,23 @@ class Session:
     ) -> None:
         body = error_body(message, code=code, status=400, param=param)
         await self.send({"type": "error", "id": tag, "data": body})
+
+    async def close(self, code: int, reason: bytes) -> None:
+        """Send a close frame and give the client ``CLOSE_TIMEOUT_S`` to answer it.
+
+        The frame waits behind everything the client has not read; if the connection has
+        not gone within ``LAST_WORDS_S``, it goes without it (a close waits for the buffer to
+        drain, which a client that does not read never lets happen, and that wait does not
+        give way to a timeout: only dropping the connection ends it)."""
+        if self._closing:
+            return
+        self._closing = True
+        transport = self.transport
+        if transport is not None:
+            asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self.ws.close(code=code, message=reason)
 
     async def authenticate(self, ring: KeyRing) -> bool:
         """Wait for the first message to carry a valid key."""
@@ -115,106 +212,95 @@ class Session:
             self.request[OWNER] = key_owner(key)
             return True
         if not self.ws.closed:
-            with contextlib.suppress(ConnectionError, _SlowClient):
+            with contextlib.suppress(_SocketDone):
                 await self.send_error(
                     None,
                     'send {"type": "auth", "api_key": ...} first, with a valid key',
                     "invalid_api_key",
                 )
-            await self.ws.close(code=CLOSE_UNAUTHORIZED, message=b"invalid_api_key")
+            await self.close(CLOSE_UNAUTHORIZED, b"invalid_api_key")
         return False
 
     async def run(self) -> None:
         """Read client messages until the socket closes, running replies alongside."""
+        self.manager.connections.add(self)
         try:
             async with asyncio.TaskGroup() as group:
+                self._group = group
                 try:
                     async for msg in self.ws:
-                        if msg.type == WSMsgType.TEXT:
-                            await self._on_message(msg.data, group)
-                        elif msg.type == WSMsgType.BINARY:
-                            await self.send_error(
-                                None, "messages must be JSON text", "invalid_json"
-                            )
+                        if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                            await self._on_message(msg, group)
                 finally:
                     # The client is gone (or the socket is being cut): stop every reader.
                     for running in self.running.values():
                         running.task.cancel()
         except* _SlowClient as cut:
             log.info("websocket cut: %s", cut.exceptions[0])
-            transport = self.transport
-            if transport is not None:
-                # The close frame waits behind everything the reader did not take; if it has
-                # not left soon, the connection goes without it (a close waits for the
-                # buffer to drain, which a reader that does not read never lets happen).
-                asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await self.ws.close(code=CLOSE_POLICY, message=b"slow_client")
-        except* ConnectionError:
+            await self.close(CLOSE_POLICY, b"slow_client")
+        except* _ClientGone:
             pass  # the client left while a reply was being sent; its readers have stopped
+        finally:
+            self._group = None
+            self.manager.forget_connection(self)
 
-    async def _on_message(self, data: str, group: asyncio.TaskGroup) -> None:
-        try:
-            message = json.loads(data)
-        except ValueError as exc:
-            await self.send_error(None, f"message is not valid JSON: {exc}", "invalid_json")
-            return
-        if not isinstance(message, dict):
-            await self.send_error(None, "a message must be a JSON object", "invalid_json")
-            return
-        tag = message.get("id")
-        kind = message.get("type")
-        if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG_CHARS:
-            await self.send_error(
-                None,
-                f"id must be a string of 1 to {MAX_TAG_CHARS} characters",
-                "invalid_value",
-                "id",
-            )
-            return
-        if kind == "reply":
-            await self._start(tag, message, group)
-        elif kind == "cancel":
-            await self._cancel(tag)
-        else:
-            await self.send_error(tag, 'type must be "reply" or "cancel"', "invalid_value", "type")
+    def server_stopping(self) -> None:
+        """The server is shutting down: every reply here is ending with a ``shutdown`` error;
+        send those, then close the socket (1001, going away)."""
+        if self._group is not None and not self._closing:
+            self._group.create_task(self._close_for_shutdown(), name="ws-shutdown")
 
-    async def _start(self, tag: str, message: dict[str, Any], group: asyncio.TaskGroup) -> None:
-        if tag in self.running:
-            await self.send_error(tag, f"a reply tagged {tag!r} is running", "duplicate_id", "id")
-            return
-        if len(self.running) >= self.config.ws_max_replies:
-            await self.send_error(
-                tag,
-                f"at most {self.config.ws_max_replies} replies may run on one socket",
-                "too_many_replies",
-            )
-            return
-        body = {k: v for k, v in message.items() if k not in ("type", "id")}
+    async def _close_for_shutdown(self) -> None:
+        readers = [running.task for running in self.running.values()]
+        if readers:
+            await asyncio.wait(readers, timeout=SHUTDOWN_LAST_WORDS_S)
+        await self.close(CLOSE_GOING_AWAY, b"shutdown")
+
+    async def _on_message(self, msg: WSMessage, group: asyncio.TaskGroup) -> None:
+        """Handle one client message. Whatever goes wrong with it (the client's mistake, a
+        refusal, a bug of ours) becomes an ``error`` message for its tag: only the socket
+        itself failing ends the socket and the other replies on it."""
+        tag: str | None = None  # known once the message is read far enough to name it
         try:
-            ask = parse_reply_request(body, self.policy, self.config.max_prompt_chars)
-            if not ask.stream:
+            if msg.type != WSMsgType.TEXT:
+                raise HTTPAPIError(400, "messages must be JSON text", code="invalid_json")
+            message = decode_message(msg.data)
+            tag = message_tag(message)
+            kind = message.get("type")
+            if kind == "reply":
+                self._start(tag, message, group)
+            elif kind == "cancel":
+                self._cancel(tag)
+            else:
                 raise HTTPAPIError(
-                    400,
-                    "replies over a WebSocket are streamed",
-                    code="invalid_value",
-                    param="stream",
+                    400, 'type must be "reply" or "cancel"', code="invalid_value", param="type"
                 )
-        except HTTPAPIError as exc:
-            await self.send_error(tag, exc.message, exc.code, exc.param)
             return
-        except ValueError as exc:
-            await self.send_error(tag, str(exc), "invalid_value")
-            return
+        except _SocketDone:
+            raise
+        except Exception as exc:
+            failure = failure_message(tag, exc)
+        await self.send(failure)
+
+    def _start(self, tag: str, message: dict[str, Any], group: asyncio.TaskGroup) -> None:
+        if tag in self.running:
+            raise HTTPAPIError(
+                400, f"a reply tagged {tag!r} is running", code="duplicate_id", param="id"
+            )
+        if len(self.running) >= self.config.ws_max_replies:
+            raise HTTPAPIError(
+                400,
+                f"at most {self.config.ws_max_replies} replies may run on one socket",
+                code="too_many_replies",
+            )
+        ask = parse_reply_message(message, self.policy, self.config.max_prompt_chars)
         task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
         self.running[tag] = _Running(task)
 
-    async def _cancel(self, tag: str) -> None:
+    def _cancel(self, tag: str) -> None:
         running = self.running.get(tag)
         if running is None:
-            await self.send_error(tag, f"no reply tagged {tag!r} is running", "reply_not_found")
-            return
+            raise HTTPAPIError(400, f"no reply tagged {tag!r} is running", code="reply_not_found")
         # The reply's log ends with an ``error`` event (``cancelled``), which its reader sends;
         # a reply still being admitted is stopped as soon as it is, so it ends the same way.
         running.cancelled = True
@@ -226,20 +312,15 @@ class Session:
         running = self.running[tag]
         try:
             resumable = self.config.resumable_by_default if ask.resumable is None else ask.resumable
-            try:
-                reply = await start_reply(
-                    self.request,
-                    ask.generation,
-                    endpoint="/v1/ws",
-                    fmt=NATIVE_FORMAT,
-                    policy=ask.policy,
-                    resumable=resumable,
-                    disconnect=ask.disconnect,
-                )
-            except HTTPAPIError as exc:
-                body = error_body(exc.message, code=exc.code, status=exc.status, param=exc.param)
-                await self.send({"type": "error", "id": tag, "data": body})
-                return
+            reply = await start_reply(
+                self.request,
+                ask.generation,
+                endpoint="/v1/ws",
+                fmt=NATIVE_FORMAT,
+                policy=ask.policy,
+                resumable=resumable,
+                disconnect=ask.disconnect,
+            )
             running.reply = reply
             if running.cancelled:
                 # Let the producer take its first step first: a task cancelled before it
@@ -247,11 +328,10 @@ class Session:
                 await asyncio.sleep(0)
                 reply.stop("cancelled")
             await self._follow(tag, reply, ask.policy)
-        except (_SlowClient, ConnectionError):
+        except _SocketDone:
             raise  # the socket itself is done for: every reply on it ends
-        except Exception:  # a bug in one reply must not take the others down with it
-            log.exception("reply %s on a websocket failed", tag)
-            await self.send_error(tag, "internal error", "internal_error")
+        except Exception as exc:  # a refusal, or a bug: this reply ends, the others go on
+            await self.send(failure_message(tag, exc))
         finally:
             self.running.pop(tag, None)
 
@@ -265,7 +345,8 @@ class Session:
                 try:
                     result = await reply.store.read(reply.reply_id, after, LIVENESS_POLL_S)
                 except StoreUnavailable as exc:
-                    await self._end(tag, reply, f"the reply store failed: {exc}", "store_error")
+                    log.warning("reply %s: %s", reply.reply_id[:8], exc)
+                    await self._end(tag, reply, exc.describe(), exc.code)
                     return
                 if result is None:
                     await self._end(tag, reply, "the reply expired while being read", "expired")
@@ -314,10 +395,15 @@ class Session:
 
 
 async def handle_websocket(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/ws``: upgrade, authenticate if needed, then serve replies until closed."""
+    """``GET /v1/ws``: upgrade, authenticate if needed, then serve replies until closed.
+
+    Once upgraded, nothing may escape this handler: an HTTP response written now would land
+    inside the WebSocket stream. A failure of the session itself closes the socket (1011)."""
     config = request.app[CONFIG_KEY]
     ws = web.WebSocketResponse(
-        heartbeat=config.policy.keepalive_s, max_msg_size=config.max_body_bytes
+        heartbeat=config.policy.keepalive_s,
+        max_msg_size=config.max_body_bytes,
+        timeout=CLOSE_TIMEOUT_S,
     )
     if not ws.can_prepare(request).ok:
         raise HTTPAPIError(
@@ -325,12 +411,16 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
         )
     await ws.prepare(request)
     session = Session(request, ws)
-    ring = request.get(AUTH_PENDING)
-    if ring is not None and not await session.authenticate(ring):
-        return ws
-    await session.run()
+    try:
+        ring = request.get(AUTH_PENDING)
+        if ring is not None and not await session.authenticate(ring):
+            return ws
+        await session.run()
+    except Exception as exc:
+        log.error("websocket session failed", exc_info=exc)
+        await session.close(CLOSE_INTERNAL_ERROR, b"internal_error")
     if not ws.closed:
-        await ws.close()
+        await session.close(1000, b"")
     return ws
 
 
