@@ -43,13 +43,14 @@ from replystream.server.errors import HTTPAPIError, error_body
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.reader import LAST_WORDS_S
 from replystream.server.replies import Reply, StopReason
+from replystream.server.schemas import CancelMessage, ReplyMessage
+from replystream.server.socket_messages import BadMessage, auth_key, parse_message
 from replystream.sse import EventParser
 
 log = logging.getLogger("replystream.websocket")
 
 AUTH_TIMEOUT_S = 10.0
 LIVENESS_POLL_S = 1.0
-MAX_TAG_CHARS = 128
 CLOSE_UNAUTHORIZED = 4401  # application range (4000-4999): "401" over a WebSocket
 CLOSE_POLICY = 1008
 
@@ -107,11 +108,8 @@ class Session:
             msg = None
         key = None
         if msg is not None and msg.type == WSMsgType.TEXT:
-            with contextlib.suppress(ValueError):
-                first = json.loads(msg.data)
-                if isinstance(first, dict) and first.get("type") == "auth":
-                    key = first.get("api_key")
-        if isinstance(key, str) and ring.accepts(key):
+            key = auth_key(msg.data)
+        if key is not None and ring.accepts(key):
             self.request[OWNER] = key_owner(key)
             return True
         if not self.ws.closed:
@@ -156,31 +154,18 @@ class Session:
 
     async def _on_message(self, data: str, group: asyncio.TaskGroup) -> None:
         try:
-            message = json.loads(data)
-        except ValueError as exc:
-            await self.send_error(None, f"message is not valid JSON: {exc}", "invalid_json")
+            message = parse_message(data)
+        except BadMessage as bad:
+            error = bad.error
+            await self.send_error(bad.tag, error.message, error.code, error.param)
             return
-        if not isinstance(message, dict):
-            await self.send_error(None, "a message must be a JSON object", "invalid_json")
-            return
-        tag = message.get("id")
-        kind = message.get("type")
-        if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG_CHARS:
-            await self.send_error(
-                None,
-                f"id must be a string of 1 to {MAX_TAG_CHARS} characters",
-                "invalid_value",
-                "id",
-            )
-            return
-        if kind == "reply":
-            await self._start(tag, message, group)
-        elif kind == "cancel":
-            await self._cancel(tag)
+        if isinstance(message, CancelMessage):
+            await self._cancel(message.id)
         else:
-            await self.send_error(tag, 'type must be "reply" or "cancel"', "invalid_value", "type")
+            await self._start(message, group)
 
-    async def _start(self, tag: str, message: dict[str, Any], group: asyncio.TaskGroup) -> None:
+    async def _start(self, message: ReplyMessage, group: asyncio.TaskGroup) -> None:
+        tag = message.id
         if tag in self.running:
             await self.send_error(tag, f"a reply tagged {tag!r} is running", "duplicate_id", "id")
             return
@@ -191,21 +176,10 @@ class Session:
                 "too_many_replies",
             )
             return
-        body = {k: v for k, v in message.items() if k not in ("type", "id")}
         try:
-            ask = parse_reply_request(body, self.policy, self.config.max_prompt_chars)
-            if not ask.stream:
-                raise HTTPAPIError(
-                    400,
-                    "replies over a WebSocket are streamed",
-                    code="invalid_value",
-                    param="stream",
-                )
+            ask = parse_reply_request(message, self.policy, self.config.max_prompt_chars)
         except HTTPAPIError as exc:
             await self.send_error(tag, exc.message, exc.code, exc.param)
-            return
-        except ValueError as exc:
-            await self.send_error(tag, str(exc), "invalid_value")
             return
         task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
         self.running[tag] = _Running(task)
