@@ -343,10 +343,40 @@ async def _find_reply(request: web.Request) -> tuple[str, ReplayStore, Reply | N
     return reply_id, store, local
 
 
+async def _check_resume_point(reply_id: str, store: ReplayStore, after: int) -> None:
+    """Refuse a resume that could only send an empty stream: after an ended reply's last event
+    (409 ``reply_ended``: the client has it all) or past it (400: not an id of this reply).
+    A live reply is followed from any id: another replica may not have logged yet what its
+    producer has sent."""
+    try:
+        tail = await store.tail(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(
+            503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
+        ) from exc
+    if tail is None or not tail.ended or after < tail.last_seq:
+        return
+    if after > tail.last_seq:
+        raise HTTPAPIError(
+            400,
+            f"Last-Event-ID {after} is past this reply's last event ({tail.last_seq})",
+            code="invalid_value",
+            param="last_event_id",
+        )
+    raise HTTPAPIError(
+        409,
+        f"reply {reply_id} has ended and {after} is its last event: there is nothing after it",
+        code="reply_ended",
+        param="last_event_id",
+    )
+
+
 async def handle_resume(request: web.Request) -> web.StreamResponse:
     """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live."""
     after = _last_event_id(request)
     reply_id, store, local = await _find_reply(request)
+    if after > 0:
+        await _check_resume_point(reply_id, store, after)
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request, reply_id=reply_id, store=store, policy=policy, reply=local, after=after
