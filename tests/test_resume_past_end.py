@@ -5,6 +5,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ async def producer_and_reader(kind: str, tmp_path: Path) -> AsyncIterator[tuple[
             yield a, b
 
 
-async def resume(url: str, reply_id: str, last_event_id: str) -> tuple[int, dict, bytes]:
+async def resume(url: str, reply_id: str, last_event_id: str) -> tuple[int, Any, bytes]:
     response = await raw_request(
         f"{url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": last_event_id}
     )
