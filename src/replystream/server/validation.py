@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
@@ -69,12 +70,20 @@ async def read_model(request: web.Request, model: type[M]) -> M:
         )
     try:
         raw = await read_body(request)
-    except ContentEncodingError:
-        raise HTTPAPIError(
-            400,
-            f"the body is not valid {encoding} data, as its Content-Encoding says it is",
-            code="invalid_content_encoding",
-        ) from None
+    except RequestPayloadError as exc:  # aiohttp's wrapper of what broke while reading
+        # The parser stops at the bad bytes and feeds the body no more. Mark it ended, or
+        # aiohttp's drain of an unread body after the handler meets the same error again and
+        # logs it as unhandled; and close the connection: where this request ends is unknown.
+        request.content.feed_eof()
+        if isinstance(exc.__cause__, ContentEncodingError):
+            message = f"the body is not valid {encoding} data, as its Content-Encoding says"
+            code = "invalid_content_encoding"
+        else:
+            message, code = (
+                "the request body could not be read: its framing is broken",
+                "invalid_body",
+            )
+        raise HTTPAPIError(400, message, code=code, close_connection=True) from None
     return parse_json(raw, model, what="body")
 
 
@@ -106,8 +115,11 @@ def field_path(loc: tuple[int | str, ...]) -> str | None:
 
 
 def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIError:
-    """The first of pydantic's errors as the API's error, naming the field."""
-    error = exc.errors(include_url=False)[0]
+    """One of pydantic's errors as the API's error, naming the field: the first about a
+    field's value, else the first unknown field (an ``image_url`` part is reported by its
+    ``type``, not by its ``image_url`` field that text parts lack)."""
+    errors = exc.errors(include_url=False)
+    error = next((e for e in errors if e["type"] != "extra_forbidden"), errors[0])
     kind = error["type"]
     param = error.get("ctx", {}).get("param") or field_path(error["loc"])
     if kind == "json_invalid":
