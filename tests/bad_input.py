@@ -132,7 +132,7 @@ async def _websocket_exchange(url: str, messages: list[str]) -> list[dict[str, A
         await ws.send_str(json.dumps({"type": "cancel", "id": "\x00last"}))
         answered = False
         async with asyncio.timeout(20):
-            while not answered or running:
+            while True:  # until quiet for a moment, every message answered, every reply ended
                 try:
                     msg = await asyncio.wait_for(ws.receive(), 0.2)
                 except TimeoutError:

@@ -239,7 +239,7 @@ def test_random_bytes_as_a_body_are_a_400_in_our_format(server: LoggedServer, ro
 query_text = (
     st.text(max_size=24)
     | json_values.map(json.dumps)
-    | st.sampled_from(["²", "１２", "1_000", " 7", "-1", "+3", "0x10", "1e3", "9" * 40, ""])
+    | st.sampled_from(["²", "\uff11\uff12", "1_000", " 7", "-1", "+3", "0x10", "1e3", "9" * 40, ""])
 )
 LAB_PARAMS = ["prompt", "seed", "max_tokens", "ids", "resumable", "unknown"]
 
