@@ -194,3 +194,10 @@ def test_a_websocket_reply_with_a_bad_nested_field_is_an_error_for_its_tag(
     assert params["a"] == "messages[0].role"
     assert params["b"] == "messages[0].content[0].text"
     assert params["c"] == "temperature"
+
+
+def test_a_setting_the_route_cannot_honour_is_refused_not_ignored(server: LoggedServer) -> None:
+    body = '{"prompt": "x", "stream": false, "disconnect": "detach"}'
+    refused(server.post_json_text("/v1/replies", body), 400, "invalid_value", "disconnect")
+    refused(server.request("GET", "/wait?resumable=1"), 400, "invalid_value", "resumable")
+    assert server.request("GET", "/wait?resumable=0&max_tokens=2").status == 200

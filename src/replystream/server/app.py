@@ -260,7 +260,15 @@ async def _buffered(
 async def handle_wait(request: web.Request) -> web.StreamResponse:
     """Buffered delivery: collect the whole reply, then send ``{"text": ...}`` once."""
     policy = request.app[CONFIG_KEY].policy
-    generation = lab_request(request, lab_query(request))
+    query = lab_query(request)
+    if query.resumable:  # a body sent whole has nothing to resume: say so, never ignore it
+        raise HTTPAPIError(
+            400,
+            "resumable=1 applies to /stream; /wait sends its reply whole",
+            code="invalid_value",
+            param="resumable",
+        )
+    generation = lab_request(request, query)
     return await _buffered(
         request, generation, "/wait", policy, lambda text, _r, _u: {"text": text}
     )

@@ -181,6 +181,13 @@ class ReplyBody(SamplingFields):
     stream: bool = True
     disconnect: Literal["cancel", "detach"] | None = None
 
+    @model_validator(mode="after")
+    def _disconnect_is_for_streams(self) -> ReplyBody:
+        if self.disconnect is not None and not self.stream:
+            message = "disconnect applies to streamed replies (stream: true)"
+            raise _invalid(message, "disconnect")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _one_prompt(cls, data: Any) -> Any:
