@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from replystream.delivery.redis_store import RedisReplayStore
-from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplayStore, ReplyInfo
+from replystream.delivery.replay import (
+    LogEntry,
+    LogTail,
+    MemoryReplayStore,
+    ReplayStore,
+    ReplyInfo,
+)
 from tests.redis_server import redis_server
 
 
@@ -163,3 +169,22 @@ async def test_redis_down_makes_create_fail_clearly_and_recovers(tmp_path: Path)
         await store.create(ReplyInfo("after"))
         assert await store.info("after") is not None
         await store.aclose()
+
+
+async def test_tail_names_the_last_event_and_whether_the_reply_ended(stores):
+    producer, reader = stores
+    assert await reader.tail("never") is None
+    await producer.create(ReplyInfo("r7"))
+    await settle(producer)
+    assert await reader.tail("r7") == LogTail(0, ended=False)
+    producer.append("r7", frames(1, 5))
+    await settle(producer)
+    assert await reader.tail("r7") == LogTail(4, ended=False)
+    assert await producer.tail("r7") == LogTail(4, ended=False)
+    producer.end("r7", "done")
+    await settle(producer)
+    # Once ended, every event up to the last is readable: a resume past it is a mistake.
+    assert await reader.tail("r7") == LogTail(4, ended=True)
+    assert await producer.tail("r7") == LogTail(4, ended=True)
+    result = await reader.read("r7", 4, wait_s=0)
+    assert result is not None and result.entries == [] and result.ending == "done"

@@ -295,7 +295,7 @@ async def test_a_message_that_fails_anywhere_is_an_error_for_its_tag_and_other_r
     parse = native.parse_reply_request
 
     def parse_with_a_bug(body, defaults, max_prompt_chars):
-        if body.get("prompt") == "bug":
+        if body.prompt == "bug":
             raise RuntimeError("injected")
         return parse(body, defaults, max_prompt_chars)
 

@@ -7,9 +7,10 @@ is never sent twice. Between attempts it waits with capped exponential backoff a
 jitter, never less than the server's ``retry:`` value. Events are yielded once each (an id at
 or below the last one seen is dropped); ``gap`` events and the ``generator_lost`` error are
 yielded for the caller to see. It stops after the end marker (``[DONE]`` or ``done``), an
-``error`` or ``moderated`` event, or when attempts run out (``ResumeFailed``). An unnumbered
-``slow_client`` or ``shutdown`` error is about the connection, not the reply, so it leads to a
-resume too.
+``error`` or ``moderated`` event, when the server answers a resume with 409 ``reply_ended``
+(the reply ended with the last event it holds: there is nothing more to read), or when
+attempts run out (``ResumeFailed``). An unnumbered ``slow_client`` or ``shutdown`` error is
+about the connection, not the reply, so it leads to a resume too.
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ class ResumingReader:
         async with http_request(url, method=method, body=body, headers=headers) as response:
             if response.status == 404 and self.reply_id is not None:
                 raise ResumeFailed(f"reply {self.reply_id} is gone (expired or never existed)")
+            if response.status == 409 and self.reply_id is not None:
+                # ``reply_ended``: the reply ended with the last event this reader holds, so
+                # it has read everything there is (the drop came after that event).
+                self.finished = True
+                return
             if response.status >= 400 or response.content_type != "text/event-stream":
                 detail = b"".join([c.data async for c in response])[:300].decode(errors="replace")
                 raise ResumeFailed(f"HTTP {response.status}: {detail}")

@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from replystream.delivery.replay import (
     LogEntry,
+    LogTail,
     MemoryReplayStore,
     ReadResult,
     ReplayStats,
@@ -216,6 +217,23 @@ class RedisReplayStore:
             return None
         owner = meta.get(b"owner", b"")
         return ReplyInfo(reply_id, owner=owner.decode() if isinstance(owner, bytes) else owner)
+
+    async def tail(self, reply_id: str) -> LogTail | None:
+        if await self._local.info(reply_id) is not None:
+            return await self._local.tail(reply_id)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xrevrange(self._key(reply_id), max="+", min="-", count=1)
+                pipe.exists(self._key(reply_id, ":meta"))
+                rows, known = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+        if not rows:
+            return LogTail(0, False) if known else None
+        entry_id, fields = rows[0]
+        if b"end" in fields:  # the terminal entry takes the number after the last event's
+            return LogTail(_seq(entry_id) - 1, True)
+        return LogTail(_seq(entry_id), False)
 
     async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
         if await self._local.info(reply_id) is not None:

@@ -14,7 +14,9 @@ Rules every store keeps:
 4. A reply without an ending whose producer stopped refreshing its liveness is reported as
    ``producer_lost`` once its entries are read, so no reader hangs on a dead replica.
 5. A reply is kept while live and for ``ttl_after_end_s`` after its ending; then it is gone
-   (``read`` and ``info`` return None), as is a reply id that never existed.
+   (``read``, ``info`` and ``tail`` return None), as is a reply id that never existed.
+6. ``tail`` tells the last event's sequence number and whether the reply has ended; once it
+   says ended, every event up to that number can be read (so a resume past it is a mistake).
 This file must not know about HTTP or event formats.
 """
 
@@ -69,6 +71,15 @@ class ReadResult:
 
 
 @dataclass(frozen=True, slots=True)
+class LogTail:
+    """Where a reply's log stands: its last event's sequence number (0: none yet), and
+    whether its ending has been written (then no event will follow)."""
+
+    last_seq: int
+    ended: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayStats:
     replies: int
     live: int
@@ -96,6 +107,12 @@ class ReplayStore(Protocol):
         ...
 
     async def info(self, reply_id: str) -> ReplyInfo | None: ...
+
+    async def tail(self, reply_id: str) -> LogTail | None:
+        """Where the reply's log stands; None for an unknown or expired reply.
+
+        Raises ``StoreUnavailable``."""
+        ...
 
     async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
         """Entries after ``after``; if there are none yet, wait up to ``wait_s`` for some.
@@ -228,6 +245,10 @@ class MemoryReplayStore:
     async def info(self, reply_id: str) -> ReplyInfo | None:
         log = self._log(reply_id)
         return None if log is None else log.info
+
+    async def tail(self, reply_id: str) -> LogTail | None:
+        log = self._log(reply_id)
+        return None if log is None else LogTail(log.next_seq - 1, log.ending is not None)
 
     def release(self, reply_id: str, upto: int) -> None:
         """Entries up to ``upto`` will never be read again (a reply nobody may resume)."""

@@ -70,10 +70,12 @@ from replystream.server.guard import (
     stamp_response,
 )
 from replystream.server.metrics import Metrics, ReplyRecord
-from replystream.server.native import parse_reply_request, read_json_object
+from replystream.server.native import parse_reply_request
 from replystream.server.pages import add_page_routes
 from replystream.server.reader import SSE_HEADERS, EventStream, KeepaliveClock, LogReader
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
+from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
+from replystream.server.validation import parse_mapping, read_model
 
 log = logging.getLogger("replystream.server")
 
@@ -108,41 +110,24 @@ LAB_FORMAT = LabFormat()
 NATIVE_FORMAT = NativeFormat()
 
 
-def _int_query(request: web.Request, name: str, *, minimum: int) -> int | None:
-    raw = request.query.get(name)
-    if raw is None:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise HTTPAPIError(
-            400, f"{name} must be an integer, got {raw!r}", code="invalid_value", param=name
-        ) from None
-    if value < minimum:
-        raise HTTPAPIError(
-            400, f"{name} must be at least {minimum}", code="invalid_value", param=name
-        )
-    return value
+def lab_query(request: web.Request) -> LabQuery:
+    """The lab endpoints' query parameters, validated (a repeated one counts once: the first)."""
+    query = request.query
+    return parse_mapping({name: query.getone(name) for name in query}, LabQuery)
 
 
-def _flag_query(request: web.Request, name: str, default: bool) -> bool:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    if raw.lower() in ("1", "true", "yes"):
-        return True
-    if raw.lower() in ("0", "false", "no"):
-        return False
-    raise HTTPAPIError(400, f"{name} must be 0 or 1, got {raw!r}", code="invalid_value", param=name)
-
-
-def lab_request(request: web.Request) -> GenerationRequest:
+def lab_request(request: web.Request, query: LabQuery) -> GenerationRequest:
     """The generation asked for by the lab endpoints' query string (prompt, seed, max_tokens)."""
-    sampling = SamplingParams(
-        seed=_int_query(request, "seed", minimum=0),
-        max_tokens=_int_query(request, "max_tokens", minimum=1),
-    )
-    return GenerationRequest(prompt=request.query.get("prompt", ""), sampling=sampling)
+    limit = request.app[CONFIG_KEY].max_prompt_chars
+    if len(query.prompt) > limit:
+        raise HTTPAPIError(
+            400,
+            f"prompt is {len(query.prompt)} characters; the limit is {limit}",
+            code="prompt_too_long",
+            param="prompt",
+        )
+    sampling = SamplingParams(seed=query.seed, max_tokens=query.max_tokens)
+    return GenerationRequest(prompt=query.prompt, sampling=sampling)
 
 
 def owner_of(request: web.Request) -> str:
@@ -277,17 +262,28 @@ async def _buffered(
 async def handle_wait(request: web.Request) -> web.StreamResponse:
     """Buffered delivery: collect the whole reply, then send ``{"text": ...}`` once."""
     policy = request.app[CONFIG_KEY].policy
+    query = lab_query(request)
+    if query.resumable:  # a body sent whole has nothing to resume: say so, never ignore it
+        raise HTTPAPIError(
+            400,
+            "resumable=1 applies to /stream; /wait sends its reply whole",
+            code="invalid_value",
+            param="resumable",
+        )
+    generation = lab_request(request, query)
     return await _buffered(
-        request, lab_request(request), "/wait", policy, lambda text, _r, _u: {"text": text}
+        request, generation, "/wait", policy, lambda text, _r, _u: {"text": text}
     )
 
 
 async def handle_stream(request: web.Request) -> web.StreamResponse:
     """Streamed delivery: one event per token (a JSON string), then ``data: [DONE]``."""
     config = request.app[CONFIG_KEY]
-    generation = lab_request(request)
-    numbered = _flag_query(request, "ids", True)
-    resumable = _flag_query(request, "resumable", config.resumable_by_default) and numbered
+    query = lab_query(request)
+    generation = lab_request(request, query)
+    numbered = query.ids
+    resumable = config.resumable_by_default if query.resumable is None else query.resumable
+    resumable = resumable and numbered
     reply = await start_reply(
         request,
         generation,
@@ -305,11 +301,8 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
 async def handle_replies(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies``: a reply streamed as named events, or one JSON body."""
     config = request.app[CONFIG_KEY]
-    body = await read_json_object(request)
-    try:
-        ask = parse_reply_request(body, config.policy, config.max_prompt_chars)
-    except ValueError as exc:  # a policy value the field checks let through
-        raise HTTPAPIError(400, str(exc), code="invalid_value") from exc
+    body = await read_model(request, ReplyBody)
+    ask = parse_reply_request(body, config.policy, config.max_prompt_chars)
     if not ask.stream:
         return await _buffered(request, ask.generation, "/v1/replies", ask.policy, _native_body)
     resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
@@ -328,17 +321,10 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
 
 
 def _last_event_id(request: web.Request) -> int:
-    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", "0")).strip()
-    if raw == "":
-        return 0
-    if not raw.isdigit():
-        raise HTTPAPIError(
-            400,
-            f"Last-Event-ID must be an event id from this reply, got {raw!r}",
-            code="invalid_value",
-            param="last_event_id",
-        )
-    return int(raw)
+    """The event id a resume starts after: ``Last-Event-ID``, else ``last_event_id``."""
+    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", ""))
+    values = {"last_event_id": raw} if raw.strip() else {}
+    return parse_mapping(values, ResumeCursor).last_event_id
 
 
 async def _find_reply(request: web.Request) -> tuple[str, ReplayStore, Reply | None]:
@@ -365,10 +351,40 @@ async def _find_reply(request: web.Request) -> tuple[str, ReplayStore, Reply | N
     return reply_id, store, local
 
 
+async def _check_resume_point(reply_id: str, store: ReplayStore, after: int) -> None:
+    """Refuse a resume that could only send an empty stream: after an ended reply's last event
+    (409 ``reply_ended``: the client has it all) or past it (400: not an id of this reply).
+    A live reply is followed from any id: another replica may not have logged yet what its
+    producer has sent."""
+    try:
+        tail = await store.tail(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(
+            503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
+        ) from exc
+    if tail is None or not tail.ended or after < tail.last_seq:
+        return
+    if after > tail.last_seq:
+        raise HTTPAPIError(
+            400,
+            f"Last-Event-ID {after} is past this reply's last event ({tail.last_seq})",
+            code="invalid_value",
+            param="last_event_id",
+        )
+    raise HTTPAPIError(
+        409,
+        f"reply {reply_id} has ended and {after} is its last event: there is nothing after it",
+        code="reply_ended",
+        param="last_event_id",
+    )
+
+
 async def handle_resume(request: web.Request) -> web.StreamResponse:
     """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live."""
     after = _last_event_id(request)
     reply_id, store, local = await _find_reply(request)
+    if after > 0:
+        await _check_resume_point(reply_id, store, after)
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request, reply_id=reply_id, store=store, policy=policy, reply=local, after=after

@@ -18,7 +18,9 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -44,12 +46,24 @@ def error_response(
 class HTTPAPIError(Exception):
     """Raised inside a handler to answer with an error response before any byte is sent."""
 
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        close_connection: bool = False,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.close_connection = close_connection  # the request's end on the wire is unknown
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, code=self.code, param=self.param)
+        response = error_response(self.status, self.message, code=self.code, param=self.param)
+        if self.close_connection:
+            response.force_close()
+        return response

@@ -12,7 +12,7 @@ replies; it must not know how tokens are made or how events are framed.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
@@ -24,7 +24,6 @@ from replystream.delivery.openai_formats import (
     OpenAIStreamFormat,
     completion_body,
 )
-from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import ids
 from replystream.server.app import (
     CONFIG_KEY,
@@ -36,26 +35,19 @@ from replystream.server.app import (
 )
 from replystream.server.buffered import buffered_reply
 from replystream.server.metrics import ReplyRecord
-from replystream.server.native import read_json_object
 from replystream.server.openai_requests import (
     CompletionAsk,
     model_not_found,
     parse_chat_request,
     parse_completion_request,
 )
+from replystream.server.schemas import ChatBody, CompletionBody
+from replystream.server.validation import read_model
 
 # A comment line without the blank line after it: the OpenAI Python SDK turns a blank line
 # after a comment into an empty event once it has seen an ``id:``, and fails to parse it.
 SDK_KEEPALIVE = b": keep-alive\n"
 STARTED_AT = web.AppKey("openai_started_at", int)
-
-
-class Parse(Protocol):
-    """A body validator: ``parse_chat_request`` or ``parse_completion_request``."""
-
-    def __call__(
-        self, body: dict[str, Any], *, model: str, defaults: DeliveryPolicy, max_prompt_chars: int
-    ) -> CompletionAsk: ...
 
 
 def served_model(app: web.Application) -> str:
@@ -129,13 +121,11 @@ async def _buffered(
     return response
 
 
-async def _complete(request: web.Request, kind: Kind, parse: Parse) -> web.StreamResponse:
-    """Parse and start a completion: its chunks streamed, or one JSON body."""
-    app = request.app
-    config = app[CONFIG_KEY]
-    model = served_model(app)
-    body = await read_json_object(request)
-    ask = parse(body, model=model, defaults=config.policy, max_prompt_chars=config.max_prompt_chars)
+async def _complete(
+    request: web.Request, kind: Kind, ask: CompletionAsk, model: str
+) -> web.StreamResponse:
+    """Start a completion: its chunks streamed, or one JSON body."""
+    config = request.app[CONFIG_KEY]
     created = int(time.time())
     if not ask.stream:
         return await _buffered(request, kind, ask, model, created)
@@ -161,12 +151,22 @@ async def _complete(request: web.Request, kind: Kind, parse: Parse) -> web.Strea
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``: a ``chat.completion``, or its chunks streamed."""
-    return await _complete(request, "chat", parse_chat_request)
+    body = await read_model(request, ChatBody)
+    config, model = request.app[CONFIG_KEY], served_model(request.app)
+    ask = parse_chat_request(
+        body, model=model, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
+    )
+    return await _complete(request, "chat", ask, model)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions``: a legacy ``text_completion``, or its chunks streamed."""
-    return await _complete(request, "text", parse_completion_request)
+    body = await read_model(request, CompletionBody)
+    config, model = request.app[CONFIG_KEY], served_model(request.app)
+    ask = parse_completion_request(
+        body, model=model, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
+    )
+    return await _complete(request, "text", ask, model)
 
 
 def add_openai_routes(app: web.Application) -> None:

@@ -48,13 +48,14 @@ from replystream.server.errors import HTTPAPIError, error_body
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.reader import LAST_WORDS_S
 from replystream.server.replies import Reply, ReplyManager, StopReason
+from replystream.server.schemas import CancelMessage, ReplyMessage
+from replystream.server.socket_messages import BadMessage, auth_key, parse_message
 from replystream.sse import EventParser
 
 log = logging.getLogger("replystream.websocket")
 
 AUTH_TIMEOUT_S = 10.0
 LIVENESS_POLL_S = 1.0
-MAX_TAG_CHARS = 128
 CLOSE_UNAUTHORIZED = 4401  # application range (4000-4999): "401" over a WebSocket
 CLOSE_POLICY = 1008
 CLOSE_GOING_AWAY = 1001  # the server is shutting down
@@ -82,46 +83,6 @@ class _Running:
     task: asyncio.Task[None]
     reply: Reply | None = None
     cancelled: bool = False
-
-
-def decode_message(data: str) -> dict[str, Any]:
-    """A client message as a JSON object, or a 400 saying why it is not one."""
-    try:
-        message = json.loads(data)
-    except ValueError as exc:
-        raise HTTPAPIError(400, f"message is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(message, dict):
-        raise HTTPAPIError(400, "a message must be a JSON object", code="invalid_json")
-    return message
-
-
-def message_tag(message: dict[str, Any]) -> str:
-    """The client's tag for the reply a message is about, or a 400."""
-    tag = message.get("id")
-    if not isinstance(tag, str) or not 0 < len(tag) <= MAX_TAG_CHARS:
-        raise HTTPAPIError(
-            400,
-            f"id must be a string of 1 to {MAX_TAG_CHARS} characters",
-            code="invalid_value",
-            param="id",
-        )
-    return tag
-
-
-def parse_reply_message(
-    message: dict[str, Any], defaults: DeliveryPolicy, max_prompt_chars: int
-) -> ReplyRequest:
-    """A ``reply`` message's body as a streamed reply request, or a 400 naming the field."""
-    body = {k: v for k, v in message.items() if k not in ("type", "id")}
-    try:
-        ask = parse_reply_request(body, defaults, max_prompt_chars)
-    except ValueError as exc:  # a policy value the field checks let through
-        raise HTTPAPIError(400, str(exc), code="invalid_value") from exc
-    if not ask.stream:
-        raise HTTPAPIError(
-            400, "replies over a WebSocket are streamed", code="invalid_value", param="stream"
-        )
-    return ask
 
 
 def failure_message(tag: str | None, exc: Exception) -> dict[str, Any]:
@@ -204,11 +165,8 @@ class Session:
             msg = None
         key = None
         if msg is not None and msg.type == WSMsgType.TEXT:
-            with contextlib.suppress(ValueError):
-                first = json.loads(msg.data)
-                if isinstance(first, dict) and first.get("type") == "auth":
-                    key = first.get("api_key")
-        if isinstance(key, str) and ring.accepts(key):
+            key = auth_key(msg.data)
+        if key is not None and ring.accepts(key):
             self.request[OWNER] = key_owner(key)
             return True
         if not self.ws.closed:
@@ -264,17 +222,16 @@ class Session:
         try:
             if msg.type != WSMsgType.TEXT:
                 raise HTTPAPIError(400, "messages must be JSON text", code="invalid_json")
-            message = decode_message(msg.data)
-            tag = message_tag(message)
-            kind = message.get("type")
-            if kind == "reply":
-                self._start(tag, message, group)
-            elif kind == "cancel":
+            try:
+                message = parse_message(msg.data)
+            except BadMessage as bad:
+                tag = bad.tag
+                raise bad.error from None
+            tag = message.id
+            if isinstance(message, CancelMessage):
                 self._cancel(tag)
             else:
-                raise HTTPAPIError(
-                    400, 'type must be "reply" or "cancel"', code="invalid_value", param="type"
-                )
+                self._start(message, group)
             return
         except _SocketDone:
             raise
@@ -282,7 +239,8 @@ class Session:
             failure = failure_message(tag, exc)
         await self.send(failure)
 
-    def _start(self, tag: str, message: dict[str, Any], group: asyncio.TaskGroup) -> None:
+    def _start(self, message: ReplyMessage, group: asyncio.TaskGroup) -> None:
+        tag = message.id
         if tag in self.running:
             raise HTTPAPIError(
                 400, f"a reply tagged {tag!r} is running", code="duplicate_id", param="id"
@@ -293,7 +251,7 @@ class Session:
                 f"at most {self.config.ws_max_replies} replies may run on one socket",
                 code="too_many_replies",
             )
-        ask = parse_reply_message(message, self.policy, self.config.max_prompt_chars)
+        ask = parse_reply_request(message, self.policy, self.config.max_prompt_chars)
         task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
         self.running[tag] = _Running(task)
 

@@ -1,0 +1,373 @@
+"""Every request's declared shape: bodies, WebSocket messages, query strings, resume cursors.
+
+This file decides what each route accepts, field by field: the JSON type (strict: no bool as
+a number, no number or string coercion), the range, and which fields exist at all (unknown
+ones are refused, except on the lab's query string, which has always ignored them). It must
+not know about aiohttp, engines or the server's configured limits (the prompt limit, the
+served model's name): those checks, and checks across fields, are made where a model is
+turned into a request (``server.native``, ``server.openai_requests``). Parsing raw bytes into
+these models, and turning a failure into the API's error, is ``server.validation``.
+
+Two class attributes of a top-level model steer the error its failures become:
+``unknown_field`` (the code and wording for a field it does not have, its own or a nested
+object's) and ``field_codes`` (a code other than ``invalid_value`` for a field, such as
+``unsupported_parameter`` for a feature this server lacks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PlainValidator,
+    StringConstraints,
+    Tag,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_SEED = 2**63 - 1
+MAX_TAG_CHARS = 128
+ROLES = ("system", "user", "assistant", "developer", "tool")
+# Union branches are named with these tags; ``validation`` drops them from a field's path.
+UNION_TAGS = frozenset({"<string>", "<parts>"})
+
+
+def _invalid(message: str, param: str | None = None) -> PydanticCustomError:
+    """A failure whose message is a whole sentence naming the field. ``param`` names the
+    field for a check made on the whole object (across fields), whose place is the object."""
+    return PydanticCustomError("invalid_field", message, {"param": param} if param else None)
+
+
+def only(allowed: object, why: str) -> AfterValidator:
+    """Accept a field at the one value this server can honour (the type is checked first)."""
+
+    def check(value: Any) -> Any:
+        if value != allowed:
+            raise PydanticCustomError("not_honoured", "must be {why}", {"why": why})
+        return value
+
+    return AfterValidator(check)
+
+
+# Numbers: strict ints (a bool or 1.0 is refused), finite floats (an int is taken as one).
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+OnlyOne = Annotated[int, Field(ge=1, le=1)]
+OnlyZero = Annotated[int, Field(ge=0, le=0)]
+BatchTokens = Annotated[int, Field(ge=1, le=4096)]
+HoldbackTokens = Annotated[int, Field(ge=0, le=4096)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+BatchMs = Annotated[float, Field(ge=0.0, le=60_000.0)]
+KeepaliveS = Annotated[float, Field(ge=0.1, le=3600.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(ge=0.0, le=10.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+ClientTag = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_CHARS)]
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= 4
+        or not all(isinstance(s, str) and s for s in value)
+    ):
+        raise _invalid("stop must be a non-empty string or a list of up to 4 of them")
+    return tuple(value)
+
+
+Stop = Annotated[tuple[str, ...], PlainValidator(_stop)]
+
+
+class Schema(BaseModel):
+    """A request's declared shape, and how its failures read (see the module's docstring)."""
+
+    unknown_field: ClassVar[Literal["native", "openai"]] = "native"
+    field_codes: ClassVar[Mapping[str, str]] = {}
+
+
+class Strict(Schema):
+    """A JSON request part: strict types, finite numbers, unknown fields refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class TextPart(Strict):
+    """A chat content part; this server reads text only, so any other type is refused."""
+
+    type: Literal["text"]
+    text: str
+
+
+def _content_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<string>"
+    if isinstance(value, list):
+        return "<parts>"
+    return None
+
+
+Content = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[TextPart], Tag("<parts>")],
+    Discriminator(
+        _content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of text parts",
+    ),
+]
+
+
+class Message(Strict):
+    """One chat message. ``name`` is passed on to chat upstreams; ``refusal`` is taken only
+    as null, the value the OpenAI SDKs send back with an assistant message they received."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Content
+    name: str | None = None
+    refusal: None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+Messages = Annotated[list[Message], Field(min_length=1)]
+OnlyFalse = Annotated[bool, only(False, "false; this server makes one plain-text choice")]
+
+
+class SamplingFields(Strict):
+    """Sampling and delivery fields every reply route takes (the native ones, and the
+    OpenAI routes' replystream extensions)."""
+
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    batch_tokens: BatchTokens | None = None
+    batch_ms: BatchMs | None = None
+    holdback_tokens: HoldbackTokens | None = None
+    keepalive_s: KeepaliveS | None = None
+    resumable: bool | None = None
+    stream: bool | None = None
+
+    @model_validator(mode="after")
+    def _resumable_is_streamed(self) -> SamplingFields:
+        if self.resumable and not self.stream:
+            raise _invalid("a resumable reply must be streamed (stream: true)", "resumable")
+        return self
+
+
+class ReplyBody(SamplingFields):
+    """``POST /v1/replies``: exactly one of ``prompt`` and ``messages``."""
+
+    prompt: str | None = None
+    messages: Messages | None = None
+    max_tokens: TokenCount | None = None
+    stream: bool = True
+    disconnect: Literal["cancel", "detach"] | None = None
+
+    @model_validator(mode="after")
+    def _disconnect_is_for_streams(self) -> ReplyBody:
+        if self.disconnect is not None and not self.stream:
+            message = "disconnect applies to streamed replies (stream: true)"
+            raise _invalid(message, "disconnect")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt(cls, data: Any) -> Any:
+        # Before the fields: with both given, which one is bad is beside the point.
+        if isinstance(data, dict) and ("prompt" in data) == ("messages" in data):
+            raise _invalid("give exactly one of prompt or messages", "prompt")
+        return data
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against length side channels: never sent
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class OpenAIBody(SamplingFields):
+    """Fields both OpenAI routes take: honoured, accepted at the one value honoured, or
+    accepted and ignored (documented in docs/api.md, as vLLM and llama.cpp do)."""
+
+    unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
+
+    model: str | None = None
+    max_tokens: TokenCount | None = None
+    stream_options: StreamOptions | None = None
+    n: OnlyOne | None = None
+    logprobs: OnlyFalse | None = None
+    # Accepted and ignored.
+    user: str | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, Bias] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> OpenAIBody:
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("stream_options is only allowed with stream: true", "stream_options")
+        return self
+
+
+class ChatBody(OpenAIBody):
+    """``POST /v1/chat/completions``."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {
+        "tools": "unsupported_parameter",
+        "response_format": "unsupported_parameter",
+    }
+
+    messages: Messages
+    max_completion_tokens: TokenCount | None = None
+    top_logprobs: OnlyZero | None = None
+    response_format: TextFormat | None = None
+    tool_choice: Annotated[str, only("none", '"none"; this server has no tools')] | None = None
+    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+
+
+def _legacy_prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise _invalid("prompt must be a string (or a list of one string)")
+    return value
+
+
+class CompletionBody(OpenAIBody):
+    """``POST /v1/completions`` (legacy)."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {"suffix": "unsupported_parameter"}
+
+    prompt: Annotated[str, PlainValidator(_legacy_prompt)]
+    echo: Annotated[bool, only(False, "false")] | None = None
+    best_of: OnlyOne | None = None
+    suffix: Annotated[str, only("", "empty; this server does not fill in the middle")] | None = None
+
+
+class SocketEnvelope(Strict):
+    """What every WebSocket message carries: its ``type`` and the client's tag ``id``.
+    Read first (other fields ignored), so an error about the rest can name the tag."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    id: ClientTag
+    type: Any = None
+
+
+class ReplyMessage(ReplyBody):
+    """``{"type": "reply", "id": <tag>, ...}``: the fields of ``POST /v1/replies``."""
+
+    type: Literal["reply"]
+    id: ClientTag
+
+    @model_validator(mode="after")
+    def _streamed(self) -> ReplyMessage:
+        if not self.stream:
+            raise _invalid("replies over a WebSocket are streamed", "stream")
+        return self
+
+
+class CancelMessage(Strict):
+    """``{"type": "cancel", "id": <tag>}``."""
+
+    type: Literal["cancel"]
+    id: ClientTag
+
+
+class AuthMessage(Strict):
+    """``{"type": "auth", "api_key": "..."}``: the first message when keys are configured."""
+
+    type: Literal["auth"]
+    api_key: str
+
+
+SOCKET_MESSAGES: Mapping[str, type[ReplyMessage] | type[CancelMessage]] = {
+    "reply": ReplyMessage,
+    "cancel": CancelMessage,
+}
+
+
+# Query strings and headers carry text; an integer there is ASCII digits (``int()`` would
+# take "²" or "1_000"), parsed only once they are known to be digits.
+def _digits(name: str, low: int, high: int) -> BeforeValidator:
+    def parse(raw: Any) -> int:
+        text = raw.strip() if isinstance(raw, str) else ""
+        if not (text.isascii() and text.isdigit()) or len(text) > 19:
+            raise _invalid(f"{name} must be an integer from {low} to {high}, got {_cut(raw)}")
+        value = int(text)
+        if not low <= value <= high:
+            raise _invalid(f"{name} must be an integer from {low} to {high}, got {value}")
+        return value
+
+    return BeforeValidator(parse)
+
+
+def _flag(name: str) -> BeforeValidator:
+    def parse(raw: Any) -> bool:
+        word = raw.lower() if isinstance(raw, str) else ""
+        if word in ("1", "true", "yes"):
+            return True
+        if word in ("0", "false", "no"):
+            return False
+        raise _invalid(f"{name} must be 0 or 1, got {_cut(raw)}")
+
+    return BeforeValidator(parse)
+
+
+def _cut(raw: Any) -> str:
+    text = repr(raw)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class Query(Schema):
+    """A query string's parameters (text; unknown parameters are ignored, as always)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class LabQuery(Query):
+    """``GET /wait`` and ``GET /stream``: ``prompt``, ``seed``, ``max_tokens``; ``/stream``
+    also ``ids`` and ``resumable`` (None: the server's default)."""
+
+    prompt: str = ""
+    seed: Annotated[int, _digits("seed", 0, MAX_SEED)] | None = None
+    max_tokens: Annotated[int, _digits("max_tokens", 1, MAX_TOKENS_LIMIT)] | None = None
+    ids: Annotated[bool, _flag("ids")] = True
+    resumable: Annotated[bool, _flag("resumable")] | None = None
+
+
+class ResumeCursor(Query):
+    """``GET /v1/replies/{id}/stream``: the last event id the client holds (``Last-Event-ID``
+    header, else ``last_event_id`` query; absent: 0, from the start)."""
+
+    last_event_id: Annotated[int, _digits("last_event_id", 0, MAX_SEED)] = 0

@@ -1,0 +1,53 @@
+"""A WebSocket client message in, a validated message (``server.schemas``) or an error out.
+
+Every message names its reply with the client's tag ``id``; the tag is read first, so an
+error about the rest of the message can be sent for that tag (the client's other replies
+are not concerned). This file must not know about the socket or the replies running on it.
+"""
+
+from __future__ import annotations
+
+from replystream.server.errors import HTTPAPIError
+from replystream.server.schemas import (
+    SOCKET_MESSAGES,
+    AuthMessage,
+    CancelMessage,
+    ReplyMessage,
+    SocketEnvelope,
+)
+from replystream.server.validation import parse_json
+
+
+class BadMessage(Exception):
+    """A message the server cannot take; ``tag`` is its ``id`` when that much was valid."""
+
+    def __init__(self, tag: str | None, error: HTTPAPIError) -> None:
+        super().__init__(error.message)
+        self.tag = tag
+        self.error = error
+
+
+def parse_message(data: str | bytes) -> ReplyMessage | CancelMessage:
+    """A ``reply`` or ``cancel`` message. Raises ``BadMessage``."""
+    try:
+        envelope = parse_json(data, SocketEnvelope, what="message")
+    except HTTPAPIError as exc:
+        raise BadMessage(None, exc) from None
+    model = SOCKET_MESSAGES.get(envelope.type) if isinstance(envelope.type, str) else None
+    if model is None:
+        error = HTTPAPIError(
+            400, 'type must be "reply" or "cancel"', code="invalid_value", param="type"
+        )
+        raise BadMessage(envelope.id, error)
+    try:
+        return parse_json(data, model, what="message")
+    except HTTPAPIError as exc:
+        raise BadMessage(envelope.id, exc) from None
+
+
+def auth_key(data: str | bytes) -> str | None:
+    """The key of an ``auth`` message; None for anything else."""
+    try:
+        return parse_json(data, AuthMessage, what="message").api_key
+    except HTTPAPIError:
+        return None

@@ -1,0 +1,165 @@
+"""Raw request input in, a validated model (``server.schemas``) or the API's error out.
+
+Every route reads its input through one of these: ``read_model`` (an HTTP body),
+``parse_json`` (bytes or text already in hand: a WebSocket message), ``parse_mapping`` (a
+query string or headers). Whatever the input, a failure is an ``HTTPAPIError`` in the API's
+shape, with ``param`` the path of the field at fault (``messages[0].content[1].type``);
+nothing a client sends reaches ``json.loads``, ``int()`` or a field's consumer unchecked.
+
+What the JSON parser (pydantic's, jiter) guarantees besides the schema: nesting deeper than
+its recursion limit (about 200) is invalid JSON, not a ``RecursionError``; numbers of any
+size parse (an integer too large for its range is out of range, a float too large is not
+finite); invalid UTF-8 and lone surrogates are invalid JSON. This file must not know which
+route uses which model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from replystream.server.errors import HTTPAPIError
+from replystream.server.guard import read_body
+from replystream.server.schemas import UNION_TAGS, Schema
+
+M = TypeVar("M", bound=Schema)
+
+# The codings aiohttp decodes without optional packages (``br`` and ``zstd`` need Brotli
+# and backports.zstd, which replystream does not install).
+DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate", "x-gzip"})
+_SCALARS = (str, int, float, bool, type(None))
+
+# How each pydantic error reads after the field's name.
+_PHRASES = {
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "none_required": "must be null",
+    "finite_number": "must be a finite number",
+    "literal_error": "must be {expected}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than_equal": "must be at most {le}",
+    "too_short": "must have at least {min_length} item(s)",
+    "too_long": "must have at most {max_length} item(s)",
+    "string_too_short": "must have at least {min_length} character(s)",
+    "string_too_long": "must have at most {max_length} character(s)",
+}
+
+
+async def read_model(request: web.Request, model: type[M]) -> M:
+    """The request's JSON body as ``model``, or an ``HTTPAPIError`` that says what is wrong."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in DECODED_ENCODINGS:
+        raise HTTPAPIError(
+            415,
+            f"Content-Encoding {encoding[:40]!r} is not supported; send the body uncompressed, "
+            "or as gzip or deflate",
+            code="unsupported_content_encoding",
+        )
+    try:
+        raw = await read_body(request)
+    except RequestPayloadError as exc:  # aiohttp's wrapper of what broke while reading
+        # The parser stops at the bad bytes and feeds the body no more. Mark it ended, or
+        # aiohttp's drain of an unread body after the handler meets the same error again and
+        # logs it as unhandled; and close the connection: where this request ends is unknown.
+        request.content.feed_eof()
+        if isinstance(exc.__cause__, ContentEncodingError):
+            message = f"the body is not valid {encoding} data, as its Content-Encoding says"
+            code = "invalid_content_encoding"
+        else:
+            message, code = (
+                "the request body could not be read: its framing is broken",
+                "invalid_body",
+            )
+        raise HTTPAPIError(400, message, code=code, close_connection=True) from None
+    return parse_json(raw, model, what="body")
+
+
+def parse_json(raw: bytes | str, model: type[M], *, what: str = "body") -> M:
+    """``raw`` (JSON) as ``model``; ``what`` names the input in messages ("body", "message")."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise api_error(exc, model, what) from None
+
+
+def parse_mapping(values: Mapping[str, str], model: type[M]) -> M:
+    """Text parameters (a query string, headers) as ``model``."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise api_error(exc, model, "query") from None
+
+
+def field_path(loc: tuple[int | str, ...]) -> str | None:
+    """``("messages", 0, "role")`` as ``messages[0].role``; None for the input as a whole."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part not in UNION_TAGS:
+            path += f".{part}" if path else part
+    return path or None
+
+
+def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIError:
+    """One of pydantic's errors as the API's error, naming the field: the first about a
+    field's value, else the first unknown field (an ``image_url`` part is reported by its
+    ``type``, not by its ``image_url`` field that text parts lack)."""
+    errors = exc.errors(include_url=False)
+    error = next((e for e in errors if e["type"] != "extra_forbidden"), errors[0])
+    kind = error["type"]
+    param = error.get("ctx", {}).get("param") or field_path(error["loc"])
+    if kind == "json_invalid":
+        detail = error["msg"].removeprefix("Invalid JSON: ")
+        return HTTPAPIError(400, f"{what} is not valid JSON: {detail}", code="invalid_json")
+    if param is None and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return HTTPAPIError(400, f"{what} must be a JSON object", code="invalid_json")
+    top_field = str(error["loc"][0]) if error["loc"] else ""
+    code = model.field_codes.get(top_field, "invalid_value")
+    if kind == "extra_forbidden":
+        if model.unknown_field == "openai":
+            message = f"Unrecognized request argument supplied: {param}"
+            return HTTPAPIError(400, message, code="unknown_parameter", param=param)
+        return HTTPAPIError(400, f"unknown field {param!r}", code="invalid_value", param=param)
+    if kind == "missing":
+        # OpenAI's code names a missing request parameter, not a nested object's field.
+        if model.unknown_field == "openai" and len(error["loc"]) == 1:
+            code = "missing_required_parameter"
+        return HTTPAPIError(400, f"{param} is required", code=code, param=param)
+    return HTTPAPIError(400, _message(error, param), code=code, param=param)
+
+
+def _message(error: ErrorDetails, param: str | None) -> str:
+    if error["type"] == "invalid_field":  # already a whole sentence naming the field
+        return error["msg"]
+    name = param or "the input"
+    phrase = _PHRASES.get(error["type"])
+    if phrase is None:
+        return f"{name}: {error['msg']}"
+    text = f"{name} {phrase.format(**error.get('ctx', {}))}"
+    value = error.get("input")
+    if isinstance(value, _SCALARS):
+        text += f", got {_shown(value)}"
+    return text
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as it is shown in a message: short (a 400-digit number is cut)."""
+    try:
+        text = json.dumps(value)
+    except ValueError:  # an integer with more digits than Python converts to text
+        return "a number too large to show"
+    return text if len(text) <= 40 else text[:37] + "..."

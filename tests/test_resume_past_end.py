@@ -1,0 +1,83 @@
+"""A resume at or past a finished reply's last event says so, instead of an empty 200 that
+looks like a cut stream; on one server (memory store) and on a replica reading Redis."""
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replystream.client import ResumingReader
+from replystream.client.resume import Backoff
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.server import create_app, running
+from tests.conftest import fast_engine
+from tests.rawhttp import raw_request
+from tests.redis_server import redis_server
+from tests.sse_client import post_events
+
+
+@contextlib.asynccontextmanager
+async def producer_and_reader(kind: str, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
+    """(the URL that starts replies, the URL that resumes them)."""
+    engine = fast_engine(delay_ms=1, jitter_ms=0)
+    if kind == "memory":
+        async with running(create_app(engine)) as url:
+            yield url, url
+        return
+    with redis_server(tmp_path) as redis:
+        producer = create_app(engine, store=RedisReplayStore(redis.url))
+        reader = create_app(fast_engine(), store=RedisReplayStore(redis.url))
+        async with running(producer) as a, running(reader) as b:
+            yield a, b
+
+
+async def resume(url: str, reply_id: str, last_event_id: str) -> tuple[int, Any, bytes]:
+    response = await raw_request(
+        f"{url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": last_event_id}
+    )
+    body = await response.read_body()
+    parsed = json.loads(body) if response.status != 200 else {}
+    return response.status, parsed, body
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_resume_at_the_last_event_is_409_and_past_it_is_400(kind: str, tmp_path: Path):
+    async with producer_and_reader(kind, tmp_path) as (start, other):
+        first = await post_events(
+            f"{start}/v1/replies", {"prompt": "x", "resumable": True, "max_tokens": 3}
+        )
+        reply_id = first.headers["x-reply-id"]
+        last = int(first.events[-1].id or 0)
+        assert first.types[-1] == "done" and last == 6
+        # Stores written in the background (Redis) have it all once the reader ended.
+        before_end = await resume(other, reply_id, str(last - 1))
+        at_end = await resume(other, reply_id, str(last))
+        past_end = await resume(other, reply_id, str(last + 1))
+        far_past = await resume(other, reply_id, "9" * 19)
+    assert before_end[0] == 200 and before_end[2].startswith(b"event: done\nid: 6\n")
+    status, body, _ = at_end
+    assert status == 409
+    assert body["error"]["code"] == "reply_ended" and body["error"]["param"] == "last_event_id"
+    assert "6" in body["error"]["message"]
+    for status, body, _ in (past_end, far_past):
+        assert status == 400
+        assert body["error"]["code"] == "invalid_value"
+        assert body["error"]["param"] == "last_event_id"
+
+
+async def test_a_resuming_reader_holding_the_last_event_finishes_instead_of_retrying():
+    async with running(create_app(fast_engine(delay_ms=1, jitter_ms=0))) as url:
+        first = await post_events(
+            f"{url}/v1/replies", {"prompt": "x", "resumable": True, "max_tokens": 2}
+        )
+        reader = ResumingReader(
+            f"{url}/v1/replies", backoff=Backoff(base_s=0.001, cap_s=0.01, max_attempts=3)
+        )
+        # As after a drop that came right after the last event, before the reader saw it end.
+        reader.reply_id = first.headers["x-reply-id"]
+        reader.last_event_id = int(first.events[-1].id or 0)
+        events = [event async for event in reader.events()]
+    assert events == [] and reader.finished and reader.reconnects == 0
