@@ -188,6 +188,10 @@ BAD_REQUESTS = {
     "control byte in header": f"GET /healthz HTTP/1.1\r\nHost: t\r\nX-A: {MARKER}\x01\r\n\r\n",
     "not http at all": f"\x16\x03\x01{MARKER}\r\n\r\n",
     "bad version": f"GET /healthz HTTP/9.{MARKER}\r\nHost: t\r\n\r\n",
+    "brotli body": (
+        "POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Encoding: br\r\n"
+        f"Content-Length: 20\r\n\r\n{MARKER[:15]}12345"
+    ),
     "bad chunk size": (
         "POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
         f"{MARKER}\r\n{{}}\r\n0\r\n\r\n"

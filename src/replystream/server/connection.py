@@ -59,6 +59,12 @@ _REFUSALS: tuple[tuple[type[BaseException], int, str, str], ...] = (
         "a header name or value is not valid HTTP",
     ),
     (
+        http_exceptions.ContentEncodingError,
+        HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_content_encoding",
+        "the body's Content-Encoding is not one this server decodes (gzip, deflate, identity)",
+    ),
+    (
         http_exceptions.PayloadEncodingError,
         HTTPStatus.BAD_REQUEST,
         "bad_body_framing",
