@@ -13,7 +13,7 @@ from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedEngine
 from replystream.server import create_app, running
-from replystream.server.app import ServerConfig
+from replystream.server.context import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
 from tests.sse_client import post_events

@@ -11,7 +11,7 @@ import pytest
 
 from replystream.engine.base import READY, GenerationRequest, Readiness
 from replystream.server import create_app, running
-from replystream.server.app import ServerConfig
+from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig
 from tests.conftest import fast_engine
 from tests.rawhttp import raw_request

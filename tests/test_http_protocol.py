@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from replystream.server import create_app, running
-from replystream.server.app import ENGINE_KEY, ServerConfig
+from replystream.server.context import ENGINE_KEY, ServerConfig
 from replystream.server.guard import GuardConfig
 from tests.conftest import fast_engine
 from tests.nginx import running_nginx

@@ -9,7 +9,8 @@ import pytest
 
 from replystream.client import measure_reply
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.server.app import LOCAL_STORE_KEY, MANAGER_KEY, ServerConfig, create_app
+from replystream.server.app import create_app
+from replystream.server.context import LOCAL_STORE_KEY, MANAGER_KEY, ServerConfig
 from replystream.server.serve import running
 from tests.conftest import fast_engine, serve_engine, wait_for
 from tests.rawhttp import raw_request

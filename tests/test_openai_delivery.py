@@ -90,3 +90,27 @@ async def test_a_client_that_leaves_stops_generation():
             await response.content.readuntil(b"\n\n")
         await wait_for(lambda: engine.stats().cancelled == 1)
     assert engine.stats().steps < 100
+
+
+async def test_every_buffered_route_feeds_the_time_between_tokens_histogram():
+    # The buffered routes share one glue (server/context.py); each reply of n tokens adds
+    # n - 1 gaps to its endpoint's histogram, whichever route it came through.
+    engine = fast_engine(delay_ms=2.0, jitter_ms=0.0)
+    chat = {"model": engine.name, "messages": [{"role": "user", "content": "x"}]}
+    asks = {
+        "/v1/chat/completions": {**chat, "max_tokens": 5},
+        "/v1/completions": {"model": engine.name, "prompt": "x", "max_tokens": 5},
+        "/v1/replies": {"prompt": "x", "max_tokens": 5, "stream": False},
+    }
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        for path, body in asks.items():
+            async with http.post(f"{url}{path}", json=body) as response:
+                assert response.status == 200, await response.text()
+        async with http.get(f"{url}/wait?max_tokens=5") as response:
+            assert response.status == 200
+        async with http.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+    for path in [*asks, "/wait"]:
+        line = f'replystream_time_between_tokens_seconds_count{{endpoint="{path}"}}'
+        counts = [float(row.split()[-1]) for row in metrics.splitlines() if row.startswith(line)]
+        assert counts == [4.0], (path, counts)

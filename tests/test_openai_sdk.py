@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from replystream.server.app import ServerConfig
+from replystream.server.context import ServerConfig
 from tests.conftest import fast_engine
 
 REPLY = "one two three four five six seven eight nine ten"

@@ -11,7 +11,7 @@ from replystream.client import ResumeFailed, ResumingReader
 from replystream.client.resume import Backoff
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.server import create_app, running
-from replystream.server.app import ServerConfig
+from replystream.server.context import ServerConfig
 from tests.chaos_proxy import chaos_proxy, random_budget
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from replystream.server import create_app, running
-from replystream.server.app import ServerConfig
+from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig, parse_trusted_proxies
 from tests.conftest import fast_engine
 from tests.nginx import running_nginx

@@ -18,7 +18,7 @@ import pytest
 
 from replystream.engine.simulated import split_words
 from replystream.server import create_app, running
-from replystream.server.app import ServerConfig
+from replystream.server.context import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
 from tests.conftest import fast_engine, wait_for
 

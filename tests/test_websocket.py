@@ -9,7 +9,7 @@ import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, native, running, serving
-from replystream.server.app import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
+from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
 from replystream.server.websocket import Session
 from tests.conftest import fast_engine, wait_for
 from tests.sse_client import post_events

@@ -24,90 +24,62 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from replystream.delivery.formats import (
-    KEEPALIVE,
-    LabFormat,
-    NativeFormat,
-    StreamFormat,
     Usage,
     moderated_payload,
 )
 from replystream.delivery.moderation import Violation
-from replystream.delivery.pipeline import ReplyPipeline
-from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import (
     MemoryReplayStore,
     ReplayStore,
-    ReplyInfo,
     StoreUnavailable,
 )
 from replystream.engine.base import (
-    DeltaStream,
     Engine,
-    EngineError,
     GenerationRequest,
-    RequestRejected,
     SamplingParams,
 )
-from replystream.server import ids
-from replystream.server.auth import OWNER, api_key_check
-from replystream.server.buffered import buffered_reply
+from replystream.server.auth import api_key_check
+from replystream.server.context import (
+    CONFIG_KEY,
+    ENGINE_KEY,
+    KEEPALIVE_CLOCK_KEY,
+    LAB_FORMAT,
+    LOCAL_STORE_KEY,
+    MANAGER_KEY,
+    METRICS_KEY,
+    NATIVE_FORMAT,
+    STORE_KEY,
+    ServerConfig,
+    buffered,
+    follow_reply,
+    owner_of,
+    start_reply,
+)
 from replystream.server.errors import HTTPAPIError
 from replystream.server.front_door import FrontDoor, front_door
 from replystream.server.guard import (
     GUARD_KEY,
-    REPLY_ID,
     ClientGate,
-    GuardConfig,
     stamp_response,
 )
-from replystream.server.metrics import Metrics, ReplyRecord
+from replystream.server.metrics import Metrics
 from replystream.server.native import parse_reply_request
+from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
-from replystream.server.reader import SSE_HEADERS, EventStream, KeepaliveClock, LogReader
-from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
+from replystream.server.reader import KeepaliveClock
+from replystream.server.replies import Reply, ReplyManager
 from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
+from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
+from replystream.server.websocket import add_websocket_route
 
 log = logging.getLogger("replystream.server")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """Server-wide settings; the delivery policy holds the per-request defaults."""
-
-    policy: DeliveryPolicy = field(default_factory=DeliveryPolicy)
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int = 100_000
-    shutdown_grace_s: float = 10.0
-    gzip_min_bytes: int = 512
-    resumable_by_default: bool = False
-    detach_grace_s: float = 30.0
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
-    model_name: str | None = None  # the model the OpenAI routes serve (None: the engine's name)
-    ws_max_replies: int = 8  # replies one WebSocket may run at once
-    guard: GuardConfig = field(default_factory=GuardConfig)  # per-client limits, CORS, timeouts
-    max_header_bytes: int = 8190  # one request line or header field at most
-
-
-ENGINE_KEY = web.AppKey("engine", Engine)
-CONFIG_KEY = web.AppKey("config", ServerConfig)
-METRICS_KEY = web.AppKey("metrics", Metrics)
-MANAGER_KEY = web.AppKey("manager", ReplyManager)
-KEEPALIVE_CLOCK_KEY = web.AppKey("keepalive_clock", KeepaliveClock)
-STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
-LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
-
-LAB_FORMAT = LabFormat()
-NATIVE_FORMAT = NativeFormat()
 
 
 def lab_query(request: web.Request) -> LabQuery:
@@ -130,133 +102,12 @@ def lab_request(request: web.Request, query: LabQuery) -> GenerationRequest:
     return GenerationRequest(prompt=query.prompt, sampling=sampling)
 
 
-def owner_of(request: web.Request) -> str:
-    """Who may read and cancel the replies this request starts ("" when auth is off)."""
-    owner = request.get(OWNER, "")
-    return owner if isinstance(owner, str) else ""
-
-
-async def start_generation(
-    request: web.Request, generation: GenerationRequest, record: ReplyRecord
-) -> DeltaStream:
-    """Admit a request, turning engine refusals into API errors sent before any byte."""
-    app = request.app
-    if not app[MANAGER_KEY].accepting:
-        record.outcome, record.reason = "rejected", "shutdown"
-        app[METRICS_KEY].observe(record)
-        raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
-    try:
-        deltas = await app[ENGINE_KEY].start(generation)
-    except (RequestRejected, EngineError) as exc:
-        record.outcome, record.reason = "rejected", exc.code
-        app[METRICS_KEY].observe(record)
-        if isinstance(exc, RequestRejected):
-            raise HTTPAPIError(400, str(exc), code=exc.code, param=exc.param) from exc
-        log.warning("generation failed before the first token: %s", exc)
-        raise HTTPAPIError(exc.status, str(exc), code=exc.code) from exc
-    record.admitted_at = time.monotonic()
-    return deltas
-
-
-async def start_reply(
-    request: web.Request,
-    generation: GenerationRequest,
-    *,
-    endpoint: str,
-    fmt: StreamFormat,
-    policy: DeliveryPolicy,
-    resumable: bool,
-    disconnect: Disconnect | None = None,
-    numbered: bool = True,
-) -> Reply:
-    """Admit a generation and start producing it into a new reply log."""
-    app = request.app
-    record = app[METRICS_KEY].record(endpoint, streamed=True)
-    store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
-    reply_id = ids.reply_id()
-    deltas = await start_generation(request, generation, record)
-    try:
-        await store.create(ReplyInfo(reply_id, owner=owner_of(request)))
-    except StoreUnavailable as exc:
-        await close_quietly(deltas)
-        record.outcome, record.reason = "rejected", exc.code
-        app[METRICS_KEY].observe(record)
-        raise HTTPAPIError(
-            503, f"resumable replies are unavailable right now: {exc}", code=exc.code
-        ) from exc
-    reply = Reply(
-        reply_id=reply_id,
-        deltas=deltas,
-        pipeline=ReplyPipeline(fmt, policy, numbered=numbered),
-        store=store,
-        record=record,
-        prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
-        disconnect=disconnect or ("detach" if resumable else "cancel"),
-        detach_grace_s=app[CONFIG_KEY].detach_grace_s,
-        manager=app[MANAGER_KEY],
-        resumable=resumable,
-    )
-    app[MANAGER_KEY].start(reply)
-    return reply
-
-
-def follow_reply(
-    request: web.Request,
-    *,
-    reply_id: str,
-    store: ReplayStore,
-    policy: DeliveryPolicy,
-    reply: Reply | None,
-    after: int = 0,
-    keepalive: bytes = KEEPALIVE,
-) -> EventStream:
-    """The response that streams a reply's log to this connection, from after event
-    ``after``; the handler returns it, and aiohttp sends it after the handler has returned."""
-    request[REPLY_ID] = reply_id
-    response = EventStream({**SSE_HEADERS, "X-Reply-Id": reply_id})
-    response.reader = LogReader(
-        request=request,
-        response=response,
-        reply_id=reply_id,
-        store=store,
-        policy=policy,
-        manager=request.app[MANAGER_KEY],
-        clock=request.app[KEEPALIVE_CLOCK_KEY],
-        reply=reply,
-        record=None if reply is None else reply.record,
-        after=after,
-        keepalive=keepalive,
-    )
-    return response
-
-
 def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
     return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
 
 
 def _native_body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
     return {"text": text, "finish_reason": finish_reason, "usage": usage.as_dict()}
-
-
-async def _buffered(
-    request: web.Request,
-    generation: GenerationRequest,
-    endpoint: str,
-    policy: DeliveryPolicy,
-    body: Callable[[str, str, Usage], dict[str, Any]],
-) -> web.Response:
-    app = request.app
-    record = app[METRICS_KEY].record(endpoint, streamed=False)
-    deltas = await start_generation(request, generation, record)
-    return await buffered_reply(
-        deltas,
-        manager=app[MANAGER_KEY],
-        record=record,
-        checks=policy.checks,
-        prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
-        body=body,
-        moderated_body=_moderated_body,
-    )
 
 
 async def handle_wait(request: web.Request) -> web.StreamResponse:
@@ -271,8 +122,13 @@ async def handle_wait(request: web.Request) -> web.StreamResponse:
             param="resumable",
         )
     generation = lab_request(request, query)
-    return await _buffered(
-        request, generation, "/wait", policy, lambda text, _r, _u: {"text": text}
+    return await buffered(
+        request,
+        generation,
+        endpoint="/wait",
+        policy=policy,
+        body=lambda text, _reason, _usage: {"text": text},
+        moderated_body=_moderated_body,
     )
 
 
@@ -304,7 +160,14 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, ReplyBody)
     ask = parse_reply_request(body, config.policy, config.max_prompt_chars)
     if not ask.stream:
-        return await _buffered(request, ask.generation, "/v1/replies", ask.policy, _native_body)
+        return await buffered(
+            request,
+            ask.generation,
+            endpoint="/v1/replies",
+            policy=ask.policy,
+            body=_native_body,
+            moderated_body=_moderated_body,
+        )
     resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
     reply = await start_reply(
         request,
@@ -433,11 +296,6 @@ def create_app(
 ) -> web.Application:
     """The replystream application serving ``engine``; resumable replies go to ``store``
     (default: this process's memory)."""
-    # Imported here: these modules build on this one's start_reply and follow_reply.
-    from replystream.server.openai_api import add_openai_routes
-    from replystream.server.state import add_state_gauges
-    from replystream.server.websocket import add_websocket_route
-
     config = config or ServerConfig()
     guard = config.guard
     door = FrontDoor(

@@ -24,8 +24,9 @@ from replystream.engine.simulated import (
 )
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server import engine_options
-from replystream.server.app import ServerConfig, create_app
+from replystream.server.app import create_app
 from replystream.server.auth import collect_keys
+from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig, parse_trusted_proxies
 from replystream.server.serve import run_workers, serve_forever
 

@@ -25,16 +25,13 @@ from replystream.delivery.openai_formats import (
     completion_body,
 )
 from replystream.server import ids
-from replystream.server.app import (
+from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
-    MANAGER_KEY,
+    buffered,
     follow_reply,
-    start_generation,
     start_reply,
 )
-from replystream.server.buffered import buffered_reply
-from replystream.server.metrics import ReplyRecord
 from replystream.server.openai_requests import (
     CompletionAsk,
     model_not_found,
@@ -80,10 +77,7 @@ async def handle_model(request: web.Request) -> web.StreamResponse:
 async def _buffered(
     request: web.Request, kind: Kind, ask: CompletionAsk, model: str, created: int
 ) -> web.StreamResponse:
-    app = request.app
     reply_id = ids.reply_id()
-    record = ReplyRecord(request.path, streamed=False)
-    deltas = await start_generation(request, ask.generation, record)
 
     def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
         return completion_body(
@@ -108,12 +102,11 @@ async def _buffered(
             moderation=moderated_payload(violation),
         )
 
-    response = await buffered_reply(
-        deltas,
-        manager=app[MANAGER_KEY],
-        record=record,
-        checks=ask.policy.checks,
-        prompt_tokens=app[ENGINE_KEY].count_tokens(ask.generation.prompt),
+    response = await buffered(
+        request,
+        ask.generation,
+        endpoint=request.path,
+        policy=ask.policy,
         body=body,
         moderated_body=moderated,
     )

@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client.multiprocess import mark_process_dead
 
 from replystream.server.connection import GuardedSockSite
+from replystream.server.context import CONFIG_KEY, MANAGER_KEY
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 
 log = logging.getLogger("replystream.server")
@@ -63,8 +64,6 @@ class RunningServer:
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting, give replies ``grace_s`` to finish, then end the rest in-band and
         close every connection that carries replies, each within a bounded time."""
-        from replystream.server.app import MANAGER_KEY
-
         await self.site.stop()
         manager = self.app[MANAGER_KEY]
         manager.stop_accepting()
@@ -89,8 +88,6 @@ async def serving(
     another process opened (``--workers``); clean up on exit."""
     # handler_cancellation: a client that disconnects cancels its handler, which is how a
     # buffered request learns to stop generating (a streamed one also sees failed writes).
-    from replystream.server.app import CONFIG_KEY
-
     config = app.get(CONFIG_KEY)
     header_bytes = 8190 if config is None else config.max_header_bytes
     header_timeout_s = 10.0 if config is None else config.guard.header_timeout_s

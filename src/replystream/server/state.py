@@ -18,7 +18,7 @@ from aiohttp import web
 
 from replystream.delivery.replay import ReplayStore
 from replystream.engine.scheduler import SchedulerStats
-from replystream.server.app import (
+from replystream.server.context import (
     ENGINE_KEY,
     LOCAL_STORE_KEY,
     MANAGER_KEY,

@@ -42,8 +42,8 @@ from aiohttp import WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import ReadResult, StoreUnavailable
-from replystream.server.app import CONFIG_KEY, MANAGER_KEY, NATIVE_FORMAT, start_reply
 from replystream.server.auth import AUTH_PENDING, OWNER, KeyRing, key_owner
+from replystream.server.context import CONFIG_KEY, MANAGER_KEY, NATIVE_FORMAT, start_reply
 from replystream.server.errors import HTTPAPIError, error_body
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.reader import LAST_WORDS_S

@@ -1,0 +1,206 @@
+"""What every route shares: the server's settings, the app's keys, and the glue that turns a
+validated request into a reply (streamed: ``start_reply`` then ``follow_reply``; buffered:
+``buffered``).
+
+The route modules (``app``, ``openai_api``, ``websocket``) and the state gauges import this
+one; it imports none of them, so the server package has no import cycle. It must not know
+any route's request schema or wire dialect.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from replystream.delivery.formats import KEEPALIVE, LabFormat, NativeFormat, StreamFormat, Usage
+from replystream.delivery.moderation import Violation
+from replystream.delivery.pipeline import ReplyPipeline
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import (
+    MemoryReplayStore,
+    ReplayStore,
+    ReplyInfo,
+    StoreUnavailable,
+)
+from replystream.engine.base import (
+    DeltaStream,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    RequestRejected,
+)
+from replystream.server import ids
+from replystream.server.auth import OWNER
+from replystream.server.buffered import buffered_reply
+from replystream.server.errors import HTTPAPIError
+from replystream.server.guard import REPLY_ID, GuardConfig
+from replystream.server.metrics import Metrics, ReplyRecord
+from replystream.server.reader import SSE_HEADERS, EventStream, KeepaliveClock, LogReader
+from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
+
+log = logging.getLogger("replystream.server")
+
+# A buffered reply's JSON body: from the whole text, the finish reason and the usage; or, for
+# a moderated reply, from the released text and the check that stopped it.
+BodyOf = Callable[[str, str, Usage], dict[str, Any]]
+ModeratedBodyOf = Callable[[str, Violation], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Server-wide settings; the delivery policy holds the per-request defaults."""
+
+    policy: DeliveryPolicy = field(default_factory=DeliveryPolicy)
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 100_000
+    shutdown_grace_s: float = 10.0
+    gzip_min_bytes: int = 512
+    resumable_by_default: bool = False
+    detach_grace_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
+    model_name: str | None = None  # the model the OpenAI routes serve (None: the engine's name)
+    ws_max_replies: int = 8  # replies one WebSocket may run at once
+    guard: GuardConfig = field(default_factory=GuardConfig)  # per-client limits, CORS, timeouts
+    max_header_bytes: int = 8190  # one request line or header field at most
+
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+CONFIG_KEY = web.AppKey("config", ServerConfig)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+MANAGER_KEY = web.AppKey("manager", ReplyManager)
+KEEPALIVE_CLOCK_KEY = web.AppKey("keepalive_clock", KeepaliveClock)
+STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
+LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
+
+LAB_FORMAT = LabFormat()
+NATIVE_FORMAT = NativeFormat()
+
+
+def owner_of(request: web.Request) -> str:
+    """Who may read and cancel the replies this request starts ("" when auth is off)."""
+    owner = request.get(OWNER, "")
+    return owner if isinstance(owner, str) else ""
+
+
+async def start_generation(
+    request: web.Request, generation: GenerationRequest, record: ReplyRecord
+) -> DeltaStream:
+    """Admit a request, turning engine refusals into API errors sent before any byte."""
+    app = request.app
+    if not app[MANAGER_KEY].accepting:
+        record.outcome, record.reason = "rejected", "shutdown"
+        app[METRICS_KEY].observe(record)
+        raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
+    try:
+        deltas = await app[ENGINE_KEY].start(generation)
+    except (RequestRejected, EngineError) as exc:
+        record.outcome, record.reason = "rejected", exc.code
+        app[METRICS_KEY].observe(record)
+        if isinstance(exc, RequestRejected):
+            raise HTTPAPIError(400, str(exc), code=exc.code, param=exc.param) from exc
+        log.warning("generation failed before the first token: %s", exc)
+        raise HTTPAPIError(exc.status, str(exc), code=exc.code) from exc
+    record.admitted_at = time.monotonic()
+    return deltas
+
+
+async def start_reply(
+    request: web.Request,
+    generation: GenerationRequest,
+    *,
+    endpoint: str,
+    fmt: StreamFormat,
+    policy: DeliveryPolicy,
+    resumable: bool,
+    disconnect: Disconnect | None = None,
+    numbered: bool = True,
+) -> Reply:
+    """Admit a generation and start producing it into a new reply log."""
+    app = request.app
+    record = app[METRICS_KEY].record(endpoint, streamed=True)
+    store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
+    reply_id = ids.reply_id()
+    deltas = await start_generation(request, generation, record)
+    try:
+        await store.create(ReplyInfo(reply_id, owner=owner_of(request)))
+    except StoreUnavailable as exc:
+        await close_quietly(deltas)
+        record.outcome, record.reason = "rejected", exc.code
+        app[METRICS_KEY].observe(record)
+        raise HTTPAPIError(
+            503, f"resumable replies are unavailable right now: {exc}", code=exc.code
+        ) from exc
+    reply = Reply(
+        reply_id=reply_id,
+        deltas=deltas,
+        pipeline=ReplyPipeline(fmt, policy, numbered=numbered),
+        store=store,
+        record=record,
+        prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
+        disconnect=disconnect or ("detach" if resumable else "cancel"),
+        detach_grace_s=app[CONFIG_KEY].detach_grace_s,
+        manager=app[MANAGER_KEY],
+        resumable=resumable,
+    )
+    app[MANAGER_KEY].start(reply)
+    return reply
+
+
+def follow_reply(
+    request: web.Request,
+    *,
+    reply_id: str,
+    store: ReplayStore,
+    policy: DeliveryPolicy,
+    reply: Reply | None,
+    after: int = 0,
+    keepalive: bytes = KEEPALIVE,
+) -> EventStream:
+    """The response that streams a reply's log to this connection, from after event
+    ``after``; the handler returns it, and aiohttp sends it after the handler has returned."""
+    request[REPLY_ID] = reply_id
+    response = EventStream({**SSE_HEADERS, "X-Reply-Id": reply_id})
+    response.reader = LogReader(
+        request=request,
+        response=response,
+        reply_id=reply_id,
+        store=store,
+        policy=policy,
+        manager=request.app[MANAGER_KEY],
+        clock=request.app[KEEPALIVE_CLOCK_KEY],
+        reply=reply,
+        record=None if reply is None else reply.record,
+        after=after,
+        keepalive=keepalive,
+    )
+    return response
+
+
+async def buffered(
+    request: web.Request,
+    generation: GenerationRequest,
+    *,
+    endpoint: str,
+    policy: DeliveryPolicy,
+    body: BodyOf,
+    moderated_body: ModeratedBodyOf,
+) -> web.Response:
+    """Admit a generation and collect it whole into one JSON response (``body``), counted
+    in the metrics like a streamed reply (time between tokens included)."""
+    app = request.app
+    record = app[METRICS_KEY].record(endpoint, streamed=False)
+    deltas = await start_generation(request, generation, record)
+    return await buffered_reply(
+        deltas,
+        manager=app[MANAGER_KEY],
+        record=record,
+        checks=policy.checks,
+        prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
+        body=body,
+        moderated_body=moderated_body,
+    )
