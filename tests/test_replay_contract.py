@@ -131,10 +131,57 @@ async def test_a_reader_blocked_on_a_live_reply_wakes_for_the_ending(stores):
 
 async def test_cancel_requests_reach_the_producer(stores):
     producer, reader = stores
+    stopped: list[str] = []
+    producer.on_cancel(stopped.append)
     await producer.create(ReplyInfo("r5"))
-    assert not await reader.cancel_requested("r5")
-    await reader.request_cancel("r5")
-    assert await producer.cancel_requested("r5")
+    await producer.create(ReplyInfo("other"))
+    await reader.request_cancel("r5")  # on the producer's replica or another one
+    async with asyncio.timeout(5):
+        while not stopped:  # noqa: ASYNC110  (a remote request is seen by a heartbeat)
+            await asyncio.sleep(0.05)
+    assert stopped == ["r5"]
+
+
+@pytest.mark.parametrize("where", ["producer", "reader"])
+async def test_a_cursor_measures_its_lag_in_bytes_and_moves_as_it_sends(stores, where):
+    producer, reader = stores
+    await producer.create(ReplyInfo("r8"))
+    producer.append("r8", frames(1, 11))
+    await settle(producer)
+    store = producer if where == "producer" else reader
+    size = {e.seq: len(e.frame) for e in frames(1, 11)}
+    cursor = store.cursor("r8", 3)
+    result = await cursor.read(wait_s=0)
+    assert [e.seq for e in result.entries] == list(range(4, 11))
+    assert cursor.after == 3  # a read does not move the cursor; sending does
+    assert cursor.lag_bytes() == sum(size[n] for n in range(4, 11))
+    cursor.sent(5, size[4] + size[5])
+    assert (cursor.after, cursor.lag_bytes()) == (5, sum(size[n] for n in range(6, 11)))
+    producer.append("r8", frames(11, 13))
+    await settle(producer)
+    result = await cursor.read(wait_s=0)
+    assert [e.seq for e in result.entries] == list(range(6, 13))
+    assert cursor.lag_bytes() == sum(size[n] for n in range(6, 11)) + sum(
+        len(e.frame) for e in frames(11, 13)
+    )
+
+
+async def test_release_and_discard_never_lose_what_a_reader_still_needs(stores):
+    producer, _ = stores
+    await producer.create(ReplyInfo("r9"))
+    producer.append("r9", frames(1, 6))
+    producer.release("r9", 3)  # a reply nobody may resume: 1-3 were sent
+    result = await producer.read("r9", 3, wait_s=0)
+    assert [e.seq for e in result.entries] == [4, 5] and result.lost is None
+    producer.end("r9", "finished")
+    await settle(producer)
+    producer.discard("r9")
+    after_discard = await producer.read("r9", 5, wait_s=0)
+    if isinstance(producer, RedisReplayStore):
+        # Redis keeps a reply for whoever resumes it, on any replica, until its TTL.
+        assert after_discard is not None and after_discard.ending == "finished"
+    else:
+        assert after_discard is None
 
 
 async def test_redis_reader_reports_a_producer_that_stopped_refreshing_liveness(tmp_path: Path):

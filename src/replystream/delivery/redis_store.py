@@ -1,8 +1,10 @@
 """The reply log in Redis Streams, so any replica can replay and follow any reply.
 
 Layout, per reply (``P`` is the key prefix):
-- ``P{id}``: a stream; entry ``0-<seq>`` holds one encoded event (field ``f``); the terminal
-  entry holds the ending (field ``end``). Trimmed to about ``max_entries``.
+- ``P{id}``: a stream; entry ``0-<seq>`` holds one encoded event (field ``f``) and the log's
+  size in bytes up to and including it (field ``b``: a reader on another replica measures
+  its lag by it); the terminal entry holds the ending (field ``end``). Trimmed to about
+  ``max_entries``.
 - ``P{id}:meta``: a hash with the owner; ``P{id}:live``: the producer's liveness key, set for
   ``liveness_s`` and refreshed every second while it generates; ``P{id}:cancel``: a cancel
   request from another replica.
@@ -23,12 +25,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from replystream.delivery.replay import (
+    LogCursor,
     LogEntry,
     LogTail,
     MemoryReplayStore,
@@ -46,6 +50,57 @@ HEARTBEAT_S = 1.0
 # network that drops packets) is then reported like one that is down, and no reader or
 # flush waits on it for ever. A blocking read blocks for at most half of it.
 COMMAND_TIMEOUT_S = 5.0
+
+
+class Offsets(NamedTuple):
+    """Where a read's entries stand in the log, in bytes of frames."""
+
+    before_first: int | None  # the log's size before the first entry read (None: none read)
+    logged: int | None  # the log's size so far (None: no event logged yet)
+
+
+class RemoteCursor:
+    """A reader's place in a reply produced on another replica. Its lag is the log's size
+    at the last read, less the bytes up to the reader's place, both from the offsets every
+    entry carries (``b``)."""
+
+    __slots__ = ("_logged", "_sent_upto", "_store", "after", "reply_id")
+
+    def __init__(self, store: RedisReplayStore, reply_id: str, after: int) -> None:
+        self._store = store
+        self.reply_id = reply_id
+        self.after = after
+        self._sent_upto: int | None = None  # bytes up to ``after``, known from the first read
+        self._logged = 0
+
+    async def read(self, wait_s: float) -> ReadResult | None:
+        result, offsets = await self._store.read_measured(self.reply_id, self.after, wait_s)
+        if offsets.logged is not None:
+            self._logged = offsets.logged
+        if offsets.before_first is not None and (
+            self._sent_upto is None or (result and result.lost)
+        ):
+            self._sent_upto = offsets.before_first  # first read, or entries were lost
+        return result
+
+    def sent(self, upto: int, log_bytes: int) -> None:
+        self.after = upto
+        if self._sent_upto is not None:
+            self._sent_upto += log_bytes
+
+    def lag_bytes(self) -> int:
+        return 0 if self._sent_upto is None else max(0, self._logged - self._sent_upto)
+
+    async def measure(self) -> int:
+        logged = await self._store.logged_bytes(self.reply_id)
+        if logged is not None:
+            self._logged = logged
+        return self.lag_bytes()
+
+
+def _newest_offset(newest: Any) -> int | None:
+    """The log's size from its newest entries (newest first; the terminal one has none)."""
+    return next((int(fields[b"b"]) for _, fields in newest or () if b"b" in fields), None)
 
 
 def _seq(entry_id: bytes) -> int:
@@ -95,7 +150,8 @@ class RedisReplayStore:
         self._failures: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self.on_cancel_request: Callable[[str], None] | None = None
+        self._on_cancel: Callable[[str], None] | None = None
+        self._logged: dict[str, int] = {}  # bytes sent to Redis per live reply: entries' offsets
         self.writes = 0  # pipelines sent (for benchmarks)
 
     def _key(self, reply_id: str, part: str = "") -> str:
@@ -138,6 +194,7 @@ class RedisReplayStore:
         # The terminal entry takes the next sequence number.
         seq = self._next_seq.pop(reply_id, 1)
         if reply_id in self._failures:
+            self._logged.pop(reply_id, None)
             return
         self._pending.setdefault(reply_id, []).append((seq, ending))
         self._wake.set()
@@ -163,15 +220,20 @@ class RedisReplayStore:
                     key = self._key(reply_id)
                     for item in items:
                         if isinstance(item, LogEntry):
+                            # Each entry carries the log's size up to and including it, so a
+                            # reader on any replica can tell how far behind it is.
+                            logged = self._logged.get(reply_id, 0) + len(item.frame)
+                            self._logged[reply_id] = logged
                             pipe.xadd(
                                 key,
-                                {"f": item.frame},
+                                {"f": item.frame, "b": logged},
                                 id=f"0-{item.seq}",
                                 maxlen=self.max_entries,
                                 approximate=True,
                             )
                             continue
                         seq, ending = item
+                        self._logged.pop(reply_id, None)
                         pipe.xadd(key, {"end": ending}, id=f"0-{seq}")
                         for part in ("", ":meta", ":cancel"):
                             pipe.expire(self._key(reply_id, part), ttl)
@@ -202,8 +264,8 @@ class RedisReplayStore:
                 log.warning("liveness refresh failed: %s", exc)
                 continue
             for reply_id, cancelled in zip(live, results[1::2], strict=True):
-                if cancelled and self.on_cancel_request is not None:
-                    self.on_cancel_request(reply_id)
+                if cancelled and self._on_cancel is not None:
+                    self._on_cancel(reply_id)
 
     async def info(self, reply_id: str) -> ReplyInfo | None:
         local = await self._local.info(reply_id)
@@ -227,7 +289,7 @@ class RedisReplayStore:
                 pipe.exists(self._key(reply_id, ":meta"))
                 rows, known = await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis at {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
         if not rows:
             return LogTail(0, False) if known else None
         entry_id, fields = rows[0]
@@ -238,49 +300,72 @@ class RedisReplayStore:
     async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
         if await self._local.info(reply_id) is not None:
             return await self._local.read(reply_id, after, wait_s)
+        result, _ = await self.read_measured(reply_id, after, wait_s)
+        return result
+
+    async def read_measured(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        """A read of a reply produced elsewhere, with where its entries stand in bytes."""
         try:
-            result = await self._read_remote(reply_id, after)
+            result, offsets = await self._read_remote(reply_id, after)
             if result is None or result.entries or result.lost or result.ending or wait_s <= 0:
-                return result
+                return result, offsets
             # Nothing new: block on the stream until an entry lands or the wait runs out.
             block_s = min(wait_s, COMMAND_TIMEOUT_S / 2)
             await self.redis.xread(
                 {self._key(reply_id): f"0-{after}"}, count=1, block=max(1, int(block_s * 1000))
             )
-            result = await self._read_remote(reply_id, after)
+            result, offsets = await self._read_remote(reply_id, after)
             if result is None or result.entries or result.ending:
-                return result
+                return result, offsets
             alive = await self.redis.exists(self._key(reply_id, ":live"))
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"{self.where}: {exc}") from exc
-        return ReadResult([], result.lost, None, producer_lost=not alive)
+        return ReadResult([], result.lost, None, producer_lost=not alive), offsets
 
-    async def _read_remote(self, reply_id: str, after: int) -> ReadResult | None:
+    async def logged_bytes(self, reply_id: str) -> int | None:
+        """The size of a reply's log in Redis so far (None: no event logged yet)."""
+        try:
+            newest = await self.redis.xrevrange(self._key(reply_id), max="+", min="-", count=2)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
+        return _newest_offset(newest)
+
+    async def _read_remote(self, reply_id: str, after: int) -> tuple[ReadResult | None, Offsets]:
         key = self._key(reply_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xrange(key, min=f"(0-{after}", max="+", count=READ_BATCH)
             pipe.exists(self._key(reply_id, ":meta"))
-            rows, known = await pipe.execute()
+            # The newest event entry (the terminal entry, if any, comes after it).
+            pipe.xrevrange(key, max="+", min="-", count=2)
+            rows, known, newest = await pipe.execute()
+        logged = _newest_offset(newest)
         if not known and not rows:
-            return None
+            return None, Offsets(None, logged)
         entries: list[LogEntry] = []
         ending: str | None = None
+        before_first: int | None = None
         for entry_id, fields in rows:
             if b"end" in fields:
                 ending = fields[b"end"].decode()
                 break
-            entries.append(LogEntry(_seq(entry_id), fields[b"f"]))
+            frame = fields[b"f"]
+            if before_first is None and b"b" in fields:
+                before_first = int(fields[b"b"]) - len(frame)
+            entries.append(LogEntry(_seq(entry_id), frame))
+        offsets = Offsets(before_first, logged)
         lost = None
         first = entries[0].seq if entries else None
         if first is not None and first > after + 1:
             lost = (after + 1, first - 1)
         if len(rows) == READ_BATCH and ending is None:
-            return ReadResult(entries, lost, None)  # more to come on the next read
-        return ReadResult(entries, lost, ending)
+            return ReadResult(entries, lost, None), offsets  # more to come on the next read
+        return ReadResult(entries, lost, ending), offsets
 
     async def request_cancel(self, reply_id: str) -> None:
-        if reply_id in self._live and self.on_cancel_request is not None:
-            self.on_cancel_request(reply_id)
+        if reply_id in self._live and self._on_cancel is not None:
+            self._on_cancel(reply_id)
             return
         try:
             await self.redis.set(
@@ -289,11 +374,20 @@ class RedisReplayStore:
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"{self.where}: {exc}") from exc
 
-    async def cancel_requested(self, reply_id: str) -> bool:
-        try:
-            return bool(await self.redis.exists(self._key(reply_id, ":cancel")))
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"{self.where}: {exc}") from exc
+    def on_cancel(self, stop: Callable[[str], None]) -> None:
+        self._on_cancel = stop
+
+    def cursor(self, reply_id: str, after: int) -> LogCursor:
+        if reply_id in self._local._logs:  # produced here: read (and measured) locally
+            return self._local.cursor(reply_id, after)
+        return RemoteCursor(self, reply_id, after)
+
+    def release(self, reply_id: str, upto: int) -> None:
+        # Only this process's copy: Redis keeps a reply for whoever resumes it, until its TTL.
+        self._local.release(reply_id, upto)
+
+    def discard(self, reply_id: str) -> None:
+        self._local.discard(reply_id)
 
     def stats(self) -> ReplayStats:
         return self._local.stats()

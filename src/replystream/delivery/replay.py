@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
 
@@ -87,6 +87,35 @@ class ReplayStats:
     bytes: int
 
 
+class LogCursor(Protocol):
+    """One reader's place in one reply's log, handed out by the reply's store.
+
+    What a reader needs from a log, whichever store keeps it: the entries after its place,
+    moving its place on as it sends them, and how far behind the log it is in bytes (the
+    slow-client limit), for a reply produced on this replica or on another."""
+
+    after: int  # the last event id this reader has sent (or started after)
+
+    async def read(self, wait_s: float) -> ReadResult | None:
+        """Entries after ``after`` (waiting up to ``wait_s`` for some); None for an unknown
+        or expired reply. Does not move ``after``. Raises ``StoreUnavailable``."""
+        ...
+
+    def sent(self, upto: int, log_bytes: int) -> None:
+        """The reader has sent the entries up to ``upto``: ``log_bytes`` of their frames."""
+        ...
+
+    def lag_bytes(self) -> int:
+        """Bytes of entries logged after ``after`` (as far as the last read knew, for a reply
+        produced elsewhere)."""
+        ...
+
+    async def measure(self) -> int:
+        """``lag_bytes`` as the store knows it now (a reply produced elsewhere is asked
+        about; one produced here is already known). Raises ``StoreUnavailable``."""
+        ...
+
+
 class ReplayStore(Protocol):
     name: str
 
@@ -121,9 +150,28 @@ class ReplayStore(Protocol):
         """
         ...
 
-    async def request_cancel(self, reply_id: str) -> None: ...
+    def cursor(self, reply_id: str, after: int) -> LogCursor:
+        """A reader's place in the reply's log, just after event ``after``."""
+        ...
 
-    async def cancel_requested(self, reply_id: str) -> bool: ...
+    def release(self, reply_id: str, upto: int) -> None:
+        """Entries up to ``upto`` will never be read again (a reply nobody may resume): a
+        store may drop them now."""
+        ...
+
+    def discard(self, reply_id: str) -> None:
+        """Forget a reply nobody may resume (it ended and its reader is done)."""
+        ...
+
+    async def request_cancel(self, reply_id: str) -> None:
+        """Ask the reply's producer, on whichever replica, to stop. Raises
+        ``StoreUnavailable``."""
+        ...
+
+    def on_cancel(self, stop: Callable[[str], None]) -> None:
+        """Call ``stop(reply_id)`` when a cancel is requested (here or on another replica) for
+        a reply produced in this process."""
+        ...
 
     def stats(self) -> ReplayStats: ...
 
@@ -141,7 +189,6 @@ class _Log:
     appended: int = 0  # bytes of every entry ever appended (readers measure their lag by it)
     ending: str | None = None
     expires_at: float | None = None
-    cancel_requested: bool = False
     # Readers waiting for more: made when the first one waits (thousands of logs are read
     # by a reader on the direct path, which never waits here); a list is lighter than a set.
     waiters: list[asyncio.Future[None]] | None = None
@@ -211,6 +258,7 @@ class MemoryReplayStore:
         self.max_entries = max_entries
         self._logs: dict[str, _Log] = {}
         self._sweeps = 0
+        self._on_cancel: Callable[[str], None] = _no_producer
 
     async def create(self, info: ReplyInfo) -> None:
         self._sweep()
@@ -256,19 +304,6 @@ class MemoryReplayStore:
         if log is not None:
             log.trim(upto)
 
-    def appended_bytes(self, reply_id: str) -> int:
-        """Bytes of every entry ever appended to a reply (0 if unknown)."""
-        log = self._logs.get(reply_id)
-        return 0 if log is None else log.appended
-
-    def backlog_bytes(self, reply_id: str, after: int) -> int:
-        """Bytes of entries after ``after`` (what a reader at ``after`` has yet to send)."""
-        log = self._logs.get(reply_id)
-        if log is None:
-            return 0
-        start = max(0, after + 1 - log.first_seq)
-        return sum(len(e.frame) for e in log.entries[start:])
-
     async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
         log = self._log(reply_id)
         if log is None:
@@ -291,13 +326,14 @@ class MemoryReplayStore:
 
     async def request_cancel(self, reply_id: str) -> None:
         log = self._log(reply_id)
-        if log is not None:
-            log.cancel_requested = True
-            log.wake()
+        if log is not None and log.ending is None:
+            self._on_cancel(reply_id)
 
-    async def cancel_requested(self, reply_id: str) -> bool:
-        log = self._logs.get(reply_id)
-        return log is not None and log.cancel_requested
+    def on_cancel(self, stop: Callable[[str], None]) -> None:
+        self._on_cancel = stop
+
+    def cursor(self, reply_id: str, after: int) -> MemoryCursor:
+        return MemoryCursor(self, reply_id, after)
 
     def discard(self, reply_id: str) -> None:
         """Forget a reply at once (one nobody may resume)."""
@@ -331,3 +367,40 @@ class MemoryReplayStore:
         for log in self._logs.values():
             log.wake()
         self._logs.clear()
+
+
+def _no_producer(reply_id: str) -> None:
+    """Until the server says how to stop its producers, a cancel has nobody to reach."""
+
+
+class MemoryCursor:
+    """A reader's place in a log of this process: its lag is exact, counted against every
+    byte the log was ever given."""
+
+    __slots__ = ("_log", "_sent_bytes", "_store", "after", "reply_id")
+
+    def __init__(self, store: MemoryReplayStore, reply_id: str, after: int) -> None:
+        self._store = store
+        self.reply_id = reply_id
+        self.after = after
+        log = store._logs.get(reply_id)
+        self._log = log
+        # Bytes up to ``after``: everything appended but what is kept after it.
+        self._sent_bytes = 0
+        if log is not None:
+            start = max(0, after + 1 - log.first_seq)
+            self._sent_bytes = log.appended - sum(len(e.frame) for e in log.entries[start:])
+
+    async def read(self, wait_s: float) -> ReadResult | None:
+        return await self._store.read(self.reply_id, self.after, wait_s)
+
+    def sent(self, upto: int, log_bytes: int) -> None:
+        self.after = upto
+        self._sent_bytes += log_bytes
+
+    def lag_bytes(self) -> int:
+        log = self._log
+        return 0 if log is None else log.appended - self._sent_bytes
+
+    async def measure(self) -> int:
+        return self.lag_bytes()

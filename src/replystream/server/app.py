@@ -256,14 +256,11 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies/{id}/cancel``: stop generating a reply (on whichever replica)."""
-    reply_id, store, local = await _find_reply(request)
-    if local is not None:
-        local.stop("cancelled")
-    else:
-        try:
-            await store.request_cancel(reply_id)
-        except StoreUnavailable as exc:
-            raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    reply_id, store, _ = await _find_reply(request)
+    try:
+        await store.request_cancel(reply_id)  # the store reaches the producer, here or not
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     return web.json_response({"reply_id": reply_id, "cancel_requested": True})
 
 
@@ -317,14 +314,16 @@ def create_app(
     app[KEEPALIVE_CLOCK_KEY] = KeepaliveClock()
     app[LOCAL_STORE_KEY] = local_store
     app[STORE_KEY] = store if store is not None else local_store
-    if store is not None and hasattr(store, "on_cancel_request"):
-        # A cancel asked for on another replica reaches this one's producer.
-        def cancel_local(reply_id: str) -> None:
-            reply = app[MANAGER_KEY].get(reply_id)
-            if reply is not None:
-                reply.stop("cancelled")
 
-        store.on_cancel_request = cancel_local
+    def stop_producer(reply_id: str) -> None:
+        """A cancel requested for a reply made here (asked on any replica) stops it."""
+        reply = app[MANAGER_KEY].get(reply_id)
+        if reply is not None:
+            reply.stop("cancelled")
+
+    local_store.on_cancel(stop_producer)
+    if store is not None:
+        store.on_cancel(stop_producer)
     # A HEAD of a route that generates or streams would start a generation and, on the direct
     # path, write a body no HEAD may have: such routes answer HEAD with 405 (docs/api.md).
     app.router.add_get("/wait", handle_wait, allow_head=False)

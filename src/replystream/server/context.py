@@ -169,13 +169,12 @@ def follow_reply(
         request=request,
         response=response,
         reply_id=reply_id,
-        store=store,
+        cursor=store.cursor(reply_id, after),
         policy=policy,
         manager=request.app[MANAGER_KEY],
         clock=request.app[KEEPALIVE_CLOCK_KEY],
         reply=reply,
         record=None if reply is None else reply.record,
-        after=after,
         keepalive=keepalive,
     )
     return response

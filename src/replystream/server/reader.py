@@ -2,11 +2,12 @@
 
 A reader starts after the event id it was given (0: from the start), writes every entry the
 log has, then waits for more until the reply's terminal entry. While idle it sends keep-alive
-comments. Each write waits for the socket to drain, at most ``slow_client_s``; a local reader
-whose unsent backlog passes ``slow_client_bytes`` is cut at once (the producer's append
-reaches it through ``interrupt``, even while it is blocked on the socket). A cut reader
-gets a last ``error`` event if the socket still takes it. This file must not know about the
-engine or how the log is stored.
+comments. Each write waits for the socket to drain, at most ``slow_client_s``; a reader whose
+unsent backlog passes ``slow_client_bytes`` is cut (its cursor, from the reply's store, says
+how far behind it is, for a reply made here or on another replica; the producer's append
+reaches a reader of a local reply through ``interrupt``, even while it is blocked on the
+socket). A cut reader gets a last ``error`` event if the socket still takes it. This file
+must not know about the engine or which store keeps the log.
 """
 
 from __future__ import annotations
@@ -23,12 +24,7 @@ from aiohttp import web
 
 from replystream.delivery.formats import KEEPALIVE, error_frame
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import (
-    LogEntry,
-    MemoryReplayStore,
-    ReplayStore,
-    StoreUnavailable,
-)
+from replystream.delivery.replay import LogCursor, LogEntry, StoreUnavailable
 from replystream.server.front_door import SentLater
 from replystream.server.metrics import ReplyRecord
 from replystream.server.replies import Reply, ReplyManager
@@ -137,18 +133,16 @@ class LogReader:
     request: web.Request
     response: EventStream
     reply_id: str
-    store: ReplayStore
+    cursor: LogCursor  # this reader's place in the log, from the reply's store
     policy: DeliveryPolicy
     manager: ReplyManager
     clock: KeepaliveClock  # wakes this reader for a keep-alive while it waits directly
     reply: Reply | None  # the producer, when it runs in this process
     record: ReplyRecord | None  # where to count what is sent (the producer's record)
-    after: int = 0
     last_write: float = 0.0
     _woken: asyncio.Future[None] | None = None  # while direct: done when the task has work
     keepalive: bytes = KEEPALIVE  # the idle frame (dialects may need another spelling)
     overflow: bool = False
-    _sent_log_bytes: int = 0  # bytes of log entries this reader has sent (or skipped)
     _chunked: bool = False
     _high_water: int = 0  # the transport's write high-water mark: above it, writes wait
     _transport: asyncio.Transport | None = None  # cached: the request property costs per event
@@ -161,16 +155,10 @@ class LogReader:
         if deadline is None or deadline.expired():
             return
         if not self.manager.shutting_down:
-            if self._lag_bytes() <= self.policy.slow_client_bytes:
+            if self.cursor.lag_bytes() <= self.policy.slow_client_bytes:
                 return
             self.overflow = True
         deadline.reschedule(asyncio.get_running_loop().time())
-
-    def _lag_bytes(self) -> int:
-        """Bytes logged but not yet sent to this reader (0 when the log is not local)."""
-        if not isinstance(self.store, MemoryReplayStore):
-            return 0
-        return self.store.appended_bytes(self.reply_id) - self._sent_log_bytes
 
     def _takes_at_once(self, size: int) -> bool:
         """Whether the socket's buffer takes ``size`` more bytes without pausing the writer,
@@ -204,7 +192,10 @@ class LogReader:
         try:
             async with asyncio.timeout(self.policy.slow_client_s) as deadline:
                 self._deadline = deadline
-                await self._write(frame, last)
+                if self.reply is None:
+                    await self._write_measuring_lag(frame, last)
+                else:
+                    await self._write(frame, last)
         except TimeoutError:
             if self.manager.shutting_down:
                 raise _Cut("shutdown", "the server is shutting down") from None
@@ -217,6 +208,26 @@ class LogReader:
             ) from None
         finally:
             self._deadline = None
+
+    async def _write_measuring_lag(self, frame: bytes, last: bool) -> None:
+        """A write of a reader whose reply is made elsewhere (or has ended): no append will
+        interrupt it, so while it waits it asks the store how far behind it is, and is cut
+        past the byte limit as a reader of a local reply would be."""
+        write = asyncio.ensure_future(self._write(frame, last))
+        try:
+            while not write.done():
+                await asyncio.wait((write,), timeout=LIVENESS_POLL_S)
+                if not write.done() and (
+                    await self.cursor.measure() > self.policy.slow_client_bytes
+                ):
+                    self.overflow = True
+                    raise _Cut(
+                        "slow_client", f"more than {self.policy.slow_client_bytes} bytes behind"
+                    )
+            write.result()
+        finally:
+            if not write.done():
+                write.cancel()
 
     def _last_words(self, message: str, code: str) -> None:
         """Queue a final event without waiting, then close; abort if it cannot leave soon.
@@ -300,18 +311,10 @@ class LogReader:
         opening events are already in this process's log, in one write with them (aiohttp
         holds the headers until the first body write; the first catch-up makes it now)."""
         reply = self.reply
-        if (
-            reply is not None
-            and isinstance(self.store, MemoryReplayStore)
-            and reply.pipeline.next_seq - 1 > self.after
-        ):
+        if reply is not None and reply.pipeline.next_seq - 1 > self.cursor.after:
             self.response._send_headers_immediately = False
         await self.response.send_headers(self.request)
         self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
-        if isinstance(self.store, MemoryReplayStore):
-            self._sent_log_bytes = self.store.appended_bytes(
-                self.reply_id
-            ) - self.store.backlog_bytes(self.reply_id, self.after)
         self._transport = self.request.transport
         if self._transport is not None:
             self._high_water = self._transport.get_write_buffer_limits()[1]
@@ -322,7 +325,7 @@ class LogReader:
 
         Its own frame, so what it read is not held while the reader waits for more."""
         try:
-            result = await self.store.read(self.reply_id, self.after, wait_s)
+            result = await self.cursor.read(wait_s)
         except StoreUnavailable as exc:
             log.warning("reader of %s: %s", self.reply_id[:8], exc)
             await self._send(error_frame(exc.describe(), exc.code), 1)
@@ -353,7 +356,7 @@ class LogReader:
         end the reply, and the end of the body goes with them."""
         if not entries:
             return
-        if self.overflow or self._lag_bytes() > self.policy.slow_client_bytes:
+        if self.overflow or self.cursor.lag_bytes() > self.policy.slow_client_bytes:
             raise _Cut("slow_client", f"more than {self.policy.slow_client_bytes} bytes behind")
         batch: list[bytes] = []
         size = 0
@@ -364,11 +367,10 @@ class LogReader:
                 # Several events in one write: fewer syscalls for a replay.
                 final = last and index == len(entries) - 1
                 await self._send(b"".join(batch), len(batch), last=final)
-                self._sent_log_bytes += size
-                self.after = entry.seq
+                self.cursor.sent(entry.seq, size)
                 batch, size = [], 0
         if self.reply is not None:
-            self.reply.consumed(self.after)
+            self.reply.consumed(self.cursor.after)
 
     # The direct path: a reader that has caught up with a reply produced in this process lets
     # the producer write each new event straight into the socket, so a live stream costs no
@@ -381,7 +383,7 @@ class LogReader:
         return (
             reply is not None
             and reply.live
-            and reply.pipeline.next_seq - 1 == self.after
+            and reply.pipeline.next_seq - 1 == self.cursor.after
             and transport is not None
             and not transport.is_closing()
             and transport.get_write_buffer_size() < self._high_water
@@ -413,30 +415,30 @@ class LogReader:
     def push(self, entries: list[LogEntry]) -> None:
         """Called by the producer with events just logged; writes them now if it safely can."""
         transport = self._transport
+        cursor = self.cursor
         if (
-            entries[0].seq != self.after + 1
+            entries[0].seq != cursor.after + 1
             or transport is None
             or transport.is_closing()
             or transport.get_write_buffer_size() >= self._high_water
         ):
             # The socket is not keeping up. Past the slow-client limit this reader is done
             # for; say so now, so the producer stops in this tick rather than after it.
-            if not self.overflow and self._lag_bytes() > self.policy.slow_client_bytes:
+            if not self.overflow and cursor.lag_bytes() > self.policy.slow_client_bytes:
                 self.overflow = True
                 if self.reply is not None:
                     self.reply.reader_fell_behind()
             self.wake()
             return
         payload = entries[0].frame if len(entries) == 1 else b"".join(e.frame for e in entries)
-        self._sent_log_bytes += len(payload)
         data = b"%x\r\n%s\r\n" % (len(payload), payload) if self._chunked else payload
         transport.write(data)
-        self.after = entries[-1].seq
+        cursor.sent(entries[-1].seq, len(payload))
         self.last_write = time.monotonic()
         if self.record is not None:
             self.record.on_send(len(data), len(entries))
         if self.reply is not None:
-            self.reply.consumed(self.after)
+            self.reply.consumed(cursor.after)
 
     def wake(self) -> None:
         """Hand the work back to the reader's task (the reply ended, or it must wait)."""

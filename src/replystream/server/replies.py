@@ -25,7 +25,6 @@ from replystream.delivery.channel import DeltaChannel, End
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.replay import (
     LogEntry,
-    MemoryReplayStore,
     ReplayStore,
     StoreUnavailable,
 )
@@ -100,14 +99,6 @@ class Reply:
     _pushed: PushDeltaStream | None = None  # the stream, when the engine pushes its deltas
     _started: bool = False
     _detach_timer: asyncio.TimerHandle | None = None
-    # The store, when nobody may resume the reply and its log is in this process: what is
-    # sent may then be dropped. Decided once, not on every push.
-    _private_log: MemoryReplayStore | None = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._private_log = None
-        if not self.resumable and isinstance(self.store, MemoryReplayStore):
-            self._private_log = self.store
 
     def stop(self, reason: StopReason) -> None:
         """Stop generating; the log ends with an event that says why."""
@@ -144,8 +135,8 @@ class Reply:
     def consumed(self, upto: int) -> None:
         """A reader has sent everything up to ``upto``; a reply nobody may resume, with one
         reader, needs none of it again, so its log stops growing with the reply."""
-        if self._private_log is not None and self.readers == 1:
-            self._private_log.release(self.reply_id, upto)
+        if not self.resumable and self.readers == 1:
+            self.store.release(self.reply_id, upto)
 
     def reader_fell_behind(self) -> None:
         """The only reader of a reply nobody may resume is past the slow-client limit: stop
@@ -155,8 +146,8 @@ class Reply:
 
     def forget_if_unwanted(self) -> None:
         """Drop the log of an ended reply nobody may resume, once its last reader is done."""
-        if self._private_log is not None and self.readers == 0:
-            self._private_log.discard(self.reply_id)
+        if not self.resumable and self.readers == 0:
+            self.store.discard(self.reply_id)
 
     def _detach_expired(self) -> None:
         self._detach_timer = None

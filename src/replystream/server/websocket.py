@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import ReadResult, StoreUnavailable
+from replystream.delivery.replay import LogCursor, ReadResult, StoreUnavailable
 from replystream.server.auth import AUTH_PENDING, OWNER, KeyRing, key_owner
 from replystream.server.context import CONFIG_KEY, MANAGER_KEY, NATIVE_FORMAT, start_reply
 from replystream.server.errors import HTTPAPIError, error_body
@@ -295,13 +295,13 @@ class Session:
 
     async def _follow(self, tag: str, reply: Reply, policy: DeliveryPolicy) -> None:
         parser = EventParser()
-        after = 0
+        cursor = reply.store.cursor(reply.reply_id, 0)
         left_as: StopReason = "client_gone"
         reply.reader_joined()
         try:
             while True:
                 try:
-                    result = await reply.store.read(reply.reply_id, after, LIVENESS_POLL_S)
+                    result = await cursor.read(LIVENESS_POLL_S)
                 except StoreUnavailable as exc:
                     log.warning("reply %s: %s", reply.reply_id[:8], exc)
                     await self._end(tag, reply, exc.describe(), exc.code)
@@ -309,11 +309,12 @@ class Session:
                 if result is None:
                     await self._end(tag, reply, "the reply expired while being read", "expired")
                     return
-                if sum(len(e.frame) for e in result.entries) > policy.slow_client_bytes:
+                if cursor.lag_bytes() > policy.slow_client_bytes:
                     raise _SlowClient(f"more than {policy.slow_client_bytes} bytes behind")
-                after = await self._forward(tag, reply, parser, result, after)
+                await self._forward(tag, reply, parser, result, cursor)
                 if result.entries:
-                    reply.consumed(after)  # a log nobody may resume need not keep what was sent
+                    # A log nobody may resume need not keep what was sent.
+                    reply.consumed(cursor.after)
                 if result.ending is not None:
                     return
                 if result.producer_lost:
@@ -328,8 +329,8 @@ class Session:
             reply.reader_left(left_as)
 
     async def _forward(
-        self, tag: str, reply: Reply, parser: EventParser, result: ReadResult, after: int
-    ) -> int:
+        self, tag: str, reply: Reply, parser: EventParser, result: ReadResult, cursor: LogCursor
+    ) -> None:
         if result.lost is not None:
             first, last = result.lost
             gap = {"lost_from": first, "lost_to": last}
@@ -344,8 +345,7 @@ class Session:
                     "data": json.loads(event.data),
                 }
                 reply.record.on_send(await self.send(message), 1)
-            after = entry.seq
-        return after
+            cursor.sent(entry.seq, len(entry.frame))
 
     async def _end(self, tag: str, reply: Reply, message: str, code: str) -> None:
         error = {"error": {"message": message, "code": code}}
