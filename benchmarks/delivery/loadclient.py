@@ -1,6 +1,7 @@
 """The load client: C streams opened at once, every token's arrival stamped, in its own process.
 
-What this file decides: how a stream is read and timed. It is built to cost less CPU per event
+What this file decides: how a run is driven and summarised, and how an SSE stream is read and
+timed (a WebSocket stream is ``wsclient.WsStream``). It is built to cost less CPU per event
 than any server it measures, so it does not parse events. Each connection is an asyncio
 ``Protocol`` that writes pre-built request bytes, finds the end of the response head, then
 counts ``event: token`` markers with a byte search (keeping the last bytes of each read so a
@@ -9,7 +10,8 @@ moment the event loop hands the bytes over. Everything else (lateness against th
 percentiles) is computed after the run, outside the measured CPU time.
 
 Run: python benchmarks/delivery/loadclient.py < config.json > result.json, where the config
-is ``{"url": ..., "seeds": [...], "max_tokens": null, "timeout_s": 60}``.
+is ``{"url": ..., "transport": "sse" | "ws", "seeds": [...], "max_tokens": null,
+"timeout_s": 60}``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,22 @@ import json
 import math
 import sys
 import time
-from collections import Counter
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit
 
+from clientstream import Run, Stream
 from procstats import raise_nofile
-from workload import DONE_MARKER, TOKEN_MARKER, TOKENS, request_body, schedule
+from workload import (
+    DONE_MARKER,
+    TOKEN_MARKER,
+    TOKENS,
+    WS_PATH,
+    WS_TAG,
+    request_body,
+    schedule,
+    ws_reply_message,
+)
+from wsclient import WsStream, upgrade_request
 
 from replystream.stats import percentile
 
@@ -34,43 +46,17 @@ RETRY_ERRNOS = {errno.ECONNREFUSED, errno.EAGAIN, errno.ECONNRESET}
 MAX_CONNECT_ATTEMPTS = 12
 
 
-class Run:
-    """Counters shared by every stream of one run."""
-
-    def __init__(self, streams: int) -> None:
-        self.streams = streams
-        self.open = 0
-        self.peak_open = 0
-        self.ended = 0
-        self.retries = 0
-        self.failures: Counter[str] = Counter()
-        self.all_ended = asyncio.Event()
-
-    def end(self) -> None:
-        self.ended += 1
-        if self.ended == self.streams:
-            self.all_ended.set()
-
-
-class Stream(asyncio.Protocol):
-    """One streamed reply: sends its request on connect, stamps token arrivals."""
+class SseStream(Stream):
+    """One reply over SSE: sends its request on connect, counts and stamps token events."""
 
     def __init__(self, run: Run, request: bytes) -> None:
-        self.run = run
+        super().__init__(run)
         self.request = request
-        self.transport: asyncio.Transport | None = None
-        self.sent = math.nan
         self.head = b""
-        self.in_body = False
         self.tail = b""
-        self.arrivals: list[float] = []
-        self.done_at = math.nan
-        self.failure: str | None = None
-        self.ended = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.sent = time.perf_counter()
+    def transport_ready(self) -> None:
+        assert self.transport is not None
         self.transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:
@@ -86,11 +72,7 @@ class Stream(asyncio.Protocol):
             if not status.startswith(b"HTTP/1.1 200"):
                 self.finish(f"status {status[9:12].decode(errors='replace')}")
                 return
-            self.in_body = True
-            run = self.run
-            run.open += 1
-            if run.open > run.peak_open:
-                run.peak_open = run.open
+            self.opened()
             data = self.head[end + 4 :]
             self.head = b""
         chunk = self.tail + data
@@ -101,21 +83,6 @@ class Stream(asyncio.Protocol):
             self.done_at = now
             self.finish(None)
         self.tail = chunk[-TAIL:]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.ended:
-            self.finish(f"closed before done: {exc!r}" if exc else "closed before done")
-
-    def finish(self, failure: str | None) -> None:
-        self.ended = True
-        self.failure = failure
-        if self.in_body:
-            self.run.open -= 1
-        if failure is not None:
-            self.run.failures[failure] += 1
-            if self.transport is not None:
-                self.transport.close()
-        self.run.end()
 
 
 async def connect(run: Run, stream: Stream, host: str, port: int) -> None:
@@ -148,14 +115,26 @@ async def load(config: dict[str, Any]) -> dict[str, Any]:
     """Run every stream of ``config`` at once; return the run's measurements."""
     url = urlsplit(config["url"])
     host, port = url.hostname or "127.0.0.1", url.port or 80
-    path = config.get("path", "/v1/replies")
     seeds: list[int] = config["seeds"]
     max_tokens: int | None = config.get("max_tokens")
     run = Run(len(seeds))
-    streams = [
-        Stream(run, request_bytes(host, port, path, request_body(seed, max_tokens)))
-        for seed in seeds
-    ]
+    streams: list[Stream]
+    if config.get("transport", "sse") == "ws":
+        # The same seeds and fields as the SSE request, one reply per socket.
+        streams = [
+            WsStream(
+                run,
+                upgrade_request(host, port, WS_PATH),
+                ws_reply_message(WS_TAG, seed, max_tokens),
+            )
+            for seed in seeds
+        ]
+    else:
+        path = "/v1/replies"
+        streams = [
+            SseStream(run, request_bytes(host, port, path, request_body(seed, max_tokens)))
+            for seed in seeds
+        ]
     cpu_before = time.process_time()
     started = time.perf_counter()
     async with asyncio.TaskGroup() as group:
@@ -188,6 +167,9 @@ def summarize(
     overrun: list[float] = []
     lateness: list[float] = []
     first_text: list[float] = []
+    # Over a WebSocket, from the connection to the reply message written after the upgrade.
+    ws = config.get("transport", "sse") == "ws"
+    upgrade = [s.sent - s.connected for s in streams if s.in_body] if ws else []
     for seed, stream in zip(config["seeds"], streams, strict=True):
         due = schedule(seed, tokens)
         if stream.arrivals:
@@ -225,6 +207,7 @@ def summarize(
             "p50": percentile(first_text, 50) * ms,
             "p95": percentile(first_text, 95) * ms,
         },
+        "upgrade_ms": {"p50": percentile(upgrade, 50) * ms, "p95": percentile(upgrade, 95) * ms},
         "peak_open": run.peak_open,
         "client_cpu_s": client_cpu,
         "client_us_per_event": client_cpu / events * 1e6 if events else math.nan,

@@ -1,6 +1,8 @@
 """The benchmark's table: every metric per server and concurrency, with replystream's ratios.
 
-Printed as a Markdown table so a run can be pasted into docs/performance.md as it is.
+Printed as a Markdown table so a run can be pasted into docs/performance.md as it is. Ratios
+compare columns of the same transport (replystream ws / bare ws, never ws / sse); the
+WebSocket upgrade rows appear only when a WebSocket run is in the table.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ ROWS: list[tuple[str, Callable[[Run], float], str]] = [
     ("lateness p99", _ms("lateness_ms", "p99"), "{:,.1f}"),
     ("first text median (ms)", _ms("first_text_ms", "p50"), "{:,.1f}"),
     ("first text p95", _ms("first_text_ms", "p95"), "{:,.1f}"),
+    ("WebSocket upgrade median (ms)", _ms("upgrade_ms", "p50"), "{:,.1f}"),
+    ("WebSocket upgrade p95", _ms("upgrade_ms", "p95"), "{:,.1f}"),
     ("server CPU s / 1,000 events", lambda r: r["server_cpu_s_per_1k_events"], "{:.4f}"),
     ("server CPU µs / event", lambda r: r["server_us_per_event"], "{:.1f}"),
     ("server memory / stream (KiB)", lambda r: r["memory_per_stream_kib"], "{:.1f}"),
@@ -50,7 +54,14 @@ def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
     """The Markdown table of ``runs``; a ratio column per replystream column and baseline."""
     ours_labels = [s for s in servers if s.startswith("replystream")]
     baselines = [s for s in servers if not s.startswith("replystream")]
-    pairs = [(ours, theirs) for ours in ours_labels for theirs in baselines]
+    transport = {r["server"]: r.get("transport", "sse") for r in runs}
+    pairs = [
+        (ours, theirs)
+        for ours in ours_labels
+        for theirs in baselines
+        if transport.get(ours) == transport.get(theirs)
+    ]
+    rows = ROWS if "ws" in transport.values() else [r for r in ROWS if "WebSocket" not in r[0]]
     header = ["metric", *servers, *(f"{ours} / {theirs}" for ours, theirs in pairs)]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     by_key = {(r["server"], r["concurrency"]): r for r in runs}
@@ -59,7 +70,7 @@ def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
         if not present:
             continue
         lines.append(f"| **C = {concurrency:,}** |" + " |" * (len(header) - 1))
-        for label, get, fmt in ROWS:
+        for label, get, fmt in rows:
             if label.startswith("ideal"):
                 any_run = next(iter(present.values()))["client"]["ideal_ms"]
                 ideal = f"{any_run['p50']:,.0f} / {any_run['p95']:,.0f} (same seeds everywhere)"

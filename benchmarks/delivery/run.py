@@ -1,14 +1,16 @@
 """Delivery load benchmark: replystream against a bare aiohttp handler and Starlette, side by side.
 
-For each concurrency C and each server, a fresh server process streams C replies opened at
-once (120 tokens, 33 ± 8 ms each, one seed per stream, the same seeds for every server) to a
+For each concurrency C and each server (and transport: SSE, or WebSocket for replystream and
+the bare handler), a fresh server process streams C replies opened at once (120 tokens,
+33 ± 8 ms each, one seed per stream, the same seeds for every server and transport) to a
 load client in its own process. Measured: delivered events per second, completion against the
 schedule's ideal, per-event lateness, first text, server CPU per 1,000 events and peak memory
 per open stream (Linux /proc, summed over the server's processes), the peak number of streams
 open at once, failures and the client's own CPU per event. See docs/performance.md.
 
 Run: python benchmarks/delivery/run.py [--concurrency 100 1000 3000]
-         [--servers replystream bare starlette] [--workers N [N ...]] [--wait-quiet-s 20]
+         [--servers replystream bare starlette] [--transports sse ws] [--workers N [N ...]]
+         [--wait-quiet-s 20]
          [--timeout-s 60] [--json FILE]
 """
 
@@ -36,7 +38,17 @@ from procstats import (
     raise_nofile,
 )
 from report import failure_notes, table
-from servers import HERE, LOOPS, SERVER_NAMES, Started, Variant, check_wire, started_server
+from servers import (
+    HERE,
+    LOOPS,
+    SERVER_NAMES,
+    SERVER_TRANSPORTS,
+    TRANSPORTS,
+    Started,
+    Variant,
+    check_wire,
+    started_server,
+)
 from workload import TOKENS, schedule, stream_seeds
 
 from replystream.engine import GenerationRequest, SamplingParams, SimulatedConfig, SimulatedEngine
@@ -63,9 +75,17 @@ async def wait_quiet(limit_s: float) -> float:
     return load
 
 
-async def run_client(url: str, seeds: list[int], max_tokens: int | None, timeout_s: float) -> Any:
+async def run_client(
+    url: str, seeds: list[int], max_tokens: int | None, timeout_s: float, transport: str = "sse"
+) -> Any:
     """Run the load client in its own process and return its measurements."""
-    config = {"url": url, "seeds": seeds, "max_tokens": max_tokens, "timeout_s": timeout_s}
+    config = {
+        "url": url,
+        "transport": transport,
+        "seeds": seeds,
+        "max_tokens": max_tokens,
+        "timeout_s": timeout_s,
+    }
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(HERE / "loadclient.py"),
@@ -79,11 +99,12 @@ async def run_client(url: str, seeds: list[int], max_tokens: int | None, timeout
 
 
 async def measure(
-    server: Started, concurrency: int, timeout_s: float, quiet_s: float
+    server: Started, transport: str, concurrency: int, timeout_s: float, quiet_s: float
 ) -> dict[str, Any]:
     """Warm the server up, then run C streams and read its CPU and memory around them."""
-    await check_wire(server)
-    warm = await run_client(server.url, stream_seeds(WARMUP_STREAMS, 1), WARMUP_TOKENS, 30.0)
+    await check_wire(server, transport)
+    warm_seeds = stream_seeds(WARMUP_STREAMS, 1)
+    warm = await run_client(server.url, warm_seeds, WARMUP_TOKENS, 30.0, transport)
     if warm["failed"]:
         raise RuntimeError(f"{server.name} failed its warm-up: {warm['failures']}")
     # Other work on the machine skews every number: wait for quiet, and measure it anyway.
@@ -94,7 +115,7 @@ async def measure(
     overflows_before = listen_overflows()
     busy_before = machine_busy_seconds()
     wall_before = time.perf_counter()
-    client = await run_client(server.url, stream_seeds(concurrency), None, timeout_s)
+    client = await run_client(server.url, stream_seeds(concurrency), None, timeout_s, transport)
     wall = time.perf_counter() - wall_before
     busy = machine_busy_seconds() - busy_before
     overflows = listen_overflows() - overflows_before
@@ -126,10 +147,11 @@ async def measure_variant(
 ) -> dict[str, Any]:
     """Start ``variant`` fresh, measure it at ``concurrency``, stop it; print a progress line."""
     async with started_server(variant.name, variant.workers, loop) as server:
-        result = await measure(server, concurrency, timeout_s, quiet_s)
+        result = await measure(server, variant.transport, concurrency, timeout_s, quiet_s)
     result = {
         "server": variant.label,
         "name": variant.name,
+        "transport": variant.transport,
         "workers": variant.workers,
         "loop": loop,
         **result,
@@ -220,6 +242,13 @@ async def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[100, 1000, 3000])
     parser.add_argument("--servers", nargs="+", choices=SERVER_NAMES, default=list(SERVER_NAMES))
     parser.add_argument(
+        "--transports",
+        nargs="+",
+        choices=TRANSPORTS,
+        default=["sse"],
+        help="sse: POST /v1/replies; ws: one reply per GET /v1/ws socket (replystream and bare)",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         nargs="+",
@@ -251,9 +280,16 @@ async def main() -> int:
     args = parser.parse_args()
     nofile = raise_nofile()  # children inherit it
     check_schedule(max(args.concurrency))
+    for name in args.servers:
+        if missing := [t for t in args.transports if t not in SERVER_TRANSPORTS[name]]:
+            kept = [t for t in args.transports if t in SERVER_TRANSPORTS[name]]
+            scope = f"measured over {' and '.join(kept)} only" if kept else "not measured"
+            print(f"{name} has no {' or '.join(missing)} variant: {scope}", file=sys.stderr)
     variants = [
-        Variant(name, workers)
+        Variant(name, workers, transport)
+        for transport in args.transports
         for name in args.servers
+        if transport in SERVER_TRANSPORTS[name]
         for workers in (args.workers if name == "replystream" else [1])
     ]
     labels = [variant.label for variant in variants]

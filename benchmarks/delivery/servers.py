@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import sys
 import urllib.request
@@ -15,13 +16,27 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from workload import TOKEN_MARKER, request_body, token_frame
+import aiohttp
+from workload import (
+    TOKEN_MARKER,
+    WS_PATH,
+    WS_TAG,
+    WS_TOKEN_MARKER,
+    request_body,
+    token_frame,
+    ws_reply_message,
+    ws_token_message,
+)
 
 from replystream.lab.local_server import announced_process
 
 HERE = Path(__file__).resolve().parent
 READY = re.compile(r"listening on (http://\S+)")
 SERVER_NAMES = ("replystream", "bare", "starlette")
+TRANSPORTS = ("sse", "ws")
+# uvicorn serves WebSockets only with the websockets or wsproto package, which the bench extra
+# does not install: Starlette is measured over SSE alone.
+SERVER_TRANSPORTS = {"replystream": TRANSPORTS, "bare": TRANSPORTS, "starlette": ("sse",)}
 
 
 LOOPS = ("asyncio", "uvloop")
@@ -43,16 +58,18 @@ def server_command(name: str, workers: int, loop: str = "asyncio") -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One column of the table: a server, and for replystream its number of workers."""
+    """One column of the table: a server, its transport, and for replystream its workers."""
 
     name: str
     workers: int = 1
+    transport: str = "sse"
 
     @property
     def label(self) -> str:
+        name = self.name if self.transport == "sse" else f"{self.name} {self.transport}"
         if self.workers == 1:
-            return self.name
-        return f"{self.name} ({self.workers} workers)"
+            return name
+        return f"{name} ({self.workers} workers)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +105,39 @@ def token_frames(url: str, tokens: int = 3) -> list[bytes]:
     return [block + b"\n\n" for block in body.split(b"\n\n") if block.startswith(TOKEN_MARKER)]
 
 
-async def check_wire(server: Started) -> None:
+async def token_messages(url: str, tokens: int = 3) -> list[str]:
+    """The token messages of one short reply over ``GET /v1/ws`` (no extension offered)."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(f"{url}{WS_PATH}", compress=0) as ws,
+    ):
+        await ws.send_str(ws_reply_message(WS_TAG, 7, tokens).decode())
+        messages: list[str] = []
+        async with asyncio.timeout(10):
+            while True:
+                text = await ws.receive_str()
+                kind = json.loads(text)["type"]
+                if kind == "token":
+                    messages.append(text)
+                elif kind in ("done", "error", "moderated"):
+                    return messages
+
+
+async def check_wire(server: Started, transport: str = "sse") -> None:
     """Fail unless ``server`` writes token events byte for byte as the benchmark counts them."""
+    if transport == "ws":
+        await check_ws_wire(server)
+        return
     frames = await asyncio.to_thread(token_frames, server.url)
     expected = [token_frame(index) for index in range(3)]
     if frames != expected:
         raise RuntimeError(f"{server.name} token events differ: {frames!r} != {expected!r}")
+
+
+async def check_ws_wire(server: Started) -> None:
+    """The same over ``GET /v1/ws``: one uncompressed text message per token, as counted."""
+    messages = await token_messages(server.url)
+    reply_id = json.loads(messages[0])["reply_id"] if messages else ""
+    expected = [ws_token_message(WS_TAG, reply_id, index) for index in range(3)]
+    if messages != expected or not all(m.encode().startswith(WS_TOKEN_MARKER) for m in messages):
+        raise RuntimeError(f"{server.name} token messages differ: {messages!r} != {expected!r}")
