@@ -11,6 +11,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, native, running, serving
 from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
 from replystream.server.websocket import Session
+from replystream.server.ws_transport import WebSocketTransport
 from tests.conftest import fast_engine, wait_for
 from tests.sse_client import post_events
 
@@ -241,14 +242,14 @@ async def test_a_long_reply_nobody_may_resume_does_not_keep_its_log_while_read()
 
 
 async def test_a_failure_inside_one_reply_leaves_the_socket_and_other_replies_alone(monkeypatch):
-    forward = Session._forward
+    encode = WebSocketTransport.encode
 
-    async def failing_forward(self, tag, reply, parser, result, after):
-        if tag == "boom":
+    def failing_encode(self, entries):
+        if '"id":"boom"' in self._head and any(e.event == "token" for e in entries):
             raise RuntimeError("injected")
-        return await forward(self, tag, reply, parser, result, after)
+        return encode(self, entries)
 
-    monkeypatch.setattr(Session, "_forward", failing_forward)
+    monkeypatch.setattr(WebSocketTransport, "encode", failing_encode)
     engine = fast_engine()
     async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
         async with http.ws_connect(f"{url}/v1/ws") as ws:

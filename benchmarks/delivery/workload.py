@@ -82,9 +82,11 @@ def ws_reply_message(tag: str, seed: int, max_tokens: int | None = None) -> byte
 
 
 def ws_message(kind: str, tag: str, reply_id: str, seq: int, data: dict[str, object]) -> str:
-    """A ``GET /v1/ws`` server message, byte for byte as replystream sends it."""
-    message = {"type": kind, "id": tag, "reply_id": reply_id, "seq": seq, "data": data}
-    return json.dumps(message, separators=(",", ":"))
+    """A ``GET /v1/ws`` server message, byte for byte as replystream sends it: the envelope
+    compact, the event's data as the reply log holds it (``json.dumps``'s spacing)."""
+    envelope = {"type": kind, "id": tag, "reply_id": reply_id, "seq": seq}
+    head = json.dumps(envelope, separators=(",", ":"))[:-1]
+    return f'{head},"data":{json.dumps(data)}}}'
 
 
 def ws_token_message(tag: str, reply_id: str, index: int) -> str:

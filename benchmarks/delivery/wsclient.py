@@ -29,7 +29,7 @@ CLOSE = 0x88
 PING = 0x89
 PONG = 0x8A
 NORMAL_CLOSURE = (1000).to_bytes(2, "big")
-CODE = b'"code":"'
+CODE = b'"code": "'  # the error event's data, as the reply log holds it
 
 
 def upgrade_request(host: str, port: int, path: str) -> bytes:

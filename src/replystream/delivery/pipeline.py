@@ -1,9 +1,9 @@
-"""The reply pipeline: deltas in, numbered and encoded events out.
+"""The reply pipeline: deltas in, numbered events out.
 
 For one reply it applies hold-back moderation, batching and the wire dialect, and numbers the
 events (the ``id:`` a reader resumes from). It is pure state: the caller passes the clock and
 puts the returned ``LogEntry`` values into the reply log. It must not know about sockets,
-tasks or stores.
+tasks, stores or any transport's framing (a transport encodes each entry as it writes it).
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ from replystream.delivery.moderation import HoldBack, Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
 from replystream.engine.base import Delta
-from replystream.sse import encode_data
-
-_NO_HOLDBACK = HoldBack(0, ())  # shared, stateless while nothing is pushed through it
-_NO_BATCHER = Batcher(1)
 
 
 class ReplyPipeline:
@@ -48,28 +44,17 @@ class ReplyPipeline:
             and policy.batch_tokens == 1
             and window_s is None
         )
-        self.holdback = (
-            HoldBack(policy.holdback_tokens, policy.checks) if not self._direct else _NO_HOLDBACK
-        )
-        self.batcher = Batcher(policy.batch_tokens, window_s) if not self._direct else _NO_BATCHER
+        self.holdback = None if self._direct else HoldBack(policy.holdback_tokens, policy.checks)
+        self.batcher = None if self._direct else Batcher(policy.batch_tokens, window_s)
         self.next_seq = 1
         self.tokens = 0
         self.finish_reason = "stop"
         self.ended = False
 
     def _entries(self, specs: list[Spec]) -> list[LogEntry]:
-        out = []
-        for event_type, data in specs:
-            seq = self.next_seq
-            self.next_seq += 1
-            if self.numbered and event_type and "\n" not in data and "\r" not in data:
-                # The common one-line event, written directly (what encode_data would write).
-                frame = f"event: {event_type}\nid: {seq}\ndata: {data}\n\n".encode()
-            else:
-                event_id = str(seq) if self.numbered else None
-                frame = encode_data(data, type=event_type, id=event_id)
-            out.append(LogEntry(seq, frame))
-        return out
+        seq = self.next_seq
+        self.next_seq += len(specs)
+        return [LogEntry(seq + index, event, data) for index, (event, data) in enumerate(specs)]
 
     def start(self, reply_id: str) -> list[LogEntry]:
         """The events that open a reply (its id, for a client that may need to resume)."""
@@ -80,30 +65,36 @@ class ReplyPipeline:
         self.tokens += delta.tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
-        if self._direct:
+        holdback, batcher = self.holdback, self.batcher
+        if holdback is None or batcher is None:  # nothing held, nothing batched
             if not delta.text and not delta.tokens:
                 return []
             return self._entries([self.fmt.text(delta.text, delta.tokens)])
-        text, tokens = self.holdback.push(delta.text, delta.tokens)
-        batch = self.batcher.add(text, tokens, now)
+        text, tokens = holdback.push(delta.text, delta.tokens)
+        batch = batcher.add(text, tokens, now)
         specs = [] if batch is None else [self.fmt.text(*batch)]
-        if self.holdback.violation is not None:
-            return self._entries(specs) + self._end_moderated(self.holdback.violation)
+        if holdback.violation is not None:
+            return self._entries(specs) + self._end_moderated(holdback.violation)
         return self._entries(specs)
 
     @property
     def violation(self) -> Violation | None:
-        return self.holdback.violation
+        return None if self.holdback is None else self.holdback.violation
+
+    @property
+    def batch_due_at(self) -> float | None:
+        """When the open batch's time window runs out (None: no batch open, or no window)."""
+        return None if self.batcher is None else self.batcher.due_at
 
     def flush_due(self, now: float) -> list[LogEntry]:
         """The open batch, if its time window has run out."""
-        if not self.batcher.expired(now):
+        if self.batcher is None or not self.batcher.expired(now):
             return []
         batch = self.batcher.flush()
         return [] if batch is None else self._entries([self.fmt.text(*batch)])
 
     def _flush(self) -> list[Spec]:
-        batch = self.batcher.flush()
+        batch = None if self.batcher is None else self.batcher.flush()
         return [] if batch is None else [self.fmt.text(*batch)]
 
     def _end_moderated(self, violation: Violation) -> list[LogEntry]:
@@ -113,10 +104,12 @@ class ReplyPipeline:
     def finish(self, prompt_tokens: int) -> list[LogEntry]:
         """The reply ended normally: release held text, flush, then the end marker."""
         self.ended = True
-        text, tokens = self.holdback.finish()
-        batch = self.batcher.add(text, tokens, 0.0)
-        specs = [] if batch is None else [self.fmt.text(*batch)]
-        specs += self._flush()
+        specs: list[Spec] = []
+        if self.holdback is not None and self.batcher is not None:
+            text, tokens = self.holdback.finish()
+            batch = self.batcher.add(text, tokens, 0.0)
+            specs = [] if batch is None else [self.fmt.text(*batch)]
+            specs += self._flush()
         return self._entries(
             specs + self.fmt.finished(self.finish_reason, Usage(prompt_tokens, self.tokens))
         )

@@ -1,10 +1,10 @@
 """The reply log in Redis Streams, so any replica can replay and follow any reply.
 
 Layout, per reply (``P`` is the key prefix):
-- ``P{id}``: a stream; entry ``0-<seq>`` holds one encoded event (field ``f``) and the log's
-  size in bytes up to and including it (field ``b``: a reader on another replica measures
-  its lag by it); the terminal entry holds the ending (field ``end``). Trimmed to about
-  ``max_entries``.
+- ``P{id}``: a stream; entry ``0-<seq>`` holds one event (its type in field ``e``, empty for a
+  plain message; its data in ``d``) and the log's size in bytes up to and including it
+  (field ``b``: a reader on another replica measures its lag by it); the terminal entry
+  holds the ending (field ``end``). Trimmed to about ``max_entries``.
 - ``P{id}:meta``: a hash with the owner; ``P{id}:live``: the producer's liveness key, set for
   ``liveness_s`` and refreshed every second while it generates; ``P{id}:cancel``: a cancel
   request from another replica.
@@ -53,7 +53,7 @@ COMMAND_TIMEOUT_S = 5.0
 
 
 class Offsets(NamedTuple):
-    """Where a read's entries stand in the log, in bytes of frames."""
+    """Where a read's entries stand in the log, in bytes of data."""
 
     before_first: int | None  # the log's size before the first entry read (None: none read)
     logged: int | None  # the log's size so far (None: no event logged yet)
@@ -222,11 +222,11 @@ class RedisReplayStore:
                         if isinstance(item, LogEntry):
                             # Each entry carries the log's size up to and including it, so a
                             # reader on any replica can tell how far behind it is.
-                            logged = self._logged.get(reply_id, 0) + len(item.frame)
+                            logged = self._logged.get(reply_id, 0) + len(item.data)
                             self._logged[reply_id] = logged
                             pipe.xadd(
                                 key,
-                                {"f": item.frame, "b": logged},
+                                {"e": item.event or "", "d": item.data, "b": logged},
                                 id=f"0-{item.seq}",
                                 maxlen=self.max_entries,
                                 approximate=True,
@@ -350,10 +350,10 @@ class RedisReplayStore:
             if b"end" in fields:
                 ending = fields[b"end"].decode()
                 break
-            frame = fields[b"f"]
+            data = fields[b"d"].decode()
             if before_first is None and b"b" in fields:
-                before_first = int(fields[b"b"]) - len(frame)
-            entries.append(LogEntry(_seq(entry_id), frame))
+                before_first = int(fields[b"b"]) - len(data)
+            entries.append(LogEntry(_seq(entry_id), fields[b"e"].decode() or None, data))
         offsets = Offsets(before_first, logged)
         lost = None
         first = entries[0].seq if entries else None

@@ -43,12 +43,16 @@ class StoreUnavailable(Exception):
 
 
 class LogEntry(NamedTuple):
-    """One event of a reply: its sequence number and its encoded bytes (``id:`` included).
+    """One event of a reply, as data: its number, its type (None: a plain message) and its
+    data (one JSON text, or a dialect's marker such as ``[DONE]``). Each transport writes it
+    in its own framing (an SSE event, a WebSocket message); the log never holds wire bytes.
+    A log's size in bytes, by which readers measure their lag, is the size of its data.
 
     A NamedTuple (immutable, and cheap to make: one is made per event)."""
 
     seq: int
-    frame: bytes
+    event: str | None
+    data: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +106,7 @@ class LogCursor(Protocol):
         ...
 
     def sent(self, upto: int, log_bytes: int) -> None:
-        """The reader has sent the entries up to ``upto``: ``log_bytes`` of their frames."""
+        """The reader has sent the entries up to ``upto``: ``log_bytes`` of their data."""
         ...
 
     def lag_bytes(self) -> int:
@@ -198,14 +202,14 @@ class _Log:
             if entry.seq != self.next_seq:
                 raise ValueError(f"entry {entry.seq} out of order: expected {self.next_seq}")
             self.next_seq += 1
-            self.bytes += len(entry.frame)
-            self.appended += len(entry.frame)
+            self.bytes += len(entry.data)
+            self.appended += len(entry.data)
         self.entries.extend(new)
         excess = len(self.entries) - self.max_entries
         # Trim in steps of a tenth, so a long reply is not re-sliced on every append.
         if excess > self.max_entries // 10:
             for entry in self.entries[:excess]:
-                self.bytes -= len(entry.frame)
+                self.bytes -= len(entry.data)
             del self.entries[:excess]
             self.first_seq += excess
         self.wake()
@@ -221,7 +225,7 @@ class _Log:
         drop = upto + 1 - self.first_seq
         if drop > 0:
             for entry in self.entries[:drop]:
-                self.bytes -= len(entry.frame)
+                self.bytes -= len(entry.data)
             del self.entries[:drop]
             self.first_seq += drop
 
@@ -389,7 +393,7 @@ class MemoryCursor:
         self._sent_bytes = 0
         if log is not None:
             start = max(0, after + 1 - log.first_seq)
-            self._sent_bytes = log.appended - sum(len(e.frame) for e in log.entries[start:])
+            self._sent_bytes = log.appended - sum(len(e.data) for e in log.entries[start:])
 
     async def read(self, wait_s: float) -> ReadResult | None:
         return await self._store.read(self.reply_id, self.after, wait_s)

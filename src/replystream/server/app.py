@@ -14,10 +14,10 @@ Routes:
 - ``GET /v1/ws``: the same replies over a WebSocket, several at once (``server.websocket``).
 - ``GET /metrics`` (Prometheus text format) and ``GET /healthz``.
 Every ``/v1/*`` route needs an API key once keys are configured (``server.auth``).
-A streamed reply is produced into its reply log by a task of the ``ReplyManager`` and read from
-the log by the connection (``server.reader``); buffered replies are collected whole
-(``server.buffered``). This file turns requests into those; it must not know how tokens are
-made.
+A streamed reply is produced into its reply log under the ``ReplyManager`` and read from the
+log by the connection (a ``delivery.follower`` writing through the SSE frame transport);
+buffered replies are collected whole (``server.buffered``). This file turns requests into
+those; it must not know how tokens are made.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from replystream.delivery.follower import KeepaliveClock
 from replystream.delivery.formats import (
     Usage,
     moderated_payload,
@@ -72,7 +73,6 @@ from replystream.server.metrics import Metrics
 from replystream.server.native import parse_reply_request
 from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
-from replystream.server.reader import KeepaliveClock
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
 from replystream.server.state import add_state_gauges
@@ -150,7 +150,12 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         numbered=numbered,
     )
     return follow_reply(
-        request, reply_id=reply.reply_id, store=reply.store, policy=config.policy, reply=reply
+        request,
+        reply_id=reply.reply_id,
+        store=reply.store,
+        policy=config.policy,
+        reply=reply,
+        numbered=numbered,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from replystream.delivery.follower import Follower, FrameTransport, KeepaliveClock
 from replystream.delivery.formats import KEEPALIVE, LabFormat, NativeFormat, StreamFormat, Usage
 from replystream.delivery.moderation import Violation
 from replystream.delivery.pipeline import ReplyPipeline
@@ -40,8 +41,8 @@ from replystream.server.buffered import buffered_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
-from replystream.server.reader import SSE_HEADERS, EventStream, KeepaliveClock, LogReader
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
+from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransport
 
 log = logging.getLogger("replystream.server")
 
@@ -160,24 +161,45 @@ def follow_reply(
     reply: Reply | None,
     after: int = 0,
     keepalive: bytes = KEEPALIVE,
+    numbered: bool = True,
 ) -> EventStream:
-    """The response that streams a reply's log to this connection, from after event
+    """The response that streams a reply's log to this connection as SSE, from after event
     ``after``; the handler returns it, and aiohttp sends it after the handler has returned."""
     request[REPLY_ID] = reply_id
     response = EventStream({**SSE_HEADERS, "X-Reply-Id": reply_id})
-    response.reader = LogReader(
-        request=request,
-        response=response,
+    response.follower = follower_of(
+        request,
+        reply_id=reply_id,
+        store=store,
+        policy=policy,
+        reply=reply,
+        after=after,
+        transport=SSETransport(request, response, numbered=numbered, keepalive=keepalive),
+    )
+    return response
+
+
+def follower_of(
+    request: web.Request,
+    *,
+    reply_id: str,
+    store: ReplayStore,
+    policy: DeliveryPolicy,
+    reply: Reply | None,
+    transport: FrameTransport,
+    after: int = 0,
+) -> Follower:
+    """A follower of a reply's log through ``transport``, from after event ``after``."""
+    return Follower(
         reply_id=reply_id,
         cursor=store.cursor(reply_id, after),
+        transport=transport,
         policy=policy,
-        manager=request.app[MANAGER_KEY],
+        readers=request.app[MANAGER_KEY],
         clock=request.app[KEEPALIVE_CLOCK_KEY],
         reply=reply,
         record=None if reply is None else reply.record,
-        keepalive=keepalive,
     )
-    return response
 
 
 async def buffered(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
 from replystream.delivery.channel import DeltaChannel, End
+from replystream.delivery.follower import Follower
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.replay import (
     LogEntry,
@@ -50,27 +51,11 @@ async def close_quietly(deltas: DeltaStream) -> None:
             await asyncio.shield(deltas.aclose())
 
 
-class LogFollower(Protocol):
-    """A reader of a reply's log (see server.reader)."""
-
-    def interrupt(self) -> None:
-        """Called on every append while the reader may be blocked, and on shutdown."""
-        ...
-
-
 class ReplyConnection(Protocol):
     """A connection that carries replies of its own and outlives each of them (a
     WebSocket): told when the server shuts down, so it can say goodbye and close."""
 
     def server_stopping(self) -> None: ...
-
-
-class LogSink(Protocol):
-    """A reader that takes new events straight from the producer (see server.reader)."""
-
-    def push(self, entries: list[LogEntry]) -> None: ...
-
-    def wake(self) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -90,8 +75,8 @@ class Reply:
     readers: int = 0
     stop_reason: StopReason | None = None
     # Lists, not sets: a reply has one reader or a few, and thousands of replies each hold these.
-    followers: list[LogFollower] = field(default_factory=list)  # its readers in this process
-    sinks: list[LogSink] = field(default_factory=list)  # readers the producer writes to directly
+    followers: list[Follower] = field(default_factory=list)  # its readers in this process
+    sinks: list[Follower] = field(default_factory=list)  # readers the producer writes to directly
     task: asyncio.Task[None] | None = None  # the producer task, for engines that do not push
     live: bool = False  # begun and not yet ended
     _window_timer: asyncio.TimerHandle | None = None
@@ -99,6 +84,11 @@ class Reply:
     _pushed: PushDeltaStream | None = None  # the stream, when the engine pushes its deltas
     _started: bool = False
     _detach_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def last_seq(self) -> int:
+        """The number of the last event logged so far."""
+        return self.pipeline.next_seq - 1
 
     def stop(self, reason: StopReason) -> None:
         """Stop generating; the log ends with an event that says why."""
@@ -170,7 +160,7 @@ class Reply:
         self._append(self.pipeline.flush_due(time.monotonic()))
 
     def _arm_window(self) -> None:
-        due = self.pipeline.batcher.due_at
+        due = self.pipeline.batch_due_at
         if due is not None and self._window_timer is None:
             delay = max(0.0, due - time.monotonic())
             self._window_timer = asyncio.get_running_loop().call_later(delay, self._flush_window)
@@ -319,7 +309,7 @@ class ReplyManager:
         self.metrics = metrics
         self.replies: dict[str, Reply] = {}
         self.channels: set[DeltaChannel] = set()  # buffered replies being collected
-        self.readers: set[LogFollower] = set()  # every open reader, to interrupt on shutdown
+        self.readers: set[Follower] = set()  # every open reader, to interrupt on shutdown
         self.connections: set[ReplyConnection] = set()  # to close on shutdown
         self.quiet = asyncio.Event()  # set once shut down, with no reader or connection left
         self.idle = asyncio.Event()
@@ -374,7 +364,10 @@ class ReplyManager:
             connection.server_stopping()
         self._note_if_quiet()
 
-    def forget_reader(self, reader: LogFollower) -> None:
+    def add_reader(self, reader: Follower) -> None:
+        self.readers.add(reader)
+
+    def forget_reader(self, reader: Follower) -> None:
         self.readers.discard(reader)
         self._note_if_quiet()
 

@@ -41,16 +41,20 @@ from typing import Any
 from aiohttp import WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import LogCursor, ReadResult, StoreUnavailable
 from replystream.server.auth import AUTH_PENDING, OWNER, KeyRing, key_owner
-from replystream.server.context import CONFIG_KEY, MANAGER_KEY, NATIVE_FORMAT, start_reply
+from replystream.server.context import (
+    CONFIG_KEY,
+    MANAGER_KEY,
+    NATIVE_FORMAT,
+    follower_of,
+    start_reply,
+)
 from replystream.server.errors import HTTPAPIError, error_body
 from replystream.server.native import ReplyRequest, parse_reply_request
-from replystream.server.reader import LAST_WORDS_S
-from replystream.server.replies import Reply, ReplyManager, StopReason
+from replystream.server.replies import Reply, ReplyManager
 from replystream.server.schemas import CancelMessage, ReplyMessage
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
-from replystream.sse import EventParser
+from replystream.server.ws_transport import LAST_WORDS_S, WebSocketTransport
 
 log = logging.getLogger("replystream.websocket")
 
@@ -294,62 +298,28 @@ class Session:
             self.running.pop(tag, None)
 
     async def _follow(self, tag: str, reply: Reply, policy: DeliveryPolicy) -> None:
-        parser = EventParser()
-        cursor = reply.store.cursor(reply.reply_id, 0)
-        left_as: StopReason = "client_gone"
-        reply.reader_joined()
-        try:
-            while True:
-                try:
-                    result = await cursor.read(LIVENESS_POLL_S)
-                except StoreUnavailable as exc:
-                    log.warning("reply %s: %s", reply.reply_id[:8], exc)
-                    await self._end(tag, reply, exc.describe(), exc.code)
-                    return
-                if result is None:
-                    await self._end(tag, reply, "the reply expired while being read", "expired")
-                    return
-                if cursor.lag_bytes() > policy.slow_client_bytes:
-                    raise _SlowClient(f"more than {policy.slow_client_bytes} bytes behind")
-                await self._forward(tag, reply, parser, result, cursor)
-                if result.entries:
-                    # A log nobody may resume need not keep what was sent.
-                    reply.consumed(cursor.after)
-                if result.ending is not None:
-                    return
-                if result.producer_lost:
-                    message = "the replica generating this reply is gone"
-                    await self._end(tag, reply, message, "generator_lost")
-                    return
-        except _SlowClient:
-            left_as = "slow_client"
-            reply.record.reason = "slow_client"
-            raise
-        finally:
-            reply.reader_left(left_as)
+        """Send the reply's log as messages for ``tag``: the same follower as over SSE (the
+        same limits, endings and direct path), through this socket's frame transport."""
+        transport = WebSocketTransport(
+            self.request, tag=tag, reply_id=reply.reply_id, cut=self._cut_by_follower
+        )
+        follower = follower_of(
+            self.request,
+            reply_id=reply.reply_id,
+            store=reply.store,
+            policy=policy,
+            reply=reply,
+            transport=transport,
+        )
+        await follower.run()
 
-    async def _forward(
-        self, tag: str, reply: Reply, parser: EventParser, result: ReadResult, cursor: LogCursor
-    ) -> None:
-        if result.lost is not None:
-            first, last = result.lost
-            gap = {"lost_from": first, "lost_to": last}
-            await self.send({"type": "gap", "id": tag, "reply_id": reply.reply_id, "data": gap})
-        for entry in result.entries:
-            for event in parser.feed(entry.frame):
-                message = {
-                    "type": event.type,
-                    "id": tag,
-                    "reply_id": reply.reply_id,
-                    "seq": entry.seq,
-                    "data": json.loads(event.data),
-                }
-                reply.record.on_send(await self.send(message), 1)
-            cursor.sent(entry.seq, len(entry.frame))
-
-    async def _end(self, tag: str, reply: Reply, message: str, code: str) -> None:
-        error = {"error": {"message": message, "code": code}}
-        await self.send({"type": "error", "id": tag, "reply_id": reply.reply_id, "data": error})
+    def _cut_by_follower(self) -> None:
+        """A follower found the socket unable to keep up and is closing it (1008)."""
+        if not self._closing:
+            self._closing = True
+            log.info("websocket cut: slow_client")
+            for running in self.running.values():
+                running.task.cancel()
 
 
 async def handle_websocket(request: web.Request) -> web.StreamResponse:

@@ -1,0 +1,491 @@
+"""Follow one reply's log to one client, whatever the transport: replay, live tail,
+keep-alive, slow-client limits, and the end.
+
+A follower starts after the event id it was given (0: from the start), writes every entry the
+log has, then waits for more until the reply's terminal entry. While idle it sends
+keep-alives. Each write that may wait (the transport says the socket would not take it at
+once) runs under a deadline of ``slow_client_s``; a follower whose unsent backlog passes
+``slow_client_bytes`` is cut. The backlog comes from its cursor (``LogCursor``, handed out by
+the reply's store), so the limit holds for a reply made here or on another replica: the
+producer's append reaches a follower of a local reply through ``interrupt``, even while it is
+blocked on the socket; a follower of a remote reply asks its cursor while its write waits.
+A cut follower leaves a last ``error`` notice if the socket still takes it.
+
+The direct path: a follower that has caught up with a reply made in this process lets the
+producer write each new event straight into its transport (``push``), so a live stream costs
+no wake-up of the follower's task per event. Any doubt (a busy socket, a gap, the end) hands
+the work back to the task, which then writes with backpressure and the limits.
+
+Framing belongs to the transport (``FrameTransport``: SSE over HTTP/1.1, a WebSocket); what a
+reply's producer offers its followers is ``LiveReply``. This file must not know about HTTP,
+WebSockets, the engine or which store keeps the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import LogCursor, LogEntry, StoreUnavailable
+
+log = logging.getLogger("replystream.follower")
+
+LIVENESS_POLL_S = 1.0  # how often a follower of a remote reply checks its producer is alive
+WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
+MAX_SWEEP_S = 1.0  # the keep-alive clock looks at waiting followers at least this often
+
+Ending = Literal[
+    "ended",
+    "client_gone",
+    "slow_client",
+    "shutdown",
+    "producer_lost",
+    "expired",
+    "store_unavailable",
+    "failed",
+]
+
+
+class FrameTransport(Protocol):
+    """One client connection as a follower writes to it, in the connection's own framing."""
+
+    def encode(self, entries: Sequence[LogEntry]) -> bytes:
+        """The wire bytes of log entries (SSE events, WebSocket messages)."""
+        ...
+
+    def notice(self, event: str, data: str) -> bytes:
+        """The wire bytes of an unnumbered event the follower decides on (``error``,
+        ``gap``): never in the log, so a resume neither repeats nor misses one."""
+        ...
+
+    def keepalive(self) -> bytes | None:
+        """What an idle stream sends to stay open (None: the transport keeps itself alive)."""
+        ...
+
+    async def open(self, *, with_first_events: bool) -> None:
+        """Begin the response (headers). ``with_first_events``: events are ready, and may
+        leave in the same write as the headers."""
+        ...
+
+    def takes_at_once(self, size: int) -> bool:
+        """Whether ``size`` more bytes leave without the write having to wait."""
+        ...
+
+    def has_room(self) -> bool:
+        """Whether the socket is open and below its high-water mark (the direct path)."""
+        ...
+
+    async def write(self, data: bytes, *, last: bool) -> int:
+        """Write ``data``, waiting for the socket to drain; ``last``: the stream ends with it.
+        Returns the bytes that went on the wire. Raises ``ConnectionError``."""
+        ...
+
+    def write_now(self, data: bytes) -> int:
+        """Write without waiting (the caller checked ``has_room``); the bytes on the wire."""
+        ...
+
+    async def end(self) -> None:
+        """End the stream properly (its terminal framing), if not ended by a last write."""
+        ...
+
+    def last_words(self, notice: bytes, ending: Ending) -> None:
+        """The follower was cut (``ending``): queue a final notice without waiting, and close
+        what the cut closes; give up on it if it cannot leave soon (the client is not
+        reading)."""
+        ...
+
+    def finished(self, ending: Ending) -> None:
+        """The follower is done (its transport's last bookkeeping)."""
+        ...
+
+
+class LiveReply(Protocol):
+    """What a reply being produced in this process offers the followers of its log."""
+
+    live: bool
+    followers: list[Follower]
+    sinks: list[Follower]
+
+    @property
+    def last_seq(self) -> int:
+        """The number of the last event logged so far."""
+        ...
+
+    def reader_joined(self) -> None: ...
+
+    def reader_left(self, reason: Literal["slow_client", "client_gone"]) -> None: ...
+
+    def consumed(self, upto: int) -> None:
+        """A follower has sent everything up to ``upto``."""
+        ...
+
+    def reader_fell_behind(self) -> None:
+        """A follower is past the slow-client limit (its producer may stop now)."""
+        ...
+
+
+class Readers(Protocol):
+    """Every follower of this process, for shutdown."""
+
+    shutting_down: bool
+
+    def add_reader(self, follower: Follower) -> None: ...
+
+    def forget_reader(self, follower: Follower) -> None: ...
+
+
+class SendRecord(Protocol):
+    """Where a reply counts what its followers send."""
+
+    reason: str  # why the reply ended as it did ("" until it has)
+
+    def on_send(self, nbytes: int, events: int) -> None: ...
+
+
+class _Cut(Exception):
+    def __init__(self, ending: Ending, detail: str) -> None:
+        super().__init__(detail)
+        self.ending = ending
+
+
+class KeepaliveClock:
+    """One timer for the keep-alives of every follower waiting on the direct path.
+
+    A sweep every quarter of the shortest keep-alive period among them (at most every
+    second) wakes each one idle for a whole period, so a keep-alive leaves at most a quarter
+    period (or a second) late. Thousands of followers cost one wake-up a second, not a timer
+    each (a handle, its context and a bound method: 240 bytes a stream)."""
+
+    def __init__(self) -> None:
+        self._waiting: set[Follower] = set()
+        self._period_s = MAX_SWEEP_S
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, follower: Follower, keepalive_s: float) -> None:
+        self._waiting.add(follower)
+        period = min(MAX_SWEEP_S, keepalive_s / 4.0)
+        if self._timer is None or period < self._period_s:
+            self._arm(period)
+
+    def forget(self, follower: Follower) -> None:
+        self._waiting.discard(follower)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, period_s: float) -> None:
+        self.close()
+        self._period_s = period_s
+        self._timer = asyncio.get_running_loop().call_later(period_s, self._sweep)
+
+    def _sweep(self) -> None:
+        self._timer = None
+        if not self._waiting:
+            return  # armed again by the next follower to wait
+        now = time.monotonic()
+        shortest = MAX_SWEEP_S * 4.0
+        for follower in list(self._waiting):  # a woken follower leaves the set when it runs
+            follower.wake_if_idle(now)
+            if follower.policy.keepalive_s is not None:
+                shortest = min(shortest, follower.policy.keepalive_s)
+        self._arm(min(MAX_SWEEP_S, shortest / 4.0))
+
+
+class Follower:
+    """One client following one reply's log, through one transport."""
+
+    # Thousands are open at once: slots, no instance dict.
+    __slots__ = (
+        "_broken",
+        "_deadline",
+        "_woken",
+        "clock",
+        "cursor",
+        "last_write",
+        "overflow",
+        "policy",
+        "readers",
+        "record",
+        "reply",
+        "reply_id",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        *,
+        reply_id: str,
+        cursor: LogCursor,
+        transport: FrameTransport,
+        policy: DeliveryPolicy,
+        readers: Readers,
+        clock: KeepaliveClock,
+        reply: LiveReply | None,
+        record: SendRecord | None,
+    ) -> None:
+        self.reply_id = reply_id
+        self.cursor = cursor  # this follower's place in the log, from the reply's store
+        self.transport = transport
+        self.policy = policy
+        self.readers = readers
+        self.clock = clock  # wakes this follower for a keep-alive while it waits directly
+        self.reply = reply  # the producer, when it runs in this process
+        self.record = record  # where to count what is sent (the producer's record)
+        self.last_write = 0.0
+        self.overflow = False
+        self._woken: asyncio.Future[None] | None = None  # while direct: done when there is work
+        self._deadline: asyncio.Timeout | None = None
+        self._broken: Exception | None = None  # a failure on the direct path, for the task
+
+    def interrupt(self) -> None:
+        """Called on every append while this follower may be blocked, and on shutdown."""
+        deadline = self._deadline
+        if deadline is None or deadline.expired():
+            return
+        if not self.readers.shutting_down:
+            if self.cursor.lag_bytes() <= self.policy.slow_client_bytes:
+                return
+            self.overflow = True
+        deadline.reschedule(asyncio.get_running_loop().time())
+
+    def _behind(self) -> _Cut:
+        return _Cut("slow_client", f"more than {self.policy.slow_client_bytes} bytes behind")
+
+    async def _send(self, data: bytes, events: int, *, last: bool = False) -> None:
+        if self.overflow:
+            raise self._behind()
+        if self.transport.takes_at_once(len(data)):
+            sent = await self.transport.write(data, last=last)  # cannot wait: no deadline
+        else:
+            sent = await self._write_within_deadline(data, last)
+        self.last_write = time.monotonic()
+        if self.record is not None:
+            self.record.on_send(sent, events)
+
+    async def _write_within_deadline(self, data: bytes, last: bool) -> int:
+        try:
+            async with asyncio.timeout(self.policy.slow_client_s) as deadline:
+                self._deadline = deadline
+                if self.reply is None:
+                    return await self._write_measuring_lag(data, last)
+                return await self.transport.write(data, last=last)
+        except TimeoutError:
+            if self.readers.shutting_down:
+                raise _Cut("shutdown", "the server is shutting down") from None
+            if self.overflow:
+                raise self._behind() from None
+            raise _Cut(
+                "slow_client", f"socket did not drain for {self.policy.slow_client_s:g} s"
+            ) from None
+        finally:
+            self._deadline = None
+
+    async def _write_measuring_lag(self, data: bytes, last: bool) -> int:
+        """A write of a follower whose reply is made elsewhere (or has ended): no append will
+        interrupt it, so while it waits it asks its cursor how far behind it is, and is cut
+        past the byte limit as a follower of a local reply would be."""
+        write = asyncio.ensure_future(self.transport.write(data, last=last))
+        try:
+            while not write.done():
+                await asyncio.wait((write,), timeout=LIVENESS_POLL_S)
+                if not write.done() and (
+                    await self.cursor.measure() > self.policy.slow_client_bytes
+                ):
+                    self.overflow = True
+                    raise self._behind()
+            return write.result()
+        finally:
+            if not write.done():
+                write.cancel()
+
+    def _notice(self, message: str, code: str) -> bytes:
+        return self.transport.notice(
+            "error", json.dumps({"error": {"message": message, "code": code}})
+        )
+
+    async def run(self) -> None:
+        """Open the transport, then follow the log to its end (or until cut).
+
+        One frame for the whole stream: thousands of followers are in it at once."""
+        self.readers.add_reader(self)
+        reply = self.reply
+        if reply is not None:
+            reply.followers.append(self)
+            reply.reader_joined()
+        ending: Ending = "client_gone"
+        try:
+            await self.transport.open(
+                with_first_events=reply is not None and reply.last_seq > self.cursor.after
+            )
+            keepalive = self.policy.keepalive_s
+            self.last_write = time.monotonic()
+            while True:
+                if self.readers.shutting_down and reply is None:
+                    raise _Cut("shutdown", "the server is shutting down")
+                idle_for = time.monotonic() - self.last_write
+                wait = (
+                    LIVENESS_POLL_S
+                    if keepalive is None
+                    else min(LIVENESS_POLL_S, keepalive - idle_for)
+                )
+                if self._can_go_direct():
+                    try:
+                        await self._go_direct()
+                    finally:
+                        self._leave_direct()
+                    if self._broken is not None:
+                        raise self._broken
+                    wait = 0.0  # whatever woke us, look at the log now
+                found = await self._catch_up(max(0.0, wait))
+                if found is not None:
+                    ending = found
+                    break
+            await self.transport.end()
+        except _Cut as cut:
+            ending = cut.ending
+            if cut.ending == "slow_client" and self.record is not None:
+                self.record.reason = str(cut)
+            log.info("follower of %s cut: %s", self.reply_id[:8], cut)
+            self.transport.last_words(self._notice(str(cut), cut.ending), cut.ending)
+        except ConnectionError:
+            ending = "client_gone"
+        except Exception as exc:  # a bug of ours (or a store failing in a way it should not)
+            ending = "failed"
+            log.error("follower of %s failed", self.reply_id[:8], exc_info=exc)
+            self.transport.last_words(self._notice("internal error", "internal_error"), ending)
+        finally:
+            self.readers.forget_reader(self)
+            if reply is not None:
+                reply.followers.remove(self)
+                reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
+            self.transport.finished(ending)
+
+    async def _catch_up(self, wait_s: float) -> Ending | None:
+        """Send what the log has after the cursor (waiting up to ``wait_s`` for something),
+        or a keep-alive if nothing came and one is due; how the follower ended, if it did.
+
+        Its own frame, so what it read is not held while the follower waits for more."""
+        try:
+            result = await self.cursor.read(wait_s)
+        except StoreUnavailable as exc:
+            log.warning("follower of %s: %s", self.reply_id[:8], exc)
+            await self._send(self._notice(exc.describe(), exc.code), 1, last=True)
+            return "store_unavailable"
+        if result is None:
+            notice = self._notice("the reply expired while being read", "expired")
+            await self._send(notice, 1, last=True)
+            return "expired"
+        if result.lost is not None:
+            first, last = result.lost
+            gap = f'{{"lost_from": {first:d}, "lost_to": {last:d}}}'
+            await self._send(self.transport.notice("gap", gap), 1)
+        await self._send_entries(result.entries, last=result.ending is not None)
+        if result.ending is not None:
+            return "ended"
+        if result.producer_lost:
+            message = "the replica generating this reply is gone"
+            await self._send(self._notice(message, "generator_lost"), 1, last=True)
+            return "producer_lost"
+        keepalive = self.policy.keepalive_s
+        idle_for = time.monotonic() - self.last_write
+        if not result.entries and keepalive is not None and idle_for >= keepalive:
+            frame = self.transport.keepalive()
+            if frame is not None:
+                await self._send(frame, 0)
+            else:
+                self.last_write = time.monotonic()
+        return None
+
+    async def _send_entries(self, entries: list[LogEntry], *, last: bool = False) -> None:
+        """Write log entries in writes of about WRITE_CHUNK bytes, each waiting to drain; a
+        follower further behind than the slow-client limit is cut instead. ``last``: these
+        end the reply, and the end of the stream goes with them."""
+        if not entries:
+            return
+        if self.overflow or self.cursor.lag_bytes() > self.policy.slow_client_bytes:
+            raise self._behind()
+        start = 0
+        size = 0
+        for index, entry in enumerate(entries):
+            size += len(entry.data)
+            if size >= WRITE_CHUNK or index == len(entries) - 1:
+                # Several events in one write: fewer syscalls for a replay.
+                batch = entries[start : index + 1]
+                final = last and index == len(entries) - 1
+                await self._send(self.transport.encode(batch), len(batch), last=final)
+                self.cursor.sent(entry.seq, size)
+                start, size = index + 1, 0
+        if self.reply is not None:
+            self.reply.consumed(self.cursor.after)
+
+    # The direct path.
+
+    def _can_go_direct(self) -> bool:
+        reply = self.reply
+        return (
+            reply is not None
+            and reply.live
+            and reply.last_seq == self.cursor.after
+            and self.transport.has_room()
+        )
+
+    def _go_direct(self) -> asyncio.Future[None]:
+        """Become the reply's sink; the future is done when this follower's task has work
+        again: the producer needs it (a busy socket, the end) or a keep-alive is due.
+        Awaiting one future, not a loop in a coroutine: thousands of followers wait here."""
+        assert self.reply is not None
+        self.reply.sinks.append(self)
+        self._woken = asyncio.get_running_loop().create_future()
+        if self.policy.keepalive_s is not None:
+            self.clock.watch(self, self.policy.keepalive_s)
+        return self._woken
+
+    def _leave_direct(self) -> None:
+        assert self.reply is not None
+        self.reply.sinks.remove(self)
+        self._woken = None
+        self.clock.forget(self)
+
+    def wake_if_idle(self, now: float) -> None:
+        """Hand the work back to the task if nothing was written for a keep-alive period."""
+        keepalive = self.policy.keepalive_s
+        if keepalive is not None and now - self.last_write >= keepalive:
+            self.wake()
+
+    def push(self, entries: list[LogEntry]) -> None:
+        """Called by the producer with events just logged; writes them now if it safely can."""
+        cursor = self.cursor
+        if entries[0].seq != cursor.after + 1 or not self.transport.has_room():
+            # The socket is not keeping up. Past the slow-client limit this follower is done
+            # for; say so now, so the producer stops in this tick rather than after it.
+            if not self.overflow and cursor.lag_bytes() > self.policy.slow_client_bytes:
+                self.overflow = True
+                if self.reply is not None:
+                    self.reply.reader_fell_behind()
+            self.wake()
+            return
+        try:
+            sent = self.transport.write_now(self.transport.encode(entries))
+        except Exception as exc:  # a bug of ours: it ends this follower, not the producer
+            self._broken = exc
+            self.wake()
+            return
+        size = len(entries[0].data) if len(entries) == 1 else sum(len(e.data) for e in entries)
+        cursor.sent(entries[-1].seq, size)
+        self.last_write = time.monotonic()
+        if self.record is not None:
+            self.record.on_send(sent, len(entries))
+        if self.reply is not None:
+            self.reply.consumed(cursor.after)
+
+    def wake(self) -> None:
+        """Hand the work back to the follower's task (the reply ended, or it must wait)."""
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)

@@ -1,0 +1,188 @@
+"""Server-sent events over one HTTP/1.1 response: the frame transport of every streamed route.
+
+This file is the only place that knows an event stream's bytes on the wire (``event:``,
+``id:``, ``data:``, keep-alive comments), HTTP/1.1 chunk framing, and the parts of aiohttp's
+response it must reach into: headers held back to leave with the first events, a write that
+goes straight into the socket (the follower's direct path), and a last event queued without
+waiting when the socket does not drain. A request that must have no body (``HEAD``) gets the
+headers only, whatever the route. It must not know about replies or how the log is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any
+
+from aiohttp import hdrs, web
+
+from replystream.delivery.follower import Ending, Follower
+from replystream.delivery.formats import KEEPALIVE
+from replystream.delivery.replay import LogEntry
+from replystream.server.front_door import SentLater
+from replystream.sse import encode_data
+
+LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
+WRITE_OVERHEAD = 8 * 1024  # room for what a write may add: the headers, chunk framing
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    # Asks nginx (and proxies that honour it) not to hold this response in a buffer.
+    "X-Accel-Buffering": "no",
+}
+
+
+def sse_event(entry: LogEntry, numbered: bool) -> bytes:
+    """The bytes of one log entry as an SSE event (``id:`` its number, when ``numbered``)."""
+    event, data = entry.event, entry.data
+    if numbered and event and "\n" not in data and "\r" not in data:
+        # The common one-line event, written directly (what encode_data would write).
+        return f"event: {event}\nid: {entry.seq}\ndata: {data}\n\n".encode()
+    return encode_data(data, type=event, id=str(entry.seq) if numbered else None)
+
+
+class EventStream(SentLater):
+    """The response of a streamed reply. aiohttp calls ``prepare`` after the handler returned;
+    that runs the follower, which opens this response and then writes every event to the end.
+    """
+
+    def __init__(self, headers: Mapping[str, str]) -> None:
+        super().__init__(headers=headers)
+        self.follower: Follower | None = None
+
+    def prepare(self, request: web.BaseRequest) -> Coroutine[Any, Any, None]:
+        follower, self.follower = self.follower, None  # no cycle with it once it runs
+        if follower is None:
+            raise RuntimeError("an event stream is sent once, by its follower")
+        return follower.run()
+
+    async def send_headers(self, request: web.BaseRequest) -> None:
+        await super().prepare(request)
+
+
+class SSETransport:
+    """One HTTP/1.1 response carrying a reply's events (the follower's ``FrameTransport``)."""
+
+    __slots__ = (
+        "_body_ended",
+        "_chunked",
+        "_high_water",
+        "_keepalive",
+        "_numbered",
+        "_transport",
+        "request",
+        "response",
+    )
+
+    def __init__(
+        self,
+        request: web.Request,
+        response: EventStream,
+        *,
+        numbered: bool = True,
+        keepalive: bytes = KEEPALIVE,
+    ) -> None:
+        self.request = request
+        self.response = response
+        self._numbered = numbered
+        self._keepalive = keepalive  # the idle frame (dialects may need another spelling)
+        self._chunked = False
+        self._high_water = 0  # the socket's write high-water mark: above it, writes wait
+        # Cached: the request property costs per event. None: no body may be written.
+        self._transport: asyncio.Transport | None = None
+        self._body_ended = False  # the body's last chunk is written: nothing may follow it
+
+    def encode(self, entries: Sequence[LogEntry]) -> bytes:
+        numbered = self._numbered
+        if len(entries) == 1:
+            return sse_event(entries[0], numbered)
+        return b"".join(sse_event(entry, numbered) for entry in entries)
+
+    def notice(self, event: str, data: str) -> bytes:
+        return encode_data(data, type=event)
+
+    def keepalive(self) -> bytes:
+        return self._keepalive
+
+    async def open(self, *, with_first_events: bool) -> None:
+        """Headers leave now, before the first token exists: alone, or, when events are
+        ready, in one write with them (aiohttp holds the headers until the first body
+        write; the follower's first catch-up makes it at once)."""
+        response = self.response
+        if self.request.method == hdrs.METH_HEAD:
+            # Headers only: no body, and so nothing for the follower to write.
+            await response.send_headers(self.request)
+            await response.write_eof()
+            self._body_ended = True
+            raise ConnectionError("a HEAD response has no body")
+        if with_first_events:
+            response._send_headers_immediately = False
+        await response.send_headers(self.request)
+        self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
+        self._transport = self.request.transport
+        if self._transport is not None:
+            self._high_water = self._transport.get_write_buffer_limits()[1]
+
+    def takes_at_once(self, size: int) -> bool:
+        # aiohttp's writes wait only on a paused protocol.
+        transport = self._transport
+        return (
+            transport is not None
+            and not self.request.protocol.writing_paused
+            and transport.get_write_buffer_size() + size + WRITE_OVERHEAD <= self._high_water
+        )
+
+    def has_room(self) -> bool:
+        transport = self._transport
+        return (
+            transport is not None
+            and not transport.is_closing()
+            and transport.get_write_buffer_size() < self._high_water
+        )
+
+    async def write(self, data: bytes, *, last: bool) -> int:
+        if last:  # the end of the body leaves in the same write
+            self._body_ended = True
+            await self.response.write_eof(data)
+        else:
+            await self.response.write(data)
+        return len(data)
+
+    def write_now(self, data: bytes) -> int:
+        assert self._transport is not None
+        framed = b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data
+        self._transport.write(framed)
+        return len(framed)
+
+    async def end(self) -> None:
+        if not self._body_ended:
+            self._body_ended = True
+            await self.response.write_eof()
+
+    def last_words(self, notice: bytes, ending: Ending) -> None:
+        """Queue a final event without waiting, then close; abort if it cannot leave soon.
+
+        Used when the socket is not draining, so the response's own (awaiting) writer cannot
+        be used: the event goes to the socket directly, framed as the last HTTP chunk."""
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            return
+        if self.response.prepared:
+            # Headers held back to leave with the first events must go first.
+            self.request.writer.send_headers()
+            # When the reply's end is queued already (it just could not leave), nothing
+            # follows it.
+            if not self._body_ended:
+                self._body_ended = True
+                if self._chunked:
+                    notice = b"%x\r\n%s\r\n0\r\n\r\n" % (len(notice), notice)
+                transport.write(notice)
+        transport.close()  # no headers yet: nothing can be said in-band
+        # A client that never reads would keep the socket (and its buffer) forever.
+        asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+
+    def finished(self, ending: Ending) -> None:
+        sent = self.response.sent
+        if sent is not None:
+            sent("client_gone" if ending == "client_gone" else 200)

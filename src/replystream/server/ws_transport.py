@@ -1,0 +1,138 @@
+"""One reply's messages on a WebSocket: the frame transport of ``GET /v1/ws``.
+
+Every log entry becomes one text message, built from the entry's fields (its data is JSON
+already, so nothing is parsed back): ``{"type": <event>, "id": <the client's tag>,
+"reply_id": ..., "seq": n, "data": <data>}``. Several replies share one socket, each with its
+own transport; each message is one whole frame written straight to the socket (the socket
+is opened without compression, so frames are plain), which lets the follower's direct path
+work here as over SSE. This file is the only place that knows WebSocket framing and the
+parts of aiohttp's connection it reaches into (its drain). It must not know about replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Callable, Sequence
+
+from aiohttp import web
+
+from replystream.delivery.follower import Ending
+from replystream.delivery.formats import json_string
+from replystream.delivery.replay import LogEntry
+
+LAST_WORDS_S = 5.0  # how long a cut socket's final frames may take to leave
+WRITE_OVERHEAD = 8 * 1024
+CLOSE_POLICY = 1008  # the client broke a rule of ours (it did not read)
+
+
+def text_frame(payload: bytes) -> bytes:
+    """One unmasked, final text frame (RFC 6455 5.2: a server never masks)."""
+    size = len(payload)
+    if size < 126:
+        return bytes((0x81, size)) + payload
+    if size < 1 << 16:
+        return struct.pack("!BBH", 0x81, 126, size) + payload
+    return struct.pack("!BBQ", 0x81, 127, size) + payload
+
+
+def close_frame(code: int, reason: bytes) -> bytes:
+    """A close frame with its status code (RFC 6455 5.5.1)."""
+    body = struct.pack("!H", code) + reason[:123]
+    return bytes((0x88, len(body))) + body
+
+
+class WebSocketTransport:
+    """One reply's share of a WebSocket (the follower's ``FrameTransport``)."""
+
+    __slots__ = ("_cut", "_head", "_high_water", "_protocol", "_transport", "reply_id")
+
+    def __init__(
+        self,
+        request: web.Request,
+        *,
+        tag: str,
+        reply_id: str,
+        cut: Callable[[], None],
+    ) -> None:
+        self.reply_id = reply_id
+        self._transport = request.transport
+        self._protocol = request.protocol
+        self._high_water = 0
+        if self._transport is not None:
+            self._high_water = self._transport.get_write_buffer_limits()[1]
+        # Every message of this reply starts the same way after its type.
+        self._head = f',"id":{json_string(tag)},"reply_id":{json_string(reply_id)}'
+        self._cut = cut  # the socket is done for: the session's other replies end too
+
+    def _message(self, event: str | None, tail: str) -> bytes:
+        text = f'{{"type":{json_string(event or "message")}{self._head}{tail}}}'
+        return text_frame(text.encode())
+
+    def encode(self, entries: Sequence[LogEntry]) -> bytes:
+        if len(entries) == 1:
+            entry = entries[0]
+            return self._message(entry.event, f',"seq":{entry.seq:d},"data":{entry.data}')
+        return b"".join(
+            self._message(e.event, f',"seq":{e.seq:d},"data":{e.data}') for e in entries
+        )
+
+    def notice(self, event: str, data: str) -> bytes:
+        return self._message(event, f',"data":{data}')
+
+    def keepalive(self) -> None:
+        return None  # the socket is kept alive by WebSocket pings (the heartbeat)
+
+    async def open(self, *, with_first_events: bool) -> None:
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionError("the WebSocket is closed")
+
+    def takes_at_once(self, size: int) -> bool:
+        transport = self._transport
+        return (
+            transport is not None
+            and not self._protocol.writing_paused
+            and transport.get_write_buffer_size() + size + WRITE_OVERHEAD <= self._high_water
+        )
+
+    def has_room(self) -> bool:
+        transport = self._transport
+        return (
+            transport is not None
+            and not transport.is_closing()
+            and transport.get_write_buffer_size() < self._high_water
+        )
+
+    async def write(self, data: bytes, *, last: bool) -> int:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the WebSocket is closed")
+        transport.write(data)
+        if self._protocol.writing_paused:
+            await self._protocol._drain_helper()
+        return len(data)
+
+    def write_now(self, data: bytes) -> int:
+        assert self._transport is not None
+        self._transport.write(data)
+        return len(data)
+
+    async def end(self) -> None:
+        return None  # the reply ended; the socket goes on
+
+    def last_words(self, notice: bytes, ending: Ending) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(notice)
+        if ending == "slow_client":
+            # The socket itself cannot keep up: it closes, and every reply on it with it.
+            # Dropped if the frames cannot leave soon. (At shutdown the session closes it,
+            # once every reply has said so.)
+            transport.write(close_frame(CLOSE_POLICY, ending.encode()))
+            self._cut()
+            transport.close()
+            asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+
+    def finished(self, ending: Ending) -> None:
+        return None
