@@ -19,6 +19,9 @@ class Phase(enum.Enum):
     NEW = "new"  # made, not begun
     STARTING = "starting"  # its producer task is made and has not run yet (pulled engines)
     PRODUCING = "producing"  # the engine's deltas go into the log
+    # Stopped before its producer task ran: the task still has to run, only to close the
+    # stream and conclude (a task cancelled before it first runs never runs its cleanup).
+    STOPPED_EARLY = "stopped_early"
     STOPPING = "stopping"  # production over and its ending decided; the engine stream closing
     ENDED = "ended"  # the ending logged and counted, everything the reply held freed
 
@@ -35,10 +38,8 @@ TRANSITIONS: Mapping[tuple[Phase, Event], Phase] = {
     (Phase.NEW, Event.ATTACHED): Phase.PRODUCING,
     (Phase.NEW, Event.SPAWNED): Phase.STARTING,
     (Phase.STARTING, Event.TASK_RUNS): Phase.PRODUCING,
-    # Stopped before its task ran: the task still runs, only to close the stream and conclude
-    # (a task cancelled before it first runs would never run its cleanup).
-    (Phase.STOPPING, Event.TASK_RUNS): Phase.STOPPING,
-    (Phase.STARTING, Event.ENDED): Phase.STOPPING,
+    (Phase.STARTING, Event.ENDED): Phase.STOPPED_EARLY,
+    (Phase.STOPPED_EARLY, Event.TASK_RUNS): Phase.STOPPING,
     (Phase.PRODUCING, Event.ENDED): Phase.STOPPING,
     (Phase.STOPPING, Event.CONCLUDED): Phase.ENDED,
 }
@@ -47,7 +48,11 @@ TRANSITIONS: Mapping[tuple[Phase, Event], Phase] = {
 # decided changes nothing (a reader leaving a reply that has ended; the engine reporting
 # the end of a stream the reply has closed).
 IGNORED: frozenset[tuple[Phase, Event]] = frozenset(
-    {(Phase.STOPPING, Event.ENDED), (Phase.ENDED, Event.ENDED)}
+    {
+        (Phase.STOPPED_EARLY, Event.ENDED),
+        (Phase.STOPPING, Event.ENDED),
+        (Phase.ENDED, Event.ENDED),
+    }
 )
 
 
