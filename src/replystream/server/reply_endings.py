@@ -182,3 +182,23 @@ def markdown_table() -> str:
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+# The generated table sits between these lines in docs/ARCHITECTURE.md.
+TABLE_BEGIN = (
+    "<!-- generated from server/reply_endings.py by scripts/reply_endings_table.py: do not edit -->"
+)
+TABLE_END = "<!-- end of the generated table -->"
+
+
+def with_current_table(document: str) -> str:
+    """``document`` with the text between the table's markers replaced by ``markdown_table``.
+
+    Raises:
+        ValueError: the markers are missing, or out of order.
+    """
+    begin, end = document.find(TABLE_BEGIN), document.find(TABLE_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"the document needs the lines {TABLE_BEGIN!r} and {TABLE_END!r}")
+    head = document[: begin + len(TABLE_BEGIN)]
+    return f"{head}\n{markdown_table()}{document[end:]}"
