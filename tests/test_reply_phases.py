@@ -19,7 +19,7 @@ from replystream.delivery.formats import NativeFormat
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import MemoryReplayStore, ReplyInfo
+from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplyInfo
 from replystream.engine.base import Delta, DeltaSink, EngineError
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.replies import Reply, ReplyManager
@@ -340,3 +340,32 @@ async def test_an_engine_error_from_a_pulled_stream_ends_as_an_engine_error() ->
     assert reply.task is not None
     await asyncio.wait_for(reply.task, 5.0)
     assert (reply.record.outcome, reply.record.reason) == ("errored", "upstream_gone")
+
+
+class SlowSink:
+    """A reader on the direct path that falls behind on the first events pushed to it."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.pushed = 0
+
+    def push(self, entries: list[LogEntry]) -> None:
+        self.pushed += len(entries)
+        self.reply.reader_fell_behind()
+
+    def wake(self) -> None:
+        return None
+
+
+async def test_a_pulled_reply_cut_inside_its_own_append_pulls_no_more_and_ends_slow() -> None:
+    stream = PullStream(["one", "two", "three"])
+    reply = await make_reply(stream)
+    reply.manager.start(reply)
+    reply.reader_joined()
+    reply.sinks.append(SlowSink(reply))
+    stream.release.set()
+    assert reply.task is not None
+    await asyncio.wait_for(reply.task, 5.0)
+    assert stream.pulled == 1 and stream.closed
+    assert (reply.record.outcome, reply.record.reason) == ("slow_client", "slow_client")
+    assert phase_of(reply) is Phase.ENDED
