@@ -44,8 +44,9 @@ Disconnect = Literal["cancel", "detach"]
 # its slow-client limit stops the reply after one piece, not after all of a late tick's tokens.
 APPEND_CHUNK_BYTES = 16 * 1024
 __all__ = ["Disconnect", "Reply", "ReplyManager", "StopReason", "close_quietly"]
-# Read on every delta: a module name, not an attribute of the enum class.
-_PRODUCING = Phase.PRODUCING
+# Read on every delta (and ``live`` on every reader's wake-up): module names, not
+# attributes of the enum class.
+_NEW, _PRODUCING, _ENDED = Phase.NEW, Phase.PRODUCING, Phase.ENDED
 _FINISHED = Ending("finished")
 
 
@@ -120,7 +121,7 @@ class Reply:
     def live(self) -> bool:
         """Begun and not yet ended."""
         phase = self._phase
-        return phase is not Phase.NEW and phase is not Phase.ENDED
+        return phase is not _NEW and phase is not _ENDED
 
     def _advance(self, event: Event) -> bool:
         """Apply ``event`` as the phase table says (the one place the phase changes); False

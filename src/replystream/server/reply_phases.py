@@ -16,6 +16,10 @@ from collections.abc import Mapping
 
 
 class Phase(enum.Enum):
+    # Members are singletons: hashed by identity, in C (Enum's own hash is Python code, and
+    # every transition hashes a phase and an event).
+    __hash__ = object.__hash__
+
     NEW = "new"  # made, not begun
     STARTING = "starting"  # its producer task is made and has not run yet (pulled engines)
     PRODUCING = "producing"  # the engine's deltas go into the log
@@ -27,6 +31,8 @@ class Phase(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__
+
     ATTACHED = "attached"  # begun on an engine that pushes its deltas to the reply
     SPAWNED = "spawned"  # begun with a producer task that pulls the deltas
     TASK_RUNS = "task_runs"  # the producer task runs for the first time
