@@ -7,8 +7,11 @@ with its deltas (no task per reply); any other is pulled by a producer task.
 Disconnect policies: ``cancel`` stops generation when the last local reader leaves (the
 default for replies nobody can resume); ``detach`` keeps generating for a grace period so a
 client can come back, and stops if none has by then (the default for resumable replies).
-Every reply ends in ``Reply._conclude``, whatever stopped it: the engine's stream closed,
-the terminal entry written, the outcome counted. This file must not know about HTTP.
+A reply's life is a phase table (``server.reply_phases``): every change of phase goes
+through ``Reply._advance``. Every reply ends in ``Reply._conclude``, whatever stopped it:
+the engine's stream closed, the last events and the terminal entry written as the ending's
+row of ``server.reply_endings.ENDINGS`` says, the outcome counted, everything it held freed.
+This file must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from replystream.delivery.replay import (
     StoreUnavailable,
 )
 from replystream.engine.base import Delta, DeltaStream, EngineError, PushDeltaStream
-from replystream.server.metrics import Metrics, Outcome, ReplyRecord
+from replystream.server.metrics import Metrics, ReplyRecord
+from replystream.server.reply_endings import Ending, StopReason
+from replystream.server.reply_phases import Event, Phase, next_phase
 
 log = logging.getLogger("replystream.replies")
 
@@ -38,10 +43,11 @@ Disconnect = Literal["cancel", "detach"]
 # Overdue deltas are appended together, but in pieces of about this much text: a reader past
 # its slow-client limit stops the reply after one piece, not after all of a late tick's tokens.
 APPEND_CHUNK_BYTES = 16 * 1024
-StopReason = Literal["cancelled", "client_gone", "slow_client", "shutdown", "detach_expired"]
-# Why a reply ended: its stream finished, a check stopped it, the engine (or this server)
-# failed, or it was stopped.
-Ending = Literal["finished", "moderated"] | StopReason | Exception
+__all__ = ["Disconnect", "Reply", "ReplyManager", "StopReason", "close_quietly"]
+# Read on every delta (and ``live`` on every reader's wake-up): module names, not
+# attributes of the enum class.
+_NEW, _PRODUCING, _ENDED = Phase.NEW, Phase.PRODUCING, Phase.ENDED
+_FINISHED = Ending("finished")
 
 
 async def close_quietly(deltas: DeltaStream) -> None:
@@ -73,16 +79,14 @@ class Reply:
     manager: ReplyManager
     resumable: bool = False
     readers: int = 0
-    stop_reason: StopReason | None = None
     # Lists, not sets: a reply has one reader or a few, and thousands of replies each hold these.
     followers: list[Follower] = field(default_factory=list)  # its readers in this process
     sinks: list[Follower] = field(default_factory=list)  # readers the producer writes to directly
     task: asyncio.Task[None] | None = None  # the producer task, for engines that do not push
-    live: bool = False  # begun and not yet ended
+    _phase: Phase = Phase.NEW  # changed only by ``_advance``
+    _ending: Ending | None = None  # decided once, as production ends
     _window_timer: asyncio.TimerHandle | None = None
-    _stopping: Ending | None = None  # why production ended
     _pushed: PushDeltaStream | None = None  # the stream, when the engine pushes its deltas
-    _started: bool = False
     _detach_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -90,18 +94,49 @@ class Reply:
         """The number of the last event logged so far."""
         return self.pipeline.next_seq - 1
 
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def live(self) -> bool:
+        """Begun and not yet ended."""
+        phase = self._phase
+        return phase is not _NEW and phase is not _ENDED
+
+    def _advance(self, event: Event) -> bool:
+        """Apply ``event`` as the phase table says (the one place the phase changes); False
+        if the table ignores it in this phase. An illegal event raises ``IllegalTransition``."""
+        found = next_phase(self._phase, event)
+        if found is None:
+            return False
+        self._phase = found
+        return True
+
+    def _end(self, ending: Ending) -> bool:
+        """Production ends for ``ending``, unless an ending was decided already (the first
+        wins); a pushing engine is stopped at once. True if this one was decided."""
+        if not self._advance(Event.ENDED):
+            return False
+        self._ending = ending
+        if self._pushed is not None:
+            self._pushed.close()  # no more deltas: what leaving ``produce`` does for a pull
+        return True
+
     def stop(self, reason: StopReason) -> None:
         """Stop generating; the log ends with an event that says why."""
-        if self.live and self.stop_reason is None:
-            self.stop_reason = reason
-            if self.task is None:
-                # A pushed reply ends in the next loop turn, as a cancelled task would: the
-                # caller may be in the middle of this reply's own append.
-                self._stop_producing(reason, asap=False)
-            # A task cancelled before it first runs never enters ``produce`` (nor its
-            # ``finally``); one that has not started sees ``stop_reason`` as it starts.
-            elif self._started:
-                self.task.cancel()
+        had_run = self._phase is _PRODUCING
+        if not self._end(Ending(reason)):
+            return
+        if self._pushed is not None:
+            # A pushed reply ends in the next loop turn, as a cancelled task would: the
+            # caller may be in the middle of this reply's own append.
+            asyncio.get_running_loop().call_soon(self._conclude)
+        # A task cancelled before it first runs never enters ``produce`` (nor its
+        # ``finally``): one that has not run sees the phase when it does. The producer
+        # stopping itself (a reader cut inside its own append) sees it after the append.
+        elif had_run and self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
 
     def reader_joined(self) -> None:
         self.readers += 1
@@ -169,7 +204,7 @@ class Reply:
         """Deltas from the engine: through the pipeline into the log (sync, no waiting).
         Deltas that came due together are appended together, so a reader writes them at once.
         """
-        if self._stopping is not None or self.stop_reason is not None:
+        if self._phase is not _PRODUCING:
             return
         record, pipeline = self.record, self.pipeline
         now = time.monotonic()
@@ -185,115 +220,94 @@ class Reply:
                 # A reader that cannot take this much stops the reply during the append; the
                 # rest of the deltas are then never logged.
                 self._append(entries)
-                if self._stopping is not None or self.stop_reason is not None:
+                if self._phase is not _PRODUCING:
                     return
                 entries, size = [], 0
         self._append(entries)
         if pipeline.violation is not None:
-            self._stop_producing("moderated")
+            self._production_ended(Ending("moderated", pipeline.violation.check))
             return
         failure = self.store.failure(self.reply_id)
         if failure is not None:
             # Said as every reader elsewhere says it, when the store fails under them.
-            lost = StoreUnavailable(failure)
-            self._stop_producing(EngineError(lost.describe(), code=lost.code))
+            self._production_ended(Ending("store_failure", StoreUnavailable(failure).describe()))
             return
         self._arm_window()
 
     def on_end(self, error: EngineError | None) -> None:
         """The engine's stream ended (pushed streams only)."""
-        self._stop_producing(error if error is not None else "finished")
+        self._production_ended(_FINISHED if error is None else Ending.of_error(error))
 
     def begin(self) -> None:
         """Log the opening events and start production: the engine pushes deltas to this
         reply if it can (no task of its own), else a producer task pulls them."""
-        self.live = True
-        # The opening events are logged at once, so the first reader finds them ready and
-        # its response headers leave together with them.
-        self._append(self.pipeline.start(self.reply_id))
         # A PushDeltaStream; asked by attribute, as isinstance against a runtime-checkable
         # protocol costs about 7 us a reply.
         if hasattr(self.deltas, "attach"):
             self._pushed = cast(PushDeltaStream, self.deltas)
+            self._advance(Event.ATTACHED)
+        else:
+            self._advance(Event.SPAWNED)
+        # The opening events are logged at once, so the first reader finds them ready and
+        # its response headers leave together with them.
+        self._append(self.pipeline.start(self.reply_id))
+        if self._pushed is not None:
             self._pushed.attach(self)
         else:
             self.task = asyncio.get_running_loop().create_task(
                 self.produce(), name=f"reply-{self.reply_id[:8]}"
             )
 
-    def _stop_producing(self, why: Ending, *, asap: bool = True) -> None:
-        if self._stopping is not None:
-            return
-        self._stopping = why
-        if self._pushed is not None:
-            # No more deltas, then the ending: what ``produce`` does for a pulled stream.
-            self._pushed.close()
-            if asap:
-                self._conclude(why)
-            else:
-                asyncio.get_running_loop().call_soon(self._conclude, why)
+    def _production_ended(self, ending: Ending) -> None:
+        """The stream, a check or the store ended production: a pushed reply ends now; a
+        pulled one's task ends it once its loop sees the phase."""
+        if self._end(ending) and self._pushed is not None:
+            self._conclude()
 
     async def produce(self) -> None:
         """Pull the engine's deltas into the log until the stream ends or the reply stops."""
-        why: Ending = "cancelled"
-        self._started = True
         try:
-            if self.stop_reason is not None:
-                raise asyncio.CancelledError  # stopped before it began: end like any stop
-            async for delta in self.deltas:
-                self.on_deltas((delta,))
-                if self._stopping is not None:
-                    break
-            why = self._stopping or "finished"
+            self._advance(Event.TASK_RUNS)
+            if self._phase is _PRODUCING:  # not stopped before it ran
+                async for delta in self.deltas:
+                    self.on_deltas((delta,))
+                    if self._phase is not _PRODUCING:
+                        break
+            self._end(_FINISHED)  # ignored if something else ended it first
         except asyncio.CancelledError:
-            # This task is only ever cancelled through ``stop``; the reply ends here.
-            why = self.stop_reason or "cancelled"
+            # This task is only ever cancelled through ``stop``, which decided the ending.
+            self._end(Ending("cancelled"))
         except Exception as exc:  # an EngineError, or a failure of our own
-            why = exc
+            if not self._end(Ending.of_error(exc)):
+                log.error("reply producer failed after it had stopped", exc_info=exc)
         finally:
             await close_quietly(self.deltas)
-            self._conclude(why)
+            self._conclude()
 
-    def _conclude(self, why: Ending) -> None:
-        """End the reply for ``why``: its last events, its outcome, and everything it held.
-        Runs once, however the reply ended."""
-        if not self.live:
-            return
-        self.live = False
-        pipeline, record = self.pipeline, self.record
-        outcome: Outcome
+    def _conclude(self) -> None:
+        """End the reply as its ending's row of ``ENDINGS`` says: its last events, its
+        outcome, and everything it held. Runs once, however the reply ended."""
+        self._advance(Event.CONCLUDED)
+        ending, record = self._ending, self.record
+        assert ending is not None  # decided on the way into STOPPING
+        rule = ending.rule
+        if rule.log_level is not None:
+            log.log(rule.log_level, "%s", ending.fill(rule.log_message), exc_info=ending.error)
         last: list[LogEntry] = []
-        if why == "finished":
-            last = pipeline.finish(self.prompt_tokens)
-            outcome = ending = "finished"
-        elif why == "moderated":
-            assert pipeline.violation is not None  # its event is logged already
-            outcome = ending = "moderated"
-            record.reason = pipeline.violation.check
-        elif isinstance(why, EngineError):
-            log.warning("generation failed: %s", why)
-            last = pipeline.fail(str(why), why.code)
-            outcome, ending, record.reason = "errored", "errored", why.code
-        elif isinstance(why, Exception):
-            log.error("reply producer failed", exc_info=why)
-            last = pipeline.fail(f"internal error: {type(why).__name__}", "internal_error")
-            outcome = ending = "errored"
-        elif why == "shutdown":
-            last = pipeline.fail("the server is shutting down", "shutdown")
-            outcome = ending = "shutdown"
-            record.reason = why
-        else:
-            last = pipeline.fail(f"reply stopped: {why}", "cancelled")
-            outcome = "slow_client" if why == "slow_client" else "cancelled"
-            ending = "cancelled"
-            record.reason = why
+        if rule.in_band == "end marker":
+            last = self.pipeline.finish(self.prompt_tokens)
+        elif rule.in_band == "error":
+            last = self.pipeline.fail(ending.fill(rule.message), ending.fill(rule.code))
+        # (``moderated``: its event was logged as the check matched.)
+        if rule.reason:
+            record.reason = ending.fill(rule.reason)
         # Not pushed: the readers, woken below, send the last events with the end of the body.
         self._append(last, push=False)
         for timer in (self._window_timer, self._detach_timer):
             if timer is not None:
                 timer.cancel()
-        record.outcome = outcome
-        self.store.end(self.reply_id, ending)
+        record.outcome = rule.outcome
+        self.store.end(self.reply_id, rule.log_end)
         for sink in list(self.sinks):
             sink.wake()
         for follower in list(self.followers):
