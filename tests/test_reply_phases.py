@@ -32,7 +32,6 @@ from replystream.server.reply_phases import (
     Phase,
     next_phase,
 )
-from replystream.sse import EventParser
 
 # Every path from NEW to ENDED the table allows, each step taken at most once.
 LEGAL_PATHS = {
@@ -196,8 +195,8 @@ async def last_event(reply: Reply) -> tuple[str, dict[str, object], str | None]:
     """The reply log's last event (type, data) and its terminal entry."""
     result = await reply.store.read(reply.reply_id, 0, 0.0)
     assert result is not None
-    events = EventParser().feed(b"".join(entry.frame for entry in result.entries))
-    return events[-1].type, json.loads(events[-1].data), result.ending
+    last = result.entries[-1]
+    return last.event or "message", json.loads(last.data), result.ending
 
 
 async def test_a_pushed_reply_goes_from_new_through_producing_to_ended() -> None:

@@ -104,12 +104,36 @@ class FrameTransport(Protocol):
         ...
 
 
+class Sink(Protocol):
+    """A follower on the direct path, as the producer sees it."""
+
+    def push(self, entries: list[LogEntry]) -> None:
+        """Events just logged: write them now if the socket takes them, else wake."""
+        ...
+
+    def wake(self) -> None:
+        """Hand the work back to the follower's task (the reply ended, or it must wait)."""
+        ...
+
+
+class Watcher(Protocol):
+    """A follower of a local reply, as the producer sees it."""
+
+    def interrupt(self) -> None:
+        """Called on every append while the follower may be blocked, and on shutdown."""
+        ...
+
+
 class LiveReply(Protocol):
     """What a reply being produced in this process offers the followers of its log."""
 
-    live: bool
-    followers: list[Follower]
-    sinks: list[Follower]
+    followers: list[Watcher]
+    sinks: list[Sink]
+
+    @property
+    def live(self) -> bool:
+        """Begun and not yet ended."""
+        ...
 
     @property
     def last_seq(self) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
 from replystream.delivery.channel import DeltaChannel, End
-from replystream.delivery.follower import Follower
+from replystream.delivery.follower import Follower, Sink, Watcher
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.replay import (
     LogEntry,
@@ -80,8 +80,8 @@ class Reply:
     resumable: bool = False
     readers: int = 0
     # Lists, not sets: a reply has one reader or a few, and thousands of replies each hold these.
-    followers: list[Follower] = field(default_factory=list)  # its readers in this process
-    sinks: list[Follower] = field(default_factory=list)  # readers the producer writes to directly
+    followers: list[Watcher] = field(default_factory=list)  # its readers in this process
+    sinks: list[Sink] = field(default_factory=list)  # readers the producer writes to directly
     task: asyncio.Task[None] | None = None  # the producer task, for engines that do not push
     _phase: Phase = Phase.NEW  # changed only by ``_advance``
     _ending: Ending | None = None  # decided once, as production ends
