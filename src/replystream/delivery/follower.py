@@ -85,8 +85,9 @@ class FrameTransport(Protocol):
         Returns the bytes that went on the wire. Raises ``ConnectionError``."""
         ...
 
-    def write_now(self, data: bytes) -> int:
-        """Write without waiting (the caller checked ``has_room``); the bytes on the wire."""
+    def push(self, entries: Sequence[LogEntry]) -> int | None:
+        """The direct path: encode and write entries without waiting, if the socket has room;
+        the bytes that went on the wire, or None (nothing written: the follower must wait)."""
         ...
 
     async def end(self) -> None:
@@ -486,19 +487,21 @@ class Follower:
     def push(self, entries: list[LogEntry]) -> None:
         """Called by the producer with events just logged; writes them now if it safely can."""
         cursor = self.cursor
-        if entries[0].seq != cursor.after + 1 or not self.transport.has_room():
+        sent = None
+        if entries[0].seq == cursor.after + 1:
+            try:
+                sent = self.transport.push(entries)
+            except Exception as exc:  # a bug of ours: it ends this follower, not the producer
+                self._broken = exc
+                self.wake()
+                return
+        if sent is None:
             # The socket is not keeping up. Past the slow-client limit this follower is done
             # for; say so now, so the producer stops in this tick rather than after it.
             if not self.overflow and cursor.lag_bytes() > self.policy.slow_client_bytes:
                 self.overflow = True
                 if self.reply is not None:
                     self.reply.reader_fell_behind()
-            self.wake()
-            return
-        try:
-            sent = self.transport.write_now(self.transport.encode(entries))
-        except Exception as exc:  # a bug of ours: it ends this follower, not the producer
-            self._broken = exc
             self.wake()
             return
         size = len(entries[0].data) if len(entries) == 1 else sum(len(e.data) for e in entries)

@@ -149,11 +149,19 @@ class SSETransport:
             await self.response.write(data)
         return len(data)
 
-    def write_now(self, data: bytes) -> int:
-        assert self._transport is not None
-        framed = b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data
-        self._transport.write(framed)
-        return len(framed)
+    def push(self, entries: Sequence[LogEntry]) -> int | None:
+        transport = self._transport
+        if (
+            transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size() >= self._high_water
+        ):
+            return None
+        data = self.encode(entries)
+        if self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        transport.write(data)
+        return len(data)
 
     async def end(self) -> None:
         if not self._body_ended:

@@ -112,7 +112,10 @@ class WebSocketTransport:
             await self._protocol._drain_helper()
         return len(data)
 
-    def write_now(self, data: bytes) -> int:
+    def push(self, entries: Sequence[LogEntry]) -> int | None:
+        if not self.has_room():
+            return None
+        data = self.encode(entries)
         assert self._transport is not None
         self._transport.write(data)
         return len(data)
