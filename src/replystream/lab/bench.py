@@ -22,6 +22,7 @@ from replystream.lab.bench_plots import plot_all
 from replystream.lab.bench_report import render
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
+from replystream.lab.report_console import report_console
 from replystream.lab.workload import APIS, Lengths, check_url, detect_api
 
 
@@ -126,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     load_run = asyncio.run(_run(config, quiet=args.quiet))
     summary: dict[str, Any] = summarize(load_run, slos)
-    console = Console()
-    console.width = max(console.width, 100)
+    console = report_console()
     render(summary, console)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
