@@ -133,9 +133,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        shown = default not in (None, False, [], (), argparse.SUPPRESS) and bool(
-            action.option_strings
-        )
+        nothing = default is None or default is False or default in ([], (), argparse.SUPPRESS)
+        shown = not nothing and bool(action.option_strings)
         if shown and "default" not in text.lower():
             text += " (default: %(default)s)"
         return text
