@@ -242,5 +242,10 @@ def test_lab_requests_keep_the_urls_own_query():
     ],
 )
 def test_usage_errors_exit_2_before_sending_anything(argv, capsys):
-    assert main(argv) == 2
-    assert f"replystream {argv[0]}:" in capsys.readouterr().err
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # refused while parsing the value
+        code = exit.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"replystream {argv[0]}:") and err.count("\n") == 1

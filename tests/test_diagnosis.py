@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from replystream.client import ReplyTiming
 from replystream.lab.diagnosis import Thresholds, bursts_of, compare, diagnose
 
@@ -86,9 +88,27 @@ def test_incomplete_and_too_short_replies_are_failed():
 
 def test_burst_gap_is_a_threshold_the_caller_sets():
     times = steady(100, 2.0)
-    assert diagnose(timing(times)).verdict != "streaming"
+    assert diagnose(timing(times), Thresholds(burst_gap_ms=3.0)).verdict != "streaming"
     assert diagnose(timing(times), Thresholds(burst_gap_ms=1.0)).verdict == "streaming"
     assert len(bursts_of(timing(times), 1.0)) == 100
+
+
+@pytest.mark.parametrize("every_ms", [0.3, 1.0, 2.0, 10.0, 33.0])
+def test_a_steady_stream_streams_whatever_the_source_pace(every_ms):
+    # Events that arrive one read each are streaming, from a 0.3 ms-a-token source as from
+    # a 33 ms one: the verdict must not assume a token time.
+    times = steady(250, every_ms)
+    times[100:104] = [times[104]] * 4  # and a stall on a busy machine merges a few
+    result = diagnose(timing(times))
+    assert result.verdict == "streaming", result.reason
+
+
+def test_a_fast_source_held_by_a_buffer_is_still_bursty():
+    # 1 ms a token, released 4 KiB (256 events) at a time: one read per release.
+    times = [256.0] * 256 + [512.0] * 256 + [600.0] * 88
+    result = diagnose(timing(times))
+    assert result.verdict == "bursty"
+    assert [b.events for b in result.bursts] == [256, 256, 88]
 
 
 def test_compare_blames_the_hop_between_a_streaming_app_and_a_buffering_proxy():

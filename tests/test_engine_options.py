@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from replystream.engine.simulated import SimulatedEngine
 from replystream.engine.tiny import TinyEngine
 from replystream.engine.upstream import UpstreamEngine, UpstreamTarget
 from replystream.server import command
@@ -73,7 +74,48 @@ async def test_speculative_flags_reach_the_tiny_engine():
     )
     assert isinstance(engine, TinyEngine)
     assert (engine.config.spec_tokens, engine.config.spec_ngram) == (6, 2)
-    plain = command.build_engine(args_of("--spec-tokens", "6"))
+    plain = command.build_engine(args_of())
     assert isinstance(plain, TinyEngine) and plain.config.spec_tokens == 0  # off unless asked
-    with pytest.raises(ValueError):
-        command.build_engine(args_of("--speculative", "prompt-lookup", "--spec-tokens", "0"))
+    with pytest.raises(ValueError, match="--speculative prompt-lookup"):
+        command.build_engine(args_of("--spec-tokens", "6"))  # would otherwise do nothing
+    with pytest.raises(SystemExit):  # refused while parsing: want a whole number >= 1
+        args_of("--speculative", "prompt-lookup", "--spec-tokens", "0")
+
+
+@pytest.mark.parametrize(
+    ("engine", "flag", "value"),
+    [
+        ("tiny", "--delay-ms", "20"),
+        ("tiny", "--first-token-ms", "200"),
+        ("tiny", "--tokens", "40"),
+        ("tiny", "--reply-text", "hi"),
+        ("tiny", "--hf-max-running", "2"),
+        ("tiny", "--upstream-stall-s", "5"),
+        ("simulated", "--kv-blocks", "64"),
+        ("simulated", "--default-max-tokens", "64"),
+        ("simulated", "--speculative", "prompt-lookup"),
+        ("upstream:http://127.0.0.1:9/v1", "--delay-ms", "20"),
+        ("upstream:http://127.0.0.1:9/v1", "--max-running", "4"),
+    ],
+)
+def test_an_option_the_engine_does_not_use_is_refused_naming_flag_and_engine(engine, flag, value):
+    with pytest.raises(ValueError) as refused:
+        command.build_engine(args_of("--engine", engine, flag, value))
+    message = str(refused.value)
+    assert flag in message and engine.split(":")[0] in message
+    assert "\n" not in message
+
+
+def test_an_option_given_at_its_default_value_is_still_refused_for_another_engine():
+    # Detection is by what the command line gave, not by comparing with the default.
+    with pytest.raises(ValueError, match="--delay-ms"):
+        command.build_engine(args_of("--delay-ms", "33"))
+
+
+async def test_the_simulated_engine_takes_its_own_options():
+    engine = command.build_engine(
+        args_of("--engine", "simulated", "--delay-ms", "20", "--jitter-ms", "0", "--tokens", "7")
+    )
+    assert isinstance(engine, SimulatedEngine)
+    assert len(engine.config.reply_text.split()) == 7
+    assert (engine.config.delay_ms, engine.config.jitter_ms) == (20, 0)

@@ -55,7 +55,9 @@ def test_lab_writes_timeline_plot_and_result_line(tmp_path: Path):
 def test_lab_refuses_nonsense_options(bad: list[str]):
     done = subprocess.run([*LAB, *bad, "--json"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "must be at least 1" in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"replystream lab: argument {bad[0]}: want a whole number >= 1, got 0"
+    ]
 
 
 async def test_lab_against_a_failing_server_reports_incomplete_and_exits_nonzero():
@@ -72,3 +74,67 @@ async def test_lab_against_a_failing_server_reports_incomplete_and_exits_nonzero
     assert result["stream"]["first_text_ms"]["median"] is None
     assert result["first_text_sooner_ms"] is None
     assert any("simulated failure" in e for e in result["stream"]["errors"])
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--delay-ms", "--jitter-ms", "--first-token-ms"])
+async def test_lab_url_refuses_a_schedule_it_could_not_apply(flag: str):
+    async with serve_engine(fast_engine()) as url:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [*LAB, "--url", url, flag, "5", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    line = one_line_error(done)
+    assert line.startswith(f"replystream lab: {flag} ") and f"drop {flag}" in line
+    assert done.stdout == ""  # nothing was measured, so nothing is reported
+
+
+async def test_lab_url_sends_tokens_as_max_tokens_and_reports_only_what_applied():
+    # The server's own reply is longer than 7 tokens; --tokens must reach it per request.
+    async with serve_engine(fast_engine()) as url:
+        process = await asyncio.create_subprocess_exec(
+            *LAB,
+            "--url",
+            url,
+            "--calls",
+            "2",
+            "--tokens",
+            "7",
+            "--json",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        stdout, _ = await process.communicate()
+    assert process.returncode == 0
+    result = json.loads(stdout)
+    assert result["stream"]["tokens"]["median"] == result["wait"]["tokens"]["median"] == 7
+    config = result["config"]
+    assert config["tokens"] == 7
+    # The server at --url kept its own schedule: the result does not claim the lab's.
+    assert config["delay_ms"] is config["jitter_ms"] is config["first_token_ms"] is None
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "says"),
+    [
+        ("http://127.0.0.1:1", 1, "cannot connect"),
+        ("https://127.0.0.1:8443", 2, "https is not spoken"),
+        ("127.0.0.1:8000", 2, "want http://HOST"),
+        ("http://127.0.0.1:99999", 2, "port from 0 to 65535"),
+    ],
+)
+def test_lab_url_mistakes_get_one_line(url: str, code: int, says: str):
+    done = subprocess.run(
+        [*LAB, "--url", url, "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == code
+    line = one_line_error(done)
+    assert "--url" in line and says in line

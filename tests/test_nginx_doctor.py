@@ -23,6 +23,7 @@ from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 from replystream.lab.diagnosis import Diagnosis, Thresholds, diagnose
 from tests.conftest import serve_engine
 from tests.nginx import LOCATIONS, proxy_config, running_nginx
+from tests.processes import replica
 from tests.services import free_port
 
 TOKENS = 400
@@ -175,3 +176,24 @@ async def test_cli_reports_failed_for_a_server_that_is_not_there():
     code, out = await run_cli("doctor", f"http://127.0.0.1:{free_port()}/stream", "--json")
     assert code == 1
     assert json.loads(out)["verdict"] == "failed"
+
+
+async def test_a_fast_engine_streams_directly_and_is_still_caught_behind_a_buffer(tmp_path):
+    # The default server: the tiny engine, about 1 ms a token. Text events 1 ms apart are a
+    # healthy stream, not a burst; the same engine behind nginx's 4 KiB buffers is held.
+    async with replica() as (_, app):
+        query = "/stream?max_tokens=250"
+        code, out = await run_cli("doctor", app + query, "--json")
+        direct = json.loads(out)
+        assert (code, direct["verdict"]) == (0, "streaming"), direct["reason"]
+        assert direct["median_gap_ms"] < 3.0  # faster than the old fixed 3 ms "burst" gap
+        port = free_port()
+        config = proxy_config(upstream_of(app), port, LOCATIONS["buffering_on"])
+        async with running_nginx(config, port, tmp_path) as proxy:
+            code, out = await run_cli("doctor", proxy + query, "--direct", app + query, "--json")
+    proxied = json.loads(out)
+    assert code == 1
+    assert proxied["verdict"] in ("bursty", "buffered"), proxied["reason"]
+    assert proxied["hop"] is not None and "nginx proxy buffering" in proxied["hop"]
+    assert proxied["direct"]["verdict"] == "streaming"
+    assert "the app streams" in proxied["comparison"]

@@ -2,15 +2,22 @@
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``;
 add a row to ``COMMANDS`` to add one. Modules are imported only when their command runs.
+
+A wrong value (``--port 99999``) is refused with one line naming the flag and what it wants; a
+wrong flag or a missing argument shows that subcommand's usage, not the top-level one.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Sequence
 
 from replystream import __version__
+from replystream.cli_values import DefaultsHelpFormatter
+
+DESCRIPTION = "Stream language-model replies, and measure streams: serve, lab, bench, doctor, kv."
 
 # name, module, one-line help
 COMMANDS: list[tuple[str, str, str]] = [
@@ -27,24 +34,55 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
-def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="replystream", description=__doc__.splitlines()[0])
+def build_parser(
+    argv: Sequence[str] | None = None,
+) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and the parser of each subcommand by name.
+
+    Value errors raise ``argparse.ArgumentError`` (``exit_on_error=False``) so ``main`` can
+    print them as one line; only the chosen subcommand's module is imported.
+    """
+    parser = argparse.ArgumentParser(
+        prog="replystream", description=DESCRIPTION, exit_on_error=False
+    )
     parser.add_argument("--version", action="version", version=f"replystream {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv or () if not a.startswith("-")), None)
+    subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, module_name, help_text in COMMANDS:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=DefaultsHelpFormatter,
+            exit_on_error=False,
+        )
+        subparsers[name] = sub
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(sub)
             sub.set_defaults(run=module.run)
-    return parser
+    return parser, subparsers
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line, or exit 2 with one line (a bad value) or a usage (a bad flag)."""
+    parser, subparsers = build_parser(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    sub = subparsers.get(chosen or "")
+    try:
+        args, extra = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        if sub is None:
+            parser.error(str(exc))  # an unknown command: the top-level usage lists them
+        print(f"{sub.prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if extra:
+        (sub or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import sys
-
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(args_in).parse_args(args_in)
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     code: int = args.run(args)
     return code

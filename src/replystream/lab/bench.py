@@ -12,21 +12,34 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from replystream.cli_values import (
+    http_url,
+    non_negative_int,
+    output_file,
+    output_folder,
+    positive_float,
+    positive_int,
+)
 from replystream.lab.bench_plots import plot_all
 from replystream.lab.bench_report import render
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
-from replystream.lab.workload import APIS, Lengths, check_url, detect_api
+from replystream.lab.report_console import report_console
+from replystream.lab.served_model import ModelLookupError, served_model
+from replystream.lab.workload import APIS, Lengths, detect_api
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="endpoint: .../stream, .../v1/replies or .../chat/completions")
+    parser.add_argument(
+        "url",
+        type=http_url,
+        help="endpoint: .../stream, .../v1/replies or .../chat/completions",
+    )
     parser.add_argument(
         "--api",
         choices=["auto", *APIS],
@@ -34,16 +47,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="request shape (auto: from the URL path)",
     )
     loop = parser.add_mutually_exclusive_group()
-    loop.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default 1)")
-    loop.add_argument("--rate", type=float, help="open loop: mean arrivals per second")
+    loop.add_argument(
+        "--concurrency", type=positive_int, help="closed loop: requests in flight (default 1)"
+    )
+    loop.add_argument("--rate", type=positive_float, help="open loop: mean arrivals per second")
     parser.add_argument(
         "--burstiness",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="open loop: gamma shape of the gaps (1: Poisson, <1 burstier, >1 more regular)",
     )
-    parser.add_argument("--requests", type=int, help="requests to send (default 10)")
-    parser.add_argument("--duration", type=float, help="stop sending new requests after S s")
+    parser.add_argument(
+        "--requests", type=positive_int, help="requests to send (default 10 without --duration)"
+    )
+    parser.add_argument(
+        "--duration", type=positive_float, help="stop sending new requests after S s"
+    )
     parser.add_argument(
         "--prompt-words",
         default="0",
@@ -53,9 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-tokens",
         help="max_tokens per request: N, uniform:LO:HI or normal:MEAN:SD (default: server's)",
     )
-    parser.add_argument("--model", default="default", help="model name (openai API)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds arrival times and lengths")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, s")
+    parser.add_argument(
+        "--model",
+        help="model name, openai API only (default: the one the server's /v1/models lists)",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seeds arrival times and lengths"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=300.0, help="per-request timeout, s"
+    )
     parser.add_argument(
         "--slo",
         nargs="+",
@@ -66,20 +92,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-warmup", action="store_true", help="do not send one unrecorded request first"
     )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the full result here")
-    parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots here")
+    parser.add_argument(
+        "--json", type=output_file, metavar="FILE", help="write the full result here"
+    )
+    parser.add_argument("--plot", type=output_folder, metavar="DIR", help="write PNG plots here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, tuple[SLO, ...]]:
-    """The load and the SLOs the options ask for; raises ValueError for bad values."""
+def config_from_args(
+    args: argparse.Namespace, model: str | None = None
+) -> tuple[LoadConfig, tuple[SLO, ...]]:
+    """The load and the SLOs the options ask for (``model``: the one the server lists, when
+    ``--model`` named none); raises ValueError for bad values."""
     closed = 1 if args.concurrency is None else args.concurrency
     requests = args.requests
     if requests is None and args.duration is None:
         requests = 10
+    api = detect_api(args.url) if args.api == "auto" else args.api
+    if args.model is not None and api != "openai":
+        raise ValueError(f"--model names the model of an OpenAI request; the {api} API has none")
     config = LoadConfig(
-        url=check_url(args.url),
-        api=detect_api(args.url) if args.api == "auto" else args.api,
+        url=args.url,
+        api=api,
         concurrency=None if args.rate is not None else closed,
         rate=args.rate,
         burstiness=args.burstiness,
@@ -87,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LoadConfig, tuple[SLO, .
         duration_s=args.duration,
         prompt_words=Lengths.parse(args.prompt_words, minimum=0),
         output_tokens=Lengths.parse(args.output_tokens, minimum=1) if args.output_tokens else None,
-        model=args.model,
+        model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,
         warmup=not args.no_warmup,
@@ -121,13 +155,17 @@ async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
 def run(args: argparse.Namespace) -> int:
     try:
         config, slos = config_from_args(args)
+        if config.api == "openai" and args.model is None:
+            config, slos = config_from_args(args, asyncio.run(served_model(args.url)))
     except ValueError as exc:
         print(f"replystream bench: {exc}", file=sys.stderr)
         return 2
+    except ModelLookupError as exc:
+        print(f"replystream bench: {exc}", file=sys.stderr)
+        return 1
     load_run = asyncio.run(_run(config, quiet=args.quiet))
     summary: dict[str, Any] = summarize(load_run, slos)
-    console = Console()
-    console.width = max(console.width, 100)
+    console = report_console()
     render(summary, console)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -13,28 +13,114 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from replystream.cli_values import (
+    http_url,
+    non_negative_float,
+    non_negative_int,
+    output_folder,
+    positive_int,
+)
 from replystream.client import ReplyTiming
+from replystream.client.transport import TransportError
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.plots import plot_timeline
+from replystream.lab.report_console import report_console
+
+# The local server's schedule: a server measured with --url keeps its own.
+SCHEDULE_FLAGS = {
+    "delay_ms": "--delay-ms",
+    "jitter_ms": "--jitter-ms",
+    "first_token_ms": "--first-token-ms",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = LabConfig()
-    parser.add_argument("--url", help="measure this server instead of starting one locally")
-    parser.add_argument("--calls", type=int, default=defaults.calls, help="calls per mode")
-    parser.add_argument("--tokens", type=int, default=defaults.tokens, help="tokens per reply")
-    parser.add_argument("--delay-ms", type=float, default=defaults.delay_ms)
-    parser.add_argument("--jitter-ms", type=float, default=defaults.jitter_ms)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--url",
+        type=http_url,
+        help="measure this replystream server (its /wait and /stream) instead of starting one",
+    )
+    parser.add_argument("--calls", type=positive_int, default=defaults.calls, help="calls per mode")
+    parser.add_argument(
+        "--tokens",
+        type=positive_int,
+        help=f"tokens per reply, sent as max_tokens (default: {defaults.tokens} locally; "
+        "with --url, the server's reply length)",
+    )
+    schedule = "local server's schedule; not with --url, whose server keeps its own"
+    parser.add_argument(
+        "--delay-ms",
+        type=non_negative_float,
+        help=f"mean time per token (default: {defaults.delay_ms:g}; the {schedule})",
+    )
+    parser.add_argument(
+        "--jitter-ms",
+        type=non_negative_float,
+        help=f"a token's delay varies by up to this, at most --delay-ms "
+        f"(default: {defaults.jitter_ms:g}; the {schedule})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=defaults.seed,
+        help="call i of each mode asks for seed + i, so both modes get the same schedules",
+    )
     parser.add_argument(
         "--first-token-ms",
-        type=float,
-        default=defaults.first_token_ms,
-        help="simulated queueing plus prefill before the first token",
+        type=non_negative_float,
+        help=f"queueing plus prefill before the first token "
+        f"(default: {defaults.first_token_ms:g}; the {schedule})",
     )
-    parser.add_argument("--out", type=Path, default=Path("."), help="folder for timeline files")
+    parser.add_argument(
+        "--out", type=output_folder, default=Path("."), help="folder for timeline files"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+
+
+def config_from_args(args: argparse.Namespace) -> LabConfig:
+    """The experiment the options ask for.
+
+    Raises:
+        ValueError: one line naming the flag: a schedule option with --url (it would not be
+            applied), or a jitter larger than the delay.
+    """
+    defaults = LabConfig()
+    if args.url is not None:
+        for dest, flag in SCHEDULE_FLAGS.items():
+            if getattr(args, dest) is not None:
+                raise ValueError(
+                    f"{flag} sets the schedule of the server the lab starts; the server at "
+                    f"--url keeps its own: drop {flag} (or start that server with it)"
+                )
+        return LabConfig(
+            tokens=args.tokens,
+            delay_ms=None,
+            jitter_ms=None,
+            first_token_ms=None,
+            seed=args.seed,
+            calls=args.calls,
+            url=args.url.rstrip("/"),
+        )
+    delay = defaults.delay_ms if args.delay_ms is None else args.delay_ms
+    jitter = defaults.jitter_ms if args.jitter_ms is None else args.jitter_ms
+    assert delay is not None and jitter is not None
+    if jitter > delay:
+        raise ValueError(
+            f"--jitter-ms {jitter:g} is more than --delay-ms {delay:g}: a token's delay "
+            "cannot be negative; lower --jitter-ms"
+        )
+    return LabConfig(
+        tokens=defaults.tokens if args.tokens is None else args.tokens,
+        delay_ms=delay,
+        jitter_ms=jitter,
+        seed=args.seed,
+        first_token_ms=(
+            defaults.first_token_ms if args.first_token_ms is None else args.first_token_ms
+        ),
+        calls=args.calls,
+    )
 
 
 def _fmt(value: float | None) -> str:
@@ -91,31 +177,32 @@ async def _run(config: LabConfig, quiet: bool) -> LabRun:
             progress.advance(task)
 
         if config.url:
-            return await run_experiment(config, config.url.rstrip("/"), on_done)
+            return await run_experiment(config, config.url, on_done)
         async with local_server(config.server_args()) as url:
             return await run_experiment(config, url, on_done)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = LabConfig(
-        tokens=args.tokens,
-        delay_ms=args.delay_ms,
-        jitter_ms=args.jitter_ms,
-        seed=args.seed,
-        first_token_ms=args.first_token_ms,
-        calls=args.calls,
-        url=args.url,
-    )
-    if config.calls < 1 or config.tokens < 1:
-        print("replystream lab: --calls and --tokens must be at least 1", file=sys.stderr)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"replystream lab: {exc}", file=sys.stderr)
         return 2
-    lab_run = asyncio.run(_run(config, quiet=args.json))
+    try:
+        lab_run = asyncio.run(_run(config, quiet=args.json))
+    except TransportError as exc:
+        print(
+            f"replystream lab: --url {config.url}: {exc}; is the server running?", file=sys.stderr
+        )
+        return 1
+    except RuntimeError as exc:  # the local server did not start, or died
+        print(f"replystream lab: {exc}", file=sys.stderr)
+        return 1
     result = lab_run.summary()
     if args.json:
         print(json.dumps(result))
     else:
-        console = Console()
-        console.width = max(console.width, 100)  # keep the table on one line per mode in logs
+        console = report_console()
         render_table(result, console)
         args.out.mkdir(parents=True, exist_ok=True)
         timeline = lab_run.timeline()

@@ -15,56 +15,76 @@ import json
 import sys
 from typing import Any
 
+from replystream.cli_values import http_url, positive_float, positive_int
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
-from replystream.lab.workload import APIS, Api, build_request, check_url, detect_api
+from replystream.lab.served_model import ModelLookupError, served_model
+from replystream.lab.workload import APIS, Api, build_request, detect_api
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Thresholds()
-    parser.add_argument("url", help="the public (proxied) URL of a streaming endpoint")
-    parser.add_argument("--direct", help="the same endpoint straight at the app, to compare")
+    parser.add_argument(
+        "url", type=http_url, help="the public (proxied) URL of a streaming endpoint"
+    )
+    parser.add_argument(
+        "--direct", type=http_url, help="the same endpoint straight at the app, to compare"
+    )
     parser.add_argument(
         "--api", choices=["auto", *APIS], default="auto", help="request shape (auto: URL path)"
     )
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         help="reply length to ask for; long replies separate the verdicts clearly",
     )
     parser.add_argument(
         "--prompt", help=f"prompt text (default: none for the lab API, else {DEFAULT_PROMPT!r})"
     )
-    parser.add_argument("--model", default="default", help="model name (openai API)")
+    parser.add_argument(
+        "--model",
+        help="model name, openai API only (default: the one the server's /v1/models lists)",
+    )
     parser.add_argument(
         "--burst-gap-ms",
-        type=float,
+        type=positive_float,
         default=defaults.burst_gap_ms,
-        help="events closer than this are one burst; keep it below the time per token",
+        help="events closer than this arrived together (one read, or one held buffer split "
+        "over reads); below any source's time per token, so a fast stream still streams",
     )
-    parser.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=120.0, help="per-request timeout, s"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 DEFAULT_PROMPT = "Tell me about streaming."
 
 
-async def _measure(url: str, api: Api, args: argparse.Namespace) -> ReplyTiming:
+async def _measure(url: str, api: Api, args: argparse.Namespace, model: str) -> ReplyTiming:
     prompt = args.prompt
     if prompt is None:
         prompt = "" if api == "lab" else DEFAULT_PROMPT
-    spec = build_request(api, url, prompt=prompt, max_tokens=args.max_tokens, model=args.model)
+    spec = build_request(api, url, prompt=prompt, max_tokens=args.max_tokens, model=model)
     return await measure_reply(
         spec.url, method=spec.method, json_body=spec.json_body, timeout_s=args.timeout
     )
 
 
 async def examine(args: argparse.Namespace) -> tuple[ReplyTiming, ReplyTiming | None]:
-    """Measure the URL and, if given, the direct URL, both at once."""
-    api: Api = detect_api(args.url) if args.api == "auto" else args.api
+    """Measure the URL and, if given, the direct URL, both at once.
+
+    Raises:
+        ModelLookupError: the OpenAI API without ``--model``, and the server's models list
+            does not name exactly one.
+    """
+    api: Api = api_of(args)
+    model = args.model or "default"
+    if api == "openai" and args.model is None:
+        model = await served_model(args.url, timeout_s=args.timeout)
     async with asyncio.TaskGroup() as group:
-        proxied = group.create_task(_measure(args.url, api, args))
-        direct = group.create_task(_measure(args.direct, api, args)) if args.direct else None
+        proxied = group.create_task(_measure(args.url, api, args, model))
+        direct = group.create_task(_measure(args.direct, api, args, model)) if args.direct else None
     return proxied.result(), direct.result() if direct else None
 
 
@@ -105,21 +125,25 @@ def describe(d: Diagnosis) -> list[str]:
     return lines
 
 
+def api_of(args: argparse.Namespace) -> Api:
+    api: Api = detect_api(args.url) if args.api == "auto" else args.api
+    return api
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.burst_gap_ms <= 0 or (args.max_tokens is not None and args.max_tokens < 1):
+    if args.model is not None and api_of(args) != "openai":
         print(
-            "replystream doctor: --burst-gap-ms and --max-tokens must be positive", file=sys.stderr
+            f"replystream doctor: --model names the model of an OpenAI request; "
+            f"the {api_of(args)} API has none",
+            file=sys.stderr,
         )
         return 2
-    try:
-        for url in (args.url, args.direct):
-            if url is not None:
-                check_url(url)
-    except ValueError as exc:
-        print(f"replystream doctor: {exc}", file=sys.stderr)
-        return 2
     thresholds = Thresholds(burst_gap_ms=args.burst_gap_ms)
-    proxied_timing, direct_timing = asyncio.run(examine(args))
+    try:
+        proxied_timing, direct_timing = asyncio.run(examine(args))
+    except ModelLookupError as exc:
+        print(f"replystream doctor: {exc}", file=sys.stderr)
+        return 1
     proxied = diagnose(proxied_timing, thresholds)
     direct = diagnose(direct_timing, thresholds) if direct_timing else None
     if args.json:

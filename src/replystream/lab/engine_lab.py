@@ -25,9 +25,11 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from replystream.cli_values import non_negative_float, output_folder, positive_int
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.runner import RequestTimings
 from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.lab.report_console import report_console
 
 EXPERIMENTS = ("ttft", "step", "pool", "spec")
 WORDS = "and the children of Israel went up out of the land of Egypt unto the mount of God ".split()
@@ -251,20 +253,35 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiment", choices=EXPERIMENTS)
-    parser.add_argument("--out", type=Path, default=Path("."), help="folder for the PNG")
-    parser.add_argument("--repeats", type=int, default=5, help="ttft: runs per prompt length")
-    parser.add_argument("--tokens", type=int, default=64, help="step, pool: tokens per reply")
-    parser.add_argument("--requests", type=int, default=16, help="pool: requests in the burst")
-    parser.add_argument("--small-blocks", type=int, default=40, help="pool: the small pool")
-    parser.add_argument("--spec-tokens", type=int, default=4, help="spec: draft tokens per step")
-    parser.add_argument("--spec-ngram", type=int, default=3, help="spec: longest n-gram looked up")
+    parser.add_argument("--out", type=output_folder, default=Path("."), help="folder for the PNG")
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="spec: 0 is greedy; above, seeded draws"
+        "--repeats", type=positive_int, default=5, help="ttft, spec: runs per prompt length"
+    )
+    parser.add_argument(
+        "--tokens", type=positive_int, default=64, help="step, pool, spec: tokens per reply"
+    )
+    parser.add_argument(
+        "--requests", type=positive_int, default=16, help="pool: requests in the burst"
+    )
+    parser.add_argument(
+        "--small-blocks", type=positive_int, default=40, help="pool: the small pool"
+    )
+    parser.add_argument(
+        "--spec-tokens", type=positive_int, default=4, help="spec: draft tokens per step"
+    )
+    parser.add_argument(
+        "--spec-ngram", type=positive_int, default=3, help="spec: longest n-gram looked up"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="spec: 0 is greedy; above, seeded draws",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = report_console()
     if args.experiment == "ttft":
         lengths = (8, 32, 64, 128, 192, 255)
         path = report_ttft(asyncio.run(run_ttft(lengths, args.repeats)), args.out, console)

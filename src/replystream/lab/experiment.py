@@ -22,23 +22,36 @@ MODES = ("wait", "stream")
 
 @dataclass(frozen=True, slots=True)
 class LabConfig:
-    """Parameters of one experiment (defaults match the reference lab)."""
+    """Parameters of one experiment (defaults match the reference lab).
 
-    tokens: int = 120
-    delay_ms: float = 33.0
-    jitter_ms: float = 8.0
+    The schedule (``delay_ms``, ``jitter_ms``, ``first_token_ms``) is the local server's; with
+    ``url`` the measured server keeps its own, so those are None there: a report never
+    states a setting that was not applied. ``tokens`` is sent as each request's
+    ``max_tokens``, so it holds for any server (None: the server's reply length).
+    """
+
+    tokens: int | None = 120
+    delay_ms: float | None = 33.0
+    jitter_ms: float | None = 8.0
     seed: int = 42
-    first_token_ms: float = 0.0
+    first_token_ms: float | None = 0.0
     calls: int = 20
     url: str | None = None
 
+    def __post_init__(self) -> None:
+        schedule = (self.delay_ms, self.jitter_ms, self.first_token_ms)
+        if self.url is not None and schedule != (None, None, None):
+            raise ValueError("a server at url keeps its own schedule: leave the schedule None")
+
     def server_args(self) -> list[str]:
         """Arguments for a local ``replystream serve`` that generates with this config."""
+        if self.delay_ms is None or self.jitter_ms is None or self.first_token_ms is None:
+            raise ValueError("a local server needs delay_ms, jitter_ms and first_token_ms")
+        tokens = [] if self.tokens is None else ["--tokens", str(self.tokens)]
         return [
             "--engine",
             "simulated",
-            "--tokens",
-            str(self.tokens),
+            *tokens,
             "--delay-ms",
             f"{self.delay_ms:g}",
             "--jitter-ms",
@@ -65,6 +78,7 @@ class LabRun:
             first = [t.first_text_ms for t in done if t.first_text_ms is not None]
             total = [t.last_text_ms for t in done if t.last_text_ms is not None]
             headers = [t.headers_ms for t in done if t.headers_ms is not None]
+            tokens = [float(t.tokens) for t in done]
             result[mode] = {
                 "calls": len(self.timings[mode]),
                 "complete": len(done),
@@ -72,6 +86,7 @@ class LabRun:
                 "total_ms": _median_p95(total),
                 "headers_ms": _median_p95(headers),
                 "body_bytes": _median_p95([float(t.body_bytes) for t in done]),
+                "tokens": _median_p95(tokens),
                 "errors": sorted({t.error for t in self.timings[mode] if t.error}),
             }
         wait_first = result["wait"]["first_text_ms"]["median"]
@@ -121,7 +136,10 @@ async def run_experiment(
     """Fire every call of both modes at once against ``url`` and collect their timings."""
 
     async def one(mode: str, index: int, connection: Connection) -> ReplyTiming:
-        query = urlencode({"seed": config.seed + index})
+        params = {"seed": config.seed + index}
+        if config.tokens is not None:
+            params["max_tokens"] = config.tokens
+        query = urlencode(params)
         timing = await measure_reply(f"{url}/{mode}?{query}", connection=connection)
         if on_done is not None:
             on_done(mode, timing)

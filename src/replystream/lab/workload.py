@@ -23,16 +23,6 @@ APIS: tuple[Api, ...] = ("lab", "native", "openai")
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
 
 
-def check_url(url: str) -> str:
-    """``url`` if the measuring client can request it; raises ValueError otherwise."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(
-            f"need an http:// URL with a host (the client speaks plain HTTP/1.1), got {url!r}"
-        )
-    return url
-
-
 def detect_api(url: str) -> Api:
     """The API a URL most likely speaks, from its path."""
     path = urlsplit(url).path.rstrip("/")

@@ -4,44 +4,47 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import re
 import socket
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
+from replystream.cli_values import (
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    readable_file,
+)
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import MemoryReplayStore, ReplayStore
 from replystream.engine.base import Engine
-from replystream.engine.simulated import (
-    DEFAULT_REPLY,
-    SimulatedConfig,
-    SimulatedEngine,
-    reply_of_length,
-)
-from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server import engine_options
 from replystream.server.app import create_app
 from replystream.server.auth import collect_keys
 from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig, parse_trusted_proxies
-from replystream.server.serve import run_workers, serve_forever
+from replystream.server.serve import bind_socket, listening_lines, run_workers, serve_forever
 
 log = logging.getLogger("replystream.serve")
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = SimulatedConfig()
     policy = DeliveryPolicy()
     server = ServerConfig()
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=port, default=8000, help="0 picks a free port")
     parser.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=1,
         help="processes sharing the port (use --redis-url so any of them can resume any reply)",
     )
@@ -52,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="event loop (uvloop needs the uvloop package; see docs/performance.md)",
     )
     # A worker started by --workers serves the socket its parent opened.
-    parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--listen-fd", type=non_negative_int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--engine",
         action="append",
@@ -61,12 +64,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "generator; hf:PATH: a local Hugging Face causal LM; upstream:URL[=WEIGHT]: relay an "
         "OpenAI-compatible server (repeatable: weighted round robin)",
     )
-    parser.add_argument("--log-level", default="WARNING")
-    parser.add_argument("--max-body-bytes", type=int, default=server.max_body_bytes)
-    parser.add_argument("--max-prompt-chars", type=int, default=server.max_prompt_chars)
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="WARNING",
+        help="least severe log record written to stderr",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=server.max_body_bytes,
+        help="largest request body; more gets 413",
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=positive_int,
+        default=server.max_prompt_chars,
+        help="longest prompt (all messages' text together); more gets 400",
+    )
     parser.add_argument(
         "--shutdown-grace-s",
-        type=float,
+        type=non_negative_float,
         default=server.shutdown_grace_s,
         help="on SIGTERM, how long replies in flight may take to finish",
     )
@@ -75,31 +94,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     guard = GuardConfig()
     limits.add_argument(
         "--max-concurrent-per-client",
-        type=int,
+        type=non_negative_int,
         default=guard.max_concurrent,
         help="open requests per API key (or per address with auth off); more get 429",
     )
     limits.add_argument(
         "--requests-per-minute",
-        type=int,
+        type=non_negative_int,
         default=guard.per_minute,
         help="requests per API key (or address) per minute; more get 429 with Retry-After",
     )
     limits.add_argument(
         "--header-timeout-s",
-        type=float,
+        type=positive_float,
         default=guard.header_timeout_s,
         help="close a connection whose first request headers take longer",
     )
     limits.add_argument(
         "--body-timeout-s",
-        type=float,
+        type=positive_float,
         default=guard.body_timeout_s,
         help="answer 408 when a request body takes longer",
     )
     limits.add_argument(
         "--max-header-bytes",
-        type=int,
+        type=int_at_least(256),
         default=server.max_header_bytes,
         help="longest request line or header field",
     )
@@ -133,100 +152,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require this bearer key on /v1/* (repeatable; visible in ps: prefer a file)",
     )
     api.add_argument(
-        "--api-keys-file", type=Path, help="API keys, one per line (# starts a comment line)"
+        "--api-keys-file",
+        type=readable_file,
+        help="API keys, one per line (# starts a comment line)",
     )
     api.add_argument(
         "--ws-max-replies",
-        type=int,
+        type=positive_int,
         default=server.ws_max_replies,
         help="replies one WebSocket may run at once",
     )
 
-    tiny = parser.add_argument_group("tiny engine")
-    tiny_defaults = TinyEngineConfig()
-    tiny.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=tiny_defaults.num_blocks,
-        help="KV cache blocks in the pool (16 tokens each)",
-    )
-    tiny.add_argument(
-        "--token-budget",
-        type=int,
-        default=tiny_defaults.token_budget,
-        help="tokens one engine step may process (decode plus prefill chunks)",
-    )
-    tiny.add_argument(
-        "--max-running",
-        type=int,
-        default=tiny_defaults.max_running,
-        help="sequences decoded together at most",
-    )
-    tiny.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=tiny_defaults.default_max_tokens,
-        help="reply length when a request does not set max_tokens",
-    )
-
     engine_options.add_arguments(parser)
-
-    sim = parser.add_argument_group("simulated engine")
-    sim.add_argument("--reply-text", default=DEFAULT_REPLY, help="the reply, one word per token")
-    sim.add_argument("--tokens", type=int, help="cut or repeat the reply to this many tokens")
-    sim.add_argument("--delay-ms", type=float, default=defaults.delay_ms)
-    sim.add_argument("--jitter-ms", type=float, default=defaults.jitter_ms)
-    sim.add_argument("--seed", type=int, default=defaults.seed)
-    sim.add_argument(
-        "--first-token-ms",
-        type=float,
-        default=defaults.first_token_ms,
-        help="time before the first token (queueing plus prefill)",
-    )
-    sim.add_argument(
-        "--prefill-ms-per-token",
-        type=float,
-        default=0.0,
-        help="extra time before the first token per prompt word",
-    )
-    sim.add_argument(
-        "--fail-after",
-        type=int,
-        default=None,
-        help="fault injection for client tests: fail after N tokens (0: at once)",
-    )
 
     delivery = parser.add_argument_group("delivery defaults (requests may override the first four)")
     delivery.add_argument(
-        "--batch-tokens", type=int, default=policy.batch_tokens, help="send an event every k tokens"
+        "--batch-tokens",
+        type=positive_int,
+        default=policy.batch_tokens,
+        help="send an event every k tokens",
     )
     delivery.add_argument(
         "--batch-ms",
-        type=float,
+        type=non_negative_float,
         default=policy.batch_ms,
         help="or once the oldest waiting token is this old",
     )
     delivery.add_argument(
         "--holdback-tokens",
-        type=int,
+        type=non_negative_int,
         default=policy.holdback_tokens,
         help="tokens held back until moderation checks have seen them",
     )
     delivery.add_argument(
         "--keepalive-s",
-        type=float,
+        type=non_negative_float,
         default=policy.keepalive_s,
         help="comment after this long without other bytes (0: never)",
     )
     delivery.add_argument(
         "--slow-client-bytes",
-        type=int,
+        type=positive_int,
         default=policy.slow_client_bytes,
         help="cut a stream with more than this much text queued",
     )
     delivery.add_argument(
         "--slow-client-s",
-        type=float,
+        type=positive_float,
         default=policy.slow_client_s,
         help="cut a stream whose socket has not drained for this long",
     )
@@ -239,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     resume.add_argument(
         "--reply-ttl-s",
-        type=float,
+        type=positive_float,
         default=600.0,
         help="how long a finished resumable reply can still be read",
     )
@@ -250,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     resume.add_argument(
         "--detach-grace-s",
-        type=float,
+        type=non_negative_float,
         default=server.detach_grace_s,
         help="how long a resumable reply keeps generating with no reader",
     )
@@ -263,7 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PHRASE",
         help="a banned phrase, matched case-insensitively (repeatable)",
     )
-    checks.add_argument("--ban-file", type=Path, help="banned phrases, one per line")
+    checks.add_argument("--ban-file", type=readable_file, help="banned phrases, one per line")
     checks.add_argument(
         "--ban-regex",
         action="append",
@@ -309,36 +281,7 @@ def build_checks(args: argparse.Namespace) -> list[Check]:
 
 def build_engine(args: argparse.Namespace) -> Engine:
     """The engine the command line asks for; raises ValueError on bad values."""
-    choice = engine_options.parse_engines(args.engine)
-    if choice.kind == "upstream":
-        return engine_options.build_upstream(args, choice)
-    if choice.kind == "hf":
-        return engine_options.build_hf(args, choice)
-    if choice.kind == "tiny":
-        return load_default_engine(
-            TinyEngineConfig(
-                num_blocks=args.kv_blocks,
-                token_budget=args.token_budget,
-                max_running=args.max_running,
-                default_max_tokens=args.default_max_tokens,
-                spec_tokens=engine_options.spec_tokens(args),
-                spec_ngram=args.spec_ngram,
-            )
-        )
-    text = args.reply_text
-    if args.tokens is not None:
-        text = reply_of_length(text, args.tokens)
-    return SimulatedEngine(
-        SimulatedConfig(
-            reply_text=text,
-            delay_ms=args.delay_ms,
-            jitter_ms=args.jitter_ms,
-            seed=args.seed,
-            first_token_ms=args.first_token_ms,
-            prefill_ms_per_token=args.prefill_ms_per_token,
-            fail_after=args.fail_after,
-        )
-    )
+    return engine_options.build_engine(args)
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
@@ -398,35 +341,90 @@ def build_store(args: argparse.Namespace) -> ReplayStore:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
         config = build_config(args)
         store = build_store(args)
-        if args.workers < 1:
-            raise ValueError("--workers must be at least 1")
+        choice = engine_options.parse_engines(args.engine)
+        # Checked here too: with --workers the engine is built only in the workers, and a
+        # worker that refuses to start would be restarted for ever.
+        engine_options.check_options(args, choice.kind)
+        announce = announcement(choice.kind)
         if args.workers > 1:
             if not args.redis_url:
                 log.warning(
                     "--workers without --redis-url: a reply can be resumed only "
                     "through the worker that made it"
                 )
-            return run_workers(worker_argv(sys.argv), args.workers, args.host, args.port)
+            sock = listen(args.host, args.port)
+            return run_workers(worker_argv(sys.argv), args.workers, sock, announce)
         engine = build_engine(args)
         new_loop = loop_factory(args.loop)
+        if args.listen_fd is not None:
+            sock = socket.socket(fileno=args.listen_fd)
+            sock.setblocking(False)
+        else:
+            sock = listen(args.host, args.port)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(engine, config, store)
-    sock = None
-    if args.listen_fd is not None:
-        sock = socket.socket(fileno=args.listen_fd)
-        sock.setblocking(False)
+    quiet = args.listen_fd is not None  # a worker: its parent announced the URL
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(serve_forever(app, args.host, args.port, config.shutdown_grace_s, sock))
+        runner.run(
+            serve_forever(
+                app,
+                args.host,
+                args.port,
+                config.shutdown_grace_s,
+                sock,
+                announce=None if quiet else announce,
+            )
+        )
     return 0
+
+
+def announcement(engine_kind: str) -> Callable[[str], list[str]]:
+    """The start-up lines: the one tools read (the URL ends it), then the engine and the page."""
+
+    def lines(url: str) -> list[str]:
+        return [*listening_lines(url), f"replystream: {engine_kind} engine, chat page {url}/"]
+
+    return lines
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket for ``--host`` and ``--port``.
+
+    Raises:
+        ValueError: one line naming the flag that cannot be served, and the fix.
+    """
+    try:
+        return bind_socket(host, port)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"--host {host}: not an address or a name this machine can resolve "
+            f"({exc.strerror}); try 127.0.0.1, or 0.0.0.0 for every interface"
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"--port {port}: another process already listens on {host}:{port}; stop it, "
+                "or choose another port (--port 0 picks a free one)"
+            ) from None
+        if exc.errno == errno.EACCES:
+            raise ValueError(
+                f"--port {port}: this user may not listen on ports below 1024; choose 1024 or above"
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(
+                f"--host {host}: not an address of this machine; try 127.0.0.1, "
+                "or 0.0.0.0 for every interface"
+            ) from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen: {exc.strerror}") from None
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client.multiprocess import mark_process_dead
@@ -40,14 +40,27 @@ LAST_WORDS_TIMEOUT_S = 8.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``; port 0 lets the kernel pick a free one."""
+    """A listening TCP socket on ``host:port``; port 0 lets the kernel pick a free one.
+
+    Raises:
+        ValueError: ``port`` is not 0 to 65535 (the resolver would take a negative one as a
+            service name, and ``bind`` would wrap a large one around to another port).
+        OSError: ``host`` does not resolve (``socket.gaierror``), or the address cannot be
+            bound (in use, not this machine's, privileged).
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0 to 65535, got {port}")
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    sock.listen(LISTEN_BACKLOG)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
     sock.setblocking(False)
     return sock
 
@@ -140,23 +153,31 @@ def tune_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
+def listening_lines(url: str) -> list[str]:
+    """What a server prints on stdout once it accepts connections. Tools read the first line
+    (``replystream listening on URL``, nothing after the URL); anything else goes below it."""
+    return [f"replystream listening on {url}"]
+
+
 async def serve_forever(
     app: web.Application,
     host: str,
     port: int,
     grace_s: float,
     sock: socket.socket | None = None,
+    announce: Callable[[str], list[str]] | None = listening_lines,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, announcing the URL on stdout (tools read that line);
-    a worker serving an inherited socket stays quiet (its parent announced the URL)."""
+    """Serve until SIGINT or SIGTERM, printing ``announce(url)`` on stdout once listening
+    (tools read its first line); a worker serving an inherited socket passes None and stays
+    quiet (its parent announced the URL)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with serving(app, host, port, sock) as server:
         tune_collector()
-        if sock is None:
-            print(f"replystream listening on {server.url}", flush=True)
+        if announce is not None:
+            print("\n".join(announce(server.url)), flush=True)
         await stop.wait()
         await server.shutdown(grace_s)
 
@@ -167,10 +188,15 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{shown_host}:{bound_port}"
 
 
-def run_workers(argv: list[str], workers: int, host: str, port: int) -> int:
+def run_workers(
+    argv: list[str],
+    workers: int,
+    sock: socket.socket,
+    announce: Callable[[str], list[str]] = listening_lines,
+) -> int:
     """Run ``workers`` processes of ``replystream serve`` accepting on one listening socket.
 
-    The parent binds the socket, starts each worker with it inherited (``--listen-fd``), and
+    The parent has bound ``sock``; it starts each worker with it inherited (``--listen-fd``), and
     the kernel hands each new connection to one of them. The parent forwards SIGINT and
     SIGTERM (each worker then shuts down gracefully), restarts a worker that dies on its own,
     and returns when all have stopped. The workers share their metrics through files in a
@@ -178,10 +204,16 @@ def run_workers(argv: list[str], workers: int, host: str, port: int) -> int:
     the parent removes it when it returns.
     """
     with tempfile.TemporaryDirectory(prefix="replystream-metrics-") as metrics_dir:
-        return _supervise(argv, workers, bind_socket(host, port), metrics_dir)
+        return _supervise(argv, workers, sock, metrics_dir, announce)
 
 
-def _supervise(argv: list[str], workers: int, sock: socket.socket, metrics_dir: str) -> int:
+def _supervise(
+    argv: list[str],
+    workers: int,
+    sock: socket.socket,
+    metrics_dir: str,
+    announce: Callable[[str], list[str]],
+) -> int:
     sock.set_inheritable(True)
     command = [
         sys.executable,
@@ -209,7 +241,7 @@ def _supervise(argv: list[str], workers: int, sock: socket.socket, metrics_dir: 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     children.extend(spawn() for _ in range(workers))
-    print(f"replystream listening on {url_of(sock)}", flush=True)
+    print("\n".join(announce(url_of(sock))), flush=True)
     log.warning("%d workers share the port", workers)
     while True:
         for index, child in enumerate(children):

@@ -1,0 +1,140 @@
+"""What a command-line value may be: argparse types that say what they want.
+
+This file decides the ranges of the command line's numbers, URLs and files, once for every
+subcommand, so a mistake is refused while parsing with one line that names the flag (argparse
+adds it) and says what would be accepted. It must not know what any option means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+Parse = Callable[[str], object]
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"want {noun}, got {text!r}") from None
+    if kind is float and not (value == value and abs(value) != float("inf")):
+        raise argparse.ArgumentTypeError(f"want a finite number, got {text!r}")
+    return value
+
+
+def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
+    """A whole number >= ``low``; ``note`` explains a special value (``0: off``)."""
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if value < low:
+            extra = f" ({note})" if note else ""
+            raise argparse.ArgumentTypeError(f"want a whole number >= {low}{extra}, got {text}")
+        return value
+
+    return parse
+
+
+def float_at_least(low: float, *, strict: bool = False, note: str = "") -> Callable[[str], float]:
+    """A finite number >= ``low`` (> ``low`` when ``strict``)."""
+
+    def parse(text: str) -> float:
+        value = float(_number(text, float))
+        if value < low or (strict and value == low):
+            bound = f"> {low:g}" if strict else f">= {low:g}"
+            extra = f" ({note})" if note else ""
+            raise argparse.ArgumentTypeError(f"want a number {bound}{extra}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+positive_float = float_at_least(0.0, strict=True)
+non_negative_float = float_at_least(0.0)
+
+
+def port(text: str) -> int:
+    """A TCP port number, 0 to 65535 (0: the kernel picks a free one)."""
+    value = int(_number(text, int))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"want a port from 0 to 65535 (0 picks a free one), got {text}"
+        )
+    return value
+
+
+def http_url(text: str) -> str:
+    """An ``http://HOST[:PORT]/...`` URL: the measuring client speaks plain HTTP/1.1."""
+    parts = urlsplit(text)
+    if parts.scheme != "http" or not parts.hostname:
+        why = (
+            "https is not spoken by the measuring client (measure the app's plain http:// "
+            "address, or a TLS-terminating proxy's http:// side)"
+            if parts.scheme == "https"
+            else "want http://HOST[:PORT]/PATH"
+        )
+        raise argparse.ArgumentTypeError(f"{why}, got {text!r}")
+    try:
+        parts.port  # noqa: B018 -- raises ValueError for a port out of range
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a port from 0 to 65535, got {text!r}") from None
+    return text
+
+
+def readable_file(text: str) -> Path:
+    """A file that exists and this process may read."""
+    path = Path(text)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}; want a readable file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not readable by this user")
+    return path
+
+
+def output_file(text: str) -> Path:
+    """A file to write: its folder exists or can be made, and it is not a folder itself."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; want a file name")
+    _check_folder(path.parent, text)
+    return path
+
+
+def output_folder(text: str) -> Path:
+    """A folder to write into: it exists or can be made."""
+    path = Path(text)
+    _check_folder(path, text)
+    return path
+
+
+def _check_folder(folder: Path, text: str) -> None:
+    # The nearest existing ancestor must be a writable folder, or the folder cannot be made.
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is not writable by this user")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that states each option's default, unless the help already speaks of it or the
+    option has no value worth stating (off, empty, none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        nothing = default is None or default is False or default in ([], (), argparse.SUPPRESS)
+        shown = not nothing and bool(action.option_strings)
+        if shown and "default" not in text.lower():
+            text += " (default: %(default)s)"
+        return text

@@ -1,0 +1,66 @@
+"""Which model to name in an OpenAI-compatible request when the user named none.
+
+This file decides where a chat or completions URL lists its models (``GET .../v1/models``,
+beside the endpoint, as the OpenAI API places them) and which one to use: the only one listed.
+None or several is the user's choice to make, and the error says so in one line. It must not
+know how replies are measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from urllib.parse import urlsplit, urlunsplit
+
+from replystream.client.transport import TransportError, http_request
+
+_ENDPOINTS = ("/chat/completions", "/completions")
+
+
+class ModelLookupError(Exception):
+    """The models list could not be read, or does not name exactly one model (one line)."""
+
+
+def models_url(url: str) -> str:
+    """The models list beside an OpenAI-compatible endpoint: ``.../v1/chat/completions`` ->
+    ``.../v1/models``."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    for endpoint in _ENDPOINTS:
+        if path.endswith(endpoint):
+            path = path[: -len(endpoint)]
+            break
+    return urlunsplit(parts._replace(path=f"{path}/models", query="", fragment=""))
+
+
+async def served_model(url: str, *, timeout_s: float = 30.0) -> str:
+    """The one model the server of endpoint ``url`` lists.
+
+    Raises:
+        ModelLookupError: the list cannot be read, or it names no model or several.
+    """
+    listing = models_url(url)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with http_request(listing, headers={"Accept": "application/json"}) as response:
+                body = b"".join([chunk.data async for chunk in response])
+                status = response.status
+    except (TransportError, TimeoutError) as exc:
+        reason = exc or f"no answer within {timeout_s:g} s"
+        raise ModelLookupError(f"cannot list models at {listing} ({reason})") from None
+    if status != 200:
+        raise ModelLookupError(f"{listing} answered HTTP {status}; name the model with --model")
+    try:
+        names = [str(item["id"]) for item in json.loads(body)["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise ModelLookupError(
+            f"{listing} is not an OpenAI models list; name the model with --model"
+        ) from None
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise ModelLookupError(f"{listing} lists no model; name one with --model")
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    raise ModelLookupError(
+        f"{listing} lists {len(names)} models ({shown}); choose one with --model"
+    )

@@ -1,0 +1,213 @@
+"""Ordinary command-line mistakes: one line naming the flag and the fix, a non-zero exit.
+
+Every case runs the real command as a subprocess and reads its exit status and stderr, as a
+user (or a script) would. Cases cover each subcommand's numbers, URLs and files, engine
+specs and engine options, and the socket the server cannot have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replystream.client import measure_reply
+from replystream.lab.local_server import READY_PREFIX, stop_process
+
+CLI = [sys.executable, "-m", "replystream"]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr, done.stderr
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+FILE = str(Path(__file__))
+FOLDER = str(Path(__file__).parent)
+
+CASES: list[tuple[list[str], str]] = [
+    # serve: numbers
+    (["serve", "--port", "99999"], "argument --port: want a port from 0 to 65535"),
+    (["serve", "--port", "-1"], "argument --port: want a port from 0 to 65535"),
+    (["serve", "--port", "http"], "argument --port: want a whole number, got 'http'"),
+    (["serve", "--workers", "0"], "argument --workers: want a whole number >= 1"),
+    (["serve", "--shutdown-grace-s", "-1"], "argument --shutdown-grace-s: want a number >= 0"),
+    (["serve", "--max-body-bytes", "-5"], "argument --max-body-bytes: want a whole number >= 1"),
+    (["serve", "--ws-max-replies", "0"], "argument --ws-max-replies: want a whole number >= 1"),
+    (["serve", "--detach-grace-s", "-1"], "argument --detach-grace-s: want a number >= 0"),
+    (["serve", "--keepalive-s", "nan"], "argument --keepalive-s: want a finite number"),
+    (["serve", "--kv-blocks", "0"], "argument --kv-blocks: want a whole number >= 1"),
+    (["serve", "--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
+    (
+        ["serve", "--max-header-bytes", "10"],
+        "argument --max-header-bytes: want a whole number >= 256",
+    ),
+    # serve: files and engines
+    (["serve", "--api-keys-file", "/nonexistent"], "--api-keys-file: /nonexistent does not exist"),
+    (["serve", "--ban-file", FOLDER], f"--ban-file: {FOLDER} is a folder"),
+    (["serve", "--engine", "gpt"], "--engine wants tiny, simulated, hf:PATH or upstream:URL"),
+    (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
+    (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
+    (["serve", "--redis-url", "http://x"], "--redis-url must be a redis:// URL"),
+    # serve: an option the engine would not use
+    (["serve", "--delay-ms", "20"], "--delay-ms is an option of the simulated engine"),
+    (["serve", "--first-token-ms", "200"], "add --engine simulated, or drop --first-token-ms"),
+    (
+        ["serve", "--engine", "simulated", "--kv-blocks", "9"],
+        "--kv-blocks is an option of the tiny",
+    ),
+    (["serve", "--spec-tokens", "3"], "add --speculative prompt-lookup, or drop --spec-tokens"),
+    (
+        ["serve", "--engine", "simulated", "--delay-ms", "5"],
+        "--jitter-ms 8 is more than --delay-ms 5",
+    ),
+    (["serve", "--workers", "2", "--delay-ms", "5"], "--delay-ms is an option of the simulated"),
+    # lab
+    (["lab", "--url", "https://127.0.0.1:8443"], "argument --url: https is not spoken"),
+    (["lab", "--url", "http://127.0.0.1:1"], "--url http://127.0.0.1:1: cannot connect"),
+    (["lab", "--calls", "-2"], "argument --calls: want a whole number >= 1"),
+    (["lab", "--out", FILE], f"argument --out: {FILE}: {FILE} is a file, not a folder"),
+    (["lab", "--delay-ms", "-5"], "argument --delay-ms: want a number >= 0"),
+    # bench
+    (["bench", "https://x/stream"], "argument url: https is not spoken"),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--duration", "-1"],
+        "argument --duration: want a number > 0",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--timeout", "0"],
+        "argument --timeout: want a number > 0",
+    ),
+    (["bench", "http://127.0.0.1:9/stream", "--rate", "0"], "argument --rate: want a number > 0"),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--json", FOLDER],
+        f"argument --json: {FOLDER} is a folder",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--plot", FILE],
+        f"argument --plot: {FILE}: {FILE} is a file",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--concurrency", "2", "--rate", "1"],
+        "not allowed with argument",
+    ),
+    # doctor
+    (
+        ["doctor", "http://127.0.0.1:9/stream", "--timeout", "-1"],
+        "argument --timeout: want a number > 0",
+    ),
+    (
+        ["doctor", "http://127.0.0.1:9/stream", "--max-tokens", "0"],
+        "argument --max-tokens: want a whole number >= 1",
+    ),
+    (["doctor", "http://127.0.0.1:99999/stream"], "argument url: want a port from 0 to 65535"),
+    # kv and lab-engine
+    (
+        ["kv", "--layers", "0", "--kv-heads", "1", "--head-dim", "1", "--tokens", "1"],
+        "layers must be at least 1",
+    ),
+    (["kv", "--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    (["lab-engine", "ttft", "--repeats", "0"], "argument --repeats: want a whole number >= 1"),
+    (
+        ["lab-engine", "pool", "--small-blocks", "0"],
+        "argument --small-blocks: want a whole number >= 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_a_mistake_is_one_line_naming_the_flag_and_a_nonzero_exit(argv: list[str], says: str):
+    done = run(*argv)
+    assert done.returncode != 0
+    line = one_line(done)
+    assert line.startswith(f"replystream {argv[0]}: "), line
+    assert says in line, line
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run("serve", "--port", str(port))
+    assert done.returncode == 2
+    line = one_line(done)
+    assert f"--port {port}: another process already listens" in line
+    assert "--port 0 picks a free one" in line
+
+
+def test_an_unresolvable_host_is_one_line_naming_host():
+    done = run("serve", "--host", "no-such-host.invalid", "--port", "0")
+    assert done.returncode == 2
+    assert "--host no-such-host.invalid: not an address" in one_line(done)
+
+
+def test_a_wrong_flag_shows_that_subcommands_usage():
+    done = run("serve", "--no-such-flag")
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: replystream serve ")
+    assert done.stderr.strip().splitlines()[-1] == (
+        "replystream serve: error: unrecognized arguments: --no-such-flag"
+    )
+    bench = run("bench", "http://127.0.0.1:9/stream", "--concurency", "2")
+    assert bench.stderr.startswith("usage: replystream bench ")
+
+
+def test_help_states_every_serve_default_and_the_top_level_has_no_markup():
+    top = run("--help")
+    assert top.returncode == 0 and "``" not in top.stdout and "[/" not in top.stdout
+    serve = run("serve", "--help").stdout
+    # Every option with a value to state says its default.
+    for flag in ("--port", "--host", "--kv-blocks", "--delay-ms", "--batch-tokens", "--seed"):
+        entry = serve[serve.index(f"  {flag} ") :].split("\n  --", 1)[0]
+        assert "default" in " ".join(entry.split()), entry
+
+
+def test_tables_are_not_cut_to_80_columns_when_output_is_not_a_terminal(tmp_path: Path):
+    done = run(
+        "lab-engine",
+        "pool",
+        "--requests",
+        "4",
+        "--tokens",
+        "8",
+        "--small-blocks",
+        "8",
+        "--out",
+        str(tmp_path),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("│")]
+    assert any("│ pool holds all │" in row for row in rows), done.stdout
+    assert len(rows) == 2  # one line per pool: no cell wrapped
+
+
+async def test_startup_names_engine_and_chat_page_below_the_line_tools_read():
+    process = await asyncio.create_subprocess_exec(
+        *CLI, "serve", "--port", "0", "--engine", "simulated", stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        first = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
+        second = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
+        assert first.startswith(READY_PREFIX)
+        url = first.removeprefix(READY_PREFIX)
+        assert " " not in url  # readers take the rest of the first line as the URL
+        assert second == f"replystream: simulated engine, chat page {url}/"
+        page = await measure_reply(f"{url}/")
+        assert page.status == 200 and page.headers["content-type"].startswith("text/html")
+    finally:
+        await stop_process(process)
