@@ -196,6 +196,9 @@ async def test_aclose_ends_open_streams_with_an_error() -> None:
         async for _ in stream:
             pass
     assert engine.stats().active == 0
+    # Cancelled after the worker ended (it alone touches the scheduler while it lives):
+    # nothing is left in the KV pool.
+    assert engine.scheduler_stats().kv.used_blocks == 0
 
 
 async def test_a_failing_step_ends_every_stream_with_an_engine_error(
@@ -226,3 +229,4 @@ async def test_closing_a_stream_before_reading_it_aborts_the_request(engine: Tin
     await wait_for(lambda: engine.stats().active == 0)
     assert engine.stats().cancelled == 1
     assert engine.scheduler_stats().kv.used_blocks == 0
+

@@ -1,9 +1,11 @@
 """How a reply's pieces become server-sent events, one class per wire dialect.
 
 A format returns event specs, ``(type, data)`` with ``type=None`` for a plain message; the
-pipeline numbers and encodes them. Every dialect starts a reply with a ``reply`` event naming
-its id (what a client needs to resume), and ends a failed reply with ``event: error`` and
-never with its end marker.
+pipeline numbers them, and each transport writes them in its own framing. Every dialect's
+first event names the reply's id (what a client needs to resume): a ``reply`` event, or, in
+the OpenAI dialect, the id of its first chunk; a lab stream without event ids
+(``ids=0``, the article's exact framing) has none. A failed reply ends with an ``error``
+event and never with the dialect's end marker.
 - The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
   ``data: [DONE]`` at the end.
 - The native dialect names every event (``token``, ``usage``, ``moderated``, ``error``,

@@ -311,18 +311,23 @@ class Runner:
             self._thread.start()
 
     def stop(self) -> None:
-        """Cancel every request, end the worker thread and wait for it."""
+        """End the worker thread (after the step it is in), then cancel every request.
+
+        The cancelling waits for the worker to have ended: a step runs the model outside the
+        lock, and aborting its requests under it would free KV blocks the step still writes
+        (rule 1: while the worker lives, it alone touches the scheduler)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         with self._cond:
             self._apply_pending()
             closed = EngineError("the engine was closed", code="engine_closed")
             for request in list(self._requests.values()):
                 self.scheduler.abort(request.request_id)
                 self._cancel(request, closed)
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
 
     def stats(self) -> EngineStats:
         with self._cond:
