@@ -138,15 +138,13 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     query = lab_query(request)
     generation = lab_request(request, query)
     numbered = query.ids
-    resumable = config.resumable_by_default if query.resumable is None else query.resumable
-    resumable = resumable and numbered
     reply = await start_reply(
         request,
         generation,
         endpoint="/stream",
         fmt=LAB_FORMAT,
         policy=config.policy,
-        resumable=resumable,
+        resumable=query.resumable,
         numbered=numbered,
     )
     return follow_reply(
@@ -173,14 +171,13 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
             body=_native_body,
             moderated_body=_moderated_body,
         )
-    resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
     reply = await start_reply(
         request,
         ask.generation,
         endpoint="/v1/replies",
         fmt=NATIVE_FORMAT,
         policy=ask.policy,
-        resumable=resumable,
+        resumable=ask.resumable,
         disconnect=ask.disconnect,
     )
     return follow_reply(

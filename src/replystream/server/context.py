@@ -117,12 +117,16 @@ async def start_reply(
     endpoint: str,
     fmt: StreamFormat,
     policy: DeliveryPolicy,
-    resumable: bool,
+    resumable: bool | None,
     disconnect: Disconnect | None = None,
     numbered: bool = True,
 ) -> Reply:
-    """Admit a generation and start producing it into a new reply log."""
+    """Admit a generation and start producing it into a new reply log. ``resumable``: None
+    takes the server's default; a stream without event ids (``numbered=False``) never is."""
     app = request.app
+    if resumable is None:
+        resumable = app[CONFIG_KEY].resumable_by_default
+    resumable = resumable and numbered
     record = app[METRICS_KEY].record(endpoint, streamed=True)
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()

@@ -118,19 +118,17 @@ async def _complete(
     request: web.Request, kind: Kind, ask: CompletionAsk, model: str
 ) -> web.StreamResponse:
     """Start a completion: its chunks streamed, or one JSON body."""
-    config = request.app[CONFIG_KEY]
     created = int(time.time())
     if not ask.stream:
         return await _buffered(request, kind, ask, model, created)
     policy = ask.policy
-    resumable = config.resumable_by_default if ask.resumable is None else ask.resumable
     reply = await start_reply(
         request,
         ask.generation,
         endpoint=request.path,
         fmt=OpenAIStreamFormat(kind, model, created, ask.include_usage),
         policy=policy,
-        resumable=resumable,
+        resumable=ask.resumable,
     )
     return follow_reply(
         request,

@@ -20,10 +20,10 @@ from replystream.delivery.follower import Ending, Follower
 from replystream.delivery.formats import KEEPALIVE
 from replystream.delivery.replay import LogEntry
 from replystream.server.front_door import SentLater
+from replystream.server.socket_room import SocketRoom
 from replystream.sse import encode_data
 
 LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
-WRITE_OVERHEAD = 8 * 1024  # room for what a write may add: the headers, chunk framing
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -61,19 +61,10 @@ class EventStream(SentLater):
         await super().prepare(request)
 
 
-class SSETransport:
+class SSETransport(SocketRoom):
     """One HTTP/1.1 response carrying a reply's events (the follower's ``FrameTransport``)."""
 
-    __slots__ = (
-        "_body_ended",
-        "_chunked",
-        "_high_water",
-        "_keepalive",
-        "_numbered",
-        "_transport",
-        "request",
-        "response",
-    )
+    __slots__ = ("_body_ended", "_chunked", "_keepalive", "_numbered", "request", "response")
 
     def __init__(
         self,
@@ -83,14 +74,13 @@ class SSETransport:
         numbered: bool = True,
         keepalive: bytes = KEEPALIVE,
     ) -> None:
+        # No socket to write to until the headers left (None: no body may be written).
+        super().__init__(None, request.protocol)
         self.request = request
         self.response = response
         self._numbered = numbered
         self._keepalive = keepalive  # the idle frame (dialects may need another spelling)
         self._chunked = False
-        self._high_water = 0  # the socket's write high-water mark: above it, writes wait
-        # Cached: the request property costs per event. None: no body may be written.
-        self._transport: asyncio.Transport | None = None
         self._body_ended = False  # the body's last chunk is written: nothing may follow it
 
     def encode(self, entries: Sequence[LogEntry]) -> bytes:
@@ -120,26 +110,8 @@ class SSETransport:
             response._send_headers_immediately = False
         await response.send_headers(self.request)
         self._chunked = response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
-        self._transport = self.request.transport
-        if self._transport is not None:
-            self._high_water = self._transport.get_write_buffer_limits()[1]
-
-    def takes_at_once(self, size: int) -> bool:
-        # aiohttp's writes wait only on a paused protocol.
-        transport = self._transport
-        return (
-            transport is not None
-            and not self.request.protocol.writing_paused
-            and transport.get_write_buffer_size() + size + WRITE_OVERHEAD <= self._high_water
-        )
-
-    def has_room(self) -> bool:
-        transport = self._transport
-        return (
-            transport is not None
-            and not transport.is_closing()
-            and transport.get_write_buffer_size() < self._high_water
-        )
+        # Cached: the request's property costs per event.
+        SocketRoom.__init__(self, self.request.transport, self.request.protocol)
 
     async def write(self, data: bytes, *, last: bool) -> int:
         if last:  # the end of the body leaves in the same write

@@ -273,14 +273,13 @@ class Session:
         """Start one reply and send its log; any failure of this reply stays with it."""
         running = self.running[tag]
         try:
-            resumable = self.config.resumable_by_default if ask.resumable is None else ask.resumable
             reply = await start_reply(
                 self.request,
                 ask.generation,
                 endpoint="/v1/ws",
                 fmt=NATIVE_FORMAT,
                 policy=ask.policy,
-                resumable=resumable,
+                resumable=ask.resumable,
                 disconnect=ask.disconnect,
             )
             running.reply = reply

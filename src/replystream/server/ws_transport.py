@@ -20,9 +20,9 @@ from aiohttp import web
 from replystream.delivery.follower import Ending
 from replystream.delivery.formats import json_string
 from replystream.delivery.replay import LogEntry
+from replystream.server.socket_room import SocketRoom
 
 LAST_WORDS_S = 5.0  # how long a cut socket's final frames may take to leave
-WRITE_OVERHEAD = 8 * 1024
 CLOSE_POLICY = 1008  # the client broke a rule of ours (it did not read)
 
 
@@ -42,10 +42,10 @@ def close_frame(code: int, reason: bytes) -> bytes:
     return bytes((0x88, len(body))) + body
 
 
-class WebSocketTransport:
+class WebSocketTransport(SocketRoom):
     """One reply's share of a WebSocket (the follower's ``FrameTransport``)."""
 
-    __slots__ = ("_cut", "_head", "_high_water", "_protocol", "_transport", "reply_id")
+    __slots__ = ("_cut", "_head", "reply_id")
 
     def __init__(
         self,
@@ -55,12 +55,8 @@ class WebSocketTransport:
         reply_id: str,
         cut: Callable[[], None],
     ) -> None:
+        super().__init__(request.transport, request.protocol)
         self.reply_id = reply_id
-        self._transport = request.transport
-        self._protocol = request.protocol
-        self._high_water = 0
-        if self._transport is not None:
-            self._high_water = self._transport.get_write_buffer_limits()[1]
         # Every message of this reply starts the same way after its type.
         self._head = f',"id":{json_string(tag)},"reply_id":{json_string(reply_id)}'
         self._cut = cut  # the socket is done for: the session's other replies end too
@@ -86,22 +82,6 @@ class WebSocketTransport:
     async def open(self, *, with_first_events: bool) -> None:
         if self._transport is None or self._transport.is_closing():
             raise ConnectionError("the WebSocket is closed")
-
-    def takes_at_once(self, size: int) -> bool:
-        transport = self._transport
-        return (
-            transport is not None
-            and not self._protocol.writing_paused
-            and transport.get_write_buffer_size() + size + WRITE_OVERHEAD <= self._high_water
-        )
-
-    def has_room(self) -> bool:
-        transport = self._transport
-        return (
-            transport is not None
-            and not transport.is_closing()
-            and transport.get_write_buffer_size() < self._high_water
-        )
 
     async def write(self, data: bytes, *, last: bool) -> int:
         transport = self._transport
