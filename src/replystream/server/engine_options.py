@@ -19,6 +19,7 @@ from pathlib import Path
 
 from replystream import settings
 from replystream.engine.base import Engine
+from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine, reply_of_length
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
@@ -131,14 +132,15 @@ def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
 def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     """The Hugging Face engine (imports torch and transformers: the ``hf`` extra)."""
     try:
-        from replystream.engine.hf import HFEngineConfig, load_hf_engine
+        from replystream.engine.hf import load_hf_engine
     except ImportError as exc:
         raise ValueError(
             f"--engine hf needs torch and transformers (pip install 'replystream[hf]'): {exc}"
         ) from exc
     assert choice.path is not None
-    config = HFEngineConfig(
-        max_running=args.hf_max_running, default_max_tokens=args.default_max_tokens
+    # --default-max-tokens is declared once, for the tiny and hf engines alike.
+    config = settings.fill(
+        HFEngineConfig, args, SERVE_SETTINGS, default_max_tokens=args.default_max_tokens
     )
     try:
         return load_hf_engine(choice.path, config)

@@ -24,6 +24,7 @@ from replystream.cli_values import (
 )
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import TTL_AFTER_END_S
+from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny import TinyEngineConfig
 from replystream.engine.upstream import UpstreamConfig
@@ -346,13 +347,11 @@ UPSTREAM_ENGINE = Group(
 HF_ENGINE = Group(
     "Hugging Face engine (--engine hf:PATH; the hf extra)",
     (
-        # Not HFEngineConfig.max_running: reading that config needs torch, which the hf
-        # extra brings; the default here is the one the command passes.
         Setting(
             "--hf-max-running",
             "replies generated at once (one thread each)",
             positive_int,
-            default=4,
+            fills=(HFEngineConfig, "max_running"),
             engines=("hf",),
         ),
     ),
