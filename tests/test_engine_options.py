@@ -12,7 +12,7 @@ from replystream.engine.tiny import TinyEngine
 from replystream.engine.upstream import UpstreamEngine, UpstreamTarget
 from replystream.server import command
 from replystream.server.engine_options import EngineChoice, parse_engines
-from replystream.server.serve_settings import API_KEY_ENV
+from replystream.server.engine_settings import API_KEY_ENV
 
 
 def args_of(*argv: str) -> argparse.Namespace:

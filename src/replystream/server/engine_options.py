@@ -2,7 +2,7 @@
 
 This file decides the grammar of ``--engine`` (``tiny``, ``simulated``, ``hf:PATH``, or
 ``upstream:URL[=WEIGHT]`` given once per upstream), and builds the engine it names from the
-engine options (declared, with the engines each belongs to, in ``server.serve_settings``).
+engine options (declared, with the engines each belongs to, in ``server.engine_settings``).
 The rest of the command (``server.command``) stays theirs. It must not know how an engine
 works.
 
@@ -23,7 +23,7 @@ from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine, reply_of_length
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
-from replystream.server.serve_settings import API_KEY_ENV, SERVE_SETTINGS
+from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
 
 KINDS = ("tiny", "simulated", "hf", "upstream")
 
@@ -102,7 +102,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if choice.kind == "tiny":
         spec_tokens = args.spec_tokens if args.speculative != "off" else 0
         return load_default_engine(
-            settings.fill(TinyEngineConfig, args, SERVE_SETTINGS, spec_tokens=spec_tokens)
+            settings.fill(TinyEngineConfig, args, ENGINE_SETTINGS, spec_tokens=spec_tokens)
         )
     return build_simulated(args)
 
@@ -119,13 +119,13 @@ def build_simulated(args: argparse.Namespace) -> Engine:
         raise ValueError("--reply-text has no words; give at least one")
     if args.tokens is not None:
         text = reply_of_length(text, args.tokens)
-    return SimulatedEngine(settings.fill(SimulatedConfig, args, SERVE_SETTINGS, reply_text=text))
+    return SimulatedEngine(settings.fill(SimulatedConfig, args, ENGINE_SETTINGS, reply_text=text))
 
 
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     key = args.upstream_api_key or os.environ.get(API_KEY_ENV) or None
     return UpstreamEngine(
-        settings.fill(UpstreamConfig, args, SERVE_SETTINGS, targets=choice.targets, api_key=key)
+        settings.fill(UpstreamConfig, args, ENGINE_SETTINGS, targets=choice.targets, api_key=key)
     )
 
 
@@ -140,7 +140,7 @@ def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     assert choice.path is not None
     # --default-max-tokens is declared once, for the tiny and hf engines alike.
     config = settings.fill(
-        HFEngineConfig, args, SERVE_SETTINGS, default_max_tokens=args.default_max_tokens
+        HFEngineConfig, args, ENGINE_SETTINGS, default_max_tokens=args.default_max_tokens
     )
     try:
         return load_hf_engine(choice.path, config)

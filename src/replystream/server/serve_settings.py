@@ -5,7 +5,7 @@ field it fills; that field's dataclass holds the default and the type. ``server.
 and ``server.engine_options`` build the parser and the configs from ``SERVE_SETTINGS``, and
 ``scripts/settings_table.py`` writes docs/settings.md from it. A row that fills no field
 (the engine spec, the listening address, the moderation lists) states its own default, and
-the command reads it itself.
+the command reads it itself. The engines' own options are in ``server.engine_settings``.
 """
 
 from __future__ import annotations
@@ -24,20 +24,12 @@ from replystream.cli_values import (
 )
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import TTL_AFTER_END_S
-from replystream.engine.hf_config import HFEngineConfig
-from replystream.engine.simulated import SimulatedConfig
-from replystream.engine.tiny import TinyEngineConfig
-from replystream.engine.upstream import UpstreamConfig
 from replystream.server.context import ServerConfig
+from replystream.server.engine_settings import ENGINE_SETTINGS
 from replystream.server.guard import GuardConfig, parse_trusted_proxies
 from replystream.settings import Group, Setting
 
-API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"
-SPECULATIVE = ("off", "prompt-lookup")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-TINY = ("tiny",)
-SIMULATED = ("simulated",)
-UPSTREAM = ("upstream",)
 
 
 def _zero_is_never(seconds: float) -> float | None:
@@ -189,174 +181,6 @@ API = Group(
     ),
 )
 
-TINY_ENGINE = Group(
-    "tiny engine (--engine tiny, the default)",
-    (
-        Setting(
-            "--kv-blocks",
-            "KV cache blocks in the pool (16 tokens each)",
-            positive_int,
-            fills=(TinyEngineConfig, "num_blocks"),
-            engines=TINY,
-        ),
-        Setting(
-            "--token-budget",
-            "tokens one engine step may process (decode plus prefill chunks)",
-            positive_int,
-            fills=(TinyEngineConfig, "token_budget"),
-            engines=TINY,
-        ),
-        Setting(
-            "--max-running",
-            "sequences decoded together at most",
-            positive_int,
-            fills=(TinyEngineConfig, "max_running"),
-            engines=TINY,
-        ),
-        Setting(
-            "--default-max-tokens",
-            "reply length when a request does not set max_tokens (tiny and hf engines)",
-            positive_int,
-            fills=(TinyEngineConfig, "default_max_tokens"),
-            engines=("tiny", "hf"),
-        ),
-        Setting(
-            "--speculative",
-            "prompt-lookup: draft tokens from n-grams already in the context, verified at once",
-            choices=SPECULATIVE,
-            default="off",
-            engines=TINY,
-        ),
-        # Not TinyEngineConfig.spec_tokens: that is 0 (off) unless --speculative turns it on.
-        Setting(
-            "--spec-tokens",
-            "draft tokens per step at most (with --speculative prompt-lookup)",
-            positive_int,
-            default=4,
-            engines=TINY,
-        ),
-        Setting(
-            "--spec-ngram",
-            "longest n-gram to look up (with --speculative prompt-lookup)",
-            positive_int,
-            fills=(TinyEngineConfig, "spec_ngram"),
-            engines=TINY,
-        ),
-    ),
-)
-
-SIMULATED_ENGINE = Group(
-    "simulated engine (--engine simulated)",
-    (
-        Setting(
-            "--reply-text",
-            "the reply, one word per token (default: a paragraph about streaming)",
-            fills=(SimulatedConfig, "reply_text"),
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--tokens",
-            "cut or repeat the reply to this many tokens (default: its own length)",
-            positive_int,
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--delay-ms",
-            "mean time per token",
-            non_negative_float,
-            fills=(SimulatedConfig, "delay_ms"),
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--jitter-ms",
-            "each token's delay varies uniformly by up to this much (at most --delay-ms)",
-            non_negative_float,
-            fills=(SimulatedConfig, "jitter_ms"),
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--seed",
-            "seeds the jitter (a request's seed overrides it)",
-            non_negative_int,
-            fills=(SimulatedConfig, "seed"),
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--first-token-ms",
-            "time before the first token (queueing plus prefill)",
-            non_negative_float,
-            fills=(SimulatedConfig, "first_token_ms"),
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--prefill-ms-per-token",
-            "extra time before the first token per prompt word",
-            non_negative_float,
-            fills=(SimulatedConfig, "prefill_ms_per_token"),
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--fail-after",
-            "fault injection for client tests: fail after N tokens (0: at once; default: never)",
-            non_negative_int,
-            fills=(SimulatedConfig, "fail_after"),
-            engines=SIMULATED,
-        ),
-    ),
-)
-
-UPSTREAM_ENGINE = Group(
-    "upstream engine (--engine upstream:http://HOST:PORT/v1[=WEIGHT], repeatable)",
-    (
-        Setting(
-            "--upstream-api-key",
-            f"bearer key sent upstream (default: ${API_KEY_ENV}); clients' keys never are",
-            fills=(UpstreamConfig, "api_key"),
-            engines=UPSTREAM,
-        ),
-        Setting(
-            "--upstream-model",
-            "model name sent upstream (default: the first one the upstream's /models lists)",
-            fills=(UpstreamConfig, "model"),
-            engines=UPSTREAM,
-        ),
-        Setting(
-            "--upstream-timeout-s",
-            "connect and response-head limit; past it the client gets 504",
-            positive_float,
-            fills=(UpstreamConfig, "headers_timeout_s"),
-            engines=UPSTREAM,
-        ),
-        Setting(
-            "--upstream-stall-s",
-            "a reply whose upstream sends no byte for this long ends with an error event",
-            positive_float,
-            fills=(UpstreamConfig, "stall_s"),
-            engines=UPSTREAM,
-        ),
-        Setting(
-            "--upstream-max-event-bytes",
-            "largest upstream event (and most bytes without one) before the reply is cut",
-            positive_int,
-            fills=(UpstreamConfig, "max_event_size"),
-            engines=UPSTREAM,
-        ),
-    ),
-)
-
-HF_ENGINE = Group(
-    "Hugging Face engine (--engine hf:PATH; the hf extra)",
-    (
-        Setting(
-            "--hf-max-running",
-            "replies generated at once (one thread each)",
-            positive_int,
-            fills=(HFEngineConfig, "max_running"),
-            engines=("hf",),
-        ),
-    ),
-)
-
 DELIVERY = Group(
     "delivery defaults (requests may override the first four)",
     (
@@ -459,10 +283,7 @@ SERVE_SETTINGS = (
     SERVER,
     CLIENT_LIMITS,
     API,
-    TINY_ENGINE,
-    SIMULATED_ENGINE,
-    UPSTREAM_ENGINE,
-    HF_ENGINE,
+    *ENGINE_SETTINGS,
     DELIVERY,
     RESUME,
     CHECKS,
