@@ -229,7 +229,7 @@ def markdown(table: Table, command: str) -> str:
             text = row.help.replace("|", "\\|")
             out.append(f"| {flag} | {row.wants()} | {shown_default(row)} | {text} | {fills} |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out) + "\n"
 
 
 def with_current_table(document: str, table_markdown: str, begin: str, end: str) -> str:

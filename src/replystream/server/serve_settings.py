@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from replystream import settings
 from replystream.cli_values import (
     int_at_least,
     non_negative_float,
@@ -288,3 +289,17 @@ SERVE_SETTINGS = (
     RESUME,
     CHECKS,
 )
+
+REFERENCE_BEGIN = "<!-- settings: begin (python scripts/settings_table.py writes this part) -->"
+REFERENCE_END = "<!-- settings: end -->"
+
+
+def current_reference(document: str) -> str:
+    """``document`` (docs/settings.md) with the reference between its markers made from
+    ``SERVE_SETTINGS``.
+
+    Raises:
+        ValueError: the markers are missing, or out of order.
+    """
+    table = settings.markdown(SERVE_SETTINGS, "replystream serve")
+    return settings.with_current_table(document, table, REFERENCE_BEGIN, REFERENCE_END)
