@@ -1,4 +1,10 @@
-"""``replystream serve``: run the reply server in the foreground until SIGINT or SIGTERM."""
+"""``replystream serve``: run the reply server in the foreground until SIGINT or SIGTERM.
+
+The flags, their help and the plain settings' configs come from their declarations
+(``server.serve_settings``). This file keeps what is not one plain setting: the moderation
+checks and the API keys (each from several flags), the reply store, the engine choice, and
+the process: ``--workers``, the listening socket, the event loop and the log.
+"""
 
 from __future__ import annotations
 
