@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
+from replystream.settings import default_worth_stating
+
 Parse = Callable[[str], object]
 T = TypeVar("T")
 
@@ -153,9 +155,6 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        default = action.default
-        nothing = default is None or default is False or default in ([], (), argparse.SUPPRESS)
-        shown = not nothing and bool(action.option_strings)
-        if shown and "default" not in text.lower():
+        if action.option_strings and default_worth_stating(action.default, text):
             text += " (default: %(default)s)"
         return text

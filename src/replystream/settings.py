@@ -203,14 +203,17 @@ def fill(cls: type[C], args: argparse.Namespace, table: Table, **built: Any) -> 
     return cls(**{**values, **built})
 
 
+def default_worth_stating(default: Any, help_text: str) -> bool:
+    """Whether the help and the reference state a default: not when it is nothing (off,
+    empty, none), nor when the help already speaks of it."""
+    nothing = default is None or default is False or default in ([], (), argparse.SUPPRESS)
+    return not nothing and "default" not in help_text.lower()
+
+
 def shown_default(row: Setting) -> str:
-    """The default as the reference states it ("" when the help already says it)."""
-    # The same rule as the help's (``cli_values.DefaultsHelpFormatter``).
+    """The default as the reference states it ("" when the help does not state it either)."""
     default = row.initial()
-    nothing = default is None or default is False or default in ([], ())
-    if nothing or "default" in row.help.lower():
-        return ""
-    return f"`{default}`"
+    return f"`{default}`" if default_worth_stating(default, row.help) else ""
 
 
 def markdown(table: Table, command: str) -> str:
