@@ -118,7 +118,7 @@ def test_with_no_flags_the_configs_are_their_dataclass_defaults() -> None:
 
 def a_value(row: settings.Setting) -> tuple[str, Any]:
     """A value other than the default that ``row`` accepts, as text and as parsed."""
-    wants = row.wants()
+    wants = row.what_it_accepts()
     if row.parse is None:
         return "other", "other"
     number = re.fullmatch(r"a (whole )?number (>=|>) ([0-9.]+)", wants)

@@ -81,7 +81,10 @@ class Setting:
         if self.fills is not None:
             if self.default is not UNSET:
                 raise ValueError(f"{self.flag}: a setting that fills a field takes its default")
-            self.field_default()  # the field exists and has a default
+            default = self.field_default()  # the field exists and has a default
+            # A list starts empty and a switch off: the field's default must be that too.
+            if (self.repeatable and default not in ((), [])) or (self.switch and default):
+                raise ValueError(f"{self.flag}: {self.field_name} must default to empty or off")
         if self.switch and (self.repeatable or self.parse or self.choices):
             raise ValueError(f"{self.flag}: a switch takes no value")
 
@@ -121,8 +124,8 @@ class Setting:
         value = getattr(args, self.dest)
         return value if self.convert is None else self.convert(value)
 
-    def wants(self) -> str:
-        """What it accepts, in words."""
+    def what_it_accepts(self) -> str:
+        """What it accepts, in words (the reference's column)."""
         if self.choices:
             return "one of " + ", ".join(f"`{choice}`" for choice in self.choices)
         if self.switch:
@@ -230,7 +233,9 @@ def markdown(table: Table, command: str) -> str:
             flag = f"`{row.flag}`" + (" (repeatable)" if row.repeatable else "")
             fills = f"`{row.field_name}`" if row.fills else "-"
             text = row.help.replace("|", "\\|")
-            out.append(f"| {flag} | {row.wants()} | {shown_default(row)} | {text} | {fills} |")
+            out.append(
+                f"| {flag} | {row.what_it_accepts()} | {shown_default(row)} | {text} | {fills} |"
+            )
         out.append("")
     return "\n".join(out) + "\n"
 
