@@ -11,7 +11,8 @@ from replystream.engine.simulated import SimulatedEngine
 from replystream.engine.tiny import TinyEngine
 from replystream.engine.upstream import UpstreamEngine, UpstreamTarget
 from replystream.server import command
-from replystream.server.engine_options import API_KEY_ENV, EngineChoice, parse_engines
+from replystream.server.engine_options import EngineChoice, parse_engines
+from replystream.server.engine_settings import API_KEY_ENV
 
 
 def args_of(*argv: str) -> argparse.Namespace:

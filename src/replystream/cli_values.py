@@ -10,10 +10,27 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
+from replystream.settings import default_worth_stating
+
 Parse = Callable[[str], object]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Checker(Generic[T]):
+    """An argparse type that can say what it accepts, so the settings reference states the
+    same words the refusal does (``want a whole number >= 1, got 0``)."""
+
+    wants: str
+    parse: Callable[[str], T]
+
+    def __call__(self, text: str) -> T:
+        return self.parse(text)
 
 
 def _number(text: str, kind: type[int] | type[float]) -> int | float:
@@ -27,31 +44,31 @@ def _number(text: str, kind: type[int] | type[float]) -> int | float:
     return value
 
 
-def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
+def int_at_least(low: int, note: str = "") -> Checker[int]:
     """A whole number >= ``low``; ``note`` explains a special value (``0: off``)."""
+    wants = f"a whole number >= {low}" + (f" ({note})" if note else "")
 
     def parse(text: str) -> int:
         value = int(_number(text, int))
         if value < low:
-            extra = f" ({note})" if note else ""
-            raise argparse.ArgumentTypeError(f"want a whole number >= {low}{extra}, got {text}")
+            raise argparse.ArgumentTypeError(f"want {wants}, got {text}")
         return value
 
-    return parse
+    return Checker(wants, parse)
 
 
-def float_at_least(low: float, *, strict: bool = False, note: str = "") -> Callable[[str], float]:
+def float_at_least(low: float, *, strict: bool = False, note: str = "") -> Checker[float]:
     """A finite number >= ``low`` (> ``low`` when ``strict``)."""
+    bound = f"> {low:g}" if strict else f">= {low:g}"
+    wants = f"a number {bound}" + (f" ({note})" if note else "")
 
     def parse(text: str) -> float:
         value = float(_number(text, float))
         if value < low or (strict and value == low):
-            bound = f"> {low:g}" if strict else f">= {low:g}"
-            extra = f" ({note})" if note else ""
-            raise argparse.ArgumentTypeError(f"want a number {bound}{extra}, got {text}")
+            raise argparse.ArgumentTypeError(f"want {wants}, got {text}")
         return value
 
-    return parse
+    return Checker(wants, parse)
 
 
 positive_int = int_at_least(1)
@@ -60,14 +77,15 @@ positive_float = float_at_least(0.0, strict=True)
 non_negative_float = float_at_least(0.0)
 
 
-def port(text: str) -> int:
-    """A TCP port number, 0 to 65535 (0: the kernel picks a free one)."""
+def _port(text: str) -> int:
     value = int(_number(text, int))
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"want a port from 0 to 65535 (0 picks a free one), got {text}"
-        )
+        raise argparse.ArgumentTypeError(f"want {port.wants}, got {text}")
     return value
+
+
+# A TCP port number (0: the kernel picks a free one).
+port = Checker("a port from 0 to 65535 (0 picks a free one)", _port)
 
 
 def http_url(text: str) -> str:
@@ -88,8 +106,7 @@ def http_url(text: str) -> str:
     return text
 
 
-def readable_file(text: str) -> Path:
-    """A file that exists and this process may read."""
+def _readable_file(text: str) -> Path:
     path = Path(text)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
@@ -97,6 +114,12 @@ def readable_file(text: str) -> Path:
     if not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"{text} is not readable by this user")
     return path
+
+
+# A file that exists and this process may read.
+readable_file = Checker("a readable file", _readable_file)
+# A name in any case, folded to upper case (a log level).
+upper_case = Checker("a name in any case", str.upper)
 
 
 def output_file(text: str) -> Path:
@@ -132,9 +155,6 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        default = action.default
-        nothing = default is None or default is False or default in ([], (), argparse.SUPPRESS)
-        shown = not nothing and bool(action.option_strings)
-        if shown and "default" not in text.lower():
+        if action.option_strings and default_worth_stating(action.default, text):
             text += " (default: %(default)s)"
         return text

@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from replystream.delivery.replay import (
+    TTL_AFTER_END_S,
     LogCursor,
     LogEntry,
     LogTail,
@@ -126,7 +127,7 @@ class RedisReplayStore:
         self,
         url: str,
         *,
-        ttl_after_end_s: float = 600.0,
+        ttl_after_end_s: float = TTL_AFTER_END_S,
         liveness_s: float = 3.0,
         max_entries: int = 10_000,
         prefix: str = "replystream:reply:",

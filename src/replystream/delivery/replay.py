@@ -29,6 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
 
+# How long a finished reply can still be read, unless the server says otherwise (every store's
+# default, and ``replystream serve --reply-ttl-s``'s).
+TTL_AFTER_END_S = 600.0
+
 
 class StoreUnavailable(Exception):
     """The store cannot take or serve replies right now (e.g. Redis is down).
@@ -255,7 +259,9 @@ class MemoryReplayStore:
 
     name = "memory"
 
-    def __init__(self, *, ttl_after_end_s: float = 600.0, max_entries: int = 10_000) -> None:
+    def __init__(
+        self, *, ttl_after_end_s: float = TTL_AFTER_END_S, max_entries: int = 10_000
+    ) -> None:
         if ttl_after_end_s < 0 or max_entries < 1:
             raise ValueError("need ttl_after_end_s >= 0 and max_entries >= 1")
         self.ttl_after_end_s = ttl_after_end_s

@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +36,11 @@ from replystream.engine.base import (
     Readiness,
     RequestRejected,
 )
+from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
 from replystream.engine.sampling import StopMatcher, check_sampling, sample_token
 
 Item = Delta | EngineError | None  # None: the thread ended (after a finish or a cancel)
 Deliver = Callable[[Item], None]
-
-
-@dataclass(frozen=True, slots=True)
-class HFEngineConfig:
-    """How many replies run at once, and a reply's length when a request sets none."""
-
-    max_running: int = 4
-    default_max_tokens: int = 128
-    torch_threads: int | None = 1  # per process; None leaves torch's own choice
-
-    def __post_init__(self) -> None:
-        if self.max_running < 1 or self.default_max_tokens < 1:
-            raise ValueError("max_running and default_max_tokens must be at least 1")
 
 
 class HFDetokenizer:

@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client.multiprocess import mark_process_dead
 
 from replystream.server.connection import GuardedSockSite
-from replystream.server.context import CONFIG_KEY, MANAGER_KEY
+from replystream.server.context import CONFIG_KEY, MANAGER_KEY, ServerConfig
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 
 log = logging.getLogger("replystream.server")
@@ -101,22 +101,21 @@ async def serving(
     another process opened (``--workers``); clean up on exit."""
     # handler_cancellation: a client that disconnects cancels its handler, which is how a
     # buffered request learns to stop generating (a streamed one also sees failed writes).
-    config = app.get(CONFIG_KEY)
-    header_bytes = 8190 if config is None else config.max_header_bytes
-    header_timeout_s = 10.0 if config is None else config.guard.header_timeout_s
+    # An app built without a config (tests, embedders) gets the config's defaults.
+    config = app.get(CONFIG_KEY) or ServerConfig()
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=5.0,
-        max_line_size=header_bytes,
-        max_field_size=header_bytes,
+        max_line_size=config.max_header_bytes,
+        max_field_size=config.max_header_bytes,
     )
     await runner.setup()
     sock = sock if sock is not None else bind_socket(host, port)
     try:
         site = GuardedSockSite(
-            runner, sock, header_timeout_s=header_timeout_s, backlog=LISTEN_BACKLOG
+            runner, sock, header_timeout_s=config.guard.header_timeout_s, backlog=LISTEN_BACKLOG
         )
         await site.start()
         bound_host, bound_port = sock.getsockname()[:2]

@@ -1,0 +1,20 @@
+"""``HFEngineConfig``: the Hugging Face engine's settings, apart from the engine so that reading
+them (``replystream serve --help``, the settings reference) needs neither torch nor
+transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HFEngineConfig:
+    """How many replies run at once, and a reply's length when a request sets none."""
+
+    max_running: int = 4
+    default_max_tokens: int = 128
+    torch_threads: int | None = 1  # per process; None leaves torch's own choice
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.default_max_tokens < 1:
+            raise ValueError("max_running and default_max_tokens must be at least 1")

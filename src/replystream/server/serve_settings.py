@@ -1,0 +1,305 @@
+"""Every setting of ``replystream serve``, declared once, in the order the help shows them.
+
+A row names its flag, what it accepts (a ``cli_values`` checker), its help, and the config
+field it fills; that field's dataclass holds the default and the type. ``server.command``
+and ``server.engine_options`` build the parser and the configs from ``SERVE_SETTINGS``, and
+``scripts/settings_table.py`` writes docs/settings.md from it. A row that fills no field
+(the engine spec, the listening address, the moderation lists) states its own default, and
+the command reads it itself. The engines' own options are in ``server.engine_settings``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replystream import settings
+from replystream.cli_values import (
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    readable_file,
+    upper_case,
+)
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import TTL_AFTER_END_S
+from replystream.server.context import ServerConfig
+from replystream.server.engine_settings import ENGINE_SETTINGS
+from replystream.server.guard import GuardConfig, parse_trusted_proxies
+from replystream.settings import Group, Setting
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _zero_is_never(seconds: float) -> float | None:
+    return seconds or None
+
+
+def _as_tuple(items: list[Any]) -> tuple[Any, ...]:
+    return tuple(items)
+
+
+SERVER = Group(
+    "",
+    (
+        Setting(
+            "--host", "address to listen on", default="127.0.0.1", accepts="an address or host name"
+        ),
+        Setting("--port", "0 picks a free port", port, default=8000),
+        Setting(
+            "--workers",
+            "processes sharing the port (use --redis-url so any of them can resume any reply)",
+            positive_int,
+            default=1,
+        ),
+        Setting(
+            "--loop",
+            "event loop (uvloop needs the uvloop package; see docs/performance.md)",
+            choices=("asyncio", "uvloop"),
+            default="asyncio",
+        ),
+        # A worker started by --workers serves the socket its parent opened.
+        Setting("--listen-fd", "", non_negative_int, hidden=True),
+        Setting(
+            "--engine",
+            "tiny (default): the built-in transformer; simulated: the lab's seeded word "
+            "generator; hf:PATH: a local Hugging Face causal LM; upstream:URL[=WEIGHT]: relay "
+            "an OpenAI-compatible server (repeatable: weighted round robin)",
+            repeatable=True,
+            metavar="ENGINE",
+            accepts="`tiny`, `simulated`, `hf:PATH` or `upstream:URL[=WEIGHT]`",
+        ),
+        Setting(
+            "--log-level",
+            "least severe log record written to stderr",
+            upper_case,
+            choices=LOG_LEVELS,
+            default="WARNING",
+        ),
+        Setting(
+            "--max-body-bytes",
+            "largest request body; more gets 413",
+            positive_int,
+            fills=(ServerConfig, "max_body_bytes"),
+        ),
+        Setting(
+            "--max-prompt-chars",
+            "longest prompt (all messages' text together); more gets 400",
+            positive_int,
+            fills=(ServerConfig, "max_prompt_chars"),
+        ),
+        Setting(
+            "--shutdown-grace-s",
+            "on SIGTERM, how long replies in flight may take to finish",
+            non_negative_float,
+            fills=(ServerConfig, "shutdown_grace_s"),
+        ),
+    ),
+)
+
+CLIENT_LIMITS = Group(
+    "client limits (0 turns a limit off)",
+    (
+        Setting(
+            "--max-concurrent-per-client",
+            "open requests per API key (or per address with auth off); more get 429",
+            non_negative_int,
+            fills=(GuardConfig, "max_concurrent"),
+        ),
+        Setting(
+            "--requests-per-minute",
+            "requests per API key (or address) per minute; more get 429 with Retry-After",
+            non_negative_int,
+            fills=(GuardConfig, "per_minute"),
+        ),
+        Setting(
+            "--header-timeout-s",
+            "close a connection whose first request headers take longer",
+            positive_float,
+            fills=(GuardConfig, "header_timeout_s"),
+        ),
+        Setting(
+            "--body-timeout-s",
+            "answer 408 when a request body takes longer",
+            positive_float,
+            fills=(GuardConfig, "body_timeout_s"),
+        ),
+        Setting(
+            "--max-header-bytes",
+            "longest request line or header field",
+            int_at_least(256),
+            fills=(ServerConfig, "max_header_bytes"),
+        ),
+        Setting(
+            "--trusted-proxy",
+            "a proxy (IP address or CIDR network; repeatable or comma-separated) whose "
+            "X-Forwarded-For names the client for limits and the access log (default: none)",
+            fills=(GuardConfig, "trusted_proxies"),
+            convert=parse_trusted_proxies,
+            repeatable=True,
+            metavar="ADDRESS",
+            accepts="IP addresses or CIDR networks, comma-separated",
+        ),
+        Setting(
+            "--cors-origin",
+            "allow browser pages from this origin (repeatable; * for any)",
+            fills=(GuardConfig, "cors_origins"),
+            convert=_as_tuple,
+            repeatable=True,
+            metavar="ORIGIN",
+            accepts="an origin (`https://HOST[:PORT]`) or `*`",
+        ),
+    ),
+)
+
+API = Group(
+    "OpenAI-compatible API, WebSocket and API keys",
+    (
+        Setting(
+            "--model-name",
+            "the model name /v1/models lists and requests may name (default: the engine's)",
+            fills=(ServerConfig, "model_name"),
+        ),
+        Setting(
+            "--api-key",
+            "require this bearer key on /v1/* (repeatable; visible in ps: prefer a file)",
+            repeatable=True,
+            metavar="KEY",
+        ),
+        Setting(
+            "--api-keys-file",
+            "API keys, one per line (# starts a comment line)",
+            readable_file,
+        ),
+        Setting(
+            "--ws-max-replies",
+            "replies one WebSocket may run at once",
+            positive_int,
+            fills=(ServerConfig, "ws_max_replies"),
+        ),
+    ),
+)
+
+DELIVERY = Group(
+    "delivery defaults (requests may override the first four)",
+    (
+        Setting(
+            "--batch-tokens",
+            "send an event every k tokens",
+            positive_int,
+            fills=(DeliveryPolicy, "batch_tokens"),
+        ),
+        Setting(
+            "--batch-ms",
+            "or once the oldest waiting token is this old",
+            non_negative_float,
+            fills=(DeliveryPolicy, "batch_ms"),
+        ),
+        Setting(
+            "--holdback-tokens",
+            "tokens held back until moderation checks have seen them",
+            non_negative_int,
+            fills=(DeliveryPolicy, "holdback_tokens"),
+        ),
+        Setting(
+            "--keepalive-s",
+            "comment after this long without other bytes (0: never)",
+            non_negative_float,
+            fills=(DeliveryPolicy, "keepalive_s"),
+            convert=_zero_is_never,
+        ),
+        Setting(
+            "--slow-client-bytes",
+            "cut a stream with more than this much text queued",
+            positive_int,
+            fills=(DeliveryPolicy, "slow_client_bytes"),
+        ),
+        Setting(
+            "--slow-client-s",
+            "cut a stream whose socket has not drained for this long",
+            positive_float,
+            fills=(DeliveryPolicy, "slow_client_s"),
+        ),
+    ),
+)
+
+RESUME = Group(
+    "resumable replies",
+    (
+        Setting(
+            "--redis-url",
+            "keep reply logs in Redis (redis://HOST:PORT/DB), so any replica can resume any "
+            "reply; without it, this process's memory",
+            accepts="a `redis://`, `rediss://` or `unix://` URL",
+        ),
+        Setting(
+            "--reply-ttl-s",
+            "how long a finished resumable reply can still be read",
+            positive_float,
+            default=TTL_AFTER_END_S,
+        ),
+        Setting(
+            "--resumable-by-default",
+            "make replies resumable unless a request says otherwise",
+            fills=(ServerConfig, "resumable_by_default"),
+            switch=True,
+        ),
+        Setting(
+            "--detach-grace-s",
+            "how long a resumable reply keeps generating with no reader",
+            non_negative_float,
+            fills=(ServerConfig, "detach_grace_s"),
+        ),
+    ),
+)
+
+CHECKS = Group(
+    "moderation checks (run on held-back text)",
+    (
+        Setting(
+            "--ban",
+            "a banned phrase, matched case-insensitively (repeatable)",
+            repeatable=True,
+            metavar="PHRASE",
+        ),
+        Setting("--ban-file", "banned phrases, one per line", readable_file),
+        Setting(
+            "--ban-regex",
+            "a named regular expression that must not match (repeatable)",
+            repeatable=True,
+            metavar="NAME=REGEX",
+            accepts="`NAME=REGEX`",
+        ),
+        Setting(
+            "--block-secrets",
+            "stop replies that contain credential-shaped strings",
+            switch=True,
+        ),
+    ),
+)
+
+SERVE_SETTINGS = (
+    SERVER,
+    CLIENT_LIMITS,
+    API,
+    *ENGINE_SETTINGS,
+    DELIVERY,
+    RESUME,
+    CHECKS,
+)
+
+REFERENCE_BEGIN = "<!-- settings: begin (python scripts/settings_table.py writes this part) -->"
+REFERENCE_END = "<!-- settings: end -->"
+
+
+def current_reference(document: str) -> str:
+    """``document`` (docs/settings.md) with the reference between its markers made from
+    ``SERVE_SETTINGS``.
+
+    Raises:
+        ValueError: the markers are missing, or out of order.
+    """
+    table = settings.markdown(SERVE_SETTINGS, "replystream serve")
+    return settings.with_current_table(document, table, REFERENCE_BEGIN, REFERENCE_END)
