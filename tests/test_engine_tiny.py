@@ -229,4 +229,3 @@ async def test_closing_a_stream_before_reading_it_aborts_the_request(engine: Tin
     await wait_for(lambda: engine.stats().active == 0)
     assert engine.stats().cancelled == 1
     assert engine.scheduler_stats().kv.used_blocks == 0
-
