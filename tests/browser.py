@@ -153,6 +153,7 @@ class TimedEngine:
     """A simulated engine that records when each generation started and made each token."""
 
     name = "simulated"
+    pushes = False  # its streams are its own generators around the inner engine's
 
     def __init__(self, inner: SimulatedEngine) -> None:
         self.inner = inner

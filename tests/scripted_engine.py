@@ -56,6 +56,7 @@ class ScriptedEngine:
     """Replays the current script: one `Delta` per piece, the last with ``finish_reason``."""
 
     name = "scripted"
+    pushes = False
 
     def __init__(self, texts: Iterable[str] = ()) -> None:
         self._script: tuple[str, ...] = tuple(texts)
@@ -109,6 +110,7 @@ class GroupedPushEngine(ScriptedEngine):
     what a push-capable engine that fell behind its schedule delivers."""
 
     name = "grouped"
+    pushes = True
 
     def __init__(self, texts: Iterable[str], group: int, pause_s: float = 0.005) -> None:
         super().__init__(texts)

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from replystream.engine.base import READY, GenerationRequest, Readiness
+from replystream.engine.base import READY, EngineStats, GenerationRequest, Readiness
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig
@@ -124,6 +124,7 @@ async def test_a_body_that_does_not_arrive_is_a_408():
 async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback():
     class Broken:
         name = "broken"
+        pushes = False
 
         async def start(self, request: GenerationRequest):
             raise RuntimeError("secret internals")
@@ -131,8 +132,8 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
         def count_tokens(self, text: str) -> int:
             return 0
 
-        def stats(self):
-            raise NotImplementedError
+        def stats(self) -> EngineStats:
+            return EngineStats(started=0, finished=0, cancelled=0, failed=0, active=0, steps=0)
 
         async def readiness(self) -> Readiness:
             return READY

@@ -183,6 +183,7 @@ async def make_reply(
         detach_grace_s=1.0,
         manager=ReplyManager(Metrics()),
         resumable=True,  # keep the log after the end, to read it
+        pushes=isinstance(deltas, PushStream),
     )
 
 

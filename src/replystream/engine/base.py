@@ -131,6 +131,7 @@ class EngineStats:
     failed: int
     active: int
     steps: int
+    kv_blocks_used: int | None = None  # KV cache blocks held (None: no paged KV cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,9 @@ class Engine(Protocol):
     """A source of tokens."""
 
     name: str
+    # Whether every delta stream ``start`` returns is a ``PushDeltaStream``: the consumer then
+    # attaches a sink (no task per stream) instead of iterating.
+    pushes: bool
 
     async def start(self, request: GenerationRequest) -> DeltaStream:
         """Admit a request and return its delta stream.

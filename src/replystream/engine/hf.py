@@ -103,6 +103,7 @@ class HFEngine:
         self.config = config or HFEngineConfig()
         self.model = model
         self.tokenizer = tokenizer
+        self.pushes = False
         self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
         eos = getattr(model.config, "eos_token_id", None) or tokenizer.eos_token_id

@@ -338,6 +338,7 @@ class Runner:
                 failed=self._counts["failed"],
                 active=len(self._requests) + len(self._pending),
                 steps=self._steps,
+                kv_blocks_used=self.scheduler.stats().kv.used_blocks,
             )
 
     def scheduler_stats(self) -> SchedulerStats:

@@ -106,6 +106,7 @@ class SimulatedEngine:
     """
 
     name = "simulated"
+    pushes = True  # its streams share one timer and push to a sink
 
     def __init__(self, config: SimulatedConfig | None = None) -> None:
         self.config = config or SimulatedConfig()

@@ -80,6 +80,7 @@ class TinyEngine:
     """Serves the tiny transformer with a paged KV cache and continuous batching."""
 
     name = "tiny"
+    pushes = False
 
     def __init__(
         self, model: TinyModel, tokenizer: ByteTokenizer, config: TinyEngineConfig | None = None

@@ -163,6 +163,7 @@ class UpstreamEngine:
     """Relays OpenAI-compatible streaming servers; one aiohttp session per engine."""
 
     name = "upstream"
+    pushes = False
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config

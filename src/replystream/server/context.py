@@ -151,6 +151,7 @@ async def start_reply(
         detach_grace_s=app[CONFIG_KEY].detach_grace_s,
         manager=app[MANAGER_KEY],
         resumable=resumable,
+        pushes=app[ENGINE_KEY].pushes,
     )
     app[MANAGER_KEY].start(reply)
     return reply

@@ -3,8 +3,8 @@
 A long run that leaks shows here first: asyncio tasks and file descriptors that outlive their
 replies, KV blocks nobody frees, reply logs nobody drops. Each gauge is computed on scrape
 from the owner's own ``stats()`` (or the interpreter's), so nothing is touched per event.
-This file must not know how tokens are made: an engine's KV pool is read only if it offers
-``scheduler_stats()``.
+This file must not know how tokens are made: an engine's KV pool is read from its
+``stats()``, when it has one (``kv_blocks_used``).
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol, runtime_checkable
 
 from aiohttp import web
 
 from replystream.delivery.replay import ReplayStore
-from replystream.engine.scheduler import SchedulerStats
 from replystream.server.context import (
     ENGINE_KEY,
     LOCAL_STORE_KEY,
@@ -28,13 +26,6 @@ from replystream.server.context import (
 from replystream.server.metrics import STATE_REFRESH_S, Metrics
 
 _FD_DIR = "/proc/self/fd"
-
-
-@runtime_checkable
-class PagedEngine(Protocol):
-    """An engine with a paged KV cache that reports its pool (the tiny engine)."""
-
-    def scheduler_stats(self) -> SchedulerStats: ...
 
 
 def open_tasks() -> float:
@@ -76,12 +67,11 @@ def add_state_gauges(app: web.Application) -> None:
         "Requests the engine holds, queued or running.",
         lambda: engine.stats().active,
     )
-    if isinstance(engine, PagedEngine):
-        paged = engine
+    if engine.stats().kv_blocks_used is not None:  # an engine with a paged KV cache
         metrics.state(
             "replystream_kv_blocks_used",
             "KV cache blocks held by requests.",
-            lambda: paged.scheduler_stats().kv.used_blocks,
+            lambda: engine.stats().kv_blocks_used or 0,
         )
     local = app[LOCAL_STORE_KEY]
     stores: list[tuple[str, ReplayStore]] = [("local", local)]
