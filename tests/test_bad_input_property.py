@@ -133,6 +133,41 @@ CHAT_FIELDS = [
     "tools",
 ]
 COMPLETION_FIELDS = ["", *OPENAI_FIELDS, "prompt", "prompt[0]", "echo", "best_of", "suffix"]
+RESPONSES_FIELDS = [
+    "",
+    "model",
+    "input",
+    "input[0]",
+    "input[0].role",
+    "input[0].content",
+    "input[0].content[0]",
+    "input[0].content[0].type",
+    "input[0].content[0].text",
+    "input[0].type",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "store",
+    "background",
+    "metadata",
+    "metadata.k",
+    "previous_response_id",
+    "tools",
+    "tool_choice",
+    "user",
+    "replystream",
+    "replystream.seed",
+    "replystream.top_k",
+    "replystream.stop",
+    "replystream.batch_tokens",
+    "replystream.batch_ms",
+    "replystream.holdback_tokens",
+    "replystream.keepalive_s",
+    "replystream.unknown",
+    "unknown_field",
+]
 SOCKET_FIELDS = ["", "type", "id", *NATIVE_FIELDS[1:]]
 CANCEL_FIELDS = ["", "type", "id", "unknown"]
 
@@ -151,6 +186,9 @@ def base_body(route: str, path: str) -> dict[str, Any]:
         return {"messages": [copy.deepcopy(MESSAGE)], "max_tokens": 2, "stream": True}
     if route == "/v1/completions":
         return {"prompt": ["hi"], "max_tokens": 2, "stream": True}
+    if route == "/v1/responses":
+        message = {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+        return {"input": [message], "max_output_tokens": 2, "stream": True}
     if route == "reply":
         return {"type": "reply", "id": "t", "prompt": "hi", "max_tokens": 2} | (
             {"messages": [copy.deepcopy(MESSAGE)], "prompt": None} if uses_messages else {}
@@ -207,6 +245,7 @@ def body_cases(route: str, fields: list[str]) -> st.SearchStrategy[tuple[str, st
         ("/v1/replies", NATIVE_FIELDS),
         ("/v1/chat/completions", CHAT_FIELDS),
         ("/v1/completions", COMPLETION_FIELDS),
+        ("/v1/responses", RESPONSES_FIELDS),
     ],
 )
 def test_random_json_in_any_body_field_is_a_4xx_in_our_format_or_a_reply(
@@ -226,7 +265,9 @@ raw_bytes = st.binary(max_size=64) | st.sampled_from(
 )
 
 
-@pytest.mark.parametrize("route", ["/v1/replies", "/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(
+    "route", ["/v1/replies", "/v1/chat/completions", "/v1/completions", "/v1/responses"]
+)
 def test_random_bytes_as_a_body_are_a_400_in_our_format(server: LoggedServer, route: str) -> None:
     @settings(SETTINGS, max_examples=40)
     @given(raw_bytes)

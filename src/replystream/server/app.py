@@ -74,6 +74,7 @@ from replystream.server.native import parse_reply_request
 from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
 from replystream.server.replies import Reply, ReplyManager
+from replystream.server.responses_api import add_responses_routes
 from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
@@ -337,6 +338,7 @@ def create_app(
     app.router.add_get("/healthz", handle_health)
     add_page_routes(app)
     add_openai_routes(app)
+    add_responses_routes(app)
     add_websocket_route(app)
     add_state_gauges(app)
 

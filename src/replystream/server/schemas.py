@@ -274,6 +274,102 @@ class CompletionBody(OpenAIBody):
     suffix: Annotated[str, only("", "empty; this server does not fill in the middle")] | None = None
 
 
+class InputText(Strict):
+    """Text in a Responses message: the client's (``input_text``) or, sent back as history,
+    a model's (``output_text``)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+
+
+def _input_kind(value: Any) -> str | None:
+    return _content_kind(value)
+
+
+ResponseContent = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[InputText], Tag("<parts>")],
+    Discriminator(
+        _input_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of input_text parts",
+    ),
+]
+
+
+class InputMessage(Strict):
+    """One message item of a Responses ``input`` (an output item sent back keeps its id and
+    status, which are read and not needed)."""
+
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: ResponseContent
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+ResponseInput = Annotated[
+    Annotated[str, Tag("<string>")]
+    | Annotated[Annotated[list[InputMessage], Field(min_length=1)], Tag("<parts>")],
+    Discriminator(
+        _input_kind,
+        custom_error_type="input_type",
+        custom_error_message="must be a string or a non-empty list of message items",
+    ),
+]
+
+
+class ResponsesExtensions(Strict):
+    """replystream's own fields of a Responses request, under ``replystream`` (a name OpenAI's
+    API does not use): sampling the Responses API has no field for, and delivery policies."""
+
+    seed: Seed | None = None
+    top_k: TopK | None = None
+    stop: Stop | None = None
+    batch_tokens: BatchTokens | None = None
+    batch_ms: BatchMs | None = None
+    holdback_tokens: HoldbackTokens | None = None
+    keepalive_s: KeepaliveS | None = None
+
+
+class ResponsesBody(Strict):
+    """``POST /v1/responses``."""
+
+    unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
+    field_codes: ClassVar[Mapping[str, str]] = {
+        "background": "unsupported_parameter",
+        "previous_response_id": "unsupported_parameter",
+        "tools": "unsupported_parameter",
+    }
+
+    model: str | None = None
+    input: ResponseInput
+    instructions: str | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    background: Annotated[bool, only(False, "false; background responses are not served yet")] = (
+        False
+    )
+    previous_response_id: Annotated[
+        str | None, only(None, "null; conversation state is not kept yet")
+    ] = None
+    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    tool_choice: Annotated[str, only("none", '"none"; this server has no tools')] | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    replystream: ResponsesExtensions | None = None
+
+
 class SocketEnvelope(Strict):
     """What every WebSocket message carries: its ``type`` and the client's tag ``id``.
     Read first (other fields ignored), so an error about the rest can name the tag."""

@@ -1,0 +1,228 @@
+"""The OpenAI Responses dialect: typed events of one response, and its whole-response object.
+
+This file decides what a Responses client (``client.responses`` of the openai SDK, agent
+frameworks) reads, byte for byte:
+- A streamed response is ``event: <type>`` with a ``data:`` object whose ``type`` matches and
+  whose ``sequence_number`` is the event's id in the reply log (the same cursor for
+  ``starting_after`` and ``Last-Event-ID``), in OpenAI's order: ``response.created``,
+  ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
+  one ``response.output_text.delta`` per piece of text, then ``response.output_text.done``,
+  ``response.content_part.done``, ``response.output_item.done`` and the terminal event:
+  ``response.completed`` (with usage), ``response.incomplete`` (the token limit, or a check
+  that stopped the text: ``content_filter``) or ``response.failed`` (with the error). There
+  is no ``[DONE]``: the terminal event ends the stream.
+- The same response whole, not streamed, is the object the terminal event carries.
+A format object serves one response: it numbers its events as the pipeline will (one per
+spec, from 1), and keeps the text so far, which the closing events repeat. It must not know
+about sockets, tasks or stores.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
+from replystream.delivery.moderation import Violation
+
+Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+
+
+def response_id(reply_id: str) -> str:
+    """The Responses id of a reply: ``resp_<reply id>``."""
+    return "resp_" + reply_id
+
+
+def reply_id_of(response: str) -> str | None:
+    """The reply id inside a Responses id, or None for an id not of this form."""
+    return response.removeprefix("resp_") if response.startswith("resp_") else None
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseSettings:
+    """What a response object repeats of its request."""
+
+    model: str
+    created_at: int
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+
+
+def response_object(
+    settings: ResponseSettings,
+    reply_id: str,
+    status: Status,
+    *,
+    text: str | None = None,
+    usage: Usage | None = None,
+    incomplete_reason: str | None = None,
+    error: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it."""
+    output: list[dict[str, Any]] = []
+    if text is not None:
+        item_status = "completed" if status == "completed" else status
+        if status in ("queued", "in_progress"):
+            item_status = "in_progress"
+        output.append(
+            {
+                "type": "message",
+                "id": "msg_" + reply_id,
+                "status": item_status,
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        )
+    return {
+        "id": response_id(reply_id),
+        "object": "response",
+        "created_at": settings.created_at,
+        "status": status,
+        "background": settings.background,
+        "error": error,
+        "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
+        "instructions": settings.instructions,
+        "max_output_tokens": settings.max_output_tokens,
+        "model": settings.model,
+        "output": output,
+        "parallel_tool_calls": False,
+        "previous_response_id": settings.previous_response_id,
+        "store": settings.store,
+        "temperature": settings.temperature,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "none",
+        "tools": [],
+        "top_p": settings.top_p,
+        "truncation": "disabled",
+        "usage": None if usage is None else usage_object(usage),
+        "metadata": settings.metadata or {},
+    }
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+@dataclass(slots=True)
+class ResponsesStreamFormat:
+    """The typed events of one streamed response (a ``StreamFormat``)."""
+
+    settings: ResponseSettings
+    _reply_id: str = ""
+    _next: int = 1  # the sequence number the pipeline gives the next spec
+    _text: list[str] = field(default_factory=list)
+    _delta_head: str = ""
+
+    def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
+        number = self._next
+        self._next += 1
+        return kind, _dumps({"type": kind, "sequence_number": number, **payload})
+
+    def _response(self, status: Status, **details: Any) -> dict[str, Any]:
+        text = "".join(self._text)
+        return response_object(self.settings, self._reply_id, status, text=text, **details)
+
+    def started(self, reply_id: str) -> list[Spec]:
+        self._reply_id = reply_id
+        item_id = "msg_" + reply_id
+        self._delta_head = (
+            f'{{"type":"response.output_text.delta","sequence_number":%d,'
+            f'"item_id":"{item_id}","output_index":0,"content_index":0,"delta":'
+        )
+        empty = response_object(self.settings, reply_id, "in_progress")
+        item = {
+            "type": "message",
+            "id": item_id,
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        return [
+            self._event("response.created", {"response": empty}),
+            self._event("response.in_progress", {"response": empty}),
+            self._event("response.output_item.added", {"output_index": 0, "item": item}),
+            self._event(
+                "response.content_part.added",
+                {
+                    "item_id": item_id,
+                    "output_index": 0,
+                    "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": []},
+                },
+            ),
+        ]
+
+    def text(self, text: str, tokens: int) -> Spec:
+        self._text.append(text)
+        number = self._next
+        self._next += 1
+        # Spelt out: one per piece of text, the event every response sends most.
+        return (
+            "response.output_text.delta",
+            (self._delta_head % number) + json_string(text) + ',"logprobs":[]}',
+        )
+
+    def _closing(self, status: Status) -> list[Spec]:
+        item_id = "msg_" + self._reply_id
+        text = "".join(self._text)
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item = {
+            "type": "message",
+            "id": item_id,
+            "status": "completed" if status == "completed" else "incomplete",
+            "role": "assistant",
+            "content": [part],
+        }
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        return [
+            self._event("response.output_text.done", {**where, "text": text, "logprobs": []}),
+            self._event("response.content_part.done", {**where, "part": part}),
+            self._event("response.output_item.done", {"output_index": 0, "item": item}),
+        ]
+
+    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+        if finish_reason == "length":
+            details = {"usage": usage, "incomplete_reason": "max_output_tokens"}
+            return [
+                *self._closing("incomplete"),
+                self._event(
+                    "response.incomplete", {"response": self._response("incomplete", **details)}
+                ),
+            ]
+        return [
+            *self._closing("completed"),
+            self._event(
+                "response.completed", {"response": self._response("completed", usage=usage)}
+            ),
+        ]
+
+    def error(self, message: str, code: str) -> list[Spec]:
+        status: Status = "cancelled" if code == "cancelled" else "failed"
+        error = {"code": code, "message": message}
+        kind = "response.failed"
+        return [self._event(kind, {"response": self._response(status, error=error)})]
+
+    def moderated(self, violation: Violation) -> list[Spec]:
+        response = self._response("incomplete", incomplete_reason="content_filter")
+        response["replystream_moderation"] = moderated_payload(violation)
+        return [
+            *self._closing("incomplete"),
+            self._event("response.incomplete", {"response": response}),
+        ]

@@ -1,0 +1,165 @@
+"""``POST /v1/responses`` with the official openai SDK, unchanged, and over raw SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from replystream.server import create_app, running
+from replystream.sse import EventParser
+from tests.conftest import fast_engine, wait_for
+
+REPLY = "one two three four five six seven eight nine ten"
+OPENING = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+CLOSING = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def sync_sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_streamed_text_equals_the_whole_response_and_usage_matches_the_engine():
+    engine = fast_engine(reply_text=REPLY)
+    ask = {"model": "simulated", "instructions": "be brief", "input": "count"}
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.responses.create(**ask)  # type: ignore[call-overload]
+        stream = await client.responses.create(**ask, stream=True)  # type: ignore[call-overload]
+        events = [event async for event in stream]
+    assert (whole.object, whole.status, whole.model) == ("response", "completed", "simulated")
+    assert whole.output_text == REPLY + " "
+    assert whole.usage is not None
+    prompt_tokens = engine.count_tokens("system: be brief\nuser: count")
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (prompt_tokens, 10)
+    kinds = [event.type for event in events]
+    assert kinds == [*OPENING, *["response.output_text.delta"] * 10, *CLOSING, "response.completed"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    completed = events[-1]
+    assert completed.type == "response.completed"
+    assert completed.response.output_text == text
+    assert completed.response.usage == whole.usage
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+
+
+async def test_the_sync_client_reads_a_token_limit_as_an_incomplete_response():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url:
+
+        def ask() -> tuple[openai.types.responses.Response, list[object]]:
+            with sync_sdk(url) as client:
+                whole = client.responses.create(
+                    model="simulated", input="count", max_output_tokens=4
+                )
+                stream = client.responses.create(
+                    model="simulated", input="count", max_output_tokens=4, stream=True
+                )
+                return whole, list(stream)
+
+        whole, events = await asyncio.to_thread(ask)
+    assert whole.status == "incomplete"
+    assert whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output_text == "one two three four "
+    last = events[-1]
+    assert last.type == "response.incomplete"  # type: ignore[attr-defined]
+    assert last.response.output_text == whole.output_text  # type: ignore[attr-defined]
+
+
+async def test_every_event_names_its_type_and_its_sequence_number_is_its_event_id():
+    engine = fast_engine(reply_text=REPLY)
+    body = {"input": "count", "stream": True, "max_output_tokens": 3}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json=body) as response:
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            raw = await response.read()
+    events = EventParser().feed(raw)
+    assert b"[DONE]" not in raw
+    for event in events:
+        data = json.loads(event.data)
+        assert data["type"] == event.type
+        assert data["sequence_number"] == int(event.id or "-1")
+    assert events[-1].type == "response.incomplete"
+
+
+async def test_a_stored_response_resumes_after_any_sequence_number():
+    engine = fast_engine(reply_text=REPLY)
+    body = {"input": "count", "stream": True}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json=body) as response:
+            reply_id = response.headers["X-Reply-Id"]
+            whole = EventParser().feed(await response.read())
+        for after in (0, 4, 9, len(whole) - 1):
+            headers = {"Last-Event-ID": str(after)}
+            async with http.get(f"{url}/v1/replies/{reply_id}/stream", headers=headers) as again:
+                rest = EventParser().feed(await again.read())
+            assert [(e.type, e.data) for e in rest] == [(e.type, e.data) for e in whole[after:]]
+
+
+async def test_an_engine_failure_mid_stream_ends_with_response_failed():
+    engine = fast_engine(reply_text=REPLY, fail_after=3)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        stream = await client.responses.create(model="simulated", input="x", stream=True)
+        events = [event async for event in stream]
+    last = events[-1]
+    assert last.type == "response.failed"
+    assert last.response.status == "failed"
+    assert last.response.error is not None
+    assert last.response.error.code == "generation_failed"  # type: ignore[comparison-overlap]
+    assert [e.type for e in events].count("response.output_text.delta") == 3
+
+
+async def test_a_cancelled_response_ends_with_status_cancelled():
+    engine = fast_engine(reply_text=REPLY * 20, delay_ms=20.0)
+    app = create_app(engine)
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json={"input": "x", "stream": True}) as r:
+            reply_id = r.headers["X-Reply-Id"]
+            parser, events = EventParser(), []
+            async for chunk in r.content.iter_any():
+                events += parser.feed(chunk)
+                if len(events) == 6:
+                    await http.post(f"{url}/v1/replies/{reply_id}/cancel")
+    final = json.loads(events[-1].data)
+    assert final["type"] == "response.failed"
+    assert final["response"]["status"] == "cancelled"
+    assert final["response"]["error"]["code"] == "cancelled"
+    await wait_for(lambda: engine.stats().active == 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": "x", "background": True}, 400, "background"),
+        ({"input": "x", "previous_response_id": "resp_abc"}, 400, "previous_response_id"),
+        ({"input": 7}, 400, "input"),
+        ({"input": []}, 400, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, None),
+        ({"input": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"input": "x", "temperature": 9}, 400, "temperature"),
+        ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+        ({"input": "x", "replystream": {"batch_tokens": 0}}, 400, "replystream.batch_tokens"),
+        ({"input": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ({"input": "x", "model": "gpt-9"}, 404, "model"),
+    ],
+)
+async def test_what_is_not_honoured_is_refused_naming_the_field(body, status, param):
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json=body) as response:
+            error = (await response.json())["error"]
+            assert response.status == status, error
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
