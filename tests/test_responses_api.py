@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
 
@@ -142,8 +143,9 @@ async def test_a_cancelled_response_ends_with_status_cancelled():
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"input": "x", "background": True}, 400, "background"),
-        ({"input": "x", "previous_response_id": "resp_abc"}, 400, "previous_response_id"),
+        ({"input": "x", "background": True, "store": False}, 400, "background"),
+        ({"input": "x", "previous_response_id": "resp_abc"}, 404, "previous_response_id"),
+        ({"input": "x", "previous_response_id": "chatcmpl-1"}, 404, "previous_response_id"),
         ({"input": 7}, 400, "input"),
         ({"input": []}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, None),
@@ -163,3 +165,97 @@ async def test_what_is_not_honoured_is_refused_naming_the_field(body, status, pa
     assert set(error) == {"message", "type", "param", "code"}
     if param is not None:
         assert error["param"] == param, error
+
+
+async def test_a_background_response_runs_unread_and_resumes_after_any_sequence_number():
+    engine = fast_engine(reply_text=REPLY, delay_ms=10.0)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        queued = await client.responses.create(model="simulated", input="count", background=True)
+        assert (queued.status, queued.background) == ("queued", True)
+        await wait_for(lambda: engine.stats().finished == 1)  # nobody read it meanwhile
+        done = await client.responses.retrieve(queued.id)
+        assert (done.status, done.output_text) == ("completed", REPLY + " ")
+        whole = [e async for e in await client.responses.retrieve(queued.id, stream=True)]
+        for after in (1, 5, len(whole) - 2):
+            rest = [
+                e
+                async for e in await client.responses.retrieve(
+                    queued.id, stream=True, starting_after=after
+                )
+            ]
+            assert [e.sequence_number for e in rest] == list(range(after + 1, len(whole) + 1))
+            assert rest == whole[after:]
+    assert whole[0].type == "response.created" and whole[1].type == "response.queued"
+    assert whole[-1].type == "response.completed"
+
+
+async def test_cancel_is_idempotent_and_delete_forgets_the_response():
+    engine = fast_engine(reply_text=REPLY * 50, delay_ms=20.0)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        queued = await client.responses.create(model="simulated", input="x", background=True)
+        await wait_for(lambda: engine.stats().active == 1)
+        cancelled = await client.responses.cancel(queued.id)
+        again = await client.responses.cancel(queued.id)
+        assert cancelled.status == again.status == "cancelled"
+        await wait_for(lambda: engine.stats().active == 0)
+        await client.responses.delete(queued.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(queued.id)
+
+
+async def test_a_stored_response_not_streamed_can_be_read_again_and_continued():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        first = await client.responses.create(model="simulated", input="first question")
+        assert (await client.responses.retrieve(first.id)).output_text == first.output_text
+        second = await client.responses.create(
+            model="simulated",
+            input="second question",
+            instructions="be brief",
+            previous_response_id=first.id,
+        )
+    # The second prompt held the first exchange: its input tokens say so.
+    history = f"system: be brief\nuser: first question\nassistant: {first.output_text}"
+    assert second.usage is not None
+    expected = engine.count_tokens(history + "\nuser: second question")
+    assert second.usage.input_tokens == expected
+    assert second.previous_response_id == first.id
+
+
+async def test_a_response_is_only_its_owners():
+    engine = fast_engine(reply_text=REPLY)
+    app = create_app(engine, ServerConfig(api_keys=("key-a", "key-b")))
+    async with running(app) as url:
+        a = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="key-a", max_retries=0)
+        b = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="key-b", max_retries=0)
+        async with a, b:
+            mine = await a.responses.create(model="simulated", input="x")
+            for attempt in (
+                b.responses.retrieve(mine.id),
+                b.responses.cancel(mine.id),
+                b.responses.delete(mine.id),
+                b.responses.create(model="simulated", input="y", previous_response_id=mine.id),
+            ):
+                with pytest.raises(openai.NotFoundError):
+                    await attempt
+            assert (await a.responses.retrieve(mine.id)).status == "completed"
+
+
+async def test_a_client_leaving_a_stored_response_that_is_not_background_stops_it():
+    engine = fast_engine(reply_text=REPLY * 50, delay_ms=20.0)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json={"input": "x", "stream": True}) as r:
+            await r.content.readline()
+        await wait_for(lambda: engine.stats().cancelled == 1)
+
+
+async def test_starting_after_out_of_range_or_not_a_number_is_a_400():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        done = await client.responses.create(model="simulated", input="x")
+        async with aiohttp.ClientSession() as http:
+            for value in ("-1", "x", "1.5", "99999"):
+                query = {"stream": "true", "starting_after": value}
+                async with http.get(f"{url}/v1/responses/{done.id}", params=query) as response:
+                    assert response.status == 400, value
+                    assert (await response.json())["error"]["param"] == "starting_after"

@@ -5,9 +5,9 @@ Layout, per reply (``P`` is the key prefix):
   plain message; its data in ``d``) and the log's size in bytes up to and including it
   (field ``b``: a reader on another replica measures its lag by it); the terminal entry
   holds the ending (field ``end``). Trimmed to about ``max_entries``.
-- ``P{id}:meta``: a hash with the owner; ``P{id}:live``: the producer's liveness key, set for
-  ``liveness_s`` and refreshed every second while it generates; ``P{id}:cancel``: a cancel
-  request from another replica.
+- ``P{id}:meta``: a hash with the owner and the route's context; ``P{id}:live``: the
+  producer's liveness key, set for ``liveness_s`` and refreshed every second while it
+  generates; ``P{id}:cancel``: a cancel request from another replica.
 Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live).
 
 Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
@@ -104,6 +104,13 @@ def _newest_offset(newest: Any) -> int | None:
     return next((int(fields[b"b"]) for _, fields in newest or () if b"b" in fields), None)
 
 
+def _text(value: bytes | str | None) -> str:
+    """A hash field's value as text ("" when absent)."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _seq(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[1])
 
@@ -171,7 +178,10 @@ class RedisReplayStore:
         ttl = max(1, int(self.ttl_after_end_s))
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hset(self._key(info.reply_id, ":meta"), mapping={"owner": info.owner})
+                pipe.hset(
+                    self._key(info.reply_id, ":meta"),
+                    mapping={"owner": info.owner, "context": info.context},
+                )
                 pipe.expire(self._key(info.reply_id, ":meta"), ttl)
                 pipe.set(self._key(info.reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
                 await pipe.execute()
@@ -278,8 +288,9 @@ class RedisReplayStore:
             raise StoreUnavailable(f"{self.where}: {exc}") from exc
         if not meta:
             return None
-        owner = meta.get(b"owner", b"")
-        return ReplyInfo(reply_id, owner=owner.decode() if isinstance(owner, bytes) else owner)
+        return ReplyInfo(
+            reply_id, owner=_text(meta.get(b"owner")), context=_text(meta.get(b"context"))
+        )
 
     async def tail(self, reply_id: str) -> LogTail | None:
         if await self._local.info(reply_id) is not None:
@@ -389,6 +400,14 @@ class RedisReplayStore:
 
     def discard(self, reply_id: str) -> None:
         self._local.discard(reply_id)
+
+    async def delete(self, reply_id: str) -> None:
+        self._local.discard(reply_id)
+        keys = [self._key(reply_id, part) for part in ("", ":meta", ":live", ":cancel")]
+        try:
+            await self.redis.delete(*keys)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
 
     def stats(self) -> ReplayStats:
         return self._local.stats()

@@ -65,7 +65,7 @@ class ReplyInfo:
 
     reply_id: str
     owner: str = ""  # a digest of the API key that started it ("" with auth off)
-    content_type: str = "text/event-stream"
+    context: str = ""  # what the reply's route keeps with it (the Responses API: its input)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +169,11 @@ class ReplayStore(Protocol):
 
     def discard(self, reply_id: str) -> None:
         """Forget a reply nobody may resume (it ended and its reader is done)."""
+        ...
+
+    async def delete(self, reply_id: str) -> None:
+        """Remove a reply and everything kept about it, wherever it is kept; later reads and
+        ``info`` find nothing. Raises ``StoreUnavailable``."""
         ...
 
     async def request_cancel(self, reply_id: str) -> None:
@@ -344,6 +349,9 @@ class MemoryReplayStore:
 
     def cursor(self, reply_id: str, after: int) -> MemoryCursor:
         return MemoryCursor(self, reply_id, after)
+
+    async def delete(self, reply_id: str) -> None:
+        self.discard(reply_id)
 
     def discard(self, reply_id: str) -> None:
         """Forget a reply at once (one nobody may resume)."""

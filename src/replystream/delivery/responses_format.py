@@ -20,11 +20,13 @@ about sockets, tasks or stores.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.delivery.replay import LogEntry
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
@@ -147,6 +149,15 @@ class ResponsesStreamFormat:
             f'"item_id":"{item_id}","output_index":0,"content_index":0,"delta":'
         )
         empty = response_object(self.settings, reply_id, "in_progress")
+        # A background response is queued first (it runs whoever reads it).
+        opening = (
+            [
+                self._event("response.created", {"response": {**empty, "status": "queued"}}),
+                self._event("response.queued", {"response": {**empty, "status": "queued"}}),
+            ]
+            if self.settings.background
+            else [self._event("response.created", {"response": empty})]
+        )
         item = {
             "type": "message",
             "id": item_id,
@@ -155,7 +166,7 @@ class ResponsesStreamFormat:
             "content": [],
         }
         return [
-            self._event("response.created", {"response": empty}),
+            *opening,
             self._event("response.in_progress", {"response": empty}),
             self._event("response.output_item.added", {"output_index": 0, "item": item}),
             self._event(
@@ -226,3 +237,45 @@ class ResponsesStreamFormat:
             *self._closing("incomplete"),
             self._event("response.incomplete", {"response": response}),
         ]
+
+
+TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> dict[str, Any] | None:
+    """A response object as its log tells it so far: the terminal event's when it has ended;
+    else the one ``response.created`` carried, with the text so far (``failed``, naming the
+    lost generator, when the producing replica is gone). None: not a response's log."""
+    for entry in reversed(entries):
+        if entry.event in TERMINAL:
+            response: dict[str, Any] = json.loads(entry.data)["response"]
+            return response
+    created: dict[str, Any] | None = None
+    started = False
+    text: list[str] = []
+    for entry in entries:
+        if entry.event == "response.created":
+            created = json.loads(entry.data)["response"]
+        elif entry.event == "response.in_progress":
+            started = True
+        elif entry.event == "response.output_text.delta":
+            text.append(json.loads(entry.data)["delta"])
+    if created is None:
+        return None
+    status = "in_progress" if started else created["status"]
+    if producer_lost:
+        message = "the replica generating this response is gone"
+        created["error"] = {"code": "generator_lost", "message": message}
+        status = "failed"
+    created["status"] = status
+    if started:
+        reply_id = created["id"].removeprefix("resp_")
+        message_item = {
+            "type": "message",
+            "id": "msg_" + reply_id,
+            "status": "in_progress" if status == "in_progress" else "incomplete",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "".join(text), "annotations": []}],
+        }
+        created["output"] = [message_item]
+    return created

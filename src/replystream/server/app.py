@@ -23,7 +23,6 @@ those; it must not know how tokens are made.
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Any
 
 from aiohttp import web
@@ -58,8 +57,9 @@ from replystream.server.context import (
     STORE_KEY,
     ServerConfig,
     buffered,
+    check_resume_point,
+    find_reply,
     follow_reply,
-    owner_of,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
@@ -73,7 +73,7 @@ from replystream.server.metrics import Metrics
 from replystream.server.native import parse_reply_request
 from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
-from replystream.server.replies import Reply, ReplyManager
+from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
 from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
 from replystream.server.state import add_state_gauges
@@ -85,8 +85,7 @@ log = logging.getLogger("replystream.server")
 
 def lab_query(request: web.Request) -> LabQuery:
     """The lab endpoints' query parameters, validated (a repeated one counts once: the first)."""
-    query = request.query
-    return parse_mapping({name: query.getone(name) for name in query}, LabQuery)
+    return parse_mapping(request.query, LabQuery)
 
 
 def lab_request(request: web.Request, query: LabQuery) -> GenerationRequest:
@@ -193,64 +192,12 @@ def _last_event_id(request: web.Request) -> int:
     return parse_mapping(values, ResumeCursor).last_event_id
 
 
-async def _find_reply(request: web.Request) -> tuple[str, ReplayStore, Reply | None]:
-    """The reply named in the path, if it exists, has not expired and is the caller's."""
-    app = request.app
-    reply_id = request.match_info["reply_id"]
-    local = app[MANAGER_KEY].get(reply_id)
-    store = local.store if local is not None else app[STORE_KEY]
-    try:
-        info = await store.info(reply_id)
-        if info is None and local is None and store is not app[LOCAL_STORE_KEY]:
-            store = app[LOCAL_STORE_KEY]
-            info = await store.info(reply_id)
-    except StoreUnavailable as exc:
-        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    # Another key's reply looks exactly like one that does not exist.
-    if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
-        raise HTTPAPIError(
-            404,
-            "no such reply (unknown, expired, or not yours)",
-            code="reply_not_found",
-            param="reply_id",
-        )
-    return reply_id, store, local
-
-
-async def _check_resume_point(reply_id: str, store: ReplayStore, after: int) -> None:
-    """Refuse a resume that could only send an empty stream: after an ended reply's last event
-    (409 ``reply_ended``: the client has it all) or past it (400: not an id of this reply).
-    A live reply is followed from any id: another replica may not have logged yet what its
-    producer has sent."""
-    try:
-        tail = await store.tail(reply_id)
-    except StoreUnavailable as exc:
-        raise HTTPAPIError(
-            503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
-        ) from exc
-    if tail is None or not tail.ended or after < tail.last_seq:
-        return
-    if after > tail.last_seq:
-        raise HTTPAPIError(
-            400,
-            f"Last-Event-ID {after} is past this reply's last event ({tail.last_seq})",
-            code="invalid_value",
-            param="last_event_id",
-        )
-    raise HTTPAPIError(
-        409,
-        f"reply {reply_id} has ended and {after} is its last event: there is nothing after it",
-        code="reply_ended",
-        param="last_event_id",
-    )
-
-
 async def handle_resume(request: web.Request) -> web.StreamResponse:
     """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live."""
     after = _last_event_id(request)
-    reply_id, store, local = await _find_reply(request)
+    reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
-        await _check_resume_point(reply_id, store, after)
+        await check_resume_point(reply_id, store, after)
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request, reply_id=reply_id, store=store, policy=policy, reply=local, after=after
@@ -259,7 +206,7 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies/{id}/cancel``: stop generating a reply (on whichever replica)."""
-    reply_id, store, _ = await _find_reply(request)
+    reply_id, store, _ = await find_reply(request, request.match_info["reply_id"])
     try:
         await store.request_cancel(reply_id)  # the store reaches the producer, here or not
     except StoreUnavailable as exc:

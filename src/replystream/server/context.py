@@ -10,6 +10,7 @@ any route's request schema or wire dialect.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,9 +121,11 @@ async def start_reply(
     resumable: bool | None,
     disconnect: Disconnect | None = None,
     numbered: bool = True,
+    context: str = "",
 ) -> Reply:
     """Admit a generation and start producing it into a new reply log. ``resumable``: None
-    takes the server's default; a stream without event ids (``numbered=False``) never is."""
+    takes the server's default; a stream without event ids (``numbered=False``) never is.
+    ``context``: what the route keeps with the reply in its store (``ReplyInfo.context``)."""
     app = request.app
     if resumable is None:
         resumable = app[CONFIG_KEY].resumable_by_default
@@ -132,7 +135,7 @@ async def start_reply(
     reply_id = ids.reply_id()
     deltas = await start_generation(request, generation, record)
     try:
-        await store.create(ReplyInfo(reply_id, owner=owner_of(request)))
+        await store.create(ReplyInfo(reply_id, owner=owner_of(request), context=context))
     except StoreUnavailable as exc:
         await close_quietly(deltas)
         record.outcome, record.reason = "rejected", exc.code
@@ -204,6 +207,62 @@ def follower_of(
         clock=request.app[KEEPALIVE_CLOCK_KEY],
         reply=reply,
         record=None if reply is None else reply.record,
+    )
+
+
+async def find_reply(
+    request: web.Request, reply_id: str, *, param: str = "reply_id"
+) -> tuple[str, ReplayStore, Reply | None]:
+    """The reply ``reply_id``, if it exists, has not expired and is the caller's: its id, its
+    store, and its producer when it runs in this process. Else a 404 naming ``param``."""
+    app = request.app
+    local = app[MANAGER_KEY].get(reply_id)
+    store = local.store if local is not None else app[STORE_KEY]
+    try:
+        info = await store.info(reply_id)
+        if info is None and local is None and store is not app[LOCAL_STORE_KEY]:
+            store = app[LOCAL_STORE_KEY]
+            info = await store.info(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    # Another key's reply looks exactly like one that does not exist.
+    if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
+        raise HTTPAPIError(
+            404,
+            "no such reply (unknown, expired, or not yours)",
+            code="reply_not_found",
+            param=param,
+        )
+    return reply_id, store, local
+
+
+async def check_resume_point(
+    reply_id: str, store: ReplayStore, after: int, *, param: str = "last_event_id"
+) -> None:
+    """Refuse a resume that could only send an empty stream: after an ended reply's last event
+    (409 ``reply_ended``: the client has it all) or past it (400: not an id of this reply).
+    A live reply is followed from any id: another replica may not have logged yet what its
+    producer has sent."""
+    try:
+        tail = await store.tail(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(
+            503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
+        ) from exc
+    if tail is None or not tail.ended or after < tail.last_seq:
+        return
+    if after > tail.last_seq:
+        raise HTTPAPIError(
+            400,
+            f"{param} {after} is past this reply's last event ({tail.last_seq})",
+            code="invalid_value",
+            param=param,
+        )
+    raise HTTPAPIError(
+        409,
+        f"reply {reply_id} has ended and {after} is its last event: there is nothing after it",
+        code="reply_ended",
+        param=param,
     )
 
 

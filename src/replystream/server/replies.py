@@ -6,7 +6,8 @@ connection, or a resume on any replica) follows it. An engine that pushes calls 
 with its deltas (no task per reply); any other is pulled by a producer task.
 Disconnect policies: ``cancel`` stops generation when the last local reader leaves (the
 default for replies nobody can resume); ``detach`` keeps generating for a grace period so a
-client can come back, and stops if none has by then (the default for resumable replies).
+client can come back, and stops if none has by then (the default for resumable replies);
+``keep`` generates to the end whoever reads (a background response).
 A reply's life is a phase table (``server.reply_phases``): every change of phase goes
 through ``Reply._advance``. Every reply ends in ``Reply._conclude``, whatever stopped it:
 the engine's stream closed, the last events and the terminal entry written as the ending's
@@ -39,7 +40,7 @@ from replystream.server.reply_phases import Event, Phase, next_phase
 
 log = logging.getLogger("replystream.replies")
 
-Disconnect = Literal["cancel", "detach"]
+Disconnect = Literal["cancel", "detach", "keep"]
 # Overdue deltas are appended together, but in pieces of about this much text: a reader past
 # its slow-client limit stops the reply after one piece, not after all of a late tick's tokens.
 APPEND_CHUNK_BYTES = 16 * 1024
@@ -150,7 +151,7 @@ class Reply:
         if not self.live:
             self.forget_if_unwanted()
             return
-        if self.readers:
+        if self.readers or self.disconnect == "keep":
             return
         if self.disconnect == "cancel":
             self.stop(reason)

@@ -1,18 +1,27 @@
-"""``POST /v1/responses``: the OpenAI Responses API, streamed or whole.
+"""The OpenAI Responses API: create, read, resume, cancel and delete responses.
 
-A streamed response is an ordinary reply (``start_reply`` + ``follow_reply``) in the
-Responses dialect (``delivery.responses_format``), so batching, hold-back moderation,
-keep-alive, the slow-client limits and cancellation hold as on every route; a stored
-response (``store``, the API's default) is resumable, and its ``X-Reply-Id`` names it for
-``GET /v1/replies/{id}/stream`` (``Last-Event-ID`` is its sequence numbers' cursor) and
-``.../cancel``. ``stream: false`` collects it whole (``context.buffered``). The request's
-``input`` (a string, or message items) and ``instructions`` become the same chat messages the
-chat route passes on. This file turns requests into replies; it must not know how tokens
-are made or how events are framed.
+- ``POST /v1/responses``: a response streamed as typed events, or one object. A stored
+  response (``store``, the API's default) is a resumable reply: its log is kept in the
+  reply store (on Redis, shared by every replica) for ``--reply-ttl-s`` after its end.
+  ``background`` runs it whoever reads (the ``keep`` disconnect policy) and answers at once.
+  A stored response not streamed is produced into its log like a streamed one and answered
+  with the terminal event's object, so it can be read again and continued from.
+- ``GET /v1/responses/{id}``: the object as its log tells it now; with ``stream=true``, its
+  events after ``starting_after`` (or ``Last-Event-ID``: the same cursor), then the live tail.
+- ``POST /v1/responses/{id}/cancel`` (idempotent) and ``DELETE /v1/responses/{id}``.
+- ``previous_response_id`` continues a conversation: each stored response keeps its input
+  (as chat messages, in ``ReplyInfo.context``) so the next one sends the history, the
+  previous output and its own input.
+Every response is a reply like any other (batching, hold-back, keep-alive, the slow-client
+limits, owner checks); this file turns requests into replies through ``server.context`` and
+must not know how tokens are made or how events are framed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import time
 from typing import Any
 
@@ -21,31 +30,41 @@ from aiohttp import web
 from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import ReplayStore, StoreUnavailable
 from replystream.delivery.responses_format import (
     ResponseSettings,
     ResponsesStreamFormat,
+    reply_id_of,
+    response_from_log,
     response_object,
 )
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
-from replystream.server.context import CONFIG_KEY, buffered, follow_reply, start_reply
+from replystream.server.context import (
+    CONFIG_KEY,
+    buffered,
+    check_resume_point,
+    find_reply,
+    follow_reply,
+    start_reply,
+)
+from replystream.server.errors import HTTPAPIError
 from replystream.server.native import bad, delivery_overrides, sampling_params
 from replystream.server.openai_api import SDK_KEEPALIVE, served_model
 from replystream.server.openai_requests import model_not_found
-from replystream.server.schemas import ResponsesBody, SamplingFields
-from replystream.server.validation import read_model
+from replystream.server.replies import Reply
+from replystream.server.schemas import (
+    ResponsesBody,
+    ResumeCursor,
+    RetrieveQuery,
+    SamplingFields,
+)
+from replystream.server.validation import parse_mapping, read_model
 
+CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
+ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
 
-def chat_messages(body: ResponsesBody) -> list[dict[str, Any]]:
-    """``instructions`` (as a system message) then ``input``, as chat messages."""
-    messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-    else:
-        messages.extend({"role": m.role, "content": m.text} for m in body.input)
-    return messages
+Messages = list[dict[str, str]]
 
 
 def _sampling(body: ResponsesBody) -> SamplingFields:
@@ -58,8 +77,71 @@ def _sampling(body: ResponsesBody) -> SamplingFields:
     )
 
 
-def _generation(body: ResponsesBody, max_prompt_chars: int) -> GenerationRequest:
-    messages = chat_messages(body)
+def input_messages(body: ResponsesBody) -> Messages:
+    """The request's ``input`` as chat messages."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    return [{"role": m.role, "content": m.text} for m in body.input]
+
+
+async def _store_of(request: web.Request, reply_id: str, param: str) -> ReplayStore:
+    _, store, _ = await find_reply(request, reply_id, param=param)
+    return store
+
+
+def _response_reply_id(response_id: str, param: str) -> str:
+    reply_id = reply_id_of(response_id)
+    if not reply_id:
+        raise HTTPAPIError(
+            404, f"no such response: {response_id!r}", code="response_not_found", param=param
+        )
+    return reply_id
+
+
+async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
+    """The response object as its log tells it now."""
+    try:
+        result = await store.read(reply_id, 0, 0.0)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    response = None
+    if result is not None:
+        response = response_from_log(result.entries, producer_lost=result.producer_lost)
+    if response is None:
+        raise HTTPAPIError(
+            404,
+            "no such response (unknown, expired, deleted, or not yours)",
+            code="response_not_found",
+            param="response_id",
+        )
+    return response
+
+
+async def _history(request: web.Request, previous: str) -> Messages:
+    """The conversation a ``previous_response_id`` continues: its history and input, then
+    its output."""
+    reply_id = _response_reply_id(previous, "previous_response_id")
+    _, store, _ = await find_reply(request, reply_id, param="previous_response_id")
+    info = await store.info(reply_id)
+    response = await _read_response(store, reply_id)
+    if response["status"] in ("queued", "in_progress"):
+        raise bad("previous_response_id", f"response {previous} has not finished yet")
+    history: Messages = json.loads(info.context) if info is not None and info.context else []
+    text = "".join(
+        part["text"]
+        for item in response["output"]
+        for part in item.get("content", [])
+        if part.get("type") == "output_text"
+    )
+    return [*history, {"role": "assistant", "content": text}]
+
+
+def _generation(
+    body: ResponsesBody, conversation: Messages, max_prompt_chars: int
+) -> GenerationRequest:
+    messages = list(conversation)
+    if body.instructions:  # the request's own: not carried on to the next response
+        messages.insert(0, {"role": "system", "content": body.instructions})
     prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
     if len(prompt) > max_prompt_chars:
         raise bad(
@@ -67,20 +149,22 @@ def _generation(body: ResponsesBody, max_prompt_chars: int) -> GenerationRequest
             f"the input is {len(prompt)} characters; this server's limit is {max_prompt_chars}",
             "context_length_exceeded",
         )
-    return GenerationRequest(
-        prompt, sampling_params(_sampling(body), body.max_output_tokens), tuple(messages)
-    )
+    sampling = sampling_params(_sampling(body), body.max_output_tokens)
+    return GenerationRequest(prompt, sampling, tuple(messages))
 
 
-async def handle_responses(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/responses``: a response streamed as typed events, or one object."""
+async def handle_create(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses``."""
     app = request.app
     config = app[CONFIG_KEY]
     body = await read_model(request, ResponsesBody)
     model = served_model(app)
     if body.model is not None and body.model != model:
         raise model_not_found(body.model)
-    generation = _generation(body, config.max_prompt_chars)
+    conversation = input_messages(body)
+    if body.previous_response_id is not None:
+        conversation = [*await _history(request, body.previous_response_id), *conversation]
+    generation = _generation(body, conversation, config.max_prompt_chars)
     policy = delivery_overrides(_sampling(body), config.policy)
     settings = ResponseSettings(
         model=model,
@@ -90,18 +174,41 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
         temperature=body.temperature,
         top_p=body.top_p,
         metadata=body.metadata,
+        previous_response_id=body.previous_response_id,
         store=body.store,
+        background=body.background,
     )
-    if not body.stream:
-        return await _whole(request, generation, settings, policy)
+    if not body.store:  # nothing to keep: a plain reply, or one body collected whole
+        if not body.stream:
+            return await _whole(request, generation, settings, policy)
+        reply = await start_reply(
+            request,
+            generation,
+            endpoint="/v1/responses",
+            fmt=ResponsesStreamFormat(settings),
+            policy=policy,
+            resumable=False,
+        )
+        return _follow(request, reply, policy)
     reply = await start_reply(
         request,
         generation,
         endpoint="/v1/responses",
         fmt=ResponsesStreamFormat(settings),
         policy=policy,
-        resumable=body.store,  # a stored response can be read again, on any replica
+        resumable=True,
+        disconnect="keep" if body.background else "cancel",
+        context=json.dumps(conversation),
     )
+    if body.stream:
+        return _follow(request, reply, policy)
+    if body.background:
+        queued = response_object(settings, reply.reply_id, "queued")
+        return web.json_response(queued, headers={"X-Reply-Id": reply.reply_id})
+    return web.json_response(await _await_end(reply), headers={"X-Reply-Id": reply.reply_id})
+
+
+def _follow(request: web.Request, reply: Reply, policy: DeliveryPolicy) -> web.StreamResponse:
     return follow_reply(
         request,
         reply_id=reply.reply_id,
@@ -112,12 +219,36 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
     )
 
 
+async def _await_end(reply: Reply) -> dict[str, Any]:
+    """A stored response answered whole: wait for its log's ending, then read the object.
+    The waiting request is its reader: if the client leaves, the response stops."""
+    reply.reader_joined()
+    try:
+        await _until_ended(reply.store, reply.reply_id)
+    finally:
+        reply.reader_left("client_gone")  # after the end, this only lets go of the log
+    return await _read_response(reply.store, reply.reply_id)
+
+
+async def _until_ended(store: ReplayStore, reply_id: str) -> None:
+    """Wait until a reply's log has its ending (or its producer is gone)."""
+    cursor = store.cursor(reply_id, 0)
+    while True:
+        result = await cursor.read(ENDING_POLL_S)
+        if result is None or result.ending is not None or result.producer_lost:
+            return
+        if result.entries:
+            size = sum(len(entry.data) for entry in result.entries)
+            cursor.sent(result.entries[-1].seq, size)
+
+
 async def _whole(
     request: web.Request,
     generation: GenerationRequest,
     settings: ResponseSettings,
     policy: DeliveryPolicy,
 ) -> web.StreamResponse:
+    """A response nobody will read again, collected whole (no log)."""
     reply_id = ids.reply_id()
 
     def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
@@ -151,6 +282,75 @@ async def _whole(
     return response
 
 
+async def handle_retrieve(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/responses/{id}``: the object, or (``stream=true``) its events after
+    ``starting_after``, then the live tail."""
+    query = parse_mapping(request.query, RetrieveQuery)
+    reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
+    _, store, local = await find_reply(request, reply_id, param="response_id")
+    if not query.stream:
+        return web.json_response(await _read_response(store, reply_id))
+    after, param = query.starting_after, "starting_after"
+    if after is None:  # an EventSource resumes with the same cursor
+        after, param = _last_event_id(request), "last_event_id"
+    if after > 0:
+        await check_resume_point(reply_id, store, after, param=param)
+    policy = request.app[CONFIG_KEY].policy
+    return follow_reply(
+        request,
+        reply_id=reply_id,
+        store=store,
+        policy=policy,
+        reply=local,
+        after=after,
+        keepalive=SDK_KEEPALIVE,
+    )
+
+
+def _last_event_id(request: web.Request) -> int:
+    raw = request.headers.get("Last-Event-ID", "").strip()
+    if not raw:
+        return 0
+    return parse_mapping({"last_event_id": raw}, ResumeCursor).last_event_id
+
+
+async def handle_cancel(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses/{id}/cancel``: end it with status ``cancelled`` (a response that
+    has ended already is answered as it is)."""
+    reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
+    store = await _store_of(request, reply_id, "response_id")
+    response = await _read_response(store, reply_id)
+    if response["status"] not in ("queued", "in_progress"):
+        return web.json_response(response)
+    try:
+        await store.request_cancel(reply_id)  # reaches the producer, on whichever replica
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    # Answer with the ending once the producer has written it (another replica's producer
+    # hears of the cancel at its next heartbeat).
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CANCEL_WAIT_S):
+            await _until_ended(store, reply_id)
+    return web.json_response(await _read_response(store, reply_id))
+
+
+async def handle_delete(request: web.Request) -> web.StreamResponse:
+    """``DELETE /v1/responses/{id}``: stop it if it runs, and forget it everywhere."""
+    response_id = request.match_info["response_id"]
+    reply_id = _response_reply_id(response_id, "response_id")
+    store = await _store_of(request, reply_id, "response_id")
+    try:
+        await store.request_cancel(reply_id)
+        await store.delete(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
 def add_responses_routes(app: web.Application) -> None:
     """Register the Responses API on ``app``."""
-    app.router.add_post("/v1/responses", handle_responses)
+    app.router.add_post("/v1/responses", handle_create)
+    # A GET of the events streams them: no HEAD (docs/api.md).
+    app.router.add_get("/v1/responses/{response_id}", handle_retrieve, allow_head=False)
+    app.router.add_post("/v1/responses/{response_id}/cancel", handle_cancel)
+    app.router.add_delete("/v1/responses/{response_id}", handle_delete)

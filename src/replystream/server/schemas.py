@@ -342,11 +342,7 @@ class ResponsesBody(Strict):
     """``POST /v1/responses``."""
 
     unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
-    field_codes: ClassVar[Mapping[str, str]] = {
-        "background": "unsupported_parameter",
-        "previous_response_id": "unsupported_parameter",
-        "tools": "unsupported_parameter",
-    }
+    field_codes: ClassVar[Mapping[str, str]] = {"tools": "unsupported_parameter"}
 
     model: str | None = None
     input: ResponseInput
@@ -357,17 +353,20 @@ class ResponsesBody(Strict):
     stream: bool = False
     store: bool = True
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
-    background: Annotated[bool, only(False, "false; background responses are not served yet")] = (
-        False
-    )
-    previous_response_id: Annotated[
-        str | None, only(None, "null; conversation state is not kept yet")
-    ] = None
+    background: bool = False
+    previous_response_id: str | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = None
     tool_choice: Annotated[str, only("none", '"none"; this server has no tools')] | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
     replystream: ResponsesExtensions | None = None
+
+    @model_validator(mode="after")
+    def _background_is_stored(self) -> ResponsesBody:
+        if self.background and not self.store:
+            message = "a background response must be stored (store: true) to be read later"
+            raise _invalid(message, "background")
+        return self
 
 
 class SocketEnvelope(Strict):
@@ -467,3 +466,11 @@ class ResumeCursor(Query):
     header, else ``last_event_id`` query; absent: 0, from the start)."""
 
     last_event_id: Annotated[int, _digits("last_event_id", 0, MAX_SEED)] = 0
+
+
+class RetrieveQuery(Query):
+    """``GET /v1/responses/{id}``: the object (``stream`` absent or false), or its events
+    after ``starting_after`` (a sequence number; absent: from the first)."""
+
+    stream: Annotated[bool, _flag("stream")] = False
+    starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None

@@ -96,9 +96,10 @@ def parse_json(raw: bytes | str, model: type[M], *, what: str = "body") -> M:
 
 
 def parse_mapping(values: Mapping[str, str], model: type[M]) -> M:
-    """Text parameters (a query string, headers) as ``model``."""
+    """Text parameters (a query string, headers) as ``model``; a repeated one counts once,
+    at its first value."""
     try:
-        return model.model_validate(values)
+        return model.model_validate({name: values[name] for name in values})
     except ValidationError as exc:
         raise api_error(exc, model, "query") from None
 
