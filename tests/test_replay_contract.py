@@ -239,3 +239,16 @@ async def test_tail_names_the_last_event_and_whether_the_reply_ended(stores):
     assert await producer.tail("r7") == LogTail(4, ended=True)
     result = await reader.read("r7", 4, wait_s=0)
     assert result is not None and result.entries == [] and result.ending == "done"
+
+
+async def test_delete_forgets_a_reply_everywhere_and_context_is_kept_until_then(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("r10", owner="k", context='[{"role": "user"}]'))
+    producer.append("r10", frames(1, 4))
+    producer.end("r10", "finished")
+    await settle(producer)
+    assert await reader.info("r10") == ReplyInfo("r10", owner="k", context='[{"role": "user"}]')
+    await reader.delete("r10")  # from any replica
+    assert await producer.info("r10") is None
+    assert await reader.info("r10") is None
+    assert await reader.read("r10", 0, wait_s=0) is None

@@ -280,13 +280,15 @@ class RedisReplayStore:
 
     async def info(self, reply_id: str) -> ReplyInfo | None:
         local = await self._local.info(reply_id)
-        if local is not None:
-            return local
+        if local is not None and reply_id in self._live:
+            return local  # produced here and running: Redis has nothing newer
         try:
             meta = await self.redis.hgetall(self._key(reply_id, ":meta"))
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"{self.where}: {exc}") from exc
         if not meta:
+            if local is not None:  # deleted on another replica: this copy goes too
+                self._local.discard(reply_id)
             return None
         return ReplyInfo(
             reply_id, owner=_text(meta.get(b"owner")), context=_text(meta.get(b"context"))

@@ -63,6 +63,7 @@ from replystream.server.validation import parse_mapping, read_model
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
+LIVENESS_WAIT_S = 0.05  # how long reading a live response's object may wait on its store
 
 Messages = list[dict[str, str]]
 
@@ -102,11 +103,17 @@ async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     """The response object as its log tells it now."""
     try:
         result = await store.read(reply_id, 0, 0.0)
+        lost = False
+        if result is not None and result.ending is None and result.entries:
+            # Not ended: is its producer still there? (A store says so when a read finds
+            # nothing new; a short wait lets one remote read ask.)
+            after = await store.read(reply_id, result.entries[-1].seq, LIVENESS_WAIT_S)
+            lost = after is not None and after.producer_lost
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     response = None
     if result is not None:
-        response = response_from_log(result.entries, producer_lost=result.producer_lost)
+        response = response_from_log(result.entries, producer_lost=lost)
     if response is None:
         raise HTTPAPIError(
             404,

@@ -1,0 +1,97 @@
+"""Background responses across two replicas sharing one Redis, behind a real nginx.
+
+A background response started on one replica is read in pieces through nginx, each piece
+from wherever nginx sends it, resuming with ``starting_after``; and a replica killed while
+it produces one is reported on the other, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+from pathlib import Path
+
+import aiohttp
+
+from replystream.sse import EventParser
+from tests.processes import replica, start_server, stop
+from tests.redis_server import redis_server
+from tests.test_scale_out import cluster
+
+
+async def events_after(
+    http: aiohttp.ClientSession, url: str, response_id: str, after: int, take: int
+) -> list[tuple[int, str, dict[str, object]]]:
+    """Up to ``take`` events after ``after`` (then the connection is cut)."""
+    query = {"stream": "true", "starting_after": str(after)}
+    seen: list[tuple[int, str, dict[str, object]]] = []
+    parser = EventParser()
+    async with http.get(f"{url}/v1/responses/{response_id}", params=query) as response:
+        assert response.status == 200, await response.text()
+        async for chunk in response.content.iter_any():
+            for event in parser.feed(chunk):
+                data = json.loads(event.data)
+                seen.append((int(data["sequence_number"]), event.type, data))
+            if len(seen) >= take:
+                break
+    return seen[:take]
+
+
+async def test_100_cuts_of_a_background_response_resumed_on_either_replica(tmp_path: Path):
+    rng = random.Random(7)
+    async with cluster(tmp_path) as c, aiohttp.ClientSession() as http:
+        body = {"input": "x", "background": True}
+        async with http.post(f"{c.nginx}/v1/responses", json=body) as created:
+            response_id = (await created.json())["id"]
+        got: list[tuple[int, str, dict[str, object]]] = []
+        cuts = 0
+        while not got or got[-1][1] not in ("response.completed", "response.failed"):
+            after = got[-1][0] if got else 0
+            got += await events_after(http, c.nginx, response_id, after, rng.randint(1, 2))
+            cuts += 1
+        async with http.get(f"{c.replicas[1]}/v1/responses/{response_id}") as final:
+            whole = await final.json()
+    numbers = [number for number, _, _ in got]
+    assert numbers == list(range(1, len(got) + 1))  # every event exactly once, in order
+    assert cuts >= 100
+    text = "".join(str(data["delta"]) for _, kind, data in got if kind.endswith(".delta"))
+    assert whole["status"] == "completed"
+    assert text == whole["output"][0]["content"][0]["text"]
+    assert got[-1][2]["response"] == whole
+
+
+async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path):
+    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0")
+    with redis_server(tmp_path) as redis:
+        a_proc, a_url = await start_server(*slow, "--redis-url", redis.url)
+        try:
+            async with (
+                replica(*slow, "--redis-url", redis.url) as (_, b_url),
+                aiohttp.ClientSession() as http,
+            ):
+                body = {"input": "x", "background": True}
+                async with http.post(f"{a_url}/v1/responses", json=body) as created:
+                    response_id = (await created.json())["id"]
+                await asyncio.sleep(0.5)
+                a_proc.send_signal(signal.SIGKILL)
+                await a_proc.wait()
+                loop = asyncio.get_running_loop()
+                began = loop.time()
+                query = {"stream": "true"}
+                async with asyncio.timeout(15):
+                    async with http.get(
+                        f"{b_url}/v1/responses/{response_id}", params=query
+                    ) as stream:
+                        events = EventParser().feed(await stream.read())
+                    waited = loop.time() - began
+                    async with http.get(f"{b_url}/v1/responses/{response_id}") as final:
+                        failed = await final.json()
+        finally:
+            await stop(a_proc)
+    assert [e.type for e in events].count("response.output_text.delta") >= 3
+    last = json.loads(events[-1].data)
+    assert events[-1].type == "error" and last["error"]["code"] == "generator_lost"
+    assert (failed["status"], failed["error"]["code"]) == ("failed", "generator_lost")
+    assert waited < 10  # liveness expires after 3 s; never a hang
