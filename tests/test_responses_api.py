@@ -259,3 +259,19 @@ async def test_starting_after_out_of_range_or_not_a_number_is_a_400():
                 async with http.get(f"{url}/v1/responses/{done.id}", params=query) as response:
                     assert response.status == 400, value
                     assert (await response.json())["error"]["param"] == "starting_after"
+
+
+async def test_an_event_source_resumes_a_response_with_last_event_id():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        done = await client.responses.create(model="simulated", input="x", background=True)
+        await wait_for(lambda: engine.stats().finished == 1)
+        async with aiohttp.ClientSession() as http:
+            headers = {"Last-Event-ID": "5", "Accept": "text/event-stream"}
+            query = {"stream": "true"}
+            path = f"{url}/v1/responses/{done.id}"
+            async with http.get(path, params=query, headers=headers) as response:
+                events = EventParser().feed(await response.read())
+    numbers = [json.loads(event.data)["sequence_number"] for event in events]
+    assert numbers[0] == 6 and numbers == list(range(6, 6 + len(numbers)))
+    assert events[-1].type == "response.completed"

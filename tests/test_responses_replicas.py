@@ -91,7 +91,13 @@ async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path
         finally:
             await stop(a_proc)
     assert [e.type for e in events].count("response.output_text.delta") >= 3
-    last = json.loads(events[-1].data)
-    assert events[-1].type == "error" and last["error"]["code"] == "generator_lost"
+    # Decided by the reader, not in the log: OpenAI's error event, then response.failed.
+    error, failed_event = (json.loads(e.data) for e in events[-2:])
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert error["code"] == "generator_lost" and "gone" in error["message"]
+    assert failed_event["response"]["status"] == "failed"
+    assert failed_event["response"]["error"]["code"] == "generator_lost"
+    numbers = [json.loads(e.data)["sequence_number"] for e in events]
+    assert numbers == list(range(1, len(events) + 1))
     assert (failed["status"], failed["error"]["code"]) == ("failed", "generator_lost")
     assert waited < 10  # liveness expires after 3 s; never a hang

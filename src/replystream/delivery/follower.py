@@ -58,9 +58,10 @@ class FrameTransport(Protocol):
         """The wire bytes of log entries (SSE events, WebSocket messages)."""
         ...
 
-    def notice(self, event: str, data: str) -> bytes:
+    def notice(self, event: str, data: str, after: int) -> bytes:
         """The wire bytes of an unnumbered event the follower decides on (``error``,
-        ``gap``): never in the log, so a resume neither repeats nor misses one."""
+        ``gap``) after event ``after``: never in the log, so a resume neither repeats nor
+        misses one."""
         ...
 
     def keepalive(self) -> bytes | None:
@@ -331,9 +332,8 @@ class Follower:
                 write.cancel()
 
     def _notice(self, message: str, code: str) -> bytes:
-        return self.transport.notice(
-            "error", json.dumps({"error": {"message": message, "code": code}})
-        )
+        data = json.dumps({"error": {"message": message, "code": code}})
+        return self.transport.notice("error", data, self.cursor.after)
 
     async def run(self) -> None:
         """Open the transport, then follow the log to its end (or until cut).
@@ -410,7 +410,7 @@ class Follower:
         if result.lost is not None:
             first, last = result.lost
             gap = f'{{"lost_from": {first:d}, "lost_to": {last:d}}}'
-            await self._send(self.transport.notice("gap", gap), 1)
+            await self._send(self.transport.notice("gap", gap, self.cursor.after), 1)
         await self._send_entries(result.entries, last=result.ending is not None)
         if result.ending is not None:
             return "ended"

@@ -26,6 +26,10 @@ from replystream.sse import encode_comment, encode_data
 KEEPALIVE = encode_comment("keep-alive")
 
 Spec = tuple[str | None, str]  # (event type, None meaning "message"; data)
+# A dialect's own spelling of what a reader decides and the log never holds (an ``error``,
+# a ``gap``): the event and its data, and the number of the last event sent, in; the
+# events to send instead, out.
+Notices = Callable[[str, str, int], list[tuple[str, str]]]
 
 
 @dataclass(frozen=True, slots=True)

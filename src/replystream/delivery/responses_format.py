@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
+from replystream.delivery.formats import Notices, Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 
@@ -279,3 +279,33 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
         }
         created["output"] = [message_item]
     return created
+
+
+def reader_notices(reply_id: str) -> Notices:
+    """How a Responses stream spells what its reader decides (a slow client, a lost
+    producer, a store that cannot be reached): an ``error`` event in OpenAI's shape, then
+    ``response.failed``, numbered on from the last event sent (they are not in the log)."""
+
+    def notices(event: str, data: str, after: int) -> list[tuple[str, str]]:
+        if event != "error":
+            return [(event, data)]
+        error = json.loads(data)["error"]
+        code, message = error["code"], error["message"]
+        failed = {
+            "id": response_id(reply_id),
+            "object": "response",
+            "status": "failed",
+            "error": {"code": code, "message": message},
+            "output": [],
+        }
+        error_event = {
+            "type": "error",
+            "sequence_number": after + 1,
+            "code": code,
+            "message": message,
+            "param": None,
+        }
+        failed_event = {"type": "response.failed", "sequence_number": after + 2, "response": failed}
+        return [("error", _dumps(error_event)), ("response.failed", _dumps(failed_event))]
+
+    return notices

@@ -19,7 +19,14 @@ from typing import Any
 from aiohttp import web
 
 from replystream.delivery.follower import Follower, FrameTransport, KeepaliveClock
-from replystream.delivery.formats import KEEPALIVE, LabFormat, NativeFormat, StreamFormat, Usage
+from replystream.delivery.formats import (
+    KEEPALIVE,
+    LabFormat,
+    NativeFormat,
+    Notices,
+    StreamFormat,
+    Usage,
+)
 from replystream.delivery.moderation import Violation
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
@@ -170,6 +177,7 @@ def follow_reply(
     after: int = 0,
     keepalive: bytes = KEEPALIVE,
     numbered: bool = True,
+    notices: Notices | None = None,
 ) -> EventStream:
     """The response that streams a reply's log to this connection as SSE, from after event
     ``after``; the handler returns it, and aiohttp sends it after the handler has returned."""
@@ -182,7 +190,9 @@ def follow_reply(
         policy=policy,
         reply=reply,
         after=after,
-        transport=SSETransport(request, response, numbered=numbered, keepalive=keepalive),
+        transport=SSETransport(
+            request, response, numbered=numbered, keepalive=keepalive, notices=notices
+        ),
     )
     return response
 

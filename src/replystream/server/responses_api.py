@@ -34,6 +34,7 @@ from replystream.delivery.replay import ReplayStore, StoreUnavailable
 from replystream.delivery.responses_format import (
     ResponseSettings,
     ResponsesStreamFormat,
+    reader_notices,
     reply_id_of,
     response_from_log,
     response_object,
@@ -223,6 +224,7 @@ def _follow(request: web.Request, reply: Reply, policy: DeliveryPolicy) -> web.S
         policy=policy,
         reply=reply,
         keepalive=SDK_KEEPALIVE,
+        notices=reader_notices(reply.reply_id),
     )
 
 
@@ -311,6 +313,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
         reply=local,
         after=after,
         keepalive=SDK_KEEPALIVE,
+        notices=reader_notices(reply_id),
     )
 
 

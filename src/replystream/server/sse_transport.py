@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from replystream.delivery.follower import Ending, Follower
-from replystream.delivery.formats import KEEPALIVE
+from replystream.delivery.formats import KEEPALIVE, Notices
 from replystream.delivery.replay import LogEntry
 from replystream.server.front_door import SentLater
 from replystream.server.socket_room import SocketRoom
@@ -64,7 +64,15 @@ class EventStream(SentLater):
 class SSETransport(SocketRoom):
     """One HTTP/1.1 response carrying a reply's events (the follower's ``FrameTransport``)."""
 
-    __slots__ = ("_body_ended", "_chunked", "_keepalive", "_numbered", "request", "response")
+    __slots__ = (
+        "_body_ended",
+        "_chunked",
+        "_keepalive",
+        "_notices",
+        "_numbered",
+        "request",
+        "response",
+    )
 
     def __init__(
         self,
@@ -73,6 +81,7 @@ class SSETransport(SocketRoom):
         *,
         numbered: bool = True,
         keepalive: bytes = KEEPALIVE,
+        notices: Notices | None = None,
     ) -> None:
         # No socket to write to until the headers left (None: no body may be written).
         super().__init__(None, request.protocol)
@@ -80,6 +89,7 @@ class SSETransport(SocketRoom):
         self.response = response
         self._numbered = numbered
         self._keepalive = keepalive  # the idle frame (dialects may need another spelling)
+        self._notices = notices  # the dialect's spelling of the follower's notices
         self._chunked = False
         self._body_ended = False  # the body's last chunk is written: nothing may follow it
 
@@ -89,8 +99,11 @@ class SSETransport(SocketRoom):
             return sse_event(entries[0], numbered)
         return b"".join(sse_event(entry, numbered) for entry in entries)
 
-    def notice(self, event: str, data: str) -> bytes:
-        return encode_data(data, type=event)
+    def notice(self, event: str, data: str, after: int) -> bytes:
+        if self._notices is None:
+            return encode_data(data, type=event)
+        specs = self._notices(event, data, after)
+        return b"".join(encode_data(spec_data, type=kind) for kind, spec_data in specs)
 
     def keepalive(self) -> bytes:
         return self._keepalive

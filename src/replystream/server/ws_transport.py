@@ -73,7 +73,7 @@ class WebSocketTransport(SocketRoom):
             self._message(e.event, f',"seq":{e.seq:d},"data":{e.data}') for e in entries
         )
 
-    def notice(self, event: str, data: str) -> bytes:
+    def notice(self, event: str, data: str, after: int) -> bytes:
         return self._message(event, f',"data":{data}')
 
     def keepalive(self) -> None:
