@@ -55,12 +55,13 @@ from replystream.server.openai_api import SDK_KEEPALIVE, served_model
 from replystream.server.openai_requests import model_not_found
 from replystream.server.replies import Reply
 from replystream.server.schemas import (
+    Conversation,
     ResponsesBody,
     ResumeCursor,
     RetrieveQuery,
     SamplingFields,
 )
-from replystream.server.validation import parse_mapping, read_model
+from replystream.server.validation import parse_json, parse_mapping, read_model
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
@@ -134,7 +135,10 @@ async def _history(request: web.Request, previous: str) -> Messages:
     response = await _read_response(store, reply_id)
     if response["status"] in ("queued", "in_progress"):
         raise bad("previous_response_id", f"response {previous} has not finished yet")
-    history: Messages = json.loads(info.context) if info is not None and info.context else []
+    history: Messages = []
+    if info is not None and info.context:
+        kept = parse_json(info.context, Conversation, what="stored conversation")
+        history = [turn.model_dump() for turn in kept.messages]
     text = "".join(
         part["text"]
         for item in response["output"]
@@ -206,7 +210,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         policy=policy,
         resumable=True,
         disconnect="keep" if body.background else "cancel",
-        context=json.dumps(conversation),
+        context=json.dumps({"messages": conversation}),
     )
     if body.stream:
         return _follow(request, reply, policy)

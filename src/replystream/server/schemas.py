@@ -474,3 +474,16 @@ class RetrieveQuery(Query):
 
     stream: Annotated[bool, _flag("stream")] = False
     starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None
+
+
+class Turn(Strict):
+    """One message of a stored conversation (what a Responses request sent, as chat)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+
+
+class Conversation(Strict):
+    """What a stored response keeps in ``ReplyInfo.context``: its conversation so far."""
+
+    messages: list[Turn]
