@@ -52,7 +52,9 @@ class Answer:
         """The API's error object; fails the test if the body is not in that shape."""
         assert self.content_type == "application/json", (self.status, self.body[:200])
         payload = json.loads(self.body)
-        assert set(payload) == {"error"}, payload
+        # Anthropic's shape on its route: the same object, under a "type": "error" envelope.
+        assert set(payload) in ({"error"}, {"type", "error"}), payload
+        assert payload.get("type", "error") == "error", payload
         error = payload["error"]
         assert set(error) == ERROR_KEYS, error
         assert isinstance(error["message"], str) and error["message"]

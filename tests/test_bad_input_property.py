@@ -168,6 +168,31 @@ RESPONSES_FIELDS = [
     "replystream.unknown",
     "unknown_field",
 ]
+MESSAGES_FIELDS = [
+    "",
+    "model",
+    "max_tokens",
+    "messages",
+    "messages[0]",
+    "messages[0].role",
+    "messages[0].content",
+    "messages[0].content[0]",
+    "messages[0].content[0].type",
+    "messages[0].content[0].text",
+    "system",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "metadata",
+    "metadata.user_id",
+    "tools",
+    "tool_choice",
+    "replystream",
+    "replystream.batch_tokens",
+    "unknown_field",
+]
 SOCKET_FIELDS = ["", "type", "id", *NATIVE_FIELDS[1:]]
 CANCEL_FIELDS = ["", "type", "id", "unknown"]
 
@@ -186,6 +211,9 @@ def base_body(route: str, path: str) -> dict[str, Any]:
         return {"messages": [copy.deepcopy(MESSAGE)], "max_tokens": 2, "stream": True}
     if route == "/v1/completions":
         return {"prompt": ["hi"], "max_tokens": 2, "stream": True}
+    if route == "/v1/messages":
+        message = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+        return {"model": "simulated", "max_tokens": 2, "messages": [message], "stream": True}
     if route == "/v1/responses":
         message = {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}
         return {"input": [message], "max_output_tokens": 2, "stream": True}
@@ -246,6 +274,7 @@ def body_cases(route: str, fields: list[str]) -> st.SearchStrategy[tuple[str, st
         ("/v1/chat/completions", CHAT_FIELDS),
         ("/v1/completions", COMPLETION_FIELDS),
         ("/v1/responses", RESPONSES_FIELDS),
+        ("/v1/messages", MESSAGES_FIELDS),
     ],
 )
 def test_random_json_in_any_body_field_is_a_4xx_in_our_format_or_a_reply(
@@ -266,7 +295,8 @@ raw_bytes = st.binary(max_size=64) | st.sampled_from(
 
 
 @pytest.mark.parametrize(
-    "route", ["/v1/replies", "/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    "route",
+    ["/v1/replies", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"],
 )
 def test_random_bytes_as_a_body_are_a_400_in_our_format(server: LoggedServer, route: str) -> None:
     @settings(SETTINGS, max_examples=40)

@@ -44,6 +44,7 @@ from replystream.engine.base import (
     GenerationRequest,
     SamplingParams,
 )
+from replystream.server.anthropic_api import add_anthropic_routes
 from replystream.server.auth import api_key_check
 from replystream.server.context import (
     CONFIG_KEY,
@@ -286,6 +287,7 @@ def create_app(
     add_page_routes(app)
     add_openai_routes(app)
     add_responses_routes(app)
+    add_anthropic_routes(app)
     add_websocket_route(app)
     add_state_gauges(app)
 

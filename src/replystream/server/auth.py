@@ -1,7 +1,8 @@
 """Bearer-token API keys: who may call ``/v1/*``, and whose replies a caller may touch.
 
 This file decides:
-- Every ``/v1/*`` route needs ``Authorization: Bearer <key>`` once keys are configured;
+- Every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (or ``x-api-key``, as
+  Anthropic's clients send it) once keys are configured;
   ``/healthz``, ``/metrics`` and the static pages do not. A missing or wrong key is a 401 in
   the API's error shape (``authentication_error`` / ``invalid_api_key``) with
   ``WWW-Authenticate: Bearer``.
@@ -116,6 +117,8 @@ def api_key_check(keys: Sequence[str]) -> Callable[[web.Request], web.Response |
         if not (path == "/v1" or path.startswith("/v1/")):
             return None
         token = bearer_token(request)
+        if token is None:  # Anthropic's clients send their key this way
+            token = request.headers.get("x-api-key")
         if token is None and request.method == "GET" and RESUME_PATH.match(path):
             token = request.query.get("api_key")
         if token is None and request.method == "GET" and path == WEBSOCKET_PATH:

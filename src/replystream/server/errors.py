@@ -1,8 +1,11 @@
-"""The one error shape every replystream endpoint answers with.
+"""The error shape every replystream endpoint answers with.
 
 Errors before a response starts are HTTP statuses with a JSON body
 ``{"error": {"message", "type", "param", "code"}}`` (the shape OpenAI-compatible clients read).
-Errors after a stream started are in-band events built from the same fields.
+Errors after a stream started are in-band events built from the same fields. The Anthropic
+route (``/v1/messages``) answers the same errors in Anthropic's shape,
+``{"type": "error", "error": {"type", "message"}}`` (with our ``code`` and ``param`` beside
+them): ``in_route_shape`` rewrites any error response of ours for it, whoever made it.
 """
 
 from __future__ import annotations
@@ -35,12 +38,41 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Where an error response keeps its fields, to be written in another route's shape.
+API_ERROR = web.ResponseKey("api_error", tuple)
+ANTHROPIC_PATHS = ("/v1/messages",)
+_KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id")
+
+
 def error_response(
     status: int, message: str, *, code: str, param: str | None = None
 ) -> web.Response:
     """An HTTP error in the API's own format."""
     body = json.dumps(error_body(message, code=code, status=status, param=param))
-    return web.Response(status=status, text=body, content_type="application/json")
+    response = web.Response(status=status, text=body, content_type="application/json")
+    response[API_ERROR] = (message, code, param)
+    return response
+
+
+def in_route_shape(path: str, response: web.StreamResponse) -> web.StreamResponse:
+    """An error response of ours in the shape the route's clients read."""
+    fields = response.get(API_ERROR)
+    if fields is None or not path.startswith(ANTHROPIC_PATHS):
+        return response
+    message, code, param = fields
+    kind = error_body(message, code=code, status=response.status)["error"]["type"]
+    error = {"type": kind, "message": message, "code": code, "param": param}
+    reshaped = web.Response(
+        status=response.status,
+        text=json.dumps({"type": "error", "error": error}),
+        content_type="application/json",
+    )
+    for name in _KEPT_HEADERS:
+        if name in response.headers:
+            reshaped.headers[name] = response.headers[name]
+    if not response.keep_alive and response.keep_alive is not None:
+        reshaped.force_close()
+    return reshaped
 
 
 class HTTPAPIError(Exception):

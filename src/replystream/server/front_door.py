@@ -24,7 +24,7 @@ from functools import partial
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from replystream.server.errors import HTTPAPIError, error_response
+from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
 from replystream.server.guard import (
     LIMITED_PREFIXES,
     ClientGate,
@@ -115,6 +115,7 @@ def front_door(door: FrontDoor) -> Middleware:
                         response = AbandonedResponse()
                     else:
                         response = error_answer(request, exc, door.max_body_bytes)
+                response = in_route_shape(request.path, response)
                 compress_if_worthwhile(request, response, door.gzip_min_bytes)
             status = response.status
             if isinstance(response, SentLater):

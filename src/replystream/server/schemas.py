@@ -487,3 +487,66 @@ class Conversation(Strict):
     """What a stored response keeps in ``ReplyInfo.context``: its conversation so far."""
 
     messages: list[Turn]
+
+
+class AnthropicText(Strict):
+    """A text content block of an Anthropic message (the only kind this server reads)."""
+
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint: nothing to cache here
+
+
+AnthropicContent = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[AnthropicText], Tag("<parts>")],
+    Discriminator(
+        _content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of text blocks",
+    ),
+]
+
+
+class AnthropicMessage(Strict):
+    role: Literal["user", "assistant"]
+    content: AnthropicContent
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(block.text for block in self.content)
+
+
+class AnthropicMetadata(Strict):
+    user_id: str | None = None
+
+
+class MessagesBody(Strict):
+    """``POST /v1/messages`` (Anthropic's Messages API)."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {"tools": "unsupported_parameter"}
+
+    model: str
+    max_tokens: TokenCount
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: AnthropicContent | None = None
+    temperature: Probability | None = None  # Anthropic's range is 0 to 1
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    stop_sequences: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None
+    ) = None
+    stream: bool = False
+    metadata: AnthropicMetadata | None = None
+    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    tool_choice: (
+        Annotated[dict[str, Any], only({"type": "none"}, '{"type": "none"}; no tools here')] | None
+    ) = None
+    replystream: ResponsesExtensions | None = None
+
+    @property
+    def system_text(self) -> str:
+        if self.system is None or isinstance(self.system, str):
+            return self.system or ""
+        return "".join(block.text for block in self.system)

@@ -1,0 +1,123 @@
+"""The Anthropic Messages dialect: a message's stream events, and the whole message.
+
+This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte for byte:
+- A streamed message is ``event: <type>`` with a ``data:`` object whose ``type`` matches:
+  ``message_start`` (the message, empty, with the input tokens), ``content_block_start`` of
+  block 0 (text), one ``content_block_delta`` (``text_delta``) per piece of text,
+  ``content_block_stop``, ``message_delta`` (the stop reason and the output tokens), then
+  ``message_stop``. An error after the first byte is ``event: error`` with Anthropic's error
+  object, and the stream then never ends with ``message_stop``. Every event keeps our event
+  id (``id:``), so a message can be resumed, which Anthropic itself does not offer.
+- The same message whole, not streamed, is the ``message`` object.
+Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``refusal`` (a check
+stopped the text). A format object serves one message. It must not know about sockets,
+tasks or stores.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
+from replystream.delivery.moderation import Violation
+
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+def message_id(reply_id: str) -> str:
+    return "msg_" + reply_id
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def message_object(
+    reply_id: str,
+    model: str,
+    *,
+    text: str | None,
+    stop_reason: str | None,
+    input_tokens: int,
+    output_tokens: int,
+) -> dict[str, Any]:
+    """The ``message`` object (whole, or empty as ``message_start`` carries it)."""
+    return {
+        "id": message_id(reply_id),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [] if text is None else [{"type": "text", "text": text}],
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+    }
+
+
+def error_object(message: str, code: str, kind: str = "api_error") -> dict[str, Any]:
+    """Anthropic's error object (``type``, ``message``), with our code beside them."""
+    return {"type": "error", "error": {"type": kind, "message": message, "code": code}}
+
+
+@dataclass(slots=True)
+class AnthropicStreamFormat:
+    """The events of one streamed message (a ``StreamFormat``)."""
+
+    model: str
+    input_tokens: int
+    _tokens: int = 0
+    _text: list[str] = field(default_factory=list)
+
+    def started(self, reply_id: str) -> list[Spec]:
+        empty = message_object(
+            reply_id,
+            self.model,
+            text=None,
+            stop_reason=None,
+            input_tokens=self.input_tokens,
+            output_tokens=0,
+        )
+        block = {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "text", "text": ""},
+        }
+        return [
+            ("message_start", _dumps({"type": "message_start", "message": empty})),
+            ("content_block_start", _dumps(block)),
+        ]
+
+    def text(self, text: str, tokens: int) -> Spec:
+        self._tokens += tokens
+        # Spelt out: one per piece of text, the event every message sends most.
+        return (
+            "content_block_delta",
+            '{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+            + json_string(text)
+            + "}}",
+        )
+
+    def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:
+        tokens = self._tokens if usage is None else usage.completion_tokens
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": None, **extra},
+            "usage": {"output_tokens": tokens},
+        }
+        return [
+            ("content_block_stop", _dumps({"type": "content_block_stop", "index": 0})),
+            ("message_delta", _dumps(delta)),
+            ("message_stop", '{"type":"message_stop"}'),
+        ]
+
+    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+        return self._ending(STOP_REASONS.get(finish_reason, "end_turn"), usage)
+
+    def error(self, message: str, code: str) -> list[Spec]:
+        return [("error", _dumps(error_object(message, code)))]
+
+    def moderated(self, violation: Violation) -> list[Spec]:
+        return self._ending("refusal", None, replystream_moderation=moderated_payload(violation))

@@ -1,0 +1,142 @@
+"""``POST /v1/messages``: Anthropic's Messages API, streamed or whole.
+
+A streamed message is an ordinary reply (``start_reply`` + ``follow_reply``) in the Anthropic
+dialect (``delivery.anthropic_format``), so batching, hold-back moderation, the slow-client
+limits and cancellation hold as on every route; its keep-alive is Anthropic's ``ping`` event,
+and its events keep our ids, so ``GET /v1/replies/{id}/stream`` resumes it after any of them
+(``X-Reply-Id`` names it). ``stream: false`` collects it whole. ``system`` and ``messages``
+become the same chat messages the other routes pass on; ``anthropic-version`` is accepted
+whatever it says (this route follows the current version). Errors are in Anthropic's shape
+(``errors.in_route_shape``). This file turns requests into replies; it must not know how
+tokens are made or how events are framed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from replystream.delivery.anthropic_format import (
+    PING,
+    STOP_REASONS,
+    AnthropicStreamFormat,
+    message_object,
+)
+from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.moderation import Violation
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine.base import GenerationRequest
+from replystream.server import ids
+from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_reply, start_reply
+from replystream.server.native import bad, delivery_overrides, sampling_params
+from replystream.server.openai_api import served_model
+from replystream.server.openai_requests import model_not_found
+from replystream.server.schemas import MessagesBody, SamplingFields
+from replystream.server.validation import read_model
+
+
+def _sampling(body: MessagesBody) -> SamplingFields:
+    extensions = body.replystream
+    fields: dict[str, Any] = {} if extensions is None else extensions.model_dump(exclude_none=True)
+    if body.stop_sequences:
+        fields["stop"] = tuple(body.stop_sequences)
+    if body.top_k is not None:
+        fields["top_k"] = body.top_k
+    return SamplingFields(temperature=body.temperature, top_p=body.top_p, **fields)
+
+
+def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
+    messages: list[dict[str, str]] = []
+    if body.system_text:
+        messages.append({"role": "system", "content": body.system_text})
+    messages.extend({"role": m.role, "content": m.text} for m in body.messages)
+    prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    if len(prompt) > max_prompt_chars:
+        raise bad(
+            "messages",
+            f"the prompt is {len(prompt)} characters; this server's limit is {max_prompt_chars}",
+            "context_length_exceeded",
+        )
+    return GenerationRequest(
+        prompt, sampling_params(_sampling(body), body.max_tokens), tuple(messages)
+    )
+
+
+async def handle_messages(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/messages``: a message streamed as Anthropic's events, or one object."""
+    app = request.app
+    config = app[CONFIG_KEY]
+    body = await read_model(request, MessagesBody)
+    model = served_model(app)
+    if body.model != model:
+        raise model_not_found(body.model)
+    generation = _generation(body, config.max_prompt_chars)
+    policy = delivery_overrides(_sampling(body), config.policy)
+    input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
+    if not body.stream:
+        return await _whole(request, generation, model, input_tokens, policy)
+    reply = await start_reply(
+        request,
+        generation,
+        endpoint="/v1/messages",
+        fmt=AnthropicStreamFormat(model, input_tokens),
+        policy=policy,
+        resumable=None,  # the server's default, as on the other routes
+    )
+    return follow_reply(
+        request,
+        reply_id=reply.reply_id,
+        store=reply.store,
+        policy=policy,
+        reply=reply,
+        keepalive=PING,
+    )
+
+
+async def _whole(
+    request: web.Request,
+    generation: GenerationRequest,
+    model: str,
+    input_tokens: int,
+    policy: DeliveryPolicy,
+) -> web.StreamResponse:
+    reply_id = ids.reply_id()
+
+    def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        return message_object(
+            reply_id,
+            model,
+            text=text,
+            stop_reason=STOP_REASONS.get(finish_reason, "end_turn"),
+            input_tokens=input_tokens,
+            output_tokens=usage.completion_tokens,
+        )
+
+    def moderated(text: str, violation: Violation) -> dict[str, Any]:
+        message = message_object(
+            reply_id,
+            model,
+            text=text,
+            stop_reason="refusal",
+            input_tokens=input_tokens,
+            output_tokens=0,  # the tokens made are not all shown; no count would be honest
+        )
+        message["replystream_moderation"] = moderated_payload(violation)
+        return message
+
+    response = await buffered(
+        request,
+        generation,
+        endpoint="/v1/messages",
+        policy=policy,
+        body=body,
+        moderated_body=moderated,
+    )
+    response.headers["X-Reply-Id"] = reply_id
+    return response
+
+
+def add_anthropic_routes(app: web.Application) -> None:
+    """Register Anthropic's Messages API on ``app``."""
+    app.router.add_post("/v1/messages", handle_messages)

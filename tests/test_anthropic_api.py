@@ -1,0 +1,140 @@
+"""``POST /v1/messages`` with the official anthropic SDK, unchanged, and over raw SSE."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import anthropic
+import pytest
+
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
+from replystream.sse import EventParser
+from tests.conftest import fast_engine
+
+REPLY = "one two three four five six seven eight nine ten"
+ASK = {
+    "model": "simulated",
+    "max_tokens": 64,
+    "system": "be brief",
+    "messages": [{"role": "user", "content": "count"}],
+}
+
+
+def sdk(url: str, key: str = "unused") -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=url, api_key=key, max_retries=0)
+
+
+async def test_the_stream_and_its_final_message_equal_the_whole_message():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.messages.create(**ASK)  # type: ignore[call-overload]
+        async with client.messages.stream(**ASK) as stream:  # type: ignore[arg-type]
+            text = "".join([piece async for piece in stream.text_stream])
+            final = await stream.get_final_message()
+    assert whole.content[0].type == "text"
+    assert whole.content[0].text == text == REPLY + " "
+    assert (whole.stop_reason, final.stop_reason) == ("end_turn", "end_turn")
+    assert [block.text for block in final.content if block.type == "text"] == [text]
+    input_tokens = engine.count_tokens("system: be brief\nuser: count")
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (input_tokens, 10)
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (input_tokens, 10)
+
+
+async def test_events_come_in_anthropic_order_each_with_an_id_to_resume_from():
+    engine = fast_engine(reply_text=REPLY)
+    body = {**ASK, "max_tokens": 3, "stream": True}
+    app = create_app(engine, ServerConfig(resumable_by_default=True))
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/messages", json=body) as response:
+            reply_id = response.headers["X-Reply-Id"]
+            events = EventParser().feed(await response.read())
+        headers = {"Last-Event-ID": "3"}
+        async with http.get(f"{url}/v1/replies/{reply_id}/stream", headers=headers) as again:
+            rest = EventParser().feed(await again.read())
+    kinds = [event.type for event in events]
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        *["content_block_delta"] * 3,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    for event in events:
+        assert json.loads(event.data)["type"] == event.type
+    start = json.loads(events[0].data)["message"]
+    assert start["usage"]["input_tokens"] > 0 and start["content"] == []
+    delta = json.loads(events[-2].data)
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 3
+    assert [int(e.id or 0) for e in events] == list(range(1, len(events) + 1))
+    assert [(e.type, e.data) for e in rest] == [(e.type, e.data) for e in events[3:]]
+
+
+async def test_an_engine_failure_mid_stream_is_anthropics_error_event():
+    engine = fast_engine(reply_text=REPLY, fail_after=3)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            async with client.messages.stream(**ASK) as stream:  # type: ignore[arg-type]
+                async for _ in stream:
+                    pass
+    assert "generation_failed" in str(raised.value.body) or "failed" in str(raised.value)
+
+
+async def test_an_idle_stream_is_kept_alive_with_ping_events():
+    engine = fast_engine(reply_text=REPLY, first_token_ms=700.0, delay_ms=1.0, jitter_ms=0.0)
+    policy = DeliveryPolicy(keepalive_s=0.2)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        async with aiohttp.ClientSession() as http:
+            body = {**ASK, "max_tokens": 2, "stream": True}
+            async with http.post(f"{url}/v1/messages", json=body) as response:
+                events = EventParser().feed(await response.read())
+        async with sdk(url) as client:
+            whole = await client.messages.create(**{**ASK, "max_tokens": 2})  # type: ignore[call-overload]
+    pings = [e for e in events if e.type == "ping"]
+    assert pings and all(json.loads(e.data) == {"type": "ping"} for e in pings)
+    assert events[-1].type == "message_stop"
+    assert whole.content[0].type == "text"
+
+
+async def test_keys_are_read_from_x_api_key_and_errors_are_the_sdks_own_classes():
+    app = create_app(fast_engine(reply_text=REPLY), ServerConfig(api_keys=("key-a",)))
+    async with running(app) as url:
+        async with sdk(url, "key-a") as good, sdk(url, "wrong") as bad:
+            assert (await good.messages.create(**ASK)).stop_reason == "end_turn"  # type: ignore[call-overload]
+            with pytest.raises(anthropic.AuthenticationError):
+                await bad.messages.create(**ASK)  # type: ignore[call-overload]
+            with pytest.raises(anthropic.NotFoundError) as missing:
+                await good.messages.create(**{**ASK, "model": "other"})  # type: ignore[call-overload]
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await good.messages.create(  # type: ignore[call-overload]
+                    **ASK, tools=[{"name": "f", "input_schema": {"type": "object"}}]
+                )
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    error = refused.value.body["error"]  # type: ignore[index]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "tools")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "simulated", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        ({**ASK, "messages": []}, "messages"),
+        ({**ASK, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({**ASK, "temperature": 1.5}, "temperature"),
+        ({**ASK, "stop_sequences": [""]}, "stop_sequences[0]"),
+        ({**ASK, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
+    ],
+)
+async def test_bad_requests_are_400s_in_anthropics_shape_naming_the_field(body, param):
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/messages", json=body) as response:
+            answer = await response.json()
+            assert response.status == 400, answer
+    assert answer["type"] == "error"
+    assert answer["error"]["type"] == "invalid_request_error"
+    if param is not None:
+        assert answer["error"]["param"] == param
