@@ -22,11 +22,14 @@ import pytest
 from aiohttp import web
 
 from replystream.cli import main
+from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.lab.benchstats import SLO, summarize
-from replystream.lab.load import LoadConfig, run_load
+from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.local_server import local_server
-from replystream.lab.workload import Lengths, arrival_offsets, build_request, detect_api
+from replystream.lab.profiles import Profile, arrival_offsets
+from replystream.lab.sweep import constant_rates
+from replystream.lab.workload import Lengths, build_request, detect_api
 from replystream.server import running
 from tests.conftest import serve_engine
 from tests.services import free_port
@@ -41,7 +44,9 @@ async def scheduled_server() -> AsyncIterator[str]:
 
 
 async def test_closed_loop_recovers_the_simulated_schedule(scheduled_server):
-    config = LoadConfig(url=f"{scheduled_server}/stream", api="lab", concurrency=2, requests=6)
+    config = LoadConfig(
+        url=f"{scheduled_server}/stream", api="lab", profile=Profile("concurrent", 2), requests=6
+    )
     summary = summarize(await run_load(config))
     assert summary["counts"]["complete"] == 6
     assert 219.0 <= summary["ttft_ms"]["p50"] <= 270.0  # configured: 200 + 20
@@ -116,8 +121,7 @@ async def test_open_loop_issues_on_schedule_while_replies_are_in_flight():
         config = LoadConfig(
             url=f"{url}/stream",
             api="lab",
-            concurrency=None,
-            rate=40.0,
+            profile=Profile("poisson", rate=40.0),
             requests=12,
             output_tokens=Lengths.parse("uniform:5:15", minimum=1),
             seed=3,
@@ -137,7 +141,7 @@ async def test_duration_bounds_issuing_and_every_issued_request_finishes():
         config = LoadConfig(
             url=f"{url}/stream?max_tokens=10",
             api="lab",
-            concurrency=2,
+            profile=Profile("concurrent", 2),
             requests=None,
             duration_s=0.5,
         )
@@ -170,7 +174,7 @@ async def test_goodput_counts_only_requests_within_every_slo():
     assert loose["goodput"]["good_requests"] == 4
     assert strict["goodput"]["good_requests"] == 0
     with pytest.raises(ValueError, match="metric must be one of"):
-        SLO.parse("itl:5")
+        SLO.parse("queue:5")
 
 
 async def test_native_replies_endpoint_counts_tokens_per_event():
@@ -236,7 +240,40 @@ def test_lab_requests_keep_the_urls_own_query():
     "argv",
     [
         ["bench", "https://example.com/stream"],
-        ["bench", "http://127.0.0.1:1/stream", "--slo", "itl:5"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "queue=5"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=0"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5,ttft=6"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5", "ttft:6"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo-share", "1.5"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "constant"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "concurrent"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "synchronous", "--rate", "5"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "poisson", "--concurrency", "2"],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--rate",
+            "3",
+            "--profile",
+            "constant",
+            "--burstiness",
+            "2",
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "sweep"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "throughput", "--duration", "2"],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--profile",
+            "throughput",
+            "--requests",
+            "4",
+            "--warmup-s",
+            "1",
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--sweep-steps", "3"],
+        ["bench", "http://127.0.0.1:1/stream", "--duration", "1", "--warmup-s", "2"],
+        ["bench", "http://127.0.0.1:1/stream", "--steady-bound", "0"],
         ["bench", "http://127.0.0.1:1/stream", "--output-tokens", "uniform:9:3"],
         ["doctor", "ftp://example.com/stream"],
     ],
@@ -249,3 +286,141 @@ def test_usage_errors_exit_2_before_sending_anything(argv, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"replystream {argv[0]}:") and err.count("\n") == 1
+
+
+# A capacity the schedule states: every reply takes 20 ms before its first token and then 20
+# tokens 4 ms apart (100 ms), and the server admits 4 open requests per client (more get 429),
+# so it completes at most 4 / 0.1 s = 40 requests per second.
+CAPACITY_SCHEDULE = [
+    "--first-token-ms",
+    "20",
+    "--delay-ms",
+    "4",
+    "--jitter-ms",
+    "0",
+    "--tokens",
+    "20",
+    "--max-concurrent-per-client",
+    "4",
+]
+CAPACITY_PER_S = 4 / 0.100
+
+
+async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
+    out = tmp_path / "sweep.json"
+    async with local_server(CAPACITY_SCHEDULE) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream", "--quiet"),
+            *("--profile", "sweep", "--requests", "16", "--sweep-steps", "4"),
+            *("--slo", "ttft=60,itl=30,e2el=300", "--slo-share", "0.9"),
+            *("--json", str(out), "--plot", str(tmp_path / "plots")),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await process.communicate()
+        # Above the capacity, the 429s are counted against goodput: it does not hold.
+        over = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            profile=Profile("constant", rate=1.5 * CAPACITY_PER_S),
+            requests=24,
+        )
+        slo = SLO.parse_list("ttft=60,itl=30,e2el=300")
+        overload = summarize(await run_load(over), slo, slo_share=0.9)
+    assert process.returncode == 0, stderr.decode()
+    assert "Knee:" in stdout.decode() and "(knee)" in stdout.decode()
+    result = await asyncio.to_thread(lambda: json.loads(out.read_text()))
+    sweep = result["sweep"]
+    profiles = [run["profile"] for run in result["runs"]]
+    assert profiles == ["synchronous", "throughput", *["constant"] * 4]
+    # One request at a time takes 100 ms (plus overhead): about 10 per second.
+    assert 7.0 <= sweep["synchronous_rate"] <= 10.0
+    # Every request at once: the 4 admitted finish together, the rest are refused.
+    assert 0.7 * CAPACITY_PER_S <= sweep["max_throughput_rate"] <= CAPACITY_PER_S
+    rates = sweep["rates"]
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(sweep["max_throughput_rate"])
+    # The knee is the top rate (just under the capacity) or, when a late timer let a fifth
+    # request overlap there, the one below: within one sweep step of the capacity's rate.
+    assert rates[-1] - sweep["step"] - 1e-9 <= sweep["knee_rate"] <= CAPACITY_PER_S
+    # The schedule is recovered from the synchronous run: TTFT 20 + 4 ms, ITL 4 ms,
+    # E2EL 20 + 20 x 4 ms (timers fire late, never early).
+    synchronous = result["runs"][0]["summary"]
+    assert 24.0 <= synchronous["ttft_ms"]["p50"] <= 30.0
+    assert 3.0 <= synchronous["itl_ms"]["p50"] <= 5.0
+    assert 100.0 <= synchronous["e2el_ms"]["p50"] <= 108.0
+    assert synchronous["goodput"]["held"] and synchronous["counts"]["failed"] == 0
+    assert not overload["goodput"]["held"]
+    assert overload["goodput"]["share_of_requests"] < 0.85
+    assert any("429" in reason for reason in overload["counts"]["failed_reasons"])
+    png = await asyncio.to_thread((tmp_path / "plots" / "sweep_latency.png").read_bytes)
+    assert png.startswith(b"\x89PNG")
+
+
+async def test_warmup_window_keeps_early_requests_out_of_every_figure():
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=5",
+            api="lab",
+            profile=Profile("constant", rate=20.0),
+            requests=None,
+            duration_s=1.0,
+        )
+        run = await run_load(config)
+    summary = summarize(run, warmup_s=0.5)
+    early = [r for r in summary["requests"] if r["start_s"] < 0.5]
+    assert len(early) >= 8 and all(r["warmup"] for r in early)
+    measured = len(run.records) - len(early)
+    assert summary["counts"]["warmup_requests"] == len(early)
+    assert summary["counts"]["requests"] == summary["ttft_ms"]["count"] == measured
+    assert summary["throughput"]["output_tokens"] == 5 * measured
+
+
+def _record(index: int, start_s: float, ttft_ms: float) -> RequestRecord:
+    events = tuple(ttft_ms + 10.0 * i for i in range(5))
+    timing = ReplyTiming(
+        url="http://h/stream",
+        streamed=True,
+        complete=True,
+        error=None,
+        status=200,
+        headers_ms=1.0,
+        first_byte_ms=ttft_ms,
+        first_text_ms=ttft_ms,
+        last_text_ms=events[-1],
+        closed_ms=events[-1] + 1.0,
+        body_bytes=100,
+        text="a b c d e",
+        tokens=5,
+        text_event_ms=events,
+    )
+    return RequestRecord(index, start_s, 0, None, timing)
+
+
+def test_steady_state_marks_a_run_whose_second_half_slowed_down():
+    config = LoadConfig(url="http://h/stream", api="lab", requests=8)
+    flat = LoadRun(config, tuple(_record(i, 0.1 * i, 50.0) for i in range(8)), 1.0, 0.1)
+    # A queue that grows: each request waits 40 ms longer than the one before.
+    growing = LoadRun(config, tuple(_record(i, 0.1 * i, 50.0 + 40 * i) for i in range(8)), 1.0, 0.1)
+    assert summarize(flat)["steady_state"]["steady"] is True
+    judged = summarize(growing, steady_bound=0.5)["steady_state"]
+    assert judged["steady"] is False
+    assert judged["change"]["ttft_ms"]["first_half_p50"] == pytest.approx(110.0)
+    assert judged["change"]["ttft_ms"]["second_half_p50"] == pytest.approx(270.0)
+    assert summarize(growing, steady_bound=2.0)["steady_state"]["steady"] is True
+    too_few = LoadRun(config, (_record(0, 0.0, 50.0), _record(1, 0.5, 50.0)), 1.0, 0.1)
+    assert summarize(too_few)["steady_state"]["steady"] is None
+
+
+def test_profiles_pace_their_arrivals():
+    constant = Profile("constant", rate=4.0).arrivals(seed=0)
+    assert [next(constant) for _ in range(4)] == [0.0, 0.25, 0.5, 0.75]
+    burst = Profile("throughput").arrivals(seed=0)
+    assert [next(burst) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert Profile.synchronous().in_flight == 1 and Profile("concurrent", 3).in_flight == 3
+    with pytest.raises(ValueError, match="closed loop"):
+        Profile("concurrent", 3).arrivals(seed=0)
+
+
+def test_sweep_rates_are_evenly_spaced_up_to_the_maximum():
+    assert constant_rates(2.0, 10.0, 4) == [4.0, 6.0, 8.0, 10.0]
+    assert constant_rates(5.0, 5.0, 4) == []

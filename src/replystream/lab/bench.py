@@ -1,9 +1,9 @@
 """``replystream bench URL``: load any streaming endpoint and report TTFT, TPOT, ITL and E2EL.
 
-This file decides the command line and the order of work (run the load with a progress bar,
-summarize, then print, write JSON and plots). Sending is ``load``, the definitions are
-``benchstats``, the table is ``bench_report``, the plots are ``bench_plots``; this file must not
-compute a metric itself.
+This file decides the command line and the order of work (run the load, or a sweep of loads,
+with a progress bar, summarize, then print, write JSON and plots). Sending is ``load``, pacing
+is ``profiles``, the sweep's order is ``sweep``, the definitions are ``benchstats``, the table is
+``bench_report``, the plots are ``bench_plots``; this file must not compute a metric itself.
 """
 
 from __future__ import annotations
@@ -12,26 +12,55 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from replystream.cli_values import (
+    Checker,
+    float_at_least,
     http_url,
+    non_negative_float,
     non_negative_int,
     output_file,
     output_folder,
     positive_float,
     positive_int,
 )
-from replystream.lab.bench_plots import plot_all
-from replystream.lab.bench_report import render
+from replystream.lab.bench_plots import plot_all, plot_sweep
+from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
+from replystream.lab.profiles import PROFILE_KINDS, Profile
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
+from replystream.lab.sweep import SweepConfig, run_sweep
 from replystream.lab.workload import APIS, Lengths, detect_api
+
+
+def _slo_list(text: str) -> tuple[SLO, ...]:
+    try:
+        return SLO.parse_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# One --slo value: METRIC=MS pairs separated by commas.
+slo_list = Checker("METRIC=MS[,METRIC=MS...] (ttft, tpot, itl, e2el)", _slo_list)
+_share = float_at_least(0.0, strict=True, note="a share of requests, at most 1")
+
+
+def _share_at_most_one(text: str) -> float:
+    value = _share(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"want {_share.wants}, got {text}")
+    return value
+
+
+share = Checker(_share.wants, _share_at_most_one)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,22 +75,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="request shape (auto: from the URL path)",
     )
+    parser.add_argument(
+        "--profile",
+        choices=[*PROFILE_KINDS, "sweep"],
+        help="pacing: synchronous, concurrent (--concurrency), throughput (all at once), "
+        "constant or poisson (--rate), sweep (synchronous to saturation, finds the knee); "
+        "default: poisson with --rate, concurrent with --concurrency, else synchronous",
+    )
     loop = parser.add_mutually_exclusive_group()
     loop.add_argument(
-        "--concurrency", type=positive_int, help="closed loop: requests in flight (default 1)"
+        "--concurrency", type=positive_int, help="concurrent profile: requests in flight"
     )
-    loop.add_argument("--rate", type=positive_float, help="open loop: mean arrivals per second")
+    loop.add_argument(
+        "--rate", type=positive_float, help="constant or poisson profile: requests per second"
+    )
     parser.add_argument(
         "--burstiness",
         type=positive_float,
         default=1.0,
-        help="open loop: gamma shape of the gaps (1: Poisson, <1 burstier, >1 more regular)",
+        help="poisson profile: gamma shape of the gaps (1: Poisson, <1 burstier, >1 more regular)",
     )
     parser.add_argument(
-        "--requests", type=positive_int, help="requests to send (default 10 without --duration)"
+        "--requests",
+        type=positive_int,
+        help="requests per run (default 10 without --duration; sweep and throughput need it)",
     )
     parser.add_argument(
-        "--duration", type=positive_float, help="stop sending new requests after S s"
+        "--duration", type=positive_float, help="per run: stop sending new requests after S s"
+    )
+    parser.add_argument(
+        "--warmup-s",
+        type=non_negative_float,
+        default=0.0,
+        help="per run: requests sent in the first S s are kept in the JSON but left out of "
+        "every figure",
+    )
+    parser.add_argument(
+        "--steady-bound",
+        type=positive_float,
+        default=0.5,
+        help="a run is unsteady when its second half's median TTFT or E2EL differs from its "
+        "first half's by more than this share",
+    )
+    parser.add_argument(
+        "--sweep-steps",
+        type=positive_int,
+        help="sweep profile: constant rates between the synchronous rate and the maximum "
+        "(default 5)",
     )
     parser.add_argument(
         "--prompt-words",
@@ -85,9 +145,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo",
         nargs="+",
+        type=slo_list,
         default=[],
-        metavar="METRIC:MS",
-        help="goodput bounds, e.g. ttft:200 tpot:50 (metrics: ttft, tpot, e2el)",
+        metavar="METRIC=MS[,...]",
+        help="goodput bounds, e.g. ttft=200,itl=50,e2el=3000 (metrics: ttft, tpot, itl: "
+        "every gap, e2el; METRIC:MS is read too)",
+    )
+    parser.add_argument(
+        "--slo-share",
+        type=share,
+        default=0.95,
+        help="goodput holds when at least this share of requests meets every --slo",
     )
     parser.add_argument(
         "--no-warmup", action="store_true", help="do not send one unrecorded request first"
@@ -99,24 +167,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def profile_from_args(args: argparse.Namespace) -> Profile | None:
+    """The profile of one run the options ask for (None for a sweep); raises ValueError
+    naming the flag that does not fit the profile."""
+    kind = args.profile
+    if kind is None:
+        kind = "synchronous"
+        if args.rate is not None:
+            kind = "poisson"
+        elif args.concurrency is not None:
+            kind = "concurrent"
+    wants_rate = kind in ("constant", "poisson")
+    if args.rate is not None and not wants_rate:
+        raise ValueError(f"--rate paces the constant and poisson profiles, not {kind}")
+    if args.rate is None and wants_rate:
+        raise ValueError(f"--profile {kind} needs --rate")
+    if args.concurrency is not None and kind != "concurrent":
+        raise ValueError(f"--concurrency sets the concurrent profile, not {kind}")
+    if args.concurrency is None and kind == "concurrent":
+        raise ValueError("--profile concurrent needs --concurrency")
+    if args.burstiness != 1.0 and kind != "poisson":
+        raise ValueError(f"--burstiness shapes the poisson profile's gaps, not {kind}'s")
+    if args.sweep_steps is not None and kind != "sweep":
+        raise ValueError(f"--sweep-steps sets the sweep profile, not {kind}")
+    if kind in ("sweep", "throughput") and args.requests is None:
+        raise ValueError(
+            f"--profile {kind} sends a burst of every request at once: give --requests"
+        )
+    if kind == "throughput" and args.warmup_s:
+        raise ValueError("--warmup-s: the throughput profile sends every request at once")
+    if args.duration is not None and args.warmup_s >= args.duration:
+        raise ValueError("--warmup-s must be shorter than --duration")
+    if kind == "sweep":
+        return None
+    return Profile(kind, concurrency=args.concurrency, rate=args.rate, burstiness=args.burstiness)
+
+
 def config_from_args(
     args: argparse.Namespace, model: str | None = None
-) -> tuple[LoadConfig, tuple[SLO, ...]]:
-    """The load and the SLOs the options ask for (``model``: the one the server lists, when
-    ``--model`` named none); raises ValueError for bad values."""
-    closed = 1 if args.concurrency is None else args.concurrency
+) -> tuple[LoadConfig, SweepConfig]:
+    """The load (its profile the first run's, for a sweep) and how runs are judged, from
+    the options (``model``: the one the server lists, when ``--model`` named none); raises
+    ValueError for bad values."""
+    profile = profile_from_args(args)
     requests = args.requests
     if requests is None and args.duration is None:
         requests = 10
     api = detect_api(args.url) if args.api == "auto" else args.api
     if args.model is not None and api != "openai":
         raise ValueError(f"--model names the model of an OpenAI request; the {api} API has none")
+    slos = tuple(slo for group in args.slo for slo in group)
+    names = [slo.metric for slo in slos]
+    if len(set(names)) != len(names):
+        raise ValueError("--slo: each metric may be bounded once")
     config = LoadConfig(
         url=args.url,
         api=api,
-        concurrency=None if args.rate is not None else closed,
-        rate=args.rate,
-        burstiness=args.burstiness,
+        profile=profile or Profile.synchronous(),
         requests=requests,
         duration_s=args.duration,
         prompt_words=Lengths.parse(args.prompt_words, minimum=0),
@@ -126,13 +233,20 @@ def config_from_args(
         timeout_s=args.timeout,
         warmup=not args.no_warmup,
     )
-    return config, tuple(SLO.parse(text) for text in args.slo)
+    sweep = SweepConfig(
+        steps=args.sweep_steps or 5,
+        slos=slos,
+        slo_share=args.slo_share,
+        warmup_s=args.warmup_s,
+        steady_bound=args.steady_bound,
+    )
+    return config, sweep
 
 
 async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
     total = config.requests
     with Progress(
-        TextColumn("[bold]bench[/]"),
+        TextColumn(f"[bold]bench[/] {config.profile.kind}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[failed]} not complete"),
@@ -154,25 +268,39 @@ async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config, slos = config_from_args(args)
+        config, sweep = config_from_args(args)
         if config.api == "openai" and args.model is None:
-            config, slos = config_from_args(args, asyncio.run(served_model(args.url)))
+            config, sweep = config_from_args(args, asyncio.run(served_model(args.url)))
     except ValueError as exc:
         print(f"replystream bench: {exc}", file=sys.stderr)
         return 2
     except ModelLookupError as exc:
         print(f"replystream bench: {exc}", file=sys.stderr)
         return 1
-    load_run = asyncio.run(_run(config, quiet=args.quiet))
-    summary: dict[str, Any] = summarize(load_run, slos)
     console = report_console()
-    render(summary, console)
+    plot: Callable[[dict[str, Any], Path], list[Path]]
+    if args.profile == "sweep":
+        result = asyncio.run(run_sweep(config, sweep, lambda c: _run(c, quiet=args.quiet)))
+        render_sweep(result, console)
+        plot = plot_sweep
+        code = 0 if result["sweep"]["knee_rate"] is not None else 1
+    else:
+        result = summarize(
+            asyncio.run(_run(config, quiet=args.quiet)),
+            sweep.slos,
+            warmup_s=sweep.warmup_s,
+            slo_share=sweep.slo_share,
+            steady_bound=sweep.steady_bound,
+        )
+        render(result, console)
+        plot = plot_all
+        counts = result["counts"]
+        code = 0 if counts["complete"] == counts["requests"] else 1
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
         console.print(f"Wrote {args.json}.", highlight=False)
     if args.plot:
-        paths = plot_all(summary, args.plot)
+        paths = plot(result, args.plot)
         console.print(f"Wrote {', '.join(str(p) for p in paths)}.", highlight=False)
-    counts = summary["counts"]
-    return 0 if counts["complete"] == counts["requests"] else 1
+    return code

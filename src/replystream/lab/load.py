@@ -1,7 +1,7 @@
-"""Drive an endpoint with a closed or an open loop and keep every reply's timing.
+"""Drive an endpoint with one profile's closed or open loop and keep every reply's timing.
 
-This file decides when requests are issued: a closed loop keeps ``concurrency`` requests in
-flight (a finished request starts the next); an open loop issues requests at gamma-distributed
+This file issues the requests a ``Profile`` paces: a closed loop keeps ``in_flight`` requests
+in flight (a finished request starts the next); an open loop issues requests at the profile's
 arrival times whatever is still in flight, so a slow server meets a growing queue as it would
 in production. ``requests`` or ``duration_s`` bounds how many are issued; every issued request
 is awaited. It also measures the load client's own CPU use (process CPU time over wall time),
@@ -18,19 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replystream.client import ReplyTiming, measure_reply
-from replystream.lab.workload import Api, Lengths, arrival_offsets, build_request, prompt_of
+from replystream.lab.profiles import Profile
+from replystream.lab.workload import Api, Lengths, build_request, prompt_of
 
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    """One load run. Exactly one of ``concurrency`` and ``rate`` is set, and at least one of
-    ``requests`` and ``duration_s``; ``output_tokens=None`` lets the server pick reply length."""
+    """One load run, paced by ``profile``, bounded by ``requests``, ``duration_s`` or both
+    (a throughput run, which issues everything at once, needs ``requests``);
+    ``output_tokens=None`` lets the server pick reply length."""
 
     url: str
     api: Api
-    concurrency: int | None = 1
-    rate: float | None = None
-    burstiness: float = 1.0
+    profile: Profile = field(default_factory=Profile.synchronous)
     requests: int | None = 10
     duration_s: float | None = None
     prompt_words: Lengths = field(default_factory=lambda: Lengths("fixed", 0))
@@ -41,24 +41,18 @@ class LoadConfig:
     warmup: bool = True
 
     def __post_init__(self) -> None:
-        if (self.concurrency is None) == (self.rate is None):
-            raise ValueError("give exactly one of concurrency (closed loop) and rate (open loop)")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
         if self.requests is None and self.duration_s is None:
             raise ValueError("give requests, duration_s or both")
+        if self.requests is None and self.profile.kind == "throughput":
+            raise ValueError("the throughput profile issues every request at once: give requests")
         if self.requests is not None and self.requests < 1:
             raise ValueError("requests must be at least 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("duration_s must be positive")
-        if self.burstiness <= 0 or (self.rate is not None and self.rate <= 0):
-            raise ValueError("rate and burstiness must be positive")
 
     @property
     def mode(self) -> str:
-        if self.rate is not None:
-            return f"open loop, {self.rate:g} req/s, gamma k={self.burstiness:g}"
-        return f"closed loop, concurrency {self.concurrency}"
+        return self.profile.describe()
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,17 +121,17 @@ async def run_load(
             on_done(record)
 
     async with asyncio.TaskGroup() as group:
-        if config.concurrency is not None:
+        in_flight = config.profile.in_flight
+        if in_flight is not None:
 
             async def worker() -> None:
                 while (index := issuer.take()) is not None:
                     await send(index)
 
-            for _ in range(config.concurrency):
+            for _ in range(in_flight):
                 group.create_task(worker())
         else:
-            assert config.rate is not None
-            for offset in arrival_offsets(config.rate, config.burstiness, config.seed):
+            for offset in config.profile.arrivals(config.seed):
                 index = issuer.take(started + offset)
                 if index is None:
                     break

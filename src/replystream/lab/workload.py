@@ -1,9 +1,9 @@
-"""What a load run sends and when: request shapes per API, length distributions, arrival times.
+"""What a load run sends: request shapes per API and length distributions.
 
 This file decides the wire shape of one benchmark request for each API replystream can drive
 (the lab's ``GET /stream``, the native ``POST /v1/replies`` and OpenAI-compatible
-``POST .../chat/completions`` or ``.../completions``), how prompt and output lengths are drawn,
-and when requests arrive in an open loop. It is pure: no sockets and no clocks, and it must not
+``POST .../chat/completions`` or ``.../completions``), and how prompt and output lengths are drawn
+(when requests arrive is ``profiles``). It is pure: no sockets and no clocks, and it must not
 know how replies are read or timed.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -117,19 +116,3 @@ class Lengths:
         if self.kind == "fixed":
             return f"{self.a:g}"
         return f"{self.kind}:{self.a:g}:{self.b:g}"
-
-
-def arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float]:
-    """Seconds from the start at which each request of an open loop arrives, forever.
-
-    Gaps are gamma distributed with shape ``burstiness`` (k) and mean ``1 / rate``: k = 1 is a
-    Poisson process, k < 1 burstier (clumps and lulls), k > 1 more regular.
-    """
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be positive")
-    rng = random.Random(seed)
-    scale = 1.0 / (rate * burstiness)
-    at = 0.0
-    while True:
-        yield at
-        at += rng.gammavariate(burstiness, scale)
