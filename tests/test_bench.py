@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import statistics
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +28,7 @@ from replystream.cli import main
 from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.lab.benchstats import SLO, summarize
+from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.local_server import local_server
 from replystream.lab.profiles import Profile, arrival_offsets
@@ -34,6 +38,7 @@ from replystream.server import running
 from tests.conftest import serve_engine
 from tests.services import free_port
 
+WORKLOADS = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads"
 SCHEDULE = ["--first-token-ms", "200", "--delay-ms", "20", "--jitter-ms", "0", "--tokens", "30"]
 
 
@@ -274,6 +279,35 @@ def test_lab_requests_keep_the_urls_own_query():
         ["bench", "http://127.0.0.1:1/stream", "--sweep-steps", "3"],
         ["bench", "http://127.0.0.1:1/stream", "--duration", "1", "--warmup-s", "2"],
         ["bench", "http://127.0.0.1:1/stream", "--steady-bound", "0"],
+        ["bench", "http://127.0.0.1:1/stream", "--prompt-words", "hist:/nonexistent.hist"],
+        ["bench", "http://127.0.0.1:1/stream", "--dataset", "/nonexistent.jsonl"],
+        ["bench", "http://127.0.0.1:1/stream", "--dataset", str(WORKLOADS / "trace.jsonl")],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--dataset",
+            str(WORKLOADS / "prompts.jsonl"),
+            "--prompt-words",
+            "5",
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--trace", str(WORKLOADS / "prompts.jsonl")],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--trace",
+            str(WORKLOADS / "trace.jsonl"),
+            "--rate",
+            "5",
+        ],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--trace",
+            str(WORKLOADS / "trace.jsonl"),
+            "--dataset",
+            str(WORKLOADS / "prompts.jsonl"),
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
         ["bench", "http://127.0.0.1:1/stream", "--output-tokens", "uniform:9:3"],
         ["doctor", "ftp://example.com/stream"],
     ],
@@ -424,3 +458,96 @@ def test_profiles_pace_their_arrivals():
 def test_sweep_rates_are_evenly_spaced_up_to_the_maximum():
     assert constant_rates(2.0, 10.0, 4) == [4.0, 6.0, 8.0, 10.0]
     assert constant_rates(5.0, 5.0, 4) == []
+
+
+def test_histogram_lengths_are_drawn_in_proportion_to_their_weights(tmp_path):
+    hist = tmp_path / "lengths.hist"
+    hist.write_text("# length weight\n10 3\n100, 1\n\n500 0\n")
+    lengths = Lengths.parse(f"hist:{hist}")
+    rng = random.Random(0)
+    drawn = Counter(lengths.draw(rng) for _ in range(4000))
+    assert set(drawn) == {10, 100}
+    assert drawn[10] / 4000 == pytest.approx(0.75, abs=0.03)
+    shipped = Lengths.parse(f"hist:{WORKLOADS / 'prompt_words.hist'}")
+    assert shipped.values == (8, 16, 32, 64, 128, 512, 1024)
+    hist.write_text("10 3\nten 1\n")
+    with pytest.raises(ValueError, match="line 2"):
+        Lengths.parse(f"hist:{hist}")
+
+
+def test_datasets_read_prompts_sharegpt_and_messages_with_their_reply_lengths():
+    plain = read_dataset(WORKLOADS / "prompts.jsonl")
+    assert len(plain) == 5 and plain[0].output_tokens == 60 and plain[3].output_tokens is None
+    shared = read_dataset(WORKLOADS / "sharegpt.jsonl")
+    assert [p.text for p in shared] == [
+        "How do I stream a reply from a web server?",
+        "What is a token?",
+        "Why does nginx buffer responses?",
+    ]
+    # The reply that follows the first user turn gives the length asked for, in words.
+    assert [p.output_tokens for p in shared] == [23, 11, 20]
+
+
+async def test_dataset_prompts_and_a_shared_system_prompt_reach_a_chat_endpoint():
+    bodies: list[dict[str, Any]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": "ok"}}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    async with running(app) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/chat/completions",
+            api="openai",
+            profile=Profile("concurrent", 2),
+            requests=12,
+            model="m",
+            prompts=read_dataset(WORKLOADS / "sharegpt.jsonl"),
+            system_words=6,
+            warmup=False,
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 12
+    system = {"role": "system", "content": "you are a helpful assistant answer"}
+    asked = {(b["messages"][1]["content"], b["max_tokens"]) for b in bodies}
+    assert all(b["messages"][0] == system for b in bodies)
+    assert asked <= {
+        ("How do I stream a reply from a web server?", 23),
+        ("What is a token?", 11),
+        ("Why does nginx buffer responses?", 20),
+    }
+    assert len(asked) >= 2  # drawn per request from the seed, not one prompt over and over
+
+
+def test_a_system_prompt_leads_the_text_of_apis_without_messages():
+    spec = build_request(
+        "native", "http://h/v1/replies", prompt="hi", max_tokens=3, model="x", system="be brief"
+    )
+    assert spec.json_body == {"prompt": "be brief\n\nhi", "max_tokens": 3}
+
+
+async def test_trace_replays_its_arrival_times_and_lengths():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))
+    times, prompts = read_trace(WORKLOADS / "trace.jsonl")
+    assert times == pytest.approx((0.0, 0.05, 0.12, 0.30, 0.31, 0.50))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            profile=Profile("trace", times=times),
+            requests=len(times),
+            prompts=prompts,
+            prompts_in_order=True,
+        )
+        run = await run_load(config)
+    assert [r.timing.tokens for r in run.records] == [8, 16, 4, 12, 6, 10]
+    assert [r.prompt_words for r in run.records] == [12, 40, 5, 100, 8, 20]
+    for record, at in zip(run.records, times, strict=True):
+        # Sent at the recorded time: never early, and late only by a timer's slack.
+        assert at - 0.002 <= record.start_s <= at + 0.05

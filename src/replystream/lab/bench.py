@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,16 +29,20 @@ from replystream.cli_values import (
     output_folder,
     positive_float,
     positive_int,
+    readable_file,
 )
 from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import SLO, summarize
+from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.profiles import PROFILE_KINDS, Profile
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.sweep import SweepConfig, run_sweep
-from replystream.lab.workload import APIS, Lengths, detect_api
+from replystream.lab.workload import APIS, Lengths, Prompt, detect_api
+
+T = TypeVar("T")
 
 
 def _slo_list(text: str) -> tuple[SLO, ...]:
@@ -114,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steady-bound",
         type=positive_float,
         default=0.5,
-        help="a run is unsteady when its second half's median TTFT or E2EL differs from its "
+        help="a run is unsteady when its second half's median TTFT or TPOT differs from its "
         "first half's by more than this share",
     )
     parser.add_argument(
@@ -125,12 +129,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prompt-words",
-        default="0",
-        help="prompt length in words: N, uniform:LO:HI or normal:MEAN:SD",
+        help="prompt length in words: N, uniform:LO:HI, normal:MEAN:SD or hist:FILE (lines of "
+        "LENGTH WEIGHT) (default 0)",
     )
     parser.add_argument(
         "--output-tokens",
-        help="max_tokens per request: N, uniform:LO:HI or normal:MEAN:SD (default: server's)",
+        help="max_tokens per request: N, uniform:LO:HI, normal:MEAN:SD or hist:FILE "
+        "(default: the dataset's or trace's, else the server's)",
+    )
+    parser.add_argument(
+        "--dataset",
+        type=readable_file,
+        metavar="FILE",
+        help="prompts to draw from: JSONL (or a JSON array) of {prompt, output_tokens}, "
+        "ShareGPT conversations or chat messages",
+    )
+    parser.add_argument(
+        "--trace",
+        type=readable_file,
+        metavar="FILE",
+        help="replay a trace: JSONL of {timestamp, prompt_words, output_tokens}, sent at "
+        "the recorded times (the trace profile)",
+    )
+    parser.add_argument(
+        "--system-prompt-words",
+        type=non_negative_int,
+        default=0,
+        help="a system prompt of N words every request shares (a common prefix)",
     )
     parser.add_argument(
         "--model",
@@ -167,10 +192,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def profile_from_args(args: argparse.Namespace) -> Profile | None:
-    """The profile of one run the options ask for (None for a sweep); raises ValueError
-    naming the flag that does not fit the profile."""
+def profile_from_args(
+    args: argparse.Namespace, trace_times: tuple[float, ...] = ()
+) -> Profile | None:
+    """The profile of one run the options ask for (None for a sweep; the trace profile when
+    ``trace_times`` are given); raises ValueError naming the flag that does not fit."""
     kind = args.profile
+    if trace_times:
+        for flag, value in (
+            ("--profile", args.profile),
+            ("--rate", args.rate),
+            ("--concurrency", args.concurrency),
+            ("--sweep-steps", args.sweep_steps),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag}: a --trace replays its own arrival times")
+        if args.burstiness != 1.0:
+            raise ValueError("--burstiness: a --trace replays its own arrival times")
+        if args.duration is not None and args.warmup_s >= args.duration:
+            raise ValueError("--warmup-s must be shorter than --duration")
+        return Profile("trace", times=trace_times)
     if kind is None:
         kind = "synchronous"
         if args.rate is not None:
@@ -203,14 +244,35 @@ def profile_from_args(args: argparse.Namespace) -> Profile | None:
     return Profile(kind, concurrency=args.concurrency, rate=args.rate, burstiness=args.burstiness)
 
 
+def _read(flag: str, read: Callable[[], T]) -> T:
+    """``read()``, its ValueError prefixed with the flag whose value it read."""
+    try:
+        return read()
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def config_from_args(
     args: argparse.Namespace, model: str | None = None
 ) -> tuple[LoadConfig, SweepConfig]:
     """The load (its profile the first run's, for a sweep) and how runs are judged, from
     the options (``model``: the one the server lists, when ``--model`` named none); raises
     ValueError for bad values."""
-    profile = profile_from_args(args)
+    trace_times: tuple[float, ...] = ()
+    prompts: tuple[Prompt, ...] = ()
+    if args.trace is not None:
+        for flag, value in (("--dataset", args.dataset), ("--prompt-words", args.prompt_words)):
+            if value is not None:
+                raise ValueError(f"{flag}: a --trace gives each request's prompt length")
+        trace_times, prompts = _read("--trace", lambda: read_trace(args.trace))
+    elif args.dataset is not None:
+        if args.prompt_words is not None:
+            raise ValueError("--prompt-words: the --dataset gives the prompts")
+        prompts = _read("--dataset", lambda: read_dataset(args.dataset))
+    profile = profile_from_args(args, trace_times)
     requests = args.requests
+    if args.trace is not None:
+        requests = min(requests or len(trace_times), len(trace_times))
     if requests is None and args.duration is None:
         requests = 10
     api = detect_api(args.url) if args.api == "auto" else args.api
@@ -226,8 +288,15 @@ def config_from_args(
         profile=profile or Profile.synchronous(),
         requests=requests,
         duration_s=args.duration,
-        prompt_words=Lengths.parse(args.prompt_words, minimum=0),
-        output_tokens=Lengths.parse(args.output_tokens, minimum=1) if args.output_tokens else None,
+        prompt_words=_read(
+            "--prompt-words", lambda: Lengths.parse(args.prompt_words or "0", minimum=0)
+        ),
+        output_tokens=_read("--output-tokens", lambda: Lengths.parse(args.output_tokens, minimum=1))
+        if args.output_tokens
+        else None,
+        prompts=prompts,
+        prompts_in_order=args.trace is not None,
+        system_words=args.system_prompt_words,
         model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,

@@ -16,7 +16,7 @@ Percentiles are linear interpolation between closest ranks (``replystream.stats.
 Only complete replies (explicit end marker) contribute timings; the rest are counted with reasons.
 Requests sent inside the warm-up window (the run's first ``warmup_s``) are kept in the JSON,
 marked, and left out of every figure. The steady-state check compares the medians of TTFT and
-E2EL of the measured window's second half with its first half.
+TPOT (neither grows with reply length) of the measured window's second half with its first.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from replystream.stats import distribution, percentile
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "first_byte_ms", "first_chunk_ms")
 # The per-request value each goodput bound limits; itl limits a request's largest gap.
 SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "max_itl_ms", "e2el": "e2el_ms"}
-STEADY_METRICS = ("ttft_ms", "e2el_ms")
+# Per-request figures that do not grow with reply length, so a mixed workload is judged fairly.
+STEADY_METRICS = ("ttft_ms", "tpot_ms")
 
 DEFINITIONS = {
     "ttft_ms": "request sent -> first parsed non-empty text",
@@ -125,7 +126,7 @@ def _outcome(record: RequestRecord) -> str:
 
 def steady_state(done: list[dict[str, Any]], window_start_s: float, bound: float) -> dict[str, Any]:
     """Whether the measured window's second half kept to its first: the medians of TTFT and
-    E2EL may change by at most ``bound`` (a share of the first half's). ``steady`` is None
+    TPOT may change by at most ``bound`` (a share of the first half's). ``steady`` is None
     when either half has fewer than 2 complete requests."""
     result: dict[str, Any] = {"bound": bound, "steady": None, "change": {}}
     if not done:
@@ -139,7 +140,10 @@ def steady_state(done: list[dict[str, Any]], window_start_s: float, bound: float
         return result
     steady = True
     for name in STEADY_METRICS:
-        first, second = (percentile([m[name] for m in h], 50) for h in halves)
+        values = [[m[name] for m in h if m[name] is not None] for h in halves]
+        if not all(values):
+            continue
+        first, second = (percentile(v, 50) for v in values)
         change = (second - first) / first if first > 0 else 0.0
         result["change"][name] = {"first_half_p50": first, "second_half_p50": second}
         result["change"][name]["change"] = change
@@ -230,6 +234,8 @@ def summarize(
         "duration_s": config.duration_s,
         "prompt_words": config.prompt_words.describe(),
         "output_tokens": config.output_tokens.describe() if config.output_tokens else None,
+        "dataset_prompts": len(config.prompts),
+        "system_prompt_words": config.system_words,
         "seed": config.seed,
     }
     result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"

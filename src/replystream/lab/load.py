@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.profiles import Profile
-from replystream.lab.workload import Api, Lengths, build_request, prompt_of
+from replystream.lab.workload import Api, Lengths, Prompt, build_request, plan, system_prompt_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,11 @@ class LoadConfig:
     duration_s: float | None = None
     prompt_words: Lengths = field(default_factory=lambda: Lengths("fixed", 0))
     output_tokens: Lengths | None = None
+    # Prompts from a dataset or a trace (then prompt_words is not used); a trace's are sent
+    # in order, request i the trace's i-th.
+    prompts: tuple[Prompt, ...] = ()
+    prompts_in_order: bool = False
+    system_words: int = 0  # a system prompt of this many words that every request shares
     model: str = "default"
     seed: int = 0
     timeout_s: float = 300.0
@@ -49,6 +54,10 @@ class LoadConfig:
             raise ValueError("requests must be at least 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("duration_s must be positive")
+        if self.system_words < 0:
+            raise ValueError("system_words must be >= 0")
+        if self.prompts_in_order and not self.prompts:
+            raise ValueError("prompts_in_order needs prompts")
 
     @property
     def mode(self) -> str:
@@ -148,13 +157,24 @@ async def run_load(
 async def _one(config: LoadConfig, index: int, started: float) -> RequestRecord:
     # Lengths are drawn per index, so a request's shape does not depend on completion order.
     rng = random.Random(f"{config.seed}:{index}")
-    words = config.prompt_words.draw(rng)
-    max_tokens = config.output_tokens.draw(rng) if config.output_tokens else None
+    planned = plan(
+        max(index, 0),
+        rng,
+        prompt_words=config.prompt_words,
+        output_tokens=config.output_tokens,
+        prompts=config.prompts,
+        in_order=config.prompts_in_order,
+    )
     spec = build_request(
-        config.api, config.url, prompt=prompt_of(words), max_tokens=max_tokens, model=config.model
+        config.api,
+        config.url,
+        prompt=planned.prompt,
+        max_tokens=planned.max_tokens,
+        model=config.model,
+        system=system_prompt_of(config.system_words),
     )
     sent = time.perf_counter()
     timing = await measure_reply(
         spec.url, method=spec.method, json_body=spec.json_body, timeout_s=config.timeout_s
     )
-    return RequestRecord(index, sent - started, words, max_tokens, timing)
+    return RequestRecord(index, sent - started, planned.words, planned.max_tokens, timing)

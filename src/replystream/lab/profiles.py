@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-ProfileKind = Literal["synchronous", "concurrent", "throughput", "constant", "poisson"]
+ProfileKind = Literal["synchronous", "concurrent", "throughput", "constant", "poisson", "trace"]
 PROFILE_KINDS: tuple[ProfileKind, ...] = (
     "synchronous",
     "concurrent",
@@ -34,13 +34,15 @@ class Profile:
     - ``throughput``: every request issued at once (an open loop with all arrivals at 0), so
       the server's own limits decide how fast they finish;
     - ``constant``: ``rate`` requests per second, evenly spaced (an open loop);
-    - ``poisson``: ``rate`` per second with gamma gaps of shape ``burstiness`` (1: Poisson).
+    - ``poisson``: ``rate`` per second with gamma gaps of shape ``burstiness`` (1: Poisson);
+    - ``trace``: at the recorded ``times`` (seconds from the start, in order), then no more.
     """
 
     kind: ProfileKind
     concurrency: int | None = None
     rate: float | None = None
     burstiness: float = 1.0
+    times: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind == "concurrent":
@@ -57,6 +59,10 @@ class Profile:
             raise ValueError("burstiness must be positive")
         if self.burstiness != 1.0 and self.kind != "poisson":
             raise ValueError("burstiness shapes the poisson profile's gaps only")
+        if (self.kind == "trace") != bool(self.times):
+            raise ValueError("the trace profile, and only it, replays recorded times")
+        if any(b < a for a, b in itertools.pairwise(self.times)) or min(self.times, default=0) < 0:
+            raise ValueError("a trace's times must be >= 0 and in order")
 
     @classmethod
     def synchronous(cls) -> Profile:
@@ -76,6 +82,8 @@ class Profile:
         """
         if self.kind == "throughput":
             return itertools.repeat(0.0)
+        if self.kind == "trace":
+            return iter(self.times)
         if self.rate is None:
             raise ValueError(f"the {self.kind} profile is a closed loop: it has no arrivals")
         if self.kind == "constant":
@@ -90,6 +98,8 @@ class Profile:
             return f"concurrent (closed loop, {self.concurrency} in flight)"
         if self.kind == "throughput":
             return "throughput (every request at once)"
+        if self.kind == "trace":
+            return f"trace (open loop, {len(self.times)} recorded arrivals)"
         if self.kind == "constant":
             return f"constant (open loop, {self.rate:g} req/s evenly spaced)"
         return f"poisson (open loop, {self.rate:g} req/s, gamma k={self.burstiness:g})"
