@@ -33,7 +33,7 @@ from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.local_server import local_server
 from replystream.lab.profiles import Profile, arrival_offsets
 from replystream.lab.sweep import constant_rates
-from replystream.lab.workload import Lengths, build_request, detect_api
+from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
 from replystream.server import running
 from tests.conftest import serve_engine
 from tests.services import free_port
@@ -308,6 +308,15 @@ def test_lab_requests_keep_the_urls_own_query():
             str(WORKLOADS / "prompts.jsonl"),
         ],
         ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
+        ["bench", "http://127.0.0.1:1/stream", "--turns", "0"],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--trace",
+            str(WORKLOADS / "trace.jsonl"),
+            "--turns",
+            "2",
+        ],
         ["bench", "http://127.0.0.1:1/stream", "--output-tokens", "uniform:9:3"],
         ["doctor", "ftp://example.com/stream"],
     ],
@@ -551,3 +560,70 @@ async def test_trace_replays_its_arrival_times_and_lengths():
     for record, at in zip(run.records, times, strict=True):
         # Sent at the recorded time: never early, and late only by a timer's slack.
         assert at - 0.002 <= record.start_s <= at + 0.05
+
+
+async def test_multi_turn_conversations_resend_their_history_with_the_replies_received():
+    bodies: list[dict[str, Any]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        reply = f"reply{len(body['messages'])}"
+        chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": reply}}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    conversation = Prompt("What is a token?", 11, (Prompt("How many per word?", 7),))
+    async with running(app) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/chat/completions",
+            api="openai",
+            requests=2,
+            model="m",
+            prompts=(conversation,),
+            system_words=2,
+            turns=3,  # the conversation has 2 user turns: it ends there
+            warmup=False,
+        )
+        summary = summarize(await run_load(config))
+    assert [r["turn"] for r in summary["requests"]] == [0, 1, 0, 1]
+    assert summary["counts"]["complete"] == 4
+    system = {"role": "system", "content": "you are"}
+    first = [system, {"role": "user", "content": "What is a token?"}]
+    # The second turn resends the first and the reply it got (a shared prefix that grows).
+    second = [
+        *first,
+        {"role": "assistant", "content": "reply2"},
+        {"role": "user", "content": "How many per word?"},
+    ]
+    assert [b["messages"] for b in bodies] == [first, second, first, second]
+    assert [b["max_tokens"] for b in bodies] == [11, 7, 11, 7]
+    assert [r["prompt_words"] for r in summary["requests"]] == [4, 9, 4, 9]
+
+
+def test_sharegpt_conversations_keep_their_follow_up_turns():
+    second = read_dataset(WORKLOADS / "sharegpt.jsonl")[1]
+    assert second.text == "What is a token?"
+    assert second.follow_ups == (Prompt("How many per word?", 7),)
+
+
+async def test_synthetic_turns_go_to_a_text_api_as_paragraphs_of_history():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/replies",
+            api="native",
+            requests=2,
+            prompt_words=Lengths.parse("3"),
+            output_tokens=Lengths.parse("4"),
+            turns=3,
+        )
+        run = await run_load(config)
+    assert [r.turn for r in run.records] == [0, 1, 2, 0, 1, 2]
+    assert all(r.timing.complete and r.timing.tokens == 4 for r in run.records)
+    # Each turn resends 3 prompt words and 4 reply words per earlier turn.
+    assert [r.prompt_words for r in run.records] == [3, 10, 17, 3, 10, 17]

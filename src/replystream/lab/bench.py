@@ -152,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the recorded times (the trace profile)",
     )
     parser.add_argument(
+        "--turns",
+        type=positive_int,
+        default=1,
+        help="turns per conversation, each resending the conversation so far (a dataset's "
+        "conversations give theirs, up to N); --requests then counts conversations",
+    )
+    parser.add_argument(
         "--system-prompt-words",
         type=non_negative_int,
         default=0,
@@ -264,6 +271,8 @@ def config_from_args(
         for flag, value in (("--dataset", args.dataset), ("--prompt-words", args.prompt_words)):
             if value is not None:
                 raise ValueError(f"{flag}: a --trace gives each request's prompt length")
+        if args.turns != 1:
+            raise ValueError("--turns: a --trace replays single requests")
         trace_times, prompts = _read("--trace", lambda: read_trace(args.trace))
     elif args.dataset is not None:
         if args.prompt_words is not None:
@@ -297,6 +306,7 @@ def config_from_args(
         prompts=prompts,
         prompts_in_order=args.trace is not None,
         system_words=args.system_prompt_words,
+        turns=args.turns,
         model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,

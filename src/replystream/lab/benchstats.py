@@ -95,6 +95,7 @@ def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, A
         "index": record.index,
         "start_s": record.start_s,
         "warmup": record.start_s < warmup_s,
+        "turn": record.turn,
         "prompt_words": record.prompt_words,
         "max_tokens": record.max_tokens,
         "status": t.status,
@@ -236,6 +237,7 @@ def summarize(
         "output_tokens": config.output_tokens.describe() if config.output_tokens else None,
         "dataset_prompts": len(config.prompts),
         "system_prompt_words": config.system_words,
+        "turns": config.turns,
         "seed": config.seed,
     }
     result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"

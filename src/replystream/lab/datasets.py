@@ -5,10 +5,10 @@ line at fault. A dataset is JSONL (or one JSON array) of records, each one of:
 - ``{"prompt": "...", "output_tokens": 64}`` (``output_tokens`` optional);
 - ShareGPT's ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}``;
 - ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``.
-A conversation gives its first user turn as the prompt, and the word count of the reply that
-follows as the reply length. A trace is JSONL of ``{"timestamp": S, "prompt_words": N,
-"output_tokens": M}`` in time order (seconds, any origin). It must not know how requests are
-sent.
+A conversation gives its user turns as prompts (the first, then its follow-ups), each with
+the word count of the reply that follows it as the reply length. A trace is JSONL of
+``{"timestamp": S, "prompt_words": N, "output_tokens": M}`` in time order (seconds, any
+origin). It must not know how requests are sent.
 """
 
 from __future__ import annotations
@@ -65,11 +65,14 @@ def _prompt(record: Any) -> Prompt | None:
     turns = _turns(record)
     if turns is None:
         return None
+    asked = []
     for i, (speaker, text) in enumerate(turns):
         if speaker in _USER and text.strip():
             reply = next((t for s, t in turns[i + 1 :] if s in _ASSISTANT), "")
-            return Prompt(text, len(reply.split()) or None)
-    return None
+            asked.append(Prompt(text, len(reply.split()) or None))
+    if not asked:
+        return None
+    return Prompt(asked[0].text, asked[0].output_tokens, tuple(asked[1:]))
 
 
 def read_dataset(path: Path) -> tuple[Prompt, ...]:

@@ -40,6 +40,9 @@ class LoadConfig:
     prompts: tuple[Prompt, ...] = ()
     prompts_in_order: bool = False
     system_words: int = 0  # a system prompt of this many words that every request shares
+    # Turns per conversation: each turn after the first resends the conversation so far (its
+    # prompts and the replies received), as a chat client does. requests counts conversations.
+    turns: int = 1
     model: str = "default"
     seed: int = 0
     timeout_s: float = 300.0
@@ -56,6 +59,8 @@ class LoadConfig:
             raise ValueError("duration_s must be positive")
         if self.system_words < 0:
             raise ValueError("system_words must be >= 0")
+        if self.turns < 1:
+            raise ValueError("turns must be at least 1")
         if self.prompts_in_order and not self.prompts:
             raise ValueError("prompts_in_order needs prompts")
 
@@ -66,13 +71,15 @@ class LoadConfig:
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
-    """One request and its reply. ``start_s`` is when it was sent, from the run's start."""
+    """One request and its reply. ``start_s`` is when it was sent, from the run's start;
+    ``prompt_words`` counts the whole prompt sent (a later turn's history included)."""
 
     index: int
     start_s: float
     prompt_words: int
     max_tokens: int | None
     timing: ReplyTiming
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,17 +124,19 @@ async def run_load(
     if config.warmup:
         # One request first, not recorded, so one-time costs (first code paths, connection
         # pools behind the URL) are not charged to the measured requests.
-        await _one(config, -1, 0.0)
+        await _conversation(config, -1, 0.0, lambda record: None, turns=1)
     records: list[RequestRecord] = []
     cpu_start = time.process_time()
     started = time.perf_counter()
     issuer = _Issuer(config, started)
 
-    async def send(index: int) -> None:
-        record = await _one(config, index, started)
+    def done(record: RequestRecord) -> None:
         records.append(record)
         if on_done is not None:
             on_done(record)
+
+    async def send(index: int) -> None:
+        await _conversation(config, index, started, done, turns=config.turns)
 
     async with asyncio.TaskGroup() as group:
         in_flight = config.profile.in_flight
@@ -154,27 +163,47 @@ async def run_load(
     return LoadRun(config, tuple(records), wall, cpu)
 
 
-async def _one(config: LoadConfig, index: int, started: float) -> RequestRecord:
-    # Lengths are drawn per index, so a request's shape does not depend on completion order.
-    rng = random.Random(f"{config.seed}:{index}")
+async def _conversation(
+    config: LoadConfig,
+    number: int,
+    started: float,
+    done: Callable[[RequestRecord], None],
+    *,
+    turns: int,
+) -> None:
+    """Send conversation ``number``'s turns one after another, each resending the turns
+    before it with the replies received; a turn that did not complete ends it (a chat
+    client would have nothing to resend)."""
+    # Lengths are drawn per conversation, so its shape does not depend on completion order.
+    rng = random.Random(f"{config.seed}:{number}")
     planned = plan(
-        max(index, 0),
+        max(number, 0),
         rng,
         prompt_words=config.prompt_words,
         output_tokens=config.output_tokens,
         prompts=config.prompts,
         in_order=config.prompts_in_order,
+        turns=turns,
     )
-    spec = build_request(
-        config.api,
-        config.url,
-        prompt=planned.prompt,
-        max_tokens=planned.max_tokens,
-        model=config.model,
-        system=system_prompt_of(config.system_words),
-    )
-    sent = time.perf_counter()
-    timing = await measure_reply(
-        spec.url, method=spec.method, json_body=spec.json_body, timeout_s=config.timeout_s
-    )
-    return RequestRecord(index, sent - started, planned.words, planned.max_tokens, timing)
+    system = system_prompt_of(config.system_words)
+    history: list[tuple[str, str]] = []
+    for turn, one in enumerate(planned):
+        spec = build_request(
+            config.api,
+            config.url,
+            prompt=one.prompt,
+            max_tokens=one.max_tokens,
+            model=config.model,
+            system=system,
+            history=history,
+        )
+        sent = time.perf_counter()
+        timing = await measure_reply(
+            spec.url, method=spec.method, json_body=spec.json_body, timeout_s=config.timeout_s
+        )
+        words = one.words + sum(len(text.split()) for pair in history for text in pair)
+        index = number * config.turns + turn
+        done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn))
+        if not timing.complete:
+            return
+        history.append((one.prompt, timing.text))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -44,16 +45,25 @@ class RequestSpec:
 
 
 def build_request(
-    api: Api, url: str, *, prompt: str, max_tokens: int | None, model: str, system: str = ""
+    api: Api,
+    url: str,
+    *,
+    prompt: str,
+    max_tokens: int | None,
+    model: str,
+    system: str = "",
+    history: Sequence[tuple[str, str]] = (),
 ) -> RequestSpec:
     """The request that asks ``url`` for one streamed reply to ``prompt``.
 
     ``max_tokens=None`` leaves the reply length to the server. ``system``, a system prompt
-    every user shares, is a system message to a chat endpoint and the prompt's first
-    paragraph to the others (which take one text).
+    every user shares, and ``history``, the conversation's earlier (prompt, reply) turns that
+    a chat client resends, are messages to a chat endpoint and paragraphs before the prompt
+    to the others (which take one text).
     """
-    if system and not (api == "openai" and _is_chat(url)):
-        prompt = f"{system}\n\n{prompt}" if prompt else system
+    if not (api == "openai" and _is_chat(url)):
+        earlier = [text for turn in history for text in turn]
+        prompt = "\n\n".join(p for p in (system, *earlier, prompt) if p)
     if api == "lab":
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
@@ -68,8 +78,11 @@ def build_request(
     else:
         body = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
         if _is_chat(url):
-            system_message = [{"role": "system", "content": system}] if system else []
-            body["messages"] = [*system_message, {"role": "user", "content": prompt}]
+            messages = [{"role": "system", "content": system}] if system else []
+            for asked, replied in history:
+                messages.append({"role": "user", "content": asked})
+                messages.append({"role": "assistant", "content": replied})
+            body["messages"] = [*messages, {"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
     if max_tokens is not None:
@@ -95,10 +108,11 @@ def system_prompt_of(words: int) -> str:
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """One prompt from a dataset or trace, and the reply length it asks for (None: the
-    server's, or ``--output-tokens``)."""
+    server's, or ``--output-tokens``); ``follow_ups``: a conversation's later user turns."""
 
     text: str
     output_tokens: int | None = None
+    follow_ups: tuple[Prompt, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,23 +125,35 @@ class Planned:
 
 
 def plan(
-    index: int,
+    number: int,
     rng: random.Random,
     *,
     prompt_words: Lengths,
     output_tokens: Lengths | None,
     prompts: tuple[Prompt, ...] = (),
     in_order: bool = False,
-) -> Planned:
-    """Request ``index``'s prompt and reply length: drawn from the lengths, or a prompt from
-    ``prompts`` (the ``index``-th when ``in_order``, as a trace replays; else drawn), whose
-    own reply length ``output_tokens`` overrides when given."""
+    turns: int = 1,
+) -> tuple[Planned, ...]:
+    """Conversation ``number``'s turns (at most ``turns``): lengths drawn per turn, or a
+    prompt from ``prompts`` (the ``number``-th when ``in_order``, as a trace replays; else
+    drawn) and its follow-ups. ``output_tokens``, when given, overrides a prompt's own
+    reply length."""
     if not prompts:
-        words = prompt_words.draw(rng)
-        return Planned(prompt_of(words), words, output_tokens.draw(rng) if output_tokens else None)
-    chosen = prompts[index % len(prompts)] if in_order else rng.choice(prompts)
-    max_tokens = output_tokens.draw(rng) if output_tokens else chosen.output_tokens
-    return Planned(chosen.text, len(chosen.text.split()), max_tokens)
+        planned = []
+        for _ in range(turns):
+            words = prompt_words.draw(rng)
+            tokens = output_tokens.draw(rng) if output_tokens else None
+            planned.append(Planned(prompt_of(words), words, tokens))
+        return tuple(planned)
+    chosen = prompts[number % len(prompts)] if in_order else rng.choice(prompts)
+    return tuple(
+        Planned(
+            p.text,
+            len(p.text.split()),
+            output_tokens.draw(rng) if output_tokens else p.output_tokens,
+        )
+        for p in (chosen, *chosen.follow_ups)[:turns]
+    )
 
 
 @dataclass(frozen=True, slots=True)
