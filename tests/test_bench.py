@@ -32,6 +32,7 @@ from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.local_server import local_server
 from replystream.lab.profiles import Profile, arrival_offsets
+from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import constant_rates
 from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
 from replystream.server import running
@@ -309,6 +310,9 @@ def test_lab_requests_keep_the_urls_own_query():
         ],
         ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
         ["bench", "http://127.0.0.1:1/stream", "--turns", "0"],
+        ["bench", "http://127.0.0.1:1/stream", "--cancel-share", "0.5"],
+        ["bench", "http://127.0.0.1:1/stream", "--cancel-after", "3"],
+        ["bench", "http://127.0.0.1:1/stream", "--cancel-share", "1.5", "--cancel-after", "3"],
         [
             "bench",
             "http://127.0.0.1:1/stream",
@@ -627,3 +631,45 @@ async def test_synthetic_turns_go_to_a_text_api_as_paragraphs_of_history():
     assert all(r.timing.complete and r.timing.tokens == 4 for r in run.records)
     # Each turn resends 3 prompt words and 4 reply words per earlier turn.
     assert [r.prompt_words for r in run.records] == [3, 10, 17, 3, 10, 17]
+
+
+async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show():
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "40"]
+    async with local_server(schedule) as url:
+        config = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            profile=Profile("concurrent", 5),
+            requests=12,
+            cancel_share=0.5,
+            cancel_after=3,
+            server_metrics=metrics_url(url),
+        )
+        summary = summarize(await run_load(config))
+    counts = summary["counts"]
+    cancelled = [r for r in summary["requests"] if r["error"] and "cancelled" in r["error"]]
+    assert counts["cancelled"] == len(cancelled) >= 2 and counts["complete"] >= 2
+    assert counts["complete"] + counts["cancelled"] == 12
+    assert all(r["tokens"] == 3 for r in cancelled)
+    server = summary["server"]
+    assert server["replies"] == {"finished": counts["complete"], "cancelled": counts["cancelled"]}
+    # Had the server gone on generating for readers that left, each would add 37 tokens.
+    assert 0 <= server["excess_tokens"] <= 2 * counts["cancelled"]
+    assert server["held_at_end"]["active_streams"] == 0
+    assert 0.0 <= server["ttft_gap_ms"] < 100.0
+    # Goodput is judged over the replies not cut on purpose.
+    assert summary["goodput"]["share_of_requests"] == 1.0
+
+
+async def test_server_metrics_that_cannot_be_read_are_reported_not_fatal():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=3",
+            api="lab",
+            requests=2,
+            server_metrics=f"{url}/no-metrics-here",
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2
+    assert "HTTP 404" in summary["server"]["error"]

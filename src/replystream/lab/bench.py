@@ -39,6 +39,7 @@ from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.profiles import PROFILE_KINDS, Profile
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
+from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import SweepConfig, run_sweep
 from replystream.lab.workload import APIS, Lengths, Prompt, detect_api
 
@@ -65,6 +66,17 @@ def _share_at_most_one(text: str) -> float:
 
 
 share = Checker(_share.wants, _share_at_most_one)
+_cancel = float_at_least(0.0, note="a share of conversations, at most 1")
+
+
+def _cancel_share(text: str) -> float:
+    value = _cancel(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"want {_cancel.wants}, got {text}")
+    return value
+
+
+cancel_share = Checker(_cancel.wants, _cancel_share)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +169,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="turns per conversation, each resending the conversation so far (a dataset's "
         "conversations give theirs, up to N); --requests then counts conversations",
+    )
+    parser.add_argument(
+        "--cancel-share",
+        type=cancel_share,
+        default=0.0,
+        help="a share of conversations whose reader hangs up after --cancel-after tokens",
+    )
+    parser.add_argument(
+        "--cancel-after",
+        type=positive_int,
+        help="tokens a cancelling reader reads before it hangs up (with --cancel-share)",
+    )
+    parser.add_argument(
+        "--server-metrics",
+        action="store_true",
+        help="scrape the Prometheus /metrics beside the endpoint before and after each run "
+        "and report the server's figures beside the client's",
     )
     parser.add_argument(
         "--system-prompt-words",
@@ -279,6 +308,8 @@ def config_from_args(
             raise ValueError("--prompt-words: the --dataset gives the prompts")
         prompts = _read("--dataset", lambda: read_dataset(args.dataset))
     profile = profile_from_args(args, trace_times)
+    if (args.cancel_after is None) != (args.cancel_share == 0):
+        raise ValueError("--cancel-share and --cancel-after go together (a share above 0)")
     requests = args.requests
     if args.trace is not None:
         requests = min(requests or len(trace_times), len(trace_times))
@@ -307,6 +338,9 @@ def config_from_args(
         prompts_in_order=args.trace is not None,
         system_words=args.system_prompt_words,
         turns=args.turns,
+        cancel_share=args.cancel_share,
+        cancel_after=args.cancel_after or 1,
+        server_metrics=metrics_url(args.url) if args.server_metrics else None,
         model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,
@@ -374,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
         render(result, console)
         plot = plot_all
         counts = result["counts"]
-        code = 0 if counts["complete"] == counts["requests"] else 1
+        code = 0 if counts["complete"] + counts["cancelled"] == counts["requests"] else 1
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

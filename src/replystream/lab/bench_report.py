@@ -58,7 +58,8 @@ def render(summary: dict[str, Any], console: Console) -> None:
         )
     console.print(
         f"Requests: {counts['requests']} sent, {counts['complete']} complete, "
-        f"{counts['incomplete']} incomplete, {counts['failed']} failed{warmup}",
+        f"{counts['incomplete']} incomplete, {counts['failed']} failed, "
+        f"{counts['cancelled']} cancelled on purpose{warmup}",
         highlight=False,
     )
     for kind in ("incomplete", "failed"):
@@ -82,6 +83,9 @@ def render(summary: dict[str, Any], console: Console) -> None:
             highlight=False,
         )
     console.print(_steady_line(summary["steady_state"]), highlight=False)
+    if summary["server"] is not None:
+        for line in _server_lines(summary["server"]):
+            console.print(line, highlight=False, markup=False)
     client = summary["client"]
     share = client["cpu_share_of_one_core"]
     warning = "  [bold red]the client may be the bottleneck[/]" if share > 0.8 else ""
@@ -103,6 +107,32 @@ def _steady_line(steady: dict[str, Any]) -> str:
     verdict = "steady" if steady["steady"] else "[bold red]UNSTEADY[/]"
     bound = f"bound {100 * steady['bound']:g} %"
     return f"Steady state: {verdict}, second half vs first: {changes} ({bound})"
+
+
+def _server_lines(server: dict[str, Any]) -> list[str]:
+    if "error" in server:
+        return [f"Server metrics: not read ({server['error']})"]
+    mean = server["mean"]
+    figures = ", ".join(
+        f"{name} {value:,.1f} ms"
+        for name, value in (
+            ("TTFT", mean["ttft_ms"]),
+            ("queue", mean["queue_ms"]),
+            ("E2E", mean["e2el_ms"]),
+        )
+        if value is not None
+    )
+    replies = ", ".join(f"{n:g} {outcome}" for outcome, n in server["replies"].items())
+    held = ", ".join(f"{k} {v:g}" for k, v in server["held_at_end"].items() if v is not None)
+    gap = server["ttft_gap_ms"]
+    return [
+        f"Server ({server['url']}): means {figures or 'none'}; replies {replies or 'none'}",
+        f"  tokens made {server['tokens_generated']:g}, received by readers "
+        f"{server['client_tokens_received']:g}, made and never read "
+        f"{server['excess_tokens']:g}; held at the end: {held or 'nothing reported'}",
+        "  client TTFT minus server TTFT (network, client and write path): "
+        + ("-" if gap is None else f"{gap:,.1f} ms"),
+    ]
 
 
 def render_sweep(result: dict[str, Any], console: Console) -> None:

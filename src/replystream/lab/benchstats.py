@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replystream.lab.load import LoadRun, RequestRecord
+from replystream.lab.server_metrics import change
 from replystream.stats import distribution, percentile
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "first_byte_ms", "first_chunk_ms")
@@ -121,8 +122,35 @@ def _outcome(record: RequestRecord) -> str:
     t = record.timing
     if t.complete:
         return "complete"
+    if t.cancelled:  # the reader hung up on purpose: a scenario, not a failure
+        return "cancelled"
     # Started streaming text but never reached its end marker: a partial reply.
     return "incomplete" if t.status is not None and t.text_event_ms else "failed"
+
+
+def server_side(run: LoadRun) -> dict[str, Any] | None:
+    """The server's account of the run beside the client's (None when not scraped): every
+    request of the run counts, the warm-up window's and cancelled ones too, as the server's
+    counters do. ``excess_tokens``: tokens the server made that no reader received (near 0
+    when it stops generating for a reader that hung up); ``ttft_gap_ms``: client mean TTFT
+    minus the server's (network, client parsing and the server's own write path)."""
+    if run.config.server_metrics is None:
+        return None
+    if run.server_before is None or run.server_after is None:
+        return {"error": run.server_error}
+    result = change(run.server_before, run.server_after)
+    received = sum(r.timing.tokens for r in run.records)
+    firsts = [r.timing.first_text_ms for r in run.records if r.timing.first_text_ms is not None]
+    client_ttft = sum(firsts) / len(firsts) if firsts else None
+    server_ttft = result["mean"]["ttft_ms"]
+    result["client_tokens_received"] = received
+    result["excess_tokens"] = result["tokens_generated"] - received
+    result["client_ttft_mean_ms"] = client_ttft
+    result["ttft_gap_ms"] = (
+        client_ttft - server_ttft if client_ttft is not None and server_ttft is not None else None
+    )
+    result["url"] = run.config.server_metrics
+    return result
 
 
 def steady_state(done: list[dict[str, Any]], window_start_s: float, bound: float) -> dict[str, Any]:
@@ -188,12 +216,13 @@ def summarize(
     good = [m for m in done if all(slo.met(m) for slo in slos)]
     reasons: dict[str, Counter[str]] = {"incomplete": Counter(), "failed": Counter()}
     for record, outcome in zip(records, outcomes, strict=True):
-        if outcome != "complete":
+        if outcome in reasons:
             reasons[outcome][record.timing.error or "unknown"] += 1
     result["counts"] = {
         "requests": len(per_request),
         "warmup_requests": len(all_requests) - len(per_request),
         "complete": len(done),
+        "cancelled": outcomes.count("cancelled"),
         "incomplete": sum(reasons["incomplete"].values()),
         "failed": sum(reasons["failed"].values()),
         "incomplete_reasons": dict(reasons["incomplete"]),
@@ -207,16 +236,19 @@ def summarize(
         "output_tokens": tokens,
         "events": events,
     }
-    share = len(good) / len(per_request) if per_request else 0.0
+    # Replies cut on purpose are neither good nor bad: goodput is over the rest.
+    judged = len(per_request) - outcomes.count("cancelled")
+    share = len(good) / judged if judged else 0.0
     result["goodput"] = {
         "slos": {slo.metric: slo.limit_ms for slo in slos},
         "good_requests": len(good),
         "requests_per_s": len(good) / wall if wall else 0.0,
         "share_of_requests": share,
         "share_target": slo_share,
-        "held": bool(per_request) and share >= slo_share,
+        "held": judged > 0 and share >= slo_share,
     }
     result["steady_state"] = steady_state(done, warmup_s, steady_bound)
+    result["server"] = server_side(run)
     result["client"] = {
         "cpu_s": run.client_cpu_s,
         "cpu_share_of_one_core": run.client_cpu_share,
@@ -238,6 +270,8 @@ def summarize(
         "dataset_prompts": len(config.prompts),
         "system_prompt_words": config.system_words,
         "turns": config.turns,
+        "cancel_share": config.cancel_share,
+        "cancel_after": config.cancel_after,
         "seed": config.seed,
     }
     result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.profiles import Profile
+from replystream.lab.server_metrics import Scrape, ScrapeError, scrape, scrape_when_idle
 from replystream.lab.workload import Api, Lengths, Prompt, build_request, plan, system_prompt_of
 
 
@@ -43,6 +44,11 @@ class LoadConfig:
     # Turns per conversation: each turn after the first resends the conversation so far (its
     # prompts and the replies received), as a chat client does. requests counts conversations.
     turns: int = 1
+    # A share of conversations whose first reader hangs up after cancel_after tokens.
+    cancel_share: float = 0.0
+    cancel_after: int = 1
+    # Scrape this Prometheus /metrics after the warm-up and when the run ended, if set.
+    server_metrics: str | None = None
     model: str = "default"
     seed: int = 0
     timeout_s: float = 300.0
@@ -61,6 +67,8 @@ class LoadConfig:
             raise ValueError("system_words must be >= 0")
         if self.turns < 1:
             raise ValueError("turns must be at least 1")
+        if not 0.0 <= self.cancel_share <= 1.0 or self.cancel_after < 1:
+            raise ValueError("cancel_share must be within 0..1 and cancel_after >= 1")
         if self.prompts_in_order and not self.prompts:
             raise ValueError("prompts_in_order needs prompts")
 
@@ -90,6 +98,9 @@ class LoadRun:
     records: tuple[RequestRecord, ...]
     wall_s: float  # first request sent to last reply ended
     client_cpu_s: float  # this process's CPU time over the same span
+    server_before: Scrape | None = None  # the server's /metrics as the run started
+    server_after: Scrape | None = None  # ... and once it ended and the server went idle
+    server_error: str | None = None  # why they could not be read
 
     @property
     def client_cpu_share(self) -> float:
@@ -126,6 +137,13 @@ async def run_load(
         # pools behind the URL) are not charged to the measured requests.
         await _conversation(config, -1, 0.0, lambda record: None, turns=1)
     records: list[RequestRecord] = []
+    before: Scrape | None = None
+    error: str | None = None
+    if config.server_metrics is not None:
+        try:
+            before = await scrape(config.server_metrics)
+        except ScrapeError as exc:
+            error = str(exc)
     cpu_start = time.process_time()
     started = time.perf_counter()
     issuer = _Issuer(config, started)
@@ -160,7 +178,13 @@ async def run_load(
     wall = time.perf_counter() - started
     cpu = time.process_time() - cpu_start
     records.sort(key=lambda r: r.index)
-    return LoadRun(config, tuple(records), wall, cpu)
+    after: Scrape | None = None
+    if config.server_metrics is not None and before is not None:
+        try:
+            after = await scrape_when_idle(config.server_metrics)
+        except ScrapeError as exc:
+            error = str(exc)
+    return LoadRun(config, tuple(records), wall, cpu, before, after, error)
 
 
 async def _conversation(
@@ -186,6 +210,10 @@ async def _conversation(
         turns=turns,
     )
     system = system_prompt_of(config.system_words)
+    # Drawn apart from the lengths, so adding cancels does not change what is asked.
+    cancels = number >= 0 and random.Random(f"{config.seed}:{number}:cancel").random() < (
+        config.cancel_share
+    )
     history: list[tuple[str, str]] = []
     for turn, one in enumerate(planned):
         spec = build_request(
@@ -199,7 +227,11 @@ async def _conversation(
         )
         sent = time.perf_counter()
         timing = await measure_reply(
-            spec.url, method=spec.method, json_body=spec.json_body, timeout_s=config.timeout_s
+            spec.url,
+            method=spec.method,
+            json_body=spec.json_body,
+            timeout_s=config.timeout_s,
+            stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
         )
         words = one.words + sum(len(text.split()) for pair in history for text in pair)
         index = number * config.turns + turn
