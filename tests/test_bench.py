@@ -29,6 +29,7 @@ from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
+from replystream.lab.drop_resume import drop_and_resume
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.local_server import local_server
 from replystream.lab.profiles import Profile, arrival_offsets
@@ -310,6 +311,20 @@ def test_lab_requests_keep_the_urls_own_query():
         ],
         ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
         ["bench", "http://127.0.0.1:1/stream", "--turns", "0"],
+        ["bench", "http://127.0.0.1:1/stream", "--drop-share", "0.5", "--drop-after", "3"],
+        ["bench", "http://127.0.0.1:1/v1/replies", "--drop-share", "0.5"],
+        [
+            "bench",
+            "http://127.0.0.1:1/v1/replies",
+            "--drop-share",
+            "0.7",
+            "--drop-after",
+            "3",
+            "--cancel-share",
+            "0.5",
+            "--cancel-after",
+            "2",
+        ],
         ["bench", "http://127.0.0.1:1/stream", "--cancel-share", "0.5"],
         ["bench", "http://127.0.0.1:1/stream", "--cancel-after", "3"],
         ["bench", "http://127.0.0.1:1/stream", "--cancel-share", "1.5", "--cancel-after", "3"],
@@ -673,3 +688,60 @@ async def test_server_metrics_that_cannot_be_read_are_reported_not_fatal():
         summary = summarize(await run_load(config))
     assert summary["counts"]["complete"] == 2
     assert "HTTP 404" in summary["server"]["error"]
+
+
+async def test_dropped_readers_resume_with_last_event_id_losing_and_repeating_nothing():
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "40"]
+    async with local_server(schedule) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/replies",
+            api="native",
+            profile=Profile("concurrent", 4),
+            requests=10,
+            drop_share=0.6,
+            drop_after=5,
+        )
+        summary = summarize(await run_load(config))
+    resume = summary["resume"]
+    dropped = [r for r in summary["requests"] if r["resume"] is not None]
+    assert resume["drops"] == len(dropped) >= 3 and resume["resumed"] == resume["drops"]
+    assert (resume["lost"], resume["duplicated"]) == (0, 0)
+    assert summary["counts"]["complete"] == 10
+    # A resumed reply is read whole: the tokens before the drop and every one after it.
+    assert all(r["tokens"] == 40 and r["resume"]["dropped_after_tokens"] == 5 for r in dropped)
+    assert 0.0 < resume["reconnect_ms"]["p50"] < 200.0
+
+
+async def test_drop_and_resume_counts_an_event_lost_and_one_repeated():
+    def event(seq: int, kind: str, data: dict[str, Any]) -> bytes:
+        return f"event: {kind}\nid: {seq}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def token(seq: int) -> bytes:
+        return event(seq, "token", {"text": f"t{seq} ", "tokens": 1})
+
+    async def start(request: web.Request) -> web.StreamResponse:
+        assert (await request.json())["resumable"] is True
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Reply-Id": "r1"}
+        )
+        await response.prepare(request)
+        await response.write(event(1, "reply", {"reply_id": "r1"}) + token(2) + token(3))
+        await asyncio.sleep(1)  # the reader drops before this ends
+        return response
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        assert request.headers["Last-Event-ID"] == "3"
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        # 3 again (a duplicate), 4 never sent (lost), then the rest.
+        await response.write(token(3) + token(5) + event(6, "done", {"finish_reason": "stop"}))
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/replies", start)
+    app.router.add_get("/v1/replies/r1/stream", resume)
+    async with running(app) as url:
+        timing, outcome = await drop_and_resume(f"{url}/v1/replies", {"prompt": "x"}, 2, 5.0)
+    assert timing.complete and outcome.resumed
+    assert (outcome.lost, outcome.duplicated) == (1, 1)
+    assert outcome.reconnect_ms is not None and outcome.reconnect_ms >= 0.0

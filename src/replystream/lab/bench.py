@@ -76,6 +76,7 @@ def _cancel_share(text: str) -> float:
     return value
 
 
+# --cancel-share and --drop-share: a share of conversations, 0 (none) to 1.
 cancel_share = Checker(_cancel.wants, _cancel_share)
 
 
@@ -180,6 +181,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cancel-after",
         type=positive_int,
         help="tokens a cancelling reader reads before it hangs up (with --cancel-share)",
+    )
+    parser.add_argument(
+        "--drop-share",
+        type=cancel_share,
+        default=0.0,
+        help="native API: a share of conversations whose reader drops after --drop-after "
+        "tokens and resumes with Last-Event-ID",
+    )
+    parser.add_argument(
+        "--drop-after",
+        type=positive_int,
+        help="tokens a dropping reader reads before its connection drops (with --drop-share)",
     )
     parser.add_argument(
         "--server-metrics",
@@ -310,12 +323,18 @@ def config_from_args(
     profile = profile_from_args(args, trace_times)
     if (args.cancel_after is None) != (args.cancel_share == 0):
         raise ValueError("--cancel-share and --cancel-after go together (a share above 0)")
+    if (args.drop_after is None) != (args.drop_share == 0):
+        raise ValueError("--drop-share and --drop-after go together (a share above 0)")
+    if args.cancel_share + args.drop_share > 1:
+        raise ValueError("--drop-share: with --cancel-share it must not pass 1")
     requests = args.requests
     if args.trace is not None:
         requests = min(requests or len(trace_times), len(trace_times))
     if requests is None and args.duration is None:
         requests = 10
     api = detect_api(args.url) if args.api == "auto" else args.api
+    if args.drop_share and api != "native":
+        raise ValueError(f"--drop-share resumes on the native API (.../v1/replies), not {api}")
     if args.model is not None and api != "openai":
         raise ValueError(f"--model names the model of an OpenAI request; the {api} API has none")
     slos = tuple(slo for group in args.slo for slo in group)
@@ -340,6 +359,8 @@ def config_from_args(
         turns=args.turns,
         cancel_share=args.cancel_share,
         cancel_after=args.cancel_after or 1,
+        drop_share=args.drop_share,
+        drop_after=args.drop_after or 1,
         server_metrics=metrics_url(args.url) if args.server_metrics else None,
         model=args.model or model or "default",
         seed=args.seed,

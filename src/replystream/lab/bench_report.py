@@ -83,6 +83,17 @@ def render(summary: dict[str, Any], console: Console) -> None:
             highlight=False,
         )
     console.print(_steady_line(summary["steady_state"]), highlight=False)
+    resume = summary["resume"]
+    if resume is not None:
+        reconnect = resume["reconnect_ms"]
+        p50 = "-" if reconnect["p50"] is None else f"{reconnect['p50']:,.1f}"
+        p99 = "-" if reconnect["p99"] is None else f"{reconnect['p99']:,.1f}"
+        console.print(
+            f"Drop and resume: {resume['drops']} dropped, {resume['resumed']} resumed; "
+            f"resume request to first replayed event p50 {p50} ms, p99 {p99} ms; "
+            f"events lost {resume['lost']}, duplicated {resume['duplicated']}",
+            highlight=False,
+        )
     if summary["server"] is not None:
         for line in _server_lines(summary["server"]):
             console.print(line, highlight=False, markup=False)

@@ -115,6 +115,7 @@ def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, A
         "body_bytes": t.body_bytes,
         "content_encoding": t.headers.get("content-encoding"),
         "text_event_ms": list(t.text_event_ms),
+        "resume": record.resume.as_dict() if record.resume else None,
     }
 
 
@@ -126,6 +127,23 @@ def _outcome(record: RequestRecord) -> str:
         return "cancelled"
     # Started streaming text but never reached its end marker: a partial reply.
     return "incomplete" if t.status is not None and t.text_event_ms else "failed"
+
+
+def resume_figures(per_request: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The drops of a run (None without any): how many resumed, the time from the resume
+    request to the first replayed event, and events lost and duplicated (both must be 0)."""
+    drops = [m["resume"] for m in per_request if m["resume"] is not None]
+    if not drops:
+        return None
+    return {
+        "drops": len(drops),
+        "resumed": sum(d["resumed"] for d in drops),
+        "reconnect_ms": distribution(
+            [d["reconnect_ms"] for d in drops if d["reconnect_ms"] is not None]
+        ),
+        "lost": sum(d["lost"] for d in drops),
+        "duplicated": sum(d["duplicated"] for d in drops),
+    }
 
 
 def server_side(run: LoadRun) -> dict[str, Any] | None:
@@ -249,6 +267,7 @@ def summarize(
     }
     result["steady_state"] = steady_state(done, warmup_s, steady_bound)
     result["server"] = server_side(run)
+    result["resume"] = resume_figures(per_request)
     result["client"] = {
         "cpu_s": run.client_cpu_s,
         "cpu_share_of_one_core": run.client_cpu_share,
@@ -272,6 +291,8 @@ def summarize(
         "turns": config.turns,
         "cancel_share": config.cancel_share,
         "cancel_after": config.cancel_after,
+        "drop_share": config.drop_share,
+        "drop_after": config.drop_after,
         "seed": config.seed,
     }
     result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"

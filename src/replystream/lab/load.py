@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replystream.client import ReplyTiming, measure_reply
+from replystream.lab.drop_resume import ResumeOutcome, drop_and_resume
 from replystream.lab.profiles import Profile
 from replystream.lab.server_metrics import Scrape, ScrapeError, scrape, scrape_when_idle
 from replystream.lab.workload import Api, Lengths, Prompt, build_request, plan, system_prompt_of
@@ -47,6 +48,10 @@ class LoadConfig:
     # A share of conversations whose first reader hangs up after cancel_after tokens.
     cancel_share: float = 0.0
     cancel_after: int = 1
+    # A share of conversations (native API) whose first reader drops after drop_after tokens
+    # and resumes with Last-Event-ID; drawn apart from the cancelling share.
+    drop_share: float = 0.0
+    drop_after: int = 1
     # Scrape this Prometheus /metrics after the warm-up and when the run ended, if set.
     server_metrics: str | None = None
     model: str = "default"
@@ -69,6 +74,10 @@ class LoadConfig:
             raise ValueError("turns must be at least 1")
         if not 0.0 <= self.cancel_share <= 1.0 or self.cancel_after < 1:
             raise ValueError("cancel_share must be within 0..1 and cancel_after >= 1")
+        if not 0.0 <= self.drop_share <= 1.0 - self.cancel_share or self.drop_after < 1:
+            raise ValueError("drop_share must be within 0..1 - cancel_share, drop_after >= 1")
+        if self.drop_share and self.api != "native":
+            raise ValueError("drop and resume speaks the native API (POST .../v1/replies)")
         if self.prompts_in_order and not self.prompts:
             raise ValueError("prompts_in_order needs prompts")
 
@@ -88,6 +97,7 @@ class RequestRecord:
     max_tokens: int | None
     timing: ReplyTiming
     turn: int = 0
+    resume: ResumeOutcome | None = None  # what a dropped and resumed read found
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,10 +220,10 @@ async def _conversation(
         turns=turns,
     )
     system = system_prompt_of(config.system_words)
-    # Drawn apart from the lengths, so adding cancels does not change what is asked.
-    cancels = number >= 0 and random.Random(f"{config.seed}:{number}:cancel").random() < (
-        config.cancel_share
-    )
+    # Drawn apart from the lengths, so adding cancels or drops does not change what is asked.
+    draw = random.Random(f"{config.seed}:{number}:cut").random() if number >= 0 else 1.0
+    cancels = draw < config.cancel_share
+    drops = not cancels and draw < config.cancel_share + config.drop_share
     history: list[tuple[str, str]] = []
     for turn, one in enumerate(planned):
         spec = build_request(
@@ -226,16 +236,22 @@ async def _conversation(
             history=history,
         )
         sent = time.perf_counter()
-        timing = await measure_reply(
-            spec.url,
-            method=spec.method,
-            json_body=spec.json_body,
-            timeout_s=config.timeout_s,
-            stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
-        )
+        resume: ResumeOutcome | None = None
+        if drops and turn == 0 and spec.json_body is not None:
+            timing, resume = await drop_and_resume(
+                spec.url, spec.json_body, config.drop_after, config.timeout_s
+            )
+        else:
+            timing = await measure_reply(
+                spec.url,
+                method=spec.method,
+                json_body=spec.json_body,
+                timeout_s=config.timeout_s,
+                stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
+            )
         words = one.words + sum(len(text.split()) for pair in history for text in pair)
         index = number * config.turns + turn
-        done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn))
+        done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn, resume))
         if not timing.complete:
             return
         history.append((one.prompt, timing.text))
