@@ -311,6 +311,7 @@ def test_lab_requests_keep_the_urls_own_query():
         ],
         ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
         ["bench", "http://127.0.0.1:1/stream", "--turns", "0"],
+        ["bench", "http://127.0.0.1:1/stream", "--metrics-interval", "1"],
         ["bench", "http://127.0.0.1:1/stream", "--drop-share", "0.5", "--drop-after", "3"],
         ["bench", "http://127.0.0.1:1/v1/replies", "--drop-share", "0.5"],
         [
@@ -659,6 +660,7 @@ async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show
             cancel_share=0.5,
             cancel_after=3,
             server_metrics=metrics_url(url),
+            metrics_interval_s=0.03,
         )
         summary = summarize(await run_load(config))
     counts = summary["counts"]
@@ -672,6 +674,11 @@ async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show
     assert 0 <= server["excess_tokens"] <= 2 * counts["cancelled"]
     assert server["held_at_end"]["active_streams"] == 0
     assert 0.0 <= server["ttft_gap_ms"] < 100.0
+    # Scraped during the run too: the streams it held, at most the 5 in flight (and a reply
+    # whose reader just left, not yet noticed).
+    during = server["during"]
+    assert during["scrapes"] >= 2 and len(during["series"]) == during["scrapes"]
+    assert 1 <= during["held"]["active_streams"]["max"] <= 7
     # Goodput is judged over the replies not cut on purpose.
     assert summary["goodput"]["share_of_requests"] == 1.0
 

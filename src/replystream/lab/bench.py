@@ -201,6 +201,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and report the server's figures beside the client's",
     )
     parser.add_argument(
+        "--metrics-interval",
+        type=positive_float,
+        metavar="S",
+        help="with --server-metrics: also scrape every S s during each run (active streams, "
+        "engine requests, KV blocks: mean and peak)",
+    )
+    parser.add_argument(
         "--system-prompt-words",
         type=non_negative_int,
         default=0,
@@ -333,6 +340,8 @@ def config_from_args(
     if requests is None and args.duration is None:
         requests = 10
     api = detect_api(args.url) if args.api == "auto" else args.api
+    if args.metrics_interval is not None and not args.server_metrics:
+        raise ValueError("--metrics-interval scrapes during a run: it needs --server-metrics")
     if args.drop_share and api != "native":
         raise ValueError(f"--drop-share resumes on the native API (.../v1/replies), not {api}")
     if args.model is not None and api != "openai":
@@ -362,6 +371,7 @@ def config_from_args(
         drop_share=args.drop_share,
         drop_after=args.drop_after or 1,
         server_metrics=metrics_url(args.url) if args.server_metrics else None,
+        metrics_interval_s=args.metrics_interval,
         model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,

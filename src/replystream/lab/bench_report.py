@@ -136,6 +136,16 @@ def _server_lines(server: dict[str, Any]) -> list[str]:
     replies = ", ".join(f"{n:g} {outcome}" for outcome, n in server["replies"].items())
     held = ", ".join(f"{k} {v:g}" for k, v in server["held_at_end"].items() if v is not None)
     gap = server["ttft_gap_ms"]
+    lines = []
+    if "during" in server:
+        peaks = server["during"]["held"]
+        held_during = ", ".join(
+            f"{key} mean {v['mean']:,.1f} peak {v['max']:g}" for key, v in peaks.items() if v
+        )
+        lines.append(
+            f"  during the run ({server['during']['scrapes']} scrapes every "
+            f"{server['during']['interval_s']:g} s): {held_during or 'nothing reported'}"
+        )
     return [
         f"Server ({server['url']}): means {figures or 'none'}; replies {replies or 'none'}",
         f"  tokens made {server['tokens_generated']:g}, received by readers "
@@ -143,6 +153,7 @@ def _server_lines(server: dict[str, Any]) -> list[str]:
         f"{server['excess_tokens']:g}; held at the end: {held or 'nothing reported'}",
         "  client TTFT minus server TTFT (network, client and write path): "
         + ("-" if gap is None else f"{gap:,.1f} ms"),
+        *lines,
     ]
 
 

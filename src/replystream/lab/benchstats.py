@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replystream.lab.load import LoadRun, RequestRecord
-from replystream.lab.server_metrics import change
+from replystream.lab.server_metrics import change, during
 from replystream.stats import distribution, percentile
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "first_byte_ms", "first_chunk_ms")
@@ -168,6 +168,11 @@ def server_side(run: LoadRun) -> dict[str, Any] | None:
         client_ttft - server_ttft if client_ttft is not None and server_ttft is not None else None
     )
     result["url"] = run.config.server_metrics
+    if run.config.metrics_interval_s is not None:
+        result["during"] = {
+            "interval_s": run.config.metrics_interval_s,
+            **during(run.server_samples),
+        }
     return result
 
 

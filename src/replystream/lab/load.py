@@ -12,6 +12,7 @@ how they are shown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ class LoadConfig:
     drop_after: int = 1
     # Scrape this Prometheus /metrics after the warm-up and when the run ended, if set.
     server_metrics: str | None = None
+    metrics_interval_s: float | None = None  # ... and during the run at this interval
     model: str = "default"
     seed: int = 0
     timeout_s: float = 300.0
@@ -76,6 +78,10 @@ class LoadConfig:
             raise ValueError("cancel_share must be within 0..1 and cancel_after >= 1")
         if not 0.0 <= self.drop_share <= 1.0 - self.cancel_share or self.drop_after < 1:
             raise ValueError("drop_share must be within 0..1 - cancel_share, drop_after >= 1")
+        if self.metrics_interval_s is not None and (
+            self.server_metrics is None or not self.metrics_interval_s > 0
+        ):
+            raise ValueError("metrics_interval_s must be positive and needs server_metrics")
         if self.drop_share and self.api != "native":
             raise ValueError("drop and resume speaks the native API (POST .../v1/replies)")
         if self.prompts_in_order and not self.prompts:
@@ -111,6 +117,8 @@ class LoadRun:
     server_before: Scrape | None = None  # the server's /metrics as the run started
     server_after: Scrape | None = None  # ... and once it ended and the server went idle
     server_error: str | None = None  # why they could not be read
+    # Scrapes during the run: (seconds from its start, scrape), every metrics_interval_s.
+    server_samples: tuple[tuple[float, Scrape], ...] = ()
 
     @property
     def client_cpu_share(self) -> float:
@@ -166,25 +174,35 @@ async def run_load(
     async def send(index: int) -> None:
         await _conversation(config, index, started, done, turns=config.turns)
 
-    async with asyncio.TaskGroup() as group:
-        in_flight = config.profile.in_flight
-        if in_flight is not None:
+    samples: list[tuple[float, Scrape]] = []
+    async with asyncio.TaskGroup() as outer:
+        stop = asyncio.Event()
+        if config.server_metrics is not None and config.metrics_interval_s is not None:
+            outer.create_task(
+                _sample(config.server_metrics, config.metrics_interval_s, started, stop, samples)
+            )
+        try:
+            async with asyncio.TaskGroup() as group:
+                in_flight = config.profile.in_flight
+                if in_flight is not None:
 
-            async def worker() -> None:
-                while (index := issuer.take()) is not None:
-                    await send(index)
+                    async def worker() -> None:
+                        while (index := issuer.take()) is not None:
+                            await send(index)
 
-            for _ in range(in_flight):
-                group.create_task(worker())
-        else:
-            for offset in config.profile.arrivals(config.seed):
-                index = issuer.take(started + offset)
-                if index is None:
-                    break
-                delay = started + offset - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                group.create_task(send(index))
+                    for _ in range(in_flight):
+                        group.create_task(worker())
+                else:
+                    for offset in config.profile.arrivals(config.seed):
+                        index = issuer.take(started + offset)
+                        if index is None:
+                            break
+                        delay = started + offset - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        group.create_task(send(index))
+        finally:
+            stop.set()
     wall = time.perf_counter() - started
     cpu = time.process_time() - cpu_start
     records.sort(key=lambda r: r.index)
@@ -194,7 +212,24 @@ async def run_load(
             after = await scrape_when_idle(config.server_metrics)
         except ScrapeError as exc:
             error = str(exc)
-    return LoadRun(config, tuple(records), wall, cpu, before, after, error)
+    return LoadRun(config, tuple(records), wall, cpu, before, after, error, tuple(samples))
+
+
+async def _sample(
+    url: str,
+    interval_s: float,
+    started: float,
+    stop: asyncio.Event,
+    samples: list[tuple[float, Scrape]],
+) -> None:
+    """Scrape ``url`` every ``interval_s`` until ``stop``; a failed scrape is skipped (the
+    before and after scrapes say whether the metrics can be read at all)."""
+    while not stop.is_set():
+        with contextlib.suppress(ScrapeError):
+            samples.append((time.perf_counter() - started, await scrape(url)))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
 
 
 async def _conversation(

@@ -103,3 +103,17 @@ def change(before: Scrape, after: Scrape) -> dict[str, Any]:
         "mean": means,
         "held_at_end": {key: after.get(name) for key, name in _HELD.items()},
     }
+
+
+def during(samples: tuple[tuple[float, Scrape], ...]) -> dict[str, Any]:
+    """What the server held while the run went on: each held gauge's mean and peak over the
+    scrapes, and every scrape's readings."""
+    series: list[dict[str, float | None]] = [
+        {"at_s": at, **{key: scrape.get(name) for key, name in _HELD.items()}}
+        for at, scrape in samples
+    ]
+    peaks: dict[str, dict[str, float] | None] = {}
+    for key in _HELD:
+        values = [v for s in series if (v := s[key]) is not None]
+        peaks[key] = {"mean": sum(values) / len(values), "max": max(values)} if values else None
+    return {"scrapes": len(series), "held": peaks, "series": series}
