@@ -65,6 +65,8 @@ async def test_closed_loop_recovers_the_simulated_schedule(scheduled_server):
         assert request["tokens_per_event"] == 1.0
     assert summary["throughput"]["output_tokens"] == 180
     assert 0.0 <= summary["client"]["cpu_share_of_one_core"] < 1.0
+    assert summary["client"]["events_read"] == 180
+    assert 0.0 < summary["client"]["cpu_us_per_event"] < 50_000.0
 
 
 async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tmp_path):

@@ -100,9 +100,11 @@ def render(summary: dict[str, Any], console: Console) -> None:
     client = summary["client"]
     share = client["cpu_share_of_one_core"]
     warning = "  [bold red]the client may be the bottleneck[/]" if share > 0.8 else ""
+    per_event = client["cpu_us_per_event"]
+    cost = "" if per_event is None else f", {per_event:,.0f} µs per text event read"
     console.print(
         f"Load client CPU: {client['cpu_s']:,.2f} s over {rate['wall_s']:,.2f} s wall = "
-        f"{100 * share:.1f} % of one core{warning}",
+        f"{100 * share:.1f} % of one core{cost}{warning}",
         highlight=False,
     )
 

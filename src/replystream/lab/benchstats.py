@@ -273,9 +273,13 @@ def summarize(
     result["steady_state"] = steady_state(done, warmup_s, steady_bound)
     result["server"] = server_side(run)
     result["resume"] = resume_figures(per_request)
+    # The client's CPU covers every request it read, warm-up window and cut ones too.
+    events_read = sum(len(r.timing.text_event_ms) for r in run.records)
     result["client"] = {
         "cpu_s": run.client_cpu_s,
         "cpu_share_of_one_core": run.client_cpu_share,
+        "events_read": events_read,
+        "cpu_us_per_event": 1e6 * run.client_cpu_s / events_read if events_read else None,
     }
     config = run.config
     result["config"] = {
