@@ -11,6 +11,7 @@ are what is checked.
 from __future__ import annotations
 
 import asyncio
+import csv
 import itertools
 import json
 import random
@@ -88,6 +89,8 @@ async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tm
         str(out),
         "--plot",
         str(tmp_path / "plots"),
+        "--csv",
+        str(tmp_path / "bench.csv"),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -102,6 +105,10 @@ async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tm
             assert isinstance(result[metric][key], float)
     assert len(result["requests"]) == 6
     assert result["goodput"]["good_requests"] == 0  # nobody meets tpot <= 1 ms
+    text = await asyncio.to_thread((tmp_path / "bench.csv").read_text, encoding="utf-8")
+    rows = list(csv.DictReader(text.splitlines()))
+    assert [int(row["index"]) for row in rows] == list(range(6))
+    assert [float(row["ttft_ms"]) for row in rows] == [r["ttft_ms"] for r in result["requests"]]
     for name in ("ttft_cdf.png", "gap_histogram.png", "timeline.png"):
         png = await asyncio.to_thread((tmp_path / "plots" / name).read_bytes)
         assert png.startswith(b"\x89PNG")
@@ -379,6 +386,7 @@ async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
             *("--profile", "sweep", "--requests", "16", "--sweep-steps", "4"),
             *("--slo", "ttft=60,itl=30,e2el=300", "--slo-share", "0.9"),
             *("--json", str(out), "--plot", str(tmp_path / "plots")),
+            *("--csv", str(tmp_path / "sweep.csv")),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -417,6 +425,16 @@ async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
     assert not overload["goodput"]["held"]
     assert overload["goodput"]["share_of_requests"] < 0.85
     assert any("429" in reason for reason in overload["counts"]["failed_reasons"])
+    text = await asyncio.to_thread((tmp_path / "sweep.csv").read_text, encoding="utf-8")
+    rows = list(csv.DictReader(text.splitlines()))
+    # Every request of every run, in the JSON's order, with the run it belongs to.
+    expected = [
+        (str(n), r["index"])
+        for n, run in enumerate(result["runs"])
+        for r in run["summary"]["requests"]
+    ]
+    assert [(row["run"], int(row["index"])) for row in rows] == expected
+    assert {row["profile"] for row in rows} == {"synchronous", "throughput", "constant"}
     png = await asyncio.to_thread((tmp_path / "plots" / "sweep_latency.png").read_bytes)
     assert png.startswith(b"\x89PNG")
 

@@ -1,7 +1,7 @@
 """``replystream bench URL``: load any streaming endpoint and report TTFT, TPOT, ITL and E2EL.
 
 This file decides the order of work: run the load, or a sweep of loads, with a progress bar;
-summarize; then print, write JSON and plots. The flags are ``bench_args``, sending is
+summarize; then print, write JSON, CSV and plots. The flags are ``bench_args``, sending is
 ``load``, pacing is ``profiles``, the sweep's order is ``sweep``, the definitions are
 ``benchstats``, the table is ``bench_report``, the plots are ``bench_plots``; this file must
 not compute a metric itself.
@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from replystream.lab.bench_args import add_arguments as add_arguments
 from replystream.lab.bench_args import config_from_args
+from replystream.lab.bench_csv import write_csv
 from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import summarize
@@ -88,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         console.print(f"Wrote {args.json}.", highlight=False)
+    if args.csv:
+        write_csv(result, args.csv)
+        console.print(f"Wrote {args.csv}.", highlight=False)
     if args.plot:
         paths = plot(result, args.plot)
         console.print(f"Wrote {', '.join(str(p) for p in paths)}.", highlight=False)

@@ -234,6 +234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", type=output_file, metavar="FILE", help="write the full result here"
     )
+    parser.add_argument(
+        "--csv", type=output_file, metavar="FILE", help="write one row per request here"
+    )
     parser.add_argument("--plot", type=output_folder, metavar="DIR", help="write PNG plots here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
