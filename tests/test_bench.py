@@ -320,6 +320,10 @@ def test_lab_requests_keep_the_urls_own_query():
         ],
         ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
         ["bench", "http://127.0.0.1:1/stream", "--turns", "0"],
+        ["bench"],
+        ["bench", "--compare", str(WORKLOADS / "prompts.jsonl")],
+        ["bench", "--compare", str(WORKLOADS / "prompts.jsonl"), "/nonexistent.json"],
+        ["bench", "--compare", str(WORKLOADS / "prompts.jsonl"), str(WORKLOADS / "trace.jsonl")],
         ["bench", "http://127.0.0.1:1/stream", "--metrics-interval", "1"],
         ["bench", "http://127.0.0.1:1/stream", "--drop-share", "0.5", "--drop-after", "3"],
         ["bench", "http://127.0.0.1:1/v1/replies", "--drop-share", "0.5"],
@@ -772,3 +776,23 @@ async def test_drop_and_resume_counts_an_event_lost_and_one_repeated():
     assert timing.complete and outcome.resumed
     assert (outcome.lost, outcome.duplicated) == (1, 1)
     assert outcome.reconnect_ms is not None and outcome.reconnect_ms >= 0.0
+
+
+def test_compare_prints_two_saved_results_side_by_side_with_ratios(tmp_path, capsys):
+    def saved(name: str, scale: float) -> Path:
+        config = LoadConfig(url="http://h/stream", api="lab", requests=8)
+        records = tuple(_record(i, 0.1 * i, 50.0 * scale) for i in range(8))
+        path: Path = tmp_path / name
+        path.write_text(json.dumps(summarize(LoadRun(config, records, 1.0, 0.1))))
+        return path
+
+    code = main(["bench", "--compare", str(saved("a.json", 1.0)), str(saved("b.json", 2.0))])
+    out = capsys.readouterr().out
+    assert code == 0
+    ttft = next(line for line in out.splitlines() if "TTFT p50" in line)
+    # A's TTFT 50 ms, B's 100 ms: the ratio B / A is 2.
+    assert "50.00" in ttft and "100.00" in ttft and "2.00" in ttft
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"sweep": {}, "runs": []}))
+    assert main(["bench", "--compare", str(saved("c.json", 1.0)), str(sweep)]) == 2
+    assert "a sweep and the other a single run" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from replystream.lab.bench_args import add_arguments as add_arguments
 from replystream.lab.bench_args import config_from_args
+from replystream.lab.bench_compare import render_compare
 from replystream.lab.bench_csv import write_csv
 from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
@@ -56,6 +57,13 @@ async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare is not None:
+        return _compare(args)
+    if args.url is None:
+        print(
+            "replystream bench: give the endpoint URL (or --compare A.json B.json)", file=sys.stderr
+        )
+        return 2
     try:
         config, sweep = config_from_args(args)
         if config.api == "openai" and args.model is None:
@@ -96,3 +104,18 @@ def run(args: argparse.Namespace) -> int:
         paths = plot(result, args.plot)
         console.print(f"Wrote {', '.join(str(p) for p in paths)}.", highlight=False)
     return code
+
+
+def _compare(args: argparse.Namespace) -> int:
+    if args.url is not None:
+        print(
+            "replystream bench: --compare reads two files and sends nothing: drop the URL",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        render_compare(args.compare, report_console())
+    except ValueError as exc:
+        print(f"replystream bench: --compare: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -74,7 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "url",
         type=http_url,
-        help="endpoint: .../stream, .../v1/replies or .../chat/completions",
+        nargs="?",
+        help="endpoint: .../stream, .../v1/replies or .../chat/completions (not with --compare)",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        type=readable_file,
+        metavar=("A.json", "B.json"),
+        help="print two results --json wrote side by side, with B / A ratios, and send nothing",
     )
     parser.add_argument(
         "--api",
