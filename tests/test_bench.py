@@ -34,6 +34,7 @@ from replystream.lab.drop_resume import drop_and_resume
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.local_server import local_server
 from replystream.lab.profiles import Profile, arrival_offsets
+from replystream.lab.served_model import served_model
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import constant_rates
 from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
@@ -320,6 +321,9 @@ def test_lab_requests_keep_the_urls_own_query():
         ],
         ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
         ["bench", "http://127.0.0.1:1/stream", "--turns", "0"],
+        ["bench", "http://127.0.0.1:1/stream", "--header", "Authorization Bearer k"],
+        ["bench", "http://127.0.0.1:1/stream", "--header", "Host: example.com"],
+        ["bench", "http://127.0.0.1:1/stream", "--header", "Bad Name: x"],
         ["bench"],
         ["bench", "--compare", str(WORKLOADS / "prompts.jsonl")],
         ["bench", "--compare", str(WORKLOADS / "prompts.jsonl"), "/nonexistent.json"],
@@ -752,6 +756,7 @@ async def test_drop_and_resume_counts_an_event_lost_and_one_repeated():
 
     async def start(request: web.Request) -> web.StreamResponse:
         assert (await request.json())["resumable"] is True
+        assert request.headers["Authorization"] == "Bearer k"
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "X-Reply-Id": "r1"}
         )
@@ -762,6 +767,7 @@ async def test_drop_and_resume_counts_an_event_lost_and_one_repeated():
 
     async def resume(request: web.Request) -> web.StreamResponse:
         assert request.headers["Last-Event-ID"] == "3"
+        assert request.headers["Authorization"] == "Bearer k"
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         # 3 again (a duplicate), 4 never sent (lost), then the rest.
@@ -772,7 +778,9 @@ async def test_drop_and_resume_counts_an_event_lost_and_one_repeated():
     app.router.add_post("/v1/replies", start)
     app.router.add_get("/v1/replies/r1/stream", resume)
     async with running(app) as url:
-        timing, outcome = await drop_and_resume(f"{url}/v1/replies", {"prompt": "x"}, 2, 5.0)
+        timing, outcome = await drop_and_resume(
+            f"{url}/v1/replies", {"prompt": "x"}, 2, 5.0, {"Authorization": "Bearer k"}
+        )
     assert timing.complete and outcome.resumed
     assert (outcome.lost, outcome.duplicated) == (1, 1)
     assert outcome.reconnect_ms is not None and outcome.reconnect_ms >= 0.0
@@ -796,3 +804,52 @@ def test_compare_prints_two_saved_results_side_by_side_with_ratios(tmp_path, cap
     sweep.write_text(json.dumps({"sweep": {}, "runs": []}))
     assert main(["bench", "--compare", str(saved("c.json", 1.0)), str(sweep)]) == 2
     assert "a sweep and the other a single run" in capsys.readouterr().err
+
+
+async def test_custom_headers_go_with_every_request_the_model_lookup_and_the_scrapes():
+    seen: list[tuple[str, str | None]] = []
+
+    def check(request: web.Request) -> None:
+        seen.append((request.path, request.headers.get("Authorization")))
+        if request.headers.get("Authorization") != "Bearer k":
+            raise web.HTTPUnauthorized()
+
+    async def models(request: web.Request) -> web.Response:
+        check(request)
+        return web.json_response({"data": [{"id": "m1"}]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        check(request)
+        return web.Response(text="replystream_tokens_generated_total 0\n")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        check(request)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": "ok"}}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", completions)
+    headers = {"Authorization": "Bearer k"}
+    async with running(app) as url:
+        target = f"{url}/v1/chat/completions"
+        model = await served_model(target, headers=headers)
+        config = LoadConfig(
+            url=target,
+            api="openai",
+            requests=3,
+            model=model,
+            server_metrics=metrics_url(url),
+            metrics_interval_s=0.01,
+            headers=tuple(headers.items()),
+        )
+        summary = summarize(await run_load(config))
+    assert model == "m1" and summary["counts"]["complete"] == 3
+    assert "error" not in summary["server"]
+    paths = {path for path, _ in seen}
+    assert paths == {"/v1/models", "/metrics", "/v1/chat/completions"}
+    assert all(auth == "Bearer k" for _, auth in seen)

@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, sweep = config_from_args(args)
         if config.api == "openai" and args.model is None:
-            config, sweep = config_from_args(args, asyncio.run(served_model(args.url)))
+            config, sweep = config_from_args(
+                args, asyncio.run(served_model(args.url, headers=dict(args.header)))
+            )
     except ValueError as exc:
         print(f"replystream bench: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ workload files the flags name. It must not send a request or compute a metric.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -65,6 +66,23 @@ def _cancel_share(text: str) -> float:
         raise argparse.ArgumentTypeError(f"want {_cancel.wants}, got {text}")
     return value
 
+
+# Headers the measuring client writes itself: one sent by the user would be a second copy.
+_OWN_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding"})
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, colon, value = text.partition(":")
+    name, value = name.strip(), value.strip()
+    if not colon or not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\0"):
+        raise argparse.ArgumentTypeError(f"want 'NAME: VALUE' (one line), got {text!r}")
+    if name.lower() in _OWN_HEADERS:
+        raise argparse.ArgumentTypeError(f"{name} is written by the client itself")
+    return name, value
+
+
+header = Checker("'NAME: VALUE', a header the client does not write itself", _header)
 
 # --cancel-share and --drop-share: a share of conversations, 0 (none) to 1.
 cancel_share = Checker(_cancel.wants, _cancel_share)
@@ -210,6 +228,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=0,
         help="a system prompt of N words every request shares (a common prefix)",
+    )
+    parser.add_argument(
+        "--header",
+        action="append",
+        type=header,
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a header sent with every request, resume and scrape (repeatable), e.g. "
+        "'Authorization: Bearer KEY'",
     )
     parser.add_argument(
         "--model",
@@ -373,6 +400,7 @@ def config_from_args(
         drop_after=args.drop_after or 1,
         server_metrics=metrics_url(args.url) if args.server_metrics else None,
         metrics_interval_s=args.metrics_interval,
+        headers=tuple(args.header),
         model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,

@@ -115,20 +115,30 @@ async def _follow(
 
 
 async def drop_and_resume(
-    url: str, json_body: dict[str, Any], drop_after_tokens: int, timeout_s: float
+    url: str,
+    json_body: dict[str, Any],
+    drop_after_tokens: int,
+    timeout_s: float,
+    headers: dict[str, str] | None = None,
 ) -> tuple[ReplyTiming, ResumeOutcome]:
     """Start a resumable reply at ``url`` (the native route), drop it after
-    ``drop_after_tokens`` tokens, resume it and read it to the end."""
+    ``drop_after_tokens`` tokens, resume it and read it to the end (``headers`` sent on
+    both connections)."""
     read = _Read(time.perf_counter())
     body = json.dumps({**json_body, "resumable": True}).encode()
-    headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+    extra = headers or {}
+    start_headers = {"Accept": "text/event-stream", "Content-Type": "application/json", **extra}
     reconnect_ms: float | None = None
     resumed = False
     try:
         async with asyncio.timeout(timeout_s):
-            await _follow(read, url, "POST", body, headers, drop_after_tokens)
+            await _follow(read, url, "POST", body, start_headers, drop_after_tokens)
             if not read.complete and read.error is None and read.reply_id and read.ids:
-                again = {"Accept": "text/event-stream", "Last-Event-ID": str(read.ids[-1])}
+                again = {
+                    "Accept": "text/event-stream",
+                    **extra,
+                    "Last-Event-ID": str(read.ids[-1]),
+                }
                 sent = time.perf_counter()
                 first = await _follow(read, resume_url(url, read.reply_id), "GET", b"", again, 0)
                 resumed = read.error is None

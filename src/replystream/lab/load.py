@@ -56,6 +56,8 @@ class LoadConfig:
     # Scrape this Prometheus /metrics after the warm-up and when the run ended, if set.
     server_metrics: str | None = None
     metrics_interval_s: float | None = None  # ... and during the run at this interval
+    # Sent with every request, resume and scrape (an Authorization a deployment wants).
+    headers: tuple[tuple[str, str], ...] = ()
     model: str = "default"
     seed: int = 0
     timeout_s: float = 300.0
@@ -159,7 +161,7 @@ async def run_load(
     error: str | None = None
     if config.server_metrics is not None:
         try:
-            before = await scrape(config.server_metrics)
+            before = await scrape(config.server_metrics, dict(config.headers))
         except ScrapeError as exc:
             error = str(exc)
     cpu_start = time.process_time()
@@ -179,7 +181,14 @@ async def run_load(
         stop = asyncio.Event()
         if config.server_metrics is not None and config.metrics_interval_s is not None:
             outer.create_task(
-                _sample(config.server_metrics, config.metrics_interval_s, started, stop, samples)
+                _sample(
+                    config.server_metrics,
+                    dict(config.headers),
+                    config.metrics_interval_s,
+                    started,
+                    stop,
+                    samples,
+                )
             )
         try:
             async with asyncio.TaskGroup() as group:
@@ -209,7 +218,7 @@ async def run_load(
     after: Scrape | None = None
     if config.server_metrics is not None and before is not None:
         try:
-            after = await scrape_when_idle(config.server_metrics)
+            after = await scrape_when_idle(config.server_metrics, dict(config.headers))
         except ScrapeError as exc:
             error = str(exc)
     return LoadRun(config, tuple(records), wall, cpu, before, after, error, tuple(samples))
@@ -217,6 +226,7 @@ async def run_load(
 
 async def _sample(
     url: str,
+    headers: dict[str, str],
     interval_s: float,
     started: float,
     stop: asyncio.Event,
@@ -226,7 +236,7 @@ async def _sample(
     before and after scrapes say whether the metrics can be read at all)."""
     while not stop.is_set():
         with contextlib.suppress(ScrapeError):
-            samples.append((time.perf_counter() - started, await scrape(url)))
+            samples.append((time.perf_counter() - started, await scrape(url, headers)))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(interval_s):
                 await stop.wait()
@@ -274,13 +284,14 @@ async def _conversation(
         resume: ResumeOutcome | None = None
         if drops and turn == 0 and spec.json_body is not None:
             timing, resume = await drop_and_resume(
-                spec.url, spec.json_body, config.drop_after, config.timeout_s
+                spec.url, spec.json_body, config.drop_after, config.timeout_s, dict(config.headers)
             )
         else:
             timing = await measure_reply(
                 spec.url,
                 method=spec.method,
                 json_body=spec.json_body,
+                headers=dict(config.headers),
                 timeout_s=config.timeout_s,
                 stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
             )
