@@ -34,7 +34,9 @@ from replystream.lab.sweep import run_sweep
 
 
 async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
-    total = config.requests
+    # The bar counts requests; --requests counts conversations of up to --turns requests each
+    # (a dataset's conversation may end sooner, leaving the bar short of full).
+    total = None if config.requests is None else config.requests * config.turns
     with Progress(
         TextColumn(f"[bold]bench[/] {config.profile.kind}"),
         BarColumn(),
