@@ -414,21 +414,22 @@ async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
     sweep = result["sweep"]
     profiles = [run["profile"] for run in result["runs"]]
     assert profiles == ["synchronous", "throughput", *["constant"] * 4]
-    # One request at a time takes 100 ms (plus overhead): about 10 per second.
-    assert 7.0 <= sweep["synchronous_rate"] <= 10.0
+    # One request at a time takes 100 ms (plus overhead): at most 10 per second.
+    assert 5.0 <= sweep["synchronous_rate"] <= 10.0
     # Every request at once: the 4 admitted finish together, the rest are refused.
-    assert 0.7 * CAPACITY_PER_S <= sweep["max_throughput_rate"] <= CAPACITY_PER_S
+    assert 0.5 * CAPACITY_PER_S <= sweep["max_throughput_rate"] <= CAPACITY_PER_S
     rates = sweep["rates"]
     assert rates == sorted(rates) and rates[-1] == pytest.approx(sweep["max_throughput_rate"])
     # The knee is the top rate (just under the capacity) or, when a late timer let a fifth
     # request overlap there, the one below: within one sweep step of the capacity's rate.
     assert rates[-1] - sweep["step"] - 1e-9 <= sweep["knee_rate"] <= CAPACITY_PER_S
     # The schedule is recovered from the synchronous run: TTFT 20 + 4 ms, ITL 4 ms,
-    # E2EL 20 + 20 x 4 ms (timers fire late, never early).
+    # E2EL 20 + 20 x 4 ms. Timers fire late, never early; a quiet machine is within 3 ms
+    # (docs/tools.md), the upper bounds leave room for a machine busy with other work.
     synchronous = result["runs"][0]["summary"]
-    assert 24.0 <= synchronous["ttft_ms"]["p50"] <= 30.0
-    assert 3.0 <= synchronous["itl_ms"]["p50"] <= 5.0
-    assert 100.0 <= synchronous["e2el_ms"]["p50"] <= 108.0
+    assert 24.0 <= synchronous["ttft_ms"]["p50"] <= 36.0
+    assert 3.0 <= synchronous["itl_ms"]["p50"] <= 6.0
+    assert 100.0 <= synchronous["e2el_ms"]["p50"] <= 115.0
     assert synchronous["goodput"]["held"] and synchronous["counts"]["failed"] == 0
     assert not overload["goodput"]["held"]
     assert overload["goodput"]["share_of_requests"] < 0.85
