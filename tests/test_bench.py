@@ -11,26 +11,38 @@ are what is checked.
 from __future__ import annotations
 
 import asyncio
+import csv
 import itertools
 import json
+import random
 import statistics
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from replystream.cli import main
+from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.lab.benchstats import SLO, summarize
-from replystream.lab.load import LoadConfig, run_load
+from replystream.lab.datasets import read_dataset, read_trace
+from replystream.lab.drop_resume import drop_and_resume
+from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.local_server import local_server
-from replystream.lab.workload import Lengths, arrival_offsets, build_request, detect_api
+from replystream.lab.profiles import Profile, arrival_offsets
+from replystream.lab.served_model import served_model
+from replystream.lab.server_metrics import metrics_url
+from replystream.lab.sweep import constant_rates
+from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
 from replystream.server import running
 from tests.conftest import serve_engine
 from tests.services import free_port
 
+WORKLOADS = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads"
 SCHEDULE = ["--first-token-ms", "200", "--delay-ms", "20", "--jitter-ms", "0", "--tokens", "30"]
 
 
@@ -41,7 +53,9 @@ async def scheduled_server() -> AsyncIterator[str]:
 
 
 async def test_closed_loop_recovers_the_simulated_schedule(scheduled_server):
-    config = LoadConfig(url=f"{scheduled_server}/stream", api="lab", concurrency=2, requests=6)
+    config = LoadConfig(
+        url=f"{scheduled_server}/stream", api="lab", profile=Profile("concurrent", 2), requests=6
+    )
     summary = summarize(await run_load(config))
     assert summary["counts"]["complete"] == 6
     assert 219.0 <= summary["ttft_ms"]["p50"] <= 270.0  # configured: 200 + 20
@@ -53,6 +67,8 @@ async def test_closed_loop_recovers_the_simulated_schedule(scheduled_server):
         assert request["tokens_per_event"] == 1.0
     assert summary["throughput"]["output_tokens"] == 180
     assert 0.0 <= summary["client"]["cpu_share_of_one_core"] < 1.0
+    assert summary["client"]["events_read"] == 180
+    assert 0.0 < summary["client"]["cpu_us_per_event"] < 50_000.0
 
 
 async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tmp_path):
@@ -74,6 +90,8 @@ async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tm
         str(out),
         "--plot",
         str(tmp_path / "plots"),
+        "--csv",
+        str(tmp_path / "bench.csv"),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -88,6 +106,10 @@ async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tm
             assert isinstance(result[metric][key], float)
     assert len(result["requests"]) == 6
     assert result["goodput"]["good_requests"] == 0  # nobody meets tpot <= 1 ms
+    text = await asyncio.to_thread((tmp_path / "bench.csv").read_text, encoding="utf-8")
+    rows = list(csv.DictReader(text.splitlines()))
+    assert [int(row["index"]) for row in rows] == list(range(6))
+    assert [float(row["ttft_ms"]) for row in rows] == [r["ttft_ms"] for r in result["requests"]]
     for name in ("ttft_cdf.png", "gap_histogram.png", "timeline.png"):
         png = await asyncio.to_thread((tmp_path / "plots" / name).read_bytes)
         assert png.startswith(b"\x89PNG")
@@ -116,8 +138,7 @@ async def test_open_loop_issues_on_schedule_while_replies_are_in_flight():
         config = LoadConfig(
             url=f"{url}/stream",
             api="lab",
-            concurrency=None,
-            rate=40.0,
+            profile=Profile("poisson", rate=40.0),
             requests=12,
             output_tokens=Lengths.parse("uniform:5:15", minimum=1),
             seed=3,
@@ -137,7 +158,7 @@ async def test_duration_bounds_issuing_and_every_issued_request_finishes():
         config = LoadConfig(
             url=f"{url}/stream?max_tokens=10",
             api="lab",
-            concurrency=2,
+            profile=Profile("concurrent", 2),
             requests=None,
             duration_s=0.5,
         )
@@ -170,7 +191,7 @@ async def test_goodput_counts_only_requests_within_every_slo():
     assert loose["goodput"]["good_requests"] == 4
     assert strict["goodput"]["good_requests"] == 0
     with pytest.raises(ValueError, match="metric must be one of"):
-        SLO.parse("itl:5")
+        SLO.parse("queue:5")
 
 
 async def test_native_replies_endpoint_counts_tokens_per_event():
@@ -236,7 +257,103 @@ def test_lab_requests_keep_the_urls_own_query():
     "argv",
     [
         ["bench", "https://example.com/stream"],
-        ["bench", "http://127.0.0.1:1/stream", "--slo", "itl:5"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "queue=5"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=0"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5,ttft=6"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5", "ttft:6"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo-share", "1.5"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "constant"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "concurrent"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "synchronous", "--rate", "5"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "poisson", "--concurrency", "2"],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--rate",
+            "3",
+            "--profile",
+            "constant",
+            "--burstiness",
+            "2",
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "sweep"],
+        ["bench", "http://127.0.0.1:1/stream", "--profile", "throughput", "--duration", "2"],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--profile",
+            "throughput",
+            "--requests",
+            "4",
+            "--warmup-s",
+            "1",
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--sweep-steps", "3"],
+        ["bench", "http://127.0.0.1:1/stream", "--duration", "1", "--warmup-s", "2"],
+        ["bench", "http://127.0.0.1:1/stream", "--steady-bound", "0"],
+        ["bench", "http://127.0.0.1:1/stream", "--prompt-words", "hist:/nonexistent.hist"],
+        ["bench", "http://127.0.0.1:1/stream", "--dataset", "/nonexistent.jsonl"],
+        ["bench", "http://127.0.0.1:1/stream", "--dataset", str(WORKLOADS / "trace.jsonl")],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--dataset",
+            str(WORKLOADS / "prompts.jsonl"),
+            "--prompt-words",
+            "5",
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--trace", str(WORKLOADS / "prompts.jsonl")],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--trace",
+            str(WORKLOADS / "trace.jsonl"),
+            "--rate",
+            "5",
+        ],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--trace",
+            str(WORKLOADS / "trace.jsonl"),
+            "--dataset",
+            str(WORKLOADS / "prompts.jsonl"),
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--system-prompt-words", "-1"],
+        ["bench", "http://127.0.0.1:1/stream", "--turns", "0"],
+        ["bench", "http://127.0.0.1:1/stream", "--header", "Authorization Bearer k"],
+        ["bench", "http://127.0.0.1:1/stream", "--header", "Host: example.com"],
+        ["bench", "http://127.0.0.1:1/stream", "--header", "Bad Name: x"],
+        ["bench"],
+        ["bench", "--compare", str(WORKLOADS / "prompts.jsonl")],
+        ["bench", "--compare", str(WORKLOADS / "prompts.jsonl"), "/nonexistent.json"],
+        ["bench", "--compare", str(WORKLOADS / "prompts.jsonl"), str(WORKLOADS / "trace.jsonl")],
+        ["bench", "http://127.0.0.1:1/stream", "--metrics-interval", "1"],
+        ["bench", "http://127.0.0.1:1/stream", "--drop-share", "0.5", "--drop-after", "3"],
+        ["bench", "http://127.0.0.1:1/v1/replies", "--drop-share", "0.5"],
+        [
+            "bench",
+            "http://127.0.0.1:1/v1/replies",
+            "--drop-share",
+            "0.7",
+            "--drop-after",
+            "3",
+            "--cancel-share",
+            "0.5",
+            "--cancel-after",
+            "2",
+        ],
+        ["bench", "http://127.0.0.1:1/stream", "--cancel-share", "0.5"],
+        ["bench", "http://127.0.0.1:1/stream", "--cancel-after", "3"],
+        ["bench", "http://127.0.0.1:1/stream", "--cancel-share", "1.5", "--cancel-after", "3"],
+        [
+            "bench",
+            "http://127.0.0.1:1/stream",
+            "--trace",
+            str(WORKLOADS / "trace.jsonl"),
+            "--turns",
+            "2",
+        ],
         ["bench", "http://127.0.0.1:1/stream", "--output-tokens", "uniform:9:3"],
         ["doctor", "ftp://example.com/stream"],
     ],
@@ -249,3 +366,491 @@ def test_usage_errors_exit_2_before_sending_anything(argv, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"replystream {argv[0]}:") and err.count("\n") == 1
+
+
+# A capacity the schedule states: every reply takes 20 ms before its first token and then 20
+# tokens 4 ms apart (100 ms), and the server admits 4 open requests per client (more get 429),
+# so it completes at most 4 / 0.1 s = 40 requests per second.
+CAPACITY_SCHEDULE = [
+    "--first-token-ms",
+    "20",
+    "--delay-ms",
+    "4",
+    "--jitter-ms",
+    "0",
+    "--tokens",
+    "20",
+    "--max-concurrent-per-client",
+    "4",
+]
+CAPACITY_PER_S = 4 / 0.100
+
+
+async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
+    out = tmp_path / "sweep.json"
+    async with local_server(CAPACITY_SCHEDULE) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream", "--quiet"),
+            *("--profile", "sweep", "--requests", "16", "--sweep-steps", "4"),
+            *("--slo", "ttft=60,itl=30,e2el=300", "--slo-share", "0.9"),
+            *("--json", str(out), "--plot", str(tmp_path / "plots")),
+            *("--csv", str(tmp_path / "sweep.csv")),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await process.communicate()
+        # Above the capacity, the 429s are counted against goodput: it does not hold.
+        over = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            profile=Profile("constant", rate=1.5 * CAPACITY_PER_S),
+            requests=24,
+        )
+        slo = SLO.parse_list("ttft=60,itl=30,e2el=300")
+        overload = summarize(await run_load(over), slo, slo_share=0.9)
+    assert process.returncode == 0, stderr.decode()
+    assert "Knee:" in stdout.decode() and "(knee)" in stdout.decode()
+    result = await asyncio.to_thread(lambda: json.loads(out.read_text()))
+    sweep = result["sweep"]
+    profiles = [run["profile"] for run in result["runs"]]
+    assert profiles == ["synchronous", "throughput", *["constant"] * 4]
+    # One request at a time takes 100 ms (plus overhead): at most 10 per second.
+    assert 5.0 <= sweep["synchronous_rate"] <= 10.0
+    # Every request at once: the 4 admitted finish together, the rest are refused.
+    assert 0.5 * CAPACITY_PER_S <= sweep["max_throughput_rate"] <= CAPACITY_PER_S
+    rates = sweep["rates"]
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(sweep["max_throughput_rate"])
+    # The knee is the top rate (just under the capacity) or, when a late timer let a fifth
+    # request overlap there, the one below: within one sweep step of the capacity's rate.
+    assert rates[-1] - sweep["step"] - 1e-9 <= sweep["knee_rate"] <= CAPACITY_PER_S
+    # The schedule is recovered from the synchronous run: TTFT 20 + 4 ms, ITL 4 ms,
+    # E2EL 20 + 20 x 4 ms. Timers fire late, never early; a quiet machine is within 3 ms
+    # (docs/tools.md), the upper bounds leave room for a machine busy with other work.
+    synchronous = result["runs"][0]["summary"]
+    assert 24.0 <= synchronous["ttft_ms"]["p50"] <= 36.0
+    assert 3.0 <= synchronous["itl_ms"]["p50"] <= 6.0
+    assert 100.0 <= synchronous["e2el_ms"]["p50"] <= 115.0
+    assert synchronous["goodput"]["held"] and synchronous["counts"]["failed"] == 0
+    assert not overload["goodput"]["held"]
+    assert overload["goodput"]["share_of_requests"] < 0.85
+    assert any("429" in reason for reason in overload["counts"]["failed_reasons"])
+    text = await asyncio.to_thread((tmp_path / "sweep.csv").read_text, encoding="utf-8")
+    rows = list(csv.DictReader(text.splitlines()))
+    # Every request of every run, in the JSON's order, with the run it belongs to.
+    expected = [
+        (str(n), r["index"])
+        for n, run in enumerate(result["runs"])
+        for r in run["summary"]["requests"]
+    ]
+    assert [(row["run"], int(row["index"])) for row in rows] == expected
+    assert {row["profile"] for row in rows} == {"synchronous", "throughput", "constant"}
+    png = await asyncio.to_thread((tmp_path / "plots" / "sweep_latency.png").read_bytes)
+    assert png.startswith(b"\x89PNG")
+
+
+async def test_warmup_window_keeps_early_requests_out_of_every_figure():
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=5",
+            api="lab",
+            profile=Profile("constant", rate=20.0),
+            requests=None,
+            duration_s=1.0,
+        )
+        run = await run_load(config)
+    summary = summarize(run, warmup_s=0.5)
+    early = [r for r in summary["requests"] if r["start_s"] < 0.5]
+    assert len(early) >= 8 and all(r["warmup"] for r in early)
+    measured = len(run.records) - len(early)
+    assert summary["counts"]["warmup_requests"] == len(early)
+    assert summary["counts"]["requests"] == summary["ttft_ms"]["count"] == measured
+    assert summary["throughput"]["output_tokens"] == 5 * measured
+
+
+def _record(index: int, start_s: float, ttft_ms: float) -> RequestRecord:
+    events = tuple(ttft_ms + 10.0 * i for i in range(5))
+    timing = ReplyTiming(
+        url="http://h/stream",
+        streamed=True,
+        complete=True,
+        error=None,
+        status=200,
+        headers_ms=1.0,
+        first_byte_ms=ttft_ms,
+        first_text_ms=ttft_ms,
+        last_text_ms=events[-1],
+        closed_ms=events[-1] + 1.0,
+        body_bytes=100,
+        text="a b c d e",
+        tokens=5,
+        text_event_ms=events,
+    )
+    return RequestRecord(index, start_s, 0, None, timing)
+
+
+def test_steady_state_marks_a_run_whose_second_half_slowed_down():
+    config = LoadConfig(url="http://h/stream", api="lab", requests=8)
+    flat = LoadRun(config, tuple(_record(i, 0.1 * i, 50.0) for i in range(8)), 1.0, 0.1)
+    # A queue that grows: each request waits 40 ms longer than the one before.
+    growing = LoadRun(config, tuple(_record(i, 0.1 * i, 50.0 + 40 * i) for i in range(8)), 1.0, 0.1)
+    assert summarize(flat)["steady_state"]["steady"] is True
+    judged = summarize(growing, steady_bound=0.5)["steady_state"]
+    assert judged["steady"] is False
+    assert judged["change"]["ttft_ms"]["first_half_p50"] == pytest.approx(110.0)
+    assert judged["change"]["ttft_ms"]["second_half_p50"] == pytest.approx(270.0)
+    assert summarize(growing, steady_bound=2.0)["steady_state"]["steady"] is True
+    too_few = LoadRun(config, (_record(0, 0.0, 50.0), _record(1, 0.5, 50.0)), 1.0, 0.1)
+    assert summarize(too_few)["steady_state"]["steady"] is None
+
+
+def test_profiles_pace_their_arrivals():
+    constant = Profile("constant", rate=4.0).arrivals(seed=0)
+    assert [next(constant) for _ in range(4)] == [0.0, 0.25, 0.5, 0.75]
+    burst = Profile("throughput").arrivals(seed=0)
+    assert [next(burst) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert Profile.synchronous().in_flight == 1 and Profile("concurrent", 3).in_flight == 3
+    with pytest.raises(ValueError, match="closed loop"):
+        Profile("concurrent", 3).arrivals(seed=0)
+
+
+def test_sweep_rates_are_evenly_spaced_up_to_the_maximum():
+    assert constant_rates(2.0, 10.0, 4) == [4.0, 6.0, 8.0, 10.0]
+    assert constant_rates(5.0, 5.0, 4) == []
+
+
+def test_histogram_lengths_are_drawn_in_proportion_to_their_weights(tmp_path):
+    hist = tmp_path / "lengths.hist"
+    hist.write_text("# length weight\n10 3\n100, 1\n\n500 0\n")
+    lengths = Lengths.parse(f"hist:{hist}")
+    rng = random.Random(0)
+    drawn = Counter(lengths.draw(rng) for _ in range(4000))
+    assert set(drawn) == {10, 100}
+    assert drawn[10] / 4000 == pytest.approx(0.75, abs=0.03)
+    shipped = Lengths.parse(f"hist:{WORKLOADS / 'prompt_words.hist'}")
+    assert shipped.values == (8, 16, 32, 64, 128, 512, 1024)
+    hist.write_text("10 3\nten 1\n")
+    with pytest.raises(ValueError, match="line 2"):
+        Lengths.parse(f"hist:{hist}")
+
+
+def test_datasets_read_prompts_sharegpt_and_messages_with_their_reply_lengths():
+    plain = read_dataset(WORKLOADS / "prompts.jsonl")
+    assert len(plain) == 5 and plain[0].output_tokens == 60 and plain[3].output_tokens is None
+    shared = read_dataset(WORKLOADS / "sharegpt.jsonl")
+    assert [p.text for p in shared] == [
+        "How do I stream a reply from a web server?",
+        "What is a token?",
+        "Why does nginx buffer responses?",
+    ]
+    # The reply that follows the first user turn gives the length asked for, in words.
+    assert [p.output_tokens for p in shared] == [23, 11, 20]
+
+
+async def test_dataset_prompts_and_a_shared_system_prompt_reach_a_chat_endpoint():
+    bodies: list[dict[str, Any]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": "ok"}}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    async with running(app) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/chat/completions",
+            api="openai",
+            profile=Profile("concurrent", 2),
+            requests=12,
+            model="m",
+            prompts=read_dataset(WORKLOADS / "sharegpt.jsonl"),
+            system_words=6,
+            warmup=False,
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 12
+    system = {"role": "system", "content": "you are a helpful assistant answer"}
+    asked = {(b["messages"][1]["content"], b["max_tokens"]) for b in bodies}
+    assert all(b["messages"][0] == system for b in bodies)
+    assert asked <= {
+        ("How do I stream a reply from a web server?", 23),
+        ("What is a token?", 11),
+        ("Why does nginx buffer responses?", 20),
+    }
+    assert len(asked) >= 2  # drawn per request from the seed, not one prompt over and over
+
+
+def test_a_system_prompt_leads_the_text_of_apis_without_messages():
+    spec = build_request(
+        "native", "http://h/v1/replies", prompt="hi", max_tokens=3, model="x", system="be brief"
+    )
+    assert spec.json_body == {"prompt": "be brief\n\nhi", "max_tokens": 3}
+
+
+async def test_trace_replays_its_arrival_times_and_lengths():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))
+    times, prompts = read_trace(WORKLOADS / "trace.jsonl")
+    assert times == pytest.approx((0.0, 0.05, 0.12, 0.30, 0.31, 0.50))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            profile=Profile("trace", times=times),
+            requests=len(times),
+            prompts=prompts,
+            prompts_in_order=True,
+        )
+        run = await run_load(config)
+    assert [r.timing.tokens for r in run.records] == [8, 16, 4, 12, 6, 10]
+    assert [r.prompt_words for r in run.records] == [12, 40, 5, 100, 8, 20]
+    for record, at in zip(run.records, times, strict=True):
+        # Sent at the recorded time: never early, and late only by a timer's slack.
+        assert at - 0.002 <= record.start_s <= at + 0.05
+
+
+async def test_multi_turn_conversations_resend_their_history_with_the_replies_received():
+    bodies: list[dict[str, Any]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        reply = f"reply{len(body['messages'])}"
+        chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": reply}}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    conversation = Prompt("What is a token?", 11, (Prompt("How many per word?", 7),))
+    async with running(app) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/chat/completions",
+            api="openai",
+            requests=2,
+            model="m",
+            prompts=(conversation,),
+            system_words=2,
+            turns=3,  # the conversation has 2 user turns: it ends there
+            warmup=False,
+        )
+        summary = summarize(await run_load(config))
+    assert [r["turn"] for r in summary["requests"]] == [0, 1, 0, 1]
+    assert summary["counts"]["complete"] == 4
+    system = {"role": "system", "content": "you are"}
+    first = [system, {"role": "user", "content": "What is a token?"}]
+    # The second turn resends the first and the reply it got (a shared prefix that grows).
+    second = [
+        *first,
+        {"role": "assistant", "content": "reply2"},
+        {"role": "user", "content": "How many per word?"},
+    ]
+    assert [b["messages"] for b in bodies] == [first, second, first, second]
+    assert [b["max_tokens"] for b in bodies] == [11, 7, 11, 7]
+    assert [r["prompt_words"] for r in summary["requests"]] == [4, 9, 4, 9]
+
+
+def test_sharegpt_conversations_keep_their_follow_up_turns():
+    second = read_dataset(WORKLOADS / "sharegpt.jsonl")[1]
+    assert second.text == "What is a token?"
+    assert second.follow_ups == (Prompt("How many per word?", 7),)
+
+
+async def test_synthetic_turns_go_to_a_text_api_as_paragraphs_of_history():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/replies",
+            api="native",
+            requests=2,
+            prompt_words=Lengths.parse("3"),
+            output_tokens=Lengths.parse("4"),
+            turns=3,
+        )
+        run = await run_load(config)
+    assert [r.turn for r in run.records] == [0, 1, 2, 0, 1, 2]
+    assert all(r.timing.complete and r.timing.tokens == 4 for r in run.records)
+    # Each turn resends 3 prompt words and 4 reply words per earlier turn.
+    assert [r.prompt_words for r in run.records] == [3, 10, 17, 3, 10, 17]
+
+
+async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show():
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "40"]
+    async with local_server(schedule) as url:
+        config = LoadConfig(
+            url=f"{url}/stream",
+            api="lab",
+            profile=Profile("concurrent", 5),
+            requests=12,
+            cancel_share=0.5,
+            cancel_after=3,
+            server_metrics=metrics_url(url),
+            metrics_interval_s=0.03,
+        )
+        summary = summarize(await run_load(config))
+    counts = summary["counts"]
+    cancelled = [r for r in summary["requests"] if r["error"] and "cancelled" in r["error"]]
+    assert counts["cancelled"] == len(cancelled) >= 2 and counts["complete"] >= 2
+    assert counts["complete"] + counts["cancelled"] == 12
+    assert all(r["tokens"] == 3 for r in cancelled)
+    server = summary["server"]
+    assert server["replies"] == {"finished": counts["complete"], "cancelled": counts["cancelled"]}
+    # Had the server gone on generating for readers that left, each would add 37 tokens.
+    assert 0 <= server["excess_tokens"] <= 2 * counts["cancelled"]
+    assert server["held_at_end"]["active_streams"] == 0
+    assert 0.0 <= server["ttft_gap_ms"] < 100.0
+    # Scraped during the run too: the streams it held, at most the 5 in flight (and a reply
+    # whose reader just left, not yet noticed).
+    during = server["during"]
+    assert during["scrapes"] >= 2 and len(during["series"]) == during["scrapes"]
+    assert 1 <= during["held"]["active_streams"]["max"] <= 7
+    # Goodput is judged over the replies not cut on purpose.
+    assert summary["goodput"]["share_of_requests"] == 1.0
+
+
+async def test_server_metrics_that_cannot_be_read_are_reported_not_fatal():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=3",
+            api="lab",
+            requests=2,
+            server_metrics=f"{url}/no-metrics-here",
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2
+    assert "HTTP 404" in summary["server"]["error"]
+
+
+async def test_dropped_readers_resume_with_last_event_id_losing_and_repeating_nothing():
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "40"]
+    async with local_server(schedule) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/replies",
+            api="native",
+            profile=Profile("concurrent", 4),
+            requests=10,
+            drop_share=0.6,
+            drop_after=5,
+        )
+        summary = summarize(await run_load(config))
+    resume = summary["resume"]
+    dropped = [r for r in summary["requests"] if r["resume"] is not None]
+    assert resume["drops"] == len(dropped) >= 3 and resume["resumed"] == resume["drops"]
+    assert (resume["lost"], resume["duplicated"]) == (0, 0)
+    assert summary["counts"]["complete"] == 10
+    # A resumed reply is read whole: the tokens before the drop and every one after it.
+    assert all(r["tokens"] == 40 and r["resume"]["dropped_after_tokens"] == 5 for r in dropped)
+    assert 0.0 < resume["reconnect_ms"]["p50"] < 200.0
+
+
+async def test_drop_and_resume_counts_an_event_lost_and_one_repeated():
+    def event(seq: int, kind: str, data: dict[str, Any]) -> bytes:
+        return f"event: {kind}\nid: {seq}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def token(seq: int) -> bytes:
+        return event(seq, "token", {"text": f"t{seq} ", "tokens": 1})
+
+    async def start(request: web.Request) -> web.StreamResponse:
+        assert (await request.json())["resumable"] is True
+        assert request.headers["Authorization"] == "Bearer k"
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Reply-Id": "r1"}
+        )
+        await response.prepare(request)
+        await response.write(event(1, "reply", {"reply_id": "r1"}) + token(2) + token(3))
+        await asyncio.sleep(1)  # the reader drops before this ends
+        return response
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        assert request.headers["Last-Event-ID"] == "3"
+        assert request.headers["Authorization"] == "Bearer k"
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        # 3 again (a duplicate), 4 never sent (lost), then the rest.
+        await response.write(token(3) + token(5) + event(6, "done", {"finish_reason": "stop"}))
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/replies", start)
+    app.router.add_get("/v1/replies/r1/stream", resume)
+    async with running(app) as url:
+        timing, outcome = await drop_and_resume(
+            f"{url}/v1/replies", {"prompt": "x"}, 2, 5.0, {"Authorization": "Bearer k"}
+        )
+    assert timing.complete and outcome.resumed
+    assert (outcome.lost, outcome.duplicated) == (1, 1)
+    assert outcome.reconnect_ms is not None and outcome.reconnect_ms >= 0.0
+
+
+def test_compare_prints_two_saved_results_side_by_side_with_ratios(tmp_path, capsys):
+    def saved(name: str, scale: float) -> Path:
+        config = LoadConfig(url="http://h/stream", api="lab", requests=8)
+        records = tuple(_record(i, 0.1 * i, 50.0 * scale) for i in range(8))
+        path: Path = tmp_path / name
+        path.write_text(json.dumps(summarize(LoadRun(config, records, 1.0, 0.1))))
+        return path
+
+    code = main(["bench", "--compare", str(saved("a.json", 1.0)), str(saved("b.json", 2.0))])
+    out = capsys.readouterr().out
+    assert code == 0
+    ttft = next(line for line in out.splitlines() if "TTFT p50" in line)
+    # A's TTFT 50 ms, B's 100 ms: the ratio B / A is 2.
+    assert "50.00" in ttft and "100.00" in ttft and "2.00" in ttft
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"sweep": {}, "runs": []}))
+    assert main(["bench", "--compare", str(saved("c.json", 1.0)), str(sweep)]) == 2
+    assert "a sweep and the other a single run" in capsys.readouterr().err
+
+
+async def test_custom_headers_go_with_every_request_the_model_lookup_and_the_scrapes():
+    seen: list[tuple[str, str | None]] = []
+
+    def check(request: web.Request) -> None:
+        seen.append((request.path, request.headers.get("Authorization")))
+        if request.headers.get("Authorization") != "Bearer k":
+            raise web.HTTPUnauthorized()
+
+    async def models(request: web.Request) -> web.Response:
+        check(request)
+        return web.json_response({"data": [{"id": "m1"}]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        check(request)
+        return web.Response(text="replystream_tokens_generated_total 0\n")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        check(request)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": "ok"}}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", completions)
+    headers = {"Authorization": "Bearer k"}
+    async with running(app) as url:
+        target = f"{url}/v1/chat/completions"
+        model = await served_model(target, headers=headers)
+        config = LoadConfig(
+            url=target,
+            api="openai",
+            requests=3,
+            model=model,
+            server_metrics=metrics_url(url),
+            metrics_interval_s=0.01,
+            headers=tuple(headers.items()),
+        )
+        summary = summarize(await run_load(config))
+    assert model == "m1" and summary["counts"]["complete"] == 3
+    assert "error" not in summary["server"]
+    paths = {path for path, _ in seen}
+    assert paths == {"/v1/models", "/metrics", "/v1/chat/completions"}
+    assert all(auth == "Bearer k" for _, auth in seen)

@@ -43,6 +43,7 @@ class ReplyTiming:
     text_event_chars: tuple[int, ...] = ()
     reply_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    cancelled: bool = False  # the reader hung up on purpose (``stop_after_tokens``)
 
     @property
     def gaps_ms(self) -> list[float]:
@@ -64,6 +65,7 @@ class ReplyTiming:
             "closed_ms": self.closed_ms,
             "body_bytes": self.body_bytes,
             "tokens": self.tokens,
+            "cancelled": self.cancelled,
             "text_events": len(self.text_event_ms),
             "text_event_ms": list(self.text_event_ms),
         }
@@ -72,9 +74,11 @@ class ReplyTiming:
 class _Reading:
     """Mutable state of one read in progress; frozen into a ``ReplyTiming`` at the end."""
 
-    def __init__(self, url: str, started: float) -> None:
+    def __init__(self, url: str, started: float, stop_after_tokens: int | None = None) -> None:
         self.url = url
         self.started = started
+        self.stop_after_tokens = stop_after_tokens
+        self.cancelled = False
         self.streamed = False
         self.complete = False
         self.error: str | None = None
@@ -124,6 +128,7 @@ class _Reading:
             text_event_chars=tuple(self.event_chars),
             reply_id=self.headers.get("x-reply-id"),
             headers=self.headers,
+            cancelled=self.cancelled,
         )
 
 
@@ -138,6 +143,12 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
             meaning = interpret_event(event)
             if meaning.kind == "text":
                 reading.on_text(meaning.text, meaning.tokens, at)
+                stop = reading.stop_after_tokens
+                if stop is not None and reading.tokens >= stop:
+                    # Hang up as a user who stops reading does: leaving closes the socket.
+                    reading.cancelled = True
+                    reading.error = f"cancelled by the reader after {reading.tokens} tokens"
+                    return
             elif meaning.kind == "done":
                 reading.complete = True
             elif meaning.kind == "usage":
@@ -175,18 +186,20 @@ async def measure_reply(
     headers: dict[str, str] | None = None,
     timeout_s: float = 300.0,
     connection: Connection | None = None,
+    stop_after_tokens: int | None = None,
 ) -> ReplyTiming:
     """Send one request and time how its reply arrives; never raises for a failed reply.
 
     With an open ``connection`` (see ``transport.connect``), timing starts when the request is
     written, so connection setup is not counted; otherwise it starts before connecting.
+    ``stop_after_tokens``: hang up once that many streamed tokens arrived (``cancelled``).
     """
     body = b"" if json_body is None else json.dumps(json_body).encode()
     sent = {"Accept": "text/event-stream, application/json", "Accept-Encoding": "gzip, deflate"}
     if json_body is not None:
         sent["Content-Type"] = "application/json"
     sent.update(headers or {})
-    reading = _Reading(url, time.perf_counter())
+    reading = _Reading(url, time.perf_counter(), stop_after_tokens)
     try:
         async with asyncio.timeout(timeout_s):
             async with http_request(

@@ -71,3 +71,47 @@ def _timeline(requests: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_sweep(result: dict[str, Any], folder: Path) -> list[Path]:
+    """Write ``sweep_latency.png`` (latency and good share against rate, the knee marked);
+    return its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "sweep_latency.png"
+    runs = sorted((r for r in result["runs"] if r["rate"] is not None), key=lambda r: r["rate"])
+    rates = [r["rate"] for r in runs]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for key, label, style in (
+        ("ttft_ms", "TTFT p50", "-o"),
+        ("ttft_ms", "TTFT p99", "--o"),
+        ("e2el_ms", "E2EL p50", "-s"),
+    ):
+        stat = "p99" if label.endswith("p99") else "p50"
+        values = [r["summary"][key][stat] for r in runs]
+        ax.plot(rates, [float("nan") if v is None else v for v in values], style, label=label)
+    knee = result["sweep"]["knee_rate"]
+    if knee is not None:
+        ax.axvline(knee, color="#c0392b", linestyle=":", label=f"knee {knee:,.2f} req/s")
+    # Goodput decides the knee as much as latency does (a server that refuses work keeps its
+    # latency flat), so its share is drawn too, on its own axis.
+    share = ax.twinx()
+    share.plot(
+        rates,
+        [100 * r["summary"]["goodput"]["share_of_requests"] for r in runs],
+        ":^",
+        color="#7d3c98",
+        label="good %",
+    )
+    share.set_ylabel("good requests (%)")
+    share.set_ylim(0, 105)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("ms")
+    ax.set_title("Latency and goodput against rate")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = share.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="center left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return [path]

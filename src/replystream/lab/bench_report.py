@@ -50,9 +50,16 @@ def render(summary: dict[str, Any], console: Console) -> None:
     console.print(f"  Percentiles: {summary['percentile_method']}.", highlight=False)
 
     counts = summary["counts"]
+    warmup = ""
+    if counts["warmup_requests"]:
+        warmup = (
+            f" (and {counts['warmup_requests']} in the first "
+            f"{config['warmup_s']:g} s warm-up, left out)"
+        )
     console.print(
         f"Requests: {counts['requests']} sent, {counts['complete']} complete, "
-        f"{counts['incomplete']} incomplete, {counts['failed']} failed",
+        f"{counts['incomplete']} incomplete, {counts['failed']} failed, "
+        f"{counts['cancelled']} cancelled on purpose{warmup}",
         highlight=False,
     )
     for kind in ("incomplete", "failed"):
@@ -70,14 +77,137 @@ def render(summary: dict[str, Any], console: Console) -> None:
         console.print(
             f"Goodput ({slos}): {goodput['good_requests']} requests, "
             f"{goodput['requests_per_s']:,.2f} req/s "
-            f"({100 * goodput['share_of_requests']:.1f} % of requests)",
+            f"({100 * goodput['share_of_requests']:.1f} % of requests; "
+            f"{'held' if goodput['held'] else 'did not hold'} at "
+            f"{100 * goodput['share_target']:g} %)",
             highlight=False,
         )
+    console.print(_steady_line(summary["steady_state"]), highlight=False)
+    resume = summary["resume"]
+    if resume is not None:
+        reconnect = resume["reconnect_ms"]
+        p50 = "-" if reconnect["p50"] is None else f"{reconnect['p50']:,.1f}"
+        p99 = "-" if reconnect["p99"] is None else f"{reconnect['p99']:,.1f}"
+        console.print(
+            f"Drop and resume: {resume['drops']} dropped, {resume['resumed']} resumed; "
+            f"resume request to first replayed event p50 {p50} ms, p99 {p99} ms; "
+            f"events lost {resume['lost']}, duplicated {resume['duplicated']}",
+            highlight=False,
+        )
+    if summary["server"] is not None:
+        for line in _server_lines(summary["server"]):
+            console.print(line, highlight=False, markup=False)
     client = summary["client"]
     share = client["cpu_share_of_one_core"]
     warning = "  [bold red]the client may be the bottleneck[/]" if share > 0.8 else ""
+    per_event = client["cpu_us_per_event"]
+    cost = "" if per_event is None else f", {per_event:,.0f} µs per text event read"
     console.print(
         f"Load client CPU: {client['cpu_s']:,.2f} s over {rate['wall_s']:,.2f} s wall = "
-        f"{100 * share:.1f} % of one core{warning}",
+        f"{100 * share:.1f} % of one core{cost}{warning}",
         highlight=False,
     )
+
+
+def _steady_line(steady: dict[str, Any]) -> str:
+    if steady["steady"] is None:
+        return "Steady state: not judged (fewer than 2 complete requests in a half)"
+    changes = ", ".join(
+        f"{key.removesuffix('_ms').upper()} p50 {c['first_half_p50']:,.1f} -> "
+        f"{c['second_half_p50']:,.1f} ms ({100 * c['change']:+.0f} %)"
+        for key, c in steady["change"].items()
+    )
+    verdict = "steady" if steady["steady"] else "[bold red]UNSTEADY[/]"
+    bound = f"bound {100 * steady['bound']:g} %"
+    return f"Steady state: {verdict}, second half vs first: {changes} ({bound})"
+
+
+def _server_lines(server: dict[str, Any]) -> list[str]:
+    if "error" in server:
+        return [f"Server metrics: not read ({server['error']})"]
+    mean = server["mean"]
+    figures = ", ".join(
+        f"{name} {value:,.1f} ms"
+        for name, value in (
+            ("TTFT", mean["ttft_ms"]),
+            ("queue", mean["queue_ms"]),
+            ("E2E", mean["e2el_ms"]),
+        )
+        if value is not None
+    )
+    replies = ", ".join(f"{n:g} {outcome}" for outcome, n in server["replies"].items())
+    held = ", ".join(f"{k} {v:g}" for k, v in server["held_at_end"].items() if v is not None)
+    gap = server["ttft_gap_ms"]
+    lines = []
+    if "during" in server:
+        peaks = server["during"]["held"]
+        held_during = ", ".join(
+            f"{key} mean {v['mean']:,.1f} peak {v['max']:g}" for key, v in peaks.items() if v
+        )
+        lines.append(
+            f"  during the run ({server['during']['scrapes']} scrapes every "
+            f"{server['during']['interval_s']:g} s): {held_during or 'nothing reported'}"
+        )
+    return [
+        f"Server ({server['url']}): means {figures or 'none'}; replies {replies or 'none'}",
+        f"  tokens made {server['tokens_generated']:g}, received by readers "
+        f"{server['client_tokens_received']:g}, made and never read "
+        f"{server['excess_tokens']:g}; held at the end: {held or 'nothing reported'}",
+        "  client TTFT minus server TTFT (network, client and write path): "
+        + ("-" if gap is None else f"{gap:,.1f} ms"),
+        *lines,
+    ]
+
+
+def render_sweep(result: dict[str, Any], console: Console) -> None:
+    """Print one row per run of a sweep and the knee."""
+    sweep = result["sweep"]
+    first = result["runs"][0]["summary"]["config"]
+    table = Table(title=f"bench sweep {first['url']} ({first['api']})")
+    for column in (
+        "Profile",
+        "Target req/s",
+        "Done req/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "E2EL p50",
+        "Good %",
+        "Steady",
+    ):
+        table.add_column(column, justify="left" if column == "Profile" else "right")
+    for run in result["runs"]:
+        s = run["summary"]
+        target = run["target_rate"]
+        steady = s["steady_state"]["steady"]
+        knee = run["rate"] is not None and run["rate"] == sweep["knee_rate"]
+        table.add_row(
+            run["profile"] + (" (knee)" if knee else ""),
+            "-" if target is None else f"{target:,.2f}",
+            f"{s['throughput']['requests_per_s']:,.2f}",
+            _cell(s["ttft_ms"]["p50"], "ms"),
+            _cell(s["ttft_ms"]["p99"], "ms"),
+            _cell(s["itl_ms"]["p50"], "ms"),
+            _cell(s["e2el_ms"]["p50"], "ms"),
+            f"{100 * s['goodput']['share_of_requests']:.1f}",
+            "-" if steady is None else "yes" if steady else "NO",
+        )
+    console.print(table)
+    slos = " and ".join(f"{k} <= {v:g} ms" for k, v in sweep["slos"].items()) or "no SLO"
+    console.print(
+        f"Synchronous rate {sweep['synchronous_rate']:,.2f} req/s, maximum throughput "
+        f"{sweep['max_throughput_rate']:,.2f} req/s, {sweep['steps']} constant rates between.",
+        highlight=False,
+    )
+    if sweep["knee_rate"] is None:
+        console.print(
+            f"Knee: none; no rate kept {slos} for {100 * sweep['slo_share']:g} % of requests.",
+            highlight=False,
+        )
+    else:
+        step = "" if sweep["step"] is None else f" (sweep step {sweep['step']:,.2f} req/s)"
+        console.print(
+            f"Knee: {sweep['knee_rate']:,.2f} req/s, the highest rate that kept {slos} "
+            f"for {100 * sweep['slo_share']:g} % of requests and stayed steady{step}.",
+            highlight=False,
+        )

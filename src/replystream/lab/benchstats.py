@@ -14,6 +14,9 @@ Every time is client side, in ms from the moment the request was sent:
 - tokens per event: tokens / text events, per request.
 Percentiles are linear interpolation between closest ranks (``replystream.stats.percentile``).
 Only complete replies (explicit end marker) contribute timings; the rest are counted with reasons.
+Requests sent inside the warm-up window (the run's first ``warmup_s``) are kept in the JSON,
+marked, and left out of every figure. The steady-state check compares the medians of TTFT and
+TPOT (neither grows with reply length) of the measured window's second half with its first.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from replystream.lab.load import LoadRun, RequestRecord
-from replystream.stats import distribution
+from replystream.lab.server_metrics import change, during
+from replystream.stats import distribution, percentile
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "first_byte_ms", "first_chunk_ms")
-SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
+# The per-request value each goodput bound limits; itl limits a request's largest gap.
+SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "max_itl_ms", "e2el": "e2el_ms"}
+# Per-request figures that do not grow with reply length, so a mixed workload is judged fairly.
+STEADY_METRICS = ("ttft_ms", "tpot_ms")
 
 DEFINITIONS = {
     "ttft_ms": "request sent -> first parsed non-empty text",
@@ -42,40 +49,54 @@ DEFINITIONS = {
 
 @dataclass(frozen=True, slots=True)
 class SLO:
-    """A per-request bound for goodput: ``metric`` (ttft, tpot or e2el) at most ``limit_ms``."""
+    """A per-request bound for goodput: ``metric`` (ttft, tpot, itl or e2el) at most
+    ``limit_ms``; for itl, every gap between the request's text events."""
 
     metric: str
     limit_ms: float
 
     @classmethod
     def parse(cls, text: str) -> SLO:
-        """Read ``ttft:200`` (milliseconds); raises ValueError otherwise."""
-        name, _, value = text.partition(":")
+        """Read ``ttft=200`` or ``ttft:200`` (milliseconds); raises ValueError otherwise."""
+        sep = "=" if "=" in text else ":"
+        name, _, value = text.partition(sep)
         if name not in SLO_METRICS:
             raise ValueError(f"SLO {text!r}: metric must be one of {', '.join(SLO_METRICS)}")
         try:
             limit = float(value)
         except ValueError:
-            raise ValueError(f"SLO {text!r}: want METRIC:MILLISECONDS") from None
-        if limit <= 0:
-            raise ValueError(f"SLO {text!r}: the limit must be positive")
+            raise ValueError(f"SLO {text!r}: want METRIC=MILLISECONDS") from None
+        if not 0 < limit < float("inf"):
+            raise ValueError(f"SLO {text!r}: the limit must be a positive number of ms")
         return cls(name, limit)
+
+    @classmethod
+    def parse_list(cls, text: str) -> tuple[SLO, ...]:
+        """Read ``ttft=200,itl=50,e2el=2000``; a metric named twice is refused."""
+        slos = tuple(cls.parse(item) for item in text.split(",") if item.strip())
+        names = [slo.metric for slo in slos]
+        if not slos or len(set(names)) != len(names):
+            raise ValueError(f"SLO {text!r}: want METRIC=MS[,METRIC=MS...], each metric once")
+        return slos
 
     def met(self, metrics: dict[str, Any]) -> bool:
         value = metrics[SLO_METRICS[self.metric]]
         return value is not None and value <= self.limit_ms
 
 
-def request_metrics(record: RequestRecord) -> dict[str, Any]:
+def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, Any]:
     """One request's metrics and raw timings (an entry of the JSON ``requests`` list)."""
     t = record.timing
     events = len(t.text_event_ms)
+    gaps = t.gaps_ms
     tpot = None
     if t.complete and t.tokens >= 2 and t.first_text_ms is not None and t.last_text_ms is not None:
         tpot = (t.last_text_ms - t.first_text_ms) / (t.tokens - 1)
     return {
         "index": record.index,
         "start_s": record.start_s,
+        "warmup": record.start_s < warmup_s,
+        "turn": record.turn,
         "prompt_words": record.prompt_words,
         "max_tokens": record.max_tokens,
         "status": t.status,
@@ -83,6 +104,7 @@ def request_metrics(record: RequestRecord) -> dict[str, Any]:
         "error": t.error,
         "ttft_ms": t.first_text_ms,
         "tpot_ms": tpot,
+        "max_itl_ms": max(gaps) if t.complete and gaps else None,
         "e2el_ms": t.closed_ms,
         "first_byte_ms": t.headers_ms,
         "first_chunk_ms": t.first_byte_ms,
@@ -93,6 +115,7 @@ def request_metrics(record: RequestRecord) -> dict[str, Any]:
         "body_bytes": t.body_bytes,
         "content_encoding": t.headers.get("content-encoding"),
         "text_event_ms": list(t.text_event_ms),
+        "resume": record.resume.as_dict() if record.resume else None,
     }
 
 
@@ -100,14 +123,105 @@ def _outcome(record: RequestRecord) -> str:
     t = record.timing
     if t.complete:
         return "complete"
+    if t.cancelled:  # the reader hung up on purpose: a scenario, not a failure
+        return "cancelled"
     # Started streaming text but never reached its end marker: a partial reply.
     return "incomplete" if t.status is not None and t.text_event_ms else "failed"
 
 
-def summarize(run: LoadRun, slos: tuple[SLO, ...] = ()) -> dict[str, Any]:
-    """The whole ``--json`` object: aggregates, counts, throughput and per-request timings."""
-    per_request = [request_metrics(r) for r in run.records]
-    outcomes = [_outcome(r) for r in run.records]
+def resume_figures(per_request: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The drops of a run (None without any): how many resumed, the time from the resume
+    request to the first replayed event, and events lost and duplicated (both must be 0)."""
+    drops = [m["resume"] for m in per_request if m["resume"] is not None]
+    if not drops:
+        return None
+    return {
+        "drops": len(drops),
+        "resumed": sum(d["resumed"] for d in drops),
+        "reconnect_ms": distribution(
+            [d["reconnect_ms"] for d in drops if d["reconnect_ms"] is not None]
+        ),
+        "lost": sum(d["lost"] for d in drops),
+        "duplicated": sum(d["duplicated"] for d in drops),
+    }
+
+
+def server_side(run: LoadRun) -> dict[str, Any] | None:
+    """The server's account of the run beside the client's (None when not scraped): every
+    request of the run counts, the warm-up window's and cancelled ones too, as the server's
+    counters do. ``excess_tokens``: tokens the server made that no reader received (near 0
+    when it stops generating for a reader that hung up); ``ttft_gap_ms``: client mean TTFT
+    minus the server's (network, client parsing and the server's own write path)."""
+    if run.config.server_metrics is None:
+        return None
+    if run.server_before is None or run.server_after is None:
+        return {"error": run.server_error}
+    result = change(run.server_before, run.server_after)
+    received = sum(r.timing.tokens for r in run.records)
+    firsts = [r.timing.first_text_ms for r in run.records if r.timing.first_text_ms is not None]
+    client_ttft = sum(firsts) / len(firsts) if firsts else None
+    server_ttft = result["mean"]["ttft_ms"]
+    result["client_tokens_received"] = received
+    result["excess_tokens"] = result["tokens_generated"] - received
+    result["client_ttft_mean_ms"] = client_ttft
+    result["ttft_gap_ms"] = (
+        client_ttft - server_ttft if client_ttft is not None and server_ttft is not None else None
+    )
+    result["url"] = run.config.server_metrics
+    if run.config.metrics_interval_s is not None:
+        result["during"] = {
+            "interval_s": run.config.metrics_interval_s,
+            **during(run.server_samples),
+        }
+    return result
+
+
+def steady_state(done: list[dict[str, Any]], window_start_s: float, bound: float) -> dict[str, Any]:
+    """Whether the measured window's second half kept to its first: the medians of TTFT and
+    TPOT may change by at most ``bound`` (a share of the first half's). ``steady`` is None
+    when either half has fewer than 2 complete requests."""
+    result: dict[str, Any] = {"bound": bound, "steady": None, "change": {}}
+    if not done:
+        return result
+    middle = (window_start_s + max(m["start_s"] for m in done)) / 2
+    halves = (
+        [m for m in done if m["start_s"] < middle],
+        [m for m in done if m["start_s"] >= middle],
+    )
+    if min(len(h) for h in halves) < 2:
+        return result
+    steady = True
+    for name in STEADY_METRICS:
+        values = [[m[name] for m in h if m[name] is not None] for h in halves]
+        if not all(values):
+            continue
+        first, second = (percentile(v, 50) for v in values)
+        change = (second - first) / first if first > 0 else 0.0
+        result["change"][name] = {"first_half_p50": first, "second_half_p50": second}
+        result["change"][name]["change"] = change
+        steady = steady and abs(change) <= bound
+    result["steady"] = steady
+    return result
+
+
+def summarize(
+    run: LoadRun,
+    slos: tuple[SLO, ...] = (),
+    *,
+    warmup_s: float = 0.0,
+    slo_share: float = 1.0,
+    steady_bound: float = 0.5,
+) -> dict[str, Any]:
+    """The whole ``--json`` object: aggregates, counts, throughput and per-request timings.
+
+    Requests sent before ``warmup_s`` are listed but left out of every figure; goodput
+    ``held`` when at least ``slo_share`` of the measured requests met every SLO.
+    """
+    all_requests = [request_metrics(r, warmup_s) for r in run.records]
+    pairs = [(r, m) for r, m in zip(run.records, all_requests, strict=True) if not m["warmup"]]
+    records = [r for r, _ in pairs]
+    per_request = [m for _, m in pairs]
+    outcomes = [_outcome(r) for r in records]
     done = [m for m, o in zip(per_request, outcomes, strict=True) if o == "complete"]
     result: dict[str, Any] = {}
     for name in METRICS:
@@ -119,17 +233,19 @@ def summarize(run: LoadRun, slos: tuple[SLO, ...] = ()) -> dict[str, Any]:
     result["tokens_per_event"] = distribution(
         [m["tokens_per_event"] for m in done if m["tokens_per_event"] is not None]
     )
-    wall = run.wall_s
+    wall = max(run.wall_s - warmup_s, 0.0)
     tokens = sum(m["tokens"] for m in done)
     events = sum(m["events"] for m in done)
     good = [m for m in done if all(slo.met(m) for slo in slos)]
     reasons: dict[str, Counter[str]] = {"incomplete": Counter(), "failed": Counter()}
-    for record, outcome in zip(run.records, outcomes, strict=True):
-        if outcome != "complete":
+    for record, outcome in zip(records, outcomes, strict=True):
+        if outcome in reasons:
             reasons[outcome][record.timing.error or "unknown"] += 1
     result["counts"] = {
         "requests": len(per_request),
+        "warmup_requests": len(all_requests) - len(per_request),
         "complete": len(done),
+        "cancelled": outcomes.count("cancelled"),
         "incomplete": sum(reasons["incomplete"].values()),
         "failed": sum(reasons["failed"].values()),
         "incomplete_reasons": dict(reasons["incomplete"]),
@@ -143,31 +259,52 @@ def summarize(run: LoadRun, slos: tuple[SLO, ...] = ()) -> dict[str, Any]:
         "output_tokens": tokens,
         "events": events,
     }
+    # Replies cut on purpose are neither good nor bad: goodput is over the rest.
+    judged = len(per_request) - outcomes.count("cancelled")
+    share = len(good) / judged if judged else 0.0
     result["goodput"] = {
         "slos": {slo.metric: slo.limit_ms for slo in slos},
         "good_requests": len(good),
         "requests_per_s": len(good) / wall if wall else 0.0,
-        "share_of_requests": len(good) / len(per_request) if per_request else 0.0,
+        "share_of_requests": share,
+        "share_target": slo_share,
+        "held": judged > 0 and share >= slo_share,
     }
+    result["steady_state"] = steady_state(done, warmup_s, steady_bound)
+    result["server"] = server_side(run)
+    result["resume"] = resume_figures(per_request)
+    # The client's CPU covers every request it read, warm-up window and cut ones too.
+    events_read = sum(len(r.timing.text_event_ms) for r in run.records)
     result["client"] = {
         "cpu_s": run.client_cpu_s,
         "cpu_share_of_one_core": run.client_cpu_share,
+        "events_read": events_read,
+        "cpu_us_per_event": 1e6 * run.client_cpu_s / events_read if events_read else None,
     }
     config = run.config
     result["config"] = {
         "url": config.url,
         "api": config.api,
         "mode": config.mode,
-        "concurrency": config.concurrency,
-        "rate": config.rate,
-        "burstiness": config.burstiness,
+        "profile": config.profile.kind,
+        "concurrency": config.profile.in_flight,
+        "rate": config.profile.rate,
+        "burstiness": config.profile.burstiness,
+        "warmup_s": warmup_s,
         "requests": config.requests,
         "duration_s": config.duration_s,
         "prompt_words": config.prompt_words.describe(),
         "output_tokens": config.output_tokens.describe() if config.output_tokens else None,
+        "dataset_prompts": len(config.prompts),
+        "system_prompt_words": config.system_words,
+        "turns": config.turns,
+        "cancel_share": config.cancel_share,
+        "cancel_after": config.cancel_after,
+        "drop_share": config.drop_share,
+        "drop_after": config.drop_after,
         "seed": config.seed,
     }
     result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"
     result["definitions"] = DEFINITIONS
-    result["requests"] = per_request
+    result["requests"] = all_requests
     return result

@@ -1,7 +1,7 @@
-"""Drive an endpoint with a closed or an open loop and keep every reply's timing.
+"""Drive an endpoint with one profile's closed or open loop and keep every reply's timing.
 
-This file decides when requests are issued: a closed loop keeps ``concurrency`` requests in
-flight (a finished request starts the next); an open loop issues requests at gamma-distributed
+This file issues the requests a ``Profile`` paces: a closed loop keeps ``in_flight`` requests
+in flight (a finished request starts the next); an open loop issues requests at the profile's
 arrival times whatever is still in flight, so a slow server meets a growing queue as it would
 in production. ``requests`` or ``duration_s`` bounds how many are issued; every issued request
 is awaited. It also measures the load client's own CPU use (process CPU time over wall time),
@@ -12,64 +12,100 @@ how they are shown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replystream.client import ReplyTiming, measure_reply
-from replystream.lab.workload import Api, Lengths, arrival_offsets, build_request, prompt_of
+from replystream.lab.drop_resume import ResumeOutcome, drop_and_resume
+from replystream.lab.profiles import Profile
+from replystream.lab.server_metrics import Scrape, ScrapeError, scrape, scrape_when_idle
+from replystream.lab.workload import Api, Lengths, Prompt, build_request, plan, system_prompt_of
 
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    """One load run. Exactly one of ``concurrency`` and ``rate`` is set, and at least one of
-    ``requests`` and ``duration_s``; ``output_tokens=None`` lets the server pick reply length."""
+    """One load run, paced by ``profile``, bounded by ``requests``, ``duration_s`` or both
+    (a throughput run, which issues everything at once, needs ``requests``);
+    ``output_tokens=None`` lets the server pick reply length."""
 
     url: str
     api: Api
-    concurrency: int | None = 1
-    rate: float | None = None
-    burstiness: float = 1.0
+    profile: Profile = field(default_factory=Profile.synchronous)
     requests: int | None = 10
     duration_s: float | None = None
     prompt_words: Lengths = field(default_factory=lambda: Lengths("fixed", 0))
     output_tokens: Lengths | None = None
+    # Prompts from a dataset or a trace (then prompt_words is not used); a trace's are sent
+    # in order, request i the trace's i-th.
+    prompts: tuple[Prompt, ...] = ()
+    prompts_in_order: bool = False
+    system_words: int = 0  # a system prompt of this many words that every request shares
+    # Turns per conversation: each turn after the first resends the conversation so far (its
+    # prompts and the replies received), as a chat client does. requests counts conversations.
+    turns: int = 1
+    # A share of conversations whose first reader hangs up after cancel_after tokens.
+    cancel_share: float = 0.0
+    cancel_after: int = 1
+    # A share of conversations (native API) whose first reader drops after drop_after tokens
+    # and resumes with Last-Event-ID; drawn apart from the cancelling share.
+    drop_share: float = 0.0
+    drop_after: int = 1
+    # Scrape this Prometheus /metrics after the warm-up and when the run ended, if set.
+    server_metrics: str | None = None
+    metrics_interval_s: float | None = None  # ... and during the run at this interval
+    # Sent with every request, resume and scrape (an Authorization a deployment wants).
+    headers: tuple[tuple[str, str], ...] = ()
     model: str = "default"
     seed: int = 0
     timeout_s: float = 300.0
     warmup: bool = True
 
     def __post_init__(self) -> None:
-        if (self.concurrency is None) == (self.rate is None):
-            raise ValueError("give exactly one of concurrency (closed loop) and rate (open loop)")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
         if self.requests is None and self.duration_s is None:
             raise ValueError("give requests, duration_s or both")
+        if self.requests is None and self.profile.kind == "throughput":
+            raise ValueError("the throughput profile issues every request at once: give requests")
         if self.requests is not None and self.requests < 1:
             raise ValueError("requests must be at least 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("duration_s must be positive")
-        if self.burstiness <= 0 or (self.rate is not None and self.rate <= 0):
-            raise ValueError("rate and burstiness must be positive")
+        if self.system_words < 0:
+            raise ValueError("system_words must be >= 0")
+        if self.turns < 1:
+            raise ValueError("turns must be at least 1")
+        if not 0.0 <= self.cancel_share <= 1.0 or self.cancel_after < 1:
+            raise ValueError("cancel_share must be within 0..1 and cancel_after >= 1")
+        if not 0.0 <= self.drop_share <= 1.0 - self.cancel_share or self.drop_after < 1:
+            raise ValueError("drop_share must be within 0..1 - cancel_share, drop_after >= 1")
+        if self.metrics_interval_s is not None and (
+            self.server_metrics is None or not self.metrics_interval_s > 0
+        ):
+            raise ValueError("metrics_interval_s must be positive and needs server_metrics")
+        if self.drop_share and self.api != "native":
+            raise ValueError("drop and resume speaks the native API (POST .../v1/replies)")
+        if self.prompts_in_order and not self.prompts:
+            raise ValueError("prompts_in_order needs prompts")
 
     @property
     def mode(self) -> str:
-        if self.rate is not None:
-            return f"open loop, {self.rate:g} req/s, gamma k={self.burstiness:g}"
-        return f"closed loop, concurrency {self.concurrency}"
+        return self.profile.describe()
 
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
-    """One request and its reply. ``start_s`` is when it was sent, from the run's start."""
+    """One request and its reply. ``start_s`` is when it was sent, from the run's start;
+    ``prompt_words`` counts the whole prompt sent (a later turn's history included)."""
 
     index: int
     start_s: float
     prompt_words: int
     max_tokens: int | None
     timing: ReplyTiming
+    turn: int = 0
+    resume: ResumeOutcome | None = None  # what a dropped and resumed read found
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +116,11 @@ class LoadRun:
     records: tuple[RequestRecord, ...]
     wall_s: float  # first request sent to last reply ended
     client_cpu_s: float  # this process's CPU time over the same span
+    server_before: Scrape | None = None  # the server's /metrics as the run started
+    server_after: Scrape | None = None  # ... and once it ended and the server went idle
+    server_error: str | None = None  # why they could not be read
+    # Scrapes during the run: (seconds from its start, scrape), every metrics_interval_s.
+    server_samples: tuple[tuple[float, Scrape], ...] = ()
 
     @property
     def client_cpu_share(self) -> float:
@@ -114,53 +155,149 @@ async def run_load(
     if config.warmup:
         # One request first, not recorded, so one-time costs (first code paths, connection
         # pools behind the URL) are not charged to the measured requests.
-        await _one(config, -1, 0.0)
+        await _conversation(config, -1, 0.0, lambda record: None, turns=1)
     records: list[RequestRecord] = []
+    before: Scrape | None = None
+    error: str | None = None
+    if config.server_metrics is not None:
+        try:
+            before = await scrape(config.server_metrics, dict(config.headers))
+        except ScrapeError as exc:
+            error = str(exc)
     cpu_start = time.process_time()
     started = time.perf_counter()
     issuer = _Issuer(config, started)
 
-    async def send(index: int) -> None:
-        record = await _one(config, index, started)
+    def done(record: RequestRecord) -> None:
         records.append(record)
         if on_done is not None:
             on_done(record)
 
-    async with asyncio.TaskGroup() as group:
-        if config.concurrency is not None:
+    async def send(index: int) -> None:
+        await _conversation(config, index, started, done, turns=config.turns)
 
-            async def worker() -> None:
-                while (index := issuer.take()) is not None:
-                    await send(index)
+    samples: list[tuple[float, Scrape]] = []
+    async with asyncio.TaskGroup() as outer:
+        stop = asyncio.Event()
+        if config.server_metrics is not None and config.metrics_interval_s is not None:
+            outer.create_task(
+                _sample(
+                    config.server_metrics,
+                    dict(config.headers),
+                    config.metrics_interval_s,
+                    started,
+                    stop,
+                    samples,
+                )
+            )
+        try:
+            async with asyncio.TaskGroup() as group:
+                in_flight = config.profile.in_flight
+                if in_flight is not None:
 
-            for _ in range(config.concurrency):
-                group.create_task(worker())
-        else:
-            assert config.rate is not None
-            for offset in arrival_offsets(config.rate, config.burstiness, config.seed):
-                index = issuer.take(started + offset)
-                if index is None:
-                    break
-                delay = started + offset - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                group.create_task(send(index))
+                    async def worker() -> None:
+                        while (index := issuer.take()) is not None:
+                            await send(index)
+
+                    for _ in range(in_flight):
+                        group.create_task(worker())
+                else:
+                    for offset in config.profile.arrivals(config.seed):
+                        index = issuer.take(started + offset)
+                        if index is None:
+                            break
+                        delay = started + offset - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        group.create_task(send(index))
+        finally:
+            stop.set()
     wall = time.perf_counter() - started
     cpu = time.process_time() - cpu_start
     records.sort(key=lambda r: r.index)
-    return LoadRun(config, tuple(records), wall, cpu)
+    after: Scrape | None = None
+    if config.server_metrics is not None and before is not None:
+        try:
+            after = await scrape_when_idle(config.server_metrics, dict(config.headers))
+        except ScrapeError as exc:
+            error = str(exc)
+    return LoadRun(config, tuple(records), wall, cpu, before, after, error, tuple(samples))
 
 
-async def _one(config: LoadConfig, index: int, started: float) -> RequestRecord:
-    # Lengths are drawn per index, so a request's shape does not depend on completion order.
-    rng = random.Random(f"{config.seed}:{index}")
-    words = config.prompt_words.draw(rng)
-    max_tokens = config.output_tokens.draw(rng) if config.output_tokens else None
-    spec = build_request(
-        config.api, config.url, prompt=prompt_of(words), max_tokens=max_tokens, model=config.model
+async def _sample(
+    url: str,
+    headers: dict[str, str],
+    interval_s: float,
+    started: float,
+    stop: asyncio.Event,
+    samples: list[tuple[float, Scrape]],
+) -> None:
+    """Scrape ``url`` every ``interval_s`` until ``stop``; a failed scrape is skipped (the
+    before and after scrapes say whether the metrics can be read at all)."""
+    while not stop.is_set():
+        with contextlib.suppress(ScrapeError):
+            samples.append((time.perf_counter() - started, await scrape(url, headers)))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
+
+
+async def _conversation(
+    config: LoadConfig,
+    number: int,
+    started: float,
+    done: Callable[[RequestRecord], None],
+    *,
+    turns: int,
+) -> None:
+    """Send conversation ``number``'s turns one after another, each resending the turns
+    before it with the replies received; a turn that did not complete ends it (a chat
+    client would have nothing to resend)."""
+    # Lengths are drawn per conversation, so its shape does not depend on completion order.
+    rng = random.Random(f"{config.seed}:{number}")
+    planned = plan(
+        max(number, 0),
+        rng,
+        prompt_words=config.prompt_words,
+        output_tokens=config.output_tokens,
+        prompts=config.prompts,
+        in_order=config.prompts_in_order,
+        turns=turns,
     )
-    sent = time.perf_counter()
-    timing = await measure_reply(
-        spec.url, method=spec.method, json_body=spec.json_body, timeout_s=config.timeout_s
-    )
-    return RequestRecord(index, sent - started, words, max_tokens, timing)
+    system = system_prompt_of(config.system_words)
+    # Drawn apart from the lengths, so adding cancels or drops does not change what is asked.
+    draw = random.Random(f"{config.seed}:{number}:cut").random() if number >= 0 else 1.0
+    cancels = draw < config.cancel_share
+    drops = not cancels and draw < config.cancel_share + config.drop_share
+    history: list[tuple[str, str]] = []
+    for turn, one in enumerate(planned):
+        spec = build_request(
+            config.api,
+            config.url,
+            prompt=one.prompt,
+            max_tokens=one.max_tokens,
+            model=config.model,
+            system=system,
+            history=history,
+        )
+        sent = time.perf_counter()
+        resume: ResumeOutcome | None = None
+        if drops and turn == 0 and spec.json_body is not None:
+            timing, resume = await drop_and_resume(
+                spec.url, spec.json_body, config.drop_after, config.timeout_s, dict(config.headers)
+            )
+        else:
+            timing = await measure_reply(
+                spec.url,
+                method=spec.method,
+                json_body=spec.json_body,
+                headers=dict(config.headers),
+                timeout_s=config.timeout_s,
+                stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
+            )
+        words = one.words + sum(len(text.split()) for pair in history for text in pair)
+        index = number * config.turns + turn
+        done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn, resume))
+        if not timing.complete:
+            return
+        history.append((one.prompt, timing.text))

@@ -33,8 +33,11 @@ def models_url(url: str) -> str:
     return urlunsplit(parts._replace(path=f"{path}/models", query="", fragment=""))
 
 
-async def served_model(url: str, *, timeout_s: float = 30.0) -> str:
-    """The one model the server of endpoint ``url`` lists.
+async def served_model(
+    url: str, *, timeout_s: float = 30.0, headers: dict[str, str] | None = None
+) -> str:
+    """The one model the server of endpoint ``url`` lists (``headers``: sent too, such as
+    an Authorization the server wants).
 
     Raises:
         ModelLookupError: the list cannot be read, or it names no model or several.
@@ -42,7 +45,8 @@ async def served_model(url: str, *, timeout_s: float = 30.0) -> str:
     listing = models_url(url)
     try:
         async with asyncio.timeout(timeout_s):
-            async with http_request(listing, headers={"Accept": "application/json"}) as response:
+            sent = {"Accept": "application/json", **(headers or {})}
+            async with http_request(listing, headers=sent) as response:
                 body = b"".join([chunk.data async for chunk in response])
                 status = response.status
     except (TransportError, TimeoutError) as exc:

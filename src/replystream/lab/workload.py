@@ -1,17 +1,18 @@
-"""What a load run sends and when: request shapes per API, length distributions, arrival times.
+"""What a load run sends: request shapes per API and length distributions.
 
 This file decides the wire shape of one benchmark request for each API replystream can drive
 (the lab's ``GET /stream``, the native ``POST /v1/replies`` and OpenAI-compatible
-``POST .../chat/completions`` or ``.../completions``), how prompt and output lengths are drawn,
-and when requests arrive in an open loop. It is pure: no sockets and no clocks, and it must not
-know how replies are read or timed.
+``POST .../chat/completions`` or ``.../completions``), with a system prompt users share, and
+what each request asks: lengths drawn from a distribution or a histogram file, or a prompt
+from a dataset (``datasets`` reads those files; when requests arrive is ``profiles``). No
+sockets and no clocks, and it must not know how replies are read or timed.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -21,6 +22,7 @@ APIS: tuple[Api, ...] = ("lab", "native", "openai")
 
 # Prompt filler: distinct short words, so a prompt of N words is N tokens to a word tokenizer.
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+_SYSTEM_WORDS = "you are a helpful assistant answer briefly and kindly".split()
 
 
 def detect_api(url: str) -> Api:
@@ -43,12 +45,25 @@ class RequestSpec:
 
 
 def build_request(
-    api: Api, url: str, *, prompt: str, max_tokens: int | None, model: str
+    api: Api,
+    url: str,
+    *,
+    prompt: str,
+    max_tokens: int | None,
+    model: str,
+    system: str = "",
+    history: Sequence[tuple[str, str]] = (),
 ) -> RequestSpec:
     """The request that asks ``url`` for one streamed reply to ``prompt``.
 
-    ``max_tokens=None`` leaves the reply length to the server.
+    ``max_tokens=None`` leaves the reply length to the server. ``system``, a system prompt
+    every user shares, and ``history``, the conversation's earlier (prompt, reply) turns that
+    a chat client resends, are messages to a chat endpoint and paragraphs before the prompt
+    to the others (which take one text).
     """
+    if not (api == "openai" and _is_chat(url)):
+        earlier = [text for turn in history for text in turn]
+        prompt = "\n\n".join(p for p in (system, *earlier, prompt) if p)
     if api == "lab":
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
@@ -62,8 +77,12 @@ def build_request(
         body = {"prompt": prompt}
     else:
         body = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
-        if urlsplit(url).path.rstrip("/").endswith("/chat/completions"):
-            body["messages"] = [{"role": "user", "content": prompt}]
+        if _is_chat(url):
+            messages = [{"role": "system", "content": system}] if system else []
+            for asked, replied in history:
+                messages.append({"role": "user", "content": asked})
+                messages.append({"role": "assistant", "content": replied})
+            body["messages"] = [*messages, {"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
     if max_tokens is not None:
@@ -71,27 +90,96 @@ def build_request(
     return RequestSpec("POST", url, body)
 
 
+def _is_chat(url: str) -> bool:
+    return urlsplit(url).path.rstrip("/").endswith("/chat/completions")
+
+
 def prompt_of(words: int) -> str:
     """A prompt of exactly ``words`` words (empty for 0)."""
     return " ".join(itertools.islice(itertools.cycle(_WORDS), words))
 
 
+def system_prompt_of(words: int) -> str:
+    """A system prompt of exactly ``words`` words, in words no user prompt uses, so the shared
+    prefix ends where the user's text begins."""
+    return " ".join(itertools.islice(itertools.cycle(_SYSTEM_WORDS), words))
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt from a dataset or trace, and the reply length it asks for (None: the
+    server's, or ``--output-tokens``); ``follow_ups``: a conversation's later user turns."""
+
+    text: str
+    output_tokens: int | None = None
+    follow_ups: tuple[Prompt, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What request ``index`` of a run sends."""
+
+    prompt: str
+    words: int
+    max_tokens: int | None
+
+
+def plan(
+    number: int,
+    rng: random.Random,
+    *,
+    prompt_words: Lengths,
+    output_tokens: Lengths | None,
+    prompts: tuple[Prompt, ...] = (),
+    in_order: bool = False,
+    turns: int = 1,
+) -> tuple[Planned, ...]:
+    """Conversation ``number``'s turns (at most ``turns``): lengths drawn per turn, or a
+    prompt from ``prompts`` (the ``number``-th when ``in_order``, as a trace replays; else
+    drawn) and its follow-ups. ``output_tokens``, when given, overrides a prompt's own
+    reply length."""
+    if not prompts:
+        planned = []
+        for _ in range(turns):
+            words = prompt_words.draw(rng)
+            tokens = output_tokens.draw(rng) if output_tokens else None
+            planned.append(Planned(prompt_of(words), words, tokens))
+        return tuple(planned)
+    chosen = prompts[number % len(prompts)] if in_order else rng.choice(prompts)
+    return tuple(
+        Planned(
+            p.text,
+            len(p.text.split()),
+            output_tokens.draw(rng) if output_tokens else p.output_tokens,
+        )
+        for p in (chosen, *chosen.follow_ups)[:turns]
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Lengths:
-    """A length that is fixed (``64``) or drawn: ``uniform:LO:HI`` or ``normal:MEAN:SD``.
+    """A length that is fixed (``64``) or drawn: ``uniform:LO:HI``, ``normal:MEAN:SD`` or
+    ``hist:FILE`` (a histogram: lines of ``LENGTH WEIGHT``, ``#`` comments).
 
     Drawn lengths are rounded and never below ``minimum``.
     """
 
-    kind: Literal["fixed", "uniform", "normal"]
+    kind: Literal["fixed", "uniform", "normal", "histogram"]
     a: float
     b: float = 0.0
     minimum: int = 0
+    values: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    source: str = ""
 
     @classmethod
     def parse(cls, text: str, *, minimum: int = 0) -> Lengths:
-        """Read ``N``, ``uniform:LO:HI`` or ``normal:MEAN:SD``; raises ValueError otherwise."""
+        """Read ``N``, ``uniform:LO:HI``, ``normal:MEAN:SD`` or ``hist:FILE``; raises
+        ValueError otherwise (or when the file cannot be read)."""
         name, _, rest = text.partition(":")
+        if name == "hist":
+            values, weights = read_histogram(rest, minimum)
+            return cls("histogram", 0, minimum=minimum, values=values, weights=weights, source=rest)
         try:
             if not rest:
                 value = int(name)
@@ -105,31 +193,50 @@ class Lengths:
             return cls("uniform", a, b, minimum)
         if name == "normal" and a >= minimum and b >= 0:
             return cls("normal", a, b, minimum)
-        raise ValueError(f"{text!r}: want N, uniform:LO:HI or normal:MEAN:SD (>= {minimum})")
+        raise ValueError(
+            f"{text!r}: want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE (>= {minimum})"
+        )
 
     def draw(self, rng: random.Random) -> int:
         if self.kind == "fixed":
             return int(self.a)
+        if self.kind == "histogram":
+            return rng.choices(self.values, self.weights)[0]
         value = rng.uniform(self.a, self.b) if self.kind == "uniform" else rng.gauss(self.a, self.b)
         return max(self.minimum, round(value))
 
     def describe(self) -> str:
         if self.kind == "fixed":
             return f"{self.a:g}"
+        if self.kind == "histogram":
+            return f"hist:{self.source}"
         return f"{self.kind}:{self.a:g}:{self.b:g}"
 
 
-def arrival_offsets(rate: float, burstiness: float, seed: int) -> Iterator[float]:
-    """Seconds from the start at which each request of an open loop arrives, forever.
-
-    Gaps are gamma distributed with shape ``burstiness`` (k) and mean ``1 / rate``: k = 1 is a
-    Poisson process, k < 1 burstier (clumps and lulls), k > 1 more regular.
-    """
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be positive")
-    rng = random.Random(seed)
-    scale = 1.0 / (rate * burstiness)
-    at = 0.0
-    while True:
-        yield at
-        at += rng.gammavariate(burstiness, scale)
+def read_histogram(path: str, minimum: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """A histogram file's lengths and weights; raises ValueError naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"hist:{path}: cannot read ({exc.strerror})") from None
+    values: list[int] = []
+    weights: list[float] = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].replace(",", " ").split()
+        if not fields:
+            continue
+        try:
+            length, weight = int(fields[0]), float(fields[1])
+            if len(fields) != 2 or length < minimum or not 0 <= weight < float("inf"):
+                raise ValueError
+        except (ValueError, IndexError):
+            raise ValueError(
+                f"hist:{path} line {number}: want LENGTH WEIGHT (length >= {minimum}, "
+                f"weight >= 0), got {line.strip()!r}"
+            ) from None
+        values.append(length)
+        weights.append(weight)
+    if not sum(weights) > 0:
+        raise ValueError(f"hist:{path}: no length has a positive weight")
+    return tuple(values), tuple(weights)

@@ -1,0 +1,106 @@
+"""``--profile sweep``: from one request at a time to saturation, and the knee between.
+
+This file decides the order of a sweep's runs and what the knee is. It measures the
+synchronous rate (one request at a time) and the maximum throughput (every request at once),
+then runs ``steps`` constant rates evenly spaced above the synchronous rate up to the maximum
+(the last one is the maximum itself). The knee is the highest of these rates, the synchronous
+one included, whose goodput held (at least the stated share of requests met every SLO) and
+whose run was not marked unsteady. Sending is ``load``, each run's figures are ``benchstats``;
+this file must not compute a metric itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from replystream.lab.benchstats import SLO, summarize
+from replystream.lab.load import LoadConfig, LoadRun
+from replystream.lab.profiles import Profile
+
+Runner = Callable[[LoadConfig], Awaitable[LoadRun]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SweepConfig:
+    """How a sweep runs: constant-rate ``steps``, and how each run is judged."""
+
+    steps: int = 5
+    slos: tuple[SLO, ...] = ()
+    slo_share: float = 1.0
+    warmup_s: float = 0.0
+    steady_bound: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError("a sweep needs at least 1 step")
+
+
+def constant_rates(synchronous: float, maximum: float, steps: int) -> list[float]:
+    """``steps`` rates evenly spaced above ``synchronous``, the last one ``maximum``; none
+    when the maximum is not above the synchronous rate (nothing lies between)."""
+    if not maximum > synchronous:
+        return []
+    step = (maximum - synchronous) / steps
+    return [synchronous + step * i for i in range(1, steps + 1)]
+
+
+def knee(runs: list[dict[str, Any]]) -> float | None:
+    """The highest rate whose goodput held and whose run was not marked unsteady."""
+    held = [
+        run["rate"]
+        for run in runs
+        if run["rate"] is not None
+        and run["summary"]["goodput"]["held"]
+        and run["summary"]["steady_state"]["steady"] is not False
+    ]
+    return max(held, default=None)
+
+
+async def run_sweep(base: LoadConfig, sweep: SweepConfig, runner: Runner) -> dict[str, Any]:
+    """Run the whole sweep with ``runner`` (``load.run_load`` with a progress bar, say) and
+    return its JSON object: every run's summary in order, the rates and the knee."""
+    runs: list[dict[str, Any]] = []
+
+    async def one(profile: Profile, warmup_s: float) -> dict[str, Any]:
+        config = dataclasses.replace(base, profile=profile)
+        summary = summarize(
+            await runner(config),
+            sweep.slos,
+            warmup_s=warmup_s,
+            slo_share=sweep.slo_share,
+            steady_bound=sweep.steady_bound,
+        )
+        achieved: float = summary["throughput"]["requests_per_s"]
+        run = {"profile": profile.kind, "target_rate": profile.rate, "summary": summary}
+        # A burst has no sustained rate to judge: it only finds the maximum.
+        run["rate"] = None if profile.kind == "throughput" else achieved
+        if profile.kind == "constant":
+            run["rate"] = profile.rate
+        runs.append(run)
+        return run
+
+    synchronous = await one(Profile.synchronous(), sweep.warmup_s)
+    synchronous_rate: float = synchronous["summary"]["throughput"]["requests_per_s"]
+    # Every request of the burst is sent at once, so a warm-up window would hold them all.
+    burst = await one(Profile("throughput"), 0.0)
+    maximum: float = burst["summary"]["throughput"]["requests_per_s"]
+    rates = constant_rates(synchronous_rate, maximum, sweep.steps)
+    for rate in rates:
+        await one(Profile("constant", rate=rate), sweep.warmup_s)
+    return {
+        "sweep": {
+            "synchronous_rate": synchronous_rate,
+            "max_throughput_rate": maximum,
+            "steps": sweep.steps,
+            "step": (maximum - synchronous_rate) / sweep.steps if rates else None,
+            "rates": rates,
+            "slos": {slo.metric: slo.limit_ms for slo in sweep.slos},
+            "slo_share": sweep.slo_share,
+            "steady_bound": sweep.steady_bound,
+            "warmup_s": sweep.warmup_s,
+            "knee_rate": knee(runs),
+        },
+        "runs": runs,
+    }
