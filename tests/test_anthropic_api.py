@@ -138,3 +138,11 @@ async def test_bad_requests_are_400s_in_anthropics_shape_naming_the_field(body, 
     assert answer["error"]["type"] == "invalid_request_error"
     if param is not None:
         assert answer["error"]["param"] == param
+
+
+async def test_stop_sequences_and_top_k_are_a_reply_not_a_500():
+    async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
+        message = await client.messages.create(  # type: ignore[call-overload]
+            **ASK, stop_sequences=["four"], extra_body={"top_k": 5}
+        )
+    assert message.stop_reason == "end_turn" and message.content[0].type == "text"

@@ -275,3 +275,15 @@ async def test_an_event_source_resumes_a_response_with_last_event_id():
     numbers = [json.loads(event.data)["sequence_number"] for event in events]
     assert numbers[0] == 6 and numbers == list(range(6, 6 + len(numbers)))
     assert events[-1].type == "response.completed"
+
+
+async def test_replystream_extensions_with_a_stop_list_are_a_reply_not_a_500():
+    # The extensions are validated once, then put together: a stop list was checked again,
+    # as a tuple, and failed.
+    engine = fast_engine(reply_text=REPLY)
+    body = {"input": "x", "replystream": {"stop": ["four"], "seed": 3, "batch_tokens": 2}}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json=body) as response:
+            assert response.status == 200, await response.text()
+            whole = await response.json()
+    assert whole["status"] == "completed"

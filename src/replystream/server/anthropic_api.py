@@ -43,7 +43,8 @@ def _sampling(body: MessagesBody) -> SamplingFields:
         fields["stop"] = tuple(body.stop_sequences)
     if body.top_k is not None:
         fields["top_k"] = body.top_k
-    return SamplingFields(temperature=body.temperature, top_p=body.top_p, **fields)
+    # Validated already (``MessagesBody``): put together, not checked again.
+    return SamplingFields.model_construct(temperature=body.temperature, top_p=body.top_p, **fields)
 
 
 def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:

@@ -73,7 +73,8 @@ Messages = list[dict[str, str]]
 def _sampling(body: ResponsesBody) -> SamplingFields:
     """The sampling and delivery fields, the API's own and replystream's extensions."""
     extensions = body.replystream
-    return SamplingFields(
+    # Validated already (``ResponsesBody``): put together, not checked again.
+    return SamplingFields.model_construct(
         temperature=body.temperature,
         top_p=body.top_p,
         **({} if extensions is None else extensions.model_dump(exclude_none=True)),
@@ -96,7 +97,7 @@ def _response_reply_id(response_id: str, param: str) -> str:
     reply_id = reply_id_of(response_id)
     if not reply_id:
         raise HTTPAPIError(
-            404, f"no such response: {response_id!r}", code="response_not_found", param=param
+            404, f"no such response: {response_id!r}", code="reply_not_found", param=param
         )
     return reply_id
 
@@ -120,7 +121,7 @@ async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
         raise HTTPAPIError(
             404,
             "no such response (unknown, expired, deleted, or not yours)",
-            code="response_not_found",
+            code="reply_not_found",
             param="response_id",
         )
     return response
