@@ -126,16 +126,15 @@ async def _whole(
         message["replystream_moderation"] = moderated_payload(violation)
         return message
 
-    response = await buffered(
+    return await buffered(
         request,
         generation,
         endpoint="/v1/messages",
         policy=policy,
         body=body,
         moderated_body=moderated,
+        reply_id=reply_id,
     )
-    response.headers["X-Reply-Id"] = reply_id
-    return response
 
 
 def add_anthropic_routes(app: web.Application) -> None:

@@ -284,13 +284,15 @@ async def buffered(
     policy: DeliveryPolicy,
     body: BodyOf,
     moderated_body: ModeratedBodyOf,
+    reply_id: str | None = None,
 ) -> web.Response:
     """Admit a generation and collect it whole into one JSON response (``body``), counted
-    in the metrics like a streamed reply (time between tokens included)."""
+    in the metrics like a streamed reply (time between tokens included). ``reply_id``: the
+    id the body names, also sent as ``X-Reply-Id``."""
     app = request.app
     record = app[METRICS_KEY].record(endpoint, streamed=False)
     deltas = await start_generation(request, generation, record)
-    return await buffered_reply(
+    response = await buffered_reply(
         deltas,
         manager=app[MANAGER_KEY],
         record=record,
@@ -299,3 +301,6 @@ async def buffered(
         body=body,
         moderated_body=moderated_body,
     )
+    if reply_id is not None:
+        response.headers["X-Reply-Id"] = reply_id
+    return response

@@ -102,16 +102,15 @@ async def _buffered(
             moderation=moderated_payload(violation),
         )
 
-    response = await buffered(
+    return await buffered(
         request,
         ask.generation,
         endpoint=request.path,
         policy=ask.policy,
         body=body,
         moderated_body=moderated,
+        reply_id=reply_id,
     )
-    response.headers["X-Reply-Id"] = reply_id
-    return response
 
 
 async def _complete(

@@ -284,16 +284,15 @@ async def _whole(
         response["replystream_moderation"] = moderated_payload(violation)
         return response
 
-    response = await buffered(
+    return await buffered(
         request,
         generation,
         endpoint="/v1/responses",
         policy=policy,
         body=body,
         moderated_body=moderated,
+        reply_id=reply_id,
     )
-    response.headers["X-Reply-Id"] = reply_id
-    return response
 
 
 async def handle_retrieve(request: web.Request) -> web.StreamResponse:
