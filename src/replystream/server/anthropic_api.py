@@ -1,6 +1,6 @@
 """``POST /v1/messages``: Anthropic's Messages API, streamed or whole.
 
-A streamed message is an ordinary reply (``start_reply`` + ``follow_reply``) in the Anthropic
+A streamed message is an ordinary reply (``start_reply`` + ``follow_started``) in the Anthropic
 dialect (``delivery.anthropic_format``), so batching, hold-back moderation, the slow-client
 limits and cancellation hold as on every route; its keep-alive is Anthropic's ``ping`` event,
 and its events keep our ids, so ``GET /v1/replies/{id}/stream`` resumes it after any of them
@@ -28,7 +28,7 @@ from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
-from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_reply, start_reply
+from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
 from replystream.server.native import bad, delivery_overrides, sampling_params
 from replystream.server.openai_api import served_model
 from replystream.server.openai_requests import model_not_found
@@ -85,14 +85,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         policy=policy,
         resumable=None,  # the server's default, as on the other routes
     )
-    return follow_reply(
-        request,
-        reply_id=reply.reply_id,
-        store=reply.store,
-        policy=policy,
-        reply=reply,
-        keepalive=PING,
-    )
+    return follow_started(request, reply, policy, keepalive=PING)
 
 
 async def _whole(

@@ -61,6 +61,8 @@ from replystream.server.context import (
     check_resume_point,
     find_reply,
     follow_reply,
+    follow_started,
+    last_event_id,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
@@ -76,7 +78,7 @@ from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
 from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
-from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
+from replystream.server.schemas import LabQuery, ReplyBody
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
 from replystream.server.websocket import add_websocket_route
@@ -148,14 +150,7 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
         resumable=query.resumable,
         numbered=numbered,
     )
-    return follow_reply(
-        request,
-        reply_id=reply.reply_id,
-        store=reply.store,
-        policy=config.policy,
-        reply=reply,
-        numbered=numbered,
-    )
+    return follow_started(request, reply, config.policy, numbered=numbered)
 
 
 async def handle_replies(request: web.Request) -> web.StreamResponse:
@@ -181,21 +176,12 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
         resumable=ask.resumable,
         disconnect=ask.disconnect,
     )
-    return follow_reply(
-        request, reply_id=reply.reply_id, store=reply.store, policy=ask.policy, reply=reply
-    )
-
-
-def _last_event_id(request: web.Request) -> int:
-    """The event id a resume starts after: ``Last-Event-ID``, else ``last_event_id``."""
-    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", ""))
-    values = {"last_event_id": raw} if raw.strip() else {}
-    return parse_mapping(values, ResumeCursor).last_event_id
+    return follow_started(request, reply, ask.policy)
 
 
 async def handle_resume(request: web.Request) -> web.StreamResponse:
     """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live."""
-    after = _last_event_id(request)
+    after = last_event_id(request)
     reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
         await check_resume_point(reply_id, store, after)

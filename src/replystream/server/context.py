@@ -50,7 +50,9 @@ from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
+from replystream.server.schemas import ResumeCursor
 from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransport
+from replystream.server.validation import parse_mapping
 
 log = logging.getLogger("replystream.server")
 
@@ -197,6 +199,28 @@ def follow_reply(
     return response
 
 
+def follow_started(
+    request: web.Request,
+    reply: Reply,
+    policy: DeliveryPolicy,
+    *,
+    keepalive: bytes = KEEPALIVE,
+    numbered: bool = True,
+    notices: Notices | None = None,
+) -> EventStream:
+    """``follow_reply`` for the reply this request has just started, from its first event."""
+    return follow_reply(
+        request,
+        reply_id=reply.reply_id,
+        store=reply.store,
+        policy=policy,
+        reply=reply,
+        keepalive=keepalive,
+        numbered=numbered,
+        notices=notices,
+    )
+
+
 def follower_of(
     request: web.Request,
     *,
@@ -218,6 +242,13 @@ def follower_of(
         reply=reply,
         record=None if reply is None else reply.record,
     )
+
+
+def last_event_id(request: web.Request) -> int:
+    """The event id a resume starts after: ``Last-Event-ID``, else ``last_event_id``."""
+    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", ""))
+    values = {"last_event_id": raw} if raw.strip() else {}
+    return parse_mapping(values, ResumeCursor).last_event_id
 
 
 async def find_reply(

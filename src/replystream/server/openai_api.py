@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-A streamed completion is an ordinary reply (``start_reply`` + ``follow_reply``) in the OpenAI
+A streamed completion is an ordinary reply (``start_reply`` + ``follow_started``) in the OpenAI
 dialect (``delivery.openai_formats``), so batching, hold-back moderation, keep-alive,
 slow-client limits, cancellation and resume all apply; its ``X-Reply-Id`` header and chunk id
 (``chatcmpl-<reply id>``) name it for ``GET /v1/replies/{id}/stream`` and ``.../cancel``.
@@ -29,7 +29,7 @@ from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
     buffered,
-    follow_reply,
+    follow_started,
     start_reply,
 )
 from replystream.server.openai_requests import (
@@ -129,14 +129,7 @@ async def _complete(
         policy=policy,
         resumable=ask.resumable,
     )
-    return follow_reply(
-        request,
-        reply_id=reply.reply_id,
-        store=reply.store,
-        policy=policy,
-        reply=reply,
-        keepalive=SDK_KEEPALIVE,
-    )
+    return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE)
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:

@@ -47,6 +47,8 @@ from replystream.server.context import (
     check_resume_point,
     find_reply,
     follow_reply,
+    follow_started,
+    last_event_id,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
@@ -57,7 +59,6 @@ from replystream.server.replies import Reply
 from replystream.server.schemas import (
     Conversation,
     ResponsesBody,
-    ResumeCursor,
     RetrieveQuery,
     SamplingFields,
 )
@@ -222,14 +223,8 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
 
 
 def _follow(request: web.Request, reply: Reply, policy: DeliveryPolicy) -> web.StreamResponse:
-    return follow_reply(
-        request,
-        reply_id=reply.reply_id,
-        store=reply.store,
-        policy=policy,
-        reply=reply,
-        keepalive=SDK_KEEPALIVE,
-        notices=reader_notices(reply.reply_id),
+    return follow_started(
+        request, reply, policy, keepalive=SDK_KEEPALIVE, notices=reader_notices(reply.reply_id)
     )
 
 
@@ -305,7 +300,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
         return web.json_response(await _read_response(store, reply_id))
     after, param = query.starting_after, "starting_after"
     if after is None:  # an EventSource resumes with the same cursor
-        after, param = _last_event_id(request), "last_event_id"
+        after, param = last_event_id(request), "last_event_id"
     if after > 0:
         await check_resume_point(reply_id, store, after, param=param)
     policy = request.app[CONFIG_KEY].policy
@@ -319,13 +314,6 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
         keepalive=SDK_KEEPALIVE,
         notices=reader_notices(reply_id),
     )
-
-
-def _last_event_id(request: web.Request) -> int:
-    raw = request.headers.get("Last-Event-ID", "").strip()
-    if not raw:
-        return 0
-    return parse_mapping({"last_event_id": raw}, ResumeCursor).last_event_id
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

@@ -283,14 +283,10 @@ class InputText(Strict):
     annotations: list[Any] | None = None
 
 
-def _input_kind(value: Any) -> str | None:
-    return _content_kind(value)
-
-
 ResponseContent = Annotated[
     Annotated[str, Tag("<string>")] | Annotated[list[InputText], Tag("<parts>")],
     Discriminator(
-        _input_kind,
+        _content_kind,
         custom_error_type="content_type",
         custom_error_message="must be a string or a list of input_text parts",
     ),
@@ -318,7 +314,7 @@ ResponseInput = Annotated[
     Annotated[str, Tag("<string>")]
     | Annotated[Annotated[list[InputMessage], Field(min_length=1)], Tag("<parts>")],
     Discriminator(
-        _input_kind,
+        _content_kind,
         custom_error_type="input_type",
         custom_error_message="must be a string or a non-empty list of message items",
     ),
