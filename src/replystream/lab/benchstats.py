@@ -302,6 +302,7 @@ def summarize(
         "cancel_after": config.cancel_after,
         "drop_share": config.drop_share,
         "drop_after": config.drop_after,
+        "resume_cursor": config.resume_cursor if config.drop_share else None,
         "seed": config.seed,
     }
     result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"
