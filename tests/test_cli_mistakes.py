@@ -81,7 +81,11 @@ CASES: list[tuple[list[str], str]] = [
     (["lab", "--out", FILE], f"argument --out: {FILE}: {FILE} is a file, not a folder"),
     (["lab", "--delay-ms", "-5"], "argument --delay-ms: want a number >= 0"),
     # bench
-    (["bench", "https://x/stream"], "argument url: https is not spoken"),
+    (["bench", "ftp://x/stream"], "argument url: want http(s)://HOST[:PORT]/PATH"),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--insecure"],
+        "--insecure skips verifying an https server: the URL is http://",
+    ),
     (
         ["bench", "http://127.0.0.1:9/stream", "--duration", "-1"],
         "argument --duration: want a number > 0",
