@@ -1,6 +1,7 @@
 """The reply log in Redis Streams, so any replica can replay and follow any reply.
 
-Layout, per reply (``P`` is the key prefix):
+Layout, per reply (``P`` is the key prefix; ``{id}`` is the reply id in braces, a Redis
+Cluster hash tag, so all of a reply's keys share one hash slot and one shard):
 - ``P{id}``: a stream; entry ``0-<seq>`` holds one event (its type in field ``e``, empty for a
   plain message; its data in ``d``) and the log's size in bytes up to and including it
   (field ``b``: a reader on another replica measures its lag by it); the terminal entry
@@ -26,11 +27,10 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from replystream.delivery.redis_connect import connect, parse_redis_url
 from replystream.delivery.replay import (
     TTL_AFTER_END_S,
     LogCursor,
@@ -115,16 +115,6 @@ def _seq(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[1])
 
 
-def shown_url(url: str) -> str:
-    """``url`` as errors may show it: without a user name or password."""
-    parts = urlsplit(url)
-    if parts.hostname is None:
-        return f"{parts.scheme}://{parts.path}"  # a unix socket
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
-
-
 class RedisReplayStore:
     """A ``ReplayStore`` shared by every replica that points at the same Redis."""
 
@@ -141,13 +131,14 @@ class RedisReplayStore:
         connect_timeout_s: float = 2.0,
     ) -> None:
         self.url = url
-        self.where = f"Redis at {shown_url(url)}"  # errors reach clients: no credentials
+        self.target = parse_redis_url(url)
+        self.where = f"Redis at {self.target.shown}"  # errors reach clients: no credentials
         self.ttl_after_end_s = ttl_after_end_s
         self.liveness_s = liveness_s
         self.max_entries = max_entries
         self.prefix = prefix
-        self.redis = aioredis.Redis.from_url(
-            url, socket_connect_timeout=connect_timeout_s, socket_timeout=COMMAND_TIMEOUT_S
+        self.redis = connect(
+            self.target, connect_timeout_s=connect_timeout_s, command_timeout_s=COMMAND_TIMEOUT_S
         )
         self._local = MemoryReplayStore(
             ttl_after_end_s=min(ttl_after_end_s, 30.0), max_entries=max_entries
@@ -163,7 +154,8 @@ class RedisReplayStore:
         self.writes = 0  # pipelines sent (for benchmarks)
 
     def _key(self, reply_id: str, part: str = "") -> str:
-        return f"{self.prefix}{reply_id}{part}"
+        # The braces make the id the key's hash tag: one slot for all of a reply's keys.
+        return f"{self.prefix}{{{reply_id}}}{part}"
 
     def _ensure_tasks(self) -> None:
         if not self._tasks:

@@ -230,9 +230,12 @@ RESUME = Group(
     (
         Setting(
             "--redis-url",
-            "keep reply logs in Redis (redis://HOST:PORT/DB), so any replica can resume any "
+            "keep reply logs in Redis (redis://HOST:PORT/DB; through Sentinel: "
+            "redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE[/DB]; a Cluster: "
+            "redis+cluster://HOST:PORT[,HOST:PORT]), so any replica can resume any "
             "reply; without it, this process's memory",
-            accepts="a `redis://`, `rediss://` or `unix://` URL",
+            accepts="a `redis://`, `rediss://`, `unix://`, `redis+sentinel://`, "
+            "`rediss+sentinel://`, `redis+cluster://` or `rediss+cluster://` URL",
         ),
         Setting(
             "--reply-ttl-s",
