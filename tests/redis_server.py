@@ -6,7 +6,7 @@ import contextlib
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tests.services import free_port, require_binary
@@ -192,3 +192,111 @@ def redis_cluster(workdir: Path, shards: int = 3, replicas: int = 1) -> Iterator
         yield cluster
     finally:
         cluster.stop()
+
+
+class RedisWithSentinel:
+    """A primary, a replica of it, and Sentinels watching them (Debian's ``redis-sentinel``),
+    on loopback, tuned to fail over within a few seconds of the primary dying."""
+
+    SERVICE = "replystream"
+
+    def __init__(self, workdir: Path, sentinels: int = 1, down_after_ms: int = 1000) -> None:
+        self.sentinel_binary = require_binary("redis-sentinel", "redis-sentinel")
+        self.workdir = workdir
+        self.primary = RedisServer(workdir / "primary")
+        self.replica = RedisServer(
+            workdir / "replica", extra=("--replicaof", "127.0.0.1", str(self.primary.port))
+        )
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.down_after_ms = down_after_ms
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.SERVICE}/0"
+
+    def start(self) -> None:
+        try:
+            self.primary.start()
+            self.replica.start()
+            for n, port in enumerate(self.sentinel_ports):
+                self.sentinels.append(self._start_sentinel(n, port))
+            self._wait_for(self._replica_in_sync, "the replica to sync with the primary")
+            self._wait_for(self._replicas_known, "Sentinel to see the replica")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_sentinel(self, n: int, port: int) -> subprocess.Popen[bytes]:
+        folder = self.workdir / f"sentinel{n}"
+        folder.mkdir(parents=True, exist_ok=True)
+        conf = folder / "sentinel.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.SERVICE} 10000\n"
+            f"sentinel parallel-syncs {self.SERVICE} 1\n"
+        )
+        return subprocess.Popen(
+            [self.sentinel_binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def _sentinel(self, *args: str) -> str:
+        cli = require_binary("redis-cli", "redis-tools")
+        result = subprocess.run(
+            [cli, "-p", str(self.sentinel_ports[0]), "sentinel", *args],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+        return result.stdout.decode()
+
+    def _replica_in_sync(self) -> bool:
+        cli = require_binary("redis-cli", "redis-tools")
+        info = subprocess.run(
+            [cli, "-p", str(self.replica.port), "info", "replication"],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        ).stdout
+        return b"master_link_status:up" in info
+
+    def _replicas_known(self) -> bool:
+        return f"{self.replica.port}" in self._sentinel("replicas", self.SERVICE)
+
+    def primary_port(self) -> int:
+        """The port Sentinel names as the primary now."""
+        lines = self._sentinel("get-master-addr-by-name", self.SERVICE).split()
+        return int(lines[1]) if len(lines) == 2 else 0
+
+    def wait_for_failover(self, timeout_s: float = 30) -> None:
+        self._wait_for(lambda: self.primary_port() == self.replica.port, "a failover", timeout_s)
+
+    def _wait_for(self, done: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if done():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"waited {timeout_s:g}s for {what}")
+
+    def stop(self) -> None:
+        for process in self.sentinels:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(10)
+        self.sentinels = []
+        self.replica.stop()
+        self.primary.stop()
+
+
+@contextlib.contextmanager
+def redis_with_sentinel(workdir: Path, sentinels: int = 1) -> Iterator[RedisWithSentinel]:
+    running = RedisWithSentinel(workdir, sentinels)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -94,7 +94,11 @@ def build_store(args: argparse.Namespace) -> ReplayStore:
             parse_redis_url(args.redis_url)
         except ValueError as exc:
             raise ValueError(f"--redis-url: {exc}") from None
-        return RedisReplayStore(args.redis_url, ttl_after_end_s=args.reply_ttl_s)
+        return RedisReplayStore(
+            args.redis_url, ttl_after_end_s=args.reply_ttl_s, failover_s=args.redis_failover_s
+        )
+    if any(setting.flag == "--redis-failover-s" for setting in settings.given(args)):
+        raise ValueError("--redis-failover-s is an option of --redis-url: add one, or drop it")
     return MemoryReplayStore(ttl_after_end_s=args.reply_ttl_s)
 
 
