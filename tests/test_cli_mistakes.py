@@ -60,7 +60,9 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--engine", "gpt"], "--engine wants tiny, simulated, hf:PATH or upstream:URL"),
     (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
     (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
-    (["serve", "--redis-url", "http://x"], "--redis-url must be a redis:// URL"),
+    (["serve", "--redis-url", "http://x"], "--redis-url: expected one of redis://"),
+    (["serve", "--redis-url", "redis+sentinel://127.0.0.1:26379"], "names its service"),
+    (["serve", "--redis-failover-s", "5"], "--redis-failover-s is an option of --redis-url"),
     # serve: an option the engine would not use
     (["serve", "--delay-ms", "20"], "--delay-ms is an option of the simulated engine"),
     (["serve", "--first-token-ms", "200"], "add --engine simulated, or drop --first-token-ms"),
