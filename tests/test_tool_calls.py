@@ -33,7 +33,7 @@ SCRIPT: list[dict[str, Any]] = [
 TEXT = "Checking the weather. One moment."
 WEATHER_ARGS = "".join(WEATHER_FRAGMENTS)
 TIME_ARGS = '{"tz": "CET"}'
-CHAT_TOOLS = [
+CHAT_TOOLS: Any = [
     {
         "type": "function",
         "function": {
@@ -44,8 +44,8 @@ CHAT_TOOLS = [
     }
     for name in ("get_weather", "get_time")
 ]
-RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in CHAT_TOOLS]
-ANTHROPIC_TOOLS = [
+RESPONSES_TOOLS: Any = [{"type": "function", **tool["function"]} for tool in CHAT_TOOLS]
+ANTHROPIC_TOOLS: Any = [
     {
         "name": tool["function"]["name"],
         "description": tool["function"]["description"],
@@ -53,7 +53,7 @@ ANTHROPIC_TOOLS = [
     }
     for tool in CHAT_TOOLS
 ]
-USER = [{"role": "user", "content": "weather in Paris?"}]
+USER: Any = [{"role": "user", "content": "weather in Paris?"}]
 
 
 def script_file(tmp_path: Path, steps: list[dict[str, Any]]) -> str:
@@ -72,12 +72,18 @@ async def server(tmp_path: Path) -> AsyncIterator[str]:
         yield url
 
 
-def oai(url: str) -> openai.AsyncOpenAI:
+# Typed Any: the scripted replies' shapes are what the assertions check, not the stubs'.
+def oai(url: str) -> Any:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-def claude(url: str) -> anthropic.AsyncAnthropic:
+def claude(url: str) -> Any:
     return anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+
+
+def body_of(error: pytest.ExceptionInfo[Any]) -> Any:
+    """The error body an SDK's exception carries."""
+    return error.value.body
 
 
 async def chunks_of(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -133,8 +139,8 @@ async def test_openai_sdk_assembles_the_scripted_calls_on_chat_streamed_and_whol
     async with oai(server) as client:
         async with client.chat.completions.stream(
             model="simulated",
-            messages=USER,  # type: ignore[arg-type]
-            tools=CHAT_TOOLS,  # type: ignore[arg-type]
+            messages=USER,
+            tools=CHAT_TOOLS,
             tool_choice="auto",
         ) as stream:
             argument_deltas = [
@@ -145,8 +151,8 @@ async def test_openai_sdk_assembles_the_scripted_calls_on_chat_streamed_and_whol
             streamed = await stream.get_final_completion()
         whole = await client.chat.completions.create(
             model="simulated",
-            messages=USER,  # type: ignore[arg-type]
-            tools=CHAT_TOOLS,  # type: ignore[arg-type]
+            messages=USER,
+            tools=CHAT_TOOLS,
         )
     # The SDK reports the empty arguments of each call's naming delta too.
     assert argument_deltas == ["", *WEATHER_FRAGMENTS, "", '{"tz":', ' "CET"}']
@@ -155,11 +161,11 @@ async def test_openai_sdk_assembles_the_scripted_calls_on_chat_streamed_and_whol
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == TEXT
         calls = choice.message.tool_calls or []
-        assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [  # type: ignore[union-attr]
+        assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
             ("call_W1", "get_weather", WEATHER_ARGS),
             (calls[1].id, "get_time", TIME_ARGS),
         ]
-    assert streamed.choices[0].message.tool_calls[1].id == whole.choices[0].message.tool_calls[1].id  # type: ignore[index]
+    assert streamed.choices[0].message.tool_calls[1].id == whole.choices[0].message.tool_calls[1].id
 
 
 async def test_a_reply_of_tool_calls_only_has_null_content_whole(tmp_path: Path):
@@ -167,12 +173,12 @@ async def test_a_reply_of_tool_calls_only_has_null_content_whole(tmp_path: Path)
     async with scripted(tmp_path, steps) as (_, url), oai(url) as client:
         whole = await client.chat.completions.create(
             model="simulated",
-            messages=USER,  # type: ignore[arg-type]
-            tools=CHAT_TOOLS,  # type: ignore[arg-type]
+            messages=USER,
+            tools=CHAT_TOOLS,
         )
     message = whole.choices[0].message
     assert message.content is None
-    assert [(c.id, c.function.arguments) for c in message.tool_calls or []] == [("call_T", "{}")]  # type: ignore[union-attr]
+    assert [(c.id, c.function.arguments) for c in message.tool_calls or []] == [("call_T", "{}")]
 
 
 async def test_openai_sdk_assembles_function_call_items_on_responses(server: str):
@@ -180,7 +186,7 @@ async def test_openai_sdk_assembles_function_call_items_on_responses(server: str
         async with client.responses.stream(
             model="simulated",
             input="weather in Paris?",
-            tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+            tools=RESPONSES_TOOLS,
             store=False,
         ) as stream:
             events = [event async for event in stream]
@@ -188,7 +194,7 @@ async def test_openai_sdk_assembles_function_call_items_on_responses(server: str
         whole = await client.responses.create(
             model="simulated",
             input="weather in Paris?",
-            tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+            tools=RESPONSES_TOOLS,
             store=False,
         )
     kinds = [event.type for event in events]
@@ -200,8 +206,8 @@ async def test_openai_sdk_assembles_function_call_items_on_responses(server: str
         "response.output_item.added",
     ]
     added = events[first_call]
-    assert added.item.type == "function_call"  # type: ignore[union-attr]
-    assert (added.item.call_id, added.item.name, added.item.arguments) == (  # type: ignore[union-attr]
+    assert added.item.type == "function_call"
+    assert (added.item.call_id, added.item.name, added.item.arguments) == (
         "call_W1",
         "get_weather",
         "",
@@ -217,7 +223,7 @@ async def test_openai_sdk_assembles_function_call_items_on_responses(server: str
             ("call_W1", "get_weather", WEATHER_ARGS),
             (calls[1].call_id, "get_time", TIME_ARGS),
         ]
-        assert [tool.name for tool in response.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+        assert [tool.name for tool in response.tools] == ["get_weather", "get_time"]
 
 
 ANTHROPIC_ASK: dict[str, Any] = {
@@ -264,8 +270,8 @@ async def test_tool_messages_in_the_input_are_accepted_by_every_api(server: str)
         ]
         chat = await client.chat.completions.create(
             model="simulated",
-            messages=history,  # type: ignore[arg-type]
-            tools=CHAT_TOOLS,  # type: ignore[arg-type]
+            messages=history,
+            tools=CHAT_TOOLS,
         )
         assert chat.usage is not None and chat.usage.prompt_tokens > 3
         response = await client.responses.create(
@@ -280,14 +286,14 @@ async def test_tool_messages_in_the_input_are_accepted_by_every_api(server: str)
                 },
                 {"type": "function_call_output", "call_id": "call_W1", "output": "18 C"},
             ],
-            tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+            tools=RESPONSES_TOOLS,
             store=False,
         )
         assert response.status == "completed"
         message = await anthropic_client.messages.create(
             model="simulated",
             max_tokens=100,
-            tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
+            tools=ANTHROPIC_TOOLS,
             messages=[
                 {"role": "user", "content": "weather in Paris?"},
                 {
@@ -319,13 +325,13 @@ async def test_previous_response_id_carries_the_calls_to_the_next_response(serve
         first = await client.responses.create(
             model="simulated",
             input="weather in Paris?",
-            tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+            tools=RESPONSES_TOOLS,
         )
         second = await client.responses.create(
             model="simulated",
             previous_response_id=first.id,
             input=[{"type": "function_call_output", "call_id": "call_W1", "output": "18 C"}],
-            tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+            tools=RESPONSES_TOOLS,
         )
     assert second.status == "completed"
     assert second.usage is not None and first.usage is not None
@@ -340,26 +346,26 @@ async def test_bad_tools_are_400s_in_each_apis_own_shape(server: str):
         with pytest.raises(openai.BadRequestError) as chat_schema:
             await client.chat.completions.create(
                 model="simulated",
-                messages=USER,  # type: ignore[arg-type]
-                tools=bad_schema,  # type: ignore[arg-type]
+                messages=USER,
+                tools=bad_schema,
             )
         with pytest.raises(openai.BadRequestError) as chat_choice:
             await client.chat.completions.create(
                 model="simulated",
-                messages=USER,  # type: ignore[arg-type]
-                tools=CHAT_TOOLS,  # type: ignore[arg-type]
+                messages=USER,
+                tools=CHAT_TOOLS,
                 tool_choice={"type": "function", "function": {"name": "get_stock"}},
             )
         with pytest.raises(openai.BadRequestError) as chat_orphan:
             await client.chat.completions.create(
                 model="simulated",
-                messages=[*USER, {"role": "tool", "tool_call_id": "call_X", "content": "1"}],  # type: ignore[list-item]
+                messages=[*USER, {"role": "tool", "tool_call_id": "call_X", "content": "1"}],
             )
         with pytest.raises(openai.BadRequestError) as responses_choice:
             await client.responses.create(
                 model="simulated",
                 input="x",
-                tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+                tools=RESPONSES_TOOLS,
                 tool_choice={"type": "function", "name": "get_stock"},
                 store=False,
             )
@@ -371,19 +377,19 @@ async def test_bad_tools_are_400s_in_each_apis_own_shape(server: str):
             await anthropic_client.messages.create(
                 model="simulated",
                 max_tokens=10,
-                messages=USER,  # type: ignore[arg-type]
+                messages=USER,
                 tools=[{"name": "f", "input_schema": {"type": "object", "required": "city"}}],
             )
         with pytest.raises(anthropic.BadRequestError) as claude_choice:
             await anthropic_client.messages.create(
                 model="simulated",
                 max_tokens=10,
-                messages=USER,  # type: ignore[arg-type]
-                tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
+                messages=USER,
+                tools=ANTHROPIC_TOOLS,
                 tool_choice={"type": "tool", "name": "get_stock"},
             )
     params = [
-        error.value.body["param"]  # type: ignore[index]
+        body_of(error)["param"]
         for error in (chat_schema, chat_choice, chat_orphan, responses_choice, responses_required)
     ]
     assert params == [
@@ -395,10 +401,10 @@ async def test_bad_tools_are_400s_in_each_apis_own_shape(server: str):
     ]
     assert "get_stock" in chat_choice.value.message
     for error in (claude_schema, claude_choice):
-        body = error.value.body["error"]  # type: ignore[index]
+        body = body_of(error)["error"]
         assert body["type"] == "invalid_request_error"
-    assert claude_schema.value.body["error"]["param"] == "tools[0].input_schema"  # type: ignore[index]
-    assert claude_choice.value.body["error"]["param"] == "tool_choice"  # type: ignore[index]
+    assert body_of(claude_schema)["error"]["param"] == "tools[0].input_schema"
+    assert body_of(claude_choice)["error"]["param"] == "tool_choice"
 
 
 async def test_native_route_names_tool_call_events_and_lists_the_calls_whole(server: str):
@@ -424,7 +430,7 @@ async def test_resuming_mid_arguments_gives_the_exact_remaining_bytes(server: st
         events = EventParser().feed(whole)
         # The event carrying the second fragment of the first call's arguments.
         middle = next(e for e in events if WEATHER_FRAGMENTS[1].replace('"', '\\"') in e.data)
-        headers = {"Last-Event-ID": middle.id}
+        headers = {"Last-Event-ID": str(middle.id)}
         url = f"{server}/v1/replies/{reply_id}/stream"
         async with http.get(url, headers=headers) as again:
             rest = await again.read()
@@ -460,7 +466,7 @@ async def test_relayed_calls_are_translated_for_responses_and_anthropic(relay: t
             async with client.responses.stream(
                 model="simulated",
                 input="weather in Paris?",
-                tools=RESPONSES_TOOLS,  # type: ignore[arg-type]
+                tools=RESPONSES_TOOLS,
                 tool_choice="required",  # the upstream refuses it unless the tools reach it
                 store=False,
             ) as stream:

@@ -325,6 +325,7 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
     created: dict[str, Any] | None = None
     started = False
     text: list[str] = []
+    calls: dict[str, dict[str, Any]] = {}  # function_call items so far, by item id
     for entry in entries:
         if entry.event == "response.created":
             created = json.loads(entry.data)["response"]
@@ -332,6 +333,8 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
             started = True
         elif entry.event == "response.output_text.delta":
             text.append(json.loads(entry.data)["delta"])
+        elif entry.event in CALL_EVENTS:
+            _follow_call(calls, entry.event, json.loads(entry.data))
     if created is None:
         return None
     status = "in_progress" if started else created["status"]
@@ -349,8 +352,27 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
             "role": "assistant",
             "content": [{"type": "output_text", "text": "".join(text), "annotations": []}],
         }
-        created["output"] = [message_item]
+        created["output"] = [message_item, *calls.values()]
     return created
+
+
+CALL_EVENTS = frozenset(
+    {
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.output_item.done",
+    }
+)
+
+
+def _follow_call(calls: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
+    """A function_call item as its logged events tell it so far."""
+    if event == "response.function_call_arguments.delta":
+        calls[payload["item_id"]]["arguments"] += payload["delta"]
+        return
+    item = payload["item"]
+    if item["type"] == "function_call":
+        calls[item["id"]] = dict(item)
 
 
 def reader_notices(reply_id: str) -> Notices:

@@ -587,6 +587,13 @@ class Query(Schema):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
+def _no_lab_tools(raw: Any) -> str:
+    raise _invalid(
+        "the lab routes take no tools: offer them on /v1/chat/completions, /v1/responses "
+        "or /v1/messages"
+    )
+
+
 class LabQuery(Query):
     """``GET /wait`` and ``GET /stream``: ``prompt``, ``seed``, ``max_tokens``; ``/stream``
     also ``ids`` and ``resumable`` (None: the server's default)."""
@@ -596,6 +603,7 @@ class LabQuery(Query):
     max_tokens: Annotated[int, _digits("max_tokens", 1, MAX_TOKENS_LIMIT)] | None = None
     ids: Annotated[bool, _flag("ids")] = True
     resumable: Annotated[bool, _flag("resumable")] | None = None
+    tools: Annotated[str, PlainValidator(_no_lab_tools)] | None = None
 
 
 class ResumeCursor(Query):
