@@ -168,17 +168,27 @@ async def test_openai_sdk_assembles_the_scripted_calls_on_chat_streamed_and_whol
     assert streamed.choices[0].message.tool_calls[1].id == whole.choices[0].message.tool_calls[1].id
 
 
-async def test_a_reply_of_tool_calls_only_has_null_content_whole(tmp_path: Path):
+async def test_a_reply_of_tool_calls_only_in_every_dialect(tmp_path: Path):
     steps = [{"tool_call": {"name": "get_time", "id": "call_T", "arguments": "{}"}}]
-    async with scripted(tmp_path, steps) as (_, url), oai(url) as client:
+    async with scripted(tmp_path, steps) as (_, url), oai(url) as client, claude(url) as other:
         whole = await client.chat.completions.create(
-            model="simulated",
-            messages=USER,
-            tools=CHAT_TOOLS,
+            model="simulated", messages=USER, tools=CHAT_TOOLS
         )
-    message = whole.choices[0].message
-    assert message.content is None
-    assert [(c.id, c.function.arguments) for c in message.tool_calls or []] == [("call_T", "{}")]
+        async with other.messages.stream(**ANTHROPIC_ASK) as stream:
+            streamed = await stream.get_final_message()
+        message = await other.messages.create(**ANTHROPIC_ASK)
+        response = await client.responses.create(
+            model="simulated", input="x", tools=RESPONSES_TOOLS, store=False
+        )
+    chat_message = whole.choices[0].message
+    assert chat_message.content is None
+    assert [(c.id, c.function.arguments) for c in chat_message.tool_calls] == [("call_T", "{}")]
+    # The text block opens with the message, before the first delta is known: it stays empty.
+    assert [block.type for block in streamed.content] == ["text", "tool_use"]
+    assert streamed.content[0].text == ""
+    assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    assert [item.type for item in response.output] == ["message", "function_call"]
+    assert response.output[1].call_id == "call_T"
 
 
 async def test_openai_sdk_assembles_function_call_items_on_responses(server: str):
@@ -490,3 +500,15 @@ async def test_relayed_calls_are_translated_for_responses_and_anthropic(relay: t
     assert deltas == [*WEATHER_FRAGMENTS, '{"tz":', ' "CET"}']
     assert calls[0] == ("call_W1", "get_weather", WEATHER_ARGS)
     assert stop_reason == "tool_use"
+
+
+async def test_websocket_messages_carry_tool_call_pieces(server: str):
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{server}/v1/ws") as ws:
+        await ws.send_json({"type": "reply", "id": "t", "prompt": "x"})
+        messages: list[Any] = []
+        while not messages or messages[-1]["type"] not in ("done", "error"):
+            messages.append(await ws.receive_json(timeout=30))
+    pieces = [m["data"] for m in messages if m["type"] == "tool_call"]
+    assert all(m["id"] == "t" for m in messages)
+    assert "".join(p["arguments"] for p in pieces if p["index"] == 0) == WEATHER_ARGS
+    assert messages[-1]["data"] == {"finish_reason": "tool_calls"}
