@@ -8,8 +8,10 @@ the OpenAI dialect, the id of its first chunk; a lab stream without event ids
 event and never with the dialect's end marker.
 - The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
   ``data: [DONE]`` at the end.
-- The native dialect names every event (``token``, ``usage``, ``moderated``, ``error``,
-  ``done``), so a client can tell an error from a finish without parsing JSON.
+- The native dialect names every event (``token``, ``tool_call``, ``usage``, ``moderated``,
+  ``error``, ``done``), so a client can tell an error from a finish without parsing JSON.
+  A ``tool_call`` event is one piece of a call: ``{"index", "id", "name", "arguments"}``,
+  with ``id`` and ``name`` only on the first piece of an index (null after).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Protocol
 
 from replystream.delivery.moderation import Violation
+from replystream.engine.base import ToolCallDelta
 from replystream.sse import encode_comment, encode_data
 
 KEEPALIVE = encode_comment("keep-alive")
@@ -60,6 +63,10 @@ class StreamFormat(Protocol):
 
     def text(self, text: str, tokens: int) -> Spec: ...
 
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        """The events of one piece of a tool call (see ``engine.base.ToolCallDelta``)."""
+        ...
+
     def finished(self, finish_reason: str, usage: Usage) -> list[Spec]: ...
 
     def error(self, message: str, code: str) -> list[Spec]: ...
@@ -91,6 +98,18 @@ def moderated_payload(violation: Violation) -> dict[str, object]:
 json_string: Callable[[str], str] = encode_basestring_ascii
 
 
+def tool_call_spec(piece: ToolCallDelta) -> Spec:
+    """A named ``tool_call`` event: the piece as it came (``id`` and ``name`` null after
+    the first piece of an index), for the dialects that name their events."""
+    payload = {
+        "index": piece.index,
+        "id": piece.id,
+        "name": piece.name,
+        "arguments": piece.arguments,
+    }
+    return "tool_call", json.dumps(payload)
+
+
 def reply_spec(reply_id: str) -> Spec:
     return "reply", f'{{"reply_id": {json_string(reply_id)}}}'
 
@@ -103,6 +122,11 @@ class LabFormat:
 
     def text(self, text: str, tokens: int) -> Spec:
         return None, json_string(text)
+
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        # The lab's routes take no tools; a scripted engine may still make calls, which
+        # keep their own named event rather than pass for text.
+        return [tool_call_spec(piece)]
 
     def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
         return [(None, "[DONE]")]
@@ -123,6 +147,9 @@ class NativeFormat:
     def text(self, text: str, tokens: int) -> Spec:
         # Byte for byte what json.dumps({"text": text, "tokens": tokens}) writes.
         return "token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}'
+
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        return [tool_call_spec(piece)]
 
     def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
         return [

@@ -5,6 +5,11 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   ``delta.role = "assistant"`` (it carries the reply id, as resume needs), one chunk per
   batch of text, a chunk with ``finish_reason`` and an empty delta, a usage chunk
   (``choices: []``) when the client asked for one, then ``data: [DONE]``.
+- A tool call streams as OpenAI's ``delta.tool_calls``: one chunk per piece, ``index`` on
+  every one; ``id``, ``type: "function"`` and ``function.name`` on the piece that names the
+  call (its first; ``arguments`` then as it came, ``""`` from our engines), then
+  ``function.arguments`` fragments; the reply ends with ``finish_reason: "tool_calls"``.
+  Whole, the message has ``tool_calls`` and ``content: null`` when it has no text.
 - A legacy ``text_completion`` stream is the same with ``choices[0].text`` and no role chunk
   (its first chunk has empty text).
 - An error after the first byte is ``event: error`` with ``data: {"error": {"message",
@@ -27,6 +32,8 @@ from typing import Any, Literal
 
 from replystream.delivery.formats import Spec, Usage, moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.delivery.tool_calls import ToolCall
+from replystream.engine.base import ToolCallDelta
 
 Kind = Literal["chat", "text"]
 DONE: Spec = (None, "[DONE]")
@@ -90,6 +97,21 @@ class OpenAIStreamFormat:
     def text(self, text: str, tokens: int) -> Spec:
         return self._chunk([self._choice(text, None)])
 
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        if self.kind == "text":
+            return []  # legacy completions have no tool calls (nor tools to ask for them)
+        function: dict[str, Any] = {}
+        call: dict[str, Any] = {"index": piece.index}
+        if piece.id is not None:
+            call["id"] = piece.id
+        if piece.id is not None or piece.name is not None:
+            call["type"] = "function"
+        if piece.name is not None:
+            function["name"] = piece.name
+        function["arguments"] = piece.arguments
+        call["function"] = function
+        return [self._chunk([self._choice(None, None, tool_calls=[call])])]
+
     def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
         specs = [self._chunk([self._choice(None, finish_reason)])]
         if self.include_usage:
@@ -114,11 +136,15 @@ def completion_body(
     finish_reason: str,
     usage: Usage | None,
     moderation: dict[str, object] | None = None,
+    tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` or ``text_completion`` object."""
     choice: dict[str, Any]
     if kind == "chat":
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [call.as_openai() for call in tool_calls]
         choice = {"index": 0, "message": message, "logprobs": None}
     else:
         choice = {"index": 0, "text": text, "logprobs": None}

@@ -67,9 +67,14 @@ class ReplyPipeline:
             self.finish_reason = delta.finish_reason
         holdback, batcher = self.holdback, self.batcher
         if holdback is None or batcher is None:  # nothing held, nothing batched
-            if not delta.text and not delta.tokens:
-                return []
+            if not delta.text:
+                if delta.tool_call is not None:
+                    return self._entries(self.fmt.tool_call(delta.tool_call))
+                if not delta.tokens:
+                    return []
             return self._entries([self.fmt.text(delta.text, delta.tokens)])
+        if delta.tool_call is not None:
+            return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
         text, tokens = holdback.push(delta.text, delta.tokens)
         batch = batcher.add(text, tokens, now)
         specs = [] if batch is None else [self.fmt.text(*batch)]
@@ -92,6 +97,15 @@ class ReplyPipeline:
             return []
         batch = self.batcher.flush()
         return [] if batch is None else self._entries([self.fmt.text(*batch)])
+
+    def _release_held(self) -> list[Spec]:
+        """Text before a tool call: all of it goes out first, in order. The checks have
+        seen it; the text it could still join with is gone (a tool call ends it), and the
+        checks read text only, never a call's arguments."""
+        assert self.holdback is not None and self.batcher is not None
+        text, tokens = self.holdback.finish()
+        batch = self.batcher.add(text, tokens, 0.0)
+        return ([] if batch is None else [self.fmt.text(*batch)]) + self._flush()
 
     def _flush(self) -> list[Spec]:
         batch = None if self.batcher is None else self.batcher.flush()

@@ -137,6 +137,10 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["seed"] = s.seed
     if s.stop:
         body["stop"] = list(s.stop)
+    if request.tools:  # already in chat's form, whatever dialect the client spoke
+        body["tools"] = [dict(tool) for tool in request.tools]
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
     return body
 
 

@@ -26,6 +26,7 @@ from replystream.delivery.anthropic_format import (
 from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
@@ -33,6 +34,12 @@ from replystream.server.native import bad, delivery_overrides, sampling_params
 from replystream.server.openai_api import served_model
 from replystream.server.openai_requests import model_not_found
 from replystream.server.schemas import MessagesBody, SamplingFields
+from replystream.server.tool_requests import (
+    anthropic_messages,
+    anthropic_tools,
+    check_tool_answers,
+    prompt_of,
+)
 from replystream.server.validation import read_model
 
 
@@ -48,20 +55,21 @@ def _sampling(body: MessagesBody) -> SamplingFields:
 
 
 def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if body.system_text:
         messages.append({"role": "system", "content": body.system_text})
-    messages.extend({"role": m.role, "content": m.text} for m in body.messages)
-    prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    messages.extend(anthropic_messages(body.messages))
+    check_tool_answers(messages, "messages")
+    tools, tool_choice = anthropic_tools(body.tools, body.tool_choice)
+    prompt = prompt_of(messages)
     if len(prompt) > max_prompt_chars:
         raise bad(
             "messages",
             f"the prompt is {len(prompt)} characters; this server's limit is {max_prompt_chars}",
             "context_length_exceeded",
         )
-    return GenerationRequest(
-        prompt, sampling_params(_sampling(body), body.max_tokens), tuple(messages)
-    )
+    sampling = sampling_params(_sampling(body), body.max_tokens)
+    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice)
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -97,7 +105,9 @@ async def _whole(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def body(
+        text: str, finish_reason: str, usage: Usage, tool_calls: tuple[ToolCall, ...]
+    ) -> dict[str, Any]:
         return message_object(
             reply_id,
             model,
@@ -105,6 +115,7 @@ async def _whole(
             stop_reason=STOP_REASONS.get(finish_reason, "end_turn"),
             input_tokens=input_tokens,
             output_tokens=usage.completion_tokens,
+            tool_calls=tool_calls,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from replystream.delivery.replay import (
     ReplayStore,
     StoreUnavailable,
 )
+from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import (
     Engine,
     GenerationRequest,
@@ -109,8 +110,21 @@ def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
     return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
 
 
-def _native_body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-    return {"text": text, "finish_reason": finish_reason, "usage": usage.as_dict()}
+def _native_body(
+    text: str, finish_reason: str, usage: Usage, tool_calls: tuple[ToolCall, ...]
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"text": text, "finish_reason": finish_reason}
+    if tool_calls:
+        body["tool_calls"] = [call.as_openai() for call in tool_calls]
+    return {**body, "usage": usage.as_dict()}
+
+
+def _lab_body(
+    text: str, _reason: str, _usage: Usage, tool_calls: tuple[ToolCall, ...]
+) -> dict[str, Any]:
+    if tool_calls:  # a scripted engine's calls: kept beside the text, never dropped
+        return {"text": text, "tool_calls": [call.as_openai() for call in tool_calls]}
+    return {"text": text}
 
 
 async def handle_wait(request: web.Request) -> web.StreamResponse:
@@ -130,7 +144,7 @@ async def handle_wait(request: web.Request) -> web.StreamResponse:
         generation,
         endpoint="/wait",
         policy=policy,
-        body=lambda text, _reason, _usage: {"text": text},
+        body=_lab_body,
         moderated_body=_moderated_body,
     )
 

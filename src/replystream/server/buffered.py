@@ -20,6 +20,7 @@ from aiohttp import web
 from replystream.delivery.channel import DeltaChannel, End, pump
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
+from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import Delta, DeltaStream
 from replystream.server.errors import error_response
 from replystream.server.metrics import ReplyRecord
@@ -29,7 +30,7 @@ log = logging.getLogger("replystream.buffered")
 
 WHOLE_REPLY = 1 << 30  # a hold-back window longer than any reply
 
-BodyFn = Callable[[str, str, Usage], dict[str, Any]]
+BodyFn = Callable[[str, str, Usage, tuple[ToolCall, ...]], dict[str, Any]]
 ModeratedFn = Callable[[str, Violation], dict[str, Any]]
 
 
@@ -45,7 +46,8 @@ async def buffered_reply(
 ) -> web.Response:
     """Collect an admitted generation whole and answer once, as JSON.
 
-    ``body(text, finish_reason, usage)`` shapes a finished reply; ``moderated_body(released
+    ``body(text, finish_reason, usage, tool_calls)`` shapes a finished reply (the tool
+    calls joined from their pieces, in the order they started); ``moderated_body(released
     text, violation)`` a reply a check stopped. A failure is a 500, a shutdown a 503.
     """
     channel = DeltaChannel()
@@ -53,6 +55,7 @@ async def buffered_reply(
     # tokens before its end is cut from its start, as a stream's window would if it were long.
     holdback = HoldBack(WHOLE_REPLY, checks)
     parts: list[str] = []
+    calls = ToolCalls()
     finish_reason = "stop"
     item: Delta | End | object = None
     manager.track(channel)
@@ -67,6 +70,9 @@ async def buffered_reply(
                     assert isinstance(item, Delta)
                     record.on_delta(item.made_at, item.tokens)
                     finish_reason = item.finish_reason or finish_reason
+                    if item.tool_call is not None:
+                        calls.add(item.tool_call)
+                        continue
                     parts.append(holdback.push(item.text, item.tokens)[0])
                     if holdback.violation is not None:
                         break
@@ -87,7 +93,7 @@ async def buffered_reply(
             parts.append(holdback.finish()[0])
             record.outcome = "finished"
             usage = Usage(prompt_tokens, record.tokens)
-            payload = body("".join(parts), finish_reason, usage)
+            payload = body("".join(parts), finish_reason, usage, calls.whole())
         response = json_response(payload)
         record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
         return response

@@ -36,6 +36,7 @@ from replystream.delivery.replay import (
     ReplyInfo,
     StoreUnavailable,
 )
+from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import (
     DeltaStream,
     Engine,
@@ -58,7 +59,7 @@ log = logging.getLogger("replystream.server")
 
 # A buffered reply's JSON body: from the whole text, the finish reason and the usage; or, for
 # a moderated reply, from the released text and the check that stopped it.
-BodyOf = Callable[[str, str, Usage], dict[str, Any]]
+BodyOf = Callable[[str, str, Usage, tuple[ToolCall, ...]], dict[str, Any]]
 ModeratedBodyOf = Callable[[str, Violation], dict[str, Any]]
 
 

@@ -24,6 +24,7 @@ from replystream.delivery.openai_formats import (
     OpenAIStreamFormat,
     completion_body,
 )
+from replystream.delivery.tool_calls import ToolCall
 from replystream.server import ids
 from replystream.server.context import (
     CONFIG_KEY,
@@ -79,7 +80,9 @@ async def _buffered(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def body(
+        text: str, finish_reason: str, usage: Usage, tool_calls: tuple[ToolCall, ...]
+    ) -> dict[str, Any]:
         return completion_body(
             kind,
             reply_id=reply_id,
@@ -88,6 +91,7 @@ async def _buffered(
             text=text,
             finish_reason=finish_reason,
             usage=usage,
+            tool_calls=tool_calls,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.schemas import ChatBody, CompletionBody, OpenAIBody
+from replystream.server.tool_requests import chat_tools
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -78,10 +79,13 @@ def parse_chat_request(
     """Check a ``POST /v1/chat/completions`` body against the server."""
     limit = body.max_completion_tokens
     max_tokens = limit if limit is not None else body.max_tokens
+    tools, tool_choice = chat_tools(body.tools, body.tool_choice)
     generation = GenerationRequest(
         prompt_from_messages(body.messages),
         sampling_params(body, max_tokens),
         relayed_messages(body.messages),  # relayed unchanged to chat upstreams
+        tools,
+        tool_choice,
     )
     return _ask(
         body,
