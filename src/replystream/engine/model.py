@@ -127,10 +127,11 @@ class TinyModel:
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, F32]) -> None:
         c = self.config = config
-        self.embed = weights["model.embed_tokens.weight"]  # (vocab, d_model)
-        self.unembed_t = np.ascontiguousarray(
-            weights.get("lm_head.weight", self.embed).T
-        )  # (d_model, vocab)
+        embed = weights["model.embed_tokens.weight"]  # (vocab, d_model)
+        lm_head = weights.get("lm_head.weight")  # None: tied to the embedding
+        self.unembed_t = np.ascontiguousarray((embed if lm_head is None else lm_head).T)
+        # Tied, the embedding is a view of the unembedding: the matrix is held once.
+        self.embed = self.unembed_t.T if lm_head is None else embed  # (vocab, d_model)
         self.final_norm = weights["model.norm.weight"]  # (d_model,)
         self.layers: list[_Layer] = []
         for i in range(c.n_layers):
