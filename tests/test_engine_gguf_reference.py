@@ -11,6 +11,7 @@ float32 with different summation orders; measured about 1e-4).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -94,17 +95,34 @@ def test_next_token_logits_equal_transformers_over_several_prompts(both):
         assert int(np.argmax(ours)) == int(np.argmax(expected))
 
 
-def test_greedy_replies_are_token_for_token_those_of_transformers_generate(both):
+def hf_greedy(hf_model, ids: list[int], steps: int) -> list[int]:
+    """Greedy tokens from ``transformers``' model with its own KV cache, one forward per token.
+
+    Not ``generate()``: in transformers 5.24 on this GGUF, ``generate()``'s logits drift from
+    the same model's own forward (0.3 at the 10th token of the story below, enough to flip a
+    near tie), while the forward with its cache agrees with a full recompute to 1e-4.
+    """
+    # transformers 5 renamed ``past_key_values`` to ``cache`` (as engine/hf.py handles).
+    forward = inspect.signature(hf_model.forward).parameters
+    name = "cache" if "cache" in forward else "past_key_values"
+    made: list[int] = []
+    with torch.inference_mode():
+        out = hf_model(torch.tensor([ids]), use_cache=True)
+        while True:
+            made.append(int(out.logits[0, -1].argmax()))
+            if len(made) == steps:
+                return made
+            past = {name: getattr(out, name)}
+            out = hf_model(torch.tensor([[made[-1]]]), use_cache=True, **past)
+
+
+def test_greedy_replies_are_token_for_token_those_of_transformers(both):
     (_, model, tokenizer), hf_model, hf_tokenizer = both
     messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
     text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer.encode(text)
     steps = 64
-    with torch.inference_mode():
-        out = hf_model.generate(
-            torch.tensor([ids]), max_new_tokens=steps, do_sample=False, eos_token_id=None
-        )
-    expected = out[0, len(ids) :].tolist()
+    expected = hf_greedy(hf_model, ids, steps)
     c = model.config
     cache = PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, 16, 16)
     cache.allocator.reserve(0, len(ids) + steps)
@@ -112,6 +130,6 @@ def test_greedy_replies_are_token_for_token_those_of_transformers_generate(both)
     while len(made) < steps:
         logits = model.decode([Chunk(0, (made[-1],), len(ids) + len(made) - 1)], cache)[0]
         made.append(int(np.argmax(logits)))
-    assert len(expected) == steps
     assert made == expected
-    assert len(tokenizer.decode(made).split()) > 20  # an English story, not a loop of one token
+    assert 2 not in made  # 64 tokens of story, no end of reply on the way
+    assert len(tokenizer.decode(made).split()) > 20  # English words, not a loop of one token
