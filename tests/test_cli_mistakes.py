@@ -62,7 +62,7 @@ CASES: list[tuple[list[str], str]] = [
         "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or",
     ),
     (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
-    (["serve", "--engine", "gguf:/nonexistent"], "--engine gguf:PATH: /nonexistent: not a readable"),
+    (["serve", "--engine", "gguf:/nonexistent"], "--engine gguf:PATH: /nonexistent: not a"),
     (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
     (["serve", "--redis-url", "http://x"], "--redis-url must be a redis:// URL"),
     # serve: an option the engine would not use
