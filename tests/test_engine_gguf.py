@@ -58,7 +58,7 @@ def test_the_file_gives_smollm2s_shape(loaded: Loaded):
     assert (c.d_ff, c.context, c.vocab_size, c.rope_theta) == (1536, 8192, 49152, 100000.0)
     assert c.norm_eps == pytest.approx(1e-5)
     assert gguf.vocabulary.stop_ids == {2}  # <|im_end|>
-    assert model.embed.base is model.unembed_t  # tied: one matrix, held once
+    assert model.unembed is model.embed  # tied: one matrix, held once
     assert model.parameter_count == 134_515_008
 
 
