@@ -57,8 +57,12 @@ CASES: list[tuple[list[str], str]] = [
     # serve: files and engines
     (["serve", "--api-keys-file", "/nonexistent"], "--api-keys-file: /nonexistent does not exist"),
     (["serve", "--ban-file", FOLDER], f"--ban-file: {FOLDER} is a folder"),
-    (["serve", "--engine", "gpt"], "--engine wants tiny, simulated, hf:PATH or upstream:URL"),
+    (
+        ["serve", "--engine", "gpt"],
+        "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or",
+    ),
     (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
+    (["serve", "--engine", "gguf:/nonexistent"], "--engine gguf:PATH: /nonexistent: not a"),
     (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
     (["serve", "--redis-url", "http://x"], "--redis-url: expected one of redis://"),
     (["serve", "--redis-url", "redis+sentinel://127.0.0.1:26379"], "names its service"),

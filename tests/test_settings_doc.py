@@ -149,7 +149,7 @@ def config_of(row: settings.Setting, args: argparse.Namespace) -> Any:
 
 
 ENGINE_OF = {
-    TinyEngineConfig: ["--speculative", "prompt-lookup"],
+    TinyEngineConfig: ["--engine", "tiny", "--speculative", "prompt-lookup"],
     SimulatedConfig: ["--engine", "simulated", "--jitter-ms", "0"],
     UpstreamConfig: ["--engine", "upstream:http://127.0.0.1:9/v1"],
 }

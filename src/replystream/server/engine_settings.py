@@ -22,23 +22,24 @@ from replystream.settings import Group, Setting
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"
 SPECULATIVE = ("off", "prompt-lookup")
-TINY = ("tiny",)
+# The built-in NumPy engine: the tiny model, and GGUF models (SmolLM2 by default) on its parts.
+TINY = ("tiny", "smollm2", "gguf")
 SIMULATED = ("simulated",)
 UPSTREAM = ("upstream",)
 
 TINY_ENGINE = Group(
-    "tiny engine (--engine tiny, the default)",
+    "built-in engine (--engine smollm2, the default when installed; tiny; gguf:PATH)",
     (
         Setting(
             "--kv-blocks",
-            "KV cache blocks in the pool (16 tokens each)",
+            "KV cache blocks in the pool, 16 tokens each (smollm2 and gguf: 2048)",
             positive_int,
             fills=(TinyEngineConfig, "num_blocks"),
             engines=TINY,
         ),
         Setting(
             "--token-budget",
-            "tokens one engine step may process (decode plus prefill chunks)",
+            "tokens one engine step may process, decode plus prefill chunks (smollm2, gguf: 256)",
             positive_int,
             fills=(TinyEngineConfig, "token_budget"),
             engines=TINY,
@@ -52,10 +53,10 @@ TINY_ENGINE = Group(
         ),
         Setting(
             "--default-max-tokens",
-            "reply length when a request does not set max_tokens (tiny and hf engines)",
+            "reply length when a request sets no max_tokens (tiny, hf; smollm2 and gguf: 512)",
             positive_int,
             fills=(TinyEngineConfig, "default_max_tokens"),
-            engines=("tiny", "hf"),
+            engines=(*TINY, "hf"),
         ),
         Setting(
             "--speculative",
