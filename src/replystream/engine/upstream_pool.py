@@ -2,9 +2,10 @@
 
 This file decides, for each upstream (a ``Backend``):
 - its circuit, as a phase table: ``closed`` (used) opens after ``failures`` consecutive
-  failures; ``open`` is skipped until ``cooldown_s`` has passed, then turns ``half_open``;
-  ``half_open`` lets one trial request through at a time: a success closes the circuit, a
-  failure opens it for another cool-down;
+  failures; ``open`` is skipped until ``cooldown_s`` has passed; then the next request
+  sent there is a trial, and the circuit is ``half_open`` while it runs (nothing else goes
+  there): the trial's success closes the circuit, its failure opens it for another
+  cool-down;
 - whether its last active health probe answered (a failed probe takes it out of routing
   while another upstream for the model is usable; a passing one changes nothing else);
 - which models it serves (from its model list, or as configured).
@@ -71,7 +72,7 @@ class Backend:
     circuit: Circuit = Circuit.CLOSED
     failures: int = 0  # consecutive
     opened_at: float = 0.0
-    trial: bool = False  # a half-open trial request is under way
+    trial: bool = False  # the trial request of a half-open circuit is under way
     probe_ok: bool | None = None
     problem: str = "not checked yet"  # what is wrong, in words ("" when nothing is)
     outstanding: int = 0
@@ -83,17 +84,17 @@ class Backend:
         self.circuit = CIRCUIT_TABLE[self.circuit, outcome]
 
     def allows(self, now: float, cooldown_s: float) -> bool:
-        """Whether its circuit lets a request through now (half open: if no trial is out)."""
-        if self.circuit is Circuit.OPEN and now - self.opened_at >= cooldown_s:
-            self._move(Outcome.COOLED)
-        if self.circuit is Circuit.OPEN:
-            return False
-        return not (self.circuit is Circuit.HALF_OPEN and self.trial)
+        """Whether its circuit lets a request through now: closed, or open with its cool-down
+        over (that request is the trial); not while a trial is out."""
+        if self.circuit is Circuit.CLOSED:
+            return True
+        return self.circuit is Circuit.OPEN and now - self.opened_at >= cooldown_s
 
     def begin(self) -> None:
-        """A request goes here (as a half-open circuit's trial, if it is half open)."""
+        """A request goes here: the trial of an open circuit whose cool-down is over."""
         self.outstanding += 1
-        if self.circuit is Circuit.HALF_OPEN:
+        if self.circuit is Circuit.OPEN:
+            self._move(Outcome.COOLED)
             self.trial = True
 
     def end(self) -> None:
@@ -202,7 +203,7 @@ class UpstreamPool:
         now, cooldown = self.clock(), self.breaker.cooldown_s
         for backend in self.backends:
             if backend.probe_ok is not False and (
-                backend.circuit is not Circuit.OPEN or backend.allows(now, cooldown)
+                backend.circuit is Circuit.HALF_OPEN or backend.allows(now, cooldown)
             ):
                 return True, ""
         return False, "; ".join(b.problem or f"{b.name} is failing" for b in self.backends)
