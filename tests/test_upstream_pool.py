@@ -39,7 +39,7 @@ def test_consecutive_failures_open_a_circuit_and_a_trial_after_the_cooldown_clos
     clock.now += 0.2  # the cool-down is over: the next request there is the trial
     assert a in pool.plan(None)
     a.begin()
-    assert a.circuit is Circuit.HALF_OPEN
+    assert a.circuit.value == "half_open"
     assert a not in pool.plan(None)  # one trial at a time
     a.end()
     a.succeeded()
