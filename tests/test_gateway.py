@@ -178,7 +178,7 @@ async def test_an_upstream_killed_mid_reply_is_continued_elsewhere_without_gap_o
     assert types.count("continued") == 1 and types[-2:] == ["usage", "done"]
     continued = json.loads(events[types.index("continued")].data)
     assert continued["reason"] == "upstream_disconnected" and continued["after_tokens"] >= 5
-    ids = [int(e.id) for e in events]
+    ids = [int(e.id or 0) for e in events]
     assert ids == list(range(1, len(events) + 1))  # event numbers go on without a hole
     usage = json.loads(events[-2].data)
     assert usage["completion_tokens"] == 60
