@@ -110,6 +110,13 @@ class RelayedReply:
         self._tokens = 0
         self._seam: str | None = None  # why the next attempt continues the reply
         self._held: Delta | None = None
+        # The watchdog (``_watch``): when the last text came, how long the next may take.
+        self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
+        self._text_at = 0.0
+        self._limit = limits.ttft_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiter: asyncio.Task[object] | None = None
+        self._overdue = False
         self._done = False
         self._last_error: EngineError | None = None
 
@@ -137,20 +144,26 @@ class RelayedReply:
             stream = self._stream
             assert stream is not None
             flowing = self._flowing  # this attempt has sent content already
-            limit = self._limits.stall_s if flowing else self._ttft_limit()
+            task = self._waiter = asyncio.current_task()
             try:
-                async with asyncio.timeout(limit):
-                    delta = await anext(stream)
+                delta = await anext(stream)
             except StopAsyncIteration:
                 self._done = True
+                self._unwatch()
                 self._attempt_over("ok")
                 raise
-            except TimeoutError:
-                error = self._timed_out(limit, flowing)
+            except asyncio.CancelledError:
+                # The watchdog's cancel becomes a timeout; anyone else's stays a cancel.
+                if not self._overdue or task is None or task.uncancel() > 0:
+                    raise
+                error = self._timed_out(self._limit, flowing)
             except EngineError as exc:
                 error = exc
             else:
+                self._text_at = self._loop.time()
                 return self._relayed(delta)
+            finally:
+                self._waiter, self._overdue = None, False
             await self._attempt_failed(error, _IN_STREAM.get(error.code, "stream_error"))
             if not flowing:
                 continue  # the next attempt, or the last failure raised by it
@@ -160,15 +173,45 @@ class RelayedReply:
             self._counts.continuations += 1
             self._began = time.monotonic()
 
+    def _watch(self) -> None:
+        """Once per attempt: the watchdog that notices no text for ``_limit`` seconds.
+
+        One timer per attempt rather than a timeout per delta (``asyncio.timeout`` costs
+        several microseconds per chunk): each delta only stamps ``_text_at``, and the timer,
+        when it fires early, sets itself again for the new due time."""
+        self._loop = asyncio.get_running_loop()
+        self._text_at = self._loop.time()
+        self._limit = self._ttft_limit()
+        self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
+
+    def _check(self) -> None:
+        due = self._text_at + self._limit
+        if self._loop.time() < due or self._waiter is None:  # text came, or nobody waits
+            later = max(due, self._loop.time() + min(self._limit, 0.1))
+            self._timer = self._loop.call_at(later, self._check)
+            return
+        self._overdue = True
+        self._waiter.cancel()
+        self._timer = None
+
+    def _unwatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def _relayed(self, delta: Delta) -> Delta:
         if not self._flowing:
             self._flowing = True
+            self._limit = self._limits.stall_s  # from now on: the stall limit, from here
+            self._unwatch()
+            self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
             assert self._backend is not None
             self._backend.succeeded()
         self._sent.append(delta.text)
         self._tokens += delta.tokens
         if delta.finish_reason is not None:
             self._done = True
+            self._unwatch()
             self._attempt_over("ok")
         if self._seam is None:
             return delta
@@ -206,6 +249,7 @@ class RelayedReply:
             self._flowing = False
             try:
                 self._stream = await self._opener(backend, self._attempt_request())
+                self._watch()
                 return
             except RequestRejected:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
@@ -280,6 +324,7 @@ class RelayedReply:
             access_log.info("%s", json.dumps(line))
 
     async def _close_stream(self) -> None:
+        self._unwatch()
         stream, self._stream = self._stream, None
         if stream is not None:
             try:
