@@ -255,3 +255,23 @@ async def test_a_stall_continues_at_another_upstream_only_when_allowed(continuat
     assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
     # This fake upstream does not continue: it starts over, and the client reads what it sent.
     assert got.text == "w0 w1 w2 " + "w0 w1 w2 w3 w4 "
+
+
+async def test_every_route_says_a_relay_failure_in_its_own_dialect_and_our_words():
+    async with relay([Upstream(["m"], mode="busy")]) as url:
+        anthropic = await post_events(
+            f"{url}/v1/messages",
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+        )
+        responses = await post_events(f"{url}/v1/responses", {"input": "x", "stream": True})
+        native = await post_events(f"{url}/v1/replies", {"prompt": "x"})
+    body = json.loads(anthropic.raw)
+    assert anthropic.status == 503 and body["type"] == "error"
+    assert body["error"]["type"] == "overloaded_error"
+    for got in (responses, native):
+        assert got.status == 503
+        assert json.loads(got.raw)["error"]["code"] == "upstream_overloaded"
+    for got in (anthropic, responses, native):
+        message = json.loads(got.raw)["error"]["message"]
+        assert message.startswith("the upstream at http://127.0.0.1:")
+        assert not any(word in message for word in ("aiohttp", "Error", "Exception", "<"))
