@@ -46,6 +46,17 @@ def test_consecutive_failures_open_a_circuit_and_a_trial_after_the_cooldown_clos
     assert a.circuit.value == "closed" and a in pool.plan(None)
 
 
+def test_a_trial_whose_client_left_leaves_the_next_request_to_try():
+    a = Backend("http://a/v1")
+    pool, clock = pool_of(a, failures=1, cooldown_s=5.0)
+    pool.failed(a, "refused")
+    clock.now += 5.0
+    a.begin()
+    assert pool.plan(None) == []
+    a.end()  # cancelled: no verdict
+    assert a.circuit.value == "open" and pool.plan(None) == [a]
+
+
 def test_a_failed_trial_opens_the_circuit_for_another_cooldown():
     a = Backend("http://a/v1")
     pool, clock = pool_of(a, failures=1, cooldown_s=5.0)

@@ -228,7 +228,7 @@ class UpstreamEngine:
         """The model name sent: the one asked for (an alias resolved), else the configured
         one, else the first one the upstream lists (None while it is not known)."""
         asked = self.pool.resolve(request.model)
-        if asked is not None and asked in backend.models:
+        if asked is not None and (asked in backend.models or not backend.models):
             return asked
         if self.config.model is not None:
             return self.config.model

@@ -5,7 +5,8 @@ This file decides, for each upstream (a ``Backend``):
   failures; ``open`` is skipped until ``cooldown_s`` has passed; then the next request
   sent there is a trial, and the circuit is ``half_open`` while it runs (nothing else goes
   there): the trial's success closes the circuit, its failure opens it for another
-  cool-down;
+  cool-down, and a trial whose client left proves nothing (open again, the next request
+  is the trial);
 - whether its last active health probe answered (a failed probe takes it out of routing
   while another upstream for the model is usable; a passing one changes nothing else);
 - which models it serves (from its model list, or as configured).
@@ -35,7 +36,8 @@ class Circuit(Enum):
 class Outcome(Enum):
     SUCCESS = "success"
     FAILURE = "failure"
-    COOLED = "cooled"  # the cool-down has passed
+    COOLED = "cooled"  # the cool-down has passed and a trial request goes
+    ABANDONED = "abandoned"  # the trial ended with no verdict (its client left)
 
 
 # (phase, outcome) -> next phase; a failure while closed opens only at the threshold, which
@@ -48,6 +50,7 @@ CIRCUIT_TABLE: dict[tuple[Circuit, Outcome], Circuit] = {
     (Circuit.OPEN, Outcome.FAILURE): Circuit.OPEN,
     (Circuit.HALF_OPEN, Outcome.SUCCESS): Circuit.CLOSED,
     (Circuit.HALF_OPEN, Outcome.FAILURE): Circuit.OPEN,
+    (Circuit.HALF_OPEN, Outcome.ABANDONED): Circuit.OPEN,  # cooled already: the next one tries
 }
 
 
@@ -98,7 +101,11 @@ class Backend:
             self.trial = True
 
     def end(self) -> None:
+        """A request here is over (after ``succeeded`` or ``failed``, if it had a verdict)."""
         self.outstanding -= 1
+        if self.trial:  # a trial that proved nothing: the next request is the trial
+            self.trial = False
+            self._move(Outcome.ABANDONED)
 
     def succeeded(self) -> None:
         self.failures = 0
