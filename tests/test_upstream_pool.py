@@ -3,6 +3,8 @@ requests with weights, model routes, aliases, and the routes file's checks."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,29 @@ def test_a_bad_routes_file_is_one_line_naming_the_file_the_entry_and_the_field(
         load_routes(path, env={})
     message = str(caught.value)
     assert message.startswith(f"{path}: ") and says in message and "\n" not in message
+
+
+def test_serve_stops_at_a_bad_routes_file_with_one_line(tmp_path: Path):
+    bad = write(tmp_path, "[[upstreams]]\nurl = 'http://127.0.0.1:9/v1'\nweight = 0\n")
+    for argv, says in (
+        (
+            ["--engine", "upstream", "--upstream-routes", str(bad)],
+            f"replystream serve: --upstream-routes {bad}: upstreams[0].weight: input should be",
+        ),
+        (
+            ["--engine", "upstream"],
+            "replystream serve: --engine upstream needs --upstream-routes FILE",
+        ),
+        (
+            ["--engine", "simulated", "--upstream-continue"],
+            "replystream serve: --upstream-continue is an option of the upstream engine",
+        ),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "replystream", "serve", "--port", "0", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith(says), done.stderr

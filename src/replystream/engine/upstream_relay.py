@@ -83,6 +83,36 @@ class RelayCounts:
 class RelayedReply:
     """A ``DeltaStream`` over a sequence of upstream attempts."""
 
+    # Thousands are open at once: slots instead of an instance dict.
+    __slots__ = (
+        "_attempt_began",
+        "_backend",
+        "_began",
+        "_continuation",
+        "_counts",
+        "_done",
+        "_flowing",
+        "_held",
+        "_last_error",
+        "_limit",
+        "_limits",
+        "_loop",
+        "_model",
+        "_opener",
+        "_overdue",
+        "_pool",
+        "_relayed_any",
+        "_request",
+        "_seam",
+        "_sent",
+        "_stream",
+        "_text_at",
+        "_timer",
+        "_tokens",
+        "_tried",
+        "_waiter",
+    )
+
     def __init__(
         self,
         request: GenerationRequest,
@@ -106,7 +136,8 @@ class RelayedReply:
         self._stream: DeltaStream | None = None
         self._attempt_began = 0.0
         self._flowing = False  # the current attempt has relayed content
-        self._sent: list[str] = []  # every text relayed, in order
+        self._sent: list[str] = []  # every text relayed, in order (with continuation on)
+        self._relayed_any = False
         self._tokens = 0
         self._seam: str | None = None  # why the next attempt continues the reply
         self._held: Delta | None = None
@@ -207,7 +238,9 @@ class RelayedReply:
             self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
             assert self._backend is not None
             self._backend.succeeded()
-        self._sent.append(delta.text)
+        if self._continuation:  # kept only for a continuation's prefix
+            self._sent.append(delta.text)
+        self._relayed_any = True
         self._tokens += delta.tokens
         if delta.finish_reason is not None:
             self._done = True
@@ -241,7 +274,7 @@ class RelayedReply:
             backend = next((b for b in self._pool.plan(self._model) if b not in self._tried), None)
             if backend is None:
                 raise self._give_up()
-            if self._tried and not self._sent:
+            if self._tried and not self._relayed_any:
                 self._counts.failovers += 1
             self._tried.add(backend)
             backend.begin()
