@@ -168,5 +168,8 @@ class AnthropicStreamFormat:
     def error(self, message: str, code: str) -> list[Spec]:
         return [("error", _dumps(error_object(message, code)))]
 
+    def continued(self, reason: str, tokens: int) -> list[Spec]:
+        return []  # no such event in this dialect: the text simply goes on
+
     def moderated(self, violation: Violation) -> list[Spec]:
         return self._ending("refusal", None, replystream_moderation=moderated_payload(violation))

@@ -121,6 +121,9 @@ class OpenAIStreamFormat:
     def error(self, message: str, code: str) -> list[Spec]:
         return [in_band_error(message, code)]
 
+    def continued(self, reason: str, tokens: int) -> list[Spec]:
+        return []  # no such event in this dialect: the text simply goes on
+
     def moderated(self, violation: Violation) -> list[Spec]:
         choice = self._choice(None, MODERATED_FINISH)
         return [self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)}), DONE]

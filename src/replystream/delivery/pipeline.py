@@ -29,6 +29,7 @@ class ReplyPipeline:
         "holdback",
         "next_seq",
         "numbered",
+        "prompt_tokens",
         "tokens",
     )
 
@@ -49,6 +50,7 @@ class ReplyPipeline:
         self.next_seq = 1
         self.tokens = 0
         self.finish_reason = "stop"
+        self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
         self.ended = False
 
     def _entries(self, specs: list[Spec]) -> list[LogEntry]:
@@ -65,16 +67,21 @@ class ReplyPipeline:
         self.tokens += delta.tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+            if delta.prompt_tokens is not None:
+                self.prompt_tokens = delta.prompt_tokens
         holdback, batcher = self.holdback, self.batcher
-        if holdback is None or batcher is None:  # nothing held, nothing batched
-            if not delta.text:
-                if delta.tool_call is not None:
+        if not delta.text:
+            if delta.tool_call is not None:
+                if holdback is None or batcher is None:
                     return self._entries(self.fmt.tool_call(delta.tool_call))
-                if not delta.tokens:
+                return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
+            if not delta.tokens:  # a finish, or a relay's continuation marker
+                if delta.continued is not None:
+                    return self._entries(self.fmt.continued(delta.continued, self.tokens))
+                if holdback is None or batcher is None:
                     return []
+        if holdback is None or batcher is None:  # nothing held, nothing batched
             return self._entries([self.fmt.text(delta.text, delta.tokens)])
-        if delta.tool_call is not None:
-            return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
         text, tokens = holdback.push(delta.text, delta.tokens)
         batch = batcher.add(text, tokens, now)
         specs = [] if batch is None else [self.fmt.text(*batch)]
@@ -116,7 +123,8 @@ class ReplyPipeline:
         return self._entries(self._flush() + self.fmt.moderated(violation))
 
     def finish(self, prompt_tokens: int) -> list[LogEntry]:
-        """The reply ended normally: release held text, flush, then the end marker."""
+        """The reply ended normally: release held text, flush, then the end marker (with the
+        engine's own prompt count if it gave one, else ``prompt_tokens``)."""
         self.ended = True
         specs: list[Spec] = []
         if self.holdback is not None and self.batcher is not None:
@@ -124,6 +132,8 @@ class ReplyPipeline:
             batch = self.batcher.add(text, tokens, 0.0)
             specs = [] if batch is None else [self.fmt.text(*batch)]
             specs += self._flush()
+        if self.prompt_tokens is not None:
+            prompt_tokens = self.prompt_tokens
         return self._entries(
             specs + self.fmt.finished(self.finish_reason, Usage(prompt_tokens, self.tokens))
         )

@@ -82,6 +82,7 @@ class UpstreamStream:
         self._bytes_at_last_event = 0
         self._tokens = 0
         self._usage_tokens: int | None = None
+        self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._finish: str | None = None
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
@@ -217,6 +218,8 @@ class UpstreamStream:
         usage = chunk.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self._usage_tokens = usage["completion_tokens"]
+            prompt = usage.get("prompt_tokens")
+            self._prompt_tokens = prompt if isinstance(prompt, int) and prompt >= 0 else None
         choices = chunk.get("choices", [])
         if not isinstance(choices, list):
             raise self._fail("the upstream chunk's choices is not a list", "upstream_bad_chunk")
@@ -261,5 +264,7 @@ class UpstreamStream:
 
     def _finish_reply(self, now: float) -> None:
         extra = max(0, (self._usage_tokens or 0) - self._tokens)
-        self._pending.append(Delta("", extra, now, self._finish or "stop"))
+        self._pending.append(
+            Delta("", extra, now, self._finish or "stop", prompt_tokens=self._prompt_tokens)
+        )
         self._ended = self._clean = True

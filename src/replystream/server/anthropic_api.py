@@ -13,6 +13,7 @@ tokens are made or how events are framed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -31,8 +32,7 @@ from replystream.engine.base import GenerationRequest
 from replystream.server import ids
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
 from replystream.server.native import bad, delivery_overrides, sampling_params
-from replystream.server.openai_api import served_model
-from replystream.server.openai_requests import model_not_found
+from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schemas import MessagesBody, SamplingFields
 from replystream.server.tool_requests import (
     anthropic_messages,
@@ -77,10 +77,13 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     app = request.app
     config = app[CONFIG_KEY]
     body = await read_model(request, MessagesBody)
-    model = served_model(app)
-    if body.model != model:
-        raise model_not_found(body.model)
-    generation = _generation(body, config.max_prompt_chars)
+    routed = routed_model(app, body.model)
+    model = routed or served_model(app)
+    generation = replace(
+        _generation(body, config.max_prompt_chars),
+        model=routed,
+        continuation=_sampling(body).upstream_continue,
+    )
     policy = delivery_overrides(_sampling(body), config.policy)
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
     if not body.stream:

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -48,7 +48,7 @@ from replystream.server import ids
 from replystream.server.auth import OWNER
 from replystream.server.buffered import buffered_reply
 from replystream.server.errors import HTTPAPIError
-from replystream.server.guard import REPLY_ID, GuardConfig
+from replystream.server.guard import REPLY_ID, REQUEST_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
 from replystream.server.schemas import ResumeCursor
@@ -89,6 +89,9 @@ KEEPALIVE_CLOCK_KEY = web.AppKey("keepalive_clock", KeepaliveClock)
 STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
 LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
 
+# Per-key metrics name a key by this much of its SHA-256 digest: enough to tell keys apart,
+# and an operator finds theirs with ``sha256sum``; the key itself is never written anywhere.
+KEY_LABEL_CHARS = 12
 LAB_FORMAT = LabFormat()
 NATIVE_FORMAT = NativeFormat()
 
@@ -108,6 +111,8 @@ async def start_generation(
         record.outcome, record.reason = "rejected", "shutdown"
         app[METRICS_KEY].observe(record)
         raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
+    if not generation.request_id:  # the access log's name for it, for an engine's own lines
+        generation = replace(generation, request_id=request.get(REQUEST_ID, ""))
     try:
         deltas = await app[ENGINE_KEY].start(generation)
     except (RequestRejected, EngineError) as exc:
@@ -141,6 +146,7 @@ async def start_reply(
         resumable = app[CONFIG_KEY].resumable_by_default
     resumable = resumable and numbered
     record = app[METRICS_KEY].record(endpoint, streamed=True)
+    record.key = owner_of(request)[:KEY_LABEL_CHARS]
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()
     deltas = await start_generation(request, generation, record)
@@ -323,6 +329,7 @@ async def buffered(
     id the body names, also sent as ``X-Reply-Id``."""
     app = request.app
     record = app[METRICS_KEY].record(endpoint, streamed=False)
+    record.key = owner_of(request)[:KEY_LABEL_CHARS]
     deltas = await start_generation(request, generation, record)
     response = await buffered_reply(
         deltas,

@@ -1,10 +1,11 @@
 """``replystream serve --engine ...``: which engine a command line names, and its options.
 
 This file decides the grammar of ``--engine`` (``smollm2``, ``tiny``, ``simulated``,
-``gguf:PATH``, ``hf:PATH``, or ``upstream:URL[=WEIGHT]`` given once per upstream), which engine
-serves when none is named (SmolLM2 when its weights are installed, else the tiny model), and
-builds the engine it names from the engine options (declared, with the engines each belongs
-to, in ``server.engine_settings``). The rest of the command (``server.command``) stays theirs.
+``gguf:PATH``, ``hf:PATH``, or ``upstream:URL[=WEIGHT]`` given once per upstream, or
+``upstream`` for the upstreams of ``--upstream-routes`` alone), which engine serves when none
+is named (SmolLM2 when its weights are installed, else the tiny model), and builds the engine
+it names from the engine options (declared, with the engines each belongs to, in
+``server.engine_settings``). The rest of the command (``server.command``) stays theirs.
 It must not know how an engine works.
 
 An option given to an engine that does not use it is refused at start-up (``--delay-ms`` with
@@ -27,6 +28,7 @@ from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream_routes import load_routes
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
 
 KINDS = ("smollm2", "tiny", "gguf", "simulated", "hf", "upstream")
@@ -65,6 +67,11 @@ def parse_engines(specs: list[str] | None) -> EngineChoice:
         targets = [UpstreamTarget.parse(s[9:]) for s in specs if s.startswith("upstream:")]
     except ValueError as exc:
         raise ValueError(f"--engine upstream:URL: {exc}") from None
+    if "upstream" in specs:  # the upstreams of --upstream-routes
+        specs = [s for s in specs if s != "upstream"]
+        if len(targets) != len(specs):
+            raise ValueError("--engine upstream may be given with upstream:URL, not with others")
+        return EngineChoice("upstream", tuple(targets))
     if targets:
         if len(targets) != len(specs):
             raise ValueError("--engine upstream:URL may be repeated, but not mixed with others")
@@ -78,8 +85,8 @@ def parse_engines(specs: list[str] | None) -> EngineChoice:
         if spec.startswith(f"{kind}:") and len(spec) > len(kind) + 1:
             return EngineChoice(kind, path=Path(spec[len(kind) + 1 :]))
     raise ValueError(
-        "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or upstream:URL[=WEIGHT], "
-        f"got {spec!r}"
+        "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or upstream:URL[=WEIGHT] "
+        f"(or upstream, with --upstream-routes), got {spec!r}"
     )
 
 
@@ -182,10 +189,38 @@ def build_simulated(args: argparse.Namespace) -> Engine:
 
 
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
+    """The relay: the ``--engine upstream:URL`` targets, then the routes file's."""
     key = args.upstream_api_key or os.environ.get(API_KEY_ENV) or None
-    return UpstreamEngine(
-        settings.fill(UpstreamConfig, args, ENGINE_SETTINGS, targets=choice.targets, api_key=key)
-    )
+    targets = list(choice.targets)
+    aliases: tuple[tuple[str, str], ...] = ()
+    if args.upstream_routes is not None:
+        try:
+            routes = load_routes(Path(args.upstream_routes))
+        except ValueError as exc:
+            raise ValueError(f"--upstream-routes {exc}") from None
+        given = {t.base_url for t in targets}
+        for target in routes.targets:
+            if target.base_url in given:
+                raise ValueError(
+                    f"--upstream-routes {args.upstream_routes}: {target.base_url} is given by "
+                    "--engine too; name it in one place"
+                )
+        targets += routes.targets
+        aliases = routes.aliases
+    if not targets:
+        raise ValueError("--engine upstream needs --upstream-routes FILE, or give upstream:URL")
+    try:
+        config = settings.fill(
+            UpstreamConfig,
+            args,
+            ENGINE_SETTINGS,
+            targets=tuple(targets),
+            api_key=key,
+            aliases=aliases,
+        )
+    except ValueError as exc:
+        raise ValueError(f"--engine upstream: {exc}") from None
+    return UpstreamEngine(config)
 
 
 def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:

@@ -165,6 +165,12 @@ UPSTREAM_ENGINE = Group(
     "upstream engine (--engine upstream:http://HOST:PORT/v1[=WEIGHT], repeatable)",
     (
         Setting(
+            "--upstream-routes",
+            "a TOML file of upstreams (each one's key, weight and models) and model aliases",
+            metavar="FILE",
+            engines=UPSTREAM,
+        ),
+        Setting(
             "--upstream-api-key",
             f"bearer key sent upstream (default: ${API_KEY_ENV}); clients' keys never are",
             fills=(UpstreamConfig, "api_key"),
@@ -172,22 +178,73 @@ UPSTREAM_ENGINE = Group(
         ),
         Setting(
             "--upstream-model",
-            "model name sent upstream (default: the first one the upstream's /models lists)",
+            "model name sent upstream when a request names none it serves "
+            "(default: the first one the upstream's /models lists)",
             fills=(UpstreamConfig, "model"),
             engines=UPSTREAM,
         ),
         Setting(
             "--upstream-timeout-s",
-            "connect and response-head limit; past it the client gets 504",
+            "connect and response-head limit per upstream; past it the next one is tried",
             positive_float,
             fills=(UpstreamConfig, "headers_timeout_s"),
             engines=UPSTREAM,
         ),
         Setting(
+            "--upstream-ttft-s",
+            "no text from an upstream within this long: the request goes to the next one",
+            positive_float,
+            fills=(UpstreamConfig, "ttft_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-failover-s",
+            "other upstreams are tried until this long after the request (or a mid-reply failure)",
+            positive_float,
+            fills=(UpstreamConfig, "failover_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
             "--upstream-stall-s",
-            "a reply whose upstream sends no byte for this long ends with an error event",
+            "no text for this long mid-reply: the reply ends with upstream_stalled (or continues)",
             positive_float,
             fills=(UpstreamConfig, "stall_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-continue",
+            "a reply whose upstream fails mid-reply continues at another one, unless the "
+            "request says upstream_continue: false",
+            switch=True,
+            fills=(UpstreamConfig, "continuation"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-health-s",
+            "probe every upstream this often; one that does not answer gets no requests",
+            positive_float,
+            fills=(UpstreamConfig, "health_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-health-path",
+            "what a probe asks each upstream for, after its base URL",
+            fills=(UpstreamConfig, "health_path"),
+            convert=lambda path: path if path.startswith("/") else f"/{path}",
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-failures",
+            "consecutive failures that open an upstream's circuit (it is skipped)",
+            positive_int,
+            fills=(UpstreamConfig, "failures"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-cooldown-s",
+            "how long an open circuit keeps its upstream out before one trial request",
+            positive_float,
+            fills=(UpstreamConfig, "cooldown_s"),
             engines=UPSTREAM,
         ),
         Setting(

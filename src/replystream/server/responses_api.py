@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -54,8 +55,7 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native import bad, delivery_overrides, sampling_params
-from replystream.server.openai_api import SDK_KEEPALIVE, served_model
-from replystream.server.openai_requests import model_not_found
+from replystream.server.openai_api import SDK_KEEPALIVE, routed_model, served_model
 from replystream.server.replies import Reply
 from replystream.server.schemas import (
     Conversation,
@@ -200,13 +200,16 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
     app = request.app
     config = app[CONFIG_KEY]
     body = await read_model(request, ResponsesBody)
-    model = served_model(app)
-    if body.model is not None and body.model != model:
-        raise model_not_found(body.model)
+    routed = routed_model(app, body.model)
+    model = routed or served_model(app)
     conversation = input_messages(body)
     if body.previous_response_id is not None:
         conversation = [*await _history(request, body.previous_response_id), *conversation]
-    generation = _generation(body, conversation, config.max_prompt_chars)
+    generation = replace(
+        _generation(body, conversation, config.max_prompt_chars),
+        model=routed,
+        continuation=_sampling(body).upstream_continue,
+    )
     policy = delivery_overrides(_sampling(body), config.policy)
     settings = ResponseSettings(
         model=model,
