@@ -33,6 +33,7 @@ from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import ReplayStore, StoreUnavailable
 from replystream.delivery.responses_format import (
+    TERMINAL,
     ResponseSettings,
     ResponsesStreamFormat,
     reader_notices,
@@ -125,6 +126,17 @@ async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     response = None
     if result is not None:
         response = response_from_log(result.entries, producer_lost=lost)
+        if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
+            # Events before these are gone (evicted, or trimmed): only a terminal event,
+            # which carries the whole response, can be trusted; never a text with holes.
+            raise HTTPAPIError(
+                410,
+                f"events {result.lost[0]}-{result.lost[1]} of this response are no longer "
+                "kept (evicted by Redis under memory pressure, or trimmed): it cannot be "
+                "told whole",
+                code="reply_evicted",
+                param="response_id",
+            )
     if response is None:
         raise HTTPAPIError(
             404,

@@ -205,6 +205,11 @@ _FAULTS = (
         "replystream_reply_log_holes",
         "Events Redis lost that their producer no longer held (readers are told of a gap).",
     ),
+    (
+        "evictions",
+        "replystream_reply_log_evictions",
+        "Reply logs or metadata found evicted by a maxmemory Redis (told, or written again).",
+    ),
 )
 
 
