@@ -1,15 +1,20 @@
-"""The relay benchmark's load client: C chat-completion streams opened at once, in its own process.
+"""The relay benchmark's load client: C chat-completion streams open at once, in its own process.
 
 What this file decides: how one run against one target (the upstream itself, or a relay in
-front of it) is driven and what is kept of it. Streams and the run's counters are the
-delivery benchmark's (``clientstream``), and so is the connect-with-retry; a stream here sends
-``POST /v1/chat/completions`` and stamps, in ``data_received``, every content chunk (counted
-by the upstream's ``MARKER`` with a byte search, so no relay's re-encoding matters and the
-client parses nothing). Per stream it returns the time to the first chunk and the largest gap
-between two chunks; percentiles are the harness's.
+front of it) is driven and what is kept of it. A run is C slots, each streaming replies one
+after another on a new connection each; the slots start spread evenly over ``spread_s``
+(the length of one reply: then C streams are open at once, starting and ending at a steady
+rate, as a served relay sees them) or all at once (``spread_s`` 0: a burst of C requests).
+Streams and the run's counters are the delivery benchmark's (``clientstream``), and so is
+the connect-with-retry; a stream here sends ``POST /v1/chat/completions`` and stamps, in
+``data_received``, every content chunk (counted by the upstream's ``MARKER`` with a byte
+search, so no relay's re-encoding matters and the client parses nothing). Per stream it
+returns the time to the first chunk and the largest gap between two chunks; percentiles are
+the harness's.
 
 Run: python benchmarks/relay/relay_client.py < config.json > result.json, where the config is
-``{"url": ..., "streams": C, "api_key": ..., "model": "bench", "timeout_s": 30}``.
+``{"url": ..., "streams": C, "replies_per_slot": 2, "spread_s": 2.0, "api_key": ...,
+"model": "bench", "timeout_s": 30}``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class ChatStream(Stream):
         self.request = request
         self.head = b""
         self.tail = b""
+        self.done = asyncio.Event()
+
+    def finish(self, failure: str | None) -> None:
+        super().finish(failure)
+        self.done.set()
 
     def transport_ready(self) -> None:
         assert self.transport is not None
@@ -92,20 +102,34 @@ def request_bytes(host: str, port: int, path: str, model: str, api_key: str) -> 
     return head.encode() + data
 
 
+async def one_slot(
+    run: Run, streams: list[ChatStream], request: bytes, host: str, port: int, delay_s: float
+) -> None:
+    """One of the C slots: after ``delay_s``, its replies one after another."""
+    await asyncio.sleep(delay_s)
+    for stream in streams:
+        await connect(run, stream, host, port)
+        if not stream.ended:
+            await stream.done.wait()
+
+
 async def load(config: dict[str, Any]) -> dict[str, Any]:
+    """Run C slots; the result covers every stream of every slot."""
     url = urlsplit(config["url"])
     host, port = url.hostname or "127.0.0.1", url.port or 80
     path = (url.path.rstrip("/") or "") + "/v1/chat/completions"
     request = request_bytes(host, port, path, config.get("model", "bench"), config["api_key"])
-    run = Run(config["streams"])
-    streams = [ChatStream(run, request) for _ in range(config["streams"])]
+    slots, per_slot = config["streams"], config.get("replies_per_slot", 1)
+    spread_s = config.get("spread_s", 0.0)
+    run = Run(slots * per_slot)
+    by_slot = [[ChatStream(run, request) for _ in range(per_slot)] for _ in range(slots)]
+    streams = [stream for slot in by_slot for stream in slot]
     started = time.perf_counter()
-    async with asyncio.TaskGroup() as group:
-        for stream in streams:
-            group.create_task(connect(run, stream, host, port))
     try:
-        async with asyncio.timeout(config.get("timeout_s", 30.0)):
-            await run.all_ended.wait()
+        async with asyncio.timeout(config.get("timeout_s", 30.0)), asyncio.TaskGroup() as group:
+            for index, slot in enumerate(by_slot):
+                delay_s = spread_s * index / slots
+                group.create_task(one_slot(run, slot, request, host, port, delay_s))
     except TimeoutError:
         for stream in streams:
             if not stream.ended:

@@ -5,8 +5,10 @@ every reply ``--chunks`` chunks ``--interval-ms`` apart, the first with the resp
 the upstream is never the bottleneck), and each relay in front of it on one process
 (``relays.py``). For each concurrency C (its rounds one after another, and within a round
 each target in turn, the upstream measured directly first), a load client in its own
-process (``relay_client.py``) opens C streamed chat completions at once through each
-target. Measured per target and C:
+process (``relay_client.py``) keeps C streamed chat completions open at once through each
+target: C slots, started evenly over one reply's length, each streaming
+``--replies-per-slot`` replies one after another (``--burst``: the C slots start at once).
+Measured per target and C, over every stream:
 - time to the first chunk, p50 and p99, and what the relay adds to it (the relay's
   percentile minus the upstream's own, measured directly in the same round);
 - the largest gap between two chunks of a stream, less the upstream's interval: p99 over
@@ -21,7 +23,7 @@ chunk, apart from its socket work (``parse_cost.py``). See docs/performance.md.
 
 Run: python benchmarks/relay/run.py [--quick] [-C 1 100 500 1000] [--rounds 3]
          [--relays replystream litellm nginx] [--litellm PATH] [--loop asyncio|uvloop]
-         [--timeout-s 10] [--json FILE]
+         [--replies-per-slot 2] [--burst] [--timeout-s 10] [--json FILE]
 """
 
 from __future__ import annotations
@@ -106,11 +108,14 @@ async def measure(
     cpu_before = cpu_seconds(pids)
     busy_before, started = machine_busy_seconds(), time.monotonic()
     reply_s = args.chunks * args.interval_ms / 1000
+    spread_s = 0.0 if args.burst else reply_s
     config = {
         "url": target.url,
         "streams": streams,
+        "replies_per_slot": args.replies_per_slot,
+        "spread_s": spread_s,
         "api_key": API_KEY,
-        "timeout_s": reply_s + args.timeout_s,
+        "timeout_s": spread_s + reply_s * args.replies_per_slot + args.timeout_s,
     }
     client = asyncio.ensure_future(run_client(config))
     peak = rss_before
@@ -124,13 +129,14 @@ async def measure(
     gap_s = [gap - args.interval_ms / 1000 for gap in result["max_gap_s"]]
     ms = 1000.0
     return {
+        "streams": result["streams"],
         "completed": result["completed"],
         "failures": result["failures"],
         "first_p50_ms": percentile(result["first_s"], 50) * ms,
         "first_p99_ms": percentile(result["first_s"], 99) * ms,
         "gap_p99_ms": percentile(gap_s, 99) * ms,
         "cpu_us_per_chunk": cpu / chunks * 1e6 if chunks else math.nan,
-        "kib_per_stream": (peak - idle_kib) / streams,
+        "kib_per_stream": (peak - idle_kib) / streams,  # C streams open at most
         "machine_busy_cores": busy,
     }
 
@@ -171,8 +177,9 @@ def table(results: dict[tuple[str, int], list[dict[str, Any]]], names: list[str]
             plus50 = math.nan if name == "upstream" else added(rounds, direct, "first_p50_ms")
             plus99 = math.nan if name == "upstream" else added(rounds, direct, "first_p99_ms")
             memory = median(rounds, "kib_per_stream") if streams >= 100 else math.nan
+            total = rounds[0]["streams"]
             lines.append(
-                f"{streams:>5} {name:<12}{f'{done:g}/{streams}':>10}"
+                f"{streams:>5} {name:<12}{f'{done:g}/{total}':>10}"
                 f"{fmt(median(rounds, 'first_p50_ms'), '.2f'):>10}{fmt(plus50, '+.2f'):>9}"
                 f"{fmt(median(rounds, 'first_p99_ms'), '.2f'):>10}{fmt(plus99, '+.2f'):>9}"
                 f"{fmt(median(rounds, 'gap_p99_ms'), '.1f'):>9}"
@@ -248,6 +255,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--timeout-s", type=float, default=10.0, help="how long a run may last past the reply"
     )
+    parser.add_argument(
+        "--replies-per-slot", type=int, default=2, help="replies each of the C slots streams"
+    )
+    parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="start the C slots all at once (default: spread over one reply's length)",
+    )
     parser.add_argument("--json", help="also write every round's figures to this file")
     args = parser.parse_args()
     if args.quick:
@@ -256,8 +271,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(
             "--litellm: no litellm executable found (pip install -e '.[bench]', or give its path)"
         )
-    if args.rounds < 1 or min(args.concurrency) < 1:
-        parser.error("--rounds and every -C must be at least 1")
+    if args.rounds < 1 or args.replies_per_slot < 1 or min(args.concurrency) < 1:
+        parser.error("--rounds, --replies-per-slot and every -C must be at least 1")
     return args
 
 
