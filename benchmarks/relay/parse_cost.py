@@ -8,6 +8,9 @@ it (``upstream_server.reply_messages``: 100 OpenAI chat chunks, each read as one
   once, as a producer task reads them (no socket, no waiting);
 - ``pipeline + encode``: each ``Delta`` through a ``ReplyPipeline`` with the chat dialect
   (``OpenAIStreamFormat``) and written as SSE bytes (``sse_event``), as the chat route does;
+- ``attached, all of it``: the stream attached to a sink that does the pipeline and encoding,
+  each chunk fed to aiohttp's own body reader (``aiohttp.StreamReader.feed_data``) as the
+  connection's parser feeds it: parse, pipeline and re-encode, as a served relay does them.
 Reported: microseconds per relayed chunk, the median of several repeats.
 
 Run: python benchmarks/relay/parse_cost.py [--replies 2000] [--repeats 5]
@@ -20,6 +23,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,7 +36,7 @@ from relay.upstream_server import CHUNKS, reply_messages
 from replystream.delivery.openai_formats import OpenAIStreamFormat
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.engine.base import Delta
+from replystream.engine.base import Delta, EngineError
 from replystream.engine.upstream_stream import UpstreamStream
 from replystream.server.sse_transport import sse_event
 
@@ -44,9 +48,15 @@ class RecordedBody:
 
     def __init__(self, chunks: list[bytes]) -> None:
         self._chunks = iter(chunks)
+        self._eof = False
 
     async def readany(self) -> bytes:
-        return next(self._chunks, b"")
+        chunk = next(self._chunks, b"")
+        self._eof = not chunk
+        return chunk
+
+    def is_eof(self) -> bool:
+        return self._eof
 
 
 class RecordedResponse:
@@ -73,6 +83,63 @@ async def parse_replies(replies: int) -> tuple[float, list[Delta]]:
     return time.perf_counter() - started, deltas
 
 
+class NoSocket:
+    """The connection protocol an ``aiohttp.StreamReader`` pauses and resumes (none here)."""
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        pass
+
+
+class EncodingSink:
+    """A reply's sink reduced to what this measures: the chat pipeline and SSE bytes."""
+
+    def __init__(self, index: int) -> None:
+        self.pipeline = ReplyPipeline(
+            OpenAIStreamFormat("chat", "bench", 1700000000), DeliveryPolicy()
+        )
+        self.pipeline.start(f"reply{index}")
+        self.events = 0
+        self.ended = False
+
+    def on_deltas(self, deltas: Sequence[Delta]) -> None:
+        now = time.monotonic()
+        pipeline = self.pipeline
+        for delta in deltas:
+            for entry in pipeline.push(delta, now):
+                sse_event(entry, True)
+                self.events += 1
+
+    def on_end(self, error: EngineError | None) -> None:
+        if error is not None:
+            raise error
+        self.ended = True
+
+
+async def attached_replies(replies: int) -> float:
+    """Seconds to relay ``replies`` recorded replies through attached streams."""
+    loop = asyncio.get_running_loop()
+    started = time.perf_counter()
+    for index in range(replies):
+        response = RecordedResponse([])
+        reader = aiohttp.StreamReader(cast(Any, NoSocket()), 1 << 16, loop=loop)
+        response.content = cast(Any, reader)
+        stream = UpstreamStream(
+            cast(aiohttp.ClientResponse, response), stall_s=60.0, max_event_size=1 << 20
+        )
+        sink = EncodingSink(index)
+        stream.attach(sink)
+        await asyncio.sleep(0)  # attach reads what is buffered in the next loop turn
+        for chunk in BODY:
+            reader.feed_data(chunk)
+        reader.feed_eof()
+        if not sink.ended or sink.events != CHUNKS:
+            raise SystemExit(f"attached: {sink.events} text events, ended {sink.ended}")
+    return time.perf_counter() - started
+
+
 def encode_replies(replies: int, deltas: list[Delta]) -> float:
     """Seconds to put ``replies`` replies' deltas through the chat pipeline into SSE bytes."""
     policy = DeliveryPolicy()
@@ -91,15 +158,18 @@ def measure(replies: int, repeats: int) -> dict[str, Any]:
     """Median microseconds per relayed chunk of each stage."""
     parse: list[float] = []
     encode: list[float] = []
+    attached: list[float] = []
     for _ in range(repeats):
         seconds, deltas = asyncio.run(parse_replies(replies))
         if sum(1 for d in deltas if d.text) != CHUNKS:
             raise SystemExit(f"parsed {len(deltas)} deltas, expected {CHUNKS} with text")
         parse.append(seconds / (replies * CHUNKS) * 1e6)
         encode.append(encode_replies(replies, deltas) / (replies * CHUNKS) * 1e6)
+        attached.append(asyncio.run(attached_replies(replies)) / (replies * CHUNKS) * 1e6)
     return {
         "parse_us": statistics.median(parse),
         "encode_us": statistics.median(encode),
+        "attached_us": statistics.median(attached),
     }
 
 
@@ -107,7 +177,8 @@ def report(result: dict[str, Any]) -> str:
     total = result["parse_us"] + result["encode_us"]
     return (
         f"relay work per chunk, no sockets: parse, iterated {result['parse_us']:.1f} µs + "
-        f"pipeline and encode {result['encode_us']:.1f} µs = {total:.1f} µs"
+        f"pipeline and encode {result['encode_us']:.1f} µs = {total:.1f} µs; "
+        f"attached, all of it: {result['attached_us']:.1f} µs"
     )
 
 

@@ -163,7 +163,7 @@ class UpstreamEngine:
     """Relays OpenAI-compatible streaming servers; one aiohttp session per engine."""
 
     name = "upstream"
-    pushes = False
+    pushes = True  # every stream is an UpstreamStream, attached to its reply (no task)
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
