@@ -127,7 +127,8 @@ class UpstreamStream:
         self._sink: DeltaSink | None = None
         self._hook: _BodyHook | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
-        self._last_read = 0.0  # loop time of the last body bytes (attached)
+        self._last_read = 0.0  # time.monotonic() of the last body bytes (attached)
+        self._bytes_read = 0  # the body reader's total_bytes when last read (attached)
         self._in_hook = False  # inside a call from aiohttp's parser: close the socket later
         self._let_go_done = False
 
@@ -168,8 +169,8 @@ class UpstreamStream:
         loop = asyncio.get_running_loop()
         self._sink = sink
         self._hook = _BodyHook(self)
-        self._last_read = loop.time()
-        self._stall_timer = loop.call_at(self._last_read + self._stall_s, self._check_stall)
+        self._last_read = time.monotonic()
+        self._stall_timer = loop.call_later(self._stall_s, self._check_stall)
         # What arrived with the response head, or since, goes out in the next loop turn: the
         # caller may not be ready for deltas (or the end) inside ``attach``.
         loop.call_soon(self._readable)
@@ -216,17 +217,24 @@ class UpstreamStream:
         sink = self._sink
         if sink is None:
             return
+        content = self._response.content
+        if content.total_bytes == self._bytes_read and not content.is_eof():
+            if content.exception() is None:
+                # The end of an HTTP chunk whose bytes were just read (aiohttp wakes a
+                # reader for both): nothing new.
+                content._waiter = self._hook  # type: ignore[assignment]
+                return
         self._in_hook = True
         try:
-            self._read_buffered()
+            self._read_buffered(content)
         except UpstreamStreamError as error:
             self._error = error
+        try:
+            self._deliver(sink)
         finally:
             self._in_hook = False
-        self._deliver(sink)
 
-    def _read_buffered(self) -> None:
-        content = self._response.content
+    def _read_buffered(self, content: aiohttp.StreamReader) -> None:
         failure = content.exception()
         if failure is not None:
             broken = broken_stream(
@@ -236,9 +244,10 @@ class UpstreamStream:
             )
             raise self._fail(broken.message, broken.code)
         data = content.read_nowait()
+        self._bytes_read = content.total_bytes
         if data:
-            self._last_read = asyncio.get_running_loop().time()
-            self._take(data, time.monotonic())
+            self._last_read = now = time.monotonic()
+            self._take(data, now)
         if not self._ended and content.is_eof():
             self._end_of_body()
 
@@ -248,24 +257,15 @@ class UpstreamStream:
             deltas = list(self._pending)
             self._pending.clear()
             self._deltas += len(deltas)
-            self._in_hook = True
-            try:
-                sink.on_deltas(deltas)
-            finally:
-                self._in_hook = False
+            sink.on_deltas(deltas)
             if self._sink is None:  # the sink closed the stream while taking them
                 return
         if self._error is not None or self._ended:
             error, self._error = self._error, None
-            self._in_hook = True
-            try:
-                self._detach()
-                self._close()
-                sink.on_end(error)
-            finally:
-                self._in_hook = False
+            self._detach()
+            self._close()
+            sink.on_end(error)
             return
-        assert self._hook is not None
         self._response.content._waiter = self._hook  # type: ignore[assignment]
 
     def _check_stall(self) -> None:
@@ -273,10 +273,10 @@ class UpstreamStream:
         self._stall_timer = None
         if sink is None:
             return
-        loop = asyncio.get_running_loop()
-        due = self._last_read + self._stall_s
-        if loop.time() < due:
-            self._stall_timer = loop.call_at(due, self._check_stall)
+        idle = time.monotonic() - self._last_read
+        if idle < self._stall_s:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(self._stall_s - idle, self._check_stall)
             return
         self._error = self._stalled()
         self._deliver(sink)
