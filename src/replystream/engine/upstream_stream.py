@@ -23,10 +23,11 @@ A stream is read one of two ways, with the same parse and the same failures: ite
 read awaits the body, as any ``DeltaStream``), or attached to a sink (``PushDeltaStream``).
 Attached, no task reads it: aiohttp's connection protocol, as it takes the body off the
 socket in ``data_received``, wakes the stream through the hook its body reader
-(``StreamReader``) already has for a waiting reader (``_BodyHook``), and the stream parses
-and calls the sink in that same call. Serving many relayed replies, that removes a task
-wake-up, a coroutine step and a timeout scope per chunk per reply; the stall bound is then
-one timer per stream, moved only when it fires (``_check_stall``).
+(``StreamReader``) already has for a waiting reader (``_BodyHook``); every stream woken in
+one turn of the loop is then parsed and delivered to its sink by one callback
+(``_ReadyStreams``). Serving many relayed replies, that removes a task wake-up, a
+coroutine step and a timeout scope per chunk per reply; the stall bound is one timer per
+stream, moved only when it fires (``_check_stall``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -91,10 +93,47 @@ class _BodyHook:
         return False
 
     def set_result(self, result: object) -> None:
-        self._stream._readable()
+        _ReadyStreams.of_running_loop().add(self._stream)
 
     def set_exception(self, exc: BaseException) -> None:
-        self._stream._readable()
+        _ReadyStreams.of_running_loop().add(self._stream)
+
+
+class _ReadyStreams:
+    """Attached streams whose body reader woke them since this loop last ran the list: each
+    is read and delivered once, all in one callback per loop turn.
+
+    Not in the wake-up itself: that runs inside aiohttp's HTTP parser, and reading the body
+    reader there re-enters the parser (a read can resume the connection's parsing), which
+    leaks the bytes the outer parse was given."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._ready: list[UpstreamStream] = []
+
+    @classmethod
+    def of_running_loop(cls) -> _ReadyStreams:
+        loop = asyncio.get_running_loop()
+        ready = _READY_BY_LOOP.get(loop)
+        if ready is None:
+            ready = _READY_BY_LOOP[loop] = cls(loop)
+        return ready
+
+    def add(self, stream: UpstreamStream) -> None:
+        if not self._ready:
+            self._loop.call_soon(self._run)
+        self._ready.append(stream)
+
+    def _run(self) -> None:
+        ready, self._ready = self._ready, []
+        for stream in ready:
+            stream._readable()
+
+
+# One list per event loop (a server has one; tests start many).
+_READY_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ReadyStreams] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class UpstreamStream:
@@ -129,7 +168,6 @@ class UpstreamStream:
         self._stall_timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0  # time.monotonic() of the last body bytes (attached)
         self._bytes_read = 0  # the body reader's total_bytes when last read (attached)
-        self._in_hook = False  # inside a call from aiohttp's parser: close the socket later
         self._let_go_done = False
 
     def __aiter__(self) -> UpstreamStream:
@@ -190,11 +228,7 @@ class UpstreamStream:
             on_end, self._on_end = self._on_end, None
             outcome = "finished" if self._clean else "failed" if self._failed else "cancelled"
             on_end(outcome, self._deltas)
-        if self._in_hook:
-            # Inside aiohttp's parser: the socket is released or closed once it returns.
-            asyncio.get_running_loop().call_soon(self._let_go)
-        else:
-            self._let_go()
+        self._let_go()
 
     def _let_go(self) -> None:
         if self._let_go_done:
@@ -213,7 +247,7 @@ class UpstreamStream:
             self._response.close()  # closing the socket is how an upstream learns to abort
 
     def _readable(self) -> None:
-        """Attached: body bytes, the body's end or a failure arrived (called by aiohttp)."""
+        """Attached: body bytes, the body's end or a failure arrived (``_ReadyStreams``)."""
         sink = self._sink
         if sink is None:
             return
@@ -224,15 +258,11 @@ class UpstreamStream:
                 # reader for both): nothing new.
                 content._waiter = self._hook  # type: ignore[assignment]
                 return
-        self._in_hook = True
         try:
             self._read_buffered(content)
         except UpstreamStreamError as error:
             self._error = error
-        try:
-            self._deliver(sink)
-        finally:
-            self._in_hook = False
+        self._deliver(sink)
 
     def _read_buffered(self, content: aiohttp.StreamReader) -> None:
         failure = content.exception()
