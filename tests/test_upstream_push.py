@@ -151,3 +151,25 @@ async def test_a_finished_reply_gives_its_upstream_connection_back_for_the_next(
             await asyncio.sleep(0.05)  # the body's end, written after [DONE], arrives
         await engine.aclose()
     assert len(peers) == 3 and len(set(peers)) == 1  # one connection served all three
+
+
+class FailingSink(RecordingSink):
+    def on_deltas(self, deltas: Sequence[Delta]) -> None:
+        raise RuntimeError("a bug in the sink")
+
+
+async def test_a_sink_that_fails_ends_its_own_stream_and_no_other(caplog):
+    async with fake_upstream() as (_, upstream):
+        engine = engine_for(f"{upstream}/ok/v1")
+        failing, healthy = FailingSink(), RecordingSink()
+        for sink in (failing, healthy):
+            stream = await engine.start(GenerationRequest("hi"))
+            stream.attach(sink)
+        async with asyncio.timeout(10):
+            await failing.ended.wait()
+            await healthy.ended.wait()
+        await engine.aclose()
+    assert failing.error is not None and failing.error.code == "upstream_broken"
+    assert healthy.error is None and healthy.text == "one two three "
+    assert "delivering a relayed reply's deltas failed" in caplog.text
+    assert engine.stats().active == 0

@@ -226,7 +226,7 @@ async def main(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str,
                         results.setdefault((target.name, streams), []).append(figures)
                         print(
                             f"round {round_index + 1} C={streams} {target.name}: "
-                            f"{figures['completed']}/{streams} done, "
+                            f"{figures['completed']}/{figures['streams']} done, "
                             f"CPU {figures['cpu_us_per_chunk']:.0f} µs/chunk",
                             file=sys.stderr,
                             flush=True,

@@ -33,7 +33,9 @@ stream, moved only when it fires (``_check_stall``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import weakref
 from collections import deque
@@ -45,6 +47,8 @@ from pydantic_core import from_json
 from replystream.engine.base import Delta, DeltaSink, EngineError
 from replystream.engine.upstream_errors import broken_stream, quoted
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
+
+log = logging.getLogger("replystream.upstream")
 
 # Finish reasons upstreams use, mapped to ours ("stop" or "length"; a filter passes through).
 FINISH_REASONS = {
@@ -127,7 +131,11 @@ class _ReadyStreams:
     def _run(self) -> None:
         ready, self._ready = self._ready, []
         for stream in ready:
-            stream._readable()
+            try:
+                stream._readable()
+            except Exception:  # a failing sink must not leave the other streams unread
+                log.exception("delivering a relayed reply's deltas failed")
+                stream._abandon()
 
 
 # One list per event loop (a server has one; tests start many).
@@ -211,7 +219,18 @@ class UpstreamStream:
         self._stall_timer = loop.call_later(self._stall_s, self._check_stall)
         # What arrived with the response head, or since, goes out in the next loop turn: the
         # caller may not be ready for deltas (or the end) inside ``attach``.
-        loop.call_soon(self._readable)
+        _ReadyStreams.of_running_loop().add(self)
+
+    def _abandon(self) -> None:
+        """Delivering failed (a bug of ours): stop, and tell the sink once that it ended."""
+        sink = self._sink
+        self._failed = True
+        self.close()
+        if sink is not None:
+            with contextlib.suppress(Exception):
+                sink.on_end(
+                    UpstreamStreamError("relaying the reply failed", code="upstream_broken")
+                )
 
     def _detach(self) -> None:
         self._sink = None
