@@ -10,7 +10,8 @@ it (``upstream_server.reply_messages``: 100 OpenAI chat chunks, each read as one
   (``OpenAIStreamFormat``) and written as SSE bytes (``sse_event``), as the chat route does;
 - ``attached, all of it``: the stream attached to a sink that does the pipeline and encoding,
   each chunk fed to aiohttp's own body reader (``aiohttp.StreamReader.feed_data``) as the
-  connection's parser feeds it: parse, pipeline and re-encode, as a served relay does them.
+  connection's parser feeds it, then one turn of the loop (where woken streams are read):
+  parse, pipeline and re-encode, as a served relay does them.
 Reported: microseconds per relayed chunk, the median of several repeats.
 
 Run: python benchmarks/relay/parse_cost.py [--replies 2000] [--repeats 5]
@@ -131,10 +132,11 @@ async def attached_replies(replies: int) -> float:
         )
         sink = EncodingSink(index)
         stream.attach(sink)
-        await asyncio.sleep(0)  # attach reads what is buffered in the next loop turn
         for chunk in BODY:
             reader.feed_data(chunk)
+            await asyncio.sleep(0)  # woken streams are read once per loop turn
         reader.feed_eof()
+        await asyncio.sleep(0)
         if not sink.ended or sink.events != CHUNKS:
             raise SystemExit(f"attached: {sink.events} text events, ended {sink.ended}")
     return time.perf_counter() - started
