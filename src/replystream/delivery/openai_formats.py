@@ -42,6 +42,9 @@ MODERATION_FIELD = "replystream_moderation"
 _ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-"}
 _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "text": "text_completion"}
 _BODY_OBJECT = {"chat": "chat.completion", "text": "text_completion"}
+# Stands for a text chunk's text while its template is made (the last one in the chunk:
+# the choices come after the id and the model, whatever they hold).
+_TEXT_PLACEHOLDER = "\x00text\x00"
 
 
 def _dumps(payload: dict[str, Any]) -> str:
@@ -68,6 +71,8 @@ class OpenAIStreamFormat:
     created: int
     include_usage: bool = False
     reply_id: str = field(default="", init=False)
+    # A text chunk's JSON before and after its text (see ``text``), made on first use.
+    _text_parts: tuple[str, str] | None = field(default=None, init=False)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> Spec:
         payload: dict[str, Any] = {
@@ -92,10 +97,19 @@ class OpenAIStreamFormat:
 
     def started(self, reply_id: str) -> list[Spec]:
         self.reply_id = reply_id
+        self._text_parts = None  # the id is in every chunk
         return [self._chunk([self._choice("", None, role="assistant")])]
 
     def text(self, text: str, tokens: int) -> Spec:
-        return self._chunk([self._choice(text, None)])
+        # Two text chunks of a reply differ only in their text: the rest is encoded once,
+        # by ``_chunk`` itself, and each chunk encodes its text alone (the same bytes as
+        # encoding the whole chunk, at a tenth of the cost: this runs once per event).
+        parts = self._text_parts
+        if parts is None:
+            spec = self._chunk([self._choice(_TEXT_PLACEHOLDER, None)])[1]
+            before, _, after = spec.rpartition(json.dumps(_TEXT_PLACEHOLDER))
+            parts = self._text_parts = before, after
+        return None, parts[0] + json.dumps(text) + parts[1]
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         if self.kind == "text":

@@ -178,6 +178,8 @@ class UpstreamEngine:
     """Relays OpenAI-compatible streaming servers; one aiohttp session per engine."""
 
     name = "upstream"
+    # A reply is a RelayedReply over its attempts, which reads each attempt's UpstreamStream
+    # by iterating; the producer task pulls it.
     pushes = False
 
     def __init__(self, config: UpstreamConfig) -> None:
@@ -254,7 +256,7 @@ class UpstreamEngine:
         reply = RelayedReply(
             request,
             pool=self.pool,
-            opener=self._open,
+            opener=self.open_attempt,
             limits=self._limits,
             continuation=self.config.continuation if continuation is None else continuation,
             counts=self._relay_counts,
@@ -266,8 +268,9 @@ class UpstreamEngine:
             raise
         return reply
 
-    async def _open(self, backend: Backend, request: GenerationRequest) -> UpstreamStream:
-        """One attempt: the request to ``backend``, its stream once the head arrived."""
+    async def open_attempt(self, backend: Backend, request: GenerationRequest) -> UpstreamStream:
+        """One attempt: the request to ``backend``, its stream once the head arrived (what a
+        relayed reply is made of; no failover here)."""
         url = f"{backend.name}/chat/completions"
         data = json.dumps(request_body(request, self._model_for(backend, request))).encode()
         timeout = self.config.headers_timeout_s
