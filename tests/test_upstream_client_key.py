@@ -24,8 +24,11 @@ import openai
 import pytest
 from aiohttp import web
 
-from replystream.server import running
+from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
 from tests.processes import replica
+from tests.test_websocket import read_until_ended
 
 pytestmark = pytest.mark.slow
 
@@ -232,3 +235,25 @@ def test_a_key_and_the_clients_key_for_one_upstream_are_refused_at_start_up(tmp_
         done = serve(*argv)
         assert done.returncode != 0 and "Traceback" not in done.stderr
         assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith(says), done.stderr
+
+
+async def test_a_websockets_key_from_its_upgrade_or_its_first_message_is_passed_on():
+    """A browser's socket sends its key in its first message; a server's, on the upgrade."""
+    hosted = KeyedUpstream("open", {"alice", "bob"})
+    async with running(hosted.app()) as upstream_url:
+        hosted.url = f"{upstream_url}/v1"
+        targets = (UpstreamTarget(hosted.url, pass_client_key=True, models=("open",)),)
+        engine = UpstreamEngine(UpstreamConfig(targets))
+        config = ServerConfig(api_keys=("alice", "bob"))
+        start = {"type": "reply", "id": "t", "prompt": "hi"}
+        async with running(create_app(engine, config)) as url, aiohttp.ClientSession() as http:
+            upgrade = {"Authorization": "Bearer alice"}
+            async with http.ws_connect(f"{url}/v1/ws", headers=upgrade) as ws:
+                await ws.send_json(start)
+                got = await read_until_ended(ws, {"t"})
+                assert got[-1]["type"] == "done", got
+            async with http.ws_connect(f"{url}/v1/ws") as ws:
+                await ws.send_json({"type": "auth", "api_key": "bob"})
+                await ws.send_json(start)
+                assert (await read_until_ended(ws, {"t"}))[-1]["type"] == "done"
+    assert hosted.requests() == ["Bearer alice", "Bearer bob"]
