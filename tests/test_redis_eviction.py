@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, LogTail, ReplyInfo, StoreUnavailable
 from tests.redis_server import redis_server
@@ -130,15 +131,66 @@ async def test_a_live_producer_writes_its_evicted_metadata_and_log_again(tmp_pat
             while (await reader.read("p", 0, wait_s=0)).entries != events("p", 1, 6):  # type: ignore[union-attr]  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
         assert producer.stats().evictions == 1 and producer.stats().repairs == 1
-        # A stream evicted again, then made anew by the next append: a reader behind is told.
-        await producer.redis.delete(key(producer, "p"))
-        producer.append("p", events("p", 6, 8))
-        await producer.flush()
-        told = await reader.read("p", 2, wait_s=0)
-        assert told is not None and told.lost is not None and told.lost[0] == 3
-        assert told.entries == events("p", told.lost[1] + 1, 8)
         await producer.aclose()
         await reader.aclose()
+
+
+async def whole_again(reader: RedisReplayStore, reply: str, upto: int) -> float:
+    """Read ``reply`` from its start until Redis holds events 1..``upto`` again; meanwhile
+    every read is a contiguous prefix, or told what it lacks (never a silent hole). Returns
+    how long it took."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    async with asyncio.timeout(10):
+        while True:
+            result = await reader.read(reply, 0, wait_s=0)
+            assert result is not None and not result.producer_lost
+            first = result.lost[1] + 1 if result.lost is not None else 1
+            assert result.entries == events(reply, first, first + len(result.entries))
+            if result.lost is None and result.entries == events(reply, 1, upto + 1):
+                return loop.time() - began
+            await asyncio.sleep(0.05)
+
+
+async def test_a_live_producer_writes_its_evicted_stream_again_from_its_copy(tmp_path: Path):
+    with redis_server(tmp_path) as server:
+        producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("v", owner="k"))
+        producer.append("v", events("v", 1, 6))
+        await producer.flush()
+        # Evicted between appends: the producer's heartbeat finds it shorter than written.
+        await producer.redis.delete(key(producer, "v"))
+        took = await whole_again(reader, "v", 5)
+        assert producer.stats().evictions == 1 and producer.stats().repairs == 1
+        # Evicted, then made anew by the next append (it starts late: a reader is told of
+        # the gap), and written whole again from the producer's copy.
+        await producer.redis.delete(key(producer, "v"))
+        producer.append("v", events("v", 6, 8))
+        await producer.flush()
+        took = max(took, await whole_again(reader, "v", 7))
+        assert producer.stats().evictions == 2 and producer.stats().repairs == 2
+        assert producer.stats().holes == 0  # it held every event: nothing stays lost
+        producer.end("v", "finished")
+        await producer.flush()
+        ended = await reader.read("v", 0, wait_s=0)
+        assert ended is not None and ended.entries == events("v", 1, 8)
+        assert (ended.lost, ended.ending) == (None, "finished")
+        print(f"an evicted stream was whole again within {took:.2f} s")
+        await producer.aclose()
+        await reader.aclose()
+
+
+def test_a_stream_that_starts_late_but_was_never_trimmed_is_rewritten():
+    copy = LocalCopy(events("x", 1, 11), 0, None, 11)
+    # Made anew by an append after it was evicted: events 1-6 are gone from its start.
+    late = plan(copy, StreamState(first=7, last=10, length=4, known=True), kept=100)
+    assert (late.action, late.entries, late.missing) == ("rewrite", copy.entries, 0)
+    # Trimmed by Redis to about ``kept`` (never below): its start went by design.
+    trimmed = plan(copy, StreamState(first=3, last=10, length=8, known=True), kept=8)
+    assert trimmed.action == "nothing"
+    # A copy trimmed further than Redis: the stream starting before the copy is whole.
+    shorter = LocalCopy(events("x", 5, 11), 400, None, 11)
+    assert plan(shorter, StreamState(first=3, last=10, length=8, known=True)).action == "nothing"
 
 
 async def test_noeviction_makes_writes_fail_and_the_store_treats_it_as_an_outage(

@@ -15,6 +15,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
+import anthropic
+import openai
 import pytest
 from aiohttp import web
 
@@ -275,3 +277,45 @@ async def test_every_route_says_a_relay_failure_in_its_own_dialect_and_our_words
         message = json.loads(got.raw)["error"]["message"]
         assert message.startswith("the upstream at http://127.0.0.1:")
         assert not any(word in message for word in ("aiohttp", "Error", "Exception", "<"))
+
+
+async def test_every_route_reports_the_upstreams_own_prompt_count_streamed_or_whole():
+    """The upstream counts 11 prompt tokens; our estimate of "hi" is fewer. Anthropic's
+    ``message_start`` goes out before the upstream's usage, so its ``message_delta`` carries
+    the real count, which the SDK's final message takes; every other route sends usage at
+    the end, and every one sends the upstream's."""
+    up = Upstream(["m"])
+    ask = [{"role": "user", "content": "hi"}]
+    async with (
+        relay([up]) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as claude,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as oai,
+    ):
+        async with claude.messages.stream(model="m", max_tokens=9, messages=ask) as stream:  # type: ignore[arg-type]
+            events = [event async for event in stream]
+            final = await stream.get_final_message()
+        whole = await claude.messages.create(model="m", max_tokens=9, messages=ask)  # type: ignore[arg-type]
+        started = next(e for e in events if e.type == "message_start")
+        delta = next(e for e in events if e.type == "message_delta")
+        assert started.message.usage.input_tokens < 11  # an estimate: nothing else known yet
+        assert (delta.usage.input_tokens, delta.usage.output_tokens) == (11, 3)
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (11, 3)
+        assert (whole.usage.input_tokens, whole.usage.output_tokens) == (11, 3)
+
+        response = await oai.responses.create(model="m", input="hi")
+        streamed = await oai.responses.create(model="m", input="hi", stream=True)
+        ends = [e.response async for e in streamed if e.type == "response.completed"]
+        assert len(ends) == 1
+        completed = ends[0]
+        stored = await oai.responses.retrieve(completed.id)
+        for got in (response, completed, stored):
+            assert got.usage is not None
+            assert (got.usage.input_tokens, got.usage.output_tokens) == (11, 3)
+
+        chat = await oai.chat.completions.create(model="m", messages=ask)  # type: ignore[arg-type]
+        assert chat.usage is not None and chat.usage.prompt_tokens == 11
+        chunks = await oai.chat.completions.create(  # type: ignore[call-overload]
+            model="m", messages=ask, stream=True, stream_options={"include_usage": True}
+        )
+        usage = [c.usage async for c in chunks if c.usage is not None]
+        assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(11, 3)]

@@ -4,10 +4,12 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
 - A streamed message is ``event: <type>`` with a ``data:`` object whose ``type`` matches:
   ``message_start`` (the message, empty, with the input tokens), ``content_block_start`` of
   block 0 (text), one ``content_block_delta`` (``text_delta``) per piece of text,
-  ``content_block_stop``, ``message_delta`` (the stop reason and the output tokens), then
-  ``message_stop``. An error after the first byte is ``event: error`` with Anthropic's error
-  object, and the stream then never ends with ``message_stop``. Every event keeps our event
-  id (``id:``), so a message can be resumed, which Anthropic itself does not offer.
+  ``content_block_stop``, ``message_delta`` (the stop reason, and the usage so far: input
+  tokens as the engine counted them, which may differ from ``message_start``'s estimate, and
+  output tokens), then ``message_stop``. An error after the first byte is ``event: error``
+  with Anthropic's error object, and the stream then never ends with ``message_stop``. Every
+  event keeps our event id (``id:``), so a message can be resumed, which Anthropic itself
+  does not offer.
 - A tool call is a ``tool_use`` block after the text block: the text block is stopped, then
   ``content_block_start`` (``{"type": "tool_use", "id", "name", "input": {}}``) at the next
   index, one ``content_block_delta`` (``input_json_delta``, ``partial_json``) per fragment of
@@ -150,11 +152,16 @@ class AnthropicStreamFormat:
         return "content_block_stop", _dumps({"type": "content_block_stop", "index": self._open})
 
     def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:
-        tokens = self._tokens if usage is None else usage.completion_tokens
+        counts = {"output_tokens": self._tokens}
+        if usage is not None:
+            # Cumulative, as Anthropic's are: the SDK's final message takes these, so the
+            # engine's own prompt count (a relay's upstream reports it only at the end)
+            # replaces the estimate message_start had to send.
+            counts = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": None, **extra},
-            "usage": {"output_tokens": tokens},
+            "usage": counts,
         }
         return [
             self._stop_block(),

@@ -15,12 +15,13 @@ Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is
 
 Eviction (a ``maxmemory`` Redis evicts whole keys, any of the four, in any order): a reader
 never takes a missing key for something else. A stream gone behind an ended reply is told as
-a gap up to the ``last`` its metadata keeps, then the ending (not ``generator_lost``); a stream
-recreated by its producer's next append starts late, which readers are told of as a gap; a
+a gap up to the ``last`` its metadata keeps, then the ending (not ``generator_lost``); a
 missing liveness key is confirmed by the heartbeat count before a producer is called lost;
-metadata gone behind a surviving stream is reported as evicted (``evicted``), and a live
-producer that finds its metadata gone (its heartbeat count starts again at 1) writes its
-reply again from its copy. Only a reply whose every key is gone reads as unknown.
+metadata gone behind a surviving stream is reported as evicted (``evicted``). A live producer
+writes its reply again from its copy when it finds its metadata gone (its heartbeat count
+starts again at 1) or its stream shorter than what Redis acknowledged (the heartbeat asks its
+length): until then, a stream made anew by the next append starts late, which readers are
+told of as a gap. Only a reply whose every key is gone reads as unknown.
 
 Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
 everything queued in one pipeline per round trip. Replies produced here are also kept in a
@@ -405,7 +406,7 @@ class RedisReplayStore:
         dirty = set(self._dirty)
         try:
             states = await self._stream_states(list(copies))
-            repairs = {r: plan(copies[r], states[r]) for r in copies}
+            repairs = {r: plan(copies[r], states[r], kept=self.max_entries) for r in copies}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for reply_id, repair in repairs.items():
                     self._queue_repair(pipe, reply_id, repair)
@@ -513,12 +514,29 @@ class RedisReplayStore:
         (they are refreshed every second, and a promoted replica may hold stale ones)."""
         return time.monotonic() - self._recovered_at < self.liveness_s + 2 * HEARTBEAT_S
 
+    async def _acknowledged(self, live: list[str]) -> dict[str, int] | None:
+        """How many events of each live reply Redis has acknowledged: those appended and no
+        longer queued, once no pipeline is in flight (None: one still is, after a while)."""
+        try:
+            async with asyncio.timeout(HEARTBEAT_S / 2), self._flushing:
+                counts = {}
+                for reply_id in live:
+                    queued = self._pending.get(reply_id, ())
+                    waiting = sum(1 for item in queued if isinstance(item, LogEntry))
+                    counts[reply_id] = self._next_seq.get(reply_id, 1) - 1 - waiting
+                return counts
+        except TimeoutError:
+            return None
+
     async def _heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             live = list(self._live)
             if not live:
                 continue
+            # Taken before the pipeline below is sent: a stream shorter than this then has
+            # lost events it had acknowledged (Redis evicted it, perhaps made anew since).
+            written = await self._acknowledged(live)
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for reply_id in live:
@@ -528,20 +546,39 @@ class RedisReplayStore:
                         pipe.exists(self._key(reply_id, ":cancel"))
                         # Readers that find the liveness key gone watch this count move.
                         pipe.hincrby(self._key(reply_id, ":meta"), "beat", 1)
+                        pipe.xlen(self._key(reply_id))
                     results = await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("liveness refresh failed: %s", exc)
                 continue
-            for reply_id, cancelled, beat in zip(live, results[1::3], results[2::3], strict=True):
+            for n, reply_id in enumerate(live):
+                cancelled, beat, length = results[4 * n + 1 : 4 * n + 4]
                 if cancelled and self._on_cancel is not None:
                     self._on_cancel(reply_id)
                 if beat == 1:
                     # The count started again: the metadata was gone (evicted, or lost in a
                     # failover). Write the reply again from this process's copy.
                     log.warning("reply %s: its metadata is gone; writing it again", reply_id[:8])
-                    self._evictions += 1
-                    self._dirty.add(reply_id)
-                    self._wake.set()
+                    self._evicted_live(reply_id)
+                elif self._stream_lost(reply_id, length, written):
+                    log.warning("reply %s: its log is gone; writing it again", reply_id[:8])
+                    self._evicted_live(reply_id)
+
+    def _stream_lost(self, reply_id: str, length: int, written: dict[str, int] | None) -> bool:
+        """Whether a live reply's stream holds fewer events than Redis acknowledged and keeps
+        (it trims to about ``max_entries``, never below)."""
+        if written is None or reply_id in self._dirty or self._outage_since is not None:
+            return False  # unknown, or a repair is due anyway
+        if reply_id in self._failures:
+            return False  # stopped writing: its log is not written again
+        return length < min(written.get(reply_id, 0), self.max_entries)
+
+    def _evicted_live(self, reply_id: str) -> None:
+        """A live reply lost keys to eviction: it is written again from this process's copy
+        (``redis_repair``), before anything queued after it."""
+        self._evictions += 1
+        self._dirty.add(reply_id)
+        self._wake.set()
 
     async def info(self, reply_id: str) -> ReplyInfo | None:
         local = await self._local.info(reply_id)

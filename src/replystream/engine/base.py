@@ -75,6 +75,9 @@ class GenerationRequest:
     # upstream (None: the server's default). Engines with no upstream have nothing to do.
     continuation: bool | None = None
     request_id: str = ""  # the id the access log names this request by ("" outside HTTP)
+    # The caller's own API key (its bearer token, or Anthropic's x-api-key), for a relay
+    # configured to pass it on to an upstream; no other engine reads it. Never logged.
+    client_key: str | None = field(default=None, repr=False)
 
 
 class ToolCallDelta(NamedTuple):

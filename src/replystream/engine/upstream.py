@@ -11,9 +11,10 @@ Every message is ours (``upstream_errors``); an upstream's own words appear only
 a JSON error body. Which upstream serves a request and which are failing is
 ``upstream_pool``'s; failover, stalls and continuation are ``upstream_relay``'s; active
 health probes are ``upstream_health``'s; everything after one response head is
-``upstream_stream.UpstreamStream``'s. Upstream API keys come from configuration only (one
-per upstream, or one for all), never from our clients. It must not know about our HTTP
-server.
+``upstream_stream.UpstreamStream``'s. What goes upstream as ``Authorization`` is configured
+per upstream: its own key, or the caller's own key passed on (``pass_client_key``, for an
+upstream where each client has an account), else the key for all; a client's key is never
+sent to an upstream not configured to take it. It must not know about our HTTP server.
 """
 
 from __future__ import annotations
@@ -62,22 +63,38 @@ class UpstreamOverloaded(EngineError):
     status = 503
 
 
+class UpstreamRefusedClientKey(RequestRejected):
+    """An upstream refused the caller's own key, passed on to it: its 401 or 403 goes to our
+    client as it is (the key is the client's to fix, so no other upstream is tried)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message, code="upstream_refused_client_key")
+        self.status = status
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamTarget:
     """One upstream: the base URL of its OpenAI API (``http://host:port/v1``), its weight, and
-    what a routes file may add: its own API key, and the models it serves (empty: what its
-    ``GET /models`` lists)."""
+    what a routes file may add: its own API key, or whether it takes the caller's own key
+    (``pass_client_key``; None: the server's default), and the models it serves (empty: what
+    its ``GET /models`` lists)."""
 
     base_url: str
     weight: int = 1
     api_key: str | None = field(default=None, repr=False)
     models: tuple[str, ...] = ()
+    pass_client_key: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"an upstream URL must be http:// or https://, got {self.base_url!r}")
         if self.weight < 1:
             raise ValueError(f"an upstream weight must be at least 1, got {self.weight}")
+        if self.api_key is not None and self.pass_client_key:
+            raise ValueError(
+                f"the upstream at {self.base_url} is given a key and told to take the "
+                "client's: give one"
+            )
 
     @classmethod
     def parse(cls, spec: str) -> UpstreamTarget:
@@ -95,6 +112,8 @@ class UpstreamConfig:
 
     targets: tuple[UpstreamTarget, ...]
     api_key: str | None = field(default=None, repr=False)  # for upstreams without their own
+    # Upstreams without their own key (and not told otherwise) take the caller's own key.
+    pass_client_key: bool = False
     model: str | None = None  # None: the first model the upstream's /models lists
     aliases: tuple[tuple[str, str], ...] = ()  # (a name clients use, an upstream's model)
     headers_timeout_s: float = 30.0  # connect plus the response head
@@ -117,6 +136,16 @@ class UpstreamConfig:
             raise ValueError(f"the health path must start with /, got {self.health_path!r}")
         if len({t.base_url for t in self.targets}) != len(self.targets):
             raise ValueError("an upstream URL is given twice")
+        if self.api_key is not None and self.pass_client_key:
+            raise ValueError(
+                "a key for every upstream and the client's own key passed on: give one"
+            )
+
+    def passes_client_key(self, target: UpstreamTarget) -> bool:
+        """Whether ``target`` gets the caller's own key rather than a configured one."""
+        if target.pass_client_key is not None:
+            return target.pass_client_key
+        return self.pass_client_key and target.api_key is None
 
 
 def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any]:
@@ -185,6 +214,7 @@ class UpstreamEngine:
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self._targets = {t.base_url: t for t in config.targets}
+        self._passing = frozenset(t.base_url for t in config.targets if config.passes_client_key(t))
         self.pool = UpstreamPool(
             [
                 Backend(t.base_url, t.weight, frozenset(t.models), fixed_models=bool(t.models))
@@ -204,6 +234,7 @@ class UpstreamEngine:
             headers=self._headers,
             interval_s=config.health_s,
             path=config.health_path,
+            keyless=self._passing,
         )
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._active = 0
@@ -213,9 +244,14 @@ class UpstreamEngine:
         """An estimate (about 4 bytes per token), for when the upstream reports no usage."""
         return math.ceil(len(text.encode("utf-8")) / 4)
 
-    def _headers(self, backend: Backend) -> dict[str, str]:
+    def _headers(self, backend: Backend, client_key: str | None = None) -> dict[str, str]:
+        """What goes to ``backend`` beside a request: its configured key, or, for one that
+        takes the caller's own, ``client_key`` (a health probe has none to send)."""
         headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
-        key = self._targets[backend.name].api_key or self.config.api_key
+        if backend.name in self._passing:
+            key = client_key
+        else:
+            key = self._targets[backend.name].api_key or self.config.api_key
         if key:
             headers["Authorization"] = f"Bearer {key}"
         return headers
@@ -276,7 +312,8 @@ class UpstreamEngine:
         timeout = self.config.headers_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                response = await self._client().post(url, data=data, headers=self._headers(backend))
+                headers = self._headers(backend, request.client_key)
+                response = await self._client().post(url, data=data, headers=headers)
         except TimeoutError:
             raise UpstreamTimeout(
                 f"the upstream at {backend.name} did not answer within {timeout:g} s",
@@ -287,7 +324,7 @@ class UpstreamEngine:
             kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
             raise kind(failure.message, code=failure.code) from None
         if response.status != 200:
-            raise await self._refusal(response, backend)
+            raise await self._refusal(response, backend, request.client_key)
         if response.content_type != "text/event-stream":
             response.close()
             raise UpstreamUnavailable(
@@ -309,7 +346,9 @@ class UpstreamEngine:
         self._counts[outcome] += 1
         self._deltas += deltas
 
-    async def _refusal(self, response: aiohttp.ClientResponse, backend: Backend) -> EngineError:
+    async def _refusal(
+        self, response: aiohttp.ClientResponse, backend: Backend, client_key: str | None
+    ) -> EngineError:
         try:
             async with asyncio.timeout(self.config.headers_timeout_s):
                 raw = await response.content.read(BODY_LIMIT)
@@ -325,6 +364,12 @@ class UpstreamEngine:
             return RequestRejected(said, code=code or "upstream_rejected", param=param)
         if status in (429, 503):
             return UpstreamOverloaded(said, code="upstream_overloaded")
+        if status in (401, 403) and backend.name in self._passing:
+            # The client's own key: theirs to fix, and no other upstream would take it.
+            said = f"{where}: it refused the API key you sent, which is passed on to it"
+            if not client_key:
+                said = f"{where}: it wants an API key, and you sent none to pass on"
+            return UpstreamRefusedClientKey(said, status=status)
         if status in (401, 403):  # our configuration, not the client's request
             said = f"{where}: it refused our API key (see --upstream-api-key)"
         return UpstreamUnavailable(said, code="upstream_error_status")

@@ -1,7 +1,9 @@
 """Active health checks of the upstreams: each is asked ``GET {base}{path}`` (``/models`` by
 default, cheap on every OpenAI-compatible server) with a short timeout, when the relay starts
 and then every ``interval_s`` in the background; a model list it answers with tells the pool
-which models that upstream serves.
+which models that upstream serves. An upstream that takes each caller's own key is probed
+without one: its refusal (401, 403) says it is up, and its models come from the routes file
+(or from no listing: it is sent any model).
 
 This file decides what a probe's answer means (a problem in words, or None) and when probes
 run. What a failed probe does to routing is ``upstream_pool``'s. It must not know about our
@@ -45,12 +47,16 @@ class HealthProber:
         interval_s: float,
         path: str = "/models",
         timeout_s: float = PROBE_TIMEOUT_S,
+        keyless: frozenset[str] = frozenset(),
     ) -> None:
         self._pool = pool
         self._session = session
         self._headers = headers
         self._interval_s = interval_s
         self._path = path
+        # Upstreams that take each caller's own key: probed without one, so a 401 or 403
+        # from them says they are up.
+        self._keyless = keyless
         self._timeout_s = min(timeout_s, interval_s)
         self._probed = False
         self._lock = asyncio.Lock()
@@ -98,6 +104,8 @@ class HealthProber:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:
             return connect_failure(exc, backend.name, self._timeout_s).message, []
+        if status in (401, 403) and backend.name in self._keyless:
+            return None, []
         if status in (401, 403):
             return f"{where} refused our API key ({status})", []
         if status == 404:

@@ -7,12 +7,17 @@ line: each upstream's own key and models, and model aliases.
     api_key_env = "GPU_A_KEY"       # or api_key = "..." (optional: else --upstream-api-key)
     models = ["llama-3.1-8b"]       # optional: else what its GET /models lists
 
+    [[upstreams]]
+    url = "https://api.example.com/v1"
+    pass_client_key = true          # each caller's own key goes to it, not a configured one
+
     [aliases]                       # optional: a name clients use = a model an upstream serves
     "gpt-4o-mini" = "llama-3.1-8b"
 
 This file decides the format and checks it whole at start-up: every mistake is one line
-naming the file, the entry and the field (``routes.toml: upstreams[1].weight: ...``). It
-reads the environment for ``api_key_env`` only. It must not know how upstreams are used.
+naming the file, the entry and the field (``routes.toml: upstreams[1].weight: ...``); an
+upstream given a key and ``pass_client_key = true`` is one. It reads the environment for
+``api_key_env`` only. It must not know how upstreams are used.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class UpstreamEntry(_Strict):
     weight: Annotated[int, Field(ge=1)] = 1
     api_key: Name | None = None
     api_key_env: Name | None = None
+    pass_client_key: bool | None = None
     models: list[Name] = []
 
     @field_validator("url")
@@ -107,12 +113,20 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
         seen.add(entry.url)
         if entry.api_key is not None and entry.api_key_env is not None:
             raise ValueError(f"{where}.api_key_env: give api_key or api_key_env, not both")
+        if entry.pass_client_key and (entry.api_key or entry.api_key_env) is not None:
+            given = "api_key" if entry.api_key is not None else "api_key_env"
+            raise ValueError(
+                f"{where}.pass_client_key: the upstream gets the client's key or {given}, "
+                "not both: drop one"
+            )
         key = entry.api_key
         if entry.api_key_env is not None:
             key = env.get(entry.api_key_env) or None
             if key is None:
                 raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} is not set")
-        targets.append(UpstreamTarget(entry.url, entry.weight, key, tuple(entry.models)))
+        targets.append(
+            UpstreamTarget(entry.url, entry.weight, key, tuple(entry.models), entry.pass_client_key)
+        )
     served = {m for t in targets for m in t.models}
     every_listed = all(t.models for t in targets)
     for alias, model in parsed.aliases.items():

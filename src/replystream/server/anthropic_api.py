@@ -116,7 +116,7 @@ async def _whole(
             model,
             text=text,
             stop_reason=STOP_REASONS.get(finish_reason, "end_turn"),
-            input_tokens=input_tokens,
+            input_tokens=usage.prompt_tokens,  # the engine's own count when it gave one
             output_tokens=usage.completion_tokens,
             tool_calls=tool_calls,
         )

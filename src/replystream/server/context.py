@@ -45,7 +45,7 @@ from replystream.engine.base import (
     RequestRejected,
 )
 from replystream.server import ids
-from replystream.server.auth import OWNER
+from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import buffered_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, REQUEST_ID, GuardConfig
@@ -111,15 +111,18 @@ async def start_generation(
         record.outcome, record.reason = "rejected", "shutdown"
         app[METRICS_KEY].observe(record)
         raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
-    if not generation.request_id:  # the access log's name for it, for an engine's own lines
-        generation = replace(generation, request_id=request.get(REQUEST_ID, ""))
+    key = client_key(request)  # for a relay configured to pass it on
+    if not generation.request_id or key is not None:
+        # The access log's name for it, for an engine's own lines.
+        request_id = generation.request_id or request.get(REQUEST_ID, "")
+        generation = replace(generation, request_id=request_id, client_key=key)
     try:
         deltas = await app[ENGINE_KEY].start(generation)
     except (RequestRejected, EngineError) as exc:
         record.outcome, record.reason = "rejected", exc.code
         app[METRICS_KEY].observe(record)
-        if isinstance(exc, RequestRejected):
-            raise HTTPAPIError(400, str(exc), code=exc.code, param=exc.param) from exc
+        if isinstance(exc, RequestRejected):  # a 400, or the 401/403 of a key passed on
+            raise HTTPAPIError(exc.status, str(exc), code=exc.code, param=exc.param) from exc
         log.warning("generation failed before the first token: %s", exc)
         raise HTTPAPIError(exc.status, str(exc), code=exc.code) from exc
     record.admitted_at = time.monotonic()

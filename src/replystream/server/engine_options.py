@@ -191,6 +191,12 @@ def build_simulated(args: argparse.Namespace) -> Engine:
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     """The relay: the ``--engine upstream:URL`` targets, then the routes file's."""
     key = args.upstream_api_key or os.environ.get(API_KEY_ENV) or None
+    if key is not None and args.upstream_pass_client_key:
+        source = "--upstream-api-key" if args.upstream_api_key else f"${API_KEY_ENV}"
+        raise ValueError(
+            f"--upstream-pass-client-key sends each client's key upstream, and {source} "
+            "gives a key for every upstream: drop one (a routes file gives keys per upstream)"
+        )
     targets = list(choice.targets)
     aliases: tuple[tuple[str, str], ...] = ()
     if args.upstream_routes is not None:

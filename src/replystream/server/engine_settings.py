@@ -172,8 +172,17 @@ UPSTREAM_ENGINE = Group(
         ),
         Setting(
             "--upstream-api-key",
-            f"bearer key sent upstream (default: ${API_KEY_ENV}); clients' keys never are",
+            f"bearer key sent upstream (default: ${API_KEY_ENV}); clients' keys are not, "
+            "unless --upstream-pass-client-key",
             fills=(UpstreamConfig, "api_key"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-pass-client-key",
+            "send each client's own key upstream (its bearer token or x-api-key) to upstreams "
+            "without a key of their own in --upstream-routes",
+            switch=True,
+            fills=(UpstreamConfig, "pass_client_key"),
             engines=UPSTREAM,
         ),
         Setting(

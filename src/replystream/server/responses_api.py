@@ -31,7 +31,7 @@ from aiohttp import web
 from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import ReplayStore, StoreUnavailable
+from replystream.delivery.replay import ReadResult, ReplayStore, StoreUnavailable
 from replystream.delivery.responses_format import (
     TERMINAL,
     ResponseSettings,
@@ -111,10 +111,28 @@ def _response_reply_id(response_id: str, param: str) -> str:
     return reply_id
 
 
+async def _read_log(store: ReplayStore, reply_id: str) -> ReadResult | None:
+    """Every entry of a reply's log as it stands now. A store may answer a read in batches
+    (Redis's: 1,000 entries), so this reads on until a read brings nothing new or the end;
+    the first range of lost events is kept, for the caller to refuse a text with holes."""
+    result = await store.read(reply_id, 0, 0.0)
+    if result is None:
+        return None
+    entries, lost = list(result.entries), result.lost
+    while result.ending is None and result.entries:
+        following = await store.read(reply_id, entries[-1].seq, 0.0)
+        if following is None:  # expired or deleted meanwhile: what was read stands
+            break
+        result = following
+        entries += result.entries
+        lost = lost or result.lost
+    return ReadResult(entries, lost, result.ending, result.producer_lost)
+
+
 async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     """The response object as its log tells it now."""
     try:
-        result = await store.read(reply_id, 0, 0.0)
+        result = await _read_log(store, reply_id)
         lost = False
         if result is not None and result.ending is None and result.entries:
             # Not ended: is its producer still there? (A store says so when a read finds
