@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import sys
 import time
@@ -117,26 +118,36 @@ class StepRow:
     tokens_per_s: float
 
 
-async def run_step(lab: LabEngine, batches: tuple[int, ...], tokens: int) -> list[StepRow]:
-    """Median gap between tokens while ``batch`` sequences decode together."""
+async def run_step(
+    lab: LabEngine, batches: tuple[int, ...], tokens: int, repeats: int = 1
+) -> list[StepRow]:
+    """Median gap between tokens while ``batch`` sequences decode together.
+
+    ``repeats`` rounds each go through every batch size, and a batch's figure is the median
+    of its rounds: interleaved so that a busy moment on a shared machine lands on different
+    batch sizes in different rounds, rather than on one size's only run.
+    """
     engine = lab.engine(max_running=max(batches))
-    rows = []
+    steps: dict[int, list[float]] = {batch: [] for batch in batches}
     try:
         await _warm_up(engine)
         prompt = prompt_of(engine, 32)
-        for batch in batches:
-            requests = [
-                GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=i))
-                for i in range(batch)
-            ]
-            timings = await _run_all(engine, requests)
-            gaps = [
-                b - a for t in timings for a, b in zip(t.tokens[4:], t.tokens[5:], strict=False)
-            ]
-            step = statistics.median(gaps)
-            rows.append(StepRow(batch, _ms(step), batch / step))
+        for _ in range(repeats):
+            for batch in batches:
+                requests = [
+                    GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=i))
+                    for i in range(batch)
+                ]
+                timings = await _run_all(engine, requests)
+                # The first gaps of a batch overlap the prefill of its later sequences.
+                gaps = [b - a for t in timings for a, b in itertools.pairwise(t.tokens[4:])]
+                steps[batch].append(statistics.median(gaps))
     finally:
         await engine.aclose()
+    rows = []
+    for batch in batches:
+        step = statistics.median(steps[batch])
+        rows.append(StepRow(batch, _ms(step), batch / step))
     return rows
 
 
@@ -314,8 +325,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=positive_int,
         default=None,
-        help="ttft, spec: runs per prompt length "
-        f"(default: {TINY_SIZES.ttft_repeats} tiny, {GGUF_SIZES.ttft_repeats} GGUF)",
+        help="ttft: runs per prompt length; step: rounds over the batch sizes; spec: runs per "
+        f"prompt; medians are reported (default: {TINY_SIZES.repeats} tiny, "
+        f"{GGUF_SIZES.repeats} GGUF)",
     )
     parser.add_argument(
         "--tokens",
@@ -365,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    repeats = args.repeats or sizes.ttft_repeats
+    repeats = args.repeats or sizes.repeats
     tokens = args.tokens or sizes.tokens
     console.print(f"engine: {lab.name} (loaded in {lab.load_seconds:.1f} s)")
     if args.experiment == "ttft":
@@ -374,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
         )
     elif args.experiment == "step":
         batches = args.batches or sizes.step_batches
-        rows = asyncio.run(run_step(lab, batches, tokens))
+        rows = asyncio.run(run_step(lab, batches, tokens, repeats))
         path = report_step(rows, args.out, console, lab.name)
     elif args.experiment == "pool":
         runs = asyncio.run(run_pool(lab, args.requests, tokens, args.small_blocks))

@@ -31,7 +31,7 @@ class Sizes:
     """An experiment's default sizes for one model (each has a flag to override it)."""
 
     ttft_lengths: tuple[int, ...]
-    ttft_repeats: int
+    repeats: int  # ttft: runs per length; step: rounds over the batches; spec: runs per mode
     step_batches: tuple[int, ...]
     tokens: int  # step, pool, spec: tokens per reply
 
