@@ -11,7 +11,9 @@ Layout, per reply (``P`` is the key prefix):
 Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live).
 
 Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
-everything queued in one pipeline per round trip. Replies produced here are also kept in a
+everything queued, across replies, in one script call per round trip
+(``delivery.redis_writes``); ``create`` joins the next one and waits for it. Replies
+produced here are also kept in a
 local ``MemoryReplayStore``, so their own readers never wait on Redis. A failed write marks
 the reply (``failure``), so its producer stops with an in-band error instead of writing into
 a hole. Redis going away, or not answering within ``COMMAND_TIMEOUT_S``, makes ``create`` and
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -31,6 +34,7 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT, WRITE_SCRIPT, WriteBatch
 from replystream.delivery.replay import (
     TTL_AFTER_END_S,
     LogCursor,
@@ -153,14 +157,24 @@ class RedisReplayStore:
             ttl_after_end_s=min(ttl_after_end_s, 30.0), max_entries=max_entries
         )
         self._live: set[str] = set()  # replies produced here and not ended
-        self._pending: dict[str, list[LogEntry | tuple[int, str]]] = {}
+        # Queued for the next flush: new replies (with what their ``create`` waits on: None,
+        # or why the write failed), entries and endings.
+        self._creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]] = []
+        self._pending: dict[str, list[LogEntry]] = {}
+        self._endings: dict[str, tuple[int, str]] = {}
         self._next_seq: dict[str, int] = {}
         self._failures: dict[str, str] = {}
         self._wake = asyncio.Event()
+        # One flush at a time, so a reply's entries reach Redis in order.
+        self._flushing = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._on_cancel: Callable[[str], None] | None = None
         self._logged: dict[str, int] = {}  # bytes sent to Redis per live reply: entries' offsets
-        self.writes = 0  # pipelines sent (for benchmarks)
+        # When each live reply's keys must have their TTL refreshed (absent: not yet written).
+        self._expire_due: dict[str, float] = {}
+        self._write = self.redis.register_script(WRITE_SCRIPT)
+        self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
+        self.writes = 0  # script calls sent (for benchmarks)
 
     def _key(self, reply_id: str, part: str = "") -> str:
         return f"{self.prefix}{reply_id}{part}"
@@ -175,28 +189,27 @@ class RedisReplayStore:
 
     async def create(self, info: ReplyInfo) -> None:
         self._ensure_tasks()
-        ttl = max(1, int(self.ttl_after_end_s))
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hset(
-                    self._key(info.reply_id, ":meta"),
-                    mapping={"owner": info.owner, "context": info.context},
-                )
-                pipe.expire(self._key(info.reply_id, ":meta"), ttl)
-                pipe.set(self._key(info.reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"{self.where}: {exc}") from exc
+        written: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._creates.append((info, written))
+        # The flusher's next call sends it with everything else queued (a burst of new
+        # replies shares one call, and none waits behind the others' writes).
+        self._wake.set()
+        failure = await written
+        if failure is not None:
+            raise StoreUnavailable(f"{self.where}: {failure}")
         await self._local.create(info)
         self._live.add(info.reply_id)
 
     def append(self, reply_id: str, entries: Sequence[LogEntry]) -> None:
         self._local.append(reply_id, entries)
-        if reply_id in self._failures:
+        if reply_id in self._failures or not entries:
             return
-        self._pending.setdefault(reply_id, []).extend(entries)
-        if entries:
-            self._next_seq[reply_id] = entries[-1].seq + 1
+        pending = self._pending.get(reply_id)
+        if pending is None:
+            self._pending[reply_id] = list(entries)
+        else:
+            pending.extend(entries)
+        self._next_seq[reply_id] = entries[-1].seq + 1
         self._wake.set()
 
     def end(self, reply_id: str, ending: str) -> None:
@@ -206,8 +219,9 @@ class RedisReplayStore:
         seq = self._next_seq.pop(reply_id, 1)
         if reply_id in self._failures:
             self._logged.pop(reply_id, None)
+            self._expire_due.pop(reply_id, None)
             return
-        self._pending.setdefault(reply_id, []).append((seq, ending))
+        self._endings[reply_id] = (seq, ending)
         self._wake.set()
 
     def failure(self, reply_id: str) -> str | None:
@@ -220,42 +234,86 @@ class RedisReplayStore:
             await self.flush()
 
     async def flush(self) -> None:
-        """Send everything queued, in one pipeline."""
-        batch, self._pending = self._pending, {}
-        if not batch:
-            return
-        ttl = max(1, int(self.ttl_after_end_s))
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for reply_id, items in batch.items():
-                    key = self._key(reply_id)
-                    for item in items:
-                        if isinstance(item, LogEntry):
-                            # Each entry carries the log's size up to and including it, so a
-                            # reader on any replica can tell how far behind it is.
-                            logged = self._logged.get(reply_id, 0) + len(item.data)
-                            self._logged[reply_id] = logged
-                            pipe.xadd(
-                                key,
-                                {"e": item.event or "", "d": item.data, "b": logged},
-                                id=f"0-{item.seq}",
-                                maxlen=self.max_entries,
-                                approximate=True,
-                            )
-                            continue
-                        seq, ending = item
-                        self._logged.pop(reply_id, None)
-                        pipe.xadd(key, {"end": ending}, id=f"0-{seq}")
-                        for part in ("", ":meta", ":cancel"):
-                            pipe.expire(self._key(reply_id, part), ttl)
-                        pipe.delete(self._key(reply_id, ":live"))
-                    pipe.expire(key, ttl)
-                await pipe.execute()
+        """Send everything queued, across replies, in one script call."""
+        async with self._flushing:
+            creates, self._creates = self._creates, []
+            pending, self._pending = self._pending, {}
+            endings, self._endings = self._endings, {}
+            batch = self._batch(creates, pending, endings)
+            if not batch:
+                return
+            ttl = max(1, int(self.ttl_after_end_s))
+            try:
+                failed = await self._write(
+                    keys=batch.keys, args=[batch.argument(ttl, max(1, int(self.liveness_s)))]
+                )
+            except (RedisError, OSError) as exc:
+                log.warning("reply log write to Redis failed: %s", exc)
+                for reply_id in batch.reply_ids:
+                    self._failures[reply_id] = f"Redis write failed: {exc}"
+                for _, written in creates:
+                    if not written.done():
+                        written.set_result(str(exc))
+                return
             self.writes += 1
-        except (RedisError, OSError) as exc:
-            log.warning("reply log write to Redis failed: %s", exc)
-            for reply_id in batch:
-                self._failures[reply_id] = f"Redis write failed: {exc}"
+            for index, error in zip(failed[::2], failed[1::2], strict=True):
+                reason = _text(error)
+                log.warning("reply log write to Redis failed: %s", reason)
+                self._failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
+            for _, written in creates:
+                if not written.done():
+                    written.set_result(None)
+
+    def _batch(
+        self,
+        creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]],
+        pending: dict[str, list[LogEntry]],
+        endings: dict[str, tuple[int, str]],
+    ) -> WriteBatch:
+        """What one flush writes: new replies, then each reply's entries and ending."""
+        batch = WriteBatch()
+        key = self._key
+        for info, _ in creates:
+            batch.create(
+                key(info.reply_id, ":meta"), key(info.reply_id, ":live"), info.owner, info.context
+            )
+        now = time.monotonic()
+        refresh_s = max(1.0, self.ttl_after_end_s / 2)
+        for reply_id in (pending.keys() | endings.keys()) if endings else pending.keys():
+            entries = pending.get(reply_id, ())
+            ending = endings.get(reply_id)
+            stream = key(reply_id)
+            last = entries[-1].seq if entries else 0
+            trim = self.max_entries if last > self.max_entries else 0
+            if ending is not None:
+                # Every key lives ``ttl_after_end_s`` from the reply's end.
+                expire: tuple[str, ...] = (stream, key(reply_id, ":meta"), key(reply_id, ":cancel"))
+                self._expire_due.pop(reply_id, None)
+                logged = self._logged.pop(reply_id, 0)
+                batch.reply(
+                    reply_id,
+                    stream,
+                    entries,
+                    logged,
+                    trim=trim,
+                    expire=expire,
+                    ending=ending,
+                    live_key=key(reply_id, ":live"),
+                )
+                continue
+            due = self._expire_due.get(reply_id)
+            if due is None:  # the stream's first write makes it: from now on it expires
+                expire = (stream,)
+                self._expire_due[reply_id] = now + refresh_s
+            elif now >= due:  # a reply that lives long keeps its keys
+                expire = (stream, key(reply_id, ":meta"))
+                self._expire_due[reply_id] = now + refresh_s
+            else:
+                expire = ()
+            self._logged[reply_id] = batch.reply(
+                reply_id, stream, entries, self._logged.get(reply_id, 0), trim=trim, expire=expire
+            )
+        return batch
 
     async def _heartbeat_forever(self) -> None:
         while True:
@@ -263,19 +321,16 @@ class RedisReplayStore:
             live = list(self._live)
             if not live:
                 continue
+            keys: list[str] = []
+            for reply_id in live:
+                keys += (self._key(reply_id, ":live"), self._key(reply_id, ":cancel"))
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for reply_id in live:
-                        pipe.set(
-                            self._key(reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s))
-                        )
-                        pipe.exists(self._key(reply_id, ":cancel"))
-                    results = await pipe.execute()
+                cancelled = await self._heartbeat(keys=keys, args=[max(1, int(self.liveness_s))])
             except (RedisError, OSError) as exc:
                 log.warning("liveness refresh failed: %s", exc)
                 continue
-            for reply_id, cancelled in zip(live, results[1::2], strict=True):
-                if cancelled and self._on_cancel is not None:
+            for reply_id, requested in zip(live, cancelled, strict=True):
+                if requested and self._on_cancel is not None:
                     self._on_cancel(reply_id)
 
     async def info(self, reply_id: str) -> ReplyInfo | None:

@@ -1,0 +1,122 @@
+"""The Redis store's batched writes, against a real redis-server: one call carries many
+replies, any text survives it byte for byte, a failed write fails its own reply only, and
+keys expire (and stay alive while a reply lives) without a command per event.
+
+"Another replica" is a second store on the same Redis, which reads the streams itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.delivery.replay import LogEntry, ReplyInfo
+from tests.redis_server import RedisServer, redis_server
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    with redis_server(tmp_path) as running:
+        yield running
+
+
+async def test_a_burst_of_replies_is_created_and_written_in_a_few_calls(server: RedisServer):
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    ids = [f"burst-{n}" for n in range(200)]
+    await asyncio.gather(*(producer.create(ReplyInfo(i, owner="k")) for i in ids))
+    created_in = producer.writes
+    # Every create waits for one flush; a burst shares them (the first may go alone).
+    assert 1 <= created_in <= 3
+    for n, reply_id in enumerate(ids):
+        producer.append(reply_id, [LogEntry(1, "token", f'{{"n": {n}}}')])
+    await producer.flush()
+    assert producer.writes == created_in + 1  # every reply's entry, one call
+    for n, reply_id in enumerate(ids[::37]):
+        result = await reader.read(reply_id, 0, wait_s=0)
+        assert result is not None and result.entries == [
+            LogEntry(1, "token", f'{{"n": {ids.index(reply_id)}}}')
+        ], n
+    assert await reader.info(ids[5]) == ReplyInfo(ids[5], owner="k")
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_any_text_reaches_another_replica_byte_for_byte_and_its_size_in_characters(
+    server: RedisServer,
+):
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    await producer.create(ReplyInfo("text", context='[{"content": "né 😀 \\" \\\\ \\n"}]'))
+    entries = [
+        LogEntry(1, None, '{"text": "é😀\\u0000 \\"quoted\\" \\\\"}'),
+        LogEntry(2, "token", 'raw é 😀 \t tab, \\ and " inside'),
+        LogEntry(3, "", "[DONE]"),  # an empty type reads back as a plain message
+        LogEntry(4, "token", ""),
+    ]
+    producer.append("text", entries)
+    producer.end("text", '{"finish_reason": "stop", "note": "fin ✓"}')
+    await producer.flush()
+    cursor = reader.cursor("text", 0)
+    result = await cursor.read(wait_s=0)
+    assert result is not None
+    assert result.entries == [entries[0], entries[1], LogEntry(3, None, "[DONE]"), entries[3]]
+    assert result.ending == '{"finish_reason": "stop", "note": "fin ✓"}'
+    # Offsets count what the local store counts (characters of data), so lag agrees.
+    assert cursor.lag_bytes() == sum(len(e.data) for e in entries)
+    info = await reader.info("text")
+    assert info is not None and info.context == '[{"content": "né 😀 \\" \\\\ \\n"}]'
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_a_write_redis_refuses_fails_that_reply_alone(server: RedisServer):
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    await producer.create(ReplyInfo("bad"))
+    await producer.create(ReplyInfo("good"))
+    # Something else wrote the bad reply's stream further on: entry 1 can no longer go in.
+    await reader.redis.xadd(producer._key("bad"), {"d": "x"}, id="0-100")
+    producer.append("bad", [LogEntry(1, "token", "a")])
+    producer.append("good", [LogEntry(1, "token", "b")])
+    producer.end("good", "finished")
+    await producer.flush()
+    failure = producer.failure("bad")
+    assert failure is not None and "Redis write failed" in failure
+    assert producer.failure("good") is None
+    good = await reader.read("good", 0, wait_s=0)
+    assert good is not None and [e.data for e in good.entries] == ["b"]
+    assert good.ending == "finished"
+    # The failed reply writes nothing more (its producer stops on ``failure``).
+    producer.append("bad", [LogEntry(2, "token", "c")])
+    await producer.flush()
+    assert await reader.redis.xlen(producer._key("bad")) == 1
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_keys_expire_from_the_first_write_and_after_the_end_and_live_replies_keep_them(
+    server: RedisServer,
+):
+    producer = RedisReplayStore(server.url, ttl_after_end_s=2.0, liveness_s=1.0)
+    redis = producer.redis
+    await producer.create(ReplyInfo("long"))
+    await producer.create(ReplyInfo("short"))
+    producer.append("short", [LogEntry(1, "token", "x")])
+    await producer.flush()
+    assert 0 < await redis.ttl(producer._key("short")) <= 2
+    producer.end("short", "finished")
+    await producer.flush()
+    for part in ("", ":meta"):
+        assert 0 < await redis.ttl(producer._key("short", part)) <= 2
+    assert not await redis.exists(producer._key("short", ":live"))
+    # A reply that outlives the TTL keeps its keys while it is written to.
+    for seq in range(1, 15):
+        producer.append("long", [LogEntry(seq, "token", "y")])
+        await producer.flush()
+        await asyncio.sleep(0.25)
+    assert await redis.xlen(producer._key("long")) == 14
+    assert await redis.exists(producer._key("long", ":meta"))
+    assert not await redis.exists(producer._key("short"))  # 3.5 s after its end
+    await producer.aclose()
