@@ -21,11 +21,13 @@ from collections.abc import Sequence
 
 from replystream.delivery.replay import LogEntry
 
-# ARGV[1]: JSON [ttl, liveness, creates, replies].
+# ARGV[1]: JSON [ttl, liveness, creates, replies], flat where it can be (the encoder's cost is
+# per list as much as per value).
 #   creates: [meta key index, live key index, owner, context]
-#   replies: [stream key index, rows [seq, type, data, log size], trim to (0: no trim),
-#             indices of keys to expire, ending or null, live key index (0: none)]
-# Returns the replies whose writes failed: {index, error, index, error, ...}.
+#   replies: [stream key index, trim to (0: no trim), indices of keys to expire, ending
+#             ([seq, text]) or null, live key index to delete (0: none), then 4 values per
+#             entry: seq, type ("": none), data, log size]
+# Returns the replies whose writes failed: {index, error, index, error, ...} (from 0).
 WRITE_SCRIPT = """
 local batch = cjson.decode(ARGV[1])
 local ttl, liveness = batch[1], batch[2]
@@ -36,27 +38,28 @@ for _, c in ipairs(batch[3]) do
 end
 local failed = {}
 for i, r in ipairs(batch[4]) do
-  local key, trim, err = KEYS[r[1]], r[3], nil
-  for _, e in ipairs(r[2]) do
-    local id = '0-' .. e[1]
+  local key, trim, err = KEYS[r[1]], r[2], nil
+  for j = 6, #r, 4 do
+    local id = '0-' .. r[j]
     local res
     if trim > 0 then
-      res = redis.pcall('XADD', key, 'MAXLEN', '~', trim, id, 'e', e[2], 'd', e[3], 'b', e[4])
+      res = redis.pcall('XADD', key, 'MAXLEN', '~', trim, id, 'e', r[j + 1], 'd', r[j + 2],
+        'b', r[j + 3])
     else
-      res = redis.pcall('XADD', key, id, 'e', e[2], 'd', e[3], 'b', e[4])
+      res = redis.pcall('XADD', key, id, 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3])
     end
     if type(res) == 'table' and res.err then
       err = res.err
       break
     end
   end
-  if err == nil and r[5] ~= cjson.null then
-    local res = redis.pcall('XADD', key, '0-' .. r[5][1], 'end', r[5][2])
+  if err == nil and r[4] ~= cjson.null then
+    local res = redis.pcall('XADD', key, '0-' .. r[4][1], 'end', r[4][2])
     if type(res) == 'table' and res.err then err = res.err end
   end
   if err == nil then
-    for _, k in ipairs(r[4]) do redis.call('EXPIRE', KEYS[k], ttl) end
-    if r[6] > 0 then redis.call('DEL', KEYS[r[6]]) end
+    for _, k in ipairs(r[3]) do redis.call('EXPIRE', KEYS[k], ttl) end
+    if r[5] > 0 then redis.call('DEL', KEYS[r[5]]) end
   else
     failed[#failed + 1] = i - 1
     failed[#failed + 1] = err
@@ -77,8 +80,11 @@ return cancelled
 """
 
 
-Row = tuple[int, str, str, int]  # sequence number, event type ("": none), data, log size
-ReplyWrite = tuple[int, list[Row], int, list[int], tuple[int, str] | None, int]
+# One reply's record: stream key index, trim, keys to expire, ending, live key index, then
+# 4 values per entry.
+ReplyWrite = list[int | str | list[int] | tuple[int, str] | None]
+# Compact, and no check for cycles: the batch is built here from flat values.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":"))
 
 
 class WriteBatch:
@@ -113,17 +119,17 @@ class WriteBatch:
     ) -> int:
         """Queue ``entries`` (and the ending, if any) of one reply, whose log held ``logged``
         bytes before them; return the log's size after them."""
-        rows: list[Row] = []
+        stream = self._index(stream_key)
+        expired = [stream if key == stream_key else self._index(key) for key in expire]
+        live = self._index(live_key) if live_key is not None else 0
+        record: ReplyWrite = [stream, trim, expired, ending, live]
         for entry in entries:
             logged += len(entry.data)
             # Each entry carries the log's size up to and including it, so a reader on any
             # replica can tell how far behind it is.
-            rows.append((entry.seq, entry.event or "", entry.data, logged))
-        stream = self._index(stream_key)
-        expired = [stream if key == stream_key else self._index(key) for key in expire]
-        live = self._index(live_key) if live_key is not None else 0
+            record += (entry.seq, entry.event or "", entry.data, logged)
         self.reply_ids.append(reply_id)
-        self._replies.append((stream, rows, trim, expired, ending, live))
+        self._replies.append(record)
         return logged
 
     def __bool__(self) -> bool:
@@ -131,4 +137,4 @@ class WriteBatch:
 
     def argument(self, ttl: int, liveness: int) -> str:
         """The script's one argument (raw UTF-8: Lua's cjson keeps it byte for byte)."""
-        return json.dumps([ttl, liveness, self._creates, self._replies], ensure_ascii=False)
+        return _ENCODER.encode([ttl, liveness, self._creates, self._replies])
