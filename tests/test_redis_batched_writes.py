@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from redis.crc import key_slot
 
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
@@ -120,3 +121,31 @@ async def test_keys_expire_from_the_first_write_and_after_the_end_and_live_repli
     assert await redis.exists(producer._key("long", ":meta"))
     assert not await redis.exists(producer._key("short"))  # 3.5 s after its end
     await producer.aclose()
+
+
+async def test_with_one_slot_per_call_a_flush_sends_a_call_per_hash_slot(server: RedisServer):
+    """What a Redis Cluster needs (a script touches one slot's keys): the same writes, split."""
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    producer.one_slot_per_call = True
+    stopped: list[str] = []
+    producer.on_cancel(stopped.append)
+    ids = [f"slot-{n}" for n in range(12)]
+    await asyncio.gather(*(producer.create(ReplyInfo(i)) for i in ids))
+    slots = {key_slot(producer._key(i).encode()) for i in ids}
+    before = producer.writes
+    for reply_id in ids:
+        producer.append(reply_id, [LogEntry(1, "token", reply_id)])
+    producer.end(ids[0], "finished")
+    await producer.flush()
+    assert producer.writes - before == len(slots) > 1
+    for reply_id in ids:
+        result = await reader.read(reply_id, 0, wait_s=0)
+        assert result is not None and [e.data for e in result.entries] == [reply_id]
+    assert (await reader.read(ids[0], 1, wait_s=0)).ending == "finished"  # type: ignore[union-attr]
+    await reader.request_cancel(ids[3])
+    async with asyncio.timeout(5):
+        while not stopped:  # noqa: ASYNC110  (the heartbeat, once a second, passes it on)
+            await asyncio.sleep(0.05)
+    assert stopped == [ids[3]]
+    await producer.aclose()
+    await reader.aclose()

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT, WRITE_SCRIPT, WriteBatch
@@ -172,6 +173,10 @@ class RedisReplayStore:
         self._logged: dict[str, int] = {}  # bytes sent to Redis per live reply: entries' offsets
         # When each live reply's keys must have their TTL refreshed (absent: not yet written).
         self._expire_due: dict[str, float] = {}
+        # A Redis Cluster runs a script only on keys of one hash slot: whoever connects to
+        # one sets this, and a flush then sends one call per slot (a reply's keys must share
+        # its slot) instead of one for everything.
+        self.one_slot_per_call = False
         self._write = self.redis.register_script(WRITE_SCRIPT)
         self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
         self.writes = 0  # script calls sent (for benchmarks)
@@ -234,55 +239,73 @@ class RedisReplayStore:
             await self.flush()
 
     async def flush(self) -> None:
-        """Send everything queued, across replies, in one script call."""
+        """Send everything queued, across replies, in one script call (one per hash slot
+        with ``one_slot_per_call``)."""
         async with self._flushing:
             creates, self._creates = self._creates, []
             pending, self._pending = self._pending, {}
             endings, self._endings = self._endings, {}
-            batch = self._batch(creates, pending, endings)
-            if not batch:
-                return
-            ttl = max(1, int(self.ttl_after_end_s))
-            try:
-                failed = await self._write(
-                    keys=batch.keys, args=[batch.argument(ttl, max(1, int(self.liveness_s)))]
-                )
-            except (RedisError, OSError) as exc:
-                log.warning("reply log write to Redis failed: %s", exc)
-                for reply_id in batch.reply_ids:
-                    self._failures[reply_id] = f"Redis write failed: {exc}"
-                for _, written in creates:
-                    if not written.done():
-                        written.set_result(str(exc))
-                return
-            self.writes += 1
-            for index, error in zip(failed[::2], failed[1::2], strict=True):
-                reason = _text(error)
-                log.warning("reply log write to Redis failed: %s", reason)
-                self._failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
-            for _, written in creates:
-                if not written.done():
-                    written.set_result(None)
+            batches = self._batches(creates, pending, endings)
+            if batches:
+                await asyncio.gather(*(self._send(batch, waiting) for batch, waiting in batches))
 
-    def _batch(
+    async def _send(self, batch: WriteBatch, waiting: list[asyncio.Future[str | None]]) -> None:
+        """One script call; what Redis refused fails its reply, a call that failed all of
+        them (and the creates waiting on it)."""
+        ttl = max(1, int(self.ttl_after_end_s))
+        try:
+            failed = await self._write(
+                keys=batch.keys, args=[batch.argument(ttl, max(1, int(self.liveness_s)))]
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("reply log write to Redis failed: %s", exc)
+            for reply_id in batch.reply_ids:
+                self._failures[reply_id] = f"Redis write failed: {exc}"
+            for written in waiting:
+                if not written.done():
+                    written.set_result(str(exc))
+            return
+        self.writes += 1
+        for index, error in zip(failed[::2], failed[1::2], strict=True):
+            reason = _text(error)
+            log.warning("reply log write to Redis failed: %s", reason)
+            self._failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
+        for written in waiting:
+            if not written.done():
+                written.set_result(None)
+
+    def _batches(
         self,
         creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]],
         pending: dict[str, list[LogEntry]],
         endings: dict[str, tuple[int, str]],
-    ) -> WriteBatch:
-        """What one flush writes: new replies, then each reply's entries and ending."""
-        batch = WriteBatch()
+    ) -> list[tuple[WriteBatch, list[asyncio.Future[str | None]]]]:
+        """What one flush writes (new replies, then each reply's entries and ending), in
+        one batch, or one per hash slot; each with the creates waiting on it."""
+        groups: dict[int, tuple[WriteBatch, list[asyncio.Future[str | None]]]] = {}
+        per_slot = self.one_slot_per_call
+
+        def batch_for(stream: str) -> tuple[WriteBatch, list[asyncio.Future[str | None]]]:
+            slot = key_slot(stream.encode()) if per_slot else 0
+            group = groups.get(slot)
+            if group is None:
+                group = groups[slot] = (WriteBatch(), [])
+            return group
+
         key = self._key
-        for info, _ in creates:
+        for info, written in creates:
+            batch, waiting = batch_for(key(info.reply_id))
             batch.create(
                 key(info.reply_id, ":meta"), key(info.reply_id, ":live"), info.owner, info.context
             )
+            waiting.append(written)
         now = time.monotonic()
         refresh_s = max(1.0, self.ttl_after_end_s / 2)
         for reply_id in (pending.keys() | endings.keys()) if endings else pending.keys():
             entries = pending.get(reply_id, ())
             ending = endings.get(reply_id)
             stream = key(reply_id)
+            batch = batch_for(stream)[0]
             last = entries[-1].seq if entries else 0
             trim = self.max_entries if last > self.max_entries else 0
             if ending is not None:
@@ -313,23 +336,33 @@ class RedisReplayStore:
             self._logged[reply_id] = batch.reply(
                 reply_id, stream, entries, self._logged.get(reply_id, 0), trim=trim, expire=expire
             )
-        return batch
+        return list(groups.values())
 
     async def _heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             live = list(self._live)
-            if not live:
-                continue
+            if live:
+                await self._refresh(live)
+
+    async def _refresh(self, live: list[str]) -> None:
+        """Refresh the liveness of ``live`` replies and pass on the cancels asked for them:
+        one script call (one per hash slot with ``one_slot_per_call``)."""
+        groups: dict[int, list[str]] = {}
+        for reply_id in live:
+            slot = key_slot(self._key(reply_id).encode()) if self.one_slot_per_call else 0
+            groups.setdefault(slot, []).append(reply_id)
+        liveness = max(1, int(self.liveness_s))
+        for replies in groups.values():
             keys: list[str] = []
-            for reply_id in live:
+            for reply_id in replies:
                 keys += (self._key(reply_id, ":live"), self._key(reply_id, ":cancel"))
             try:
-                cancelled = await self._heartbeat(keys=keys, args=[max(1, int(self.liveness_s))])
+                cancelled = await self._heartbeat(keys=keys, args=[liveness])
             except (RedisError, OSError) as exc:
                 log.warning("liveness refresh failed: %s", exc)
                 continue
-            for reply_id, requested in zip(live, cancelled, strict=True):
+            for reply_id, requested in zip(replies, cancelled, strict=True):
                 if requested and self._on_cancel is not None:
                     self._on_cancel(reply_id)
 
