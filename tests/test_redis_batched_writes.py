@@ -149,3 +149,53 @@ async def test_with_one_slot_per_call_a_flush_sends_a_call_per_hash_slot(server:
     assert stopped == [ids[3]]
     await producer.aclose()
     await reader.aclose()
+
+
+async def test_hundreds_of_readers_on_another_replica_follow_through_one_shared_read(
+    server: RedisServer,
+):
+    """More followers than the client's 100 pooled connections: once a reader has read what
+    a stream holds, it waits on the one blocking XREAD the replica shares, not on a
+    connection of its own, and gets exactly its reply's entries and ending."""
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    try:
+        ids = [f"follow-{n}" for n in range(300)]
+        await asyncio.gather(*(producer.create(ReplyInfo(i)) for i in ids))
+        tokens = 15
+        cursors = {reply_id: reader.cursor(reply_id, 0) for reply_id in ids}
+        for cursor in cursors.values():  # the first reads, one at a time: nothing yet
+            first = await cursor.read(wait_s=0)
+            assert first is not None and first.entries == []
+
+        async def follow(reply_id: str) -> list[str]:
+            cursor = cursors[reply_id]
+            seen: list[str] = []
+            while True:
+                result = await cursor.read(wait_s=10.0)
+                assert result is not None and not result.producer_lost and result.lost is None
+                seen += [e.data for e in result.entries]
+                if result.entries:
+                    cursor.sent(result.entries[-1].seq, 0)
+                if result.ending is not None:
+                    assert result.ending == "finished"
+                    return seen
+
+        async def produce() -> None:
+            await asyncio.sleep(0.3)  # every follower waiting
+            for seq in range(1, tokens + 1):
+                for reply_id in ids:
+                    producer.append(reply_id, [LogEntry(seq, "token", f"{reply_id}/{seq}")])
+                await asyncio.sleep(0.03)
+            for reply_id in ids:
+                producer.end(reply_id, "finished")
+
+        async with asyncio.timeout(60), asyncio.TaskGroup() as group:
+            followers = [group.create_task(follow(reply_id)) for reply_id in ids]
+            group.create_task(produce())
+        for reply_id, task in zip(ids, followers, strict=True):
+            assert task.result() == [f"{reply_id}/{seq}" for seq in range(1, tokens + 1)]
+        # Far fewer shared reads than entries handed over (300 readers x 15 entries).
+        assert 0 < reader._watch.calls < len(ids) * tokens / 5
+    finally:
+        await producer.aclose()
+        await reader.aclose()

@@ -12,13 +12,14 @@ Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is
 
 Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
 everything queued, across replies, in one script call per round trip
-(``delivery.redis_writes``); ``create`` joins the next one and waits for it. Replies
-produced here are also kept in a
-local ``MemoryReplayStore``, so their own readers never wait on Redis. A failed write marks
-the reply (``failure``), so its producer stops with an in-band error instead of writing into
-a hole. Redis going away, or not answering within ``COMMAND_TIMEOUT_S``, makes ``create`` and
-``read`` raise ``StoreUnavailable`` (and a write fail); redis-py reconnects by itself once it
-is back. This file must not know about HTTP or event formats.
+(``delivery.redis_writes``); ``create`` joins the next one and waits for it. A reader of a
+reply produced elsewhere that has read what its stream holds waits on the one blocking
+``XREAD`` this process shares (``delivery.redis_follow``). Replies produced here are also
+kept in a local ``MemoryReplayStore``, so their own readers never wait on Redis. A failed
+write marks the reply (``failure``), so its producer stops with an in-band error instead of
+writing into a hole. Redis going away, or not answering within ``COMMAND_TIMEOUT_S``, makes
+``create`` and ``read`` raise ``StoreUnavailable`` (and a write fail); redis-py reconnects by
+itself once it is back. This file must not know about HTTP or event formats.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import RedisError
 
+from replystream.delivery.redis_follow import StreamWatch
 from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT, WRITE_SCRIPT, WriteBatch
 from replystream.delivery.replay import (
     TTL_AFTER_END_S,
@@ -70,7 +72,7 @@ class RemoteCursor:
     at the last read, less the bytes up to the reader's place, both from the offsets every
     entry carries (``b``)."""
 
-    __slots__ = ("_logged", "_sent_upto", "_store", "after", "reply_id")
+    __slots__ = ("_following", "_logged", "_sent_upto", "_store", "after", "reply_id")
 
     def __init__(self, store: RedisReplayStore, reply_id: str, after: int) -> None:
         self._store = store
@@ -78,15 +80,21 @@ class RemoteCursor:
         self.after = after
         self._sent_upto: int | None = None  # bytes up to ``after``, known from the first read
         self._logged = 0
+        # The last read found the reply, not ended: the next waits on the shared XREAD first.
+        self._following = False
 
     async def read(self, wait_s: float) -> ReadResult | None:
-        result, offsets = await self._store.read_measured(self.reply_id, self.after, wait_s)
+        if self._following and wait_s > 0:
+            result, offsets = await self._store.follow(self.reply_id, self.after, wait_s)
+        else:
+            result, offsets = await self._store.read_measured(self.reply_id, self.after, wait_s)
         if offsets.logged is not None:
-            self._logged = offsets.logged
+            self._logged = max(self._logged, offsets.logged)
         if offsets.before_first is not None and (
             self._sent_upto is None or (result and result.lost)
         ):
             self._sent_upto = offsets.before_first  # first read, or entries were lost
+        self._following = result is not None and result.ending is None and not result.producer_lost
         return result
 
     def sent(self, upto: int, log_bytes: int) -> None:
@@ -107,6 +115,33 @@ class RemoteCursor:
 def _newest_offset(newest: Any) -> int | None:
     """The log's size from its newest entries (newest first; the terminal one has none)."""
     return next((int(fields[b"b"]) for _, fields in newest or () if b"b" in fields), None)
+
+
+def _result_of(rows: Any, after: int, batch: int) -> tuple[ReadResult, Offsets]:
+    """A read's result from the stream entries after ``after`` (at most ``batch`` of them),
+    and where they stand in bytes (the log's size: as far as these entries tell)."""
+    entries: list[LogEntry] = []
+    ending: str | None = None
+    before_first: int | None = None
+    logged: int | None = None
+    for entry_id, fields in rows:
+        if b"end" in fields:
+            ending = fields[b"end"].decode()
+            break
+        data = fields[b"d"].decode()
+        if b"b" in fields:
+            logged = int(fields[b"b"])
+            if before_first is None:
+                before_first = logged - len(data)
+        entries.append(LogEntry(_seq(entry_id), fields[b"e"].decode() or None, data))
+    offsets = Offsets(before_first, logged)
+    lost = None
+    first = entries[0].seq if entries else None
+    if first is not None and first > after + 1:
+        lost = (after + 1, first - 1)
+    if len(rows) == batch and ending is None:
+        return ReadResult(entries, lost, None), offsets  # more to come on the next read
+    return ReadResult(entries, lost, ending), offsets
 
 
 def _text(value: bytes | str | None) -> str:
@@ -180,6 +215,7 @@ class RedisReplayStore:
         self._write = self.redis.register_script(WRITE_SCRIPT)
         self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
         self.writes = 0  # script calls sent (for benchmarks)
+        self._watch = StreamWatch(self.redis, READ_BATCH)
 
     def _key(self, reply_id: str, part: str = "") -> str:
         return f"{self.prefix}{reply_id}{part}"
@@ -413,11 +449,24 @@ class RedisReplayStore:
             result, offsets = await self._read_remote(reply_id, after)
             if result is None or result.entries or result.lost or result.ending or wait_s <= 0:
                 return result, offsets
-            # Nothing new: block on the stream until an entry lands or the wait runs out.
-            block_s = min(wait_s, COMMAND_TIMEOUT_S / 2)
-            await self.redis.xread(
-                {self._key(reply_id): f"0-{after}"}, count=1, block=max(1, int(block_s * 1000))
+            # Nothing new: wait for an entry on the read every follower here shares.
+            return await self.follow(reply_id, after, wait_s)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"{self.where}: {exc}") from exc
+
+    async def follow(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        """The next entries of a reply produced elsewhere, for a reader that has read the
+        rest: from the one blocking XREAD every follower in this process shares (no command
+        of its own); if none came within ``wait_s``, a read of its own tells whether the
+        reply is still there and its producer alive."""
+        try:
+            rows = await self._watch.after(
+                self._key(reply_id), after, min(wait_s, COMMAND_TIMEOUT_S / 2)
             )
+            if rows:
+                return _result_of(rows, after, READ_BATCH)
             result, offsets = await self._read_remote(reply_id, after)
             if result is None or result.entries or result.ending:
                 return result, offsets
@@ -445,25 +494,8 @@ class RedisReplayStore:
         logged = _newest_offset(newest)
         if not known and not rows:
             return None, Offsets(None, logged)
-        entries: list[LogEntry] = []
-        ending: str | None = None
-        before_first: int | None = None
-        for entry_id, fields in rows:
-            if b"end" in fields:
-                ending = fields[b"end"].decode()
-                break
-            data = fields[b"d"].decode()
-            if before_first is None and b"b" in fields:
-                before_first = int(fields[b"b"]) - len(data)
-            entries.append(LogEntry(_seq(entry_id), fields[b"e"].decode() or None, data))
-        offsets = Offsets(before_first, logged)
-        lost = None
-        first = entries[0].seq if entries else None
-        if first is not None and first > after + 1:
-            lost = (after + 1, first - 1)
-        if len(rows) == READ_BATCH and ending is None:
-            return ReadResult(entries, lost, None), offsets  # more to come on the next read
-        return ReadResult(entries, lost, ending), offsets
+        result, offsets = _result_of(rows, after, READ_BATCH)
+        return result, Offsets(offsets.before_first, logged)
 
     async def request_cancel(self, reply_id: str) -> None:
         if reply_id in self._live and self._on_cancel is not None:
@@ -513,5 +545,6 @@ class RedisReplayStore:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        await self._watch.aclose()
         await self._local.aclose()
         await self.redis.aclose()
