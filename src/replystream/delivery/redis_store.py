@@ -336,7 +336,8 @@ class RedisReplayStore:
             )
             waiting.append(written)
         now = time.monotonic()
-        refresh_s = max(1.0, self.ttl_after_end_s / 2)
+        # A third of the TTL: a flush late by up to two thirds of it still comes in time.
+        refresh_s = max(1.0, self.ttl_after_end_s / 3)
         for reply_id in (pending.keys() | endings.keys()) if endings else pending.keys():
             entries = pending.get(reply_id, ())
             ending = endings.get(reply_id)

@@ -6,7 +6,7 @@ reading its answer, in Python). So one flush sends one ``EVALSHA`` of ``WRITE_SC
 keys it touches, and one JSON text (encoded by the C encoder, in one call) holding the new
 replies, every reply's new entries and its ending; Redis runs the ``XADD``s. Per event the
 replica builds one row; per reply and flush, one key. Expiry and trimming are not per event
-either: a stream's TTL is set on its first write, refreshed every half TTL while the reply
+either: a stream's TTL is set on its first write, refreshed every third of the TTL while the reply
 lives and at its end, and ``MAXLEN`` is asked for only once a reply has more entries than
 are kept. A write that fails fails its reply alone (the others in the batch go on).
 
