@@ -8,10 +8,11 @@ registers a stream and the last entry the reader has; one task reads every regis
 at once (blocking for at most ``BLOCK_MS``, then again with the streams registered since)
 and hands each reader the entries after its own. A reader registered while a call is under
 way is in the next one: at most ``BLOCK_MS`` later, sooner if any stream in the current call
-gets an entry. A Redis Cluster takes a command's keys from one hash slot only: there the call
-is one ``XREAD`` per slot, sent together. The shared call fails as one: every reader waiting
-on it gets its error (and retries). This file knows stream keys and entry ids (``0-<seq>``),
-not what entries hold.
+gets an entry. A Redis Cluster takes a command's keys from one hash slot only: there the
+call is one ``XREAD`` per slot, sent together. The shared call fails as one: every reader
+waiting on it gets its error (and retries). A reader's place and lag (``RemoteCursor``)
+follow from what its reads returned. This file knows stream keys and entry ids
+(``0-<seq>``), not what entries hold (``redis_rows`` does).
 """
 
 from __future__ import annotations
@@ -19,15 +20,76 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_connect import RedisClient
+from replystream.delivery.redis_rows import Offsets
+from replystream.delivery.replay import ReadResult
 
 BLOCK_MS = 50
 Rows = list[tuple[bytes, dict[bytes, bytes]]]  # (entry id, fields), as XRANGE answers
 _Outcome = Rows | BaseException
+
+
+class FollowedStore(Protocol):
+    """The reads a ``RemoteCursor`` makes of the store (``RedisReplayStore``)."""
+
+    async def read_measured(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]: ...
+
+    async def follow(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]: ...
+
+    async def logged_bytes(self, reply_id: str) -> int | None: ...
+
+
+class RemoteCursor:
+    """A reader's place in a reply produced on another replica. Its lag is the log's size
+    at the last read, less the bytes up to the reader's place, both from the offsets every
+    entry carries (``b``)."""
+
+    __slots__ = ("_following", "_logged", "_sent_upto", "_store", "after", "reply_id")
+
+    def __init__(self, store: FollowedStore, reply_id: str, after: int) -> None:
+        self._store = store
+        self.reply_id = reply_id
+        self.after = after
+        self._sent_upto: int | None = None  # bytes up to ``after``, known from the first read
+        self._logged = 0
+        # The last read found the reply, not ended: the next waits on the shared XREAD first.
+        self._following = False
+
+    async def read(self, wait_s: float) -> ReadResult | None:
+        if self._following and wait_s > 0:
+            result, offsets = await self._store.follow(self.reply_id, self.after, wait_s)
+        else:
+            result, offsets = await self._store.read_measured(self.reply_id, self.after, wait_s)
+        if offsets.logged is not None:
+            self._logged = max(self._logged, offsets.logged)
+        if offsets.before_first is not None and (
+            self._sent_upto is None or (result and result.lost)
+        ):
+            self._sent_upto = offsets.before_first  # first read, or entries were lost
+        self._following = result is not None and result.ending is None and not result.producer_lost
+        return result
+
+    def sent(self, upto: int, log_bytes: int) -> None:
+        self.after = upto
+        if self._sent_upto is not None:
+            self._sent_upto += log_bytes
+
+    def lag_bytes(self) -> int:
+        return 0 if self._sent_upto is None else max(0, self._logged - self._sent_upto)
+
+    async def measure(self) -> int:
+        logged = await self._store.logged_bytes(self.reply_id)
+        if logged is not None:
+            self._logged = logged
+        return self.lag_bytes()
 
 
 class StreamWatch:

@@ -53,16 +53,16 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from redis.crc import key_slot
 from redis.exceptions import RedisError
-from redis.typing import EncodableT, FieldT
 
 from replystream.delivery.redis_connect import connect, parse_redis_url
-from replystream.delivery.redis_follow import StreamWatch
-from replystream.delivery.redis_repair import LocalCopy, Repair, StreamState, plan
+from replystream.delivery.redis_follow import RemoteCursor, StreamWatch
+from replystream.delivery.redis_repair import LocalCopy, plan
+from replystream.delivery.redis_rewrite import stream_states, write_repair
 from replystream.delivery.redis_rows import (
     META_READ,
     Meta,
@@ -110,57 +110,6 @@ RETRY_MAX_S = 0.5
 BEAT_CONFIRM_S = 2 * HEARTBEAT_S + 0.5
 # What a flush is waited on by: the creates in it (None once written, or why not).
 Waiting = list[asyncio.Future[str | None]]
-
-
-class RemoteCursor:
-    """A reader's place in a reply produced on another replica. Its lag is the log's size
-    at the last read, less the bytes up to the reader's place, both from the offsets every
-    entry carries (``b``)."""
-
-    __slots__ = ("_following", "_logged", "_sent_upto", "_store", "after", "reply_id")
-
-    def __init__(self, store: RedisReplayStore, reply_id: str, after: int) -> None:
-        self._store = store
-        self.reply_id = reply_id
-        self.after = after
-        self._sent_upto: int | None = None  # bytes up to ``after``, known from the first read
-        self._logged = 0
-        # The last read found the reply, not ended: the next waits on the shared XREAD first.
-        self._following = False
-
-    async def read(self, wait_s: float) -> ReadResult | None:
-        if self._following and wait_s > 0:
-            result, offsets = await self._store.follow(self.reply_id, self.after, wait_s)
-        else:
-            result, offsets = await self._store.read_measured(self.reply_id, self.after, wait_s)
-        if offsets.logged is not None:
-            self._logged = max(self._logged, offsets.logged)
-        if offsets.before_first is not None and (
-            self._sent_upto is None or (result and result.lost)
-        ):
-            self._sent_upto = offsets.before_first  # first read, or entries were lost
-        self._following = result is not None and result.ending is None and not result.producer_lost
-        return result
-
-    def sent(self, upto: int, log_bytes: int) -> None:
-        self.after = upto
-        if self._sent_upto is not None:
-            self._sent_upto += log_bytes
-
-    def lag_bytes(self) -> int:
-        return 0 if self._sent_upto is None else max(0, self._logged - self._sent_upto)
-
-    async def measure(self) -> int:
-        logged = await self._store.logged_bytes(self.reply_id)
-        if logged is not None:
-            self._logged = logged
-        return self.lag_bytes()
-
-
-def ended_fields(ending: str, ending_seq: int) -> Mapping[FieldT, EncodableT]:
-    """What an ended reply leaves in its metadata (as ``WRITE_SCRIPT`` writes it), so a
-    reader can tell a stream evicted after the end from a producer lost before it."""
-    return {"end": ending, "last": ending_seq - 1}
 
 
 class RedisReplayStore:
@@ -487,11 +436,21 @@ class RedisReplayStore:
             {self._group(r) for r in copies} | set(() if self.one_slot_per_call else (0,))
         )
         try:
-            states = await self._stream_states(list(copies))
+            states = await stream_states(self.redis, self._key, list(copies))
             repairs = {r: plan(copies[r], states[r], kept=self.max_entries) for r in copies}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for reply_id, repair in repairs.items():
-                    self._queue_repair(pipe, reply_id, repair)
+                    logged = write_repair(
+                        pipe,
+                        self._key,
+                        self._local._logs[reply_id].info,
+                        repair,
+                        ttl_s=self.ttl_after_end_s,
+                        live_s=self.liveness_s if reply_id in self._live else None,
+                        max_entries=self.max_entries,
+                    )
+                    if logged is not None:
+                        self._logged[reply_id] = logged
                 # Counted last, as a flush's call is: a count that survives vouches for these.
                 ttl = max(1, int(self.ttl_after_end_s))
                 for group in groups:
@@ -521,60 +480,6 @@ class RedisReplayStore:
                 sum(r.missing for r in done),
             )
         return None
-
-    async def _stream_states(self, reply_ids: list[str]) -> dict[str, StreamState]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for reply_id in reply_ids:
-                key = self._key(reply_id)
-                pipe.xrange(key, min="-", max="+", count=1)
-                pipe.xrevrange(key, max="+", min="-", count=1)
-                pipe.xlen(key)
-                # A heartbeat may have made the hash again with only its count: known means
-                # the owner is there.
-                pipe.hexists(self._key(reply_id, ":meta"), "owner")
-            results = await pipe.execute()
-        states = {}
-        for n, reply_id in enumerate(reply_ids):
-            first, last, length, known = results[4 * n : 4 * n + 4]
-            states[reply_id] = StreamState(
-                seq_of(first[0][0]) if first else 0,
-                seq_of(last[0][0]) if last else 0,
-                int(length),
-                bool(known),
-            )
-        return states
-
-    def _queue_repair(self, pipe: Any, reply_id: str, repair: Repair) -> None:
-        if repair.action == "nothing":
-            return
-        ttl = max(1, int(self.ttl_after_end_s))
-        key = self._key(reply_id)
-        if repair.action == "rewrite":
-            # Readers meanwhile find an empty stream and wait, or events after a hole: told.
-            pipe.delete(key)
-            info = self._local._logs[reply_id].info
-            pipe.hset(
-                self._key(reply_id, ":meta"), mapping={"owner": info.owner, "context": info.context}
-            )
-        for entry, offset in zip(repair.entries, repair.offsets, strict=True):
-            pipe.xadd(
-                key,
-                {"e": entry.event or "", "d": entry.data, "b": offset},
-                id=f"0-{entry.seq}",
-                maxlen=self.max_entries,
-                approximate=True,
-            )
-        if repair.ending is not None:
-            pipe.xadd(key, {"end": repair.ending}, id=f"0-{repair.ending_seq}")
-            pipe.hset(
-                self._key(reply_id, ":meta"), mapping=ended_fields(repair.ending, repair.ending_seq)
-            )
-        elif reply_id in self._live:
-            pipe.set(self._key(reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
-            if repair.offsets:
-                self._logged[reply_id] = repair.offsets[-1]
-        for part in ("", ":meta"):
-            pipe.expire(self._key(reply_id, part), ttl)
 
     async def _retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()``, retried for ``failover_s`` while Redis cannot be reached (a
