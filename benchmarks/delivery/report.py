@@ -13,6 +13,14 @@ from typing import Any
 
 Run = dict[str, Any]
 RATIO_METRICS = ("server CPU s / 1,000 events", "server memory / stream (KiB)", "completion p95")
+# Only in a table with a Redis-backed server: the rows its Redis and nginx fill in.
+TIER_ROWS = ("Redis CPU µs / event", "Redis memory / reply logged (KiB)", "nginx CPU µs / event")
+
+
+def _get(run: Run, key: str) -> float:
+    """A metric only some servers have (Redis's, nginx's): NaN for the others."""
+    value = run.get(key)
+    return math.nan if value is None else float(value)
 
 
 def _ms(section: str, point: str) -> Callable[[Run], float]:
@@ -41,6 +49,13 @@ ROWS: list[tuple[str, Callable[[Run], float], str]] = [
     ("server memory / stream (KiB)", lambda r: r["memory_per_stream_kib"], "{:.1f}"),
     ("server memory / peak open stream", lambda r: r["memory_per_open_stream_kib"], "{:.1f}"),
     ("server RSS at rest (MiB)", lambda r: r["rest_rss_kib"] / 1024, "{:.1f}"),
+    ("Redis CPU µs / event", lambda r: _get(r, "redis_us_per_event"), "{:.1f}"),
+    (
+        "Redis memory / reply logged (KiB)",
+        lambda r: _get(r, "redis_memory_per_reply_kib"),
+        "{:.1f}",
+    ),
+    ("nginx CPU µs / event", lambda r: _get(r, "proxy_us_per_event"), "{:.1f}"),
     ("client CPU µs / event", lambda r: r["client"]["client_us_per_event"], "{:.1f}"),
     ("other load on the machine (cores)", lambda r: r["other_cores_during"], "{:.2f}"),
 ]
@@ -50,8 +65,19 @@ def _cell(value: float, fmt: str) -> str:
     return "n/a" if math.isnan(value) else fmt.format(value)
 
 
+def memory_peer(label: str, servers: list[str]) -> str | None:
+    """The column a Redis-backed server is compared with: the memory store's, with resumable
+    replies if that was measured (the same work but for where the log lives)."""
+    kind = label.removeprefix("replystream-redis-2").removeprefix("replystream-redis")
+    for peer in (f"replystream-resumable{kind}", f"replystream{kind}"):
+        if peer in servers:
+            return peer
+    return None
+
+
 def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
-    """The Markdown table of ``runs``; a ratio column per replystream column and baseline."""
+    """The Markdown table of ``runs``; a ratio column per replystream column and baseline,
+    and per Redis-backed column against the memory store's."""
     ours_labels = [s for s in servers if s.startswith("replystream")]
     baselines = [s for s in servers if not s.startswith("replystream")]
     transport = {r["server"]: r.get("transport", "sse") for r in runs}
@@ -61,7 +87,13 @@ def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
         for theirs in baselines
         if transport.get(ours) == transport.get(theirs)
     ]
+    for label in ours_labels:
+        peer = memory_peer(label, servers) if label.startswith("replystream-redis") else None
+        if peer is not None and transport.get(label) == transport.get(peer):
+            pairs.append((label, peer))
     rows = ROWS if "ws" in transport.values() else [r for r in ROWS if "WebSocket" not in r[0]]
+    if not any(r.get("redis_cpu_s") is not None for r in runs):
+        rows = [r for r in rows if r[0] not in TIER_ROWS]
     header = ["metric", *servers, *(f"{ours} / {theirs}" for ours, theirs in pairs)]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     by_key = {(r["server"], r["concurrency"]): r for r in runs}

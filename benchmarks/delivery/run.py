@@ -8,8 +8,13 @@ schedule's ideal, per-event lateness, first text, server CPU per 1,000 events an
 per open stream (Linux /proc, summed over the server's processes), the peak number of streams
 open at once, failures and the client's own CPU per event. See docs/performance.md.
 
+With ``--servers replystream-redis replystream-redis-2``, every reply is resumable and logged in
+a Redis the benchmark starts fresh for the run (one replica, or two behind nginx): the table
+adds Redis's CPU per event, its memory per reply logged and nginx's CPU per event.
+
 Run: python benchmarks/delivery/run.py [--concurrency 100 1000 3000]
-         [--servers replystream bare starlette] [--transports sse ws] [--workers N [N ...]]
+         [--servers replystream bare starlette replystream-resumable replystream-redis
+          replystream-redis-2] [--transports sse ws] [--workers N [N ...]]
          [--wait-quiet-s 20]
          [--timeout-s 60] [--json FILE]
 """
@@ -39,6 +44,7 @@ from procstats import (
 )
 from report import failure_notes, table
 from servers import (
+    DEFAULT_SERVERS,
     HERE,
     LOOPS,
     SERVER_NAMES,
@@ -98,10 +104,16 @@ async def run_client(
     return json.loads(out)
 
 
+def server_pids(server: Started) -> list[int]:
+    """Every process of the server's replicas (workers included)."""
+    return [pid for root in server.replicas for pid in process_tree(root)]
+
+
 async def measure(
     server: Started, transport: str, concurrency: int, timeout_s: float, quiet_s: float
 ) -> dict[str, Any]:
-    """Warm the server up, then run C streams and read its CPU and memory around them."""
+    """Warm the server up, then run C streams and read its CPU and memory around them (and
+    those of its Redis and nginx, when it has them)."""
     await check_wire(server, transport)
     warm_seeds = stream_seeds(WARMUP_STREAMS, 1)
     warm = await run_client(server.url, warm_seeds, WARMUP_TOKENS, 30.0, transport)
@@ -109,7 +121,10 @@ async def measure(
         raise RuntimeError(f"{server.name} failed its warm-up: {warm['failures']}")
     # Other work on the machine skews every number: wait for quiet, and measure it anyway.
     load_before = await wait_quiet(quiet_s) if quiet_s > 0 else await other_load(SETTLE_S)
-    pids = process_tree(server.pid)
+    pids = server_pids(server)
+    helpers = {"redis": server.redis.pid if server.redis else None, "proxy": server.proxy_pid}
+    helper_cpu = {name: cpu_seconds([pid]) for name, pid in helpers.items() if pid is not None}
+    redis_memory = await server.redis.used_memory() if server.redis else None
     rest_rss = memory_kib(pids, "VmRSS")
     cpu_before = cpu_seconds(pids)
     overflows_before = listen_overflows()
@@ -119,22 +134,46 @@ async def measure(
     wall = time.perf_counter() - wall_before
     busy = machine_busy_seconds() - busy_before
     overflows = listen_overflows() - overflows_before
-    pids_after = process_tree(server.pid)
+    pids_after = server_pids(server)
     cpu = cpu_seconds(pids_after) - cpu_before
     peak = memory_kib(pids_after, "VmHWM")
+    for name, pid in helpers.items():
+        if pid is not None:
+            helper_cpu[name] = cpu_seconds([pid]) - helper_cpu[name]
+    if server.redis and redis_memory is not None:
+        # Every reply's log is still in Redis (kept for the reply TTL after its end).
+        redis_memory = await server.redis.used_memory() - redis_memory
     events = client["events"]
     peak_open = client["peak_open"]
+    completed = client["completed"]
+    redis_cpu, proxy_cpu = helper_cpu.get("redis"), helper_cpu.get("proxy")
     return {
         "concurrency": concurrency,
         "processes": len(pids_after),
         "other_cores_before": load_before,
-        # Busy CPU on the machine not spent by the server or the load client, on average.
-        "other_cores_during": max(0.0, busy - cpu - client["client_cpu_s"]) / wall,
+        # Busy CPU on the machine not spent by the server (its Redis and nginx included) or
+        # the load client, on average.
+        "other_cores_during": max(
+            0.0, busy - cpu - sum(helper_cpu.values()) - client["client_cpu_s"]
+        )
+        / wall,
         "listen_overflows": overflows,
         "client": client,
         "server_cpu_s": cpu,
         "server_cpu_s_per_1k_events": cpu / events * 1000 if events else math.nan,
         "server_us_per_event": cpu / events * 1e6 if events else math.nan,
+        "redis_cpu_s": redis_cpu,
+        "redis_us_per_event": redis_cpu / events * 1e6
+        if redis_cpu is not None and events
+        else math.nan,
+        "proxy_cpu_s": proxy_cpu,
+        "proxy_us_per_event": proxy_cpu / events * 1e6
+        if proxy_cpu is not None and events
+        else math.nan,
+        "redis_memory_bytes": redis_memory,
+        "redis_memory_per_reply_kib": redis_memory / 1024 / completed
+        if redis_memory is not None and completed
+        else math.nan,
         "rest_rss_kib": rest_rss,
         "peak_hwm_kib": peak,
         "memory_per_stream_kib": (peak - rest_rss) / concurrency,
@@ -158,9 +197,14 @@ async def measure_variant(
     }
     client = result["client"]
     print(
-        f"{variant.label:>11} C={concurrency:<5} completed {client['completed']}/{concurrency}"
+        f"{variant.label:>21} C={concurrency:<5} completed {client['completed']}/{concurrency}"
         f"  {result['server_us_per_event']:.1f} µs CPU/event"
-        f"  {result['memory_per_stream_kib']:.1f} KiB/stream",
+        f"  {result['memory_per_stream_kib']:.1f} KiB/stream"
+        + (
+            f"  Redis {result['redis_us_per_event']:.1f} µs CPU/event"
+            if result["redis_cpu_s"] is not None
+            else ""
+        ),
         file=sys.stderr,
         flush=True,
     )
@@ -240,7 +284,15 @@ def versions() -> dict[str, str]:
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[100, 1000, 3000])
-    parser.add_argument("--servers", nargs="+", choices=SERVER_NAMES, default=list(SERVER_NAMES))
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        choices=SERVER_NAMES,
+        default=list(DEFAULT_SERVERS),
+        help="replystream-resumable: every reply resumable, logged in memory;"
+        " replystream-redis: the same, logged in Redis (started by the benchmark);"
+        " replystream-redis-2: two such replicas behind nginx",
+    )
     parser.add_argument(
         "--transports",
         nargs="+",

@@ -10,13 +10,16 @@ import asyncio
 import contextlib
 import json
 import re
+import resource
 import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
+from tier import RedisProcess, started_nginx, started_redis
 from workload import (
     TOKEN_MARKER,
     WS_PATH,
@@ -32,11 +35,24 @@ from replystream.lab.local_server import announced_process
 
 HERE = Path(__file__).resolve().parent
 READY = re.compile(r"listening on (http://\S+)")
-SERVER_NAMES = ("replystream", "bare", "starlette")
+# Every reply resumable: its log kept in memory (``replystream-resumable``), or in Redis by one
+# replica (``replystream-redis``) or by two behind nginx (``replystream-redis-2``).
+RESUMABLE_NAMES = ("replystream-resumable", "replystream-redis", "replystream-redis-2")
+SERVER_NAMES = ("replystream", "bare", "starlette", *RESUMABLE_NAMES)
+DEFAULT_SERVERS = ("replystream", "bare", "starlette")
 TRANSPORTS = ("sse", "ws")
 # uvicorn serves WebSockets only with the websockets or wsproto package, which the bench extra
-# does not install: Starlette is measured over SSE alone.
-SERVER_TRANSPORTS = {"replystream": TRANSPORTS, "bare": TRANSPORTS, "starlette": ("sse",)}
+# does not install: Starlette is measured over SSE alone. The nginx in front of two replicas
+# is configured for SSE.
+SERVER_TRANSPORTS = {
+    "replystream": TRANSPORTS,
+    "bare": TRANSPORTS,
+    "starlette": ("sse",),
+    "replystream-resumable": TRANSPORTS,
+    "replystream-redis": TRANSPORTS,
+    "replystream-redis-2": ("sse",),
+}
+REDIS_REPLICAS = {"replystream-redis": 1, "replystream-redis-2": 2}
 
 
 LOOPS = ("asyncio", "uvloop")
@@ -53,7 +69,15 @@ def server_command(name: str, workers: int, loop: str = "asyncio") -> list[str]:
         return [sys.executable, str(HERE / "bare_app.py"), "--port", "0", "--loop", loop]
     if name == "starlette":
         return [sys.executable, str(HERE / "starlette_app.py"), "--port", "0", "--loop", loop]
+    if name == "replystream-resumable":
+        return [*server_command("replystream", workers, loop), "--resumable-by-default"]
     raise ValueError(f"unknown server {name!r}")
+
+
+def replica_command(redis_url: str, loop: str) -> list[str]:
+    """One replica of the Redis-backed server: every reply resumable, its log in Redis."""
+    command = server_command("replystream", 1, loop)
+    return [*command, "--resumable-by-default", "--redis-url", redis_url]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,16 +98,30 @@ class Variant:
 
 @dataclass(frozen=True, slots=True)
 class Started:
+    """A server under test: where clients connect, and the processes whose CPU is its own."""
+
     name: str
-    pid: int
+    pid: int  # the first (or only) server process
     url: str
+    pids: tuple[int, ...] = ()  # every replica's process (each with its workers)
+    redis: RedisProcess | None = None  # the Redis its replicas log to
+    proxy_pid: int | None = None  # the nginx in front of its replicas
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return self.pids or (self.pid,)
 
 
 @contextlib.asynccontextmanager
 async def started_server(
     name: str, workers: int = 1, loop: str = "asyncio", ready_timeout_s: float = 30.0
 ) -> AsyncIterator[Started]:
-    """Start server ``name`` and yield its pid and URL; stop it on exit."""
+    """Start server ``name`` (with its Redis and nginx, if it has them) and yield where it
+    listens and its processes; stop everything on exit."""
+    if name in REDIS_REPLICAS:
+        async with started_tier(name, REDIS_REPLICAS[name], loop, ready_timeout_s) as tier:
+            yield tier
+        return
     async with announced_process(
         server_command(name, workers, loop),
         READY,
@@ -91,6 +129,34 @@ async def started_server(
         ready_timeout_s=ready_timeout_s,
     ) as server:
         yield Started(name, server.pid, server.url)
+
+
+@contextlib.asynccontextmanager
+async def started_tier(
+    name: str, replicas: int, loop: str, ready_timeout_s: float
+) -> AsyncIterator[Started]:
+    """A fresh Redis, ``replicas`` replicas logging to it, and nginx in front of two or more."""
+    async with contextlib.AsyncExitStack() as stack:
+        redis = await stack.enter_async_context(started_redis())
+        started = [
+            await stack.enter_async_context(
+                announced_process(
+                    replica_command(redis.url, loop),
+                    READY,
+                    name=f"{name} replica {index + 1}",
+                    ready_timeout_s=ready_timeout_s,
+                )
+            )
+            for index in range(replicas)
+        ]
+        pids = tuple(server.pid for server in started)
+        if replicas == 1:
+            yield Started(name, pids[0], started[0].url, pids, redis)
+            return
+        upstreams = [urlsplit(server.url).netloc for server in started]
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        proxy = await stack.enter_async_context(started_nginx(upstreams, nofile))
+        yield Started(name, pids[0], proxy.url, pids, redis, proxy.pid)
 
 
 def token_frames(url: str, tokens: int = 3) -> list[bytes]:

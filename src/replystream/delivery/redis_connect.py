@@ -11,25 +11,37 @@ Cluster, but has no URL for either. The forms here are the ones other tools use:
   Cluster to start from (port 6379 unless given); ``rediss+cluster://`` with TLS.
 
 redis-py's own retries are turned off: a command that fails reaches the store, which knows
-what a failed write means for a reply (``RedisReplayStore`` retries and repairs). This file
-must not know about replies, HTTP or event formats.
+what a failed write means for a reply (``RedisReplayStore`` retries and repairs). A replica
+holds at most ``MAX_CONNECTIONS`` connections per Redis node, and a command past them waits
+for one (up to the command timeout) instead of failing: redis-py's default pool raises past
+100 connections in use, which a burst of readers reaches at once. One server and Sentinel
+use a blocking pool; a Cluster client has one pool per node that cannot block, so its
+commands pass a gate of the same size first. This file must not know about replies, HTTP or
+event formats.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.typing import EncodableT
 
 Kind = Literal["single", "sentinel", "cluster"]
 RedisClient = aioredis.Redis | RedisCluster
 
+# Connections one replica may hold to one Redis node at once. Readers of other replicas'
+# replies share one blocking read and writes go in one call per flush, so this is reached
+# only by bursts (a few thousand resumes at once), which then queue instead of failing.
+MAX_CONNECTIONS = 200
 SENTINEL_PORT = 26379
 REDIS_PORT = 6379
 _SCHEMES: dict[str, tuple[Kind, bool]] = {
@@ -123,37 +135,116 @@ def parse_redis_url(url: str) -> RedisTarget:
     return RedisTarget(url, kind, tls, nodes, segments[0], int(db), username, password)
 
 
+class _SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's pool (it asks the Sentinels for the primary), waiting for a free connection
+    past its size like ``BlockingConnectionPool`` instead of raising."""
+
+
+class _SentinelClient(aioredis.Redis):
+    """A client of Sentinel's primary that, closed, closes its connections to the Sentinels
+    too (redis-py leaves those open)."""
+
+    sentinels: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinels is not None:
+            await self.sentinels.aclose()
+
+
+class _Gate:
+    """At most ``size`` commands at once; the next waits up to ``timeout_s`` for a turn."""
+
+    def __init__(self, size: int, timeout_s: float) -> None:
+        self._free = asyncio.Semaphore(size)
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._free.acquire()
+        except TimeoutError as exc:
+            # What the blocking pool raises: the caller treats it like any unreachable Redis.
+            raise RedisConnectionError("No connection available.") from exc
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._free.release()
+
+
+class _GatedPipeline(ClusterPipeline):
+    def __init__(self, client: GatedCluster, transaction: Any = None) -> None:
+        super().__init__(client, transaction)
+        self._gate = client.gate
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        async with self._gate:
+            return await super().execute(raise_on_error, allow_redirections)
+
+
+class GatedCluster(RedisCluster):
+    """A Cluster client whose commands (and pipelines, one connection per node each) pass a
+    gate no larger than each node's pool: at most ``max_connections`` in use on any node,
+    and the next one waits rather than raising ``MaxConnectionsError``."""
+
+    def __init__(self, *, pool_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gate = _Gate(kwargs.get("max_connections", MAX_CONNECTIONS), pool_timeout_s)
+
+    async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
+        async with self.gate:
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # refused, as redis-py does
+        # redis-py declares the dispatcher abstract on a base; ClusterPipeline sets it.
+        return _GatedPipeline(self, transaction)  # type: ignore[abstract]
+
+
 def connect(
-    target: RedisTarget, *, connect_timeout_s: float, command_timeout_s: float
+    target: RedisTarget,
+    *,
+    connect_timeout_s: float,
+    command_timeout_s: float,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> RedisClient:
-    """A client for ``target`` (it connects on first use)."""
+    """A client for ``target`` (it connects on first use). A command waits up to
+    ``command_timeout_s`` for one of ``max_connections`` (per node) to be free."""
     no_retry = Retry(NoBackoff(), 0)
+    timeouts = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": command_timeout_s}
     if target.kind == "single":
-        return aioredis.Redis.from_url(
+        pool = aioredis.BlockingConnectionPool.from_url(
             target.url,
+            max_connections=max_connections,
+            timeout=command_timeout_s,
             retry=no_retry,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=command_timeout_s,
+            **timeouts,
         )
+        return aioredis.Redis.from_pool(pool)
     if target.kind == "cluster":
-        return RedisCluster(
+        return GatedCluster(
+            pool_timeout_s=command_timeout_s,
             startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
             username=target.username,
             password=target.password,
             ssl=target.tls,
             retry=no_retry,
-            socket_connect_timeout=connect_timeout_s,
-            socket_timeout=command_timeout_s,
+            max_connections=max_connections,
+            **timeouts,
         )
-    timeouts = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": command_timeout_s}
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         list(target.nodes), sentinel_kwargs=dict(timeouts), retry=no_retry, **timeouts
     )
-    client: aioredis.Redis = sentinel.master_for(
+    client: _SentinelClient = sentinel.master_for(
         target.service,
+        redis_class=_SentinelClient,
+        connection_pool_class=_SentinelBlockingPool,
+        max_connections=max_connections,
+        timeout=command_timeout_s,
         db=target.db,
         username=target.username,
         password=target.password,
         ssl=target.tls,
     )
+    client.sentinels = sentinel
     return client

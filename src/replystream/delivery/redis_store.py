@@ -2,10 +2,8 @@
 
 Layout, per reply (``P`` is the key prefix; ``{id}`` is the reply id in braces, a Redis
 Cluster hash tag, so all of a reply's keys share one hash slot and one shard):
-- ``P{id}``: a stream; entry ``0-<seq>`` holds one event (its type in field ``e``, empty for a
-  plain message; its data in ``d``) and the log's size in bytes up to and including it
-  (field ``b``: a reader on another replica measures its lag by it); the terminal entry
-  holds the ending (field ``end``). Trimmed to about ``max_entries``.
+- ``P{id}``: a stream; entry ``0-<seq>`` holds one event and the log's size up to it, the
+  terminal entry the ending (``delivery.redis_rows``). Trimmed to about ``max_entries``.
 - ``P{id}:meta``: a hash with the owner and the route's context, the producer's heartbeat
   count (``beat``, bumped every second while it generates) and, once the reply has ended, its
   ending and last event's number (``end``, ``last``); ``P{id}:live``: the producer's liveness
@@ -13,32 +11,38 @@ Cluster hash tag, so all of a reply's keys share one hash slot and one shard):
   ``P{id}:cancel``: a cancel request from another replica.
 Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live).
 
+Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
+everything queued, across replies, in one script call per round trip (one per hash slot for
+a Cluster: ``delivery.redis_writes``); ``create`` joins the next one and waits for it. The
+call ends with the ending's marks in the metadata and an ``INCR`` of this store's count of
+its calls (per slot for a Cluster). A write Redis refuses for one reply (its ids, its key's
+type) fails that reply alone (``failure``: its producer stops with an in-band error); a call
+that fails as a whole (a lost connection, a demoted primary) is a failover, below. A reader
+of a reply produced elsewhere that has read what its stream holds waits on the one blocking
+``XREAD`` this process shares (``delivery.redis_follow``). Replies produced here are also
+kept in a local ``MemoryReplayStore``, so their own readers never wait on Redis.
+
 Eviction (a ``maxmemory`` Redis evicts whole keys, any of the four, in any order): a reader
 never takes a missing key for something else. A stream gone behind an ended reply is told as
 a gap up to the ``last`` its metadata keeps, then the ending (not ``generator_lost``); a
 missing liveness key is confirmed by the heartbeat count before a producer is called lost;
-metadata gone behind a surviving stream is reported as evicted (``evicted``). A live producer
-writes its reply again from its copy when it finds its metadata gone (its heartbeat count
-starts again at 1) or its stream shorter than what Redis acknowledged (the heartbeat asks its
-length): until then, a stream made anew by the next append starts late, which readers are
-told of as a gap. Only a reply whose every key is gone reads as unknown.
-
-Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
-everything queued in one pipeline per round trip. Replies produced here are also kept in a
-local ``MemoryReplayStore``, so their own readers never wait on Redis.
+metadata gone behind a surviving stream is reported as evicted (``evicted``). The liveness
+refresh (one call a second) bumps each live reply's heartbeat count and asks its stream's
+length: a live producer writes its reply again from its copy when its count starts again at
+1 (metadata gone) or its stream is shorter than what Redis acknowledged; until then, a stream
+made anew by the next append starts late, which readers are told of as a gap. Only a reply
+whose every key is gone reads as unknown.
 
 Failover (Redis through Sentinel, a Cluster shard, or one Redis restarted): a write or a read
 that fails is retried for ``failover_s`` (the promoted replica is reached through the same
 client). Meanwhile producers go on into their local copy. Redis replicates asynchronously, so
 the promoted replica may lack writes the old primary acknowledged; the store finds out (a
-write failed, or the count of its writes, ``INCR``-ed at the end of every pipeline, came back
-short) and repairs every reply it holds from its local copy (``redis_repair``): re-appends
-what Redis lost, or rewrites a stream with a hole. What it no longer holds stays a hole,
-which readers see as a jump in sequence numbers and are told of (``lost``: a ``gap``).
-Past ``failover_s`` a write marks its replies (``failure``), so their producers stop with an
-in-band error instead of writing into a hole, and reads raise ``StoreUnavailable``;
-``create`` never waits (a new reply is refused at once). This file must not know about HTTP
-or event formats.
+call failed, or its call count came back short) and repairs every reply it holds from its
+local copy (``redis_repair``): re-appends what Redis lost, or rewrites a stream with a hole.
+What it no longer holds stays a hole, which readers see as a jump in sequence numbers and are
+told of (``lost``: a ``gap``). Past ``failover_s`` a write marks its replies (``failure``),
+and reads raise ``StoreUnavailable``; a ``create`` fails with the next flush that cannot
+reach Redis. This file must not know about HTTP or event formats.
 """
 
 from __future__ import annotations
@@ -49,14 +53,31 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
+from redis.crc import key_slot
 from redis.exceptions import RedisError
-from redis.typing import EncodableT, FieldT
 
 from replystream.delivery.redis_connect import connect, parse_redis_url
-from replystream.delivery.redis_repair import LocalCopy, Repair, StreamState, plan
+from replystream.delivery.redis_follow import RemoteCursor, StreamWatch
+from replystream.delivery.redis_repair import LocalCopy, plan
+from replystream.delivery.redis_rewrite import stream_states, write_repair
+from replystream.delivery.redis_rows import (
+    META_READ,
+    Meta,
+    Offsets,
+    newest_offset,
+    result_of,
+    seq_of,
+    text,
+)
+from replystream.delivery.redis_writes import (
+    HEARTBEAT_SCRIPT,
+    WRITE_SCRIPT,
+    WriteBatch,
+    slot_tag,
+)
 from replystream.delivery.replay import (
     TTL_AFTER_END_S,
     LogCursor,
@@ -87,91 +108,8 @@ RETRY_MAX_S = 0.5
 # to move before calling it lost: the key may have been evicted (``volatile-ttl`` evicts the
 # keys nearest their expiry first) while the producer lives.
 BEAT_CONFIRM_S = 2 * HEARTBEAT_S + 0.5
-# The metadata's fields a read needs: whether it is there (every reply has an owner, "" with
-# auth off), and the ending and last event's number an ended reply leaves in it.
-META_READ = ("owner", "end", "last")
-
-
-class Offsets(NamedTuple):
-    """Where a read's entries stand in the log, in bytes of data."""
-
-    before_first: int | None  # the log's size before the first entry read (None: none read)
-    logged: int | None  # the log's size so far (None: no event logged yet)
-
-
-class RemoteCursor:
-    """A reader's place in a reply produced on another replica. Its lag is the log's size
-    at the last read, less the bytes up to the reader's place, both from the offsets every
-    entry carries (``b``)."""
-
-    __slots__ = ("_logged", "_sent_upto", "_store", "after", "reply_id")
-
-    def __init__(self, store: RedisReplayStore, reply_id: str, after: int) -> None:
-        self._store = store
-        self.reply_id = reply_id
-        self.after = after
-        self._sent_upto: int | None = None  # bytes up to ``after``, known from the first read
-        self._logged = 0
-
-    async def read(self, wait_s: float) -> ReadResult | None:
-        result, offsets = await self._store.read_measured(self.reply_id, self.after, wait_s)
-        if offsets.logged is not None:
-            self._logged = offsets.logged
-        if offsets.before_first is not None and (
-            self._sent_upto is None or (result and result.lost)
-        ):
-            self._sent_upto = offsets.before_first  # first read, or entries were lost
-        return result
-
-    def sent(self, upto: int, log_bytes: int) -> None:
-        self.after = upto
-        if self._sent_upto is not None:
-            self._sent_upto += log_bytes
-
-    def lag_bytes(self) -> int:
-        return 0 if self._sent_upto is None else max(0, self._logged - self._sent_upto)
-
-    async def measure(self) -> int:
-        logged = await self._store.logged_bytes(self.reply_id)
-        if logged is not None:
-            self._logged = logged
-        return self.lag_bytes()
-
-
-def _newest_offset(newest: Any) -> int | None:
-    """The log's size from its newest entries (newest first; the terminal one has none)."""
-    return next((int(fields[b"b"]) for _, fields in newest or () if b"b" in fields), None)
-
-
-def _text(value: bytes | str | None) -> str:
-    """A hash field's value as text ("" when absent)."""
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _seq(entry_id: bytes) -> int:
-    return int(entry_id.split(b"-", 1)[1])
-
-
-class Meta(NamedTuple):
-    """What a read learns from a reply's metadata (``META_READ``)."""
-
-    known: bool  # the metadata is there (it may be evicted while the stream survives)
-    ending: str | None  # the reply has ended so
-    last: int  # its last event's number (when ended)
-
-    @classmethod
-    def of(cls, fields: Sequence[bytes | None]) -> Meta:
-        owner, end, last = fields
-        ending = None if end is None else end.decode()
-        return cls(owner is not None, ending, int(last) if last is not None else 0)
-
-
-def ended_fields(ending: str, ending_seq: int) -> Mapping[FieldT, EncodableT]:
-    """What an ended reply leaves in its metadata, so a reader can tell a stream evicted
-    after the end from a producer lost before it."""
-    return {"end": ending, "last": ending_seq - 1}
+# What a flush is waited on by: the creates in it (None once written, or why not).
+Waiting = list[asyncio.Future[str | None]]
 
 
 class RedisReplayStore:
@@ -204,24 +142,39 @@ class RedisReplayStore:
             ttl_after_end_s=min(ttl_after_end_s, 30.0), max_entries=max_entries
         )
         self._live: set[str] = set()  # replies produced here and not ended
-        self._pending: dict[str, list[LogEntry | tuple[int, str]]] = {}
+        # Queued for the next flush: new replies (with what their ``create`` waits on: None,
+        # or why the write failed), entries and endings.
+        self._creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]] = []
+        self._pending: dict[str, list[LogEntry]] = {}
+        self._endings: dict[str, tuple[int, str]] = {}
         self._next_seq: dict[str, int] = {}
         self._failures: dict[str, str] = {}
         self._wake = asyncio.Event()
+        # One flush at a time: a reply's entries reach Redis in order, and the call counts
+        # come back in order.
+        self._flushing = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._on_cancel: Callable[[str], None] | None = None
         self._logged: dict[str, int] = {}  # bytes sent to Redis per live reply: entries' offsets
-        self.writes = 0  # pipelines sent (for benchmarks)
+        # When each live reply's keys must have their TTL refreshed (absent: not yet written).
+        self._expire_due: dict[str, float] = {}
+        # A Redis Cluster runs a script only on keys of one hash slot: against one, a flush
+        # sends one call per slot (a reply's keys share its slot) instead of one for all.
+        self.one_slot_per_call = self.target.kind == "cluster"
+        self._write = self.redis.register_script(WRITE_SCRIPT)
+        self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
+        self.writes = 0  # script calls sent (for benchmarks)
+        self._watch = StreamWatch(self.redis, READ_BATCH, self._slot_of_key)
         self.failover_s = failover_s
         # Failover: replies whose log Redis may have lost part of; since when writes fail;
         # when a command last succeeded after failing (liveness keys may lag until refreshed).
         self._dirty: set[str] = set()
         self._outage_since: float | None = None
         self._recovered_at = -float("inf")
-        self._flushing = asyncio.Lock()  # one pipeline at a time: their write counts in order
-        # This store's count of its pipelines, in Redis: short after a failover that lost some.
-        self._writes_key = f"{self.prefix}writer:{uuid.uuid4().hex}"
-        self._writes_seen: int | None = None
+        # This store's count of its calls, in Redis (per slot group): short after a failover
+        # that lost some.
+        self._writer = f"{self.prefix}writer:{uuid.uuid4().hex}"
+        self._writes_seen: dict[int, int] = {}
         self._lost_writes = self._repairs = self._repaired_events = self._holes = 0
         self._gaps = 0
         self._evictions = 0
@@ -229,6 +182,20 @@ class RedisReplayStore:
     def _key(self, reply_id: str, part: str = "") -> str:
         # The braces make the id the key's hash tag: one slot for all of a reply's keys.
         return f"{self.prefix}{{{reply_id}}}{part}"
+
+    def _slot_of_key(self, key: str) -> int:
+        """Which call a key goes in: its hash slot with ``one_slot_per_call``, else 0."""
+        return key_slot(key.encode()) if self.one_slot_per_call else 0
+
+    def _group(self, reply_id: str) -> int:
+        return self._slot_of_key(self._key(reply_id))
+
+    def _counter_key(self, group: int) -> str:
+        """The key of this store's count of its calls to ``group``: in that slot, for a
+        Cluster (a call touches one slot only)."""
+        if not self.one_slot_per_call:
+            return self._writer
+        return f"{self._writer}:{{{slot_tag(group)}}}"
 
     def _ensure_tasks(self) -> None:
         if not self._tasks:
@@ -240,28 +207,27 @@ class RedisReplayStore:
 
     async def create(self, info: ReplyInfo) -> None:
         self._ensure_tasks()
-        ttl = max(1, int(self.ttl_after_end_s))
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hset(
-                    self._key(info.reply_id, ":meta"),
-                    mapping={"owner": info.owner, "context": info.context, "beat": 1},
-                )
-                pipe.expire(self._key(info.reply_id, ":meta"), ttl)
-                pipe.set(self._key(info.reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"{self.where}: {exc}") from exc
+        written: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._creates.append((info, written))
+        # The flusher's next call sends it with everything else queued (a burst of new
+        # replies shares one call, and none waits behind the others' writes).
+        self._wake.set()
+        failure = await written
+        if failure is not None:
+            raise StoreUnavailable(f"{self.where}: {failure}")
         await self._local.create(info)
         self._live.add(info.reply_id)
 
     def append(self, reply_id: str, entries: Sequence[LogEntry]) -> None:
         self._local.append(reply_id, entries)
-        if reply_id in self._failures:
+        if reply_id in self._failures or not entries:
             return
-        self._pending.setdefault(reply_id, []).extend(entries)
-        if entries:
-            self._next_seq[reply_id] = entries[-1].seq + 1
+        pending = self._pending.get(reply_id)
+        if pending is None:
+            self._pending[reply_id] = list(entries)
+        else:
+            pending.extend(entries)
+        self._next_seq[reply_id] = entries[-1].seq + 1
         self._wake.set()
 
     def end(self, reply_id: str, ending: str) -> None:
@@ -271,8 +237,9 @@ class RedisReplayStore:
         seq = self._next_seq.pop(reply_id, 1)
         if reply_id in self._failures:
             self._logged.pop(reply_id, None)
+            self._expire_due.pop(reply_id, None)
             return
-        self._pending.setdefault(reply_id, []).append((seq, ending))
+        self._endings[reply_id] = (seq, ending)
         self._wake.set()
 
     def failure(self, reply_id: str) -> str | None:
@@ -294,63 +261,122 @@ class RedisReplayStore:
             self._wake.set()
 
     async def flush(self) -> None:
-        """Repair what Redis may have lost, then send everything queued, in one pipeline."""
+        """Repair what Redis may have lost, then send everything queued, across replies, in
+        one script call (one per hash slot with ``one_slot_per_call``)."""
         async with self._flushing:
-            if self._dirty and not await self._repair():
-                return
-            await self._flush_queued()
+            if self._dirty:
+                failure = await self._repair()
+                if failure is not None:
+                    # Redis cannot be reached: a new reply is refused now, not held.
+                    creates, self._creates = self._creates, []
+                    _settle([written for _, written in creates], failure)
+                    return
+            creates, self._creates = self._creates, []
+            pending, self._pending = self._pending, {}
+            endings, self._endings = self._endings, {}
+            batches = self._batches(creates, pending, endings)
+            if batches:
+                await asyncio.gather(
+                    *(self._send(group, *batch) for group, batch in batches.items())
+                )
 
-    async def _flush_queued(self) -> None:
-        batch, self._pending = self._pending, {}
-        if not batch:
-            return
+    async def _send(self, group: int, batch: WriteBatch, waiting: Waiting) -> None:
+        """One script call; what Redis refused fails its reply; a call that failed as a
+        whole is an outage (``_write_failed``), and fails the creates waiting on it."""
         ttl = max(1, int(self.ttl_after_end_s))
+        argument = batch.argument(ttl, max(1, int(self.liveness_s)), self._counter_key(group))
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for reply_id, items in batch.items():
-                    key = self._key(reply_id)
-                    for item in items:
-                        if isinstance(item, LogEntry):
-                            # Each entry carries the log's size up to and including it, so a
-                            # reader on any replica can tell how far behind it is.
-                            logged = self._logged.get(reply_id, 0) + len(item.data)
-                            self._logged[reply_id] = logged
-                            pipe.xadd(
-                                key,
-                                {"e": item.event or "", "d": item.data, "b": logged},
-                                id=f"0-{item.seq}",
-                                maxlen=self.max_entries,
-                                approximate=True,
-                            )
-                            continue
-                        seq, ending = item
-                        self._logged.pop(reply_id, None)
-                        pipe.xadd(key, {"end": ending}, id=f"0-{seq}")
-                        pipe.hset(self._key(reply_id, ":meta"), mapping=ended_fields(ending, seq))
-                        for part in ("", ":meta", ":cancel"):
-                            pipe.expire(self._key(reply_id, part), ttl)
-                        pipe.delete(self._key(reply_id, ":live"))
-                    pipe.expire(key, ttl)
-                self._count_write(pipe)
-                results = await pipe.execute()
-            self.writes += 1
-            self._counted(results[-2])
+            answer = await self._write(keys=batch.keys, args=[argument])
         except (RedisError, OSError) as exc:
-            self._write_failed(exc, batch)
+            _settle(waiting, str(exc))
+            self._write_failed(exc, batch.reply_ids)
+            return
+        self.writes += 1
+        refused = answer[1:]
+        for index, error in zip(refused[::2], refused[1::2], strict=True):
+            reason = text(error)
+            log.warning("reply log write to Redis refused: %s", reason)
+            self._failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
+        _settle(waiting, None)
+        self._counted(group, int(answer[0]))
+
+    def _batches(
+        self,
+        creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]],
+        pending: dict[str, list[LogEntry]],
+        endings: dict[str, tuple[int, str]],
+    ) -> dict[int, tuple[WriteBatch, Waiting]]:
+        """What one flush writes (new replies, then each reply's entries and ending), in
+        one batch, or one per hash slot; each with the creates waiting on it."""
+        groups: dict[int, tuple[WriteBatch, Waiting]] = {}
+        per_slot = self.one_slot_per_call
+
+        def batch_for(stream: str) -> tuple[WriteBatch, Waiting]:
+            slot = key_slot(stream.encode()) if per_slot else 0
+            group = groups.get(slot)
+            if group is None:
+                group = groups[slot] = (WriteBatch(), [])
+            return group
+
+        key = self._key
+        for info, written in creates:
+            batch, waiting = batch_for(key(info.reply_id))
+            batch.create(
+                key(info.reply_id, ":meta"), key(info.reply_id, ":live"), info.owner, info.context
+            )
+            waiting.append(written)
+        now = time.monotonic()
+        # A third of the TTL: a flush late by up to two thirds of it still comes in time.
+        refresh_s = max(1.0, self.ttl_after_end_s / 3)
+        for reply_id in (pending.keys() | endings.keys()) if endings else pending.keys():
+            entries = pending.get(reply_id, ())
+            ending = endings.get(reply_id)
+            stream = key(reply_id)
+            batch = batch_for(stream)[0]
+            last = entries[-1].seq if entries else 0
+            trim = self.max_entries if last > self.max_entries else 0
+            if ending is not None:
+                # Every key lives ``ttl_after_end_s`` from the reply's end.
+                meta = key(reply_id, ":meta")
+                expire: tuple[str, ...] = (stream, meta, key(reply_id, ":cancel"))
+                self._expire_due.pop(reply_id, None)
+                logged = self._logged.pop(reply_id, 0)
+                batch.reply(
+                    reply_id,
+                    stream,
+                    entries,
+                    logged,
+                    trim=trim,
+                    expire=expire,
+                    ending=ending,
+                    meta_key=meta,
+                    live_key=key(reply_id, ":live"),
+                )
+                continue
+            due = self._expire_due.get(reply_id)
+            if due is None:  # the stream's first write makes it: from now on it expires
+                expire = (stream,)
+                self._expire_due[reply_id] = now + refresh_s
+            elif now >= due:  # a reply that lives long keeps its keys
+                expire = (stream, key(reply_id, ":meta"))
+                self._expire_due[reply_id] = now + refresh_s
+            else:
+                expire = ()
+            self._logged[reply_id] = batch.reply(
+                reply_id, stream, entries, self._logged.get(reply_id, 0), trim=trim, expire=expire
+            )
+        return groups
 
     # Failover: finding out what Redis lost, and writing it again.
 
-    def _count_write(self, pipe: Any) -> None:
-        """End a pipeline with this store's write count (see ``_counted``)."""
-        pipe.incr(self._writes_key)
-        pipe.expire(self._writes_key, max(1, int(self.ttl_after_end_s)))
-
-    def _counted(self, count: int) -> None:
-        """Redis's count of this store's pipelines, after one more. Replication is ordered,
-        so a count short of ours means Redis lost pipelines it had acknowledged, and with
-        them whatever they wrote: every reply held here is checked and repaired."""
-        expected = None if self._writes_seen is None else self._writes_seen + 1
-        self._writes_seen = count
+    def _counted(self, group: int, count: int) -> None:
+        """Redis's count of this store's calls (to one slot group), after one more.
+        Replication is ordered, so a count short of ours means Redis lost calls it had
+        acknowledged, and with them whatever they wrote: every reply held here is checked and
+        repaired."""
+        seen = self._writes_seen.get(group)
+        expected = None if seen is None else seen + 1
+        self._writes_seen[group] = count
         if expected is not None and count == 1 < expected:
             # The count itself is gone, not short: a maxmemory Redis evicted it (a failover
             # loses the whole key only if all of it was in its window: a store's first writes).
@@ -366,12 +392,12 @@ class RedisReplayStore:
             self._dirty.update(self._local._logs)
             self._wake.set()
 
-    def _write_failed(self, exc: Exception, batch: dict[str, Any]) -> None:
+    def _write_failed(self, exc: Exception, reply_ids: Iterable[str]) -> None:
         """A write failed: it may or may not have landed. Every reply held here is repaired
         once Redis answers; past ``failover_s`` of failing, the live ones fail instead."""
         now = time.monotonic()
-        self._writes_seen = None  # the failed pipeline's count is unknown
-        self._dirty.update(batch)
+        self._writes_seen.clear()  # the failed call's count is unknown
+        self._dirty.update(reply_ids)
         self._dirty.update(self._live)
         if self._outage_since is None:
             self._outage_since = now
@@ -383,6 +409,7 @@ class RedisReplayStore:
             if reply_id in self._live:
                 self._failures[reply_id] = f"Redis write failed: {exc}"
             self._pending.pop(reply_id, None)
+            self._endings.pop(reply_id, None)
         self._dirty.clear()
         self._outage_since = None
 
@@ -393,32 +420,52 @@ class RedisReplayStore:
         entries = list(log_.entries)
         return LocalCopy(entries, log_.appended - log_.bytes, log_.ending, log_.next_seq)
 
-    async def _repair(self) -> bool:
-        """Make Redis hold what this process holds of every dirty reply; False if Redis
+    async def _repair(self) -> str | None:
+        """Make Redis hold what this process holds of every dirty reply; why not, if Redis
         cannot be reached yet."""
         copies: dict[str, LocalCopy] = {}
         for reply_id in self._dirty:
             copy = self._local_copy(reply_id)
             if copy is not None:
                 copies[reply_id] = copy
-                # Queued events are in the copy: the repair writes them, in order.
+                # Queued events and endings are in the copy: the repair writes them, in order.
                 self._pending.pop(reply_id, None)
+                self._endings.pop(reply_id, None)
         dirty = set(self._dirty)
+        groups = sorted(
+            {self._group(r) for r in copies} | set(() if self.one_slot_per_call else (0,))
+        )
         try:
-            states = await self._stream_states(list(copies))
+            states = await stream_states(self.redis, self._key, list(copies))
             repairs = {r: plan(copies[r], states[r], kept=self.max_entries) for r in copies}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for reply_id, repair in repairs.items():
-                    self._queue_repair(pipe, reply_id, repair)
-                self._count_write(pipe)
+                    logged = write_repair(
+                        pipe,
+                        self._key,
+                        self._local._logs[reply_id].info,
+                        repair,
+                        ttl_s=self.ttl_after_end_s,
+                        live_s=self.liveness_s if reply_id in self._live else None,
+                        max_entries=self.max_entries,
+                    )
+                    if logged is not None:
+                        self._logged[reply_id] = logged
+                # Counted last, as a flush's call is: a count that survives vouches for these.
+                ttl = max(1, int(self.ttl_after_end_s))
+                for group in groups:
+                    pipe.incr(self._counter_key(group))
+                    pipe.expire(self._counter_key(group), ttl)
                 results = await pipe.execute()
         except (RedisError, OSError) as exc:
-            self._write_failed(exc, {})
-            return False
+            self._write_failed(exc, ())
+            return str(exc)
         self._dirty -= dirty
         self._outage_since = None
         self._recovered_at = time.monotonic()
-        self._counted(results[-2])
+        counts = results[len(results) - 2 * len(groups) :: 2]
+        for group, count in zip(groups, counts, strict=True):
+            self._counted(group, int(count))
         done = [r for r in repairs.values() if r.action != "nothing"]
         if done:
             self._repairs += len(done)
@@ -432,61 +479,7 @@ class RedisReplayStore:
                 sum(len(r.entries) for r in done),
                 sum(r.missing for r in done),
             )
-        return True
-
-    async def _stream_states(self, reply_ids: list[str]) -> dict[str, StreamState]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for reply_id in reply_ids:
-                key = self._key(reply_id)
-                pipe.xrange(key, min="-", max="+", count=1)
-                pipe.xrevrange(key, max="+", min="-", count=1)
-                pipe.xlen(key)
-                # A heartbeat may have made the hash again with only its count: known means
-                # the owner is there.
-                pipe.hexists(self._key(reply_id, ":meta"), "owner")
-            results = await pipe.execute()
-        states = {}
-        for n, reply_id in enumerate(reply_ids):
-            first, last, length, known = results[4 * n : 4 * n + 4]
-            states[reply_id] = StreamState(
-                _seq(first[0][0]) if first else 0,
-                _seq(last[0][0]) if last else 0,
-                int(length),
-                bool(known),
-            )
-        return states
-
-    def _queue_repair(self, pipe: Any, reply_id: str, repair: Repair) -> None:
-        if repair.action == "nothing":
-            return
-        ttl = max(1, int(self.ttl_after_end_s))
-        key = self._key(reply_id)
-        if repair.action == "rewrite":
-            # Readers meanwhile find an empty stream and wait, or events after a hole: told.
-            pipe.delete(key)
-            info = self._local._logs[reply_id].info
-            pipe.hset(
-                self._key(reply_id, ":meta"), mapping={"owner": info.owner, "context": info.context}
-            )
-        for entry, offset in zip(repair.entries, repair.offsets, strict=True):
-            pipe.xadd(
-                key,
-                {"e": entry.event or "", "d": entry.data, "b": offset},
-                id=f"0-{entry.seq}",
-                maxlen=self.max_entries,
-                approximate=True,
-            )
-        if repair.ending is not None:
-            pipe.xadd(key, {"end": repair.ending}, id=f"0-{repair.ending_seq}")
-            pipe.hset(
-                self._key(reply_id, ":meta"), mapping=ended_fields(repair.ending, repair.ending_seq)
-            )
-        elif reply_id in self._live:
-            pipe.set(self._key(reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
-            if repair.offsets:
-                self._logged[reply_id] = repair.offsets[-1]
-        for part in ("", ":meta"):
-            pipe.expire(self._key(reply_id, part), ttl)
+        return None
 
     async def _retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()``, retried for ``failover_s`` while Redis cannot be reached (a
@@ -514,17 +507,19 @@ class RedisReplayStore:
         (they are refreshed every second, and a promoted replica may hold stale ones)."""
         return time.monotonic() - self._recovered_at < self.liveness_s + 2 * HEARTBEAT_S
 
+    # The liveness refresh, once a second: liveness keys, cancels, eviction checks.
+
     async def _acknowledged(self, live: list[str]) -> dict[str, int] | None:
         """How many events of each live reply Redis has acknowledged: those appended and no
-        longer queued, once no pipeline is in flight (None: one still is, after a while)."""
+        longer queued, once no call is in flight (None: one still is, after a while)."""
         try:
             async with asyncio.timeout(HEARTBEAT_S / 2), self._flushing:
-                counts = {}
-                for reply_id in live:
-                    queued = self._pending.get(reply_id, ())
-                    waiting = sum(1 for item in queued if isinstance(item, LogEntry))
-                    counts[reply_id] = self._next_seq.get(reply_id, 1) - 1 - waiting
-                return counts
+                return {
+                    reply_id: self._next_seq.get(reply_id, 1)
+                    - 1
+                    - len(self._pending.get(reply_id, ()))
+                    for reply_id in live
+                }
         except TimeoutError:
             return None
 
@@ -532,37 +527,47 @@ class RedisReplayStore:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             live = list(self._live)
-            if not live:
-                continue
-            # Taken before the pipeline below is sent: a stream shorter than this then has
-            # lost events it had acknowledged (Redis evicted it, perhaps made anew since).
-            written = await self._acknowledged(live)
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for reply_id in live:
-                        pipe.set(
-                            self._key(reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s))
-                        )
-                        pipe.exists(self._key(reply_id, ":cancel"))
-                        # Readers that find the liveness key gone watch this count move.
-                        pipe.hincrby(self._key(reply_id, ":meta"), "beat", 1)
-                        pipe.xlen(self._key(reply_id))
-                    results = await pipe.execute()
-            except (RedisError, OSError) as exc:
-                log.warning("liveness refresh failed: %s", exc)
-                continue
-            for n, reply_id in enumerate(live):
-                cancelled, beat, length = results[4 * n + 1 : 4 * n + 4]
-                if cancelled and self._on_cancel is not None:
-                    self._on_cancel(reply_id)
-                if beat == 1:
-                    # The count started again: the metadata was gone (evicted, or lost in a
-                    # failover). Write the reply again from this process's copy.
-                    log.warning("reply %s: its metadata is gone; writing it again", reply_id[:8])
-                    self._evicted_live(reply_id)
-                elif self._stream_lost(reply_id, length, written):
-                    log.warning("reply %s: its log is gone; writing it again", reply_id[:8])
-                    self._evicted_live(reply_id)
+            if live:
+                await self._refresh(live)
+
+    async def _refresh(self, live: list[str]) -> None:
+        """Refresh the liveness of ``live`` replies, pass on the cancels asked for them, and
+        find what Redis evicted of them: one script call (one per hash slot with
+        ``one_slot_per_call``)."""
+        # Taken before the call below is sent: a stream shorter than this then has lost
+        # events it had acknowledged (Redis evicted it, perhaps made anew since).
+        written = await self._acknowledged(live)
+        groups: dict[int, list[str]] = {}
+        for reply_id in live:
+            groups.setdefault(self._group(reply_id), []).append(reply_id)
+        await asyncio.gather(*(self._beat(replies, written) for replies in groups.values()))
+
+    async def _beat(self, replies: list[str], written: dict[str, int] | None) -> None:
+        keys: list[str] = []
+        for reply_id in replies:
+            keys += (
+                self._key(reply_id, ":live"),
+                self._key(reply_id, ":cancel"),
+                self._key(reply_id, ":meta"),
+                self._key(reply_id),
+            )
+        try:
+            answer = await self._heartbeat(keys=keys, args=[max(1, int(self.liveness_s))])
+        except (RedisError, OSError) as exc:
+            log.warning("liveness refresh failed: %s", exc)
+            return
+        for n, reply_id in enumerate(replies):
+            cancelled, beat, length = answer[3 * n : 3 * n + 3]
+            if cancelled and self._on_cancel is not None:
+                self._on_cancel(reply_id)
+            if beat == 1:
+                # The count started again: the metadata was gone (evicted, or lost in a
+                # failover). Write the reply again from this process's copy.
+                log.warning("reply %s: its metadata is gone; writing it again", reply_id[:8])
+                self._evicted_live(reply_id)
+            elif self._stream_lost(reply_id, int(length), written):
+                log.warning("reply %s: its log is gone; writing it again", reply_id[:8])
+                self._evicted_live(reply_id)
 
     def _stream_lost(self, reply_id: str, length: int, written: dict[str, int] | None) -> bool:
         """Whether a live reply's stream holds fewer events than Redis acknowledged and keeps
@@ -580,6 +585,8 @@ class RedisReplayStore:
         self._dirty.add(reply_id)
         self._wake.set()
 
+    # Reads.
+
     async def info(self, reply_id: str) -> ReplyInfo | None:
         local = await self._local.info(reply_id)
         if local is not None and reply_id in self._live:
@@ -590,7 +597,7 @@ class RedisReplayStore:
                 self._local.discard(reply_id)
             return None
         return ReplyInfo(
-            reply_id, owner=_text(meta.get(b"owner")), context=_text(meta.get(b"context"))
+            reply_id, owner=text(meta.get(b"owner")), context=text(meta.get(b"context"))
         )
 
     async def _meta_of(self, reply_id: str) -> dict[bytes | str, bytes | str]:
@@ -636,8 +643,8 @@ class RedisReplayStore:
             return LogTail(0, False) if meta.known else None
         entry_id, fields = rows[0]
         if b"end" in fields:  # the terminal entry takes the number after the last event's
-            return LogTail(_seq(entry_id) - 1, True)
-        return LogTail(_seq(entry_id), False)
+            return LogTail(seq_of(entry_id) - 1, True)
+        return LogTail(seq_of(entry_id), False)
 
     async def _remote_tail(self, reply_id: str) -> list[Any]:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -655,10 +662,27 @@ class RedisReplayStore:
         self, reply_id: str, after: int, wait_s: float
     ) -> tuple[ReadResult | None, Offsets]:
         """A read of a reply produced elsewhere, with where its entries stand in bytes."""
-        result, offsets = await self._retrying(lambda: self._read_waiting(reply_id, after, wait_s))
-        if result is not None and result.lost is not None:
+        return self._counting(
+            await self._retrying(lambda: self._read_waiting(reply_id, after, wait_s))
+        )
+
+    async def follow(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        """The next entries of a reply produced elsewhere, for a reader that has read the
+        rest: from the one blocking XREAD every follower in this process shares (no command
+        of its own); if none came within ``wait_s``, a read of its own tells whether the
+        reply is still there and its producer alive."""
+        return self._counting(
+            await self._retrying(lambda: self._follow_once(reply_id, after, wait_s))
+        )
+
+    def _counting(
+        self, read: tuple[ReadResult | None, Offsets]
+    ) -> tuple[ReadResult | None, Offsets]:
+        if read[0] is not None and read[0].lost is not None:
             self._gaps += 1
-        return result, offsets
+        return read
 
     async def _read_waiting(
         self, reply_id: str, after: int, wait_s: float
@@ -666,24 +690,29 @@ class RedisReplayStore:
         result, offsets = await self._read_remote(reply_id, after)
         if result is None or result.entries or result.lost or result.ending or wait_s <= 0:
             return result, offsets
-        # Nothing new: block on the stream until an entry lands or the wait runs out.
-        block_s = min(wait_s, COMMAND_TIMEOUT_S / 2)
-        await self.redis.xread(
-            {self._key(reply_id): f"0-{after}"}, count=1, block=max(1, int(block_s * 1000))
-        )
+        # Nothing new: wait for an entry on the read every follower here shares.
+        return await self._follow_once(reply_id, after, wait_s)
+
+    async def _follow_once(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        key = self._key(reply_id)
+        rows = await self._watch.after(key, after, min(wait_s, COMMAND_TIMEOUT_S / 2))
+        if rows:
+            return result_of(rows, after, READ_BATCH)
         result, offsets = await self._read_remote(reply_id, after)
-        if result is None or result.entries or result.ending:
+        if result is None or result.entries or result.lost or result.ending:
             return result, offsets
         alive = self._recovering() or await self.redis.exists(self._key(reply_id, ":live"))
         if not alive:
             # Its liveness key is gone: expired (the producer died), or evicted. A live
             # producer's heartbeat count moves within a second; wait for it (or an event).
             beat = await self.redis.hget(self._key(reply_id, ":meta"), "beat")
-            await self.redis.xread(
-                {self._key(reply_id): f"0-{after}"}, count=1, block=int(BEAT_CONFIRM_S * 1000)
-            )
+            rows = await self._watch.after(key, after, BEAT_CONFIRM_S)
+            if rows:
+                return result_of(rows, after, READ_BATCH)
             result, offsets = await self._read_remote(reply_id, after)
-            if result is None or result.entries or result.ending:
+            if result is None or result.entries or result.lost or result.ending:
                 return result, offsets
             now = await self.redis.hget(self._key(reply_id, ":meta"), "beat")
             alive = now is not None and now != beat
@@ -694,7 +723,7 @@ class RedisReplayStore:
         newest = await self._retrying(
             lambda: self.redis.xrevrange(self._key(reply_id), max="+", min="-", count=2)
         )
-        return _newest_offset(newest)
+        return newest_offset(newest)
 
     async def _read_remote(self, reply_id: str, after: int) -> tuple[ReadResult | None, Offsets]:
         key = self._key(reply_id)
@@ -704,7 +733,7 @@ class RedisReplayStore:
             # The newest event entry (the terminal entry, if any, comes after it).
             pipe.xrevrange(key, max="+", min="-", count=2)
             rows, fields, newest = await pipe.execute()
-        logged = _newest_offset(newest)
+        logged = newest_offset(newest)
         meta = Meta.of(fields)
         if not rows and meta.ending is not None:
             # Ended, but nothing after ``after`` is left, not even the terminal entry: the
@@ -717,34 +746,8 @@ class RedisReplayStore:
             # writes them again, and this reader waits).
             if not await self.redis.exists(self._key(reply_id, ":live")):
                 return None, Offsets(None, logged)
-        entries: list[LogEntry] = []
-        ending: str | None = None
-        before_first: int | None = None
-        hole = False
-        expected: int | None = None
-        for entry_id, fields in rows:
-            seq = _seq(entry_id)
-            if expected is not None and seq != expected:
-                # A hole (Redis lost events its producer could not write again): stop before
-                # it, so the next read, after the last event before it, is told what is lost.
-                hole = True
-                break
-            expected = seq + 1
-            if b"end" in fields:
-                ending = fields[b"end"].decode()
-                break
-            data = fields[b"d"].decode()
-            if before_first is None and b"b" in fields:
-                before_first = int(fields[b"b"]) - len(data)
-            entries.append(LogEntry(seq, fields[b"e"].decode() or None, data))
-        offsets = Offsets(before_first, logged)
-        lost = None
-        first = _seq(rows[0][0]) if rows else None
-        if first is not None and first > after + 1:
-            lost = (after + 1, first - 1)
-        if hole or (len(rows) == READ_BATCH and ending is None):
-            return ReadResult(entries, lost, None), offsets  # more to come on the next read
-        return ReadResult(entries, lost, ending), offsets
+        result, offsets = result_of(rows, after, READ_BATCH)
+        return result, Offsets(offsets.before_first, logged)
 
     async def request_cancel(self, reply_id: str) -> None:
         if reply_id in self._live and self._on_cancel is not None:
@@ -802,5 +805,13 @@ class RedisReplayStore:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        await self._watch.aclose()
         await self._local.aclose()
         await self.redis.aclose()
+
+
+def _settle(waiting: Waiting, failure: str | None) -> None:
+    """Answer the creates waiting on a call: None once written, else why not."""
+    for written in waiting:
+        if not written.done():
+            written.set_result(failure)

@@ -1,0 +1,96 @@
+"""A reply log's Redis stream entries and metadata, read back into events and what is lost.
+
+Stream entry ``0-<seq>`` holds one event (field ``e``: its type, empty for a plain message;
+``d``: its data; ``b``: the log's size in bytes up to and including it); the terminal entry
+holds the ending (``end``). An ended reply's metadata keeps its ending and last event's
+number (``end``, ``last``). Every reader of Redis (a read of its own, or its share of the
+shared ``XREAD``) turns entries into a ``ReadResult`` here, so each tells lost events the
+same way: entries that start after the reader's place (trimmed, evicted), or a hole in the
+numbers (Redis lost events nobody could write again), stop the read before the jump, and the
+next read is told what is missing. Pure: rows in, results out. This file must not know how
+Redis is reached, nor about HTTP or event formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from replystream.delivery.replay import LogEntry, ReadResult
+
+# The metadata's fields a read needs: whether it is there (every reply has an owner, "" with
+# auth off), and the ending and last event's number an ended reply leaves in it.
+META_READ = ("owner", "end", "last")
+
+
+class Offsets(NamedTuple):
+    """Where a read's entries stand in the log, in bytes of data."""
+
+    before_first: int | None  # the log's size before the first entry read (None: none read)
+    logged: int | None  # the log's size so far (None: not known from this read)
+
+
+class Meta(NamedTuple):
+    """What a read learns from a reply's metadata (``META_READ``)."""
+
+    known: bool  # the metadata is there (it may be evicted while the stream survives)
+    ending: str | None  # the reply has ended so
+    last: int  # its last event's number (when ended)
+
+    @classmethod
+    def of(cls, fields: Sequence[bytes | None]) -> Meta:
+        owner, end, last = fields
+        ending = None if end is None else end.decode()
+        return cls(owner is not None, ending, int(last) if last is not None else 0)
+
+
+def seq_of(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-", 1)[1])
+
+
+def text(value: bytes | str | None) -> str:
+    """A hash field's value as text ("" when absent)."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def newest_offset(newest: Any) -> int | None:
+    """The log's size from its newest entries (newest first; the terminal one has none)."""
+    return next((int(fields[b"b"]) for _, fields in newest or () if b"b" in fields), None)
+
+
+def result_of(rows: Any, after: int, batch: int) -> tuple[ReadResult, Offsets]:
+    """A read's result from the stream entries after ``after`` (at most ``batch`` of them),
+    and where they stand in bytes (the log's size: as far as these entries tell)."""
+    entries: list[LogEntry] = []
+    ending: str | None = None
+    before_first: int | None = None
+    logged: int | None = None
+    hole = False
+    expected: int | None = None
+    for entry_id, fields in rows:
+        seq = seq_of(entry_id)
+        if expected is not None and seq != expected:
+            # A hole (Redis lost events its producer could not write again): stop before
+            # it, so the next read, after the last event before it, is told what is lost.
+            hole = True
+            break
+        expected = seq + 1
+        if b"end" in fields:
+            ending = fields[b"end"].decode()
+            break
+        data = fields[b"d"].decode()
+        if b"b" in fields:
+            logged = int(fields[b"b"])
+            if before_first is None:
+                before_first = logged - len(data)
+        entries.append(LogEntry(seq, fields[b"e"].decode() or None, data))
+    offsets = Offsets(before_first, logged)
+    lost = None
+    first = seq_of(rows[0][0]) if rows else None
+    if first is not None and first > after + 1:
+        lost = (after + 1, first - 1)
+    if hole or (len(rows) == batch and ending is None):
+        return ReadResult(entries, lost, None), offsets  # more to come on the next read
+    return ReadResult(entries, lost, ending), offsets

@@ -1,0 +1,195 @@
+"""The Redis reply log's writes, batched: everything queued goes to Redis in one script call.
+
+A reply's events arrive one at a time, from thousands of replies at once; through redis-py a
+command costs the replica more CPU than the event did to produce (packing its arguments and
+reading its answer, in Python). So one flush sends one ``EVALSHA`` of ``WRITE_SCRIPT``: the
+keys it touches, and one JSON text (encoded by the C encoder, in one call) holding the new
+replies, every reply's new entries and its ending; Redis runs the ``XADD``s. Per event the
+replica builds one row; per reply and flush, one key. Expiry and trimming are not per event
+either: a stream's TTL is set on its first write, refreshed every third of the TTL while the reply
+lives and at its end, and ``MAXLEN`` is asked for only once a reply has more entries than
+are kept. A write that fails fails its reply alone (the others in the batch go on).
+
+The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
+``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
+liveness refresh is one call too (``HEARTBEAT_SCRIPT``), which also bumps each live reply's
+heartbeat count and asks its stream's length (eviction checks). This file knows the stream
+entries' fields but not the keys' names (the store passes every key).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from redis.crc import key_slot
+
+from replystream.delivery.replay import LogEntry
+
+# ARGV[1]: JSON [ttl, liveness, counter key index, creates, replies], flat where it can be
+# (the encoder's cost is per list as much as per value).
+#   creates: [meta key index, live key index, owner, context]
+#   replies: [stream key index, trim to (0: no trim), indices of keys to expire, ending
+#             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
+#             4 values per entry: seq, type ("": none), data, log size]
+# Returns {count, index, error, index, error, ...}: the writer's count of its calls after this
+# one (INCR-ed last, so a count that survives a failover vouches for every write before it),
+# then the replies (from 0) whose writes Redis refused. A refusal that is the reply's own (its
+# ids, its key's type: ``ERR``, ``WRONGTYPE``) fails that reply alone; any other (``READONLY``
+# from a demoted primary, ``OOM``, ...) fails the whole call, as a lost connection does, so
+# the store retries and repairs instead of stopping replies.
+WRITE_SCRIPT = """
+local batch = cjson.decode(ARGV[1])
+local ttl, liveness = batch[1], batch[2]
+local function refused(res)
+  if type(res) ~= 'table' or not res.err then return nil end
+  local err = res.err
+  if string.sub(err, 1, 4) == 'ERR ' or string.sub(err, 1, 10) == 'WRONGTYPE ' then
+    return err
+  end
+  error(res)
+end
+for _, c in ipairs(batch[4]) do
+  redis.call('HSET', KEYS[c[1]], 'owner', c[3], 'context', c[4], 'beat', 1)
+  redis.call('EXPIRE', KEYS[c[1]], ttl)
+  redis.call('SET', KEYS[c[2]], '1', 'EX', liveness)
+end
+local out = {0}
+for i, r in ipairs(batch[5]) do
+  local key, trim, err = KEYS[r[1]], r[2], nil
+  for j = 6, #r, 4 do
+    local id = '0-' .. r[j]
+    local res
+    if trim > 0 then
+      res = redis.pcall('XADD', key, 'MAXLEN', '~', trim, id, 'e', r[j + 1], 'd', r[j + 2],
+        'b', r[j + 3])
+    else
+      res = redis.pcall('XADD', key, id, 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3])
+    end
+    err = refused(res)
+    if err then break end
+  end
+  local ending = r[4]
+  if err == nil and ending ~= cjson.null then
+    err = refused(redis.pcall('XADD', key, '0-' .. ending[1], 'end', ending[2]))
+    if err == nil then
+      -- Left in the metadata, so a reader tells a stream evicted after the end from a
+      -- producer lost before it.
+      redis.call('HSET', KEYS[ending[3]], 'end', ending[2], 'last', ending[1] - 1)
+    end
+  end
+  if err == nil then
+    for _, k in ipairs(r[3]) do redis.call('EXPIRE', KEYS[k], ttl) end
+    if r[5] > 0 then redis.call('DEL', KEYS[r[5]]) end
+  else
+    out[#out + 1] = i - 1
+    out[#out + 1] = err
+  end
+end
+local counter = KEYS[batch[3]]
+out[1] = redis.call('INCR', counter)
+redis.call('EXPIRE', counter, ttl)
+return out
+"""
+
+# KEYS: live, cancel, meta and stream keys of each reply; ARGV[1]: liveness in seconds.
+# Returns, per reply: 1 if a cancel was requested (else 0), its heartbeat count after this
+# beat (1: its metadata was gone), and its stream's length (shorter than what Redis
+# acknowledged: evicted).
+HEARTBEAT_SCRIPT = """
+local out = {}
+for i = 1, #KEYS, 4 do
+  redis.call('SET', KEYS[i], '1', 'EX', ARGV[1])
+  out[#out + 1] = redis.call('EXISTS', KEYS[i + 1])
+  out[#out + 1] = redis.call('HINCRBY', KEYS[i + 2], 'beat', 1)
+  out[#out + 1] = redis.call('XLEN', KEYS[i + 3])
+end
+return out
+"""
+
+
+# One reply's record: stream key index, trim, keys to expire, ending, live key index, then
+# 4 values per entry.
+ReplyWrite = list[int | str | list[int] | tuple[int, str, int] | None]
+# Compact, and no check for cycles: the batch is built here from flat values.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":"))
+
+
+class WriteBatch:
+    """One flush's writes, laid out for ``WRITE_SCRIPT``."""
+
+    __slots__ = ("_creates", "_replies", "keys", "reply_ids")
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.reply_ids: list[str] = []  # in the order of the script's replies
+        self._creates: list[tuple[int, int, str, str]] = []
+        self._replies: list[ReplyWrite] = []
+
+    def _index(self, key: str) -> int:
+        self.keys.append(key)
+        return len(self.keys)  # Lua counts from 1
+
+    def create(self, meta_key: str, live_key: str, owner: str, context: str) -> None:
+        self._creates.append((self._index(meta_key), self._index(live_key), owner, context))
+
+    def reply(
+        self,
+        reply_id: str,
+        stream_key: str,
+        entries: Sequence[LogEntry],
+        logged: int,
+        *,
+        trim: int,
+        expire: Sequence[str],
+        ending: tuple[int, str] | None = None,
+        meta_key: str = "",
+        live_key: str | None = None,
+    ) -> int:
+        """Queue ``entries`` (and the ending, if any, also marked in ``meta_key``) of one
+        reply, whose log held ``logged`` bytes before them; return the log's size after them."""
+        stream = self._index(stream_key)
+        indices = {stream_key: stream}
+        for key in expire:
+            if key not in indices:
+                indices[key] = self._index(key)
+        expired = [indices[key] for key in expire]
+        marked = None
+        if ending is not None:
+            meta = indices.get(meta_key) or self._index(meta_key)
+            marked = (ending[0], ending[1], meta)
+        live = self._index(live_key) if live_key is not None else 0
+        record: ReplyWrite = [stream, trim, expired, marked, live]
+        for entry in entries:
+            logged += len(entry.data)
+            # Each entry carries the log's size up to and including it, so a reader on any
+            # replica can tell how far behind it is.
+            record += (entry.seq, entry.event or "", entry.data, logged)
+        self.reply_ids.append(reply_id)
+        self._replies.append(record)
+        return logged
+
+    def __bool__(self) -> bool:
+        return bool(self._creates or self._replies)
+
+    def argument(self, ttl: int, liveness: int, counter_key: str) -> str:
+        """The script's one argument (raw UTF-8: Lua's cjson keeps it byte for byte), with
+        the key of the writer's call count (see ``WRITE_SCRIPT``)."""
+        counter = self._index(counter_key)
+        return _ENCODER.encode([ttl, liveness, counter, self._creates, self._replies])
+
+
+_slot_tags: dict[int, str] = {}
+_tags_tried = 0
+
+
+def slot_tag(slot: int) -> str:
+    """A short hash tag whose key slot is ``slot``: a key holding it in braces lives in that
+    slot (the writer's call count per slot, next to the replies it counts). Found by trying
+    ``0``, ``1``, ... once for all slots: about 110,000 tries in all, spread over first uses."""
+    global _tags_tried
+    while slot not in _slot_tags:
+        tag = str(_tags_tried)
+        _tags_tried += 1
+        _slot_tags.setdefault(key_slot(tag.encode()), tag)
+    return _slot_tags[slot]

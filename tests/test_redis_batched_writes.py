@@ -1,0 +1,202 @@
+"""The Redis store's batched writes, against a real redis-server: one call carries many
+replies, any text survives it byte for byte, a failed write fails its own reply only, and
+keys expire (and stay alive while a reply lives) without a command per event.
+
+"Another replica" is a second store on the same Redis, which reads the streams itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.delivery.replay import LogEntry, ReplyInfo
+from tests.redis_server import RedisServer, redis_server
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    with redis_server(tmp_path) as running:
+        yield running
+
+
+async def test_a_burst_of_replies_is_created_and_written_in_a_few_calls(server: RedisServer):
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    ids = [f"burst-{n}" for n in range(200)]
+    await asyncio.gather(*(producer.create(ReplyInfo(i, owner="k")) for i in ids))
+    created_in = producer.writes
+    # Every create waits for one flush; a burst shares them (the first may go alone).
+    assert 1 <= created_in <= 3
+    for n, reply_id in enumerate(ids):
+        producer.append(reply_id, [LogEntry(1, "token", f'{{"n": {n}}}')])
+    await producer.flush()
+    assert producer.writes == created_in + 1  # every reply's entry, one call
+    for n, reply_id in enumerate(ids[::37]):
+        result = await reader.read(reply_id, 0, wait_s=0)
+        assert result is not None and result.entries == [
+            LogEntry(1, "token", f'{{"n": {ids.index(reply_id)}}}')
+        ], n
+    assert await reader.info(ids[5]) == ReplyInfo(ids[5], owner="k")
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_any_text_reaches_another_replica_byte_for_byte_and_its_size_in_characters(
+    server: RedisServer,
+):
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    await producer.create(ReplyInfo("text", context='[{"content": "né 😀 \\" \\\\ \\n"}]'))
+    entries = [
+        LogEntry(1, None, '{"text": "é😀\\u0000 \\"quoted\\" \\\\"}'),
+        LogEntry(2, "token", 'raw é 😀 \t tab, \\ and " inside'),
+        LogEntry(3, "", "[DONE]"),  # an empty type reads back as a plain message
+        LogEntry(4, "token", ""),
+    ]
+    producer.append("text", entries)
+    producer.end("text", '{"finish_reason": "stop", "note": "fin ✓"}')
+    await producer.flush()
+    cursor = reader.cursor("text", 0)
+    result = await cursor.read(wait_s=0)
+    assert result is not None
+    assert result.entries == [entries[0], entries[1], LogEntry(3, None, "[DONE]"), entries[3]]
+    assert result.ending == '{"finish_reason": "stop", "note": "fin ✓"}'
+    # Offsets count what the local store counts (characters of data), so lag agrees.
+    assert cursor.lag_bytes() == sum(len(e.data) for e in entries)
+    info = await reader.info("text")
+    assert info is not None and info.context == '[{"content": "né 😀 \\" \\\\ \\n"}]'
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_a_write_redis_refuses_fails_that_reply_alone(server: RedisServer):
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    await producer.create(ReplyInfo("bad"))
+    await producer.create(ReplyInfo("good"))
+    # Something else wrote the bad reply's stream further on: entry 1 can no longer go in.
+    await reader.redis.xadd(producer._key("bad"), {"d": "x"}, id="0-100")
+    producer.append("bad", [LogEntry(1, "token", "a")])
+    producer.append("good", [LogEntry(1, "token", "b")])
+    producer.end("good", "finished")
+    await producer.flush()
+    failure = producer.failure("bad")
+    assert failure is not None and "Redis write failed" in failure
+    assert producer.failure("good") is None
+    good = await reader.read("good", 0, wait_s=0)
+    assert good is not None and [e.data for e in good.entries] == ["b"]
+    assert good.ending == "finished"
+    # The failed reply writes nothing more (its producer stops on ``failure``).
+    producer.append("bad", [LogEntry(2, "token", "c")])
+    await producer.flush()
+    assert await reader.redis.xlen(producer._key("bad")) == 1
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_keys_expire_from_the_first_write_and_after_the_end_and_live_replies_keep_them(
+    server: RedisServer,
+):
+    producer = RedisReplayStore(server.url, ttl_after_end_s=3.0, liveness_s=1.0)
+    redis = producer.redis
+    await producer.create(ReplyInfo("long"))
+    await producer.create(ReplyInfo("short"))
+    producer.append("short", [LogEntry(1, "token", "x")])
+    await producer.flush()
+    assert 0 < await redis.ttl(producer._key("short")) <= 3
+    producer.end("short", "finished")
+    await producer.flush()
+    for part in ("", ":meta"):
+        assert 0 < await redis.ttl(producer._key("short", part)) <= 3
+    assert not await redis.exists(producer._key("short", ":live"))
+    # A reply that outlives the TTL keeps its keys while it is written to (refreshed every
+    # second here: a third of the TTL).
+    for seq in range(1, 21):
+        producer.append("long", [LogEntry(seq, "token", "y")])
+        await producer.flush()
+        await asyncio.sleep(0.25)
+    assert await redis.xlen(producer._key("long")) == 20
+    assert await redis.exists(producer._key("long", ":meta"))
+    assert not await redis.exists(producer._key("short"))  # 5 s after its end
+    await producer.aclose()
+
+
+async def test_with_one_slot_per_call_a_flush_sends_a_call_per_hash_slot(server: RedisServer):
+    """What a Redis Cluster needs (a script touches one slot's keys): the same writes, split."""
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    producer.one_slot_per_call = True
+    stopped: list[str] = []
+    producer.on_cancel(stopped.append)
+    ids = [f"slot-{n}" for n in range(12)]
+    await asyncio.gather(*(producer.create(ReplyInfo(i)) for i in ids))
+    slots = {key_slot(producer._key(i).encode()) for i in ids}
+    before = producer.writes
+    for reply_id in ids:
+        producer.append(reply_id, [LogEntry(1, "token", reply_id)])
+    producer.end(ids[0], "finished")
+    await producer.flush()
+    assert producer.writes - before == len(slots) > 1
+    for reply_id in ids:
+        result = await reader.read(reply_id, 0, wait_s=0)
+        assert result is not None and [e.data for e in result.entries] == [reply_id]
+    assert (await reader.read(ids[0], 1, wait_s=0)).ending == "finished"  # type: ignore[union-attr]
+    await reader.request_cancel(ids[3])
+    async with asyncio.timeout(5):
+        while not stopped:  # noqa: ASYNC110  (the heartbeat, once a second, passes it on)
+            await asyncio.sleep(0.05)
+    assert stopped == [ids[3]]
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_hundreds_of_readers_on_another_replica_follow_through_one_shared_read(
+    server: RedisServer,
+):
+    """More followers than the client's 100 pooled connections: once a reader has read what
+    a stream holds, it waits on the one blocking XREAD the replica shares, not on a
+    connection of its own, and gets exactly its reply's entries and ending."""
+    producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    try:
+        ids = [f"follow-{n}" for n in range(300)]
+        await asyncio.gather(*(producer.create(ReplyInfo(i)) for i in ids))
+        tokens = 15
+        cursors = {reply_id: reader.cursor(reply_id, 0) for reply_id in ids}
+        for cursor in cursors.values():  # the first reads, one at a time: nothing yet
+            first = await cursor.read(wait_s=0)
+            assert first is not None and first.entries == []
+
+        async def follow(reply_id: str) -> list[str]:
+            cursor = cursors[reply_id]
+            seen: list[str] = []
+            while True:
+                result = await cursor.read(wait_s=10.0)
+                assert result is not None and not result.producer_lost and result.lost is None
+                seen += [e.data for e in result.entries]
+                if result.entries:
+                    cursor.sent(result.entries[-1].seq, 0)
+                if result.ending is not None:
+                    assert result.ending == "finished"
+                    return seen
+
+        async def produce() -> None:
+            await asyncio.sleep(0.3)  # every follower waiting
+            for seq in range(1, tokens + 1):
+                for reply_id in ids:
+                    producer.append(reply_id, [LogEntry(seq, "token", f"{reply_id}/{seq}")])
+                await asyncio.sleep(0.03)
+            for reply_id in ids:
+                producer.end(reply_id, "finished")
+
+        async with asyncio.timeout(60), asyncio.TaskGroup() as group:
+            followers = [group.create_task(follow(reply_id)) for reply_id in ids]
+            group.create_task(produce())
+        for reply_id, task in zip(ids, followers, strict=True):
+            assert task.result() == [f"{reply_id}/{seq}" for seq in range(1, tokens + 1)]
+        # Far fewer shared reads than entries handed over (300 readers x 15 entries).
+        assert 0 < reader._watch.calls < len(ids) * tokens / 5
+    finally:
+        await producer.aclose()
+        await reader.aclose()
