@@ -9,8 +9,9 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   object, and the stream then never ends with ``message_stop``. Every event keeps our event
   id (``id:``), so a message can be resumed, which Anthropic itself does not offer.
 - The same message whole, not streamed, is the ``message`` object.
-Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``refusal`` (a check
-stopped the text). A format object serves one message. It must not know about sockets,
+Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``stop_sequence`` (one of
+``stop_sequences`` completed; ``stop_sequence`` names it), ``refusal`` (a check stopped the
+text). A format object serves one message. It must not know about sockets,
 tasks or stores.
 """
 
@@ -43,6 +44,7 @@ def message_object(
     stop_reason: str | None,
     input_tokens: int,
     output_tokens: int,
+    stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     """The ``message`` object (whole, or empty as ``message_start`` carries it)."""
     return {
@@ -52,7 +54,7 @@ def message_object(
         "model": model,
         "content": [] if text is None else [{"type": "text", "text": text}],
         "stop_reason": stop_reason,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
     }
 
@@ -113,7 +115,11 @@ class AnthropicStreamFormat:
             ("message_stop", '{"type":"message_stop"}'),
         ]
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
+        if stop_sequence is not None:
+            return self._ending("stop_sequence", usage, stop_sequence=stop_sequence)
         return self._ending(STOP_REASONS.get(finish_reason, "end_turn"), usage)
 
     def error(self, message: str, code: str) -> list[Spec]:

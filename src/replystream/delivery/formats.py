@@ -9,7 +9,8 @@ event and never with the dialect's end marker.
 - The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
   ``data: [DONE]`` at the end.
 - The native dialect names every event (``token``, ``usage``, ``moderated``, ``error``,
-  ``done``), so a client can tell an error from a finish without parsing JSON.
+  ``done``), so a client can tell an error from a finish without parsing JSON; ``done`` names
+  the stop string a reply ended at (``stop_sequence``), when one did.
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ class StreamFormat(Protocol):
 
     def text(self, text: str, tokens: int) -> Spec: ...
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]: ...
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
+        """The end of a reply that finished; ``stop_sequence``: the stop string it ended at."""
+        ...
 
     def error(self, message: str, code: str) -> list[Spec]: ...
 
@@ -104,7 +109,9 @@ class LabFormat:
     def text(self, text: str, tokens: int) -> Spec:
         return None, json_string(text)
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
         return [(None, "[DONE]")]
 
     def error(self, message: str, code: str) -> list[Spec]:
@@ -124,11 +131,13 @@ class NativeFormat:
         # Byte for byte what json.dumps({"text": text, "tokens": tokens}) writes.
         return "token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}'
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
-        return [
-            ("usage", usage.as_json()),
-            ("done", f'{{"finish_reason": {json_string(finish_reason)}}}'),
-        ]
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
+        done = f'{{"finish_reason": {json_string(finish_reason)}}}'
+        if stop_sequence is not None:
+            done = json.dumps({"finish_reason": finish_reason, "stop_sequence": stop_sequence})
+        return [("usage", usage.as_json()), ("done", done)]
 
     def error(self, message: str, code: str) -> list[Spec]:
         return [error_spec(message, code)]

@@ -90,7 +90,9 @@ class OpenAIStreamFormat:
     def text(self, text: str, tokens: int) -> Spec:
         return self._chunk([self._choice(text, None)])
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
         specs = [self._chunk([self._choice(None, finish_reason)])]
         if self.include_usage:
             specs.append(self._chunk([], usage=usage.as_dict()))

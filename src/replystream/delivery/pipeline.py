@@ -1,7 +1,10 @@
 """The reply pipeline: deltas in, numbered events out.
 
-For one reply it applies hold-back moderation, batching and the wire dialect, and numbers the
-events (the ``id:`` a reader resumes from). It is pure state: the caller passes the clock and
+For one reply it applies hold-back moderation and stop strings (one withholding buffer,
+``HoldBack``), batching and the wire dialect, and numbers the events (the ``id:`` a reader
+resumes from). A stop string is decided here, not by the engine, so every engine gets it: the
+reply ends at the first one (``halted``; the caller stops the engine), finishing ``"stop"``
+with the matched string for dialects that name it. It is pure state: the caller passes the clock and
 puts the returned ``LogEntry`` values into the reply log. It must not know about sockets,
 tasks, stores or any transport's framing (a transport encodes each entry as it writes it).
 """
@@ -26,13 +29,21 @@ class ReplyPipeline:
         "ended",
         "finish_reason",
         "fmt",
+        "halted",
         "holdback",
         "next_seq",
         "numbered",
         "tokens",
     )
 
-    def __init__(self, fmt: StreamFormat, policy: DeliveryPolicy, *, numbered: bool = True) -> None:
+    def __init__(
+        self,
+        fmt: StreamFormat,
+        policy: DeliveryPolicy,
+        *,
+        numbered: bool = True,
+        stops: tuple[str, ...] = (),
+    ) -> None:
         self.fmt = fmt
         self.numbered = numbered
         window_s = None if policy.batch_ms is None else policy.batch_ms / 1000.0
@@ -41,15 +52,19 @@ class ReplyPipeline:
         self._direct = (
             policy.holdback_tokens == 0
             and not policy.checks
+            and not stops
             and policy.batch_tokens == 1
             and window_s is None
         )
-        self.holdback = None if self._direct else HoldBack(policy.holdback_tokens, policy.checks)
+        self.holdback = (
+            None if self._direct else HoldBack(policy.holdback_tokens, policy.checks, stops)
+        )
         self.batcher = None if self._direct else Batcher(policy.batch_tokens, window_s)
         self.next_seq = 1
         self.tokens = 0
         self.finish_reason = "stop"
         self.ended = False
+        self.halted = False  # a check or a stop string ended the text: push no more deltas
 
     def _entries(self, specs: list[Spec]) -> list[LogEntry]:
         seq = self.next_seq
@@ -73,13 +88,21 @@ class ReplyPipeline:
         text, tokens = holdback.push(delta.text, delta.tokens)
         batch = batcher.add(text, tokens, now)
         specs = [] if batch is None else [self.fmt.text(*batch)]
-        if holdback.violation is not None:
-            return self._entries(specs) + self._end_moderated(holdback.violation)
+        if holdback.ended:
+            self.halted = True
+            if holdback.violation is not None:
+                return self._entries(specs) + self._end_moderated(holdback.violation)
+            self.finish_reason = "stop"  # even on the last token the length allowed
         return self._entries(specs)
 
     @property
     def violation(self) -> Violation | None:
         return None if self.holdback is None else self.holdback.violation
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string the reply ended at (None: it ended otherwise, or not yet)."""
+        return None if self.holdback is None else self.holdback.stop_sequence
 
     @property
     def batch_due_at(self) -> float | None:
@@ -110,8 +133,9 @@ class ReplyPipeline:
             batch = self.batcher.add(text, tokens, 0.0)
             specs = [] if batch is None else [self.fmt.text(*batch)]
             specs += self._flush()
+        usage = Usage(prompt_tokens, self.tokens)
         return self._entries(
-            specs + self.fmt.finished(self.finish_reason, Usage(prompt_tokens, self.tokens))
+            specs + self.fmt.finished(self.finish_reason, usage, self.stop_sequence)
         )
 
     def fail(self, message: str, code: str) -> list[LogEntry]:

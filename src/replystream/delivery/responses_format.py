@@ -208,7 +208,9 @@ class ResponsesStreamFormat:
             self._event("response.output_item.done", {"output_index": 0, "item": item}),
         ]
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
         if finish_reason == "length":
             details = {"usage": usage, "incomplete_reason": "max_output_tokens"}
             return [

@@ -3,9 +3,9 @@
 This file decides how logits become one token id: greedy at temperature 0, otherwise
 softmax(logits / temperature) computed stably (the max is subtracted before ``exp``), narrowed
 by top-k and then top-p (the smallest set of tokens whose probabilities reach p), and drawn
-with the request's own seeded generator, so the same seed gives the same reply. It also decides
-how much generated text may be shown while a stop sequence could still be forming. It must not
-know about models, caches, batches or time.
+with the request's own seeded generator, so the same seed gives the same reply. It also tells
+an engine when a stop sequence has completed (the pipeline cuts it). It must not know about
+models, caches, batches or time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from replystream.engine.base import RequestRejected, SamplingParams
+from replystream.engine.stops import StopScan
 
 MAX_STOP_SEQUENCES = 4
 
@@ -79,31 +80,28 @@ def sample_token(
 
 
 class StopMatcher:
-    """Holds back text that might begin a stop sequence; reports when one is complete."""
+    """Tells an engine when a stop sequence has completed, so it can stop making tokens.
+
+    It passes text through up to the end of the first stop sequence (what follows it is
+    dropped) and cuts nothing itself: the reply pipeline (``delivery.moderation``) withholds and
+    cuts stop sequences for every engine alike, and names the one that matched.
+    """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = stops
-        self._held = ""
+        self._scan = StopScan(stops) if stops else None
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        """Text that is safe to show now; sets ``stopped`` when a stop sequence appears."""
-        buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            self._held = ""
-            return buffer[: min(hits)]  # the stop sequence itself is not part of the reply
-        keep = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(buffer)), keep, -1):
-                if buffer.endswith(stop[:n]):
-                    keep = n
-                    break
-        self._held = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep]
+        """The text to deliver; sets ``stopped`` when a stop sequence has completed."""
+        if self._scan is None or self.stopped:
+            return "" if self.stopped else text
+        before = self._scan.seen
+        hit = self._scan.feed(text)
+        if hit is None:
+            return text
+        self.stopped = True
+        return text[: hit.start + len(hit.stop) - before]
 
     def flush(self) -> str:
-        """The held text, at the end of a reply that did not stop on a sequence."""
-        held, self._held = self._held, ""
-        return held
+        """Nothing is ever held here (kept for the engines' end-of-reply path)."""
+        return ""

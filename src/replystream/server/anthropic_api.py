@@ -97,14 +97,15 @@ async def _whole(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def body(text: str, finish_reason: str, usage: Usage, stop: str | None) -> dict[str, Any]:
         return message_object(
             reply_id,
             model,
             text=text,
-            stop_reason=STOP_REASONS.get(finish_reason, "end_turn"),
+            stop_reason="stop_sequence" if stop else STOP_REASONS.get(finish_reason, "end_turn"),
             input_tokens=input_tokens,
             output_tokens=usage.completion_tokens,
+            stop_sequence=stop,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

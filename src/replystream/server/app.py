@@ -109,8 +109,11 @@ def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
     return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
 
 
-def _native_body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-    return {"text": text, "finish_reason": finish_reason, "usage": usage.as_dict()}
+def _native_body(text: str, finish_reason: str, usage: Usage, stop: str | None) -> dict[str, Any]:
+    body = {"text": text, "finish_reason": finish_reason, "usage": usage.as_dict()}
+    if stop is not None:
+        body["stop_sequence"] = stop
+    return body
 
 
 async def handle_wait(request: web.Request) -> web.StreamResponse:
@@ -130,7 +133,7 @@ async def handle_wait(request: web.Request) -> web.StreamResponse:
         generation,
         endpoint="/wait",
         policy=policy,
-        body=lambda text, _reason, _usage: {"text": text},
+        body=lambda text, _reason, _usage, _stop: {"text": text},
         moderated_body=_moderated_body,
     )
 

@@ -29,7 +29,7 @@ log = logging.getLogger("replystream.buffered")
 
 WHOLE_REPLY = 1 << 30  # a hold-back window longer than any reply
 
-BodyFn = Callable[[str, str, Usage], dict[str, Any]]
+BodyFn = Callable[[str, str, Usage, str | None], dict[str, Any]]
 ModeratedFn = Callable[[str, Violation], dict[str, Any]]
 
 
@@ -39,19 +39,22 @@ async def buffered_reply(
     manager: ReplyManager,
     record: ReplyRecord,
     checks: Sequence[Check],
+    stops: tuple[str, ...],
     prompt_tokens: int,
     body: BodyFn,
     moderated_body: ModeratedFn,
 ) -> web.Response:
     """Collect an admitted generation whole and answer once, as JSON.
 
-    ``body(text, finish_reason, usage)`` shapes a finished reply; ``moderated_body(released
-    text, violation)`` a reply a check stopped. A failure is a 500, a shutdown a 503.
+    ``body(text, finish_reason, usage, stop_sequence)`` shapes a finished reply (one that
+    ended at a stop string: that string, else None); ``moderated_body(released text,
+    violation)`` a reply a check stopped. A failure is a 500, a shutdown a 503. Stop strings
+    are cut as in a stream (the same ``HoldBack``); the generation is stopped at the first.
     """
     channel = DeltaChannel()
     # Nothing leaves before the end, so every token stays held: a phrase whose start came
     # tokens before its end is cut from its start, as a stream's window would if it were long.
-    holdback = HoldBack(WHOLE_REPLY, checks)
+    holdback = HoldBack(WHOLE_REPLY, checks, stops)
     parts: list[str] = []
     finish_reason = "stop"
     item: Delta | End | object = None
@@ -68,7 +71,7 @@ async def buffered_reply(
                     record.on_delta(item.made_at, item.tokens)
                     finish_reason = item.finish_reason or finish_reason
                     parts.append(holdback.push(item.text, item.tokens)[0])
-                    if holdback.violation is not None:
+                    if holdback.ended:  # a check failed, or a stop string completed
                         break
             finally:
                 pump_task.cancel()
@@ -87,7 +90,9 @@ async def buffered_reply(
             parts.append(holdback.finish()[0])
             record.outcome = "finished"
             usage = Usage(prompt_tokens, record.tokens)
-            payload = body("".join(parts), finish_reason, usage)
+            if holdback.stop_sequence is not None:
+                finish_reason = "stop"
+            payload = body("".join(parts), finish_reason, usage, holdback.stop_sequence)
         response = json_response(payload)
         record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
         return response

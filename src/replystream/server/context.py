@@ -56,9 +56,10 @@ from replystream.server.validation import parse_mapping
 
 log = logging.getLogger("replystream.server")
 
-# A buffered reply's JSON body: from the whole text, the finish reason and the usage; or, for
-# a moderated reply, from the released text and the check that stopped it.
-BodyOf = Callable[[str, str, Usage], dict[str, Any]]
+# A buffered reply's JSON body: from the whole text, the finish reason, the usage and the stop
+# string it ended at (if any); or, for a moderated reply, from the released text and the check
+# that stopped it.
+BodyOf = Callable[[str, str, Usage, str | None], dict[str, Any]]
 ModeratedBodyOf = Callable[[str, Violation], dict[str, Any]]
 
 
@@ -155,7 +156,7 @@ async def start_reply(
     reply = Reply(
         reply_id=reply_id,
         deltas=deltas,
-        pipeline=ReplyPipeline(fmt, policy, numbered=numbered),
+        pipeline=ReplyPipeline(fmt, policy, numbered=numbered, stops=generation.sampling.stop),
         store=store,
         record=record,
         prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
@@ -328,6 +329,7 @@ async def buffered(
         manager=app[MANAGER_KEY],
         record=record,
         checks=policy.checks,
+        stops=generation.sampling.stop,
         prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
         body=body,
         moderated_body=moderated_body,

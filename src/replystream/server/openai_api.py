@@ -79,7 +79,7 @@ async def _buffered(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def body(text: str, finish_reason: str, usage: Usage, _stop: str | None) -> dict[str, Any]:
         return completion_body(
             kind,
             reply_id=reply_id,

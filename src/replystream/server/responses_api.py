@@ -260,7 +260,7 @@ async def _whole(
     """A response nobody will read again, collected whole (no log)."""
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def body(text: str, finish_reason: str, usage: Usage, _stop: str | None) -> dict[str, Any]:
         if finish_reason == "length":
             return response_object(
                 settings,
