@@ -4,6 +4,7 @@ string are the same, whatever the chunking, and no part of a stop string is ever
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from hypothesis import given, settings
@@ -49,7 +50,7 @@ def tokenised(draw: st.DrawFn) -> tuple[list[str], list[str]]:
     stops = draw(stop_lists)
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=len(text) + 2)))
     edges = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(edges, edges[1:], strict=False)], stops
+    return [text[a:b] for a, b in itertools.pairwise(edges)], stops
 
 
 def stream(
