@@ -33,6 +33,13 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
     (CHAT, {"messages": USER, "stop": 5}, 400, "invalid_value", "stop"),
     (CHAT, {"messages": USER, "stream": "yes"}, 400, "invalid_value", "stream"),
     (CHAT, {"messages": USER, "stream_options": []}, 400, "invalid_value", None),
+    (
+        CHAT,
+        {"messages": USER, "stream": True, "stream_options": {"include_obfuscation": True}},
+        400,
+        "invalid_value",
+        "stream_options.include_obfuscation",
+    ),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "unsupported_parameter", None),
     (CHAT, {"messages": USER, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
     (CHAT, {"messages": USER, "batch_tokens": 0}, 400, "invalid_value", "batch_tokens"),

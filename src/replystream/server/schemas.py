@@ -199,7 +199,11 @@ class ReplyBody(SamplingFields):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # padding against length side channels: never sent
+    # OpenAI pads delta chunks with random characters when true (its default), against length
+    # side channels. This server never pads, so it takes the one value it honours.
+    include_obfuscation: (
+        Annotated[bool, only(False, "false; this server does not pad chunks")] | None
+    ) = None
 
 
 class TextFormat(Strict):
