@@ -14,8 +14,12 @@ from tests.conftest import fast_engine
 from tests.sse_client import post_events
 
 REPLY = "one two three four five six"
-CHAT = {"model": "simulated", "messages": [{"role": "user", "content": "count"}], "max_tokens": 4}
-LEGACY = {"model": "simulated", "prompt": "count", "max_tokens": 4}
+CHAT: dict[str, Any] = {
+    "model": "simulated",
+    "messages": [{"role": "user", "content": "count"}],
+    "max_tokens": 4,
+}
+LEGACY: dict[str, Any] = {"model": "simulated", "prompt": "count", "max_tokens": 4}
 
 
 def chunks_of(events: list[Any]) -> list[dict[str, Any]]:
