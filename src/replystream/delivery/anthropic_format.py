@@ -23,6 +23,7 @@ from typing import Any
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.engine.base import TokenLogprob
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -101,6 +102,9 @@ class AnthropicStreamFormat:
             + json_string(text)
             + "}}",
         )
+
+    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+        return self.text(text, tokens)  # never asked: /v1/messages takes no logprobs
 
     def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:
         tokens = self._tokens if usage is None else usage.completion_tokens

@@ -22,6 +22,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Protocol
 
 from replystream.delivery.moderation import Violation
+from replystream.engine.base import TokenLogprob
 from replystream.sse import encode_comment, encode_data
 
 KEEPALIVE = encode_comment("keep-alive")
@@ -60,6 +61,10 @@ class StreamFormat(Protocol):
     def started(self, reply_id: str) -> list[Spec]: ...
 
     def text(self, text: str, tokens: int) -> Spec: ...
+
+    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+        """``text`` with its tokens' log probabilities (only for a request that asked)."""
+        ...
 
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
@@ -109,6 +114,9 @@ class LabFormat:
     def text(self, text: str, tokens: int) -> Spec:
         return None, json_string(text)
 
+    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+        return self.text(text, tokens)  # never asked: the lab routes take no logprobs
+
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
@@ -130,6 +138,9 @@ class NativeFormat:
     def text(self, text: str, tokens: int) -> Spec:
         # Byte for byte what json.dumps({"text": text, "tokens": tokens}) writes.
         return "token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}'
+
+    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+        return self.text(text, tokens)  # never asked: /v1/replies takes no logprobs
 
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None

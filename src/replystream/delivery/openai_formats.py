@@ -15,6 +15,10 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   ``finish_reason: "content_filter"`` (plus a ``replystream_moderation`` object naming the
   check; OpenAI's own ``moderation`` field has another shape), then ``[DONE]``. The finish
   reason, not a missing end marker, tells the client it was cut.
+- Log probabilities, when asked, are in each text chunk's choice in OpenAI's shapes: chat
+  ``logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+  bytes}]}], "refusal": null}``; legacy ``logprobs: {tokens, token_logprobs, top_logprobs:
+  [{token: logprob}], text_offset}``; exactly the tokens of that chunk's text.
 A format object serves one reply: it remembers the reply id ``started`` was given, because
 every chunk repeats it. It must not know about sockets, tasks or stores.
 """
@@ -27,6 +31,7 @@ from typing import Any, Literal
 
 from replystream.delivery.formats import Spec, Usage, moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.engine.base import TokenLogprob, TopLogprob
 
 Kind = Literal["chat", "text"]
 DONE: Spec = (None, "[DONE]")
@@ -46,6 +51,38 @@ def completion_id(kind: Kind, reply_id: str) -> str:
     return _ID_PREFIX[kind] + reply_id
 
 
+def _candidate(token: TopLogprob | TokenLogprob) -> dict[str, Any]:
+    return {"token": token.token, "logprob": token.logprob, "bytes": list(token.bytes)}
+
+
+def chat_logprobs(made: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` object for these tokens."""
+    content = [
+        {**_candidate(token), "top_logprobs": [_candidate(t) for t in token.top]} for token in made
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(made: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
+    """A legacy choice's ``logprobs`` object for these tokens, the first at ``offset`` in the
+    completion's text. ``top_logprobs`` holds the likeliest tokens and the made one (OpenAI:
+    "up to logprobs+1 elements")."""
+    offsets: list[int] = []
+    tops: list[dict[str, float]] = []
+    for token in made:
+        offsets.append(offset)
+        offset += len(token.token)
+        top = {t.token: t.logprob for t in token.top}
+        top.setdefault(token.token, token.logprob)
+        tops.append(top)
+    return {
+        "tokens": [token.token for token in made],
+        "token_logprobs": [token.logprob for token in made],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
 def in_band_error(message: str, code: str) -> Spec:
     """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on."""
     error = {"message": message, "type": "server_error", "param": None, "code": code}
@@ -61,6 +98,7 @@ class OpenAIStreamFormat:
     created: int
     include_usage: bool = False
     reply_id: str = field(default="", init=False)
+    _offset: int = field(default=0, init=False)  # characters sent, for legacy text_offset
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> Spec:
         payload: dict[str, Any] = {
@@ -90,6 +128,15 @@ class OpenAIStreamFormat:
     def text(self, text: str, tokens: int) -> Spec:
         return self._chunk([self._choice(text, None)])
 
+    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+        choice = self._choice(text, None)
+        if self.kind == "chat":
+            choice["logprobs"] = chat_logprobs(logprobs)
+        else:
+            choice["logprobs"] = completion_logprobs(logprobs, self._offset)
+        self._offset += len(text)
+        return self._chunk([choice])
+
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
@@ -116,14 +163,19 @@ def completion_body(
     finish_reason: str,
     usage: Usage | None,
     moderation: dict[str, object] | None = None,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` or ``text_completion`` object."""
+    """A whole ``chat.completion`` or ``text_completion`` object (``logprobs``: those of its
+    tokens, when the request asked)."""
     choice: dict[str, Any]
     if kind == "chat":
         message = {"role": "assistant", "content": text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None}
     else:
         choice = {"index": 0, "text": text, "logprobs": None}
+    if logprobs is not None:
+        made = logprobs
+        choice["logprobs"] = chat_logprobs(made) if kind == "chat" else completion_logprobs(made, 0)
     choice["finish_reason"] = finish_reason
     body: dict[str, Any] = {
         "id": completion_id(kind, reply_id),

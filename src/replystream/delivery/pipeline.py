@@ -4,19 +4,24 @@ For one reply it applies hold-back moderation and stop strings (one withholding 
 ``HoldBack``), batching and the wire dialect, and numbers the events (the ``id:`` a reader
 resumes from). A stop string is decided here, not by the engine, so every engine gets it: the
 reply ends at the first one (``halted``; the caller stops the engine), finishing ``"stop"``
-with the matched string for dialects that name it. It is pure state: the caller passes the clock and
+with the matched string for dialects that name it. Log probabilities, when asked, go with
+the tokens each event carries: the buffer and the batcher say how many tokens an event
+holds, and that many are taken, in order, from the ones made (so text withheld or cut takes
+its tokens' log probabilities with it). It is pure state: the caller passes the clock and
 puts the returned ``LogEntry`` values into the reply log. It must not know about sockets,
 tasks, stores or any transport's framing (a transport encodes each entry as it writes it).
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 from replystream.delivery.batching import Batcher
 from replystream.delivery.formats import Spec, StreamFormat, Usage
 from replystream.delivery.moderation import HoldBack, Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
-from replystream.engine.base import Delta
+from replystream.engine.base import Delta, TokenLogprob
 
 
 class ReplyPipeline:
@@ -31,6 +36,7 @@ class ReplyPipeline:
         "fmt",
         "halted",
         "holdback",
+        "logprobs",
         "next_seq",
         "numbered",
         "tokens",
@@ -43,6 +49,7 @@ class ReplyPipeline:
         *,
         numbered: bool = True,
         stops: tuple[str, ...] = (),
+        logprobs: bool = False,
     ) -> None:
         self.fmt = fmt
         self.numbered = numbered
@@ -53,6 +60,7 @@ class ReplyPipeline:
             policy.holdback_tokens == 0
             and not policy.checks
             and not stops
+            and not logprobs
             and policy.batch_tokens == 1
             and window_s is None
         )
@@ -65,6 +73,8 @@ class ReplyPipeline:
         self.finish_reason = "stop"
         self.ended = False
         self.halted = False  # a check or a stop string ended the text: push no more deltas
+        # Log probabilities of tokens made and not yet in an event, oldest first (None: not asked).
+        self.logprobs: deque[TokenLogprob] | None = deque() if logprobs else None
 
     def _entries(self, specs: list[Spec]) -> list[LogEntry]:
         seq = self.next_seq
@@ -85,9 +95,11 @@ class ReplyPipeline:
             if not delta.text and not delta.tokens:
                 return []
             return self._entries([self.fmt.text(delta.text, delta.tokens)])
+        if self.logprobs is not None and delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
         text, tokens = holdback.push(delta.text, delta.tokens)
         batch = batcher.add(text, tokens, now)
-        specs = [] if batch is None else [self.fmt.text(*batch)]
+        specs = [] if batch is None else [self._text(*batch)]
         if holdback.ended:
             self.halted = True
             if holdback.violation is not None:
@@ -114,11 +126,19 @@ class ReplyPipeline:
         if self.batcher is None or not self.batcher.expired(now):
             return []
         batch = self.batcher.flush()
-        return [] if batch is None else self._entries([self.fmt.text(*batch)])
+        return [] if batch is None else self._entries([self._text(*batch)])
+
+    def _text(self, text: str, tokens: int) -> Spec:
+        """The event of released text, with its tokens' log probabilities when asked."""
+        made = self.logprobs
+        if made is None:
+            return self.fmt.text(text, tokens)
+        taken = tuple(made.popleft() for _ in range(min(tokens, len(made))))
+        return self.fmt.text_logprobs(text, tokens, taken)
 
     def _flush(self) -> list[Spec]:
         batch = None if self.batcher is None else self.batcher.flush()
-        return [] if batch is None else [self.fmt.text(*batch)]
+        return [] if batch is None else [self._text(*batch)]
 
     def _end_moderated(self, violation: Violation) -> list[LogEntry]:
         self.ended = True
@@ -131,7 +151,7 @@ class ReplyPipeline:
         if self.holdback is not None and self.batcher is not None:
             text, tokens = self.holdback.finish()
             batch = self.batcher.add(text, tokens, 0.0)
-            specs = [] if batch is None else [self.fmt.text(*batch)]
+            specs = [] if batch is None else [self._text(*batch)]
             specs += self._flush()
         usage = Usage(prompt_tokens, self.tokens)
         return self._entries(

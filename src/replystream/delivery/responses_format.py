@@ -27,6 +27,7 @@ from typing import Any, Literal
 from replystream.delivery.formats import Notices, Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
+from replystream.engine.base import TokenLogprob
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
@@ -189,6 +190,9 @@ class ResponsesStreamFormat:
             "response.output_text.delta",
             (self._delta_head % number) + json_string(text) + ',"logprobs":[]}',
         )
+
+    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+        return self.text(text, tokens)  # never asked: /v1/responses takes no logprobs
 
     def _closing(self, status: Status) -> list[Spec]:
         item_id = "msg_" + self._reply_id

@@ -47,6 +47,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Log probabilities of each made token (None: not asked), with this many of the likeliest
+    # alternatives at each position (0 to 20).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,28 @@ class GenerationRequest:
     messages: tuple[Mapping[str, Any], ...] | None = None
 
 
+class TopLogprob(NamedTuple):
+    """One candidate token at a position, and its log probability under the model."""
+
+    token: str
+    logprob: float
+    bytes: bytes
+
+
+class TokenLogprob(NamedTuple):
+    """A made token's log probability under the model (its distribution before temperature
+    or top-k/top-p narrowed it), and the likeliest tokens at that position, best first.
+
+    ``token`` is the token's text (bytes that are not whole UTF-8 characters read as U+FFFD);
+    ``bytes`` are its exact bytes.
+    """
+
+    token: str
+    logprob: float
+    bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
 class Delta(NamedTuple):
     """Text made by one engine step.
 
@@ -74,12 +99,14 @@ class Delta(NamedTuple):
         tokens: how many tokens this delta carries (more than one with speculative decoding).
         made_at: ``time.monotonic()`` when the engine made it.
         finish_reason: set on the last delta: ``"stop"`` or ``"length"``.
+        logprobs: one entry per token of this delta, when the request asked for them.
     """
 
     text: str
     tokens: int = 1
     made_at: float = 0.0
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class DeltaStream(Protocol):

@@ -11,14 +11,16 @@ models, caches, batches or time.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import NDArray
 
-from replystream.engine.base import RequestRejected, SamplingParams
+from replystream.engine.base import RequestRejected, SamplingParams, TokenLogprob, TopLogprob
 from replystream.engine.stops import StopScan
 
 MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
 
 
 def check_sampling(params: SamplingParams) -> None:
@@ -35,6 +37,10 @@ def check_sampling(params: SamplingParams) -> None:
         raise RequestRejected("top_p must be in (0, 1]", param="top_p")
     if params.top_k < 0:
         raise RequestRejected("top_k must be >= 0 (0 keeps every token)", param="top_k")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestRejected(
+            f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs"
+        )
     if len(params.stop) > MAX_STOP_SEQUENCES or any(not s for s in params.stop):
         raise RequestRejected(
             f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop"
@@ -77,6 +83,32 @@ def sample_token(
     # One uniform draw per token, inverted through the cumulative distribution.
     index = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
     return min(index, p.size - 1)
+
+
+def token_logprob(
+    logits: NDArray[np.floating], token: int, top: int, token_bytes: Callable[[int], bytes]
+) -> TokenLogprob:
+    """The log probability of ``token`` under the model's own distribution (log-softmax of the
+    logits, before temperature, top-k or top-p), and the ``top`` likeliest tokens.
+
+    This is what OpenAI and vLLM report: how likely the model found each token, whatever the
+    sampling settings that picked it.
+    """
+    z = logits.astype(np.float64)  # (vocab,)
+    z -= z.max()
+    logp = z - np.log(np.exp(z).sum())  # (vocab,)
+
+    def candidate(index: int) -> TopLogprob:
+        raw = token_bytes(index)
+        return TopLogprob(raw.decode("utf-8", errors="replace"), float(logp[index]), raw)
+
+    best: list[int] = []
+    if top > 0:
+        count = min(top, logp.size)
+        picked = np.argpartition(-logp, count - 1)[:count]
+        best = sorted(picked.tolist(), key=lambda i: (-logp[i], i))
+    made = candidate(token)
+    return TokenLogprob(made.token, made.logprob, made.bytes, tuple(candidate(i) for i in best))
 
 
 class StopMatcher:

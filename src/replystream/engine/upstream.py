@@ -137,6 +137,9 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["seed"] = s.seed
     if s.stop:
         body["stop"] = list(s.stop)
+    if s.logprobs is not None:
+        body["logprobs"] = True
+        body["top_logprobs"] = s.logprobs
     return body
 
 

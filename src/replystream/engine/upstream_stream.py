@@ -32,6 +32,7 @@ import aiohttp
 
 from replystream.engine.base import Delta, EngineError
 from replystream.engine.upstream_errors import broken_stream, quoted
+from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 # Finish reasons upstreams use, mapped to ours ("stop" or "length"; a filter passes through).
@@ -223,8 +224,15 @@ class UpstreamStream:
             delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(text, str) and text:
-                self._tokens += 1
-                self._pending.append(Delta(text, 1, now))
+                logprobs = choice.get("logprobs")  # only sent when the request asked
+                if logprobs:
+                    made = relayed_logprobs(logprobs)
+                    count = len(made) if made else 1
+                    self._tokens += count
+                    self._pending.append(Delta(text, count, now, None, made))
+                else:
+                    self._tokens += 1
+                    self._pending.append(Delta(text, 1, now))
             reason = choice.get("finish_reason")
             if isinstance(reason, str) and reason:
                 self._finish = FINISH_REASONS.get(reason, "stop")

@@ -23,11 +23,12 @@ from replystream.delivery.anthropic_format import (
     AnthropicStreamFormat,
     message_object,
 )
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
+from replystream.server.buffered import Whole
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
 from replystream.server.native import bad, delivery_overrides, sampling_params
 from replystream.server.openai_api import served_model
@@ -97,14 +98,17 @@ async def _whole(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage, stop: str | None) -> dict[str, Any]:
+    def body(whole: Whole) -> dict[str, Any]:
+        stop = whole.stop_sequence
         return message_object(
             reply_id,
             model,
-            text=text,
-            stop_reason="stop_sequence" if stop else STOP_REASONS.get(finish_reason, "end_turn"),
+            text=whole.text,
+            stop_reason="stop_sequence"
+            if stop is not None
+            else STOP_REASONS.get(whole.finish_reason, "end_turn"),
             input_tokens=input_tokens,
-            output_tokens=usage.completion_tokens,
+            output_tokens=whole.usage.completion_tokens,
             stop_sequence=stop,
         )
 

@@ -30,7 +30,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from replystream.delivery.follower import KeepaliveClock
 from replystream.delivery.formats import (
-    Usage,
     moderated_payload,
 )
 from replystream.delivery.moderation import Violation
@@ -46,6 +45,7 @@ from replystream.engine.base import (
 )
 from replystream.server.anthropic_api import add_anthropic_routes
 from replystream.server.auth import api_key_check
+from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
@@ -109,10 +109,14 @@ def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
     return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
 
 
-def _native_body(text: str, finish_reason: str, usage: Usage, stop: str | None) -> dict[str, Any]:
-    body = {"text": text, "finish_reason": finish_reason, "usage": usage.as_dict()}
-    if stop is not None:
-        body["stop_sequence"] = stop
+def _native_body(whole: Whole) -> dict[str, Any]:
+    body = {
+        "text": whole.text,
+        "finish_reason": whole.finish_reason,
+        "usage": whole.usage.as_dict(),
+    }
+    if whole.stop_sequence is not None:
+        body["stop_sequence"] = whole.stop_sequence
     return body
 
 
@@ -133,7 +137,7 @@ async def handle_wait(request: web.Request) -> web.StreamResponse:
         generation,
         endpoint="/wait",
         policy=policy,
-        body=lambda text, _reason, _usage, _stop: {"text": text},
+        body=lambda whole: {"text": whole.text},
         moderated_body=_moderated_body,
     )
 

@@ -13,14 +13,14 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from replystream.delivery.channel import DeltaChannel, End, pump
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
-from replystream.engine.base import Delta, DeltaStream
+from replystream.engine.base import Delta, DeltaStream, TokenLogprob
 from replystream.server.errors import error_response
 from replystream.server.metrics import ReplyRecord
 from replystream.server.replies import ReplyManager, close_quietly
@@ -29,7 +29,18 @@ log = logging.getLogger("replystream.buffered")
 
 WHOLE_REPLY = 1 << 30  # a hold-back window longer than any reply
 
-BodyFn = Callable[[str, str, Usage, str | None], dict[str, Any]]
+
+class Whole(NamedTuple):
+    """A reply collected whole, as its body is made from it."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    stop_sequence: str | None = None  # the stop string it ended at
+    logprobs: tuple[TokenLogprob, ...] | None = None  # of the tokens of ``text``, when asked
+
+
+BodyFn = Callable[[Whole], dict[str, Any]]
 ModeratedFn = Callable[[str, Violation], dict[str, Any]]
 
 
@@ -40,15 +51,15 @@ async def buffered_reply(
     record: ReplyRecord,
     checks: Sequence[Check],
     stops: tuple[str, ...],
+    logprobs: bool,
     prompt_tokens: int,
     body: BodyFn,
     moderated_body: ModeratedFn,
 ) -> web.Response:
     """Collect an admitted generation whole and answer once, as JSON.
 
-    ``body(text, finish_reason, usage, stop_sequence)`` shapes a finished reply (one that
-    ended at a stop string: that string, else None); ``moderated_body(released text,
-    violation)`` a reply a check stopped. A failure is a 500, a shutdown a 503. Stop strings
+    ``body(whole)`` shapes a finished reply; ``moderated_body(released text, violation)`` a
+    reply a check stopped. A failure is a 500, a shutdown a 503. Stop strings
     are cut as in a stream (the same ``HoldBack``); the generation is stopped at the first.
     """
     channel = DeltaChannel()
@@ -56,6 +67,7 @@ async def buffered_reply(
     # tokens before its end is cut from its start, as a stream's window would if it were long.
     holdback = HoldBack(WHOLE_REPLY, checks, stops)
     parts: list[str] = []
+    made: list[TokenLogprob] | None = [] if logprobs else None
     finish_reason = "stop"
     item: Delta | End | object = None
     manager.track(channel)
@@ -70,6 +82,8 @@ async def buffered_reply(
                     assert isinstance(item, Delta)
                     record.on_delta(item.made_at, item.tokens)
                     finish_reason = item.finish_reason or finish_reason
+                    if made is not None and item.logprobs:
+                        made.extend(item.logprobs)
                     parts.append(holdback.push(item.text, item.tokens)[0])
                     if holdback.ended:  # a check failed, or a stop string completed
                         break
@@ -92,7 +106,10 @@ async def buffered_reply(
             usage = Usage(prompt_tokens, record.tokens)
             if holdback.stop_sequence is not None:
                 finish_reason = "stop"
-            payload = body("".join(parts), finish_reason, usage, holdback.stop_sequence)
+            # The tokens of the text released (not those of a stop string cut from it).
+            shown = None if made is None else tuple(made[: holdback.released_tokens])
+            whole = Whole("".join(parts), finish_reason, usage, holdback.stop_sequence, shown)
+            payload = body(whole)
         response = json_response(payload)
         record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
         return response

@@ -25,7 +25,6 @@ from replystream.delivery.formats import (
     NativeFormat,
     Notices,
     StreamFormat,
-    Usage,
 )
 from replystream.delivery.moderation import Violation
 from replystream.delivery.pipeline import ReplyPipeline
@@ -45,7 +44,7 @@ from replystream.engine.base import (
 )
 from replystream.server import ids
 from replystream.server.auth import OWNER
-from replystream.server.buffered import buffered_reply
+from replystream.server.buffered import Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
@@ -56,10 +55,9 @@ from replystream.server.validation import parse_mapping
 
 log = logging.getLogger("replystream.server")
 
-# A buffered reply's JSON body: from the whole text, the finish reason, the usage and the stop
-# string it ended at (if any); or, for a moderated reply, from the released text and the check
-# that stopped it.
-BodyOf = Callable[[str, str, Usage, str | None], dict[str, Any]]
+# A buffered reply's JSON body: from the reply collected whole; or, for a moderated reply, from
+# the released text and the check that stopped it.
+BodyOf = Callable[[Whole], dict[str, Any]]
 ModeratedBodyOf = Callable[[str, Violation], dict[str, Any]]
 
 
@@ -156,7 +154,13 @@ async def start_reply(
     reply = Reply(
         reply_id=reply_id,
         deltas=deltas,
-        pipeline=ReplyPipeline(fmt, policy, numbered=numbered, stops=generation.sampling.stop),
+        pipeline=ReplyPipeline(
+            fmt,
+            policy,
+            numbered=numbered,
+            stops=generation.sampling.stop,
+            logprobs=generation.sampling.logprobs is not None,
+        ),
         store=store,
         record=record,
         prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
@@ -330,6 +334,7 @@ async def buffered(
         record=record,
         checks=policy.checks,
         stops=generation.sampling.stop,
+        logprobs=generation.sampling.logprobs is not None,
         prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
         body=body,
         moderated_body=moderated_body,

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.openai_formats import (
     MODERATED_FINISH,
@@ -25,6 +25,7 @@ from replystream.delivery.openai_formats import (
     completion_body,
 )
 from replystream.server import ids
+from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
@@ -79,15 +80,16 @@ async def _buffered(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage, _stop: str | None) -> dict[str, Any]:
+    def body(whole: Whole) -> dict[str, Any]:
         return completion_body(
             kind,
             reply_id=reply_id,
             model=model,
             created=created,
-            text=text,
-            finish_reason=finish_reason,
-            usage=usage,
+            text=whole.text,
+            finish_reason=whole.finish_reason,
+            usage=whole.usage,
+            logprobs=whole.logprobs,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

@@ -11,7 +11,7 @@ about HTTP handlers, engines or wire formats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
@@ -78,9 +78,12 @@ def parse_chat_request(
     """Check a ``POST /v1/chat/completions`` body against the server."""
     limit = body.max_completion_tokens
     max_tokens = limit if limit is not None else body.max_tokens
+    sampling = sampling_params(body, max_tokens)
+    if body.logprobs:
+        sampling = replace(sampling, logprobs=body.top_logprobs or 0)
     generation = GenerationRequest(
         prompt_from_messages(body.messages),
-        sampling_params(body, max_tokens),
+        sampling,
         relayed_messages(body.messages),  # relayed unchanged to chat upstreams
     )
     return _ask(
@@ -98,7 +101,8 @@ def parse_completion_request(
 ) -> CompletionAsk:
     """Check a ``POST /v1/completions`` (legacy) body against the server."""
     max_tokens = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    generation = GenerationRequest(body.prompt, sampling_params(body, max_tokens))
+    sampling = replace(sampling_params(body, max_tokens), logprobs=body.logprobs)
+    generation = GenerationRequest(body.prompt, sampling)
     return _ask(
         body,
         generation,

@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import ReplayStore, StoreUnavailable
@@ -41,6 +41,7 @@ from replystream.delivery.responses_format import (
 )
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
+from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     buffered,
@@ -260,8 +261,9 @@ async def _whole(
     """A response nobody will read again, collected whole (no log)."""
     reply_id = ids.reply_id()
 
-    def body(text: str, finish_reason: str, usage: Usage, _stop: str | None) -> dict[str, Any]:
-        if finish_reason == "length":
+    def body(whole: Whole) -> dict[str, Any]:
+        text, usage = whole.text, whole.usage
+        if whole.finish_reason == "length":
             return response_object(
                 settings,
                 reply_id,

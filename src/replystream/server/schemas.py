@@ -63,7 +63,8 @@ TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 OnlyOne = Annotated[int, Field(ge=1, le=1)]
-OnlyZero = Annotated[int, Field(ge=0, le=0)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
+LegacyLogprobs = Annotated[int, Field(ge=0, le=5)]  # OpenAI's legacy completions range
 BatchTokens = Annotated[int, Field(ge=1, le=4096)]
 HoldbackTokens = Annotated[int, Field(ge=0, le=4096)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -146,7 +147,6 @@ class Message(Strict):
 
 
 Messages = Annotated[list[Message], Field(min_length=1)]
-OnlyFalse = Annotated[bool, only(False, "false; this server makes one plain-text choice")]
 
 
 class SamplingFields(Strict):
@@ -220,7 +220,6 @@ class OpenAIBody(SamplingFields):
     max_tokens: TokenCount | None = None
     stream_options: StreamOptions | None = None
     n: OnlyOne | None = None
-    logprobs: OnlyFalse | None = None
     # Accepted and ignored.
     user: str | None = None
     presence_penalty: Penalty | None = None
@@ -253,10 +252,17 @@ class ChatBody(OpenAIBody):
 
     messages: Messages
     max_completion_tokens: TokenCount | None = None
-    top_logprobs: OnlyZero | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: TextFormat | None = None
     tool_choice: Annotated[str, only("none", '"none"; this server has no tools')] | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatBody:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        return self
 
 
 def _legacy_prompt(value: Any) -> str:
@@ -273,6 +279,7 @@ class CompletionBody(OpenAIBody):
     field_codes: ClassVar[Mapping[str, str]] = {"suffix": "unsupported_parameter"}
 
     prompt: Annotated[str, PlainValidator(_legacy_prompt)]
+    logprobs: LegacyLogprobs | None = None
     echo: Annotated[bool, only(False, "false")] | None = None
     best_of: OnlyOne | None = None
     suffix: Annotated[str, only("", "empty; this server does not fill in the middle")] | None = None
