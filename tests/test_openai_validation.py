@@ -27,7 +27,7 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
     (CHAT, {"messages": USER, "temperature": 2.5}, 400, "invalid_value", "temperature"),
     (CHAT, {"messages": USER, "temperature": -0.1}, 400, "invalid_value", "temperature"),
     (CHAT, {"messages": USER, "top_p": 1.5}, 400, "invalid_value", "top_p"),
-    (CHAT, {"messages": USER, "n": 2}, 400, "invalid_value", "n"),
+    (CHAT, {"messages": USER, "n": 129}, 400, "invalid_value", "n"),
     (CHAT, {"messages": USER, "logprobs": 1}, 400, "invalid_value", "logprobs"),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "invalid_value", "top_logprobs"),
     (

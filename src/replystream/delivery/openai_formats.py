@@ -19,6 +19,10 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   ``logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}], "refusal": null}``; legacy ``logprobs: {tokens, token_logprobs, top_logprobs:
   [{token: logprob}], text_offset}``; exactly the tokens of that chunk's text.
+- A reply with several choices (``n > 1``) has one format per choice (``index``,
+  ``one_of_many``): each sends its own role chunk, text chunks and finish chunk with its
+  ``index``; the usage chunk (summed) and ``[DONE]`` come once, after every choice finished
+  (``reply_end``).
 A format object serves one reply: it remembers the reply id ``started`` was given, because
 every chunk repeats it. It must not know about sockets, tasks or stores.
 """
@@ -97,6 +101,8 @@ class OpenAIStreamFormat:
     model: str
     created: int
     include_usage: bool = False
+    index: int = 0  # the choice this format's chunks carry
+    one_of_many: bool = False  # the reply's ending is sent once, for all its choices
     reply_id: str = field(default="", init=False)
     _offset: int = field(default=0, init=False)  # characters sent, for legacy text_offset
 
@@ -116,10 +122,13 @@ class OpenAIStreamFormat:
     def _choice(self, content: str | None, finish_reason: str | None, **delta: Any) -> Any:
         if self.kind == "text":
             text = content or ""
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if content is not None:
-            delta["content"] = content
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": None}
+        else:
+            if content is not None:
+                delta["content"] = content
+            choice = {"index": self.index, "delta": delta, "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        return choice
 
     def started(self, reply_id: str) -> list[Spec]:
         self.reply_id = reply_id
@@ -140,17 +149,44 @@ class OpenAIStreamFormat:
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
-        specs = [self._chunk([self._choice(None, finish_reason)])]
+        finish = self._chunk([self._choice(None, finish_reason)])
+        return [finish] if self.one_of_many else [finish, *self.reply_end(usage)]
+
+    def reply_end(self, usage: Usage) -> list[Spec]:
+        """The end of the whole reply: the usage chunk (when asked for), then ``[DONE]``."""
         if self.include_usage:
-            specs.append(self._chunk([], usage=usage.as_dict()))
-        return [*specs, DONE]
+            return [self._chunk([], usage=usage.as_dict()), DONE]
+        return [DONE]
 
     def error(self, message: str, code: str) -> list[Spec]:
         return [in_band_error(message, code)]
 
     def moderated(self, violation: Violation) -> list[Spec]:
         choice = self._choice(None, MODERATED_FINISH)
-        return [self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)}), DONE]
+        chunk = self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)})
+        return [chunk] if self.one_of_many else [chunk, DONE]
+
+
+def completion_choice(
+    kind: Kind,
+    index: int,
+    text: str,
+    finish_reason: str,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+) -> dict[str, Any]:
+    """One choice of a whole ``chat.completion`` or ``text_completion`` (``logprobs``: those
+    of its tokens, when the request asked)."""
+    choice: dict[str, Any]
+    if kind == "chat":
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": index, "message": message, "logprobs": None}
+    else:
+        choice = {"index": index, "text": text, "logprobs": None}
+    if logprobs is not None:
+        made = logprobs
+        choice["logprobs"] = chat_logprobs(made) if kind == "chat" else completion_logprobs(made, 0)
+    choice["finish_reason"] = finish_reason
+    return choice
 
 
 def completion_body(
@@ -159,30 +195,23 @@ def completion_body(
     reply_id: str,
     model: str,
     created: int,
-    text: str,
-    finish_reason: str,
+    text: str = "",
+    finish_reason: str = "stop",
     usage: Usage | None,
     moderation: dict[str, object] | None = None,
     logprobs: tuple[TokenLogprob, ...] | None = None,
+    choices: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` or ``text_completion`` object (``logprobs``: those of its
-    tokens, when the request asked)."""
-    choice: dict[str, Any]
-    if kind == "chat":
-        message = {"role": "assistant", "content": text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None}
-    if logprobs is not None:
-        made = logprobs
-        choice["logprobs"] = chat_logprobs(made) if kind == "chat" else completion_logprobs(made, 0)
-    choice["finish_reason"] = finish_reason
+    """A whole ``chat.completion`` or ``text_completion`` object: one choice of ``text``, or
+    ``choices`` made by ``completion_choice``."""
+    if choices is None:
+        choices = [completion_choice(kind, 0, text, finish_reason, logprobs)]
     body: dict[str, Any] = {
         "id": completion_id(kind, reply_id),
         "object": _BODY_OBJECT[kind],
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": None if usage is None else usage.as_dict(),
     }
     if moderation is not None:

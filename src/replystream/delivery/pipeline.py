@@ -15,6 +15,7 @@ tasks, stores or any transport's framing (a transport encodes each entry as it w
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from replystream.delivery.batching import Batcher
 from replystream.delivery.formats import Spec, StreamFormat, Usage
@@ -22,6 +23,30 @@ from replystream.delivery.moderation import HoldBack, Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
 from replystream.engine.base import Delta, TokenLogprob
+
+
+class Pipeline(Protocol):
+    """What a reply's producer drives: ``ReplyPipeline``, or ``delivery.choices``'s for a
+    reply with several choices."""
+
+    next_seq: int
+    halted: bool  # production must end: a check failed or a stop string completed
+
+    @property
+    def violation(self) -> Violation | None: ...
+
+    @property
+    def batch_due_at(self) -> float | None: ...
+
+    def start(self, reply_id: str) -> list[LogEntry]: ...
+
+    def push(self, delta: Delta, now: float) -> list[LogEntry]: ...
+
+    def flush_due(self, now: float) -> list[LogEntry]: ...
+
+    def finish(self, prompt_tokens: int) -> list[LogEntry]: ...
+
+    def fail(self, message: str, code: str) -> list[LogEntry]: ...
 
 
 class ReplyPipeline:
@@ -139,6 +164,10 @@ class ReplyPipeline:
     def _flush(self) -> list[Spec]:
         batch = None if self.batcher is None else self.batcher.flush()
         return [] if batch is None else [self._text(*batch)]
+
+    def flush(self) -> list[LogEntry]:
+        """Whatever is batched, now (held text stays held)."""
+        return self._entries(self._flush())
 
     def _end_moderated(self, violation: Violation) -> list[LogEntry]:
         self.ended = True

@@ -100,6 +100,7 @@ class Delta(NamedTuple):
         made_at: ``time.monotonic()`` when the engine made it.
         finish_reason: set on the last delta: ``"stop"`` or ``"length"``.
         logprobs: one entry per token of this delta, when the request asked for them.
+        choice: which of a request's several generations made it (``n > 1``; else 0).
     """
 
     text: str
@@ -107,6 +108,7 @@ class Delta(NamedTuple):
     made_at: float = 0.0
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    choice: int = 0
 
 
 class DeltaStream(Protocol):

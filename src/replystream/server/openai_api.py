@@ -16,19 +16,22 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.delivery.formats import moderated_payload
+from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.openai_formats import (
     MODERATED_FINISH,
+    MODERATION_FIELD,
     Kind,
     OpenAIStreamFormat,
     completion_body,
+    completion_choice,
 )
 from replystream.server import ids
 from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
+    Choices,
     buffered,
     follow_started,
     start_reply,
@@ -104,6 +107,22 @@ async def _buffered(
             moderation=moderated_payload(violation),
         )
 
+    def several(wholes: list[Whole]) -> dict[str, Any]:
+        choices = []
+        for index, whole in enumerate(wholes):
+            if whole.violation is None:
+                finish, logprobs = whole.finish_reason, whole.logprobs
+                choices.append(completion_choice(kind, index, whole.text, finish, logprobs))
+                continue
+            choice = completion_choice(kind, index, whole.text, MODERATED_FINISH)
+            choice[MODERATION_FIELD] = moderated_payload(whole.violation)
+            choices.append(choice)
+        prompt = wholes[0].usage.prompt_tokens  # counted once, as OpenAI does
+        usage = Usage(prompt, sum(whole.usage.completion_tokens for whole in wholes))
+        return completion_body(
+            kind, reply_id=reply_id, model=model, created=created, usage=usage, choices=choices
+        )
+
     return await buffered(
         request,
         ask.generation,
@@ -112,6 +131,7 @@ async def _buffered(
         body=body,
         moderated_body=moderated,
         reply_id=reply_id,
+        choices=None if ask.n == 1 else (ask.n, several),
     )
 
 
@@ -123,11 +143,18 @@ async def _complete(
     if not ask.stream:
         return await _buffered(request, kind, ask, model, created)
     policy = ask.policy
+    fmt: OpenAIStreamFormat | Choices = OpenAIStreamFormat(kind, model, created, ask.include_usage)
+    if ask.n > 1:  # one format per choice; the usage chunk and [DONE] once, at the end
+        formats = [
+            OpenAIStreamFormat(kind, model, created, ask.include_usage, i, one_of_many=True)
+            for i in range(ask.n)
+        ]
+        fmt = Choices(formats, formats[0].reply_end)
     reply = await start_reply(
         request,
         ask.generation,
         endpoint=request.path,
-        fmt=OpenAIStreamFormat(kind, model, created, ask.include_usage),
+        fmt=fmt,
         policy=policy,
         resumable=ask.resumable,
     )

@@ -37,6 +37,7 @@ class CompletionAsk:
     include_usage: bool
     policy: DeliveryPolicy
     resumable: bool | None  # None: the server's default
+    n: int = 1  # choices, each its own generation
 
 
 def model_not_found(model: object) -> HTTPAPIError:
@@ -69,7 +70,8 @@ def _ask(
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     policy = delivery_overrides(body, defaults)
-    return CompletionAsk(generation, stream, include_usage, policy, body.resumable)
+    n = 1 if body.n is None else body.n
+    return CompletionAsk(generation, stream, include_usage, policy, body.resumable, n)
 
 
 def parse_chat_request(

@@ -27,7 +27,7 @@ from typing import Literal, Protocol, cast
 
 from replystream.delivery.channel import DeltaChannel, End
 from replystream.delivery.follower import Follower, Sink, Watcher
-from replystream.delivery.pipeline import ReplyPipeline
+from replystream.delivery.pipeline import Pipeline
 from replystream.delivery.replay import (
     LogEntry,
     ReplayStore,
@@ -71,7 +71,7 @@ class Reply:
 
     reply_id: str
     deltas: DeltaStream
-    pipeline: ReplyPipeline
+    pipeline: Pipeline
     store: ReplayStore
     record: ReplyRecord
     prompt_tokens: int

@@ -63,6 +63,7 @@ TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 OnlyOne = Annotated[int, Field(ge=1, le=1)]
+ChoiceCount = Annotated[int, Field(ge=1, le=128)]  # OpenAI's range for n
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
 LegacyLogprobs = Annotated[int, Field(ge=0, le=5)]  # OpenAI's legacy completions range
 BatchTokens = Annotated[int, Field(ge=1, le=4096)]
@@ -219,7 +220,7 @@ class OpenAIBody(SamplingFields):
     model: str | None = None
     max_tokens: TokenCount | None = None
     stream_options: StreamOptions | None = None
-    n: OnlyOne | None = None
+    n: ChoiceCount | None = None
     # Accepted and ignored.
     user: str | None = None
     presence_penalty: Penalty | None = None

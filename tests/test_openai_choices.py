@@ -1,0 +1,216 @@
+"""``n > 1``: several choices from one request, each its own generation, interleaved on one
+stream, each finishing on its own, usage summed; resumable like any reply. The merge and the
+pipeline alone first, then real servers with the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from replystream.delivery.choices import ChoicesPipeline
+from replystream.delivery.openai_formats import OpenAIStreamFormat
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine.base import Delta, EngineError
+from replystream.engine.choices import ChoicesStream
+from replystream.engine.tiny import load_default_engine
+from replystream.server import create_app, running
+from tests.conftest import fast_engine
+from tests.sse_client import post_events
+
+
+def formats(n: int, include_usage: bool = True) -> list[OpenAIStreamFormat]:
+    return [
+        OpenAIStreamFormat("chat", "m", 0, include_usage, i, one_of_many=True) for i in range(n)
+    ]
+
+
+def test_a_choice_that_meets_its_stop_string_finishes_at_once_and_the_others_go_on():
+    done: list[int] = []
+    fmts = formats(2)
+    pipeline = ChoicesPipeline(
+        fmts, fmts[0].reply_end, DeliveryPolicy(), stops=("STOP",), on_choice_done=done.append
+    )
+    entries = pipeline.start("r")
+    for delta in [
+        Delta("a ", choice=0),
+        Delta("b ", choice=1),
+        Delta("ST", choice=0),
+        Delta("OP x", choice=0),  # completes the stop string of choice 0
+        Delta("never", choice=0),  # made before its generation was stopped: not shown
+        Delta("c", choice=1, finish_reason="length"),
+    ]:
+        entries += pipeline.push(delta, 0.0)
+    assert done == [0]  # its generation is stopped; choice 1's ended by itself
+    entries += pipeline.finish(prompt_tokens=2)
+    assert [e.seq for e in entries] == list(range(1, len(entries) + 1))  # one numbering
+    chunks = [json.loads(e.data) for e in entries if e.data != "[DONE]"]
+    assert entries[-1].data == "[DONE]" and sum(e.data == "[DONE]" for e in entries) == 1
+    finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]]
+    assert [f for f in finishes if f[1]] == [(0, "stop"), (1, "length")]
+    text: dict[int, str] = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        choice = chunk["choices"][0]
+        text[choice["index"]] += choice["delta"].get("content") or ""
+    assert text == {0: "a ", 1: "b c"}
+    assert chunks[-1]["choices"] == []
+    # Three of choice 0 (to the one completing the stop string), two of choice 1.
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-1]["usage"]["prompt_tokens"] == 2  # once, not per choice
+
+
+class Scripted:
+    """A pull delta stream with set delays, that records being closed."""
+
+    def __init__(self, pieces: list[tuple[float, str]], fail: bool = False) -> None:
+        self.pieces = pieces
+        self.fail = fail
+        self.closed = False
+        self._iterator = self._run()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        for delay, text in self.pieces:
+            await asyncio.sleep(delay)
+            yield Delta(text)
+        if self.fail:
+            raise EngineError("boom")
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iterator
+
+    async def __anext__(self) -> Delta:
+        return await self._iterator.__anext__()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_merged_choices_come_in_the_order_they_are_made_and_each_can_be_stopped():
+    slow = Scripted([(0.05, "s1"), (0.2, "s2"), (0.2, "s3")])
+    fast = Scripted([(0.0, "f1"), (0.0, "f2"), (0.0, "f3")])
+    merged = ChoicesStream([slow, fast])
+    got = []
+    async for delta in merged:
+        got.append((delta.choice, delta.text))
+        if delta.text == "s1":
+            merged.close_choice(0)
+    assert got == [(1, "f1"), (1, "f2"), (1, "f3"), (0, "s1")]
+    assert slow.closed and fast.closed
+
+
+async def test_one_failing_choice_fails_the_merge_and_closes_the_others():
+    failing = Scripted([(0.0, "a")], fail=True)
+    endless = Scripted([(0.05, "x")] * 100)
+    merged = ChoicesStream([failing, endless])
+    with pytest.raises(EngineError):
+        async for _ in merged:
+            pass
+    assert failing.closed and endless.closed
+
+
+def sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+TINY: dict[str, Any] = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "And the LORD said unto Moses,"}],
+    "max_tokens": 10,
+    "temperature": 0.9,
+    "seed": 7,
+    "n": 3,
+}
+
+
+async def test_n_3_gives_three_different_choices_indexed_0_to_2_streamed_and_whole():
+    async with running(create_app(load_default_engine())) as url, sdk(url) as client:
+        whole = await client.chat.completions.create(**TINY)
+        stream = await client.chat.completions.create(
+            **TINY, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+        legacy = await client.completions.create(
+            model="tiny", prompt="And the LORD", max_tokens=6, n=3, seed=7
+        )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) == 3  # each its own generation
+    streamed = {0: "", 1: "", 2: ""}
+    finishes: list[tuple[int, str]] = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finishes.append((choice.index, choice.finish_reason))
+    assert [streamed[i] for i in range(3)] == texts  # the same seeds, the same choices
+    assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
+    assert whole.usage is not None and chunks[-1].usage is not None and not chunks[-1].choices
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 30
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+    assert [c.index for c in legacy.choices] == [0, 1, 2] and len(
+        {c.text for c in legacy.choices}
+    ) == 3
+
+
+async def test_choices_are_interleaved_as_made_and_a_resume_gets_the_same_stream():
+    body = {
+        "messages": [{"role": "user", "content": "count"}],
+        "n": 2,
+        "max_tokens": 12,
+        "stream": True,
+        "resumable": True,
+    }
+    async with running(create_app(fast_engine())) as url:
+        first = await post_events(f"{url}/v1/chat/completions", body)
+        reply_id = first.headers["x-reply-id"]
+        cut = 7
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(
+                f"{url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(cut)}
+            ) as response,
+        ):
+            resumed = await response.read()
+    events = first.events
+    chunks = [json.loads(e.data) for e in events if e.data != "[DONE]"]
+    order = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("content")]
+    assert sorted(set(order)) == [0, 1]
+    assert order != sorted(order)  # interleaved, not one choice after the other
+    assert [e.id for e in events] == [str(i) for i in range(1, len(events) + 1)]
+    tail = b"".join(f"id: {e.id}\ndata: {e.data}\n\n".encode() for e in events if int(e.id) > cut)
+    assert resumed.replace(b": keep-alive\n", b"") == tail
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 1.5}, "n"),
+        ("/v1/responses", {"input": "x", "n": 2}, "n"),
+    ],
+)
+async def test_a_bad_or_unknown_n_is_a_400_naming_it(path: str, body: dict[str, Any], param: str):
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(url + path, json=body) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == param
+
+
+async def test_anthropic_messages_refuse_n_in_anthropics_shape():
+    body = {
+        "model": "simulated",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "x"}],
+        "n": 2,
+    }
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/messages", json=body) as response:
+            assert response.status == 400
+            answer = await response.json()
+    assert answer["type"] == "error" and answer["error"]["param"] == "n"
