@@ -266,6 +266,7 @@ class UpstreamEngine:
             stall_s=self.config.stall_s,
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
+            logprobs=request.sampling.logprobs is not None,
         )
 
     def _failed(self, error: EngineError) -> EngineError:

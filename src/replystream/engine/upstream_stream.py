@@ -71,8 +71,10 @@ class UpstreamStream:
         stall_s: float,
         max_event_size: int,
         on_end: Callable[[str, int], None] | None = None,
+        logprobs: bool = False,
     ) -> None:
         self._response = response
+        self._logprobs = logprobs  # asked for: text without them is the upstream's failure
         self._stall_s = stall_s
         self._max_event_size = max_event_size
         self._parser = EventParser(max_event_size=max_event_size)
@@ -230,6 +232,12 @@ class UpstreamStream:
                     count = len(made) if made else 1
                     self._tokens += count
                     self._pending.append(Delta(text, count, now, None, made))
+                elif self._logprobs:
+                    raise self._fail(
+                        "the upstream sent text without the logprobs asked for "
+                        "(it does not support them)",
+                        "upstream_no_logprobs",
+                    )
                 else:
                     self._tokens += 1
                     self._pending.append(Delta(text, 1, now))
