@@ -96,7 +96,7 @@ async def collect(engine: Any, prompt: str, **sampling: Any) -> tuple[str, list[
 async def test_logprobs_are_the_models_log_softmax_for_each_made_token(engine: Any):
     import torch
 
-    text, deltas = await collect(engine, "the quick", max_tokens=6, temperature=0.0, logprobs=3)
+    _, deltas = await collect(engine, "the quick", max_tokens=6, temperature=0.0, logprobs=3)
     assert all(d.logprobs is not None and len(d.logprobs) == 1 for d in deltas)
     first = deltas[0].logprobs[0]
     ids = engine.tokenizer("the quick", return_tensors="pt").input_ids

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from replystream.delivery.choices import ChoicesPipeline
+from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.openai_formats import OpenAIStreamFormat
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Delta, EngineError
@@ -214,3 +215,30 @@ async def test_anthropic_messages_refuse_n_in_anthropics_shape():
             assert response.status == 400
             answer = await response.json()
     assert answer["type"] == "error" and answer["error"]["param"] == "n"
+
+
+def test_a_check_stops_one_choice_only_and_a_failure_ends_every_choice_with_one_error():
+    done: list[int] = []
+    fmts = formats(2, include_usage=False)
+    policy = DeliveryPolicy(checks=[BannedPhrases(["bad"])])
+    pipeline = ChoicesPipeline(fmts, fmts[0].reply_end, policy, on_choice_done=done.append)
+    entries = pipeline.start("r")
+    for delta in [Delta("ok ", choice=0), Delta("so bad", choice=1), Delta("fine", choice=0)]:
+        entries += pipeline.push(delta, 0.0)
+    assert done == [1] and pipeline.violation is None and not pipeline.halted
+    entries += pipeline.finish(1)
+    chunks = [json.loads(e.data) for e in entries if e.data != "[DONE]"]
+    finishes = [
+        (c["choices"][0]["index"], c["choices"][0]["finish_reason"])
+        for c in chunks
+        if c["choices"][0]["finish_reason"]
+    ]
+    assert finishes == [(1, "content_filter"), (0, "stop")]
+    assert [e.data for e in entries].count("[DONE]") == 1
+    failing = ChoicesPipeline(fmts, fmts[0].reply_end, DeliveryPolicy(batch_tokens=5))
+    failing.start("r")
+    held = failing.push(Delta("made ", choice=1), 0.0)
+    assert held == []  # batched
+    ended = failing.fail("engine died", "generation_failed")
+    assert [e.event for e in ended] == [None, "error"]  # the batched text, then one error
+    assert json.loads(ended[0].data)["choices"][0]["delta"]["content"] == "made "
