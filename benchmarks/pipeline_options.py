@@ -24,9 +24,9 @@ from replystream.engine.base import Delta, TokenLogprob, TopLogprob
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running ".split()
 
 
-def plain(tokens: int, **options: object) -> Callable[[], None]:
-    stops = tuple(options.get("stops", ()))  # type: ignore[call-overload]
-    logprobs = bool(options.get("logprobs", False))
+def plain(
+    tokens: int, *, stops: tuple[str, ...] = (), logprobs: bool = False
+) -> Callable[[], None]:
     deltas = [
         Delta(
             WORDS[i % len(WORDS)] + " ",
