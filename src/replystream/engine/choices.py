@@ -97,6 +97,9 @@ class ChoicesStream:
                 for index in sorted(self._closing):
                     await self._stop(index)
                 self._closing.clear()
+                # One awaited step per open generation, not a task group: a task group cannot
+                # stay open across this generator's yields. Every step is awaited here or
+                # cancelled and awaited in ``_shut``, whatever ends the merge.
                 waiting = set(self._pending.values())
                 for index in self._open - waiting:
                     step = asyncio.ensure_future(anext(self._streams[index]))
