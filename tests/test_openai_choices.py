@@ -242,3 +242,15 @@ def test_a_check_stops_one_choice_only_and_a_failure_ends_every_choice_with_one_
     ended = failing.fail("engine died", "generation_failed")
     assert [e.event for e in ended] == [None, "error"]  # the batched text, then one error
     assert json.loads(ended[0].data)["choices"][0]["delta"]["content"] == "made "
+
+
+async def test_stopping_a_choice_cancels_the_step_it_waits_for_at_once():
+    stuck = Scripted([(30.0, "never")])
+    quick = Scripted([(0.0, "q1"), (0.05, "q2")])
+    merged = ChoicesStream([stuck, quick])
+    got = []
+    async with asyncio.timeout(5):
+        async for delta in merged:
+            got.append(delta.text)
+            merged.close_choice(0)  # the stuck generation must not hold the merge
+    assert got == ["q1", "q2"] and stuck.closed and quick.closed

@@ -61,9 +61,13 @@ class ChoicesStream:
         self._merged = self._merge()
 
     def close_choice(self, index: int) -> None:
-        """Stop generation ``index`` (the others go on); it is closed before the next delta."""
+        """Stop generation ``index`` (the others go on): its awaited step is cancelled now,
+        and its stream is closed before the next delta is taken."""
         if index in self._open:
             self._closing.add(index)
+            for task, owner in self._pending.items():
+                if owner == index:
+                    task.cancel()
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._merged
@@ -110,6 +114,8 @@ class ChoicesStream:
                 # Several may be ready at once: in the order their generations were asked.
                 for task in sorted(done, key=lambda t: self._pending[t]):
                     index = self._pending.pop(task)
+                    if task.cancelled() or index in self._closing:
+                        continue  # stopped by ``close_choice``: closed at the top of the loop
                     try:
                         delta = task.result()
                     except StopAsyncIteration:
