@@ -254,3 +254,37 @@ async def test_stopping_a_choice_cancels_the_step_it_waits_for_at_once():
             got.append(delta.text)
             merged.close_choice(0)  # the stuck generation must not hold the merge
     assert got == ["q1", "q2"] and stuck.closed and quick.closed
+
+
+async def test_each_choice_gets_its_own_stop_cut_and_logprobs_streamed_as_whole():
+    ask: dict[str, Any] = {
+        "model": "simulated",
+        "messages": [{"role": "user", "content": "count"}],
+        "n": 2,
+        "stop": ["ee fo"],
+        "logprobs": True,
+        "top_logprobs": 1,
+        "extra_body": {"batch_tokens": 2},
+    }
+    engine = fast_engine(reply_text="one two three four five six")
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.chat.completions.create(**ask)
+        stream = await client.chat.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+    texts = {0: "", 1: ""}
+    tokens: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None and choice.logprobs.content:
+                tokens[choice.index] += [e.token for e in choice.logprobs.content]
+    for choice in whole.choices:
+        assert choice.message.content == texts[choice.index] == "one two thr"
+        assert choice.finish_reason == "stop"
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert [e.token for e in choice.logprobs.content] == tokens[choice.index]
+    assert tokens[0] == ["one ", "two ", "three "]
+    assert whole.usage is not None and chunks[-1].usage is not None
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 8
