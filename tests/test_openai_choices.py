@@ -12,6 +12,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replystream.delivery.choices import ChoicesPipeline
 from replystream.delivery.moderation import BannedPhrases
@@ -288,3 +290,48 @@ async def test_each_choice_gets_its_own_stop_cut_and_logprobs_streamed_as_whole(
     assert tokens[0] == ["one ", "two ", "three "]
     assert whole.usage is not None and chunks[-1].usage is not None
     assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from(["a", "b", "ab", " ", "ba "]), max_size=8), min_size=2, max_size=3
+    ),
+    st.lists(st.integers(0, 2), max_size=30),
+    st.lists(st.sampled_from(["ab", "bb", "a a"]), max_size=2),
+)
+def test_interleaved_choices_each_end_as_a_single_reply_would(
+    replies: list[list[str]], order: list[int], stops: list[str]
+) -> None:
+    n = len(replies)
+    fmts = formats(n)
+    pipeline = ChoicesPipeline(fmts, fmts[0].reply_end, DeliveryPolicy(), stops=tuple(stops))
+    entries = pipeline.start("r")
+    queues = [list(tokens) for tokens in replies]
+    picks = [i % n for i in order] + [i for i in range(n) for _ in replies[i]]
+    for index in picks:
+        if queues[index]:
+            text = queues[index].pop(0)
+            last = "length" if not queues[index] else None
+            entries += pipeline.push(Delta(text, choice=index, finish_reason=last), 0.0)
+    entries += pipeline.finish(1)
+    assert [e.data for e in entries].count("[DONE]") == 1 and entries[-1].data == "[DONE]"
+    texts = [""] * n
+    finished = [0] * n
+    for entry in entries[:-2]:  # the usage chunk and [DONE] last
+        choice = json.loads(entry.data)["choices"][0]
+        texts[choice["index"]] += choice["delta"].get("content") or ""
+        finished[choice["index"]] += choice["finish_reason"] is not None
+    for index, tokens in enumerate(replies):
+        whole = "".join(tokens)
+        ends = [whole.find(s) + len(s) for s in stops if s in whole]
+        cut = min(ends, default=None)
+        expected = (
+            whole
+            if cut is None
+            else whole[
+                : min(whole.find(s) for s in stops if s in whole and whole.find(s) + len(s) == cut)
+            ]
+        )
+        assert texts[index] == expected
+    assert finished == [1] * n
