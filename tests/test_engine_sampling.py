@@ -12,6 +12,7 @@ from replystream.engine.sampling import (
     filtered_probabilities,
     probabilities,
     sample_token,
+    token_logprob,
 )
 
 
@@ -97,3 +98,14 @@ def test_text_that_only_looks_like_a_stop_passes_through_at_once() -> None:
     assert [m.feed(p) for p in ["the EN", "tire", " E"]] == ["the EN", "tire", " E"]
     assert m.flush() == "" and not m.stopped
     assert StopMatcher(()).feed("END") == "END"
+
+
+def test_token_logprob_is_the_log_softmax_of_the_raw_logits_with_the_likeliest_first() -> None:
+    logits = np.array([2.0, 0.5, 3.0, -1.0], dtype=np.float32)
+    expected = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    made = token_logprob(logits, 1, 2, lambda i: f"t{i}".encode())
+    assert made.token == "t1" and made.bytes == b"t1"
+    assert made.logprob == pytest.approx(expected[1])  # not the tempered or narrowed one
+    assert [t.token for t in made.top] == ["t2", "t0"]
+    assert [t.logprob for t in made.top] == pytest.approx([expected[2], expected[0]])
+    assert token_logprob(logits, 3, 0, lambda i: b"\xe2\x82").token == "\ufffd"  # part of a char
