@@ -6,18 +6,37 @@ import contextlib
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tests.services import free_port, require_binary
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self, workdir: Path, *, cluster: bool = False, extra: tuple[str, ...] = ()
+    ) -> None:
         self.binary = require_binary("redis-server", "redis-server")
         self.workdir = workdir
-        self.port = free_port()
+        self.port = cluster_port() if cluster else free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.extra = extra  # more redis-server options (--maxmemory, --replicaof...)
+        if cluster:
+            self.extra += ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
 
     @property
     def url(self) -> str:
@@ -38,6 +57,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.workdir),
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -61,12 +81,222 @@ class RedisServer:
             self.process.wait(10)
         self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, nothing flushed, as a crashed primary."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self.process = None
+
 
 @contextlib.contextmanager
-def redis_server(workdir: Path) -> Iterator[RedisServer]:
-    server = RedisServer(workdir)
+def redis_server(workdir: Path, *extra: str) -> Iterator[RedisServer]:
+    server = RedisServer(workdir, extra=extra)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+class RedisCluster:
+    """A real Redis Cluster on loopback: ``shards`` primaries, each with ``replicas`` replicas,
+    made by ``redis-cli --cluster create`` as an operator would."""
+
+    def __init__(self, workdir: Path, shards: int = 3, replicas: int = 1) -> None:
+        self.cli = require_binary("redis-cli", "redis-tools")
+        self.nodes = [
+            RedisServer(workdir / f"node{n}", cluster=True) for n in range(shards * (1 + replicas))
+        ]
+        self.replicas = replicas
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
+
+    def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all(self._state_ok(node) for node in self.nodes):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+
+    def _state_ok(self, node: RedisServer) -> bool:
+        info = subprocess.run(
+            [self.cli, "-p", str(node.port), "cluster", "info"],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        ).stdout
+        return b"cluster_state:ok" in info
+
+    def command(self, *args: str) -> str:
+        """One redis-cli command to the cluster (following redirections)."""
+        result = subprocess.run(
+            [self.cli, "-c", "-p", str(self.nodes[0].port), *args],
+            capture_output=True,
+            timeout=10,
+            check=True,
+        )
+        return result.stdout.decode().strip()
+
+    def owner_of(self, key: str) -> str:
+        """The ``host:port`` of the primary that holds ``key``'s slot."""
+        slot = int(self.command("cluster", "keyslot", key))
+        for line in self.command("cluster", "nodes").splitlines():
+            fields = line.split()
+            if "master" not in fields[2]:
+                continue
+            for span in fields[8:]:
+                low, _, high = span.partition("-")
+                if low.isdigit() and int(low) <= slot <= int(high or low):
+                    return fields[1].split("@", 1)[0]
+        raise LookupError(f"no primary holds slot {slot}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@contextlib.contextmanager
+def redis_cluster(workdir: Path, shards: int = 3, replicas: int = 1) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(workdir, shards, replicas)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class RedisWithSentinel:
+    """A primary, a replica of it, and Sentinels watching them (Debian's ``redis-sentinel``),
+    on loopback, tuned to fail over within a few seconds of the primary dying."""
+
+    SERVICE = "replystream"
+
+    def __init__(self, workdir: Path, sentinels: int = 1, down_after_ms: int = 1000) -> None:
+        self.sentinel_binary = require_binary("redis-sentinel", "redis-sentinel")
+        self.workdir = workdir
+        self.primary = RedisServer(workdir / "primary")
+        self.replica = RedisServer(
+            workdir / "replica", extra=("--replicaof", "127.0.0.1", str(self.primary.port))
+        )
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.down_after_ms = down_after_ms
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.SERVICE}/0"
+
+    def start(self) -> None:
+        try:
+            self.primary.start()
+            self.replica.start()
+            for n, port in enumerate(self.sentinel_ports):
+                self.sentinels.append(self._start_sentinel(n, port))
+            self._wait_for(self._replica_in_sync, "the replica to sync with the primary")
+            self._wait_for(self._replicas_known, "Sentinel to see the replica")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_sentinel(self, n: int, port: int) -> subprocess.Popen[bytes]:
+        folder = self.workdir / f"sentinel{n}"
+        folder.mkdir(parents=True, exist_ok=True)
+        conf = folder / "sentinel.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.SERVICE} 10000\n"
+            f"sentinel parallel-syncs {self.SERVICE} 1\n"
+        )
+        return subprocess.Popen(
+            [self.sentinel_binary, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def _sentinel(self, *args: str) -> str:
+        cli = require_binary("redis-cli", "redis-tools")
+        result = subprocess.run(
+            [cli, "-p", str(self.sentinel_ports[0]), "sentinel", *args],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        )
+        return result.stdout.decode()
+
+    def _replica_in_sync(self) -> bool:
+        cli = require_binary("redis-cli", "redis-tools")
+        info = subprocess.run(
+            [cli, "-p", str(self.replica.port), "info", "replication"],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        ).stdout
+        return b"master_link_status:up" in info
+
+    def _replicas_known(self) -> bool:
+        return f"{self.replica.port}" in self._sentinel("replicas", self.SERVICE)
+
+    def primary_port(self) -> int:
+        """The port Sentinel names as the primary now."""
+        lines = self._sentinel("get-master-addr-by-name", self.SERVICE).split()
+        return int(lines[1]) if len(lines) == 2 else 0
+
+    def wait_for_failover(self, timeout_s: float = 30) -> None:
+        self._wait_for(lambda: self.primary_port() == self.replica.port, "a failover", timeout_s)
+
+    def _wait_for(self, done: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if done():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"waited {timeout_s:g}s for {what}")
+
+    def stop(self) -> None:
+        for process in self.sentinels:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(10)
+        self.sentinels = []
+        self.replica.stop()
+        self.primary.stop()
+
+
+@contextlib.contextmanager
+def redis_with_sentinel(workdir: Path, sentinels: int = 1) -> Iterator[RedisWithSentinel]:
+    running = RedisWithSentinel(workdir, sentinels)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -110,11 +110,11 @@ async def test_keys_are_read_from_x_api_key_and_errors_are_the_sdks_own_classes(
                 await good.messages.create(**{**ASK, "model": "other"})  # type: ignore[call-overload]
             with pytest.raises(anthropic.BadRequestError) as refused:
                 await good.messages.create(  # type: ignore[call-overload]
-                    **ASK, tools=[{"name": "f", "input_schema": {"type": "object"}}]
+                    **ASK, tools=[{"name": "f", "input_schema": {"type": "string"}}]
                 )
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
     error = refused.value.body["error"]  # type: ignore[index]
-    assert (error["type"], error["param"]) == ("invalid_request_error", "tools")
+    assert (error["type"], error["param"]) == ("invalid_request_error", "tools[0].input_schema")
 
 
 @pytest.mark.parametrize(

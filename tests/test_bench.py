@@ -256,7 +256,11 @@ def test_lab_requests_keep_the_urls_own_query():
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench", "https://example.com/stream"],
+        ["bench", "ftp://example.com/stream"],
+        ["bench", "http://127.0.0.1:1/stream", "--cacert", str(WORKLOADS / "trace.jsonl")],
+        ["bench", "https://127.0.0.1:1/stream", "--cacert", str(WORKLOADS / "trace.jsonl")],
+        ["bench", "http://127.0.0.1:1/v1/replies", "--resume-cursor", "query"],
+        ["bench", "http://127.0.0.1:1/stream", "--api", "responses", "--drop-share", "0.5"],
         ["bench", "http://127.0.0.1:1/stream", "--slo", "queue=5"],
         ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=0"],
         ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5,ttft=6"],

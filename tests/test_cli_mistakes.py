@@ -60,7 +60,9 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--engine", "gpt"], "--engine wants tiny, simulated, hf:PATH or upstream:URL"),
     (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
     (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
-    (["serve", "--redis-url", "http://x"], "--redis-url must be a redis:// URL"),
+    (["serve", "--redis-url", "http://x"], "--redis-url: expected one of redis://"),
+    (["serve", "--redis-url", "redis+sentinel://127.0.0.1:26379"], "names its service"),
+    (["serve", "--redis-failover-s", "5"], "--redis-failover-s is an option of --redis-url"),
     # serve: an option the engine would not use
     (["serve", "--delay-ms", "20"], "--delay-ms is an option of the simulated engine"),
     (["serve", "--first-token-ms", "200"], "add --engine simulated, or drop --first-token-ms"),
@@ -81,7 +83,11 @@ CASES: list[tuple[list[str], str]] = [
     (["lab", "--out", FILE], f"argument --out: {FILE}: {FILE} is a file, not a folder"),
     (["lab", "--delay-ms", "-5"], "argument --delay-ms: want a number >= 0"),
     # bench
-    (["bench", "https://x/stream"], "argument url: https is not spoken"),
+    (["bench", "ftp://x/stream"], "argument url: want http(s)://HOST[:PORT]/PATH"),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--insecure"],
+        "--insecure skips verifying an https server: the URL is http://",
+    ),
     (
         ["bench", "http://127.0.0.1:9/stream", "--duration", "-1"],
         "argument --duration: want a number > 0",

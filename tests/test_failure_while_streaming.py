@@ -96,7 +96,7 @@ def last_event(body: bytes) -> Any:
 async def test_redis_killed_mid_reply_ends_every_reader_on_both_replicas_in_band(tmp_path: Path):
     slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0", "--tokens", "400")
     with redis_server(tmp_path) as redis:
-        args = (*slow, "--redis-url", redis.url)
+        args = (*slow, "--redis-url", redis.url, "--redis-failover-s", "1")
         async with (
             replica(*args) as (_, a_url),
             replica(*args) as (_, b_url),
@@ -155,7 +155,7 @@ async def test_a_reader_whose_store_fails_unexpectedly_ends_its_body_with_an_err
 async def test_a_redis_that_stops_answering_ends_every_reader_in_band_too(tmp_path: Path):
     slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0", "--tokens", "600")
     with redis_server(tmp_path) as redis:
-        args = (*slow, "--redis-url", redis.url)
+        args = (*slow, "--redis-url", redis.url, "--redis-failover-s", "1")
         assert redis.process is not None
         async with replica(*args) as (_, a_url), replica(*args) as (_, b_url):
             body = b'{"prompt": "x", "resumable": true}'

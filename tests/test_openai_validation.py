@@ -50,7 +50,7 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
         "invalid_value",
         "stream_options.include_obfuscation",
     ),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "unsupported_parameter", None),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "invalid_value", None),
     (CHAT, {"messages": USER, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
     (CHAT, {"messages": USER, "batch_tokens": 0}, 400, "invalid_value", "batch_tokens"),
     (CHAT, {"messages": USER, "model": "gpt-4o"}, 404, "model_not_found", "model"),

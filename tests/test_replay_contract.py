@@ -1,13 +1,16 @@
 """The contract every ReplayStore keeps: the in-memory store and the Redis store alike.
 
 For Redis, "a reader elsewhere" is a second store instance on the same Redis (another
-replica), which has no local copy and reads the stream itself.
+replica), which has no local copy and reads the stream itself. ``redis-cluster`` runs the same
+suite on a real three-shard Redis Cluster with a replica per shard (one per module; each test
+has its own key prefix).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from replystream.delivery.replay import (
     ReplayStore,
     ReplyInfo,
 )
-from tests.redis_server import redis_server
+from tests.redis_server import RedisCluster, redis_cluster, redis_server
 
 
 def frames(start: int, stop: int) -> list[LogEntry]:
@@ -31,7 +34,13 @@ def frames(start: int, stop: int) -> list[LogEntry]:
     ]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    with redis_cluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def stores(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[tuple[ReplayStore, ReplayStore]]:
@@ -41,8 +50,17 @@ async def stores(
         yield store, store
         await store.aclose()
         return
+    options = {"ttl_after_end_s": 1.0, "liveness_s": 1.0, "max_entries": 50}
+    if request.param == "redis-cluster":
+        url = request.getfixturevalue("cluster").url
+        prefix = f"test:{uuid.uuid4().hex}:"
+        producer = RedisReplayStore(url, prefix=prefix, **options)  # type: ignore[arg-type]
+        reader = RedisReplayStore(url, prefix=prefix, **options)  # type: ignore[arg-type]
+        yield producer, reader
+        await producer.aclose()
+        await reader.aclose()
+        return
     with redis_server(tmp_path) as server:
-        options = {"ttl_after_end_s": 1.0, "liveness_s": 1.0, "max_entries": 50}
         producer = RedisReplayStore(server.url, **options)  # type: ignore[arg-type]
         reader = RedisReplayStore(server.url, **options)  # type: ignore[arg-type]
         yield producer, reader

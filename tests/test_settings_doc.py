@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 from replystream import settings
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.hf_config import HFEngineConfig
+from replystream.engine.reply_script import load_reply_script
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
 from replystream.engine.tiny import TinyEngine, TinyEngineConfig
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine
@@ -121,6 +123,10 @@ def a_value(row: settings.Setting) -> tuple[str, Any]:
     wants = row.what_it_accepts()
     if row.parse is None:
         return "other", "other"
+    if row.flag == "--reply-script":
+        path = Path(tempfile.mkdtemp()) / "script.json"
+        path.write_text('[{"text": "hi "}, {"tool_call": {"name": "f", "arguments": "{}"}}]')
+        return str(path), load_reply_script(path)
     number = re.fullmatch(r"a (whole )?number (>=|>) ([0-9.]+)", wants)
     assert number, f"{row.flag}: no sample value for {wants!r}"
     low = float(number.group(3))

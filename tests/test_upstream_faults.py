@@ -38,8 +38,21 @@ MAX_EVENT = 4096
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
-def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
-    delta = {} if content is None else {"content": content}
+TOOL_PIECES: list[dict[str, Any]] = [
+    {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}},
+    {"index": 0, "function": {"arguments": ": 1}"}},
+]
+
+
+def chunk(
+    content: str | None = None,
+    finish: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    **extra: Any,
+) -> bytes:
+    delta: dict[str, Any] = {} if content is None else {"content": content}
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     choice = {"index": 0, "delta": delta, "finish_reason": finish}
     body = {"object": "chat.completion.chunk", "choices": [choice], **extra}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -104,6 +117,16 @@ class FakeUpstream:
         for _ in range(10_000):  # one event that never ends
             await r.write(b"x" * 256)
             await asyncio.sleep(0.001)
+
+    async def mode_tools(self, r: web.StreamResponse) -> None:
+        # vLLM's style: the naming piece already carries arguments.
+        for call in TOOL_PIECES:
+            await r.write(chunk(None, tool_calls=[call]))
+        await r.write(chunk(None, "tool_calls") + b"data: [DONE]\n\n")
+
+    async def mode_badtool(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one ") + chunk(None, tool_calls=[{"index": "first"}]))
+        await asyncio.sleep(30)
 
     async def mode_eof(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one "))
@@ -207,6 +230,21 @@ async def test_a_chunk_that_is_not_json_is_an_in_band_error():
     assert content_of(got) == "one "
     error = error_of(got)
     assert error["code"] == "upstream_bad_chunk" and "not JSON" in error["message"]
+
+
+async def test_an_upstreams_tool_call_pieces_are_relayed_as_they_came():
+    got, _, _ = await relay_mode("tools")
+    chunks = [json.loads(e.data) for e in got.events if e.type == "message" and e.data != "[DONE]"]
+    calls = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls == TOOL_PIECES
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_a_malformed_tool_call_is_an_in_band_error_after_the_text():
+    got, _, _ = await relay_mode("badtool")
+    assert content_of(got) == "one "
+    error = error_of(got)
+    assert error["code"] == "upstream_bad_chunk" and "tool call" in error["message"]
 
 
 async def test_an_event_that_never_ends_is_cut_at_the_event_size_limit():

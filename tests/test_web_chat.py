@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from replystream.engine.simulated import split_words
+from replystream.engine.tiny import load_default_engine
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
@@ -130,8 +131,8 @@ async def test_side_by_side_stream_shows_text_while_the_wait_pane_is_blank(
         await page.screenshot(path=str(screenshot))
         assert screenshot.stat().st_size > 0
 
-        await wait_state(page, "stream", "done")
-        await wait_state(page, "wait", "done")
+        await wait_state(page, "stream", "cut")
+        await wait_state(page, "wait", "cut")
         expected = reply_text(engine, 90)
         assert await shown_text(page, "stream") == expected
         assert await shown_text(page, "wait") == expected
@@ -195,7 +196,7 @@ async def test_dropped_connection_is_resumed_without_repeating_the_prompt(browse
             await send(page, "Keep going.")
             await words_shown(page, "stream", 10)
             proxy.cut()
-            await wait_state(page, "stream", "done")
+            await wait_state(page, "stream", "cut")
             assert await shown_text(page, "stream") == reply_text(engine, 60)
             assert engine.stats().started == 1  # resumed, never asked again
             sent = proxy.sent.decode("latin-1").lower()
@@ -244,8 +245,9 @@ async def test_phone_width_stacks_the_panes_and_keyboard_sends(browser: Browser)
         await page.keyboard.type("second line")
         assert await page.input_value("#prompt") == "first line\nsecond line"
         await page.keyboard.press("Enter")
-        await wait_state(page, "stream", "done")
-        await wait_state(page, "wait", "done")
+        # 8 tokens of a longer reply: cut at max_tokens, shown as cut in both panes.
+        await wait_state(page, "stream", "cut")
+        await wait_state(page, "wait", "cut")
         assert await page.text_content(".turn.user .bubble") == "first line\nsecond line"
         wait_box = await page.locator(pane("wait")).bounding_box()
         stream_box = await page.locator(pane("stream")).bounding_box()
@@ -286,3 +288,86 @@ async def test_api_key_from_the_settings_reaches_every_route_the_pages_use(brows
         await page.click("#go")
         await page.wait_for_selector('#pane[data-state="done"]')
         assert engine.stats().finished == 1
+
+
+def posted_bodies(page: Page) -> list[dict[str, Any]]:
+    """The JSON body of every reply request the page sends, in order."""
+    bodies: list[dict[str, Any]] = []
+    page.on(
+        "request",
+        lambda request: (
+            bodies.append(json.loads(request.post_data or "{}"))
+            if request.url.endswith("/v1/replies")
+            else None
+        ),
+    )
+    return bodies
+
+
+async def test_a_reply_cut_at_max_tokens_is_shown_as_cut_not_complete(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=5.0, jitter_ms=1.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        await set_delivery(page, max_tokens=6)
+        await send(page, "Say a lot.")
+        await wait_state(page, "stream", "cut")
+        assert await page.text_content(f"{pane('stream')} .badge") == "cut"
+        note = await page.text_content(f"{pane('stream')} .pane-note") or ""
+        assert "token limit" in note
+        assert await shown_text(page, "stream") == reply_text(engine, 6)
+
+        await set_delivery(page, max_tokens=500)  # more than the reply has: it ends on its own
+        await send(page, "Now all of it.")
+        await wait_state(page, "stream", "done")
+        assert await page.is_hidden(f"{pane('stream')} .pane-note")
+
+
+async def test_a_conversation_longer_than_the_context_drops_its_oldest_turns_and_says_so(
+    browser: Browser,
+):
+    # The built-in tiny model holds 256 tokens: a few long messages outgrow it.
+    async with running(create_app(load_default_engine())) as url:
+        page = await open_page(browser, url)
+        bodies = posted_bodies(page)
+        await set_delivery(page, max_tokens=16, seed=3)
+        long_message = "Tell me about the river and the mountains and the long road home. " * 3
+        for sent in range(1, 11):  # the tenth message of one conversation still works
+            await send(page, f"{sent}: {long_message}")
+            await page.wait_for_selector(
+                f'{pane("stream")}:is([data-state="done"], [data-state="cut"])'
+            )
+            assert await page.locator(f"{TURN} .reply-text").text_content()
+        notice = await page.text_content(".context-notice") or ""
+        assert "no longer fit the model's context" in notice
+        dropped = await page.locator(".turn.user.out-of-context").count()
+        assert 1 <= dropped < 10
+        # What was sent last starts after the dropped turns and ends with the newest message.
+        last = [body for body in bodies if "messages" in body][-1]["messages"]
+        assert last[0] == {"role": "user", "content": f"{dropped + 1}: {long_message.strip()}"}
+        assert last[-1] == {"role": "user", "content": f"10: {long_message.strip()}"}
+        # Every turn still sent got its reply; a refused try is never left on screen.
+        assert await page.locator('.pane[data-state="error"]').count() == 0
+
+
+async def test_new_chat_stops_the_reply_and_starts_an_empty_conversation(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=5.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        bodies = posted_bodies(page)
+        await set_delivery(page, max_tokens=4)
+        await send(page, "First question.")
+        await wait_state(page, "stream", "cut")
+        await set_delivery(page, max_tokens=500)
+        await send(page, "Second question, a long reply.")
+        await words_shown(page, "stream", 5)
+
+        await page.click("#new-chat")
+        await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+        assert await page.locator(".turn").count() == 0
+        assert await page.is_visible("#intro")
+        assert await page.is_enabled("#send")
+
+        await send(page, "A fresh start.")
+        await wait_state(page, "stream", "done")
+        messages = [body for body in bodies if "messages" in body][-1]["messages"]
+        assert messages == [{"role": "user", "content": "A fresh start."}]

@@ -89,18 +89,30 @@ port = Checker("a port from 0 to 65535 (0 picks a free one)", _port)
 
 
 def http_url(text: str) -> str:
-    """An ``http://HOST[:PORT]/...`` URL: the measuring client speaks plain HTTP/1.1."""
+    """An ``http://HOST[:PORT]/...`` URL, for the tools that measure plain HTTP only."""
     parts = urlsplit(text)
     if parts.scheme != "http" or not parts.hostname:
         why = (
-            "https is not spoken by the measuring client (measure the app's plain http:// "
-            "address, or a TLS-terminating proxy's http:// side)"
+            "https is not spoken here (measure the app's own http:// address, or a "
+            "TLS-terminating proxy's http:// side; replystream bench speaks https)"
             if parts.scheme == "https"
             else "want http://HOST[:PORT]/PATH"
         )
         raise argparse.ArgumentTypeError(f"{why}, got {text!r}")
+    return _with_valid_port(text)
+
+
+def web_url(text: str) -> str:
+    """An ``http://`` or ``https://HOST[:PORT]/...`` URL."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"want http(s)://HOST[:PORT]/PATH, got {text!r}")
+    return _with_valid_port(text)
+
+
+def _with_valid_port(text: str) -> str:
     try:
-        parts.port  # noqa: B018 -- raises ValueError for a port out of range
+        urlsplit(text).port  # noqa: B018 -- raises ValueError for a port out of range
     except ValueError:
         raise argparse.ArgumentTypeError(f"want a port from 0 to 65535, got {text!r}") from None
     return text

@@ -7,6 +7,9 @@ carrying text and of saying "finished" or "failed":
 - OpenAI-compatible chunks: ``choices[0].delta.content`` (chat) or ``choices[0].text``,
   ended by ``data: [DONE]``, with an ``{"error": ...}`` object for in-band failures and a
   ``usage`` chunk when asked for;
+- OpenAI Responses events: ``response.output_text.delta`` carries text, ``response.completed``
+  and ``response.incomplete`` at the token limit end it, ``response.failed`` (or an
+  ``incomplete`` for any other reason, such as a content filter) ends it in failure;
 - buffered bodies: ``{"text": ...}`` or an OpenAI ``chat.completion`` / ``text_completion``.
 ``event: error`` always means failure, and a terminal marker is required for success.
 """
@@ -75,6 +78,8 @@ def interpret_event(event: Event) -> Meaning:
         return DONE
     if event.type == "usage":
         return _usage(event.data)
+    if event.type.startswith("response."):
+        return _responses_event(event)
     if event.type not in ("message", "token"):
         return OTHER
     try:
@@ -95,6 +100,36 @@ def interpret_event(event: Event) -> Meaning:
         if isinstance(payload.get("usage"), dict):  # an OpenAI usage chunk
             return _usage(payload["usage"])
     return OTHER
+
+
+# A Responses stream ends with one of these; ``incomplete`` at the token limit is a whole reply
+# (as a chat completion that stopped at max_tokens is).
+_RESPONSES_ENDED = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _responses_event(event: Event) -> Meaning:
+    if event.type not in _RESPONSES_ENDED and event.type != "response.output_text.delta":
+        return OTHER
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
+    if not isinstance(payload, dict):
+        return Meaning("error", error=f"{event.type} data is not an object")
+    if event.type == "response.output_text.delta":
+        delta = payload.get("delta")
+        return Meaning("text", delta, 1) if isinstance(delta, str) and delta else OTHER
+    response = payload.get("response")
+    response = response if isinstance(response, dict) else {}
+    if event.type == "response.completed":
+        return DONE
+    if event.type == "response.incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        if reason == "max_output_tokens":
+            return DONE
+        return Meaning("error", error=f"response.incomplete: {reason or 'no reason given'}")
+    return Meaning("error", error=f"response.failed: {_error_text(response)}")
 
 
 def _usage(source: str | dict[str, Any]) -> Meaning:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import ssl
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -187,12 +188,14 @@ async def measure_reply(
     timeout_s: float = 300.0,
     connection: Connection | None = None,
     stop_after_tokens: int | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> ReplyTiming:
     """Send one request and time how its reply arrives; never raises for a failed reply.
 
     With an open ``connection`` (see ``transport.connect``), timing starts when the request is
     written, so connection setup is not counted; otherwise it starts before connecting.
     ``stop_after_tokens``: hang up once that many streamed tokens arrived (``cancelled``).
+    ``tls``: the TLS context for an ``https://`` URL (see ``transport.connect``).
     """
     body = b"" if json_body is None else json.dumps(json_body).encode()
     sent = {"Accept": "text/event-stream, application/json", "Accept-Encoding": "gzip, deflate"}
@@ -203,7 +206,7 @@ async def measure_reply(
     try:
         async with asyncio.timeout(timeout_s):
             async with http_request(
-                url, method=method, body=body, headers=sent, connection=connection
+                url, method=method, body=body, headers=sent, connection=connection, tls=tls
             ) as response:
                 reading.headers_ms = reading.ms(response.head_at)
                 reading.status = response.status

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
@@ -68,12 +69,14 @@ class ResumingReader:
         headers: dict[str, str] | None = None,
         backoff: Backoff | None = None,
         seed: int | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.url = url
         self.method = method
         self.json_body = json_body
         self.headers = dict(headers or {})
         self.backoff = backoff or Backoff()
+        self.tls = tls  # for an https:// URL (see ``transport.connect``)
         self.reply_id: str | None = None
         self.last_event_id = 0
         self.reconnects = 0
@@ -111,7 +114,9 @@ class ResumingReader:
         else:
             url, method, body = resume_url(self.url, self.reply_id), "GET", b""
             headers["Last-Event-ID"] = str(self.last_event_id)
-        async with http_request(url, method=method, body=body, headers=headers) as response:
+        async with http_request(
+            url, method=method, body=body, headers=headers, tls=self.tls
+        ) as response:
             if response.status == 404 and self.reply_id is not None:
                 raise ResumeFailed(f"reply {self.reply_id} is gone (expired or never existed)")
             if response.status == 409 and self.reply_id is not None:

@@ -1,5 +1,10 @@
 """The measuring client's HTTP/1.1 transport: one request per connection, timed at arrival.
 
+``http://`` and ``https://`` URLs: over TLS the server's certificate is verified against the
+system's CAs (or a CA file, ``tls_context``) for the URL's host, which is also sent as SNI,
+unless the caller asked for an unverified context; ALPN offers ``http/1.1`` only, the one
+protocol spoken here.
+
 Each body chunk is stamped with ``perf_counter()`` inside ``data_received``, the moment the
 event loop hands the bytes over, not when a consumer task next runs; that keeps timings honest
 when many replies are read at once. HTTP framing (status line, headers, chunked coding) is
@@ -10,12 +15,15 @@ event stream is still readable (and visible, through the ``content-encoding`` he
 from __future__ import annotations
 
 import asyncio
+import functools
+import ssl
 import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import h11
@@ -140,21 +148,46 @@ class Connection:
         self.transport.close()
 
 
-async def connect(url: str) -> Connection:
-    """Open a TCP connection to the server of ``url``.
+def tls_context(cafile: Path | None = None, *, verify: bool = True) -> ssl.SSLContext:
+    """A client TLS context: the system's CAs, or ``cafile``'s (PEM), checking the host name;
+    ``verify=False`` checks nothing (a self-signed test server, on purpose)."""
+    context = ssl.create_default_context(cafile=None if cafile is None else str(cafile))
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+@functools.cache
+def _default_tls() -> ssl.SSLContext:
+    # Loading the system's CAs takes milliseconds: once per process, not per request.
+    return tls_context()
+
+
+async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
+    """Open a TCP connection to the server of ``url``, with TLS for ``https://`` (``tls``:
+    the context to use, else one that verifies against the system's CAs).
 
     Raises:
-        TransportError: the connection could not be made.
+        TransportError: the connection could not be made (a TLS handshake or a certificate
+        that failed verification among the reasons).
     """
     parts = urlsplit(url)
-    if parts.scheme != "http" or parts.hostname is None:
-        raise ValueError(f"only http:// URLs are supported, got {url!r}")
+    if parts.scheme not in ("http", "https") or parts.hostname is None:
+        raise ValueError(f"want an http:// or https:// URL, got {url!r}")
+    secure = parts.scheme == "https"
     loop = asyncio.get_running_loop()
     try:
         transport, protocol = await loop.create_connection(
-            lambda: _ResponseProtocol(loop), parts.hostname, parts.port or 80
+            lambda: _ResponseProtocol(loop),
+            parts.hostname,
+            parts.port or (443 if secure else 80),
+            # The host is sent as SNI and checked against the certificate (asyncio's default
+            # server_hostname when ssl is given).
+            ssl=(tls or _default_tls()) if secure else None,
         )
-    except OSError as exc:
+    except OSError as exc:  # ssl.SSLError and certificate failures are OSErrors too
         raise TransportError(f"cannot connect to {parts.netloc}: {exc}") from exc
     return Connection(url, transport, protocol)
 
@@ -167,14 +200,15 @@ async def http_request(
     body: bytes = b"",
     headers: dict[str, str] | None = None,
     connection: Connection | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[HTTPResponse]:
     """Send one request (on ``connection`` if given) and yield the response once its head
-    arrived. The connection is closed on exit.
+    arrived. The connection is closed on exit. ``tls``: see ``connect``.
 
     Raises:
         TransportError: the connection failed or the response broke HTTP framing.
     """
-    conn = connection or await connect(url)
+    conn = connection or await connect(url, tls)
     try:
         parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")

@@ -8,10 +8,19 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   ``message_stop``. An error after the first byte is ``event: error`` with Anthropic's error
   object, and the stream then never ends with ``message_stop``. Every event keeps our event
   id (``id:``), so a message can be resumed, which Anthropic itself does not offer.
-- The same message whole, not streamed, is the ``message`` object.
+- A tool call is a ``tool_use`` block after the text block: the text block is stopped, then
+  ``content_block_start`` (``{"type": "tool_use", "id", "name", "input": {}}``) at the next
+  index, one ``content_block_delta`` (``input_json_delta``, ``partial_json``) per fragment of
+  its arguments, ``content_block_stop`` when the next call starts or the message ends, and
+  the stop reason ``tool_use``. Block 0 is always the text block, opened with the message
+  before the first delta is known: empty when the reply opens with a tool call (the whole
+  message lists it too, so the streamed and the whole message are the same); text that comes
+  after a call joins it (the SDK adds deltas to the block their index names).
+- The same message whole, not streamed, is the ``message`` object (a ``tool_use`` block's
+  ``input`` parsed from the arguments).
 Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``stop_sequence`` (one of
-``stop_sequences`` completed; ``stop_sequence`` names it), ``refusal`` (a check stopped the
-text). A format object serves one message. It must not know about sockets,
+``stop_sequences`` completed; ``stop_sequence`` names it), ``tool_use``, ``refusal`` (a check
+stopped the text). A format object serves one message. It must not know about sockets,
 tasks or stores.
 """
 
@@ -23,10 +32,11 @@ from typing import Any
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
-from replystream.engine.base import TokenLogprob
+from replystream.delivery.tool_calls import ToolCall
+from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def message_id(reply_id: str) -> str:
@@ -46,14 +56,20 @@ def message_object(
     input_tokens: int,
     output_tokens: int,
     stop_sequence: str | None = None,
+    tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
     """The ``message`` object (whole, or empty as ``message_start`` carries it)."""
+    content: list[dict[str, Any]] = [] if text is None else [{"type": "text", "text": text}]
+    content += (
+        {"type": "tool_use", "id": call.id, "name": call.name, "input": call.parsed_arguments()}
+        for call in tool_calls
+    )
     return {
         "id": message_id(reply_id),
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [] if text is None else [{"type": "text", "text": text}],
+        "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
@@ -73,6 +89,8 @@ class AnthropicStreamFormat:
     input_tokens: int
     _tokens: int = 0
     _text: list[str] = field(default_factory=list)
+    _open: int = 0  # the index of the block open now (0: the text block)
+    _blocks: dict[int, int] = field(default_factory=dict)  # tool call index -> block index
 
     def started(self, reply_id: str) -> list[Spec]:
         empty = message_object(
@@ -106,6 +124,36 @@ class AnthropicStreamFormat:
     def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
         return self.text(text, tokens)  # never asked: /v1/messages takes no logprobs
 
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        specs: list[Spec] = []
+        block = self._blocks.get(piece.index)
+        if block is None:  # a new call: stop the open block, start a tool_use block
+            block = self._blocks[piece.index] = len(self._blocks) + 1
+            specs.append(self._stop_block())
+            self._open = block
+            start = {
+                "type": "content_block_start",
+                "index": block,
+                "content_block": {
+                    "type": "tool_use",
+                    "id": piece.id or "",
+                    "name": piece.name or "",
+                    "input": {},
+                },
+            }
+            specs.append(("content_block_start", _dumps(start)))
+        if piece.arguments:
+            delta = {
+                "type": "content_block_delta",
+                "index": block,
+                "delta": {"type": "input_json_delta", "partial_json": piece.arguments},
+            }
+            specs.append(("content_block_delta", _dumps(delta)))
+        return specs
+
+    def _stop_block(self) -> Spec:
+        return "content_block_stop", _dumps({"type": "content_block_stop", "index": self._open})
+
     def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:
         tokens = self._tokens if usage is None else usage.completion_tokens
         delta = {
@@ -114,7 +162,7 @@ class AnthropicStreamFormat:
             "usage": {"output_tokens": tokens},
         }
         return [
-            ("content_block_stop", _dumps({"type": "content_block_stop", "index": 0})),
+            self._stop_block(),
             ("message_delta", _dumps(delta)),
             ("message_stop", '{"type":"message_stop"}'),
         ]

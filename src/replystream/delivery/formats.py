@@ -8,9 +8,11 @@ the OpenAI dialect, the id of its first chunk; a lab stream without event ids
 event and never with the dialect's end marker.
 - The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
   ``data: [DONE]`` at the end.
-- The native dialect names every event (``token``, ``usage``, ``moderated``, ``error``,
-  ``done``), so a client can tell an error from a finish without parsing JSON; ``done`` names
-  the stop string a reply ended at (``stop_sequence``), when one did.
+- The native dialect names every event (``token``, ``tool_call``, ``usage``, ``moderated``,
+  ``error``, ``done``), so a client can tell an error from a finish without parsing JSON;
+  ``done`` names the stop string a reply ended at (``stop_sequence``), when one did.
+  A ``tool_call`` event is one piece of a call: ``{"index", "id", "name", "arguments"}``,
+  with ``id`` and ``name`` only on the first piece of an index (null after).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Protocol
 
 from replystream.delivery.moderation import Violation
-from replystream.engine.base import TokenLogprob
+from replystream.engine.base import TokenLogprob, ToolCallDelta
 from replystream.sse import encode_comment, encode_data
 
 KEEPALIVE = encode_comment("keep-alive")
@@ -66,6 +68,10 @@ class StreamFormat(Protocol):
         """``text`` with its tokens' log probabilities (only for a request that asked)."""
         ...
 
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        """The events of one piece of a tool call (see ``engine.base.ToolCallDelta``)."""
+        ...
+
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
@@ -101,6 +107,18 @@ def moderated_payload(violation: Violation) -> dict[str, object]:
 json_string: Callable[[str], str] = encode_basestring_ascii
 
 
+def tool_call_spec(piece: ToolCallDelta) -> Spec:
+    """A named ``tool_call`` event: the piece as it came (``id`` and ``name`` null after
+    the first piece of an index), for the dialects that name their events."""
+    payload = {
+        "index": piece.index,
+        "id": piece.id,
+        "name": piece.name,
+        "arguments": piece.arguments,
+    }
+    return "tool_call", json.dumps(payload)
+
+
 def reply_spec(reply_id: str) -> Spec:
     return "reply", f'{{"reply_id": {json_string(reply_id)}}}'
 
@@ -116,6 +134,11 @@ class LabFormat:
 
     def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
         return self.text(text, tokens)  # never asked: the lab routes take no logprobs
+
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        # The lab's routes take no tools; a scripted engine may still make calls, which
+        # keep their own named event rather than pass for text.
+        return [tool_call_spec(piece)]
 
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
@@ -141,6 +164,9 @@ class NativeFormat:
 
     def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
         return self.text(text, tokens)  # never asked: /v1/replies takes no logprobs
+
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        return [tool_call_spec(piece)]
 
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None

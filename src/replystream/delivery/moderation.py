@@ -175,10 +175,14 @@ class HoldBack:
         return self._take(room, lambda: self._held_tokens > self.window)
 
     def finish(self) -> tuple[str, int]:
-        """The reply ended: release everything still held (it has been checked, and no stop
-        string can complete any more)."""
+        """The text ended (the reply did, or a tool call came): release everything still
+        held (it has been checked, and no stop string can complete any more). Text pushed
+        after this is new text: a stop string never spans the break; the checks still read
+        the released text before it as context."""
         if self.violation is not None or self.stop_sequence is not None:
             return "", 0
+        if self._stops is not None:
+            self._stops.break_text()
         return self._take(self._held_chars, lambda: bool(self._held))
 
     def _stop(self, finding: Finding, safe_chars: int) -> tuple[str, int]:

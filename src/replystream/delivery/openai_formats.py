@@ -5,6 +5,11 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   ``delta.role = "assistant"`` (it carries the reply id, as resume needs), one chunk per
   batch of text, a chunk with ``finish_reason`` and an empty delta, a usage chunk
   (``choices: []``) when the client asked for one, then ``data: [DONE]``.
+- A tool call streams as OpenAI's ``delta.tool_calls``: one chunk per piece, ``index`` on
+  every one; ``id``, ``type: "function"`` and ``function.name`` on the piece that names the
+  call (its first; ``arguments`` then as it came, ``""`` from our engines), then
+  ``function.arguments`` fragments; the reply ends with ``finish_reason: "tool_calls"``.
+  Whole, the message has ``tool_calls`` and ``content: null`` when it has no text.
 - A legacy ``text_completion`` stream is the same with ``choices[0].text`` and no role chunk
   (its first chunk has empty text).
 - An error after the first byte is ``event: error`` with ``data: {"error": {"message",
@@ -35,7 +40,8 @@ from typing import Any, Literal
 
 from replystream.delivery.formats import Spec, Usage, moderated_payload
 from replystream.delivery.moderation import Violation
-from replystream.engine.base import TokenLogprob, TopLogprob
+from replystream.delivery.tool_calls import ToolCall
+from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob
 
 Kind = Literal["chat", "text"]
 DONE: Spec = (None, "[DONE]")
@@ -146,6 +152,21 @@ class OpenAIStreamFormat:
         self._offset += len(text)
         return self._chunk([choice])
 
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        if self.kind == "text":
+            return []  # legacy completions have no tool calls (nor tools to ask for them)
+        function: dict[str, Any] = {}
+        call: dict[str, Any] = {"index": piece.index}
+        if piece.id is not None:
+            call["id"] = piece.id
+        if piece.id is not None or piece.name is not None:
+            call["type"] = "function"
+        if piece.name is not None:
+            function["name"] = piece.name
+        function["arguments"] = piece.arguments
+        call["function"] = function
+        return [self._chunk([self._choice(None, None, tool_calls=[call])])]
+
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
@@ -173,12 +194,16 @@ def completion_choice(
     text: str,
     finish_reason: str,
     logprobs: tuple[TokenLogprob, ...] | None = None,
+    tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
     """One choice of a whole ``chat.completion`` or ``text_completion`` (``logprobs``: those
-    of its tokens, when the request asked)."""
+    of its tokens, when the request asked; ``tool_calls``: the calls it made, chat only)."""
     choice: dict[str, Any]
     if kind == "chat":
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [call.as_openai() for call in tool_calls]
         choice = {"index": index, "message": message, "logprobs": None}
     else:
         choice = {"index": index, "text": text, "logprobs": None}
@@ -201,11 +226,12 @@ def completion_body(
     moderation: dict[str, object] | None = None,
     logprobs: tuple[TokenLogprob, ...] | None = None,
     choices: list[dict[str, Any]] | None = None,
+    tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` or ``text_completion`` object: one choice of ``text``, or
-    ``choices`` made by ``completion_choice``."""
+    """A whole ``chat.completion`` or ``text_completion`` object: one choice of ``text`` (and
+    ``tool_calls``), or ``choices`` made by ``completion_choice``."""
     if choices is None:
-        choices = [completion_choice(kind, 0, text, finish_reason, logprobs)]
+        choices = [completion_choice(kind, 0, text, finish_reason, logprobs, tool_calls)]
     body: dict[str, Any] = {
         "id": completion_id(kind, reply_id),
         "object": _BODY_OBJECT[kind],

@@ -117,9 +117,16 @@ class ReplyPipeline:
             self.finish_reason = delta.finish_reason
         holdback, batcher = self.holdback, self.batcher
         if holdback is None or batcher is None:  # nothing held, nothing batched
-            if not delta.text and not delta.tokens:
-                return []
+            if not delta.text:
+                if delta.tool_call is not None:
+                    return self._entries(self.fmt.tool_call(delta.tool_call))
+                if not delta.tokens:
+                    return []
             return self._entries([self.fmt.text(delta.text, delta.tokens)])
+        if delta.tool_call is not None:
+            # A call's pieces carry no text; log probabilities, if any came with one, belong
+            # to no text event and are not queued for one.
+            return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
         if self.logprobs is not None and delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         text, tokens = holdback.push(delta.text, delta.tokens)
@@ -160,6 +167,15 @@ class ReplyPipeline:
             return self.fmt.text(text, tokens)
         taken = tuple(made.popleft() for _ in range(min(tokens, len(made))))
         return self.fmt.text_logprobs(text, tokens, taken)
+
+    def _release_held(self) -> list[Spec]:
+        """Text before a tool call: all of it goes out first, in order. The checks have
+        seen it; the text it could still join with is gone (a tool call ends it), and the
+        checks read text only, never a call's arguments."""
+        assert self.holdback is not None and self.batcher is not None
+        text, tokens = self.holdback.finish()
+        batch = self.batcher.add(text, tokens, 0.0)
+        return ([] if batch is None else [self._text(*batch)]) + self._flush()
 
     def _flush(self) -> list[Spec]:
         batch = None if self.batcher is None else self.batcher.flush()

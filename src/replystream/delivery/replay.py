@@ -93,6 +93,14 @@ class ReplayStats:
     live: int
     entries: int
     bytes: int
+    gaps: int = 0  # reads that found events a reader needed no longer kept (told as a gap)
+    # A remote store that lost writes it had acknowledged (a failover): how often that was
+    # found, the reply logs repaired from their producer's copy, the events written again,
+    # and those the producer no longer held (holes: their readers are told of a gap).
+    lost_writes: int = 0
+    repairs: int = 0
+    repaired_events: int = 0
+    holes: int = 0
 
 
 class LogCursor(Protocol):
@@ -273,6 +281,7 @@ class MemoryReplayStore:
         self.max_entries = max_entries
         self._logs: dict[str, _Log] = {}
         self._sweeps = 0
+        self._gaps = 0
         self._on_cancel: Callable[[str], None] = _no_producer
 
     async def create(self, info: ReplyInfo) -> None:
@@ -324,6 +333,8 @@ class MemoryReplayStore:
         if log is None:
             return None
         result = log.after(after)
+        if result.lost is not None:
+            self._gaps += 1
         if result.entries or result.lost or result.ending is not None or wait_s <= 0:
             return result
         waiter = asyncio.get_running_loop().create_future()
@@ -379,6 +390,7 @@ class MemoryReplayStore:
             live=sum(1 for log in logs if log.ending is None),
             entries=sum(len(log.entries) for log in logs),
             bytes=sum(log.bytes for log in logs),
+            gaps=self._gaps,
         )
 
     async def aclose(self) -> None:

@@ -11,6 +11,14 @@ frameworks) reads, byte for byte:
   ``response.completed`` (with usage), ``response.incomplete`` (the token limit, or a check
   that stopped the text: ``content_filter``) or ``response.failed`` (with the error). There
   is no ``[DONE]``: the terminal event ends the stream.
+- A tool call is a ``function_call`` output item after the message: the message item is
+  closed (its ``.done`` events), then ``response.output_item.added`` (``type:
+  "function_call"``, ``call_id``, ``name``, ``arguments: ""``), one
+  ``response.function_call_arguments.delta`` per fragment, and when the next call starts or
+  the response ends ``response.function_call_arguments.done`` (the whole arguments) and
+  ``response.output_item.done``. Output index 0 is always the message, opened before the
+  first delta is known (empty when the response opens with a call); text after a call joins
+  it. The whole response lists the function calls after the message in ``output``.
 - The same response whole, not streamed, is the object the terminal event carries.
 A format object serves one response: it numbers its events as the pipeline will (one per
 spec, from 1), and keeps the text so far, which the closing events repeat. It must not know
@@ -27,7 +35,8 @@ from typing import Any, Literal
 from replystream.delivery.formats import Notices, Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
-from replystream.engine.base import TokenLogprob
+from replystream.delivery.tool_calls import ToolCall, ToolCalls
+from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
@@ -60,6 +69,8 @@ class ResponseSettings:
     previous_response_id: str | None = None
     store: bool = True
     background: bool = False
+    tools: tuple[dict[str, Any], ...] = ()  # the function tools offered, as the request gave them
+    tool_choice: str | dict[str, Any] = "none"
 
 
 def response_object(
@@ -71,6 +82,7 @@ def response_object(
     usage: Usage | None = None,
     incomplete_reason: str | None = None,
     error: dict[str, str] | None = None,
+    tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
     """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it."""
     output: list[dict[str, Any]] = []
@@ -87,6 +99,7 @@ def response_object(
                 "content": [{"type": "output_text", "text": text, "annotations": []}],
             }
         )
+    output += (function_call_item(reply_id, call, "completed") for call in tool_calls)
     return {
         "id": response_id(reply_id),
         "object": "response",
@@ -104,12 +117,24 @@ def response_object(
         "store": settings.store,
         "temperature": settings.temperature,
         "text": {"format": {"type": "text"}},
-        "tool_choice": "none",
-        "tools": [],
+        "tool_choice": settings.tool_choice,
+        "tools": list(settings.tools),
         "top_p": settings.top_p,
         "truncation": "disabled",
         "usage": None if usage is None else usage_object(usage),
         "metadata": settings.metadata or {},
+    }
+
+
+def function_call_item(reply_id: str, call: ToolCall, status: Status) -> dict[str, Any]:
+    """A ``function_call`` output item (its item id is ours; ``call_id`` is the call's)."""
+    return {
+        "type": "function_call",
+        "id": f"fc_{reply_id}_{call.index}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
     }
 
 
@@ -132,6 +157,8 @@ class ResponsesStreamFormat:
     _next: int = 1  # the sequence number the pipeline gives the next spec
     _text: list[str] = field(default_factory=list)
     _delta_head: str = ""
+    _calls: ToolCalls = field(default_factory=ToolCalls)
+    _open_call: ToolCall | None = None  # the function call item open now, if any
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
@@ -140,7 +167,10 @@ class ResponsesStreamFormat:
 
     def _response(self, status: Status, **details: Any) -> dict[str, Any]:
         text = "".join(self._text)
-        return response_object(self.settings, self._reply_id, status, text=text, **details)
+        calls = self._calls.whole()
+        return response_object(
+            self.settings, self._reply_id, status, text=text, tool_calls=calls, **details
+        )
 
     def started(self, reply_id: str) -> list[Spec]:
         self._reply_id = reply_id
@@ -194,6 +224,47 @@ class ResponsesStreamFormat:
     def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
         return self.text(text, tokens)  # never asked: /v1/responses takes no logprobs
 
+    def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        known = piece.index in self._calls.calls
+        # A new call: close the item open now (the message, or the call before), then add
+        # a function_call item.
+        specs: list[Spec] = [] if known else self._close_open("completed")
+        call = self._calls.add(piece)
+        output_index = 1 + list(self._calls.calls).index(piece.index)
+        if not known:
+            self._open_call = call
+            item = function_call_item(self._reply_id, call, "in_progress")
+            item["arguments"] = ""
+            specs.append(
+                self._event(
+                    "response.output_item.added", {"output_index": output_index, "item": item}
+                )
+            )
+        if piece.arguments:
+            where = {"item_id": f"fc_{self._reply_id}_{call.index}", "output_index": output_index}
+            specs.append(
+                self._event(
+                    "response.function_call_arguments.delta", {**where, "delta": piece.arguments}
+                )
+            )
+        return specs
+
+    def _close_open(self, status: Status) -> list[Spec]:
+        """The closing events of the item open now: the message, or the last call."""
+        call = self._open_call
+        if call is None:
+            return [] if self._calls.calls else self._closing(status)
+        self._open_call = None
+        output_index = 1 + list(self._calls.calls).index(call.index)
+        item = function_call_item(self._reply_id, call, status)
+        where = {"item_id": item["id"], "output_index": output_index}
+        return [
+            self._event(
+                "response.function_call_arguments.done", {**where, "arguments": call.arguments}
+            ),
+            self._event("response.output_item.done", {"output_index": output_index, "item": item}),
+        ]
+
     def _closing(self, status: Status) -> list[Spec]:
         item_id = "msg_" + self._reply_id
         text = "".join(self._text)
@@ -218,13 +289,13 @@ class ResponsesStreamFormat:
         if finish_reason == "length":
             details = {"usage": usage, "incomplete_reason": "max_output_tokens"}
             return [
-                *self._closing("incomplete"),
+                *self._close_open("incomplete"),
                 self._event(
                     "response.incomplete", {"response": self._response("incomplete", **details)}
                 ),
             ]
         return [
-            *self._closing("completed"),
+            *self._close_open("completed"),
             self._event(
                 "response.completed", {"response": self._response("completed", usage=usage)}
             ),
@@ -240,7 +311,7 @@ class ResponsesStreamFormat:
         response = self._response("incomplete", incomplete_reason="content_filter")
         response["replystream_moderation"] = moderated_payload(violation)
         return [
-            *self._closing("incomplete"),
+            *self._close_open("incomplete"),
             self._event("response.incomplete", {"response": response}),
         ]
 
@@ -259,6 +330,7 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
     created: dict[str, Any] | None = None
     started = False
     text: list[str] = []
+    calls: dict[str, dict[str, Any]] = {}  # function_call items so far, by item id
     for entry in entries:
         if entry.event == "response.created":
             created = json.loads(entry.data)["response"]
@@ -266,6 +338,8 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
             started = True
         elif entry.event == "response.output_text.delta":
             text.append(json.loads(entry.data)["delta"])
+        elif entry.event in CALL_EVENTS:
+            _follow_call(calls, entry.event, json.loads(entry.data))
     if created is None:
         return None
     status = "in_progress" if started else created["status"]
@@ -283,8 +357,27 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
             "role": "assistant",
             "content": [{"type": "output_text", "text": "".join(text), "annotations": []}],
         }
-        created["output"] = [message_item]
+        created["output"] = [message_item, *calls.values()]
     return created
+
+
+CALL_EVENTS = frozenset(
+    {
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.output_item.done",
+    }
+)
+
+
+def _follow_call(calls: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
+    """A function_call item as its logged events tell it so far."""
+    if event == "response.function_call_arguments.delta":
+        calls[payload["item_id"]]["arguments"] += payload["delta"]
+        return
+    item = payload["item"]
+    if item["type"] == "function_call":
+        calls[item["id"]] = dict(item)
 
 
 def reader_notices(reply_id: str) -> Notices:

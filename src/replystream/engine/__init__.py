@@ -9,6 +9,7 @@ from replystream.engine.base import (
     GenerationRequest,
     RequestRejected,
     SamplingParams,
+    ToolCallDelta,
 )
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
 
@@ -23,4 +24,5 @@ __all__ = [
     "SamplingParams",
     "SimulatedConfig",
     "SimulatedEngine",
+    "ToolCallDelta",
 ]

@@ -64,6 +64,25 @@ class GenerationRequest:
     prompt: str = ""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     messages: tuple[Mapping[str, Any], ...] | None = None
+    # The tools the client offers, in OpenAI chat's form (``{"type": "function", "function":
+    # {...}}``, whatever the route's dialect), and its ``tool_choice`` in that form: relayed
+    # to chat upstreams. None: no tools offered.
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+
+
+class ToolCallDelta(NamedTuple):
+    """One piece of a tool call, as chat models stream them (OpenAI's ``tool_calls`` delta).
+
+    The first piece of a call (its ``index``, counted from 0 in the reply) names it: ``id``
+    and ``name`` set, ``arguments`` usually empty; later pieces carry only ``arguments``
+    fragments, which joined in order are the call's JSON arguments, byte for byte.
+    """
+
+    index: int  # type: ignore[assignment]  # OpenAI's name for it; shadows tuple.index
+    id: str | None
+    name: str | None
+    arguments: str
 
 
 class TopLogprob(NamedTuple):
@@ -98,9 +117,11 @@ class Delta(NamedTuple):
         text: the new text (may be empty while a multi-byte character is incomplete).
         tokens: how many tokens this delta carries (more than one with speculative decoding).
         made_at: ``time.monotonic()`` when the engine made it.
-        finish_reason: set on the last delta: ``"stop"`` or ``"length"``.
+        finish_reason: set on the last delta: ``"stop"``, ``"length"``, or ``"tool_calls"``
+            (the reply ended with tool calls for the client to run).
         logprobs: one entry per token of this delta, when the request asked for them.
         choice: which of a request's several generations made it (``n > 1``; else 0).
+        tool_call: a piece of a tool call (then ``text`` is empty), else None.
     """
 
     text: str
@@ -109,6 +130,7 @@ class Delta(NamedTuple):
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     choice: int = 0
+    tool_call: ToolCallDelta | None = None
 
 
 class DeltaStream(Protocol):

@@ -37,6 +37,7 @@ from replystream.engine.base import (
     TokenLogprob,
     TopLogprob,
 )
+from replystream.engine.reply_script import ReplyScript
 
 # 120 words: the lab's default reply, one word per token as in the reference experiment.
 DEFAULT_REPLY = (
@@ -91,7 +92,7 @@ def simulated_logprob(words: list[str], seed: int, index: int, top: int) -> Toke
     word = words[index]
     chance = 0.5 + 0.5 * token_draw(seed ^ _LOGPROB_SALT, index)  # [0.5, 1)
     made = TopLogprob(word, math.log(chance), word.encode())
-    others = [w for w in dict.fromkeys(words) if w != word]
+    others = [w for w in dict.fromkeys(words) if w and w != word]  # a script's calls: ""
     rest = (1.0 - chance) / 2.0
     alternatives = [made]
     for other in others[: max(0, top - 1)]:
@@ -111,6 +112,7 @@ class SimulatedConfig:
     first_token_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
     fail_after: int | None = None
+    script: ReplyScript | None = None  # text and tool calls to make instead of reply_text
 
     def __post_init__(self) -> None:
         if not split_words(self.reply_text):
@@ -230,6 +232,44 @@ class SimulatedEngine:
 
     async def aclose(self) -> None:
         """Nothing to release: a stream holds only its schedule."""
+
+
+class ScriptedEngine(SimulatedEngine):
+    """The simulated engine making a scripted reply (``engine.reply_script``): text and tool
+    calls, each delta one token, on the script's own delays where it gives them.
+
+    A subclass, so a plain simulated reply pays nothing per token for what scripts need.
+    The script is replayed as written whatever tools a request offers: it stands in for a
+    model to test clients, it is not one.
+    """
+
+    def __init__(self, config: SimulatedConfig, script: ReplyScript) -> None:
+        super().__init__(config)
+        self.script = script
+        self._plan = script.deltas
+        self._words = [step.text for step in script.deltas]  # the length every reply has
+
+    def _gap_ms(self, seed: int, index: int) -> float:
+        if index < len(self._plan):
+            delay = self._plan[index].delay_ms
+            if delay is not None:
+                return delay
+        return super()._gap_ms(seed, index)
+
+    def _token(self, index: int, count: int, made_at: float) -> Delta:
+        self._steps += 1
+        finish = None
+        if index == count - 1:
+            finish = "length" if count < len(self._plan) else self.script.finish_reason
+        step = self._plan[index]
+        return Delta(step.text, 1, made_at, finish, tool_call=step.tool_call)
+
+
+def simulated_engine(config: SimulatedConfig) -> SimulatedEngine:
+    """The simulated engine ``config`` describes: scripted when it has a script."""
+    if config.script is not None:
+        return ScriptedEngine(config, config.script)
+    return SimulatedEngine(config)
 
 
 class SimulatedStream:

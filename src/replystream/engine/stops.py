@@ -40,6 +40,12 @@ class StopScan:
         self.seen = 0  # characters seen so far
         self.keep = 0  # how many of the newest characters could begin a stop string
 
+    def break_text(self) -> None:
+        """The text seen so far ended (a tool call came between): no stop string begun in
+        it can complete in what comes next."""
+        self._tail = ""
+        self.keep = 0
+
     def feed(self, text: str) -> StopHit | None:
         """Scan a new piece; the first stop string it completes, if any. Otherwise ``keep``
         says how much of the text seen so far must be withheld (the shortest tail holding

@@ -140,6 +140,10 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
     if s.logprobs is not None:
         body["logprobs"] = True
         body["top_logprobs"] = s.logprobs
+    if request.tools:  # already in chat's form, whatever dialect the client spoke
+        body["tools"] = [dict(tool) for tool in request.tools]
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
     return body
 
 

@@ -30,12 +30,13 @@ from collections.abc import Callable
 
 import aiohttp
 
-from replystream.engine.base import Delta, EngineError
+from replystream.engine.base import Delta, EngineError, ToolCallDelta
 from replystream.engine.upstream_errors import broken_stream, quoted
 from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
-# Finish reasons upstreams use, mapped to ours ("stop" or "length"; a filter passes through).
+# Finish reasons upstreams use, mapped to ours ("stop", "length" or "tool_calls"; a filter
+# passes through).
 FINISH_REASONS = {
     "stop": "stop",
     "eos": "stop",
@@ -44,6 +45,8 @@ FINISH_REASONS = {
     "length": "length",
     "max_tokens": "length",
     "content_filter": "content_filter",
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",  # OpenAI's deprecated single-function form
 }
 
 
@@ -241,9 +244,36 @@ class UpstreamStream:
                 else:
                     self._tokens += 1
                     self._pending.append(Delta(text, 1, now))
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            if calls:
+                self._tool_calls(calls, now)
             reason = choice.get("finish_reason")
             if isinstance(reason, str) and reason:
                 self._finish = FINISH_REASONS.get(reason, "stop")
+
+    def _tool_calls(self, calls: object, now: float) -> None:
+        """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each."""
+        if not isinstance(calls, list):
+            raise self._fail("the upstream's tool_calls is not a list", "upstream_bad_chunk")
+        for call in calls:
+            function = call.get("function", {}) if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                raise self._fail("the upstream sent a malformed tool call", "upstream_bad_chunk")
+            index, call_id = call.get("index", 0), call.get("id")
+            name, arguments = function.get("name"), function.get("arguments") or ""
+            if (
+                not isinstance(index, int)
+                or isinstance(index, bool)
+                or index < 0
+                or not isinstance(call_id, str | None)
+                or not isinstance(name, str | None)
+                or not isinstance(arguments, str)
+            ):
+                raise self._fail("the upstream sent a malformed tool call", "upstream_bad_chunk")
+            self._tokens += 1
+            self._pending.append(
+                Delta("", 1, now, tool_call=ToolCallDelta(index, call_id, name, arguments))
+            )
 
     def _finish_reply(self, now: float) -> None:
         extra = max(0, (self._usage_tokens or 0) - self._tokens)

@@ -31,6 +31,7 @@ from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.sweep import run_sweep
+from replystream.lab.workload import MODEL_APIS
 
 
 async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
@@ -68,10 +69,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config, sweep = config_from_args(args)
-        if config.api == "openai" and args.model is None:
-            config, sweep = config_from_args(
-                args, asyncio.run(served_model(args.url, headers=dict(args.header)))
-            )
+        if config.api in MODEL_APIS and args.model is None:
+            listed = served_model(args.url, headers=dict(args.header), tls=config.tls)
+            config, sweep = config_from_args(args, asyncio.run(listed))
     except ValueError as exc:
         print(f"replystream bench: {exc}", file=sys.stderr)
         return 2

@@ -3,21 +3,22 @@ sweep configs they make.
 
 This file decides every flag's range (refused while parsing, with one line naming it) and
 every combination that cannot work (a flag that does not fit the profile, a trace with its own
-arrivals, a drop without the native API), refused before anything is sent; it reads the
-workload files the flags name. It must not send a request or compute a metric.
+arrivals, a drop on an API that cannot resume, TLS options for an http:// URL), refused before
+anything is sent; it reads the workload files the flags name and the CA file, into the TLS
+context every request uses. It must not send a request or compute a metric.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import ssl
 from collections.abc import Callable
 from typing import TypeVar
 
 from replystream.cli_values import (
     Checker,
     float_at_least,
-    http_url,
     non_negative_float,
     non_negative_int,
     output_file,
@@ -25,14 +26,17 @@ from replystream.cli_values import (
     positive_float,
     positive_int,
     readable_file,
+    web_url,
 )
+from replystream.client.transport import tls_context
 from replystream.lab.benchstats import SLO
 from replystream.lab.datasets import read_dataset, read_trace
+from replystream.lab.drop_resume import CURSORS
 from replystream.lab.load import LoadConfig
 from replystream.lab.profiles import PROFILE_KINDS, Profile
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import SweepConfig
-from replystream.lab.workload import APIS, Lengths, Prompt, detect_api
+from replystream.lab.workload import APIS, MODEL_APIS, Lengths, Prompt, detect_api
 
 T = TypeVar("T")
 
@@ -91,9 +95,23 @@ cancel_share = Checker(_cancel.wants, _cancel_share)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "url",
-        type=http_url,
+        type=web_url,
         nargs="?",
-        help="endpoint: .../stream, .../v1/replies or .../chat/completions (not with --compare)",
+        help="endpoint, http:// or https://: .../stream, .../v1/replies, .../chat/completions "
+        "or .../v1/responses (not with --compare)",
+    )
+    parser.add_argument(
+        "--cacert",
+        type=readable_file,
+        metavar="FILE",
+        help="https: verify the server's certificate against the CAs in this PEM file "
+        "(default: the system's)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="https: do not verify the server's certificate or name (a self-signed test "
+        "server; the figures are a TLS server's, the trust is none)",
     )
     parser.add_argument(
         "--compare",
@@ -202,8 +220,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drop-share",
         type=cancel_share,
         default=0.0,
-        help="native API: a share of conversations whose reader drops after --drop-after "
-        "tokens and resumes with Last-Event-ID",
+        help="native or Responses API: a share of conversations whose reader drops after "
+        "--drop-after tokens and resumes where it left off (a Responses request is then sent "
+        "with store and background, the only kind OpenAI's API resumes)",
+    )
+    parser.add_argument(
+        "--resume-cursor",
+        choices=CURSORS,
+        help="with --drop-share: say where the reader left off with the Last-Event-ID header "
+        "(header, the default) or the route's query parameter (query: last_event_id native, "
+        "starting_after Responses, as OpenAI's SDK sends it)",
     )
     parser.add_argument(
         "--drop-after",
@@ -240,7 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help="model name, openai API only (default: the one the server's /v1/models lists)",
+        help="model name, openai and responses APIs only (default: the one the server's "
+        "/v1/models lists)",
     )
     parser.add_argument(
         "--seed", type=non_negative_int, default=0, help="seeds arrival times and lengths"
@@ -328,6 +355,24 @@ def profile_from_args(
     return Profile(kind, concurrency=args.concurrency, rate=args.rate, burstiness=args.burstiness)
 
 
+def tls_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The TLS context for an https URL (None for http://, which has no TLS options); raises
+    ValueError for a flag that does not fit."""
+    if not args.url.lower().startswith("https://"):
+        if args.cacert is not None:
+            raise ValueError("--cacert verifies an https server: the URL is http://")
+        if args.insecure:
+            raise ValueError("--insecure skips verifying an https server: the URL is http://")
+        return None
+    if args.insecure and args.cacert is not None:
+        raise ValueError("--insecure verifies nothing, so --cacert would not be used: drop one")
+    try:
+        return tls_context(args.cacert, verify=not args.insecure)
+    except (ssl.SSLError, OSError) as exc:
+        why = f"{args.cacert} holds no usable PEM certificate ({exc})"
+        raise ValueError(f"--cacert: {why}") from None
+
+
 def _read(flag: str, read: Callable[[], T]) -> T:
     """``read()``, its ValueError prefixed with the flag whose value it read."""
     try:
@@ -370,9 +415,14 @@ def config_from_args(
     api = detect_api(args.url) if args.api == "auto" else args.api
     if args.metrics_interval is not None and not args.server_metrics:
         raise ValueError("--metrics-interval scrapes during a run: it needs --server-metrics")
-    if args.drop_share and api != "native":
-        raise ValueError(f"--drop-share resumes on the native API (.../v1/replies), not {api}")
-    if args.model is not None and api != "openai":
+    if args.drop_share and api not in ("native", "responses"):
+        raise ValueError(
+            f"--drop-share resumes on the native API (.../v1/replies) or the Responses API "
+            f"(.../v1/responses), not {api}"
+        )
+    if args.resume_cursor is not None and not args.drop_share:
+        raise ValueError("--resume-cursor says how a dropped reader resumes: add --drop-share")
+    if args.model is not None and api not in MODEL_APIS:
         raise ValueError(f"--model names the model of an OpenAI request; the {api} API has none")
     slos = tuple(slo for group in args.slo for slo in group)
     names = [slo.metric for slo in slos]
@@ -400,7 +450,9 @@ def config_from_args(
         drop_after=args.drop_after or 1,
         server_metrics=metrics_url(args.url) if args.server_metrics else None,
         metrics_interval_s=args.metrics_interval,
+        resume_cursor=args.resume_cursor or "header",
         headers=tuple(args.header),
+        tls=tls_from_args(args),
         model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,

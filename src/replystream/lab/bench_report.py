@@ -97,16 +97,29 @@ def render(summary: dict[str, Any], console: Console) -> None:
     if summary["server"] is not None:
         for line in _server_lines(summary["server"]):
             console.print(line, highlight=False, markup=False)
-    client = summary["client"]
+    console.print(client_line(summary["client"], rate["wall_s"]), highlight=False)
+
+
+CLIENT_LIMITED = "the client, not the server, may be the limit"
+
+
+def client_line(client: dict[str, Any], wall_s: float) -> str:
+    """The load client's own cost: CPU over wall time, per event read, and the warning when
+    it was near a full core."""
     share = client["cpu_share_of_one_core"]
-    warning = "  [bold red]the client may be the bottleneck[/]" if share > 0.8 else ""
     per_event = client["cpu_us_per_event"]
-    cost = "" if per_event is None else f", {per_event:,.0f} µs per text event read"
-    console.print(
-        f"Load client CPU: {client['cpu_s']:,.2f} s over {rate['wall_s']:,.2f} s wall = "
-        f"{100 * share:.1f} % of one core{cost}{warning}",
-        highlight=False,
+    cost = "" if per_event is None else f", {per_event:,.1f} µs of CPU per text event read"
+    line = (
+        f"Load client CPU: {client['cpu_s']:,.2f} s over {wall_s:,.2f} s wall = "
+        f"{100 * share:.1f} % of one core{cost}"
     )
+    if client["client_limited"]:
+        line += (
+            f"\n  [bold red]{CLIENT_LIMITED}[/]: its CPU was above "
+            f"{100 * client['limit_share']:g} % of one core; spread the load over more bench "
+            "processes or machines before reading these figures as the server's"
+        )
+    return line
 
 
 def _steady_line(steady: dict[str, Any]) -> str:
@@ -174,12 +187,16 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
         "E2EL p50",
         "Good %",
         "Steady",
+        "Client CPU %",
+        "µs/event",
     ):
         table.add_column(column, justify="left" if column == "Profile" else "right")
     for run in result["runs"]:
         s = run["summary"]
         target = run["target_rate"]
         steady = s["steady_state"]["steady"]
+        client = s["client"]
+        limited = client["client_limited"]
         knee = run["rate"] is not None and run["rate"] == sweep["knee_rate"]
         table.add_row(
             run["profile"] + (" (knee)" if knee else ""),
@@ -191,8 +208,22 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
             _cell(s["e2el_ms"]["p50"], "ms"),
             f"{100 * s['goodput']['share_of_requests']:.1f}",
             "-" if steady is None else "yes" if steady else "NO",
+            f"{100 * client['cpu_share_of_one_core']:.0f}" + (" !" if limited else ""),
+            _cell(client["cpu_us_per_event"], ""),
         )
     console.print(table)
+    limited_runs = [run for run in result["runs"] if run["summary"]["client"]["client_limited"]]
+    if limited_runs:
+        names = ", ".join(
+            run["profile"] if run["target_rate"] is None else f"{run['target_rate']:,.2f} req/s"
+            for run in limited_runs
+        )
+        console.print(
+            f"Warning: [bold red]{CLIENT_LIMITED}[/] in the runs marked ! ({names}): the load "
+            "client used nearly a full core there, so those rows (and a knee among them) may "
+            "be the client's",
+            highlight=False,
+        )
     slos = " and ".join(f"{k} <= {v:g} ms" for k, v in sweep["slos"].items()) or "no SLO"
     console.print(
         f"Synchronous rate {sweep['synchronous_rate']:,.2f} req/s, maximum throughput "

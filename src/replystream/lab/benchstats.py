@@ -35,6 +35,10 @@ METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "first_byte_ms", "first_ch
 SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "itl": "max_itl_ms", "e2el": "e2el_ms"}
 # Per-request figures that do not grow with reply length, so a mixed workload is judged fairly.
 STEADY_METRICS = ("ttft_ms", "tpot_ms")
+# The load client's CPU time over the run's wall time above which the client, not the server,
+# may be what limits the figures: an asyncio client is one thread, and near a full core its
+# timestamps wait on its own parsing (and its arrivals fall behind their schedule).
+CLIENT_LIMIT_SHARE = 0.8
 
 DEFINITIONS = {
     "ttft_ms": "request sent -> first parsed non-empty text",
@@ -280,6 +284,8 @@ def summarize(
         "cpu_share_of_one_core": run.client_cpu_share,
         "events_read": events_read,
         "cpu_us_per_event": 1e6 * run.client_cpu_s / events_read if events_read else None,
+        "limit_share": CLIENT_LIMIT_SHARE,
+        "client_limited": run.client_cpu_share > CLIENT_LIMIT_SHARE,
     }
     config = run.config
     result["config"] = {
@@ -302,6 +308,7 @@ def summarize(
         "cancel_after": config.cancel_after,
         "drop_share": config.drop_share,
         "drop_after": config.drop_after,
+        "resume_cursor": config.resume_cursor if config.drop_share else None,
         "seed": config.seed,
     }
     result["percentile_method"] = "linear interpolation between closest ranks (NumPy 'linear')"

@@ -19,7 +19,7 @@ from replystream.cli_values import http_url, positive_float, positive_int
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
 from replystream.lab.served_model import ModelLookupError, served_model
-from replystream.lab.workload import APIS, Api, build_request, detect_api
+from replystream.lab.workload import APIS, MODEL_APIS, Api, build_request, detect_api
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ async def examine(args: argparse.Namespace) -> tuple[ReplyTiming, ReplyTiming | 
     """
     api: Api = api_of(args)
     model = args.model or "default"
-    if api == "openai" and args.model is None:
+    if api in MODEL_APIS and args.model is None:
         model = await served_model(args.url, timeout_s=args.timeout)
     async with asyncio.TaskGroup() as group:
         proxied = group.create_task(_measure(args.url, api, args, model))
@@ -131,7 +131,7 @@ def api_of(args: argparse.Namespace) -> Api:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model is not None and api_of(args) != "openai":
+    if args.model is not None and api_of(args) not in MODEL_APIS:
         print(
             f"replystream doctor: --model names the model of an OpenAI request; "
             f"the {api_of(args)} API has none",

@@ -1,9 +1,15 @@
 """The drop-and-resume scenario: a reader that loses its connection and resumes with
-``Last-Event-ID``, and what it found on the way back.
+``Last-Event-ID`` (or the route's own query cursor), and what it found on the way back.
 
-This file decides how a dropped read is done and judged on replystream's native route: start
-a resumable reply, read until ``drop_after`` tokens arrived, close the socket, then ask the
-reply's resume URL for the events after the last id seen and read to the end. It reports the
+This file decides how a dropped read is done and judged, on two routes:
+- native: ``POST .../v1/replies`` with ``resumable: true`` (the reply id in ``X-Reply-Id``),
+  resumed at ``GET /v1/replies/{id}/stream``, the query cursor ``last_event_id``;
+- responses: ``POST .../v1/responses`` with ``store`` and ``background`` (OpenAI resumes only
+  a background response: any other stops when its reader leaves), the response id from
+  ``response.created``, resumed at ``GET .../v1/responses/{id}?stream=true``, the query
+  cursor ``starting_after``; an event's number is its ``id:`` or else its ``sequence_number``.
+Start the reply, read until ``drop_after`` tokens arrived, close the socket, then ask for the
+events after the last number seen and read to the end. It reports the
 time from sending the resume request to the first replayed event, and the events lost (an id
 that never arrived, or one the server announced in a ``gap`` event) and duplicated (an id
 that arrived twice); both must be 0. The whole read, both connections, is one
@@ -15,16 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from replystream.client import ReplyTiming
 from replystream.client.formats import interpret_event
 from replystream.client.resume import resume_url
 from replystream.client.transport import TransportError, http_request
-from replystream.sse import EventParser, SSEError
+from replystream.sse import Event, EventParser, SSEError
+
+Route = Literal["native", "responses"]
+ROUTES: tuple[Route, ...] = ("native", "responses")
+# How the resume says where it left off: the Last-Event-ID header, or the route's own query
+# parameter (``last_event_id`` native, ``starting_after`` Responses, as OpenAI's SDK sends).
+Cursor = Literal["header", "query"]
+CURSORS: tuple[Cursor, ...] = ("header", "query")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,18 +80,34 @@ class _Read:
     first_byte_ms: float | None = None
     body_bytes: int = 0
     reply_id: str | None = None
+    response_id: str | None = None  # a Responses id, from ``response.created``
+    first_number: int | None = None  # the first event's number: 1 ours, 0 OpenAI's Responses
 
     def ms(self, at: float) -> float:
         return (at - self.started) * 1000.0
 
 
+def _number(event: Event, payload: Any) -> int | None:
+    """An event's place in the reply: its ``id:``, else a Responses ``sequence_number``."""
+    if (event.id or "").isdigit():
+        return int(event.id or "0")
+    number = payload.get("sequence_number") if isinstance(payload, dict) else None
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+
 async def _follow(
-    read: _Read, url: str, method: str, body: bytes, headers: dict[str, str], stop_after: int
+    read: _Read,
+    url: str,
+    method: str,
+    body: bytes,
+    headers: dict[str, str],
+    stop_after: int,
+    tls: ssl.SSLContext | None,
 ) -> float | None:
     """Read one connection's events until the end, an error or ``stop_after`` tokens (0: no
     stop); return the time of its first numbered event (perf_counter) or None."""
     first_at: float | None = None
-    async with http_request(url, method=method, body=body, headers=headers) as response:
+    async with http_request(url, method=method, body=body, headers=headers, tls=tls) as response:
         if read.status is None:
             read.status = response.status
             read.headers_ms = read.ms(response.head_at)
@@ -91,12 +122,18 @@ async def _follow(
                 read.first_byte_ms = read.ms(chunk.at)
             read.body_bytes += len(chunk.data)
             for event in parser.feed(chunk.data):
-                if (event.id or "").isdigit():
-                    read.ids.append(int(event.id or "0"))
+                payload = None if (event.id or "").isdigit() else _json(event.data)
+                number = _number(event, payload)
+                if number is not None:
+                    read.ids.append(number)
+                    read.first_number = number if read.first_number is None else read.first_number
                     first_at = chunk.at if first_at is None else first_at
                 if event.type == "gap":
                     gap = json.loads(event.data)
                     read.announced_lost += int(gap["lost_to"]) - int(gap["lost_from"]) + 1
+                elif event.type == "response.created":
+                    created = (payload or _json(event.data) or {}).get("response", {})
+                    read.response_id = read.response_id or created.get("id")
                 meaning = interpret_event(event)
                 if meaning.kind == "text" and meaning.text:
                     read.text.append(meaning.text)
@@ -114,35 +151,77 @@ async def _follow(
     return first_at
 
 
+def _json(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _start_body(route: Route, json_body: dict[str, Any]) -> dict[str, Any]:
+    if route == "native":
+        return {**json_body, "resumable": True}
+    return {**json_body, "stream": True, "store": True, "background": True}
+
+
+def _resume_request(
+    route: Route, cursor: Cursor, url: str, read: _Read
+) -> tuple[str, dict[str, str]] | None:
+    """The URL and headers that ask for the events after the last one read (None: the
+    reply's id never arrived, so it cannot be asked for)."""
+    after = str(read.ids[-1])
+    if route == "native":
+        if read.reply_id is None:
+            return None
+        target, param = resume_url(url, read.reply_id), "last_event_id"
+        query: dict[str, str] = {}
+    else:
+        if read.response_id is None:
+            return None
+        parts = urlsplit(url)
+        path = f"{parts.path.rstrip('/')}/{read.response_id}"
+        target = urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+        param, query = "starting_after", {"stream": "true"}
+    sent_headers = {"Last-Event-ID": after} if cursor == "header" else {}
+    if cursor == "query":
+        query[param] = after
+    return (f"{target}?{urlencode(query)}" if query else target), sent_headers
+
+
 async def drop_and_resume(
     url: str,
     json_body: dict[str, Any],
     drop_after_tokens: int,
     timeout_s: float,
     headers: dict[str, str] | None = None,
+    *,
+    route: Route = "native",
+    cursor: Cursor = "header",
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[ReplyTiming, ResumeOutcome]:
-    """Start a resumable reply at ``url`` (the native route), drop it after
-    ``drop_after_tokens`` tokens, resume it and read it to the end (``headers`` sent on
-    both connections)."""
+    """Start a resumable reply at ``url`` on ``route``, drop it after ``drop_after_tokens``
+    tokens, resume it (saying where with ``cursor``) and read it to the end (``headers``
+    sent on both connections; ``tls`` for an https URL)."""
     read = _Read(time.perf_counter())
-    body = json.dumps({**json_body, "resumable": True}).encode()
+    body = json.dumps(_start_body(route, json_body)).encode()
     extra = headers or {}
     start_headers = {"Accept": "text/event-stream", "Content-Type": "application/json", **extra}
     reconnect_ms: float | None = None
     resumed = False
     try:
         async with asyncio.timeout(timeout_s):
-            await _follow(read, url, "POST", body, start_headers, drop_after_tokens)
-            if not read.complete and read.error is None and read.reply_id and read.ids:
-                again = {
-                    "Accept": "text/event-stream",
-                    **extra,
-                    "Last-Event-ID": str(read.ids[-1]),
-                }
-                sent = time.perf_counter()
-                first = await _follow(read, resume_url(url, read.reply_id), "GET", b"", again, 0)
-                resumed = read.error is None
-                reconnect_ms = None if first is None else (first - sent) * 1000.0
+            await _follow(read, url, "POST", body, start_headers, drop_after_tokens, tls)
+            if not read.complete and read.error is None and read.ids:
+                again = _resume_request(route, cursor, url, read)
+                if again is None:
+                    read.error = "the reply's id never arrived, so it cannot be resumed"
+                else:
+                    target, cursor_headers = again
+                    sent = time.perf_counter()
+                    resume_headers = {"Accept": "text/event-stream", **extra, **cursor_headers}
+                    first = await _follow(read, target, "GET", b"", resume_headers, 0, tls)
+                    resumed = read.error is None
+                    reconnect_ms = None if first is None else (first - sent) * 1000.0
     except TimeoutError:
         read.error = f"timed out after {timeout_s:g} s"
     except (TransportError, SSEError, zlib.error, ValueError, KeyError) as exc:
@@ -150,7 +229,9 @@ async def drop_and_resume(
     if not read.complete and read.error is None:
         read.error = "stream ended without an end marker"
     seen = set(read.ids)
-    missing = (max(seen) - len(seen)) if seen else 0  # ids run 1, 2, 3 ... without a hole
+    # Numbers run without a hole from the first: 1 (ours), or 0 (OpenAI's sequence numbers).
+    origin = 0 if read.first_number == 0 else 1
+    missing = (max(seen) - origin + 1 - len(seen)) if seen else 0
     timing = ReplyTiming(
         url=url,
         streamed=True,

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replystream.client import ReplyTiming, measure_reply
-from replystream.lab.drop_resume import ResumeOutcome, drop_and_resume
+from replystream.lab.drop_resume import Cursor, ResumeOutcome, drop_and_resume
 from replystream.lab.profiles import Profile
 from replystream.lab.server_metrics import Scrape, ScrapeError, scrape, scrape_when_idle
 from replystream.lab.workload import Api, Lengths, Prompt, build_request, plan, system_prompt_of
@@ -49,15 +50,19 @@ class LoadConfig:
     # A share of conversations whose first reader hangs up after cancel_after tokens.
     cancel_share: float = 0.0
     cancel_after: int = 1
-    # A share of conversations (native API) whose first reader drops after drop_after tokens
-    # and resumes with Last-Event-ID; drawn apart from the cancelling share.
+    # A share of conversations (native or Responses API) whose first reader drops after
+    # drop_after tokens and resumes, saying where with resume_cursor (the Last-Event-ID
+    # header or the route's query parameter); drawn apart from the cancelling share.
     drop_share: float = 0.0
     drop_after: int = 1
+    resume_cursor: Cursor = "header"
     # Scrape this Prometheus /metrics after the warm-up and when the run ended, if set.
     server_metrics: str | None = None
     metrics_interval_s: float | None = None  # ... and during the run at this interval
     # Sent with every request, resume and scrape (an Authorization a deployment wants).
     headers: tuple[tuple[str, str], ...] = ()
+    # The TLS context for an https URL (None: verify against the system's CAs).
+    tls: ssl.SSLContext | None = None
     model: str = "default"
     seed: int = 0
     timeout_s: float = 300.0
@@ -84,8 +89,11 @@ class LoadConfig:
             self.server_metrics is None or not self.metrics_interval_s > 0
         ):
             raise ValueError("metrics_interval_s must be positive and needs server_metrics")
-        if self.drop_share and self.api != "native":
-            raise ValueError("drop and resume speaks the native API (POST .../v1/replies)")
+        if self.drop_share and self.api not in ("native", "responses"):
+            raise ValueError(
+                "drop and resume speaks the native API (POST .../v1/replies) or the Responses "
+                "API (POST .../v1/responses)"
+            )
         if self.prompts_in_order and not self.prompts:
             raise ValueError("prompts_in_order needs prompts")
 
@@ -161,7 +169,7 @@ async def run_load(
     error: str | None = None
     if config.server_metrics is not None:
         try:
-            before = await scrape(config.server_metrics, dict(config.headers))
+            before = await scrape(config.server_metrics, dict(config.headers), tls=config.tls)
         except ScrapeError as exc:
             error = str(exc)
     cpu_start = time.process_time()
@@ -184,6 +192,7 @@ async def run_load(
                 _sample(
                     config.server_metrics,
                     dict(config.headers),
+                    config.tls,
                     config.metrics_interval_s,
                     started,
                     stop,
@@ -218,7 +227,9 @@ async def run_load(
     after: Scrape | None = None
     if config.server_metrics is not None and before is not None:
         try:
-            after = await scrape_when_idle(config.server_metrics, dict(config.headers))
+            after = await scrape_when_idle(
+                config.server_metrics, dict(config.headers), tls=config.tls
+            )
         except ScrapeError as exc:
             error = str(exc)
     return LoadRun(config, tuple(records), wall, cpu, before, after, error, tuple(samples))
@@ -227,6 +238,7 @@ async def run_load(
 async def _sample(
     url: str,
     headers: dict[str, str],
+    tls: ssl.SSLContext | None,
     interval_s: float,
     started: float,
     stop: asyncio.Event,
@@ -236,7 +248,7 @@ async def _sample(
     before and after scrapes say whether the metrics can be read at all)."""
     while not stop.is_set():
         with contextlib.suppress(ScrapeError):
-            samples.append((time.perf_counter() - started, await scrape(url, headers)))
+            samples.append((time.perf_counter() - started, await scrape(url, headers, tls=tls)))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(interval_s):
                 await stop.wait()
@@ -284,7 +296,14 @@ async def _conversation(
         resume: ResumeOutcome | None = None
         if drops and turn == 0 and spec.json_body is not None:
             timing, resume = await drop_and_resume(
-                spec.url, spec.json_body, config.drop_after, config.timeout_s, dict(config.headers)
+                spec.url,
+                spec.json_body,
+                config.drop_after,
+                config.timeout_s,
+                dict(config.headers),
+                route="responses" if config.api == "responses" else "native",
+                cursor=config.resume_cursor,
+                tls=config.tls,
             )
         else:
             timing = await measure_reply(
@@ -294,6 +313,7 @@ async def _conversation(
                 headers=dict(config.headers),
                 timeout_s=config.timeout_s,
                 stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
+                tls=config.tls,
             )
         words = one.words + sum(len(text.split()) for pair in history for text in pair)
         index = number * config.turns + turn

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from urllib.parse import urlsplit, urlunsplit
 
 from replystream.client.transport import TransportError, http_request
 
-_ENDPOINTS = ("/chat/completions", "/completions")
+_ENDPOINTS = ("/chat/completions", "/completions", "/responses")
 
 
 class ModelLookupError(Exception):
@@ -34,10 +35,14 @@ def models_url(url: str) -> str:
 
 
 async def served_model(
-    url: str, *, timeout_s: float = 30.0, headers: dict[str, str] | None = None
+    url: str,
+    *,
+    timeout_s: float = 30.0,
+    headers: dict[str, str] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> str:
     """The one model the server of endpoint ``url`` lists (``headers``: sent too, such as
-    an Authorization the server wants).
+    an Authorization the server wants; ``tls``: the context for an https URL).
 
     Raises:
         ModelLookupError: the list cannot be read, or it names no model or several.
@@ -46,7 +51,7 @@ async def served_model(
     try:
         async with asyncio.timeout(timeout_s):
             sent = {"Accept": "application/json", **(headers or {})}
-            async with http_request(listing, headers=sent) as response:
+            async with http_request(listing, headers=sent, tls=tls) as response:
                 body = b"".join([chunk.data async for chunk in response])
                 status = response.status
     except (TransportError, TimeoutError) as exc:

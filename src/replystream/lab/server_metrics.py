@@ -11,6 +11,7 @@ was sent.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import defaultdict
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -58,10 +59,18 @@ def parse(text: str) -> Scrape:
     return dict(totals)
 
 
-async def scrape(url: str, headers: dict[str, str] | None = None, timeout_s: float = 5.0) -> Scrape:
-    """GET ``url`` (with ``headers``) and parse it; raises ScrapeError."""
+async def scrape(
+    url: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 5.0,
+    tls: ssl.SSLContext | None = None,
+) -> Scrape:
+    """GET ``url`` (with ``headers``; ``tls`` for https) and parse it; raises ScrapeError."""
     try:
-        async with asyncio.timeout(timeout_s), http_request(url, headers=headers) as response:
+        async with (
+            asyncio.timeout(timeout_s),
+            http_request(url, headers=headers, tls=tls) as response,
+        ):
             body = b"".join([chunk.data async for chunk in response])
             if response.status != 200:
                 raise ScrapeError(f"{url} answered HTTP {response.status}")
@@ -71,14 +80,17 @@ async def scrape(url: str, headers: dict[str, str] | None = None, timeout_s: flo
 
 
 async def scrape_when_idle(
-    url: str, headers: dict[str, str] | None = None, settle_s: float = 2.0
+    url: str,
+    headers: dict[str, str] | None = None,
+    settle_s: float = 2.0,
+    tls: ssl.SSLContext | None = None,
 ) -> Scrape:
     """Scrape once the server holds no active stream (it may notice a reader's hang-up a
     moment after the reader left), or after ``settle_s`` whatever it holds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settle_s
     while True:
-        current = await scrape(url, headers)
+        current = await scrape(url, headers, tls=tls)
         if current.get(_ACTIVE, 0.0) == 0 or loop.time() >= deadline:
             return current
         await asyncio.sleep(0.05)

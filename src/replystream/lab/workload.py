@@ -1,11 +1,12 @@
 """What a load run sends: request shapes per API and length distributions.
 
 This file decides the wire shape of one benchmark request for each API replystream can drive
-(the lab's ``GET /stream``, the native ``POST /v1/replies`` and OpenAI-compatible
-``POST .../chat/completions`` or ``.../completions``), with a system prompt users share, and
-what each request asks: lengths drawn from a distribution or a histogram file, or a prompt
-from a dataset (``datasets`` reads those files; when requests arrive is ``profiles``). No
-sockets and no clocks, and it must not know how replies are read or timed.
+(the lab's ``GET /stream``, the native ``POST /v1/replies``, OpenAI-compatible
+``POST .../chat/completions`` or ``.../completions``, and OpenAI's ``POST .../responses``),
+with a system prompt users share, and what each request asks: lengths drawn from a
+distribution or a histogram file, or a prompt from a dataset (``datasets`` reads those files;
+when requests arrive is ``profiles``). No sockets and no clocks, and it must not know how
+replies are read or timed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-Api = Literal["lab", "native", "openai"]
-APIS: tuple[Api, ...] = ("lab", "native", "openai")
+Api = Literal["lab", "native", "openai", "responses"]
+APIS: tuple[Api, ...] = ("lab", "native", "openai", "responses")
+# The APIs whose requests name a model (the one the server lists, when the user named none).
+MODEL_APIS: frozenset[Api] = frozenset({"openai", "responses"})
 
 # Prompt filler: distinct short words, so a prompt of N words is N tokens to a word tokenizer.
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
@@ -32,6 +35,8 @@ def detect_api(url: str) -> Api:
         return "openai"
     if path.endswith("/replies"):
         return "native"
+    if path.endswith("/responses"):
+        return "responses"
     return "lab"
 
 
@@ -58,9 +63,12 @@ def build_request(
 
     ``max_tokens=None`` leaves the reply length to the server. ``system``, a system prompt
     every user shares, and ``history``, the conversation's earlier (prompt, reply) turns that
-    a chat client resends, are messages to a chat endpoint and paragraphs before the prompt
-    to the others (which take one text).
+    a chat client resends, are messages to a chat or Responses endpoint (the system prompt
+    is a Responses request's ``instructions``) and paragraphs before the prompt to the others
+    (which take one text).
     """
+    if api == "responses":
+        return _responses_request(url, prompt, max_tokens, model, system, history)
     if not (api == "openai" and _is_chat(url)):
         earlier = [text for turn in history for text in turn]
         prompt = "\n\n".join(p for p in (system, *earlier, prompt) if p)
@@ -87,6 +95,30 @@ def build_request(
             body["prompt"] = prompt
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
+    return RequestSpec("POST", url, body)
+
+
+def _responses_request(
+    url: str,
+    prompt: str,
+    max_tokens: int | None,
+    model: str,
+    system: str,
+    history: Sequence[tuple[str, str]],
+) -> RequestSpec:
+    body: dict[str, Any] = {"model": model, "stream": True}
+    if system:
+        body["instructions"] = system
+    if history:
+        items = []
+        for asked, replied in history:
+            items.append({"role": "user", "content": asked})
+            items.append({"role": "assistant", "content": replied})
+        body["input"] = [*items, {"role": "user", "content": prompt}]
+    else:
+        body["input"] = prompt
+    if max_tokens is not None:
+        body["max_output_tokens"] = max_tokens
     return RequestSpec("POST", url, body)
 
 

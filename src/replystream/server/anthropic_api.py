@@ -34,6 +34,12 @@ from replystream.server.native import bad, delivery_overrides, sampling_params
 from replystream.server.openai_api import served_model
 from replystream.server.openai_requests import model_not_found
 from replystream.server.schemas import MessagesBody, SamplingFields
+from replystream.server.tool_requests import (
+    anthropic_messages,
+    anthropic_tools,
+    check_tool_answers,
+    prompt_of,
+)
 from replystream.server.validation import read_model
 
 
@@ -49,20 +55,21 @@ def _sampling(body: MessagesBody) -> SamplingFields:
 
 
 def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if body.system_text:
         messages.append({"role": "system", "content": body.system_text})
-    messages.extend({"role": m.role, "content": m.text} for m in body.messages)
-    prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    messages.extend(anthropic_messages(body.messages))
+    check_tool_answers(messages, "messages")
+    tools, tool_choice = anthropic_tools(body.tools, body.tool_choice)
+    prompt = prompt_of(messages)
     if len(prompt) > max_prompt_chars:
         raise bad(
             "messages",
             f"the prompt is {len(prompt)} characters; this server's limit is {max_prompt_chars}",
             "context_length_exceeded",
         )
-    return GenerationRequest(
-        prompt, sampling_params(_sampling(body), body.max_tokens), tuple(messages)
-    )
+    sampling = sampling_params(_sampling(body), body.max_tokens)
+    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice)
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -110,6 +117,7 @@ async def _whole(
             input_tokens=input_tokens,
             output_tokens=whole.usage.completion_tokens,
             stop_sequence=stop,
+            tool_calls=whole.tool_calls,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

@@ -110,14 +110,19 @@ def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
 
 
 def _native_body(whole: Whole) -> dict[str, Any]:
-    body = {
-        "text": whole.text,
-        "finish_reason": whole.finish_reason,
-        "usage": whole.usage.as_dict(),
-    }
+    body: dict[str, Any] = {"text": whole.text, "finish_reason": whole.finish_reason}
+    if whole.tool_calls:
+        body["tool_calls"] = [call.as_openai() for call in whole.tool_calls]
+    body["usage"] = whole.usage.as_dict()
     if whole.stop_sequence is not None:
         body["stop_sequence"] = whole.stop_sequence
     return body
+
+
+def _lab_body(whole: Whole) -> dict[str, Any]:
+    if whole.tool_calls:  # a scripted engine's calls: kept beside the text, never dropped
+        return {"text": whole.text, "tool_calls": [c.as_openai() for c in whole.tool_calls]}
+    return {"text": whole.text}
 
 
 async def handle_wait(request: web.Request) -> web.StreamResponse:
@@ -137,7 +142,7 @@ async def handle_wait(request: web.Request) -> web.StreamResponse:
         generation,
         endpoint="/wait",
         policy=policy,
-        body=lambda whole: {"text": whole.text},
+        body=_lab_body,
         moderated_body=_moderated_body,
     )
 

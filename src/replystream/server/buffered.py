@@ -21,6 +21,7 @@ from aiohttp import web
 from replystream.delivery.channel import DeltaChannel, End, pump
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
+from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import Delta, DeltaStream, TokenLogprob
 from replystream.server.errors import error_response
 from replystream.server.metrics import ReplyRecord
@@ -40,6 +41,7 @@ class Whole(NamedTuple):
     stop_sequence: str | None = None  # the stop string it ended at
     logprobs: tuple[TokenLogprob, ...] | None = None  # of the tokens of ``text``, when asked
     violation: Violation | None = None  # a check stopped it (``text``: what was released)
+    tool_calls: tuple[ToolCall, ...] = ()  # joined from their pieces, in the order they started
 
 
 BodyFn = Callable[[Whole], dict[str, Any]]
@@ -67,6 +69,7 @@ class _Collector:
         self.holdback = HoldBack(WHOLE_REPLY, checks, stops)
         self.parts: list[str] = []
         self.made: list[TokenLogprob] | None = [] if logprobs else None
+        self.calls = ToolCalls()
         self.finish_reason = "stop"
         self.tokens = 0
         self.done = False  # a check failed or a stop string completed: take no more
@@ -75,6 +78,12 @@ class _Collector:
         """Add a delta; True once this choice needs no more (its generation can stop)."""
         self.tokens += delta.tokens
         self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.tool_call is not None:
+            # As in a stream: a call ends the text before it (held text is released, and no
+            # stop string spans it); its pieces are no text and have no log probabilities.
+            self.parts.append(self.holdback.finish()[0])
+            self.calls.add(delta.tool_call)
+            return False
         if self.made is not None and delta.logprobs:
             self.made.extend(delta.logprobs)
         self.parts.append(self.holdback.push(delta.text, delta.tokens)[0])
@@ -89,7 +98,8 @@ class _Collector:
         finish = "stop" if stop is not None else self.finish_reason
         # The tokens of the text released (not those of a stop string cut from it).
         shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
-        return Whole("".join(self.parts), finish, usage, stop, shown, holdback.violation)
+        text = "".join(self.parts)
+        return Whole(text, finish, usage, stop, shown, holdback.violation, self.calls.whole())
 
 
 async def buffered_reply(
@@ -110,7 +120,8 @@ async def buffered_reply(
     ``body(whole)`` shapes a finished reply; ``moderated_body(released text, violation)`` a
     reply a check stopped. A failure is a 500, a shutdown a 503. The generation is stopped at
     the first stop string. ``several``: ``deltas`` are several choices' (``Delta.choice``),
-    each collected on its own, and the body is ``several.body`` of them all.
+    each collected on its own, and the body is ``several.body`` of them all. Tool calls are
+    joined from their pieces, in the order they started (``Whole.tool_calls``).
     """
     channel = DeltaChannel()
     collectors = [

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from replystream import settings
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.redis_connect import parse_redis_url
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import MemoryReplayStore, ReplayStore
 from replystream.engine.base import Engine
@@ -89,9 +90,15 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 def build_store(args: argparse.Namespace) -> ReplayStore:
     """Where resumable replies are logged; raises ValueError on bad values."""
     if args.redis_url:
-        if not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis-url must be a redis:// URL, got {args.redis_url!r}")
-        return RedisReplayStore(args.redis_url, ttl_after_end_s=args.reply_ttl_s)
+        try:
+            parse_redis_url(args.redis_url)
+        except ValueError as exc:
+            raise ValueError(f"--redis-url: {exc}") from None
+        return RedisReplayStore(
+            args.redis_url, ttl_after_end_s=args.reply_ttl_s, failover_s=args.redis_failover_s
+        )
+    if any(setting.flag == "--redis-failover-s" for setting in settings.given(args)):
+        raise ValueError("--redis-failover-s is an option of --redis-url: add one, or drop it")
     return MemoryReplayStore(ttl_after_end_s=args.reply_ttl_s)
 
 

@@ -60,8 +60,9 @@ from replystream.server.validation import parse_mapping
 log = logging.getLogger("replystream.server")
 T = TypeVar("T")
 
-# A buffered reply's JSON body: from the reply collected whole; or, for a moderated reply, from
-# the released text and the check that stopped it.
+# A buffered reply's JSON body: from the reply collected whole (its text, finish, usage, stop
+# string, log probabilities and tool calls); or, for a moderated reply, from the released text
+# and the check that stopped it.
 BodyOf = Callable[[Whole], dict[str, Any]]
 ModeratedBodyOf = Callable[[str, Violation], dict[str, Any]]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from replystream import settings
 from replystream.engine.base import Engine
 from replystream.engine.hf_config import HFEngineConfig
-from replystream.engine.simulated import SimulatedConfig, SimulatedEngine, reply_of_length
+from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
@@ -114,12 +114,19 @@ def build_simulated(args: argparse.Namespace) -> Engine:
             f"--jitter-ms {args.jitter_ms:g} is more than --delay-ms {args.delay_ms:g}: "
             "a token's delay cannot be negative; lower --jitter-ms"
         )
+    if args.reply_script is not None:
+        given = {row.flag for row in settings.given(args)}
+        for flag in ("--reply-text", "--tokens"):
+            if flag in given:
+                raise ValueError(
+                    f"--reply-script gives the whole reply, and {flag} shapes it too: drop one"
+                )
     text = args.reply_text
     if not text.split():
         raise ValueError("--reply-text has no words; give at least one")
     if args.tokens is not None:
         text = reply_of_length(text, args.tokens)
-    return SimulatedEngine(settings.fill(SimulatedConfig, args, ENGINE_SETTINGS, reply_text=text))
+    return simulated_engine(settings.fill(SimulatedConfig, args, ENGINE_SETTINGS, reply_text=text))
 
 
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:

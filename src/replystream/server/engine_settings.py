@@ -4,13 +4,17 @@
 
 from __future__ import annotations
 
+import argparse
+
 from replystream.cli_values import (
+    Checker,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
 )
 from replystream.engine.hf_config import HFEngineConfig
+from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply_script
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny import TinyEngineConfig
 from replystream.engine.upstream import UpstreamConfig
@@ -78,6 +82,16 @@ TINY_ENGINE = Group(
     ),
 )
 
+
+def _reply_script(path: str) -> ReplyScript:
+    try:
+        return load_reply_script(path)
+    except ScriptError as exc:  # argparse prints it after the flag's name, on one line
+        raise argparse.ArgumentTypeError(" ".join(str(exc).split())) from None
+
+
+REPLY_SCRIPT = Checker("a JSON list of text and tool_call steps (docs/api.md)", _reply_script)
+
 SIMULATED_ENGINE = Group(
     "simulated engine (--engine simulated)",
     (
@@ -85,6 +99,14 @@ SIMULATED_ENGINE = Group(
             "--reply-text",
             "the reply, one word per token (default: a paragraph about streaming)",
             fills=(SimulatedConfig, "reply_text"),
+            engines=SIMULATED,
+        ),
+        Setting(
+            "--reply-script",
+            "make this scripted reply instead: text and tool calls with their timing (a JSON file)",
+            REPLY_SCRIPT,
+            fills=(SimulatedConfig, "script"),
+            metavar="FILE",
             engines=SIMULATED,
         ),
         Setting(

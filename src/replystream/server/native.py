@@ -25,6 +25,7 @@ from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.server.errors import HTTPAPIError
 from replystream.server.replies import Disconnect
 from replystream.server.schemas import Message, ReplyBody, SamplingFields
+from replystream.server.tool_requests import check_tool_answers, prompt_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +42,17 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> HTTPAPI
 
 
 def prompt_from_messages(messages: Sequence[Message]) -> str:
-    """A plain-text prompt from chat messages (one ``role: content`` line each)."""
-    return "\n".join(f"{message.role}: {message.text}" for message in messages)
+    """A plain-text prompt from chat messages (one ``role: content`` line each, and one per
+    tool call; ``tool_requests.prompt_line``)."""
+    return prompt_of(relayed_messages(messages))
 
 
 def relayed_messages(messages: Sequence[Message]) -> tuple[Mapping[str, Any], ...]:
-    """The messages as the client sent them, for engines that take chat messages whole."""
-    return tuple(message.model_dump(exclude_unset=True) for message in messages)
+    """The messages as the client sent them, for engines that take chat messages whole
+    (every tool result checked to answer an earlier call)."""
+    relayed = tuple(message.model_dump(exclude_unset=True) for message in messages)
+    check_tool_answers(relayed, "messages")
+    return relayed
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:

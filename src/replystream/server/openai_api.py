@@ -93,6 +93,7 @@ async def _buffered(
             finish_reason=whole.finish_reason,
             usage=whole.usage,
             logprobs=whole.logprobs,
+            tool_calls=whole.tool_calls,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:
@@ -111,8 +112,8 @@ async def _buffered(
         choices = []
         for index, whole in enumerate(wholes):
             if whole.violation is None:
-                finish, logprobs = whole.finish_reason, whole.logprobs
-                choices.append(completion_choice(kind, index, whole.text, finish, logprobs))
+                finish, logprobs, calls = whole.finish_reason, whole.logprobs, whole.tool_calls
+                choices.append(completion_choice(kind, index, whole.text, finish, logprobs, calls))
                 continue
             choice = completion_choice(kind, index, whole.text, MODERATED_FINISH)
             choice[MODERATION_FIELD] = moderated_payload(whole.violation)

@@ -24,6 +24,7 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.schemas import ChatBody, CompletionBody, OpenAIBody
+from replystream.server.tool_requests import chat_tools
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -83,10 +84,13 @@ def parse_chat_request(
     sampling = sampling_params(body, max_tokens)
     if body.logprobs:
         sampling = replace(sampling, logprobs=body.top_logprobs or 0)
+    tools, tool_choice = chat_tools(body.tools, body.tool_choice)
     generation = GenerationRequest(
         prompt_from_messages(body.messages),
         sampling,
         relayed_messages(body.messages),  # relayed unchanged to chat upstreams
+        tools,
+        tool_choice,
     )
     return _ask(
         body,

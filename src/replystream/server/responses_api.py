@@ -63,13 +63,19 @@ from replystream.server.schemas import (
     RetrieveQuery,
     SamplingFields,
 )
+from replystream.server.tool_requests import (
+    check_tool_answers,
+    prompt_of,
+    responses_messages,
+    responses_tools,
+)
 from replystream.server.validation import parse_json, parse_mapping, read_model
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
 LIVENESS_WAIT_S = 0.05  # how long reading a live response's object may wait on its store
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 def _sampling(body: ResponsesBody) -> SamplingFields:
@@ -87,7 +93,7 @@ def input_messages(body: ResponsesBody) -> Messages:
     """The request's ``input`` as chat messages."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
-    return [{"role": m.role, "content": m.text} for m in body.input]
+    return responses_messages(body.input)
 
 
 async def _store_of(request: web.Request, reply_id: str, param: str) -> ReplayStore:
@@ -141,13 +147,24 @@ async def _history(request: web.Request, previous: str) -> Messages:
     history: Messages = []
     if info is not None and info.context:
         kept = parse_json(info.context, Conversation, what="stored conversation")
-        history = [turn.model_dump() for turn in kept.messages]
+        history = [turn.model_dump(exclude_none=True) for turn in kept.messages]
     text = "".join(
         part["text"]
         for item in response["output"]
         for part in item.get("content", [])
         if part.get("type") == "output_text"
     )
+    calls = [
+        {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
+        for item in response["output"]
+        if item.get("type") == "function_call"
+    ]
+    if calls:
+        return [*history, {"role": "assistant", "content": text or None, "tool_calls": calls}]
     return [*history, {"role": "assistant", "content": text}]
 
 
@@ -157,7 +174,8 @@ def _generation(
     messages = list(conversation)
     if body.instructions:  # the request's own: not carried on to the next response
         messages.insert(0, {"role": "system", "content": body.instructions})
-    prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    check_tool_answers(messages, "input")
+    prompt = prompt_of(messages)
     if len(prompt) > max_prompt_chars:
         raise bad(
             "input",
@@ -165,7 +183,16 @@ def _generation(
             "context_length_exceeded",
         )
     sampling = sampling_params(_sampling(body), body.max_output_tokens)
-    return GenerationRequest(prompt, sampling, tuple(messages))
+    tools, tool_choice = responses_tools(body.tools, body.tool_choice)
+    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice)
+
+
+def _echoed_choice(body: ResponsesBody) -> str | dict[str, Any]:
+    """The ``tool_choice`` a response object repeats (the API's default: ``auto``)."""
+    choice = body.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump()
 
 
 async def handle_create(request: web.Request) -> web.StreamResponse:
@@ -192,6 +219,8 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         previous_response_id=body.previous_response_id,
         store=body.store,
         background=body.background,
+        tools=tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ()),
+        tool_choice=_echoed_choice(body),
     )
     if not body.store:  # nothing to keep: a plain reply, or one body collected whole
         if not body.stream:
@@ -262,7 +291,7 @@ async def _whole(
     reply_id = ids.reply_id()
 
     def body(whole: Whole) -> dict[str, Any]:
-        text, usage = whole.text, whole.usage
+        text, usage, tool_calls = whole.text, whole.usage, whole.tool_calls
         if whole.finish_reason == "length":
             return response_object(
                 settings,
@@ -271,8 +300,11 @@ async def _whole(
                 text=text,
                 usage=usage,
                 incomplete_reason="max_output_tokens",
+                tool_calls=tool_calls,
             )
-        return response_object(settings, reply_id, "completed", text=text, usage=usage)
+        return response_object(
+            settings, reply_id, "completed", text=text, usage=usage, tool_calls=tool_calls
+        )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:
         response = response_object(

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -38,7 +40,9 @@ MAX_SEED = 2**63 - 1
 MAX_TAG_CHARS = 128
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
-UNION_TAGS = frozenset({"<string>", "<parts>"})
+ITEM_TAGS = ("message", "function_call", "function_call_output")
+BLOCK_TAGS = ("text", "tool_use", "tool_result")
+UNION_TAGS = frozenset({"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS)})
 
 
 def _invalid(message: str, param: str | None = None) -> PydanticCustomError:
@@ -131,19 +135,101 @@ Content = Annotated[
 ]
 
 
+# A function's name, as OpenAI and Anthropic both spell the rule.
+ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+def _json_schema(value: Any) -> dict[str, Any]:
+    """A JSON Schema (checked against the 2020-12 meta-schema), as a function's parameters."""
+    if not isinstance(value, dict):
+        raise _invalid("must be a JSON Schema object")
+    try:
+        Draft202012Validator.check_schema(value)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path) or "the top"
+        raise _invalid(f"is not a valid JSON Schema (at {where}: {exc.message[:200]})") from None
+    return value
+
+
+JSONSchema = Annotated[dict[str, Any], PlainValidator(_json_schema)]
+
+
+def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
+    if value.get("type") != "object":
+        raise _invalid('must be a JSON Schema of type "object"')
+    return value
+
+
+ObjectSchema = Annotated[JSONSchema, AfterValidator(_object_schema)]
+
+
+class FunctionDefinition(Strict):
+    name: ToolName
+    description: str | None = None
+    parameters: JSONSchema | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    """A tool of ``POST /v1/chat/completions`` (functions: the one kind OpenAI's chat has)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ChatToolChoice = Literal["none", "auto", "required"] | NamedChatTool
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Strict):
+    """A tool call an assistant message made (sent back as history)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(Strict):
     """One chat message. ``name`` is passed on to chat upstreams; ``refusal`` is taken only
-    as null, the value the OpenAI SDKs send back with an assistant message they received."""
+    as null, the value the OpenAI SDKs send back with an assistant message they received.
+    An assistant message may carry ``tool_calls`` (then ``content`` may be null); a ``tool``
+    message answers one, naming it in ``tool_call_id``."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Content
+    content: Content | None = None
     name: str | None = None
     refusal: None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _invalid("only an assistant message may carry tool_calls", "tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            message = "a tool message needs tool_call_id, and only a tool message has one"
+            raise _invalid(message, "tool_call_id")
+        if self.content is None and self.tool_calls is None:
+            raise _invalid("content is required (null only beside tool_calls)", "content")
+        return self
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
 
 
@@ -246,18 +332,15 @@ class OpenAIBody(SamplingFields):
 class ChatBody(OpenAIBody):
     """``POST /v1/chat/completions``."""
 
-    field_codes: ClassVar[Mapping[str, str]] = {
-        "tools": "unsupported_parameter",
-        "response_format": "unsupported_parameter",
-    }
+    field_codes: ClassVar[Mapping[str, str]] = {"response_format": "unsupported_parameter"}
 
     messages: Messages
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     response_format: TextFormat | None = None
-    tool_choice: Annotated[str, only("none", '"none"; this server has no tools')] | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: ChatToolChoice | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatBody:
@@ -322,15 +405,74 @@ class InputMessage(Strict):
         return "".join(part.text for part in self.content)
 
 
+class FunctionCallItem(Strict):
+    """A ``function_call`` item sent back as history (the model's call)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    """A ``function_call_output`` item: what the client's function returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    kind = value.get("type", "message")
+    return f"<{kind}>" if kind in ITEM_TAGS else None
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("<message>")]
+    | Annotated[FunctionCallItem, Tag("<function_call>")]
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")],
+    Discriminator(
+        _item_kind,
+        custom_error_type="item_type",
+        custom_error_message=(
+            "must be an input item: a message, a function_call or a function_call_output"
+        ),
+    ),
+]
+
 ResponseInput = Annotated[
     Annotated[str, Tag("<string>")]
-    | Annotated[Annotated[list[InputMessage], Field(min_length=1)], Tag("<parts>")],
+    | Annotated[Annotated[list[InputItem], Field(min_length=1)], Tag("<parts>")],
     Discriminator(
         _content_kind,
         custom_error_type="input_type",
-        custom_error_message="must be a string or a non-empty list of message items",
+        custom_error_message="must be a string or a non-empty list of input items",
     ),
 ]
+
+
+class FunctionTool(Strict):
+    """A function tool of ``POST /v1/responses`` (the one kind this server offers)."""
+
+    type: Literal["function"]
+    name: ToolName
+    description: str | None = None
+    parameters: JSONSchema | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+ResponsesToolChoice = Literal["none", "auto", "required"] | NamedFunction
 
 
 class ResponsesExtensions(Strict):
@@ -350,7 +492,6 @@ class ResponsesBody(Strict):
     """``POST /v1/responses``."""
 
     unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
-    field_codes: ClassVar[Mapping[str, str]] = {"tools": "unsupported_parameter"}
 
     model: str | None = None
     input: ResponseInput
@@ -363,8 +504,8 @@ class ResponsesBody(Strict):
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     background: bool = False
     previous_response_id: str | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Annotated[str, only("none", '"none"; this server has no tools')] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
     replystream: ResponsesExtensions | None = None
@@ -458,6 +599,13 @@ class Query(Schema):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
+def _no_lab_tools(raw: Any) -> str:
+    raise _invalid(
+        "the lab routes take no tools: offer them on /v1/chat/completions, /v1/responses "
+        "or /v1/messages"
+    )
+
+
 class LabQuery(Query):
     """``GET /wait`` and ``GET /stream``: ``prompt``, ``seed``, ``max_tokens``; ``/stream``
     also ``ids`` and ``resumable`` (None: the server's default)."""
@@ -467,6 +615,7 @@ class LabQuery(Query):
     max_tokens: Annotated[int, _digits("max_tokens", 1, MAX_TOKENS_LIMIT)] | None = None
     ids: Annotated[bool, _flag("ids")] = True
     resumable: Annotated[bool, _flag("resumable")] | None = None
+    tools: Annotated[str, PlainValidator(_no_lab_tools)] | None = None
 
 
 class ResumeCursor(Query):
@@ -487,8 +636,10 @@ class RetrieveQuery(Query):
 class Turn(Strict):
     """One message of a stored conversation (what a Responses request sent, as chat)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class Conversation(Strict):
@@ -515,15 +666,101 @@ AnthropicContent = Annotated[
 ]
 
 
+class AnthropicToolUse(Strict):
+    """A ``tool_use`` block of an assistant message sent back as history."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolResult(Strict):
+    """A ``tool_result`` block of a user message: what the client's tool returned."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: AnthropicContent | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(block.text for block in self.content)
+
+
+def _block_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return f"<{kind}>" if kind in BLOCK_TAGS else None
+
+
+AnthropicBlock = Annotated[
+    Annotated[AnthropicText, Tag("<text>")]
+    | Annotated[AnthropicToolUse, Tag("<tool_use>")]
+    | Annotated[AnthropicToolResult, Tag("<tool_result>")],
+    Discriminator(
+        _block_kind,
+        custom_error_type="block_type",
+        custom_error_message="must be a text, tool_use or tool_result block",
+    ),
+]
+
+AnthropicBlocks = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[AnthropicBlock], Tag("<parts>")],
+    Discriminator(
+        _content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of content blocks",
+    ),
+]
+
+
 class AnthropicMessage(Strict):
     role: Literal["user", "assistant"]
-    content: AnthropicContent
+    content: AnthropicBlocks
+
+    @model_validator(mode="after")
+    def _blocks_fit_the_role(self) -> AnthropicMessage:
+        if isinstance(self.content, str):
+            return self
+        kinds = {block.type for block in self.content}
+        if self.role == "user" and "tool_use" in kinds:
+            raise _invalid("tool_use blocks belong to assistant messages", "content")
+        if self.role == "assistant" and "tool_result" in kinds:
+            raise _invalid("tool_result blocks belong to user messages", "content")
+        return self
 
     @property
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(block.text for block in self.content)
+        return "".join(block.text for block in self.content if block.type == "text")
+
+
+class AnthropicTool(Strict):
+    """A client tool of ``POST /v1/messages`` (Anthropic's server tools are not offered)."""
+
+    name: ToolName
+    input_schema: ObjectSchema
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_for_tool(self) -> AnthropicToolChoice:
+        if (self.name is not None) != (self.type == "tool"):
+            message = 'tool_choice names a tool exactly when its type is "tool"'
+            raise _invalid(message, "tool_choice")
+        return self
 
 
 class AnthropicMetadata(Strict):
@@ -532,8 +769,6 @@ class AnthropicMetadata(Strict):
 
 class MessagesBody(Strict):
     """``POST /v1/messages`` (Anthropic's Messages API)."""
-
-    field_codes: ClassVar[Mapping[str, str]] = {"tools": "unsupported_parameter"}
 
     model: str
     max_tokens: TokenCount
@@ -547,10 +782,8 @@ class MessagesBody(Strict):
     ) = None
     stream: bool = False
     metadata: AnthropicMetadata | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: (
-        Annotated[dict[str, Any], only({"type": "none"}, '{"type": "none"}; no tools here')] | None
-    ) = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     replystream: ResponsesExtensions | None = None
 
     @property

@@ -24,6 +24,7 @@ from replystream.cli_values import (
     upper_case,
 )
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.redis_store import FAILOVER_S
 from replystream.delivery.replay import TTL_AFTER_END_S
 from replystream.server.context import ServerConfig
 from replystream.server.engine_settings import ENGINE_SETTINGS
@@ -230,9 +231,20 @@ RESUME = Group(
     (
         Setting(
             "--redis-url",
-            "keep reply logs in Redis (redis://HOST:PORT/DB), so any replica can resume any "
+            "keep reply logs in Redis (redis://HOST:PORT/DB; through Sentinel: "
+            "redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE[/DB]; a Cluster: "
+            "redis+cluster://HOST:PORT[,HOST:PORT]), so any replica can resume any "
             "reply; without it, this process's memory",
-            accepts="a `redis://`, `rediss://` or `unix://` URL",
+            accepts="a `redis://`, `rediss://`, `unix://`, `redis+sentinel://`, "
+            "`rediss+sentinel://`, `redis+cluster://` or `rediss+cluster://` URL",
+        ),
+        Setting(
+            "--redis-failover-s",
+            "with --redis-url: how long Redis may be unreachable (a Sentinel failover) before "
+            "readers are told and producers stop; meanwhile commands are retried and, once "
+            "Redis answers, what it lost is written again from the producers' copies",
+            non_negative_float,
+            default=FAILOVER_S,
         ),
         Setting(
             "--reply-ttl-s",

@@ -84,6 +84,7 @@ def add_state_gauges(app: web.Application) -> None:
             _log_count(store),
             store=label,
         )
+    _log_faults(metrics, stores)
     if metrics.has_readings:
         app.cleanup_ctx.append(_publishing_readings)
 
@@ -110,3 +111,39 @@ async def _publishing_readings(app: web.Application) -> AsyncIterator[None]:
 
 def _log_count(store: ReplayStore) -> Callable[[], float]:
     return lambda: store.stats().replies
+
+
+# What reply logs lost, and what was done about it (counts since the process started).
+_FAULTS = (
+    ("gaps", "replystream_reply_log_gaps", "Reads told that events a reader needed are lost."),
+    (
+        "lost_writes",
+        "replystream_reply_log_lost_writes",
+        "Times the store found Redis had lost writes it acknowledged (a failover).",
+    ),
+    (
+        "repairs",
+        "replystream_reply_log_repairs",
+        "Reply logs written again from their producer's copy after Redis lost part of them.",
+    ),
+    (
+        "repaired_events",
+        "replystream_reply_log_repaired_events",
+        "Events written again to Redis after it lost them.",
+    ),
+    (
+        "holes",
+        "replystream_reply_log_holes",
+        "Events Redis lost that their producer no longer held (readers are told of a gap).",
+    ),
+)
+
+
+def _log_faults(metrics: Metrics, stores: list[tuple[str, ReplayStore]]) -> None:
+    for label, store in stores:
+        for field, name, documentation in _FAULTS:
+            metrics.state(name, documentation, _stat(store, field), store=label)
+
+
+def _stat(store: ReplayStore, field: str) -> Callable[[], float]:
+    return lambda: float(getattr(store.stats(), field))

@@ -122,7 +122,9 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
     errors = exc.errors(include_url=False)
     error = next((e for e in errors if e["type"] != "extra_forbidden"), errors[0])
     kind = error["type"]
-    param = error.get("ctx", {}).get("param") or field_path(error["loc"])
+    # A check across an object's fields names one of them, inside the object's own place.
+    named = error.get("ctx", {}).get("param")
+    param = field_path((*error["loc"], named) if named else error["loc"])
     if kind == "json_invalid":
         detail = error["msg"].removeprefix("Invalid JSON: ")
         return HTTPAPIError(400, f"{what} is not valid JSON: {detail}", code="invalid_json")

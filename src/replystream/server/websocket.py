@@ -7,7 +7,7 @@ Client messages are JSON objects:
   ``POST /v1/replies`` (``stream`` must stay true).
 - ``{"type": "cancel", "id": "<tag>"}``: stop that reply's generation.
 Server messages are one JSON object per event of a reply, with the native endpoint's event
-names: ``{"type": "reply"|"token"|"usage"|"done"|"error"|"moderated"|"gap", "id": <tag>,
+names: ``{"type": "reply"|"token"|"tool_call"|"usage"|"done"|"error"|"moderated"|"gap", "id": <tag>,
 "reply_id": ..., "seq": n, "data": {...}}``; a bad message gets ``{"type": "error", "id":
 <tag or null>, "data": {"error": {...}}}`` and the socket stays open.
 

@@ -5,7 +5,7 @@
 // Timers start when the request is sent. "First text" is when the first text was painted
 // (the animation frame that drew it), "Total" when the whole reply was on screen.
 
-import { StreamedReply, bufferedReply, cancelReply } from './reply.js';
+import { ReplyRefused, StreamedReply, bufferedReply, cancelReply } from './reply.js';
 import { TextSink } from './render.js';
 
 const $ = (selector) => document.querySelector(selector);
@@ -16,11 +16,17 @@ const sendButton = $('#send');
 const stopButton = $('#stop');
 const statusLine = $('#status');
 const settingsForm = $('#settings');
+const newChatButton = $('#new-chat');
+const intro = $('#intro');
 
 const BADGES = {
   waiting: 'waiting', streaming: 'streaming', reconnecting: 'reconnecting', done: 'complete',
   stopped: 'stopped', error: 'error', moderated: 'moderated', incomplete: 'incomplete',
+  cut: 'cut',
 };
+const CUT_NOTE = 'Cut at the token limit (max tokens, or the end of the model\'s context).';
+// The error code an engine answers when the conversation no longer fits its context.
+const TOO_LONG = 'context_length_exceeded';
 
 function formatMs(ms) {
   if (ms === null) return '—';
@@ -178,6 +184,10 @@ class Turn {
 
 const turns = [];
 let running = null;
+// The conversation's oldest turn still sent: when the conversation outgrows the model's
+// context, the oldest turns are dropped from what is sent (and shown as dropped), never cut.
+let contextStart = 0;
+let contextNotice = null;
 
 // The delivery settings sent in the request body (numbers; empty means the server's default).
 function settings() {
@@ -194,7 +204,7 @@ const apiKey = () => settingsForm.elements.api_key.value.trim();
 
 function history(upTo) {
   const messages = [];
-  for (const turn of turns) {
+  for (const turn of turns.slice(contextStart)) {
     if (turn === upTo) break;
     messages.push({ role: 'user', content: turn.prompt });
     if (turn.reply) messages.push({ role: 'assistant', content: turn.reply });
@@ -208,12 +218,9 @@ function setBusy(busy) {
   stopButton.disabled = !busy;
 }
 
-async function runTurn(turn) {
-  if (running) return;
-  running = turn;
-  setBusy(true);
-  turn.retryButton.hidden = true;
-  turn.root.setAttribute('aria-busy', 'true');  // screen readers read the reply once, whole
+// Send the turn once (one pane, or both in compare mode); resolves to whether the server
+// refused it because the conversation no longer fits the model's context.
+async function exchange(turn) {
   const { seed, ...delivery } = settings();
   // A retry asks for the same generation again: it keeps the turn's first seed.
   turn.seed ??= seed ?? Math.floor(Math.random() * 2 ** 31);
@@ -233,34 +240,70 @@ async function runTurn(turn) {
   const waitAbort = new AbortController();
   turn.active = { stream, waitAbort, key };
 
+  let tooLong = false;
   const jobs = [];
   turn.stream.start();
-  jobs.push(stream.run().then((result) => turn.stream.finish(result)));
+  jobs.push(stream.run().then((result) => {
+    tooLong ||= result.code === TOO_LONG;
+    turn.stream.finish(result.state === 'cut' ? { ...result, message: CUT_NOTE } : result);
+  }));
   if (turn.wait) {
     turn.wait.start();
     jobs.push(bufferedReply(body, { signal: waitAbort.signal, apiKey: key }).then(
       (reply) => {
         turn.wait.push(reply.text);
         const moderated = reply.finish_reason === 'moderated';
+        const cut = reply.finish_reason === 'length';
         turn.wait.finish({
-          state: moderated ? 'moderated' : 'done',
+          state: moderated ? 'moderated' : cut ? 'cut' : 'done',
           usage: reply.usage,
-          message: moderated ? `Stopped by the ${reply.moderation?.check} check.` : '',
+          message: moderated ? `Stopped by the ${reply.moderation?.check} check.` : cut ? CUT_NOTE : '',
         });
       },
-      (error) => turn.wait.finish(waitAbort.signal.aborted
-        ? { state: 'stopped', message: 'Stopped.' }
-        : { state: 'error', message: error.message }),
+      (error) => {
+        tooLong ||= error instanceof ReplyRefused && error.code === TOO_LONG;
+        turn.wait.finish(waitAbort.signal.aborted
+          ? { state: 'stopped', message: 'Stopped.' }
+          : { state: 'error', message: error.message });
+      },
     ));
   }
   await Promise.all(jobs);
-
-  turn.root.removeAttribute('aria-busy');
   turn.active = null;
-  const failed = [turn.stream, turn.wait].some((pane) => pane && pane.root.dataset.state !== 'done');
-  turn.retryButton.hidden = !failed;
-  running = null;
-  setBusy(false);
+  return tooLong && !stream.stopped;
+}
+
+// Stop sending the oldest turn still sent before `turn`, and say so above the turns still
+// sent. False when nothing is left to drop (the newest message alone is too long).
+function dropOldest(turn) {
+  const index = turns.indexOf(turn);
+  if (index < 0 || contextStart >= index) return false;
+  const dropped = turns[contextStart];
+  dropped.user.classList.add('out-of-context');
+  dropped.root.classList.add('out-of-context');
+  contextStart += 1;
+  contextNotice ??= element('p', { class: 'context-notice', role: 'note' });
+  const messages = contextStart === 1 ? 'The first exchange' : `The first ${contextStart} exchanges`;
+  contextNotice.textContent = `${messages} no longer fit the model's context: they are not `
+    + 'sent, so the model no longer sees them.';
+  turns[contextStart].user.before(contextNotice);
+  return true;
+}
+
+async function runTurn(turn) {
+  if (running) return;
+  running = turn;
+  setBusy(true);
+  turn.retryButton.hidden = true;
+  turn.root.setAttribute('aria-busy', 'true');  // screen readers read the reply once, whole
+  while (await exchange(turn) && running === turn && dropOldest(turn)) { /* send it again */ }
+  turn.root.removeAttribute('aria-busy');
+  const ended = (pane) => ['done', 'cut'].includes(pane.root.dataset.state);
+  turn.retryButton.hidden = [turn.stream, turn.wait].every((pane) => !pane || ended(pane));
+  if (running === turn) {
+    running = null;
+    setBusy(false);
+  }
   promptBox.focus();
 }
 
@@ -269,7 +312,7 @@ function send(prompt) {
   const mode = document.querySelector('input[name="mode"]:checked').value;
   const turn = new Turn(prompt, mode);
   turns.push(turn);
-  $('#intro')?.remove();
+  intro.remove();
   conversation.append(turn.user, turn.root);
   followBottom = true;
   keepBottom();
@@ -299,10 +342,26 @@ function fitPrompt() {
 }
 promptBox.addEventListener('input', fitPrompt);
 
-stopButton.addEventListener('click', () => {
+function stopRunning() {
   if (!running?.active) return;
   running.active.waitAbort.abort();
   running.active.stream.stop();
+}
+stopButton.addEventListener('click', stopRunning);
+
+// A new chat stops the reply in progress (cancelled on the server) and forgets every turn.
+newChatButton.addEventListener('click', () => {
+  stopRunning();
+  running = null;
+  setBusy(false);
+  turns.length = 0;
+  contextStart = 0;
+  contextNotice = null;
+  conversation.replaceChildren(intro);
+  statusLine.textContent = '';
+  promptBox.value = '';
+  fitPrompt();
+  promptBox.focus();
 });
 
 // A resumable reply keeps generating when its reader leaves; closing the page cancels it

@@ -18,7 +18,11 @@ import { SSEParser } from './sse.js';
 // Reconnect delays: the base doubles per attempt up to the cap; a `retry:` replaces the base.
 const BACKOFF = { baseMs: 300, maxMs: 8000, attempts: 8 };
 
-/** A reply's ending: state is 'done', 'error', 'moderated', 'incomplete' or 'stopped'. */
+/**
+ * A reply's ending: state is 'done', 'cut' (it ended at its token limit: `max_tokens` or the
+ * model's context, so the answer may be unfinished), 'error', 'moderated', 'incomplete' or
+ * 'stopped'.
+ */
 function ending(state, message = '', extra = {}) {
   return { state, message, ...extra };
 }
@@ -33,13 +37,15 @@ function sleep(ms, signal) {
   });
 }
 
-async function errorMessage(response) {
+/** A refused request's words and machine-readable code (ours, or a proxy's bare status). */
+async function refusal(response) {
   try {
     const body = await response.json();
-    if (body?.error?.message) return body.error.message;
+    if (body?.error?.message) return { message: body.error.message, code: body.error.code ?? '' };
   } catch { /* not a JSON error body */ }
-  return `HTTP ${response.status}`;
+  return { message: `HTTP ${response.status}`, code: '' };
 }
+
 
 /** Request headers carrying the API key, if the server wants one. */
 function authorization(apiKey) {
@@ -84,13 +90,21 @@ async function postReply(body, { base = '', apiKey = '', signal } = {}) {
   return response;
 }
 
+/** A refused buffered request: the server's words, and its code (`error.code`). */
+export class ReplyRefused extends Error {
+  constructor({ message, code }) {
+    super(message);
+    this.code = code;
+  }
+}
+
 /**
- * One buffered reply: resolves to {text, finish_reason, usage} or throws with the message.
+ * One buffered reply: resolves to {text, finish_reason, usage}; a refusal throws ReplyRefused.
  * Options: signal, base (URL prefix), apiKey.
  */
 export async function bufferedReply(body, options = {}) {
   const response = await postReply({ ...body, stream: false }, options);
-  if (!response.ok) throw new Error(await errorMessage(response));
+  if (!response.ok) throw new ReplyRefused(await refusal(response));
   return response.json();
 }
 
@@ -124,6 +138,9 @@ export class StreamedReply {
 
   get replyId() { return this.#replyId; }
 
+  /** Whether `stop()` was called (the reader, not the server, ended the reply). */
+  get stopped() { return this.#stopped; }
+
   /** Run the reply to its end; resolves to an ending (see `ending`), never rejects. */
   async run() {
     try {
@@ -132,7 +149,10 @@ export class StreamedReply {
       });
       this.#headers = post.catch(() => null);
       let response = await post;
-      if (!response.ok) return ending('error', await errorMessage(response));
+      if (!response.ok) {
+        const { message, code } = await refusal(response);
+        return ending('error', message, { code });
+      }
       this.#setReplyId(response.headers.get('X-Reply-Id'));
       for (;;) {
         const result = await this.#read(response);
@@ -215,7 +235,9 @@ export class StreamedReply {
         case 'usage': this.#usage = data; this.#on.onUsage?.(data); break;
         case 'gap': this.#on.onGap?.(data); break;
         case 'done':
-          return ending('done', '', { finishReason: data.finish_reason, usage: this.#usage });
+          return ending(data.finish_reason === 'length' ? 'cut' : 'done', '', {
+            finishReason: data.finish_reason, usage: this.#usage,
+          });
         case 'moderated':
           return ending('moderated', `Stopped by the ${data.check} check: ${data.reason}`, {
             moderation: data,
@@ -267,6 +289,6 @@ export class StreamedReply {
     if (response.status === 404) {
       return 'The connection dropped and the server no longer has this reply.';
     }
-    return `The connection dropped and resuming failed: ${await errorMessage(response)}`;
+    return `The connection dropped and resuming failed: ${(await refusal(response)).message}`;
   }
 }

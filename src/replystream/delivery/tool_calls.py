@@ -1,0 +1,63 @@
+"""Tool calls put together from their streamed pieces, for whole replies and closing events.
+
+A reply's tool calls arrive as ``ToolCallDelta`` pieces: the first of an index names the call
+(id and name), the rest carry fragments of its JSON arguments. ``ToolCalls`` joins them per
+index, in the order the indexes first appeared; the arguments are kept exactly as the
+fragments spelt them (never re-encoded), since a client compares them byte for byte.
+This file is pure: it must not know about events, dialects or sockets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from replystream.engine.base import ToolCallDelta
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One whole tool call: its id, the function's name, and its arguments (JSON text)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str = ""
+
+    def parsed_arguments(self) -> Any:
+        """The arguments as a JSON value (an empty string is ``{}``, as a call without
+        arguments sends; text that is not JSON is kept as a string, not dropped)."""
+        if not self.arguments.strip():
+            return {}
+        try:
+            return json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
+
+    def as_openai(self) -> dict[str, Any]:
+        """The call in a chat message's ``tool_calls`` (OpenAI's shape)."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass(slots=True)
+class ToolCalls:
+    """The tool calls of one reply so far, joined from their pieces."""
+
+    calls: dict[int, ToolCall] = field(default_factory=dict)
+
+    def add(self, piece: ToolCallDelta) -> ToolCall:
+        """Take one piece; return the call it belongs to (new on its index's first piece)."""
+        call = self.calls.get(piece.index)
+        if call is None:
+            call = self.calls[piece.index] = ToolCall(piece.index, piece.id or "", piece.name or "")
+        else:
+            # Some servers repeat the id or name on later pieces: the first one stands.
+            call.id = call.id or piece.id or ""
+            call.name = call.name or piece.name or ""
+        call.arguments += piece.arguments
+        return call
+
+    def whole(self) -> tuple[ToolCall, ...]:
+        return tuple(self.calls.values())

@@ -1,0 +1,214 @@
+"""Tools and tool messages of every dialect, turned into one form: OpenAI chat's.
+
+The engines read one shape whatever the route: tools as ``{"type": "function", "function":
+{"name", "description", "parameters"}}``, ``tool_choice`` as ``"none"``, ``"auto"``,
+``"required"`` or ``{"type": "function", "function": {"name"}}``, an assistant's calls as a
+message's ``tool_calls`` and each result as a ``tool`` message with its ``tool_call_id``
+(what a chat upstream takes). This file makes that form from the chat, Responses and
+Anthropic requests (already validated by ``server.schemas``), checks what spans fields (a
+``tool_choice`` naming a tool that is not offered, a result answering no call, a tool offered
+twice), and writes the plain-text prompt of such messages. Every mistake is a 400
+(``HTTPAPIError``) before anything starts. It must not know about HTTP handlers or engines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from replystream.server.errors import HTTPAPIError
+from replystream.server.schemas import (
+    AnthropicMessage,
+    AnthropicTool,
+    AnthropicToolChoice,
+    ChatTool,
+    ChatToolChoice,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    InputMessage,
+    ResponsesToolChoice,
+)
+
+ChatMessage = dict[str, Any]
+Tools = tuple[Mapping[str, Any], ...]
+Choice = str | Mapping[str, Any]
+
+
+def _bad(param: str, message: str) -> HTTPAPIError:
+    return HTTPAPIError(400, message, code="invalid_value", param=param)
+
+
+def _offered(names: Sequence[str], param: str) -> None:
+    seen: set[str] = set()
+    for index, name in enumerate(names):
+        if name in seen:
+            raise _bad(f"{param}[{index}]", f"the tool {name!r} is offered twice")
+        seen.add(name)
+
+
+def _choose(names: Sequence[str], mode: str, named: str | None, param: str) -> Choice:
+    """The chat form of a choice (``named``: the one tool it forces), checked against the
+    tools offered: forcing a tool needs one, and a named tool must be one of them."""
+    if named is not None:
+        if named not in names:
+            offered = ", ".join(repr(n) for n in names) or "none"
+            message = f"tool_choice names {named!r}, which is not offered (tools: {offered})"
+            raise _bad(param, message)
+        return {"type": "function", "function": {"name": named}}
+    if mode == "required" and not names:
+        raise _bad(param, "tool_choice requires a tool call, and no tools are offered")
+    return mode
+
+
+def chat_tools(
+    tools: Sequence[ChatTool] | None, choice: ChatToolChoice | None
+) -> tuple[Tools | None, Choice | None]:
+    """``tools`` and ``tool_choice`` of a chat request, checked together."""
+    offered = [tool.function.model_dump(exclude_none=True) for tool in tools or ()]
+    names = [function["name"] for function in offered]
+    _offered(names, "tools")
+    if choice is None:
+        return _relayed(offered), None
+    if isinstance(choice, str):
+        return _relayed(offered), _choose(names, choice, None, "tool_choice")
+    return _relayed(offered), _choose(names, "", choice.function.name, "tool_choice")
+
+
+def responses_tools(
+    tools: Sequence[FunctionTool] | None, choice: ResponsesToolChoice | None
+) -> tuple[Tools | None, Choice | None]:
+    """``tools`` and ``tool_choice`` of a Responses request, in chat's form."""
+    offered = [tool.model_dump(exclude_none=True, exclude={"type"}) for tool in tools or ()]
+    names = [function["name"] for function in offered]
+    _offered(names, "tools")
+    if choice is None:
+        return _relayed(offered), None
+    if isinstance(choice, str):
+        return _relayed(offered), _choose(names, choice, None, "tool_choice")
+    return _relayed(offered), _choose(names, "", choice.name, "tool_choice")
+
+
+ANTHROPIC_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def anthropic_tools(
+    tools: Sequence[AnthropicTool] | None, choice: AnthropicToolChoice | None
+) -> tuple[Tools | None, Choice | None]:
+    """``tools`` and ``tool_choice`` of an Anthropic request, in chat's form (``any`` is
+    ``required``; ``tool`` names the function)."""
+    offered: list[dict[str, Any]] = [
+        {
+            "name": tool.name,
+            **({} if tool.description is None else {"description": tool.description}),
+            "parameters": tool.input_schema,
+        }
+        for tool in tools or ()
+    ]
+    names = [function["name"] for function in offered]
+    _offered(names, "tools")
+    if choice is None:
+        return _relayed(offered), None
+    if choice.type == "tool":
+        return _relayed(offered), _choose(names, "", choice.name, "tool_choice")
+    return _relayed(offered), _choose(names, ANTHROPIC_CHOICES[choice.type], None, "tool_choice")
+
+
+def _relayed(functions: list[dict[str, Any]]) -> Tools | None:
+    if not functions:
+        return None
+    return tuple({"type": "function", "function": function} for function in functions)
+
+
+def check_tool_answers(messages: Sequence[Mapping[str, Any]], param: str) -> None:
+    """Every ``tool`` message answers a call an earlier assistant message made."""
+    calls: set[str] = set()
+    for index, message in enumerate(messages):
+        for call in message.get("tool_calls") or ():
+            calls.add(call["id"])
+        if message["role"] == "tool" and message.get("tool_call_id") not in calls:
+            raise _bad(
+                f"{param}[{index}]",
+                f"a tool result answers the call {message.get('tool_call_id')!r}, "
+                "which no earlier assistant message made",
+            )
+
+
+def anthropic_messages(messages: Sequence[AnthropicMessage]) -> list[ChatMessage]:
+    """Anthropic's messages in chat's form: ``tool_use`` blocks become the assistant's
+    ``tool_calls``, ``tool_result`` blocks ``tool`` messages (before the user's own text)."""
+    out: list[ChatMessage] = []
+    for message in messages:
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        text = message.text
+        calls = [
+            {
+                "id": block.id,
+                "type": "function",
+                "function": {"name": block.name, "arguments": json.dumps(block.input)},
+            }
+            for block in message.content
+            if block.type == "tool_use"
+        ]
+        results = [block for block in message.content if block.type == "tool_result"]
+        out.extend(
+            {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text}
+            for block in results
+        )
+        if calls:
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+        elif text or not results:
+            out.append({"role": message.role, "content": text})
+    return out
+
+
+ResponseItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+def responses_messages(items: Sequence[ResponseItem]) -> list[ChatMessage]:
+    """A Responses ``input`` list in chat's form: consecutive ``function_call`` items join
+    one assistant message's ``tool_calls``; a ``function_call_output`` is a ``tool`` message."""
+    out: list[ChatMessage] = []
+    for item in items:
+        if item.type == "function_call":
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        else:
+            out.append({"role": item.role, "content": item.text})
+    return out
+
+
+def prompt_line(message: Mapping[str, Any]) -> str:
+    """A message as plain text: ``role: content`` (as always for text), then one line per
+    tool call (``role: [call ID] NAME ARGUMENTS``); a tool result is ``tool [ID]: content``."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content)
+    role = message["role"]
+    if role == "tool":
+        return f"tool [{message.get('tool_call_id')}]: {content or ''}"
+    calls = message.get("tool_calls") or ()
+    lines = [f"{role}: {content}"] if content or not calls else []
+    lines += (
+        f"{role}: [call {call['id']}] {call['function']['name']} {call['function']['arguments']}"
+        for call in calls
+    )
+    return "\n".join(lines)
+
+
+def prompt_of(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The plain-text prompt of chat messages (what engines that read text see)."""
+    return "\n".join(prompt_line(message) for message in messages)

@@ -1,0 +1,213 @@
+"""Drop and resume on the Responses route, beside the native one, and at scale: 500 drops
+across two replicas sharing one Redis behind a real nginx, none losing or repeating an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from replystream.client.formats import interpret_event
+from replystream.lab.benchstats import summarize
+from replystream.lab.drop_resume import drop_and_resume
+from replystream.lab.load import LoadConfig, run_load
+from replystream.lab.local_server import local_server
+from replystream.lab.profiles import Profile
+from replystream.lab.served_model import served_model
+from replystream.lab.server_metrics import metrics_url, scrape
+from replystream.lab.workload import Lengths, build_request, detect_api
+from replystream.server import running
+from replystream.sse import Event
+from tests.nginx import running_nginx
+from tests.processes import replica
+from tests.redis_server import redis_server
+from tests.services import free_port
+from tests.test_scale_out import upstream_config
+
+
+def test_responses_requests_carry_the_conversation_as_items_and_the_system_as_instructions():
+    url = "http://h/v1/responses"
+    assert detect_api(url) == "responses"
+    spec = build_request(
+        "responses",
+        url,
+        prompt="and then?",
+        max_tokens=7,
+        model="m",
+        system="be brief",
+        history=[("hi", "hello")],
+    )
+    assert (spec.method, spec.url) == ("POST", url)
+    assert spec.json_body == {
+        "model": "m",
+        "stream": True,
+        "instructions": "be brief",
+        "input": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "and then?"},
+        ],
+        "max_output_tokens": 7,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "data", "meaning"),
+    [
+        ("response.output_text.delta", {"delta": "Hi"}, ("text", "Hi", None)),
+        ("response.completed", {"response": {"status": "completed"}}, ("done", "", None)),
+        (
+            "response.incomplete",
+            {"response": {"incomplete_details": {"reason": "max_output_tokens"}}},
+            ("done", "", None),
+        ),
+        (
+            "response.incomplete",
+            {"response": {"incomplete_details": {"reason": "content_filter"}}},
+            ("error", "", "response.incomplete: content_filter"),
+        ),
+        (
+            "response.failed",
+            {"response": {"error": {"code": "generator_lost", "message": "gone"}}},
+            ("error", "", "response.failed: generator_lost: gone"),
+        ),
+        ("response.in_progress", {"response": {}}, ("other", "", None)),
+    ],
+)
+def test_responses_events_mean_text_an_end_or_a_failure(kind, data, meaning):
+    got = interpret_event(Event(data=json.dumps({"type": kind, **data}), type=kind))
+    assert (got.kind, got.text, got.error) == meaning
+
+
+@pytest.mark.parametrize("cursor", ["header", "query"])
+async def test_dropped_responses_readers_resume_losing_and_repeating_nothing(cursor):
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "30"]
+    async with local_server(schedule) as url:
+        target = f"{url}/v1/responses"
+        config = LoadConfig(
+            url=target,
+            api="responses",
+            profile=Profile("concurrent", 4),
+            requests=8,
+            prompt_words=Lengths.parse("3"),
+            drop_share=0.6,
+            drop_after=4,
+            resume_cursor=cursor,
+            model=await served_model(target),
+        )
+        summary = summarize(await run_load(config))
+    resume = summary["resume"]
+    dropped = [r for r in summary["requests"] if r["resume"] is not None]
+    assert resume["drops"] == len(dropped) >= 2 and resume["resumed"] == resume["drops"]
+    assert (resume["lost"], resume["duplicated"]) == (0, 0)
+    assert summary["counts"]["complete"] == 8
+    # Every reply read whole, the dropped ones across both connections.
+    assert all(r["tokens"] == 30 for r in summary["requests"])
+    assert summary["config"]["resume_cursor"] == cursor
+    assert 0.0 < resume["reconnect_ms"]["p50"] < 200.0
+
+
+async def test_responses_resume_counts_an_event_lost_and_one_repeated():
+    """A server numbering events only by ``sequence_number`` from 0, as OpenAI's does."""
+
+    def event(seq: int, kind: str, **data: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": seq, **data}
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+
+    def delta(seq: int) -> bytes:
+        return event(seq, "response.output_text.delta", delta=f"t{seq} ")
+
+    bodies: list[dict[str, Any]] = []
+
+    async def start(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        created = event(0, "response.created", response={"id": "resp_r1", "status": "queued"})
+        await response.write(created + delta(1) + delta(2))
+        await asyncio.sleep(1)  # the reader drops before this ends
+        return response
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        assert request.query["stream"] == "true"
+        assert request.query["starting_after"] == "2"
+        assert "Last-Event-ID" not in request.headers
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        # 2 again (a duplicate), 3 never sent (lost), then the rest.
+        done = event(5, "response.completed", response={"status": "completed"})
+        await response.write(delta(2) + delta(4) + done)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", start)
+    app.router.add_get("/v1/responses/resp_r1", resume)
+    async with running(app) as url:
+        timing, outcome = await drop_and_resume(
+            f"{url}/v1/responses",
+            {"model": "m", "input": "x"},
+            2,
+            5.0,
+            route="responses",
+            cursor="query",
+        )
+    # Started as OpenAI resumes only: stored and in the background.
+    assert bodies == [
+        {"model": "m", "input": "x", "stream": True, "store": True, "background": True}
+    ]
+    assert timing.complete and outcome.resumed
+    assert (outcome.lost, outcome.duplicated) == (1, 1)
+
+
+async def drop_readers(url: str, api: str, model: str, drops: int) -> dict[str, Any]:
+    config = LoadConfig(
+        url=url,
+        api=api,  # type: ignore[arg-type]
+        profile=Profile("concurrent", 40),
+        requests=drops,
+        output_tokens=Lengths.parse("12"),
+        prompt_words=Lengths.parse("2"),
+        drop_share=1.0,
+        drop_after=4,
+        model=model,
+        timeout_s=60.0,
+    )
+    return summarize(await run_load(config))
+
+
+@pytest.mark.parametrize(
+    ("route", "api"), [("/v1/replies", "native"), ("/v1/responses", "responses")]
+)
+async def test_500_drops_across_two_replicas_behind_nginx_lose_and_repeat_nothing(
+    tmp_path: Path, route: str, api: str
+):
+    schedule = ("--engine", "simulated", "--delay-ms", "3", "--jitter-ms", "1")
+    with redis_server(tmp_path / "redis") as redis:
+        async with (
+            replica(*schedule, "--redis-url", redis.url) as (_, a_url),
+            replica(*schedule, "--redis-url", redis.url) as (_, b_url),
+        ):
+            port = free_port()
+            config = upstream_config(port, [a_url, b_url])
+            async with running_nginx(config, port, tmp_path / "nginx") as nginx:
+                target = f"{nginx}{route}"
+                model = await served_model(target) if api == "responses" else "default"
+                summary = await drop_readers(target, api, model, 500)
+            made = [
+                (await scrape(metrics_url(u)))["replystream_tokens_generated_total"]
+                for u in (a_url, b_url)
+            ]
+    resume = summary["resume"]
+    counts = summary["counts"]
+    assert counts["complete"] == 500, counts
+    assert resume["drops"] == resume["resumed"] == 500
+    assert (resume["lost"], resume["duplicated"]) == (0, 0)
+    assert all(r["tokens"] == 12 for r in summary["requests"])
+    # The replies were made on both replicas, and each resume went to whichever replica
+    # nginx's round-robin picked next, through Redis when it was not the producer.
+    assert all(n >= 1000 for n in made), made

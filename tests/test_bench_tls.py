@@ -1,0 +1,254 @@
+"""``replystream bench`` against an https deployment: a real nginx terminating TLS on loopback
+in front of a ``replystream serve`` process that wants an API key.
+
+The certificates are made here: a CA, and a server certificate it signs for the name
+``localhost`` only (not for 127.0.0.1), so the tests can tell a verified connection from one
+refused for its CA and from one refused for its name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from replystream.client import measure_reply
+from replystream.client.transport import tls_context
+from tests.nginx import running_nginx
+from tests.processes import replica
+from tests.services import free_port
+
+KEY = "sk-tls-test"
+
+
+def _name(common: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA (ca.pem) and a server certificate for ``localhost`` it signs (server.pem, its key
+    server.key)."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("replystream test CA"))
+        .issuer_name(_name("replystream test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(_name("localhost"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_file, cert_file, key_file = folder / "ca.pem", folder / "server.pem", folder / "server.key"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_file.write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return ca_file, cert_file, key_file
+
+
+def tls_proxy_config(port: int, upstream: str, cert: Path, key: Path) -> str:
+    """nginx terminating TLS on ``port`` and proxying to ``upstream`` unbuffered; it names the
+    SNI it was sent in ``X-SNI``."""
+    return f"""    server {{
+        listen 127.0.0.1:{port} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        location / {{
+            proxy_pass http://{upstream};
+            proxy_buffering off;
+            add_header X-SNI "$ssl_server_name" always;
+        }}
+    }}"""
+
+
+@dataclass
+class Deployment:
+    https_port: int
+    ca_file: Path
+
+
+@pytest.fixture
+async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
+    ca_file, cert, key = make_certificates(tmp_path / "certs")
+    schedule = ("--engine", "simulated", "--delay-ms", "3", "--jitter-ms", "0", "--tokens", "20")
+    async with replica(*schedule, "--api-key", KEY) as (_, app_url):
+        port = free_port()
+        upstream = app_url.removeprefix("http://")
+        config = tls_proxy_config(port, upstream, cert, key)
+        async with running_nginx(config, port, tmp_path / "nginx"):
+            yield Deployment(port, ca_file)
+
+
+async def bench(*argv: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "bench",
+        *argv,
+        "--quiet",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode()
+
+
+async def read_json(path: Path) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(await asyncio.to_thread(path.read_text))
+    return result
+
+
+async def test_bench_over_https_verifies_sends_its_headers_and_resumes(deployment, tmp_path):
+    out = tmp_path / "tls.json"
+    url = f"https://localhost:{deployment.https_port}/v1/replies"
+    code, text = await bench(
+        url,
+        "--cacert",
+        str(deployment.ca_file),
+        "--header",
+        f"Authorization: Bearer {KEY}",
+        "--concurrency",
+        "3",
+        "--requests",
+        "8",
+        "--output-tokens",
+        "20",
+        "--drop-share",
+        "0.5",
+        "--drop-after",
+        "4",
+        "--server-metrics",
+        "--json",
+        str(out),
+    )
+    assert code == 0, text
+    result = await read_json(out)
+    # The server wants the key on every request, resume and scrape: all of them reached it
+    # through TLS with the header on.
+    assert result["counts"]["complete"] == 8
+    assert all(r["tokens"] == 20 for r in result["requests"])
+    assert result["resume"]["drops"] >= 1
+    assert result["resume"]["resumed"] == result["resume"]["drops"]
+    assert (result["resume"]["lost"], result["resume"]["duplicated"]) == (0, 0)
+    assert "error" not in result["server"]
+    assert result["server"]["replies"]["finished"] >= 8
+
+    # Without the key, the same TLS connection reaches the app and is refused by it.
+    code, text = await bench(url, "--cacert", str(deployment.ca_file), "--requests", "2")
+    assert code == 1 and "HTTP 401" in text
+
+
+async def test_the_client_sends_the_host_as_sni_over_tls(deployment):
+    url = f"https://localhost:{deployment.https_port}/v1/replies"
+    timing = await measure_reply(
+        url,
+        method="POST",
+        json_body={"prompt": "x", "max_tokens": 5},
+        headers={"Authorization": f"Bearer {KEY}"},
+        tls=tls_context(deployment.ca_file),
+    )
+    assert timing.complete, timing.error
+    assert timing.headers["x-sni"] == "localhost"
+    assert timing.tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("host", "flags", "refusal"),
+    [
+        # The system's CAs do not know the test CA.
+        ("localhost", (), "certificate verify failed"),
+        # The right CA, but the certificate names localhost, not this address.
+        ("127.0.0.1", ("--cacert", "CA"), "IP address mismatch"),
+    ],
+)
+async def test_a_server_that_fails_verification_is_refused(deployment, host, flags, refusal):
+    flags = tuple(str(deployment.ca_file) if f == "CA" else f for f in flags)
+    url = f"https://{host}:{deployment.https_port}/v1/replies"
+    code, text = await bench(url, *flags, "--header", f"Authorization: Bearer {KEY}")
+    assert code == 1
+    assert "0 complete" in text and "10 failed" in text
+    assert refusal in text
+
+
+async def test_insecure_skips_verification_on_purpose(deployment):
+    url = f"https://127.0.0.1:{deployment.https_port}/v1/replies"
+    code, text = await bench(
+        url, "--insecure", "--requests", "3", "--header", f"Authorization: Bearer {KEY}"
+    )
+    assert code == 0, text
+    assert "3 complete" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--insecure", "--cacert", "CA"], "--insecure verifies nothing"),
+        (["--cacert", "NOT_PEM"], "--cacert: "),
+    ],
+)
+async def test_tls_flag_mistakes_are_one_line(tmp_path, argv, message):
+    ca_file, _, _ = make_certificates(tmp_path / "certs")
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello\n")
+    names = {"CA": str(ca_file), "NOT_PEM": str(not_pem)}
+    url = f"https://localhost:{free_port()}/v1/replies"
+    code, text = await bench(url, *(names.get(a, a) for a in argv))
+    assert code == 2
+    assert text.startswith("replystream bench: ") and message in text
+    assert text.count("\n") == 1

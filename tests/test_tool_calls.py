@@ -1,0 +1,514 @@
+"""Streamed tool calls, read by the official openai and anthropic SDKs over a real server.
+
+The server is ``replystream serve --engine simulated --reply-script FILE`` in a child
+process; the relayed tests put a second one (``--engine upstream:URL``) in front of it. What
+the SDKs assemble must equal the script byte for byte: names, ids, every arguments fragment.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from replystream.sse import EventParser
+from tests.processes import replica
+
+WEATHER_FRAGMENTS = ['{"city":', ' "Paris",', ' "unit": "C"}']
+SCRIPT: list[dict[str, Any]] = [
+    {"text": "Checking the weather. ", "delay_ms": 3},
+    {"text": "One moment.", "delay_ms": 3},
+    {
+        "tool_call": {"name": "get_weather", "id": "call_W1", "arguments": WEATHER_FRAGMENTS},
+        "delay_ms": 3,
+    },
+    {"tool_call": {"name": "get_time", "arguments": ['{"tz":', ' "CET"}']}, "delay_ms": 3},
+]
+TEXT = "Checking the weather. One moment."
+WEATHER_ARGS = "".join(WEATHER_FRAGMENTS)
+TIME_ARGS = '{"tz": "CET"}'
+CHAT_TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"the {name[4:]}",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    for name in ("get_weather", "get_time")
+]
+RESPONSES_TOOLS: Any = [{"type": "function", **tool["function"]} for tool in CHAT_TOOLS]
+ANTHROPIC_TOOLS: Any = [
+    {
+        "name": tool["function"]["name"],
+        "description": tool["function"]["description"],
+        "input_schema": tool["function"]["parameters"],
+    }
+    for tool in CHAT_TOOLS
+]
+USER: Any = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def script_file(tmp_path: Path, steps: list[dict[str, Any]]) -> str:
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps(steps))
+    return str(path)
+
+
+def scripted(tmp_path: Path, steps: list[dict[str, Any]] = SCRIPT) -> Any:
+    return replica("--engine", "simulated", "--reply-script", script_file(tmp_path, steps))
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[str]:
+    async with scripted(tmp_path) as (_, url):
+        yield url
+
+
+# Typed Any: the scripted replies' shapes are what the assertions check, not the stubs'.
+def oai(url: str) -> Any:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def claude(url: str) -> Any:
+    return anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+
+
+def body_of(error: pytest.ExceptionInfo[Any]) -> Any:
+    """The error body an SDK's exception carries."""
+    return error.value.body
+
+
+async def chunks_of(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The streamed chat chunks (``data:`` objects) of one request, read raw."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            events = EventParser().feed(await response.read())
+    assert events[-1].data == "[DONE]"
+    return [json.loads(event.data) for event in events[:-1]]
+
+
+def tool_call_deltas(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        call
+        for chunk in chunks
+        for choice in chunk["choices"]
+        for call in choice["delta"].get("tool_calls", [])
+    ]
+
+
+async def test_chat_tool_call_deltas_are_shaped_as_openai_sends_them(server: str):
+    body = {"messages": USER, "tools": CHAT_TOOLS, "stream": True}
+    chunks = await chunks_of(server, body)
+    deltas = tool_call_deltas(chunks)
+    time_id = deltas[4]["id"]
+    assert time_id.startswith("call_")
+    assert deltas == [
+        {
+            "index": 0,
+            "id": "call_W1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": ""},
+        },
+        *({"index": 0, "function": {"arguments": part}} for part in WEATHER_FRAGMENTS),
+        {
+            "index": 1,
+            "id": time_id,
+            "type": "function",
+            "function": {"name": "get_time", "arguments": ""},
+        },
+        {"index": 1, "function": {"arguments": '{"tz":'}},
+        {"index": 1, "function": {"arguments": ' "CET"}'}},
+    ]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert [reason for reason in finishes if reason] == ["tool_calls"]
+    # Every text chunk comes before the first tool-call chunk.
+    kinds = ["tool" if "tool_calls" in c["choices"][0]["delta"] else "other" for c in chunks]
+    assert "other" not in kinds[kinds.index("tool") : -1]
+
+
+async def test_openai_sdk_assembles_the_scripted_calls_on_chat_streamed_and_whole(server: str):
+    async with oai(server) as client:
+        async with client.chat.completions.stream(
+            model="simulated",
+            messages=USER,
+            tools=CHAT_TOOLS,
+            tool_choice="auto",
+        ) as stream:
+            argument_deltas = [
+                event.arguments_delta
+                async for event in stream
+                if event.type == "tool_calls.function.arguments.delta"
+            ]
+            streamed = await stream.get_final_completion()
+        whole = await client.chat.completions.create(
+            model="simulated",
+            messages=USER,
+            tools=CHAT_TOOLS,
+        )
+    # The SDK reports the empty arguments of each call's naming delta too.
+    assert argument_deltas == ["", *WEATHER_FRAGMENTS, "", '{"tz":', ' "CET"}']
+    for completion in (streamed, whole):
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == TEXT
+        calls = choice.message.tool_calls or []
+        assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
+            ("call_W1", "get_weather", WEATHER_ARGS),
+            (calls[1].id, "get_time", TIME_ARGS),
+        ]
+    assert streamed.choices[0].message.tool_calls[1].id == whole.choices[0].message.tool_calls[1].id
+
+
+async def test_a_reply_of_tool_calls_only_in_every_dialect(tmp_path: Path):
+    steps = [{"tool_call": {"name": "get_time", "id": "call_T", "arguments": "{}"}}]
+    async with scripted(tmp_path, steps) as (_, url), oai(url) as client, claude(url) as other:
+        whole = await client.chat.completions.create(
+            model="simulated", messages=USER, tools=CHAT_TOOLS
+        )
+        async with other.messages.stream(**ANTHROPIC_ASK) as stream:
+            streamed = await stream.get_final_message()
+        message = await other.messages.create(**ANTHROPIC_ASK)
+        response = await client.responses.create(
+            model="simulated", input="x", tools=RESPONSES_TOOLS, store=False
+        )
+    chat_message = whole.choices[0].message
+    assert chat_message.content is None
+    assert [(c.id, c.function.arguments) for c in chat_message.tool_calls] == [("call_T", "{}")]
+    # The text block opens with the message, before the first delta is known: it stays empty.
+    assert [block.type for block in streamed.content] == ["text", "tool_use"]
+    assert streamed.content[0].text == ""
+    assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    assert [item.type for item in response.output] == ["message", "function_call"]
+    assert response.output[1].call_id == "call_T"
+
+
+async def test_openai_sdk_assembles_function_call_items_on_responses(server: str):
+    async with oai(server) as client:
+        async with client.responses.stream(
+            model="simulated",
+            input="weather in Paris?",
+            tools=RESPONSES_TOOLS,
+            store=False,
+        ) as stream:
+            events = [event async for event in stream]
+            streamed = await stream.get_final_response()
+        whole = await client.responses.create(
+            model="simulated",
+            input="weather in Paris?",
+            tools=RESPONSES_TOOLS,
+            store=False,
+        )
+    kinds = [event.type for event in events]
+    first_call = kinds.index("response.function_call_arguments.delta") - 1
+    assert kinds[first_call - 3 : first_call + 1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+    ]
+    added = events[first_call]
+    assert added.item.type == "function_call"
+    assert (added.item.call_id, added.item.name, added.item.arguments) == (
+        "call_W1",
+        "get_weather",
+        "",
+    )
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert deltas == [*WEATHER_FRAGMENTS, '{"tz":', ' "CET"}']
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert done == [WEATHER_ARGS, TIME_ARGS]
+    for response in (streamed, whole):
+        assert response.output_text == TEXT
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert [(c.call_id, c.name, c.arguments) for c in calls] == [
+            ("call_W1", "get_weather", WEATHER_ARGS),
+            (calls[1].call_id, "get_time", TIME_ARGS),
+        ]
+        assert [tool.name for tool in response.tools] == ["get_weather", "get_time"]
+
+
+ANTHROPIC_ASK: dict[str, Any] = {
+    "model": "simulated",
+    "max_tokens": 100,
+    "messages": USER,
+    "tools": ANTHROPIC_TOOLS,
+}
+
+
+async def test_anthropic_sdk_streams_tool_use_blocks_equal_to_the_whole_message(server: str):
+    async with claude(server) as client:
+        async with client.messages.stream(**ANTHROPIC_ASK) as stream:
+            partials = [event.partial_json async for event in stream if event.type == "input_json"]
+            streamed = await stream.get_final_message()
+        whole = await client.messages.create(**ANTHROPIC_ASK)
+    assert partials == [*WEATHER_FRAGMENTS, '{"tz":', ' "CET"}']
+    assert streamed.stop_reason == whole.stop_reason == "tool_use"
+    uses = [block for block in streamed.content if block.type == "tool_use"]
+    assert [(u.id, u.name, u.input) for u in uses] == [
+        ("call_W1", "get_weather", json.loads(WEATHER_ARGS)),
+        (uses[1].id, "get_time", json.loads(TIME_ARGS)),
+    ]
+    assert [b.text for b in streamed.content if b.type == "text"] == [TEXT]
+    assert streamed.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+
+
+async def test_tool_messages_in_the_input_are_accepted_by_every_api(server: str):
+    async with oai(server) as client, claude(server) as anthropic_client:
+        history: list[dict[str, Any]] = [
+            *USER,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_W1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": WEATHER_ARGS},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_W1", "content": "18 C, clear"},
+        ]
+        chat = await client.chat.completions.create(
+            model="simulated",
+            messages=history,
+            tools=CHAT_TOOLS,
+        )
+        assert chat.usage is not None and chat.usage.prompt_tokens > 3
+        response = await client.responses.create(
+            model="simulated",
+            input=[
+                {"role": "user", "content": "weather in Paris?"},
+                {
+                    "type": "function_call",
+                    "call_id": "call_W1",
+                    "name": "get_weather",
+                    "arguments": WEATHER_ARGS,
+                },
+                {"type": "function_call_output", "call_id": "call_W1", "output": "18 C"},
+            ],
+            tools=RESPONSES_TOOLS,
+            store=False,
+        )
+        assert response.status == "completed"
+        message = await anthropic_client.messages.create(
+            model="simulated",
+            max_tokens=100,
+            tools=ANTHROPIC_TOOLS,
+            messages=[
+                {"role": "user", "content": "weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Checking."},
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_1",
+                            "name": "get_weather",
+                            "input": {"city": "Paris"},
+                        },
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"},
+                        {"type": "text", "text": "and tomorrow?"},
+                    ],
+                },
+            ],
+        )
+        assert message.stop_reason == "tool_use"
+
+
+async def test_previous_response_id_carries_the_calls_to_the_next_response(server: str):
+    async with oai(server) as client:
+        first = await client.responses.create(
+            model="simulated",
+            input="weather in Paris?",
+            tools=RESPONSES_TOOLS,
+        )
+        second = await client.responses.create(
+            model="simulated",
+            previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": "call_W1", "output": "18 C"}],
+            tools=RESPONSES_TOOLS,
+        )
+    assert second.status == "completed"
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+async def test_bad_tools_are_400s_in_each_apis_own_shape(server: str):
+    async with oai(server) as client, claude(server) as anthropic_client:
+        bad_schema = [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+        ]
+        with pytest.raises(openai.BadRequestError) as chat_schema:
+            await client.chat.completions.create(
+                model="simulated",
+                messages=USER,
+                tools=bad_schema,
+            )
+        with pytest.raises(openai.BadRequestError) as chat_choice:
+            await client.chat.completions.create(
+                model="simulated",
+                messages=USER,
+                tools=CHAT_TOOLS,
+                tool_choice={"type": "function", "function": {"name": "get_stock"}},
+            )
+        with pytest.raises(openai.BadRequestError) as chat_orphan:
+            await client.chat.completions.create(
+                model="simulated",
+                messages=[*USER, {"role": "tool", "tool_call_id": "call_X", "content": "1"}],
+            )
+        with pytest.raises(openai.BadRequestError) as responses_choice:
+            await client.responses.create(
+                model="simulated",
+                input="x",
+                tools=RESPONSES_TOOLS,
+                tool_choice={"type": "function", "name": "get_stock"},
+                store=False,
+            )
+        with pytest.raises(openai.BadRequestError) as responses_required:
+            await client.responses.create(
+                model="simulated", input="x", tool_choice="required", store=False
+            )
+        with pytest.raises(anthropic.BadRequestError) as claude_schema:
+            await anthropic_client.messages.create(
+                model="simulated",
+                max_tokens=10,
+                messages=USER,
+                tools=[{"name": "f", "input_schema": {"type": "object", "required": "city"}}],
+            )
+        with pytest.raises(anthropic.BadRequestError) as claude_choice:
+            await anthropic_client.messages.create(
+                model="simulated",
+                max_tokens=10,
+                messages=USER,
+                tools=ANTHROPIC_TOOLS,
+                tool_choice={"type": "tool", "name": "get_stock"},
+            )
+    params = [
+        body_of(error)["param"]
+        for error in (chat_schema, chat_choice, chat_orphan, responses_choice, responses_required)
+    ]
+    assert params == [
+        "tools[0].function.parameters",
+        "tool_choice",
+        "messages[1]",
+        "tool_choice",
+        "tool_choice",
+    ]
+    assert "get_stock" in chat_choice.value.message
+    for error in (claude_schema, claude_choice):
+        body = body_of(error)["error"]
+        assert body["type"] == "invalid_request_error"
+    assert body_of(claude_schema)["error"]["param"] == "tools[0].input_schema"
+    assert body_of(claude_choice)["error"]["param"] == "tool_choice"
+
+
+async def test_native_route_names_tool_call_events_and_lists_the_calls_whole(server: str):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{server}/v1/replies", json={"prompt": "x"}) as response:
+            events = EventParser().feed(await response.read())
+        async with http.post(f"{server}/v1/replies", json={"prompt": "x", "stream": False}) as r:
+            whole = await r.json()
+    pieces = [json.loads(e.data) for e in events if e.type == "tool_call"]
+    assert pieces[0] == {"index": 0, "id": "call_W1", "name": "get_weather", "arguments": ""}
+    assert [p["arguments"] for p in pieces if p["index"] == 0] == ["", *WEATHER_FRAGMENTS]
+    assert json.loads(events[-1].data) == {"finish_reason": "tool_calls"}
+    assert whole["finish_reason"] == "tool_calls"
+    assert [c["function"]["arguments"] for c in whole["tool_calls"]] == [WEATHER_ARGS, TIME_ARGS]
+
+
+async def test_resuming_mid_arguments_gives_the_exact_remaining_bytes(server: str):
+    body = {"messages": USER, "tools": CHAT_TOOLS, "stream": True, "resumable": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{server}/v1/chat/completions", json=body) as response:
+            reply_id = response.headers["X-Reply-Id"]
+            whole = await response.read()
+        events = EventParser().feed(whole)
+        # The event carrying the second fragment of the first call's arguments.
+        middle = next(e for e in events if WEATHER_FRAGMENTS[1].replace('"', '\\"') in e.data)
+        headers = {"Last-Event-ID": str(middle.id)}
+        url = f"{server}/v1/replies/{reply_id}/stream"
+        async with http.get(url, headers=headers) as again:
+            rest = await again.read()
+    assert whole.endswith(rest)
+    assert whole[: len(whole) - len(rest)].endswith(
+        f"id: {middle.id}\n".encode() + b"data: " + middle.data.encode() + b"\n\n"
+    )
+
+
+@pytest.fixture
+async def relay(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
+    async with (
+        scripted(tmp_path) as (_, upstream),
+        replica("--engine", f"upstream:{upstream}/v1", "--model-name", "simulated") as (_, front),
+    ):
+        yield upstream, front
+
+
+async def test_relayed_chat_tool_call_deltas_are_exactly_the_upstreams(relay: tuple[str, str]):
+    upstream, front = relay
+    body = {"messages": USER, "tools": CHAT_TOOLS, "tool_choice": "required", "stream": True}
+    direct = tool_call_deltas(await chunks_of(upstream, body))
+    relayed_chunks = await chunks_of(front, body)
+    assert tool_call_deltas(relayed_chunks) == direct
+    assert relayed_chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_relayed_calls_are_translated_for_responses_and_anthropic(relay: tuple[str, str]):
+    upstream, front = relay
+    results = []
+    for url in (upstream, front):
+        async with oai(url) as client, claude(url) as anthropic_client:
+            async with client.responses.stream(
+                model="simulated",
+                input="weather in Paris?",
+                tools=RESPONSES_TOOLS,
+                tool_choice="required",  # the upstream refuses it unless the tools reach it
+                store=False,
+            ) as stream:
+                deltas = [
+                    e.delta
+                    async for e in stream
+                    if e.type == "response.function_call_arguments.delta"
+                ]
+                response = await stream.get_final_response()
+            forced = {**ANTHROPIC_ASK, "tool_choice": {"type": "any"}}  # "required" upstream
+            async with anthropic_client.messages.stream(**forced) as claude_stream:
+                partials = [e.partial_json async for e in claude_stream if e.type == "input_json"]
+                message = await claude_stream.get_final_message()
+        calls = [
+            (c.call_id, c.name, c.arguments) for c in response.output if c.type == "function_call"
+        ]
+        uses = [(b.id, b.name, b.input) for b in message.content if b.type == "tool_use"]
+        results.append((deltas, calls, partials, uses, message.stop_reason))
+    assert results[0] == results[1]
+    deltas, calls, _, _, stop_reason = results[1]
+    assert deltas == [*WEATHER_FRAGMENTS, '{"tz":', ' "CET"}']
+    assert calls[0] == ("call_W1", "get_weather", WEATHER_ARGS)
+    assert stop_reason == "tool_use"
+
+
+async def test_websocket_messages_carry_tool_call_pieces(server: str):
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{server}/v1/ws") as ws:
+        await ws.send_json({"type": "reply", "id": "t", "prompt": "x"})
+        messages: list[Any] = []
+        while not messages or messages[-1]["type"] not in ("done", "error"):
+            messages.append(await ws.receive_json(timeout=30))
+    pieces = [m["data"] for m in messages if m["type"] == "tool_call"]
+    assert all(m["id"] == "t" for m in messages)
+    assert "".join(p["arguments"] for p in pieces if p["index"] == 0) == WEATHER_ARGS
+    assert messages[-1]["data"] == {"finish_reason": "tool_calls"}
