@@ -70,6 +70,12 @@ class GenerationRequest:
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
 
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether the client demands a tool call (``"required"`` or a named function), which
+        only an engine that makes tool calls can honour (``Engine.makes_tool_calls``)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, Mapping)
+
 
 class ToolCallDelta(NamedTuple):
     """One piece of a tool call, as chat models stream them (OpenAI's ``tool_calls`` delta).
@@ -204,6 +210,10 @@ class Engine(Protocol):
     # Whether every delta stream ``start`` returns is a ``PushDeltaStream``: the consumer then
     # attaches a sink (no task per stream) instead of iterating.
     pushes: bool
+    # Whether its replies can hold tool calls (``Delta.tool_call``). A request that forces a
+    # call (``GenerationRequest.forces_tool_call``) is refused before ``start`` by the server
+    # when this is False; ``tool_choice: "auto"`` is served (the engine chose text).
+    makes_tool_calls: bool
 
     async def start(self, request: GenerationRequest) -> DeltaStream:
         """Admit a request and return its delta stream.

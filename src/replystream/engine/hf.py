@@ -104,6 +104,7 @@ class HFEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.pushes = False
+        self.makes_tool_calls = False  # text only: no tool-call parser for its output
         self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
         eos = getattr(model.config, "eos_token_id", None) or tokenizer.eos_token_id

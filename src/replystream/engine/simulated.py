@@ -134,6 +134,7 @@ class SimulatedEngine:
 
     name = "simulated"
     pushes = True  # its streams share one timer and push to a sink
+    makes_tool_calls = False  # only a scripted reply has calls (``ScriptedEngine``)
 
     def __init__(self, config: SimulatedConfig | None = None) -> None:
         self.config = config or SimulatedConfig()
@@ -242,6 +243,8 @@ class ScriptedEngine(SimulatedEngine):
     The script is replayed as written whatever tools a request offers: it stands in for a
     model to test clients, it is not one.
     """
+
+    makes_tool_calls = True
 
     def __init__(self, config: SimulatedConfig, script: ReplyScript) -> None:
         super().__init__(config)

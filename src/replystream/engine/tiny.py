@@ -81,6 +81,7 @@ class TinyEngine:
 
     name = "tiny"
     pushes = False
+    makes_tool_calls = False
 
     def __init__(
         self, model: TinyModel, tokenizer: ByteTokenizer, config: TinyEngineConfig | None = None

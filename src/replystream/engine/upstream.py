@@ -171,6 +171,7 @@ class UpstreamEngine:
 
     name = "upstream"
     pushes = False
+    makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config

@@ -117,7 +117,7 @@ async def start_generation(
 ) -> DeltaStream:
     """Admit a request, turning engine refusals into API errors sent before any byte."""
     _refuse_when_stopping(request, record)
-    return await _admitted(request, record, request.app[ENGINE_KEY].start(generation))
+    return await _admitted(request, record, _start_one(request.app[ENGINE_KEY], generation))
 
 
 async def start_several(
@@ -126,7 +126,29 @@ async def start_several(
     """``start_generation`` for ``n`` generations of the request, one choice each, merged."""
     _refuse_when_stopping(request, record)
     engine = request.app[ENGINE_KEY]
-    return await _admitted(request, record, start_choices(engine, generation, n))
+    return await _admitted(request, record, _start_several(engine, generation, n))
+
+
+def _refuse_unmakeable_call(engine: Engine, generation: GenerationRequest) -> None:
+    """A forced tool call from an engine that makes none would be answered with text the
+    client did not ask for: refused instead, naming ``tool_choice``."""
+    if generation.forces_tool_call and not engine.makes_tool_calls:
+        raise RequestRejected(
+            f"the {engine.name} engine cannot make tool calls, so it cannot honour this "
+            'tool_choice (a required or named tool); "auto" or "none" can be served',
+            code="unsupported_parameter",
+            param="tool_choice",
+        )
+
+
+async def _start_one(engine: Engine, generation: GenerationRequest) -> DeltaStream:
+    _refuse_unmakeable_call(engine, generation)
+    return await engine.start(generation)
+
+
+async def _start_several(engine: Engine, generation: GenerationRequest, n: int) -> ChoicesStream:
+    _refuse_unmakeable_call(engine, generation)
+    return await start_choices(engine, generation, n)
 
 
 def _refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
