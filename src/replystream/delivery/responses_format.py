@@ -71,6 +71,7 @@ class ResponseSettings:
     background: bool = False
     tools: tuple[dict[str, Any], ...] = ()  # the function tools offered, as the request gave them
     tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True
 
 
 def response_object(
@@ -112,7 +113,7 @@ def response_object(
         "max_output_tokens": settings.max_output_tokens,
         "model": settings.model,
         "output": output,
-        "parallel_tool_calls": False,
+        "parallel_tool_calls": settings.parallel_tool_calls,
         "previous_response_id": settings.previous_response_id,
         "store": settings.store,
         "temperature": settings.temperature,

@@ -69,6 +69,10 @@ class GenerationRequest:
     # to chat upstreams. None: no tools offered.
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
+    # Whether the reply may hold more than one tool call (chat and Responses'
+    # ``parallel_tool_calls``; Anthropic's ``disable_parallel_tool_use`` negated). None: the
+    # client did not say (the APIs' default allows several).
+    parallel_tool_calls: bool | None = None
 
     @property
     def forces_tool_call(self) -> bool:

@@ -252,6 +252,16 @@ class ScriptedEngine(SimulatedEngine):
         self._plan = script.deltas
         self._words = [step.text for step in script.deltas]  # the length every reply has
 
+    async def start(self, request: GenerationRequest) -> SimulatedStream:
+        if request.parallel_tool_calls is False and self.script.calls > 1:
+            raise RequestRejected(
+                f"parallel tool calls are disabled, and this server's reply script makes "
+                f"{self.script.calls} calls in one reply (it is replayed as written)",
+                code="unsupported_parameter",
+                param="parallel_tool_calls",
+            )
+        return await super().start(request)
+
     def _gap_ms(self, seed: int, index: int) -> float:
         if index < len(self._plan):
             delay = self._plan[index].delay_ms

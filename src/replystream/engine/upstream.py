@@ -144,6 +144,8 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["tools"] = [dict(tool) for tool in request.tools]
         if request.tool_choice is not None:
             body["tool_choice"] = request.tool_choice
+        if request.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = request.parallel_tool_calls
     return body
 
 

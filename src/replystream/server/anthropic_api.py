@@ -30,6 +30,7 @@ from replystream.engine.base import GenerationRequest
 from replystream.server import ids
 from replystream.server.buffered import Whole
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
+from replystream.server.errors import HTTPAPIError
 from replystream.server.native import bad, delivery_overrides, sampling_params
 from replystream.server.openai_api import served_model
 from replystream.server.openai_requests import model_not_found
@@ -69,7 +70,10 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
             "context_length_exceeded",
         )
     sampling = sampling_params(_sampling(body), body.max_tokens)
-    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice)
+    choice = body.tool_choice
+    disabled = None if choice is None else choice.disable_parallel_tool_use
+    parallel = None if disabled is None else not disabled
+    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice, parallel)
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -83,16 +87,21 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     generation = _generation(body, config.max_prompt_chars)
     policy = delivery_overrides(_sampling(body), config.policy)
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
-    if not body.stream:
-        return await _whole(request, generation, model, input_tokens, policy)
-    reply = await start_reply(
-        request,
-        generation,
-        endpoint="/v1/messages",
-        fmt=AnthropicStreamFormat(model, input_tokens),
-        policy=policy,
-        resumable=None,  # the server's default, as on the other routes
-    )
+    try:
+        if not body.stream:
+            return await _whole(request, generation, model, input_tokens, policy)
+        reply = await start_reply(
+            request,
+            generation,
+            endpoint="/v1/messages",
+            fmt=AnthropicStreamFormat(model, input_tokens),
+            policy=policy,
+            resumable=None,  # the server's default, as on the other routes
+        )
+    except HTTPAPIError as refused:
+        if refused.param == "parallel_tool_calls":  # an engine's refusal, in chat's words
+            refused.param = "tool_choice.disable_parallel_tool_use"
+        raise
     return follow_started(request, reply, policy, keepalive=PING)
 
 

@@ -91,6 +91,7 @@ def parse_chat_request(
         relayed_messages(body.messages),  # relayed unchanged to chat upstreams
         tools,
         tool_choice,
+        body.parallel_tool_calls,
     )
     return _ask(
         body,

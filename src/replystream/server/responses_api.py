@@ -184,7 +184,8 @@ def _generation(
         )
     sampling = sampling_params(_sampling(body), body.max_output_tokens)
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
-    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice)
+    parallel = body.parallel_tool_calls
+    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice, parallel)
 
 
 def _echoed_choice(body: ResponsesBody) -> str | dict[str, Any]:
@@ -221,6 +222,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         background=body.background,
         tools=tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ()),
         tool_choice=_echoed_choice(body),
+        parallel_tool_calls=body.parallel_tool_calls is not False,  # the API's default: true
     )
     if not body.store:  # nothing to keep: a plain reply, or one body collected whole
         if not body.stream:
