@@ -211,7 +211,7 @@ def test_no_tools_sends_no_tool_fields_upstream():
 
 def test_a_response_read_mid_call_lists_the_call_so_far():
     fmt = ResponsesStreamFormat(ResponseSettings(model="m", created_at=0))
-    specs = [*fmt.started("r1"), fmt.text("hi", 1)]
+    specs = [*fmt.started("r1"), *fmt.text("hi", 1)]
     specs += [*fmt.tool_call(PIECES[0]), *fmt.tool_call(PIECES[1])]
     entries = [LogEntry(n, event, data) for n, (event, data) in enumerate(specs, 1)]
     response = response_from_log(entries, producer_lost=False)

@@ -62,9 +62,16 @@ class StreamFormat(Protocol):
 
     def started(self, reply_id: str) -> list[Spec]: ...
 
-    def text(self, text: str, tokens: int) -> Spec: ...
+    def text(self, text: str, tokens: int) -> list[Spec]:
+        """The events of a piece of text: one, after the events that open a text container
+        first when the dialect opens one only once text comes (Anthropic's text block, a
+        Responses message item). A list either way, so a plain piece costs no more than
+        the one event the pipeline would put in a list itself."""
+        ...
 
-    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
         """``text`` with its tokens' log probabilities (only for a request that asked)."""
         ...
 
@@ -129,10 +136,12 @@ class LabFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
-    def text(self, text: str, tokens: int) -> Spec:
-        return None, json_string(text)
+    def text(self, text: str, tokens: int) -> list[Spec]:
+        return [(None, json_string(text))]
 
-    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
         return self.text(text, tokens)  # never asked: the lab routes take no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
@@ -158,11 +167,13 @@ class NativeFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
-    def text(self, text: str, tokens: int) -> Spec:
+    def text(self, text: str, tokens: int) -> list[Spec]:
         # Byte for byte what json.dumps({"text": text, "tokens": tokens}) writes.
-        return "token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}'
+        return [("token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}')]
 
-    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
         return self.text(text, tokens)  # never asked: /v1/replies takes no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:

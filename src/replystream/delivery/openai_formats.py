@@ -140,17 +140,19 @@ class OpenAIStreamFormat:
         self.reply_id = reply_id
         return [self._chunk([self._choice("", None, role="assistant")])]
 
-    def text(self, text: str, tokens: int) -> Spec:
-        return self._chunk([self._choice(text, None)])
+    def text(self, text: str, tokens: int) -> list[Spec]:
+        return [self._chunk([self._choice(text, None)])]
 
-    def text_logprobs(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> Spec:
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
         choice = self._choice(text, None)
         if self.kind == "chat":
             choice["logprobs"] = chat_logprobs(logprobs)
         else:
             choice["logprobs"] = completion_logprobs(logprobs, self._offset)
         self._offset += len(text)
-        return self._chunk([choice])
+        return [self._chunk([choice])]
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         if self.kind == "text":

@@ -122,7 +122,7 @@ class ReplyPipeline:
                     return self._entries(self.fmt.tool_call(delta.tool_call))
                 if not delta.tokens:
                     return []
-            return self._entries([self.fmt.text(delta.text, delta.tokens)])
+            return self._entries(self.fmt.text(delta.text, delta.tokens))
         if delta.tool_call is not None:
             # A call's pieces carry no text; log probabilities, if any came with one, belong
             # to no text event and are not queued for one.
@@ -131,7 +131,7 @@ class ReplyPipeline:
             self.logprobs.extend(delta.logprobs)
         text, tokens = holdback.push(delta.text, delta.tokens)
         batch = batcher.add(text, tokens, now)
-        specs = [] if batch is None else [self._text(*batch)]
+        specs = [] if batch is None else self._text(*batch)
         if holdback.ended:
             self.halted = True
             if holdback.violation is not None:
@@ -158,10 +158,10 @@ class ReplyPipeline:
         if self.batcher is None or not self.batcher.expired(now):
             return []
         batch = self.batcher.flush()
-        return [] if batch is None else self._entries([self._text(*batch)])
+        return [] if batch is None else self._entries(self._text(*batch))
 
-    def _text(self, text: str, tokens: int) -> Spec:
-        """The event of released text, with its tokens' log probabilities when asked."""
+    def _text(self, text: str, tokens: int) -> list[Spec]:
+        """The events of released text, with its tokens' log probabilities when asked."""
         made = self.logprobs
         if made is None:
             return self.fmt.text(text, tokens)
@@ -175,11 +175,11 @@ class ReplyPipeline:
         assert self.holdback is not None and self.batcher is not None
         text, tokens = self.holdback.finish()
         batch = self.batcher.add(text, tokens, 0.0)
-        return ([] if batch is None else [self._text(*batch)]) + self._flush()
+        return ([] if batch is None else self._text(*batch)) + self._flush()
 
     def _flush(self) -> list[Spec]:
         batch = None if self.batcher is None else self.batcher.flush()
-        return [] if batch is None else [self._text(*batch)]
+        return [] if batch is None else self._text(*batch)
 
     def flush(self) -> list[LogEntry]:
         """Whatever is batched, now (held text stays held)."""
@@ -196,7 +196,7 @@ class ReplyPipeline:
         if self.holdback is not None and self.batcher is not None:
             text, tokens = self.holdback.finish()
             batch = self.batcher.add(text, tokens, 0.0)
-            specs = [] if batch is None else [self._text(*batch)]
+            specs = [] if batch is None else self._text(*batch)
             specs += self._flush()
         usage = Usage(prompt_tokens, self.tokens)
         return self._entries(

@@ -82,7 +82,7 @@ class _Collector:
             # As in a stream: a call ends the text before it (held text is released, and no
             # stop string spans it); its pieces are no text and have no log probabilities.
             self.parts.append(self.holdback.finish()[0])
-            self.calls.add(delta.tool_call)
+            self.calls.add(delta.tool_call, self.holdback.released_chars)
             return False
         if self.made is not None and delta.logprobs:
             self.made.extend(delta.logprobs)
