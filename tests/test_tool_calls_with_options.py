@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.processes import replica
 from tests.test_tool_calls import ANTHROPIC_TOOLS, CHAT_TOOLS, USER, claude, oai, scripted
 
 STOPS = ["##END", "STOP"]
@@ -147,4 +148,43 @@ async def test_anthropic_stop_sequences_and_tool_use_streamed_equal_whole(server
     assert uses == [
         ("call_W", "get_weather", {"city": "Paris"}),
         ("call_T", "get_time", {"tz": "CET"}),
+    ]
+
+
+async def test_relayed_tool_calls_with_logprobs_and_stops_equal_the_upstreams(tmp_path: Path):
+    ask: dict[str, Any] = {
+        "model": "simulated",
+        "messages": USER,
+        "tools": CHAT_TOOLS,
+        "stop": STOPS,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+
+    async def read(url: str) -> tuple[str, list[str], list[tuple[int, str | None, str]], Any]:
+        text, tokens, pieces, finish = "", [], [], None
+        async with oai(url) as client:
+            async for chunk in await client.chat.completions.create(**ask, stream=True):
+                [choice] = chunk.choices
+                for piece in choice.delta.tool_calls or ():
+                    assert choice.logprobs is None
+                    pieces.append((piece.index, piece.id, piece.function.arguments))
+                if choice.delta.content:
+                    text += choice.delta.content
+                    tokens += [entry.token for entry in choice.logprobs.content]
+                finish = choice.finish_reason or finish
+        return text, tokens, pieces, finish
+
+    async with (
+        scripted(tmp_path, SCRIPT) as (_, upstream),
+        replica("--engine", f"upstream:{upstream}/v1", "--model-name", "simulated") as (_, front),
+    ):
+        direct = await read(upstream)
+        relayed = await read(front)
+    assert relayed == direct
+    text, tokens, pieces, finish = relayed
+    assert text == "".join(tokens) == TEXT and finish == "tool_calls"
+    assert [(index, call_id) for index, call_id, _ in pieces if call_id] == [
+        (0, "call_W"),
+        (1, "call_T"),
     ]
