@@ -32,8 +32,9 @@ def plain(
             WORDS[i % len(WORDS)] + " ",
             1,
             0.0,
-            None,
-            (TokenLogprob("w", -0.5, b"w", (TopLogprob("w", -0.5, b"w"),)),) if logprobs else None,
+            logprobs=(TokenLogprob("w", -0.5, b"w", (TopLogprob("w", -0.5, b"w"),)),)
+            if logprobs
+            else None,
         )
         for i in range(tokens)
     ]
@@ -51,7 +52,7 @@ def plain(
 
 
 def choices(tokens: int, n: int) -> Callable[[], None]:
-    deltas = [Delta(WORDS[i % len(WORDS)] + " ", 1, 0.0, None, None, i % n) for i in range(tokens)]
+    deltas = [Delta(WORDS[i % len(WORDS)] + " ", 1, 0.0, choice=i % n) for i in range(tokens)]
 
     def run() -> None:
         formats = [OpenAIStreamFormat("chat", "m", 0, False, i, one_of_many=True) for i in range(n)]

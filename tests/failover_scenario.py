@@ -65,10 +65,20 @@ class Outcome:
 
 
 async def read_stream(
-    url: str, client: Client, *, body: bytes = b"", after: int | None = None, first_only=False
+    url: str,
+    client: Client,
+    *,
+    body: bytes = b"",
+    after: int | None = None,
+    first_only=False,
+    stop_after: int | None = None,
 ) -> str | None:
     """Read a reply's events into ``client`` (POST ``body``, or GET after event ``after``);
-    the reply's id, from its first event. With ``first_only``, stop after that event."""
+    the reply's id, from its first event. With ``first_only``, stop after that event; with
+    ``stop_after``, after that many (the client drops the connection)."""
+    if first_only:
+        stop_after = 1
+    read = 0
     headers = {"Accept": "text/event-stream"}
     if body:
         headers["Content-Type"] = "application/json"
@@ -97,7 +107,8 @@ async def read_stream(
                         client.text += json.loads(event.data)["text"]
                     elif event.type == "done":
                         client.done = True
-                if first_only:
+                read += 1
+                if stop_after is not None and read >= stop_after:
                     return reply_id
     return reply_id
 

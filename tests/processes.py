@@ -10,8 +10,10 @@ from collections.abc import AsyncIterator
 from replystream.lab.local_server import READY_PREFIX, stop_process
 
 
-async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
-    """Start ``replystream serve --port 0 ARGS``; return the process and its base URL."""
+async def start_server(*args: str, ready_s: float = 30.0) -> tuple[asyncio.subprocess.Process, str]:
+    """Start ``replystream serve --port 0 ARGS``; return the process and its base URL.
+
+    ``ready_s`` bounds the wait for its ready line (a real model takes seconds to load)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -23,7 +25,7 @@ async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
         stdout=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+    line = (await asyncio.wait_for(process.stdout.readline(), ready_s)).decode()
     assert line.startswith(READY_PREFIX), line
     return process, line[len(READY_PREFIX) :].strip()
 
@@ -32,8 +34,10 @@ stop = stop_process
 
 
 @contextlib.asynccontextmanager
-async def replica(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    process, url = await start_server(*args)
+async def replica(
+    *args: str, ready_s: float = 30.0
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    process, url = await start_server(*args, ready_s=ready_s)
     try:
         yield process, url
     finally:

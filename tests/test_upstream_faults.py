@@ -25,9 +25,9 @@ from replystream.engine.upstream import (
     UpstreamTarget,
     UpstreamTimeout,
     UpstreamUnavailable,
-    WeightedRoundRobin,
     request_body,
 )
+from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.server import create_app, running
 from tests.conftest import wait_for
 from tests.services import free_port
@@ -322,9 +322,10 @@ def test_engine_errors_carry_the_status_the_server_answers_with():
 
 
 def test_weights_share_requests_in_proportion_and_interleave():
-    balancer = WeightedRoundRobin([3, 1])
-    picks = [balancer.pick() for _ in range(8)]
-    assert picks == [0, 0, 1, 0, 0, 0, 1, 0]
+    a, b = Backend("http://a/v1", 3), Backend("http://b/v1", 1)
+    pool = UpstreamPool([a, b], BreakerConfig(), lambda: 0.0)
+    picks = [pool.plan(None)[0].name[7] for _ in range(8)]
+    assert picks == list("aabaaaba")
     assert UpstreamTarget.parse("http://h:1/v1=3") == UpstreamTarget("http://h:1/v1", 3)
     assert UpstreamTarget.parse("http://h:1/v1?a=b") == UpstreamTarget("http://h:1/v1?a=b", 1)
 

@@ -165,7 +165,7 @@ class _Given(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, True if self.setting.switch else values)
         given = dict(getattr(namespace, _GIVEN, None) or {})
         given[self.dest] = self.setting
         setattr(namespace, _GIVEN, given)
@@ -181,8 +181,8 @@ def add_arguments(parser: argparse.ArgumentParser, table: Table) -> None:
                 "default": row.initial(),
                 "help": argparse.SUPPRESS if row.hidden else row.help,
             }
-            if row.switch:
-                target.add_argument(row.flag, action="store_true", **options)
+            if row.switch:  # recorded too: an engine's switch given to another is refused
+                target.add_argument(row.flag, action=_Given, setting=row, nargs=0, **options)
                 continue
             options.update(type=row.parse, choices=row.choices or None, metavar=row.metavar)
             if row.repeatable:
@@ -192,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser, table: Table) -> None:
 
 
 def given(args: argparse.Namespace) -> list[Setting]:
-    """The single-valued settings the command line gave, whatever their values."""
+    """The single-valued settings and switches the command line gave, whatever their values."""
     recorded: dict[str, Setting] = getattr(args, _GIVEN, None) or {}
     return list(recorded.values())
 

@@ -4,11 +4,12 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
 - A streamed message is ``event: <type>`` with a ``data:`` object whose ``type`` matches:
   ``message_start`` (the message, empty, with the input tokens), then its content blocks in
   order, each ``content_block_start`` / ``content_block_delta``... / ``content_block_stop``
-  with its ``index`` (counted from 0), then ``message_delta`` (the stop reason and the output
-  tokens) and ``message_stop``. An error after the first byte is ``event: error`` with
-  Anthropic's error object, and the stream then never ends with ``message_stop``. Every event
-  keeps our event id (``id:``), so a message can be resumed, which Anthropic itself does not
-  offer.
+  with its ``index`` (counted from 0), then ``message_delta`` (the stop reason, and the usage
+  so far: input tokens as the engine counted them, which may differ from ``message_start``'s
+  estimate, and output tokens) and ``message_stop``. An error after the first byte is
+  ``event: error`` with Anthropic's error object, and the stream then never ends with
+  ``message_stop``. Every event keeps our event id (``id:``), so a message can be resumed,
+  which Anthropic itself does not offer.
 - A text block is opened when text comes (not before: a reply of tool calls only has no text
   block, as Anthropic sends it), and gets one ``content_block_delta`` (``text_delta``) per
   piece of text.
@@ -170,11 +171,16 @@ class AnthropicStreamFormat:
         return [("content_block_stop", _dumps(stop))]
 
     def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:
-        tokens = self._tokens if usage is None else usage.completion_tokens
+        counts = {"output_tokens": self._tokens}
+        if usage is not None:
+            # Cumulative, as Anthropic's are: the SDK's final message takes these, so the
+            # engine's own prompt count (a relay's upstream reports it only at the end)
+            # replaces the estimate message_start had to send.
+            counts = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": None, **extra},
-            "usage": {"output_tokens": tokens},
+            "usage": counts,
         }
         return [
             *self._stop_block(),
@@ -191,6 +197,9 @@ class AnthropicStreamFormat:
 
     def error(self, message: str, code: str) -> list[Spec]:
         return [("error", _dumps(error_object(message, code)))]
+
+    def continued(self, reason: str, tokens: int) -> list[Spec]:
+        return []  # no such event in this dialect: the text simply goes on
 
     def moderated(self, violation: Violation) -> list[Spec]:
         return self._ending("refusal", None, replystream_moderation=moderated_payload(violation))

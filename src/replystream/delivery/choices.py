@@ -45,7 +45,6 @@ class ChoicesPipeline:
         self._ending = ending
         self._on_choice_done = on_choice_done
         self._done = [False] * len(formats)
-        self._prompt_tokens = 0
         self.next_seq = 1
         self.ended = False
         # A check or a stop string ends one choice, never the reply: production goes on.
@@ -55,6 +54,12 @@ class ChoicesPipeline:
     @property
     def tokens(self) -> int:
         return sum(choice.tokens for choice in self.choices)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's size as an engine counted it, if one did: every choice's generation
+        read the same prompt, and usage counts it once (as OpenAI's does for ``n``)."""
+        return next((c.prompt_tokens for c in self.choices if c.prompt_tokens is not None), None)
 
     def _number(self, entries: list[LogEntry]) -> list[LogEntry]:
         seq = self.next_seq
@@ -102,7 +107,8 @@ class ChoicesPipeline:
             if not self._done[index]
             for e in self._finish_choice(index)
         ]
-        usage = Usage(prompt_tokens, self.tokens)
+        reported = self.prompt_tokens
+        usage = Usage(prompt_tokens if reported is None else reported, self.tokens)
         return self._number(entries) + self._number(
             [LogEntry(0, event, data) for event, data in self._ending(usage)]
         )

@@ -9,10 +9,12 @@ event and never with the dialect's end marker.
 - The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
   ``data: [DONE]`` at the end.
 - The native dialect names every event (``token``, ``tool_call``, ``usage``, ``moderated``,
-  ``error``, ``done``), so a client can tell an error from a finish without parsing JSON;
-  ``done`` names the stop string a reply ended at (``stop_sequence``), when one did.
+  ``error``, ``done``, and ``continued`` where a relay carried the reply on at another
+  upstream), so a client can tell an error from a finish without parsing JSON; ``done``
+  names the stop string a reply ended at (``stop_sequence``), when one did.
   A ``tool_call`` event is one piece of a call: ``{"index", "id", "name", "arguments"}``,
-  with ``id`` and ``name`` only on the first piece of an index (null after).
+  with ``id`` and ``name`` only on the first piece of an index (null after). The other
+  dialects have no event for a continuation: their clients read one uninterrupted text.
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class StreamFormat(Protocol):
 
     def moderated(self, violation: Violation) -> list[Spec]: ...
 
+    def continued(self, reason: str, tokens: int) -> list[Spec]:
+        """The reply goes on at another upstream after ``tokens`` tokens (a relay's
+        continuation): the dialect's marker, or nothing where it has no such event."""
+        ...
+
 
 def error_spec(message: str, code: str) -> Spec:
     return "error", json.dumps({"error": {"message": message, "code": code}})
@@ -160,9 +167,13 @@ class LabFormat:
     def moderated(self, violation: Violation) -> list[Spec]:
         return [("moderated", json.dumps(moderated_payload(violation)))]
 
+    def continued(self, reason: str, tokens: int) -> list[Spec]:
+        return []
+
 
 class NativeFormat:
-    """Named events: ``reply``, ``token``, ``usage``, ``moderated``, ``error``, ``done``."""
+    """Named events: ``reply``, ``token``, ``usage``, ``moderated``, ``error``, ``done``,
+    ``continued``."""
 
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
@@ -192,3 +203,6 @@ class NativeFormat:
 
     def moderated(self, violation: Violation) -> list[Spec]:
         return [("moderated", json.dumps(moderated_payload(violation)))]
+
+    def continued(self, reason: str, tokens: int) -> list[Spec]:
+        return [("continued", json.dumps({"reason": reason, "after_tokens": tokens}))]

@@ -36,6 +36,11 @@ class Pipeline(Protocol):
     def violation(self) -> Violation | None: ...
 
     @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's size as the engine counted it (None: it did not say)."""
+        ...
+
+    @property
     def batch_due_at(self) -> float | None: ...
 
     def start(self, reply_id: str) -> list[LogEntry]: ...
@@ -64,6 +69,7 @@ class ReplyPipeline:
         "logprobs",
         "next_seq",
         "numbered",
+        "prompt_tokens",
         "tokens",
     )
 
@@ -96,6 +102,7 @@ class ReplyPipeline:
         self.next_seq = 1
         self.tokens = 0
         self.finish_reason = "stop"
+        self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
         self.ended = False
         self.halted = False  # a check or a stop string ended the text: push no more deltas
         # Log probabilities of tokens made and not yet in an event, oldest first (None: not asked).
@@ -115,18 +122,23 @@ class ReplyPipeline:
         self.tokens += delta.tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+            if delta.prompt_tokens is not None:
+                self.prompt_tokens = delta.prompt_tokens
         holdback, batcher = self.holdback, self.batcher
-        if holdback is None or batcher is None:  # nothing held, nothing batched
-            if not delta.text:
-                if delta.tool_call is not None:
+        if not delta.text:
+            if delta.tool_call is not None:
+                # A call's pieces carry no text; log probabilities, if any came with one,
+                # belong to no text event and are not queued for one.
+                if holdback is None or batcher is None:
                     return self._entries(self.fmt.tool_call(delta.tool_call))
-                if not delta.tokens:
+                return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
+            if not delta.tokens:  # a finish, or a relay's continuation marker
+                if delta.continued is not None:
+                    return self._entries(self.fmt.continued(delta.continued, self.tokens))
+                if holdback is None or batcher is None:
                     return []
+        if holdback is None or batcher is None:  # nothing held, nothing batched
             return self._entries(self.fmt.text(delta.text, delta.tokens))
-        if delta.tool_call is not None:
-            # A call's pieces carry no text; log probabilities, if any came with one, belong
-            # to no text event and are not queued for one.
-            return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
         if self.logprobs is not None and delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         text, tokens = holdback.push(delta.text, delta.tokens)
@@ -190,7 +202,8 @@ class ReplyPipeline:
         return self._entries(self._flush() + self.fmt.moderated(violation))
 
     def finish(self, prompt_tokens: int) -> list[LogEntry]:
-        """The reply ended normally: release held text, flush, then the end marker."""
+        """The reply ended normally: release held text, flush, then the end marker (with the
+        engine's own prompt count if it gave one, else ``prompt_tokens``)."""
         self.ended = True
         specs: list[Spec] = []
         if self.holdback is not None and self.batcher is not None:
@@ -198,6 +211,8 @@ class ReplyPipeline:
             batch = self.batcher.add(text, tokens, 0.0)
             specs = [] if batch is None else self._text(*batch)
             specs += self._flush()
+        if self.prompt_tokens is not None:
+            prompt_tokens = self.prompt_tokens
         usage = Usage(prompt_tokens, self.tokens)
         return self._entries(
             specs + self.fmt.finished(self.finish_reason, usage, self.stop_sequence)

@@ -8,8 +8,10 @@ copy), so it compares and plans, per reply, one of:
 
 - nothing: Redis's stream is contiguous and holds everything the producer has;
 - append: Redis holds a contiguous prefix; the producer re-appends the rest it still holds;
-- rewrite: Redis's stream has a hole or more than the producer knows of (or its metadata was
-  lost): the stream is rewritten from the producer's copy, in one transaction.
+- rewrite: Redis's stream has a hole or more than the producer knows of, or starts after
+  the first event the producer holds although Redis never trimmed it (it was evicted, and a
+  later append made it anew), or its metadata was lost: the stream is rewritten from the
+  producer's copy.
 
 Whatever the producer no longer holds (its copy keeps ``max_entries`` events) stays a hole,
 which readers are told of as a ``gap``; nothing is replayed wrong. Pure: data in, a plan out.
@@ -69,17 +71,23 @@ class Repair:
     lost: int  # events Redis lacked (lost, or never sent while it was unreachable)
 
 
-def plan(local: LocalCopy, redis: StreamState) -> Repair:
-    """How to make Redis's stream of a reply hold what its producer holds."""
-    if redis.known and redis.contiguous and redis.last == local.last:
+def plan(local: LocalCopy, redis: StreamState, *, kept: int | None = None) -> Repair:
+    """How to make Redis's stream of a reply hold what its producer holds. ``kept``: how many
+    of the newest events Redis keeps at least (it trims a stream to about that many; None:
+    it never trims)."""
+    first_kept = local.entries[0].seq if local.entries else local.next_seq
+    # Shorter than Redis trims to, yet starting after an event the producer holds: its start
+    # is gone (the stream was evicted, then made anew by a later append).
+    late = redis.length > 0 and redis.first > first_kept and (kept is None or redis.length < kept)
+    whole = redis.known and redis.contiguous and not late
+    if whole and redis.last == local.last:
         return Repair("nothing", [], [], None, 0, 0, 0)
     offsets: list[int] = []
     size = local.bytes_before
     for entry in local.entries:
         size += len(entry.data)
         offsets.append(size)
-    first_kept = local.entries[0].seq if local.entries else local.next_seq
-    if redis.known and redis.contiguous and redis.last < local.last:
+    if whole and redis.last < local.last:
         # A prefix: re-append what follows it (from the first event the producer holds).
         start = max(redis.last + 1, first_kept)
         keep = [i for i, e in enumerate(local.entries) if e.seq >= start]
@@ -92,8 +100,8 @@ def plan(local: LocalCopy, redis: StreamState) -> Repair:
             missing=max(0, first_kept - (redis.last + 1)),
             lost=local.last - redis.last,
         )
-    # A hole, a stream ahead of the producer, or metadata lost: the producer's copy wins
-    # (a copy trimmed at the start leaves those first events out: readers are told).
+    # A hole, a lost start, a stream ahead of the producer, or metadata lost: the producer's
+    # copy wins (a copy trimmed at the start leaves those first events out: readers are told).
     return Repair(
         "rewrite",
         local.entries,

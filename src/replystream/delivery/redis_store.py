@@ -6,10 +6,22 @@ Cluster hash tag, so all of a reply's keys share one hash slot and one shard):
   plain message; its data in ``d``) and the log's size in bytes up to and including it
   (field ``b``: a reader on another replica measures its lag by it); the terminal entry
   holds the ending (field ``end``). Trimmed to about ``max_entries``.
-- ``P{id}:meta``: a hash with the owner and the route's context; ``P{id}:live``: the
-  producer's liveness key, set for ``liveness_s`` and refreshed every second while it
-  generates; ``P{id}:cancel``: a cancel request from another replica.
+- ``P{id}:meta``: a hash with the owner and the route's context, the producer's heartbeat
+  count (``beat``, bumped every second while it generates) and, once the reply has ended, its
+  ending and last event's number (``end``, ``last``); ``P{id}:live``: the producer's liveness
+  key, set for ``liveness_s`` and refreshed every second while it generates;
+  ``P{id}:cancel``: a cancel request from another replica.
 Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live).
+
+Eviction (a ``maxmemory`` Redis evicts whole keys, any of the four, in any order): a reader
+never takes a missing key for something else. A stream gone behind an ended reply is told as
+a gap up to the ``last`` its metadata keeps, then the ending (not ``generator_lost``); a
+missing liveness key is confirmed by the heartbeat count before a producer is called lost;
+metadata gone behind a surviving stream is reported as evicted (``evicted``). A live producer
+writes its reply again from its copy when it finds its metadata gone (its heartbeat count
+starts again at 1) or its stream shorter than what Redis acknowledged (the heartbeat asks its
+length): until then, a stream made anew by the next append starts late, which readers are
+told of as a gap. Only a reply whose every key is gone reads as unknown.
 
 Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
 everything queued in one pipeline per round trip. Replies produced here are also kept in a
@@ -37,10 +49,11 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
 
 from replystream.delivery.redis_connect import connect, parse_redis_url
 from replystream.delivery.redis_repair import LocalCopy, Repair, StreamState, plan
@@ -70,6 +83,13 @@ COMMAND_TIMEOUT_S = 5.0
 FAILOVER_S = 10.0
 RETRY_FIRST_S = 0.05  # the first retry's pause; each next one doubles, up to RETRY_MAX_S
 RETRY_MAX_S = 0.5
+# A reader that finds a producer's liveness key gone waits this long for its heartbeat count
+# to move before calling it lost: the key may have been evicted (``volatile-ttl`` evicts the
+# keys nearest their expiry first) while the producer lives.
+BEAT_CONFIRM_S = 2 * HEARTBEAT_S + 0.5
+# The metadata's fields a read needs: whether it is there (every reply has an owner, "" with
+# auth off), and the ending and last event's number an ended reply leaves in it.
+META_READ = ("owner", "end", "last")
 
 
 class Offsets(NamedTuple):
@@ -134,6 +154,26 @@ def _seq(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[1])
 
 
+class Meta(NamedTuple):
+    """What a read learns from a reply's metadata (``META_READ``)."""
+
+    known: bool  # the metadata is there (it may be evicted while the stream survives)
+    ending: str | None  # the reply has ended so
+    last: int  # its last event's number (when ended)
+
+    @classmethod
+    def of(cls, fields: Sequence[bytes | None]) -> Meta:
+        owner, end, last = fields
+        ending = None if end is None else end.decode()
+        return cls(owner is not None, ending, int(last) if last is not None else 0)
+
+
+def ended_fields(ending: str, ending_seq: int) -> Mapping[FieldT, EncodableT]:
+    """What an ended reply leaves in its metadata, so a reader can tell a stream evicted
+    after the end from a producer lost before it."""
+    return {"end": ending, "last": ending_seq - 1}
+
+
 class RedisReplayStore:
     """A ``ReplayStore`` shared by every replica that points at the same Redis."""
 
@@ -184,6 +224,7 @@ class RedisReplayStore:
         self._writes_seen: int | None = None
         self._lost_writes = self._repairs = self._repaired_events = self._holes = 0
         self._gaps = 0
+        self._evictions = 0
 
     def _key(self, reply_id: str, part: str = "") -> str:
         # The braces make the id the key's hash tag: one slot for all of a reply's keys.
@@ -204,7 +245,7 @@ class RedisReplayStore:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hset(
                     self._key(info.reply_id, ":meta"),
-                    mapping={"owner": info.owner, "context": info.context},
+                    mapping={"owner": info.owner, "context": info.context, "beat": 1},
                 )
                 pipe.expire(self._key(info.reply_id, ":meta"), ttl)
                 pipe.set(self._key(info.reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
@@ -285,6 +326,7 @@ class RedisReplayStore:
                         seq, ending = item
                         self._logged.pop(reply_id, None)
                         pipe.xadd(key, {"end": ending}, id=f"0-{seq}")
+                        pipe.hset(self._key(reply_id, ":meta"), mapping=ended_fields(ending, seq))
                         for part in ("", ":meta", ":cancel"):
                             pipe.expire(self._key(reply_id, part), ttl)
                         pipe.delete(self._key(reply_id, ":live"))
@@ -309,7 +351,16 @@ class RedisReplayStore:
         them whatever they wrote: every reply held here is checked and repaired."""
         expected = None if self._writes_seen is None else self._writes_seen + 1
         self._writes_seen = count
-        if expected is not None and count < expected:
+        if expected is not None and count == 1 < expected:
+            # The count itself is gone, not short: a maxmemory Redis evicted it (a failover
+            # loses the whole key only if all of it was in its window: a store's first writes).
+            # Writing every evicted log again would only fill Redis again: the replies still
+            # being written are checked; readers of the rest are told what was evicted.
+            self._evictions += 1
+            log.warning("this replica's write count was evicted from Redis (maxmemory)")
+            self._dirty.update(self._live)
+            self._wake.set()
+        elif expected is not None and count < expected:
             self._lost_writes += 1
             log.warning("Redis lost %d acknowledged writes (a failover?)", expected - count)
             self._dirty.update(self._local._logs)
@@ -355,7 +406,7 @@ class RedisReplayStore:
         dirty = set(self._dirty)
         try:
             states = await self._stream_states(list(copies))
-            repairs = {r: plan(copies[r], states[r]) for r in copies}
+            repairs = {r: plan(copies[r], states[r], kept=self.max_entries) for r in copies}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for reply_id, repair in repairs.items():
                     self._queue_repair(pipe, reply_id, repair)
@@ -390,7 +441,9 @@ class RedisReplayStore:
                 pipe.xrange(key, min="-", max="+", count=1)
                 pipe.xrevrange(key, max="+", min="-", count=1)
                 pipe.xlen(key)
-                pipe.exists(self._key(reply_id, ":meta"))
+                # A heartbeat may have made the hash again with only its count: known means
+                # the owner is there.
+                pipe.hexists(self._key(reply_id, ":meta"), "owner")
             results = await pipe.execute()
         states = {}
         for n, reply_id in enumerate(reply_ids):
@@ -425,6 +478,9 @@ class RedisReplayStore:
             )
         if repair.ending is not None:
             pipe.xadd(key, {"end": repair.ending}, id=f"0-{repair.ending_seq}")
+            pipe.hset(
+                self._key(reply_id, ":meta"), mapping=ended_fields(repair.ending, repair.ending_seq)
+            )
         elif reply_id in self._live:
             pipe.set(self._key(reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s)))
             if repair.offsets:
@@ -458,12 +514,29 @@ class RedisReplayStore:
         (they are refreshed every second, and a promoted replica may hold stale ones)."""
         return time.monotonic() - self._recovered_at < self.liveness_s + 2 * HEARTBEAT_S
 
+    async def _acknowledged(self, live: list[str]) -> dict[str, int] | None:
+        """How many events of each live reply Redis has acknowledged: those appended and no
+        longer queued, once no pipeline is in flight (None: one still is, after a while)."""
+        try:
+            async with asyncio.timeout(HEARTBEAT_S / 2), self._flushing:
+                counts = {}
+                for reply_id in live:
+                    queued = self._pending.get(reply_id, ())
+                    waiting = sum(1 for item in queued if isinstance(item, LogEntry))
+                    counts[reply_id] = self._next_seq.get(reply_id, 1) - 1 - waiting
+                return counts
+        except TimeoutError:
+            return None
+
     async def _heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             live = list(self._live)
             if not live:
                 continue
+            # Taken before the pipeline below is sent: a stream shorter than this then has
+            # lost events it had acknowledged (Redis evicted it, perhaps made anew since).
+            written = await self._acknowledged(live)
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for reply_id in live:
@@ -471,20 +544,48 @@ class RedisReplayStore:
                             self._key(reply_id, ":live"), b"1", ex=max(1, int(self.liveness_s))
                         )
                         pipe.exists(self._key(reply_id, ":cancel"))
+                        # Readers that find the liveness key gone watch this count move.
+                        pipe.hincrby(self._key(reply_id, ":meta"), "beat", 1)
+                        pipe.xlen(self._key(reply_id))
                     results = await pipe.execute()
             except (RedisError, OSError) as exc:
                 log.warning("liveness refresh failed: %s", exc)
                 continue
-            for reply_id, cancelled in zip(live, results[1::2], strict=True):
+            for n, reply_id in enumerate(live):
+                cancelled, beat, length = results[4 * n + 1 : 4 * n + 4]
                 if cancelled and self._on_cancel is not None:
                     self._on_cancel(reply_id)
+                if beat == 1:
+                    # The count started again: the metadata was gone (evicted, or lost in a
+                    # failover). Write the reply again from this process's copy.
+                    log.warning("reply %s: its metadata is gone; writing it again", reply_id[:8])
+                    self._evicted_live(reply_id)
+                elif self._stream_lost(reply_id, length, written):
+                    log.warning("reply %s: its log is gone; writing it again", reply_id[:8])
+                    self._evicted_live(reply_id)
+
+    def _stream_lost(self, reply_id: str, length: int, written: dict[str, int] | None) -> bool:
+        """Whether a live reply's stream holds fewer events than Redis acknowledged and keeps
+        (it trims to about ``max_entries``, never below)."""
+        if written is None or reply_id in self._dirty or self._outage_since is not None:
+            return False  # unknown, or a repair is due anyway
+        if reply_id in self._failures:
+            return False  # stopped writing: its log is not written again
+        return length < min(written.get(reply_id, 0), self.max_entries)
+
+    def _evicted_live(self, reply_id: str) -> None:
+        """A live reply lost keys to eviction: it is written again from this process's copy
+        (``redis_repair``), before anything queued after it."""
+        self._evictions += 1
+        self._dirty.add(reply_id)
+        self._wake.set()
 
     async def info(self, reply_id: str) -> ReplyInfo | None:
         local = await self._local.info(reply_id)
         if local is not None and reply_id in self._live:
             return local  # produced here and running: Redis has nothing newer
-        meta = await self._retrying(lambda: self.redis.hgetall(self._key(reply_id, ":meta")))
-        if not meta:
+        meta = await self._retrying(lambda: self._meta_of(reply_id))
+        if b"owner" not in meta:
             if local is not None:  # deleted on another replica: this copy goes too
                 self._local.discard(reply_id)
             return None
@@ -492,12 +593,47 @@ class RedisReplayStore:
             reply_id, owner=_text(meta.get(b"owner")), context=_text(meta.get(b"context"))
         )
 
+    async def _meta_of(self, reply_id: str) -> dict[bytes | str, bytes | str]:
+        """A reply's metadata; when it is gone but its producer lives (its heartbeat writes
+        it again within a second or two), after waiting for it."""
+        key = self._key(reply_id, ":meta")
+        meta: dict[bytes | str, bytes | str] = await self.redis.hgetall(key)
+        deadline = time.monotonic() + BEAT_CONFIRM_S
+        while (
+            b"owner" not in meta
+            and time.monotonic() < deadline
+            and await self.redis.exists(self._key(reply_id, ":live"))
+        ):
+            await asyncio.sleep(HEARTBEAT_S / 4)
+            meta = await self.redis.hgetall(key)
+        return meta
+
+    async def evicted(self, reply_id: str) -> str | None:
+        async def look() -> tuple[bool, bool]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hexists(self._key(reply_id, ":meta"), "owner")
+                pipe.exists(self._key(reply_id))
+                known, logged = await pipe.execute()
+            return bool(known), bool(logged)
+
+        known, logged = await self._retrying(look)
+        if known or not logged:
+            return None
+        self._evictions += 1
+        return (
+            "this reply's metadata is gone from Redis while its events remain (evicted under "
+            "maxmemory, or lost in a failover): it can no longer be read or resumed"
+        )
+
     async def tail(self, reply_id: str) -> LogTail | None:
         if await self._local.info(reply_id) is not None:
             return await self._local.tail(reply_id)
-        rows, known = await self._retrying(lambda: self._remote_tail(reply_id))
+        rows, fields = await self._retrying(lambda: self._remote_tail(reply_id))
+        meta = Meta.of(fields)
         if not rows:
-            return LogTail(0, False) if known else None
+            if meta.ending is not None:  # ended, and its stream evicted since
+                return LogTail(meta.last, True)
+            return LogTail(0, False) if meta.known else None
         entry_id, fields = rows[0]
         if b"end" in fields:  # the terminal entry takes the number after the last event's
             return LogTail(_seq(entry_id) - 1, True)
@@ -506,7 +642,7 @@ class RedisReplayStore:
     async def _remote_tail(self, reply_id: str) -> list[Any]:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xrevrange(self._key(reply_id), max="+", min="-", count=1)
-            pipe.exists(self._key(reply_id, ":meta"))
+            pipe.hmget(self._key(reply_id, ":meta"), META_READ)
             return await pipe.execute()
 
     async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
@@ -539,6 +675,18 @@ class RedisReplayStore:
         if result is None or result.entries or result.ending:
             return result, offsets
         alive = self._recovering() or await self.redis.exists(self._key(reply_id, ":live"))
+        if not alive:
+            # Its liveness key is gone: expired (the producer died), or evicted. A live
+            # producer's heartbeat count moves within a second; wait for it (or an event).
+            beat = await self.redis.hget(self._key(reply_id, ":meta"), "beat")
+            await self.redis.xread(
+                {self._key(reply_id): f"0-{after}"}, count=1, block=int(BEAT_CONFIRM_S * 1000)
+            )
+            result, offsets = await self._read_remote(reply_id, after)
+            if result is None or result.entries or result.ending:
+                return result, offsets
+            now = await self.redis.hget(self._key(reply_id, ":meta"), "beat")
+            alive = now is not None and now != beat
         return ReadResult([], result.lost, None, producer_lost=not alive), offsets
 
     async def logged_bytes(self, reply_id: str) -> int | None:
@@ -552,13 +700,23 @@ class RedisReplayStore:
         key = self._key(reply_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xrange(key, min=f"(0-{after}", max="+", count=READ_BATCH)
-            pipe.exists(self._key(reply_id, ":meta"))
+            pipe.hmget(self._key(reply_id, ":meta"), META_READ)
             # The newest event entry (the terminal entry, if any, comes after it).
             pipe.xrevrange(key, max="+", min="-", count=2)
-            rows, known, newest = await pipe.execute()
+            rows, fields, newest = await pipe.execute()
         logged = _newest_offset(newest)
-        if not known and not rows:
-            return None, Offsets(None, logged)
+        meta = Meta.of(fields)
+        if not rows and meta.ending is not None:
+            # Ended, but nothing after ``after`` is left, not even the terminal entry: the
+            # stream was evicted. What the reader lacks is told; then the reply's end.
+            self._evictions += 1
+            lost = (after + 1, meta.last) if after < meta.last else None
+            return ReadResult([], lost, meta.ending), Offsets(None, logged)
+        if not meta.known and not rows and not newest:
+            # Every key gone: expired, deleted, or evicted (unless its producer lives: it
+            # writes them again, and this reader waits).
+            if not await self.redis.exists(self._key(reply_id, ":live")):
+                return None, Offsets(None, logged)
         entries: list[LogEntry] = []
         ending: str | None = None
         before_first: int | None = None
@@ -630,6 +788,7 @@ class RedisReplayStore:
             repairs=self._repairs,
             repaired_events=self._repaired_events,
             holes=self._holes,
+            evictions=self._evictions,
         )
 
     async def aclose(self) -> None:

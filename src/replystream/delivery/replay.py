@@ -101,6 +101,10 @@ class ReplayStats:
     repairs: int = 0
     repaired_events: int = 0
     holes: int = 0
+    # Times a reply's keys were found evicted by a ``maxmemory`` Redis: its log gone behind
+    # its ending (told as a gap), its metadata gone behind its log (a 410, or written again
+    # by its live producer).
+    evictions: int = 0
 
 
 class LogCursor(Protocol):
@@ -152,6 +156,12 @@ class ReplayStore(Protocol):
         ...
 
     async def info(self, reply_id: str) -> ReplyInfo | None: ...
+
+    async def evicted(self, reply_id: str) -> str | None:
+        """Why a reply ``info`` does not find is gone, when the store knows it existed and
+        lost it to memory pressure (a ``maxmemory`` Redis evicted part of it); None when it
+        knows nothing of it (unknown, expired or deleted). Raises ``StoreUnavailable``."""
+        ...
 
     async def tail(self, reply_id: str) -> LogTail | None:
         """Where the reply's log stands; None for an unknown or expired reply.
@@ -317,6 +327,9 @@ class MemoryReplayStore:
     async def info(self, reply_id: str) -> ReplyInfo | None:
         log = self._log(reply_id)
         return None if log is None else log.info
+
+    async def evicted(self, reply_id: str) -> str | None:
+        return None  # nothing is evicted from this process's memory: logs expire or go
 
     async def tail(self, reply_id: str) -> LogTail | None:
         log = self._log(reply_id)

@@ -339,6 +339,9 @@ class ResponsesStreamFormat:
         kind = "response.failed"
         return [self._event(kind, {"response": self._response(status, error=error)})]
 
+    def continued(self, reason: str, tokens: int) -> list[Spec]:
+        return []  # no such event in this dialect: the text simply goes on
+
     def moderated(self, violation: Violation) -> list[Spec]:
         response = self._response("incomplete", incomplete_reason="content_filter")
         response["replystream_moderation"] = moderated_payload(violation)

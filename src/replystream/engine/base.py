@@ -69,6 +69,18 @@ class GenerationRequest:
     # to chat upstreams. None: no tools offered.
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
+    # The model name the client asked for (None: the server's default); a relay routes by it.
+    model: str | None = None
+    # The start of the reply, written already (a final assistant message the client asked to
+    # continue): the engine writes what follows it, and its deltas hold only that.
+    prefix: str = ""
+    # Whether a relayed reply whose upstream stalls or fails mid-reply may go on at another
+    # upstream (None: the server's default). Engines with no upstream have nothing to do.
+    continuation: bool | None = None
+    request_id: str = ""  # the id the access log names this request by ("" outside HTTP)
+    # The caller's own API key (its bearer token, or Anthropic's x-api-key), for a relay
+    # configured to pass it on to an upstream; no other engine reads it. Never logged.
+    client_key: str | None = field(default=None, repr=False)
     # Whether the reply may hold more than one tool call (chat and Responses'
     # ``parallel_tool_calls``; Anthropic's ``disable_parallel_tool_use`` negated). None: the
     # client did not say (the APIs' default allows several).
@@ -132,6 +144,10 @@ class Delta(NamedTuple):
         logprobs: one entry per token of this delta, when the request asked for them.
         choice: which of a request's several generations made it (``n > 1``; else 0).
         tool_call: a piece of a tool call (then ``text`` is empty), else None.
+        prompt_tokens: on the last delta, the prompt's size as the engine itself counted it
+            (a relay's upstream reports it); None: the server estimates it.
+        continued: on an empty marker delta (no text, no tokens), why the reply goes on at
+            another upstream from here (a relay's continuation); None otherwise.
     """
 
     text: str
@@ -141,6 +157,8 @@ class Delta(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None
     choice: int = 0
     tool_call: ToolCallDelta | None = None
+    prompt_tokens: int | None = None
+    continued: str | None = None
 
 
 class DeltaStream(Protocol):
@@ -182,6 +200,44 @@ class PushDeltaStream(DeltaStream, Protocol):
         ...
 
 
+# What became of an attempt, as a relay counts it per backend (``BackendStats.attempts``).
+ATTEMPT_RESULTS = (
+    "ok",  # it relayed the reply (or its part of it) to the end
+    "cancelled",  # our client left, or the reply was stopped
+    "rejected",  # the upstream refused the request itself (a 400): not its fault
+    "connect_error",  # refused, unreachable, TLS, hung up or not HTTP before answering
+    "head_timeout",  # no response head in time
+    "overloaded",  # 429 or 503
+    "error_status",  # any other status
+    "ttft_timeout",  # no text within the time-to-first-token limit
+    "stalled",  # no text for the stall limit mid-reply
+    "stream_error",  # the stream broke or carried an error
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStats:
+    """One server an engine relays to, as the engine sees it now.
+
+    Attributes:
+        name: its base URL.
+        circuit: ``closed`` (in use), ``open`` (failing: not used until a cool-down ends) or
+            ``half_open`` (one trial request may go).
+        probe_ok: whether its last health probe answered (None: not probed yet).
+        outstanding: requests it is serving now.
+        attempts: requests sent to it so far, by result (``ok``, ``connect``,
+            ``status_5xx``, ``status_429``, ``ttft_timeout``, ``stalled``, ...).
+        probes: health probes so far, by result (``ok``, ``failed``).
+    """
+
+    name: str
+    circuit: str
+    probe_ok: bool | None
+    outstanding: int
+    attempts: tuple[tuple[str, int], ...] = ()
+    probes: tuple[tuple[str, int], ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """Counters an engine reports as data (for metrics, the lab and tests)."""
@@ -193,6 +249,12 @@ class EngineStats:
     active: int
     steps: int
     kv_blocks_used: int | None = None  # KV cache blocks held (None: no paged KV cache)
+    # Model names requests may ask for (a relay's upstreams' own, and aliases); empty: the
+    # engine answers to one name, the server's.
+    models: tuple[str, ...] = ()
+    backends: tuple[BackendStats, ...] = ()  # the servers a relay sends requests to
+    failovers: int = 0  # replies moved to another backend before their first token
+    continuations: int = 0  # replies that went on at another backend mid-reply
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,7 +244,7 @@ class HFEngine:
             if token in self.eos:
                 text = stop.feed(detok.flush())
                 text += "" if stop.stopped else stop.flush()
-                deliver(Delta(text, 1, now, "stop", logprobs))
+                deliver(Delta(text, 1, now, "stop", logprobs=logprobs))
                 return "finished"
             text = stop.feed(detok.push(token))
             reason = "stop" if stop.stopped else "length" if made == max_new else None
@@ -252,7 +252,7 @@ class HFEngine:
                 text += stop.feed(detok.flush())
                 reason = "stop" if stop.stopped else "length"
                 text += "" if stop.stopped else stop.flush()
-            deliver(Delta(text, 1, now, reason, logprobs))
+            deliver(Delta(text, 1, now, reason, logprobs=logprobs))
             if reason is not None:
                 return "finished"
             ids = torch.tensor([[token]], dtype=torch.long)  # (1, 1): the next step's input

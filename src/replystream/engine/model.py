@@ -115,11 +115,13 @@ def softmax(scores: F32) -> F32:
 @dataclass(frozen=True, slots=True)
 class _Layer:
     attn_norm: F32  # (d_model,)
-    wqkv: F32  # (d_model, (heads + 2 kv heads) * head dim): q, k, v projections side by side
-    wo: F32  # (heads * head dim, d_model)
+    # Matrices are (out features, in features), as trained, applied as ``x @ w.T``: at small
+    # batches OpenBLAS runs that "NT" product up to twice as fast as ``x @ w`` on (in, out).
+    wqkv: F32  # ((heads + 2 kv heads) * head dim, d_model): q, k, v projections stacked
+    wo: F32  # (d_model, heads * head dim)
     mlp_norm: F32  # (d_model,)
-    w_gate_up: F32  # (d_model, 2 * d_ff): gate and up projections side by side
-    w_down: F32  # (d_ff, d_model)
+    w_gate_up: F32  # (2 * d_ff, d_model): gate and up projections stacked
+    w_down: F32  # (d_model, d_ff)
 
 
 class TinyModel:
@@ -128,9 +130,8 @@ class TinyModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, F32]) -> None:
         c = self.config = config
         self.embed = weights["model.embed_tokens.weight"]  # (vocab, d_model)
-        self.unembed_t = np.ascontiguousarray(
-            weights.get("lm_head.weight", self.embed).T
-        )  # (d_model, vocab)
+        lm_head = weights.get("lm_head.weight")  # None: tied to the embedding, held once
+        self.unembed = self.embed if lm_head is None else np.ascontiguousarray(lm_head)
         self.final_norm = weights["model.norm.weight"]  # (d_model,)
         self.layers: list[_Layer] = []
         for i in range(c.n_layers):
@@ -140,11 +141,11 @@ class TinyModel:
             self.layers.append(
                 _Layer(
                     attn_norm=weights[p + "input_layernorm.weight"],
-                    wqkv=np.ascontiguousarray(np.concatenate(qkv).T),
-                    wo=np.ascontiguousarray(weights[p + "self_attn.o_proj.weight"].T),
+                    wqkv=np.ascontiguousarray(np.concatenate(qkv)),
+                    wo=np.ascontiguousarray(weights[p + "self_attn.o_proj.weight"]),
                     mlp_norm=weights[p + "post_attention_layernorm.weight"],
-                    w_gate_up=np.ascontiguousarray(np.concatenate(gate_up).T),
-                    w_down=np.ascontiguousarray(weights[p + "mlp.down_proj.weight"].T),
+                    w_gate_up=np.ascontiguousarray(np.concatenate(gate_up)),
+                    w_down=np.ascontiguousarray(weights[p + "mlp.down_proj.weight"]),
                 )
             )
         D = c.head_dim
@@ -171,7 +172,7 @@ class TinyModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes a decode step reads for the weights (embedding rows aside)."""
-        arrays = [self.unembed_t, self.final_norm]
+        arrays = [self.unembed, self.final_norm]
         for w in self.layers:
             arrays += [w.attn_norm, w.wqkv, w.wo, w.mlp_norm, w.w_gate_up, w.w_down]
         return sum(a.nbytes for a in arrays)
@@ -179,7 +180,7 @@ class TinyModel:
     def _qkv(self, w: _Layer, x: F32, pos: NDArray[np.int64]) -> tuple[F32, F32, F32]:
         c = self.config
         N, H, KV, D = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-        qkv = rms_norm(x, w.attn_norm, c.norm_eps) @ w.wqkv  # (tokens, (H + 2 KV) * D)
+        qkv = rms_norm(x, w.attn_norm, c.norm_eps) @ w.wqkv.T  # (tokens, (H + 2 KV) * D)
         q = qkv[:, : H * D].reshape(N, H, D)  # (tokens, heads, head dim)
         k = qkv[:, H * D : (H + KV) * D].reshape(N, KV, D)  # (tokens, kv heads, head dim)
         v = qkv[:, (H + KV) * D :].reshape(N, KV, D)  # (tokens, kv heads, head dim)
@@ -187,10 +188,10 @@ class TinyModel:
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _mlp(self, w: _Layer, x: F32) -> F32:
-        h = rms_norm(x, w.mlp_norm, self.config.norm_eps) @ w.w_gate_up  # (tokens, 2 d_ff)
+        h = rms_norm(x, w.mlp_norm, self.config.norm_eps) @ w.w_gate_up.T  # (tokens, 2 d_ff)
         gate, up = np.split(h, 2, axis=-1)  # (tokens, d_ff) each
         silu = gate * (0.5 + 0.5 * np.tanh(0.5 * gate))  # x * sigmoid(x), no overflow for any x
-        out: F32 = (silu * up) @ w.w_down  # (tokens, d_model)
+        out: F32 = (silu * up) @ w.w_down.T  # (tokens, d_model)
         return out
 
     def _attend(self, q: F32, k: F32, v: F32, mask: NDArray[np.bool_]) -> F32:
@@ -242,14 +243,14 @@ class TinyModel:
                 att[rows_d] = self._decode_attention(
                     layer, [chunks[i] for i in decode], q[rows_d], cache
                 )
-            x = x + att.reshape(len(ids), -1) @ w.wo  # (N, d_model)
+            x = x + att.reshape(len(ids), -1) @ w.wo.T  # (N, d_model)
             x = x + self._mlp(w, x)
         if last is None:
             wanted = ends - 1  # (chunks,)
         else:
             wanted = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, last, strict=True)])
         h = rms_norm(x[wanted], self.final_norm, c.norm_eps)  # (rows, d_model)
-        return (h @ self.unembed_t).astype(np.float32, copy=False)  # (rows, vocab)
+        return (h @ self.unembed.T).astype(np.float32, copy=False)  # (rows, vocab)
 
     def prefill(self, seq_id: int, tokens: Sequence[int], cache: KVStore) -> F32:
         """Run a whole prompt in one pass, fill its cache; the next token's logits (vocab,)."""
@@ -293,7 +294,7 @@ class TinyModel:
         for w in self.layers:
             q, k, v = self._qkv(w, x, pos)
             att = self._attend(q[None], k[None], v[None], causal)[0]  # (T, heads, head dim)
-            x = x + att.reshape(T, -1) @ w.wo
+            x = x + att.reshape(T, -1) @ w.wo.T
             x = x + self._mlp(w, x)
-        logits: F32 = rms_norm(x, self.final_norm, c.norm_eps) @ self.unembed_t  # (T, vocab)
+        logits: F32 = rms_norm(x, self.final_norm, c.norm_eps) @ self.unembed.T  # (T, vocab)
         return logits

@@ -84,8 +84,10 @@ class Runner:
         scheduler: Scheduler,
         clock: Callable[[], float] = time.monotonic,
         blas_threads: int | None = 1,
+        stop_tokens: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
+        self.stop_tokens = stop_tokens  # end-of-generation ids (EOS): never shown, end as "stop"
         self.tokenizer = tokenizer
         self.cache = cache
         self.scheduler = scheduler
@@ -204,26 +206,28 @@ class Runner:
     def _emit(self, request: _Request, tokens: list[int], at_length: bool, now: float) -> None:
         text = ""
         count = 0
+        eos = False
         for token in tokens:  # several with speculative decoding; a stop cuts the rest
             request.token_times.append(now)
             count += 1
+            if token in self.stop_tokens:
+                eos = True
+                break
             text += request.stop.feed(request.detokenizer.push(token))
             if request.stop.stopped:
                 break
-        reason = "stop" if request.stop.stopped else "length" if at_length else None
+        if eos or (at_length and not request.stop.stopped):  # the reply ends: nothing held back
+            text += request.stop.feed(request.detokenizer.flush())
+            if not request.stop.stopped:
+                text += request.stop.flush()
+        reason = "stop" if request.stop.stopped or eos else "length" if at_length else None
         if reason == "stop" and not at_length:
             self.scheduler.finish(request.request_id)
-        if reason == "length":
-            text += request.stop.feed(request.detokenizer.flush())
-            if request.stop.stopped:
-                reason = "stop"
-            else:
-                text += request.stop.flush()
         logprobs = None
-        if request.params.logprobs is not None:  # those of the tokens delivered, in order
-            logprobs = tuple(request.logprobs[:count])
+        if request.params.logprobs is not None:  # those of the tokens shown, in order
+            logprobs = tuple(request.logprobs[: count - eos])  # an EOS token is never shown
             request.logprobs.clear()
-        request.deliver(Delta(text, count, now, reason, logprobs))
+        request.deliver(Delta(text, count, now, reason, logprobs=logprobs))
         if reason is not None:
             request.finished, request.finish_reason = now, reason
             self._counts["finished"] += 1

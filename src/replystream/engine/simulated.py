@@ -157,7 +157,7 @@ class SimulatedEngine:
         seed = self._seed_of(request)
         due_ms = self._first_token_ms(request)
         due = []
-        for index in range(self._reply_length(request)):
+        for index in range(self._start_of(request), self._reply_length(request)):
             due_ms += self._gap_ms(seed, index)
             due.append(due_ms / 1000.0)
         return due
@@ -175,8 +175,14 @@ class SimulatedEngine:
         return self._low_ms + self._span_ms * token_draw(seed, index)
 
     def _reply_length(self, request: GenerationRequest) -> int:
-        limit = request.sampling.max_tokens
-        return len(self._words) if limit is None else min(limit, len(self._words))
+        """Where the reply ends: the whole text, or ``max_tokens`` after where it starts."""
+        limit, start = request.sampling.max_tokens, self._start_of(request)
+        return len(self._words) if limit is None else min(start + limit, len(self._words))
+
+    def _start_of(self, request: GenerationRequest) -> int:
+        """The word a reply starts at: after as many words as the prefix to continue has
+        (a relay continuing a cut reply here gets the rest of the same text)."""
+        return min(len(request.prefix.split()), len(self._words))
 
     async def start(self, request: GenerationRequest) -> SimulatedStream:
         max_tokens = request.sampling.max_tokens
@@ -198,6 +204,7 @@ class SimulatedEngine:
             self._first_token_ms(request),
             loop.time(),
             request.sampling.logprobs,
+            first=self._start_of(request),
         )
 
     def _token(self, index: int, count: int, made_at: float) -> Delta:
@@ -314,13 +321,15 @@ class SimulatedStream:
         first_ms: float,
         start: float,
         logprobs: int | None = None,
+        *,
+        first: int = 0,
     ) -> None:
         self._engine = engine
         self._seed = seed
-        self._count = count
+        self._count = count  # the index the reply ends before
         self._start = start
-        self._next = 0  # the next token to deliver
-        self._due_ms = first_ms + engine._gap_ms(seed, 0)  # its due time, from the start
+        self._next = first  # the next token to deliver
+        self._due_ms = first_ms + engine._gap_ms(seed, first)  # its due time, from the start
         self._ended = False
         self._sink: DeltaSink | None = None
         self._fail_at = engine.config.fail_after
@@ -395,7 +404,7 @@ class SimulatedStream:
         self._sink = sink
         ticker = self._engine._ticker
         assert ticker is not None
-        if self._count:
+        if self._next < self._count:
             ticker.add(self, self._next_due())
         else:
             self._finish("finished")

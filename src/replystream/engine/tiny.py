@@ -26,6 +26,7 @@ from replystream.engine.base import (
 )
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import TinyModel
+from replystream.engine.prompts import PlainPrompt, PromptFormat
 from replystream.engine.runner import DeltaQueue, RequestTimings, Runner
 from replystream.engine.sampling import check_sampling
 from replystream.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -77,32 +78,52 @@ class TinyDeltaStream:
 
 
 class TinyEngine:
-    """Serves the tiny transformer with a paged KV cache and continuous batching."""
+    """Serves a NumPy transformer with a paged KV cache and continuous batching.
 
-    name = "tiny"
+    The tiny model continues plain text; a chat model loaded from a GGUF (``gguf_engine``)
+    comes with its own ``prompts`` (its chat template) and ``stop_tokens`` (its EOS), which
+    end a reply with ``finish_reason="stop"``.
+    """
+
     pushes = False
     makes_tool_calls = False
 
     def __init__(
-        self, model: TinyModel, tokenizer: ByteTokenizer, config: TinyEngineConfig | None = None
+        self,
+        model: TinyModel,
+        tokenizer: ByteTokenizer,
+        config: TinyEngineConfig | None = None,
+        *,
+        prompts: PromptFormat | None = None,
+        stop_tokens: frozenset[int] = frozenset(),
+        name: str = "tiny",
     ) -> None:
         self.config = cfg = config or TinyEngineConfig()
         self.model = model
         self.tokenizer = tokenizer
+        self.name = name
+        self.prompts = prompts or PlainPrompt(tokenizer, EMPTY_PROMPT)
         c = model.config
         cache = PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, cfg.num_blocks, cfg.block_size)
         scheduler = Scheduler(
             cache.allocator,
             SchedulerConfig(cfg.token_budget, cfg.max_running, cfg.spec_tokens, cfg.spec_ngram),
         )
-        self.runner = Runner(model, tokenizer, cache, scheduler, blas_threads=cfg.blas_threads)
+        self.runner = Runner(
+            model,
+            tokenizer,
+            cache,
+            scheduler,
+            blas_threads=cfg.blas_threads,
+            stop_tokens=stop_tokens,
+        )
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
     async def start(self, request: GenerationRequest) -> TinyDeltaStream:
         check_sampling(request.sampling)
-        prompt = self.tokenizer.encode(request.prompt or EMPTY_PROMPT)
+        prompt = self.prompts.prompt_ids(request)
         context = self.model.config.context
         if len(prompt) >= context:
             raise RequestRejected(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -35,15 +36,38 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 class ByteTokenizer:
-    """Encodes text to ids with a trained byte-level BPE; maps each id to its raw bytes."""
+    """Encodes text to ids with a trained byte-level BPE; maps each id to its raw bytes.
+
+    Control tokens (``<|im_end|>`` and the like) are matched whole when encoding a rendered
+    chat prompt, and ``hidden``: they decode to no text, as ``skip_special_tokens`` does.
+    """
 
     def __init__(self, path: Path) -> None:
-        self._tokenizer = Tokenizer.from_file(str(path))
         vocab: dict[str, int] = json.loads(path.read_text(encoding="utf-8"))["model"]["vocab"]
-        to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-        self._bytes: list[bytes] = [b""] * len(vocab)
+        pieces = [""] * len(vocab)
         for piece, token_id in vocab.items():
-            self._bytes[token_id] = bytes(to_byte[char] for char in piece)
+            pieces[token_id] = piece
+        self._setup(Tokenizer.from_file(str(path)), pieces, ())
+
+    @classmethod
+    def from_pieces(
+        cls, tokenizer: Tokenizer, pieces: Sequence[str], hidden: Iterable[int]
+    ) -> ByteTokenizer:
+        """A tokenizer built elsewhere (a GGUF's vocabulary), with each id's byte spelling."""
+        self = cls.__new__(cls)
+        self._setup(tokenizer, pieces, hidden)
+        return self
+
+    def _setup(self, tokenizer: Tokenizer, pieces: Sequence[str], hidden: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+        # A piece spelled outside the byte alphabet (an added token in some GGUFs) is its text.
+        self._bytes: list[bytes] = [
+            bytes(to_byte[c] for c in piece) if set(piece) <= to_byte.keys() else piece.encode()
+            for piece in pieces
+        ]
+        for token_id in hidden:
+            self._bytes[token_id] = b""
 
     @property
     def vocab_size(self) -> int:

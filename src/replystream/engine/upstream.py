@@ -1,16 +1,20 @@
-"""``UpstreamEngine``: an OpenAI-compatible model server (vLLM, TGI, llama.cpp, Ollama) relayed.
+"""``UpstreamEngine``: OpenAI-compatible model servers (vLLM, TGI, llama.cpp, Ollama) relayed.
 
 This file decides how a ``GenerationRequest`` becomes a streaming ``POST {base}/chat/completions``
 (the client's chat messages unchanged, or the prompt as one user message; sampling fields
-mapped; ``stream_options.include_usage``), which upstream serves it (smooth weighted round
-robin over ``UpstreamTarget``s), and what an upstream failure before the first byte means to
-our client: connection refused is ``UpstreamUnavailable`` (502), no response head within
+mapped; ``stream_options.include_usage`` always, so usage is the upstream's own; a prefix to
+continue as ``continue_final_message``), and what an upstream's answer before its body means:
+connection refused is ``UpstreamUnavailable`` (502), no response head within
 ``headers_timeout_s`` is ``UpstreamTimeout`` (504), an upstream 4xx about the request is a
 ``RequestRejected`` (400) carrying the upstream's message, 429 and 503 stay overload (503).
 Every message is ours (``upstream_errors``); an upstream's own words appear only quoted, from
-a JSON error body. Readiness is ``upstream_health``'s. Upstream API keys come from
-configuration only, never from our clients. Everything after the head is
-``upstream_stream.UpstreamStream``'s. It must not know about our HTTP server.
+a JSON error body. Which upstream serves a request and which are failing is
+``upstream_pool``'s; failover, stalls and continuation are ``upstream_relay``'s; active
+health probes are ``upstream_health``'s; everything after one response head is
+``upstream_stream.UpstreamStream``'s. What goes upstream as ``Authorization`` is configured
+per upstream: its own key, or the caller's own key passed on (``pass_client_key``, for an
+upstream where each client has an account), else the key for all; a client's key is never
+sent to an upstream not configured to take it. It must not know about our HTTP server.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from replystream.engine.base import (
+    READY,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -32,7 +37,9 @@ from replystream.engine.base import (
     RequestRejected,
 )
 from replystream.engine.upstream_errors import connect_failure, quoted
-from replystream.engine.upstream_health import UpstreamHealth
+from replystream.engine.upstream_health import HealthProber
+from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
+from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
 from replystream.engine.upstream_stream import UpstreamStream
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
@@ -56,18 +63,38 @@ class UpstreamOverloaded(EngineError):
     status = 503
 
 
+class UpstreamRefusedClientKey(RequestRejected):
+    """An upstream refused the caller's own key, passed on to it: its 401 or 403 goes to our
+    client as it is (the key is the client's to fix, so no other upstream is tried)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message, code="upstream_refused_client_key")
+        self.status = status
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamTarget:
-    """One upstream: the base URL of its OpenAI API (``http://host:port/v1``) and its weight."""
+    """One upstream: the base URL of its OpenAI API (``http://host:port/v1``), its weight, and
+    what a routes file may add: its own API key, or whether it takes the caller's own key
+    (``pass_client_key``; None: the server's default), and the models it serves (empty: what
+    its ``GET /models`` lists)."""
 
     base_url: str
     weight: int = 1
+    api_key: str | None = field(default=None, repr=False)
+    models: tuple[str, ...] = ()
+    pass_client_key: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"an upstream URL must be http:// or https://, got {self.base_url!r}")
         if self.weight < 1:
             raise ValueError(f"an upstream weight must be at least 1, got {self.weight}")
+        if self.api_key is not None and self.pass_client_key:
+            raise ValueError(
+                f"the upstream at {self.base_url} is given a key and told to take the "
+                "client's: give one"
+            )
 
     @classmethod
     def parse(cls, spec: str) -> UpstreamTarget:
@@ -80,13 +107,24 @@ class UpstreamTarget:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamConfig:
-    """Where the upstreams are and how long each phase of a relayed reply may take."""
+    """Where the upstreams are, how long each phase of a relayed reply may take, and when an
+    upstream counts as failing."""
 
     targets: tuple[UpstreamTarget, ...]
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # for upstreams without their own
+    # Upstreams without their own key (and not told otherwise) take the caller's own key.
+    pass_client_key: bool = False
     model: str | None = None  # None: the first model the upstream's /models lists
+    aliases: tuple[tuple[str, str], ...] = ()  # (a name clients use, an upstream's model)
     headers_timeout_s: float = 30.0  # connect plus the response head
-    stall_s: float = 60.0  # no byte for this long mid-reply ends it
+    ttft_s: float = 30.0  # an attempt's first text within this, else the next upstream
+    stall_s: float = 60.0  # no text for this long mid-reply is a stall
+    failover_s: float = 60.0  # other upstreams are tried until this long after the request
+    continuation: bool = False  # a stalled or failed reply goes on at another upstream
+    health_s: float = 5.0  # active health probes this often
+    health_path: str = "/models"  # what a probe asks each upstream for
+    failures: int = 3  # consecutive failures that open an upstream's circuit
+    cooldown_s: float = 10.0  # how long an open circuit keeps its upstream out
     max_event_size: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -94,22 +132,20 @@ class UpstreamConfig:
             raise ValueError("give at least one upstream")
         if not (self.headers_timeout_s > 0 and self.stall_s > 0 and self.max_event_size > 0):
             raise ValueError("upstream timeouts and the event size limit must be positive")
+        if not self.health_path.startswith("/"):
+            raise ValueError(f"the health path must start with /, got {self.health_path!r}")
+        if len({t.base_url for t in self.targets}) != len(self.targets):
+            raise ValueError("an upstream URL is given twice")
+        if self.api_key is not None and self.pass_client_key:
+            raise ValueError(
+                "a key for every upstream and the client's own key passed on: give one"
+            )
 
-
-class WeightedRoundRobin:
-    """Smooth weighted round robin (nginx's): weights 3 and 1 give A A B A, A A B A, ..."""
-
-    def __init__(self, weights: Sequence[int]) -> None:
-        self._weights = list(weights)
-        self._current = [0] * len(weights)
-
-    def pick(self) -> int:
-        total = sum(self._weights)
-        for i, weight in enumerate(self._weights):
-            self._current[i] += weight
-        best = max(range(len(self._weights)), key=lambda i: self._current[i])
-        self._current[best] -= total
-        return best
+    def passes_client_key(self, target: UpstreamTarget) -> bool:
+        """Whether ``target`` gets the caller's own key rather than a configured one."""
+        if target.pass_client_key is not None:
+            return target.pass_client_key
+        return self.pass_client_key and target.api_key is None
 
 
 def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any]:
@@ -129,6 +165,10 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
     }
     if model is not None:
         body["model"] = model
+    if request.prefix:  # the last message is the assistant's start: continue it (vLLM's
+        # fields; llama.cpp and Ollama continue a final assistant message by themselves)
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
     if s.max_tokens is not None:
         body["max_tokens"] = s.max_tokens
     if s.top_k > 0:
@@ -172,27 +212,54 @@ class UpstreamEngine:
     """Relays OpenAI-compatible streaming servers; one aiohttp session per engine."""
 
     name = "upstream"
+    # A reply is a RelayedReply over its attempts, which reads each attempt's UpstreamStream
+    # by iterating; the producer task pulls it.
     pushes = False
     makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
-        self._balancer = WeightedRoundRobin([t.weight for t in config.targets])
-        self._models: dict[str, str | None] = {}
+        self._targets = {t.base_url: t for t in config.targets}
+        self._passing = frozenset(t.base_url for t in config.targets if config.passes_client_key(t))
+        self.pool = UpstreamPool(
+            [
+                Backend(t.base_url, t.weight, frozenset(t.models), fixed_models=bool(t.models))
+                for t in config.targets
+            ],
+            BreakerConfig(config.failures, config.cooldown_s),
+            time.monotonic,
+            dict(config.aliases),
+        )
+        self._limits = RelayLimits(config.ttft_s, config.stall_s, config.failover_s)
+        self._relay_counts = RelayCounts()
+        self._first_models: dict[str, str | None] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._health = UpstreamHealth([t.base_url for t in config.targets])
+        self._prober = HealthProber(
+            self.pool,
+            session=self._client,
+            headers=self._headers,
+            interval_s=config.health_s,
+            path=config.health_path,
+            keyless=self._passing,
+        )
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._active = 0
         self._deltas = 0
 
     def count_tokens(self, text: str) -> int:
-        """An estimate (about 4 bytes per token): the upstream's tokenizer is not ours."""
+        """An estimate (about 4 bytes per token), for when the upstream reports no usage."""
         return math.ceil(len(text.encode("utf-8")) / 4)
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, backend: Backend, client_key: str | None = None) -> dict[str, str]:
+        """What goes to ``backend`` beside a request: its configured key, or, for one that
+        takes the caller's own, ``client_key`` (a health probe has none to send)."""
         headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
-        if self.config.api_key:
-            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        if backend.name in self._passing:
+            key = client_key
+        else:
+            key = self._targets[backend.name].api_key or self.config.api_key
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
         return headers
 
     def _client(self) -> aiohttp.ClientSession:
@@ -205,67 +272,72 @@ class UpstreamEngine:
             )
         return self._session
 
-    async def _model_for(self, target: UpstreamTarget) -> str | None:
-        """The configured model, else the first one the upstream lists (asked once)."""
+    def _model_for(self, backend: Backend, request: GenerationRequest) -> str | None:
+        """The model name sent: the one asked for (an alias resolved), else the configured
+        one, else the first one the upstream lists (None while it is not known)."""
+        asked = self.pool.resolve(request.model)
+        if asked is not None and (asked in backend.models or not backend.models):
+            return asked
         if self.config.model is not None:
             return self.config.model
-        if target.base_url not in self._models:
-            model: str | None = None
-            try:
-                async with asyncio.timeout(self.config.headers_timeout_s):
-                    async with self._client().get(
-                        f"{target.base_url}/models", headers=self._headers()
-                    ) as response:
-                        if response.status == 200:
-                            listing = await response.json(content_type=None)
-                            model = str(listing["data"][0]["id"])
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
-                return None  # not cached: ask again next time; the request goes without one
-            self._models[target.base_url] = model
-        return self._models[target.base_url]
+        return min(backend.models) if backend.models else None
 
-    async def start(self, request: GenerationRequest) -> UpstreamStream:
-        """Send the request upstream and return its stream once the response head arrived.
+    async def start(self, request: GenerationRequest) -> RelayedReply:
+        """Send the request upstream (another upstream if one fails before it answers) and
+        return the reply once a response head arrived.
 
         Raises:
             UpstreamUnavailable: connection refused or broken, or a bad response (502).
             UpstreamTimeout: no response head within ``headers_timeout_s`` (504).
             UpstreamOverloaded: the upstream answered 429 or 503.
             RequestRejected: the upstream refused the request itself (400).
+            NoUpstream: no upstream serving the model can take a request now (503).
         """
-        target = self.config.targets[self._balancer.pick()]
-        url = f"{target.base_url}/chat/completions"
-        model = await self._model_for(target)
-        data = json.dumps(request_body(request, model)).encode()
+        await self._prober.first_round()
+        continuation = request.continuation
+        reply = RelayedReply(
+            request,
+            pool=self.pool,
+            opener=self.open_attempt,
+            limits=self._limits,
+            continuation=self.config.continuation if continuation is None else continuation,
+            counts=self._relay_counts,
+        )
+        try:
+            await reply.open()
+        except EngineError:
+            self._counts["failed"] += 1
+            raise
+        return reply
+
+    async def open_attempt(self, backend: Backend, request: GenerationRequest) -> UpstreamStream:
+        """One attempt: the request to ``backend``, its stream once the head arrived (what a
+        relayed reply is made of; no failover here)."""
+        url = f"{backend.name}/chat/completions"
+        data = json.dumps(request_body(request, self._model_for(backend, request))).encode()
         timeout = self.config.headers_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                response = await self._client().post(url, data=data, headers=self._headers())
+                headers = self._headers(backend, request.client_key)
+                response = await self._client().post(url, data=data, headers=headers)
         except TimeoutError:
-            raise self._failed(
-                UpstreamTimeout(
-                    f"the upstream at {target.base_url} did not answer within {timeout:g} s",
-                    code="upstream_timeout",
-                )
+            raise UpstreamTimeout(
+                f"the upstream at {backend.name} did not answer within {timeout:g} s",
+                code="upstream_timeout",
             ) from None
         except aiohttp.ClientError as exc:
-            failure = connect_failure(exc, target.base_url, timeout)
+            failure = connect_failure(exc, backend.name, timeout)
             kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
-            if failure.code in ("upstream_unavailable", "upstream_tls"):
-                self._health.saw(target.base_url, failure.message)
-            raise self._failed(kind(failure.message, code=failure.code)) from None
+            raise kind(failure.message, code=failure.code) from None
         if response.status != 200:
-            raise self._failed(await self._refusal(response, target))
+            raise await self._refusal(response, backend, request.client_key)
         if response.content_type != "text/event-stream":
             response.close()
-            raise self._failed(
-                UpstreamUnavailable(
-                    f"the upstream at {target.base_url} answered "
-                    f"{response.content_type or 'no content type'}, not an event stream",
-                    code="upstream_bad_response",
-                )
+            raise UpstreamUnavailable(
+                f"the upstream at {backend.name} answered "
+                f"{response.content_type or 'no content type'}, not an event stream",
+                code="upstream_bad_response",
             )
-        self._health.saw(target.base_url, None)
         self._counts["started"] += 1
         self._active += 1
         return UpstreamStream(
@@ -276,17 +348,13 @@ class UpstreamEngine:
             logprobs=request.sampling.logprobs is not None,
         )
 
-    def _failed(self, error: EngineError) -> EngineError:
-        self._counts["failed"] += 1
-        return error
-
     def _ended(self, outcome: str, deltas: int) -> None:
         self._active -= 1
         self._counts[outcome] += 1
         self._deltas += deltas
 
     async def _refusal(
-        self, response: aiohttp.ClientResponse, target: UpstreamTarget
+        self, response: aiohttp.ClientResponse, backend: Backend, client_key: str | None
     ) -> EngineError:
         try:
             async with asyncio.timeout(self.config.headers_timeout_s):
@@ -297,12 +365,18 @@ class UpstreamEngine:
             response.close()
         message, code, param = _upstream_message(raw)
         status = response.status
-        where = f"the upstream at {target.base_url} answered {status}"
+        where = f"the upstream at {backend.name} answered {status}"
         said = f"{where}: {message}" if message else where
         if status in (400, 413, 422):
             return RequestRejected(said, code=code or "upstream_rejected", param=param)
         if status in (429, 503):
             return UpstreamOverloaded(said, code="upstream_overloaded")
+        if status in (401, 403) and backend.name in self._passing:
+            # The client's own key: theirs to fix, and no other upstream would take it.
+            said = f"{where}: it refused the API key you sent, which is passed on to it"
+            if not client_key:
+                said = f"{where}: it wants an API key, and you sent none to pass on"
+            return UpstreamRefusedClientKey(said, status=status)
         if status in (401, 403):  # our configuration, not the client's request
             said = f"{where}: it refused our API key (see --upstream-api-key)"
         return UpstreamUnavailable(said, code="upstream_error_status")
@@ -315,14 +389,22 @@ class UpstreamEngine:
             failed=self._counts["failed"],
             active=self._active,
             steps=self._deltas,
+            models=self.pool.model_names(),
+            backends=tuple(b.stats() for b in self.pool.backends),
+            failovers=self._relay_counts.failovers,
+            continuations=self._relay_counts.continuations,
         )
 
     async def readiness(self) -> Readiness:
-        """Whether every upstream answers (asked again when the last answer is 5 s old)."""
-        return await self._health.readiness(self._client(), self._headers())
+        """Ready while at least one upstream is: its circuit not open, its last probe
+        answered (probed in the background every ``health_s``)."""
+        await self._prober.first_round()
+        ready, reason = self.pool.ready()
+        return READY if ready else Readiness(False, reason)
 
     async def aclose(self) -> None:
-        """Close the session and with it every upstream connection still open."""
+        """Stop probing; close the session and with it every upstream connection still open."""
+        await self._prober.aclose()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,89 +1,122 @@
-"""Whether the upstreams can serve: each is asked ``GET {base}/models`` (cheap on every
-OpenAI-compatible server) with a short timeout, when the relay starts and again whenever the
-answer is older than ``interval_s``; relayed requests also tell it what they met.
+"""Active health checks of the upstreams: each is asked ``GET {base}{path}`` (``/models`` by
+default, cheap on every OpenAI-compatible server) with a short timeout, when the relay starts
+and then every ``interval_s`` in the background; a model list it answers with tells the pool
+which models that upstream serves. An upstream that takes each caller's own key is probed
+without one: its refusal (401, 403) says it is up, and its models come from the routes file
+(or from no listing: it is sent any model).
 
-This file decides what counts as ready (every upstream answered its model list) and how old
-an answer may be. It must not know about our HTTP server; the session and headers are given.
+This file decides what a probe's answer means (a problem in words, or None) and when probes
+run. What a failed probe does to routing is ``upstream_pool``'s. It must not know about our
+HTTP server; the session and each upstream's headers are given.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from replystream.engine.base import READY, Readiness
 from replystream.engine.upstream_errors import connect_failure
+from replystream.engine.upstream_pool import Backend, UpstreamPool
 
-PROBE_INTERVAL_S = 5.0  # an answer older than this is asked again
+log = logging.getLogger("replystream.upstream")
+
 PROBE_TIMEOUT_S = 2.0  # a health check must not hang on a silent upstream
 
 
-class UpstreamHealth:
-    """The last known state of each upstream (None: fine; else what is wrong, in words)."""
+def listed_models(listing: object) -> list[str]:
+    """The model ids of an OpenAI ``GET /models`` answer (none for any other shape)."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+class HealthProber:
+    """Probes every upstream now and then, and tells the pool what it found."""
 
     def __init__(
         self,
-        base_urls: Sequence[str],
+        pool: UpstreamPool,
         *,
-        interval_s: float = PROBE_INTERVAL_S,
+        session: Callable[[], aiohttp.ClientSession],
+        headers: Callable[[Backend], Mapping[str, str]],
+        interval_s: float,
+        path: str = "/models",
         timeout_s: float = PROBE_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
+        keyless: frozenset[str] = frozenset(),
     ) -> None:
-        self._problems: dict[str, str | None] = dict.fromkeys(base_urls, "not checked yet")
+        self._pool = pool
+        self._session = session
+        self._headers = headers
         self._interval_s = interval_s
-        self._timeout_s = timeout_s
-        self._clock = clock
-        self._checked_at: float | None = None
+        self._path = path
+        # Upstreams that take each caller's own key: probed without one, so a 401 or 403
+        # from them says they are up.
+        self._keyless = keyless
+        self._timeout_s = min(timeout_s, interval_s)
+        self._probed = False
         self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
 
-    def saw(self, base_url: str, problem: str | None) -> None:
-        """What a relayed request met (a refused connection, or a stream that started)."""
-        self._problems[base_url] = problem
-
-    def current(self) -> Readiness:
-        problems = [p for p in self._problems.values() if p is not None]
-        return Readiness(False, "; ".join(problems)) if problems else READY
-
-    async def readiness(
-        self, session: aiohttp.ClientSession, headers: Mapping[str, str]
-    ) -> Readiness:
-        """Ready when every upstream answered; asks them again when the answer is old."""
-        if not self._fresh():
+    async def first_round(self) -> None:
+        """Probe once if nothing was probed yet, and keep probing in the background."""
+        if not self._probed:
             async with self._lock:
-                if not self._fresh():  # another health check may have asked meanwhile
-                    async with asyncio.TaskGroup() as group:
-                        for base_url in self._problems:
-                            group.create_task(self._probe(session, headers, base_url))
-                    self._checked_at = self._clock()
-        return self.current()
+                if not self._probed:  # another caller may have probed meanwhile
+                    await self.probe_all()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="upstream-health")
 
-    def _fresh(self) -> bool:
-        at = self._checked_at
-        return at is not None and self._clock() - at < self._interval_s
+    async def probe_all(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            for backend in self._pool.backends:
+                group.create_task(self._probe(backend))
+        self._probed = True
 
-    async def _probe(
-        self, session: aiohttp.ClientSession, headers: Mapping[str, str], base_url: str
-    ) -> None:
-        where = f"the upstream at {base_url}"
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # a bug here must not stop the probing for good
+                log.exception("upstream health probe failed")
+
+    async def _probe(self, backend: Backend) -> None:
+        problem, models = await self._ask(backend)
+        backend.probed(problem, models)
+
+    async def _ask(self, backend: Backend) -> tuple[str | None, list[str]]:
+        where = f"the upstream at {backend.name}"
+        url = f"{backend.name}{self._path}"
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with session.get(f"{base_url}/models", headers=headers) as response:
+                async with self._session().get(url, headers=self._headers(backend)) as response:
                     status = response.status
+                    listing: object = None
+                    if status == 200 and self._path == "/models":
+                        with contextlib.suppress(ValueError, aiohttp.ClientError):
+                            listing = await response.json(content_type=None)
         except TimeoutError:
-            self._problems[base_url] = f"{where} did not answer within {self._timeout_s:g} s"
-            return
+            return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:
-            self._problems[base_url] = connect_failure(exc, base_url, self._timeout_s).message
-            return
+            return connect_failure(exc, backend.name, self._timeout_s).message, []
+        if status in (401, 403) and backend.name in self._keyless:
+            return None, []
         if status in (401, 403):
-            problem: str | None = f"{where} refused our API key ({status})"
-        elif status == 404:
-            problem = f"{where} has no model list (404): does the URL end in /v1?"
-        elif status >= 500:
-            problem = f"{where} answered {status} to GET /models"
-        else:
-            problem = None  # it speaks HTTP and knows the route: requests can go there
-        self._problems[base_url] = problem
+            return f"{where} refused our API key ({status})", []
+        if status == 404:
+            return f"{where} has no {self._path} (404): does the URL end in /v1?", []
+        if status >= 500:
+            return f"{where} answered {status} to GET {self._path}", []
+        return None, listed_models(listing)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

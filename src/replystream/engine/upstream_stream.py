@@ -15,25 +15,41 @@ its own code, within bounded time and memory:
 - ``upstream_disconnected``: the upstream closed the connection mid-body (killed, restarted);
 - ``upstream_broken``: the connection broke otherwise.
 Messages are ours (``upstream_errors``); an upstream's own words appear only quoted.
-Closing the stream early (``aclose``, or cancelling its reader) closes the upstream
+Closing the stream early (``aclose``/``close``, or cancelling its reader) closes the upstream
 connection, which vLLM, TGI and llama.cpp treat as an abort. It must not know how the request
 was built, which upstream was picked, or anything about our own HTTP server.
+
+A stream is read one of two ways, with the same parse and the same failures: iterated (each
+read awaits the body, as any ``DeltaStream``), or attached to a sink (``PushDeltaStream``).
+Attached, no task reads it: aiohttp's connection protocol, as it takes the body off the
+socket in ``data_received``, wakes the stream through the hook its body reader
+(``StreamReader``) already has for a waiting reader (``_BodyHook``); every stream woken in
+one turn of the loop is then parsed and delivered to its sink by one callback
+(``_ReadyStreams``). Serving many relayed replies, that removes a task wake-up, a
+coroutine step and a timeout scope per chunk per reply; the stall bound is one timer per
+stream, moved only when it fires (``_check_stall``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
 import aiohttp
+from pydantic_core import from_json
 
-from replystream.engine.base import Delta, EngineError, ToolCallDelta
+from replystream.engine.base import Delta, DeltaSink, EngineError, ToolCallDelta
 from replystream.engine.upstream_errors import broken_stream, quoted
 from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
+
+log = logging.getLogger("replystream.upstream")
 
 # Finish reasons upstreams use, mapped to ours ("stop", "length" or "tool_calls"; a filter
 # passes through).
@@ -50,6 +66,10 @@ FINISH_REASONS = {
 }
 
 
+# How long a finished reply's connection may wait for the end of its body (to be reused).
+BODY_END_WAIT_S = 1.0
+
+
 class UpstreamStreamError(EngineError):
     """The upstream misbehaved after its stream started (an in-band error downstream)."""
 
@@ -64,8 +84,72 @@ def _message_of(error: object) -> str:
     return "no message given"
 
 
+class _BodyHook:
+    """Stands where an aiohttp ``StreamReader`` keeps the future of a reader waiting for
+    body bytes (``_waiter``): the reader resolves it, synchronously from the connection's
+    ``data_received``, when bytes, the end of the body or a failure arrive, and forgets it
+    (the stream sets it again after each call). Only ``done``, ``set_result`` and
+    ``set_exception`` are asked of it (aiohttp's ``helpers.set_result``/``set_exception``).
+    """
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: UpstreamStream) -> None:
+        self._stream = stream
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, result: object) -> None:
+        _ReadyStreams.of_running_loop().add(self._stream)
+
+    def set_exception(self, exc: BaseException) -> None:
+        _ReadyStreams.of_running_loop().add(self._stream)
+
+
+class _ReadyStreams:
+    """Attached streams whose body reader woke them since this loop last ran the list: each
+    is read and delivered once, all in one callback per loop turn.
+
+    Not in the wake-up itself: that runs inside aiohttp's HTTP parser, and reading the body
+    reader there re-enters the parser (a read can resume the connection's parsing), which
+    leaks the bytes the outer parse was given."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._ready: list[UpstreamStream] = []
+
+    @classmethod
+    def of_running_loop(cls) -> _ReadyStreams:
+        loop = asyncio.get_running_loop()
+        ready = _READY_BY_LOOP.get(loop)
+        if ready is None:
+            ready = _READY_BY_LOOP[loop] = cls(loop)
+        return ready
+
+    def add(self, stream: UpstreamStream) -> None:
+        if not self._ready:
+            self._loop.call_soon(self._run)
+        self._ready.append(stream)
+
+    def _run(self) -> None:
+        ready, self._ready = self._ready, []
+        for stream in ready:
+            try:
+                stream._readable()
+            except Exception:  # a failing sink must not leave the other streams unread
+                log.exception("delivering a relayed reply's deltas failed")
+                stream._abandon()
+
+
+# One list per event loop (a server has one; tests start many).
+_READY_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ReadyStreams] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class UpstreamStream:
-    """A ``DeltaStream`` over one upstream response; owns (and closes) its connection."""
+    """A ``PushDeltaStream`` over one upstream response; owns (and closes) its connection."""
 
     def __init__(
         self,
@@ -85,6 +169,7 @@ class UpstreamStream:
         self._bytes_at_last_event = 0
         self._tokens = 0
         self._usage_tokens: int | None = None
+        self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._finish: str | None = None
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
@@ -92,6 +177,13 @@ class UpstreamStream:
         self._error: UpstreamStreamError | None = None  # raised once the text before it is out
         self._deltas = 0  # deltas handed out
         self._on_end = on_end
+        # Attached (push) reading: the sink, the hook set in the body reader, the stall timer.
+        self._sink: DeltaSink | None = None
+        self._hook: _BodyHook | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0  # time.monotonic() of the last body bytes (attached)
+        self._bytes_read = 0  # the body reader's total_bytes when last read (attached)
+        self._let_go_done = False
 
     def __aiter__(self) -> UpstreamStream:
         return self
@@ -116,19 +208,137 @@ class UpstreamStream:
 
     async def aclose(self) -> None:
         """Stop relaying: close the upstream connection unless the reply already ended."""
+        self.close()
+
+    def close(self) -> None:
+        """Stop now (iterated or attached): the sink is called no more."""
         self._ended = True
         self._pending.clear()
+        self._detach()
         self._close()
+
+    def attach(self, sink: DeltaSink) -> None:
+        """Deliver every delta to ``sink`` from the connection's own reads (no task)."""
+        loop = asyncio.get_running_loop()
+        self._sink = sink
+        self._hook = _BodyHook(self)
+        self._last_read = time.monotonic()
+        self._stall_timer = loop.call_later(self._stall_s, self._check_stall)
+        # What arrived with the response head, or since, goes out in the next loop turn: the
+        # caller may not be ready for deltas (or the end) inside ``attach``.
+        _ReadyStreams.of_running_loop().add(self)
+
+    def _abandon(self) -> None:
+        """Delivering failed (a bug of ours): stop, and tell the sink once that it ended."""
+        sink = self._sink
+        self._failed = True
+        self.close()
+        if sink is not None:
+            with contextlib.suppress(Exception):
+                sink.on_end(
+                    UpstreamStreamError("relaying the reply failed", code="upstream_broken")
+                )
+
+    def _detach(self) -> None:
+        self._sink = None
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        content = self._response.content
+        if self._hook is not None and content._waiter is self._hook:  # type: ignore[comparison-overlap]
+            content._waiter = None
+        self._hook = None
 
     def _close(self) -> None:
         if self._on_end is not None:
             on_end, self._on_end = self._on_end, None
             outcome = "finished" if self._clean else "failed" if self._failed else "cancelled"
             on_end(outcome, self._deltas)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._let_go_done:
+            return
+        self._let_go_done = True
         if self._clean:
-            self._response.release()  # finished: the connection goes back to the pool
+            if self._response.content.is_eof():
+                self._response.release()  # finished: the connection goes back to the pool
+            else:
+                # The reply is complete but the body's last bytes (the chunked terminator,
+                # often a write of its own) are still on their way: aiohttp hands the
+                # connection back to its pool when they arrive; if they do not, it closes.
+                loop = asyncio.get_running_loop()
+                loop.call_later(BODY_END_WAIT_S, self._response.close)
         else:
             self._response.close()  # closing the socket is how an upstream learns to abort
+
+    def _readable(self) -> None:
+        """Attached: body bytes, the body's end or a failure arrived (``_ReadyStreams``)."""
+        sink = self._sink
+        if sink is None:
+            return
+        content = self._response.content
+        if content.total_bytes == self._bytes_read and not content.is_eof():
+            if content.exception() is None:
+                # The end of an HTTP chunk whose bytes were just read (aiohttp wakes a
+                # reader for both): nothing new.
+                content._waiter = self._hook  # type: ignore[assignment]
+                return
+        try:
+            self._read_buffered(content)
+        except UpstreamStreamError as error:
+            self._error = error
+        self._deliver(sink)
+
+    def _read_buffered(self, content: aiohttp.StreamReader) -> None:
+        failure = content.exception()
+        if failure is not None:
+            broken = broken_stream(
+                failure
+                if isinstance(failure, aiohttp.ClientError | OSError)
+                else aiohttp.ClientPayloadError(str(failure))
+            )
+            raise self._fail(broken.message, broken.code)
+        data = content.read_nowait()
+        self._bytes_read = content.total_bytes
+        if data:
+            self._last_read = now = time.monotonic()
+            self._take(data, now)
+        if not self._ended and content.is_eof():
+            self._end_of_body()
+
+    def _deliver(self, sink: DeltaSink) -> None:
+        """Hand what was parsed to the sink; end the stream, or wait for more bytes."""
+        if self._pending:
+            deltas = list(self._pending)
+            self._pending.clear()
+            self._deltas += len(deltas)
+            sink.on_deltas(deltas)
+            if self._sink is None:  # the sink closed the stream while taking them
+                return
+        if self._error is not None or self._ended:
+            error, self._error = self._error, None
+            self._detach()
+            self._close()
+            sink.on_end(error)
+            return
+        self._response.content._waiter = self._hook  # type: ignore[assignment]
+
+    def _check_stall(self) -> None:
+        sink = self._sink
+        self._stall_timer = None
+        if sink is None:
+            return
+        idle = time.monotonic() - self._last_read
+        if idle < self._stall_s:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(self._stall_s - idle, self._check_stall)
+            return
+        self._error = self._stalled()
+        self._deliver(sink)
+
+    def _stalled(self) -> UpstreamStreamError:
+        return self._fail(f"the upstream sent nothing for {self._stall_s:g} s", "upstream_stalled")
 
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
         self._ended = self._failed = True
@@ -139,15 +349,18 @@ class UpstreamStream:
             async with asyncio.timeout(self._stall_s):
                 data = await self._response.content.readany()
         except TimeoutError:
-            raise self._fail(
-                f"the upstream sent nothing for {self._stall_s:g} s", "upstream_stalled"
-            ) from None
+            raise self._stalled() from None
         except (aiohttp.ClientError, OSError) as exc:
             failure = broken_stream(exc)
             raise self._fail(failure.message, failure.code) from None
         if not data:
             self._end_of_body()
             return
+        self._take(data, time.monotonic())
+
+    def _take(self, data: bytes, now: float) -> None:
+        """Parse body bytes into pending deltas. A failure that ends the reply at once
+        raises; one after some deltas is kept in ``_error`` (the deltas before it go out)."""
         try:
             events = self._parser.feed(data)
         except EventTooLarge:
@@ -166,7 +379,6 @@ class UpstreamStream:
                 f"the upstream sent {self._max_event_size} bytes without one event",
                 "upstream_malformed",
             )
-        now = time.monotonic()
         try:
             for event in events:
                 self._on_event(event, now)
@@ -201,7 +413,9 @@ class UpstreamStream:
             self._finish_reply(now)
             return
         try:
-            chunk = json.loads(event.data)
+            # pydantic's parser (jiter): a third of json.loads's time on a chunk, and a
+            # nesting bound of its own (a ValueError, where json.loads recurses).
+            chunk = from_json(event.data)
         except ValueError:
             raise self._fail(
                 f"the upstream sent an event that is not JSON ({len(event.data)} characters)",
@@ -220,6 +434,8 @@ class UpstreamStream:
         usage = chunk.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self._usage_tokens = usage["completion_tokens"]
+            prompt = usage.get("prompt_tokens")
+            self._prompt_tokens = prompt if isinstance(prompt, int) and prompt >= 0 else None
         choices = chunk.get("choices", [])
         if not isinstance(choices, list):
             raise self._fail("the upstream chunk's choices is not a list", "upstream_bad_chunk")
@@ -234,7 +450,7 @@ class UpstreamStream:
                     made = relayed_logprobs(logprobs)
                     count = len(made) if made else 1
                     self._tokens += count
-                    self._pending.append(Delta(text, count, now, None, made))
+                    self._pending.append(Delta(text, count, now, logprobs=made))
                 elif self._logprobs:
                     raise self._fail(
                         "the upstream sent text without the logprobs asked for "
@@ -277,5 +493,7 @@ class UpstreamStream:
 
     def _finish_reply(self, now: float) -> None:
         extra = max(0, (self._usage_tokens or 0) - self._tokens)
-        self._pending.append(Delta("", extra, now, self._finish or "stop"))
+        self._pending.append(
+            Delta("", extra, now, self._finish or "stop", prompt_tokens=self._prompt_tokens)
+        )
         self._ended = self._clean = True

@@ -1,4 +1,5 @@
-"""PNG plots of a load run (matplotlib without a display): TTFT CDF, gap histogram, timeline.
+"""PNG plots of a load run (matplotlib without a display): TTFT CDF, gap histogram, timeline;
+and of a sweep: latency against rate, and each run's TTFT and gap distributions.
 
 This file decides how a summary's per-request timings are drawn; it must not compute metrics.
 """
@@ -13,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first, above
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 
 def plot_all(summary: dict[str, Any], folder: Path) -> list[Path]:
@@ -74,9 +76,59 @@ def _timeline(requests: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_sweep(result: dict[str, Any], folder: Path) -> list[Path]:
-    """Write ``sweep_latency.png`` (latency and good share against rate, the knee marked);
-    return its path."""
+    """Write ``sweep_latency.png`` (latency and good share against rate, the knee marked) and
+    ``sweep_distributions.png`` (each run's TTFT and gap CDFs); return their paths."""
     folder.mkdir(parents=True, exist_ok=True)
+    return [_sweep_latency(result, folder), _sweep_distributions(result, folder)]
+
+
+def _run_label(run: dict[str, Any], knee: float | None) -> str:
+    rate = run["rate"]
+    label = run["profile"] if rate is None else f"{run['profile']} {rate:,.2f} req/s"
+    return f"{label} (knee)" if knee is not None and rate == knee else label
+
+
+def _cdf(ax: Any, values: list[float], label: str, style: str) -> None:
+    values = sorted(values)
+    if values:
+        shares = [(i + 1) / len(values) for i in range(len(values))]
+        ax.step(values, shares, style, where="post", label=label, linewidth=1.5)
+
+
+def _sweep_distributions(result: dict[str, Any], folder: Path) -> Path:
+    """One curve per run: how TTFT and the gaps between text events spread as the rate rises
+    (a percentile table hides whether a whole run shifted or only its tail grew)."""
+    path = folder / "sweep_distributions.png"
+    knee = result["sweep"]["knee_rate"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+    for run in result["runs"]:
+        done = [
+            r for r in run["summary"]["requests"] if r["complete"] and not r.get("warmup", False)
+        ]
+        label = _run_label(run, knee)
+        style = "--" if run["rate"] is None else "-"
+        _cdf(left, [r["ttft_ms"] for r in done if r["ttft_ms"] is not None], label, style)
+        gaps = [b - a for r in done for a, b in itertools.pairwise(r["text_event_ms"])]
+        _cdf(right, gaps, label, style)
+    left.set_xlabel("TTFT: request sent to first parsed text (ms)")
+    right.set_xlabel("gap between consecutive text events (ms)")
+    for ax, title in ((left, "TTFT by run"), (right, "Inter-event gaps by run")):
+        ax.set_ylabel("share")
+        ax.set_ylim(0, 1.02)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"{title}, cumulative (complete requests)")
+        ax.grid(alpha=0.3, which="both")
+    left.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _sweep_latency(result: dict[str, Any], folder: Path) -> Path:
     path = folder / "sweep_latency.png"
     runs = sorted((r for r in result["runs"] if r["rate"] is not None), key=lambda r: r["rate"])
     rates = [r["rate"] for r in runs]
@@ -114,4 +166,4 @@ def plot_sweep(result: dict[str, Any], folder: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return [path]
+    return path

@@ -1,11 +1,11 @@
 """``replystream lab-engine spec``: prompt-lookup speculative decoding against plain decoding.
 
 One request at a time (greedy by default; ``temperature`` > 0 samples with a fixed seed), in
-this process, on the tiny engine with and without speculation, for a repetitive prompt (where
-drafts come true) and plain prose (where they rarely do). It reports steps, deltas (events),
-tokens per event, draft acceptance and TPOT from the engine's own timestamps, checks that both
-modes made the same text, prints a table and writes a PNG of when the tokens arrived. It must
-not know about HTTP.
+this process, on the engine under test (``lab.lab_engines``) with and without speculation, for
+a repetitive prompt (where drafts come true) and plain prose (where they rarely do). It reports
+steps, deltas (events), tokens per event, draft acceptance and TPOT from the engine's own
+timestamps, checks that both modes made the same text, prints a table and writes a PNG of when
+the tokens arrived. It must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from replystream.engine.base import GenerationRequest, SamplingParams
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine
+from replystream.lab.lab_engines import LabEngine, plot_name
 
 PROMPTS = {
     "repetitive": "the children of Judah, the children of Levi, the children of Judah, the "
@@ -88,12 +89,17 @@ async def _one(
 
 
 async def run_spec(
-    tokens: int, repeats: int, spec_tokens: int, ngram: int, temperature: float = 0.0
+    lab: LabEngine,
+    tokens: int,
+    repeats: int,
+    spec_tokens: int,
+    ngram: int,
+    temperature: float = 0.0,
 ) -> list[SpecRun]:
     """Every prompt in both modes; TPOT and total are medians over ``repeats`` runs."""
     runs = []
     for mode, k in (("plain", 0), (f"lookup k={spec_tokens} n={ngram}", spec_tokens)):
-        engine = load_default_engine(TinyEngineConfig(spec_tokens=k, spec_ngram=ngram))
+        engine = lab.engine(spec_tokens=k, spec_ngram=ngram)
         try:
             await _one(engine, "And", 2)  # start the worker thread outside the measurement
             for name, prompt in PROMPTS.items():
@@ -106,10 +112,12 @@ async def run_spec(
     return runs
 
 
-def report_spec(runs: list[SpecRun], out: Path, console: Console, temperature: float = 0.0) -> Path:
+def report_spec(
+    runs: list[SpecRun], out: Path, console: Console, temperature: float = 0.0, model: str = "tiny"
+) -> Path:
     """Print the table (and whether the texts matched); write ``engine-spec.png``."""
     how = "greedy" if temperature == 0 else f"temperature {temperature:g}, seed 1"
-    table = Table(title=f"prompt-lookup speculative decoding (tiny engine, {how}, engine times)")
+    table = Table(title=f"prompt-lookup speculative decoding ({model} engine, {how}, engine times)")
     columns = ["mode", "prompt", "tokens", "steps", "events", "tok/ev", "accepted", "TPOT"]
     for column in [*columns, "total"]:
         table.add_column(column, justify="right")
@@ -144,9 +152,9 @@ def report_spec(runs: list[SpecRun], out: Path, console: Console, temperature: f
         ax.set_ylabel("tokens made")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-    fig.suptitle(f"Accepted drafts arrive several tokens per step ({how})")
+    fig.suptitle(f"Accepted drafts arrive several tokens per step ({model}, {how})")
     fig.tight_layout()
-    path = out / ("engine-spec.png" if temperature == 0 else "engine-spec-sampled.png")
+    path = out / plot_name("engine-spec" if temperature == 0 else "engine-spec-sampled", model)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

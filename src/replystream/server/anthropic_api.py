@@ -13,6 +13,7 @@ tokens are made or how events are framed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -32,8 +33,7 @@ from replystream.server.buffered import Whole
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native import bad, delivery_overrides, sampling_params
-from replystream.server.openai_api import served_model
-from replystream.server.openai_requests import model_not_found
+from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schemas import MessagesBody, SamplingFields
 from replystream.server.tool_requests import (
     anthropic_messages,
@@ -73,7 +73,9 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
     choice = body.tool_choice
     disabled = None if choice is None else choice.disable_parallel_tool_use
     parallel = None if disabled is None else not disabled
-    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice, parallel)
+    return GenerationRequest(
+        prompt, sampling, tuple(messages), tools, tool_choice, parallel_tool_calls=parallel
+    )
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -81,10 +83,13 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     app = request.app
     config = app[CONFIG_KEY]
     body = await read_model(request, MessagesBody)
-    model = served_model(app)
-    if body.model != model:
-        raise model_not_found(body.model)
-    generation = _generation(body, config.max_prompt_chars)
+    routed = routed_model(app, body.model)
+    model = routed or served_model(app)
+    generation = replace(
+        _generation(body, config.max_prompt_chars),
+        model=routed,
+        continuation=_sampling(body).upstream_continue,
+    )
     policy = delivery_overrides(_sampling(body), config.policy)
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
     try:
@@ -123,7 +128,7 @@ async def _whole(
             stop_reason="stop_sequence"
             if stop is not None
             else STOP_REASONS.get(whole.finish_reason, "end_turn"),
-            input_tokens=input_tokens,
+            input_tokens=whole.usage.prompt_tokens,  # the engine's own count when it gave one
             output_tokens=whole.usage.completion_tokens,
             stop_sequence=stop,
             tool_calls=whole.tool_calls,

@@ -15,6 +15,7 @@ This file decides:
   at a match, so timing reveals neither which key matched nor how much of one did.
 - ``request[OWNER]`` is the SHA-256 hex digest of the key; replies are owned by it, so
   resume and cancel work only with the key that started the reply. Keys are never logged.
+- ``client_key`` is the caller's key itself, for a relay told to pass it on to an upstream.
 It must not know about replies, engines or wire formats.
 """
 
@@ -33,6 +34,8 @@ from replystream.server.errors import error_response
 RESUME_PATH = re.compile(r"^/v1/replies/[^/]+/stream$")
 WEBSOCKET_PATH = "/v1/ws"
 OWNER = web.RequestKey("owner", str)  # who may read and cancel the replies a request starts
+# The key a WebSocket sent in its first message (a browser's socket cannot send headers).
+SOCKET_KEY = web.RequestKey("socket_key", str)
 
 
 def read_keys_file(path: Path) -> list[str]:
@@ -99,6 +102,14 @@ def bearer_token(request: web.Request) -> str | None:
         return None
     scheme, _, token = header.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def client_key(request: web.Request) -> str | None:
+    """The caller's own key, as the check below reads it (its bearer token, else Anthropic's
+    ``x-api-key``, else what its WebSocket sent first), for a relay that passes it on. Read
+    whether or not keys are configured here: an upstream may be the one that checks it."""
+    token = bearer_token(request) or request.headers.get("x-api-key") or request.get(SOCKET_KEY)
+    return token or None
 
 
 def unauthorized(message: str) -> web.Response:

@@ -3,7 +3,8 @@
 A pump task moves the engine's deltas into a ``DeltaChannel``; the handler collects them,
 running the moderation checks over the whole text. A client that leaves cancels the handler,
 which cancels the pump and closes the engine's stream in ``finally``. Endings: finished (200),
-moderated (200, ``finish_reason: "moderated"``), failed (500), shutdown (503). It must not
+moderated (200, ``finish_reason: "moderated"``), failed (the error's status: 500, or 502
+or 504 for an upstream), shutdown (503). It must not
 know how tokens are made or which route asked for the reply.
 """
 
@@ -140,6 +141,8 @@ async def buffered_reply(
                         break
                     assert isinstance(item, Delta)
                     record.on_delta(item.made_at, item.tokens)
+                    if item.prompt_tokens is not None:  # the engine's own count
+                        prompt_tokens = item.prompt_tokens
                     collector = collectors[item.choice]
                     if collector.done or not collector.take(item):
                         continue
@@ -157,7 +160,8 @@ async def buffered_reply(
             assert item.error is not None
             log.warning("generation failed: %s", item.error)
             record.outcome, record.reason = "errored", item.error.code
-            return error_response(500, str(item.error), code=item.error.code)
+            # An upstream's failure is a 502 or 504, as it would be before any byte.
+            return error_response(item.error.status, str(item.error), code=item.error.code)
         elif isinstance(item, End) and item.how == "shutdown":
             record.outcome, record.reason = "shutdown", "shutdown"
             return error_response(503, "the server is shutting down", code="shutdown")
@@ -174,6 +178,7 @@ async def buffered_reply(
         record.outcome, record.reason = "cancelled", "client_gone"
         raise
     finally:
+        record.prompt_tokens = prompt_tokens
         await close_quietly(deltas)
         manager.untrack(channel)
         manager.metrics.observe(record)

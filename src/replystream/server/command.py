@@ -116,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         # worker that refuses to start would be restarted for ever.
         engine_options.check_options(args, choice.kind)
         announce = announcement(choice.kind)
+        note = engine_options.fallback_note() if not args.engine else None
+        if note is not None and args.listen_fd is None:  # workers: their parent said it
+            print(f"replystream serve: {note}", file=sys.stderr)
         if args.workers > 1:
             if not args.redis_url:
                 log.warning(
@@ -124,13 +127,14 @@ def run(args: argparse.Namespace) -> int:
                 )
             sock = listen(args.host, args.port)
             return run_workers(worker_argv(sys.argv), args.workers, sock, announce)
-        engine = build_engine(args)
         new_loop = loop_factory(args.loop)
+        # Listen first: a port already taken is reported at once, not after a model load.
         if args.listen_fd is not None:
             sock = socket.socket(fileno=args.listen_fd)
             sock.setblocking(False)
         else:
             sock = listen(args.host, args.port)
+        engine = build_engine(args)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -47,10 +47,10 @@ from replystream.engine.base import (
 )
 from replystream.engine.choices import ChoicesStream, start_choices
 from replystream.server import ids
-from replystream.server.auth import OWNER
+from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
-from replystream.server.guard import REPLY_ID, GuardConfig
+from replystream.server.guard import REPLY_ID, REQUEST_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
 from replystream.server.schemas import ResumeCursor
@@ -93,6 +93,9 @@ KEEPALIVE_CLOCK_KEY = web.AppKey("keepalive_clock", KeepaliveClock)
 STORE_KEY = web.AppKey("store", ReplayStore)  # where resumable replies are logged
 LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
 
+# Per-key metrics name a key by this much of its SHA-256 digest: enough to tell keys apart,
+# and an operator finds theirs with ``sha256sum``; the key itself is never written anywhere.
+KEY_LABEL_CHARS = 12
 LAB_FORMAT = LabFormat()
 NATIVE_FORMAT = NativeFormat()
 
@@ -117,6 +120,7 @@ async def start_generation(
 ) -> DeltaStream:
     """Admit a request, turning engine refusals into API errors sent before any byte."""
     _refuse_when_stopping(request, record)
+    generation = _for_engine(request, generation)
     return await _admitted(request, record, _start_one(request.app[ENGINE_KEY], generation))
 
 
@@ -125,7 +129,7 @@ async def start_several(
 ) -> ChoicesStream:
     """``start_generation`` for ``n`` generations of the request, one choice each, merged."""
     _refuse_when_stopping(request, record)
-    engine = request.app[ENGINE_KEY]
+    engine, generation = request.app[ENGINE_KEY], _for_engine(request, generation)
     return await _admitted(request, record, _start_several(engine, generation, n))
 
 
@@ -159,6 +163,16 @@ def _refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
         raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
 
 
+def _for_engine(request: web.Request, generation: GenerationRequest) -> GenerationRequest:
+    """The request as the engine gets it: with the access log's name for it (for an engine's
+    own lines) and the caller's key (for a relay configured to pass it on)."""
+    key = client_key(request)
+    if generation.request_id and key is None:
+        return generation
+    request_id = generation.request_id or request.get(REQUEST_ID, "")
+    return replace(generation, request_id=request_id, client_key=key)
+
+
 async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitable[T]) -> T:
     app = request.app
     try:
@@ -166,8 +180,8 @@ async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitab
     except (RequestRejected, EngineError) as exc:
         record.outcome, record.reason = "rejected", exc.code
         app[METRICS_KEY].observe(record)
-        if isinstance(exc, RequestRejected):
-            raise HTTPAPIError(400, str(exc), code=exc.code, param=exc.param) from exc
+        if isinstance(exc, RequestRejected):  # a 400, or the 401/403 of a key passed on
+            raise HTTPAPIError(exc.status, str(exc), code=exc.code, param=exc.param) from exc
         log.warning("generation failed before the first token: %s", exc)
         raise HTTPAPIError(exc.status, str(exc), code=exc.code) from exc
     record.admitted_at = time.monotonic()
@@ -195,6 +209,7 @@ async def start_reply(
         resumable = app[CONFIG_KEY].resumable_by_default
     resumable = resumable and numbered
     record = app[METRICS_KEY].record(endpoint, streamed=True)
+    record.key = owner_of(request)[:KEY_LABEL_CHARS]
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()
     stops, logprobs = generation.sampling.stop, generation.sampling.logprobs is not None
@@ -334,6 +349,11 @@ async def find_reply(
     try:
         info = await store.info(reply_id)
         if info is None and local is None and store is not app[LOCAL_STORE_KEY]:
+            evicted = await store.evicted(reply_id)
+            if evicted is not None:
+                # It existed, but who it belongs to was evicted with its metadata: nobody
+                # can be let read it; say why rather than that it never was.
+                raise HTTPAPIError(410, evicted, code="reply_evicted", param=param)
             store = app[LOCAL_STORE_KEY]
             info = await store.info(reply_id)
     except StoreUnavailable as exc:
@@ -396,6 +416,7 @@ async def buffered(
     ``n`` generations, one choice each."""
     app = request.app
     record = app[METRICS_KEY].record(endpoint, streamed=False)
+    record.key = owner_of(request)[:KEY_LABEL_CHARS]
     several: Several | None = None
     deltas: DeltaStream
     if choices is None:

@@ -1,10 +1,12 @@
 """``replystream serve --engine ...``: which engine a command line names, and its options.
 
-This file decides the grammar of ``--engine`` (``tiny``, ``simulated``, ``hf:PATH``, or
-``upstream:URL[=WEIGHT]`` given once per upstream), and builds the engine it names from the
-engine options (declared, with the engines each belongs to, in ``server.engine_settings``).
-The rest of the command (``server.command``) stays theirs. It must not know how an engine
-works.
+This file decides the grammar of ``--engine`` (``smollm2``, ``tiny``, ``simulated``,
+``gguf:PATH``, ``hf:PATH``, or ``upstream:URL[=WEIGHT]`` given once per upstream, or
+``upstream`` for the upstreams of ``--upstream-routes`` alone), which engine serves when none
+is named (SmolLM2 when its weights are installed, else the tiny model), and builds the engine
+it names from the engine options (declared, with the engines each belongs to, in
+``server.engine_settings``). The rest of the command (``server.command``) stays theirs.
+It must not know how an engine works.
 
 An option given to an engine that does not use it is refused at start-up (``--delay-ms`` with
 the tiny engine would otherwise be accepted and silently do nothing).
@@ -13,19 +15,24 @@ the tiny engine would otherwise be accepted and silently do nothing).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from replystream import settings
 from replystream.engine.base import Engine
+from replystream.engine.gguf_engine import load_gguf_engine, load_smollm2_engine, with_defaults
+from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
 from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream_routes import load_routes
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
 
-KINDS = ("tiny", "simulated", "hf", "upstream")
+KINDS = ("smollm2", "tiny", "gguf", "simulated", "hf", "upstream")
+log = logging.getLogger("replystream.serve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,17 +44,34 @@ class EngineChoice:
     path: Path | None = None
 
 
+def default_engine() -> str:
+    """``smollm2`` when its weights are installed, else ``tiny`` (always there)."""
+    return "smollm2" if smollm2_path() is not None else "tiny"
+
+
+def fallback_note() -> str | None:
+    """The line ``serve`` prints when it cannot serve the real model by default."""
+    if default_engine() == "smollm2":
+        return None
+    return f"the SmolLM2 weights are not installed ({SMOLLM2_INSTALL}); serving the tiny engine"
+
+
 def parse_engines(specs: list[str] | None) -> EngineChoice:
-    """Read every ``--engine`` value (default ``tiny``).
+    """Read every ``--engine`` value (none: ``default_engine()``).
 
     Raises:
         ValueError: an unknown engine, a bad URL or weight, or kinds mixed.
     """
-    specs = specs or ["tiny"]
+    specs = specs or [default_engine()]
     try:
         targets = [UpstreamTarget.parse(s[9:]) for s in specs if s.startswith("upstream:")]
     except ValueError as exc:
         raise ValueError(f"--engine upstream:URL: {exc}") from None
+    if "upstream" in specs:  # the upstreams of --upstream-routes
+        specs = [s for s in specs if s != "upstream"]
+        if len(targets) != len(specs):
+            raise ValueError("--engine upstream may be given with upstream:URL, not with others")
+        return EngineChoice("upstream", tuple(targets))
     if targets:
         if len(targets) != len(specs):
             raise ValueError("--engine upstream:URL may be repeated, but not mixed with others")
@@ -55,12 +79,14 @@ def parse_engines(specs: list[str] | None) -> EngineChoice:
     if len(specs) > 1:
         raise ValueError("only --engine upstream:URL may be given more than once")
     spec = specs[0]
-    if spec in ("tiny", "simulated"):
+    if spec in ("smollm2", "tiny", "simulated"):
         return EngineChoice(spec)
-    if spec.startswith("hf:") and len(spec) > 3:
-        return EngineChoice("hf", path=Path(spec[3:]))
+    for kind in ("hf", "gguf"):
+        if spec.startswith(f"{kind}:") and len(spec) > len(kind) + 1:
+            return EngineChoice(kind, path=Path(spec[len(kind) + 1 :]))
     raise ValueError(
-        f"--engine wants tiny, simulated, hf:PATH or upstream:URL[=WEIGHT], got {spec!r}"
+        "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or upstream:URL[=WEIGHT] "
+        f"(or upstream, with --upstream-routes), got {spec!r}"
     )
 
 
@@ -104,7 +130,40 @@ def build_engine(args: argparse.Namespace) -> Engine:
         return load_default_engine(
             settings.fill(TinyEngineConfig, args, ENGINE_SETTINGS, spec_tokens=spec_tokens)
         )
+    if choice.kind in ("smollm2", "gguf"):
+        return build_gguf(args, choice)
     return build_simulated(args)
+
+
+def build_gguf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
+    """SmolLM2 from its installed wheel, or any LLaMA-architecture GGUF (``gguf:PATH``).
+
+    Their pool, budget and reply length default to the GGUF engines' own (a 135M model's KV
+    is 22 times the tiny one's per token); a flag the command line gave overrides them.
+    """
+    given: dict[str, object] = {
+        row.fills[1]: row.value(args)
+        for row in settings.given(args)
+        if row.fills is not None and row.fills[0] is TinyEngineConfig
+    }
+    given["spec_tokens"] = args.spec_tokens if args.speculative != "off" else 0
+    config = with_defaults(given)
+    try:
+        if choice.path is None:
+            engine, report = load_smollm2_engine(config)
+        else:
+            engine, report = load_gguf_engine(choice.path, config)
+    except (ValueError, OSError) as exc:
+        label = "smollm2" if choice.path is None else "gguf:PATH"
+        raise ValueError(f"--engine {label}: {exc}") from None
+    log.info(
+        "loaded %s in %.1f s: %.0f MiB of float32 weights, peak resident %.0f MiB",
+        report.path.name,
+        report.seconds,
+        report.weight_bytes / 2**20,
+        report.peak_rss_bytes / 2**20,
+    )
+    return engine
 
 
 def build_simulated(args: argparse.Namespace) -> Engine:
@@ -130,10 +189,44 @@ def build_simulated(args: argparse.Namespace) -> Engine:
 
 
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
+    """The relay: the ``--engine upstream:URL`` targets, then the routes file's."""
     key = args.upstream_api_key or os.environ.get(API_KEY_ENV) or None
-    return UpstreamEngine(
-        settings.fill(UpstreamConfig, args, ENGINE_SETTINGS, targets=choice.targets, api_key=key)
-    )
+    if key is not None and args.upstream_pass_client_key:
+        source = "--upstream-api-key" if args.upstream_api_key else f"${API_KEY_ENV}"
+        raise ValueError(
+            f"--upstream-pass-client-key sends each client's key upstream, and {source} "
+            "gives a key for every upstream: drop one (a routes file gives keys per upstream)"
+        )
+    targets = list(choice.targets)
+    aliases: tuple[tuple[str, str], ...] = ()
+    if args.upstream_routes is not None:
+        try:
+            routes = load_routes(Path(args.upstream_routes))
+        except ValueError as exc:
+            raise ValueError(f"--upstream-routes {exc}") from None
+        given = {t.base_url for t in targets}
+        for target in routes.targets:
+            if target.base_url in given:
+                raise ValueError(
+                    f"--upstream-routes {args.upstream_routes}: {target.base_url} is given by "
+                    "--engine too; name it in one place"
+                )
+        targets += routes.targets
+        aliases = routes.aliases
+    if not targets:
+        raise ValueError("--engine upstream needs --upstream-routes FILE, or give upstream:URL")
+    try:
+        config = settings.fill(
+            UpstreamConfig,
+            args,
+            ENGINE_SETTINGS,
+            targets=tuple(targets),
+            api_key=key,
+            aliases=aliases,
+        )
+    except ValueError as exc:
+        raise ValueError(f"--engine upstream: {exc}") from None
+    return UpstreamEngine(config)
 
 
 def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:

@@ -22,23 +22,24 @@ from replystream.settings import Group, Setting
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"
 SPECULATIVE = ("off", "prompt-lookup")
-TINY = ("tiny",)
+# The built-in NumPy engine: the tiny model, and GGUF models (SmolLM2 by default) on its parts.
+TINY = ("tiny", "smollm2", "gguf")
 SIMULATED = ("simulated",)
 UPSTREAM = ("upstream",)
 
 TINY_ENGINE = Group(
-    "tiny engine (--engine tiny, the default)",
+    "built-in engine (--engine smollm2, the default when installed; tiny; gguf:PATH)",
     (
         Setting(
             "--kv-blocks",
-            "KV cache blocks in the pool (16 tokens each)",
+            "KV cache blocks in the pool, 16 tokens each (smollm2 and gguf: 2048)",
             positive_int,
             fills=(TinyEngineConfig, "num_blocks"),
             engines=TINY,
         ),
         Setting(
             "--token-budget",
-            "tokens one engine step may process (decode plus prefill chunks)",
+            "tokens one engine step may process, decode plus prefill chunks (smollm2, gguf: 256)",
             positive_int,
             fills=(TinyEngineConfig, "token_budget"),
             engines=TINY,
@@ -52,10 +53,10 @@ TINY_ENGINE = Group(
         ),
         Setting(
             "--default-max-tokens",
-            "reply length when a request does not set max_tokens (tiny and hf engines)",
+            "reply length when a request sets no max_tokens (tiny, hf; smollm2 and gguf: 512)",
             positive_int,
             fills=(TinyEngineConfig, "default_max_tokens"),
-            engines=("tiny", "hf"),
+            engines=(*TINY, "hf"),
         ),
         Setting(
             "--speculative",
@@ -164,29 +165,95 @@ UPSTREAM_ENGINE = Group(
     "upstream engine (--engine upstream:http://HOST:PORT/v1[=WEIGHT], repeatable)",
     (
         Setting(
+            "--upstream-routes",
+            "a TOML file of upstreams (each one's key, weight and models) and model aliases",
+            metavar="FILE",
+            engines=UPSTREAM,
+        ),
+        Setting(
             "--upstream-api-key",
-            f"bearer key sent upstream (default: ${API_KEY_ENV}); clients' keys never are",
+            f"bearer key sent upstream (default: ${API_KEY_ENV}); clients' keys are not, "
+            "unless --upstream-pass-client-key",
             fills=(UpstreamConfig, "api_key"),
             engines=UPSTREAM,
         ),
         Setting(
+            "--upstream-pass-client-key",
+            "send each client's own key upstream (its bearer token or x-api-key) to upstreams "
+            "without a key of their own in --upstream-routes",
+            switch=True,
+            fills=(UpstreamConfig, "pass_client_key"),
+            engines=UPSTREAM,
+        ),
+        Setting(
             "--upstream-model",
-            "model name sent upstream (default: the first one the upstream's /models lists)",
+            "model name sent upstream when a request names none it serves "
+            "(default: the first one the upstream's /models lists)",
             fills=(UpstreamConfig, "model"),
             engines=UPSTREAM,
         ),
         Setting(
             "--upstream-timeout-s",
-            "connect and response-head limit; past it the client gets 504",
+            "connect and response-head limit per upstream; past it the next one is tried",
             positive_float,
             fills=(UpstreamConfig, "headers_timeout_s"),
             engines=UPSTREAM,
         ),
         Setting(
+            "--upstream-ttft-s",
+            "no text from an upstream within this long: the request goes to the next one",
+            positive_float,
+            fills=(UpstreamConfig, "ttft_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-failover-s",
+            "other upstreams are tried until this long after the request (or a mid-reply failure)",
+            positive_float,
+            fills=(UpstreamConfig, "failover_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
             "--upstream-stall-s",
-            "a reply whose upstream sends no byte for this long ends with an error event",
+            "no text for this long mid-reply: the reply ends with upstream_stalled (or continues)",
             positive_float,
             fills=(UpstreamConfig, "stall_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-continue",
+            "a reply whose upstream fails mid-reply continues at another one, unless the "
+            "request says upstream_continue: false",
+            switch=True,
+            fills=(UpstreamConfig, "continuation"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-health-s",
+            "probe every upstream this often; one that does not answer gets no requests",
+            positive_float,
+            fills=(UpstreamConfig, "health_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-health-path",
+            "what a probe asks each upstream for, after its base URL",
+            fills=(UpstreamConfig, "health_path"),
+            convert=lambda path: path if path.startswith("/") else f"/{path}",
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-failures",
+            "consecutive failures that open an upstream's circuit (it is skipped)",
+            positive_int,
+            fills=(UpstreamConfig, "failures"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-cooldown-s",
+            "how long an open circuit keeps its upstream out before one trial request",
+            positive_float,
+            fills=(UpstreamConfig, "cooldown_s"),
             engines=UPSTREAM,
         ),
         Setting(

@@ -163,6 +163,8 @@ class ReplyRecord:
     bytes_sent: int = 0
     outcome: Outcome = "cancelled"  # until proven otherwise: an exit we did not see is a cancel
     reason: str = ""
+    key: str = ""  # who asked: a short prefix of the API key's digest ("" when auth is off)
+    prompt_tokens: int = 0  # the engine's own count when it gave one, else the estimate
 
     def on_delta(self, made_at: float, tokens: int) -> None:
         if self.last_token_at is None:
@@ -261,8 +263,16 @@ class Metrics:
         self.tokens = Counter(
             "replystream_tokens_generated", "Tokens the engine made.", ["endpoint"], registry=r
         )
+        self.key_tokens = Counter(
+            "replystream_key_tokens",
+            "Tokens by API key (a digest prefix; 'anonymous' without auth) and kind "
+            "(prompt, completion), for every reply however it ended.",
+            ["key", "kind"],
+            registry=r,
+        )
         self._states: dict[str, Gauge] = {}
         self._children: dict[str, _Children] = {}
+        self._key_children: dict[str, tuple[Counter, Counter]] = {}
 
     def state(
         self, name: str, documentation: str, read: Callable[[], float], **labels: str
@@ -328,6 +338,10 @@ class Metrics:
             children.bytes.inc(record.bytes_sent)
         if record.tokens:
             children.tokens.inc(record.tokens)
+        if record.prompt_tokens or record.tokens:
+            prompt, completion = self._key_children.get(record.key) or self._label_key(record.key)
+            prompt.inc(record.prompt_tokens)
+            completion.inc(record.tokens)
         if self.multiprocess_dir is not None:
             self.gaps.publish()
 
@@ -344,6 +358,12 @@ class Metrics:
             tokens=self.tokens.labels(endpoint),
         )
         return children
+
+    def _label_key(self, key: str) -> tuple[Counter, Counter]:
+        label = key or "anonymous"
+        pair = self.key_tokens.labels(label, "prompt"), self.key_tokens.labels(label, "completion")
+        self._key_children[key] = pair
+        return pair
 
     def render(self) -> bytes:
         """The Prometheus text for a scrape: this process's registry, or with workers every

@@ -6,6 +6,7 @@
     sampling:  max_tokens, temperature, top_p, top_k, seed, stop (a string or a list)
     delivery:  stream (default true), batch_tokens, batch_ms, holdback_tokens, keepalive_s
     resume:    resumable (true/false), disconnect ("cancel" or "detach")
+    relay:     upstream_continue (true/false; default: serve's --upstream-continue)
 
 Each field's type and range, and the rules across fields, are declared in
 ``server.schemas.ReplyBody`` and checked by ``server.validation``; this file checks what
@@ -98,6 +99,11 @@ def parse_reply_request(
             code="prompt_too_long",
             param=param,
         )
-    generation = GenerationRequest(prompt, sampling_params(body, body.max_tokens), messages)
+    generation = GenerationRequest(
+        prompt,
+        sampling_params(body, body.max_tokens),
+        messages,
+        continuation=body.upstream_continue,
+    )
     policy = delivery_overrides(body, defaults)
     return ReplyRequest(generation, body.stream, policy, body.resumable, body.disconnect)

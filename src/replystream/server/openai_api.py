@@ -4,9 +4,12 @@ A streamed completion is an ordinary reply (``start_reply`` + ``follow_started``
 dialect (``delivery.openai_formats``), so batching, hold-back moderation, keep-alive,
 slow-client limits, cancellation and resume all apply; its ``X-Reply-Id`` header and chunk id
 (``chatcmpl-<reply id>``) name it for ``GET /v1/replies/{id}/stream`` and ``.../cancel``.
-A reply with ``stream: false`` is collected whole (``buffered_reply``). The server serves one
-model, named by ``ServerConfig.model_name`` or else the engine. This file turns requests into
-replies; it must not know how tokens are made or how events are framed.
+A reply with ``stream: false`` is collected whole (``buffered_reply``). This file turns
+requests into replies; it must not know how tokens are made or how events are framed.
+Models: an engine that routes by model (a relay: its upstreams' own names, merged, and a
+routes file's aliases) lists them in ``GET /v1/models``, and a request's ``model`` picks the
+upstreams serving it; the server's own name (``--model-name``, else the engine's) is always
+accepted and means "any". Any other name is a 404 ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -56,9 +59,33 @@ def served_model(app: web.Application) -> str:
     return app[CONFIG_KEY].model_name or app[ENGINE_KEY].name
 
 
-def _model_object(app: web.Application) -> dict[str, Any]:
+def listed_models(app: web.Application) -> list[str]:
+    """What ``GET /v1/models`` lists: the engine's own model names (``--model-name`` first
+    when given), or else the one name the server answers to."""
+    names = list(app[ENGINE_KEY].stats().models)
+    named = app[CONFIG_KEY].model_name
+    if not names:
+        return [served_model(app)]
+    return [named, *(n for n in names if n != named)] if named else names
+
+
+def routed_model(app: web.Application, asked: str | None) -> str | None:
+    """The model a request routes by: None for none or the server's own name (any will do),
+    else a name the engine serves.
+
+    Raises:
+        HTTPAPIError: 404 ``model_not_found`` for any other name.
+    """
+    if asked is None or asked == served_model(app):
+        return None
+    if asked in app[ENGINE_KEY].stats().models:
+        return asked
+    raise model_not_found(asked)
+
+
+def _model_object(app: web.Application, name: str) -> dict[str, Any]:
     return {
-        "id": served_model(app),
+        "id": name,
         "object": "model",
         "created": app[STARTED_AT],
         "owned_by": "replystream",
@@ -66,16 +93,17 @@ def _model_object(app: web.Application) -> dict[str, Any]:
 
 
 async def handle_models(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/models``: the list of the one model served."""
-    return web.json_response({"object": "list", "data": [_model_object(request.app)]})
+    """``GET /v1/models``: every model served."""
+    data = [_model_object(request.app, name) for name in listed_models(request.app)]
+    return web.json_response({"object": "list", "data": data})
 
 
 async def handle_model(request: web.Request) -> web.StreamResponse:
     """``GET /v1/models/{model}``: that model, or 404 ``model_not_found``."""
     name = request.match_info["model"]
-    if name != served_model(request.app):
+    if name not in listed_models(request.app):
         raise model_not_found(name)
-    return web.json_response(_model_object(request.app))
+    return web.json_response(_model_object(request.app, name))
 
 
 async def _buffered(
@@ -165,21 +193,21 @@ async def _complete(
 async def handle_chat(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``: a ``chat.completion``, or its chunks streamed."""
     body = await read_model(request, ChatBody)
-    config, model = request.app[CONFIG_KEY], served_model(request.app)
+    config, routed = request.app[CONFIG_KEY], routed_model(request.app, body.model)
     ask = parse_chat_request(
-        body, model=model, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
+        body, model=routed, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
     )
-    return await _complete(request, "chat", ask, model)
+    return await _complete(request, "chat", ask, routed or served_model(request.app))
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions``: a legacy ``text_completion``, or its chunks streamed."""
     body = await read_model(request, CompletionBody)
-    config, model = request.app[CONFIG_KEY], served_model(request.app)
+    config, routed = request.app[CONFIG_KEY], routed_model(request.app, body.model)
     ask = parse_completion_request(
-        body, model=model, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
+        body, model=routed, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
     )
-    return await _complete(request, "text", ask, model)
+    return await _complete(request, "text", ask, routed or served_model(request.app))
 
 
 def add_openai_routes(app: web.Application) -> None:

@@ -3,9 +3,9 @@
 Which fields ``POST /v1/chat/completions`` and ``POST /v1/completions`` honour, accept at the
 one value honoured, accept and ignore (as vLLM and llama.cpp do), or refuse, is declared in
 ``server.schemas`` (``ChatBody``, ``CompletionBody``) and checked by ``server.validation``.
-This file checks what depends on the server (the model it serves, the prompt limit) and
-builds the ``GenerationRequest`` and ``DeliveryPolicy``; every mistake is an ``HTTPAPIError``
-(400, or 404 ``model_not_found``) raised before any generation starts. It must not know
+This file checks what depends on the server (the prompt limit; which models are served is
+``openai_api.routed_model``'s) and builds the ``GenerationRequest`` and ``DeliveryPolicy``;
+every mistake is an ``HTTPAPIError`` (400) raised before any generation starts. It must not know
 about HTTP handlers, engines or wire formats.
 """
 
@@ -55,12 +55,10 @@ def _ask(
     generation: GenerationRequest,
     param: str,
     *,
-    model: str,
+    model: str | None,
     defaults: DeliveryPolicy,
     max_prompt_chars: int,
 ) -> CompletionAsk:
-    if body.model is not None and body.model != model:
-        raise model_not_found(body.model)
     if len(generation.prompt) > max_prompt_chars:
         raise bad(
             param,
@@ -68,6 +66,7 @@ def _ask(
             f"this server's limit is {max_prompt_chars}",
             "context_length_exceeded",
         )
+    generation = replace(generation, model=model, continuation=body.upstream_continue)
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     policy = delivery_overrides(body, defaults)
@@ -76,9 +75,10 @@ def _ask(
 
 
 def parse_chat_request(
-    body: ChatBody, *, model: str, defaults: DeliveryPolicy, max_prompt_chars: int
+    body: ChatBody, *, model: str | None, defaults: DeliveryPolicy, max_prompt_chars: int
 ) -> CompletionAsk:
-    """Check a ``POST /v1/chat/completions`` body against the server."""
+    """Check a ``POST /v1/chat/completions`` body against the server; ``model``: the name
+    it routes by (``routed_model``: None for the server's default)."""
     limit = body.max_completion_tokens
     max_tokens = limit if limit is not None else body.max_tokens
     sampling = sampling_params(body, max_tokens)
@@ -91,7 +91,8 @@ def parse_chat_request(
         relayed_messages(body.messages),  # relayed unchanged to chat upstreams
         tools,
         tool_choice,
-        body.parallel_tool_calls,
+        parallel_tool_calls=body.parallel_tool_calls,
+        prefix=body.prefix,
     )
     return _ask(
         body,
@@ -104,7 +105,7 @@ def parse_chat_request(
 
 
 def parse_completion_request(
-    body: CompletionBody, *, model: str, defaults: DeliveryPolicy, max_prompt_chars: int
+    body: CompletionBody, *, model: str | None, defaults: DeliveryPolicy, max_prompt_chars: int
 ) -> CompletionAsk:
     """Check a ``POST /v1/completions`` (legacy) body against the server."""
     max_tokens = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens

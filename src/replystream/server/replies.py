@@ -298,6 +298,8 @@ class Reply:
         if rule.log_level is not None:
             log.log(rule.log_level, "%s", ending.fill(rule.log_message), exc_info=ending.error)
         last: list[LogEntry] = []
+        reported = self.pipeline.prompt_tokens
+        record.prompt_tokens = self.prompt_tokens if reported is None else reported
         if rule.in_band == "end marker":
             last = self.pipeline.finish(self.prompt_tokens)
         elif rule.in_band == "error":

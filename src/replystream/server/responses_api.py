@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -30,8 +31,9 @@ from aiohttp import web
 from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import ReplayStore, StoreUnavailable
+from replystream.delivery.replay import ReadResult, ReplayStore, StoreUnavailable
 from replystream.delivery.responses_format import (
+    TERMINAL,
     ResponseSettings,
     ResponsesStreamFormat,
     reader_notices,
@@ -54,8 +56,7 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native import bad, delivery_overrides, sampling_params
-from replystream.server.openai_api import SDK_KEEPALIVE, served_model
-from replystream.server.openai_requests import model_not_found
+from replystream.server.openai_api import SDK_KEEPALIVE, routed_model, served_model
 from replystream.server.replies import Reply
 from replystream.server.schemas import (
     Conversation,
@@ -110,10 +111,28 @@ def _response_reply_id(response_id: str, param: str) -> str:
     return reply_id
 
 
+async def _read_log(store: ReplayStore, reply_id: str) -> ReadResult | None:
+    """Every entry of a reply's log as it stands now. A store may answer a read in batches
+    (Redis's: 1,000 entries), so this reads on until a read brings nothing new or the end;
+    the first range of lost events is kept, for the caller to refuse a text with holes."""
+    result = await store.read(reply_id, 0, 0.0)
+    if result is None:
+        return None
+    entries, lost = list(result.entries), result.lost
+    while result.ending is None and result.entries:
+        following = await store.read(reply_id, entries[-1].seq, 0.0)
+        if following is None:  # expired or deleted meanwhile: what was read stands
+            break
+        result = following
+        entries += result.entries
+        lost = lost or result.lost
+    return ReadResult(entries, lost, result.ending, result.producer_lost)
+
+
 async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     """The response object as its log tells it now."""
     try:
-        result = await store.read(reply_id, 0, 0.0)
+        result = await _read_log(store, reply_id)
         lost = False
         if result is not None and result.ending is None and result.entries:
             # Not ended: is its producer still there? (A store says so when a read finds
@@ -125,6 +144,17 @@ async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     response = None
     if result is not None:
         response = response_from_log(result.entries, producer_lost=lost)
+        if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
+            # Events before these are gone (evicted, or trimmed): only a terminal event,
+            # which carries the whole response, can be trusted; never a text with holes.
+            raise HTTPAPIError(
+                410,
+                f"events {result.lost[0]}-{result.lost[1]} of this response are no longer "
+                "kept (evicted by Redis under memory pressure, or trimmed): it cannot be "
+                "told whole",
+                code="reply_evicted",
+                param="response_id",
+            )
     if response is None:
         raise HTTPAPIError(
             404,
@@ -185,7 +215,9 @@ def _generation(
     sampling = sampling_params(_sampling(body), body.max_output_tokens)
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
     parallel = body.parallel_tool_calls
-    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice, parallel)
+    return GenerationRequest(
+        prompt, sampling, tuple(messages), tools, tool_choice, parallel_tool_calls=parallel
+    )
 
 
 def _echoed_choice(body: ResponsesBody) -> str | dict[str, Any]:
@@ -201,13 +233,16 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
     app = request.app
     config = app[CONFIG_KEY]
     body = await read_model(request, ResponsesBody)
-    model = served_model(app)
-    if body.model is not None and body.model != model:
-        raise model_not_found(body.model)
+    routed = routed_model(app, body.model)
+    model = routed or served_model(app)
     conversation = input_messages(body)
     if body.previous_response_id is not None:
         conversation = [*await _history(request, body.previous_response_id), *conversation]
-    generation = _generation(body, conversation, config.max_prompt_chars)
+    generation = replace(
+        _generation(body, conversation, config.max_prompt_chars),
+        model=routed,
+        continuation=_sampling(body).upstream_continue,
+    )
     policy = delivery_overrides(_sampling(body), config.policy)
     settings = ResponseSettings(
         model=model,

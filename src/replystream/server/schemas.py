@@ -251,6 +251,7 @@ class SamplingFields(Strict):
     keepalive_s: KeepaliveS | None = None
     resumable: bool | None = None
     stream: bool | None = None
+    upstream_continue: bool | None = None  # a relay may continue the reply elsewhere
 
     @model_validator(mode="after")
     def _resumable_is_streamed(self) -> SamplingFields:
@@ -341,6 +342,25 @@ class ChatBody(OpenAIBody):
     response_format: TextFormat | None = None
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     tool_choice: ChatToolChoice | None = None
+    # vLLM's: the final assistant message is the start of the reply, to be continued.
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    @model_validator(mode="after")
+    def _continued_message_is_the_assistants(self) -> ChatBody:
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                message = "continue_final_message needs the last message to be the assistant's"
+                raise _invalid(message, "continue_final_message")
+            if self.add_generation_prompt:
+                message = "continue_final_message and add_generation_prompt cannot both be true"
+                raise _invalid(message, "add_generation_prompt")
+        return self
+
+    @property
+    def prefix(self) -> str:
+        """The start of the reply the client asked to continue ("" when none)."""
+        return self.messages[-1].text if self.continue_final_message else ""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatBody:
@@ -486,6 +506,7 @@ class ResponsesExtensions(Strict):
     batch_ms: BatchMs | None = None
     holdback_tokens: HoldbackTokens | None = None
     keepalive_s: KeepaliveS | None = None
+    upstream_continue: bool | None = None
 
 
 class ResponsesBody(Strict):

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from replystream.delivery.replay import ReplayStore
+from replystream.engine.base import ATTEMPT_RESULTS, BackendStats, Engine
 from replystream.server.context import (
     ENGINE_KEY,
     LOCAL_STORE_KEY,
@@ -73,6 +74,7 @@ def add_state_gauges(app: web.Application) -> None:
             "KV cache blocks held by requests.",
             lambda: engine.stats().kv_blocks_used or 0,
         )
+    add_backend_gauges(metrics, engine)
     local = app[LOCAL_STORE_KEY]
     stores: list[tuple[str, ReplayStore]] = [("local", local)]
     if app[STORE_KEY] is not local:  # else one store serves both
@@ -109,6 +111,73 @@ async def _publishing_readings(app: web.Application) -> AsyncIterator[None]:
             timer.cancel()
 
 
+CIRCUIT_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+
+def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
+    """Per-upstream state of a relay (nothing for an engine that relays to no one): each
+    circuit, probe, outstanding count and attempts by result, read from ``stats()``."""
+    stats = engine.stats()
+    if not stats.backends:
+        return
+
+    def backend(index: int) -> BackendStats:
+        return engine.stats().backends[index]
+
+    def reading(index: int, read: Callable[[BackendStats], float]) -> Callable[[], float]:
+        return lambda: read(backend(index))
+
+    def count(index: int, field: str, result: str) -> Callable[[], float]:
+        return reading(index, lambda b: float(dict(getattr(b, field)).get(result, 0)))
+
+    for index, first in enumerate(stats.backends):
+        name = first.name
+        metrics.state(
+            "replystream_upstream_circuit",
+            "An upstream's circuit: 0 closed (in use), 1 half open (one trial), 2 open (out).",
+            reading(index, lambda b: CIRCUIT_VALUES[b.circuit]),
+            upstream=name,
+        )
+        metrics.state(
+            "replystream_upstream_probe_ok",
+            "Whether an upstream's last health probe answered (1), or not (0; -1 not probed).",
+            reading(index, lambda b: {True: 1.0, False: 0.0, None: -1.0}[b.probe_ok]),
+            upstream=name,
+        )
+        metrics.state(
+            "replystream_upstream_outstanding",
+            "Requests an upstream is serving now.",
+            reading(index, lambda b: float(b.outstanding)),
+            upstream=name,
+        )
+        for result in ATTEMPT_RESULTS:
+            metrics.state(
+                "replystream_upstream_attempts",
+                "Requests sent to an upstream since start, by result (a count, read on scrape).",
+                count(index, "attempts", result),
+                upstream=name,
+                result=result,
+            )
+        for result in ("ok", "failed"):
+            metrics.state(
+                "replystream_upstream_probes",
+                "Active health probes of an upstream since start, by result.",
+                count(index, "probes", result),
+                upstream=name,
+                result=result,
+            )
+    metrics.state(
+        "replystream_upstream_failovers",
+        "Replies moved to another upstream before their first token, since start.",
+        lambda: float(engine.stats().failovers),
+    )
+    metrics.state(
+        "replystream_upstream_continuations",
+        "Replies continued at another upstream mid-reply, since start.",
+        lambda: float(engine.stats().continuations),
+    )
+
+
 def _log_count(store: ReplayStore) -> Callable[[], float]:
     return lambda: store.stats().replies
 
@@ -135,6 +204,11 @@ _FAULTS = (
         "holes",
         "replystream_reply_log_holes",
         "Events Redis lost that their producer no longer held (readers are told of a gap).",
+    ),
+    (
+        "evictions",
+        "replystream_reply_log_evictions",
+        "Reply logs or metadata found evicted by a maxmemory Redis (told, or written again).",
     ),
 )
 

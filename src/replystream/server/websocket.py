@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.server.auth import AUTH_PENDING, OWNER, KeyRing, key_owner
+from replystream.server.auth import AUTH_PENDING, OWNER, SOCKET_KEY, KeyRing, key_owner
 from replystream.server.context import (
     CONFIG_KEY,
     MANAGER_KEY,
@@ -172,6 +172,7 @@ class Session:
             key = auth_key(msg.data)
         if key is not None and ring.accepts(key):
             self.request[OWNER] = key_owner(key)
+            self.request[SOCKET_KEY] = key  # for a relay that passes it on
             return True
         if not self.ws.closed:
             with contextlib.suppress(_SocketDone):

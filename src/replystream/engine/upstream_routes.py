@@ -1,0 +1,137 @@
+"""The relay's routes file (``--upstream-routes FILE``, TOML): what does not fit on a command
+line: each upstream's own key and models, and model aliases.
+
+    [[upstreams]]
+    url = "http://gpu-a:8000/v1"
+    weight = 3                      # optional, default 1
+    api_key_env = "GPU_A_KEY"       # or api_key = "..." (optional: else --upstream-api-key)
+    models = ["llama-3.1-8b"]       # optional: else what its GET /models lists
+
+    [[upstreams]]
+    url = "https://api.example.com/v1"
+    pass_client_key = true          # each caller's own key goes to it, not a configured one
+
+    [aliases]                       # optional: a name clients use = a model an upstream serves
+    "gpt-4o-mini" = "llama-3.1-8b"
+
+This file decides the format and checks it whole at start-up: every mistake is one line
+naming the file, the entry and the field (``routes.toml: upstreams[1].weight: ...``); an
+upstream given a key and ``pass_client_key = true`` is one. It reads the environment for
+``api_key_env`` only. It must not know how upstreams are used.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from replystream.engine.upstream import UpstreamTarget
+
+Name = Annotated[str, Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class UpstreamEntry(_Strict):
+    url: Name
+    weight: Annotated[int, Field(ge=1)] = 1
+    api_key: Name | None = None
+    api_key_env: Name | None = None
+    pass_client_key: bool | None = None
+    models: list[Name] = []
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return url.rstrip("/")
+
+
+class RoutesFile(_Strict):
+    upstreams: Annotated[list[UpstreamEntry], Field(min_length=1)]
+    aliases: dict[Name, Name] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """What a routes file says."""
+
+    targets: tuple[UpstreamTarget, ...]
+    aliases: tuple[tuple[str, str], ...]
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    """``upstreams[1].weight`` from pydantic's ``("upstreams", 1, "weight")``."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text or "the file"
+
+
+def _message(error: Mapping[str, Any]) -> str:
+    kind, message = error["type"], str(error["msg"])
+    if kind == "extra_forbidden":
+        return "is not a field of the routes file (a typo?)"
+    if kind == "missing":
+        return "is required"
+    return message[0].lower() + message[1:].removeprefix("Value error, ")
+
+
+def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
+    """Read and check a routes file.
+
+    Raises:
+        ValueError: one line naming the file, the entry and the field at fault.
+    """
+    env = os.environ if env is None else env
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc})") from None
+    try:
+        parsed = RoutesFile.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = _message(first).removeprefix("value error, ")
+        raise ValueError(f"{path}: {_where(first['loc'])}: {message}") from None
+    targets, seen = [], set()
+    for index, entry in enumerate(parsed.upstreams):
+        where = f"{path}: upstreams[{index}]"
+        if entry.url in seen:
+            raise ValueError(f"{where}.url: {entry.url} is listed twice")
+        seen.add(entry.url)
+        if entry.api_key is not None and entry.api_key_env is not None:
+            raise ValueError(f"{where}.api_key_env: give api_key or api_key_env, not both")
+        if entry.pass_client_key and (entry.api_key or entry.api_key_env) is not None:
+            given = "api_key" if entry.api_key is not None else "api_key_env"
+            raise ValueError(
+                f"{where}.pass_client_key: the upstream gets the client's key or {given}, "
+                "not both: drop one"
+            )
+        key = entry.api_key
+        if entry.api_key_env is not None:
+            key = env.get(entry.api_key_env) or None
+            if key is None:
+                raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} is not set")
+        targets.append(
+            UpstreamTarget(entry.url, entry.weight, key, tuple(entry.models), entry.pass_client_key)
+        )
+    served = {m for t in targets for m in t.models}
+    every_listed = all(t.models for t in targets)
+    for alias, model in parsed.aliases.items():
+        if alias in served:
+            raise ValueError(f"{path}: aliases.{alias}: is a model an upstream serves already")
+        if every_listed and model not in served:
+            raise ValueError(f"{path}: aliases.{alias}: no upstream lists the model {model!r}")
+    return Routes(tuple(targets), tuple(parsed.aliases.items()))

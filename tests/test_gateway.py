@@ -1,0 +1,195 @@
+"""The relay as a gateway, as real processes: failover before the first token, circuits and
+health probes, and continuation of a reply whose upstream dies mid-reply.
+
+The upstreams are ``replystream serve --engine simulated`` child processes (one killed, one
+whose first token comes later than the relay's time-to-first-token limit) and one small
+aiohttp app in this process that answers every request 503; the relay is ``replystream serve
+--engine upstream:...`` in another child process. Clients read over loopback sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
+from replystream.server import running
+from replystream.sse import Event, EventParser
+from tests.processes import replica, start_server, stop
+
+pytestmark = pytest.mark.slow
+
+SHORT = ("--engine", "simulated", "--delay-ms", "1", "--jitter-ms", "0", "--tokens", "6")
+SHORT_TEXT = reply_of_length(DEFAULT_REPLY, 6) + " "
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/metrics") as response:
+        return await response.text()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One series' value in a Prometheus text (0 when absent)."""
+    selector = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    series = f"{name}{{{selector}}}" if labels else name
+    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> tuple[int, list[Event]]:
+    async with session.post(f"{url}/v1/replies", json=body) as response:
+        parser, events = EventParser(), []
+        async for data in response.content.iter_any():
+            events += parser.feed(data)
+        return response.status, events
+
+
+def text_of(events: list[Event]) -> str:
+    return "".join(json.loads(e.data)["text"] for e in events if e.type == "token")
+
+
+async def refusing_upstream() -> web.Application:
+    """An OpenAI-compatible server that is up, lists a model, and answers every reply 503."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "simulated"}]})
+
+    async def busy(_: web.Request) -> web.Response:
+        error = {"error": {"message": "overloaded", "type": "server_error"}}
+        return web.json_response(error, status=503)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", busy)
+    return app
+
+
+async def test_a_thousand_requests_over_dead_slow_and_refusing_upstreams_all_succeed():
+    dead, dead_url = await start_server(*SHORT)
+    try:
+        async with (
+            replica(*SHORT) as (_, good),
+            replica(*SHORT, "--first-token-ms", "5000") as (_, slow),
+            running(await refusing_upstream()) as refusing,
+        ):
+            upstreams = {"good": good, "dead": dead_url, "slow": slow, "refusing": refusing}
+            relay_args = [f"--engine=upstream:{u}/v1" for u in upstreams.values()]
+            # Probes 3 s apart: the first (at start, while the dead one still answers) passes,
+            # so the load, not a probe, finds it dead and opens its circuit; later probes fail.
+            relay_args += ["--upstream-ttft-s", "0.3", "--upstream-health-s", "3"]
+            relay_args += ["--upstream-cooldown-s", "1", "--upstream-continue"]
+            async with replica(*relay_args) as (_, relay), aiohttp.ClientSession() as session:
+                await stop(dead)  # killed: connections to it are refused from now on
+                results: list[tuple[int, str, list[str]]] = []
+                gate = asyncio.Semaphore(50)
+
+                async def one(seed: int) -> None:
+                    async with gate:
+                        status, events = await stream(
+                            session, relay, {"prompt": "hi", "seed": seed, "max_tokens": 6}
+                        )
+                    results.append((status, text_of(events), [e.type for e in events]))
+
+                async with asyncio.timeout(240):
+                    await asyncio.gather(*(one(seed) for seed in range(1000)))
+                failed = [r for r in results if r[0] != 200 or r[1] != SHORT_TEXT]
+                assert len(results) == 1000 and failed == [], failed[:3]
+                assert all(r[2][-1] == "done" for r in results)
+                dead_base = f"{dead_url}/v1"
+                probes_then = metric(
+                    await scrape(session, relay),
+                    "replystream_upstream_probes",
+                    result="failed",
+                    upstream=dead_base,
+                )
+                await asyncio.sleep(3.5)  # at least one more probe round
+                seen = await scrape(session, relay)
+    finally:
+        await stop(dead)
+
+    def of(name: str, base: str, **labels: str) -> float:
+        return metric(seen, name, upstream=f"{base}/v1", **labels)
+
+    # The dead upstream's circuit is open, and it is still probed (and found dead).
+    assert of("replystream_upstream_circuit", dead_url) == 2.0
+    assert of("replystream_upstream_probe_ok", dead_url) == 0.0
+    assert of("replystream_upstream_probes", dead_url, result="failed") > probes_then
+    assert of("replystream_upstream_attempts", dead_url, result="connect_error") >= 1
+    # The slow one timed out before its first token; the refusing one answered 503.
+    assert of("replystream_upstream_attempts", slow, result="ttft_timeout") >= 1
+    assert of("replystream_upstream_attempts", refusing, result="overloaded") >= 1
+    assert of("replystream_upstream_attempts", good, result="ok") >= 500
+    assert metric(seen, "replystream_upstream_failovers") >= 3
+    finished = metric(seen, "replystream_replies_total", endpoint="/v1/replies", outcome="finished")
+    assert finished == 1000
+
+
+LONG = ("--engine", "simulated", "--delay-ms", "40", "--jitter-ms", "0", "--tokens", "60")
+LONG_TEXT = reply_of_length(DEFAULT_REPLY, 60) + " "
+
+
+async def kill_mid_reply(continuation: bool) -> list[Event]:
+    """A reply through a relay in front of two upstreams; the one serving it is killed after
+    a few tokens. The events the client read."""
+    first, first_url = await start_server(*LONG)
+    second, second_url = await start_server(*LONG)
+    processes = {f"{first_url}/v1": first, f"{second_url}/v1": second}
+    try:
+        relay_args = [f"--engine=upstream:{u}" for u in processes]
+        async with replica(*relay_args) as (_, relay), aiohttp.ClientSession() as session:
+            body = {"prompt": "hi", "upstream_continue": continuation}
+            events: list[Event] = []
+            parser = EventParser()
+            async with (
+                asyncio.timeout(60),
+                session.post(f"{relay}/v1/replies", json=body) as response,
+            ):
+                assert response.status == 200
+                killed = False
+                async for data in response.content.iter_any():
+                    events += parser.feed(data)
+                    tokens = sum(e.type == "token" for e in events)
+                    if tokens >= 5 and not killed:
+                        killed = True
+                        seen = await scrape(session, relay)
+                        serving = [
+                            p
+                            for u, p in processes.items()
+                            if metric(seen, "replystream_upstream_outstanding", upstream=u) == 1
+                        ]
+                        assert len(serving) == 1, seen
+                        serving[0].send_signal(signal.SIGKILL)
+            return events
+    finally:
+        for process in processes.values():
+            await stop(process)
+
+
+async def test_an_upstream_killed_mid_reply_is_continued_elsewhere_without_gap_or_repeat():
+    events = await kill_mid_reply(continuation=True)
+    assert text_of(events) == LONG_TEXT  # every word once, in order, across the seam
+    types = [e.type for e in events]
+    assert types.count("continued") == 1 and types[-2:] == ["usage", "done"]
+    continued = json.loads(events[types.index("continued")].data)
+    assert continued["reason"] == "upstream_disconnected" and continued["after_tokens"] >= 5
+    ids = [int(e.id or 0) for e in events]
+    assert ids == list(range(1, len(events) + 1))  # event numbers go on without a hole
+    usage = json.loads(events[-2].data)
+    assert usage["completion_tokens"] == 60
+
+
+async def test_an_upstream_killed_mid_reply_without_continuation_is_a_named_error():
+    events = await kill_mid_reply(continuation=False)
+    errors = [json.loads(e.data)["error"] for e in events if e.type == "error"]
+    assert [e["code"] for e in errors] == ["upstream_disconnected"]
+    assert errors[0]["message"] == "the upstream model server closed the connection mid-reply"
+    assert "continued" not in [e.type for e in events] and events[-1].type == "error"
+    assert LONG_TEXT.startswith(text_of(events)) and len(text_of(events)) < len(LONG_TEXT)

@@ -1,0 +1,200 @@
+"""The relay's routing state as pure state: circuits on an injected clock, least outstanding
+requests with weights, model routes, aliases, and the routes file's checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replystream.engine.upstream_pool import Backend, BreakerConfig, Circuit, UpstreamPool
+from replystream.engine.upstream_routes import load_routes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pool_of(*backends: Backend, failures: int = 3, cooldown_s: float = 10.0, **kw):
+    clock = Clock()
+    return UpstreamPool(list(backends), BreakerConfig(failures, cooldown_s), clock, **kw), clock
+
+
+def test_consecutive_failures_open_a_circuit_and_a_trial_after_the_cooldown_closes_it():
+    a, b = Backend("http://a/v1"), Backend("http://b/v1")
+    pool, clock = pool_of(a, b, failures=3, cooldown_s=10.0)
+    pool.failed(a, "refused")
+    pool.failed(a, "refused")
+    a.succeeded()  # a success in between: failures are counted in a row only
+    for _ in range(3):
+        pool.failed(a, "refused")
+    assert a.circuit is Circuit.OPEN
+    assert [x.name for x in pool.plan(None)] == ["http://b/v1"]  # skipped while open
+    clock.now += 9.9
+    assert a not in pool.plan(None)
+    clock.now += 0.2  # the cool-down is over: the next request there is the trial
+    assert a in pool.plan(None)
+    a.begin()
+    assert a.circuit.value == "half_open"
+    assert a not in pool.plan(None)  # one trial at a time
+    a.end()
+    a.succeeded()
+    assert a.circuit.value == "closed" and a in pool.plan(None)
+
+
+def test_a_trial_whose_client_left_leaves_the_next_request_to_try():
+    a = Backend("http://a/v1")
+    pool, clock = pool_of(a, failures=1, cooldown_s=5.0)
+    pool.failed(a, "refused")
+    clock.now += 5.0
+    a.begin()
+    assert pool.plan(None) == []
+    a.end()  # cancelled: no verdict
+    assert a.circuit.value == "open" and pool.plan(None) == [a]
+
+
+def test_a_failed_trial_opens_the_circuit_for_another_cooldown():
+    a = Backend("http://a/v1")
+    pool, clock = pool_of(a, failures=1, cooldown_s=5.0)
+    pool.failed(a, "refused")
+    assert pool.plan(None) == [] and pool.ready() == (False, "refused")
+    clock.now += 5.0
+    a.begin()
+    pool.failed(a, "refused again")
+    a.end()
+    assert a.circuit is Circuit.OPEN and a.opened_at == clock.now
+    clock.now += 4.0
+    assert pool.plan(None) == []
+    clock.now += 1.0
+    assert pool.plan(None) == [a]
+
+
+def test_least_outstanding_per_weight_goes_first_and_the_rest_follow_as_failover_order():
+    a, b, c = Backend("http://a/v1", 2), Backend("http://b/v1"), Backend("http://c/v1")
+    pool, _ = pool_of(a, b, c)
+    a.outstanding, b.outstanding, c.outstanding = 3, 1, 2  # per weight: 1.5, 1, 2
+    assert [x.name[7] for x in pool.plan(None)] == ["b", "a", "c"]
+
+
+def test_a_failed_probe_steers_requests_away_while_another_upstream_can_serve():
+    a, b = Backend("http://a/v1"), Backend("http://b/v1")
+    pool, _ = pool_of(a, b)
+    a.probed("cannot connect", None)
+    assert pool.plan(None) == [b]
+    b.probed("cannot connect either", None)
+    assert set(pool.plan(None)) == {a, b}  # none answers: each is tried, for its own error
+    assert pool.ready() == (False, "cannot connect; cannot connect either")
+    a.probed(None, ["m"])
+    assert pool.ready() == (True, "") and pool.plan(None) == [a]
+
+
+def test_models_route_requests_and_aliases_name_them():
+    a = Backend("http://a/v1", models=frozenset({"llama"}), fixed_models=True)
+    b = Backend("http://b/v1")
+    pool, _ = pool_of(a, b, aliases={"gpt-4o-mini": "qwen"})
+    b.probed(None, ["qwen", "mistral"])
+    a.probed(None, ["other"])  # configured models are not replaced by its list
+    assert pool.model_names() == ("llama", "mistral", "qwen", "gpt-4o-mini")
+    assert pool.plan("llama") == [a]
+    assert pool.plan(pool.resolve("gpt-4o-mini")) == [b]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "routes.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_routes_file_gives_keys_weights_models_and_aliases(tmp_path: Path):
+    path = write(
+        tmp_path,
+        """
+[[upstreams]]
+url = "http://a:8000/v1/"
+weight = 3
+api_key_env = "A_KEY"
+models = ["llama"]
+
+[[upstreams]]
+url = "http://b:8000/v1"
+api_key = "b-key"
+models = ["qwen"]
+
+[aliases]
+"gpt-4o-mini" = "qwen"
+""",
+    )
+    routes = load_routes(path, env={"A_KEY": "a-key"})
+    a, b = routes.targets
+    assert (a.base_url, a.weight, a.api_key, a.models) == (
+        "http://a:8000/v1",
+        3,
+        "a-key",
+        ("llama",),
+    )
+    assert (b.base_url, b.weight, b.api_key, b.models) == (
+        "http://b:8000/v1",
+        1,
+        "b-key",
+        ("qwen",),
+    )
+    assert routes.aliases == (("gpt-4o-mini", "qwen"),)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[[upstreams]]\nurl = 'http://a/v1'\nweight = 0", "upstreams[0].weight: input should be"),
+        ("[[upstreams]]\nurl = 'ftp://a/v1'", "upstreams[0].url: must start with http://"),
+        ("[[upstreams]]\nurl = 'http://a/v1'\nwieght = 2", "upstreams[0].wieght: is not a field"),
+        ("[[upstreams]]\nweight = 2", "upstreams[0].url: is required"),
+        ("upstreams = []", "upstreams: list should have at least 1 item"),
+        ("[[upstreams]]\nurl = 'http://a/v1'\napi_key_env = 'NOPE'", "$NOPE is not set"),
+        ("[[upstreams]]\nurl = 'http://a/v1'\n[[upstreams]]\nurl = 'http://a/v1'", "listed twice"),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nmodels = ['m']\n[aliases]\nx = 'n'",
+            "aliases.x: no upstream lists the model 'n'",
+        ),
+        ("[[upstreams]\nurl = 1", "not valid TOML"),
+    ],
+)
+def test_a_bad_routes_file_is_one_line_naming_the_file_the_entry_and_the_field(
+    tmp_path: Path, text: str, says: str
+):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as caught:
+        load_routes(path, env={})
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and says in message and "\n" not in message
+
+
+def test_serve_stops_at_a_bad_routes_file_with_one_line(tmp_path: Path):
+    bad = write(tmp_path, "[[upstreams]]\nurl = 'http://127.0.0.1:9/v1'\nweight = 0\n")
+    for argv, says in (
+        (
+            ["--engine", "upstream", "--upstream-routes", str(bad)],
+            f"replystream serve: --upstream-routes {bad}: upstreams[0].weight: input should be",
+        ),
+        (
+            ["--engine", "upstream"],
+            "replystream serve: --engine upstream needs --upstream-routes FILE",
+        ),
+        (
+            ["--engine", "simulated", "--upstream-continue"],
+            "replystream serve: --upstream-continue is an option of the upstream engine",
+        ),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "replystream", "serve", "--port", "0", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith(says), done.stderr

@@ -1,0 +1,321 @@
+"""The relay's routing, credentials, usage and failover against small aiohttp upstreams in
+this process (each a real server on a loopback port), with replystream serving an
+``UpstreamEngine`` on another: model routes and aliases, each upstream's own key, the
+upstream's own usage, per-key token counts, failover and its access-log lines, and a stall
+that keep-alives do not hide."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
+from tests.sse_client import post_events
+
+
+def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
+    delta = {} if content is None else {"content": content}
+    body = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class Upstream:
+    """An OpenAI-compatible upstream: lists ``models``, answers as ``mode`` says."""
+
+    def __init__(self, models: list[str], mode: str = "ok", words: int = 3) -> None:
+        self.models, self.mode, self.words = models, mode, words
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+
+    async def list_models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        self.headers.append(dict(request.headers))
+        if self.mode == "busy":
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if self.mode == "silent":  # a head, then nothing but keep-alives
+            for _ in range(300):
+                await response.write(b": keep-alive\n\n")
+                await asyncio.sleep(0.05)
+        await response.write(chunk("", role="assistant"))
+        for i in range(self.words):
+            await response.write(chunk(f"w{i} "))
+        if self.mode == "stall":  # text, then keep-alives only
+            for _ in range(300):
+                await response.write(b": keep-alive\n\n")
+                await asyncio.sleep(0.05)
+        await response.write(chunk(None, "stop"))
+        usage = {"prompt_tokens": 11, "completion_tokens": self.words, "total_tokens": 0}
+        await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode())
+        await response.write(b"\n\ndata: [DONE]\n\n")
+        return response
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+
+@asynccontextmanager
+async def relay(
+    upstreams: list[Upstream],
+    keys: list[str | None] | None = None,
+    server: ServerConfig | None = None,
+    **config: Any,
+) -> AsyncIterator[str]:
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(running(u.app())) for u in upstreams]
+        keys = keys or [None] * len(urls)
+        targets = tuple(
+            UpstreamTarget(f"{u}/v1", api_key=k) for u, k in zip(urls, keys, strict=True)
+        )
+        engine = UpstreamEngine(UpstreamConfig(targets, **config))
+        yield await stack.enter_async_context(running(create_app(engine, server)))
+
+
+def text_of(got: Any) -> str:
+    parts = []
+    for event in got.events:
+        if event.type == "message" and event.data != "[DONE]":
+            for choice in json.loads(event.data)["choices"]:
+                parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+async def get_json(url: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.json()
+
+
+async def test_models_are_the_upstreams_own_merged_and_a_request_picks_the_ones_serving_it():
+    a, b = Upstream(["llama"]), Upstream(["qwen", "mistral"])
+    async with relay([a, b], aliases=(("gpt-4o-mini", "qwen"),)) as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert status == 200
+        assert [m["id"] for m in listing["data"]] == ["llama", "mistral", "qwen", "gpt-4o-mini"]
+        for asked, sent, served_by in (
+            ("qwen", "qwen", b),
+            ("gpt-4o-mini", "qwen", b),
+            ("llama", "llama", a),
+            ("mistral", "mistral", b),
+        ):
+            body = {"model": asked, "messages": [{"role": "user", "content": "hi"}]}
+            got = await post_events(f"{url}/v1/chat/completions", {**body, "stream": True})
+            assert got.status == 200 and text_of(got) == "w0 w1 w2 "
+            assert served_by.bodies[-1]["model"] == sent
+            assert json.loads(got.events[0].data)["model"] == asked  # as the client named it
+        status, one = await get_json(f"{url}/v1/models/mistral")
+        assert status == 200 and one["id"] == "mistral"
+        unknown = await post_events(
+            f"{url}/v1/chat/completions",
+            {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert unknown.status == 404
+        assert json.loads(unknown.raw)["error"]["code"] == "model_not_found"
+        # Anthropic's route routes by its model too.
+        message = {
+            "model": "llama",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        got = await post_events(f"{url}/v1/messages", message)
+        assert got.status == 200 and a.bodies[-1]["model"] == "llama"
+
+
+async def test_each_upstream_gets_its_own_key_and_never_the_clients():
+    a, b = Upstream(["m"]), Upstream(["m"])
+    server = ServerConfig(api_keys=("client-key",))
+    async with relay([a, b], keys=["a-key", None], server=server, api_key="shared") as url:
+        auth = {"Authorization": "Bearer client-key"}
+        for seed in range(4):
+            body = {"prompt": "hi", "seed": seed, "stream": False}
+            got = await post_events(f"{url}/v1/replies", body, auth)
+            assert got.status == 200
+    sent = {h["Authorization"] for h in a.headers} | {h["Authorization"] for h in b.headers}
+    assert sent == {"Bearer a-key", "Bearer shared"}
+    assert {h["Authorization"] for h in a.headers} == {"Bearer a-key"}
+
+
+async def test_usage_is_the_upstreams_own_and_shown_only_when_asked():
+    up = Upstream(["m"])
+    async with relay([up]) as url:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        plain = await post_events(f"{url}/v1/chat/completions", chat)
+        assert up.bodies[-1]["stream_options"] == {"include_usage": True}  # asked upstream
+        assert all("usage" not in json.loads(e.data) for e in plain.events if e.data != "[DONE]")
+        asked = await post_events(
+            f"{url}/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}
+        )
+        usage = json.loads(asked.events[-2].data)["usage"]
+        assert usage == {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+        native = await post_events(f"{url}/v1/replies", {"prompt": "hi", "stream": False})
+        assert json.loads(native.raw)["usage"]["prompt_tokens"] == 11
+
+
+async def test_tokens_are_counted_per_key_for_finished_and_cancelled_replies():
+    up = Upstream(["m"], mode="stall")
+    server = ServerConfig(api_keys=("k1",))
+    async with relay([up], server=server, stall_s=30) as url:
+        auth = {"Authorization": "Bearer k1"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{url}/v1/replies", json={"prompt": "hi"}, headers=auth) as response,
+        ):
+            seen = b""
+            while seen.count(b"event: token") < 3:
+                seen += await response.content.readany()
+        # The client left mid-reply: the reply is cancelled, its tokens still counted.
+        label = hashlib.sha256(b"k1").hexdigest()[:12]
+        series = f'replystream_key_tokens_total{{key="{label}",kind="completion"}} 3.0'
+        async with asyncio.timeout(10):
+            while True:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.get(f"{url}/metrics") as response,
+                ):
+                    text = await response.text()
+                if series in text:
+                    break
+                await asyncio.sleep(0.05)
+        assert f'replystream_key_tokens_total{{key="{label}",kind="prompt"}} 1.0' in text
+        assert "k1" not in text.replace(label, "")
+
+
+async def test_a_refusing_upstream_fails_over_and_the_access_log_says_so(caplog):
+    busy, ok = Upstream(["m"], mode="busy"), Upstream(["m"])
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with relay([busy, ok]) as url:
+        for seed in range(4):
+            got = await post_events(
+                f"{url}/v1/replies",
+                {"prompt": "hi", "seed": seed, "stream": False},
+                {"X-Request-Id": f"req-{seed}"},
+            )
+            assert got.status == 200 and json.loads(got.raw)["text"] == "w0 w1 w2 "
+    lines = [json.loads(r.getMessage()) for r in caplog.records if '"attempt"' in r.getMessage()]
+    refused = [line for line in lines if line["result"] == "overloaded"]
+    assert refused and all(line["request_id"].startswith("req-") for line in refused)
+    assert len(busy.bodies) >= 1 and len(ok.bodies) == 4
+
+
+async def test_no_text_before_the_ttft_limit_fails_over_and_all_failing_is_the_last_error():
+    silent, ok = Upstream(["m"], mode="silent"), Upstream(["m"])
+    async with relay([silent, ok], ttft_s=0.3) as url:
+        for seed in range(3):
+            got = await post_events(f"{url}/v1/replies", {"prompt": "hi", "seed": seed})
+            assert got.text == "w0 w1 w2 " and got.types[-1] == "done"
+    async with relay([Upstream(["m"], mode="busy")] * 1) as url:
+        got = await post_events(
+            f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+        )
+        assert got.status == 503
+        error = json.loads(got.raw)["error"]
+        assert error["code"] == "upstream_overloaded" and "aiohttp" not in error["message"]
+
+
+async def test_keepalives_do_not_hide_a_stall_mid_reply():
+    up = Upstream(["m"], mode="stall")
+    async with relay([up], stall_s=0.4) as url:
+        got = await post_events(f"{url}/v1/replies", {"prompt": "hi"})
+    assert got.text == "w0 w1 w2 "
+    errors = got.of_type("error")
+    assert [e["error"]["code"] for e in errors] == ["upstream_stalled"]
+    assert "sent no text for 0.4 s mid-reply" in errors[0]["error"]["message"]
+
+
+@pytest.mark.parametrize("continuation", [True, False])
+async def test_a_stall_continues_at_another_upstream_only_when_allowed(continuation: bool):
+    stalling, other = Upstream(["m"], mode="stall"), Upstream(["m"], words=5)
+    async with relay([stalling, other], stall_s=0.4) as url:
+        body = {"prompt": "hi", "upstream_continue": continuation}
+        got = await post_events(f"{url}/v1/replies", body)
+    if not continuation:
+        assert got.types[-1] == "error" and other.bodies == []
+        return
+    assert got.types.count("continued") == 1 and got.types[-1] == "done"
+    assert got.of_type("continued")[0] == {"reason": "upstream_stalled", "after_tokens": 3}
+    sent = other.bodies[0]
+    assert sent["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 "}
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+    # This fake upstream does not continue: it starts over, and the client reads what it sent.
+    assert got.text == "w0 w1 w2 " + "w0 w1 w2 w3 w4 "
+
+
+async def test_every_route_says_a_relay_failure_in_its_own_dialect_and_our_words():
+    async with relay([Upstream(["m"], mode="busy")]) as url:
+        anthropic = await post_events(
+            f"{url}/v1/messages",
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+        )
+        responses = await post_events(f"{url}/v1/responses", {"input": "x", "stream": True})
+        native = await post_events(f"{url}/v1/replies", {"prompt": "x"})
+    body = json.loads(anthropic.raw)
+    assert anthropic.status == 503 and body["type"] == "error"
+    assert body["error"]["type"] == "overloaded_error"
+    for got in (responses, native):
+        assert got.status == 503
+        assert json.loads(got.raw)["error"]["code"] == "upstream_overloaded"
+    for got in (anthropic, responses, native):
+        message = json.loads(got.raw)["error"]["message"]
+        assert message.startswith("the upstream at http://127.0.0.1:")
+        assert not any(word in message for word in ("aiohttp", "Error", "Exception", "<"))
+
+
+async def test_every_route_reports_the_upstreams_own_prompt_count_streamed_or_whole():
+    """The upstream counts 11 prompt tokens; our estimate of "hi" is fewer. Anthropic's
+    ``message_start`` goes out before the upstream's usage, so its ``message_delta`` carries
+    the real count, which the SDK's final message takes; every other route sends usage at
+    the end, and every one sends the upstream's."""
+    up = Upstream(["m"])
+    ask = [{"role": "user", "content": "hi"}]
+    async with (
+        relay([up]) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as claude,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as oai,
+    ):
+        async with claude.messages.stream(model="m", max_tokens=9, messages=ask) as stream:  # type: ignore[arg-type]
+            events = [event async for event in stream]
+            final = await stream.get_final_message()
+        whole = await claude.messages.create(model="m", max_tokens=9, messages=ask)  # type: ignore[arg-type]
+        started = next(e for e in events if e.type == "message_start")
+        delta = next(e for e in events if e.type == "message_delta")
+        assert started.message.usage.input_tokens < 11  # an estimate: nothing else known yet
+        assert (delta.usage.input_tokens, delta.usage.output_tokens) == (11, 3)
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (11, 3)
+        assert (whole.usage.input_tokens, whole.usage.output_tokens) == (11, 3)
+
+        response = await oai.responses.create(model="m", input="hi")
+        streamed = await oai.responses.create(model="m", input="hi", stream=True)
+        ends = [e.response async for e in streamed if e.type == "response.completed"]
+        assert len(ends) == 1
+        completed = ends[0]
+        stored = await oai.responses.retrieve(completed.id)
+        for got in (response, completed, stored):
+            assert got.usage is not None
+            assert (got.usage.input_tokens, got.usage.output_tokens) == (11, 3)
+
+        chat = await oai.chat.completions.create(model="m", messages=ask)  # type: ignore[arg-type]
+        assert chat.usage is not None and chat.usage.prompt_tokens == 11
+        chunks = await oai.chat.completions.create(  # type: ignore[call-overload]
+            model="m", messages=ask, stream=True, stream_options={"include_usage": True}
+        )
+        usage = [c.usage async for c in chunks if c.usage is not None]
+        assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(11, 3)]
