@@ -155,6 +155,9 @@ async def test_an_end_token_finishes_the_reply_with_stop(engine: Any):
     engine.eos = frozenset({first_token})  # as if the model's first pick were its end token
     text, deltas = await collect(engine, "the quick", max_tokens=5, temperature=0.0)
     assert text == "" and len(deltas) == 1 and deltas[0].finish_reason == "stop"
+    # Never shown, the end token has no log probability in a reply that asked for them.
+    _, asked = await collect(engine, "the quick", max_tokens=5, temperature=0.0, logprobs=2)
+    assert len(asked) == 1 and asked[0].logprobs == ()
 
 
 async def test_the_openai_endpoint_streams_the_engines_reply(engine: Any):

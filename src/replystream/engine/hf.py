@@ -244,7 +244,9 @@ class HFEngine:
             if token in self.eos:
                 text = stop.feed(detok.flush())
                 text += "" if stop.stopped else stop.flush()
-                deliver(Delta(text, 1, now, "stop", logprobs=logprobs))
+                # The end token is never shown, so it has no log probability either.
+                shown = None if logprobs is None else ()
+                deliver(Delta(text, 1, now, "stop", logprobs=shown))
                 return "finished"
             text = stop.feed(detok.push(token))
             reason = "stop" if stop.stopped else "length" if made == max_new else None
