@@ -4,6 +4,8 @@ conversation of text alone renders exactly as before."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from replystream.engine.chat_template import ChatTemplate
 
 CHATML = (
@@ -23,7 +25,7 @@ def test_tool_calls_and_their_results_are_written_into_the_prompt():
         },
         {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
     ]
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Weather and time in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
@@ -42,7 +44,7 @@ def test_tool_calls_and_their_results_are_written_into_the_prompt():
 
 def test_text_with_a_call_keeps_its_text_first_and_plain_text_is_unchanged():
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
     ]
