@@ -154,6 +154,7 @@ class TimedEngine:
 
     name = "simulated"
     pushes = False  # its streams are its own generators around the inner engine's
+    makes_tool_calls = False
 
     def __init__(self, inner: SimulatedEngine) -> None:
         self.inner = inner

@@ -57,6 +57,7 @@ class ScriptedEngine:
 
     name = "scripted"
     pushes = False
+    makes_tool_calls = False
 
     def __init__(self, texts: Iterable[str] = ()) -> None:
         self._script: tuple[str, ...] = tuple(texts)

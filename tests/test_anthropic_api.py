@@ -145,4 +145,5 @@ async def test_stop_sequences_and_top_k_are_a_reply_not_a_500():
         message = await client.messages.create(  # type: ignore[call-overload]
             **ASK, stop_sequences=["four"], extra_body={"top_k": 5}
         )
-    assert message.stop_reason == "end_turn" and message.content[0].type == "text"
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "four")
+    assert message.content[0].type == "text" and message.content[0].text == "one two three "

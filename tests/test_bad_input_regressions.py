@@ -155,7 +155,7 @@ def test_stream_options_without_a_stream_is_refused(server: LoggedServer) -> Non
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("logprobs", 0), ("echo", 0), ("n", True), ("best_of", 1.0), ("max_tokens", True)],
+    [("logprobs", False), ("echo", 0), ("n", True), ("best_of", 1.0), ("max_tokens", True)],
 )
 def test_a_bool_is_not_a_number_and_a_number_is_not_a_bool(
     server: LoggedServer, field: str, value: object

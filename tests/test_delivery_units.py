@@ -108,4 +108,4 @@ def test_native_events_spelt_out_are_byte_for_byte_what_json_dumps_writes(reason
     (_, usage_data), (_, done_data) = native.finished(reason, usage)
     assert usage_data == json.dumps(usage.as_dict())
     assert done_data == json.dumps({"finish_reason": reason})
-    assert native.text('say "hi"\n', 2)[1] == json.dumps({"text": 'say "hi"\n', "tokens": 2})
+    assert native.text('say "hi"\n', 2)[0][1] == json.dumps({"text": 'say "hi"\n', "tokens": 2})

@@ -93,6 +93,24 @@ async def collect(engine: Any, prompt: str, **sampling: Any) -> tuple[str, list[
     return "".join(d.text for d in deltas), deltas
 
 
+async def test_logprobs_are_the_models_log_softmax_for_each_made_token(engine: Any):
+    import torch
+
+    _, deltas = await collect(engine, "the quick", max_tokens=6, temperature=0.0, logprobs=3)
+    assert all(d.logprobs is not None and len(d.logprobs) == 1 for d in deltas)
+    first = deltas[0].logprobs[0]
+    ids = engine.tokenizer("the quick", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = engine.model(ids).logits[0, -1].double()
+    expected = torch.log_softmax(logits, dim=-1)
+    best = int(expected.argmax())
+    assert first.logprob == pytest.approx(float(expected[best]), abs=1e-4)
+    assert len(first.top) == 3 and first.top[0].logprob == pytest.approx(first.logprob)
+    assert [t.logprob for t in first.top] == sorted((t.logprob for t in first.top), reverse=True)
+    plain = (await collect(engine, "the quick", max_tokens=6, temperature=0.0))[1]
+    assert all(d.logprobs is None for d in plain)
+
+
 async def test_greedy_tokens_are_the_ones_generate_makes(engine: Any, model_dir: Path):
     import torch
 
@@ -137,6 +155,9 @@ async def test_an_end_token_finishes_the_reply_with_stop(engine: Any):
     engine.eos = frozenset({first_token})  # as if the model's first pick were its end token
     text, deltas = await collect(engine, "the quick", max_tokens=5, temperature=0.0)
     assert text == "" and len(deltas) == 1 and deltas[0].finish_reason == "stop"
+    # Never shown, the end token has no log probability in a reply that asked for them.
+    _, asked = await collect(engine, "the quick", max_tokens=5, temperature=0.0, logprobs=2)
+    assert len(asked) == 1 and asked[0].logprobs == ()
 
 
 async def test_the_openai_endpoint_streams_the_engines_reply(engine: Any):

@@ -12,6 +12,7 @@ from replystream.engine.sampling import (
     filtered_probabilities,
     probabilities,
     sample_token,
+    token_logprob,
 )
 
 
@@ -84,20 +85,27 @@ def test_bad_sampling_values_are_rejected_by_name(params: SamplingParams, field:
     assert caught.value.param == field
 
 
-def test_stop_sequence_split_across_pieces_is_cut_and_never_shown() -> None:
+def test_a_stop_sequence_split_across_pieces_ends_the_text_where_it_completes() -> None:
+    # The engine only learns when to stop; the reply pipeline withholds and cuts the string.
     m = StopMatcher(("\n\nThe",))
-    shown = [m.feed(p) for p in ["and so", " it was.\n", "\nTh", "e end"]]
-    assert shown == ["and so", " it was.", "", ""]
+    shown = [m.feed(p) for p in ["and so", " it was.\n", "\nTh", "e end", "more"]]
+    assert shown == ["and so", " it was.\n", "\nTh", "e", ""]
     assert m.stopped
 
 
-def test_text_held_for_a_possible_stop_is_released_when_it_is_not_one() -> None:
+def test_text_that_only_looks_like_a_stop_passes_through_at_once() -> None:
     m = StopMatcher(("END",))
-    assert m.feed("the EN") == "the "
-    assert m.feed("D") == ""  # completes the stop sequence
-    m2 = StopMatcher(("END",))
-    assert m2.feed("the EN") == "the "
-    assert m2.feed("tire") == "ENtire"
-    assert m2.feed(" E") == " "
-    assert m2.flush() == "E"
-    assert not m2.stopped
+    assert [m.feed(p) for p in ["the EN", "tire", " E"]] == ["the EN", "tire", " E"]
+    assert m.flush() == "" and not m.stopped
+    assert StopMatcher(()).feed("END") == "END"
+
+
+def test_token_logprob_is_the_log_softmax_of_the_raw_logits_with_the_likeliest_first() -> None:
+    logits = np.array([2.0, 0.5, 3.0, -1.0], dtype=np.float32)
+    expected = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    made = token_logprob(logits, 1, 2, lambda i: f"t{i}".encode())
+    assert made.token == "t1" and made.bytes == b"t1"
+    assert made.logprob == pytest.approx(expected[1])  # not the tempered or narrowed one
+    assert [t.token for t in made.top] == ["t2", "t0"]
+    assert [t.logprob for t in made.top] == pytest.approx([expected[2], expected[0]])
+    assert token_logprob(logits, 3, 0, lambda i: b"\xe2\x82").token == "\ufffd"  # part of a char

@@ -125,6 +125,7 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
     class Broken:
         name = "broken"
         pushes = False
+        makes_tool_calls = False
 
         async def start(self, request: GenerationRequest):
             raise RuntimeError("secret internals")

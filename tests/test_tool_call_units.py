@@ -37,7 +37,7 @@ def run(pipeline: ReplyPipeline, words: list[str]) -> list[LogEntry]:
     for word in words:
         entries += pipeline.push(Delta(word), 0.0)
     for piece in PIECES:
-        entries += pipeline.push(Delta("", 1, 0.0, None, piece), 0.0)
+        entries += pipeline.push(Delta("", 1, 0.0, tool_call=piece), 0.0)
     return entries + pipeline.finish(prompt_tokens=1)
 
 
@@ -65,6 +65,31 @@ def test_tool_call_pieces_follow_all_text_before_them_in_order(policy: DeliveryP
     ]
     assert [e.seq for e in entries] == list(range(1, len(entries) + 1))
     assert json.loads(entries[-1].data) == {"finish_reason": "stop"}
+
+
+@pytest.mark.parametrize(
+    "policy", [DeliveryPolicy(), DeliveryPolicy(holdback_tokens=2, batch_tokens=3)]
+)
+def test_a_tail_held_for_a_stop_string_goes_before_a_call_and_no_stop_spans_one(
+    policy: DeliveryPolicy,
+):
+    pipeline = ReplyPipeline(NativeFormat(), policy, stops=("STOP",))
+    entries = pipeline.start("r1")
+    entries += pipeline.push(Delta("a ST"), 0.0)
+    tail_held = "".join(json.loads(e.data)["text"] for e in entries if e.event == "token")
+    assert tail_held in ("", "a ")  # "ST" could begin the stop string: withheld
+    for piece in PIECES:
+        entries += pipeline.push(Delta("", 1, 0.0, tool_call=piece), 0.0)
+    for word in ["OP ", "then STOP here"]:
+        entries += pipeline.push(Delta(word), 0.0)
+    assert pipeline.halted  # the stop string after the call still ends the reply
+    entries += pipeline.finish(prompt_tokens=1)
+    kinds = [entry.event for entry in entries]
+    first_call = kinds.index("tool_call")
+    before = "".join(json.loads(e.data)["text"] for e in entries[:first_call] if e.event == "token")
+    after = "".join(json.loads(e.data)["text"] for e in entries[first_call:] if e.event == "token")
+    assert (before, after) == ("a ST", "OP then ")  # "ST" + call + "OP" is no stop string
+    assert json.loads(entries[-1].data) == {"finish_reason": "stop", "stop_sequence": "STOP"}
 
 
 def test_a_banned_phrase_in_text_before_a_call_still_stops_the_reply():
@@ -186,7 +211,7 @@ def test_no_tools_sends_no_tool_fields_upstream():
 
 def test_a_response_read_mid_call_lists_the_call_so_far():
     fmt = ResponsesStreamFormat(ResponseSettings(model="m", created_at=0))
-    specs = [*fmt.started("r1"), fmt.text("hi", 1)]
+    specs = [*fmt.started("r1"), *fmt.text("hi", 1)]
     specs += [*fmt.tool_call(PIECES[0]), *fmt.tool_call(PIECES[1])]
     entries = [LogEntry(n, event, data) for n, (event, data) in enumerate(specs, 1)]
     response = response_from_log(entries, producer_lost=False)

@@ -168,6 +168,21 @@ async def test_openai_sdk_assembles_the_scripted_calls_on_chat_streamed_and_whol
     assert streamed.choices[0].message.tool_calls[1].id == whole.choices[0].message.tool_calls[1].id
 
 
+def same_response(one: Any, other: Any) -> bool:
+    """Two responses alike but for what names the reply (ids, the second it was made) and
+    what the SDK adds to a streamed one (``parsed``, ``parsed_arguments``: None here)."""
+
+    def shape(value: Any) -> Any:
+        if isinstance(value, dict):
+            dropped = ("id", "created_at")
+            return {k: shape(v) for k, v in value.items() if v is not None and k not in dropped}
+        if isinstance(value, list):
+            return [shape(v) for v in value]
+        return value
+
+    return bool(shape(one.model_dump()) == shape(other.model_dump()))
+
+
 async def test_a_reply_of_tool_calls_only_in_every_dialect(tmp_path: Path):
     steps = [{"tool_call": {"name": "get_time", "id": "call_T", "arguments": "{}"}}]
     async with scripted(tmp_path, steps) as (_, url), oai(url) as client, claude(url) as other:
@@ -177,18 +192,75 @@ async def test_a_reply_of_tool_calls_only_in_every_dialect(tmp_path: Path):
         async with other.messages.stream(**ANTHROPIC_ASK) as stream:
             streamed = await stream.get_final_message()
         message = await other.messages.create(**ANTHROPIC_ASK)
-        response = await client.responses.create(
-            model="simulated", input="x", tools=RESPONSES_TOOLS, store=False
-        )
+        ask: Any = {"model": "simulated", "input": "x", "tools": RESPONSES_TOOLS, "store": False}
+        async with client.responses.stream(**ask) as response_stream:
+            kinds = [event.type async for event in response_stream]
+            streamed_response = await response_stream.get_final_response()
+        response = await client.responses.create(**ask)
     chat_message = whole.choices[0].message
     assert chat_message.content is None
     assert [(c.id, c.function.arguments) for c in chat_message.tool_calls] == [("call_T", "{}")]
-    # The text block opens with the message, before the first delta is known: it stays empty.
-    assert [block.type for block in streamed.content] == ["text", "tool_use"]
-    assert streamed.content[0].text == ""
+    # As Anthropic sends it: no empty text block before the call.
+    assert [block.type for block in streamed.content] == ["tool_use"]
     assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
-    assert [item.type for item in response.output] == ["message", "function_call"]
-    assert response.output[1].call_id == "call_T"
+    # Responses likewise: no empty message item, nothing about text at all.
+    assert [item.type for item in response.output] == ["function_call"]
+    assert response.output[0].call_id == "call_T"
+    assert not [kind for kind in kinds if "text" in kind or "content_part" in kind]
+    assert same_response(streamed_response, response)
+
+
+async def test_text_after_a_call_opens_a_new_block_and_a_new_message_item(tmp_path: Path):
+    steps: list[dict[str, Any]] = [
+        {"text": "Before. "},
+        {"tool_call": {"name": "get_time", "id": "call_T", "arguments": ['{"tz":', ' "CET"}']}},
+        {"text": "After "},
+        {"text": "it."},
+    ]
+    async with scripted(tmp_path, steps) as (_, url), oai(url) as client, claude(url) as other:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                f"{url}/v1/messages", json={**ANTHROPIC_ASK, "stream": True}
+            ) as raw:
+                events = EventParser().feed(await raw.read())
+        async with other.messages.stream(**ANTHROPIC_ASK) as stream:
+            streamed = await stream.get_final_message()
+        message = await other.messages.create(**ANTHROPIC_ASK)
+        ask: Any = {"model": "simulated", "input": "x", "tools": RESPONSES_TOOLS, "store": False}
+        async with client.responses.stream(**ask) as response_stream:
+            added = [
+                (event.output_index, event.item.type, event.item.id)
+                async for event in response_stream
+                if event.type == "response.output_item.added"
+            ]
+            streamed_response = await response_stream.get_final_response()
+        response = await client.responses.create(**ask)
+    # Anthropic: blocks in order, each started, filled and stopped under its own index.
+    blocks = [
+        (event.type, payload["index"])
+        for event in events
+        if event.type.startswith("content_block")
+        for payload in [json.loads(event.data)]
+    ]
+    assert [index for kind, index in blocks if kind == "content_block_start"] == [0, 1, 2]
+    assert [index for kind, index in blocks if kind == "content_block_stop"] == [0, 1, 2]
+    assert blocks == sorted(blocks, key=lambda block: block[1])  # never back to a stopped one
+    content = [
+        (b.type, getattr(b, "text", None) or getattr(b, "input", None)) for b in message.content
+    ]
+    assert content == [("text", "Before. "), ("tool_use", {"tz": "CET"}), ("text", "After it.")]
+    assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    # Responses: a message item, the call, then a new message item.
+    assert [(index, kind) for index, kind, _ in added] == [
+        (0, "message"),
+        (1, "function_call"),
+        (2, "message"),
+    ]
+    assert len({item_id for _, _, item_id in added}) == 3
+    outputs = [item.type for item in response.output]
+    assert outputs == ["message", "function_call", "message"]
+    assert response.output_text == "Before. After it."
+    assert same_response(streamed_response, response)
 
 
 async def test_openai_sdk_assembles_function_call_items_on_responses(server: str):

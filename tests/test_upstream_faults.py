@@ -443,3 +443,14 @@ async def test_every_mid_reply_error_is_in_our_words():
     for mode in ("errmid", "stall", "malformed", "notjson", "endless", "eof"):
         got, _, _ = await relay_mode(mode)
         assert in_our_words(error_of(got)["message"]), (mode, error_of(got))
+
+
+async def test_an_upstream_that_ignores_logprobs_is_an_error_not_a_silent_omission():
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/ok/v1"),), model="m"))
+        async with running(create_app(engine)) as relay:
+            body = {**CHAT, "logprobs": True, "top_logprobs": 2}
+            got = await post_events(f"{relay}/v1/chat/completions", body)
+    assert fake.bodies[0]["logprobs"] is True and fake.bodies[0]["top_logprobs"] == 2
+    assert content_of(got) == ""
+    assert error_of(got)["code"] == "upstream_no_logprobs"

@@ -17,10 +17,16 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from replystream.engine.base import Delta, EngineError, GenerationRequest, PushDeltaStream
+from replystream.engine.base import (
+    Delta,
+    EngineError,
+    GenerationRequest,
+    PushDeltaStream,
+    SamplingParams,
+)
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
-from replystream.server import running
-from tests.conftest import wait_for
+from replystream.server import create_app, running
+from tests.conftest import fast_engine, wait_for
 from tests.test_upstream_faults import chunk, fake_upstream
 
 
@@ -54,13 +60,18 @@ def engine_for(url: str, **config: float) -> UpstreamEngine:
     return UpstreamEngine(UpstreamConfig((UpstreamTarget(url),), model="m", **config))  # type: ignore[arg-type]
 
 
-async def attempt(engine: UpstreamEngine) -> PushDeltaStream:
+async def attempt(
+    engine: UpstreamEngine, request: GenerationRequest | None = None
+) -> PushDeltaStream:
     """One attempt at the engine's (only) upstream, as a relayed reply opens it."""
-    return await engine.open_attempt(engine.pool.plan(None)[0], GenerationRequest("hi"))
+    backend = engine.pool.plan(None)[0]
+    return await engine.open_attempt(backend, request or GenerationRequest("hi"))
 
 
-async def attached(engine: UpstreamEngine) -> RecordingSink:
-    stream = await attempt(engine)
+async def attached(
+    engine: UpstreamEngine, request: GenerationRequest | None = None
+) -> RecordingSink:
+    stream = await attempt(engine, request)
     sink = RecordingSink()
     stream.attach(sink)
     async with asyncio.timeout(10):
@@ -80,6 +91,23 @@ async def test_an_attached_stream_pushes_the_deltas_an_iterated_one_yields():
     ]
     assert sink.text == "one two three " and sink.deltas[-1].finish_reason == "stop"
     assert engine.stats().finished == 2 and engine.stats().active == 0
+
+
+async def test_an_attached_stream_pushes_the_upstreams_logprobs_as_an_iterated_one_yields():
+    # The upstream is replystream itself (the simulated engine's seeded log probabilities),
+    # so every chunk carries its own: they must come out of the parse on both paths alike.
+    request = GenerationRequest("hi", SamplingParams(seed=3, logprobs=2, max_tokens=6))
+    async with running(create_app(fast_engine())) as upstream:
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/v1"),)))
+        iterated = [delta async for delta in await attempt(engine, request)]
+        sink = await attached(engine, request)
+        await engine.aclose()
+    assert sink.error is None
+    pushed = [(d.text, d.tokens, d.finish_reason, d.logprobs) for d in sink.deltas]
+    assert pushed == [(d.text, d.tokens, d.finish_reason, d.logprobs) for d in iterated]
+    text = [d for d in sink.deltas if d.text]
+    assert len(text) == 6 and all(d.logprobs is not None and len(d.logprobs) == 1 for d in text)
+    assert all(d.logprobs[0].token == d.text and len(d.logprobs[0].top) == 2 for d in text)  # type: ignore[index]
 
 
 async def test_an_attached_stream_ends_a_silent_upstream_as_stalled_after_its_text():

@@ -2,26 +2,27 @@
 
 This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte for byte:
 - A streamed message is ``event: <type>`` with a ``data:`` object whose ``type`` matches:
-  ``message_start`` (the message, empty, with the input tokens), ``content_block_start`` of
-  block 0 (text), one ``content_block_delta`` (``text_delta``) per piece of text,
-  ``content_block_stop``, ``message_delta`` (the stop reason, and the usage so far: input
-  tokens as the engine counted them, which may differ from ``message_start``'s estimate, and
-  output tokens), then ``message_stop``. An error after the first byte is ``event: error``
-  with Anthropic's error object, and the stream then never ends with ``message_stop``. Every
-  event keeps our event id (``id:``), so a message can be resumed, which Anthropic itself
-  does not offer.
-- A tool call is a ``tool_use`` block after the text block: the text block is stopped, then
-  ``content_block_start`` (``{"type": "tool_use", "id", "name", "input": {}}``) at the next
-  index, one ``content_block_delta`` (``input_json_delta``, ``partial_json``) per fragment of
-  its arguments, ``content_block_stop`` when the next call starts or the message ends, and
-  the stop reason ``tool_use``. Block 0 is always the text block, opened with the message
-  before the first delta is known: empty when the reply opens with a tool call (the whole
-  message lists it too, so the streamed and the whole message are the same); text that comes
-  after a call joins it (the SDK adds deltas to the block their index names).
-- The same message whole, not streamed, is the ``message`` object (a ``tool_use`` block's
-  ``input`` parsed from the arguments).
-Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``tool_use``, ``refusal``
-(a check stopped the text). A format object serves one message. It must not know about sockets,
+  ``message_start`` (the message, empty, with the input tokens), then its content blocks in
+  order, each ``content_block_start`` / ``content_block_delta``... / ``content_block_stop``
+  with its ``index`` (counted from 0), then ``message_delta`` (the stop reason, and the usage
+  so far: input tokens as the engine counted them, which may differ from ``message_start``'s
+  estimate, and output tokens) and ``message_stop``. An error after the first byte is
+  ``event: error`` with Anthropic's error object, and the stream then never ends with
+  ``message_stop``. Every event keeps our event id (``id:``), so a message can be resumed,
+  which Anthropic itself does not offer.
+- A text block is opened when text comes (not before: a reply of tool calls only has no text
+  block, as Anthropic sends it), and gets one ``content_block_delta`` (``text_delta``) per
+  piece of text.
+- A tool call is a ``tool_use`` block: the open block is stopped, then ``content_block_start``
+  (``{"type": "tool_use", "id", "name", "input": {}}``) at the next index, one
+  ``content_block_delta`` (``input_json_delta``, ``partial_json``) per fragment of its
+  arguments, ``content_block_stop`` when the next block starts or the message ends, and the
+  stop reason ``tool_use``. Text after a call opens a new text block at the next index.
+- The same message whole, not streamed, is the ``message`` object with the same blocks in
+  the same order (a ``tool_use`` block's ``input`` parsed from the arguments).
+Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``stop_sequence`` (one of
+``stop_sequences`` completed; ``stop_sequence`` names it), ``tool_use``, ``refusal`` (a check
+stopped the text). A format object serves one message. It must not know about sockets,
 tasks or stores.
 """
 
@@ -33,8 +34,8 @@ from typing import Any
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
-from replystream.delivery.tool_calls import ToolCall
-from replystream.engine.base import ToolCallDelta
+from replystream.delivery.tool_calls import ToolCall, in_order
+from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -56,14 +57,24 @@ def message_object(
     stop_reason: str | None,
     input_tokens: int,
     output_tokens: int,
+    stop_sequence: str | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
-    """The ``message`` object (whole, or empty as ``message_start`` carries it)."""
-    content: list[dict[str, Any]] = [] if text is None else [{"type": "text", "text": text}]
-    content += (
-        {"type": "tool_use", "id": call.id, "name": call.name, "input": call.parsed_arguments()}
-        for call in tool_calls
-    )
+    """The ``message`` object (whole, or empty as ``message_start`` carries it: ``text``
+    None); its content the text and calls in the order they came."""
+    content: list[dict[str, Any]] = []
+    for piece in () if text is None else in_order(text, tool_calls):
+        if isinstance(piece, str):
+            content.append({"type": "text", "text": piece})
+        else:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": piece.id,
+                    "name": piece.name,
+                    "input": piece.parsed_arguments(),
+                }
+            )
     return {
         "id": message_id(reply_id),
         "type": "message",
@@ -71,7 +82,7 @@ def message_object(
         "model": model,
         "content": content,
         "stop_reason": stop_reason,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
     }
 
@@ -88,9 +99,11 @@ class AnthropicStreamFormat:
     model: str
     input_tokens: int
     _tokens: int = 0
-    _text: list[str] = field(default_factory=list)
-    _open: int = 0  # the index of the block open now (0: the text block)
+    _open: int | None = None  # the index of the block open now (None: none)
+    _text_open: bool = False  # that block is a text block
+    _next_block: int = 0  # the index the next block gets
     _blocks: dict[int, int] = field(default_factory=dict)  # tool call index -> block index
+    _delta_head: str = ""  # a text delta's JSON up to its text, for the open text block
 
     def started(self, reply_id: str) -> list[Spec]:
         empty = message_object(
@@ -101,44 +114,37 @@ class AnthropicStreamFormat:
             input_tokens=self.input_tokens,
             output_tokens=0,
         )
-        block = {
-            "type": "content_block_start",
-            "index": 0,
-            "content_block": {"type": "text", "text": ""},
-        }
-        return [
-            ("message_start", _dumps({"type": "message_start", "message": empty})),
-            ("content_block_start", _dumps(block)),
-        ]
+        return [("message_start", _dumps({"type": "message_start", "message": empty}))]
 
-    def text(self, text: str, tokens: int) -> Spec:
+    def text(self, text: str, tokens: int) -> list[Spec]:
         self._tokens += tokens
         # Spelt out: one per piece of text, the event every message sends most.
-        return (
-            "content_block_delta",
-            '{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
-            + json_string(text)
-            + "}}",
+        if self._text_open:
+            return [("content_block_delta", self._delta_head + json_string(text) + "}}")]
+        if not text:
+            return []  # counted; no block is opened for no text
+        specs = self._start_block({"type": "text", "text": ""})
+        self._text_open = True
+        self._delta_head = (
+            f'{{"type":"content_block_delta","index":{self._open},'
+            '"delta":{"type":"text_delta","text":'
         )
+        specs.append(("content_block_delta", self._delta_head + json_string(text) + "}}"))
+        return specs
+
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
+        return self.text(text, tokens)  # never asked: /v1/messages takes no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         specs: list[Spec] = []
         block = self._blocks.get(piece.index)
         if block is None:  # a new call: stop the open block, start a tool_use block
-            block = self._blocks[piece.index] = len(self._blocks) + 1
-            specs.append(self._stop_block())
-            self._open = block
-            start = {
-                "type": "content_block_start",
-                "index": block,
-                "content_block": {
-                    "type": "tool_use",
-                    "id": piece.id or "",
-                    "name": piece.name or "",
-                    "input": {},
-                },
-            }
-            specs.append(("content_block_start", _dumps(start)))
+            specs = self._start_block(
+                {"type": "tool_use", "id": piece.id or "", "name": piece.name or "", "input": {}}
+            )
+            block = self._blocks[piece.index] = self._next_block - 1
         if piece.arguments:
             delta = {
                 "type": "content_block_delta",
@@ -148,8 +154,21 @@ class AnthropicStreamFormat:
             specs.append(("content_block_delta", _dumps(delta)))
         return specs
 
-    def _stop_block(self) -> Spec:
-        return "content_block_stop", _dumps({"type": "content_block_stop", "index": self._open})
+    def _start_block(self, content_block: dict[str, Any]) -> list[Spec]:
+        """Stop the open block, if any, and start the next one."""
+        specs = self._stop_block()
+        index = self._open = self._next_block
+        self._next_block += 1
+        start = {"type": "content_block_start", "index": index, "content_block": content_block}
+        specs.append(("content_block_start", _dumps(start)))
+        return specs
+
+    def _stop_block(self) -> list[Spec]:
+        if self._open is None:
+            return []
+        stop = {"type": "content_block_stop", "index": self._open}
+        self._open, self._text_open = None, False
+        return [("content_block_stop", _dumps(stop))]
 
     def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:
         counts = {"output_tokens": self._tokens}
@@ -164,12 +183,16 @@ class AnthropicStreamFormat:
             "usage": counts,
         }
         return [
-            self._stop_block(),
+            *self._stop_block(),
             ("message_delta", _dumps(delta)),
             ("message_stop", '{"type":"message_stop"}'),
         ]
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
+        if stop_sequence is not None:
+            return self._ending("stop_sequence", usage, stop_sequence=stop_sequence)
         return self._ending(STOP_REASONS.get(finish_reason, "end_turn"), usage)
 
     def error(self, message: str, code: str) -> list[Spec]:

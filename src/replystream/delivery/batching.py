@@ -38,7 +38,9 @@ class Batcher:
             self._opened_at = now
         self._parts.append(text)
         self._tokens += tokens
-        if self._tokens >= self.max_tokens or self.expired(now):
+        # Unbatched (one token a batch), released text with no token of its own (the first
+        # part of a token whose rest could begin a stop string) goes out at once too.
+        if self._tokens >= self.max_tokens or self.max_tokens == 1 or self.expired(now):
             return self.flush()
         return None
 

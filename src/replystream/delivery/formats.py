@@ -10,7 +10,8 @@ event and never with the dialect's end marker.
   ``data: [DONE]`` at the end.
 - The native dialect names every event (``token``, ``tool_call``, ``usage``, ``moderated``,
   ``error``, ``done``, and ``continued`` where a relay carried the reply on at another
-  upstream), so a client can tell an error from a finish without parsing JSON.
+  upstream), so a client can tell an error from a finish without parsing JSON; ``done``
+  names the stop string a reply ended at (``stop_sequence``), when one did.
   A ``tool_call`` event is one piece of a call: ``{"index", "id", "name", "arguments"}``,
   with ``id`` and ``name`` only on the first piece of an index (null after). The other
   dialects have no event for a continuation: their clients read one uninterrupted text.
@@ -25,7 +26,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Protocol
 
 from replystream.delivery.moderation import Violation
-from replystream.engine.base import ToolCallDelta
+from replystream.engine.base import TokenLogprob, ToolCallDelta
 from replystream.sse import encode_comment, encode_data
 
 KEEPALIVE = encode_comment("keep-alive")
@@ -63,13 +64,28 @@ class StreamFormat(Protocol):
 
     def started(self, reply_id: str) -> list[Spec]: ...
 
-    def text(self, text: str, tokens: int) -> Spec: ...
+    def text(self, text: str, tokens: int) -> list[Spec]:
+        """The events of a piece of text: one, after the events that open a text container
+        first when the dialect opens one only once text comes (Anthropic's text block, a
+        Responses message item). A list either way, so a plain piece costs no more than
+        the one event the pipeline would put in a list itself."""
+        ...
+
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
+        """``text`` with its tokens' log probabilities (only for a request that asked)."""
+        ...
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         """The events of one piece of a tool call (see ``engine.base.ToolCallDelta``)."""
         ...
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]: ...
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
+        """The end of a reply that finished; ``stop_sequence``: the stop string it ended at."""
+        ...
 
     def error(self, message: str, code: str) -> list[Spec]: ...
 
@@ -127,15 +143,22 @@ class LabFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
-    def text(self, text: str, tokens: int) -> Spec:
-        return None, json_string(text)
+    def text(self, text: str, tokens: int) -> list[Spec]:
+        return [(None, json_string(text))]
+
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
+        return self.text(text, tokens)  # never asked: the lab routes take no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         # The lab's routes take no tools; a scripted engine may still make calls, which
         # keep their own named event rather than pass for text.
         return [tool_call_spec(piece)]
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
         return [(None, "[DONE]")]
 
     def error(self, message: str, code: str) -> list[Spec]:
@@ -155,18 +178,25 @@ class NativeFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
-    def text(self, text: str, tokens: int) -> Spec:
+    def text(self, text: str, tokens: int) -> list[Spec]:
         # Byte for byte what json.dumps({"text": text, "tokens": tokens}) writes.
-        return "token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}'
+        return [("token", f'{{"text": {json_string(text)}, "tokens": {tokens:d}}}')]
+
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
+        return self.text(text, tokens)  # never asked: /v1/replies takes no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         return [tool_call_spec(piece)]
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
-        return [
-            ("usage", usage.as_json()),
-            ("done", f'{{"finish_reason": {json_string(finish_reason)}}}'),
-        ]
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
+        done = f'{{"finish_reason": {json_string(finish_reason)}}}'
+        if stop_sequence is not None:
+            done = json.dumps({"finish_reason": finish_reason, "stop_sequence": stop_sequence})
+        return [("usage", usage.as_json()), ("done", done)]
 
     def error(self, message: str, code: str) -> list[Spec]:
         return [error_spec(message, code)]

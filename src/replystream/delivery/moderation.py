@@ -6,6 +6,9 @@ across tokens, or across batch edges, is seen whole). When a check matches, the 
 nothing from the start of the match on is ever released, and the caller learns how much text
 was released before it. A bigger window lets a check stop earlier text (a longer phrase whose
 end arrives late); the cost is ``window`` tokens of delay on every token.
+Stop strings are withheld by the same buffer: besides the window, the shortest tail of the
+text that could still begin a stop string stays held (``engine.stops``), and is released
+once it cannot; when one completes, the text before it is released and nothing after.
 This file is pure: no clock, no I/O. It must not know about events or sockets.
 """
 
@@ -16,6 +19,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from replystream.engine.stops import StopHit, StopScan
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,78 +115,118 @@ class Violation:
 
 
 class HoldBack:
-    """Releases text ``window`` tokens late, after every check has seen it in context."""
+    """Releases text ``window`` tokens late, after every check has seen it in context, and
+    never a character that could still begin one of the stop strings."""
 
-    def __init__(self, window: int, checks: Sequence[Check]) -> None:
+    def __init__(self, window: int, checks: Sequence[Check], stops: Sequence[str] = ()) -> None:
         if window < 0:
             raise ValueError("window must be >= 0")
         self.window = window
         self._checks = list(checks)
         self._context = max((c.context_chars for c in self._checks), default=0)
+        self._stops = StopScan(stops) if stops else None
         self._held: deque[tuple[str, int]] = deque()  # (text, tokens), oldest first
         self._held_tokens = 0
+        self._held_chars = 0
         self._tail = ""  # the end of released text, as context for checks
         self.released_chars = 0
         self.released_tokens = 0
         self.violation: Violation | None = None
+        self.stop_sequence: str | None = None  # the stop string the text ended at
+
+    @property
+    def ended(self) -> bool:
+        """A check failed or a stop string completed: nothing more is released."""
+        return self.violation is not None or self.stop_sequence is not None
 
     def push(self, text: str, tokens: int) -> tuple[str, int]:
         """Add newly made text; return what may be released now as (text, tokens).
 
         When a check fails, this returns the held text before the match (if any) and sets
-        ``violation``; from then on nothing more is released.
+        ``violation``; when a stop string completes, the held text before it, and sets
+        ``stop_sequence``. From then on nothing more is released.
         """
-        if self.violation is not None:
+        if self.violation is not None or self.stop_sequence is not None:
             return "", 0
         self._held.append((text, tokens))
         self._held_tokens += tokens
+        self._held_chars += len(text)
+        room = self._held_chars  # how much of the held text is not a stop string's start
+        hit: StopHit | None = None
+        if self._stops is not None:
+            hit = self._stops.feed(text)
+            # Every character pushed is released or held, so held text starts where the
+            # released text ends.
+            end = self._stops.seen - self._stops.keep if hit is None else hit.start
+            room = end - self.released_chars
         if self._checks:
             held = "".join(t for t, _ in self._held)
+            if hit is not None:
+                held = held[:room]  # text from the stop string on is never shown
             for check in self._checks:
                 finding = check.find(self._tail + held)
                 if finding is not None:
                     return self._stop(finding, max(0, finding.start - len(self._tail)))
-        return self._release(lambda: self._held_tokens > self.window)
+        if hit is not None:
+            out = self._take(room, lambda: True)
+            self._drop_held()
+            self.stop_sequence = hit.stop
+            return out
+        return self._take(room, lambda: self._held_tokens > self.window)
 
     def finish(self) -> tuple[str, int]:
-        """The reply ended: release everything still held (it has been checked)."""
-        if self.violation is not None:
+        """The text ended (the reply did, or a tool call came): release everything still
+        held (it has been checked, and no stop string can complete any more). Text pushed
+        after this is new text: a stop string never spans the break; the checks still read
+        the released text before it as context."""
+        if self.violation is not None or self.stop_sequence is not None:
             return "", 0
-        return self._release(lambda: bool(self._held))
+        if self._stops is not None:
+            self._stops.break_text()
+        return self._take(self._held_chars, lambda: bool(self._held))
 
     def _stop(self, finding: Finding, safe_chars: int) -> tuple[str, int]:
         # Whole tokens before the match go out; a token the match starts inside goes out only
         # up to the match, and does not count as a released token.
-        parts: list[str] = []
-        tokens = 0
-        remaining = safe_chars
-        while self._held and len(self._held[0][0]) <= remaining:
-            text, count = self._held.popleft()
-            parts.append(text)
-            tokens += count
-            remaining -= len(text)
-        if self._held and remaining > 0:
-            parts.append(self._held[0][0][:remaining])
-        out = "".join(parts)
-        self.released_chars += len(out)
-        self.released_tokens += tokens
-        self._held.clear()
-        self._held_tokens = 0
+        out = self._take(safe_chars, lambda: True, split_counts=False)
+        self._drop_held()
         self.violation = Violation(
             finding.check, finding.reason, self.released_chars, self.released_tokens
         )
-        return out, tokens
+        return out
 
-    def _release(self, more: Callable[[], bool]) -> tuple[str, int]:
+    def _drop_held(self) -> None:
+        self._held.clear()
+        self._held_tokens = self._held_chars = 0
+
+    def _take(
+        self, room: int, more: Callable[[], bool], *, split_counts: bool = True
+    ) -> tuple[str, int]:
+        """Release held pieces, oldest first, while ``more()`` and within ``room``
+        characters. A piece that does not fit goes out up to ``room``; its tokens go with
+        that first part (``split_counts``), and the rest stays held with none."""
         parts: list[str] = []
         released_tokens = 0
-        while self._held and more():
-            text, tokens = self._held.popleft()
+        held = self._held
+        while held and more():
+            text, tokens = held[0]
+            if len(text) > room:
+                if room > 0:
+                    parts.append(text[:room])
+                    held[0] = (text[room:], 0)
+                    self._held_chars -= room
+                    if split_counts:
+                        released_tokens += tokens
+                        self._held_tokens -= tokens
+                break
+            held.popleft()
+            room -= len(text)
             self._held_tokens -= tokens
+            self._held_chars -= len(text)
             parts.append(text)
             released_tokens += tokens
         out = "".join(parts)
-        if out:
+        if out or released_tokens:
             self.released_chars += len(out)
             self.released_tokens += released_tokens
             if self._context:

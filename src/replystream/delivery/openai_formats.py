@@ -20,6 +20,14 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   ``finish_reason: "content_filter"`` (plus a ``replystream_moderation`` object naming the
   check; OpenAI's own ``moderation`` field has another shape), then ``[DONE]``. The finish
   reason, not a missing end marker, tells the client it was cut.
+- Log probabilities, when asked, are in each text chunk's choice in OpenAI's shapes: chat
+  ``logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+  bytes}]}], "refusal": null}``; legacy ``logprobs: {tokens, token_logprobs, top_logprobs:
+  [{token: logprob}], text_offset}``; exactly the tokens of that chunk's text.
+- A reply with several choices (``n > 1``) has one format per choice (``index``,
+  ``one_of_many``): each sends its own role chunk, text chunks and finish chunk with its
+  ``index``; the usage chunk (summed) and ``[DONE]`` come once, after every choice finished
+  (``reply_end``).
 A format object serves one reply: it remembers the reply id ``started`` was given, because
 every chunk repeats it. It must not know about sockets, tasks or stores.
 """
@@ -33,7 +41,7 @@ from typing import Any, Literal
 from replystream.delivery.formats import Spec, Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.tool_calls import ToolCall
-from replystream.engine.base import ToolCallDelta
+from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob
 
 Kind = Literal["chat", "text"]
 DONE: Spec = (None, "[DONE]")
@@ -56,6 +64,38 @@ def completion_id(kind: Kind, reply_id: str) -> str:
     return _ID_PREFIX[kind] + reply_id
 
 
+def _candidate(token: TopLogprob | TokenLogprob) -> dict[str, Any]:
+    return {"token": token.token, "logprob": token.logprob, "bytes": list(token.bytes)}
+
+
+def chat_logprobs(made: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` object for these tokens."""
+    content = [
+        {**_candidate(token), "top_logprobs": [_candidate(t) for t in token.top]} for token in made
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(made: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
+    """A legacy choice's ``logprobs`` object for these tokens, the first at ``offset`` in the
+    completion's text. ``top_logprobs`` holds the likeliest tokens and the made one (OpenAI:
+    "up to logprobs+1 elements")."""
+    offsets: list[int] = []
+    tops: list[dict[str, float]] = []
+    for token in made:
+        offsets.append(offset)
+        offset += len(token.token)
+        top = {t.token: t.logprob for t in token.top}
+        top.setdefault(token.token, token.logprob)
+        tops.append(top)
+    return {
+        "tokens": [token.token for token in made],
+        "token_logprobs": [token.logprob for token in made],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
 def in_band_error(message: str, code: str) -> Spec:
     """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on."""
     error = {"message": message, "type": "server_error", "param": None, "code": code}
@@ -70,7 +110,10 @@ class OpenAIStreamFormat:
     model: str
     created: int
     include_usage: bool = False
+    index: int = 0  # the choice this format's chunks carry
+    one_of_many: bool = False  # the reply's ending is sent once, for all its choices
     reply_id: str = field(default="", init=False)
+    _offset: int = field(default=0, init=False)  # characters sent, for legacy text_offset
     # A text chunk's JSON before and after its text (see ``text``), made on first use.
     _text_parts: tuple[str, str] | None = field(default=None, init=False)
 
@@ -90,26 +133,41 @@ class OpenAIStreamFormat:
     def _choice(self, content: str | None, finish_reason: str | None, **delta: Any) -> Any:
         if self.kind == "text":
             text = content or ""
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if content is not None:
-            delta["content"] = content
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": None}
+        else:
+            if content is not None:
+                delta["content"] = content
+            choice = {"index": self.index, "delta": delta, "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        return choice
 
     def started(self, reply_id: str) -> list[Spec]:
         self.reply_id = reply_id
         self._text_parts = None  # the id is in every chunk
         return [self._chunk([self._choice("", None, role="assistant")])]
 
-    def text(self, text: str, tokens: int) -> Spec:
+    def text(self, text: str, tokens: int) -> list[Spec]:
         # Two text chunks of a reply differ only in their text: the rest is encoded once,
         # by ``_chunk`` itself, and each chunk encodes its text alone (the same bytes as
         # encoding the whole chunk, at a tenth of the cost: this runs once per event).
+        # A chunk with log probabilities is not one of these (``text_logprobs``).
         parts = self._text_parts
         if parts is None:
             spec = self._chunk([self._choice(_TEXT_PLACEHOLDER, None)])[1]
             before, _, after = spec.rpartition(json.dumps(_TEXT_PLACEHOLDER))
             parts = self._text_parts = before, after
-        return None, parts[0] + json.dumps(text) + parts[1]
+        return [(None, parts[0] + json.dumps(text) + parts[1])]
+
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
+        choice = self._choice(text, None)
+        if self.kind == "chat":
+            choice["logprobs"] = chat_logprobs(logprobs)
+        else:
+            choice["logprobs"] = completion_logprobs(logprobs, self._offset)
+        self._offset += len(text)
+        return [self._chunk([choice])]
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         if self.kind == "text":
@@ -126,11 +184,17 @@ class OpenAIStreamFormat:
         call["function"] = function
         return [self._chunk([self._choice(None, None, tool_calls=[call])])]
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
-        specs = [self._chunk([self._choice(None, finish_reason)])]
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
+        finish = self._chunk([self._choice(None, finish_reason)])
+        return [finish] if self.one_of_many else [finish, *self.reply_end(usage)]
+
+    def reply_end(self, usage: Usage) -> list[Spec]:
+        """The end of the whole reply: the usage chunk (when asked for), then ``[DONE]``."""
         if self.include_usage:
-            specs.append(self._chunk([], usage=usage.as_dict()))
-        return [*specs, DONE]
+            return [self._chunk([], usage=usage.as_dict()), DONE]
+        return [DONE]
 
     def error(self, message: str, code: str) -> list[Spec]:
         return [in_band_error(message, code)]
@@ -140,7 +204,34 @@ class OpenAIStreamFormat:
 
     def moderated(self, violation: Violation) -> list[Spec]:
         choice = self._choice(None, MODERATED_FINISH)
-        return [self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)}), DONE]
+        chunk = self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)})
+        return [chunk] if self.one_of_many else [chunk, DONE]
+
+
+def completion_choice(
+    kind: Kind,
+    index: int,
+    text: str,
+    finish_reason: str,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+    tool_calls: tuple[ToolCall, ...] = (),
+) -> dict[str, Any]:
+    """One choice of a whole ``chat.completion`` or ``text_completion`` (``logprobs``: those
+    of its tokens, when the request asked; ``tool_calls``: the calls it made, chat only)."""
+    choice: dict[str, Any]
+    if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [call.as_openai() for call in tool_calls]
+        choice = {"index": index, "message": message, "logprobs": None}
+    else:
+        choice = {"index": index, "text": text, "logprobs": None}
+    if logprobs is not None:
+        made = logprobs
+        choice["logprobs"] = chat_logprobs(made) if kind == "chat" else completion_logprobs(made, 0)
+    choice["finish_reason"] = finish_reason
+    return choice
 
 
 def completion_body(
@@ -149,29 +240,24 @@ def completion_body(
     reply_id: str,
     model: str,
     created: int,
-    text: str,
-    finish_reason: str,
+    text: str = "",
+    finish_reason: str = "stop",
     usage: Usage | None,
     moderation: dict[str, object] | None = None,
+    logprobs: tuple[TokenLogprob, ...] | None = None,
+    choices: list[dict[str, Any]] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` or ``text_completion`` object."""
-    choice: dict[str, Any]
-    if kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        if tool_calls:
-            message["content"] = text or None
-            message["tool_calls"] = [call.as_openai() for call in tool_calls]
-        choice = {"index": 0, "message": message, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None}
-    choice["finish_reason"] = finish_reason
+    """A whole ``chat.completion`` or ``text_completion`` object: one choice of ``text`` (and
+    ``tool_calls``), or ``choices`` made by ``completion_choice``."""
+    if choices is None:
+        choices = [completion_choice(kind, 0, text, finish_reason, logprobs, tool_calls)]
     body: dict[str, Any] = {
         "id": completion_id(kind, reply_id),
         "object": _BODY_OBJECT[kind],
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": None if usage is None else usage.as_dict(),
     }
     if moderation is not None:

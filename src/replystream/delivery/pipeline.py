@@ -1,19 +1,57 @@
 """The reply pipeline: deltas in, numbered events out.
 
-For one reply it applies hold-back moderation, batching and the wire dialect, and numbers the
-events (the ``id:`` a reader resumes from). It is pure state: the caller passes the clock and
+For one reply it applies hold-back moderation and stop strings (one withholding buffer,
+``HoldBack``), batching and the wire dialect, and numbers the events (the ``id:`` a reader
+resumes from). A stop string is decided here, not by the engine, so every engine gets it: the
+reply ends at the first one (``halted``; the caller stops the engine), finishing ``"stop"``
+with the matched string for dialects that name it. Log probabilities, when asked, go with
+the tokens each event carries: the buffer and the batcher say how many tokens an event
+holds, and that many are taken, in order, from the ones made (so text withheld or cut takes
+its tokens' log probabilities with it). It is pure state: the caller passes the clock and
 puts the returned ``LogEntry`` values into the reply log. It must not know about sockets,
 tasks, stores or any transport's framing (a transport encodes each entry as it writes it).
 """
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Protocol
+
 from replystream.delivery.batching import Batcher
 from replystream.delivery.formats import Spec, StreamFormat, Usage
 from replystream.delivery.moderation import HoldBack, Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
-from replystream.engine.base import Delta
+from replystream.engine.base import Delta, TokenLogprob
+
+
+class Pipeline(Protocol):
+    """What a reply's producer drives: ``ReplyPipeline``, or ``delivery.choices``'s for a
+    reply with several choices."""
+
+    next_seq: int
+    halted: bool  # production must end: a check failed or a stop string completed
+
+    @property
+    def violation(self) -> Violation | None: ...
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's size as the engine counted it (None: it did not say)."""
+        ...
+
+    @property
+    def batch_due_at(self) -> float | None: ...
+
+    def start(self, reply_id: str) -> list[LogEntry]: ...
+
+    def push(self, delta: Delta, now: float) -> list[LogEntry]: ...
+
+    def flush_due(self, now: float) -> list[LogEntry]: ...
+
+    def finish(self, prompt_tokens: int) -> list[LogEntry]: ...
+
+    def fail(self, message: str, code: str) -> list[LogEntry]: ...
 
 
 class ReplyPipeline:
@@ -26,14 +64,24 @@ class ReplyPipeline:
         "ended",
         "finish_reason",
         "fmt",
+        "halted",
         "holdback",
+        "logprobs",
         "next_seq",
         "numbered",
         "prompt_tokens",
         "tokens",
     )
 
-    def __init__(self, fmt: StreamFormat, policy: DeliveryPolicy, *, numbered: bool = True) -> None:
+    def __init__(
+        self,
+        fmt: StreamFormat,
+        policy: DeliveryPolicy,
+        *,
+        numbered: bool = True,
+        stops: tuple[str, ...] = (),
+        logprobs: bool = False,
+    ) -> None:
         self.fmt = fmt
         self.numbered = numbered
         window_s = None if policy.batch_ms is None else policy.batch_ms / 1000.0
@@ -42,16 +90,23 @@ class ReplyPipeline:
         self._direct = (
             policy.holdback_tokens == 0
             and not policy.checks
+            and not stops
+            and not logprobs
             and policy.batch_tokens == 1
             and window_s is None
         )
-        self.holdback = None if self._direct else HoldBack(policy.holdback_tokens, policy.checks)
+        self.holdback = (
+            None if self._direct else HoldBack(policy.holdback_tokens, policy.checks, stops)
+        )
         self.batcher = None if self._direct else Batcher(policy.batch_tokens, window_s)
         self.next_seq = 1
         self.tokens = 0
         self.finish_reason = "stop"
         self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
         self.ended = False
+        self.halted = False  # a check or a stop string ended the text: push no more deltas
+        # Log probabilities of tokens made and not yet in an event, oldest first (None: not asked).
+        self.logprobs: deque[TokenLogprob] | None = deque() if logprobs else None
 
     def _entries(self, specs: list[Spec]) -> list[LogEntry]:
         seq = self.next_seq
@@ -72,6 +127,8 @@ class ReplyPipeline:
         holdback, batcher = self.holdback, self.batcher
         if not delta.text:
             if delta.tool_call is not None:
+                # A call's pieces carry no text; log probabilities, if any came with one,
+                # belong to no text event and are not queued for one.
                 if holdback is None or batcher is None:
                     return self._entries(self.fmt.tool_call(delta.tool_call))
                 return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
@@ -81,17 +138,27 @@ class ReplyPipeline:
                 if holdback is None or batcher is None:
                     return []
         if holdback is None or batcher is None:  # nothing held, nothing batched
-            return self._entries([self.fmt.text(delta.text, delta.tokens)])
+            return self._entries(self.fmt.text(delta.text, delta.tokens))
+        if self.logprobs is not None and delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
         text, tokens = holdback.push(delta.text, delta.tokens)
         batch = batcher.add(text, tokens, now)
-        specs = [] if batch is None else [self.fmt.text(*batch)]
-        if holdback.violation is not None:
-            return self._entries(specs) + self._end_moderated(holdback.violation)
+        specs = [] if batch is None else self._text(*batch)
+        if holdback.ended:
+            self.halted = True
+            if holdback.violation is not None:
+                return self._entries(specs) + self._end_moderated(holdback.violation)
+            self.finish_reason = "stop"  # even on the last token the length allowed
         return self._entries(specs)
 
     @property
     def violation(self) -> Violation | None:
         return None if self.holdback is None else self.holdback.violation
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string the reply ended at (None: it ended otherwise, or not yet)."""
+        return None if self.holdback is None else self.holdback.stop_sequence
 
     @property
     def batch_due_at(self) -> float | None:
@@ -103,7 +170,15 @@ class ReplyPipeline:
         if self.batcher is None or not self.batcher.expired(now):
             return []
         batch = self.batcher.flush()
-        return [] if batch is None else self._entries([self.fmt.text(*batch)])
+        return [] if batch is None else self._entries(self._text(*batch))
+
+    def _text(self, text: str, tokens: int) -> list[Spec]:
+        """The events of released text, with its tokens' log probabilities when asked."""
+        made = self.logprobs
+        if made is None:
+            return self.fmt.text(text, tokens)
+        taken = tuple(made.popleft() for _ in range(min(tokens, len(made))))
+        return self.fmt.text_logprobs(text, tokens, taken)
 
     def _release_held(self) -> list[Spec]:
         """Text before a tool call: all of it goes out first, in order. The checks have
@@ -112,11 +187,15 @@ class ReplyPipeline:
         assert self.holdback is not None and self.batcher is not None
         text, tokens = self.holdback.finish()
         batch = self.batcher.add(text, tokens, 0.0)
-        return ([] if batch is None else [self.fmt.text(*batch)]) + self._flush()
+        return ([] if batch is None else self._text(*batch)) + self._flush()
 
     def _flush(self) -> list[Spec]:
         batch = None if self.batcher is None else self.batcher.flush()
-        return [] if batch is None else [self.fmt.text(*batch)]
+        return [] if batch is None else self._text(*batch)
+
+    def flush(self) -> list[LogEntry]:
+        """Whatever is batched, now (held text stays held)."""
+        return self._entries(self._flush())
 
     def _end_moderated(self, violation: Violation) -> list[LogEntry]:
         self.ended = True
@@ -130,12 +209,13 @@ class ReplyPipeline:
         if self.holdback is not None and self.batcher is not None:
             text, tokens = self.holdback.finish()
             batch = self.batcher.add(text, tokens, 0.0)
-            specs = [] if batch is None else [self.fmt.text(*batch)]
+            specs = [] if batch is None else self._text(*batch)
             specs += self._flush()
         if self.prompt_tokens is not None:
             prompt_tokens = self.prompt_tokens
+        usage = Usage(prompt_tokens, self.tokens)
         return self._entries(
-            specs + self.fmt.finished(self.finish_reason, Usage(prompt_tokens, self.tokens))
+            specs + self.fmt.finished(self.finish_reason, usage, self.stop_sequence)
         )
 
     def fail(self, message: str, code: str) -> list[LogEntry]:

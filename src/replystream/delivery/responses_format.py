@@ -5,20 +5,23 @@ frameworks) reads, byte for byte:
 - A streamed response is ``event: <type>`` with a ``data:`` object whose ``type`` matches and
   whose ``sequence_number`` is the event's id in the reply log (the same cursor for
   ``starting_after`` and ``Last-Event-ID``), in OpenAI's order: ``response.created``,
-  ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
-  one ``response.output_text.delta`` per piece of text, then ``response.output_text.done``,
-  ``response.content_part.done``, ``response.output_item.done`` and the terminal event:
+  ``response.in_progress``, then the output items in order (a message:
+  ``response.output_item.added``, ``response.content_part.added``, one
+  ``response.output_text.delta`` per piece of text, ``response.output_text.done``,
+  ``response.content_part.done``, ``response.output_item.done``), then the terminal event:
   ``response.completed`` (with usage), ``response.incomplete`` (the token limit, or a check
   that stopped the text: ``content_filter``) or ``response.failed`` (with the error). There
   is no ``[DONE]``: the terminal event ends the stream.
-- A tool call is a ``function_call`` output item after the message: the message item is
-  closed (its ``.done`` events), then ``response.output_item.added`` (``type:
-  "function_call"``, ``call_id``, ``name``, ``arguments: ""``), one
-  ``response.function_call_arguments.delta`` per fragment, and when the next call starts or
-  the response ends ``response.function_call_arguments.done`` (the whole arguments) and
-  ``response.output_item.done``. Output index 0 is always the message, opened before the
-  first delta is known (empty when the response opens with a call); text after a call joins
-  it. The whole response lists the function calls after the message in ``output``.
+- A message item is opened when text comes (a response of calls only has none), and closed
+  when a call starts or the response ends; text after a call opens a new message item
+  (``msg_<reply id>`` first in the output, ``msg_<reply id>_<output index>`` after a call).
+- A tool call is a ``function_call`` output item: the open item is closed (its ``.done``
+  events), then ``response.output_item.added`` (``type: "function_call"``, ``call_id``,
+  ``name``, ``arguments: ""``), one ``response.function_call_arguments.delta`` per fragment,
+  and when the next item starts or the response ends
+  ``response.function_call_arguments.done`` (the whole arguments) and
+  ``response.output_item.done``. The whole response's ``output`` has the same items in the
+  same order.
 - The same response whole, not streamed, is the object the terminal event carries.
 A format object serves one response: it numbers its events as the pipeline will (one per
 spec, from 1), and keeps the text so far, which the closing events repeat. It must not know
@@ -35,8 +38,8 @@ from typing import Any, Literal
 from replystream.delivery.formats import Notices, Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
-from replystream.delivery.tool_calls import ToolCall, ToolCalls
-from replystream.engine.base import ToolCallDelta
+from replystream.delivery.tool_calls import ToolCall, ToolCalls, in_order
+from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
@@ -71,6 +74,7 @@ class ResponseSettings:
     background: bool = False
     tools: tuple[dict[str, Any], ...] = ()  # the function tools offered, as the request gave them
     tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True
 
 
 def response_object(
@@ -84,22 +88,17 @@ def response_object(
     error: dict[str, str] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
 ) -> dict[str, Any]:
-    """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it."""
+    """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it: its
+    output the text (message items) and calls in the order they came."""
     output: list[dict[str, Any]] = []
-    if text is not None:
-        item_status = "completed" if status == "completed" else status
-        if status in ("queued", "in_progress"):
-            item_status = "in_progress"
-        output.append(
-            {
-                "type": "message",
-                "id": "msg_" + reply_id,
-                "status": item_status,
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}],
-            }
-        )
-    output += (function_call_item(reply_id, call, "completed") for call in tool_calls)
+    item_status = "completed" if status == "completed" else status
+    if status in ("queued", "in_progress"):
+        item_status = "in_progress"
+    for piece in () if text is None else in_order(text, tool_calls):
+        if isinstance(piece, str):
+            output.append(message_item(reply_id, len(output), piece, item_status))
+        else:
+            output.append(function_call_item(reply_id, piece, "completed"))
     return {
         "id": response_id(reply_id),
         "object": "response",
@@ -112,7 +111,7 @@ def response_object(
         "max_output_tokens": settings.max_output_tokens,
         "model": settings.model,
         "output": output,
-        "parallel_tool_calls": False,
+        "parallel_tool_calls": settings.parallel_tool_calls,
         "previous_response_id": settings.previous_response_id,
         "store": settings.store,
         "temperature": settings.temperature,
@@ -123,6 +122,23 @@ def response_object(
         "truncation": "disabled",
         "usage": None if usage is None else usage_object(usage),
         "metadata": settings.metadata or {},
+    }
+
+
+def message_id(reply_id: str, output_index: int) -> str:
+    """The item id of the message at ``output_index``: ``msg_<reply id>`` first in the
+    output, ``msg_<reply id>_<output index>`` after a call."""
+    return f"msg_{reply_id}" if not output_index else f"msg_{reply_id}_{output_index}"
+
+
+def message_item(reply_id: str, output_index: int, text: str, status: str) -> dict[str, Any]:
+    """A ``message`` output item of ``text``."""
+    return {
+        "type": "message",
+        "id": message_id(reply_id, output_index),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
     }
 
 
@@ -156,9 +172,13 @@ class ResponsesStreamFormat:
     _reply_id: str = ""
     _next: int = 1  # the sequence number the pipeline gives the next spec
     _text: list[str] = field(default_factory=list)
-    _delta_head: str = ""
+    _delta_head: str = ""  # a text delta's JSON up to its number, for the open message
     _calls: ToolCalls = field(default_factory=ToolCalls)
+    _items: int = 0  # output items started so far
     _open_call: ToolCall | None = None  # the function call item open now, if any
+    _open_message: int | None = None  # the output index of the message open now, if any
+    _message_from: int = 0  # where the open message's text starts in ``_text``
+    _call_index: dict[int, int] = field(default_factory=dict)  # call index -> output index
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
@@ -174,11 +194,6 @@ class ResponsesStreamFormat:
 
     def started(self, reply_id: str) -> list[Spec]:
         self._reply_id = reply_id
-        item_id = "msg_" + reply_id
-        self._delta_head = (
-            f'{{"type":"response.output_text.delta","sequence_number":%d,'
-            f'"item_id":"{item_id}","output_index":0,"content_index":0,"delta":'
-        )
         empty = response_object(self.settings, reply_id, "in_progress")
         # A background response is queued first (it runs whoever reads it).
         opening = (
@@ -189,6 +204,32 @@ class ResponsesStreamFormat:
             if self.settings.background
             else [self._event("response.created", {"response": empty})]
         )
+        return [*opening, self._event("response.in_progress", {"response": empty})]
+
+    def text(self, text: str, tokens: int) -> list[Spec]:
+        if self._open_message is not None:
+            self._text.append(text)
+            number = self._next
+            self._next += 1
+            # Spelt out: one per piece of text, the event every response sends most.
+            delta = (self._delta_head % number) + json_string(text) + ',"logprobs":[]}'
+            return [("response.output_text.delta", delta)]
+        if not text:
+            return []  # no message is opened for no text
+        specs = self._open_item_message()
+        return specs + self.text(text, tokens)
+
+    def _open_item_message(self) -> list[Spec]:
+        """Close the open call, if any, and open a message item."""
+        specs = self._close_open("completed")
+        output_index = self._open_message = self._items
+        self._items += 1
+        self._message_from = len(self._text)
+        item_id = message_id(self._reply_id, output_index)
+        self._delta_head = (
+            f'{{"type":"response.output_text.delta","sequence_number":%d,'
+            f'"item_id":"{item_id}","output_index":{output_index},"content_index":0,"delta":'
+        )
         item = {
             "type": "message",
             "id": item_id,
@@ -196,49 +237,43 @@ class ResponsesStreamFormat:
             "role": "assistant",
             "content": [],
         }
+        part = {"type": "output_text", "text": "", "annotations": []}
+        where = {"item_id": item_id, "output_index": output_index, "content_index": 0}
         return [
-            *opening,
-            self._event("response.in_progress", {"response": empty}),
-            self._event("response.output_item.added", {"output_index": 0, "item": item}),
-            self._event(
-                "response.content_part.added",
-                {
-                    "item_id": item_id,
-                    "output_index": 0,
-                    "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": []},
-                },
-            ),
+            *specs,
+            self._event("response.output_item.added", {"output_index": output_index, "item": item}),
+            self._event("response.content_part.added", {**where, "part": part}),
         ]
 
-    def text(self, text: str, tokens: int) -> Spec:
-        self._text.append(text)
-        number = self._next
-        self._next += 1
-        # Spelt out: one per piece of text, the event every response sends most.
-        return (
-            "response.output_text.delta",
-            (self._delta_head % number) + json_string(text) + ',"logprobs":[]}',
-        )
+    def text_logprobs(
+        self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> list[Spec]:
+        return self.text(text, tokens)  # never asked: /v1/responses takes no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
-        known = piece.index in self._calls.calls
-        # A new call: close the item open now (the message, or the call before), then add
-        # a function_call item.
-        specs: list[Spec] = [] if known else self._close_open("completed")
-        call = self._calls.add(piece)
-        output_index = 1 + list(self._calls.calls).index(piece.index)
-        if not known:
+        call = self._calls.calls.get(piece.index)
+        specs: list[Spec] = []
+        if call is None:  # a new call: close the item open now, then add a function_call item
+            specs = self._close_open("completed")
+            call = self._calls.add(piece, sum(map(len, self._text)))
+            self._call_index[call.index] = self._items
+            self._items += 1
             self._open_call = call
             item = function_call_item(self._reply_id, call, "in_progress")
             item["arguments"] = ""
             specs.append(
                 self._event(
-                    "response.output_item.added", {"output_index": output_index, "item": item}
+                    "response.output_item.added",
+                    {"output_index": self._call_index[call.index], "item": item},
                 )
             )
+        else:
+            self._calls.add(piece)
         if piece.arguments:
-            where = {"item_id": f"fc_{self._reply_id}_{call.index}", "output_index": output_index}
+            where = {
+                "item_id": f"fc_{self._reply_id}_{call.index}",
+                "output_index": self._call_index[call.index],
+            }
             specs.append(
                 self._event(
                     "response.function_call_arguments.delta", {**where, "delta": piece.arguments}
@@ -247,40 +282,42 @@ class ResponsesStreamFormat:
         return specs
 
     def _close_open(self, status: Status) -> list[Spec]:
-        """The closing events of the item open now: the message, or the last call."""
+        """The closing events of the item open now, if any: a message, or a call."""
         call = self._open_call
-        if call is None:
-            return [] if self._calls.calls else self._closing(status)
-        self._open_call = None
-        output_index = 1 + list(self._calls.calls).index(call.index)
-        item = function_call_item(self._reply_id, call, status)
-        where = {"item_id": item["id"], "output_index": output_index}
-        return [
-            self._event(
-                "response.function_call_arguments.done", {**where, "arguments": call.arguments}
-            ),
-            self._event("response.output_item.done", {"output_index": output_index, "item": item}),
-        ]
-
-    def _closing(self, status: Status) -> list[Spec]:
-        item_id = "msg_" + self._reply_id
-        text = "".join(self._text)
-        part = {"type": "output_text", "text": text, "annotations": []}
-        item = {
-            "type": "message",
-            "id": item_id,
-            "status": "completed" if status == "completed" else "incomplete",
-            "role": "assistant",
-            "content": [part],
-        }
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        if call is not None:
+            self._open_call = None
+            output_index = self._call_index[call.index]
+            item = function_call_item(self._reply_id, call, status)
+            where = {"item_id": item["id"], "output_index": output_index}
+            arguments = {**where, "arguments": call.arguments}
+            return [
+                self._event("response.function_call_arguments.done", arguments),
+                self._event(
+                    "response.output_item.done", {"output_index": output_index, "item": item}
+                ),
+            ]
+        message = self._open_message
+        if message is None:
+            return []
+        self._open_message = None
+        text = "".join(self._text[self._message_from :])
+        item = message_item(
+            self._reply_id,
+            message,
+            text,
+            "completed" if status == "completed" else "incomplete",
+        )
+        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": message, "content_index": 0}
         return [
             self._event("response.output_text.done", {**where, "text": text, "logprobs": []}),
             self._event("response.content_part.done", {**where, "part": part}),
-            self._event("response.output_item.done", {"output_index": 0, "item": item}),
+            self._event("response.output_item.done", {"output_index": message, "item": item}),
         ]
 
-    def finished(self, finish_reason: str, usage: Usage) -> list[Spec]:
+    def finished(
+        self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
+    ) -> list[Spec]:
         if finish_reason == "length":
             details = {"usage": usage, "incomplete_reason": "max_output_tokens"}
             return [
@@ -327,17 +364,14 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
             return response
     created: dict[str, Any] | None = None
     started = False
-    text: list[str] = []
-    calls: dict[str, dict[str, Any]] = {}  # function_call items so far, by item id
+    items: dict[str, dict[str, Any]] = {}  # output items so far, by item id, in order
     for entry in entries:
         if entry.event == "response.created":
             created = json.loads(entry.data)["response"]
         elif entry.event == "response.in_progress":
             started = True
-        elif entry.event == "response.output_text.delta":
-            text.append(json.loads(entry.data)["delta"])
-        elif entry.event in CALL_EVENTS:
-            _follow_call(calls, entry.event, json.loads(entry.data))
+        elif entry.event in ITEM_EVENTS:
+            _follow_item(items, entry.event, json.loads(entry.data))
     if created is None:
         return None
     status = "in_progress" if started else created["status"]
@@ -347,35 +381,34 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
         status = "failed"
     created["status"] = status
     if started:
-        reply_id = created["id"].removeprefix("resp_")
-        message_item = {
-            "type": "message",
-            "id": "msg_" + reply_id,
-            "status": "in_progress" if status == "in_progress" else "incomplete",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": "".join(text), "annotations": []}],
-        }
-        created["output"] = [message_item, *calls.values()]
+        for item in items.values():
+            if item["type"] == "message" and item["status"] == "in_progress":
+                item["status"] = "in_progress" if status == "in_progress" else "incomplete"
+        created["output"] = list(items.values())
     return created
 
 
-CALL_EVENTS = frozenset(
+ITEM_EVENTS = frozenset(
     {
         "response.output_item.added",
+        "response.output_text.delta",
         "response.function_call_arguments.delta",
         "response.output_item.done",
     }
 )
 
 
-def _follow_call(calls: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
-    """A function_call item as its logged events tell it so far."""
-    if event == "response.function_call_arguments.delta":
-        calls[payload["item_id"]]["arguments"] += payload["delta"]
-        return
-    item = payload["item"]
-    if item["type"] == "function_call":
-        calls[item["id"]] = dict(item)
+def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
+    """An output item (a message or a function call) as its logged events tell it so far."""
+    if event == "response.output_text.delta":
+        items[payload["item_id"]]["content"][0]["text"] += payload["delta"]
+    elif event == "response.function_call_arguments.delta":
+        items[payload["item_id"]]["arguments"] += payload["delta"]
+    else:
+        item = dict(payload["item"])
+        if item["type"] == "message" and not item["content"]:  # added: its text comes next
+            item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+        items[item["id"]] = item
 
 
 def reader_notices(reply_id: str) -> Notices:

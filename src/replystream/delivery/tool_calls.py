@@ -3,13 +3,17 @@
 A reply's tool calls arrive as ``ToolCallDelta`` pieces: the first of an index names the call
 (id and name), the rest carry fragments of its JSON arguments. ``ToolCalls`` joins them per
 index, in the order the indexes first appeared; the arguments are kept exactly as the
-fragments spelt them (never re-encoded), since a client compares them byte for byte.
+fragments spelt them (never re-encoded), since a client compares them byte for byte. Each call
+remembers how much of the reply's text came before it (``text_at``), so the dialects whose
+content is ordered blocks (Anthropic, Responses) put text and calls in the order they came
+(``in_order``).
 This file is pure: it must not know about events, dialects or sockets.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +28,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str = ""
+    text_at: int = 0  # characters of the reply's text made before the call began
 
     def parsed_arguments(self) -> Any:
         """The arguments as a JSON value (an empty string is ``{}``, as a call without
@@ -47,11 +52,13 @@ class ToolCalls:
 
     calls: dict[int, ToolCall] = field(default_factory=dict)
 
-    def add(self, piece: ToolCallDelta) -> ToolCall:
-        """Take one piece; return the call it belongs to (new on its index's first piece)."""
+    def add(self, piece: ToolCallDelta, text_at: int = 0) -> ToolCall:
+        """Take one piece; return the call it belongs to (new on its index's first piece,
+        after ``text_at`` characters of the reply's text)."""
         call = self.calls.get(piece.index)
         if call is None:
-            call = self.calls[piece.index] = ToolCall(piece.index, piece.id or "", piece.name or "")
+            call = ToolCall(piece.index, piece.id or "", piece.name or "", text_at=text_at)
+            self.calls[piece.index] = call
         else:
             # Some servers repeat the id or name on later pieces: the first one stands.
             call.id = call.id or piece.id or ""
@@ -61,3 +68,18 @@ class ToolCalls:
 
     def whole(self) -> tuple[ToolCall, ...]:
         return tuple(self.calls.values())
+
+
+def in_order(text: str, calls: Sequence[ToolCall]) -> list[str | ToolCall]:
+    """A reply's content in the order it was made: its text cut where each call began, the
+    calls between the pieces (in the order they began), no empty piece of text."""
+    content: list[str | ToolCall] = []
+    at = 0
+    for call in calls:
+        if call.text_at > at:
+            content.append(text[at : call.text_at])
+            at = call.text_at
+        content.append(call)
+    if at < len(text):
+        content.append(text[at:])
+    return content

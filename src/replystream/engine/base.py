@@ -47,6 +47,9 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Log probabilities of each made token (None: not asked), with this many of the likeliest
+    # alternatives at each position (0 to 20).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,16 @@ class GenerationRequest:
     # The caller's own API key (its bearer token, or Anthropic's x-api-key), for a relay
     # configured to pass it on to an upstream; no other engine reads it. Never logged.
     client_key: str | None = field(default=None, repr=False)
+    # Whether the reply may hold more than one tool call (chat and Responses'
+    # ``parallel_tool_calls``; Anthropic's ``disable_parallel_tool_use`` negated). None: the
+    # client did not say (the APIs' default allows several).
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether the client demands a tool call (``"required"`` or a named function), which
+        only an engine that makes tool calls can honour (``Engine.makes_tool_calls``)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, Mapping)
 
 
 class ToolCallDelta(NamedTuple):
@@ -94,6 +107,28 @@ class ToolCallDelta(NamedTuple):
     arguments: str
 
 
+class TopLogprob(NamedTuple):
+    """One candidate token at a position, and its log probability under the model."""
+
+    token: str
+    logprob: float
+    bytes: bytes
+
+
+class TokenLogprob(NamedTuple):
+    """A made token's log probability under the model (its distribution before temperature
+    or top-k/top-p narrowed it), and the likeliest tokens at that position, best first.
+
+    ``token`` is the token's text (bytes that are not whole UTF-8 characters read as U+FFFD);
+    ``bytes`` are its exact bytes.
+    """
+
+    token: str
+    logprob: float
+    bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
 class Delta(NamedTuple):
     """Text made by one engine step.
 
@@ -106,6 +141,8 @@ class Delta(NamedTuple):
         made_at: ``time.monotonic()`` when the engine made it.
         finish_reason: set on the last delta: ``"stop"``, ``"length"``, or ``"tool_calls"``
             (the reply ended with tool calls for the client to run).
+        logprobs: one entry per token of this delta, when the request asked for them.
+        choice: which of a request's several generations made it (``n > 1``; else 0).
         tool_call: a piece of a tool call (then ``text`` is empty), else None.
         prompt_tokens: on the last delta, the prompt's size as the engine itself counted it
             (a relay's upstream reports it); None: the server estimates it.
@@ -117,6 +154,8 @@ class Delta(NamedTuple):
     tokens: int = 1
     made_at: float = 0.0
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    choice: int = 0
     tool_call: ToolCallDelta | None = None
     prompt_tokens: int | None = None
     continued: str | None = None
@@ -237,6 +276,10 @@ class Engine(Protocol):
     # Whether every delta stream ``start`` returns is a ``PushDeltaStream``: the consumer then
     # attaches a sink (no task per stream) instead of iterating.
     pushes: bool
+    # Whether its replies can hold tool calls (``Delta.tool_call``). A request that forces a
+    # call (``GenerationRequest.forces_tool_call``) is refused before ``start`` by the server
+    # when this is False; ``tool_choice: "auto"`` is served (the engine chose text).
+    makes_tool_calls: bool
 
     async def start(self, request: GenerationRequest) -> DeltaStream:
         """Admit a request and return its delta stream.

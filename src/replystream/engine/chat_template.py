@@ -53,6 +53,27 @@ def message_text(content: Any) -> str:
     return "".join(str(part.get("text", "")) for part in content or ())
 
 
+def template_message(message: Mapping[str, Any]) -> dict[str, str]:
+    """A chat message (OpenAI chat's form) as the template gets it: its role and its text.
+
+    The models served here make no tool calls and their templates need not know tools, but a
+    conversation may hold calls made elsewhere (an assistant's ``tool_calls``) and their
+    results (``tool`` messages): they are written into the text, one ``[call ID] NAME
+    ARGUMENTS`` line per call and a result as ``[ID] text``, as the plain-text prompt of the
+    other built-in engines writes them, rather than dropped."""
+    text = message_text(message.get("content"))
+    calls = message.get("tool_calls") or ()
+    lines = [text] if text or not calls else []
+    lines += (
+        f"[call {call['id']}] {call['function']['name']} {call['function']['arguments']}"
+        for call in calls
+    )
+    content = "\n".join(lines)
+    if message["role"] == "tool":
+        content = f"[{message.get('tool_call_id')}] {content}"
+    return {"role": message["role"], "content": content}
+
+
 class ChatTemplate:
     """One compiled template, and the special tokens it may name."""
 
@@ -77,12 +98,13 @@ class ChatTemplate:
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """The prompt text for ``messages`` (role and text content each).
+        """The prompt text for ``messages`` (role and text content each, tool calls and
+        results written as text: ``template_message``).
 
         Raises:
             RequestRejected: the template refuses this conversation, or fails on it.
         """
-        plain = [{"role": m["role"], "content": message_text(m.get("content"))} for m in messages]
+        plain = [template_message(message) for message in messages]
         try:
             return self._template.render(
                 messages=plain,

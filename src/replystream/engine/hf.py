@@ -37,7 +37,7 @@ from replystream.engine.base import (
     RequestRejected,
 )
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
-from replystream.engine.sampling import StopMatcher, check_sampling, sample_token
+from replystream.engine.sampling import StopMatcher, check_sampling, sample_token, token_logprob
 
 Item = Delta | EngineError | None  # None: the thread ended (after a finish or a cancel)
 Deliver = Callable[[Item], None]
@@ -104,6 +104,7 @@ class HFEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.pushes = False
+        self.makes_tool_calls = False  # text only: no tool-call parser for its output
         self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
         eos = getattr(model.config, "eos_token_id", None) or tokenizer.eos_token_id
@@ -122,6 +123,10 @@ class HFEngine:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _token_bytes(self, token: int) -> bytes:
+        """A token's text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
+        return str(self.tokenizer.decode([token])).encode()
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages and getattr(self.tokenizer, "chat_template", None):
@@ -233,9 +238,15 @@ class HFEngine:
             logits = out.logits[0, -1].float().numpy()  # (vocab,)
             token = sample_token(logits, params, rng)
             now = time.monotonic()
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = (token_logprob(logits, token, params.logprobs, self._token_bytes),)
             if token in self.eos:
                 text = stop.feed(detok.flush())
-                deliver(Delta(text + ("" if stop.stopped else stop.flush()), 1, now, "stop"))
+                text += "" if stop.stopped else stop.flush()
+                # The end token is never shown, so it has no log probability either.
+                shown = None if logprobs is None else ()
+                deliver(Delta(text, 1, now, "stop", logprobs=shown))
                 return "finished"
             text = stop.feed(detok.push(token))
             reason = "stop" if stop.stopped else "length" if made == max_new else None
@@ -243,7 +254,7 @@ class HFEngine:
                 text += stop.feed(detok.flush())
                 reason = "stop" if stop.stopped else "length"
                 text += "" if stop.stopped else stop.flush()
-            deliver(Delta(text, 1, now, reason))
+            deliver(Delta(text, 1, now, reason, logprobs=logprobs))
             if reason is not None:
                 return "finished"
             ids = torch.tensor([[token]], dtype=torch.long)  # (1, 1): the next step's input

@@ -29,10 +29,10 @@ import numpy as np
 from numpy.typing import NDArray
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-from replystream.engine.base import Delta, EngineError, EngineStats, SamplingParams
+from replystream.engine.base import Delta, EngineError, EngineStats, SamplingParams, TokenLogprob
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
-from replystream.engine.sampling import StopMatcher, sample_token
+from replystream.engine.sampling import StopMatcher, sample_token, token_logprob
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
 from replystream.engine.speculative import accept
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
@@ -70,6 +70,7 @@ class _Request:
     preempted: list[float] = field(default_factory=list)
     finished: float | None = None
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet delivered
 
 
 class Runner:
@@ -183,7 +184,11 @@ class Runner:
                 request = requests[c.seq_id]
 
                 def pick(row: NDArray[np.float32], r: _Request = request) -> int:
-                    return sample_token(row, r.params, r.rng)
+                    token = sample_token(row, r.params, r.rng)
+                    if r.params.logprobs is not None:  # every pick is a made token
+                        top, to_bytes = r.params.logprobs, self.tokenizer.token_bytes
+                        r.logprobs.append(token_logprob(row, token, top, to_bytes))
+                    return token
 
                 sampled[c.seq_id] = accept(
                     list(logits[first : first + n]), c.tokens[len(c.tokens) - c.draft :], pick
@@ -218,7 +223,11 @@ class Runner:
         reason = "stop" if request.stop.stopped or eos else "length" if at_length else None
         if reason == "stop" and not at_length:
             self.scheduler.finish(request.request_id)
-        request.deliver(Delta(text, count, now, reason))
+        logprobs = None
+        if request.params.logprobs is not None:  # those of the tokens shown, in order
+            logprobs = tuple(request.logprobs[: count - eos])  # an EOS token is never shown
+            request.logprobs.clear()
+        request.deliver(Delta(text, count, now, reason, logprobs=logprobs))
         if reason is not None:
             request.finished, request.finish_reason = now, reason
             self._counts["finished"] += 1

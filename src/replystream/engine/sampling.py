@@ -3,21 +3,24 @@
 This file decides how logits become one token id: greedy at temperature 0, otherwise
 softmax(logits / temperature) computed stably (the max is subtracted before ``exp``), narrowed
 by top-k and then top-p (the smallest set of tokens whose probabilities reach p), and drawn
-with the request's own seeded generator, so the same seed gives the same reply. It also decides
-how much generated text may be shown while a stop sequence could still be forming. It must not
-know about models, caches, batches or time.
+with the request's own seeded generator, so the same seed gives the same reply. It also tells
+an engine when a stop sequence has completed (the pipeline cuts it). It must not know about
+models, caches, batches or time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import NDArray
 
-from replystream.engine.base import RequestRejected, SamplingParams
+from replystream.engine.base import RequestRejected, SamplingParams, TokenLogprob, TopLogprob
+from replystream.engine.stops import StopScan
 
 MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
 
 
 def check_sampling(params: SamplingParams) -> None:
@@ -34,6 +37,10 @@ def check_sampling(params: SamplingParams) -> None:
         raise RequestRejected("top_p must be in (0, 1]", param="top_p")
     if params.top_k < 0:
         raise RequestRejected("top_k must be >= 0 (0 keeps every token)", param="top_k")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestRejected(
+            f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs"
+        )
     if len(params.stop) > MAX_STOP_SEQUENCES or any(not s for s in params.stop):
         raise RequestRejected(
             f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop"
@@ -78,32 +85,55 @@ def sample_token(
     return min(index, p.size - 1)
 
 
+def token_logprob(
+    logits: NDArray[np.floating], token: int, top: int, token_bytes: Callable[[int], bytes]
+) -> TokenLogprob:
+    """The log probability of ``token`` under the model's own distribution (log-softmax of the
+    logits, before temperature, top-k or top-p), and the ``top`` likeliest tokens.
+
+    This is what OpenAI and vLLM report: how likely the model found each token, whatever the
+    sampling settings that picked it.
+    """
+    z = logits.astype(np.float64)  # (vocab,)
+    z -= z.max()
+    logp = z - np.log(np.exp(z).sum())  # (vocab,)
+
+    def candidate(index: int) -> TopLogprob:
+        raw = token_bytes(index)
+        return TopLogprob(raw.decode("utf-8", errors="replace"), float(logp[index]), raw)
+
+    best: list[int] = []
+    if top > 0:
+        count = min(top, logp.size)
+        picked = np.argpartition(-logp, count - 1)[:count]
+        best = sorted(picked.tolist(), key=lambda i: (-logp[i], i))
+    made = candidate(token)
+    return TokenLogprob(made.token, made.logprob, made.bytes, tuple(candidate(i) for i in best))
+
+
 class StopMatcher:
-    """Holds back text that might begin a stop sequence; reports when one is complete."""
+    """Tells an engine when a stop sequence has completed, so it can stop making tokens.
+
+    It passes text through up to the end of the first stop sequence (what follows it is
+    dropped) and cuts nothing itself: the reply pipeline (``delivery.moderation``) withholds and
+    cuts stop sequences for every engine alike, and names the one that matched.
+    """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = stops
-        self._held = ""
+        self._scan = StopScan(stops) if stops else None
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        """Text that is safe to show now; sets ``stopped`` when a stop sequence appears."""
-        buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            self._held = ""
-            return buffer[: min(hits)]  # the stop sequence itself is not part of the reply
-        keep = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(buffer)), keep, -1):
-                if buffer.endswith(stop[:n]):
-                    keep = n
-                    break
-        self._held = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep]
+        """The text to deliver; sets ``stopped`` when a stop sequence has completed."""
+        if self._scan is None or self.stopped:
+            return "" if self.stopped else text
+        before = self._scan.seen
+        hit = self._scan.feed(text)
+        if hit is None:
+            return text
+        self.stopped = True
+        return text[: hit.start + len(hit.stop) - before]
 
     def flush(self) -> str:
-        """The held text, at the end of a reply that did not stop on a sequence."""
-        held, self._held = self._held, ""
-        return held
+        """Nothing is ever held here (kept for the engines' end-of-reply path)."""
+        return ""

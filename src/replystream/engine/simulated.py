@@ -9,6 +9,10 @@ token"), so a timer that fires late does not push every later token back. A stre
 iterated (one timer per token) or attached to a sink; attached streams share one timer, so
 thousands of concurrent replies cost one wake-up per tick instead of one per token each, and
 a stream's overdue tokens are delivered together.
+Asked for log probabilities, it makes them up, deterministically: each token's is a hash of
+the seed and its index (a probability from 0.5 to 1), and the alternatives are the reply's
+other words with smaller ones. They are for clients and tests that need the shape without a
+model, and say nothing about any model.
 It must not know about HTTP or about who reads the tokens.
 """
 
@@ -18,6 +22,7 @@ import asyncio
 import heapq
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from replystream.engine.base import (
@@ -29,6 +34,8 @@ from replystream.engine.base import (
     GenerationRequest,
     Readiness,
     RequestRejected,
+    TokenLogprob,
+    TopLogprob,
 )
 from replystream.engine.reply_script import ReplyScript
 
@@ -76,6 +83,24 @@ def token_draw(seed: int, index: int) -> float:
     return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
+_LOGPROB_SALT = 0x5EED_1067_9B0B  # another stream of draws than the schedule's
+
+
+def simulated_logprob(words: list[str], seed: int, index: int, top: int) -> TokenLogprob:
+    """A made-up, deterministic log probability for token ``index`` (``words[index]``), with
+    ``top`` alternatives: itself first, then the reply's other words, each less likely."""
+    word = words[index]
+    chance = 0.5 + 0.5 * token_draw(seed ^ _LOGPROB_SALT, index)  # [0.5, 1)
+    made = TopLogprob(word, math.log(chance), word.encode())
+    others = [w for w in dict.fromkeys(words) if w and w != word]  # a script's calls: ""
+    rest = (1.0 - chance) / 2.0
+    alternatives = [made]
+    for other in others[: max(0, top - 1)]:
+        alternatives.append(TopLogprob(other, math.log(rest), other.encode()))
+        rest /= 2.0
+    return TokenLogprob(word, made.logprob, made.bytes, tuple(alternatives[:top]))
+
+
 @dataclass(frozen=True, slots=True)
 class SimulatedConfig:
     """Timing and content of simulated replies (the reference lab's defaults)."""
@@ -109,6 +134,7 @@ class SimulatedEngine:
 
     name = "simulated"
     pushes = True  # its streams share one timer and push to a sink
+    makes_tool_calls = False  # only a scripted reply has calls (``ScriptedEngine``)
 
     def __init__(self, config: SimulatedConfig | None = None) -> None:
         self.config = config or SimulatedConfig()
@@ -177,6 +203,7 @@ class SimulatedEngine:
             self._reply_length(request),
             self._first_token_ms(request),
             loop.time(),
+            request.sampling.logprobs,
             first=self._start_of(request),
         )
 
@@ -224,11 +251,23 @@ class ScriptedEngine(SimulatedEngine):
     model to test clients, it is not one.
     """
 
+    makes_tool_calls = True
+
     def __init__(self, config: SimulatedConfig, script: ReplyScript) -> None:
         super().__init__(config)
         self.script = script
         self._plan = script.deltas
         self._words = [step.text for step in script.deltas]  # the length every reply has
+
+    async def start(self, request: GenerationRequest) -> SimulatedStream:
+        if request.parallel_tool_calls is False and self.script.calls > 1:
+            raise RequestRejected(
+                f"parallel tool calls are disabled, and this server's reply script makes "
+                f"{self.script.calls} calls in one reply (it is replayed as written)",
+                code="unsupported_parameter",
+                param="parallel_tool_calls",
+            )
+        return await super().start(request)
 
     def _gap_ms(self, seed: int, index: int) -> float:
         if index < len(self._plan):
@@ -243,7 +282,7 @@ class ScriptedEngine(SimulatedEngine):
         if index == count - 1:
             finish = "length" if count < len(self._plan) else self.script.finish_reason
         step = self._plan[index]
-        return Delta(step.text, 1, made_at, finish, step.tool_call)
+        return Delta(step.text, 1, made_at, finish, tool_call=step.tool_call)
 
 
 def simulated_engine(config: SimulatedConfig) -> SimulatedEngine:
@@ -271,6 +310,7 @@ class SimulatedStream:
         "_seed",
         "_sink",
         "_start",
+        "_token",
     )
 
     def __init__(
@@ -280,6 +320,7 @@ class SimulatedStream:
         count: int,
         first_ms: float,
         start: float,
+        logprobs: int | None = None,
         *,
         first: int = 0,
     ) -> None:
@@ -292,6 +333,16 @@ class SimulatedStream:
         self._ended = False
         self._sink: DeltaSink | None = None
         self._fail_at = engine.config.fail_after
+        # How token ``index`` is made: plain, or (only when asked) with its log probability.
+        self._token: Callable[[int, int, float], Delta] = engine._token
+        if logprobs is not None:
+            top = logprobs
+
+            def with_logprob(index: int, count: int, made_at: float) -> Delta:
+                lp = simulated_logprob(engine._words, seed, index, top)
+                return engine._token(index, count, made_at)._replace(logprobs=(lp,))
+
+            self._token = with_logprob
 
     def _next_due(self) -> float:
         """The loop time at which the next token is due."""
@@ -334,7 +385,7 @@ class SimulatedStream:
             raise StopAsyncIteration
         index = self._next
         self._advance()
-        delta = self._engine._token(index, self._count, time.monotonic())
+        delta = self._token(index, self._count, time.monotonic())
         if self._next >= self._count:
             self._finish("finished")
         return delta
@@ -377,7 +428,7 @@ class SimulatedStream:
         end = self._next
         if end > first:
             made_at = time.monotonic()
-            token = self._engine._token
+            token = self._token
             sink.on_deltas([token(index, count, made_at) for index in range(first, end)])
             if self._ended:  # the sink closed the stream while handling the tokens
                 return None

@@ -86,6 +86,7 @@ class TinyEngine:
     """
 
     pushes = False
+    makes_tool_calls = False
 
     def __init__(
         self,

@@ -177,10 +177,15 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["seed"] = s.seed
     if s.stop:
         body["stop"] = list(s.stop)
+    if s.logprobs is not None:
+        body["logprobs"] = True
+        body["top_logprobs"] = s.logprobs
     if request.tools:  # already in chat's form, whatever dialect the client spoke
         body["tools"] = [dict(tool) for tool in request.tools]
         if request.tool_choice is not None:
             body["tool_choice"] = request.tool_choice
+        if request.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = request.parallel_tool_calls
     return body
 
 
@@ -210,6 +215,7 @@ class UpstreamEngine:
     # A reply is a RelayedReply over its attempts, which reads each attempt's UpstreamStream
     # by iterating; the producer task pulls it.
     pushes = False
+    makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
@@ -339,6 +345,7 @@ class UpstreamEngine:
             stall_s=self.config.stall_s,
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
+            logprobs=request.sampling.logprobs is not None,
         )
 
     def _ended(self, outcome: str, deltas: int) -> None:

@@ -46,6 +46,7 @@ from pydantic_core import from_json
 
 from replystream.engine.base import Delta, DeltaSink, EngineError, ToolCallDelta
 from replystream.engine.upstream_errors import broken_stream, quoted
+from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 log = logging.getLogger("replystream.upstream")
@@ -157,8 +158,10 @@ class UpstreamStream:
         stall_s: float,
         max_event_size: int,
         on_end: Callable[[str, int], None] | None = None,
+        logprobs: bool = False,
     ) -> None:
         self._response = response
+        self._logprobs = logprobs  # asked for: text without them is the upstream's failure
         self._stall_s = stall_s
         self._max_event_size = max_event_size
         self._parser = EventParser(max_event_size=max_event_size)
@@ -442,8 +445,21 @@ class UpstreamStream:
             delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
             if isinstance(text, str) and text:
-                self._tokens += 1
-                self._pending.append(Delta(text, 1, now))
+                logprobs = choice.get("logprobs")  # only sent when the request asked
+                if logprobs:
+                    made = relayed_logprobs(logprobs)
+                    count = len(made) if made else 1
+                    self._tokens += count
+                    self._pending.append(Delta(text, count, now, logprobs=made))
+                elif self._logprobs:
+                    raise self._fail(
+                        "the upstream sent text without the logprobs asked for "
+                        "(it does not support them)",
+                        "upstream_no_logprobs",
+                    )
+                else:
+                    self._tokens += 1
+                    self._pending.append(Delta(text, 1, now))
             calls = delta.get("tool_calls") if isinstance(delta, dict) else None
             if calls:
                 self._tool_calls(calls, now)
@@ -472,7 +488,7 @@ class UpstreamStream:
                 raise self._fail("the upstream sent a malformed tool call", "upstream_bad_chunk")
             self._tokens += 1
             self._pending.append(
-                Delta("", 1, now, None, ToolCallDelta(index, call_id, name, arguments))
+                Delta("", 1, now, tool_call=ToolCallDelta(index, call_id, name, arguments))
             )
 
     def _finish_reply(self, now: float) -> None:

@@ -24,13 +24,14 @@ from replystream.delivery.anthropic_format import (
     AnthropicStreamFormat,
     message_object,
 )
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
+from replystream.server.buffered import Whole
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
+from replystream.server.errors import HTTPAPIError
 from replystream.server.native import bad, delivery_overrides, sampling_params
 from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schemas import MessagesBody, SamplingFields
@@ -69,7 +70,12 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
             "context_length_exceeded",
         )
     sampling = sampling_params(_sampling(body), body.max_tokens)
-    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice)
+    choice = body.tool_choice
+    disabled = None if choice is None else choice.disable_parallel_tool_use
+    parallel = None if disabled is None else not disabled
+    return GenerationRequest(
+        prompt, sampling, tuple(messages), tools, tool_choice, parallel_tool_calls=parallel
+    )
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -86,16 +92,21 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     )
     policy = delivery_overrides(_sampling(body), config.policy)
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
-    if not body.stream:
-        return await _whole(request, generation, model, input_tokens, policy)
-    reply = await start_reply(
-        request,
-        generation,
-        endpoint="/v1/messages",
-        fmt=AnthropicStreamFormat(model, input_tokens),
-        policy=policy,
-        resumable=None,  # the server's default, as on the other routes
-    )
+    try:
+        if not body.stream:
+            return await _whole(request, generation, model, input_tokens, policy)
+        reply = await start_reply(
+            request,
+            generation,
+            endpoint="/v1/messages",
+            fmt=AnthropicStreamFormat(model, input_tokens),
+            policy=policy,
+            resumable=None,  # the server's default, as on the other routes
+        )
+    except HTTPAPIError as refused:
+        if refused.param == "parallel_tool_calls":  # an engine's refusal, in chat's words
+            refused.param = "tool_choice.disable_parallel_tool_use"
+        raise
     return follow_started(request, reply, policy, keepalive=PING)
 
 
@@ -108,17 +119,19 @@ async def _whole(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(
-        text: str, finish_reason: str, usage: Usage, tool_calls: tuple[ToolCall, ...]
-    ) -> dict[str, Any]:
+    def body(whole: Whole) -> dict[str, Any]:
+        stop = whole.stop_sequence
         return message_object(
             reply_id,
             model,
-            text=text,
-            stop_reason=STOP_REASONS.get(finish_reason, "end_turn"),
-            input_tokens=usage.prompt_tokens,  # the engine's own count when it gave one
-            output_tokens=usage.completion_tokens,
-            tool_calls=tool_calls,
+            text=whole.text,
+            stop_reason="stop_sequence"
+            if stop is not None
+            else STOP_REASONS.get(whole.finish_reason, "end_turn"),
+            input_tokens=whole.usage.prompt_tokens,  # the engine's own count when it gave one
+            output_tokens=whole.usage.completion_tokens,
+            stop_sequence=stop,
+            tool_calls=whole.tool_calls,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

@@ -30,7 +30,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from replystream.delivery.follower import KeepaliveClock
 from replystream.delivery.formats import (
-    Usage,
     moderated_payload,
 )
 from replystream.delivery.moderation import Violation
@@ -39,7 +38,6 @@ from replystream.delivery.replay import (
     ReplayStore,
     StoreUnavailable,
 )
-from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import (
     Engine,
     GenerationRequest,
@@ -47,6 +45,7 @@ from replystream.engine.base import (
 )
 from replystream.server.anthropic_api import add_anthropic_routes
 from replystream.server.auth import api_key_check
+from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
@@ -110,21 +109,20 @@ def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
     return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
 
 
-def _native_body(
-    text: str, finish_reason: str, usage: Usage, tool_calls: tuple[ToolCall, ...]
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"text": text, "finish_reason": finish_reason}
-    if tool_calls:
-        body["tool_calls"] = [call.as_openai() for call in tool_calls]
-    return {**body, "usage": usage.as_dict()}
+def _native_body(whole: Whole) -> dict[str, Any]:
+    body: dict[str, Any] = {"text": whole.text, "finish_reason": whole.finish_reason}
+    if whole.tool_calls:
+        body["tool_calls"] = [call.as_openai() for call in whole.tool_calls]
+    body["usage"] = whole.usage.as_dict()
+    if whole.stop_sequence is not None:
+        body["stop_sequence"] = whole.stop_sequence
+    return body
 
 
-def _lab_body(
-    text: str, _reason: str, _usage: Usage, tool_calls: tuple[ToolCall, ...]
-) -> dict[str, Any]:
-    if tool_calls:  # a scripted engine's calls: kept beside the text, never dropped
-        return {"text": text, "tool_calls": [call.as_openai() for call in tool_calls]}
-    return {"text": text}
+def _lab_body(whole: Whole) -> dict[str, Any]:
+    if whole.tool_calls:  # a scripted engine's calls: kept beside the text, never dropped
+        return {"text": whole.text, "tool_calls": [c.as_openai() for c in whole.tool_calls]}
+    return {"text": whole.text}
 
 
 async def handle_wait(request: web.Request) -> web.StreamResponse:

@@ -14,7 +14,8 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -22,7 +23,7 @@ from replystream.delivery.channel import DeltaChannel, End, pump
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
 from replystream.delivery.tool_calls import ToolCall, ToolCalls
-from replystream.engine.base import Delta, DeltaStream
+from replystream.engine.base import Delta, DeltaStream, TokenLogprob
 from replystream.server.errors import error_response
 from replystream.server.metrics import ReplyRecord
 from replystream.server.replies import ReplyManager, close_quietly
@@ -31,8 +32,75 @@ log = logging.getLogger("replystream.buffered")
 
 WHOLE_REPLY = 1 << 30  # a hold-back window longer than any reply
 
-BodyFn = Callable[[str, str, Usage, tuple[ToolCall, ...]], dict[str, Any]]
+
+class Whole(NamedTuple):
+    """A reply collected whole, as its body is made from it."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    stop_sequence: str | None = None  # the stop string it ended at
+    logprobs: tuple[TokenLogprob, ...] | None = None  # of the tokens of ``text``, when asked
+    violation: Violation | None = None  # a check stopped it (``text``: what was released)
+    tool_calls: tuple[ToolCall, ...] = ()  # joined from their pieces, in the order they started
+
+
+BodyFn = Callable[[Whole], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Several:
+    """A buffered reply of ``n`` choices: the body of them all, and how to stop one."""
+
+    n: int
+    body: Callable[[list[Whole]], dict[str, Any]]
+    close_choice: Callable[[int], None]
+
+
 ModeratedFn = Callable[[str, Violation], dict[str, Any]]
+
+
+class _Collector:
+    """One choice collected whole: its text held (and checked) to the end."""
+
+    def __init__(self, checks: Sequence[Check], stops: tuple[str, ...], logprobs: bool) -> None:
+        # Nothing leaves before the end, so every token stays held: a phrase whose start came
+        # tokens before its end is cut from its start, as a stream's window would if it were
+        # long. Stop strings are cut as in a stream (the same ``HoldBack``).
+        self.holdback = HoldBack(WHOLE_REPLY, checks, stops)
+        self.parts: list[str] = []
+        self.made: list[TokenLogprob] | None = [] if logprobs else None
+        self.calls = ToolCalls()
+        self.finish_reason = "stop"
+        self.tokens = 0
+        self.done = False  # a check failed or a stop string completed: take no more
+
+    def take(self, delta: Delta) -> bool:
+        """Add a delta; True once this choice needs no more (its generation can stop)."""
+        self.tokens += delta.tokens
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.tool_call is not None:
+            # As in a stream: a call ends the text before it (held text is released, and no
+            # stop string spans it); its pieces are no text and have no log probabilities.
+            self.parts.append(self.holdback.finish()[0])
+            self.calls.add(delta.tool_call, self.holdback.released_chars)
+            return False
+        if self.made is not None and delta.logprobs:
+            self.made.extend(delta.logprobs)
+        self.parts.append(self.holdback.push(delta.text, delta.tokens)[0])
+        self.done = self.holdback.ended
+        return self.done
+
+    def whole(self, usage: Usage) -> Whole:
+        holdback = self.holdback
+        if not holdback.ended:
+            self.parts.append(holdback.finish()[0])
+        stop = holdback.stop_sequence
+        finish = "stop" if stop is not None else self.finish_reason
+        # The tokens of the text released (not those of a stop string cut from it).
+        shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
+        text = "".join(self.parts)
+        return Whole(text, finish, usage, stop, shown, holdback.violation, self.calls.whole())
 
 
 async def buffered_reply(
@@ -41,23 +109,26 @@ async def buffered_reply(
     manager: ReplyManager,
     record: ReplyRecord,
     checks: Sequence[Check],
+    stops: tuple[str, ...],
+    logprobs: bool,
     prompt_tokens: int,
     body: BodyFn,
     moderated_body: ModeratedFn,
+    several: Several | None = None,
 ) -> web.Response:
     """Collect an admitted generation whole and answer once, as JSON.
 
-    ``body(text, finish_reason, usage, tool_calls)`` shapes a finished reply (the tool
-    calls joined from their pieces, in the order they started); ``moderated_body(released
-    text, violation)`` a reply a check stopped. A failure is a 500, a shutdown a 503.
+    ``body(whole)`` shapes a finished reply; ``moderated_body(released text, violation)`` a
+    reply a check stopped. A failure is a 500, a shutdown a 503. The generation is stopped at
+    the first stop string. ``several``: ``deltas`` are several choices' (``Delta.choice``),
+    each collected on its own, and the body is ``several.body`` of them all. Tool calls are
+    joined from their pieces, in the order they started (``Whole.tool_calls``).
     """
     channel = DeltaChannel()
-    # Nothing leaves before the end, so every token stays held: a phrase whose start came
-    # tokens before its end is cut from its start, as a stream's window would if it were long.
-    holdback = HoldBack(WHOLE_REPLY, checks)
-    parts: list[str] = []
-    calls = ToolCalls()
-    finish_reason = "stop"
+    collectors = [
+        _Collector(checks, stops, logprobs) for _ in range(1 if several is None else several.n)
+    ]
+    open_choices = len(collectors)
     item: Delta | End | object = None
     manager.track(channel)
     try:
@@ -70,20 +141,21 @@ async def buffered_reply(
                         break
                     assert isinstance(item, Delta)
                     record.on_delta(item.made_at, item.tokens)
-                    finish_reason = item.finish_reason or finish_reason
                     if item.prompt_tokens is not None:  # the engine's own count
                         prompt_tokens = item.prompt_tokens
-                    if item.tool_call is not None:
-                        calls.add(item.tool_call)
+                    collector = collectors[item.choice]
+                    if collector.done or not collector.take(item):
                         continue
-                    parts.append(holdback.push(item.text, item.tokens)[0])
-                    if holdback.violation is not None:
+                    open_choices -= 1  # a check failed, or a stop string completed
+                    if several is None or not open_choices:
                         break
+                    several.close_choice(item.choice)
             finally:
                 pump_task.cancel()
-        if holdback.violation is not None:
-            record.outcome, record.reason = "moderated", holdback.violation.check
-            payload = moderated_body("".join(parts), holdback.violation)
+        first = collectors[0]
+        if several is None and first.holdback.violation is not None:
+            record.outcome, record.reason = "moderated", first.holdback.violation.check
+            payload = moderated_body("".join(first.parts), first.holdback.violation)
         elif isinstance(item, End) and item.how == "failed":
             assert item.error is not None
             log.warning("generation failed: %s", item.error)
@@ -93,11 +165,12 @@ async def buffered_reply(
         elif isinstance(item, End) and item.how == "shutdown":
             record.outcome, record.reason = "shutdown", "shutdown"
             return error_response(503, "the server is shutting down", code="shutdown")
-        else:
-            parts.append(holdback.finish()[0])
+        elif several is None:
             record.outcome = "finished"
-            usage = Usage(prompt_tokens, record.tokens)
-            payload = body("".join(parts), finish_reason, usage, calls.whole())
+            payload = body(first.whole(Usage(prompt_tokens, record.tokens)))
+        else:
+            record.outcome = "finished"
+            payload = several.body([c.whole(Usage(prompt_tokens, c.tokens)) for c in collectors])
         response = json_response(payload)
         record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
         return response

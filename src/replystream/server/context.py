@@ -12,23 +12,25 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
+from replystream.delivery.choices import ChoicesPipeline
 from replystream.delivery.follower import Follower, FrameTransport, KeepaliveClock
 from replystream.delivery.formats import (
     KEEPALIVE,
     LabFormat,
     NativeFormat,
     Notices,
+    Spec,
     StreamFormat,
     Usage,
 )
 from replystream.delivery.moderation import Violation
-from replystream.delivery.pipeline import ReplyPipeline
+from replystream.delivery.pipeline import Pipeline, ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import (
     MemoryReplayStore,
@@ -36,7 +38,6 @@ from replystream.delivery.replay import (
     ReplyInfo,
     StoreUnavailable,
 )
-from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import (
     DeltaStream,
     Engine,
@@ -44,9 +45,10 @@ from replystream.engine.base import (
     GenerationRequest,
     RequestRejected,
 )
+from replystream.engine.choices import ChoicesStream, start_choices
 from replystream.server import ids
 from replystream.server.auth import OWNER, client_key
-from replystream.server.buffered import buffered_reply
+from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, REQUEST_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
@@ -56,10 +58,12 @@ from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransp
 from replystream.server.validation import parse_mapping
 
 log = logging.getLogger("replystream.server")
+T = TypeVar("T")
 
-# A buffered reply's JSON body: from the whole text, the finish reason and the usage; or, for
-# a moderated reply, from the released text and the check that stopped it.
-BodyOf = Callable[[str, str, Usage, tuple[ToolCall, ...]], dict[str, Any]]
+# A buffered reply's JSON body: from the reply collected whole (its text, finish, usage, stop
+# string, log probabilities and tool calls); or, for a moderated reply, from the released text
+# and the check that stopped it.
+BodyOf = Callable[[Whole], dict[str, Any]]
 ModeratedBodyOf = Callable[[str, Violation], dict[str, Any]]
 
 
@@ -102,22 +106,77 @@ def owner_of(request: web.Request) -> str:
     return owner if isinstance(owner, str) else ""
 
 
+@dataclass(frozen=True, slots=True)
+class Choices:
+    """A reply with several choices (``n > 1``): each choice's format, and the reply's
+    ending once every choice is done (from the usage summed over them)."""
+
+    formats: Sequence[StreamFormat]
+    ending: Callable[[Usage], list[Spec]]
+
+
 async def start_generation(
     request: web.Request, generation: GenerationRequest, record: ReplyRecord
 ) -> DeltaStream:
     """Admit a request, turning engine refusals into API errors sent before any byte."""
+    _refuse_when_stopping(request, record)
+    generation = _for_engine(request, generation)
+    return await _admitted(request, record, _start_one(request.app[ENGINE_KEY], generation))
+
+
+async def start_several(
+    request: web.Request, generation: GenerationRequest, record: ReplyRecord, n: int
+) -> ChoicesStream:
+    """``start_generation`` for ``n`` generations of the request, one choice each, merged."""
+    _refuse_when_stopping(request, record)
+    engine, generation = request.app[ENGINE_KEY], _for_engine(request, generation)
+    return await _admitted(request, record, _start_several(engine, generation, n))
+
+
+def _refuse_unmakeable_call(engine: Engine, generation: GenerationRequest) -> None:
+    """A forced tool call from an engine that makes none would be answered with text the
+    client did not ask for: refused instead, naming ``tool_choice``."""
+    if generation.forces_tool_call and not engine.makes_tool_calls:
+        raise RequestRejected(
+            f"the {engine.name} engine cannot make tool calls, so it cannot honour this "
+            'tool_choice (a required or named tool); "auto" or "none" can be served',
+            code="unsupported_parameter",
+            param="tool_choice",
+        )
+
+
+async def _start_one(engine: Engine, generation: GenerationRequest) -> DeltaStream:
+    _refuse_unmakeable_call(engine, generation)
+    return await engine.start(generation)
+
+
+async def _start_several(engine: Engine, generation: GenerationRequest, n: int) -> ChoicesStream:
+    _refuse_unmakeable_call(engine, generation)
+    return await start_choices(engine, generation, n)
+
+
+def _refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
     app = request.app
     if not app[MANAGER_KEY].accepting:
         record.outcome, record.reason = "rejected", "shutdown"
         app[METRICS_KEY].observe(record)
         raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
-    key = client_key(request)  # for a relay configured to pass it on
-    if not generation.request_id or key is not None:
-        # The access log's name for it, for an engine's own lines.
-        request_id = generation.request_id or request.get(REQUEST_ID, "")
-        generation = replace(generation, request_id=request_id, client_key=key)
+
+
+def _for_engine(request: web.Request, generation: GenerationRequest) -> GenerationRequest:
+    """The request as the engine gets it: with the access log's name for it (for an engine's
+    own lines) and the caller's key (for a relay configured to pass it on)."""
+    key = client_key(request)
+    if generation.request_id and key is None:
+        return generation
+    request_id = generation.request_id or request.get(REQUEST_ID, "")
+    return replace(generation, request_id=request_id, client_key=key)
+
+
+async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitable[T]) -> T:
+    app = request.app
     try:
-        deltas = await app[ENGINE_KEY].start(generation)
+        started = await starting
     except (RequestRejected, EngineError) as exc:
         record.outcome, record.reason = "rejected", exc.code
         app[METRICS_KEY].observe(record)
@@ -126,7 +185,7 @@ async def start_generation(
         log.warning("generation failed before the first token: %s", exc)
         raise HTTPAPIError(exc.status, str(exc), code=exc.code) from exc
     record.admitted_at = time.monotonic()
-    return deltas
+    return started
 
 
 async def start_reply(
@@ -134,7 +193,7 @@ async def start_reply(
     generation: GenerationRequest,
     *,
     endpoint: str,
-    fmt: StreamFormat,
+    fmt: StreamFormat | Choices,
     policy: DeliveryPolicy,
     resumable: bool | None,
     disconnect: Disconnect | None = None,
@@ -143,7 +202,8 @@ async def start_reply(
 ) -> Reply:
     """Admit a generation and start producing it into a new reply log. ``resumable``: None
     takes the server's default; a stream without event ids (``numbered=False``) never is.
-    ``context``: what the route keeps with the reply in its store (``ReplyInfo.context``)."""
+    ``context``: what the route keeps with the reply in its store (``ReplyInfo.context``).
+    ``fmt`` as ``Choices``: several generations, one choice each, in one reply."""
     app = request.app
     if resumable is None:
         resumable = app[CONFIG_KEY].resumable_by_default
@@ -152,7 +212,23 @@ async def start_reply(
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()
-    deltas = await start_generation(request, generation, record)
+    stops, logprobs = generation.sampling.stop, generation.sampling.logprobs is not None
+    pipeline: Pipeline
+    deltas: DeltaStream
+    if isinstance(fmt, Choices):
+        several = await start_several(request, generation, record, len(fmt.formats))
+        deltas = several
+        pipeline = ChoicesPipeline(
+            fmt.formats,
+            fmt.ending,
+            policy,
+            stops=stops,
+            logprobs=logprobs,
+            on_choice_done=several.close_choice,
+        )
+    else:
+        deltas = await start_generation(request, generation, record)
+        pipeline = ReplyPipeline(fmt, policy, numbered=numbered, stops=stops, logprobs=logprobs)
     try:
         await store.create(ReplyInfo(reply_id, owner=owner_of(request), context=context))
     except StoreUnavailable as exc:
@@ -165,7 +241,7 @@ async def start_reply(
     reply = Reply(
         reply_id=reply_id,
         deltas=deltas,
-        pipeline=ReplyPipeline(fmt, policy, numbered=numbered),
+        pipeline=pipeline,
         store=store,
         record=record,
         prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
@@ -173,7 +249,8 @@ async def start_reply(
         detach_grace_s=app[CONFIG_KEY].detach_grace_s,
         manager=app[MANAGER_KEY],
         resumable=resumable,
-        pushes=app[ENGINE_KEY].pushes,
+        # Several choices are merged by the reply's task: only one engine stream is pushed.
+        pushes=not isinstance(fmt, Choices) and app[ENGINE_KEY].pushes,
     )
     app[MANAGER_KEY].start(reply)
     return reply
@@ -331,22 +408,34 @@ async def buffered(
     body: BodyOf,
     moderated_body: ModeratedBodyOf,
     reply_id: str | None = None,
+    choices: tuple[int, Callable[[list[Whole]], dict[str, Any]]] | None = None,
 ) -> web.Response:
     """Admit a generation and collect it whole into one JSON response (``body``), counted
     in the metrics like a streamed reply (time between tokens included). ``reply_id``: the
-    id the body names, also sent as ``X-Reply-Id``."""
+    id the body names, also sent as ``X-Reply-Id``. ``choices``: ``(n, body of all)`` for
+    ``n`` generations, one choice each."""
     app = request.app
     record = app[METRICS_KEY].record(endpoint, streamed=False)
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
-    deltas = await start_generation(request, generation, record)
+    several: Several | None = None
+    deltas: DeltaStream
+    if choices is None:
+        deltas = await start_generation(request, generation, record)
+    else:
+        n, several_body = choices
+        merged = await start_several(request, generation, record, n)
+        several, deltas = Several(n, several_body, merged.close_choice), merged
     response = await buffered_reply(
         deltas,
         manager=app[MANAGER_KEY],
         record=record,
         checks=policy.checks,
+        stops=generation.sampling.stop,
+        logprobs=generation.sampling.logprobs is not None,
         prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
         body=body,
         moderated_body=moderated_body,
+        several=several,
     )
     if reply_id is not None:
         response.headers["X-Reply-Id"] = reply_id

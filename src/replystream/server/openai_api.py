@@ -23,15 +23,18 @@ from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.openai_formats import (
     MODERATED_FINISH,
+    MODERATION_FIELD,
     Kind,
     OpenAIStreamFormat,
     completion_body,
+    completion_choice,
 )
-from replystream.delivery.tool_calls import ToolCall
 from replystream.server import ids
+from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
+    Choices,
     buffered,
     follow_started,
     start_reply,
@@ -108,18 +111,17 @@ async def _buffered(
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
-    def body(
-        text: str, finish_reason: str, usage: Usage, tool_calls: tuple[ToolCall, ...]
-    ) -> dict[str, Any]:
+    def body(whole: Whole) -> dict[str, Any]:
         return completion_body(
             kind,
             reply_id=reply_id,
             model=model,
             created=created,
-            text=text,
-            finish_reason=finish_reason,
-            usage=usage,
-            tool_calls=tool_calls,
+            text=whole.text,
+            finish_reason=whole.finish_reason,
+            usage=whole.usage,
+            logprobs=whole.logprobs,
+            tool_calls=whole.tool_calls,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:
@@ -134,6 +136,22 @@ async def _buffered(
             moderation=moderated_payload(violation),
         )
 
+    def several(wholes: list[Whole]) -> dict[str, Any]:
+        choices = []
+        for index, whole in enumerate(wholes):
+            if whole.violation is None:
+                finish, logprobs, calls = whole.finish_reason, whole.logprobs, whole.tool_calls
+                choices.append(completion_choice(kind, index, whole.text, finish, logprobs, calls))
+                continue
+            choice = completion_choice(kind, index, whole.text, MODERATED_FINISH)
+            choice[MODERATION_FIELD] = moderated_payload(whole.violation)
+            choices.append(choice)
+        prompt = wholes[0].usage.prompt_tokens  # counted once, as OpenAI does
+        usage = Usage(prompt, sum(whole.usage.completion_tokens for whole in wholes))
+        return completion_body(
+            kind, reply_id=reply_id, model=model, created=created, usage=usage, choices=choices
+        )
+
     return await buffered(
         request,
         ask.generation,
@@ -142,6 +160,7 @@ async def _buffered(
         body=body,
         moderated_body=moderated,
         reply_id=reply_id,
+        choices=None if ask.n == 1 else (ask.n, several),
     )
 
 
@@ -153,11 +172,18 @@ async def _complete(
     if not ask.stream:
         return await _buffered(request, kind, ask, model, created)
     policy = ask.policy
+    fmt: OpenAIStreamFormat | Choices = OpenAIStreamFormat(kind, model, created, ask.include_usage)
+    if ask.n > 1:  # one format per choice; the usage chunk and [DONE] once, at the end
+        formats = [
+            OpenAIStreamFormat(kind, model, created, ask.include_usage, i, one_of_many=True)
+            for i in range(ask.n)
+        ]
+        fmt = Choices(formats, formats[0].reply_end)
     reply = await start_reply(
         request,
         ask.generation,
         endpoint=request.path,
-        fmt=OpenAIStreamFormat(kind, model, created, ask.include_usage),
+        fmt=fmt,
         policy=policy,
         resumable=ask.resumable,
     )

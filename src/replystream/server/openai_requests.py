@@ -38,6 +38,7 @@ class CompletionAsk:
     include_usage: bool
     policy: DeliveryPolicy
     resumable: bool | None  # None: the server's default
+    n: int = 1  # choices, each its own generation
 
 
 def model_not_found(model: object) -> HTTPAPIError:
@@ -69,7 +70,8 @@ def _ask(
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     policy = delivery_overrides(body, defaults)
-    return CompletionAsk(generation, stream, include_usage, policy, body.resumable)
+    n = 1 if body.n is None else body.n
+    return CompletionAsk(generation, stream, include_usage, policy, body.resumable, n)
 
 
 def parse_chat_request(
@@ -79,13 +81,17 @@ def parse_chat_request(
     it routes by (``routed_model``: None for the server's default)."""
     limit = body.max_completion_tokens
     max_tokens = limit if limit is not None else body.max_tokens
+    sampling = sampling_params(body, max_tokens)
+    if body.logprobs:
+        sampling = replace(sampling, logprobs=body.top_logprobs or 0)
     tools, tool_choice = chat_tools(body.tools, body.tool_choice)
     generation = GenerationRequest(
         prompt_from_messages(body.messages),
-        sampling_params(body, max_tokens),
+        sampling,
         relayed_messages(body.messages),  # relayed unchanged to chat upstreams
         tools,
         tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
         prefix=body.prefix,
     )
     return _ask(
@@ -103,7 +109,8 @@ def parse_completion_request(
 ) -> CompletionAsk:
     """Check a ``POST /v1/completions`` (legacy) body against the server."""
     max_tokens = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    generation = GenerationRequest(body.prompt, sampling_params(body, max_tokens))
+    sampling = replace(sampling_params(body, max_tokens), logprobs=body.logprobs)
+    generation = GenerationRequest(body.prompt, sampling)
     return _ask(
         body,
         generation,

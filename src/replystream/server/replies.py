@@ -27,7 +27,7 @@ from typing import Literal, Protocol, cast
 
 from replystream.delivery.channel import DeltaChannel, End
 from replystream.delivery.follower import Follower, Sink, Watcher
-from replystream.delivery.pipeline import ReplyPipeline
+from replystream.delivery.pipeline import Pipeline
 from replystream.delivery.replay import (
     LogEntry,
     ReplayStore,
@@ -71,7 +71,7 @@ class Reply:
 
     reply_id: str
     deltas: DeltaStream
-    pipeline: ReplyPipeline
+    pipeline: Pipeline
     store: ReplayStore
     record: ReplyRecord
     prompt_tokens: int
@@ -215,7 +215,7 @@ class Reply:
         for delta in deltas:
             record.on_delta(delta.made_at, delta.tokens)
             entries += pipeline.push(delta, now)
-            if pipeline.violation is not None:
+            if pipeline.halted:  # a check failed or a stop string completed
                 break
             size += len(delta.text)
             if size >= APPEND_CHUNK_BYTES:
@@ -226,8 +226,12 @@ class Reply:
                     return
                 entries, size = [], 0
         self._append(entries)
-        if pipeline.violation is not None:
-            self._production_ended(Ending("moderated", pipeline.violation.check))
+        if pipeline.halted:
+            violation = pipeline.violation
+            # At a stop string the reply finished: the engine is stopped like any other.
+            self._production_ended(
+                _FINISHED if violation is None else Ending("moderated", violation.check)
+            )
             return
         failure = self.store.failure(self.reply_id)
         if failure is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import ReadResult, ReplayStore, StoreUnavailable
@@ -41,9 +41,9 @@ from replystream.delivery.responses_format import (
     response_from_log,
     response_object,
 )
-from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
+from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     buffered,
@@ -214,7 +214,10 @@ def _generation(
         )
     sampling = sampling_params(_sampling(body), body.max_output_tokens)
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
-    return GenerationRequest(prompt, sampling, tuple(messages), tools, tool_choice)
+    parallel = body.parallel_tool_calls
+    return GenerationRequest(
+        prompt, sampling, tuple(messages), tools, tool_choice, parallel_tool_calls=parallel
+    )
 
 
 def _echoed_choice(body: ResponsesBody) -> str | dict[str, Any]:
@@ -254,6 +257,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         background=body.background,
         tools=tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ()),
         tool_choice=_echoed_choice(body),
+        parallel_tool_calls=body.parallel_tool_calls is not False,  # the API's default: true
     )
     if not body.store:  # nothing to keep: a plain reply, or one body collected whole
         if not body.stream:
@@ -323,10 +327,9 @@ async def _whole(
     """A response nobody will read again, collected whole (no log)."""
     reply_id = ids.reply_id()
 
-    def body(
-        text: str, finish_reason: str, usage: Usage, tool_calls: tuple[ToolCall, ...]
-    ) -> dict[str, Any]:
-        if finish_reason == "length":
+    def body(whole: Whole) -> dict[str, Any]:
+        text, usage, tool_calls = whole.text, whole.usage, whole.tool_calls
+        if whole.finish_reason == "length":
             return response_object(
                 settings,
                 reply_id,

@@ -67,7 +67,9 @@ TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 OnlyOne = Annotated[int, Field(ge=1, le=1)]
-OnlyZero = Annotated[int, Field(ge=0, le=0)]
+ChoiceCount = Annotated[int, Field(ge=1, le=128)]  # OpenAI's range for n
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
+LegacyLogprobs = Annotated[int, Field(ge=0, le=5)]  # OpenAI's legacy completions range
 BatchTokens = Annotated[int, Field(ge=1, le=4096)]
 HoldbackTokens = Annotated[int, Field(ge=0, le=4096)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -232,7 +234,6 @@ class Message(Strict):
 
 
 Messages = Annotated[list[Message], Field(min_length=1)]
-OnlyFalse = Annotated[bool, only(False, "false; this server makes one plain-text choice")]
 
 
 class SamplingFields(Strict):
@@ -286,7 +287,11 @@ class ReplyBody(SamplingFields):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # padding against length side channels: never sent
+    # OpenAI pads delta chunks with random characters when true (its default), against length
+    # side channels. This server never pads, so it takes the one value it honours.
+    include_obfuscation: (
+        Annotated[bool, only(False, "false; this server does not pad chunks")] | None
+    ) = None
 
 
 class TextFormat(Strict):
@@ -302,8 +307,7 @@ class OpenAIBody(SamplingFields):
     model: str | None = None
     max_tokens: TokenCount | None = None
     stream_options: StreamOptions | None = None
-    n: OnlyOne | None = None
-    logprobs: OnlyFalse | None = None
+    n: ChoiceCount | None = None
     # Accepted and ignored.
     user: str | None = None
     presence_penalty: Penalty | None = None
@@ -333,7 +337,8 @@ class ChatBody(OpenAIBody):
 
     messages: Messages
     max_completion_tokens: TokenCount | None = None
-    top_logprobs: OnlyZero | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: TextFormat | None = None
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     tool_choice: ChatToolChoice | None = None
@@ -357,6 +362,12 @@ class ChatBody(OpenAIBody):
         """The start of the reply the client asked to continue ("" when none)."""
         return self.messages[-1].text if self.continue_final_message else ""
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatBody:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        return self
+
 
 def _legacy_prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1:
@@ -372,6 +383,7 @@ class CompletionBody(OpenAIBody):
     field_codes: ClassVar[Mapping[str, str]] = {"suffix": "unsupported_parameter"}
 
     prompt: Annotated[str, PlainValidator(_legacy_prompt)]
+    logprobs: LegacyLogprobs | None = None
     echo: Annotated[bool, only(False, "false")] | None = None
     best_of: OnlyOne | None = None
     suffix: Annotated[str, only("", "empty; this server does not fill in the middle")] | None = None

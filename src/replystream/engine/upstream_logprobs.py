@@ -1,0 +1,41 @@
+"""Log probabilities an OpenAI-compatible upstream sends in a chat chunk, read into ours.
+
+A chunk's ``choices[i].logprobs.content`` is a list of ``{token, logprob, bytes,
+top_logprobs}``, one per token of the chunk's text. Entries that are not of that shape are
+skipped (an upstream's odd entry must not end a reply). It must not know about HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replystream.engine.base import TokenLogprob, TopLogprob
+
+
+def _candidate(entry: Any) -> TopLogprob | None:
+    if not isinstance(entry, dict):
+        return None
+    token, logprob, raw = entry.get("token"), entry.get("logprob"), entry.get("bytes")
+    if not isinstance(token, str) or not isinstance(logprob, int | float):
+        return None
+    if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
+        data = bytes(raw)
+    else:
+        data = token.encode()
+    return TopLogprob(token, float(logprob), data)
+
+
+def relayed_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    """Ours, from a chat chunk choice's ``logprobs`` object (None: it has no content list)."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return None
+    made: list[TokenLogprob] = []
+    for entry in content:
+        token = _candidate(entry)
+        if token is None:
+            continue
+        tops = entry.get("top_logprobs")
+        top = [_candidate(t) for t in tops] if isinstance(tops, list) else []
+        made.append(TokenLogprob(*token, tuple(t for t in top if t is not None)))
+    return tuple(made)

@@ -1,0 +1,200 @@
+"""Log probabilities in streams: each chunk carries exactly its tokens', whatever is withheld
+(hold-back, stop strings) or batched; streamed equal whole; the built-in model's are its own
+log-softmax; the relay passes the upstream's through. Pure pipeline first, then real servers
+with the official openai SDK."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replystream.delivery.openai_formats import OpenAIStreamFormat
+from replystream.delivery.pipeline import ReplyPipeline
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine.base import Delta, TokenLogprob
+from replystream.engine.tiny import load_default_engine
+from replystream.server import create_app, running
+from tests.conftest import fast_engine
+from tests.processes import replica
+from tests.sse_client import post_events
+
+ALPHABET = "ab \n"
+
+
+def made(index: int, text: str) -> TokenLogprob:
+    return TokenLogprob(text, -float(index), text.encode())
+
+
+@st.composite
+def tokens_and_stops(draw: st.DrawFn) -> tuple[list[str], list[str]]:
+    text = draw(st.text(alphabet=ALPHABET, max_size=30))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=len(text) + 2)))
+    tokens = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
+    stops = draw(st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3))
+    return tokens, stops
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens_and_stops(), st.integers(0, 3), st.integers(1, 3))
+def test_each_chunk_carries_exactly_its_tokens_logprobs_in_order(
+    case: tuple[list[str], list[str]], window: int, batch: int
+) -> None:
+    tokens, stops = case
+    policy = DeliveryPolicy(holdback_tokens=window, batch_tokens=batch)
+    pipeline = ReplyPipeline(
+        OpenAIStreamFormat("chat", "m", 0), policy, stops=tuple(stops), logprobs=True
+    )
+    entries = pipeline.start("r")
+    pushed = [made(i, t) for i, t in enumerate(tokens)]
+    for token in pushed:
+        entries += pipeline.push(Delta(token.token, 1, 0.0, logprobs=(token,)), 0.0)
+        if pipeline.halted:
+            break
+    entries += pipeline.finish(1)
+    sent: list[float] = []
+    for entry in entries:
+        if entry.data == "[DONE]":
+            continue
+        choice = json.loads(entry.data)["choices"][0]
+        content = choice["delta"].get("content")
+        if content is None or choice["finish_reason"] is not None or choice["delta"].get("role"):
+            assert choice["logprobs"] is None  # the role and finish chunks carry no tokens
+            continue
+        sent += [item["logprob"] for item in choice["logprobs"]["content"]]
+    # The tokens whose text was shown, in order, each once: a prefix of what was made.
+    assert sent == [e.logprob for e in pushed[: len(sent)]]
+    if not pipeline.halted:
+        assert len(sent) == len(tokens)
+
+
+def sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+CHAT: dict[str, Any] = {
+    "model": "simulated",
+    "messages": [{"role": "user", "content": "count"}],
+    "seed": 5,
+    "logprobs": True,
+    "top_logprobs": 3,
+    "stop": ["ee fo"],  # cuts inside "three ": its token goes with the text "thr"
+    "extra_body": {"batch_tokens": 2, "holdback_tokens": 1},
+}
+
+
+def chat_entries(logprobs: Any) -> list[tuple[str, float, list[int], list[tuple[str, float]]]]:
+    return [
+        (e.token, e.logprob, e.bytes, [(t.token, t.logprob) for t in e.top_logprobs])
+        for e in logprobs.content
+    ]
+
+
+async def test_chat_logprobs_streamed_equal_the_whole_ones_token_for_token():
+    engine = fast_engine(reply_text="one two three four five six")
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.chat.completions.create(**CHAT)
+        chunks = [c async for c in await client.chat.completions.create(**CHAT, stream=True)]
+        plain = await client.chat.completions.create(
+            **{k: v for k, v in CHAT.items() if k not in ("logprobs", "top_logprobs")}
+        )
+    assert whole.choices[0].logprobs is not None
+    expected = chat_entries(whole.choices[0].logprobs)
+    streamed = []
+    for chunk in chunks:
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            assert lp.content is not None
+            streamed += chat_entries(lp)
+    assert streamed == expected
+    assert [token for token, *_ in expected] == ["one ", "two ", "three "]
+    assert all(len(top) == 3 and top[0][0] == token for token, _, _, top in expected)
+    assert all(bytes(raw).decode() == token for token, _, raw, _ in expected)
+    assert plain.choices[0].logprobs is None
+
+
+async def test_legacy_completion_logprobs_have_openais_shape_streamed_and_whole():
+    ask: dict[str, Any] = {"model": "simulated", "prompt": "x", "max_tokens": 4, "logprobs": 2}
+    engine = fast_engine(reply_text="alpha beta gamma delta")
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.completions.create(**ask)
+        chunks = [c async for c in await client.completions.create(**ask, stream=True)]
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.tokens == ["alpha ", "beta ", "gamma ", "delta "]
+    assert lp.text_offset == [0, 6, 11, 17]
+    assert lp.top_logprobs is not None and all(len(top) == 2 for top in lp.top_logprobs)
+    tokens: list[str] = []
+    offsets: list[int] = []
+    values: list[float | None] = []
+    for chunk in chunks:
+        piece = chunk.choices[0].logprobs
+        if piece is not None and piece.tokens:
+            tokens += piece.tokens
+            offsets += piece.text_offset or []
+            values += piece.token_logprobs or []
+    assert (tokens, offsets, values) == (lp.tokens, lp.text_offset, lp.token_logprobs)
+
+
+async def test_the_tiny_models_logprobs_are_its_own_distribution_streamed_and_whole():
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "And the LORD said unto Moses,"}],
+        "temperature": 0,
+        "max_tokens": 12,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
+    async with running(create_app(load_default_engine())) as url, sdk(url) as client:
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    assert whole.choices[0].logprobs is not None
+    expected = chat_entries(whole.choices[0].logprobs)
+    streamed = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in chat_entries(chunk.choices[0].logprobs)
+    ]
+    assert streamed == expected and len(expected) == 12
+    shown = b"".join(bytes(raw) for _, _, raw, _ in expected).decode("utf-8", "replace")
+    assert shown == whole.choices[0].message.content  # the bytes are exactly the text's
+    for token, logprob, _, top in expected:
+        values = [value for _, value in top]
+        # Greedy: the made token is the model's likeliest, and the five are a distribution's.
+        assert top[0] == (token, logprob) and values == sorted(values, reverse=True)
+        assert logprob <= 0 and sum(math.exp(v) for v in values) <= 1 + 1e-9
+
+
+@pytest.mark.slow
+async def test_the_relay_passes_the_upstreams_logprobs_through():
+    fast = ("--engine", "simulated", "--delay-ms", "4", "--jitter-ms", "1", "--tokens", "12")
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "seed": 3,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+
+    def logprobs_of(got: Any) -> list[Any]:
+        out: list[Any] = []
+        for event in got.events:
+            if event.data != "[DONE]":
+                for choice in json.loads(event.data)["choices"]:
+                    out += (choice.get("logprobs") or {}).get("content") or []
+        return out
+
+    async with (
+        replica(*fast) as (_, upstream),
+        replica("--engine", f"upstream:{upstream}/v1") as (_, relay),
+    ):
+        direct = await post_events(f"{upstream}/v1/chat/completions", body)
+        relayed = await post_events(f"{relay}/v1/chat/completions", body)
+    assert relayed.status == direct.status == 200
+    assert logprobs_of(relayed) == logprobs_of(direct) != []

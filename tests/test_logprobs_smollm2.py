@@ -1,0 +1,96 @@
+"""SmolLM2's log probabilities through the chat route, with the official openai SDK: the model's
+own distribution, streamed equal to whole, and no entry for the end-of-turn token that ends
+the reply (it is never shown).
+
+One model is loaded for the module (about 10 s and 0.5 GiB); each test serves it from a fresh
+engine around the loaded weights, and the replies are short.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import openai
+import pytest
+
+from replystream.engine.gguf_engine import load_gguf_model, prompt_format
+from replystream.engine.gguf_file import GGUFModel
+from replystream.engine.model import TinyModel
+from replystream.engine.tiny import TinyEngine, TinyEngineConfig
+from replystream.engine.tokenizer import ByteTokenizer
+from replystream.server import create_app, running
+from tests.services import require_smollm2
+
+Loaded = tuple[GGUFModel, TinyModel, ByteTokenizer]
+
+ASK: dict[str, Any] = {
+    "model": "smollm2",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "temperature": 0,
+    "max_tokens": 40,  # the answer ends well before: by the model's own end-of-turn token
+    "logprobs": True,
+    "top_logprobs": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Loaded:
+    return load_gguf_model(require_smollm2())
+
+
+def engine_of(loaded: Loaded) -> TinyEngine:
+    gguf, model, tokenizer = loaded
+    return TinyEngine(
+        model,
+        tokenizer,
+        TinyEngineConfig(num_blocks=256),
+        prompts=prompt_format(gguf, tokenizer),
+        stop_tokens=gguf.vocabulary.stop_ids,
+        name="smollm2",
+    )
+
+
+def entries(logprobs: Any) -> list[tuple[str, float, list[int], list[tuple[str, float]]]]:
+    return [
+        (e.token, e.logprob, e.bytes, [(t.token, t.logprob) for t in e.top_logprobs])
+        for e in logprobs.content
+    ]
+
+
+async def test_smollm2_chat_logprobs_are_its_greedy_tokens_streamed_and_whole(loaded: Loaded):
+    async with (
+        running(create_app(engine_of(loaded))) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        whole = await client.chat.completions.create(**ASK)
+        chunks = [
+            chunk
+            async for chunk in await client.chat.completions.create(
+                **ASK, stream=True, stream_options={"include_usage": True}
+            )
+        ]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop" and choice.logprobs is not None
+    expected = entries(choice.logprobs)
+    streamed = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in entries(chunk.choices[0].logprobs)
+    ]
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == expected and streamed_text == choice.message.content
+    assert "Paris" in streamed_text
+    # One entry per token shown, and their bytes are exactly the text: the end-of-turn token,
+    # counted in the usage as a token made, has none.
+    shown = b"".join(bytes(raw) for _, _, raw, _ in expected).decode("utf-8", "replace")
+    assert shown == choice.message.content
+    assert whole.usage is not None and len(expected) == whole.usage.completion_tokens - 1
+    assert chunks[-1].usage == whole.usage
+    for token, logprob, _, top in expected:
+        values = [value for _, value in top]
+        # Greedy: each made token is the model's likeliest, and the four are a distribution's.
+        assert len(top) == 4 and top[0] == (token, logprob)
+        assert values == sorted(values, reverse=True)
+        assert logprob <= 0 and sum(math.exp(v) for v in values) <= 1 + 1e-9
