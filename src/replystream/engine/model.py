@@ -114,6 +114,19 @@ def rms_norm(x: F32, weight: F32, eps: float) -> F32:
     return out
 
 
+def rms_scaled(x: F32, eps: float) -> F32:
+    """RMSNorm without its gain, which is folded into the matrix that follows (see ``_Layer``).
+
+    ``ufunc.reduce`` and in-place steps: a decode step calls this 60 times on a few rows, where
+    ``np.mean``'s Python-level bookkeeping cost more than the arithmetic."""
+    scale = np.add.reduce(x * x, axis=-1, keepdims=True)  # (..., 1)
+    scale *= np.float32(1 / x.shape[-1])
+    scale += np.float32(eps)
+    np.sqrt(scale, out=scale)
+    out: F32 = x / scale
+    return out
+
+
 def rotate(x: F32, cos: F32, sin: F32) -> F32:
     """Rotary embedding of ``x`` (tokens, heads, head dim); cos/sin are (tokens, 1, head dim)."""
     half = x.shape[-1] // 2
@@ -131,13 +144,13 @@ def softmax(scores: F32) -> F32:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
-    attn_norm: F32  # (d_model,)
     # Matrices are (out features, in features), as trained, applied as ``x @ w.T``: at small
     # batches OpenBLAS runs that "NT" product up to twice as fast as ``x @ w`` on (in, out).
-    wqkv: F32  # ((heads + 2 kv heads) * head dim, d_model): q, k, v projections stacked
+    # The RMSNorm gain g before a matrix is folded into its columns at load, since
+    # (x / rms * g) @ w.T == (x / rms) @ (w * g).T: two fewer passes per layer.
+    wqkv: F32  # ((heads + 2 kv heads) * head dim, d_model): q, k, v stacked, times attn gain
     wo: F32  # (d_model, heads * head dim)
-    mlp_norm: F32  # (d_model,)
-    w_gate_up: F32  # (2 * d_ff, d_model): gate and up projections stacked
+    w_gate_up: F32  # (2 * d_ff, d_model): gate and up stacked, times the MLP norm's gain
     w_down: F32  # (d_model, d_ff)
 
 
@@ -155,13 +168,13 @@ class TinyModel:
             p = f"model.layers.{i}."
             qkv = [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
             gate_up = [weights[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")]
+            attn_gain = weights[p + "input_layernorm.weight"][None, :]  # (1, d_model)
+            mlp_gain = weights[p + "post_attention_layernorm.weight"][None, :]
             self.layers.append(
                 _Layer(
-                    attn_norm=weights[p + "input_layernorm.weight"],
-                    wqkv=np.ascontiguousarray(np.concatenate(qkv)),
+                    wqkv=np.ascontiguousarray(np.concatenate(qkv) * attn_gain),
                     wo=np.ascontiguousarray(weights[p + "self_attn.o_proj.weight"]),
-                    mlp_norm=weights[p + "post_attention_layernorm.weight"],
-                    w_gate_up=np.ascontiguousarray(np.concatenate(gate_up)),
+                    w_gate_up=np.ascontiguousarray(np.concatenate(gate_up) * mlp_gain),
                     w_down=np.ascontiguousarray(weights[p + "mlp.down_proj.weight"]),
                 )
             )
@@ -191,21 +204,20 @@ class TinyModel:
         """Bytes a decode step reads for the weights (embedding rows aside)."""
         arrays = [self.unembed, self.final_norm]
         for w in self.layers:
-            arrays += [w.attn_norm, w.wqkv, w.wo, w.mlp_norm, w.w_gate_up, w.w_down]
+            arrays += [w.wqkv, w.wo, w.w_gate_up, w.w_down]
         return sum(a.nbytes for a in arrays)
 
     def _qkv(self, w: _Layer, x: F32, cos: F32, sin: F32) -> tuple[F32, F32, F32]:
         """Rotated queries and keys, and values; cos/sin are (tokens, 1, head dim)."""
         c = self.config
         N, H, KV, D = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-        qkv = rms_norm(x, w.attn_norm, c.norm_eps) @ w.wqkv.T  # (tokens, (H + 2 KV) * D)
-        q = qkv[:, : H * D].reshape(N, H, D)  # (tokens, heads, head dim)
-        k = qkv[:, H * D : (H + KV) * D].reshape(N, KV, D)  # (tokens, kv heads, head dim)
+        qkv = rms_scaled(x, c.norm_eps) @ w.wqkv.T  # (tokens, (H + 2 KV) * D)
+        qk = rotate(qkv[:, : (H + KV) * D].reshape(N, H + KV, D), cos, sin)  # one pass for both
         v = qkv[:, (H + KV) * D :].reshape(N, KV, D)  # (tokens, kv heads, head dim)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return qk[:, :H], qk[:, H:], v  # (tokens, heads, D), (tokens, kv heads, D), the same
 
     def _mlp(self, w: _Layer, x: F32) -> F32:
-        h = rms_norm(x, w.mlp_norm, self.config.norm_eps) @ w.w_gate_up.T  # (tokens, 2 d_ff)
+        h = rms_scaled(x, self.config.norm_eps) @ w.w_gate_up.T  # (tokens, 2 d_ff)
         d_ff = self.config.d_ff
         gate, up = h[:, :d_ff], h[:, d_ff:]  # (tokens, d_ff) each
         # silu(gate) * up = gate * sigmoid(gate) * up, with sigmoid(x) = (1 + tanh(x / 2)) / 2
@@ -268,9 +280,13 @@ class TinyModel:
         for layer, w in enumerate(self.layers):
             q, k, v = self._qkv(w, x, cos, sin)  # (N, H, D), (N, KV, D), (N, KV, D)
             kv.write(layer, k, v)
-            att = np.empty_like(q)  # (N, heads, head dim)
-            if decode:
+            if len(decode) == len(chunks):  # a decode-only step: every row is a decode row
                 k_d, v_d = kv.read(layer, 0)  # (B, longest, KV, D)
+                att = self._decode_attend(q, k_d, v_d, bias)
+            else:
+                att = np.empty(q.shape, np.float32)  # (N, heads, head dim)
+            if decode and len(decode) < len(chunks):
+                k_d, v_d = kv.read(layer, 0)
                 att[rows_d] = self._decode_attend(q[rows_d], k_d, v_d, bias)
             for group, i in enumerate(prefills, start=len(groups) - len(prefills)):
                 rows = slice(ends[i] - lengths[i], ends[i])
