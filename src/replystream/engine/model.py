@@ -123,8 +123,7 @@ def rms_scaled(x: F32, eps: float) -> F32:
     scale *= np.float32(1 / x.shape[-1])
     scale += np.float32(eps)
     np.sqrt(scale, out=scale)
-    out: F32 = x / scale
-    return out
+    return (x / scale).astype(np.float32, copy=False)
 
 
 def rotate(x: F32, cos: F32, sin: F32) -> F32:
