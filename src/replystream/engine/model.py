@@ -3,10 +3,12 @@
 This file decides the model's arithmetic: token embedding, RMSNorm, rotary position embeddings
 (the "rotate half" convention), grouped-query attention, a SwiGLU MLP and a tied unembedding,
 with parameter names in Hugging Face's Llama layout (``scripts/train_model.py`` trains it).
-One ``forward`` call runs a batch of chunks: a chunk of many tokens is a prefill (causal mask
-over the cached prefix plus the chunk), a chunk of one token is a decode step; all chunks share
-the projections and the MLP, and decode chunks share one padded attention. It must not know how
-cache memory is laid out (``KVStore`` hides that), nor about scheduling, sampling or text.
+One ``forward`` call runs a batch of chunks: a chunk of many tokens is a prefill (causal over
+the cached prefix plus the chunk, taken in blocks of keys with a running max and sum), a chunk
+of one token is a decode step; all chunks share the projections and the MLP, and decode chunks
+share one padded attention. The cache is asked once per call for every layer's indices
+(``KVStore.step``), so no layer loops over sequences. It must not know how cache memory is laid
+out (``KVStore`` hides that), nor about scheduling, sampling or text.
 """
 
 from __future__ import annotations
