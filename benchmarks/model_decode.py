@@ -130,7 +130,18 @@ def transformers_figures(
 ) -> tuple[dict[int, Took], dict[int, Took], float]:
     """(decode step time by batch, TTFT by prompt length, load seconds) of ``generate()``."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        """Called once per generated position for the whole batch: the gaps between calls
+        are decode steps (a difference of two whole generate() runs drowned in the noise)."""
+
+        def __init__(self) -> None:
+            self.marks: list[Took] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.marks.append(Took(time.perf_counter(), time.process_time()))
+            return scores
 
     torch.set_num_threads(threads)
     began = time.perf_counter()
@@ -138,7 +149,7 @@ def transformers_figures(
     load_s = time.perf_counter() - began
     rng = np.random.default_rng(0)
 
-    def generate(ids: torch.Tensor, new: int) -> None:
+    def generate(ids: torch.Tensor, new: int, clock: StepClock | None = None) -> None:
         with torch.inference_mode():
             hf.generate(
                 ids,
@@ -147,16 +158,21 @@ def transformers_figures(
                 min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=2,
+                logits_processor=LogitsProcessorList([clock] if clock else []),
             )
 
     decode: dict[int, Took] = {}
     for batch in batches:
         ids = torch.tensor(rng.integers(100, 49152, (batch, PREFIX)))
-        first = median_took([timed(partial(generate, ids, 1)) for _ in range(3)])
-        whole = median_took([timed(partial(generate, ids, 1 + steps)) for _ in range(3)])
-        decode[batch] = Took(
-            max(whole.wall - first.wall, 1e-9) / steps, max(whole.cpu - first.cpu, 1e-9) / steps
-        )
+        gaps = []
+        for _ in range(3):
+            clock = StepClock()
+            generate(ids, 1 + steps, clock)
+            gaps += [
+                Took(b.wall - a.wall, b.cpu - a.cpu)
+                for a, b in zip(clock.marks, clock.marks[1:], strict=False)
+            ]
+        decode[batch] = median_took(gaps)
     prompts = {n: torch.tensor(rng.integers(100, 49152, (1, n))) for n in lengths}
     ttft = {n: timed(partial(generate, ids, 1)) for n, ids in prompts.items()}
     return decode, ttft, load_s
