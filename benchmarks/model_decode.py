@@ -13,7 +13,9 @@ for ``transformers`` ``generate()`` (float32, ``from_pretrained(..., gguf_file=.
 same thread count) and our figures as ratios of theirs; with ``--llama-cpp``, llama.cpp
 through ``llama-cpp-python`` on the same GGUF (its own 4-bit kernels: a step reads 94 MiB of
 weights where ours reads 513) as a third column. Both sides use ``--threads`` BLAS/torch
-threads (1 by default: the serving engine's setting).
+threads (1 by default: the serving engine's setting). Every peer is loaded first, then each
+item (a batch size, a prompt length) is measured on ours and on each peer in turn, so the two
+figures of a ratio come from the same minute of a shared machine.
 
 Every time is given twice: wall-clock, and the CPU time of the process (``process_time``). On
 a shared machine the wall clock also counts the time other programs held the cores; CPU time
@@ -125,10 +127,18 @@ def ours_ttft(model: TinyModel, length: int, budget: int) -> Took:
     return timed(run)
 
 
-def transformers_figures(
-    path_dir: str, name: str, batches: list[int], lengths: list[int], steps: int, threads: int
-) -> tuple[dict[int, Took], dict[int, Took], float]:
-    """(decode step time by batch, TTFT by prompt length, load seconds) of ``generate()``."""
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Another implementation on the same GGUF, measured item by item beside ours."""
+
+    name: str
+    load_s: float
+    decode: Callable[[int], Took | None]  # median decode step at a batch size (None: not run)
+    ttft: Callable[[int], Took]  # time to the first token of a prompt of that many tokens
+
+
+def transformers_peer(path: Path, steps: int, threads: int) -> Peer:
+    """``generate()`` in float32 on the weights ``transformers`` dequantises from the GGUF."""
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
@@ -145,7 +155,9 @@ def transformers_figures(
 
     torch.set_num_threads(threads)
     began = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(path_dir, gguf_file=name, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     load_s = time.perf_counter() - began
     rng = np.random.default_rng(0)
 
@@ -161,8 +173,7 @@ def transformers_figures(
                 logits_processor=LogitsProcessorList([clock] if clock else []),
             )
 
-    decode: dict[int, Took] = {}
-    for batch in batches:
+    def decode(batch: int) -> Took:
         ids = torch.tensor(rng.integers(100, 49152, (batch, PREFIX)))
         gaps = []
         for _ in range(3):
@@ -172,26 +183,25 @@ def transformers_figures(
                 Took(b.wall - a.wall, b.cpu - a.cpu)
                 for a, b in zip(clock.marks, clock.marks[1:], strict=False)
             ]
-        decode[batch] = median_took(gaps)
-    prompts = {n: torch.tensor(rng.integers(100, 49152, (1, n))) for n in lengths}
-    ttft = {n: timed(partial(generate, ids, 1)) for n, ids in prompts.items()}
-    return decode, ttft, load_s
+        return median_took(gaps)
+
+    def ttft(length: int) -> Took:
+        return timed(partial(generate, torch.tensor(rng.integers(100, 49152, (1, length))), 1))
+
+    return Peer("transformers", load_s, decode, ttft)
 
 
-def llama_cpp_figures(
-    path: Path, batches: list[int], lengths: list[int], steps: int, threads: int
-) -> tuple[dict[int, Took], dict[int, Took], float]:
-    """The same figures for llama.cpp (``llama-cpp-python``) on the GGUF itself, 4-bit weights.
+def llama_cpp_peer(path: Path, context: int, steps: int, threads: int) -> Peer:
+    """llama.cpp (``llama-cpp-python``) on the GGUF itself, with its own 4-bit kernels.
 
-    Batch 1 only for decode: the high-level binding decodes one sequence at a time (its
-    ``n_seq_max`` batching is not exposed through ``eval``), so larger batches are left out
-    rather than faked with one-at-a-time runs."""
-    from llama_cpp import Llama  # type: ignore[import-not-found]
+    Decode at batch 1 only: the binding's ``eval`` runs one sequence, so larger batches are
+    left out rather than faked with one-at-a-time runs."""
+    from llama_cpp import Llama  # type: ignore[import-not-found, unused-ignore]
 
     began = time.perf_counter()
     llm = Llama(
         str(path),
-        n_ctx=max([*lengths, PREFIX + steps + 2]) + 8,
+        n_ctx=context,
         n_threads=threads,
         n_threads_batch=threads,
         n_batch=256,
@@ -199,22 +209,24 @@ def llama_cpp_figures(
     )
     load_s = time.perf_counter() - began
     rng = np.random.default_rng(0)
-    decode: dict[int, Took] = {}
-    if 1 in batches:
+
+    def decode(batch: int) -> Took | None:
+        if batch != 1:
+            return None
         prompt = [int(t) for t in rng.integers(100, 49152, PREFIX)]
         took = []
         for _ in range(3):
             llm.reset()
             llm.eval(prompt)
-            for token in rng.integers(100, 1000, steps):
-                took.append(timed(partial(llm.eval, [int(token)])))
-        decode[1] = median_took(took)
-    ttft: dict[int, Took] = {}
-    for n in lengths:
-        prompt = [int(t) for t in rng.integers(100, 49152, n)]
+            took += [timed(partial(llm.eval, [int(t)])) for t in rng.integers(100, 1000, steps)]
+        return median_took(took)
+
+    def ttft(length: int) -> Took:
+        prompt = [int(t) for t in rng.integers(100, 49152, length)]
         llm.reset()
-        ttft[n] = timed(partial(llm.eval, prompt))
-    return decode, ttft, load_s
+        return timed(partial(llm.eval, prompt))
+
+    return Peer("llama.cpp", load_s, decode, ttft)
 
 
 def ratio(a: float, b: float) -> str:
@@ -245,6 +257,15 @@ def main() -> None:
         f"{model.weight_bytes / 2**20:.0f} MiB float32 weights, peak RSS {rss / 2**20:.0f} MiB"
     )
     print(f"threads: {args.threads} (BLAS for ours, torch for transformers, llama.cpp's own)")
+    peers = []
+    if not args.no_transformers:
+        peers.append(transformers_peer(path, args.steps, args.threads))
+    if args.llama_cpp:
+        context = max([*lengths, PREFIX + args.steps]) + 8
+        peers.append(llama_cpp_peer(path, context, args.steps, args.threads))
+    for peer in peers:
+        print(f"{peer.name}: load {peer.load_s:.1f} s")
+    print("each row: ours, then each peer on the same item, so all share the same minute")
     with threadpool_limits(limits=args.threads, user_api="blas"):
         copy = copy_bandwidth(args.threads)
         read_only = read_bandwidth()
@@ -252,55 +273,53 @@ def main() -> None:
             f"measured memory bandwidth on {args.threads} thread(s): {copy / 1e9:.1f} GB/s "
             f"(512 MiB NumPy copies, read + write), {read_only / 1e9:.1f} GB/s (BLAS dot, read)"
         )
-        print(
-            "\nours: batch  ms/step wall    CPU   tok/s wall    CPU  MiB/step  GB/s wall  CPU"
-            "  of copy (wall CPU)  of read (wall CPU)"
-        )
         ours: dict[int, Took] = {}
+        theirs: dict[tuple[str, int], Took | None] = {}
+        reads: dict[int, float] = {}
         for batch in batches:
-            step, read = ours_decode(model, batch, args.steps)
-            ours[batch] = step
-            print(
-                f"      {batch:5d} {step.wall * 1e3:12.1f} {step.cpu * 1e3:6.1f} "
-                f"{batch / step.wall:11.1f} {batch / step.cpu:6.1f} {read / 2**20:9.0f} "
-                f"{read / step.wall / 1e9:10.1f} {read / step.cpu / 1e9:4.1f} "
-                f"{read / step.wall / copy:13.0%} {read / step.cpu / copy:4.0%} "
-                f"{read / step.wall / read_only:13.0%} {read / step.cpu / read_only:4.0%}"
-            )
+            ours[batch], reads[batch] = ours_decode(model, batch, args.steps)
+            for peer in peers:
+                theirs[peer.name, batch] = peer.decode(batch)
         budget = GGUF_ENGINE_DEFAULTS.token_budget
-        our_ttft = {n: ours_ttft(model, n, budget) for n in lengths}
+        our_ttft: dict[int, Took] = {}
+        their_ttft: dict[tuple[str, int], Took] = {}
+        for n in lengths:
+            our_ttft[n] = ours_ttft(model, n, budget)
+            for peer in peers:
+                their_ttft[peer.name, n] = peer.ttft(n)
+    print(
+        "\nours: batch  ms/step wall    CPU   tok/s wall    CPU  MiB/step  GB/s wall  CPU"
+        "  of copy (wall CPU)  of read (wall CPU)"
+    )
+    for batch in batches:
+        step, read = ours[batch], reads[batch]
+        print(
+            f"      {batch:5d} {step.wall * 1e3:12.1f} {step.cpu * 1e3:6.1f} "
+            f"{batch / step.wall:11.1f} {batch / step.cpu:6.1f} {read / 2**20:9.0f} "
+            f"{read / step.wall / 1e9:10.1f} {read / step.cpu / 1e9:4.1f} "
+            f"{read / step.wall / copy:13.0%} {read / step.cpu / copy:4.0%} "
+            f"{read / step.wall / read_only:13.0%} {read / step.cpu / read_only:4.0%}"
+        )
     for n, took in our_ttft.items():
         print(
             f"ours: TTFT {n:5d} tokens: {took.wall * 1e3:8.0f} ms wall, {took.cpu * 1e3:8.0f} ms"
             f" CPU ({budget}-token chunks)"
         )
-    del model
-    others: dict[str, tuple[dict[int, Took], dict[int, Took]]] = {}
-    if not args.no_transformers:
-        decode, ttft, hf_load = transformers_figures(
-            str(path.parent), path.name, batches, lengths, args.steps, args.threads
-        )
-        print(f"\ntransformers generate(): load {hf_load:.1f} s")
-        others["transformers"] = decode, ttft
-    if args.llama_cpp:
-        decode, ttft, ll_load = llama_cpp_figures(path, batches, lengths, args.steps, args.threads)
-        print(f"llama.cpp (llama-cpp-python, 4-bit weights as stored): load {ll_load:.1f} s")
-        others["llama.cpp"] = decode, ttft
-    for name, (decode, ttft) in others.items():
-        print(f"\n{name}: decode tokens/s, and ours as a multiple of theirs")
+    for peer in peers:
+        print(f"\n{peer.name}: decode tokens/s, and ours as a multiple of theirs")
         print("batch   ours wall    CPU   theirs wall    CPU   ours/theirs wall    CPU")
         for batch in batches:
-            if batch not in decode:
+            o, t = ours[batch], theirs[peer.name, batch]
+            if t is None:
                 continue
-            o, t = ours[batch], decode[batch]
             print(
                 f"{batch:5d} {batch / o.wall:11.1f} {batch / o.cpu:6.1f} {batch / t.wall:13.1f} "
                 f"{batch / t.cpu:6.1f} {ratio(t.wall, o.wall):>18s} {ratio(t.cpu, o.cpu):>6s}"
             )
-        print(f"{name}: TTFT ms, and their time as a multiple of ours")
+        print(f"{peer.name}: TTFT ms, and their time as a multiple of ours")
         print("prompt  ours wall     CPU  theirs wall     CPU  theirs/ours wall    CPU")
         for n in lengths:
-            o, t = our_ttft[n], ttft[n]
+            o, t = our_ttft[n], their_ttft[peer.name, n]
             print(
                 f"{n:6d} {o.wall * 1e3:10.0f} {o.cpu * 1e3:7.0f} {t.wall * 1e3:12.0f} "
                 f"{t.cpu * 1e3:7.0f} {ratio(t.wall, o.wall):>17s} {ratio(t.cpu, o.cpu):>6s}"
