@@ -12,10 +12,11 @@ prefill with the engine's 256-token budget, through the paged cache); then the s
 for ``transformers`` ``generate()`` (float32, ``from_pretrained(..., gguf_file=...)``, the
 same thread count) and our figures as ratios of theirs; with ``--llama-cpp``, llama.cpp
 through ``llama-cpp-python`` on the same GGUF (its own 4-bit kernels: a step reads 94 MiB of
-weights where ours reads 513) as a third column. Both sides use ``--threads`` BLAS/torch
-threads (1 by default: the serving engine's setting). Every peer is loaded first, then each
-item (a batch size, a prompt length) is measured on ours and on each peer in turn, so the two
-figures of a ratio come from the same minute of a shared machine.
+weights where ours reads 513) as a third column (installed by hand: docs/dependencies.md).
+Both sides use ``--threads`` BLAS/torch threads (1 by default: the serving engine's setting).
+Every peer is loaded first, then each item (a batch size, a prompt length) is measured on ours
+and on each peer in turn, so the two figures of a ratio come from the same minute of a shared
+machine.
 
 Every time is given twice: wall-clock, and the CPU time of the process (``process_time``). On
 a shared machine the wall clock also counts the time other programs held the cores; CPU time
