@@ -217,14 +217,14 @@ def llama_cpp_peer(path: Path, context: int, steps: int, threads: int) -> Peer:
         prompt = [int(t) for t in rng.integers(100, 49152, PREFIX)]
         took = []
         for _ in range(3):
-            llm.reset()
+            llm.reset()  # type: ignore[no-untyped-call, unused-ignore]
             llm.eval(prompt)
             took += [timed(partial(llm.eval, [int(t)])) for t in rng.integers(100, 1000, steps)]
         return median_took(took)
 
     def ttft(length: int) -> Took:
         prompt = [int(t) for t in rng.integers(100, 49152, length)]
-        llm.reset()
+        llm.reset()  # type: ignore[no-untyped-call, unused-ignore]
         return timed(partial(llm.eval, prompt))
 
     return Peer("llama.cpp", load_s, decode, ttft)
