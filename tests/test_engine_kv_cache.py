@@ -11,6 +11,7 @@ from replystream.engine.kv_cache import (
     OutOfBlocks,
     PagedKVCache,
 )
+from replystream.engine.model import KVStep
 
 
 def test_reserve_grows_by_whole_blocks_and_free_returns_them() -> None:
@@ -72,3 +73,39 @@ def test_write_past_the_reserved_blocks_is_refused() -> None:
     cache.allocator.reserve(0, 4)
     with pytest.raises(OutOfBlocks):
         cache.write(0, 0, 3, np.zeros((2, 1, 2), np.float32), np.zeros((2, 1, 2), np.float32))
+
+
+def test_a_step_writes_every_chunk_and_reads_groups_padded_as_a_contiguous_cache_does() -> None:
+    rng = np.random.default_rng(1)
+    paged = PagedKVCache(n_layers=2, kv_heads=2, head_dim=4, num_blocks=16, block_size=4)
+    flat = ContiguousKVCache(n_layers=2, kv_heads=2, head_dim=4, context=32)
+    lengths = [0, 0, 0]
+    for _ in range(6):  # steps mixing several-token chunks and one-token chunks
+        counts = [int(n) for n in rng.integers(1, 4, 3)]
+        spans = [(s, lengths[s], counts[s]) for s in range(3)]
+        for s, start, n in spans:
+            paged.allocator.reserve(s, start + n)
+        groups = [[0, 2], [1]]
+        steps: list[KVStep] = [paged.step(spans, groups), flat.step(spans, groups)]
+        for layer in range(2):
+            k = rng.standard_normal((sum(counts), 2, 4)).astype(np.float32)
+            v = rng.standard_normal((sum(counts), 2, 4)).astype(np.float32)
+            for step in steps:
+                step.write(layer, k, v)
+            for g, group in enumerate(groups):
+                (pk, pv), (ck, cv) = (step.read(layer, g) for step in steps)
+                longest = max(lengths[s] + counts[s] for s in group)
+                assert pk.shape == ck.shape == (len(group), longest, 2, 4)
+                for row, s in enumerate(group):  # padding differs, positions must not
+                    seen = lengths[s] + counts[s]
+                    np.testing.assert_array_equal(pk[row, :seen], ck[row, :seen])
+                    np.testing.assert_array_equal(pv[row, :seen], cv[row, :seen])
+                    assert np.isfinite(pk[row]).all() and np.isfinite(pv[row]).all()
+        lengths = [n + c for n, c in zip(lengths, counts, strict=True)]
+
+
+def test_a_step_past_the_reserved_blocks_is_refused() -> None:
+    cache = PagedKVCache(n_layers=1, kv_heads=1, head_dim=2, num_blocks=4, block_size=4)
+    cache.allocator.reserve(0, 4)
+    with pytest.raises(OutOfBlocks):
+        cache.step([(0, 3, 2)], [[0]])

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from replystream.engine import model as model_module
 from replystream.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from replystream.engine.model import Chunk, KVStore, TinyModel, load_safetensors
 from replystream.engine.tiny import ASSETS
@@ -81,6 +82,23 @@ def test_chunked_prefill_equals_one_pass(model: TinyModel, prompts: list[list[in
         reserve(cache, 0, start + len(piece))
         logits = model.forward([Chunk(0, tuple(piece), start)], cache)[0]
     np.testing.assert_allclose(logits, model.full_logits(tokens)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("key_block", [1, 5, 16])
+def test_prefill_over_many_key_blocks_equals_a_full_recompute(
+    model: TinyModel, prompts: list[list[int]], key_block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The running max and sum across key blocks (one key each, blocks that end inside a
+    chunk, a chunk's queries masked in the last blocks) give the softmax of the whole row."""
+    monkeypatch.setattr(model_module, "KEY_BLOCK", key_block)
+    tokens = prompts[0] + prompts[2] + prompts[1]
+    full = model.full_logits(tokens)
+    cache = paged(model)
+    for start in range(0, len(tokens), 11):
+        piece = tokens[start : start + 11]
+        reserve(cache, 0, start + len(piece))
+        logits = model.forward([Chunk(0, tuple(piece), start)], cache, [len(piece)])
+        np.testing.assert_allclose(logits, full[start : start + len(piece)], atol=ATOL, rtol=0)
 
 
 def decode_steps(

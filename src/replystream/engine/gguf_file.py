@@ -2,9 +2,9 @@
 
 This file decides how a GGUF's metadata becomes a ``ModelConfig`` and how its tensors become
 float32 arrays under Hugging Face's Llama names, so ``model.TinyModel`` runs them unchanged:
-1. The ``gguf`` package reads the file (memory-mapped) and dequantises each tensor (F32, F16,
-   Q8_0, Q4_0, Q4_1, the K-quants...) once, when the model asks for it, so the load never holds
-   two float32 copies of every weight at once.
+1. ``gguf_header.py`` reads the header (the file stays memory-mapped) and the ``gguf`` package
+   dequantises each tensor (F32, F16, Q8_0, Q4_0, Q4_1, the K-quants...) once, when the model
+   asks for it, so the load never holds two float32 copies of every weight at once.
 2. llama.cpp's converter permutes the rows of the Q and K projections so that its rotary
    embedding can rotate adjacent pairs (x0, x1), (x2, x3)...; Hugging Face's Llama rotates
    halves (x_i, x_{i+D/2}). The permutation is undone here, so the model keeps one convention.
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from numpy.typing import NDArray
 
+from replystream.engine.gguf_header import GGUFHeader, read_header
 from replystream.engine.model import ModelConfig
 
 F32 = NDArray[np.float32]
@@ -86,8 +86,8 @@ class Vocabulary:
 class _Weights(Mapping[str, F32]):
     """Hugging Face names -> float32 arrays, each dequantised when it is asked for."""
 
-    def __init__(self, reader: GGUFReader, config: ModelConfig) -> None:
-        self._tensors = {t.name: t for t in reader.tensors}
+    def __init__(self, header: GGUFHeader, config: ModelConfig) -> None:
+        self._tensors = {t.name: t for t in header.tensors}
         self._config = config
         self._gguf_name: dict[str, str] = {}
         for gguf_name, hf_name in _NAMES.items():
@@ -138,9 +138,8 @@ class GGUFModel:
     file_bytes: int
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(header: GGUFHeader, key: str, default: Any = None) -> Any:
+    return header.fields.get(key, default)
 
 
 def open_gguf(path: Path) -> GGUFModel:
@@ -150,8 +149,8 @@ def open_gguf(path: Path) -> GGUFModel:
         ValueError: not a GGUF, or a model this engine does not compute (named).
     """
     try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError, IndexError) as exc:  # gguf raises ValueError on bad magic
+        reader = read_header(path)
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a readable GGUF file ({exc})") from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":

@@ -6,18 +6,23 @@ with it and be tested without a model. ``PagedKVCache`` adds the pool itself: pe
 (num_blocks, block_size, kv heads, head dim) array for K and one for V, allocated once.
 A sequence's blocks return to the free list the moment ``free`` is called (finished,
 cancelled or preempted). ``ContiguousKVCache`` keeps each sequence in one contiguous array; it
-is the reference the paged cache is tested against. This file must not know about models,
-requests or time.
+is the reference the paged cache is tested against. Both also answer a whole forward pass at
+once (``step``): the slots of every new token and the padded gather of every sequence a group
+attends over are worked out once, then each layer is one indexed write and one indexed read
+per group, with no loop over sequences. This file must not know about models, requests or time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
 F32 = NDArray[np.float32]
+I64 = NDArray[np.int64]
+Span = tuple[int, int, int]  # (seq_id, first new position, new tokens) of one chunk of a step
 
 
 class OutOfBlocks(Exception):
@@ -154,6 +159,9 @@ class PagedKVCache:
         shape = (n_layers, num_blocks, block_size, kv_heads, head_dim)
         self._k = np.zeros(shape, np.float32)  # (layers, blocks, block size, kv heads, head dim)
         self._v = np.zeros(shape, np.float32)
+        # The same memory as (layers, slots, kv heads, head dim): slot = block * size + offset.
+        self._k_slots = self._k.reshape(n_layers, num_blocks * block_size, kv_heads, head_dim)
+        self._v_slots = self._v.reshape(n_layers, num_blocks * block_size, kv_heads, head_dim)
         bytes_per_token = 2 * n_layers * kv_heads * head_dim * self._k.itemsize
         self.allocator = BlockAllocator(num_blocks, block_size, bytes_per_token)
         self.block_size = block_size
@@ -178,8 +186,52 @@ class PagedKVCache:
         v = self._v[layer, blocks].reshape(-1, KV, D)[:length]
         return k, v
 
+    def _slots(self, seq_id: int, positions: I64) -> I64:
+        """Pool slots of ``seq_id``'s ``positions`` (any shape), through its block table."""
+        table = np.asarray(self.allocator.table(seq_id), dtype=np.int64)
+        if positions.size and positions.max() >= len(table) * self.block_size:
+            raise OutOfBlocks(
+                f"sequence {seq_id} has no block reserved for position {positions.max()}"
+            )
+        slots: I64 = table[positions // self.block_size] * self.block_size
+        return slots + positions % self.block_size
+
+    def step(self, spans: Sequence[Span], groups: Sequence[Sequence[int]]) -> PagedStep:
+        """One forward pass's indices, worked out once for every layer.
+
+        Raises:
+            OutOfBlocks: a span reaches past its sequence's reserved blocks.
+        """
+        writes = [self._slots(s, np.arange(start, start + n)) for s, start, n in spans]
+        reads = []
+        for group in groups:
+            lengths = np.array([spans[i][1] + spans[i][2] for i in group], dtype=np.int64)
+            positions = np.arange(int(lengths.max()))  # (longest,)
+            index = np.zeros((len(group), len(positions)), dtype=np.int64)  # padding: slot 0
+            for row, i in enumerate(group):
+                index[row, : lengths[row]] = self._slots(spans[i][0], positions[: lengths[row]])
+            reads.append(index)
+        return PagedStep(self._k_slots, self._v_slots, np.concatenate(writes), reads)
+
     def stats(self) -> KVCacheStats:
         return self.allocator.stats()
+
+
+class PagedStep:
+    """A forward pass's view of the pool: its new rows' slots and each group's gather."""
+
+    def __init__(self, k_slots: F32, v_slots: F32, writes: I64, reads: list[I64]) -> None:
+        self._k, self._v = k_slots, v_slots  # (layers, slots, kv heads, head dim)
+        self._writes = writes  # (new rows,) slot of each new token, chunks in order
+        self._reads = reads  # per group: (sequences, longest) slots, padding at slot 0
+
+    def write(self, layer: int, k: F32, v: F32) -> None:
+        self._k[layer, self._writes] = k  # k, v: (new rows, kv heads, head dim)
+        self._v[layer, self._writes] = v
+
+    def read(self, layer: int, group: int) -> tuple[F32, F32]:
+        index = self._reads[group]  # (sequences, longest)
+        return self._k[layer][index], self._v[layer][index]  # (sequences, longest, KV, D)
 
 
 class ContiguousKVCache:
@@ -187,6 +239,7 @@ class ContiguousKVCache:
 
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, context: int) -> None:
         self._shape = (n_layers, context, kv_heads, head_dim)
+        self.token_shape = (kv_heads, head_dim)  # one token's K (or V) in one layer
         self._k: dict[int, F32] = {}
         self._v: dict[int, F32] = {}
 
@@ -203,3 +256,31 @@ class ContiguousKVCache:
     def free(self, seq_id: int) -> None:
         self._k.pop(seq_id, None)
         self._v.pop(seq_id, None)
+
+    def step(self, spans: Sequence[Span], groups: Sequence[Sequence[int]]) -> ContiguousStep:
+        """The same contract as ``PagedKVCache.step``, sequence by sequence (the reference)."""
+        return ContiguousStep(self, spans, groups)
+
+
+class ContiguousStep:
+    """A forward pass over a ``ContiguousKVCache``: loops over sequences, zero padding."""
+
+    def __init__(
+        self, cache: ContiguousKVCache, spans: Sequence[Span], groups: Sequence[Sequence[int]]
+    ) -> None:
+        self._cache, self._spans, self._groups = cache, list(spans), [list(g) for g in groups]
+
+    def write(self, layer: int, k: F32, v: F32) -> None:
+        row = 0
+        for seq_id, start, n in self._spans:
+            self._cache.write(layer, seq_id, start, k[row : row + n], v[row : row + n])
+            row += n
+
+    def read(self, layer: int, group: int) -> tuple[F32, F32]:
+        spans = [self._spans[i] for i in self._groups[group]]
+        longest = max(start + n for _, start, n in spans)
+        shape = (len(spans), longest, *self._cache.token_shape)
+        k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        for row, (seq_id, start, n) in enumerate(spans):
+            k[row, : start + n], v[row, : start + n] = self._cache.read(layer, seq_id, start + n)
+        return k, v

@@ -3,10 +3,12 @@
 This file decides the model's arithmetic: token embedding, RMSNorm, rotary position embeddings
 (the "rotate half" convention), grouped-query attention, a SwiGLU MLP and a tied unembedding,
 with parameter names in Hugging Face's Llama layout (``scripts/train_model.py`` trains it).
-One ``forward`` call runs a batch of chunks: a chunk of many tokens is a prefill (causal mask
-over the cached prefix plus the chunk), a chunk of one token is a decode step; all chunks share
-the projections and the MLP, and decode chunks share one padded attention. It must not know how
-cache memory is laid out (``KVStore`` hides that), nor about scheduling, sampling or text.
+One ``forward`` call runs a batch of chunks: a chunk of many tokens is a prefill (causal over
+the cached prefix plus the chunk, taken in blocks of keys with a running max and sum), a chunk
+of one token is a decode step; all chunks share the projections and the MLP, and decode chunks
+share one padded attention. The cache is asked once per call for every layer's indices
+(``KVStore.step``), so no layer loops over sequences. It must not know how cache memory is laid
+out (``KVStore`` hides that), nor about scheduling, sampling or text.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from numpy.typing import NDArray
 F32 = NDArray[np.float32]
 
 _DTYPES = {"F32": np.float32, "F16": np.float16}
+# Keys per block of the prefill attention: a 256-query chunk's scores for one block, over the
+# 9 heads of SmolLM2, are 9 x 256 x 512 float32 = 4.5 MiB (the whole 4,096-token prefix: 36).
+KEY_BLOCK = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +53,29 @@ class ModelConfig:
         return cls(**json.loads(path.read_text(encoding="utf-8")))
 
 
-class KVStore(Protocol):
-    """Where a sequence's keys and values live between steps (paged or contiguous)."""
+class KVStep(Protocol):
+    """One forward pass's access to the cache, its index arithmetic done once for all layers."""
 
-    def write(self, layer: int, seq_id: int, start: int, k: F32, v: F32) -> None:
-        """Store ``k``, ``v`` (time, kv heads, head dim) at positions ``start...``."""
+    def write(self, layer: int, k: F32, v: F32) -> None:
+        """Store the step's new keys and values (rows, kv heads, head dim), chunks in order."""
         ...
 
-    def read(self, layer: int, seq_id: int, length: int) -> tuple[F32, F32]:
-        """Keys and values of positions ``0..length-1``: (length, kv heads, head dim) each."""
+    def read(self, layer: int, group: int) -> tuple[F32, F32]:
+        """Keys and values of read group ``group``: (sequences, longest, kv heads, head dim).
+
+        Row ``b`` holds its sequence's positions ``0..start+count-1``; past them, padding
+        (finite values, masked by the caller)."""
+        ...
+
+
+class KVStore(Protocol):
+    """Where sequences' keys and values live between steps (paged or contiguous)."""
+
+    def step(
+        self, spans: Sequence[tuple[int, int, int]], groups: Sequence[Sequence[int]]
+    ) -> KVStep:
+        """Prepare a forward pass: ``spans[i]`` is chunk ``i``'s (seq_id, start, new tokens),
+        ``groups`` the chunk indices whose caches are read together, padded to the longest."""
         ...
 
 
@@ -97,6 +116,18 @@ def rms_norm(x: F32, weight: F32, eps: float) -> F32:
     return out
 
 
+def rms_scaled(x: F32, eps: float) -> F32:
+    """RMSNorm without its gain, which is folded into the matrix that follows (see ``_Layer``).
+
+    ``ufunc.reduce`` and in-place steps: a decode step calls this 60 times on a few rows, where
+    ``np.mean``'s Python-level bookkeeping cost more than the arithmetic."""
+    scale = np.add.reduce(x * x, axis=-1, keepdims=True)  # (..., 1)
+    scale *= np.float32(1 / x.shape[-1])
+    scale += np.float32(eps)
+    np.sqrt(scale, out=scale)
+    return (x / scale).astype(np.float32, copy=False)
+
+
 def rotate(x: F32, cos: F32, sin: F32) -> F32:
     """Rotary embedding of ``x`` (tokens, heads, head dim); cos/sin are (tokens, 1, head dim)."""
     half = x.shape[-1] // 2
@@ -114,13 +145,13 @@ def softmax(scores: F32) -> F32:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
-    attn_norm: F32  # (d_model,)
     # Matrices are (out features, in features), as trained, applied as ``x @ w.T``: at small
     # batches OpenBLAS runs that "NT" product up to twice as fast as ``x @ w`` on (in, out).
-    wqkv: F32  # ((heads + 2 kv heads) * head dim, d_model): q, k, v projections stacked
+    # The RMSNorm gain g before a matrix is folded into its columns at load, since
+    # (x / rms * g) @ w.T == (x / rms) @ (w * g).T: two fewer passes per layer.
+    wqkv: F32  # ((heads + 2 kv heads) * head dim, d_model): q, k, v stacked, times attn gain
     wo: F32  # (d_model, heads * head dim)
-    mlp_norm: F32  # (d_model,)
-    w_gate_up: F32  # (2 * d_ff, d_model): gate and up projections stacked
+    w_gate_up: F32  # (2 * d_ff, d_model): gate and up stacked, times the MLP norm's gain
     w_down: F32  # (d_model, d_ff)
 
 
@@ -138,13 +169,13 @@ class TinyModel:
             p = f"model.layers.{i}."
             qkv = [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
             gate_up = [weights[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")]
+            attn_gain = weights[p + "input_layernorm.weight"][None, :]  # (1, d_model)
+            mlp_gain = weights[p + "post_attention_layernorm.weight"][None, :]
             self.layers.append(
                 _Layer(
-                    attn_norm=weights[p + "input_layernorm.weight"],
-                    wqkv=np.ascontiguousarray(np.concatenate(qkv)),
+                    wqkv=np.ascontiguousarray(np.concatenate(qkv) * attn_gain),
                     wo=np.ascontiguousarray(weights[p + "self_attn.o_proj.weight"]),
-                    mlp_norm=weights[p + "post_attention_layernorm.weight"],
-                    w_gate_up=np.ascontiguousarray(np.concatenate(gate_up)),
+                    w_gate_up=np.ascontiguousarray(np.concatenate(gate_up) * mlp_gain),
                     w_down=np.ascontiguousarray(weights[p + "mlp.down_proj.weight"]),
                 )
             )
@@ -174,24 +205,32 @@ class TinyModel:
         """Bytes a decode step reads for the weights (embedding rows aside)."""
         arrays = [self.unembed, self.final_norm]
         for w in self.layers:
-            arrays += [w.attn_norm, w.wqkv, w.wo, w.mlp_norm, w.w_gate_up, w.w_down]
+            arrays += [w.wqkv, w.wo, w.w_gate_up, w.w_down]
         return sum(a.nbytes for a in arrays)
 
-    def _qkv(self, w: _Layer, x: F32, pos: NDArray[np.int64]) -> tuple[F32, F32, F32]:
+    def _qkv(self, w: _Layer, x: F32, cos: F32, sin: F32) -> tuple[F32, F32, F32]:
+        """Rotated queries and keys, and values; cos/sin are (tokens, 1, head dim)."""
         c = self.config
         N, H, KV, D = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-        qkv = rms_norm(x, w.attn_norm, c.norm_eps) @ w.wqkv.T  # (tokens, (H + 2 KV) * D)
-        q = qkv[:, : H * D].reshape(N, H, D)  # (tokens, heads, head dim)
-        k = qkv[:, H * D : (H + KV) * D].reshape(N, KV, D)  # (tokens, kv heads, head dim)
+        qkv = rms_scaled(x, c.norm_eps) @ w.wqkv.T  # (tokens, (H + 2 KV) * D)
+        qk = rotate(qkv[:, : (H + KV) * D].reshape(N, H + KV, D), cos, sin)  # one pass for both
         v = qkv[:, (H + KV) * D :].reshape(N, KV, D)  # (tokens, kv heads, head dim)
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (tokens, 1, head dim)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        return qk[:, :H], qk[:, H:], v  # (tokens, heads, D), (tokens, kv heads, D), the same
 
     def _mlp(self, w: _Layer, x: F32) -> F32:
-        h = rms_norm(x, w.mlp_norm, self.config.norm_eps) @ w.w_gate_up.T  # (tokens, 2 d_ff)
-        gate, up = np.split(h, 2, axis=-1)  # (tokens, d_ff) each
-        silu = gate * (0.5 + 0.5 * np.tanh(0.5 * gate))  # x * sigmoid(x), no overflow for any x
-        out: F32 = (silu * up) @ w.w_down.T  # (tokens, d_model)
+        h = rms_scaled(x, self.config.norm_eps) @ w.w_gate_up.T  # (tokens, 2 d_ff)
+        d_ff = self.config.d_ff
+        gate, up = h[:, :d_ff], h[:, d_ff:]  # (tokens, d_ff) each
+        # silu(gate) * up = gate * sigmoid(gate) * up, with sigmoid(x) = (1 + tanh(x / 2)) / 2
+        # (no overflow for any x), in place in one array: a 256-token chunk's five temporaries
+        # cost 6x the time of the arithmetic.
+        act = np.multiply(gate, np.float32(0.5))
+        np.tanh(act, out=act)
+        act *= np.float32(0.5)
+        act += np.float32(0.5)
+        act *= gate
+        act *= up
+        out: F32 = act @ w.w_down.T  # (tokens, d_model)
         return out
 
     def _attend(self, q: F32, k: F32, v: F32, mask: NDArray[np.bool_]) -> F32:
@@ -227,22 +266,33 @@ class TinyModel:
         if pos.max() >= c.context:
             raise ValueError(f"position {pos.max()} is beyond the context of {c.context}")
         decode = [i for i, n in enumerate(lengths) if n == 1]
+        prefills = [i for i, n in enumerate(lengths) if n > 1]
+        # Read group 0 is every decode chunk (one padded attention), then one per prefill.
+        groups = ([decode] if decode else []) + [[i] for i in prefills]
+        spans = [(ch.seq_id, ch.start, n) for ch, n in zip(chunks, lengths, strict=True)]
+        kv = cache.step(spans, groups)
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, head dim)
+        rows_d = ends[decode] - 1  # (B,) rows of the decode chunks
+        seen = np.array([chunks[i].start + 1 for i in decode], dtype=np.int64)  # (B,)
+        longest = int(seen.max()) if decode else 0
+        hidden = np.arange(longest)[None, :] >= seen[:, None]  # (B, longest) padding
+        bias = np.where(hidden, np.float32(-np.inf), np.float32(0))  # (B, longest)
         x = self.embed[ids]  # (N, d_model)
         for layer, w in enumerate(self.layers):
-            q, k, v = self._qkv(w, x, pos)  # (N, H, D), (N, KV, D), (N, KV, D)
-            att = np.empty_like(q)  # (N, heads, head dim)
-            for i, ch in enumerate(chunks):
+            q, k, v = self._qkv(w, x, cos, sin)  # (N, H, D), (N, KV, D), (N, KV, D)
+            kv.write(layer, k, v)
+            if len(decode) == len(chunks):  # a decode-only step: every row is a decode row
+                k_d, v_d = kv.read(layer, 0)  # (B, longest, KV, D)
+                att = self._decode_attend(q, k_d, v_d, bias)
+            else:
+                att = np.empty(q.shape, np.float32)  # (N, heads, head dim)
+            if decode and len(decode) < len(chunks):
+                k_d, v_d = kv.read(layer, 0)
+                att[rows_d] = self._decode_attend(q[rows_d], k_d, v_d, bias)
+            for group, i in enumerate(prefills, start=len(groups) - len(prefills)):
                 rows = slice(ends[i] - lengths[i], ends[i])
-                cache.write(layer, ch.seq_id, ch.start, k[rows], v[rows])
-            for i, ch in enumerate(chunks):
-                if lengths[i] > 1:
-                    rows = slice(ends[i] - lengths[i], ends[i])
-                    att[rows] = self._prefill_attention(layer, ch, q[rows], cache)
-            if decode:
-                rows_d = ends[decode] - 1  # (B,)
-                att[rows_d] = self._decode_attention(
-                    layer, [chunks[i] for i in decode], q[rows_d], cache
-                )
+                k_p, v_p = kv.read(layer, group)  # (1, start + T, KV, D)
+                att[rows] = self._prefill_attend(q[rows], k_p[0], v_p[0], chunks[i].start)
             x = x + att.reshape(len(ids), -1) @ w.wo.T  # (N, d_model)
             x = x + self._mlp(w, x)
         if last is None:
@@ -263,26 +313,57 @@ class TinyModel:
             raise ValueError("decode takes exactly one token per sequence")
         return self.forward(chunks, cache)
 
-    def _prefill_attention(self, layer: int, chunk: Chunk, q: F32, cache: KVStore) -> F32:
-        """A chunk's queries (T, H, D), causal within the chunk, over all of its cached prefix."""
-        total = chunk.start + len(chunk.tokens)
-        k, v = cache.read(layer, chunk.seq_id, total)  # (total, kv heads, head dim)
-        query_pos = np.arange(chunk.start, total)  # (T,)
-        causal = np.arange(total)[None, :] <= query_pos[:, None]  # (T, total)
-        out: F32 = self._attend(q[None], k[None], v[None], causal[None])[0]  # (T, heads, head dim)
-        return out
-
-    def _decode_attention(self, layer: int, chunks: Sequence[Chunk], q: F32, cache: KVStore) -> F32:
-        """One new query per sequence against its cache, padded to the longest: (B, H, D)."""
+    def _decode_attend(self, q: F32, k: F32, v: F32, bias: F32) -> F32:
+        """One query per sequence (B, H, D) over its padded cache (B, L, KV, D); ``bias``
+        (B, L) is 0 on a sequence's positions and -inf on its padding."""
         c = self.config
-        B, L = len(chunks), max(ch.start for ch in chunks) + 1
-        k = np.zeros((B, L, c.n_kv_heads, c.head_dim), np.float32)  # (B, L, kv heads, head dim)
-        v = np.zeros_like(k)
-        for b, ch in enumerate(chunks):
-            k[b, : ch.start + 1], v[b, : ch.start + 1] = cache.read(layer, ch.seq_id, ch.start + 1)
-        lengths = np.array([ch.start + 1 for ch in chunks])  # (B,)
-        mask = (np.arange(L)[None, :] < lengths[:, None])[:, None, :]  # (B, 1, L)
-        return self._attend(q[:, None], k, v, mask)[:, 0]  # (B, heads, head dim)
+        B, H, D = q.shape
+        KV, G = c.n_kv_heads, c.n_heads // c.n_kv_heads
+        qg = q.reshape(B, KV, G, D) * np.float32(1 / np.sqrt(D))  # query head = kv * G + g
+        scores = qg @ k.transpose(0, 2, 3, 1)  # (B, KV, G, L)
+        scores += bias[:, None, None, :]
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = (scores @ v.transpose(0, 2, 1, 3)).reshape(B, H, D)  # from (B, KV, G, D)
+        return out.astype(np.float32, copy=False)
+
+    def _prefill_attend(self, q: F32, k: F32, v: F32, start: int) -> F32:
+        """A chunk's queries (T, H, D) at positions ``start..``, causal, over keys and values
+        (start + T, KV, D): blocks of ``KEY_BLOCK`` keys with a running max and sum, so no
+        (queries x whole prefix) score matrix is ever held and only the blocks that reach past
+        a query's position are masked."""
+        c = self.config
+        T, H, D = q.shape
+        KV, G = c.n_kv_heads, c.n_heads // c.n_kv_heads
+        total = start + T
+        scale = np.float32(1 / np.sqrt(D))
+        # (KV, G * T, D): each kv head's whole group of query heads as the rows of one matmul.
+        qh = (q.reshape(T, KV, G, D).transpose(1, 2, 0, 3) * scale).reshape(KV, G * T, D)
+        kh, vh = k.transpose(1, 2, 0), v.transpose(1, 0, 2)  # (KV, D, total), (KV, total, D)
+        query_pos = np.arange(start, total)  # (T,)
+        acc = np.zeros((KV, G * T, D), np.float32)  # weighted values so far
+        mass = np.zeros((KV, G * T, 1), np.float32)  # softmax denominators so far
+        peak = np.full((KV, G * T, 1), -np.inf, np.float32)  # largest score so far
+        for b0 in range(0, total, KEY_BLOCK):
+            b1 = min(b0 + KEY_BLOCK, total)
+            scores = qh @ kh[:, :, b0:b1]  # (KV, G * T, n)
+            if b1 - 1 > start:  # a key of this block comes after some query: mask it
+                future = np.arange(b0, b1)[None, :] > query_pos[:, None]  # (T, n)
+                view = scores.reshape(KV, G, T, b1 - b0)
+                view += np.where(future, np.float32(-np.inf), np.float32(0))
+            # Block 0 holds key 0, seen by every query, so the peak is finite from then on.
+            new_peak = np.maximum(peak, scores.max(axis=-1, keepdims=True))
+            scores -= new_peak
+            np.exp(scores, out=scores)
+            shrink = np.exp(peak - new_peak)  # rescales the earlier blocks (0 at block 0)
+            acc *= shrink
+            acc += scores @ vh[:, b0:b1]
+            mass *= shrink
+            mass += scores.sum(axis=-1, keepdims=True)
+            peak = new_peak
+        out = (acc / mass).reshape(KV, G, T, D).transpose(2, 0, 1, 3).reshape(T, H, D)
+        return out.astype(np.float32, copy=False)
 
     def full_logits(self, tokens: Sequence[int]) -> F32:
         """Logits at every position, recomputed from scratch with no cache (a reference)."""
@@ -291,8 +372,9 @@ class TinyModel:
         pos = np.arange(T)
         x = self.embed[np.asarray(tokens, dtype=np.int64)]  # (T, d_model)
         causal = (pos[None, :] <= pos[:, None])[None]  # (1, T, T)
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (T, 1, head dim)
         for w in self.layers:
-            q, k, v = self._qkv(w, x, pos)
+            q, k, v = self._qkv(w, x, cos, sin)
             att = self._attend(q[None], k[None], v[None], causal)[0]  # (T, heads, head dim)
             x = x + att.reshape(T, -1) @ w.wo.T
             x = x + self._mlp(w, x)

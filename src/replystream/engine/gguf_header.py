@@ -1,0 +1,174 @@
+"""A GGUF file's header read in one pass: its metadata values and where each tensor's bytes are.
+
+This file decides how the bytes of a GGUF header (version 2 or 3, little-endian) become Python
+values and memory-mapped tensor views. ``gguf.GGUFReader`` reads the same header but builds a
+NumPy view for every part of every value: on SmolLM2's 49,152 tokens and 48,900 merges that is
+about a million small arrays and most of a 6-second load. Here a string is ``struct`` and a
+slice, a numeric array one ``np.frombuffer``. The tensors come out as ``GGUFReader`` gives them
+(same dtype and shape: raw bytes for quantised kinds), so ``gguf.quants.dequantize`` takes them
+unchanged; ``tests/test_engine_gguf.py`` checks both readers agree on the whole file. It must
+not know what the metadata means (``gguf_file.py`` does) nor how to dequantise.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
+from numpy.typing import NDArray
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)  # version 1 counted with 32-bit integers; no file of it is still made
+DEFAULT_ALIGNMENT = 32
+
+# GGUF value type -> (struct format, NumPy dtype) of the fixed-size kinds.
+_SCALARS: dict[int, tuple[str, np.dtype[Any]]] = {
+    0: ("<B", np.dtype("<u1")),
+    1: ("<b", np.dtype("<i1")),
+    2: ("<H", np.dtype("<u2")),
+    3: ("<h", np.dtype("<i2")),
+    4: ("<I", np.dtype("<u4")),
+    5: ("<i", np.dtype("<i4")),
+    6: ("<f", np.dtype("<f4")),
+    7: ("<?", np.dtype("?")),
+    10: ("<Q", np.dtype("<u8")),
+    11: ("<q", np.dtype("<i8")),
+    12: ("<d", np.dtype("<f8")),
+}
+_STRING, _ARRAY = 8, 9
+# Tensor kinds stored as plain numbers (any other kind is bytes, in blocks).
+_PLAIN = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor: its name, kind, dims (innermost first, as stored) and its mapped data."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: NDArray[Any]  # as GGUFReader gives it: numbers, or (rows..., bytes per row) uint8
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """The metadata (key -> value; arrays as lists) and the tensors of a GGUF file."""
+
+    version: int
+    fields: dict[str, Any]
+    tensors: list[TensorInfo]
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, advancing an offset."""
+
+    def __init__(self, buffer: mmap.mmap) -> None:
+        self.buffer = buffer
+        self.at = 0
+
+    def unpack(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.buffer, self.at)[0]
+        self.at += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.unpack("<Q")
+        end = self.at + size
+        if end > len(self.buffer):
+            raise ValueError(f"a string of {size} bytes runs past the end of the file")
+        text = self.buffer[self.at : end].decode("utf-8")
+        self.at = end
+        return text
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.unpack("<I"), self.unpack("<Q")
+            scalar = _SCALARS.get(item_kind)
+            if scalar is None:  # strings or nested arrays: one by one
+                return [self.value(item_kind) for _ in range(count)]
+            dtype = scalar[1]
+            if self.at + count * dtype.itemsize > len(self.buffer):
+                raise ValueError(f"an array of {count} values runs past the end of the file")
+            items = np.frombuffer(self.buffer, dtype, count, self.at)
+            self.at += count * dtype.itemsize
+            return items.tolist()
+        scalar = _SCALARS.get(kind)
+        if scalar is None:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        return self.unpack(scalar[0])
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """Map ``path`` and read its header; tensor data stay in the mapping until used.
+
+    Raises:
+        ValueError: not a GGUF file, a version or byte order this reader does not read, or a
+            header that runs past the end of the file (each named in the message).
+    """
+    with path.open("rb") as file:
+        buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(buffer)
+    except (struct.error, UnicodeDecodeError, OverflowError) as exc:
+        raise ValueError(f"a damaged GGUF header ({exc})") from None
+
+
+def _parse(buffer: mmap.mmap) -> GGUFHeader:
+    if buffer[:4] != MAGIC:
+        raise ValueError("no GGUF magic at the start of the file")
+    cursor = _Cursor(buffer)
+    cursor.at = 4
+    version = cursor.unpack("<I")
+    if version not in VERSIONS:
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if swapped in VERSIONS:
+            raise ValueError("a big-endian GGUF file; this reader reads little-endian ones")
+        raise ValueError(f"GGUF version {version}; this reader reads versions 2 and 3")
+    tensor_count, field_count = cursor.unpack("<Q"), cursor.unpack("<Q")
+    fields: dict[str, Any] = {}
+    for _ in range(field_count):
+        key = cursor.string()
+        fields[key] = cursor.value(cursor.unpack("<I"))
+    described = []
+    for _ in range(tensor_count):
+        name = cursor.string()
+        dims = tuple(cursor.unpack("<Q") for _ in range(cursor.unpack("<I")))
+        kind = GGMLQuantizationType(cursor.unpack("<I"))  # ValueError for an unknown kind
+        described.append((name, dims, kind, cursor.unpack("<Q")))
+    alignment = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment {alignment} is not a power of two")
+    data_start = -(-cursor.at // alignment) * alignment
+    tensors = []
+    for name, dims, kind, offset in described:
+        shape = tuple(reversed(dims))  # outermost first, as NumPy lays it out
+        count = int(np.prod(dims, dtype=np.int64))
+        plain = _PLAIN.get(kind)
+        if plain is not None:
+            dtype, items = np.dtype(plain), count
+        else:
+            block, type_size = GGML_QUANT_SIZES[kind]
+            dtype, items = np.dtype(np.uint8), count * type_size // block
+            shape = quant_shape_to_byte_shape(shape, kind)
+        start = data_start + offset
+        if start + items * dtype.itemsize > len(buffer):
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        data = np.frombuffer(buffer, dtype, items, start).reshape(shape)
+        tensors.append(TensorInfo(name, kind, dims, data))
+    return GGUFHeader(version, fields, tensors)

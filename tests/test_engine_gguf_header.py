@@ -1,0 +1,109 @@
+"""Our one-pass GGUF header reader against the ``gguf`` package's ``GGUFReader``.
+
+Both read the same files: SmolLM2's, and files ``gguf.GGUFWriter`` writes with every value
+type, nested arrays, a custom alignment and plain and quantised tensors. Every metadata value,
+every tensor's name, kind, dims and bytes must agree. Damaged files are refused by name.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+
+from replystream.engine.gguf_header import read_header
+from tests.services import require_smollm2
+
+
+def assert_same_as_gguf_reader(path: Path) -> None:
+    ours = read_header(path)
+    theirs = GGUFReader(path)
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields.keys() == fields.keys()
+    for key, value in fields.items():
+        if key != "t.nested":  # GGUFReader.contents() flattens an array of arrays; we do not
+            assert ours.fields[key] == value, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == reference.tensor_type, mine.name
+        assert mine.shape == tuple(int(n) for n in reference.shape), mine.name
+        assert mine.data.dtype == reference.data.dtype, mine.name
+        assert mine.data.shape == reference.data.shape, mine.name
+        assert np.array_equal(mine.data, reference.data), mine.name
+
+
+def test_smollm2s_header_and_tensors_read_as_gguf_reader_reads_them() -> None:
+    assert_same_as_gguf_reader(require_smollm2())
+
+
+def write_sample(path: Path, alignment: int | None = None) -> None:
+    writer = GGUFWriter(path, "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    values: list[tuple[str, Any, GGUFValueType]] = [
+        ("t.u8", 200, GGUFValueType.UINT8),
+        ("t.i8", -100, GGUFValueType.INT8),
+        ("t.u16", 60000, GGUFValueType.UINT16),
+        ("t.i16", -30000, GGUFValueType.INT16),
+        ("t.u32", 4_000_000_000, GGUFValueType.UINT32),
+        ("t.i32", -2_000_000_000, GGUFValueType.INT32),
+        ("t.f32", 0.5, GGUFValueType.FLOAT32),
+        ("t.bool", True, GGUFValueType.BOOL),
+        ("t.str", "héllo 👋 世界\n", GGUFValueType.STRING),
+        ("t.u64", 2**63 + 5, GGUFValueType.UINT64),
+        ("t.i64", -(2**62), GGUFValueType.INT64),
+        ("t.f64", 1e-300, GGUFValueType.FLOAT64),
+    ]
+    for key, value, kind in values:
+        writer.add_key_value(key, value, kind)
+    writer.add_array("t.ints", [3, -1, 7])
+    writer.add_array("t.floats", [0.25, -2.0])
+    writer.add_array("t.strings", ["a", "", "Ġthe", "🙂", "x" * 300])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_array("t.empty", [])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("plain", rng.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("half", rng.standard_normal((4, 2)).astype(np.float16))
+    q8 = quantize(rng.standard_normal((2, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_every_value_type_and_tensor_kind_reads_as_gguf_reader_reads_it(
+    tmp_path: Path, alignment: int | None
+) -> None:
+    path = tmp_path / "sample.gguf"
+    write_sample(path, alignment)
+    assert_same_as_gguf_reader(path)
+    header = read_header(path)
+    assert header.fields["t.str"] == "héllo 👋 世界\n"
+    assert header.fields["t.nested"] == [[1, 2], [3]]
+    assert header.fields["t.u64"] == 2**63 + 5
+
+
+def test_damaged_files_are_refused_naming_what_is_wrong(tmp_path: Path) -> None:
+    good = tmp_path / "good.gguf"
+    write_sample(good)
+    data = good.read_bytes()
+    cases = {
+        b"GGML" + data[4:]: "no GGUF magic",
+        data[:4] + struct.pack("<I", 1) + data[8:]: "version 1",
+        data[:4] + struct.pack(">I", 3) + data[8:]: "big-endian",
+        data[:200]: "damaged|past the end",  # the header cut short
+        data[: len(data) - 40]: "past the end",  # into the last tensor (padding < 32 bytes)
+    }
+    for i, (content, message) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}.gguf"
+        bad.write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            read_header(bad)
