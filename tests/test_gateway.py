@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import signal
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -193,3 +194,54 @@ async def test_an_upstream_killed_mid_reply_without_continuation_is_a_named_erro
     assert errors[0]["message"] == "the upstream model server closed the connection mid-reply"
     assert "continued" not in [e.type for e in events] and events[-1].type == "error"
     assert LONG_TEXT.startswith(text_of(events)) and len(text_of(events)) < len(LONG_TEXT)
+
+
+async def stall_mid_reply(tmp_path: Path, continuation: bool) -> tuple[list[Event], str, str]:
+    """A reply through a relay in front of an upstream whose fourth word comes 20 s after
+    the third (keep-alives between) and one steady upstream with the same text: the events
+    the client read, the relay's metrics after it, and the stalling upstream's base URL."""
+    words = ("one ", "two ", "three ", "four ", "five ")
+    steps = [{"text": w, "delay_ms": 20_000 if w == "four " else 5} for w in words]
+    script = tmp_path / "stalls.json"
+    script.write_text(json.dumps(steps))
+    steady = ("--engine", "simulated", "--delay-ms", "5", "--jitter-ms", "0")
+    async with (
+        replica("--engine", "simulated", "--reply-script", str(script)) as (_, stalling),
+        replica(*steady, "--reply-text", "".join(words)) as (_, other),
+        # The first listed upstream takes a fresh relay's first request.
+        replica(
+            f"--engine=upstream:{stalling}/v1",
+            f"--engine=upstream:{other}/v1",
+            "--upstream-stall-s",
+            "0.5",
+        ) as (_, relay),
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"prompt": "hi", "upstream_continue": continuation}
+        async with asyncio.timeout(60):
+            status, events = await stream(session, relay, body)
+        assert status == 200
+        return events, await scrape(session, relay), f"{stalling}/v1"
+
+
+async def test_an_upstream_stalled_mid_reply_is_continued_elsewhere(tmp_path: Path):
+    events, seen, stalling = await stall_mid_reply(tmp_path, continuation=True)
+    assert text_of(events) == "one two three four five "
+    types = [e.type for e in events]
+    assert types.count("continued") == 1 and types[-2:] == ["usage", "done"]
+    continued = json.loads(events[types.index("continued")].data)
+    assert continued == {"reason": "upstream_stalled", "after_tokens": 3}
+    assert [int(e.id or 0) for e in events] == list(range(1, len(events) + 1))
+    assert metric(seen, "replystream_upstream_continuations") == 1
+    assert metric(seen, "replystream_upstream_attempts", result="stalled", upstream=stalling) == 1
+
+
+async def test_an_upstream_stalled_mid_reply_without_continuation_is_a_named_error(
+    tmp_path: Path,
+):
+    events, seen, stalling = await stall_mid_reply(tmp_path, continuation=False)
+    assert text_of(events) == "one two three "
+    errors = [json.loads(e.data)["error"] for e in events if e.type == "error"]
+    assert [e["code"] for e in errors] == ["upstream_stalled"] and events[-1].type == "error"
+    assert metric(seen, "replystream_upstream_continuations") == 0
+    assert metric(seen, "replystream_upstream_attempts", result="stalled", upstream=stalling) == 1

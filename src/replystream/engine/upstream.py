@@ -212,9 +212,9 @@ class UpstreamEngine:
     """Relays OpenAI-compatible streaming servers; one aiohttp session per engine."""
 
     name = "upstream"
-    # A reply is a RelayedReply over its attempts, which reads each attempt's UpstreamStream
-    # by iterating; the producer task pulls it.
-    pushes = False
+    # A reply is a RelayedReply over its attempts: attached, it attaches itself to each
+    # attempt's UpstreamStream, so the connection's reads push deltas (no task per reply).
+    pushes = True
     makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
 
     def __init__(self, config: UpstreamConfig) -> None:

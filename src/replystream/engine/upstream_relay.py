@@ -15,6 +15,13 @@ This file decides when an attempt has failed and what happens next:
 Every attempt's result is counted on its backend and logged (``replystream.access``, one JSON
 line each, with the request id). It must not know how an attempt is sent (``Opener``) or
 anything about our HTTP server.
+
+A reply is read one of two ways, with the same decisions: iterated (each read awaits the
+current attempt), or attached to a sink (``PushDeltaStream``): then the reply is itself the
+sink of its current attempt's stream, each delta goes on to the client's sink in the same
+call, an attempt's failure arrives in ``on_end`` (or from the watchdog's timer) and is
+decided at once; only opening the next attempt, which awaits a response head, runs as a task
+(``_reopen``), and only then. No task and no wake-up per chunk.
 """
 
 from __future__ import annotations
@@ -23,22 +30,24 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from replystream.engine.base import (
     Delta,
-    DeltaStream,
+    DeltaSink,
     EngineError,
     GenerationRequest,
+    PushDeltaStream,
     RequestRejected,
 )
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 
 access_log = logging.getLogger("replystream.access")
+log = logging.getLogger("replystream.upstream")
 
 # Sends ``request`` to ``backend`` and returns its stream once the response head arrived.
-Opener = Callable[[Backend, GenerationRequest], Awaitable[DeltaStream]]
+Opener = Callable[[Backend, GenerationRequest], Awaitable[PushDeltaStream]]
 
 
 _AT_HEAD = {
@@ -61,6 +70,12 @@ class RelayStalled(EngineError):
     status = 504
 
 
+class RelayBroken(EngineError):
+    """Relaying failed on our side (a bug): the reply ends with this, its upstream closed."""
+
+    status = 502
+
+
 @dataclass(frozen=True, slots=True)
 class RelayLimits:
     ttft_s: float = 30.0  # per attempt: the first content within this
@@ -81,7 +96,7 @@ class RelayCounts:
 
 
 class RelayedReply:
-    """A ``DeltaStream`` over a sequence of upstream attempts."""
+    """A ``PushDeltaStream`` over a sequence of upstream attempts."""
 
     # Thousands are open at once: slots instead of an instance dict.
     __slots__ = (
@@ -99,12 +114,14 @@ class RelayedReply:
         "_loop",
         "_model",
         "_opener",
+        "_opening",
         "_overdue",
         "_pool",
         "_relayed_any",
         "_request",
         "_seam",
         "_sent",
+        "_sink",
         "_stream",
         "_text_at",
         "_timer",
@@ -133,7 +150,7 @@ class RelayedReply:
         self._tried: set[Backend] = set()
         self._began = time.monotonic()  # of the request, or of the latest seam
         self._backend: Backend | None = None
-        self._stream: DeltaStream | None = None
+        self._stream: PushDeltaStream | None = None
         self._attempt_began = 0.0
         self._flowing = False  # the current attempt has relayed content
         self._sent: list[str] = []  # every text relayed, in order (with continuation on)
@@ -150,6 +167,9 @@ class RelayedReply:
         self._overdue = False
         self._done = False
         self._last_error: EngineError | None = None
+        # Attached: the client's sink, and the task opening the next attempt (only then).
+        self._sink: DeltaSink | None = None
+        self._opening: asyncio.Task[None] | None = None
 
     def __aiter__(self) -> RelayedReply:
         return self
@@ -162,6 +182,8 @@ class RelayedReply:
             EngineError: no upstream answered within the failover bound (the last failure).
         """
         await self._next_attempt()
+
+    # -- Iterated -------------------------------------------------------------------------
 
     async def __anext__(self) -> Delta:
         while True:
@@ -192,17 +214,138 @@ class RelayedReply:
                 error = exc
             else:
                 self._text_at = self._loop.time()
-                return self._relayed(delta)
+                self._took((delta,))
+                if self._seam is None:
+                    return delta
+                # The client learns where the text comes from a new upstream, then reads it.
+                self._held = delta
+                return self._marker(delta)
             finally:
                 self._waiter, self._overdue = None, False
-            await self._attempt_failed(error, _IN_STREAM.get(error.code, "stream_error"))
-            if not flowing:
-                continue  # the next attempt, or the last failure raised by it
-            if not self._continuation:
+            if not self._attempt_broke(error):
                 raise error
+
+    # -- Attached -------------------------------------------------------------------------
+
+    def attach(self, sink: DeltaSink) -> None:
+        """Deliver every delta to ``sink`` as the current attempt's connection reads it."""
+        self._sink = sink
+        if self._stream is not None:
+            self._stream.attach(self)
+
+    def on_deltas(self, deltas: Sequence[Delta]) -> None:
+        """The current attempt's deltas (it is attached to this reply): on to the sink."""
+        sink = self._sink
+        if sink is None:
+            return
+        self._text_at = self._loop.time()
+        self._took(deltas)
+        if self._seam is not None:
+            deltas = [self._marker(deltas[0]), *deltas]
+        try:
+            sink.on_deltas(deltas)
+        except Exception:  # a bug of ours downstream: this reply ends, its upstream closed
+            log.exception("delivering a relayed reply's deltas failed")
+            self.close()
+            sink.on_end(RelayBroken("relaying the reply failed", code="upstream_broken"))
+
+    def on_end(self, error: EngineError | None) -> None:
+        """The current attempt ended: the reply with it, or the next attempt takes over."""
+        self._stream = None  # it has closed itself
+        if error is None:
+            self._done = True
+            self._unwatch()
+            self._attempt_over("ok")
+            self._ended(None)
+        elif not self._attempt_broke(error):
+            self._ended(error)
+
+    def close(self) -> None:
+        """Stop relaying now: close the current attempt's upstream connection (or stop
+        opening one); the sink is called no more. Safe from inside the sink's own calls."""
+        self._done = True
+        self._held = None
+        self._sink = None
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            opening.cancel()
+        self._close_stream()
+        self._attempt_over("cancelled")
+
+    async def aclose(self) -> None:
+        """Stop relaying: close the current attempt's upstream connection."""
+        self.close()
+
+    def _ended(self, error: EngineError | None) -> None:
+        self._done = True
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.on_end(error)
+
+    async def _reopen(self) -> None:
+        """Attached, after an attempt failed: open the next one and attach to it, or end
+        the reply with the last failure."""
+        try:
+            await self._next_attempt()
+        except EngineError as error:
+            self._opening = None
+            self._ended(error)
+            return
+        except Exception:
+            self._opening = None
+            log.exception("opening the next upstream attempt failed")
+            self._ended(RelayBroken("relaying the reply failed", code="upstream_broken"))
+            return
+        self._opening = None
+        if self._sink is not None and self._stream is not None:
+            self._stream.attach(self)
+
+    # -- Both -----------------------------------------------------------------------------
+
+    def _took(self, deltas: Sequence[Delta]) -> None:
+        """What relaying ``deltas`` changes: the first text of an attempt commits it, a
+        tool call rules continuation out, a finish reason ends the attempt well."""
+        if not self._flowing:
+            self._flowing = True
+            self._limit = self._limits.stall_s  # from now on: the stall limit, from here
+            self._unwatch()
+            self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
+            assert self._backend is not None
+            self._backend.succeeded()
+        self._relayed_any = True
+        for delta in deltas:
+            if delta.tool_call is not None:
+                # A continuation sends the text so far as the assistant's prefix; a call
+                # cannot be sent that way, so a reply that made one ends with its error.
+                self._continuation = False
+            if self._continuation:  # kept only for a continuation's prefix
+                self._sent.append(delta.text)
+            self._tokens += delta.tokens
+            if delta.finish_reason is not None:
+                self._done = True
+                self._unwatch()
+                self._attempt_over("ok")
+
+    def _marker(self, first: Delta) -> Delta:
+        """The empty delta that says the text goes on from a new upstream (``continued``)."""
+        reason, self._seam = self._seam, None
+        return Delta("", 0, first.made_at, continued=reason)
+
+    def _attempt_broke(self, error: EngineError) -> bool:
+        """The current attempt failed with ``error``: count it, close it, and decide. True
+        if another attempt takes over (iterated: the next read opens it; attached: a task
+        opens it now); False if the reply ends with ``error``."""
+        flowing = self._flowing
+        self._attempt_failed(error, _IN_STREAM.get(error.code, "stream_error"))
+        if flowing:
+            if not self._continuation:
+                return False
             self._seam = error.code  # the next attempt continues the text relayed so far
             self._counts.continuations += 1
             self._began = time.monotonic()
+        if self._sink is not None:
+            self._opening = self._loop.create_task(self._reopen())
+        return True
 
     def _watch(self) -> None:
         """Once per attempt: the watchdog that notices no text for ``_limit`` seconds.
@@ -216,45 +359,26 @@ class RelayedReply:
         self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
 
     def _check(self) -> None:
+        self._timer = None
         due = self._text_at + self._limit
-        if self._loop.time() < due or self._waiter is None:  # text came, or nobody waits
-            later = max(due, self._loop.time() + min(self._limit, 0.1))
-            self._timer = self._loop.call_at(later, self._check)
+        now = self._loop.time()
+        if now < due or (self._waiter is None and self._sink is None):
+            # Text came since, or nobody reads yet: look again later.
+            self._timer = self._loop.call_at(max(due, now + min(self._limit, 0.1)), self._check)
             return
+        if self._sink is not None:  # attached: the attempt failed, decided here and now
+            error = self._timed_out(self._limit, self._flowing)
+            if not self._attempt_broke(error):
+                self._ended(error)
+            return
+        assert self._waiter is not None
         self._overdue = True
         self._waiter.cancel()
-        self._timer = None
 
     def _unwatch(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-
-    def _relayed(self, delta: Delta) -> Delta:
-        if not self._flowing:
-            self._flowing = True
-            self._limit = self._limits.stall_s  # from now on: the stall limit, from here
-            self._unwatch()
-            self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
-            assert self._backend is not None
-            self._backend.succeeded()
-        if delta.tool_call is not None:
-            # A continuation sends the text so far as the assistant's prefix; a call cannot be
-            # sent that way, so a reply that made one ends with its error instead.
-            self._continuation = False
-        if self._continuation:  # kept only for a continuation's prefix
-            self._sent.append(delta.text)
-        self._relayed_any = True
-        self._tokens += delta.tokens
-        if delta.finish_reason is not None:
-            self._done = True
-            self._unwatch()
-            self._attempt_over("ok")
-        if self._seam is None:
-            return delta
-        # The client learns where the text comes from a new upstream, then reads it.
-        self._held, reason, self._seam = delta, self._seam, None
-        return Delta("", 0, delta.made_at, continued=reason)
 
     def _ttft_limit(self) -> float:
         left = self._limits.failover_s - (time.monotonic() - self._began)
@@ -292,7 +416,7 @@ class RelayedReply:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
                 raise
             except EngineError as exc:
-                await self._attempt_failed(exc, _AT_HEAD.get(exc.code, "connect_error"))
+                self._attempt_failed(exc, _AT_HEAD.get(exc.code, "connect_error"))
             except BaseException:
                 self._attempt_over("cancelled")
                 raise
@@ -331,9 +455,9 @@ class RelayedReply:
             error.args = (f"{error} (after trying {len(self._tried)} upstreams)",)
         return error
 
-    async def _attempt_failed(self, error: EngineError, result: str) -> None:
+    def _attempt_failed(self, error: EngineError, result: str) -> None:
         backend = self._backend
-        await self._close_stream()
+        self._close_stream()
         self._last_error = error
         if backend is not None:
             self._pool.failed(backend, str(error))
@@ -360,19 +484,8 @@ class RelayedReply:
             }
             access_log.info("%s", json.dumps(line))
 
-    async def _close_stream(self) -> None:
+    def _close_stream(self) -> None:
         self._unwatch()
         stream, self._stream = self._stream, None
         if stream is not None:
-            try:
-                async with asyncio.timeout(1.0):
-                    await asyncio.shield(stream.aclose())
-            except (TimeoutError, EngineError):
-                pass
-
-    async def aclose(self) -> None:
-        """Stop relaying: close the current attempt's upstream connection."""
-        self._done = True
-        self._held = None
-        await self._close_stream()
-        self._attempt_over("cancelled")
+            stream.close()

@@ -92,19 +92,20 @@ class _BodyHook:
     ``set_exception`` are asked of it (aiohttp's ``helpers.set_result``/``set_exception``).
     """
 
-    __slots__ = ("_stream",)
+    __slots__ = ("_ready", "_stream")
 
-    def __init__(self, stream: UpstreamStream) -> None:
+    def __init__(self, stream: UpstreamStream, ready: _ReadyStreams) -> None:
         self._stream = stream
+        self._ready = ready  # the running loop's list, found once (not on every wake)
 
     def done(self) -> bool:
         return False
 
     def set_result(self, result: object) -> None:
-        _ReadyStreams.of_running_loop().add(self._stream)
+        self._ready.add(self._stream)
 
     def set_exception(self, exc: BaseException) -> None:
-        _ReadyStreams.of_running_loop().add(self._stream)
+        self._ready.add(self._stream)
 
 
 class _ReadyStreams:
@@ -220,13 +221,14 @@ class UpstreamStream:
     def attach(self, sink: DeltaSink) -> None:
         """Deliver every delta to ``sink`` from the connection's own reads (no task)."""
         loop = asyncio.get_running_loop()
+        ready = _ReadyStreams.of_running_loop()
         self._sink = sink
-        self._hook = _BodyHook(self)
+        self._hook = _BodyHook(self, ready)
         self._last_read = time.monotonic()
         self._stall_timer = loop.call_later(self._stall_s, self._check_stall)
         # What arrived with the response head, or since, goes out in the next loop turn: the
         # caller may not be ready for deltas (or the end) inside ``attach``.
-        _ReadyStreams.of_running_loop().add(self)
+        ready.add(self)
 
     def _abandon(self) -> None:
         """Delivering failed (a bug of ours): stop, and tell the sink once that it ended."""
@@ -310,8 +312,7 @@ class UpstreamStream:
     def _deliver(self, sink: DeltaSink) -> None:
         """Hand what was parsed to the sink; end the stream, or wait for more bytes."""
         if self._pending:
-            deltas = list(self._pending)
-            self._pending.clear()
+            deltas, self._pending = self._pending, deque()
             self._deltas += len(deltas)
             sink.on_deltas(deltas)
             if self._sink is None:  # the sink closed the stream while taking them
@@ -405,7 +406,8 @@ class UpstreamStream:
                 f"the upstream reported an error mid-reply: {_message_of(error)}",
                 "upstream_error",
             )
-        if event.data.strip() == "[DONE]":
+        data = event.data
+        if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: no strip
             if self._finish is None:
                 raise self._fail(
                     "the upstream sent [DONE] with no finish reason", "upstream_bad_chunk"
@@ -415,10 +417,10 @@ class UpstreamStream:
         try:
             # pydantic's parser (jiter): a third of json.loads's time on a chunk, and a
             # nesting bound of its own (a ValueError, where json.loads recurses).
-            chunk = from_json(event.data)
+            chunk = from_json(data)
         except ValueError:
             raise self._fail(
-                f"the upstream sent an event that is not JSON ({len(event.data)} characters)",
+                f"the upstream sent an event that is not JSON ({len(data)} characters)",
                 "upstream_bad_chunk",
             ) from None
         if not isinstance(chunk, dict):
