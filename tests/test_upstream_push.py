@@ -205,3 +205,27 @@ async def test_a_sink_that_fails_ends_its_own_stream_and_no_other(caplog):
     assert healthy.error is None and healthy.text == "one two three "
     assert "delivering a relayed reply's deltas failed" in caplog.text
     assert engine.stats().active == 0
+
+
+async def test_a_burst_of_tiny_http_chunks_pauses_the_connection_and_is_delivered_whole():
+    """An upstream whose body comes one byte per HTTP chunk, written at once: a single socket
+    read holds more chunks than aiohttp's body reader takes before it pauses the connection,
+    which the attached stream must resume as it reads (or the reply would stall)."""
+    words = [f"w{i} " for i in range(300)]
+    body = b"".join(chunk(word) for word in words) + chunk(None, "stop") + b"data: [DONE]\n\n"
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(len(body)):
+            await response.write(body[i : i + 1])  # each write is one HTTP chunk
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with running(app) as url:
+        engine = engine_for(f"{url}/v1")
+        sink = await attached(engine)
+        await engine.aclose()
+    assert sink.error is None
+    assert [d.text for d in sink.deltas[:-1]] == words and sink.deltas[-1].finish_reason == "stop"

@@ -87,6 +87,8 @@ async def parse_replies(replies: int) -> tuple[float, list[Delta]]:
 class NoSocket:
     """The connection protocol an ``aiohttp.StreamReader`` pauses and resumes (none here)."""
 
+    _reading_paused = False  # as aiohttp's protocols say it (read by an attached stream)
+
     def pause_reading(self) -> None:
         pass
 

@@ -224,6 +224,11 @@ class UpstreamStream:
         ready = _ReadyStreams.of_running_loop()
         self._sink = sink
         self._hook = _BodyHook(self, ready)
+        # Every read of a body below its low-water mark resumes the connection, which runs
+        # its parser on no bytes (``data_received(b"")``): a tenth of a relayed chunk's cost.
+        # Attached, every read takes all that is buffered, so the connection is resumed
+        # here only when it paused (``_read_buffered``), which is when that run matters.
+        self._response.content._low_water = -1
         self._last_read = time.monotonic()
         self._stall_timer = loop.call_later(self._stall_s, self._check_stall)
         # What arrived with the response head, or since, goes out in the next loop turn: the
@@ -302,6 +307,16 @@ class UpstreamStream:
             )
             raise self._fail(broken.message, broken.code)
         data = content.read_nowait()
+        protocol = content._protocol
+        if protocol._reading_paused:
+            # Past a high-water mark: the connection held back the rest of what it read.
+            # Resuming parses it into the body reader (and may pause again, or reach the
+            # end of the body): read until nothing is held back, before the end counts.
+            pieces = [data]
+            while protocol._reading_paused:
+                protocol.resume_reading()
+                pieces.append(content.read_nowait())
+            data = b"".join(pieces)
         self._bytes_read = content.total_bytes
         if data:
             self._last_read = now = time.monotonic()
