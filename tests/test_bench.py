@@ -611,9 +611,12 @@ async def test_trace_replays_its_arrival_times_and_lengths():
         run = await run_load(config)
     assert [r.timing.tokens for r in run.records] == [8, 16, 4, 12, 6, 10]
     assert [r.prompt_words for r in run.records] == [12, 40, 5, 100, 8, 20]
-    for record, at in zip(run.records, times, strict=True):
-        # Sent at the recorded time: never early, and late only by a timer's slack.
-        assert at - 0.002 <= record.start_s <= at + 0.05
+    starts = [record.start_s for record in run.records]
+    assert starts == sorted(starts)  # in the trace's order
+    for start, at in zip(starts, times, strict=True):
+        # Sent at the recorded time: never early; late by a timer's slack, which a loaded
+        # 2-core machine stretches (the bound catches a replay that ignores the times).
+        assert at - 0.002 <= start <= at + 0.25
 
 
 async def test_multi_turn_conversations_resend_their_history_with_the_replies_received():

@@ -32,7 +32,11 @@ from replystream.server import ids
 from replystream.server.buffered import Whole
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
 from replystream.server.errors import HTTPAPIError
-from replystream.server.native import bad, delivery_overrides, sampling_params
+from replystream.server.native import (
+    check_prompt_size,
+    delivery_overrides,
+    sampling_params,
+)
 from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schemas import MessagesBody, SamplingFields
 from replystream.server.tool_requests import (
@@ -63,12 +67,7 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
     check_tool_answers(messages, "messages")
     tools, tool_choice = anthropic_tools(body.tools, body.tool_choice)
     prompt = prompt_of(messages)
-    if len(prompt) > max_prompt_chars:
-        raise bad(
-            "messages",
-            f"the prompt is {len(prompt)} characters; this server's limit is {max_prompt_chars}",
-            "context_length_exceeded",
-        )
+    check_prompt_size(prompt, max_prompt_chars, "messages")
     sampling = sampling_params(_sampling(body), body.max_tokens)
     choice = body.tool_choice
     disabled = None if choice is None else choice.disable_parallel_tool_use

@@ -42,6 +42,13 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> HTTPAPI
     return HTTPAPIError(400, message, code=code, param=param)
 
 
+def check_prompt_size(prompt: str, limit: int, param: str, *, noun: str = "prompt") -> None:
+    """Refuse a prompt longer than the server takes, as the OpenAI-family routes word it."""
+    if len(prompt) > limit:
+        message = f"the {noun} is {len(prompt)} characters; this server's limit is {limit}"
+        raise bad(param, message, "context_length_exceeded")
+
+
 def prompt_from_messages(messages: Sequence[Message]) -> str:
     """A plain-text prompt from chat messages (one ``role: content`` line each, and one per
     tool call; ``tool_requests.prompt_line``)."""

@@ -17,7 +17,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native import (
-    bad,
+    check_prompt_size,
     delivery_overrides,
     prompt_from_messages,
     relayed_messages,
@@ -59,13 +59,7 @@ def _ask(
     defaults: DeliveryPolicy,
     max_prompt_chars: int,
 ) -> CompletionAsk:
-    if len(generation.prompt) > max_prompt_chars:
-        raise bad(
-            param,
-            f"the prompt is {len(generation.prompt)} characters; "
-            f"this server's limit is {max_prompt_chars}",
-            "context_length_exceeded",
-        )
+    check_prompt_size(generation.prompt, max_prompt_chars, param)
     generation = replace(generation, model=model, continuation=body.upstream_continue)
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -55,7 +55,12 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
-from replystream.server.native import bad, delivery_overrides, sampling_params
+from replystream.server.native import (
+    bad,
+    check_prompt_size,
+    delivery_overrides,
+    sampling_params,
+)
 from replystream.server.openai_api import SDK_KEEPALIVE, routed_model, served_model
 from replystream.server.replies import Reply
 from replystream.server.schemas import (
@@ -206,12 +211,7 @@ def _generation(
         messages.insert(0, {"role": "system", "content": body.instructions})
     check_tool_answers(messages, "input")
     prompt = prompt_of(messages)
-    if len(prompt) > max_prompt_chars:
-        raise bad(
-            "input",
-            f"the input is {len(prompt)} characters; this server's limit is {max_prompt_chars}",
-            "context_length_exceeded",
-        )
+    check_prompt_size(prompt, max_prompt_chars, "input", noun="input")
     sampling = sampling_params(_sampling(body), body.max_output_tokens)
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
     parallel = body.parallel_tool_calls
