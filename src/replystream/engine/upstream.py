@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from pydantic_core import to_json
 
 from replystream.engine.base import (
     READY,
@@ -38,6 +39,7 @@ from replystream.engine.base import (
 )
 from replystream.engine.upstream_errors import connect_failure, quoted
 from replystream.engine.upstream_health import HealthProber
+from replystream.engine.upstream_http import HttpFailure, HttpOrigin, Response
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
 from replystream.engine.upstream_stream import UpstreamStream
@@ -209,7 +211,8 @@ def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
 
 
 class UpstreamEngine:
-    """Relays OpenAI-compatible streaming servers; one aiohttp session per engine."""
+    """Relays OpenAI-compatible streaming servers: requests over the relay's own HTTP client
+    (``upstream_http``, a keep-alive pool per upstream), health probes over aiohttp."""
 
     name = "upstream"
     # A reply is a RelayedReply over its attempts: attached, it attaches itself to each
@@ -233,7 +236,8 @@ class UpstreamEngine:
         self._limits = RelayLimits(config.ttft_s, config.stall_s, config.failover_s)
         self._relay_counts = RelayCounts()
         self._first_models: dict[str, str | None] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # the health prober's
+        self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         self._prober = HealthProber(
             self.pool,
             session=self._client,
@@ -310,22 +314,28 @@ class UpstreamEngine:
             raise
         return reply
 
+    def _origin(self, backend: Backend) -> HttpOrigin:
+        origin = self._origins.get(backend.name)
+        if origin is None:
+            origin = self._origins[backend.name] = HttpOrigin(backend.name)
+        return origin
+
     async def open_attempt(self, backend: Backend, request: GenerationRequest) -> UpstreamStream:
         """One attempt: the request to ``backend``, its stream once the head arrived (what a
         relayed reply is made of; no failover here)."""
-        url = f"{backend.name}/chat/completions"
-        data = json.dumps(request_body(request, self._model_for(backend, request))).encode()
+        body = to_json(request_body(request, self._model_for(backend, request)))
         timeout = self.config.headers_timeout_s
         try:
             async with asyncio.timeout(timeout):
                 headers = self._headers(backend, request.client_key)
-                response = await self._client().post(url, data=data, headers=headers)
+                origin = self._origin(backend)
+                response = await origin.post("/chat/completions", body, headers)
         except TimeoutError:
             raise UpstreamTimeout(
                 f"the upstream at {backend.name} did not answer within {timeout:g} s",
                 code="upstream_timeout",
             ) from None
-        except aiohttp.ClientError as exc:
+        except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             failure = connect_failure(exc, backend.name, timeout)
             kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
             raise kind(failure.message, code=failure.code) from None
@@ -354,12 +364,12 @@ class UpstreamEngine:
         self._deltas += deltas
 
     async def _refusal(
-        self, response: aiohttp.ClientResponse, backend: Backend, client_key: str | None
+        self, response: Response, backend: Backend, client_key: str | None
     ) -> EngineError:
         try:
             async with asyncio.timeout(self.config.headers_timeout_s):
-                raw = await response.content.read(BODY_LIMIT)
-        except (TimeoutError, aiohttp.ClientError):
+                raw = await response.read(BODY_LIMIT)
+        except TimeoutError:
             raw = b""
         finally:
             response.close()
@@ -403,8 +413,11 @@ class UpstreamEngine:
         return READY if ready else Readiness(False, reason)
 
     async def aclose(self) -> None:
-        """Stop probing; close the session and with it every upstream connection still open."""
+        """Stop probing; close every upstream connection still open."""
         await self._prober.aclose()
+        for origin in self._origins.values():
+            origin.close()
+        self._origins.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
 from dataclasses import dataclass
 
 import aiohttp
+
+from replystream.engine.upstream_http import BadFraming, BodyCut, ConnectFailed, NotHttp, PeerClosed
 
 log = logging.getLogger("replystream.upstream")
 
@@ -36,52 +39,72 @@ def _os_reason(error: OSError | None) -> str:
     return "the connection failed"
 
 
-def _tls_reason(exc: aiohttp.ClientSSLError) -> str:
+def _tls_reason(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        verify = getattr(exc.certificate_error, "verify_message", None)
+        exc = exc.certificate_error
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        verify = exc.verify_message
         return f"its TLS certificate is not trusted ({verify or 'verification failed'})"
-    cause = exc.os_error
+    cause = exc.os_error if isinstance(exc, aiohttp.ClientSSLError) else exc
     reason = cause.reason if isinstance(cause, ssl.SSLError) else None
     if reason:  # e.g. WRONG_VERSION_NUMBER: usually TLS spoken to a plain-HTTP port
         return f"the TLS handshake failed ({reason.lower().replace('_', ' ')})"
     return "the TLS handshake failed"
 
 
-def connect_failure(exc: aiohttp.ClientError, base_url: str, timeout_s: float) -> Failure:
-    """A failure to send a request to ``base_url`` or to read its response head."""
+def connect_failure(exc: BaseException, base_url: str, timeout_s: float) -> Failure:
+    """A failure to send a request to ``base_url`` or to read its response head: the relay's
+    own client's (``upstream_http``, ``OSError``, ``ssl.SSLError``) or aiohttp's (the health
+    prober's)."""
     log.debug("upstream %s: %r", base_url, exc)
     where = f"the upstream at {base_url}"
     if isinstance(exc, aiohttp.ServerTimeoutError):
         return Failure(
             f"{where} did not answer within {timeout_s:g} s", "upstream_timeout", timed_out=True
         )
-    if isinstance(exc, aiohttp.ClientSSLError):
+    if isinstance(exc, aiohttp.ClientSSLError | ssl.SSLError):
         return Failure(f"cannot connect to {where}: {_tls_reason(exc)}", "upstream_tls")
-    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+    if isinstance(exc, aiohttp.ClientConnectorDNSError) or (
+        isinstance(exc, ConnectFailed) and isinstance(exc.os_error, socket.gaierror)
+    ):
         return Failure(
             f"cannot connect to {where}: its host name does not resolve", "upstream_unavailable"
         )
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectFailed):
         return Failure(
             f"cannot connect to {where}: {_os_reason(exc.os_error)}", "upstream_unavailable"
         )
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientConnectionResetError):
+    if isinstance(
+        exc,
+        aiohttp.ServerDisconnectedError
+        | aiohttp.ClientConnectionResetError
+        | PeerClosed
+        | ConnectionResetError,
+    ):
         return Failure(f"{where} closed the connection before answering", "upstream_disconnected")
-    if isinstance(exc, aiohttp.ClientResponseError):
+    if isinstance(exc, aiohttp.ClientResponseError | NotHttp):
         return Failure(f"{where} sent a response that is not valid HTTP", "upstream_bad_response")
     if isinstance(exc, aiohttp.InvalidURL):
         return Failure(f"{where} is not a valid URL", "upstream_unavailable")
-    if isinstance(exc, aiohttp.ClientOSError):
+    if isinstance(exc, aiohttp.ClientOSError | OSError):
         return Failure(f"the connection to {where} failed: {_os_reason(exc)}", "upstream_broken")
     return Failure(f"the request to {where} failed", "upstream_unavailable")
 
 
-def broken_stream(exc: aiohttp.ClientError | OSError) -> Failure:
+def broken_stream(exc: BaseException) -> Failure:
     """A failure reading the body of a reply that had started streaming."""
     log.debug("upstream stream broke: %r", exc)
+    if isinstance(exc, BadFraming):
+        return Failure(
+            "the upstream model server sent a body whose HTTP framing is broken",
+            "upstream_broken",
+        )
     if isinstance(
         exc,
-        aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError | ConnectionResetError,
+        aiohttp.ClientPayloadError
+        | aiohttp.ServerDisconnectedError
+        | ConnectionResetError
+        | BodyCut,
     ):
         # A killed or restarted model server: the body ends before its framing says it may.
         return Failure(

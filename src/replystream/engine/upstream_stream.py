@@ -21,13 +21,12 @@ was built, which upstream was picked, or anything about our own HTTP server.
 
 A stream is read one of two ways, with the same parse and the same failures: iterated (each
 read awaits the body, as any ``DeltaStream``), or attached to a sink (``PushDeltaStream``).
-Attached, no task reads it: aiohttp's connection protocol, as it takes the body off the
-socket in ``data_received``, wakes the stream through the hook its body reader
-(``StreamReader``) already has for a waiting reader (``_BodyHook``); every stream woken in
-one turn of the loop is then parsed and delivered to its sink by one callback
-(``_ReadyStreams``). Serving many relayed replies, that removes a task wake-up, a
-coroutine step and a timeout scope per chunk per reply; the stall bound is one timer per
-stream, moved only when it fires (``_check_stall``).
+Either way the stream is its response's ``BodyReceiver`` (``upstream_http``): the
+connection, as it takes body bytes off the socket in ``data_received``, hands them here, and
+they are parsed at once. Attached, the deltas go to the sink in that same call (no task, no
+extra turn of the loop); iterated, they wait for the reader, and past ``PENDING_HIGH`` of them
+the connection stops reading until the reader catches up. The stall bound, attached, is one
+timer per stream, moved only when it fires (``_check_stall``).
 """
 
 from __future__ import annotations
@@ -37,15 +36,14 @@ import contextlib
 import json
 import logging
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 
-import aiohttp
 from pydantic_core import from_json
 
 from replystream.engine.base import Delta, DeltaSink, EngineError, ToolCallDelta
 from replystream.engine.upstream_errors import broken_stream, quoted
+from replystream.engine.upstream_http import Response
 from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
@@ -69,6 +67,11 @@ FINISH_REASONS = {
 # How long a finished reply's connection may wait for the end of its body (to be reused).
 BODY_END_WAIT_S = 1.0
 
+# Deltas an iterating reader may leave unread before the connection stops reading (and how
+# few are left when it reads again).
+PENDING_HIGH = 256
+PENDING_LOW = 64
+
 
 class UpstreamStreamError(EngineError):
     """The upstream misbehaved after its stream started (an in-band error downstream)."""
@@ -84,77 +87,12 @@ def _message_of(error: object) -> str:
     return "no message given"
 
 
-class _BodyHook:
-    """Stands where an aiohttp ``StreamReader`` keeps the future of a reader waiting for
-    body bytes (``_waiter``): the reader resolves it, synchronously from the connection's
-    ``data_received``, when bytes, the end of the body or a failure arrive, and forgets it
-    (the stream sets it again after each call). Only ``done``, ``set_result`` and
-    ``set_exception`` are asked of it (aiohttp's ``helpers.set_result``/``set_exception``).
-    """
-
-    __slots__ = ("_ready", "_stream")
-
-    def __init__(self, stream: UpstreamStream, ready: _ReadyStreams) -> None:
-        self._stream = stream
-        self._ready = ready  # the running loop's list, found once (not on every wake)
-
-    def done(self) -> bool:
-        return False
-
-    def set_result(self, result: object) -> None:
-        self._ready.add(self._stream)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._ready.add(self._stream)
-
-
-class _ReadyStreams:
-    """Attached streams whose body reader woke them since this loop last ran the list: each
-    is read and delivered once, all in one callback per loop turn.
-
-    Not in the wake-up itself: that runs inside aiohttp's HTTP parser, and reading the body
-    reader there re-enters the parser (a read can resume the connection's parsing), which
-    leaks the bytes the outer parse was given."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._ready: list[UpstreamStream] = []
-
-    @classmethod
-    def of_running_loop(cls) -> _ReadyStreams:
-        loop = asyncio.get_running_loop()
-        ready = _READY_BY_LOOP.get(loop)
-        if ready is None:
-            ready = _READY_BY_LOOP[loop] = cls(loop)
-        return ready
-
-    def add(self, stream: UpstreamStream) -> None:
-        if not self._ready:
-            self._loop.call_soon(self._run)
-        self._ready.append(stream)
-
-    def _run(self) -> None:
-        ready, self._ready = self._ready, []
-        for stream in ready:
-            try:
-                stream._readable()
-            except Exception:  # a failing sink must not leave the other streams unread
-                log.exception("delivering a relayed reply's deltas failed")
-                stream._abandon()
-
-
-# One list per event loop (a server has one; tests start many).
-_READY_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ReadyStreams] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 class UpstreamStream:
     """A ``PushDeltaStream`` over one upstream response; owns (and closes) its connection."""
 
     def __init__(
         self,
-        response: aiohttp.ClientResponse,
+        response: Response,
         *,
         stall_s: float,
         max_event_size: int,
@@ -178,13 +116,14 @@ class UpstreamStream:
         self._error: UpstreamStreamError | None = None  # raised once the text before it is out
         self._deltas = 0  # deltas handed out
         self._on_end = on_end
-        # Attached (push) reading: the sink, the hook set in the body reader, the stall timer.
+        self._waiter: asyncio.Future[None] | None = None  # an iterating reader's wait
+        self._paused = False  # the connection's reading, paused for an iterating reader
+        # Attached (push) reading: the sink and the stall timer.
         self._sink: DeltaSink | None = None
-        self._hook: _BodyHook | None = None
         self._stall_timer: asyncio.TimerHandle | None = None
-        self._last_read = 0.0  # time.monotonic() of the last body bytes (attached)
-        self._bytes_read = 0  # the body reader's total_bytes when last read (attached)
+        self._last_read = time.monotonic()  # of the last body bytes
         self._let_go_done = False
+        response.set_receiver(self)  # what came with the head is parsed now
 
     def __aiter__(self) -> UpstreamStream:
         return self
@@ -196,7 +135,7 @@ class UpstreamStream:
                     raise self._error
                 if self._ended:
                     raise StopAsyncIteration
-                await self._read_chunk()
+                await self._body()
         except BaseException:
             # An error, an exhausted stream or a cancelled reader: the connection goes now.
             self._close()
@@ -205,7 +144,21 @@ class UpstreamStream:
         self._deltas += 1
         if self._ended and not self._pending:
             self._close()
+        elif self._paused and len(self._pending) <= PENDING_LOW:
+            self._paused = False
+            self._response.resume_reading()
         return delta
+
+    async def _body(self) -> None:
+        """Wait (iterated) for the connection to hand over body bytes, its end or a failure."""
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(self._stall_s):
+                await waiter
+        except TimeoutError:
+            raise self._stalled() from None
+        finally:
+            self._waiter = None
 
     async def aclose(self) -> None:
         """Stop relaying: close the upstream connection unless the reply already ended."""
@@ -221,19 +174,68 @@ class UpstreamStream:
     def attach(self, sink: DeltaSink) -> None:
         """Deliver every delta to ``sink`` from the connection's own reads (no task)."""
         loop = asyncio.get_running_loop()
-        ready = _ReadyStreams.of_running_loop()
         self._sink = sink
-        self._hook = _BodyHook(self, ready)
-        # Every read of a body below its low-water mark resumes the connection, which runs
-        # its parser on no bytes (``data_received(b"")``): a tenth of a relayed chunk's cost.
-        # Attached, every read takes all that is buffered, so the connection is resumed
-        # here only when it paused (``_read_buffered``), which is when that run matters.
-        self._response.content._low_water = -1
         self._last_read = time.monotonic()
         self._stall_timer = loop.call_later(self._stall_s, self._check_stall)
-        # What arrived with the response head, or since, goes out in the next loop turn: the
-        # caller may not be ready for deltas (or the end) inside ``attach``.
-        ready.add(self)
+        if self._paused:
+            self._paused = False
+            self._response.resume_reading()
+        if self._pending or self._ended or self._error is not None:
+            # What arrived with the response head, or since, goes out in the next loop turn:
+            # the caller may not be ready for deltas (or the end) inside ``attach``.
+            loop.call_soon(self._flush)
+
+    # -- BodyReceiver: called by the connection as it reads --------------------------------
+
+    def body_data(self, data: bytes) -> None:
+        """Body bytes off the socket: parsed now; attached, delivered now."""
+        if self._ended:
+            return
+        self._last_read = now = time.monotonic()
+        try:
+            self._take(data, now)
+        except UpstreamStreamError as error:
+            self._error = error
+        self._readable()
+
+    def body_end(self, failure: Exception | None) -> None:
+        """The body ended, in full (None) or not."""
+        if self._ended:
+            return
+        try:
+            if failure is not None:
+                broken = broken_stream(failure)
+                raise self._fail(broken.message, broken.code)
+            self._end_of_body()
+        except UpstreamStreamError as error:
+            self._error = error
+        self._readable()
+
+    def _readable(self) -> None:
+        sink = self._sink
+        if sink is not None:
+            try:
+                self._deliver(sink)
+            except Exception:  # a failing sink ends its own stream, and nothing else
+                log.exception("delivering a relayed reply's deltas failed")
+                self._abandon()
+            return
+        waiter = self._waiter
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(None)
+        elif not self._paused and len(self._pending) > PENDING_HIGH and not self._ended:
+            self._paused = True  # nobody reads: stop reading the socket until they do
+            self._response.pause_reading()
+
+    def _flush(self) -> None:
+        sink = self._sink
+        if sink is not None:
+            try:
+                self._deliver(sink)
+            except Exception:
+                log.exception("delivering a relayed reply's deltas failed")
+                self._abandon()
 
     def _abandon(self) -> None:
         """Delivering failed (a bug of ours): stop, and tell the sink once that it ended."""
@@ -251,10 +253,6 @@ class UpstreamStream:
         if self._stall_timer is not None:
             self._stall_timer.cancel()
             self._stall_timer = None
-        content = self._response.content
-        if self._hook is not None and content._waiter is self._hook:  # type: ignore[comparison-overlap]
-            content._waiter = None
-        self._hook = None
 
     def _close(self) -> None:
         if self._on_end is not None:
@@ -268,61 +266,12 @@ class UpstreamStream:
             return
         self._let_go_done = True
         if self._clean:
-            if self._response.content.is_eof():
-                self._response.release()  # finished: the connection goes back to the pool
-            else:
-                # The reply is complete but the body's last bytes (the chunked terminator,
-                # often a write of its own) are still on their way: aiohttp hands the
-                # connection back to its pool when they arrive; if they do not, it closes.
-                loop = asyncio.get_running_loop()
-                loop.call_later(BODY_END_WAIT_S, self._response.close)
+            # Finished: the connection goes back to the pool once the body's last bytes
+            # (the chunked terminator, often a write of its own) are in; if they do not
+            # come within BODY_END_WAIT_S, it is closed.
+            self._response.release(BODY_END_WAIT_S)
         else:
             self._response.close()  # closing the socket is how an upstream learns to abort
-
-    def _readable(self) -> None:
-        """Attached: body bytes, the body's end or a failure arrived (``_ReadyStreams``)."""
-        sink = self._sink
-        if sink is None:
-            return
-        content = self._response.content
-        if content.total_bytes == self._bytes_read and not content.is_eof():
-            if content.exception() is None:
-                # The end of an HTTP chunk whose bytes were just read (aiohttp wakes a
-                # reader for both): nothing new.
-                content._waiter = self._hook  # type: ignore[assignment]
-                return
-        try:
-            self._read_buffered(content)
-        except UpstreamStreamError as error:
-            self._error = error
-        self._deliver(sink)
-
-    def _read_buffered(self, content: aiohttp.StreamReader) -> None:
-        failure = content.exception()
-        if failure is not None:
-            broken = broken_stream(
-                failure
-                if isinstance(failure, aiohttp.ClientError | OSError)
-                else aiohttp.ClientPayloadError(str(failure))
-            )
-            raise self._fail(broken.message, broken.code)
-        data = content.read_nowait()
-        protocol = content._protocol
-        if protocol._reading_paused:
-            # Past a high-water mark: the connection held back the rest of what it read.
-            # Resuming parses it into the body reader (and may pause again, or reach the
-            # end of the body): read until nothing is held back, before the end counts.
-            pieces = [data]
-            while protocol._reading_paused:
-                protocol.resume_reading()
-                pieces.append(content.read_nowait())
-            data = b"".join(pieces)
-        self._bytes_read = content.total_bytes
-        if data:
-            self._last_read = now = time.monotonic()
-            self._take(data, now)
-        if not self._ended and content.is_eof():
-            self._end_of_body()
 
     def _deliver(self, sink: DeltaSink) -> None:
         """Hand what was parsed to the sink; end the stream, or wait for more bytes."""
@@ -337,8 +286,6 @@ class UpstreamStream:
             self._detach()
             self._close()
             sink.on_end(error)
-            return
-        self._response.content._waiter = self._hook  # type: ignore[assignment]
 
     def _check_stall(self) -> None:
         sink = self._sink
@@ -359,20 +306,6 @@ class UpstreamStream:
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
         self._ended = self._failed = True
         return UpstreamStreamError(message, code=code)
-
-    async def _read_chunk(self) -> None:
-        try:
-            async with asyncio.timeout(self._stall_s):
-                data = await self._response.content.readany()
-        except TimeoutError:
-            raise self._stalled() from None
-        except (aiohttp.ClientError, OSError) as exc:
-            failure = broken_stream(exc)
-            raise self._fail(failure.message, failure.code) from None
-        if not data:
-            self._end_of_body()
-            return
-        self._take(data, time.monotonic())
 
     def _take(self, data: bytes, now: float) -> None:
         """Parse body bytes into pending deltas. A failure that ends the reply at once
