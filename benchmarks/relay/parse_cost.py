@@ -3,15 +3,15 @@
 What this file decides: how the per-chunk cost of relaying is split and timed in one process,
 with no socket and no other process. The input is one reply as the benchmark's upstream sends
 it (``upstream_server.reply_messages``: 100 OpenAI chat chunks, each read as one body chunk).
-- ``parse, iterated``: the body chunks through ``UpstreamStream``'s iterator (event parser,
-  chunk JSON, ``Delta``s) from a response object that hands the recorded chunks over at
-  once, as a producer task reads them (no socket, no waiting);
+- ``parse, iterated``: the body chunks handed to ``UpstreamStream`` as its connection hands
+  them (``body_data``), then read through its iterator (event parser, chunk JSON, ``Delta``s);
 - ``pipeline + encode``: each ``Delta`` through a ``ReplyPipeline`` with the chat dialect
   (``OpenAIStreamFormat``) and written as SSE bytes (``sse_event``), as the chat route does;
-- ``attached, all of it``: the stream attached to a sink that does the pipeline and encoding,
-  each chunk fed to aiohttp's own body reader (``aiohttp.StreamReader.feed_data``) as the
-  connection's parser feeds it, then one turn of the loop (where woken streams are read):
-  parse, pipeline and re-encode, as a served relay does them.
+- ``attached, all of it``: the relay's HTTP client connection (``upstream_http.Connection``)
+  over a stand-in transport (no socket) given the response as the upstream writes it (the
+  head, then each chunk in HTTP chunked framing, one ``data_received`` each, then the
+  terminator), the stream attached to a sink that does the pipeline and encoding: HTTP parse,
+  event parse, pipeline and re-encode, as a served relay does them in one call per read.
 Reported: microseconds per relayed chunk, the median of several repeats.
 
 Run: python benchmarks/relay/parse_cost.py [--replies 2000] [--repeats 5]
@@ -31,42 +31,31 @@ from typing import Any, cast
 if __package__ in (None, ""):  # run as a script: make the ``relay`` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import aiohttp
-
 from relay.upstream_server import CHUNKS, reply_messages
 from replystream.delivery.openai_formats import OpenAIStreamFormat
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Delta, EngineError
+from replystream.engine.upstream_http import BodyReceiver, Connection, HttpOrigin, Response
 from replystream.engine.upstream_stream import UpstreamStream
 from replystream.server.sse_transport import sse_event
 
 BODY = reply_messages(CHUNKS, include_usage=True)
 
 
-class RecordedBody:
-    """``response.content``: the recorded body chunks, one per read, then the end."""
-
-    def __init__(self, chunks: list[bytes]) -> None:
-        self._chunks = iter(chunks)
-        self._eof = False
-
-    async def readany(self) -> bytes:
-        chunk = next(self._chunks, b"")
-        self._eof = not chunk
-        return chunk
-
-    def is_eof(self) -> bool:
-        return self._eof
-
-
 class RecordedResponse:
-    """The part of an ``aiohttp.ClientResponse`` a relayed stream reads."""
+    """The part of an ``upstream_http.Response`` a relayed stream uses (no connection)."""
 
-    def __init__(self, chunks: list[bytes]) -> None:
-        self.content: Any = RecordedBody(chunks)
+    def set_receiver(self, receiver: BodyReceiver) -> None:
+        pass
 
-    def release(self) -> None:
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def release(self, wait_s: float) -> None:
         pass
 
     def close(self) -> None:
@@ -78,22 +67,38 @@ async def parse_replies(replies: int) -> tuple[float, list[Delta]]:
     deltas: list[Delta] = []
     started = time.perf_counter()
     for _ in range(replies):
-        response = cast(aiohttp.ClientResponse, RecordedResponse(BODY))
-        stream = UpstreamStream(response, stall_s=60.0, max_event_size=1 << 20)
+        stream = UpstreamStream(
+            cast(Response, RecordedResponse()), stall_s=60.0, max_event_size=1 << 20
+        )
+        for piece in BODY:
+            stream.body_data(piece)
+        stream.body_end(None)
         deltas = [delta async for delta in stream]
     return time.perf_counter() - started, deltas
 
 
-class NoSocket:
-    """The connection protocol an ``aiohttp.StreamReader`` pauses and resumes (none here)."""
+class StandInTransport(asyncio.Transport):
+    """Where the relay's connection writes its request and pauses its reading: nowhere."""
 
-    _reading_paused = False  # as aiohttp's protocols say it (read by an attached stream)
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
 
     def pause_reading(self) -> None:
         pass
 
-    def resume_reading(self, resume_parser: bool = True) -> None:
+    def resume_reading(self) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+FRAMED = [b"%x\r\n%s\r\n" % (len(piece), piece) for piece in BODY]
+TERMINATOR = b"0\r\n\r\n"
 
 
 class EncodingSink:
@@ -123,22 +128,19 @@ class EncodingSink:
 
 async def attached_replies(replies: int) -> float:
     """Seconds to relay ``replies`` recorded replies through attached streams."""
-    loop = asyncio.get_running_loop()
+    origin = HttpOrigin("http://upstream.invalid/v1")
     started = time.perf_counter()
     for index in range(replies):
-        response = RecordedResponse([])
-        reader = aiohttp.StreamReader(cast(Any, NoSocket()), 1 << 16, loop=loop)
-        response.content = cast(Any, reader)
-        stream = UpstreamStream(
-            cast(aiohttp.ClientResponse, response), stall_s=60.0, max_event_size=1 << 20
-        )
+        connection = Connection(origin)
+        connection.connection_made(StandInTransport())
+        head = connection.send(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n")
+        connection.data_received(HEAD)
+        stream = UpstreamStream(head.result(), stall_s=60.0, max_event_size=1 << 20)
         sink = EncodingSink(index)
         stream.attach(sink)
-        for chunk in BODY:
-            reader.feed_data(chunk)
-            await asyncio.sleep(0)  # woken streams are read once per loop turn
-        reader.feed_eof()
-        await asyncio.sleep(0)
+        for framed in FRAMED:
+            connection.data_received(framed)  # parsed and delivered in this call
+        connection.data_received(TERMINATOR)
         if not sink.ended or sink.events != CHUNKS:
             raise SystemExit(f"attached: {sink.events} text events, ended {sink.ended}")
     return time.perf_counter() - started

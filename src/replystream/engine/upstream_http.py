@@ -113,8 +113,8 @@ class HttpOrigin:
     def __init__(self, url: str, *, max_idle: int = MAX_IDLE) -> None:
         self.origin = Origin(url)
         self._max_idle = max_idle
-        self._idle: list[_Connection] = []
-        self._open: set[_Connection] = set()
+        self._idle: list[Connection] = []
+        self._open: set[Connection] = set()
         self._tls: ssl.SSLContext | None = None
         self.connections_made = 0  # for /metrics-free checks: connections opened so far
 
@@ -139,7 +139,7 @@ class HttpOrigin:
         except _Stale:  # not reused, so not stale: the upstream closed it
             raise PeerClosed("closed before answering") from None
 
-    def _take_idle(self) -> _Connection | None:
+    def _take_idle(self) -> Connection | None:
         idle = self._idle
         while idle:
             connection = idle.pop()
@@ -148,7 +148,7 @@ class HttpOrigin:
             connection.close()
         return None
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
         origin = self.origin
         tls: ssl.SSLContext | None = None
@@ -158,7 +158,7 @@ class HttpOrigin:
             tls = self._tls
         try:
             _, connection = await loop.create_connection(
-                lambda: _Connection(self),
+                lambda: Connection(self),
                 origin.host,
                 origin.port,
                 ssl=tls,
@@ -171,15 +171,15 @@ class HttpOrigin:
         self.connections_made += 1
         return connection
 
-    def _opened(self, connection: _Connection) -> None:
+    def _opened(self, connection: Connection) -> None:
         self._open.add(connection)
 
-    def _lost(self, connection: _Connection) -> None:
+    def _lost(self, connection: Connection) -> None:
         self._open.discard(connection)
         with contextlib.suppress(ValueError):
             self._idle.remove(connection)
 
-    def _give_back(self, connection: _Connection) -> None:
+    def _give_back(self, connection: Connection) -> None:
         if len(self._idle) >= self._max_idle:
             connection.close()
         else:
@@ -202,7 +202,7 @@ class Response:
 
     __slots__ = ("_connection", "content_type", "status")
 
-    def __init__(self, connection: _Connection, status: int, content_type: str) -> None:
+    def __init__(self, connection: Connection, status: int, content_type: str) -> None:
         self._connection = connection
         self.status = status
         self.content_type = content_type  # the media type alone, lower case ("" if none)
@@ -261,7 +261,7 @@ class _Collected:
             self.done.set_result(b"".join(self._parts)[: self._limit])
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One connection to the origin: one request and its response at a time."""
 
     def __init__(self, origin: HttpOrigin) -> None:

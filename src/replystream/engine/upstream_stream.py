@@ -375,6 +375,28 @@ class UpstreamStream:
             raise self._fail(
                 "the upstream sent a chunk that is not an object", "upstream_bad_chunk"
             )
+        # The common chunk first: one choice (index 0) whose delta is text alone (a role
+        # may come with it), no logprobs, tool calls, finish reason, usage or error.
+        choices = chunk.get("choices")
+        if type(choices) is list and len(choices) == 1 and not self._logprobs:
+            choice = choices[0]
+            if (
+                type(choice) is dict
+                and choice.get("index", 0) == 0
+                and choice.get("finish_reason") is None
+                and choice.get("logprobs") is None
+                and chunk.get("usage") is None
+                and "error" not in chunk
+                and chunk.get("object") != "error"
+            ):
+                delta = choice.get("delta")
+                if type(delta) is dict and delta.get("tool_calls") is None:
+                    text = delta.get("content")
+                    if type(text) is str:
+                        if text:
+                            self._tokens += 1
+                            self._pending.append(Delta(text, 1, now))
+                        return
         if "error" in chunk or chunk.get("object") == "error":
             raise self._fail(
                 "the upstream reported an error mid-reply: "
