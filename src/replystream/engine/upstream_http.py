@@ -219,8 +219,8 @@ class Response:
 
     @property
     def reading(self) -> bool:
-        """Whether the connection is reading (not paused by the receiver)."""
-        return not self._connection.paused
+        """Whether the connection's transport is reading (not paused by the receiver)."""
+        return self._connection.reading()
 
     def release(self, wait_s: float) -> None:
         """Done with the body: the connection goes back to the pool once the body has
@@ -378,6 +378,10 @@ class Connection(asyncio.Protocol):
         self._complete = True
 
     # -- Used by HttpOrigin and Response ----------------------------------------------------
+
+    def reading(self) -> bool:
+        transport = self._transport
+        return transport is not None and transport.is_reading()
 
     def usable(self) -> bool:
         transport = self._transport

@@ -1,0 +1,317 @@
+"""The relay's own HTTP/1.1 client (``engine/upstream_http.py``) over real loopback servers.
+
+Raw asyncio servers here write exactly the bytes each test needs (and count the connections
+they accept), so the tests pin what a relay's upstream connection must do beyond what an
+aiohttp upstream shows: one connection serving replies in turn, a connection the upstream
+closed while idle not used (and a request on one closed as it went sent once more), a body
+that ends with its connection, responses split at every byte (inside a chunk-size line,
+between CR and LF), TLS verified against a CA made here with the host name sent as SNI, and
+a reader that falls behind pausing the connection's reading until it catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from replystream.engine.base import GenerationRequest
+from replystream.engine.upstream import (
+    UpstreamConfig,
+    UpstreamEngine,
+    UpstreamTarget,
+    UpstreamUnavailable,
+)
+from replystream.engine.upstream_http import HttpOrigin, PeerClosed
+from replystream.engine.upstream_stream import UpstreamStream, UpstreamStreamError
+from tests.conftest import wait_for
+from tests.test_bench_tls import make_certificates
+from tests.test_upstream_faults import chunk
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+WORDS = ["one ", "two ", "three "]
+SSE = b"".join(chunk(word) for word in WORDS) + chunk(None, "stop") + b"data: [DONE]\n\n"
+
+
+def chunked(*pieces: bytes) -> bytes:
+    """``pieces`` in HTTP chunked framing, with the terminator."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes | None:
+    """One request (head and Content-Length body) off ``reader``; None at its end."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return head + await reader.readexactly(length)
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+@asynccontextmanager
+async def raw_server(
+    handle: Handler, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[list[int], str]]:
+    """A loopback server running ``handle(reader, writer, connection number)`` per connection;
+    yields the list of accepted connection numbers and its base URL."""
+    accepted: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(len(accepted))
+        try:
+            await handle(reader, writer, accepted[-1])
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=tls)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield accepted, f"{'https' if tls else 'http'}://127.0.0.1:{port}/v1"
+
+
+def engine_for(url: str, **config: float) -> UpstreamEngine:
+    return UpstreamEngine(UpstreamConfig((UpstreamTarget(url),), model="m", **config))  # type: ignore[arg-type]
+
+
+async def reply_of(engine: UpstreamEngine) -> tuple[str, str | None]:
+    """One relayed attempt read to its end: its text and finish reason."""
+    backend = engine.pool.plan(None)[0]
+    stream = await engine.open_attempt(backend, GenerationRequest("hi"))
+    deltas = [delta async for delta in stream]
+    return "".join(d.text for d in deltas), deltas[-1].finish_reason
+
+
+async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+    """Answers every request on the connection with the reply, chunked, keeping it open."""
+    while await read_request(reader) is not None:
+        writer.write(HEAD + chunked(SSE))
+        await writer.drain()
+
+
+async def test_one_connection_serves_replies_in_turn():
+    async with raw_server(keep_alive) as (accepted, url):
+        engine = engine_for(url)
+        for _ in range(3):
+            assert await reply_of(engine) == ("one two three ", "stop")
+        await engine.aclose()
+    assert accepted == [0]
+
+
+async def test_an_idle_connection_the_upstream_closed_is_not_used():
+    async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(HEAD + chunked(SSE))
+        await writer.drain()  # and closes: keep-alive not honoured, without saying so
+
+    async with raw_server(once) as (accepted, url):
+        engine = engine_for(url)
+        assert await reply_of(engine) == ("one two three ", "stop")
+        await asyncio.sleep(0.1)  # the close arrives while the connection is idle
+        assert engine._origins[url].idle == 0
+        assert await reply_of(engine) == ("one two three ", "stop")
+        await engine.aclose()
+    assert accepted == [0, 1]
+
+
+async def test_a_reused_connection_that_dies_before_answering_is_retried_on_a_new_one():
+    async def first_only(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(HEAD + chunked(SSE))
+        await writer.drain()
+        await read_request(reader)  # the next request on it: closed without an answer
+
+    async with raw_server(first_only) as (accepted, url):
+        engine = engine_for(url)
+        assert await reply_of(engine) == ("one two three ", "stop")
+        assert engine._origins[url].idle == 1  # kept: the upstream did not say it closes
+        assert await reply_of(engine) == ("one two three ", "stop")
+        await engine.aclose()
+    assert accepted == [0, 1]
+
+
+async def test_a_fresh_connection_that_dies_before_answering_is_not_retried():
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+
+    async with raw_server(mute) as (accepted, url):
+        origin = HttpOrigin(url)
+        with pytest.raises(PeerClosed):
+            await origin.post("/chat/completions", b"{}", {})
+        origin.close()
+    assert accepted == [0]
+
+
+async def test_a_close_delimited_body_ends_with_its_connection():
+    async def close_delimited(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        for piece in (chunk(w) for w in WORDS):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(chunk(None, "stop"))  # no [DONE]: the close ends it (older servers)
+
+    async with raw_server(close_delimited) as (accepted, url):
+        engine = engine_for(url)
+        assert await reply_of(engine) == ("one two three ", "stop")
+        assert await reply_of(engine) == ("one two three ", "stop")
+        assert engine._origins[url].idle == 0
+        await engine.aclose()
+    assert accepted == [0, 1]  # a close-delimited body's connection is not reused
+
+
+async def test_a_close_delimited_body_cut_short_is_incomplete():
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + chunk("a "))
+
+    async with raw_server(cut) as (_, url):
+        engine = engine_for(url)
+        with pytest.raises(UpstreamStreamError) as failure:
+            await reply_of(engine)
+        await engine.aclose()
+    assert failure.value.code == "upstream_incomplete"
+
+
+async def test_a_response_split_at_every_byte_is_read_whole():
+    """Request number k is answered in two writes split at byte k: every boundary of the
+    head, of a chunk-size line, and between each CR and its LF is a read's end once."""
+    whole = HEAD + chunked(SSE[:40], SSE[40:])
+
+    async def split(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        at = 1
+        while await read_request(reader) is not None:
+            writer.write(whole[:at])
+            await writer.drain()
+            await asyncio.sleep(0.002)  # a read of its own
+            writer.write(whole[at:])
+            await writer.drain()
+            at += 1
+
+    async with raw_server(split) as (accepted, url):
+        engine = engine_for(url)
+        for _ in range(1, len(whole)):
+            assert await reply_of(engine) == ("one two three ", "stop")
+            # The body's end may come in the second write, after [DONE]: back in the pool then.
+            await wait_for(lambda: engine._origins[url].idle == 1)
+        await engine.aclose()
+    assert accepted == [0]  # and each reply's connection went back to the pool whole
+
+
+async def test_broken_chunk_framing_mid_body_is_named():
+    async def bad(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(HEAD + b"%x\r\n%s\r\n" % (len(chunk("a ")), chunk("a ")) + b"zz\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with raw_server(bad) as (_, url):
+        engine = engine_for(url)
+        with pytest.raises(UpstreamStreamError) as failure:
+            await reply_of(engine)
+        await engine.aclose()
+    assert failure.value.code == "upstream_broken"
+    assert "framing" in str(failure.value)
+
+
+async def test_tls_to_an_upstream_verified_against_its_ca_with_the_host_as_sni(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    ca, cert, key = make_certificates(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))  # what ssl.create_default_context trusts
+    names: list[str | None] = []
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda _sock, name, _ctx: names.append(name)
+    async with raw_server(keep_alive, tls=context) as (accepted, url):
+        named = url.replace("127.0.0.1", "localhost")
+        engine = engine_for(named)
+        for _ in range(2):
+            assert await reply_of(engine) == ("one two three ", "stop")
+        await engine.aclose()
+        # The certificate names localhost, not 127.0.0.1: by address, it is refused.
+        other = engine_for(url)
+        backend = other.pool.plan(None)[0]
+        with pytest.raises(UpstreamUnavailable) as refused:
+            await other.open_attempt(backend, GenerationRequest("hi"))
+        await other.aclose()
+    assert accepted[0] == 0 and names[0] == "localhost"
+    assert refused.value.code == "upstream_tls"
+    assert "not trusted" in str(refused.value)
+
+
+async def test_a_reader_that_falls_behind_pauses_the_connection_until_it_reads():
+    words = [f"w{i} " for i in range(2000)]
+
+    async def burst(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(HEAD)
+        for word in words:
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk(word)), chunk(word)))
+        last = chunk(None, "stop") + b"data: [DONE]\n\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(last), last))
+        await writer.drain()
+        await read_request(reader)
+
+    async with raw_server(burst) as (_, url):
+        engine = engine_for(url)
+        backend = engine.pool.plan(None)[0]
+        stream = await engine.open_attempt(backend, GenerationRequest("hi"))
+        assert isinstance(stream, UpstreamStream)
+        response = stream._response
+        for _ in range(200):  # nobody reads: the connection stops reading
+            if not response.reading:
+                break
+            await asyncio.sleep(0.01)
+        assert not response.reading
+        got = [delta async for delta in stream]  # reading resumes as the reader catches up
+        await engine.aclose()
+    assert [d.text for d in got[:-1]] == words and got[-1].finish_reason == "stop"
+
+
+async def test_the_request_goes_in_one_piece_with_the_headers_the_relay_sends():
+    seen: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        request = await read_request(reader)
+        assert request is not None
+        seen.append(request)
+        writer.write(HEAD + chunked(SSE))
+        await writer.drain()
+
+    async with raw_server(record) as (_, url):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(url),), model="m", api_key="k1"))
+        assert await reply_of(engine) == ("one two three ", "stop")
+        await engine.aclose()
+    head, _, body = seen[0].partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    port = url.split(":")[2].split("/")[0]
+    assert lines[0] == "POST /v1/chat/completions HTTP/1.1"
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert headers == {
+        "Host": f"127.0.0.1:{port}",
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        "Accept": "text/event-stream",
+        "Accept-Encoding": "identity",
+        "Authorization": "Bearer k1",
+    }
+    assert json.loads(body)["messages"] == [{"role": "user", "content": "hi"}]
