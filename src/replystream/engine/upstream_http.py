@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-MAX_IDLE = 64  # idle keep-alive connections kept per origin
+MAX_IDLE = 1024  # idle keep-alive connections kept per origin (a burst of replies reuses them)
 
 
 class HttpFailure(Exception):
