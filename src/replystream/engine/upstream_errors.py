@@ -3,7 +3,9 @@
 
 This file decides the message and code of each transport failure: before the response head
 (``connect_failure``: refused, unresolvable, TLS, disconnected, not HTTP), and after it
-(``broken_stream``). What the failure means for the reply (its status, whether it ends) is the
+(``broken_stream``: cut mid-body, broken framing, broken otherwise), from the relay's own
+client (``upstream_http``'s failures, ``OSError``, ``ssl.SSLError``) or from aiohttp's (the
+health prober's). What the failure means for the reply (its status, whether it ends) is the
 callers'. The library's own text goes to the log at debug level only. It must not know how a
 request is built or which upstream was picked.
 """
