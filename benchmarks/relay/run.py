@@ -22,7 +22,7 @@ Every figure is the median over the rounds. Then the relay's own parse and re-en
 chunk, apart from its socket work (``parse_cost.py``). See docs/performance.md.
 
 Run: python benchmarks/relay/run.py [--quick] [-C 1 100 500 1000] [--rounds 3]
-         [--relays replystream litellm nginx] [--litellm PATH] [--loop asyncio|uvloop]
+         [--relays replystream litellm nginx pipe] [--litellm PATH] [--loop asyncio|uvloop]
          [--replies-per-slot 2] [--burst] [--timeout-s 10] [--json FILE]
 """
 
@@ -60,6 +60,7 @@ from relay.relays import (
     Target,
     litellm_relay,
     nginx_relay,
+    pipe_relay,
     replystream_relay,
     upstream_server,
 )
@@ -195,6 +196,8 @@ def relay_context(
         return replystream_relay(upstream, args.loop)
     if name == "nginx":
         return nginx_relay(upstream, tmp)
+    if name == "pipe":
+        return pipe_relay(upstream, args.loop)
     return litellm_relay(upstream, tmp, args.litellm)
 
 
