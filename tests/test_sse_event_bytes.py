@@ -10,7 +10,7 @@ from replystream.server.sse_transport import sse_event
 from replystream.sse import encode_data
 
 # Text that has a UTF-8 form (a lone surrogate has none: the encoder refuses it).
-DATA = st.text(alphabet=st.characters(blacklist_categories=("Cs",)))
+DATA = st.text(alphabet=st.characters(exclude_categories=["Cs"]))
 EVENT = st.one_of(
     st.none(), st.just("message"), st.from_regex(r"[a-z][a-z_.]{0,20}", fullmatch=True)
 )

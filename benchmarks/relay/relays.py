@@ -132,8 +132,10 @@ async def upstream_server(processes: int, chunks: int, interval_ms: float) -> As
 
 
 @contextlib.asynccontextmanager
-async def replystream_relay(upstream: str, loop: str) -> AsyncIterator[Target]:
+async def replystream_relay(upstream: str, loop: str, workers: int = 1) -> AsyncIterator[Target]:
     args = ["--engine", f"upstream:{upstream}/v1", "--upstream-model", "bench", "--loop", loop]
+    if workers > 1:  # worker processes on one socket (their CPU and memory are counted too)
+        args += ["--workers", str(workers)]
     args += ["--model-name", "bench"]  # the name every client of the benchmark asks for
     async with serve_process([*args, "--log-level", "WARNING"]) as server:
         yield Target("replystream", server.url, server.pid)
