@@ -8,7 +8,9 @@ access log, streaming passed through), and known to be ready:
   ``openai/`` model with its ``api_base``; offline: the bundled model cost map, no telemetry,
   no database;
 - ``nginx``: ``proxy_pass`` with ``proxy_buffering off`` and upstream keep-alive, one worker
-  process (``master_process off``), the floor for any relay.
+  process (``master_process off``), the floor for any relay;
+- ``pipe``: ``byte_pipe.py``, bytes piped through asyncio with nothing parsed, on the same
+  loop as replystream: the floor for any relay written in Python.
 A process's output goes to a log file in the run's directory, so no pipe can fill and stall it.
 """
 
@@ -30,7 +32,7 @@ from pathlib import Path
 from replystream.lab.local_server import announced_process, serve_process, stop_process
 
 HERE = Path(__file__).resolve().parent
-RELAYS = ("replystream", "litellm", "nginx")
+RELAYS = ("replystream", "litellm", "nginx", "pipe")
 # LiteLLM refuses to start without a master key; every target is sent it (the others ignore it).
 API_KEY = "sk-bench-" + secrets.token_hex(24)
 READY = re.compile(r"listening on (http://\S+)")
@@ -130,11 +132,20 @@ async def upstream_server(processes: int, chunks: int, interval_ms: float) -> As
 
 
 @contextlib.asynccontextmanager
-async def replystream_relay(upstream: str, loop: str) -> AsyncIterator[Target]:
+async def replystream_relay(upstream: str, loop: str, workers: int = 1) -> AsyncIterator[Target]:
     args = ["--engine", f"upstream:{upstream}/v1", "--upstream-model", "bench", "--loop", loop]
+    if workers > 1:  # worker processes on one socket (their CPU and memory are counted too)
+        args += ["--workers", str(workers)]
     args += ["--model-name", "bench"]  # the name every client of the benchmark asks for
     async with serve_process([*args, "--log-level", "WARNING"]) as server:
         yield Target("replystream", server.url, server.pid)
+
+
+@contextlib.asynccontextmanager
+async def pipe_relay(upstream: str, loop: str) -> AsyncIterator[Target]:
+    command = [sys.executable, str(HERE / "byte_pipe.py"), "--upstream", upstream.split("//")[1]]
+    async with announced_process([*command, "--loop", loop], READY, name="pipe") as server:
+        yield Target("pipe", server.url, server.pid)
 
 
 @contextlib.asynccontextmanager

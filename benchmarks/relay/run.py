@@ -22,7 +22,8 @@ Every figure is the median over the rounds. Then the relay's own parse and re-en
 chunk, apart from its socket work (``parse_cost.py``). See docs/performance.md.
 
 Run: python benchmarks/relay/run.py [--quick] [-C 1 100 500 1000] [--rounds 3]
-         [--relays replystream litellm nginx] [--litellm PATH] [--loop asyncio|uvloop]
+         [--relays replystream litellm nginx pipe] [--litellm PATH] [--loop asyncio|uvloop]
+         [--workers N]
          [--replies-per-slot 2] [--burst] [--timeout-s 10] [--json FILE]
 """
 
@@ -60,6 +61,7 @@ from relay.relays import (
     Target,
     litellm_relay,
     nginx_relay,
+    pipe_relay,
     replystream_relay,
     upstream_server,
 )
@@ -192,9 +194,11 @@ def relay_context(
     name: str, upstream: str, tmp: Path, args: argparse.Namespace
 ) -> contextlib.AbstractAsyncContextManager[Target]:
     if name == "replystream":
-        return replystream_relay(upstream, args.loop)
+        return replystream_relay(upstream, args.loop, args.workers)
     if name == "nginx":
         return nginx_relay(upstream, tmp)
+    if name == "pipe":
+        return pipe_relay(upstream, args.loop)
     return litellm_relay(upstream, tmp, args.litellm)
 
 
@@ -234,7 +238,9 @@ async def main(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str,
     busy = statistics.median(r["machine_busy_cores"] for rs in results.values() for r in rs)
     print(
         f"upstream: {args.chunks} chunks {args.interval_ms:g} ms apart per stream; each relay "
-        f"on one process (replystream --loop {args.loop}); medians of {args.rounds} round(s); "
+        f"on one process (replystream --loop {args.loop}"
+        f"{f', {args.workers} worker processes' if args.workers > 1 else ''}); "
+        f"medians of {args.rounds} round(s); "
         f"the whole machine busy {busy:.1f} cores during a run (median, ours included)"
     )
     print(table(results, ["upstream", *args.relays]))
@@ -249,6 +255,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--relays", nargs="+", choices=RELAYS, default=list(RELAYS))
     parser.add_argument("--litellm", default=shutil.which("litellm"), help="litellm executable")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="replystream's worker processes (default 1)"
+    )
     parser.add_argument("--chunks", type=int, default=CHUNKS)
     parser.add_argument("--interval-ms", type=float, default=INTERVAL_MS)
     parser.add_argument("--upstream-processes", type=int, default=1)
@@ -273,6 +282,8 @@ def parse_args() -> argparse.Namespace:
         )
     if args.rounds < 1 or args.replies_per_slot < 1 or min(args.concurrency) < 1:
         parser.error("--rounds, --replies-per-slot and every -C must be at least 1")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     return args
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any, Literal
 
 from replystream.delivery.formats import Spec, Usage, moderated_payload
@@ -156,7 +157,8 @@ class OpenAIStreamFormat:
             spec = self._chunk([self._choice(_TEXT_PLACEHOLDER, None)])[1]
             before, _, after = spec.rpartition(json.dumps(_TEXT_PLACEHOLDER))
             parts = self._text_parts = before, after
-        return [(None, parts[0] + json.dumps(text) + parts[1])]
+        # json.dumps of a str, without its two Python frames (ensure_ascii, as _dumps).
+        return [(None, parts[0] + encode_basestring_ascii(text) + parts[1])]
 
     def text_logprobs(
         self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]

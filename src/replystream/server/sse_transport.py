@@ -36,9 +36,12 @@ SSE_HEADERS = {
 def sse_event(entry: LogEntry, numbered: bool) -> bytes:
     """The bytes of one log entry as an SSE event (``id:`` its number, when ``numbered``)."""
     event, data = entry.event, entry.data
-    if numbered and event and "\n" not in data and "\r" not in data:
-        # The common one-line event, written directly (what encode_data would write).
-        return f"event: {event}\nid: {entry.seq}\ndata: {data}\n\n".encode()
+    if numbered and "\n" not in data and "\r" not in data:
+        # The common one-line event, written directly (what encode_data would write): a
+        # named one, or a plain message (every OpenAI chunk), whose type is not written.
+        if event and event != "message":
+            return f"event: {event}\nid: {entry.seq}\ndata: {data}\n\n".encode()
+        return f"id: {entry.seq}\ndata: {data}\n\n".encode()
     return encode_data(data, type=event, id=str(entry.seq) if numbered else None)
 
 
