@@ -20,7 +20,7 @@ figures. ``--src LABEL=PATH`` (repeatable) runs replystream's processes from eac
 tree (``PYTHONPATH=PATH``), interleaved round by round, so two versions are compared under
 the same noise. (``benchmarks/delivery/start_cost.py`` measures a burst of native replies.)
 
-Run: python benchmarks/start_cost.py [-N 1000] [--rounds 3] [--src before=/path/src ...]
+Run: python benchmarks/chat_start_cost.py [-N 1000] [--rounds 3] [--src before=/path/src ...]
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ async def main(args: argparse.Namespace) -> None:
         upstream = await stack.enter_async_context(
             started("upstream", upstream_command, UPSTREAM_READY)
         )
-        bare_command = [sys.executable, str(HERE / "start_cost.py"), "--bare-server"]
+        bare_command = [sys.executable, str(HERE / "chat_start_cost.py"), "--bare-server"]
         bare = await stack.enter_async_context(
             started("bare aiohttp", bare_command, UPSTREAM_READY)
         )
