@@ -208,8 +208,9 @@ async def start_reply(
     if resumable is None:
         resumable = app[CONFIG_KEY].resumable_by_default
     resumable = resumable and numbered
+    owner = owner_of(request)
     record = app[METRICS_KEY].record(endpoint, streamed=True)
-    record.key = owner_of(request)[:KEY_LABEL_CHARS]
+    record.key = owner[:KEY_LABEL_CHARS]
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()
     stops, logprobs = generation.sampling.stop, generation.sampling.logprobs is not None
@@ -230,7 +231,7 @@ async def start_reply(
         deltas = await start_generation(request, generation, record)
         pipeline = ReplyPipeline(fmt, policy, numbered=numbered, stops=stops, logprobs=logprobs)
     try:
-        await store.create(ReplyInfo(reply_id, owner=owner_of(request), context=context))
+        await store.create(ReplyInfo(reply_id, owner=owner, context=context))
     except StoreUnavailable as exc:
         await close_quietly(deltas)
         record.outcome, record.reason = "rejected", exc.code

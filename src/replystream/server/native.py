@@ -49,21 +49,18 @@ def check_prompt_size(prompt: str, limit: int, param: str, *, noun: str = "promp
         raise bad(param, message, "context_length_exceeded")
 
 
-def prompt_from_messages(messages: Sequence[Message]) -> str:
-    """A plain-text prompt from chat messages (one ``role: content`` line each, and one per
-    tool call; ``tool_requests.prompt_line``)."""
-    return prompt_of(relayed_messages(messages))
-
-
 def relayed_messages(messages: Sequence[Message]) -> tuple[Mapping[str, Any], ...]:
     """The messages as the client sent them, for engines that take chat messages whole
-    (every tool result checked to answer an earlier call)."""
+    (every tool result checked to answer an earlier call). Their plain-text prompt is
+    ``tool_requests.prompt_of`` them (one ``role: content`` line each, one per tool call)."""
     relayed = tuple(message.model_dump(exclude_unset=True) for message in messages)
     check_tool_answers(relayed, "messages")
     return relayed
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, *, logprobs: int | None = None
+) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -71,6 +68,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingPar
         top_k=body.top_k or 0,
         seed=body.seed,
         stop=body.stop or (),
+        logprobs=logprobs,
     )
 
 
@@ -95,8 +93,8 @@ def parse_reply_request(
     """Check a native reply request against the server's defaults and limits."""
     messages = None
     if body.messages is not None:
-        prompt, param = prompt_from_messages(body.messages), "messages"
         messages = relayed_messages(body.messages)
+        prompt, param = prompt_of(messages), "messages"
     else:
         prompt, param = body.prompt or "", "prompt"
     if len(prompt) > max_prompt_chars:

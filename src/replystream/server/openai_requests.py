@@ -11,7 +11,7 @@ about HTTP handlers, engines or wire formats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
@@ -19,12 +19,11 @@ from replystream.server.errors import HTTPAPIError
 from replystream.server.native import (
     check_prompt_size,
     delivery_overrides,
-    prompt_from_messages,
     relayed_messages,
     sampling_params,
 )
 from replystream.server.schemas import ChatBody, CompletionBody, OpenAIBody
-from replystream.server.tool_requests import chat_tools
+from replystream.server.tool_requests import chat_tools, prompt_of
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -55,12 +54,10 @@ def _ask(
     generation: GenerationRequest,
     param: str,
     *,
-    model: str | None,
     defaults: DeliveryPolicy,
     max_prompt_chars: int,
 ) -> CompletionAsk:
     check_prompt_size(generation.prompt, max_prompt_chars, param)
-    generation = replace(generation, model=model, continuation=body.upstream_continue)
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     policy = delivery_overrides(body, defaults)
@@ -75,24 +72,25 @@ def parse_chat_request(
     it routes by (``routed_model``: None for the server's default)."""
     limit = body.max_completion_tokens
     max_tokens = limit if limit is not None else body.max_tokens
-    sampling = sampling_params(body, max_tokens)
-    if body.logprobs:
-        sampling = replace(sampling, logprobs=body.top_logprobs or 0)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = sampling_params(body, max_tokens, logprobs=logprobs)
     tools, tool_choice = chat_tools(body.tools, body.tool_choice)
+    messages = relayed_messages(body.messages)  # relayed unchanged to chat upstreams
     generation = GenerationRequest(
-        prompt_from_messages(body.messages),
+        prompt_of(messages),
         sampling,
-        relayed_messages(body.messages),  # relayed unchanged to chat upstreams
+        messages,
         tools,
         tool_choice,
-        parallel_tool_calls=body.parallel_tool_calls,
+        model=model,
         prefix=body.prefix,
+        continuation=body.upstream_continue,
+        parallel_tool_calls=body.parallel_tool_calls,
     )
     return _ask(
         body,
         generation,
         "messages",
-        model=model,
         defaults=defaults,
         max_prompt_chars=max_prompt_chars,
     )
@@ -103,13 +101,14 @@ def parse_completion_request(
 ) -> CompletionAsk:
     """Check a ``POST /v1/completions`` (legacy) body against the server."""
     max_tokens = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    sampling = replace(sampling_params(body, max_tokens), logprobs=body.logprobs)
-    generation = GenerationRequest(body.prompt, sampling)
+    sampling = sampling_params(body, max_tokens, logprobs=body.logprobs)
+    generation = GenerationRequest(
+        body.prompt, sampling, model=model, continuation=body.upstream_continue
+    )
     return _ask(
         body,
         generation,
         "prompt",
-        model=model,
         defaults=defaults,
         max_prompt_chars=max_prompt_chars,
     )
