@@ -178,17 +178,22 @@ async def test_a_close_delimited_body_ends_with_its_connection():
     assert accepted == [0, 1]  # a close-delimited body's connection is not reused
 
 
+async def failure_of(answer: Handler) -> UpstreamStreamError:
+    """How a reply from an upstream answering with ``answer`` fails."""
+    async with raw_server(answer) as (_, url):
+        engine = engine_for(url)
+        with pytest.raises(UpstreamStreamError) as failure:
+            await reply_of(engine)
+        await engine.aclose()
+    return failure.value
+
+
 async def test_a_close_delimited_body_cut_short_is_incomplete():
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + chunk("a "))
 
-    async with raw_server(cut) as (_, url):
-        engine = engine_for(url)
-        with pytest.raises(UpstreamStreamError) as failure:
-            await reply_of(engine)
-        await engine.aclose()
-    assert failure.value.code == "upstream_incomplete"
+    assert (await failure_of(cut)).code == "upstream_incomplete"
 
 
 async def test_a_response_split_at_every_byte_is_read_whole():
@@ -223,13 +228,9 @@ async def test_broken_chunk_framing_mid_body_is_named():
         await writer.drain()
         await asyncio.sleep(5)
 
-    async with raw_server(bad) as (_, url):
-        engine = engine_for(url)
-        with pytest.raises(UpstreamStreamError) as failure:
-            await reply_of(engine)
-        await engine.aclose()
-    assert failure.value.code == "upstream_broken"
-    assert "framing" in str(failure.value)
+    failure = await failure_of(bad)
+    assert failure.code == "upstream_broken"
+    assert "framing" in str(failure)
 
 
 async def test_tls_to_an_upstream_verified_against_its_ca_with_the_host_as_sni(
