@@ -237,10 +237,13 @@ async def main(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str,
                         )
     busy = statistics.median(r["machine_busy_cores"] for rs in results.values() for r in rs)
     print(
-        f"upstream: {args.chunks} chunks {args.interval_ms:g} ms apart per stream; each relay "
-        f"on one process (replystream --loop {args.loop}"
-        f"{f', {args.workers} worker processes' if args.workers > 1 else ''}); "
-        f"medians of {args.rounds} round(s); "
+        f"upstream: {args.chunks} chunks {args.interval_ms:g} ms apart per stream; "
+        + (
+            f"replystream on {args.workers} worker processes, each other relay on one"
+            if args.workers > 1
+            else "each relay on one process"
+        )
+        + f" (replystream --loop {args.loop}); medians of {args.rounds} round(s); "
         f"the whole machine busy {busy:.1f} cores during a run (median, ours included)"
     )
     print(table(results, ["upstream", *args.relays]))
