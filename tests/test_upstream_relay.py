@@ -69,6 +69,22 @@ async def test_the_relay_returns_the_upstreams_text_for_the_same_seed():
         assert json.loads(native.raw)["usage"]["completion_tokens"] == 25
 
 
+async def test_the_relay_on_uvloop_returns_the_upstreams_text():
+    """uvloop's transports are not subclasses of asyncio's: the relay's own client must
+    take them as they are."""
+    pytest.importorskip("uvloop", reason="--loop uvloop needs the uvloop package")
+    async with (
+        replica(*FAST, "--seed", "11") as (_, upstream),
+        replica("--engine", f"upstream:{upstream}/v1", "--loop", "uvloop") as (_, relay),
+    ):
+        for seed in (1, 2):  # the second reply on the first one's kept-alive connection
+            body = chat(seed, max_tokens=25)
+            direct = await post_events(f"{upstream}/v1/chat/completions", body)
+            relayed = await post_events(f"{relay}/v1/chat/completions", body)
+            assert relayed.status == direct.status == 200
+            assert text_of(relayed) == text_of(direct) != ""
+
+
 async def test_our_client_leaving_aborts_the_upstream_generation():
     slow = ("--engine", "simulated", "--delay-ms", "40", "--jitter-ms", "0", "--tokens", "200")
     async with (

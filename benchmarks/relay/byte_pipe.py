@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import cast
 
 
 class _Side(asyncio.Protocol):
@@ -26,8 +27,8 @@ class _Side(asyncio.Protocol):
         self.held: list[bytes] = []  # read before the peer connected
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's is not a subclass of asyncio's, so no isinstance).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         peer = self.peer
