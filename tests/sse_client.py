@@ -27,6 +27,16 @@ class Received:
         return "".join(p["text"] for p in self.of_type("token"))
 
     @property
+    def chat_text(self) -> str:
+        """The content of every chat-completion chunk's deltas, in order."""
+        parts = []
+        for event in self.events:
+            if event.type == "message" and event.data != "[DONE]":
+                for choice in json.loads(event.data)["choices"]:
+                    parts.append(choice["delta"].get("content") or "")
+        return "".join(parts)
+
+    @property
     def types(self) -> list[str]:
         return [e.type for e in self.events]
 

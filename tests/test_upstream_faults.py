@@ -165,15 +165,6 @@ async def relay_mode(mode: str):
             return got, time.monotonic() - started, fake
 
 
-def content_of(got) -> str:
-    parts = []
-    for event in got.events:
-        if event.type == "message" and event.data != "[DONE]":
-            for choice in json.loads(event.data)["choices"]:
-                parts.append(choice["delta"].get("content") or "")
-    return "".join(parts)
-
-
 def error_of(got) -> dict[str, Any]:
     errors = got.of_type("error")
     assert len(errors) == 1, got.raw
@@ -191,7 +182,7 @@ async def test_a_clean_upstream_reply_is_relayed_with_its_usage_and_finish_reaso
             body = {**CHAT, "stream_options": {"include_usage": True}, "seed": 5, "top_k": 7}
             got = await post_events(f"{relay}/v1/chat/completions", body)
     assert got.status == 200
-    assert content_of(got) == "one two three "
+    assert got.chat_text == "one two three "
     payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
     assert payloads[-1]["usage"]["completion_tokens"] == 5  # the upstream's count, not ours
     assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
@@ -204,14 +195,14 @@ async def test_a_clean_upstream_reply_is_relayed_with_its_usage_and_finish_reaso
 
 async def test_an_error_chunk_mid_reply_becomes_an_in_band_error_after_the_text():
     got, _, _ = await relay_mode("errmid")
-    assert content_of(got) == "one two "
+    assert got.chat_text == "one two "
     error = error_of(got)
     assert error["code"] == "upstream_error" and "out of memory" in error["message"]
 
 
 async def test_a_stalled_upstream_ends_the_reply_within_the_stall_limit():
     got, took, fake = await relay_mode("stall")
-    assert content_of(got) == "one "
+    assert got.chat_text == "one "
     assert error_of(got)["code"] == "upstream_stalled"
     assert STALL_S <= took < STALL_S + 2.0
     await wait_for(fake.disconnected.is_set)  # and the upstream connection was closed
@@ -219,7 +210,7 @@ async def test_a_stalled_upstream_ends_the_reply_within_the_stall_limit():
 
 async def test_malformed_sse_ends_the_reply_once_the_byte_bound_passes():
     got, took, fake = await relay_mode("malformed")
-    assert content_of(got) == "one "
+    assert got.chat_text == "one "
     assert error_of(got)["code"] == "upstream_malformed"
     assert took < 5.0
     await wait_for(fake.disconnected.is_set)
@@ -227,7 +218,7 @@ async def test_malformed_sse_ends_the_reply_once_the_byte_bound_passes():
 
 async def test_a_chunk_that_is_not_json_is_an_in_band_error():
     got, _, _ = await relay_mode("notjson")
-    assert content_of(got) == "one "
+    assert got.chat_text == "one "
     error = error_of(got)
     assert error["code"] == "upstream_bad_chunk" and "not JSON" in error["message"]
 
@@ -242,14 +233,14 @@ async def test_an_upstreams_tool_call_pieces_are_relayed_as_they_came():
 
 async def test_a_malformed_tool_call_is_an_in_band_error_after_the_text():
     got, _, _ = await relay_mode("badtool")
-    assert content_of(got) == "one "
+    assert got.chat_text == "one "
     error = error_of(got)
     assert error["code"] == "upstream_bad_chunk" and "tool call" in error["message"]
 
 
 async def test_an_event_that_never_ends_is_cut_at_the_event_size_limit():
     got, took, fake = await relay_mode("endless")
-    assert content_of(got) == "one "
+    assert got.chat_text == "one "
     assert error_of(got)["code"] == "upstream_event_too_large"
     assert took < 5.0
     await wait_for(fake.disconnected.is_set)
@@ -257,7 +248,7 @@ async def test_an_event_that_never_ends_is_cut_at_the_event_size_limit():
 
 async def test_an_upstream_that_ends_without_finishing_is_an_incomplete_reply():
     got, _, _ = await relay_mode("eof")
-    assert content_of(got) == "one "
+    assert got.chat_text == "one "
     assert error_of(got)["code"] == "upstream_incomplete"
 
 
@@ -452,5 +443,5 @@ async def test_an_upstream_that_ignores_logprobs_is_an_error_not_a_silent_omissi
             body = {**CHAT, "logprobs": True, "top_logprobs": 2}
             got = await post_events(f"{relay}/v1/chat/completions", body)
     assert fake.bodies[0]["logprobs"] is True and fake.bodies[0]["top_logprobs"] == 2
-    assert content_of(got) == ""
+    assert got.chat_text == ""
     assert error_of(got)["code"] == "upstream_no_logprobs"

@@ -91,15 +91,6 @@ async def relay(
         yield await stack.enter_async_context(running(create_app(engine, server)))
 
 
-def text_of(got: Any) -> str:
-    parts = []
-    for event in got.events:
-        if event.type == "message" and event.data != "[DONE]":
-            for choice in json.loads(event.data)["choices"]:
-                parts.append(choice["delta"].get("content") or "")
-    return "".join(parts)
-
-
 async def get_json(url: str) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         return response.status, await response.json()
@@ -119,7 +110,7 @@ async def test_models_are_the_upstreams_own_merged_and_a_request_picks_the_ones_
         ):
             body = {"model": asked, "messages": [{"role": "user", "content": "hi"}]}
             got = await post_events(f"{url}/v1/chat/completions", {**body, "stream": True})
-            assert got.status == 200 and text_of(got) == "w0 w1 w2 "
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 "
             assert served_by.bodies[-1]["model"] == sent
             assert json.loads(got.events[0].data)["model"] == asked  # as the client named it
         status, one = await get_json(f"{url}/v1/models/mistral")

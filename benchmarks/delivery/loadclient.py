@@ -22,6 +22,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -215,16 +216,22 @@ def summarize(
     }
 
 
-def main() -> None:
+def run_from_stdin(run: Callable[[dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]) -> None:
+    """A load client process: its config as JSON on stdin, ``run``'s result as JSON on
+    stdout, on uvloop when it is installed (the client must cost less than the server)."""
     raise_nofile()
     config = json.load(sys.stdin)
     try:
         import uvloop
     except ImportError:
-        result = asyncio.run(load(config))
+        result = asyncio.run(run(config))
     else:
-        result = uvloop.run(load(config))
+        result = uvloop.run(run(config))
     json.dump(result, sys.stdout)
+
+
+def main() -> None:
+    run_from_stdin(load)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,7 @@ if __package__ in (None, ""):  # run as a script: the delivery benchmark's modul
     sys.path[:0] = [str(HERE.parent), str(HERE.parent / "delivery")]
 
 from clientstream import Run, Stream
-from loadclient import connect
-from procstats import raise_nofile
+from loadclient import connect, run_from_stdin
 
 from relay.upstream_server import MARKER
 
@@ -154,15 +153,7 @@ async def load(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    raise_nofile()
-    config = json.load(sys.stdin)
-    try:
-        import uvloop
-    except ImportError:
-        result = asyncio.run(load(config))
-    else:
-        result = uvloop.run(load(config))
-    json.dump(result, sys.stdout)
+    run_from_stdin(load)
 
 
 if __name__ == "__main__":

@@ -212,13 +212,8 @@ class UpstreamStream:
         self._readable()
 
     def _readable(self) -> None:
-        sink = self._sink
-        if sink is not None:
-            try:
-                self._deliver(sink)
-            except Exception:  # a failing sink ends its own stream, and nothing else
-                log.exception("delivering a relayed reply's deltas failed")
-                self._abandon()
+        if self._sink is not None:
+            self._flush()
             return
         waiter = self._waiter
         if waiter is not None:
@@ -233,7 +228,7 @@ class UpstreamStream:
         if sink is not None:
             try:
                 self._deliver(sink)
-            except Exception:
+            except Exception:  # a failing sink ends its own stream, and nothing else
                 log.exception("delivering a relayed reply's deltas failed")
                 self._abandon()
 
