@@ -43,6 +43,7 @@ class ChoicesPipeline:
             ReplyPipeline(fmt, policy, stops=stops, logprobs=logprobs) for fmt in formats
         ]
         self._ending = ending
+        self.batching = any(choice.batching for choice in self.choices)
         self._on_choice_done = on_choice_done
         self._done = [False] * len(formats)
         self.next_seq = 1

@@ -31,6 +31,7 @@ class Pipeline(Protocol):
 
     next_seq: int
     halted: bool  # production must end: a check failed or a stop string completed
+    batching: bool  # tokens may wait in a batch with a time window (see ``batch_due_at``)
 
     @property
     def violation(self) -> Violation | None: ...
@@ -61,6 +62,7 @@ class ReplyPipeline:
     __slots__ = (
         "_direct",
         "batcher",
+        "batching",
         "ended",
         "finish_reason",
         "fmt",
@@ -99,6 +101,7 @@ class ReplyPipeline:
             None if self._direct else HoldBack(policy.holdback_tokens, policy.checks, stops)
         )
         self.batcher = None if self._direct else Batcher(policy.batch_tokens, window_s)
+        self.batching = self.batcher is not None
         self.next_seq = 1
         self.tokens = 0
         self.finish_reason = "stop"
@@ -111,6 +114,9 @@ class ReplyPipeline:
     def _entries(self, specs: list[Spec]) -> list[LogEntry]:
         seq = self.next_seq
         self.next_seq += len(specs)
+        if len(specs) == 1:  # most often: one event per delta, without the comprehension
+            event, data = specs[0]
+            return [LogEntry(seq, event, data)]
         return [LogEntry(seq + index, event, data) for index, (event, data) in enumerate(specs)]
 
     def start(self, reply_id: str) -> list[LogEntry]:

@@ -239,7 +239,8 @@ class _Log:
                 self.bytes -= len(entry.data)
             del self.entries[:excess]
             self.first_seq += excess
-        self.wake()
+        if self.waiters:  # most logs are read on the direct path: nobody waits here
+            self.wake()
 
     def trim(self, upto: int) -> None:
         """Drop entries up to ``upto``."""

@@ -213,7 +213,7 @@ class RelayedReply:
             except EngineError as exc:
                 error = exc
             else:
-                self._text_at = self._loop.time()
+                self._text_at = time.monotonic()
                 self._took((delta,))
                 if self._seam is None:
                     return delta
@@ -238,7 +238,7 @@ class RelayedReply:
         sink = self._sink
         if sink is None:
             return
-        self._text_at = self._loop.time()
+        self._text_at = time.monotonic()  # not loop.time(): asyncio's is a Python call
         self._took(deltas)
         if self._seam is not None:
             deltas = [self._marker(deltas[0]), *deltas]
@@ -309,7 +309,7 @@ class RelayedReply:
             self._flowing = True
             self._limit = self._limits.stall_s  # from now on: the stall limit, from here
             self._unwatch()
-            self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
+            self._timer = self._loop.call_later(self._limit, self._check)
             assert self._backend is not None
             self._backend.succeeded()
         self._relayed_any = True
@@ -354,17 +354,18 @@ class RelayedReply:
         several microseconds per chunk): each delta only stamps ``_text_at``, and the timer,
         when it fires early, sets itself again for the new due time."""
         self._loop = asyncio.get_running_loop()
-        self._text_at = self._loop.time()
+        self._text_at = time.monotonic()
         self._limit = self._ttft_limit()
-        self._timer = self._loop.call_at(self._text_at + self._limit, self._check)
+        self._timer = self._loop.call_later(self._limit, self._check)
 
     def _check(self) -> None:
         self._timer = None
         due = self._text_at + self._limit
-        now = self._loop.time()
+        now = time.monotonic()
         if now < due or (self._waiter is None and self._sink is None):
             # Text came since, or nobody reads yet: look again later.
-            self._timer = self._loop.call_at(max(due, now + min(self._limit, 0.1)), self._check)
+            delay = max(due - now, min(self._limit, 0.1))
+            self._timer = self._loop.call_later(delay, self._check)
             return
         if self._sink is not None:  # attached: the attempt failed, decided here and now
             error = self._timed_out(self._limit, self._flowing)

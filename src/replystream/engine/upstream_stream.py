@@ -105,6 +105,7 @@ class UpstreamStream:
         self._max_event_size = max_event_size
         self._parser = EventParser(max_event_size=max_event_size)
         self._pending: deque[Delta] = deque()
+        self._bytes_fed = 0  # body bytes parsed (the parser's count, kept without its call)
         self._bytes_at_last_event = 0
         self._tokens = 0
         self._usage_tokens: int | None = None
@@ -196,6 +197,19 @@ class UpstreamStream:
             self._take(data, now)
         except UpstreamStreamError as error:
             self._error = error
+        sink = self._sink
+        pending = self._pending
+        if sink is not None and pending and self._error is None and not self._ended:
+            # The common read, attached: text deltas and nothing else, handed on here (what
+            # ``_deliver`` does with them, without its three calls, once per chunk).
+            self._pending = deque()
+            self._deltas += len(pending)
+            try:
+                sink.on_deltas(pending)
+            except Exception:  # a failing sink ends its own stream, and nothing else
+                log.exception("delivering a relayed reply's deltas failed")
+                self._abandon()
+            return
         self._readable()
 
     def body_end(self, failure: Exception | None) -> None:
@@ -316,9 +330,10 @@ class UpstreamStream:
             raise self._fail(
                 f"the upstream's event stream is malformed: {exc}", "upstream_malformed"
             ) from None
+        self._bytes_fed += len(data)
         if events:
-            self._bytes_at_last_event = self._parser.bytes_fed
-        elif self._parser.bytes_fed - self._bytes_at_last_event > self._max_event_size:
+            self._bytes_at_last_event = self._bytes_fed
+        elif self._bytes_fed - self._bytes_at_last_event > self._max_event_size:
             raise self._fail(
                 f"the upstream sent {self._max_event_size} bytes without one event",
                 "upstream_malformed",

@@ -238,7 +238,8 @@ class Reply:
             # Said as every reader elsewhere says it, when the store fails under them.
             self._production_ended(Ending("store_failure", StoreUnavailable(failure).describe()))
             return
-        self._arm_window()
+        if pipeline.batching:  # a time window to keep (most replies batch nothing)
+            self._arm_window()
 
     def on_end(self, error: EngineError | None) -> None:
         """The engine's stream ended (pushed streams only)."""

@@ -51,6 +51,7 @@ class EventParser:
         "_tail",
         "_tail_size",
         "_type",
+        "_whole_chars",
     )
 
     def __init__(self, max_event_size: int = 1 << 20) -> None:
@@ -58,6 +59,7 @@ class EventParser:
             raise ValueError(f"max_event_size must be positive, got {max_event_size}")
         self._max_size = max_event_size
         self._decoder = _new_decoder("replace")
+        self._whole_chars = False  # the decoder holds no bytes and has settled the BOM
         self._tail: list[str] = []  # pieces of the line read so far, not yet terminated
         self._tail_size = 0
         self._skip_lf = False  # the last text ended in CR: a leading LF is its CRLF partner
@@ -133,16 +135,13 @@ class EventParser:
         if self._closed:
             raise SSEError("feed() on a closed EventParser")
         self._bytes_fed += len(data)
-        saved = self._last_id, self._retry, self._events
-        try:
-            return self._feed(data)
-        except SSEError:
-            self._closed = True
-            self._last_id, self._retry, self._events = saved
-            raise
-
-    def _feed(self, data: bytes) -> list[Event]:
-        text = self._decoder.decode(data)
+        if self._whole_chars and data[-1:] < b"\x80":
+            # The decoder holds nothing (the BOM is settled, no character is split): bytes
+            # that end in ASCII decode the same in one call, without the decoder's frames.
+            text = data.decode("utf-8", "replace")
+        else:
+            text = self._decoder.decode(data)
+            self._whole_chars = self._decoder.getstate() == (b"", 0)
         if (
             text[-2:] == "\n\n"
             and not (self._tail or self._pending or self._skip_lf)
@@ -155,6 +154,15 @@ class EventParser:
             # before it. What the general path below makes of it, without its line split.
             self._events += 1
             return [Event(text[6:-2], "message", self._last_id)]
+        saved = self._last_id, self._retry, self._events
+        try:
+            return self._feed(text)
+        except SSEError:
+            self._closed = True
+            self._last_id, self._retry, self._events = saved
+            raise
+
+    def _feed(self, text: str) -> list[Event]:
         if self._skip_lf and text:
             self._skip_lf = False
             if text[0] == "\n":
