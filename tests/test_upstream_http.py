@@ -5,7 +5,7 @@ they accept), so the tests pin what a relay's upstream connection must do beyond
 aiohttp upstream shows: one connection serving replies in turn, a connection the upstream
 closed while idle not used (and a request on one closed as it went sent once more), a body
 that ends with its connection, responses split at every byte (inside a chunk-size line,
-between CR and LF), TLS verified against a CA made here with the host name sent as SNI, and
+between CR and LF), interim (1xx) responses skipped, TLS verified against a CA made here with the host name sent as SNI, and
 a reader that falls behind pausing the connection's reading until it catches up.
 """
 
@@ -219,6 +219,36 @@ async def test_a_response_split_at_every_byte_is_read_whole():
             await wait_for(lambda: engine._origins[url].idle == 1)
         await engine.aclose()
     assert accepted == [0]  # and each reply's connection went back to the pool whole
+
+
+async def test_interim_responses_before_the_answer_are_skipped():
+    """``100 Continue`` and ``103 Early Hints`` (with headers of their own, one of them a
+    Content-Length that must not frame the real body) come before the answer, in one write
+    or in reads of their own; the reply is read whole and its connection reused."""
+    interim = (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n"
+        b"Content-Type: text/html\r\nContent-Length: 5\r\n\r\n"
+    )
+
+    async def hints(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        apart = False
+        while await read_request(reader) is not None:
+            writer.write(interim)
+            if apart:
+                await writer.drain()
+                await asyncio.sleep(0.01)  # a read of its own
+            writer.write(HEAD + chunked(SSE))
+            await writer.drain()
+            apart = not apart
+
+    async with raw_server(hints) as (accepted, url):
+        engine = engine_for(url)
+        for _ in range(2):
+            assert await reply_of(engine) == ("one two three ", "stop")
+            await wait_for(lambda: engine._origins[url].idle == 1)
+        await engine.aclose()
+    assert accepted == [0]
 
 
 async def test_broken_chunk_framing_mid_body_is_named():

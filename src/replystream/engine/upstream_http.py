@@ -275,6 +275,7 @@ class Connection(asyncio.Protocol):
         self._parts: list[bytes] = []  # body bytes of the socket read being parsed
         self._content_type = b""
         self._framed = False  # the body has a Content-Length or is chunked
+        self._interim = False  # the head being read is an interim (1xx) response's
         self._complete = False  # the current response's body ended in full
         self._keep_alive = False  # ... on a connection the upstream keeps open
         self._told_end = False
@@ -359,8 +360,14 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self._parser
         assert parser is not None
+        status = parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim response (``100 Continue``, ``103 Early Hints``): no body, and the
+            # real response follows on the same connection. Its headers are forgotten.
+            self._interim = True
+            return
         media = self._content_type.split(b";", 1)[0].strip().lower()
-        response = Response(self, parser.get_status_code(), media.decode("latin-1"))
+        response = Response(self, status, media.decode("latin-1"))
         self._response = response
         if parser.should_upgrade():
             self._framed = True
@@ -372,6 +379,11 @@ class Connection(asyncio.Protocol):
         self._parts.append(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            self._content_type = b""
+            self._framed = False
+            return
         parser = self._parser
         # Asked now: llhttp forgets once the message is over.
         self._keep_alive = parser is not None and parser.should_keep_alive()
@@ -394,7 +406,7 @@ class Connection(asyncio.Protocol):
         self._response = self._receiver = None
         self._content_type = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
-        self._keep_alive = False
+        self._keep_alive = self._interim = False
         self._failure = None
         self._early = []
         self._requests += 1
