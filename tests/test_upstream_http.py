@@ -5,8 +5,9 @@ they accept), so the tests pin what a relay's upstream connection must do beyond
 aiohttp upstream shows: one connection serving replies in turn, a connection the upstream
 closed while idle not used (and a request on one closed as it went sent once more), a body
 that ends with its connection, responses split at every byte (inside a chunk-size line,
-between CR and LF), interim (1xx) responses skipped, TLS verified against a CA made here with the host name sent as SNI, and
-a reader that falls behind pausing the connection's reading until it catches up.
+between CR and LF), interim (1xx) responses skipped, TLS verified against a CA made here
+with the host name sent as SNI, and a reader that falls behind pausing the connection's
+reading until it catches up.
 """
 
 from __future__ import annotations
