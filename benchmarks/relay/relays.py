@@ -10,7 +10,12 @@ access log, streaming passed through), and known to be ready:
 - ``nginx``: ``proxy_pass`` with ``proxy_buffering off`` and upstream keep-alive, one worker
   process (``master_process off``), the floor for any relay;
 - ``pipe``: ``byte_pipe.py``, bytes piped through asyncio with nothing parsed, on the same
-  loop as replystream: the floor for any relay written in Python.
+  loop as replystream: the floor for any relay written in Python;
+- ``native``: not a relay: replystream making the same replies itself (the simulated engine,
+  the upstream's words on the upstream's schedule, no jitter), on the same route, loop and
+  process count as the ``replystream`` relay: what native delivery costs beside relaying.
+  Its first token is due one interval after the request (the upstream sends its first at
+  once), so its time to first token is no relay's added time.
 A process's output goes to a log file in the run's directory, so no pipe can fill and stall it.
 """
 
@@ -29,10 +34,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from relay.upstream_server import text_of
 from replystream.lab.local_server import announced_process, serve_process, stop_process
 
 HERE = Path(__file__).resolve().parent
-RELAYS = ("replystream", "litellm", "nginx", "pipe")
+RELAYS = ("replystream", "litellm", "nginx", "pipe", "native")
 # LiteLLM refuses to start without a master key; every target is sent it (the others ignore it).
 API_KEY = "sk-bench-" + secrets.token_hex(24)
 READY = re.compile(r"listening on (http://\S+)")
@@ -139,6 +145,20 @@ async def replystream_relay(upstream: str, loop: str, workers: int = 1) -> Async
     args += ["--model-name", "bench"]  # the name every client of the benchmark asks for
     async with serve_process([*args, "--log-level", "WARNING"]) as server:
         yield Target("replystream", server.url, server.pid)
+
+
+@contextlib.asynccontextmanager
+async def native_server(
+    chunks: int, interval_ms: float, loop: str, workers: int = 1
+) -> AsyncIterator[Target]:
+    words = " ".join(text_of(index).strip() for index in range(chunks))
+    args = ["--engine", "simulated", "--reply-text", words, "--tokens", str(chunks)]
+    args += ["--delay-ms", f"{interval_ms:g}", "--jitter-ms", "0", "--loop", loop]
+    if workers > 1:
+        args += ["--workers", str(workers)]
+    args += ["--model-name", "bench", "--log-level", "WARNING"]
+    async with serve_process(args) as server:
+        yield Target("native", server.url, server.pid)
 
 
 @contextlib.asynccontextmanager

@@ -14,6 +14,8 @@ Measured per target and C, over every stream:
 - the largest gap between two chunks of a stream, less the upstream's interval: p99 over
   streams (the upstream's own row is what the schedule and the client add alone);
 - the target process's CPU time (user + system, /proc) per chunk the clients received;
+  ``native`` (replystream making the same replies itself, ``relays.py``) is the peer that
+  says what relaying adds to native delivery;
 - the target's peak resident memory during the run less its memory once warmed up and
   idle (before its first run), per stream;
 - streams completed (a relay that cannot keep up is bounded by ``--timeout-s`` after the
@@ -22,7 +24,7 @@ Every figure is the median over the rounds. Then the relay's own parse and re-en
 chunk, apart from its socket work (``parse_cost.py``). See docs/performance.md.
 
 Run: python benchmarks/relay/run.py [--quick] [-C 1 100 500 1000] [--rounds 3]
-         [--relays replystream litellm nginx pipe] [--litellm PATH] [--loop asyncio|uvloop]
+         [--relays replystream litellm nginx pipe native] [--litellm PATH] [--loop asyncio|uvloop]
          [--workers N]
          [--replies-per-slot 2] [--burst] [--timeout-s 10] [--json FILE]
 """
@@ -60,6 +62,7 @@ from relay.relays import (
     RELAYS,
     Target,
     litellm_relay,
+    native_server,
     nginx_relay,
     pipe_relay,
     replystream_relay,
@@ -176,8 +179,9 @@ def table(results: dict[tuple[str, int], list[dict[str, Any]]], names: list[str]
             if not rounds:
                 continue
             done = statistics.median(r["completed"] for r in rounds)
-            plus50 = math.nan if name == "upstream" else added(rounds, direct, "first_p50_ms")
-            plus99 = math.nan if name == "upstream" else added(rounds, direct, "first_p99_ms")
+            relayed = name not in ("upstream", "native")  # native makes its own first token
+            plus50 = added(rounds, direct, "first_p50_ms") if relayed else math.nan
+            plus99 = added(rounds, direct, "first_p99_ms") if relayed else math.nan
             memory = median(rounds, "kib_per_stream") if streams >= 100 else math.nan
             total = rounds[0]["streams"]
             lines.append(
@@ -199,6 +203,8 @@ def relay_context(
         return nginx_relay(upstream, tmp)
     if name == "pipe":
         return pipe_relay(upstream, args.loop)
+    if name == "native":
+        return native_server(args.chunks, args.interval_ms, args.loop, args.workers)
     return litellm_relay(upstream, tmp, args.litellm)
 
 
