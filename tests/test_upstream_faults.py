@@ -13,9 +13,13 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partialmethod
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import anthropic
+import pytest
 from aiohttp import web
 
 from replystream.engine.base import GenerationRequest, SamplingParams
@@ -48,12 +52,13 @@ def chunk(
     content: str | None = None,
     finish: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    choice_extra: dict[str, Any] | None = None,
     **extra: Any,
 ) -> bytes:
     delta: dict[str, Any] = {} if content is None else {"content": content}
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
-    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, **(choice_extra or {})}
     body = {"object": "chat.completion.chunk", "choices": [choice], **extra}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
@@ -130,6 +135,22 @@ class FakeUpstream:
 
     async def mode_eof(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one "))
+
+    async def _cut_at_stop(self, named: dict[str, Any], r: web.StreamResponse) -> None:
+        """A reply the upstream itself cut at a stop string (not sent, as vLLM and SGLang
+        do by default), its finishing choice naming what it matched as ``named`` says."""
+        await r.write(chunk("", choice_extra={"stop_reason": None}, role="assistant"))
+        await r.write(chunk("one ", choice_extra={"stop_reason": None}) + chunk("two "))
+        await r.write(chunk(None, "stop", choice_extra=named) + b"data: [DONE]\n\n")
+
+    # vLLM's ``stop_reason`` and SGLang's ``matched_stop``: the stop string matched, a stop
+    # token's id (EOS), or something that is not one of the request's stop strings.
+    mode_vllmstop = partialmethod(_cut_at_stop, {"stop_reason": "three"})
+    mode_sglangstop = partialmethod(_cut_at_stop, {"matched_stop": "three"})
+    mode_tokenstop = partialmethod(_cut_at_stop, {"stop_reason": 128009})
+    mode_otherstop = partialmethod(_cut_at_stop, {"stop_reason": "<|im_end|>"})
+    mode_liststop = partialmethod(_cut_at_stop, {"matched_stop": ["three"]})
+    mode_unnamed = partialmethod(_cut_at_stop, {})  # llama.cpp, TGI, Ollama: no such field
 
     async def mode_forever(self, r: web.StreamResponse) -> None:
         for i in range(10_000):
@@ -445,3 +466,109 @@ async def test_an_upstream_that_ignores_logprobs_is_an_error_not_a_silent_omissi
     assert fake.bodies[0]["logprobs"] is True and fake.bodies[0]["top_logprobs"] == 2
     assert got.chat_text == ""
     assert error_of(got)["code"] == "upstream_no_logprobs"
+
+
+STOPS = ["nope", "three"]  # the request's stop strings; the upstream cut its reply at "three"
+ASK_CLAUDE: dict[str, Any] = {
+    "model": "m",
+    "max_tokens": 64,
+    "messages": [{"role": "user", "content": "count"}],
+    "stop_sequences": STOPS,
+}
+
+
+@asynccontextmanager
+async def relay_of(mode: str) -> AsyncIterator[tuple[FakeUpstream, str]]:
+    """A relay in front of the fake upstream's ``mode``; yields the upstream and its URL."""
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(
+            UpstreamConfig((UpstreamTarget(f"{upstream}/{mode}/v1", models=("m",)),))
+        )
+        async with running(create_app(engine)) as relay:
+            yield fake, relay
+
+
+async def native_done(relay: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The native route's ``done`` event, streamed, and its body, whole, for STOPS."""
+    body = {"prompt": "count", "stop": STOPS}
+    got = await post_events(f"{relay}/v1/replies", {**body, "stream": True})
+    assert got.text == "one two "
+    [done] = got.of_type("done")
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{relay}/v1/replies", json={**body, "stream": False}) as r,
+    ):
+        whole = await r.json()
+    assert whole["text"] == "one two "
+    return done, whole
+
+
+async def claude_ends(relay: str) -> list[tuple[str | None, str | None]]:
+    """Anthropic's (stop_reason, stop_sequence), streamed (its ``message_delta`` and the
+    SDK's final message) and whole, with the official SDK."""
+    async with anthropic.AsyncAnthropic(base_url=relay, api_key="k", max_retries=0) as claude:
+        async with claude.messages.stream(**ASK_CLAUDE) as stream:
+            events = [event async for event in stream]
+            final = await stream.get_final_message()
+        whole = await claude.messages.create(**ASK_CLAUDE)
+    [ending] = [e.delta for e in events if e.type == "message_delta"]
+    assert whole.content[0].type == "text" and whole.content[0].text == "one two "
+    return [
+        (ending.stop_reason, ending.stop_sequence),
+        (final.stop_reason, final.stop_sequence),
+        (whole.stop_reason, whole.stop_sequence),
+    ]
+
+
+async def test_a_stop_string_vllm_says_it_cut_at_is_named_in_every_dialect():
+    async with relay_of("vllmstop") as (fake, relay):
+        ends = await claude_ends(relay)
+        done, whole = await native_done(relay)
+        chat = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "stop": STOPS})
+        responses = await post_events(
+            f"{relay}/v1/responses",
+            {"model": "m", "input": "count", "stream": True, "replystream": {"stop": STOPS}},
+        )
+    assert all(sent["stop"] == STOPS for sent in fake.bodies)  # as the client gave them
+    assert ends == [("stop_sequence", "three")] * 3
+    assert done == {"finish_reason": "stop", "stop_sequence": "three"}
+    assert (whole["finish_reason"], whole["stop_sequence"]) == ("stop", "three")
+    # Dialects with no field for it finish as for a stop string cut here: chat's ``stop``,
+    # Responses' ``completed``.
+    chunks = [json.loads(e.data) for e in chat.events if e.data != "[DONE]"]
+    finishes = [c["finish_reason"] for p in chunks for c in p["choices"]]
+    assert chat.chat_text == "one two " and finishes[-1] == "stop"
+    assert responses.types[-1] == "response.completed"
+
+
+async def test_a_stop_string_sglang_says_it_matched_is_named_too():
+    async with relay_of("sglangstop") as (_, relay):
+        ends = await claude_ends(relay)
+        done, whole = await native_done(relay)
+    assert ends == [("stop_sequence", "three")] * 3
+    assert done["stop_sequence"] == whole["stop_sequence"] == "three"
+
+
+@pytest.mark.parametrize(
+    ("mode", "named"),
+    [
+        ("vllmstop", "three"),
+        ("tokenstop", None),  # a stop token's id (EOS): the model ended its turn
+        ("otherstop", None),  # a string the client never sent: never repeated to it
+        ("liststop", None),  # not a string at all
+        ("unnamed", None),  # no such field (llama.cpp, TGI, Ollama)
+    ],
+)
+async def test_only_one_of_the_requests_own_stop_strings_is_ever_named(
+    mode: str, named: str | None
+):
+    async with relay_of(mode) as (_, relay):
+        async with anthropic.AsyncAnthropic(base_url=relay, api_key="k", max_retries=0) as claude:
+            whole = await claude.messages.create(**ASK_CLAUDE)
+            async with claude.messages.stream(**ASK_CLAUDE) as stream:
+                final = await stream.get_final_message()
+        got = await post_events(f"{relay}/v1/replies", {"prompt": "count", "stop": STOPS})
+    expected = ("end_turn", None) if named is None else ("stop_sequence", named)
+    assert (whole.stop_reason, whole.stop_sequence) == expected
+    assert (final.stop_reason, final.stop_sequence) == expected
+    assert got.of_type("done")[-1].get("stop_sequence") == named

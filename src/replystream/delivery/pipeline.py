@@ -4,7 +4,8 @@ For one reply it applies hold-back moderation and stop strings (one withholding 
 ``HoldBack``), batching and the wire dialect, and numbers the events (the ``id:`` a reader
 resumes from). A stop string is decided here, not by the engine, so every engine gets it: the
 reply ends at the first one (``halted``; the caller stops the engine), finishing ``"stop"``
-with the matched string for dialects that name it. Log probabilities, when asked, go with
+with the matched string for dialects that name it (or with the one an engine says it cut
+the text at itself, on its last delta: a relay's upstream). Log probabilities, when asked, go with
 the tokens each event carries: the buffer and the batcher say how many tokens an event
 holds, and that many are taken, in order, from the ones made (so text withheld or cut takes
 its tokens' log probabilities with it). It is pure state: the caller passes the clock and
@@ -72,6 +73,7 @@ class ReplyPipeline:
         "next_seq",
         "numbered",
         "prompt_tokens",
+        "reported_stop",
         "tokens",
     )
 
@@ -106,6 +108,7 @@ class ReplyPipeline:
         self.tokens = 0
         self.finish_reason = "stop"
         self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
+        self.reported_stop: str | None = None  # the stop string the engine cut the reply at
         self.ended = False
         self.halted = False  # a check or a stop string ended the text: push no more deltas
         # Log probabilities of tokens made and not yet in an event, oldest first (None: not asked).
@@ -130,6 +133,7 @@ class ReplyPipeline:
             self.finish_reason = delta.finish_reason
             if delta.prompt_tokens is not None:
                 self.prompt_tokens = delta.prompt_tokens
+            self.reported_stop = delta.stop_sequence
         holdback, batcher = self.holdback, self.batcher
         if not delta.text:
             if delta.tool_call is not None:
@@ -163,8 +167,10 @@ class ReplyPipeline:
 
     @property
     def stop_sequence(self) -> str | None:
-        """The stop string the reply ended at (None: it ended otherwise, or not yet)."""
-        return None if self.holdback is None else self.holdback.stop_sequence
+        """The stop string the reply ended at (None: it ended otherwise, or not yet): the one
+        its text completed here, else the one the engine says it cut the text at."""
+        held = None if self.holdback is None else self.holdback.stop_sequence
+        return self.reported_stop if held is None else held
 
     @property
     def batch_due_at(self) -> float | None:

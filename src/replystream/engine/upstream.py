@@ -356,6 +356,7 @@ class UpstreamEngine:
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,
+            stops=request.sampling.stop,
         )
 
     def _ended(self, outcome: str, deltas: int) -> None:

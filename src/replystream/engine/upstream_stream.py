@@ -3,7 +3,9 @@
 This file decides what an upstream's event stream means, chunk by chunk, with nothing
 buffered: each body chunk the socket delivers is fed to ``replystream.sse.EventParser`` at
 once, and each content delta in it becomes a ``Delta`` (one token each; the last delta carries
-the difference to the upstream's ``usage.completion_tokens`` when it sent one). It also
+the difference to the upstream's ``usage.completion_tokens`` when it sent one, and the
+request's stop string the upstream cut the reply at, when it names one: vLLM's
+``stop_reason``, SGLang's ``matched_stop``). It also
 decides which upstream misbehaviour ends a reply, always as an ``UpstreamStreamError`` with
 its own code, within bounded time and memory:
 - ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style);
@@ -98,9 +100,11 @@ class UpstreamStream:
         max_event_size: int,
         on_end: Callable[[str, int], None] | None = None,
         logprobs: bool = False,
+        stops: tuple[str, ...] = (),
     ) -> None:
         self._response = response
         self._logprobs = logprobs  # asked for: text without them is the upstream's failure
+        self._stops = stops  # the request's stop strings, as sent upstream
         self._stall_s = stall_s
         self._max_event_size = max_event_size
         self._parser = EventParser(max_event_size=max_event_size)
@@ -111,6 +115,7 @@ class UpstreamStream:
         self._usage_tokens: int | None = None
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._finish: str | None = None
+        self._stop_sequence: str | None = None  # which of ``_stops`` the upstream cut at
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
         self._failed = False
@@ -448,6 +453,18 @@ class UpstreamStream:
             reason = choice.get("finish_reason")
             if isinstance(reason, str) and reason:
                 self._finish = FINISH_REASONS.get(reason, "stop")
+                self._stop_sequence = self._named_stop(choice)
+
+    def _named_stop(self, choice: dict[str, object]) -> str | None:
+        """The stop string a finishing choice says the upstream cut the reply at: vLLM's
+        ``stop_reason`` or SGLang's ``matched_stop``, when it is one of the request's own
+        stop strings (a token id, another string or anything else names none: the value is
+        the upstream's, and only a string the client sent is ever repeated to it)."""
+        for key in ("stop_reason", "matched_stop"):
+            named = choice.get(key)
+            if type(named) is str and named in self._stops:
+                return named
+        return None
 
     def _tool_calls(self, calls: object, now: float) -> None:
         """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each."""
@@ -475,7 +492,15 @@ class UpstreamStream:
 
     def _finish_reply(self, now: float) -> None:
         extra = max(0, (self._usage_tokens or 0) - self._tokens)
+        finish = self._finish or "stop"
         self._pending.append(
-            Delta("", extra, now, self._finish or "stop", prompt_tokens=self._prompt_tokens)
+            Delta(
+                "",
+                extra,
+                now,
+                finish,
+                prompt_tokens=self._prompt_tokens,
+                stop_sequence=self._stop_sequence if finish == "stop" else None,
+            )
         )
         self._ended = self._clean = True

@@ -72,13 +72,16 @@ class _Collector:
         self.made: list[TokenLogprob] | None = [] if logprobs else None
         self.calls = ToolCalls()
         self.finish_reason = "stop"
+        self.reported_stop: str | None = None  # the stop string the engine cut the text at
         self.tokens = 0
         self.done = False  # a check failed or a stop string completed: take no more
 
     def take(self, delta: Delta) -> bool:
         """Add a delta; True once this choice needs no more (its generation can stop)."""
         self.tokens += delta.tokens
-        self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+            self.reported_stop = delta.stop_sequence
         if delta.tool_call is not None:
             # As in a stream: a call ends the text before it (held text is released, and no
             # stop string spans it); its pieces are no text and have no log probabilities.
@@ -96,6 +99,8 @@ class _Collector:
         if not holdback.ended:
             self.parts.append(holdback.finish()[0])
         stop = holdback.stop_sequence
+        if stop is None:  # not completed here: the engine's own cut, if it named one
+            stop = self.reported_stop
         finish = "stop" if stop is not None else self.finish_reason
         # The tokens of the text released (not those of a stop string cut from it).
         shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
