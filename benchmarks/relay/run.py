@@ -265,7 +265,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--litellm", default=shutil.which("litellm"), help="litellm executable")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     parser.add_argument(
-        "--workers", type=int, default=1, help="replystream's worker processes (default 1)"
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes of replystream and of native (default 1)",
     )
     parser.add_argument("--chunks", type=int, default=CHUNKS)
     parser.add_argument("--interval-ms", type=float, default=INTERVAL_MS)
