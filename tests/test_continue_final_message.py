@@ -29,6 +29,28 @@ async def test_a_final_assistant_message_is_continued_not_repeated():
         assert json.loads(whole.raw)["choices"][0]["message"]["content"].startswith(words[0])
 
 
+async def test_a_final_assistant_message_holding_the_whole_reply_gets_an_empty_completion():
+    """Nothing is left to make: the reply is empty and finishes ``stop``, streamed (the role
+    chunk, the finish chunk and ``[DONE]``, no error) and whole. The simulated engine pushes
+    a streamed reply and ends it inside ``attach``, before the reader has joined; the
+    reply's log must outlive that, and the whole reply must not index past the text."""
+    async with serve_engine(fast_engine(reply_text=ARTICLE_REPLY)) as url:
+        body = chat(("user", "hi"), ("assistant", ARTICLE_REPLY), continue_final_message=True)
+        streamed = await post_events(f"{url}/v1/chat/completions", {**body, "stream": True})
+        assert streamed.status == 200
+        assert "error" not in streamed.types
+        assert [event.data for event in streamed.events][-1] == "[DONE]"
+        chunks = [json.loads(event.data) for event in streamed.events[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop"]
+        assert streamed.chat_text == ""
+        whole = await post_events(f"{url}/v1/chat/completions", body)
+        assert whole.status == 200
+        reply = json.loads(whole.raw)
+        assert reply["choices"][0]["message"]["content"] == ""
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        assert reply["usage"]["completion_tokens"] == 0
+
+
 async def test_continue_final_message_needs_an_assistant_message_last_and_no_generation_prompt():
     async with serve_engine(fast_engine()) as url:
         for body, param in (

@@ -371,6 +371,9 @@ class SimulatedStream:
     async def __anext__(self) -> Delta:
         if self._ended:
             raise StopAsyncIteration
+        if self._next >= self._count:  # nothing left to make (a continued reply was whole)
+            self._finish("finished")
+            raise StopAsyncIteration
         if self._fails_now():
             self._finish("failed")
             raise self._failure()

@@ -89,6 +89,7 @@ class Reply:
     _ending: Ending | None = None  # decided once, as production ends
     _window_timer: asyncio.TimerHandle | None = None
     _pushed: PushDeltaStream | None = None  # the stream, when the engine pushes its deltas
+    _attaching: bool = False  # inside the pushed stream's ``attach`` (see ``_production_ended``)
     _detach_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -257,17 +258,29 @@ class Reply:
         # its response headers leave together with them.
         self._append(self.pipeline.start(self.reply_id))
         if self._pushed is not None:
-            self._pushed.attach(self)
+            self._attaching = True
+            try:
+                self._pushed.attach(self)
+            finally:
+                self._attaching = False
         else:
             self.task = asyncio.get_running_loop().create_task(
                 self.produce(), name=f"reply-{self.reply_id[:8]}"
             )
 
     def _production_ended(self, ending: Ending) -> None:
-        """The stream, a check or the store ended production: a pushed reply ends now; a
-        pulled one's task ends it once its loop sees the phase."""
+        """The stream, a check or the store ended production: a pushed reply ends now (in
+        the next turn of the loop if it ended inside ``attach``); a pulled one's task ends it
+        once its loop sees the phase."""
         if self._end(ending) and self._pushed is not None:
-            self._conclude()
+            if self._attaching:
+                # Ended inside ``attach`` (nothing was left to make, or the first text ended
+                # it): the first reader joins once ``begin`` has returned, in this turn of the
+                # loop. Concluded now, a reply nobody may resume would forget its log first;
+                # concluded in the next turn, as a producer task would, the reader has it.
+                asyncio.get_running_loop().call_soon(self._conclude)
+            else:
+                self._conclude()
 
     async def produce(self) -> None:
         """Pull the engine's deltas into the log until the stream ends or the reply stops."""
