@@ -193,7 +193,8 @@ class PushDeltaStream(DeltaStream, Protocol):
     """A delta stream that can also push its deltas to a sink, with no task per stream.
 
     Serving many replies, a consumer that attaches a sink avoids one task wake-up per token
-    per reply, and needs no task of its own. After ``attach`` the stream must not be
+    per reply, and needs no task of its own. ``attach`` may call the sink before it returns
+    (with what is ready already, or the end). After ``attach`` the stream must not be
     iterated; ``close`` stops it at once (``aclose`` too).
     """
 

@@ -187,9 +187,10 @@ class UpstreamStream:
             self._paused = False
             self._response.resume_reading()
         if self._pending or self._ended or self._error is not None:
-            # What arrived with the response head, or since, goes out in the next loop turn:
-            # the caller may not be ready for deltas (or the end) inside ``attach``.
-            loop.call_soon(self._flush)
+            # What arrived with the response head, or since (most often the first text),
+            # goes to the sink now: a turn of the loop later, it would leave after the
+            # response head rather than with it.
+            self._flush()
 
     # -- BodyReceiver: called by the connection as it reads --------------------------------
 
