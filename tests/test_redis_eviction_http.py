@@ -11,6 +11,7 @@ under each eviction policy, are in ``tests/test_redis_eviction.py``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -38,6 +39,17 @@ async def resume(url: str, after: int) -> tuple[Received, bytes]:
         return got, bytes(raw)
 
 
+async def written_through(client: aioredis.Redis, reply_id: str) -> None:
+    """Wait until the producer's last write (its ending, which the write script puts in the
+    metadata with the stream's terminal entry) is in Redis. A local reader gets ``done``
+    from the producing replica's own copy, a moment before its batched writes land: a key
+    deleted before then would be made again by them."""
+    meta = f"{PREFIX}{{{reply_id}}}:meta"
+    async with asyncio.timeout(10):
+        while not await client.hexists(meta, "end"):  # noqa: ASYNC110  (another process writes it)
+            await asyncio.sleep(0.01)
+
+
 async def test_a_resume_of_an_evicted_reply_is_told_what_is_gone(tmp_path: Path):
     with redis_server(tmp_path) as server:
         client = aioredis.Redis.from_url(server.url)
@@ -48,6 +60,7 @@ async def test_a_resume_of_an_evicted_reply_is_told_what_is_gone(tmp_path: Path)
                 reply = await post_events(f"{a_url}/v1/replies", {"prompt": "x", "resumable": True})
                 assert reply.types[-1] == "done"
                 made[name] = reply.of_type("reply")[0]["reply_id"]
+                await written_through(client, made[name])
             await client.delete(f"{PREFIX}{{{made['stream']}}}")
             await client.delete(f"{PREFIX}{{{made['meta']}}}:meta")
             await client.delete(f"{PREFIX}{{{made['all']}}}", f"{PREFIX}{{{made['all']}}}:meta")

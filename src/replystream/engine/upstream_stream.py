@@ -203,19 +203,6 @@ class UpstreamStream:
             self._take(data, now)
         except UpstreamStreamError as error:
             self._error = error
-        sink = self._sink
-        pending = self._pending
-        if sink is not None and pending and self._error is None and not self._ended:
-            # The common read, attached: text deltas and nothing else, handed on here (what
-            # ``_deliver`` does with them, without its three calls, once per chunk).
-            self._pending = deque()
-            self._deltas += len(pending)
-            try:
-                sink.on_deltas(pending)
-            except Exception:  # a failing sink ends its own stream, and nothing else
-                log.exception("delivering a relayed reply's deltas failed")
-                self._abandon()
-            return
         self._readable()
 
     def body_end(self, failure: Exception | None) -> None:

@@ -145,8 +145,7 @@ class SSETransport(SocketRoom):
             or transport.get_write_buffer_size() >= self._high_water
         ):
             return None
-        # One event (most pushes) is encoded here, without ``encode``'s call.
-        data = sse_event(entries[0], self._numbered) if len(entries) == 1 else self.encode(entries)
+        data = self.encode(entries)
         if self._chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         transport.write(data)
