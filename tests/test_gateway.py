@@ -21,6 +21,7 @@ from aiohttp import web
 
 from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 from replystream.server import running
+from replystream.server.metrics import STATE_REFRESH_S
 from replystream.sse import Event, EventParser
 from tests.processes import replica, start_server, stop
 
@@ -131,6 +132,49 @@ async def test_a_thousand_requests_over_dead_slow_and_refusing_upstreams_all_suc
     assert metric(seen, "replystream_upstream_failovers") >= 3
     finished = metric(seen, "replystream_replies_total", endpoint="/v1/replies", outcome="finished")
     assert finished == 1000
+
+
+def histogram(text: str, name: str, upstream: str, le: str | None = None) -> float:
+    """One series of a histogram labelled by ``upstream`` (and ``le``, for a bucket), in
+    whatever order the exposition lists the labels (0 when absent)."""
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if not series.startswith(name + "{") or f'upstream="{upstream}"' not in series:
+            continue
+        if le is None or f'le="{le}"' in series:
+            return float(value)
+    return 0.0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_each_upstreams_time_to_first_token_is_a_histogram(workers: int):
+    fast_args = (*SHORT, "--model-name", "fast")
+    slow_args = (*SHORT, "--model-name", "slow", "--first-token-ms", "300")
+    async with replica(*fast_args) as (_, fast), replica(*slow_args) as (_, slow):
+        relay_args = [f"--engine=upstream:{fast}/v1", f"--engine=upstream:{slow}/v1"]
+        relay_args += ["--workers", str(workers)]
+        async with replica(*relay_args) as (_, relay), aiohttp.ClientSession() as session:
+            for model in ("fast", "slow", "fast", "slow", "slow"):  # each model, one upstream
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                async with session.post(
+                    f"{relay}/v1/chat/completions", json={**body, "stream": True}
+                ) as response:
+                    assert response.status == 200, await response.text()
+                    assert (await response.text()).endswith("data: [DONE]\n\n")
+            if workers > 1:  # each worker writes its counts to the shared files this often
+                await asyncio.sleep(STATE_REFRESH_S * 1.5)
+            seen = await scrape(session, relay)
+
+    name = "replystream_upstream_time_to_first_token_seconds"
+    fast_base, slow_base = f"{fast}/v1", f"{slow}/v1"
+    assert histogram(seen, name + "_count", fast_base) == 2
+    assert histogram(seen, name + "_count", slow_base) == 3
+    # The slow upstream's first token comes 300 ms into each reply; the fast one's at once.
+    assert histogram(seen, name + "_bucket", slow_base, le="0.25") == 0
+    assert histogram(seen, name + "_bucket", slow_base, le="+Inf") == 3
+    assert histogram(seen, name + "_sum", slow_base) >= 0.9
+    assert histogram(seen, name + "_bucket", fast_base, le="1.0") == 2
+    assert histogram(seen, name + "_sum", fast_base) < histogram(seen, name + "_sum", slow_base)
 
 
 LONG = ("--engine", "simulated", "--delay-ms", "40", "--jitter-ms", "0", "--tokens", "60")

@@ -25,6 +25,10 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 PERCENTILES = (50, 90, 95, 99)
 
+# Upper bounds (seconds) of the latency histograms: time to first token, queueing, whole
+# replies; the server's own and those a relay keeps of its upstreams.
+LATENCY_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
 
 def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
     """count, mean, p50, p90, p95, p99, min, max (None when there are no values)."""

@@ -230,9 +230,12 @@ class BackendStats:
             ``half_open`` (one trial request may go).
         probe_ok: whether its last health probe answered (None: not probed yet).
         outstanding: requests it is serving now.
-        attempts: requests sent to it so far, by result (``ok``, ``connect``,
-            ``status_5xx``, ``status_429``, ``ttft_timeout``, ``stalled``, ...).
+        attempts: requests sent to it so far, by result (one of ``ATTEMPT_RESULTS``).
         probes: health probes so far, by result (``ok``, ``failed``).
+        first_text_counts: its time to first text (from the attempt's start, a connect
+            included, to the first text read), per attempt that sent text, as a count per
+            ``stats.LATENCY_BOUNDS`` bucket, the last one past them all.
+        first_text_sum: the sum of those times, seconds.
     """
 
     name: str
@@ -241,6 +244,8 @@ class BackendStats:
     outstanding: int
     attempts: tuple[tuple[str, int], ...] = ()
     probes: tuple[tuple[str, int], ...] = ()
+    first_text_counts: tuple[int, ...] = ()
+    first_text_sum: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

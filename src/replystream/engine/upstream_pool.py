@@ -19,12 +19,14 @@ It must not know HTTP or how a request is sent.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from replystream.engine.base import BackendStats
+from replystream.stats import LATENCY_BOUNDS
 
 
 class Circuit(Enum):
@@ -82,6 +84,10 @@ class Backend:
     current: int = 0  # smooth weighted round robin's running score
     attempts: Counter[str] = field(default_factory=Counter)
     probes: Counter[str] = field(default_factory=Counter)
+    # Its time to first text, per attempt that sent text: a count per ``LATENCY_BOUNDS``
+    # bucket (the last past them all) and their sum.
+    first_text_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
+    first_text_sum: float = 0.0
 
     def _move(self, outcome: Outcome) -> None:
         self.circuit = CIRCUIT_TABLE[self.circuit, outcome]
@@ -112,6 +118,11 @@ class Backend:
         self.trial = False
         self._move(Outcome.SUCCESS)
         self.problem = "" if self.probe_ok is not False else self.problem
+
+    def sent_first_text(self, after_s: float) -> None:
+        """An attempt's first text came ``after_s`` seconds after the attempt began."""
+        self.first_text_counts[bisect_left(LATENCY_BOUNDS, after_s)] += 1
+        self.first_text_sum += after_s
 
     def failed(self, now: float, threshold: int, problem: str) -> None:
         self.failures += 1
@@ -144,6 +155,8 @@ class Backend:
             outstanding=self.outstanding,
             attempts=tuple(sorted(self.attempts.items())),
             probes=tuple(sorted(self.probes.items())),
+            first_text_counts=tuple(self.first_text_counts),
+            first_text_sum=self.first_text_sum,
         )
 
 

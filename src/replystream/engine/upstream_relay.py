@@ -312,6 +312,7 @@ class RelayedReply:
             self._timer = self._loop.call_later(self._limit, self._check)
             assert self._backend is not None
             self._backend.succeeded()
+            self._backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
         for delta in deltas:
             if delta.tool_call is not None:

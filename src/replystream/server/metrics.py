@@ -2,17 +2,18 @@
 
 Each reply keeps plain counters and timestamps in a ``ReplyRecord`` while it streams; when it
 ends, ``Metrics.observe`` moves them into the registry in one go. The one per-token metric,
-time between tokens, goes into ``GapHistogram``: a bisect and an add, no lock, no per-reply
-list, exported through a collector.
+time between tokens, goes into a ``KeyedHistogram``: a bisect and an add, no lock, no
+per-reply list, exported through a collector.
 
 With ``--workers N`` every worker process counts its own replies; a scrape reaches one of
 them. Aggregation is prometheus-client's multiprocess mode: the parent sets
 ``PROMETHEUS_MULTIPROC_DIR`` for its workers, each metric's value then lives in a per-process
 memory-mapped file there, and a scrape merges every worker's files (``render``). Two things
 cannot ride along by themselves and are published by hand in that mode only: the gap
-histogram (its counts move into the files once per reply end, not per token) and the gauges
-read on scrape (a scrape runs in one worker and cannot call another's functions, so each
-worker writes its readings into its files every ``STATE_REFRESH_S`` and before it renders).
+histogram (its counts move into the files once per reply end, not per token) and what is
+read on scrape, gauges and histograms whose owners keep the counts (a scrape runs in one
+worker and cannot call another's functions, so each worker writes its readings into its
+files every ``STATE_REFRESH_S`` and before it renders).
 A single process keeps the plain in-memory registry, at the same cost as before.
 """
 
@@ -22,7 +23,7 @@ import math
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
@@ -30,6 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import values as prometheus_values
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from replystream.stats import LATENCY_BOUNDS
 
 # Set (by ``run_workers``) to a directory shared by the worker processes: prometheus-client
 # then keeps values in per-process files there, and a scrape merges them. Read by
@@ -51,22 +54,6 @@ OUTCOMES: tuple[Outcome, ...] = (
     "rejected",
 )
 
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -78,72 +65,96 @@ def _le(bound: float) -> str:
 _GAPS_NAME = "replystream_time_between_tokens_seconds"
 _GAPS_HELP = "Server time between consecutive tokens of a reply."
 
+# Cumulative counts per label value, read from their owner when the histogram is exported:
+# (label value, count per bucket with the last one past every bound, sum).
+HistogramTotals = Callable[[], Iterable[tuple[str, Sequence[int], float]]]
 
-class GapHistogram:
-    """Time between tokens, for every reply: a histogram fed per token at the cost of one
-    bisect and one add, with no per-reply storage (exported by ``Metrics``' collector, or
-    by ``publish`` into the multiprocess files)."""
 
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.bounds = buckets
+class KeyedHistogram:
+    """A histogram with one label, fed at the cost of one bisect and one add (no lock, no
+    per-reply storage) or read from counts its owner keeps, and exported by ``Metrics``'
+    collector, or by ``publish`` into the multiprocess files.
+
+    Args:
+        name, documentation, label: the family's name, help text and only label.
+        bounds: the buckets' upper bounds (``le``), ascending, without +Inf.
+        totals: where the counts are kept, when not here (``observe`` is then unused).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        label: str,
+        bounds: tuple[float, ...],
+        totals: HistogramTotals | None = None,
+    ) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self.bounds = bounds
         self.counts: dict[str, list[int]] = {}
         self.sums: dict[str, float] = {}
+        self._totals = totals
         # Multiprocess mode: what has been written to the files so far, and where.
         self._published: dict[str, tuple[list[int], list[float]]] = {}
         self._files: dict[str, tuple[list[_FileValue], _FileValue]] = {}
 
-    def observe(self, endpoint: str, value: float) -> None:
-        counts = self.counts.get(endpoint)
+    def observe(self, key: str, value: float) -> None:
+        counts = self.counts.get(key)
         if counts is None:
-            counts = self.counts[endpoint] = [0] * (len(self.bounds) + 1)
-            self.sums[endpoint] = 0.0
+            counts = self.counts[key] = [0] * (len(self.bounds) + 1)
+            self.sums[key] = 0.0
         counts[bisect_left(self.bounds, value)] += 1
-        self.sums[endpoint] += value
+        self.sums[key] += value
+
+    def _read_totals(self) -> None:
+        if self._totals is not None:
+            for key, counts, total in self._totals():
+                self.counts[key], self.sums[key] = list(counts), total
 
     def publish(self) -> None:
         """Write what was observed since the last call into this process's multiprocess
         files, as a histogram prometheus-client's merge reads (per-bucket counts, a sum)."""
-        for endpoint, counts in self.counts.items():
-            files = self._files.get(endpoint) or self._open_files(endpoint)
-            done_counts, done_sum = self._published[endpoint]
+        self._read_totals()
+        for key, counts in self.counts.items():
+            files = self._files.get(key) or self._open_files(key)
+            done_counts, done_sum = self._published[key]
             buckets, total = files
             for i, count in enumerate(counts):
                 if count != done_counts[i]:
                     buckets[i].inc(count - done_counts[i])
                     done_counts[i] = count
-            if self.sums[endpoint] != done_sum[0]:
-                total.inc(self.sums[endpoint] - done_sum[0])
-                done_sum[0] = self.sums[endpoint]
+            if self.sums[key] != done_sum[0]:
+                total.inc(self.sums[key] - done_sum[0])
+                done_sum[0] = self.sums[key]
 
-    def _open_files(self, endpoint: str) -> tuple[list[_FileValue], _FileValue]:
+    def _open_files(self, key: str) -> tuple[list[_FileValue], _FileValue]:
         # The same keys prometheus-client's own Histogram writes, so its merge adds them up.
-        value = prometheus_values.ValueClass
+        value, name, help_text = prometheus_values.ValueClass, self.name, self.documentation
         buckets = [
             value(
                 "histogram",
-                _GAPS_NAME,
-                _GAPS_NAME + "_bucket",
-                ("endpoint", "le"),
-                (endpoint, _le(bound)),
-                _GAPS_HELP,
+                name,
+                name + "_bucket",
+                (self.label, "le"),
+                (key, _le(bound)),
+                help_text,
             )
             for bound in (*self.bounds, math.inf)
         ]
-        total = value(
-            "histogram", _GAPS_NAME, _GAPS_NAME + "_sum", ("endpoint",), (endpoint,), _GAPS_HELP
-        )
-        self._files[endpoint] = buckets, total
-        self._published[endpoint] = [0] * len(buckets), [0.0]
+        total = value("histogram", name, name + "_sum", (self.label,), (key,), help_text)
+        self._files[key] = buckets, total
+        self._published[key] = [0] * len(buckets), [0.0]
         return buckets, total
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(_GAPS_NAME, _GAPS_HELP, labels=["endpoint"])
-        for endpoint, counts in self.counts.items():
+        self._read_totals()
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        for key, counts in self.counts.items():
             cumulative, total = [], 0
             for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
                 total += count
                 cumulative.append((_le(bound), total))
-            family.add_metric([endpoint], cumulative, self.sums[endpoint])
+            family.add_metric([key], cumulative, self.sums[key])
         yield family
 
 
@@ -157,7 +168,7 @@ class ReplyRecord:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    gaps: GapHistogram | None = None  # where time between tokens goes, as it happens
+    gaps: KeyedHistogram | None = None  # where time between tokens goes, as it happens
     tokens: int = 0
     events: int = 0
     bytes_sent: int = 0
@@ -210,16 +221,17 @@ class Metrics:
     def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROCESS_DIR_ENV) or None
         self._readings: list[tuple[Gauge, Callable[[], float]]] = []
+        self._read_histograms: list[KeyedHistogram] = []
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
             "replystream_time_to_first_token_seconds",
             "Server time from request arrival to the first token made.",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BOUNDS,
             registry=r,
         )
-        self.gaps = GapHistogram(_TOKEN_BUCKETS)
+        self.gaps = KeyedHistogram(_GAPS_NAME, _GAPS_HELP, "endpoint", _TOKEN_BUCKETS)
         r.register(self.gaps)
         self.tpot = Histogram(
             "replystream_time_per_output_token_seconds",
@@ -232,14 +244,14 @@ class Metrics:
             "replystream_queue_seconds",
             "Server time from request arrival until the engine admitted it.",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BOUNDS,
             registry=r,
         )
         self.e2e = Histogram(
             "replystream_end_to_end_seconds",
             "Server time from request arrival until the reply ended, however it ended.",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BOUNDS,
             registry=r,
         )
         self.active = Gauge(
@@ -299,15 +311,32 @@ class Metrics:
         else:
             self._readings.append((gauge, read))
 
+    def histogram_on_scrape(
+        self,
+        name: str,
+        documentation: str,
+        label: str,
+        bounds: tuple[float, ...],
+        totals: HistogramTotals,
+    ) -> None:
+        """A histogram whose counts its owner keeps (``totals``), read when scraped."""
+        histogram = KeyedHistogram(name, documentation, label, bounds, totals)
+        if self.multiprocess_dir is None:
+            self.registry.register(histogram)
+        else:
+            self._read_histograms.append(histogram)
+
     @property
     def has_readings(self) -> bool:
         """Whether ``refresh_readings`` has work (only with workers sharing their values)."""
-        return bool(self._readings)
+        return bool(self._readings or self._read_histograms)
 
     def refresh_readings(self) -> None:
-        """Write every scrape-time gauge's current reading into this process's files."""
+        """Write everything read on scrape, as it is now, into this process's files."""
         for gauge, read in self._readings:
             gauge.set(read())
+        for histogram in self._read_histograms:
+            histogram.publish()
 
     def record(self, endpoint: str, *, streamed: bool) -> ReplyRecord:
         """A new reply's record, wired to the per-token histogram."""

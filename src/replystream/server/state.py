@@ -25,6 +25,7 @@ from replystream.server.context import (
     STORE_KEY,
 )
 from replystream.server.metrics import STATE_REFRESH_S, Metrics
+from replystream.stats import LATENCY_BOUNDS
 
 _FD_DIR = "/proc/self/fd"
 
@@ -116,7 +117,8 @@ CIRCUIT_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
 def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
     """Per-upstream state of a relay (nothing for an engine that relays to no one): each
-    circuit, probe, outstanding count and attempts by result, read from ``stats()``."""
+    circuit, probe, outstanding count, attempts by result and time to first text, read from
+    ``stats()``."""
     stats = engine.stats()
     if not stats.backends:
         return
@@ -166,6 +168,14 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
                 upstream=name,
                 result=result,
             )
+    metrics.histogram_on_scrape(
+        "replystream_upstream_time_to_first_token_seconds",
+        "Per upstream: time from an attempt's start (a connect included) to the first text "
+        "read from it, for every attempt that sent text.",
+        "upstream",
+        LATENCY_BOUNDS,
+        lambda: [(b.name, b.first_text_counts, b.first_text_sum) for b in engine.stats().backends],
+    )
     metrics.state(
         "replystream_upstream_failovers",
         "Replies moved to another upstream before their first token, since start.",
