@@ -94,17 +94,25 @@ def _install() -> None:
 
         return stamped
 
-    def received(original: Callable[..., Any]) -> Callable[..., Any]:
-        def stamped(self: Any, data: bytes) -> Any:
-            stamps = _open.get(id(self))
-            if stamps is not None:
-                _stamp(stamps, "read")
-            return original(self, data)
+    def on_data(
+        table: dict[int, Stamps], stage: str, *, forget: bool
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A protocol's ``data_received`` stamping ``stage`` for the request it is in
+        ``table`` for (and, with ``forget``, no more)."""
 
-        return stamped
+        def wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+            def stamped(self: Any, data: bytes) -> Any:
+                stamps = table.pop(id(self), None) if forget else table.get(id(self))
+                if stamps is not None:
+                    _stamp(stamps, stage)
+                return original(self, data)
+
+            return stamped
+
+        return wrapper
 
     _wrap(server_connection.Connection, "connection_made", made)
-    _wrap(server_connection.Connection, "data_received", received)
+    _wrap(server_connection.Connection, "data_received", on_data(_open, "read", forget=False))
 
     def handled(
         original: Callable[..., Coroutine[Any, Any, Any]],
@@ -135,17 +143,8 @@ def _install() -> None:
 
         return stamped
 
-    def upstream_received(original: Callable[..., Any]) -> Callable[..., Any]:
-        def stamped(self: Any, data: bytes) -> Any:
-            stamps = _by_upstream.pop(id(self), None)
-            if stamps is not None:
-                _stamp(stamps, "head")
-            return original(self, data)
-
-        return stamped
-
     _wrap(upstream_http.Connection, "send", send)
-    _wrap(upstream_http.Connection, "data_received", upstream_received)
+    _wrap(upstream_http.Connection, "data_received", on_data(_by_upstream, "head", forget=True))
 
     def post(
         original: Callable[..., Coroutine[Any, Any, Any]],
