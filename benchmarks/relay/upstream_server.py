@@ -135,6 +135,13 @@ class Stream(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # A reply's head and first chunk are two writes; with Nagle's algorithm on, the second
+        # waits for the client's delayed ACK (40 ms). asyncio turns it off only for sockets
+        # whose ``proto`` says TCP, which this listener's (made with proto 0) does not on
+        # every Python (3.12 left it on, a kept-alive connection's replies 40 ms late).
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
