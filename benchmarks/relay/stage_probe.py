@@ -52,6 +52,7 @@ _turn = itertools.count()
 _turns = [0]
 _open: dict[int, Stamps] = {}  # by id() of the client's protocol, until ``written``
 _by_upstream: dict[int, Stamps] = {}  # by id() of the upstream connection, until ``head``
+_handler_stamps: dict[asyncio.Task[Any], Stamps] = {}  # by the request's handler task
 _done: list[Stamps] = []
 
 
@@ -66,9 +67,6 @@ def _stamp(stamps: Stamps, stage: str, cpu: bool = False) -> None:
 def _task_stamps() -> Stamps | None:
     task = asyncio.current_task()
     return None if task is None else _handler_stamps.get(task)
-
-
-_handler_stamps: dict[asyncio.Task[Any], Stamps] = {}
 
 
 def _wrap(owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Any]) -> None:
