@@ -15,9 +15,11 @@ For each step between two stages: its time (p50, p90) in each phase, and the tur
 event loop it took (p50, loaded); for the handler's own work before the request goes
 upstream, also the CPU time the process spent in it (p50). The relay's own share is every
 step but ``sent -> head`` (the upstream's). The client-seen time to the first chunk of the
-same requests is printed with it.
+same requests is printed with it. ``--pin-relay CPU`` keeps the relay's process on one core
+(``sched_setaffinity``), as ``taskset`` or systemd's ``CPUAffinity=`` would in a deployment.
 
 Run: python benchmarks/relay/first_token_stages.py [-C 100] [--replies-per-slot 3] [--idle 15]
+         [--pin-relay CPU]
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ async def main(args: argparse.Namespace) -> str:
             command += ["--upstream-model", "bench", "--model-name", "bench"]
             command += ["--log-level", "WARNING"]
             async with announced_process(command, READY, name="probed relay") as relay:
+                if args.pin_relay is not None:  # the relay's process on that core only
+                    os.sched_setaffinity(relay.pid, {args.pin_relay})
                 batch = 0
 
                 async def stamps() -> list[dict[str, float]]:
@@ -148,9 +152,10 @@ async def main(args: argparse.Namespace) -> str:
     for name, rows in phases.items():
         if not rows:
             raise RuntimeError(f"no request of the {name} phase was stamped")
+    pinned = "" if args.pin_relay is None else f"; the relay on core {args.pin_relay} alone"
     head = (
         f"relayed chat completions, {args.chunks} chunks {args.interval_ms:g} ms apart; "
-        f"idle: one at a time; loaded: C = {args.concurrency}"
+        f"idle: one at a time; loaded: C = {args.concurrency}{pinned}"
     )
     return head + "\n" + table(phases, first_ms)
 
@@ -162,6 +167,9 @@ if __name__ == "__main__":
     parser.add_argument("--idle", type=int, default=15, help="replies of the idle phase")
     parser.add_argument("--chunks", type=int, default=CHUNKS)
     parser.add_argument("--interval-ms", type=float, default=INTERVAL_MS)
+    parser.add_argument(
+        "--pin-relay", type=int, metavar="CPU", help="run the relay on this core alone"
+    )
     arguments = parser.parse_args()
     for flag, value in (
         ("-C", arguments.concurrency),
@@ -173,4 +181,6 @@ if __name__ == "__main__":
             parser.error(f"{flag} must be at least 1")
     if arguments.interval_ms <= 0:
         parser.error("--interval-ms must be positive")
+    if arguments.pin_relay is not None and arguments.pin_relay not in os.sched_getaffinity(0):
+        parser.error(f"--pin-relay: core {arguments.pin_relay} is not one this process may use")
     print(asyncio.run(main(arguments)))
