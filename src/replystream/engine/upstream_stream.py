@@ -109,8 +109,7 @@ class UpstreamStream:
         self._max_event_size = max_event_size
         self._parser = EventParser(max_event_size=max_event_size)
         self._pending: deque[Delta] = deque()
-        self._bytes_fed = 0  # body bytes parsed (the parser's count, kept without its call)
-        self._bytes_at_last_event = 0
+        self._bytes_since_event = 0  # body bytes parsed since the last read that made an event
         self._tokens = 0
         self._usage_tokens: int | None = None
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
@@ -323,14 +322,15 @@ class UpstreamStream:
             raise self._fail(
                 f"the upstream's event stream is malformed: {exc}", "upstream_malformed"
             ) from None
-        self._bytes_fed += len(data)
         if events:
-            self._bytes_at_last_event = self._bytes_fed
-        elif self._bytes_fed - self._bytes_at_last_event > self._max_event_size:
-            raise self._fail(
-                f"the upstream sent {self._max_event_size} bytes without one event",
-                "upstream_malformed",
-            )
+            self._bytes_since_event = 0
+        else:
+            self._bytes_since_event += len(data)
+            if self._bytes_since_event > self._max_event_size:
+                raise self._fail(
+                    f"the upstream sent {self._max_event_size} bytes without one event",
+                    "upstream_malformed",
+                )
         try:
             for event in events:
                 self._on_event(event, now)
