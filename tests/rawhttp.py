@@ -22,12 +22,14 @@ class RawResponse:
                 name, value = line.split(":", 1)
                 self.headers[name.strip().lower()] = value.strip()
 
-    async def read_body(self) -> bytes:
-        """The whole body, de-chunked (for chunked responses) or up to EOF; then close."""
+    async def read_body(self, *, close: bool = True) -> bytes:
+        """The whole body, de-chunked (for chunked responses) or up to EOF; then close,
+        unless ``close`` is False (a keep-alive connection that carries more requests)."""
         try:
             return await self._read_body()
         finally:
-            await self.aclose()
+            if close:
+                await self.aclose()
 
     async def _read_body(self) -> bytes:
         if self.headers.get("transfer-encoding") == "chunked":

@@ -41,6 +41,12 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # How often a worker writes its scrape-time gauges into its files (multiprocess mode only).
 STATE_REFRESH_S = 1.0
 
+# How a gauge read on scrape adds up across workers (prometheus-client's multiprocess modes):
+# ``livesum`` what the workers alive now hold, summed; ``sum`` a count since start, summed
+# over every worker that ever ran (a dead worker's last reading stays, as counters' do);
+# ``livemax`` and ``livemin`` a state each worker keeps for itself, the highest or lowest.
+AcrossWorkers = Literal["livesum", "sum", "livemax", "livemin"]
+
 Outcome = Literal[
     "finished", "cancelled", "errored", "moderated", "slow_client", "shutdown", "rejected"
 ]
@@ -287,10 +293,17 @@ class Metrics:
         self._key_children: dict[str, tuple[Counter, Counter]] = {}
 
     def state(
-        self, name: str, documentation: str, read: Callable[[], float], **labels: str
+        self,
+        name: str,
+        documentation: str,
+        read: Callable[[], float],
+        *,
+        across: AcrossWorkers = "livesum",
+        **labels: str,
     ) -> None:
         """A gauge read from ``read`` when scraped: what the process holds right now (tasks,
-        files, KV blocks, reply logs), never updated per event."""
+        files, KV blocks, reply logs), never updated per event; with workers, ``across``
+        says how their readings add up (the first call for ``name`` decides)."""
         gauge = self._states.get(name)
         if gauge is None:
             gauge = self._states[name] = Gauge(
@@ -298,7 +311,7 @@ class Metrics:
                 documentation,
                 sorted(labels),
                 registry=self.registry,
-                multiprocess_mode="livesum",  # what every worker alive now holds, summed
+                multiprocess_mode=across,
             )
         self.read_on_scrape(gauge.labels(**labels) if labels else gauge, read)
 

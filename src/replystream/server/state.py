@@ -138,12 +138,14 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
             "replystream_upstream_circuit",
             "An upstream's circuit: 0 closed (in use), 1 half open (one trial), 2 open (out).",
             reading(index, lambda b: CIRCUIT_VALUES[b.circuit]),
+            across="livemax",  # each worker has its own circuit: the most open one
             upstream=name,
         )
         metrics.state(
             "replystream_upstream_probe_ok",
             "Whether an upstream's last health probe answered (1), or not (0; -1 not probed).",
             reading(index, lambda b: {True: 1.0, False: 0.0, None: -1.0}[b.probe_ok]),
+            across="livemin",  # each worker probes for itself: 1 only if every one answered
             upstream=name,
         )
         metrics.state(
@@ -157,6 +159,7 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
                 "replystream_upstream_attempts",
                 "Requests sent to an upstream since start, by result (a count, read on scrape).",
                 count(index, "attempts", result),
+                across="sum",
                 upstream=name,
                 result=result,
             )
@@ -165,6 +168,7 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
                 "replystream_upstream_probes",
                 "Active health probes of an upstream since start, by result.",
                 count(index, "probes", result),
+                across="sum",
                 upstream=name,
                 result=result,
             )
@@ -180,11 +184,13 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
         "replystream_upstream_failovers",
         "Replies moved to another upstream before their first token, since start.",
         lambda: float(engine.stats().failovers),
+        across="sum",
     )
     metrics.state(
         "replystream_upstream_continuations",
         "Replies continued at another upstream mid-reply, since start.",
         lambda: float(engine.stats().continuations),
+        across="sum",
     )
 
 
@@ -226,7 +232,7 @@ _FAULTS = (
 def _log_faults(metrics: Metrics, stores: list[tuple[str, ReplayStore]]) -> None:
     for label, store in stores:
         for field, name, documentation in _FAULTS:
-            metrics.state(name, documentation, _stat(store, field), store=label)
+            metrics.state(name, documentation, _stat(store, field), across="sum", store=label)
 
 
 def _stat(store: ReplayStore, field: str) -> Callable[[], float]:

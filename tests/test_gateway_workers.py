@@ -1,0 +1,213 @@
+"""The relay served by ``--workers 2``: what an operator reads is right whichever worker
+answers, and stays right when a worker dies and is restarted.
+
+Real processes: ``replystream serve --engine simulated`` upstreams, and the relay
+``replystream serve --engine upstream:... --workers 2``. Each of our connections is pinned to
+a known worker (the worker whose ``/proc/PID/fd`` holds the accepted socket), so a test sends
+requests to, scrapes, or kills one worker in particular.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from replystream.server.metrics import STATE_REFRESH_S
+from tests.processes import replica
+from tests.rawhttp import RawResponse
+from tests.services import free_port
+from tests.test_workers import children_of
+
+pytestmark = pytest.mark.slow
+
+UPSTREAM = ("--engine", "simulated", "--delay-ms", "1", "--jitter-ms", "0", "--tokens", "4")
+CHAT: dict[str, object] = {"messages": [{"role": "user", "content": "hi"}]}
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def accepted_by(server_port: int, client_port: int, pids: Iterable[int]) -> int | None:
+    """The worker holding the server's end of our connection from ``client_port`` (None
+    while no worker has accepted it yet)."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)) == (
+            server_port,
+            client_port,
+        ):
+            inode = fields[9]
+    if inode in (None, "0"):
+        return None
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue  # closed while we looked
+    return None
+
+
+class Pinned:
+    """A keep-alive HTTP/1.1 connection that one known worker accepted."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pid: int):
+        self.reader, self.writer, self.pid = reader, writer, pid
+
+    async def request(
+        self, method: str, path: str, body: dict[str, object] | None = None
+    ) -> tuple[int, bytes]:
+        data = json.dumps(body).encode() if body is not None else b""
+        lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+        if data:
+            lines += ["Content-Type: application/json", f"Content-Length: {len(data)}"]
+        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + data)
+        response = RawResponse(self.reader, self.writer)
+        await response.read_head()
+        return response.status, await response.read_body(close=False)
+
+    async def scrape(self) -> Samples:
+        status, text = await self.request("GET", "/metrics")
+        assert status == 200
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text.decode())
+            for sample in family.samples
+        }
+
+    async def aclose(self) -> None:
+        await RawResponse(self.reader, self.writer).aclose()
+
+
+@contextlib.asynccontextmanager
+async def pin_each_worker(url: str, pids: list[int]) -> AsyncIterator[dict[int, Pinned]]:
+    """One connection accepted by each of ``pids`` (new connections until each has one)."""
+    pinned: dict[int, Pinned] = {}
+    try:
+        yield await _pin(url, pids, pinned)
+    finally:
+        for connection in pinned.values():
+            await connection.aclose()
+
+
+async def _pin(url: str, pids: list[int], pinned: dict[int, Pinned]) -> dict[int, Pinned]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    for _ in range(60):
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        client_port = writer.get_extra_info("sockname")[1]
+        owner = None
+        for _ in range(100):
+            owner = accepted_by(parts.port, client_port, pids)
+            if owner is not None:
+                break
+            await asyncio.sleep(0.05)
+        if owner is None or owner in pinned:
+            await RawResponse(reader, writer).aclose()
+            continue
+        pinned[owner] = Pinned(reader, writer, owner)
+        await pinned[owner].request("GET", "/healthz")  # its first request, within the limit
+        if len(pinned) == len(pids):
+            return pinned
+    raise AssertionError(f"could not reach every worker: {sorted(pinned)} of {pids}")
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of every series of ``name`` that has ``labels`` (others may differ)."""
+    wanted = set(labels.items())
+    return sum(v for (n, series), v in samples.items() if n == name and wanted <= set(series))
+
+
+async def new_worker(parent: int, old: list[int], timeout_s: float = 30.0) -> list[int]:
+    """The parent's workers once it has replaced one of ``old``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            now = children_of(parent)
+            if len(now) == len(old) and set(now) != set(old):
+                return now
+            await asyncio.sleep(0.1)
+
+
+async def test_upstream_metrics_of_two_workers_read_as_one_servers_and_survive_a_restart():
+    async with (
+        replica(*UPSTREAM) as (_, first),
+        replica(*UPSTREAM) as (_, second),
+    ):
+        bases = [f"{first}/v1", f"{second}/v1"]
+        relay_args = [f"--engine=upstream:{b}" for b in bases]
+        relay_args += ["--upstream-health-s", "0.5", "--workers", "2"]
+        async with (
+            replica(*relay_args) as (relay_process, relay),
+            pin_each_worker(relay, children_of(relay_process.pid)) as pinned,
+        ):
+            (doomed, spared), workers = pinned.values(), list(pinned)
+            for connection, replies in ((doomed, 3), (spared, 2)):
+                for _ in range(replies):
+                    status, body = await connection.request("POST", "/v1/chat/completions", CHAT)
+                    assert status == 200, body
+            await asyncio.sleep(STATE_REFRESH_S * 1.5)  # every worker has written its counts
+            for connection in pinned.values():
+                seen = await connection.scrape()
+                for base in bases:
+                    # Each worker's circuit is closed and its last probe answered: the
+                    # values the docs give, not one per worker added up.
+                    assert value(seen, "replystream_upstream_circuit", upstream=base) == 0
+                    assert value(seen, "replystream_upstream_probe_ok", upstream=base) == 1
+                    assert value(seen, "replystream_upstream_outstanding", upstream=base) == 0
+                assert total(seen, "replystream_upstream_attempts", result="ok") == 5
+            probes_before = total(seen, "replystream_upstream_probes", result="ok")
+
+            os.kill(doomed.pid, signal.SIGKILL)
+            replaced = await new_worker(relay_process.pid, workers)
+            await asyncio.sleep(STATE_REFRESH_S * 2.5)  # the new worker has probed and written
+            seen = await spared.scrape()
+            # The dead worker's attempts and probes are still counted: counts since start.
+            assert total(seen, "replystream_upstream_attempts", result="ok") == 5
+            assert total(seen, "replystream_upstream_probes", result="ok") > probes_before
+            for base in bases:
+                assert value(seen, "replystream_upstream_probe_ok", upstream=base) == 1
+            (newcomer,) = set(replaced) - set(workers)
+            async with pin_each_worker(relay, [newcomer]) as fresh:
+                status, _ = await fresh[newcomer].request("POST", "/v1/chat/completions", CHAT)
+            assert status == 200
+            await asyncio.sleep(STATE_REFRESH_S * 1.5)
+            assert total(await spared.scrape(), "replystream_upstream_attempts", result="ok") == 6
+
+
+async def test_an_upstream_circuit_open_in_both_workers_reads_open():
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    relay_args = [f"--engine=upstream:{dead}", "--workers", "2", "--upstream-failures", "1"]
+    relay_args += ["--upstream-cooldown-s", "60", "--upstream-health-s", "60"]
+    async with (
+        replica(*relay_args) as (relay_process, relay),
+        pin_each_worker(relay, children_of(relay_process.pid)) as pinned,
+    ):
+        for connection in pinned.values():  # one failure each: both open their circuit
+            status, body = await connection.request("POST", "/v1/chat/completions", CHAT)
+            assert status == 502, body
+        await asyncio.sleep(STATE_REFRESH_S * 1.5)
+        for connection in pinned.values():
+            seen = await connection.scrape()
+            assert value(seen, "replystream_upstream_circuit", upstream=dead) == 2  # open
+            assert value(seen, "replystream_upstream_probe_ok", upstream=dead) == 0
+            refused = value(
+                seen, "replystream_upstream_attempts", upstream=dead, result="connect_error"
+            )
+            assert refused == 2
+            status, body = await connection.request("GET", "/healthz")
+            assert status == 503 and json.loads(body)["status"] == "unavailable"
