@@ -80,6 +80,15 @@ CASES: list[tuple[list[str], str]] = [
         "--jitter-ms 8 is more than --delay-ms 5",
     ),
     (["serve", "--workers", "2", "--delay-ms", "5"], "--delay-ms is an option of the simulated"),
+    # serve --workers: what each worker would refuse is refused before any starts
+    (
+        ["serve", "--workers", "2", "--engine", "upstream", "--upstream-routes", FILE],
+        f"--upstream-routes {FILE}: not valid TOML",
+    ),
+    (
+        ["serve", "--workers", "2", "--engine", "simulated", "--delay-ms", "5"],
+        "--jitter-ms 8 is more than --delay-ms 5",
+    ),
     # lab
     (["lab", "--url", "https://127.0.0.1:8443"], "argument --url: https is not spoken"),
     (["lab", "--url", "http://127.0.0.1:1"], "--url http://127.0.0.1:1: cannot connect"),

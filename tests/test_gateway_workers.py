@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from replystream.server.metrics import STATE_REFRESH_S
-from tests.processes import replica
+from tests.processes import replica, start_server, stop
 from tests.rawhttp import RawResponse
 from tests.services import free_port
 from tests.test_workers import children_of
@@ -133,6 +133,10 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, series), v in samples.items() if n == name and wanted <= set(series))
 
 
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
 async def new_worker(parent: int, old: list[int], timeout_s: float = 30.0) -> list[int]:
     """The parent's workers once it has replaced one of ``old``."""
     async with asyncio.timeout(timeout_s):
@@ -211,3 +215,24 @@ async def test_an_upstream_circuit_open_in_both_workers_reads_open():
             assert refused == 2
             status, body = await connection.request("GET", "/healthz")
             assert status == 503 and json.loads(body)["status"] == "unavailable"
+
+
+async def test_a_worker_that_refuses_to_start_again_stops_the_server(tmp_path: Path):
+    async with replica(*UPSTREAM) as (_, upstream):
+        routes = tmp_path / "routes.toml"
+        routes.write_text(f'[[upstreams]]\nurl = "{upstream}/v1"\n')
+        process, url = await start_server(
+            "--engine", "upstream", "--upstream-routes", str(routes), "--workers", "2"
+        )
+        try:
+            workers = children_of(process.pid)
+            async with pin_each_worker(url, workers):
+                pass  # each has answered a request: both read the file while it was right
+            routes.write_text("[[upstreams]]\nurl = 'ftp://nowhere'\n")  # broken meanwhile
+            os.kill(workers[0], signal.SIGKILL)
+            # Its replacement reads the broken file and refuses, as one process would:
+            # the parent stops the other worker and exits 2 instead of restarting for ever.
+            assert await asyncio.wait_for(process.wait(), 60) == 2
+            assert not [pid for pid in workers[1:] if alive(pid)]
+        finally:
+            await stop(process)

@@ -29,7 +29,13 @@ from replystream.server.app import create_app
 from replystream.server.auth import collect_keys
 from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig
-from replystream.server.serve import bind_socket, listening_lines, run_workers, serve_forever
+from replystream.server.serve import (
+    REFUSED_EXIT,
+    bind_socket,
+    listening_lines,
+    run_workers,
+    serve_forever,
+)
 from replystream.server.serve_settings import SERVE_SETTINGS
 
 log = logging.getLogger("replystream.serve")
@@ -113,8 +119,10 @@ def run(args: argparse.Namespace) -> int:
         store = build_store(args)
         choice = engine_options.parse_engines(args.engine)
         # Checked here too: with --workers the engine is built only in the workers, and a
-        # worker that refuses to start would be restarted for ever.
+        # worker that refuses to start stops them all (after the URL was announced).
         engine_options.check_options(args, choice.kind)
+        if args.workers > 1:
+            engine_options.check_engine(args, choice)
         announce = announcement(choice.kind)
         note = engine_options.fallback_note() if not args.engine else None
         if note is not None and args.listen_fd is None:  # workers: their parent said it
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(args)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
-        return 2
+        return REFUSED_EXIT
     app = create_app(engine, config, store)
     quiet = args.listen_fd is not None  # a worker: its parent announced the URL
     with asyncio.Runner(loop_factory=new_loop) as runner:

@@ -113,6 +113,20 @@ def check_options(args: argparse.Namespace, kind: str) -> None:
                 )
 
 
+def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
+    """Build the engine once and drop it, when that loads nothing (the relay, the simulated
+    engine): ``serve --workers`` finds their mistakes before any worker starts. The others
+    are checked by each worker as it loads its model.
+
+    Raises:
+        ValueError: what ``build_engine`` would raise.
+    """
+    if choice.kind == "upstream":
+        build_upstream(args, choice)  # opens nothing until it serves
+    elif choice.kind == "simulated":
+        build_simulated(args)
+
+
 def build_engine(args: argparse.Namespace) -> Engine:
     """The engine the command line asks for.
 

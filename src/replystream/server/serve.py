@@ -37,6 +37,9 @@ LISTEN_BACKLOG = 4096
 # WebSockets may take to send the endings and close (each closes itself within less).
 STOP_TIMEOUT_S = 5.0
 LAST_WORDS_TIMEOUT_S = 8.0
+# The exit status of ``serve`` when its command line cannot be served (a bad value, a file it
+# cannot use, a port it cannot have): a worker that exits with it would refuse again.
+REFUSED_EXIT = 2
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -198,9 +201,11 @@ def run_workers(
     The parent has bound ``sock``; it starts each worker with it inherited (``--listen-fd``), and
     the kernel hands each new connection to one of them. The parent forwards SIGINT and
     SIGTERM (each worker then shuts down gracefully), restarts a worker that dies on its own,
-    and returns when all have stopped. The workers share their metrics through files in a
-    fresh directory (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts them all;
-    the parent removes it when it returns.
+    and returns when all have stopped. A worker that refuses to start (``REFUSED_EXIT``: its
+    command line, or a file it names, cannot be served) is not restarted for ever: the parent
+    stops the others and returns ``REFUSED_EXIT``. The workers share their metrics through
+    files in a fresh directory (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts
+    them all; the parent removes it when it returns.
     """
     with tempfile.TemporaryDirectory(prefix="replystream-metrics-") as metrics_dir:
         return _supervise(argv, workers, sock, metrics_dir, announce)
@@ -225,7 +230,7 @@ def _supervise(
     ]
     env = {**os.environ, MULTIPROCESS_DIR_ENV: metrics_dir}
     children: list[subprocess.Popen[bytes]] = []
-    stopping = False
+    stopping = refused = False
 
     def spawn() -> subprocess.Popen[bytes]:
         return subprocess.Popen(command, pass_fds=(sock.fileno(),), env=env)
@@ -245,7 +250,11 @@ def _supervise(
     while True:
         for index, child in enumerate(children):
             code = child.poll()
-            if code is not None and not stopping:
+            if code == REFUSED_EXIT and not stopping:
+                log.error("worker %d refused to start (said above); stopping", child.pid)
+                refused = True
+                forward(signal.SIGTERM, None)
+            elif code is not None and not stopping:
                 log.error("worker %d exited with %d; starting another", child.pid, code)
                 # Its counts stay in the totals; what it held (live gauges) does not.
                 mark_process_dead(child.pid, metrics_dir)  # type: ignore[no-untyped-call]
@@ -254,4 +263,4 @@ def _supervise(
             break
         time.sleep(0.2)
     sock.close()
-    return max(abs(child.returncode or 0) for child in children) if not stopping else 0
+    return REFUSED_EXIT if refused else 0
