@@ -2,8 +2,11 @@
 
 import asyncio
 import json
+import os
 import signal
 from pathlib import Path
+
+import pytest
 
 from replystream.client import ResumingReader, measure_reply
 from replystream.client.resume import Backoff
@@ -63,3 +66,35 @@ async def test_two_workers_serve_one_port_and_resume_each_others_replies(tmp_pat
             assert await asyncio.wait_for(process.wait(), 20) == 0
         finally:
             await stop(process)
+
+
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+async def test_workers_whose_parent_is_killed_end_their_streams_and_free_the_port():
+    process, url = await start_server(
+        "--engine", "simulated", "--delay-ms", "50", "--workers", "2", "--shutdown-grace-s", "0"
+    )
+    workers = children_of(process.pid)
+    try:
+        assert len(workers) == 2
+        reply = await raw_request(f"{url}/v1/replies", "POST", b'{"prompt": "x"}')
+        assert reply.status == 200
+        await asyncio.sleep(1)  # a few tokens under way
+        process.send_signal(signal.SIGKILL)  # the parent alone: no one forwards a signal
+        # Each worker notices it has no parent: it shuts down as on SIGTERM, so the stream
+        # ends with a named error, and the port is not held by a server nobody supervises.
+        async with asyncio.timeout(30):
+            body = await reply.read_body()
+            while any(alive(pid) for pid in workers):  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        assert b"event: token" in body
+        assert body.rstrip().endswith(b'"code": "shutdown"}}'), body[-200:]
+        with pytest.raises(OSError):
+            await raw_request(f"{url}/healthz")
+    finally:
+        await stop(process)
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
                 config.shutdown_grace_s,
                 sock,
                 announce=None if quiet else announce,
+                parent_pid=args.parent_pid,
             )
         )
     return 0

@@ -37,6 +37,8 @@ LISTEN_BACKLOG = 4096
 # WebSockets may take to send the endings and close (each closes itself within less).
 STOP_TIMEOUT_S = 5.0
 LAST_WORDS_TIMEOUT_S = 8.0
+# How often a worker of ``--workers`` checks that the parent that started it is still there.
+PARENT_CHECK_S = 1.0
 # The exit status of ``serve`` when its command line cannot be served (a bad value, a file it
 # cannot use, a port it cannot have): a worker that exits with it would refuse again.
 REFUSED_EXIT = 2
@@ -168,10 +170,12 @@ async def serve_forever(
     grace_s: float,
     sock: socket.socket | None = None,
     announce: Callable[[str], list[str]] | None = listening_lines,
+    parent_pid: int | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, printing ``announce(url)`` on stdout once listening
     (tools read its first line); a worker serving an inherited socket passes None and stays
-    quiet (its parent announced the URL)."""
+    quiet (its parent announced the URL), and its parent's ``parent_pid``: it also stops,
+    the same way, when that parent is gone."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -180,8 +184,23 @@ async def serve_forever(
         tune_collector()
         if announce is not None:
             print("\n".join(announce(server.url)), flush=True)
-        await stop.wait()
+        if parent_pid is None:
+            await stop.wait()
+        else:
+            await _until_stopped_or_orphaned(stop, parent_pid)
         await server.shutdown(grace_s)
+
+
+async def _until_stopped_or_orphaned(stop: asyncio.Event, parent_pid: int) -> None:
+    """Wait for ``stop``, or until this process's parent is no longer ``parent_pid``: a
+    worker whose parent was killed must not serve on unsupervised, holding the port (nobody
+    would restart it or forward it a signal, and a new server could not listen there)."""
+    while os.getppid() == parent_pid:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PARENT_CHECK_S):
+                await stop.wait()
+                return
+    log.warning("the parent process %d is gone: shutting down", parent_pid)
 
 
 def url_of(sock: socket.socket) -> str:
@@ -227,6 +246,8 @@ def _supervise(
         *argv,
         "--listen-fd",
         str(sock.fileno()),
+        "--parent-pid",
+        str(os.getpid()),
     ]
     env = {**os.environ, MULTIPROCESS_DIR_ENV: metrics_dir}
     children: list[subprocess.Popen[bytes]] = []

@@ -61,8 +61,10 @@ SERVER = Group(
             choices=("asyncio", "uvloop"),
             default="asyncio",
         ),
-        # A worker started by --workers serves the socket its parent opened.
+        # A worker started by --workers serves the socket its parent opened, and stops when
+        # that parent is gone.
         Setting("--listen-fd", "", non_negative_int, hidden=True),
+        Setting("--parent-pid", "", positive_int, hidden=True),
         Setting(
             "--engine",
             "tiny (default): the built-in transformer; simulated: the lab's seeded word "
