@@ -177,20 +177,21 @@ async def test_upstream_metrics_of_two_workers_read_as_one_servers_and_survive_a
             probes_before = total(seen, "replystream_upstream_probes", result="ok")
 
             os.kill(doomed.pid, signal.SIGKILL)
-            replaced = await new_worker(relay_process.pid, workers)
-            await asyncio.sleep(STATE_REFRESH_S * 2.5)  # the new worker has probed and written
-            seen = await spared.scrape()
-            # The dead worker's attempts and probes are still counted: counts since start.
-            assert total(seen, "replystream_upstream_attempts", result="ok") == 5
-            assert total(seen, "replystream_upstream_probes", result="ok") > probes_before
-            for base in bases:
-                assert value(seen, "replystream_upstream_probe_ok", upstream=base) == 1
-            (newcomer,) = set(replaced) - set(workers)
+            (newcomer,) = set(await new_worker(relay_process.pid, workers)) - set(workers)
             async with pin_each_worker(relay, [newcomer]) as fresh:
+                # It has answered /healthz, so it has probed; then it writes its readings.
+                await asyncio.sleep(STATE_REFRESH_S * 1.5)
+                seen = await spared.scrape()
+                # The dead worker's attempts and probes are still counted: counts since start.
+                assert total(seen, "replystream_upstream_attempts", result="ok") == 5
+                assert total(seen, "replystream_upstream_probes", result="ok") > probes_before
+                for base in bases:
+                    assert value(seen, "replystream_upstream_probe_ok", upstream=base) == 1
                 status, _ = await fresh[newcomer].request("POST", "/v1/chat/completions", CHAT)
-            assert status == 200
-            await asyncio.sleep(STATE_REFRESH_S * 1.5)
-            assert total(await spared.scrape(), "replystream_upstream_attempts", result="ok") == 6
+                assert status == 200
+                await asyncio.sleep(STATE_REFRESH_S * 1.5)
+                seen = await spared.scrape()
+                assert total(seen, "replystream_upstream_attempts", result="ok") == 6
 
 
 async def test_an_upstream_circuit_open_in_both_workers_reads_open():
