@@ -18,6 +18,7 @@ from replystream.client import measure_reply
 from replystream.client.measure import ReplyTiming
 from tests.processes import start_server, stop
 from tests.rawhttp import raw_request
+from tests.test_gateway_workers import pin_each_worker
 from tests.test_workers import children_of
 
 TOKENS = 40
@@ -79,6 +80,10 @@ async def test_one_scrape_counts_the_replies_of_every_worker():
     try:
         workers = children_of(process.pid)
         assert len(workers) == 2
+        # The URL is announced before the workers have started: count their sockets once
+        # each has answered a request, not while one is still starting (fewer sockets then).
+        async with pin_each_worker(url, workers):
+            pass
         baseline = {pid: sockets_of(pid) for pid in workers}
         streams: list[asyncio.Task[ReplyTiming]] = []
         # One connection at a time until both workers hold some (the kernel picks who).
