@@ -218,6 +218,35 @@ async def test_an_upstream_circuit_open_in_both_workers_reads_open():
             assert status == 503 and json.loads(body)["status"] == "unavailable"
 
 
+async def test_a_worker_stopped_mid_reply_leaves_its_last_counts_in_the_totals():
+    slow = ("--engine", "simulated", "--delay-ms", "100", "--jitter-ms", "0", "--tokens", "200")
+    async with replica(*slow) as (_, upstream):
+        base = f"{upstream}/v1"
+        relay_args = [f"--engine=upstream:{base}", "--workers", "2", "--shutdown-grace-s", "0"]
+        async with (
+            replica(*relay_args) as (relay_process, relay),
+            pin_each_worker(relay, children_of(relay_process.pid)) as pinned,
+        ):
+            (stopped, spared), workers = pinned.values(), list(pinned)
+            streamed = asyncio.create_task(
+                stopped.request("POST", "/v1/chat/completions", {**CHAT, "stream": True})
+            )
+            await asyncio.sleep(STATE_REFRESH_S * 1.5)  # under way, and its state written
+            os.kill(stopped.pid, signal.SIGTERM)  # this worker alone: it ends its replies
+            status, body = await asyncio.wait_for(streamed, 30)
+            assert status == 200 and b'"code":"shutdown"' in body
+            await new_worker(relay_process.pid, workers)
+            seen = await spared.scrape()
+            outcome = {"endpoint": "/v1/chat/completions", "outcome": "shutdown"}
+            assert value(seen, "replystream_replies_total", **outcome) == 1
+            # The attempt that reply's end cancelled is counted too, though it ended after
+            # the worker last wrote its readings on its clock.
+            assert (
+                value(seen, "replystream_upstream_attempts", upstream=base, result="cancelled") == 1
+            )
+            assert value(seen, "replystream_upstream_outstanding", upstream=base) == 0
+
+
 async def test_a_worker_that_refuses_to_start_again_stops_the_server(tmp_path: Path):
     async with replica(*UPSTREAM) as (_, upstream):
         routes = tmp_path / "routes.toml"

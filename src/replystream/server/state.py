@@ -94,7 +94,9 @@ def add_state_gauges(app: web.Application) -> None:
 
 async def _publishing_readings(app: web.Application) -> AsyncIterator[None]:
     """While the app runs, write its scrape-time gauges to the shared files periodically, so
-    a scrape served by another worker sees this one's state at most that old."""
+    a scrape served by another worker sees this one's state at most that old; and once more
+    as it stops, after its replies have ended, so the counts of its last moments (the
+    replies a shutdown ended) stay in the totals when the parent restarts it."""
     metrics: Metrics = app[METRICS_KEY]
     loop = asyncio.get_running_loop()
     timer: asyncio.TimerHandle | None = None
@@ -110,6 +112,7 @@ async def _publishing_readings(app: web.Application) -> AsyncIterator[None]:
     finally:
         if timer is not None:
             timer.cancel()
+        metrics.refresh_readings()
 
 
 CIRCUIT_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
