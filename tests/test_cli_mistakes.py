@@ -18,12 +18,15 @@ import pytest
 
 from replystream.client import measure_reply
 from replystream.lab.local_server import READY_PREFIX, stop_process
+from replystream.server.metrics import MULTIPROCESS_DIR_ENV as MULTIPROCESS
 
 CLI = [sys.executable, "-m", "replystream"]
 
 
-def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+def run(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | (env or {})
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -181,6 +184,17 @@ def test_a_port_in_use_is_one_line_not_a_traceback():
     line = one_line(done)
     assert f"--port {port}: another process already listens" in line
     assert "--port 0 picks a free one" in line
+
+
+@pytest.mark.parametrize("folder", ["/nonexistent", FOLDER])
+def test_a_metrics_folder_set_from_outside_is_one_line_naming_it(folder: str):
+    # Whether the folder exists (other processes' files would be merged) or not (the
+    # server could not write there), it is the workers' own mechanism: refused at start.
+    done = run("serve", "--engine", "simulated", "--port", "0", env={MULTIPROCESS: folder})
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("replystream serve: PROMETHEUS_MULTIPROC_DIR is set"), line
+    assert "unset it" in line
 
 
 def test_an_unresolvable_host_is_one_line_naming_host():

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import os
 import re
 import socket
 import sys
@@ -29,6 +30,7 @@ from replystream.server.app import create_app
 from replystream.server.auth import collect_keys
 from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig
+from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.serve import (
     REFUSED_EXIT,
     bind_socket,
@@ -108,6 +110,22 @@ def build_store(args: argparse.Namespace) -> ReplayStore:
     return MemoryReplayStore(ttl_after_end_s=args.reply_ttl_s)
 
 
+def refuse_foreign_metrics_dir(args: argparse.Namespace) -> None:
+    """``PROMETHEUS_MULTIPROC_DIR`` is how the workers of ``--workers`` share their metrics,
+    in a folder their parent makes for them. Set from outside, a server would merge into its
+    ``/metrics`` whatever other processes left in that folder (or fail on one that is not
+    there), so it is refused, naming the variable.
+
+    Raises:
+        ValueError: it is set, and this process is not such a worker.
+    """
+    if args.listen_fd is None and os.environ.get(MULTIPROCESS_DIR_ENV):
+        raise ValueError(
+            f"{MULTIPROCESS_DIR_ENV} is set in the environment; serve sets it itself for the "
+            "workers of --workers: unset it"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level,
@@ -115,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
+        refuse_foreign_metrics_dir(args)
         config = build_config(args)
         store = build_store(args)
         choice = engine_options.parse_engines(args.engine)
