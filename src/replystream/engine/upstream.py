@@ -323,11 +323,20 @@ class UpstreamEngine:
     async def open_attempt(self, backend: Backend, request: GenerationRequest) -> UpstreamStream:
         """One attempt: the request to ``backend``, its stream once the head arrived (what a
         relayed reply is made of; no failover here)."""
+        key = request.client_key
+        if key and backend.name in self._passing and not (key.isascii() and key.isprintable()):
+            # No HTTP header can carry it: the caller's to fix, not the upstream's failure
+            # (counted on its circuit, a client's bad key would take it out for everyone).
+            raise UpstreamRefusedClientKey(
+                f"the API key you sent cannot be passed on to the upstream at {backend.name}: "
+                "an HTTP header carries printable ASCII characters only",
+                status=401,
+            )
         body = to_json(request_body(request, self._model_for(backend, request)))
         timeout = self.config.headers_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                headers = self._headers(backend, request.client_key)
+                headers = self._headers(backend, key)
                 origin = self._origin(backend)
                 response = await origin.post("/chat/completions", body, headers)
         except TimeoutError:
