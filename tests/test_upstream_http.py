@@ -347,3 +347,37 @@ async def test_the_request_goes_in_one_piece_with_the_headers_the_relay_sends():
         "Authorization": "Bearer k1",
     }
     assert json.loads(body)["messages"] == [{"role": "user", "content": "hi"}]
+
+
+async def test_a_response_head_that_never_ends_is_refused_at_its_size_bound():
+    """An upstream writing one header line forever: refused once the head passes its bound
+    (its bytes are neither kept nor parsed on), long before the head timeout, and the
+    connection is closed."""
+    written = 0
+    closed = asyncio.Event()
+
+    async def endless_head(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+    ) -> None:
+        nonlocal written
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Big: ")
+        try:
+            while written < 1 << 30:
+                writer.write(b"a" * 65536)
+                written += 65536
+                await writer.drain()
+        except ConnectionError:
+            closed.set()
+
+    async with raw_server(endless_head) as (_, url):
+        engine = engine_for(url, headers_timeout_s=20.0)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamUnavailable) as caught:
+            await reply_of(engine)
+        took = asyncio.get_running_loop().time() - started
+        await wait_for(closed.is_set)
+        await engine.aclose()
+    assert caught.value.code == "upstream_bad_response"
+    assert str(caught.value) == f"the upstream at {url} sent a response head larger than 64 KiB"
+    assert took < 2.0 and written < 8 << 20

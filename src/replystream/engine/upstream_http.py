@@ -34,6 +34,9 @@ from urllib.parse import urlsplit
 import httptools
 
 MAX_IDLE = 1024  # idle keep-alive connections kept per origin (a burst of replies reuses them)
+# The most bytes a response head (interim responses before it included) may take: llhttp
+# keeps no bound of its own, and httptools joins a header's pieces as they come.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class HttpFailure(Exception):
@@ -54,6 +57,10 @@ class PeerClosed(HttpFailure):
 
 class NotHttp(HttpFailure):
     """What came back is not an HTTP/1.x response head."""
+
+
+class HeadTooLarge(HttpFailure):
+    """The response head grew past ``MAX_HEAD_BYTES`` without ending."""
 
 
 class BodyCut(HttpFailure):
@@ -281,6 +288,7 @@ class Connection(asyncio.Protocol):
         self._told_end = False
         self._failure: Exception | None = None  # the body's, kept until a receiver is set
         self._got_bytes = False
+        self._head_bytes = 0  # of the response head being read
         self._requests = 0
         self._releasing: asyncio.TimerHandle | None = None
         self._closed = False
@@ -309,6 +317,11 @@ class Connection(asyncio.Protocol):
             self._parts.clear()
             self._broken(NotHttp("not HTTP") if self._response is None else BadFraming("bad"))
             return
+        if self._response is None:  # every byte so far is the head's (or an interim's)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._broken(HeadTooLarge(f"a head past {MAX_HEAD_BYTES} bytes"))
+                return
         parts = self._parts
         if parts:
             body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -406,6 +419,7 @@ class Connection(asyncio.Protocol):
         self._response = self._receiver = None
         self._content_type = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
+        self._head_bytes = 0
         self._keep_alive = self._interim = False
         self._failure = None
         self._early = []
