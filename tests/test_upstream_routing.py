@@ -207,6 +207,21 @@ async def test_a_refusing_upstream_fails_over_and_the_access_log_says_so(caplog)
     assert len(busy.bodies) >= 1 and len(ok.bodies) == 4
 
 
+async def test_asking_an_upstream_for_logprobs_it_lacks_does_not_open_its_circuit():
+    """An upstream without log probabilities answers such a request with text alone: the
+    request's wish, not the upstream's sickness, so other requests still go there."""
+    up = Upstream(["m"])
+    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([up], failures=1) as url:
+        for _ in range(3):  # more than --upstream-failures
+            got = await post_events(f"{url}/v1/chat/completions", {**ask, "logprobs": True})
+            assert got.status == 200
+            assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_no_logprobs"]
+        got = await post_events(f"{url}/v1/chat/completions", ask)
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+    assert len(up.bodies) == 4
+
+
 async def test_no_text_before_the_ttft_limit_fails_over_and_all_failing_is_the_last_error():
     silent, ok = Upstream(["m"], mode="silent"), Upstream(["m"])
     async with relay([silent, ok], ttft_s=0.3) as url:

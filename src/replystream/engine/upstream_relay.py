@@ -56,6 +56,10 @@ _AT_HEAD = {
     "upstream_error_status": "error_status",
 }
 _IN_STREAM = {"upstream_ttft_timeout": "ttft_timeout", "upstream_stalled": "stalled"}
+# Failures that say what the request asked of an upstream, not that the upstream is sick:
+# another upstream may be tried, but its circuit does not count them (else requests for
+# what it lacks would take it out of routing for every request).
+_NOT_ITS_HEALTH = frozenset({"upstream_no_logprobs"})
 
 
 class NoUpstream(EngineError):
@@ -461,7 +465,7 @@ class RelayedReply:
         backend = self._backend
         self._close_stream()
         self._last_error = error
-        if backend is not None:
+        if backend is not None and error.code not in _NOT_ITS_HEALTH:
             self._pool.failed(backend, str(error))
         self._attempt_over(result)
 
