@@ -339,7 +339,9 @@ def test_weights_share_requests_in_proportion_and_interleave():
     picks = [pool.plan(None)[0].name[7] for _ in range(8)]
     assert picks == list("aabaaaba")
     assert UpstreamTarget.parse("http://h:1/v1=3") == UpstreamTarget("http://h:1/v1", 3)
-    assert UpstreamTarget.parse("http://h:1/v1?a=b") == UpstreamTarget("http://h:1/v1?a=b", 1)
+    assert UpstreamTarget.parse("http://h:1/a=b/v1") == UpstreamTarget("http://h:1/a=b/v1", 1)
+    with pytest.raises(ValueError, match="may not have a query"):  # nothing would send it
+        UpstreamTarget.parse("http://h:1/v1?a=b")
 
 
 def test_the_prompt_goes_up_as_one_user_message_when_there_are_no_messages():
