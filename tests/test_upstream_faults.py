@@ -574,3 +574,24 @@ async def test_only_one_of_the_requests_own_stop_strings_is_ever_named(
     assert (whole.stop_reason, whole.stop_sequence) == expected
     assert (final.stop_reason, final.stop_sequence) == expected
     assert got.of_type("done")[-1].get("stop_sequence") == named
+
+
+async def test_an_upstream_failure_on_the_anthropic_route_has_an_anthropic_error_type():
+    """Anthropic's error types: 502 is its ``api_error``, 504 its ``timeout_error`` (OpenAI's
+    ``server_error`` is none of Anthropic's), as the same failure in-band is ``api_error``."""
+    ask = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    async with fake_upstream() as (_, upstream):
+        for url, status, kind in (
+            (dead, 502, "api_error"),
+            (f"{upstream}/slowhead/v1", 504, "timeout_error"),
+        ):
+            engine = UpstreamEngine(
+                UpstreamConfig((UpstreamTarget(url, models=("m",)),), headers_timeout_s=0.3)
+            )
+            async with running(create_app(engine)) as relay:
+                got = await post_events(f"{relay}/v1/messages", ask)
+            await engine.aclose()
+            body = json.loads(got.raw)
+            assert got.status == status and body["type"] == "error", body
+            assert body["error"]["type"] == kind, body
