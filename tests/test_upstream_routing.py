@@ -131,6 +131,23 @@ async def test_models_are_the_upstreams_own_merged_and_a_request_picks_the_ones_
         assert got.status == 200 and a.bodies[-1]["model"] == "llama"
 
 
+async def test_an_alias_for_a_model_no_upstream_lists_is_not_served():
+    """Every upstream listed its models and none lists the one an alias stands for: the
+    alias is a name nobody serves, as the model's own name is (not listed, a 404), not an
+    overload to retry."""
+    async with relay([Upstream(["llama"])], aliases=(("gone", "qwen"), ("fast", "llama"))) as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert status == 200 and [m["id"] for m in listing["data"]] == ["llama", "fast"]
+        for asked in ("gone", "qwen"):
+            body: dict[str, Any] = {"model": asked, "messages": [{"role": "user", "content": "hi"}]}
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            assert got.status == 404, got.raw
+            assert json.loads(got.raw)["error"]["code"] == "model_not_found"
+        body = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        got = await post_events(f"{url}/v1/chat/completions", body)
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+
+
 async def test_each_upstream_gets_its_own_key_and_never_the_clients():
     a, b = Upstream(["m"]), Upstream(["m"])
     server = ServerConfig(api_keys=("client-key",))

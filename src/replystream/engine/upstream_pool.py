@@ -178,9 +178,12 @@ class UpstreamPool:
         self.aliases = dict(aliases or {})
 
     def model_names(self) -> tuple[str, ...]:
-        """Every model some upstream serves (merged, sorted), then the aliases."""
+        """Every model some upstream serves (merged, sorted), then the aliases of a model
+        some upstream may serve (one it lists, or any while its list is not known): an alias
+        for a model nobody lists is a name nobody serves."""
         real = sorted(set().union(*(b.models for b in self.backends)))
-        return (*real, *sorted(a for a in self.aliases if a not in real))
+        aliases = (a for a, model in self.aliases.items() if a not in real and self.serving(model))
+        return (*real, *sorted(aliases))
 
     def resolve(self, model: str | None) -> str | None:
         """The real model name a request's ``model`` (maybe an alias) stands for."""
