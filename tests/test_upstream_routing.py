@@ -57,6 +57,10 @@ class Upstream:
         await response.write(chunk("", role="assistant"))
         for i in range(self.words):
             await response.write(chunk(f"w{i} "))
+        if self.mode == "cut":  # text, then the connection closes mid-body (a crash)
+            assert request.transport is not None
+            request.transport.close()
+            return response
         if self.mode == "stall":  # text, then keep-alives only
             for _ in range(300):
                 await response.write(b": keep-alive\n\n")
@@ -252,6 +256,22 @@ async def test_no_text_before_the_ttft_limit_fails_over_and_all_failing_is_the_l
         assert got.status == 503
         error = json.loads(got.raw)["error"]
         assert error["code"] == "upstream_overloaded" and "aiohttp" not in error["message"]
+
+
+async def test_an_upstream_that_fails_every_reply_mid_way_opens_its_circuit():
+    """Its first text does not end a row of failures: each reply that then breaks is one
+    more, so an upstream that never finishes a reply is taken out of routing."""
+    cut = Upstream(["m"], mode="cut")
+    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([cut], failures=2) as url:
+        for _ in range(2):
+            got = await post_events(f"{url}/v1/chat/completions", ask)
+            assert got.chat_text == "w0 w1 w2 "
+            assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_disconnected"]
+        got = await post_events(f"{url}/v1/chat/completions", ask)
+        assert got.status == 503, got.raw
+        assert json.loads(got.raw)["error"]["code"] == "upstream_unavailable"
+    assert len(cut.bodies) == 2
 
 
 async def test_keepalives_do_not_hide_a_stall_mid_reply():

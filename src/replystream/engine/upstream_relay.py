@@ -315,7 +315,7 @@ class RelayedReply:
             self._unwatch()
             self._timer = self._loop.call_later(self._limit, self._check)
             assert self._backend is not None
-            self._backend.succeeded()
+            self._backend.answered()
             self._backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
         for delta in deltas:
@@ -473,6 +473,8 @@ class RelayedReply:
         backend, self._backend = self._backend, None
         if backend is None:
             return
+        if result == "ok":
+            backend.ended_well()
         backend.end()
         backend.attempts[result] += 1
         if result != "ok" or len(self._tried) > 1:
