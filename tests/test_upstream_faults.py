@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ import anthropic
 import pytest
 from aiohttp import web
 
+from replystream.delivery.redis_store import RedisReplayStore
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.upstream import (
     UpstreamConfig,
@@ -34,6 +36,8 @@ from replystream.engine.upstream import (
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.server import create_app, running
 from tests.conftest import wait_for
+from tests.rawhttp import raw_request
+from tests.redis_server import redis_server
 from tests.services import free_port
 from tests.sse_client import post_events
 
@@ -595,3 +599,39 @@ async def test_an_upstream_failure_on_the_anthropic_route_has_an_anthropic_error
             body = json.loads(got.raw)
             assert got.status == status and body["type"] == "error", body
             assert body["error"]["type"] == kind, body
+
+
+async def test_a_client_gone_while_its_resumable_log_is_made_closes_the_upstream(tmp_path: Path):
+    """The reply's log in Redis is still being made (Redis paused, SIGSTOP) when the client
+    leaves: the relayed stream started for it is closed, so the upstream learns to abort and
+    the upstream counts no request still outstanding."""
+    with redis_server(tmp_path / "redis") as redis:
+        assert redis.process is not None
+        async with fake_upstream() as (fake, upstream):
+            engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/forever/v1"),)))
+            store = RedisReplayStore(redis.url)
+            async with running(create_app(engine, store=store)) as relay:
+                ask = json.dumps({"prompt": "hi", "resumable": True, "disconnect": "cancel"})
+                headers = {"Content-Type": "application/json"}
+                warm = await raw_request(f"{relay}/v1/replies", "POST", ask.encode(), headers)
+                await warm.aclose()  # the store is connected; that reply is cancelled
+                await wait_for(lambda: engine.stats().active == 0)
+                await wait_for(fake.disconnected.is_set)
+                fake.disconnected.clear()
+                redis.process.send_signal(signal.SIGSTOP)
+                try:
+                    leaving = asyncio.ensure_future(
+                        raw_request(f"{relay}/v1/replies", "POST", ask.encode(), headers)
+                    )
+                    await wait_for(lambda: len(fake.bodies) == 2)  # its upstream answers
+                    await asyncio.sleep(0.2)
+                    leaving.cancel()  # closes the client's socket
+                    await asyncio.gather(leaving, return_exceptions=True)
+                    await asyncio.sleep(0.3)
+                finally:
+                    redis.process.send_signal(signal.SIGCONT)
+                await wait_for(fake.disconnected.is_set)
+                await wait_for(lambda: engine.stats().active == 0)
+                assert engine.pool.backends[0].outstanding == 0
+            await engine.aclose()
+            await store.aclose()
