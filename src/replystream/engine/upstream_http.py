@@ -114,6 +114,17 @@ def _header_lines(headers: Mapping[str, str]) -> str:
     return "".join(lines)
 
 
+async def _answer(head: asyncio.Future[Response]) -> Response:
+    """The response ``head`` brings; closed if the wait is cancelled after it came (in the
+    same turn of the loop, before the waiter ran again), since nobody will read it."""
+    try:
+        return await head
+    except asyncio.CancelledError:
+        if head.done() and not head.cancelled() and head.exception() is None:
+            head.result().close()
+        raise
+
+
 class HttpOrigin:
     """The connections to one upstream origin, and the requests sent over them."""
 
@@ -137,12 +148,12 @@ class HttpOrigin:
         connection = self._take_idle()
         if connection is not None:
             try:
-                return await connection.send(request)
+                return await _answer(connection.send(request))
             except _Stale:
                 pass  # it was closed as the request went: a new connection, once
         connection = await self._connect()
         try:
-            return await connection.send(request)
+            return await _answer(connection.send(request))
         except _Stale:  # not reused, so not stale: the upstream closed it
             raise PeerClosed("closed before answering") from None
 
