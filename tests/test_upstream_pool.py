@@ -169,6 +169,7 @@ models = ["qwen"]
         ),
         ("[[upstreams]]\nurl = 'http://u:p@a/v1'", "upstreams[0].url: may not carry a user name"),
         ("[[upstreams]]\nurl = 'http://a/v1#x'", "upstreams[0].url: may not have a query"),
+        ("[[upstreams]]\nurl = 'http://[::1/v1'", "upstreams[0].url: is not a valid URL"),
         (
             "[[upstreams]]\nurl = 'http://a/v1'\napi_key = \"a\\nb\"",
             "upstreams[0].api_key: must be",

@@ -52,7 +52,10 @@ def base_url_problem(url: str) -> str | None:
     """What makes ``url`` (an http(s) URL) no upstream base URL, in words that follow "an
     upstream URL"; None when nothing does. Checked at start-up, so that a URL no request
     could use stops ``serve`` rather than failing every request later."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 address
+        return "is not a valid URL"
     if parts.username is not None or parts.password is not None:
         # It would be repeated in every error, log line and metric naming the upstream.
         return "may not carry a user name or password (give a key as api_key)"
