@@ -106,6 +106,16 @@ class UpstreamRefusedClientKey(RequestRejected):
         self.status = status
 
 
+class UpstreamLimitedClientKey(RequestRejected):
+    """An upstream rate-limited the caller's own key, passed on to it (its 429: that
+    account's quota or rate, not the upstream's load): the client's, not failed over."""
+
+    status = 429
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="upstream_rate_limited")
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamTarget:
     """One upstream: the base URL of its OpenAI API (``http://host:port/v1``), its weight, and
@@ -437,6 +447,10 @@ class UpstreamEngine:
         said = f"{where}: {message}" if message else where
         if status in (400, 413, 422):
             return RequestRejected(said, code=code or "upstream_rejected", param=param)
+        if status == 429 and backend.name in self._passing:
+            # The caller's own account's limit: another upstream would not lift it, and
+            # counted on the circuit, one caller's spent quota would shut out every caller.
+            return UpstreamLimitedClientKey(said)
         if status in (429, 503):
             return UpstreamOverloaded(said, code="upstream_overloaded")
         if status in (401, 403) and backend.name in self._passing:
