@@ -635,3 +635,20 @@ async def test_a_client_gone_while_its_resumable_log_is_made_closes_the_upstream
                 assert engine.pool.backends[0].outstanding == 0
             await engine.aclose()
             await store.aclose()
+
+
+async def test_failover_stops_within_its_limit_even_while_a_head_is_awaited():
+    """Two upstreams that never answer: the second is tried while the failover window is
+    open, and waited for only as long as the window has left, not a whole head timeout."""
+    async with fake_upstream() as (_, one), fake_upstream() as (_, two):
+        targets = tuple(UpstreamTarget(f"{u}/slowhead/v1", models=("m",)) for u in (one, two))
+        engine = UpstreamEngine(UpstreamConfig(targets, headers_timeout_s=1.0, failover_s=1.5))
+        async with running(create_app(engine)) as relay:
+            started = time.monotonic()
+            got = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "model": "m"})
+            took = time.monotonic() - started
+        await engine.aclose()
+    assert got.status == 504, got.raw
+    error = json.loads(got.raw)["error"]
+    assert error["code"] == "upstream_timeout" and "(after trying 2 upstreams)" in error["message"]
+    assert 1.5 <= took < 1.8

@@ -414,10 +414,20 @@ class RelayedReply:
             backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
+            left = self._limits.failover_s - (time.monotonic() - self._began)
             try:
-                self._stream = await self._opener(backend, self._attempt_request())
+                # The head is awaited only while the failover window is open (the opener
+                # has its own, per-head limit too).
+                async with asyncio.timeout(max(left, 0.001)):
+                    self._stream = await self._opener(backend, self._attempt_request())
                 self._watch()
                 return
+            except TimeoutError:
+                error = RelayStalled(
+                    f"the upstream at {backend.name} did not answer within {left:.3g} s",
+                    code="upstream_timeout",
+                )
+                self._attempt_failed(error, "head_timeout")
             except RequestRejected:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
                 raise
