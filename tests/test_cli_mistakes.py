@@ -67,6 +67,30 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
     (["serve", "--engine", "gguf:/nonexistent"], "--engine gguf:PATH: /nonexistent: not a"),
     (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
+    (
+        ["serve", "--engine", "upstream:http://"],
+        "--engine upstream:URL: an upstream URL has no host",
+    ),
+    (
+        ["serve", "--engine", "upstream:http://127.0.0.1:port/v1"],
+        "--engine upstream:URL: an upstream URL has a port that is not a number from 1 to 65535",
+    ),
+    (
+        ["serve", "--engine", "upstream:http://127.0.0.1:9/v1?key=k"],
+        "--engine upstream:URL: an upstream URL may not have a query or a fragment",
+    ),
+    (
+        [
+            "serve",
+            "--port",
+            "0",
+            "--engine",
+            "upstream:http://127.0.0.1:9/v1",
+            "--upstream-api-key",
+            "ключ",
+        ],
+        "--engine upstream: the upstream API key must be printable ASCII",
+    ),
     (["serve", "--redis-url", "http://x"], "--redis-url: expected one of redis://"),
     (["serve", "--redis-url", "redis+sentinel://127.0.0.1:26379"], "names its service"),
     (["serve", "--redis-failover-s", "5"], "--redis-failover-s is an option of --redis-url"),
@@ -172,6 +196,15 @@ def test_a_mistake_is_one_line_naming_the_flag_and_a_nonzero_exit(argv: list[str
     line = one_line(done)
     assert line.startswith(f"replystream {argv[0]}: "), line
     assert says in line, line
+
+
+def test_a_password_in_an_upstream_url_is_refused_without_being_repeated():
+    """A key in the URL would be in every error, log line and metric that names the upstream."""
+    done = run("serve", "--engine", "upstream:http://user:s3cret@127.0.0.1:9/v1")
+    assert done.returncode != 0
+    line = one_line(done)
+    assert "an upstream URL may not carry a user name or password" in line, line
+    assert "s3cret" not in line
 
 
 def test_a_port_in_use_is_one_line_not_a_traceback():

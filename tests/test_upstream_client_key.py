@@ -28,6 +28,7 @@ from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, Upstream
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.processes import replica
+from tests.rawhttp import raw_request
 from tests.test_websocket import read_until_ended
 
 pytestmark = pytest.mark.slow
@@ -257,3 +258,69 @@ async def test_a_websockets_key_from_its_upgrade_or_its_first_message_is_passed_
                 await ws.send_json(start)
                 assert (await read_until_ended(ws, {"t"}))[-1]["type"] == "done"
     assert hosted.requests() == ["Bearer alice", "Bearer bob"]
+
+
+async def test_a_client_key_that_cannot_go_in_a_header_is_the_clients_401_and_opens_no_circuit():
+    """A key of characters no HTTP header can carry (non-ASCII) is the caller's to fix: it
+    is refused here in our words, tried nowhere, and the upstream stays in routing."""
+    hosted = KeyedUpstream("open", {"alice"})
+    async with running(hosted.app()) as upstream_url:
+        hosted.url = f"{upstream_url}/v1"
+        targets = (UpstreamTarget(hosted.url, pass_client_key=True, models=("open",)),)
+        engine = UpstreamEngine(UpstreamConfig(targets, failures=1))
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+        async with running(create_app(engine)) as url:
+            for _ in range(3):  # more than --upstream-failures
+                response = await raw_request(
+                    f"{url}/v1/chat/completions",
+                    "POST",
+                    body,
+                    {"Content-Type": "application/json", "Authorization": "Bearer ключ"},
+                )
+                error = json.loads(await response.read_body())["error"]
+                assert response.status == 401, error
+                assert error["code"] == "upstream_refused_client_key"
+                assert "cannot be passed on" in error["message"] and "ключ" not in error["message"]
+            assert await chat(url, "alice", "open") == "hello there"
+        await engine.aclose()
+    assert hosted.requests() == ["Bearer alice"]
+
+
+class QuotaUpstream(KeyedUpstream):
+    """A hosted API that bills per key: a key whose quota is spent gets 429, others a reply."""
+
+    def __init__(self, model: str, keys: set[str], spent: set[str]) -> None:
+        super().__init__(model, keys)
+        self.spent = spent
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization", "").removeprefix("Bearer ") in self.spent:
+            self.sent.append(request.headers.get("Authorization"))
+            error = {"message": "You exceeded your current quota.", "type": "insufficient_quota"}
+            return web.json_response({"error": error}, status=429)
+        return await super().chat(request)
+
+
+async def test_a_429_for_the_callers_own_key_is_the_callers_and_opens_no_circuit():
+    """At an upstream that takes each caller's key, a 429 is that caller's quota or rate
+    limit: it gets the 429 (no other upstream is tried), and other callers still get there."""
+    hosted = QuotaUpstream("open", {"alice", "mallory"}, spent={"mallory"})
+    async with running(hosted.app()) as upstream_url:
+        hosted.url = f"{upstream_url}/v1"
+        targets = (UpstreamTarget(hosted.url, pass_client_key=True, models=("open",)),)
+        engine = UpstreamEngine(UpstreamConfig(targets, failures=1))
+        async with running(create_app(engine)) as url:
+            async with openai.AsyncOpenAI(
+                base_url=f"{url}/v1", api_key="mallory", max_retries=0
+            ) as client:
+                for _ in range(3):  # more than --upstream-failures
+                    with pytest.raises(openai.RateLimitError) as caught:
+                        await client.chat.completions.create(
+                            model="open", messages=[{"role": "user", "content": "hi"}]
+                        )
+                    error = caught.value.body
+                    assert isinstance(error, dict) and error["code"] == "upstream_rate_limited"
+                    assert "exceeded your current quota" in error["message"]
+            assert await chat(url, "alice", "open") == "hello there"
+        await engine.aclose()
+    assert hosted.requests() == ["Bearer mallory"] * 3 + ["Bearer alice"]

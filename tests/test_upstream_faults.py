@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ import anthropic
 import pytest
 from aiohttp import web
 
+from replystream.delivery.redis_store import RedisReplayStore
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.upstream import (
     UpstreamConfig,
@@ -34,6 +36,8 @@ from replystream.engine.upstream import (
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.server import create_app, running
 from tests.conftest import wait_for
+from tests.rawhttp import raw_request
+from tests.redis_server import redis_server
 from tests.services import free_port
 from tests.sse_client import post_events
 
@@ -339,7 +343,9 @@ def test_weights_share_requests_in_proportion_and_interleave():
     picks = [pool.plan(None)[0].name[7] for _ in range(8)]
     assert picks == list("aabaaaba")
     assert UpstreamTarget.parse("http://h:1/v1=3") == UpstreamTarget("http://h:1/v1", 3)
-    assert UpstreamTarget.parse("http://h:1/v1?a=b") == UpstreamTarget("http://h:1/v1?a=b", 1)
+    assert UpstreamTarget.parse("http://h:1/a=b/v1") == UpstreamTarget("http://h:1/a=b/v1", 1)
+    with pytest.raises(ValueError, match="may not have a query"):  # nothing would send it
+        UpstreamTarget.parse("http://h:1/v1?a=b")
 
 
 def test_the_prompt_goes_up_as_one_user_message_when_there_are_no_messages():
@@ -572,3 +578,77 @@ async def test_only_one_of_the_requests_own_stop_strings_is_ever_named(
     assert (whole.stop_reason, whole.stop_sequence) == expected
     assert (final.stop_reason, final.stop_sequence) == expected
     assert got.of_type("done")[-1].get("stop_sequence") == named
+
+
+async def test_an_upstream_failure_on_the_anthropic_route_has_an_anthropic_error_type():
+    """Anthropic's error types: 502 is its ``api_error``, 504 its ``timeout_error`` (OpenAI's
+    ``server_error`` is none of Anthropic's), as the same failure in-band is ``api_error``."""
+    ask = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    async with fake_upstream() as (_, upstream):
+        for url, status, kind in (
+            (dead, 502, "api_error"),
+            (f"{upstream}/slowhead/v1", 504, "timeout_error"),
+        ):
+            engine = UpstreamEngine(
+                UpstreamConfig((UpstreamTarget(url, models=("m",)),), headers_timeout_s=0.3)
+            )
+            async with running(create_app(engine)) as relay:
+                got = await post_events(f"{relay}/v1/messages", ask)
+            await engine.aclose()
+            body = json.loads(got.raw)
+            assert got.status == status and body["type"] == "error", body
+            assert body["error"]["type"] == kind, body
+
+
+async def test_a_client_gone_while_its_resumable_log_is_made_closes_the_upstream(tmp_path: Path):
+    """The reply's log in Redis is still being made (Redis paused, SIGSTOP) when the client
+    leaves: the relayed stream started for it is closed, so the upstream learns to abort and
+    the upstream counts no request still outstanding."""
+    with redis_server(tmp_path / "redis") as redis:
+        assert redis.process is not None
+        async with fake_upstream() as (fake, upstream):
+            engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/forever/v1"),)))
+            store = RedisReplayStore(redis.url)
+            async with running(create_app(engine, store=store)) as relay:
+                ask = json.dumps({"prompt": "hi", "resumable": True, "disconnect": "cancel"})
+                headers = {"Content-Type": "application/json"}
+                warm = await raw_request(f"{relay}/v1/replies", "POST", ask.encode(), headers)
+                await warm.aclose()  # the store is connected; that reply is cancelled
+                await wait_for(lambda: engine.stats().active == 0)
+                await wait_for(fake.disconnected.is_set)
+                fake.disconnected.clear()
+                redis.process.send_signal(signal.SIGSTOP)
+                try:
+                    leaving = asyncio.ensure_future(
+                        raw_request(f"{relay}/v1/replies", "POST", ask.encode(), headers)
+                    )
+                    await wait_for(lambda: len(fake.bodies) == 2)  # its upstream answers
+                    await asyncio.sleep(0.2)
+                    leaving.cancel()  # closes the client's socket
+                    await asyncio.gather(leaving, return_exceptions=True)
+                    await asyncio.sleep(0.3)
+                finally:
+                    redis.process.send_signal(signal.SIGCONT)
+                await wait_for(fake.disconnected.is_set)
+                await wait_for(lambda: engine.stats().active == 0)
+                assert engine.pool.backends[0].outstanding == 0
+            await engine.aclose()
+            await store.aclose()
+
+
+async def test_failover_stops_within_its_limit_even_while_a_head_is_awaited():
+    """Two upstreams that never answer: the second is tried while the failover window is
+    open, and waited for only as long as the window has left, not a whole head timeout."""
+    async with fake_upstream() as (_, one), fake_upstream() as (_, two):
+        targets = tuple(UpstreamTarget(f"{u}/slowhead/v1", models=("m",)) for u in (one, two))
+        engine = UpstreamEngine(UpstreamConfig(targets, headers_timeout_s=1.0, failover_s=1.5))
+        async with running(create_app(engine)) as relay:
+            started = time.monotonic()
+            got = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "model": "m"})
+            took = time.monotonic() - started
+        await engine.aclose()
+    assert got.status == 504, got.raw
+    error = json.loads(got.raw)["error"]
+    assert error["code"] == "upstream_timeout" and "(after trying 2 upstreams)" in error["message"]
+    assert 1.5 <= took < 1.8

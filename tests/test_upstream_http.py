@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -347,3 +350,80 @@ async def test_the_request_goes_in_one_piece_with_the_headers_the_relay_sends():
         "Authorization": "Bearer k1",
     }
     assert json.loads(body)["messages"] == [{"role": "user", "content": "hi"}]
+
+
+async def test_a_response_head_that_never_ends_is_refused_at_its_size_bound():
+    """An upstream writing one header line forever: refused once the head passes its bound
+    (its bytes are neither kept nor parsed on), long before the head timeout, and the
+    connection is closed."""
+    written = 0
+    closed = asyncio.Event()
+
+    async def endless_head(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+    ) -> None:
+        nonlocal written
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Big: ")
+        try:
+            while written < 1 << 30:
+                writer.write(b"a" * 65536)
+                written += 65536
+                await writer.drain()
+        except ConnectionError:
+            closed.set()
+
+    async with raw_server(endless_head) as (_, url):
+        engine = engine_for(url, headers_timeout_s=20.0)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamUnavailable) as caught:
+            await reply_of(engine)
+        took = asyncio.get_running_loop().time() - started
+        await wait_for(closed.is_set)
+        await engine.aclose()
+    assert caught.value.code == "upstream_bad_response"
+    assert str(caught.value) == f"the upstream at {url} sent a response head larger than 64 KiB"
+    assert took < 2.0 and written < 8 << 20
+
+
+async def test_a_wait_cancelled_as_the_response_head_arrives_closes_the_connection():
+    """The head is read, and in the same turn of the loop (before the waiting task runs
+    again) the wait is cancelled, as when the client leaves just then: the response nobody
+    will read is closed, not left open with the upstream generating into it."""
+    asked, closed = threading.Event(), threading.Event()
+    send_head = threading.Event()
+
+    def upstream(listener: socket.socket) -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.settimeout(10)
+            while b"\r\n\r\n" not in connection.recv(65536):
+                pass
+            asked.set()
+            send_head.wait(10)
+            connection.sendall(HEAD)
+            try:
+                while connection.recv(65536):
+                    pass  # the relay reads on, or closes (then recv says so)
+                closed.set()
+            except OSError:
+                closed.set()
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        thread = threading.Thread(target=upstream, args=(listener,), daemon=True)
+        thread.start()
+        engine = engine_for(f"http://127.0.0.1:{port}/v1")
+        backend = engine.pool.plan(None)[0]
+        opening = asyncio.ensure_future(engine.open_attempt(backend, GenerationRequest("hi")))
+        await wait_for(asked.is_set)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, opening.cancel)  # due while the loop is held below
+        send_head.set()
+        time.sleep(0.3)  # noqa: ASYNC251  (the head arrives and the cancel falls due in one turn)
+        await asyncio.gather(opening, return_exceptions=True)
+        assert opening.cancelled()
+        was_closed = await asyncio.to_thread(closed.wait, 5)
+        await engine.aclose()  # closes whatever is still open
+        thread.join(5)
+    assert was_closed

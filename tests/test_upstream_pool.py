@@ -162,6 +162,22 @@ models = ["qwen"]
             "aliases.x: no upstream lists the model 'n'",
         ),
         ("[[upstreams]\nurl = 1", "not valid TOML"),
+        ("[[upstreams]]\nurl = 'http://'", "upstreams[0].url: has no host"),
+        (
+            "[[upstreams]]\nurl = 'http://a:x/v1'",
+            "upstreams[0].url: has a port that is not a number",
+        ),
+        ("[[upstreams]]\nurl = 'http://u:p@a/v1'", "upstreams[0].url: may not carry a user name"),
+        ("[[upstreams]]\nurl = 'http://a/v1#x'", "upstreams[0].url: may not have a query"),
+        ("[[upstreams]]\nurl = 'http://[::1/v1'", "upstreams[0].url: is not a valid URL"),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\napi_key = \"a\\nb\"",
+            "upstreams[0].api_key: must be",
+        ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\napi_key_env = 'BAD'",
+            "upstreams[0].api_key_env: $BAD",
+        ),
     ],
 )
 def test_a_bad_routes_file_is_one_line_naming_the_file_the_entry_and_the_field(
@@ -169,7 +185,7 @@ def test_a_bad_routes_file_is_one_line_naming_the_file_the_entry_and_the_field(
 ):
     path = write(tmp_path, text)
     with pytest.raises(ValueError) as caught:
-        load_routes(path, env={})
+        load_routes(path, env={"BAD": "ключ"})
     message = str(caught.value)
     assert message.startswith(f"{path}: ") and says in message and "\n" not in message
 

@@ -57,6 +57,10 @@ class Upstream:
         await response.write(chunk("", role="assistant"))
         for i in range(self.words):
             await response.write(chunk(f"w{i} "))
+        if self.mode == "cut":  # text, then the connection closes mid-body (a crash)
+            assert request.transport is not None
+            request.transport.close()
+            return response
         if self.mode == "stall":  # text, then keep-alives only
             for _ in range(300):
                 await response.write(b": keep-alive\n\n")
@@ -129,6 +133,23 @@ async def test_models_are_the_upstreams_own_merged_and_a_request_picks_the_ones_
         }
         got = await post_events(f"{url}/v1/messages", message)
         assert got.status == 200 and a.bodies[-1]["model"] == "llama"
+
+
+async def test_an_alias_for_a_model_no_upstream_lists_is_not_served():
+    """Every upstream listed its models and none lists the one an alias stands for: the
+    alias is a name nobody serves, as the model's own name is (not listed, a 404), not an
+    overload to retry."""
+    async with relay([Upstream(["llama"])], aliases=(("gone", "qwen"), ("fast", "llama"))) as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert status == 200 and [m["id"] for m in listing["data"]] == ["llama", "fast"]
+        for asked in ("gone", "qwen"):
+            body: dict[str, Any] = {"model": asked, "messages": [{"role": "user", "content": "hi"}]}
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            assert got.status == 404, got.raw
+            assert json.loads(got.raw)["error"]["code"] == "model_not_found"
+        body = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        got = await post_events(f"{url}/v1/chat/completions", body)
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 "
 
 
 async def test_each_upstream_gets_its_own_key_and_never_the_clients():
@@ -207,6 +228,21 @@ async def test_a_refusing_upstream_fails_over_and_the_access_log_says_so(caplog)
     assert len(busy.bodies) >= 1 and len(ok.bodies) == 4
 
 
+async def test_asking_an_upstream_for_logprobs_it_lacks_does_not_open_its_circuit():
+    """An upstream without log probabilities answers such a request with text alone: the
+    request's wish, not the upstream's sickness, so other requests still go there."""
+    up = Upstream(["m"])
+    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([up], failures=1) as url:
+        for _ in range(3):  # more than --upstream-failures
+            got = await post_events(f"{url}/v1/chat/completions", {**ask, "logprobs": True})
+            assert got.status == 200
+            assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_no_logprobs"]
+        got = await post_events(f"{url}/v1/chat/completions", ask)
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+    assert len(up.bodies) == 4
+
+
 async def test_no_text_before_the_ttft_limit_fails_over_and_all_failing_is_the_last_error():
     silent, ok = Upstream(["m"], mode="silent"), Upstream(["m"])
     async with relay([silent, ok], ttft_s=0.3) as url:
@@ -220,6 +256,22 @@ async def test_no_text_before_the_ttft_limit_fails_over_and_all_failing_is_the_l
         assert got.status == 503
         error = json.loads(got.raw)["error"]
         assert error["code"] == "upstream_overloaded" and "aiohttp" not in error["message"]
+
+
+async def test_an_upstream_that_fails_every_reply_mid_way_opens_its_circuit():
+    """Its first text does not end a row of failures: each reply that then breaks is one
+    more, so an upstream that never finishes a reply is taken out of routing."""
+    cut = Upstream(["m"], mode="cut")
+    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([cut], failures=2) as url:
+        for _ in range(2):
+            got = await post_events(f"{url}/v1/chat/completions", ask)
+            assert got.chat_text == "w0 w1 w2 "
+            assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_disconnected"]
+        got = await post_events(f"{url}/v1/chat/completions", ask)
+        assert got.status == 503, got.raw
+        assert json.loads(got.raw)["error"]["code"] == "upstream_unavailable"
+    assert len(cut.bodies) == 2
 
 
 async def test_keepalives_do_not_hide_a_stall_mid_reply():

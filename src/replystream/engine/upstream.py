@@ -25,6 +25,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from pydantic_core import to_json
@@ -45,6 +46,37 @@ from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLi
 from replystream.engine.upstream_stream import UpstreamStream
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
+
+
+def base_url_problem(url: str) -> str | None:
+    """What makes ``url`` (an http(s) URL) no upstream base URL, in words that follow "an
+    upstream URL"; None when nothing does. Checked at start-up, so that a URL no request
+    could use stops ``serve`` rather than failing every request later."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 address
+        return "is not a valid URL"
+    if parts.username is not None or parts.password is not None:
+        # It would be repeated in every error, log line and metric naming the upstream.
+        return "may not carry a user name or password (give a key as api_key)"
+    if not parts.hostname:
+        return "has no host"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = 0
+    if port == 0:
+        return "has a port that is not a number from 1 to 65535"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "may not have a query or a fragment"
+    return None
+
+
+def key_problem(key: str) -> str | None:
+    """What keeps ``key`` out of an ``Authorization`` header (None: nothing)."""
+    if key.isascii() and key.isprintable():
+        return None
+    return "must be printable ASCII (an HTTP header carries nothing else)"
 
 
 class UpstreamUnavailable(EngineError):
@@ -74,6 +106,16 @@ class UpstreamRefusedClientKey(RequestRejected):
         self.status = status
 
 
+class UpstreamLimitedClientKey(RequestRejected):
+    """An upstream rate-limited the caller's own key, passed on to it (its 429: that
+    account's quota or rate, not the upstream's load): the client's, not failed over."""
+
+    status = 429
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="upstream_rate_limited")
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamTarget:
     """One upstream: the base URL of its OpenAI API (``http://host:port/v1``), its weight, and
@@ -90,6 +132,13 @@ class UpstreamTarget:
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"an upstream URL must be http:// or https://, got {self.base_url!r}")
+        problem = base_url_problem(self.base_url)
+        if problem is not None:
+            shown = "" if "password" in problem else f", got {self.base_url!r}"
+            raise ValueError(f"an upstream URL {problem}{shown}")
+        problem = None if self.api_key is None else key_problem(self.api_key)
+        if problem is not None:
+            raise ValueError(f"the API key of the upstream at {self.base_url} {problem}")
         if self.weight < 1:
             raise ValueError(f"an upstream weight must be at least 1, got {self.weight}")
         if self.api_key is not None and self.pass_client_key:
@@ -103,8 +152,14 @@ class UpstreamTarget:
         """``URL`` or ``URL=WEIGHT`` (only a trailing ``=digits`` is a weight)."""
         url, sep, weight = spec.rpartition("=")
         if sep and weight.isdigit() and url:
-            return cls(url.rstrip("/"), int(weight))
-        return cls(spec.rstrip("/"))
+            return cls(_without_trailing_slash(url), int(weight))
+        return cls(_without_trailing_slash(spec))
+
+
+def _without_trailing_slash(url: str) -> str:
+    """``url`` without the slashes that end its path (``http://`` stays itself)."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +197,9 @@ class UpstreamConfig:
             raise ValueError(
                 "a key for every upstream and the client's own key passed on: give one"
             )
+        problem = None if self.api_key is None else key_problem(self.api_key)
+        if problem is not None:
+            raise ValueError(f"the upstream API key {problem}")
 
     def passes_client_key(self, target: UpstreamTarget) -> bool:
         """Whether ``target`` gets the caller's own key rather than a configured one."""
@@ -323,11 +381,20 @@ class UpstreamEngine:
     async def open_attempt(self, backend: Backend, request: GenerationRequest) -> UpstreamStream:
         """One attempt: the request to ``backend``, its stream once the head arrived (what a
         relayed reply is made of; no failover here)."""
+        key = request.client_key
+        if key and backend.name in self._passing and key_problem(key) is not None:
+            # No HTTP header can carry it: the caller's to fix, not the upstream's failure
+            # (counted on its circuit, a client's bad key would take it out for everyone).
+            raise UpstreamRefusedClientKey(
+                f"the API key you sent cannot be passed on to the upstream at {backend.name}: "
+                "an HTTP header carries printable ASCII characters only",
+                status=401,
+            )
         body = to_json(request_body(request, self._model_for(backend, request)))
         timeout = self.config.headers_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                headers = self._headers(backend, request.client_key)
+                headers = self._headers(backend, key)
                 origin = self._origin(backend)
                 response = await origin.post("/chat/completions", body, headers)
         except TimeoutError:
@@ -380,6 +447,10 @@ class UpstreamEngine:
         said = f"{where}: {message}" if message else where
         if status in (400, 413, 422):
             return RequestRejected(said, code=code or "upstream_rejected", param=param)
+        if status == 429 and backend.name in self._passing:
+            # The caller's own account's limit: another upstream would not lift it, and
+            # counted on the circuit, one caller's spent quota would shut out every caller.
+            return UpstreamLimitedClientKey(said)
         if status in (429, 503):
             return UpstreamOverloaded(said, code="upstream_overloaded")
         if status in (401, 403) and backend.name in self._passing:

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from replystream.engine.upstream_http import BadFraming, BodyCut, ConnectFailed, NotHttp, PeerClosed
+from replystream.engine.upstream_http import (
+    MAX_HEAD_BYTES,
+    BadFraming,
+    BodyCut,
+    ConnectFailed,
+    HeadTooLarge,
+    NotHttp,
+    PeerClosed,
+)
 
 log = logging.getLogger("replystream.upstream")
 
@@ -84,6 +92,11 @@ def connect_failure(exc: BaseException, base_url: str, timeout_s: float) -> Fail
         | ConnectionResetError,
     ):
         return Failure(f"{where} closed the connection before answering", "upstream_disconnected")
+    if isinstance(exc, HeadTooLarge):
+        return Failure(
+            f"{where} sent a response head larger than {MAX_HEAD_BYTES // 1024} KiB",
+            "upstream_bad_response",
+        )
     if isinstance(exc, aiohttp.ClientResponseError | NotHttp):
         return Failure(f"{where} sent a response that is not valid HTTP", "upstream_bad_response")
     if isinstance(exc, aiohttp.InvalidURL):

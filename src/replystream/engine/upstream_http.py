@@ -34,6 +34,9 @@ from urllib.parse import urlsplit
 import httptools
 
 MAX_IDLE = 1024  # idle keep-alive connections kept per origin (a burst of replies reuses them)
+# The most bytes a response head (interim responses before it included) may take: llhttp
+# keeps no bound of its own, and httptools joins a header's pieces as they come.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class HttpFailure(Exception):
@@ -54,6 +57,10 @@ class PeerClosed(HttpFailure):
 
 class NotHttp(HttpFailure):
     """What came back is not an HTTP/1.x response head."""
+
+
+class HeadTooLarge(HttpFailure):
+    """The response head grew past ``MAX_HEAD_BYTES`` without ending."""
 
 
 class BodyCut(HttpFailure):
@@ -107,6 +114,17 @@ def _header_lines(headers: Mapping[str, str]) -> str:
     return "".join(lines)
 
 
+async def _answer(head: asyncio.Future[Response]) -> Response:
+    """The response ``head`` brings; closed if the wait is cancelled after it came (in the
+    same turn of the loop, before the waiter ran again), since nobody will read it."""
+    try:
+        return await head
+    except asyncio.CancelledError:
+        if head.done() and not head.cancelled() and head.exception() is None:
+            head.result().close()
+        raise
+
+
 class HttpOrigin:
     """The connections to one upstream origin, and the requests sent over them."""
 
@@ -130,12 +148,12 @@ class HttpOrigin:
         connection = self._take_idle()
         if connection is not None:
             try:
-                return await connection.send(request)
+                return await _answer(connection.send(request))
             except _Stale:
                 pass  # it was closed as the request went: a new connection, once
         connection = await self._connect()
         try:
-            return await connection.send(request)
+            return await _answer(connection.send(request))
         except _Stale:  # not reused, so not stale: the upstream closed it
             raise PeerClosed("closed before answering") from None
 
@@ -281,6 +299,7 @@ class Connection(asyncio.Protocol):
         self._told_end = False
         self._failure: Exception | None = None  # the body's, kept until a receiver is set
         self._got_bytes = False
+        self._head_bytes = 0  # of the response head being read
         self._requests = 0
         self._releasing: asyncio.TimerHandle | None = None
         self._closed = False
@@ -309,6 +328,11 @@ class Connection(asyncio.Protocol):
             self._parts.clear()
             self._broken(NotHttp("not HTTP") if self._response is None else BadFraming("bad"))
             return
+        if self._response is None:  # every byte so far is the head's (or an interim's)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._broken(HeadTooLarge(f"a head past {MAX_HEAD_BYTES} bytes"))
+                return
         parts = self._parts
         if parts:
             body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -406,6 +430,7 @@ class Connection(asyncio.Protocol):
         self._response = self._receiver = None
         self._content_type = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
+        self._head_bytes = 0
         self._keep_alive = self._interim = False
         self._failure = None
         self._early = []

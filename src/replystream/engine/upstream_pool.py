@@ -2,7 +2,8 @@
 
 This file decides, for each upstream (a ``Backend``):
 - its circuit, as a phase table: ``closed`` (used) opens after ``failures`` consecutive
-  failures; ``open`` is skipped until ``cooldown_s`` has passed; then the next request
+  failures (a reply that breaks after its first text is one; only one that ends well
+  ends the row); ``open`` is skipped until ``cooldown_s`` has passed; then the next request
   sent there is a trial, and the circuit is ``half_open`` while it runs (nothing else goes
   there): the trial's success closes the circuit, its failure opens it for another
   cool-down, and a trial whose client left proves nothing (open again, the next request
@@ -113,11 +114,22 @@ class Backend:
             self.trial = False
             self._move(Outcome.ABANDONED)
 
-    def succeeded(self) -> None:
-        self.failures = 0
+    def answered(self) -> None:
+        """An attempt here sent its first text: the circuit closes (a trial passed), but a
+        row of failures goes on until a reply ends well (one that breaks mid-reply is one
+        more: an upstream that never finishes a reply must still open its circuit)."""
         self.trial = False
         self._move(Outcome.SUCCESS)
         self.problem = "" if self.probe_ok is not False else self.problem
+
+    def ended_well(self) -> None:
+        """An attempt here ended well (it answered first): the row of failures is over."""
+        self.failures = 0
+
+    def succeeded(self) -> None:
+        """An attempt here answered and ended well."""
+        self.answered()
+        self.ended_well()
 
     def sent_first_text(self, after_s: float) -> None:
         """An attempt's first text came ``after_s`` seconds after the attempt began."""
@@ -178,9 +190,12 @@ class UpstreamPool:
         self.aliases = dict(aliases or {})
 
     def model_names(self) -> tuple[str, ...]:
-        """Every model some upstream serves (merged, sorted), then the aliases."""
+        """Every model some upstream serves (merged, sorted), then the aliases of a model
+        some upstream may serve (one it lists, or any while its list is not known): an alias
+        for a model nobody lists is a name nobody serves."""
         real = sorted(set().union(*(b.models for b in self.backends)))
-        return (*real, *sorted(a for a in self.aliases if a not in real))
+        aliases = (a for a, model in self.aliases.items() if a not in real and self.serving(model))
+        return (*real, *sorted(aliases))
 
     def resolve(self, model: str | None) -> str | None:
         """The real model name a request's ``model`` (maybe an alias) stands for."""

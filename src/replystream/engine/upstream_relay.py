@@ -56,6 +56,10 @@ _AT_HEAD = {
     "upstream_error_status": "error_status",
 }
 _IN_STREAM = {"upstream_ttft_timeout": "ttft_timeout", "upstream_stalled": "stalled"}
+# Failures that say what the request asked of an upstream, not that the upstream is sick:
+# another upstream may be tried, but its circuit does not count them (else requests for
+# what it lacks would take it out of routing for every request).
+_NOT_ITS_HEALTH = frozenset({"upstream_no_logprobs"})
 
 
 class NoUpstream(EngineError):
@@ -311,7 +315,7 @@ class RelayedReply:
             self._unwatch()
             self._timer = self._loop.call_later(self._limit, self._check)
             assert self._backend is not None
-            self._backend.succeeded()
+            self._backend.answered()
             self._backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
         for delta in deltas:
@@ -410,10 +414,20 @@ class RelayedReply:
             backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
+            left = self._limits.failover_s - (time.monotonic() - self._began)
             try:
-                self._stream = await self._opener(backend, self._attempt_request())
+                # The head is awaited only while the failover window is open (the opener
+                # has its own, per-head limit too).
+                async with asyncio.timeout(max(left, 0.001)):
+                    self._stream = await self._opener(backend, self._attempt_request())
                 self._watch()
                 return
+            except TimeoutError:
+                error = RelayStalled(
+                    f"the upstream at {backend.name} did not answer within {left:.3g} s",
+                    code="upstream_timeout",
+                )
+                self._attempt_failed(error, "head_timeout")
             except RequestRejected:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
                 raise
@@ -461,7 +475,7 @@ class RelayedReply:
         backend = self._backend
         self._close_stream()
         self._last_error = error
-        if backend is not None:
+        if backend is not None and error.code not in _NOT_ITS_HEALTH:
             self._pool.failed(backend, str(error))
         self._attempt_over(result)
 
@@ -469,6 +483,8 @@ class RelayedReply:
         backend, self._backend = self._backend, None
         if backend is None:
             return
+        if result == "ok":
+            backend.ended_well()
         backend.end()
         backend.attempts[result] += 1
         if result != "ok" or len(self._tried) > 1:

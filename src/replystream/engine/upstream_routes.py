@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from replystream.engine.upstream import UpstreamTarget
+from replystream.engine.upstream import UpstreamTarget, base_url_problem, key_problem
 
 Name = Annotated[str, Field(min_length=1)]
 
@@ -53,7 +53,18 @@ class UpstreamEntry(_Strict):
     def _http(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        problem = base_url_problem(url)
+        if problem is not None:
+            raise ValueError(problem)
         return url.rstrip("/")
+
+    @field_validator("api_key")
+    @classmethod
+    def _sendable(cls, key: str | None) -> str | None:
+        problem = None if key is None else key_problem(key)
+        if problem is not None:
+            raise ValueError(problem)
+        return key
 
 
 class RoutesFile(_Strict):
@@ -124,6 +135,9 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
             key = env.get(entry.api_key_env) or None
             if key is None:
                 raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} is not set")
+            problem = key_problem(key)
+            if problem is not None:
+                raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} {problem}")
         targets.append(
             UpstreamTarget(entry.url, entry.weight, key, tuple(entry.models), entry.pass_client_key)
         )

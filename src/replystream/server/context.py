@@ -239,6 +239,11 @@ async def start_reply(
         raise HTTPAPIError(
             503, f"resumable replies are unavailable right now: {exc}", code=exc.code
         ) from exc
+    except BaseException:
+        # The client left (or anything else) while a remote store made the log: no reply
+        # owns the generation yet, so nothing else would ever stop it.
+        await close_quietly(deltas)
+        raise
     reply = Reply(
         reply_id=reply_id,
         deltas=deltas,

@@ -39,6 +39,18 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def anthropic_error_type(status: int) -> str:
+    """The ``error.type`` Anthropic's clients read for an HTTP ``status``: OpenAI's where they
+    agree; Anthropic has no ``server_error`` (a failure of ours or of an upstream is its
+    ``api_error``, a gateway's time-out its ``timeout_error``)."""
+    if status == 504:
+        return "timeout_error"
+    kind = _TYPE_BY_STATUS.get(status)
+    if kind is not None:
+        return kind
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
 # Where an error response keeps its fields, to be written in another route's shape.
 API_ERROR = web.ResponseKey("api_error", tuple)
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -61,7 +73,7 @@ def in_route_shape(path: str, response: web.StreamResponse) -> web.StreamRespons
     if fields is None or not path.startswith(ANTHROPIC_PATHS):
         return response
     message, code, param = fields
-    kind = error_body(message, code=code, status=response.status)["error"]["type"]
+    kind = anthropic_error_type(response.status)
     error = {"type": kind, "message": message, "code": code, "param": param}
     reshaped = web.Response(
         status=response.status,
