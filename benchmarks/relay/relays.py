@@ -14,8 +14,9 @@ access log, streaming passed through), and known to be ready:
 - ``native``: not a relay: replystream making the same replies itself (the simulated engine,
   the upstream's words on the upstream's schedule, no jitter), on the same route, loop and
   process count as the ``replystream`` relay: what native delivery costs beside relaying.
-  Its first token is due one interval after the request (the upstream sends its first at
-  once), so its time to first token is no relay's added time.
+  Its first token is due one interval after the request, or when the upstream sends its
+  first if that is later (``first_chunk_ms``): then the two schedules are the same, and
+  what native delivery adds to the first token is measured as a relay's is.
 A process's output goes to a log file in the run's directory, so no pipe can fill and stall it.
 """
 
@@ -130,9 +131,12 @@ async def wait_http(url: str, timeout_s: float, process: asyncio.subprocess.Proc
 
 
 @contextlib.asynccontextmanager
-async def upstream_server(processes: int, chunks: int, interval_ms: float) -> AsyncIterator[Target]:
+async def upstream_server(
+    processes: int, chunks: int, interval_ms: float, first_chunk_ms: float = 0.0
+) -> AsyncIterator[Target]:
     command = [sys.executable, str(HERE / "upstream_server.py"), "--processes", str(processes)]
     command += ["--chunks", str(chunks), "--interval-ms", str(interval_ms)]
+    command += ["--first-chunk-ms", str(first_chunk_ms)]
     async with announced_process(command, READY, name="upstream") as server:
         yield Target("upstream", server.url, server.pid)
 
@@ -149,11 +153,13 @@ async def replystream_relay(upstream: str, loop: str, workers: int = 1) -> Async
 
 @contextlib.asynccontextmanager
 async def native_server(
-    chunks: int, interval_ms: float, loop: str, workers: int = 1
+    chunks: int, interval_ms: float, loop: str, workers: int = 1, first_chunk_ms: float = 0.0
 ) -> AsyncIterator[Target]:
     words = " ".join(text_of(index).strip() for index in range(chunks))
     args = ["--engine", "simulated", "--reply-text", words, "--tokens", str(chunks)]
     args += ["--delay-ms", f"{interval_ms:g}", "--jitter-ms", "0", "--loop", loop]
+    # The simulated engine's first token comes one delay after its own first-token time.
+    args += ["--first-token-ms", f"{max(0.0, first_chunk_ms - interval_ms):g}"]
     if workers > 1:
         args += ["--workers", str(workers)]
     args += ["--model-name", "bench", "--log-level", "WARNING"]

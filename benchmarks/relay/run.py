@@ -1,8 +1,9 @@
 """Relay benchmark: replystream, LiteLLM's proxy and nginx in front of one fast upstream.
 
 In one run: a fast OpenAI-compatible upstream in its own process (``upstream_server.py``:
-every reply ``--chunks`` chunks ``--interval-ms`` apart, the first with the response head, so
-the upstream is never the bottleneck), and each relay in front of it on one process
+every reply ``--chunks`` chunks ``--interval-ms`` apart, the first with the response head, or
+``--first-chunk-ms`` after it as a model's prefill would keep it; the upstream is never the
+bottleneck), and each relay in front of it on one process
 (``relays.py``). For each concurrency C (its rounds one after another, and within a round
 each target in turn, the upstream measured directly first), a load client in its own
 process (``relay_client.py``) keeps C streamed chat completions open at once through each
@@ -15,7 +16,8 @@ Measured per target and C, over every stream:
   streams (the upstream's own row is what the schedule and the client add alone);
 - the target process's CPU time (user + system, /proc) per chunk the clients received;
   ``native`` (replystream making the same replies itself, ``relays.py``) is the peer that
-  says what relaying adds to native delivery;
+  says what relaying adds to native delivery (its own added time to the first chunk is shown
+  when its schedule is the upstream's: ``--first-chunk-ms`` at least one interval);
 - the target's peak resident memory during the run less its memory once warmed up and
   idle (before its first run), per stream;
 - streams completed (a relay that cannot keep up is bounded by ``--timeout-s`` after the
@@ -25,7 +27,7 @@ chunk, apart from its socket work (``parse_cost.py``). See docs/performance.md.
 
 Run: python benchmarks/relay/run.py [--quick] [-C 1 100 500 1000] [--rounds 3]
          [--relays replystream litellm nginx pipe native] [--litellm PATH] [--loop asyncio|uvloop]
-         [--workers N]
+         [--workers N] [--first-chunk-ms 0]
          [--replies-per-slot 2] [--burst] [--timeout-s 10] [--json FILE]
 """
 
@@ -112,7 +114,7 @@ async def measure(
     idle_kib = idle.setdefault(target.name, rss_before)  # after the warm-up, before any run
     cpu_before = cpu_seconds(pids)
     busy_before, started = machine_busy_seconds(), time.monotonic()
-    reply_s = args.chunks * args.interval_ms / 1000
+    reply_s = (args.first_chunk_ms + args.chunks * args.interval_ms) / 1000
     spread_s = 0.0 if args.burst else reply_s
     config = {
         "url": target.url,
@@ -162,7 +164,11 @@ def fmt(value: float, spec: str) -> str:
     return "-" if math.isnan(value) else format(value, spec)
 
 
-def table(results: dict[tuple[str, int], list[dict[str, Any]]], names: list[str]) -> str:
+def table(
+    results: dict[tuple[str, int], list[dict[str, Any]]], names: list[str], same_schedule: bool
+) -> str:
+    """The figures by C and target; ``same_schedule``: native delivery's replies are timed as
+    the upstream's, so its added time to the first chunk is measured too."""
     head = (
         f"{'C':>5} {'target':<12}{'done':>10}{'TTFT p50':>10}{'+p50':>9}{'TTFT p99':>10}"
         f"{'+p99':>9}{'gap p99':>9}{'CPU µs':>8}{'KiB':>7}"
@@ -179,7 +185,8 @@ def table(results: dict[tuple[str, int], list[dict[str, Any]]], names: list[str]
             if not rounds:
                 continue
             done = statistics.median(r["completed"] for r in rounds)
-            relayed = name not in ("upstream", "native")  # native makes its own first token
+            # Native delivery makes its own first token: comparable only on the same schedule.
+            relayed = name != "upstream" and (name != "native" or same_schedule)
             plus50 = added(rounds, direct, "first_p50_ms") if relayed else math.nan
             plus99 = added(rounds, direct, "first_p99_ms") if relayed else math.nan
             memory = median(rounds, "kib_per_stream") if streams >= 100 else math.nan
@@ -204,7 +211,9 @@ def relay_context(
     if name == "pipe":
         return pipe_relay(upstream, args.loop)
     if name == "native":
-        return native_server(args.chunks, args.interval_ms, args.loop, args.workers)
+        return native_server(
+            args.chunks, args.interval_ms, args.loop, args.workers, args.first_chunk_ms
+        )
     return litellm_relay(upstream, tmp, args.litellm)
 
 
@@ -215,7 +224,9 @@ async def main(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str,
     with tempfile.TemporaryDirectory(prefix="relay-bench-") as tmp_name:
         tmp = Path(tmp_name)
         async with (
-            upstream_server(args.upstream_processes, args.chunks, args.interval_ms) as upstream,
+            upstream_server(
+                args.upstream_processes, args.chunks, args.interval_ms, args.first_chunk_ms
+            ) as upstream,
             contextlib.AsyncExitStack() as stack,
         ):
             targets = [upstream]
@@ -243,7 +254,12 @@ async def main(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str,
                         )
     busy = statistics.median(r["machine_busy_cores"] for rs in results.values() for r in rs)
     print(
-        f"upstream: {args.chunks} chunks {args.interval_ms:g} ms apart per stream; "
+        f"upstream: {args.chunks} chunks {args.interval_ms:g} ms apart per stream, the first "
+        + (
+            f"{args.first_chunk_ms:g} ms after the response head; "
+            if args.first_chunk_ms
+            else "with the response head; "
+        )
         + (
             f"replystream on {args.workers} worker processes, each other relay on one"
             if args.workers > 1
@@ -252,7 +268,8 @@ async def main(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str,
         + f" (replystream --loop {args.loop}); medians of {args.rounds} round(s); "
         f"the whole machine busy {busy:.1f} cores during a run (median, ours included)"
     )
-    print(table(results, ["upstream", *args.relays]))
+    same_schedule = args.first_chunk_ms >= args.interval_ms
+    print(table(results, ["upstream", *args.relays], same_schedule))
     return results
 
 
@@ -272,6 +289,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--chunks", type=int, default=CHUNKS)
     parser.add_argument("--interval-ms", type=float, default=INTERVAL_MS)
+    parser.add_argument(
+        "--first-chunk-ms",
+        type=float,
+        default=0.0,
+        help="the upstream's time from its response head to its first chunk, as a model's "
+        "prefill (default 0: the first chunk comes with the head)",
+    )
     parser.add_argument("--upstream-processes", type=int, default=1)
     parser.add_argument(
         "--timeout-s", type=float, default=10.0, help="how long a run may last past the reply"
@@ -296,6 +320,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--rounds, --replies-per-slot and every -C must be at least 1")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.first_chunk_ms < 0:
+        parser.error("--first-chunk-ms must not be negative")
     return args
 
 

@@ -1,7 +1,8 @@
 """A fast OpenAI-compatible upstream for the relay benchmark: every reply on a fixed schedule.
 
 What this file decides: the one reply every streamed ``POST /v1/chat/completions`` gets
-(``CHUNKS`` content chunks, the first with the response head, the rest ``INTERVAL_MS`` apart;
+(``CHUNKS`` content chunks ``INTERVAL_MS`` apart, the first with the response head or, with
+``--first-chunk-ms``, that long after it, as a model's prefill keeps it;
 then a finish chunk, a usage chunk when ``stream_options.include_usage`` asked for one, and
 ``data: [DONE]``), and how it is sent cheaply enough never to be what a run measures: raw
 HTTP/1.1 on an asyncio ``Protocol`` (keep-alive, chunked bodies), every frame built once at
@@ -11,7 +12,7 @@ per stream). ``GET /v1/models`` lists the one model. Each content chunk's text h
 With ``--processes N`` the listening socket is shared by N forked processes.
 
 Run: python benchmarks/relay/upstream_server.py [--port 0] [--processes 1]
-         [--chunks 100] [--interval-ms 20]
+         [--chunks 100] [--interval-ms 20] [--first-chunk-ms 0]
 It prints ``listening on http://127.0.0.1:PORT`` once every process accepts connections.
 """
 
@@ -180,7 +181,10 @@ class Stream(asyncio.Protocol):
             self.sent = 0
             self.started = asyncio.get_running_loop().time()
             self.transport.write(HEAD + self.close_header() + b"\r\n")
-            self.send_next()
+            if self.server.first_s:
+                self.server.wheel.add(self, self.started + self.server.first_s)
+            else:
+                self.send_next()
         else:
             self.answer(json.dumps({"error": {"message": "not found"}}), 404)
 
@@ -214,18 +218,20 @@ class Stream(asyncio.Protocol):
             self.frames = []
             self.after_reply()
         else:
-            self.server.wheel.add(self, self.started + self.sent * self.server.interval_s)
+            server = self.server
+            server.wheel.add(self, self.started + server.first_s + self.sent * server.interval_s)
 
 
 class Server:
-    def __init__(self, chunks: int, interval_s: float) -> None:
+    def __init__(self, chunks: int, interval_s: float, first_s: float) -> None:
         self.interval_s = interval_s
+        self.first_s = first_s  # from the response head to the first chunk
         self.replies = {usage: Reply(chunks, usage) for usage in (False, True)}
         self.wheel = Wheel(interval_s)
 
 
-async def serve(sock: socket.socket, chunks: int, interval_s: float) -> None:
-    server = Server(chunks, interval_s)
+async def serve(sock: socket.socket, chunks: int, interval_s: float, first_s: float) -> None:
+    server = Server(chunks, interval_s, first_s)
     loop = asyncio.get_running_loop()
     listener = await loop.create_server(lambda: Stream(server), sock=sock, backlog=4096)
     stop = asyncio.Event()
@@ -234,13 +240,13 @@ async def serve(sock: socket.socket, chunks: int, interval_s: float) -> None:
         await stop.wait()
 
 
-def run_loop(sock: socket.socket, chunks: int, interval_s: float) -> None:
+def run_loop(sock: socket.socket, chunks: int, interval_s: float, first_s: float) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(sock, chunks, interval_s))
+        asyncio.run(serve(sock, chunks, interval_s, first_s))
     else:
-        uvloop.run(serve(sock, chunks, interval_s))
+        uvloop.run(serve(sock, chunks, interval_s, first_s))
 
 
 def main() -> None:
@@ -249,9 +255,18 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--chunks", type=int, default=CHUNKS)
     parser.add_argument("--interval-ms", type=float, default=INTERVAL_MS)
+    parser.add_argument(
+        "--first-chunk-ms",
+        type=float,
+        default=0.0,
+        help="from the response head to the first chunk (default 0: the first comes with it)",
+    )
     args = parser.parse_args()
     if args.processes < 1 or args.chunks < 1 or args.interval_ms <= 0:
         parser.error("--processes and --chunks must be at least 1, --interval-ms positive")
+    if args.first_chunk_ms < 0:
+        parser.error("--first-chunk-ms must not be negative")
+    schedule = (args.chunks, args.interval_ms / 1000, args.first_chunk_ms / 1000)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", args.port))
@@ -261,7 +276,7 @@ def main() -> None:
     for _ in range(args.processes - 1):
         pid = os.fork()
         if pid == 0:
-            run_loop(sock, args.chunks, args.interval_ms / 1000)
+            run_loop(sock, *schedule)
             os._exit(0)
         children.append(pid)
 
@@ -273,7 +288,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop_children)
     port = sock.getsockname()[1]
     print(f"listening on http://127.0.0.1:{port}", flush=True)
-    run_loop(sock, args.chunks, args.interval_ms / 1000)
+    run_loop(sock, *schedule)
     stop_children()
 
 
