@@ -179,9 +179,11 @@ async def test_cli_reports_failed_for_a_server_that_is_not_there():
 
 
 async def test_a_fast_engine_streams_directly_and_is_still_caught_behind_a_buffer(tmp_path):
-    # The default server: the tiny engine, about 1 ms a token. Text events 1 ms apart are a
-    # healthy stream, not a burst; the same engine behind nginx's 4 KiB buffers is held.
-    async with replica("--engine", "tiny") as (_, app):
+    # A fast engine: a token every 2 ms, on a timer (the tiny engine's token time is the
+    # machine's, 1-3 ms). Text events 2 ms apart are a healthy stream, not a burst; the same
+    # engine behind nginx's 4 KiB buffers is held.
+    fast = ("--engine", "simulated", "--delay-ms", "2", "--jitter-ms", "0", "--tokens", "250")
+    async with replica(*fast) as (_, app):
         query = "/stream?max_tokens=250"
         code, out = await run_cli("doctor", app + query, "--json")
         direct = json.loads(out)
