@@ -16,6 +16,7 @@ its own code, within bounded time and memory:
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
 - ``upstream_disconnected``: the upstream closed the connection mid-body (killed, restarted);
 - ``upstream_broken``: the connection broke otherwise.
+A body cut after the finish reason is no failure: the reply was whole.
 Messages are ours (``upstream_errors``); an upstream's own words appear only quoted.
 Closing the stream early (``aclose``/``close``, or cancelling its reader) closes the upstream
 connection, which vLLM, TGI and llama.cpp treat as an abort. It must not know how the request
@@ -205,11 +206,12 @@ class UpstreamStream:
         self._readable()
 
     def body_end(self, failure: Exception | None) -> None:
-        """The body ended, in full (None) or not."""
+        """The body ended, in full (None) or not. Cut after a finish reason, the reply was
+        whole (only the usage and ``[DONE]`` were still to come): it ends as if the body had."""
         if self._ended:
             return
         try:
-            if failure is not None:
+            if failure is not None and self._finish is None:
                 broken = broken_stream(failure)
                 raise self._fail(broken.message, broken.code)
             self._end_of_body()
