@@ -142,6 +142,17 @@ class FakeUpstream:
     async def mode_eof(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one "))
 
+    async def mode_thinking(self, r: web.StreamResponse) -> None:
+        # A reasoning model (vLLM's reasoning parsers, DeepSeek's API): its thinking streams
+        # as reasoning_content, for longer than the TTFT limit, before the first text.
+        await r.write(chunk("", role="assistant"))
+        for _ in range(12):
+            delta = {"reasoning_content": "hmm "}
+            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            await r.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            await asyncio.sleep(0.1)
+        await r.write(chunk("one ") + chunk(None, "stop") + b"data: [DONE]\n\n")
+
     async def mode_cutafterfinish(self, r: web.StreamResponse) -> None:
         # The finishing chunk came; the connection breaks before the usage and [DONE].
         await r.write(chunk("one ") + chunk(None, "stop"))
@@ -295,6 +306,19 @@ async def test_a_body_cut_after_the_finishing_chunk_is_a_finished_reply():
     payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
     assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
     assert got.events[-1].data == "[DONE]"
+
+
+async def test_a_model_thinking_past_the_ttft_and_stall_limits_is_not_cut():
+    # Its reasoning is the upstream at work: it counts as the attempt's progress (it is not
+    # relayed), so neither limit runs out while it streams.
+    async with fake_upstream() as (fake, upstream):
+        target = UpstreamTarget(f"{upstream}/thinking/v1")
+        config = UpstreamConfig((target,), model="m", ttft_s=0.5, stall_s=0.5)
+        async with running(create_app(UpstreamEngine(config))) as relay:
+            got = await post_events(f"{relay}/v1/chat/completions", CHAT)
+    assert not got.of_type("error"), got.raw
+    assert got.chat_text == "one "
+    assert len(fake.bodies) == 1  # no failover
 
 
 async def test_connection_refused_is_502_in_the_error_shape():
