@@ -74,11 +74,13 @@ class FakeUpstream:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.disconnected = asyncio.Event()
+        self.transport: asyncio.Transport | None = None  # the latest request's
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         mode = request.match_info["mode"]
         self.bodies.append(await request.json())
         self.headers.append(dict(request.headers))
+        self.transport = request.transport
         if mode == "slowhead":
             await asyncio.sleep(30)
         if mode == "reject":
@@ -139,6 +141,24 @@ class FakeUpstream:
 
     async def mode_eof(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one "))
+
+    async def mode_thinking(self, r: web.StreamResponse) -> None:
+        # A reasoning model (vLLM's reasoning parsers, DeepSeek's API): its thinking streams
+        # as reasoning_content, for longer than the TTFT limit, before the first text.
+        await r.write(chunk("", role="assistant"))
+        for _ in range(12):
+            delta = {"reasoning_content": "hmm "}
+            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            await r.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            await asyncio.sleep(0.1)
+        await r.write(chunk("one ") + chunk(None, "stop") + b"data: [DONE]\n\n")
+
+    async def mode_cutafterfinish(self, r: web.StreamResponse) -> None:
+        # The finishing chunk came; the connection breaks before the usage and [DONE].
+        await r.write(chunk("one ") + chunk(None, "stop"))
+        await asyncio.sleep(0.05)
+        assert self.transport is not None
+        self.transport.abort()  # no chunked terminator: the body is cut, not ended
 
     async def _cut_at_stop(self, named: dict[str, Any], r: web.StreamResponse) -> None:
         """A reply the upstream itself cut at a stop string (not sent, as vLLM and SGLang
@@ -275,6 +295,30 @@ async def test_an_upstream_that_ends_without_finishing_is_an_incomplete_reply():
     got, _, _ = await relay_mode("eof")
     assert got.chat_text == "one "
     assert error_of(got)["code"] == "upstream_incomplete"
+
+
+async def test_a_body_cut_after_the_finishing_chunk_is_a_finished_reply():
+    # The reply was whole when its finish reason came: what broke after it (the usage and
+    # [DONE] still to come) loses nothing, so it is no error, nor a reply to continue.
+    got, _, _ = await relay_mode("cutafterfinish")
+    assert got.chat_text == "one "
+    assert not got.of_type("error"), got.raw
+    payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
+    assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
+    assert got.events[-1].data == "[DONE]"
+
+
+async def test_a_model_thinking_past_the_ttft_and_stall_limits_is_not_cut():
+    # Its reasoning is the upstream at work: it counts as the attempt's progress (it is not
+    # relayed), so neither limit runs out while it streams.
+    async with fake_upstream() as (fake, upstream):
+        target = UpstreamTarget(f"{upstream}/thinking/v1")
+        config = UpstreamConfig((target,), model="m", ttft_s=0.5, stall_s=0.5)
+        async with running(create_app(UpstreamEngine(config))) as relay:
+            got = await post_events(f"{relay}/v1/chat/completions", CHAT)
+    assert not got.of_type("error"), got.raw
+    assert got.chat_text == "one "
+    assert len(fake.bodies) == 1  # no failover
 
 
 async def test_connection_refused_is_502_in_the_error_shape():

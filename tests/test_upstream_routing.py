@@ -362,3 +362,39 @@ async def test_every_route_reports_the_upstreams_own_prompt_count_streamed_or_wh
         )
         usage = [c.usage async for c in chunks if c.usage is not None]
         assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(11, 3)]
+
+
+class Unlistable(Upstream):
+    """Serves chat, but its ``/models`` answer is one no listing can come from: JSON nested
+    past any parser's depth, or a body past the size a listing is read to."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__(["hidden"])
+        self.body = body
+
+    async def list_models(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.body, content_type="application/json")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"data": [' + b'{"id": "m"},' * 600_000 + b"{}]}"],
+    ids=["nested", "huge"],
+)
+async def test_a_models_answer_no_listing_can_come_from_leaves_the_upstream_serving(
+    body: bytes, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.WARNING)
+    odd, plain = Unlistable(body), Upstream(["llama"])
+    async with relay([odd, plain]) as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert status == 200
+        assert [m["id"] for m in listing["data"]] == ["llama"]  # nothing read from the odd one
+        status, health = await get_json(f"{url}/healthz")
+        assert status == 200, health
+        ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        for _ in range(2):  # no model named: any upstream, the odd one too
+            got = await post_events(f"{url}/v1/chat/completions", ask)
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+    assert odd.bodies and plain.bodies
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable, Mapping
 
 import aiohttp
+from pydantic_core import from_json
 
 from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
@@ -25,6 +26,9 @@ from replystream.engine.upstream_pool import Backend, UpstreamPool
 log = logging.getLogger("replystream.upstream")
 
 PROBE_TIMEOUT_S = 2.0  # a health check must not hang on a silent upstream
+# The most of a ``/models`` answer read for its listing (thousands of models fit in far less);
+# past it, as for an answer that is no JSON, the upstream's models stay unknown.
+MODELS_BODY_LIMIT = 4 * 1024 * 1024
 
 
 def listed_models(listing: object) -> list[str]:
@@ -33,6 +37,20 @@ def listed_models(listing: object) -> list[str]:
     if not isinstance(data, list):
         return []
     return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+async def _listing(response: aiohttp.ClientResponse) -> object:
+    """The JSON of a ``/models`` answer; None past ``MODELS_BODY_LIMIT`` bytes or when it is
+    not JSON (pydantic's parser bounds its nesting, where ``json.loads`` would recurse)."""
+    body = bytearray()
+    async for part in response.content.iter_any():
+        body += part
+        if len(body) > MODELS_BODY_LIMIT:
+            return None
+    try:
+        return from_json(bytes(body))
+    except ValueError:
+        return None
 
 
 class HealthProber:
@@ -98,8 +116,8 @@ class HealthProber:
                     status = response.status
                     listing: object = None
                     if status == 200 and self._path == "/models":
-                        with contextlib.suppress(ValueError, aiohttp.ClientError):
-                            listing = await response.json(content_type=None)
+                        with contextlib.suppress(aiohttp.ClientError):
+                            listing = await _listing(response)
         except TimeoutError:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:

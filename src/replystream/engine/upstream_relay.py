@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from replystream.engine.base import (
     Delta,
@@ -46,8 +47,16 @@ from replystream.engine.upstream_pool import Backend, UpstreamPool
 access_log = logging.getLogger("replystream.access")
 log = logging.getLogger("replystream.upstream")
 
+
+class Attempt(PushDeltaStream, Protocol):
+    """One attempt's stream as a relayed reply reads it: its deltas, and when its upstream
+    last streamed a reasoning model's thinking (not relayed, but progress: 0.0 for never)."""
+
+    thought_at: float
+
+
 # Sends ``request`` to ``backend`` and returns its stream once the response head arrived.
-Opener = Callable[[Backend, GenerationRequest], Awaitable[PushDeltaStream]]
+Opener = Callable[[Backend, GenerationRequest], Awaitable[Attempt]]
 
 
 _AT_HEAD = {
@@ -154,7 +163,7 @@ class RelayedReply:
         self._tried: set[Backend] = set()
         self._began = time.monotonic()  # of the request, or of the latest seam
         self._backend: Backend | None = None
-        self._stream: PushDeltaStream | None = None
+        self._stream: Attempt | None = None
         self._attempt_began = 0.0
         self._flowing = False  # the current attempt has relayed content
         self._sent: list[str] = []  # every text relayed, in order (with continuation on)
@@ -365,7 +374,9 @@ class RelayedReply:
 
     def _check(self) -> None:
         self._timer = None
-        due = self._text_at + self._limit
+        stream = self._stream  # its upstream's thinking counts as progress, as text does
+        progress = self._text_at if stream is None else max(self._text_at, stream.thought_at)
+        due = progress + self._limit
         now = time.monotonic()
         if now < due or (self._waiter is None and self._sink is None):
             # Text came since, or nobody reads yet: look again later.

@@ -16,6 +16,7 @@ its own code, within bounded time and memory:
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
 - ``upstream_disconnected``: the upstream closed the connection mid-body (killed, restarted);
 - ``upstream_broken``: the connection broke otherwise.
+A body cut after the finish reason is no failure: the reply was whole.
 Messages are ours (``upstream_errors``); an upstream's own words appear only quoted.
 Closing the stream early (``aclose``/``close``, or cancelling its reader) closes the upstream
 connection, which vLLM, TGI and llama.cpp treat as an abort. It must not know how the request
@@ -66,6 +67,11 @@ FINISH_REASONS = {
 }
 
 
+# Where upstreams stream a reasoning model's thinking in a chunk's delta: ``reasoning_content``
+# (DeepSeek's API, SGLang, llama.cpp, vLLM's reasoning parsers) or ``reasoning`` (newer vLLM,
+# OpenRouter). It is not relayed; it is the upstream's progress (``UpstreamStream.thought_at``).
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
 # How long a finished reply's connection may wait for the end of its body (to be reused).
 BODY_END_WAIT_S = 1.0
 
@@ -111,6 +117,8 @@ class UpstreamStream:
         self._pending: deque[Delta] = deque()
         self._bytes_since_event = 0  # body bytes parsed since the last read that made an event
         self._tokens = 0
+        # When the upstream last streamed thinking (``REASONING_KEYS``): progress, not text.
+        self.thought_at = 0.0
         self._usage_tokens: int | None = None
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._finish: str | None = None
@@ -205,11 +213,12 @@ class UpstreamStream:
         self._readable()
 
     def body_end(self, failure: Exception | None) -> None:
-        """The body ended, in full (None) or not."""
+        """The body ended, in full (None) or not. Cut after a finish reason, the reply was
+        whole (only the usage and ``[DONE]`` were still to come): it ends as if the body had."""
         if self._ended:
             return
         try:
-            if failure is not None:
+            if failure is not None and self._finish is None:
                 broken = broken_stream(failure)
                 raise self._fail(broken.message, broken.code)
             self._end_of_body()
@@ -399,6 +408,8 @@ class UpstreamStream:
                         if text:
                             self._tokens += 1
                             self._pending.append(Delta(text, 1, now))
+                        else:
+                            self._thinking(delta, now)
                         return
         if "error" in chunk or chunk.get("object") == "error":
             raise self._fail(
@@ -435,6 +446,8 @@ class UpstreamStream:
                 else:
                     self._tokens += 1
                     self._pending.append(Delta(text, 1, now))
+            elif isinstance(delta, dict):
+                self._thinking(delta, now)
             calls = delta.get("tool_calls") if isinstance(delta, dict) else None
             if calls:
                 self._tool_calls(calls, now)
@@ -442,6 +455,15 @@ class UpstreamStream:
             if isinstance(reason, str) and reason:
                 self._finish = FINISH_REASONS.get(reason, "stop")
                 self._stop_sequence = self._named_stop(choice)
+
+    def _thinking(self, delta: dict[str, object], now: float) -> None:
+        """A delta with no text may carry a reasoning model's thinking: not relayed, but it
+        shows the upstream at work (a relay's time limits count it as progress)."""
+        for key in REASONING_KEYS:
+            thought = delta.get(key)
+            if type(thought) is str and thought:
+                self.thought_at = now
+                return
 
     def _named_stop(self, choice: dict[str, object]) -> str | None:
         """The stop string a finishing choice says the upstream cut the reply at: vLLM's

@@ -201,7 +201,8 @@ UPSTREAM_ENGINE = Group(
         ),
         Setting(
             "--upstream-ttft-s",
-            "no text from an upstream within this long: the request goes to the next one",
+            "no text (nor a reasoning model's thinking) from an upstream within this long: the "
+            "request goes to the next one",
             positive_float,
             fills=(UpstreamConfig, "ttft_s"),
             engines=UPSTREAM,
@@ -215,7 +216,8 @@ UPSTREAM_ENGINE = Group(
         ),
         Setting(
             "--upstream-stall-s",
-            "no text for this long mid-reply: the reply ends with upstream_stalled (or continues)",
+            "no text (nor thinking) for this long mid-reply: the reply ends with upstream_stalled "
+            "(or continues)",
             positive_float,
             fills=(UpstreamConfig, "stall_s"),
             engines=UPSTREAM,
