@@ -12,11 +12,14 @@ export class TextSink {
   #frame = 0;
   #onPaint;
   #text = '';  // text of the nodes before the current one (see insert)
+  #queuedAt = 0;  // when the text that asked for the next frame came
 
   /**
    * @param {HTMLElement} element where the text goes (its current content is kept)
-   * @param {(at: number) => void} [onPaint] called after each frame that added text, with the
-   *   frame's timestamp (performance.now() time base)
+   * @param {(at: number) => void} [onPaint] called after each frame that added text, with
+   *   the time it was drawn (performance.now() time base): the frame's timestamp, or when the
+   *   text came if that was later (a frame's timestamp is when it began, and a busy page runs
+   *   its callbacks late, after text that came since)
    */
   constructor(element, onPaint = () => {}) {
     this.#element = element;
@@ -32,7 +35,10 @@ export class TextSink {
   push(text) {
     if (!text) return;
     this.#pending += text;
-    if (!this.#frame) this.#frame = requestAnimationFrame((at) => this.#paint(at));
+    if (!this.#frame) {
+      this.#queuedAt = performance.now();
+      this.#frame = requestAnimationFrame((at) => this.#paint(Math.max(at, this.#queuedAt)));
+    }
   }
 
   /** Draw whatever is waiting now (at the end of a reply, so the last words are not late). */
