@@ -378,9 +378,13 @@ class UpstreamEngine:
             origin = self._origins[backend.name] = HttpOrigin(backend.name)
         return origin
 
-    async def open_attempt(self, backend: Backend, request: GenerationRequest) -> UpstreamStream:
+    async def open_attempt(
+        self, backend: Backend, request: GenerationRequest, within_s: float | None = None
+    ) -> UpstreamStream:
         """One attempt: the request to ``backend``, its stream once the head arrived (what a
-        relayed reply is made of; no failover here)."""
+        relayed reply is made of; no failover here). The head is awaited for the head
+        timeout, or ``within_s`` if that is shorter (what a relay's failover window has left).
+        """
         key = request.client_key
         if key and backend.name in self._passing and key_problem(key) is not None:
             # No HTTP header can carry it: the caller's to fix, not the upstream's failure
@@ -392,6 +396,8 @@ class UpstreamEngine:
             )
         body = to_json(request_body(request, self._model_for(backend, request)))
         timeout = self.config.headers_timeout_s
+        if within_s is not None:
+            timeout = min(timeout, within_s)
         try:
             async with asyncio.timeout(timeout):
                 headers = self._headers(backend, key)
@@ -399,7 +405,7 @@ class UpstreamEngine:
                 response = await origin.post("/chat/completions", body, headers)
         except TimeoutError:
             raise UpstreamTimeout(
-                f"the upstream at {backend.name} did not answer within {timeout:g} s",
+                f"the upstream at {backend.name} did not answer within {timeout:.3g} s",
                 code="upstream_timeout",
             ) from None
         except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError

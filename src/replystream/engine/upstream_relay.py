@@ -55,8 +55,9 @@ class Attempt(PushDeltaStream, Protocol):
     thought_at: float
 
 
-# Sends ``request`` to ``backend`` and returns its stream once the response head arrived.
-Opener = Callable[[Backend, GenerationRequest], Awaitable[Attempt]]
+# Sends ``request`` to ``backend`` and returns its stream once the response head arrived,
+# awaiting that head no longer than the given seconds.
+Opener = Callable[[Backend, GenerationRequest, float], Awaitable[Attempt]]
 
 
 _AT_HEAD = {
@@ -425,20 +426,13 @@ class RelayedReply:
             backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
+            # The head is awaited only while the failover window is open.
             left = self._limits.failover_s - (time.monotonic() - self._began)
             try:
-                # The head is awaited only while the failover window is open (the opener
-                # has its own, per-head limit too).
-                async with asyncio.timeout(max(left, 0.001)):
-                    self._stream = await self._opener(backend, self._attempt_request())
+                request = self._attempt_request()
+                self._stream = await self._opener(backend, request, max(left, 0.001))
                 self._watch()
                 return
-            except TimeoutError:
-                error = RelayStalled(
-                    f"the upstream at {backend.name} did not answer within {left:.3g} s",
-                    code="upstream_timeout",
-                )
-                self._attempt_failed(error, "head_timeout")
             except RequestRejected:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
                 raise
