@@ -164,7 +164,10 @@ async def test_duration_bounds_issuing_and_every_issued_request_finishes():
         )
         run = await run_load(config)
     assert len(run.records) >= 4
-    assert all(r.start_s < 0.5 and r.timing.complete for r in run.records)
+    assert all(r.timing.complete for r in run.records)
+    # The duration bounds when a request is issued; ``start_s`` is taken once its body is
+    # built, which on a busy machine can fall just past the bound (68 µs was seen).
+    assert max(r.start_s for r in run.records) < 0.5 + 0.05
 
 
 async def test_incomplete_and_failed_requests_are_counted_with_reasons():
