@@ -309,8 +309,8 @@ async def test_a_body_cut_after_the_finishing_chunk_is_a_finished_reply():
 
 
 async def test_a_model_thinking_past_the_ttft_and_stall_limits_is_not_cut():
-    # Its reasoning is the upstream at work: it counts as the attempt's progress (it is not
-    # relayed), so neither limit runs out while it streams.
+    # Its reasoning is the upstream at work (relayed here, as chat's reasoning_content): it
+    # counts as the attempt's progress, so neither limit runs out while it streams.
     async with fake_upstream() as (fake, upstream):
         target = UpstreamTarget(f"{upstream}/thinking/v1")
         config = UpstreamConfig((target,), model="m", ttft_s=0.5, stall_s=0.5)

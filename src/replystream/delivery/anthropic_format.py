@@ -154,6 +154,9 @@ class AnthropicStreamFormat:
             specs.append(("content_block_delta", _dumps(delta)))
         return specs
 
+    def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        return []  # never asked: a message's thinking is not relayed (no thinking blocks)
+
     def _start_block(self, content_block: dict[str, Any]) -> list[Spec]:
         """Stop the open block, if any, and start the next one."""
         specs = self._stop_block()

@@ -109,7 +109,8 @@ class ChoicesPipeline:
             for e in self._finish_choice(index)
         ]
         reported = self.prompt_tokens
-        usage = Usage(prompt_tokens if reported is None else reported, self.tokens)
+        thought = sum(choice.reasoning_tokens for choice in self.choices)
+        usage = Usage(prompt_tokens if reported is None else reported, self.tokens, thought)
         return self._number(entries) + self._number(
             [LogEntry(0, event, data) for event, data in self._ending(usage)]
         )

@@ -9,9 +9,10 @@ event and never with the dialect's end marker.
 - The lab dialect is the reference article's: ``data: "<JSON string>"`` per event and
   ``data: [DONE]`` at the end.
 - The native dialect names every event (``token``, ``tool_call``, ``usage``, ``moderated``,
-  ``error``, ``done``, and ``continued`` where a relay carried the reply on at another
-  upstream), so a client can tell an error from a finish without parsing JSON; ``done``
-  names the stop string a reply ended at (``stop_sequence``), when one did.
+  ``error``, ``done``, ``thinking`` for a reasoning model's thinking (``{"text", "tokens"}``,
+  before the answer's ``token`` events), and ``continued`` where a relay carried the reply
+  on at another upstream), so a client can tell an error from a finish without parsing
+  JSON; ``done`` names the stop string a reply ended at (``stop_sequence``), when one did.
   A ``tool_call`` event is one piece of a call: ``{"index", "id", "name", "arguments"}``,
   with ``id`` and ``name`` only on the first piece of an index (null after). The other
   dialects have no event for a continuation: their clients read one uninterrupted text.
@@ -23,7 +24,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from typing import Protocol
+from typing import Any, Protocol
 
 from replystream.delivery.moderation import Violation
 from replystream.engine.base import TokenLogprob, ToolCallDelta
@@ -40,18 +41,27 @@ Notices = Callable[[str, str, int], list[tuple[str, str]]]
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """A reply's token counts; ``completion_tokens`` include ``reasoning_tokens`` (thinking
+    relayed), as OpenAI counts them, which are named apart only when there were some."""
+
     prompt_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {
+    def as_dict(self) -> dict[str, Any]:
+        counts: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.reasoning_tokens:
+            counts["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return counts
 
     def as_json(self) -> str:
         """``json.dumps(self.as_dict())``, spelt out: every streamed reply sends it."""
+        if self.reasoning_tokens:
+            return json.dumps(self.as_dict())
         prompt, completion = self.prompt_tokens, self.completion_tokens
         return (
             f'{{"prompt_tokens": {prompt:d}, "completion_tokens": {completion:d}, '
@@ -79,6 +89,11 @@ class StreamFormat(Protocol):
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         """The events of one piece of a tool call (see ``engine.base.ToolCallDelta``)."""
+        ...
+
+    def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        """The events of a piece of a reasoning model's thinking (``Delta.reasoning``): the
+        dialect's own, or nothing where it has no place for thinking."""
         ...
 
     def finished(
@@ -156,6 +171,9 @@ class LabFormat:
         # keep their own named event rather than pass for text.
         return [tool_call_spec(piece)]
 
+    def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        return []  # never asked: the article's stream is the answer's text alone
+
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
@@ -172,8 +190,8 @@ class LabFormat:
 
 
 class NativeFormat:
-    """Named events: ``reply``, ``token``, ``usage``, ``moderated``, ``error``, ``done``,
-    ``continued``."""
+    """Named events: ``reply``, ``thinking``, ``token``, ``usage``, ``moderated``, ``error``,
+    ``done``, ``continued``."""
 
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
@@ -189,6 +207,9 @@ class NativeFormat:
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         return [tool_call_spec(piece)]
+
+    def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        return [("thinking", f'{{"text": {json_string(thought)}, "tokens": {tokens:d}}}')]
 
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None

@@ -10,8 +10,12 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   call (its first; ``arguments`` then as it came, ``""`` from our engines), then
   ``function.arguments`` fragments; the reply ends with ``finish_reason: "tool_calls"``.
   Whole, the message has ``tool_calls`` and ``content: null`` when it has no text.
+- A reasoning model's thinking, relayed, streams as ``delta.reasoning_content`` (DeepSeek's
+  spelling, which the SDKs keep as an extra field and most gateways and clients read), one
+  chunk per piece; the usage then names its tokens (``completion_tokens_details``). Whole, the
+  message has ``reasoning_content`` beside its ``content``.
 - A legacy ``text_completion`` stream is the same with ``choices[0].text`` and no role chunk
-  (its first chunk has empty text).
+  (its first chunk has empty text), and no thinking.
 - An error after the first byte is ``event: error`` with ``data: {"error": {"message",
   "type", "param", "code"}}``: the OpenAI SDKs raise ``APIError`` on an ``error`` key in any
   message, clients that read only ``data:`` lines see the same object, and replystream's own
@@ -186,6 +190,11 @@ class OpenAIStreamFormat:
         call["function"] = function
         return [self._chunk([self._choice(None, None, tool_calls=[call])])]
 
+    def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        if self.kind == "text":
+            return []  # a legacy completion is the text alone
+        return [self._chunk([self._choice(None, None, reasoning_content=thought)])]
+
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
@@ -217,12 +226,16 @@ def completion_choice(
     finish_reason: str,
     logprobs: tuple[TokenLogprob, ...] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
+    reasoning: str = "",
 ) -> dict[str, Any]:
     """One choice of a whole ``chat.completion`` or ``text_completion`` (``logprobs``: those
-    of its tokens, when the request asked; ``tool_calls``: the calls it made, chat only)."""
+    of its tokens, when the request asked; ``tool_calls``: the calls it made, and
+    ``reasoning``: the thinking relayed, chat only)."""
     choice: dict[str, Any]
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["content"] = text or None
             message["tool_calls"] = [call.as_openai() for call in tool_calls]
@@ -249,11 +262,12 @@ def completion_body(
     logprobs: tuple[TokenLogprob, ...] | None = None,
     choices: list[dict[str, Any]] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
+    reasoning: str = "",
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` or ``text_completion`` object: one choice of ``text`` (and
-    ``tool_calls``), or ``choices`` made by ``completion_choice``."""
+    ``tool_calls``, ``reasoning``), or ``choices`` made by ``completion_choice``."""
     if choices is None:
-        choices = [completion_choice(kind, 0, text, finish_reason, logprobs, tool_calls)]
+        choices = [completion_choice(kind, 0, text, finish_reason, logprobs, tool_calls, reasoning)]
     body: dict[str, Any] = {
         "id": completion_id(kind, reply_id),
         "object": _BODY_OBJECT[kind],

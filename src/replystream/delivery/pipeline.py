@@ -73,6 +73,7 @@ class ReplyPipeline:
         "next_seq",
         "numbered",
         "prompt_tokens",
+        "reasoning_tokens",
         "reported_stop",
         "tokens",
     )
@@ -106,6 +107,7 @@ class ReplyPipeline:
         self.batching = self.batcher is not None
         self.next_seq = 1
         self.tokens = 0
+        self.reasoning_tokens = 0  # of ``tokens``: thinking relayed
         self.finish_reason = "stop"
         self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
         self.reported_stop: str | None = None  # the stop string the engine cut the reply at
@@ -136,6 +138,13 @@ class ReplyPipeline:
             self.reported_stop = delta.stop_sequence
         holdback, batcher = self.holdback, self.batcher
         if not delta.text:
+            if delta.reasoning:
+                # Thinking is not the answer: no check or stop string reads it (a server
+                # with checks does not ask for it), and no text event holds it. Batched text
+                # goes first, in order; held text stays held for the checks.
+                self.reasoning_tokens += delta.tokens
+                thought = self.fmt.reasoning(delta.reasoning, delta.tokens)
+                return self._entries(self._flush() + thought)
             if delta.tool_call is not None:
                 # A call's pieces carry no text; log probabilities, if any came with one,
                 # belong to no text event and are not queued for one.
@@ -225,7 +234,7 @@ class ReplyPipeline:
             specs += self._flush()
         if self.prompt_tokens is not None:
             prompt_tokens = self.prompt_tokens
-        usage = Usage(prompt_tokens, self.tokens)
+        usage = Usage(prompt_tokens, self.tokens, self.reasoning_tokens)
         return self._entries(
             specs + self.fmt.finished(self.finish_reason, usage, self.stop_sequence)
         )

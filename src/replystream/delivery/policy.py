@@ -42,6 +42,12 @@ class DeliveryPolicy:
         if self.slow_client_bytes < 1 or self.slow_client_s <= 0:
             raise ValueError("slow-client limits must be positive")
 
+    @property
+    def shows_thinking(self) -> bool:
+        """Whether a reasoning model's thinking may reach the client: not while checks run,
+        since they read the answer's text alone and thinking would pass them unread."""
+        return not self.checks
+
     def with_overrides(self, **changes: object) -> DeliveryPolicy:
         """A copy with the given fields changed (validated again)."""
         return replace(self, **changes)  # type: ignore[arg-type]

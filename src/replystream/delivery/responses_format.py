@@ -281,6 +281,9 @@ class ResponsesStreamFormat:
             )
         return specs
 
+    def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        return []  # never asked: a response's thinking is not relayed (no reasoning items)
+
     def _close_open(self, status: Status) -> list[Spec]:
         """The closing events of the item open now, if any: a message, or a call."""
         call = self._open_call

@@ -85,6 +85,10 @@ class GenerationRequest:
     # ``parallel_tool_calls``; Anthropic's ``disable_parallel_tool_use`` negated). None: the
     # client did not say (the APIs' default allows several).
     parallel_tool_calls: bool | None = None
+    # Whether the client's dialect shows a reasoning model's thinking (``Delta.reasoning``):
+    # a relay then passes on what its upstream streams as thinking; otherwise the thinking
+    # only tells the relay its upstream is at work. Engines that do not think ignore it.
+    reasoning: bool = False
 
     @property
     def forces_tool_call(self) -> bool:
@@ -151,6 +155,8 @@ class Delta(NamedTuple):
         stop_sequence: on the last delta, the request's stop string the engine itself cut
             the reply at (a relay's upstream that names it), for a reply whose text never
             held it; None: none did, or the engine does not say.
+        reasoning: a reasoning model's thinking (then ``text`` is empty), made only for a
+            request that asked for it (``GenerationRequest.reasoning``); "" otherwise.
     """
 
     text: str
@@ -163,6 +169,7 @@ class Delta(NamedTuple):
     prompt_tokens: int | None = None
     continued: str | None = None
     stop_sequence: str | None = None
+    reasoning: str = ""
 
 
 class DeltaStream(Protocol):

@@ -430,6 +430,7 @@ class UpstreamEngine:
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,
             stops=request.sampling.stop,
+            reasoning=request.reasoning,
         )
 
     def _ended(self, outcome: str, deltas: int) -> None:

@@ -50,7 +50,7 @@ log = logging.getLogger("replystream.upstream")
 
 class Attempt(PushDeltaStream, Protocol):
     """One attempt's stream as a relayed reply reads it: its deltas, and when its upstream
-    last streamed a reasoning model's thinking (not relayed, but progress: 0.0 for never)."""
+    last streamed a reasoning model's thinking (progress, relayed or not: 0.0 for never)."""
 
     thought_at: float
 
@@ -317,7 +317,8 @@ class RelayedReply:
     # -- Both -----------------------------------------------------------------------------
 
     def _took(self, deltas: Sequence[Delta]) -> None:
-        """What relaying ``deltas`` changes: the first text of an attempt commits it, a
+        """What relaying ``deltas`` changes: the first content of an attempt (text, relayed
+        thinking or a call) commits it, a
         tool call rules continuation out, a finish reason ends the attempt well."""
         if not self._flowing:
             self._flowing = True

@@ -69,7 +69,8 @@ FINISH_REASONS = {
 
 # Where upstreams stream a reasoning model's thinking in a chunk's delta: ``reasoning_content``
 # (DeepSeek's API, SGLang, llama.cpp, vLLM's reasoning parsers) or ``reasoning`` (newer vLLM,
-# OpenRouter). It is not relayed; it is the upstream's progress (``UpstreamStream.thought_at``).
+# OpenRouter). It is relayed (``Delta.reasoning``) when the request asks for it, and always
+# counts as the upstream's progress (``UpstreamStream.thought_at``).
 REASONING_KEYS = ("reasoning_content", "reasoning")
 
 # How long a finished reply's connection may wait for the end of its body (to be reused).
@@ -107,9 +108,11 @@ class UpstreamStream:
         on_end: Callable[[str, int], None] | None = None,
         logprobs: bool = False,
         stops: tuple[str, ...] = (),
+        reasoning: bool = False,
     ) -> None:
         self._response = response
         self._logprobs = logprobs  # asked for: text without them is the upstream's failure
+        self._reasoning = reasoning  # thinking is relayed, not only counted as progress
         self._stops = stops  # the request's stop strings, as sent upstream
         self._stall_s = stall_s
         self._max_event_size = max_event_size
@@ -457,12 +460,17 @@ class UpstreamStream:
                 self._stop_sequence = self._named_stop(choice)
 
     def _thinking(self, delta: dict[str, object], now: float) -> None:
-        """A delta with no text may carry a reasoning model's thinking: not relayed, but it
-        shows the upstream at work (a relay's time limits count it as progress)."""
+        """A delta with no text may carry a reasoning model's thinking: relayed when the
+        request asked for it, and the upstream at work either way (a relay's time limits
+        count it as progress). One spelling only, the first found: an upstream that sends
+        both spells the same thought twice."""
         for key in REASONING_KEYS:
             thought = delta.get(key)
             if type(thought) is str and thought:
                 self.thought_at = now
+                if self._reasoning:
+                    self._tokens += 1
+                    self._pending.append(Delta("", 1, now, reasoning=thought))
                 return
 
     def _named_stop(self, choice: dict[str, object]) -> str | None:

@@ -111,6 +111,8 @@ def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
 
 def _native_body(whole: Whole) -> dict[str, Any]:
     body: dict[str, Any] = {"text": whole.text, "finish_reason": whole.finish_reason}
+    if whole.reasoning:
+        body["thinking"] = whole.reasoning
     if whole.tool_calls:
         body["tool_calls"] = [call.as_openai() for call in whole.tool_calls]
     body["usage"] = whole.usage.as_dict()

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -43,6 +43,7 @@ class Whole(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None  # of the tokens of ``text``, when asked
     violation: Violation | None = None  # a check stopped it (``text``: what was released)
     tool_calls: tuple[ToolCall, ...] = ()  # joined from their pieces, in the order they started
+    reasoning: str = ""  # a reasoning model's thinking, when the request asked for it
 
 
 BodyFn = Callable[[Whole], dict[str, Any]]
@@ -71,6 +72,8 @@ class _Collector:
         self.parts: list[str] = []
         self.made: list[TokenLogprob] | None = [] if logprobs else None
         self.calls = ToolCalls()
+        self.thoughts: list[str] = []  # thinking: never checked, cut or counted as text
+        self.reasoning_tokens = 0
         self.finish_reason = "stop"
         self.reported_stop: str | None = None  # the stop string the engine cut the text at
         self.tokens = 0
@@ -82,6 +85,10 @@ class _Collector:
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
             self.reported_stop = delta.stop_sequence
+        if delta.reasoning:
+            self.thoughts.append(delta.reasoning)
+            self.reasoning_tokens += delta.tokens
+            return False
         if delta.tool_call is not None:
             # As in a stream: a call ends the text before it (held text is released, and no
             # stop string spans it); its pieces are no text and have no log probabilities.
@@ -105,7 +112,9 @@ class _Collector:
         # The tokens of the text released (not those of a stop string cut from it).
         shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
         text = "".join(self.parts)
-        return Whole(text, finish, usage, stop, shown, holdback.violation, self.calls.whole())
+        usage = replace(usage, reasoning_tokens=self.reasoning_tokens)
+        calls, thought = self.calls.whole(), "".join(self.thoughts)
+        return Whole(text, finish, usage, stop, shown, holdback.violation, calls, thought)
 
 
 async def buffered_reply(

@@ -18,7 +18,7 @@ the field in ``param``), never a 500.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from replystream.delivery.policy import DeliveryPolicy
@@ -111,4 +111,5 @@ def parse_reply_request(
         continuation=body.upstream_continue,
     )
     policy = delivery_overrides(body, defaults)
+    generation = replace(generation, reasoning=policy.shows_thinking)
     return ReplyRequest(generation, body.stream, policy, body.resumable, body.disconnect)

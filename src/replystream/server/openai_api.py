@@ -122,6 +122,7 @@ async def _buffered(
             usage=whole.usage,
             logprobs=whole.logprobs,
             tool_calls=whole.tool_calls,
+            reasoning=whole.reasoning,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:
@@ -141,13 +142,21 @@ async def _buffered(
         for index, whole in enumerate(wholes):
             if whole.violation is None:
                 finish, logprobs, calls = whole.finish_reason, whole.logprobs, whole.tool_calls
-                choices.append(completion_choice(kind, index, whole.text, finish, logprobs, calls))
+                choices.append(
+                    completion_choice(
+                        kind, index, whole.text, finish, logprobs, calls, whole.reasoning
+                    )
+                )
                 continue
             choice = completion_choice(kind, index, whole.text, MODERATED_FINISH)
             choice[MODERATION_FIELD] = moderated_payload(whole.violation)
             choices.append(choice)
         prompt = wholes[0].usage.prompt_tokens  # counted once, as OpenAI does
-        usage = Usage(prompt, sum(whole.usage.completion_tokens for whole in wholes))
+        usage = Usage(
+            prompt,
+            sum(whole.usage.completion_tokens for whole in wholes),
+            sum(whole.usage.reasoning_tokens for whole in wholes),
+        )
         return completion_body(
             kind, reply_id=reply_id, model=model, created=created, usage=usage, choices=choices
         )

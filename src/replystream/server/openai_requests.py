@@ -11,7 +11,7 @@ about HTTP handlers, engines or wire formats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
@@ -61,6 +61,8 @@ def _ask(
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     policy = delivery_overrides(body, defaults)
+    if isinstance(body, ChatBody) and policy.shows_thinking:  # a legacy completion has no place
+        generation = replace(generation, reasoning=True)
     n = 1 if body.n is None else body.n
     return CompletionAsk(generation, stream, include_usage, policy, body.resumable, n)
 
