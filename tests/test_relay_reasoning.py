@@ -18,14 +18,23 @@ import anthropic
 import openai
 from aiohttp import web
 
+from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import LogEntry
+from replystream.delivery.responses_format import (
+    ResponseSettings,
+    ResponsesStreamFormat,
+    response_from_log,
+)
 from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.sse_client import post_events
 
 THOUGHTS = ["Two and ", "two ", "make four."]
+THINK_S = 0.2  # after each thought: in all, longer than TTFT_S
+TTFT_S = 0.45
 ANSWER = ["The answer ", "is 4."]
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
 
@@ -41,9 +50,11 @@ class ThinkingUpstream:
 
     def __init__(self) -> None:
         self.requests = 0
+        self.bodies: list[dict[str, Any]] = []
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
+        self.bodies.append(await request.json())
         mode = request.match_info["mode"]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -56,7 +67,7 @@ class ThinkingUpstream:
             else:  # both spellings of one thought in one delta
                 delta = {"reasoning": thought, "reasoning_content": thought}
             await response.write(_event(delta))
-            await asyncio.sleep(0.15)  # longer than the relay's TTFT limit, in all
+            await asyncio.sleep(THINK_S)
         if mode == "cut":  # breaks after thinking, before any text
             assert request.transport is not None
             request.transport.abort()
@@ -77,15 +88,15 @@ async def _models(request: web.Request) -> web.Response:
 async def relay(
     mode: str, config: ServerConfig | None = None, *, targets: int = 1
 ) -> AsyncIterator[tuple[str, ThinkingUpstream]]:
-    """A relay (TTFT limit 0.3 s, shorter than the thinking) in front of ``targets`` copies
-    of the thinking upstream's ``mode``."""
+    """A relay (its TTFT limit shorter than the thinking, its gaps well within it) in front
+    of ``targets`` copies of the thinking upstream's ``mode``."""
     upstream = ThinkingUpstream()
     app = web.Application()
     app.router.add_post("/{mode}/{copy}/v1/chat/completions", upstream.chat)
     app.router.add_get("/{mode}/{copy}/v1/models", _models)
     async with running(app) as root:
         urls = tuple(UpstreamTarget(f"{root}/{mode}/{i}/v1") for i in range(targets))
-        engine = UpstreamEngine(UpstreamConfig(urls, model="m", ttft_s=0.3, stall_s=0.3))
+        engine = UpstreamEngine(UpstreamConfig(urls, model="m", ttft_s=TTFT_S, stall_s=5.0))
         async with running(create_app(engine, config)) as url:
             yield url, upstream
 
@@ -148,7 +159,7 @@ async def test_native_replies_name_the_thinking_in_their_own_events():
 async def test_where_the_thinking_is_not_shown_it_still_keeps_the_attempt_alive():
     # Under moderation checks (they read the answer alone) and in Anthropic's dialect (no
     # thinking blocks asked for), the thinking is not relayed; it is still the upstream's
-    # progress, so the TTFT limit (0.3 s, less than the 0.45 s of thinking) does not cut it.
+    # progress, so the TTFT limit (less than the whole thinking) does not cut it.
     checks = ServerConfig(policy=DeliveryPolicy(checks=(BannedPhrases(["forbidden"]),)))
     async with relay("deepseek", checks, targets=2) as (url, upstream):
         got = await post_events(f"{url}/v1/replies", {"prompt": "2 + 2?", "stream": True})
@@ -180,3 +191,113 @@ async def test_shown_thinking_commits_the_reply_to_its_upstream():
     [error] = got.of_type("error")
     assert error["error"]["code"] == "upstream_disconnected"
     assert upstream.requests == 1
+
+
+async def test_a_response_holds_the_thinking_as_a_reasoning_item_before_its_message():
+    async with (
+        relay("deepseek") as (url, _),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        stream = await client.responses.create(model="m", input="What is 2 + 2?", stream=True)
+        events = [event async for event in stream]
+        stored = await client.responses.retrieve(events[-1].response.id)  # type: ignore[union-attr]
+        whole = await client.responses.create(model="m", input="What is 2 + 2?", store=False)
+    kinds = [event.type for event in events]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert deltas == THOUGHTS
+    # The reasoning item is closed before the message item opens.
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["reasoning", "message"]
+    for response in (events[-1].response, stored, whole):  # type: ignore[union-attr]
+        reasoning, _ = response.output
+        assert reasoning.type == "reasoning" and reasoning.content is not None  # type: ignore[union-attr]
+        assert reasoning.content[0].text == "".join(THOUGHTS)  # type: ignore[union-attr]
+        assert response.output_text == "".join(ANSWER)
+        assert response.usage is not None
+        assert response.usage.output_tokens_details.reasoning_tokens == len(THOUGHTS)
+    # The streamed items are the whole response's, id for id.
+    assert [item.id for item in done] == [item.id for item in events[-1].response.output]  # type: ignore[union-attr]
+
+
+async def test_a_message_with_thinking_enabled_has_a_thinking_block_before_its_text():
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}
+    async with (
+        relay("vllm") as (url, _),
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as client,
+    ):
+        async with client.messages.stream(
+            model="m", max_tokens=2048, messages=ASK, thinking=thinking
+        ) as stream:
+            pieces = [
+                (event.type, getattr(event, "thinking", None) or getattr(event, "text", None))
+                async for event in stream
+                if event.type in ("thinking", "text")
+            ]
+            streamed = await stream.get_final_message()
+        whole = await client.messages.create(
+            model="m", max_tokens=2048, messages=ASK, thinking=thinking
+        )
+        # The blocks sent back as history, as a client does: the thinking block is accepted,
+        # and is no part of the prompt.
+        history: Any = [*ASK, {"role": "assistant", "content": whole.content}]
+        history.append({"role": "user", "content": "And 3 + 3?"})
+        again = await client.messages.create(
+            model="m", max_tokens=2048, messages=history, thinking=thinking
+        )
+    assert pieces == [("thinking", t) for t in THOUGHTS] + [("text", a) for a in ANSWER]
+    for message in (streamed, whole, again):
+        assert [block.type for block in message.content] == ["thinking", "text"]
+        assert message.content[0].thinking == "".join(THOUGHTS)  # type: ignore[union-attr]
+        assert message.content[1].text == "".join(ANSWER)  # type: ignore[union-attr]
+
+
+async def test_thinking_settings_are_checked_as_anthropic_checks_them():
+    async with relay("vllm") as (url, upstream):
+        for thinking, max_tokens in (
+            ({"type": "enabled", "budget_tokens": 1023}, 4096),  # below Anthropic's minimum
+            ({"type": "enabled", "budget_tokens": 4096}, 4096),  # not below max_tokens
+            ({"type": "enabled"}, 4096),  # no budget
+            ({"type": "disabled", "budget_tokens": 2048}, 4096),
+            ({"type": "sometimes"}, 4096),
+        ):
+            body = {"model": "m", "max_tokens": max_tokens, "messages": ASK, "thinking": thinking}
+            got = await post_events(f"{url}/v1/messages", body)
+            assert got.status == 400, (thinking, got.raw)
+            error = json.loads(got.raw)
+            assert error["type"] == "error", thinking
+            assert error["error"]["type"] == "invalid_request_error", thinking
+            assert "thinking" in error["error"]["message"], (thinking, error)
+        user_thinking = [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]
+        body = {"model": "m", "max_tokens": 64, "messages": user_thinking}
+        got = await post_events(f"{url}/v1/messages", body)
+        assert got.status == 400 and "assistant" in json.loads(got.raw)["error"]["message"]
+    assert upstream.requests == 0
+
+
+async def test_chat_reasoning_effort_is_passed_to_the_upstream_as_given():
+    async with (
+        relay("deepseek") as (url, upstream),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        await client.chat.completions.create(model="m", messages=ASK, reasoning_effort="high")
+        await client.chat.completions.create(model="m", messages=ASK)
+    assert upstream.bodies[0]["reasoning_effort"] == "high"
+    assert "reasoning_effort" not in upstream.bodies[1]
+
+
+def test_a_response_read_mid_thought_shows_its_thinking_so_far():
+    # GET /v1/responses/{id} while it streams builds the object from its logged events.
+    fmt = ResponsesStreamFormat(ResponseSettings(model="m", created_at=0))
+    specs = fmt.started("r1") + fmt.reasoning("Two and ", 1) + fmt.reasoning("two", 1)
+    entries = [LogEntry(number, event, data) for number, (event, data) in enumerate(specs, 1)]
+    response = response_from_log(entries, producer_lost=False)
+    assert response is not None and response["status"] == "in_progress"
+    [item] = response["output"]
+    assert item["type"] == "reasoning" and item["status"] == "in_progress"
+    assert item["content"] == [{"type": "reasoning_text", "text": "Two and two"}]
+    # Text closes the item; the whole response has it before the message.
+    specs = fmt.text("Four.", 1) + fmt.finished("stop", Usage(3, 3, 2))
+    whole = json.loads(specs[-1][1])["response"]
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}

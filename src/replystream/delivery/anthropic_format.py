@@ -18,6 +18,11 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   ``content_block_delta`` (``input_json_delta``, ``partial_json``) per fragment of its
   arguments, ``content_block_stop`` when the next block starts or the message ends, and the
   stop reason ``tool_use``. Text after a call opens a new text block at the next index.
+- A reasoning model's thinking, relayed when the request enabled ``thinking``, is a
+  ``thinking`` block before the text (``{"type": "thinking", "thinking": "", "signature":
+  ""}``), one ``thinking_delta`` per piece. Its ``signature`` stays empty and no
+  ``signature_delta`` is sent: the signature is Anthropic's seal on its own models' thinking,
+  which no relay can make, so such a block cannot be sent back to Anthropic's own API.
 - The same message whole, not streamed, is the ``message`` object with the same blocks in
   the same order (a ``tool_use`` block's ``input`` parsed from the arguments).
 Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``stop_sequence`` (one of
@@ -34,7 +39,8 @@ from typing import Any
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
-from replystream.delivery.tool_calls import ToolCall, in_order
+from replystream.delivery.reply_content import Thought, in_order
+from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
@@ -59,13 +65,16 @@ def message_object(
     output_tokens: int,
     stop_sequence: str | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
+    thoughts: tuple[Thought, ...] = (),
 ) -> dict[str, Any]:
     """The ``message`` object (whole, or empty as ``message_start`` carries it: ``text``
-    None); its content the text and calls in the order they came."""
+    None); its content the thinking, text and calls in the order they came."""
     content: list[dict[str, Any]] = []
-    for piece in () if text is None else in_order(text, tool_calls):
+    for piece in () if text is None else in_order(text, tool_calls, thoughts):
         if isinstance(piece, str):
             content.append({"type": "text", "text": piece})
+        elif isinstance(piece, Thought):
+            content.append({"type": "thinking", "thinking": piece.text, "signature": ""})
         else:
             content.append(
                 {
@@ -101,6 +110,7 @@ class AnthropicStreamFormat:
     _tokens: int = 0
     _open: int | None = None  # the index of the block open now (None: none)
     _text_open: bool = False  # that block is a text block
+    _thinking_open: bool = False  # that block is a thinking block
     _next_block: int = 0  # the index the next block gets
     _blocks: dict[int, int] = field(default_factory=dict)  # tool call index -> block index
     _delta_head: str = ""  # a text delta's JSON up to its text, for the open text block
@@ -155,7 +165,18 @@ class AnthropicStreamFormat:
         return specs
 
     def reasoning(self, thought: str, tokens: int) -> list[Spec]:
-        return []  # never asked: a message's thinking is not relayed (no thinking blocks)
+        self._tokens += tokens
+        specs: list[Spec] = []
+        if not self._thinking_open:
+            specs = self._start_block({"type": "thinking", "thinking": "", "signature": ""})
+            self._thinking_open = True
+        delta = {
+            "type": "content_block_delta",
+            "index": self._open,
+            "delta": {"type": "thinking_delta", "thinking": thought},
+        }
+        specs.append(("content_block_delta", _dumps(delta)))
+        return specs
 
     def _start_block(self, content_block: dict[str, Any]) -> list[Spec]:
         """Stop the open block, if any, and start the next one."""
@@ -170,7 +191,7 @@ class AnthropicStreamFormat:
         if self._open is None:
             return []
         stop = {"type": "content_block_stop", "index": self._open}
-        self._open, self._text_open = None, False
+        self._open, self._text_open, self._thinking_open = None, False, False
         return [("content_block_stop", _dumps(stop))]
 
     def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:

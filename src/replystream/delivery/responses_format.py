@@ -22,6 +22,13 @@ frameworks) reads, byte for byte:
   ``response.function_call_arguments.done`` (the whole arguments) and
   ``response.output_item.done``. The whole response's ``output`` has the same items in the
   same order.
+- A reasoning model's thinking, relayed, is a ``reasoning`` output item (``rs_<reply id>_<output
+  index>``), as vLLM and the open-weight models' servers stream it: ``response.output_item.
+  added``, ``response.content_part.added`` (a ``reasoning_text`` part), one
+  ``response.reasoning_text.delta`` per piece, then ``response.reasoning_text.done``,
+  ``response.content_part.done`` and ``response.output_item.done`` when text or a call
+  comes. Its ``summary`` is empty and it has no ``encrypted_content``: the thinking is given
+  as it came. The usage counts its tokens in ``output_tokens_details.reasoning_tokens``.
 - The same response whole, not streamed, is the object the terminal event carries.
 A format object serves one response: it numbers its events as the pipeline will (one per
 spec, from 1), and keeps the text so far, which the closing events repeat. It must not know
@@ -38,7 +45,8 @@ from typing import Any, Literal
 from replystream.delivery.formats import Notices, Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
-from replystream.delivery.tool_calls import ToolCall, ToolCalls, in_order
+from replystream.delivery.reply_content import Thought, Thoughts, in_order
+from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
@@ -87,16 +95,20 @@ def response_object(
     incomplete_reason: str | None = None,
     error: dict[str, str] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
+    thoughts: tuple[Thought, ...] = (),
 ) -> dict[str, Any]:
     """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it: its
-    output the text (message items) and calls in the order they came."""
+    output the thinking (reasoning items), text (message items) and calls in the order they
+    came."""
     output: list[dict[str, Any]] = []
     item_status = "completed" if status == "completed" else status
     if status in ("queued", "in_progress"):
         item_status = "in_progress"
-    for piece in () if text is None else in_order(text, tool_calls):
+    for piece in () if text is None else in_order(text, tool_calls, thoughts):
         if isinstance(piece, str):
             output.append(message_item(reply_id, len(output), piece, item_status))
+        elif isinstance(piece, Thought):
+            output.append(reasoning_item(reply_id, len(output), piece.text, "completed"))
         else:
             output.append(function_call_item(reply_id, piece, "completed"))
     return {
@@ -142,6 +154,17 @@ def message_item(reply_id: str, output_index: int, text: str, status: str) -> di
     }
 
 
+def reasoning_item(reply_id: str, output_index: int, text: str, status: str) -> dict[str, Any]:
+    """A ``reasoning`` output item of thinking ``text``, given as it came (no summary)."""
+    return {
+        "type": "reasoning",
+        "id": f"rs_{reply_id}_{output_index}",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
 def function_call_item(reply_id: str, call: ToolCall, status: Status) -> dict[str, Any]:
     """A ``function_call`` output item (its item id is ours; ``call_id`` is the call's)."""
     return {
@@ -159,7 +182,7 @@ def usage_object(usage: Usage) -> dict[str, Any]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -179,6 +202,8 @@ class ResponsesStreamFormat:
     _open_message: int | None = None  # the output index of the message open now, if any
     _message_from: int = 0  # where the open message's text starts in ``_text``
     _call_index: dict[int, int] = field(default_factory=dict)  # call index -> output index
+    _thoughts: Thoughts = field(default_factory=Thoughts)
+    _open_thought: tuple[int, Thought] | None = None  # the reasoning item open now, if any
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
@@ -188,8 +213,15 @@ class ResponsesStreamFormat:
     def _response(self, status: Status, **details: Any) -> dict[str, Any]:
         text = "".join(self._text)
         calls = self._calls.whole()
+        thoughts = self._thoughts.whole()
         return response_object(
-            self.settings, self._reply_id, status, text=text, tool_calls=calls, **details
+            self.settings,
+            self._reply_id,
+            status,
+            text=text,
+            tool_calls=calls,
+            thoughts=thoughts,
+            **details,
         )
 
     def started(self, reply_id: str) -> list[Spec]:
@@ -282,10 +314,52 @@ class ResponsesStreamFormat:
         return specs
 
     def reasoning(self, thought: str, tokens: int) -> list[Spec]:
-        return []  # never asked: a response's thinking is not relayed (no reasoning items)
+        specs: list[Spec] = []
+        if self._open_thought is None:  # close the item open now, then add a reasoning item
+            specs = self._close_open("completed")
+        text_at = sum(map(len, self._text))
+        stretch, began = self._thoughts.add(thought, text_at, len(self._calls.calls))
+        if began:
+            output_index = self._items
+            self._items += 1
+            self._open_thought = output_index, stretch
+            item = reasoning_item(self._reply_id, output_index, "", "in_progress")
+            item["content"] = []
+            part = {"type": "reasoning_text", "text": ""}
+            where = {"item_id": item["id"], "output_index": output_index, "content_index": 0}
+            specs += [
+                self._event(
+                    "response.output_item.added", {"output_index": output_index, "item": item}
+                ),
+                self._event("response.content_part.added", {**where, "part": part}),
+            ]
+        assert self._open_thought is not None
+        output_index = self._open_thought[0]
+        where = {
+            "item_id": f"rs_{self._reply_id}_{output_index}",
+            "output_index": output_index,
+            "content_index": 0,
+        }
+        specs.append(self._event("response.reasoning_text.delta", {**where, "delta": thought}))
+        return specs
 
     def _close_open(self, status: Status) -> list[Spec]:
-        """The closing events of the item open now, if any: a message, or a call."""
+        """The closing events of the item open now, if any: thinking, a message, or a call."""
+        thought = self._open_thought
+        if thought is not None:
+            self._open_thought = None
+            self._thoughts.interrupt()
+            output_index, stretch = thought
+            item = reasoning_item(self._reply_id, output_index, stretch.text, status)
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": output_index, "content_index": 0}
+            return [
+                self._event("response.reasoning_text.done", {**where, "text": stretch.text}),
+                self._event("response.content_part.done", {**where, "part": part}),
+                self._event(
+                    "response.output_item.done", {"output_index": output_index, "item": item}
+                ),
+            ]
         call = self._open_call
         if call is not None:
             self._open_call = None
@@ -385,7 +459,7 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
     created["status"] = status
     if started:
         for item in items.values():
-            if item["type"] == "message" and item["status"] == "in_progress":
+            if item["type"] in ("message", "reasoning") and item["status"] == "in_progress":
                 item["status"] = "in_progress" if status == "in_progress" else "incomplete"
         created["output"] = list(items.values())
     return created
@@ -395,6 +469,7 @@ ITEM_EVENTS = frozenset(
     {
         "response.output_item.added",
         "response.output_text.delta",
+        "response.reasoning_text.delta",
         "response.function_call_arguments.delta",
         "response.output_item.done",
     }
@@ -402,8 +477,9 @@ ITEM_EVENTS = frozenset(
 
 
 def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
-    """An output item (a message or a function call) as its logged events tell it so far."""
-    if event == "response.output_text.delta":
+    """An output item (thinking, a message or a function call) as its logged events tell it
+    so far."""
+    if event in ("response.output_text.delta", "response.reasoning_text.delta"):
         items[payload["item_id"]]["content"][0]["text"] += payload["delta"]
     elif event == "response.function_call_arguments.delta":
         items[payload["item_id"]]["arguments"] += payload["delta"]
@@ -411,6 +487,8 @@ def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str
         item = dict(payload["item"])
         if item["type"] == "message" and not item["content"]:  # added: its text comes next
             item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+        elif item["type"] == "reasoning" and not item["content"]:
+            item["content"] = [{"type": "reasoning_text", "text": ""}]
         items[item["id"]] = item
 
 

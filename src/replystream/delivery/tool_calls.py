@@ -6,14 +6,13 @@ index, in the order the indexes first appeared; the arguments are kept exactly a
 fragments spelt them (never re-encoded), since a client compares them byte for byte. Each call
 remembers how much of the reply's text came before it (``text_at``), so the dialects whose
 content is ordered blocks (Anthropic, Responses) put text and calls in the order they came
-(``in_order``).
+(``reply_content.in_order``).
 This file is pure: it must not know about events, dialects or sockets.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,18 +67,3 @@ class ToolCalls:
 
     def whole(self) -> tuple[ToolCall, ...]:
         return tuple(self.calls.values())
-
-
-def in_order(text: str, calls: Sequence[ToolCall]) -> list[str | ToolCall]:
-    """A reply's content in the order it was made: its text cut where each call began, the
-    calls between the pieces (in the order they began), no empty piece of text."""
-    content: list[str | ToolCall] = []
-    at = 0
-    for call in calls:
-        if call.text_at > at:
-            content.append(text[at : call.text_at])
-            at = call.text_at
-        content.append(call)
-    if at < len(text):
-        content.append(text[at:])
-    return content

@@ -89,6 +89,9 @@ class GenerationRequest:
     # a relay then passes on what its upstream streams as thinking; otherwise the thinking
     # only tells the relay its upstream is at work. Engines that do not think ignore it.
     reasoning: bool = False
+    # Chat's ``reasoning_effort`` as the client gave it: relayed to a chat upstream, which
+    # decides what it accepts (None: not given). Engines that do not think ignore it.
+    reasoning_effort: str | None = None
 
     @property
     def forces_tool_call(self) -> bool:

@@ -246,6 +246,8 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
             body["tool_choice"] = request.tool_choice
         if request.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = request.parallel_tool_calls
+    if request.reasoning_effort is not None:
+        body["reasoning_effort"] = request.reasoning_effort
     return body
 
 

@@ -84,12 +84,13 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, MessagesBody)
     routed = routed_model(app, body.model)
     model = routed or served_model(app)
+    policy = delivery_overrides(_sampling(body), config.policy)
     generation = replace(
         _generation(body, config.max_prompt_chars),
         model=routed,
         continuation=_sampling(body).upstream_continue,
+        reasoning=body.shows_thinking and policy.shows_thinking,
     )
-    policy = delivery_overrides(_sampling(body), config.policy)
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
     try:
         if not body.stream:
@@ -131,6 +132,7 @@ async def _whole(
             output_tokens=whole.usage.completion_tokens,
             stop_sequence=stop,
             tool_calls=whole.tool_calls,
+            thoughts=whole.thoughts,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from aiohttp import web
 from replystream.delivery.channel import DeltaChannel, End, pump
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
+from replystream.delivery.reply_content import Thought, Thoughts
 from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import Delta, DeltaStream, TokenLogprob
 from replystream.server.errors import error_response
@@ -43,7 +44,12 @@ class Whole(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None  # of the tokens of ``text``, when asked
     violation: Violation | None = None  # a check stopped it (``text``: what was released)
     tool_calls: tuple[ToolCall, ...] = ()  # joined from their pieces, in the order they started
-    reasoning: str = ""  # a reasoning model's thinking, when the request asked for it
+    thoughts: tuple[Thought, ...] = ()  # a reasoning model's thinking, when it was asked for
+
+    @property
+    def reasoning(self) -> str:
+        """All the thinking, joined (for the dialects that hold it in one field)."""
+        return "".join(thought.text for thought in self.thoughts)
 
 
 BodyFn = Callable[[Whole], dict[str, Any]]
@@ -72,7 +78,8 @@ class _Collector:
         self.parts: list[str] = []
         self.made: list[TokenLogprob] | None = [] if logprobs else None
         self.calls = ToolCalls()
-        self.thoughts: list[str] = []  # thinking: never checked, cut or counted as text
+        self.thoughts = Thoughts()  # never checked, cut or counted as text
+        self.text_chars = 0  # of the text so far, where a stretch of thinking begins
         self.reasoning_tokens = 0
         self.finish_reason = "stop"
         self.reported_stop: str | None = None  # the stop string the engine cut the text at
@@ -86,9 +93,11 @@ class _Collector:
             self.finish_reason = delta.finish_reason
             self.reported_stop = delta.stop_sequence
         if delta.reasoning:
-            self.thoughts.append(delta.reasoning)
+            self.thoughts.add(delta.reasoning, self.text_chars, len(self.calls.calls))
             self.reasoning_tokens += delta.tokens
             return False
+        if delta.text or delta.tool_call is not None:
+            self.thoughts.interrupt()
         if delta.tool_call is not None:
             # As in a stream: a call ends the text before it (held text is released, and no
             # stop string spans it); its pieces are no text and have no log probabilities.
@@ -97,6 +106,7 @@ class _Collector:
             return False
         if self.made is not None and delta.logprobs:
             self.made.extend(delta.logprobs)
+        self.text_chars += len(delta.text)
         self.parts.append(self.holdback.push(delta.text, delta.tokens)[0])
         self.done = self.holdback.ended
         return self.done
@@ -113,8 +123,8 @@ class _Collector:
         shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
         text = "".join(self.parts)
         usage = replace(usage, reasoning_tokens=self.reasoning_tokens)
-        calls, thought = self.calls.whole(), "".join(self.thoughts)
-        return Whole(text, finish, usage, stop, shown, holdback.violation, calls, thought)
+        calls, thoughts = self.calls.whole(), self.thoughts.whole()
+        return Whole(text, finish, usage, stop, shown, holdback.violation, calls, thoughts)
 
 
 async def buffered_reply(

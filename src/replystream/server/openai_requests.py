@@ -88,6 +88,7 @@ def parse_chat_request(
         prefix=body.prefix,
         continuation=body.upstream_continue,
         parallel_tool_calls=body.parallel_tool_calls,
+        reasoning_effort=body.reasoning_effort,
     )
     return _ask(
         body,

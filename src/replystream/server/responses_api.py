@@ -238,12 +238,13 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
     conversation = input_messages(body)
     if body.previous_response_id is not None:
         conversation = [*await _history(request, body.previous_response_id), *conversation]
+    policy = delivery_overrides(_sampling(body), config.policy)
     generation = replace(
         _generation(body, conversation, config.max_prompt_chars),
         model=routed,
         continuation=_sampling(body).upstream_continue,
+        reasoning=policy.shows_thinking,
     )
-    policy = delivery_overrides(_sampling(body), config.policy)
     settings = ResponseSettings(
         model=model,
         created_at=int(time.time()),
@@ -328,19 +329,16 @@ async def _whole(
     reply_id = ids.reply_id()
 
     def body(whole: Whole) -> dict[str, Any]:
-        text, usage, tool_calls = whole.text, whole.usage, whole.tool_calls
-        if whole.finish_reason == "length":
-            return response_object(
-                settings,
-                reply_id,
-                "incomplete",
-                text=text,
-                usage=usage,
-                incomplete_reason="max_output_tokens",
-                tool_calls=tool_calls,
-            )
+        cut = whole.finish_reason == "length"
         return response_object(
-            settings, reply_id, "completed", text=text, usage=usage, tool_calls=tool_calls
+            settings,
+            reply_id,
+            "incomplete" if cut else "completed",
+            text=whole.text,
+            usage=whole.usage,
+            incomplete_reason="max_output_tokens" if cut else None,
+            tool_calls=whole.tool_calls,
+            thoughts=whole.thoughts,
         )
 
     def moderated(text: str, violation: Violation) -> dict[str, Any]:

@@ -41,7 +41,7 @@ MAX_TAG_CHARS = 128
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
 ITEM_TAGS = ("message", "function_call", "function_call_output")
-BLOCK_TAGS = ("text", "tool_use", "tool_result")
+BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 UNION_TAGS = frozenset({"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS)})
 
 
@@ -320,8 +320,9 @@ class OpenAIBody(SamplingFields):
     parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
+    # Relayed to a chat upstream as given (chat only); ignored by engines that do not think.
+    reasoning_effort: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> OpenAIBody:
@@ -713,6 +714,23 @@ class AnthropicToolResult(Strict):
         return "".join(block.text for block in self.content)
 
 
+class AnthropicThinkingBlock(Strict):
+    """A ``thinking`` block of an assistant message sent back as history. As Anthropic's
+    own API does with an earlier turn's thinking, it is not part of the prompt."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicRedactedThinking(Strict):
+    """A ``redacted_thinking`` block sent back as history (not part of the prompt)."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 def _block_kind(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else None
     return f"<{kind}>" if kind in BLOCK_TAGS else None
@@ -721,11 +739,15 @@ def _block_kind(value: Any) -> str | None:
 AnthropicBlock = Annotated[
     Annotated[AnthropicText, Tag("<text>")]
     | Annotated[AnthropicToolUse, Tag("<tool_use>")]
-    | Annotated[AnthropicToolResult, Tag("<tool_result>")],
+    | Annotated[AnthropicToolResult, Tag("<tool_result>")]
+    | Annotated[AnthropicThinkingBlock, Tag("<thinking>")]
+    | Annotated[AnthropicRedactedThinking, Tag("<redacted_thinking>")],
     Discriminator(
         _block_kind,
         custom_error_type="block_type",
-        custom_error_message="must be a text, tool_use or tool_result block",
+        custom_error_message=(
+            "must be a text, tool_use, tool_result, thinking or redacted_thinking block"
+        ),
     ),
 ]
 
@@ -750,6 +772,8 @@ class AnthropicMessage(Strict):
         kinds = {block.type for block in self.content}
         if self.role == "user" and "tool_use" in kinds:
             raise _invalid("tool_use blocks belong to assistant messages", "content")
+        if self.role == "user" and kinds & {"thinking", "redacted_thinking"}:
+            raise _invalid("thinking blocks belong to assistant messages", "content")
         if self.role == "assistant" and "tool_result" in kinds:
             raise _invalid("tool_result blocks belong to user messages", "content")
         return self
@@ -784,6 +808,21 @@ class AnthropicToolChoice(Strict):
         return self
 
 
+class AnthropicThinking(Strict):
+    """``thinking``: whether the message shows a reasoning model's thinking (thinking blocks),
+    with Anthropic's checks on the budget."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1024, le=MAX_TOKENS_LIMIT)] | None = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> AnthropicThinking:
+        if (self.budget_tokens is not None) != (self.type == "enabled"):
+            message = 'thinking.budget_tokens is given exactly when thinking.type is "enabled"'
+            raise _invalid(message, "thinking.budget_tokens")
+        return self
+
+
 class AnthropicMetadata(Strict):
     user_id: str | None = None
 
@@ -805,7 +844,20 @@ class MessagesBody(Strict):
     metadata: AnthropicMetadata | None = None
     tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
     replystream: ResponsesExtensions | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesBody:
+        budget = None if self.thinking is None else self.thinking.budget_tokens
+        if budget is not None and budget >= self.max_tokens:
+            message = "thinking.budget_tokens must be less than max_tokens"
+            raise _invalid(message, "thinking.budget_tokens")
+        return self
+
+    @property
+    def shows_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "enabled"
 
     @property
     def system_text(self) -> str:
