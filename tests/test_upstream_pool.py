@@ -68,11 +68,52 @@ def test_a_failed_trial_opens_the_circuit_for_another_cooldown():
     a.begin()
     pool.failed(a, "refused again")
     a.end()
-    assert a.circuit is Circuit.OPEN and a.opened_at == clock.now
+    assert a.circuit is Circuit.OPEN and a.reopens_at == clock.now + 5.0
     clock.now += 4.0
     assert pool.plan(None) == []
     clock.now += 1.0
     assert pool.plan(None) == [a]
+
+
+def test_an_upstreams_wait_opens_its_circuit_for_that_long_before_the_row_is_long_enough():
+    a, b = Backend("http://a/v1"), Backend("http://b/v1")
+    pool, clock = pool_of(a, b, failures=3, cooldown_s=10.0)
+    pool.failed(a, "busy", wait_s=2.0)  # one failure of three, but it said when to come back
+    assert a.circuit is Circuit.OPEN and pool.plan(None) == [b]
+    assert pool.wait_s(None) == 0.0  # b can take a request now
+    b.begin()
+    pool.failed(b, "busy", wait_s=4.0)
+    b.end()
+    clock.now += 0.5
+    assert pool.plan(None) == [] and pool.wait_s(None) == 1.5  # the sooner of the two
+    clock.now += 1.5  # a's wait is over (not its cool-down): the next request is its trial
+    assert pool.plan(None) == [a]
+    a.begin()
+    assert pool.wait_s(None) == 0.0  # a trial is out: its verdict may come at any moment
+    pool.failed(a, "busy again", wait_s=1.0)  # the trial is told to wait too: that long
+    a.end()
+    assert a.reopens_at == clock.now + 1.0
+    clock.now += 1.0
+    a.begin()
+    pool.failed(a, "busy a third time", wait_s=1.0)  # the row is long enough: sick
+    a.end()
+    assert a.reopens_at == clock.now + 10.0
+    assert pool.wait_s(None) == 1.0  # b's wait, 4 s from 3 s ago, is over first now
+    a.models = b.models = frozenset({"m"})
+    assert pool.wait_s("other") is None
+
+
+def test_a_wait_keeps_a_circuit_open_past_its_cooldown_and_a_trial_failing_silently_is_sick():
+    a = Backend("http://a/v1")
+    pool, clock = pool_of(a, failures=1, cooldown_s=5.0)
+    pool.failed(a, "refused")
+    pool.failed(a, "busy", wait_s=8.0)  # a request begun before it opened: it asks for more
+    assert a.reopens_at == clock.now + 8.0
+    clock.now += 8.0
+    a.begin()
+    pool.failed(a, "refused")
+    a.end()
+    assert a.reopens_at == clock.now + 5.0 and pool.wait_s(None) == 5.0
 
 
 def test_least_outstanding_per_weight_goes_first_and_the_rest_follow_as_failover_order():

@@ -18,13 +18,23 @@ class EngineError(Exception):
 
     ``status`` is the HTTP status a server answers with when this is raised by ``start``
     (before any byte of the reply): 500 here, 502 or 504 for an unreachable upstream.
+    ``retry_after_s``, when set, is how long the client should wait before it asks again
+    (an engine that cannot take a request now, and knows when it may): a server sends it
+    as ``Retry-After``.
     """
 
     status = 500
 
-    def __init__(self, message: str, *, code: str = "generation_failed") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "generation_failed",
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 class RequestRejected(EngineError):
@@ -32,8 +42,15 @@ class RequestRejected(EngineError):
 
     status = 400
 
-    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
-        super().__init__(message, code=code)
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "invalid_request",
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ):
+        super().__init__(message, code=code, retry_after_s=retry_after_s)
         self.param = param
 
 

@@ -6,7 +6,8 @@ mapped; ``stream_options.include_usage`` always, so usage is the upstream's own;
 continue as ``continue_final_message``), and what an upstream's answer before its body means:
 connection refused is ``UpstreamUnavailable`` (502), no response head within
 ``headers_timeout_s`` is ``UpstreamTimeout`` (504), an upstream 4xx about the request is a
-``RequestRejected`` (400) carrying the upstream's message, 429 and 503 stay overload (503).
+``RequestRejected`` (400) carrying the upstream's message, 429 and 503 stay overload (503),
+with the wait the upstream asked for (``Retry-After``), which its circuit honours.
 Every message is ours (``upstream_errors``); an upstream's own words appear only quoted, from
 a JSON error body. Which upstream serves a request and which are failing is
 ``upstream_pool``'s; failover, stalls and continuation are ``upstream_relay``'s; active
@@ -38,6 +39,7 @@ from replystream.engine.base import (
     Readiness,
     RequestRejected,
 )
+from replystream.engine.retry_after import retry_after_s
 from replystream.engine.upstream_errors import connect_failure, quoted
 from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpFailure, HttpOrigin, Response
@@ -46,6 +48,9 @@ from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLi
 from replystream.engine.upstream_stream import UpstreamStream
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
+# The longest wait a caller is told when an upstream rate-limited its own key: a day, the
+# longest window a hosted API's quota resets over; a longer one is a broken header.
+CLIENT_WAIT_LIMIT_S = 86_400.0
 
 
 def base_url_problem(url: str) -> str | None:
@@ -92,7 +97,9 @@ class UpstreamTimeout(EngineError):
 
 
 class UpstreamOverloaded(EngineError):
-    """An upstream answered 429 or 503 (503 to our client: try again later)."""
+    """An upstream answered 429 or 503 (503 to our client: try again later). Its
+    ``retry_after_s`` is the wait the upstream asked for (at most a cool-down); once the
+    relay gives up, when some upstream may take a request."""
 
     status = 503
 
@@ -112,8 +119,8 @@ class UpstreamLimitedClientKey(RequestRejected):
 
     status = 429
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="upstream_rate_limited")
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message, code="upstream_rate_limited", retry_after_s=retry_after_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +188,8 @@ class UpstreamConfig:
     health_s: float = 5.0  # active health probes this often
     health_path: str = "/models"  # what a probe asks each upstream for
     failures: int = 3  # consecutive failures that open an upstream's circuit
-    cooldown_s: float = 10.0  # how long an open circuit keeps its upstream out
+    # How long an open circuit keeps its upstream out (also the longest its Retry-After does).
+    cooldown_s: float = 10.0
     max_event_size: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -353,9 +361,12 @@ class UpstreamEngine:
         Raises:
             UpstreamUnavailable: connection refused or broken, or a bad response (502).
             UpstreamTimeout: no response head within ``headers_timeout_s`` (504).
-            UpstreamOverloaded: the upstream answered 429 or 503.
-            RequestRejected: the upstream refused the request itself (400).
-            NoUpstream: no upstream serving the model can take a request now (503).
+            UpstreamOverloaded: the upstream answered 429 or 503 (with when some upstream
+                may take a request: ``retry_after_s``).
+            RequestRejected: the upstream refused the request itself (400), or, passed the
+                caller's own key, refused or rate-limited it (401, 403, 429).
+            NoUpstream: no upstream serving the model can take a request now (503, with
+                ``retry_after_s``).
         """
         await self._prober.first_round()
         continuation = request.continuation
@@ -459,9 +470,16 @@ class UpstreamEngine:
         if status == 429 and backend.name in self._passing:
             # The caller's own account's limit: another upstream would not lift it, and
             # counted on the circuit, one caller's spent quota would shut out every caller.
-            return UpstreamLimitedClientKey(said)
+            # When it lifts is the caller's to know: the upstream's wait goes on to it.
+            wait = retry_after_s(response.retry_after, time.time(), CLIENT_WAIT_LIMIT_S)
+            return UpstreamLimitedClientKey(said, retry_after_s=wait)
         if status in (429, 503):
-            return UpstreamOverloaded(said, code="upstream_overloaded")
+            # Its circuit stays open for as long as it asks, but no longer than a cool-down:
+            # the operator's bound on how long any upstream is left out (a wrong clock or a
+            # broken header must not take one out for hours; if it is still busy then, its
+            # trial says so and it asks again).
+            wait = retry_after_s(response.retry_after, time.time(), self.config.cooldown_s)
+            return UpstreamOverloaded(said, code="upstream_overloaded", retry_after_s=wait)
         if status in (401, 403) and backend.name in self._passing:
             # The client's own key: theirs to fix, and no other upstream would take it.
             said = f"{where}: it refused the API key you sent, which is passed on to it"

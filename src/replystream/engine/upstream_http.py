@@ -218,12 +218,15 @@ class HttpOrigin:
 class Response:
     """A response whose head arrived; its body goes to the receiver set on it."""
 
-    __slots__ = ("_connection", "content_type", "status")
+    __slots__ = ("_connection", "content_type", "retry_after", "status")
 
-    def __init__(self, connection: Connection, status: int, content_type: str) -> None:
+    def __init__(
+        self, connection: Connection, status: int, content_type: str, retry_after: str
+    ) -> None:
         self._connection = connection
         self.status = status
         self.content_type = content_type  # the media type alone, lower case ("" if none)
+        self.retry_after = retry_after  # its Retry-After header as sent ("" if none)
 
     def set_receiver(self, receiver: BodyReceiver) -> None:
         """Body bytes go to ``receiver`` from now on; what came before, at once."""
@@ -292,6 +295,7 @@ class Connection(asyncio.Protocol):
         self._early: list[bytes] = []  # body bytes before a receiver was set
         self._parts: list[bytes] = []  # body bytes of the socket read being parsed
         self._content_type = b""
+        self._retry_after = b""
         self._framed = False  # the body has a Content-Length or is chunked
         self._interim = False  # the head being read is an interim (1xx) response's
         self._complete = False  # the current response's body ended in full
@@ -376,6 +380,8 @@ class Connection(asyncio.Protocol):
         name = name.lower()
         if name == b"content-type":
             self._content_type = value
+        elif name == b"retry-after":  # an upstream's back-off, which a 429 or 503 may carry
+            self._retry_after = value
         elif name == b"content-length" or (
             name == b"transfer-encoding" and b"chunked" in value.lower()
         ):
@@ -391,7 +397,9 @@ class Connection(asyncio.Protocol):
             self._interim = True
             return
         media = self._content_type.split(b";", 1)[0].strip().lower()
-        response = Response(self, status, media.decode("latin-1"))
+        response = Response(
+            self, status, media.decode("latin-1"), self._retry_after.decode("latin-1")
+        )
         self._response = response
         if parser.should_upgrade():
             self._framed = True
@@ -405,7 +413,7 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._interim:
             self._interim = False
-            self._content_type = b""
+            self._content_type = self._retry_after = b""
             self._framed = False
             return
         parser = self._parser
@@ -428,7 +436,7 @@ class Connection(asyncio.Protocol):
         assert transport is not None
         self._parser = httptools.HttpResponseParser(self)
         self._response = self._receiver = None
-        self._content_type = b""
+        self._content_type = self._retry_after = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
         self._head_bytes = 0
         self._keep_alive = self._interim = False

@@ -7,14 +7,19 @@ This file decides, for each upstream (a ``Backend``):
   sent there is a trial, and the circuit is ``half_open`` while it runs (nothing else goes
   there): the trial's success closes the circuit, its failure opens it for another
   cool-down, and a trial whose client left proves nothing (open again, the next request
-  is the trial);
+  is the trial). An upstream that answers busy and says when to come back (its
+  ``Retry-After``, a wait) is taken at its word: its circuit opens at once, however short
+  the row, and no request goes there before the wait is over (a row at the threshold still
+  keeps it out for the whole cool-down);
 - whether its last active health probe answered (a failed probe takes it out of routing
   while another upstream for the model is usable; a passing one changes nothing else);
 - which models it serves (from its model list, or as configured).
 And for a request: the upstreams to try, in order (``UpstreamPool.plan``): those serving the
 model, usable now, least outstanding requests per unit of weight first; ties (every request
 alone, as under light load) go by smooth weighted round robin (nginx's), so weights 3 and 1
-still split a sequence of requests 3:1. The clock is passed in; nothing here awaits.
+still split a sequence of requests 3:1; and, when none is, how soon one will be
+(``UpstreamPool.wait_s``, a refusal's ``Retry-After``). The clock is passed in; nothing here
+awaits.
 It must not know HTTP or how a request is sent.
 """
 
@@ -43,8 +48,8 @@ class Outcome(Enum):
     ABANDONED = "abandoned"  # the trial ended with no verdict (its client left)
 
 
-# (phase, outcome) -> next phase; a failure while closed opens only at the threshold, which
-# ``Backend.failed`` checks before it looks here.
+# (phase, outcome) -> next phase; a failure while closed opens only at the threshold, or when
+# its upstream said how long to wait, which ``Backend.failed`` checks before it looks here.
 CIRCUIT_TABLE: dict[tuple[Circuit, Outcome], Circuit] = {
     (Circuit.CLOSED, Outcome.SUCCESS): Circuit.CLOSED,
     (Circuit.CLOSED, Outcome.FAILURE): Circuit.OPEN,
@@ -77,7 +82,7 @@ class Backend:
     fixed_models: bool = False  # configured: its model list does not replace them
     circuit: Circuit = Circuit.CLOSED
     failures: int = 0  # consecutive
-    opened_at: float = 0.0
+    reopens_at: float = 0.0  # an open circuit lets its trial through from then on
     trial: bool = False  # the trial request of a half-open circuit is under way
     probe_ok: bool | None = None
     problem: str = "not checked yet"  # what is wrong, in words ("" when nothing is)
@@ -93,12 +98,19 @@ class Backend:
     def _move(self, outcome: Outcome) -> None:
         self.circuit = CIRCUIT_TABLE[self.circuit, outcome]
 
-    def allows(self, now: float, cooldown_s: float) -> bool:
+    def allows(self, now: float) -> bool:
         """Whether its circuit lets a request through now: closed, or open with its cool-down
-        over (that request is the trial); not while a trial is out."""
+        (and its upstream's wait) over: that request is the trial; not while a trial is out."""
         if self.circuit is Circuit.CLOSED:
             return True
-        return self.circuit is Circuit.OPEN and now - self.opened_at >= cooldown_s
+        return self.circuit is Circuit.OPEN and now >= self.reopens_at
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until its circuit lets a request through: 0 when it does now, or while a
+        trial is out (its verdict may come at any moment)."""
+        if self.circuit is Circuit.OPEN:
+            return max(0.0, self.reopens_at - now)
+        return 0.0
 
     def begin(self) -> None:
         """A request goes here: the trial of an open circuit whose cool-down is over."""
@@ -136,14 +148,24 @@ class Backend:
         self.first_text_counts[bisect_left(LATENCY_BOUNDS, after_s)] += 1
         self.first_text_sum += after_s
 
-    def failed(self, now: float, threshold: int, problem: str) -> None:
+    def failed(self, now: float, problem: str, breaker: BreakerConfig, wait_s: float = 0.0) -> None:
+        """An attempt here failed with ``problem``. ``wait_s``: how long its upstream asked
+        to be left alone (its ``Retry-After``, bounded by the caller; 0: it did not say)."""
         self.failures += 1
         self.trial = False
         self.problem = problem
-        if self.circuit is not Circuit.CLOSED or self.failures >= threshold:
-            if self.circuit is not Circuit.OPEN:
-                self.opened_at = now
-            self._move(Outcome.FAILURE)
+        # Sick, and out for a cool-down: a row long enough, or a failed trial that did not
+        # say when to come back. A wait alone is the upstream's word that it is busy (a
+        # trial may get one too): out for that long, until the row is long enough.
+        sick = self.failures >= breaker.failures or (
+            self.circuit is not Circuit.CLOSED and wait_s <= 0
+        )
+        if not sick and wait_s <= 0:
+            return
+        if self.circuit is not Circuit.OPEN:  # (open: the request began before it opened)
+            self.reopens_at = now + (breaker.cooldown_s if sick else 0.0)
+        self.reopens_at = max(self.reopens_at, now + wait_s)
+        self._move(Outcome.FAILURE)
 
     def probed(self, problem: str | None, models: Sequence[str] | None) -> None:
         """What an active health probe found (None: it answered), and the models it lists."""
@@ -207,8 +229,8 @@ class UpstreamPool:
     def plan(self, model: str | None) -> list[Backend]:
         """The upstreams to try for a request for ``model`` (a real name), best first; empty
         when none serving it is usable now."""
-        now, cooldown = self.clock(), self.breaker.cooldown_s
-        allowed = [b for b in self.serving(model) if b.allows(now, cooldown)]
+        now = self.clock()
+        allowed = [b for b in self.serving(model) if b.allows(now)]
         # A failed probe is a preference: with no other upstream, one is tried anyway (its
         # own error then tells the client what is wrong); an open circuit is a hard stop.
         usable = [b for b in allowed if b.probe_ok is not False] or allowed
@@ -230,15 +252,21 @@ class UpstreamPool:
         best.current -= total
         return best
 
-    def failed(self, backend: Backend, problem: str) -> None:
-        backend.failed(self.clock(), self.breaker.failures, problem)
+    def failed(self, backend: Backend, problem: str, wait_s: float = 0.0) -> None:
+        backend.failed(self.clock(), problem, self.breaker, wait_s)
+
+    def wait_s(self, model: str | None) -> float | None:
+        """Seconds until some upstream serving ``model`` lets a request through (0: one does
+        now); None when none serves it."""
+        now = self.clock()
+        return min((b.wait_s(now) for b in self.serving(model)), default=None)
 
     def ready(self) -> tuple[bool, str]:
         """Whether some upstream can take a request now; if none, what is wrong with each."""
-        now, cooldown = self.clock(), self.breaker.cooldown_s
+        now = self.clock()
         for backend in self.backends:
             if backend.probe_ok is not False and (
-                backend.circuit is Circuit.HALF_OPEN or backend.allows(now, cooldown)
+                backend.circuit is Circuit.HALF_OPEN or backend.allows(now)
             ):
                 return True, ""
         return False, "; ".join(b.problem or f"{b.name} is failing" for b in self.backends)

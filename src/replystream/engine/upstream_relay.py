@@ -6,7 +6,9 @@ This file decides when an attempt has failed and what happens next:
   keep-alives has reached the client): a connect error, a 5xx or 429, an error in the
   stream, or no content within ``ttft_s`` moves the request to the next upstream of the
   plan, invisibly to the client, until ``failover_s`` has passed since the request began.
-  An upstream that refused the request itself (a 400) is not retried elsewhere.
+  An upstream that refused the request itself (a 400) is not retried elsewhere. A busy
+  upstream's ``Retry-After`` keeps its circuit open at least that long (``upstream_pool``);
+  when no upstream is left, a 503 says when one may take a request (``retry_after_s``).
 - After it: no content for ``stall_s`` is ``upstream_stalled``; that, or any failure of the
   stream, ends the reply with that error, or, with continuation on, sends the prompt plus
   the text already relayed (as the assistant's prefix, ``continue_final_message``) to the
@@ -468,13 +470,17 @@ class RelayedReply:
             problems = "; ".join(
                 b.problem or f"{b.name} is failing" for b in self._pool.serving(self._model)
             )
-            return NoUpstream(
-                f"no upstream{model} can take a request now (their circuits are open after "
-                f"repeated failures): {problems}",
+            error = NoUpstream(
+                f"no upstream{model} can take a request now (each circuit is open, after "
+                f"repeated failures or for as long as its upstream asked): {problems}",
                 code="upstream_unavailable",
             )
-        if len(self._tried) > 1:
+        elif len(self._tried) > 1:
             error.args = (f"{error} (after trying {len(self._tried)} upstreams)",)
+        if error.status == 503:
+            # Nobody can take it now (or the last upstream was busy): the client learns when
+            # some upstream may, which replaces what an upstream asked of us.
+            error.retry_after_s = self._pool.wait_s(self._model)
         return error
 
     def _attempt_failed(self, error: EngineError, result: str) -> None:
@@ -482,7 +488,7 @@ class RelayedReply:
         self._close_stream()
         self._last_error = error
         if backend is not None and error.code not in _NOT_ITS_HEALTH:
-            self._pool.failed(backend, str(error))
+            self._pool.failed(backend, str(error), error.retry_after_s or 0.0)
         self._attempt_over(result)
 
     def _attempt_over(self, result: str) -> None:

@@ -184,8 +184,11 @@ async def buffered_reply(
             assert item.error is not None
             log.warning("generation failed: %s", item.error)
             record.outcome, record.reason = "errored", item.error.code
-            # An upstream's failure is a 502 or 504, as it would be before any byte.
-            return error_response(item.error.status, str(item.error), code=item.error.code)
+            # An upstream's failure is a 502, 503 or 504, as it would be before any byte.
+            error = item.error
+            return error_response(
+                error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
+            )
         elif isinstance(item, End) and item.how == "shutdown":
             record.outcome, record.reason = "shutdown", "shutdown"
             return error_response(503, "the server is shutting down", code="shutdown")

@@ -180,10 +180,13 @@ async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitab
     except (RequestRejected, EngineError) as exc:
         record.outcome, record.reason = "rejected", exc.code
         app[METRICS_KEY].observe(record)
-        if isinstance(exc, RequestRejected):  # a 400, or the 401/403 of a key passed on
-            raise HTTPAPIError(exc.status, str(exc), code=exc.code, param=exc.param) from exc
+        wait = exc.retry_after_s  # the engine knows when it may take a request: say so
+        if isinstance(exc, RequestRejected):  # a 400, or the 401/403/429 of a key passed on
+            raise HTTPAPIError(
+                exc.status, str(exc), code=exc.code, param=exc.param, retry_after_s=wait
+            ) from exc
         log.warning("generation failed before the first token: %s", exc)
-        raise HTTPAPIError(exc.status, str(exc), code=exc.code) from exc
+        raise HTTPAPIError(exc.status, str(exc), code=exc.code, retry_after_s=wait) from exc
     record.admitted_at = time.monotonic()
     return started
 

@@ -253,7 +253,8 @@ UPSTREAM_ENGINE = Group(
         ),
         Setting(
             "--upstream-cooldown-s",
-            "how long an open circuit keeps its upstream out before one trial request",
+            "how long an open circuit keeps its upstream out before one trial request (also "
+            "the longest an upstream's own Retry-After keeps it out)",
             positive_float,
             fills=(UpstreamConfig, "cooldown_s"),
             engines=UPSTREAM,

@@ -6,11 +6,14 @@ Errors after a stream started are in-band events built from the same fields. The
 route (``/v1/messages``) answers the same errors in Anthropic's shape,
 ``{"type": "error", "error": {"type", "message"}}`` (with our ``code`` and ``param`` beside
 them): ``in_route_shape`` rewrites any error response of ours for it, whoever made it.
+A refusal that knows when the client may try again (a 429 or 503) says so in ``Retry-After``,
+whichever route's shape it takes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from aiohttp import web
@@ -57,13 +60,26 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id")
 
 
+def retry_after_value(wait_s: float) -> str:
+    """The ``Retry-After`` for a wait of ``wait_s`` seconds: delay-seconds, whole and rounded
+    up (earlier, the client would be refused again), at least 1 (0 invites a retry at once)."""
+    return str(max(1, math.ceil(wait_s)))
+
+
 def error_response(
-    status: int, message: str, *, code: str, param: str | None = None
+    status: int,
+    message: str,
+    *,
+    code: str,
+    param: str | None = None,
+    retry_after_s: float | None = None,
 ) -> web.Response:
-    """An HTTP error in the API's own format."""
+    """An HTTP error in the API's own format; with ``retry_after_s``, when to try again."""
     body = json.dumps(error_body(message, code=code, status=status, param=param))
     response = web.Response(status=status, text=body, content_type="application/json")
     response[API_ERROR] = (message, code, param)
+    if retry_after_s is not None:
+        response.headers["Retry-After"] = retry_after_value(retry_after_s)
     return response
 
 
@@ -99,6 +115,7 @@ class HTTPAPIError(Exception):
         code: str,
         param: str | None = None,
         close_connection: bool = False,
+        retry_after_s: float | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -106,9 +123,16 @@ class HTTPAPIError(Exception):
         self.code = code
         self.param = param
         self.close_connection = close_connection  # the request's end on the wire is unknown
+        self.retry_after_s = retry_after_s  # seconds until the client may try again
 
     def response(self) -> web.Response:
-        response = error_response(self.status, self.message, code=self.code, param=self.param)
+        response = error_response(
+            self.status,
+            self.message,
+            code=self.code,
+            param=self.param,
+            retry_after_s=self.retry_after_s,
+        )
         if self.close_connection:
             response.force_close()
         return response

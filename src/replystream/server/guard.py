@@ -20,7 +20,6 @@ import asyncio
 import ipaddress
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import Sequence
@@ -173,11 +172,12 @@ def identity_of(request: web.Request) -> str:
 
 def rate_limited(wait_s: float) -> web.Response:
     """The ``429`` for a request ``ClientGate.admit`` refused, with when to try again."""
-    response = error_response(
-        429, "too many requests from this client; retry later", code="rate_limited"
+    return error_response(
+        429,
+        "too many requests from this client; retry later",
+        code="rate_limited",
+        retry_after_s=wait_s,
     )
-    response.headers["Retry-After"] = str(max(1, math.ceil(wait_s)))
-    return response
 
 
 def assign_request_id(request: web.Request) -> str:
