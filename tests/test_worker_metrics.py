@@ -80,8 +80,8 @@ async def test_one_scrape_counts_the_replies_of_every_worker():
     try:
         workers = children_of(process.pid)
         assert len(workers) == 2
-        # The URL is announced before the workers have started: count their sockets once
-        # each has answered a request, not while one is still starting (fewer sockets then).
+        # The URL is announced once every worker accepts connections; count their sockets
+        # once each has also answered a request.
         async with pin_each_worker(url, workers):
             pass
         baseline = {pid: sockets_of(pid) for pid in workers}

@@ -31,14 +31,9 @@ from replystream.server.auth import collect_keys
 from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
-from replystream.server.serve import (
-    REFUSED_EXIT,
-    bind_socket,
-    listening_lines,
-    run_workers,
-    serve_forever,
-)
+from replystream.server.serve import REFUSED_EXIT, bind_socket, listening_lines, serve_forever
 from replystream.server.serve_settings import SERVE_SETTINGS
+from replystream.server.workers import run_workers, tell_parent_ready
 
 log = logging.getLogger("replystream.serve")
 
@@ -166,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return REFUSED_EXIT
     app = create_app(engine, config, store)
-    quiet = args.listen_fd is not None  # a worker: its parent announced the URL
+    quiet = args.listen_fd is not None  # a worker: its parent announces the URL
+    ready_fd = args.ready_fd
     with asyncio.Runner(loop_factory=new_loop) as runner:
         runner.run(
             serve_forever(
@@ -177,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 sock,
                 announce=None if quiet else announce,
                 parent_pid=args.parent_pid,
+                on_serving=None if ready_fd is None else lambda: tell_parent_ready(ready_fd),
             )
         )
     return 0

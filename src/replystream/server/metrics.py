@@ -40,6 +40,10 @@ from replystream.stats import LATENCY_BOUNDS
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # How often a worker writes its scrape-time gauges into its files (multiprocess mode only).
 STATE_REFRESH_S = 1.0
+# Counted by the parent of ``--workers`` (``metrics_dir.RestartCount``), in its own file of the
+# workers' folder; every worker declares it too, at 0, so one process shows it as well.
+WORKER_RESTARTS_NAME = "replystream_worker_restarts"
+WORKER_RESTARTS_HELP = "Workers the parent of --workers started again after one exited."
 
 # How a gauge read on scrape adds up across workers (prometheus-client's multiprocess modes):
 # ``livesum`` what the workers alive now hold, summed; ``sum`` a count since start, summed
@@ -288,6 +292,7 @@ class Metrics:
             ["key", "kind"],
             registry=r,
         )
+        self.worker_restarts = Counter(WORKER_RESTARTS_NAME, WORKER_RESTARTS_HELP, registry=r)
         self._states: dict[str, Gauge] = {}
         self._children: dict[str, _Children] = {}
         self._key_children: dict[str, tuple[Counter, Counter]] = {}

@@ -14,18 +14,12 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
-from prometheus_client.multiprocess import mark_process_dead
 
 from replystream.server.connection import GuardedSockSite
 from replystream.server.context import CONFIG_KEY, MANAGER_KEY, ServerConfig
-from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 
 log = logging.getLogger("replystream.server")
 
@@ -171,11 +165,12 @@ async def serve_forever(
     sock: socket.socket | None = None,
     announce: Callable[[str], list[str]] | None = listening_lines,
     parent_pid: int | None = None,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, printing ``announce(url)`` on stdout once listening
     (tools read its first line); a worker serving an inherited socket passes None and stays
-    quiet (its parent announced the URL), and its parent's ``parent_pid``: it also stops,
-    the same way, when that parent is gone."""
+    quiet (its parent announces the URL once ``on_serving`` said so for every worker), and its
+    parent's ``parent_pid``: it also stops, the same way, when that parent is gone."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -184,6 +179,8 @@ async def serve_forever(
         tune_collector()
         if announce is not None:
             print("\n".join(announce(server.url)), flush=True)
+        if on_serving is not None:
+            on_serving()
         if parent_pid is None:
             await stop.wait()
         else:
@@ -201,87 +198,3 @@ async def _until_stopped_or_orphaned(stop: asyncio.Event, parent_pid: int) -> No
                 await stop.wait()
                 return
     log.warning("the parent process %d is gone: shutting down", parent_pid)
-
-
-def url_of(sock: socket.socket) -> str:
-    bound_host, bound_port = sock.getsockname()[:2]
-    shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-    return f"http://{shown_host}:{bound_port}"
-
-
-def run_workers(
-    argv: list[str],
-    workers: int,
-    sock: socket.socket,
-    announce: Callable[[str], list[str]] = listening_lines,
-) -> int:
-    """Run ``workers`` processes of ``replystream serve`` accepting on one listening socket.
-
-    The parent has bound ``sock``; it starts each worker with it inherited (``--listen-fd``), and
-    the kernel hands each new connection to one of them. The parent forwards SIGINT and
-    SIGTERM (each worker then shuts down gracefully), restarts a worker that dies on its own,
-    and returns when all have stopped. A worker that refuses to start (``REFUSED_EXIT``: its
-    command line, or a file it names, cannot be served) is not restarted for ever: the parent
-    stops the others and returns ``REFUSED_EXIT``. The workers share their metrics through
-    files in a fresh directory (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts
-    them all; the parent removes it when it returns.
-    """
-    with tempfile.TemporaryDirectory(prefix="replystream-metrics-") as metrics_dir:
-        return _supervise(argv, workers, sock, metrics_dir, announce)
-
-
-def _supervise(
-    argv: list[str],
-    workers: int,
-    sock: socket.socket,
-    metrics_dir: str,
-    announce: Callable[[str], list[str]],
-) -> int:
-    sock.set_inheritable(True)
-    command = [
-        sys.executable,
-        "-m",
-        "replystream",
-        "serve",
-        *argv,
-        "--listen-fd",
-        str(sock.fileno()),
-        "--parent-pid",
-        str(os.getpid()),
-    ]
-    env = {**os.environ, MULTIPROCESS_DIR_ENV: metrics_dir}
-    children: list[subprocess.Popen[bytes]] = []
-    stopping = refused = False
-
-    def spawn() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(command, pass_fds=(sock.fileno(),), env=env)
-
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    children.extend(spawn() for _ in range(workers))
-    print("\n".join(announce(url_of(sock))), flush=True)
-    log.warning("%d workers share the port", workers)
-    while True:
-        for index, child in enumerate(children):
-            code = child.poll()
-            if code == REFUSED_EXIT and not stopping:
-                log.error("worker %d refused to start (said above); stopping", child.pid)
-                refused = True
-                forward(signal.SIGTERM, None)
-            elif code is not None and not stopping:
-                log.error("worker %d exited with %d; starting another", child.pid, code)
-                # Its counts stay in the totals; what it held (live gauges) does not.
-                mark_process_dead(child.pid, metrics_dir)  # type: ignore[no-untyped-call]
-                children[index] = spawn()
-        if stopping and all(child.poll() is not None for child in children):
-            break
-        time.sleep(0.2)
-    sock.close()
-    return REFUSED_EXIT if refused else 0

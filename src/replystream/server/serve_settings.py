@@ -61,9 +61,11 @@ SERVER = Group(
             choices=("asyncio", "uvloop"),
             default="asyncio",
         ),
-        # A worker started by --workers serves the socket its parent opened, and stops when
-        # that parent is gone.
+        # A worker started by --workers serves the socket its parent opened, tells its parent
+        # when it accepts connections (a byte on the pipe --ready-fd), and stops when that
+        # parent is gone.
         Setting("--listen-fd", "", non_negative_int, hidden=True),
+        Setting("--ready-fd", "", non_negative_int, hidden=True),
         Setting("--parent-pid", "", positive_int, hidden=True),
         Setting(
             "--engine",

@@ -1,0 +1,266 @@
+"""``serve --workers N``: N processes of ``replystream serve`` on one listening socket, and
+the parent that supervises them.
+
+This file decides when the server says it is listening (once every worker accepts
+connections), how soon a worker that exited is started again, and how the workers are
+stopped. It must not know what a worker serves: to the parent a worker is a command line, the
+socket it inherits, and one byte on a pipe when it accepts connections.
+
+How a worker tells its parent it is ready: a pipe per worker, whose write end the worker
+inherits (``--ready-fd``); it writes one byte once it accepts connections, then closes it.
+A pipe because the kernel closes the worker's end when the worker dies, however it dies, so a
+worker that never gets ready is an end of file at once, with no timeout or polling to tune;
+because the worker's stdout is the parent's own (where the ready line goes, for tools to
+read); and because nothing of it outlives the processes (a socket or a file would need a name,
+and cleaning up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client.multiprocess import mark_process_dead
+
+from replystream.server import metrics_dir
+from replystream.server.metrics import MULTIPROCESS_DIR_ENV
+from replystream.server.restart_backoff import RestartBackoff
+from replystream.server.serve import REFUSED_EXIT, listening_lines
+
+log = logging.getLogger("replystream.server")
+
+# The exit status of ``serve --workers`` when a worker exits before every worker was ready:
+# the server never served, and says so instead of restarting what may never start.
+START_FAILED_EXIT = 1
+# What a worker writes on its ready pipe.
+READY_BYTE = b"R"
+# How often the parent looks for workers that exited (a worker getting ready wakes it at once).
+POLL_S = 0.1
+
+
+def tell_parent_ready(fd: int) -> None:
+    """Tell the parent of ``--workers`` that this worker accepts connections: one byte on
+    the pipe it gave us (``--ready-fd``), then closed."""
+    try:
+        os.write(fd, READY_BYTE)
+    except OSError:
+        pass  # the parent is gone: this worker notices, and stops (``--parent-pid``)
+    finally:
+        os.close(fd)
+
+
+def url_of(sock: socket.socket) -> str:
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return f"http://{shown_host}:{bound_port}"
+
+
+def run_workers(
+    argv: list[str],
+    workers: int,
+    sock: socket.socket,
+    announce: Callable[[str], list[str]] = listening_lines,
+) -> int:
+    """Run ``workers`` processes of ``replystream serve`` accepting on one listening socket.
+
+    The parent has bound ``sock``; it starts each worker with it inherited (``--listen-fd``),
+    and the kernel hands each new connection to one of them. It prints ``announce(url)`` once
+    every worker accepts connections; a worker that exits before that stops the server
+    (``START_FAILED_EXIT``), without that line. The parent forwards SIGINT and SIGTERM (each
+    worker then shuts down gracefully), starts again a worker that exits on its own (waiting
+    longer after each exit in a row of its slot: ``restart_backoff``), and returns when all
+    have stopped. A worker that refuses to start (``REFUSED_EXIT``: its command line, or a
+    file it names, cannot be served) is not restarted for ever: the parent stops the others
+    and returns ``REFUSED_EXIT``. The workers share their metrics through files in a fresh
+    folder (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts them all; the
+    parent removes it when it returns, and, as it starts, those that parents killed outright
+    left behind (``metrics_dir``).
+    """
+    metrics_dir.remove_stale_folders()
+    with metrics_dir.owned_folder() as folder:
+        return Supervisor(argv, workers, sock, folder).run(announce)
+
+
+@dataclass(slots=True)
+class Slot:
+    """One worker's place: the process in it now (None while its restart waits)."""
+
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
+    process: subprocess.Popen[bytes] | None = None
+    ready_pipe: int | None = None  # our end, until the worker said it is ready or died
+    serving_since: float | None = None  # when it said it is ready (monotonic)
+    restart_at: float | None = None
+
+
+class Supervisor:
+    """The parent's loop: start the workers, say when the server is ready, restart the
+    workers that exit, stop them all on a signal or a refusal."""
+
+    def __init__(self, argv: list[str], workers: int, sock: socket.socket, folder: str) -> None:
+        sock.set_inheritable(True)
+        self._sock = sock
+        self._command = [
+            sys.executable,
+            "-m",
+            "replystream",
+            "serve",
+            *argv,
+            "--listen-fd",
+            str(sock.fileno()),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        self._env = {**os.environ, MULTIPROCESS_DIR_ENV: folder}
+        self._folder = folder
+        self._restarts = metrics_dir.RestartCount(folder)
+        self._slots = [Slot() for _ in range(workers)]
+        self._selector = selectors.DefaultSelector()
+        self._announced = self._stopping = False
+        self._stop_signal: int = signal.SIGTERM
+        self._status = 0
+
+    def run(self, announce: Callable[[str], list[str]]) -> int:
+        signal.signal(signal.SIGINT, self._forward)
+        signal.signal(signal.SIGTERM, self._forward)
+        try:
+            for slot in self._slots:
+                self._start(slot)
+            while not (self._stopping and all(s.process is None for s in self._slots)):
+                self._wait()
+                now = time.monotonic()
+                for slot in self._slots:
+                    self._reap(slot, now)
+                if not self._announced and not self._stopping:
+                    if all(slot.serving_since is not None for slot in self._slots):
+                        print("\n".join(announce(url_of(self._sock))), flush=True)
+                        log.warning("%d workers share the port", len(self._slots))
+                        self._announced = True
+                for slot in self._slots:
+                    if slot.restart_at is not None and slot.restart_at <= now:
+                        self._start(slot, again=True)
+        finally:
+            for slot in self._slots:
+                self._close_pipe(slot)
+            self._selector.close()
+            self._sock.close()
+        return self._status
+
+    def _start(self, slot: Slot, again: bool = False) -> None:
+        slot.restart_at = slot.serving_since = None
+        if self._stopping:
+            return
+        read_end, write_end = os.pipe()
+        try:
+            slot.process = subprocess.Popen(
+                [*self._command, "--ready-fd", str(write_end)],
+                pass_fds=(self._sock.fileno(), write_end),
+                env=self._env,
+            )
+        except OSError as exc:
+            os.close(read_end)
+            self._cannot_start(slot, f"cannot start a worker: {exc}")
+            return
+        finally:
+            # Only the worker holds the write end now: its exit is our end of file.
+            os.close(write_end)
+        slot.ready_pipe = read_end
+        self._selector.register(read_end, selectors.EVENT_READ, slot)
+        if again:
+            self._restarts.add_one()
+        if self._stopping:  # a signal came while it was being started: it missed the forward
+            slot.process.send_signal(self._stop_signal)
+
+    def _wait(self) -> None:
+        """Until a worker says it is ready (or dies before), a restart is due, or ``POLL_S``."""
+        timeout = POLL_S
+        due = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
+        if due:
+            timeout = max(0.0, min(timeout, min(due) - time.monotonic()))
+        for key, _ in self._selector.select(timeout):
+            slot = key.data
+            try:
+                said = os.read(key.fd, 1)
+            except OSError:
+                said = b""
+            self._close_pipe(slot)
+            if said == READY_BYTE:
+                slot.serving_since = time.monotonic()
+            # An end of file: it died before it was ready; ``_reap`` reads how.
+
+    def _reap(self, slot: Slot, now: float) -> None:
+        """Deal with the slot's worker if it has exited."""
+        process = slot.process
+        if process is None or (status := process.poll()) is None:
+            return
+        self._close_pipe(slot)
+        slot.process = None
+        # Its counts stay in the totals; what it held (live gauges) does not.
+        mark_process_dead(process.pid, self._folder)  # type: ignore[no-untyped-call]
+        if self._stopping:
+            return
+        ended = f"worker {process.pid} {how_it_ended(status)}"
+        if status == REFUSED_EXIT:
+            log.error("%s: it refused to start (said above); stopping", ended)
+            self._stop(REFUSED_EXIT)
+        elif not self._announced:
+            self._cannot_start(slot, f"{ended} before every worker was ready")
+        else:
+            served = None if slot.serving_since is None else now - slot.serving_since
+            restart = slot.backoff.after_exit(served)
+            slot.restart_at = now + restart.delay_s
+            log.error(
+                "%s %s; starting another in %.1f s (exit %d in a row of this worker's place)",
+                ended,
+                "before it was ready" if served is None else f"after serving {served:.1f} s",
+                restart.delay_s,
+                restart.in_a_row,
+            )
+
+    def _cannot_start(self, slot: Slot, what: str) -> None:
+        """A worker could not be started, or exited: before the server was ready that stops
+        it; after, the slot waits as after an exit."""
+        if not self._announced:
+            log.error("%s; stopping: the server cannot start", what)
+            self._stop(START_FAILED_EXIT)
+            return
+        restart = slot.backoff.after_exit(None)
+        slot.restart_at = time.monotonic() + restart.delay_s
+        log.error("%s; trying again in %.1f s", what, restart.delay_s)
+
+    def _stop(self, status: int) -> None:
+        self._status = status
+        self._forward(signal.SIGTERM, None)
+
+    def _forward(self, signum: int, _frame: object) -> None:
+        self._stopping, self._stop_signal = True, signum
+        for slot in self._slots:
+            slot.restart_at = None
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.send_signal(signum)
+
+    def _close_pipe(self, slot: Slot) -> None:
+        if slot.ready_pipe is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(slot.ready_pipe)
+            os.close(slot.ready_pipe)
+            slot.ready_pipe = None
+
+
+def how_it_ended(status: int) -> str:
+    """A process's exit, as ``Popen.returncode`` gives it, in words."""
+    if status >= 0:
+        return f"exited with status {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    return f"was killed by {name}"

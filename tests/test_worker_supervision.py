@@ -1,0 +1,234 @@
+"""The parent of ``replystream serve --workers 2`` as an operator meets it: when it says it
+listens, how it restarts a worker that keeps dying, and the metrics folder a killed parent
+leaves behind.
+
+Real processes throughout. A worker is slowed at start by its engine: a relay asks each
+upstream ``GET /models`` before it serves, and the upstream here is a stand-in that holds
+every request until the test releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from replystream.lab.local_server import READY_PREFIX
+from tests.processes import stop
+from tests.rawhttp import raw_request
+from tests.test_workers import alive, children_of
+
+pytestmark = pytest.mark.slow
+
+SIMULATED = ("--engine", "simulated", "--delay-ms", "1", "--jitter-ms", "0")
+
+
+@contextlib.asynccontextmanager
+async def parent(
+    *args: str, env: Mapping[str, str] | None = None
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``replystream serve --port 0 ARGS`` with its stdout and stderr ours to read; stopped
+    on exit."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        "--port",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        yield process
+    finally:
+        await stop(process)
+
+
+async def ready_url(process: asyncio.subprocess.Process, timeout_s: float = 60.0) -> str:
+    assert process.stdout is not None
+    line = (await asyncio.wait_for(process.stdout.readline(), timeout_s)).decode()
+    assert line.startswith(READY_PREFIX), line
+    return line[len(READY_PREFIX) :].strip()
+
+
+async def until(check: Callable[[], object], timeout_s: float = 30.0) -> None:
+    """Wait until ``check()`` is true (what it reads, other processes, sends no event)."""
+    async with asyncio.timeout(timeout_s):
+        while not check():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+class HeldUpstream:
+    """A stand-in upstream on loopback that holds every request until ``release``, then
+    answers it with an empty model list."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.release = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            self.held += 1
+            await self.release.wait()
+            body = b'{"object": "list", "data": []}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> HeldUpstream:
+        self.server = await asyncio.start_server(self._answer, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.release.set()
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_the_ready_line_comes_only_once_every_worker_accepts():
+    async with (
+        HeldUpstream() as upstream,
+        parent(
+            f"--engine=upstream:{upstream.url}", "--upstream-health-s", "60", "--workers", "2"
+        ) as process,
+    ):
+        assert process.stdout is not None
+        line = asyncio.ensure_future(process.stdout.readline())
+        try:
+            # Both workers are starting: each waits for its first probe's answer (at most
+            # 2 s, the probe's limit), and serves only after it.
+            await until(lambda: upstream.held == 2)
+            await asyncio.sleep(1.0)
+            assert not line.done(), line.result()
+            upstream.release.set()
+            said = (await asyncio.wait_for(line, 30)).decode()
+        finally:
+            line.cancel()
+        assert said.startswith(READY_PREFIX), said
+        url = said[len(READY_PREFIX) :].strip()
+        for _ in range(4):  # whichever worker takes it answers at once: none is still starting
+            started = time.monotonic()
+            response = await raw_request(f"{url}/healthz")
+            await response.read_body()
+            assert time.monotonic() - started < 2.0
+
+
+async def test_a_worker_that_dies_before_it_is_ready_stops_the_server_unannounced():
+    async with (
+        HeldUpstream() as upstream,
+        parent(
+            f"--engine=upstream:{upstream.url}", "--upstream-health-s", "60", "--workers", "2"
+        ) as process,
+    ):
+        assert process.stdout is not None and process.stderr is not None
+        await until(lambda: upstream.held == 2)
+        workers = children_of(process.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        said = await asyncio.wait_for(process.stdout.read(), 30)
+        assert READY_PREFIX.encode() not in said, said
+        assert await asyncio.wait_for(process.wait(), 30) == 1
+        log = (await process.stderr.read()).decode()
+        assert f"worker {workers[0]} was killed by SIGKILL before every worker was ready" in log
+        assert not [pid for pid in workers if alive(pid)]
+
+
+async def test_a_worker_killed_again_and_again_is_restarted_after_longer_and_longer_waits():
+    async with parent(*SIMULATED, "--workers", "2") as process:
+        assert process.stderr is not None
+        url = await ready_url(process)
+        victim, spared = children_of(process.pid)
+        seen = {victim, spared}
+        waits = []
+        for _ in range(4):
+            # Each replacement is killed as soon as it exists: it never serves, so its place's
+            # exits are in a row.
+            killed_at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            await until(lambda: set(children_of(process.pid)) - seen)
+            waits.append(time.monotonic() - killed_at)
+            (victim,) = set(children_of(process.pid)) - seen
+            seen.add(victim)
+        # 0.2 s, then twice as long each time. Never sooner (the parent counts from when it
+        # saw the exit); later by its polling and a busy machine, within generous bounds.
+        for wait, expected in zip(waits, (0.2, 0.4, 0.8, 1.6), strict=True):
+            assert expected - 0.01 <= wait <= expected + 3.0, waits
+        assert alive(spared)
+
+        async def restarts() -> float:
+            response = await raw_request(f"{url}/metrics")  # the spared worker answers
+            text = (await response.read_body()).decode()
+            (family,) = (
+                f
+                for f in text_string_to_metric_families(text)
+                if f.name == "replystream_worker_restarts"
+            )
+            return family.samples[0].value
+
+        async with asyncio.timeout(30):
+            while await restarts() != 4:  # noqa: ASYNC110 (the parent counts as it restarts)
+                await asyncio.sleep(0.1)
+
+        await stop(process)
+        log = (await process.stderr.read()).decode()
+        restarted = re.findall(
+            r"worker \d+ was killed by SIGKILL (?:after serving [\d.]+ s|before it was ready); "
+            r"starting another in ([\d.]+) s \(exit (\d+) in a row",
+            log,
+        )
+        assert restarted == [("0.2", "1"), ("0.4", "2"), ("0.8", "3"), ("1.6", "4")], log
+
+
+def metrics_folders(where: Path) -> list[Path]:
+    return sorted(where.glob("replystream-metrics-*"))
+
+
+async def test_a_killed_servers_metrics_folder_goes_at_the_next_start_and_a_live_ones_stays(
+    tmp_path: Path,
+):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the servers make their folders
+    args = (*SIMULATED, "--workers", "2", "--shutdown-grace-s", "0")
+    async with parent(*args, env=env) as killed:
+        await ready_url(killed)
+        workers = children_of(killed.pid)
+        (left,) = metrics_folders(tmp_path)
+        killed.send_signal(signal.SIGKILL)  # the parent alone, which cannot clean up
+        await killed.wait()
+        await until(lambda: not any(alive(pid) for pid in workers))  # orphans stop themselves
+    assert metrics_folders(tmp_path) == [left]
+
+    async with parent(*args, env=env) as first:
+        await ready_url(first)
+        (first_folder,) = metrics_folders(tmp_path)  # the killed server's is gone
+        assert first_folder != left
+        async with parent(*args, env=env) as second:
+            await ready_url(second)
+            # The running server's folder is not taken for a dead one's.
+            assert first_folder in metrics_folders(tmp_path)
+            assert len(metrics_folders(tmp_path)) == 2
+    assert metrics_folders(tmp_path) == []  # each removed its own as it stopped
