@@ -2,21 +2,17 @@
 for it, in order and counted; kept out of the others and away from moderation checks, where it
 still counts as the upstream's progress; and, once shown, the reply's commit point.
 
-The upstream is a small aiohttp app streaming as vLLM's reasoning parsers and DeepSeek's API
-do; the mode is the first path segment of its base URL. Clients are the official SDKs.
+The upstream (``tests.thinking_upstream``) streams as vLLM's reasoning parsers and DeepSeek's
+API do. Clients are the official SDKs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anthropic
 import openai
-from aiohttp import web
 
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import BannedPhrases
@@ -27,79 +23,9 @@ from replystream.delivery.responses_format import (
     ResponsesStreamFormat,
     response_from_log,
 )
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
-from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.sse_client import post_events
-
-THOUGHTS = ["Two and ", "two ", "make four."]
-THINK_S = 0.2  # after each thought: in all, longer than TTFT_S
-TTFT_S = 0.45
-ANSWER = ["The answer ", "is 4."]
-USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
-
-
-def _event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish}
-    body = {"object": "chat.completion.chunk", "model": "m", "choices": [choice], **extra}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-class ThinkingUpstream:
-    """Thinks (spelt as the mode says), then answers; remembers how many requests came."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.bodies: list[dict[str, Any]] = []
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.requests += 1
-        self.bodies.append(await request.json())
-        mode = request.match_info["mode"]
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(_event({"role": "assistant", "content": ""}))
-        for thought in THOUGHTS:
-            if mode == "deepseek":  # DeepSeek's API, SGLang, llama.cpp: content null beside it
-                delta: dict[str, Any] = {"content": None, "reasoning_content": thought}
-            elif mode == "vllm":  # newer vLLM, OpenRouter
-                delta = {"reasoning": thought}
-            else:  # both spellings of one thought in one delta
-                delta = {"reasoning": thought, "reasoning_content": thought}
-            await response.write(_event(delta))
-            await asyncio.sleep(THINK_S)
-        if mode == "cut":  # breaks after thinking, before any text
-            assert request.transport is not None
-            request.transport.abort()
-            return response
-        for piece in ANSWER:
-            await response.write(_event({"content": piece}))
-        await response.write(_event({}, "stop"))
-        usage = {"object": "chat.completion.chunk", "model": "m", "choices": [], "usage": USAGE}
-        await response.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
-        return response
-
-
-async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
-
-
-@asynccontextmanager
-async def relay(
-    mode: str, config: ServerConfig | None = None, *, targets: int = 1
-) -> AsyncIterator[tuple[str, ThinkingUpstream]]:
-    """A relay (its TTFT limit shorter than the thinking, its gaps well within it) in front
-    of ``targets`` copies of the thinking upstream's ``mode``."""
-    upstream = ThinkingUpstream()
-    app = web.Application()
-    app.router.add_post("/{mode}/{copy}/v1/chat/completions", upstream.chat)
-    app.router.add_get("/{mode}/{copy}/v1/models", _models)
-    async with running(app) as root:
-        urls = tuple(UpstreamTarget(f"{root}/{mode}/{i}/v1") for i in range(targets))
-        engine = UpstreamEngine(UpstreamConfig(urls, model="m", ttft_s=TTFT_S, stall_s=5.0))
-        async with running(create_app(engine, config)) as url:
-            yield url, upstream
-
+from tests.thinking_upstream import ANSWER, THOUGHTS, relay
 
 ASK: Any = [{"role": "user", "content": "What is 2 + 2?"}]
 

@@ -23,6 +23,7 @@ from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
 from tests.conftest import fast_engine, wait_for
+from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser, Page
@@ -371,3 +372,32 @@ async def test_new_chat_stops_the_reply_and_starts_an_empty_conversation(browser
         await wait_state(page, "stream", "done")
         messages = [body for body in bodies if "messages" in body][-1]["messages"]
         assert messages == [{"role": "user", "content": "A fresh start."}]
+
+
+async def test_a_reasoning_models_thinking_is_shown_above_its_answer_never_sent_back(
+    browser: Browser,
+):
+    async with relay("deepseek") as (url, upstream):
+        page = await open_page(browser, url)
+        await send(page, "What is 2 + 2?")
+        # Shown, open, while it comes: the pane says it is thinking, and no answer is there.
+        await page.wait_for_selector(f"{pane('stream')}[data-state='thinking'] .thinking[open]")
+        assert await shown_text(page, "stream") == ""
+        await wait_state(page, "stream", "done")
+        thinking = f"{pane('stream')} .thinking"
+        assert await page.text_content(f"{thinking} .thinking-text") == "".join(THOUGHTS)
+        assert await page.get_attribute(thinking, "open") is None  # folded once the answer came
+        assert await shown_text(page, "stream") == "".join(ANSWER)
+        # The first-text timer is the answer's: it came after all the thinking.
+        assert await timer_s(page, "stream", "first") >= len(THOUGHTS) * THINK_S
+
+        await page.get_by_label("Wait vs stream").check()
+        await send(page, "And 3 + 3?")
+        await wait_state(page, "wait", "done")
+        await wait_state(page, "stream", "done")
+        for kind in ("wait", "stream"):
+            shown = await page.text_content(f"{pane(kind)} .thinking-text")
+            assert shown == "".join(THOUGHTS), kind
+    # What the page sent back as history is the answer alone, never the thinking.
+    earlier = [m for m in upstream.bodies[-1]["messages"] if m["role"] == "assistant"]
+    assert earlier == [{"role": "assistant", "content": "".join(ANSWER)}]

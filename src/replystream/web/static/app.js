@@ -2,8 +2,9 @@
 // sends the same prompt with the same seed to the buffered and the streamed delivery and
 // shows both panes growing (or not) with live timers.
 //
-// Timers start when the request is sent. "First text" is when the first text was painted
-// (the animation frame that drew it), "Total" when the whole reply was on screen.
+// Timers start when the request is sent. "First text" is when the answer's first text was
+// painted (the animation frame that drew it; a reasoning model's thinking, shown above the
+// answer, is not counted), "Total" when the whole reply was on screen.
 
 import { ReplyRefused, StreamedReply, bufferedReply, cancelReply } from './reply.js';
 import { TextSink } from './render.js';
@@ -20,7 +21,7 @@ const newChatButton = $('#new-chat');
 const intro = $('#intro');
 
 const BADGES = {
-  waiting: 'waiting', streaming: 'streaming', reconnecting: 'reconnecting', done: 'complete',
+  waiting: 'waiting', thinking: 'thinking', streaming: 'streaming', reconnecting: 'reconnecting', done: 'complete',
   stopped: 'stopped', error: 'error', moderated: 'moderated', incomplete: 'incomplete',
   cut: 'cut',
 };
@@ -59,9 +60,16 @@ class Pane {
   #totalTimer;
   #note;
   #tokens;
+  #thinking;
+  #thought;
 
   constructor(kind, title) {
     this.text = element('div', { class: 'reply-text' });
+    // A reasoning model's thinking (a relayed upstream's): shown open while it comes, folded
+    // once the answer starts, and never sent back as the conversation's history.
+    this.#thought = element('div', { class: 'thinking-text' });
+    this.#thinking = element('details', { class: 'thinking', hidden: '' },
+      element('summary', {}, 'Thinking'), this.#thought);
     this.badge = element('span', { class: 'badge' });
     this.#firstTimer = element('strong', { 'data-timer': 'first' }, '—');
     this.#totalTimer = element('strong', { 'data-timer': 'total' }, '—');
@@ -77,7 +85,7 @@ class Pane {
     } else {
       meta.prepend(this.badge);  // a chat reply has no title row; its state sits with its timers
     }
-    this.root.append(this.text, this.#note, meta);
+    this.root.append(this.#thinking, this.text, this.#note, meta);
     this.#sink = new TextSink(this.text, (at) => this.#painted(at));
   }
 
@@ -85,6 +93,8 @@ class Pane {
 
   start() {
     this.#sink.clear();
+    this.#thought.textContent = '';
+    this.#thinking.hidden = true;
     this.#first = this.#total = null;
     for (const timer of [this.#firstTimer, this.#totalTimer]) timer.removeAttribute('data-ms');
     this.#tokens.textContent = '';
@@ -100,6 +110,16 @@ class Pane {
   }
 
   push(text) { this.#sink.push(text); }
+
+  think(text) {
+    if (this.#thinking.hidden) {
+      this.#thinking.hidden = false;
+      this.#thinking.open = true;
+    }
+    this.#thought.append(text);
+    if (this.root.dataset.state === 'waiting') this.setState('thinking');
+    keepBottom();
+  }
 
   gap(lost) {
     const mark = element('span', { class: 'gap', title: `events ${lost.lost_from}–${lost.lost_to}` },
@@ -135,7 +155,8 @@ class Pane {
     if (this.#first === null) {
       this.#first = Math.max(0, at - this.#t0);
       this.#firstTimer.dataset.ms = this.#first.toFixed(1);
-      if (this.root.dataset.state === 'waiting') this.setState('streaming');
+      this.#thinking.open = false;  // the answer has started: its thinking folds away
+      if (['waiting', 'thinking'].includes(this.root.dataset.state)) this.setState('streaming');
     }
     keepBottom();
   }
@@ -230,6 +251,7 @@ async function exchange(turn) {
   const key = apiKey();
   const stream = new StreamedReply(body, {
     onText: (text) => turn.stream.push(text),
+    onThinking: (text) => turn.stream.think(text),
     onGap: (lost) => turn.stream.gap(lost),
     onStatus: (message) => {
       statusLine.textContent = message;
@@ -251,6 +273,7 @@ async function exchange(turn) {
     turn.wait.start();
     jobs.push(bufferedReply(body, { signal: waitAbort.signal, apiKey: key }).then(
       (reply) => {
+        if (reply.thinking) turn.wait.think(reply.thinking);
         turn.wait.push(reply.text);
         const moderated = reply.finish_reason === 'moderated';
         const cut = reply.finish_reason === 'length';

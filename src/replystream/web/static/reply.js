@@ -111,7 +111,8 @@ export async function bufferedReply(body, options = {}) {
 /**
  * One streamed reply, resumed across dropped connections.
  *
- * Callbacks (all optional): onText(text, tokens), onReplyId(id), onStatus(message or ''),
+ * Callbacks (all optional): onText(text, tokens), onThinking(text, tokens) (a reasoning
+ * model's thinking, before its answer), onReplyId(id), onStatus(message or ''),
  * onGap({lost_from, lost_to}), onUsage(usage).
  */
 export class StreamedReply {
@@ -232,6 +233,7 @@ export class StreamedReply {
       switch (event.type) {
         case 'reply': this.#setReplyId(data.reply_id); break;
         case 'token': this.#on.onText?.(data.text, data.tokens); break;
+        case 'thinking': this.#on.onThinking?.(data.text, data.tokens); break;
         case 'usage': this.#usage = data; this.#on.onUsage?.(data); break;
         case 'gap': this.#on.onGap?.(data); break;
         case 'done':
