@@ -14,6 +14,7 @@ from typing import Any
 import anthropic
 import openai
 
+from replystream.client.measure import measure_reply
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
@@ -25,7 +26,7 @@ from replystream.delivery.responses_format import (
 )
 from replystream.server.context import ServerConfig
 from tests.sse_client import post_events
-from tests.thinking_upstream import ANSWER, THOUGHTS, relay
+from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay
 
 ASK: Any = [{"role": "user", "content": "What is 2 + 2?"}]
 
@@ -227,3 +228,21 @@ def test_a_response_read_mid_thought_shows_its_thinking_so_far():
     whole = json.loads(specs[-1][1])["response"]
     assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
     assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+
+
+async def test_the_measuring_client_times_thinking_as_output_and_keeps_it_apart():
+    chat = {"model": "m", "messages": ASK, "stream": True}
+    bodies = {
+        "/v1/chat/completions": {**chat, "stream_options": {"include_usage": True}},
+        "/v1/replies": {"prompt": "2 + 2?", "stream": True},
+        "/v1/responses": {"model": "m", "input": "2 + 2?", "stream": True},
+    }
+    async with relay("vllm") as (url, _):
+        for route, body in bodies.items():
+            timing = await measure_reply(f"{url}{route}", method="POST", json_body=body)
+            assert timing.complete, (route, timing.error)
+            assert timing.text == "".join(ANSWER) and timing.thinking == "".join(THOUGHTS)
+            # Output began with the thinking; the answer came after all of it.
+            assert timing.first_text_ms is not None and timing.first_answer_ms is not None
+            assert timing.first_answer_ms - timing.first_text_ms >= 2 * THINK_S * 1000, route
+            assert len(timing.text_event_ms) == len(THOUGHTS) + len(ANSWER), route

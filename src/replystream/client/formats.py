@@ -10,6 +10,8 @@ carrying text and of saying "finished" or "failed":
 - OpenAI Responses events: ``response.output_text.delta`` carries text, ``response.completed``
   and ``response.incomplete`` at the token limit end it, ``response.failed`` (or an
   ``incomplete`` for any other reason, such as a content filter) ends it in failure;
+- a reasoning model's thinking, apart from its text: native ``thinking`` events, a chat
+  delta's ``reasoning_content`` (or ``reasoning``), ``response.reasoning_text.delta``;
 - buffered bodies: ``{"text": ...}`` or an OpenAI ``chat.completion`` / ``text_completion``.
 ``event: error`` always means failure, and a terminal marker is required for success.
 """
@@ -22,12 +24,13 @@ from typing import Any, Literal
 
 from replystream.sse import Event
 
-Kind = Literal["text", "done", "error", "usage", "other"]
+Kind = Literal["text", "thinking", "done", "error", "usage", "other"]
 
 
 @dataclass(frozen=True, slots=True)
 class Meaning:
-    """What one event says: text (with how many tokens it carries), the end, or a failure."""
+    """What one event says: text or thinking (with how many tokens it carries), the end, or
+    a failure."""
 
     kind: Kind
     text: str = ""
@@ -66,6 +69,24 @@ def _choice_text(payload: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else ""
 
 
+# Where chat chunks carry a reasoning model's thinking (DeepSeek's spelling, newer vLLM's).
+_THINKING_KEYS = ("reasoning_content", "reasoning")
+
+
+def _choice_thought(payload: dict[str, Any]) -> str | None:
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    delta = choices[0].get("delta")
+    if not isinstance(delta, dict):
+        return None
+    for key in _THINKING_KEYS:
+        thought = delta.get(key)
+        if isinstance(thought, str) and thought:
+            return thought
+    return None
+
+
 def interpret_event(event: Event) -> Meaning:
     """The meaning of one parsed SSE event."""
     if event.type in _TERMINAL_FAILURES:
@@ -80,7 +101,7 @@ def interpret_event(event: Event) -> Meaning:
         return _usage(event.data)
     if event.type.startswith("response."):
         return _responses_event(event)
-    if event.type not in ("message", "token"):
+    if event.type not in ("message", "token", "thinking"):
         return OTHER
     try:
         payload = json.loads(event.data)
@@ -93,8 +114,11 @@ def interpret_event(event: Event) -> Meaning:
             return Meaning("error", error=_error_text(payload))
         if isinstance(payload.get("text"), str):
             tokens = payload.get("tokens", 1)
-            return Meaning("text", payload["text"], tokens if isinstance(tokens, int) else 1)
+            kind: Kind = "thinking" if event.type == "thinking" else "text"
+            return Meaning(kind, payload["text"], tokens if isinstance(tokens, int) else 1)
         text = _choice_text(payload)
+        if not text and (thought := _choice_thought(payload)) is not None:
+            return Meaning("thinking", thought, 1)
         if text is not None:
             return Meaning("text", text, 1 if text else 0)
         if isinstance(payload.get("usage"), dict):  # an OpenAI usage chunk
@@ -105,10 +129,14 @@ def interpret_event(event: Event) -> Meaning:
 # A Responses stream ends with one of these; ``incomplete`` at the token limit is a whole reply
 # (as a chat completion that stopped at max_tokens is).
 _RESPONSES_ENDED = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_RESPONSES_DELTAS: dict[str, Kind] = {
+    "response.output_text.delta": "text",
+    "response.reasoning_text.delta": "thinking",
+}
 
 
 def _responses_event(event: Event) -> Meaning:
-    if event.type not in _RESPONSES_ENDED and event.type != "response.output_text.delta":
+    if event.type not in _RESPONSES_ENDED and event.type not in _RESPONSES_DELTAS:
         return OTHER
     try:
         payload = json.loads(event.data)
@@ -116,9 +144,10 @@ def _responses_event(event: Event) -> Meaning:
         return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
     if not isinstance(payload, dict):
         return Meaning("error", error=f"{event.type} data is not an object")
-    if event.type == "response.output_text.delta":
+    if event.type in _RESPONSES_DELTAS:
         delta = payload.get("delta")
-        return Meaning("text", delta, 1) if isinstance(delta, str) and delta else OTHER
+        kind = _RESPONSES_DELTAS[event.type]
+        return Meaning(kind, delta, 1) if isinstance(delta, str) and delta else OTHER
     response = payload.get("response")
     response = response if isinstance(response, dict) else {}
     if event.type == "response.completed":

@@ -45,6 +45,11 @@ class ReplyTiming:
     reply_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     cancelled: bool = False  # the reader hung up on purpose (``stop_after_tokens``)
+    # A reasoning model's thinking, apart from ``text`` (the answer). Its events are text
+    # events for every timing (``first_text_ms`` is the first of either, as a reader sees
+    # output begin and as vLLM's benchmark counts it); ``first_answer_ms``: the answer's.
+    thinking: str = ""
+    first_answer_ms: float | None = None
 
     @property
     def gaps_ms(self) -> list[float]:
@@ -67,6 +72,8 @@ class ReplyTiming:
             "body_bytes": self.body_bytes,
             "tokens": self.tokens,
             "cancelled": self.cancelled,
+            "first_answer_ms": self.first_answer_ms,
+            "thinking_chars": len(self.thinking),
             "text_events": len(self.text_event_ms),
             "text_event_ms": list(self.text_event_ms),
         }
@@ -88,6 +95,8 @@ class _Reading:
         self.first_byte_ms: float | None = None
         self.body_bytes = 0
         self.parts: list[str] = []
+        self.thoughts: list[str] = []
+        self.first_answer_ms: float | None = None
         self.tokens = 0
         self.reported_tokens: int | None = None  # the server's own count, when it sends one
         self.event_ms: list[float] = []
@@ -98,10 +107,15 @@ class _Reading:
         """``perf_counter()`` time ``at`` as ms since the request started."""
         return (at - self.started) * 1000.0
 
-    def on_text(self, text: str, tokens: int, at_ms: float) -> None:
+    def on_text(self, text: str, tokens: int, at_ms: float, thinking: bool = False) -> None:
         if not text:
             return
-        self.parts.append(text)
+        if thinking:
+            self.thoughts.append(text)
+        else:
+            self.parts.append(text)
+            if self.first_answer_ms is None:
+                self.first_answer_ms = at_ms
         self.tokens += tokens
         self.event_ms.append(at_ms)
         self.event_chars.append(len(text))
@@ -130,6 +144,8 @@ class _Reading:
             reply_id=self.headers.get("x-reply-id"),
             headers=self.headers,
             cancelled=self.cancelled,
+            thinking="".join(self.thoughts),
+            first_answer_ms=self.first_answer_ms,
         )
 
 
@@ -142,8 +158,8 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
         reading.body_bytes += len(chunk.data)
         for event in parser.feed(chunk.data):
             meaning = interpret_event(event)
-            if meaning.kind == "text":
-                reading.on_text(meaning.text, meaning.tokens, at)
+            if meaning.kind in ("text", "thinking"):
+                reading.on_text(meaning.text, meaning.tokens, at, meaning.kind == "thinking")
                 stop = reading.stop_after_tokens
                 if stop is not None and reading.tokens >= stop:
                     # Hang up as a user who stops reading does: leaving closes the socket.

@@ -41,7 +41,7 @@ STEADY_METRICS = ("ttft_ms", "tpot_ms")
 CLIENT_LIMIT_SHARE = 0.8
 
 DEFINITIONS = {
-    "ttft_ms": "request sent -> first parsed non-empty text",
+    "ttft_ms": "request sent -> first parsed non-empty text (or a reasoning model's thinking)",
     "tpot_ms": "per request: (last text - first text) / (tokens - 1)",
     "itl_ms": "gaps between consecutive text events, all requests pooled",
     "e2el_ms": "request sent -> end of reply (end marker read, connection closed)",
@@ -106,7 +106,8 @@ def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, A
         "status": t.status,
         "complete": t.complete,
         "error": t.error,
-        "ttft_ms": t.first_text_ms,
+        "ttft_ms": t.first_text_ms,  # the first text or thinking
+        "first_answer_ms": t.first_answer_ms,
         "tpot_ms": tpot,
         "max_itl_ms": max(gaps) if t.complete and gaps else None,
         "e2el_ms": t.closed_ms,
