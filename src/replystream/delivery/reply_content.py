@@ -51,11 +51,6 @@ class Thoughts:
     def whole(self) -> tuple[Thought, ...]:
         return tuple(self.stretches)
 
-    @property
-    def text(self) -> str:
-        """All the thinking, joined (for the dialects that hold it in one field)."""
-        return "".join(stretch.text for stretch in self.stretches)
-
 
 def in_order(
     text: str, calls: Sequence[ToolCall], thoughts: Sequence[Thought] = ()
