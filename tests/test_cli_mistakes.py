@@ -91,6 +91,19 @@ CASES: list[tuple[list[str], str]] = [
         ],
         "--engine upstream: the upstream API key must be printable ASCII",
     ),
+    (
+        [
+            "serve",
+            "--port",
+            "0",
+            "--engine",
+            "upstream:http://LocalHost:80/v1/",
+            "--engine",
+            "upstream:http://localhost/v1",
+        ],
+        "--engine upstream: the upstream at http://LocalHost:80/v1 is given twice "
+        "(also as http://localhost/v1)",
+    ),
     (["serve", "--redis-url", "http://x"], "--redis-url: expected one of redis://"),
     (["serve", "--redis-url", "redis+sentinel://127.0.0.1:26379"], "names its service"),
     (["serve", "--redis-failover-s", "5"], "--redis-failover-s is an option of --redis-url"),

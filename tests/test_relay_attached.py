@@ -117,6 +117,19 @@ async def test_after_a_failover_an_attached_reply_delivers_what_an_iterated_one_
     ]
 
 
+async def test_a_reply_that_moved_twice_is_one_failover():
+    # The metric counts replies moved ("replystream_upstream_failovers"), not moves.
+    upstreams = [Upstream(["m"], mode="busy"), Upstream(["m"], mode="busy"), Upstream(["m"])]
+    async with engine_over(upstreams) as engine:
+        sink = await attached(engine)
+        stats = engine.stats()
+    assert sink.error is None and sink.text == "w0 w1 w2 "
+    assert sorted(map(str, attempts(engine))) == sorted(
+        ["{'overloaded': 1}", "{'overloaded': 1}", "{'ok': 1}"]
+    )
+    assert stats.failovers == 1
+
+
 async def test_no_text_within_the_ttft_limit_moves_an_attached_reply_to_the_next_upstream():
     async with engine_over([Upstream(["m"], mode="silent"), Upstream(["m"])], ttft_s=0.3) as engine:
         sink = await attached(engine)
@@ -151,6 +164,17 @@ async def test_an_attached_stall_is_continued_behind_a_marker_at_another_upstrea
     assert other.bodies[0]["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 "}
     assert attempts(engine) == [{"stalled": 1}, {"ok": 1}]
     assert stats.continuations == 1 and stats.failovers == 0 and stats.active == 0
+
+
+async def test_a_reply_continued_twice_is_one_continuation():
+    # Two stalling upstreams, then one that finishes: two seams, one reply continued.
+    upstreams = [Upstream(["m"], mode="stall"), Upstream(["m"], mode="stall"), Upstream(["m"])]
+    async with engine_over(upstreams, stall_s=0.4, continuation=True) as engine:
+        sink = await attached(engine)
+        stats = engine.stats()
+    assert sink.error is None
+    assert [d.continued for d in sink.deltas if d.continued] == ["upstream_stalled"] * 2
+    assert stats.continuations == 1 and stats.failovers == 0
 
 
 async def test_an_attached_stall_without_continuation_ends_the_reply_with_its_error():

@@ -63,8 +63,10 @@ def test_a_failed_trial_opens_the_circuit_for_another_cooldown():
     a = Backend("http://a/v1")
     pool, clock = pool_of(a, failures=1, cooldown_s=5.0)
     pool.failed(a, "refused")
-    assert pool.plan(None) == [] and pool.ready() == (False, "refused")
-    clock.now += 5.0
+    assert pool.plan(None) == [] and pool.ready() == (False, "refused", 5.0)
+    clock.now += 2.0
+    assert pool.ready() == (False, "refused", 3.0)  # how soon its trial may go
+    clock.now += 3.0
     a.begin()
     pool.failed(a, "refused again")
     a.end()
@@ -130,9 +132,10 @@ def test_a_failed_probe_steers_requests_away_while_another_upstream_can_serve():
     assert pool.plan(None) == [b]
     b.probed("cannot connect either", None)
     assert set(pool.plan(None)) == {a, b}  # none answers: each is tried, for its own error
-    assert pool.ready() == (False, "cannot connect; cannot connect either")
+    # Every probe failed: no circuit can say when, only the next probe.
+    assert pool.ready() == (False, "cannot connect; cannot connect either", None)
     a.probed(None, ["m"])
-    assert pool.ready() == (True, "") and pool.plan(None) == [a]
+    assert pool.ready() == (True, "", None) and pool.plan(None) == [a]
 
 
 def test_models_route_requests_and_aliases_name_them():

@@ -241,3 +241,16 @@ async def test_a_429_for_the_callers_own_key_passes_the_upstreams_wait_on_to_it(
         status, _, body = await post(session, f"{url}/v1/chat/completions", CHAT, key="alice")
         assert status == 200, body
     assert hosted.keys == ["Bearer mallory", "Bearer mallory", "Bearer alice"]
+
+
+async def test_healthz_says_when_the_first_circuit_lets_a_request_through():
+    # The only upstream asked for 30 s (capped at the 20 s cool-down): /healthz is not
+    # ready, and says so for about that long rather than a fixed guess.
+    busy = ScriptedUpstream("busy", (503, "30"))
+    async with relay(busy, cooldown_s=20.0) as url, aiohttp.ClientSession() as session:
+        status, _, _ = await post(session, f"{url}/v1/chat/completions", CHAT)
+        assert status == 503
+        async with session.get(f"{url}/healthz") as response:
+            assert response.status == 503
+            wait = int(response.headers["Retry-After"])
+    assert 15 <= wait <= 20

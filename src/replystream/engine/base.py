@@ -300,6 +300,7 @@ class Readiness:
 
     ready: bool
     reason: str = ""
+    retry_after_s: float | None = None  # when it may be ready again, if the engine knows
 
 
 READY = Readiness(True)

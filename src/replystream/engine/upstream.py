@@ -77,6 +77,19 @@ def base_url_problem(url: str) -> str | None:
     return None
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def upstream_identity(url: str) -> tuple[str, str, int, str]:
+    """What tells one upstream from another, however its base URL is spelt: the scheme and
+    host in any case, the port given or its scheme's default, the path without its trailing
+    slashes. ``url`` is one ``base_url_problem`` found nothing wrong with."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or DEFAULT_PORTS[scheme]
+    return scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+
 def key_problem(key: str) -> str | None:
     """What keeps ``key`` out of an ``Authorization`` header (None: nothing)."""
     if key.isascii() and key.isprintable():
@@ -199,8 +212,14 @@ class UpstreamConfig:
             raise ValueError("upstream timeouts and the event size limit must be positive")
         if not self.health_path.startswith("/"):
             raise ValueError(f"the health path must start with /, got {self.health_path!r}")
-        if len({t.base_url for t in self.targets}) != len(self.targets):
-            raise ValueError("an upstream URL is given twice")
+        seen: dict[tuple[str, str, int, str], str] = {}
+        for target in self.targets:
+            identity = upstream_identity(target.base_url)
+            first = seen.get(identity)
+            if first is not None:
+                also = "" if first == target.base_url else f" (also as {target.base_url})"
+                raise ValueError(f"the upstream at {first} is given twice{also}")
+            seen[identity] = target.base_url
         if self.api_key is not None and self.pass_client_key:
             raise ValueError(
                 "a key for every upstream and the client's own key passed on: give one"
@@ -506,10 +525,13 @@ class UpstreamEngine:
 
     async def readiness(self) -> Readiness:
         """Ready while at least one upstream is: its circuit not open, its last probe
-        answered (probed in the background every ``health_s``)."""
+        answered (probed in the background every ``health_s``). Not ready, it says when the
+        first circuit lets a request through, or, when every probe failed, the next probe."""
         await self._prober.first_round()
-        ready, reason = self.pool.ready()
-        return READY if ready else Readiness(False, reason)
+        ready, reason, wait_s = self.pool.ready()
+        if ready:
+            return READY
+        return Readiness(False, reason, self.config.health_s if wait_s is None else wait_s)
 
     async def aclose(self) -> None:
         """Stop probing; close every upstream connection still open."""

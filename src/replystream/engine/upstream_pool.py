@@ -261,12 +261,16 @@ class UpstreamPool:
         now = self.clock()
         return min((b.wait_s(now) for b in self.serving(model)), default=None)
 
-    def ready(self) -> tuple[bool, str]:
-        """Whether some upstream can take a request now; if none, what is wrong with each."""
+    def ready(self) -> tuple[bool, str, float | None]:
+        """Whether some upstream can take a request now; if none, what is wrong with each,
+        and how soon the first whose last probe answered lets a request through (None: every
+        probe failed, and only the next probe round can tell)."""
         now = self.clock()
         for backend in self.backends:
             if backend.probe_ok is not False and (
                 backend.circuit is Circuit.HALF_OPEN or backend.allows(now)
             ):
-                return True, ""
-        return False, "; ".join(b.problem or f"{b.name} is failing" for b in self.backends)
+                return True, "", None
+        problems = "; ".join(b.problem or f"{b.name} is failing" for b in self.backends)
+        waits = [b.wait_s(now) for b in self.backends if b.probe_ok is not False]
+        return False, problems, min(waits, default=None)

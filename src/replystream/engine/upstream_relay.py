@@ -120,6 +120,7 @@ class RelayedReply:
         "_backend",
         "_began",
         "_continuation",
+        "_continued",
         "_counts",
         "_done",
         "_flowing",
@@ -173,6 +174,7 @@ class RelayedReply:
         self._relayed_any = False
         self._tokens = 0
         self._seam: str | None = None  # why the next attempt continues the reply
+        self._continued = False  # it went on at another upstream (counted once)
         self._held: Delta | None = None
         # The watchdog (``_watch``): when the last text came, how long the next may take.
         self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
@@ -359,7 +361,9 @@ class RelayedReply:
             if not self._continuation:
                 return False
             self._seam = error.code  # the next attempt continues the text relayed so far
-            self._counts.continuations += 1
+            if not self._continued:  # once per reply, however many seams it has
+                self._continued = True
+                self._counts.continuations += 1
             self._began = time.monotonic()
         if self._sink is not None:
             self._opening = self._loop.create_task(self._reopen())
@@ -423,8 +427,8 @@ class RelayedReply:
             backend = next((b for b in self._pool.plan(self._model) if b not in self._tried), None)
             if backend is None:
                 raise self._give_up()
-            if self._tried and not self._relayed_any:
-                self._counts.failovers += 1
+            if len(self._tried) == 1 and not self._relayed_any:
+                self._counts.failovers += 1  # once per reply, however many moves it made
             self._tried.add(backend)
             backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()

@@ -65,7 +65,7 @@ from replystream.server.context import (
     last_event_id,
     start_reply,
 )
-from replystream.server.errors import HTTPAPIError
+from replystream.server.errors import HTTPAPIError, retry_after_value
 from replystream.server.front_door import FrontDoor, front_door
 from replystream.server.guard import (
     GUARD_KEY,
@@ -84,6 +84,8 @@ from replystream.server.validation import parse_mapping, read_model
 from replystream.server.websocket import add_websocket_route
 
 log = logging.getLogger("replystream.server")
+# What /healthz says to wait when the engine cannot tell when it will be ready.
+UNREADY_RETRY_S = 5.0
 
 
 def lab_query(request: web.Request) -> LabQuery:
@@ -229,7 +231,8 @@ async def handle_health(request: web.Request) -> web.StreamResponse:
     if readiness.ready:
         return web.json_response({"status": "ok", "engine": engine.name})
     body = {"status": "unavailable", "engine": engine.name, "reason": readiness.reason}
-    return web.json_response(body, status=503, headers={"Retry-After": "5"})
+    wait_s = UNREADY_RETRY_S if readiness.retry_after_s is None else readiness.retry_after_s
+    return web.json_response(body, status=503, headers={"Retry-After": retry_after_value(wait_s)})
 
 
 async def report_readiness(app: web.Application) -> None:
