@@ -246,3 +246,27 @@ async def test_the_measuring_client_times_thinking_as_output_and_keeps_it_apart(
             assert timing.first_text_ms is not None and timing.first_answer_ms is not None
             assert timing.first_answer_ms - timing.first_text_ms >= 2 * THINK_S * 1000, route
             assert len(timing.text_event_ms) == len(THOUGHTS) + len(ANSWER), route
+
+
+async def test_a_responses_reasoning_effort_is_passed_on_and_repeated_in_the_response():
+    async with (
+        relay("deepseek") as (url, upstream),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        asked = await client.responses.create(
+            model="m", input="2 + 2?", reasoning={"effort": "low", "summary": "auto"}
+        )
+        plain = await client.responses.create(model="m", input="2 + 2?")
+        refused = await post_events(
+            f"{url}/v1/responses",
+            {"model": "m", "input": "2 + 2?", "reasoning": {"summary": "brief"}},
+        )
+    assert upstream.bodies[0]["reasoning_effort"] == "low"
+    assert "reasoning_effort" not in upstream.bodies[1]
+    assert asked.reasoning is not None
+    assert (asked.reasoning.effort, asked.reasoning.summary) == ("low", "auto")
+    assert plain.reasoning is not None and plain.reasoning.effort is None
+    # The summary asked for is the thinking itself, whole, in the reasoning item.
+    assert asked.output[0].type == "reasoning" and asked.output[0].summary == []
+    assert refused.status == 400
+    assert json.loads(refused.raw)["error"]["param"] == "reasoning.summary"

@@ -83,6 +83,8 @@ class ResponseSettings:
     tools: tuple[dict[str, Any], ...] = ()  # the function tools offered, as the request gave them
     tool_choice: str | dict[str, Any] = "none"
     parallel_tool_calls: bool = True
+    # The request's ``reasoning``, repeated as OpenAI's response object does.
+    reasoning: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
 
 
 def response_object(
@@ -125,6 +127,7 @@ def response_object(
         "output": output,
         "parallel_tool_calls": settings.parallel_tool_calls,
         "previous_response_id": settings.previous_response_id,
+        "reasoning": settings.reasoning,
         "store": settings.store,
         "temperature": settings.temperature,
         "text": {"format": {"type": "text"}},

@@ -66,6 +66,7 @@ from replystream.server.replies import Reply
 from replystream.server.schemas import (
     Conversation,
     ResponsesBody,
+    ResponsesReasoning,
     RetrieveQuery,
     SamplingFields,
 )
@@ -215,8 +216,15 @@ def _generation(
     sampling = sampling_params(_sampling(body), body.max_output_tokens)
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
     parallel = body.parallel_tool_calls
+    effort = None if body.reasoning is None else body.reasoning.effort
     return GenerationRequest(
-        prompt, sampling, tuple(messages), tools, tool_choice, parallel_tool_calls=parallel
+        prompt,
+        sampling,
+        tuple(messages),
+        tools,
+        tool_choice,
+        parallel_tool_calls=parallel,
+        reasoning_effort=effort,
     )
 
 
@@ -259,6 +267,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         tools=tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ()),
         tool_choice=_echoed_choice(body),
         parallel_tool_calls=body.parallel_tool_calls is not False,  # the API's default: true
+        reasoning=(body.reasoning or ResponsesReasoning()).model_dump(),
     )
     if not body.store:  # nothing to keep: a plain reply, or one body collected whole
         if not body.stream:

@@ -510,6 +510,15 @@ class ResponsesExtensions(Strict):
     upstream_continue: bool | None = None
 
 
+class ResponsesReasoning(Strict):
+    """``reasoning`` of ``POST /v1/responses``: a reasoning model's effort, passed to a relay's
+    upstream as chat's ``reasoning_effort``; and the summary asked for, which is given as
+    the thinking itself (a relay has no summariser: the reasoning item holds it whole)."""
+
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesBody(Strict):
     """``POST /v1/responses``."""
 
@@ -530,6 +539,7 @@ class ResponsesBody(Strict):
     tool_choice: ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    reasoning: ResponsesReasoning | None = None
     replystream: ResponsesExtensions | None = None
 
     @model_validator(mode="after")
