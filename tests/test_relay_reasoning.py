@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 
@@ -26,6 +27,7 @@ from replystream.delivery.responses_format import (
 )
 from replystream.server.context import ServerConfig
 from tests.sse_client import post_events
+from tests.test_websocket import read_until_ended
 from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay
 
 ASK: Any = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -270,3 +272,14 @@ async def test_a_responses_reasoning_effort_is_passed_on_and_repeated_in_the_res
     assert asked.output[0].type == "reasoning" and asked.output[0].summary == []
     assert refused.status == 400
     assert json.loads(refused.raw)["error"]["param"] == "reasoning.summary"
+
+
+async def test_a_websocket_reply_carries_the_thinking_as_its_own_messages():
+    async with relay("deepseek") as (url, _), aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "t", "prompt": "2 + 2?"})
+            messages = await read_until_ended(ws, {"t"})
+    kinds = [m["type"] for m in messages if m["type"] in ("thinking", "token")]
+    assert kinds == ["thinking"] * len(THOUGHTS) + ["token"] * len(ANSWER)
+    assert [m["data"]["text"] for m in messages if m["type"] == "thinking"] == THOUGHTS
+    assert messages[-1]["type"] == "done"
