@@ -260,6 +260,29 @@ async def test_a_websockets_key_from_its_upgrade_or_its_first_message_is_passed_
     assert hosted.requests() == ["Bearer alice", "Bearer bob"]
 
 
+async def test_a_browser_socket_on_a_server_without_keys_gives_its_key_in_an_auth_message():
+    """No keys here: the upstream checks them. A browser's socket cannot send one on the
+    upgrade, so its auth message carries it; a second one is refused, and changes nothing."""
+    hosted = KeyedUpstream("open", {"carol"})
+    async with running(hosted.app()) as upstream_url:
+        hosted.url = f"{upstream_url}/v1"
+        targets = (UpstreamTarget(hosted.url, pass_client_key=True, models=("open",)),)
+        engine = UpstreamEngine(UpstreamConfig(targets))
+        start = {"type": "reply", "id": "t", "prompt": "hi"}
+        async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{url}/v1/ws") as ws:
+                await ws.send_json({"type": "auth", "api_key": "carol"})
+                await ws.send_json(start)
+                assert (await read_until_ended(ws, {"t"}))[-1]["type"] == "done"
+                await ws.send_json({"type": "auth", "api_key": "mallory"})
+                refused = await ws.receive_json()
+                await ws.send_json({**start, "id": "u"})
+                assert (await read_until_ended(ws, {"u"}))[-1]["type"] == "done"
+    assert refused["type"] == "error" and refused["id"] is None
+    assert refused["data"]["error"]["param"] == "api_key"
+    assert hosted.requests() == ["Bearer carol", "Bearer carol"]
+
+
 async def test_a_client_key_that_cannot_go_in_a_header_is_the_clients_401_and_opens_no_circuit():
     """A key of characters no HTTP header can carry (non-ASCII) is the caller's to fix: it
     is refused here in our words, tried nowhere, and the upstream stays in routing."""

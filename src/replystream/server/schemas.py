@@ -581,7 +581,8 @@ class CancelMessage(Strict):
 
 
 class AuthMessage(Strict):
-    """``{"type": "auth", "api_key": "..."}``: the first message when keys are configured."""
+    """``{"type": "auth", "api_key": "..."}``: the first message when keys are configured;
+    on a server without keys, the caller's key for a relay that passes it on."""
 
     type: Literal["auth"]
     api_key: str

@@ -41,7 +41,14 @@ from typing import Any
 from aiohttp import WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.server.auth import AUTH_PENDING, OWNER, SOCKET_KEY, KeyRing, key_owner
+from replystream.server.auth import (
+    AUTH_PENDING,
+    OWNER,
+    SOCKET_KEY,
+    KeyRing,
+    client_key,
+    key_owner,
+)
 from replystream.server.context import (
     CONFIG_KEY,
     MANAGER_KEY,
@@ -227,6 +234,9 @@ class Session:
         try:
             if msg.type != WSMsgType.TEXT:
                 raise HTTPAPIError(400, "messages must be JSON text", code="invalid_json")
+            if '"auth"' in msg.data and (key := auth_key(msg.data)) is not None:
+                self._take_key(key)
+                return
             try:
                 message = parse_message(msg.data)
             except BadMessage as bad:
@@ -243,6 +253,19 @@ class Session:
         except Exception as exc:
             failure = failure_message(tag, exc)
         await self.send(failure)
+
+    def _take_key(self, key: str) -> None:
+        """An ``auth`` message on a server without keys of its own: the caller's key, for a
+        relay that passes it on (a browser's ``WebSocket`` cannot send it on the upgrade).
+        Replies started after it carry it; a socket has one key, from wherever it came."""
+        if client_key(self.request) is not None:
+            raise HTTPAPIError(
+                400,
+                "this socket has its key already (from its upgrade or an earlier auth message)",
+                code="invalid_request",
+                param="api_key",
+            )
+        self.request[SOCKET_KEY] = key
 
     def _start(self, message: ReplyMessage, group: asyncio.TaskGroup) -> None:
         tag = message.id
