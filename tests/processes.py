@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from replystream.lab.local_server import READY_PREFIX, stop_process
 
 
-async def start_server(*args: str, ready_s: float = 30.0) -> tuple[asyncio.subprocess.Process, str]:
-    """Start ``replystream serve --port 0 ARGS``; return the process and its base URL.
-
-    ``ready_s`` bounds the wait for its ready line (a real model takes seconds to load)."""
-    process = await asyncio.create_subprocess_exec(
+async def launch(
+    *args: str, stderr: int | None = None, env: Mapping[str, str] | None = None
+) -> asyncio.subprocess.Process:
+    """``replystream serve --port 0 ARGS`` started, its stdout ours to read (and its stderr,
+    with ``stderr=asyncio.subprocess.PIPE``)."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "replystream",
@@ -23,11 +24,24 @@ async def start_server(*args: str, ready_s: float = 30.0) -> tuple[asyncio.subpr
         "0",
         *args,
         stdout=asyncio.subprocess.PIPE,
+        stderr=stderr,
+        env=env,
     )
+
+
+async def ready_url(process: asyncio.subprocess.Process, ready_s: float = 30.0) -> str:
+    """The base URL a started server's ready line names; ``ready_s`` bounds the wait for it
+    (a real model takes seconds to load)."""
     assert process.stdout is not None
     line = (await asyncio.wait_for(process.stdout.readline(), ready_s)).decode()
     assert line.startswith(READY_PREFIX), line
-    return process, line[len(READY_PREFIX) :].strip()
+    return line[len(READY_PREFIX) :].strip()
+
+
+async def start_server(*args: str, ready_s: float = 30.0) -> tuple[asyncio.subprocess.Process, str]:
+    """Start ``replystream serve --port 0 ARGS``; return the process and its base URL."""
+    process = await launch(*args)
+    return process, await ready_url(process, ready_s)
 
 
 stop = stop_process

@@ -119,13 +119,15 @@ async def test_an_upstream_that_asked_for_time_gets_no_request_before_it_and_one
             status, _, body = await post(session, f"{url}/v1/chat/completions", CHAT)
             assert status == 200, body
             await asyncio.sleep(0.1)
-        assert len(busy.came) == 1 and time.monotonic() < busy.came[0] + 2.0
         asked_until = busy.came[0] + 2.0
         await asyncio.sleep(max(0.0, asked_until - time.monotonic()))
         for _ in range(4):
             status, _, body = await post(session, f"{url}/v1/chat/completions", CHAT)
             assert status == 200, body
-    assert len(busy.came) >= 2 and busy.came[1] >= asked_until
+    # However long the first requests took on a busy machine: none went there inside the
+    # wait, and one did after it.
+    assert len(busy.came) >= 2 and all(t >= asked_until for t in busy.came[1:]), busy.came
+    assert len(idle.came) >= 6
 
 
 # Each dialect's route, and the body that asks it for a reply (streamed and buffered).

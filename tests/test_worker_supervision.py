@@ -14,7 +14,6 @@ import contextlib
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -23,7 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from replystream.lab.local_server import READY_PREFIX
-from tests.processes import stop
+from tests.conftest import wait_for
+from tests.processes import launch, ready_url, stop
 from tests.rawhttp import raw_request
 from tests.test_workers import alive, children_of
 
@@ -38,36 +38,16 @@ async def parent(
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     """``replystream serve --port 0 ARGS`` with its stdout and stderr ours to read; stopped
     on exit."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "serve",
-        "--port",
-        "0",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
+    process = await launch(*args, stderr=asyncio.subprocess.PIPE, env=env)
     try:
         yield process
     finally:
         await stop(process)
 
 
-async def ready_url(process: asyncio.subprocess.Process, timeout_s: float = 60.0) -> str:
-    assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), timeout_s)).decode()
-    assert line.startswith(READY_PREFIX), line
-    return line[len(READY_PREFIX) :].strip()
-
-
-async def until(check: Callable[[], object], timeout_s: float = 30.0) -> None:
-    """Wait until ``check()`` is true (what it reads, other processes, sends no event)."""
-    async with asyncio.timeout(timeout_s):
-        while not check():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
+async def until(check: Callable[[], bool]) -> None:
+    """Wait until ``check()`` holds (it reads other processes, which send no event)."""
+    await wait_for(check, timeout_s=30.0)
 
 
 class HeldUpstream:
@@ -161,7 +141,7 @@ async def test_a_worker_that_dies_before_it_is_ready_stops_the_server_unannounce
 async def test_a_worker_killed_again_and_again_is_restarted_after_longer_and_longer_waits():
     async with parent(*SIMULATED, "--workers", "2") as process:
         assert process.stderr is not None
-        url = await ready_url(process)
+        url = await ready_url(process, ready_s=60.0)
         victim, spared = children_of(process.pid)
         seen = {victim, spared}
         waits = []
@@ -170,7 +150,7 @@ async def test_a_worker_killed_again_and_again_is_restarted_after_longer_and_lon
             # exits are in a row.
             killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            await until(lambda: set(children_of(process.pid)) - seen)
+            await until(lambda: bool(set(children_of(process.pid)) - seen))
             waits.append(time.monotonic() - killed_at)
             (victim,) = set(children_of(process.pid)) - seen
             seen.add(victim)
@@ -214,7 +194,7 @@ async def test_a_killed_servers_metrics_folder_goes_at_the_next_start_and_a_live
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the servers make their folders
     args = (*SIMULATED, "--workers", "2", "--shutdown-grace-s", "0")
     async with parent(*args, env=env) as killed:
-        await ready_url(killed)
+        await ready_url(killed, ready_s=60.0)
         workers = children_of(killed.pid)
         (left,) = metrics_folders(tmp_path)
         killed.send_signal(signal.SIGKILL)  # the parent alone, which cannot clean up
@@ -223,11 +203,11 @@ async def test_a_killed_servers_metrics_folder_goes_at_the_next_start_and_a_live
     assert metrics_folders(tmp_path) == [left]
 
     async with parent(*args, env=env) as first:
-        await ready_url(first)
+        await ready_url(first, ready_s=60.0)
         (first_folder,) = metrics_folders(tmp_path)  # the killed server's is gone
         assert first_folder != left
         async with parent(*args, env=env) as second:
-            await ready_url(second)
+            await ready_url(second, ready_s=60.0)
             # The running server's folder is not taken for a dead one's.
             assert first_folder in metrics_folders(tmp_path)
             assert len(metrics_folders(tmp_path)) == 2

@@ -322,8 +322,8 @@ class RelayedReply:
 
     def _took(self, deltas: Sequence[Delta]) -> None:
         """What relaying ``deltas`` changes: the first content of an attempt (text, relayed
-        thinking or a call) commits it, a
-        tool call rules continuation out, a finish reason ends the attempt well."""
+        thinking or a call) commits it, a tool call rules continuation out, a finish reason
+        ends the attempt well."""
         if not self._flowing:
             self._flowing = True
             self._limit = self._limits.stall_s  # from now on: the stall limit, from here
