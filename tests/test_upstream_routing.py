@@ -398,3 +398,53 @@ async def test_a_models_answer_no_listing_can_come_from_leaves_the_upstream_serv
             assert got.status == 200 and got.chat_text == "w0 w1 w2 "
     assert odd.bodies and plain.bodies
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+async def test_rerouting_keeps_a_staying_upstreams_state_and_probes_a_new_one_first():
+    a, b, c = Upstream(["m"]), Upstream(["m"]), Upstream(["n"])
+    probed_with: list[str | None] = []
+    listing = c.list_models
+
+    async def list_models(request: web.Request) -> web.Response:
+        probed_with.append(request.headers.get("Authorization"))
+        return await listing(request)
+
+    c.list_models = list_models  # type: ignore[method-assign, assignment]
+    async with AsyncExitStack() as stack:
+        a_url, b_url, c_url = [await stack.enter_async_context(running(u.app())) for u in (a, b, c)]
+        first = UpstreamConfig(
+            (UpstreamTarget(f"{a_url}/v1", api_key="a-key"), UpstreamTarget(f"{b_url}/v1"))
+        )
+        engine = UpstreamEngine(first)
+        url = await stack.enter_async_context(running(create_app(engine)))
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        for _ in range(2):
+            assert (await post_events(f"{url}/v1/chat/completions", body)).status == 200
+        kept = engine.pool.backends[0]
+        assert kept.attempts["ok"] == 1 and engine.pool.backends[1].attempts["ok"] == 1
+
+        # a stays with a new key and weight; b leaves; c joins, its models not given.
+        change = await engine.reroute(
+            UpstreamConfig(
+                (
+                    UpstreamTarget(f"{a_url}/v1", weight=2, api_key="a-key-2"),
+                    UpstreamTarget(f"{c_url}/v1", api_key="c-key"),
+                )
+            )
+        )
+        assert change.added == (f"{c_url}/v1",) and change.removed == (f"{b_url}/v1",)
+        assert engine.pool.backends[0] is kept and kept.weight == 2 and kept.attempts["ok"] == 1
+        joined = engine.pool.backends[1]
+        # Probed before it took a request, with its own key: its model list is known.
+        assert joined.probe_ok is True and joined.models == {"n"}
+        assert probed_with == ["Bearer c-key"]
+        assert engine.stats().models == ("m", "n")
+        sent_to_b = len(b.bodies)
+        for _ in range(3):
+            assert (await post_events(f"{url}/v1/chat/completions", body)).status == 200
+        body["model"] = "n"
+        assert (await post_events(f"{url}/v1/chat/completions", body)).status == 200
+        assert len(b.bodies) == sent_to_b  # nothing new for the upstream taken out
+        assert [h["Authorization"] for h in a.headers[-3:]] == ["Bearer a-key-2"] * 3
+        assert c.headers[-1]["Authorization"] == "Bearer c-key"
+        assert [b.name for b in engine.stats().backends] == [f"{a_url}/v1", f"{c_url}/v1"]

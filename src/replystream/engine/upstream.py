@@ -297,6 +297,51 @@ def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
     return (quoted(error) if isinstance(error, str) and error.strip() else None), None, None
 
 
+def _backend(target: UpstreamTarget) -> Backend:
+    return Backend(
+        target.base_url, target.weight, frozenset(target.models), fixed_models=bool(target.models)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamKeys:
+    """What goes to each upstream as its ``Authorization``: its own key, or the caller's own
+    (for those in ``passing``), else the key for all."""
+
+    own: dict[str, str | None]
+    passing: frozenset[str]
+    default: str | None = field(repr=False)
+
+    @classmethod
+    def of(cls, config: UpstreamConfig) -> UpstreamKeys:
+        targets = config.targets
+        return cls(
+            {t.base_url: t.api_key for t in targets},
+            frozenset(t.base_url for t in targets if config.passes_client_key(t)),
+            config.api_key,
+        )
+
+    def headers(self, name: str, client_key: str | None = None) -> dict[str, str]:
+        """What goes to the upstream ``name`` beside a request: its configured key, or, for
+        one that takes the caller's own, ``client_key`` (a health probe has none to send)."""
+        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+        key = client_key if name in self.passing else self.own.get(name) or self.default
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChange:
+    """What a ``reroute`` changed: the upstreams that joined and left, and how many of each
+    there are now."""
+
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    upstreams: int
+    aliases: int
+
+
 class UpstreamEngine:
     """Relays OpenAI-compatible streaming servers: requests over the relay's own HTTP client
     (``upstream_http``, a keep-alive pool per upstream), health probes over aiohttp."""
@@ -309,29 +354,27 @@ class UpstreamEngine:
 
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
-        self._targets = {t.base_url: t for t in config.targets}
-        self._passing = frozenset(t.base_url for t in config.targets if config.passes_client_key(t))
+        self._keys = UpstreamKeys.of(config)
         self.pool = UpstreamPool(
-            [
-                Backend(t.base_url, t.weight, frozenset(t.models), fixed_models=bool(t.models))
-                for t in config.targets
-            ],
+            [_backend(t) for t in config.targets],
             BreakerConfig(config.failures, config.cooldown_s),
             time.monotonic,
             dict(config.aliases),
         )
         self._limits = RelayLimits(config.ttft_s, config.stall_s, config.failover_s)
         self._relay_counts = RelayCounts()
-        self._first_models: dict[str, str | None] = {}
         self._session: aiohttp.ClientSession | None = None  # the health prober's
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
+        # Those of upstreams taken out of the routes, while replies under way still use them.
+        self._retired: list[HttpOrigin] = []
+        self._rerouting = asyncio.Lock()
         self._prober = HealthProber(
             self.pool,
             session=self._client,
             headers=self._headers,
             interval_s=config.health_s,
             path=config.health_path,
-            keyless=self._passing,
+            keyless=self._keys.passing,
         )
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._active = 0
@@ -342,16 +385,7 @@ class UpstreamEngine:
         return math.ceil(len(text.encode("utf-8")) / 4)
 
     def _headers(self, backend: Backend, client_key: str | None = None) -> dict[str, str]:
-        """What goes to ``backend`` beside a request: its configured key, or, for one that
-        takes the caller's own, ``client_key`` (a health probe has none to send)."""
-        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
-        if backend.name in self._passing:
-            key = client_key
-        else:
-            key = self._targets[backend.name].api_key or self.config.api_key
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        return headers
+        return self._keys.headers(backend.name, client_key)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -418,7 +452,7 @@ class UpstreamEngine:
         timeout, or ``within_s`` if that is shorter (what a relay's failover window has left).
         """
         key = request.client_key
-        if key and backend.name in self._passing and key_problem(key) is not None:
+        if key and backend.name in self._keys.passing and key_problem(key) is not None:
             # No HTTP header can carry it: the caller's to fix, not the upstream's failure
             # (counted on its circuit, a client's bad key would take it out for everyone).
             raise UpstreamRefusedClientKey(
@@ -486,7 +520,7 @@ class UpstreamEngine:
         said = f"{where}: {message}" if message else where
         if status in (400, 413, 422):
             return RequestRejected(said, code=code or "upstream_rejected", param=param)
-        if status == 429 and backend.name in self._passing:
+        if status == 429 and backend.name in self._keys.passing:
             # The caller's own account's limit: another upstream would not lift it, and
             # counted on the circuit, one caller's spent quota would shut out every caller.
             # When it lifts is the caller's to know: the upstream's wait goes on to it.
@@ -499,7 +533,7 @@ class UpstreamEngine:
             # trial says so and it asks again).
             wait = retry_after_s(response.retry_after, time.time(), self.config.cooldown_s)
             return UpstreamOverloaded(said, code="upstream_overloaded", retry_after_s=wait)
-        if status in (401, 403) and backend.name in self._passing:
+        if status in (401, 403) and backend.name in self._keys.passing:
             # The client's own key: theirs to fix, and no other upstream would take it.
             said = f"{where}: it refused the API key you sent, which is passed on to it"
             if not client_key:
@@ -523,6 +557,52 @@ class UpstreamEngine:
             continuations=self._relay_counts.continuations,
         )
 
+    async def reroute(self, config: UpstreamConfig) -> RouteChange:
+        """Serve ``config``'s upstreams and aliases from now on (a routes file read again;
+        the rest of ``config`` is the command line's, as before). An upstream that stays
+        keeps its circuit, counts and connections, with its weight, key and models as now
+        given; a new one is probed before it joins, and one whose models are no longer
+        given is asked for its list again. One taken out gets no new request; the replies
+        under way there go on to their end."""
+        async with self._rerouting:  # two reloads at once: one after the other
+            before = {b.name: b for b in self.pool.backends}
+            backends, asked = [], []
+            for target in config.targets:
+                backend = before.get(target.base_url)
+                if backend is None:
+                    backend = _backend(target)
+                    asked.append(backend)
+                else:
+                    backend.weight = target.weight
+                    if target.models:
+                        backend.models, backend.fixed_models = frozenset(target.models), True
+                    elif backend.fixed_models:
+                        backend.models, backend.fixed_models = frozenset(), False
+                        asked.append(backend)
+                backends.append(backend)
+            keys = UpstreamKeys.of(config)
+            if asked:  # with the keys they will be sent
+                await self._prober.probe(
+                    asked, headers=lambda b: keys.headers(b.name), keyless=keys.passing
+                )
+            self.config, self._keys, self._prober.keyless = config, keys, keys.passing
+            self.pool.backends = backends
+            self.pool.aliases = dict(config.aliases)
+            kept = {b.name for b in backends}
+            removed = tuple(name for name in before if name not in kept)
+            for name in removed:
+                origin = self._origins.pop(name, None)
+                if origin is not None:
+                    origin.retire()
+                    self._retired.append(origin)
+            self._retired = [o for o in self._retired if o.in_use]
+            return RouteChange(
+                added=tuple(b.name for b in backends if b.name not in before),
+                removed=removed,
+                upstreams=len(backends),
+                aliases=len(config.aliases),
+            )
+
     async def readiness(self) -> Readiness:
         """Ready while at least one upstream is: its circuit not open, its last probe
         answered (probed in the background every ``health_s``). Not ready, it says when the
@@ -536,9 +616,10 @@ class UpstreamEngine:
     async def aclose(self) -> None:
         """Stop probing; close every upstream connection still open."""
         await self._prober.aclose()
-        for origin in self._origins.values():
+        for origin in (*self._origins.values(), *self._retired):
             origin.close()
         self._origins.clear()
+        self._retired.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None

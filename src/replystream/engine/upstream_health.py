@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 from pydantic_core import from_json
@@ -73,8 +73,8 @@ class HealthProber:
         self._interval_s = interval_s
         self._path = path
         # Upstreams that take each caller's own key: probed without one, so a 401 or 403
-        # from them says they are up.
-        self._keyless = keyless
+        # from them says they are up (set again when the routes change).
+        self.keyless = keyless
         self._timeout_s = min(timeout_s, interval_s)
         self._probed = False
         self._lock = asyncio.Lock()
@@ -90,10 +90,23 @@ class HealthProber:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="upstream-health")
 
     async def probe_all(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            for backend in self._pool.backends:
-                group.create_task(self._probe(backend))
+        await self.probe(self._pool.backends)
         self._probed = True
+
+    async def probe(
+        self,
+        backends: Sequence[Backend],
+        *,
+        headers: Callable[[Backend], Mapping[str, str]] | None = None,
+        keyless: frozenset[str] | None = None,
+    ) -> None:
+        """Probe ``backends`` at once: those of the pool, or ones about to join it (with the
+        ``headers`` and ``keyless`` they will have there)."""
+        headers = headers or self._headers
+        keyless = self.keyless if keyless is None else keyless
+        async with asyncio.TaskGroup() as group:
+            for backend in backends:
+                group.create_task(self._probe(backend, headers, keyless))
 
     async def _run(self) -> None:
         while True:
@@ -103,16 +116,23 @@ class HealthProber:
             except Exception:  # a bug here must not stop the probing for good
                 log.exception("upstream health probe failed")
 
-    async def _probe(self, backend: Backend) -> None:
-        problem, models = await self._ask(backend)
+    async def _probe(
+        self,
+        backend: Backend,
+        headers: Callable[[Backend], Mapping[str, str]],
+        keyless: frozenset[str],
+    ) -> None:
+        problem, models = await self._ask(backend, headers(backend), backend.name in keyless)
         backend.probed(problem, models)
 
-    async def _ask(self, backend: Backend) -> tuple[str | None, list[str]]:
+    async def _ask(
+        self, backend: Backend, headers: Mapping[str, str], keyless: bool
+    ) -> tuple[str | None, list[str]]:
         where = f"the upstream at {backend.name}"
         url = f"{backend.name}{self._path}"
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with self._session().get(url, headers=self._headers(backend)) as response:
+                async with self._session().get(url, headers=headers) as response:
                     status = response.status
                     listing: object = None
                     if status == 200 and self._path == "/models":
@@ -122,7 +142,7 @@ class HealthProber:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:
             return connect_failure(exc, backend.name, self._timeout_s).message, []
-        if status in (401, 403) and backend.name in self._keyless:
+        if status in (401, 403) and keyless:
             return None, []
         if status in (401, 403):
             return f"{where} refused our API key ({status})", []

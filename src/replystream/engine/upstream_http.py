@@ -134,6 +134,7 @@ class HttpOrigin:
         self._idle: list[Connection] = []
         self._open: set[Connection] = set()
         self._tls: ssl.SSLContext | None = None
+        self._retired = False  # out of the routes: no connection is kept for another request
         self.connections_made = 0  # for /metrics-free checks: connections opened so far
 
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
@@ -198,7 +199,7 @@ class HttpOrigin:
             self._idle.remove(connection)
 
     def _give_back(self, connection: Connection) -> None:
-        if len(self._idle) >= self._max_idle:
+        if self._retired or len(self._idle) >= self._max_idle:
             connection.close()
         else:
             self._idle.append(connection)
@@ -207,6 +208,18 @@ class HttpOrigin:
     def idle(self) -> int:
         """Idle keep-alive connections in the pool."""
         return len(self._idle)
+
+    @property
+    def in_use(self) -> bool:
+        """Whether some connection is open (a response under way, or idle)."""
+        return bool(self._open)
+
+    def retire(self) -> None:
+        """No more requests go here: close the idle connections, and each one in use once
+        its response is over (the replies under way go on)."""
+        self._retired = True
+        while self._idle:
+            self._idle.pop().close()
 
     def close(self) -> None:
         """Close every connection (idle or in use)."""

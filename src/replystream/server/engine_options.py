@@ -204,6 +204,16 @@ def build_simulated(args: argparse.Namespace) -> Engine:
 
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     """The relay: the ``--engine upstream:URL`` targets, then the routes file's."""
+    return UpstreamEngine(upstream_config(args, choice))
+
+
+def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamConfig:
+    """The relay's configuration as the command line and the routes file give it now (read
+    at start, and again for each reload of the routes file).
+
+    Raises:
+        ValueError: one line naming the flag, or the file, entry and field, at fault.
+    """
     key = args.upstream_api_key or os.environ.get(API_KEY_ENV) or None
     if key is not None and args.upstream_pass_client_key:
         source = "--upstream-api-key" if args.upstream_api_key else f"${API_KEY_ENV}"
@@ -240,7 +250,7 @@ def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
         )
     except ValueError as exc:
         raise ValueError(f"--engine upstream: {exc}") from None
-    return UpstreamEngine(config)
+    return config
 
 
 def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:

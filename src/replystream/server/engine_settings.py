@@ -166,7 +166,8 @@ UPSTREAM_ENGINE = Group(
     (
         Setting(
             "--upstream-routes",
-            "a TOML file of upstreams (each one's key, weight and models) and model aliases",
+            "a TOML file of upstreams (each one's key, weight and models) and model aliases, "
+            "read again on SIGHUP",
             metavar="FILE",
             engines=UPSTREAM,
         ),

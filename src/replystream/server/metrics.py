@@ -329,6 +329,16 @@ class Metrics:
         else:
             self._readings.append((gauge, read))
 
+    def forget(self, name: str, **labels: str) -> None:
+        """Stop reading the ``state`` row ``name`` with ``labels``, and drop it from the
+        output. With workers, the row stays at its last reading: prometheus-client cannot
+        remove a row its processes share through files."""
+        gauge = self._states[name]
+        child = gauge.labels(**labels)
+        self._readings = [(g, read) for g, read in self._readings if g is not child]
+        if self.multiprocess_dir is None:
+            gauge.remove(*(labels[label] for label in sorted(labels)))
+
     def histogram_on_scrape(
         self,
         name: str,

@@ -166,15 +166,19 @@ async def serve_forever(
     announce: Callable[[str], list[str]] | None = listening_lines,
     parent_pid: int | None = None,
     on_serving: Callable[[], None] | None = None,
+    on_hangup: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, printing ``announce(url)`` on stdout once listening
     (tools read its first line); a worker serving an inherited socket passes None and stays
     quiet (its parent announces the URL once ``on_serving`` said so for every worker), and its
-    parent's ``parent_pid``: it also stops, the same way, when that parent is gone."""
+    parent's ``parent_pid``: it also stops, the same way, when that parent is gone. With
+    ``on_hangup``, a SIGHUP calls it (else it stops the process, as it stops any)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if on_hangup is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
     async with serving(app, host, port, sock) as server:
         tune_collector()
         if announce is not None:

@@ -24,10 +24,12 @@ from replystream.server.context import (
     METRICS_KEY,
     STORE_KEY,
 )
-from replystream.server.metrics import STATE_REFRESH_S, Metrics
+from replystream.server.metrics import STATE_REFRESH_S, AcrossWorkers, Metrics
 from replystream.stats import LATENCY_BOUNDS
 
 _FD_DIR = "/proc/self/fd"
+# A relay's per-upstream rows, which follow its routes when they are read again.
+BACKEND_GAUGES_KEY: web.AppKey[BackendGauges] = web.AppKey("backend_gauges")
 
 
 def open_tasks() -> float:
@@ -75,7 +77,9 @@ def add_state_gauges(app: web.Application) -> None:
             "KV cache blocks held by requests.",
             lambda: engine.stats().kv_blocks_used or 0,
         )
-    add_backend_gauges(metrics, engine)
+    gauges = add_backend_gauges(metrics, engine)
+    if gauges is not None:
+        app[BACKEND_GAUGES_KEY] = gauges
     local = app[LOCAL_STORE_KEY]
     stores: list[tuple[str, ReplayStore]] = [("local", local)]
     if app[STORE_KEY] is not local:  # else one store serves both
@@ -118,63 +122,96 @@ async def _publishing_readings(app: web.Application) -> AsyncIterator[None]:
 CIRCUIT_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
 
-def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
-    """Per-upstream state of a relay (nothing for an engine that relays to no one): each
-    circuit, probe, outstanding count, attempts by result and time to first text, read from
-    ``stats()``."""
-    stats = engine.stats()
-    if not stats.backends:
-        return
+class BackendGauges:
+    """Per-upstream state of a relay, one row per upstream routed to now: each circuit,
+    probe, outstanding count, and attempts and probes by result, read from ``stats()``.
+    ``sync`` follows the routes when they change: rows for upstreams that joined, none for
+    those taken out (with workers, prometheus-client keeps a row it shares through files:
+    it stays at its last reading until the worker restarts)."""
 
-    def backend(index: int) -> BackendStats:
-        return engine.stats().backends[index]
+    def __init__(self, metrics: Metrics, engine: Engine) -> None:
+        self._metrics = metrics
+        self._engine = engine
+        self._rows: dict[str, list[tuple[str, dict[str, str]]]] = {}
 
-    def reading(index: int, read: Callable[[BackendStats], float]) -> Callable[[], float]:
-        return lambda: read(backend(index))
+    def sync(self) -> None:
+        names = {b.name for b in self._engine.stats().backends}
+        for name in [n for n in self._rows if n not in names]:
+            for family, labels in self._rows.pop(name):
+                self._metrics.forget(family, **labels)
+        for name in sorted(names - self._rows.keys()):
+            self._rows[name] = self._add(name)
 
-    def count(index: int, field: str, result: str) -> Callable[[], float]:
-        return reading(index, lambda b: float(dict(getattr(b, field)).get(result, 0)))
+    def _reading(self, name: str, read: Callable[[BackendStats], float]) -> Callable[[], float]:
+        def reading() -> float:
+            for backend in self._engine.stats().backends:
+                if backend.name == name:
+                    return read(backend)
+            return 0.0  # taken out of the routes, between a reload and its ``sync``
 
-    for index, first in enumerate(stats.backends):
-        name = first.name
-        metrics.state(
+        return reading
+
+    def _add(self, name: str) -> list[tuple[str, dict[str, str]]]:
+        rows: list[tuple[str, dict[str, str]]] = []
+
+        def state(
+            family: str,
+            documentation: str,
+            read: Callable[[BackendStats], float],
+            across: AcrossWorkers = "livesum",
+            **labels: str,
+        ) -> None:
+            labels["upstream"] = name
+            reading = self._reading(name, read)
+            self._metrics.state(family, documentation, reading, across=across, **labels)
+            rows.append((family, labels))
+
+        state(
             "replystream_upstream_circuit",
             "An upstream's circuit: 0 closed (in use), 1 half open (one trial), 2 open (out).",
-            reading(index, lambda b: CIRCUIT_VALUES[b.circuit]),
+            lambda b: CIRCUIT_VALUES[b.circuit],
             across="livemax",  # each worker has its own circuit: the most open one
-            upstream=name,
         )
-        metrics.state(
+        state(
             "replystream_upstream_probe_ok",
             "Whether an upstream's last health probe answered (1), or not (0; -1 not probed).",
-            reading(index, lambda b: {True: 1.0, False: 0.0, None: -1.0}[b.probe_ok]),
+            lambda b: {True: 1.0, False: 0.0, None: -1.0}[b.probe_ok],
             across="livemin",  # each worker probes for itself: 1 only if every one answered
-            upstream=name,
         )
-        metrics.state(
+        state(
             "replystream_upstream_outstanding",
             "Requests an upstream is serving now.",
-            reading(index, lambda b: float(b.outstanding)),
-            upstream=name,
+            lambda b: float(b.outstanding),
         )
         for result in ATTEMPT_RESULTS:
-            metrics.state(
+            state(
                 "replystream_upstream_attempts",
                 "Requests sent to an upstream since start, by result (a count, read on scrape).",
-                count(index, "attempts", result),
+                _count("attempts", result),
                 across="sum",
-                upstream=name,
                 result=result,
             )
         for result in ("ok", "failed"):
-            metrics.state(
+            state(
                 "replystream_upstream_probes",
                 "Active health probes of an upstream since start, by result.",
-                count(index, "probes", result),
+                _count("probes", result),
                 across="sum",
-                upstream=name,
                 result=result,
             )
+        return rows
+
+
+def _count(field: str, result: str) -> Callable[[BackendStats], float]:
+    return lambda b: float(dict(getattr(b, field)).get(result, 0))
+
+
+def add_backend_gauges(metrics: Metrics, engine: Engine) -> BackendGauges | None:
+    """A relay's per-upstream metrics (None for an engine that relays to no one)."""
+    if not engine.stats().backends:
+        return None
+    gauges = BackendGauges(metrics, engine)
+    gauges.sync()
     metrics.histogram_on_scrape(
         "replystream_upstream_time_to_first_token_seconds",
         "Per upstream: time from an attempt's start (a connect included) to the first text "
@@ -195,6 +232,7 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> None:
         lambda: float(engine.stats().continuations),
         across="sum",
     )
+    return gauges
 
 
 def _log_count(store: ReplayStore) -> Callable[[], float]:

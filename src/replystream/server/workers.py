@@ -69,6 +69,8 @@ def run_workers(
     workers: int,
     sock: socket.socket,
     announce: Callable[[str], list[str]] = listening_lines,
+    *,
+    reloads: bool = False,
 ) -> int:
     """Run ``workers`` processes of ``replystream serve`` accepting on one listening socket.
 
@@ -83,11 +85,13 @@ def run_workers(
     and returns ``REFUSED_EXIT``. The workers share their metrics through files in a fresh
     folder (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts them all; the
     parent removes it when it returns, and, as it starts, those that parents killed outright
-    left behind (``metrics_dir``).
+    left behind (``metrics_dir``). With ``reloads`` (the workers read a file again on
+    SIGHUP), the parent forwards SIGHUP to each worker once it is ready (one still starting
+    gets it when it is: it may have read the file before the edit).
     """
     metrics_dir.remove_stale_folders()
     with metrics_dir.owned_folder() as folder:
-        return Supervisor(argv, workers, sock, folder).run(announce)
+        return Supervisor(argv, workers, sock, folder).run(announce, reloads=reloads)
 
 
 @dataclass(slots=True)
@@ -99,6 +103,7 @@ class Slot:
     ready_pipe: int | None = None  # our end, until the worker said it is ready or died
     serving_since: float | None = None  # when it said it is ready (monotonic)
     restart_at: float | None = None
+    hangup_due: bool = False  # a SIGHUP came while it was starting: it gets one when ready
 
 
 class Supervisor:
@@ -128,9 +133,11 @@ class Supervisor:
         self._stop_signal: int = signal.SIGTERM
         self._status = 0
 
-    def run(self, announce: Callable[[str], list[str]]) -> int:
+    def run(self, announce: Callable[[str], list[str]], *, reloads: bool = False) -> int:
         signal.signal(signal.SIGINT, self._forward)
         signal.signal(signal.SIGTERM, self._forward)
+        if reloads:
+            signal.signal(signal.SIGHUP, self._hangup)
         try:
             for slot in self._slots:
                 self._start(slot)
@@ -156,6 +163,7 @@ class Supervisor:
 
     def _start(self, slot: Slot, again: bool = False) -> None:
         slot.restart_at = slot.serving_since = None
+        slot.hangup_due = False  # a new worker reads the file as it starts
         if self._stopping:
             return
         read_end, write_end = os.pipe()
@@ -194,6 +202,9 @@ class Supervisor:
             self._close_pipe(slot)
             if said == READY_BYTE:
                 slot.serving_since = time.monotonic()
+                if slot.hangup_due and slot.process is not None:
+                    slot.hangup_due = False
+                    slot.process.send_signal(signal.SIGHUP)
             # An end of file: it died before it was ready; ``_reap`` reads how.
 
     def _reap(self, slot: Slot, now: float) -> None:
@@ -246,6 +257,15 @@ class Supervisor:
             slot.restart_at = None
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.send_signal(signum)
+
+    def _hangup(self, _signum: int, _frame: object) -> None:
+        for slot in self._slots:
+            if slot.process is None or slot.process.poll() is not None:
+                continue
+            if slot.serving_since is None:
+                slot.hangup_due = True
+            else:
+                slot.process.send_signal(signal.SIGHUP)
 
     def _close_pipe(self, slot: Slot) -> None:
         if slot.ready_pipe is not None:

@@ -1,0 +1,189 @@
+"""The relay's routes file read again on SIGHUP, in real processes: ``replystream serve
+--engine simulated`` upstreams, each answering its own words under its own model name, and
+the relay ``replystream serve --engine upstream --upstream-routes FILE`` (on one process, and
+with ``--workers 2``). A reload moves new requests to the new routes while a reply under way
+at an upstream taken out goes on to its end; a file with a mistake changes nothing, in one
+log line; ``/v1/models`` and ``/metrics`` follow the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.processes import launch, ready_url, replica, stop
+from tests.sse_client import post_events
+
+pytestmark = pytest.mark.slow
+
+
+def upstream(words: str, model: str, delay_ms: str = "1") -> tuple[str, ...]:
+    """An upstream whose every reply is ``words`` (one token each), serving ``model``."""
+    return (
+        "--engine", "simulated", "--reply-text", words, "--model-name", model,
+        "--delay-ms", delay_ms, "--jitter-ms", "0",
+    )  # fmt: skip
+
+
+def routes(*entries: tuple[str, str], aliases: dict[str, str] | None = None) -> str:
+    """A routes file of ``(url, model)`` upstreams."""
+    text = "".join(
+        f'[[upstreams]]\nurl = "{url}/v1"\nmodels = ["{model}"]\n\n' for url, model in entries
+    )
+    if aliases:
+        text += "[aliases]\n" + "".join(f'"{a}" = "{m}"\n' for a, m in aliases.items())
+    return text
+
+
+async def ask(url: str, model: str) -> str:
+    """The whole text of one streamed chat reply."""
+    body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    got = await post_events(f"{url}/v1/chat/completions", body)
+    assert got.status == 200, got.raw
+    text = ""
+    for event in got.events:
+        if event.data != "[DONE]":
+            for choice in json.loads(event.data)["choices"]:
+                text += choice["delta"].get("content") or ""
+    return text
+
+
+async def get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.text()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+class StderrLines:
+    """A server's stderr, read as it comes: wait for a line with a given piece."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stderr is not None
+        self._stream = process.stderr
+        self.lines: list[str] = []
+
+    async def wait_for(self, piece: str, count: int = 1, timeout_s: float = 20.0) -> list[str]:
+        async with asyncio.timeout(timeout_s):
+            while sum(piece in line for line in self.lines) < count:
+                line = await self._stream.readline()
+                assert line, f"the server's stderr ended; it said: {self.lines}"
+                self.lines.append(line.decode())
+        return [line for line in self.lines if piece in line]
+
+
+@contextlib.asynccontextmanager
+async def relay(
+    routes_file: Path, *args: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, StderrLines]]:
+    process = await launch(
+        "--engine", "upstream", "--upstream-routes", str(routes_file), *args,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = await ready_url(process)
+        yield process, url, StderrLines(process)
+    finally:
+        await stop(process)
+
+
+async def test_a_reload_moves_new_requests_and_the_reply_under_way_ends_whole(tmp_path: Path):
+    async with (
+        replica(*upstream("alpha " * 3, "model-a")) as (_, a),
+        replica(*upstream("slow " * 40, "model-s", delay_ms="25")) as (_, slow),
+        replica(*upstream("beta " * 3, "model-b")) as (_, b),
+    ):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a"), (slow, "model-s")))
+        async with relay(file) as (process, url, stderr):
+            assert await ask(url, "model-a") == "alpha " * 3
+            # A reply at an upstream about to be taken out: about a second long.
+            under_way = asyncio.create_task(ask(url, "model-s"))
+            await asyncio.sleep(0.3)
+            file.write_text(routes((b, "model-b"), aliases={"model-a": "model-b"}))
+            process.send_signal(signal.SIGHUP)
+            [line] = await stderr.wait_for("routes reloaded")
+            assert f"added {b}/v1" in line and f"removed {a}/v1, {slow}/v1" in line, line
+            assert "1 upstream (" in line and "1 alias" in line, line
+            # The old name is now an alias of the new upstream's model; the old upstreams get
+            # nothing new.
+            assert await ask(url, "model-a") == "beta " * 3
+            assert await ask(url, "model-b") == "beta " * 3
+            status, listing = await get(f"{url}/v1/models")
+            assert status == 200
+            assert [m["id"] for m in json.loads(listing)["data"]] == ["model-b", "model-a"]
+            assert not under_way.done()  # it was still under way when the routes changed
+            assert await under_way == "slow " * 40  # whole: nothing cut at the reload
+
+            status, text = await get(f"{url}/metrics")
+            seen = samples(text)
+            rows = {
+                dict(labels)["upstream"]
+                for name, labels in seen
+                if name == "replystream_upstream_circuit"
+            }
+            assert rows == {f"{b}/v1"}
+            assert seen["replystream_upstream_routes_reloads_total", (("result", "ok"),)] == 1
+
+
+async def test_a_file_with_a_mistake_changes_nothing_and_says_why(tmp_path: Path):
+    async with (
+        replica(*upstream("alpha", "model-a")) as (_, a),
+        replica(*upstream("beta", "model-b")) as (_, b),
+    ):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a")))
+        async with relay(file) as (process, url, stderr):
+            file.write_text(routes((b, "model-b")).replace('models = ["model-b"]', "weight = 0"))
+            process.send_signal(signal.SIGHUP)
+            [line] = await stderr.wait_for("routes not reloaded")
+            assert f"--upstream-routes {file}: upstreams[0].weight:" in line, line
+            file.write_text("[[upstreams]\n")  # not TOML
+            process.send_signal(signal.SIGHUP)
+            lines = await stderr.wait_for("routes not reloaded", count=2)
+            assert "not valid TOML" in lines[1], lines
+            assert await ask(url, "model-a") == "alpha "  # the routes served before
+            _, text = await get(f"{url}/metrics")
+            seen = samples(text)
+            assert seen["replystream_upstream_routes_reloads_total", (("result", "failed"),)] == 2
+            assert seen["replystream_upstream_routes_reloads_total", (("result", "ok"),)] == 0
+            # Fixed, it is taken.
+            file.write_text(routes((b, "model-b")))
+            process.send_signal(signal.SIGHUP)
+            await stderr.wait_for("routes reloaded")
+            assert await ask(url, "model-b") == "beta "
+            assert not any("Traceback" in line for line in stderr.lines), stderr.lines
+
+
+async def test_every_worker_reloads_on_one_signal_to_the_parent(tmp_path: Path):
+    async with (
+        replica(*upstream("alpha", "model-a")) as (_, a),
+        replica(*upstream("beta", "model-b")) as (_, b),
+    ):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a")))
+        async with relay(file, "--workers", "2") as (process, url, stderr):
+            file.write_text(routes((b, "model-b")))
+            process.send_signal(signal.SIGHUP)
+            await stderr.wait_for("routes reloaded", count=2)
+            # New connections land on either worker: every one is served by the new routes.
+            replies = await asyncio.gather(*(ask(url, "model-b") for _ in range(12)))
+            assert replies == ["beta "] * 12
+            status, _ = await get(f"{url}/healthz")
+            assert status == 200
+            _, text = await get(f"{url}/metrics")  # either worker's: the two counted as one
+            seen = samples(text)
+            assert seen["replystream_upstream_routes_reloads_total", (("result", "ok"),)] == 2
