@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -212,3 +213,45 @@ async def test_a_killed_servers_metrics_folder_goes_at_the_next_start_and_a_live
             assert first_folder in metrics_folders(tmp_path)
             assert len(metrics_folders(tmp_path)) == 2
     assert metrics_folders(tmp_path) == []  # each removed its own as it stopped
+
+
+async def interrupted_while_starting(*args: str, after: Callable[[int], bool]) -> tuple[int, str]:
+    """``replystream serve --port 0 ARGS`` in a session of its own, sent SIGINT as a
+    terminal's Ctrl-C sends it (to every process of the group) once ``after(pid)`` holds; its
+    exit status and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "replystream", "serve", "--port", "0", *args,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        await until(lambda: after(process.pid))
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        await stop(process)
+    assert process.returncode is not None
+    return process.returncode, stderr.decode()
+
+
+@pytest.mark.parametrize("after_s", [0.1, 0.5])
+async def test_ctrl_c_while_one_process_starts_stops_it_without_a_traceback(after_s: float):
+    began = time.monotonic()
+    status, stderr = await interrupted_while_starting(
+        *SIMULATED, after=lambda _: time.monotonic() - began >= after_s
+    )
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert status in (130, 0), (status, stderr)  # 130 while importing; 0 once it served
+
+
+async def test_ctrl_c_while_the_workers_start_stops_them_all_without_a_traceback():
+    workers: list[int] = []
+
+    def started(pid: int) -> bool:  # both workers exist: each is importing now (about 1 s)
+        workers[:] = children_of(pid)
+        return len(workers) == 2
+
+    status, stderr = await interrupted_while_starting(*SIMULATED, "--workers", "2", after=started)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert status == 0, stderr
+    assert not any(alive(pid) for pid in workers)

@@ -82,7 +82,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(list(sys.argv[1:] if argv is None else argv))
-    code: int = args.run(args)
+    try:
+        args = parse(list(sys.argv[1:] if argv is None else argv))
+        code: int = args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command took SIGINT (importing, loading)
+        return INTERRUPTED_EXIT
     return code

@@ -78,20 +78,25 @@ def run_workers(
     and the kernel hands each new connection to one of them. It prints ``announce(url)`` once
     every worker accepts connections; a worker that exits before that stops the server
     (``START_FAILED_EXIT``), without that line. The parent forwards SIGINT and SIGTERM (each
-    worker then shuts down gracefully), starts again a worker that exits on its own (waiting
-    longer after each exit in a row of its slot: ``restart_backoff``), and returns when all
-    have stopped. A worker that refuses to start (``REFUSED_EXIT``: its command line, or a
-    file it names, cannot be served) is not restarted for ever: the parent stops the others
-    and returns ``REFUSED_EXIT``. The workers share their metrics through files in a fresh
-    folder (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts them all; the
-    parent removes it when it returns, and, as it starts, those that parents killed outright
-    left behind (``metrics_dir``). With ``reloads`` (the workers read a file again on
-    SIGHUP), the parent forwards SIGHUP to each worker once it is ready (one still starting
-    gets it when it is: it may have read the file before the edit).
+    worker then shuts down gracefully; one still starting, deaf to SIGINT, gets SIGTERM), starts
+    again a worker that exits on its own (waiting longer after each exit in a row of its slot:
+    ``restart_backoff``), and returns when all have stopped. A worker that refuses to start
+    (``REFUSED_EXIT``: its command line, or a file it names, cannot be served) is not restarted
+    for ever: the parent stops the others and returns ``REFUSED_EXIT``. The workers share their
+    metrics through files in a fresh folder (``MULTIPROCESS_DIR_ENV``), so any worker's
+    ``/metrics`` counts them all; the parent removes it when it returns, and, as it starts,
+    those that parents killed outright left behind (``metrics_dir``). With ``reloads`` (the
+    workers read a file again on SIGHUP), the parent forwards SIGHUP to each worker once it is
+    ready (one still starting gets it when it is: it may have read the file before the edit).
     """
     metrics_dir.remove_stale_folders()
     with metrics_dir.owned_folder() as folder:
         return Supervisor(argv, workers, sock, folder).run(announce, reloads=reloads)
+
+
+def _ignore_interrupts() -> None:
+    """In a new worker, before it runs: SIGINT ignored (Python keeps an inherited SIG_IGN)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @dataclass(slots=True)
@@ -172,6 +177,10 @@ class Supervisor:
                 [*self._command, "--ready-fd", str(write_end)],
                 pass_fds=(self._sock.fileno(), write_end),
                 env=self._env,
+                # Deaf to SIGINT until it serves (its loop then takes it): a terminal's Ctrl-C
+                # reaches every process of its group, and a worker still importing would
+                # die of it with a traceback. The parent stops such a worker with SIGTERM.
+                preexec_fn=_ignore_interrupts,
             )
         except OSError as exc:
             os.close(read_end)
@@ -185,7 +194,7 @@ class Supervisor:
         if again:
             self._restarts.add_one()
         if self._stopping:  # a signal came while it was being started: it missed the forward
-            slot.process.send_signal(self._stop_signal)
+            self._signal(slot, self._stop_signal)
 
     def _wait(self) -> None:
         """Until a worker says it is ready (or dies before), a restart is due, or ``POLL_S``."""
@@ -256,7 +265,15 @@ class Supervisor:
         for slot in self._slots:
             slot.restart_at = None
             if slot.process is not None and slot.process.poll() is None:
-                slot.process.send_signal(signum)
+                self._signal(slot, signum)
+
+    @staticmethod
+    def _signal(slot: Slot, signum: int) -> None:
+        """Stop the slot's worker: with ``signum`` once it serves (its loop stops gracefully
+        on SIGINT or SIGTERM); before, with SIGTERM, since it ignores SIGINT until then (and
+        has nothing to finish)."""
+        assert slot.process is not None
+        slot.process.send_signal(signum if slot.serving_since is not None else signal.SIGTERM)
 
     def _hangup(self, _signum: int, _frame: object) -> None:
         for slot in self._slots:
