@@ -166,6 +166,24 @@ async def test_the_relays_own_503_says_when_the_soonest_upstream_may_take_a_requ
     assert len(first.came) == 2
 
 
+async def test_a_websocket_reply_refused_for_busy_upstreams_says_when_to_come_back():
+    first, second = ScriptedUpstream("a", (503, "3")), ScriptedUpstream("b", (429, "9"))
+    async with relay(first, second) as url, aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "r1", "prompt": "hi"})
+            message = await ws.receive_json(timeout=10)
+            assert message["type"] == "error" and message["id"] == "r1", message
+            assert message["data"]["error"]["code"] == "upstream_overloaded", message
+            assert message["data"]["retry_after"] == 3, message  # the sooner wait, as HTTP's
+            await ws.send_json({"type": "reply", "id": "r2", "prompt": "hi"})
+            message = await ws.receive_json(timeout=10)  # both out now: the relay's own 503
+            assert message["data"]["error"]["code"] == "upstream_unavailable", message
+            assert message["data"]["retry_after"] in (1, 2, 3), message
+            await ws.send_json({"type": "reply", "id": "bad", "prompt": 5})
+            message = await ws.receive_json(timeout=10)  # a refusal with no wait has none
+            assert message["type"] == "error" and "retry_after" not in message["data"], message
+
+
 async def test_a_wait_given_as_an_http_date_is_a_wait_too():
     then = datetime.now(UTC) + timedelta(seconds=3)
     busy = ScriptedUpstream("a", (503, format_datetime(then, usegmt=True)))

@@ -56,7 +56,7 @@ from replystream.server.context import (
     follower_of,
     start_reply,
 )
-from replystream.server.errors import HTTPAPIError, error_body
+from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.schemas import CancelMessage, ReplyMessage
@@ -106,6 +106,8 @@ def failure_message(tag: str | None, exc: Exception) -> dict[str, Any]:
         level = logging.INFO if exc.status < 500 else logging.WARNING
         log.log(level, "websocket message %r refused: %s (%s)", tag, exc.message, exc.code)
         body = error_body(exc.message, code=exc.code, status=exc.status, param=exc.param)
+        if exc.retry_after_s is not None:  # what HTTP says in ``Retry-After``
+            body["retry_after"] = int(retry_after_value(exc.retry_after_s))
     else:
         log.error("websocket message %r failed", tag, exc_info=exc)
         body = error_body("internal error", code="internal_error", status=500)
