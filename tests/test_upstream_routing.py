@@ -448,3 +448,29 @@ async def test_rerouting_keeps_a_staying_upstreams_state_and_probes_a_new_one_fi
         assert [h["Authorization"] for h in a.headers[-3:]] == ["Bearer a-key-2"] * 3
         assert c.headers[-1]["Authorization"] == "Bearer c-key"
         assert [b.name for b in engine.stats().backends] == [f"{a_url}/v1", f"{c_url}/v1"]
+
+
+def lowered(headers: dict[str, str]) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items()}
+
+
+async def test_each_attempt_carries_the_request_id_and_the_callers_trace_context():
+    busy, fine = Upstream(["m"], mode="busy"), Upstream(["m"])
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    async with relay([busy, fine]) as url:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        sent = {"X-Request-Id": "req-42", "traceparent": parent, "tracestate": "vendor=abc"}
+        got = await post_events(f"{url}/v1/chat/completions", body, sent)
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+        # Both attempts (the failover too) under the one id our access log names it by.
+        for seen in map(lowered, (busy.headers[-1], fine.headers[-1])):
+            assert seen["x-request-id"] == "req-42"
+            assert (seen["traceparent"], seen["tracestate"]) == (parent, "vendor=abc")
+        # No id given: ours; a trace context that is not one goes nowhere, its state neither.
+        for bad in ("00-" + "0" * 32 + "-00f067aa0ba902b7-01", "garbage", parent.upper()):
+            headers = {"traceparent": bad, "tracestate": "vendor=abc"}
+            got = await post_events(f"{url}/v1/chat/completions", body, headers)
+            assert got.status == 200
+            seen = lowered(fine.headers[-1])  # every reply ends there: the other is busy
+            assert seen["x-request-id"] == lowered(got.headers)["x-request-id"] != "req-42"
+            assert "traceparent" not in seen and "tracestate" not in seen, (bad, seen)

@@ -98,6 +98,10 @@ class GenerationRequest:
     # The caller's own API key (its bearer token, or Anthropic's x-api-key), for a relay
     # configured to pass it on to an upstream; no other engine reads it. Never logged.
     client_key: str | None = field(default=None, repr=False)
+    # The caller's W3C trace context (``traceparent``, and ``tracestate`` with it), checked,
+    # as header name and value pairs: a relay passes them on so its upstream's trace joins
+    # the caller's. Empty: none given, or none sane.
+    trace_context: tuple[tuple[str, str], ...] = ()
     # Whether the reply may hold more than one tool call (chat and Responses'
     # ``parallel_tool_calls``; Anthropic's ``disable_parallel_tool_use`` negated). None: the
     # client did not say (the APIs' default allows several).

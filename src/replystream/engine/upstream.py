@@ -467,6 +467,9 @@ class UpstreamEngine:
         try:
             async with asyncio.timeout(timeout):
                 headers = self._headers(backend, key)
+                if request.request_id:  # our access log's name for it, in the upstream's log
+                    headers["X-Request-Id"] = request.request_id
+                headers.update(request.trace_context)
                 origin = self._origin(backend)
                 response = await origin.post("/chat/completions", body, headers)
         except TimeoutError:

@@ -55,6 +55,7 @@ from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
 from replystream.server.schemas import ResumeCursor
 from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransport
+from replystream.server.trace_context import trace_context
 from replystream.server.validation import parse_mapping
 
 log = logging.getLogger("replystream.server")
@@ -165,12 +166,14 @@ def _refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
 
 def _for_engine(request: web.Request, generation: GenerationRequest) -> GenerationRequest:
     """The request as the engine gets it: with the access log's name for it (for an engine's
-    own lines) and the caller's key (for a relay configured to pass it on)."""
+    own lines and a relay's upstream), the caller's key (for a relay configured to pass it
+    on) and its trace context (for a relay to pass on)."""
     key = client_key(request)
-    if generation.request_id and key is None:
+    trace = trace_context(request.headers)
+    if generation.request_id and key is None and not trace:
         return generation
     request_id = generation.request_id or request.get(REQUEST_ID, "")
-    return replace(generation, request_id=request_id, client_key=key)
+    return replace(generation, request_id=request_id, client_key=key, trace_context=trace)
 
 
 async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitable[T]) -> T:

@@ -1,0 +1,44 @@
+"""Which W3C trace-context headers a relay passes on (``server/trace_context.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from replystream.server.trace_context import TRACESTATE_LIMIT, trace_context
+
+TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+GOOD = f"00-{TRACE}-{PARENT}-01"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [GOOD, f"01-{TRACE}-{PARENT}-00", f"cc-{TRACE}-{PARENT}-09-what-a-later-version-adds"],
+)
+def test_a_traceparent_of_this_or_a_later_version_is_passed_on(value: str):
+    assert trace_context({"traceparent": value}) == (("traceparent", value),)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        f"00-{TRACE}-{PARENT}-01-extra",  # version 00 has four fields, no more
+        f"ff-{TRACE}-{PARENT}-01",  # the one forbidden version
+        f"00-{'0' * 32}-{PARENT}-01",
+        f"00-{TRACE}-{'0' * 16}-01",
+        f"00-{TRACE.upper()}-{PARENT}-01",
+        f"00-{TRACE[:-1]}-{PARENT}-01",
+        "",
+    ],
+)
+def test_a_traceparent_that_is_not_one_is_dropped_with_its_state(value: str):
+    assert trace_context({"traceparent": value, "tracestate": "a=1"}) == ()
+
+
+def test_tracestate_goes_only_beside_a_traceparent_and_only_when_sane():
+    assert trace_context({"tracestate": "a=1"}) == ()
+    assert trace_context({"traceparent": GOOD, "tracestate": "a=1,b=2"}) == (
+        ("traceparent", GOOD),
+        ("tracestate", "a=1,b=2"),
+    )
+    for state in ("a" * (TRACESTATE_LIMIT + 1), "a=\u00e9"):
+        assert trace_context({"traceparent": GOOD, "tracestate": state}) == (("traceparent", GOOD),)
