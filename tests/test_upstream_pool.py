@@ -169,6 +169,7 @@ models = ["llama"]
 url = "http://b:8000/v1"
 api_key = "b-key"
 models = ["qwen"]
+max_outstanding = 8
 
 [aliases]
 "gpt-4o-mini" = "qwen"
@@ -188,6 +189,7 @@ models = ["qwen"]
         "b-key",
         ("qwen",),
     )
+    assert (a.max_outstanding, b.max_outstanding) == (None, 8)
     assert routes.aliases == (("gpt-4o-mini", "qwen"),)
 
 
@@ -196,6 +198,10 @@ models = ["qwen"]
     [
         ("[[upstreams]]\nurl = 'http://a/v1'\nweight = 0", "upstreams[0].weight: input should be"),
         ("[[upstreams]]\nurl = 'ftp://a/v1'", "upstreams[0].url: must start with http://"),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nmax_outstanding = 0",
+            "upstreams[0].max_outstanding: input should be greater than or equal to 1",
+        ),
         ("[[upstreams]]\nurl = 'http://a/v1'\nwieght = 2", "upstreams[0].wieght: is not a field"),
         ("[[upstreams]]\nweight = 2", "upstreams[0].url: is required"),
         ("upstreams = []", "upstreams: list should have at least 1 item"),
@@ -258,3 +264,23 @@ def test_serve_stops_at_a_bad_routes_file_with_one_line(tmp_path: Path):
         )
         assert done.returncode != 0 and "Traceback" not in done.stderr
         assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith(says), done.stderr
+
+
+def test_an_upstream_at_its_limit_is_skipped_and_all_at_theirs_is_full_not_unusable():
+    a = Backend("http://a/v1", max_outstanding=1)
+    b = Backend("http://b/v1", max_outstanding=2)
+    pool = UpstreamPool([a, b], BreakerConfig(), lambda: 0.0)
+    a.begin()
+    assert pool.plan(None) == [b] and not pool.full(None)
+    b.begin()
+    b.begin()
+    assert pool.plan(None) == [] and pool.full(None)
+    assert not pool.full(None, excluding=[a, b])  # tried them all: nothing to wait for
+    b.end()
+    assert pool.plan(None) == [b]
+    # An open circuit is no reason to wait: full only while some upstream would let it in.
+    b.begin()
+    for _ in range(3):
+        pool.failed(a, "down")
+        pool.failed(b, "down")
+    assert pool.plan(None) == [] and not pool.full(None)

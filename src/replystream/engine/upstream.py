@@ -44,6 +44,7 @@ from replystream.engine.upstream_errors import connect_failure, quoted
 from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpFailure, HttpOrigin, Response
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
+from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
 from replystream.engine.upstream_stream import UpstreamStream
 
@@ -148,6 +149,7 @@ class UpstreamTarget:
     api_key: str | None = field(default=None, repr=False)
     models: tuple[str, ...] = ()
     pass_client_key: bool | None = None
+    max_outstanding: int | None = None  # requests at once (None: the server's default)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -161,6 +163,11 @@ class UpstreamTarget:
             raise ValueError(f"the API key of the upstream at {self.base_url} {problem}")
         if self.weight < 1:
             raise ValueError(f"an upstream weight must be at least 1, got {self.weight}")
+        if self.max_outstanding is not None and self.max_outstanding < 1:
+            raise ValueError(
+                f"an upstream's limit of requests at once must be at least 1, got "
+                f"{self.max_outstanding}"
+            )
         if self.api_key is not None and self.pass_client_key:
             raise ValueError(
                 f"the upstream at {self.base_url} is given a key and told to take the "
@@ -197,6 +204,11 @@ class UpstreamConfig:
     ttft_s: float = 30.0  # an attempt's first text within this, else the next upstream
     stall_s: float = 60.0  # no text for this long mid-reply is a stall
     failover_s: float = 60.0  # other upstreams are tried until this long after the request
+    # The most requests each upstream is sent at once (None: no limit; a routes file's
+    # ``max_outstanding`` overrides it), and how long a request waits for room at upstreams
+    # at their limit before a 503 (0: none).
+    max_outstanding: int | None = None
+    queue_s: float = 30.0
     continuation: bool = False  # a stalled or failed reply goes on at another upstream
     health_s: float = 5.0  # active health probes this often
     health_path: str = "/models"  # what a probe asks each upstream for
@@ -210,6 +222,12 @@ class UpstreamConfig:
             raise ValueError("give at least one upstream")
         if not (self.headers_timeout_s > 0 and self.stall_s > 0 and self.max_event_size > 0):
             raise ValueError("upstream timeouts and the event size limit must be positive")
+        if self.max_outstanding is not None and self.max_outstanding < 1:
+            raise ValueError(
+                f"the limit of requests at once must be at least 1, got {self.max_outstanding}"
+            )
+        if self.queue_s < 0:
+            raise ValueError(f"the wait for room cannot be negative, got {self.queue_s:g}")
         if not self.health_path.startswith("/"):
             raise ValueError(f"the health path must start with /, got {self.health_path!r}")
         seen: dict[tuple[str, str, int, str], str] = {}
@@ -297,10 +315,19 @@ def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
     return (quoted(error) if isinstance(error, str) and error.strip() else None), None, None
 
 
-def _backend(target: UpstreamTarget) -> Backend:
+def _backend(target: UpstreamTarget, config: UpstreamConfig) -> Backend:
     return Backend(
-        target.base_url, target.weight, frozenset(target.models), fixed_models=bool(target.models)
+        target.base_url,
+        target.weight,
+        frozenset(target.models),
+        fixed_models=bool(target.models),
+        max_outstanding=_limit(target, config),
     )
+
+
+def _limit(target: UpstreamTarget, config: UpstreamConfig) -> int | None:
+    """The most requests ``target`` is sent at once: its own limit, else the default."""
+    return config.max_outstanding if target.max_outstanding is None else target.max_outstanding
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,13 +383,14 @@ class UpstreamEngine:
         self.config = config
         self._keys = UpstreamKeys.of(config)
         self.pool = UpstreamPool(
-            [_backend(t) for t in config.targets],
+            [_backend(t, config) for t in config.targets],
             BreakerConfig(config.failures, config.cooldown_s),
             time.monotonic,
             dict(config.aliases),
         )
-        self._limits = RelayLimits(config.ttft_s, config.stall_s, config.failover_s)
+        self._limits = RelayLimits(config.ttft_s, config.stall_s, config.failover_s, config.queue_s)
         self._relay_counts = RelayCounts()
+        self._queue = RoomQueue()  # requests waiting for room at upstreams at their limit
         self._session: aiohttp.ClientSession | None = None  # the health prober's
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
@@ -430,6 +458,7 @@ class UpstreamEngine:
             limits=self._limits,
             continuation=self.config.continuation if continuation is None else continuation,
             counts=self._relay_counts,
+            queue=self._queue,
         )
         try:
             await reply.open()
@@ -558,6 +587,7 @@ class UpstreamEngine:
             backends=tuple(b.stats() for b in self.pool.backends),
             failovers=self._relay_counts.failovers,
             continuations=self._relay_counts.continuations,
+            queued=len(self._queue),
         )
 
     async def reroute(self, config: UpstreamConfig) -> RouteChange:
@@ -573,10 +603,11 @@ class UpstreamEngine:
             for target in config.targets:
                 backend = before.get(target.base_url)
                 if backend is None:
-                    backend = _backend(target)
+                    backend = _backend(target, config)
                     asked.append(backend)
                 else:
                     backend.weight = target.weight
+                    backend.max_outstanding = _limit(target, config)
                     if target.models:
                         backend.models, backend.fixed_models = frozenset(target.models), True
                     elif backend.fixed_models:
@@ -591,6 +622,7 @@ class UpstreamEngine:
             self.config, self._keys, self._prober.keyless = config, keys, keys.passing
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
+            self._queue.wake_all()  # room may be elsewhere now, or more of it
             kept = {b.name for b in backends}
             removed = tuple(name for name in before if name not in kept)
             for name in removed:

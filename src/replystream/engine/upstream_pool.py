@@ -15,7 +15,8 @@ This file decides, for each upstream (a ``Backend``):
   while another upstream for the model is usable; a passing one changes nothing else);
 - which models it serves (from its model list, or as configured).
 And for a request: the upstreams to try, in order (``UpstreamPool.plan``): those serving the
-model, usable now, least outstanding requests per unit of weight first; ties (every request
+model, usable now and below their limit of requests at once (if they have one), least
+outstanding requests per unit of weight first; ties (every request
 alone, as under light load) go by smooth weighted round robin (nginx's), so weights 3 and 1
 still split a sequence of requests 3:1; and, when none is, how soon one will be
 (``UpstreamPool.wait_s``, a refusal's ``Retry-After``). The clock is passed in; nothing here
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -80,6 +81,9 @@ class Backend:
     weight: int = 1
     models: frozenset[str] = frozenset()  # what it serves (empty: not known yet)
     fixed_models: bool = False  # configured: its model list does not replace them
+    # The most requests it is sent at once (None: no limit); at it, it takes no more until
+    # one ends, and requests wait for room (``upstream_queue``).
+    max_outstanding: int | None = None
     circuit: Circuit = Circuit.CLOSED
     failures: int = 0  # consecutive
     reopens_at: float = 0.0  # an open circuit lets its trial through from then on
@@ -104,6 +108,11 @@ class Backend:
         if self.circuit is Circuit.CLOSED:
             return True
         return self.circuit is Circuit.OPEN and now >= self.reopens_at
+
+    @property
+    def has_room(self) -> bool:
+        """Whether it is below its limit of requests at once."""
+        return self.max_outstanding is None or self.outstanding < self.max_outstanding
 
     def wait_s(self, now: float) -> float:
         """Seconds until its circuit lets a request through: 0 when it does now, or while a
@@ -229,16 +238,20 @@ class UpstreamPool:
     def plan(self, model: str | None) -> list[Backend]:
         """The upstreams to try for a request for ``model`` (a real name), best first; empty
         when none serving it is usable now."""
-        now = self.clock()
-        allowed = [b for b in self.serving(model) if b.allows(now)]
-        # A failed probe is a preference: with no other upstream, one is tried anyway (its
-        # own error then tells the client what is wrong); an open circuit is a hard stop.
-        usable = [b for b in allowed if b.probe_ok is not False] or allowed
+        usable = [b for b in self._usable(model) if b.has_room]
         if not usable:
             return []
         first = self._pick(usable)
         rest = sorted((b for b in usable if b is not first), key=lambda b: b.outstanding / b.weight)
         return [first, *rest]
+
+    def _usable(self, model: str | None) -> list[Backend]:
+        """The upstreams serving ``model`` a request may go to now, room or not."""
+        now = self.clock()
+        allowed = [b for b in self.serving(model) if b.allows(now)]
+        # A failed probe is a preference: with no other upstream, one is tried anyway (its
+        # own error then tells the client what is wrong); an open circuit is a hard stop.
+        return [b for b in allowed if b.probe_ok is not False] or allowed
 
     def _pick(self, usable: list[Backend]) -> Backend:
         least = min(b.outstanding / b.weight for b in usable)
@@ -251,6 +264,13 @@ class UpstreamPool:
         best = max(tied, key=lambda b: b.current)
         best.current -= total
         return best
+
+    def full(self, model: str | None, excluding: Collection[Backend] = ()) -> bool:
+        """Whether the only thing keeping a request for ``model`` out of the upstreams but
+        ``excluding`` (those it tried) is their limits of requests at once: some let a
+        request through now, and none of those has room (one ending would let it in)."""
+        usable = [b for b in self._usable(model) if b not in excluding]
+        return bool(usable) and not any(b.has_room for b in usable)
 
     def failed(self, backend: Backend, problem: str, wait_s: float = 0.0) -> None:
         backend.failed(self.clock(), problem, self.breaker, wait_s)

@@ -14,6 +14,8 @@ This file decides when an attempt has failed and what happens next:
   the text already relayed (as the assistant's prefix, ``continue_final_message``) to the
   next upstream, and the reply goes on from there: an empty marker delta (``continued``)
   first, then the new upstream's text. Nothing relayed is sent twice.
+When every upstream left for a request is at its limit of requests at once, it waits for
+room (``upstream_queue``) for at most ``queue_s``, then is ``upstream_busy`` (503).
 Every attempt's result is counted on its backend and logged (``replystream.access``, one JSON
 line each, with the request id). It must not know how an attempt is sent (``Opener``) or
 anything about our HTTP server.
@@ -45,6 +47,7 @@ from replystream.engine.base import (
     RequestRejected,
 )
 from replystream.engine.upstream_pool import Backend, UpstreamPool
+from replystream.engine.upstream_queue import RoomQueue
 
 access_log = logging.getLogger("replystream.access")
 log = logging.getLogger("replystream.upstream")
@@ -92,15 +95,25 @@ class RelayBroken(EngineError):
     status = 502
 
 
+class UpstreamBusy(EngineError):
+    """Every upstream serving the request stayed at its limit of requests at once for as
+    long as a request may wait for room (503)."""
+
+    status = 503
+
+
 @dataclass(frozen=True, slots=True)
 class RelayLimits:
     ttft_s: float = 30.0  # per attempt: the first content within this
     stall_s: float = 60.0  # after it: no content for this long is a stall
     failover_s: float = 60.0  # from the request (or a seam) to giving up on other upstreams
+    queue_s: float = 30.0  # the longest a request waits for room at upstreams at their limit
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.stall_s > 0 and self.failover_s > 0):
             raise ValueError("relay timeouts must be positive")
+        if self.queue_s < 0:
+            raise ValueError("the wait for room at an upstream cannot be negative")
 
 
 @dataclass(slots=True)
@@ -134,6 +147,7 @@ class RelayedReply:
         "_opening",
         "_overdue",
         "_pool",
+        "_queue",
         "_relayed_any",
         "_request",
         "_seam",
@@ -156,9 +170,11 @@ class RelayedReply:
         limits: RelayLimits,
         continuation: bool,
         counts: RelayCounts,
+        queue: RoomQueue,
     ) -> None:
         self._request = request
         self._pool = pool
+        self._queue = queue
         self._opener = opener
         self._limits = limits
         self._continuation = continuation
@@ -420,11 +436,20 @@ class RelayedReply:
         )
 
     async def _next_attempt(self) -> None:
-        """Open the next upstream of the plan that answers; raise when none is left."""
+        """Open the next upstream of the plan that answers, waiting for room when those left
+        are at their limit of requests at once; raise when none is left."""
+        queued_at: float | None = None
         while True:
             if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
             backend = next((b for b in self._pool.plan(self._model) if b not in self._tried), None)
+            if backend is None and self._pool.full(self._model, self._tried):
+                now = time.monotonic()
+                again, queued_at = queued_at is not None, queued_at or now
+                left = self._limits.queue_s - (now - queued_at)
+                if left > 0 and await self._queue.wait(self._model, left, again=again):
+                    continue
+                raise self._no_room(now - queued_at)
             if backend is None:
                 raise self._give_up()
             if len(self._tried) == 1 and not self._relayed_any:
@@ -487,6 +512,15 @@ class RelayedReply:
             error.retry_after_s = self._pool.wait_s(self._model)
         return error
 
+    def _no_room(self, waited_s: float) -> UpstreamBusy:
+        model = "" if self._model is None else f" serving {self._model}"
+        return UpstreamBusy(
+            f"every upstream{model} is at its limit of requests at once"
+            + (f" (waited {waited_s:.3g} s for room)" if waited_s > 0 else ""),
+            code="upstream_busy",
+            retry_after_s=1.0,  # a request may end at any moment
+        )
+
     def _attempt_failed(self, error: EngineError, result: str) -> None:
         backend = self._backend
         self._close_stream()
@@ -502,6 +536,8 @@ class RelayedReply:
         if result == "ok":
             backend.ended_well()
         backend.end()
+        if backend.max_outstanding is not None:
+            self._queue.freed(backend)
         backend.attempts[result] += 1
         if result != "ok" or len(self._tried) > 1:
             self._log(backend, result)

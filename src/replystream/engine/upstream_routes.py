@@ -6,6 +6,7 @@ line: each upstream's own key and models, and model aliases.
     weight = 3                      # optional, default 1
     api_key_env = "GPU_A_KEY"       # or api_key = "..." (optional: else --upstream-api-key)
     models = ["llama-3.1-8b"]       # optional: else what its GET /models lists
+    max_outstanding = 64            # optional: else --upstream-max-outstanding
 
     [[upstreams]]
     url = "https://api.example.com/v1"
@@ -47,6 +48,7 @@ class UpstreamEntry(_Strict):
     api_key_env: Name | None = None
     pass_client_key: bool | None = None
     models: list[Name] = []
+    max_outstanding: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("url")
     @classmethod
@@ -139,7 +141,14 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
             if problem is not None:
                 raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} {problem}")
         targets.append(
-            UpstreamTarget(entry.url, entry.weight, key, tuple(entry.models), entry.pass_client_key)
+            UpstreamTarget(
+                entry.url,
+                entry.weight,
+                key,
+                tuple(entry.models),
+                entry.pass_client_key,
+                entry.max_outstanding,
+            )
         )
     served = {m for t in targets for m in t.models}
     every_listed = all(t.models for t in targets)

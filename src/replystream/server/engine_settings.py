@@ -232,6 +232,22 @@ UPSTREAM_ENGINE = Group(
             engines=UPSTREAM,
         ),
         Setting(
+            "--upstream-max-outstanding",
+            "the most requests each upstream is sent at once (default: no limit); more wait "
+            "for room, least loaded upstream first (a routes file's max_outstanding is its own)",
+            positive_int,
+            fills=(UpstreamConfig, "max_outstanding"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-queue-s",
+            "how long a request waits for room at upstreams at their limit of requests at "
+            "once before a 503 (0: no wait)",
+            non_negative_float,
+            fills=(UpstreamConfig, "queue_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
             "--upstream-health-s",
             "probe every upstream this often; one that does not answer gets no requests",
             positive_float,

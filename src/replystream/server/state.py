@@ -232,6 +232,11 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> BackendGauges | None
         lambda: float(engine.stats().continuations),
         across="sum",
     )
+    metrics.state(
+        "replystream_upstream_queued",
+        "Requests waiting for room at upstreams at their limit of requests at once.",
+        lambda: float(engine.stats().queued),
+    )
     return gauges
 
 

@@ -1,0 +1,185 @@
+"""An upstream's limit of requests at once (``max_outstanding``) through a real relay: no
+upstream is sent more than its limit, requests past every limit wait for room first come
+first served, a wait past ``queue_s`` is a 503 that says when to try again, and a client that
+leaves while it waits takes no room with it.
+
+The upstreams are aiohttp apps in this process on loopback ports that hold each chat request
+until the test lets it go; the relay is ``create_app(UpstreamEngine(...))`` on another port,
+read over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream_pool import Backend
+from replystream.engine.upstream_queue import RoomQueue
+from replystream.server import create_app, running
+from tests.conftest import wait_for
+
+
+class HoldingUpstream:
+    """An OpenAI-compatible upstream that answers each chat request only when released:
+    ``held`` are the requests it holds now (by their prompt), in the order they came."""
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.most_at_once = 0
+        self._gates: dict[str, asyncio.Event] = {}
+
+    def release(self, prompt: str) -> None:
+        self._gates[prompt].set()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        prompt = (await request.json())["messages"][-1]["content"]
+        gate = self._gates[prompt] = asyncio.Event()
+        self.held.append(prompt)
+        self.most_at_once = max(self.most_at_once, len(self.held))
+        try:
+            await gate.wait()
+        finally:
+            self.held.remove(prompt)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for body in (
+            {"choices": [{"index": 0, "delta": {"content": f"re: {prompt}"}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        ):
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+
+@asynccontextmanager
+async def relay(
+    *upstreams: tuple[HoldingUpstream, int | None], **config: Any
+) -> AsyncIterator[tuple[str, UpstreamEngine]]:
+    async with AsyncExitStack() as stack:
+        targets = []
+        for upstream, limit in upstreams:
+            url = await stack.enter_async_context(running(upstream.app()))
+            targets.append(UpstreamTarget(f"{url}/v1", max_outstanding=limit))
+        engine = UpstreamEngine(UpstreamConfig(tuple(targets), **config))
+        url = await stack.enter_async_context(running(create_app(engine)))
+        try:
+            yield url, engine
+        finally:
+            await engine.aclose()
+
+
+async def ask(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, Any, str]:
+    """Status, Retry-After and the whole text (or error code) of one streamed chat reply."""
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": prompt}]}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            error = (await response.json())["error"]["code"]
+            return response.status, response.headers.get("Retry-After"), error
+        text = ""
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content") or ""
+        return response.status, None, text
+
+
+def queued(engine: UpstreamEngine, count: int) -> Callable[[], bool]:
+    return lambda: engine.stats().queued == count
+
+
+def holding(prompt: str, *upstreams: HoldingUpstream) -> Callable[[], bool]:
+    return lambda: any(prompt in upstream.held for upstream in upstreams)
+
+
+async def test_no_upstream_gets_more_than_its_limit_and_the_rest_wait_first_come_first_served():
+    a, b = HoldingUpstream(), HoldingUpstream()
+    async with relay((a, 2), (b, 1)) as (url, engine), aiohttp.ClientSession() as session:
+        replies = {}
+        for i in range(3):  # every limit reached
+            replies[f"r{i}"] = asyncio.create_task(ask(session, url, f"r{i}"))
+        await wait_for(lambda: len(a.held) + len(b.held) == 3)
+        assert (len(a.held), len(b.held)) == (2, 1)
+        for i in range(3, 6):  # these wait, in this order
+            replies[f"r{i}"] = asyncio.create_task(ask(session, url, f"r{i}"))
+            await wait_for(queued(engine, i - 2))
+        assert len(a.held) + len(b.held) == 3
+        # Each reply that ends lets the oldest waiter in, at the upstream it left.
+        for waiter in ("r3", "r4", "r5"):
+            first = (a.held + b.held)[0]
+            (a if first in a.held else b).release(first)
+            assert await replies[first] == (200, None, f"re: {first}")
+            await wait_for(holding(waiter, a, b))
+        assert engine.stats().queued == 0
+        for prompt in list(a.held + b.held):
+            (a if prompt in a.held else b).release(prompt)
+        for prompt in ("r3", "r4", "r5"):
+            assert await replies[prompt] == (200, None, f"re: {prompt}")
+        assert (a.most_at_once, b.most_at_once) == (2, 1)
+
+
+async def test_a_wait_past_queue_s_is_a_503_that_says_when_to_try_again():
+    a = HoldingUpstream()
+    async with relay((a, 1), queue_s=0.3) as (url, engine), aiohttp.ClientSession() as session:
+        first = asyncio.create_task(ask(session, url, "first"))
+        await wait_for(lambda: a.held == ["first"])
+        assert await ask(session, url, "second") == (503, "1", "upstream_busy")
+        assert engine.stats().queued == 0 and a.held == ["first"]
+        a.release("first")
+        assert await first == (200, None, "re: first")
+    async with relay((a, 1), queue_s=0) as (url, _), aiohttp.ClientSession() as session:
+        first = asyncio.create_task(ask(session, url, "first"))
+        await wait_for(lambda: a.held == ["first"])
+        assert await ask(session, url, "second") == (503, "1", "upstream_busy")  # no wait
+        a.release("first")
+        await first
+
+
+async def test_a_client_that_leaves_while_it_waits_takes_no_room_with_it():
+    a = HoldingUpstream()
+    async with relay((a, 1)) as (url, engine), aiohttp.ClientSession() as session:
+        first = asyncio.create_task(ask(session, url, "first"))
+        await wait_for(lambda: a.held == ["first"])
+        gone = asyncio.create_task(ask(session, url, "gone"))
+        await wait_for(lambda: engine.stats().queued == 1)
+        stays = asyncio.create_task(ask(session, url, "stays"))
+        await wait_for(lambda: engine.stats().queued == 2)
+        gone.cancel()  # its connection closes: the relay stops its wait
+        await wait_for(lambda: engine.stats().queued == 1)
+        a.release("first")
+        await first
+        await wait_for(lambda: a.held == ["stays"])
+        a.release("stays")
+        assert await stays == (200, None, "re: stays")
+        assert engine.stats().queued == 0
+
+
+async def test_a_waiter_woken_then_gone_passes_the_room_to_the_next():
+    queue, backend = RoomQueue(), Backend("http://a/v1", max_outstanding=1)
+    first = asyncio.create_task(queue.wait("m", 10.0))
+    second = asyncio.create_task(queue.wait("m", 10.0))
+    other_model = asyncio.create_task(queue.wait("n", 10.0))
+    await wait_for(lambda: len(queue) == 3)
+    backend.models = frozenset({"m"})
+    queue.freed(backend)  # the first is woken...
+    first.cancel()  # ...and its client leaves before it takes the room
+    assert await second is True  # so the next waiter for a model it serves gets it
+    assert not other_model.done() and len(queue) == 1
+    queue.wake_all()
+    assert await other_model is True and len(queue) == 0
+    assert first.cancelled()
