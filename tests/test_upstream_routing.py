@@ -413,7 +413,10 @@ async def test_rerouting_keeps_a_staying_upstreams_state_and_probes_a_new_one_fi
     async with AsyncExitStack() as stack:
         a_url, b_url, c_url = [await stack.enter_async_context(running(u.app())) for u in (a, b, c)]
         first = UpstreamConfig(
-            (UpstreamTarget(f"{a_url}/v1", api_key="a-key"), UpstreamTarget(f"{b_url}/v1"))
+            (
+                UpstreamTarget(f"{a_url}/v1", api_key="a-key", models=("m", "gone")),
+                UpstreamTarget(f"{b_url}/v1"),
+            )
         )
         engine = UpstreamEngine(first)
         url = await stack.enter_async_context(running(create_app(engine)))
@@ -423,7 +426,9 @@ async def test_rerouting_keeps_a_staying_upstreams_state_and_probes_a_new_one_fi
         kept = engine.pool.backends[0]
         assert kept.attempts["ok"] == 1 and engine.pool.backends[1].attempts["ok"] == 1
 
-        # a stays with a new key and weight; b leaves; c joins, its models not given.
+        assert engine.stats().models == ("gone", "m")
+        # a stays with a new key and weight, its models no longer given (its own list is
+        # asked for); b leaves; c joins, its models not given.
         change = await engine.reroute(
             UpstreamConfig(
                 (
@@ -434,6 +439,7 @@ async def test_rerouting_keeps_a_staying_upstreams_state_and_probes_a_new_one_fi
         )
         assert change.added == (f"{c_url}/v1",) and change.removed == (f"{b_url}/v1",)
         assert engine.pool.backends[0] is kept and kept.weight == 2 and kept.attempts["ok"] == 1
+        assert kept.models == {"m"} and not kept.fixed_models
         joined = engine.pool.backends[1]
         # Probed before it took a request, with its own key: its model list is known.
         assert joined.probe_ok is True and joined.models == {"n"}

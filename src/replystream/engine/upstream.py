@@ -599,26 +599,30 @@ class UpstreamEngine:
         under way there go on to their end."""
         async with self._rerouting:  # two reloads at once: one after the other
             before = {b.name: b for b in self.pool.backends}
-            backends, asked = [], []
-            for target in config.targets:
-                backend = before.get(target.base_url)
-                if backend is None:
-                    backend = _backend(target, config)
-                    asked.append(backend)
-                else:
-                    backend.weight = target.weight
-                    backend.max_outstanding = _limit(target, config)
-                    if target.models:
-                        backend.models, backend.fixed_models = frozenset(target.models), True
-                    elif backend.fixed_models:
-                        backend.models, backend.fixed_models = frozenset(), False
-                        asked.append(backend)
-                backends.append(backend)
+            backends = [before.get(t.base_url) or _backend(t, config) for t in config.targets]
+            joining = [b for b in backends if b.name not in before]
+            # A staying upstream whose models are no longer given: its list is asked for by
+            # a stand-in, so nothing routed changes before the swap.
+            relisted = {
+                t.base_url: _backend(t, config)
+                for t in config.targets
+                if not t.models and t.base_url in before and before[t.base_url].fixed_models
+            }
             keys = UpstreamKeys.of(config)
-            if asked:  # with the keys they will be sent
+            if joining or relisted:  # with the keys they will be sent
                 await self._prober.probe(
-                    asked, headers=lambda b: keys.headers(b.name), keyless=keys.passing
+                    [*joining, *relisted.values()],
+                    headers=lambda b: keys.headers(b.name),
+                    keyless=keys.passing,
                 )
+            # The swap: no await from here on.
+            for target, backend in zip(config.targets, backends, strict=True):
+                backend.weight = target.weight
+                backend.max_outstanding = _limit(target, config)
+                if target.models:
+                    backend.models, backend.fixed_models = frozenset(target.models), True
+                elif target.base_url in relisted:
+                    backend.models, backend.fixed_models = relisted[target.base_url].models, False
             self.config, self._keys, self._prober.keyless = config, keys, keys.passing
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
@@ -632,7 +636,7 @@ class UpstreamEngine:
                     self._retired.append(origin)
             self._retired = [o for o in self._retired if o.in_use]
             return RouteChange(
-                added=tuple(b.name for b in backends if b.name not in before),
+                added=tuple(b.name for b in joining),
                 removed=removed,
                 upstreams=len(backends),
                 aliases=len(config.aliases),
