@@ -170,6 +170,8 @@ url = "http://b:8000/v1"
 api_key = "b-key"
 models = ["qwen"]
 max_outstanding = 8
+ttft_s = 90
+stall_s = 2.5
 
 [aliases]
 "gpt-4o-mini" = "qwen"
@@ -190,6 +192,7 @@ max_outstanding = 8
         ("qwen",),
     )
     assert (a.max_outstanding, b.max_outstanding) == (None, 8)
+    assert (a.ttft_s, a.stall_s, b.ttft_s, b.stall_s) == (None, None, 90.0, 2.5)
     assert routes.aliases == (("gpt-4o-mini", "qwen"),)
 
 
@@ -198,6 +201,8 @@ max_outstanding = 8
     [
         ("[[upstreams]]\nurl = 'http://a/v1'\nweight = 0", "upstreams[0].weight: input should be"),
         ("[[upstreams]]\nurl = 'ftp://a/v1'", "upstreams[0].url: must start with http://"),
+        ("[[upstreams]]\nurl = 'http://a/v1'\nttft_s = 0", "upstreams[0].ttft_s: input should be"),
+        ("[[upstreams]]\nurl = 'http://a/v1'\nstall_s = 'x'", "upstreams[0].stall_s: input should"),
         (
             "[[upstreams]]\nurl = 'http://a/v1'\nmax_outstanding = 0",
             "upstreams[0].max_outstanding: input should be greater than or equal to 1",

@@ -480,3 +480,42 @@ async def test_each_attempt_carries_the_request_id_and_the_callers_trace_context
             seen = lowered(fine.headers[-1])  # every reply ends there: the other is busy
             assert seen["x-request-id"] == lowered(got.headers)["x-request-id"] != "req-42"
             assert "traceparent" not in seen and "tracestate" not in seen, (bad, seen)
+
+
+async def test_an_upstreams_own_time_limits_replace_the_relays_for_it():
+    silent, stalling, ok = (
+        Upstream(["m"], mode="silent"),
+        Upstream(["m"], mode="stall"),
+        Upstream(["m"]),
+    )
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(running(u.app())) for u in (silent, stalling, ok)]
+        engine = UpstreamEngine(
+            UpstreamConfig(
+                (
+                    UpstreamTarget(f"{urls[0]}/v1", ttft_s=0.3),
+                    UpstreamTarget(f"{urls[1]}/v1", stall_s=0.3),
+                    UpstreamTarget(f"{urls[2]}/v1", weight=1),
+                ),
+                ttft_s=30.0,
+                stall_s=30.0,
+            )
+        )
+        url = await stack.enter_async_context(running(create_app(engine)))
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        for _ in range(6):  # each upstream goes first twice (ties go round)
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            errors = [e["error"] for e in got.of_type("error")]
+            if errors:  # the stalling one, given up on after its own 0.3 s, not the 30
+                assert errors[0]["code"] == "upstream_stalled"
+                assert "sent no text for 0.3 s mid-reply" in errors[0]["message"]
+            else:  # the silent one left after its own 0.3 s for the next
+                assert got.chat_text == "w0 w1 w2 "
+        attempts = {b.name: dict(b.attempts) for b in engine.pool.backends}
+        assert attempts[f"{urls[0]}/v1"].get("ttft_timeout", 0) >= 1
+        assert attempts[f"{urls[1]}/v1"].get("stalled", 0) >= 1
+
+
+def test_an_upstreams_own_first_text_limit_must_fit_in_the_failover_window():
+    with pytest.raises(ValueError, match="past the failover window"):
+        UpstreamConfig((UpstreamTarget("http://a/v1", ttft_s=90.0),), failover_s=60.0)

@@ -150,6 +150,9 @@ class UpstreamTarget:
     models: tuple[str, ...] = ()
     pass_client_key: bool | None = None
     max_outstanding: int | None = None  # requests at once (None: the server's default)
+    # Its own limits to the first content and between pieces (None: the server's).
+    ttft_s: float | None = None
+    stall_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -168,6 +171,9 @@ class UpstreamTarget:
                 f"an upstream's limit of requests at once must be at least 1, got "
                 f"{self.max_outstanding}"
             )
+        for limit in (self.ttft_s, self.stall_s):
+            if limit is not None and not limit > 0:
+                raise ValueError(f"the upstream at {self.base_url}: limits must be positive")
         if self.api_key is not None and self.pass_client_key:
             raise ValueError(
                 f"the upstream at {self.base_url} is given a key and told to take the "
@@ -238,6 +244,12 @@ class UpstreamConfig:
                 also = "" if first == target.base_url else f" (also as {target.base_url})"
                 raise ValueError(f"the upstream at {first} is given twice{also}")
             seen[identity] = target.base_url
+            if target.ttft_s is not None and target.ttft_s > self.failover_s:
+                raise ValueError(
+                    f"the upstream at {target.base_url} may take {target.ttft_s:g} s to its "
+                    f"first text, past the failover window ({self.failover_s:g} s, which "
+                    "ends every wait for it): raise --upstream-failover-s too"
+                )
         if self.api_key is not None and self.pass_client_key:
             raise ValueError(
                 "a key for every upstream and the client's own key passed on: give one"
@@ -322,6 +334,8 @@ def _backend(target: UpstreamTarget, config: UpstreamConfig) -> Backend:
         frozenset(target.models),
         fixed_models=bool(target.models),
         max_outstanding=_limit(target, config),
+        ttft_s=target.ttft_s,
+        stall_s=target.stall_s,
     )
 
 
@@ -619,6 +633,7 @@ class UpstreamEngine:
             for target, backend in zip(config.targets, backends, strict=True):
                 backend.weight = target.weight
                 backend.max_outstanding = _limit(target, config)
+                backend.ttft_s, backend.stall_s = target.ttft_s, target.stall_s
                 if target.models:
                     backend.models, backend.fixed_models = frozenset(target.models), True
                 elif target.base_url in relisted:

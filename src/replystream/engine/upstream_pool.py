@@ -84,6 +84,10 @@ class Backend:
     # The most requests it is sent at once (None: no limit); at it, it takes no more until
     # one ends, and requests wait for room (``upstream_queue``).
     max_outstanding: int | None = None
+    # Its own time limits, for a model slower (or faster) than the rest: the first content
+    # of an attempt, and the most between two pieces after it (None: the relay's).
+    ttft_s: float | None = None
+    stall_s: float | None = None
     circuit: Circuit = Circuit.CLOSED
     failures: int = 0  # consecutive
     reopens_at: float = 0.0  # an open circuit lets its trial through from then on

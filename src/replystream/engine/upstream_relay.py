@@ -342,12 +342,14 @@ class RelayedReply:
         ends the attempt well."""
         if not self._flowing:
             self._flowing = True
-            self._limit = self._limits.stall_s  # from now on: the stall limit, from here
+            backend = self._backend
+            assert backend is not None
+            # From now on: the stall limit (its upstream's own, if it has one), from here.
+            self._limit = self._limits.stall_s if backend.stall_s is None else backend.stall_s
             self._unwatch()
             self._timer = self._loop.call_later(self._limit, self._check)
-            assert self._backend is not None
-            self._backend.answered()
-            self._backend.sent_first_text(deltas[0].made_at - self._attempt_began)
+            backend.answered()
+            backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
         for delta in deltas:
             if delta.tool_call is not None:
@@ -422,8 +424,14 @@ class RelayedReply:
             self._timer = None
 
     def _ttft_limit(self) -> float:
+        """The current attempt's time to its first content: its upstream's own limit, if it
+        has one, else the relay's; no later than the failover window's end."""
+        backend = self._backend
+        ttft_s = (
+            self._limits.ttft_s if backend is None or backend.ttft_s is None else backend.ttft_s
+        )
         left = self._limits.failover_s - (time.monotonic() - self._began)
-        return max(0.001, min(self._limits.ttft_s, left))
+        return max(0.001, min(ttft_s, left))
 
     def _timed_out(self, limit: float, flowing: bool) -> EngineError:
         where = "the upstream" if self._backend is None else f"the upstream at {self._backend.name}"

@@ -7,6 +7,7 @@ line: each upstream's own key and models, and model aliases.
     api_key_env = "GPU_A_KEY"       # or api_key = "..." (optional: else --upstream-api-key)
     models = ["llama-3.1-8b"]       # optional: else what its GET /models lists
     max_outstanding = 64            # optional: else --upstream-max-outstanding
+    ttft_s = 120                    # optional: else --upstream-ttft-s (likewise stall_s)
 
     [[upstreams]]
     url = "https://api.example.com/v1"
@@ -49,6 +50,8 @@ class UpstreamEntry(_Strict):
     pass_client_key: bool | None = None
     models: list[Name] = []
     max_outstanding: Annotated[int, Field(ge=1)] | None = None
+    ttft_s: Annotated[float, Field(gt=0)] | None = None
+    stall_s: Annotated[float, Field(gt=0)] | None = None
 
     @field_validator("url")
     @classmethod
@@ -148,6 +151,8 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 tuple(entry.models),
                 entry.pass_client_key,
                 entry.max_outstanding,
+                entry.ttft_s,
+                entry.stall_s,
             )
         )
     served = {m for t in targets for m in t.models}
