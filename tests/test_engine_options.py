@@ -9,7 +9,8 @@ import pytest
 
 from replystream.engine.simulated import SimulatedEngine
 from replystream.engine.tiny import TinyEngine
-from replystream.engine.upstream import UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamTarget
 from replystream.server import command
 from replystream.server.engine_options import EngineChoice, default_engine, parse_engines
 from replystream.server.engine_settings import API_KEY_ENV

@@ -25,7 +25,8 @@ import aiohttp
 from aiohttp import web
 
 from replystream.engine.base import Delta, GenerationRequest
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import running
 from tests.conftest import wait_for
 from tests.test_upstream_faults import chunk

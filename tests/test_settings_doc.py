@@ -25,7 +25,8 @@ from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import load_reply_script
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
 from replystream.engine.tiny import TinyEngine, TinyEngineConfig
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig
 from replystream.server import command, engine_options
 from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig

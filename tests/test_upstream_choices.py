@@ -18,7 +18,8 @@ from typing import Any
 import openai
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 
 PROMPT_TOKENS = 11  # what every upstream reports: more than our estimate of "hi"

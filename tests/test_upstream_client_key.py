@@ -24,7 +24,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.processes import replica

@@ -26,13 +26,12 @@ from aiohttp import web
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.upstream import (
-    UpstreamConfig,
     UpstreamEngine,
-    UpstreamTarget,
     UpstreamTimeout,
     UpstreamUnavailable,
     request_body,
 )
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.server import create_app, running
 from tests.conftest import wait_for

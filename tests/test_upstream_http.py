@@ -25,12 +25,8 @@ from pathlib import Path
 import pytest
 
 from replystream.engine.base import GenerationRequest
-from replystream.engine.upstream import (
-    UpstreamConfig,
-    UpstreamEngine,
-    UpstreamTarget,
-    UpstreamUnavailable,
-)
+from replystream.engine.upstream import UpstreamEngine, UpstreamUnavailable
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_http import HttpOrigin, PeerClosed
 from replystream.engine.upstream_stream import UpstreamStream, UpstreamStreamError
 from tests.conftest import wait_for

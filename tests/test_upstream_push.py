@@ -24,7 +24,8 @@ from replystream.engine.base import (
     PushDeltaStream,
     SamplingParams,
 )
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from tests.conftest import fast_engine, wait_for
 from tests.test_upstream_faults import chunk, fake_upstream

@@ -19,7 +19,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_pool import Backend
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.server import create_app, running

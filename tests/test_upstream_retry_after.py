@@ -24,7 +24,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

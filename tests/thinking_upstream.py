@@ -16,7 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 

@@ -33,7 +33,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from replystream.engine.upstream import UpstreamTarget, base_url_problem, key_problem
+from replystream.engine.upstream_config import UpstreamTarget, base_url_problem, key_problem
 
 Name = Annotated[str, Field(min_length=1)]
 

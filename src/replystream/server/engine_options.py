@@ -27,7 +27,8 @@ from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
 from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
-from replystream.engine.upstream import UpstreamConfig, UpstreamEngine, UpstreamTarget
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_routes import load_routes
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
 

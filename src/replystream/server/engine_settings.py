@@ -17,7 +17,7 @@ from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply_script
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny import TinyEngineConfig
-from replystream.engine.upstream import UpstreamConfig
+from replystream.engine.upstream_config import UpstreamConfig
 from replystream.settings import Group, Setting
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import Counter
 
-from replystream.engine.upstream import RouteChange, UpstreamConfig, UpstreamEngine
+from replystream.engine.upstream import RouteChange, UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig
 from replystream.server.context import ENGINE_KEY, METRICS_KEY
 from replystream.server.engine_options import EngineChoice, upstream_config
 from replystream.server.metrics import Metrics

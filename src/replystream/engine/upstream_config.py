@@ -1,0 +1,219 @@
+"""The relay's configuration: its upstreams (``UpstreamTarget``), its limits and defaults
+(``UpstreamConfig``), and what each upstream is sent as its key (``UpstreamKeys``).
+
+This file decides what a valid configuration is, so that a mistake stops ``serve`` at
+start-up (or a reload of the routes file keeps the routes before) instead of failing every
+request later: an upstream's base URL (``base_url_problem``) and its identity however it is
+spelt (``upstream_identity``), keys an HTTP header can carry, positive limits, one upstream
+given once. It must not know how requests are sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+
+def base_url_problem(url: str) -> str | None:
+    """What makes ``url`` (an http(s) URL) no upstream base URL, in words that follow "an
+    upstream URL"; None when nothing does. Checked at start-up, so that a URL no request
+    could use stops ``serve`` rather than failing every request later."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 address
+        return "is not a valid URL"
+    if parts.username is not None or parts.password is not None:
+        # It would be repeated in every error, log line and metric naming the upstream.
+        return "may not carry a user name or password (give a key as api_key)"
+    if not parts.hostname:
+        return "has no host"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = 0
+    if port == 0:
+        return "has a port that is not a number from 1 to 65535"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "may not have a query or a fragment"
+    return None
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def upstream_identity(url: str) -> tuple[str, str, int, str]:
+    """What tells one upstream from another, however its base URL is spelt: the scheme and
+    host in any case, the port given or its scheme's default, the path without its trailing
+    slashes. ``url`` is one ``base_url_problem`` found nothing wrong with."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or DEFAULT_PORTS[scheme]
+    return scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+
+def key_problem(key: str) -> str | None:
+    """What keeps ``key`` out of an ``Authorization`` header (None: nothing)."""
+    if key.isascii() and key.isprintable():
+        return None
+    return "must be printable ASCII (an HTTP header carries nothing else)"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTarget:
+    """One upstream: the base URL of its OpenAI API (``http://host:port/v1``), its weight, and
+    what a routes file may add: its own API key, or whether it takes the caller's own key
+    (``pass_client_key``; None: the server's default), and the models it serves (empty: what
+    its ``GET /models`` lists)."""
+
+    base_url: str
+    weight: int = 1
+    api_key: str | None = field(default=None, repr=False)
+    models: tuple[str, ...] = ()
+    pass_client_key: bool | None = None
+    max_outstanding: int | None = None  # requests at once (None: the server's default)
+    # Its own limits to the first content and between pieces (None: the server's).
+    ttft_s: float | None = None
+    stall_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"an upstream URL must be http:// or https://, got {self.base_url!r}")
+        problem = base_url_problem(self.base_url)
+        if problem is not None:
+            shown = "" if "password" in problem else f", got {self.base_url!r}"
+            raise ValueError(f"an upstream URL {problem}{shown}")
+        problem = None if self.api_key is None else key_problem(self.api_key)
+        if problem is not None:
+            raise ValueError(f"the API key of the upstream at {self.base_url} {problem}")
+        if self.weight < 1:
+            raise ValueError(f"an upstream weight must be at least 1, got {self.weight}")
+        if self.max_outstanding is not None and self.max_outstanding < 1:
+            raise ValueError(
+                f"an upstream's limit of requests at once must be at least 1, got "
+                f"{self.max_outstanding}"
+            )
+        for limit in (self.ttft_s, self.stall_s):
+            if limit is not None and not limit > 0:
+                raise ValueError(f"the upstream at {self.base_url}: limits must be positive")
+        if self.api_key is not None and self.pass_client_key:
+            raise ValueError(
+                f"the upstream at {self.base_url} is given a key and told to take the "
+                "client's: give one"
+            )
+
+    @classmethod
+    def parse(cls, spec: str) -> UpstreamTarget:
+        """``URL`` or ``URL=WEIGHT`` (only a trailing ``=digits`` is a weight)."""
+        url, sep, weight = spec.rpartition("=")
+        if sep and weight.isdigit() and url:
+            return cls(_without_trailing_slash(url), int(weight))
+        return cls(_without_trailing_slash(spec))
+
+
+def _without_trailing_slash(url: str) -> str:
+    """``url`` without the slashes that end its path (``http://`` stays itself)."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    """Where the upstreams are, how long each phase of a relayed reply may take, and when an
+    upstream counts as failing."""
+
+    targets: tuple[UpstreamTarget, ...]
+    api_key: str | None = field(default=None, repr=False)  # for upstreams without their own
+    # Upstreams without their own key (and not told otherwise) take the caller's own key.
+    pass_client_key: bool = False
+    model: str | None = None  # None: the first model the upstream's /models lists
+    aliases: tuple[tuple[str, str], ...] = ()  # (a name clients use, an upstream's model)
+    headers_timeout_s: float = 30.0  # connect plus the response head
+    ttft_s: float = 30.0  # an attempt's first text within this, else the next upstream
+    stall_s: float = 60.0  # no text for this long mid-reply is a stall
+    failover_s: float = 60.0  # other upstreams are tried until this long after the request
+    # The most requests each upstream is sent at once (None: no limit; a routes file's
+    # ``max_outstanding`` overrides it), and how long a request waits for room at upstreams
+    # at their limit before a 503 (0: none).
+    max_outstanding: int | None = None
+    queue_s: float = 30.0
+    continuation: bool = False  # a stalled or failed reply goes on at another upstream
+    health_s: float = 5.0  # active health probes this often
+    health_path: str = "/models"  # what a probe asks each upstream for
+    failures: int = 3  # consecutive failures that open an upstream's circuit
+    # How long an open circuit keeps its upstream out (also the longest its Retry-After does).
+    cooldown_s: float = 10.0
+    max_event_size: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("give at least one upstream")
+        if not (self.headers_timeout_s > 0 and self.stall_s > 0 and self.max_event_size > 0):
+            raise ValueError("upstream timeouts and the event size limit must be positive")
+        if self.max_outstanding is not None and self.max_outstanding < 1:
+            raise ValueError(
+                f"the limit of requests at once must be at least 1, got {self.max_outstanding}"
+            )
+        if self.queue_s < 0:
+            raise ValueError(f"the wait for room cannot be negative, got {self.queue_s:g}")
+        if not self.health_path.startswith("/"):
+            raise ValueError(f"the health path must start with /, got {self.health_path!r}")
+        seen: dict[tuple[str, str, int, str], str] = {}
+        for target in self.targets:
+            identity = upstream_identity(target.base_url)
+            first = seen.get(identity)
+            if first is not None:
+                also = "" if first == target.base_url else f" (also as {target.base_url})"
+                raise ValueError(f"the upstream at {first} is given twice{also}")
+            seen[identity] = target.base_url
+            if target.ttft_s is not None and target.ttft_s > self.failover_s:
+                raise ValueError(
+                    f"the upstream at {target.base_url} may take {target.ttft_s:g} s to its "
+                    f"first text, past the failover window ({self.failover_s:g} s, which "
+                    "ends every wait for it): raise --upstream-failover-s too"
+                )
+        if self.api_key is not None and self.pass_client_key:
+            raise ValueError(
+                "a key for every upstream and the client's own key passed on: give one"
+            )
+        problem = None if self.api_key is None else key_problem(self.api_key)
+        if problem is not None:
+            raise ValueError(f"the upstream API key {problem}")
+
+    def passes_client_key(self, target: UpstreamTarget) -> bool:
+        """Whether ``target`` gets the caller's own key rather than a configured one."""
+        if target.pass_client_key is not None:
+            return target.pass_client_key
+        return self.pass_client_key and target.api_key is None
+
+
+def upstream_limit(target: UpstreamTarget, config: UpstreamConfig) -> int | None:
+    """The most requests ``target`` is sent at once: its own limit, else the default."""
+    return config.max_outstanding if target.max_outstanding is None else target.max_outstanding
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamKeys:
+    """What goes to each upstream as its ``Authorization``: its own key, or the caller's own
+    (for those in ``passing``), else the key for all."""
+
+    own: dict[str, str | None]
+    passing: frozenset[str]
+    default: str | None = field(repr=False)
+
+    @classmethod
+    def of(cls, config: UpstreamConfig) -> UpstreamKeys:
+        targets = config.targets
+        return cls(
+            {t.base_url: t.api_key for t in targets},
+            frozenset(t.base_url for t in targets if config.passes_client_key(t)),
+            config.api_key,
+        )
+
+    def headers(self, name: str, client_key: str | None = None) -> dict[str, str]:
+        """What goes to the upstream ``name`` beside a request: its configured key, or, for
+        one that takes the caller's own, ``client_key`` (a health probe has none to send)."""
+        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+        key = client_key if name in self.passing else self.own.get(name) or self.default
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
