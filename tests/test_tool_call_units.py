@@ -24,7 +24,7 @@ from replystream.delivery.responses_format import (
 from replystream.engine.base import Delta, GenerationRequest, ToolCallDelta
 from replystream.engine.reply_script import ScriptError, parse_reply_script
 from replystream.engine.upstream import request_body
-from replystream.server.schemas import MessagesBody
+from replystream.server.anthropic_schemas import MessagesBody
 from replystream.server.tool_requests import anthropic_messages, anthropic_tools, prompt_of
 
 SERVE = [sys.executable, "-m", "replystream", "serve"]

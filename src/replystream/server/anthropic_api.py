@@ -29,6 +29,7 @@ from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
+from replystream.server.anthropic_schemas import MessagesBody
 from replystream.server.buffered import Whole
 from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
 from replystream.server.errors import HTTPAPIError
@@ -38,7 +39,7 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.openai_api import routed_model, served_model
-from replystream.server.schemas import MessagesBody, SamplingFields
+from replystream.server.schemas import SamplingFields
 from replystream.server.tool_requests import (
     anthropic_messages,
     anthropic_tools,

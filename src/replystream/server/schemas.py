@@ -45,7 +45,7 @@ BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"
 UNION_TAGS = frozenset({"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS)})
 
 
-def _invalid(message: str, param: str | None = None) -> PydanticCustomError:
+def invalid(message: str, param: str | None = None) -> PydanticCustomError:
     """A failure whose message is a whole sentence naming the field. ``param`` names the
     field for a check made on the whole object (across fields), whose place is the object."""
     return PydanticCustomError("invalid_field", message, {"param": param} if param else None)
@@ -90,7 +90,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         or not 0 < len(value) <= 4
         or not all(isinstance(s, str) and s for s in value)
     ):
-        raise _invalid("stop must be a non-empty string or a list of up to 4 of them")
+        raise invalid("stop must be a non-empty string or a list of up to 4 of them")
     return tuple(value)
 
 
@@ -117,7 +117,7 @@ class TextPart(Strict):
     text: str
 
 
-def _content_kind(value: Any) -> str | None:
+def content_kind(value: Any) -> str | None:
     if isinstance(value, str):
         return "<string>"
     if isinstance(value, list):
@@ -128,7 +128,7 @@ def _content_kind(value: Any) -> str | None:
 Content = Annotated[
     Annotated[str, Tag("<string>")] | Annotated[list[TextPart], Tag("<parts>")],
     Discriminator(
-        _content_kind,
+        content_kind,
         custom_error_type="content_type",
         custom_error_message="must be a string or a list of text parts",
     ),
@@ -142,12 +142,12 @@ ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 def _json_schema(value: Any) -> dict[str, Any]:
     """A JSON Schema (checked against the 2020-12 meta-schema), as a function's parameters."""
     if not isinstance(value, dict):
-        raise _invalid("must be a JSON Schema object")
+        raise invalid("must be a JSON Schema object")
     try:
         Draft202012Validator.check_schema(value)
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.path) or "the top"
-        raise _invalid(f"is not a valid JSON Schema (at {where}: {exc.message[:200]})") from None
+        raise invalid(f"is not a valid JSON Schema (at {where}: {exc.message[:200]})") from None
     return value
 
 
@@ -156,7 +156,7 @@ JSONSchema = Annotated[dict[str, Any], PlainValidator(_json_schema)]
 
 def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
     if value.get("type") != "object":
-        raise _invalid('must be a JSON Schema of type "object"')
+        raise invalid('must be a JSON Schema of type "object"')
     return value
 
 
@@ -218,12 +218,12 @@ class Message(Strict):
     @model_validator(mode="after")
     def _tool_fields(self) -> Message:
         if self.tool_calls is not None and self.role != "assistant":
-            raise _invalid("only an assistant message may carry tool_calls", "tool_calls")
+            raise invalid("only an assistant message may carry tool_calls", "tool_calls")
         if (self.tool_call_id is None) == (self.role == "tool"):
             message = "a tool message needs tool_call_id, and only a tool message has one"
-            raise _invalid(message, "tool_call_id")
+            raise invalid(message, "tool_call_id")
         if self.content is None and self.tool_calls is None:
-            raise _invalid("content is required (null only beside tool_calls)", "content")
+            raise invalid("content is required (null only beside tool_calls)", "content")
         return self
 
     @property
@@ -256,7 +256,7 @@ class SamplingFields(Strict):
     @model_validator(mode="after")
     def _resumable_is_streamed(self) -> SamplingFields:
         if self.resumable and not self.stream:
-            raise _invalid("a resumable reply must be streamed (stream: true)", "resumable")
+            raise invalid("a resumable reply must be streamed (stream: true)", "resumable")
         return self
 
 
@@ -273,7 +273,7 @@ class ReplyBody(SamplingFields):
     def _disconnect_is_for_streams(self) -> ReplyBody:
         if self.disconnect is not None and not self.stream:
             message = "disconnect applies to streamed replies (stream: true)"
-            raise _invalid(message, "disconnect")
+            raise invalid(message, "disconnect")
         return self
 
     @model_validator(mode="before")
@@ -281,7 +281,7 @@ class ReplyBody(SamplingFields):
     def _one_prompt(cls, data: Any) -> Any:
         # Before the fields: with both given, which one is bad is beside the point.
         if isinstance(data, dict) and ("prompt" in data) == ("messages" in data):
-            raise _invalid("give exactly one of prompt or messages", "prompt")
+            raise invalid("give exactly one of prompt or messages", "prompt")
         return data
 
 
@@ -327,7 +327,7 @@ class OpenAIBody(SamplingFields):
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> OpenAIBody:
         if self.stream_options is not None and not self.stream:
-            raise _invalid("stream_options is only allowed with stream: true", "stream_options")
+            raise invalid("stream_options is only allowed with stream: true", "stream_options")
         return self
 
 
@@ -352,10 +352,10 @@ class ChatBody(OpenAIBody):
         if self.continue_final_message:
             if self.messages[-1].role != "assistant":
                 message = "continue_final_message needs the last message to be the assistant's"
-                raise _invalid(message, "continue_final_message")
+                raise invalid(message, "continue_final_message")
             if self.add_generation_prompt:
                 message = "continue_final_message and add_generation_prompt cannot both be true"
-                raise _invalid(message, "add_generation_prompt")
+                raise invalid(message, "add_generation_prompt")
         return self
 
     @property
@@ -366,7 +366,7 @@ class ChatBody(OpenAIBody):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatBody:
         if self.top_logprobs is not None and not self.logprobs:
-            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         return self
 
 
@@ -374,7 +374,7 @@ def _legacy_prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, str):
-        raise _invalid("prompt must be a string (or a list of one string)")
+        raise invalid("prompt must be a string (or a list of one string)")
     return value
 
 
@@ -402,7 +402,7 @@ class InputText(Strict):
 ResponseContent = Annotated[
     Annotated[str, Tag("<string>")] | Annotated[list[InputText], Tag("<parts>")],
     Discriminator(
-        _content_kind,
+        content_kind,
         custom_error_type="content_type",
         custom_error_message="must be a string or a list of input_text parts",
     ),
@@ -471,7 +471,7 @@ ResponseInput = Annotated[
     Annotated[str, Tag("<string>")]
     | Annotated[Annotated[list[InputItem], Field(min_length=1)], Tag("<parts>")],
     Discriminator(
-        _content_kind,
+        content_kind,
         custom_error_type="input_type",
         custom_error_message="must be a string or a non-empty list of input items",
     ),
@@ -546,7 +546,7 @@ class ResponsesBody(Strict):
     def _background_is_stored(self) -> ResponsesBody:
         if self.background and not self.store:
             message = "a background response must be stored (store: true) to be read later"
-            raise _invalid(message, "background")
+            raise invalid(message, "background")
         return self
 
 
@@ -569,7 +569,7 @@ class ReplyMessage(ReplyBody):
     @model_validator(mode="after")
     def _streamed(self) -> ReplyMessage:
         if not self.stream:
-            raise _invalid("replies over a WebSocket are streamed", "stream")
+            raise invalid("replies over a WebSocket are streamed", "stream")
         return self
 
 
@@ -600,10 +600,10 @@ def _digits(name: str, low: int, high: int) -> BeforeValidator:
     def parse(raw: Any) -> int:
         text = raw.strip() if isinstance(raw, str) else ""
         if not (text.isascii() and text.isdigit()) or len(text) > 19:
-            raise _invalid(f"{name} must be an integer from {low} to {high}, got {_cut(raw)}")
+            raise invalid(f"{name} must be an integer from {low} to {high}, got {_cut(raw)}")
         value = int(text)
         if not low <= value <= high:
-            raise _invalid(f"{name} must be an integer from {low} to {high}, got {value}")
+            raise invalid(f"{name} must be an integer from {low} to {high}, got {value}")
         return value
 
     return BeforeValidator(parse)
@@ -616,7 +616,7 @@ def _flag(name: str) -> BeforeValidator:
             return True
         if word in ("0", "false", "no"):
             return False
-        raise _invalid(f"{name} must be 0 or 1, got {_cut(raw)}")
+        raise invalid(f"{name} must be 0 or 1, got {_cut(raw)}")
 
     return BeforeValidator(parse)
 
@@ -633,7 +633,7 @@ class Query(Schema):
 
 
 def _no_lab_tools(raw: Any) -> str:
-    raise _invalid(
+    raise invalid(
         "the lab routes take no tools: offer them on /v1/chat/completions, /v1/responses "
         "or /v1/messages"
     )
@@ -679,199 +679,3 @@ class Conversation(Strict):
     """What a stored response keeps in ``ReplyInfo.context``: its conversation so far."""
 
     messages: list[Turn]
-
-
-class AnthropicText(Strict):
-    """A text content block of an Anthropic message (the only kind this server reads)."""
-
-    type: Literal["text"]
-    text: str
-    cache_control: dict[str, Any] | None = None  # a prompt-caching hint: nothing to cache here
-
-
-AnthropicContent = Annotated[
-    Annotated[str, Tag("<string>")] | Annotated[list[AnthropicText], Tag("<parts>")],
-    Discriminator(
-        _content_kind,
-        custom_error_type="content_type",
-        custom_error_message="must be a string or a list of text blocks",
-    ),
-]
-
-
-class AnthropicToolUse(Strict):
-    """A ``tool_use`` block of an assistant message sent back as history."""
-
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
-
-
-class AnthropicToolResult(Strict):
-    """A ``tool_result`` block of a user message: what the client's tool returned."""
-
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: AnthropicContent | None = None
-    is_error: bool | None = None
-    cache_control: dict[str, Any] | None = None
-
-    @property
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(block.text for block in self.content)
-
-
-class AnthropicThinkingBlock(Strict):
-    """A ``thinking`` block of an assistant message sent back as history. As Anthropic's
-    own API does with an earlier turn's thinking, it is not part of the prompt."""
-
-    type: Literal["thinking"]
-    thinking: str
-    signature: str | None = None
-    cache_control: dict[str, Any] | None = None
-
-
-class AnthropicRedactedThinking(Strict):
-    """A ``redacted_thinking`` block sent back as history (not part of the prompt)."""
-
-    type: Literal["redacted_thinking"]
-    data: str
-
-
-def _block_kind(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    return f"<{kind}>" if kind in BLOCK_TAGS else None
-
-
-AnthropicBlock = Annotated[
-    Annotated[AnthropicText, Tag("<text>")]
-    | Annotated[AnthropicToolUse, Tag("<tool_use>")]
-    | Annotated[AnthropicToolResult, Tag("<tool_result>")]
-    | Annotated[AnthropicThinkingBlock, Tag("<thinking>")]
-    | Annotated[AnthropicRedactedThinking, Tag("<redacted_thinking>")],
-    Discriminator(
-        _block_kind,
-        custom_error_type="block_type",
-        custom_error_message=(
-            "must be a text, tool_use, tool_result, thinking or redacted_thinking block"
-        ),
-    ),
-]
-
-AnthropicBlocks = Annotated[
-    Annotated[str, Tag("<string>")] | Annotated[list[AnthropicBlock], Tag("<parts>")],
-    Discriminator(
-        _content_kind,
-        custom_error_type="content_type",
-        custom_error_message="must be a string or a list of content blocks",
-    ),
-]
-
-
-class AnthropicMessage(Strict):
-    role: Literal["user", "assistant"]
-    content: AnthropicBlocks
-
-    @model_validator(mode="after")
-    def _blocks_fit_the_role(self) -> AnthropicMessage:
-        if isinstance(self.content, str):
-            return self
-        kinds = {block.type for block in self.content}
-        if self.role == "user" and "tool_use" in kinds:
-            raise _invalid("tool_use blocks belong to assistant messages", "content")
-        if self.role == "user" and kinds & {"thinking", "redacted_thinking"}:
-            raise _invalid("thinking blocks belong to assistant messages", "content")
-        if self.role == "assistant" and "tool_result" in kinds:
-            raise _invalid("tool_result blocks belong to user messages", "content")
-        return self
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(block.text for block in self.content if block.type == "text")
-
-
-class AnthropicTool(Strict):
-    """A client tool of ``POST /v1/messages`` (Anthropic's server tools are not offered)."""
-
-    name: ToolName
-    input_schema: ObjectSchema
-    description: str | None = None
-    type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None
-
-
-class AnthropicToolChoice(Strict):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool | None = None
-
-    @model_validator(mode="after")
-    def _name_for_tool(self) -> AnthropicToolChoice:
-        if (self.name is not None) != (self.type == "tool"):
-            message = 'tool_choice names a tool exactly when its type is "tool"'
-            raise _invalid(message, "tool_choice")
-        return self
-
-
-class AnthropicThinking(Strict):
-    """``thinking``: whether the message shows a reasoning model's thinking (thinking blocks),
-    with Anthropic's checks on the budget."""
-
-    type: Literal["enabled", "disabled"]
-    budget_tokens: Annotated[int, Field(ge=1024, le=MAX_TOKENS_LIMIT)] | None = None
-
-    @model_validator(mode="after")
-    def _budget_when_enabled(self) -> AnthropicThinking:
-        if (self.budget_tokens is not None) != (self.type == "enabled"):
-            message = 'thinking.budget_tokens is given exactly when thinking.type is "enabled"'
-            raise _invalid(message, "thinking.budget_tokens")
-        return self
-
-
-class AnthropicMetadata(Strict):
-    user_id: str | None = None
-
-
-class MessagesBody(Strict):
-    """``POST /v1/messages`` (Anthropic's Messages API)."""
-
-    model: str
-    max_tokens: TokenCount
-    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
-    system: AnthropicContent | None = None
-    temperature: Probability | None = None  # Anthropic's range is 0 to 1
-    top_p: Probability | None = None
-    top_k: TopK | None = None
-    stop_sequences: (
-        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None
-    ) = None
-    stream: bool = False
-    metadata: AnthropicMetadata | None = None
-    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
-    tool_choice: AnthropicToolChoice | None = None
-    thinking: AnthropicThinking | None = None
-    replystream: ResponsesExtensions | None = None
-
-    @model_validator(mode="after")
-    def _budget_below_max_tokens(self) -> MessagesBody:
-        budget = None if self.thinking is None else self.thinking.budget_tokens
-        if budget is not None and budget >= self.max_tokens:
-            message = "thinking.budget_tokens must be less than max_tokens"
-            raise _invalid(message, "thinking.budget_tokens")
-        return self
-
-    @property
-    def shows_thinking(self) -> bool:
-        return self.thinking is not None and self.thinking.type == "enabled"
-
-    @property
-    def system_text(self) -> str:
-        if self.system is None or isinstance(self.system, str):
-            return self.system or ""
-        return "".join(block.text for block in self.system)

@@ -17,11 +17,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from replystream.server.errors import HTTPAPIError
-from replystream.server.schemas import (
+from replystream.server.anthropic_schemas import (
     AnthropicMessage,
     AnthropicTool,
     AnthropicToolChoice,
+)
+from replystream.server.errors import HTTPAPIError
+from replystream.server.schemas import (
     ChatTool,
     ChatToolChoice,
     FunctionCallItem,

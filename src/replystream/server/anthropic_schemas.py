@@ -1,0 +1,225 @@
+"""The declared shape of Anthropic's Messages API requests (``POST /v1/messages``): content
+blocks, tools, tool choice, extended thinking.
+
+This file decides, field by field, what that route accepts, by the same rules as
+``server.schemas`` (whose building blocks it uses): strict JSON types, ranges, unknown
+fields refused, and checks within one object (a block in the role it belongs to, a thinking
+budget below ``max_tokens``). Turning a body into a request is ``server.anthropic_api``'s and
+``server.tool_requests``'s. It must not know about aiohttp or engines.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from replystream.server.schemas import (
+    BLOCK_TAGS,
+    MAX_TOKENS_LIMIT,
+    ObjectSchema,
+    Probability,
+    ResponsesExtensions,
+    Strict,
+    TokenCount,
+    ToolName,
+    TopK,
+    content_kind,
+    invalid,
+)
+
+
+class AnthropicText(Strict):
+    """A text content block of an Anthropic message (the only kind this server reads)."""
+
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint: nothing to cache here
+
+
+AnthropicContent = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[AnthropicText], Tag("<parts>")],
+    Discriminator(
+        content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of text blocks",
+    ),
+]
+
+
+class AnthropicToolUse(Strict):
+    """A ``tool_use`` block of an assistant message sent back as history."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolResult(Strict):
+    """A ``tool_result`` block of a user message: what the client's tool returned."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: AnthropicContent | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(block.text for block in self.content)
+
+
+class AnthropicThinkingBlock(Strict):
+    """A ``thinking`` block of an assistant message sent back as history. As Anthropic's
+    own API does with an earlier turn's thinking, it is not part of the prompt."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicRedactedThinking(Strict):
+    """A ``redacted_thinking`` block sent back as history (not part of the prompt)."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+def _block_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return f"<{kind}>" if kind in BLOCK_TAGS else None
+
+
+AnthropicBlock = Annotated[
+    Annotated[AnthropicText, Tag("<text>")]
+    | Annotated[AnthropicToolUse, Tag("<tool_use>")]
+    | Annotated[AnthropicToolResult, Tag("<tool_result>")]
+    | Annotated[AnthropicThinkingBlock, Tag("<thinking>")]
+    | Annotated[AnthropicRedactedThinking, Tag("<redacted_thinking>")],
+    Discriminator(
+        _block_kind,
+        custom_error_type="block_type",
+        custom_error_message=(
+            "must be a text, tool_use, tool_result, thinking or redacted_thinking block"
+        ),
+    ),
+]
+
+AnthropicBlocks = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[AnthropicBlock], Tag("<parts>")],
+    Discriminator(
+        content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of content blocks",
+    ),
+]
+
+
+class AnthropicMessage(Strict):
+    role: Literal["user", "assistant"]
+    content: AnthropicBlocks
+
+    @model_validator(mode="after")
+    def _blocks_fit_the_role(self) -> AnthropicMessage:
+        if isinstance(self.content, str):
+            return self
+        kinds = {block.type for block in self.content}
+        if self.role == "user" and "tool_use" in kinds:
+            raise invalid("tool_use blocks belong to assistant messages", "content")
+        if self.role == "user" and kinds & {"thinking", "redacted_thinking"}:
+            raise invalid("thinking blocks belong to assistant messages", "content")
+        if self.role == "assistant" and "tool_result" in kinds:
+            raise invalid("tool_result blocks belong to user messages", "content")
+        return self
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(block.text for block in self.content if block.type == "text")
+
+
+class AnthropicTool(Strict):
+    """A client tool of ``POST /v1/messages`` (Anthropic's server tools are not offered)."""
+
+    name: ToolName
+    input_schema: ObjectSchema
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name_for_tool(self) -> AnthropicToolChoice:
+        if (self.name is not None) != (self.type == "tool"):
+            message = 'tool_choice names a tool exactly when its type is "tool"'
+            raise invalid(message, "tool_choice")
+        return self
+
+
+class AnthropicThinking(Strict):
+    """``thinking``: whether the message shows a reasoning model's thinking (thinking blocks),
+    with Anthropic's checks on the budget."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1024, le=MAX_TOKENS_LIMIT)] | None = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> AnthropicThinking:
+        if (self.budget_tokens is not None) != (self.type == "enabled"):
+            message = 'thinking.budget_tokens is given exactly when thinking.type is "enabled"'
+            raise invalid(message, "thinking.budget_tokens")
+        return self
+
+
+class AnthropicMetadata(Strict):
+    user_id: str | None = None
+
+
+class MessagesBody(Strict):
+    """``POST /v1/messages`` (Anthropic's Messages API)."""
+
+    model: str
+    max_tokens: TokenCount
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: AnthropicContent | None = None
+    temperature: Probability | None = None  # Anthropic's range is 0 to 1
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    stop_sequences: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None
+    ) = None
+    stream: bool = False
+    metadata: AnthropicMetadata | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+    replystream: ResponsesExtensions | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesBody:
+        budget = None if self.thinking is None else self.thinking.budget_tokens
+        if budget is not None and budget >= self.max_tokens:
+            message = "thinking.budget_tokens must be less than max_tokens"
+            raise invalid(message, "thinking.budget_tokens")
+        return self
+
+    @property
+    def shows_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "enabled"
+
+    @property
+    def system_text(self) -> str:
+        if self.system is None or isinstance(self.system, str):
+            return self.system or ""
+        return "".join(block.text for block in self.system)
