@@ -21,6 +21,7 @@ from aiohttp import web
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
+from tests.chat_upstream import ChatUpstream
 
 PROMPT_TOKENS = 11  # what every upstream reports: more than our estimate of "hi"
 
@@ -31,7 +32,7 @@ def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-class StallsOnce:
+class StallsOnce(ChatUpstream):
     """An upstream that stalls every fresh reply after three words (keep-alives only), and
     finishes a continued one (``continue_final_message``) with two more. Its words name the
     request's seed, so each choice's text is its own."""
@@ -60,15 +61,6 @@ class StallsOnce:
         await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode())
         await response.write(b"\n\ndata: [DONE]\n\n")
         return response
-
-    async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m"}]})
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        return app
 
 
 @asynccontextmanager

@@ -24,10 +24,11 @@ from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_pool import Backend
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.server import create_app, running
+from tests.chat_upstream import ChatUpstream
 from tests.conftest import wait_for
 
 
-class HoldingUpstream:
+class HoldingUpstream(ChatUpstream):
     """An OpenAI-compatible upstream that answers each chat request only when released:
     ``held`` are the requests it holds now (by their prompt), in the order they came."""
 
@@ -57,15 +58,6 @@ class HoldingUpstream:
             await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         return response
-
-    async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m"}]})
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        return app
 
 
 @asynccontextmanager
