@@ -75,7 +75,9 @@ from replystream.delivery.redis_rows import (
 from replystream.delivery.redis_writes import (
     HEARTBEAT_SCRIPT,
     WRITE_SCRIPT,
+    Waiting,
     WriteBatch,
+    flush_batches,
     slot_tag,
 )
 from replystream.delivery.replay import (
@@ -108,8 +110,6 @@ RETRY_MAX_S = 0.5
 # to move before calling it lost: the key may have been evicted (``volatile-ttl`` evicts the
 # keys nearest their expiry first) while the producer lives.
 BEAT_CONFIRM_S = 2 * HEARTBEAT_S + 0.5
-# What a flush is waited on by: the creates in it (None once written, or why not).
-Waiting = list[asyncio.Future[str | None]]
 
 
 class RedisReplayStore:
@@ -274,7 +274,18 @@ class RedisReplayStore:
             creates, self._creates = self._creates, []
             pending, self._pending = self._pending, {}
             endings, self._endings = self._endings, {}
-            batches = self._batches(creates, pending, endings)
+            batches = flush_batches(
+                creates,
+                pending,
+                endings,
+                key=self._key,
+                per_slot=self.one_slot_per_call,
+                max_entries=self.max_entries,
+                # A third of the TTL: a flush late by up to two thirds of it comes in time.
+                refresh_s=max(1.0, self.ttl_after_end_s / 3),
+                logged=self._logged,
+                expire_due=self._expire_due,
+            )
             if batches:
                 await asyncio.gather(
                     *(self._send(group, *batch) for group, batch in batches.items())
@@ -299,73 +310,6 @@ class RedisReplayStore:
             self._failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
         _settle(waiting, None)
         self._counted(group, int(answer[0]))
-
-    def _batches(
-        self,
-        creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]],
-        pending: dict[str, list[LogEntry]],
-        endings: dict[str, tuple[int, str]],
-    ) -> dict[int, tuple[WriteBatch, Waiting]]:
-        """What one flush writes (new replies, then each reply's entries and ending), in
-        one batch, or one per hash slot; each with the creates waiting on it."""
-        groups: dict[int, tuple[WriteBatch, Waiting]] = {}
-        per_slot = self.one_slot_per_call
-
-        def batch_for(stream: str) -> tuple[WriteBatch, Waiting]:
-            slot = key_slot(stream.encode()) if per_slot else 0
-            group = groups.get(slot)
-            if group is None:
-                group = groups[slot] = (WriteBatch(), [])
-            return group
-
-        key = self._key
-        for info, written in creates:
-            batch, waiting = batch_for(key(info.reply_id))
-            batch.create(
-                key(info.reply_id, ":meta"), key(info.reply_id, ":live"), info.owner, info.context
-            )
-            waiting.append(written)
-        now = time.monotonic()
-        # A third of the TTL: a flush late by up to two thirds of it still comes in time.
-        refresh_s = max(1.0, self.ttl_after_end_s / 3)
-        for reply_id in (pending.keys() | endings.keys()) if endings else pending.keys():
-            entries = pending.get(reply_id, ())
-            ending = endings.get(reply_id)
-            stream = key(reply_id)
-            batch = batch_for(stream)[0]
-            last = entries[-1].seq if entries else 0
-            trim = self.max_entries if last > self.max_entries else 0
-            if ending is not None:
-                # Every key lives ``ttl_after_end_s`` from the reply's end.
-                meta = key(reply_id, ":meta")
-                expire: tuple[str, ...] = (stream, meta, key(reply_id, ":cancel"))
-                self._expire_due.pop(reply_id, None)
-                logged = self._logged.pop(reply_id, 0)
-                batch.reply(
-                    reply_id,
-                    stream,
-                    entries,
-                    logged,
-                    trim=trim,
-                    expire=expire,
-                    ending=ending,
-                    meta_key=meta,
-                    live_key=key(reply_id, ":live"),
-                )
-                continue
-            due = self._expire_due.get(reply_id)
-            if due is None:  # the stream's first write makes it: from now on it expires
-                expire = (stream,)
-                self._expire_due[reply_id] = now + refresh_s
-            elif now >= due:  # a reply that lives long keeps its keys
-                expire = (stream, key(reply_id, ":meta"))
-                self._expire_due[reply_id] = now + refresh_s
-            else:
-                expire = ()
-            self._logged[reply_id] = batch.reply(
-                reply_id, stream, entries, self._logged.get(reply_id, 0), trim=trim, expire=expire
-            )
-        return groups
 
     # Failover: finding out what Redis lost, and writing it again.
 

@@ -13,18 +13,21 @@ are kept. A write that fails fails its reply alone (the others in the batch go o
 The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
 ``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
 liveness refresh is one call too (``HEARTBEAT_SCRIPT``), which also bumps each live reply's
-heartbeat count and asks its stream's length (eviction checks). This file knows the stream
-entries' fields but not the keys' names (the store passes every key).
+heartbeat count and asks its stream's length (eviction checks). ``flush_batches`` plans one
+flush from what is queued. This file knows the stream entries' fields and which of a reply's
+keys each write touches, but not how keys are named (the store passes its naming).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from redis.crc import key_slot
 
-from replystream.delivery.replay import LogEntry
+from replystream.delivery.replay import LogEntry, ReplyInfo
 
 # ARGV[1]: JSON [ttl, liveness, counter key index, creates, replies], flat where it can be
 # (the encoder's cost is per list as much as per value).
@@ -193,3 +196,79 @@ def slot_tag(slot: int) -> str:
         _tags_tried += 1
         _slot_tags.setdefault(key_slot(tag.encode()), tag)
     return _slot_tags[slot]
+
+
+# What a flush is waited on by: the creates in it (None once written, or why not).
+Waiting = list[asyncio.Future[str | None]]
+
+
+def flush_batches(
+    creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]],
+    pending: dict[str, list[LogEntry]],
+    endings: dict[str, tuple[int, str]],
+    *,
+    key: Callable[..., str],
+    per_slot: bool,
+    max_entries: int,
+    refresh_s: float,
+    logged: dict[str, int],
+    expire_due: dict[str, float],
+) -> dict[int, tuple[WriteBatch, Waiting]]:
+    """What one flush writes (new replies, then each reply's entries and ending), in one
+    batch, or one per hash slot (``per_slot``); each with the creates waiting on it. ``key``
+    names a reply's keys (``key(reply_id)``, ``key(reply_id, ":meta")``); ``logged`` (bytes
+    written per live reply) and ``expire_due`` (when its keys' TTL is refreshed next, every
+    ``refresh_s``) are the store's, updated here."""
+    groups: dict[int, tuple[WriteBatch, Waiting]] = {}
+
+    def batch_for(stream: str) -> tuple[WriteBatch, Waiting]:
+        slot = key_slot(stream.encode()) if per_slot else 0
+        group = groups.get(slot)
+        if group is None:
+            group = groups[slot] = (WriteBatch(), [])
+        return group
+
+    for info, written in creates:
+        batch, waiting = batch_for(key(info.reply_id))
+        batch.create(
+            key(info.reply_id, ":meta"), key(info.reply_id, ":live"), info.owner, info.context
+        )
+        waiting.append(written)
+    now = time.monotonic()
+    for reply_id in (pending.keys() | endings.keys()) if endings else pending.keys():
+        entries = pending.get(reply_id, ())
+        ending = endings.get(reply_id)
+        stream = key(reply_id)
+        batch = batch_for(stream)[0]
+        last = entries[-1].seq if entries else 0
+        trim = max_entries if last > max_entries else 0
+        if ending is not None:
+            # Every key lives the TTL from the reply's end.
+            meta = key(reply_id, ":meta")
+            expire: tuple[str, ...] = (stream, meta, key(reply_id, ":cancel"))
+            expire_due.pop(reply_id, None)
+            batch.reply(
+                reply_id,
+                stream,
+                entries,
+                logged.pop(reply_id, 0),
+                trim=trim,
+                expire=expire,
+                ending=ending,
+                meta_key=meta,
+                live_key=key(reply_id, ":live"),
+            )
+            continue
+        due = expire_due.get(reply_id)
+        if due is None:  # the stream's first write makes it: from now on it expires
+            expire = (stream,)
+            expire_due[reply_id] = now + refresh_s
+        elif now >= due:  # a reply that lives long keeps its keys
+            expire = (stream, key(reply_id, ":meta"))
+            expire_due[reply_id] = now + refresh_s
+        else:
+            expire = ()
+        logged[reply_id] = batch.reply(
+            reply_id, stream, entries, logged.get(reply_id, 0), trim=trim, expire=expire
+        )
+    return groups
