@@ -68,6 +68,14 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+async def wait_for_outstanding(url: str, upstream: str, timeout_s: float = 20.0) -> None:
+    """Until the relay at ``url`` says a request is under way at ``upstream``."""
+    row = ("replystream_upstream_outstanding", (("upstream", upstream),))
+    async with asyncio.timeout(timeout_s):
+        while samples((await get(f"{url}/metrics"))[1]).get(row, 0.0) < 1:  # noqa: ASYNC110  (another process)
+            await asyncio.sleep(0.05)
+
+
 class StderrLines:
     """A server's stderr, read as it comes: wait for a line with a given piece."""
 
@@ -103,16 +111,16 @@ async def relay(
 async def test_a_reload_moves_new_requests_and_the_reply_under_way_ends_whole(tmp_path: Path):
     async with (
         replica(*upstream("alpha " * 3, "model-a")) as (_, a),
-        replica(*upstream("slow " * 40, "model-s", delay_ms="25")) as (_, slow),
+        replica(*upstream("slow " * 40, "model-s", delay_ms="100")) as (_, slow),
         replica(*upstream("beta " * 3, "model-b")) as (_, b),
     ):
         file = tmp_path / "routes.toml"
         file.write_text(routes((a, "model-a"), (slow, "model-s")))
         async with relay(file) as (process, url, stderr):
             assert await ask(url, "model-a") == "alpha " * 3
-            # A reply at an upstream about to be taken out: about a second long.
+            # A reply at an upstream about to be taken out: about four seconds long.
             under_way = asyncio.create_task(ask(url, "model-s"))
-            await asyncio.sleep(0.3)
+            await wait_for_outstanding(url, f"{slow}/v1")
             file.write_text(routes((b, "model-b"), aliases={"model-a": "model-b"}))
             process.send_signal(signal.SIGHUP)
             [line] = await stderr.wait_for("routes reloaded")
