@@ -122,6 +122,9 @@ def test_with_no_flags_the_configs_are_their_dataclass_defaults() -> None:
 def a_value(row: settings.Setting) -> tuple[str, Any]:
     """A value other than the default that ``row`` accepts, as text and as parsed."""
     wants = row.what_it_accepts()
+    if row.choices:
+        other = next(choice for choice in row.choices if choice != row.initial())
+        return other, other
     if row.parse is None:
         return "other", "other"
     if row.flag == "--reply-script":

@@ -110,6 +110,9 @@ class GenerationRequest:
     # a relay then passes on what its upstream streams as thinking; otherwise the thinking
     # only tells the relay its upstream is at work. Engines that do not think ignore it.
     reasoning: bool = False
+    # OpenAI's ``prompt_cache_key``: requests that give the same one share a prompt's start,
+    # and a relay routing by prefix keeps them at one upstream (None: not given).
+    prompt_cache_key: str | None = None
     # Chat's ``reasoning_effort`` as the client gave it: relayed to a chat upstream, which
     # decides what it accepts (None: not given). Engines that do not think ignore it.
     reasoning_effort: str | None = None

@@ -39,6 +39,7 @@ from replystream.engine.base import (
     RequestRejected,
 )
 from replystream.engine.retry_after import retry_after_s
+from replystream.engine.upstream_affinity import affinity_key
 from replystream.engine.upstream_config import (
     UpstreamConfig,
     UpstreamKeys,
@@ -274,6 +275,7 @@ class UpstreamEngine:
             continuation=self.config.continuation if continuation is None else continuation,
             counts=self._relay_counts,
             queue=self._queue,
+            affinity=affinity_key(request) if self.config.routing == "prefix" else None,
         )
         try:
             await reply.open()

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+ROUTINGS = ("least", "prefix")  # how the first upstream for a request is chosen
+
 
 def base_url_problem(url: str) -> str | None:
     """What makes ``url`` (an http(s) URL) no upstream base URL, in words that follow "an
@@ -136,6 +138,9 @@ class UpstreamConfig:
     # at their limit before a 503 (0: none).
     max_outstanding: int | None = None
     queue_s: float = 30.0
+    # Which upstream a request goes to first: the least loaded ("least"), or the one its
+    # prompt's start prefers, within a bound on load ("prefix": ``upstream_affinity``).
+    routing: str = "least"
     continuation: bool = False  # a stalled or failed reply goes on at another upstream
     health_s: float = 5.0  # active health probes this often
     health_path: str = "/models"  # what a probe asks each upstream for
@@ -153,6 +158,8 @@ class UpstreamConfig:
             raise ValueError(
                 f"the limit of requests at once must be at least 1, got {self.max_outstanding}"
             )
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.queue_s < 0:
             raise ValueError(f"the wait for room cannot be negative, got {self.queue_s:g}")
         if not self.health_path.startswith("/"):

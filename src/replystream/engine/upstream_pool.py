@@ -239,13 +239,16 @@ class UpstreamPool:
     def serving(self, model: str | None) -> list[Backend]:
         return [b for b in self.backends if b.serves(model)]
 
-    def plan(self, model: str | None) -> list[Backend]:
+    def plan(
+        self, model: str | None, prefer: Callable[[list[Backend]], Backend] | None = None
+    ) -> list[Backend]:
         """The upstreams to try for a request for ``model`` (a real name), best first; empty
-        when none serving it is usable now."""
+        when none serving it is usable now. ``prefer`` picks the first among those usable
+        (a request's own preference: ``upstream_affinity``) instead of the least loaded."""
         usable = [b for b in self._usable(model) if b.has_room]
         if not usable:
             return []
-        first = self._pick(usable)
+        first = self._pick(usable) if prefer is None else prefer(usable)
         rest = sorted((b for b in usable if b is not first), key=lambda b: b.outstanding / b.weight)
         return [first, *rest]
 

@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
 from replystream.engine.base import (
@@ -46,6 +47,7 @@ from replystream.engine.base import (
     PushDeltaStream,
     RequestRejected,
 )
+from replystream.engine.upstream_affinity import preferred
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
 
@@ -147,6 +149,7 @@ class RelayedReply:
         "_opening",
         "_overdue",
         "_pool",
+        "_prefer",
         "_queue",
         "_relayed_any",
         "_request",
@@ -171,10 +174,13 @@ class RelayedReply:
         continuation: bool,
         counts: RelayCounts,
         queue: RoomQueue,
+        affinity: str | None = None,
     ) -> None:
         self._request = request
         self._pool = pool
         self._queue = queue
+        # Routed by prefix: the upstream its key prefers goes first (else the least loaded).
+        self._prefer = None if affinity is None else partial(preferred, key=affinity)
         self._opener = opener
         self._limits = limits
         self._continuation = continuation
@@ -450,7 +456,8 @@ class RelayedReply:
         while True:
             if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
-            backend = next((b for b in self._pool.plan(self._model) if b not in self._tried), None)
+            plan = self._pool.plan(self._model, self._prefer)
+            backend = next((b for b in plan if b not in self._tried), None)
             if backend is None and self._pool.full(self._model, self._tried):
                 now = time.monotonic()
                 again, queued_at = queued_at is not None, queued_at or now

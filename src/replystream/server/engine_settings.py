@@ -17,7 +17,7 @@ from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply_script
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny import TinyEngineConfig
-from replystream.engine.upstream_config import UpstreamConfig
+from replystream.engine.upstream_config import ROUTINGS, UpstreamConfig
 from replystream.settings import Group, Setting
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"
@@ -229,6 +229,15 @@ UPSTREAM_ENGINE = Group(
             "request says upstream_continue: false",
             switch=True,
             fills=(UpstreamConfig, "continuation"),
+            engines=UPSTREAM,
+        ),
+        Setting(
+            "--upstream-routing",
+            "which upstream a request goes to first: the least loaded, or the one whose "
+            "prompt cache likely holds its prompt's start (a conversation's turns, one "
+            "prompt_cache_key), within a bound on load",
+            choices=ROUTINGS,
+            fills=(UpstreamConfig, "routing"),
             engines=UPSTREAM,
         ),
         Setting(

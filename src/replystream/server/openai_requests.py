@@ -88,6 +88,7 @@ def parse_chat_request(
         prefix=body.prefix,
         continuation=body.upstream_continue,
         parallel_tool_calls=body.parallel_tool_calls,
+        prompt_cache_key=body.prompt_cache_key,
         reasoning_effort=body.reasoning_effort,
     )
     return _ask(
@@ -106,7 +107,11 @@ def parse_completion_request(
     max_tokens = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     sampling = sampling_params(body, max_tokens, logprobs=body.logprobs)
     generation = GenerationRequest(
-        body.prompt, sampling, model=model, continuation=body.upstream_continue
+        body.prompt,
+        sampling,
+        model=model,
+        continuation=body.upstream_continue,
+        prompt_cache_key=body.prompt_cache_key,
     )
     return _ask(
         body,

@@ -224,6 +224,7 @@ def _generation(
         tools,
         tool_choice,
         parallel_tool_calls=parallel,
+        prompt_cache_key=body.prompt_cache_key,
         reasoning_effort=effort,
     )
 

@@ -539,6 +539,7 @@ class ResponsesBody(Strict):
     tool_choice: ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
     reasoning: ResponsesReasoning | None = None
     replystream: ResponsesExtensions | None = None
 
