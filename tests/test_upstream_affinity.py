@@ -139,7 +139,7 @@ async def test_a_hot_key_spills_past_the_bound_on_load_and_comes_back():
         for upstream in upstreams:
             upstream.hold = asyncio.Event()
         # Six requests of one conversation at once: its upstream takes its share within the
-        # bound (1.25 times the average), the rest go to the next ones in its preference.
+        # bound (1.5 times the average), the rest go to the next ones in its preference.
         asked = [asyncio.create_task(turn(client, conversation(0))) for _ in range(6)]
         await wait_for(lambda: sum(u.holding for u in upstreams) == 6)
         loads = {u.name: u.holding for u in upstreams}
