@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from replystream.delivery.redis_connect import connect, parse_redis_url
 from tests.redis_server import redis_cluster, redis_server, redis_with_sentinel
@@ -55,3 +57,22 @@ async def test_a_burst_past_the_pool_waits_for_connections_instead_of_failing(ur
     assert answers == [None] * (4 * POOL)
     # Four waves of POOL commands, each holding its connection HOLD_S: at most POOL at once.
     assert took >= 3.5 * HOLD_S
+
+
+async def test_a_cluster_connection_closed_mid_write_is_a_connection_error(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """redis-py lets a close racing a send escape as the stream writer's AttributeError (seen
+    resuming a reply over a Cluster); the client says what it means, so retries see it."""
+
+    async def closed_mid_write(*args: object, **kwargs: object) -> object:
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+    monkeypatch.setattr(RedisCluster, "execute_command", closed_mid_write)
+    client = connect(
+        parse_redis_url("redis+cluster://127.0.0.1:7000"),
+        connect_timeout_s=1.0,
+        command_timeout_s=1.0,
+    )
+    with pytest.raises(RedisConnectionError, match="connection closed while in use"):
+        await client.hgetall("k")

@@ -23,6 +23,8 @@ event formats.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -171,6 +173,18 @@ class _Gate:
         self._free.release()
 
 
+@contextlib.contextmanager
+def _closed_mid_write_is_a_connection_error() -> Iterator[None]:
+    """redis-py (8.1) lets a connection closed while a command is written to it (a close
+    racing a send) escape as ``AttributeError`` or ``TypeError`` from the stream writer,
+    not ``ConnectionError`` (redis-py #3546, #4287): no retry layer knows them, ours
+    included. They are what they mean: Redis could not be reached this moment."""
+    try:
+        yield
+    except (AttributeError, TypeError) as exc:
+        raise RedisConnectionError(f"connection closed while in use ({exc})") from exc
+
+
 class _GatedPipeline(ClusterPipeline):
     def __init__(self, client: GatedCluster, transaction: Any = None) -> None:
         super().__init__(client, transaction)
@@ -178,7 +192,8 @@ class _GatedPipeline(ClusterPipeline):
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
         async with self._gate:
-            return await super().execute(raise_on_error, allow_redirections)
+            with _closed_mid_write_is_a_connection_error():
+                return await super().execute(raise_on_error, allow_redirections)
 
 
 class GatedCluster(RedisCluster):
@@ -192,7 +207,8 @@ class GatedCluster(RedisCluster):
 
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
         async with self.gate:
-            return await super().execute_command(*args, **kwargs)
+            with _closed_mid_write_is_a_connection_error():
+                return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
         if shard_hint:
