@@ -3,7 +3,22 @@ one model and answers ``POST /v1/chat/completions`` as its subclass's ``chat`` s
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
+
+
+async def reply_with(request: web.Request, text: str) -> web.StreamResponse:
+    """Stream ``text`` as one chat chunk, then the finish and ``[DONE]``."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for body in (
+        {"choices": [{"index": 0, "delta": {"content": text}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ):
+        await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    return response
 
 
 class ChatUpstream:

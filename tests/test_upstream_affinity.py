@@ -10,7 +10,6 @@ The upstreams are aiohttp apps in this process on loopback ports, the relay
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -24,7 +23,7 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_affinity import affinity_key
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from tests.chat_upstream import ChatUpstream
+from tests.chat_upstream import ChatUpstream, reply_with
 from tests.conftest import wait_for
 
 
@@ -47,15 +46,7 @@ class NamedUpstream(ChatUpstream):
         if self.hold is not None:
             self.holding += 1
             await self.hold.wait()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for body in (
-            {"choices": [{"index": 0, "delta": {"content": self.name}}]},
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-        ):
-            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return await reply_with(request, self.name)
 
 
 @asynccontextmanager

@@ -24,7 +24,7 @@ from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_pool import Backend
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.server import create_app, running
-from tests.chat_upstream import ChatUpstream
+from tests.chat_upstream import ChatUpstream, reply_with
 from tests.conftest import wait_for
 
 
@@ -49,15 +49,7 @@ class HoldingUpstream(ChatUpstream):
             await gate.wait()
         finally:
             self.held.remove(prompt)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for body in (
-            {"choices": [{"index": 0, "delta": {"content": f"re: {prompt}"}}]},
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-        ):
-            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return await reply_with(request, f"re: {prompt}")
 
 
 @asynccontextmanager
