@@ -16,9 +16,10 @@ This file decides, for each upstream (a ``Backend``):
 - which models it serves (from its model list, or as configured).
 And for a request: the upstreams to try, in order (``UpstreamPool.plan``): those serving the
 model, usable now and below their limit of requests at once (if they have one), least
-outstanding requests per unit of weight first; ties (every request
-alone, as under light load) go by smooth weighted round robin (nginx's), so weights 3 and 1
-still split a sequence of requests 3:1; and, when none is, how soon one will be
+outstanding requests per unit of weight first (or first the one the request itself prefers,
+routed by prefix: ``upstream_affinity``); ties (every request alone, as under light load) go
+by smooth weighted round robin (nginx's), so weights 3 and 1 still split a sequence of
+requests 3:1; and, when none is, how soon one will be
 (``UpstreamPool.wait_s``, a refusal's ``Retry-After``). The clock is passed in; nothing here
 awaits.
 It must not know HTTP or how a request is sent.
