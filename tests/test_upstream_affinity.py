@@ -136,6 +136,7 @@ async def test_a_hot_key_spills_past_the_bound_on_load_and_comes_back():
         loads = {u.name: u.holding for u in upstreams}
         assert loads[home] == max(loads.values()) < 6, loads  # spilled, not piled up
         assert loads[home] <= 3, loads
+        assert engine.stats().spills == 6 - loads[home]  # each one sent past its home
         for upstream in upstreams:
             assert upstream.hold is not None
             upstream.hold.set()

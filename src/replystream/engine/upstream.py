@@ -405,6 +405,7 @@ class UpstreamEngine:
             failovers=self._relay_counts.failovers,
             continuations=self._relay_counts.continuations,
             queued=len(self._queue),
+            spills=self._relay_counts.spills,
         )
 
     async def reroute(self, config: UpstreamConfig) -> RouteChange:

@@ -36,7 +36,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Protocol
 
 from replystream.engine.base import (
@@ -123,6 +122,7 @@ class RelayCounts:
     """What the relay did across replies (read by the engine's ``stats``)."""
 
     failovers: int = 0
+    spills: int = 0  # replies routed by prefix whose first upstream was not their key's own
     continuations: int = 0
 
 
@@ -131,6 +131,7 @@ class RelayedReply:
 
     # Thousands are open at once: slots instead of an instance dict.
     __slots__ = (
+        "_affinity",
         "_attempt_began",
         "_backend",
         "_began",
@@ -149,7 +150,6 @@ class RelayedReply:
         "_opening",
         "_overdue",
         "_pool",
-        "_prefer",
         "_queue",
         "_relayed_any",
         "_request",
@@ -180,7 +180,7 @@ class RelayedReply:
         self._pool = pool
         self._queue = queue
         # Routed by prefix: the upstream its key prefers goes first (else the least loaded).
-        self._prefer = None if affinity is None else partial(preferred, key=affinity)
+        self._affinity = affinity
         self._opener = opener
         self._limits = limits
         self._continuation = continuation
@@ -456,7 +456,8 @@ class RelayedReply:
         while True:
             if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
-            plan = self._pool.plan(self._model, self._prefer)
+            prefer = None if self._affinity is None else self._preferred
+            plan = self._pool.plan(self._model, prefer)
             backend = next((b for b in plan if b not in self._tried), None)
             if backend is None and self._pool.full(self._model, self._tried):
                 now = time.monotonic()
@@ -488,6 +489,15 @@ class RelayedReply:
             except BaseException:
                 self._attempt_over("cancelled")
                 raise
+
+    def _preferred(self, usable: list[Backend]) -> Backend:
+        """Routed by prefix: the upstream this reply's key goes to among ``usable``; a
+        first attempt that spills past its key's own upstream is counted."""
+        assert self._affinity is not None
+        backend, spilled = preferred(usable, self._affinity)
+        if spilled and not self._tried:
+            self._counts.spills += 1
+        return backend
 
     def _attempt_request(self) -> GenerationRequest:
         """The request as this attempt sends it: after a seam, with the text so far as the

@@ -233,6 +233,13 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> BackendGauges | None
         across="sum",
     )
     metrics.state(
+        "replystream_upstream_affinity_spills",
+        "Requests routed by prefix whose first upstream was not their key's own (its load "
+        "past the bound), since start.",
+        lambda: float(engine.stats().spills),
+        across="sum",
+    )
+    metrics.state(
         "replystream_upstream_queued",
         "Requests waiting for room at upstreams at their limit of requests at once.",
         lambda: float(engine.stats().queued),
