@@ -54,11 +54,9 @@ class RoomQueue:
         except TimeoutError:
             return False
         finally:
-            if entered:
-                pass
-            elif not waiter.woken.done():  # the time is up, or its client left
+            if not entered and not waiter.woken.done():  # the time is up, or its client left
                 self._waiting.remove(waiter)
-            elif (room := waiter.woken.result()) is not None:
+            elif not entered and (room := waiter.woken.result()) is not None:
                 self.freed(room)  # woken, then gone before it took the room: it goes on
 
     def freed(self, backend: Backend) -> None:
