@@ -91,21 +91,20 @@ class RoutesReloader:
         finally:
             self._task = None
 
-    async def reload(self) -> bool:
-        """Read the routes again and serve them; whether they were taken."""
+    async def reload(self) -> None:
+        """Read the routes again and serve them, or say why not."""
         try:
             config = self._read()
         except ValueError as exc:
             self._reloads.labels("failed").inc()
             log.error("routes not reloaded, the previous ones stay: %s", exc)
-            return False
+            return
         change = await self._engine.reroute(config)
         self._on_change()
         self._reloads.labels("ok").inc()
         # At the default level, as the start-up lines are: the operator who sent the signal
         # is told it was taken.
         log.warning("%s", change_line(self._path, change))
-        return True
 
 
 def reloader_for(
