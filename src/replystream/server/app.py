@@ -44,7 +44,7 @@ from replystream.engine.base import (
     SamplingParams,
 )
 from replystream.server.anthropic_api import add_anthropic_routes
-from replystream.server.auth import api_key_check
+from replystream.server.auth import KEY_RING, KeyRing, api_key_check
 from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
@@ -249,15 +249,18 @@ def create_app(
     (default: this process's memory)."""
     config = config or ServerConfig()
     guard = config.guard
+    ring = KeyRing(config.api_keys) if config.api_keys else None
     door = FrontDoor(
         cors_origins=guard.cors_origins,
         gate=ClientGate(guard.max_concurrent, guard.per_minute),
-        check_key=api_key_check(config.api_keys) if config.api_keys else None,
+        check_key=None if ring is None else api_key_check(ring),
         max_body_bytes=config.max_body_bytes,
         gzip_min_bytes=config.gzip_min_bytes,
     )
     app = web.Application(middlewares=[front_door(door)], client_max_size=config.max_body_bytes)
     app[GUARD_KEY] = guard
+    if ring is not None:
+        app[KEY_RING] = ring
     app.on_response_prepare.append(stamp_response)
     local_store = MemoryReplayStore()
     metrics = Metrics()

@@ -73,12 +73,27 @@ def key_owner(key: str) -> str:
 
 
 class KeyRing:
-    """The configured keys; answers whether a candidate is one of them, in constant time."""
+    """The configured keys; answers whether a candidate is one of them, in constant time.
+    ``replace`` swaps them all at once (the keys file read again): a request checked after
+    it needs one of the new keys; one already let through goes on."""
 
     def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = [key.encode() for key in keys if key]
-        if not self._keys:
+        self._keys = self._encoded(keys)
+
+    @staticmethod
+    def _encoded(keys: Iterable[str]) -> list[bytes]:
+        encoded = [key.encode() for key in keys if key]
+        if not encoded:
             raise ValueError("need at least one non-empty API key")
+        return encoded
+
+    def replace(self, keys: Iterable[str]) -> None:
+        """Accept ``keys`` from now on, and no other.
+
+        Raises:
+            ValueError: there is no key among them (nothing changes).
+        """
+        self._keys = self._encoded(keys)
 
     def __repr__(self) -> str:
         return f"KeyRing({len(self._keys)} keys)"  # never the keys
@@ -93,6 +108,8 @@ class KeyRing:
 
 # Set on a WebSocket upgrade without a key: the socket handler must authenticate with this ring.
 AUTH_PENDING = web.RequestKey("auth_pending", KeyRing)
+# The application's keys, when it has any (so that they can be replaced while it serves).
+KEY_RING = web.AppKey("key_ring", KeyRing)
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -118,10 +135,9 @@ def unauthorized(message: str) -> web.Response:
     return response
 
 
-def api_key_check(keys: Sequence[str]) -> Callable[[web.Request], web.Response | None]:
-    """A check requiring one of ``keys`` on every ``/v1/*`` route: None lets the request on,
-    a response refuses it."""
-    ring = KeyRing(keys)
+def api_key_check(ring: KeyRing) -> Callable[[web.Request], web.Response | None]:
+    """A check requiring one of ``ring``'s keys on every ``/v1/*`` route: None lets the
+    request on, a response refuses it."""
 
     def check(request: web.Request) -> web.Response | None:
         path = request.path

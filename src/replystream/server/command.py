@@ -26,7 +26,7 @@ from replystream.delivery.redis_connect import parse_redis_url
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import MemoryReplayStore, ReplayStore
 from replystream.engine.base import Engine
-from replystream.server import engine_options, routes_reload
+from replystream.server import engine_options, reload
 from replystream.server.app import create_app
 from replystream.server.auth import collect_keys
 from replystream.server.context import ServerConfig
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         note = engine_options.fallback_note() if not args.engine else None
         if note is not None and args.listen_fd is None:  # workers: their parent said it
             print(f"replystream serve: {note}", file=sys.stderr)
-        reloads = choice.kind == "upstream" and args.upstream_routes is not None
+        reloads = reload.reloads(args, choice.kind)
         if args.workers > 1:
             if not args.redis_url:
                 log.warning(
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return REFUSED_EXIT
     app = create_app(engine, config, store)
-    reloader = routes_reload.reloader_for(app, args, choice) if reloads else None
+    rereads = reload.reloads_for(app, args, choice) if reloads else None
     quiet = args.listen_fd is not None  # a worker: its parent announces the URL
     ready_fd = args.ready_fd
     with asyncio.Runner(loop_factory=new_loop) as runner:
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
                 announce=None if quiet else announce,
                 parent_pid=args.parent_pid,
                 on_serving=None if ready_fd is None else lambda: tell_parent_ready(ready_fd),
-                on_hangup=None if reloader is None else reloader.hangup,
+                on_hangup=None if rereads is None else rereads.hangup,
             )
         )
     return 0

@@ -175,7 +175,7 @@ API = Group(
         ),
         Setting(
             "--api-keys-file",
-            "API keys, one per line (# starts a comment line)",
+            "API keys, one per line (# starts a comment line), read again on SIGHUP",
             readable_file,
         ),
         Setting(

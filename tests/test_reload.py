@@ -1,9 +1,12 @@
-"""The relay's routes file read again on SIGHUP, in real processes: ``replystream serve
---engine simulated`` upstreams, each answering its own words under its own model name, and
-the relay ``replystream serve --engine upstream --upstream-routes FILE`` (on one process, and
-with ``--workers 2``). A reload moves new requests to the new routes while a reply under way
-at an upstream taken out goes on to its end; a file with a mistake changes nothing, in one
-log line; ``/v1/models`` and ``/metrics`` follow the routes."""
+"""``serve``'s files read again on SIGHUP, in real processes.
+
+The relay's routes: ``replystream serve --engine simulated`` upstreams, each answering its own
+words under its own model name, and the relay ``replystream serve --engine upstream
+--upstream-routes FILE`` (on one process, and with ``--workers 2``). A reload moves new
+requests to the new routes while a reply under way at an upstream taken out goes on to its
+end; a file with a mistake changes nothing, in one log line; ``/v1/models`` and ``/metrics``
+follow the routes. The API keys: ``--api-keys-file`` read again, a revoked key refused from
+then on, a new one let in, a file with no key changing nothing."""
 
 from __future__ import annotations
 
@@ -144,7 +147,7 @@ async def test_a_reload_moves_new_requests_and_the_reply_under_way_ends_whole(tm
                 if name == "replystream_upstream_circuit"
             }
             assert rows == {f"{b}/v1"}
-            assert seen["replystream_upstream_routes_reloads_total", (("result", "ok"),)] == 1
+            assert seen["replystream_reloads_total", (("file", "routes"), ("result", "ok"))] == 1
 
 
 async def test_a_file_with_a_mistake_changes_nothing_and_says_why(tmp_path: Path):
@@ -166,8 +169,10 @@ async def test_a_file_with_a_mistake_changes_nothing_and_says_why(tmp_path: Path
             assert await ask(url, "model-a") == "alpha "  # the routes served before
             _, text = await get(f"{url}/metrics")
             seen = samples(text)
-            assert seen["replystream_upstream_routes_reloads_total", (("result", "failed"),)] == 2
-            assert seen["replystream_upstream_routes_reloads_total", (("result", "ok"),)] == 0
+            assert (
+                seen["replystream_reloads_total", (("file", "routes"), ("result", "failed"))] == 2
+            )
+            assert seen["replystream_reloads_total", (("file", "routes"), ("result", "ok"))] == 0
             # Fixed, it is taken.
             file.write_text(routes((b, "model-b")))
             process.send_signal(signal.SIGHUP)
@@ -194,4 +199,53 @@ async def test_every_worker_reloads_on_one_signal_to_the_parent(tmp_path: Path):
             assert status == 200
             _, text = await get(f"{url}/metrics")  # either worker's: the two counted as one
             seen = samples(text)
-            assert seen["replystream_upstream_routes_reloads_total", (("result", "ok"),)] == 2
+            assert seen["replystream_reloads_total", (("file", "routes"), ("result", "ok"))] == 2
+
+
+async def status_with(url: str, key: str) -> int:
+    """The status of a small chat request made with ``key``."""
+    body = {"model": "simulated", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response,
+    ):
+        await response.read()
+        return response.status
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Path, workers: int):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the team's keys\nsk-old\n")
+    process = await launch(
+        *upstream("hello", "simulated"), "--api-key", "sk-flag", "--api-keys-file", str(keys),
+        "--workers", str(workers), stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = await ready_url(process)
+        stderr = StderrLines(process)
+        assert [await status_with(url, k) for k in ("sk-old", "sk-new")] == [200, 401]
+        keys.write_text("sk-new\n")
+        process.send_signal(signal.SIGHUP)
+        said = await stderr.wait_for("API keys reloaded", count=workers)
+        assert f"from {keys}: 2 keys" in said[0], said  # the flag's key stays
+        for _ in range(4):  # new connections: whichever worker takes them
+            assert [await status_with(url, k) for k in ("sk-old", "sk-new", "sk-flag")] == [
+                401,
+                200,
+                200,
+            ]
+        keys.write_text("# nobody\n")  # a file with no key: what was served before stays
+        process.send_signal(signal.SIGHUP)
+        [line, *_] = await stderr.wait_for("api_keys not reloaded", count=workers)
+        assert f"{keys}: no API keys in the file" in line, line
+        assert await status_with(url, "sk-new") == 200
+        _, text = await get(f"{url}/metrics")
+        seen = samples(text)
+        assert (
+            seen["replystream_reloads_total", (("file", "api_keys"), ("result", "ok"))] == workers
+        )
+        assert not any("Traceback" in line for line in stderr.lines), stderr.lines
+    finally:
+        await stop(process)
