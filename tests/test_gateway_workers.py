@@ -266,3 +266,41 @@ async def test_a_worker_that_refuses_to_start_again_stops_the_server(tmp_path: P
             assert not [pid for pid in workers[1:] if alive(pid)]
         finally:
             await stop(process)
+
+
+async def test_routed_by_prefix_a_conversation_meets_one_upstream_through_either_worker():
+    """The preference keeps no state: a conversation's turns, each through another worker,
+    reach one upstream."""
+    named = [("--reply-text", name, "--delay-ms", "1", "--jitter-ms", "0") for name in "abc"]
+    async with (
+        replica("--engine", "simulated", *named[0]) as (_, a),
+        replica("--engine", "simulated", *named[1]) as (_, b),
+        replica("--engine", "simulated", *named[2]) as (_, c),
+    ):
+        relay_args = [f"--engine=upstream:{url}/v1" for url in (a, b, c)]
+        relay_args += ["--upstream-routing", "prefix", "--workers", "2"]
+        relay_args += ["--upstream-health-s", "60"]
+        async with (
+            replica(*relay_args) as (relay_process, relay),
+            pin_each_worker(relay, children_of(relay_process.pid)) as pinned,
+        ):
+            first, second = pinned.values()
+            homes = set()
+            for n in range(8):
+                messages = [{"role": "user", "content": f"conversation {n}: hello"}]
+                answers = []
+                for worker in (first, second, first):  # each turn through the other worker
+                    status, body = await worker.request(
+                        "POST", "/v1/chat/completions", {"messages": messages}
+                    )
+                    assert status == 200, body
+                    answer = json.loads(body)["choices"][0]["message"]["content"]
+                    answers.append(answer)
+                    messages = [
+                        *messages,
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": "and then?"},
+                    ]
+                assert len(set(answers)) == 1, (n, answers)
+                homes.add(answers[0])
+            assert len(homes) >= 2, homes  # 8 conversations over 3 upstreams: not all on one
