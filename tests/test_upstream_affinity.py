@@ -118,6 +118,14 @@ async def test_one_prompt_cache_key_goes_to_one_upstream_whatever_the_prompt():
             await turn(client, conversation(n), prompt_cache_key="tenant-7") for n in range(8)
         }
         assert len(answers) == 1
+        # The Responses API takes the field too, to the same effect.
+        answers = set()
+        for n in range(6):
+            response = await client.responses.create(
+                model="m", input=f"question {n}", prompt_cache_key="tenant-9", store=False
+            )
+            answers.add(response.output_text)
+        assert len(answers) == 1
     # The key, not the prompt, names it.
     ask = GenerationRequest("x", prompt_cache_key="k")
     assert affinity_key(ask) == affinity_key(GenerationRequest("y", prompt_cache_key="k"))
