@@ -104,6 +104,7 @@ async def test_no_upstream_gets_more_than_its_limit_and_the_rest_wait_first_come
             replies[f"r{i}"] = asyncio.create_task(ask(session, url, f"r{i}"))
             await wait_for(queued(engine, i - 2))
         assert len(a.held) + len(b.held) == 3
+        assert engine.stats().active == 6  # the engine holds them all: 3 running, 3 waiting
         # Each reply that ends lets the oldest waiter in, at the upstream it left.
         for waiter in ("r3", "r4", "r5"):
             first = (a.held + b.held)[0]

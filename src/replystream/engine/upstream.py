@@ -221,7 +221,6 @@ class UpstreamEngine:
             keyless=self._keys.passing,
         )
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
-        self._active = 0
         self._deltas = 0
 
     def count_tokens(self, text: str) -> int:
@@ -337,7 +336,6 @@ class UpstreamEngine:
                 code="upstream_bad_response",
             )
         self._counts["started"] += 1
-        self._active += 1
         return UpstreamStream(
             response,
             stall_s=self.config.stall_s,
@@ -349,7 +347,6 @@ class UpstreamEngine:
         )
 
     def _ended(self, outcome: str, deltas: int) -> None:
-        self._active -= 1
         self._counts[outcome] += 1
         self._deltas += deltas
 
@@ -398,7 +395,9 @@ class UpstreamEngine:
             finished=self._counts["finished"],
             cancelled=self._counts["cancelled"],
             failed=self._counts["failed"],
-            active=self._active,
+            # Queued or running: attempts sent to an upstream (its head awaited or its stream
+            # open), and requests waiting for room at one.
+            active=sum(b.outstanding for b in self.pool.backends) + len(self._queue),
             steps=self._deltas,
             models=self.pool.model_names(),
             backends=tuple(b.stats() for b in self.pool.backends),
