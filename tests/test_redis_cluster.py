@@ -55,8 +55,11 @@ async def test_a_replys_keys_share_one_slot_and_replies_spread_over_the_shards(
     # short-lived liveness key alive meanwhile, however slow the machine.
     shards = await asyncio.to_thread(owning_shards)
     assert len(shards) == 3  # 24 replies: every shard holds some
-    await store.delete(ids[0])  # one DEL of all four keys: legal only within one slot
-    assert cluster.command("exists", f"slots:{{{ids[0]}}}:meta") == "0"
+    await store.delete(ids[0])  # one script on all four keys: legal only within one slot
+    gone = [f"slots:{{{ids[0]}}}{part}" for part in ("", ":live", ":cancel")]
+    assert [cluster.command("exists", key) for key in gone] == ["0"] * 3
+    # The metadata's place holds the delete's mark, alone.
+    assert cluster.command("hkeys", f"slots:{{{ids[0]}}}:meta") == "deleted"
     await store.aclose()
 
 

@@ -23,6 +23,7 @@ from replystream.delivery.replay import (
     ReplayStore,
     ReplyInfo,
 )
+from tests.conftest import wait_for
 from tests.redis_server import RedisCluster, redis_cluster, redis_server
 
 
@@ -257,6 +258,31 @@ async def test_tail_names_the_last_event_and_whether_the_reply_ended(stores):
     assert await producer.tail("r7") == LogTail(4, ended=True)
     result = await reader.read("r7", 4, wait_s=0)
     assert result is not None and result.entries == [] and result.ending == "done"
+
+
+@pytest.mark.parametrize("deleted_on", ["producer", "reader"])
+async def test_a_reply_deleted_while_produced_is_stopped_and_stays_deleted(stores, deleted_on):
+    producer, reader = stores
+    stopped: list[str] = []
+    producer.on_cancel(stopped.append)
+    await producer.create(ReplyInfo("r11", owner="k"))
+    producer.append("r11", frames(1, 4))
+    await settle(producer)
+    await (producer if deleted_on == "producer" else reader).delete("r11")
+    # Elsewhere, the producer hears of it at its next heartbeat (a second apart).
+    await wait_for(lambda: stopped == ["r11"], timeout_s=5)
+    # Stopping, it appends its last events and ends, as a cancelled reply does; and the
+    # heartbeats go on meanwhile. None of it makes the reply again.
+    producer.append("r11", frames(4, 6))
+    await settle(producer)
+    if isinstance(producer, RedisReplayStore):
+        await asyncio.sleep(2.5)
+    producer.end("r11", "cancelled")
+    await settle(producer)
+    for store in (producer, reader):
+        assert await store.info("r11") is None
+        assert await store.tail("r11") is None
+        assert await store.read("r11", 0, wait_s=0) is None
 
 
 async def test_delete_forgets_a_reply_everywhere_and_context_is_kept_until_then(stores):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import openai
 import pytest
 
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.context import MANAGER_KEY, ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
 
@@ -202,6 +203,23 @@ async def test_cancel_is_idempotent_and_delete_forgets_the_response():
         await client.responses.delete(queued.id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(queued.id)
+
+
+async def test_deleting_a_running_response_stops_it_and_leaves_nothing_behind(
+    caplog: pytest.LogCaptureFixture,
+):
+    engine = fast_engine(reply_text=REPLY * 50, delay_ms=20.0)
+    app = create_app(engine)
+    async with running(app) as url, sdk(url) as client:
+        queued = await client.responses.create(model="simulated", input="x", background=True)
+        await wait_for(lambda: engine.stats().active == 1)
+        await client.responses.delete(queued.id)
+        # The producer stops, winds down into a log that is gone, and is done with.
+        await wait_for(lambda: engine.stats().active == 0 and not app[MANAGER_KEY].replies)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(queued.id)
+    assert engine.stats().cancelled == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_a_stored_response_not_streamed_can_be_read_again_and_continued():

@@ -14,7 +14,9 @@ import signal
 from pathlib import Path
 
 import aiohttp
+from redis.asyncio import Redis
 
+from replystream.delivery.responses_format import reply_id_of
 from replystream.sse import EventParser
 from tests.processes import replica, start_server, stop
 from tests.redis_server import redis_server
@@ -101,3 +103,38 @@ async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path
     assert numbers == list(range(1, len(events) + 1))
     assert (failed["status"], failed["error"]["code"]) == ("failed", "generator_lost")
     assert waited < 10  # liveness expires after 3 s; never a hang
+
+
+async def test_a_response_deleted_on_one_replica_while_the_other_makes_it_stays_deleted(
+    tmp_path: Path,
+):
+    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0")
+    with redis_server(tmp_path) as redis:
+        async with (
+            replica(*slow, "--redis-url", redis.url) as (_, a_url),
+            replica(*slow, "--redis-url", redis.url) as (_, b_url),
+            aiohttp.ClientSession() as http,
+        ):
+            body = {"input": "x", "background": True}
+            async with http.post(f"{a_url}/v1/responses", json=body) as created:
+                response_id = (await created.json())["id"]
+            await asyncio.sleep(0.5)
+            async with http.delete(f"{b_url}/v1/responses/{response_id}") as deleted:
+                assert deleted.status == 200
+                assert (await deleted.json())["deleted"] is True
+            # A hears of it at its next heartbeat and stops; no heartbeat or write of its
+            # makes the response again.
+            await asyncio.sleep(3)
+            for url in (a_url, b_url):
+                async with http.get(f"{url}/v1/responses/{response_id}") as gone:
+                    assert gone.status == 404, await gone.text()
+            async with http.get(f"{a_url}/metrics") as metrics:
+                text = await metrics.text()
+            reply_id = str(reply_id_of(response_id))
+            async with Redis.from_url(redis.url) as client:
+                keys = [key async for key in client.scan_iter(f"*{reply_id}*")]
+                mark = await client.hgetall(f"replystream:reply:{{{reply_id}}}:meta")
+    assert 'outcome="cancelled"} 1.0' in text, text
+    # What is left is the mark of the delete, until its TTL.
+    assert keys == [f"replystream:reply:{{{reply_id}}}:meta".encode()]
+    assert mark == {b"deleted": b"1"}

@@ -29,12 +29,14 @@ from replystream.delivery.replay import LogEntry
 @dataclass(frozen=True, slots=True)
 class StreamState:
     """What Redis holds of one reply: its stream's first and last sequence numbers (the
-    terminal entry included; 0 when empty), its length, and whether its metadata is there."""
+    terminal entry included; 0 when empty), its length, whether its metadata is there, and
+    whether the reply was deleted (it is not written again)."""
 
     first: int
     last: int
     length: int
     known: bool
+    deleted: bool = False
 
     @property
     def contiguous(self) -> bool:

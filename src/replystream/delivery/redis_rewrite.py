@@ -2,12 +2,12 @@
 make it whole again: the I/O around ``redis_repair``'s plans.
 
 ``stream_states`` asks, per reply, its stream's first and last entries, its length and
-whether its metadata holds an owner (one pipeline); ``write_repair`` queues one plan's writes
-on a pipeline: a rewrite deletes the stream and sets the metadata again, then the entries
-(with the log's size up to each), the terminal entry and the ending's marks, or the liveness
-key of a reply still generated, and the TTLs. The store sends the pipeline and counts it.
-This file knows the keys' parts (``:meta``, ``:live``) and entries' fields, not the prefix,
-and must not know about HTTP or event formats.
+whether its metadata holds an owner or the mark of a delete (one pipeline); ``write_repair``
+queues one plan's writes on a pipeline: a rewrite deletes the stream and sets the metadata
+again, then the entries (with the log's size up to each), the terminal entry and the
+ending's marks, or the liveness key of a reply still generated, and the TTLs. The store
+sends the pipeline and counts it. This file knows the keys' parts (``:meta``, ``:live``) and
+entries' fields, not the prefix, and must not know about HTTP or event formats.
 """
 
 from __future__ import annotations
@@ -43,15 +43,17 @@ async def stream_states(
             # A heartbeat may have made the hash again with only its count: known means
             # the owner is there.
             pipe.hexists(key_of(reply_id, ":meta"), "owner")
+            pipe.hexists(key_of(reply_id, ":meta"), "deleted")
         results = await pipe.execute()
     states = {}
     for n, reply_id in enumerate(reply_ids):
-        first, last, length, known = results[4 * n : 4 * n + 4]
+        first, last, length, known, deleted = results[5 * n : 5 * n + 5]
         states[reply_id] = StreamState(
             seq_of(first[0][0]) if first else 0,
             seq_of(last[0][0]) if last else 0,
             int(length),
             bool(known),
+            bool(deleted),
         )
     return states
 

@@ -19,8 +19,9 @@ from typing import Any, NamedTuple
 from replystream.delivery.replay import LogEntry, ReadResult
 
 # The metadata's fields a read needs: whether it is there (every reply has an owner, "" with
-# auth off), and the ending and last event's number an ended reply leaves in it.
-META_READ = ("owner", "end", "last")
+# auth off), the ending and last event's number an ended reply leaves in it, and the mark a
+# delete leaves in its place.
+META_READ = ("owner", "end", "last", "deleted")
 
 
 class Offsets(NamedTuple):
@@ -36,12 +37,15 @@ class Meta(NamedTuple):
     known: bool  # the metadata is there (it may be evicted while the stream survives)
     ending: str | None  # the reply has ended so
     last: int  # its last event's number (when ended)
+    # Deleted: whatever its producer writes until it hears of it is not the reply.
+    deleted: bool
 
     @classmethod
     def of(cls, fields: Sequence[bytes | None]) -> Meta:
-        owner, end, last = fields
+        owner, end, last, deleted = fields
         ending = None if end is None else end.decode()
-        return cls(owner is not None, ending, int(last) if last is not None else 0)
+        last_seq = int(last) if last is not None else 0
+        return cls(owner is not None, ending, last_seq, deleted is not None)
 
 
 def seq_of(entry_id: bytes) -> int:

@@ -9,7 +9,10 @@ Cluster hash tag, so all of a reply's keys share one hash slot and one shard):
   ending and last event's number (``end``, ``last``); ``P{id}:live``: the producer's liveness
   key, set for ``liveness_s`` and refreshed every second while it generates;
   ``P{id}:cancel``: a cancel request from another replica.
-Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live).
+Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live). A
+delete leaves ``P{id}:meta`` holding only ``deleted`` for as long: readers find nothing, a
+repair writes nothing, and the producer, wherever it runs, finds it at its next heartbeat,
+stops, and what it wrote meanwhile is deleted.
 
 Writes never wait: ``append`` and ``end`` queue entries for one flusher task, which sends
 everything queued, across replies, in one script call per round trip (one per hash slot for
@@ -73,6 +76,7 @@ from replystream.delivery.redis_rows import (
     text,
 )
 from replystream.delivery.redis_writes import (
+    DELETE_SCRIPT,
     HEARTBEAT_SCRIPT,
     WRITE_SCRIPT,
     Waiting,
@@ -142,6 +146,8 @@ class RedisReplayStore:
             ttl_after_end_s=min(ttl_after_end_s, 30.0), max_entries=max_entries
         )
         self._live: set[str] = set()  # replies produced here and not ended
+        # Replies produced here, deleted before their end: what they append is dropped.
+        self._deleted: set[str] = set()
         # Queued for the next flush: new replies (with what their ``create`` waits on: None,
         # or why the write failed), entries and endings.
         self._creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]] = []
@@ -163,6 +169,7 @@ class RedisReplayStore:
         self.one_slot_per_call = self.target.kind == "cluster"
         self._write = self.redis.register_script(WRITE_SCRIPT)
         self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
+        self._delete = self.redis.register_script(DELETE_SCRIPT)
         self.writes = 0  # script calls sent (for benchmarks)
         self._watch = StreamWatch(self.redis, READ_BATCH, self._slot_of_key)
         self.failover_s = failover_s
@@ -220,7 +227,7 @@ class RedisReplayStore:
 
     def append(self, reply_id: str, entries: Sequence[LogEntry]) -> None:
         self._local.append(reply_id, entries)
-        if reply_id in self._failures or not entries:
+        if reply_id in self._failures or reply_id in self._deleted or not entries:
             return
         pending = self._pending.get(reply_id)
         if pending is None:
@@ -233,6 +240,9 @@ class RedisReplayStore:
     def end(self, reply_id: str, ending: str) -> None:
         self._local.end(reply_id, ending)
         self._live.discard(reply_id)
+        if reply_id in self._deleted:
+            self._deleted.discard(reply_id)
+            return
         # The terminal entry takes the next sequence number.
         seq = self._next_seq.pop(reply_id, 1)
         if reply_id in self._failures:
@@ -381,6 +391,13 @@ class RedisReplayStore:
         )
         try:
             states = await stream_states(self.redis, self._key, list(copies))
+            for reply_id in [r for r in copies if states[r].deleted]:
+                # Deleted on another replica meanwhile: stopped and forgotten, not written.
+                del copies[reply_id]
+                live = reply_id in self._live
+                self._forget(reply_id)
+                if live and self._on_cancel is not None:
+                    self._on_cancel(reply_id)
             repairs = {r: plan(copies[r], states[r], kept=self.max_entries) for r in copies}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for reply_id, repair in repairs.items():
@@ -500,10 +517,16 @@ class RedisReplayStore:
         except (RedisError, OSError) as exc:
             log.warning("liveness refresh failed: %s", exc)
             return
+        deleted = []
         for n, reply_id in enumerate(replies):
             cancelled, beat, length = answer[3 * n : 3 * n + 3]
+            if beat == 0:  # deleted, on another replica: stop, and forget it here too
+                deleted.append(reply_id)
+                self._forget(reply_id)
             if cancelled and self._on_cancel is not None:
                 self._on_cancel(reply_id)
+            if beat == 0:
+                continue
             if beat == 1:
                 # The count started again: the metadata was gone (evicted, or lost in a
                 # failover). Write the reply again from this process's copy.
@@ -512,6 +535,27 @@ class RedisReplayStore:
             elif self._stream_lost(reply_id, int(length), written):
                 log.warning("reply %s: its log is gone; writing it again", reply_id[:8])
                 self._evicted_live(reply_id)
+        if deleted:
+            # A flush sent before they were forgotten may have landed after the script.
+            async with self._flushing:
+                for reply_id in deleted:
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.redis.delete(self._key(reply_id), self._key(reply_id, ":live"))
+
+    def _forget(self, reply_id: str) -> None:
+        """Drop everything queued or held here for a deleted reply; a producer still winding
+        down may append and end it, to no effect."""
+        if reply_id in self._live:
+            self._live.discard(reply_id)
+            self._deleted.add(reply_id)
+        self._pending.pop(reply_id, None)
+        self._endings.pop(reply_id, None)
+        self._next_seq.pop(reply_id, None)
+        self._failures.pop(reply_id, None)
+        self._logged.pop(reply_id, None)
+        self._expire_due.pop(reply_id, None)
+        self._dirty.discard(reply_id)
+        self._local.discard(reply_id)
 
     def _stream_lost(self, reply_id: str, length: int, written: dict[str, int] | None) -> bool:
         """Whether a live reply's stream holds fewer events than Redis acknowledged and keeps
@@ -560,15 +604,15 @@ class RedisReplayStore:
         return meta
 
     async def evicted(self, reply_id: str) -> str | None:
-        async def look() -> tuple[bool, bool]:
+        async def look() -> tuple[Meta, bool]:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hexists(self._key(reply_id, ":meta"), "owner")
+                pipe.hmget(self._key(reply_id, ":meta"), META_READ)
                 pipe.exists(self._key(reply_id))
-                known, logged = await pipe.execute()
-            return bool(known), bool(logged)
+                fields, logged = await pipe.execute()
+            return Meta.of(fields), bool(logged)
 
-        known, logged = await self._retrying(look)
-        if known or not logged:
+        meta, logged = await self._retrying(look)
+        if meta.known or meta.deleted or not logged:
             return None
         self._evictions += 1
         return (
@@ -581,6 +625,8 @@ class RedisReplayStore:
             return await self._local.tail(reply_id)
         rows, fields = await self._retrying(lambda: self._remote_tail(reply_id))
         meta = Meta.of(fields)
+        if meta.deleted:
+            return None
         if not rows:
             if meta.ending is not None:  # ended, and its stream evicted since
                 return LogTail(meta.last, True)
@@ -679,6 +725,8 @@ class RedisReplayStore:
             rows, fields, newest = await pipe.execute()
         logged = newest_offset(newest)
         meta = Meta.of(fields)
+        if meta.deleted:
+            return None, Offsets(None, None)
         if not rows and meta.ending is not None:
             # Ended, but nothing after ``after`` is left, not even the terminal entry: the
             # stream was evicted. What the reader lacks is told; then the reply's end.
@@ -720,10 +768,12 @@ class RedisReplayStore:
         self._local.discard(reply_id)
 
     async def delete(self, reply_id: str) -> None:
-        self._local.discard(reply_id)
+        if reply_id in self._live and self._on_cancel is not None:
+            self._on_cancel(reply_id)  # elsewhere, its producer hears at its next heartbeat
+        self._forget(reply_id)
         keys = [self._key(reply_id, part) for part in ("", ":meta", ":live", ":cancel")]
         try:
-            await self.redis.delete(*keys)
+            await self._delete(keys=keys, args=[max(1, int(self.ttl_after_end_s))])
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"{self.where}: {exc}") from exc
 

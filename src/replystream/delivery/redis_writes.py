@@ -13,7 +13,9 @@ are kept. A write that fails fails its reply alone (the others in the batch go o
 The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
 ``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
 liveness refresh is one call too (``HEARTBEAT_SCRIPT``), which also bumps each live reply's
-heartbeat count and asks its stream's length (eviction checks). ``flush_batches`` plans one
+heartbeat count and asks its stream's length (eviction checks), and finds a reply deleted
+on another replica (``DELETE_SCRIPT`` leaves a mark in its metadata's place).
+``flush_batches`` plans one
 flush from what is queued. This file knows the stream entries' fields and which of a reply's
 keys each write touches, but not how keys are named (the store passes its naming).
 """
@@ -35,6 +37,8 @@ from replystream.delivery.replay import LogEntry, ReplyInfo
 #   replies: [stream key index, trim to (0: no trim), indices of keys to expire, ending
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
 #             4 values per entry: seq, type ("": none), data, log size]
+# A reply deleted (``DELETE_SCRIPT``) on another replica may be written until its producer
+# hears of it at its next heartbeat; its ending, if it comes first, deletes what was.
 # Returns {count, index, error, index, error, ...}: the writer's count of its calls after this
 # one (INCR-ed last, so a count that survives a failover vouches for every write before it),
 # then the replies (from 0) whose writes Redis refused. A refusal that is the reply's own (its
@@ -57,9 +61,9 @@ for _, c in ipairs(batch[4]) do
   redis.call('EXPIRE', KEYS[c[1]], ttl)
   redis.call('SET', KEYS[c[2]], '1', 'EX', liveness)
 end
-local out = {0}
-for i, r in ipairs(batch[5]) do
-  local key, trim, err = KEYS[r[1]], r[2], nil
+-- One reply's entries and ending; what Redis refused of them, if anything.
+local function write(r)
+  local key, trim = KEYS[r[1]], r[2]
   for j = 6, #r, 4 do
     local id = '0-' .. r[j]
     local res
@@ -69,24 +73,34 @@ for i, r in ipairs(batch[5]) do
     else
       res = redis.pcall('XADD', key, id, 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3])
     end
-    err = refused(res)
-    if err then break end
+    local err = refused(res)
+    if err then return err end
   end
   local ending = r[4]
-  if err == nil and ending ~= cjson.null then
-    err = refused(redis.pcall('XADD', key, '0-' .. ending[1], 'end', ending[2]))
-    if err == nil then
-      -- Left in the metadata, so a reader tells a stream evicted after the end from a
-      -- producer lost before it.
-      redis.call('HSET', KEYS[ending[3]], 'end', ending[2], 'last', ending[1] - 1)
-    end
+  if ending ~= cjson.null then
+    local err = refused(redis.pcall('XADD', key, '0-' .. ending[1], 'end', ending[2]))
+    if err then return err end
+    -- Left in the metadata, so a reader tells a stream evicted after the end from a
+    -- producer lost before it.
+    redis.call('HSET', KEYS[ending[3]], 'end', ending[2], 'last', ending[1] - 1)
   end
-  if err == nil then
-    for _, k in ipairs(r[3]) do redis.call('EXPIRE', KEYS[k], ttl) end
+  for _, k in ipairs(r[3]) do redis.call('EXPIRE', KEYS[k], ttl) end
+  if r[5] > 0 then redis.call('DEL', KEYS[r[5]]) end
+  return nil
+end
+local out = {0}
+for i, r in ipairs(batch[5]) do
+  local ending = r[4]
+  if ending ~= cjson.null and redis.call('HEXISTS', KEYS[ending[3]], 'deleted') == 1 then
+    -- Deleted on another replica before its producer heard: what it wrote since goes.
+    redis.call('DEL', KEYS[r[1]])
     if r[5] > 0 then redis.call('DEL', KEYS[r[5]]) end
   else
-    out[#out + 1] = i - 1
-    out[#out + 1] = err
+    local err = write(r)
+    if err then
+      out[#out + 1] = i - 1
+      out[#out + 1] = err
+    end
   end
 end
 local counter = KEYS[batch[3]]
@@ -97,17 +111,35 @@ return out
 
 # KEYS: live, cancel, meta and stream keys of each reply; ARGV[1]: liveness in seconds.
 # Returns, per reply: 1 if a cancel was requested (else 0), its heartbeat count after this
-# beat (1: its metadata was gone), and its stream's length (shorter than what Redis
-# acknowledged: evicted).
+# beat (1: its metadata was gone; 0: the reply was deleted, and what its producer wrote of it
+# since is deleted now), and its stream's length (shorter than what Redis acknowledged:
+# evicted).
 HEARTBEAT_SCRIPT = """
 local out = {}
 for i = 1, #KEYS, 4 do
-  redis.call('SET', KEYS[i], '1', 'EX', ARGV[1])
-  out[#out + 1] = redis.call('EXISTS', KEYS[i + 1])
-  out[#out + 1] = redis.call('HINCRBY', KEYS[i + 2], 'beat', 1)
-  out[#out + 1] = redis.call('XLEN', KEYS[i + 3])
+  if redis.call('HEXISTS', KEYS[i + 2], 'deleted') == 1 then
+    redis.call('DEL', KEYS[i], KEYS[i + 1], KEYS[i + 3])
+    out[#out + 1] = 1
+    out[#out + 1] = 0
+    out[#out + 1] = 0
+  else
+    redis.call('SET', KEYS[i], '1', 'EX', ARGV[1])
+    out[#out + 1] = redis.call('EXISTS', KEYS[i + 1])
+    out[#out + 1] = redis.call('HINCRBY', KEYS[i + 2], 'beat', 1)
+    out[#out + 1] = redis.call('XLEN', KEYS[i + 3])
+  end
 end
 return out
+"""
+
+# KEYS: a reply's stream, meta, live and cancel keys; ARGV[1]: how long its mark lives.
+# Deletes them, and leaves in the metadata's place a mark that readers take for a reply that
+# is gone, that a repair after a failover does not write over, and that its producer, on any
+# replica, finds at its next heartbeat: it stops, and what it wrote meanwhile is deleted.
+DELETE_SCRIPT = """
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[2], 'deleted', 1)
+redis.call('EXPIRE', KEYS[2], ARGV[1])
 """
 
 

@@ -144,7 +144,8 @@ class ReplayStore(Protocol):
         ...
 
     def append(self, reply_id: str, entries: Sequence[LogEntry]) -> None:
-        """Add entries in order; never waits (a remote store sends them in the background)."""
+        """Add entries in order; never waits (a remote store sends them in the background).
+        A reply deleted while it is produced takes none (its producer is being stopped)."""
         ...
 
     def end(self, reply_id: str, ending: str) -> None:
@@ -190,8 +191,9 @@ class ReplayStore(Protocol):
         ...
 
     async def delete(self, reply_id: str) -> None:
-        """Remove a reply and everything kept about it, wherever it is kept; later reads and
-        ``info`` find nothing. Raises ``StoreUnavailable``."""
+        """Remove a reply and everything kept about it, wherever it is kept, and stop it if
+        it is produced (as ``request_cancel``); later reads and ``info`` find nothing, even
+        while its producer, stopping, still appends. Raises ``StoreUnavailable``."""
         ...
 
     async def request_cancel(self, reply_id: str) -> None:
@@ -310,8 +312,10 @@ class MemoryReplayStore:
 
     def append(self, reply_id: str, entries: Sequence[LogEntry]) -> None:
         log = self._logs.get(reply_id)
-        if log is None or log.ending is not None:
-            raise KeyError(f"reply {reply_id} is not live")
+        if log is None:
+            return  # deleted while its producer winds down
+        if log.ending is not None:
+            raise KeyError(f"reply {reply_id} has ended")
         log.append(entries)
 
     def end(self, reply_id: str, ending: str) -> None:
@@ -376,6 +380,7 @@ class MemoryReplayStore:
         return MemoryCursor(self, reply_id, after)
 
     async def delete(self, reply_id: str) -> None:
+        await self.request_cancel(reply_id)
         self.discard(reply_id)
 
     def discard(self, reply_id: str) -> None:

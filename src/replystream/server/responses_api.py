@@ -421,8 +421,7 @@ async def handle_delete(request: web.Request) -> web.StreamResponse:
     reply_id = _response_reply_id(response_id, "response_id")
     store = await _store_of(request, reply_id, "response_id")
     try:
-        await store.request_cancel(reply_id)
-        await store.delete(reply_id)
+        await store.delete(reply_id)  # stopped first, if it runs (on whichever replica)
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
