@@ -189,6 +189,8 @@ async def test_every_worker_reloads_on_one_signal_to_the_parent(tmp_path: Path):
         file = tmp_path / "routes.toml"
         file.write_text(routes((a, "model-a")))
         async with relay(file, "--workers", "2") as (process, url, stderr):
+            # Both workers serve it once: rows for it are in their shared metrics files.
+            assert await asyncio.gather(*(ask(url, "model-a") for _ in range(6))) == ["alpha "] * 6
             file.write_text(routes((b, "model-b")))
             process.send_signal(signal.SIGHUP)
             await stderr.wait_for("routes reloaded", count=2)
@@ -197,9 +199,13 @@ async def test_every_worker_reloads_on_one_signal_to_the_parent(tmp_path: Path):
             assert replies == ["beta "] * 12
             status, _ = await get(f"{url}/healthz")
             assert status == 200
-            _, text = await get(f"{url}/metrics")  # either worker's: the two counted as one
-            seen = samples(text)
-            assert seen["replystream_reloads_total", (("file", "routes"), ("result", "ok"))] == 2
+            for _ in range(4):  # either worker's answer: the two counted as one
+                seen = samples((await get(f"{url}/metrics"))[1])
+                key = "replystream_reloads_total", (("file", "routes"), ("result", "ok"))
+                assert seen[key] == 2
+                # The upstream taken out has no row left, in any family.
+                shown = {dict(labels).get("upstream") for _, labels in seen} - {None}
+                assert shown == {f"{b}/v1"}, shown
 
 
 async def status_with(url: str, key: str) -> int:

@@ -29,7 +29,7 @@ from typing import Literal, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import values as prometheus_values
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from replystream.stats import LATENCY_BOUNDS
@@ -65,6 +65,25 @@ OUTCOMES: tuple[Outcome, ...] = (
 )
 
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+class _Without:
+    """A collector's families without the rows ``Metrics.hide`` left out."""
+
+    def __init__(self, collector: MultiProcessCollector, hidden: dict[str, set[str]]) -> None:
+        self._collector = collector
+        self._hidden = hidden
+
+    def collect(self) -> Iterator[Metric]:
+        hidden = [(label, values) for label, values in self._hidden.items() if values]
+        for family in self._collector.collect():  # type: ignore[no-untyped-call]
+            if hidden:
+                family.samples = [
+                    sample
+                    for sample in family.samples
+                    if not any(sample.labels.get(label) in values for label, values in hidden)
+                ]
+            yield family
 
 
 def _le(bound: float) -> str:
@@ -231,6 +250,9 @@ class Metrics:
     def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROCESS_DIR_ENV) or None
         self._readings: list[tuple[Gauge, Callable[[], float]]] = []
+        # With workers: rows left out of a scrape, by a label's value (an upstream taken out
+        # of the routes), since the files the workers share cannot drop a row.
+        self._hidden: dict[str, set[str]] = {}
         self._read_histograms: list[KeyedHistogram] = []
         self.registry = CollectorRegistry()
         r = self.registry
@@ -331,13 +353,24 @@ class Metrics:
 
     def forget(self, name: str, **labels: str) -> None:
         """Stop reading the ``state`` row ``name`` with ``labels``, and drop it from the
-        output. With workers, the row stays at its last reading: prometheus-client cannot
-        remove a row its processes share through files."""
+        output (with workers, ``hide`` it: prometheus-client cannot remove a row its
+        processes share through files)."""
         gauge = self._states[name]
         child = gauge.labels(**labels)
         self._readings = [(g, read) for g, read in self._readings if g is not child]
         if self.multiprocess_dir is None:
             gauge.remove(*(labels[label] for label in sorted(labels)))
+
+    def hide(self, label: str, value: str, *, hidden: bool = True) -> None:
+        """With workers, leave out of a scrape every row whose ``label`` is ``value`` (or,
+        with ``hidden=False``, show them again), in every family. Every worker hides the
+        same rows, as each reads the same routes: whichever one answers a scrape, a row of an
+        upstream taken out of the routes is gone, and one put back shows its counts again."""
+        values = self._hidden.setdefault(label, set())
+        if hidden:
+            values.add(value)
+        else:
+            values.discard(value)
 
     def histogram_on_scrape(
         self,
@@ -430,5 +463,6 @@ class Metrics:
             return generate_latest(self.registry)
         self.refresh_readings()
         merged = CollectorRegistry()
-        MultiProcessCollector(merged, self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        workers = MultiProcessCollector(None, self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        merged.register(_Without(workers, self._hidden))
         return generate_latest(merged)
