@@ -222,6 +222,44 @@ async def test_deleting_a_running_response_stops_it_and_leaves_nothing_behind(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def test_a_reply_of_another_dialect_is_no_response_on_any_route():
+    engine = fast_engine(reply_text=REPLY)
+    app = create_app(engine, ServerConfig(resumable_by_default=True))
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        made = {
+            "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            "native": ("/v1/replies", {"prompt": "x"}),
+            "messages": (
+                "/v1/messages",
+                {
+                    "model": "simulated",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+            ),
+        }
+        for path, body in made.values():
+            async with http.post(f"{url}{path}", json={**body, "stream": True}) as started:
+                assert started.status == 200, await started.text()
+                reply_id = started.headers["X-Reply-Id"]
+                await started.read()
+            response = f"{url}/v1/responses/resp_{reply_id}"
+            for method, where, query in (
+                ("GET", response, {}),
+                ("GET", response, {"stream": "true"}),
+                ("POST", f"{response}/cancel", {}),
+                ("DELETE", response, {}),
+            ):
+                async with http.request(method, where, params=query) as refused:
+                    assert refused.status == 404, (path, method, query, await refused.text())
+                    error = (await refused.json())["error"]
+                    assert (error["code"], error["param"]) == ("reply_not_found", "response_id")
+            # Still there, for its own dialect's resume.
+            async with http.get(f"{url}/v1/replies/{reply_id}/stream") as resumed:
+                assert resumed.status == 200
+                await resumed.read()
+
+
 async def test_a_stored_response_not_streamed_can_be_read_again_and_continued():
     engine = fast_engine(reply_text=REPLY)
     async with running(create_app(engine)) as url, sdk(url) as client:

@@ -81,6 +81,7 @@ from replystream.server.validation import parse_json, parse_mapping, read_model
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
 LIVENESS_WAIT_S = 0.05  # how long reading a live response's object may wait on its store
+NO_SUCH_RESPONSE = "no such response (unknown, expired, deleted, or not yours)"
 
 Messages = list[dict[str, Any]]
 
@@ -103,9 +104,22 @@ def input_messages(body: ResponsesBody) -> Messages:
     return responses_messages(body.input)
 
 
-async def _store_of(request: web.Request, reply_id: str, param: str) -> ReplayStore:
-    _, store, _ = await find_reply(request, reply_id, param=param)
-    return store
+async def _find_response(
+    request: web.Request, reply_id: str, param: str
+) -> tuple[ReplayStore, Reply | None]:
+    """The store of the caller's response ``reply_id`` (and its producer, when it runs here),
+    else a 404: a reply of another dialect is not a response, and is neither streamed as one
+    nor deleted here."""
+    _, store, local = await find_reply(request, reply_id, param=param)
+    try:
+        head = await store.read(reply_id, 0, 0.0)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    # Every event of a response's log is named response.* (the first one, if it was trimmed).
+    first = head.entries[0].event if head is not None and head.entries else None
+    if not (first or "").startswith("response."):
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
+    return store, local
 
 
 def _response_reply_id(response_id: str, param: str) -> str:
@@ -162,12 +176,7 @@ async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
                 param="response_id",
             )
     if response is None:
-        raise HTTPAPIError(
-            404,
-            "no such response (unknown, expired, deleted, or not yours)",
-            code="reply_not_found",
-            param="response_id",
-        )
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
     return response
 
 
@@ -175,7 +184,7 @@ async def _history(request: web.Request, previous: str) -> Messages:
     """The conversation a ``previous_response_id`` continues: its history and input, then
     its output."""
     reply_id = _response_reply_id(previous, "previous_response_id")
-    _, store, _ = await find_reply(request, reply_id, param="previous_response_id")
+    store, _ = await _find_response(request, reply_id, "previous_response_id")
     info = await store.info(reply_id)
     response = await _read_response(store, reply_id)
     if response["status"] in ("queued", "in_progress"):
@@ -374,7 +383,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     ``starting_after``, then the live tail."""
     query = parse_mapping(request.query, RetrieveQuery)
     reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
-    _, store, local = await find_reply(request, reply_id, param="response_id")
+    store, local = await _find_response(request, reply_id, "response_id")
     if not query.stream:
         return web.json_response(await _read_response(store, reply_id))
     after, param = query.starting_after, "starting_after"
@@ -399,7 +408,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses/{id}/cancel``: end it with status ``cancelled`` (a response that
     has ended already is answered as it is)."""
     reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
-    store = await _store_of(request, reply_id, "response_id")
+    store, _ = await _find_response(request, reply_id, "response_id")
     response = await _read_response(store, reply_id)
     if response["status"] not in ("queued", "in_progress"):
         return web.json_response(response)
@@ -419,7 +428,7 @@ async def handle_delete(request: web.Request) -> web.StreamResponse:
     """``DELETE /v1/responses/{id}``: stop it if it runs, and forget it everywhere."""
     response_id = request.match_info["response_id"]
     reply_id = _response_reply_id(response_id, "response_id")
-    store = await _store_of(request, reply_id, "response_id")
+    store, _ = await _find_response(request, reply_id, "response_id")
     try:
         await store.delete(reply_id)  # stopped first, if it runs (on whichever replica)
     except StoreUnavailable as exc:
