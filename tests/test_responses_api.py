@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 import aiohttp
 import openai
@@ -226,7 +227,7 @@ async def test_a_reply_of_another_dialect_is_no_response_on_any_route():
     engine = fast_engine(reply_text=REPLY)
     app = create_app(engine, ServerConfig(resumable_by_default=True))
     async with running(app) as url, aiohttp.ClientSession() as http:
-        made = {
+        made: dict[str, tuple[str, dict[str, Any]]] = {
             "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
             "native": ("/v1/replies", {"prompt": "x"}),
             "messages": (
