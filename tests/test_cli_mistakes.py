@@ -249,15 +249,30 @@ def test_an_unresolvable_host_is_one_line_naming_host():
     assert "--host no-such-host.invalid: not an address" in one_line(done)
 
 
-def test_a_wrong_flag_shows_that_subcommands_usage():
-    done = run("serve", "--no-such-flag")
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["serve", "--no-such-flag"],
+            "replystream serve: unrecognized arguments: --no-such-flag",
+        ),
+        # A prefix of a flag is not that flag: ``--work 2`` once started workers whose
+        # command line still said ``--work 2``, each starting workers of its own.
+        (["serve", "--work", "2"], "replystream serve: unrecognized arguments: --work 2"),
+        (
+            ["bench", "http://127.0.0.1:9/stream", "--concurency", "2"],
+            "replystream bench: unrecognized arguments: --concurency 2",
+        ),
+        (["doctor"], "replystream doctor: the following arguments are required: url"),
+        (["no-such-command"], "replystream: argument COMMAND: invalid choice: 'no-such-command'"),
+    ],
+)
+def test_a_wrong_flag_or_a_missing_argument_is_one_line(argv: list[str], line: str):
+    done = run(*argv)
     assert done.returncode == 2
-    assert done.stderr.startswith("usage: replystream serve ")
-    assert done.stderr.strip().splitlines()[-1] == (
-        "replystream serve: error: unrecognized arguments: --no-such-flag"
-    )
-    bench = run("bench", "http://127.0.0.1:9/stream", "--concurency", "2")
-    assert bench.stderr.startswith("usage: replystream bench ")
+    said = one_line(done)
+    assert said.startswith(line), said
+    assert said.endswith("--help lists them)"), said
 
 
 def test_help_states_every_serve_default_and_the_top_level_has_no_markup():

@@ -255,3 +255,34 @@ async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Pa
         assert not any("Traceback" in line for line in stderr.lines), stderr.lines
     finally:
         await stop(process)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_sighup_while_serve_starts_does_not_stop_it(tmp_path: Path, workers: int):
+    """``systemctl reload`` right after a start: the signals come while serve imports and
+    reads its settings, before it listens."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-one\n")
+    process = await launch(
+        *upstream("hello", "simulated"), "--api-keys-file", str(keys),
+        "--workers", str(workers), stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for pause in (0.4, 0.3):
+            await asyncio.sleep(pause)
+            assert process.returncode is None
+            process.send_signal(signal.SIGHUP)
+        url = await ready_url(process)
+        assert await status_with(url, "sk-one") == 200
+    finally:
+        await stop(process)
+
+
+async def test_with_no_file_to_read_again_sighup_stops_serve():
+    process = await launch(*upstream("hello", "simulated"))
+    try:
+        await ready_url(process)
+        process.send_signal(signal.SIGHUP)
+        assert await asyncio.wait_for(process.wait(), 10) == -signal.SIGHUP
+    finally:
+        await stop(process)

@@ -3,16 +3,20 @@
 Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``;
 add a row to ``COMMANDS`` to add one. Modules are imported only when their command runs.
 
-A wrong value (``--port 99999``) is refused with one line naming the flag and what it wants; a
-wrong flag or a missing argument shows that subcommand's usage, not the top-level one.
+Every mistake is one line and exit status 2: a wrong value (``--port 99999``) names the flag
+and what it wants; a wrong flag or a missing argument says so and where the flags are listed
+(``replystream serve --help``). A flag must be spelled whole: a prefix (``--work``) is refused,
+never taken for the flag it begins.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from replystream import __version__
 from replystream.cli_values import DefaultsHelpFormatter
@@ -34,6 +38,13 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose mistakes are one line naming what is wrong, not a usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists them)\n")
+
+
 def build_parser(
     argv: Sequence[str] | None = None,
 ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -42,8 +53,8 @@ def build_parser(
     Value errors raise ``argparse.ArgumentError`` (``exit_on_error=False``) so ``main`` can
     print them as one line; only the chosen subcommand's module is imported.
     """
-    parser = argparse.ArgumentParser(
-        prog="replystream", description=DESCRIPTION, exit_on_error=False
+    parser = OneLineParser(
+        prog="replystream", description=DESCRIPTION, exit_on_error=False, allow_abbrev=False
     )
     parser.add_argument("--version", action="version", version=f"replystream {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -56,6 +67,7 @@ def build_parser(
             description=help_text,
             formatter_class=DefaultsHelpFormatter,
             exit_on_error=False,
+            allow_abbrev=False,
         )
         subparsers[name] = sub
         if name == chosen:
@@ -66,7 +78,7 @@ def build_parser(
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse a command line, or exit 2 with one line (a bad value) or a usage (a bad flag)."""
+    """Parse a command line, or exit 2 with one line saying what is wrong."""
     parser, subparsers = build_parser(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     sub = subparsers.get(chosen or "")
@@ -74,7 +86,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         args, extra = parser.parse_known_args(list(argv))
     except argparse.ArgumentError as exc:
         if sub is None:
-            parser.error(str(exc))  # an unknown command: the top-level usage lists them
+            parser.error(str(exc))  # an unknown command: the top-level --help lists them
         print(f"{sub.prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if extra:
@@ -86,8 +98,13 @@ INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stop
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if next((a for a in argv if not a.startswith("-")), None) == "serve":
+        # A reload signal (``systemctl reload``) may come while serve starts: before it
+        # knows which files it reads again, it must not stop. ``serve`` decides once it does.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        args = parse(list(sys.argv[1:] if argv is None else argv))
+        args = parse(argv)
         code: int = args.run(args)
     except KeyboardInterrupt:  # Ctrl-C before a command took SIGINT (importing, loading)
         return INTERRUPTED_EXIT

@@ -143,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
         if note is not None and args.listen_fd is None:  # workers: their parent said it
             print(f"replystream serve: {note}", file=sys.stderr)
         reloads = reload.reloads(args, choice.kind)
-        if args.workers > 1:
+        # Ignored since start-up (``cli.main``): with no file to read again, SIGHUP stops
+        # serve, as it stops any process; with one, it is ignored until the server listens.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if reloads else signal.SIG_DFL)
+        if args.workers > 1 and args.listen_fd is None:  # (a worker never has workers)
             if not args.redis_url:
                 log.warning(
                     "--workers without --redis-url: a reply can be resumed only "
@@ -158,8 +161,6 @@ def run(args: argparse.Namespace) -> int:
             sock.setblocking(False)
         else:
             sock = listen(args.host, args.port)
-        if reloads:  # a SIGHUP before the server listens must not stop it (the file is read)
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         engine = build_engine(args)
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
