@@ -23,7 +23,7 @@ import math
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
@@ -67,21 +67,28 @@ OUTCOMES: tuple[Outcome, ...] = (
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
-class _Without:
-    """A collector's families without the rows ``Metrics.hide`` left out."""
+# A label whose rows are shown only for the values its reader gives now (``only_current``).
+CurrentValues = tuple[str, Callable[[], Collection[str]]]
 
-    def __init__(self, collector: MultiProcessCollector, hidden: dict[str, set[str]]) -> None:
+
+class _OnlyCurrent:
+    """A collector's families without the rows of label values no longer current."""
+
+    def __init__(self, collector: MultiProcessCollector, current: list[CurrentValues]) -> None:
         self._collector = collector
-        self._hidden = hidden
+        self._current = current
 
     def collect(self) -> Iterator[Metric]:
-        hidden = [(label, values) for label, values in self._hidden.items() if values]
+        current = [(label, read()) for label, read in self._current]
         for family in self._collector.collect():  # type: ignore[no-untyped-call]
-            if hidden:
+            if current:
                 family.samples = [
                     sample
                     for sample in family.samples
-                    if not any(sample.labels.get(label) in values for label, values in hidden)
+                    if all(
+                        label not in sample.labels or sample.labels[label] in values
+                        for label, values in current
+                    )
                 ]
             yield family
 
@@ -136,9 +143,16 @@ class KeyedHistogram:
         self.sums[key] += value
 
     def _read_totals(self) -> None:
-        if self._totals is not None:
-            for key, counts, total in self._totals():
-                self.counts[key], self.sums[key] = list(counts), total
+        """The counts as their owner holds them now: a key it no longer has (an upstream
+        taken out of the routes) goes, and comes back from its owner's counts."""
+        if self._totals is None:
+            return
+        self.counts, self.sums = {}, {}
+        for key, counts, total in self._totals():
+            self.counts[key], self.sums[key] = list(counts), total
+        for key in [k for k in self._files if k not in self.counts]:
+            # Its files keep what was published; counts that come back add to it.
+            del self._files[key], self._published[key]
 
     def publish(self) -> None:
         """Write what was observed since the last call into this process's multiprocess
@@ -250,9 +264,9 @@ class Metrics:
     def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROCESS_DIR_ENV) or None
         self._readings: list[tuple[Gauge, Callable[[], float]]] = []
-        # With workers: rows left out of a scrape, by a label's value (an upstream taken out
-        # of the routes), since the files the workers share cannot drop a row.
-        self._hidden: dict[str, set[str]] = {}
+        # With workers: labels whose rows are scraped only for their current values (an
+        # upstream taken out of the routes), since the files the workers share keep every row.
+        self._current: list[CurrentValues] = []
         self._read_histograms: list[KeyedHistogram] = []
         self.registry = CollectorRegistry()
         r = self.registry
@@ -353,7 +367,7 @@ class Metrics:
 
     def forget(self, name: str, **labels: str) -> None:
         """Stop reading the ``state`` row ``name`` with ``labels``, and drop it from the
-        output (with workers, ``hide`` it: prometheus-client cannot remove a row its
+        output (with workers, see ``only_current``: prometheus-client cannot remove a row its
         processes share through files)."""
         gauge = self._states[name]
         child = gauge.labels(**labels)
@@ -361,16 +375,13 @@ class Metrics:
         if self.multiprocess_dir is None:
             gauge.remove(*(labels[label] for label in sorted(labels)))
 
-    def hide(self, label: str, value: str, *, hidden: bool = True) -> None:
-        """With workers, leave out of a scrape every row whose ``label`` is ``value`` (or,
-        with ``hidden=False``, show them again), in every family. Every worker hides the
-        same rows, as each reads the same routes: whichever one answers a scrape, a row of an
-        upstream taken out of the routes is gone, and one put back shows its counts again."""
-        values = self._hidden.setdefault(label, set())
-        if hidden:
-            values.add(value)
-        else:
-            values.discard(value)
+    def only_current(self, label: str, values: Callable[[], Collection[str]]) -> None:
+        """With workers, scrape the rows with ``label`` only for the ``values()`` of now, in
+        every family: the files of every worker that ever ran keep every row (a worker
+        started after a reload never had an upstream it took out). Each worker reads the
+        same routes, so whichever one answers a scrape shows the same rows; an upstream put
+        back shows its counts again."""
+        self._current.append((label, values))
 
     def histogram_on_scrape(
         self,
@@ -464,5 +475,5 @@ class Metrics:
         self.refresh_readings()
         merged = CollectorRegistry()
         workers = MultiProcessCollector(None, self.multiprocess_dir)  # type: ignore[no-untyped-call]
-        merged.register(_Without(workers, self._hidden))
+        merged.register(_OnlyCurrent(workers, self._current))
         return generate_latest(merged)

@@ -126,7 +126,7 @@ class BackendGauges:
     """Per-upstream state of a relay, one row per upstream routed to now: each circuit,
     probe, outstanding count, and attempts and probes by result, read from ``stats()``.
     ``sync`` follows the routes when they change: rows for upstreams that joined, none for
-    those taken out (with workers, hidden from scrapes: their files keep them)."""
+    those taken out (with workers, left out of scrapes: their files keep them)."""
 
     def __init__(self, metrics: Metrics, engine: Engine) -> None:
         self._metrics = metrics
@@ -138,9 +138,7 @@ class BackendGauges:
         for name in [n for n in self._rows if n not in names]:
             for family, labels in self._rows.pop(name):
                 self._metrics.forget(family, **labels)
-            self._metrics.hide("upstream", name)  # its first-text histogram too
         for name in sorted(names - self._rows.keys()):
-            self._metrics.hide("upstream", name, hidden=False)
             self._rows[name] = self._add(name)
 
     def _reading(self, name: str, read: Callable[[BackendStats], float]) -> Callable[[], float]:
@@ -213,6 +211,7 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> BackendGauges | None
         return None
     gauges = BackendGauges(metrics, engine)
     gauges.sync()
+    metrics.only_current("upstream", lambda: {b.name for b in engine.stats().backends})
     metrics.histogram_on_scrape(
         "replystream_upstream_time_to_first_token_seconds",
         "Per upstream: time from an attempt's start (a connect included) to the first text "

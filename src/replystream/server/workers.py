@@ -211,6 +211,8 @@ class Supervisor:
             self._close_pipe(slot)
             if said == READY_BYTE:
                 slot.serving_since = time.monotonic()
+                if self._announced and slot.process is not None:  # after a restart: recovered
+                    log.warning("worker %d is ready, in place of one that exited", slot.process.pid)
                 if slot.hangup_due and slot.process is not None:
                     slot.hangup_due = False
                     slot.process.send_signal(signal.SIGHUP)
