@@ -142,6 +142,35 @@ async def test_a_cancelled_response_ends_with_status_cancelled():
     await wait_for(lambda: engine.stats().active == 0)
 
 
+async def test_the_item_a_failure_or_a_cancel_cuts_is_incomplete():
+    # An output item is in_progress, completed or incomplete: never failed nor cancelled.
+    failing = fast_engine(reply_text=REPLY, fail_after=3)
+    async with running(create_app(failing)) as url, sdk(url) as client:
+        stream = await client.responses.create(model="simulated", input="x", stream=True)
+        events = [event async for event in stream]
+        assert events[-1].type == "response.failed"
+        failed = await client.responses.retrieve(events[-1].response.id)
+    slow = fast_engine(reply_text=REPLY * 50, delay_ms=20.0)
+    async with running(create_app(slow)) as url, sdk(url) as client:
+        queued = await client.responses.create(model="simulated", input="x", background=True)
+        following = await client.responses.retrieve(queued.id, stream=True)
+        async for event in following:
+            if event.type == "response.output_text.delta":
+                break  # a message item is open
+        cancelled = await client.responses.cancel(queued.id)
+        await following.close()
+        retrieved = await client.responses.retrieve(queued.id)
+    for response, status in (
+        (events[-1].response, "failed"),
+        (failed, "failed"),
+        (cancelled, "cancelled"),
+        (retrieved, "cancelled"),
+    ):
+        assert response.status == status
+        statuses = [(item.type, getattr(item, "status", None)) for item in response.output]
+        assert statuses == [("message", "incomplete")]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

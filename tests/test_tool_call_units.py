@@ -224,3 +224,18 @@ def test_a_response_read_mid_call_lists_the_call_so_far():
         '{"city":',
     )
     assert response["output"][0]["content"][0]["text"] == "hi"
+
+
+def test_a_call_cut_by_a_lost_producer_reads_incomplete():
+    # GET of a response whose producer is gone: the open item was cut, a call as a message.
+    fmt = ResponsesStreamFormat(ResponseSettings(model="m", created_at=0))
+    specs = [*fmt.started("r1"), *fmt.text("hi", 1), *fmt.tool_call(PIECES[0])]
+    entries = [LogEntry(n, event, data) for n, (event, data) in enumerate(specs, 1)]
+    for lost, status, last in (
+        (False, "in_progress", "in_progress"),
+        (True, "failed", "incomplete"),
+    ):
+        response = response_from_log(entries, producer_lost=lost)
+        assert response is not None and response["status"] == status
+        statuses = [(item["type"], item["status"]) for item in response["output"]]
+        assert statuses == [("message", "completed"), ("function_call", last)]

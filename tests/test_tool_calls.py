@@ -308,6 +308,28 @@ async def test_openai_sdk_assembles_function_call_items_on_responses(server: str
         assert [tool.name for tool in response.tools] == ["get_weather", "get_time"]
 
 
+async def test_a_cut_responses_items_have_the_statuses_their_done_events_gave(server: str):
+    # Four tokens: the two texts, the call's name, its first fragment.
+    ask: Any = {
+        "model": "simulated",
+        "input": "x",
+        "tools": RESPONSES_TOOLS,
+        "max_output_tokens": 4,
+    }
+    async with oai(server) as client:
+        events = [event async for event in await client.responses.create(**ask, stream=True)]
+        stored = await client.responses.create(**ask)
+        retrieved = await client.responses.retrieve(stored.id)
+        whole = await client.responses.create(**ask, store=False)
+    done = [(e.item.type, e.item.status) for e in events if e.type == "response.output_item.done"]
+    # The text ended when the call began; the limit cut the call.
+    assert done == [("message", "completed"), ("function_call", "incomplete")]
+    assert events[-1].type == "response.incomplete"
+    for response in (events[-1].response, stored, retrieved, whole):
+        assert response.status == "incomplete"
+        assert [(item.type, item.status) for item in response.output] == done
+
+
 ANTHROPIC_ASK: dict[str, Any] = {
     "model": "simulated",
     "max_tokens": 100,

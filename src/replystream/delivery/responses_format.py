@@ -50,6 +50,9 @@ from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+# An output item's own status: the spec has no failed or cancelled item (OpenAI's
+# ``ResponseOutputMessage``, ``ResponseFunctionToolCall`` and ``ResponseReasoningItem``).
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 def response_id(reply_id: str) -> str:
@@ -87,6 +90,15 @@ class ResponseSettings:
     reasoning: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
 
 
+def last_item_status(status: Status) -> ItemStatus:
+    """The status of the output item open when a response reaches ``status``: its last one
+    (every item before it was closed, completed, when the next one began). Cut short by the
+    token limit, a check, a failure or a cancel, it is ``incomplete``."""
+    if status in ("queued", "in_progress"):
+        return "in_progress"
+    return "completed" if status == "completed" else "incomplete"
+
+
 def response_object(
     settings: ResponseSettings,
     reply_id: str,
@@ -103,16 +115,16 @@ def response_object(
     output the thinking (reasoning items), text (message items) and calls in the order they
     came."""
     output: list[dict[str, Any]] = []
-    item_status = "completed" if status == "completed" else status
-    if status in ("queued", "in_progress"):
-        item_status = "in_progress"
-    for piece in () if text is None else in_order(text, tool_calls, thoughts):
+    pieces = [] if text is None else in_order(text, tool_calls, thoughts)
+    for index, piece in enumerate(pieces):
+        # As the streamed ``response.output_item.done`` events said of each item.
+        item_status = last_item_status(status) if index == len(pieces) - 1 else "completed"
         if isinstance(piece, str):
             output.append(message_item(reply_id, len(output), piece, item_status))
         elif isinstance(piece, Thought):
-            output.append(reasoning_item(reply_id, len(output), piece.text, "completed"))
+            output.append(reasoning_item(reply_id, len(output), piece.text, item_status))
         else:
-            output.append(function_call_item(reply_id, piece, "completed"))
+            output.append(function_call_item(reply_id, piece, item_status))
     return {
         "id": response_id(reply_id),
         "object": "response",
@@ -146,7 +158,7 @@ def message_id(reply_id: str, output_index: int) -> str:
     return f"msg_{reply_id}" if not output_index else f"msg_{reply_id}_{output_index}"
 
 
-def message_item(reply_id: str, output_index: int, text: str, status: str) -> dict[str, Any]:
+def message_item(reply_id: str, output_index: int, text: str, status: ItemStatus) -> dict[str, Any]:
     """A ``message`` output item of ``text``."""
     return {
         "type": "message",
@@ -157,7 +169,9 @@ def message_item(reply_id: str, output_index: int, text: str, status: str) -> di
     }
 
 
-def reasoning_item(reply_id: str, output_index: int, text: str, status: str) -> dict[str, Any]:
+def reasoning_item(
+    reply_id: str, output_index: int, text: str, status: ItemStatus
+) -> dict[str, Any]:
     """A ``reasoning`` output item of thinking ``text``, given as it came (no summary)."""
     return {
         "type": "reasoning",
@@ -168,7 +182,7 @@ def reasoning_item(reply_id: str, output_index: int, text: str, status: str) -> 
     }
 
 
-def function_call_item(reply_id: str, call: ToolCall, status: Status) -> dict[str, Any]:
+def function_call_item(reply_id: str, call: ToolCall, status: ItemStatus) -> dict[str, Any]:
     """A ``function_call`` output item (its item id is ours; ``call_id`` is the call's)."""
     return {
         "type": "function_call",
@@ -346,7 +360,7 @@ class ResponsesStreamFormat:
         specs.append(self._event("response.reasoning_text.delta", {**where, "delta": thought}))
         return specs
 
-    def _close_open(self, status: Status) -> list[Spec]:
+    def _close_open(self, status: ItemStatus) -> list[Spec]:
         """The closing events of the item open now, if any: thinking, a message, or a call."""
         thought = self._open_thought
         if thought is not None:
@@ -381,12 +395,7 @@ class ResponsesStreamFormat:
             return []
         self._open_message = None
         text = "".join(self._text[self._message_from :])
-        item = message_item(
-            self._reply_id,
-            message,
-            text,
-            "completed" if status == "completed" else "incomplete",
-        )
+        item = message_item(self._reply_id, message, text, status)
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": message, "content_index": 0}
         return [
@@ -462,7 +471,7 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
     created["status"] = status
     if started:
         for item in items.values():
-            if item["type"] in ("message", "reasoning") and item["status"] == "in_progress":
+            if item["status"] == "in_progress":  # the open item, a call's too: cut if failed
                 item["status"] = "in_progress" if status == "in_progress" else "incomplete"
         created["output"] = list(items.values())
     return created
