@@ -149,6 +149,29 @@ async def test_a_response_holds_the_thinking_as_a_reasoning_item_before_its_mess
     assert [item.id for item in done] == [item.id for item in events[-1].response.output]  # type: ignore[union-attr]
 
 
+async def test_a_responses_reasoning_item_sent_back_as_input_is_accepted_and_not_prompted():
+    # A client keeping its own context (store: false) sends a response's output back whole.
+    question: Any = {"role": "user", "content": "What is 2 + 2?"}
+    follow_up: Any = {"role": "user", "content": "And 3 + 3?"}
+    async with (
+        relay("deepseek") as (url, upstream),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        first = await client.responses.create(model="m", input=[question], store=False)
+        sent_back: Any = [item.model_dump(exclude_none=True) for item in first.output]
+        assert [item["type"] for item in sent_back] == ["reasoning", "message"]
+        again = await client.responses.create(
+            model="m", input=[question, *sent_back, follow_up], store=False
+        )
+    assert again.status == "completed" and again.output_text == "".join(ANSWER)
+    # The thinking is no part of the prompt: the upstream hears the answer alone.
+    assert upstream.bodies[-1]["messages"] == [
+        question,
+        {"role": "assistant", "content": "".join(ANSWER)},
+        follow_up,
+    ]
+
+
 async def test_a_message_with_thinking_enabled_has_a_thinking_block_before_its_text():
     thinking: Any = {"type": "enabled", "budget_tokens": 1024}
     async with (

@@ -40,7 +40,7 @@ MAX_SEED = 2**63 - 1
 MAX_TAG_CHARS = 128
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
-ITEM_TAGS = ("message", "function_call", "function_call_output")
+ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
 BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 UNION_TAGS = frozenset({"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS)})
 
@@ -447,6 +447,29 @@ class FunctionCallOutputItem(Strict):
     status: str | None = None
 
 
+class SummaryText(Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningText(Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    """A ``reasoning`` item sent back as history: a response's thinking, as a client that
+    keeps its own context (``store: false``) sends a response's output back whole. As
+    ``thinking`` blocks on ``/v1/messages``, it is not part of the prompt."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryText] | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 def _item_kind(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
@@ -457,12 +480,14 @@ def _item_kind(value: Any) -> str | None:
 InputItem = Annotated[
     Annotated[InputMessage, Tag("<message>")]
     | Annotated[FunctionCallItem, Tag("<function_call>")]
-    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")],
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[ReasoningItem, Tag("<reasoning>")],
     Discriminator(
         _item_kind,
         custom_error_type="item_type",
         custom_error_message=(
-            "must be an input item: a message, a function_call or a function_call_output"
+            "must be an input item: a message, a function_call, a function_call_output "
+            "or a reasoning item"
         ),
     ),
 ]

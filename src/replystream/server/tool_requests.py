@@ -30,6 +30,7 @@ from replystream.server.schemas import (
     FunctionCallOutputItem,
     FunctionTool,
     InputMessage,
+    ReasoningItem,
     ResponsesToolChoice,
 )
 
@@ -167,14 +168,17 @@ def anthropic_messages(messages: Sequence[AnthropicMessage]) -> list[ChatMessage
     return out
 
 
-ResponseItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+ResponseItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 def responses_messages(items: Sequence[ResponseItem]) -> list[ChatMessage]:
     """A Responses ``input`` list in chat's form: consecutive ``function_call`` items join
-    one assistant message's ``tool_calls``; a ``function_call_output`` is a ``tool`` message."""
+    one assistant message's ``tool_calls``; a ``function_call_output`` is a ``tool`` message;
+    a ``reasoning`` item (an earlier turn's thinking) is left out, as chat has no place for it."""
     out: list[ChatMessage] = []
     for item in items:
+        if item.type == "reasoning":
+            continue
         if item.type == "function_call":
             call = {
                 "id": item.call_id,
