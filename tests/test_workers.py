@@ -10,7 +10,8 @@ import pytest
 
 from replystream.client import ResumingReader, measure_reply
 from replystream.client.resume import Backoff
-from tests.processes import start_server, stop
+from replystream.server.workers import STOP_MARGIN_S
+from tests.processes import launch, ready_url, start_server, stop
 from tests.rawhttp import raw_request
 from tests.redis_server import redis_server
 
@@ -98,3 +99,30 @@ async def test_workers_whose_parent_is_killed_end_their_streams_and_free_the_por
         for pid in workers:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_worker_that_does_not_stop_is_killed_after_the_grace_and_its_margin():
+    process = await launch(
+        "--engine", "simulated", "--workers", "2", "--shutdown-grace-s", "0",
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        await ready_url(process)
+        workers = children_of(process.pid)
+        os.kill(workers[0], signal.SIGSTOP)  # stands for a worker whose loop hangs
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), STOP_MARGIN_S + 15)
+        waited = loop.time() - began
+        assert process.stderr is not None
+        said = (await process.stderr.read()).decode()
+        assert f"worker {workers[0]} did not stop within the shutdown grace" in said, said
+        assert STOP_MARGIN_S <= waited, waited  # the other stopped at once; this one was waited for
+        assert not [pid for pid in workers if alive(pid)]
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        await stop(process)

@@ -153,7 +153,14 @@ def run(args: argparse.Namespace) -> int:
                     "through the worker that made it"
                 )
             sock = listen(args.host, args.port)
-            return run_workers(worker_argv(sys.argv), args.workers, sock, announce, reloads=reloads)
+            return run_workers(
+                worker_argv(sys.argv),
+                args.workers,
+                sock,
+                announce,
+                reloads=reloads,
+                grace_s=config.shutdown_grace_s,
+            )
         new_loop = loop_factory(args.loop)
         # Listen first: a port already taken is reported at once, not after a model load.
         if args.listen_fd is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import selectors
 import signal
@@ -45,6 +46,10 @@ START_FAILED_EXIT = 1
 READY_BYTE = b"R"
 # How often the parent looks for workers that exited (a worker getting ready wakes it at once).
 POLL_S = 0.1
+# How long past the shutdown grace a worker may take to stop before the parent kills it: a
+# worker that stops gracefully is done a few seconds past the grace (its WebSockets take up
+# to 7: 2 s to send their last events, 5 s for the client's close); one that is not is stuck.
+STOP_MARGIN_S = 10.0
 
 
 def tell_parent_ready(fd: int) -> None:
@@ -71,6 +76,7 @@ def run_workers(
     announce: Callable[[str], list[str]] = listening_lines,
     *,
     reloads: bool = False,
+    grace_s: float = 10.0,
 ) -> int:
     """Run ``workers`` processes of ``replystream serve`` accepting on one listening socket.
 
@@ -80,18 +86,20 @@ def run_workers(
     (``START_FAILED_EXIT``), without that line. The parent forwards SIGINT and SIGTERM (each
     worker then shuts down gracefully; one still starting, deaf to SIGINT, gets SIGTERM), starts
     again a worker that exits on its own (waiting longer after each exit in a row of its slot:
-    ``restart_backoff``), and returns when all have stopped. A worker that refuses to start
-    (``REFUSED_EXIT``: its command line, or a file it names, cannot be served) is not restarted
-    for ever: the parent stops the others and returns ``REFUSED_EXIT``. The workers share their
-    metrics through files in a fresh folder (``MULTIPROCESS_DIR_ENV``), so any worker's
-    ``/metrics`` counts them all; the parent removes it when it returns, and, as it starts,
+    ``restart_backoff``), and returns when all have stopped: a worker still there
+    ``STOP_MARGIN_S`` past the shutdown grace (``grace_s``) is killed. A worker that refuses
+    to start (``REFUSED_EXIT``: its command line, or a file it names, cannot be served) is not
+    restarted for ever: the parent stops the others and returns ``REFUSED_EXIT``. The workers
+    share their metrics through files in a fresh folder (``MULTIPROCESS_DIR_ENV``), so any
+    worker's ``/metrics`` counts them all; the parent removes it when it returns, and, as it starts,
     those that parents killed outright left behind (``metrics_dir``). With ``reloads`` (the
     workers read a file again on SIGHUP), the parent forwards SIGHUP to each worker once it is
     ready (one still starting gets it when it is: it may have read the file before the edit).
     """
     metrics_dir.remove_stale_folders()
     with metrics_dir.owned_folder() as folder:
-        return Supervisor(argv, workers, sock, folder).run(announce, reloads=reloads)
+        supervisor = Supervisor(argv, workers, sock, folder, kill_after_s=grace_s + STOP_MARGIN_S)
+        return supervisor.run(announce, reloads=reloads)
 
 
 def _ignore_interrupts() -> None:
@@ -115,7 +123,15 @@ class Supervisor:
     """The parent's loop: start the workers, say when the server is ready, restart the
     workers that exit, stop them all on a signal or a refusal."""
 
-    def __init__(self, argv: list[str], workers: int, sock: socket.socket, folder: str) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        workers: int,
+        sock: socket.socket,
+        folder: str,
+        *,
+        kill_after_s: float,
+    ) -> None:
         sock.set_inheritable(True)
         self._sock = sock
         self._command = [
@@ -137,6 +153,9 @@ class Supervisor:
         self._announced = self._stopping = False
         self._stop_signal: int = signal.SIGTERM
         self._status = 0
+        # From the first stop signal: when a worker still there is killed.
+        self._kill_after_s = kill_after_s
+        self._kill_at: float | None = None
 
     def run(self, announce: Callable[[str], list[str]], *, reloads: bool = False) -> int:
         signal.signal(signal.SIGINT, self._forward)
@@ -151,6 +170,8 @@ class Supervisor:
                 now = time.monotonic()
                 for slot in self._slots:
                     self._reap(slot, now)
+                if self._kill_at is not None and now >= self._kill_at:
+                    self._kill_the_stuck()
                 if not self._announced and not self._stopping:
                     if all(slot.serving_since is not None for slot in self._slots):
                         print("\n".join(announce(url_of(self._sock))), flush=True)
@@ -200,6 +221,8 @@ class Supervisor:
         """Until a worker says it is ready (or dies before), a restart is due, or ``POLL_S``."""
         timeout = POLL_S
         due = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
+        if self._kill_at is not None:
+            due.append(self._kill_at)
         if due:
             timeout = max(0.0, min(timeout, min(due) - time.monotonic()))
         for key, _ in self._selector.select(timeout):
@@ -264,10 +287,25 @@ class Supervisor:
 
     def _forward(self, signum: int, _frame: object) -> None:
         self._stopping, self._stop_signal = True, signum
+        if self._kill_at is None:
+            self._kill_at = time.monotonic() + self._kill_after_s
         for slot in self._slots:
             slot.restart_at = None
             if slot.process is not None and slot.process.poll() is None:
                 self._signal(slot, signum)
+
+    def _kill_the_stuck(self) -> None:
+        """Kill the workers still there well past the grace (a hung loop, a stopped process):
+        the server must exit."""
+        self._kill_at = math.inf
+        for slot in self._slots:
+            if slot.process is not None and slot.process.poll() is None:
+                log.error(
+                    "worker %d did not stop within the shutdown grace and %g s: killed",
+                    slot.process.pid,
+                    STOP_MARGIN_S,
+                )
+                slot.process.kill()
 
     @staticmethod
     def _signal(slot: Slot, signum: int) -> None:
