@@ -41,6 +41,7 @@ from tests.services import free_port
 from tests.sse_client import post_events
 
 STALL_S = 0.4
+SILENCE_S = 1.0  # an upstream's silence: past STALL_S, within the limits that apply
 MAX_EVENT = 4096
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -137,6 +138,19 @@ class FakeUpstream:
     async def mode_badtool(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one ") + chunk(None, tool_calls=[{"index": "first"}]))
         await asyncio.sleep(30)
+
+    async def mode_slowfirst(self, r: web.StreamResponse) -> None:
+        # Its head and a role chunk at once, then silence (a model thinking without saying
+        # so) for longer than the stall limit, then the reply.
+        await r.write(chunk("", role="assistant"))
+        await asyncio.sleep(SILENCE_S)
+        await r.write(chunk("one ") + chunk(None, "stop") + b"data: [DONE]\n\n")
+
+    async def mode_pause(self, r: web.StreamResponse) -> None:
+        # Text, silence for longer than the relay's stall limit, then the rest.
+        await r.write(chunk("one "))
+        await asyncio.sleep(SILENCE_S)
+        await r.write(chunk("two ") + chunk(None, "stop") + b"data: [DONE]\n\n")
 
     async def mode_eof(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one "))
@@ -317,6 +331,37 @@ async def test_a_model_thinking_past_the_ttft_and_stall_limits_is_not_cut():
             got = await post_events(f"{relay}/v1/chat/completions", CHAT)
     assert not got.of_type("error"), got.raw
     assert got.chat_text == "one "
+    assert len(fake.bodies) == 1  # no failover
+
+
+@pytest.mark.parametrize(
+    ("mode", "relay_ttft_s", "own_ttft_s", "own_stall_s", "text"),
+    [
+        # Before the first text only the TTFT bound applies: the relay's...
+        ("slowfirst", 3.0, None, None, "one "),
+        # ... or the upstream's own, over the relay's.
+        ("slowfirst", STALL_S, 3.0, None, "one "),
+        # After it, the upstream's own stall limit, over the relay's.
+        ("pause", 30.0, None, 3.0, "one two "),
+    ],
+)
+async def test_an_upstream_silent_within_the_limits_that_apply_to_it_is_not_cut(
+    mode: str,
+    relay_ttft_s: float,
+    own_ttft_s: float | None,
+    own_stall_s: float | None,
+    text: str,
+):
+    # The relay's stall limit (STALL_S) is shorter than each silence here.
+    async with fake_upstream() as (fake, upstream):
+        target = UpstreamTarget(f"{upstream}/{mode}/v1", ttft_s=own_ttft_s, stall_s=own_stall_s)
+        config = UpstreamConfig((target,), model="m", ttft_s=relay_ttft_s, stall_s=STALL_S)
+        async with running(create_app(UpstreamEngine(config))) as relay:
+            started = time.monotonic()
+            got = await post_events(f"{relay}/v1/chat/completions", CHAT)
+            took = time.monotonic() - started
+    assert not got.of_type("error"), got.raw
+    assert got.chat_text == text and took >= SILENCE_S
     assert len(fake.bodies) == 1  # no failover
 
 

@@ -111,17 +111,6 @@ async def test_an_attached_stream_pushes_the_upstreams_logprobs_as_an_iterated_o
     assert all(d.logprobs[0].token == d.text and len(d.logprobs[0].top) == 2 for d in text)  # type: ignore[index]
 
 
-async def test_an_attached_stream_ends_a_silent_upstream_as_stalled_after_its_text():
-    async with fake_upstream() as (fake, upstream):
-        engine = engine_for(f"{upstream}/stall/v1", stall_s=0.3)
-        sink = await attached(engine)
-        await wait_for(fake.disconnected.is_set)
-        await engine.aclose()
-    assert sink.text == "one "
-    assert sink.error is not None and sink.error.code == "upstream_stalled"
-    assert engine.stats().failed == 1
-
-
 async def test_an_attached_stream_names_a_chunk_that_is_not_json():
     async with fake_upstream() as (_, upstream):
         engine = engine_for(f"{upstream}/notjson/v1")

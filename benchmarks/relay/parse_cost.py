@@ -67,9 +67,7 @@ async def parse_replies(replies: int) -> tuple[float, list[Delta]]:
     deltas: list[Delta] = []
     started = time.perf_counter()
     for _ in range(replies):
-        stream = UpstreamStream(
-            cast(Response, RecordedResponse()), stall_s=60.0, max_event_size=1 << 20
-        )
+        stream = UpstreamStream(cast(Response, RecordedResponse()), max_event_size=1 << 20)
         for piece in BODY:
             stream.body_data(piece)
         stream.body_end(None)
@@ -135,7 +133,7 @@ async def attached_replies(replies: int) -> float:
         connection.connection_made(StandInTransport())
         head = connection.send(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n")
         connection.data_received(HEAD)
-        stream = UpstreamStream(head.result(), stall_s=60.0, max_event_size=1 << 20)
+        stream = UpstreamStream(head.result(), max_event_size=1 << 20)
         sink = EncodingSink(index)
         stream.attach(sink)
         for framed in FRAMED:

@@ -338,7 +338,6 @@ class UpstreamEngine:
         self._counts["started"] += 1
         return UpstreamStream(
             response,
-            stall_s=self.config.stall_s,
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,

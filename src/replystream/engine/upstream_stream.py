@@ -7,12 +7,11 @@ the difference to the upstream's ``usage.completion_tokens`` when it sent one, a
 request's stop string the upstream cut the reply at, when it names one: vLLM's
 ``stop_reason``, SGLang's ``matched_stop``). It also
 decides which upstream misbehaviour ends a reply, always as an ``UpstreamStreamError`` with
-its own code, within bounded time and memory:
+its own code, within bounded memory (time is bounded elsewhere: below):
 - ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style);
 - ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object;
 - ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
-- ``upstream_stalled``: no byte for ``stall_s`` seconds;
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
 - ``upstream_disconnected``: the upstream closed the connection mid-body (killed, restarted);
 - ``upstream_broken``: the connection broke otherwise.
@@ -28,8 +27,10 @@ Either way the stream is its response's ``BodyReceiver`` (``upstream_http``): th
 connection, as it takes body bytes off the socket in ``data_received``, hands them here, and
 they are parsed at once. Attached, the deltas go to the sink in that same call (no task, no
 extra turn of the loop); iterated, they wait for the reader, and past ``PENDING_HIGH`` of them
-the connection stops reading until the reader catches up. The stall bound, attached, is one
-timer per stream, moved only when it fires (``_check_stall``).
+the connection stops reading until the reader catches up. Time is not this file's to bound:
+how long an upstream may take to its first text, and between texts, is the relayed reply's
+watchdog's (``upstream_relay``), which knows the limits of the upstream it sent the request
+to and counts text and thinking as progress (bytes such as keep-alive comments are not).
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ class UpstreamStream:
         self,
         response: Response,
         *,
-        stall_s: float,
         max_event_size: int,
         on_end: Callable[[str, int], None] | None = None,
         logprobs: bool = False,
@@ -114,7 +114,6 @@ class UpstreamStream:
         self._logprobs = logprobs  # asked for: text without them is the upstream's failure
         self._reasoning = reasoning  # thinking is relayed, not only counted as progress
         self._stops = stops  # the request's stop strings, as sent upstream
-        self._stall_s = stall_s
         self._max_event_size = max_event_size
         self._parser = EventParser(max_event_size=max_event_size)
         self._pending: deque[Delta] = deque()
@@ -134,10 +133,7 @@ class UpstreamStream:
         self._on_end = on_end
         self._waiter: asyncio.Future[None] | None = None  # an iterating reader's wait
         self._paused = False  # the connection's reading, paused for an iterating reader
-        # Attached (push) reading: the sink and the stall timer.
-        self._sink: DeltaSink | None = None
-        self._stall_timer: asyncio.TimerHandle | None = None
-        self._last_read = time.monotonic()  # of the last body bytes
+        self._sink: DeltaSink | None = None  # attached (push) reading's
         self._let_go_done = False
         response.set_receiver(self)  # what came with the head is parsed now
 
@@ -169,10 +165,7 @@ class UpstreamStream:
         """Wait (iterated) for the connection to hand over body bytes, its end or a failure."""
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(self._stall_s):
-                await waiter
-        except TimeoutError:
-            raise self._stalled() from None
+            await waiter
         finally:
             self._waiter = None
 
@@ -184,15 +177,12 @@ class UpstreamStream:
         """Stop now (iterated or attached): the sink is called no more."""
         self._ended = True
         self._pending.clear()
-        self._detach()
+        self._sink = None
         self._close()
 
     def attach(self, sink: DeltaSink) -> None:
         """Deliver every delta to ``sink`` from the connection's own reads (no task)."""
-        loop = asyncio.get_running_loop()
         self._sink = sink
-        self._last_read = time.monotonic()
-        self._stall_timer = loop.call_later(self._stall_s, self._check_stall)
         if self._paused:
             self._paused = False
             self._response.resume_reading()
@@ -208,7 +198,7 @@ class UpstreamStream:
         """Body bytes off the socket: parsed now; attached, delivered now."""
         if self._ended:
             return
-        self._last_read = now = time.monotonic()
+        now = time.monotonic()
         try:
             self._take(data, now)
         except UpstreamStreamError as error:
@@ -261,12 +251,6 @@ class UpstreamStream:
                     UpstreamStreamError("relaying the reply failed", code="upstream_broken")
                 )
 
-    def _detach(self) -> None:
-        self._sink = None
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
-
     def _close(self) -> None:
         if self._on_end is not None:
             on_end, self._on_end = self._on_end, None
@@ -296,25 +280,9 @@ class UpstreamStream:
                 return
         if self._error is not None or self._ended:
             error, self._error = self._error, None
-            self._detach()
+            self._sink = None
             self._close()
             sink.on_end(error)
-
-    def _check_stall(self) -> None:
-        sink = self._sink
-        self._stall_timer = None
-        if sink is None:
-            return
-        idle = time.monotonic() - self._last_read
-        if idle < self._stall_s:
-            loop = asyncio.get_running_loop()
-            self._stall_timer = loop.call_later(self._stall_s - idle, self._check_stall)
-            return
-        self._error = self._stalled()
-        self._deliver(sink)
-
-    def _stalled(self) -> UpstreamStreamError:
-        return self._fail(f"the upstream sent nothing for {self._stall_s:g} s", "upstream_stalled")
 
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
         self._ended = self._failed = True
