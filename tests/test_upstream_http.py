@@ -251,6 +251,42 @@ async def test_interim_responses_before_the_answer_are_skipped():
     assert accepted == [0]
 
 
+CL_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+@pytest.mark.parametrize(
+    "after",
+    [
+        HEAD + chunked(chunk("INJECTED ")),  # another response nobody asked for
+        CL_HEAD % len(chunk("INJECTED ")) + chunk("INJECTED "),
+        b"GARBAGE\r\n\r\n",  # or anything
+    ],
+    ids=["chunked-response", "length-response", "garbage"],
+)
+async def test_bytes_after_a_whole_response_leave_it_whole_and_close_its_connection(
+    framing: str, after: bytes
+):
+    """A whole response, then more bytes in the same write (so most often the same read):
+    the reply is delivered as it was, and its connection is not used again (what else it
+    holds is nobody's answer); the next request goes on a new connection."""
+    whole = HEAD + chunked(SSE) if framing == "chunked" else CL_HEAD % len(SSE) + SSE
+
+    async def extra(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while await read_request(reader) is not None:
+            writer.write(whole + after)
+            await writer.drain()
+
+    async with raw_server(extra) as (accepted, url):
+        engine = engine_for(url)
+        for _ in range(2):
+            async with asyncio.timeout(5):
+                assert await reply_of(engine) == ("one two three ", "stop")
+            await wait_for(lambda: not engine._origins[url].in_use)
+        await engine.aclose()
+    assert accepted == [0, 1]
+
+
 async def test_broken_chunk_framing_mid_body_is_named():
     async def bad(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)

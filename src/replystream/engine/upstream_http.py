@@ -10,7 +10,9 @@ extra turn of the loop per read. A receiver that cannot take more pauses the con
 reading (``pause_reading``), and resumes it.
 
 Connections are kept per origin and reused (last in, first out) once a reply's body ended
-in full on a connection the upstream keeps alive; at most ``MAX_IDLE`` are kept idle. One
+in full on a connection the upstream keeps alive; at most ``MAX_IDLE`` are kept idle. Bytes
+after a whole response (another response, or anything) are not parsed: the response is
+delivered whole and its connection closed, since it holds what nobody asked for. One
 the upstream closed while idle leaves the pool; a request on a reused connection that fails
 before any byte of the answer (the upstream closed it as the request went) is sent once more
 on a new connection, as browsers and other clients do. A body not read to its end (a reply
@@ -68,7 +70,7 @@ class BodyCut(HttpFailure):
 
 
 class BadFraming(HttpFailure):
-    """The body's framing is broken (a bad chunk size line, bytes past the end...)."""
+    """The body's framing is broken (a bad chunk size line...), or bytes followed its end."""
 
 
 class _Stale(HttpFailure):
@@ -342,9 +344,14 @@ class Connection(asyncio.Protocol):
         try:
             parser.feed_data(data)
         except httptools.HttpParserError:
-            self._parts.clear()
-            self._broken(NotHttp("not HTTP") if self._response is None else BadFraming("bad"))
-            return
+            if not self._complete:
+                self._parts.clear()
+                self._broken(NotHttp("not HTTP") if self._response is None else BadFraming("bad"))
+                return
+            # The response is whole, and bytes nobody asked for came after it (the parse
+            # stopped there: ``on_message_begin``): it is delivered, and the connection,
+            # which may hold more of them, is not used again.
+            self._keep_alive = False
         if self._response is None:  # every byte so far is the head's (or an interim's)
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
@@ -388,6 +395,12 @@ class Connection(asyncio.Protocol):
             self._ended(exc if isinstance(exc, OSError) else BodyCut(str(exc)))
 
     # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            # Another response (or anything) after the whole one: parsed no further, lest its
+            # head replace the response being delivered. Raised out of ``feed_data``.
+            raise BadFraming("bytes after the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
