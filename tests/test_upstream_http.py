@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -285,6 +286,33 @@ async def test_bytes_after_a_whole_response_leave_it_whole_and_close_its_connect
             await wait_for(lambda: not engine._origins[url].in_use)
         await engine.aclose()
     assert accepted == [0, 1]
+
+
+async def test_an_upstream_switching_protocols_is_a_bad_status_and_no_error_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+):
+    """A ``101 Switching Protocols`` (then bytes of some other protocol): the attempt fails
+    as an answer that is not 200, its connection is closed, and nothing escapes into the
+    event loop (whose handler would log a traceback)."""
+
+    async def upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\n\r\ndata: junk\n\n"
+        )
+        await writer.drain()
+        await read_request(reader)  # until the relay closes the connection
+
+    async with raw_server(upgrade) as (_, url):
+        engine = engine_for(url)
+        with pytest.raises(UpstreamUnavailable) as caught:
+            await reply_of(engine)
+        await wait_for(lambda: not engine._origins[url].in_use)
+        await engine.aclose()
+    assert caught.value.code == "upstream_error_status"
+    assert str(caught.value) == f"the upstream at {url} answered 101"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_broken_chunk_framing_mid_body_is_named():

@@ -343,7 +343,9 @@ class Connection(asyncio.Protocol):
         self._got_bytes = True
         try:
             parser.feed_data(data)
-        except httptools.HttpParserError:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            # (A ``101 Switching Protocols``, whole at its head, raises the latter, which is
+            # no parse error: it must not escape into the event loop.)
             if not self._complete:
                 self._parts.clear()
                 self._broken(NotHttp("not HTTP") if self._response is None else BadFraming("bad"))
