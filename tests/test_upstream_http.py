@@ -446,6 +446,33 @@ async def test_a_response_head_that_never_ends_is_refused_at_its_size_bound():
     assert took < 2.0 and written < 8 << 20
 
 
+@pytest.mark.parametrize("pad", [60_000, 70_000])
+async def test_a_response_head_in_one_read_is_held_to_the_same_size_bound(pad: int):
+    """A whole head (interim ones before it included) and its reply in one write: over the
+    bound, the attempt is refused as a bad response and its connection closed; under it,
+    the reply is read."""
+    interim = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+    padded = HEAD.replace(b"\r\n\r\n", b"\r\nX-Pad: %s\r\n\r\n" % (b"p" * pad))
+
+    async def big_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(interim + padded + chunked(SSE))
+        await writer.drain()
+        await read_request(reader)  # until the relay closes the connection
+
+    async with raw_server(big_head) as (_, url):
+        engine = engine_for(url)
+        if pad > 64 * 1024:
+            with pytest.raises(UpstreamUnavailable) as caught:
+                await reply_of(engine)
+            assert caught.value.code == "upstream_bad_response"
+            assert "a response head larger than 64 KiB" in str(caught.value)
+            await wait_for(lambda: not engine._origins[url].in_use)
+        else:
+            assert await reply_of(engine) == ("one two three ", "stop")
+        await engine.aclose()
+
+
 async def test_a_wait_cancelled_as_the_response_head_arrives_closes_the_connection():
     """The head is read, and in the same turn of the loop (before the waiting task runs
     again) the wait is cancelled, as when the client leaves just then: the response nobody

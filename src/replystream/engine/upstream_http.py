@@ -62,7 +62,7 @@ class NotHttp(HttpFailure):
 
 
 class HeadTooLarge(HttpFailure):
-    """The response head grew past ``MAX_HEAD_BYTES`` without ending."""
+    """The response head grew past ``MAX_HEAD_BYTES`` (ended or not)."""
 
 
 class BodyCut(HttpFailure):
@@ -318,7 +318,8 @@ class Connection(asyncio.Protocol):
         self._told_end = False
         self._failure: Exception | None = None  # the body's, kept until a receiver is set
         self._got_bytes = False
-        self._head_bytes = 0  # of the response head being read
+        self._head_bytes = 0  # of the reads that ended inside the response head
+        self._head_lines = 0  # bytes of its status and header lines, parsed
         self._requests = 0
         self._releasing: asyncio.TimerHandle | None = None
         self._closed = False
@@ -343,18 +344,25 @@ class Connection(asyncio.Protocol):
         self._got_bytes = True
         try:
             parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as error:
             # (A ``101 Switching Protocols``, whole at its head, raises the latter, which is
             # no parse error: it must not escape into the event loop.)
             if not self._complete:
                 self._parts.clear()
-                self._broken(NotHttp("not HTTP") if self._response is None else BadFraming("bad"))
+                ours = error.__context__  # what a callback here raised, if one did
+                if isinstance(ours, HeadTooLarge):
+                    self._broken(ours)
+                elif self._response is None:
+                    self._broken(NotHttp("not HTTP"))
+                else:
+                    self._broken(BadFraming("bad"))
                 return
             # The response is whole, and bytes nobody asked for came after it (the parse
             # stopped there: ``on_message_begin``): it is delivered, and the connection,
             # which may hold more of them, is not used again.
             self._keep_alive = False
         if self._response is None:  # every byte so far is the head's (or an interim's)
+            # Counted as read, since a head that never ends is never parsed into lines.
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._broken(HeadTooLarge(f"a head past {MAX_HEAD_BYTES} bytes"))
@@ -404,7 +412,11 @@ class Connection(asyncio.Protocol):
             # head replace the response being delivered. Raised out of ``feed_data``.
             raise BadFraming("bytes after the response")
 
+    def on_status(self, reason: bytes) -> None:
+        self._head_lines += len(reason) + 15  # with "HTTP/1.1 200 " and CRLF
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_lines += len(name) + len(value) + 4  # with ": " and CRLF
         name = name.lower()
         if name == b"content-type":
             self._content_type = value
@@ -416,6 +428,8 @@ class Connection(asyncio.Protocol):
             self._framed = True
 
     def on_headers_complete(self) -> None:
+        if self._head_lines > MAX_HEAD_BYTES:  # one that ended in a read is not counted as read
+            raise HeadTooLarge(f"a head past {MAX_HEAD_BYTES} bytes")
         parser = self._parser
         assert parser is not None
         status = parser.get_status_code()
@@ -466,7 +480,7 @@ class Connection(asyncio.Protocol):
         self._response = self._receiver = None
         self._content_type = self._retry_after = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
-        self._head_bytes = 0
+        self._head_bytes = self._head_lines = 0
         self._keep_alive = self._interim = False
         self._failure = None
         self._early = []
