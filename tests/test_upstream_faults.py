@@ -189,6 +189,21 @@ class FakeUpstream:
     mode_liststop = partialmethod(_cut_at_stop, {"matched_stop": ["three"]})
     mode_unnamed = partialmethod(_cut_at_stop, {})  # llama.cpp, TGI, Ollama: no such field
 
+    async def _with_usage(self, usage: dict[str, Any] | None, r: web.StreamResponse) -> None:
+        await r.write(chunk("one ") + chunk("two ") + chunk(None, "stop"))
+        if usage is not None:
+            body = {"choices": [], "usage": usage}
+            await r.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        await r.write(b"data: [DONE]\n\n")
+
+    mode_nousage = partialmethod(_with_usage, None)
+    mode_ownusage = partialmethod(_with_usage, {"prompt_tokens": 7, "completion_tokens": 5})
+    # Counts that are none: booleans (integers to Python, not to JSON), past any real count.
+    mode_boolusage = partialmethod(_with_usage, {"prompt_tokens": True, "completion_tokens": True})
+    mode_hugeusage = partialmethod(
+        _with_usage, {"prompt_tokens": 2**53, "completion_tokens": 2**53}
+    )
+
     async def mode_forever(self, r: web.StreamResponse) -> None:
         for i in range(10_000):
             await r.write(chunk(f"w{i} "))
@@ -363,6 +378,28 @@ async def test_an_upstream_silent_within_the_limits_that_apply_to_it_is_not_cut(
     assert not got.of_type("error"), got.raw
     assert got.chat_text == text and took >= SILENCE_S
     assert len(fake.bodies) == 1  # no failover
+
+
+async def test_usage_counts_that_are_not_counts_are_taken_as_missing():
+    async def usage_of(mode: str) -> dict[str, Any]:
+        async with fake_upstream() as (_, upstream):
+            target = UpstreamTarget(f"{upstream}/{mode}/v1")
+            async with running(create_app(UpstreamEngine(UpstreamConfig((target,))))) as relay:
+                body = {**CHAT, "stream_options": {"include_usage": True}}
+                got = await post_events(f"{relay}/v1/chat/completions", body)
+        assert got.chat_text == "one two " and not got.of_type("error"), got.raw
+        usage: dict[str, Any] = json.loads(got.events[-2].data)["usage"]
+        return usage
+
+    assert await usage_of("ownusage") == {
+        "prompt_tokens": 7,
+        "completion_tokens": 5,
+        "total_tokens": 12,
+    }
+    missing = await usage_of("nousage")  # our estimate of the prompt, a token per text
+    assert missing["completion_tokens"] == 2 and missing["prompt_tokens"] != 7
+    assert await usage_of("boolusage") == missing
+    assert await usage_of("hugeusage") == missing
 
 
 async def test_connection_refused_is_502_in_the_error_shape():

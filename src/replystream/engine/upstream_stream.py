@@ -89,6 +89,18 @@ class UpstreamStreamError(EngineError):
     status = 502
 
 
+# The largest token count an upstream's usage may give: 2**53 - 1, the largest integer a
+# double holds exactly, which is what a JavaScript client reads a JSON number into and what
+# /metrics counters are. A real count is many orders of magnitude below it.
+MAX_TOKEN_COUNT = 2**53 - 1
+
+
+def _token_count(value: object) -> int | None:
+    """A count from an upstream's usage, or None for what is none: not an integer (a bool is
+    one in Python, not in JSON), negative, or past ``MAX_TOKEN_COUNT``."""
+    return value if type(value) is int and 0 <= value <= MAX_TOKEN_COUNT else None
+
+
 def _message_of(error: object) -> str:
     """The upstream's own message in an error it sent mid-stream, quoted (or a placeholder)."""
     message = error.get("message") or error.get("error") if isinstance(error, dict) else error
@@ -389,10 +401,11 @@ class UpstreamStream:
                 "upstream_error",
             )
         usage = chunk.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self._usage_tokens = usage["completion_tokens"]
-            prompt = usage.get("prompt_tokens")
-            self._prompt_tokens = prompt if isinstance(prompt, int) and prompt >= 0 else None
+        if isinstance(usage, dict):
+            completion = _token_count(usage.get("completion_tokens"))
+            if completion is not None:
+                self._usage_tokens = completion
+                self._prompt_tokens = _token_count(usage.get("prompt_tokens"))
         choices = chunk.get("choices", [])
         if not isinstance(choices, list):
             raise self._fail("the upstream chunk's choices is not a list", "upstream_bad_chunk")
