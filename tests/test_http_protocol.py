@@ -166,35 +166,80 @@ async def test_head_through_nginx_leaves_the_pooled_upstream_connection_in_step(
     assert engine.stats().started == 6
 
 
+# Each request the HTTP parser refuses, and the status and code it is answered with.
 BAD_REQUESTS = {
     "content-length with transfer-encoding": (
         "POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
-        f"Transfer-Encoding: chunked\r\nX-Note: {MARKER}\r\n\r\n0\r\n\r\n"
+        f"Transfer-Encoding: chunked\r\nX-Note: {MARKER}\r\n\r\n0\r\n\r\n",
+        400,
+        "bad_body_framing",
+    ),
+    "transfer-encoding with content-length": (
+        "POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
+        f"Content-Length: 5\r\nX-Note: {MARKER}\r\n\r\n0\r\n\r\n",
+        400,
+        "bad_body_framing",
     ),
     "duplicate content-length": (
         "POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 3\r\n"
-        f"X-Note: {MARKER}\r\n\r\n{{}}"
+        f"X-Note: {MARKER}\r\n\r\n{{}}",
+        400,
+        "bad_body_framing",
     ),
     "bad content-length": (
-        f"POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: 1{MARKER}\r\n\r\n{{}}"
+        f"POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Length: 1{MARKER}\r\n\r\n{{}}",
+        400,
+        "bad_body_framing",
     ),
     "unknown transfer-encoding": (
-        f"POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: {MARKER}\r\n\r\n"
+        f"POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: {MARKER}\r\n\r\n",
+        400,
+        "bad_body_framing",
     ),
-    "header field too long": f"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: {MARKER * 900}\r\n\r\n",
-    "url too long": f"GET /healthz?q={MARKER * 900} HTTP/1.1\r\nHost: t\r\n\r\n",
-    "bad method": f"G{MARKER}(T /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
-    "space in header name": f"GET /healthz HTTP/1.1\r\nHost: t\r\nX {MARKER}: 1\r\n\r\n",
-    "control byte in header": f"GET /healthz HTTP/1.1\r\nHost: t\r\nX-A: {MARKER}\x01\r\n\r\n",
-    "not http at all": f"\x16\x03\x01{MARKER}\r\n\r\n",
-    "bad version": f"GET /healthz HTTP/9.{MARKER}\r\nHost: t\r\n\r\n",
+    "header field too long": (
+        f"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: {MARKER * 900}\r\n\r\n",
+        431,
+        "header_too_large",
+    ),
+    "url too long": (
+        f"GET /healthz?q={MARKER * 900} HTTP/1.1\r\nHost: t\r\n\r\n",
+        431,
+        "header_too_large",
+    ),
+    "bad method": (f"G{MARKER}(T /healthz HTTP/1.1\r\nHost: t\r\n\r\n", 400, "bad_method"),
+    "space in header name": (
+        f"GET /healthz HTTP/1.1\r\nHost: t\r\nX {MARKER}: 1\r\n\r\n",
+        400,
+        "bad_header",
+    ),
+    "control byte in header": (
+        f"GET /healthz HTTP/1.1\r\nHost: t\r\nX-A: {MARKER}\x01\r\n\r\n",
+        400,
+        "bad_header",
+    ),
+    "not http at all": (f"\x16\x03\x01{MARKER}\r\n\r\n", 400, "bad_method"),
+    "bad version": (
+        f"GET /healthz HTTP/9.{MARKER}\r\nHost: t\r\n\r\n",
+        400,
+        "malformed_request",
+    ),
     "brotli body": (
         "POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Encoding: br\r\n"
-        f"Content-Length: 20\r\n\r\n{MARKER[:15]}12345"
+        f"Content-Length: 20\r\n\r\n{MARKER[:15]}12345",
+        415,
+        "unsupported_content_encoding",
     ),
     "bad chunk size": (
         "POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
-        f"{MARKER}\r\n{{}}\r\n0\r\n\r\n"
+        f"{MARKER}\r\n{{}}\r\n0\r\n\r\n",
+        400,
+        "bad_body_framing",
+    ),
+    "chunk longer than its size": (
+        "POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        f"2\r\n{{}}{MARKER}\r\n0\r\n\r\n",
+        400,
+        "bad_body_framing",
     ),
 }
 
@@ -202,16 +247,18 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
 async def test_parser_refusals_use_the_error_shape_echo_nothing_and_close(case, caplog):
     caplog.set_level(logging.DEBUG)
+    request, expected_status, expected_code = BAD_REQUESTS[case]
     async with running(create_app(fast_engine())) as url, connect(url) as client:
         # One good request first: the refusal must also hold on a kept-alive connection.
         status, _, _ = await client.request("GET", "/healthz")
         assert status == 200
-        await client.send(BAD_REQUESTS[case].encode("latin-1"))
+        await client.send(request.encode("latin-1"))
         status, headers, body = await client.response()
-        assert 400 <= status < 500
         assert headers["content-type"].startswith("application/json")
         error = json.loads(body)["error"]
         assert set(error) == {"message", "type", "param", "code"}
+        assert (status, error["code"]) == (expected_status, expected_code)
+        assert error["type"] == "invalid_request_error"
         assert MARKER not in body.decode("latin-1") and MARKER not in str(headers)
         assert await client.closed_by_server()
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]

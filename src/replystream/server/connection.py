@@ -33,56 +33,69 @@ from replystream.server.errors import error_response
 log = logging.getLogger("replystream.server")
 
 # What the client is told for each kind of parser refusal: fixed words, never its bytes.
-_REFUSALS: tuple[tuple[type[BaseException], int, str, str], ...] = (
-    (
-        http_exceptions.LineTooLong,
-        HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-        "header_too_large",
-        "the request line or a header field is longer than the server accepts",
-    ),
-    (
-        http_exceptions.BadHttpMethod,
-        HTTPStatus.BAD_REQUEST,
-        "bad_method",
-        "the request method is not a valid HTTP method",
-    ),
-    (
-        http_exceptions.InvalidURLError,
-        HTTPStatus.BAD_REQUEST,
-        "bad_target",
-        "the request target is not a valid URL",
-    ),
-    (
-        http_exceptions.InvalidHeader,
-        HTTPStatus.BAD_REQUEST,
-        "bad_header",
-        "a header name or value is not valid HTTP",
-    ),
-    (
-        http_exceptions.ContentEncodingError,
-        HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-        "unsupported_content_encoding",
-        "the body's Content-Encoding is not one this server decodes (gzip, deflate, identity)",
-    ),
-    (
-        http_exceptions.PayloadEncodingError,
-        HTTPStatus.BAD_REQUEST,
-        "bad_body_framing",
-        "the request body's framing (Content-Length or Transfer-Encoding) is not valid",
-    ),
+Refusal = tuple[int, str, str]  # status, code, message
+_HEADER_TOO_LARGE: Refusal = (
+    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+    "header_too_large",
+    "the request line or a header field is longer than the server accepts",
 )
-_MALFORMED = (
+_BAD_METHOD: Refusal = (
+    HTTPStatus.BAD_REQUEST,
+    "bad_method",
+    "the request method is not a valid HTTP method",
+)
+_BAD_TARGET: Refusal = (
+    HTTPStatus.BAD_REQUEST,
+    "bad_target",
+    "the request target is not a valid URL",
+)
+_BAD_HEADER: Refusal = (
+    HTTPStatus.BAD_REQUEST,
+    "bad_header",
+    "a header name or value is not valid HTTP",
+)
+_UNSUPPORTED_ENCODING: Refusal = (
+    HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+    "unsupported_content_encoding",
+    "the body's Content-Encoding is not one this server decodes (gzip, deflate, identity)",
+)
+_BAD_FRAMING: Refusal = (
+    HTTPStatus.BAD_REQUEST,
+    "bad_body_framing",
+    "the request body's framing (Content-Length or Transfer-Encoding) is not valid",
+)
+_MALFORMED: Refusal = (
     HTTPStatus.BAD_REQUEST,
     "malformed_request",
     "the request is not valid HTTP/1.1 (its framing cannot be trusted)",
 )
+_REFUSALS: tuple[tuple[type[BaseException], Refusal], ...] = (
+    (http_exceptions.LineTooLong, _HEADER_TOO_LARGE),
+    (http_exceptions.BadHttpMethod, _BAD_METHOD),
+    (http_exceptions.InvalidURLError, _BAD_TARGET),
+    (http_exceptions.InvalidHeader, _BAD_HEADER),
+    (http_exceptions.ContentEncodingError, _UNSUPPORTED_ENCODING),
+    (http_exceptions.PayloadEncodingError, _BAD_FRAMING),
+)
+# aiohttp's C parser (llhttp) raises a plain ``BadHttpMessage`` for most of what it refuses,
+# framing and header errors alike; llhttp's reason, the message's first line, is all that tells
+# them apart ("Content-Length can't be present with Transfer-Encoding", "Invalid character in
+# chunk size", "Invalid header value char"). aiohttp's pure-Python parser raises the classes
+# above for most of these, and the same words for the rest.
+_FRAMING_WORDS = ("content-length", "transfer-encoding", "chunk")
 
 
-def refusal(exc: BaseException | None) -> tuple[int, str, str]:
+def refusal(exc: BaseException | None) -> Refusal:
     """The status, code and message for a request aiohttp's parser refused with ``exc``."""
-    for kind, status, code, message in _REFUSALS:
+    for kind, answer in _REFUSALS:
         if isinstance(exc, kind):
-            return status, code, message
+            return answer
+    if isinstance(exc, http_exceptions.BadHttpMessage):
+        reason = exc.message.partition(":\n")[0].lower()  # llhttp's words, not the bytes sent
+        if any(word in reason for word in _FRAMING_WORDS):
+            return _BAD_FRAMING
+        if reason.startswith("invalid header"):
+            return _BAD_HEADER
     return _MALFORMED
 
 
