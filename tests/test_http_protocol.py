@@ -264,6 +264,67 @@ async def test_parser_refusals_use_the_error_shape_echo_nothing_and_close(case, 
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
+def on_route(request: str, path: str) -> str:
+    """``request`` sent to ``path`` instead (its own path, whatever it was, replaced)."""
+    return request.replace("/v1/replies", path).replace("/healthz", path)
+
+
+def assert_anthropic_refusal(body: bytes, code: str) -> None:
+    answer = json.loads(body)
+    assert answer["type"] == "error" and set(answer) == {"type", "error"}
+    assert set(answer["error"]) == {"type", "message", "code", "param"}
+    assert (answer["error"]["type"], answer["error"]["code"]) == ("invalid_request_error", code)
+
+
+ROUTED = sorted(
+    case for case, (request, _, _) in BAD_REQUESTS.items() if on_route(request, "/x") != request
+)
+
+
+@pytest.mark.parametrize("case", ROUTED)
+async def test_parser_refusals_on_the_anthropic_route_are_in_anthropics_shape(case, caplog):
+    caplog.set_level(logging.DEBUG)
+    request, expected_status, expected_code = BAD_REQUESTS[case]
+    async with running(create_app(fast_engine())) as url, connect(url) as client:
+        status, _, _ = await client.request("GET", "/healthz")  # kept alive, then refused
+        assert status == 200
+        await client.send(on_route(request, "/v1/messages").encode("latin-1"))
+        status, headers, body = await client.response()
+        assert status == expected_status
+        assert headers["content-type"].startswith("application/json")
+        assert_anthropic_refusal(body, expected_code)
+        assert MARKER not in body.decode("latin-1")
+        assert await client.closed_by_server()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_a_refusal_takes_the_shape_of_the_route_its_own_request_named():
+    message = (
+        b'{"model": "simulated", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}'
+    )
+    framing, _, code = BAD_REQUESTS["content-length with transfer-encoding"]
+    async with running(create_app(fast_engine(delay_ms=1.0, jitter_ms=0.0))) as url:
+        # After a request to the Anthropic route, a refused one to another is in OpenAI's shape.
+        async with connect(url) as client:
+            status, _, _ = await client.request("POST", "/v1/messages", message)
+            assert status == 200
+            await client.send(on_route(framing, "/v1/chat/completions").encode())
+            status, _, body = await client.response()
+            assert (status, json.loads(body)["error"]["code"]) == (400, code)
+            assert "type" not in json.loads(body)
+        # A head that arrives in pieces is read from its start.
+        async with connect(url) as client:
+            status, _, _ = await client.request("GET", "/healthz")
+            assert status == 200
+            refused = on_route(framing, "/v1/messages").encode()
+            for piece in (refused[:9], refused[9:30], refused[30:]):
+                await client.send(piece)
+                await asyncio.sleep(0.05)
+            status, _, body = await client.response()
+            assert status == 400
+            assert_anthropic_refusal(body, code)
+
+
 async def test_the_header_deadline_holds_for_every_request_on_a_kept_alive_connection():
     config = ServerConfig(guard=GuardConfig(header_timeout_s=0.5))
     async with running(create_app(fast_engine(), config)) as url, connect(url) as client:

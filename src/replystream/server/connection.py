@@ -12,7 +12,10 @@ It decides two things:
   Transfer-Encoding, a duplicate Content-Length, a line over the size limit, a bad method)
   are answered in the API's JSON error shape, echo none of the bytes they were sent, are
   logged in one line without a traceback, and close the connection: after a framing error
-  nothing on it can be trusted.
+  nothing on it can be trusted. The refusal takes the shape its route's clients read
+  (``errors.in_route_shape``: Anthropic's on ``/v1/messages``), so the first bytes of each
+  request are kept until its head is parsed, to read its path from when the parser refuses
+  the head: aiohttp hands a refusal over without one.
 
 It must not know about routes or replies.
 """
@@ -26,9 +29,11 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import http_exceptions, web
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
-from replystream.server.errors import error_response
+from replystream.server.errors import error_response, in_route_shape
 
 log = logging.getLogger("replystream.server")
 
@@ -99,6 +104,20 @@ def refusal(exc: BaseException | None) -> Refusal:
     return _MALFORMED
 
 
+# How much of a request's first bytes is kept to read its path from: enough for every route's
+# path after a method (a longer target is cut, which a match on the path's start does not mind).
+_HEAD_BYTES = 256
+
+
+def target_path(head: bytes | bytearray) -> str:
+    """The path of the request whose first bytes are ``head``; "" when they show none."""
+    line = head.lstrip(b"\r\n").partition(b"\r\n")[0]
+    parts = line.split(b" ", 2)
+    if len(parts) < 2 or not parts[1].startswith(b"/"):
+        return ""
+    return parts[1].partition(b"?")[0].decode("latin-1")
+
+
 class HeaderDeadlines:
     """The header deadlines of one listening site, swept by one timer.
 
@@ -148,12 +167,18 @@ class Connection(RequestHandler):
     """aiohttp's connection protocol with a header deadline per request and parser
     refusals in the API's error shape."""
 
-    __slots__ = ("_deadlines", "header_deadline")
+    __slots__ = ("_body", "_deadlines", "_head", "_refused_path", "header_deadline")
 
     def __init__(self, manager: web.Server, *, deadlines: HeaderDeadlines, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._deadlines = deadlines
         self.header_deadline: float | None = None  # set while a request's headers are due
+        # The first bytes of the request whose head is arriving (None: no head is, or where
+        # it began is unknown); the body of the last request whose head was parsed; the path
+        # of the request the parser refused ("": unknown).
+        self._head: bytearray | None = None
+        self._body: StreamReader | None = None
+        self._refused_path = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -169,9 +194,28 @@ class Connection(RequestHandler):
             and not self._upgraded
         ):
             self._deadlines.arm(self)
+        head = self._head
+        if head is None and not self._upgraded and (self._body is None or self._body.is_eof()):
+            # The last request has all arrived: these bytes begin the next one. (Bytes of a
+            # request that began after a body, within one read, are not seen as its start.)
+            head = self._head = bytearray()
+        if head is not None and len(head) < _HEAD_BYTES:
+            head += data[: _HEAD_BYTES - len(head)]
+        parsed = self._request_count
         super().data_received(data)
+        if self._request_count != parsed:
+            self._parsed(self._request_count - parsed)
         if self._messages or self._upgraded:
             self.header_deadline = None  # a whole request (or a refusal) has arrived
+
+    def _parsed(self, count: int) -> None:
+        """The parser ended ``count`` request heads: the last was a request or a refusal."""
+        message, body = self._messages[-1]
+        head, self._head = self._head, None
+        if isinstance(message, RawRequestMessage):
+            self._body = body
+        elif count == 1 and head is not None:  # the refused request began with ``head``
+            self._refused_path = target_path(head)
 
     def handle_error(
         self,
@@ -187,11 +231,13 @@ class Connection(RequestHandler):
             log.error(
                 "request from %s failed outside the application", request.remote, exc_info=exc
             )
-            response = error_response(status, "internal server error", code="internal_error")
+            path = request.path
+            error = error_response(status, "internal server error", code="internal_error")
         else:
             status, code, text = refusal(exc)
             log.info("refused a malformed request from %s: %s", request.remote, code)
-            response = error_response(status, text, code=code)
+            path, error = self._refused_path, error_response(status, text, code=code)
+        response = in_route_shape(path, error)
         response.force_close()
         return response
 
