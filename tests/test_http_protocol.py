@@ -325,6 +325,48 @@ async def test_a_refusal_takes_the_shape_of_the_route_its_own_request_named():
             assert_anthropic_refusal(body, code)
 
 
+CHAT = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}'
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions", "/v1/replies"])
+async def test_a_bad_chunk_after_the_head_is_refused_at_once_in_the_routes_shape(path, caplog):
+    caplog.set_level(logging.DEBUG)
+    config = ServerConfig(guard=GuardConfig(body_timeout_s=3.0))
+    async with running(create_app(fast_engine(), config)) as url, connect(url) as client:
+        head = f"POST {path} HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        await client.send(head.encode())
+        await asyncio.sleep(0.2)  # the head is parsed; the handler waits for the body
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        # A good chunk (which the waiting handler is woken for), then a bad one, in one read.
+        good = b"%x\r\n%s\r\n" % (len(CHAT) - 4, CHAT[:-4])
+        await client.send(good + f"{MARKER}\r\n".encode() + CHAT[-4:] + b"\r\n0\r\n\r\n")
+        status, headers, body = await client.response()
+        assert loop.time() - sent < 1.0  # not after the body timeout
+        assert status == 400 and headers["content-type"].startswith("application/json")
+        if path == "/v1/messages":
+            assert_anthropic_refusal(body, "bad_body_framing")
+        else:
+            assert json.loads(body)["error"]["code"] == "bad_body_framing"
+        assert MARKER not in body.decode("latin-1")
+        assert await client.closed_by_server()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_a_bad_chunk_in_a_body_the_handler_does_not_read_ends_the_connection(caplog):
+    caplog.set_level(logging.DEBUG)
+    async with running(create_app(fast_engine())) as url, connect(url) as client:
+        await client.send(
+            b"GET /healthz HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
+        )
+        status, _, _ = await client.response()
+        assert status == 200
+        await client.send(f"{MARKER}\r\nxx\r\n0\r\n\r\n".encode())
+        # The broken body is no request of its own: no second response, the connection ends.
+        assert await client.closed_by_server()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
 async def test_the_header_deadline_holds_for_every_request_on_a_kept_alive_connection():
     config = ServerConfig(guard=GuardConfig(header_timeout_s=0.5))
     async with running(create_app(fast_engine(), config)) as url, connect(url) as client:

@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import http_exceptions, web
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from replystream.server.errors import error_response, in_route_shape
 
@@ -214,8 +214,28 @@ class Connection(RequestHandler):
         head, self._head = self._head, None
         if isinstance(message, RawRequestMessage):
             self._body = body
+        elif head is None and self._body is not None and not self._body.is_eof():
+            self._refuse_body(self._body, message.exc)
         elif count == 1 and head is not None:  # the refused request began with ``head``
             self._refused_path = target_path(head)
+
+    def _refuse_body(self, body: StreamReader, exc: BaseException) -> None:
+        """The body of the request being read broke its framing (a bad chunk in a later read
+        than its head). aiohttp queues the refusal as a request of its own, after this one,
+        and leaves the body waiting for bytes that will never come (its handler would wait
+        for the body timeout). The refusal is this request's answer instead: its handler, if
+        it reads the body, gets the error (``server.validation`` answers it in the route's
+        shape), and the connection closes after its response."""
+        self._messages.pop()  # the refusal aiohttp queued
+        handler_may_read = self._request_in_progress or any(b is body for _, b in self._messages)
+        if handler_may_read and body.exception() is None:
+            error = RequestPayloadError("the request body's framing is broken")
+            error.__cause__ = exc  # what broke (a reader not waiting now gets no other way)
+            body.set_exception(error)
+        # Nothing more of it will come: aiohttp, after a handler that left it unread, stops
+        # reading it instead of waiting.
+        body.feed_eof()
+        self.close()  # read nothing more; close once the response is sent
 
     def handle_error(
         self,

@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from replystream.server.connection import refusal
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import read_body
 from replystream.server.schemas import UNION_TAGS, Schema
@@ -77,13 +78,10 @@ async def read_model(request: web.Request, model: type[M]) -> M:
         request.content.feed_eof()
         if isinstance(exc.__cause__, ContentEncodingError):
             message = f"the body is not valid {encoding} data, as its Content-Encoding says"
-            code = "invalid_content_encoding"
-        else:
-            message, code = (
-                "the request body could not be read: its framing is broken",
-                "invalid_body",
-            )
-        raise HTTPAPIError(400, message, code=code, close_connection=True) from None
+            status, code = 400, "invalid_content_encoding"
+        else:  # its framing broke after the head: said as the parser's refusal of a head is
+            status, code, message = refusal(exc.__cause__)
+        raise HTTPAPIError(status, message, code=code, close_connection=True) from None
     return parse_json(raw, model, what="body")
 
 
