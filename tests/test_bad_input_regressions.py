@@ -202,3 +202,30 @@ def test_a_setting_the_route_cannot_honour_is_refused_not_ignored(server: Logged
     refused(server.post_json_text("/v1/replies", body), 400, "invalid_value", "disconnect")
     refused(server.request("GET", "/wait?resumable=1"), 400, "invalid_value", "resumable")
     assert server.request("GET", "/wait?resumable=0&max_tokens=2").status == 200
+
+
+MESSAGES_ASK = {"model": "simulated", "max_tokens": 3, "messages": USER}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/replies", {"prompt": "x", "foo": 1}, "foo"),
+        ("/v1/replies", {"messages": [{**USER[0], "foo": 1}]}, "messages[0].foo"),
+        ("/v1/messages", {**MESSAGES_ASK, "foo": 1}, "foo"),
+        ("/v1/messages", {**MESSAGES_ASK, "messages": [{**USER[0], "foo": 1}]}, "messages[0].foo"),
+        ("/v1/chat/completions", {"messages": USER, "foo": 1}, "foo"),
+        ("/v1/completions", {"prompt": "x", "foo": 1}, "foo"),
+        ("/v1/responses", {"input": "x", "foo": 1}, "foo"),
+    ],
+)
+def test_an_unknown_field_is_unknown_parameter_on_every_route(
+    server: LoggedServer, route: str, body: dict[str, object], param: str
+) -> None:
+    refused(server.post_json_text(route, json.dumps(body)), 400, "unknown_parameter", param)
+
+
+def test_an_unknown_field_of_a_websocket_reply_is_unknown_parameter(server: LoggedServer) -> None:
+    received = server.websocket([json.dumps({"type": "reply", "id": "a", "prompt": "x", "foo": 1})])
+    error = next(m["data"]["error"] for m in received if m["type"] == "error")
+    assert (error["code"], error["param"]) == ("unknown_parameter", "foo")

@@ -9,9 +9,11 @@ turned into a request (``server.native``, ``server.openai_requests``). Parsing r
 these models, and turning a failure into the API's error, is ``server.validation``.
 
 Two class attributes of a top-level model steer the error its failures become:
-``unknown_field`` (the code and wording for a field it does not have, its own or a nested
-object's) and ``field_codes`` (a code other than ``invalid_value`` for a field, such as
-``unsupported_parameter`` for a feature this server lacks).
+``unknown_field`` (the wording for a field it does not have, its own or a nested object's,
+whose code is ``unknown_parameter`` on every route; and whether a missing top-level field is
+OpenAI's ``missing_required_parameter``) and ``field_codes`` (a code other than
+``invalid_value`` for a field, such as ``unsupported_parameter`` for a feature this server
+lacks).
 """
 
 from __future__ import annotations

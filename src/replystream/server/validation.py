@@ -130,11 +130,12 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
         return HTTPAPIError(400, f"{what} must be a JSON object", code="invalid_json")
     top_field = str(error["loc"][0]) if error["loc"] else ""
     code = model.field_codes.get(top_field, "invalid_value")
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden":  # one code on every route; each dialect's own words
         if model.unknown_field == "openai":
             message = f"Unrecognized request argument supplied: {param}"
-            return HTTPAPIError(400, message, code="unknown_parameter", param=param)
-        return HTTPAPIError(400, f"unknown field {param!r}", code="invalid_value", param=param)
+        else:
+            message = f"unknown field {param!r}"
+        return HTTPAPIError(400, message, code="unknown_parameter", param=param)
     if kind == "missing":
         # OpenAI's code names a missing request parameter, not a nested object's field.
         if model.unknown_field == "openai" and len(error["loc"]) == 1:
