@@ -46,7 +46,7 @@ def plain(
         pipeline.start("r")
         for delta in deltas:
             pipeline.push(delta, 0.0)
-        pipeline.finish(1)
+        pipeline.finish()
 
     return run
 
@@ -60,7 +60,7 @@ def choices(tokens: int, n: int) -> Callable[[], None]:
         pipeline.start("r")
         for delta in deltas:
             pipeline.push(delta, 0.0)
-        pipeline.finish(1)
+        pipeline.finish()
 
     return run
 

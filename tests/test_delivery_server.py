@@ -6,6 +6,7 @@ import gzip
 import json
 import re
 from functools import partial
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
-from tests.sse_client import post_events
+from tests.sse_client import Received, post_events
 
 REPLY = "we will now launch the rocket at dawn and then we go home to rest"
 
@@ -75,6 +76,90 @@ async def test_buffered_reply_is_checked_too():
         body = await response.read_body()
     assert b"rocket" not in body
     assert b'"finish_reason":"moderated"' in body
+
+
+COUNTED = "one two three four five six seven eight nine ten"  # a token a word
+USER = [{"role": "user", "content": "Hi"}]
+Counts = tuple[int, int]  # a reply's usage: prompt tokens, completion tokens (streamed; whole)
+
+
+def chat_usage(got: Received, body: dict[str, Any]) -> tuple[Counts, Counts]:
+    chunks = [json.loads(e.data) for e in got.events if e.data.startswith("{")]
+    streamed = [c["usage"] for c in chunks if not c["choices"]]
+    assert len(streamed) == 1, chunks[-2:]  # one usage chunk, as every other ending sends
+    return (streamed[0]["prompt_tokens"], streamed[0]["completion_tokens"]), (
+        body["usage"]["prompt_tokens"],
+        body["usage"]["completion_tokens"],
+    )
+
+
+def native_usage(got: Received, body: dict[str, Any]) -> tuple[Counts, Counts]:
+    assert got.types[-2:] == ["usage", "moderated"]
+    streamed = got.of_type("usage")[0]
+    assert body["finish_reason"] == "moderated"
+    return (streamed["prompt_tokens"], streamed["completion_tokens"]), (
+        body["usage"]["prompt_tokens"],
+        body["usage"]["completion_tokens"],
+    )
+
+
+def responses_usage(got: Received, body: dict[str, Any]) -> tuple[Counts, Counts]:
+    usage = got.of_type("response.incomplete")[0]["response"]["usage"]
+    assert body["incomplete_details"]["reason"] == "content_filter"
+    return (usage["input_tokens"], usage["output_tokens"]), (
+        body["usage"]["input_tokens"],
+        body["usage"]["output_tokens"],
+    )
+
+
+def anthropic_usage(got: Received, body: dict[str, Any]) -> tuple[Counts, Counts]:
+    end = got.of_type("message_delta")[0]
+    assert end["delta"]["stop_reason"] == body["stop_reason"] == "refusal"
+    return (end["usage"]["input_tokens"], end["usage"]["output_tokens"]), (
+        body["usage"]["input_tokens"],
+        body["usage"]["output_tokens"],
+    )
+
+
+CHAT_ASK = {"messages": USER, "max_tokens": 20}
+MODERATED_ROUTES = [
+    ("/v1/replies", {"prompt": "Hi", "max_tokens": 20}, {}, native_usage, 1),
+    ("/v1/chat/completions", CHAT_ASK, {"stream_options": {"include_usage": True}}, chat_usage, 1),
+    (
+        "/v1/chat/completions",
+        {**CHAT_ASK, "n": 2},
+        {"stream_options": {"include_usage": True}},
+        chat_usage,
+        2,
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "Hi", "max_tokens": 20},
+        {"stream_options": {"include_usage": True}},
+        chat_usage,
+        1,
+    ),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 20}, {}, responses_usage, 1),
+    ("/v1/messages", {"model": "simulated", **CHAT_ASK}, {}, anthropic_usage, 1),
+]
+
+
+@pytest.mark.parametrize(("route", "ask", "streamed", "usage_of", "n"), MODERATED_ROUTES)
+async def test_a_moderated_replys_usage_counts_the_tokens_made_streamed_or_whole(
+    route, ask, streamed, usage_of, n
+):
+    engine = fast_engine(reply_text=COUNTED, delay_ms=2, jitter_ms=0)
+    async with serve(engine, holdback_tokens=3, checks=(BannedPhrases(["five six"]),)) as url:
+        got = await post_events(f"{url}{route}", {**ask, **streamed, "stream": True})
+        response = await raw_request(
+            f"{url}{route}", "POST", json.dumps({**ask, "stream": False}).encode()
+        )
+        body = json.loads(await response.read_body())
+    stream_usage, whole_usage = usage_of(got, body)
+    # The tokens made up to the one that completed the match (six), held ones included, as a
+    # stop string's are; none after it. Per choice, summed; the prompt counted once.
+    assert stream_usage == whole_usage
+    assert stream_usage[1] == 6 * n and stream_usage[0] > 0
 
 
 async def test_batches_carry_k_tokens_and_lose_or_repeat_nothing():

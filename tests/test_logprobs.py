@@ -57,7 +57,7 @@ def test_each_chunk_carries_exactly_its_tokens_logprobs_in_order(
         entries += pipeline.push(Delta(token.token, 1, 0.0, logprobs=(token,)), 0.0)
         if pipeline.halted:
             break
-    entries += pipeline.finish(1)
+    entries += pipeline.finish()
     sent: list[float] = []
     for entry in entries:
         if entry.data == "[DONE]":

@@ -37,7 +37,12 @@ def test_a_choice_that_meets_its_stop_string_finishes_at_once_and_the_others_go_
     done: list[int] = []
     fmts = formats(2)
     pipeline = ChoicesPipeline(
-        fmts, fmts[0].reply_end, DeliveryPolicy(), stops=("STOP",), on_choice_done=done.append
+        fmts,
+        fmts[0].reply_end,
+        DeliveryPolicy(),
+        stops=("STOP",),
+        on_choice_done=done.append,
+        prompt_estimate=2,
     )
     entries = pipeline.start("r")
     for delta in [
@@ -50,7 +55,7 @@ def test_a_choice_that_meets_its_stop_string_finishes_at_once_and_the_others_go_
     ]:
         entries += pipeline.push(delta, 0.0)
     assert done == [0]  # its generation is stopped; choice 1's ended by itself
-    entries += pipeline.finish(prompt_tokens=2)
+    entries += pipeline.finish()
     assert [e.seq for e in entries] == list(range(1, len(entries) + 1))  # one numbering
     chunks = [json.loads(e.data) for e in entries if e.data != "[DONE]"]
     assert entries[-1].data == "[DONE]" and sum(e.data == "[DONE]" for e in entries) == 1
@@ -228,7 +233,7 @@ def test_a_check_stops_one_choice_only_and_a_failure_ends_every_choice_with_one_
     for delta in [Delta("ok ", choice=0), Delta("so bad", choice=1), Delta("fine", choice=0)]:
         entries += pipeline.push(delta, 0.0)
     assert done == [1] and pipeline.violation is None and not pipeline.halted
-    entries += pipeline.finish(1)
+    entries += pipeline.finish()
     chunks = [json.loads(e.data) for e in entries if e.data != "[DONE]"]
     finishes = [
         (c["choices"][0]["index"], c["choices"][0]["finish_reason"])
@@ -314,7 +319,7 @@ def test_interleaved_choices_each_end_as_a_single_reply_would(
             text = queues[index].pop(0)
             last = "length" if not queues[index] else None
             entries += pipeline.push(Delta(text, choice=index, finish_reason=last), 0.0)
-    entries += pipeline.finish(1)
+    entries += pipeline.finish()
     assert [e.data for e in entries].count("[DONE]") == 1 and entries[-1].data == "[DONE]"
     texts = [""] * n
     finished = [0] * n

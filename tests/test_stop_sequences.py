@@ -58,13 +58,13 @@ def stream(
 ) -> tuple[str, list[dict[str, object]], ReplyPipeline]:
     """Run tokens through a reply pipeline in the native dialect; the text its events carry,
     every event's data, and the pipeline."""
-    pipeline = ReplyPipeline(NativeFormat(), policy, stops=tuple(stops))
+    pipeline = ReplyPipeline(NativeFormat(), policy, stops=tuple(stops), prompt_estimate=3)
     entries = pipeline.start("r1")
     for index, token in enumerate(tokens):
         entries += pipeline.push(Delta(token, 1), float(index))
         if pipeline.halted:
             break
-    entries += pipeline.finish(prompt_tokens=3)
+    entries += pipeline.finish()
     data = [{"event": e.event, **json.loads(e.data)} for e in entries]
     text = "".join(str(d["text"]) for d in data if d["event"] == "token")
     return text, data, pipeline
@@ -169,7 +169,7 @@ def test_held_text_that_turns_out_not_to_be_a_stop_is_released_with_the_next_tok
         for token in ["the EN", "tire", " E"]
     ]
     assert texts == [["the "], ["ENtire"], [" "]]
-    finish = [(e.event, json.loads(e.data)) for e in pipeline.finish(1)]
+    finish = [(e.event, json.loads(e.data)) for e in pipeline.finish()]
     assert finish[0] == ("token", {"text": "E", "tokens": 0})
     assert finish[-1] == ("done", {"finish_reason": "stop"})
 

@@ -38,7 +38,7 @@ def run(pipeline: ReplyPipeline, words: list[str]) -> list[LogEntry]:
         entries += pipeline.push(Delta(word), 0.0)
     for piece in PIECES:
         entries += pipeline.push(Delta("", 1, 0.0, tool_call=piece), 0.0)
-    return entries + pipeline.finish(prompt_tokens=1)
+    return entries + pipeline.finish()
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,7 @@ def test_tool_call_pieces_follow_all_text_before_them_in_order(policy: DeliveryP
 def test_a_tail_held_for_a_stop_string_goes_before_a_call_and_no_stop_spans_one(
     policy: DeliveryPolicy,
 ):
-    pipeline = ReplyPipeline(NativeFormat(), policy, stops=("STOP",))
+    pipeline = ReplyPipeline(NativeFormat(), policy, stops=("STOP",), prompt_estimate=1)
     entries = pipeline.start("r1")
     entries += pipeline.push(Delta("a ST"), 0.0)
     tail_held = "".join(json.loads(e.data)["text"] for e in entries if e.event == "token")
@@ -83,7 +83,7 @@ def test_a_tail_held_for_a_stop_string_goes_before_a_call_and_no_stop_spans_one(
     for word in ["OP ", "then STOP here"]:
         entries += pipeline.push(Delta(word), 0.0)
     assert pipeline.halted  # the stop string after the call still ends the reply
-    entries += pipeline.finish(prompt_tokens=1)
+    entries += pipeline.finish()
     kinds = [entry.event for entry in entries]
     first_call = kinds.index("tool_call")
     before = "".join(json.loads(e.data)["text"] for e in entries[:first_call] if e.event == "token")

@@ -107,7 +107,6 @@ class AnthropicStreamFormat:
 
     model: str
     input_tokens: int
-    _tokens: int = 0
     _open: int | None = None  # the index of the block open now (None: none)
     _text_open: bool = False  # that block is a text block
     _thinking_open: bool = False  # that block is a thinking block
@@ -127,12 +126,11 @@ class AnthropicStreamFormat:
         return [("message_start", _dumps({"type": "message_start", "message": empty}))]
 
     def text(self, text: str, tokens: int) -> list[Spec]:
-        self._tokens += tokens
         # Spelt out: one per piece of text, the event every message sends most.
         if self._text_open:
             return [("content_block_delta", self._delta_head + json_string(text) + "}}")]
         if not text:
-            return []  # counted; no block is opened for no text
+            return []  # no block is opened for no text
         specs = self._start_block({"type": "text", "text": ""})
         self._text_open = True
         self._delta_head = (
@@ -165,7 +163,6 @@ class AnthropicStreamFormat:
         return specs
 
     def reasoning(self, thought: str, tokens: int) -> list[Spec]:
-        self._tokens += tokens
         specs: list[Spec] = []
         if not self._thinking_open:
             specs = self._start_block({"type": "thinking", "thinking": "", "signature": ""})
@@ -194,13 +191,11 @@ class AnthropicStreamFormat:
         self._open, self._text_open, self._thinking_open = None, False, False
         return [("content_block_stop", _dumps(stop))]
 
-    def _ending(self, stop_reason: str, usage: Usage | None, **extra: Any) -> list[Spec]:
-        counts = {"output_tokens": self._tokens}
-        if usage is not None:
-            # Cumulative, as Anthropic's are: the SDK's final message takes these, so the
-            # engine's own prompt count (a relay's upstream reports it only at the end)
-            # replaces the estimate message_start had to send.
-            counts = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    def _ending(self, stop_reason: str, usage: Usage, **extra: Any) -> list[Spec]:
+        # Cumulative, as Anthropic's are: the SDK's final message takes these, so the engine's
+        # own prompt count (a relay's upstream reports it only at the end) replaces the
+        # estimate message_start had to send.
+        counts = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": None, **extra},
@@ -225,5 +220,5 @@ class AnthropicStreamFormat:
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on
 
-    def moderated(self, violation: Violation) -> list[Spec]:
-        return self._ending("refusal", None, replystream_moderation=moderated_payload(violation))
+    def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
+        return self._ending("refusal", usage, replystream_moderation=moderated_payload(violation))

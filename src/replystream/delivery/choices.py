@@ -36,6 +36,7 @@ class ChoicesPipeline:
         stops: tuple[str, ...] = (),
         logprobs: bool = False,
         on_choice_done: Callable[[int], None] = lambda _index: None,
+        prompt_estimate: int = 0,
     ) -> None:
         if len(formats) < 2:
             raise ValueError("a reply with several choices needs at least two formats")
@@ -43,6 +44,7 @@ class ChoicesPipeline:
             ReplyPipeline(fmt, policy, stops=stops, logprobs=logprobs) for fmt in formats
         ]
         self._ending = ending
+        self.prompt_estimate = prompt_estimate  # the usage's, unless an engine counts it
         self.batching = any(choice.batching for choice in self.choices)
         self._on_choice_done = on_choice_done
         self._done = [False] * len(formats)
@@ -89,7 +91,7 @@ class ChoicesPipeline:
         self._done[index] = True
         if self.choices[index].halted:
             self._on_choice_done(index)  # a stop string: its generation is stopped now
-        return self.choices[index].finish(0)
+        return self.choices[index].finish()  # its format leaves the usage to the reply's end
 
     @property
     def batch_due_at(self) -> float | None:
@@ -99,7 +101,7 @@ class ChoicesPipeline:
     def flush_due(self, now: float) -> list[LogEntry]:
         return self._number([e for choice in self.choices for e in choice.flush_due(now)])
 
-    def finish(self, prompt_tokens: int) -> list[LogEntry]:
+    def finish(self) -> list[LogEntry]:
         """Every generation ended: the choices still open finish, then the reply's ending."""
         self.ended = True
         entries = [
@@ -110,7 +112,7 @@ class ChoicesPipeline:
         ]
         reported = self.prompt_tokens
         thought = sum(choice.reasoning_tokens for choice in self.choices)
-        usage = Usage(prompt_tokens if reported is None else reported, self.tokens, thought)
+        usage = Usage(self.prompt_estimate if reported is None else reported, self.tokens, thought)
         return self._number(entries) + self._number(
             [LogEntry(0, event, data) for event, data in self._ending(usage)]
         )

@@ -104,7 +104,11 @@ class StreamFormat(Protocol):
 
     def error(self, message: str, code: str) -> list[Spec]: ...
 
-    def moderated(self, violation: Violation) -> list[Spec]: ...
+    def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
+        """The end of a reply a check stopped; ``usage``: the tokens made up to the one that
+        completed the match, as any other ending counts them (held text, never shown,
+        included)."""
+        ...
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         """The reply goes on at another upstream after ``tokens`` tokens (a relay's
@@ -182,8 +186,8 @@ class LabFormat:
     def error(self, message: str, code: str) -> list[Spec]:
         return [error_spec(message, code)]
 
-    def moderated(self, violation: Violation) -> list[Spec]:
-        return [("moderated", json.dumps(moderated_payload(violation)))]
+    def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
+        return [("moderated", json.dumps(moderated_payload(violation)))]  # no usage in the lab's
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []
@@ -222,8 +226,8 @@ class NativeFormat:
     def error(self, message: str, code: str) -> list[Spec]:
         return [error_spec(message, code)]
 
-    def moderated(self, violation: Violation) -> list[Spec]:
-        return [("moderated", json.dumps(moderated_payload(violation)))]
+    def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
+        return [("usage", usage.as_json()), ("moderated", json.dumps(moderated_payload(violation)))]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return [("continued", json.dumps({"reason": reason, "after_tokens": tokens}))]

@@ -22,8 +22,9 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   clients see the event type. The stream then never ends with ``[DONE]``.
 - A moderated reply ends like OpenAI's own filtered replies: a chunk with
   ``finish_reason: "content_filter"`` (plus a ``replystream_moderation`` object naming the
-  check; OpenAI's own ``moderation`` field has another shape), then ``[DONE]``. The finish
-  reason, not a missing end marker, tells the client it was cut.
+  check; OpenAI's own ``moderation`` field has another shape), then the usage chunk (when
+  asked for: the tokens made, held ones included) and ``[DONE]``. The finish reason, not a
+  missing end marker, tells the client it was cut.
 - Log probabilities, when asked, are in each text chunk's choice in OpenAI's shapes: chat
   ``logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}], "refusal": null}``; legacy ``logprobs: {tokens, token_logprobs, top_logprobs:
@@ -213,10 +214,10 @@ class OpenAIStreamFormat:
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on
 
-    def moderated(self, violation: Violation) -> list[Spec]:
+    def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
         choice = self._choice(None, MODERATED_FINISH)
         chunk = self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)})
-        return [chunk] if self.one_of_many else [chunk, DONE]
+        return [chunk] if self.one_of_many else [chunk, *self.reply_end(usage)]
 
 
 def completion_choice(

@@ -51,7 +51,7 @@ class Pipeline(Protocol):
 
     def flush_due(self, now: float) -> list[LogEntry]: ...
 
-    def finish(self, prompt_tokens: int) -> list[LogEntry]: ...
+    def finish(self) -> list[LogEntry]: ...
 
     def fail(self, message: str, code: str) -> list[LogEntry]: ...
 
@@ -72,6 +72,7 @@ class ReplyPipeline:
         "logprobs",
         "next_seq",
         "numbered",
+        "prompt_estimate",
         "prompt_tokens",
         "reasoning_tokens",
         "reported_stop",
@@ -86,9 +87,13 @@ class ReplyPipeline:
         numbered: bool = True,
         stops: tuple[str, ...] = (),
         logprobs: bool = False,
+        prompt_estimate: int = 0,
     ) -> None:
         self.fmt = fmt
         self.numbered = numbered
+        # The prompt's size as the server estimated it: the usage's, unless the engine counts
+        # it (which it says only with its last delta, so not when a check ends the reply).
+        self.prompt_estimate = prompt_estimate
         window_s = None if policy.batch_ms is None else policy.batch_ms / 1000.0
         # Every token its own event, nothing held: the common case skips both stages (and
         # does not even build them: thousands of open replies each carry this object).
@@ -218,13 +223,18 @@ class ReplyPipeline:
         """Whatever is batched, now (held text stays held)."""
         return self._entries(self._flush())
 
+    def usage(self) -> Usage:
+        """The tokens made so far (whether shown or not: held text and a stop string's count
+        too), and the prompt's, the engine's own count if it gave one."""
+        prompt = self.prompt_estimate if self.prompt_tokens is None else self.prompt_tokens
+        return Usage(prompt, self.tokens, self.reasoning_tokens)
+
     def _end_moderated(self, violation: Violation) -> list[LogEntry]:
         self.ended = True
-        return self._entries(self._flush() + self.fmt.moderated(violation))
+        return self._entries(self._flush() + self.fmt.moderated(violation, self.usage()))
 
-    def finish(self, prompt_tokens: int) -> list[LogEntry]:
-        """The reply ended normally: release held text, flush, then the end marker (with the
-        engine's own prompt count if it gave one, else ``prompt_tokens``)."""
+    def finish(self) -> list[LogEntry]:
+        """The reply ended normally: release held text, flush, then the end marker."""
         self.ended = True
         specs: list[Spec] = []
         if self.holdback is not None and self.batcher is not None:
@@ -232,11 +242,8 @@ class ReplyPipeline:
             batch = self.batcher.add(text, tokens, 0.0)
             specs = [] if batch is None else self._text(*batch)
             specs += self._flush()
-        if self.prompt_tokens is not None:
-            prompt_tokens = self.prompt_tokens
-        usage = Usage(prompt_tokens, self.tokens, self.reasoning_tokens)
         return self._entries(
-            specs + self.fmt.finished(self.finish_reason, usage, self.stop_sequence)
+            specs + self.fmt.finished(self.finish_reason, self.usage(), self.stop_sequence)
         )
 
     def fail(self, message: str, code: str) -> list[LogEntry]:

@@ -9,9 +9,9 @@ frameworks) reads, byte for byte:
   ``response.output_item.added``, ``response.content_part.added``, one
   ``response.output_text.delta`` per piece of text, ``response.output_text.done``,
   ``response.content_part.done``, ``response.output_item.done``), then the terminal event:
-  ``response.completed`` (with usage), ``response.incomplete`` (the token limit, or a check
-  that stopped the text: ``content_filter``) or ``response.failed`` (with the error). There
-  is no ``[DONE]``: the terminal event ends the stream.
+  ``response.completed`` (with usage), ``response.incomplete`` (with usage; the token limit,
+  or a check that stopped the text: ``content_filter``) or ``response.failed`` (with the
+  error). There is no ``[DONE]``: the terminal event ends the stream.
 - A message item is opened when text comes (a response of calls only has none), and closed
   when a call starts or the response ends; text after a call opens a new message item
   (``msg_<reply id>`` first in the output, ``msg_<reply id>_<output index>`` after a call).
@@ -431,8 +431,8 @@ class ResponsesStreamFormat:
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on
 
-    def moderated(self, violation: Violation) -> list[Spec]:
-        response = self._response("incomplete", incomplete_reason="content_filter")
+    def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
+        response = self._response("incomplete", usage=usage, incomplete_reason="content_filter")
         response["replystream_moderation"] = moderated_payload(violation)
         return [
             *self._close_open("incomplete"),

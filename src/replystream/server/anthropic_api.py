@@ -24,7 +24,7 @@ from replystream.delivery.anthropic_format import (
     AnthropicStreamFormat,
     message_object,
 )
-from replystream.delivery.formats import moderated_payload
+from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
@@ -136,14 +136,14 @@ async def _whole(
             thoughts=whole.thoughts,
         )
 
-    def moderated(text: str, violation: Violation) -> dict[str, Any]:
+    def moderated(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
         message = message_object(
             reply_id,
             model,
             text=text,
             stop_reason="refusal",
-            input_tokens=input_tokens,
-            output_tokens=0,  # the tokens made are not all shown; no count would be honest
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
         )
         message["replystream_moderation"] = moderated_payload(violation)
         return message

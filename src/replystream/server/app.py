@@ -29,9 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from replystream.delivery.follower import KeepaliveClock
-from replystream.delivery.formats import (
-    moderated_payload,
-)
+from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import (
     MemoryReplayStore,
@@ -107,8 +105,12 @@ def lab_request(request: web.Request, query: LabQuery) -> GenerationRequest:
     return GenerationRequest(prompt=query.prompt, sampling=sampling)
 
 
-def _moderated_body(text: str, violation: Violation) -> dict[str, Any]:
+def _lab_moderated_body(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
     return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
+
+
+def _native_moderated_body(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
+    return {**_lab_moderated_body(text, violation, usage), "usage": usage.as_dict()}
 
 
 def _native_body(whole: Whole) -> dict[str, Any]:
@@ -147,7 +149,7 @@ async def handle_wait(request: web.Request) -> web.StreamResponse:
         endpoint="/wait",
         policy=policy,
         body=_lab_body,
-        moderated_body=_moderated_body,
+        moderated_body=_lab_moderated_body,
     )
 
 
@@ -181,7 +183,7 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
             endpoint="/v1/replies",
             policy=ask.policy,
             body=_native_body,
-            moderated_body=_moderated_body,
+            moderated_body=_native_moderated_body,
         )
     reply = await start_reply(
         request,

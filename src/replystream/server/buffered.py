@@ -64,7 +64,7 @@ class Several:
     close_choice: Callable[[int], None]
 
 
-ModeratedFn = Callable[[str, Violation], dict[str, Any]]
+ModeratedFn = Callable[[str, Violation, Usage], dict[str, Any]]
 
 
 class _Collector:
@@ -142,8 +142,9 @@ async def buffered_reply(
 ) -> web.Response:
     """Collect an admitted generation whole and answer once, as JSON.
 
-    ``body(whole)`` shapes a finished reply; ``moderated_body(released text, violation)`` a
-    reply a check stopped. A failure is a 500, a shutdown a 503. The generation is stopped at
+    ``body(whole)`` shapes a finished reply; ``moderated_body(released text, violation,
+    usage)`` a reply a check stopped (its usage counts the tokens made up to the match, as a
+    stream's does). A failure is a 500, a shutdown a 503. The generation is stopped at
     the first stop string. ``several``: ``deltas`` are several choices' (``Delta.choice``),
     each collected on its own, and the body is ``several.body`` of them all. Tool calls are
     joined from their pieces, in the order they started (``Whole.tool_calls``).
@@ -179,7 +180,8 @@ async def buffered_reply(
         first = collectors[0]
         if several is None and first.holdback.violation is not None:
             record.outcome, record.reason = "moderated", first.holdback.violation.check
-            payload = moderated_body("".join(first.parts), first.holdback.violation)
+            usage = Usage(prompt_tokens, first.tokens, first.reasoning_tokens)
+            payload = moderated_body("".join(first.parts), first.holdback.violation, usage)
         elif isinstance(item, End) and item.how == "failed":
             assert item.error is not None
             log.warning("generation failed: %s", item.error)

@@ -62,10 +62,10 @@ log = logging.getLogger("replystream.server")
 T = TypeVar("T")
 
 # A buffered reply's JSON body: from the reply collected whole (its text, finish, usage, stop
-# string, log probabilities and tool calls); or, for a moderated reply, from the released text
-# and the check that stopped it.
+# string, log probabilities and tool calls); or, for a moderated reply, from the released text,
+# the check that stopped it and the usage (the tokens made up to the match).
 BodyOf = Callable[[Whole], dict[str, Any]]
-ModeratedBodyOf = Callable[[str, Violation], dict[str, Any]]
+ModeratedBodyOf = Callable[[str, Violation, Usage], dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +225,7 @@ async def start_reply(
     if isinstance(fmt, Choices):
         several = await start_several(request, generation, record, len(fmt.formats))
         deltas = several
+        prompt_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)  # the server's estimate
         pipeline = ChoicesPipeline(
             fmt.formats,
             fmt.ending,
@@ -232,10 +233,19 @@ async def start_reply(
             stops=stops,
             logprobs=logprobs,
             on_choice_done=several.close_choice,
+            prompt_estimate=prompt_tokens,
         )
     else:
         deltas = await start_generation(request, generation, record)
-        pipeline = ReplyPipeline(fmt, policy, numbered=numbered, stops=stops, logprobs=logprobs)
+        prompt_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
+        pipeline = ReplyPipeline(
+            fmt,
+            policy,
+            numbered=numbered,
+            stops=stops,
+            logprobs=logprobs,
+            prompt_estimate=prompt_tokens,
+        )
     try:
         await store.create(ReplyInfo(reply_id, owner=owner, context=context))
     except StoreUnavailable as exc:
@@ -256,7 +266,7 @@ async def start_reply(
         pipeline=pipeline,
         store=store,
         record=record,
-        prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
+        prompt_tokens=prompt_tokens,
         disconnect=disconnect or ("detach" if resumable else "cancel"),
         detach_grace_s=app[CONFIG_KEY].detach_grace_s,
         manager=app[MANAGER_KEY],

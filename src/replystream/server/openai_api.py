@@ -125,7 +125,7 @@ async def _buffered(
             reasoning=whole.reasoning,
         )
 
-    def moderated(text: str, violation: Violation) -> dict[str, Any]:
+    def moderated(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
         return completion_body(
             kind,
             reply_id=reply_id,
@@ -133,7 +133,7 @@ async def _buffered(
             created=created,
             text=text,
             finish_reason=MODERATED_FINISH,
-            usage=None,  # the tokens made are not all shown; no count would be honest
+            usage=usage,
             moderation=moderated_payload(violation),
         )
 

@@ -315,7 +315,7 @@ class Reply:
         reported = self.pipeline.prompt_tokens
         record.prompt_tokens = self.prompt_tokens if reported is None else reported
         if rule.in_band == "end marker":
-            last = self.pipeline.finish(self.prompt_tokens)
+            last = self.pipeline.finish()
         elif rule.in_band == "error":
             last = self.pipeline.fail(ending.fill(rule.message), ending.fill(rule.code))
         # (``moderated``: its event was logged as the check matched.)

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.delivery.formats import moderated_payload
+from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import ReadResult, ReplayStore, StoreUnavailable
@@ -360,9 +360,14 @@ async def _whole(
             thoughts=whole.thoughts,
         )
 
-    def moderated(text: str, violation: Violation) -> dict[str, Any]:
+    def moderated(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
         response = response_object(
-            settings, reply_id, "incomplete", text=text, incomplete_reason="content_filter"
+            settings,
+            reply_id,
+            "incomplete",
+            text=text,
+            usage=usage,
+            incomplete_reason="content_filter",
         )
         response["replystream_moderation"] = moderated_payload(violation)
         return response
