@@ -19,6 +19,8 @@ import pytest
 from replystream.client import measure_reply
 from replystream.lab.local_server import READY_PREFIX, stop_process
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV as MULTIPROCESS
+from tests.processes import replica
+from tests.rawhttp import raw_request
 
 CLI = [sys.executable, "-m", "replystream"]
 
@@ -56,6 +58,30 @@ CASES: list[tuple[list[str], str]] = [
     (
         ["serve", "--max-header-bytes", "10"],
         "argument --max-header-bytes: want a whole number >= 256",
+    ),
+    # serve: an origin is scheme://host[:port], as a browser sends it, and nothing more
+    (
+        ["serve", "--cors-origin", "nope"],
+        "argument --cors-origin: want an origin, http(s)://HOST[:PORT], or *, got 'nope'",
+    ),
+    (
+        ["serve", "--cors-origin", "app.example.com"],
+        "argument --cors-origin: want an origin, http(s)://HOST[:PORT], or *, got "
+        "'app.example.com' (https://app.example.com?)",
+    ),
+    (
+        ["serve", "--cors-origin", "https://app.example.com/"],
+        "argument --cors-origin: an origin ends at its host or port: drop the trailing slash "
+        "(https://app.example.com)",
+    ),
+    (
+        ["serve", "--cors-origin", "https://app.example.com/path?q=1"],
+        "argument --cors-origin: an origin has no path, query or fragment: want "
+        "https://app.example.com, got",
+    ),
+    (
+        ["serve", "--cors-origin", "https://app.example.com:0"],
+        "argument --cors-origin: want a port from 1 to 65535",
     ),
     # serve: files and engines
     (["serve", "--api-keys-file", "/nonexistent"], "--api-keys-file: /nonexistent does not exist"),
@@ -209,6 +235,22 @@ def test_a_mistake_is_one_line_naming_the_flag_and_a_nonzero_exit(argv: list[str
     line = one_line(done)
     assert line.startswith(f"replystream {argv[0]}: "), line
     assert says in line, line
+
+
+async def test_a_cors_origin_is_matched_as_a_browser_writes_it():
+    # A browser's Origin header is lower case and leaves out the scheme's default port.
+    server = replica("--engine", "simulated", "--cors-origin", "HTTPS://App.Example.COM:443")
+    async with server as (_, url):
+        preflight = await raw_request(
+            f"{url}/v1/replies",
+            "OPTIONS",
+            headers={
+                "Origin": "https://app.example.com",
+                "Access-Control-Request-Method": "POST",
+            },
+        )
+        await preflight.read_body()
+    assert preflight.status == 204
 
 
 def test_a_password_in_an_upstream_url_is_refused_without_being_repeated():

@@ -110,6 +110,48 @@ def web_url(text: str) -> str:
     return _with_valid_port(text)
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(text: str) -> str:
+    # A browser sends its page's origin as scheme://host[:port], lower case, with no default
+    # port and nothing after it; the allow-list is compared with that string as it is, so a
+    # value in any other shape would silently match no page.
+    if text == "*":
+        return text
+    parts = urlsplit(text)
+    scheme, host = parts.scheme.lower(), parts.hostname
+    if scheme not in _DEFAULT_PORTS or not host or any(c.isspace() for c in host):
+        hint = f" (https://{text}?)" if "://" not in text and "." in text else ""
+        raise argparse.ArgumentTypeError(f"want {origin.wants}, got {text!r}{hint}")
+    if "@" in parts.netloc:
+        raise argparse.ArgumentTypeError(f"an origin has no user name or password, got {text!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or parts.netloc.endswith(":"):
+        raise argparse.ArgumentTypeError(f"want a port from 1 to 65535, got {text!r}")
+    canonical = f"{scheme}://" + (f"[{host}]" if ":" in host else host)
+    if port is not None and port != _DEFAULT_PORTS[scheme]:
+        canonical += f":{port}"
+    if parts.path == "/" and not (parts.query or parts.fragment or text.endswith("?")):
+        raise argparse.ArgumentTypeError(
+            f"an origin ends at its host or port: drop the trailing slash ({canonical}), "
+            f"got {text!r}"
+        )
+    if parts.path or parts.query or parts.fragment or text.endswith(("?", "#")):
+        raise argparse.ArgumentTypeError(
+            f"an origin has no path, query or fragment: want {canonical}, got {text!r}"
+        )
+    return canonical
+
+
+# A browser page's origin for the CORS allow-list, made canonical (lower case, no default
+# port), or * for any.
+origin = Checker("an origin, http(s)://HOST[:PORT], or *", _origin)
+
+
 def _with_valid_port(text: str) -> str:
     try:
         urlsplit(text).port  # noqa: B018 -- raises ValueError for a port out of range

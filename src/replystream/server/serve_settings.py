@@ -17,6 +17,7 @@ from replystream.cli_values import (
     int_at_least,
     non_negative_float,
     non_negative_int,
+    origin,
     port,
     positive_float,
     positive_int,
@@ -150,6 +151,7 @@ CLIENT_LIMITS = Group(
         Setting(
             "--cors-origin",
             "allow browser pages from this origin (repeatable; * for any)",
+            origin,
             fills=(GuardConfig, "cors_origins"),
             convert=_as_tuple,
             repeatable=True,
