@@ -198,6 +198,29 @@ CASES: list[tuple[list[str], str]] = [
         "argument --max-tokens: want a whole number >= 1",
     ),
     (["doctor", "http://127.0.0.1:99999/stream"], "argument url: want a port from 0 to 65535"),
+    # kv: an amount whose arithmetic would leave the floats' range
+    (["kv", "--model", "llama-3-8b", "--memory-gib", "inf"], "argument --memory-gib: want a fin"),
+    (["kv", "--model", "llama-3-8b", "--memory-gib", "nan"], "argument --memory-gib: want a fin"),
+    (
+        ["kv", "--model", "llama-3-8b", "--memory-gib", "1e300"],
+        "argument --memory-gib: want a number from 1e-09 to 1e+12, got 1e300",
+    ),
+    (
+        ["kv", "--model", "llama-3-8b", "--bandwidth-tbs", "inf"],
+        "argument --bandwidth-tbs: want a finite number, got 'inf'",
+    ),
+    (
+        ["kv", "--model", "llama-3-8b", "--bandwidth-tbs", "nan"],
+        "argument --bandwidth-tbs: want a finite number, got 'nan'",
+    ),
+    (
+        ["kv", "--model", "llama-3-8b", "--bandwidth-tbs", "1e300"],
+        "argument --bandwidth-tbs: want a number from 1e-09 to 1e+12, got 1e300",
+    ),
+    (
+        ["kv", "--model", "llama-3-8b", "--bandwidth-tbs", "1", "--weights-gb", "-1"],
+        "argument --weights-gb: want a number from 1e-09 to 1e+12, got -1",
+    ),
     # kv and lab-engine
     (
         ["kv", "--layers", "0", "--kv-heads", "1", "--head-dim", "1", "--tokens", "1"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -101,3 +102,23 @@ def test_presets_carry_the_published_shapes(capsys):
 def test_missing_shape_is_a_usage_error(capsys):
     assert main(["kv", "--layers", "32", "--tokens", "10"]) == 2
     assert "--kv-heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["memory_gib", "weights_gb", "bandwidth_tbs"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0, 1e300])
+def test_an_amount_the_arithmetic_cannot_hold_is_refused_by_the_query(field, value):
+    query = KVQuery(layers=32, kv_heads=8, head_dim=128, tokens=4096)
+    with pytest.raises(ValueError, match=f"{field} must be from 1e-09 to 1e"):
+        dataclasses.replace(query, **{field: value})
+
+
+def test_the_largest_amounts_give_finite_numbers(capsys):
+    args = ["--tokens", "4096", "--memory-gib", "1e12", "--weights-gb", "1e12"]
+    slowest = kv_json(capsys, *ARTICLE, *args, "--bandwidth-tbs", "1e-9")
+    fastest = kv_json(capsys, *ARTICLE, *args, "--bandwidth-tbs", "1e12")
+    for result in (slowest, fastest):
+        step = result["decode_step"]
+        assert isinstance(step, dict)
+        assert 0 < step["step_floor_ms"] < float("inf")
+        assert 0 < step["tokens_per_s_ceiling"] < float("inf")
+    assert slowest["sequences_that_fit"] == 2_000_000_000_000  # 1e12 GiB / 512 MiB

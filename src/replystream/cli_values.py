@@ -71,6 +71,20 @@ def float_at_least(low: float, *, strict: bool = False, note: str = "") -> Check
     return Checker(wants, parse)
 
 
+def float_between(low: float, high: float) -> Checker[float]:
+    """A finite number from ``low`` to ``high``, both included (for a quantity whose
+    arithmetic leaves the floats' range outside of it)."""
+    wants = f"a number from {low:g} to {high:g}"
+
+    def parse(text: str) -> float:
+        value = float(_number(text, float))
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"want {wants}, got {text}")
+        return value
+
+    return Checker(wants, parse)
+
+
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 positive_float = float_at_least(0.0, strict=True)

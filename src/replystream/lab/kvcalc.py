@@ -20,12 +20,20 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from replystream.cli_values import float_between
+
 # Bits per cached element: int4 packs two elements per byte.
 DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 
 GIB = 1 << 30
 GB = 10**9
 TB = 10**12
+
+# The memory (GiB), weights (GB) and bandwidth (TB/s) a query may give: from about a byte (a
+# KB/s) to far beyond any machine. Outside, the arithmetic leaves the floats' range (a
+# memory of 1e300 GiB is infinite bytes; a bandwidth of 1e300 TB/s makes a step take 0 s).
+AMOUNTS = ("memory_gib", "weights_gb", "bandwidth_tbs")
+AMOUNT_RANGE = (1e-9, 1e12)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +91,11 @@ class KVQuery:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BITS)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError("sliding_window must be at least 1")
-        for name in ("memory_gib", "weights_gb", "bandwidth_tbs"):
+        low, high = AMOUNT_RANGE
+        for name in AMOUNTS:
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive")
+            if value is not None and not low <= value <= high:  # NaN is refused too
+                raise ValueError(f"{name} must be from {low:g} to {high:g}")
 
 
 def kv_sizes(query: KVQuery) -> dict[str, Any]:
@@ -184,9 +193,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, help="tokens per sequence (preset: its context)")
     parser.add_argument("--dtype", choices=list(DTYPE_BITS), default="bf16", help="cache elements")
     parser.add_argument("--window", type=int, help="sliding window: tokens cached per sequence")
-    parser.add_argument("--memory-gib", type=float, help="memory left for the cache, GiB")
-    parser.add_argument("--weights-gb", type=float, help="weight bytes read per step, GB")
-    parser.add_argument("--bandwidth-tbs", type=float, help="memory bandwidth, TB/s")
+    amount = float_between(*AMOUNT_RANGE)
+    parser.add_argument("--memory-gib", type=amount, help="memory left for the cache, GiB")
+    parser.add_argument("--weights-gb", type=amount, help="weight bytes read per step, GB")
+    parser.add_argument("--bandwidth-tbs", type=amount, help="memory bandwidth, TB/s")
     parser.add_argument("--batch", type=int, default=1, help="full-length sequences per step")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
