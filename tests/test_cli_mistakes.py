@@ -222,9 +222,22 @@ CASES: list[tuple[list[str], str]] = [
         "argument --weights-gb: want a number from 1e-09 to 1e+12, got -1",
     ),
     # kv and lab-engine
+    # kv: each count is refused by its flag's name
     (
         ["kv", "--layers", "0", "--kv-heads", "1", "--head-dim", "1", "--tokens", "1"],
-        "layers must be at least 1",
+        "argument --layers: want a whole number from 1 to 1000000, got 0",
+    ),
+    (["kv", "--model", "llama-3-8b", "--kv-heads", "0"], "argument --kv-heads: want a whole"),
+    (["kv", "--model", "llama-3-8b", "--head-dim", "-1"], "argument --head-dim: want a whole"),
+    (
+        ["kv", "--model", "llama-3-8b", "--tokens", "0"],
+        "argument --tokens: want a whole number from 1 to 1000000000000, got 0",
+    ),
+    (["kv", "--model", "llama-3-8b", "--tokens", "1" + "0" * 400], "argument --tokens: want a"),
+    (["kv", "--model", "llama-3-8b", "--window", "-3"], "argument --window: want a whole number"),
+    (
+        ["kv", "--model", "llama-3-8b", "--memory-gib", "8", "--batch", "0"],
+        "argument --batch: want a whole number from 1 to 1000000000, got 0",
     ),
     (["kv", "--model", "nope"], "argument --model: invalid choice: 'nope'"),
     (["lab-engine", "ttft", "--repeats", "0"], "argument --repeats: want a whole number >= 1"),

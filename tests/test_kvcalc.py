@@ -122,3 +122,29 @@ def test_the_largest_amounts_give_finite_numbers(capsys):
         assert 0 < step["step_floor_ms"] < float("inf")
         assert 0 < step["tokens_per_s_ceiling"] < float("inf")
     assert slowest["sequences_that_fit"] == 2_000_000_000_000  # 1e12 GiB / 512 MiB
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("layers", 0),
+        ("kv_heads", 10**6 + 1),
+        pytest.param("tokens", 10**400, id="tokens-10**400"),
+        ("sliding_window", 0),
+    ],
+)
+def test_a_count_out_of_range_is_refused_by_the_query(field, value):
+    query = KVQuery(layers=32, kv_heads=8, head_dim=128, tokens=4096)
+    with pytest.raises(ValueError, match=f"{field} must be from 1 to"):
+        dataclasses.replace(query, **{field: value})
+
+
+def test_the_largest_counts_give_finite_numbers(capsys):
+    shape = ["--layers", "1000000", "--kv-heads", "1000000", "--head-dim", "1000000"]
+    sizes = ["--tokens", "1000000000000", "--batch", "1000000000", "--dtype", "fp32"]
+    amounts = ["--memory-gib", "1e-9", "--weights-gb", "1e12", "--bandwidth-tbs", "1e-9"]
+    result = kv_json(capsys, *shape, *sizes, *amounts)
+    step = result["decode_step"]
+    assert isinstance(step, dict)
+    assert result["bytes_per_sequence"] == 2 * 10**18 * 4 * 10**12
+    assert 0 < step["tokens_per_s_ceiling"] and step["step_floor_ms"] < float("inf")

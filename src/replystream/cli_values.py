@@ -71,6 +71,19 @@ def float_at_least(low: float, *, strict: bool = False, note: str = "") -> Check
     return Checker(wants, parse)
 
 
+def int_between(low: int, high: int) -> Checker[int]:
+    """A whole number from ``low`` to ``high``, both included."""
+    wants = f"a whole number from {low} to {high}"
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"want {wants}, got {text}")
+        return value
+
+    return Checker(wants, parse)
+
+
 def float_between(low: float, high: float) -> Checker[float]:
     """A finite number from ``low`` to ``high``, both included (for a quantity whose
     arithmetic leaves the floats' range outside of it)."""

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from replystream.cli_values import float_between
+from replystream.cli_values import Checker, float_between, int_between
 
 # Bits per cached element: int4 packs two elements per byte.
 DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
@@ -34,6 +34,16 @@ TB = 10**12
 # memory of 1e300 GiB is infinite bytes; a bandwidth of 1e300 TB/s makes a step take 0 s).
 AMOUNTS = ("memory_gib", "weights_gb", "bandwidth_tbs")
 AMOUNT_RANGE = (1e-9, 1e12)
+# The largest whole number each count may be, far beyond any model: with the amounts above,
+# every derived number stays within the floats' range (a cache of 10^400 tokens does not).
+LARGEST = {
+    "layers": 10**6,
+    "kv_heads": 10**6,
+    "head_dim": 10**6,
+    "tokens": 10**12,
+    "sliding_window": 10**12,
+    "batch": 10**9,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +94,12 @@ class KVQuery:
     batch: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_dim", "tokens", "batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+        for name, largest in LARGEST.items():
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= largest:
+                raise ValueError(f"{name} must be from 1 to {largest}")
         if self.dtype not in DTYPE_BITS:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BITS)}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError("sliding_window must be at least 1")
         low, high = AMOUNT_RANGE
         for name in AMOUNTS:
             value = getattr(self, name)
@@ -181,23 +190,35 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _count(field: str) -> Checker[int]:
+    return int_between(1, LARGEST[field])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         choices=sorted(PRESETS),
         help="take layers, KV heads, head dim, window, context and weights (bf16) from a preset",
     )
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--kv-heads", type=int)
-    parser.add_argument("--head-dim", type=int)
-    parser.add_argument("--tokens", type=int, help="tokens per sequence (preset: its context)")
+    parser.add_argument("--layers", type=_count("layers"))
+    parser.add_argument("--kv-heads", type=_count("kv_heads"))
+    parser.add_argument("--head-dim", type=_count("head_dim"))
+    parser.add_argument(
+        "--tokens", type=_count("tokens"), help="tokens per sequence (preset: its context)"
+    )
     parser.add_argument("--dtype", choices=list(DTYPE_BITS), default="bf16", help="cache elements")
-    parser.add_argument("--window", type=int, help="sliding window: tokens cached per sequence")
+    parser.add_argument(
+        "--window",
+        type=_count("sliding_window"),
+        help="sliding window: tokens cached per sequence",
+    )
     amount = float_between(*AMOUNT_RANGE)
     parser.add_argument("--memory-gib", type=amount, help="memory left for the cache, GiB")
     parser.add_argument("--weights-gb", type=amount, help="weight bytes read per step, GB")
     parser.add_argument("--bandwidth-tbs", type=amount, help="memory bandwidth, TB/s")
-    parser.add_argument("--batch", type=int, default=1, help="full-length sequences per step")
+    parser.add_argument(
+        "--batch", type=_count("batch"), default=1, help="full-length sequences per step"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
