@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def one_line(done: subprocess.CompletedProcess[str]) -> str:
 
 FILE = str(Path(__file__))
 FOLDER = str(Path(__file__).parent)
+QUICK_LAB = ["--calls", "1", "--tokens", "2", "--delay-ms", "1", "--jitter-ms", "0"]
 
 CASES: list[tuple[list[str], str]] = [
     # serve: numbers
@@ -161,6 +163,10 @@ CASES: list[tuple[list[str], str]] = [
     (["lab", "--calls", "-2"], "argument --calls: want a whole number >= 1"),
     (["lab", "--out", FILE], f"argument --out: {FILE}: {FILE} is a file, not a folder"),
     (["lab", "--delay-ms", "-5"], "argument --delay-ms: want a number >= 0"),
+    # An output folder nothing can be made in (whatever its permission bits say, as for
+    # root) is refused before the experiment runs, not by a traceback after it.
+    (["lab", *QUICK_LAB, "--out", "/proc/nope"], "argument --out: /proc/nope: "),
+    (["lab", *QUICK_LAB, "--out", "/sys/nope"], "argument --out: /sys/nope: "),
     # bench
     (["bench", "ftp://x/stream"], "argument url: want http(s)://HOST[:PORT]/PATH"),
     (
@@ -179,6 +185,10 @@ CASES: list[tuple[list[str], str]] = [
     (
         ["bench", "http://127.0.0.1:9/stream", "--json", FOLDER],
         f"argument --json: {FOLDER} is a folder",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--json", "/proc/nope.json"],
+        "argument --json: /proc/nope.json: ",
     ),
     (
         ["bench", "http://127.0.0.1:9/stream", "--plot", FILE],
@@ -242,6 +252,10 @@ CASES: list[tuple[list[str], str]] = [
     (["kv", "--model", "nope"], "argument --model: invalid choice: 'nope'"),
     (["lab-engine", "ttft", "--repeats", "0"], "argument --repeats: want a whole number >= 1"),
     (
+        ["lab-engine", "pool", "--engine", "tiny", "--requests", "1", "--out", "/proc/nope"],
+        "argument --out: /proc/nope: ",
+    ),
+    (
         ["lab-engine", "pool", "--small-blocks", "0"],
         "argument --small-blocks: want a whole number >= 1",
     ),
@@ -287,6 +301,19 @@ async def test_a_cors_origin_is_matched_as_a_browser_writes_it():
         )
         await preflight.read_body()
     assert preflight.status == 204
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("argv", [["lab", *QUICK_LAB], ["lab-engine", "pool", "--requests", "1"]])
+def test_a_default_output_folder_nothing_can_be_made_in_is_one_line(argv: list[str]):
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    done = subprocess.run(
+        [*CLI, *argv], capture_output=True, text=True, timeout=120, env=env, cwd="/proc"
+    )
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith(f"replystream {argv[0]}: "), line
+    assert re.search(r"--out:? \.: ", line) and "/proc" in line, line
 
 
 def test_a_password_in_an_upstream_url_is_refused_without_being_repeated():

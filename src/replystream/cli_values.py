@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,12 @@ def output_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; want a file name")
+    if path.is_file():  # not a pipe such as /dev/stdout: opening one could wait for a reader
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # neither made nor emptied
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"{text}: cannot write it ({exc.strerror})") from None
+        return path
     _check_folder(path.parent, text)
     return path
 
@@ -220,14 +227,36 @@ def output_folder(text: str) -> Path:
 
 
 def _check_folder(folder: Path, text: str) -> None:
-    # The nearest existing ancestor must be a writable folder, or the folder cannot be made.
-    existing = folder
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why files cannot be written in ``folder`` (made first when missing); None if they can.
+
+    Permission bits do not tell: root passes every check, and /proc or /sys refuse new
+    files whatever their bits say. So this makes what the command would make, and removes
+    it: a file in the folder when it exists, else a folder in its nearest existing ancestor.
+    """
+    existing = folder.absolute()  # named in full: "cannot make a file in ." says little
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {existing} is a file, not a folder")
+        return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: {existing} is not writable by this user")
+        return f"{existing} is not writable by this user"
+    try:
+        if existing == folder.absolute():
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        else:
+            with tempfile.TemporaryDirectory(dir=existing):
+                pass
+    except OSError as exc:
+        what = "a file" if existing == folder.absolute() else "a folder"
+        return f"cannot make {what} in {existing} ({exc.strerror})"
+    return None
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from replystream.cli_values import (
+    folder_problem,
     http_url,
     non_negative_float,
     non_negative_int,
@@ -187,6 +188,11 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         print(f"replystream lab: {exc}", file=sys.stderr)
+        return 2
+    # The default folder (here) is not checked while parsing: --json writes nothing there.
+    problem = None if args.json else folder_problem(args.out)
+    if problem is not None:
+        print(f"replystream lab: --out {args.out}: {problem}", file=sys.stderr)
         return 2
     try:
         lab_run = asyncio.run(_run(config, quiet=args.json))

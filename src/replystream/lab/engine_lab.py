@@ -307,7 +307,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tiny, smollm2 or gguf:PATH (default: the engine serve would serve)",
     )
-    parser.add_argument("--out", type=output_folder, default=Path("."), help="folder for the PNG")
+    # A text default goes through the type too: the PNG is always written.
+    parser.add_argument("--out", type=output_folder, default=".", help="folder for the PNG")
     parser.add_argument(
         "--lengths",
         type=_lengths,
