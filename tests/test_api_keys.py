@@ -124,6 +124,19 @@ def test_keys_come_from_flags_and_a_file_with_comments(tmp_path: Path):
         collect_keys([" "], None)
 
 
+def test_a_keys_file_that_cannot_be_read_is_a_value_error_naming_flag_and_file(tmp_path: Path):
+    # Read again on SIGHUP, the file is checked by nothing else: its reload line names it.
+    path = tmp_path / "keys"
+    path.write_bytes(b"sk-one\nsk-\xff\n")
+    with pytest.raises(ValueError) as raised:
+        collect_keys([], path)
+    assert str(raised.value) == (
+        f"--api-keys-file {path}: not UTF-8 text (byte 0xff at offset 10: invalid start byte)"
+    )
+    with pytest.raises(ValueError, match=f"^--api-keys-file {tmp_path}: cannot be read"):
+        collect_keys([], tmp_path)
+
+
 def test_serve_flags_reach_the_server_config(tmp_path: Path):
     path = tmp_path / "keys"
     path.write_text("sk-file\n")

@@ -316,6 +316,21 @@ def test_a_default_output_folder_nothing_can_be_made_in_is_one_line(argv: list[s
     assert re.search(r"--out:? \.: ", line) and "/proc" in line, line
 
 
+@pytest.mark.parametrize("flag", ["--api-keys-file", "--ban-file"])
+def test_a_file_of_lines_that_is_not_utf8_is_one_line_naming_flag_and_file(
+    flag: str, tmp_path: Path
+):
+    path = tmp_path / "lines.txt"
+    path.write_bytes(b"sk-\xff\xfe\n")
+    done = run("serve", "--engine", "simulated", "--port", "0", flag, str(path))
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line == (
+        f"replystream serve: argument {flag}: {path} is not UTF-8 text "
+        "(byte 0xff at offset 3: invalid start byte)"
+    ), line
+
+
 def test_a_password_in_an_upstream_url_is_refused_without_being_repeated():
     """A key in the URL would be in every error, log line and metric that names the upstream."""
     done = run("serve", "--engine", "upstream:http://user:s3cret@127.0.0.1:9/v1")

@@ -272,6 +272,30 @@ async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Pa
         await stop(process)
 
 
+async def test_an_api_keys_file_read_again_in_vain_is_named_with_its_flag(tmp_path: Path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-one\n")
+    process = await launch(
+        *upstream("hello", "simulated"), "--api-keys-file", str(keys),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = await ready_url(process)
+        stderr = StderrLines(process)
+        keys.write_bytes(b"sk-\xff\xfe\n")  # not UTF-8
+        process.send_signal(signal.SIGHUP)
+        [line] = await stderr.wait_for("api_keys not reloaded")
+        assert f"--api-keys-file {keys}: not UTF-8 text (byte 0xff at offset 3" in line, line
+        keys.unlink()
+        process.send_signal(signal.SIGHUP)
+        [_, line] = await stderr.wait_for("api_keys not reloaded", count=2)
+        assert f"--api-keys-file {keys}: cannot be read (No such file or directory)" in line
+        assert await status_with(url, "sk-one") == 200  # what was served before stays
+        assert not any("Traceback" in line for line in stderr.lines), stderr.lines
+    finally:
+        await stop(process)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_a_sighup_while_serve_starts_does_not_stop_it(tmp_path: Path, workers: int):
     """``systemctl reload`` right after a start: the signals come while serve imports and

@@ -200,6 +200,24 @@ def _readable_file(text: str) -> Path:
 
 # A file that exists and this process may read.
 readable_file = Checker("a readable file", _readable_file)
+
+
+def _readable_text_file(text: str) -> Path:
+    path = _readable_file(text)
+    try:
+        path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text} cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start]
+        raise argparse.ArgumentTypeError(
+            f"{text} is not UTF-8 text (byte 0x{byte:02x} at offset {exc.start}: {exc.reason})"
+        ) from None
+    return path
+
+
+# A file of lines this process may read, in UTF-8 (read whole here, to say which byte is not).
+readable_text_file = Checker("a readable UTF-8 text file", _readable_text_file)
 # A name in any case, folded to upper case (a log level).
 upper_case = Checker("a name in any case", str.upper)
 

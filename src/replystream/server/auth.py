@@ -42,10 +42,18 @@ def read_keys_file(path: Path) -> list[str]:
     """API keys from a file: one per line; blank lines and lines starting with ``#`` skipped.
 
     Raises:
-        OSError: the file cannot be read.
-        ValueError: it holds no key (auth would silently be off otherwise).
+        ValueError: naming the file: it cannot be read, is not UTF-8 text, or holds no key
+            (auth would silently be off otherwise).
     """
-    keys = [line.strip() for line in path.read_text().splitlines()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start]
+        why = f"byte 0x{byte:02x} at offset {exc.start}: {exc.reason}"
+        raise ValueError(f"{path}: not UTF-8 text ({why})") from None
+    keys = [line.strip() for line in text.splitlines()]
     keys = [key for key in keys if key and not key.startswith("#")]
     if not keys:
         raise ValueError(f"{path}: no API keys in the file")
@@ -56,14 +64,17 @@ def collect_keys(flags: Sequence[str], path: Path | None) -> list[str]:
     """The keys given as ``--api-key`` flags and in ``--api-keys-file`` (none: auth off).
 
     Raises:
-        ValueError: a flag is empty, or the file holds no key.
-        OSError: the file cannot be read.
+        ValueError: naming the flag: a flag is empty, or the file cannot be read or holds no
+            key (read again on SIGHUP, the file is not checked while parsing).
     """
     keys = [key.strip() for key in flags]
     if any(not key for key in keys):
         raise ValueError("--api-key must not be empty")
     if path is not None:
-        keys += read_keys_file(path)
+        try:
+            keys += read_keys_file(path)
+        except ValueError as exc:
+            raise ValueError(f"--api-keys-file {exc}") from None
     return keys
 
 

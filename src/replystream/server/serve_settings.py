@@ -21,7 +21,7 @@ from replystream.cli_values import (
     port,
     positive_float,
     positive_int,
-    readable_file,
+    readable_text_file,
     upper_case,
 )
 from replystream.delivery.policy import DeliveryPolicy
@@ -178,7 +178,7 @@ API = Group(
         Setting(
             "--api-keys-file",
             "API keys, one per line (# starts a comment line), read again on SIGHUP",
-            readable_file,
+            readable_text_file,
         ),
         Setting(
             "--ws-max-replies",
@@ -282,7 +282,7 @@ CHECKS = Group(
             repeatable=True,
             metavar="PHRASE",
         ),
-        Setting("--ban-file", "banned phrases, one per line", readable_file),
+        Setting("--ban-file", "banned phrases, one per line", readable_text_file),
         Setting(
             "--ban-regex",
             "a named regular expression that must not match (repeatable)",
