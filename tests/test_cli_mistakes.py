@@ -187,6 +187,18 @@ CASES: list[tuple[list[str], str]] = [
         f"argument --json: {FOLDER} is a folder",
     ),
     (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "normal:inf:1"],
+        "--prompt-words: 'normal:inf:1': want finite numbers",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "uniform:1:1e400"],
+        "--prompt-words: 'uniform:1:1e400': want finite numbers",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--output-tokens", "normal:8:inf"],
+        "--output-tokens: 'normal:8:inf': want finite numbers",
+    ),
+    (
         ["bench", "http://127.0.0.1:9/stream", "--json", "/proc/nope.json"],
         "argument --json: /proc/nope.json: ",
     ),

@@ -12,6 +12,7 @@ replies are read or timed.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -221,6 +222,8 @@ class Lengths:
             a, b = (float(x) for x in rest.split(":"))
         except ValueError as exc:
             raise ValueError(f"{text!r}: {exc}") from None
+        if not (math.isfinite(a) and math.isfinite(b)):  # a draw is rounded to a whole number
+            raise ValueError(f"{text!r}: want finite numbers")
         if name == "uniform" and minimum <= a <= b:
             return cls("uniform", a, b, minimum)
         if name == "normal" and a >= minimum and b >= 0:
