@@ -23,6 +23,18 @@ def test_probabilities_survive_huge_logits() -> None:
     assert p[0] / p[1] == pytest.approx(np.e, rel=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 5e-324])
+def test_a_temperature_too_small_to_divide_by_is_greedy_not_nan(temperature: float) -> None:
+    # Any logit over such a temperature overflows: the best stays 0, the rest go to -inf.
+    p = probabilities(np.array([0.5, 3.0, 3.0, -2.0], np.float32), temperature)
+    assert np.all(np.isfinite(p))
+    assert p.tolist() == [0.0, 0.5, 0.5, 0.0]  # the tied best share it
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=temperature)
+    logits = np.array([0.1, 3.0, 2.9], np.float32)
+    assert {sample_token(logits, params, rng) for _ in range(20)} == {1}
+
+
 def test_temperature_zero_is_greedy() -> None:
     logits = np.array([0.1, 3.0, 2.9], np.float32)
     rng = np.random.default_rng(0)

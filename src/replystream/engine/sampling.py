@@ -48,9 +48,13 @@ def check_sampling(params: SamplingParams) -> None:
 
 
 def probabilities(logits: NDArray[np.floating], temperature: float = 1.0) -> NDArray[np.float64]:
-    """softmax(logits / temperature); subtracting the max keeps ``exp`` from overflowing."""
-    z = logits.astype(np.float64) / temperature  # (vocab,)
+    """softmax(logits / temperature); subtracting the max keeps ``exp`` from overflowing.
+    Subtracted before dividing: a temperature so small that a logit over it overflows
+    (1e-320) then makes the others -inf, which ``exp`` takes to 0, never inf - inf (NaN)."""
+    z = logits.astype(np.float64)  # (vocab,)
     z -= z.max()
+    with np.errstate(over="ignore"):  # (the overflow to -inf is the answer)
+        z /= temperature
     e = np.exp(z)
     return e / e.sum()  # type: ignore[no-any-return]
 
