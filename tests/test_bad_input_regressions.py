@@ -229,3 +229,34 @@ def test_an_unknown_field_of_a_websocket_reply_is_unknown_parameter(server: Logg
     received = server.websocket([json.dumps({"type": "reply", "id": "a", "prompt": "x", "foo": 1})])
     error = next(m["data"]["error"] for m in received if m["type"] == "error")
     assert (error["code"], error["param"]) == ("unknown_parameter", "foo")
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "code", "param"),
+    [
+        (
+            "/v1/messages",
+            {"model": "simulated", "messages": USER},
+            "missing_required_parameter",
+            "max_tokens",
+        ),
+        (
+            "/v1/messages",
+            {"model": "simulated", "max_tokens": 3},
+            "missing_required_parameter",
+            "messages",
+        ),
+        # A nested object's field is not a request parameter: its value is what is wrong.
+        (
+            "/v1/messages",
+            {**MESSAGES_ASK, "messages": [{"role": "user"}]},
+            "invalid_value",
+            "messages[0].content",
+        ),
+        ("/v1/chat/completions", {"model": "simulated"}, "missing_required_parameter", "messages"),
+    ],
+)
+def test_a_missing_field_is_missing_required_parameter_on_every_route(
+    server: LoggedServer, route: str, body: dict[str, object], code: str, param: str
+) -> None:
+    refused(server.post_json_text(route, json.dumps(body)), 400, code, param)

@@ -99,7 +99,7 @@ async def test_closing_the_socket_stops_every_reply_on_it():
     [
         ("not json", None, "invalid_json"),
         ("[1, 2]", None, "invalid_json"),
-        (json.dumps({"type": "reply", "prompt": "x"}), None, "invalid_value"),
+        (json.dumps({"type": "reply", "prompt": "x"}), None, "missing_required_parameter"),  # no id
         (json.dumps({"type": "reply", "id": ""}), None, "invalid_value"),
         (json.dumps({"type": "dance", "id": "t"}), "t", "invalid_value"),
         (json.dumps({"type": "reply", "id": "t", "prompt": "x", "max_tokens": 0}), "t", None),

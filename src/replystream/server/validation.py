@@ -137,8 +137,9 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
             message = f"unknown field {param!r}"
         return HTTPAPIError(400, message, code="unknown_parameter", param=param)
     if kind == "missing":
-        # OpenAI's code names a missing request parameter, not a nested object's field.
-        if model.unknown_field == "openai" and len(error["loc"]) == 1:
+        # OpenAI's code names a missing request parameter, not a nested object's field
+        # (every route says it so: docs/api.md's one table of codes).
+        if len(error["loc"]) == 1:
             code = "missing_required_parameter"
         return HTTPAPIError(400, f"{param} is required", code=code, param=param)
     return HTTPAPIError(400, _message(error, param), code=code, param=param)
