@@ -115,6 +115,36 @@ async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tm
         assert png.startswith(b"\x89PNG")
 
 
+async def test_an_output_that_cannot_be_written_is_one_line_and_the_others_are_written(
+    scheduled_server, tmp_path
+):
+    # /dev/full passes every check made before the run (its folder exists, it opens for
+    # writing) and refuses the write itself, as a full disk does.
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "bench",
+        f"{scheduled_server}/stream",
+        "--requests",
+        "2",
+        "--json",
+        "/dev/full",
+        "--csv",
+        str(tmp_path / "bench.csv"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode == 1
+    assert stderr.decode().strip().splitlines() == [
+        "replystream bench: --json /dev/full: No space left on device"
+    ]
+    assert "TTFT" in stdout.decode()  # the table was printed before
+    rows = (tmp_path / "bench.csv").read_text(encoding="utf-8").splitlines()
+    assert len(rows) == 3
+
+
 def test_gamma_arrivals_keep_the_mean_rate_and_burstiness_spreads_the_gaps():
     def gaps(k: float) -> list[float]:
         offsets = arrival_offsets(rate=50.0, burstiness=k, seed=1)

@@ -162,7 +162,10 @@ CASES: list[tuple[list[str], str]] = [
     (["lab", "--url", "http://127.0.0.1:1"], "--url http://127.0.0.1:1: cannot connect"),
     (["lab", "--calls", "-2"], "argument --calls: want a whole number >= 1"),
     (["lab", "--out", FILE], f"argument --out: {FILE}: {FILE} is a file, not a folder"),
-    (["lab", "--delay-ms", "-5"], "argument --delay-ms: want a number >= 0"),
+    (["lab", "--delay-ms", "-5"], "argument --delay-ms: want a number from 0 to 60000"),
+    # A schedule no reply could end in is refused, not served as a run that never ends.
+    (["lab", "--delay-ms", "1e300"], "argument --delay-ms: want a number from 0 to 60000"),
+    (["serve", "--first-token-ms", "1e9"], "--first-token-ms: want a number from 0 to 60000"),
     # An output folder nothing can be made in (whatever its permission bits say, as for
     # root) is refused before the experiment runs, not by a traceback after it.
     (["lab", *QUICK_LAB, "--out", "/proc/nope"], "argument --out: /proc/nope: "),

@@ -103,6 +103,10 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 positive_float = float_at_least(0.0, strict=True)
 non_negative_float = float_at_least(0.0)
+# A simulated schedule's times (a token's delay, its jitter, the prefill): up to a minute, far
+# past any model's, so that a typing slip such as 1e300 is refused rather than a reply that
+# never ends.
+schedule_ms = float_between(0.0, 60_000.0)
 
 
 def _port(text: str) -> int:

@@ -97,17 +97,35 @@ def run(args: argparse.Namespace) -> int:
         plot = plot_all
         counts = result["counts"]
         code = 0 if counts["complete"] + counts["cancelled"] == counts["requests"] else 1
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-        console.print(f"Wrote {args.json}.", highlight=False)
-    if args.csv:
-        write_csv(result, args.csv)
-        console.print(f"Wrote {args.csv}.", highlight=False)
-    if args.plot:
-        paths = plot(result, args.plot)
-        console.print(f"Wrote {', '.join(str(p) for p in paths)}.", highlight=False)
+    writes: list[tuple[str, Path | None, Callable[[Path], list[Path]]]] = [
+        ("--json", args.json, lambda path: _write_json(result, path)),
+        ("--csv", args.csv, lambda path: _write_csv(result, path)),
+        ("--plot", args.plot, lambda folder: plot(result, folder)),
+    ]
+    for flag, path, write in writes:
+        if path is None:
+            continue
+        # The run is over and its table printed: a file that cannot be written (a full disk,
+        # a file only root's open accepts) is said in one line, and the other outputs written.
+        try:
+            written = write(path)
+        except OSError as exc:
+            print(f"replystream bench: {flag} {path}: {exc.strerror or exc}", file=sys.stderr)
+            code = 1
+            continue
+        console.print(f"Wrote {', '.join(str(p) for p in written)}.", highlight=False)
     return code
+
+
+def _write_json(result: dict[str, Any], path: Path) -> list[Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return [path]
+
+
+def _write_csv(result: dict[str, Any], path: Path) -> list[Path]:
+    write_csv(result, path)
+    return [path]
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -16,10 +16,10 @@ from rich.table import Table
 from replystream.cli_values import (
     folder_problem,
     http_url,
-    non_negative_float,
     non_negative_int,
     output_folder,
     positive_int,
+    schedule_ms,
 )
 from replystream.client import ReplyTiming
 from replystream.client.transport import TransportError
@@ -53,12 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     schedule = "local server's schedule; not with --url, whose server keeps its own"
     parser.add_argument(
         "--delay-ms",
-        type=non_negative_float,
+        type=schedule_ms,
         help=f"mean time per token (default: {defaults.delay_ms:g}; the {schedule})",
     )
     parser.add_argument(
         "--jitter-ms",
-        type=non_negative_float,
+        type=schedule_ms,
         help=f"a token's delay varies by up to this, at most --delay-ms "
         f"(default: {defaults.jitter_ms:g}; the {schedule})",
     )
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--first-token-ms",
-        type=non_negative_float,
+        type=schedule_ms,
         help=f"queueing plus prefill before the first token "
         f"(default: {defaults.first_token_ms:g}; the {schedule})",
     )
@@ -210,12 +210,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         console = report_console()
         render_table(result, console)
-        args.out.mkdir(parents=True, exist_ok=True)
         timeline = lab_run.timeline()
         timeline_path = args.out / "timeline.json"
-        timeline_path.write_text(json.dumps(timeline, indent=1) + "\n")
         plot_path = args.out / "timeline.png"
-        plot_timeline(timeline, plot_path)
+        try:  # checked before the run, but a disk can fill or a folder go in the meantime
+            args.out.mkdir(parents=True, exist_ok=True)
+            timeline_path.write_text(json.dumps(timeline, indent=1) + "\n")
+            plot_timeline(timeline, plot_path)
+        except OSError as exc:
+            print(f"replystream lab: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            print("RESULT " + json.dumps(result))
+            return 1
         console.print(f"Wrote {timeline_path} and {plot_path}.")
         print("RESULT " + json.dumps(result))
     complete = all(result[mode]["complete"] == result[mode]["calls"] for mode in MODES)

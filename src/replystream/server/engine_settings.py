@@ -12,6 +12,7 @@ from replystream.cli_values import (
     non_negative_int,
     positive_float,
     positive_int,
+    schedule_ms,
 )
 from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply_script
@@ -119,14 +120,14 @@ SIMULATED_ENGINE = Group(
         Setting(
             "--delay-ms",
             "mean time per token",
-            non_negative_float,
+            schedule_ms,
             fills=(SimulatedConfig, "delay_ms"),
             engines=SIMULATED,
         ),
         Setting(
             "--jitter-ms",
             "each token's delay varies uniformly by up to this much (at most --delay-ms)",
-            non_negative_float,
+            schedule_ms,
             fills=(SimulatedConfig, "jitter_ms"),
             engines=SIMULATED,
         ),
@@ -140,14 +141,14 @@ SIMULATED_ENGINE = Group(
         Setting(
             "--first-token-ms",
             "time before the first token (queueing plus prefill)",
-            non_negative_float,
+            schedule_ms,
             fills=(SimulatedConfig, "first_token_ms"),
             engines=SIMULATED,
         ),
         Setting(
             "--prefill-ms-per-token",
             "extra time before the first token per prompt word",
-            non_negative_float,
+            schedule_ms,
             fills=(SimulatedConfig, "prefill_ms_per_token"),
             engines=SIMULATED,
         ),
