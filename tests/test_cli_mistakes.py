@@ -346,6 +346,24 @@ def test_a_file_of_lines_that_is_not_utf8_is_one_line_naming_flag_and_file(
     ), line
 
 
+def test_a_key_no_client_could_send_is_refused_naming_its_line(tmp_path: Path):
+    """Two keys on a line, or a comment after one, would be one key with a space that no
+    request could ever match: the server would start and refuse everybody."""
+    path = tmp_path / "keys.txt"
+    path.write_text("# the team's keys\nsk-one\nsk-two  # rotated in March\n", encoding="utf-8")
+    done = run("serve", "--engine", "simulated", "--port", "0", "--api-keys-file", str(path))
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line == (
+        f"replystream serve: --api-keys-file {path}: line 3: a key is one word of visible "
+        "ASCII characters; this one has ' '"
+    ), line
+    assert "sk-two" not in line  # a key is never repeated back
+    done = run("serve", "--engine", "simulated", "--port", "0", "--api-key", "sk-\u00e9t\u00e9")
+    assert done.returncode == 2
+    assert "--api-key: a key is one word of visible ASCII" in one_line(done)
+
+
 def test_a_password_in_an_upstream_url_is_refused_without_being_repeated():
     """A key in the URL would be in every error, log line and metric that names the upstream."""
     done = run("serve", "--engine", "upstream:http://user:s3cret@127.0.0.1:9/v1")

@@ -53,11 +53,28 @@ def read_keys_file(path: Path) -> list[str]:
         byte = exc.object[exc.start]
         why = f"byte 0x{byte:02x} at offset {exc.start}: {exc.reason}"
         raise ValueError(f"{path}: not UTF-8 text ({why})") from None
-    keys = [line.strip() for line in text.splitlines()]
-    keys = [key for key in keys if key and not key.startswith("#")]
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(f"{path}: line {number}: {problem}")
+        keys.append(key)
     if not keys:
         raise ValueError(f"{path}: no API keys in the file")
     return keys
+
+
+def key_problem(key: str) -> str | None:
+    """Why ``key`` could never be sent as one, or None. A client sends a key in a header
+    (``Bearer <key>``, ``x-api-key``): one token of visible ASCII. A key with a space in it
+    (two keys on a line, a comment after one) would be configured and never match."""
+    if all("!" <= char <= "~" for char in key):
+        return None
+    bad = next(char for char in key if not "!" <= char <= "~")
+    return f"a key is one word of visible ASCII characters; this one has {bad!r}"
 
 
 def collect_keys(flags: Sequence[str], path: Path | None) -> list[str]:
@@ -70,6 +87,10 @@ def collect_keys(flags: Sequence[str], path: Path | None) -> list[str]:
     keys = [key.strip() for key in flags]
     if any(not key for key in keys):
         raise ValueError("--api-key must not be empty")
+    for key in keys:
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(f"--api-key: {problem}")
     if path is not None:
         try:
             keys += read_keys_file(path)
