@@ -162,7 +162,9 @@ def _responses_event(event: Event) -> Meaning:
 
 
 def _usage(source: str | dict[str, Any]) -> Meaning:
-    """The server's own count of the tokens it sent (native ``usage`` event, OpenAI chunk)."""
+    """The server's own count of the tokens its model made (native ``usage`` event, OpenAI
+    chunk): what a benchmark divides time by, as vLLM's does. Text a moderator withheld is
+    counted in it and never sent, so it can be more than the text events read."""
     try:
         usage = json.loads(source) if isinstance(source, str) else source
     except ValueError:
