@@ -104,6 +104,13 @@ class FakeUpstream:
         await r.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await r.write(b"data: [DONE]\n\n")
 
+    async def mode_afterfinish(self, r: web.StreamResponse) -> None:
+        await r.write(chunk("one ") + chunk("two ", "stop"))
+        await r.write(chunk("three ") + chunk(None, tool_calls=TOOL_PIECES[:1]))
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        await r.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await r.write(b"data: [DONE]\n\n")
+
     async def mode_errmid(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one ") + chunk("two "))
         await r.write(b'data: {"error": {"message": "out of memory", "code": 500}}\n\n')
@@ -236,6 +243,26 @@ async def relay_mode(mode: str):
             started = time.monotonic()
             got = await post_events(f"{relay}/v1/chat/completions", CHAT)
             return got, time.monotonic() - started, fake
+
+
+async def test_output_after_the_finish_reason_is_dropped_and_its_usage_kept(caplog):
+    """A reply the upstream said had ended is not added to: a client has its finish, and
+    text after it would arrive after its own finish_reason (or be made part of a reply
+    that says it stopped)."""
+    async with fake_upstream() as (_, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/afterfinish/v1"),)))
+        async with running(create_app(engine)) as relay:
+            body = {**CHAT, "stream_options": {"include_usage": True}}
+            got = await post_events(f"{relay}/v1/chat/completions", body)
+    assert got.status == 200 and got.chat_text == "one two "
+    payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
+    assert not any(c["delta"].get("tool_calls") for p in payloads for c in p["choices"])
+    assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
+    assert payloads[-1]["usage"]["completion_tokens"] == 2
+    warnings = [
+        r.getMessage() for r in caplog.records if "after its finish reason" in r.getMessage()
+    ]
+    assert warnings == ["the upstream sent output after its finish reason; dropped it"]
 
 
 def error_of(got) -> dict[str, Any]:

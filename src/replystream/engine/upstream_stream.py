@@ -42,6 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from pydantic_core import from_json
 
@@ -101,6 +102,16 @@ def _token_count(value: object) -> int | None:
     return value if type(value) is int and 0 <= value <= MAX_TOKEN_COUNT else None
 
 
+def _has_output(choice: object) -> bool:
+    """Whether a chunk's choice carries text or a tool call (not only a role or a reason)."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("tool_calls"))
+    return bool(choice.get("text"))
+
+
 def _message_of(error: object) -> str:
     """The upstream's own message in an error it sent mid-stream, quoted (or a placeholder)."""
     message = error.get("message") or error.get("error") if isinstance(error, dict) else error
@@ -137,6 +148,7 @@ class UpstreamStream:
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._finish: str | None = None
         self._stop_sequence: str | None = None  # which of ``_stops`` the upstream cut at
+        self._said_late = False  # output after the finish reason was logged (once a reply)
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
         self._failed = False
@@ -373,6 +385,9 @@ class UpstreamStream:
         # The common chunk first: one choice (index 0) whose delta is text alone (a role
         # may come with it), no logprobs, tool calls, finish reason, usage or error.
         choices = chunk.get("choices")
+        if self._finish is not None:
+            self._after_finish(chunk)
+            return
         if type(choices) is list and len(choices) == 1 and not self._logprobs:
             choice = choices[0]
             if (
@@ -400,12 +415,7 @@ class UpstreamStream:
                 f"{_message_of(chunk.get('error', chunk))}",
                 "upstream_error",
             )
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            completion = _token_count(usage.get("completion_tokens"))
-            if completion is not None:
-                self._usage_tokens = completion
-                self._prompt_tokens = _token_count(usage.get("prompt_tokens"))
+        self._take_usage(chunk)
         choices = chunk.get("choices", [])
         if not isinstance(choices, list):
             raise self._fail("the upstream chunk's choices is not a list", "upstream_bad_chunk")
@@ -439,6 +449,25 @@ class UpstreamStream:
             if isinstance(reason, str) and reason:
                 self._finish = FINISH_REASONS.get(reason, "stop")
                 self._stop_sequence = self._named_stop(choice)
+
+    def _after_finish(self, chunk: dict[str, Any]) -> None:
+        """A chunk after the choice's finish reason: only its usage counts (the usage chunk
+        comes last, as ``stream_options.include_usage`` has it). Text or a tool call there
+        is outside the reply the upstream said had ended: dropped, not relayed after the
+        client's own finish, and said once in the log."""
+        self._take_usage(chunk)
+        choices = chunk.get("choices")
+        if not self._said_late and isinstance(choices, list) and any(map(_has_output, choices)):
+            self._said_late = True
+            log.warning("the upstream sent output after its finish reason; dropped it")
+
+    def _take_usage(self, chunk: dict[str, Any]) -> None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            completion = _token_count(usage.get("completion_tokens"))
+            if completion is not None:
+                self._usage_tokens = completion
+                self._prompt_tokens = _token_count(usage.get("prompt_tokens"))
 
     def _thinking(self, delta: dict[str, object], now: float) -> None:
         """A delta with no text may carry a reasoning model's thinking: relayed when the
