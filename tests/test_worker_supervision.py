@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -242,6 +243,26 @@ async def test_ctrl_c_while_one_process_starts_stops_it_without_a_traceback(afte
     )
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert status in (130, 0), (status, stderr)  # 130 while importing; 0 once it served
+
+
+def test_ctrl_c_while_the_command_line_loads_is_exit_130_without_a_traceback():
+    """The window before ``main`` runs: ``python -m replystream`` importing the command
+    line's modules. The Ctrl-C is made to land there by a finder that raises it on the
+    import of one of them, as a signal arriving then would."""
+    program = (
+        "import runpy, sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'replystream.cli_values':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['replystream', 'serve']\n"
+        "runpy.run_module('replystream', run_name='__main__', alter_sys=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr) == (130, "")
 
 
 async def test_ctrl_c_while_the_workers_start_stops_them_all_without_a_traceback():
