@@ -10,6 +10,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from replystream.server import create_app, running
 from replystream.server.context import MANAGER_KEY, ServerConfig
@@ -374,3 +376,21 @@ async def test_replystream_extensions_with_a_stop_list_are_a_reply_not_a_500():
             assert response.status == 200, await response.text()
             whole = await response.json()
     assert whole["status"] == "completed"
+
+
+async def test_the_whole_response_and_every_event_validate_as_the_sdks_own_types():
+    # The SDK builds its objects without validating them, so a field its types require and
+    # the server leaves out (the usage's ``cache_write_tokens``) is an AttributeError only
+    # when read: validate the raw JSON against the SDK's types instead.
+    engine = fast_engine(reply_text=REPLY)
+    body = {"input": "count", "max_output_tokens": 3}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json=body) as response:
+            whole = await response.json()
+        async with http.post(f"{url}/v1/responses", json={**body, "stream": True}) as response:
+            events = EventParser().feed(await response.read())
+    Response.model_validate(whole)
+    adapter: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(json.loads(event.data))
+    assert whole["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
