@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 
-from replystream.engine.tiny import load_default_engine
+from replystream.engine.chat_template import ChatTemplate
+from replystream.engine.prompts import ChatPrompt
+from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.server import create_app, running
+from replystream.sse import EventParser
 
 
 async def test_server_replies_in_words_from_the_tiny_engine() -> None:
@@ -22,3 +27,52 @@ async def test_server_replies_in_words_from_the_tiny_engine() -> None:
     assert error["param"] == "prompt"
     assert engine.stats().finished == 1
     assert engine.scheduler_stats().kv.used_blocks == 0
+
+
+# A chat template that adds a system prompt, as SmolLM2's does when the client sends none: the
+# model reads many more tokens than the conversation's text holds.
+SYSTEM_TEMPLATE = (
+    "{{ 'system: You answer questions about the books of the Bible in one sentence.\\n' }}"
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}{{ 'assistant:' }}"
+)
+
+
+async def test_usage_counts_the_prompt_the_chat_template_made_streamed_or_whole_stopped_or_not():
+    default = load_default_engine()
+    template = ChatTemplate(SYSTEM_TEMPLATE)
+    prompts = ChatPrompt(default.tokenizer, template, default.tokenizer.encode("\n")[0])
+    engine = TinyEngine(default.model, default.tokenizer, prompts=prompts)
+    messages = [{"role": "user", "content": "Who led Israel?"}]
+    read = len(default.tokenizer.encode(template.render(messages)))
+    ask = {"model": "tiny", "messages": messages, "max_tokens": 4, "seed": 3}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        counts, endings = [], []
+        for extra in ({}, {"stop": ["e"]}):
+            async with http.post(f"{url}/v1/chat/completions", json={**ask, **extra}) as response:
+                whole = await response.json()
+            counts.append(whole["usage"]["prompt_tokens"])
+            endings.append(whole["choices"][0]["finish_reason"])
+            streamed = {**ask, **extra, "stream": True, "stream_options": {"include_usage": True}}
+            async with http.post(f"{url}/v1/chat/completions", json=streamed) as response:
+                chunks = [
+                    json.loads(line[6:])
+                    for line in (await response.text()).splitlines()
+                    if line.startswith("data: {")
+                ]
+            counts.append(chunks[-1]["usage"]["prompt_tokens"])
+        anthropic = {
+            "model": "tiny",
+            "messages": messages,
+            "max_tokens": 4,
+            "stop_sequences": ["e"],
+            "stream": True,
+        }
+        async with http.post(f"{url}/v1/messages", json=anthropic) as response:
+            events = EventParser().feed(await response.read())
+        delta = next(json.loads(e.data) for e in events if e.type == "message_delta")
+        counts.append(delta["usage"]["input_tokens"])
+        endings.append(delta["delta"]["stop_reason"])
+    assert endings == ["length", "stop", "stop_sequence"]  # the stop string cut both replies
+    assert read > len(default.tokenizer.encode("user: Who led Israel?")) + 10
+    assert counts == [read] * 5

@@ -92,7 +92,7 @@ class ReplyPipeline:
         self.fmt = fmt
         self.numbered = numbered
         # The prompt's size as the server estimated it: the usage's, unless the engine counts
-        # it (which it says only with its last delta, so not when a check ends the reply).
+        # it (a relay says so only with its last delta, so not when a check ends the reply).
         self.prompt_estimate = prompt_estimate
         window_s = None if policy.batch_ms is None else policy.batch_ms / 1000.0
         # Every token its own event, nothing held: the common case skips both stages (and
@@ -136,10 +136,10 @@ class ReplyPipeline:
     def push(self, delta: Delta, now: float) -> list[LogEntry]:
         """Events made ready by a new delta (none while text is held or batched)."""
         self.tokens += delta.tokens
+        if delta.prompt_tokens is not None:  # on any delta: a stop string may end the reply
+            self.prompt_tokens = delta.prompt_tokens  # before the engine's last one is read
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
-            if delta.prompt_tokens is not None:
-                self.prompt_tokens = delta.prompt_tokens
             self.reported_stop = delta.stop_sequence
         holdback, batcher = self.holdback, self.batcher
         if not delta.text:

@@ -175,8 +175,9 @@ class Delta(NamedTuple):
         logprobs: one entry per token of this delta, when the request asked for them.
         choice: which of a request's several generations made it (``n > 1``; else 0).
         tool_call: a piece of a tool call (then ``text`` is empty), else None.
-        prompt_tokens: on the last delta, the prompt's size as the engine itself counted it
-            (a relay's upstream reports it); None: the server estimates it.
+        prompt_tokens: the prompt's size as the engine itself counted it, on any one delta
+            (the built-in engines: their first, the tokens their chat template made; a relay:
+            its last, as its upstream reports it); None: the server estimates it.
         continued: on an empty marker delta (no text, no tokens), why the reply goes on at
             another upstream from here (a relay's continuation); None otherwise.
         stop_sequence: on the last delta, the request's stop string the engine itself cut

@@ -229,6 +229,8 @@ class HFEngine:
         ids = torch.tensor([prompt], dtype=torch.long)  # (1, prompt tokens)
         past = None
         for made in range(1, max_new + 1):
+            # The first delta says how many tokens the model read (its chat template's).
+            read = len(prompt) if made == 1 else None
             if cancel.is_set():
                 return "cancelled"
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past}, **self._keep)
@@ -246,7 +248,7 @@ class HFEngine:
                 text += "" if stop.stopped else stop.flush()
                 # The end token is never shown, so it has no log probability either.
                 shown = None if logprobs is None else ()
-                deliver(Delta(text, 1, now, "stop", logprobs=shown))
+                deliver(Delta(text, 1, now, "stop", logprobs=shown, prompt_tokens=read))
                 return "finished"
             text = stop.feed(detok.push(token))
             reason = "stop" if stop.stopped else "length" if made == max_new else None
@@ -254,7 +256,7 @@ class HFEngine:
                 text += stop.feed(detok.flush())
                 reason = "stop" if stop.stopped else "length"
                 text += "" if stop.stopped else stop.flush()
-            deliver(Delta(text, 1, now, reason, logprobs=logprobs))
+            deliver(Delta(text, 1, now, reason, logprobs=logprobs, prompt_tokens=read))
             if reason is not None:
                 return "finished"
             ids = torch.tensor([[token]], dtype=torch.long)  # (1, 1): the next step's input

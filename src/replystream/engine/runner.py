@@ -204,6 +204,9 @@ class Runner:
         return batch
 
     def _emit(self, request: _Request, tokens: list[int], at_length: bool, now: float) -> None:
+        # The first delta says how many tokens the model read: the prompt a chat template
+        # made, which the server cannot count from the conversation's text.
+        prompt_tokens = None if request.token_times else len(request.prompt)
         text = ""
         count = 0
         eos = False
@@ -227,7 +230,9 @@ class Runner:
         if request.params.logprobs is not None:  # those of the tokens shown, in order
             logprobs = tuple(request.logprobs[: count - eos])  # an EOS token is never shown
             request.logprobs.clear()
-        request.deliver(Delta(text, count, now, reason, logprobs=logprobs))
+        request.deliver(
+            Delta(text, count, now, reason, logprobs=logprobs, prompt_tokens=prompt_tokens)
+        )
         if reason is not None:
             request.finished, request.finish_reason = now, reason
             self._counts["finished"] += 1
