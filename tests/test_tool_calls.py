@@ -16,6 +16,7 @@ import aiohttp
 import anthropic
 import openai
 import pytest
+from openai.types import Completion
 
 from replystream.sse import EventParser
 from tests.processes import replica
@@ -523,6 +524,22 @@ async def test_native_route_names_tool_call_events_and_lists_the_calls_whole(ser
     assert json.loads(events[-1].data) == {"finish_reason": "tool_calls"}
     assert whole["finish_reason"] == "tool_calls"
     assert [c["function"]["arguments"] for c in whole["tool_calls"]] == [WEATHER_ARGS, TIME_ARGS]
+
+
+async def test_a_legacy_completion_shows_no_calls_and_finishes_stop_streamed_or_whole(
+    server: str,
+):
+    # Its finish reasons are stop, length and content_filter: the calls it does not show
+    # cannot be its ending either.
+    ask: Any = {"model": "simulated", "prompt": "x"}
+    async with oai(server) as client:
+        whole = await client.completions.create(**ask)
+        stream = await client.completions.create(**ask, n=2, stream=True)
+        chunks = [chunk async for chunk in stream]
+    Completion.model_validate(whole.model_dump())
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (TEXT, "stop")
+    finishes = [(c.index, c.finish_reason) for k in chunks for c in k.choices if c.finish_reason]
+    assert sorted(finishes) == [(0, "stop"), (1, "stop")]
 
 
 async def test_resuming_mid_arguments_gives_the_exact_remaining_bytes(server: str):

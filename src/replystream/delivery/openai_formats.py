@@ -15,7 +15,8 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   chunk per piece; the usage then names its tokens (``completion_tokens_details``). Whole, the
   message has ``reasoning_content`` beside its ``content``.
 - A legacy ``text_completion`` stream is the same with ``choices[0].text`` and no role chunk
-  (its first chunk has empty text), and no thinking.
+  (its first chunk has empty text), and no thinking and no tool calls (a reply that ended
+  with calls finishes ``stop``, one of the three finish reasons that object has).
 - An error after the first byte is ``event: error`` with ``data: {"error": {"message",
   "type", "param", "code"}}``: the OpenAI SDKs raise ``APIError`` on an ``error`` key in any
   message, clients that read only ``data:`` lines see the same object, and replystream's own
@@ -63,6 +64,14 @@ _TEXT_PLACEHOLDER = "\x00text\x00"
 
 def _dumps(payload: dict[str, Any]) -> str:
     return json.dumps(payload, separators=(",", ":"))
+
+
+def _finish_reason(kind: Kind, finish_reason: str) -> str:
+    """The finish reason as this kind says it: a legacy completion shows no tool calls, so
+    a reply that ended with calls ended as the model's own end (``stop``) there."""
+    if kind == "text" and finish_reason == "tool_calls":
+        return "stop"
+    return finish_reason
 
 
 def completion_id(kind: Kind, reply_id: str) -> str:
@@ -199,7 +208,7 @@ class OpenAIStreamFormat:
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
-        finish = self._chunk([self._choice(None, finish_reason)])
+        finish = self._chunk([self._choice(None, _finish_reason(self.kind, finish_reason))])
         return [finish] if self.one_of_many else [finish, *self.reply_end(usage)]
 
     def reply_end(self, usage: Usage) -> list[Spec]:
@@ -246,7 +255,7 @@ def completion_choice(
     if logprobs is not None:
         made = logprobs
         choice["logprobs"] = chat_logprobs(made) if kind == "chat" else completion_logprobs(made, 0)
-    choice["finish_reason"] = finish_reason
+    choice["finish_reason"] = _finish_reason(kind, finish_reason)
     return choice
 
 
