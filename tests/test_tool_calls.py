@@ -356,6 +356,25 @@ async def test_anthropic_sdk_streams_tool_use_blocks_equal_to_the_whole_message(
     assert streamed.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
 
 
+async def test_a_call_the_token_limit_cuts_has_the_input_the_anthropic_sdk_assembles(
+    server: str,
+):
+    # Two text steps, the call's name, then two of its three fragments: '{"city": "Paris",'.
+    ask = {**ANTHROPIC_ASK, "max_tokens": 5}
+    async with claude(server) as client:
+        async with client.messages.stream(**ask) as stream:
+            streamed = await stream.get_final_message()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{server}/v1/messages", json=ask) as response:
+            whole = await response.json()
+    assert whole["stop_reason"] == "max_tokens"
+    assert whole["content"][-1]["input"] == {"city": "Paris"}  # an object, as the API's is
+    anthropic.types.Message.model_validate(whole)
+    assert streamed.model_dump(exclude={"id"}) == anthropic.types.Message.model_validate(
+        whole
+    ).model_dump(exclude={"id"})
+
+
 async def test_tool_messages_in_the_input_are_accepted_by_every_api(server: str):
     async with oai(server) as client, claude(server) as anthropic_client:
         history: list[dict[str, Any]] = [

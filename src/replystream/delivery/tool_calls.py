@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_core import from_json
+
 from replystream.engine.base import ToolCallDelta
 
 
@@ -31,11 +33,18 @@ class ToolCall:
 
     def parsed_arguments(self) -> Any:
         """The arguments as a JSON value (an empty string is ``{}``, as a call without
-        arguments sends; text that is not JSON is kept as a string, not dropped)."""
+        arguments sends; JSON cut short, by a token limit, is what it holds so far; text
+        that is not JSON is kept as a string, not dropped)."""
         if not self.arguments.strip():
             return {}
         try:
             return json.loads(self.arguments)
+        except ValueError:
+            pass
+        try:
+            # As the anthropic SDK reads a stream's fragments (jiter, incomplete values
+            # dropped), so a whole message equals the one it assembles from the same call.
+            return from_json(self.arguments, allow_partial=True)
         except ValueError:
             return self.arguments
 
