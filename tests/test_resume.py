@@ -162,3 +162,23 @@ async def test_resume_of_an_expired_reply_fails_clearly():
         with pytest.raises(ResumeFailed, match="gone"):
             async for _ in reader.events():
                 pass
+
+
+async def test_a_gap_with_nothing_logged_after_it_yet_is_sent_once():
+    # A reply nobody may resume that detaches: its reader's events are released as they are
+    # sent, so a reader coming back finds them gone, and nothing after them until the next
+    # token (300 ms away). It is told of the gap once, then waits for that token.
+    engine = fast_engine(delay_ms=300, jitter_ms=0)
+    async with running(create_app(engine)) as url:
+        first = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt": "x", "disconnect": "detach", "max_tokens": 2}'
+        )
+        reply_id = first.headers["x-reply-id"]
+        await first.aclose()
+        resumed = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        body = await resumed.read_body()
+    assert body.startswith(
+        b'event: gap\ndata: {"lost_from": 1, "lost_to": 1}\n\nevent: token\nid: 2\n'
+    )
+    assert body.count(b"event: gap") == 1
+    assert body.rstrip().endswith(b'{"finish_reason": "length"}')

@@ -411,6 +411,9 @@ class Follower:
             first, last = result.lost
             gap = f'{{"lost_from": {first:d}, "lost_to": {last:d}}}'
             await self._send(self.transport.notice("gap", gap, self.cursor.after), 1)
+            # Told once: the reader's place moves past what can never be sent, or a log with
+            # nothing kept after the gap yet would answer the next read with it again, at once.
+            self.cursor.sent(last, 0)
         await self._send_entries(result.entries, last=result.ending is not None)
         if result.ending is not None:
             return "ended"
