@@ -193,3 +193,29 @@ async def test_a_late_reader_gets_the_whole_reply_until_the_ttl_then_404(tmp_pat
             await gone.read_body()
     assert late_body == first.raw
     assert gone.status == 404
+
+
+async def test_a_detached_reply_read_on_the_other_replica_goes_on_past_the_grace(tmp_path: Path):
+    # The reply's own reader on A leaves; a reader on B follows it for longer than the detach
+    # grace. That reader counts as one: A keeps generating to the end, as for a reader of its
+    # own, rather than stopping the reply under it when the grace is over.
+    with redis_server(tmp_path) as redis:
+        slow = ("--engine", "simulated", "--delay-ms", "20", "--jitter-ms", "0")
+        args = (*slow, "--tokens", "250", "--redis-url", redis.url, "--detach-grace-s", "2")
+        async with replica(*args) as (_, a_url), replica(*args) as (_, b_url):
+            start = await raw_request(
+                f"{a_url}/v1/replies", "POST", b'{"prompt": "x", "resumable": true}'
+            )
+            reply_id = start.headers["x-reply-id"]
+            await start.reader.readuntil(b"\n\n")  # the reply event: then A's reader leaves
+            await start.aclose()
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            resumed = await raw_request(
+                f"{b_url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "1"}
+            )
+            body = await resumed.read_body()
+            read_for = loop.time() - began
+    assert read_for > 4  # twice the grace, and more
+    assert b"event: done" in body and b'"code": "cancelled"' not in body
+    assert body.count(b"event: token") == 250

@@ -46,6 +46,8 @@ class FollowedStore(Protocol):
 
     async def logged_bytes(self, reply_id: str) -> int | None: ...
 
+    async def reading(self, reply_id: str) -> None: ...
+
 
 class RemoteCursor:
     """A reader's place in a reply produced on another replica. Its lag is the log's size
@@ -75,6 +77,8 @@ class RemoteCursor:
         ):
             self._sent_upto = offsets.before_first  # first read, or entries were lost
         self._following = result is not None and result.ending is None and not result.producer_lost
+        if self._following:
+            await self._store.reading(self.reply_id)  # its producer keeps it going for us
         return result
 
     def sent(self, upto: int, log_bytes: int) -> None:

@@ -8,7 +8,9 @@ Cluster hash tag, so all of a reply's keys share one hash slot and one shard):
   count (``beat``, bumped every second while it generates) and, once the reply has ended, its
   ending and last event's number (``end``, ``last``); ``P{id}:live``: the producer's liveness
   key, set for ``liveness_s`` and refreshed every second while it generates;
-  ``P{id}:cancel``: a cancel request from another replica.
+  ``P{id}:cancel``: a cancel request from another replica; ``P{id}:read``: a reader's mark,
+  set for ``liveness_s`` and refreshed every second by each replica with a reader following
+  the reply, which its producer's heartbeat finds (a detached reply goes on while read).
 Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live). A
 delete leaves ``P{id}:meta`` holding only ``deleted`` for as long: readers find nothing, a
 repair writes nothing, and the producer, wherever it runs, finds it at its next heartbeat,
@@ -161,6 +163,10 @@ class RedisReplayStore:
         self._flushing = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._on_cancel: Callable[[str], None] | None = None
+        # Replies produced elsewhere that a reader here follows: when it last read each one.
+        self._reading: dict[str, float] = {}
+        # Replies produced here: when the heartbeat last found a reader's mark from elsewhere.
+        self._read_elsewhere: dict[str, float] = {}
         self._logged: dict[str, int] = {}  # bytes sent to Redis per live reply: entries' offsets
         # When each live reply's keys must have their TTL refreshed (absent: not yet written).
         self._expire_due: dict[str, float] = {}
@@ -240,6 +246,7 @@ class RedisReplayStore:
     def end(self, reply_id: str, ending: str) -> None:
         self._local.end(reply_id, ending)
         self._live.discard(reply_id)
+        self._read_elsewhere.pop(reply_id, None)
         if reply_id in self._deleted:
             self._deleted.discard(reply_id)
             return
@@ -490,6 +497,26 @@ class RedisReplayStore:
             live = list(self._live)
             if live:
                 await self._refresh(live)
+            reading = self._still_reading()
+            if reading:
+                await self._mark_read(reading)
+
+    def _still_reading(self) -> list[str]:
+        """Replies produced elsewhere that a reader here has read within ``liveness_s``."""
+        since = time.monotonic() - self.liveness_s
+        for reply_id in [r for r, at in self._reading.items() if at < since]:
+            del self._reading[reply_id]
+        return list(self._reading)
+
+    async def _mark_read(self, replies: list[str]) -> None:
+        """Leave each reply a reader's mark for its producer's heartbeat to find."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for reply_id in replies:
+                    pipe.set(self._key(reply_id, ":read"), b"1", ex=max(1, int(self.liveness_s)))
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("reader marks not refreshed: %s", exc)
 
     async def _refresh(self, live: list[str]) -> None:
         """Refresh the liveness of ``live`` replies, pass on the cancels asked for them, and
@@ -511,6 +538,7 @@ class RedisReplayStore:
                 self._key(reply_id, ":cancel"),
                 self._key(reply_id, ":meta"),
                 self._key(reply_id),
+                self._key(reply_id, ":read"),
             )
         try:
             answer = await self._heartbeat(keys=keys, args=[max(1, int(self.liveness_s))])
@@ -519,7 +547,9 @@ class RedisReplayStore:
             return
         deleted = []
         for n, reply_id in enumerate(replies):
-            cancelled, beat, length = answer[3 * n : 3 * n + 3]
+            cancelled, beat, length, read = answer[4 * n : 4 * n + 4]
+            if read:
+                self._read_elsewhere[reply_id] = time.monotonic()
             if beat == 0:  # deleted, on another replica: stop, and forget it here too
                 deleted.append(reply_id)
                 self._forget(reply_id)
@@ -554,6 +584,7 @@ class RedisReplayStore:
         self._failures.pop(reply_id, None)
         self._logged.pop(reply_id, None)
         self._expire_due.pop(reply_id, None)
+        self._read_elsewhere.pop(reply_id, None)
         self._dirty.discard(reply_id)
         self._local.discard(reply_id)
 
@@ -707,6 +738,19 @@ class RedisReplayStore:
             now = await self.redis.hget(self._key(reply_id, ":meta"), "beat")
             alive = now is not None and now != beat
         return ReadResult([], result.lost, None, producer_lost=not alive), offsets
+
+    async def reading(self, reply_id: str) -> None:
+        """A reader here has just read reply ``reply_id``, produced elsewhere and not ended:
+        its mark is left at once the first time (the producer may be counting down its
+        detach grace), then refreshed by the heartbeat while the reader goes on reading."""
+        first = reply_id not in self._reading
+        self._reading[reply_id] = time.monotonic()
+        if first:
+            self._ensure_tasks()
+            await self._mark_read([reply_id])
+
+    def read_elsewhere_at(self, reply_id: str) -> float | None:
+        return self._read_elsewhere.get(reply_id)
 
     async def logged_bytes(self, reply_id: str) -> int | None:
         """The size of a reply's log in Redis so far (None: no event logged yet)."""

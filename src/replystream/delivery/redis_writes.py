@@ -13,8 +13,9 @@ are kept. A write that fails fails its reply alone (the others in the batch go o
 The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
 ``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
 liveness refresh is one call too (``HEARTBEAT_SCRIPT``), which also bumps each live reply's
-heartbeat count and asks its stream's length (eviction checks), and finds a reply deleted
-on another replica (``DELETE_SCRIPT`` leaves a mark in its metadata's place).
+heartbeat count and asks its stream's length (eviction checks), finds a reply deleted
+on another replica (``DELETE_SCRIPT`` leaves a mark in its metadata's place), and whether a
+reader on another replica follows it (its reader mark).
 ``flush_batches`` plans one
 flush from what is queued. This file knows the stream entries' fields and which of a reply's
 keys each write touches, but not how keys are named (the store passes its naming).
@@ -109,17 +110,18 @@ redis.call('EXPIRE', counter, ttl)
 return out
 """
 
-# KEYS: live, cancel, meta and stream keys of each reply; ARGV[1]: liveness in seconds.
-# Returns, per reply: 1 if a cancel was requested (else 0), its heartbeat count after this
-# beat (1: its metadata was gone; 0: the reply was deleted, and what its producer wrote of it
-# since is deleted now), and its stream's length (shorter than what Redis acknowledged:
-# evicted).
+# KEYS: live, cancel, meta, stream and reader keys of each reply; ARGV[1]: liveness in
+# seconds. Returns, per reply: 1 if a cancel was requested (else 0), its heartbeat count after
+# this beat (1: its metadata was gone; 0: the reply was deleted, and what its producer wrote
+# of it since is deleted now), its stream's length (shorter than what Redis acknowledged:
+# evicted), and 1 if a reader on another replica follows it (else 0).
 HEARTBEAT_SCRIPT = """
 local out = {}
-for i = 1, #KEYS, 4 do
+for i = 1, #KEYS, 5 do
   if redis.call('HEXISTS', KEYS[i + 2], 'deleted') == 1 then
     redis.call('DEL', KEYS[i], KEYS[i + 1], KEYS[i + 3])
     out[#out + 1] = 1
+    out[#out + 1] = 0
     out[#out + 1] = 0
     out[#out + 1] = 0
   else
@@ -127,6 +129,7 @@ for i = 1, #KEYS, 4 do
     out[#out + 1] = redis.call('EXISTS', KEYS[i + 1])
     out[#out + 1] = redis.call('HINCRBY', KEYS[i + 2], 'beat', 1)
     out[#out + 1] = redis.call('XLEN', KEYS[i + 3])
+    out[#out + 1] = redis.call('EXISTS', KEYS[i + 4])
   end
 end
 return out

@@ -206,6 +206,13 @@ class ReplayStore(Protocol):
         a reply produced in this process."""
         ...
 
+    def read_elsewhere_at(self, reply_id: str) -> float | None:
+        """When (``time.monotonic()``) a reader on another replica was last found following
+        a reply produced in this process, within about ``liveness_s`` of its last read; None
+        if never. Its producer counts that reader as one of its own: a detached reply goes on
+        while it is read anywhere."""
+        ...
+
     def stats(self) -> ReplayStats: ...
 
     async def aclose(self) -> None: ...
@@ -375,6 +382,9 @@ class MemoryReplayStore:
 
     def on_cancel(self, stop: Callable[[str], None]) -> None:
         self._on_cancel = stop
+
+    def read_elsewhere_at(self, reply_id: str) -> float | None:
+        return None  # one process: every reader of a reply is its producer's own
 
     def cursor(self, reply_id: str, after: int) -> MemoryCursor:
         return MemoryCursor(self, reply_id, after)

@@ -179,8 +179,16 @@ class Reply:
 
     def _detach_expired(self) -> None:
         self._detach_timer = None
-        if self.readers == 0:
-            self.stop("detach_expired")
+        if self.readers:
+            return
+        # A reader on another replica is a reader too: the grace runs from its last read.
+        seen = self.store.read_elsewhere_at(self.reply_id)
+        left = 0.0 if seen is None else seen + self.detach_grace_s - time.monotonic()
+        if left > 0:
+            loop = asyncio.get_running_loop()
+            self._detach_timer = loop.call_later(left, self._detach_expired)
+            return
+        self.stop("detach_expired")
 
     def _append(self, entries: list[LogEntry], *, push: bool = True) -> None:
         if entries:
