@@ -12,6 +12,7 @@ from replystream.client.resume import Backoff
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
+from replystream.server.guard import GuardConfig
 from tests.chaos_proxy import chaos_proxy, random_budget
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
@@ -182,3 +183,27 @@ async def test_a_gap_with_nothing_logged_after_it_yet_is_sent_once():
     )
     assert body.count(b"event: gap") == 1
     assert body.rstrip().endswith(b'{"finish_reason": "length"}')
+
+
+async def test_a_resume_refused_for_now_is_tried_again_after_its_retry_after():
+    # One open request per client: while another stream of the client holds its slot, a
+    # resume is refused with 429 and Retry-After. The reader waits as told and tries again,
+    # rather than give up on a reply that goes on.
+    engine = fast_engine(delay_ms=10, jitter_ms=0)
+    config = ServerConfig(guard=GuardConfig(max_concurrent=1))
+    async with running(create_app(engine, config)) as url:
+        whole = await post_events(f"{url}/v1/replies", {"prompt": "x", "max_tokens": 80})
+        first = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt": "x", "resumable": true, "max_tokens": 80}'
+        )
+        reply_id = first.headers["x-reply-id"]
+        await first.aclose()  # the connection drops; the reply goes on (detached)
+        while (other := await raw_request(f"{url}/stream?max_tokens=40")).status == 429:
+            await other.read_body()  # until the server has seen the first one go
+        reader = ResumingReader(f"{url}/v1/replies", backoff=FAST_RETRY)
+        reader.reply_id, reader.last_event_id = reply_id, 1
+        text, ids = await read_text(reader)
+        await other.read_body()
+    assert reader.reconnects >= 1 and reader.finished
+    assert ids == list(range(2, 82))
+    assert text == whole.text

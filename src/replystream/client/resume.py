@@ -4,13 +4,16 @@ Start a reply (``POST``, or ``GET /stream?resumable=1``), then read its events. 
 connection drops, or ends without the reply's end marker, reconnect to the reply's resume URL
 (``GET /v1/replies/{id}/stream``) with ``Last-Event-ID`` set to the last event seen; the prompt
 is never sent twice. Between attempts it waits with capped exponential backoff and full
-jitter, never less than the server's ``retry:`` value. Events are yielded once each (an id at
-or below the last one seen is dropped); ``gap`` events and the ``generator_lost`` error are
-yielded for the caller to see. It stops after the end marker (``[DONE]`` or ``done``), an
-``error`` or ``moderated`` event, when the server answers a resume with 409 ``reply_ended``
-(the reply ended with the last event it holds: there is nothing more to read), or when
-attempts run out (``ResumeFailed``). An unnumbered ``slow_client`` or ``shutdown`` error is
-about the connection, not the reply, so it leads to a resume too.
+jitter, never less than the server's ``retry:`` value. A resume refused for now (429, 502,
+503, 504: the server or a proxy in front of it is busy or restarting) is an attempt like a
+dropped connection, and waits at least the ``Retry-After`` it came with. Events are yielded
+once each (an id at or below the last one seen is dropped); ``gap`` events and the
+``generator_lost`` error are yielded for the caller to see. It stops after the end marker
+(``[DONE]`` or ``done``), an ``error`` or ``moderated`` event, when the server answers a
+resume with 409 ``reply_ended`` (the reply ended with the last event it holds: there is
+nothing more to read), or when attempts run out (``ResumeFailed``). An unnumbered
+``slow_client`` or ``shutdown`` error is about the connection, not the reply, so it leads to
+a resume too.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from replystream.sse import Event, EventParser, SSEError
 TERMINAL_TYPES = frozenset({"done", "error", "moderated"})
 # Errors a server sends about one connection, not the reply: reading again may succeed.
 RESUMABLE_CUTS = frozenset({"slow_client", "shutdown"})
+# Statuses of a resume that say "not now" (too many requests, a proxy without a server, a
+# server that cannot serve for the moment): the reply may well go on, so try again.
+RETRIED_STATUSES = frozenset({429, 502, 503, 504})
 
 
 class ResumeFailed(Exception):
@@ -82,6 +88,7 @@ class ResumingReader:
         self.reconnects = 0
         self.finished = False
         self._retry_s: float | None = None
+        self._retry_after_s: float | None = None  # the last refusal's Retry-After
         self._rng = random.Random(seed)
 
     async def events(self) -> AsyncIterator[Event]:
@@ -101,7 +108,9 @@ class ResumingReader:
             attempt += 1
             if attempt > self.backoff.max_attempts:
                 raise ResumeFailed(f"gave up after {self.backoff.max_attempts} attempts")
-            await asyncio.sleep(self.backoff.delay(attempt - 1, self._retry_s, self._rng))
+            told = max(self._retry_s or 0.0, self._retry_after_s or 0.0)
+            self._retry_after_s = None
+            await asyncio.sleep(self.backoff.delay(attempt - 1, told, self._rng))
             self.reconnects += 1
 
     async def _one_connection(self) -> AsyncIterator[Event]:
@@ -124,6 +133,9 @@ class ResumingReader:
                 # it has read everything there is (the drop came after that event).
                 self.finished = True
                 return
+            if response.status in RETRIED_STATUSES and self.reply_id is not None:
+                self._retry_after_s = _retry_after(response.headers.get("retry-after", ""))
+                raise TransportError(f"resume refused for now: HTTP {response.status}")
             if response.status >= 400 or response.content_type != "text/event-stream":
                 detail = b"".join([c.data async for c in response])[:300].decode(errors="replace")
                 raise ResumeFailed(f"HTTP {response.status}: {detail}")
@@ -152,6 +164,12 @@ class ResumingReader:
                     yield event
                     if self.finished:
                         return
+
+
+def _retry_after(value: str) -> float | None:
+    """A ``Retry-After`` in seconds (its HTTP-date form, and anything else, taken as absent)."""
+    value = value.strip()
+    return float(value) if value.isascii() and value.isdigit() else None
 
 
 def _code(event: Event) -> str | None:
