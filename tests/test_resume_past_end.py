@@ -81,3 +81,22 @@ async def test_a_resuming_reader_holding_the_last_event_finishes_instead_of_retr
         reader.last_event_id = int(first.events[-1].id or 0)
         events = [event async for event in reader.events()]
     assert events == [] and reader.finished and reader.reconnects == 0
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_resume_past_the_last_event_of_a_live_reply_made_here_is_400(
+    kind: str, tmp_path: Path
+):
+    # The server making a live reply knows its last event exactly (no replica's log to wait
+    # for): an id past it is not one of this reply's, said at once, not as an empty 200 sent
+    # once the reply has ended.
+    async with producer_and_reader(kind, tmp_path) as (start, _):
+        live = await raw_request(
+            f"{start}/v1/replies", "POST", b'{"prompt": "x", "resumable": true, "max_tokens": 500}'
+        )
+        reply_id = live.headers["x-reply-id"]
+        status, body, _ = await resume(start, reply_id, "999999")
+        await live.aclose()
+    assert status == 400
+    assert body["error"]["code"] == "invalid_value" and body["error"]["param"] == "last_event_id"
+    assert "999999" in body["error"]["message"]

@@ -202,7 +202,7 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
     after = last_event_id(request)
     reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
-        await check_resume_point(reply_id, store, after)
+        await check_resume_point(reply_id, store, after, made_here=local is not None)
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request, reply_id=reply_id, store=store, policy=policy, reply=local, after=after

@@ -392,19 +392,25 @@ async def find_reply(
 
 
 async def check_resume_point(
-    reply_id: str, store: ReplayStore, after: int, *, param: str = "last_event_id"
+    reply_id: str,
+    store: ReplayStore,
+    after: int,
+    *,
+    made_here: bool,
+    param: str = "last_event_id",
 ) -> None:
     """Refuse a resume that could only send an empty stream: after an ended reply's last event
-    (409 ``reply_ended``: the client has it all) or past it (400: not an id of this reply).
-    A live reply is followed from any id: another replica may not have logged yet what its
-    producer has sent."""
+    (409 ``reply_ended``: the client has it all) or past the last event (400: not an id of
+    this reply). A live reply made on another replica is followed from any id (this one may
+    not have read yet what its producer has sent); one made here (``made_here``) is known to
+    its last event."""
     try:
         tail = await store.tail(reply_id)
     except StoreUnavailable as exc:
         raise HTTPAPIError(
             503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
         ) from exc
-    if tail is None or not tail.ended or after < tail.last_seq:
+    if tail is None or after < tail.last_seq or not (tail.ended or made_here):
         return
     if after > tail.last_seq:
         raise HTTPAPIError(
@@ -413,6 +419,8 @@ async def check_resume_point(
             code="invalid_value",
             param=param,
         )
+    if not tail.ended:
+        return  # at the live reply's last event: what comes next is followed
     raise HTTPAPIError(
         409,
         f"reply {reply_id} has ended and {after} is its last event: there is nothing after it",

@@ -395,7 +395,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     if after is None:  # an EventSource resumes with the same cursor
         after, param = last_event_id(request), "last_event_id"
     if after > 0:
-        await check_resume_point(reply_id, store, after, param=param)
+        await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request,
