@@ -8,6 +8,7 @@ engine around the loaded weights, and the replies are short.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -21,6 +22,7 @@ from replystream.engine.tiny import TinyEngine, TinyEngineConfig
 from replystream.engine.tokenizer import ByteTokenizer
 from replystream.server import create_app, running
 from tests.services import require_smollm2
+from tests.sse_client import post_events
 
 Loaded = tuple[GGUFModel, TinyModel, ByteTokenizer]
 
@@ -94,3 +96,26 @@ async def test_smollm2_chat_logprobs_are_its_greedy_tokens_streamed_and_whole(lo
         assert len(top) == 4 and top[0] == (token, logprob)
         assert values == sorted(values, reverse=True)
         assert logprob <= 0 and sum(math.exp(v) for v in values) <= 1 + 1e-9
+
+
+async def test_no_event_carries_the_end_tokens_empty_text(loaded: Loaded):
+    """The end-of-turn token that ends the reply has no text: no event is sent for it (no
+    provider's API sends an empty text delta), directly or through the stages a stop string
+    and log probabilities take; the usage counts it."""
+    ask = {"messages": ASK["messages"], "temperature": 0, "max_tokens": 40, "stream": True}
+    async with running(create_app(engine_of(loaded))) as url:
+        direct = await post_events(f"{url}/v1/replies", ask)
+        staged = await post_events(f"{url}/v1/replies", {**ask, "stop": ["never said"]})
+        chat = await post_events(
+            f"{url}/v1/chat/completions",
+            {**ask, "logprobs": True, "stream_options": {"include_usage": True}},
+        )
+    for got in (direct, staged):
+        tokens, [usage], [done] = got.of_type("token"), got.of_type("usage"), got.of_type("done")
+        assert done["finish_reason"] == "stop" and all(token["text"] for token in tokens)
+        # Every token made is in an event but the end token.
+        assert sum(token["tokens"] for token in tokens) == usage["completion_tokens"] - 1
+    chunks = [json.loads(e.data) for e in chat.events if e.data.startswith("{")]
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:] if c["choices"]]  # the role's aside
+    assert all(delta.get("content") != "" for delta in deltas), deltas
+    assert chat.chat_text == direct.text == staged.text and "Paris" in direct.text

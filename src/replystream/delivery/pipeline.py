@@ -61,6 +61,7 @@ class ReplyPipeline:
 
     # Every open reply holds one: slots instead of an instance dict (about 250 bytes less).
     __slots__ = (
+        "_carried",
         "_direct",
         "batcher",
         "batching",
@@ -112,6 +113,10 @@ class ReplyPipeline:
         self.batching = self.batcher is not None
         self.next_seq = 1
         self.tokens = 0
+        # Tokens made with no text of their own (the end token; the first bytes of a
+        # character the next token completes): no empty event is sent for them, as no
+        # provider's API sends one; they are counted in the next text event.
+        self._carried = 0
         self.reasoning_tokens = 0  # of ``tokens``: thinking relayed
         self.finish_reason = "stop"
         self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
@@ -161,8 +166,15 @@ class ReplyPipeline:
                     return self._entries(self.fmt.continued(delta.continued, self.tokens))
                 if holdback is None or batcher is None:
                     return []
+            elif holdback is None or batcher is None:
+                self._carried += delta.tokens
+                return []
         if holdback is None or batcher is None:  # nothing held, nothing batched
-            return self._entries(self.fmt.text(delta.text, delta.tokens))
+            tokens = delta.tokens
+            if self._carried:
+                tokens += self._carried
+                self._carried = 0
+            return self._entries(self.fmt.text(delta.text, tokens))
         if self.logprobs is not None and delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         text, tokens = holdback.push(delta.text, delta.tokens)
@@ -200,6 +212,12 @@ class ReplyPipeline:
 
     def _text(self, text: str, tokens: int) -> list[Spec]:
         """The events of released text, with its tokens' log probabilities when asked."""
+        if not text:  # tokens with no text yet: counted (and their log probabilities sent)
+            self._carried += tokens  # with the next text
+            return []
+        if self._carried:
+            tokens += self._carried
+            self._carried = 0
         made = self.logprobs
         if made is None:
             return self.fmt.text(text, tokens)
@@ -242,6 +260,11 @@ class ReplyPipeline:
             batch = self.batcher.add(text, tokens, 0.0)
             specs = [] if batch is None else self._text(*batch)
             specs += self._flush()
+            if self._carried and self.logprobs:
+                # Text-less tokens at the end that have log probabilities (the first bytes
+                # of a character never completed): sent, not lost, in a text-less event.
+                taken = tuple(self.logprobs)
+                specs += self.fmt.text_logprobs("", self._carried, taken)
         return self._entries(
             specs + self.fmt.finished(self.finish_reason, self.usage(), self.stop_sequence)
         )
