@@ -189,6 +189,9 @@ async def test_the_item_a_failure_or_a_cancel_cuts_is_incomplete():
         ({"input": "x", "replystream": {"batch_tokens": 0}}, 400, "replystream.batch_tokens"),
         ({"input": "x", "frobnicate": 1}, 400, "frobnicate"),
         ({"input": "x", "model": "gpt-9"}, 404, "model"),
+        ({"input": "x", "truncation": "auto"}, 400, "truncation"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format.type"),
+        ({"input": "x", "text": {"verbosity": "loud"}}, 400, "text.verbosity"),
     ],
 )
 async def test_what_is_not_honoured_is_refused_naming_the_field(body, status, param):
@@ -199,6 +202,41 @@ async def test_what_is_not_honoured_is_refused_naming_the_field(body, status, pa
     assert set(error) == {"message", "type", "param", "code"}
     if param is not None:
         assert error["param"] == param, error
+
+
+async def test_the_text_format_and_truncation_it_echoes_are_accepted_as_sent():
+    """A client that sends back the settings a response object shows (plain text, no
+    truncation) is served, and its verbosity is repeated as the API repeats it."""
+    async with running(create_app(fast_engine())) as url, sdk(url) as client:
+        response = await client.responses.create(
+            model="simulated",
+            input="x",
+            text={"format": {"type": "text"}, "verbosity": "low"},
+            truncation="disabled",
+        )
+        again = await client.responses.retrieve(response.id)
+    assert response.status == "completed" and response.truncation == "disabled"
+    assert response.text is not None and response.text.format is not None
+    assert (response.text.format.type, response.text.verbosity) == ("text", "low")
+    assert again.text == response.text
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"truncation": "auto"}, "unsupported_parameter"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "a", "schema": {}}}},
+            "unsupported_parameter",
+        ),
+        ({"text": {"verbosity": "loud"}}, "invalid_value"),
+    ],
+)
+async def test_a_setting_this_server_cannot_honour_is_unsupported_a_wrong_one_invalid(body, code):
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json={"input": "x", **body}) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["code"] == code
 
 
 async def test_a_background_response_runs_unread_and_resumes_after_any_sequence_number():

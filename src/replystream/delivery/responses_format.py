@@ -88,6 +88,7 @@ class ResponseSettings:
     parallel_tool_calls: bool = True
     # The request's ``reasoning``, repeated as OpenAI's response object does.
     reasoning: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
+    verbosity: str | None = None  # the request's ``text.verbosity``, repeated in ``text``
 
 
 def last_item_status(status: Status) -> ItemStatus:
@@ -142,7 +143,7 @@ def response_object(
         "reasoning": settings.reasoning,
         "store": settings.store,
         "temperature": settings.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": _text_settings(settings),
         "tool_choice": settings.tool_choice,
         "tools": list(settings.tools),
         "top_p": settings.top_p,
@@ -150,6 +151,13 @@ def response_object(
         "usage": None if usage is None else usage_object(usage),
         "metadata": settings.metadata or {},
     }
+
+
+def _text_settings(settings: ResponseSettings) -> dict[str, Any]:
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    if settings.verbosity is not None:
+        text["verbosity"] = settings.verbosity
+    return text
 
 
 def message_id(reply_id: str, output_index: int) -> str:

@@ -278,6 +278,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         tool_choice=_echoed_choice(body),
         parallel_tool_calls=body.parallel_tool_calls is not False,  # the API's default: true
         reasoning=(body.reasoning or ResponsesReasoning()).model_dump(),
+        verbosity=None if body.text is None else body.text.verbosity,
     )
     if not body.store:  # nothing to keep: a plain reply, or one body collected whole
         if not body.stream:

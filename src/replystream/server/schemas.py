@@ -12,8 +12,8 @@ Two class attributes of a top-level model steer the error its failures become:
 ``unknown_field`` (the wording for a field it does not have, its own or a nested object's,
 whose code is ``unknown_parameter`` on every route; and whether a missing top-level field is
 OpenAI's ``missing_required_parameter``) and ``field_codes`` (a code other than
-``invalid_value`` for a field, such as ``unsupported_parameter`` for a feature this server
-lacks).
+``invalid_value`` for a field, by its top-level name or its whole path such as
+``text.format.type``: ``unsupported_parameter`` for a feature this server lacks).
 """
 
 from __future__ import annotations
@@ -546,10 +546,23 @@ class ResponsesReasoning(Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+class ResponsesText(Strict):
+    """``text`` of ``POST /v1/responses``: the output's format (plain text, the one this
+    server makes: a JSON schema is refused, as chat's ``response_format`` is) and its
+    ``verbosity`` (echoed, as the API does; no engine here takes it)."""
+
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
 class ResponsesBody(Strict):
     """``POST /v1/responses``."""
 
     unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
+    field_codes: ClassVar[Mapping[str, str]] = {
+        "truncation": "unsupported_parameter",
+        "text.format.type": "unsupported_parameter",
+    }
 
     model: str | None = None
     input: ResponseInput
@@ -568,6 +581,12 @@ class ResponsesBody(Strict):
     user: str | None = None
     prompt_cache_key: str | None = None
     reasoning: ResponsesReasoning | None = None
+    text: ResponsesText | None = None
+    # "auto" would let the server drop input from the middle to fit the context: this one
+    # never drops input (a prompt too long is a 400), so it takes the one value it honours.
+    truncation: (
+        Annotated[str, only("disabled", "disabled; this server never drops input")] | None
+    ) = None
     replystream: ResponsesExtensions | None = None
 
     @model_validator(mode="after")

@@ -129,7 +129,8 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
     if param is None and kind in ("model_type", "model_attributes_type", "dict_type"):
         return HTTPAPIError(400, f"{what} must be a JSON object", code="invalid_json")
     top_field = str(error["loc"][0]) if error["loc"] else ""
-    code = model.field_codes.get(top_field, "invalid_value")
+    # A code for the field's own place (``text.format.type``), else for its top field.
+    code = model.field_codes.get(param or "", model.field_codes.get(top_field, "invalid_value"))
     if kind == "extra_forbidden":  # one code on every route; each dialect's own words
         if model.unknown_field == "openai":
             message = f"Unrecognized request argument supplied: {param}"
