@@ -71,32 +71,25 @@ async def test_closed_loop_recovers_the_simulated_schedule(scheduled_server):
     assert 0.0 < summary["client"]["cpu_us_per_event"] < 50_000.0
 
 
+async def run_bench(*args: str) -> tuple[int | None, bytes, bytes]:
+    """``replystream bench ARGS`` as a process: its exit status, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "replystream", "bench", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await process.communicate()
+    return process.returncode, stdout, stderr
+
+
 async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tmp_path):
     out = tmp_path / "bench.json"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "bench",
+    returncode, stdout, _ = await run_bench(
         f"{scheduled_server}/stream",
-        "--concurrency",
-        "3",
-        "--requests",
-        "6",
-        "--slo",
-        "ttft:100000",
-        "tpot:1",
-        "--json",
-        str(out),
-        "--plot",
-        str(tmp_path / "plots"),
-        "--csv",
-        str(tmp_path / "bench.csv"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        *("--concurrency", "3", "--requests", "6", "--slo", "ttft:100000", "tpot:1"),
+        *("--json", str(out), "--plot", str(tmp_path / "plots")),
+        *("--csv", str(tmp_path / "bench.csv")),
     )
-    stdout, _ = await process.communicate()
-    assert process.returncode == 0
+    assert returncode == 0
     text = stdout.decode()
     for shown in ("TTFT", "TPOT", "ITL", "E2EL", "linear interpolation", "% of one core"):
         assert shown in text
@@ -120,23 +113,11 @@ async def test_an_output_that_cannot_be_written_is_one_line_and_the_others_are_w
 ):
     # /dev/full passes every check made before the run (its folder exists, it opens for
     # writing) and refuses the write itself, as a full disk does.
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "bench",
+    returncode, stdout, stderr = await run_bench(
         f"{scheduled_server}/stream",
-        "--requests",
-        "2",
-        "--json",
-        "/dev/full",
-        "--csv",
-        str(tmp_path / "bench.csv"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        *("--requests", "2", "--json", "/dev/full", "--csv", str(tmp_path / "bench.csv")),
     )
-    stdout, stderr = await process.communicate()
-    assert process.returncode == 1
+    assert returncode == 1
     assert stderr.decode().strip().splitlines() == [
         "replystream bench: --json /dev/full: No space left on device"
     ]
