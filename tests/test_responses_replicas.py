@@ -99,6 +99,13 @@ async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path
     assert error["code"] == "generator_lost" and "gone" in error["message"]
     assert failed_event["response"]["status"] == "failed"
     assert failed_event["response"]["error"]["code"] == "generator_lost"
+    # A whole response object, with the settings it opened with (its output is read whole
+    # with a GET: the reader decided this alone).
+    told = failed_event["response"]
+    assert set(told) == set(failed) and told["output"] == []
+    assert {k: told[k] for k in ("id", "model", "created_at")} == {
+        k: failed[k] for k in ("id", "model", "created_at")
+    }
     numbers = [json.loads(e.data)["sequence_number"] for e in events]
     assert numbers == list(range(1, len(events) + 1))
     assert (failed["status"], failed["error"]["code"]) == ("failed", "generator_lost")

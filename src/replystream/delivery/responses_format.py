@@ -512,10 +512,13 @@ def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str
         items[item["id"]] = item
 
 
-def reader_notices(reply_id: str) -> Notices:
+def reader_notices(reply_id: str, opened: dict[str, Any] | None) -> Notices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
     producer, a store that cannot be reached): an ``error`` event in OpenAI's shape, then
-    ``response.failed``, numbered on from the last event sent (they are not in the log)."""
+    ``response.failed``, numbered on from the last event sent (they are not in the log).
+    Its object is the response as it opened (``opened``: its settings, as
+    ``response.created`` carried them; None if that event is gone), failed, with no output:
+    the reader decided it alone, and what the response holds is read with a ``GET``."""
 
     def notices(event: str, data: str, after: int) -> list[tuple[str, str]]:
         if event != "error":
@@ -523,11 +526,12 @@ def reader_notices(reply_id: str) -> Notices:
         error = json.loads(data)["error"]
         code, message = error["code"], error["message"]
         failed = {
-            "id": response_id(reply_id),
-            "object": "response",
+            **(opened or {"id": response_id(reply_id), "object": "response"}),
             "status": "failed",
             "error": {"code": code, "message": message},
+            "incomplete_details": None,
             "output": [],
+            "usage": None,
         }
         error_event = {
             "type": "error",

@@ -106,20 +106,22 @@ def input_messages(body: ResponsesBody) -> Messages:
 
 async def _find_response(
     request: web.Request, reply_id: str, param: str
-) -> tuple[ReplayStore, Reply | None]:
-    """The store of the caller's response ``reply_id`` (and its producer, when it runs here),
-    else a 404: a reply of another dialect is not a response, and is neither streamed as one
-    nor deleted here."""
+) -> tuple[ReplayStore, Reply | None, dict[str, Any] | None]:
+    """The store of the caller's response ``reply_id``, its producer when it runs here, and
+    the object its ``response.created`` event carried (None if that event is gone); else a
+    404: a reply of another dialect is not a response, and is neither streamed as one nor
+    deleted here."""
     _, store, local = await find_reply(request, reply_id, param=param)
     try:
         head = await store.read(reply_id, 0, 0.0)
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     # Every event of a response's log is named response.* (the first one, if it was trimmed).
-    first = head.entries[0].event if head is not None and head.entries else None
-    if not (first or "").startswith("response."):
+    first = head.entries[0] if head is not None and head.entries else None
+    if first is None or not (first.event or "").startswith("response."):
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
-    return store, local
+    opened = json.loads(first.data)["response"] if first.event == "response.created" else None
+    return store, local, opened
 
 
 def _response_reply_id(response_id: str, param: str) -> str:
@@ -184,7 +186,7 @@ async def _history(request: web.Request, previous: str) -> Messages:
     """The conversation a ``previous_response_id`` continues: its history and input, then
     its output."""
     reply_id = _response_reply_id(previous, "previous_response_id")
-    store, _ = await _find_response(request, reply_id, "previous_response_id")
+    store, _, _ = await _find_response(request, reply_id, "previous_response_id")
     info = await store.info(reply_id)
     response = await _read_response(store, reply_id)
     if response["status"] in ("queued", "in_progress"):
@@ -291,7 +293,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
             policy=policy,
             resumable=False,
         )
-        return _follow(request, reply, policy)
+        return _follow(request, reply, policy, settings)
     reply = await start_reply(
         request,
         generation,
@@ -303,17 +305,19 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         context=json.dumps({"messages": conversation}),
     )
     if body.stream:
-        return _follow(request, reply, policy)
+        return _follow(request, reply, policy, settings)
     if body.background:
         queued = response_object(settings, reply.reply_id, "queued")
         return web.json_response(queued, headers={"X-Reply-Id": reply.reply_id})
     return web.json_response(await _await_end(reply), headers={"X-Reply-Id": reply.reply_id})
 
 
-def _follow(request: web.Request, reply: Reply, policy: DeliveryPolicy) -> web.StreamResponse:
-    return follow_started(
-        request, reply, policy, keepalive=SDK_KEEPALIVE, notices=reader_notices(reply.reply_id)
-    )
+def _follow(
+    request: web.Request, reply: Reply, policy: DeliveryPolicy, settings: ResponseSettings
+) -> web.StreamResponse:
+    opened = response_object(settings, reply.reply_id, "in_progress")
+    notices = reader_notices(reply.reply_id, opened)
+    return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE, notices=notices)
 
 
 async def _await_end(reply: Reply) -> dict[str, Any]:
@@ -389,7 +393,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     ``starting_after``, then the live tail."""
     query = parse_mapping(request.query, RetrieveQuery)
     reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
-    store, local = await _find_response(request, reply_id, "response_id")
+    store, local, opened = await _find_response(request, reply_id, "response_id")
     if not query.stream:
         return web.json_response(await _read_response(store, reply_id))
     after, param = query.starting_after, "starting_after"
@@ -406,7 +410,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
         reply=local,
         after=after,
         keepalive=SDK_KEEPALIVE,
-        notices=reader_notices(reply_id),
+        notices=reader_notices(reply_id, opened),
     )
 
 
@@ -414,7 +418,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses/{id}/cancel``: end it with status ``cancelled`` (a response that
     has ended already is answered as it is)."""
     reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
-    store, _ = await _find_response(request, reply_id, "response_id")
+    store, _, _ = await _find_response(request, reply_id, "response_id")
     response = await _read_response(store, reply_id)
     if response["status"] not in ("queued", "in_progress"):
         return web.json_response(response)
@@ -434,7 +438,7 @@ async def handle_delete(request: web.Request) -> web.StreamResponse:
     """``DELETE /v1/responses/{id}``: stop it if it runs, and forget it everywhere."""
     response_id = request.match_info["response_id"]
     reply_id = _response_reply_id(response_id, "response_id")
-    store, _ = await _find_response(request, reply_id, "response_id")
+    store, _, _ = await _find_response(request, reply_id, "response_id")
     try:
         await store.delete(reply_id)  # stopped first, if it runs (on whichever replica)
     except StoreUnavailable as exc:
