@@ -174,17 +174,29 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
     assert engine.stats().started == 2
 
 
-async def open_raw_websocket(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_raw_websocket(
+    url: str, extra_headers: bytes = b""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A WebSocket handshake by hand, so the test controls whether anything is ever read."""
+    reader, writer, _head = await open_raw_websocket_with_head(url, extra_headers)
+    return reader, writer
+
+
+async def open_raw_websocket_with_head(
+    url: str, extra_headers: bytes = b""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """``open_raw_websocket``, with the server's handshake answer."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
         b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        + extra_headers
+        + b"\r\n"
     )
     head = await reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 101")
-    return reader, writer
+    return reader, writer, head
 
 
 def client_frame(payload: bytes) -> bytes:
@@ -269,21 +281,27 @@ async def test_a_plain_get_is_a_400_in_the_error_shape():
     assert error["code"] == "upgrade_required" and error["type"] == "invalid_request_error"
 
 
+async def read_raw_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One unmasked server frame: (its first byte: FIN, RSV bits and opcode; its payload)."""
+    head = await reader.readexactly(2)
+    size = head[1] & 0x7F
+    if size == 126:
+        size = int.from_bytes(await reader.readexactly(2), "big")
+    elif size == 127:
+        size = int.from_bytes(await reader.readexactly(8), "big")
+    return head[0], await reader.readexactly(size)
+
+
 async def read_raw_frames(reader: asyncio.StreamReader) -> list[tuple[int, bytes]]:
     """Every unmasked server frame (opcode, payload) until the connection ends."""
     frames: list[tuple[int, bytes]] = []
     async with asyncio.timeout(15):
         while True:
             try:
-                head = await reader.readexactly(2)
+                first, payload = await read_raw_frame(reader)
             except asyncio.IncompleteReadError:
                 return frames
-            opcode, size = head[0] & 0x0F, head[1] & 0x7F
-            if size == 126:
-                size = int.from_bytes(await reader.readexactly(2), "big")
-            elif size == 127:
-                size = int.from_bytes(await reader.readexactly(8), "big")
-            frames.append((opcode, await reader.readexactly(size)))
+            frames.append((first & 0x0F, payload))
 
 
 def masked_close_frame() -> bytes:
@@ -349,3 +367,26 @@ async def test_a_session_that_fails_after_the_upgrade_closes_with_1011_and_no_ht
     assert b"HTTP/1.1" not in b"".join(payload for _, payload in frames)
     closes = [payload for opcode, payload in frames if opcode == 0x8]
     assert closes and int.from_bytes(closes[0][:2], "big") == 1011
+
+
+async def test_the_socket_refuses_compression_so_every_frame_is_plain():
+    async with serving(create_app(fast_engine())) as server:
+        offer = b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n"
+        reader, writer, head = await open_raw_websocket_with_head(server.url, offer)
+        try:
+            assert b"permessage-deflate" not in head.lower()
+            # An error message (sent by the session) and a reply's events (written by its
+            # transport) alike: no RSV1 bit, the payload is the JSON itself.
+            writer.write(client_frame(b"not json"))
+            start = {"type": "reply", "id": "p", "prompt": "x", "max_tokens": 2}
+            writer.write(client_frame(json.dumps(start).encode()))
+            messages: list[Any] = []
+            async with asyncio.timeout(10):
+                while not messages or messages[-1]["type"] != "done":
+                    first, payload = await read_raw_frame(reader)
+                    assert first == 0x81  # a final text frame, RSV1 (compressed) clear
+                    messages.append(json.loads(payload))
+        finally:
+            writer.close()
+    assert messages[0]["data"]["error"]["code"] == "invalid_json"
+    assert [m["type"] for m in messages[1:]] == ["reply", "token", "token", "usage", "done"]

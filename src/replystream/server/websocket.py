@@ -357,6 +357,9 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
         heartbeat=config.policy.keepalive_s,
         max_msg_size=config.max_body_bytes,
         timeout=CLOSE_TIMEOUT_S,
+        # No permessage-deflate, whatever the client offers: compressing costs CPU per frame
+        # on the hot path, and the reply transports write whole plain frames themselves.
+        compress=False,
     )
     if not ws.can_prepare(request).ok:
         raise HTTPAPIError(
