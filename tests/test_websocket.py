@@ -124,6 +124,19 @@ async def test_bad_messages_get_an_error_message_and_the_socket_lives_on(message
     assert ok[-1]["type"] == "done" and text_of(ok) == "A language model "
 
 
+async def test_cancelling_an_unknown_tag_is_not_found_as_over_http():
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/replies/nobody/cancel") as response:
+            assert response.status == 404
+            over_http = (await response.json())["error"]
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "cancel", "id": "nobody"})
+            error = (await ws.receive_json())["data"]["error"]
+    assert error["code"] == over_http["code"] == "reply_not_found"
+    assert error["type"] == over_http["type"] == "not_found_error"
+    assert error["param"] == "id"
+
+
 async def test_replies_per_socket_are_limited_and_tags_unique():
     engine = fast_engine(delay_ms=20, jitter_ms=0)
     config = ServerConfig(ws_max_replies=1)

@@ -288,7 +288,10 @@ class Session:
     def _cancel(self, tag: str) -> None:
         running = self.running.get(tag)
         if running is None:
-            raise HTTPAPIError(400, f"no reply tagged {tag!r} is running", code="reply_not_found")
+            # As HTTP answers a cancel of an unknown reply: a 404 (``not_found_error``).
+            raise HTTPAPIError(
+                404, f"no reply tagged {tag!r} is running", code="reply_not_found", param="id"
+            )
         # The reply's log ends with an ``error`` event (``cancelled``), which its reader sends;
         # a reply still being admitted is stopped as soon as it is, so it ends the same way.
         running.cancelled = True
