@@ -187,6 +187,29 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
     assert engine.stats().started == 2
 
 
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        '{"type": "auth", "api_key": "sk-mine"}',
+        '{"type": "\\u0061uth", "api_key": "sk-mine"}',
+        '{"api_key": "sk-mine", "type": "a\\u0075th"}',
+    ],
+)
+async def test_an_auth_message_is_the_same_message_whatever_its_json_spelling(spelling):
+    # A server without keys takes the key for a relay to pass on: once, then a second key is
+    # refused. Every JSON spelling of the first message must be taken the same way.
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_str(spelling)
+            await ws.send_json({"type": "auth", "api_key": "sk-other"})
+            error = await ws.receive_json()
+            await ws.send_json({"type": "reply", "id": "r", "prompt": "x", "max_tokens": 2})
+            ended = await read_until_ended(ws, {"r"})
+    assert error["data"]["error"]["param"] == "api_key"
+    assert "has its key already" in error["data"]["error"]["message"]
+    assert ended[-1]["type"] == "done"
+
+
 async def open_raw_websocket(
     url: str, extra_headers: bytes = b""
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -598,12 +598,13 @@ class ResponsesBody(Strict):
 
 
 class SocketEnvelope(Strict):
-    """What every WebSocket message carries: its ``type`` and the client's tag ``id``.
-    Read first (other fields ignored), so an error about the rest can name the tag."""
+    """What a WebSocket message says of itself: its ``type`` and the client's tag ``id``
+    (every message but ``auth`` has one). Read first (other fields ignored), so an error
+    about the rest can name the tag."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
-    id: ClientTag
+    id: ClientTag | None = None
     type: Any = None
 
 
@@ -635,7 +636,10 @@ class AuthMessage(Strict):
     api_key: str
 
 
-SOCKET_MESSAGES: Mapping[str, type[ReplyMessage] | type[CancelMessage]] = {
+SocketMessage = ReplyMessage | CancelMessage | AuthMessage
+
+SOCKET_MESSAGES: Mapping[str, type[SocketMessage]] = {
+    "auth": AuthMessage,
     "reply": ReplyMessage,
     "cancel": CancelMessage,
 }

@@ -1,8 +1,10 @@
 """A WebSocket client message in, a validated message (``server.schemas``) or an error out.
 
-Every message names its reply with the client's tag ``id``; the tag is read first, so an
-error about the rest of the message can be sent for that tag (the client's other replies
-are not concerned). This file must not know about the socket or the replies running on it.
+Every message but ``auth`` names its reply with the client's tag ``id``; the tag is read
+first, so an error about the rest of the message can be sent for that tag (the client's other
+replies are not concerned). A message is told by its decoded ``type``, never by its bytes, so
+every JSON spelling of a message is the same message. This file must not know about the
+socket or the replies running on it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ from replystream.server.errors import HTTPAPIError
 from replystream.server.schemas import (
     SOCKET_MESSAGES,
     AuthMessage,
-    CancelMessage,
-    ReplyMessage,
     SocketEnvelope,
+    SocketMessage,
 )
 from replystream.server.validation import parse_json
 
@@ -27,8 +28,8 @@ class BadMessage(Exception):
         self.error = error
 
 
-def parse_message(data: str | bytes) -> ReplyMessage | CancelMessage:
-    """A ``reply`` or ``cancel`` message. Raises ``BadMessage``."""
+def parse_message(data: str | bytes) -> SocketMessage:
+    """An ``auth``, ``reply`` or ``cancel`` message. Raises ``BadMessage``."""
     try:
         envelope = parse_json(data, SocketEnvelope, what="message")
     except HTTPAPIError as exc:
@@ -36,7 +37,10 @@ def parse_message(data: str | bytes) -> ReplyMessage | CancelMessage:
     model = SOCKET_MESSAGES.get(envelope.type) if isinstance(envelope.type, str) else None
     if model is None:
         error = HTTPAPIError(
-            400, 'type must be "reply" or "cancel"', code="invalid_value", param="type"
+            400,
+            'type must be "auth", "reply" or "cancel"',
+            code="invalid_value",
+            param="type",
         )
         raise BadMessage(envelope.id, error)
     try:

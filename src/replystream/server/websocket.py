@@ -59,7 +59,7 @@ from replystream.server.context import (
 from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.replies import Reply, ReplyManager
-from replystream.server.schemas import CancelMessage, ReplyMessage
+from replystream.server.schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
 from replystream.server.ws_transport import LAST_WORDS_S, WebSocketTransport
 
@@ -236,14 +236,14 @@ class Session:
         try:
             if msg.type != WSMsgType.TEXT:
                 raise HTTPAPIError(400, "messages must be JSON text", code="invalid_json")
-            if '"auth"' in msg.data and (key := auth_key(msg.data)) is not None:
-                self._take_key(key)
-                return
             try:
                 message = parse_message(msg.data)
             except BadMessage as bad:
                 tag = bad.tag
                 raise bad.error from None
+            if isinstance(message, AuthMessage):
+                self._take_key(message.api_key)
+                return
             tag = message.id
             if isinstance(message, CancelMessage):
                 self._cancel(tag)
