@@ -187,6 +187,26 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
     assert engine.stats().started == 2
 
 
+@pytest.mark.parametrize("keys", [(), ("sk-ws-key",)])
+async def test_an_empty_key_is_refused_as_a_wrong_key_is(keys):
+    engine = fast_engine()
+    app = create_app(engine, ServerConfig(api_keys=keys))
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        answers = {}
+        for key in ("sk-wrong", ""):
+            if not keys and key:
+                continue  # a server without keys has no wrong key: it passes a key on
+            async with http.ws_connect(f"{url}/v1/ws") as ws:
+                await ws.send_json({"type": "auth", "api_key": key})
+                await ws.send_json({"type": "reply", "id": "r", "prompt": "x", "max_tokens": 2})
+                error = await ws.receive_json(timeout=5)
+                closed = await ws.receive(timeout=5)
+                answers[key] = (error["data"]["error"]["code"], closed.type, closed.data)
+    assert answers[""] == ("invalid_api_key", aiohttp.WSMsgType.CLOSE, 4401)
+    assert answers.get("sk-wrong", answers[""]) == answers[""]
+    assert engine.stats().started == 0
+
+
 @pytest.mark.parametrize(
     "spelling",
     [

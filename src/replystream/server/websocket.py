@@ -184,14 +184,14 @@ class Session:
             self.request[SOCKET_KEY] = key  # for a relay that passes it on
             return True
         if not self.ws.closed:
-            with contextlib.suppress(_SocketDone):
-                await self.send_error(
-                    None,
-                    'send {"type": "auth", "api_key": ...} first, with a valid key',
-                    "invalid_api_key",
-                )
-            await self.close(CLOSE_UNAUTHORIZED, b"invalid_api_key")
+            await self.refuse_key('send {"type": "auth", "api_key": ...} first, with a valid key')
         return False
+
+    async def refuse_key(self, message: str) -> None:
+        """Tell the client its key is refused, and close the socket (4401)."""
+        with contextlib.suppress(_SocketDone):
+            await self.send_error(None, message, "invalid_api_key")
+        await self.close(CLOSE_UNAUTHORIZED, b"invalid_api_key")
 
     async def run(self) -> None:
         """Read client messages until the socket closes, running replies alongside."""
@@ -242,6 +242,9 @@ class Session:
                 tag = bad.tag
                 raise bad.error from None
             if isinstance(message, AuthMessage):
+                if not message.api_key:  # never a key: refused as a wrong key is
+                    await self.refuse_key("api_key is empty")
+                    return
                 self._take_key(message.api_key)
                 return
             tag = message.id
