@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
 
 import aiohttp
@@ -386,6 +387,26 @@ async def test_starting_after_out_of_range_or_not_a_number_is_a_400():
                 async with http.get(f"{url}/v1/responses/{done.id}", params=query) as response:
                     assert response.status == 400, value
                     assert (await response.json())["error"]["param"] == "starting_after"
+
+
+async def test_a_bad_stream_flag_names_every_spelling_that_is_accepted():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        done = await client.responses.create(model="simulated", input="x")
+        path = f"{url}/v1/responses/{done.id}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(path, params={"stream": "maybe"}) as response:
+                assert response.status == 400
+                error = (await response.json())["error"]
+            named = set(re.findall(r"\b\w+\b", error["message"].split(";")[0]))
+            for word in ("1", "true", "yes", "0", "false", "no", "True", "NO"):
+                async with http.get(path, params={"stream": word}) as response:
+                    assert response.status == 200, word
+                    streamed = response.content_type == "text/event-stream"
+                    await response.read()
+                assert streamed == (word.lower() in ("1", "true", "yes")), word
+                assert word.lower() in named, (word, error["message"])
+    assert error["param"] == "stream" and "'maybe'" in error["message"]
 
 
 async def test_an_event_source_resumes_a_response_with_last_event_id():

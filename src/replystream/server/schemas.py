@@ -660,14 +660,21 @@ def _digits(name: str, low: int, high: int) -> BeforeValidator:
     return BeforeValidator(parse)
 
 
+FLAG_ON = ("1", "true", "yes")  # a query flag's spellings, in any case
+FLAG_OFF = ("0", "false", "no")
+
+
 def _flag(name: str) -> BeforeValidator:
     def parse(raw: Any) -> bool:
         word = raw.lower() if isinstance(raw, str) else ""
-        if word in ("1", "true", "yes"):
+        if word in FLAG_ON:
             return True
-        if word in ("0", "false", "no"):
+        if word in FLAG_OFF:
             return False
-        raise invalid(f"{name} must be 0 or 1, got {_cut(raw)}")
+        raise invalid(
+            f"{name} must be {', '.join(FLAG_ON)} (on) or {', '.join(FLAG_OFF)} (off), in any "
+            f"case; got {_cut(raw)}"
+        )
 
     return BeforeValidator(parse)
 
