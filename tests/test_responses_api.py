@@ -409,6 +409,24 @@ async def test_a_bad_stream_flag_names_every_spelling_that_is_accepted():
     assert error["param"] == "stream" and "'maybe'" in error["message"]
 
 
+async def test_a_resume_at_the_last_event_of_a_response_names_the_response_id():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        stream = await client.responses.create(model="simulated", input="x", stream=True)
+        last = -1
+        async for event in stream:
+            last = event.sequence_number
+            if event.type == "response.completed":
+                done = event.response
+        async with aiohttp.ClientSession() as http:
+            query = {"stream": "true", "starting_after": str(last)}
+            async with http.get(f"{url}/v1/responses/{done.id}", params=query) as response:
+                assert response.status == 409
+                error = (await response.json())["error"]
+    assert error["code"] == "reply_ended" and error["param"] == "starting_after"
+    assert error["message"].startswith(f"response {done.id} has ended and {last} is its last")
+
+
 async def test_an_event_source_resumes_a_response_with_last_event_id():
     engine = fast_engine(reply_text=REPLY)
     async with running(create_app(engine)) as url, sdk(url) as client:

@@ -398,12 +398,14 @@ async def check_resume_point(
     *,
     made_here: bool,
     param: str = "last_event_id",
+    known_as: str | None = None,
 ) -> None:
     """Refuse a resume that could only send an empty stream: after an ended reply's last event
     (409 ``reply_ended``: the client has it all) or past the last event (400: not an id of
     this reply). A live reply made on another replica is followed from any id (this one may
     not have read yet what its producer has sent); one made here (``made_here``) is known to
-    its last event."""
+    its last event. ``known_as``: how the message names the reply (the id the client used;
+    default ``reply <reply_id>``)."""
     try:
         tail = await store.tail(reply_id)
     except StoreUnavailable as exc:
@@ -423,7 +425,8 @@ async def check_resume_point(
         return  # at the live reply's last event: what comes next is followed
     raise HTTPAPIError(
         409,
-        f"reply {reply_id} has ended and {after} is its last event: there is nothing after it",
+        f"{known_as or f'reply {reply_id}'} has ended and {after} is its last event: "
+        "there is nothing after it",
         code="reply_ended",
         param=param,
     )

@@ -392,7 +392,8 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}``: the object, or (``stream=true``) its events after
     ``starting_after``, then the live tail."""
     query = parse_mapping(request.query, RetrieveQuery)
-    reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
+    given_id = request.match_info["response_id"]
+    reply_id = _response_reply_id(given_id, "response_id")
     store, local, opened = await _find_response(request, reply_id, "response_id")
     if not query.stream:
         return web.json_response(await _read_response(store, reply_id))
@@ -400,7 +401,14 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     if after is None:  # an EventSource resumes with the same cursor
         after, param = last_event_id(request), "last_event_id"
     if after > 0:
-        await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
+        await check_resume_point(
+            reply_id,
+            store,
+            after,
+            made_here=local is not None,
+            param=param,
+            known_as=f"response {given_id}",  # the id the client has, not the log's
+        )
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request,
