@@ -13,7 +13,8 @@ once each (an id at or below the last one seen is dropped); ``gap`` events and t
 resume with 409 ``reply_ended`` (the reply ended with the last event it holds: there is
 nothing more to read), or when attempts run out (``ResumeFailed``). An unnumbered
 ``slow_client`` or ``shutdown`` error is about the connection, not the reply, so it leads to
-a resume too.
+a resume too, in the native shape and in the Responses one (``code`` at the top of the
+event's data).
 """
 
 from __future__ import annotations
@@ -173,9 +174,14 @@ def _retry_after(value: str) -> float | None:
 
 
 def _code(event: Event) -> str | None:
+    """An ``error`` event's code, in either shape a server sends: the native one
+    (``{"error": {"code": ...}}``) or the Responses one (``{"type": "error", "code": ...}``)."""
     try:
         payload = json.loads(event.data)
     except ValueError:
         return None
-    error = payload.get("error") if isinstance(payload, dict) else None
-    return error.get("code") if isinstance(error, dict) else None
+    if not isinstance(payload, dict):
+        return None
+    error = payload.get("error")
+    code = error.get("code") if isinstance(error, dict) else payload.get("code")
+    return code if isinstance(code, str) else None
