@@ -10,8 +10,8 @@ import pytest
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, native, running, serving
 from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
-from replystream.server.websocket import Session
-from replystream.server.ws_transport import WebSocketTransport
+from replystream.server.websocket import CLOSE_TIMEOUT_S, Session
+from replystream.server.ws_transport import PING_FRAME, SocketKeepalive, WebSocketTransport
 from tests.conftest import fast_engine, wait_for
 from tests.sse_client import post_events
 
@@ -446,3 +446,101 @@ async def test_the_socket_refuses_compression_so_every_frame_is_plain():
             writer.close()
     assert messages[0]["data"]["error"]["code"] == "invalid_json"
     assert [m["type"] for m in messages[1:]] == ["reply", "token", "token", "usage", "done"]
+
+
+async def test_a_reader_slightly_slower_than_its_reply_is_not_dropped_by_keepalive_pings():
+    # A reply sent every 2 ms, read every 4 ms: the reader falls behind by a few hundred ms a
+    # second, a ping queued behind that backlog is answered late, and the slow-client limits
+    # (30 s, 50 MB) are far away. Only they may cut a reader that is behind.
+    engine = fast_engine(reply_text="word " * 5000, delay_ms=2, jitter_ms=0)
+    policy = DeliveryPolicy(keepalive_s=0.5, slow_client_s=30, slow_client_bytes=50 << 20)
+    app = create_app(engine, ServerConfig(policy=policy))
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:  # aiohttp answers pings it reads
+            await ws.send_json({"type": "reply", "id": "slow", "prompt": "x"})
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 4.0  # eight keep-alive periods
+            kinds = []
+            while loop.time() < until:
+                message = await ws.receive(timeout=5)
+                assert message.type == aiohttp.WSMsgType.TEXT, (message, loop.time() - until)
+                kinds.append(json.loads(message.data)["type"])
+                await asyncio.sleep(0.004)
+    assert kinds[0] == "reply" and set(kinds[1:]) == {"token"} and len(kinds) > 300
+
+
+async def test_an_idle_peer_that_never_answers_a_ping_is_cut_with_1008():
+    # The reply is over and the client reads nothing more and answers nothing: the socket is
+    # idle, so it is pinged after keepalive_s; no pong within slow_client_s cuts it as a slow
+    # client would be, with its close frame (which this client finds when it reads at last).
+    policy = DeliveryPolicy(keepalive_s=0.4, slow_client_s=0.8)
+    app = create_app(fast_engine(), ServerConfig(policy=policy))
+    async with serving(app) as server:
+        reader, writer = await open_raw_websocket(server.url)
+        try:
+            start = {"type": "reply", "id": "r", "prompt": "x", "max_tokens": 2}
+            writer.write(client_frame(json.dumps(start).encode()))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            connections = server.runner.server
+            assert connections is not None
+            await wait_for(lambda: not connections.connections, timeout_s=10)
+            cut_after = loop.time() - started
+            frames = await read_raw_frames(reader)
+        finally:
+            writer.close()
+    opcodes = [opcode for opcode, _ in frames]
+    assert [json.loads(p)["type"] for op, p in frames if op == 0x1][-1] == "done"
+    assert 0x9 in opcodes  # pinged once idle
+    assert opcodes[-1] == 0x8
+    assert int.from_bytes(frames[-1][1][:2], "big") == 1008 and frames[-1][1][2:] == b"slow_client"
+    # Within the documented bound: keepalive_s and a quarter of it, then slow_client_s; then
+    # the close waits CLOSE_TIMEOUT_S for an answer that never comes.
+    assert 0.4 + 0.8 <= cut_after < 0.4 * 1.25 + 0.8 + CLOSE_TIMEOUT_S + 0.5
+
+
+async def test_an_idle_client_that_answers_pings_stays_connected():
+    policy = DeliveryPolicy(keepalive_s=0.2, slow_client_s=0.5)
+    app = create_app(fast_engine(), ServerConfig(policy=policy))
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            # A reading client: aiohttp answers the pings it reads while it waits.
+            first = asyncio.ensure_future(ws.receive())
+            await asyncio.sleep(2.0)  # ten keep-alive periods
+            assert not first.done(), first.result()
+            await ws.send_json({"type": "reply", "id": "after", "prompt": "x", "max_tokens": 2})
+            assert json.loads((await first).data)["type"] == "reply"
+            assert (await read_until_ended(ws, {"after"}))[-1]["type"] == "done"
+
+
+class _Wire:
+    """What ``SocketKeepalive`` sees of a transport: what it wrote."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_keepalive_pings_only_an_idle_socket_and_gives_an_unanswered_ping_slow_client_s():
+    wire = _Wire()
+    keepalive = SocketKeepalive(wire, keepalive_s=2.0, patience_s=30.0, now=0.0)  # type: ignore[arg-type]
+    assert keepalive.period_s == 0.5
+    now = 0.0
+    while now < 120.0:  # two minutes of frames, a ping's answer never needed
+        now += 0.5
+        keepalive.sent = True
+        assert keepalive.check(now) is None
+    assert wire.frames == []
+    assert keepalive.check(now + 1.5) is None and wire.frames == []
+    assert keepalive.check(now + 2.0) is None and wire.frames == [PING_FRAME]
+    assert keepalive.check(now + 31.5) is None  # behind: as long as any write may take
+    keepalive.sent = True  # frames behind the ping change nothing about its answer
+    assert keepalive.check(now + 32.0) == "no answer to a ping for 30 s"
+    keepalive.answered()
+    assert keepalive.check(now + 32.5) is None and wire.frames == [PING_FRAME]
+    assert keepalive.check(now + 34.5) is None and wire.frames == [PING_FRAME] * 2

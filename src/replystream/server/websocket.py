@@ -19,8 +19,10 @@ Rules:
 3. Sends are serialised and awaited (they wait for the socket to drain); one that does not
    finish within ``slow_client_s``, or a reply whose unsent backlog passes
    ``slow_client_bytes``, closes the socket (code 1008, reason ``slow_client``).
-4. At most ``ServerConfig.ws_max_replies`` replies run on one socket; idle sockets are kept
-   alive and checked with WebSocket pings every ``keepalive_s``.
+4. At most ``ServerConfig.ws_max_replies`` replies run on one socket. A socket that has sent
+   nothing for ``keepalive_s`` is pinged; a ping not answered within ``slow_client_s`` cuts
+   it as rule 3 does (``ws_transport.SocketKeepalive``). aiohttp's own heartbeat is not used:
+   it pings whatever is being sent, and drops a reader merely behind its replies.
 5. One error boundary per client message and per reply task: whatever fails there becomes
    an ``error`` message for its tag. Only ``Session.send`` failing (``_SocketDone``) ends the
    socket; nothing escapes the handler after the upgrade (a session failure closes 1011).
@@ -35,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +64,7 @@ from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
-from replystream.server.ws_transport import LAST_WORDS_S, WebSocketTransport
+from replystream.server.ws_transport import LAST_WORDS_S, SocketKeepalive, WebSocketTransport
 
 log = logging.getLogger("replystream.websocket")
 
@@ -130,11 +133,18 @@ class Session:
         # Kept from the start: a cut must be able to drop the connection whatever state the
         # WebSocket machinery is in by then.
         self.transport = request.transport
+        self.keepalive = SocketKeepalive(
+            self.transport,
+            keepalive_s=self.policy.keepalive_s or math.inf,  # None: never pinged
+            patience_s=self.policy.slow_client_s,
+            now=asyncio.get_running_loop().time(),
+        )
 
     async def send(self, message: dict[str, Any]) -> int:
         """Send one message, waiting for the socket to drain; cut a socket that does not."""
         text = json.dumps(message, separators=(",", ":"))
         async with self._send_lock:
+            self.keepalive.sent = True
             try:
                 async with asyncio.timeout(self.policy.slow_client_s):
                     await self.ws.send_str(text)
@@ -199,12 +209,22 @@ class Session:
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
+                pinging = None
+                if self.policy.keepalive_s is not None:
+                    pinging = group.create_task(self._keep_alive(self.keepalive), name="ws-ping")
                 try:
                     async for msg in self.ws:
                         if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                             await self._on_message(msg, group)
+                        elif msg.type == WSMsgType.PING:
+                            with contextlib.suppress(ConnectionError):  # closing: no answer
+                                await self.ws.pong(msg.data)
+                        elif msg.type == WSMsgType.PONG:
+                            self.keepalive.answered()
                 finally:
                     # The client is gone (or the socket is being cut): stop every reader.
+                    if pinging is not None:
+                        pinging.cancel()
                     for running in self.running.values():
                         running.task.cancel()
         except* _SlowClient as cut:
@@ -215,6 +235,15 @@ class Session:
         finally:
             self._group = None
             self.manager.forget_connection(self)
+
+    async def _keep_alive(self, keepalive: SocketKeepalive) -> None:
+        """Ping the socket when idle; cut it (as a slow client) when a ping goes unanswered."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(keepalive.period_s)
+            problem = keepalive.check(loop.time())
+            if problem is not None:
+                raise _SlowClient(problem)
 
     def server_stopping(self) -> None:
         """The server is shutting down: every reply here is ending with a ``shutdown`` error;
@@ -332,7 +361,11 @@ class Session:
         """Send the reply's log as messages for ``tag``: the same follower as over SSE (the
         same limits, endings and direct path), through this socket's frame transport."""
         transport = WebSocketTransport(
-            self.request, tag=tag, reply_id=reply.reply_id, cut=self._cut_by_follower
+            self.request,
+            tag=tag,
+            reply_id=reply.reply_id,
+            cut=self._cut_by_follower,
+            keepalive=self.keepalive,
         )
         follower = follower_of(
             self.request,
@@ -360,7 +393,8 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     inside the WebSocket stream. A failure of the session itself closes the socket (1011)."""
     config = request.app[CONFIG_KEY]
     ws = web.WebSocketResponse(
-        heartbeat=config.policy.keepalive_s,
+        # The session pings, and answers pings, itself (rule 4).
+        autoping=False,
         max_msg_size=config.max_body_bytes,
         timeout=CLOSE_TIMEOUT_S,
         # No permessage-deflate, whatever the client offers: compressing costs CPU per frame

@@ -7,6 +7,16 @@ own transport; each message is one whole frame written straight to the socket (t
 is opened without compression, so frames are plain), which lets the follower's direct path
 work here as over SSE. This file is the only place that knows WebSocket framing and the
 parts of aiohttp's connection it reaches into (its drain). It must not know about replies.
+
+Keep-alive (``SocketKeepalive``), instead of aiohttp's heartbeat, which pings every period
+whatever is being sent and drops a peer whose pong is late, though a ping queued behind
+frames the client has not read yet is answered late by a client that is only behind:
+1. A ping leaves only when the socket has sent nothing for ``keepalive_s``: while frames
+   flow, a reader that is behind is the slow-client limits' business alone.
+2. A ping not answered within ``slow_client_s`` is treated as a write that did not drain
+   within it: the socket is cut as a slow client (1008). So a peer that is gone (or no
+   longer reads) is cut at most ``keepalive_s`` (and a quarter of it) plus ``slow_client_s``
+   after the last frame, and one that is merely behind has as long to catch up as any write.
 """
 
 from __future__ import annotations
@@ -42,10 +52,63 @@ def close_frame(code: int, reason: bytes) -> bytes:
     return bytes((0x88, len(body))) + body
 
 
+PING_FRAME = bytes((0x89, 0))  # a ping without a payload (RFC 6455 5.5.2)
+
+
+class SocketKeepalive:
+    """When to ping one WebSocket, and when to give up on a peer that does not answer.
+
+    Pure state but for the ping it writes: ``check`` is called with the loop's clock every
+    ``period_s``; every frame written sets ``sent`` (one attribute store, no clock read)."""
+
+    __slots__ = ("_idle_since", "_keepalive_s", "_patience_s", "_ping_at", "_transport", "sent")
+
+    def __init__(
+        self,
+        transport: asyncio.Transport | None,
+        *,
+        keepalive_s: float,
+        patience_s: float,
+        now: float,
+    ) -> None:
+        self._transport = transport
+        self._keepalive_s = keepalive_s
+        self._patience_s = patience_s  # how long a ping may wait for its answer
+        self._idle_since = now
+        self._ping_at: float | None = None
+        self.sent = False  # a frame was written since the last check
+
+    @property
+    def period_s(self) -> float:
+        """How often ``check`` runs: a ping leaves at most a quarter period late."""
+        return self._keepalive_s / 4.0
+
+    def answered(self) -> None:
+        """The peer's pong came."""
+        self._ping_at = None
+
+    def check(self, now: float) -> str | None:
+        """Ping if the socket has been idle for a whole period; why the socket must be cut,
+        if a ping went unanswered too long."""
+        if self.sent:
+            self.sent = False
+            self._idle_since = now
+        if self._ping_at is not None:
+            if now - self._ping_at >= self._patience_s:
+                return f"no answer to a ping for {self._patience_s:g} s"
+            return None
+        transport = self._transport
+        if now - self._idle_since >= self._keepalive_s and transport is not None:
+            if not transport.is_closing():
+                transport.write(PING_FRAME)
+                self._ping_at = self._idle_since = now
+        return None
+
+
 class WebSocketTransport(SocketRoom):
     """One reply's share of a WebSocket (the follower's ``FrameTransport``)."""
 
-    __slots__ = ("_cut", "_head", "reply_id")
+    __slots__ = ("_cut", "_head", "_keepalive", "reply_id")
 
     def __init__(
         self,
@@ -54,9 +117,11 @@ class WebSocketTransport(SocketRoom):
         tag: str,
         reply_id: str,
         cut: Callable[[], None],
+        keepalive: SocketKeepalive,
     ) -> None:
         super().__init__(request.transport, request.protocol)
         self.reply_id = reply_id
+        self._keepalive = keepalive  # told of every frame written: the socket is not idle
         # Every message of this reply starts the same way after its type.
         self._head = f',"id":{json_string(tag)},"reply_id":{json_string(reply_id)}'
         self._cut = cut  # the socket is done for: the session's other replies end too
@@ -77,7 +142,7 @@ class WebSocketTransport(SocketRoom):
         return self._message(event, f',"data":{data}')
 
     def keepalive(self) -> None:
-        return None  # the socket is kept alive by WebSocket pings (the heartbeat)
+        return None  # the socket is kept alive by its own pings (``SocketKeepalive``)
 
     async def open(self, *, with_first_events: bool) -> None:
         if self._transport is None or self._transport.is_closing():
@@ -88,6 +153,7 @@ class WebSocketTransport(SocketRoom):
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the WebSocket is closed")
         transport.write(data)
+        self._keepalive.sent = True
         if self._protocol.writing_paused:
             await self._protocol._drain_helper()
         return len(data)
@@ -98,6 +164,7 @@ class WebSocketTransport(SocketRoom):
         data = self.encode(entries)
         assert self._transport is not None
         self._transport.write(data)
+        self._keepalive.sent = True
         return len(data)
 
     async def end(self) -> None:
