@@ -212,7 +212,8 @@ DELIVERY = Group(
         ),
         Setting(
             "--keepalive-s",
-            "comment after this long without other bytes (0: never)",
+            "after this long with nothing sent, a keep-alive: an SSE comment (or the "
+            "dialect's ping event), a WebSocket ping (0: never)",
             non_negative_float,
             fills=(DeliveryPolicy, "keepalive_s"),
             convert=_zero_is_never,
