@@ -105,6 +105,27 @@ async def test_a_prompt_longer_than_the_context_is_rejected(engine: TinyEngine) 
     assert caught.value.code == "context_length_exceeded"
 
 
+async def test_a_pool_smaller_than_the_default_reply_caps_it_and_refuses_what_it_cannot_hold():
+    engine = load_default_engine(TinyEngineConfig(num_blocks=4, block_size=16))  # 64 tokens
+    n = engine.count_tokens(PROMPT)
+    try:
+        deltas = await reply(engine, temperature=0)  # no max_tokens: the default, 128
+        # The last token made is never run, so it needs no slot: 64 - n + 1 tokens fit.
+        assert sum(d.tokens for d in deltas) == 64 - n + 1
+        assert deltas[-1].finish_reason == "length"
+        with pytest.raises(RequestRejected) as too_long:
+            await engine.start(GenerationRequest(PROMPT, SamplingParams(max_tokens=100)))
+        assert too_long.value.param == "max_tokens"
+        assert f"at most {64 - n + 1}" in str(too_long.value)
+        with pytest.raises(RequestRejected) as huge_prompt:
+            await engine.start(GenerationRequest("amen " * 40, SamplingParams(max_tokens=1)))
+        assert huge_prompt.value.param == "prompt"
+        assert huge_prompt.value.code == "context_length_exceeded"
+        assert engine.scheduler_stats().kv.used_blocks == 0
+    finally:
+        await engine.aclose()
+
+
 async def test_bad_sampling_values_are_rejected_before_any_token(engine: TinyEngine) -> None:
     with pytest.raises(RequestRejected) as caught:
         await engine.start(GenerationRequest(PROMPT, SamplingParams(top_p=2.0)))

@@ -128,6 +128,11 @@ class Scheduler:
         """Blocks a sequence holds at most (the last token made is never run)."""
         return self.allocator.blocks_for(prompt_len + max_new - 1)
 
+    def most_new_tokens(self, prompt_len: int) -> int:
+        """Most tokens a sequence with this prompt may make and still fit the whole pool
+        (0 or less: the prompt alone does not fit)."""
+        return self.allocator.num_blocks * self.allocator.block_size - prompt_len + 1
+
     def add(self, seq_id: int, prompt: Sequence[int], max_new: int) -> None:
         """Queue a sequence.
 

@@ -3,9 +3,9 @@
 This file decides what a request means to the tiny model: the prompt is plain text that the
 model continues (it was trained on plain prose; an empty prompt starts a new paragraph), how
 many tokens a reply may have (``max_tokens``, else ``default_max_tokens``, never past the
-context), and which requests are refused before any token (``RequestRejected`` naming the
-field). Closing a delta stream or cancelling its reader aborts the request at the runner's next
-step. It must not know about HTTP.
+context; the default never past what the KV pool holds either), and which requests are
+refused before any token (``RequestRejected`` naming the field). Closing a delta stream or
+cancelling its reader aborts the request at the runner's next step. It must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -132,12 +132,25 @@ class TinyEngine:
                 code="context_length_exceeded",
                 param="prompt",
             )
-        wanted = request.sampling.max_tokens or self.config.default_max_tokens
-        max_new = min(wanted, context - len(prompt))
-        scheduler = self.runner.scheduler
-        if scheduler.blocks_to_finish(len(prompt), max_new) > scheduler.allocator.num_blocks:
+        fits = self.runner.scheduler.most_new_tokens(len(prompt))
+        if fits < 1:
             raise RequestRejected(
-                "the reply would need more KV blocks than the engine has", param="max_tokens"
+                f"the prompt is {len(prompt)} tokens; the KV cache holds "
+                f"{self.config.num_blocks * self.config.block_size}",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+        asked = request.sampling.max_tokens
+        # The default length is capped by the pool as by the context (the client asked for
+        # no length); a length the client asked for that the pool cannot hold is refused.
+        max_new = min(asked or self.config.default_max_tokens, context - len(prompt))
+        if asked is None:
+            max_new = min(max_new, fits)
+        elif max_new > fits:
+            raise RequestRejected(
+                f"the reply would need more KV blocks than the engine has: after this prompt "
+                f"of {len(prompt)} tokens, max_tokens may be at most {fits}",
+                param="max_tokens",
             )
         request_id, queue = self.runner.submit(prompt, max_new, request.sampling)
         self.runner.start()
