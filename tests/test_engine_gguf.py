@@ -154,6 +154,17 @@ def test_emoji_and_cjk_stream_out_whole_and_control_tokens_show_no_text(loaded: 
     assert tokenizer.decode([1, *tokenizer.encode("hi"), 2]) == "hi"
 
 
+def test_an_empty_prompt_starts_at_bos_or_else_at_a_newline_with_or_without_a_template(
+    loaded: Loaded,
+):
+    gguf, _, tokenizer = loaded
+    for bos_id, starts in ((1, [1]), (None, tokenizer.encode("\n"))):
+        for template in (gguf.vocabulary.chat_template, None):
+            vocabulary = dataclasses.replace(gguf.vocabulary, bos_id=bos_id, chat_template=template)
+            prompts = prompt_format(dataclasses.replace(gguf, vocabulary=vocabulary), tokenizer)
+            assert prompts.prompt_ids(GenerationRequest("")) == starts, (bos_id, template)
+
+
 def test_a_file_that_is_not_a_llama_gguf_is_refused_naming_it(tmp_path: Path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf at all" * 10)

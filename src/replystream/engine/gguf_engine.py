@@ -59,7 +59,9 @@ def prompt_format(gguf: GGUFModel, tokenizer: ByteTokenizer) -> PromptFormat:
     v = gguf.vocabulary
     start = v.bos_id if v.bos_id is not None else tokenizer.encode("\n")[0]
     if not v.chat_template:
-        return PlainPrompt(tokenizer, v.tokens[start])
+        # BOS is a control token, matched whole when its text is encoded; a newline's id is
+        # spelt in the byte alphabet ("Ċ"), which would encode as other text: give the newline.
+        return PlainPrompt(tokenizer, v.tokens[v.bos_id] if v.bos_id is not None else "\n")
     bos = v.tokens[v.bos_id] if v.bos_id is not None else ""
     eos = v.tokens[v.eos_id] if v.eos_id is not None else ""
     return ChatPrompt(tokenizer, ChatTemplate(v.chat_template, bos, eos), start)
