@@ -224,15 +224,19 @@ async def test_aclose_ends_open_streams_with_an_error() -> None:
 
 
 async def test_a_failing_step_ends_every_stream_with_an_engine_error(
-    engine: TinyEngine, monkeypatch: pytest.MonkeyPatch
+    engine: TinyEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken(*_: object) -> None:
-        raise FloatingPointError("boom")
+        raise FloatingPointError("secret internals")
 
     monkeypatch.setattr(engine.model, "forward", broken)
     stream = await engine.start(GenerationRequest(PROMPT, SamplingParams(max_tokens=5)))
-    with pytest.raises(EngineError, match="boom"):
+    with pytest.raises(EngineError) as failed:
         await anext(stream)
+    # The client is told the model failed, never the exception's text; the log has it all.
+    assert str(failed.value) == "the model failed while generating (the server log says why)"
+    [record] = [r for r in caplog.records if r.name == "replystream.engine"]
+    assert record.exc_info is not None and "secret internals" in str(record.exc_info[1])
     stats = engine.stats()
     assert (stats.failed, stats.active) == (1, 0)
     assert engine.scheduler_stats().kv.used_blocks == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -38,6 +39,8 @@ from replystream.engine.base import (
 )
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
 from replystream.engine.sampling import StopMatcher, check_sampling, sample_token, token_logprob
+
+log = logging.getLogger("replystream.engine")
 
 Item = Delta | EngineError | None  # None: the thread ended (after a finish or a cancel)
 Deliver = Callable[[Item], None]
@@ -203,9 +206,10 @@ class HFEngine:
             if self.config.torch_threads is not None:
                 torch.set_num_threads(self.config.torch_threads)
             outcome = self._decode_loop(prompt, max_new, request, cancel, deliver)
-        except Exception as error:  # a failed forward pass ends this reply only
+        except Exception:  # a failed forward pass ends this reply only
             outcome = "failed"
-            deliver(EngineError(f"generation failed: {error!r}"))
+            log.exception("a forward pass failed; its reply ends")  # the client: no details
+            deliver(EngineError("the model failed while generating (the server log says why)"))
         finally:
             with self._lock:
                 self._cancels.discard(cancel)

@@ -19,6 +19,7 @@ It must not know about HTTP or about how a reply is delivered.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +37,8 @@ from replystream.engine.sampling import StopMatcher, sample_token, token_logprob
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
 from replystream.engine.speculative import accept
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
+
+log = logging.getLogger("replystream.engine")
 
 DeltaQueue = asyncio.Queue[Delta | EngineError]
 TIMINGS_KEPT = 4096  # timings of ended requests kept for readers, oldest dropped first
@@ -289,11 +292,15 @@ class Runner:
             return self._timings.get(request_id)
 
     def _fail_all(self, error: Exception) -> None:
+        # A bug of ours or the machine's (out of memory): the traceback is for the log; a
+        # client is told the step failed, never an exception's text.
+        log.error("a decode step failed; every request in the engine ends", exc_info=error)
+        failure = EngineError("the model failed while generating (the server log says why)")
         with self._cond:
             self._apply_pending()
             for request in list(self._requests.values()):
                 self.scheduler.abort(request.request_id)
-                self._fail(request, EngineError(f"generation failed: {error!r}"))
+                self._fail(request, failure)
 
     def _fail(self, request: _Request, error: EngineError) -> None:
         request.finished, request.finish_reason = self.clock(), "failed"
