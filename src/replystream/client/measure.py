@@ -14,7 +14,6 @@ import itertools
 import json
 import ssl
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +233,6 @@ async def measure_reply(
                     await _read_body(reading, response)
     except TimeoutError:
         reading.error = f"timed out after {timeout_s:g} s"
-    except (TransportError, SSEError, zlib.error) as exc:
+    except (TransportError, SSEError) as exc:
         reading.error = f"read failed: {exc}"
     return reading.finish()

@@ -117,9 +117,11 @@ class HTTPResponse:
         self.status = head.status_code
         self.head_at = protocol.head_at
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
-        encoding = self.headers.get("content-encoding", "identity").strip().lower()
+        self._encoding = self.headers.get("content-encoding", "identity").strip().lower()
         self._decoder = (
-            zlib.decompressobj(zlib.MAX_WBITS | 32) if encoding in ("gzip", "deflate") else None
+            zlib.decompressobj(zlib.MAX_WBITS | 32)
+            if self._encoding in ("gzip", "deflate")
+            else None
         )
 
     @property
@@ -130,10 +132,15 @@ class HTTPResponse:
         while (chunk := await self._protocol.next_chunk()) is not None:
             if self._decoder is None:
                 yield chunk
-            else:
+                continue
+            try:
                 data = self._decoder.decompress(chunk.data)
-                if data:
-                    yield Chunk(chunk.at, data)
+            except zlib.error as exc:
+                raise TransportError(
+                    f"the body is not the {self._encoding} it claims: {exc}"
+                ) from None
+            if data:
+                yield Chunk(chunk.at, data)
 
 
 class Connection:

@@ -1,0 +1,69 @@
+"""The measuring tools against servers that misbehave: a run that fails says why in one line.
+
+Each case runs the real command as a subprocess (as a user or a CI script would) against a
+real HTTP server on a loopback socket that answers wrongly, slowly or not at all, and reads
+its exit status and output: never a traceback, always the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from aiohttp import web
+
+from replystream.server import running
+
+CLI = [sys.executable, "-m", "replystream"]
+
+
+async def cli(*args: str, timeout_s: float = 60.0) -> tuple[int, str, str]:
+    """Run ``replystream ARGS``; its exit status, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        *CLI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(timeout_s):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def false_gzip_app() -> web.Application:
+    """Every route answers 200 with a body that says it is gzip and is not."""
+
+    async def false_gzip(request: web.Request) -> web.Response:
+        return web.Response(
+            body=b"this is not gzip",
+            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", false_gzip)
+    return app
+
+
+async def test_a_models_list_in_a_false_gzip_is_one_line_not_a_traceback():
+    async with running(false_gzip_app()) as url:
+        for command in ("bench", "doctor"):
+            code, _, err = await cli(command, f"{url}/v1/chat/completions", "--timeout", "5")
+            assert code == 1
+            line = one_line(err)
+            assert line.startswith(f"replystream {command}: cannot list models at {url}/v1/models")
+            assert "not the gzip it claims" in line
+
+
+async def test_metrics_in_a_false_gzip_are_reported_not_a_traceback():
+    async with running(false_gzip_app()) as url:
+        code, out, err = await cli(
+            "bench", f"{url}/stream", "--requests", "1", "--server-metrics", "--quiet"
+        )
+    assert "Traceback" not in err, err
+    assert code == 1  # the reply itself is not a reply either
+    assert f"Server metrics: not read ({url}/metrics: the body is not the gzip it claims" in out
