@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 
+from replystream.lab.benchstats import summarize
+from replystream.lab.load import LoadConfig, run_load
 from replystream.server import running
 
 CLI = [sys.executable, "-m", "replystream"]
@@ -67,3 +71,48 @@ async def test_metrics_in_a_false_gzip_are_reported_not_a_traceback():
     assert "Traceback" not in err, err
     assert code == 1  # the reply itself is not a reply either
     assert f"Server metrics: not read ({url}/metrics: the body is not the gzip it claims" in out
+
+
+@asynccontextmanager
+async def silent_server() -> AsyncIterator[str]:
+    """A server that accepts connections and never answers; yields its base URL."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_models_list_that_never_comes_says_it_timed_out():
+    async with silent_server() as url:
+        code, _, err = await cli("doctor", f"{url}/v1/chat/completions", "--timeout", "0.5")
+    assert code == 1
+    assert one_line(err) == (
+        f"replystream doctor: cannot list models at {url}/v1/models (no answer within 0.5 s)"
+    )
+
+
+async def test_metrics_that_never_come_are_reported_as_timed_out():
+    async with silent_server() as url:
+        summary = summarize(
+            await run_load(
+                LoadConfig(
+                    url=f"{url}/stream",
+                    api="lab",
+                    requests=1,
+                    timeout_s=0.5,
+                    server_metrics=f"{url}/metrics",
+                    warmup=False,
+                )
+            )
+        )
+    assert summary["server"]["error"] == f"{url}/metrics: no answer within 5 s"

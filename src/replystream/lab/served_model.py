@@ -54,9 +54,11 @@ async def served_model(
             async with http_request(listing, headers=sent, tls=tls) as response:
                 body = b"".join([chunk.data async for chunk in response])
                 status = response.status
-    except (TransportError, TimeoutError) as exc:
-        reason = exc or f"no answer within {timeout_s:g} s"
+    except TimeoutError:
+        reason = f"no answer within {timeout_s:g} s"
         raise ModelLookupError(f"cannot list models at {listing} ({reason})") from None
+    except TransportError as exc:
+        raise ModelLookupError(f"cannot list models at {listing} ({exc})") from None
     if status != 200:
         raise ModelLookupError(f"{listing} answered HTTP {status}; name the model with --model")
     try:

@@ -74,8 +74,10 @@ async def scrape(
             body = b"".join([chunk.data async for chunk in response])
             if response.status != 200:
                 raise ScrapeError(f"{url} answered HTTP {response.status}")
-    except (TransportError, TimeoutError) as exc:
-        raise ScrapeError(f"{url}: {exc or 'timed out'}") from None
+    except TimeoutError:
+        raise ScrapeError(f"{url}: no answer within {timeout_s:g} s") from None
+    except TransportError as exc:
+        raise ScrapeError(f"{url}: {exc}") from None
     return parse(body.decode("utf-8", "replace"))
 
 
