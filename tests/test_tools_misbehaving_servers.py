@@ -92,13 +92,15 @@ async def silent_server() -> AsyncIterator[str]:
         await server.wait_closed()
 
 
-async def test_a_models_list_that_never_comes_says_it_timed_out():
+async def test_a_models_list_that_never_comes_says_it_timed_out_after_timeout():
     async with silent_server() as url:
-        code, _, err = await cli("doctor", f"{url}/v1/chat/completions", "--timeout", "0.5")
-    assert code == 1
-    assert one_line(err) == (
-        f"replystream doctor: cannot list models at {url}/v1/models (no answer within 0.5 s)"
-    )
+        for command in ("doctor", "bench"):
+            code, _, err = await cli(command, f"{url}/v1/chat/completions", "--timeout", "0.5")
+            assert code == 1
+            assert one_line(err) == (
+                f"replystream {command}: cannot list models at {url}/v1/models "
+                "(no answer within 0.5 s)"
+            )
 
 
 async def test_metrics_that_never_come_are_reported_as_timed_out():

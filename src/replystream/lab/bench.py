@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, sweep = config_from_args(args)
         if config.api in MODEL_APIS and args.model is None:
-            listed = served_model(args.url, headers=dict(args.header), tls=config.tls)
+            listed = served_model(
+                args.url, timeout_s=args.timeout, headers=dict(args.header), tls=config.tls
+            )
             config, sweep = config_from_args(args, asyncio.run(listed))
     except ValueError as exc:
         print(f"replystream bench: {exc}", file=sys.stderr)
