@@ -222,7 +222,11 @@ CASES: list[tuple[list[str], str]] = [
         ["doctor", "http://127.0.0.1:9/stream", "--max-tokens", "0"],
         "argument --max-tokens: want a whole number >= 1",
     ),
-    (["doctor", "http://127.0.0.1:99999/stream"], "argument url: want a port from 0 to 65535"),
+    (["doctor", "http://127.0.0.1:99999/stream"], "argument url: want a port from 1 to 65535"),
+    # a URL's port 0 is no port to connect to (not port 80, as an absent port would be)
+    (["doctor", "http://127.0.0.1:0/stream"], "argument url: want a port from 1 to 65535"),
+    (["bench", "http://127.0.0.1:0/stream"], "argument url: want a port from 1 to 65535"),
+    (["lab", "--url", "http://127.0.0.1:0"], "argument --url: want a port from 1 to 65535"),
     # kv: an amount whose arithmetic would leave the floats' range
     (["kv", "--model", "llama-3-8b", "--memory-gib", "inf"], "argument --memory-gib: want a fin"),
     (["kv", "--model", "llama-3-8b", "--memory-gib", "nan"], "argument --memory-gib: want a fin"),

@@ -128,7 +128,7 @@ async def test_lab_url_sends_tokens_as_max_tokens_and_reports_only_what_applied(
         ("http://127.0.0.1:1", 1, "cannot connect"),
         ("https://127.0.0.1:8443", 2, "https is not spoken"),
         ("127.0.0.1:8000", 2, "want http://HOST"),
-        ("http://127.0.0.1:99999", 2, "port from 0 to 65535"),
+        ("http://127.0.0.1:99999", 2, "port from 1 to 65535"),
     ],
 )
 def test_lab_url_mistakes_get_one_line(url: str, code: int, says: str):

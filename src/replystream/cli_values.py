@@ -185,10 +185,13 @@ origin = Checker("an origin, http(s)://HOST[:PORT], or *", _origin)
 
 
 def _with_valid_port(text: str) -> str:
+    # A URL names the port to connect to: 0 is no such port (only a listener's "any").
     try:
-        urlsplit(text).port  # noqa: B018 -- raises ValueError for a port out of range
+        port = urlsplit(text).port
     except ValueError:
-        raise argparse.ArgumentTypeError(f"want a port from 0 to 65535, got {text!r}") from None
+        port = 0
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"want a port from 1 to 65535, got {text!r}")
     return text
 
 

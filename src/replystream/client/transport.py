@@ -189,7 +189,7 @@ async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
         transport, protocol = await loop.create_connection(
             lambda: _ResponseProtocol(loop),
             parts.hostname,
-            parts.port or (443 if secure else 80),
+            (443 if secure else 80) if parts.port is None else parts.port,
             # The host is sent as SNI and checked against the certificate (asyncio's default
             # server_hostname when ssl is given).
             ssl=(tls or _default_tls()) if secure else None,
