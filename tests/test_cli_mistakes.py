@@ -377,6 +377,23 @@ def test_a_password_in_an_upstream_url_is_refused_without_being_repeated():
     assert "s3cret" not in line
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["doctor", "http://alice:s3cret@127.0.0.1:9/stream"],
+        ["bench", "https://alice:s3cret@127.0.0.1:9/v1/replies"],
+        ["lab", "--url", "http://alice:s3cret@127.0.0.1:9"],
+    ],
+)
+def test_a_password_in_a_measured_url_is_refused_without_being_repeated(argv: list[str]):
+    """The client would have written it into the Host header, in clear, to every hop."""
+    done = run(*argv)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert "a URL with a user name or password" in line, line
+    assert "s3cret" not in line
+
+
 def test_a_port_in_use_is_one_line_not_a_traceback():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -131,7 +131,7 @@ def http_url(text: str) -> str:
             else "want http://HOST[:PORT]/PATH"
         )
         raise argparse.ArgumentTypeError(f"{why}, got {text!r}")
-    return _with_valid_port(text)
+    return _measured_target(text)
 
 
 def web_url(text: str) -> str:
@@ -139,7 +139,7 @@ def web_url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"want http(s)://HOST[:PORT]/PATH, got {text!r}")
-    return _with_valid_port(text)
+    return _measured_target(text)
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -182,6 +182,17 @@ def _origin(text: str) -> str:
 # A browser page's origin for the CORS allow-list, made canonical (lower case, no default
 # port), or * for any.
 origin = Checker("an origin, http(s)://HOST[:PORT], or *", _origin)
+
+
+def _measured_target(text: str) -> str:
+    # The client writes the URL's host:port as the Host header: a user name and password
+    # there would travel in clear to every hop (and into its logs) and authenticate nothing.
+    if "@" in urlsplit(text).netloc:
+        raise argparse.ArgumentTypeError(
+            "a URL with a user name or password: they would not be sent as credentials; "
+            "drop them from the URL (bench sends an Authorization with --header)"
+        )
+    return _with_valid_port(text)
 
 
 def _with_valid_port(text: str) -> str:
