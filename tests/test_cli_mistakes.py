@@ -223,6 +223,14 @@ CASES: list[tuple[list[str], str]] = [
         "argument --max-tokens: want a whole number >= 1",
     ),
     (["doctor", "http://127.0.0.1:99999/stream"], "argument url: want a port from 1 to 65535"),
+    # a request line is printable ASCII: what is not is refused, not a traceback once sent
+    (["doctor", "http://127.0.0.1:9/a b"], "argument url: a URL is printable ASCII with no"),
+    (["bench", "http://127.0.0.1:9/caf\u00e9"], "argument url: a URL is printable ASCII with no"),
+    (["lab", "--url", "http://127.0.0.1:9/\tx"], "argument --url: a URL is printable ASCII"),
+    (
+        ["doctor", "http://127.0.0.1:9/stream", "--direct", "http://b\u00fccher.example/stream"],
+        "argument --direct: a URL is printable ASCII with no spaces",
+    ),
     # a URL's port 0 is no port to connect to (not port 80, as an absent port would be)
     (["doctor", "http://127.0.0.1:0/stream"], "argument url: want a port from 1 to 65535"),
     (["bench", "http://127.0.0.1:0/stream"], "argument url: want a port from 1 to 65535"),

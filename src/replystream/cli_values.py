@@ -185,6 +185,13 @@ origin = Checker("an origin, http(s)://HOST[:PORT], or *", _origin)
 
 
 def _measured_target(text: str) -> str:
+    # An HTTP/1.1 request line and Host header are printable ASCII: a space or a letter
+    # outside it cannot be sent as typed (a browser percent-encodes it first).
+    if not all("!" <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError(
+            f"a URL is printable ASCII with no spaces: percent-encode the rest "
+            f"(%20 for a space; a host in its xn-- form), got {text!r}"
+        )
     # The client writes the URL's host:port as the Host header: a user name and password
     # there would travel in clear to every hop (and into its logs) and authenticate nothing.
     if "@" in urlsplit(text).netloc:
