@@ -8,6 +8,7 @@ its exit status and output: never a traceback, always the reason.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -118,3 +119,53 @@ async def test_metrics_that_never_come_are_reported_as_timed_out():
             )
         )
     assert summary["server"]["error"] == f"{url}/metrics: no answer within 5 s"
+
+
+def false_counts_app() -> web.Application:
+    """Native streams of 5 one-word events whose token counts no reply could have."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        per_event, usage = request.query["per_event"], request.query["usage"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("one ", "two ", "three ", "four ", "five "):
+            data = f'{{"text": "{word}", "tokens": {per_event}}}'
+            await response.write(f"event: token\ndata: {data}\n\n".encode())
+            await asyncio.sleep(0.005)
+        if usage:
+            await response.write(
+                f'event: usage\ndata: {{"completion_tokens": {usage}}}\n\n'.encode()
+            )
+        await response.write(b"event: done\ndata: {}\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    return app
+
+
+HUGE = "1" + "0" * 400
+
+
+async def test_token_counts_no_reply_could_have_are_not_believed(tmp_path):
+    async with running(false_counts_app()) as url:
+        for per_event, usage in ((HUGE, ""), ("-5", ""), ("1", HUGE), ("1", "-3")):
+            query = f"per_event={per_event}&usage={usage}"
+            code, out, err = await cli("doctor", f"{url}/stream?{query}", "--json")
+            assert "Traceback" not in err, err
+            assert code == 0, err
+            assert json.loads(out)["tokens"] == 5  # one per event, as when none is stated
+            result = tmp_path / "bench.json"
+            code, _, err = await cli(
+                "bench",
+                f"{url}/stream?{query}",
+                "--requests",
+                "1",
+                "--quiet",
+                "--json",
+                str(result),
+            )
+            assert "Traceback" not in err, err
+            assert code == 0, err
+            measured = json.loads(await asyncio.to_thread(result.read_text))["requests"][0]
+            assert (measured["tokens"], measured["tokens_per_event"]) == (5, 1.0)

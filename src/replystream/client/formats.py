@@ -38,6 +38,19 @@ class Meaning:
     error: str | None = None
 
 
+# The largest token count believed from a server: beyond it a count is no count (a float
+# holds every whole number up to it, so rates and means stay exact and finite).
+MOST_TOKENS = 2**53
+
+
+def _count(value: Any, least: int) -> int | None:
+    """``value`` as a token count from ``least`` to ``MOST_TOKENS``, or None (a count that
+    is not a whole number, or that no reply could have, is not believed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and least <= value <= MOST_TOKENS:
+        return value
+    return None
+
+
 OTHER = Meaning("other")
 DONE = Meaning("done")
 _TERMINAL_FAILURES = frozenset({"error", "moderated"})
@@ -113,9 +126,9 @@ def interpret_event(event: Event) -> Meaning:
         if "error" in payload:
             return Meaning("error", error=_error_text(payload))
         if isinstance(payload.get("text"), str):
-            tokens = payload.get("tokens", 1)
+            tokens = _count(payload.get("tokens"), least=1)  # text is at least one token
             kind: Kind = "thinking" if event.type == "thinking" else "text"
-            return Meaning(kind, payload["text"], tokens if isinstance(tokens, int) else 1)
+            return Meaning(kind, payload["text"], 1 if tokens is None else tokens)
         text = _choice_text(payload)
         if not text and (thought := _choice_thought(payload)) is not None:
             return Meaning("thinking", thought, 1)
@@ -169,8 +182,8 @@ def _usage(source: str | dict[str, Any]) -> Meaning:
         usage = json.loads(source) if isinstance(source, str) else source
     except ValueError:
         return OTHER
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return Meaning("usage", tokens=tokens) if isinstance(tokens, int) else OTHER
+    tokens = _count(usage.get("completion_tokens"), least=0) if isinstance(usage, dict) else None
+    return OTHER if tokens is None else Meaning("usage", tokens=tokens)
 
 
 def interpret_body(body: bytes) -> Meaning:
