@@ -201,6 +201,23 @@ CASES: list[tuple[list[str], str]] = [
         ["bench", "http://127.0.0.1:9/stream", "--output-tokens", "normal:8:inf"],
         "--output-tokens: 'normal:8:inf': want finite numbers",
     ),
+    # a prompt too long to build is refused, not a traceback or an exhausted memory
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "normal:1e300:0"],
+        "--prompt-words: 'normal:1e300:0': lengths must be at most 10,000,000",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "uniform:1:1e12"],
+        "--prompt-words: 'uniform:1:1e12': lengths must be at most 10,000,000",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "99999999999999999999"],
+        "--prompt-words: '99999999999999999999': length must be at most 10,000,000",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--system-prompt-words", "3000000000"],
+        "argument --system-prompt-words: want a whole number from 0 to 10000000, got 3000000000",
+    ),
     (
         ["bench", "http://127.0.0.1:9/stream", "--json", "/proc/nope.json"],
         "argument --json: /proc/nope.json: ",
@@ -400,6 +417,17 @@ def test_a_password_in_a_measured_url_is_refused_without_being_repeated(argv: li
     line = one_line(done)
     assert "a URL with a user name or password" in line, line
     assert "s3cret" not in line
+
+
+def test_a_histogram_length_too_long_to_build_names_its_line(tmp_path: Path):
+    hist = tmp_path / "prompt_words.hist"
+    hist.write_text("5 1\n20000000 1\n")
+    done = run("bench", "http://127.0.0.1:9/stream", "--prompt-words", f"hist:{hist}")
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --prompt-words: hist:{hist} line 2: want LENGTH WEIGHT "
+        "(length >= 0 and <= 10,000,000, weight >= 0), got '20000000 1'"
+    )
 
 
 def test_a_port_in_use_is_one_line_not_a_traceback():

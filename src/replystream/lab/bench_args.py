@@ -19,6 +19,7 @@ from typing import TypeVar
 from replystream.cli_values import (
     Checker,
     float_at_least,
+    int_between,
     non_negative_float,
     non_negative_int,
     output_file,
@@ -36,7 +37,14 @@ from replystream.lab.load import LoadConfig
 from replystream.lab.profiles import PROFILE_KINDS, Profile
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import SweepConfig
-from replystream.lab.workload import APIS, MODEL_APIS, Lengths, Prompt, detect_api
+from replystream.lab.workload import (
+    APIS,
+    MODEL_APIS,
+    MOST_PROMPT_WORDS,
+    Lengths,
+    Prompt,
+    detect_api,
+)
 
 T = TypeVar("T")
 
@@ -251,7 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--system-prompt-words",
-        type=non_negative_int,
+        type=int_between(0, MOST_PROMPT_WORDS),
         default=0,
         help="a system prompt of N words every request shares (a common prefix)",
     )
@@ -435,7 +443,8 @@ def config_from_args(
         requests=requests,
         duration_s=args.duration,
         prompt_words=_read(
-            "--prompt-words", lambda: Lengths.parse(args.prompt_words or "0", minimum=0)
+            "--prompt-words",
+            lambda: Lengths.parse(args.prompt_words or "0", minimum=0, maximum=MOST_PROMPT_WORDS),
         ),
         output_tokens=_read("--output-tokens", lambda: Lengths.parse(args.output_tokens, minimum=1))
         if args.output_tokens

@@ -24,6 +24,11 @@ APIS: tuple[Api, ...] = ("lab", "native", "openai", "responses")
 # The APIs whose requests name a model (the one the server lists, when the user named none).
 MODEL_APIS: frozenset[Api] = frozenset({"openai", "responses"})
 
+# The most words a prompt (or the shared system prompt) may have: far beyond any model's
+# context, and still a prompt this process can build (about 60 MB); more would exhaust its
+# memory, or pass what a string can hold, before the first request was sent.
+MOST_PROMPT_WORDS = 10_000_000
+
 # Prompt filler: distinct short words, so a prompt of N words is N tokens to a word tokenizer.
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
 _SYSTEM_WORDS = "you are a helpful assistant answer briefly and kindly".split()
@@ -194,7 +199,8 @@ class Lengths:
     """A length that is fixed (``64``) or drawn: ``uniform:LO:HI``, ``normal:MEAN:SD`` or
     ``hist:FILE`` (a histogram: lines of ``LENGTH WEIGHT``, ``#`` comments).
 
-    Drawn lengths are rounded and never below ``minimum``.
+    Drawn lengths are rounded and never below ``minimum`` (nor above ``maximum``, when
+    given: a normal distribution's tail has no end).
     """
 
     kind: Literal["fixed", "uniform", "normal", "histogram"]
@@ -204,30 +210,38 @@ class Lengths:
     values: tuple[int, ...] = ()
     weights: tuple[float, ...] = ()
     source: str = ""
+    maximum: int | None = None
 
     @classmethod
-    def parse(cls, text: str, *, minimum: int = 0) -> Lengths:
+    def parse(cls, text: str, *, minimum: int = 0, maximum: int | None = None) -> Lengths:
         """Read ``N``, ``uniform:LO:HI``, ``normal:MEAN:SD`` or ``hist:FILE``; raises
-        ValueError otherwise (or when the file cannot be read)."""
+        ValueError otherwise (or when the file cannot be read, or a length passes
+        ``maximum``)."""
         name, _, rest = text.partition(":")
         if name == "hist":
-            values, weights = read_histogram(rest, minimum)
+            values, weights = read_histogram(rest, minimum, maximum)
             return cls("histogram", 0, minimum=minimum, values=values, weights=weights, source=rest)
         try:
             if not rest:
                 value = int(name)
                 if value < minimum:
                     raise ValueError(f"length must be at least {minimum}, got {value}")
+                if maximum is not None and value > maximum:
+                    raise ValueError(f"length must be at most {maximum:,}, got {value:,}")
                 return cls("fixed", value, minimum=minimum)
             a, b = (float(x) for x in rest.split(":"))
         except ValueError as exc:
             raise ValueError(f"{text!r}: {exc}") from None
         if not (math.isfinite(a) and math.isfinite(b)):  # a draw is rounded to a whole number
             raise ValueError(f"{text!r}: want finite numbers")
+        # The largest a draw is meant to reach: HI, or the mean (the tail is cut at maximum).
+        meant = b if name == "uniform" else a
+        if name in ("uniform", "normal") and maximum is not None and meant > maximum:
+            raise ValueError(f"{text!r}: lengths must be at most {maximum:,}")
         if name == "uniform" and minimum <= a <= b:
-            return cls("uniform", a, b, minimum)
+            return cls("uniform", a, b, minimum, maximum=maximum)
         if name == "normal" and a >= minimum and b >= 0:
-            return cls("normal", a, b, minimum)
+            return cls("normal", a, b, minimum, maximum=maximum)
         raise ValueError(
             f"{text!r}: want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE (>= {minimum})"
         )
@@ -238,7 +252,8 @@ class Lengths:
         if self.kind == "histogram":
             return rng.choices(self.values, self.weights)[0]
         value = rng.uniform(self.a, self.b) if self.kind == "uniform" else rng.gauss(self.a, self.b)
-        return max(self.minimum, round(value))
+        drawn = max(self.minimum, round(value))
+        return drawn if self.maximum is None else min(self.maximum, drawn)
 
     def describe(self) -> str:
         if self.kind == "fixed":
@@ -248,7 +263,9 @@ class Lengths:
         return f"{self.kind}:{self.a:g}:{self.b:g}"
 
 
-def read_histogram(path: str, minimum: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def read_histogram(
+    path: str, minimum: int, maximum: int | None = None
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """A histogram file's lengths and weights; raises ValueError naming the file and line."""
     try:
         with open(path, encoding="utf-8") as file:
@@ -263,11 +280,13 @@ def read_histogram(path: str, minimum: int) -> tuple[tuple[int, ...], tuple[floa
             continue
         try:
             length, weight = int(fields[0]), float(fields[1])
-            if len(fields) != 2 or length < minimum or not 0 <= weight < float("inf"):
+            too_long = maximum is not None and length > maximum
+            if len(fields) != 2 or length < minimum or too_long or not 0 <= weight < float("inf"):
                 raise ValueError
         except (ValueError, IndexError):
+            most = "" if maximum is None else f" and <= {maximum:,}"
             raise ValueError(
-                f"hist:{path} line {number}: want LENGTH WEIGHT (length >= {minimum}, "
+                f"hist:{path} line {number}: want LENGTH WEIGHT (length >= {minimum}{most}, "
                 f"weight >= 0), got {line.strip()!r}"
             ) from None
         values.append(length)
