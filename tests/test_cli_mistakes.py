@@ -430,6 +430,17 @@ def test_a_histogram_length_too_long_to_build_names_its_line(tmp_path: Path):
     )
 
 
+def test_histogram_weights_whose_sum_is_infinite_are_refused_before_sending(tmp_path: Path):
+    hist = tmp_path / "prompt_words.hist"
+    hist.write_text("5 1e308\n6 1e308\n")  # each finite; their sum is not
+    done = run("bench", "http://127.0.0.1:9/stream", "--prompt-words", f"hist:{hist}")
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --prompt-words: hist:{hist}: the weights add up to more than a "
+        "number can hold"
+    )
+
+
 def test_a_port_in_use_is_one_line_not_a_traceback():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

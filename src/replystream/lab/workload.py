@@ -291,6 +291,9 @@ def read_histogram(
             ) from None
         values.append(length)
         weights.append(weight)
-    if not sum(weights) > 0:
+    total = sum(weights)
+    if not total > 0:
         raise ValueError(f"hist:{path}: no length has a positive weight")
+    if total == float("inf"):  # each weight finite, their sum not: a draw cannot be made
+        raise ValueError(f"hist:{path}: the weights add up to more than a number can hold")
     return tuple(values), tuple(weights)
