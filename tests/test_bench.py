@@ -829,6 +829,31 @@ def test_compare_prints_two_saved_results_side_by_side_with_ratios(tmp_path, cap
     assert "a sweep and the other a single run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda r: r.pop("throughput"), "(no 'throughput')"),
+        (lambda r: r["goodput"].clear(), "(no 'share_of_requests')"),
+        (lambda r: r.update(ttft_ms=None), "(a figure is not where bench puts it)"),
+        (lambda r: r["ttft_ms"].update(p50="fast"), "(TTFT p50 (ms): 'fast')"),
+        (lambda r: r["goodput"].update(share_of_requests="all"), "(good share (%): 'all')"),
+    ],
+    ids=["no-throughput", "no-share", "ttft-null", "p50-text", "share-text"],
+)
+def test_compare_refuses_a_file_missing_a_figure_in_one_line(tmp_path, capsys, edit, says):
+    config = LoadConfig(url="http://h/stream", api="lab", requests=2)
+    records = tuple(_record(i, 0.1 * i, 50.0) for i in range(2))
+    result = summarize(LoadRun(config, records, 1.0, 0.1))
+    good, edited = tmp_path / "good.json", tmp_path / "edited.json"
+    good.write_text(json.dumps(result))
+    edit(result)
+    edited.write_text(json.dumps(result))
+    assert main(["bench", "--compare", str(good), str(edited)]) == 2
+    assert capsys.readouterr().err == (
+        f"replystream bench: --compare: {edited}: not a result bench wrote with --json {says}\n"
+    )
+
+
 async def test_custom_headers_go_with_every_request_the_model_lookup_and_the_scrapes():
     seen: list[tuple[str, str | None]] = []
 

@@ -28,34 +28,50 @@ def load_result(path: Path) -> dict[str, Any]:
     return result
 
 
-def rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, float | None, float | None]]:
+_SWEEP = (
+    ("synchronous rate (req/s)", "synchronous_rate"),
+    ("max throughput (req/s)", "max_throughput_rate"),
+    ("knee (req/s)", "knee_rate"),
+)
+
+
+def rows(
+    a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")
+) -> list[tuple[str, float | None, float | None]]:
     """(figure, A's value, B's value) for two single runs or two sweeps; raises ValueError
-    for a run and a sweep, which share no figures."""
+    for a run and a sweep, which share no figures, or for a file (named by ``names``) that
+    lacks a figure."""
     if ("sweep" in a) != ("sweep" in b):
         raise ValueError("one file holds a sweep and the other a single run: nothing to compare")
-    if "sweep" in a:
-        keys = (
-            ("synchronous rate (req/s)", "synchronous_rate"),
-            ("max throughput (req/s)", "max_throughput_rate"),
-            ("knee (req/s)", "knee_rate"),
-        )
-        return [(label, a["sweep"][key], b["sweep"][key]) for label, key in keys]
-    out: list[tuple[str, float | None, float | None]] = []
-    for label, key in _LATENCY:
-        for stat in ("p50", "p90", "p99"):
-            out.append((f"{label} {stat} (ms)", a[key][stat], b[key][stat]))
-    out.append(("requests/s", a["throughput"]["requests_per_s"], b["throughput"]["requests_per_s"]))
-    out.append(
-        ("tokens/s", a["throughput"]["output_tokens_per_s"], b["throughput"]["output_tokens_per_s"])
-    )
-    out.append(
-        (
-            "good share (%)",
-            100 * a["goodput"]["share_of_requests"],
-            100 * b["goodput"]["share_of_requests"],
-        )
-    )
-    return out
+    first, second = _figures(a, names[0]), _figures(b, names[1])
+    return [(label, value, second[label]) for label, value in first.items()]
+
+
+def _figures(result: dict[str, Any], name: str) -> dict[str, float | None]:
+    """The figures compared, by label; raises ValueError naming ``name`` when one is missing
+    or is not a number (a file edited, cut, or written by something else)."""
+    try:
+        if "sweep" in result:
+            found = {label: result["sweep"][key] for label, key in _SWEEP}
+        else:
+            found = {
+                f"{label} {stat} (ms)": result[key][stat]
+                for label, key in _LATENCY
+                for stat in ("p50", "p90", "p99")
+            }
+            found["requests/s"] = result["throughput"]["requests_per_s"]
+            found["tokens/s"] = result["throughput"]["output_tokens_per_s"]
+            found["good share (%)"] = result["goodput"]["share_of_requests"]
+    except (KeyError, TypeError) as exc:
+        why = f"no {exc}" if isinstance(exc, KeyError) else "a figure is not where bench puts it"
+        raise ValueError(f"{name}: not a result bench wrote with --json ({why})") from None
+    for label, value in found.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"{name}: not a result bench wrote with --json ({label}: {value!r})")
+    share = found.get("good share (%)")
+    if share is not None:
+        found["good share (%)"] = 100 * share
+    return found
 
 
 def render_compare(paths: tuple[Path, Path], console: Console) -> None:
@@ -64,7 +80,7 @@ def render_compare(paths: tuple[Path, Path], console: Console) -> None:
     table = Table(title=f"bench: A = {paths[0]}, B = {paths[1]}")
     for column in ("Figure", "A", "B", "B / A"):
         table.add_column(column, justify="left" if column == "Figure" else "right")
-    for label, first, second in rows(a, b):
+    for label, first, second in rows(a, b, (str(paths[0]), str(paths[1]))):
         ratio = "-"
         if first is not None and second is not None and first != 0:
             ratio = f"{second / first:,.2f}"
