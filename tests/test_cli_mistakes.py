@@ -240,6 +240,11 @@ CASES: list[tuple[list[str], str]] = [
         "argument --max-tokens: want a whole number >= 1",
     ),
     (["doctor", "http://127.0.0.1:99999/stream"], "argument url: want a port from 1 to 65535"),
+    # one request shape goes to both paths: two paths of two APIs would fail one of them
+    (
+        ["doctor", "http://127.0.0.1:9/stream", "--direct", "http://127.0.0.1:9/v1/replies"],
+        "--direct speaks the native API by its path, the URL the lab API: give the same",
+    ),
     # a request line is printable ASCII: what is not is refused, not a traceback once sent
     (["doctor", "http://127.0.0.1:9/a b"], "argument url: a URL is printable ASCII with no"),
     (["bench", "http://127.0.0.1:9/caf\u00e9"], "argument url: a URL is printable ASCII with no"),

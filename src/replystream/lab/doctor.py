@@ -138,6 +138,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.direct and args.api == "auto" and detect_api(args.direct) != api_of(args):
+        # One request shape goes to both: the URL's would not be the direct path's request.
+        print(
+            f"replystream doctor: --direct speaks the {detect_api(args.direct)} API by its "
+            f"path, the URL the {api_of(args)} API: give the same endpoint on both sides, "
+            "or name its request shape with --api",
+            file=sys.stderr,
+        )
+        return 2
     thresholds = Thresholds(burst_gap_ms=args.burst_gap_ms)
     try:
         proxied_timing, direct_timing = asyncio.run(examine(args))
