@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,28 @@ async def test_lab_against_a_failing_server_reports_incomplete_and_exits_nonzero
     assert result["stream"]["first_text_ms"]["median"] is None
     assert result["first_text_sooner_ms"] is None
     assert any("simulated failure" in e for e in result["stream"]["errors"])
+
+
+async def test_lab_says_why_calls_did_not_complete_under_its_table(tmp_path: Path):
+    engine = fast_engine(fail_after=3)
+    async with serve_engine(engine) as url:
+        process = await asyncio.create_subprocess_exec(
+            *LAB,
+            "--url",
+            url,
+            "--calls",
+            "2",
+            "--out",
+            str(tmp_path),
+            stdout=asyncio.subprocess.PIPE,
+            env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+        )
+        stdout, _ = await process.communicate()
+    assert process.returncode == 1
+    lines = stdout.decode().splitlines()
+    stream = next(line for line in lines if line.startswith("Stream (SSE): "))
+    assert stream.startswith("Stream (SSE): 2 of 2 calls did not complete: ")
+    assert "simulated failure" in stream
 
 
 def one_line_error(done: subprocess.CompletedProcess[str]) -> str:

@@ -151,6 +151,15 @@ def render_table(result: dict[str, Any], console: Console) -> None:
             f"{row['complete']}/{row['calls']}",
         )
     console.print(table)
+    for mode in MODES:
+        row = result[mode]
+        if row["complete"] < row["calls"]:
+            console.print(
+                f"{names[mode]}: {row['calls'] - row['complete']} of {row['calls']} calls did "
+                f"not complete: {'; '.join(row['errors'])}",
+                highlight=False,
+                soft_wrap=True,  # one line, however long the reasons
+            )
     if result["first_text_sooner_ms"] is None:
         console.print("Some calls did not complete: no comparison is made.")
         return
