@@ -201,6 +201,16 @@ CASES: list[tuple[list[str], str]] = [
         ["bench", "http://127.0.0.1:9/stream", "--output-tokens", "normal:8:inf"],
         "--output-tokens: 'normal:8:inf': want finite numbers",
     ),
+    # a header the client could not write is refused, not a traceback at the first request
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--header", "X-User: Jos\u00e9"],
+        "argument --header: a header value is printable ASCII (percent- or base64-encode the "
+        "rest), got 'X-User: Jos\u00e9'",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--header", "X-Tab: a\x7fb"],
+        "argument --header: a header value is printable ASCII",
+    ),
     # a prompt too long to build is refused, not a traceback or an exhausted memory
     (
         ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "normal:1e300:0"],

@@ -89,6 +89,12 @@ def _header(text: str) -> tuple[str, str]:
     name, value = name.strip(), value.strip()
     if not colon or not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\0"):
         raise argparse.ArgumentTypeError(f"want 'NAME: VALUE' (one line), got {text!r}")
+    # The client writes headers as ASCII (as HTTP/1.1 fields are in practice): anything else
+    # could not be sent, and would fail every request with a traceback.
+    if not all(c == "\t" or " " <= c <= "~" for c in value):
+        raise argparse.ArgumentTypeError(
+            f"a header value is printable ASCII (percent- or base64-encode the rest), got {text!r}"
+        )
     if name.lower() in _OWN_HEADERS:
         raise argparse.ArgumentTypeError(f"{name} is written by the client itself")
     return name, value
