@@ -456,6 +456,31 @@ def test_histogram_weights_whose_sum_is_infinite_are_refused_before_sending(tmp_
     )
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["doctor", "http://127.0.0.1:9/stream", "--prompt", "caf\udce9"],
+        ["doctor", "http://127.0.0.1:9/v1/chat/completions", "--model", "caf\udce9"],
+        ["bench", "http://127.0.0.1:9/v1/chat/completions", "--model", "caf\udce9"],
+    ],
+)
+def test_text_that_is_not_utf8_is_one_line_naming_the_flag_and_the_byte(argv: list[str]):
+    """Bytes a shell passes that are not UTF-8 (here Latin-1's é) reach Python as a lone
+    surrogate; sent, they made a traceback (a lab URL) or JSON no server reads."""
+    flag = argv[-2]
+    done = subprocess.run(
+        [*CLI, *(a.encode("utf-8", "surrogateescape") for a in argv)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream {argv[0]}: argument {flag}: not UTF-8 text (byte 0xe9 at offset 3); "
+        "check the terminal's or the script's encoding"
+    )
+
+
 def test_a_port_in_use_is_one_line_not_a_traceback():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -243,6 +243,24 @@ def _readable_text_file(text: str) -> Path:
 
 # A file of lines this process may read, in UTF-8 (read whole here, to say which byte is not).
 readable_text_file = Checker("a readable UTF-8 text file", _readable_text_file)
+
+
+def _utf8_text(text: str) -> str:
+    # Python reads a command line's bytes that are not UTF-8 as lone surrogates: they could
+    # not be sent in a request (a URL's query or a JSON body) as the user meant them.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 text (byte 0x{byte:02x} at offset {exc.start}); check the terminal's "
+            "or the script's encoding"
+        ) from None
+    return text
+
+
+# Text sent in a request (a prompt, a model name): it must be the UTF-8 the wire carries.
+utf8_text = Checker("UTF-8 text", _utf8_text)
 # A name in any case, folded to upper case (a log level).
 upper_case = Checker("a name in any case", str.upper)
 

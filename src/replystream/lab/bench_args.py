@@ -27,6 +27,7 @@ from replystream.cli_values import (
     positive_float,
     positive_int,
     readable_file,
+    utf8_text,
     web_url,
 )
 from replystream.client.transport import tls_context
@@ -280,6 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
+        type=utf8_text,
         help="model name, openai and responses APIs only (default: the one the server's "
         "/v1/models lists)",
     )

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from replystream.cli_values import http_url, positive_float, positive_int
+from replystream.cli_values import http_url, positive_float, positive_int, utf8_text
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
 from replystream.lab.served_model import ModelLookupError, served_model
@@ -39,10 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="reply length to ask for; long replies separate the verdicts clearly",
     )
     parser.add_argument(
-        "--prompt", help=f"prompt text (default: none for the lab API, else {DEFAULT_PROMPT!r})"
+        "--prompt",
+        type=utf8_text,
+        help=f"prompt text (default: none for the lab API, else {DEFAULT_PROMPT!r})",
     )
     parser.add_argument(
         "--model",
+        type=utf8_text,
         help="model name, openai API only (default: the one the server's /v1/models lists)",
     )
     parser.add_argument(
