@@ -309,6 +309,15 @@ CASES: list[tuple[list[str], str]] = [
         "argument --batch: want a whole number from 1 to 1000000000, got 0",
     ),
     (["kv", "--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    # kv: a decode-step option without the bandwidth would be ignored: refused instead
+    (
+        ["kv", "--model", "llama-3-8b", "--weights-gb", "16"],
+        "--weights-gb sizes the decode step: add --bandwidth-tbs",
+    ),
+    (
+        ["kv", "--model", "llama-3-8b", "--memory-gib", "8", "--batch", "4"],
+        "--batch sizes the decode step: add --bandwidth-tbs",
+    ),
     (["lab-engine", "ttft", "--repeats", "0"], "argument --repeats: want a whole number >= 1"),
     (
         ["lab-engine", "pool", "--engine", "tiny", "--requests", "1", "--out", "/proc/nope"],

@@ -217,7 +217,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-gb", type=amount, help="weight bytes read per step, GB")
     parser.add_argument("--bandwidth-tbs", type=amount, help="memory bandwidth, TB/s")
     parser.add_argument(
-        "--batch", type=_count("batch"), default=1, help="full-length sequences per step"
+        "--batch",
+        type=_count("batch"),
+        help="full-length sequences per step, with --bandwidth-tbs (default: 1)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -232,7 +234,12 @@ def _shape_value(given: int | None, preset: ModelShape | None, field: str) -> in
 
 
 def query_from_args(args: argparse.Namespace) -> KVQuery:
-    """Explicit options win over the preset's values."""
+    """Explicit options win over the preset's values; raises ValueError for a decode-step
+    option without the bandwidth that bounds the step (it would be ignored)."""
+    if args.bandwidth_tbs is None:
+        for flag, value in (("--weights-gb", args.weights_gb), ("--batch", args.batch)):
+            if value is not None:
+                raise ValueError(f"{flag} sizes the decode step: add --bandwidth-tbs")
     preset = PRESETS[args.model] if args.model else None
     weights = args.weights_gb
     if weights is None and preset is not None and args.bandwidth_tbs is not None:
@@ -250,7 +257,7 @@ def query_from_args(args: argparse.Namespace) -> KVQuery:
         memory_gib=args.memory_gib,
         weights_gb=weights,
         bandwidth_tbs=args.bandwidth_tbs,
-        batch=args.batch,
+        batch=1 if args.batch is None else args.batch,
     )
 
 
