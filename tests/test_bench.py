@@ -467,6 +467,16 @@ async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
         assert png.startswith(b"\x89PNG")
 
 
+def test_a_sweep_says_why_its_requests_failed(capsys):
+    url = f"http://127.0.0.1:{free_port()}/stream"  # nothing listens
+    code = main(["bench", url, "--profile", "sweep", "--requests", "2", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 1
+    for run in ("synchronous", "throughput"):
+        reasons = [line for line in out.splitlines() if line.startswith(f"  {run}: failed: 2 x ")]
+        assert len(reasons) == 1 and "cannot connect" in reasons[0], out
+
+
 async def test_warmup_window_keeps_early_requests_out_of_every_figure():
     async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))) as url:
         config = LoadConfig(

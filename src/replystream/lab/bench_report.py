@@ -212,6 +212,12 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
             _cell(client["cpu_us_per_event"], ""),
         )
     console.print(table)
+    for run in result["runs"]:
+        counts = run["summary"]["counts"]
+        name = run["profile"] if run["target_rate"] is None else f"{run['target_rate']:,.2f} req/s"
+        for kind in ("incomplete", "failed"):
+            for reason, n in counts[f"{kind}_reasons"].items():
+                console.print(f"  {name}: {kind}: {n} x {reason}", highlight=False, markup=False)
     limited_runs = [run for run in result["runs"] if run["summary"]["client"]["client_limited"]]
     if limited_runs:
         names = ", ".join(
