@@ -477,6 +477,16 @@ def test_a_sweep_says_why_its_requests_failed(capsys):
         assert len(reasons) == 1 and "cannot connect" in reasons[0], out
 
 
+def test_a_sweep_claims_only_the_constant_rates_it_ran(capsys):
+    url = f"http://127.0.0.1:{free_port()}/stream"  # nothing listens: both rates are 0
+    code = main(["bench", url, "--profile", "sweep", "--requests", "2", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 1
+    rows = [line.split()[1] for line in out.splitlines() if line.startswith("│ ")]
+    assert rows == ["synchronous", "throughput"], out
+    assert "maximum throughput 0.00 req/s, 0 constant rates between." in out
+
+
 async def test_warmup_window_keeps_early_requests_out_of_every_figure():
     async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))) as url:
         config = LoadConfig(

@@ -138,6 +138,7 @@ def test_a_sweep_marks_the_rates_where_the_client_was_the_limit():
             "max_throughput_rate": 50.0,
             "steps": 2,
             "step": 22.5,
+            "rates": [20.0, 35.0],
             "slos": {},
             "slo_share": 0.95,
             "knee_rate": None,

@@ -233,7 +233,8 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
     slos = " and ".join(f"{k} <= {v:g} ms" for k, v in sweep["slos"].items()) or "no SLO"
     console.print(
         f"Synchronous rate {sweep['synchronous_rate']:,.2f} req/s, maximum throughput "
-        f"{sweep['max_throughput_rate']:,.2f} req/s, {sweep['steps']} constant rates between.",
+        f"{sweep['max_throughput_rate']:,.2f} req/s, {len(sweep['rates'])} constant rates "
+        "between.",
         highlight=False,
     )
     if sweep["knee_rate"] is None:
