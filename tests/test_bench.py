@@ -475,6 +475,8 @@ def test_a_sweep_says_why_its_requests_failed(capsys):
     for run in ("synchronous", "throughput"):
         reasons = [line for line in out.splitlines() if line.startswith(f"  {run}: failed: 2 x ")]
         assert len(reasons) == 1 and "cannot connect" in reasons[0], out
+    # With no --slo a good request is a complete one: the knee line says so.
+    assert "Knee: none; no rate completed 95 % of requests and stayed steady." in out
 
 
 def test_a_sweep_claims_only_the_constant_rates_it_ran(capsys):

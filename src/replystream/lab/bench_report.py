@@ -230,7 +230,9 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
             "be the client's",
             highlight=False,
         )
-    slos = " and ".join(f"{k} <= {v:g} ms" for k, v in sweep["slos"].items()) or "no SLO"
+    slos = " and ".join(f"{k} <= {v:g} ms" for k, v in sweep["slos"].items())
+    # Without an SLO a request is good when it completed: say that, not "kept no SLO".
+    kept = f"kept {slos} for" if slos else "completed"
     console.print(
         f"Synchronous rate {sweep['synchronous_rate']:,.2f} req/s, maximum throughput "
         f"{sweep['max_throughput_rate']:,.2f} req/s, {len(sweep['rates'])} constant rates "
@@ -239,13 +241,14 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
     )
     if sweep["knee_rate"] is None:
         console.print(
-            f"Knee: none; no rate kept {slos} for {100 * sweep['slo_share']:g} % of requests.",
+            f"Knee: none; no rate {kept} {100 * sweep['slo_share']:g} % of requests and stayed "
+            "steady.",
             highlight=False,
         )
     else:
         step = "" if sweep["step"] is None else f" (sweep step {sweep['step']:,.2f} req/s)"
         console.print(
-            f"Knee: {sweep['knee_rate']:,.2f} req/s, the highest rate that kept {slos} "
-            f"for {100 * sweep['slo_share']:g} % of requests and stayed steady{step}.",
+            f"Knee: {sweep['knee_rate']:,.2f} req/s, the highest rate that {kept} "
+            f"{100 * sweep['slo_share']:g} % of requests and stayed steady{step}.",
             highlight=False,
         )
