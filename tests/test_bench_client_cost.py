@@ -122,6 +122,31 @@ def test_the_warning_appears_when_the_client_used_nearly_a_core(cpu_s, limited):
     assert (CLIENT_LIMITED in text) is limited
 
 
+def test_a_run_that_read_no_event_is_not_blamed_on_the_client():
+    """Every request refused at once: the CPU share of an instant is not a busy client."""
+    config = LoadConfig(url="http://h/stream", api="lab", requests=2)
+    refused = ReplyTiming(
+        url="http://h/stream",
+        streamed=False,
+        complete=False,
+        error="read failed: cannot connect to h:80",
+        status=None,
+        headers_ms=None,
+        first_byte_ms=None,
+        first_text_ms=None,
+        last_text_ms=None,
+        closed_ms=0.2,
+        body_bytes=0,
+        text="",
+        tokens=0,
+    )
+    records = tuple(RequestRecord(i, 0.0, 0, None, refused) for i in range(2))
+    summary = summarize(LoadRun(config, records, wall_s=0.001, client_cpu_s=0.00101))
+    assert summary["client"]["cpu_share_of_one_core"] > CLIENT_LIMIT_SHARE
+    assert summary["client"]["client_limited"] is False
+    assert CLIENT_LIMITED not in _printed(summary)
+
+
 def test_a_sweep_marks_the_rates_where_the_client_was_the_limit():
     config = LoadConfig(url="http://h/stream", api="lab", requests=10)
     records = tuple(_record(i) for i in range(10))

@@ -286,7 +286,9 @@ def summarize(
         "events_read": events_read,
         "cpu_us_per_event": 1e6 * run.client_cpu_s / events_read if events_read else None,
         "limit_share": CLIENT_LIMIT_SHARE,
-        "client_limited": run.client_cpu_share > CLIENT_LIMIT_SHARE,
+        # A run that read nothing (every request refused at once) has no figure the client
+        # could have held back: its CPU share over an instant's wall time says nothing.
+        "client_limited": events_read > 0 and run.client_cpu_share > CLIENT_LIMIT_SHARE,
     }
     config = run.config
     result["config"] = {
