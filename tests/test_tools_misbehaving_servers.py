@@ -169,3 +169,45 @@ async def test_token_counts_no_reply_could_have_are_not_believed(tmp_path):
             assert code == 0, err
             measured = json.loads(await asyncio.to_thread(result.read_text))["requests"][0]
             assert (measured["tokens"], measured["tokens_per_event"]) == (5, 1.0)
+
+
+def garbled_resume_app(first: bytes) -> web.Application:
+    """Resumable-looking streams that open with ``first``, a garbled event."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Reply-Id": "r1"}
+        )
+        await response.prepare(request)
+        await response.write(first)
+        for number in range(1, 6):
+            data = f'{{"text": "w{number} ", "tokens": 1}}'
+            await response.write(f"id: {number}\nevent: token\ndata: {data}\n\n".encode())
+            await asyncio.sleep(0.005)
+        await response.write(b"event: done\ndata: {}\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", stream)
+    return app
+
+
+async def test_a_garbled_gap_or_created_event_in_a_resumed_reply_is_a_reason():
+    cases = [
+        ("v1/replies", b"event: gap\ndata: [1, 2]\n\n", "a gap event names no range"),
+        ("v1/replies", b'event: gap\ndata: {"lost_from": 4, "lost_to": 2}\n\n', "no range"),
+        ("v1/responses", b'event: response.created\ndata: {"response": "x"}\n\n', "cannot"),
+        ("v1/responses", b"event: response.created\ndata: [1]\n\n", "cannot be resumed"),
+    ]
+    for path, first, says in cases:
+        async with running(garbled_resume_app(first)) as url:
+            model = ["--model", "m"] if path == "v1/responses" else []
+            code, out, err = await cli(
+                *("bench", f"{url}/{path}", *model, "--requests", "1", "--no-warmup"),
+                *("--drop-share", "1", "--drop-after", "2", "--quiet"),
+            )
+        assert "Traceback" not in err, err
+        assert code == 1
+        said = ("  incomplete: 1 x ", "  failed: 1 x ")
+        reason = next(line for line in out.splitlines() if line.startswith(said))
+        assert says in reason, out

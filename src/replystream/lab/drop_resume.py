@@ -25,7 +25,7 @@ import ssl
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from replystream.client import ReplyTiming
@@ -129,11 +129,9 @@ async def _follow(
                     read.first_number = number if read.first_number is None else read.first_number
                     first_at = chunk.at if first_at is None else first_at
                 if event.type == "gap":
-                    gap = json.loads(event.data)
-                    read.announced_lost += int(gap["lost_to"]) - int(gap["lost_from"]) + 1
+                    read.announced_lost += _gap_size(event.data)
                 elif event.type == "response.created":
-                    created = (payload or _json(event.data) or {}).get("response", {})
-                    read.response_id = read.response_id or created.get("id")
+                    read.response_id = read.response_id or _created_id(_json(event.data))
                 meaning = interpret_event(event)
                 if meaning.kind == "text" and meaning.text:
                     read.text.append(meaning.text)
@@ -149,6 +147,28 @@ async def _follow(
                     read.error = meaning.error
                     return first_at
     return first_at
+
+
+def _gap_size(data: str) -> int:
+    """How many events a ``gap`` event says were lost (``{"lost_from", "lost_to"}``, ids);
+    raises ValueError for one that names no such range (a server's mistake, reported)."""
+    gap = _json(data)
+    first = gap.get("lost_from") if isinstance(gap, dict) else None
+    last = gap.get("lost_to") if isinstance(gap, dict) else None
+    if not (_whole(first) and _whole(last) and 0 <= first <= last):
+        raise ValueError(f"a gap event names no range of lost events: {data[:80]!r}")
+    return last - first + 1
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _created_id(payload: Any) -> str | None:
+    """The response id a ``response.created`` event carries, if it carries one."""
+    response = payload.get("response") if isinstance(payload, dict) else None
+    found = response.get("id") if isinstance(response, dict) else None
+    return found if isinstance(found, str) and found else None
 
 
 def _json(data: str) -> Any:
