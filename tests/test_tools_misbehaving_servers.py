@@ -211,3 +211,31 @@ async def test_a_garbled_gap_or_created_event_in_a_resumed_reply_is_a_reason():
         said = ("  incomplete: 1 x ", "  failed: 1 x ")
         reason = next(line for line in out.splitlines() if line.startswith(said))
         assert says in reason, out
+
+
+async def test_a_dropped_reply_with_no_numbered_event_says_it_cannot_be_resumed():
+    async def unnumbered(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Reply-Id": "r1"}
+        )
+        await response.prepare(request)
+        for number in range(1, 6):
+            data = f'{{"text": "w{number} ", "tokens": 1}}'
+            await response.write(f"event: token\ndata: {data}\n\n".encode())
+            await asyncio.sleep(0.005)
+        await response.write(b"event: done\ndata: {}\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/replies", unnumbered)
+    async with running(app) as url:
+        code, out, err = await cli(
+            *("bench", f"{url}/v1/replies", "--requests", "1", "--no-warmup", "--quiet"),
+            *("--drop-share", "1", "--drop-after", "2"),
+        )
+    assert "Traceback" not in err, err
+    assert code == 1
+    assert (
+        "  incomplete: 1 x no event carried a number (an id: or a sequence_number), so the "
+        "reply cannot be resumed"
+    ) in out.splitlines(), out

@@ -231,7 +231,13 @@ async def drop_and_resume(
     try:
         async with asyncio.timeout(timeout_s):
             await _follow(read, url, "POST", body, start_headers, drop_after_tokens, tls)
-            if not read.complete and read.error is None and read.ids:
+            dropped = not read.complete and read.error is None and read.tokens >= drop_after_tokens
+            if dropped and not read.ids:
+                read.error = (
+                    "no event carried a number (an id: or a sequence_number), so the reply "
+                    "cannot be resumed"
+                )
+            elif not read.complete and read.error is None and read.ids:
                 again = _resume_request(route, cursor, url, read)
                 if again is None:
                     read.error = "the reply's id never arrived, so it cannot be resumed"
