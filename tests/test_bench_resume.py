@@ -112,6 +112,33 @@ async def test_dropped_responses_readers_resume_losing_and_repeating_nothing(cur
     assert 0.0 < resume["reconnect_ms"]["p50"] < 200.0
 
 
+@pytest.mark.parametrize("api", ["native", "responses"])
+async def test_a_reply_behind_a_path_prefix_resumes_under_that_prefix(api, tmp_path):
+    """A proxy serving the app under /api/: the resume goes where the reply started."""
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "12"]
+    port = free_port()
+    async with local_server(schedule) as url:
+        upstream = url.removeprefix("http://")
+        config = f"""    server {{
+        listen 127.0.0.1:{port};
+        location /api/ {{ proxy_pass http://{upstream}/; proxy_buffering off; }}
+    }}"""
+        async with running_nginx(config, port, tmp_path) as proxy:
+            route = "v1/replies" if api == "native" else "v1/responses"
+            target = f"{proxy}/api/{route}"
+            load = LoadConfig(
+                url=target,
+                api=api,
+                requests=2,
+                drop_share=1.0,
+                drop_after=3,
+                model=await served_model(target) if api == "responses" else "default",
+            )
+            summary = summarize(await run_load(load))
+    assert summary["counts"]["complete"] == 2, summary["counts"]
+    assert summary["resume"]["resumed"] == summary["resume"]["drops"] == 2
+
+
 async def test_responses_resume_counts_an_event_lost_and_one_repeated():
     """A server numbering events only by ``sequence_number`` from 0, as OpenAI's does."""
 

@@ -25,7 +25,7 @@ import random
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from replystream.client.transport import TransportError, http_request
 from replystream.sse import Event, EventParser, SSEError
@@ -56,9 +56,18 @@ class Backoff:
         return max(wait, server_retry_s or 0.0)
 
 
+# The routes a resumable reply is started at, whose prefix its resume URL keeps.
+_START_ROUTES = ("/v1/replies", "/stream")
+
+
 def resume_url(start_url: str, reply_id: str) -> str:
+    """Where the reply started at ``start_url`` is resumed: ``/v1/replies/{id}/stream`` under
+    the same prefix (a proxy's ``/api/v1/replies`` resumes at ``/api/v1/replies/...``)."""
     parts = urlsplit(start_url)
-    return urlunsplit((parts.scheme, parts.netloc, f"/v1/replies/{reply_id}/stream", "", ""))
+    path = parts.path.rstrip("/")
+    prefix = next((path[: -len(r)] for r in _START_ROUTES if path.endswith(r)), "")
+    reply = quote(reply_id, safe="")  # an id is one path segment, whatever it holds
+    return urlunsplit((parts.scheme, parts.netloc, f"{prefix}/v1/replies/{reply}/stream", "", ""))
 
 
 class ResumingReader:
