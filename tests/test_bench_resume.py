@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +114,9 @@ async def test_dropped_responses_readers_resume_losing_and_repeating_nothing(cur
     assert 0.0 < resume["reconnect_ms"]["p50"] < 200.0
 
 
-@pytest.mark.parametrize("api", ["native", "responses"])
-async def test_a_reply_behind_a_path_prefix_resumes_under_that_prefix(api, tmp_path):
-    """A proxy serving the app under /api/: the resume goes where the reply started."""
+@asynccontextmanager
+async def app_under_api_prefix(tmp_path: Path) -> AsyncIterator[str]:
+    """A server behind a real nginx that serves it under /api/; yields the proxy's URL."""
     schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "12"]
     port = free_port()
     async with local_server(schedule) as url:
@@ -124,19 +126,37 @@ async def test_a_reply_behind_a_path_prefix_resumes_under_that_prefix(api, tmp_p
         location /api/ {{ proxy_pass http://{upstream}/; proxy_buffering off; }}
     }}"""
         async with running_nginx(config, port, tmp_path) as proxy:
-            route = "v1/replies" if api == "native" else "v1/responses"
-            target = f"{proxy}/api/{route}"
-            load = LoadConfig(
-                url=target,
-                api=api,
-                requests=2,
-                drop_share=1.0,
-                drop_after=3,
-                model=await served_model(target) if api == "responses" else "default",
-            )
-            summary = summarize(await run_load(load))
+            yield proxy
+
+
+@pytest.mark.parametrize("api", ["native", "responses"])
+async def test_a_reply_behind_a_path_prefix_resumes_under_that_prefix(api, tmp_path):
+    """A proxy serving the app under /api/: the resume goes where the reply started."""
+    async with app_under_api_prefix(tmp_path) as proxy:
+        route = "v1/replies" if api == "native" else "v1/responses"
+        target = f"{proxy}/api/{route}"
+        load = LoadConfig(
+            url=target,
+            api=api,
+            requests=2,
+            drop_share=1.0,
+            drop_after=3,
+            model=await served_model(target) if api == "responses" else "default",
+        )
+        summary = summarize(await run_load(load))
     assert summary["counts"]["complete"] == 2, summary["counts"]
     assert summary["resume"]["resumed"] == summary["resume"]["drops"] == 2
+
+
+async def test_server_metrics_behind_a_path_prefix_are_read_under_that_prefix(tmp_path):
+    async with app_under_api_prefix(tmp_path) as proxy:
+        target = f"{proxy}/api/v1/replies"
+        assert metrics_url(target) == f"{proxy}/api/metrics"
+        load = LoadConfig(url=target, api="native", requests=2, server_metrics=metrics_url(target))
+        summary = summarize(await run_load(load))
+    server = summary["server"]
+    assert "error" not in server, server
+    assert server["client_tokens_received"] == 24 and server["excess_tokens"] == 0
 
 
 async def test_responses_resume_counts_an_event_lost_and_one_repeated():

@@ -39,10 +39,24 @@ class ScrapeError(Exception):
     """``/metrics`` could not be read or parsed."""
 
 
+# The endpoints a bench measures, whose prefix (a proxy's /api) the metrics URL keeps.
+_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/replies",
+    "/stream",
+    "/wait",
+)
+
+
 def metrics_url(url: str) -> str:
-    """The ``/metrics`` beside an endpoint: same scheme, host and port."""
+    """The ``/metrics`` beside an endpoint: same scheme, host and port, and the path prefix
+    the endpoint is served under (``/api/v1/replies`` -> ``/api/metrics``)."""
     parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
+    path = parts.path.rstrip("/")
+    prefix = next((path[: -len(e)] for e in _ENDPOINTS if path.endswith(e)), "")
+    return urlunsplit((parts.scheme, parts.netloc, f"{prefix}/metrics", "", ""))
 
 
 def parse(text: str) -> Scrape:
