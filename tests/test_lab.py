@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from replystream.lab.local_server import READY, announced_process
 from tests.conftest import fast_engine, serve_engine
 
 LAB = [sys.executable, "-m", "replystream", "lab"]
@@ -97,6 +98,14 @@ async def test_lab_says_why_calls_did_not_complete_under_its_table(tmp_path: Pat
     stream = next(line for line in lines if line.startswith("Stream (SSE): "))
     assert stream.startswith("Stream (SSE): 2 of 2 calls did not complete: ")
     assert "simulated failure" in stream
+
+
+async def test_a_local_server_that_never_gets_ready_is_a_runtime_error_naming_the_wait():
+    # lab turns a RuntimeError into one line; a bare TimeoutError was a traceback.
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(RuntimeError, match=r"^the server was not ready within 0.5 s$"):
+        async with announced_process(silent, READY, name="the server", ready_timeout_s=0.5):
+            pass
 
 
 def one_line_error(done: subprocess.CompletedProcess[str]) -> str:

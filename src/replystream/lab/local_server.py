@@ -35,15 +35,18 @@ async def announced_process(
     process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
     assert process.stdout is not None
     try:
-        async with asyncio.timeout(ready_timeout_s):
-            while True:
-                line = (await process.stdout.readline()).decode()
-                if not line:
-                    status = await process.wait()
-                    raise RuntimeError(f"{name} exited with status {status} before ready")
-                found = ready.search(line)
-                if found:
-                    break
+        try:
+            async with asyncio.timeout(ready_timeout_s):
+                while True:
+                    line = (await process.stdout.readline()).decode()
+                    if not line:
+                        status = await process.wait()
+                        raise RuntimeError(f"{name} exited with status {status} before ready")
+                    found = ready.search(line)
+                    if found:
+                        break
+        except TimeoutError:
+            raise RuntimeError(f"{name} was not ready within {ready_timeout_s:g} s") from None
         yield LocalServer(found.group(1), process.pid)
         if process.returncode is not None:
             raise RuntimeError(f"{name} died while in use (status {process.returncode})")
