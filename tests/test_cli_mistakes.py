@@ -166,6 +166,12 @@ CASES: list[tuple[list[str], str]] = [
     # A schedule no reply could end in is refused, not served as a run that never ends.
     (["lab", "--delay-ms", "1e300"], "argument --delay-ms: want a number from 0 to 60000"),
     (["serve", "--first-token-ms", "1e9"], "--first-token-ms: want a number from 0 to 60000"),
+    # call i asks for seed + i: a seed the API refuses would fail every call
+    (
+        ["lab", "--seed", "9223372036854775807", "--calls", "2"],
+        "--seed 9223372036854775807: call i asks for seed + i, and 2 calls need a seed of at "
+        "most 9223372036854775806",
+    ),
     # An output folder nothing can be made in (whatever its permission bits say, as for
     # root) is refused before the experiment runs, not by a traceback after it.
     (["lab", *QUICK_LAB, "--out", "/proc/nope"], "argument --out: /proc/nope: "),

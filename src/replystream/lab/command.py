@@ -27,6 +27,7 @@ from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.plots import plot_timeline
 from replystream.lab.report_console import report_console
+from replystream.server.schemas import MAX_SEED
 
 # The local server's schedule: a server measured with --url keeps its own.
 SCHEDULE_FLAGS = {
@@ -88,6 +89,12 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
             applied), or a jitter larger than the delay.
     """
     defaults = LabConfig()
+    if args.seed + args.calls - 1 > MAX_SEED:
+        # Call i asks for seed + i: the last call's seed must be one the API takes.
+        raise ValueError(
+            f"--seed {args.seed}: call i asks for seed + i, and {args.calls} calls need a "
+            f"seed of at most {MAX_SEED - args.calls + 1}"
+        )
     if args.url is not None:
         for dest, flag in SCHEDULE_FLAGS.items():
             if getattr(args, dest) is not None:
