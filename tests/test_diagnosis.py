@@ -52,6 +52,15 @@ def test_a_stall_that_merges_tokens_does_not_make_a_stream_bursty():
     assert diagnose(timing(times)).verdict == "streaming"
 
 
+def test_an_event_stream_typed_in_capitals_is_blamed_on_a_buffering_hop():
+    # Media types are case-insensitive: the reply streamed, a hop held it.
+    times = [1000.0 + 0.01 * i for i in range(100)] + [2000.0 + 0.01 * i for i in range(100)]
+    capitals = {"content-type": "Text/Event-Stream; charset=UTF-8", "server": "nginx"}
+    result = diagnose(timing(times, headers=capitals))
+    assert result.verdict == "bursty"
+    assert result.hop is not None and result.hop.startswith("nginx proxy buffering")
+
+
 def test_everything_within_milliseconds_at_the_end_is_buffered():
     times = [4000.0 + 0.01 * i for i in range(200)]
     result = diagnose(timing(times))

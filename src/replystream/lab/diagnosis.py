@@ -193,7 +193,7 @@ def _hop_and_fix(
         )
     if verdict not in ("buffered", "bursty"):
         return None, None
-    if "text/event-stream" not in headers.get("content-type", ""):
+    if "text/event-stream" not in headers.get("content-type", "").lower():  # any case
         return "the server: it answers with one body", "use the streaming endpoint (SSE)"
     page = _page_sized(bursts)
     sized = f"; bursts of about {page // 1024} KiB match one proxy buffer" if page else ""
