@@ -460,6 +460,16 @@ def test_a_histogram_length_too_long_to_build_names_its_line(tmp_path: Path):
     )
 
 
+@pytest.mark.parametrize("flag", ["--dataset", "--trace"])
+def test_an_empty_json_array_is_no_records_as_an_empty_file_is(flag: str, tmp_path: Path):
+    # Not a silent fall-back to synthetic prompts (--dataset), nor a traceback (--trace).
+    workload = tmp_path / "workload.json"
+    workload.write_text("[]\n")
+    done = run("bench", "http://127.0.0.1:9/stream", flag, str(workload))
+    assert done.returncode == 2
+    assert one_line(done) == f"replystream bench: {flag}: {workload}: no records"
+
+
 def test_histogram_weights_whose_sum_is_infinite_are_refused_before_sending(tmp_path: Path):
     hist = tmp_path / "prompt_words.hist"
     hist.write_text("5 1e308\n6 1e308\n")  # each finite; their sum is not

@@ -28,18 +28,19 @@ def _records(path: Path) -> list[tuple[int, Any]]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: cannot read ({exc})") from None
+    records = []
     if text.lstrip().startswith("["):
         try:
-            return list(enumerate(json.loads(text), 1))
+            records = list(enumerate(json.loads(text), 1))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                records.append((number, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {number}: not JSON ({exc.msg})") from None
+    else:
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append((number, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path} line {number}: not JSON ({exc.msg})") from None
     if not records:
         raise ValueError(f"{path}: no records")
     return records
