@@ -470,6 +470,27 @@ def test_an_empty_json_array_is_no_records_as_an_empty_file_is(flag: str, tmp_pa
     assert one_line(done) == f"replystream bench: {flag}: {workload}: no records"
 
 
+@pytest.mark.parametrize(
+    "record",
+    [
+        '{"timestamp": NaN, "prompt_words": 1}',  # in no order
+        '{"timestamp": Infinity, "prompt_words": 1}',  # never comes: the run would hang
+        '{"timestamp": 1, "prompt_words": 100000000000}',  # too long to build (memory)
+        '{"timestamp": 1, "prompt_words": 1, "output_tokens": 1e400}',  # was a traceback
+        '{"timestamp": 1, "prompt_words": 2.5}',  # not a whole number of words
+    ],
+)
+def test_a_trace_record_that_cannot_be_replayed_names_its_record(record: str, tmp_path: Path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "prompt_words": 1}\n' + record + "\n")
+    done = run("bench", "http://127.0.0.1:9/stream", "--trace", str(trace), timeout=30)
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --trace: {trace} record 2: want {{'timestamp': S, 'prompt_words': "
+        "N, 'output_tokens': M}, finite timestamps in order, 0 <= N <= 10,000,000, M >= 1"
+    )
+
+
 def test_histogram_weights_whose_sum_is_infinite_are_refused_before_sending(tmp_path: Path):
     hist = tmp_path / "prompt_words.hist"
     hist.write_text("5 1e308\n6 1e308\n")  # each finite; their sum is not

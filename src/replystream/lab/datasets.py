@@ -14,10 +14,11 @@ origin). It must not know how requests are sent.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from replystream.lab.workload import Prompt, prompt_of
+from replystream.lab.workload import MOST_PROMPT_WORDS, Prompt, prompt_of
 
 _USER = {"human", "user"}
 _ASSISTANT = {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
@@ -90,6 +91,19 @@ def read_dataset(path: Path) -> tuple[Prompt, ...]:
     return tuple(prompts)
 
 
+def _whole(value: Any, least: int, most: int | None) -> int:
+    """``value`` as a whole number from ``least`` to ``most``; raises ValueError otherwise (a
+    fraction, infinity, or a prompt too long to build)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError
+    if isinstance(value, float) and not value.is_integer():  # also NaN and infinity
+        raise ValueError
+    number = int(value)
+    if number < least or (most is not None and number > most):
+        raise ValueError
+    return number
+
+
 def read_trace(path: Path) -> tuple[tuple[float, ...], tuple[Prompt, ...]]:
     """A trace's arrival times (seconds from its first request) and its requests; raises
     ValueError naming the file and line at fault."""
@@ -98,18 +112,20 @@ def read_trace(path: Path) -> tuple[tuple[float, ...], tuple[Prompt, ...]]:
     for number, record in _records(path):
         try:
             at = float(record["timestamp"])
-            words = int(record.get("prompt_words", 0))
+            # NaN is in no order and an infinite time never comes: neither is a time.
+            if not math.isfinite(at) or (times and at < times[-1]):
+                raise ValueError
+            words = _whole(record.get("prompt_words", 0), 0, MOST_PROMPT_WORDS)
             tokens = record.get("output_tokens")
-            if words < 0 or (tokens is not None and int(tokens) < 1):
-                raise ValueError
-            if times and at < times[-1]:
-                raise ValueError
+            if tokens is not None:
+                tokens = _whole(tokens, 1, None)
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ValueError(
                 f"{path} record {number}: want {{'timestamp': S, 'prompt_words': N, "
-                "'output_tokens': M}, timestamps in order, N >= 0, M >= 1"
+                "'output_tokens': M}, finite timestamps in order, "
+                f"0 <= N <= {MOST_PROMPT_WORDS:,}, M >= 1"
             ) from None
         times.append(at)
-        prompts.append(Prompt(prompt_of(words), None if tokens is None else int(tokens)))
+        prompts.append(Prompt(prompt_of(words), tokens))
     start = times[0]
     return tuple(t - start for t in times), tuple(prompts)
