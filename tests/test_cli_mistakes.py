@@ -473,6 +473,25 @@ def test_an_empty_json_array_is_no_records_as_an_empty_file_is(flag: str, tmp_pa
 @pytest.mark.parametrize(
     "record",
     [
+        '{"conversations": ["hi"]}',  # a turn that is not an object: was a traceback
+        '{"messages": [null]}',
+        '{"prompt": "hi", "output_tokens": true}',  # was sent as max_tokens: true
+    ],
+)
+def test_a_dataset_record_of_another_shape_names_its_record(record: str, tmp_path: Path):
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "hello"}\n' + record + "\n")
+    done = run("bench", "http://127.0.0.1:9/stream", "--dataset", str(dataset))
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --dataset: {dataset} record 2: want {{'prompt', 'output_tokens'?}}, "
+        "ShareGPT 'conversations' or 'messages' with a non-empty user turn"
+    )
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
         '{"timestamp": NaN, "prompt_words": 1}',  # in no order
         '{"timestamp": Infinity, "prompt_words": 1}',  # never comes: the run would hang
         '{"timestamp": 1, "prompt_words": 100000000000}',  # too long to build (memory)

@@ -48,11 +48,14 @@ def _records(path: Path) -> list[tuple[int, Any]]:
 
 
 def _turns(record: dict[str, Any]) -> list[tuple[str, str]] | None:
-    """(speaker, text) of a ShareGPT or messages record; None when it is neither."""
-    if isinstance(record.get("conversations"), list):
-        return [(str(t.get("from", "")), str(t.get("value", ""))) for t in record["conversations"]]
-    if isinstance(record.get("messages"), list):
-        return [(str(t.get("role", "")), str(t.get("content", ""))) for t in record["messages"]]
+    """(speaker, text) of a ShareGPT or messages record; None when it is neither (or a turn
+    is not an object)."""
+    for key, speaker, text in (("conversations", "from", "value"), ("messages", "role", "content")):
+        turns = record.get(key)
+        if isinstance(turns, list):
+            if not all(isinstance(t, dict) for t in turns):
+                return None
+            return [(str(t.get(speaker, "")), str(t.get(text, ""))) for t in turns]
     return None
 
 
@@ -61,7 +64,7 @@ def _prompt(record: Any) -> Prompt | None:
         return None
     if isinstance(record.get("prompt"), str) and record["prompt"].strip():
         tokens = record.get("output_tokens")
-        if tokens is None or (isinstance(tokens, int) and tokens >= 1):
+        if tokens is None or (type(tokens) is int and tokens >= 1):  # true is no length
             return Prompt(record["prompt"], tokens)
         return None
     turns = _turns(record)
