@@ -460,6 +460,17 @@ def test_a_histogram_length_too_long_to_build_names_its_line(tmp_path: Path):
     )
 
 
+def test_json_and_csv_to_one_file_are_refused_before_sending(tmp_path: Path):
+    out = tmp_path / "result.out"
+    same = f"{tmp_path}/./result.out"
+    done = run("bench", "http://127.0.0.1:9/stream", "--json", str(out), "--csv", same)
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --csv {out} is the --json file too: the CSV would replace it"
+    )
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("flag", ["--dataset", "--trace"])
 def test_an_empty_json_array_is_no_records_as_an_empty_file_is(flag: str, tmp_path: Path):
     # Not a silent fall-back to synthetic prompts (--dataset), nor a traceback (--trace).

@@ -440,6 +440,8 @@ def config_from_args(
         raise ValueError("--resume-cursor says how a dropped reader resumes: add --drop-share")
     if args.model is not None and api not in MODEL_APIS:
         raise ValueError(f"--model names the model of an OpenAI request; the {api} API has none")
+    if args.json and args.csv and args.json.resolve() == args.csv.resolve():
+        raise ValueError(f"--csv {args.csv} is the --json file too: the CSV would replace it")
     slos = tuple(slo for group in args.slo for slo in group)
     names = [slo.metric for slo in slos]
     if len(set(names)) != len(names):
