@@ -239,3 +239,32 @@ async def test_a_dropped_reply_with_no_numbered_event_says_it_cannot_be_resumed(
         "  incomplete: 1 x no event carried a number (an id: or a sequence_number), so the "
         "reply cannot be resumed"
     ) in out.splitlines(), out
+
+
+async def test_an_event_stream_in_an_encoding_not_decoded_is_named_not_garbage():
+    """A hop that compresses with brotli although the client asked for gzip or deflate."""
+
+    async def brotli(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Content-Encoding": "br"}
+        )
+        await response.prepare(request)
+        for number in range(10):
+            await response.write(bytes([0x8B, 0x02, 0x80, number]))  # not SSE as it stands
+            await asyncio.sleep(0.005)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/stream", brotli)
+    unread = "the body is in the br encoding, which this client does not decode"
+    async with running(app) as url:
+        code, out, err = await cli("doctor", f"{url}/stream", "--json")
+        assert "Traceback" not in err, err
+        assert code == 1
+        result = json.loads(out)
+        assert result["verdict"] == "compressed"
+        assert unread in result["reason"]
+        assert result["fix"].startswith("do not compress text/event-stream")
+        code, out, err = await cli("bench", f"{url}/stream", "--requests", "1", "--quiet")
+    assert code == 1
+    assert f"  failed: 1 x read failed: {unread} (it asks for gzip or deflate)" in out, out

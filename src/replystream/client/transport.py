@@ -130,6 +130,12 @@ class HTTPResponse:
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         while (chunk := await self._protocol.next_chunk()) is not None:
+            if self._decoder is None and self._encoding not in ("identity", ""):
+                # Read as it is, a br (or any other) body is garbage to every parser after.
+                raise TransportError(
+                    f"the body is in the {self._encoding} encoding, which this client does "
+                    "not decode (it asks for gzip or deflate)"
+                )
             if self._decoder is None:
                 yield chunk
                 continue

@@ -149,11 +149,14 @@ def diagnose(timing: ReplyTiming, thresholds: Thresholds | None = None) -> Diagn
 def _verdict(
     timing: ReplyTiming, limits: Thresholds, median_gap: float | None, bursts: list[Burst]
 ) -> tuple[Verdict, str]:
+    encoding = timing.headers.get("content-encoding", "identity").strip().lower()
+    # A compressed event stream is the verdict even when its encoding (br) could not be read.
+    answered = timing.status is not None and 200 <= timing.status < 300
+    if answered and timing.streamed and encoding not in ("", "identity"):
+        unread = "" if timing.complete else f" ({timing.error})"
+        return "compressed", (f"the event stream arrived with Content-Encoding: {encoding}{unread}")
     if not timing.complete:
         return "failed", f"no complete reply: {timing.error}"
-    encoding = timing.headers.get("content-encoding", "identity").strip().lower()
-    if timing.streamed and encoding not in ("", "identity"):
-        return "compressed", f"the event stream arrived with Content-Encoding: {encoding}"
     if not timing.streamed:
         kind = timing.headers.get("content-type", "no content type")
         return "buffered", f"not an event stream ({kind}): the whole reply came as one body"
