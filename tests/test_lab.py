@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from replystream.lab.local_server import READY, announced_process
+from replystream.server import running
 from tests.conftest import fast_engine, serve_engine
 
 LAB = [sys.executable, "-m", "replystream", "lab"]
@@ -98,6 +100,26 @@ async def test_lab_says_why_calls_did_not_complete_under_its_table(tmp_path: Pat
     stream = next(line for line in lines if line.startswith("Stream (SSE): "))
     assert stream.startswith("Stream (SSE): 2 of 2 calls did not complete: ")
     assert "simulated failure" in stream
+
+
+async def test_a_reason_that_looks_like_markup_is_printed_as_it_came(tmp_path: Path):
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "no [/bold] here"}}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/{mode}", refuse)
+    async with running(app) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(*LAB, "--url", url, "--calls", "1", "--out", str(tmp_path)),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await process.communicate()
+    assert b"Traceback" not in stderr, stderr.decode()
+    assert process.returncode == 1
+    assert "Stream (SSE): 1 of 1 calls did not complete: HTTP 503: no [/bold] here" in (
+        stdout.decode().splitlines()
+    )
 
 
 async def test_a_local_server_that_never_gets_ready_is_a_runtime_error_naming_the_wait():

@@ -165,6 +165,7 @@ def render_table(result: dict[str, Any], console: Console) -> None:
                 f"{names[mode]}: {row['calls'] - row['complete']} of {row['calls']} calls did "
                 f"not complete: {'; '.join(row['errors'])}",
                 highlight=False,
+                markup=False,  # a server's words, not Rich markup
                 soft_wrap=True,  # one line, however long the reasons
             )
     if result["first_text_sooner_ms"] is None:
