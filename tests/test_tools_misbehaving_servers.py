@@ -18,6 +18,7 @@ from aiohttp import web
 from replystream.lab.benchstats import summarize
 from replystream.lab.load import LoadConfig, run_load
 from replystream.server import running
+from tests.conftest import fast_engine, serve_engine
 
 CLI = [sys.executable, "-m", "replystream"]
 
@@ -268,3 +269,28 @@ async def test_an_event_stream_in_an_encoding_not_decoded_is_named_not_garbage()
         code, out, err = await cli("bench", f"{url}/stream", "--requests", "1", "--quiet")
     assert code == 1
     assert f"  failed: 1 x read failed: {unread} (it asks for gzip or deflate)" in out, out
+
+
+async def test_urls_and_paths_that_look_like_markup_are_printed_as_they_are(tmp_path):
+    """Rich reads '[/b]' as a closing tag: in a URL or a file name it ended the report."""
+    folder = tmp_path / "runs[/b]"
+    async with serve_engine(fast_engine(delay_ms=1, jitter_ms=0)) as url:
+        target = f"{url}/stream?max_tokens=3&tag=[/b]"
+        single = ["--requests", "1", "--quiet", "--json", str(folder / "a[/b].json")]
+        code, out, err = await cli("bench", target, *single)
+        assert "Traceback" not in err, err
+        assert code == 0, err
+        assert f"bench {target} (lab," in out and f"Wrote {folder}/a[/b].json." in out
+        code, out, err = await cli("bench", target, "--profile", "sweep", "--requests", "2")
+        assert "Traceback" not in err, err
+        assert f"bench sweep {target} (lab)" in out
+        code, out, err = await cli(
+            *("bench", "--compare", str(folder / "a[/b].json"), str(folder / "a[/b].json"))
+        )
+        assert "Traceback" not in err, err
+        assert code == 0 and "a[/b].json" in out  # the title wraps to the table's width
+        code, out, err = await cli(
+            *("lab", "--url", url, "--calls", "1", "--tokens", "2", "--out", str(folder))
+        )
+    assert "Traceback" not in err, err
+    assert code == 0 and f"Wrote {folder}/timeline.json and {folder}/timeline.png." in out

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"replystream bench: {flag} {path}: {exc.strerror or exc}", file=sys.stderr)
             code = 1
             continue
-        console.print(f"Wrote {', '.join(str(p) for p in written)}.", highlight=False)
+        console.print(f"Wrote {', '.join(str(p) for p in written)}.", highlight=False, markup=False)
     return code
 
 

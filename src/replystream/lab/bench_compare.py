@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 _LATENCY = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms"))
@@ -77,7 +78,7 @@ def _figures(result: dict[str, Any], name: str) -> dict[str, float | None]:
 def render_compare(paths: tuple[Path, Path], console: Console) -> None:
     """Print A and B side by side; raises ValueError for files that cannot be compared."""
     a, b = (load_result(path) for path in paths)
-    table = Table(title=f"bench: A = {paths[0]}, B = {paths[1]}")
+    table = Table(title=escape(f"bench: A = {paths[0]}, B = {paths[1]}"))
     for column in ("Figure", "A", "B", "B / A"):
         table.add_column(column, justify="left" if column == "Figure" else "right")
     for label, first, second in rows(a, b, (str(paths[0]), str(paths[1]))):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from replystream.lab.benchstats import DEFINITIONS
@@ -34,7 +35,8 @@ def _cell(value: float | None, unit: str) -> str:
 def render(summary: dict[str, Any], console: Console) -> None:
     """Print the distributions table, their definitions, counts, throughput and client CPU."""
     config = summary["config"]
-    table = Table(title=f"bench {config['url']} ({config['api']}, {config['mode']})")
+    # The URL is the user's text, not Rich markup ("?q=[/b]" would end the report).
+    table = Table(title=escape(f"bench {config['url']} ({config['api']}, {config['mode']})"))
     columns = ["Metric", "n", "mean", *(f"p{p}" for p in PERCENTILES), "min", "max"]
     for column in columns:
         table.add_column(column, justify="left" if column == "Metric" else "right", no_wrap=True)
@@ -176,7 +178,7 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
     """Print one row per run of a sweep and the knee."""
     sweep = result["sweep"]
     first = result["runs"][0]["summary"]["config"]
-    table = Table(title=f"bench sweep {first['url']} ({first['api']})")
+    table = Table(title=escape(f"bench sweep {first['url']} ({first['api']})"))
     for column in (
         "Profile",
         "Target req/s",

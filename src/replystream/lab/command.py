@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"replystream lab: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
             print("RESULT " + json.dumps(result))
             return 1
-        console.print(f"Wrote {timeline_path} and {plot_path}.")
+        console.print(f"Wrote {timeline_path} and {plot_path}.", markup=False)
         print("RESULT " + json.dumps(result))
     complete = all(result[mode]["complete"] == result[mode]["calls"] for mode in MODES)
     return 0 if complete else 1
