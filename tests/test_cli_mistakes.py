@@ -557,6 +557,17 @@ def test_text_that_is_not_utf8_is_one_line_naming_the_flag_and_the_byte(argv: li
     )
 
 
+@pytest.mark.parametrize("name", ["timeline.json", "timeline.png"])
+def test_a_folder_where_lab_writes_a_file_is_refused_before_the_run(name: str, tmp_path: Path):
+    (tmp_path / name).mkdir()
+    done = run("lab", *QUICK_LAB, "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream lab: --out {tmp_path}: {tmp_path / name} is a folder where the lab "
+        "writes a file"
+    )
+
+
 def test_a_port_in_use_is_one_line_not_a_traceback():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -29,6 +29,9 @@ from replystream.lab.plots import plot_timeline
 from replystream.lab.report_console import report_console
 from replystream.server.schemas import MAX_SEED
 
+# What the lab writes in --out: the first call's arrivals, and their plot.
+TIMELINE_FILES = ("timeline.json", "timeline.png")
+
 # The local server's schedule: a server measured with --url keeps its own.
 SCHEDULE_FLAGS = {
     "delay_ms": "--delay-ms",
@@ -208,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # The default folder (here) is not checked while parsing: --json writes nothing there.
     problem = None if args.json else folder_problem(args.out)
+    if problem is None and not args.json:
+        # A folder where a file goes would be found only after the run, by a traceback.
+        folders = [args.out / name for name in TIMELINE_FILES if (args.out / name).is_dir()]
+        problem = f"{folders[0]} is a folder where the lab writes a file" if folders else None
     if problem is not None:
         print(f"replystream lab: --out {args.out}: {problem}", file=sys.stderr)
         return 2
@@ -228,8 +235,7 @@ def run(args: argparse.Namespace) -> int:
         console = report_console()
         render_table(result, console)
         timeline = lab_run.timeline()
-        timeline_path = args.out / "timeline.json"
-        plot_path = args.out / "timeline.png"
+        timeline_path, plot_path = (args.out / name for name in TIMELINE_FILES)
         try:  # checked before the run, but a disk can fill or a folder go in the meantime
             args.out.mkdir(parents=True, exist_ok=True)
             timeline_path.write_text(json.dumps(timeline, indent=1) + "\n")
