@@ -557,6 +557,21 @@ def test_text_that_is_not_utf8_is_one_line_naming_the_flag_and_the_byte(argv: li
     )
 
 
+@pytest.mark.parametrize(
+    ("profile", "name"), [([], "gap_histogram.png"), (["--profile", "sweep"], "sweep_latency.png")]
+)
+def test_a_folder_where_bench_writes_a_plot_is_refused_before_sending(
+    profile: list[str], name: str, tmp_path: Path
+):
+    (tmp_path / name).mkdir()
+    url = "http://127.0.0.1:9/stream"
+    done = run("bench", url, *profile, "--requests", "1", "--plot", str(tmp_path))
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --plot {tmp_path}: {tmp_path / name} is a folder where a plot goes"
+    )
+
+
 @pytest.mark.parametrize("name", ["timeline.json", "timeline.png"])
 def test_a_folder_where_lab_writes_a_file_is_refused_before_the_run(name: str, tmp_path: Path):
     (tmp_path / name).mkdir()

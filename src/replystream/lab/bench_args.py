@@ -31,6 +31,7 @@ from replystream.cli_values import (
     web_url,
 )
 from replystream.client.transport import tls_context
+from replystream.lab.bench_plots import RUN_PLOTS, SWEEP_PLOTS
 from replystream.lab.benchstats import SLO
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import CURSORS
@@ -440,6 +441,12 @@ def config_from_args(
         raise ValueError("--resume-cursor says how a dropped reader resumes: add --drop-share")
     if args.model is not None and api not in MODEL_APIS:
         raise ValueError(f"--model names the model of an OpenAI request; the {api} API has none")
+    if args.plot is not None:
+        # A folder where a plot goes would be found only after the run, by a traceback.
+        plots = SWEEP_PLOTS if args.profile == "sweep" else RUN_PLOTS
+        held = [args.plot / name for name in plots if (args.plot / name).is_dir()]
+        if held:
+            raise ValueError(f"--plot {args.plot}: {held[0]} is a folder where a plot goes")
     if args.json and args.csv and args.json.resolve() == args.csv.resolve():
         raise ValueError(f"--csv {args.csv} is the --json file too: the CSV would replace it")
     slos = tuple(slo for group in args.slo for slo in group)

@@ -16,12 +16,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first, above
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+# The files --plot writes: for one run, and for a sweep.
+RUN_PLOTS = ("ttft_cdf.png", "gap_histogram.png", "timeline.png")
+SWEEP_PLOTS = ("sweep_latency.png", "sweep_distributions.png")
+
 
 def plot_all(summary: dict[str, Any], folder: Path) -> list[Path]:
     """Write ``ttft_cdf.png``, ``gap_histogram.png`` and ``timeline.png``; return their paths."""
     folder.mkdir(parents=True, exist_ok=True)
     done = [r for r in summary["requests"] if r["complete"]]
-    paths = [folder / "ttft_cdf.png", folder / "gap_histogram.png", folder / "timeline.png"]
+    paths = [folder / name for name in RUN_PLOTS]
     _ttft_cdf(done, paths[0])
     _gap_histogram(done, paths[1])
     _timeline(summary["requests"], paths[2])
@@ -98,7 +102,7 @@ def _cdf(ax: Any, values: list[float], label: str, style: str) -> None:
 def _sweep_distributions(result: dict[str, Any], folder: Path) -> Path:
     """One curve per run: how TTFT and the gaps between text events spread as the rate rises
     (a percentile table hides whether a whole run shifted or only its tail grew)."""
-    path = folder / "sweep_distributions.png"
+    path = folder / SWEEP_PLOTS[1]
     knee = result["sweep"]["knee_rate"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
     for run in result["runs"]:
@@ -129,7 +133,7 @@ def _sweep_distributions(result: dict[str, Any], folder: Path) -> Path:
 
 
 def _sweep_latency(result: dict[str, Any], folder: Path) -> Path:
-    path = folder / "sweep_latency.png"
+    path = folder / SWEEP_PLOTS[0]
     runs = sorted((r for r in result["runs"] if r["rate"] is not None), key=lambda r: r["rate"])
     rates = [r["rate"] for r in runs]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
