@@ -467,6 +467,19 @@ async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
         assert png.startswith(b"\x89PNG")
 
 
+async def test_slo_given_twice_bounds_both_metrics(tmp_path):
+    out = tmp_path / "bench.json"
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream?max_tokens=3"),
+            *("--requests", "1", "--quiet", "--slo", "ttft=1000", "--slo", "tpot=500"),
+            *("--json", str(out)),
+        )
+        assert await process.wait() == 0
+    goodput = json.loads(await asyncio.to_thread(out.read_text))["goodput"]
+    assert goodput["slos"] == {"ttft": 1000.0, "tpot": 500.0}
+
+
 def test_a_sweep_says_why_its_requests_failed(capsys):
     url = f"http://127.0.0.1:{free_port()}/stream"  # nothing listens
     code = main(["bench", url, "--profile", "sweep", "--requests", "2", "--quiet"])

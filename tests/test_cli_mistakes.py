@@ -243,6 +243,10 @@ CASES: list[tuple[list[str], str]] = [
         f"argument --plot: {FILE}: {FILE} is a file",
     ),
     (
+        ["bench", "http://127.0.0.1:9/stream", "--slo", "ttft=100", "--slo", "ttft=200"],
+        "--slo: each metric may be bounded once",
+    ),
+    (
         ["bench", "http://127.0.0.1:9/stream", "--concurrency", "2", "--rate", "1"],
         "not allowed with argument",
     ),

@@ -295,6 +295,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo",
         nargs="+",
+        action="extend",  # --slo given twice adds to the bounds, as one list would
         type=slo_list,
         default=[],
         metavar="METRIC=MS[,...]",
