@@ -467,6 +467,20 @@ async def test_sweep_finds_the_knee_at_the_servers_stated_capacity(tmp_path):
         assert png.startswith(b"\x89PNG")
 
 
+async def test_a_closed_loop_wider_than_its_requests_starts_only_what_it_needs():
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=2",
+            api="lab",
+            profile=Profile("concurrent", 10**8),  # a task each: gigabytes before a request
+            requests=2,
+            warmup=False,
+        )
+        async with asyncio.timeout(20):
+            summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2
+
+
 async def test_slo_given_twice_bounds_both_metrics(tmp_path):
     out = tmp_path / "bench.json"
     async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))) as url:

@@ -203,6 +203,10 @@ async def run_load(
             async with asyncio.TaskGroup() as group:
                 in_flight = config.profile.in_flight
                 if in_flight is not None:
+                    # No more readers than conversations (the rest would find none): a closed
+                    # loop of 10**8 for 2 requests made 10**8 tasks before the first read.
+                    if config.requests is not None:
+                        in_flight = min(in_flight, config.requests)
 
                     async def worker() -> None:
                         while (index := issuer.take()) is not None:
