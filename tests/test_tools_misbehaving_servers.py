@@ -8,6 +8,7 @@ its exit status and output: never a traceback, always the reason.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
+from replystream.client import measure_reply
 from replystream.lab.benchstats import summarize
 from replystream.lab.load import LoadConfig, run_load
 from replystream.server import running
@@ -294,3 +296,20 @@ async def test_urls_and_paths_that_look_like_markup_are_printed_as_they_are(tmp_
         )
     assert "Traceback" not in err, err
     assert code == 0 and f"Wrote {folder}/timeline.json and {folder}/timeline.png." in out
+
+
+async def test_an_event_stream_in_x_gzip_is_read_as_gzip():
+    events = "".join(f'data: "w{n} "\n\n' for n in range(6)) + "data: [DONE]\n\n"
+
+    async def old_name(request: web.Request) -> web.Response:
+        return web.Response(
+            body=gzip.compress(events.encode()),
+            headers={"Content-Type": "text/event-stream", "Content-Encoding": "x-gzip"},
+        )
+
+    app = web.Application()
+    app.router.add_get("/stream", old_name)
+    async with running(app) as url:
+        timing = await measure_reply(f"{url}/stream")
+    assert timing.complete, timing.error
+    assert timing.text == "w0 w1 w2 w3 w4 w5 "

@@ -28,6 +28,10 @@ from urllib.parse import urlsplit
 
 import h11
 
+# The content codings undone here (x-gzip is gzip's old name, RFC 9110 section 8.4.1.3); the
+# decoder tells gzip from zlib-wrapped deflate by the header.
+DECODED_ENCODINGS = frozenset({"gzip", "x-gzip", "deflate"})
+
 
 class TransportError(ConnectionError):
     """The connection failed or broke the HTTP framing before the response ended."""
@@ -119,9 +123,7 @@ class HTTPResponse:
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
         self._encoding = self.headers.get("content-encoding", "identity").strip().lower()
         self._decoder = (
-            zlib.decompressobj(zlib.MAX_WBITS | 32)
-            if self._encoding in ("gzip", "deflate")
-            else None
+            zlib.decompressobj(zlib.MAX_WBITS | 32) if self._encoding in DECODED_ENCODINGS else None
         )
 
     @property
