@@ -313,3 +313,17 @@ async def test_an_event_stream_in_x_gzip_is_read_as_gzip():
         timing = await measure_reply(f"{url}/stream")
     assert timing.complete, timing.error
     assert timing.text == "w0 w1 w2 w3 w4 w5 "
+
+
+async def test_a_redirect_is_reported_with_where_it_points():
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPMovedPermanently("https://example.test/stream")
+
+    app = web.Application()
+    app.router.add_get("/stream", moved)
+    async with running(app) as url:
+        code, out, err = await cli("doctor", f"{url}/stream", "--json")
+    assert code == 1, err
+    assert json.loads(out)["reason"] == (
+        "no complete reply: HTTP 301: redirected to https://example.test/stream (not followed)"
+    )

@@ -185,7 +185,11 @@ async def _read_body(reading: _Reading, response: HTTPResponse) -> None:
         reading.body_bytes += len(chunk.data)
         chunks.append(chunk.data)
     meaning = interpret_body(b"".join(chunks))
-    if not 200 <= response.status < 300:
+    location = response.headers.get("location")
+    if 300 <= response.status < 400 and location:
+        # Not followed (a measured hop must be named, not skipped): say where it points.
+        reading.error = f"HTTP {response.status}: redirected to {location} (not followed)"
+    elif not 200 <= response.status < 300:
         reading.error = f"HTTP {response.status}: {meaning.error or 'error'}"
     elif meaning.kind == "done":
         reading.on_text(meaning.text, max(1, len(meaning.text.split())), at)
