@@ -512,6 +512,15 @@ def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str
         items[item["id"]] = item
 
 
+def opened_object(first: LogEntry) -> dict[str, Any] | None:
+    """The response object a response's first logged event carried, if that event is its
+    ``response.created`` (None: trimmed, or another event)."""
+    if first.event != "response.created":
+        return None
+    opened: dict[str, Any] = json.loads(first.data)["response"]
+    return opened
+
+
 def reader_notices(reply_id: str, opened: dict[str, Any] | None) -> Notices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
     producer, a store that cannot be reached): an ``error`` event in OpenAI's shape, then

@@ -36,6 +36,7 @@ from replystream.delivery.responses_format import (
     TERMINAL,
     ResponseSettings,
     ResponsesStreamFormat,
+    opened_object,
     reader_notices,
     reply_id_of,
     response_from_log,
@@ -120,8 +121,7 @@ async def _find_response(
     first = head.entries[0] if head is not None and head.entries else None
     if first is None or not (first.event or "").startswith("response."):
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
-    opened = json.loads(first.data)["response"] if first.event == "response.created" else None
-    return store, local, opened
+    return store, local, opened_object(first)
 
 
 def _response_reply_id(response_id: str, param: str) -> str:
