@@ -14,6 +14,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -169,3 +171,104 @@ async def test_a_waiter_woken_then_gone_passes_the_room_to_the_next():
     queue.wake_all()
     assert await other_model is True and len(queue) == 0
     assert first.cancelled()
+
+
+@asynccontextmanager
+async def relays_sharing(
+    upstream: HoldingUpstream, limit: int, folder: Path, count: int = 2, **config: Any
+) -> AsyncIterator[list[tuple[str, UpstreamEngine]]]:
+    """``count`` relays to one upstream, holding its limit together in ``folder`` as the
+    workers of one server do (each its own engine, files and locks)."""
+    async with AsyncExitStack() as stack:
+        base = await stack.enter_async_context(running(upstream.app()))
+        relays = []
+        for _ in range(count):
+            target = UpstreamTarget(f"{base}/v1", max_outstanding=limit)
+            engine = UpstreamEngine(UpstreamConfig((target,), **config), shared_limits=folder)
+            stack.push_async_callback(engine.aclose)
+            url = await stack.enter_async_context(running(create_app(engine)))
+            relays.append((url, engine))
+        yield relays
+
+
+def slots_taken(engine: UpstreamEngine) -> int | None:
+    return engine.stats().backends[0].slots_taken
+
+
+async def test_relays_sharing_a_limit_send_no_more_than_it_together(tmp_path: Path):
+    a = HoldingUpstream()
+    async with (
+        relays_sharing(a, 2, tmp_path) as [(first_url, first), (second_url, second)],
+        aiohttp.ClientSession() as session,
+    ):
+        replies = {p: asyncio.create_task(ask(session, first_url, p)) for p in ("r0", "r1")}
+        await wait_for(lambda: len(a.held) == 2)
+        # The other relay's request waits for a slot the first one holds, in its own line.
+        replies["r2"] = asyncio.create_task(ask(session, second_url, "r2"))
+        await wait_for(queued(second, 1))
+        assert first.stats().backends[0].outstanding == 2
+        # Both see the whole server's (a count is reused for a moment).
+        await wait_for(lambda: slots_taken(first) == slots_taken(second) == 2)
+        await asyncio.sleep(0.1)  # several polls: still no room
+        assert a.held == ["r0", "r1"]
+        a.release("r0")  # a slot given back in the first relay lets the second one's in
+        assert await replies["r0"] == (200, None, "re: r0")
+        await wait_for(holding("r2", a))
+        assert second.stats().queued == 0
+        for prompt in ("r1", "r2"):
+            a.release(prompt)
+            assert await replies[prompt] == (200, None, f"re: {prompt}")
+        assert a.most_at_once == 2
+        await wait_for(lambda: slots_taken(first) == slots_taken(second) == 0)
+
+
+async def test_a_wait_for_a_slot_held_by_another_relay_ends_in_503_when_its_time_is_up(
+    tmp_path: Path,
+):
+    a = HoldingUpstream()
+    async with (
+        relays_sharing(a, 1, tmp_path, queue_s=0.3) as [(first_url, _), (second_url, second)],
+        aiohttp.ClientSession() as session,
+    ):
+        held = asyncio.create_task(ask(session, first_url, "held"))
+        await wait_for(lambda: a.held == ["held"])
+        assert await ask(session, second_url, "late") == (503, "1", "upstream_busy")
+        assert second.stats().queued == 0 and a.held == ["held"]
+        a.release("held")
+        assert await held == (200, None, "re: held")
+        # The slot is free again: the second relay's next request goes at once.
+        again = asyncio.create_task(ask(session, second_url, "again"))
+        await wait_for(lambda: a.held == ["again"])
+        a.release("again")
+        assert await again == (200, None, "re: again")
+
+
+async def test_a_reload_that_raises_a_shared_limit_lets_waiters_in(tmp_path: Path):
+    a = HoldingUpstream()
+    async with (
+        relays_sharing(a, 1, tmp_path) as [(first_url, first), (second_url, second)],
+        aiohttp.ClientSession() as session,
+    ):
+        replies = {"r0": asyncio.create_task(ask(session, first_url, "r0"))}
+        await wait_for(lambda: a.held == ["r0"])
+        replies["r1"] = asyncio.create_task(ask(session, second_url, "r1"))
+        await wait_for(queued(second, 1))
+        raised = UpstreamTarget(second.config.targets[0].base_url, max_outstanding=2)
+        for engine in (first, second):
+            await engine.reroute(replace(engine.config, targets=(raised,)))
+        await wait_for(holding("r1", a))
+        await wait_for(lambda: slots_taken(second) == 2)
+        assert second.stats().backends[0].max_outstanding == 2
+        lowered = replace(raised, max_outstanding=1)
+        for engine in (first, second):
+            await engine.reroute(replace(engine.config, targets=(lowered,)))
+        a.release("r0")  # 1 still held, at the limit now: the next one waits for it
+        assert await replies["r0"] == (200, None, "re: r0")
+        replies["r2"] = asyncio.create_task(ask(session, first_url, "r2"))
+        await wait_for(queued(first, 1))
+        a.release("r1")
+        await wait_for(holding("r2", a))
+        a.release("r2")
+        for prompt in ("r1", "r2"):
+            assert await replies[prompt] == (200, None, f"re: {prompt}")
+        assert a.most_at_once == 2

@@ -271,6 +271,10 @@ class BackendStats:
             included, to the first text read), per attempt that sent text, as a count per
             ``stats.LATENCY_BOUNDS`` bucket, the last one past them all.
         first_text_sum: the sum of those times, seconds.
+        max_outstanding: its limit of requests at once (None: it has none).
+        slots_taken: requests at once it is sent by the whole server, as its limit counts
+            them: this process's outstanding count, or, with the workers of one server
+            sharing the limit, the slots every worker holds (None: it has no limit).
     """
 
     name: str
@@ -281,6 +285,8 @@ class BackendStats:
     probes: tuple[tuple[str, int], ...] = ()
     first_text_counts: tuple[int, ...] = ()
     first_text_sum: float = 0.0
+    max_outstanding: int | None = None
+    slots_taken: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

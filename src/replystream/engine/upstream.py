@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -32,6 +34,7 @@ from pydantic_core import to_json
 
 from replystream.engine.base import (
     READY,
+    BackendStats,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -53,7 +56,10 @@ from replystream.engine.upstream_http import HttpFailure, HttpOrigin, Response
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
+from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
+
+log = logging.getLogger("replystream.upstream")
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
 # The longest wait a caller is told when an upstream rate-limited its own key: a day, the
@@ -195,7 +201,10 @@ class UpstreamEngine:
     pushes = True
     makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    def __init__(self, config: UpstreamConfig, shared_limits: Path | None = None) -> None:
+        """``shared_limits``: the folder where the workers of one server hold the upstreams'
+        limits of requests at once together (``upstream_slots``); None: this process counts
+        its own requests alone."""
         self.config = config
         self._keys = UpstreamKeys.of(config)
         self.pool = UpstreamPool(
@@ -206,7 +215,10 @@ class UpstreamEngine:
         )
         self._limits = RelayLimits(config.ttft_s, config.stall_s, config.failover_s, config.queue_s)
         self._relay_counts = RelayCounts()
-        self._queue = RoomQueue()  # requests waiting for room at upstreams at their limit
+        self._shared = None if shared_limits is None else SharedLimits(shared_limits)
+        # Requests waiting for room at upstreams at their limit (with shared limits, it also
+        # looks for slots the other workers gave back).
+        self._queue = RoomQueue(None if self._shared is None else self._freed_elsewhere)
         self._session: aiohttp.ClientSession | None = None  # the health prober's
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
@@ -274,6 +286,7 @@ class UpstreamEngine:
             continuation=self.config.continuation if continuation is None else continuation,
             counts=self._relay_counts,
             queue=self._queue,
+            shared=self._shared,
             affinity=affinity_key(request) if self.config.routing == "prefix" else None,
         )
         try:
@@ -388,6 +401,47 @@ class UpstreamEngine:
             said = f"{where}: it refused our API key (see --upstream-api-key)"
         return UpstreamUnavailable(said, code="upstream_error_status")
 
+    def _freed_elsewhere(self) -> list[Backend]:
+        """Each upstream with a limit, once per slot of it free now (freed by another
+        worker): no more than this worker has room for, nor than wait in its line."""
+        assert self._shared is not None
+        waiting, freed = len(self._queue), []
+        for backend in self.pool.backends:
+            limit = backend.max_outstanding
+            if limit is None or not backend.has_room:
+                continue
+            most = min(waiting, limit - backend.outstanding)
+            try:
+                free = self._shared.slots(backend.name).free(limit, most)
+            except OSError as exc:
+                log.error("cannot read the shared slots of %s: %s", backend.name, exc)
+                continue
+            freed += [backend] * free
+        return freed
+
+    def _open_shared_slots(self, backends: list[Backend]) -> None:
+        """After the routes changed: each limited upstream's slot files open, those of a
+        limit lowered too (requests under way there count against the new one)."""
+        assert self._shared is not None
+        for backend in backends:
+            if backend.max_outstanding is not None:
+                try:
+                    self._shared.slots(backend.name).open(backend.max_outstanding)
+                except OSError as exc:
+                    log.error("cannot open the shared slots of %s: %s", backend.name, exc)
+
+    def _backend_stats(self, backend: Backend) -> BackendStats:
+        """Its stats; with shared limits, the slots taken counted over every worker."""
+        stats = backend.stats()
+        limit = backend.max_outstanding
+        if self._shared is None or limit is None:
+            return stats
+        try:
+            taken = self._shared.slots(backend.name).taken(limit)
+        except OSError:
+            return stats
+        return replace(stats, slots_taken=taken)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             started=self._counts["started"],
@@ -399,7 +453,7 @@ class UpstreamEngine:
             active=sum(b.outstanding for b in self.pool.backends) + len(self._queue),
             steps=self._deltas,
             models=self.pool.model_names(),
-            backends=tuple(b.stats() for b in self.pool.backends),
+            backends=tuple(self._backend_stats(b) for b in self.pool.backends),
             failovers=self._relay_counts.failovers,
             continuations=self._relay_counts.continuations,
             queued=len(self._queue),
@@ -443,6 +497,8 @@ class UpstreamEngine:
             self.config, self._keys, self._prober.keyless = config, keys, keys.passing
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
+            if self._shared is not None:
+                self._open_shared_slots(backends)
             self._queue.wake_all()  # room may be elsewhere now, or more of it
             kept = {b.name for b in backends}
             removed = tuple(name for name in before if name not in kept)
@@ -472,6 +528,8 @@ class UpstreamEngine:
     async def aclose(self) -> None:
         """Stop probing; close every upstream connection still open."""
         await self._prober.aclose()
+        if self._shared is not None:
+            self._shared.close()
         for origin in (*self._origins.values(), *self._retired):
             origin.close()
         self._origins.clear()

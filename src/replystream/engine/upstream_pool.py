@@ -205,6 +205,8 @@ class Backend:
             probes=tuple(sorted(self.probes.items())),
             first_text_counts=tuple(self.first_text_counts),
             first_text_sum=self.first_text_sum,
+            max_outstanding=self.max_outstanding,
+            slots_taken=None if self.max_outstanding is None else self.outstanding,
         )
 
 

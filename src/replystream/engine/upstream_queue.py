@@ -7,12 +7,20 @@ for a model that upstream serves (one, not all: a slot lets one request in); whe
 change, every waiter, to look again. A woken waiter that finds the room taken already (by a
 request that came meanwhile) waits again at the front, where it was. What counts as room is
 ``upstream_pool``'s; what a request does when its wait is over is ``upstream_relay``'s.
+
+With workers sharing the limits (``upstream_slots``), a slot another worker gives back wakes
+nobody here: while anyone waits, the line looks every ``poll_s`` for such room (``look``:
+an upstream once per slot freed elsewhere) and wakes a waiter for each, as the end of a
+request here would. A request ending here still wakes the first of this line at once, so a
+slot freed in one worker goes first to that worker's line: across workers the order is
+first come first served only as far as the polls let it (docs/engines.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from replystream.engine.upstream_pool import Backend
 
@@ -28,8 +36,13 @@ class _Waiter:
 class RoomQueue:
     """The requests waiting for room, oldest first."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, look: Callable[[], Iterable[Backend]] | None = None, poll_s: float = 0.02
+    ) -> None:
         self._waiting: deque[_Waiter] = deque()
+        self._look = look  # room freed elsewhere (None: a request here is all that frees it)
+        self._poll_s = poll_s
+        self._poll: asyncio.TimerHandle | None = None
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -43,6 +56,8 @@ class RoomQueue:
             self._waiting.appendleft(waiter)
         else:
             self._waiting.append(waiter)
+        if self._look is not None and self._poll is None:
+            self._poll = asyncio.get_running_loop().call_later(self._poll_s, self._polled)
         entered = False
         try:
             async with asyncio.timeout(within_s):
@@ -71,3 +86,13 @@ class RoomQueue:
         """The upstreams changed: every waiter looks again."""
         while self._waiting:
             self._waiting.popleft().woken.set_result(None)
+
+    def _polled(self) -> None:
+        """Wake a waiter for each slot freed elsewhere; look again while anyone waits."""
+        self._poll = None
+        if not self._waiting or self._look is None:
+            return
+        for backend in self._look():
+            self.freed(backend)
+        if self._waiting:
+            self._poll = asyncio.get_running_loop().call_later(self._poll_s, self._polled)

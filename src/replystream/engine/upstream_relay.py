@@ -15,7 +15,10 @@ This file decides when an attempt has failed and what happens next:
   next upstream, and the reply goes on from there: an empty marker delta (``continued``)
   first, then the new upstream's text. Nothing relayed is sent twice.
 When every upstream left for a request is at its limit of requests at once, it waits for
-room (``upstream_queue``) for at most ``queue_s``, then is ``upstream_busy`` (503).
+room (``upstream_queue``) for at most ``queue_s``, then is ``upstream_busy`` (503). With
+``shared`` limits (the workers of one server), an attempt at an upstream with a limit also
+holds one of its slots (``upstream_slots``) from the moment it is chosen to its end, however
+it ends; an upstream whose slots the other workers hold is passed over as one at its limit.
 Every attempt's result is counted on its backend and logged (``replystream.access``, one JSON
 line each, with the request id). It must not know how an attempt is sent (``Opener``) or
 anything about our HTTP server.
@@ -49,6 +52,7 @@ from replystream.engine.base import (
 from replystream.engine.upstream_affinity import preferred
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
+from replystream.engine.upstream_slots import SharedLimits, SlotFiles
 
 access_log = logging.getLogger("replystream.access")
 log = logging.getLogger("replystream.upstream")
@@ -155,7 +159,9 @@ class RelayedReply:
         "_request",
         "_seam",
         "_sent",
+        "_shared",
         "_sink",
+        "_slot",
         "_stream",
         "_text_at",
         "_timer",
@@ -175,10 +181,14 @@ class RelayedReply:
         counts: RelayCounts,
         queue: RoomQueue,
         affinity: str | None = None,
+        shared: SharedLimits | None = None,
     ) -> None:
         self._request = request
         self._pool = pool
         self._queue = queue
+        # With workers: the limits all of them hold together, and the slot this attempt holds.
+        self._shared = shared
+        self._slot: tuple[SlotFiles, int] | None = None
         # Routed by prefix: the upstream its key prefers goes first (else the least loaded).
         self._affinity = affinity
         self._opener = opener
@@ -458,8 +468,12 @@ class RelayedReply:
                 raise self._give_up()
             prefer = None if self._affinity is None else self._preferred
             plan = self._pool.plan(self._model, prefer)
-            backend = next((b for b in plan if b not in self._tried), None)
-            if backend is None and self._pool.full(self._model, self._tried):
+            if self._shared is None:
+                backend = next((b for b in plan if b not in self._tried), None)
+                held_elsewhere = False
+            else:
+                backend, held_elsewhere = self._with_slot(plan)
+            if backend is None and (held_elsewhere or self._pool.full(self._model, self._tried)):
                 now = time.monotonic()
                 again, queued_at = queued_at is not None, queued_at or now
                 left = self._limits.queue_s - (now - queued_at)
@@ -489,6 +503,32 @@ class RelayedReply:
             except BaseException:
                 self._attempt_over("cancelled")
                 raise
+
+    def _with_slot(self, plan: list[Backend]) -> tuple[Backend | None, bool]:
+        """The first upstream of ``plan`` not tried yet whose limit, shared by the workers,
+        lets this attempt in (it then holds a slot there), and whether some upstream was
+        passed over because the other workers hold all its slots."""
+        assert self._shared is not None
+        passed_over = False
+        for backend in plan:
+            if backend in self._tried:
+                continue
+            limit = backend.max_outstanding
+            if limit is None:
+                return backend, passed_over
+            slots = self._shared.slots(backend.name)
+            try:
+                index = slots.take(limit)
+            except OSError as exc:
+                # The shared folder cannot be used (gone, or no file left to open): this
+                # worker's own count still bounds the upstream, as in one process.
+                log.error("cannot take a shared slot of %s: %s", backend.name, exc)
+                return backend, passed_over
+            if index is not None:
+                self._slot = (slots, index)
+                return backend, passed_over
+            passed_over = True
+        return None, passed_over
 
     def _preferred(self, usable: list[Backend]) -> Backend:
         """Routed by prefix: the upstream this reply's key goes to among ``usable``; a
@@ -561,6 +601,10 @@ class RelayedReply:
         if result == "ok":
             backend.ended_well()
         backend.end()
+        if self._slot is not None:
+            slots, index = self._slot
+            self._slot = None
+            slots.give_back(index)
         if backend.max_outstanding is not None:
             self._queue.freed(backend)
         backend.attempts[result] += 1

@@ -30,6 +30,7 @@ from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_routes import load_routes
+from replystream.server import metrics_dir
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
 
 KINDS = ("smollm2", "tiny", "gguf", "simulated", "hf", "upstream")
@@ -204,8 +205,9 @@ def build_simulated(args: argparse.Namespace) -> Engine:
 
 
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
-    """The relay: the ``--engine upstream:URL`` targets, then the routes file's."""
-    return UpstreamEngine(upstream_config(args, choice))
+    """The relay: the ``--engine upstream:URL`` targets, then the routes file's; in a worker
+    of ``--workers``, with the limits of requests at once held with the other workers."""
+    return UpstreamEngine(upstream_config(args, choice), metrics_dir.shared_slots_folder())
 
 
 def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamConfig:

@@ -1,7 +1,10 @@
 """The folder the workers of ``--workers`` share their metrics through, and who owns it.
 
 prometheus-client's multiprocess mode keeps each process's values in files of one folder
-(``PROMETHEUS_MULTIPROC_DIR``). The parent makes a fresh one under the temp directory and
+(``PROMETHEUS_MULTIPROC_DIR``). The workers share one more thing through it, in a folder of
+its own inside (``SLOTS_FOLDER``): the relay's upstreams' slots of requests at once
+(``engine/upstream_slots``), so that a limit holds for the whole server; they live and go
+with the metrics. The parent makes a fresh one under the temp directory and
 removes it when it returns, but a parent killed outright (SIGKILL, the OOM killer) cannot,
 and nothing else would. So the folder's name says who owns it, and each parent, as it starts,
 removes the folders whose owners are gone.
@@ -43,6 +46,8 @@ from replystream.server.metrics import (
 log = logging.getLogger("replystream.server")
 
 FOLDER_PREFIX = "replystream-metrics-"
+# Inside it: the upstreams' shared limits (not a metric file: prometheus-client reads *.db).
+SLOTS_FOLDER = "upstream-slots"
 # replystream-metrics-PID-STARTED-RANDOM (the random part is tempfile's).
 _OWNED_FOLDER = re.compile(re.escape(FOLDER_PREFIX) + r"(\d+)-(\d+)-[^/]+")
 # prometheus-client names each process's files KIND_PID.db (gauges KIND_MODE_PID.db).
@@ -144,7 +149,15 @@ def owned_folder() -> Iterator[str]:
     me = this_process()
     prefix = f"{FOLDER_PREFIX}{me.pid}-{me.started}-"
     with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        os.mkdir(os.path.join(folder, SLOTS_FOLDER), 0o700)
         yield folder
+
+
+def shared_slots_folder() -> Path | None:
+    """In a worker of ``--workers``: the folder where the workers hold the upstreams' limits
+    together (None in one process: it counts its own requests)."""
+    folder = os.environ.get(MULTIPROCESS_DIR_ENV)
+    return Path(folder) / SLOTS_FOLDER if folder else None
 
 
 class RestartCount:

@@ -182,6 +182,19 @@ class BackendGauges:
             "Requests an upstream is serving now.",
             lambda b: float(b.outstanding),
         )
+        state(
+            "replystream_upstream_max_outstanding",
+            "An upstream's limit of requests at once, for the whole server (-1: none).",
+            lambda b: -1.0 if b.max_outstanding is None else float(b.max_outstanding),
+            across="livemax",  # every worker reads the same routes (during a reload: the most)
+        )
+        state(
+            "replystream_upstream_slots_taken",
+            "Requests at once an upstream is sent by the whole server, as its limit counts "
+            "them: with workers, the slots every worker holds (-1: it has no limit).",
+            lambda b: -1.0 if b.slots_taken is None else float(b.slots_taken),
+            across="livemax",  # each worker reads the same shared slots
+        )
         for result in ATTEMPT_RESULTS:
             state(
                 "replystream_upstream_attempts",

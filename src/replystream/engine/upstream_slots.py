@@ -1,0 +1,164 @@
+"""An upstream's limit of requests at once held by every worker of ``serve --workers N``
+together: one lock file per request at once, locked while a request uses it.
+
+This file decides how a slot is taken, given back and counted. An upstream with a limit of L
+has the files ``0`` to ``L-1`` in a folder of its own (named for its URL) inside the folder
+all workers share; a request takes a slot with a non-blocking exclusive ``flock`` on one this
+process does not hold, and gives it back by unlocking it. Why locks on files:
+- the kernel drops every lock of a process that exits, however it exits (SIGKILL, the OOM
+  killer), so a worker that dies cannot keep slots: nothing to clean up, no lease to expire;
+- a ``flock`` belongs to an open file, not to a process (``fcntl`` locks do), so each worker
+  opens each file once and the locks of two workers exclude each other; this process knows
+  which of its own files it has locked, and never asks the kernel about those;
+- a try that fails costs one system call, and nothing waits in the kernel: waiting for room
+  is the relay's line's (``upstream_queue``), which polls ``free`` while it is not empty.
+A process tries its files from the one after the slot it took last, so two workers do not
+both start at slot 0. A limit lowered by a reload uses the first files only; the slots past
+it still held (by requests under way) count against it until they are given back, as a
+request under way counts in one process.
+
+Counting slots held elsewhere means trying them: a probe locks a free slot for the two system
+calls it takes to lock and unlock it, and a worker taking a slot just then finds it held (it
+tries the others; if none is free, it waits in its line and the next poll finds the slot).
+It must not know HTTP, routing or the workers' parent; the folder is given to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# How long a count of the slots taken is reused: the metrics read it once per row of theirs
+# when they refresh, all within a moment.
+TAKEN_FRESH_S = 0.1
+
+
+class SlotFiles:
+    """One upstream's slot files, as this process holds them."""
+
+    __slots__ = ("_clock", "_counted", "_fds", "_folder", "_held", "_next")
+
+    def __init__(self, folder: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self._folder = folder
+        # One per slot file, opened as a limit first needs it, or as the routes change.
+        self._fds: list[int] = []
+        self._held: set[int] = set()  # the slots this process holds
+        self._next = 0  # where the next try starts
+        self._clock = clock
+        self._counted = (-TAKEN_FRESH_S, 0)  # (when, slots taken)
+
+    def _open(self, limit: int) -> None:
+        if len(self._fds) < limit:
+            self.open(limit)
+
+    def open(self, limit: int) -> None:
+        """Open the files of ``limit`` slots, and every other there is (the slots of a
+        higher limit before: requests under way may hold them)."""
+        self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        limit = max(limit, len(os.listdir(self._folder)))
+        while len(self._fds) < limit:
+            path = self._folder / str(len(self._fds))
+            self._fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+
+    def _try(self, index: int) -> bool:
+        try:
+            fcntl.flock(self._fds[index], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _free_below(self, limit: int, most: int) -> int:
+        """How many slots below ``limit`` no process holds (tried, up to ``most``)."""
+        found = 0
+        for index in range(limit):
+            if found >= most:
+                break
+            if index not in self._held and self._try(index):
+                fcntl.flock(self._fds[index], fcntl.LOCK_UN)
+                found += 1
+        return found
+
+    def _held_past(self, limit: int) -> int:
+        """How many slots from ``limit`` on some process still holds (a limit lowered while
+        they were in use): none to try while the limit was never higher."""
+        held = 0
+        for index in range(limit, len(self._fds)):
+            if index in self._held or not self._try(index):
+                held += 1
+            else:
+                fcntl.flock(self._fds[index], fcntl.LOCK_UN)
+        return held
+
+    def take(self, limit: int) -> int | None:
+        """A slot below ``limit`` that no process held, now this one's; None when every one
+        is held, or when the slots held past a lowered limit fill the rest."""
+        self._open(limit)
+        past = self._held_past(limit)
+        if past and self._free_below(limit, past + 1) <= past:
+            return None
+        start = self._next if self._next < limit else 0
+        for step in range(limit):
+            index = (start + step) % limit
+            if index not in self._held and self._try(index):
+                self._held.add(index)
+                self._next = index + 1
+                return index
+        return None
+
+    def give_back(self, index: int) -> None:
+        self._held.discard(index)
+        fcntl.flock(self._fds[index], fcntl.LOCK_UN)
+
+    def free(self, limit: int, most: int) -> int:
+        """How many requests more the upstream may be sent within ``limit`` now, counted
+        over every process (tried, up to ``most``)."""
+        self._open(limit)
+        past = self._held_past(limit)
+        return max(0, self._free_below(limit, most + past) - past)
+
+    def taken(self, limit: int) -> int:
+        """How many slots some process holds (this one's included), counted at most
+        ``TAKEN_FRESH_S`` ago."""
+        now = self._clock()
+        when, taken = self._counted
+        if now - when < TAKEN_FRESH_S:
+            return taken
+        self._open(limit)
+        taken = self._held_past(limit) + limit - self._free_below(limit, limit)
+        self._counted = (now, taken)
+        return taken
+
+    def close(self) -> None:
+        """Close the files (which gives back every slot this process holds)."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+        self._held.clear()
+
+
+class SharedLimits:
+    """Every upstream's slots, in ``folder`` (which the workers of one server share)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._upstreams: dict[str, SlotFiles] = {}
+
+    def slots(self, name: str) -> SlotFiles:
+        """The slots of the upstream at ``name`` (its base URL)."""
+        files = self._upstreams.get(name)
+        if files is None:
+            # Named for the URL, in a form any URL can take as a file name.
+            digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+            files = self._upstreams[name] = SlotFiles(self.folder / digest)
+        return files
+
+    def close(self) -> None:
+        for files in self._upstreams.values():
+            files.close()
+        self._upstreams.clear()
