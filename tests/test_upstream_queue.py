@@ -159,9 +159,9 @@ async def test_a_client_that_leaves_while_it_waits_takes_no_room_with_it():
 
 async def test_a_waiter_woken_then_gone_passes_the_room_to_the_next():
     queue, backend = RoomQueue(), Backend("http://a/v1", max_outstanding=1)
-    first = asyncio.create_task(queue.wait("m", 10.0))
-    second = asyncio.create_task(queue.wait("m", 10.0))
-    other_model = asyncio.create_task(queue.wait("n", 10.0))
+    first = asyncio.create_task(queue.wait("m", 10.0, 0.0))
+    second = asyncio.create_task(queue.wait("m", 10.0, 0.0))
+    other_model = asyncio.create_task(queue.wait("n", 10.0, 0.0))
     await wait_for(lambda: len(queue) == 3)
     backend.models = frozenset({"m"})
     queue.freed(backend)  # the first is woken...
@@ -272,3 +272,32 @@ async def test_a_reload_that_raises_a_shared_limit_lets_waiters_in(tmp_path: Pat
         for prompt in ("r1", "r2"):
             assert await replies[prompt] == (200, None, f"re: {prompt}")
         assert a.most_at_once == 2
+
+
+async def test_relays_sharing_a_limit_serve_their_lines_oldest_first(tmp_path: Path):
+    """A slot given back in one relay goes to the other's line when that one began to wait
+    first: no relay keeps the room its own replies give back while another's line starves."""
+    a = HoldingUpstream()
+    async with (
+        relays_sharing(a, 1, tmp_path) as [(first_url, first), (second_url, second)],
+        aiohttp.ClientSession() as session,
+    ):
+        replies = {"h": asyncio.create_task(ask(session, first_url, "h"))}
+        await wait_for(lambda: a.held == ["h"])
+        for prompt, url, engine, count in (
+            ("a1", first_url, first, 1),
+            ("b1", second_url, second, 1),
+            ("a2", first_url, first, 2),
+        ):
+            replies[prompt] = asyncio.create_task(ask(session, url, prompt))
+            await wait_for(queued(engine, count))
+        order = []
+        for _ in range(4):
+            (prompt,) = a.held
+            order.append(prompt)
+            a.release(prompt)
+            assert await replies[prompt] == (200, None, f"re: {prompt}")
+            if len(order) < 4:
+                await wait_for(lambda: len(a.held) == 1)
+        assert order == ["h", "a1", "b1", "a2"]
+        assert a.most_at_once == 1

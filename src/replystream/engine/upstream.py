@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from replystream.engine.upstream_errors import connect_failure, quoted
 from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpFailure, HttpOrigin, Response
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
-from replystream.engine.upstream_queue import RoomQueue
+from replystream.engine.upstream_queue import OtherLines, RoomQueue
 from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
@@ -218,7 +219,10 @@ class UpstreamEngine:
         self._shared = None if shared_limits is None else SharedLimits(shared_limits)
         # Requests waiting for room at upstreams at their limit (with shared limits, it also
         # looks for slots the other workers gave back).
-        self._queue = RoomQueue(None if self._shared is None else self._freed_elsewhere)
+        others = None
+        if self._shared is not None:
+            others = _OtherWorkers(self.pool, self._shared, lambda: len(self._queue))
+        self._queue = RoomQueue(others)
         self._session: aiohttp.ClientSession | None = None  # the health prober's
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
@@ -401,24 +405,6 @@ class UpstreamEngine:
             said = f"{where}: it refused our API key (see --upstream-api-key)"
         return UpstreamUnavailable(said, code="upstream_error_status")
 
-    def _freed_elsewhere(self) -> list[Backend]:
-        """Each upstream with a limit, once per slot of it free now (freed by another
-        worker): no more than this worker has room for, nor than wait in its line."""
-        assert self._shared is not None
-        waiting, freed = len(self._queue), []
-        for backend in self.pool.backends:
-            limit = backend.max_outstanding
-            if limit is None or not backend.has_room:
-                continue
-            most = min(waiting, limit - backend.outstanding)
-            try:
-                free = self._shared.slots(backend.name).free(limit, most)
-            except OSError as exc:
-                log.error("cannot read the shared slots of %s: %s", backend.name, exc)
-                continue
-            freed += [backend] * free
-        return freed
-
     def _open_shared_slots(self, backends: list[Backend]) -> None:
         """After the routes changed: each limited upstream's slot files open, those of a
         limit lowered too (requests under way there count against the new one)."""
@@ -537,3 +523,43 @@ class UpstreamEngine:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+class _OtherWorkers(OtherLines):
+    """A relay's view of the other workers holding the limits with it: the slots they gave
+    back, and whether their lines have anyone in them (``upstream_slots``)."""
+
+    def __init__(self, pool: UpstreamPool, shared: SharedLimits, waiting: Callable[[], int]):
+        self._pool = pool
+        self._shared = shared
+        self._waiting = waiting  # how many wait in this worker's line
+
+    def freed(self) -> list[Backend]:
+        """Each upstream with a limit, once per slot of it free now: no more than this
+        worker has room for, nor than wait in its line."""
+        waiting, freed = self._waiting(), []
+        for backend in self._pool.backends:
+            limit = backend.max_outstanding
+            if limit is None or not backend.has_room:
+                continue
+            most = min(waiting, limit - backend.outstanding)
+            try:
+                free = self._shared.slots(backend.name).free(limit, most)
+            except OSError as exc:
+                log.error("cannot read the shared slots of %s: %s", backend.name, exc)
+                continue
+            freed += [backend] * free
+        return freed
+
+    def show(self, since: float | None) -> None:
+        try:
+            self._shared.lines.show(since)
+        except OSError as exc:
+            log.error("cannot show the other workers this one's line: %s", exc)
+
+    def oldest(self) -> float | None:
+        try:
+            return self._shared.lines.oldest_elsewhere()
+        except OSError as exc:
+            log.error("cannot see the other workers' lines: %s", exc)
+            return None

@@ -8,56 +8,87 @@ change, every waiter, to look again. A woken waiter that finds the room taken al
 request that came meanwhile) waits again at the front, where it was. What counts as room is
 ``upstream_pool``'s; what a request does when its wait is over is ``upstream_relay``'s.
 
-With workers sharing the limits (``upstream_slots``), a slot another worker gives back wakes
-nobody here: while anyone waits, the line looks every ``poll_s`` for such room (``look``:
-an upstream once per slot freed elsewhere) and wakes a waiter for each, as the end of a
-request here would. A request ending here still wakes the first of this line at once, so a
-slot freed in one worker goes first to that worker's line: across workers the order is
-first come first served only as far as the polls let it (docs/engines.md).
+With workers sharing the limits (``upstream_slots``), the lines of all workers are served
+oldest first, as far as each can tell: a slot another worker gives back wakes nobody here, so
+while anyone waits the line asks every ``poll_s`` or so (jittered, so that no worker's polls
+always come first) for such room (``OtherLines.freed``: an upstream once per free slot) and
+wakes a waiter for each; and each line shows when its first waiter began to wait. A slot
+given back here, or found free by a poll, goes to this line only if no other line began to
+wait earlier; else it is left to that one's poll, unless it is still free after
+``DEFERRED_POLLS`` polls here (the older line may wait for another model, or its worker be
+gone): that is at least 2 poll periods here, and the older line polls at least every 1.5,
+so it takes the room first unless its worker is late.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 from replystream.engine.upstream_pool import Backend
 
+# Polls in a row that leave free room to an older line elsewhere: at least 2 poll periods
+# here, against at most 1.5 between two polls there (the jitter's bounds).
+DEFERRED_POLLS = 4
+
 
 class _Waiter:
-    __slots__ = ("model", "woken")
+    __slots__ = ("model", "since", "woken")
 
-    def __init__(self, model: str | None, woken: asyncio.Future[Backend | None]) -> None:
+    def __init__(
+        self, model: str | None, since: float, woken: asyncio.Future[Backend | None]
+    ) -> None:
         self.model = model
+        self.since = since  # when it began to wait (before any wait ``again``)
         self.woken = woken  # done with the upstream that has room (None: look at them all)
+
+
+class OtherLines(Protocol):
+    """The lines of the other workers that hold the limits with this one."""
+
+    def freed(self) -> Iterable[Backend]:
+        """Each upstream once per slot of it free now (freed elsewhere) this line may use."""
+        ...
+
+    def show(self, since: float | None) -> None:
+        """Tell the others when this line's first waiter began to wait (None: empty)."""
+        ...
+
+    def oldest(self) -> float | None:
+        """When the first waiter of the oldest line elsewhere began to wait (None: none)."""
+        ...
 
 
 class RoomQueue:
     """The requests waiting for room, oldest first."""
 
-    def __init__(
-        self, look: Callable[[], Iterable[Backend]] | None = None, poll_s: float = 0.02
-    ) -> None:
+    def __init__(self, others: OtherLines | None = None, poll_s: float = 0.02) -> None:
         self._waiting: deque[_Waiter] = deque()
-        self._look = look  # room freed elsewhere (None: a request here is all that frees it)
+        self._others = others  # None: a request here is all that frees room
         self._poll_s = poll_s
         self._poll: asyncio.TimerHandle | None = None
+        self._deferred = 0  # polls in a row that left free room to an older line elsewhere
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    async def wait(self, model: str | None, within_s: float, *, again: bool = False) -> bool:
+    async def wait(
+        self, model: str | None, within_s: float, since: float, *, again: bool = False
+    ) -> bool:
         """Wait until an upstream that may serve ``model`` has room (True), or for
-        ``within_s`` seconds (False). ``again``: a waiter woken before, whose room was taken
-        first, waits at the front."""
-        waiter = _Waiter(model, asyncio.get_running_loop().create_future())
+        ``within_s`` seconds (False); ``since``: when the request began to wait
+        (``time.monotonic``). ``again``: a waiter woken before, whose room was taken first,
+        waits at the front."""
+        waiter = _Waiter(model, since, asyncio.get_running_loop().create_future())
         if again:
             self._waiting.appendleft(waiter)
         else:
             self._waiting.append(waiter)
-        if self._look is not None and self._poll is None:
-            self._poll = asyncio.get_running_loop().call_later(self._poll_s, self._polled)
+        if self._others is not None:
+            self._changed()
         entered = False
         try:
             async with asyncio.timeout(within_s):
@@ -71,28 +102,64 @@ class RoomQueue:
         finally:
             if not entered and not waiter.woken.done():  # the time is up, or its client left
                 self._waiting.remove(waiter)
+                if self._others is not None:
+                    self._changed()
             elif not entered and (room := waiter.woken.result()) is not None:
                 self.freed(room)  # woken, then gone before it took the room: it goes on
 
+    def ended(self, backend: Backend) -> None:
+        """A request here at ``backend`` ended: its room goes to the first waiter it may
+        serve, unless another worker's line began to wait earlier (then to that one's poll)."""
+        if self._others is None or not self._waiting or self._first_here():
+            self.freed(backend)
+
+    def _first_here(self) -> bool:
+        """Whether this line began to wait before every other worker's line."""
+        assert self._others is not None
+        oldest = self._others.oldest()
+        return oldest is None or self._waiting[0].since <= oldest
+
     def freed(self, backend: Backend) -> None:
-        """A request at ``backend`` ended: wake the first waiter it may serve."""
+        """``backend`` has room for one more: wake the first waiter it may serve."""
         for waiter in self._waiting:
             if backend.serves(waiter.model):
                 self._waiting.remove(waiter)
                 waiter.woken.set_result(backend)
+                if self._others is not None:
+                    self._changed()
                 return
 
     def wake_all(self) -> None:
         """The upstreams changed: every waiter looks again."""
         while self._waiting:
             self._waiting.popleft().woken.set_result(None)
+        if self._others is not None:
+            self._changed()
+
+    def _changed(self) -> None:
+        """The line changed: the other workers are told when its first waiter began to
+        wait, and the polls run while anyone waits."""
+        assert self._others is not None
+        self._others.show(self._waiting[0].since if self._waiting else None)
+        if self._waiting and self._poll is None:
+            self._arm()
+
+    def _arm(self) -> None:
+        delay = self._poll_s * (0.5 + random.random())  # a phase of its own each time
+        self._poll = asyncio.get_running_loop().call_later(delay, self._polled)
 
     def _polled(self) -> None:
-        """Wake a waiter for each slot freed elsewhere; look again while anyone waits."""
+        """Wake a waiter for each slot freed elsewhere (left to an older line elsewhere for
+        ``DEFERRED_POLLS`` polls); look again while anyone waits."""
         self._poll = None
-        if not self._waiting or self._look is None:
+        if not self._waiting or self._others is None:
             return
-        for backend in self._look():
-            self.freed(backend)
+        freed = list(self._others.freed())
+        if freed and self._deferred < DEFERRED_POLLS and not self._first_here():
+            self._deferred += 1
+        else:
+            self._deferred = 0
+            for backend in freed:
+                self.freed(backend)
         if self._waiting:
-            self._poll = asyncio.get_running_loop().call_later(self._poll_s, self._polled)
+            self._arm()

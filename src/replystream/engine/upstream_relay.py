@@ -477,7 +477,7 @@ class RelayedReply:
                 now = time.monotonic()
                 again, queued_at = queued_at is not None, queued_at or now
                 left = self._limits.queue_s - (now - queued_at)
-                if left > 0 and await self._queue.wait(self._model, left, again=again):
+                if left > 0 and await self._queue.wait(self._model, left, queued_at, again=again):
                     continue
                 raise self._no_room(now - queued_at)
             if backend is None:
@@ -606,7 +606,7 @@ class RelayedReply:
             self._slot = None
             slots.give_back(index)
         if backend.max_outstanding is not None:
-            self._queue.freed(backend)
+            self._queue.ended(backend)
         backend.attempts[result] += 1
         if result != "ok" or len(self._tried) > 1:
             self._log(backend, result)

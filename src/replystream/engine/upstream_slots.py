@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from pathlib import Path
 # How long a count of the slots taken is reused: the metrics read it once per row of theirs
 # when they refresh, all within a moment.
 TAKEN_FRESH_S = 0.1
+_TIME = struct.Struct("d")  # a line's start, as its file holds it
 
 
 class SlotFiles:
@@ -142,19 +144,110 @@ class SlotFiles:
         self._held.clear()
 
 
+class Lines:
+    """When the first request in each process's line for room began to wait, for the
+    processes sharing the slots to compare: each holds an exclusive lock on a file of its own
+    (``lines/PID-N``) while its line is not empty, with that time (``time.monotonic``, one
+    clock for every process of the machine) in it; the others read it while they find it
+    locked. The kernel drops the lock of a process that dies, so its file says nothing any
+    more; the next process to find it so removes it."""
+
+    _made = 0  # lines made in this process (tests run several relays in one)
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        Lines._made += 1
+        self._name = f"{os.getpid()}-{Lines._made}"
+        self._fd: int | None = None
+        self._others: dict[str, int] = {}
+        self._shown: float | None = None
+
+    def show(self, since: float | None) -> None:
+        """Show when this process's first waiter began to wait (None: nobody waits)."""
+        if since == self._shown:
+            return
+        if self._fd is None:
+            self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path = self._folder / self._name
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if since is not None:
+            os.pwrite(self._fd, _TIME.pack(since), 0)
+        if (since is None) != (self._shown is None):
+            # Blocking: a process reading it holds its lock for three system calls at most.
+            fcntl.flock(self._fd, fcntl.LOCK_UN if since is None else fcntl.LOCK_EX)
+        self._shown = since
+
+    def oldest_elsewhere(self) -> float | None:
+        """When the first waiter of the longest line elsewhere began to wait (None: no other
+        process has anyone waiting)."""
+        try:
+            names = os.listdir(self._folder)
+        except FileNotFoundError:
+            return None
+        oldest: float | None = None
+        for name in names:
+            if name == self._name:
+                continue
+            fd = self._others.get(name)
+            if fd is None:
+                try:
+                    fd = os.open(self._folder / name, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                self._others[name] = fd
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # it has a line: when did it begin?
+                written = os.pread(fd, _TIME.size, 0)
+                if len(written) == _TIME.size:
+                    (since,) = _TIME.unpack(written)
+                    oldest = since if oldest is None else min(oldest, since)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            self._forget_if_gone(name, fd)
+        return oldest
+
+    def _forget_if_gone(self, name: str, fd: int) -> None:
+        pid = name.split("-", 1)[0]
+        if not pid.isdigit():
+            return
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                (self._folder / name).unlink()
+            os.close(fd)
+            del self._others[name]
+        except PermissionError:
+            pass
+
+    def close(self) -> None:
+        for fd in self._others.values():
+            os.close(fd)
+        self._others.clear()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                (self._folder / self._name).unlink()
+            os.close(self._fd)
+            self._fd = None
+        self._shown = None
+
+
 class SharedLimits:
-    """Every upstream's slots, in ``folder`` (which the workers of one server share)."""
+    """Every upstream's slots, in ``folder`` (which the workers of one server share), and
+    whether the workers' lines have anyone in them."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._upstreams: dict[str, SlotFiles] = {}
+        self.lines = Lines(folder / "lines")
 
     def slots(self, name: str) -> SlotFiles:
         """The slots of the upstream at ``name`` (its base URL)."""
         files = self._upstreams.get(name)
         if files is None:
             # Named for the URL, in a form any URL can take as a file name.
-            digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+            digest = "u" + hashlib.sha256(name.encode()).hexdigest()[:32]
             files = self._upstreams[name] = SlotFiles(self.folder / digest)
         return files
 
@@ -162,3 +255,4 @@ class SharedLimits:
         for files in self._upstreams.values():
             files.close()
         self._upstreams.clear()
+        self.lines.close()
