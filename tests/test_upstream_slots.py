@@ -1,0 +1,87 @@
+"""The slot files the workers of one server hold an upstream's limit with, and the lines they
+show each other: two ``SlotFiles`` on one folder are two processes' views (a ``flock``
+belongs to an open file, so they exclude each other as two processes' would)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from subprocess import PIPE
+
+from replystream.engine.upstream_slots import Lines, SlotFiles
+
+
+def test_two_holders_of_one_folder_take_no_more_slots_than_the_limit_together(tmp_path: Path):
+    one, other = SlotFiles(tmp_path), SlotFiles(tmp_path)
+    assert one.take(3) is not None and one.take(3) is not None
+    taken = other.take(3)
+    assert taken is not None
+    assert other.take(3) is None and one.take(3) is None
+    assert one.free(3, 3) == other.free(3, 3) == 0
+    assert one.taken(3) == 3
+    other.give_back(taken)
+    assert one.free(3, 3) == 1
+    assert one.take(3) == taken  # the one given back, whoever held it
+
+
+def test_slots_held_past_a_lowered_limit_count_against_it(tmp_path: Path):
+    one, other = SlotFiles(tmp_path), SlotFiles(tmp_path)
+    held = [other.take(3), other.take(3)]  # slots 0 and 1, under a limit of 3
+    assert None not in held
+    one.open(1)  # the limit is 1 now: both still held, both count
+    assert one.take(1) is None and one.free(1, 1) == 0
+    other.give_back(0)
+    assert one.take(1) is None  # slot 1 is still held past the limit: 1 at once already
+    other.give_back(1)
+    assert one.take(1) == 0
+
+
+def test_a_process_that_dies_holding_slots_leaves_them_free(tmp_path: Path):
+    script = (
+        "import sys, time; from pathlib import Path;"
+        "from replystream.engine.upstream_slots import SlotFiles;"
+        "s = SlotFiles(Path(sys.argv[1])); s.take(2); s.take(2);"
+        "print('held', flush=True); time.sleep(60)"
+    )
+    with subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=PIPE) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+            here = SlotFiles(tmp_path)
+            assert here.take(2) is None
+            holder.kill()  # as SIGKILL or the OOM killer ends a worker
+            holder.wait()
+            assert here.take(2) is not None and here.take(2) is not None
+        finally:
+            holder.kill()
+
+
+def test_lines_show_when_their_first_waiter_began_and_a_dead_ones_file_goes(tmp_path: Path):
+    one, other = Lines(tmp_path), Lines(tmp_path)
+    assert one.oldest_elsewhere() is None
+    other.show(12.5)
+    assert one.oldest_elsewhere() == 12.5 and other.oldest_elsewhere() is None
+    other.show(13.0)  # its first waiter left: the next one's time
+    assert one.oldest_elsewhere() == 13.0
+    other.show(None)
+    assert one.oldest_elsewhere() is None
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{dead.pid}-1"  # a line file whose process is gone (unlocked)
+    stale.write_bytes(b"")
+    assert one.oldest_elsewhere() is None and not stale.exists()
+    assert os.listdir(tmp_path)  # the living lines' files stay
+    one.close()
+    other.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_count_of_the_slots_taken_is_reused_only_for_a_moment(tmp_path: Path):
+    now = [0.0]
+    one, other = SlotFiles(tmp_path, clock=lambda: now[0]), SlotFiles(tmp_path)
+    assert one.taken(2) == 0
+    assert other.take(2) is not None
+    assert one.taken(2) == 0  # counted a moment ago
+    now[0] += 0.2
+    assert one.taken(2) == 1
