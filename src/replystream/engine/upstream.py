@@ -10,8 +10,10 @@ connection refused is ``UpstreamUnavailable`` (502), no response head within
 with the wait the upstream asked for (``Retry-After``), which its circuit honours.
 Every message is ours (``upstream_errors``); an upstream's own words appear only quoted, from
 a JSON error body. Which upstream serves a request and which are failing is
-``upstream_pool``'s; failover, stalls and continuation are ``upstream_relay``'s; active
-health probes are ``upstream_health``'s; everything after one response head is
+``upstream_pool``'s (with ``serve --workers``, each limit of requests at once is held by
+all the workers together: ``upstream_slots``); failover, stalls and continuation are
+``upstream_relay``'s; active health probes are ``upstream_health``'s; everything after one
+response head is
 ``upstream_stream.UpstreamStream``'s. What goes upstream as ``Authorization`` is configured
 per upstream: its own key, or the caller's own key passed on (``pass_client_key``, for an
 upstream where each client has an account), else the key for all; a client's key is never
@@ -527,7 +529,7 @@ class UpstreamEngine:
 
 class _OtherWorkers(OtherLines):
     """A relay's view of the other workers holding the limits with it: the slots they gave
-    back, and whether their lines have anyone in them (``upstream_slots``)."""
+    back, and when their lines began to wait (``upstream_slots``)."""
 
     def __init__(self, pool: UpstreamPool, shared: SharedLimits, waiting: Callable[[], int]):
         self._pool = pool

@@ -113,8 +113,10 @@ class SlotFiles:
         return None
 
     def give_back(self, index: int) -> None:
-        self._held.discard(index)
-        fcntl.flock(self._fds[index], fcntl.LOCK_UN)
+        """Give back a slot this process took (nothing once the files are closed)."""
+        if index in self._held:
+            self._held.discard(index)
+            fcntl.flock(self._fds[index], fcntl.LOCK_UN)
 
     def free(self, limit: int, most: int) -> int:
         """How many requests more the upstream may be sent within ``limit`` now, counted
