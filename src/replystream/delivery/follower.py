@@ -4,12 +4,16 @@ keep-alive, slow-client limits, and the end.
 A follower starts after the event id it was given (0: from the start), writes every entry the
 log has, then waits for more until the reply's terminal entry. While idle it sends
 keep-alives. Each write that may wait (the transport says the socket would not take it at
-once) runs under a deadline of ``slow_client_s``; a follower whose unsent backlog passes
-``slow_client_bytes`` is cut. The backlog comes from its cursor (``LogCursor``, handed out by
-the reply's store), so the limit holds for a reply made here or on another replica: the
-producer's append reaches a follower of a local reply through ``interrupt``, even while it is
-blocked on the socket; a follower of a remote reply asks its cursor while its write waits.
-A cut follower leaves a last ``error`` notice if the socket still takes it.
+once) runs under a deadline of ``slow_client_s``. A follower is also cut when its unsent
+backlog passes its byte limit (``lag_limit``): ``slow_client_bytes`` plus the smallest backlog
+it has had since it began sending. So a reader that resumes or joins far behind may replay
+all the log keeps (it starts behind by what it asked for, not by falling behind), one that
+then falls more than ``slow_client_bytes`` further behind is cut, and one that has caught up
+is held to ``slow_client_bytes`` alone. The backlog comes from its cursor (``LogCursor``,
+handed out by the reply's store), so the limit holds for a reply made here or on another
+replica: the producer's append reaches a follower of a local reply through ``interrupt``,
+even while it is blocked on the socket; a follower of a remote reply asks its cursor while
+its write waits. A cut follower leaves a last ``error`` notice if the socket still takes it.
 
 The direct path: a follower that has caught up with a reply made in this process lets the
 producer write each new event straight into its transport (``push``), so a live stream costs
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from typing import Literal, Protocol
@@ -38,6 +43,9 @@ log = logging.getLogger("replystream.follower")
 LIVENESS_POLL_S = 1.0  # how often a follower of a remote reply checks its producer is alive
 WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
 MAX_SWEEP_S = 1.0  # the keep-alive clock looks at waiting followers at least this often
+# A follower's byte limit before it first sends entries: its backlog is not known yet (a
+# cursor on a reply made elsewhere learns it from its first read), and it has not fallen behind.
+NOT_SENDING_YET = sys.maxsize
 
 Ending = Literal[
     "ended",
@@ -234,6 +242,7 @@ class Follower:
         "_woken",
         "clock",
         "cursor",
+        "lag_limit",
         "last_write",
         "overflow",
         "policy",
@@ -265,6 +274,11 @@ class Follower:
         self.reply = reply  # the producer, when it runs in this process
         self.record = record  # where to count what is sent (the producer's record)
         self.last_write = 0.0
+        # Cut past this many bytes of backlog: ``slow_client_bytes`` plus the smallest backlog
+        # it has had around a write of entries (``_allow``), so lowered as it catches up, and
+        # ``slow_client_bytes`` alone once it has (``_go_direct``). One attribute, so the
+        # producer's checks (``push``, ``interrupt``) cost what a fixed limit would.
+        self.lag_limit = NOT_SENDING_YET
         self.overflow = False
         self._woken: asyncio.Future[None] | None = None  # while direct: done when there is work
         self._deadline: asyncio.Timeout | None = None
@@ -276,13 +290,13 @@ class Follower:
         if deadline is None or deadline.expired():
             return
         if not self.readers.shutting_down:
-            if self.cursor.lag_bytes() <= self.policy.slow_client_bytes:
+            if self.cursor.lag_bytes() <= self.lag_limit:
                 return
             self.overflow = True
         deadline.reschedule(asyncio.get_running_loop().time())
 
     def _behind(self) -> _Cut:
-        return _Cut("slow_client", f"more than {self.policy.slow_client_bytes} bytes behind")
+        return _Cut("slow_client", f"more than {self.lag_limit} bytes behind")
 
     async def _send(self, data: bytes, events: int, *, last: bool = False) -> None:
         if self.overflow:
@@ -321,9 +335,7 @@ class Follower:
         try:
             while not write.done():
                 await asyncio.wait((write,), timeout=LIVENESS_POLL_S)
-                if not write.done() and (
-                    await self.cursor.measure() > self.policy.slow_client_bytes
-                ):
+                if not write.done() and await self.cursor.measure() > self.lag_limit:
                     self.overflow = True
                     raise self._behind()
             return write.result()
@@ -433,25 +445,38 @@ class Follower:
 
     async def _send_entries(self, entries: list[LogEntry], *, last: bool = False) -> None:
         """Write log entries in writes of about WRITE_CHUNK bytes, each waiting to drain; a
-        follower further behind than the slow-client limit is cut instead. ``last``: these
-        end the reply, and the end of the stream goes with them."""
+        follower further behind than its byte limit is cut instead. ``last``: these end the
+        reply, and the end of the stream goes with them."""
         if not entries:
             return
-        if self.overflow or self.cursor.lag_bytes() > self.policy.slow_client_bytes:
-            raise self._behind()
         start = 0
         size = 0
         for index, entry in enumerate(entries):
             size += len(entry.data)
             if size >= WRITE_CHUNK or index == len(entries) - 1:
+                lag = self.cursor.lag_bytes()
+                if self.overflow or lag > self.lag_limit:
+                    raise self._behind()
+                self._allow(lag)  # before its first write: the backlog it starts with
                 # Several events in one write: fewer syscalls for a replay.
                 batch = entries[start : index + 1]
                 final = last and index == len(entries) - 1
                 await self._send(self.transport.encode(batch), len(batch), last=final)
                 self.cursor.sent(entry.seq, size)
+                self._allow(self.cursor.lag_bytes())  # after a write: its backlog is least
                 start, size = index + 1, 0
         if self.reply is not None:
             self.reply.consumed(self.cursor.after)
+
+    def _allow(self, lag: int) -> None:
+        """Lower the byte limit to ``slow_client_bytes`` past a backlog of ``lag``, if that is
+        less: the limit is ``slow_client_bytes`` past the smallest backlog this follower has
+        had. A reader that starts behind (a resume, a late join) may send the backlog it asked
+        for, an allowance that shrinks as it catches up; only falling more than
+        ``slow_client_bytes`` further behind cuts it."""
+        allowed = lag + self.policy.slow_client_bytes
+        if allowed < self.lag_limit:
+            self.lag_limit = allowed
 
     # The direct path.
 
@@ -470,6 +495,8 @@ class Follower:
         Awaiting one future, not a loop in a coroutine: thousands of followers wait here."""
         assert self.reply is not None
         self.reply.sinks.append(self)
+        # Caught up: whatever backlog it started with is sent, so the plain limit holds.
+        self.lag_limit = self.policy.slow_client_bytes
         self._woken = asyncio.get_running_loop().create_future()
         if self.policy.keepalive_s is not None:
             self.clock.watch(self, self.policy.keepalive_s)
@@ -501,7 +528,7 @@ class Follower:
         if sent is None:
             # The socket is not keeping up. Past the slow-client limit this follower is done
             # for; say so now, so the producer stops in this tick rather than after it.
-            if not self.overflow and cursor.lag_bytes() > self.policy.slow_client_bytes:
+            if not self.overflow and cursor.lag_bytes() > self.lag_limit:
                 self.overflow = True
                 if self.reply is not None:
                     self.reply.reader_fell_behind()
