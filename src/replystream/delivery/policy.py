@@ -17,7 +17,8 @@ class DeliveryPolicy:
         batch_ms: or once the oldest waiting token is this old (None: no time window).
         holdback_tokens: tokens kept back until checks have seen the text after them.
         keepalive_s: send a comment after this long without any other byte (None: never).
-        slow_client_bytes: cut a stream when this much text waits for its socket.
+        slow_client_bytes: cut a stream when this much more text waits for its socket than
+            the least it has had waiting (a resume starts with its backlog allowed).
         slow_client_s: cut a stream whose socket has not drained for this long.
         checks: moderation checks run on held-back text.
     """

@@ -220,7 +220,7 @@ DELIVERY = Group(
         ),
         Setting(
             "--slow-client-bytes",
-            "cut a stream with more than this much text queued",
+            "cut a stream whose unsent bytes pass this plus the fewest it has had unsent",
             positive_int,
             fills=(DeliveryPolicy, "slow_client_bytes"),
         ),

@@ -17,8 +17,9 @@ Rules:
 2. Closing the socket cancels every reader task; a reader leaving stops its reply's
    generation (unless the reply is resumable: then it detaches, as over SSE).
 3. Sends are serialised and awaited (they wait for the socket to drain); one that does not
-   finish within ``slow_client_s``, or a reply whose unsent backlog passes
-   ``slow_client_bytes``, closes the socket (code 1008, reason ``slow_client``).
+   finish within ``slow_client_s``, or a reply whose unsent backlog passes its follower's
+   byte limit (``slow_client_bytes`` past the least it has had), closes the socket (code
+   1008, reason ``slow_client``).
 4. At most ``ServerConfig.ws_max_replies`` replies run on one socket. A socket that has sent
    nothing for ``keepalive_s`` is pinged; a ping not answered within ``slow_client_s`` cuts
    it as rule 3 does (``ws_transport.SocketKeepalive``). aiohttp's own heartbeat is not used:
