@@ -274,10 +274,11 @@ class Follower:
         self.reply = reply  # the producer, when it runs in this process
         self.record = record  # where to count what is sent (the producer's record)
         self.last_write = 0.0
-        # Cut past this many bytes of backlog: ``slow_client_bytes`` plus the smallest backlog
-        # it has had around a write of entries (``_allow``), so lowered as it catches up, and
-        # ``slow_client_bytes`` alone once it has (``_go_direct``). One attribute, so the
-        # producer's checks (``push``, ``interrupt``) cost what a fixed limit would.
+        # Cut past this many bytes of backlog: ``slow_client_bytes`` plus the backlog before
+        # its first write of entries, lowered after each write to ``slow_client_bytes`` past
+        # the backlog then (``_allow``), and ``slow_client_bytes`` alone once it has caught up
+        # (``_go_direct``). One attribute, so the producer's checks (``push``, ``interrupt``)
+        # cost what a fixed limit would.
         self.lag_limit = NOT_SENDING_YET
         self.overflow = False
         self._woken: asyncio.Future[None] | None = None  # while direct: done when there is work
@@ -457,13 +458,14 @@ class Follower:
                 lag = self.cursor.lag_bytes()
                 if self.overflow or lag > self.lag_limit:
                     raise self._behind()
-                self._allow(lag)  # before its first write: the backlog it starts with
+                if self.lag_limit == NOT_SENDING_YET:  # its first write: the backlog it starts with
+                    self.lag_limit = lag + self.policy.slow_client_bytes
                 # Several events in one write: fewer syscalls for a replay.
                 batch = entries[start : index + 1]
                 final = last and index == len(entries) - 1
                 await self._send(self.transport.encode(batch), len(batch), last=final)
                 self.cursor.sent(entry.seq, size)
-                self._allow(self.cursor.lag_bytes())  # after a write: its backlog is least
+                self._allow(self.cursor.lag_bytes())  # just written: its backlog is least now
                 start, size = index + 1, 0
         if self.reply is not None:
             self.reply.consumed(self.cursor.after)
