@@ -92,6 +92,7 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
 

@@ -2,9 +2,13 @@
 
 This file decides what the built-in engines feed their model. ``PlainPrompt`` encodes the
 request's text as it is (the tiny model continues prose; an empty prompt becomes a stand-in
-text). ``ChatPrompt`` renders the request's chat messages through the model's own template and
-encodes the result with its control tokens matched whole; a request with no messages (a
-legacy completion) is continued as plain text. It must not know about models or serving.
+text). ``ChatPrompt`` renders the request's chat messages through the model's own template;
+the template's markup is encoded with its control tokens, the messages' text as plain text
+(``control_tokens``), so a message cannot spell a turn of its own. A request with no messages
+(a legacy completion) is continued as plain text, its control spellings matched whole: its
+client wrote the whole prompt, there is no one else's markup in it to forge. A chat request's
+plain-text form (a model without a template) is all the messages' text, and is encoded as
+such. It must not know about models or serving.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Protocol
 
 from replystream.engine.base import GenerationRequest
 from replystream.engine.chat_template import ChatTemplate
+from replystream.engine.control_tokens import ControlTokenGuard
 from replystream.engine.tokenizer import ByteTokenizer
 
 
@@ -36,7 +41,11 @@ class PlainPrompt:
         self._empty = empty
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        return self._tokenizer.encode(request.prompt or self._empty)
+        if not request.prompt:
+            return self._tokenizer.encode(self._empty)  # ours: it may be a control token (BOS)
+        if request.messages is not None:
+            return self._tokenizer.encode_text(request.prompt)
+        return self._tokenizer.encode(request.prompt)
 
 
 class ChatPrompt:
@@ -46,8 +55,9 @@ class ChatPrompt:
         self._tokenizer = tokenizer
         self._template = template
         self._start_id = start_id  # an empty plain prompt starts from this token (BOS)
+        self._guard = ControlTokenGuard(tokenizer.control_ids, tokenizer, template.source)
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages:
-            return self._tokenizer.encode(self._template.render(request.messages))
+            return self._guard.prompt_ids(request.messages, self._template.render)
         return self._tokenizer.encode(request.prompt) or [self._start_id]

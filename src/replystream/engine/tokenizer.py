@@ -38,8 +38,9 @@ def bytes_to_unicode() -> dict[int, str]:
 class ByteTokenizer:
     """Encodes text to ids with a trained byte-level BPE; maps each id to its raw bytes.
 
-    Control tokens (``<|im_end|>`` and the like) are matched whole when encoding a rendered
-    chat prompt, and ``hidden``: they decode to no text, as ``skip_special_tokens`` does.
+    Control tokens (``<|im_end|>`` and the like) are matched whole by ``encode`` (a chat
+    template's markup) and not by ``encode_text`` (a message's text, where ``<|im_end|>`` is
+    ten characters), and ``hidden``: they decode to no text, as ``skip_special_tokens`` does.
     """
 
     def __init__(self, path: Path) -> None:
@@ -60,6 +61,15 @@ class ByteTokenizer:
 
     def _setup(self, tokenizer: Tokenizer, pieces: Sequence[str], hidden: Iterable[int]) -> None:
         self._tokenizer = tokenizer
+        # A copy that reads control spellings as text; the flag is not toggled on the one
+        # tokenizer, since another thread may be encoding with it (0.1 s at load for SmolLM2).
+        self._text_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self._text_tokenizer.encode_special_tokens = True
+        self.control_ids: dict[str, int] = {
+            token.content: token_id
+            for token_id, token in tokenizer.get_added_tokens_decoder().items()
+            if token.special
+        }
         to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
         # A piece spelled outside the byte alphabet (an added token in some GGUFs) is its text.
         self._bytes: list[bytes] = [
@@ -74,7 +84,12 @@ class ByteTokenizer:
         return len(self._bytes)
 
     def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, control tokens' spellings matched whole."""
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of ``text``, control tokens' spellings as the plain characters they are."""
+        return list(self._text_tokenizer.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes[token_id]
