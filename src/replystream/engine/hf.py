@@ -2,7 +2,8 @@
 
 This file decides how a model folder on disk (``config.json``, weights, a tokenizer; nothing
 is downloaded) makes a reply: the prompt (or the chat messages, through the tokenizer's chat
-template when it has one) is encoded, then one forward pass per token with the model's own KV
+template when it has one, the template's markup with its control tokens and the messages' text
+as plain text: ``HFChatPrompt``) is encoded, then one forward pass per token with the model's own KV
 cache, each token picked by ``sampling.sample_token`` (the same greedy / temperature / top-k /
 top-p / seeded draws as the tiny engine), and sent on at once as a ``Delta``. Each reply runs
 in a worker thread (at most ``max_running`` at a time), never on the event loop. Closing the
@@ -37,6 +38,7 @@ from replystream.engine.base import (
     Readiness,
     RequestRejected,
 )
+from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
 from replystream.engine.sampling import StopMatcher, check_sampling, sample_token, token_logprob
 
@@ -99,6 +101,44 @@ class HFDeltaStream:
         return self._deltas.aclose()
 
 
+class HFChatPrompt:
+    """Chat messages through a ``transformers`` tokenizer's chat template, where only the
+    template's markup makes control tokens (its added tokens marked special).
+
+    ``apply_chat_template(tokenize=True)`` would encode the rendered string with every control
+    spelling matched, a message's text included; here the template renders with those
+    spellings hidden (``ControlTokenGuard``) and a message's text is encoded with
+    ``split_special_tokens``. A conversation that spells none is encoded as that call did.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        control_ids = {
+            str(token.content): int(token_id)
+            for token_id, token in tokenizer.added_tokens_decoder.items()
+            if token.special
+        }
+        source = str(getattr(tokenizer, "chat_template", None) or "")
+        self._guard = ControlTokenGuard(control_ids, self, source)
+
+    def prompt_ids(self, messages: Messages) -> list[int]:
+        """The prompt's ids, the template's generation prompt at the end."""
+        return self._guard.prompt_ids(messages, self._render)
+
+    def _render(self, messages: Messages) -> str:
+        rendered = self._tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        return str(rendered)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=False)]
+
+    def encode_text(self, text: str) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        return [int(i) for i in ids]
+
+
 class HFEngine:
     """Serves a ``transformers`` causal LM, one worker thread per running reply."""
 
@@ -118,6 +158,7 @@ class HFEngine:
         forward = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self._chat = HFChatPrompt(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self._executor = ThreadPoolExecutor(self.config.max_running, thread_name_prefix="hf-engine")
         self._cancels: set[threading.Event] = set()
         self._lock = threading.Lock()
@@ -132,14 +173,12 @@ class HFEngine:
         return str(self.tokenizer.decode([token])).encode()
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        if request.messages and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [dict(m) for m in request.messages], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        ids = self.tokenizer.encode(request.prompt)
+        if request.messages and self._chat is not None:
+            return self._chat.prompt_ids(request.messages)
+        # Chat messages in their plain-text form are all the messages' text: no control token
+        # in it is real. A completion's prompt is its client's own, control tokens and all.
+        chat = {"split_special_tokens": True} if request.messages is not None else {}
+        ids = self.tokenizer.encode(request.prompt, **chat)
         if not ids and self.tokenizer.bos_token_id is not None:
             ids = [self.tokenizer.bos_token_id]
         return [int(i) for i in ids]
