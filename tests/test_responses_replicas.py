@@ -16,8 +16,13 @@ from pathlib import Path
 import aiohttp
 from redis.asyncio import Redis
 
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.delivery.replay import LogEntry, ReplyInfo
 from replystream.delivery.responses_format import reply_id_of
+from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
 from replystream.sse import EventParser
+from tests.conftest import fast_engine
 from tests.processes import replica, start_server, stop
 from tests.redis_server import redis_server
 from tests.test_scale_out import cluster
@@ -145,3 +150,35 @@ async def test_a_response_deleted_on_one_replica_while_the_other_makes_it_stays_
     # What is left is the mark of the delete, until its TTL.
     assert keys == [f"replystream:reply:{{{reply_id}}}:meta".encode()]
     assert mark == {b"deleted": b"1"}
+
+
+async def test_a_response_made_elsewhere_is_followed_before_its_first_event_is_logged(
+    tmp_path: Path,
+):
+    """A replica knows a reply from its metadata as soon as the producer created it, but
+    the producer logs its events a moment after it sends them: a resume in between (the
+    client dropped after its first events and came back at once, on the other replica) is
+    followed, not told the response does not exist."""
+    with redis_server(tmp_path) as redis:
+        producer, reader = RedisReplayStore(redis.url), RedisReplayStore(redis.url)
+        async with (
+            running(create_app(fast_engine(), ServerConfig(), reader)) as url,
+            aiohttp.ClientSession() as http,
+        ):
+            await producer.create(ReplyInfo("made-on-a"))  # what a replica's start writes
+            opened = {"id": "resp_made-on-a", "object": "response", "status": "in_progress"}
+            created = json.dumps({"type": "response.created", "response": opened})
+
+            async def log_later() -> None:
+                await asyncio.sleep(0.3)
+                producer.append("made-on-a", [LogEntry(1, "response.created", created)])
+                producer.end("made-on-a", "finished")
+
+            logging = asyncio.create_task(log_later())
+            query = {"stream": "true"}
+            async with http.get(f"{url}/v1/responses/resp_made-on-a", params=query) as got:
+                status, body = got.status, await got.read()
+            await logging
+            await producer.aclose()
+    assert status == 200, body
+    assert [e.type for e in EventParser().feed(body)] == ["response.created"]

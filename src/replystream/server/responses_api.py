@@ -82,6 +82,7 @@ from replystream.server.validation import parse_json, parse_mapping, read_model
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
 LIVENESS_WAIT_S = 0.05  # how long reading a live response's object may wait on its store
+FIRST_EVENT_WAIT_S = 2.0  # how long a reply known to the store may take to log its first event
 NO_SUCH_RESPONSE = "no such response (unknown, expired, deleted, or not yours)"
 
 Messages = list[dict[str, Any]]
@@ -114,7 +115,9 @@ async def _find_response(
     deleted here."""
     _, store, local = await find_reply(request, reply_id, param=param)
     try:
-        head = await store.read(reply_id, 0, 0.0)
+        # A reply made on another replica may be known before its first event is: its
+        # producer logs its events to the store a moment after it sends them.
+        head = await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     # Every event of a response's log is named response.* (the first one, if it was trimmed).
