@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,6 @@ from pydantic_core import to_json
 
 from replystream.engine.base import (
     READY,
-    BackendStats,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -57,12 +54,11 @@ from replystream.engine.upstream_errors import connect_failure, quoted
 from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpFailure, HttpOrigin, Response
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
-from replystream.engine.upstream_queue import OtherLines, RoomQueue
+from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
+from replystream.engine.upstream_shared_limits import OtherWorkers, backend_stats, open_slots
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
-
-log = logging.getLogger("replystream.upstream")
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
 # The longest wait a caller is told when an upstream rate-limited its own key: a day, the
@@ -223,7 +219,7 @@ class UpstreamEngine:
         # looks for slots the other workers gave back).
         others = None
         if self._shared is not None:
-            others = _OtherWorkers(self.pool, self._shared, lambda: len(self._queue))
+            others = OtherWorkers(self.pool, self._shared, lambda: len(self._queue))
         self._queue = RoomQueue(others)
         self._session: aiohttp.ClientSession | None = None  # the health prober's
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
@@ -407,29 +403,6 @@ class UpstreamEngine:
             said = f"{where}: it refused our API key (see --upstream-api-key)"
         return UpstreamUnavailable(said, code="upstream_error_status")
 
-    def _open_shared_slots(self, backends: list[Backend]) -> None:
-        """After the routes changed: each limited upstream's slot files open, those of a
-        limit lowered too (requests under way there count against the new one)."""
-        assert self._shared is not None
-        for backend in backends:
-            if backend.max_outstanding is not None:
-                try:
-                    self._shared.slots(backend.name).open(backend.max_outstanding)
-                except OSError as exc:
-                    log.error("cannot open the shared slots of %s: %s", backend.name, exc)
-
-    def _backend_stats(self, backend: Backend) -> BackendStats:
-        """Its stats; with shared limits, the slots taken counted over every worker."""
-        stats = backend.stats()
-        limit = backend.max_outstanding
-        if self._shared is None or limit is None:
-            return stats
-        try:
-            taken = self._shared.slots(backend.name).taken(limit)
-        except OSError:
-            return stats
-        return replace(stats, slots_taken=taken)
-
     def stats(self) -> EngineStats:
         return EngineStats(
             started=self._counts["started"],
@@ -441,7 +414,7 @@ class UpstreamEngine:
             active=sum(b.outstanding for b in self.pool.backends) + len(self._queue),
             steps=self._deltas,
             models=self.pool.model_names(),
-            backends=tuple(self._backend_stats(b) for b in self.pool.backends),
+            backends=tuple(backend_stats(self._shared, b) for b in self.pool.backends),
             failovers=self._relay_counts.failovers,
             continuations=self._relay_counts.continuations,
             queued=len(self._queue),
@@ -486,7 +459,7 @@ class UpstreamEngine:
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
             if self._shared is not None:
-                self._open_shared_slots(backends)
+                open_slots(self._shared, backends)
             self._queue.wake_all()  # room may be elsewhere now, or more of it
             kept = {b.name for b in backends}
             removed = tuple(name for name in before if name not in kept)
@@ -525,43 +498,3 @@ class UpstreamEngine:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-class _OtherWorkers(OtherLines):
-    """A relay's view of the other workers holding the limits with it: the slots they gave
-    back, and when their lines began to wait (``upstream_slots``)."""
-
-    def __init__(self, pool: UpstreamPool, shared: SharedLimits, waiting: Callable[[], int]):
-        self._pool = pool
-        self._shared = shared
-        self._waiting = waiting  # how many wait in this worker's line
-
-    def freed(self) -> list[Backend]:
-        """Each upstream with a limit, once per slot of it free now: no more than this
-        worker has room for, nor than wait in its line."""
-        waiting, freed = self._waiting(), []
-        for backend in self._pool.backends:
-            limit = backend.max_outstanding
-            if limit is None or not backend.has_room:
-                continue
-            most = min(waiting, limit - backend.outstanding)
-            try:
-                free = self._shared.slots(backend.name).free(limit, most)
-            except OSError as exc:
-                log.error("cannot read the shared slots of %s: %s", backend.name, exc)
-                continue
-            freed += [backend] * free
-        return freed
-
-    def show(self, since: float | None) -> None:
-        try:
-            self._shared.lines.show(since)
-        except OSError as exc:
-            log.error("cannot show the other workers this one's line: %s", exc)
-
-    def oldest(self) -> float | None:
-        try:
-            return self._shared.lines.oldest_elsewhere()
-        except OSError as exc:
-            log.error("cannot see the other workers' lines: %s", exc)
-            return None

@@ -52,7 +52,8 @@ from replystream.engine.base import (
 from replystream.engine.upstream_affinity import preferred
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
-from replystream.engine.upstream_slots import SharedLimits, SlotFiles
+from replystream.engine.upstream_shared_limits import Slot, take_slot
+from replystream.engine.upstream_slots import SharedLimits
 
 access_log = logging.getLogger("replystream.access")
 log = logging.getLogger("replystream.upstream")
@@ -188,7 +189,7 @@ class RelayedReply:
         self._queue = queue
         # With workers: the limits all of them hold together, and the slot this attempt holds.
         self._shared = shared
-        self._slot: tuple[SlotFiles, int] | None = None
+        self._slot: Slot | None = None
         # Routed by prefix: the upstream its key prefers goes first (else the least loaded).
         self._affinity = affinity
         self._opener = opener
@@ -472,7 +473,7 @@ class RelayedReply:
                 backend = next((b for b in plan if b not in self._tried), None)
                 held_elsewhere = False
             else:
-                backend, held_elsewhere = self._with_slot(plan)
+                backend, self._slot, held_elsewhere = take_slot(self._shared, plan, self._tried)
             if backend is None and (held_elsewhere or self._pool.full(self._model, self._tried)):
                 now = time.monotonic()
                 again, queued_at = queued_at is not None, queued_at or now
@@ -503,32 +504,6 @@ class RelayedReply:
             except BaseException:
                 self._attempt_over("cancelled")
                 raise
-
-    def _with_slot(self, plan: list[Backend]) -> tuple[Backend | None, bool]:
-        """The first upstream of ``plan`` not tried yet whose limit, shared by the workers,
-        lets this attempt in (it then holds a slot there), and whether some upstream was
-        passed over because the other workers hold all its slots."""
-        assert self._shared is not None
-        passed_over = False
-        for backend in plan:
-            if backend in self._tried:
-                continue
-            limit = backend.max_outstanding
-            if limit is None:
-                return backend, passed_over
-            slots = self._shared.slots(backend.name)
-            try:
-                index = slots.take(limit)
-            except OSError as exc:
-                # The shared folder cannot be used (gone, or no file left to open): this
-                # worker's own count still bounds the upstream, as in one process.
-                log.error("cannot take a shared slot of %s: %s", backend.name, exc)
-                return backend, passed_over
-            if index is not None:
-                self._slot = (slots, index)
-                return backend, passed_over
-            passed_over = True
-        return None, passed_over
 
     def _preferred(self, usable: list[Backend]) -> Backend:
         """Routed by prefix: the upstream this reply's key goes to among ``usable``; a

@@ -1,0 +1,121 @@
+"""The relay's side of the upstreams' limits held by every worker of ``serve --workers N``
+together: what the upstreams and the line of one worker make of the slots (``upstream_slots``).
+
+This file decides which upstream of a plan an attempt may use when the limits are shared
+(the first not tried whose limit lets it in, holding one of its slots from then on; one whose
+slots the other workers hold all of is passed over, as one at its limit), what free room a
+worker's line (``upstream_queue``) sees elsewhere and what it shows the others of itself
+(``OtherWorkers``), which slot files open when the routes change, and how many slots the
+stats count taken. A shared folder that cannot be used is logged, and this worker's own count
+still bounds each upstream, as in one process. How a slot is held (lock files, ``flock``) is
+``upstream_slots``'s; when an attempt ends and gives its slot back is ``upstream_relay``'s; who
+is woken in a line is ``upstream_queue``'s. It must not know HTTP, how an attempt is sent,
+or the workers' parent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import replace
+
+from replystream.engine.base import BackendStats
+from replystream.engine.upstream_pool import Backend, UpstreamPool
+from replystream.engine.upstream_queue import OtherLines
+from replystream.engine.upstream_slots import SharedLimits, SlotFiles
+
+log = logging.getLogger("replystream.upstream")
+
+Slot = tuple[SlotFiles, int]  # an upstream's slot files, and the slot an attempt holds there
+
+
+def take_slot(
+    shared: SharedLimits, plan: list[Backend], tried: Collection[Backend]
+) -> tuple[Backend | None, Slot | None, bool]:
+    """The first upstream of ``plan`` not ``tried`` yet whose limit, shared by the workers,
+    lets an attempt in, with the slot it then holds there (None: no limit, or the shared
+    folder cannot be used), and whether some upstream was passed over because the other
+    workers hold all its slots."""
+    passed_over = False
+    for backend in plan:
+        if backend in tried:
+            continue
+        limit = backend.max_outstanding
+        if limit is None:
+            return backend, None, passed_over
+        slots = shared.slots(backend.name)
+        try:
+            index = slots.take(limit)
+        except OSError as exc:
+            # The shared folder cannot be used (gone, or no file left to open): this
+            # worker's own count still bounds the upstream, as in one process.
+            log.error("cannot take a shared slot of %s: %s", backend.name, exc)
+            return backend, None, passed_over
+        if index is not None:
+            return backend, (slots, index), passed_over
+        passed_over = True
+    return None, None, passed_over
+
+
+def open_slots(shared: SharedLimits, backends: list[Backend]) -> None:
+    """After the routes changed: each limited upstream's slot files open, those of a
+    limit lowered too (requests under way there count against the new one)."""
+    for backend in backends:
+        if backend.max_outstanding is not None:
+            try:
+                shared.slots(backend.name).open(backend.max_outstanding)
+            except OSError as exc:
+                log.error("cannot open the shared slots of %s: %s", backend.name, exc)
+
+
+def backend_stats(shared: SharedLimits | None, backend: Backend) -> BackendStats:
+    """Its stats; with shared limits, the slots taken counted over every worker."""
+    stats = backend.stats()
+    limit = backend.max_outstanding
+    if shared is None or limit is None:
+        return stats
+    try:
+        taken = shared.slots(backend.name).taken(limit)
+    except OSError:
+        return stats
+    return replace(stats, slots_taken=taken)
+
+
+class OtherWorkers(OtherLines):
+    """A relay's view of the other workers holding the limits with it: the slots they gave
+    back, and when their lines began to wait (``upstream_slots``)."""
+
+    def __init__(self, pool: UpstreamPool, shared: SharedLimits, waiting: Callable[[], int]):
+        self._pool = pool
+        self._shared = shared
+        self._waiting = waiting  # how many wait in this worker's line
+
+    def freed(self) -> list[Backend]:
+        """Each upstream with a limit, once per slot of it free now: no more than this
+        worker has room for, nor than wait in its line."""
+        waiting, freed = self._waiting(), []
+        for backend in self._pool.backends:
+            limit = backend.max_outstanding
+            if limit is None or not backend.has_room:
+                continue
+            most = min(waiting, limit - backend.outstanding)
+            try:
+                free = self._shared.slots(backend.name).free(limit, most)
+            except OSError as exc:
+                log.error("cannot read the shared slots of %s: %s", backend.name, exc)
+                continue
+            freed += [backend] * free
+        return freed
+
+    def show(self, since: float | None) -> None:
+        try:
+            self._shared.lines.show(since)
+        except OSError as exc:
+            log.error("cannot show the other workers this one's line: %s", exc)
+
+    def oldest(self) -> float | None:
+        try:
+            return self._shared.lines.oldest_elsewhere()
+        except OSError as exc:
+            log.error("cannot see the other workers' lines: %s", exc)
+            return None
