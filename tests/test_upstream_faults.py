@@ -25,14 +25,10 @@ from aiohttp import web
 
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.engine.base import GenerationRequest, SamplingParams
-from replystream.engine.upstream import (
-    UpstreamEngine,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-    request_body,
-)
+from replystream.engine.upstream import UpstreamEngine, request_body
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
+from replystream.engine.upstream_refusals import UpstreamTimeout, UpstreamUnavailable
 from replystream.server import create_app, running
 from tests.conftest import wait_for
 from tests.rawhttp import raw_request

@@ -3,27 +3,23 @@
 This file decides how a ``GenerationRequest`` becomes a streaming ``POST {base}/chat/completions``
 (the client's chat messages unchanged, or the prompt as one user message; sampling fields
 mapped; ``stream_options.include_usage`` always, so usage is the upstream's own; a prefix to
-continue as ``continue_final_message``), and what an upstream's answer before its body means:
-connection refused is ``UpstreamUnavailable`` (502), no response head within
-``headers_timeout_s`` is ``UpstreamTimeout`` (504), an upstream 4xx about the request is a
-``RequestRejected`` (400) carrying the upstream's message, 429 and 503 stay overload (503),
-with the wait the upstream asked for (``Retry-After``), which its circuit honours.
-Every message is ours (``upstream_errors``); an upstream's own words appear only quoted, from
-a JSON error body. Which upstream serves a request and which are failing is
-``upstream_pool``'s (with ``serve --workers``, each limit of requests at once is held by
-all the workers together: ``upstream_slots``); failover, stalls and continuation are
-``upstream_relay``'s; active health probes are ``upstream_health``'s; everything after one
-response head is
-``upstream_stream.UpstreamStream``'s. What goes upstream as ``Authorization`` is configured
-per upstream: its own key, or the caller's own key passed on (``pass_client_key``, for an
-upstream where each client has an account), else the key for all; a client's key is never
-sent to an upstream not configured to take it. It must not know about our HTTP server.
+continue as ``continue_final_message``), and how a connection that fails before a response
+head ends the attempt (``UpstreamUnavailable``, 502, or ``UpstreamTimeout``, 504, past
+``headers_timeout_s``); what an upstream's answer other than a stream means is
+``upstream_refusals``'s. Which upstream serves a request and which are failing is
+``upstream_pool``'s (with ``serve --workers``, each limit of requests at once is held by all
+the workers together: ``upstream_slots``, ``upstream_shared_limits``); failover, stalls and
+continuation are ``upstream_relay``'s; active health probes are ``upstream_health``'s;
+everything after one response head is ``upstream_stream.UpstreamStream``'s. What goes
+upstream as ``Authorization`` is configured per upstream: its own key, or the caller's own
+key passed on (``pass_client_key``, for an upstream where each client has an account), else
+the key for all; a client's key is never sent to an upstream not configured to take it. It
+must not know about our HTTP server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -39,9 +35,7 @@ from replystream.engine.base import (
     EngineStats,
     GenerationRequest,
     Readiness,
-    RequestRejected,
 )
-from replystream.engine.retry_after import retry_after_s
 from replystream.engine.upstream_affinity import affinity_key
 from replystream.engine.upstream_config import (
     UpstreamConfig,
@@ -50,59 +44,21 @@ from replystream.engine.upstream_config import (
     key_problem,
     upstream_limit,
 )
-from replystream.engine.upstream_errors import connect_failure, quoted
+from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_health import HealthProber
-from replystream.engine.upstream_http import HttpFailure, HttpOrigin, Response
+from replystream.engine.upstream_http import HttpFailure, HttpOrigin
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
+from replystream.engine.upstream_refusals import (
+    UpstreamRefusedClientKey,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    refusal,
+)
 from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
 from replystream.engine.upstream_shared_limits import OtherWorkers, backend_stats, open_slots
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
-
-BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
-# The longest wait a caller is told when an upstream rate-limited its own key: a day, the
-# longest window a hosted API's quota resets over; a longer one is a broken header.
-CLIENT_WAIT_LIMIT_S = 86_400.0
-
-
-class UpstreamUnavailable(EngineError):
-    """No upstream answered: connection refused, reset, or a broken response head (502)."""
-
-    status = 502
-
-
-class UpstreamTimeout(EngineError):
-    """An upstream took longer than the head timeout to connect or answer (504)."""
-
-    status = 504
-
-
-class UpstreamOverloaded(EngineError):
-    """An upstream answered 429 or 503 (503 to our client: try again later). Its
-    ``retry_after_s`` is the wait the upstream asked for (at most a cool-down); once the
-    relay gives up, when some upstream may take a request."""
-
-    status = 503
-
-
-class UpstreamRefusedClientKey(RequestRejected):
-    """An upstream refused the caller's own key, passed on to it: its 401 or 403 goes to our
-    client as it is (the key is the client's to fix, so no other upstream is tried)."""
-
-    def __init__(self, message: str, *, status: int) -> None:
-        super().__init__(message, code="upstream_refused_client_key")
-        self.status = status
-
-
-class UpstreamLimitedClientKey(RequestRejected):
-    """An upstream rate-limited the caller's own key, passed on to it (its 429: that
-    account's quota or rate, not the upstream's load): the client's, not failed over."""
-
-    status = 429
-
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message, code="upstream_rate_limited", retry_after_s=retry_after_s)
 
 
 def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any]:
@@ -146,25 +102,6 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
     if request.reasoning_effort is not None:
         body["reasoning_effort"] = request.reasoning_effort
     return body
-
-
-def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
-    """Message, code and param of an upstream's JSON error body (any of the common shapes);
-    no message for a body that is not one (an HTML page, a proxy's text, nothing)."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None, None, None
-    error = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(error, dict):
-        code, param = error.get("code"), error.get("param")
-        message = error.get("message") or error.get("detail")
-        return (
-            quoted(message) if isinstance(message, str) and message.strip() else None,
-            code if isinstance(code, str) else None,
-            param if isinstance(param, str) else None,
-        )
-    return (quoted(error) if isinstance(error, str) and error.strip() else None), None, None
 
 
 def _backend(target: UpstreamTarget, config: UpstreamConfig) -> Backend:
@@ -342,7 +279,14 @@ class UpstreamEngine:
             kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
             raise kind(failure.message, code=failure.code) from None
         if response.status != 200:
-            raise await self._refusal(response, backend, request.client_key)
+            raise await refusal(
+                response,
+                backend.name,
+                request.client_key,
+                passes_key=backend.name in self._keys.passing,
+                read_s=self.config.headers_timeout_s,
+                cooldown_s=self.config.cooldown_s,
+            )
         if response.content_type != "text/event-stream":
             response.close()
             raise UpstreamUnavailable(
@@ -363,45 +307,6 @@ class UpstreamEngine:
     def _ended(self, outcome: str, deltas: int) -> None:
         self._counts[outcome] += 1
         self._deltas += deltas
-
-    async def _refusal(
-        self, response: Response, backend: Backend, client_key: str | None
-    ) -> EngineError:
-        try:
-            async with asyncio.timeout(self.config.headers_timeout_s):
-                raw = await response.read(BODY_LIMIT)
-        except TimeoutError:
-            raw = b""
-        finally:
-            response.close()
-        message, code, param = _upstream_message(raw)
-        status = response.status
-        where = f"the upstream at {backend.name} answered {status}"
-        said = f"{where}: {message}" if message else where
-        if status in (400, 413, 422):
-            return RequestRejected(said, code=code or "upstream_rejected", param=param)
-        if status == 429 and backend.name in self._keys.passing:
-            # The caller's own account's limit: another upstream would not lift it, and
-            # counted on the circuit, one caller's spent quota would shut out every caller.
-            # When it lifts is the caller's to know: the upstream's wait goes on to it.
-            wait = retry_after_s(response.retry_after, time.time(), CLIENT_WAIT_LIMIT_S)
-            return UpstreamLimitedClientKey(said, retry_after_s=wait)
-        if status in (429, 503):
-            # Its circuit stays open for as long as it asks, but no longer than a cool-down:
-            # the operator's bound on how long any upstream is left out (a wrong clock or a
-            # broken header must not take one out for hours; if it is still busy then, its
-            # trial says so and it asks again).
-            wait = retry_after_s(response.retry_after, time.time(), self.config.cooldown_s)
-            return UpstreamOverloaded(said, code="upstream_overloaded", retry_after_s=wait)
-        if status in (401, 403) and backend.name in self._keys.passing:
-            # The client's own key: theirs to fix, and no other upstream would take it.
-            said = f"{where}: it refused the API key you sent, which is passed on to it"
-            if not client_key:
-                said = f"{where}: it wants an API key, and you sent none to pass on"
-            return UpstreamRefusedClientKey(said, status=status)
-        if status in (401, 403):  # our configuration, not the client's request
-            said = f"{where}: it refused our API key (see --upstream-api-key)"
-        return UpstreamUnavailable(said, code="upstream_error_status")
 
     def stats(self) -> EngineStats:
         return EngineStats(

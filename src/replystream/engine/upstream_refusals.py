@@ -1,0 +1,140 @@
+"""What an upstream's answer before its body means, as our errors: an attempt that ends
+before it has a stream ends with one of these.
+
+This file names those errors, ``UpstreamUnavailable`` (502: no upstream answered, or not as
+one should) and ``UpstreamTimeout`` (504: no response head within the head timeout), which
+the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
+status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
+(400) carrying the upstream's message, 429 and 503 stay overload (``UpstreamOverloaded``,
+503) with the wait the upstream asked for (``Retry-After``, at most a cool-down), which its
+circuit honours; an upstream passed the caller's own key that refuses it (401, 403) or
+rate-limits it (429) answers the client as it is, not failed over
+(``UpstreamRefusedClientKey``, ``UpstreamLimitedClientKey``); 401 or 403 to our own key is
+our configuration's fault (502). Every message is ours; an upstream's own words appear only
+quoted, from a JSON error body. Whether another upstream is tried is ``upstream_relay``'s. It
+must not know how a request is built, how an upstream is picked, or about our HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from replystream.engine.base import EngineError, RequestRejected
+from replystream.engine.retry_after import retry_after_s
+from replystream.engine.upstream_errors import quoted
+from replystream.engine.upstream_http import Response
+
+BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
+# The longest wait a caller is told when an upstream rate-limited its own key: a day, the
+# longest window a hosted API's quota resets over; a longer one is a broken header.
+CLIENT_WAIT_LIMIT_S = 86_400.0
+
+
+class UpstreamUnavailable(EngineError):
+    """No upstream answered: connection refused, reset, or a broken response head (502)."""
+
+    status = 502
+
+
+class UpstreamTimeout(EngineError):
+    """An upstream took longer than the head timeout to connect or answer (504)."""
+
+    status = 504
+
+
+class UpstreamOverloaded(EngineError):
+    """An upstream answered 429 or 503 (503 to our client: try again later). Its
+    ``retry_after_s`` is the wait the upstream asked for (at most a cool-down); once the
+    relay gives up, when some upstream may take a request."""
+
+    status = 503
+
+
+class UpstreamRefusedClientKey(RequestRejected):
+    """An upstream refused the caller's own key, passed on to it: its 401 or 403 goes to our
+    client as it is (the key is the client's to fix, so no other upstream is tried)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message, code="upstream_refused_client_key")
+        self.status = status
+
+
+class UpstreamLimitedClientKey(RequestRejected):
+    """An upstream rate-limited the caller's own key, passed on to it (its 429: that
+    account's quota or rate, not the upstream's load): the client's, not failed over."""
+
+    status = 429
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message, code="upstream_rate_limited", retry_after_s=retry_after_s)
+
+
+def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
+    """Message, code and param of an upstream's JSON error body (any of the common shapes);
+    no message for a body that is not one (an HTML page, a proxy's text, nothing)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None, None, None
+    error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        code, param = error.get("code"), error.get("param")
+        message = error.get("message") or error.get("detail")
+        return (
+            quoted(message) if isinstance(message, str) and message.strip() else None,
+            code if isinstance(code, str) else None,
+            param if isinstance(param, str) else None,
+        )
+    return (quoted(error) if isinstance(error, str) and error.strip() else None), None, None
+
+
+async def refusal(
+    response: Response,
+    backend: str,
+    client_key: str | None,
+    *,
+    passes_key: bool,
+    read_s: float,
+    cooldown_s: float,
+) -> EngineError:
+    """What ``backend``'s answer other than 200 means for the attempt: its body (at most
+    ``BODY_LIMIT`` bytes, read for at most ``read_s``) quoted in our error, the response
+    closed. ``passes_key``: the upstream is sent the caller's own key (``client_key``);
+    ``cooldown_s``: the longest an overloaded upstream's wait keeps its circuit open."""
+    try:
+        async with asyncio.timeout(read_s):
+            raw = await response.read(BODY_LIMIT)
+    except TimeoutError:
+        raw = b""
+    finally:
+        response.close()
+    message, code, param = _upstream_message(raw)
+    status = response.status
+    where = f"the upstream at {backend} answered {status}"
+    said = f"{where}: {message}" if message else where
+    if status in (400, 413, 422):
+        return RequestRejected(said, code=code or "upstream_rejected", param=param)
+    if status == 429 and passes_key:
+        # The caller's own account's limit: another upstream would not lift it, and
+        # counted on the circuit, one caller's spent quota would shut out every caller.
+        # When it lifts is the caller's to know: the upstream's wait goes on to it.
+        wait = retry_after_s(response.retry_after, time.time(), CLIENT_WAIT_LIMIT_S)
+        return UpstreamLimitedClientKey(said, retry_after_s=wait)
+    if status in (429, 503):
+        # Its circuit stays open for as long as it asks, but no longer than a cool-down:
+        # the operator's bound on how long any upstream is left out (a wrong clock or a
+        # broken header must not take one out for hours; if it is still busy then, its
+        # trial says so and it asks again).
+        wait = retry_after_s(response.retry_after, time.time(), cooldown_s)
+        return UpstreamOverloaded(said, code="upstream_overloaded", retry_after_s=wait)
+    if status in (401, 403) and passes_key:
+        # The client's own key: theirs to fix, and no other upstream would take it.
+        said = f"{where}: it refused the API key you sent, which is passed on to it"
+        if not client_key:
+            said = f"{where}: it wants an API key, and you sent none to pass on"
+        return UpstreamRefusedClientKey(said, status=status)
+    if status in (401, 403):  # our configuration, not the client's request
+        said = f"{where}: it refused our API key (see --upstream-api-key)"
+    return UpstreamUnavailable(said, code="upstream_error_status")
