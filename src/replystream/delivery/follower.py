@@ -18,9 +18,10 @@ its write waits. A cut follower leaves a last ``error`` notice if the socket sti
 The direct path: a follower that has caught up with a reply made in this process lets the
 producer write each new event straight into its transport (``push``), so a live stream costs
 no wake-up of the follower's task per event. Any doubt (a busy socket, a gap, the end) hands
-the work back to the task, which then writes with backpressure and the limits.
+the work back to the task, which then writes with backpressure and the limits. While it waits
+there, the app's ``KeepaliveClock`` (``keepalive_clock``) wakes it when a keep-alive is due.
 
-Framing belongs to the transport (``FrameTransport``: SSE over HTTP/1.1, a WebSocket); what a
+Framing belongs to the transport (``frame_transport``: SSE over HTTP/1.1, a WebSocket); what a
 reply's producer offers its followers is ``LiveReply``. This file must not know about HTTP,
 WebSockets, the engine or which store keeps the log.
 """
@@ -32,9 +33,10 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
 from typing import Literal, Protocol
 
+from replystream.delivery.frame_transport import Ending, FrameTransport
+from replystream.delivery.keepalive_clock import KeepaliveClock
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogCursor, LogEntry, StoreUnavailable
 
@@ -42,76 +44,9 @@ log = logging.getLogger("replystream.follower")
 
 LIVENESS_POLL_S = 1.0  # how often a follower of a remote reply checks its producer is alive
 WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
-MAX_SWEEP_S = 1.0  # the keep-alive clock looks at waiting followers at least this often
 # A follower's byte limit before it first sends entries: its backlog is not known yet (a
 # cursor on a reply made elsewhere learns it from its first read), and it has not fallen behind.
 NOT_SENDING_YET = sys.maxsize
-
-Ending = Literal[
-    "ended",
-    "client_gone",
-    "slow_client",
-    "shutdown",
-    "producer_lost",
-    "expired",
-    "store_unavailable",
-    "failed",
-]
-
-
-class FrameTransport(Protocol):
-    """One client connection as a follower writes to it, in the connection's own framing."""
-
-    def encode(self, entries: Sequence[LogEntry]) -> bytes:
-        """The wire bytes of log entries (SSE events, WebSocket messages)."""
-        ...
-
-    def notice(self, event: str, data: str, after: int) -> bytes:
-        """The wire bytes of an unnumbered event the follower decides on (``error``,
-        ``gap``) after event ``after``: never in the log, so a resume neither repeats nor
-        misses one."""
-        ...
-
-    def keepalive(self) -> bytes | None:
-        """What an idle stream sends to stay open (None: the transport keeps itself alive)."""
-        ...
-
-    async def open(self, *, with_first_events: bool) -> None:
-        """Begin the response (headers). ``with_first_events``: events are ready, and may
-        leave in the same write as the headers."""
-        ...
-
-    def takes_at_once(self, size: int) -> bool:
-        """Whether ``size`` more bytes leave without the write having to wait."""
-        ...
-
-    def has_room(self) -> bool:
-        """Whether the socket is open and below its high-water mark (the direct path)."""
-        ...
-
-    async def write(self, data: bytes, *, last: bool) -> int:
-        """Write ``data``, waiting for the socket to drain; ``last``: the stream ends with it.
-        Returns the bytes that went on the wire. Raises ``ConnectionError``."""
-        ...
-
-    def push(self, entries: Sequence[LogEntry]) -> int | None:
-        """The direct path: encode and write entries without waiting, if the socket has room;
-        the bytes that went on the wire, or None (nothing written: the follower must wait)."""
-        ...
-
-    async def end(self) -> None:
-        """End the stream properly (its terminal framing), if not ended by a last write."""
-        ...
-
-    def last_words(self, notice: bytes, ending: Ending) -> None:
-        """The follower was cut (``ending``): queue a final notice without waiting, and close
-        what the cut closes; give up on it if it cannot leave soon (the client is not
-        reading)."""
-        ...
-
-    def finished(self, ending: Ending) -> None:
-        """The follower is done (its transport's last bookkeeping)."""
-        ...
 
 
 class Sink(Protocol):
@@ -185,51 +120,6 @@ class _Cut(Exception):
     def __init__(self, ending: Ending, detail: str) -> None:
         super().__init__(detail)
         self.ending = ending
-
-
-class KeepaliveClock:
-    """One timer for the keep-alives of every follower waiting on the direct path.
-
-    A sweep every quarter of the shortest keep-alive period among them (at most every
-    second) wakes each one idle for a whole period, so a keep-alive leaves at most a quarter
-    period (or a second) late. Thousands of followers cost one wake-up a second, not a timer
-    each (a handle, its context and a bound method: 240 bytes a stream)."""
-
-    def __init__(self) -> None:
-        self._waiting: set[Follower] = set()
-        self._period_s = MAX_SWEEP_S
-        self._timer: asyncio.TimerHandle | None = None
-
-    def watch(self, follower: Follower, keepalive_s: float) -> None:
-        self._waiting.add(follower)
-        period = min(MAX_SWEEP_S, keepalive_s / 4.0)
-        if self._timer is None or period < self._period_s:
-            self._arm(period)
-
-    def forget(self, follower: Follower) -> None:
-        self._waiting.discard(follower)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _arm(self, period_s: float) -> None:
-        self.close()
-        self._period_s = period_s
-        self._timer = asyncio.get_running_loop().call_later(period_s, self._sweep)
-
-    def _sweep(self) -> None:
-        self._timer = None
-        if not self._waiting:
-            return  # armed again by the next follower to wait
-        now = time.monotonic()
-        shortest = MAX_SWEEP_S * 4.0
-        for follower in list(self._waiting):  # a woken follower leaves the set when it runs
-            follower.wake_if_idle(now)
-            if follower.policy.keepalive_s is not None:
-                shortest = min(shortest, follower.policy.keepalive_s)
-        self._arm(min(MAX_SWEEP_S, shortest / 4.0))
 
 
 class Follower:

@@ -28,8 +28,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from replystream.delivery.follower import KeepaliveClock
 from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.keepalive_clock import KeepaliveClock
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import (
     MemoryReplayStore,

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from replystream.delivery.choices import ChoicesPipeline
-from replystream.delivery.follower import Follower, FrameTransport, KeepaliveClock
+from replystream.delivery.follower import Follower
 from replystream.delivery.formats import (
     KEEPALIVE,
     LabFormat,
@@ -29,6 +29,8 @@ from replystream.delivery.formats import (
     StreamFormat,
     Usage,
 )
+from replystream.delivery.frame_transport import FrameTransport
+from replystream.delivery.keepalive_clock import KeepaliveClock
 from replystream.delivery.moderation import Violation
 from replystream.delivery.pipeline import Pipeline, ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy

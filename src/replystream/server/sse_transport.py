@@ -16,8 +16,9 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from replystream.delivery.follower import Ending, Follower
+from replystream.delivery.follower import Follower
 from replystream.delivery.formats import KEEPALIVE, Notices
+from replystream.delivery.frame_transport import Ending
 from replystream.delivery.replay import LogEntry
 from replystream.server.front_door import SentLater
 from replystream.server.socket_room import SocketRoom

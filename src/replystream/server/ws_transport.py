@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from replystream.delivery.follower import Ending
 from replystream.delivery.formats import json_string
+from replystream.delivery.frame_transport import Ending
 from replystream.delivery.replay import LogEntry
 from replystream.server.socket_room import SocketRoom
 
