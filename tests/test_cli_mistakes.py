@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -38,6 +39,20 @@ def one_line(done: subprocess.CompletedProcess[str]) -> str:
     assert "Traceback" not in done.stderr, done.stderr
     assert len(lines) == 1, done.stderr
     return lines[0]
+
+
+def run_in_bounded_memory(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``run``, in at most 3 GiB of address space (a child it starts too): a value that once
+    made the command build something without end fails it with a MemoryError, not the
+    machine."""
+
+    def bound() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=bound
+    )
 
 
 FILE = str(Path(__file__))
@@ -360,6 +375,30 @@ CASES: list[tuple[list[str], str]] = [
 def test_a_mistake_is_one_line_naming_the_flag_and_a_nonzero_exit(argv: list[str], says: str):
     done = run(*argv)
     assert done.returncode != 0
+    line = one_line(done)
+    assert line.startswith(f"replystream {argv[0]}: "), line
+    assert says in line, line
+
+
+# Values that once made a command build or start something without end: each is refused
+# before anything is made (run in bounded memory, so the old behaviour fails the case).
+UNBOUNDED: list[tuple[list[str], str]] = [
+    # the simulated reply is built whole before the server listens
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--tokens", "99999999999"],
+        "argument --tokens: want a whole number from 1 to 1048576, got 99999999999",
+    ),
+    (
+        ["lab", "--calls", "1", "--tokens", "99999999999"],
+        "argument --tokens: want a whole number from 1 to 1048576, got 99999999999",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), UNBOUNDED, ids=[" ".join(a) for a, _ in UNBOUNDED])
+def test_a_value_without_end_is_refused_before_anything_is_made(argv: list[str], says: str):
+    done = run_in_bounded_memory(*argv)
+    assert done.returncode == 2, done.stderr
     line = one_line(done)
     assert line.startswith(f"replystream {argv[0]}: "), line
     assert says in line, line

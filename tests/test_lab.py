@@ -55,12 +55,18 @@ def test_lab_writes_timeline_plot_and_result_line(tmp_path: Path):
     assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.parametrize("bad", [["--calls", "0"], ["--tokens", "0"]])
-def test_lab_refuses_nonsense_options(bad: list[str]):
+@pytest.mark.parametrize(
+    ("bad", "wants"),
+    [
+        (["--calls", "0"], "a whole number >= 1"),
+        (["--tokens", "0"], "a whole number from 1 to 1048576"),
+    ],
+)
+def test_lab_refuses_nonsense_options(bad: list[str], wants: str):
     done = subprocess.run([*LAB, *bad, "--json"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"replystream lab: argument {bad[0]}: want a whole number >= 1, got 0"
+        f"replystream lab: argument {bad[0]}: want {wants}, got 0"
     ]
 
 

@@ -16,6 +16,7 @@ from rich.table import Table
 from replystream.cli_values import (
     folder_problem,
     http_url,
+    int_between,
     non_negative_int,
     output_folder,
     positive_int,
@@ -27,7 +28,7 @@ from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.plots import plot_timeline
 from replystream.lab.report_console import report_console
-from replystream.server.schemas import MAX_SEED
+from replystream.server.schemas import MAX_SEED, MAX_TOKENS_LIMIT
 
 # What the lab writes in --out: the first call's arrivals, and their plot.
 TIMELINE_FILES = ("timeline.json", "timeline.png")
@@ -50,9 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=positive_int, default=defaults.calls, help="calls per mode")
     parser.add_argument(
         "--tokens",
-        type=positive_int,
-        help=f"tokens per reply, sent as max_tokens (default: {defaults.tokens} locally; "
-        "with --url, the server's reply length)",
+        # The local server builds its reply whole before it listens, and a server asked for
+        # more than this refuses every call: a larger count is a mistake either way.
+        type=int_between(1, MAX_TOKENS_LIMIT),
+        help=f"tokens per reply, sent as max_tokens, at most {MAX_TOKENS_LIMIT:,} (default: "
+        f"{defaults.tokens} locally; with --url, the server's reply length)",
     )
     schedule = "local server's schedule; not with --url, whose server keeps its own"
     parser.add_argument(

@@ -8,6 +8,7 @@ import argparse
 
 from replystream.cli_values import (
     Checker,
+    int_between,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -19,6 +20,7 @@ from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny import TinyEngineConfig
 from replystream.engine.upstream_config import ROUTINGS, UpstreamConfig
+from replystream.server.schemas import MAX_TOKENS_LIMIT
 from replystream.settings import Group, Setting
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"
@@ -113,8 +115,11 @@ SIMULATED_ENGINE = Group(
         ),
         Setting(
             "--tokens",
-            "cut or repeat the reply to this many tokens (default: its own length)",
-            positive_int,
+            "cut or repeat the reply to this many tokens, at most the largest max_tokens a "
+            "request may ask (default: its own length)",
+            # A reply longer than any request could ask for is built whole before the server
+            # listens: 10**11 tokens held it from ever being ready.
+            int_between(1, MAX_TOKENS_LIMIT),
             engines=SIMULATED,
         ),
         Setting(
