@@ -392,6 +392,19 @@ UNBOUNDED: list[tuple[list[str], str]] = [
         ["lab", "--calls", "1", "--tokens", "99999999999"],
         "argument --tokens: want a whole number from 1 to 1048576, got 99999999999",
     ),
+    # a sweep of 10**9 runs (its list of rates alone would not fit in memory)
+    (
+        [
+            *("bench", "http://127.0.0.1:9/stream", "--profile", "sweep", "--requests", "2"),
+            *("--sweep-steps", "1000000000"),
+        ],
+        "argument --sweep-steps: want a whole number from 1 to 100, got 1000000000",
+    ),
+    # scrapes back to back, loading the server being measured
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--server-metrics", "--metrics-interval", "1e-300"],
+        "argument --metrics-interval: want a number from 0.01 to 604800, got 1e-300",
+    ),
 ]
 
 

@@ -19,6 +19,7 @@ from typing import TypeVar
 from replystream.cli_values import (
     Checker,
     float_at_least,
+    float_between,
     int_between,
     non_negative_float,
     non_negative_int,
@@ -49,6 +50,15 @@ from replystream.lab.workload import (
 )
 
 T = TypeVar("T")
+
+# The longest a run is planned to last: a week, past any load test's, so that a value whose
+# run could never end (a gap of 1e300 s) is refused rather than waited for.
+LONGEST_RUN_S = 7 * 24 * 3600.0
+# A sweep's constant-rate runs: each is a whole run, and a hundred already maps a curve finely.
+MOST_SWEEP_STEPS = 100
+# Scrapes during a run come at least this far apart: one is an HTTP request to the server
+# being measured, so a shorter interval would load it with scrapes, back to back.
+LEAST_METRICS_INTERVAL_S = 0.01
 
 
 def _slo_list(text: str) -> tuple[SLO, ...]:
@@ -186,9 +196,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sweep-steps",
-        type=positive_int,
+        type=int_between(1, MOST_SWEEP_STEPS),
         help="sweep profile: constant rates between the synchronous rate and the maximum "
-        "(default 5)",
+        f"(default 5, at most {MOST_SWEEP_STEPS})",
     )
     parser.add_argument(
         "--prompt-words",
@@ -260,10 +270,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-interval",
-        type=positive_float,
+        type=float_between(LEAST_METRICS_INTERVAL_S, LONGEST_RUN_S),
         metavar="S",
         help="with --server-metrics: also scrape every S s during each run (active streams, "
-        "engine requests, KV blocks: mean and peak)",
+        f"engine requests, KV blocks: mean and peak), at least {LEAST_METRICS_INTERVAL_S:g} s",
     )
     parser.add_argument(
         "--system-prompt-words",
