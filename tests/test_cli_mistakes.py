@@ -265,6 +265,17 @@ CASES: list[tuple[list[str], str]] = [
         ["bench", "http://127.0.0.1:9/stream", "--concurrency", "2", "--rate", "1"],
         "not allowed with argument",
     ),
+    # arrivals no run could wait for: refused, not slept on (10 requests, 1e300 s apart)
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--rate", "1e-300"],
+        "--rate 1e-300: 10 requests at this rate span about 9e+300 s, past the longest run "
+        "bench plans, a week (604,800 s); raise --rate, or end the run with --duration",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--rate", "0.1", "--duration", "5"],
+        "--rate 0.1: its mean gap, 10 s, is not shorter than --duration 5: about one request "
+        "would be sent; raise --rate",
+    ),
     # doctor
     (
         ["doctor", "http://127.0.0.1:9/stream", "--timeout", "-1"],
@@ -575,6 +586,24 @@ def test_a_trace_record_that_cannot_be_replayed_names_its_record(record: str, tm
         f"replystream bench: --trace: {trace} record 2: want {{'timestamp': S, 'prompt_words': "
         "N, 'output_tokens': M}, finite timestamps in order, 0 <= N <= 10,000,000, M >= 1"
     )
+
+
+def test_a_trace_longer_than_any_run_is_refused_unless_cut_short(tmp_path: Path):
+    """A gap of 1e300 s once left the run asleep for good; --duration or --requests cut the
+    replay before that record, and then it is no mistake."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "prompt_words": 1}\n{"timestamp": 1e300}\n')
+    done = run("bench", "http://127.0.0.1:9/stream", "--trace", str(trace), timeout=30)
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --trace: {trace}: request 2 comes 1e+300 s after the first, past "
+        "the longest run bench plans, a week (604,800 s); replay part of it with --requests "
+        "or --duration"
+    )
+    for cut in (["--requests", "1"], ["--duration", "1"]):
+        done = run("bench", "http://127.0.0.1:9/stream", "--trace", str(trace), *cut, timeout=30)
+        assert "longest run" not in done.stderr, done.stderr
+        assert "Requests: 1 sent, 0 complete" in done.stdout, done.stdout  # port 9: refused
 
 
 def test_histogram_weights_whose_sum_is_infinite_are_refused_before_sending(tmp_path: Path):

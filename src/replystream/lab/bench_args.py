@@ -401,6 +401,36 @@ def tls_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
         raise ValueError(f"--cacert: {why}") from None
 
 
+def _check_run_ends(
+    args: argparse.Namespace, requests: int | None, trace_times: tuple[float, ...]
+) -> None:
+    """Refuse arrival times that would leave the run waiting past any run's end: a rate or a
+    trace whose requests span more than ``LONGEST_RUN_S`` (with nothing else to end the run),
+    and a rate whose mean gap is no shorter than ``--duration`` (about one request sent)."""
+    if args.rate is not None:
+        gap = 1.0 / args.rate
+        if args.duration is not None:
+            if gap >= args.duration:
+                raise ValueError(
+                    f"--rate {args.rate:g}: its mean gap, {gap:.3g} s, is not shorter than "
+                    f"--duration {args.duration:g}: about one request would be sent; raise --rate"
+                )
+        elif requests is not None and (span := (requests - 1) * gap) > LONGEST_RUN_S:
+            raise ValueError(
+                f"--rate {args.rate:g}: {requests} requests at this rate span about {span:.3g} s, "
+                f"past the longest run bench plans, a week ({LONGEST_RUN_S:,.0f} s); raise "
+                "--rate, or end the run with --duration"
+            )
+    if trace_times and args.duration is None and requests is not None:
+        span = trace_times[requests - 1]
+        if span > LONGEST_RUN_S:
+            raise ValueError(
+                f"--trace: {args.trace}: request {requests} comes {span:.3g} s after the first, "
+                f"past the longest run bench plans, a week ({LONGEST_RUN_S:,.0f} s); replay "
+                "part of it with --requests or --duration"
+            )
+
+
 def _read(flag: str, read: Callable[[], T]) -> T:
     """``read()``, its ValueError prefixed with the flag whose value it read."""
     try:
@@ -440,6 +470,7 @@ def config_from_args(
         requests = min(requests or len(trace_times), len(trace_times))
     if requests is None and args.duration is None:
         requests = 10
+    _check_run_ends(args, requests, trace_times)
     api = detect_api(args.url) if args.api == "auto" else args.api
     if args.metrics_interval is not None and not args.server_metrics:
         raise ValueError("--metrics-interval scrapes during a run: it needs --server-metrics")
