@@ -8,6 +8,7 @@ specs and engine options, and the socket the server cannot have.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import resource
@@ -604,6 +605,25 @@ def test_a_trace_longer_than_any_run_is_refused_unless_cut_short(tmp_path: Path)
         done = run("bench", "http://127.0.0.1:9/stream", "--trace", str(trace), *cut, timeout=30)
         assert "longest run" not in done.stderr, done.stderr
         assert "Requests: 1 sent, 0 complete" in done.stdout, done.stdout  # port 9: refused
+
+
+# (An open loop's first arrival is at the start; a --rate whose gap is not shorter than
+# such a duration is refused before sending.)
+@pytest.mark.parametrize("loop", [[], ["--concurrency", "3"]])
+async def test_a_duration_too_short_to_start_a_reader_still_measures_a_request(
+    loop: list[str], tmp_path: Path
+):
+    """--duration 1e-300 once ended a closed loop before its reader took a request: nothing
+    was sent and the run exited 0. Each reader's first request is sent at the start."""
+    schedule = ["--delay-ms", "1", "--jitter-ms", "0", "--first-token-ms", "1"]
+    async with replica("--engine", "simulated", "--port", "0", *schedule) as (_, url):
+        result = tmp_path / "result.json"
+        argv = [f"{url}/stream?max_tokens=2", "--duration", "1e-300", *loop, "--quiet"]
+        done = await asyncio.to_thread(run, "bench", *argv, "--json", str(result))
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(result.read_text())["counts"]
+    readers = int(loop[1]) if loop[:1] == ["--concurrency"] else 1
+    assert counts["requests"] == counts["complete"] == readers, counts
 
 
 def test_histogram_weights_whose_sum_is_infinite_are_refused_before_sending(tmp_path: Path):

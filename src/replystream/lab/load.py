@@ -209,7 +209,13 @@ async def run_load(
                         in_flight = min(in_flight, config.requests)
 
                     async def worker() -> None:
-                        while (index := issuer.take()) is not None:
+                        # A reader starts with the run: its first conversation counts as
+                        # sent at the start, so a duration shorter than readers take to
+                        # start (1e-300 s) still measures something, as an open loop's first
+                        # arrival at 0 does.
+                        at: float | None = started
+                        while (index := issuer.take(at)) is not None:
+                            at = None
                             await send(index)
 
                     for _ in range(in_flight):
