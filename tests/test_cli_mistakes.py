@@ -417,6 +417,20 @@ UNBOUNDED: list[tuple[list[str], str]] = [
         ["bench", "http://127.0.0.1:9/stream", "--server-metrics", "--metrics-interval", "1e-300"],
         "argument --metrics-interval: want a number from 0.01 to 604800, got 1e-300",
     ),
+    # 10**9 readers (a task and a socket each) for as long as a duration lasts
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--concurrency", "1000000000", "--duration", "5"],
+        "--concurrency 1000000000: 1,000,000,000 requests at once would each hold a "
+        "connection, and this process may open ",
+    ),
+    # a burst of 10**9 requests, each a task and a socket, all at once
+    (
+        [
+            *("bench", "http://127.0.0.1:9/stream", "--profile", "throughput"),
+            *("--requests", "1000000000"),
+        ],
+        "--requests 1000000000: 1,000,000,000 requests at once would each hold a connection",
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import resource
 import ssl
 from collections.abc import Callable
 from typing import TypeVar
@@ -59,6 +60,9 @@ MOST_SWEEP_STEPS = 100
 # Scrapes during a run come at least this far apart: one is an HTTP request to the server
 # being measured, so a shorter interval would load it with scrapes, back to back.
 LEAST_METRICS_INTERVAL_S = 0.01
+# Files the process keeps open besides its requests' connections (standard streams, the event
+# loop's own, a scrape, the outputs): the requests at once leave room for them.
+OWN_FILES = 32
 
 
 def _slo_list(text: str) -> tuple[SLO, ...]:
@@ -431,6 +435,28 @@ def _check_run_ends(
             )
 
 
+def _check_at_once(args: argparse.Namespace, requests: int | None) -> None:
+    """Refuse more requests at once than this process can hold connections for: each is a
+    task and a socket, so 10**9 readers exhausted memory before the first request, and any
+    past the open-file limit (``ulimit -n``) could only fail."""
+    if args.concurrency is not None:
+        flag, at_once = f"--concurrency {args.concurrency}", args.concurrency
+        if requests is not None:  # no more readers than conversations start
+            at_once = min(at_once, requests)
+    elif args.profile in ("throughput", "sweep") and requests is not None:
+        flag, at_once = f"--requests {requests}", requests  # a burst: every one at once
+    else:
+        return
+    limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if limit == resource.RLIM_INFINITY or at_once <= limit - OWN_FILES:
+        return
+    raise ValueError(
+        f"{flag}: {at_once:,} requests at once would each hold a connection, and this process "
+        f"may open {limit:,} files (ulimit -n), {OWN_FILES} of them for itself; lower it, or "
+        "raise the limit (or share the load among several bench processes)"
+    )
+
+
 def _read(flag: str, read: Callable[[], T]) -> T:
     """``read()``, its ValueError prefixed with the flag whose value it read."""
     try:
@@ -471,6 +497,7 @@ def config_from_args(
     if requests is None and args.duration is None:
         requests = 10
     _check_run_ends(args, requests, trace_times)
+    _check_at_once(args, requests)
     api = detect_api(args.url) if args.api == "auto" else args.api
     if args.metrics_interval is not None and not args.server_metrics:
         raise ValueError("--metrics-interval scrapes during a run: it needs --server-metrics")
