@@ -15,6 +15,7 @@ import csv
 import itertools
 import json
 import random
+import resource
 import statistics
 import sys
 from collections import Counter
@@ -106,6 +107,25 @@ async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tm
     for name in ("ttft_cdf.png", "gap_histogram.png", "timeline.png"):
         png = await asyncio.to_thread((tmp_path / "plots" / name).read_bytes)
         assert png.startswith(b"\x89PNG")
+
+
+async def test_a_soft_open_file_limit_below_the_run_is_raised_to_what_it_needs(scheduled_server):
+    """``ulimit -n`` is often 1,024 while the hard limit allows far more: bench raises its
+    own soft limit as far as the run needs, as load tools do, rather than refuse it."""
+
+    def low_soft_limit() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "replystream", "bench", f"{scheduled_server}/stream",
+        "--concurrency", "150", "--requests", "150",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=low_soft_limit,
+    )  # fmt: skip
+    stdout, stderr = await process.communicate()
+    assert process.returncode == 0, stderr.decode()
+    assert "150" in stdout.decode()
 
 
 async def test_an_output_that_cannot_be_written_is_one_line_and_the_others_are_written(

@@ -438,7 +438,8 @@ def _check_run_ends(
 def _check_at_once(args: argparse.Namespace, requests: int | None) -> None:
     """Refuse more requests at once than this process can hold connections for: each is a
     task and a socket, so 10**9 readers exhausted memory before the first request, and any
-    past the open-file limit (``ulimit -n``) could only fail."""
+    past the open-file limit could only fail. The soft limit (``ulimit -n``, often 1,024) is
+    raised as far as the run needs when the hard one allows it, as load tools do."""
     if args.concurrency is not None:
         flag, at_once = f"--concurrency {args.concurrency}", args.concurrency
         if requests is not None:  # no more readers than conversations start
@@ -447,12 +448,16 @@ def _check_at_once(args: argparse.Namespace, requests: int | None) -> None:
         flag, at_once = f"--requests {requests}", requests  # a burst: every one at once
     else:
         return
-    limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if limit == resource.RLIM_INFINITY or at_once <= limit - OWN_FILES:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or at_once <= soft - OWN_FILES:
         return
+    if hard == resource.RLIM_INFINITY or at_once <= hard - OWN_FILES:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (at_once + OWN_FILES, hard))
+        return
+    limit = hard
     raise ValueError(
         f"{flag}: {at_once:,} requests at once would each hold a connection, and this process "
-        f"may open {limit:,} files (ulimit -n), {OWN_FILES} of them for itself; lower it, or "
+        f"may open {limit:,} files (ulimit -Hn), {OWN_FILES} of them for itself; lower it, or "
         "raise the limit (or share the load among several bench processes)"
     )
 
