@@ -348,8 +348,7 @@ class Follower:
                 lag = self.cursor.lag_bytes()
                 if self.overflow or lag > self.lag_limit:
                     raise self._behind()
-                if self.lag_limit == NOT_SENDING_YET:  # its first write: the backlog it starts with
-                    self.lag_limit = lag + self.policy.slow_client_bytes
+                self._allow(lag)  # at its first write: the backlog it starts with
                 # Several events in one write: fewer syscalls for a replay.
                 batch = entries[start : index + 1]
                 final = last and index == len(entries) - 1
