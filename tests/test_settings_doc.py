@@ -187,3 +187,11 @@ def test_an_engine_option_is_refused_for_another_engine_by_its_declaration() -> 
         given = [row.flag] if row.switch else [row.flag, a_value(row)[0]]
         with pytest.raises(ValueError, match=f"{row.flag} is an option of the"):
             engine_options.check_options(args_of("--engine", other, *given), other)
+
+
+def test_the_engine_flags_help_names_every_engine_it_accepts() -> None:
+    engine = next(row for row in ROWS if row.flag == "--engine")
+    for kind in engine_options.KINDS:
+        assert kind in engine.help, kind
+        assert f"`{kind}" in engine.accepts, kind
+    assert "round robin" not in engine.help  # routing is least outstanding, not round robin

@@ -70,12 +70,16 @@ SERVER = Group(
         Setting("--parent-pid", "", positive_int, hidden=True),
         Setting(
             "--engine",
-            "tiny (default): the built-in transformer; simulated: the lab's seeded word "
-            "generator; hf:PATH: a local Hugging Face causal LM; upstream:URL[=WEIGHT]: relay "
-            "an OpenAI-compatible server (repeatable: weighted round robin)",
+            "smollm2 (the default when its package is installed, else tiny): SmolLM2-135M-"
+            "Instruct on the built-in transformer; tiny: the built-in transformer's own small "
+            "model; gguf:PATH: a GGUF file on it; simulated: the lab's seeded word generator; "
+            "hf:PATH: a local Hugging Face causal LM; upstream:URL[=WEIGHT]: relay an "
+            "OpenAI-compatible server (repeatable: the least busy per unit of weight first; "
+            "upstream alone: the upstreams of --upstream-routes)",
             repeatable=True,
             metavar="ENGINE",
-            accepts="`tiny`, `simulated`, `hf:PATH` or `upstream:URL[=WEIGHT]`",
+            accepts="`smollm2`, `tiny`, `gguf:PATH`, `simulated`, `hf:PATH`, "
+            "`upstream:URL[=WEIGHT]` or `upstream`",
         ),
         Setting(
             "--log-level",
