@@ -104,10 +104,13 @@ async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path
     assert error["code"] == "generator_lost" and "gone" in error["message"]
     assert failed_event["response"]["status"] == "failed"
     assert failed_event["response"]["error"]["code"] == "generator_lost"
-    # A whole response object, with the settings it opened with (its output is read whole
-    # with a GET: the reader decided this alone).
+    # A whole response object, with the settings it opened with and the output the stream
+    # told: what a GET tells of the response its producer left.
     told = failed_event["response"]
-    assert set(told) == set(failed) and told["output"] == []
+    assert set(told) == set(failed) and told["output"] == failed["output"]
+    text = "".join(json.loads(e.data)["delta"] for e in events if e.type.endswith("text.delta"))
+    assert told["output"][0]["content"][0]["text"] == text
+    assert told["output"][0]["status"] == "incomplete"
     assert {k: told[k] for k in ("id", "model", "created_at")} == {
         k: failed[k] for k in ("id", "model", "created_at")
     }

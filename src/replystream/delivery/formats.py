@@ -21,22 +21,35 @@ event and never with the dialect's end marker.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any, Protocol
 
 from replystream.delivery.moderation import Violation
+from replystream.delivery.replay import LogEntry
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 from replystream.sse import encode_comment, encode_data
 
 KEEPALIVE = encode_comment("keep-alive")
 
 Spec = tuple[str | None, str]  # (event type, None meaning "message"; data)
-# A dialect's own spelling of what a reader decides and the log never holds (an ``error``,
-# a ``gap``): the event and its data, and the number of the last event sent, in; the
-# events to send instead, out.
-Notices = Callable[[str, str, int], list[tuple[str, str]]]
+
+
+class Notices(Protocol):
+    """A dialect's own spelling of what a reader decides and the log never holds (an
+    ``error``, a ``gap``). It sees every entry its reader writes, so what it says can repeat
+    what the client was sent (a Responses stream's ``response.failed`` carries the output)."""
+
+    def sent(self, entries: Sequence[LogEntry]) -> None:
+        """Entries going to the socket now (a write that begins is not taken back: its
+        bytes are in the socket's buffer before it waits to drain)."""
+        ...
+
+    def __call__(self, event: str, data: str, after: int) -> list[tuple[str, str]]:
+        """The events to send for the reader's ``event`` and its data, after event
+        ``after`` (the reader's place in the log)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,8 @@ class FrameTransport(Protocol):
     """One client connection as a follower writes to it, in the connection's own framing."""
 
     def encode(self, entries: Sequence[LogEntry]) -> bytes:
-        """The wire bytes of log entries (SSE events, WebSocket messages)."""
+        """The wire bytes of log entries (SSE events, WebSocket messages), asked for only
+        to write them at once."""
         ...
 
     def notice(self, event: str, data: str, after: int) -> bytes:

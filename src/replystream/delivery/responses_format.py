@@ -38,11 +38,11 @@ about sockets, tasks or stores.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from replystream.delivery.formats import Notices, Spec, Usage, json_string, moderated_payload
+from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 from replystream.delivery.reply_content import Thought, Thoughts, in_order
@@ -461,14 +461,11 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
             return response
     created: dict[str, Any] | None = None
     started = False
-    items: dict[str, dict[str, Any]] = {}  # output items so far, by item id, in order
     for entry in entries:
         if entry.event == "response.created":
             created = json.loads(entry.data)["response"]
         elif entry.event == "response.in_progress":
             started = True
-        elif entry.event in ITEM_EVENTS:
-            _follow_item(items, entry.event, json.loads(entry.data))
     if created is None:
         return None
     status = "in_progress" if started else created["status"]
@@ -478,10 +475,7 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
         status = "failed"
     created["status"] = status
     if started:
-        for item in items.values():
-            if item["status"] == "in_progress":  # the open item, a call's too: cut if failed
-                item["status"] = "in_progress" if status == "in_progress" else "incomplete"
-        created["output"] = list(items.values())
+        created["output"] = output_from_log(entries, cut=status != "in_progress")
     return created
 
 
@@ -496,13 +490,32 @@ ITEM_EVENTS = frozenset(
 )
 
 
+def output_from_log(entries: Iterable[LogEntry], *, cut: bool) -> list[dict[str, Any]]:
+    """The output items (thinking, messages, function calls) that logged events tell, in
+    order. ``cut``: the response ended without closing its open item, which is then
+    ``incomplete`` (a call's too), as the producer's own ending would have made it."""
+    items: dict[str, dict[str, Any]] = {}  # by item id, in order
+    for entry in entries:
+        if entry.event in ITEM_EVENTS:
+            _follow_item(items, entry.event, json.loads(entry.data))
+    if cut:
+        for item in items.values():
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+    return list(items.values())
+
+
 def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
-    """An output item (thinking, a message or a function call) as its logged events tell it
-    so far."""
+    """An output item as its logged events tell it so far (a piece of an item whose opening
+    is not among them, read from after it, is left out)."""
     if event in ("response.output_text.delta", "response.reasoning_text.delta"):
-        items[payload["item_id"]]["content"][0]["text"] += payload["delta"]
+        item = items.get(payload["item_id"])
+        if item is not None:
+            item["content"][0]["text"] += payload["delta"]
     elif event == "response.function_call_arguments.delta":
-        items[payload["item_id"]]["arguments"] += payload["delta"]
+        item = items.get(payload["item_id"])
+        if item is not None:
+            item["arguments"] += payload["delta"]
     else:
         item = dict(payload["item"])
         if item["type"] == "message" and not item["content"]:  # added: its text comes next
@@ -521,25 +534,43 @@ def opened_object(first: LogEntry) -> dict[str, Any] | None:
     return opened
 
 
-def reader_notices(reply_id: str, opened: dict[str, Any] | None) -> Notices:
+class ReaderNotices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
     producer, a store that cannot be reached): an ``error`` event in OpenAI's shape, then
-    ``response.failed``, numbered on from the last event sent (they are not in the log).
-    Its object is the response as it opened (``opened``: its settings, as
-    ``response.created`` carried them; None if that event is gone), failed, with no output:
-    the reader decided it alone, and what the response holds is read with a ``GET``."""
+    ``response.failed``, numbered on from the last event written (they are not in the log).
+    Its object is the response as it opened (its settings, as ``response.created`` carried
+    them), failed, with the output items this stream has told its client (the open one
+    cut: ``incomplete``), so a client that puts the response together from the events has
+    what the failure says. A reader that resumed starts from the entries before its place
+    (``told``)."""
 
-    def notices(event: str, data: str, after: int) -> list[tuple[str, str]]:
+    __slots__ = ("_opened", "_reply_id", "_told")
+
+    def __init__(
+        self, reply_id: str, opened: dict[str, Any] | None, told: Sequence[LogEntry] = ()
+    ) -> None:
+        self._reply_id = reply_id
+        self._opened = opened  # None: its ``response.created`` is gone from the log
+        # References to entries the log holds anyway; read only if the reader decides.
+        self._told = list(told)
+
+    def sent(self, entries: Sequence[LogEntry]) -> None:
+        self._told += entries
+
+    def __call__(self, event: str, data: str, after: int) -> list[tuple[str, str]]:
         if event != "error":
             return [(event, data)]
+        if self._told:  # a write that did not drain is sent all the same, before these
+            after = max(after, self._told[-1].seq)
         error = json.loads(data)["error"]
         code, message = error["code"], error["message"]
+        opened = self._opened or {"id": response_id(self._reply_id), "object": "response"}
         failed = {
-            **(opened or {"id": response_id(reply_id), "object": "response"}),
+            **opened,
             "status": "failed",
             "error": {"code": code, "message": message},
             "incomplete_details": None,
-            "output": [],
+            "output": output_from_log(self._told, cut=True),
             "usage": None,
         }
         error_event = {
@@ -551,5 +582,3 @@ def reader_notices(reply_id: str, opened: dict[str, Any] | None) -> Notices:
         }
         failed_event = {"type": "response.failed", "sequence_number": after + 2, "response": failed}
         return [("error", _dumps(error_event)), ("response.failed", _dumps(failed_event))]
-
-    return notices

@@ -31,13 +31,13 @@ from aiohttp import web
 from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import ReadResult, ReplayStore, StoreUnavailable
+from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
 from replystream.delivery.responses_format import (
     TERMINAL,
+    ReaderNotices,
     ResponseSettings,
     ResponsesStreamFormat,
     opened_object,
-    reader_notices,
     reply_id_of,
     response_from_log,
     response_object,
@@ -152,6 +152,20 @@ async def _read_log(store: ReplayStore, reply_id: str) -> ReadResult | None:
         entries += result.entries
         lost = lost or result.lost
     return ReadResult(entries, lost, result.ending, result.producer_lost)
+
+
+async def _entries_until(store: ReplayStore, reply_id: str, after: int) -> list[LogEntry]:
+    """The log's entries up to event ``after``: what a client resuming after it was told."""
+    entries: list[LogEntry] = []
+    try:
+        while not entries or entries[-1].seq < after:
+            result = await store.read(reply_id, entries[-1].seq if entries else 0, 0.0)
+            if result is None or not result.entries:
+                break
+            entries += result.entries
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    return [entry for entry in entries if entry.seq <= after]
 
 
 async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
@@ -319,7 +333,7 @@ def _follow(
     request: web.Request, reply: Reply, policy: DeliveryPolicy, settings: ResponseSettings
 ) -> web.StreamResponse:
     opened = response_object(settings, reply.reply_id, "in_progress")
-    notices = reader_notices(reply.reply_id, opened)
+    notices = ReaderNotices(reply.reply_id, opened)
     return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE, notices=notices)
 
 
@@ -412,6 +426,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             param=param,
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
+    told = await _entries_until(store, reply_id, after) if after > 0 else []
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request,
@@ -421,7 +436,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
         reply=local,
         after=after,
         keepalive=SDK_KEEPALIVE,
-        notices=reader_notices(reply_id, opened),
+        notices=ReaderNotices(reply_id, opened, told),
     )
 
 

@@ -98,6 +98,8 @@ class SSETransport(SocketRoom):
         self._body_ended = False  # the body's last chunk is written: nothing may follow it
 
     def encode(self, entries: Sequence[LogEntry]) -> bytes:
+        if self._notices is not None:
+            self._notices.sent(entries)  # encoded only to be written at once
         numbered = self._numbered
         if len(entries) == 1:
             return sse_event(entries[0], numbered)

@@ -1,0 +1,118 @@
+"""A Responses stream ended by its reader (a slow client cut), read with the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import openai
+
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
+from tests.conftest import fast_engine, wait_for
+from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
+
+
+def assembled_output(events: list[Any]) -> list[dict[str, Any]]:
+    """The output items as a client puts them together from the events it read."""
+    items: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if event.type in ("response.output_item.added", "response.output_item.done"):
+            items[event.output_index] = event.item.model_dump(exclude_none=True)
+        elif event.type == "response.output_text.delta":
+            item = items[event.output_index]
+            if not item["content"]:
+                item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+            item["content"][0]["text"] += event.delta
+    return [items[index] for index in sorted(items)]
+
+
+async def test_a_slow_client_cut_fails_the_response_with_the_output_it_was_sent(caplog):
+    # The reader decides this failure alone; its response.failed still carries every output
+    # item the stream had sent (the open one cut: incomplete), numbered on after them.
+    caplog.set_level(logging.INFO, logger="replystream.follower")
+    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
+    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
+    app = create_app(engine, ServerConfig(policy=policy))
+    app.on_response_prepare.append(small_send_buffer)
+    release = asyncio.Event()
+    async with running(app) as url:
+        async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:
+            client = openai.AsyncOpenAI(base_url=f"{proxied}/v1", api_key="-", max_retries=0)
+            async with client:
+
+                async def read() -> list[Any]:
+                    manager = client.responses.stream(model="simulated", input="x")
+                    async with manager as stream:
+                        return [event async for event in stream]
+
+                reading = asyncio.ensure_future(read())
+                await wait_for(
+                    lambda: any("cut: socket" in r.getMessage() for r in caplog.records),
+                    timeout_s=30,
+                )
+                release.set()
+                async with asyncio.timeout(30):
+                    events = await reading
+    assert [event.type for event in events[-2:]] == ["error", "response.failed"]
+    failed = events[-1].response
+    assert (failed.status, failed.error.code) == ("failed", "slow_client")
+    assert [event.type for event in events].count("response.output_text.delta") >= 1
+    told = [item.model_dump(exclude_none=True) for item in failed.output]
+    sent = assembled_output(events)
+    assert [item["status"] for item in told] == ["incomplete"]
+    assert told[0]["content"][0]["text"] == sent[0]["content"][0]["text"]
+    assert {**sent[0], "status": "incomplete"} == told[0]
+    # Every event once, in order: the reader's own events follow the last one written.
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(1, len(events) + 1))
+
+
+async def test_a_resumed_reader_cut_fails_the_response_with_the_output_before_its_place_too(
+    caplog,
+):
+    # The client resumed after event 6 (its first text was told by an earlier connection):
+    # the failure carries the whole message so far, not only what this connection sent.
+    caplog.set_level(logging.INFO, logger="replystream.follower")
+    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
+    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
+    app = create_app(engine, ServerConfig(policy=policy))
+    app.on_response_prepare.append(small_send_buffer)
+    release = asyncio.Event()
+    async with running(app) as url, openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-") as direct:
+        queued = await direct.responses.create(model="simulated", input="x", background=True)
+        async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:
+            client = openai.AsyncOpenAI(base_url=f"{proxied}/v1", api_key="-", max_retries=0)
+            async with client:
+
+                async def read() -> list[Any]:
+                    stream = await client.responses.retrieve(
+                        queued.id, stream=True, starting_after=6
+                    )
+                    return [event async for event in stream]
+
+                reading = asyncio.ensure_future(read())
+                await wait_for(
+                    lambda: any("cut: socket" in r.getMessage() for r in caplog.records),
+                    timeout_s=30,
+                )
+                release.set()
+                async with asyncio.timeout(30):
+                    events = await reading
+        whole = [event async for event in await direct.responses.retrieve(queued.id, stream=True)]
+    assert [event.type for event in events[-2:]] == ["error", "response.failed"]
+    assert events[0].sequence_number == 7
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(7, 7 + len(events)))
+    told_upto = events[-3].sequence_number
+    text = "".join(
+        event.delta
+        for event in whole
+        if event.type == "response.output_text.delta" and event.sequence_number <= told_upto
+    )
+    assert any(e.type == "response.output_text.delta" and e.sequence_number <= 6 for e in whole)
+    failed = events[-1].response
+    assert [(item.type, item.status) for item in failed.output] == [("message", "incomplete")]
+    assert failed.output[0].content[0].text == text
