@@ -20,11 +20,9 @@ from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
-from replystream.delivery.responses_format import (
-    ResponseSettings,
-    ResponsesStreamFormat,
-    response_from_log,
-)
+from replystream.delivery.responses_format import ResponsesStreamFormat
+from replystream.delivery.responses_log import response_from_log
+from replystream.delivery.responses_objects import ResponseSettings
 from replystream.server.context import ServerConfig
 from tests.sse_client import post_events
 from tests.test_websocket import read_until_ended

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
-from replystream.delivery.responses_format import reply_id_of
+from replystream.delivery.responses_objects import reply_id_of
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from replystream.sse import EventParser

@@ -16,11 +16,9 @@ from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
-from replystream.delivery.responses_format import (
-    ResponseSettings,
-    ResponsesStreamFormat,
-    response_from_log,
-)
+from replystream.delivery.responses_format import ResponsesStreamFormat
+from replystream.delivery.responses_log import response_from_log
+from replystream.delivery.responses_objects import ResponseSettings
 from replystream.engine.base import Delta, GenerationRequest, ToolCallDelta
 from replystream.engine.reply_script import ScriptError, parse_reply_script
 from replystream.engine.upstream import request_body

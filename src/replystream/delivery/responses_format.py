@@ -29,7 +29,9 @@ frameworks) reads, byte for byte:
   ``response.content_part.done`` and ``response.output_item.done`` when text or a call
   comes. Its ``summary`` is empty and it has no ``encrypted_content``: the thinking is given
   as it came. The usage counts its tokens in ``output_tokens_details.reasoning_tokens``.
-- The same response whole, not streamed, is the object the terminal event carries.
+- The same response whole, not streamed, is the object the terminal event carries
+  (``responses_objects``); what its log tells of a response, and what a reader that ends
+  the stream alone says, is ``responses_log``'s.
 A format object serves one response: it numbers its events as the pipeline will (one per
 spec, from 1), and keeps the text so far, which the closing events repeat. It must not know
 about sockets, tasks or stores.
@@ -37,179 +39,25 @@ about sockets, tasks or stores.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
-from replystream.delivery.replay import LogEntry
-from replystream.delivery.reply_content import Thought, Thoughts, in_order
+from replystream.delivery.reply_content import Thought, Thoughts
+from replystream.delivery.responses_objects import (
+    ItemStatus,
+    ResponseSettings,
+    Status,
+    compact_json,
+    function_call_item,
+    message_id,
+    message_item,
+    reasoning_item,
+    response_object,
+)
 from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import TokenLogprob, ToolCallDelta
-
-Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
-# An output item's own status: the spec has no failed or cancelled item (OpenAI's
-# ``ResponseOutputMessage``, ``ResponseFunctionToolCall`` and ``ResponseReasoningItem``).
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
-
-
-def response_id(reply_id: str) -> str:
-    """The Responses id of a reply: ``resp_<reply id>``."""
-    return "resp_" + reply_id
-
-
-def reply_id_of(response: str) -> str | None:
-    """The reply id inside a Responses id, or None for an id not of this form."""
-    return response.removeprefix("resp_") if response.startswith("resp_") else None
-
-
-def _dumps(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, separators=(",", ":"))
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseSettings:
-    """What a response object repeats of its request."""
-
-    model: str
-    created_at: int
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    metadata: dict[str, str] | None = None
-    previous_response_id: str | None = None
-    store: bool = True
-    background: bool = False
-    tools: tuple[dict[str, Any], ...] = ()  # the function tools offered, as the request gave them
-    tool_choice: str | dict[str, Any] = "none"
-    parallel_tool_calls: bool = True
-    # The request's ``reasoning``, repeated as OpenAI's response object does.
-    reasoning: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
-    verbosity: str | None = None  # the request's ``text.verbosity``, repeated in ``text``
-
-
-def last_item_status(status: Status) -> ItemStatus:
-    """The status of the output item open when a response reaches ``status``: its last one
-    (every item before it was closed, completed, when the next one began). Cut short by the
-    token limit, a check, a failure or a cancel, it is ``incomplete``."""
-    if status in ("queued", "in_progress"):
-        return "in_progress"
-    return "completed" if status == "completed" else "incomplete"
-
-
-def response_object(
-    settings: ResponseSettings,
-    reply_id: str,
-    status: Status,
-    *,
-    text: str | None = None,
-    usage: Usage | None = None,
-    incomplete_reason: str | None = None,
-    error: dict[str, str] | None = None,
-    tool_calls: tuple[ToolCall, ...] = (),
-    thoughts: tuple[Thought, ...] = (),
-) -> dict[str, Any]:
-    """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it: its
-    output the thinking (reasoning items), text (message items) and calls in the order they
-    came."""
-    output: list[dict[str, Any]] = []
-    pieces = [] if text is None else in_order(text, tool_calls, thoughts)
-    for index, piece in enumerate(pieces):
-        # As the streamed ``response.output_item.done`` events said of each item.
-        item_status = last_item_status(status) if index == len(pieces) - 1 else "completed"
-        if isinstance(piece, str):
-            output.append(message_item(reply_id, len(output), piece, item_status))
-        elif isinstance(piece, Thought):
-            output.append(reasoning_item(reply_id, len(output), piece.text, item_status))
-        else:
-            output.append(function_call_item(reply_id, piece, item_status))
-    return {
-        "id": response_id(reply_id),
-        "object": "response",
-        "created_at": settings.created_at,
-        "status": status,
-        "background": settings.background,
-        "error": error,
-        "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
-        "instructions": settings.instructions,
-        "max_output_tokens": settings.max_output_tokens,
-        "model": settings.model,
-        "output": output,
-        "parallel_tool_calls": settings.parallel_tool_calls,
-        "previous_response_id": settings.previous_response_id,
-        "reasoning": settings.reasoning,
-        "store": settings.store,
-        "temperature": settings.temperature,
-        "text": _text_settings(settings),
-        "tool_choice": settings.tool_choice,
-        "tools": list(settings.tools),
-        "top_p": settings.top_p,
-        "truncation": "disabled",
-        "usage": None if usage is None else usage_object(usage),
-        "metadata": settings.metadata or {},
-    }
-
-
-def _text_settings(settings: ResponseSettings) -> dict[str, Any]:
-    text: dict[str, Any] = {"format": {"type": "text"}}
-    if settings.verbosity is not None:
-        text["verbosity"] = settings.verbosity
-    return text
-
-
-def message_id(reply_id: str, output_index: int) -> str:
-    """The item id of the message at ``output_index``: ``msg_<reply id>`` first in the
-    output, ``msg_<reply id>_<output index>`` after a call."""
-    return f"msg_{reply_id}" if not output_index else f"msg_{reply_id}_{output_index}"
-
-
-def message_item(reply_id: str, output_index: int, text: str, status: ItemStatus) -> dict[str, Any]:
-    """A ``message`` output item of ``text``."""
-    return {
-        "type": "message",
-        "id": message_id(reply_id, output_index),
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
-
-
-def reasoning_item(
-    reply_id: str, output_index: int, text: str, status: ItemStatus
-) -> dict[str, Any]:
-    """A ``reasoning`` output item of thinking ``text``, given as it came (no summary)."""
-    return {
-        "type": "reasoning",
-        "id": f"rs_{reply_id}_{output_index}",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-        "status": status,
-    }
-
-
-def function_call_item(reply_id: str, call: ToolCall, status: ItemStatus) -> dict[str, Any]:
-    """A ``function_call`` output item (its item id is ours; ``call_id`` is the call's)."""
-    return {
-        "type": "function_call",
-        "id": f"fc_{reply_id}_{call.index}",
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": status,
-    }
-
-
-def usage_object(usage: Usage) -> dict[str, Any]:
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-    }
 
 
 @dataclass(slots=True)
@@ -233,7 +81,7 @@ class ResponsesStreamFormat:
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
         self._next += 1
-        return kind, _dumps({"type": kind, "sequence_number": number, **payload})
+        return kind, compact_json({"type": kind, "sequence_number": number, **payload})
 
     def _response(self, status: Status, **details: Any) -> dict[str, Any]:
         text = "".join(self._text)
@@ -446,139 +294,3 @@ class ResponsesStreamFormat:
             *self._close_open("incomplete"),
             self._event("response.incomplete", {"response": response}),
         ]
-
-
-TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
-
-
-def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> dict[str, Any] | None:
-    """A response object as its log tells it so far: the terminal event's when it has ended;
-    else the one ``response.created`` carried, with the text so far (``failed``, naming the
-    lost generator, when the producing replica is gone). None: not a response's log."""
-    for entry in reversed(entries):
-        if entry.event in TERMINAL:
-            response: dict[str, Any] = json.loads(entry.data)["response"]
-            return response
-    created: dict[str, Any] | None = None
-    started = False
-    for entry in entries:
-        if entry.event == "response.created":
-            created = json.loads(entry.data)["response"]
-        elif entry.event == "response.in_progress":
-            started = True
-    if created is None:
-        return None
-    status = "in_progress" if started else created["status"]
-    if producer_lost:
-        message = "the replica generating this response is gone"
-        created["error"] = {"code": "generator_lost", "message": message}
-        status = "failed"
-    created["status"] = status
-    if started:
-        created["output"] = output_from_log(entries, cut=status != "in_progress")
-    return created
-
-
-ITEM_EVENTS = frozenset(
-    {
-        "response.output_item.added",
-        "response.output_text.delta",
-        "response.reasoning_text.delta",
-        "response.function_call_arguments.delta",
-        "response.output_item.done",
-    }
-)
-
-
-def output_from_log(entries: Iterable[LogEntry], *, cut: bool) -> list[dict[str, Any]]:
-    """The output items (thinking, messages, function calls) that logged events tell, in
-    order. ``cut``: the response ended without closing its open item, which is then
-    ``incomplete`` (a call's too), as the producer's own ending would have made it."""
-    items: dict[str, dict[str, Any]] = {}  # by item id, in order
-    for entry in entries:
-        if entry.event in ITEM_EVENTS:
-            _follow_item(items, entry.event, json.loads(entry.data))
-    if cut:
-        for item in items.values():
-            if item["status"] == "in_progress":
-                item["status"] = "incomplete"
-    return list(items.values())
-
-
-def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
-    """An output item as its logged events tell it so far (a piece of an item whose opening
-    is not among them, read from after it, is left out)."""
-    if event in ("response.output_text.delta", "response.reasoning_text.delta"):
-        item = items.get(payload["item_id"])
-        if item is not None:
-            item["content"][0]["text"] += payload["delta"]
-    elif event == "response.function_call_arguments.delta":
-        item = items.get(payload["item_id"])
-        if item is not None:
-            item["arguments"] += payload["delta"]
-    else:
-        item = dict(payload["item"])
-        if item["type"] == "message" and not item["content"]:  # added: its text comes next
-            item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
-        elif item["type"] == "reasoning" and not item["content"]:
-            item["content"] = [{"type": "reasoning_text", "text": ""}]
-        items[item["id"]] = item
-
-
-def opened_object(first: LogEntry) -> dict[str, Any] | None:
-    """The response object a response's first logged event carried, if that event is its
-    ``response.created`` (None: trimmed, or another event)."""
-    if first.event != "response.created":
-        return None
-    opened: dict[str, Any] = json.loads(first.data)["response"]
-    return opened
-
-
-class ReaderNotices:
-    """How a Responses stream spells what its reader decides (a slow client, a lost
-    producer, a store that cannot be reached): an ``error`` event in OpenAI's shape, then
-    ``response.failed``, numbered on from the last event written (they are not in the log).
-    Its object is the response as it opened (its settings, as ``response.created`` carried
-    them), failed, with the output items this stream has told its client (the open one
-    cut: ``incomplete``), so a client that puts the response together from the events has
-    what the failure says. A reader that resumed starts from the entries before its place
-    (``told``)."""
-
-    __slots__ = ("_opened", "_reply_id", "_told")
-
-    def __init__(
-        self, reply_id: str, opened: dict[str, Any] | None, told: Sequence[LogEntry] = ()
-    ) -> None:
-        self._reply_id = reply_id
-        self._opened = opened  # None: its ``response.created`` is gone from the log
-        # References to entries the log holds anyway; read only if the reader decides.
-        self._told = list(told)
-
-    def sent(self, entries: Sequence[LogEntry]) -> None:
-        self._told += entries
-
-    def __call__(self, event: str, data: str, after: int) -> list[tuple[str, str]]:
-        if event != "error":
-            return [(event, data)]
-        if self._told:  # a write that did not drain is sent all the same, before these
-            after = max(after, self._told[-1].seq)
-        error = json.loads(data)["error"]
-        code, message = error["code"], error["message"]
-        opened = self._opened or {"id": response_id(self._reply_id), "object": "response"}
-        failed = {
-            **opened,
-            "status": "failed",
-            "error": {"code": code, "message": message},
-            "incomplete_details": None,
-            "output": output_from_log(self._told, cut=True),
-            "usage": None,
-        }
-        error_event = {
-            "type": "error",
-            "sequence_number": after + 1,
-            "code": code,
-            "message": message,
-            "param": None,
-        }
-        failed_event = {"type": "response.failed", "sequence_number": after + 2, "response": failed}
-        return [("error", _dumps(error_event)), ("response.failed", _dumps(failed_event))]

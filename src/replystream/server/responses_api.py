@@ -32,16 +32,14 @@ from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
-from replystream.delivery.responses_format import (
+from replystream.delivery.responses_format import ResponsesStreamFormat
+from replystream.delivery.responses_log import (
     TERMINAL,
     ReaderNotices,
-    ResponseSettings,
-    ResponsesStreamFormat,
     opened_object,
-    reply_id_of,
     response_from_log,
-    response_object,
 )
+from replystream.delivery.responses_objects import ResponseSettings, reply_id_of, response_object
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
 from replystream.server.buffered import Whole

@@ -1,0 +1,157 @@
+"""A response as its log tells it: the object ``GET /v1/responses/{id}`` answers, and what a
+reader says when it ends a stream alone.
+
+A response's log holds the events its stream sent (``responses_format``). This file reads
+them back: the terminal event's object once the response has ended; before that, the object
+``response.created`` carried with the output items the events so far tell. A reader that
+ends a stream on its own (a slow client, a lost producer, a store out of reach) says so with
+events that are not in the log, whose ``response.failed`` carries the output that reader
+told its client. It must not know about sockets, tasks or which store keeps the log.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from replystream.delivery.replay import LogEntry
+from replystream.delivery.responses_objects import compact_json, response_id
+
+TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> dict[str, Any] | None:
+    """A response object as its log tells it so far: the terminal event's when it has ended;
+    else the one ``response.created`` carried, with the text so far (``failed``, naming the
+    lost generator, when the producing replica is gone). None: not a response's log."""
+    for entry in reversed(entries):
+        if entry.event in TERMINAL:
+            response: dict[str, Any] = json.loads(entry.data)["response"]
+            return response
+    created: dict[str, Any] | None = None
+    started = False
+    for entry in entries:
+        if entry.event == "response.created":
+            created = json.loads(entry.data)["response"]
+        elif entry.event == "response.in_progress":
+            started = True
+    if created is None:
+        return None
+    status = "in_progress" if started else created["status"]
+    if producer_lost:
+        message = "the replica generating this response is gone"
+        created["error"] = {"code": "generator_lost", "message": message}
+        status = "failed"
+    created["status"] = status
+    if started:
+        created["output"] = output_from_log(entries, cut=status != "in_progress")
+    return created
+
+
+ITEM_EVENTS = frozenset(
+    {
+        "response.output_item.added",
+        "response.output_text.delta",
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+        "response.output_item.done",
+    }
+)
+
+
+def output_from_log(entries: Iterable[LogEntry], *, cut: bool) -> list[dict[str, Any]]:
+    """The output items (thinking, messages, function calls) that logged events tell, in
+    order. ``cut``: the response ended without closing its open item, which is then
+    ``incomplete`` (a call's too), as the producer's own ending would have made it."""
+    items: dict[str, dict[str, Any]] = {}  # by item id, in order
+    for entry in entries:
+        if entry.event in ITEM_EVENTS:
+            _follow_item(items, entry.event, json.loads(entry.data))
+    if cut:
+        for item in items.values():
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+    return list(items.values())
+
+
+def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str, Any]) -> None:
+    """An output item as its logged events tell it so far (a piece of an item whose opening
+    is not among them, read from after it, is left out)."""
+    if event in ("response.output_text.delta", "response.reasoning_text.delta"):
+        item = items.get(payload["item_id"])
+        if item is not None:
+            item["content"][0]["text"] += payload["delta"]
+    elif event == "response.function_call_arguments.delta":
+        item = items.get(payload["item_id"])
+        if item is not None:
+            item["arguments"] += payload["delta"]
+    else:
+        item = dict(payload["item"])
+        if item["type"] == "message" and not item["content"]:  # added: its text comes next
+            item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+        elif item["type"] == "reasoning" and not item["content"]:
+            item["content"] = [{"type": "reasoning_text", "text": ""}]
+        items[item["id"]] = item
+
+
+def opened_object(first: LogEntry) -> dict[str, Any] | None:
+    """The response object a response's first logged event carried, if that event is its
+    ``response.created`` (None: trimmed, or another event)."""
+    if first.event != "response.created":
+        return None
+    opened: dict[str, Any] = json.loads(first.data)["response"]
+    return opened
+
+
+class ReaderNotices:
+    """How a Responses stream spells what its reader decides (a slow client, a lost
+    producer, a store that cannot be reached): an ``error`` event in OpenAI's shape, then
+    ``response.failed``, numbered on from the last event written (they are not in the log).
+    Its object is the response as it opened (its settings, as ``response.created`` carried
+    them), failed, with the output items this stream has told its client (the open one
+    cut: ``incomplete``), so a client that puts the response together from the events has
+    what the failure says. A reader that resumed starts from the entries before its place
+    (``told``)."""
+
+    __slots__ = ("_opened", "_reply_id", "_told")
+
+    def __init__(
+        self, reply_id: str, opened: dict[str, Any] | None, told: Sequence[LogEntry] = ()
+    ) -> None:
+        self._reply_id = reply_id
+        self._opened = opened  # None: its ``response.created`` is gone from the log
+        # References to entries the log holds anyway; read only if the reader decides.
+        self._told = list(told)
+
+    def sent(self, entries: Sequence[LogEntry]) -> None:
+        self._told += entries
+
+    def __call__(self, event: str, data: str, after: int) -> list[tuple[str, str]]:
+        if event != "error":
+            return [(event, data)]
+        if self._told:  # a write that did not drain is sent all the same, before these
+            after = max(after, self._told[-1].seq)
+        error = json.loads(data)["error"]
+        code, message = error["code"], error["message"]
+        opened = self._opened or {"id": response_id(self._reply_id), "object": "response"}
+        failed = {
+            **opened,
+            "status": "failed",
+            "error": {"code": code, "message": message},
+            "incomplete_details": None,
+            "output": output_from_log(self._told, cut=True),
+            "usage": None,
+        }
+        error_event = {
+            "type": "error",
+            "sequence_number": after + 1,
+            "code": code,
+            "message": message,
+            "param": None,
+        }
+        failed_event = {"type": "response.failed", "sequence_number": after + 2, "response": failed}
+        return [
+            ("error", compact_json(error_event)),
+            ("response.failed", compact_json(failed_event)),
+        ]

@@ -1,0 +1,182 @@
+"""The OpenAI Responses API's objects: a response, its output items and usage, and its id.
+
+This file decides the shape of the ``response`` object, byte for byte alike wherever it is
+told: the terminal event of a streamed response (``responses_format``), a response answered
+whole, ``GET /v1/responses/{id}`` and a reader's own ``response.failed`` (``responses_log``).
+Its output lists the thinking (``reasoning`` items), the text (``message`` items) and the
+function calls (``function_call`` items) in the order they came, each with the status its
+stream gave it. It must not know about events, sockets, tasks or stores.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from replystream.delivery.formats import Usage
+from replystream.delivery.reply_content import Thought, in_order
+from replystream.delivery.tool_calls import ToolCall
+
+Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+# An output item's own status: the spec has no failed or cancelled item (OpenAI's
+# ``ResponseOutputMessage``, ``ResponseFunctionToolCall`` and ``ResponseReasoningItem``).
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+def response_id(reply_id: str) -> str:
+    """The Responses id of a reply: ``resp_<reply id>``."""
+    return "resp_" + reply_id
+
+
+def reply_id_of(response: str) -> str | None:
+    """The reply id inside a Responses id, or None for an id not of this form."""
+    return response.removeprefix("resp_") if response.startswith("resp_") else None
+
+
+def compact_json(payload: dict[str, Any]) -> str:
+    """JSON without spaces, as every event and object of this API is written."""
+    return json.dumps(payload, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseSettings:
+    """What a response object repeats of its request."""
+
+    model: str
+    created_at: int
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    metadata: dict[str, str] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+    tools: tuple[dict[str, Any], ...] = ()  # the function tools offered, as the request gave them
+    tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True
+    # The request's ``reasoning``, repeated as OpenAI's response object does.
+    reasoning: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
+    verbosity: str | None = None  # the request's ``text.verbosity``, repeated in ``text``
+
+
+def last_item_status(status: Status) -> ItemStatus:
+    """The status of the output item open when a response reaches ``status``: its last one
+    (every item before it was closed, completed, when the next one began). Cut short by the
+    token limit, a check, a failure or a cancel, it is ``incomplete``."""
+    if status in ("queued", "in_progress"):
+        return "in_progress"
+    return "completed" if status == "completed" else "incomplete"
+
+
+def response_object(
+    settings: ResponseSettings,
+    reply_id: str,
+    status: Status,
+    *,
+    text: str | None = None,
+    usage: Usage | None = None,
+    incomplete_reason: str | None = None,
+    error: dict[str, str] | None = None,
+    tool_calls: tuple[ToolCall, ...] = (),
+    thoughts: tuple[Thought, ...] = (),
+) -> dict[str, Any]:
+    """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it: its
+    output the thinking (reasoning items), text (message items) and calls in the order they
+    came."""
+    output: list[dict[str, Any]] = []
+    pieces = [] if text is None else in_order(text, tool_calls, thoughts)
+    for index, piece in enumerate(pieces):
+        # As the streamed ``response.output_item.done`` events said of each item.
+        item_status = last_item_status(status) if index == len(pieces) - 1 else "completed"
+        if isinstance(piece, str):
+            output.append(message_item(reply_id, len(output), piece, item_status))
+        elif isinstance(piece, Thought):
+            output.append(reasoning_item(reply_id, len(output), piece.text, item_status))
+        else:
+            output.append(function_call_item(reply_id, piece, item_status))
+    return {
+        "id": response_id(reply_id),
+        "object": "response",
+        "created_at": settings.created_at,
+        "status": status,
+        "background": settings.background,
+        "error": error,
+        "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
+        "instructions": settings.instructions,
+        "max_output_tokens": settings.max_output_tokens,
+        "model": settings.model,
+        "output": output,
+        "parallel_tool_calls": settings.parallel_tool_calls,
+        "previous_response_id": settings.previous_response_id,
+        "reasoning": settings.reasoning,
+        "store": settings.store,
+        "temperature": settings.temperature,
+        "text": _text_settings(settings),
+        "tool_choice": settings.tool_choice,
+        "tools": list(settings.tools),
+        "top_p": settings.top_p,
+        "truncation": "disabled",
+        "usage": None if usage is None else usage_object(usage),
+        "metadata": settings.metadata or {},
+    }
+
+
+def _text_settings(settings: ResponseSettings) -> dict[str, Any]:
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    if settings.verbosity is not None:
+        text["verbosity"] = settings.verbosity
+    return text
+
+
+def message_id(reply_id: str, output_index: int) -> str:
+    """The item id of the message at ``output_index``: ``msg_<reply id>`` first in the
+    output, ``msg_<reply id>_<output index>`` after a call."""
+    return f"msg_{reply_id}" if not output_index else f"msg_{reply_id}_{output_index}"
+
+
+def message_item(reply_id: str, output_index: int, text: str, status: ItemStatus) -> dict[str, Any]:
+    """A ``message`` output item of ``text``."""
+    return {
+        "type": "message",
+        "id": message_id(reply_id, output_index),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def reasoning_item(
+    reply_id: str, output_index: int, text: str, status: ItemStatus
+) -> dict[str, Any]:
+    """A ``reasoning`` output item of thinking ``text``, given as it came (no summary)."""
+    return {
+        "type": "reasoning",
+        "id": f"rs_{reply_id}_{output_index}",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def function_call_item(reply_id: str, call: ToolCall, status: ItemStatus) -> dict[str, Any]:
+    """A ``function_call`` output item (its item id is ours; ``call_id`` is the call's)."""
+    return {
+        "type": "function_call",
+        "id": f"fc_{reply_id}_{call.index}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
