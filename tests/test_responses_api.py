@@ -174,6 +174,32 @@ async def test_the_item_a_failure_or_a_cancel_cuts_is_incomplete():
         assert statuses == [("message", "incomplete")]
 
 
+async def test_the_fields_agent_frameworks_send_by_default_are_taken():
+    # An empty include (what the openai Agents SDK sends when it wants nothing more), the
+    # one stream option this server honours, and the fields chat also ignores.
+    engine = fast_engine(reply_text=REPLY)
+    defaults: Any = {
+        "include": [],
+        "tools": [],
+        "service_tier": "auto",
+        "safety_identifier": "user-1",
+        "truncation": "disabled",
+    }
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.responses.create(model="simulated", input="x", **defaults)
+        stream = await client.responses.create(
+            model="simulated",
+            input="x",
+            stream=True,
+            stream_options={"include_obfuscation": False},
+            **defaults,
+        )
+        events = [event async for event in stream]
+    assert whole.status == "completed" and whole.output_text == REPLY + " "
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == whole.output_text
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -193,6 +219,15 @@ async def test_the_item_a_failure_or_a_cancel_cuts_is_incomplete():
         ({"input": "x", "truncation": "auto"}, 400, "truncation"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format.type"),
         ({"input": "x", "text": {"verbosity": "loud"}}, 400, "text.verbosity"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+        ({"input": "x", "include": "all"}, 400, "include"),
+        ({"input": "x", "stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
+        (
+            {"input": "x", "stream": True, "stream_options": {"include_obfuscation": True}},
+            400,
+            "stream_options.include_obfuscation",
+        ),
+        ({"input": "x", "stream": True, "stream_options": {"include_usage": True}}, 400, None),
     ],
 )
 async def test_what_is_not_honoured_is_refused_naming_the_field(body, status, param):

@@ -555,6 +555,15 @@ class ResponsesText(Strict):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ResponsesStreamOptions(Strict):
+    """``stream_options`` of ``POST /v1/responses``: as chat's, without ``include_usage``
+    (the terminal event always carries the usage)."""
+
+    include_obfuscation: (
+        Annotated[bool, only(False, "false; this server does not pad events")] | None
+    ) = None
+
+
 class ResponsesBody(Strict):
     """``POST /v1/responses``."""
 
@@ -562,6 +571,7 @@ class ResponsesBody(Strict):
     field_codes: ClassVar[Mapping[str, str]] = {
         "truncation": "unsupported_parameter",
         "text.format.type": "unsupported_parameter",
+        "include": "unsupported_parameter",
     }
 
     model: str | None = None
@@ -579,8 +589,17 @@ class ResponsesBody(Strict):
     tool_choice: ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    service_tier: str | None = None  # accepted and ignored, as on chat
+    safety_identifier: str | None = None  # accepted and ignored, as on chat
     prompt_cache_key: str | None = None
     reasoning: ResponsesReasoning | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    # What the output should carry besides itself (logprobs, encrypted reasoning, ...). This
+    # server adds none of it, so it takes the one value it honours: the empty list agent
+    # frameworks send when they want nothing more.
+    include: (
+        Annotated[list[str], only([], "empty; this server adds nothing to the output")] | None
+    ) = None
     text: ResponsesText | None = None
     # "auto" would let the server drop input from the middle to fit the context: this one
     # never drops input (a prompt too long is a 400), so it takes the one value it honours.
@@ -594,6 +613,12 @@ class ResponsesBody(Strict):
         if self.background and not self.store:
             message = "a background response must be stored (store: true) to be read later"
             raise invalid(message, "background")
+        return self
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> ResponsesBody:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream: true", "stream_options")
         return self
 
 
