@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 import aiohttp
 import anthropic
@@ -12,7 +14,8 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from replystream.sse import EventParser
-from tests.conftest import fast_engine
+from tests.conftest import fast_engine, wait_for
+from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
 
 REPLY = "one two three four five six seven eight nine ten"
 ASK = {
@@ -147,3 +150,37 @@ async def test_stop_sequences_and_top_k_are_a_reply_not_a_500():
         )
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "four")
     assert message.content[0].type == "text" and message.content[0].text == "one two three "
+
+
+async def test_a_slow_client_cut_is_anthropics_error_event(caplog):
+    # The reader decides this ending alone (it is not in the log): it is still spelt as the
+    # producer's errors are, Anthropic's error object with our code beside its type.
+    caplog.set_level(logging.INFO, logger="replystream.follower")
+    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
+    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
+    app = create_app(engine, ServerConfig(policy=policy))
+    app.on_response_prepare.append(small_send_buffer)
+    release = asyncio.Event()
+    async with running(app) as url:
+        async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:
+            async with sdk(proxied) as client:
+
+                async def read() -> list[str]:
+                    ask = {**ASK, "max_tokens": 1000}
+                    async with client.messages.stream(**ask) as stream:  # type: ignore[arg-type]
+                        return [event.type async for event in stream]
+
+                reading = asyncio.ensure_future(read())
+                await wait_for(
+                    lambda: any("cut: socket" in r.getMessage() for r in caplog.records),
+                    timeout_s=30,
+                )
+                release.set()
+                with pytest.raises(anthropic.APIStatusError) as raised:
+                    async with asyncio.timeout(30):
+                        await reading
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["type"] == "error"
+    assert (body["error"]["type"], body["error"]["code"]) == ("api_error", "slow_client")
+    assert "did not drain" in body["error"]["message"]

@@ -34,11 +34,13 @@ tasks or stores.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.delivery.replay import LogEntry
 from replystream.delivery.reply_content import Thought, in_order
 from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob, ToolCallDelta
@@ -99,6 +101,23 @@ def message_object(
 def error_object(message: str, code: str, kind: str = "api_error") -> dict[str, Any]:
     """Anthropic's error object (``type``, ``message``), with our code beside them."""
     return {"type": "error", "error": {"type": kind, "message": message, "code": code}}
+
+
+class ReaderNotices:
+    """How a message stream spells what its reader decides (a slow client, a lost producer,
+    a store that cannot be reached): an ``error`` event with Anthropic's error object, as
+    the producer's own errors are, so a client reads one shape whoever ended the stream."""
+
+    __slots__ = ()
+
+    def sent(self, entries: Sequence[LogEntry]) -> None:
+        pass  # what was sent changes nothing in an Anthropic error
+
+    def __call__(self, event: str, data: str, after: int) -> list[tuple[str, str]]:
+        if event != "error":
+            return [(event, data)]
+        error = json.loads(data)["error"]
+        return [("error", _dumps(error_object(error["message"], error["code"])))]
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from replystream.delivery.anthropic_format import (
     PING,
     STOP_REASONS,
     AnthropicStreamFormat,
+    ReaderNotices,
     message_object,
 )
 from replystream.delivery.formats import Usage, moderated_payload
@@ -108,7 +109,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         if refused.param == "parallel_tool_calls":  # an engine's refusal, in chat's words
             refused.param = "tool_choice.disable_parallel_tool_use"
         raise
-    return follow_started(request, reply, policy, keepalive=PING)
+    return follow_started(request, reply, policy, keepalive=PING, notices=ReaderNotices())
 
 
 async def _whole(
