@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import openai
@@ -12,7 +13,8 @@ from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
-from tests.conftest import fast_engine
+from tests.conftest import fast_engine, wait_for
+from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
 
 REPLY = "one two three four five six seven eight nine ten"
 MESSAGES: list[ChatCompletionMessageParam] = [
@@ -197,3 +199,48 @@ async def test_streamed_reply_is_named_for_resume_and_cancel():
         assert raw.count("data: ") == 4 and raw.rstrip().endswith("data: [DONE]")
         async with http.post(f"{url}/v1/chat/completions", json={**body, "stream": False}) as got:
             assert got.headers["X-Reply-Id"]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+async def test_a_slow_client_cut_is_the_same_error_object_as_an_engine_failure(route, caplog):
+    # The reader decides this ending alone (it is not in the log); the SDK's APIError still
+    # has the type and the code an engine failure's has.
+    caplog.set_level(logging.INFO, logger="replystream.follower")
+    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
+    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
+    app = create_app(engine, ServerConfig(policy=policy))
+    app.on_response_prepare.append(small_send_buffer)
+    release = asyncio.Event()
+    async with running(app) as url:
+        async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:
+            async with sdk(proxied) as client:
+
+                async def read() -> None:
+                    if route == "chat":
+                        chunks = await client.chat.completions.create(
+                            model="simulated", messages=MESSAGES, stream=True
+                        )
+                    else:
+                        chunks = await client.completions.create(  # type: ignore[assignment]
+                            model="simulated", prompt="count", max_tokens=1000, stream=True
+                        )
+                    async for _ in chunks:
+                        pass
+
+                reading = asyncio.ensure_future(read())
+                await wait_for(
+                    lambda: any("cut: socket" in r.getMessage() for r in caplog.records),
+                    timeout_s=30,
+                )
+                release.set()
+                with pytest.raises(openai.APIError) as raised:
+                    async with asyncio.timeout(30):
+                        await reading
+    error = raised.value
+    assert (error.type, error.code, error.param) == ("server_error", "slow_client", None)
+    assert error.body == {
+        "message": error.message,
+        "type": "server_error",
+        "param": None,
+        "code": "slow_client",
+    }

@@ -18,9 +18,10 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   (its first chunk has empty text), and no thinking and no tool calls (a reply that ended
   with calls finishes ``stop``, one of the three finish reasons that object has).
 - An error after the first byte is ``event: error`` with ``data: {"error": {"message",
-  "type", "param", "code"}}``: the OpenAI SDKs raise ``APIError`` on an ``error`` key in any
-  message, clients that read only ``data:`` lines see the same object, and replystream's own
-  clients see the event type. The stream then never ends with ``[DONE]``.
+  "type", "param", "code"}}`` (the reader's own endings too: ``ReaderNotices``): the OpenAI
+  SDKs raise ``APIError`` on an ``error`` key in any message, clients that read only
+  ``data:`` lines see the same object, and replystream's own clients see the event type.
+  The stream then never ends with ``[DONE]``.
 - A moderated reply ends like OpenAI's own filtered replies: a chunk with
   ``finish_reason: "content_filter"`` (plus a ``replystream_moderation`` object naming the
   check; OpenAI's own ``moderation`` field has another shape), then the usage chunk (when
@@ -41,12 +42,14 @@ every chunk repeats it. It must not know about sockets, tasks or stores.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any, Literal
 
 from replystream.delivery.formats import Spec, Usage, moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.delivery.replay import LogEntry
 from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob
 
@@ -115,6 +118,25 @@ def in_band_error(message: str, code: str) -> Spec:
     """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on."""
     error = {"message": message, "type": "server_error", "param": None, "code": code}
     return "error", _dumps({"error": error})
+
+
+class ReaderNotices:
+    """How a chat or completion stream spells what its reader decides (a slow client, a
+    lost producer, a store that cannot be reached): the error object the producer's own
+    errors have (``in_band_error``), so the SDK's ``APIError`` has its ``type`` and
+    ``param`` whoever ended the stream."""
+
+    __slots__ = ()
+
+    def sent(self, entries: Sequence[LogEntry]) -> None:
+        pass  # what was sent changes nothing in the error
+
+    def __call__(self, event: str, data: str, after: int) -> list[tuple[str, str]]:
+        if event != "error":
+            return [(event, data)]
+        error = json.loads(data)["error"]
+        kind, spelt = in_band_error(error["message"], error["code"])
+        return [(kind or "error", spelt)]
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from replystream.delivery.openai_formats import (
     MODERATION_FIELD,
     Kind,
     OpenAIStreamFormat,
+    ReaderNotices,
     completion_body,
     completion_choice,
 )
@@ -196,7 +197,7 @@ async def _complete(
         policy=policy,
         resumable=ask.resumable,
     )
-    return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE)
+    return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE, notices=ReaderNotices())
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
