@@ -130,6 +130,7 @@ async def test_keys_are_read_from_x_api_key_and_errors_are_the_sdks_own_classes(
         ({**ASK, "temperature": 1.5}, "temperature"),
         ({**ASK, "stop_sequences": [""]}, "stop_sequences[0]"),
         ({**ASK, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
+        ({**ASK, "service_tier": "priority"}, "service_tier"),
     ],
 )
 async def test_bad_requests_are_400s_in_anthropics_shape_naming_the_field(body, param):
@@ -184,3 +185,14 @@ async def test_a_slow_client_cut_is_anthropics_error_event(caplog):
     assert body["type"] == "error"
     assert (body["error"]["type"], body["error"]["code"]) == ("api_error", "slow_client")
     assert "did not drain" in body["error"]["message"]
+
+
+async def test_either_service_tier_is_served_by_the_one_capacity_there_is():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        for tier in ("auto", "standard_only"):
+            message = await client.messages.create(**ASK, service_tier=tier)  # type: ignore[call-overload]
+            async with client.messages.stream(**ASK, service_tier=tier) as stream:  # type: ignore[arg-type]
+                streamed = await stream.get_final_message()
+            assert message.stop_reason == streamed.stop_reason == "end_turn"
+            assert message.model_dump(exclude={"id"}) == streamed.model_dump(exclude={"id"})

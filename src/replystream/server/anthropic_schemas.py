@@ -204,6 +204,9 @@ class MessagesBody(Strict):
     tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
+    # Priority capacity, where it is offered, or the standard only: this server has one
+    # capacity, which is what either asks for.
+    service_tier: Literal["auto", "standard_only"] | None = None
     replystream: ResponsesExtensions | None = None
 
     @model_validator(mode="after")
