@@ -159,6 +159,11 @@ CASES: list[tuple[list[str], str]] = [
         "--kv-blocks is an option of the tiny",
     ),
     (["serve", "--spec-tokens", "3"], "add --speculative prompt-lookup, or drop --spec-tokens"),
+    # a default reply length no request could ask for (max_tokens is at most 2**20)
+    (
+        ["serve", "--engine", "tiny", "--port", "0", "--default-max-tokens", "1048577"],
+        "argument --default-max-tokens: want a whole number from 1 to 1048576, got 1048577",
+    ),
     (
         ["serve", "--engine", "simulated", "--delay-ms", "5"],
         "--jitter-ms 8 is more than --delay-ms 5",

@@ -56,8 +56,9 @@ TINY_ENGINE = Group(
         ),
         Setting(
             "--default-max-tokens",
-            "reply length when a request sets no max_tokens (tiny, hf; smollm2 and gguf: 512)",
-            positive_int,
+            "reply length when a request sets no max_tokens (tiny, hf; smollm2 and gguf: 512), "
+            "at most the largest max_tokens a request may ask",
+            int_between(1, MAX_TOKENS_LIMIT),
             fills=(TinyEngineConfig, "default_max_tokens"),
             engines=(*TINY, "hf"),
         ),
