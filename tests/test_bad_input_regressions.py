@@ -204,6 +204,29 @@ def test_a_setting_the_route_cannot_honour_is_refused_not_ignored(server: Logged
     assert server.request("GET", "/wait?resumable=0&max_tokens=2").status == 200
 
 
+def test_a_detached_reply_nobody_may_resume_is_refused_naming_disconnect(
+    server: LoggedServer,
+) -> None:
+    ask = {"prompt": "x", "resumable": False, "disconnect": "detach"}
+    answer = server.post_json_text("/v1/replies", json.dumps(ask))
+    assert "resumable" in refused(answer, 400, "invalid_value", "disconnect")
+    received = server.websocket([json.dumps({"type": "reply", "id": "d", **ask})])
+    (error,) = [m for m in received if m["id"] == "d"]
+    assert error["type"] == "error"
+    assert (error["data"]["error"]["code"], error["data"]["error"]["param"]) == (
+        "invalid_value",
+        "disconnect",
+    )
+    # The OpenAI routes have no disconnect policy of their own: the field is refused there.
+    for route, body in (
+        ("/v1/chat/completions", {"messages": USER}),
+        ("/v1/completions", {"prompt": "x"}),
+    ):
+        openai_ask = {**body, "stream": True, "resumable": True, "disconnect": "detach"}
+        answer = server.post_json_text(route, json.dumps(openai_ask))
+        refused(answer, 400, "unknown_parameter", "disconnect")
+
+
 MESSAGES_ASK = {"model": "simulated", "max_tokens": 3, "messages": USER}
 
 

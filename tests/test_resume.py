@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -132,6 +133,44 @@ async def test_detached_reply_keeps_generating_and_an_explicit_cancel_stops_it()
     assert body.rstrip().endswith(b'"code": "cancelled"}}')
 
 
+def events_of(body: bytes) -> list[tuple[str, str]]:
+    """(event name, data) of each event of an SSE body."""
+    events = []
+    for block in body.decode().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in fields:
+            events.append((fields.get("event", "message"), fields["data"]))
+    return events
+
+
+@pytest.mark.parametrize("route", ["http", "websocket"])
+async def test_a_detached_reply_is_resumable_without_saying_so(route: str):
+    """``disconnect: "detach"`` keeps the reply for its client to come back to: its whole log
+    is kept, after it ended too, and read back from the start without a gap."""
+    engine = fast_engine(delay_ms=3, jitter_ms=0)
+    async with running(create_app(engine)) as url:
+        expected = (await post_events(f"{url}/v1/replies", {"prompt": "x", "seed": 1})).text
+        ask = {"prompt": "x", "seed": 1, "disconnect": "detach"}
+        if route == "http":
+            response = await raw_request(f"{url}/v1/replies", "POST", json.dumps(ask).encode())
+            reply_id = response.headers["x-reply-id"]
+            await response.reader.readuntil(b'"text"')  # a token was sent, then the client left
+            await response.aclose()
+        else:
+            async with aiohttp.ClientSession() as http, http.ws_connect(f"{url}/v1/ws") as ws:
+                await ws.send_json({"type": "reply", "id": "d", **ask})
+                reply_id = (await ws.receive_json())["data"]["reply_id"]
+                assert (await ws.receive_json())["type"] == "token"
+        await wait_for(lambda: engine.stats().finished == 2)  # it went on to its end
+        resumed = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        body = await resumed.read_body()
+    assert resumed.status == 200, body
+    events = events_of(body)
+    names = [name for name, _ in events]
+    assert names[0] == "reply" and names[-1] == "done" and "gap" not in names
+    assert "".join(json.loads(data)["text"] for name, data in events if name == "token") == expected
+
+
 async def test_detached_reply_stops_when_nobody_comes_back_within_the_grace_period():
     engine = fast_engine(delay_ms=10, jitter_ms=0)
     app = create_app(engine, ServerConfig(detach_grace_s=0.2))
@@ -173,18 +212,17 @@ async def test_resume_of_an_expired_reply_fails_clearly():
 
 
 async def test_a_gap_with_nothing_logged_after_it_yet_is_sent_once():
-    # A reply nobody may resume that detaches: its reader's events are released as they are
-    # sent, so a reader coming back finds them gone, and nothing after them until the next
-    # token (300 ms away). It is told of the gap once, then waits for that token.
+    # A reply nobody may resume: its one reader's events are released as they are sent, so a
+    # second reader joining finds them gone, and nothing after them until the next token
+    # (300 ms away). It is told of the gap once, then waits for that token.
     engine = fast_engine(delay_ms=300, jitter_ms=0)
     async with running(create_app(engine)) as url:
-        first = await raw_request(
-            f"{url}/v1/replies", "POST", b'{"prompt": "x", "disconnect": "detach", "max_tokens": 2}'
-        )
+        first = await raw_request(f"{url}/v1/replies", "POST", b'{"prompt": "x", "max_tokens": 2}')
         reply_id = first.headers["x-reply-id"]
-        await first.aclose()
+        await first.reader.readuntil(b"\n\n")  # its first event was sent, and so released
         resumed = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
         body = await resumed.read_body()
+        await first.aclose()
     assert body.startswith(
         b'event: gap\ndata: {"lost_from": 1, "lost_to": 1}\n\nevent: token\nid: 2\n'
     )

@@ -5,7 +5,7 @@
     {"prompt": "..."}  or  {"messages": [{"role": "user", "content": "..."}, ...]}
     sampling:  max_tokens, temperature, top_p, top_k, seed, stop (a string or a list)
     delivery:  stream (default true), batch_tokens, batch_ms, holdback_tokens, keepalive_s
-    resume:    resumable (true/false), disconnect ("cancel" or "detach")
+    resume:    resumable (true/false), disconnect ("cancel" or "detach": resumable too)
     relay:     upstream_continue (true/false; default: serve's --upstream-continue)
 
 Each field's type and range, and the rules across fields, are declared in
@@ -112,4 +112,4 @@ def parse_reply_request(
     )
     policy = delivery_overrides(body, defaults)
     generation = replace(generation, reasoning=policy.shows_thinking)
-    return ReplyRequest(generation, body.stream, policy, body.resumable, body.disconnect)
+    return ReplyRequest(generation, body.stream, policy, body.resumable_asked, body.disconnect)

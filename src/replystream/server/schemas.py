@@ -278,6 +278,26 @@ class ReplyBody(SamplingFields):
             raise invalid(message, "disconnect")
         return self
 
+    @model_validator(mode="after")
+    def _detached_replies_are_resumable(self) -> ReplyBody:
+        # A detached reply goes on for its client to come back to: one nobody may resume
+        # would be generated for nobody (and its log dropped once it ended unread).
+        if self.disconnect == "detach" and self.resumable is False:
+            message = (
+                'disconnect "detach" keeps the reply for its client to resume, which '
+                "resumable: false forbids; drop one of them"
+            )
+            raise invalid(message, "disconnect")
+        return self
+
+    @property
+    def resumable_asked(self) -> bool | None:
+        """Whether the reply is resumable (None: the server's default): ``detach`` makes it
+        so, as ``resumable`` makes ``detach`` the default disconnect policy."""
+        if self.resumable is None and self.disconnect == "detach":
+            return True
+        return self.resumable
+
     @model_validator(mode="before")
     @classmethod
     def _one_prompt(cls, data: Any) -> Any:
