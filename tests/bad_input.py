@@ -91,15 +91,16 @@ class LoggedServer:
         method: str,
         target: str,
         body: bytes = b"",
-        headers: dict[str, str | bytes] | None = None,
+        headers: dict[str, str | bytes] | list[tuple[str, str | bytes]] | None = None,
     ) -> Answer:
-        """One request on its own connection; the whole response is read (a stream to its end)."""
+        """One request on its own connection; the whole response is read (a stream to its end).
+        ``headers`` as pairs may name a header twice."""
         host, port = self.host_port
         connection = http.client.HTTPConnection(host, port, timeout=30)
         try:
             connection.putrequest(method, target, skip_accept_encoding=True)
-            sent = {"Content-Length": str(len(body)), **(headers or {})}
-            for name, value in sent.items():
+            pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or [])
+            for name, value in [("Content-Length", str(len(body))), *pairs]:
                 connection.putheader(name, value)
             connection.endheaders(body or None)
             response = connection.getresponse()

@@ -127,6 +127,69 @@ def test_a_last_event_id_that_is_not_ascii_digits_is_a_400(
     refused(answer, 400, "invalid_value", "last_event_id")
 
 
+def started_reply(server: LoggedServer) -> str:
+    """The id of a resumable reply run to its end: reply, three tokens, usage, done (1-6)."""
+    started = server.post_json_text("/v1/replies", '{"prompt": "x", "resumable": true}')
+    return started.body.split(b'"reply_id": "')[1].split(b'"')[0].decode()
+
+
+def event_ids(body: bytes) -> list[int]:
+    return [int(line[4:]) for line in body.decode().splitlines() if line.startswith("id: ")]
+
+
+Headers = list[tuple[str, str | bytes]]
+
+
+@pytest.mark.parametrize(
+    ("query", "headers", "param"),
+    [
+        ("last_event_id=3&last_event_id=2", [], "last_event_id"),
+        ("last_event_id=3&last_event_id=3", [], "last_event_id"),
+        ("", [("Last-Event-ID", "3"), ("Last-Event-ID", "2")], "last_event_id"),
+        ("last_event_id=4", [("Last-Event-ID", "2")], "last_event_id"),
+    ],
+)
+def test_an_ambiguous_resume_point_is_a_400_naming_it(
+    server: LoggedServer, query: str, headers: Headers, param: str
+) -> None:
+    path = f"/v1/replies/{started_reply(server)}/stream?{query}"
+    refused(server.request("GET", path, headers=headers), 400, "invalid_value", param)
+
+
+@pytest.mark.parametrize(
+    ("query", "headers", "param"),
+    [
+        ("starting_after=3&starting_after=2", [], "starting_after"),
+        ("starting_after=2&last_event_id=3", [], "last_event_id"),
+        ("starting_after=4", [("Last-Event-ID", "2")], "starting_after"),
+        ("", [("Last-Event-ID", "3"), ("Last-Event-ID", "2")], "last_event_id"),
+        ("stream=true", [], "stream"),
+    ],
+)
+def test_an_ambiguous_responses_cursor_is_a_400_naming_it(
+    server: LoggedServer, query: str, headers: Headers, param: str
+) -> None:
+    created = server.post_json_text("/v1/responses", '{"input": "x"}')
+    path = f"/v1/responses/{json.loads(created.body)['id']}?stream=true&{query}"
+    refused(server.request("GET", path, headers=headers), 400, "invalid_value", param)
+
+
+def test_a_header_after_the_query_cursor_is_where_an_event_source_resumes(
+    server: LoggedServer,
+) -> None:
+    # An EventSource opened at ?last_event_id=2 reconnects to the same URL with the last id
+    # it got since in the header: that is where it resumes.
+    path = f"/v1/replies/{started_reply(server)}/stream?last_event_id=2"
+    answer = server.request("GET", path, headers={"Last-Event-ID": "4"})
+    assert answer.status == 200 and event_ids(answer.body) == [5, 6]
+    assert event_ids(server.request("GET", path).body) == [3, 4, 5, 6]
+
+
+def test_a_lab_query_parameter_given_twice_is_a_400_naming_it(server: LoggedServer) -> None:
+    refused(server.request("GET", "/stream?seed=1&seed=2"), 400, "invalid_value", "seed")
+    assert server.request("GET", "/wait?max_tokens=2&other=1&other=2").status == 200
+
+
 @pytest.mark.parametrize("query", ["seed=%C2%B2", "max_tokens=1_0", "seed=" + "9" * 30, "ids=2"])
 def test_a_lab_query_number_that_is_not_ascii_digits_in_range_is_a_400(
     server: LoggedServer, query: str

@@ -60,7 +60,7 @@ from replystream.server.context import (
     find_reply,
     follow_reply,
     follow_started,
-    last_event_id,
+    resume_after,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError, retry_after_value
@@ -76,7 +76,7 @@ from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
 from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
-from replystream.server.schemas import LabQuery, ReplyBody
+from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
 from replystream.server.websocket import add_websocket_route
@@ -87,7 +87,7 @@ UNREADY_RETRY_S = 5.0
 
 
 def lab_query(request: web.Request) -> LabQuery:
-    """The lab endpoints' query parameters, validated (a repeated one counts once: the first)."""
+    """The lab endpoints' query parameters, validated (each given once at most)."""
     return parse_mapping(request.query, LabQuery)
 
 
@@ -199,10 +199,11 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
 
 async def handle_resume(request: web.Request) -> web.StreamResponse:
     """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live."""
-    after = last_event_id(request)
+    query = parse_mapping(request.query, ResumeCursor)
+    after, param = resume_after(request, {"last_event_id": query.last_event_id})
     reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
-        await check_resume_point(reply_id, store, after, made_here=local is not None)
+        await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request, reply_id=reply_id, store=store, policy=policy, reply=local, after=after

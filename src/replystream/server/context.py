@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -58,7 +58,7 @@ from replystream.server.replies import Disconnect, Reply, ReplyManager, close_qu
 from replystream.server.schemas import ResumeCursor
 from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransport
 from replystream.server.trace_context import trace_context
-from replystream.server.validation import parse_mapping
+from replystream.server.validation import parse_mapping, repeated
 
 log = logging.getLogger("replystream.server")
 T = TypeVar("T")
@@ -355,11 +355,43 @@ def follower_of(
     )
 
 
-def last_event_id(request: web.Request) -> int:
-    """The event id a resume starts after: ``Last-Event-ID``, else ``last_event_id``."""
-    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", ""))
-    values = {"last_event_id": raw} if raw.strip() else {}
-    return parse_mapping(values, ResumeCursor).last_event_id
+def resume_after(request: web.Request, cursors: Mapping[str, int | None]) -> tuple[int, str]:
+    """Where a resume starts (the event id it starts after) and the parameter that says so,
+    from the route's query cursors (``cursors``: each one's value, None when not given) and
+    the ``Last-Event-ID`` header; none given: 0, from the start.
+
+    Places that disagree are refused (400), never one of them taken silently: query cursors
+    with different values, a header given twice, or a header before the query's cursor. A
+    header after it is where to resume: a browser's ``EventSource`` opened at a query cursor
+    reconnects to the same URL, with the last id it got since in the header."""
+    given = [(name, after) for name, after in cursors.items() if after is not None]
+    query_param, query_after = given[0] if given else ("last_event_id", None)
+    for name, after in given[1:]:
+        if after != query_after:
+            raise HTTPAPIError(
+                400,
+                f"{query_param} {query_after} and {name} {after} are two places to resume "
+                "from: give one",
+                code="invalid_value",
+                param=name,
+            )
+    headers = request.headers.getall("Last-Event-ID", [])
+    if len(headers) > 1:
+        raise repeated("Last-Event-ID", len(headers), param="last_event_id")
+    header = None
+    if headers:
+        header = parse_mapping({"last_event_id": headers[0]}, ResumeCursor).last_event_id
+    if header is None:
+        return query_after or 0, query_param
+    if query_after is not None and header < query_after:
+        raise HTTPAPIError(
+            400,
+            f"Last-Event-ID {header} is before {query_param} {query_after}: two places to "
+            "resume from; give one",
+            code="invalid_value",
+            param=query_param,
+        )
+    return header, "last_event_id"
 
 
 async def find_reply(

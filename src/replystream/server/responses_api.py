@@ -50,7 +50,7 @@ from replystream.server.context import (
     find_reply,
     follow_reply,
     follow_started,
-    last_event_id,
+    resume_after,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
@@ -412,9 +412,9 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     store, local, opened = await _find_response(request, reply_id, "response_id")
     if not query.stream:
         return web.json_response(await _read_response(store, reply_id))
-    after, param = query.starting_after, "starting_after"
-    if after is None:  # an EventSource resumes with the same cursor
-        after, param = last_event_id(request), "last_event_id"
+    # An EventSource resumes with the same cursor, in its header.
+    cursors = {"starting_after": query.starting_after, "last_event_id": query.last_event_id}
+    after, param = resume_after(request, cursors)
     if after > 0:
         await check_resume_point(
             reply_id,

@@ -692,9 +692,11 @@ SOCKET_MESSAGES: Mapping[str, type[SocketMessage]] = {
 
 # Query strings and headers carry text; an integer there is ASCII digits (``int()`` would
 # take "²" or "1_000"), parsed only once they are known to be digits.
-def _digits(name: str, low: int, high: int) -> BeforeValidator:
-    def parse(raw: Any) -> int:
+def _digits(name: str, low: int, high: int, *, blank_is_absent: bool = False) -> BeforeValidator:
+    def parse(raw: Any) -> int | None:
         text = raw.strip() if isinstance(raw, str) else ""
+        if blank_is_absent and isinstance(raw, str) and not text:
+            return None
         if not (text.isascii() and text.isdigit()) or len(text) > 19:
             raise invalid(f"{name} must be an integer from {low} to {high}, got {_cut(raw)}")
         value = int(text)
@@ -755,15 +757,19 @@ class LabQuery(Query):
 
 
 class ResumeCursor(Query):
-    """``GET /v1/replies/{id}/stream``: the last event id the client holds (``Last-Event-ID``
-    header, else ``last_event_id`` query; absent: 0, from the start)."""
+    """``GET /v1/replies/{id}/stream``: the last event id the client holds, as the query's
+    ``last_event_id`` or the ``Last-Event-ID`` header says it (blank or absent: None; how
+    the two are reconciled is ``server.context.resume_after``'s)."""
 
-    last_event_id: Annotated[int, _digits("last_event_id", 0, MAX_SEED)] = 0
+    last_event_id: Annotated[
+        int | None, _digits("last_event_id", 0, MAX_SEED, blank_is_absent=True)
+    ] = None
 
 
-class RetrieveQuery(Query):
+class RetrieveQuery(ResumeCursor):
     """``GET /v1/responses/{id}``: the object (``stream`` absent or false), or its events
-    after ``starting_after`` (a sequence number; absent: from the first)."""
+    after ``starting_after`` (a sequence number; absent: from the first; ``last_event_id``
+    is the same cursor)."""
 
     stream: Annotated[bool, _flag("stream")] = False
     starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None

@@ -16,6 +16,7 @@ route uses which model.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -94,12 +95,29 @@ def parse_json(raw: bytes | str, model: type[M], *, what: str = "body") -> M:
 
 
 def parse_mapping(values: Mapping[str, str], model: type[M]) -> M:
-    """Text parameters (a query string, headers) as ``model``; a repeated one counts once,
-    at its first value."""
+    """Text parameters (a query string, headers) as ``model``. A parameter the model declares
+    is given once: given again it is a 400 naming it, as which value was meant would be a
+    guess. One the model does not declare is ignored."""
+    # A multidict (aiohttp's query) has one item per value given, though one key per name.
+    counts = Counter(name for name, _ in values.items())
+    for name in model.model_fields:
+        if counts[name] > 1:
+            raise repeated(name, counts[name])
     try:
         return model.model_validate({name: values[name] for name in values})
     except ValidationError as exc:
         raise api_error(exc, model, "query") from None
+
+
+def repeated(name: str, count: int, *, param: str | None = None) -> HTTPAPIError:
+    """The error for a parameter given ``count`` times (``param``: its name in errors, when
+    it is a header's)."""
+    return HTTPAPIError(
+        400,
+        f"{name} is given {count} times; give it once",
+        code="invalid_value",
+        param=param or name,
+    )
 
 
 def field_path(loc: tuple[int | str, ...]) -> str | None:
