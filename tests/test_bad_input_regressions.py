@@ -183,6 +183,9 @@ def test_a_header_after_the_query_cursor_is_where_an_event_source_resumes(
     answer = server.request("GET", path, headers={"Last-Event-ID": "4"})
     assert answer.status == 200 and event_ids(answer.body) == [5, 6]
     assert event_ids(server.request("GET", path).body) == [3, 4, 5, 6]
+    # A blank header says nothing: it does not hide the query's cursor.
+    blank = server.request("GET", path, headers={"Last-Event-ID": ""})
+    assert event_ids(blank.body) == [3, 4, 5, 6]
 
 
 def test_a_lab_query_parameter_given_twice_is_a_400_naming_it(server: LoggedServer) -> None:
