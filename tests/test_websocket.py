@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
@@ -544,3 +545,113 @@ def test_keepalive_pings_only_an_idle_socket_and_gives_an_unanswered_ping_slow_c
     keepalive.answered()
     assert keepalive.check(now + 32.5) is None and wire.frames == [PING_FRAME]
     assert keepalive.check(now + 34.5) is None and wire.frames == [PING_FRAME] * 2
+
+
+HANDSHAKE = (
+    b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+def frame(payload: bytes, *, masked: bool = True, opcode: int = 0x1) -> bytes:
+    """One final client frame, of any length; masked with a key that changes the bytes."""
+    size = len(payload)
+    if size < 126:
+        length = bytes([size])
+    elif size < 1 << 16:
+        length = bytes([126]) + size.to_bytes(2, "big")
+    else:
+        length = bytes([127]) + size.to_bytes(8, "big")
+    if not masked:
+        return bytes([0x80 | opcode]) + length + payload
+    key = b"\x11\x22\x33\x44"
+    body = bytes(byte ^ key[i % 4] for i, byte in enumerate(payload))
+    return bytes([0x80 | opcode, 0x80 | length[0]]) + length[1:] + key + body
+
+
+def reply_frame(tag: str, *, masked: bool = True, padding: int = 0) -> bytes:
+    ask = {"type": "reply", "id": tag, "prompt": "x" * padding or "x", "max_tokens": 2}
+    return frame(json.dumps(ask).encode(), masked=masked)
+
+
+async def frames_until_closed(reader: asyncio.StreamReader) -> list[tuple[int, bytes]]:
+    frames = await read_raw_frames(reader)
+    assert frames and frames[-1][0] == 0x8, frames  # the last one is a close frame
+    return frames
+
+
+def close_code(frames: list[tuple[int, bytes]]) -> int:
+    return int.from_bytes(frames[-1][1][:2], "big")
+
+
+@pytest.mark.parametrize("when", ["after a reply", "sent with the upgrade request"])
+async def test_an_unmasked_client_frame_closes_the_socket_with_1002_and_one_log_line(
+    when: str, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.INFO)
+    engine = fast_engine()
+    async with serving(create_app(engine)) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            if when == "after a reply":
+                writer.write(HANDSHAKE)
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(reply_frame("good"))
+                for _ in range(5):  # reply, two tokens, usage, done
+                    _first, payload = await read_raw_frame(reader)
+                assert json.loads(payload)["type"] == "done"
+                writer.write(reply_frame("bad", masked=False))
+            else:  # a client that did not wait for the upgrade's answer
+                writer.write(HANDSHAKE + reply_frame("bad", masked=False))
+                await reader.readuntil(b"\r\n\r\n")
+            frames = await frames_until_closed(reader)
+        finally:
+            writer.close()
+    assert close_code(frames) == 1002
+    assert [opcode for opcode, _ in frames] == [0x8]  # the bad frame was never read
+    assert engine.stats().finished == (1 if when == "after a reply" else 0)
+    said = [r for r in caplog.records if "1002" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is None
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
+
+
+async def test_masked_frames_of_every_length_and_split_anywhere_are_read_as_sent():
+    # Frames of 7-bit, 16-bit and 64-bit lengths, a ping among them, sent with the upgrade
+    # request and then a few bytes at a time: the check follows every frame's bounds, so it
+    # takes none of their payload bytes for a frame head.
+    engine = fast_engine()
+    policy = DeliveryPolicy(keepalive_s=None)
+    async with serving(create_app(engine, ServerConfig(policy=policy))) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        # Payload bytes (valid UTF-8) that would read as unmasked frame heads if taken for one.
+        unmasked_looking = b"\x01\x05" * 40_000
+        stream = (
+            reply_frame("short")
+            + frame(b"\x01\x05", opcode=0x9)
+            + reply_frame("medium", padding=300)
+            + reply_frame("long", padding=70_000)
+            + frame(unmasked_looking)  # not JSON: an error message, the socket stays open
+        )
+        try:
+            writer.write(HANDSHAKE + stream[:3])
+            await reader.readuntil(b"\r\n\r\n")
+            for start in range(3, len(stream), 7_001):
+                writer.write(stream[start : start + 7_001])
+                await writer.drain()
+            messages: list[Any] = []
+            async with asyncio.timeout(10):
+                while sum(m.get("type") in ("done", "error") for m in messages) < 4:
+                    opcode, payload = await read_raw_frame(reader)
+                    if opcode & 0x0F == 0x1:
+                        messages.append(json.loads(payload))
+            writer.write(reply_frame("after", masked=False))
+            frames = await frames_until_closed(reader)
+        finally:
+            writer.close()
+    assert {m["id"] for m in messages if m["type"] == "done"} == {"short", "medium", "long"}
+    assert [m["data"]["error"]["code"] for m in messages if m["type"] == "error"] == [
+        "invalid_json"
+    ]
+    assert close_code(frames) == 1002

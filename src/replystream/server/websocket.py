@@ -29,6 +29,8 @@ Rules:
    socket; nothing escapes the handler after the upgrade (a session failure closes 1011).
 6. At shutdown (``server_stopping``) the replies' ``shutdown`` errors are sent, then the
    socket closes with 1001; every close is bounded (a client that does not answer is dropped).
+7. A client frame that is not masked fails the connection (1002) before aiohttp reads it
+   (``ws_transport.MaskedFramesOnly``); the session only stops, as when the client leaves.
 This file must not know how tokens are made or how the log is stored.
 """
 
@@ -65,7 +67,12 @@ from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
-from replystream.server.ws_transport import LAST_WORDS_S, SocketKeepalive, WebSocketTransport
+from replystream.server.ws_transport import (
+    LAST_WORDS_S,
+    MaskedFramesOnly,
+    SocketKeepalive,
+    WebSocketTransport,
+)
 
 log = logging.getLogger("replystream.websocket")
 
@@ -378,6 +385,13 @@ class Session:
         )
         await follower.run()
 
+    def failed_by_client(self, reason: str) -> None:
+        """The client broke the WebSocket protocol: the connection is being closed (1002)
+        under the session, which only stops (its readers end as the socket goes)."""
+        if not self._closing:
+            self._closing = True
+            log.info("websocket closed (1002, protocol error): %s", reason)
+
     def _cut_by_follower(self) -> None:
         """A follower found the socket unable to keep up and is closing it (1008)."""
         if not self._closing:
@@ -406,8 +420,11 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
         raise HTTPAPIError(
             400, "GET /v1/ws is a WebSocket: send an Upgrade request", code="upgrade_required"
         )
-    await ws.prepare(request)
     session = Session(request, ws)
+    guard = MaskedFramesOnly.install(request, session.failed_by_client)
+    await ws.prepare(request)
+    if guard is not None and not guard.arm():
+        return ws  # the client broke the protocol before its first message was read
     try:
         ring = request.get(AUTH_PENDING)
         if ring is not None and not await session.authenticate(ring):

@@ -6,7 +6,12 @@ already, so nothing is parsed back): ``{"type": <event>, "id": <the client's tag
 own transport; each message is one whole frame written straight to the socket (the socket
 is opened without compression, so frames are plain), which lets the follower's direct path
 work here as over SSE. This file is the only place that knows WebSocket framing and the
-parts of aiohttp's connection it reaches into (its drain). It must not know about replies.
+parts of aiohttp's connection it reaches into (its drain, and the bytes it holds from before
+the upgrade). It must not know about replies.
+
+What the client sends is checked here too, before aiohttp reads it (``MaskedFramesOnly``):
+aiohttp's frame reader takes an unmasked client frame as a masked one, but RFC 6455 (5.1)
+says a server must close the connection on one (1002, protocol error).
 
 Keep-alive (``SocketKeepalive``), instead of aiohttp's heartbeat, which pings every period
 whatever is being sent and drops a peer whose pong is late, though a ping queued behind
@@ -34,6 +39,8 @@ from replystream.server.socket_room import SocketRoom
 
 LAST_WORDS_S = 5.0  # how long a cut socket's final frames may take to leave
 CLOSE_POLICY = 1008  # the client broke a rule of ours (it did not read)
+CLOSE_PROTOCOL_ERROR = 1002  # the client broke RFC 6455's
+MAX_FRAME_HEAD = 14  # two bytes, a 64-bit length, a 4-byte mask key (RFC 6455 5.2)
 
 
 def text_frame(payload: bytes) -> bytes:
@@ -53,6 +60,120 @@ def close_frame(code: int, reason: bytes) -> bytes:
 
 
 PING_FRAME = bytes((0x89, 0))  # a ping without a payload (RFC 6455 5.5.2)
+
+
+class MaskCheck:
+    """Finds the first unmasked frame in the bytes a client sends, frame by frame: each
+    frame's head is read, its payload skipped. Pure state: bytes in, a position out."""
+
+    __slots__ = ("_head", "_skip")
+
+    def __init__(self) -> None:
+        self._head = b""  # the start of a frame's head, when a read ended inside it
+        self._skip = 0  # the current frame's payload bytes still to come
+
+    def feed(self, data: bytes) -> int | None:
+        """Where in ``data`` the first unmasked frame starts (0 when it began in an earlier
+        read); None while every frame is masked."""
+        pos, end = 0, len(data)
+        while True:
+            step = min(self._skip, end - pos)
+            pos, self._skip = pos + step, self._skip - step
+            if pos == end:
+                return None
+            head = self._head + data[pos : pos + MAX_FRAME_HEAD]
+            if len(head) >= 2 and not head[1] & 0x80:
+                return max(pos - len(self._head), 0)
+            flag = head[1] & 0x7F if len(head) >= 2 else 0
+            length_size = 2 if flag == 126 else 8 if flag == 127 else 0
+            head_size = 2 + length_size + 4
+            if len(head) < head_size:  # the read ended inside the head
+                self._head = head
+                return None
+            pos += head_size - len(self._head)
+            self._head = b""
+            self._skip = int.from_bytes(head[2 : 2 + length_size], "big") if length_size else flag
+
+
+class MaskedFramesOnly(asyncio.Protocol):
+    """The connection's protocol while it is a WebSocket, in front of aiohttp's: every byte
+    the client sends passes through to aiohttp until a frame comes unmasked. Then the
+    connection is failed (RFC 6455 7.1.7): nothing more reaches aiohttp, a close frame (1002)
+    goes out, and the connection closes (dropped if the frame cannot leave soon).
+
+    Installed (``install``) before the upgrade is answered, so it sees every frame: the bytes
+    aiohttp already holds, sent after the upgrade request, are checked first. A failure found
+    before ``arm`` (the upgrade's answer is sent) waits for it."""
+
+    def __init__(
+        self,
+        inner: asyncio.Protocol,
+        transport: asyncio.Transport,
+        on_failure: Callable[[str], None],
+    ) -> None:
+        self._inner = inner
+        self._transport = transport
+        self._on_failure = on_failure
+        self._check = MaskCheck()
+        self._armed = False
+        self.failed = False
+
+    @classmethod
+    def install(
+        cls, request: web.Request, on_failure: Callable[[str], None]
+    ) -> MaskedFramesOnly | None:
+        """Put the check in front of ``request``'s connection (None: it is gone already)."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return None
+        guard = cls(request.protocol, transport, on_failure)
+        # What aiohttp read past the upgrade request before this handler ran: the client sent
+        # it without waiting for the answer (RFC 6455 says it must wait, but it may not).
+        held = getattr(request.protocol, "_message_tail", b"")
+        if isinstance(held, bytes) and held and guard._check.feed(held) is not None:
+            guard.failed = True
+        transport.set_protocol(guard)
+        return guard
+
+    def arm(self) -> bool:
+        """The upgrade's answer is sent: a failure may be sent now. False if it was failed."""
+        self._armed = True
+        if self.failed:
+            self._fail()
+        return not self.failed
+
+    def _fail(self) -> None:
+        transport = self._transport
+        if not transport.is_closing():
+            transport.write(close_frame(CLOSE_PROTOCOL_ERROR, b"unmasked frame"))
+            transport.close()
+            asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+        self._on_failure("the client sent an unmasked frame")
+
+    def data_received(self, data: bytes) -> None:
+        if self.failed:
+            return
+        at = self._check.feed(data)
+        if at is None:
+            self._inner.data_received(data)
+            return
+        if at:
+            self._inner.data_received(data[:at])  # the frames before it were good
+        self.failed = True
+        if self._armed:
+            self._fail()
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
 
 
 class SocketKeepalive:
