@@ -293,6 +293,51 @@ def test_a_detached_reply_nobody_may_resume_is_refused_naming_disconnect(
         refused(answer, 400, "unknown_parameter", "disconnect")
 
 
+@pytest.mark.parametrize(
+    ("route", "text", "param"),
+    [
+        ("/v1/replies", '{"prompt": "x", "stream": false, "prompt": "y"}', "prompt"),
+        (
+            "/v1/replies",
+            '{"messages": [{"role": "user", "content": "a", "content": "b"}], "stream": false}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "temperature": 1, "temperature": 0}',
+            "temperature",
+        ),
+        ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "max_tokens": 3}', "max_tokens"),
+        (
+            "/v1/responses",
+            '{"input": "x", "text": {"verbosity": "low", "verbosity": "high"}}',
+            "text.verbosity",
+        ),
+        (
+            "/v1/messages",
+            '{"model": "simulated", "max_tokens": 3, "max_tokens": 4, "messages": '
+            '[{"role": "user", "content": "hi"}]}',
+            "max_tokens",
+        ),
+    ],
+)
+def test_a_field_named_twice_is_a_400_naming_it(
+    server: LoggedServer, route: str, text: str, param: str
+) -> None:
+    message = refused(server.post_json_text(route, text), 400, "invalid_value", param)
+    assert param in message
+
+
+def test_a_websocket_reply_naming_a_field_twice_is_an_error_for_its_tag(
+    server: LoggedServer,
+) -> None:
+    twice = '{"type": "reply", "id": "t", "prompt": "x", "max_tokens": 2, "max_tokens": 3}'
+    received = server.websocket([twice])
+    (error,) = [m for m in received if m["id"] == "t"]
+    assert error["type"] == "error"
+    assert error["data"]["error"]["param"] == "max_tokens"
+
+
 MESSAGES_ASK = {"model": "simulated", "max_tokens": 3, "messages": USER}
 
 

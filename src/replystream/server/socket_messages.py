@@ -31,7 +31,7 @@ class BadMessage(Exception):
 def parse_message(data: str | bytes) -> SocketMessage:
     """An ``auth``, ``reply`` or ``cancel`` message. Raises ``BadMessage``."""
     try:
-        envelope = parse_json(data, SocketEnvelope, what="message")
+        envelope = parse_json(data, SocketEnvelope, what="message", whole=False)
     except HTTPAPIError as exc:
         raise BadMessage(None, exc) from None
     model = SOCKET_MESSAGES.get(envelope.type) if isinstance(envelope.type, str) else None

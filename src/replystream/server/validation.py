@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
+import jiter
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestPayloadError
@@ -86,12 +87,73 @@ async def read_model(request: web.Request, model: type[M]) -> M:
     return parse_json(raw, model, what="body")
 
 
-def parse_json(raw: bytes | str, model: type[M], *, what: str = "body") -> M:
-    """``raw`` (JSON) as ``model``; ``what`` names the input in messages ("body", "message")."""
+def parse_json(raw: bytes | str, model: type[M], *, what: str = "body", whole: bool = True) -> M:
+    """``raw`` (JSON) as ``model``; ``what`` names the input in messages ("body", "message").
+    ``whole``: ``model`` reads all of ``raw``, so an object naming a field twice is refused
+    (False: a first look at part of it, as at a WebSocket message's envelope)."""
     try:
-        return model.model_validate_json(raw)
+        parsed = model.model_validate_json(raw)
     except ValidationError as exc:
         raise api_error(exc, model, what) from None
+    if whole:
+        refuse_repeated_fields(raw, what)
+    return parsed
+
+
+class _Repeated(dict[str, Any]):
+    """A JSON object that names a field (``name``) more than once."""
+
+    name = ""
+
+
+def _fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    fields = dict(pairs)
+    if len(fields) == len(pairs):
+        return fields
+    repeated, seen = _Repeated(fields), set()
+    for name, _ in pairs:
+        if name in seen:
+            repeated.name = name
+            break
+        seen.add(name)
+    return repeated
+
+
+def _repeated_at(value: Any, loc: tuple[int | str, ...]) -> tuple[int | str, ...] | None:
+    """Where the first object naming a field twice is, and that field; None: nowhere."""
+    if isinstance(value, _Repeated):
+        return (*loc, value.name)
+    if isinstance(value, dict):
+        items: Iterable[tuple[int | str, Any]] = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _repeated_at(item, (*loc, key))
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_repeated_fields(raw: bytes | str, what: str) -> None:
+    """A 400 naming the field an object of ``raw`` (valid JSON) names twice. JSON leaves
+    which value counts to each parser (pydantic's takes the last; others the first), so the
+    request is refused rather than read one way here and another way by its sender.
+
+    Raises:
+        HTTPAPIError: a field is named twice.
+    """
+    try:
+        jiter.from_json(raw if isinstance(raw, bytes) else raw.encode(), catch_duplicate_keys=True)
+        return  # the usual case, in a pass of pydantic's own parser (a few microseconds)
+    except ValueError:
+        pass  # a field named twice (the JSON is valid): find which, and where
+    loc = _repeated_at(json.loads(raw, object_pairs_hook=_fields), ())
+    if loc is not None:
+        param = field_path(loc)
+        message = f"{what} names {param} more than once: give each field once"
+        raise HTTPAPIError(400, message, code="invalid_value", param=param)
 
 
 def parse_mapping(values: Mapping[str, str], model: type[M]) -> M:
