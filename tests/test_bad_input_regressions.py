@@ -338,6 +338,17 @@ def test_a_websocket_reply_naming_a_field_twice_is_an_error_for_its_tag(
     assert error["data"]["error"]["param"] == "max_tokens"
 
 
+def test_two_different_token_limits_on_chat_are_a_400_naming_max_tokens(
+    server: LoggedServer,
+) -> None:
+    body = {"messages": USER, "max_tokens": 1, "max_completion_tokens": 3, "stream": False}
+    answer = server.post_json_text("/v1/chat/completions", json.dumps(body))
+    assert "max_completion_tokens" in refused(answer, 400, "invalid_value", "max_tokens")
+    agreeing = {**body, "max_tokens": 3}  # the same limit twice says one thing
+    answer = server.post_json_text("/v1/chat/completions", json.dumps(agreeing))
+    assert answer.status == 200 and json.loads(answer.body)["usage"]["completion_tokens"] == 3
+
+
 MESSAGES_ASK = {"model": "simulated", "max_tokens": 3, "messages": USER}
 
 

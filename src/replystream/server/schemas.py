@@ -386,6 +386,19 @@ class ChatBody(OpenAIBody):
         return self.messages[-1].text if self.continue_final_message else ""
 
     @model_validator(mode="after")
+    def _one_token_limit(self) -> ChatBody:
+        # OpenAI's old name and its new one for the same limit: given both, and different,
+        # either one taken would ignore the other.
+        limits = (self.max_tokens, self.max_completion_tokens)
+        if None not in limits and limits[0] != limits[1]:
+            message = (
+                f"max_tokens ({limits[0]}) and max_completion_tokens ({limits[1]}) are the "
+                "same limit: give one"
+            )
+            raise invalid(message, "max_tokens")
+        return self
+
+    @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatBody:
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
