@@ -267,6 +267,8 @@ def test_a_setting_the_route_cannot_honour_is_refused_not_ignored(server: Logged
     body = '{"prompt": "x", "stream": false, "disconnect": "detach"}'
     refused(server.post_json_text("/v1/replies", body), 400, "invalid_value", "disconnect")
     refused(server.request("GET", "/wait?resumable=1"), 400, "invalid_value", "resumable")
+    refused(server.request("GET", "/stream?ids=0&resumable=1"), 400, "invalid_value", "resumable")
+    assert server.request("GET", "/stream?ids=0&resumable=0&max_tokens=2").status == 200
     assert server.request("GET", "/wait?resumable=0&max_tokens=2").status == 200
 
 

@@ -159,6 +159,13 @@ async def handle_stream(request: web.Request) -> web.StreamResponse:
     query = lab_query(request)
     generation = lab_request(request, query)
     numbered = query.ids
+    if query.resumable and not numbered:  # a resume starts after an event id: say so
+        raise HTTPAPIError(
+            400,
+            "resumable=1 needs event ids to resume after, which ids=0 leaves out",
+            code="invalid_value",
+            param="resumable",
+        )
     reply = await start_reply(
         request,
         generation,
