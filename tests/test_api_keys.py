@@ -100,6 +100,29 @@ async def test_only_the_key_that_started_a_reply_may_resume_or_cancel_it():
             assert response.status == 200
 
 
+async def test_a_request_offering_two_different_keys_is_401():
+    # Which key would be meant is a guess, and whose reply it is with it: both are refused.
+    async with running(create_app(fast_engine(), CONFIG)) as url, aiohttp.ClientSession() as http:
+        started = await http.post(
+            f"{url}/v1/replies", json={"prompt": "x", "resumable": True}, headers=bearer(KEY_A)
+        )
+        reply_id = started.headers["X-Reply-Id"]
+        await started.read()
+        resume = f"{url}/v1/replies/{reply_id}/stream"
+        two: list[tuple[dict[str, str], list[tuple[str, str]]]] = [
+            ({**bearer(KEY_A), "x-api-key": KEY_B}, []),
+            (bearer(KEY_A), [("api_key", KEY_B)]),
+            ({}, [("api_key", KEY_A), ("api_key", KEY_B)]),
+        ]
+        for headers, params in two:
+            async with http.get(resume, headers=headers, params=params) as response:
+                await assert_401(response)
+        same = {**bearer(KEY_A), "x-api-key": KEY_A}  # one key, said twice
+        async with http.get(resume, headers=same, params={"api_key": KEY_A}) as response:
+            assert response.status == 200
+            await response.read()
+
+
 def test_key_ring_matches_exactly_and_never_shows_keys():
     ring = KeyRing([KEY_A, KEY_B])
     assert ring.accepts(KEY_A) and ring.accepts(KEY_B)

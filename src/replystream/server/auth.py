@@ -8,6 +8,7 @@ This file decides:
   ``WWW-Authenticate: Bearer``.
 - ``GET /v1/replies/{id}/stream`` (resume) also takes the key as ``?api_key=``, because
   ``EventSource`` cannot send headers. No other route does: a key in a URL ends up in logs.
+  A request offering two different keys (in any of these places) is a 401.
 - ``GET /v1/ws`` without an ``Authorization`` header is let through marked unauthenticated;
   the socket handler then wants the key in its first message (a browser's ``WebSocket``
   cannot send headers either). A wrong header is refused before the upgrade.
@@ -147,10 +148,7 @@ KEY_RING = web.AppKey("key_ring", KeyRing)
 def bearer_token(request: web.Request) -> str | None:
     """The token of an ``Authorization: Bearer`` header, "" if the header is malformed."""
     header = request.headers.get("Authorization")
-    if header is None:
-        return None
-    scheme, _, token = header.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    return None if header is None else _token_of(header)
 
 
 def client_key(request: web.Request) -> str | None:
@@ -159,6 +157,23 @@ def client_key(request: web.Request) -> str | None:
     whether or not keys are configured here: an upstream may be the one that checks it."""
     token = bearer_token(request) or request.headers.get("x-api-key") or request.get(SOCKET_KEY)
     return token or None
+
+
+def offered_keys(request: web.Request) -> list[str]:
+    """Every different key the request offers: its ``Authorization: Bearer`` headers ("" for
+    a malformed one), its ``x-api-key`` headers (Anthropic's clients send their key this
+    way) and, on a resume, its ``api_key`` query values. More than one is refused: which one
+    would be meant is a guess, and the reply's owner with it."""
+    offered = [_token_of(header) for header in request.headers.getall("Authorization", [])]
+    offered += request.headers.getall("x-api-key", [])
+    if request.method == "GET" and RESUME_PATH.match(request.path):
+        offered += request.query.getall("api_key", [])
+    return list(dict.fromkeys(offered))
+
+
+def _token_of(header: str) -> str:
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def unauthorized(message: str) -> web.Response:
@@ -175,11 +190,13 @@ def api_key_check(ring: KeyRing) -> Callable[[web.Request], web.Response | None]
         path = request.path
         if not (path == "/v1" or path.startswith("/v1/")):
             return None
-        token = bearer_token(request)
-        if token is None:  # Anthropic's clients send their key this way
-            token = request.headers.get("x-api-key")
-        if token is None and request.method == "GET" and RESUME_PATH.match(path):
-            token = request.query.get("api_key")
+        offered = offered_keys(request)
+        if len(offered) > 1:
+            return unauthorized(
+                "The request offers more than one API key (in Authorization, x-api-key or "
+                "api_key): send one."
+            )
+        token = offered[0] if offered else None
         if token is None and request.method == "GET" and path == WEBSOCKET_PATH:
             request[AUTH_PENDING] = ring
             return None
