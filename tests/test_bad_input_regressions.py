@@ -351,6 +351,52 @@ def test_two_different_token_limits_on_chat_are_a_400_naming_max_tokens(
     assert answer.status == 200 and json.loads(answer.body)["usage"]["completion_tokens"] == 3
 
 
+def calls(*ids: str) -> dict[str, object]:
+    """An assistant message making a call of ``f`` with each id."""
+    made = [
+        {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": made}
+
+
+def result(call_id: str) -> dict[str, str]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "r"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        ([*USER, calls("c1", "c1"), result("c1")], "messages[1]", "two tool calls"),
+        ([*USER, calls("c1"), result("c1"), result("c1")], "messages[3]", "answered twice"),
+    ],
+)
+def test_a_tool_call_made_or_answered_twice_is_a_400_naming_its_message(
+    server: LoggedServer, messages: list[object], param: str, says: str
+) -> None:
+    body = json.dumps({"messages": messages})
+    assert says in refused(
+        server.post_json_text("/v1/chat/completions", body), 400, "invalid_value", param
+    )
+
+
+def test_a_tool_result_given_twice_on_messages_is_a_400(server: LoggedServer) -> None:
+    use = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    answer = {"type": "tool_result", "tool_use_id": "t1", "content": "r"}
+    turns = [*USER, {"role": "assistant", "content": [use]}, {"role": "user", "content": [answer]}]
+    body = {"model": "simulated", "max_tokens": 3, "messages": turns}
+    assert server.post_json_text("/v1/messages", json.dumps(body)).status == 200
+    turns[-1] = {"role": "user", "content": [answer, answer]}
+    refusal = server.post_json_text("/v1/messages", json.dumps(body))
+    assert refusal.status == 400 and "answered twice" in refusal.error()["message"]
+
+
+def test_a_call_id_made_again_in_a_later_turn_is_that_turns_call(server: LoggedServer) -> None:
+    # Engines that number a reply's calls make the same id every turn.
+    turns = [*USER, calls("call_1"), result("call_1"), calls("call_1"), result("call_1")]
+    answer = server.post_json_text("/v1/chat/completions", json.dumps({"messages": turns}))
+    assert answer.status == 200, answer.body
+
+
 MESSAGES_ASK = {"model": "simulated", "max_tokens": 3, "messages": USER}
 
 

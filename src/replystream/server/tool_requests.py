@@ -125,17 +125,31 @@ def _relayed(functions: list[dict[str, Any]]) -> Tools | None:
 
 
 def check_tool_answers(messages: Sequence[Mapping[str, Any]], param: str) -> None:
-    """Every ``tool`` message answers a call an earlier assistant message made."""
-    calls: set[str] = set()
+    """Every ``tool`` message answers a call an earlier assistant message made, once: two
+    calls of one message with one id, or a call answered twice, would leave which result
+    belongs to which call a guess. (An id may come back in a later turn: engines that number
+    a reply's calls from one make the same ids again, and each turn's answers are its own.)"""
+    calls: set[str] = set()  # every call id made so far
+    answered: set[str] = set()  # ids answered since they were last made
     for index, message in enumerate(messages):
-        for call in message.get("tool_calls") or ():
-            calls.add(call["id"])
-        if message["role"] == "tool" and message.get("tool_call_id") not in calls:
+        made = [call["id"] for call in message.get("tool_calls") or ()]
+        if len(set(made)) < len(made):
+            twice = next(call_id for call_id in made if made.count(call_id) > 1)
+            raise _bad(f"{param}[{index}]", f"two tool calls of one message have the id {twice!r}")
+        calls.update(made)
+        answered.difference_update(made)
+        if message["role"] != "tool":
+            continue
+        call_id = message.get("tool_call_id")
+        if call_id not in calls:
             raise _bad(
                 f"{param}[{index}]",
-                f"a tool result answers the call {message.get('tool_call_id')!r}, "
+                f"a tool result answers the call {call_id!r}, "
                 "which no earlier assistant message made",
             )
+        if call_id in answered:
+            raise _bad(f"{param}[{index}]", f"the call {call_id!r} is answered twice")
+        answered.add(call_id)
 
 
 def anthropic_messages(messages: Sequence[AnthropicMessage]) -> list[ChatMessage]:
