@@ -255,3 +255,22 @@ async def test_closing_a_stream_before_reading_it_aborts_the_request(engine: Tin
     await wait_for(lambda: engine.stats().active == 0)
     assert engine.stats().cancelled == 1
     assert engine.scheduler_stats().kv.used_blocks == 0
+
+
+async def test_closing_a_finished_stream_counts_no_step_the_model_did_not_run() -> None:
+    """Closing a stream that already finished asks the worker to abort a request it no longer
+    has: the step that applies it plans nothing and runs nothing, and neither the engine's nor
+    the scheduler's step count may grow for it (they are the same count)."""
+    engine = load_default_engine()
+    runner = engine.runner  # stepped by hand here: no worker thread, no race with it
+    request_id, queue = runner.submit(engine.tokenizer.encode(PROMPT), 3, SamplingParams(seed=1))
+    for _ in range(3):  # a prefill that samples the first token, then two decode steps
+        runner.step()
+    assert not runner.scheduler.has_work()
+    assert runner.stats().steps == runner.scheduler_stats().steps == 3
+    runner.abort(request_id)  # what closing the finished stream does
+    runner.step()
+    assert runner.stats().steps == runner.scheduler_stats().steps == 3
+    await asyncio.sleep(0)  # the deltas were handed to the loop: all three arrived
+    deltas = [queue.get_nowait() for _ in range(3)]
+    assert [d.finish_reason for d in deltas if isinstance(d, Delta)] == [None, None, "length"]

@@ -61,7 +61,10 @@ class ScheduledChunk:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One step's work, and the sequences preempted while planning it."""
+    """One step's work, and the sequences preempted while planning it.
+
+    ``step`` counts the steps that ran something: an empty batch (nothing to run) carries the
+    number of the last step that did."""
 
     step: int
     chunks: tuple[ScheduledChunk, ...]
@@ -189,7 +192,8 @@ class Scheduler:
             self._running.append(self._waiting.popleft())
             chunks.append(self._take(seq, n))
             budget -= n
-        self._steps += 1
+        if chunks:  # a plan with nothing in it runs no model pass, so it is not a step
+            self._steps += 1
         return Batch(self._steps, tuple(chunks), tuple(preempted))
 
     def _draft(self, seq: _Sequence, budget: int) -> tuple[int, ...]:
