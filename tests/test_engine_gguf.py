@@ -57,7 +57,8 @@ def test_the_file_gives_smollm2s_shape(loaded: Loaded):
     assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert (c.d_ff, c.context, c.vocab_size, c.rope_theta) == (1536, 8192, 49152, 100000.0)
     assert c.norm_eps == pytest.approx(1e-5)
-    assert gguf.vocabulary.stop_ids == {2}  # <|im_end|>
+    # The file names <|im_end|> as its EOS; <|endoftext|> is a known end token of its vocabulary.
+    assert gguf.vocabulary.stop_ids == {0, 2}
     assert model.unembed is model.embed  # tied: one matrix, held once
     assert model.parameter_count == 134_515_008
 
@@ -170,3 +171,46 @@ def test_a_file_that_is_not_a_llama_gguf_is_refused_naming_it(tmp_path: Path):
     bad.write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(ValueError, match="not a readable GGUF"):
         open_gguf(bad)
+
+
+def forcing(model: TinyModel, token: int, at_step: int) -> TinyModel:
+    """The same model, but at its ``at_step``-th forward pass ``token`` is every row's
+    likeliest: as if the model chose to end there with that token."""
+    forced = copy.copy(model)
+    steps = 0
+
+    def forward(chunks, cache, rows=None):
+        nonlocal steps
+        logits = model.forward(chunks, cache, rows)
+        steps += 1
+        if steps == at_step:
+            logits[:, token] = logits.max(axis=1) + 1.0
+        return logits
+
+    forced.forward = forward  # type: ignore[method-assign]
+    return forced
+
+
+async def test_a_reply_ending_on_endoftext_finishes_stop_without_showing_it(loaded: Loaded):
+    """SmolLM2's file names only <|im_end|> as its EOS; the model also ends text with
+    <|endoftext|> (id 0), which must end the reply as ``stop`` rather than run on to
+    ``max_tokens``; it is not shown and has no log probability."""
+    gguf, model, _ = loaded
+    endoftext = gguf.vocabulary.tokens.index("<|endoftext|>")
+    engine = engine_of(loaded, forcing(model, endoftext, at_step=3))
+    plain = engine_of(loaded)
+    request = GenerationRequest(
+        "", SamplingParams(max_tokens=8, temperature=0, logprobs=1), QUESTION
+    )
+    try:
+        deltas = [d async for d in await engine.start(request)]
+        unforced = [d async for d in await plain.start(request)]
+    finally:
+        await engine.aclose()
+        await plain.aclose()
+    assert [d.finish_reason for d in deltas] == [None, None, "stop"]
+    assert sum(d.tokens for d in deltas) == 3
+    # What came before the end token is the model's own reply; the end token adds nothing.
+    assert "".join(d.text for d in deltas) == "".join(d.text for d in unforced[:2])
+    assert deltas[-1].text == "" and deltas[-1].logprobs == ()
+    assert engine.scheduler_stats().kv.used_blocks == 0

@@ -280,3 +280,33 @@ async def test_a_chat_without_a_template_reads_its_control_spellings_as_text(eng
     chat = GenerationRequest("user: a <s> b", messages=({"role": "user", "content": "a <s> b"},))
     assert bos not in engine._prompt_ids(chat)
     assert bos in engine._prompt_ids(GenerationRequest("a <s> b"))  # a completion's own prompt
+
+
+async def test_the_end_ids_are_the_generation_configs_list_and_the_known_end_tokens(
+    tmp_path: Path,
+):
+    """``generate()`` stops at every id of ``generation_config.eos_token_id`` (a list for many
+    chat models) while ``config.json`` may name one or none; the engine stops there too, and
+    at the known end tokens of the vocabulary, as the GGUF engines do."""
+    import torch
+    from transformers import GenerationConfig
+
+    from replystream.engine.hf import HFEngineConfig, load_hf_engine
+
+    folder = tiny_llama(tmp_path, ["<s>", "<|endoftext|>", "<|im_start|>"], CORPUS)
+    probe = load_hf_engine(folder)
+    with torch.inference_mode():
+        ids = probe.tokenizer("the quick", return_tensors="pt").input_ids
+        first = int(probe.model(ids).logits[0, -1].argmax())
+    await probe.aclose()
+    assert probe.eos == {probe.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    generation = GenerationConfig(eos_token_id=[5, first])  # type: ignore[no-untyped-call]
+    generation.save_pretrained(folder)  # config.json names none
+    engine = load_hf_engine(folder, HFEngineConfig(max_running=1))
+    try:
+        endoftext = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        assert engine.eos == {5, first, endoftext}
+        text, deltas = await collect(engine, "the quick", max_tokens=5, temperature=0.0)
+    finally:
+        await engine.aclose()
+    assert text == "" and [d.finish_reason for d in deltas] == ["stop"]

@@ -26,6 +26,7 @@ import numpy as np
 from gguf.quants import dequantize
 from numpy.typing import NDArray
 
+from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.gguf_header import GGUFHeader, read_header
 from replystream.engine.model import ModelConfig
 
@@ -79,7 +80,9 @@ class Vocabulary:
     merges: tuple[str, ...]
     bos_id: int | None
     eos_id: int | None
-    stop_ids: frozenset[int]  # end of generation: EOS, and EOT/EOM where the file names them
+    # End of generation: EOS, EOT and EOM where the file names them, and the known end
+    # tokens its vocabulary holds (``end_tokens``).
+    stop_ids: frozenset[int]
     chat_template: str | None
 
 
@@ -184,7 +187,8 @@ def open_gguf(path: Path) -> GGUFModel:
         key: _field(reader, f"tokenizer.ggml.{key}_token_id")
         for key in ("bos", "eos", "eot", "eom")
     }
-    stop_ids = frozenset(int(ids[k]) for k in ("eos", "eot", "eom") if ids[k] is not None)
+    spelt = {text: index for index, text in reversed(list(enumerate(tokens)))}  # first id wins
+    stop_ids = end_of_generation_ids((ids[k] for k in ("eos", "eot", "eom")), spelt)
     vocabulary = Vocabulary(
         model=str(_field(reader, "tokenizer.ggml.model", "")),
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),

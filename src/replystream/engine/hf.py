@@ -39,6 +39,7 @@ from replystream.engine.base import (
     RequestRejected,
 )
 from replystream.engine.control_tokens import ControlTokenGuard, Messages
+from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
 from replystream.engine.sampling import StopMatcher, check_sampling, sample_token, token_logprob
 
@@ -139,6 +140,24 @@ class HFChatPrompt:
         return [int(i) for i in ids]
 
 
+def _ids(value: Any) -> list[int | None]:
+    """A config's ``eos_token_id``: one id, a list of them, or none."""
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a reply (``end_tokens``): the end ids ``generate()`` stops at (the
+    generation config's ``eos_token_id``, one id or a list; else the model config's; else the
+    tokenizer's EOS), and the known end tokens the vocabulary holds, as for a GGUF."""
+    generation = getattr(model, "generation_config", None)
+    declared = _ids(getattr(generation, "eos_token_id", None))
+    if declared == [None]:
+        declared = _ids(getattr(model.config, "eos_token_id", None))
+    if declared == [None]:
+        declared = [tokenizer.eos_token_id]
+    return end_of_generation_ids(declared, tokenizer.get_vocab())
+
+
 class HFEngine:
     """Serves a ``transformers`` causal LM, one worker thread per running reply."""
 
@@ -150,10 +169,7 @@ class HFEngine:
         self.makes_tool_calls = False  # text only: no tool-call parser for its output
         self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
-        eos = getattr(model.config, "eos_token_id", None) or tokenizer.eos_token_id
-        self.eos: frozenset[int] = frozenset(
-            eos if isinstance(eos, list) else [eos] if eos is not None else []
-        )
+        self.eos = end_ids(model, tokenizer)
         # transformers 5 renamed ``past_key_values`` to ``cache``; older releases take the former.
         forward = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
