@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +215,34 @@ async def test_a_reply_ending_on_endoftext_finishes_stop_without_showing_it(load
     assert "".join(d.text for d in deltas) == "".join(d.text for d in unforced[:2])
     assert deltas[-1].text == "" and deltas[-1].logprobs == ()
     assert engine.scheduler_stats().kv.used_blocks == 0
+
+
+async def test_a_final_assistant_message_is_continued_not_answered_again(loaded: Loaded):
+    """``continue_final_message`` over the server: the model goes on from the assistant's
+    words; it does not close that turn and start a new answer. ``add_generation_prompt:
+    false`` leaves the assistant's turn unopened, so the prompt is that many tokens shorter."""
+    from replystream.server import create_app, running
+    from tests.sse_client import post_events
+
+    engine = engine_of(loaded)
+    started = {"role": "assistant", "content": "The capital of France is"}
+    base = {"max_tokens": 1, "temperature": 0, "stream": False}
+    try:
+        async with running(create_app(engine)) as url:
+            got = await post_events(
+                f"{url}/v1/chat/completions",
+                {**base, "messages": [*QUESTION, started], "continue_final_message": True},
+            )
+            usual, without = [
+                await post_events(
+                    f"{url}/v1/chat/completions", {**base, "messages": list(QUESTION), **extra}
+                )
+                for extra in ({}, {"add_generation_prompt": False})
+            ]
+    finally:
+        await engine.aclose()
+    assert got.status == 200
+    assert json.loads(got.raw)["choices"][0]["message"]["content"] == " Paris"
+    read = [json.loads(r.raw)["usage"]["prompt_tokens"] for r in (usual, without)]
+    opening = len(loaded[2].encode("<|im_start|>assistant\n"))
+    assert read[1] == read[0] - opening

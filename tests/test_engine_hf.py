@@ -7,6 +7,7 @@ Skipped with a reason when torch or transformers is missing (the ``hf`` extra), 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -310,3 +311,37 @@ async def test_the_end_ids_are_the_generation_configs_list_and_the_known_end_tok
     finally:
         await engine.aclose()
     assert text == "" and [d.finish_reason for d in deltas] == ["stop"]
+
+
+async def test_the_chat_template_honours_add_generation_prompt_and_continue_final_message(
+    chat_model_dir: Path, engine: Any
+):
+    from replystream.engine.base import RequestRejected
+    from replystream.engine.hf import HFChatPrompt, load_hf_engine
+
+    chat_engine = load_hf_engine(chat_model_dir)
+    await chat_engine.aclose()
+    tokenizer = chat_engine.tokenizer
+    prompts = HFChatPrompt(tokenizer)
+    question = {"role": "user", "content": "the quick"}
+    started = {"role": "assistant", "content": "brown fox"}
+
+    def encoded(text: str) -> list[int]:
+        return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+    asked = "<|im_start|>user\nthe quick<|im_end|>\n"
+    assert prompts.prompt_ids([question]) == encoded(asked + "<|im_start|>assistant\n")
+    assert prompts.prompt_ids([question], add_generation_prompt=False) == encoded(asked)
+    continued = prompts.prompt_ids([question, started], continue_final_message=True)
+    assert continued == encoded(asked + "<|im_start|>assistant\nbrown fox")
+    # Through the engine, as the server hands the fields over.
+    request = GenerationRequest(
+        "", messages=(question, started), prefix="brown fox", continue_final_message=True
+    )
+    assert chat_engine._prompt_ids(request) == continued
+    # No chat template: a chat's plain text has no generation prompt to add.
+    plain = GenerationRequest("user: hi", messages=({"role": "user", "content": "hi"},))
+    with pytest.raises(RequestRejected) as refused:
+        await engine.start(dataclasses.replace(plain, add_generation_prompt=True))
+    assert refused.value.param == "add_generation_prompt"
+    assert engine._prompt_ids(dataclasses.replace(plain, add_generation_prompt=False))

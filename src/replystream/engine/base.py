@@ -91,6 +91,15 @@ class GenerationRequest:
     # The start of the reply, written already (a final assistant message the client asked to
     # continue): the engine writes what follows it, and its deltas hold only that.
     prefix: str = ""
+    # Whether the final message (the assistant's, whose text is ``prefix``) is continued
+    # rather than closed (vLLM's ``continue_final_message``): a chat template leaves its turn
+    # open. True even when that message is empty.
+    continue_final_message: bool = False
+    # Whether a chat template adds its generation prompt (the opening of the assistant's turn)
+    # after the messages; None: the template's usual way (added, unless the final message is
+    # continued). An engine that builds no prompt from a template refuses True (there is no
+    # generation prompt to add).
+    add_generation_prompt: bool | None = None
     # Whether a relayed reply whose upstream stalls or fails mid-reply may go on at another
     # upstream (None: the server's default). Engines with no upstream have nothing to do.
     continuation: bool | None = None

@@ -74,6 +74,19 @@ def template_message(message: Mapping[str, Any]) -> dict[str, str]:
     return {"role": message["role"], "content": content}
 
 
+def _continue_tag(source: str, messages: Sequence[Mapping[str, str]]) -> str:
+    """A mark put after the final message's text to find where it ends once rendered: a
+    Unicode noncharacter that neither the template nor any message holds, then a space (which
+    a template that trims messages takes off, as it would the message's own)."""
+    taken = source + "".join(m["content"] for m in messages)
+    mark = next((chr(c) for c in range(0xFDD0, 0xFDF0) if chr(c) not in taken), None)
+    if mark is None:
+        raise RequestRejected(
+            "the messages hold every Unicode noncharacter", param="continue_final_message"
+        )
+    return f"{mark} "
+
+
 class ChatTemplate:
     """One compiled template, and the special tokens it may name."""
 
@@ -97,19 +110,32 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text for ``messages`` (role and text content each, tool calls and
         results written as text: ``template_message``).
 
+        With ``continue_final_message`` the text ends where the final message's text ends: its
+        turn is left open for the model to go on writing (``transformers``'
+        ``apply_chat_template`` does the same: a tag after the final text, cut off after
+        rendering; whitespace the template trims off the end of a message stays trimmed).
+
         Raises:
-            RequestRejected: the template refuses this conversation, or fails on it.
+            RequestRejected: the template refuses this conversation, or fails on it, or does
+                not show the final message that is to be continued.
         """
         plain = [template_message(message) for message in messages]
+        tag = ""
+        if continue_final_message and plain:
+            tag = _continue_tag(self.source, plain)
+            plain[-1] = {**plain[-1], "content": plain[-1]["content"] + tag}
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 messages=plain,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt and not tag,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
@@ -117,3 +143,14 @@ class ChatTemplate:
             raise RequestRejected(
                 f"the model's chat template refuses these messages: {exc}", param="messages"
             ) from None
+        if not tag:
+            return rendered
+        at = rendered.rfind(tag.rstrip())
+        if at < 0:
+            raise RequestRejected(
+                "the model's chat template does not show the final message's text, so it "
+                "cannot be continued",
+                param="continue_final_message",
+            )
+        # The tag's space kept: the template keeps the message's own trailing whitespace too.
+        return rendered[:at] if rendered.startswith(tag, at) else rendered[:at].rstrip()

@@ -41,6 +41,7 @@ from replystream.engine.base import (
 from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
+from replystream.engine.prompts import refuse_generation_prompt
 from replystream.engine.sampling import StopMatcher, check_sampling, sample_token, token_logprob
 
 log = logging.getLogger("replystream.engine")
@@ -122,15 +123,42 @@ class HFChatPrompt:
         source = str(getattr(tokenizer, "chat_template", None) or "")
         self._guard = ControlTokenGuard(control_ids, self, source)
 
-    def prompt_ids(self, messages: Messages) -> list[int]:
-        """The prompt's ids, the template's generation prompt at the end."""
-        return self._guard.prompt_ids(messages, self._render)
+    def prompt_ids(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """The prompt's ids: the template's generation prompt at the end unless
+        ``add_generation_prompt`` is false or the final message is continued (left open).
 
-    def _render(self, messages: Messages) -> str:
-        rendered = self._tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
-        )
-        return str(rendered)
+        Raises:
+            RequestRejected: the template cannot show the final message to continue it.
+        """
+        generation = not continue_final_message
+        if add_generation_prompt is not None:
+            generation = add_generation_prompt
+
+        def render(hidden: Messages) -> str:
+            try:
+                rendered = self._tokenizer.apply_chat_template(
+                    [dict(m) for m in hidden],
+                    add_generation_prompt=generation,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                )
+            except ValueError as exc:  # transformers' words for a message it cannot continue
+                if not continue_final_message:
+                    raise
+                log.debug("the chat template cannot continue the final message: %s", exc)
+                raise RequestRejected(
+                    "the model's chat template does not show the final message's text, so it "
+                    "cannot be continued",
+                    param="continue_final_message",
+                ) from None
+            return str(rendered)
+
+        return self._guard.prompt_ids(messages, render)
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=False)]
@@ -190,7 +218,10 @@ class HFEngine:
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages and self._chat is not None:
-            return self._chat.prompt_ids(request.messages)
+            return self._chat.prompt_ids(
+                request.messages, request.add_generation_prompt, request.continue_final_message
+            )
+        refuse_generation_prompt(request)
         # Chat messages in their plain-text form are all the messages' text: no control token
         # in it is real. A completion's prompt is its client's own, control tokens and all.
         chat = {"split_special_tokens": True} if request.messages is not None else {}

@@ -8,17 +8,23 @@ the template's markup is encoded with its control tokens, the messages' text as 
 (a legacy completion) is continued as plain text, its control spellings matched whole: its
 client wrote the whole prompt, there is no one else's markup in it to forge. A chat request's
 plain-text form (a model without a template) is all the messages' text, and is encoded as
-such. It must not know about models or serving.
+such. A request's ``add_generation_prompt`` and ``continue_final_message`` reach the template
+(``template_renderer``); without one, a plain-text form has no generation prompt to add, and
+``add_generation_prompt: true`` is refused rather than ignored. It must not know about models
+or serving.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
-from replystream.engine.base import GenerationRequest
+from replystream.engine.base import GenerationRequest, RequestRejected
 from replystream.engine.chat_template import ChatTemplate
-from replystream.engine.control_tokens import ControlTokenGuard
+from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.tokenizer import ByteTokenizer
+
+Render = Callable[[Messages], str]
 
 
 class PromptFormat(Protocol):
@@ -41,6 +47,7 @@ class PlainPrompt:
         self._empty = empty
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        refuse_generation_prompt(request)
         if not request.prompt:
             return self._tokenizer.encode(self._empty)  # ours: it may be a control token (BOS)
         if request.messages is not None:
@@ -59,5 +66,36 @@ class ChatPrompt:
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages:
-            return self._guard.prompt_ids(request.messages, self._template.render)
+            return self._guard.prompt_ids(
+                request.messages, template_renderer(self._template, request)
+            )
         return self._tokenizer.encode(request.prompt) or [self._start_id]
+
+
+def template_renderer(template: ChatTemplate, request: GenerationRequest) -> Render:
+    """``template``'s rendering as ``request`` asks for it: its generation prompt added unless
+    the request says not to or continues the final message, which stays open."""
+    generation = request.add_generation_prompt
+    if generation is None:
+        generation = not request.continue_final_message
+
+    def render(messages: Messages) -> str:
+        return template.render(messages, generation, request.continue_final_message)
+
+    return render
+
+
+def refuse_generation_prompt(request: GenerationRequest) -> None:
+    """Refuse ``add_generation_prompt: true`` where there is no chat template: a chat's
+    plain-text form ends with the last message's text, and there is no generation prompt to
+    add (``false`` is what it does anyway; a final message is continued as its text ends).
+
+    Raises:
+        RequestRejected: naming ``add_generation_prompt``.
+    """
+    if request.messages is not None and request.add_generation_prompt:
+        raise RequestRejected(
+            "this model has no chat template: a chat is read as its messages' plain text, "
+            "with no generation prompt to add (send false, or leave it out)",
+            param="add_generation_prompt",
+        )

@@ -78,10 +78,12 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
     }
     if model is not None:
         body["model"] = model
-    if request.prefix:  # the last message is the assistant's start: continue it (vLLM's
-        # fields; llama.cpp and Ollama continue a final assistant message by themselves)
+    if request.continue_final_message:  # the last message is the assistant's start: continue
+        # it (vLLM's fields; llama.cpp and Ollama continue a final assistant message by themselves)
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False
+    elif request.add_generation_prompt is not None:  # the client's, as it gave it
+        body["add_generation_prompt"] = request.add_generation_prompt
     if s.max_tokens is not None:
         body["max_tokens"] = s.max_tokens
     if s.top_k > 0:

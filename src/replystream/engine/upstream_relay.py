@@ -521,7 +521,7 @@ class RelayedReply:
             return self._request
         request, prefix = self._request, "".join(self._sent)
         messages = request.messages or ({"role": "user", "content": request.prompt},)
-        if request.prefix:  # the client's own prefix, continued already: extend it
+        if request.continue_final_message:  # the client's own prefix, continued: extend it
             *before, last = messages
             messages = (*before, {**last, "content": request.prefix + prefix})
             prefix = request.prefix + prefix
@@ -530,7 +530,14 @@ class RelayedReply:
         sampling = request.sampling
         if sampling.max_tokens is not None:
             sampling = replace(sampling, max_tokens=max(1, sampling.max_tokens - self._tokens))
-        return replace(request, messages=tuple(messages), prefix=prefix, sampling=sampling)
+        return replace(
+            request,
+            messages=tuple(messages),
+            prefix=prefix,
+            continue_final_message=True,
+            add_generation_prompt=None,
+            sampling=sampling,
+        )
 
     def _give_up(self) -> EngineError:
         error = self._last_error

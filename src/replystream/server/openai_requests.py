@@ -86,6 +86,8 @@ def parse_chat_request(
         tool_choice,
         model=model,
         prefix=body.prefix,
+        continue_final_message=bool(body.continue_final_message),
+        add_generation_prompt=body.add_generation_prompt,
         continuation=body.upstream_continue,
         parallel_tool_calls=body.parallel_tool_calls,
         prompt_cache_key=body.prompt_cache_key,
