@@ -345,3 +345,15 @@ async def test_the_chat_template_honours_add_generation_prompt_and_continue_fina
         await engine.start(dataclasses.replace(plain, add_generation_prompt=True))
     assert refused.value.param == "add_generation_prompt"
     assert engine._prompt_ids(dataclasses.replace(plain, add_generation_prompt=False))
+
+
+async def test_penalties_change_what_greedy_decoding_picks(engine: Any):
+    """A negative frequency penalty rewards each token made: this random model's logits are
+    all small, so greedy decoding makes its first token again and again."""
+    text, _ = await collect(engine, "the quick", max_tokens=12, temperature=0.0)
+    first, _ = await collect(engine, "the quick", max_tokens=1, temperature=0.0)
+    looped, _ = await collect(
+        engine, "the quick", max_tokens=12, temperature=0.0, frequency_penalty=-2.0
+    )
+    assert first and text != first * 12
+    assert looped == first * 12

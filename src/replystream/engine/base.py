@@ -67,6 +67,12 @@ class SamplingParams:
     # Log probabilities of each made token (None: not asked), with this many of the likeliest
     # alternatives at each position (0 to 20).
     logprobs: int | None = None
+    # OpenAI's penalties on the tokens the reply has made so far: ``frequency_penalty`` per
+    # time a token was made, ``presence_penalty`` once it was; vLLM's and transformers'
+    # ``repetition_penalty`` on every token of the prompt and the reply (1: none).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,15 @@ from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
 from replystream.engine.prompts import refuse_generation_prompt
-from replystream.engine.sampling import StopMatcher, check_sampling, sample_token, token_logprob
+from replystream.engine.sampling import (
+    StopMatcher,
+    TokenHistory,
+    check_sampling,
+    penalize,
+    penalizes,
+    sample_token,
+    token_logprob,
+)
 
 log = logging.getLogger("replystream.engine")
 
@@ -317,6 +325,7 @@ class HFEngine:
         detok = HFDetokenizer(self.tokenizer)
         stop = StopMatcher(params.stop)
         ids = torch.tensor([prompt], dtype=torch.long)  # (1, prompt tokens)
+        history = TokenHistory(prompt) if penalizes(params) else None
         past = None
         for made in range(1, max_new + 1):
             # The first delta says how many tokens the model read (its chat template's).
@@ -328,7 +337,11 @@ class HFEngine:
                 self._counts["steps"] += 1
             past = getattr(out, self._cache_arg)
             logits = out.logits[0, -1].float().numpy()  # (vocab,)
-            token = sample_token(logits, params, rng)
+            if history is None:
+                token = sample_token(logits, params, rng)
+            else:
+                token = sample_token(penalize(logits, params, history), params, rng)
+                history.add(token)
             now = time.monotonic()
             logprobs = None
             if params.logprobs is not None:

@@ -33,7 +33,14 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 from replystream.engine.base import Delta, EngineError, EngineStats, SamplingParams, TokenLogprob
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
-from replystream.engine.sampling import StopMatcher, sample_token, token_logprob
+from replystream.engine.sampling import (
+    StopMatcher,
+    TokenHistory,
+    penalize,
+    penalizes,
+    sample_token,
+    token_logprob,
+)
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
 from replystream.engine.speculative import accept
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
@@ -74,6 +81,7 @@ class _Request:
     finished: float | None = None
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet delivered
+    history: TokenHistory | None = None  # what the penalties look at (None: none asked)
 
 
 class Runner:
@@ -151,6 +159,7 @@ class Runner:
                     stop=StopMatcher(params.stop),
                     rng=np.random.default_rng(seed),
                     queued=self.clock(),
+                    history=TokenHistory(prompt) if penalizes(params) else None,
                 )
             )
             self._counts["started"] += 1
@@ -187,7 +196,12 @@ class Runner:
                 request = requests[c.seq_id]
 
                 def pick(row: NDArray[np.float32], r: _Request = request) -> int:
-                    token = sample_token(row, r.params, r.rng)
+                    if r.history is None:
+                        token = sample_token(row, r.params, r.rng)
+                    else:  # picks one after another: each sees the tokens picked before it
+                        token = sample_token(penalize(row, r.params, r.history), r.params, r.rng)
+                        r.history.add(token)
+                    # Log probabilities are the model's own (``token_logprob``), unpenalized.
                     if r.params.logprobs is not None:  # every pick is a made token
                         top, to_bytes = r.params.logprobs, self.tokenizer.token_bytes
                         r.logprobs.append(token_logprob(row, token, top, to_bytes))

@@ -3,7 +3,9 @@
 This file decides how logits become one token id: greedy at temperature 0, otherwise
 softmax(logits / temperature) computed stably (the max is subtracted before ``exp``), narrowed
 by top-k and then top-p (the smallest set of tokens whose probabilities reach p), and drawn
-with the request's own seeded generator, so the same seed gives the same reply. It also tells
+with the request's own seeded generator, so the same seed gives the same reply. Penalties
+(presence, frequency, repetition) change the logits first, from the request's
+``TokenHistory``. It also tells
 an engine when a stop sequence has completed (the pipeline cuts it). It must not know about
 models, caches, batches or time.
 """
@@ -11,7 +13,8 @@ models, caches, batches or time.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,10 +44,54 @@ def check_sampling(params: SamplingParams) -> None:
         raise RequestRejected(
             f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs"
         )
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        # It divides positive logits: 0 has no meaning (vLLM refuses it too).
+        raise RequestRejected("repetition_penalty must be > 0", param="repetition_penalty")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise RequestRejected(f"{name} must be a finite number", param=name)
     if len(params.stop) > MAX_STOP_SEQUENCES or any(not s for s in params.stop):
         raise RequestRejected(
             f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop"
         )
+
+
+def penalizes(params: SamplingParams) -> bool:
+    """Whether ``params`` ask for any penalty (none: logits are sampled as the model gave them)."""
+    return bool(
+        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+    )
+
+
+class TokenHistory:
+    """What the penalties look at: the prompt's tokens and how often the reply made each."""
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self.prompt = frozenset(prompt)
+        self.made: Counter[int] = Counter()
+
+    def add(self, token: int) -> None:
+        self.made[token] += 1
+
+
+def penalize(
+    logits: NDArray[np.floating], params: SamplingParams, history: TokenHistory
+) -> NDArray[np.float32]:
+    """The logits with the request's penalties applied (a copy), as vLLM applies them:
+    ``repetition_penalty`` divides a positive logit and multiplies a negative one for every
+    token of the prompt or the reply; then each token the reply made loses
+    ``frequency_penalty`` times its count, and ``presence_penalty`` once."""
+    z = np.array(logits, dtype=np.float32)  # (vocab,)
+    if params.repetition_penalty != 1.0:
+        seen = np.fromiter(history.prompt | history.made.keys(), dtype=np.int64)
+        seen = seen[seen < z.size]
+        rp = np.float32(params.repetition_penalty)
+        z[seen] = np.where(z[seen] > 0, z[seen] / rp, z[seen] * rp)
+    if history.made and (params.frequency_penalty or params.presence_penalty):
+        ids = np.fromiter(history.made.keys(), dtype=np.int64, count=len(history.made))
+        counts = np.fromiter(history.made.values(), dtype=np.float32, count=len(history.made))
+        z[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return z
 
 
 def probabilities(logits: NDArray[np.floating], temperature: float = 1.0) -> NDArray[np.float64]:

@@ -90,6 +90,13 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["top_k"] = s.top_k  # vLLM, TGI, llama.cpp and Ollama take it; OpenAI does not
     if s.seed is not None:
         body["seed"] = s.seed
+    for name, none in (
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),  # vLLM's, llama.cpp's and TGI's; OpenAI has none
+    ):
+        if getattr(s, name) != none:
+            body[name] = getattr(s, name)
     if s.stop:
         body["stop"] = list(s.stop)
     if s.logprobs is not None:

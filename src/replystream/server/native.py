@@ -69,7 +69,14 @@ def sampling_params(
         seed=body.seed,
         stop=body.stop or (),
         logprobs=logprobs,
+        **penalties(body),
     )
+
+
+def penalties(body: SamplingFields) -> dict[str, float]:
+    """The penalties the body gives (fields only the OpenAI routes have; none elsewhere)."""
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    return {name: value for name in names if (value := getattr(body, name, None)) is not None}
 
 
 def delivery_overrides(body: SamplingFields, defaults: DeliveryPolicy) -> DeliveryPolicy:

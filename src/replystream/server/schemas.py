@@ -330,11 +330,12 @@ class OpenAIBody(SamplingFields):
     max_tokens: TokenCount | None = None
     stream_options: StreamOptions | None = None
     n: ChoiceCount | None = None
-    # Accepted and ignored.
-    user: str | None = None
+    # Honoured by the built-in models (``sampling.penalize``) and relayed to an upstream.
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    # Accepted and ignored.
+    user: str | None = None
     logit_bias: dict[str, Bias] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
