@@ -196,3 +196,18 @@ async def test_either_service_tier_is_served_by_the_one_capacity_there_is():
                 streamed = await stream.get_final_message()
             assert message.stop_reason == streamed.stop_reason == "end_turn"
             assert message.model_dump(exclude={"id"}) == streamed.model_dump(exclude={"id"})
+
+
+async def test_a_final_assistant_message_is_prefilled_text_the_reply_goes_on_from():
+    """Anthropic's prefill: the reply continues the final assistant message; it does not
+    start over (the simulated engine goes on from as many words in)."""
+    async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
+        prefilled = await client.messages.create(
+            model="simulated",
+            max_tokens=3,
+            messages=[
+                {"role": "user", "content": "count"},
+                {"role": "assistant", "content": "one two three four"},
+            ],
+        )
+    assert [b.text for b in prefilled.content if b.type == "text"] == ["five six seven "]

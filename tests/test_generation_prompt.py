@@ -105,3 +105,22 @@ async def test_the_relay_passes_both_fields_on_as_the_client_gave_them() -> None
     sent = [(b.get("add_generation_prompt"), b.get("continue_final_message")) for b in fake.bodies]
     # Not given: not sent (the upstream's default); an empty final message is continued too.
     assert sent == [(False, None), (None, None), (False, True)]
+
+
+async def test_the_relay_continues_an_anthropic_prefill_upstream() -> None:
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/ok/v1"),), model="m"))
+        async with running(create_app(engine)) as relay:
+            body = {
+                "model": "upstream",  # the relay's own name: any upstream
+                "max_tokens": 8,
+                "messages": [
+                    {"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": "The capital of France is"},
+                ],
+            }
+            got = await post_events(f"{relay}/v1/messages", body)
+            assert got.status == 200, got.raw
+    sent = fake.bodies[0]
+    assert sent["messages"][-1] == {"role": "assistant", "content": "The capital of France is"}
+    assert (sent["continue_final_message"], sent["add_generation_prompt"]) == (True, False)

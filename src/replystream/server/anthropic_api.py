@@ -74,8 +74,19 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
     choice = body.tool_choice
     disabled = None if choice is None else choice.disable_parallel_tool_use
     parallel = None if disabled is None else not disabled
+    # Anthropic's prefill: a final assistant message (text, no tool call) is the start of
+    # the reply, which goes on from it (as chat's ``continue_final_message``).
+    last = messages[-1] if messages else None
+    prefill = last is not None and last["role"] == "assistant" and not last.get("tool_calls")
     return GenerationRequest(
-        prompt, sampling, tuple(messages), tools, tool_choice, parallel_tool_calls=parallel
+        prompt,
+        sampling,
+        tuple(messages),
+        tools,
+        tool_choice,
+        parallel_tool_calls=parallel,
+        prefix=str(last["content"] or "") if prefill and last is not None else "",
+        continue_final_message=prefill,
     )
 
 
