@@ -121,3 +121,23 @@ def test_token_logprob_is_the_log_softmax_of_the_raw_logits_with_the_likeliest_f
     assert [t.token for t in made.top] == ["t2", "t0"]
     assert [t.logprob for t in made.top] == pytest.approx([expected[2], expected[0]])
     assert token_logprob(logits, 3, 0, lambda i: b"\xe2\x82").token == "\ufffd"  # part of a char
+
+
+class _TopDraw:
+    """A generator whose every uniform draw is the largest float below 1."""
+
+    def random(self) -> float:
+        return 1.0 - 2.0**-53
+
+
+def test_a_draw_at_the_top_of_the_range_never_picks_a_token_top_k_cut() -> None:
+    """``cumsum(p)`` can end a few ulps below ``p.sum()`` (they add in different orders); a
+    draw scaled by the sum then fell past the cumsum's end onto the vocabulary's last token,
+    whose probability top-k had made 0."""
+    logits = np.random.default_rng(0).normal(size=4096).astype(np.float32) * 3
+    params = SamplingParams(temperature=1.0, top_k=50)
+    p = filtered_probabilities(logits, params)
+    assert np.cumsum(p)[-1] < p.sum()  # the case: this vector's two sums differ
+    token = sample_token(logits, params, _TopDraw())  # type: ignore[arg-type]
+    assert p[token] > 0
+    assert token == int(np.flatnonzero(p)[-1])  # the top of the range: the last kept token

@@ -131,9 +131,13 @@ def sample_token(
     if params.temperature == 0:
         return int(np.argmax(logits))
     p = filtered_probabilities(logits, params)
-    # One uniform draw per token, inverted through the cumulative distribution.
-    index = int(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"))
-    return min(index, p.size - 1)
+    # One uniform draw per token, inverted through the cumulative distribution. The draw is
+    # scaled by the cumulative sum's own end, not by ``p.sum()``: the two add in different
+    # orders, and a draw near 1 past the cumsum's end would fall off it onto the vocabulary's
+    # last token, whatever its probability (0 when top-k or top-p cut it).
+    cdf = np.cumsum(p)  # (vocab,)
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(index, int(np.flatnonzero(p)[-1]))  # rounding may still reach the very end
 
 
 def token_logprob(
