@@ -1,5 +1,6 @@
-"""Presence, frequency and repetition penalties: applied by the built-in models' sampler as
-vLLM applies them, refused where they have no meaning, and relayed to an upstream."""
+"""Presence, frequency and repetition penalties and logit biases: applied by the built-in
+models' sampler as vLLM applies them, refused where they have no meaning, and relayed to an
+upstream."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def test_penalties_change_the_logits_of_the_tokens_seen_as_vllm_does() -> None:
     repetition = penalize(logits, SamplingParams(repetition_penalty=2.0), history)
     assert repetition.tolist() == [1.0, -4.0, 0.5, 1.5, 0.5]  # prompt and reply alike
     assert logits.tolist() == [2.0, -2.0, 1.0, 3.0, 0.5]  # a copy: the model's own kept
+    biased = penalize(logits, SamplingParams(logit_bias=((1, 100.0), (3, -100.0))), history)
+    assert biased.tolist() == [2.0, 98.0, 1.0, -97.0, 0.5]
 
 
 def test_a_repetition_penalty_of_zero_is_refused() -> None:
@@ -70,8 +73,40 @@ async def test_the_relay_passes_the_penalties_on_when_given() -> None:
     async with fake_upstream() as (fake, upstream):
         engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/ok/v1"),), model="m"))
         async with running(create_app(engine)) as relay:
-            given = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}
+            given = {
+                "presence_penalty": 0.5,
+                "frequency_penalty": -1,
+                "repetition_penalty": 1.2,
+                "logit_bias": {"7": -100, "42": 2.5},
+            }
             for body in ({"messages": question, **given}, {"messages": question}):
                 assert (await post_events(f"{relay}/v1/chat/completions", body)).status == 200
-    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
     assert [{n: b[n] for n in names if n in b} for b in fake.bodies] == [given, {}]
+
+
+async def test_the_tiny_model_honours_logit_bias_over_the_api() -> None:
+    engine = load_default_engine()
+    forced = engine.tokenizer.encode(" Egypt")
+    assert len(forced) == 1
+    base = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    try:
+        async with running(create_app(engine)) as url:
+
+            async def complete(**extra: object) -> tuple[int, dict[str, object]]:
+                got = await post_events(f"{url}/v1/completions", {**base, **extra})
+                return got.status, json.loads(got.raw)
+
+            _, plain = await complete()
+            _, favoured = await complete(logit_bias={str(forced[0]): 100})
+            first = engine.tokenizer.encode(plain["choices"][0]["text"])[0]  # type: ignore[index]
+            _, banned = await complete(logit_bias={str(first): -100})
+            unknown = await complete(logit_bias={"4096": 1})
+            not_an_id = await complete(logit_bias={"Egypt": 1})
+    finally:
+        await engine.aclose()
+    assert favoured["choices"][0]["text"] == " Egypt" * 4  # type: ignore[index]
+    banned_text = banned["choices"][0]["text"]  # type: ignore[index]
+    assert engine.tokenizer.encode(banned_text)[0] != first
+    assert unknown[0] == 400 and unknown[1]["error"]["param"] == "logit_bias"  # type: ignore[index]
+    assert not_an_id[0] == 400

@@ -73,6 +73,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's ``logit_bias``: (token id, bias) pairs, each bias added to that token's logit
+    # before any pick (-100 all but bans it, 100 all but forces it).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

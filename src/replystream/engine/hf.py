@@ -45,6 +45,7 @@ from replystream.engine.prompts import refuse_generation_prompt
 from replystream.engine.sampling import (
     StopMatcher,
     TokenHistory,
+    check_logit_bias,
     check_sampling,
     penalize,
     penalizes,
@@ -242,6 +243,7 @@ class HFEngine:
         if self._closed:
             raise EngineError("the engine was closed", code="engine_closed")
         check_sampling(request.sampling)
+        check_logit_bias(request.sampling, int(self.model.config.vocab_size))
         prompt = self._prompt_ids(request)
         if not prompt:
             raise RequestRejected(

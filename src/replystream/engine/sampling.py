@@ -57,10 +57,28 @@ def check_sampling(params: SamplingParams) -> None:
 
 
 def penalizes(params: SamplingParams) -> bool:
-    """Whether ``params`` ask for any penalty (none: logits are sampled as the model gave them)."""
+    """Whether ``params`` ask for any penalty or bias (none: logits are sampled as the model
+    gave them)."""
     return bool(
-        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+        params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.logit_bias
     )
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse a bias on a token the model does not have.
+
+    Raises:
+        RequestRejected: naming ``logit_bias``.
+    """
+    unknown = [token for token, _ in params.logit_bias if token >= vocab_size]
+    if unknown:
+        raise RequestRejected(
+            f"logit_bias names token {unknown[0]}; this model's tokens are 0 to {vocab_size - 1}",
+            param="logit_bias",
+        )
 
 
 class TokenHistory:
@@ -80,7 +98,8 @@ def penalize(
     """The logits with the request's penalties applied (a copy), as vLLM applies them:
     ``repetition_penalty`` divides a positive logit and multiplies a negative one for every
     token of the prompt or the reply; then each token the reply made loses
-    ``frequency_penalty`` times its count, and ``presence_penalty`` once."""
+    ``frequency_penalty`` times its count, and ``presence_penalty`` once; then each
+    ``logit_bias`` is added."""
     z = np.array(logits, dtype=np.float32)  # (vocab,)
     if params.repetition_penalty != 1.0:
         seen = np.fromiter(history.prompt | history.made.keys(), dtype=np.int64)
@@ -91,6 +110,8 @@ def penalize(
         ids = np.fromiter(history.made.keys(), dtype=np.int64, count=len(history.made))
         counts = np.fromiter(history.made.values(), dtype=np.float32, count=len(history.made))
         z[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    for token, bias in params.logit_bias:  # ids checked against the vocabulary at admission
+        z[token] += bias
     return z
 
 

@@ -28,7 +28,7 @@ from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import TinyModel
 from replystream.engine.prompts import PlainPrompt, PromptFormat
 from replystream.engine.runner import DeltaQueue, RequestTimings, Runner
-from replystream.engine.sampling import check_sampling
+from replystream.engine.sampling import check_logit_bias, check_sampling
 from replystream.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from replystream.engine.tokenizer import ByteTokenizer
 
@@ -123,6 +123,7 @@ class TinyEngine:
 
     async def start(self, request: GenerationRequest) -> TinyDeltaStream:
         check_sampling(request.sampling)
+        check_logit_bias(request.sampling, self.model.config.vocab_size)
         prompt = self.prompts.prompt_ids(request)
         context = self.model.config.context
         if len(prompt) >= context:

@@ -97,6 +97,8 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
     ):
         if getattr(s, name) != none:
             body[name] = getattr(s, name)
+    if s.logit_bias:  # token ids are the upstream model's: it checks them
+        body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
     if s.stop:
         body["stop"] = list(s.stop)
     if s.logprobs is not None:

@@ -73,10 +73,17 @@ def sampling_params(
     )
 
 
-def penalties(body: SamplingFields) -> dict[str, float]:
-    """The penalties the body gives (fields only the OpenAI routes have; none elsewhere)."""
+def penalties(body: SamplingFields) -> dict[str, Any]:
+    """The penalties and logit biases the body gives (fields only the OpenAI routes have;
+    none elsewhere)."""
     names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-    return {name: value for name in names if (value := getattr(body, name, None)) is not None}
+    given: dict[str, Any] = {
+        name: value for name in names if (value := getattr(body, name, None)) is not None
+    }
+    biases: dict[str, float] | None = getattr(body, "logit_bias", None)
+    if biases:
+        given["logit_bias"] = tuple(sorted((int(token), bias) for token, bias in biases.items()))
+    return given
 
 
 def delivery_overrides(body: SamplingFields, defaults: DeliveryPolicy) -> DeliveryPolicy:

@@ -81,6 +81,8 @@ KeepaliveS = Annotated[float, Field(ge=0.1, le=3600.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(ge=0.0, le=10.0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # a token id, as text
+MAX_LOGIT_BIASES = 1024
 ClientTag = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_CHARS)]
 
 
@@ -334,9 +336,10 @@ class OpenAIBody(SamplingFields):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
+    # Token id (as text) -> a bias added to its logit: honoured and relayed likewise.
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIASES)] | None = None
     # Accepted and ignored.
     user: str | None = None
-    logit_bias: dict[str, Bias] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
