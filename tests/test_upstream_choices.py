@@ -22,6 +22,7 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from tests.chat_upstream import ChatUpstream
+from tests.sse_client import post_events
 
 PROMPT_TOKENS = 11  # what every upstream reports: more than our estimate of "hi"
 
@@ -115,3 +116,16 @@ async def test_each_choice_continues_on_its_own_after_a_stall_streamed_and_whole
     assert sorted((b["seed"], b["messages"][-1]["content"]) for b in continued) == [
         (seed, f"s{seed}w0 s{seed}w1 s{seed}w2 ") for seed in (0, 1) for _ in range(2)
     ]
+
+
+async def test_a_reply_without_a_generation_prompt_is_not_continued_as_an_assistant_message():
+    """With ``add_generation_prompt: false`` the upstream writes on from the conversation
+    with no assistant turn opened; its text so far is not an assistant message, so after a
+    stall it is not sent upstream as one: the reply ends with the stall's error instead."""
+    upstreams = [StallsOnce(), StallsOnce()]
+    async with relay(upstreams) as url:
+        body = {**ASK, "n": 1, "stream": True, "add_generation_prompt": False}
+        got = await post_events(f"{url}/v1/chat/completions", body)
+    assert got.chat_text == expected_text(0)[: len("s0w0 s0w1 s0w2 ")]
+    assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_stalled"]
+    assert not [b for u in upstreams for b in u.bodies if b.get("continue_final_message")]

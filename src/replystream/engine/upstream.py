@@ -228,6 +228,10 @@ class UpstreamEngine:
         """
         await self._prober.first_round()
         continuation = request.continuation
+        if request.add_generation_prompt is False and not request.continue_final_message:
+            # The reply follows the rendered conversation with no assistant turn opened, so its
+            # text so far is no assistant message, the only form a continuation can send it in.
+            continuation = False
         reply = RelayedReply(
             request,
             pool=self.pool,
