@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -174,3 +175,36 @@ async def test_a_key_whose_upstream_fails_moves_and_only_its_keys_move_when_it_l
         for n, home in homes.items():
             if home != victim.name:
                 assert await turn(client, conversation(n)) == home
+
+
+async def test_a_key_whose_upstream_another_worker_fills_spills_and_is_counted(tmp_path: Path):
+    # Two relays sharing one folder of slot files are two workers of one server: each of
+    # the two upstreams takes one request at once, counted over both.
+    upstreams = [NamedUpstream(name) for name in ("a", "b")]
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(running(u.app())) for u in upstreams]
+        targets = tuple(UpstreamTarget(f"{u}/v1", max_outstanding=1) for u in urls)
+        config = UpstreamConfig(targets, routing="prefix", health_s=600.0, queue_s=5.0)
+        workers = [UpstreamEngine(config, shared_limits=tmp_path) for _ in range(2)]
+        clients = []
+        for engine in workers:
+            stack.push_async_callback(engine.aclose)
+            url = await stack.enter_async_context(running(create_app(engine)))
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            stack.push_async_callback(client.close)
+            clients.append(client)
+        first, second = clients
+        home = await turn(first, conversation(0))  # alone: its own upstream
+        held = next(u for u in upstreams if u.name == home)
+        held.hold = asyncio.Event()
+        holding = asyncio.create_task(turn(first, conversation(0)))
+        await wait_for(lambda: held.holding == 1)
+        # The other worker has nothing under way: its key's upstream has room as far as its
+        # own count goes, but the first worker holds that upstream's only slot.
+        assert await turn(second, conversation(0)) != home
+        assert workers[1].stats().spills == 1
+        assert workers[0].stats().spills == 0
+        held.hold.set()
+        assert await holding == home
+        assert await turn(second, conversation(0)) == home  # the slot is free again
+        assert workers[1].stats().spills == 1

@@ -59,16 +59,21 @@ def _score(key: bytes, backend: Backend) -> float:
     return -backend.weight / math.log(uniform)
 
 
-def preferred(usable: Sequence[Backend], key: str) -> tuple[Backend, bool]:
+def home(usable: Sequence[Backend], key: str) -> Backend:
+    """The upstream of ``usable`` (not empty) ``key`` goes to when load is no matter: the
+    first in its order of preference."""
+    encoded = key.encode()
+    return max(usable, key=lambda b: _score(encoded, b))
+
+
+def preferred(usable: Sequence[Backend], key: str) -> Backend:
     """The upstream of ``usable`` (not empty) that ``key`` goes to: the first in its order of
-    preference whose load stays within the bound; and whether that is not the first (the
-    request spilled)."""
+    preference whose load stays within the bound."""
     encoded = key.encode()
     ranked = sorted(usable, key=lambda b: _score(encoded, b), reverse=True)
     total = sum(b.outstanding for b in usable) + 1  # this request counted
     per_weight = total / sum(b.weight for b in usable)
     for backend in ranked:
         if backend.outstanding + 1 <= math.ceil(LOAD_BOUND * per_weight * backend.weight):
-            return backend, backend is not ranked[0]
-    least = min(ranked, key=lambda b: b.outstanding / b.weight)  # (the bound leaves one)
-    return least, least is not ranked[0]
+            return backend
+    return min(ranked, key=lambda b: b.outstanding / b.weight)  # (the bound leaves one)

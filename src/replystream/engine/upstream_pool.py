@@ -248,14 +248,14 @@ class UpstreamPool:
         """The upstreams to try for a request for ``model`` (a real name), best first; empty
         when none serving it is usable now. ``prefer`` picks the first among those usable
         (a request's own preference: ``upstream_affinity``) instead of the least loaded."""
-        usable = [b for b in self._usable(model) if b.has_room]
+        usable = [b for b in self.usable(model) if b.has_room]
         if not usable:
             return []
         first = self._pick(usable) if prefer is None else prefer(usable)
         rest = sorted((b for b in usable if b is not first), key=lambda b: b.outstanding / b.weight)
         return [first, *rest]
 
-    def _usable(self, model: str | None) -> list[Backend]:
+    def usable(self, model: str | None) -> list[Backend]:
         """The upstreams serving ``model`` a request may go to now, room or not."""
         now = self.clock()
         allowed = [b for b in self.serving(model) if b.allows(now)]
@@ -279,7 +279,7 @@ class UpstreamPool:
         """Whether the only thing keeping a request for ``model`` out of the upstreams but
         ``excluding`` (those it tried) is their limits of requests at once: some let a
         request through now, and none of those has room (one ending would let it in)."""
-        usable = [b for b in self._usable(model) if b not in excluding]
+        usable = [b for b in self.usable(model) if b not in excluding]
         return bool(usable) and not any(b.has_room for b in usable)
 
     def failed(self, backend: Backend, problem: str, wait_s: float = 0.0) -> None:

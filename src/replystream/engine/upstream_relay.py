@@ -49,7 +49,7 @@ from replystream.engine.base import (
     PushDeltaStream,
     RequestRejected,
 )
-from replystream.engine.upstream_affinity import preferred
+from replystream.engine.upstream_affinity import home, preferred
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_shared_limits import Slot, take_slot
@@ -467,7 +467,7 @@ class RelayedReply:
         while True:
             if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
-            prefer = None if self._affinity is None else self._preferred
+            prefer = None if self._affinity is None else self._preferred_among
             plan = self._pool.plan(self._model, prefer)
             if self._shared is None:
                 backend = next((b for b in plan if b not in self._tried), None)
@@ -485,6 +485,8 @@ class RelayedReply:
                 raise self._give_up()
             if len(self._tried) == 1 and not self._relayed_any:
                 self._counts.failovers += 1  # once per reply, however many moves it made
+            if not self._tried and self._spilled_past_home(backend):
+                self._counts.spills += 1
             self._tried.add(backend)
             backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()
@@ -505,14 +507,18 @@ class RelayedReply:
                 self._attempt_over("cancelled")
                 raise
 
-    def _preferred(self, usable: list[Backend]) -> Backend:
-        """Routed by prefix: the upstream this reply's key goes to among ``usable``; a
-        first attempt that spills past its key's own upstream is counted."""
+    def _preferred_among(self, usable: list[Backend]) -> Backend:
+        """Routed by prefix: the upstream this reply's key goes to among ``usable``."""
         assert self._affinity is not None
-        backend, spilled = preferred(usable, self._affinity)
-        if spilled and not self._tried:
-            self._counts.spills += 1
-        return backend
+        return preferred(usable, self._affinity)
+
+    def _spilled_past_home(self, first: Backend) -> bool:
+        """Routed by prefix: whether ``first``, a reply's first upstream, is not its key's
+        own among those usable now (that one's load past the bound, or at its limit of
+        requests at once, in this worker or counted over every worker's slots)."""
+        if self._affinity is None:
+            return False
+        return first is not home(self._pool.usable(self._model) or [first], self._affinity)
 
     def _attempt_request(self) -> GenerationRequest:
         """The request as this attempt sends it: after a seam, with the text so far as the
