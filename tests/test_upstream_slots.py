@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from subprocess import PIPE
 
-from replystream.engine.upstream_slots import Lines, SlotFiles
+from replystream.engine.upstream_slots import Lines, LockTable, SlotFiles
 
 
 def test_two_holders_of_one_folder_take_no_more_slots_than_the_limit_together(tmp_path: Path):
@@ -85,3 +86,49 @@ def test_a_count_of_the_slots_taken_is_reused_only_for_a_moment(tmp_path: Path):
     assert one.taken(2) == 0  # counted a moment ago
     now[0] += 0.2
     assert one.taken(2) == 1
+
+
+def test_counting_the_slots_taken_never_keeps_a_request_from_a_free_slot(tmp_path: Path):
+    # Another process counts the slots taken (a worker answering a metrics scrape) as fast
+    # as it can, never reusing a count, while this one takes and gives back the only slot.
+    script = (
+        "import itertools, sys; from pathlib import Path;"
+        "from replystream.engine.upstream_slots import SlotFiles;"
+        "tick = itertools.count(0, 1.0);"
+        "s = SlotFiles(Path(sys.argv[1]), clock=lambda: next(tick)); seen = set();"
+        "print('counting', flush=True)\n"
+        "while len(seen) < 2 or not Path(sys.argv[2]).exists(): seen.add(s.taken(1))\n"
+        "print(sorted(seen), flush=True)"
+    )
+    done = tmp_path / "done"
+    slots = tmp_path / "slots"
+    with subprocess.Popen(
+        [sys.executable, "-c", script, str(slots), str(done)], stdout=PIPE
+    ) as counter:
+        try:
+            assert counter.stdout is not None and counter.stdout.readline() == b"counting\n"
+            here = SlotFiles(slots)
+            refused, tries, until = 0, 0, time.monotonic() + 1.0
+            while time.monotonic() < until:
+                tries += 1
+                index = here.take(1)
+                if index is None:
+                    refused += 1
+                else:
+                    here.give_back(index)
+            done.touch()
+            # It saw the slot both free and taken: it read the real files all along.
+            assert counter.stdout.readline() == b"[0, 1]\n"
+            assert refused == 0, f"refused {refused} of {tries}"
+        finally:
+            counter.kill()
+
+
+def test_without_a_table_of_locks_the_count_is_of_the_slots_this_process_holds(tmp_path: Path):
+    slots = tmp_path / "slots"
+    blind = SlotFiles(slots, locks=LockTable(path=tmp_path / "no-such-table"))
+    other = SlotFiles(slots)
+    assert other.take(3) is not None
+    assert blind.take(3) is not None
+    assert blind.taken(3) == 1  # its own; the other's cannot be seen without trying it
+    assert other.taken(3) == 2  # read from the kernel's table

@@ -17,9 +17,13 @@ both start at slot 0. A limit lowered by a reload uses the first files only; the
 it still held (by requests under way) count against it until they are given back, as a
 request under way counts in one process.
 
-Counting slots held elsewhere means trying them: a probe locks a free slot for the two system
-calls it takes to lock and unlock it, and a worker taking a slot just then finds it held (it
-tries the others; if none is free, it waits in its line and the next poll finds the slot).
+Deciding whether a request may go means trying slots: a try locks a free slot for the two
+system calls it takes to lock and unlock it, and a worker taking a slot just then finds it
+held (it tries the others; if none is free, it waits in its line and the next poll finds the
+slot). Only requests and lines try slots, never a count for the metrics: that one reads the
+kernel's table of locks (``/proc/locks``), which names each lock's file by its inode, and
+counts the slot files locked there without touching a lock (``LockTable``); where there is
+no such table it counts the slots this process holds.
 It must not know HTTP, routing or the workers' parent; the folder is given to it.
 """
 
@@ -34,25 +38,80 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# How long a count of the slots taken is reused: the metrics read it once per row of theirs
-# when they refresh, all within a moment.
+# How long a read of the table of locks is reused: the metrics count the slots taken once per
+# row of theirs when they refresh, all within a moment.
 TAKEN_FRESH_S = 0.1
 _TIME = struct.Struct("d")  # a line's start, as its file holds it
+
+
+LOCKS = Path("/proc/locks")
+
+
+class LockTable:
+    """The inodes of the files some process holds a ``flock`` on, read from the kernel's
+    table of locks (``/proc/locks``) at most once per ``TAKEN_FRESH_S``: one read for the
+    slots of every upstream. Reading it takes no lock, so it cannot keep a request from a
+    slot. A file is named there by its device and inode; only the inode is compared, as on
+    an overlay file system the table names the device underneath, not the one ``stat``
+    says (a lock on a file of another file system with the same inode number would count:
+    it touches a count for the metrics only)."""
+
+    __slots__ = ("_clock", "_path", "_read")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, path: Path = LOCKS) -> None:
+        self._clock = clock
+        self._path = path
+        self._read: tuple[float, frozenset[int] | None] = (-TAKEN_FRESH_S, None)
+
+    def locked(self) -> frozenset[int] | None:
+        """The inodes locked with ``flock`` now (None: the table cannot be read)."""
+        now = self._clock()
+        when, inodes = self._read
+        if now - when < TAKEN_FRESH_S:
+            return inodes
+        try:
+            text = self._path.read_text()
+        except OSError:
+            inodes = None
+        else:
+            inodes = frozenset(_flock_inodes(text))
+        self._read = (now, inodes)
+        return inodes
+
+
+def _flock_inodes(table: str) -> list[int]:
+    """The inodes of the ``flock`` locks held in ``table`` (``/proc/locks``: ``1: FLOCK
+    ADVISORY WRITE 4242 fe:00:2146397 0 EOF``; a waiter's line, ``1: -> FLOCK ...``, holds
+    nothing)."""
+    inodes = []
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK":
+            inode = fields[5].rpartition(":")[2]
+            if inode.isdigit():
+                inodes.append(int(inode))
+    return inodes
 
 
 class SlotFiles:
     """One upstream's slot files, as this process holds them."""
 
-    __slots__ = ("_clock", "_counted", "_fds", "_folder", "_held", "_next")
+    __slots__ = ("_fds", "_folder", "_held", "_inodes", "_locks", "_next")
 
-    def __init__(self, folder: Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        clock: Callable[[], float] = time.monotonic,
+        locks: LockTable | None = None,
+    ) -> None:
         self._folder = folder
         # One per slot file, opened as a limit first needs it, or as the routes change.
         self._fds: list[int] = []
+        self._inodes: list[int] = []  # each file's, as the table of locks names it
         self._held: set[int] = set()  # the slots this process holds
         self._next = 0  # where the next try starts
-        self._clock = clock
-        self._counted = (-TAKEN_FRESH_S, 0)  # (when, slots taken)
+        # Shared by the upstreams of one server (one read of the table for them all).
+        self._locks = LockTable(clock) if locks is None else locks
 
     def _open(self, limit: int) -> None:
         if len(self._fds) < limit:
@@ -65,7 +124,9 @@ class SlotFiles:
         limit = max(limit, len(os.listdir(self._folder)))
         while len(self._fds) < limit:
             path = self._folder / str(len(self._fds))
-            self._fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._fds.append(fd)
+            self._inodes.append(os.fstat(fd).st_ino)
 
     def _try(self, index: int) -> bool:
         try:
@@ -126,16 +187,14 @@ class SlotFiles:
         return max(0, self._free_below(limit, most + past) - past)
 
     def taken(self, limit: int) -> int:
-        """How many slots some process holds (this one's included), counted at most
-        ``TAKEN_FRESH_S`` ago."""
-        now = self._clock()
-        when, taken = self._counted
-        if now - when < TAKEN_FRESH_S:
-            return taken
+        """How many slots some process holds (this one's included), as the table of locks
+        showed at most ``TAKEN_FRESH_S`` ago; without one, how many this process holds.
+        Nothing is tried: a request taking a slot meanwhile finds it as free as it is."""
         self._open(limit)
-        taken = self._held_past(limit) + limit - self._free_below(limit, limit)
-        self._counted = (now, taken)
-        return taken
+        locked = self._locks.locked()
+        if locked is None:
+            return len(self._held)
+        return sum(1 for inode in self._inodes if inode in locked)
 
     def close(self) -> None:
         """Close the files (which gives back every slot this process holds)."""
@@ -143,6 +202,7 @@ class SlotFiles:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds.clear()
+        self._inodes.clear()
         self._held.clear()
 
 
@@ -242,6 +302,7 @@ class SharedLimits:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._upstreams: dict[str, SlotFiles] = {}
+        self._locks = LockTable()
         self.lines = Lines(folder / "lines")
 
     def slots(self, name: str) -> SlotFiles:
@@ -250,7 +311,7 @@ class SharedLimits:
         if files is None:
             # Named for the URL, in a form any URL can take as a file name.
             digest = "u" + hashlib.sha256(name.encode()).hexdigest()[:32]
-            files = self._upstreams[name] = SlotFiles(self.folder / digest)
+            files = self._upstreams[name] = SlotFiles(self.folder / digest, locks=self._locks)
         return files
 
     def close(self) -> None:
