@@ -30,6 +30,7 @@ from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_refusals import UpstreamTimeout, UpstreamUnavailable
 from replystream.server import create_app, running
+from tests.chat_upstream import ChatUpstream, reply_with
 from tests.conftest import wait_for
 from tests.rawhttp import raw_request
 from tests.redis_server import redis_server
@@ -800,3 +801,67 @@ async def test_failover_stops_within_its_limit_even_while_a_head_is_awaited():
     error = json.loads(got.raw)["error"]
     assert error["code"] == "upstream_timeout" and "(after trying 2 upstreams)" in error["message"]
     assert 1.2 <= took < 1.9  # two whole head timeouts would be 2 s
+
+
+class TrialUpstream(ChatUpstream):
+    """One reply streams until ``release`` is set (``long``), a request fails with a 500
+    (``fail``), a request waits for ``answer`` before its head (``slow``); anything else
+    is answered at once. ``seen`` counts each kind."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.answer = asyncio.Event()
+        self.seen: dict[str, int] = {}
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        kind = (await request.json())["messages"][-1]["content"]
+        self.seen[kind] = self.seen.get(kind, 0) + 1
+        if kind == "fail":
+            return web.json_response({"error": {"message": "broken"}}, status=500)
+        if kind == "slow":
+            await self.answer.wait()
+        if kind != "long":
+            return await reply_with(request, "fine")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(chunk("one "))
+        await self.release.wait()
+        await response.write(chunk(None, "stop") + b"data: [DONE]\n\n")
+        return response
+
+
+async def test_a_reply_from_before_the_circuit_opened_ending_lets_no_second_trial_through():
+    upstream = TrialUpstream()
+    async with running(upstream.app()) as url, aiohttp.ClientSession() as session:
+        config = UpstreamConfig((UpstreamTarget(f"{url}/v1"),), failures=1, cooldown_s=0.3)
+        engine = UpstreamEngine(config)
+        async with running(create_app(engine)) as relay:
+
+            async def ask(kind: str, stream: bool = False) -> tuple[int, dict[str, Any] | str]:
+                body = {"model": "m", "stream": stream}
+                body["messages"] = [{"role": "user", "content": kind}]
+                async with session.post(f"{relay}/v1/chat/completions", json=body) as response:
+                    read = await response.text()
+                    return response.status, read if stream else json.loads(read)
+
+            long_reply = asyncio.create_task(ask("long", stream=True))
+            await wait_for(lambda: upstream.seen.get("long") == 1)
+            status, _ = await ask("fail")  # the circuit opens (one failure is enough here)
+            assert status == 502
+            await asyncio.sleep(0.35)  # its cool-down is over: the next request is the trial
+            trial = asyncio.create_task(ask("slow"))
+            await wait_for(lambda: upstream.seen.get("slow") == 1)
+            upstream.release.set()  # the long reply ends well while the trial is out
+            status, text = await long_reply
+            assert status == 200 and "one " in text
+            # The trial has no verdict yet: no other request goes to the upstream meanwhile.
+            status, error = await ask("other")
+            assert status == 503, error
+            assert isinstance(error, dict) and error["error"]["code"] == "upstream_unavailable"
+            assert "other" not in upstream.seen
+            upstream.answer.set()
+            status, _ = await trial
+            assert status == 200
+            status, _ = await ask("other")  # the trial passed: the circuit is closed
+            assert status == 200
+        await engine.aclose()

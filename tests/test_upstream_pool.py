@@ -40,10 +40,10 @@ def test_consecutive_failures_open_a_circuit_and_a_trial_after_the_cooldown_clos
     assert a not in pool.plan(None)
     clock.now += 0.2  # the cool-down is over: the next request there is the trial
     assert a in pool.plan(None)
-    a.begin()
+    trial = a.begin()
     assert a.circuit.value == "half_open"
     assert a not in pool.plan(None)  # one trial at a time
-    a.end()
+    a.end(trial)
     a.succeeded()
     assert a.circuit.value == "closed" and a in pool.plan(None)
 
@@ -53,9 +53,9 @@ def test_a_trial_whose_client_left_leaves_the_next_request_to_try():
     pool, clock = pool_of(a, failures=1, cooldown_s=5.0)
     pool.failed(a, "refused")
     clock.now += 5.0
-    a.begin()
+    trial = a.begin()
     assert pool.plan(None) == []
-    a.end()  # cancelled: no verdict
+    a.end(trial)  # cancelled: no verdict
     assert a.circuit.value == "open" and pool.plan(None) == [a]
 
 
@@ -67,9 +67,9 @@ def test_a_failed_trial_opens_the_circuit_for_another_cooldown():
     clock.now += 2.0
     assert pool.ready() == (False, "refused", 3.0)  # how soon its trial may go
     clock.now += 3.0
-    a.begin()
+    trial = a.begin()
     pool.failed(a, "refused again")
-    a.end()
+    a.end(trial)
     assert a.circuit is Circuit.OPEN and a.reopens_at == clock.now + 5.0
     clock.now += 4.0
     assert pool.plan(None) == []
@@ -85,20 +85,20 @@ def test_an_upstreams_wait_opens_its_circuit_for_that_long_before_the_row_is_lon
     assert pool.wait_s(None) == 0.0  # b can take a request now
     b.begin()
     pool.failed(b, "busy", wait_s=4.0)
-    b.end()
+    b.end(False)
     clock.now += 0.5
     assert pool.plan(None) == [] and pool.wait_s(None) == 1.5  # the sooner of the two
     clock.now += 1.5  # a's wait is over (not its cool-down): the next request is its trial
     assert pool.plan(None) == [a]
-    a.begin()
-    assert pool.wait_s(None) == 0.0  # a trial is out: its verdict may come at any moment
+    trial = a.begin()
+    assert trial and pool.wait_s(None) == 0.0  # a trial is out: its verdict may come soon
     pool.failed(a, "busy again", wait_s=1.0)  # the trial is told to wait too: that long
-    a.end()
+    a.end(trial)
     assert a.reopens_at == clock.now + 1.0
     clock.now += 1.0
-    a.begin()
+    trial = a.begin()
     pool.failed(a, "busy a third time", wait_s=1.0)  # the row is long enough: sick
-    a.end()
+    a.end(trial)
     assert a.reopens_at == clock.now + 10.0
     assert pool.wait_s(None) == 1.0  # b's wait, 4 s from 3 s ago, is over first now
     a.models = b.models = frozenset({"m"})
@@ -112,9 +112,9 @@ def test_a_wait_keeps_a_circuit_open_past_its_cooldown_and_a_trial_failing_silen
     pool.failed(a, "busy", wait_s=8.0)  # a request begun before it opened: it asks for more
     assert a.reopens_at == clock.now + 8.0
     clock.now += 8.0
-    a.begin()
+    trial = a.begin()
     pool.failed(a, "refused")
-    a.end()
+    a.end(trial)
     assert a.reopens_at == clock.now + 5.0 and pool.wait_s(None) == 5.0
 
 
@@ -281,7 +281,7 @@ def test_an_upstream_at_its_limit_is_skipped_and_all_at_theirs_is_full_not_unusa
     b.begin()
     assert pool.plan(None) == [] and pool.full(None)
     assert not pool.full(None, excluding=[a, b])  # tried them all: nothing to wait for
-    b.end()
+    b.end(False)
     assert pool.plan(None) == [b]
     # An open circuit is no reason to wait: full only while some upstream would let it in.
     b.begin()
@@ -289,3 +289,20 @@ def test_an_upstream_at_its_limit_is_skipped_and_all_at_theirs_is_full_not_unusa
         pool.failed(a, "down")
         pool.failed(b, "down")
     assert pool.plan(None) == [] and not pool.full(None)
+
+
+def test_a_request_from_before_the_circuit_opened_ending_leaves_the_trial_alone():
+    a = Backend("http://a/v1")
+    pool, clock = pool_of(a, failures=1, cooldown_s=5.0)
+    long_reply = a.begin()  # streaming since before the circuit opened
+    a.answered()
+    assert not long_reply
+    pool.failed(a, "refused")  # another request failed: the circuit opens
+    clock.now += 5.0
+    trial = a.begin()
+    assert trial and a.circuit is Circuit.HALF_OPEN
+    a.ended_well()
+    a.end(long_reply)  # the long reply ends: it says nothing of the trial under way
+    assert a.circuit is Circuit.HALF_OPEN and pool.plan(None) == []  # one trial at a time
+    a.end(trial)  # the trial's client left: no verdict, the next request tries
+    assert a.circuit.value == "open" and pool.plan(None) == [a]

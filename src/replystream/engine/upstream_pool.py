@@ -126,17 +126,23 @@ class Backend:
             return max(0.0, self.reopens_at - now)
         return 0.0
 
-    def begin(self) -> None:
-        """A request goes here: the trial of an open circuit whose cool-down is over."""
+    def begin(self) -> bool:
+        """A request goes here; whether it is the trial of an open circuit whose cool-down
+        is over (what its ``end`` is told)."""
         self.outstanding += 1
         if self.circuit is Circuit.OPEN:
             self._move(Outcome.COOLED)
             self.trial = True
+            return True
+        return False
 
-    def end(self) -> None:
-        """A request here is over (after ``succeeded`` or ``failed``, if it had a verdict)."""
+    def end(self, trial: bool) -> None:
+        """A request here is over (after ``succeeded`` or ``failed``, if it had a verdict);
+        ``trial``: it was the trial (``begin`` said so). Only the trial's end without a
+        verdict says nothing came of it: a request from before the circuit opened may end
+        while the trial is out."""
         self.outstanding -= 1
-        if self.trial:  # a trial that proved nothing: the next request is the trial
+        if trial and self.trial:  # a trial that proved nothing: the next request is the trial
             self.trial = False
             self._move(Outcome.ABANDONED)
 

@@ -167,6 +167,7 @@ class RelayedReply:
         "_text_at",
         "_timer",
         "_tokens",
+        "_trial",
         "_tried",
         "_waiter",
     )
@@ -200,6 +201,7 @@ class RelayedReply:
         self._tried: set[Backend] = set()
         self._began = time.monotonic()  # of the request, or of the latest seam
         self._backend: Backend | None = None
+        self._trial = False  # the current attempt is its upstream's circuit's trial
         self._stream: Attempt | None = None
         self._attempt_began = 0.0
         self._flowing = False  # the current attempt has relayed content
@@ -488,7 +490,7 @@ class RelayedReply:
             if not self._tried and self._spilled_past_home(backend):
                 self._counts.spills += 1
             self._tried.add(backend)
-            backend.begin()
+            self._trial = backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
             # The head is awaited only while the failover window is open.
@@ -588,7 +590,7 @@ class RelayedReply:
             return
         if result == "ok":
             backend.ended_well()
-        backend.end()
+        backend.end(self._trial)
         if self._slot is not None:
             slots, index = self._slot
             self._slot = None
