@@ -80,6 +80,13 @@ class FakeUpstream:
         self.transport = request.transport
         if mode == "slowhead":
             await asyncio.sleep(30)
+        if mode == "dripfail":  # a 500 whose body comes a byte at a time, never ending
+            failing = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+            await failing.prepare(request)
+            for _ in range(300):
+                await failing.write(b" ")
+                await asyncio.sleep(0.1)
+            return failing
         if mode == "reject":
             error = {"message": "prompt too long", "code": "context_length_exceeded"}
             return web.json_response({"error": error}, status=400)
@@ -865,3 +872,20 @@ async def test_a_reply_from_before_the_circuit_opened_ending_lets_no_second_tria
             status, _ = await ask("other")  # the trial passed: the circuit is closed
             assert status == 200
         await engine.aclose()
+
+
+async def test_failover_stops_within_its_limit_while_a_refusals_body_is_read():
+    """Two upstreams that answer 500 and send its body a byte at a time: the bodies are
+    read only while the failover window is open, not for a head timeout each."""
+    async with fake_upstream() as (_, one), fake_upstream() as (_, two):
+        targets = tuple(UpstreamTarget(f"{u}/dripfail/v1", models=("m",)) for u in (one, two))
+        engine = UpstreamEngine(UpstreamConfig(targets, headers_timeout_s=5.0, failover_s=1.0))
+        async with running(create_app(engine)) as relay:
+            started = time.monotonic()
+            got = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "model": "m"})
+            took = time.monotonic() - started
+        await engine.aclose()
+    assert got.status == 502, got.raw
+    error = json.loads(got.raw)["error"]
+    assert error["code"] == "upstream_error_status", error
+    assert took < 1.9  # the window is 1 s; one body read for a head timeout would be 5 s

@@ -276,6 +276,7 @@ class UpstreamEngine:
         timeout = self.config.headers_timeout_s
         if within_s is not None:
             timeout = min(timeout, within_s)
+        sent_at = time.monotonic()
         try:
             async with asyncio.timeout(timeout):
                 headers = self._headers(backend, key)
@@ -294,12 +295,17 @@ class UpstreamEngine:
             kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
             raise kind(failure.message, code=failure.code) from None
         if response.status != 200:
+            # Its body is quoted if it comes while the failover window is open: one sent
+            # slowly must not hold the request past it.
+            read_s = self.config.headers_timeout_s
+            if within_s is not None:
+                read_s = min(read_s, max(0.0, within_s - (time.monotonic() - sent_at)))
             raise await refusal(
                 response,
                 backend.name,
                 request.client_key,
                 passes_key=backend.name in self._keys.passing,
-                read_s=self.config.headers_timeout_s,
+                read_s=read_s,
                 cooldown_s=self.config.cooldown_s,
             )
         if response.content_type != "text/event-stream":
