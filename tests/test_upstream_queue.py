@@ -301,3 +301,47 @@ async def test_relays_sharing_a_limit_serve_their_lines_oldest_first(tmp_path: P
                 await wait_for(lambda: len(a.held) == 1)
         assert order == ["h", "a1", "b1", "a2"]
         assert a.most_at_once == 1
+
+
+class StreamingHolder(HoldingUpstream):
+    """Answers at once and streams its first word, then holds the rest until released."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        prompt = (await request.json())["messages"][-1]["content"]
+        gate = self._gates[prompt] = asyncio.Event()
+        self.held.append(prompt)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        first = {"choices": [{"index": 0, "delta": {"content": "re: "}}]}
+        await response.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+        try:
+            await gate.wait()
+        finally:
+            self.held.remove(prompt)
+        for body in (
+            {"choices": [{"index": 0, "delta": {"content": prompt}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        ):
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+async def test_time_in_line_leaves_the_failover_window_to_the_attempt_that_gets_room():
+    upstream = StreamingHolder()
+    # A line longer than the failover window: a request let in after waiting past the
+    # window still has the whole window for its attempt's head and first text.
+    async with (
+        relay((upstream, 1), queue_s=5.0, failover_s=1.0, ttft_s=1.0) as (url, engine),
+        aiohttp.ClientSession() as session,
+    ):
+        first = asyncio.create_task(ask(session, url, "first"))
+        await wait_for(lambda: upstream.held == ["first"])
+        second = asyncio.create_task(ask(session, url, "second"))
+        await wait_for(queued(engine, 1))
+        await asyncio.sleep(1.2)  # past the window, still in line
+        upstream.release("first")
+        assert await first == (200, None, "re: first")
+        await wait_for(lambda: upstream.held == ["second"])
+        upstream.release("second")
+        assert await second == (200, None, "re: second")

@@ -481,6 +481,9 @@ class RelayedReply:
                 again, queued_at = queued_at is not None, queued_at or now
                 left = self._limits.queue_s - (now - queued_at)
                 if left > 0 and await self._queue.wait(self._model, left, queued_at, again=again):
+                    # Time in line is not the failover window's (``queue_s`` bounds it): the
+                    # attempt let in has what was left of the window when the wait began.
+                    self._began += time.monotonic() - now
                     continue
                 raise self._no_room(now - queued_at)
             if backend is None:
