@@ -203,6 +203,9 @@ stall_s = 2.5
         ("[[upstreams]]\nurl = 'ftp://a/v1'", "upstreams[0].url: must start with http://"),
         ("[[upstreams]]\nurl = 'http://a/v1'\nttft_s = 0", "upstreams[0].ttft_s: input should be"),
         ("[[upstreams]]\nurl = 'http://a/v1'\nstall_s = 'x'", "upstreams[0].stall_s: input should"),
+        # A limit that is no number of seconds, as the command line refuses one.
+        ("[[upstreams]]\nurl = 'http://a/v1'\nstall_s = inf", "upstreams[0].stall_s: input should"),
+        ("[[upstreams]]\nurl = 'http://a/v1'\nttft_s = inf", "upstreams[0].ttft_s: input should"),
         (
             "[[upstreams]]\nurl = 'http://a/v1'\nmax_outstanding = 0",
             "upstreams[0].max_outstanding: input should be greater than or equal to 1",

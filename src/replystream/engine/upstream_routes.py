@@ -50,8 +50,9 @@ class UpstreamEntry(_Strict):
     pass_client_key: bool | None = None
     models: list[Name] = []
     max_outstanding: Annotated[int, Field(ge=1)] | None = None
-    ttft_s: Annotated[float, Field(gt=0)] | None = None
-    stall_s: Annotated[float, Field(gt=0)] | None = None
+    # Seconds, as the command line takes them: a positive finite number.
+    ttft_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    stall_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
     @field_validator("url")
     @classmethod
