@@ -207,6 +207,10 @@ stall_s = 2.5
         ("[[upstreams]]\nurl = 'http://a/v1'\nstall_s = inf", "upstreams[0].stall_s: input should"),
         ("[[upstreams]]\nurl = 'http://a/v1'\nttft_s = inf", "upstreams[0].ttft_s: input should"),
         (
+            "[[upstreams]]\nurl = 'http://a/v1'\nmodels = ['m']\n[aliases]\n'' = 'm'",
+            "aliases: the name '': string should have at least 1 character",
+        ),
+        (
             "[[upstreams]]\nurl = 'http://a/v1'\nmax_outstanding = 0",
             "upstreams[0].max_outstanding: input should be greater than or equal to 1",
         ),

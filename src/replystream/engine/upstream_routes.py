@@ -87,7 +87,10 @@ class Routes:
 
 
 def _where(loc: tuple[int | str, ...]) -> str:
-    """``upstreams[1].weight`` from pydantic's ``("upstreams", 1, "weight")``."""
+    """``upstreams[1].weight`` from pydantic's ``("upstreams", 1, "weight")``; a table's
+    name at fault (``("aliases", "", "[key]")``) is ``aliases: the name ''``."""
+    if len(loc) >= 2 and loc[-1] == "[key]":
+        return f"{_where(loc[:-2])}: the name {str(loc[-2])!r}"
     text = ""
     for part in loc:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
