@@ -889,3 +889,20 @@ async def test_failover_stops_within_its_limit_while_a_refusals_body_is_read():
     error = json.loads(got.raw)["error"]
     assert error["code"] == "upstream_error_status", error
     assert took < 1.9  # the window is 1 s; one body read for a head timeout would be 5 s
+
+
+async def test_a_first_text_cut_off_by_the_failover_window_says_so_in_round_numbers():
+    """An upstream silent after its head, with the failover window ending before its time to
+    a first text does: the error names the window, not the fraction of a second it had left."""
+    async with fake_upstream() as (_, upstream):
+        targets = (UpstreamTarget(f"{upstream}/slowfirst/v1", models=("m",)),)
+        engine = UpstreamEngine(UpstreamConfig(targets, ttft_s=5.0, failover_s=0.5))
+        async with running(create_app(engine)) as relay:
+            got = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "model": "m"})
+        await engine.aclose()
+    errors = [json.loads(e.data)["error"] for e in got.events if e.type == "error"]
+    assert [e["code"] for e in errors] == ["upstream_ttft_timeout"], got.raw
+    assert errors[0]["message"] == (
+        f"the upstream at {upstream}/slowfirst/v1 sent no text before the failover window "
+        "(0.5 s) ended"
+    )

@@ -442,21 +442,28 @@ class RelayedReply:
             self._timer.cancel()
             self._timer = None
 
+    def _own_ttft_s(self) -> float:
+        """The current attempt's upstream's time to its first content, else the relay's."""
+        backend = self._backend
+        return self._limits.ttft_s if backend is None or backend.ttft_s is None else backend.ttft_s
+
     def _ttft_limit(self) -> float:
         """The current attempt's time to its first content: its upstream's own limit, if it
         has one, else the relay's; no later than the failover window's end."""
-        backend = self._backend
-        ttft_s = (
-            self._limits.ttft_s if backend is None or backend.ttft_s is None else backend.ttft_s
-        )
         left = self._limits.failover_s - (time.monotonic() - self._began)
-        return max(0.001, min(ttft_s, left))
+        return max(0.001, min(self._own_ttft_s(), left))
 
     def _timed_out(self, limit: float, flowing: bool) -> EngineError:
         where = "the upstream" if self._backend is None else f"the upstream at {self._backend.name}"
         if flowing:
             return RelayStalled(
                 f"{where} sent no text for {limit:g} s mid-reply", code="upstream_stalled"
+            )
+        if limit < self._own_ttft_s():  # what the window had left, not a limit of its own
+            return RelayStalled(
+                f"{where} sent no text before the failover window "
+                f"({self._limits.failover_s:g} s) ended",
+                code="upstream_ttft_timeout",
             )
         return RelayStalled(
             f"{where} sent no text within {limit:g} s", code="upstream_ttft_timeout"
