@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 from subprocess import PIPE
 
-from replystream.engine.upstream_slots import Lines, LockTable, SlotFiles
+import pytest
+
+from replystream.engine.upstream_slots import LOCKS, Lines, LockTable, SlotFiles
 
 
 def test_two_holders_of_one_folder_take_no_more_slots_than_the_limit_together(tmp_path: Path):
@@ -88,6 +90,7 @@ def test_a_count_of_the_slots_taken_is_reused_only_for_a_moment(tmp_path: Path):
     assert one.taken(2) == 1
 
 
+@pytest.mark.skipif(not LOCKS.exists(), reason="the kernel's table of locks is Linux's")
 def test_counting_the_slots_taken_never_keeps_a_request_from_a_free_slot(tmp_path: Path):
     # Another process counts the slots taken (a worker answering a metrics scrape) as fast
     # as it can, never reusing a count, while this one takes and gives back the only slot.
@@ -124,6 +127,7 @@ def test_counting_the_slots_taken_never_keeps_a_request_from_a_free_slot(tmp_pat
             counter.kill()
 
 
+@pytest.mark.skipif(not LOCKS.exists(), reason="the kernel's table of locks is Linux's")
 def test_without_a_table_of_locks_the_count_is_of_the_slots_this_process_holds(tmp_path: Path):
     slots = tmp_path / "slots"
     blind = SlotFiles(slots, locks=LockTable(path=tmp_path / "no-such-table"))
