@@ -8,6 +8,7 @@ pointed at it on a real loopback socket, and the test reads our OpenAI stream as
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import signal
 import ssl
@@ -905,4 +906,20 @@ async def test_a_first_text_cut_off_by_the_failover_window_says_so_in_round_numb
     assert errors[0]["message"] == (
         f"the upstream at {upstream}/slowfirst/v1 sent no text before the failover window "
         "(0.5 s) ended"
+    )
+
+
+async def test_a_compressed_stream_though_none_was_asked_for_is_named_as_such():
+    events = chunk("one ") + chunk(None, "stop") + b"data: [DONE]\n\n"
+    body = gzip.compress(events)
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: gzip\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    server, base = await raw_upstream(head + body)
+    async with server:
+        status, error = await relay_error(base)
+    assert status == 502 and error["code"] == "upstream_bad_response", error
+    assert error["message"] == (
+        f"the upstream at {base} answered a gzip-compressed stream, though asked for none"
     )

@@ -315,6 +315,16 @@ class UpstreamEngine:
                 f"{response.content_type or 'no content type'}, not an event stream",
                 code="upstream_bad_response",
             )
+        encoding = response.content_encoding
+        if encoding:
+            response.close()
+            # Named when it is a coding's name (gzip, br, zstd), not whatever the header held.
+            named = f"{encoding}-" if encoding.isascii() and encoding.isalnum() else ""
+            raise UpstreamUnavailable(
+                f"the upstream at {backend.name} answered a {named}compressed stream, "
+                "though asked for none",
+                code="upstream_bad_response",
+            )
         self._counts["started"] += 1
         return UpstreamStream(
             response,

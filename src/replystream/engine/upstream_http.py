@@ -233,7 +233,7 @@ class HttpOrigin:
 class Response:
     """A response whose head arrived; its body goes to the receiver set on it."""
 
-    __slots__ = ("_connection", "content_type", "retry_after", "status")
+    __slots__ = ("_connection", "content_encoding", "content_type", "retry_after", "status")
 
     def __init__(
         self, connection: Connection, status: int, content_type: str, retry_after: str
@@ -242,6 +242,9 @@ class Response:
         self.status = status
         self.content_type = content_type  # the media type alone, lower case ("" if none)
         self.retry_after = retry_after  # its Retry-After header as sent ("" if none)
+        # Its Content-Encoding, lower case ("" if none): compression is refused upstream,
+        # and a compressed body is no event stream to parse.
+        self.content_encoding = ""
 
     def set_receiver(self, receiver: BodyReceiver) -> None:
         """Body bytes go to ``receiver`` from now on; what came before, at once."""
@@ -311,6 +314,7 @@ class Connection(asyncio.Protocol):
         self._parts: list[bytes] = []  # body bytes of the socket read being parsed
         self._content_type = b""
         self._retry_after = b""
+        self._content_encoding = b""
         self._framed = False  # the body has a Content-Length or is chunked
         self._interim = False  # the head being read is an interim (1xx) response's
         self._complete = False  # the current response's body ended in full
@@ -422,6 +426,8 @@ class Connection(asyncio.Protocol):
             self._content_type = value
         elif name == b"retry-after":  # an upstream's back-off, which a 429 or 503 may carry
             self._retry_after = value
+        elif name == b"content-encoding":
+            self._content_encoding = value
         elif name == b"content-length" or (
             name == b"transfer-encoding" and b"chunked" in value.lower()
         ):
@@ -442,6 +448,9 @@ class Connection(asyncio.Protocol):
         response = Response(
             self, status, media.decode("latin-1"), self._retry_after.decode("latin-1")
         )
+        encoding = self._content_encoding.strip().lower()
+        if encoding and encoding != b"identity":
+            response.content_encoding = encoding.decode("latin-1")
         self._response = response
         if parser.should_upgrade():
             self._framed = True
@@ -455,7 +464,7 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._interim:
             self._interim = False
-            self._content_type = self._retry_after = b""
+            self._content_type = self._retry_after = self._content_encoding = b""
             self._framed = False
             return
         parser = self._parser
@@ -478,7 +487,7 @@ class Connection(asyncio.Protocol):
         assert transport is not None
         self._parser = httptools.HttpResponseParser(self)
         self._response = self._receiver = None
-        self._content_type = self._retry_after = b""
+        self._content_type = self._retry_after = self._content_encoding = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
         self._head_bytes = self._head_lines = 0
         self._keep_alive = self._interim = False
