@@ -248,7 +248,7 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> BackendGauges | None
     metrics.state(
         "replystream_upstream_affinity_spills",
         "Requests routed by prefix whose first upstream was not their key's own (its load "
-        "past the bound), since start.",
+        "past the bound, or at its limit of requests at once), since start.",
         lambda: float(engine.stats().spills),
         across="sum",
     )
