@@ -22,9 +22,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
-from replystream.engine.base import Delta, GenerationRequest
+from replystream.engine.base import Delta, GenerationRequest, SamplingParams
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import running
@@ -227,3 +228,30 @@ async def test_the_server_relays_a_continued_reply_with_no_producer_task():
             tasks |= {t.get_name() for t in asyncio.all_tasks()}
     assert body.count(b"event: continued") == 1 and b"event: done" in body
     assert not any(name.startswith("reply-") for name in tasks), tasks
+
+
+@pytest.mark.parametrize(("mode", "read"), [("stall", "attached"), ("cut", "iterated")])
+async def test_a_reply_that_spent_its_token_budget_ends_at_length_rather_than_go_on(
+    mode: str, read: str
+):
+    # Its upstream sent every token the request allows, then failed before it finished: a
+    # continuation could only send more than the client asked for.
+    failing, other = Upstream(["m"], mode=mode), Upstream(["m"], words=5)
+    async with engine_over([failing, other], stall_s=0.4, continuation=True) as engine:
+        request = GenerationRequest("hi", SamplingParams(max_tokens=3))
+        if read == "attached":
+            sink = await attached(engine, request)
+            assert sink.error is None
+            deltas = sink.deltas
+        else:
+            reply = await engine.start(request)
+            async with asyncio.timeout(10):
+                deltas = [delta async for delta in reply]
+        stats = engine.stats()
+    assert shape(deltas) == [
+        ("w0 ", 1, None, None),
+        ("w1 ", 1, None, None),
+        ("w2 ", 1, None, None),
+        ("", 0, "length", None),
+    ]
+    assert other.bodies == [] and stats.continuations == 0 and stats.active == 0

@@ -397,6 +397,9 @@ class RelayedReply:
         if flowing:
             if not self._continuation:
                 return False
+            if self._budget_spent():
+                self._finish_at_length()
+                return True
             self._seam = error.code  # the next attempt continues the text relayed so far
             if not self._continued:  # once per reply, however many seams it has
                 self._continued = True
@@ -405,6 +408,28 @@ class RelayedReply:
         if self._sink is not None:
             self._opening = self._loop.create_task(self._reopen())
         return True
+
+    def _budget_spent(self) -> bool:
+        """Whether the tokens relayed are all the request allows (``max_tokens``)."""
+        most = self._request.sampling.max_tokens
+        return most is not None and self._tokens >= most
+
+    def _finish_at_length(self) -> None:
+        """End the reply as one that reached its token budget: its upstream failed after
+        the last token the request allows, and a continuation could only send more."""
+        self._done = True
+        finish = Delta("", 0, time.monotonic(), "length")
+        sink = self._sink
+        if sink is None:  # iterated: the next read yields it, then the end
+            self._held = finish
+            return
+        try:
+            sink.on_deltas((finish,))
+        except Exception:  # a bug of ours downstream, as in ``on_deltas``
+            log.exception("delivering a relayed reply's deltas failed")
+            self._ended(RelayBroken("relaying the reply failed", code="upstream_broken"))
+            return
+        self._ended(None)
 
     def _watch(self) -> None:
         """Once per attempt: the watchdog that notices no text for ``_limit`` seconds.
