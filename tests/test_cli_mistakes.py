@@ -159,6 +159,23 @@ CASES: list[tuple[list[str], str]] = [
         "--kv-blocks is an option of the tiny",
     ),
     (["serve", "--spec-tokens", "3"], "add --speculative prompt-lookup, or drop --spec-tokens"),
+    # a delivery default a request could not set: the request's own range holds for the server's
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--keepalive-s", "1e-9"],
+        "argument --keepalive-s: want a number from 0.1 to 3600, or 0 (never), got 1e-9",
+    ),
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--batch-ms", "1e300"],
+        "argument --batch-ms: want a number from 0 to 60000, got 1e300",
+    ),
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--batch-tokens", "4097"],
+        "argument --batch-tokens: want a whole number from 1 to 4096, got 4097",
+    ),
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--holdback-tokens", "4097"],
+        "argument --holdback-tokens: want a whole number from 0 to 4096, got 4097",
+    ),
     # a default reply length no request could ask for (max_tokens is at most 2**20)
     (
         ["serve", "--engine", "tiny", "--port", "0", "--default-max-tokens", "1048577"],

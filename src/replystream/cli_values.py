@@ -85,14 +85,15 @@ def int_between(low: int, high: int) -> Checker[int]:
     return Checker(wants, parse)
 
 
-def float_between(low: float, high: float) -> Checker[float]:
+def float_between(low: float, high: float, *, zero: str = "") -> Checker[float]:
     """A finite number from ``low`` to ``high``, both included (for a quantity whose
-    arithmetic leaves the floats' range outside of it)."""
-    wants = f"a number from {low:g} to {high:g}"
+    arithmetic leaves the floats' range outside of it); with ``zero`` (what 0 means, as
+    ``never``), 0 as well."""
+    wants = f"a number from {low:g} to {high:g}" + (f", or 0 ({zero})" if zero else "")
 
     def parse(text: str) -> float:
         value = float(_number(text, float))
-        if not low <= value <= high:
+        if not (low <= value <= high or (zero and value == 0)):
             raise argparse.ArgumentTypeError(f"want {wants}, got {text}")
         return value
 

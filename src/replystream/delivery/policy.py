@@ -7,6 +7,15 @@ from dataclasses import dataclass, field, replace
 
 from replystream.delivery.moderation import Check
 
+# The ranges of the four fields a request may set, whether a request or the command line sets
+# them: far past any useful value, so a slip such as 1e300 (or a keep-alive every nanosecond,
+# which would fill a socket with comments) is refused wherever it is given.
+BATCH_TOKENS_MAX = 4096
+HOLDBACK_TOKENS_MAX = 4096
+BATCH_MS_MAX = 60_000.0
+KEEPALIVE_S_MIN = 0.1
+KEEPALIVE_S_MAX = 3600.0
+
 
 @dataclass(frozen=True, slots=True)
 class DeliveryPolicy:

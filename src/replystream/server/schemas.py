@@ -37,6 +37,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from replystream.delivery.policy import (
+    BATCH_MS_MAX,
+    BATCH_TOKENS_MAX,
+    HOLDBACK_TOKENS_MAX,
+    KEEPALIVE_S_MAX,
+    KEEPALIVE_S_MIN,
+)
+
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 2**63 - 1
 MAX_TAG_CHARS = 128
@@ -72,12 +80,12 @@ OnlyOne = Annotated[int, Field(ge=1, le=1)]
 ChoiceCount = Annotated[int, Field(ge=1, le=128)]  # OpenAI's range for n
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
 LegacyLogprobs = Annotated[int, Field(ge=0, le=5)]  # OpenAI's legacy completions range
-BatchTokens = Annotated[int, Field(ge=1, le=4096)]
-HoldbackTokens = Annotated[int, Field(ge=0, le=4096)]
+BatchTokens = Annotated[int, Field(ge=1, le=BATCH_TOKENS_MAX)]
+HoldbackTokens = Annotated[int, Field(ge=0, le=HOLDBACK_TOKENS_MAX)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
-BatchMs = Annotated[float, Field(ge=0.0, le=60_000.0)]
-KeepaliveS = Annotated[float, Field(ge=0.1, le=3600.0)]
+BatchMs = Annotated[float, Field(ge=0.0, le=BATCH_MS_MAX)]
+KeepaliveS = Annotated[float, Field(ge=KEEPALIVE_S_MIN, le=KEEPALIVE_S_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(ge=0.0, le=10.0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]

@@ -14,7 +14,9 @@ from typing import Any
 
 from replystream import settings
 from replystream.cli_values import (
+    float_between,
     int_at_least,
+    int_between,
     non_negative_float,
     non_negative_int,
     origin,
@@ -24,7 +26,14 @@ from replystream.cli_values import (
     readable_text_file,
     upper_case,
 )
-from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.policy import (
+    BATCH_MS_MAX,
+    BATCH_TOKENS_MAX,
+    HOLDBACK_TOKENS_MAX,
+    KEEPALIVE_S_MAX,
+    KEEPALIVE_S_MIN,
+    DeliveryPolicy,
+)
 from replystream.delivery.redis_store import FAILOVER_S
 from replystream.delivery.replay import TTL_AFTER_END_S
 from replystream.server.context import ServerConfig
@@ -199,26 +208,26 @@ DELIVERY = Group(
         Setting(
             "--batch-tokens",
             "send an event every k tokens",
-            positive_int,
+            int_between(1, BATCH_TOKENS_MAX),
             fills=(DeliveryPolicy, "batch_tokens"),
         ),
         Setting(
             "--batch-ms",
             "or once the oldest waiting token is this old",
-            non_negative_float,
+            float_between(0.0, BATCH_MS_MAX),
             fills=(DeliveryPolicy, "batch_ms"),
         ),
         Setting(
             "--holdback-tokens",
             "tokens held back until moderation checks have seen them",
-            non_negative_int,
+            int_between(0, HOLDBACK_TOKENS_MAX),
             fills=(DeliveryPolicy, "holdback_tokens"),
         ),
         Setting(
             "--keepalive-s",
             "after this long with nothing sent, a keep-alive: an SSE comment (or the "
             "dialect's ping event), a WebSocket ping (0: never)",
-            non_negative_float,
+            float_between(KEEPALIVE_S_MIN, KEEPALIVE_S_MAX, zero="never"),
             fills=(DeliveryPolicy, "keepalive_s"),
             convert=_zero_is_never,
         ),
