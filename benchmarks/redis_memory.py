@@ -83,7 +83,7 @@ async def measure(store: RedisReplayStore, shape: Shape, replies: int, tag: str)
     after = (await store.redis.info("memory"))["used_memory"]
     one = 0
     for part in ("", ":meta"):
-        one += await store.redis.memory_usage(store._key(f"{tag}-0", part), samples=0) or 0
+        one += await store.redis.memory_usage(store.keys.key(f"{tag}-0", part), samples=0) or 0
     return (after - before) // replies, one
 
 

@@ -29,13 +29,13 @@ async def test_a_burst_of_replies_is_created_and_written_in_a_few_calls(server: 
     producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
     ids = [f"burst-{n}" for n in range(200)]
     await asyncio.gather(*(producer.create(ReplyInfo(i, owner="k")) for i in ids))
-    created_in = producer.writes
+    created_in = producer.writer.writes
     # Every create waits for one flush; a burst shares them (the first may go alone).
     assert 1 <= created_in <= 3
     for n, reply_id in enumerate(ids):
         producer.append(reply_id, [LogEntry(1, "token", f'{{"n": {n}}}')])
     await producer.flush()
-    assert producer.writes == created_in + 1  # every reply's entry, one call
+    assert producer.writer.writes == created_in + 1  # every reply's entry, one call
     for n, reply_id in enumerate(ids[::37]):
         result = await reader.read(reply_id, 0, wait_s=0)
         assert result is not None and result.entries == [
@@ -78,7 +78,7 @@ async def test_a_write_redis_refuses_fails_that_reply_alone(server: RedisServer)
     await producer.create(ReplyInfo("bad"))
     await producer.create(ReplyInfo("good"))
     # Something else wrote the bad reply's stream further on: entry 1 can no longer go in.
-    await reader.redis.xadd(producer._key("bad"), {"d": "x"}, id="0-100")
+    await reader.redis.xadd(producer.keys.key("bad"), {"d": "x"}, id="0-100")
     producer.append("bad", [LogEntry(1, "token", "a")])
     producer.append("good", [LogEntry(1, "token", "b")])
     producer.end("good", "finished")
@@ -92,7 +92,7 @@ async def test_a_write_redis_refuses_fails_that_reply_alone(server: RedisServer)
     # The failed reply writes nothing more (its producer stops on ``failure``).
     producer.append("bad", [LogEntry(2, "token", "c")])
     await producer.flush()
-    assert await reader.redis.xlen(producer._key("bad")) == 1
+    assert await reader.redis.xlen(producer.keys.key("bad")) == 1
     await producer.aclose()
     await reader.aclose()
 
@@ -106,39 +106,39 @@ async def test_keys_expire_from_the_first_write_and_after_the_end_and_live_repli
     await producer.create(ReplyInfo("short"))
     producer.append("short", [LogEntry(1, "token", "x")])
     await producer.flush()
-    assert 0 < await redis.ttl(producer._key("short")) <= 3
+    assert 0 < await redis.ttl(producer.keys.key("short")) <= 3
     producer.end("short", "finished")
     await producer.flush()
     for part in ("", ":meta"):
-        assert 0 < await redis.ttl(producer._key("short", part)) <= 3
-    assert not await redis.exists(producer._key("short", ":live"))
+        assert 0 < await redis.ttl(producer.keys.key("short", part)) <= 3
+    assert not await redis.exists(producer.keys.key("short", ":live"))
     # A reply that outlives the TTL keeps its keys while it is written to (refreshed every
     # second here: a third of the TTL).
     for seq in range(1, 21):
         producer.append("long", [LogEntry(seq, "token", "y")])
         await producer.flush()
         await asyncio.sleep(0.25)
-    assert await redis.xlen(producer._key("long")) == 20
-    assert await redis.exists(producer._key("long", ":meta"))
-    assert not await redis.exists(producer._key("short"))  # 5 s after its end
+    assert await redis.xlen(producer.keys.key("long")) == 20
+    assert await redis.exists(producer.keys.key("long", ":meta"))
+    assert not await redis.exists(producer.keys.key("short"))  # 5 s after its end
     await producer.aclose()
 
 
 async def test_with_one_slot_per_call_a_flush_sends_a_call_per_hash_slot(server: RedisServer):
     """What a Redis Cluster needs (a script touches one slot's keys): the same writes, split."""
     producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
-    producer.one_slot_per_call = True
+    producer.keys.one_slot_per_call = True
     stopped: list[str] = []
     producer.on_cancel(stopped.append)
     ids = [f"slot-{n}" for n in range(12)]
     await asyncio.gather(*(producer.create(ReplyInfo(i)) for i in ids))
-    slots = {key_slot(producer._key(i).encode()) for i in ids}
-    before = producer.writes
+    slots = {key_slot(producer.keys.key(i).encode()) for i in ids}
+    before = producer.writer.writes
     for reply_id in ids:
         producer.append(reply_id, [LogEntry(1, "token", reply_id)])
     producer.end(ids[0], "finished")
     await producer.flush()
-    assert producer.writes - before == len(slots) > 1
+    assert producer.writer.writes - before == len(slots) > 1
     for reply_id in ids:
         result = await reader.read(reply_id, 0, wait_s=0)
         assert result is not None and [e.data for e in result.entries] == [reply_id]
@@ -196,7 +196,8 @@ async def test_hundreds_of_readers_on_another_replica_follow_through_one_shared_
         for reply_id, task in zip(ids, followers, strict=True):
             assert task.result() == [f"{reply_id}/{seq}" for seq in range(1, tokens + 1)]
         # Far fewer shared reads than entries handed over (300 readers x 15 entries).
-        assert 0 < reader._watch.calls < len(ids) * tokens / 5
+        assert 0 < reader.reads.watch.calls < len(ids) * tokens / 5
     finally:
         await producer.aclose()
         await reader.aclose()
+

@@ -39,7 +39,7 @@ async def ended(producer: RedisReplayStore, reply: str, count: int = 12) -> None
 
 
 def key(store: RedisReplayStore, reply: str, part: str = "") -> str:
-    return store._key(reply, part)
+    return store.keys.key(reply, part)
 
 
 async def test_a_stream_evicted_after_its_end_is_told_as_a_gap_then_the_end(tmp_path: Path):

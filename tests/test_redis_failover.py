@@ -60,7 +60,7 @@ async def test_a_hole_in_a_stream_is_told_as_lost_never_skipped(tmp_path: Path):
         producer.end("h", "finished")
         await producer.flush()
         # Events 6-8 lost, as a failover loses them when no producer holds them any more.
-        await producer.redis.xdel(producer._key("h"), "0-6", "0-7", "0-8")
+        await producer.redis.xdel(producer.keys.key("h"), "0-6", "0-7", "0-8")
         first = await reader.read("h", 0, wait_s=0)
         assert first is not None
         assert [e.seq for e in first.entries] == [1, 2, 3, 4, 5] and first.ending is None

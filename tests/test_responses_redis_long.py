@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from replystream.delivery.redis_store import READ_BATCH
+from replystream.delivery.redis_reads import READ_BATCH
 from tests.processes import replica
 from tests.redis_server import redis_server
 

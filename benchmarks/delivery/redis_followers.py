@@ -62,8 +62,10 @@ async def measure(args: argparse.Namespace) -> None:
             return_exceptions=True,
         )
         cpu = time.process_time() - cpu
-        # (read with getattr, so the script also measures revisions before the shared read)
-        calls = getattr(getattr(reader, "_watch", None), "calls", None)
+        # (read with getattr, so the script also measures revisions before the shared read,
+        # and those that kept it on the store itself)
+        watch = getattr(getattr(reader, "reads", None), "watch", None)
+        calls = getattr(watch or getattr(reader, "_watch", None), "calls", None)
         await producer.aclose()
         await reader.aclose()
     failures: Counter[str] = Counter()

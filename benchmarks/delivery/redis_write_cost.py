@@ -35,7 +35,7 @@ async def measure(args: argparse.Namespace) -> None:
             await asyncio.gather(*(store.create(ReplyInfo(i)) for i in batch))
         per_event = []
         seq = 0
-        writes = store.writes
+        writes = store.writer.writes
         for _ in range(args.rounds):
             cpu = time.process_time()
             for _ in range(args.flushes):
@@ -45,7 +45,7 @@ async def measure(args: argparse.Namespace) -> None:
                     store.append(reply_id, entry)
                 await store.flush()
             per_event.append((time.process_time() - cpu) / (args.flushes * len(ids)) * 1e6)
-        calls = (store.writes - writes) / (args.rounds * args.flushes)
+        calls = (store.writer.writes - writes) / (args.rounds * args.flushes)
         await store.aclose()
     print(
         f"append + flush, {args.replies:,} replies x 1 entry per flush: "

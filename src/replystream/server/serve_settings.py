@@ -34,7 +34,7 @@ from replystream.delivery.policy import (
     KEEPALIVE_S_MIN,
     DeliveryPolicy,
 )
-from replystream.delivery.redis_store import FAILOVER_S
+from replystream.delivery.redis_link import FAILOVER_S
 from replystream.delivery.replay import TTL_AFTER_END_S
 from replystream.server.context import ServerConfig
 from replystream.server.engine_settings import ENGINE_SETTINGS

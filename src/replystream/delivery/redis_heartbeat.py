@@ -1,0 +1,136 @@
+"""The store's heartbeat, once a second: liveness, cancels, deletes, evictions, reader marks.
+
+For the replies produced here, one script call (one per hash slot for a Cluster:
+``HEARTBEAT_SCRIPT``) refreshes each one's liveness key, bumps its heartbeat count, passes on
+a cancel asked on another replica, finds a delete made on another replica (the producer stops
+and what it wrote meanwhile is deleted), tells whether a reader elsewhere follows it (its
+reader mark: a detached reply goes on while read), and asks its stream's length. A count
+started again at 1 (the metadata was gone) or a stream shorter than what Redis acknowledged
+means Redis evicted part of the reply: the writer writes it again from its copy
+(``LogWriter.rewrite``). For the replies produced elsewhere that a reader here follows, it
+refreshes their reader marks. A failed beat is logged and tried again a second later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from redis.exceptions import RedisError
+
+from replystream.delivery.redis_keys import ReplyKeys
+from replystream.delivery.redis_link import HEARTBEAT_S, RedisLink
+from replystream.delivery.redis_log_writer import LogWriter
+from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT
+
+log = logging.getLogger("replystream.redis_store")
+
+
+class Heartbeat:
+    """The once-a-second refresh of every reply this process produces or reads from afar."""
+
+    def __init__(self, link: RedisLink, keys: ReplyKeys, writer: LogWriter) -> None:
+        self._keys = keys
+        self._writer = writer
+        self.redis = link.redis
+        self.liveness_s = link.liveness_s
+        self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
+        # Replies produced elsewhere that a reader here follows: when it last read each one.
+        self._reading: dict[str, float] = {}
+
+    async def beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            live = list(self._writer.live)
+            if live:
+                await self._refresh(live)
+            reading = self._still_reading()
+            if reading:
+                await self._mark_read(reading)
+
+    async def reading(self, reply_id: str) -> None:
+        """A reader here has just read reply ``reply_id``, produced elsewhere and not ended:
+        its mark is left at once the first time (the producer may be counting down its
+        detach grace), then refreshed by the heartbeat while the reader goes on reading."""
+        first = reply_id not in self._reading
+        self._reading[reply_id] = time.monotonic()
+        if first:
+            await self._mark_read([reply_id])
+
+    def _still_reading(self) -> list[str]:
+        """Replies produced elsewhere that a reader here has read within ``liveness_s``."""
+        since = time.monotonic() - self.liveness_s
+        for reply_id in [r for r, at in self._reading.items() if at < since]:
+            del self._reading[reply_id]
+        return list(self._reading)
+
+    async def _mark_read(self, replies: list[str]) -> None:
+        """Leave each reply a reader's mark for its producer's heartbeat to find."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for reply_id in replies:
+                    pipe.set(
+                        self._keys.key(reply_id, ":read"), b"1", ex=max(1, int(self.liveness_s))
+                    )
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("reader marks not refreshed: %s", exc)
+
+    async def _refresh(self, live: list[str]) -> None:
+        """Refresh the liveness of ``live`` replies, pass on the cancels asked for them, and
+        find what Redis evicted of them: one script call (one per hash slot with
+        ``one_slot_per_call``)."""
+        # Taken before the call below is sent: a stream shorter than this then has lost
+        # events it had acknowledged (Redis evicted it, perhaps made anew since).
+        written = await self._writer.acknowledged(live)
+        groups: dict[int, list[str]] = {}
+        for reply_id in live:
+            groups.setdefault(self._keys.group(reply_id), []).append(reply_id)
+        await asyncio.gather(*(self._beat(replies, written) for replies in groups.values()))
+
+    async def _beat(self, replies: list[str], written: dict[str, int] | None) -> None:
+        keys: list[str] = []
+        for reply_id in replies:
+            keys += (
+                self._keys.key(reply_id, ":live"),
+                self._keys.key(reply_id, ":cancel"),
+                self._keys.key(reply_id, ":meta"),
+                self._keys.key(reply_id),
+                self._keys.key(reply_id, ":read"),
+            )
+        try:
+            answer = await self._heartbeat(keys=keys, args=[max(1, int(self.liveness_s))])
+        except (RedisError, OSError) as exc:
+            log.warning("liveness refresh failed: %s", exc)
+            return
+        writer = self._writer
+        deleted = []
+        for n, reply_id in enumerate(replies):
+            cancelled, beat, length, read = answer[4 * n : 4 * n + 4]
+            if read:
+                writer.read_elsewhere[reply_id] = time.monotonic()
+            if beat == 0:  # deleted, on another replica: stop, and forget it here too
+                deleted.append(reply_id)
+                writer.forget(reply_id)
+            if cancelled:
+                writer.stop(reply_id)
+            if beat == 0:
+                continue
+            if beat == 1:
+                # The count started again: the metadata was gone (evicted, or lost in a
+                # failover). Write the reply again from this process's copy.
+                log.warning("reply %s: its metadata is gone; writing it again", reply_id[:8])
+                writer.rewrite(reply_id)
+            elif writer.stream_lost(reply_id, int(length), written):
+                log.warning("reply %s: its log is gone; writing it again", reply_id[:8])
+                writer.rewrite(reply_id)
+        if deleted:
+            # A flush sent before they were forgotten may have landed after the script.
+            async with writer.flushing:
+                for reply_id in deleted:
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.redis.delete(
+                            self._keys.key(reply_id), self._keys.key(reply_id, ":live")
+                        )

@@ -1,0 +1,91 @@
+"""The reply log's link to Redis: its client, and how a failed command is retried.
+
+One client (one Redis, Sentinel or a Cluster: ``redis_connect``) serves every part of the
+store. A command that fails is retried for ``failover_s`` (a Sentinel failover takes its
+down-after-milliseconds and an election; the promoted replica is reached through the same
+client), then reported as ``StoreUnavailable``. Once Redis answers again after failing,
+producers' liveness keys cannot be trusted for a few heartbeats (``recovering``): a promoted
+replica may hold stale ones. The timings every part shares (a command's timeout, the
+heartbeat's period) live here too. This file must not know what the keys hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from redis.exceptions import RedisError
+
+from replystream.delivery.redis_connect import connect, parse_redis_url
+from replystream.delivery.replay import StoreUnavailable
+
+T = TypeVar("T")
+
+# Every command's answer must come within this: a Redis that stops answering (hung, or a
+# network that drops packets) is then reported like one that is down, and no reader or
+# flush waits on it for ever. A blocking read blocks for at most half of it.
+COMMAND_TIMEOUT_S = 5.0
+# How long a failed command is retried (a Sentinel failover takes its down-after-milliseconds
+# and an election), unless the server says otherwise (``serve --redis-failover-s``).
+FAILOVER_S = 10.0
+RETRY_FIRST_S = 0.05  # the first retry's pause; each next one doubles, up to RETRY_MAX_S
+RETRY_MAX_S = 0.5
+# A producer refreshes its replies' liveness (and bumps their heartbeat counts) this often.
+HEARTBEAT_S = 1.0
+# A reader that finds a producer's liveness key gone waits this long for its heartbeat count
+# to move before calling it lost: the key may have been evicted (``volatile-ttl`` evicts the
+# keys nearest their expiry first) while the producer lives.
+BEAT_CONFIRM_S = 2 * HEARTBEAT_S + 0.5
+
+
+class RedisLink:
+    """The client of the Redis a URL names, with the store's retry policy."""
+
+    def __init__(
+        self, url: str, *, connect_timeout_s: float, failover_s: float, liveness_s: float
+    ) -> None:
+        self.target = parse_redis_url(url)
+        self.where = f"Redis at {self.target.shown}"  # errors reach clients: no credentials
+        self.redis = connect(
+            self.target, connect_timeout_s=connect_timeout_s, command_timeout_s=COMMAND_TIMEOUT_S
+        )
+        self.failover_s = failover_s
+        self.liveness_s = liveness_s
+        # When a command last succeeded after failing (liveness keys may lag until refreshed).
+        self._recovered_at = -float("inf")
+
+    def unavailable(self, why: object) -> StoreUnavailable:
+        """What a caller is told when Redis cannot be reached."""
+        return StoreUnavailable(f"{self.where}: {why}")
+
+    async def retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()``, retried for ``failover_s`` while Redis cannot be reached (a
+        failover: the client finds the promoted replica); then ``StoreUnavailable``."""
+        deadline: float | None = None
+        pause = RETRY_FIRST_S
+        while True:
+            try:
+                result = await attempt()
+            except (RedisError, OSError) as exc:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.failover_s
+                if now >= deadline:
+                    raise self.unavailable(exc) from exc
+                await asyncio.sleep(min(pause, deadline - now))
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            if deadline is not None:
+                self.recovered()
+            return result
+
+    def recovered(self) -> None:
+        """Redis answered again after failing."""
+        self._recovered_at = time.monotonic()
+
+    def recovering(self) -> bool:
+        """Whether Redis came back too recently for producers' liveness keys to be trusted
+        (they are refreshed every second, and a promoted replica may hold stale ones)."""
+        return time.monotonic() - self._recovered_at < self.liveness_s + 2 * HEARTBEAT_S

@@ -1,0 +1,214 @@
+"""Reads of replies produced on other replicas, from Redis.
+
+A reader of a reply made elsewhere reads its stream in batches (``READ_BATCH`` entries),
+with the reply's metadata and newest entry in the same round trip, so it knows the log's
+size and whether the reply ended. One that has read everything waits on the one blocking
+``XREAD`` this process shares (``redis_follow.StreamWatch``); when nothing came, it checks
+that the producer lives: its liveness key, or, that key gone (expired, or evicted), its
+heartbeat count moving within ``BEAT_CONFIRM_S``. A missing key is never taken for something
+else: a stream gone behind an ended reply is a gap up to the ``last`` its metadata keeps,
+then the ending; metadata gone behind a surviving stream is reported as evicted; only a reply
+whose every key is gone (and no producer writing it again) reads as unknown. Every read is
+retried through a failover (``RedisLink.retrying``). This file reads; it writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from replystream.delivery.redis_follow import StreamWatch
+from replystream.delivery.redis_keys import ReplyKeys
+from replystream.delivery.redis_link import (
+    BEAT_CONFIRM_S,
+    COMMAND_TIMEOUT_S,
+    HEARTBEAT_S,
+    RedisLink,
+)
+from replystream.delivery.redis_rows import (
+    META_READ,
+    Meta,
+    Offsets,
+    newest_offset,
+    result_of,
+    seq_of,
+    text,
+)
+from replystream.delivery.replay import LogTail, ReadResult, ReplyInfo
+
+READ_BATCH = 1000
+
+
+class RemoteReads:
+    """What a store reads of replies in Redis; counts the gaps and evictions it finds."""
+
+    def __init__(self, link: RedisLink, keys: ReplyKeys) -> None:
+        self._link = link
+        self._keys = keys
+        self.redis = link.redis
+        self.watch = StreamWatch(self.redis, READ_BATCH, keys.slot_of_key)
+        self.gaps = 0  # reads that told of lost entries
+        self.evictions = 0  # keys found evicted
+
+    async def info(self, reply_id: str) -> ReplyInfo | None:
+        """A reply's owner and context, as Redis keeps them (None: not there)."""
+        meta = await self._link.retrying(lambda: self._meta_of(reply_id))
+        if b"owner" not in meta:
+            return None
+        return ReplyInfo(
+            reply_id, owner=text(meta.get(b"owner")), context=text(meta.get(b"context"))
+        )
+
+    async def _meta_of(self, reply_id: str) -> dict[bytes | str, bytes | str]:
+        """A reply's metadata; when it is gone but its producer lives (its heartbeat writes
+        it again within a second or two), after waiting for it."""
+        key = self._keys.key(reply_id, ":meta")
+        meta: dict[bytes | str, bytes | str] = await self.redis.hgetall(key)
+        deadline = time.monotonic() + BEAT_CONFIRM_S
+        while (
+            b"owner" not in meta
+            and time.monotonic() < deadline
+            and await self.redis.exists(self._keys.key(reply_id, ":live"))
+        ):
+            await asyncio.sleep(HEARTBEAT_S / 4)
+            meta = await self.redis.hgetall(key)
+        return meta
+
+    async def evicted(self, reply_id: str) -> str | None:
+        """Why a reply can no longer be read, if its metadata was evicted from under it."""
+
+        async def look() -> tuple[Meta, bool]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(self._keys.key(reply_id, ":meta"), META_READ)
+                pipe.exists(self._keys.key(reply_id))
+                fields, logged = await pipe.execute()
+            return Meta.of(fields), bool(logged)
+
+        meta, logged = await self._link.retrying(look)
+        if meta.known or meta.deleted or not logged:
+            return None
+        self.evictions += 1
+        return (
+            "this reply's metadata is gone from Redis while its events remain (evicted under "
+            "maxmemory, or lost in a failover): it can no longer be read or resumed"
+        )
+
+    async def tail(self, reply_id: str) -> LogTail | None:
+        """The last event's number of a reply in Redis, and whether it has ended."""
+        rows, fields = await self._link.retrying(lambda: self._remote_tail(reply_id))
+        meta = Meta.of(fields)
+        if meta.deleted:
+            return None
+        if not rows:
+            if meta.ending is not None:  # ended, and its stream evicted since
+                return LogTail(meta.last, True)
+            return LogTail(0, False) if meta.known else None
+        entry_id, fields = rows[0]
+        if b"end" in fields:  # the terminal entry takes the number after the last event's
+            return LogTail(seq_of(entry_id) - 1, True)
+        return LogTail(seq_of(entry_id), False)
+
+    async def _remote_tail(self, reply_id: str) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrevrange(self._keys.key(reply_id), max="+", min="-", count=1)
+            pipe.hmget(self._keys.key(reply_id, ":meta"), META_READ)
+            return await pipe.execute()
+
+    async def read_measured(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        """A read of a reply produced elsewhere, with where its entries stand in bytes."""
+        return self._counting(
+            await self._link.retrying(lambda: self._read_waiting(reply_id, after, wait_s))
+        )
+
+    async def follow(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        """The next entries of a reply produced elsewhere, for a reader that has read the
+        rest: from the one blocking XREAD every follower in this process shares (no command
+        of its own); if none came within ``wait_s``, a read of its own tells whether the
+        reply is still there and its producer alive."""
+        return self._counting(
+            await self._link.retrying(lambda: self._follow_once(reply_id, after, wait_s))
+        )
+
+    def _counting(
+        self, read: tuple[ReadResult | None, Offsets]
+    ) -> tuple[ReadResult | None, Offsets]:
+        if read[0] is not None and read[0].lost is not None:
+            self.gaps += 1
+        return read
+
+    async def _read_waiting(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        result, offsets = await self._read_remote(reply_id, after)
+        if result is None or result.entries or result.lost or result.ending or wait_s <= 0:
+            return result, offsets
+        # Nothing new: wait for an entry on the read every follower here shares.
+        return await self._follow_once(reply_id, after, wait_s)
+
+    async def _follow_once(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        key = self._keys.key(reply_id)
+        rows = await self.watch.after(key, after, min(wait_s, COMMAND_TIMEOUT_S / 2))
+        if rows:
+            return result_of(rows, after, READ_BATCH)
+        result, offsets = await self._read_remote(reply_id, after)
+        if result is None or result.entries or result.lost or result.ending:
+            return result, offsets
+        alive = self._link.recovering() or await self.redis.exists(
+            self._keys.key(reply_id, ":live")
+        )
+        if not alive:
+            # Its liveness key is gone: expired (the producer died), or evicted. A live
+            # producer's heartbeat count moves within a second; wait for it (or an event).
+            beat = await self.redis.hget(self._keys.key(reply_id, ":meta"), "beat")
+            rows = await self.watch.after(key, after, BEAT_CONFIRM_S)
+            if rows:
+                return result_of(rows, after, READ_BATCH)
+            result, offsets = await self._read_remote(reply_id, after)
+            if result is None or result.entries or result.lost or result.ending:
+                return result, offsets
+            now = await self.redis.hget(self._keys.key(reply_id, ":meta"), "beat")
+            alive = now is not None and now != beat
+        return ReadResult([], result.lost, None, producer_lost=not alive), offsets
+
+    async def logged_bytes(self, reply_id: str) -> int | None:
+        """The size of a reply's log in Redis so far (None: no event logged yet)."""
+        newest = await self._link.retrying(
+            lambda: self.redis.xrevrange(self._keys.key(reply_id), max="+", min="-", count=2)
+        )
+        return newest_offset(newest)
+
+    async def _read_remote(self, reply_id: str, after: int) -> tuple[ReadResult | None, Offsets]:
+        key = self._keys.key(reply_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrange(key, min=f"(0-{after}", max="+", count=READ_BATCH)
+            pipe.hmget(self._keys.key(reply_id, ":meta"), META_READ)
+            # The newest event entry (the terminal entry, if any, comes after it).
+            pipe.xrevrange(key, max="+", min="-", count=2)
+            rows, fields, newest = await pipe.execute()
+        logged = newest_offset(newest)
+        meta = Meta.of(fields)
+        if meta.deleted:
+            return None, Offsets(None, None)
+        if not rows and meta.ending is not None:
+            # Ended, but nothing after ``after`` is left, not even the terminal entry: the
+            # stream was evicted. What the reader lacks is told; then the reply's end.
+            self.evictions += 1
+            lost = (after + 1, meta.last) if after < meta.last else None
+            return ReadResult([], lost, meta.ending), Offsets(None, logged)
+        if not meta.known and not rows and not newest:
+            # Every key gone: expired, deleted, or evicted (unless its producer lives: it
+            # writes them again, and this reader waits).
+            if not await self.redis.exists(self._keys.key(reply_id, ":live")):
+                return None, Offsets(None, logged)
+        result, offsets = result_of(rows, after, READ_BATCH)
+        return result, Offsets(offsets.before_first, logged)
+
+    async def aclose(self) -> None:
+        await self.watch.aclose()
