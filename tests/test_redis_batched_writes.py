@@ -15,7 +15,7 @@ import pytest
 from redis.crc import key_slot
 
 from replystream.delivery.redis_store import RedisReplayStore
-from replystream.delivery.replay import LogEntry, ReplyInfo
+from replystream.delivery.replay import LogEntry, LogTail, ReplyInfo
 from tests.redis_server import RedisServer, redis_server
 
 
@@ -201,3 +201,23 @@ async def test_hundreds_of_readers_on_another_replica_follow_through_one_shared_
         await producer.aclose()
         await reader.aclose()
 
+
+async def test_a_live_reply_that_pauses_longer_than_the_ttl_keeps_its_keys(server: RedisServer):
+    # A producer that makes no event for longer than the reply TTL (a model thinking, an
+    # upstream slow to answer) still generates: its keys must not expire under it, or a
+    # resume on another replica finds no reply and the producer takes the expiry for an
+    # eviction and writes the reply again.
+    producer = RedisReplayStore(server.url, ttl_after_end_s=2.0, liveness_s=1.0)
+    reader = RedisReplayStore(server.url, ttl_after_end_s=2.0, liveness_s=1.0)
+    await producer.create(ReplyInfo("paused"))
+    producer.append("paused", [LogEntry(1, "token", "a")])
+    await producer.flush()
+    seen = []
+    for _ in range(10):  # 5 s: two and a half TTLs without an event
+        await asyncio.sleep(0.5)
+        seen.append(await reader.tail("paused"))
+        assert await producer.redis.ttl(producer.keys.key("paused", ":meta")) > 0
+    assert set(seen) == {LogTail(1, False)}, seen
+    assert producer.stats().evictions == 0 and producer.stats().repairs == 0
+    await producer.aclose()
+    await reader.aclose()

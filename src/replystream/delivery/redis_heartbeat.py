@@ -1,7 +1,8 @@
 """The store's heartbeat, once a second: liveness, cancels, deletes, evictions, reader marks.
 
 For the replies produced here, one script call (one per hash slot for a Cluster:
-``HEARTBEAT_SCRIPT``) refreshes each one's liveness key, bumps its heartbeat count, passes on
+``HEARTBEAT_SCRIPT``) refreshes each one's liveness key and its keys' TTL (a reply may make
+no event for longer than the TTL and still live), bumps its heartbeat count, passes on
 a cancel asked on another replica, finds a delete made on another replica (the producer stops
 and what it wrote meanwhile is deleted), tells whether a reader elsewhere follows it (its
 reader mark: a detached reply goes on while read), and asks its stream's length. A count
@@ -101,7 +102,10 @@ class Heartbeat:
                 self._keys.key(reply_id, ":read"),
             )
         try:
-            answer = await self._heartbeat(keys=keys, args=[max(1, int(self.liveness_s))])
+            answer = await self._heartbeat(
+                keys=keys,
+                args=[max(1, int(self.liveness_s)), max(1, int(self._writer.ttl_after_end_s))],
+            )
         except (RedisError, OSError) as exc:
             log.warning("liveness refresh failed: %s", exc)
             return

@@ -12,8 +12,9 @@ are kept. A write that fails fails its reply alone (the others in the batch go o
 
 The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
 ``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
-liveness refresh is one call too (``HEARTBEAT_SCRIPT``), which also bumps each live reply's
-heartbeat count and asks its stream's length (eviction checks), finds a reply deleted
+liveness refresh is one call too (``HEARTBEAT_SCRIPT``), which also keeps a live reply's keys
+(their TTL, however long it goes without an event), bumps its heartbeat count and asks its
+stream's length (eviction checks), finds a reply deleted
 on another replica (``DELETE_SCRIPT`` leaves a mark in its metadata's place), and whether a
 reader on another replica follows it (its reader mark).
 ``flush_batches`` plans one
@@ -111,10 +112,13 @@ return out
 """
 
 # KEYS: live, cancel, meta, stream and reader keys of each reply; ARGV[1]: liveness in
-# seconds. Returns, per reply: 1 if a cancel was requested (else 0), its heartbeat count after
-# this beat (1: its metadata was gone; 0: the reply was deleted, and what its producer wrote
-# of it since is deleted now), its stream's length (shorter than what Redis acknowledged:
-# evicted), and 1 if a reader on another replica follows it (else 0).
+# seconds; ARGV[2]: the reply TTL, which the metadata and the stream of a live reply get
+# again at every beat (a reply that makes no event for longer than the TTL still lives, and
+# a metadata hash the count makes anew gets its TTL). Returns, per reply: 1 if a cancel was
+# requested (else 0), its heartbeat count after this beat (1: its metadata was gone; 0: the
+# reply was deleted, and what its producer wrote of it since is deleted now), its stream's
+# length (shorter than what Redis acknowledged: evicted), and 1 if a reader on another
+# replica follows it (else 0).
 HEARTBEAT_SCRIPT = """
 local out = {}
 for i = 1, #KEYS, 5 do
@@ -129,6 +133,8 @@ for i = 1, #KEYS, 5 do
     out[#out + 1] = redis.call('EXISTS', KEYS[i + 1])
     out[#out + 1] = redis.call('HINCRBY', KEYS[i + 2], 'beat', 1)
     out[#out + 1] = redis.call('XLEN', KEYS[i + 3])
+    redis.call('EXPIRE', KEYS[i + 2], ARGV[2])
+    redis.call('EXPIRE', KEYS[i + 3], ARGV[2])
     out[#out + 1] = redis.call('EXISTS', KEYS[i + 4])
   end
 end
