@@ -304,3 +304,18 @@ async def account(reader: RedisReplayStore, reply: str) -> str:
             if told:
                 return "told gap"
             return "exact" if after == EVENTS else "wrong: silent loss"
+
+
+async def test_a_write_count_that_expired_while_idle_is_not_taken_for_an_eviction(
+    tmp_path: Path,
+):
+    # The store's count of its calls lives the reply TTL after its last call: a replica that
+    # writes nothing for that long finds it gone, by design, not evicted.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url, ttl_after_end_s=1.0)
+        await ended(producer, "before")
+        await asyncio.sleep(2.5)  # idle for more than the TTL: the count expires
+        await ended(producer, "after")
+        assert producer.stats().evictions == 0
+        assert producer.stats().repairs == 0
+        await producer.aclose()

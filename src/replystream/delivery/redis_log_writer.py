@@ -96,6 +96,9 @@ class LogWriter:
         # This store's count of its calls, in Redis (per slot group): short after a failover
         # that lost some.
         self._writes_seen: dict[int, int] = {}
+        # When the last call counted in each group was sent: the count lives the reply TTL
+        # from each call, so after that long without one it may have expired, as it should.
+        self._count_sent: dict[int, float] = {}
         self.lost_writes = self.repairs = self.repaired_events = self.holes = 0
         self.evictions = 0
 
@@ -219,6 +222,7 @@ class LogWriter:
         whole is an outage (``_write_failed``), and fails the creates waiting on it."""
         ttl = max(1, int(self.ttl_after_end_s))
         argument = batch.argument(ttl, max(1, int(self.liveness_s)), self._keys.counter_key(group))
+        sent = time.monotonic()
         try:
             answer = await self._write(keys=batch.keys, args=[argument])
         except (RedisError, OSError) as exc:
@@ -232,7 +236,7 @@ class LogWriter:
             log.warning("reply log write to Redis refused: %s", reason)
             self._failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
         _settle(waiting, None)
-        self._counted(group, int(answer[0]))
+        self._counted(group, int(answer[0]), sent)
 
     async def acknowledged(self, live: list[str]) -> dict[str, int] | None:
         """How many events of each live reply Redis has acknowledged: those appended and no
@@ -268,14 +272,23 @@ class LogWriter:
 
     # Failover: finding out what Redis lost, and writing it again.
 
-    def _counted(self, group: int, count: int) -> None:
-        """Redis's count of this store's calls (to one slot group), after one more.
-        Replication is ordered, so a count short of ours means Redis lost calls it had
-        acknowledged, and with them whatever they wrote: every reply held here is checked and
-        repaired."""
+    def _counted(self, group: int, count: int, sent: float) -> None:
+        """Redis's count of this store's calls (to one slot group), after one more, sent at
+        ``sent``. Replication is ordered, so a count short of ours means Redis lost calls it
+        had acknowledged, and with them whatever they wrote: every reply held here is checked
+        and repaired."""
         seen = self._writes_seen.get(group)
         expected = None if seen is None else seen + 1
+        previous = self._count_sent.get(group)
+        # The count's TTL runs from the previous call's EXPIRE, which ran after ``previous``
+        # (when that call was sent); this call's INCR ran before now. Once they may be the
+        # TTL apart, the count may have expired, as it does: it is not taken for lost.
+        if previous is not None and time.monotonic() - previous >= max(
+            1, int(self.ttl_after_end_s)
+        ):
+            expected = None
         self._writes_seen[group] = count
+        self._count_sent[group] = sent
         if expected is not None and count == 1 < expected:
             # The count itself is gone, not short: a maxmemory Redis evicted it (a failover
             # loses the whole key only if all of it was in its window: a store's first writes).
@@ -333,6 +346,7 @@ class LogWriter:
                 self._pending.pop(reply_id, None)
                 self._endings.pop(reply_id, None)
         dirty = set(self._dirty)
+        sent = time.monotonic()
         per_slot = self._keys.one_slot_per_call
         groups = sorted({self._keys.group(r) for r in copies} | set(() if per_slot else (0,)))
         try:
@@ -372,7 +386,7 @@ class LogWriter:
         self._link.recovered()
         counts = results[len(results) - 2 * len(groups) :: 2]
         for group, count in zip(groups, counts, strict=True):
-            self._counted(group, int(count))
+            self._counted(group, int(count), sent)
         done = [r for r in repairs.values() if r.action != "nothing"]
         if done:
             self.repairs += len(done)
