@@ -71,3 +71,33 @@ async def test_a_hole_in_a_stream_is_told_as_lost_never_skipped(tmp_path: Path):
         assert reader.stats().gaps == 1
         await producer.aclose()
         await reader.aclose()
+
+
+async def test_a_redis_restarted_empty_gets_back_every_reply_this_replica_holds(tmp_path: Path):
+    # Redis restarted without its data (or a promoted replica that lacks the last writes)
+    # while one reply was live and another had just ended: the producer holds both, and
+    # writes both again, so a reader elsewhere reads the ended one whole, to its end.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url)
+        reader = RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("ended"))
+        producer.append("ended", [LogEntry(n, "token", f"{n}") for n in range(1, 6)])
+        producer.end("ended", "finished")
+        await producer.create(ReplyInfo("live"))
+        producer.append("live", [LogEntry(1, "token", "1")])
+        await producer.flush()
+        server.stop()
+        producer.append("live", [LogEntry(2, "token", "2")])
+        await producer.flush()  # fails: Redis is down
+        server.start()
+        async with asyncio.timeout(10):
+            while producer.stats().repairs == 0:
+                await producer.flush()
+                await asyncio.sleep(0.1)
+        for reply_id, last, ending in (("ended", 5, "finished"), ("live", 2, None)):
+            result = await reader.read(reply_id, 0, wait_s=0)
+            assert result is not None, reply_id
+            assert [e.seq for e in result.entries] == list(range(1, last + 1))
+            assert result.ending == ending
+        await producer.aclose()
+        await reader.aclose()

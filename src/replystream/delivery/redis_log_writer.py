@@ -309,8 +309,11 @@ class LogWriter:
         once Redis answers; past ``failover_s`` of failing, the live ones fail instead."""
         now = time.monotonic()
         self._writes_seen.clear()  # the failed call's count is unknown
+        # So a short count cannot tell what Redis lost meanwhile (a restart without its data,
+        # a promoted replica behind its primary): every reply held here is checked, the
+        # ended ones too.
         self._dirty.update(reply_ids)
-        self._dirty.update(self.live)
+        self._dirty.update(self.local._logs)
         if self._outage_since is None:
             self._outage_since = now
             log.warning(
