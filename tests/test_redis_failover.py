@@ -101,3 +101,42 @@ async def test_a_redis_restarted_empty_gets_back_every_reply_this_replica_holds(
             assert result.ending == ending
         await producer.aclose()
         await reader.aclose()
+
+
+async def test_a_live_reply_redis_lost_is_waited_for_while_its_producer_writes_it_again(
+    tmp_path: Path,
+):
+    # Redis came back without the reply (restarted without its data, or a promoted replica
+    # that lacks it) a moment before its producer writes it again: a reader elsewhere, or a
+    # resume there, must wait for it rather than be told the reply is gone.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url)
+        reader = RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("r"))
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+        await producer.flush()
+        for task in producer._tasks:  # its writes are made below, when the test says
+            task.cancel()
+        following = asyncio.create_task(reader.read("r", 3, wait_s=1.0))
+        await asyncio.sleep(0.2)
+        server.stop()
+        await asyncio.sleep(0.3)
+        server.start()
+        async with asyncio.timeout(10):
+            assert await following is not None  # it waits on
+        producer.append("r", [LogEntry(4, "token", "4")])
+
+        async def write_again() -> None:
+            await asyncio.sleep(0.5)
+            while producer.stats().repairs == 0:
+                await producer.flush()
+                await asyncio.sleep(0.1)
+
+        writing = asyncio.create_task(write_again())
+        async with asyncio.timeout(10):
+            assert await reader.info("r") is not None  # a resume waits for it too
+            await writing
+            result = await reader.read("r", 0, wait_s=0)
+        assert result is not None and [e.seq for e in result.entries] == [1, 2, 3, 4]
+        await producer.aclose()
+        await reader.aclose()

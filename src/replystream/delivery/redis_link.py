@@ -3,10 +3,12 @@
 One client (one Redis, Sentinel or a Cluster: ``redis_connect``) serves every part of the
 store. A command that fails is retried for ``failover_s`` (a Sentinel failover takes its
 down-after-milliseconds and an election; the promoted replica is reached through the same
-client), then reported as ``StoreUnavailable``. Once Redis answers again after failing,
-producers' liveness keys cannot be trusted for a few heartbeats (``recovering``): a promoted
-replica may hold stale ones. The timings every part shares (a command's timeout, the
-heartbeat's period) live here too. This file must not know what the keys hold.
+client), then reported as ``StoreUnavailable``. While Redis fails and for a few heartbeats
+after it answers again (``recovering``), what producers write cannot be trusted to be there:
+a promoted replica may hold stale liveness keys, and a reply Redis lost altogether (a
+restart without its data) is there again only once its producer writes it again. The
+timings every part shares (a command's timeout, the heartbeat's period) live here too. This
+file must not know what the keys hold.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class RedisLink:
         )
         self.failover_s = failover_s
         self.liveness_s = liveness_s
-        # When a command last succeeded after failing (liveness keys may lag until refreshed).
-        self._recovered_at = -float("inf")
+        # When a command last failed, or first succeeded after failing: until producers have
+        # written again, Redis may lack their liveness keys, or every key of their replies.
+        self._troubled_at = -float("inf")
 
     def unavailable(self, why: object) -> StoreUnavailable:
         """What a caller is told when Redis cannot be reached."""
@@ -70,6 +73,7 @@ class RedisLink:
                 result = await attempt()
             except (RedisError, OSError) as exc:
                 now = time.monotonic()
+                self.failed()
                 if deadline is None:
                     deadline = now + self.failover_s
                 if now >= deadline:
@@ -81,11 +85,17 @@ class RedisLink:
                 self.recovered()
             return result
 
+    def failed(self) -> None:
+        """A command failed: Redis may come back without what it held."""
+        self._troubled_at = time.monotonic()
+
     def recovered(self) -> None:
         """Redis answered again after failing."""
-        self._recovered_at = time.monotonic()
+        self._troubled_at = time.monotonic()
 
     def recovering(self) -> bool:
-        """Whether Redis came back too recently for producers' liveness keys to be trusted
-        (they are refreshed every second, and a promoted replica may hold stale ones)."""
-        return time.monotonic() - self._recovered_at < self.liveness_s + 2 * HEARTBEAT_S
+        """Whether Redis failed or came back too recently for what producers write to be
+        trusted to be there: liveness keys are refreshed every second (a promoted replica may
+        hold stale ones), and a reply Redis lost is written again once its producer reaches
+        it."""
+        return time.monotonic() - self._troubled_at < self.liveness_s + 2 * HEARTBEAT_S

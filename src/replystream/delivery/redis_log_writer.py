@@ -308,6 +308,7 @@ class LogWriter:
         """A write failed: it may or may not have landed. Every reply held here is repaired
         once Redis answers; past ``failover_s`` of failing, the live ones fail instead."""
         now = time.monotonic()
+        self._link.failed()
         self._writes_seen.clear()  # the failed call's count is unknown
         # So a short count cannot tell what Redis lost meanwhile (a restart without its data,
         # a promoted replica behind its primary): every reply held here is checked, the

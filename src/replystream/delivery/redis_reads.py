@@ -61,15 +61,15 @@ class RemoteReads:
         )
 
     async def _meta_of(self, reply_id: str) -> dict[bytes | str, bytes | str]:
-        """A reply's metadata; when it is gone but its producer lives (its heartbeat writes
-        it again within a second or two), after waiting for it."""
+        """A reply's metadata; when it is gone but its producer may live (its heartbeat or
+        its repair writes it again within a second or two), after waiting for it."""
         key = self._keys.key(reply_id, ":meta")
         meta: dict[bytes | str, bytes | str] = await self.redis.hgetall(key)
         deadline = time.monotonic() + BEAT_CONFIRM_S
         while (
             b"owner" not in meta
             and time.monotonic() < deadline
-            and await self.redis.exists(self._keys.key(reply_id, ":live"))
+            and await self._producer_may_write(reply_id)
         ):
             await asyncio.sleep(HEARTBEAT_S / 4)
             meta = await self.redis.hgetall(key)
@@ -205,10 +205,19 @@ class RemoteReads:
         if not meta.known and not rows and not newest:
             # Every key gone: expired, deleted, or evicted (unless its producer lives: it
             # writes them again, and this reader waits).
-            if not await self.redis.exists(self._keys.key(reply_id, ":live")):
+            if not await self._producer_may_write(reply_id):
                 return None, Offsets(None, logged)
         result, offsets = result_of(rows, after, READ_BATCH)
         return result, Offsets(offsets.before_first, logged)
+
+    async def _producer_may_write(self, reply_id: str) -> bool:
+        """Whether a reply whose keys are gone may still be written again by its producer:
+        its liveness key is there, or Redis came back too recently to tell (a restart
+        without its data, or a promoted replica behind its primary, lost every key of a live
+        reply; its producer writes them again once it reaches Redis)."""
+        if self._link.recovering():
+            return True
+        return bool(await self.redis.exists(self._keys.key(reply_id, ":live")))
 
     async def aclose(self) -> None:
         await self.watch.aclose()
