@@ -221,3 +221,25 @@ async def test_a_live_reply_that_pauses_longer_than_the_ttl_keeps_its_keys(serve
     assert producer.stats().evictions == 0 and producer.stats().repairs == 0
     await producer.aclose()
     await reader.aclose()
+
+
+async def test_a_stream_made_anew_by_a_late_write_expires_even_if_its_producer_dies(
+    server: RedisServer,
+):
+    # The reply is deleted on another replica (or its stream evicted) and its producer's
+    # next write lands before the producer hears of it: that write makes the stream again.
+    # If the producer's replica then dies, nothing else would ever delete it: it must expire.
+    producer, other = RedisReplayStore(server.url), RedisReplayStore(server.url)
+    await producer.create(ReplyInfo("deleted"))
+    producer.append("deleted", [LogEntry(1, "token", "x")])
+    await producer.flush()
+    for task in producer._tasks:  # its replica dies after the next write: no heartbeat
+        task.cancel()
+    await other.delete("deleted")
+    producer.append("deleted", [LogEntry(2, "token", "y")])
+    await producer.flush()
+    redis = other.redis
+    for key in await redis.keys(f"{producer.keys.prefix}*"):
+        assert await redis.ttl(key) > 0, key
+    await producer.aclose()
+    await other.aclose()

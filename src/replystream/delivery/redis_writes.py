@@ -6,9 +6,10 @@ reading its answer, in Python). So one flush sends one ``EVALSHA`` of ``WRITE_SC
 keys it touches, and one JSON text (encoded by the C encoder, in one call) holding the new
 replies, every reply's new entries and its ending; Redis runs the ``XADD``s. Per event the
 replica builds one row; per reply and flush, one key. Expiry and trimming are not per event
-either: a stream's TTL is set on its first write, refreshed every third of the TTL while the reply
-lives and at its end, and ``MAXLEN`` is asked for only once a reply has more entries than
-are kept. A write that fails fails its reply alone (the others in the batch go on).
+either: a stream's TTL is set on its first write (and by any write that makes it again, found
+by ``XADD ... NOMKSTREAM``: Redis 6.2 or later), refreshed every third of the TTL while the
+reply lives and at its end, and ``MAXLEN`` is asked for only once a reply has more entries
+than are kept. A write that fails fails its reply alone (the others in the batch go on).
 
 The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
 ``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
@@ -66,10 +67,25 @@ end
 -- One reply's entries and ending; what Redis refused of them, if anything.
 local function write(r)
   local key, trim = KEYS[r[1]], r[2]
+  -- Whether this call made the stream: one gone (deleted on another replica, evicted,
+  -- expired) is made again by the first entry, and given its TTL here, so it never
+  -- outlives the reply should its producer die before it hears.
+  local made = false
   for j = 6, #r, 4 do
     local id = '0-' .. r[j]
     local res
-    if trim > 0 then
+    if j == 6 then
+      if trim > 0 then
+        res = redis.pcall('XADD', key, 'NOMKSTREAM', 'MAXLEN', '~', trim, id, 'e', r[7],
+          'd', r[8], 'b', r[9])
+      else
+        res = redis.pcall('XADD', key, 'NOMKSTREAM', id, 'e', r[7], 'd', r[8], 'b', r[9])
+      end
+      if res == false then
+        made = true
+        res = redis.pcall('XADD', key, id, 'e', r[7], 'd', r[8], 'b', r[9])
+      end
+    elseif trim > 0 then
       res = redis.pcall('XADD', key, 'MAXLEN', '~', trim, id, 'e', r[j + 1], 'd', r[j + 2],
         'b', r[j + 3])
     else
@@ -78,6 +94,7 @@ local function write(r)
     local err = refused(res)
     if err then return err end
   end
+  if made then redis.call('EXPIRE', key, ttl) end
   local ending = r[4]
   if ending ~= cjson.null then
     local err = refused(redis.pcall('XADD', key, '0-' .. ending[1], 'end', ending[2]))
