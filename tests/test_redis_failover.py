@@ -140,3 +140,25 @@ async def test_a_live_reply_redis_lost_is_waited_for_while_its_producer_writes_i
         assert result is not None and [e.seq for e in result.entries] == [1, 2, 3, 4]
         await producer.aclose()
         await reader.aclose()
+
+
+async def test_the_producing_replica_serves_its_copy_of_an_ended_reply_redis_lost(
+    tmp_path: Path,
+):
+    # Redis restarted without its data after a reply ended: its producer still holds the
+    # whole reply, and a resume there reads it, as it does when only the stream was
+    # evicted. Only a delete (which leaves its mark) makes the producer drop its copy.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("r", owner="k"))
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 6)])
+        producer.end("r", "finished")
+        await producer.flush()
+        server.stop()
+        server.start()
+        async with asyncio.timeout(10):
+            assert await producer.info("r") == ReplyInfo("r", owner="k")
+            result = await producer.read("r", 0, wait_s=0)
+        assert result is not None and [e.seq for e in result.entries] == [1, 2, 3, 4, 5]
+        assert result.ending == "finished"
+        await producer.aclose()

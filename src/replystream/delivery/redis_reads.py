@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from replystream.delivery.redis_follow import StreamWatch
 from replystream.delivery.redis_keys import ReplyKeys
@@ -40,6 +40,14 @@ from replystream.delivery.replay import LogTail, ReadResult, ReplyInfo
 READ_BATCH = 1000
 
 
+class Found(NamedTuple):
+    """What Redis keeps about a reply besides its events: its info (None: not there), and
+    whether it was deleted (a delete leaves a mark; an eviction or a lost write does not)."""
+
+    info: ReplyInfo | None
+    deleted: bool
+
+
 class RemoteReads:
     """What a store reads of replies in Redis; counts the gaps and evictions it finds."""
 
@@ -51,14 +59,15 @@ class RemoteReads:
         self.gaps = 0  # reads that told of lost entries
         self.evictions = 0  # keys found evicted
 
-    async def info(self, reply_id: str) -> ReplyInfo | None:
-        """A reply's owner and context, as Redis keeps them (None: not there)."""
+    async def info(self, reply_id: str) -> Found:
+        """A reply's owner and context, as Redis keeps them, or why not."""
         meta = await self._link.retrying(lambda: self._meta_of(reply_id))
         if b"owner" not in meta:
-            return None
-        return ReplyInfo(
+            return Found(None, b"deleted" in meta)
+        info = ReplyInfo(
             reply_id, owner=text(meta.get(b"owner")), context=text(meta.get(b"context"))
         )
+        return Found(info, False)
 
     async def _meta_of(self, reply_id: str) -> dict[bytes | str, bytes | str]:
         """A reply's metadata; when it is gone but its producer may live (its heartbeat or

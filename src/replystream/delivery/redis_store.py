@@ -145,10 +145,14 @@ class RedisReplayStore:
         local = await self._local.info(reply_id)
         if local is not None and reply_id in self.writer.live:
             return local  # produced here and running: Redis has nothing newer
-        remote = await self.reads.info(reply_id)
-        if remote is None and local is not None:  # deleted on another replica: this copy goes
-            self._local.discard(reply_id)
-        return remote
+        found = await self.reads.info(reply_id)
+        if found.info is None and local is not None:
+            if found.deleted:  # deleted on another replica: this copy goes too
+                self._local.discard(reply_id)
+                return None
+            # Redis lost it (restarted without its data, or evicted it): this copy is whole.
+            return local
+        return found.info
 
     async def evicted(self, reply_id: str) -> str | None:
         return await self.reads.evicted(reply_id)
