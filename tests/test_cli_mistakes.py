@@ -368,6 +368,11 @@ CASES: list[tuple[list[str], str]] = [
         "argument --batch: want a whole number from 1 to 1000000000, got 0",
     ),
     (["kv", "--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    # kv: no sequence of the preset's model is longer than its context
+    (
+        ["kv", "--model", "llama-3-8b", "--tokens", "8193"],
+        "--tokens 8,193 is past llama-3-8b's context of 8,192 tokens: give at most 8,192",
+    ),
     # kv: a decode-step option without the bandwidth would be ignored: refused instead
     (
         ["kv", "--model", "llama-3-8b", "--weights-gb", "16"],

@@ -235,12 +235,18 @@ def _shape_value(given: int | None, preset: ModelShape | None, field: str) -> in
 
 def query_from_args(args: argparse.Namespace) -> KVQuery:
     """Explicit options win over the preset's values; raises ValueError for a decode-step
-    option without the bandwidth that bounds the step (it would be ignored)."""
+    option without the bandwidth that bounds the step (it would be ignored), or for more
+    tokens per sequence than the preset's model can attend to (no sequence is that long)."""
     if args.bandwidth_tbs is None:
         for flag, value in (("--weights-gb", args.weights_gb), ("--batch", args.batch)):
             if value is not None:
                 raise ValueError(f"{flag} sizes the decode step: add --bandwidth-tbs")
     preset = PRESETS[args.model] if args.model else None
+    if preset is not None and args.tokens is not None and args.tokens > preset.context:
+        raise ValueError(
+            f"--tokens {args.tokens:,} is past {preset.name}'s context of {preset.context:,} "
+            f"tokens: give at most {preset.context:,} (or drop --model and give the shape)"
+        )
     weights = args.weights_gb
     if weights is None and preset is not None and args.bandwidth_tbs is not None:
         weights = preset.params_b * 2
