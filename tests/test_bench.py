@@ -214,12 +214,63 @@ async def test_incomplete_and_failed_requests_are_counted_with_reasons():
     assert counts["incomplete"] == 3 and counts["complete"] == 0
     assert any("simulated failure" in reason for reason in counts["incomplete_reasons"])
 
-    gone = LoadConfig(
-        url=f"http://127.0.0.1:{free_port()}/stream", api="lab", requests=2, warmup=False
-    )
-    counts = summarize(await run_load(gone))["counts"]
+    async with running(unavailable_app()) as url:
+        refused = LoadConfig(url=f"{url}/stream", api="lab", requests=2, warmup=False)
+        counts = summarize(await run_load(refused))["counts"]
     assert counts["failed"] == 2
-    assert any("cannot connect" in reason for reason in counts["failed_reasons"])
+    assert any("HTTP 503" in reason for reason in counts["failed_reasons"]), counts
+
+
+def unavailable_app() -> web.Application:
+    """A server that is there and answers every request 503 at once."""
+
+    async def unavailable(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", unavailable)
+    return app
+
+
+@pytest.mark.parametrize("warmup", [True, False], ids=["warm-up", "no-warm-up"])
+@pytest.mark.parametrize("pacing", [("--concurrency", "4"), ("--rate", "200")])
+async def test_a_run_against_a_closed_port_stops_at_once_with_one_line(warmup, pacing):
+    """A closed loop against nothing would fail as fast as it could for the whole duration:
+    the run stops at its first refused request and says so, as a load tool's test request
+    does."""
+    url = f"http://127.0.0.1:{free_port()}/stream"  # nothing listens
+    flags = [*pacing, "--duration", "60", "--quiet"] + ([] if warmup else ["--no-warmup"])
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "replystream", "bench", url, *flags),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):  # far less than the 60 s asked for
+        out, err = await process.communicate()
+    assert process.returncode == 1
+    assert "Traceback" not in err.decode() and out == b""
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"replystream bench: cannot connect to {url[7:].split('/')[0]}:")
+    assert "nothing was measured" in lines[0]
+
+
+async def test_a_refused_run_stops_issuing_at_its_first_request():
+    url = f"http://127.0.0.1:{free_port()}/stream"  # nothing listens
+    config = LoadConfig(
+        url=url,
+        api="lab",
+        profile=Profile("concurrent", 4),
+        requests=None,
+        duration_s=60.0,
+        warmup=False,
+    )
+    async with asyncio.timeout(30):
+        run = await run_load(config)
+    # Each reader had one request in flight when the first was refused; none sent another.
+    assert 1 <= len(run.records) <= 4
+    assert run.unreachable is not None and "cannot connect" in run.unreachable
+    assert not any(r.timing.connected for r in run.records)
 
 
 async def test_goodput_counts_only_requests_within_every_slo():
@@ -519,21 +570,23 @@ async def test_slo_given_twice_bounds_both_metrics(tmp_path):
     assert goodput["slos"] == {"ttft": 1000.0, "tpot": 500.0}
 
 
-def test_a_sweep_says_why_its_requests_failed(capsys):
-    url = f"http://127.0.0.1:{free_port()}/stream"  # nothing listens
-    code = main(["bench", url, "--profile", "sweep", "--requests", "2", "--quiet"])
+async def test_a_sweep_says_why_its_requests_failed(capsys):
+    async with running(unavailable_app()) as url:
+        argv = ["bench", f"{url}/stream", "--profile", "sweep", "--requests", "2", "--quiet"]
+        code = await asyncio.to_thread(main, argv)
     out = capsys.readouterr().out
     assert code == 1
     for run in ("synchronous", "throughput"):
         reasons = [line for line in out.splitlines() if line.startswith(f"  {run}: failed: 2 x ")]
-        assert len(reasons) == 1 and "cannot connect" in reasons[0], out
+        assert len(reasons) == 1 and "HTTP 503" in reasons[0], out
     # With no --slo a good request is a complete one: the knee line says so.
     assert "Knee: none; no rate completed 95 % of requests and stayed steady." in out
 
 
-def test_a_sweep_claims_only_the_constant_rates_it_ran(capsys):
-    url = f"http://127.0.0.1:{free_port()}/stream"  # nothing listens: both rates are 0
-    code = main(["bench", url, "--profile", "sweep", "--requests", "2", "--quiet"])
+async def test_a_sweep_claims_only_the_constant_rates_it_ran(capsys):
+    async with running(unavailable_app()) as url:  # every request refused: both rates are 0
+        argv = ["bench", f"{url}/stream", "--profile", "sweep", "--requests", "2", "--quiet"]
+        code = await asyncio.to_thread(main, argv)
     out = capsys.readouterr().out
     assert code == 1
     rows = [line.split()[1] for line in out.splitlines() if line.startswith("│ ")]

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from replystream.client.formats import interpret_body, interpret_event
-from replystream.client.transport import Connection, HTTPResponse, TransportError, http_request
+from replystream.client.transport import (
+    ConnectError,
+    Connection,
+    HTTPResponse,
+    TransportError,
+    http_request,
+)
 from replystream.sse import EventParser, SSEError
 
 
@@ -49,6 +55,8 @@ class ReplyTiming:
     # output begin and as vLLM's benchmark counts it); ``first_answer_ms``: the answer's.
     thinking: str = ""
     first_answer_ms: float | None = None
+    # False when no connection could be made: the request never reached a server.
+    connected: bool = True
 
     @property
     def gaps_ms(self) -> list[float]:
@@ -101,6 +109,7 @@ class _Reading:
         self.event_ms: list[float] = []
         self.event_chars: list[int] = []
         self.headers: dict[str, str] = {}
+        self.connected = True
 
     def ms(self, at: float) -> float:
         """``perf_counter()`` time ``at`` as ms since the request started."""
@@ -145,6 +154,7 @@ class _Reading:
             cancelled=self.cancelled,
             thinking="".join(self.thoughts),
             first_answer_ms=self.first_answer_ms,
+            connected=self.connected,
         )
 
 
@@ -237,6 +247,9 @@ async def measure_reply(
                     await _read_body(reading, response)
     except TimeoutError:
         reading.error = f"timed out after {timeout_s:g} s"
+    except ConnectError as exc:
+        reading.connected = False
+        reading.error = str(exc)
     except (TransportError, SSEError) as exc:
         reading.error = f"read failed: {exc}"
     return reading.finish()

@@ -37,6 +37,16 @@ class TransportError(ConnectionError):
     """The connection failed or broke the HTTP framing before the response ended."""
 
 
+class ConnectError(TransportError):
+    """No connection could be made, so the request never reached a server (refused, no
+    route, a name that does not resolve, a TLS handshake or certificate that failed, or no
+    socket left for this process). ``refused``: the host answered that nothing listens."""
+
+    def __init__(self, message: str, *, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """Body bytes as they arrived: ``at`` is ``perf_counter()`` when the socket delivered them."""
@@ -185,7 +195,7 @@ async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
     the context to use, else one that verifies against the system's CAs).
 
     Raises:
-        TransportError: the connection could not be made (a TLS handshake or a certificate
+        ConnectError: the connection could not be made (a TLS handshake or a certificate
         that failed verification among the reasons).
     """
     parts = urlsplit(url)
@@ -203,7 +213,8 @@ async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
             ssl=(tls or _default_tls()) if secure else None,
         )
     except OSError as exc:  # ssl.SSLError and certificate failures are OSErrors too
-        raise TransportError(f"cannot connect to {parts.netloc}: {exc}") from exc
+        refused = isinstance(exc, ConnectionRefusedError)
+        raise ConnectError(f"cannot connect to {parts.netloc}: {exc}", refused=refused) from exc
     return Connection(url, transport, protocol)
 
 

@@ -34,6 +34,10 @@ from replystream.lab.sweep import run_sweep
 from replystream.lab.workload import MODEL_APIS
 
 
+class Unreachable(Exception):
+    """The run's first request could not connect: nothing was measured (one line)."""
+
+
 async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
     # The bar counts requests; --requests counts conversations of up to --turns requests each
     # (a dataset's conversation may end sooner, leaving the bar short of full).
@@ -56,7 +60,10 @@ async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
             not_complete += not record.timing.complete
             progress.update(task, advance=1, failed=not_complete)
 
-        return await run_load(config, on_done)
+        run = await run_load(config, on_done)
+    if run.unreachable is not None:
+        raise Unreachable(run.unreachable)
+    return run
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,14 +89,27 @@ def run(args: argparse.Namespace) -> int:
         return 1
     console = report_console()
     plot: Callable[[dict[str, Any], Path], list[Path]]
+    try:
+        if args.profile == "sweep":
+            result = asyncio.run(run_sweep(config, sweep, lambda c: _run(c, quiet=args.quiet)))
+        else:
+            load_run = asyncio.run(_run(config, quiet=args.quiet))
+    except Unreachable as exc:
+        # As a load tool's first test request does: a server that is not there is said once,
+        # not counted as thousands of failed requests.
+        print(
+            f"replystream bench: {exc}; the run stopped at its first request, so nothing "
+            "was measured",
+            file=sys.stderr,
+        )
+        return 1
     if args.profile == "sweep":
-        result = asyncio.run(run_sweep(config, sweep, lambda c: _run(c, quiet=args.quiet)))
         render_sweep(result, console)
         plot = plot_sweep
         code = 0 if result["sweep"]["knee_rate"] is not None else 1
     else:
         result = summarize(
-            asyncio.run(_run(config, quiet=args.quiet)),
+            load_run,
             sweep.slos,
             warmup_s=sweep.warmup_s,
             slo_share=sweep.slo_share,

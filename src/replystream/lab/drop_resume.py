@@ -31,7 +31,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 from replystream.client import ReplyTiming
 from replystream.client.formats import interpret_event
 from replystream.client.resume import resume_url
-from replystream.client.transport import TransportError, http_request
+from replystream.client.transport import ConnectError, TransportError, http_request
 from replystream.sse import Event, EventParser, SSEError
 
 Route = Literal["native", "responses"]
@@ -228,6 +228,7 @@ async def drop_and_resume(
     start_headers = {"Accept": "text/event-stream", "Content-Type": "application/json", **extra}
     reconnect_ms: float | None = None
     resumed = False
+    connected = True
     try:
         async with asyncio.timeout(timeout_s):
             await _follow(read, url, "POST", body, start_headers, drop_after_tokens, tls)
@@ -250,6 +251,10 @@ async def drop_and_resume(
                     reconnect_ms = None if first is None else (first - sent) * 1000.0
     except TimeoutError:
         read.error = f"timed out after {timeout_s:g} s"
+    except ConnectError as exc:
+        # Only the first connection tells whether the server could be reached at all.
+        connected = read.status is not None
+        read.error = f"read failed: {exc}" if connected else str(exc)
     except (TransportError, SSEError, zlib.error, ValueError, KeyError) as exc:
         read.error = f"read failed: {exc}"
     if not read.complete and read.error is None:
@@ -275,6 +280,7 @@ async def drop_and_resume(
         text_event_ms=tuple(read.event_ms),
         text_event_chars=tuple(read.event_chars),
         reply_id=read.reply_id,
+        connected=connected,
     )
     outcome = ResumeOutcome(
         dropped_after_tokens=drop_after_tokens,

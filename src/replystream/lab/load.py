@@ -4,9 +4,12 @@ This file issues the requests a ``Profile`` paces: a closed loop keeps ``in_flig
 in flight (a finished request starts the next); an open loop issues requests at the profile's
 arrival times whatever is still in flight, so a slow server meets a growing queue as it would
 in production. ``requests`` or ``duration_s`` bounds how many are issued; every issued request
-is awaited. It also measures the load client's own CPU use (process CPU time over wall time),
-so a saturated client is visible. It must not know what the timings mean (``benchstats``) or
-how they are shown.
+is awaited. A run whose first request to end (the warm-up's, when there is one) could not
+connect, before any other did, stops issuing there: a server that is not there would otherwise
+meet a closed loop that fails as fast as it can for the whole duration, and the run could
+measure nothing but the refusal. It also measures the load client's own CPU use (process
+CPU time over wall time), so a saturated client is visible. It must not know what the timings
+mean (``benchstats``) or how they are shown.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ class LoadRun:
     server_error: str | None = None  # why they could not be read
     # Scrapes during the run: (seconds from its start, scrape), every metrics_interval_s.
     server_samples: tuple[tuple[float, Scrape], ...] = ()
+    # Why the run stopped before it began to measure: its first request could not connect.
+    unreachable: str | None = None
 
     @property
     def client_cpu_share(self) -> float:
@@ -143,9 +148,16 @@ class _Issuer:
         self._config = config
         self._started = started
         self._next = 0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Hand out no more indexes."""
+        self._stopped = True
 
     def take(self, at: float | None = None) -> int | None:
         config = self._config
+        if self._stopped:
+            return None
         if config.requests is not None and self._next >= config.requests:
             return None
         elapsed = (time.perf_counter() if at is None else at) - self._started
@@ -159,11 +171,15 @@ class _Issuer:
 async def run_load(
     config: LoadConfig, on_done: Callable[[RequestRecord], None] | None = None
 ) -> LoadRun:
-    """Run the load described by ``config`` and return every request's record."""
+    """Run the load described by ``config`` and return every request's record (none, and
+    ``unreachable`` set, when the warm-up could not connect)."""
+    reachability = _Reachability()
     if config.warmup:
         # One request first, not recorded, so one-time costs (first code paths, connection
         # pools behind the URL) are not charged to the measured requests.
-        await _conversation(config, -1, 0.0, lambda record: None, turns=1)
+        await _conversation(config, -1, 0.0, reachability.saw, turns=1)
+        if reachability.refusal is not None:
+            return LoadRun(config, (), 0.0, 0.0, unreachable=reachability.refusal)
     records: list[RequestRecord] = []
     before: Scrape | None = None
     error: str | None = None
@@ -178,6 +194,9 @@ async def run_load(
 
     def done(record: RequestRecord) -> None:
         records.append(record)
+        reachability.saw(record)
+        if reachability.refusal is not None:
+            issuer.stop()
         if on_done is not None:
             on_done(record)
 
@@ -242,7 +261,33 @@ async def run_load(
             )
         except ScrapeError as exc:
             error = str(exc)
-    return LoadRun(config, tuple(records), wall, cpu, before, after, error, tuple(samples))
+    return LoadRun(
+        config,
+        tuple(records),
+        wall,
+        cpu,
+        before,
+        after,
+        error,
+        tuple(samples),
+        reachability.refusal,
+    )
+
+
+class _Reachability:
+    """Whether the server was ever reached; the refusal, when the first request to end
+    could not connect before any other did."""
+
+    def __init__(self) -> None:
+        self.reached = False
+        self.refusal: str | None = None
+
+    def saw(self, record: RequestRecord) -> None:
+        """Note how ``record``'s request ended."""
+        if record.timing.connected:
+            self.reached = True
+        elif not self.reached and self.refusal is None:
+            self.refusal = record.timing.error or "cannot connect"
 
 
 async def _sample(
