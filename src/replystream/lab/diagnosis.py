@@ -224,10 +224,30 @@ def _page_sized(bursts: list[Burst]) -> int | None:
 
 
 def compare(direct: Diagnosis, proxied: Diagnosis) -> str:
-    """Which side of the proxy the trouble is on, from the two paths' verdicts."""
+    """Which side of the proxy the trouble is on, from what was measured on each path.
+
+    A hop can hold a stream but never spread out what reached it held: when the proxied path
+    streams, so does the app, whatever the direct measurement shows.
+    """
     if direct.streams and proxied.streams:
         return "both paths stream: no buffering hop found"
+    if proxied.streams:
+        if direct.verdict == "failed":
+            return (
+                f"the proxied path streams; the direct path failed ({direct.reason}): "
+                "check the --direct URL, nothing on the proxied path needs fixing"
+            )
+        return (
+            f"the proxied path streams, so the app does too (no hop can undo buffering); the "
+            f"direct path came out {direct.verdict}: a hop only on the direct path, or a "
+            "noisy measurement (run it again); nothing on the proxied path needs fixing"
+        )
     if direct.streams:
+        if proxied.verdict == "failed":
+            return (
+                f"the app streams but the proxied path failed ({proxied.reason}): the hop "
+                "between them breaks the reply"
+            )
         return (
             f"the app streams but the proxied path is {proxied.verdict}: the hop between "
             f"them ({proxied.hop or 'the proxy'}) holds the stream"
