@@ -22,8 +22,10 @@ import pytest
 from replystream.client import measure_reply
 from replystream.lab.local_server import READY_PREFIX, stop_process
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV as MULTIPROCESS
+from tests.conftest import fast_engine, serve_engine
 from tests.processes import replica
 from tests.rawhttp import raw_request
+from tests.services import free_port
 
 CLI = [sys.executable, "-m", "replystream"]
 
@@ -834,3 +836,34 @@ async def test_startup_names_engine_and_chat_page_below_the_line_tools_read():
         assert page.status == 200 and page.headers["content-type"].startswith("text/html")
     finally:
         await stop_process(process)
+
+
+def run_with_open_files(limit: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``run``, allowed ``limit`` open files (soft and hard)."""
+
+    def bound() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=60, env=env, preexec_fn=bound
+    )
+
+
+async def test_a_lab_out_of_open_files_says_so_and_not_that_the_server_is_down():
+    async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
+        # 2 x 100 connections at once, in a process that may open 64 files.
+        argv = ("lab", "--url", url, "--calls", "100", "--tokens", "2", "--json")
+        done = await asyncio.to_thread(run_with_open_files, 64, *argv)
+    assert done.returncode == 1
+    line = one_line(done)
+    assert line.startswith(f"replystream lab: --url {url}: cannot connect to "), line
+    assert "Too many open files" in line, line
+    assert "is the server running?" not in line, line
+
+
+def test_a_lab_refused_by_its_url_asks_whether_the_server_runs():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    line = one_line(run("lab", "--url", url, "--calls", "1"))
+    assert line.startswith(f"replystream lab: --url {url}: cannot connect to "), line
+    assert line.endswith("; is the server running?"), line

@@ -23,7 +23,7 @@ from replystream.cli_values import (
     schedule_ms,
 )
 from replystream.client import ReplyTiming
-from replystream.client.transport import TransportError
+from replystream.client.transport import ConnectError, TransportError
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.plots import plot_timeline
@@ -224,9 +224,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         lab_run = asyncio.run(_run(config, quiet=args.json))
     except TransportError as exc:
-        print(
-            f"replystream lab: --url {config.url}: {exc}; is the server running?", file=sys.stderr
-        )
+        # Only a refused connection says nothing listens there; any other failure (no file
+        # left for a socket, a reset) is said as it is.
+        refused = isinstance(exc, ConnectError) and exc.refused
+        hint = "; is the server running?" if refused else ""
+        print(f"replystream lab: --url {config.url}: {exc}{hint}", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # the local server did not start, or died
         print(f"replystream lab: {exc}", file=sys.stderr)
