@@ -249,8 +249,8 @@ async def test_a_run_against_a_closed_port_stops_at_once_with_one_line(warmup, p
         out, err = await process.communicate()
     assert process.returncode == 1
     assert "Traceback" not in err.decode() and out == b""
-    lines = err.decode().strip().splitlines()
-    assert len(lines) == 1, lines
+    lines = err.decode().splitlines()
+    assert len(lines) == 1 and err.endswith(b"\n"), err
     assert lines[0].startswith(f"replystream bench: cannot connect to {url[7:].split('/')[0]}:")
     assert "nothing was measured" in lines[0]
 
@@ -1028,3 +1028,28 @@ async def test_custom_headers_go_with_every_request_the_model_lookup_and_the_scr
     paths = {path for path, _ in seen}
     assert paths == {"/v1/models", "/metrics", "/v1/chat/completions"}
     assert all(auth == "Bearer k" for _, auth in seen)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "{url}/stream?max_tokens=3", "--requests", "2"],
+        ["bench", "{url}/stream?max_tokens=3", "--requests", "2", "--quiet"],
+        ["lab", "--url", "{url}", "--calls", "1", "--tokens", "3", "--json"],
+    ],
+    ids=["bench", "bench --quiet", "lab --json"],
+)
+async def test_a_progress_bar_no_one_sees_writes_nothing_on_stderr(argv):
+    """stderr is not a terminal here (a CI log, a script): a bar there shows nothing, and
+    must not leave the blank line that made a one-line error two lines."""
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", *(a.format(url=url) for a in argv)),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(60):
+            out, err = await process.communicate()
+    assert process.returncode == 0, err
+    assert out and err == b""

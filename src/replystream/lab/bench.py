@@ -17,8 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import TextColumn
 
 from replystream.lab.bench_args import add_arguments as add_arguments
 from replystream.lab.bench_args import config_from_args
@@ -28,6 +27,7 @@ from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import summarize
 from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
+from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.sweep import run_sweep
@@ -42,15 +42,10 @@ async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
     # The bar counts requests; --requests counts conversations of up to --turns requests each
     # (a dataset's conversation may end sooner, leaving the bar short of full).
     total = None if config.requests is None else config.requests * config.turns
-    with Progress(
-        TextColumn(f"[bold]bench[/] {config.profile.kind}"),
-        BarColumn(),
-        MofNCompleteColumn(),
+    with progress_bar(
+        f"[bold]bench[/] {config.profile.kind}",
         TextColumn("{task.fields[failed]} not complete"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-        disable=quiet,
+        quiet=quiet,
     ) as progress:
         task = progress.add_task("requests", total=total, failed=0)
         not_complete = 0

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from replystream.cli_values import (
@@ -27,6 +26,7 @@ from replystream.client.transport import ConnectError, TransportError
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.plots import plot_timeline
+from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
 from replystream.server.schemas import MAX_SEED, MAX_TOKENS_LIMIT
 
@@ -186,15 +186,7 @@ def render_table(result: dict[str, Any], console: Console) -> None:
 
 async def _run(config: LabConfig, quiet: bool) -> LabRun:
     total = config.calls * len(MODES)
-    with Progress(
-        TextColumn("[bold]lab[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-        disable=quiet,
-    ) as progress:
+    with progress_bar("[bold]lab[/]", quiet=quiet) as progress:
         task = progress.add_task("calls", total=total)
 
         def on_done(mode: str, timing: ReplyTiming) -> None:
