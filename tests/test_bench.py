@@ -16,6 +16,7 @@ import itertools
 import json
 import random
 import resource
+import signal
 import statistics
 import sys
 from collections import Counter
@@ -1053,3 +1054,47 @@ async def test_a_progress_bar_no_one_sees_writes_nothing_on_stderr(argv):
             out, err = await process.communicate()
     assert process.returncode == 0, err
     assert out and err == b""
+
+
+async def test_ctrl_c_stops_a_run_and_reports_what_ended(tmp_path):
+    """As load tools do, the first Ctrl-C stops sending, cancels what is in flight and
+    reports the requests that ended (exit status 130); nothing is lost to a traceback."""
+    started = 0
+    measuring = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        nonlocal started
+        started += 1
+        if started == 6:  # the warm-up and a few measured requests
+            measuring.set()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("a ", "b ", "c"):
+            body = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": word}}]}
+            await response.write(f"data: {json.dumps(body)}\n\n".encode())
+            await asyncio.sleep(0.01)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    out_json = tmp_path / "run.json"
+    async with running(app) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/v1/chat/completions"),
+            *("--model", "m", "--concurrency", "2", "--duration", "600", "--json", str(out_json)),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(60):
+            await measuring.wait()
+            process.send_signal(signal.SIGINT)
+            out, err = await process.communicate()
+    assert process.returncode == 130, err
+    assert err == b""
+    assert "interrupted (Ctrl-C)" in out.decode()
+    result = json.loads(await asyncio.to_thread(out_json.read_text))
+    counts = result["counts"]
+    assert counts["interrupted"] is True
+    assert counts["complete"] >= 3 and counts["requests"] == len(result["requests"])
+    assert counts["requests"] < started  # the warm-up and the cancelled ones are not counted

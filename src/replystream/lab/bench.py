@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.progress import TextColumn
 
@@ -30,15 +31,45 @@ from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
-from replystream.lab.sweep import run_sweep
+from replystream.lab.sweep import SweepConfig, run_sweep
 from replystream.lab.workload import MODEL_APIS
+
+T = TypeVar("T")
+# 128 + SIGINT, as a shell reports a process Ctrl-C stopped (cli.INTERRUPTED_EXIT: nothing
+# here imports the command line's entry point).
+INTERRUPTED_EXIT = 130
 
 
 class Unreachable(Exception):
     """The run's first request could not connect: nothing was measured (one line)."""
 
 
-async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
+class Interrupted(Exception):
+    """Ctrl-C stopped a run before any request ended, or stopped a sweep (one line)."""
+
+
+async def _on_ctrl_c(work: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """``work(interrupt)``, with the first Ctrl-C setting ``interrupt``: the run stops and
+    what ended is reported, as load tools do. A second Ctrl-C stops at once."""
+    loop = asyncio.get_running_loop()
+    interrupt = asyncio.Event()
+
+    def first() -> None:
+        interrupt.set()
+        # Python's own handler again: the next Ctrl-C raises KeyboardInterrupt (exit 130).
+        loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, first)
+    except (RuntimeError, ValueError):  # not the main thread (bench called from a program)
+        return await work(interrupt)
+    try:
+        return await work(interrupt)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _run(config: LoadConfig, quiet: bool, interrupt: asyncio.Event) -> LoadRun:
     # The bar counts requests; --requests counts conversations of up to --turns requests each
     # (a dataset's conversation may end sooner, leaving the bar short of full).
     total = None if config.requests is None else config.requests * config.turns
@@ -55,10 +86,26 @@ async def _run(config: LoadConfig, quiet: bool) -> LoadRun:
             not_complete += not record.timing.complete
             progress.update(task, advance=1, failed=not_complete)
 
-        run = await run_load(config, on_done)
+        run = await run_load(config, on_done, interrupt=interrupt)
     if run.unreachable is not None:
         raise Unreachable(run.unreachable)
+    if run.interrupted and not run.records:
+        raise Interrupted("interrupted before any request ended: nothing was measured")
     return run
+
+
+async def _sweep(config: LoadConfig, sweep: SweepConfig, quiet: bool) -> dict[str, Any]:
+    async def one(interrupt: asyncio.Event) -> dict[str, Any]:
+        async def step(step_config: LoadConfig) -> LoadRun:
+            run = await _run(step_config, quiet, interrupt)
+            if run.interrupted:
+                # A knee is judged over every rate: a sweep cut short has none to report.
+                raise Interrupted("interrupted: a sweep is reported once all its runs end")
+            return run
+
+        return await run_sweep(config, sweep, step)
+
+    return await _on_ctrl_c(one)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,9 +133,12 @@ def run(args: argparse.Namespace) -> int:
     plot: Callable[[dict[str, Any], Path], list[Path]]
     try:
         if args.profile == "sweep":
-            result = asyncio.run(run_sweep(config, sweep, lambda c: _run(c, quiet=args.quiet)))
+            result = asyncio.run(_sweep(config, sweep, args.quiet))
         else:
-            load_run = asyncio.run(_run(config, quiet=args.quiet))
+            load_run = asyncio.run(_on_ctrl_c(lambda stop: _run(config, args.quiet, stop)))
+    except Interrupted as exc:
+        print(f"replystream bench: {exc}", file=sys.stderr)
+        return INTERRUPTED_EXIT
     except Unreachable as exc:
         # As a load tool's first test request does: a server that is not there is said once,
         # not counted as thousands of failed requests.
@@ -114,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         plot = plot_all
         counts = result["counts"]
         code = 0 if counts["complete"] + counts["cancelled"] == counts["requests"] else 1
+        if load_run.interrupted:
+            code = INTERRUPTED_EXIT
     writes: list[tuple[str, Path | None, Callable[[Path], list[Path]]]] = [
         ("--json", args.json, lambda path: _write_json(result, path)),
         ("--csv", args.csv, lambda path: _write_csv(result, path)),

@@ -67,6 +67,12 @@ def render(summary: dict[str, Any], console: Console) -> None:
     for kind in ("incomplete", "failed"):
         for reason, n in counts[f"{kind}_reasons"].items():
             console.print(f"  {kind}: {n} x {reason}", highlight=False, markup=False)
+    if counts.get("interrupted"):
+        console.print(
+            "  interrupted (Ctrl-C): these are the requests that ended before it; those in "
+            "flight were cancelled and are not counted",
+            highlight=False,
+        )
     rate = summary["throughput"]
     console.print(
         f"Throughput over {rate['wall_s']:,.2f} s: {rate['requests_per_s']:,.2f} req/s, "

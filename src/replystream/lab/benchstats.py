@@ -247,6 +247,8 @@ def summarize(
         if outcome in reasons:
             reasons[outcome][record.timing.error or "unknown"] += 1
     result["counts"] = {
+        # Ctrl-C stopped the run: requests still in flight then were cancelled, not counted.
+        "interrupted": run.interrupted,
         "requests": len(per_request),
         "warmup_requests": len(all_requests) - len(per_request),
         "complete": len(done),

@@ -19,8 +19,9 @@ import contextlib
 import random
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.drop_resume import Cursor, ResumeOutcome, drop_and_resume
@@ -134,6 +135,8 @@ class LoadRun:
     server_samples: tuple[tuple[float, Scrape], ...] = ()
     # Why the run stopped before it began to measure: its first request could not connect.
     unreachable: str | None = None
+    # Stopped by ``interrupt``: the records are the requests that ended before it.
+    interrupted: bool = False
 
     @property
     def client_cpu_share(self) -> float:
@@ -169,15 +172,24 @@ class _Issuer:
 
 
 async def run_load(
-    config: LoadConfig, on_done: Callable[[RequestRecord], None] | None = None
+    config: LoadConfig,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    *,
+    interrupt: asyncio.Event | None = None,
 ) -> LoadRun:
     """Run the load described by ``config`` and return every request's record (none, and
-    ``unreachable`` set, when the warm-up could not connect)."""
+    ``unreachable`` set, when the warm-up could not connect).
+
+    ``interrupt``: once set (a user's Ctrl-C), no request is sent and those in flight are
+    cancelled; the run returns what ended before, marked ``interrupted``.
+    """
     reachability = _Reachability()
     if config.warmup:
         # One request first, not recorded, so one-time costs (first code paths, connection
         # pools behind the URL) are not charged to the measured requests.
-        await _conversation(config, -1, 0.0, reachability.saw, turns=1)
+        warmup = _conversation(config, -1, 0.0, reachability.saw, turns=1)
+        if await _unless_interrupted(interrupt, warmup):
+            return LoadRun(config, (), 0.0, 0.0, interrupted=True)
         if reachability.refusal is not None:
             return LoadRun(config, (), 0.0, 0.0, unreachable=reachability.refusal)
     records: list[RequestRecord] = []
@@ -203,6 +215,37 @@ async def run_load(
     async def send(index: int) -> None:
         await _conversation(config, index, started, done, turns=config.turns)
 
+    async def issue() -> None:
+        async with asyncio.TaskGroup() as group:
+            in_flight = config.profile.in_flight
+            if in_flight is not None:
+                # No more readers than conversations (the rest would find none): a closed
+                # loop of 10**8 for 2 requests made 10**8 tasks before the first read.
+                if config.requests is not None:
+                    in_flight = min(in_flight, config.requests)
+
+                async def worker() -> None:
+                    # A reader starts with the run: its first conversation counts as
+                    # sent at the start, so a duration shorter than readers take to
+                    # start (1e-300 s) still measures something, as an open loop's first
+                    # arrival at 0 does.
+                    at: float | None = started
+                    while (index := issuer.take(at)) is not None:
+                        at = None
+                        await send(index)
+
+                for _ in range(in_flight):
+                    group.create_task(worker())
+            else:
+                for offset in config.profile.arrivals(config.seed):
+                    index = issuer.take(started + offset)
+                    if index is None:
+                        break
+                    delay = started + offset - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    group.create_task(send(index))
+
     samples: list[tuple[float, Scrape]] = []
     async with asyncio.TaskGroup() as outer:
         stop = asyncio.Event()
@@ -219,35 +262,7 @@ async def run_load(
                 )
             )
         try:
-            async with asyncio.TaskGroup() as group:
-                in_flight = config.profile.in_flight
-                if in_flight is not None:
-                    # No more readers than conversations (the rest would find none): a closed
-                    # loop of 10**8 for 2 requests made 10**8 tasks before the first read.
-                    if config.requests is not None:
-                        in_flight = min(in_flight, config.requests)
-
-                    async def worker() -> None:
-                        # A reader starts with the run: its first conversation counts as
-                        # sent at the start, so a duration shorter than readers take to
-                        # start (1e-300 s) still measures something, as an open loop's first
-                        # arrival at 0 does.
-                        at: float | None = started
-                        while (index := issuer.take(at)) is not None:
-                            at = None
-                            await send(index)
-
-                    for _ in range(in_flight):
-                        group.create_task(worker())
-                else:
-                    for offset in config.profile.arrivals(config.seed):
-                        index = issuer.take(started + offset)
-                        if index is None:
-                            break
-                        delay = started + offset - time.perf_counter()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                        group.create_task(send(index))
+            interrupted = await _unless_interrupted(interrupt, issue())
         finally:
             stop.set()
     wall = time.perf_counter() - started
@@ -271,7 +286,25 @@ async def run_load(
         error,
         tuple(samples),
         reachability.refusal,
+        interrupted,
     )
+
+
+async def _unless_interrupted(
+    interrupt: asyncio.Event | None, work: Coroutine[Any, Any, None]
+) -> bool:
+    """Await ``work``, or cancel it once ``interrupt`` is set; True if it was cancelled."""
+    if interrupt is None:
+        await work
+        return False
+    async with asyncio.TaskGroup() as group:
+        working = group.create_task(work)
+        waiting = group.create_task(interrupt.wait())
+        await asyncio.wait((working, waiting), return_when=asyncio.FIRST_COMPLETED)
+        cut = not working.done()
+        working.cancel()
+        waiting.cancel()
+    return cut
 
 
 class _Reachability:
