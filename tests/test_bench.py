@@ -1098,3 +1098,25 @@ async def test_ctrl_c_stops_a_run_and_reports_what_ended(tmp_path):
     assert counts["interrupted"] is True
     assert counts["complete"] >= 3 and counts["requests"] == len(result["requests"])
     assert counts["requests"] < started  # the warm-up and the cancelled ones are not counted
+
+
+async def test_the_client_cpu_line_divides_by_the_wall_it_shows(tmp_path):
+    """The CPU share is over the whole run; the line showed the wall of the figures (the
+    run less its warm-up window) beside it, so its arithmetic did not hold."""
+    out_json = tmp_path / "run.json"
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream?max_tokens=3"),
+            *("--rate", "20", "--duration", "2", "--warmup-s", "1", "--quiet"),
+            *("--json", str(out_json)),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await process.communicate()
+    assert process.returncode == 0
+    result = json.loads(await asyncio.to_thread(out_json.read_text))
+    client, measured = result["client"], result["throughput"]["wall_s"]
+    assert client["wall_s"] > measured + 0.9  # the warm-up second is in the client's wall
+    assert client["cpu_share_of_one_core"] == pytest.approx(client["cpu_s"] / client["wall_s"])
+    line = next(x for x in out.decode().splitlines() if x.startswith("Load client CPU: "))
+    assert f" s over {client['wall_s']:,.2f} s wall = " in line, line

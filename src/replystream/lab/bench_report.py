@@ -105,20 +105,20 @@ def render(summary: dict[str, Any], console: Console) -> None:
     if summary["server"] is not None:
         for line in _server_lines(summary["server"]):
             console.print(line, highlight=False, markup=False)
-    console.print(client_line(summary["client"], rate["wall_s"]), highlight=False)
+    console.print(client_line(summary["client"]), highlight=False)
 
 
 CLIENT_LIMITED = "the client, not the server, may be the limit"
 
 
-def client_line(client: dict[str, Any], wall_s: float) -> str:
+def client_line(client: dict[str, Any]) -> str:
     """The load client's own cost: CPU over wall time, per event read, and the warning when
     it was near a full core."""
     share = client["cpu_share_of_one_core"]
     per_event = client["cpu_us_per_event"]
     cost = "" if per_event is None else f", {per_event:,.1f} µs of CPU per text event read"
     line = (
-        f"Load client CPU: {client['cpu_s']:,.2f} s over {wall_s:,.2f} s wall = "
+        f"Load client CPU: {client['cpu_s']:,.2f} s over {client['wall_s']:,.2f} s wall = "
         f"{100 * share:.1f} % of one core{cost}"
     )
     if client["client_limited"]:
