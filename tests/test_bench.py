@@ -1120,3 +1120,19 @@ async def test_the_client_cpu_line_divides_by_the_wall_it_shows(tmp_path):
     assert client["cpu_share_of_one_core"] == pytest.approx(client["cpu_s"] / client["wall_s"])
     line = next(x for x in out.decode().splitlines() if x.startswith("Load client CPU: "))
     assert f" s over {client['wall_s']:,.2f} s wall = " in line, line
+
+
+async def test_a_run_inside_its_own_warmup_window_is_one_line_not_a_success():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream?max_tokens=3"),
+            *("--requests", "2", "--warmup-s", "600", "--quiet"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await process.communicate()
+    assert process.returncode == 2
+    lines = err.decode().splitlines()
+    assert len(lines) == 1 and out == b"", err
+    assert lines[0].startswith("replystream bench: --warmup-s 600: all 2 requests were sent "), err

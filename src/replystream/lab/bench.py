@@ -160,6 +160,18 @@ def run(args: argparse.Namespace) -> int:
             slo_share=sweep.slo_share,
             steady_bound=sweep.steady_bound,
         )
+        counts = result["counts"]
+        if counts["warmup_requests"] and not counts["requests"]:
+            # A run that ended inside its own warm-up window measured nothing: no table of
+            # dashes with exit status 0.
+            print(
+                f"replystream bench: --warmup-s {sweep.warmup_s:g}: all "
+                f"{counts['warmup_requests']} requests were sent within it (the run lasted "
+                f"{load_run.wall_s:.2f} s), so none was measured; lower --warmup-s or send "
+                "more --requests",
+                file=sys.stderr,
+            )
+            return 2
         render(result, console)
         plot = plot_all
         counts = result["counts"]
