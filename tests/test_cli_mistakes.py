@@ -838,23 +838,38 @@ async def test_startup_names_engine_and_chat_page_below_the_line_tools_read():
         await stop_process(process)
 
 
-def run_with_open_files(limit: int, *args: str) -> subprocess.CompletedProcess[str]:
-    """``run``, allowed ``limit`` open files (soft and hard)."""
+def run_with_open_files(
+    soft: int, hard: int, *args: str, held: int = 0
+) -> subprocess.CompletedProcess[str]:
+    """``run``, allowed ``soft`` and at most ``hard`` open files, ``held`` of them already
+    open (inherited) when it starts."""
 
     def bound() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, timeout=60, env=env, preexec_fn=bound
-    )
+    inherited = [os.open(os.devnull, os.O_RDONLY) for _ in range(held)]
+    try:
+        return subprocess.run(
+            [*CLI, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            preexec_fn=bound,
+            pass_fds=inherited,
+        )
+    finally:
+        for fd in inherited:
+            os.close(fd)
 
 
 async def test_a_lab_out_of_open_files_says_so_and_not_that_the_server_is_down():
     async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
-        # 2 x 100 connections at once, in a process that may open 64 files.
-        argv = ("lab", "--url", url, "--calls", "100", "--tokens", "2", "--json")
-        done = await asyncio.to_thread(run_with_open_files, 64, *argv)
+        # 2 x 10 connections at once fit the lab's own reckoning of 52 files, but 40 more
+        # files were open before it started: its sockets run out.
+        argv = ("lab", "--url", url, "--calls", "10", "--tokens", "2", "--json")
+        done = await asyncio.to_thread(run_with_open_files, 52, 52, *argv, held=40)
     assert done.returncode == 1
     line = one_line(done)
     assert line.startswith(f"replystream lab: --url {url}: cannot connect to "), line
@@ -862,8 +877,36 @@ async def test_a_lab_out_of_open_files_says_so_and_not_that_the_server_is_down()
     assert "is the server running?" not in line, line
 
 
+async def test_a_lab_raises_its_soft_open_file_limit_to_hold_every_call():
+    async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
+        # 2 x 100 connections at once; the soft limit (64) is raised, the hard one allows it.
+        argv = ("lab", "--url", url, "--calls", "100", "--tokens", "2", "--json")
+        done = await asyncio.to_thread(run_with_open_files, 64, 4096, *argv)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["stream"]["complete"] == result["wait"]["complete"] == 100
+
+
+def test_a_lab_past_the_hard_open_file_limit_is_refused_naming_calls():
+    done = run_with_open_files(64, 64, "lab", "--calls", "100", "--tokens", "2")
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("replystream lab: --calls 100: 2 x 100 calls at once would "), line
+    assert "may open 64 files (ulimit -Hn)" in line, line
+
+
 def test_a_lab_refused_by_its_url_asks_whether_the_server_runs():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens
     line = one_line(run("lab", "--url", url, "--calls", "1"))
     assert line.startswith(f"replystream lab: --url {url}: cannot connect to "), line
     assert line.endswith("; is the server running?"), line
+
+
+def test_a_local_lab_out_of_open_files_names_no_url_it_was_not_given():
+    # As above, with the server the lab starts itself: there is no --url to name.
+    argv = ("lab", "--calls", "10", "--tokens", "2", "--delay-ms", "1", "--jitter-ms", "0")
+    done = run_with_open_files(52, 52, *argv, "--json", held=40)
+    assert done.returncode == 1
+    line = one_line(done)
+    assert line.startswith("replystream lab: the local server: cannot connect to "), line
+    assert "Too many open files" in line and "None" not in line, line

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import resource
 import ssl
 from collections.abc import Callable
 from typing import TypeVar
@@ -38,6 +37,7 @@ from replystream.lab.benchstats import SLO
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import CURSORS
 from replystream.lab.load import LoadConfig
+from replystream.lab.open_files import OWN_FILES, make_room
 from replystream.lab.profiles import PROFILE_KINDS, Profile
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import SweepConfig
@@ -60,9 +60,6 @@ MOST_SWEEP_STEPS = 100
 # Scrapes during a run come at least this far apart: one is an HTTP request to the server
 # being measured, so a shorter interval would load it with scrapes, back to back.
 LEAST_METRICS_INTERVAL_S = 0.01
-# Files the process keeps open besides its requests' connections (standard streams, the event
-# loop's own, a scrape, the outputs): the requests at once leave room for them.
-OWN_FILES = 32
 
 
 def _slo_list(text: str) -> tuple[SLO, ...]:
@@ -448,13 +445,9 @@ def _check_at_once(args: argparse.Namespace, requests: int | None) -> None:
         flag, at_once = f"--requests {requests}", requests  # a burst: every one at once
     else:
         return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or at_once <= soft - OWN_FILES:
+    limit = make_room(at_once)
+    if limit is None:
         return
-    if hard == resource.RLIM_INFINITY or at_once <= hard - OWN_FILES:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (at_once + OWN_FILES, hard))
-        return
-    limit = hard
     raise ValueError(
         f"{flag}: {at_once:,} requests at once would each hold a connection, and this process "
         f"may open {limit:,} files (ulimit -Hn), {OWN_FILES} of them for itself; lower it, or "

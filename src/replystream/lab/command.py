@@ -25,6 +25,7 @@ from replystream.client import ReplyTiming
 from replystream.client.transport import ConnectError, TransportError
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
+from replystream.lab.open_files import OWN_FILES, make_room
 from replystream.lab.plots import plot_timeline
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
@@ -213,6 +214,17 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"replystream lab: --out {args.out}: {problem}", file=sys.stderr)
         return 2
+    # Every call of both modes holds its connection at once (and so does a local server,
+    # which inherits the limit): room for them is made, or the run refused, before it starts.
+    limit = make_room(len(MODES) * config.calls)
+    if limit is not None:
+        print(
+            f"replystream lab: --calls {config.calls}: {len(MODES)} x {config.calls:,} calls "
+            f"at once would each hold a connection, and this process may open {limit:,} files "
+            f"(ulimit -Hn), {OWN_FILES} of them for itself; lower it, or raise the limit",
+            file=sys.stderr,
+        )
+        return 2
     try:
         lab_run = asyncio.run(_run(config, quiet=args.json))
     except TransportError as exc:
@@ -220,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
         # left for a socket, a reset) is said as it is.
         refused = isinstance(exc, ConnectError) and exc.refused
         hint = "; is the server running?" if refused else ""
-        print(f"replystream lab: --url {config.url}: {exc}{hint}", file=sys.stderr)
+        where = f"--url {config.url}: " if config.url else "the local server: "
+        print(f"replystream lab: {where}{exc}{hint}", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # the local server did not start, or died
         print(f"replystream lab: {exc}", file=sys.stderr)
