@@ -910,3 +910,33 @@ def test_a_local_lab_out_of_open_files_names_no_url_it_was_not_given():
     line = one_line(done)
     assert line.startswith("replystream lab: the local server: cannot connect to "), line
     assert "Too many open files" in line and "None" not in line, line
+
+
+def run_with_stdout_gone(*args: str) -> subprocess.CompletedProcess[str]:
+    """``run``, its stdout a pipe whose reader has left (``| head -1`` after one line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    try:
+        return subprocess.run(
+            [*CLI, *args], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, env=env
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["text", "json"])
+def test_a_reader_that_leaves_stops_the_output_without_a_traceback(json_flag: list[str]):
+    done = run_with_stdout_gone("kv", "--model", "llama-3-8b", *json_flag)
+    assert done.stderr == ""
+    assert done.returncode == 141  # 128 + SIGPIPE, as a shell reports a writer cut off
+
+
+async def test_a_bench_whose_reader_left_still_writes_its_files(tmp_path: Path):
+    out = tmp_path / "run.json"
+    async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
+        argv = ("bench", f"{url}/stream?max_tokens=3", "--requests", "2", "--json", str(out))
+        done = await asyncio.to_thread(run_with_stdout_gone, *argv)
+    assert done.stderr == ""
+    assert done.returncode == 0
+    assert json.loads(out.read_text())["counts"]["complete"] == 2

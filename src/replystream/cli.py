@@ -6,13 +6,16 @@ add a row to ``COMMANDS`` to add one. Modules are imported only when their comma
 Every mistake is one line and exit status 2: a wrong value (``--port 99999``) names the flag
 and what it wants; a wrong flag or a missing argument says so and where the flags are listed
 (``replystream serve --help``). A flag must be spelled whole: a prefix (``--work``) is refused,
-never taken for the flag it begins.
+never taken for the flag it begins. A reader of stdout that leaves (``| head -1``) ends the
+command quietly with status 141, as a shell reports a writer whose pipe closed; a report's
+reader leaving does not stop a command from writing its files.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -95,6 +98,18 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
+
+
+def _discard_stdout() -> None:
+    # Python would flush the unwritten rest at exit into the same closed pipe and print
+    # "Exception ignored": what is left goes nowhere instead.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is no file (captured, replaced)
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse(argv)
         code: int = args.run(args)
+        sys.stdout.flush()  # a reader that left (``| head -1``) is found here, not at exit
     except KeyboardInterrupt:  # Ctrl-C before a command took SIGINT (importing, loading)
         return INTERRUPTED_EXIT
+    except BrokenPipeError:  # the reader of stdout left: stop quietly, as any filter does
+        _discard_stdout()
+        return BROKEN_PIPE_EXIT
     return code
