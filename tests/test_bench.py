@@ -42,6 +42,7 @@ from replystream.lab.sweep import constant_rates
 from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
 from replystream.server import running
 from tests.conftest import serve_engine
+from tests.processes import replica
 from tests.services import free_port
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "benchmarks" / "workloads"
@@ -1136,3 +1137,29 @@ async def test_a_run_inside_its_own_warmup_window_is_one_line_not_a_success():
     lines = err.decode().splitlines()
     assert len(lines) == 1 and out == b"", err
     assert lines[0].startswith("replystream bench: --warmup-s 600: all 2 requests were sent "), err
+
+
+async def test_a_server_gone_mid_run_meets_readers_that_back_off():
+    """A closed loop whose server went away mid-run retried as fast as refusals came back
+    (10,000 in 4 s); its readers back off now, and the run goes on to its duration."""
+    schedule = ("--engine", "simulated", "--delay-ms", "1", "--jitter-ms", "0")
+    async with replica(*schedule) as (server, url):
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=3",
+            api="lab",
+            profile=Profile("concurrent", 2),
+            requests=None,
+            duration_s=3.0,
+            warmup=False,
+        )
+        async with asyncio.TaskGroup() as group:
+            running_load = group.create_task(run_load(config))
+            await asyncio.sleep(0.5)
+            server.kill()  # gone: every later request is refused at once
+            await server.wait()
+    run = running_load.result()
+    refused = [r for r in run.records if not r.timing.connected]
+    assert any(r.timing.complete for r in run.records)
+    assert run.unreachable is None  # it was reached: the run went on
+    assert 2 <= len(refused) < 100, len(refused)
+    assert run.wall_s < 3.5

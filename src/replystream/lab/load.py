@@ -23,11 +23,16 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from replystream.client import ReplyTiming, measure_reply
+from replystream.client import Backoff, ReplyTiming, measure_reply
 from replystream.lab.drop_resume import Cursor, ResumeOutcome, drop_and_resume
 from replystream.lab.profiles import Profile
 from replystream.lab.server_metrics import Scrape, ScrapeError, scrape, scrape_when_idle
 from replystream.lab.workload import Api, Lengths, Prompt, build_request, plan, system_prompt_of
+
+# How a closed loop's reader waits after a request that could not connect: up to 10 ms at
+# first, doubling to at most 1 s, so a server that went away mid-run meets a few attempts a
+# second per reader rather than thousands.
+RECONNECT = Backoff(base_s=0.01, cap_s=1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +162,12 @@ class _Issuer:
         """Hand out no more indexes."""
         self._stopped = True
 
+    def time_left(self) -> float:
+        """Seconds until the duration ends (infinite without one)."""
+        if self._config.duration_s is None:
+            return float("inf")
+        return max(0.0, self._started + self._config.duration_s - time.perf_counter())
+
     def take(self, at: float | None = None) -> int | None:
         config = self._config
         if self._stopped:
@@ -212,8 +223,10 @@ async def run_load(
         if on_done is not None:
             on_done(record)
 
-    async def send(index: int) -> None:
-        await _conversation(config, index, started, done, turns=config.turns)
+    async def send(index: int) -> bool:
+        return await _conversation(config, index, started, done, turns=config.turns)
+
+    rng = random.Random(f"{config.seed}:reconnect")
 
     async def issue() -> None:
         async with asyncio.TaskGroup() as group:
@@ -230,9 +243,15 @@ async def run_load(
                     # start (1e-300 s) still measures something, as an open loop's first
                     # arrival at 0 does.
                     at: float | None = started
+                    refused = 0  # requests in a row that could not connect
                     while (index := issuer.take(at)) is not None:
                         at = None
-                        await send(index)
+                        refused = 0 if await send(index) else refused + 1
+                        if refused:
+                            # A server gone mid-run refuses at once: the reader retries as a
+                            # client would, backing off, not as fast as refusals come back.
+                            wait = RECONNECT.delay(refused - 1, None, rng)
+                            await asyncio.sleep(min(wait, issuer.time_left()))
 
                 for _ in range(in_flight):
                     group.create_task(worker())
@@ -291,7 +310,7 @@ async def run_load(
 
 
 async def _unless_interrupted(
-    interrupt: asyncio.Event | None, work: Coroutine[Any, Any, None]
+    interrupt: asyncio.Event | None, work: Coroutine[Any, Any, object]
 ) -> bool:
     """Await ``work``, or cancel it once ``interrupt`` is set; True if it was cancelled."""
     if interrupt is None:
@@ -349,10 +368,10 @@ async def _conversation(
     done: Callable[[RequestRecord], None],
     *,
     turns: int,
-) -> None:
+) -> bool:
     """Send conversation ``number``'s turns one after another, each resending the turns
     before it with the replies received; a turn that did not complete ends it (a chat
-    client would have nothing to resend)."""
+    client would have nothing to resend). False when its last request could not connect."""
     # Lengths are drawn per conversation, so its shape does not depend on completion order.
     rng = random.Random(f"{config.seed}:{number}")
     planned = plan(
@@ -407,5 +426,6 @@ async def _conversation(
         index = number * config.turns + turn
         done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn, resume))
         if not timing.complete:
-            return
+            return timing.connected
         history.append((one.prompt, timing.text))
+    return True
