@@ -169,7 +169,7 @@ ANTHROPIC_BODY: dict[str, Any] = {
 
 def test_anthropic_tools_and_blocks_become_chat_form_for_the_relay():
     body = MessagesBody.model_validate(ANTHROPIC_BODY)
-    messages = anthropic_messages(body.messages)
+    messages, _ = anthropic_messages(body.messages)
     assert messages == [
         {"role": "user", "content": "weather?"},
         {

@@ -42,6 +42,7 @@ from replystream.server.native import (
 from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schemas import SamplingFields
 from replystream.server.tool_requests import (
+    Origin,
     anthropic_messages,
     anthropic_tools,
     check_tool_answers,
@@ -63,10 +64,13 @@ def _sampling(body: MessagesBody) -> SamplingFields:
 
 def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
     messages: list[dict[str, Any]] = []
+    origins: list[Origin] = []
     if body.system_text:
         messages.append({"role": "system", "content": body.system_text})
-    messages.extend(anthropic_messages(body.messages))
-    check_tool_answers(messages, "messages")
+        origins.append(Origin("system"))
+    converted, their_origins = anthropic_messages(body.messages)
+    messages += converted
+    check_tool_answers(messages, [*origins, *their_origins])
     tools, tool_choice = anthropic_tools(body.tools, body.tool_choice)
     prompt = prompt_of(messages)
     check_prompt_size(prompt, max_prompt_chars, "messages")

@@ -26,7 +26,7 @@ from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.server.errors import HTTPAPIError
 from replystream.server.replies import Disconnect
 from replystream.server.schemas import Message, ReplyBody, SamplingFields
-from replystream.server.tool_requests import check_tool_answers, prompt_of
+from replystream.server.tool_requests import check_tool_answers, origins_in, prompt_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,7 @@ def relayed_messages(messages: Sequence[Message]) -> tuple[Mapping[str, Any], ..
     (every tool result checked to answer an earlier call). Their plain-text prompt is
     ``tool_requests.prompt_of`` them (one ``role: content`` line each, one per tool call)."""
     relayed = tuple(message.model_dump(exclude_unset=True) for message in messages)
-    check_tool_answers(relayed, "messages")
+    check_tool_answers(relayed, origins_in("messages", len(relayed)))
     return relayed
 
 

@@ -70,6 +70,7 @@ from replystream.server.schemas import (
     SamplingFields,
 )
 from replystream.server.tool_requests import (
+    Origin,
     check_tool_answers,
     prompt_of,
     responses_messages,
@@ -97,10 +98,10 @@ def _sampling(body: ResponsesBody) -> SamplingFields:
     )
 
 
-def input_messages(body: ResponsesBody) -> Messages:
-    """The request's ``input`` as chat messages."""
+def input_messages(body: ResponsesBody) -> tuple[Messages, list[Origin]]:
+    """The request's ``input`` as chat messages, with where in it each came from."""
     if isinstance(body.input, str):
-        return [{"role": "user", "content": body.input}]
+        return [{"role": "user", "content": body.input}], [Origin("input")]
     return responses_messages(body.input)
 
 
@@ -231,12 +232,14 @@ async def _history(request: web.Request, previous: str) -> Messages:
 
 
 def _generation(
-    body: ResponsesBody, conversation: Messages, max_prompt_chars: int
+    body: ResponsesBody, conversation: Messages, origins: list[Origin], max_prompt_chars: int
 ) -> GenerationRequest:
+    """``origins``: where each message of ``conversation`` came from, which a mistake names."""
     messages = list(conversation)
     if body.instructions:  # the request's own: not carried on to the next response
         messages.insert(0, {"role": "system", "content": body.instructions})
-    check_tool_answers(messages, "input")
+        origins = [Origin("instructions"), *origins]
+    check_tool_answers(messages, origins)
     prompt = prompt_of(messages)
     check_prompt_size(prompt, max_prompt_chars, "input", noun="input")
     sampling = sampling_params(_sampling(body), body.max_output_tokens)
@@ -270,12 +273,15 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, ResponsesBody)
     routed = routed_model(app, body.model)
     model = routed or served_model(app)
-    conversation = input_messages(body)
+    conversation, origins = input_messages(body)
     if body.previous_response_id is not None:
-        conversation = [*await _history(request, body.previous_response_id), *conversation]
+        history = await _history(request, body.previous_response_id)
+        conversation = [*history, *conversation]
+        # A stored turn was checked when it was made: what it holds is the earlier response's.
+        origins = [Origin("previous_response_id")] * len(history) + origins
     policy = delivery_overrides(_sampling(body), config.policy)
     generation = replace(
-        _generation(body, conversation, config.max_prompt_chars),
+        _generation(body, conversation, origins, config.max_prompt_chars),
         model=routed,
         continuation=_sampling(body).upstream_continue,
         reasoning=policy.shows_thinking,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from replystream.server.anthropic_schemas import (
     AnthropicMessage,
@@ -35,6 +35,27 @@ from replystream.server.schemas import (
 )
 
 ChatMessage = dict[str, Any]
+
+
+class Origin(NamedTuple):
+    """Where a chat message came from in the client's own request (a ``param`` path), and
+    each of its tool calls when they came from places of their own (an Anthropic
+    ``tool_use`` block, a Responses ``function_call`` item): an error names what the client
+    wrote, not the place of the converted message, which a system message or a stored
+    history shifts."""
+
+    path: str
+    calls: tuple[str, ...] = ()
+
+    def of_call(self, index: int) -> str:
+        return self.calls[index] if index < len(self.calls) else self.path
+
+
+def origins_in(param: str, count: int) -> list[Origin]:
+    """The origins of messages that are the request's own ``param`` list, one for one."""
+    return [Origin(f"{param}[{index}]") for index in range(count)]
+
+
 Tools = tuple[Mapping[str, Any], ...]
 Choice = str | Mapping[str, Any]
 
@@ -124,18 +145,20 @@ def _relayed(functions: list[dict[str, Any]]) -> Tools | None:
     return tuple({"type": "function", "function": function} for function in functions)
 
 
-def check_tool_answers(messages: Sequence[Mapping[str, Any]], param: str) -> None:
+def check_tool_answers(messages: Sequence[Mapping[str, Any]], origins: Sequence[Origin]) -> None:
     """Every ``tool`` message answers a call an earlier assistant message made, once: two
     calls of one message with one id, or a call answered twice, would leave which result
     belongs to which call a guess. (An id may come back in a later turn: engines that number
-    a reply's calls from one make the same ids again, and each turn's answers are its own.)"""
+    a reply's calls from one make the same ids again, and each turn's answers are its own.)
+    ``origins``: where each message came from, which a mistake names."""
     calls: set[str] = set()  # every call id made so far
     answered: set[str] = set()  # ids answered since they were last made
-    for index, message in enumerate(messages):
+    for message, origin in zip(messages, origins, strict=True):
         made = [call["id"] for call in message.get("tool_calls") or ()]
-        if len(set(made)) < len(made):
-            twice = next(call_id for call_id in made if made.count(call_id) > 1)
-            raise _bad(f"{param}[{index}]", f"two tool calls of one message have the id {twice!r}")
+        for second, call_id in enumerate(made):
+            if call_id in made[:second]:
+                message_text = f"two tool calls of one message have the id {call_id!r}"
+                raise _bad(origin.of_call(second), message_text)
         calls.update(made)
         answered.difference_update(made)
         if message["role"] != "tool":
@@ -143,54 +166,66 @@ def check_tool_answers(messages: Sequence[Mapping[str, Any]], param: str) -> Non
         call_id = message.get("tool_call_id")
         if call_id not in calls:
             raise _bad(
-                f"{param}[{index}]",
+                origin.path,
                 f"a tool result answers the call {call_id!r}, "
                 "which no earlier assistant message made",
             )
         if call_id in answered:
-            raise _bad(f"{param}[{index}]", f"the call {call_id!r} is answered twice")
+            raise _bad(origin.path, f"the call {call_id!r} is answered twice")
         answered.add(call_id)
 
 
-def anthropic_messages(messages: Sequence[AnthropicMessage]) -> list[ChatMessage]:
+def anthropic_messages(
+    messages: Sequence[AnthropicMessage],
+) -> tuple[list[ChatMessage], list[Origin]]:
     """Anthropic's messages in chat's form: ``tool_use`` blocks become the assistant's
-    ``tool_calls``, ``tool_result`` blocks ``tool`` messages (before the user's own text)."""
+    ``tool_calls``, ``tool_result`` blocks ``tool`` messages (before the user's own text);
+    with where each came from (``messages[i]``, a block ``messages[i].content[j]``)."""
     out: list[ChatMessage] = []
-    for message in messages:
+    origins: list[Origin] = []
+    for number, message in enumerate(messages):
+        path = f"messages[{number}]"
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
+            origins.append(Origin(path))
             continue
         text = message.text
+        blocks = list(enumerate(message.content))
+        uses = [(place, block) for place, block in blocks if block.type == "tool_use"]
         calls = [
             {
                 "id": block.id,
                 "type": "function",
                 "function": {"name": block.name, "arguments": json.dumps(block.input)},
             }
-            for block in message.content
-            if block.type == "tool_use"
+            for _, block in uses
         ]
-        results = [block for block in message.content if block.type == "tool_result"]
-        out.extend(
-            {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text}
-            for block in results
-        )
+        for place, block in blocks:
+            if block.type == "tool_result":
+                answer = {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text}
+                out.append(answer)
+                origins.append(Origin(f"{path}.content[{place}]"))
         if calls:
             out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
-        elif text or not results:
+            origins.append(Origin(path, tuple(f"{path}.content[{place}]" for place, _ in uses)))
+        elif text or not any(block.type == "tool_result" for _, block in blocks):
             out.append({"role": message.role, "content": text})
-    return out
+            origins.append(Origin(path))
+    return out, origins
 
 
 ResponseItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
-def responses_messages(items: Sequence[ResponseItem]) -> list[ChatMessage]:
+def responses_messages(items: Sequence[ResponseItem]) -> tuple[list[ChatMessage], list[Origin]]:
     """A Responses ``input`` list in chat's form: consecutive ``function_call`` items join
     one assistant message's ``tool_calls``; a ``function_call_output`` is a ``tool`` message;
-    a ``reasoning`` item (an earlier turn's thinking) is left out, as chat has no place for it."""
+    a ``reasoning`` item (an earlier turn's thinking) is left out, as chat has no place for it.
+    With where each came from (``input[i]``; a joined message's calls, each its own item)."""
     out: list[ChatMessage] = []
-    for item in items:
+    origins: list[Origin] = []
+    for number, item in enumerate(items):
+        path = f"input[{number}]"
         if item.type == "reasoning":
             continue
         if item.type == "function_call":
@@ -202,13 +237,18 @@ def responses_messages(items: Sequence[ResponseItem]) -> list[ChatMessage]:
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
+                joined = origins[-1]
+                origins[-1] = joined._replace(calls=(*joined.calls, path))
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(Origin(path, (path,)))
         elif item.type == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            origins.append(Origin(path))
         else:
             out.append({"role": item.role, "content": item.text})
-    return out
+            origins.append(Origin(path))
+    return out, origins
 
 
 def prompt_line(message: Mapping[str, Any]) -> str:

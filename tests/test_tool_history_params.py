@@ -1,0 +1,120 @@
+"""A mistake in a request's tool-call history names the client's own place, through the SDKs.
+
+``/v1/messages`` and ``/v1/responses`` turn their requests into chat messages before checking
+that every tool result answers a call once; a system message (``system``, ``instructions``)
+or a stored history comes first there, and one Anthropic message may become several. The
+error's ``param`` is still the path in what the client sent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from replystream.server import create_app, running
+from tests.conftest import fast_engine
+
+USE = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+ANSWER = {"type": "tool_result", "tool_use_id": "t1", "content": "r"}
+STRAY = {"type": "tool_result", "tool_use_id": "nobody", "content": "r"}
+
+
+async def anthropic_refusal(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    async with (
+        running(create_app(fast_engine())) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as client,
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.messages.create(  # type: ignore[call-overload]
+                model="simulated", max_tokens=3, system="be brief", messages=messages
+            )
+    body = refused.value.body
+    assert isinstance(body, dict)
+    error: dict[str, Any] = body["error"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("last_turn", "param", "says"),
+    [
+        # The user's text after the results is its own chat message: still messages[2].
+        ([ANSWER, ANSWER, {"type": "text", "text": "go on"}], "messages[2].content[1]", "twice"),
+        ([{"type": "text", "text": "see"}, STRAY], "messages[2].content[1]", "no earlier"),
+    ],
+)
+async def test_an_anthropic_tool_result_mistake_names_its_block_after_a_system_message(
+    last_turn: list[dict[str, Any]], param: str, says: str
+):
+    error = await anthropic_refusal(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [USE]},
+            {"role": "user", "content": last_turn},
+        ]
+    )
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert says in error["message"]
+
+
+async def test_an_anthropic_tool_use_id_given_twice_names_the_second_block():
+    text = {"type": "text", "text": "calling"}
+    error = await anthropic_refusal(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [text, USE, USE]},
+            {"role": "user", "content": [ANSWER]},
+        ]
+    )
+    assert error["param"] == "messages[1].content[2]", error
+    assert "two tool calls" in error["message"]
+
+
+def call(call_id: str) -> dict[str, str]:
+    return {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}
+
+
+def output(call_id: str) -> dict[str, str]:
+    return {"type": "function_call_output", "call_id": call_id, "output": "r"}
+
+
+@pytest.mark.parametrize(
+    ("items", "param", "says"),
+    [
+        ([call("c1"), output("c1"), output("c1")], "input[3]", "answered twice"),
+        ([call("c1"), output("c2")], "input[2]", "no earlier"),
+        # Consecutive calls are one chat message: the second item with the id is named.
+        ([call("c1"), call("c2"), call("c1"), output("c1")], "input[3]", "two tool calls"),
+    ],
+)
+async def test_a_responses_input_mistake_names_its_item_after_instructions(
+    items: list[dict[str, str]], param: str, says: str
+):
+    ask = [{"role": "user", "content": "hi"}, *items]
+    async with (
+        running(create_app(fast_engine())) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(  # type: ignore[call-overload]
+                model="simulated", instructions="be brief", input=ask
+            )
+    assert (refused.value.code, refused.value.param) == ("invalid_value", param)
+    assert says in refused.value.message
+
+
+async def test_a_responses_mistake_after_a_stored_turn_names_the_new_input():
+    async with (
+        running(create_app(fast_engine())) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        first = await client.responses.create(
+            model="simulated", input=[{"role": "user", "content": "hi"}, call("c1"), output("c1")]
+        )
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(  # type: ignore[call-overload]
+                model="simulated", previous_response_id=first.id, input=[output("c1")]
+            )
+    assert refused.value.param == "input[0]"
+    assert "answered twice" in refused.value.message
