@@ -127,6 +127,20 @@ async def test_an_engine_failure_mid_stream_ends_with_response_failed():
     assert [e.type for e in events].count("response.output_text.delta") == 3
 
 
+@pytest.mark.parametrize("store", [True, False])
+async def test_a_whole_response_that_fails_is_a_200_with_status_failed_stored_or_not(store: bool):
+    # As OpenAI answers a response that failed once accepted, and alike whether it is kept:
+    # the object, failed, with its error and the output made before the failure.
+    engine = fast_engine(reply_text=REPLY, fail_after=3)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        failed = await client.responses.create(model="simulated", input="x", store=store)
+    assert (failed.status, failed.model_dump()["store"], failed.usage) == ("failed", store, None)
+    assert failed.error is not None
+    assert failed.error.code == "generation_failed"  # type: ignore[comparison-overlap]
+    assert failed.output_text == "one two three "
+    assert [item.status for item in failed.output] == ["incomplete"]
+
+
 async def test_a_cancelled_response_ends_with_status_cancelled():
     engine = fast_engine(reply_text=REPLY * 20, delay_ms=20.0)
     app = create_app(engine)

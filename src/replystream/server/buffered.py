@@ -65,6 +65,10 @@ class Several:
 
 
 ModeratedFn = Callable[[str, Violation, Usage], dict[str, Any]]
+# A reply that failed after it was admitted, for a dialect whose failed reply is an object of
+# its own (a Responses ``status: failed``): from what was made before the failure (usage not
+# known), the error's code and its message.
+FailedFn = Callable[[Whole, str, str], dict[str, Any]]
 
 
 class _Collector:
@@ -139,12 +143,15 @@ async def buffered_reply(
     body: BodyFn,
     moderated_body: ModeratedFn,
     several: Several | None = None,
+    failed_body: FailedFn | None = None,
 ) -> web.Response:
     """Collect an admitted generation whole and answer once, as JSON.
 
     ``body(whole)`` shapes a finished reply; ``moderated_body(released text, violation,
     usage)`` a reply a check stopped (its usage counts the tokens made up to the match, as a
-    stream's does). A failure is a 500, a shutdown a 503. The generation is stopped at
+    stream's does). A failure is a 500, a shutdown a 503; or, given ``failed_body``, a 200
+    with that body, as a dialect whose stored replies end so answers them (its code:
+    ``shutdown`` for a shutdown). The generation is stopped at
     the first stop string. ``several``: ``deltas`` are several choices' (``Delta.choice``),
     each collected on its own, and the body is ``several.body`` of them all. Tool calls are
     joined from their pieces, in the order they started (``Whole.tool_calls``).
@@ -186,14 +193,22 @@ async def buffered_reply(
             assert item.error is not None
             log.warning("generation failed: %s", item.error)
             record.outcome, record.reason = "errored", item.error.code
-            # An upstream's failure is a 502, 503 or 504, as it would be before any byte.
             error = item.error
-            return error_response(
-                error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
-            )
+            if failed_body is not None and several is None:
+                made = first.whole(Usage(prompt_tokens, record.tokens))
+                payload = failed_body(made, error.code, str(error))
+            else:
+                # An upstream's failure is a 502, 503 or 504, as it would be before any byte.
+                return error_response(
+                    error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
+                )
         elif isinstance(item, End) and item.how == "shutdown":
             record.outcome, record.reason = "shutdown", "shutdown"
-            return error_response(503, "the server is shutting down", code="shutdown")
+            message = "the server is shutting down"
+            if failed_body is None or several is not None:
+                return error_response(503, message, code="shutdown")
+            made = first.whole(Usage(prompt_tokens, record.tokens))
+            payload = failed_body(made, "shutdown", message)
         elif several is None:
             record.outcome = "finished"
             payload = body(first.whole(Usage(prompt_tokens, record.tokens)))

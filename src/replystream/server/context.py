@@ -68,6 +68,9 @@ T = TypeVar("T")
 # the check that stopped it and the usage (the tokens made up to the match).
 BodyOf = Callable[[Whole], dict[str, Any]]
 ModeratedBodyOf = Callable[[str, Violation, Usage], dict[str, Any]]
+# A reply that failed after it was admitted, for a dialect that answers it with an object of
+# its own: from what was made before, the error's code and its message.
+FailedBodyOf = Callable[[Whole, str, str], dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,11 +479,13 @@ async def buffered(
     moderated_body: ModeratedBodyOf,
     reply_id: str | None = None,
     choices: tuple[int, Callable[[list[Whole]], dict[str, Any]]] | None = None,
+    failed_body: FailedBodyOf | None = None,
 ) -> web.Response:
     """Admit a generation and collect it whole into one JSON response (``body``), counted
     in the metrics like a streamed reply (time between tokens included). ``reply_id``: the
     id the body names, also sent as ``X-Reply-Id``. ``choices``: ``(n, body of all)`` for
-    ``n`` generations, one choice each."""
+    ``n`` generations, one choice each. ``failed_body``: the body of a reply that failed
+    after it was admitted, answered with a 200 (None: an error status in the route's shape)."""
     app = request.app
     record = app[METRICS_KEY].record(endpoint, streamed=False)
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
@@ -503,6 +508,7 @@ async def buffered(
         body=body,
         moderated_body=moderated_body,
         several=several,
+        failed_body=failed_body,
     )
     if reply_id is not None:
         response.headers["X-Reply-Id"] = reply_id

@@ -398,6 +398,20 @@ async def _whole(
         response["replystream_moderation"] = moderated_payload(violation)
         return response
 
+    def failed(made: Whole, code: str, message: str) -> dict[str, Any]:
+        # As a stored response that failed is answered (``_await_end``), and as OpenAI
+        # answers a response that failed once accepted: 200, ``status: failed`` and its
+        # ``error``, the output made before it (the last item cut: incomplete), no usage.
+        return response_object(
+            settings,
+            reply_id,
+            "failed",
+            text=made.text,
+            error={"code": code, "message": message},
+            tool_calls=made.tool_calls,
+            thoughts=made.thoughts,
+        )
+
     return await buffered(
         request,
         generation,
@@ -406,6 +420,7 @@ async def _whole(
         body=body,
         moderated_body=moderated,
         reply_id=reply_id,
+        failed_body=failed,
     )
 
 
