@@ -5,8 +5,12 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   ``message_start`` (the message, empty, with the input tokens), then its content blocks in
   order, each ``content_block_start`` / ``content_block_delta``... / ``content_block_stop``
   with its ``index`` (counted from 0), then ``message_delta`` (the stop reason, and the usage
-  so far: input tokens as the engine counted them, which may differ from ``message_start``'s
-  estimate, and output tokens) and ``message_stop``. An error after the first byte is
+  so far: input and output tokens) and ``message_stop``. ``message_start`` waits for the
+  reply's first event, so its input tokens are the engine's own count of the prompt as the
+  engine fed it (a chat template's tokens included), which a built-in engine gives with its
+  first delta, having rendered the prompt once to admit it; the server's estimate only for
+  an engine that tells its count at the end (a relay: its upstream's usage comes last),
+  which ``message_delta`` then corrects. An error after the first byte is
   ``event: error`` with Anthropic's error object, and the stream then never ends with
   ``message_stop``. Every event keeps our event id (``id:``), so a message can be resumed,
   which Anthropic itself does not offer.
@@ -125,7 +129,8 @@ class AnthropicStreamFormat:
     """The events of one streamed message (a ``StreamFormat``)."""
 
     model: str
-    input_tokens: int
+    input_tokens: int  # the server's estimate, until the engine counts the prompt
+    _reply_id: str | None = None  # until ``message_start`` is sent
     _open: int | None = None  # the index of the block open now (None: none)
     _text_open: bool = False  # that block is a text block
     _thinking_open: bool = False  # that block is a thinking block
@@ -134,6 +139,20 @@ class AnthropicStreamFormat:
     _delta_head: str = ""  # a text delta's JSON up to its text, for the open text block
 
     def started(self, reply_id: str) -> list[Spec]:
+        # Sent with the first event, when the engine has counted the prompt (its first
+        # delta says so): Anthropic's message_start carries the real count.
+        self._reply_id = reply_id
+        return []
+
+    def prompt_counted(self, tokens: int) -> None:
+        self.input_tokens = tokens
+
+    def _message_start(self) -> list[Spec]:
+        """``message_start``, if it is not sent yet: before any other event."""
+        reply_id = self._reply_id
+        if reply_id is None:
+            return []
+        self._reply_id = None
         empty = message_object(
             reply_id,
             self.model,
@@ -150,7 +169,7 @@ class AnthropicStreamFormat:
             return [("content_block_delta", self._delta_head + json_string(text) + "}}")]
         if not text:
             return []  # no block is opened for no text
-        specs = self._start_block({"type": "text", "text": ""})
+        specs = self._message_start() + self._start_block({"type": "text", "text": ""})
         self._text_open = True
         self._delta_head = (
             f'{{"type":"content_block_delta","index":{self._open},'
@@ -165,10 +184,10 @@ class AnthropicStreamFormat:
         return self.text(text, tokens)  # never asked: /v1/messages takes no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
-        specs: list[Spec] = []
+        specs = self._message_start()
         block = self._blocks.get(piece.index)
         if block is None:  # a new call: stop the open block, start a tool_use block
-            specs = self._start_block(
+            specs += self._start_block(
                 {"type": "tool_use", "id": piece.id or "", "name": piece.name or "", "input": {}}
             )
             block = self._blocks[piece.index] = self._next_block - 1
@@ -182,9 +201,9 @@ class AnthropicStreamFormat:
         return specs
 
     def reasoning(self, thought: str, tokens: int) -> list[Spec]:
-        specs: list[Spec] = []
+        specs = self._message_start()
         if not self._thinking_open:
-            specs = self._start_block({"type": "thinking", "thinking": "", "signature": ""})
+            specs += self._start_block({"type": "thinking", "thinking": "", "signature": ""})
             self._thinking_open = True
         delta = {
             "type": "content_block_delta",
@@ -212,8 +231,8 @@ class AnthropicStreamFormat:
 
     def _ending(self, stop_reason: str, usage: Usage, **extra: Any) -> list[Spec]:
         # Cumulative, as Anthropic's are: the SDK's final message takes these, so the engine's
-        # own prompt count (a relay's upstream reports it only at the end) replaces the
-        # estimate message_start had to send.
+        # own prompt count replaces the estimate message_start had to send when the engine
+        # tells it only at the end (a relay's upstream reports it last).
         counts = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
         delta = {
             "type": "message_delta",
@@ -221,6 +240,7 @@ class AnthropicStreamFormat:
             "usage": counts,
         }
         return [
+            *self._message_start(),
             *self._stop_block(),
             ("message_delta", _dumps(delta)),
             ("message_stop", '{"type":"message_stop"}'),
@@ -234,7 +254,7 @@ class AnthropicStreamFormat:
         return self._ending(STOP_REASONS.get(finish_reason, "end_turn"), usage)
 
     def error(self, message: str, code: str) -> list[Spec]:
-        return [("error", _dumps(error_object(message, code)))]
+        return [*self._message_start(), ("error", _dumps(error_object(message, code)))]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on

@@ -87,6 +87,12 @@ class StreamFormat(Protocol):
 
     def started(self, reply_id: str) -> list[Spec]: ...
 
+    def prompt_counted(self, tokens: int) -> None:
+        """The engine's own count of the prompt (``Delta.prompt_tokens``), before the events
+        of the delta that carried it: for a dialect that names the count before any usage
+        (Anthropic's ``message_start``); the others take it from their ending's usage."""
+        ...
+
     def text(self, text: str, tokens: int) -> list[Spec]:
         """The events of a piece of text: one, after the events that open a text container
         first when the dialect opens one only once text comes (Anthropic's text block, a
@@ -175,6 +181,9 @@ class LabFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
+    def prompt_counted(self, tokens: int) -> None:
+        pass  # told in the ending's usage
+
     def text(self, text: str, tokens: int) -> list[Spec]:
         return [(None, json_string(text))]
 
@@ -212,6 +221,9 @@ class NativeFormat:
 
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
+
+    def prompt_counted(self, tokens: int) -> None:
+        pass  # told in the ending's usage
 
     def text(self, text: str, tokens: int) -> list[Spec]:
         # Byte for byte what json.dumps({"text": text, "tokens": tokens}) writes.

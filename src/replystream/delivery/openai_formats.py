@@ -183,6 +183,9 @@ class OpenAIStreamFormat:
         self._text_parts = None  # the id is in every chunk
         return [self._chunk([self._choice("", None, role="assistant")])]
 
+    def prompt_counted(self, tokens: int) -> None:
+        pass  # told in the usage chunk
+
     def text(self, text: str, tokens: int) -> list[Spec]:
         # Two text chunks of a reply differ only in their text: the rest is encoded once,
         # by ``_chunk`` itself, and each chunk encodes its text alone (the same bytes as

@@ -143,6 +143,7 @@ class ReplyPipeline:
         self.tokens += delta.tokens
         if delta.prompt_tokens is not None:  # on any delta: a stop string may end the reply
             self.prompt_tokens = delta.prompt_tokens  # before the engine's last one is read
+            self.fmt.prompt_counted(delta.prompt_tokens)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.reported_stop = delta.stop_sequence

@@ -111,6 +111,9 @@ class ResponsesStreamFormat:
         )
         return [*opening, self._event("response.in_progress", {"response": empty})]
 
+    def prompt_counted(self, tokens: int) -> None:
+        pass  # usage is null until the terminal event, which tells it
+
     def text(self, text: str, tokens: int) -> list[Spec]:
         if self._open_message is not None:
             self._text.append(text)
