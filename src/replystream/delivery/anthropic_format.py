@@ -109,10 +109,12 @@ def error_object(message: str, code: str, kind: str = "api_error") -> dict[str, 
 
 class ReaderNotices:
     """How a message stream spells what its reader decides (a slow client, a lost producer,
-    a store that cannot be reached): an ``error`` event with Anthropic's error object, as
-    the producer's own errors are, so a client reads one shape whoever ended the stream."""
+    a store that cannot be reached, events lost): an ``error`` event with Anthropic's error
+    object, as the producer's own errors are, so a client reads one shape whoever ended the
+    stream."""
 
     __slots__ = ()
+    tells_gaps = False  # an ``events_lost`` error ends the stream instead
 
     def sent(self, entries: Sequence[LogEntry]) -> None:
         pass  # what was sent changes nothing in an Anthropic error

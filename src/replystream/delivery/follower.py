@@ -21,6 +21,11 @@ no wake-up of the follower's task per event. Any doubt (a busy socket, a gap, th
 the work back to the task, which then writes with backpressure and the limits. While it waits
 there, the app's ``KeepaliveClock`` (``keepalive_clock``) wakes it when a keep-alive is due.
 
+Events a reader needs that the log no longer keeps are told as a ``gap`` notice, and the
+follower goes on after them; a transport whose dialect has no such event (another API's,
+whose client would take the text with a hole for the whole) is ended there instead, with an
+``events_lost`` error (``FrameTransport.tells_gaps``).
+
 Framing belongs to the transport (``frame_transport``: SSE over HTTP/1.1, a WebSocket); what a
 reply's producer offers its followers is ``LiveReply``. This file must not know about HTTP,
 WebSockets, the engine or which store keeps the log.
@@ -43,6 +48,7 @@ from replystream.delivery.replay import LogCursor, LogEntry, StoreUnavailable
 log = logging.getLogger("replystream.follower")
 
 LIVENESS_POLL_S = 1.0  # how often a follower of a remote reply checks its producer is alive
+EVENTS_LOST = "events_lost"  # the code of a gap in a stream that cannot tell one
 WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
 # A follower's byte limit before it first sends entries: its backlog is not known yet (a
 # cursor on a reply made elsewhere learns it from its first read), and it has not fallen behind.
@@ -312,6 +318,14 @@ class Follower:
             return "expired"
         if result.lost is not None:
             first, last = result.lost
+            if not self.transport.tells_gaps():
+                message = (
+                    f"events {first} to {last} of this reply are no longer kept, so the rest "
+                    "of it would have a hole: the stream ends here"
+                )
+                log.warning("follower of %s: %s", self.reply_id[:8], message)
+                await self._send(self._notice(message, EVENTS_LOST), 1, last=True)
+                return "events_lost"
             gap = f'{{"lost_from": {first:d}, "lost_to": {last:d}}}'
             await self._send(self.transport.notice("gap", gap, self.cursor.after), 1)
             # Told once: the reader's place moves past what can never be sent, or a log with

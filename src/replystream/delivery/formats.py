@@ -41,6 +41,12 @@ class Notices(Protocol):
     ``error``, a ``gap``). It sees every entry its reader writes, so what it says can repeat
     what the client was sent (a Responses stream's ``response.failed`` carries the output)."""
 
+    @property
+    def tells_gaps(self) -> bool:
+        """Whether the dialect has an event for lost events that a stream goes on after (no
+        dialect of another API has: its reader ends with an ``events_lost`` error instead)."""
+        ...
+
     def sent(self, entries: Sequence[LogEntry]) -> None:
         """Entries going to the socket now (a write that begins is not taken back: its
         bytes are in the socket's buffer before it waits to drain)."""

@@ -22,6 +22,7 @@ Ending = Literal[
     "producer_lost",
     "expired",
     "store_unavailable",
+    "events_lost",
     "failed",
 ]
 
@@ -38,6 +39,12 @@ class FrameTransport(Protocol):
         """The wire bytes of an unnumbered event the follower decides on (``error``,
         ``gap``) after event ``after``: never in the log, so a resume neither repeats nor
         misses one."""
+        ...
+
+    def tells_gaps(self) -> bool:
+        """Whether the stream can say that events are lost and go on (a ``gap`` notice);
+        else the follower ends it with an ``events_lost`` error at a gap, as a dialect must
+        whose clients read one text and would take a text with a hole for the whole."""
         ...
 
     def keepalive(self) -> bytes | None:

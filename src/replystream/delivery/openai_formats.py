@@ -122,11 +122,12 @@ def in_band_error(message: str, code: str) -> Spec:
 
 class ReaderNotices:
     """How a chat or completion stream spells what its reader decides (a slow client, a
-    lost producer, a store that cannot be reached): the error object the producer's own
+    lost producer, a store that cannot be reached, events lost): the error object the producer's own
     errors have (``in_band_error``), so the SDK's ``APIError`` has its ``type`` and
     ``param`` whoever ended the stream."""
 
     __slots__ = ()
+    tells_gaps = False  # an ``events_lost`` error ends the stream instead
 
     def sent(self, entries: Sequence[LogEntry]) -> None:
         pass  # what was sent changes nothing in the error

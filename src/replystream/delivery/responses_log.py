@@ -106,8 +106,9 @@ def opened_object(first: LogEntry) -> dict[str, Any] | None:
 
 class ReaderNotices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
-    producer, a store that cannot be reached): an ``error`` event in OpenAI's shape, then
-    ``response.failed``, numbered on from the last event written (they are not in the log).
+    producer, a store that cannot be reached, events lost): an ``error`` event in OpenAI's
+    shape, then ``response.failed``, numbered on from the last event written (they are not
+    in the log).
     Its object is the response as it opened (its settings, as ``response.created`` carried
     them), failed, with the output items this stream has told its client (the open one
     cut: ``incomplete``), so a client that puts the response together from the events has
@@ -115,6 +116,7 @@ class ReaderNotices:
     (``told``)."""
 
     __slots__ = ("_opened", "_reply_id", "_told")
+    tells_gaps = False  # an ``events_lost`` error ends the stream instead
 
     def __init__(
         self, reply_id: str, opened: dict[str, Any] | None, told: Sequence[LogEntry] = ()

@@ -111,6 +111,10 @@ class SSETransport(SocketRoom):
         specs = self._notices(event, data, after)
         return b"".join(encode_data(spec_data, type=kind) for kind, spec_data in specs)
 
+    def tells_gaps(self) -> bool:
+        # The native and lab streams (no notices of a dialect) have a ``gap`` event.
+        return self._notices is None or self._notices.tells_gaps
+
     def keepalive(self) -> bytes:
         return self._keepalive
 

@@ -262,6 +262,9 @@ class WebSocketTransport(SocketRoom):
     def notice(self, event: str, data: str, after: int) -> bytes:
         return self._message(event, f',"data":{data}')
 
+    def tells_gaps(self) -> bool:
+        return True  # the native messages have a ``gap`` type
+
     def keepalive(self) -> None:
         return None  # the socket is kept alive by its own pings (``SocketKeepalive``)
 

@@ -1,0 +1,157 @@
+"""Events lost before a reader got them, as each dialect's own client is told, through the SDKs.
+
+A reply's log keeps a bounded number of events; a reader held up long enough (here: a client
+that stops reading while a long reply is made into a log of 20 events) finds the next events
+it needs gone. The native stream says so with a ``gap`` event and goes on; no other API has
+such an event, and its client cannot be given the missing text: a chat or completion stream
+ends with OpenAI's in-band error, an Anthropic stream with its ``error`` event, a Responses
+stream with ``error`` and ``response.failed``, each with the code ``events_lost``, so the
+client knows its text has a hole instead of taking it for the whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anthropic
+import openai
+import pytest
+
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import MemoryReplayStore
+from replystream.engine.simulated import SimulatedEngine
+from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
+from tests.conftest import fast_engine, wait_for
+from tests.rawhttp import raw_request
+from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
+
+T = TypeVar("T")
+LONG = ("r" * 2000 + " ") * 300  # 300 tokens of 2 kB: far more than the socket buffers hold
+KEPT = 20  # events each reply's log keeps
+# Never cut for being slow: the reader is to be held up, not cut.
+PATIENT = DeliveryPolicy(slow_client_bytes=1 << 30, slow_client_s=60.0)
+
+
+async def read_while_held_up(
+    read: Callable[[str], Awaitable[T]], engine: SimulatedEngine | None = None
+) -> T:
+    """Run ``read`` (given the server's URL) through a proxy that passes nothing back until
+    the whole reply has been made into a log that keeps ``KEPT`` events, then lets it read."""
+    engine = engine or fast_engine(reply_text=LONG, delay_ms=1, jitter_ms=0)
+    config = ServerConfig(policy=PATIENT, resumable_by_default=True)
+    app = create_app(engine, config, store=MemoryReplayStore(max_entries=KEPT))
+    app.on_response_prepare.append(small_send_buffer)
+    release = asyncio.Event()
+    async with (
+        running(app) as url,
+        proxy_stalling_its_first_connection(host_port(url), release) as proxied,
+    ):
+        reading = asyncio.ensure_future(read(proxied))
+        await wait_for(lambda: engine.stats().finished == 1, timeout_s=30)
+        release.set()
+        async with asyncio.timeout(30):
+            return await reading
+
+
+async def test_a_chat_stream_with_lost_events_ends_with_an_events_lost_error():
+    text: list[str] = []
+
+    async def read(url: str) -> None:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model="simulated",
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=300,
+                stream=True,
+            )
+            async for chunk in stream:
+                text.append(chunk.choices[0].delta.content or "")
+
+    with pytest.raises(openai.APIError) as raised:
+        await read_while_held_up(read)
+    assert raised.value.code == "events_lost", raised.value.body
+    assert "no longer kept" in raised.value.message
+    assert 0 < len("".join(text)) < len(LONG)  # what came before the hole, and no more
+
+
+async def test_an_anthropic_stream_with_lost_events_ends_with_an_events_lost_error():
+    kinds: list[str] = []
+
+    async def read(url: str) -> None:
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0) as client:
+            ask: Any = {"role": "user", "content": "x"}
+            async with client.messages.stream(
+                model="simulated", max_tokens=300, messages=[ask]
+            ) as stream:
+                async for event in stream:
+                    kinds.append(event.type)
+
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        await read_while_held_up(read)
+    body = raised.value.body
+    assert isinstance(body, dict)
+    assert body["error"]["code"] == "events_lost", body
+    assert "message_start" in kinds and "message_stop" not in kinds
+
+
+def events_lost(events: list[Any]) -> None:
+    """A Responses stream ended by lost events: OpenAI's ``error`` event, then
+    ``response.failed`` with the same code, and no other terminal event."""
+    kinds = [event.type for event in events]
+    assert kinds[-2:] == ["error", "response.failed"], kinds[-5:]
+    assert "response.completed" not in kinds
+    error, failed = events[-2], events[-1]
+    assert error.code == "events_lost"
+    assert failed.response.status == "failed"
+    assert failed.response.error.code == "events_lost"
+    assert failed.sequence_number == error.sequence_number + 1
+
+
+async def test_a_responses_stream_with_lost_events_ends_failed_with_events_lost():
+    async def read(url: str) -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+            stream = await client.responses.create(
+                model="simulated", input="x", max_output_tokens=300, stream=True
+            )
+            return [event async for event in stream]
+
+    events = await read_while_held_up(read)
+    events_lost(events)
+    assert any(event.type == "response.output_text.delta" for event in events)
+
+
+async def test_a_responses_resume_from_before_what_is_kept_ends_failed_with_events_lost():
+    engine = fast_engine(reply_text="one two three four five six " * 5, delay_ms=0, jitter_ms=0)
+    app = create_app(engine, store=MemoryReplayStore(max_entries=KEPT))
+    async with (
+        running(app) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client,
+    ):
+        made = await client.responses.create(model="simulated", input="x")
+        assert made.status == "completed"  # its 30 text events and more: the first are gone
+        resumed = await client.responses.retrieve(made.id, stream=True, starting_after=1)
+        events = [event async for event in resumed]
+    assert len(events) == 2
+    events_lost(events)
+    assert events[0].sequence_number == 2  # numbered on from the reader's place
+
+
+async def test_the_native_stream_still_tells_a_gap_and_goes_on():
+    engine = fast_engine(reply_text="one two three four five six " * 5, delay_ms=0, jitter_ms=0)
+    app = create_app(engine, store=MemoryReplayStore(max_entries=KEPT))
+    async with running(app) as url:
+        first = await raw_request(
+            f"{url}/v1/replies", "POST", b'{"prompt": "x", "resumable": true, "stream": true}'
+        )
+        reply_id = first.headers["x-reply-id"]
+        await first.read_body()
+        again = await raw_request(f"{url}/v1/replies/{reply_id}/stream?last_event_id=1")
+        body = (await again.read_body()).decode()
+    assert body.startswith("event: gap\n")
+    gap = json.loads(body.split("\n")[1].removeprefix("data: "))
+    assert gap["lost_from"] == 2
+    assert body.rstrip().endswith('{"finish_reason": "length"}') or "event: done" in body
