@@ -830,7 +830,7 @@ async def test_synthetic_turns_go_to_a_text_api_as_paragraphs_of_history():
 
 
 async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show():
-    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "40"]
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "200"]
     async with local_server(schedule) as url:
         config = LoadConfig(
             url=f"{url}/stream",
@@ -850,8 +850,10 @@ async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show
     assert all(r["tokens"] == 3 for r in cancelled)
     server = summary["server"]
     assert server["replies"] == {"finished": counts["complete"], "cancelled": counts["cancelled"]}
-    # Had the server gone on generating for readers that left, each would add 37 tokens.
-    assert 0 <= server["excess_tokens"] <= 2 * counts["cancelled"]
+    # Had the server gone on generating for readers that left, each would add 197 tokens;
+    # stopping within 100 ms of the reader's leaving (a loaded machine's turn of the loop)
+    # adds at most 20.
+    assert 0 <= server["excess_tokens"] <= 20 * counts["cancelled"]
     assert server["held_at_end"]["active_streams"] == 0
     assert 0.0 <= server["ttft_gap_ms"] < 100.0
     # Scraped during the run too: the streams it held, at most the 5 in flight (and a reply
