@@ -266,6 +266,7 @@ ATTEMPT_RESULTS = (
     "connect_error",  # refused, unreachable, TLS, hung up or not HTTP before answering
     "head_timeout",  # no response head in time
     "overloaded",  # 429 or 503
+    "model_not_found",  # a 404: it does not serve the model sent (not counted on its circuit)
     "error_status",  # any other status
     "ttft_timeout",  # no text within the time-to-first-token limit
     "stalled",  # no text for the stall limit mid-reply

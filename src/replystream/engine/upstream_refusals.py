@@ -5,8 +5,10 @@ This file names those errors, ``UpstreamUnavailable`` (502: no upstream answered
 one should) and ``UpstreamTimeout`` (504: no response head within the head timeout), which
 the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
 status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
-(400) carrying the upstream's message, 429 and 503 stay overload (``UpstreamOverloaded``,
-503) with the wait the upstream asked for (``Retry-After``, at most a cool-down), which its
+(400) carrying the upstream's message; a 404 says the upstream does not serve the model
+(``UpstreamModelNotFound``, 404: about that model there, not the upstream's health); 429 and
+503 stay overload (``UpstreamOverloaded``, 503) with the wait the upstream asked for
+(``Retry-After``, at most a cool-down), which its
 circuit honours; an upstream passed the caller's own key that refuses it (401, 403) or
 rate-limits it (429) answers the client as it is, not failed over
 (``UpstreamRefusedClientKey``, ``UpstreamLimitedClientKey``); 401 or 403 to our own key is
@@ -50,6 +52,15 @@ class UpstreamOverloaded(EngineError):
     relay gives up, when some upstream may take a request."""
 
     status = 503
+
+
+class UpstreamModelNotFound(EngineError):
+    """An upstream answered 404 to a chat request: it serves no model by the name sent (a
+    typo in a routes file's ``models``, a model it unloaded). That says something of the
+    model at that upstream, not of the upstream's health: another upstream serving the
+    model may take the request, and none counts it on its circuit."""
+
+    status = 404
 
 
 class UpstreamRefusedClientKey(RequestRejected):
@@ -116,6 +127,14 @@ async def refusal(
     said = f"{where}: {message}" if message else where
     if status in (400, 413, 422):
         return RequestRejected(said, code=code or "upstream_rejected", param=param)
+    if status == 404:
+        # Its ``/models`` answered (the probe says so otherwise): the path is right, so the
+        # model named is what it lacks. Counted on its circuit, one bad name would take it
+        # out for every model it does serve.
+        said = f"{where} to the chat request: it does not serve the model sent to it"
+        if message:
+            said += f" ({message})"
+        return UpstreamModelNotFound(said, code="model_not_found")
     if status == 429 and passes_key:
         # The caller's own account's limit: another upstream would not lift it, and
         # counted on the circuit, one caller's spent quota would shut out every caller.

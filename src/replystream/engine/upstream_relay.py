@@ -6,7 +6,8 @@ This file decides when an attempt has failed and what happens next:
   keep-alives has reached the client): a connect error, a 5xx or 429, an error in the
   stream, or no content within ``ttft_s`` moves the request to the next upstream of the
   plan, invisibly to the client, until ``failover_s`` has passed since the request began.
-  An upstream that refused the request itself (a 400) is not retried elsewhere. A busy
+  An upstream that refused the request itself (a 400) is not retried elsewhere; one that
+  does not serve the model sent (a 404) is, and its circuit does not count it. A busy
   upstream's ``Retry-After`` keeps its circuit open at least that long (``upstream_pool``);
   when no upstream is left, a 503 says when one may take a request (``retry_after_s``).
 - After it: no content for ``stall_s`` is ``upstream_stalled``; that, or any failure of the
@@ -75,12 +76,13 @@ _AT_HEAD = {
     "upstream_timeout": "head_timeout",
     "upstream_overloaded": "overloaded",
     "upstream_error_status": "error_status",
+    "model_not_found": "model_not_found",
 }
 _IN_STREAM = {"upstream_ttft_timeout": "ttft_timeout", "upstream_stalled": "stalled"}
 # Failures that say what the request asked of an upstream, not that the upstream is sick:
 # another upstream may be tried, but its circuit does not count them (else requests for
 # what it lacks would take it out of routing for every request).
-_NOT_ITS_HEALTH = frozenset({"upstream_no_logprobs"})
+_NOT_ITS_HEALTH = frozenset({"upstream_no_logprobs", "model_not_found"})
 
 
 class NoUpstream(EngineError):

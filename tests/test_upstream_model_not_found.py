@@ -1,0 +1,104 @@
+"""An upstream's 404 to a chat request, over real aiohttp upstreams on loopback sockets and an
+``UpstreamEngine`` served by replystream: a model that upstream does not serve (a typo in a
+routes file's ``models``) is about that model there, not the upstream's health. The request
+goes to another upstream serving the model; with none left, the client gets a 404 in its
+dialect's shape; and the upstream's circuit stays closed for the models it does serve."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
+from tests.sse_client import post_events
+from tests.test_gateway import metric
+from tests.test_upstream_routing import Upstream
+
+
+class Serving(Upstream):
+    """Serves the models in ``real`` and answers any other model 404, as vLLM does."""
+
+    def __init__(self, real: list[str]) -> None:
+        super().__init__(real)
+        self.asked: list[str] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        model = (await request.json())["model"]
+        self.asked.append(model)
+        if model not in self.models:
+            error = {
+                "message": f"The model `{model}` does not exist.",
+                "type": "NotFoundError",
+                "code": 404,
+            }
+            return web.json_response({"error": error}, status=404)
+        return await super().chat(request)
+
+
+@asynccontextmanager
+async def relay(
+    targets: list[tuple[Upstream, tuple[str, ...]]],
+) -> AsyncIterator[tuple[str, list[str]]]:
+    """A relay in front of each upstream with the models its routes entry names (one failure
+    opens a circuit, so a 404 counted as one would show at once): its URL and the upstreams'."""
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(running(u.app())) for u, _ in targets]
+        config = UpstreamConfig(
+            tuple(
+                UpstreamTarget(f"{url}/v1", models=models)
+                for url, (_, models) in zip(urls, targets, strict=True)
+            ),
+            failures=1,
+        )
+        app = create_app(UpstreamEngine(config))
+        yield await stack.enter_async_context(running(app)), [f"{u}/v1" for u in urls]
+
+
+def ask(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def test_a_model_one_upstream_does_not_serve_goes_to_another_and_leaves_its_circuit_closed():
+    # The routes file says the first upstream serves "qwen" (a typo: it serves "qwen2").
+    typo, other = Serving(["llama", "qwen2"]), Serving(["qwen"])
+    async with relay([(typo, ("llama", "qwen")), (other, ("qwen",))]) as (url, upstreams):
+        for _ in range(3):
+            got = await post_events(f"{url}/v1/chat/completions", ask("qwen"))
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+        assert "qwen" in typo.asked and other.asked == ["qwen"] * 3
+        # Its own models are still served there: the 404s opened no circuit.
+        got = await post_events(f"{url}/v1/chat/completions", ask("llama"))
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+        assert typo.asked[-1] == "llama"
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+        typo_url = upstreams[0]
+    refused = typo.asked.count("qwen")
+    assert refused >= 1
+    counted = metric(
+        metrics, "replystream_upstream_attempts", result="model_not_found", upstream=typo_url
+    )
+    assert counted == refused, metrics
+
+
+async def test_a_model_no_upstream_serves_is_a_404_in_each_dialects_shape():
+    typo = Serving(["llama"])
+    async with relay([(typo, ("llama", "qwen"))]) as (url, _):
+        chat = await post_events(f"{url}/v1/chat/completions", ask("qwen"))
+        message = {"model": "qwen", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        claude = await post_events(f"{url}/v1/messages", message)
+        after = await post_events(f"{url}/v1/chat/completions", ask("llama"))
+    assert chat.status == 404
+    error = json.loads(chat.raw)["error"]
+    assert error["code"] == "model_not_found"
+    assert "does not serve the model" in error["message"] and "`qwen`" in error["message"]
+    assert claude.status == 404
+    assert json.loads(claude.raw)["error"]["type"] == "not_found_error"
+    assert after.status == 200 and after.chat_text == "w0 w1 w2 "
