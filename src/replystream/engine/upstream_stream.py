@@ -236,7 +236,9 @@ class UpstreamStream:
             return
         try:
             if failure is not None and self._finish is None:
-                broken = broken_stream(failure)
+                # Nothing of the reply yet (a head, keep-alive comments): said as such.
+                replied = self._tokens > 0 or self.thought_at > 0.0
+                broken = broken_stream(failure, replied=replied)
                 raise self._fail(broken.message, broken.code)
             self._end_of_body()
         except UpstreamStreamError as error:
