@@ -394,6 +394,8 @@ class UpstreamEngine:
             self.config, self._keys, self._prober.keyless = config, keys, keys.passing
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
+            # New aliases may stand in front of models the upstreams already list.
+            self._prober.note_shadowed(backends)
             if self._shared is not None:
                 open_slots(self._shared, backends)
             self._queue.wake_all()  # room may be elsewhere now, or more of it

@@ -3,7 +3,9 @@ default, cheap on every OpenAI-compatible server) with a short timeout, when the
 and then every ``interval_s`` in the background; a model list it answers with tells the pool
 which models that upstream serves. An upstream that takes each caller's own key is probed
 without one: its refusal (401, 403) says it is up, and its models come from the routes file
-(or from no listing: it is sent any model).
+(or from no listing: it is sent any model). A listed model whose name is also an alias stays
+behind the alias (requests for that name go to the alias's model, as configured): the first
+probe that finds one says so in the log, once per alias and upstream.
 
 This file decides what a probe's answer means (a problem in words, or None) and when probes
 run. What a failed probe does to routing is ``upstream_pool``'s. It must not know about our
@@ -77,6 +79,8 @@ class HealthProber:
         self.keyless = keyless
         self._timeout_s = min(timeout_s, interval_s)
         self._probed = False
+        # (alias, the model it stands for, upstream) already said to shadow a listed model.
+        self._shadowed: set[tuple[str, str, str]] = set()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -124,6 +128,30 @@ class HealthProber:
     ) -> None:
         problem, models = await self._ask(backend, headers(backend), backend.name in keyless)
         backend.probed(problem, models)
+        self.note_shadowed([backend])
+
+    def note_shadowed(self, backends: Sequence[Backend]) -> None:
+        """Log, once, each alias whose name is a model one of ``backends`` lists: the alias
+        wins (the routes file says where its name goes), so that upstream's own model of
+        that name is never reached by it, and an operator should know."""
+        aliases = self._pool.aliases
+        for backend in backends:
+            for alias in aliases.keys() & backend.models:
+                said = (alias, aliases[alias], backend.name)
+                if said in self._shadowed:
+                    continue
+                self._shadowed.add(said)
+                log.warning(
+                    "the upstream at %s lists a model named %r, which is also an alias (for "
+                    "%r): requests for %r go to %r, as the alias says; rename the alias to "
+                    "reach that upstream's own %r",
+                    backend.name,
+                    alias,
+                    aliases[alias],
+                    alias,
+                    aliases[alias],
+                    alias,
+                )
 
     async def _ask(
         self, backend: Backend, headers: Mapping[str, str], keyless: bool
