@@ -46,7 +46,8 @@ from replystream.engine.upstream_config import (
 )
 from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_health import HealthProber
-from replystream.engine.upstream_http import HttpFailure, HttpOrigin
+from replystream.engine.upstream_http import HttpOrigin
+from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_refusals import (
@@ -55,7 +56,8 @@ from replystream.engine.upstream_refusals import (
     UpstreamUnavailable,
     refusal,
 )
-from replystream.engine.upstream_relay import RelayCounts, RelayedReply, RelayLimits
+from replystream.engine.upstream_relay import RelayedReply
+from replystream.engine.upstream_relay_types import RelayCounts, RelayLimits
 from replystream.engine.upstream_shared_limits import OtherWorkers, backend_stats, open_slots
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream

@@ -22,7 +22,8 @@ holds one of its slots (``upstream_slots``) from the moment it is chosen to its 
 it ends; an upstream whose slots the other workers hold is passed over as one at its limit.
 Every attempt's result is counted on its backend and logged (``replystream.access``, one JSON
 line each, with the request id). It must not know how an attempt is sent (``Opener``) or
-anything about our HTTP server.
+anything about our HTTP server. Its terms (limits, counts, errors, what a failure is counted
+as) are ``upstream_relay_types``'s; what a continuation sends, ``upstream_continuation``'s.
 
 A reply is read one of two ways, with the same decisions: iterated (each read awaits the
 current attempt), or attached to a sink (``PushDeltaStream``): then the reply is itself the
@@ -38,99 +39,37 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Protocol
+from collections.abc import Sequence
 
 from replystream.engine.base import (
     Delta,
     DeltaSink,
     EngineError,
     GenerationRequest,
-    PushDeltaStream,
     RequestRejected,
 )
 from replystream.engine.upstream_affinity import home, preferred
+from replystream.engine.upstream_continuation import continued_request
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
+from replystream.engine.upstream_relay_types import (
+    AT_HEAD,
+    IN_STREAM,
+    NOT_ITS_HEALTH,
+    Attempt,
+    NoUpstream,
+    Opener,
+    RelayBroken,
+    RelayCounts,
+    RelayLimits,
+    RelayStalled,
+    UpstreamBusy,
+)
 from replystream.engine.upstream_shared_limits import Slot, take_slot
 from replystream.engine.upstream_slots import SharedLimits
 
 access_log = logging.getLogger("replystream.access")
 log = logging.getLogger("replystream.upstream")
-
-
-class Attempt(PushDeltaStream, Protocol):
-    """One attempt's stream as a relayed reply reads it: its deltas, and when its upstream
-    last streamed a reasoning model's thinking (progress, relayed or not: 0.0 for never)."""
-
-    thought_at: float
-
-
-# Sends ``request`` to ``backend`` and returns its stream once the response head arrived,
-# awaiting that head no longer than the given seconds.
-Opener = Callable[[Backend, GenerationRequest, float], Awaitable[Attempt]]
-
-
-_AT_HEAD = {
-    "upstream_timeout": "head_timeout",
-    "upstream_overloaded": "overloaded",
-    "upstream_error_status": "error_status",
-    "model_not_found": "model_not_found",
-}
-_IN_STREAM = {"upstream_ttft_timeout": "ttft_timeout", "upstream_stalled": "stalled"}
-# Failures that say what the request asked of an upstream, not that the upstream is sick:
-# another upstream may be tried, but its circuit does not count them (else requests for
-# what it lacks would take it out of routing for every request).
-_NOT_ITS_HEALTH = frozenset({"upstream_no_logprobs", "model_not_found"})
-
-
-class NoUpstream(EngineError):
-    """No upstream serving the request can take it now (every circuit open, or none)."""
-
-    status = 503
-
-
-class RelayStalled(EngineError):
-    """An upstream sent no content for too long (before or after the first token)."""
-
-    status = 504
-
-
-class RelayBroken(EngineError):
-    """Relaying failed on our side (a bug): the reply ends with this, its upstream closed."""
-
-    status = 502
-
-
-class UpstreamBusy(EngineError):
-    """Every upstream serving the request stayed at its limit of requests at once for as
-    long as a request may wait for room (503)."""
-
-    status = 503
-
-
-@dataclass(frozen=True, slots=True)
-class RelayLimits:
-    ttft_s: float = 30.0  # per attempt: the first content within this
-    stall_s: float = 60.0  # after it: no content for this long is a stall
-    failover_s: float = 60.0  # from the request (or a seam) to giving up on other upstreams
-    queue_s: float = 30.0  # the longest a request waits for room at upstreams at their limit
-
-    def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.stall_s > 0 and self.failover_s > 0):
-            raise ValueError("relay timeouts must be positive")
-        if self.queue_s < 0:
-            raise ValueError("the wait for room at an upstream cannot be negative")
-
-
-@dataclass(slots=True)
-class RelayCounts:
-    """What the relay did across replies (read by the engine's ``stats``)."""
-
-    failovers: int = 0
-    spills: int = 0  # replies routed by prefix whose first upstream was not their key's own
-    continuations: int = 0
 
 
 class RelayedReply:
@@ -395,7 +334,7 @@ class RelayedReply:
         if another attempt takes over (iterated: the next read opens it; attached: a task
         opens it now); False if the reply ends with ``error``."""
         flowing = self._flowing
-        self._attempt_failed(error, _IN_STREAM.get(error.code, "stream_error"))
+        self._attempt_failed(error, IN_STREAM.get(error.code, "stream_error"))
         if flowing:
             if not self._continuation:
                 return False
@@ -541,7 +480,7 @@ class RelayedReply:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
                 raise
             except EngineError as exc:
-                self._attempt_failed(exc, _AT_HEAD.get(exc.code, "connect_error"))
+                self._attempt_failed(exc, AT_HEAD.get(exc.code, "connect_error"))
             except BaseException:
                 self._attempt_over("cancelled")
                 raise
@@ -564,25 +503,7 @@ class RelayedReply:
         assistant's prefix and the rest of the token budget."""
         if not self._sent:
             return self._request
-        request, prefix = self._request, "".join(self._sent)
-        messages = request.messages or ({"role": "user", "content": request.prompt},)
-        if request.continue_final_message:  # the client's own prefix, continued: extend it
-            *before, last = messages
-            messages = (*before, {**last, "content": request.prefix + prefix})
-            prefix = request.prefix + prefix
-        else:
-            messages = (*messages, {"role": "assistant", "content": prefix})
-        sampling = request.sampling
-        if sampling.max_tokens is not None:
-            sampling = replace(sampling, max_tokens=max(1, sampling.max_tokens - self._tokens))
-        return replace(
-            request,
-            messages=tuple(messages),
-            prefix=prefix,
-            continue_final_message=True,
-            add_generation_prompt=None,
-            sampling=sampling,
-        )
+        return continued_request(self._request, "".join(self._sent), self._tokens)
 
     def _give_up(self) -> EngineError:
         error = self._last_error
@@ -617,7 +538,7 @@ class RelayedReply:
         backend = self._backend
         self._close_stream()
         self._last_error = error
-        if backend is not None and error.code not in _NOT_ITS_HEALTH:
+        if backend is not None and error.code not in NOT_ITS_HEALTH:
             self._pool.failed(backend, str(error), error.retry_after_s or 0.0)
         self._attempt_over(result)
 

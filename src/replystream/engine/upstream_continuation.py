@@ -1,0 +1,39 @@
+"""What a relayed reply continued at another upstream sends it: the request again, with the
+text already relayed as the assistant's prefix (``continue_final_message``) and what is left
+of the token budget.
+
+Pure: a request and the text so far in, the request out. When a reply may be continued, and
+what it sends first to the client, is ``upstream_relay``'s. It must not know how a request
+is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from replystream.engine.base import GenerationRequest
+
+
+def continued_request(request: GenerationRequest, relayed: str, tokens: int) -> GenerationRequest:
+    """``request`` continued after ``relayed`` (the text the client has, ``tokens`` tokens of
+    it): a final assistant message holding it (the client's own prefix, extended, when the
+    request already continued one) and ``max_tokens`` less what was sent."""
+    prefix = relayed
+    messages = request.messages or ({"role": "user", "content": request.prompt},)
+    if request.continue_final_message:  # the client's own prefix, continued: extend it
+        *before, last = messages
+        messages = (*before, {**last, "content": request.prefix + prefix})
+        prefix = request.prefix + prefix
+    else:
+        messages = (*messages, {"role": "assistant", "content": prefix})
+    sampling = request.sampling
+    if sampling.max_tokens is not None:
+        sampling = replace(sampling, max_tokens=max(1, sampling.max_tokens - tokens))
+    return replace(
+        request,
+        messages=tuple(messages),
+        prefix=prefix,
+        continue_final_message=True,
+        add_generation_prompt=None,
+        sampling=sampling,
+    )
