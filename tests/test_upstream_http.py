@@ -28,7 +28,8 @@ import pytest
 from replystream.engine.base import GenerationRequest
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
-from replystream.engine.upstream_http import HttpOrigin, PeerClosed
+from replystream.engine.upstream_http import HttpOrigin
+from replystream.engine.upstream_http_failures import PeerClosed
 from replystream.engine.upstream_refusals import UpstreamUnavailable
 from replystream.engine.upstream_stream import UpstreamStream, UpstreamStreamError
 from tests.conftest import wait_for

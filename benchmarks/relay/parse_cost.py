@@ -7,11 +7,12 @@ it (``upstream_server.reply_messages``: 100 OpenAI chat chunks, each read as one
   them (``body_data``), then read through its iterator (event parser, chunk JSON, ``Delta``s);
 - ``pipeline + encode``: each ``Delta`` through a ``ReplyPipeline`` with the chat dialect
   (``OpenAIStreamFormat``) and written as SSE bytes (``sse_event``), as the chat route does;
-- ``attached, all of it``: the relay's HTTP client connection (``upstream_http.Connection``)
-  over a stand-in transport (no socket) given the response as the upstream writes it (the
-  head, then each chunk in HTTP chunked framing, one ``data_received`` each, then the
-  terminator), the stream attached to a sink that does the pipeline and encoding: HTTP parse,
-  event parse, pipeline and re-encode, as a served relay does them in one call per read.
+- ``attached, all of it``: the relay's HTTP client connection
+  (``upstream_http_connection.Connection``) over a stand-in transport (no socket) given the
+  response as the upstream writes it (the head, then each chunk in HTTP chunked framing, one
+  ``data_received`` each, then the terminator), the stream attached to a sink that does the
+  pipeline and encoding: HTTP parse, event parse, pipeline and re-encode, as a served relay
+  does them in one call per read.
 Reported: microseconds per relayed chunk, the median of several repeats.
 
 Run: python benchmarks/relay/parse_cost.py [--replies 2000] [--repeats 5]
@@ -36,7 +37,8 @@ from replystream.delivery.openai_formats import OpenAIStreamFormat
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Delta, EngineError
-from replystream.engine.upstream_http import BodyReceiver, Connection, HttpOrigin, Response
+from replystream.engine.upstream_http import HttpOrigin
+from replystream.engine.upstream_http_connection import BodyReceiver, Connection, Response
 from replystream.engine.upstream_stream import UpstreamStream
 from replystream.server.sse_transport import sse_event
 
@@ -44,7 +46,8 @@ BODY = reply_messages(CHUNKS, include_usage=True)
 
 
 class RecordedResponse:
-    """The part of an ``upstream_http.Response`` a relayed stream uses (no connection)."""
+    """The part of an ``upstream_http_connection.Response`` a relayed stream uses (no
+    connection)."""
 
     def set_receiver(self, receiver: BodyReceiver) -> None:
         pass

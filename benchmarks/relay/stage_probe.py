@@ -8,7 +8,7 @@ transport), with these functions wrapped to stamp the time (``perf_counter``), t
 - ``accepted``: the client's connection made (``connection_made`` of the server's protocol);
 - ``read``: its request's first bytes handed to it (``data_received``);
 - ``handler``: aiohttp starts the request's handler task (``_handle_request``);
-- ``sent``: the request written to the upstream (``upstream_http.Connection.send``);
+- ``sent``: the request written to the upstream (``upstream_http_connection.Connection.send``);
 - ``head``: the upstream's first bytes back (that connection's ``data_received``);
 - ``resumed``: the handler has the response head (``HttpOrigin.post`` returns);
 - ``written``: the first write to the client holding the upstream's text (``MARKER``).
@@ -37,7 +37,7 @@ from typing import Any
 from aiohttp import web_protocol
 
 from replystream import cli
-from replystream.engine import upstream_http
+from replystream.engine import upstream_http, upstream_http_connection
 from replystream.server import connection as server_connection
 
 if __package__ in (None, ""):  # run as a script: the ``relay`` package
@@ -141,8 +141,12 @@ def _install() -> None:
 
         return stamped
 
-    _wrap(upstream_http.Connection, "send", send)
-    _wrap(upstream_http.Connection, "data_received", on_data(_by_upstream, "head", forget=True))
+    _wrap(upstream_http_connection.Connection, "send", send)
+    _wrap(
+        upstream_http_connection.Connection,
+        "data_received",
+        on_data(_by_upstream, "head", forget=True),
+    )
 
     def post(
         original: Callable[..., Coroutine[Any, Any, Any]],

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from replystream.engine.upstream_http import (
-    MAX_HEAD_BYTES,
+from replystream.engine.upstream_http_connection import MAX_HEAD_BYTES
+from replystream.engine.upstream_http_failures import (
     BadFraming,
     BodyCut,
     ConnectFailed,

@@ -26,7 +26,7 @@ import time
 from replystream.engine.base import EngineError, RequestRejected
 from replystream.engine.retry_after import retry_after_s
 from replystream.engine.upstream_errors import quoted
-from replystream.engine.upstream_http import Response
+from replystream.engine.upstream_http_connection import Response
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
 # The longest wait a caller is told when an upstream rate-limited its own key: a day, the

@@ -48,7 +48,7 @@ from pydantic_core import from_json
 
 from replystream.engine.base import Delta, DeltaSink, EngineError, ToolCallDelta
 from replystream.engine.upstream_errors import broken_stream, quoted
-from replystream.engine.upstream_http import Response
+from replystream.engine.upstream_http_connection import Response
 from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 

@@ -1,0 +1,42 @@
+"""The failures the relay's HTTP client names itself (``upstream_http``,
+``upstream_http_connection``); ``upstream_errors`` words them for clients. Besides these, a
+request may fail with ``OSError`` or ``ssl.SSLError``.
+"""
+
+from __future__ import annotations
+
+
+class HttpFailure(Exception):
+    """A failure this client names itself."""
+
+
+class ConnectFailed(HttpFailure):
+    """The connection could not be made (refused, unreachable, unresolvable)."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(str(os_error))
+        self.os_error = os_error
+
+
+class PeerClosed(HttpFailure):
+    """The upstream closed the connection before a complete response head."""
+
+
+class NotHttp(HttpFailure):
+    """What came back is not an HTTP/1.x response head."""
+
+
+class HeadTooLarge(HttpFailure):
+    """The response head grew past ``MAX_HEAD_BYTES`` (ended or not)."""
+
+
+class BodyCut(HttpFailure):
+    """The connection ended before the body's framing says the body ends."""
+
+
+class BadFraming(HttpFailure):
+    """The body's framing is broken (a bad chunk size line...), or bytes followed its end."""
+
+
+class Stale(HttpFailure):
+    """A reused connection closed before any byte of the answer: send again, once."""
