@@ -46,7 +46,7 @@ async def test_a_burst_of_replies_is_created_and_written_in_a_few_calls(server: 
     await reader.aclose()
 
 
-async def test_any_text_reaches_another_replica_byte_for_byte_and_its_size_in_characters(
+async def test_any_text_reaches_another_replica_byte_for_byte_and_its_size_in_bytes(
     server: RedisServer,
 ):
     producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
@@ -65,8 +65,8 @@ async def test_any_text_reaches_another_replica_byte_for_byte_and_its_size_in_ch
     assert result is not None
     assert result.entries == [entries[0], entries[1], LogEntry(3, None, "[DONE]"), entries[3]]
     assert result.ending == '{"finish_reason": "stop", "note": "fin ✓"}'
-    # Offsets count what the local store counts (characters of data), so lag agrees.
-    assert cursor.lag_bytes() == sum(len(e.data) for e in entries)
+    # Offsets count what the local store counts (the data's UTF-8 bytes), so lag agrees.
+    assert cursor.lag_bytes() == sum(len(e.data.encode()) for e in entries)
     info = await reader.info("text")
     assert info is not None and info.context == '[{"content": "né 😀 \\" \\\\ \\n"}]'
     await producer.aclose()

@@ -189,6 +189,35 @@ async def test_a_cursor_measures_its_lag_in_bytes_and_moves_as_it_sends(stores, 
     )
 
 
+@pytest.mark.parametrize("where", ["producer", "reader"])
+async def test_a_cursor_measures_lag_in_utf8_bytes_whatever_the_text(stores, where):
+    # The slow-client limit is in bytes: data of two-, three- and four-byte characters
+    # (accents, CJK, emoji) counts each character's UTF-8 bytes, not one per character.
+    producer, reader = stores
+    await producer.create(ReplyInfo("r12"))
+    texts = ["caf\u00e9 na\u00efve", "\u65e5\u672c\u8a9e\u306e\u6587", "\U0001f600" * 8, "ascii"]
+    entries = [LogEntry(n, "token", text) for n, text in enumerate(texts, start=1)]
+    producer.append("r12", entries)
+    await settle(producer)
+    store = producer if where == "producer" else reader
+    size = [len(text.encode()) for text in texts]
+    assert size == [12, 15, 32, 5]
+    cursor = store.cursor("r12", 0)
+    result = await cursor.read(wait_s=0)
+    assert result is not None and result.entries == entries
+    assert cursor.lag_bytes() == sum(size)
+    cursor.sent(2, size[0] + size[1])
+    assert cursor.lag_bytes() == size[2] + size[3]
+    # A cursor that starts part way knows the bytes up to its place from the store.
+    later = store.cursor("r12", 3)
+    await later.read(wait_s=0)
+    assert later.lag_bytes() == size[3]
+    producer.append("r12", [LogEntry(5, None, "\u00e9" * 100)])
+    await settle(producer)
+    await cursor.read(wait_s=0)
+    assert await cursor.measure() == size[2] + size[3] + 200
+
+
 async def test_release_and_discard_never_lose_what_a_reader_still_needs(stores):
     producer, _ = stores
     await producer.create(ReplyInfo("r9"))

@@ -43,7 +43,13 @@ from typing import Literal, Protocol
 from replystream.delivery.frame_transport import Ending, FrameTransport
 from replystream.delivery.keepalive_clock import KeepaliveClock
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import LogCursor, LogEntry, StoreUnavailable
+from replystream.delivery.replay import (
+    LogCursor,
+    LogEntry,
+    StoreUnavailable,
+    data_bytes,
+    entries_bytes,
+)
 
 log = logging.getLogger("replystream.follower")
 
@@ -357,7 +363,7 @@ class Follower:
         start = 0
         size = 0
         for index, entry in enumerate(entries):
-            size += len(entry.data)
+            size += data_bytes(entry.data)
             if size >= WRITE_CHUNK or index == len(entries) - 1:
                 lag = self.cursor.lag_bytes()
                 if self.overflow or lag > self.lag_limit:
@@ -439,7 +445,11 @@ class Follower:
                     self.reply.reader_fell_behind()
             self.wake()
             return
-        size = len(entries[0].data) if len(entries) == 1 else sum(len(e.data) for e in entries)
+        if len(entries) == 1:  # the common case, spelt out: ``data_bytes`` without a call
+            data = entries[0].data
+            size = len(data) if data.isascii() else len(data.encode())
+        else:
+            size = entries_bytes(entries)
         cursor.sent(entries[-1].seq, size)
         self.last_write = time.monotonic()
         if self.record is not None:

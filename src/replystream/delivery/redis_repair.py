@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from replystream.delivery.replay import LogEntry
+from replystream.delivery.replay import LogEntry, data_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ def plan(local: LocalCopy, redis: StreamState, *, kept: int | None = None) -> Re
     offsets: list[int] = []
     size = local.bytes_before
     for entry in local.entries:
-        size += len(entry.data)
+        size += data_bytes(entry.data)
         offsets.append(size)
     if whole and redis.last < local.last:
         # A prefix: re-append what follows it (from the first event the producer holds).

@@ -84,12 +84,12 @@ def result_of(rows: Any, after: int, batch: int) -> tuple[ReadResult, Offsets]:
         if b"end" in fields:
             ending = fields[b"end"].decode()
             break
-        data = fields[b"d"].decode()
+        raw = fields[b"d"]
         if b"b" in fields:
             logged = int(fields[b"b"])
             if before_first is None:
-                before_first = logged - len(data)
-        entries.append(LogEntry(seq, fields[b"e"].decode() or None, data))
+                before_first = logged - len(raw)  # the offsets count the data's UTF-8 bytes
+        entries.append(LogEntry(seq, fields[b"e"].decode() or None, raw.decode()))
     offsets = Offsets(before_first, logged)
     lost = None
     first = seq_of(rows[0][0]) if rows else None

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 from redis.crc import key_slot
 
-from replystream.delivery.replay import LogEntry, ReplyInfo
+from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 
 # ARGV[1]: JSON [ttl, liveness, counter key index, creates, replies], flat where it can be
 # (the encoder's cost is per list as much as per value).
@@ -222,9 +222,9 @@ class WriteBatch:
         live = self._index(live_key) if live_key is not None else 0
         record: ReplyWrite = [stream, trim, expired, marked, live]
         for entry in entries:
-            logged += len(entry.data)
-            # Each entry carries the log's size up to and including it, so a reader on any
-            # replica can tell how far behind it is.
+            logged += data_bytes(entry.data)
+            # Each entry carries the log's size in bytes up to and including it, so a reader
+            # on any replica can tell how far behind it is.
             record += (entry.seq, entry.event or "", entry.data, logged)
         self.reply_ids.append(reply_id)
         self._replies.append(record)

@@ -50,13 +50,26 @@ class LogEntry(NamedTuple):
     """One event of a reply, as data: its number, its type (None: a plain message) and its
     data (one JSON text, or a dialect's marker such as ``[DONE]``). Each transport writes it
     in its own framing (an SSE event, a WebSocket message); the log never holds wire bytes.
-    A log's size in bytes, by which readers measure their lag, is the size of its data.
+    A log's size in bytes, by which readers measure their lag, is the size of its data in
+    UTF-8 (``data_bytes``), as a transport writes it.
 
     A NamedTuple (immutable, and cheap to make: one is made per event)."""
 
     seq: int
     event: str | None
     data: str
+
+
+def data_bytes(data: str) -> int:
+    """The size of an entry's data in UTF-8 bytes, as it goes on the wire. Every dialect
+    writes its JSON with non-ASCII escaped, so this is nearly always its length, which
+    ``isascii`` tells without reading it (a flag of the string); only other text is encoded."""
+    return len(data) if data.isascii() else len(data.encode())
+
+
+def entries_bytes(entries: Sequence[LogEntry]) -> int:
+    """The size of entries' data in UTF-8 bytes (``data_bytes`` of each)."""
+    return sum(data_bytes(entry.data) for entry in entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +238,7 @@ class _Log:
     entries: list[LogEntry] = field(default_factory=list)
     first_seq: int = 1  # sequence number of entries[0]
     next_seq: int = 1
-    bytes: int = 0  # bytes of the entries kept
+    bytes: int = 0  # bytes of the entries kept (``data_bytes``)
     appended: int = 0  # bytes of every entry ever appended (readers measure their lag by it)
     ending: str | None = None
     expires_at: float | None = None
@@ -238,14 +251,15 @@ class _Log:
             if entry.seq != self.next_seq:
                 raise ValueError(f"entry {entry.seq} out of order: expected {self.next_seq}")
             self.next_seq += 1
-            self.bytes += len(entry.data)
-            self.appended += len(entry.data)
+            data = entry.data
+            size = len(data) if data.isascii() else len(data.encode())  # data_bytes, inline
+            self.bytes += size
+            self.appended += size
         self.entries.extend(new)
         excess = len(self.entries) - self.max_entries
         # Trim in steps of a tenth, so a long reply is not re-sliced on every append.
         if excess > self.max_entries // 10:
-            for entry in self.entries[:excess]:
-                self.bytes -= len(entry.data)
+            self.bytes -= entries_bytes(self.entries[:excess])
             del self.entries[:excess]
             self.first_seq += excess
         if self.waiters:  # most logs are read on the direct path: nobody waits here
@@ -261,8 +275,7 @@ class _Log:
             return
         drop = upto + 1 - self.first_seq
         if drop > 0:
-            for entry in self.entries[:drop]:
-                self.bytes -= len(entry.data)
+            self.bytes -= entries_bytes(self.entries[:drop])
             del self.entries[:drop]
             self.first_seq += drop
 
@@ -448,7 +461,7 @@ class MemoryCursor:
         self._sent_bytes = 0
         if log is not None:
             start = max(0, after + 1 - log.first_seq)
-            self._sent_bytes = log.appended - sum(len(e.data) for e in log.entries[start:])
+            self._sent_bytes = log.appended - entries_bytes(log.entries[start:])
 
     async def read(self, wait_s: float) -> ReadResult | None:
         return await self._store.read(self.reply_id, self.after, wait_s)

@@ -31,7 +31,13 @@ from aiohttp import web
 from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
+from replystream.delivery.replay import (
+    LogEntry,
+    ReadResult,
+    ReplayStore,
+    StoreUnavailable,
+    entries_bytes,
+)
 from replystream.delivery.responses_format import ResponsesStreamFormat
 from replystream.delivery.responses_log import (
     TERMINAL,
@@ -360,8 +366,7 @@ async def _until_ended(store: ReplayStore, reply_id: str) -> None:
         if result is None or result.ending is not None or result.producer_lost:
             return
         if result.entries:
-            size = sum(len(entry.data) for entry in result.entries)
-            cursor.sent(result.entries[-1].seq, size)
+            cursor.sent(result.entries[-1].seq, entries_bytes(result.entries))
 
 
 async def _whole(
