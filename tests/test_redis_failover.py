@@ -10,8 +10,10 @@ times, from ``python -m benchmarks.redis_failover``).
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
@@ -161,4 +163,67 @@ async def test_the_producing_replica_serves_its_copy_of_an_ended_reply_redis_los
             result = await producer.read("r", 0, wait_s=0)
         assert result is not None and [e.seq for e in result.entries] == [1, 2, 3, 4, 5]
         assert result.ending == "finished"
+        await producer.aclose()
+
+
+def held(writer: LogWriter) -> dict[str, set[str]]:
+    """The replies each of the writer's per-reply tables still holds (none empty)."""
+    tables: dict[str, set[str]] = {
+        "failures": set(writer._failures),
+        "pending": set(writer._pending),
+        "endings": set(writer._endings),
+        "next_seq": set(writer._next_seq),
+        "logged": set(writer._logged),
+        "expire_due": set(writer._expire_due),
+        "dirty": set(writer._dirty),
+        "live": set(writer.live),
+        "read_elsewhere": set(writer.read_elsewhere),
+    }
+    return {name: replies for name, replies in tables.items() if replies}
+
+
+async def test_replies_whose_writes_failed_are_forgotten_once_ended_and_their_copy_gone(
+    tmp_path: Path,
+):
+    # One reply's write refused by Redis; one live through an outage longer than the
+    # failover time (it fails); one that ended in that outage (its ending never sent). Once
+    # each has ended and this replica's copy of it expired, the writer holds nothing of them.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url, ttl_after_end_s=1.0, failover_s=0.5)
+        for reply_id in ("refused", "outage", "ended"):
+            await producer.create(ReplyInfo(reply_id))
+            producer.append(reply_id, [LogEntry(1, "token", "1")])
+        await producer.redis.xadd(producer.keys.key("refused"), {"d": "x"}, id="0-100")
+        producer.append("refused", [LogEntry(2, "token", "2")])
+        await producer.flush()
+        assert producer.failure("refused") is not None
+        server.stop()
+        producer.append("outage", [LogEntry(2, "token", "2")])
+        await producer.flush()  # fails: from now on the writer repairs before it writes
+        producer.end("ended", "finished")
+        async with asyncio.timeout(10):
+            while producer.failure("outage") is None:
+                await producer.flush()
+                await asyncio.sleep(0.1)
+        producer.end("outage", "errored")
+        producer.end("refused", "errored")
+        server.start()
+        # And one that ended in an outage shorter than the failover time: repaired.
+        await producer.create(ReplyInfo("repaired"))
+        producer.append("repaired", [LogEntry(1, "token", "1")])
+        await producer.flush()
+        repairs = producer.stats().repairs
+        server.stop()
+        producer.append("repaired", [LogEntry(2, "token", "2")])
+        await producer.flush()  # fails
+        producer.end("repaired", "finished")
+        server.start()
+        async with asyncio.timeout(10):
+            while producer.stats().repairs == repairs:
+                await producer.flush()
+                await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 15
+        while held(producer.writer) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
+        assert held(producer.writer) == {}
         await producer.aclose()

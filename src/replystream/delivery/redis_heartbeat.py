@@ -44,6 +44,7 @@ class Heartbeat:
     async def beat_forever(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
+            self._writer.prune()
             live = list(self._writer.live)
             if live:
                 await self._refresh(live)

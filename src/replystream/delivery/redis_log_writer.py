@@ -76,6 +76,9 @@ class LogWriter:
         self._pending: dict[str, list[LogEntry]] = {}
         self._endings: dict[str, tuple[int, str]] = {}
         self._next_seq: dict[str, int] = {}
+        # Replies whose writes failed: their producers stop, and Redis gets no more of them
+        # (a repair too would fail, or write what Redis refused). Kept until the reply has
+        # ended and its copy here is gone (``prune``).
         self._failures: dict[str, str] = {}
         self.wake = asyncio.Event()
         # One flush at a time: a reply's entries reach Redis in order, and the call counts
@@ -163,6 +166,15 @@ class LogWriter:
         self.read_elsewhere.pop(reply_id, None)
         self._dirty.discard(reply_id)
         self.local.discard(reply_id)
+
+    def prune(self) -> None:
+        """Forget the failures of replies that ended and whose copy here is gone (expired,
+        or discarded once read): nothing asks about them, and no repair can write them."""
+        if not self._failures:
+            return
+        for reply_id in [r for r in self._failures if r not in self.live]:
+            if self.local._log(reply_id) is None:  # expired copies go here and now
+                del self._failures[reply_id]
 
     def stop(self, reply_id: str) -> None:
         """Stop a reply's producer, if this store has been told how."""
@@ -326,10 +338,18 @@ class LogWriter:
         for reply_id in self._dirty:
             if reply_id in self.live:
                 self._failures[reply_id] = f"Redis write failed: {exc}"
+            else:  # ended: nothing more is sent of it, its ending if still queued neither
+                self._ended_unsent(reply_id)
             self._pending.pop(reply_id, None)
             self._endings.pop(reply_id, None)
         self._dirty.clear()
         self._outage_since = None
+
+    def _ended_unsent(self, reply_id: str) -> None:
+        """An ended reply whose ending no flush will send (a repair wrote it, or writes
+        failed for too long): the offsets and TTL kept for its next write go."""
+        self._logged.pop(reply_id, None)
+        self._expire_due.pop(reply_id, None)
 
     def _local_copy(self, reply_id: str) -> LocalCopy | None:
         log_ = self.local._logs.get(reply_id)
@@ -376,6 +396,8 @@ class LogWriter:
                     )
                     if logged is not None:
                         self._logged[reply_id] = logged
+                    elif reply_id not in self.live:
+                        self._ended_unsent(reply_id)  # its ending is in this repair
                 # Counted last, as a flush's call is: a count that survives vouches for these.
                 ttl = max(1, int(self.ttl_after_end_s))
                 for group in groups:
