@@ -227,3 +227,60 @@ async def test_replies_whose_writes_failed_are_forgotten_once_ended_and_their_co
             await asyncio.sleep(0.2)
         assert held(producer.writer) == {}
         await producer.aclose()
+
+
+async def test_readers_during_the_repair_of_an_ended_reply_never_see_a_false_gap(
+    tmp_path: Path,
+):
+    # An ended reply whose metadata lost its owner (a write Redis lost) is rewritten from
+    # its producer's copy while readers elsewhere read it again and again. The metadata
+    # keeps the ending throughout, so a reader that found the stream half written would
+    # take the rest for lost: each must read every event and the ending, or nothing.
+    count = 5000
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url, max_entries=2 * count)
+        reader = RedisReplayStore(server.url, max_entries=2 * count)
+        entries = [
+            LogEntry(n, "token", f'{{"n": {n}, "pad": "{"x" * 20}"}}') for n in range(1, count + 1)
+        ]
+        await producer.create(ReplyInfo("r", owner="k"))
+        producer.append("r", entries)
+        producer.end("r", "finished")
+        await producer.flush()
+        seen: list[str] = []
+        reading = True
+
+        async def read_again_and_again() -> None:
+            while reading:
+                after, told = 0, ""
+                while True:
+                    result = await reader.read("r", after, wait_s=0)
+                    assert result is not None
+                    if result.lost is not None:
+                        told = f"lost {result.lost}"
+                        break
+                    if result.entries:
+                        assert result.entries[0].seq == after + 1
+                        after = result.entries[-1].seq
+                    if result.ending is not None:
+                        told = f"{after} then {result.ending}"
+                        break
+                seen.append(told)
+
+        readers = [asyncio.ensure_future(read_again_and_again()) for _ in range(4)]
+        for _ in range(8):
+            repairs = producer.stats().repairs
+            await producer.redis.hdel(producer.keys.key("r", ":meta"), "owner")
+            # Redis lost acknowledged writes (its count of this store's calls came back
+            # short): the producer checks every reply it holds and rewrites this one.
+            await producer.redis.decr(producer.keys.counter_key(0))
+            await producer.create(ReplyInfo(f"next-{repairs}"))
+            async with asyncio.timeout(10):
+                while producer.stats().repairs == repairs:
+                    await producer.flush()
+            await asyncio.sleep(0.2)
+        reading = False
+        await asyncio.gather(*readers)
+        assert seen and set(seen) == {f"{count} then finished"}, sorted(set(seen))
+        await producer.aclose()
+        await reader.aclose()

@@ -3,19 +3,22 @@ make it whole again: the I/O around ``redis_repair``'s plans.
 
 ``stream_states`` asks, per reply, its stream's first and last entries, its length and
 whether its metadata holds an owner or the mark of a delete (one pipeline); ``write_repair``
-queues one plan's writes on a pipeline: a rewrite deletes the stream and sets the metadata
-again, then the entries (with the log's size up to each), the terminal entry and the
-ending's marks, or the liveness key of a reply still generated, and the TTLs. The store
-sends the pipeline and counts it. This file knows the keys' parts (``:meta``, ``:live``) and
-entries' fields, not the prefix, and must not know about HTTP or event formats.
+queues one plan's writes on a pipeline as one script call (``REPAIR_SCRIPT``): a rewrite
+deletes the stream and sets the metadata again, then the entries (with the log's size up to
+each), the terminal entry and the ending's marks, or the liveness key of a reply still
+generated, and the TTLs. One script, so Redis runs a reply's repair whole, with no other
+command between its writes: a reader never finds the stream of an ended reply deleted or
+half written again while its metadata says it ended (it would take the rest for lost). The
+store sends the pipeline and counts it. This file knows the keys' parts (``:meta``,
+``:live``) and entries' fields, not the prefix, and must not know about HTTP or event
+formats.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable
 from typing import Any
-
-from redis.typing import EncodableT, FieldT
 
 from replystream.delivery.redis_connect import RedisClient
 from replystream.delivery.redis_repair import Repair, StreamState
@@ -24,11 +27,37 @@ from replystream.delivery.replay import ReplyInfo
 
 KeyOf = Callable[..., str]  # (reply id[, part]) -> key
 
-
-def ended_fields(ending: str, ending_seq: int) -> Mapping[FieldT, EncodableT]:
-    """What an ended reply leaves in its metadata (as the write script writes it), so a
-    reader can tell a stream evicted after the end from a producer lost before it."""
-    return {"end": ending, "last": ending_seq - 1}
+# KEYS: a reply's stream, meta and live keys. ARGV[1]: JSON [rewrite (1: the stream is
+# written anew, 0: appended to), owner, context, TTL, liveness (0: not generated), entries
+# kept at most, ending (null: none), the terminal entry's number, then 4 values per entry:
+# seq, type ("": none), data, log size]. A reply deleted since its state was read is left
+# alone (a delete's mark is never written over). The ending's marks in the metadata are
+# those the write script leaves (``redis_writes``), so a reader can tell a stream evicted
+# after the end from a producer lost before it.
+REPAIR_SCRIPT = """
+local r = cjson.decode(ARGV[1])
+local stream, meta = KEYS[1], KEYS[2]
+if redis.call('HEXISTS', meta, 'deleted') == 1 then return 0 end
+if r[1] == 1 then
+  redis.call('DEL', stream)
+  redis.call('HSET', meta, 'owner', r[2], 'context', r[3])
+end
+for j = 9, #r, 4 do
+  redis.call('XADD', stream, 'MAXLEN', '~', r[6], '0-' .. r[j], 'e', r[j + 1], 'd', r[j + 2],
+    'b', r[j + 3])
+end
+if r[7] ~= cjson.null then
+  redis.call('XADD', stream, '0-' .. r[8], 'end', r[7])
+  redis.call('HSET', meta, 'end', r[7], 'last', r[8] - 1)
+elseif r[5] > 0 then
+  redis.call('SET', KEYS[3], '1', 'EX', r[5])
+end
+redis.call('EXPIRE', stream, r[4])
+redis.call('EXPIRE', meta, r[4])
+return 1
+"""
+# Raw UTF-8, as the write script's argument: Lua's cjson keeps it byte for byte.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False, separators=(",", ":"))
 
 
 async def stream_states(
@@ -69,31 +98,28 @@ def write_repair(
     max_entries: int,
 ) -> int | None:
     """Queue ``repair``'s writes for reply ``info`` (``live_s``: its liveness, while it is
-    generated); return the log's size after them when it goes on being written, else None."""
+    generated) as one script call; return the log's size after them when it goes on being
+    written, else None."""
     if repair.action == "nothing":
         return None
     reply_id = info.reply_id
-    key = key_of(reply_id)
-    if repair.action == "rewrite":
-        # Readers meanwhile find an empty stream and wait, or events after a hole: told.
-        pipe.delete(key)
-        pipe.hset(key_of(reply_id, ":meta"), mapping={"owner": info.owner, "context": info.context})
+    generated = max(1, int(live_s)) if live_s is not None and repair.ending is None else 0
+    argument: list[object] = [
+        1 if repair.action == "rewrite" else 0,
+        info.owner,
+        info.context,
+        max(1, int(ttl_s)),
+        generated,
+        max_entries,
+        repair.ending,
+        repair.ending_seq,
+    ]
     for entry, offset in zip(repair.entries, repair.offsets, strict=True):
-        pipe.xadd(
-            key,
-            {"e": entry.event or "", "d": entry.data, "b": offset},
-            id=f"0-{entry.seq}",
-            maxlen=max_entries,
-            approximate=True,
-        )
-    logged = None
-    if repair.ending is not None:
-        pipe.xadd(key, {"end": repair.ending}, id=f"0-{repair.ending_seq}")
-        pipe.hset(key_of(reply_id, ":meta"), mapping=ended_fields(repair.ending, repair.ending_seq))
-    elif live_s is not None:
-        pipe.set(key_of(reply_id, ":live"), b"1", ex=max(1, int(live_s)))
-        if repair.offsets:
-            logged = repair.offsets[-1]
-    for part in ("", ":meta"):
-        pipe.expire(key_of(reply_id, part), max(1, int(ttl_s)))
-    return logged
+        argument += (entry.seq, entry.event or "", entry.data, offset)
+    # EVAL, not EVALSHA: a Cluster's pipeline cannot load a script on the node it reaches
+    # first, and a repair is rare enough that sending the script's text costs nothing.
+    keys = (key_of(reply_id), key_of(reply_id, ":meta"), key_of(reply_id, ":live"))
+    pipe.eval(REPAIR_SCRIPT, len(keys), *keys, _ENCODER.encode(argument))
+    if generated and repair.offsets:
+        return repair.offsets[-1]
+    return None
