@@ -10,6 +10,8 @@ times, from ``python -m benchmarks.redis_failover``).
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -284,3 +286,32 @@ async def test_readers_during_the_repair_of_an_ended_reply_never_see_a_false_gap
         assert seen and set(seen) == {f"{count} then finished"}, sorted(set(seen))
         await producer.aclose()
         await reader.aclose()
+
+
+async def test_an_outage_is_logged_once_as_it_begins_and_once_as_it_ends(tmp_path: Path, caplog):
+    # A replica producing a reply (its liveness refreshed every second) and reading one
+    # made elsewhere (its reader mark refreshed every second) through 4 s of Redis down.
+    caplog.set_level(logging.WARNING, logger="replystream.redis_store")
+    with redis_server(tmp_path) as server:
+        store = RedisReplayStore(server.url, liveness_s=10.0)
+        await store.create(ReplyInfo("live"))
+        await store.reading("elsewhere")
+        await asyncio.sleep(1.5)
+        server.stop()
+        for _ in range(8):
+            await store.reading("elsewhere")  # its reader goes on reading
+            await asyncio.sleep(0.5)
+        server.start()
+        for _ in range(5):
+            await store.reading("elsewhere")
+            await asyncio.sleep(0.5)
+        await store.aclose()
+    told = [r.getMessage() for r in caplog.records if r.name == "replystream.redis_store"]
+    for what in ("liveness refresh", "reader marks' refresh"):
+        lines = [line for line in told if line.startswith(what)]
+        assert len(lines) == 2, (what, told)
+        assert " failed: " in lines[0]
+        ended = r".* succeeds again, after failing for \d+\.\d s \(\d+ attempts\)"
+        assert re.fullmatch(ended, lines[1]), lines[1]
+        failed_for = float(lines[1].split("failing for ")[1].split(" s")[0])
+        assert 3.0 <= failed_for <= 7.0, lines[1]

@@ -9,7 +9,8 @@ reader mark: a detached reply goes on while read), and asks its stream's length.
 started again at 1 (the metadata was gone) or a stream shorter than what Redis acknowledged
 means Redis evicted part of the reply: the writer writes it again from its copy
 (``LogWriter.rewrite``). For the replies produced elsewhere that a reader here follows, it
-refreshes their reader marks. A failed beat is logged and tried again a second later.
+refreshes their reader marks. A failed beat is tried again a second later; an outage is
+logged once as it begins and once as it ends (``OutageLog``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_keys import ReplyKeys
-from replystream.delivery.redis_link import HEARTBEAT_S, RedisLink
+from replystream.delivery.redis_link import HEARTBEAT_S, OutageLog, RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT
 
@@ -40,6 +41,10 @@ class Heartbeat:
         self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
         # Replies produced elsewhere that a reader here follows: when it last read each one.
         self._reading: dict[str, float] = {}
+        # While Redis is down these fail every second: told once as they begin, once as
+        # they end.
+        self._refresh_outage = OutageLog(log, "liveness refresh")
+        self._marks_outage = OutageLog(log, "reader marks' refresh")
 
     async def beat_forever(self) -> None:
         while True:
@@ -78,7 +83,9 @@ class Heartbeat:
                     )
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            log.warning("reader marks not refreshed: %s", exc)
+            self._marks_outage.failed(exc)
+            return
+        self._marks_outage.succeeded()
 
     async def _refresh(self, live: list[str]) -> None:
         """Refresh the liveness of ``live`` replies, pass on the cancels asked for them, and
@@ -90,9 +97,17 @@ class Heartbeat:
         groups: dict[int, list[str]] = {}
         for reply_id in live:
             groups.setdefault(self._keys.group(reply_id), []).append(reply_id)
-        await asyncio.gather(*(self._beat(replies, written) for replies in groups.values()))
+        failures = await asyncio.gather(
+            *(self._beat(replies, written) for replies in groups.values())
+        )
+        failure = next((exc for exc in failures if exc is not None), None)
+        if failure is None:
+            self._refresh_outage.succeeded()
+        else:
+            self._refresh_outage.failed(failure)
 
-    async def _beat(self, replies: list[str], written: dict[str, int] | None) -> None:
+    async def _beat(self, replies: list[str], written: dict[str, int] | None) -> Exception | None:
+        """One slot group's beat; why it failed, if it did."""
         keys: list[str] = []
         for reply_id in replies:
             keys += (
@@ -108,8 +123,7 @@ class Heartbeat:
                 args=[max(1, int(self.liveness_s)), max(1, int(self._writer.ttl_after_end_s))],
             )
         except (RedisError, OSError) as exc:
-            log.warning("liveness refresh failed: %s", exc)
-            return
+            return exc
         writer = self._writer
         deleted = []
         for n, reply_id in enumerate(replies):
@@ -139,3 +153,4 @@ class Heartbeat:
                         await self.redis.delete(
                             self._keys.key(reply_id), self._keys.key(reply_id, ":live")
                         )
+        return None

@@ -7,13 +7,15 @@ client), then reported as ``StoreUnavailable``. While Redis fails and for a few 
 after it answers again (``recovering``), what producers write cannot be trusted to be there:
 a promoted replica may hold stale liveness keys, and a reply Redis lost altogether (a
 restart without its data) is there again only once its producer writes it again. The
-timings every part shares (a command's timeout, the heartbeat's period) live here too. This
-file must not know what the keys hold.
+timings every part shares (a command's timeout, the heartbeat's period) live here too, and
+how a call made every second tells of an outage (``OutageLog``: once as it begins, once as
+it ends). This file must not know what the keys hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -99,3 +101,34 @@ class RedisLink:
         hold stale ones), and a reply Redis lost is written again once its producer reaches
         it."""
         return time.monotonic() - self._troubled_at < self.liveness_s + 2 * HEARTBEAT_S
+
+
+class OutageLog:
+    """Tells of a call repeated every second that fails while Redis does: once when it
+    begins to fail, once when it succeeds again (with how long it failed), not at every
+    attempt in between."""
+
+    __slots__ = ("_attempts", "_log", "_since", "what")
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self._log = log
+        self.what = what  # what failed, as the log says it ("liveness refresh")
+        self._since: float | None = None  # when it began to fail (None: it succeeds)
+        self._attempts = 0  # failed attempts since
+
+    def failed(self, exc: BaseException) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+            self._attempts = 0
+            self._log.warning("%s failed: %s (told again once it succeeds)", self.what, exc)
+        self._attempts += 1
+
+    def succeeded(self) -> None:
+        if self._since is not None:
+            self._log.warning(
+                "%s succeeds again, after failing for %.1f s (%d attempts)",
+                self.what,
+                time.monotonic() - self._since,
+                self._attempts,
+            )
+            self._since = None
