@@ -15,6 +15,7 @@ import re
 import time
 from pathlib import Path
 
+from replystream.delivery.redis_call_counts import CallCounts, Verdict
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
 from replystream.delivery.redis_store import RedisReplayStore
@@ -53,6 +54,20 @@ def test_repair_plans_reappend_a_lost_tail_and_rewrite_a_stream_with_a_hole():
     assert (short.ending, short.ending_seq) == ("done", 11)
     lost_meta = plan(copy, StreamState(first=1, last=10, length=10, known=False))
     assert lost_meta.action == "rewrite"
+
+
+def test_call_counts_tell_a_short_count_from_an_evicted_or_expired_one():
+    counts = CallCounts(ttl_s=10)
+    assert counts.after(0, 5, sent=0.0, now=0.1) == Verdict("as_expected")  # the first seen
+    assert counts.after(0, 6, sent=1.0, now=1.1) == Verdict("as_expected")
+    assert counts.after(0, 4, sent=2.0, now=2.1) == Verdict("lost", 3)  # 7 expected
+    assert counts.after(0, 1, sent=3.0, now=3.1) == Verdict("evicted")  # started again
+    # A TTL after the previous call, the count may have expired as it should: no verdict.
+    assert counts.after(0, 1, sent=13.0, now=13.1) == Verdict("as_expected")
+    assert counts.after(1, 1, sent=13.0, now=13.1) == Verdict("as_expected")  # its own group
+    counts.forget()  # a call failed: its count is unknown
+    assert counts.after(0, 1, sent=14.0, now=14.1) == Verdict("as_expected")
+    assert counts.after(0, 1, sent=15.0, now=15.1) == Verdict("evicted")
 
 
 async def test_a_hole_in_a_stream_is_told_as_lost_never_skipped(tmp_path: Path):

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from redis.exceptions import RedisError
 
+from replystream.delivery.redis_call_counts import CallCounts
 from replystream.delivery.redis_keys import ReplyKeys
 from replystream.delivery.redis_link import HEARTBEAT_S, RETRY_FIRST_S, RETRY_MAX_S, RedisLink
 from replystream.delivery.redis_repair import LocalCopy, plan
@@ -98,10 +99,7 @@ class LogWriter:
         self._outage_since: float | None = None
         # This store's count of its calls, in Redis (per slot group): short after a failover
         # that lost some.
-        self._writes_seen: dict[int, int] = {}
-        # When the last call counted in each group was sent: the count lives the reply TTL
-        # from each call, so after that long without one it may have expired, as it should.
-        self._count_sent: dict[int, float] = {}
+        self._counts = CallCounts(max(1, int(ttl_after_end_s)))
         self.lost_writes = self.repairs = self.repaired_events = self.holes = 0
         self.evictions = 0
 
@@ -289,30 +287,18 @@ class LogWriter:
         ``sent``. Replication is ordered, so a count short of ours means Redis lost calls it
         had acknowledged, and with them whatever they wrote: every reply held here is checked
         and repaired."""
-        seen = self._writes_seen.get(group)
-        expected = None if seen is None else seen + 1
-        previous = self._count_sent.get(group)
-        # The count's TTL runs from the previous call's EXPIRE, which ran after ``previous``
-        # (when that call was sent); this call's INCR ran before now. Once they may be the
-        # TTL apart, the count may have expired, as it does: it is not taken for lost.
-        if previous is not None and time.monotonic() - previous >= max(
-            1, int(self.ttl_after_end_s)
-        ):
-            expected = None
-        self._writes_seen[group] = count
-        self._count_sent[group] = sent
-        if expected is not None and count == 1 < expected:
-            # The count itself is gone, not short: a maxmemory Redis evicted it (a failover
-            # loses the whole key only if all of it was in its window: a store's first writes).
-            # Writing every evicted log again would only fill Redis again: the replies still
-            # being written are checked; readers of the rest are told what was evicted.
+        verdict = self._counts.after(group, count, sent, time.monotonic())
+        if verdict.kind == "evicted":
+            # The count itself is gone: a maxmemory Redis evicted it. Writing every evicted
+            # log again would only fill Redis again: the replies still being written are
+            # checked; readers of the rest are told what was evicted.
             self.evictions += 1
             log.warning("this replica's write count was evicted from Redis (maxmemory)")
             self._dirty.update(self.live)
             self.wake.set()
-        elif expected is not None and count < expected:
+        elif verdict.kind == "lost":
             self.lost_writes += 1
-            log.warning("Redis lost %d acknowledged writes (a failover?)", expected - count)
+            log.warning("Redis lost %d acknowledged writes (a failover?)", verdict.calls)
             self._dirty.update(self.local._logs)
             self.wake.set()
 
@@ -321,7 +307,7 @@ class LogWriter:
         once Redis answers; past ``failover_s`` of failing, the live ones fail instead."""
         now = time.monotonic()
         self._link.failed()
-        self._writes_seen.clear()  # the failed call's count is unknown
+        self._counts.forget()  # the failed call's count is unknown
         # So a short count cannot tell what Redis lost meanwhile (a restart without its data,
         # a promoted replica behind its primary): every reply held here is checked, the
         # ended ones too.
