@@ -29,7 +29,7 @@ from replystream.lab.open_files import OWN_FILES, make_room
 from replystream.lab.plots import plot_timeline
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
-from replystream.server.schemas import MAX_SEED, MAX_TOKENS_LIMIT
+from replystream.server.schema_fields import MAX_SEED, MAX_TOKENS_LIMIT
 
 # What the lab writes in --out: the first call's arrivals, and their plot.
 TIMELINE_FILES = ("timeline.json", "timeline.png")

@@ -40,7 +40,7 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.openai_api import routed_model, served_model
-from replystream.server.schemas import SamplingFields
+from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import (
     Origin,
     anthropic_messages,

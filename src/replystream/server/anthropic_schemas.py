@@ -2,7 +2,7 @@
 blocks, tools, tool choice, extended thinking.
 
 This file decides, field by field, what that route accepts, by the same rules as
-``server.schemas`` (whose building blocks it uses): strict JSON types, ranges, unknown
+``server.schema_fields`` (whose building blocks it uses): strict JSON types, ranges, unknown
 fields refused, and checks within one object (a block in the role it belongs to, a thinking
 budget below ``max_tokens``). Turning a body into a request is ``server.anthropic_api``'s and
 ``server.tool_requests``'s. It must not know about aiohttp or engines.
@@ -14,12 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from replystream.server.schemas import (
+from replystream.server.responses_schemas import ResponsesExtensions
+from replystream.server.schema_fields import (
     BLOCK_TAGS,
     MAX_TOKENS_LIMIT,
     ObjectSchema,
     Probability,
-    ResponsesExtensions,
     Strict,
     TokenCount,
     ToolName,

@@ -72,11 +72,12 @@ from replystream.server.guard import (
 )
 from replystream.server.metrics import Metrics
 from replystream.server.native import parse_reply_request
+from replystream.server.native_schemas import ReplyBody
 from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
+from replystream.server.query_schemas import LabQuery, ResumeCursor
 from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
-from replystream.server.schemas import LabQuery, ReplyBody, ResumeCursor
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
 from replystream.server.websocket import add_websocket_route

@@ -54,8 +54,8 @@ from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, REQUEST_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
+from replystream.server.query_schemas import ResumeCursor
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
-from replystream.server.schemas import ResumeCursor
 from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransport
 from replystream.server.trace_context import trace_context
 from replystream.server.validation import parse_mapping, repeated

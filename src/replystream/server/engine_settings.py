@@ -20,7 +20,7 @@ from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny import TinyEngineConfig
 from replystream.engine.upstream_config import ROUTINGS, UpstreamConfig
-from replystream.server.schemas import MAX_TOKENS_LIMIT
+from replystream.server.schema_fields import MAX_TOKENS_LIMIT
 from replystream.settings import Group, Setting
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"

@@ -9,7 +9,7 @@
     relay:     upstream_continue (true/false; default: serve's --upstream-continue)
 
 Each field's type and range, and the rules across fields, are declared in
-``server.schemas.ReplyBody`` and checked by ``server.validation``; this file checks what
+``server.native_schemas.ReplyBody`` and checked by ``server.validation``; this file checks what
 depends on the server (the prompt limit, a policy's own rules) and builds the
 ``GenerationRequest`` and ``DeliveryPolicy``. Every mistake is an ``HTTPAPIError`` (400 with
 the field in ``param``), never a 500.
@@ -23,9 +23,11 @@ from typing import Any
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest, SamplingParams
+from replystream.server.chat_message_schemas import Message
 from replystream.server.errors import HTTPAPIError
+from replystream.server.native_schemas import ReplyBody
 from replystream.server.replies import Disconnect
-from replystream.server.schemas import Message, ReplyBody, SamplingFields
+from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import check_tool_answers, origins_in, prompt_of
 
 

@@ -46,7 +46,7 @@ from replystream.server.openai_requests import (
     parse_chat_request,
     parse_completion_request,
 )
-from replystream.server.schemas import ChatBody, CompletionBody
+from replystream.server.openai_schemas import ChatBody, CompletionBody
 from replystream.server.validation import read_model
 
 # A comment line without the blank line after it: the OpenAI Python SDK turns a blank line

@@ -2,7 +2,7 @@
 
 Which fields ``POST /v1/chat/completions`` and ``POST /v1/completions`` honour, accept at the
 one value honoured, accept and ignore (as vLLM and llama.cpp do), or refuse, is declared in
-``server.schemas`` (``ChatBody``, ``CompletionBody``) and checked by ``server.validation``.
+``server.openai_schemas`` (``ChatBody``, ``CompletionBody``) and checked by ``server.validation``.
 This file checks what depends on the server (the prompt limit; which models are served is
 ``openai_api.routed_model``'s) and builds the ``GenerationRequest`` and ``DeliveryPolicy``;
 every mistake is an ``HTTPAPIError`` (400) raised before any generation starts. It must not know
@@ -22,7 +22,7 @@ from replystream.server.native import (
     relayed_messages,
     sampling_params,
 )
-from replystream.server.schemas import ChatBody, CompletionBody, OpenAIBody
+from replystream.server.openai_schemas import ChatBody, CompletionBody, OpenAIBody
 from replystream.server.tool_requests import chat_tools, prompt_of
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

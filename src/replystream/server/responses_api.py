@@ -67,14 +67,10 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.openai_api import SDK_KEEPALIVE, routed_model, served_model
+from replystream.server.query_schemas import RetrieveQuery
 from replystream.server.replies import Reply
-from replystream.server.schemas import (
-    Conversation,
-    ResponsesBody,
-    ResponsesReasoning,
-    RetrieveQuery,
-    SamplingFields,
-)
+from replystream.server.responses_schemas import Conversation, ResponsesBody, ResponsesReasoning
+from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import (
     Origin,
     check_tool_answers,

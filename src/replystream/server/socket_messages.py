@@ -1,4 +1,4 @@
-"""A WebSocket client message in, a validated message (``server.schemas``) or an error out.
+"""A WebSocket client message in, a validated message (``server.native_schemas``) or an error out.
 
 Every message but ``auth`` names its reply with the client's tag ``id``; the tag is read
 first, so an error about the rest of the message can be sent for that tag (the client's other
@@ -10,7 +10,7 @@ socket or the replies running on it.
 from __future__ import annotations
 
 from replystream.server.errors import HTTPAPIError
-from replystream.server.schemas import (
+from replystream.server.native_schemas import (
     SOCKET_MESSAGES,
     AuthMessage,
     SocketEnvelope,

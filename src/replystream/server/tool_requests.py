@@ -5,9 +5,9 @@ The engines read one shape whatever the route: tools as ``{"type": "function", "
 ``"required"`` or ``{"type": "function", "function": {"name"}}``, an assistant's calls as a
 message's ``tool_calls`` and each result as a ``tool`` message with its ``tool_call_id``
 (what a chat upstream takes). This file makes that form from the chat, Responses and
-Anthropic requests (already validated by ``server.schemas``), checks what spans fields (a
-``tool_choice`` naming a tool that is not offered, a result answering no call, a tool offered
-twice), and writes the plain-text prompt of such messages. Every mistake is a 400
+Anthropic requests (already validated by their ``server.*_schemas``), checks what spans
+fields (a ``tool_choice`` naming a tool that is not offered, a result answering no call, a
+tool offered twice), and writes the plain-text prompt of such messages. Every mistake is a 400
 (``HTTPAPIError``) before anything starts. It must not know about HTTP handlers or engines.
 """
 
@@ -23,9 +23,8 @@ from replystream.server.anthropic_schemas import (
     AnthropicToolChoice,
 )
 from replystream.server.errors import HTTPAPIError
-from replystream.server.schemas import (
-    ChatTool,
-    ChatToolChoice,
+from replystream.server.openai_schemas import ChatTool, ChatToolChoice
+from replystream.server.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,

@@ -1,4 +1,4 @@
-"""Raw request input in, a validated model (``server.schemas``) or the API's error out.
+"""Raw request input in, a validated model (``server.*_schemas``) or the API's error out.
 
 Every route reads its input through one of these: ``read_model`` (an HTTP body),
 ``parse_json`` (bytes or text already in hand: a WebSocket message), ``parse_mapping`` (a
@@ -30,7 +30,7 @@ from pydantic_core import ErrorDetails
 from replystream.server.connection import refusal
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import read_body
-from replystream.server.schemas import UNION_TAGS, Schema
+from replystream.server.schema_fields import UNION_TAGS, Schema
 
 M = TypeVar("M", bound=Schema)
 

@@ -64,8 +64,8 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
 from replystream.server.native import ReplyRequest, parse_reply_request
+from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.replies import Reply, ReplyManager
-from replystream.server.schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
 from replystream.server.ws_transport import (
     LAST_WORDS_S,

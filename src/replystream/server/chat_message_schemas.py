@@ -1,0 +1,81 @@
+"""The chat message, as OpenAI's chat API spells it: text content, the tool calls an
+assistant made, a tool's answer to one.
+
+``POST /v1/replies`` and ``POST /v1/chat/completions`` take a list of these, and a stored
+response keeps its conversation's tool calls in this shape (``server.responses_schemas``).
+This file decides what one message may hold (tool calls only on an assistant message,
+``tool_call_id`` only on a tool's, null content only beside tool calls). It must not know
+about routes, aiohttp or engines.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from replystream.server.schema_fields import Strict, content_kind, invalid
+
+
+class TextPart(Strict):
+    """A chat content part; this server reads text only, so any other type is refused."""
+
+    type: Literal["text"]
+    text: str
+
+
+Content = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[TextPart], Tag("<parts>")],
+    Discriminator(
+        content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of text parts",
+    ),
+]
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Strict):
+    """A tool call an assistant message made (sent back as history)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class Message(Strict):
+    """One chat message. ``name`` is passed on to chat upstreams; ``refusal`` is taken only
+    as null, the value the OpenAI SDKs send back with an assistant message they received.
+    An assistant message may carry ``tool_calls`` (then ``content`` may be null); a ``tool``
+    message answers one, naming it in ``tool_call_id``."""
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Content | None = None
+    name: str | None = None
+    refusal: None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise invalid("only an assistant message may carry tool_calls", "tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            message = "a tool message needs tool_call_id, and only a tool message has one"
+            raise invalid(message, "tool_call_id")
+        if self.content is None and self.tool_calls is None:
+            raise invalid("content is required (null only beside tool_calls)", "content")
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+Messages = Annotated[list[Message], Field(min_length=1)]

@@ -1,0 +1,181 @@
+"""The declared shape of the OpenAI-compatible requests: ``POST /v1/chat/completions`` (with
+its tools and tool choice) and the legacy ``POST /v1/completions``.
+
+This file decides what each accepts: fields honoured, fields accepted at the one value this
+server honours, fields accepted and ignored (all listed in docs/api.md), and the checks
+within one body. Turning a body into a request, and the checks against the served model, are
+``server.openai_requests``'s. It must not know about aiohttp or engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, PlainValidator, model_validator
+
+from replystream.server.chat_message_schemas import Messages
+from replystream.server.schema_fields import (
+    MAX_LOGIT_BIASES,
+    Bias,
+    ChoiceCount,
+    JSONSchema,
+    LegacyLogprobs,
+    OnlyOne,
+    Penalty,
+    RepetitionPenalty,
+    SamplingFields,
+    Strict,
+    TokenCount,
+    TokenIdKey,
+    ToolName,
+    TopLogprobs,
+    invalid,
+    only,
+)
+
+
+class FunctionDefinition(Strict):
+    name: ToolName
+    description: str | None = None
+    parameters: JSONSchema | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    """A tool of ``POST /v1/chat/completions`` (functions: the one kind OpenAI's chat has)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ChatToolChoice = Literal["none", "auto", "required"] | NamedChatTool
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    # OpenAI pads delta chunks with random characters when true (its default), against length
+    # side channels. This server never pads, so it takes the one value it honours.
+    include_obfuscation: (
+        Annotated[bool, only(False, "false; this server does not pad chunks")] | None
+    ) = None
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class OpenAIBody(SamplingFields):
+    """Fields both OpenAI routes take: honoured, accepted at the one value honoured, or
+    accepted and ignored (documented in docs/api.md, as vLLM and llama.cpp do)."""
+
+    unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
+
+    model: str | None = None
+    max_tokens: TokenCount | None = None
+    stream_options: StreamOptions | None = None
+    n: ChoiceCount | None = None
+    # Honoured by the built-in models (``sampling.penalize``) and relayed to an upstream.
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    # Token id (as text) -> a bias added to its logit: honoured and relayed likewise.
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIASES)] | None = None
+    # Accepted and ignored.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    # Relayed to a chat upstream as given (chat only); ignored by engines that do not think.
+    reasoning_effort: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> OpenAIBody:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream: true", "stream_options")
+        return self
+
+
+class ChatBody(OpenAIBody):
+    """``POST /v1/chat/completions``."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {"response_format": "unsupported_parameter"}
+
+    messages: Messages
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    response_format: TextFormat | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: ChatToolChoice | None = None
+    # vLLM's: the final assistant message is the start of the reply, to be continued.
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    @model_validator(mode="after")
+    def _continued_message_is_the_assistants(self) -> ChatBody:
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                message = "continue_final_message needs the last message to be the assistant's"
+                raise invalid(message, "continue_final_message")
+            if self.add_generation_prompt:
+                message = "continue_final_message and add_generation_prompt cannot both be true"
+                raise invalid(message, "add_generation_prompt")
+        return self
+
+    @property
+    def prefix(self) -> str:
+        """The start of the reply the client asked to continue ("" when none)."""
+        return self.messages[-1].text if self.continue_final_message else ""
+
+    @model_validator(mode="after")
+    def _one_token_limit(self) -> ChatBody:
+        # OpenAI's old name and its new one for the same limit: given both, and different,
+        # either one taken would ignore the other.
+        limits = (self.max_tokens, self.max_completion_tokens)
+        if None not in limits and limits[0] != limits[1]:
+            message = (
+                f"max_tokens ({limits[0]}) and max_completion_tokens ({limits[1]}) are the "
+                "same limit: give one"
+            )
+            raise invalid(message, "max_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatBody:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        return self
+
+
+def _legacy_prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise invalid("prompt must be a string (or a list of one string)")
+    return value
+
+
+class CompletionBody(OpenAIBody):
+    """``POST /v1/completions`` (legacy)."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {"suffix": "unsupported_parameter"}
+
+    prompt: Annotated[str, PlainValidator(_legacy_prompt)]
+    logprobs: LegacyLogprobs | None = None
+    echo: Annotated[bool, only(False, "false")] | None = None
+    best_of: OnlyOne | None = None
+    suffix: Annotated[str, only("", "empty; this server does not fill in the middle")] | None = None

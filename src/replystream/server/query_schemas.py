@@ -1,0 +1,103 @@
+"""The declared shape of query strings and resume cursors: the lab's ``GET /wait`` and
+``GET /stream``, a reply's resume point (``last_event_id``, or the ``Last-Event-ID``
+header), and ``GET /v1/responses/{id}``.
+
+These carry text, not JSON: an integer is ASCII digits in range, a flag one of a few
+spellings in any case, and unknown parameters are ignored (as the lab's query string always
+has). This file decides what each parameter may be; how the query's cursor and the header
+are reconciled is ``server.context.resume_after``'s. It must not know about aiohttp or
+engines.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, ConfigDict, PlainValidator
+
+from replystream.server.schema_fields import MAX_SEED, MAX_TOKENS_LIMIT, Schema, invalid
+
+
+# Query strings and headers carry text; an integer there is ASCII digits (``int()`` would
+# take "²" or "1_000"), parsed only once they are known to be digits.
+def _digits(name: str, low: int, high: int, *, blank_is_absent: bool = False) -> BeforeValidator:
+    def parse(raw: Any) -> int | None:
+        text = raw.strip() if isinstance(raw, str) else ""
+        if blank_is_absent and isinstance(raw, str) and not text:
+            return None
+        if not (text.isascii() and text.isdigit()) or len(text) > 19:
+            raise invalid(f"{name} must be an integer from {low} to {high}, got {_cut(raw)}")
+        value = int(text)
+        if not low <= value <= high:
+            raise invalid(f"{name} must be an integer from {low} to {high}, got {value}")
+        return value
+
+    return BeforeValidator(parse)
+
+
+FLAG_ON = ("1", "true", "yes")  # a query flag's spellings, in any case
+FLAG_OFF = ("0", "false", "no")
+
+
+def _flag(name: str) -> BeforeValidator:
+    def parse(raw: Any) -> bool:
+        word = raw.lower() if isinstance(raw, str) else ""
+        if word in FLAG_ON:
+            return True
+        if word in FLAG_OFF:
+            return False
+        raise invalid(
+            f"{name} must be {', '.join(FLAG_ON)} (on) or {', '.join(FLAG_OFF)} (off), in any "
+            f"case; got {_cut(raw)}"
+        )
+
+    return BeforeValidator(parse)
+
+
+def _cut(raw: Any) -> str:
+    text = repr(raw)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class Query(Schema):
+    """A query string's parameters (text; unknown parameters are ignored, as always)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+def _no_lab_tools(raw: Any) -> str:
+    raise invalid(
+        "the lab routes take no tools: offer them on /v1/chat/completions, /v1/responses "
+        "or /v1/messages"
+    )
+
+
+class LabQuery(Query):
+    """``GET /wait`` and ``GET /stream``: ``prompt``, ``seed``, ``max_tokens``; ``/stream``
+    also ``ids`` and ``resumable`` (None: the server's default)."""
+
+    prompt: str = ""
+    seed: Annotated[int, _digits("seed", 0, MAX_SEED)] | None = None
+    max_tokens: Annotated[int, _digits("max_tokens", 1, MAX_TOKENS_LIMIT)] | None = None
+    ids: Annotated[bool, _flag("ids")] = True
+    resumable: Annotated[bool, _flag("resumable")] | None = None
+    tools: Annotated[str, PlainValidator(_no_lab_tools)] | None = None
+
+
+class ResumeCursor(Query):
+    """``GET /v1/replies/{id}/stream``: the last event id the client holds, as the query's
+    ``last_event_id`` or the ``Last-Event-ID`` header says it (blank or absent: None; how
+    the two are reconciled is ``server.context.resume_after``'s)."""
+
+    last_event_id: Annotated[
+        int | None, _digits("last_event_id", 0, MAX_SEED, blank_is_absent=True)
+    ] = None
+
+
+class RetrieveQuery(ResumeCursor):
+    """``GET /v1/responses/{id}``: the object (``stream`` absent or false), or its events
+    after ``starting_after`` (a sequence number; absent: from the first; ``last_event_id``
+    is the same cursor)."""
+
+    stream: Annotated[bool, _flag("stream")] = False
+    starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None

@@ -1,0 +1,283 @@
+"""The declared shape of OpenAI's Responses API requests (``POST /v1/responses``): its input
+items, function tools, reasoning and text options, replystream's own fields under
+``replystream``; and the conversation a stored response keeps.
+
+This file decides what that route accepts, field by field, and the checks within one body (a
+background response is stored; ``stream_options`` only on a stream). Turning a body into a
+request is ``server.responses_api``'s (its tools, ``server.tool_requests``'s). It must not
+know about aiohttp or engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from replystream.server.chat_message_schemas import MessageToolCall
+from replystream.server.openai_schemas import TextFormat
+from replystream.server.schema_fields import (
+    ITEM_TAGS,
+    BatchMs,
+    BatchTokens,
+    HoldbackTokens,
+    JSONSchema,
+    KeepaliveS,
+    Probability,
+    Seed,
+    Stop,
+    Strict,
+    Temperature,
+    TokenCount,
+    ToolName,
+    TopK,
+    content_kind,
+    invalid,
+    only,
+)
+
+
+class InputText(Strict):
+    """Text in a Responses message: the client's (``input_text``) or, sent back as history,
+    a model's (``output_text``)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+
+
+ResponseContent = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[InputText], Tag("<parts>")],
+    Discriminator(
+        content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of input_text parts",
+    ),
+]
+
+
+class InputMessage(Strict):
+    """One message item of a Responses ``input`` (an output item sent back keeps its id and
+    status, which are read and not needed)."""
+
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: ResponseContent
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(Strict):
+    """A ``function_call`` item sent back as history (the model's call)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    """A ``function_call_output`` item: what the client's function returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class SummaryText(Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningText(Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    """A ``reasoning`` item sent back as history: a response's thinking, as a client that
+    keeps its own context (``store: false``) sends a response's output back whole. As
+    ``thinking`` blocks on ``/v1/messages``, it is not part of the prompt."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryText] | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+def _item_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    kind = value.get("type", "message")
+    return f"<{kind}>" if kind in ITEM_TAGS else None
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("<message>")]
+    | Annotated[FunctionCallItem, Tag("<function_call>")]
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[ReasoningItem, Tag("<reasoning>")],
+    Discriminator(
+        _item_kind,
+        custom_error_type="item_type",
+        custom_error_message=(
+            "must be an input item: a message, a function_call, a function_call_output "
+            "or a reasoning item"
+        ),
+    ),
+]
+
+ResponseInput = Annotated[
+    Annotated[str, Tag("<string>")]
+    | Annotated[Annotated[list[InputItem], Field(min_length=1)], Tag("<parts>")],
+    Discriminator(
+        content_kind,
+        custom_error_type="input_type",
+        custom_error_message="must be a string or a non-empty list of input items",
+    ),
+]
+
+
+class FunctionTool(Strict):
+    """A function tool of ``POST /v1/responses`` (the one kind this server offers)."""
+
+    type: Literal["function"]
+    name: ToolName
+    description: str | None = None
+    parameters: JSONSchema | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+ResponsesToolChoice = Literal["none", "auto", "required"] | NamedFunction
+
+
+class ResponsesExtensions(Strict):
+    """replystream's own fields of a Responses request, under ``replystream`` (a name OpenAI's
+    API does not use): sampling the Responses API has no field for, and delivery policies."""
+
+    seed: Seed | None = None
+    top_k: TopK | None = None
+    stop: Stop | None = None
+    batch_tokens: BatchTokens | None = None
+    batch_ms: BatchMs | None = None
+    holdback_tokens: HoldbackTokens | None = None
+    keepalive_s: KeepaliveS | None = None
+    upstream_continue: bool | None = None
+
+
+class ResponsesReasoning(Strict):
+    """``reasoning`` of ``POST /v1/responses``: a reasoning model's effort, passed to a relay's
+    upstream as chat's ``reasoning_effort``; and the summary asked for, which is given as
+    the thinking itself (a relay has no summariser: the reasoning item holds it whole)."""
+
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesText(Strict):
+    """``text`` of ``POST /v1/responses``: the output's format (plain text, the one this
+    server makes: a JSON schema is refused, as chat's ``response_format`` is) and its
+    ``verbosity`` (echoed, as the API does; no engine here takes it)."""
+
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesStreamOptions(Strict):
+    """``stream_options`` of ``POST /v1/responses``: as chat's, without ``include_usage``
+    (the terminal event always carries the usage)."""
+
+    include_obfuscation: (
+        Annotated[bool, only(False, "false; this server does not pad events")] | None
+    ) = None
+
+
+class ResponsesBody(Strict):
+    """``POST /v1/responses``."""
+
+    unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
+    field_codes: ClassVar[Mapping[str, str]] = {
+        "truncation": "unsupported_parameter",
+        "text.format.type": "unsupported_parameter",
+        "include": "unsupported_parameter",
+    }
+
+    model: str | None = None
+    input: ResponseInput
+    instructions: str | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    background: bool = False
+    previous_response_id: str | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    service_tier: str | None = None  # accepted and ignored, as on chat
+    safety_identifier: str | None = None  # accepted and ignored, as on chat
+    prompt_cache_key: str | None = None
+    reasoning: ResponsesReasoning | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    # What the output should carry besides itself (logprobs, encrypted reasoning, ...). This
+    # server adds none of it, so it takes the one value it honours: the empty list agent
+    # frameworks send when they want nothing more.
+    include: (
+        Annotated[list[str], only([], "empty; this server adds nothing to the output")] | None
+    ) = None
+    text: ResponsesText | None = None
+    # "auto" would let the server drop input from the middle to fit the context: this one
+    # never drops input (a prompt too long is a 400), so it takes the one value it honours.
+    truncation: (
+        Annotated[str, only("disabled", "disabled; this server never drops input")] | None
+    ) = None
+    replystream: ResponsesExtensions | None = None
+
+    @model_validator(mode="after")
+    def _background_is_stored(self) -> ResponsesBody:
+        if self.background and not self.store:
+            message = "a background response must be stored (store: true) to be read later"
+            raise invalid(message, "background")
+        return self
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> ResponsesBody:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream: true", "stream_options")
+        return self
+
+
+class Turn(Strict):
+    """One message of a stored conversation (what a Responses request sent, as chat)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class Conversation(Strict):
+    """What a stored response keeps in ``ReplyInfo.context``: its conversation so far."""
+
+    messages: list[Turn]

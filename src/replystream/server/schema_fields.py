@@ -1,0 +1,182 @@
+"""The building blocks every request schema is made of: base models, field types, failures.
+
+This file decides the rules a request's fields share: the JSON type (strict: no bool as a
+number, no number or string coercion), finite numbers, the ranges a number may take, unknown
+fields refused, and the sampling and delivery fields every reply route takes. Each route's
+models are built from these beside it (``server.native_schemas``, ``server.openai_schemas``,
+``server.responses_schemas``, ``server.anthropic_schemas``, ``server.query_schemas``, and the
+chat message they share, ``server.chat_message_schemas``). None of them may know about
+aiohttp, engines or the server's configured limits (the prompt limit, the served model's
+name): those checks, and checks across fields, are made where a model is turned into a
+request (``server.native``, ``server.openai_requests``). Parsing raw bytes into these models,
+and turning a failure into the API's error, is ``server.validation``.
+
+Two class attributes of a top-level model steer the error its failures become:
+``unknown_field`` (the wording for a field it does not have, its own or a nested object's,
+whose code is ``unknown_parameter`` on every route; and whether a missing top-level field is
+OpenAI's ``missing_required_parameter``) and ``field_codes`` (a code other than
+``invalid_value`` for a field, by its top-level name or its whole path such as
+``text.format.type``: ``unsupported_parameter`` for a feature this server lacks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StringConstraints,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from replystream.delivery.policy import (
+    BATCH_MS_MAX,
+    BATCH_TOKENS_MAX,
+    HOLDBACK_TOKENS_MAX,
+    KEEPALIVE_S_MAX,
+    KEEPALIVE_S_MIN,
+)
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_SEED = 2**63 - 1
+MAX_TAG_CHARS = 128
+ROLES = ("system", "user", "assistant", "developer", "tool")
+# Union branches are named with these tags; ``validation`` drops them from a field's path.
+ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
+BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+UNION_TAGS = frozenset({"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS)})
+
+
+def invalid(message: str, param: str | None = None) -> PydanticCustomError:
+    """A failure whose message is a whole sentence naming the field. ``param`` names the
+    field for a check made on the whole object (across fields), whose place is the object."""
+    return PydanticCustomError("invalid_field", message, {"param": param} if param else None)
+
+
+def only(allowed: object, why: str) -> AfterValidator:
+    """Accept a field at the one value this server can honour (the type is checked first)."""
+
+    def check(value: Any) -> Any:
+        if value != allowed:
+            raise PydanticCustomError("not_honoured", "must be {why}", {"why": why})
+        return value
+
+    return AfterValidator(check)
+
+
+# Numbers: strict ints (a bool or 1.0 is refused), finite floats (an int is taken as one).
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+OnlyOne = Annotated[int, Field(ge=1, le=1)]
+ChoiceCount = Annotated[int, Field(ge=1, le=128)]  # OpenAI's range for n
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
+LegacyLogprobs = Annotated[int, Field(ge=0, le=5)]  # OpenAI's legacy completions range
+BatchTokens = Annotated[int, Field(ge=1, le=BATCH_TOKENS_MAX)]
+HoldbackTokens = Annotated[int, Field(ge=0, le=HOLDBACK_TOKENS_MAX)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+BatchMs = Annotated[float, Field(ge=0.0, le=BATCH_MS_MAX)]
+KeepaliveS = Annotated[float, Field(ge=KEEPALIVE_S_MIN, le=KEEPALIVE_S_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Field(ge=0.0, le=10.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # a token id, as text
+MAX_LOGIT_BIASES = 1024
+ClientTag = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_CHARS)]
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= 4
+        or not all(isinstance(s, str) and s for s in value)
+    ):
+        raise invalid("stop must be a non-empty string or a list of up to 4 of them")
+    return tuple(value)
+
+
+Stop = Annotated[tuple[str, ...], PlainValidator(_stop)]
+
+
+class Schema(BaseModel):
+    """A request's declared shape, and how its failures read (see the module's docstring)."""
+
+    unknown_field: ClassVar[Literal["native", "openai"]] = "native"
+    field_codes: ClassVar[Mapping[str, str]] = {}
+
+
+class Strict(Schema):
+    """A JSON request part: strict types, finite numbers, unknown fields refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def content_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<string>"
+    if isinstance(value, list):
+        return "<parts>"
+    return None
+
+
+# A function's name, as OpenAI and Anthropic both spell the rule.
+ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+def _json_schema(value: Any) -> dict[str, Any]:
+    """A JSON Schema (checked against the 2020-12 meta-schema), as a function's parameters."""
+    if not isinstance(value, dict):
+        raise invalid("must be a JSON Schema object")
+    try:
+        Draft202012Validator.check_schema(value)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path) or "the top"
+        raise invalid(f"is not a valid JSON Schema (at {where}: {exc.message[:200]})") from None
+    return value
+
+
+JSONSchema = Annotated[dict[str, Any], PlainValidator(_json_schema)]
+
+
+def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
+    if value.get("type") != "object":
+        raise invalid('must be a JSON Schema of type "object"')
+    return value
+
+
+ObjectSchema = Annotated[JSONSchema, AfterValidator(_object_schema)]
+
+
+class SamplingFields(Strict):
+    """Sampling and delivery fields every reply route takes (the native ones, and the
+    OpenAI routes' replystream extensions)."""
+
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    batch_tokens: BatchTokens | None = None
+    batch_ms: BatchMs | None = None
+    holdback_tokens: HoldbackTokens | None = None
+    keepalive_s: KeepaliveS | None = None
+    resumable: bool | None = None
+    stream: bool | None = None
+    upstream_continue: bool | None = None  # a relay may continue the reply elsewhere
+
+    @model_validator(mode="after")
+    def _resumable_is_streamed(self) -> SamplingFields:
+        if self.resumable and not self.stream:
+            raise invalid("a resumable reply must be streamed (stream: true)", "resumable")
+        return self
