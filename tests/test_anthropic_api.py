@@ -15,7 +15,11 @@ from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
-from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
+from tests.stalling_proxy import (
+    host_port,
+    proxy_stalling_its_first_connection,
+    server_cutting_stalled_readers,
+)
 
 REPLY = "one two three four five six seven eight nine ten"
 ASK = {
@@ -157,10 +161,7 @@ async def test_a_slow_client_cut_is_anthropics_error_event(caplog):
     # The reader decides this ending alone (it is not in the log): it is still spelt as the
     # producer's errors are, Anthropic's error object with our code beside its type.
     caplog.set_level(logging.INFO, logger="replystream.follower")
-    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
-    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
-    app = create_app(engine, ServerConfig(policy=policy))
-    app.on_response_prepare.append(small_send_buffer)
+    app = server_cutting_stalled_readers()
     release = asyncio.Event()
     async with running(app) as url:
         async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:

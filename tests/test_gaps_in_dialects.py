@@ -27,7 +27,7 @@ from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
-from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
+from tests.stalling_proxy import host_port, proxy_stalling_its_first_connection, small_send_buffer
 
 T = TypeVar("T")
 LONG = ("r" * 2000 + " ") * 300  # 300 tokens of 2 kB: far more than the socket buffers hold

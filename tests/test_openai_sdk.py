@@ -14,7 +14,11 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.conftest import fast_engine, wait_for
-from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
+from tests.stalling_proxy import (
+    host_port,
+    proxy_stalling_its_first_connection,
+    server_cutting_stalled_readers,
+)
 
 REPLY = "one two three four five six seven eight nine ten"
 MESSAGES: list[ChatCompletionMessageParam] = [
@@ -206,10 +210,7 @@ async def test_a_slow_client_cut_is_the_same_error_object_as_an_engine_failure(r
     # The reader decides this ending alone (it is not in the log); the SDK's APIError still
     # has the type and the code an engine failure's has.
     caplog.set_level(logging.INFO, logger="replystream.follower")
-    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
-    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
-    app = create_app(engine, ServerConfig(policy=policy))
-    app.on_response_prepare.append(small_send_buffer)
+    app = server_cutting_stalled_readers()
     release = asyncio.Event()
     async with running(app) as url:
         async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:

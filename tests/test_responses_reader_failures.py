@@ -8,11 +8,13 @@ from typing import Any
 
 import openai
 
-from replystream.delivery.policy import DeliveryPolicy
-from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
-from tests.conftest import fast_engine, wait_for
-from tests.test_resume import host_port, proxy_stalling_its_first_connection, small_send_buffer
+from replystream.server import running
+from tests.conftest import wait_for
+from tests.stalling_proxy import (
+    host_port,
+    proxy_stalling_its_first_connection,
+    server_cutting_stalled_readers,
+)
 
 
 def assembled_output(events: list[Any]) -> list[dict[str, Any]]:
@@ -33,10 +35,7 @@ async def test_a_slow_client_cut_fails_the_response_with_the_output_it_was_sent(
     # The reader decides this failure alone; its response.failed still carries every output
     # item the stream had sent (the open one cut: incomplete), numbered on after them.
     caplog.set_level(logging.INFO, logger="replystream.follower")
-    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
-    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
-    app = create_app(engine, ServerConfig(policy=policy))
-    app.on_response_prepare.append(small_send_buffer)
+    app = server_cutting_stalled_readers()
     release = asyncio.Event()
     async with running(app) as url:
         async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:
@@ -76,10 +75,7 @@ async def test_a_resumed_reader_cut_fails_the_response_with_the_output_before_it
     # The client resumed after event 6 (its first text was told by an earlier connection):
     # the failure carries the whole message so far, not only what this connection sent.
     caplog.set_level(logging.INFO, logger="replystream.follower")
-    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
-    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
-    app = create_app(engine, ServerConfig(policy=policy))
-    app.on_response_prepare.append(small_send_buffer)
+    app = server_cutting_stalled_readers()
     release = asyncio.Event()
     async with running(app) as url, openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-") as direct:
         queued = await direct.responses.create(model="simulated", input="x", background=True)

@@ -1,21 +1,15 @@
 """Resumable replies on one server with the in-memory reply log."""
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
-import socket
-from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from replystream.client import ResumeFailed, ResumingReader
 from replystream.client.resume import Backoff
-from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
@@ -25,14 +19,13 @@ from tests.chaos_proxy import chaos_proxy, random_budget
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
 from tests.sse_client import post_events
+from tests.stalling_proxy import (
+    host_port,
+    proxy_stalling_its_first_connection,
+    server_cutting_stalled_readers,
+)
 
 FAST_RETRY = Backoff(base_s=0.005, cap_s=0.05, max_attempts=50)
-
-
-def host_port(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    assert parts.hostname and parts.port
-    return parts.hostname, parts.port
 
 
 async def read_text(reader: ResumingReader) -> tuple[str, list[int]]:
@@ -254,60 +247,12 @@ async def test_a_resume_refused_for_now_is_tried_again_after_its_retry_after():
     assert text == whole.text
 
 
-@contextlib.asynccontextmanager
-async def proxy_stalling_its_first_connection(
-    upstream: tuple[str, int], release: asyncio.Event
-) -> AsyncIterator[str]:
-    """A loopback proxy whose first connection passes nothing back until ``release`` is set
-    (a client that stops reading for a while); later connections pass freely."""
-    connections = 0
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def serve(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        stalled = connections == 1
-        # A small receive buffer towards the server: a stall fills the server's socket soon.
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, upstream)
-        up_r, up_w = await asyncio.open_connection(sock=sock)
-        requests = asyncio.ensure_future(pipe(client_r, up_w))
-        try:
-            if stalled:
-                await release.wait()
-            await pipe(up_r, client_w)  # the server's side ends the exchange
-        finally:
-            client_w.close()
-            up_w.close()
-            await requests  # its socket is closed: it ends
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
 async def test_a_responses_stream_cut_as_a_slow_client_is_resumed_not_ended(caplog):
     # The first connection stops reading: the server cuts it as a slow client with a
     # Responses-shaped notice (``code`` at the top of the ``error`` event's data). That is
     # about the connection, not the response: the reader resumes, and reads it to its end.
     caplog.set_level(logging.INFO, logger="replystream.follower")
-    engine = fast_engine(reply_text=("r" * 2000 + " ") * 300, delay_ms=1, jitter_ms=0)
-    # Cut for a write that does not drain (a reader cut for byte lag would be as far behind
-    # when it came back, and be cut again at once).
-    policy = DeliveryPolicy(slow_client_bytes=64 << 20, slow_client_s=0.5)
-    app = create_app(engine, ServerConfig(policy=policy))
-    app.on_response_prepare.append(small_send_buffer)
+    app = server_cutting_stalled_readers()
     release = asyncio.Event()
     body = {"model": "simulated", "input": "x", "stream": True, "background": True}
     async with running(app) as url:
@@ -327,14 +272,6 @@ async def test_a_responses_stream_cut_as_a_slow_client_is_resumed_not_ended(capl
     text = "".join(json.loads(e.data)["delta"] for e in seen if e.type.endswith("text.delta"))
     assert text == json.loads(seen[-1].data)["response"]["output"][0]["content"][0]["text"]
     assert len(text) == 300 * 2001
-
-
-async def small_send_buffer(request: web.Request, response: web.StreamResponse) -> None:
-    """A small kernel buffer under the server's side of each response (loopback's are
-    megabytes), so a client that stops reading holds up the server's writes soon."""
-    transport = request.transport
-    if transport is not None:
-        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
 
 
 async def _collect(reader: ResumingReader) -> list[Event]:
