@@ -48,7 +48,6 @@ from replystream.delivery.policy import (
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 2**63 - 1
 MAX_TAG_CHARS = 128
-ROLES = ("system", "user", "assistant", "developer", "tool")
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
 ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
 BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
