@@ -69,7 +69,11 @@ def data_bytes(data: str) -> int:
 
 def entries_bytes(entries: Sequence[LogEntry]) -> int:
     """The size of entries' data in UTF-8 bytes (``data_bytes`` of each)."""
-    return sum(data_bytes(entry.data) for entry in entries)
+    size = 0
+    for entry in entries:  # a plain loop, ``data_bytes`` inline: a log's trims run it per event
+        data = entry.data
+        size += len(data) if data.isascii() else len(data.encode())
+    return size
 
 
 @dataclass(frozen=True, slots=True)
