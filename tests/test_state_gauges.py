@@ -1,5 +1,8 @@
+import asyncio
 import re
 
+from replystream.delivery.replay import MemoryReplayStore
+from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server import create_app, running
 from replystream.server.state import add_state_gauges
@@ -35,3 +38,19 @@ async def test_state_gauges_return_to_zero_after_a_reply_is_abandoned():
     assert gauge(after, 'replystream_reply_logs{store="local"}') == 0
     assert gauge(after, "replystream_open_tasks") >= 1
     assert gauge(after, "replystream_open_fds") > 0
+
+
+async def test_reply_logs_gauge_drops_logs_that_expired_while_the_server_was_quiet():
+    # Expired logs used to go only when touched or every 256 new replies: a server gone quiet
+    # kept reporting (and holding) every reply of its last minutes.
+    store = MemoryReplayStore(ttl_after_end_s=0.3)
+    app = create_app(SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0)), store=store)
+    add_state_gauges(app)
+    async with running(app) as url:
+        for _ in range(3):
+            await (await raw_request(f"{url}/stream?max_tokens=2&resumable=1")).read_body()
+        ended = await (await raw_request(f"{url}/metrics")).read_body()
+        await asyncio.sleep(0.5)
+        expired = await (await raw_request(f"{url}/metrics")).read_body()
+    assert gauge(ended, 'replystream_reply_logs{store="resumable"}') == 3
+    assert gauge(expired, 'replystream_reply_logs{store="resumable"}') == 0

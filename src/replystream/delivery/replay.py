@@ -417,10 +417,13 @@ class MemoryReplayStore:
             log.wake()
 
     def _sweep(self) -> None:
-        # Expired replies go when touched or, in bulk, every 256 new replies.
+        # Expired replies go when touched or, in bulk, every 256 new replies (and on every
+        # ``stats``: a quiet server's metrics must not count logs that have expired).
         self._sweeps += 1
-        if self._sweeps % 256:
-            return
+        if self._sweeps % 256 == 0:
+            self._drop_expired()
+
+    def _drop_expired(self) -> None:
         now = time.monotonic()
         for reply_id in [
             k
@@ -430,6 +433,7 @@ class MemoryReplayStore:
             del self._logs[reply_id]
 
     def stats(self) -> ReplayStats:
+        self._drop_expired()
         logs = self._logs.values()
         return ReplayStats(
             replies=len(self._logs),
