@@ -642,3 +642,30 @@ async def test_websocket_messages_carry_tool_call_pieces(server: str):
     assert all(m["id"] == "t" for m in messages)
     assert "".join(p["arguments"] for p in pieces if p["index"] == 0) == WEATHER_ARGS
     assert messages[-1]["data"] == {"finish_reason": "tool_calls"}
+
+
+async def test_a_stop_string_after_calls_ends_the_message_as_tool_use(tmp_path: Path):
+    # The text after the calls meets a stop sequence: the message still ends as tool use,
+    # since agents run the calls on the stop reason alone; before, it ended "stop_sequence"
+    # and an agent loop took the message for its answer. (Chat: test_tool_calls_with_options.)
+    steps = [*SCRIPT, {"text": "Done END after", "delay_ms": 3}]
+    ask = {**ANTHROPIC_ASK, "stop_sequences": ["END"]}
+    async with scripted(tmp_path, steps) as (_, url):
+        async with claude(url) as client:
+            async with client.messages.stream(**ask) as stream:
+                streamed = await stream.get_final_message()
+            whole = await client.messages.create(**ask)
+    for message in (streamed, whole):
+        assert (message.stop_reason, message.stop_sequence) == ("tool_use", None)
+        kinds = [block.type for block in message.content]
+        assert kinds == ["text", "tool_use", "tool_use", "text"]
+        assert message.content[-1].text == "Done "  # cut before the stop sequence
+
+
+async def test_a_stop_string_before_any_call_still_ends_the_reply_at_it(tmp_path: Path):
+    steps = [{"text": "Let me END check. ", "delay_ms": 3}, *SCRIPT[2:]]
+    async with scripted(tmp_path, steps) as (_, url):
+        async with claude(url) as client:
+            message = await client.messages.create(**ANTHROPIC_ASK, stop_sequences=["END"])
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
+    assert [block.type for block in message.content] == ["text"]

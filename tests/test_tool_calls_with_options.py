@@ -124,7 +124,9 @@ async def test_a_stop_string_in_text_after_a_call_still_ends_the_reply(tmp_path:
                 finish = chunk.choices[0].finish_reason or finish
             whole = await client.chat.completions.create(**ask)
     assert streamed == whole.choices[0].message.content == "Looking it up #Done. "
-    assert finish == whole.choices[0].finish_reason == "stop"
+    # It made a call: it ends as one that did (as vLLM ends it), since an agent runs the
+    # calls on the finish reason alone.
+    assert finish == whole.choices[0].finish_reason == "tool_calls"
     assert calls_of(whole.choices[0].message) == CALLS[:1]
 
 

@@ -65,6 +65,7 @@ class ReplyPipeline:
         "_direct",
         "batcher",
         "batching",
+        "called",
         "ended",
         "finish_reason",
         "fmt",
@@ -123,6 +124,7 @@ class ReplyPipeline:
         self.reported_stop: str | None = None  # the stop string the engine cut the reply at
         self.ended = False
         self.halted = False  # a check or a stop string ended the text: push no more deltas
+        self.called = False  # the reply made a tool call
         # Log probabilities of tokens made and not yet in an event, oldest first (None: not asked).
         self.logprobs: deque[TokenLogprob] | None = deque() if logprobs else None
 
@@ -159,6 +161,7 @@ class ReplyPipeline:
             if delta.tool_call is not None:
                 # A call's pieces carry no text; log probabilities, if any came with one,
                 # belong to no text event and are not queued for one.
+                self.called = True
                 if holdback is None or batcher is None:
                     return self._entries(self.fmt.tool_call(delta.tool_call))
                 return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
@@ -266,9 +269,12 @@ class ReplyPipeline:
                 # of a character never completed): sent, not lost, in a text-less event.
                 taken = tuple(self.logprobs)
                 specs += self.fmt.text_logprobs("", self._carried, taken)
-        return self._entries(
-            specs + self.fmt.finished(self.finish_reason, self.usage(), self.stop_sequence)
-        )
+        finish, stop = self.finish_reason, self.stop_sequence
+        if self.called and finish == "stop":
+            # A reply that made calls ends as one that did (as vLLM ends it), whatever cut
+            # its text after them: an agent runs the calls on that finish alone.
+            finish, stop = "tool_calls", None
+        return self._entries(specs + self.fmt.finished(finish, self.usage(), stop))
 
     def fail(self, message: str, code: str) -> list[LogEntry]:
         """The reply ended early: released text goes out, then an in-band error."""

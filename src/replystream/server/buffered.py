@@ -123,6 +123,10 @@ class _Collector:
         if stop is None:  # not completed here: the engine's own cut, if it named one
             stop = self.reported_stop
         finish = "stop" if stop is not None else self.finish_reason
+        if self.calls.calls and finish == "stop":
+            # A reply that made calls ends as one that did (as vLLM ends it), whatever cut
+            # its text after them: an agent runs the calls on that finish alone.
+            finish, stop = "tool_calls", None
         # The tokens of the text released (not those of a stop string cut from it).
         shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
         text = "".join(self.parts)
