@@ -355,6 +355,31 @@ def test_random_last_event_ids_are_a_4xx_in_our_format_or_a_replay(
     check()
 
 
+@pytest.fixture(scope="module")
+def stored_response(server: LoggedServer) -> str:
+    answer = server.post_json_text("/v1/responses", '{"input": [{"role": "user", "content": "x"}]}')
+    assert answer.status == 200
+    found = re.search(rb'"id": ?"(resp_[^"]+)"', answer.body)
+    assert found
+    return found.group(1).decode()
+
+
+INPUT_ITEMS_PARAMS = ["after", "before", "limit", "order", "include", "include[]", "unknown"]
+
+
+def test_random_input_items_query_values_are_a_4xx_in_our_format_or_a_list(
+    server: LoggedServer, stored_response: str
+) -> None:
+    @SETTINGS
+    @given(st.lists(st.tuples(st.sampled_from(INPUT_ITEMS_PARAMS), query_text), max_size=3))
+    def check(pairs: list[tuple[str, str]]) -> None:
+        query = "&".join(f"{quote(name)}={quote(value, safe='')}" for name, value in pairs)
+        target = f"/v1/responses/{stored_response}/input_items?{query}"
+        assert_no_server_error(server, server.request("GET", target), target)
+
+    check()
+
+
 def socket_message(kind: str, fields: list[str]) -> st.SearchStrategy[str]:
     return st.tuples(st.sampled_from(fields), json_text).map(
         lambda case: with_hole(base_body(kind, case[0]), case[0]).replace(HOLE_JSON, case[1])

@@ -369,6 +369,7 @@ async def test_a_reply_of_another_dialect_is_no_response_on_any_route():
                 ("GET", response, {"stream": "true"}),
                 ("POST", f"{response}/cancel", {}),
                 ("DELETE", response, {}),
+                ("GET", f"{response}/input_items", {}),
             ):
                 async with http.request(method, where, params=query) as refused:
                     assert refused.status == 404, (path, method, query, await refused.text())

@@ -78,6 +78,7 @@ from replystream.server.pages import add_page_routes
 from replystream.server.query_schemas import LabQuery, ResumeCursor
 from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
+from replystream.server.responses_input_items import add_input_items_route
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
 from replystream.server.websocket import add_websocket_route
@@ -304,6 +305,7 @@ def create_app(
     add_page_routes(app)
     add_openai_routes(app)
     add_responses_routes(app)
+    add_input_items_route(app)
     add_anthropic_routes(app)
     add_websocket_route(app)
     add_state_gauges(app)

@@ -1,6 +1,6 @@
 """The declared shape of query strings and resume cursors: the lab's ``GET /wait`` and
 ``GET /stream``, a reply's resume point (``last_event_id``, or the ``Last-Event-ID``
-header), and ``GET /v1/responses/{id}``.
+header), ``GET /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
 
 These carry text, not JSON: an integer is ASCII digits in range, a flag one of a few
 spellings in any case, and unknown parameters are ignored (as the lab's query string always
@@ -11,9 +11,11 @@ engines.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, ConfigDict, PlainValidator
+from pydantic_core import PydanticCustomError
 
 from replystream.server.schema_fields import MAX_SEED, MAX_TOKENS_LIMIT, Schema, invalid
 
@@ -101,3 +103,53 @@ class RetrieveQuery(ResumeCursor):
 
     stream: Annotated[bool, _flag("stream")] = False
     starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None
+
+
+# OpenAI's values of ``include`` (its ``IncludeEnum``), and the one of them that applies to
+# the input items this server keeps: the others name output this server never makes (search
+# results, images, code outputs) or parts an input here cannot hold (logprobs).
+OPENAI_INCLUDES = (
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+)
+INPUT_ITEMS_INCLUDES = ("reasoning.encrypted_content",)
+INPUT_ITEMS_PAGE_MAX = 100  # OpenAI's range for ``limit``: 1 to 100, 20 by default
+
+
+def _input_items_include(raw: Any) -> str:
+    if raw in INPUT_ITEMS_INCLUDES:
+        return str(raw)
+    taken = ", ".join(INPUT_ITEMS_INCLUDES)
+    if raw in OPENAI_INCLUDES:
+        raise PydanticCustomError(
+            "not_honoured",
+            "{value} adds nothing to the input items this server keeps; it takes {taken}",
+            {"value": raw, "taken": taken},
+        )
+    raise PydanticCustomError(
+        "not_honoured",
+        "must be one of OpenAI's include values, and this server takes {taken}; got {value}",
+        {"value": _cut(raw), "taken": taken},
+    )
+
+
+class InputItemsQuery(Query):
+    """``GET /v1/responses/{id}/input_items``: a page of the response's input items, in
+    ``order`` (``asc``: as the request gave them; ``desc``, the default: last first), after
+    the item ``after`` and before the item ``before`` (their ids), at most ``limit``; and
+    what to ``include`` (a list: ``include[]=...``, as the SDKs send it)."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {"include": "unsupported_parameter"}
+    list_params: ClassVar[frozenset[str]] = frozenset({"include"})
+
+    after: str | None = None
+    before: str | None = None
+    limit: Annotated[int, _digits("limit", 1, INPUT_ITEMS_PAGE_MAX)] = 20
+    order: Literal["asc", "desc"] = "desc"
+    include: tuple[Annotated[str, PlainValidator(_input_items_include)], ...] = ()

@@ -9,9 +9,11 @@
 - ``GET /v1/responses/{id}``: the object as its log tells it now; with ``stream=true``, its
   events after ``starting_after`` (or ``Last-Event-ID``: the same cursor), then the live tail.
 - ``POST /v1/responses/{id}/cancel`` (idempotent) and ``DELETE /v1/responses/{id}``.
+- ``GET /v1/responses/{id}/input_items`` is ``server.responses_input_items``'s (it finds the
+  response with ``response_reply_id`` and ``find_response``, as every route here does).
 - ``previous_response_id`` continues a conversation: each stored response keeps its input
-  (as chat messages, in ``ReplyInfo.context``) so the next one sends the history, the
-  previous output and its own input.
+  (as chat messages, in ``ReplyInfo.context``, beside the request's ``input`` as given) so
+  the next one sends the history, the previous output and its own input.
 Every response is a reply like any other (batching, hold-back, keep-alive, the slow-client
 limits, owner checks); this file turns requests into replies through ``server.context`` and
 must not know how tokens are made or how events are framed.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from dataclasses import replace
 from typing import Any
@@ -69,7 +70,12 @@ from replystream.server.native import (
 from replystream.server.openai_api import SDK_KEEPALIVE, routed_model, served_model
 from replystream.server.query_schemas import RetrieveQuery
 from replystream.server.replies import Reply
-from replystream.server.responses_schemas import Conversation, ResponsesBody, ResponsesReasoning
+from replystream.server.responses_schemas import (
+    Conversation,
+    ResponsesBody,
+    ResponsesReasoning,
+    kept_conversation,
+)
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import (
     Origin,
@@ -107,7 +113,7 @@ def input_messages(body: ResponsesBody) -> tuple[Messages, list[Origin]]:
     return responses_messages(body.input)
 
 
-async def _find_response(
+async def find_response(
     request: web.Request, reply_id: str, param: str
 ) -> tuple[ReplayStore, Reply | None, dict[str, Any] | None]:
     """The store of the caller's response ``reply_id``, its producer when it runs here, and
@@ -128,7 +134,8 @@ async def _find_response(
     return store, local, opened_object(first)
 
 
-def _response_reply_id(response_id: str, param: str) -> str:
+def response_reply_id(response_id: str, param: str) -> str:
+    """The reply id inside ``response_id``, or a 404 naming ``param``."""
     reply_id = reply_id_of(response_id)
     if not reply_id:
         raise HTTPAPIError(
@@ -203,8 +210,8 @@ async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
 async def _history(request: web.Request, previous: str) -> Messages:
     """The conversation a ``previous_response_id`` continues: its history and input, then
     its output."""
-    reply_id = _response_reply_id(previous, "previous_response_id")
-    store, _, _ = await _find_response(request, reply_id, "previous_response_id")
+    reply_id = response_reply_id(previous, "previous_response_id")
+    store, _, _ = await find_response(request, reply_id, "previous_response_id")
     info = await store.info(reply_id)
     response = await _read_response(store, reply_id)
     if response["status"] in ("queued", "in_progress"):
@@ -325,7 +332,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         policy=policy,
         resumable=True,
         disconnect="keep" if body.background else "cancel",
-        context=json.dumps({"messages": conversation}),
+        context=kept_conversation(conversation, body.input),
     )
     if body.stream:
         return _follow(request, reply, policy, settings)
@@ -430,8 +437,8 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     ``starting_after``, then the live tail."""
     query = parse_mapping(request.query, RetrieveQuery)
     given_id = request.match_info["response_id"]
-    reply_id = _response_reply_id(given_id, "response_id")
-    store, local, opened = await _find_response(request, reply_id, "response_id")
+    reply_id = response_reply_id(given_id, "response_id")
+    store, local, opened = await find_response(request, reply_id, "response_id")
     if not query.stream:
         return web.json_response(await _read_response(store, reply_id))
     # An EventSource resumes with the same cursor, in its header.
@@ -463,8 +470,8 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses/{id}/cancel``: end it with status ``cancelled`` (a response that
     has ended already is answered as it is)."""
-    reply_id = _response_reply_id(request.match_info["response_id"], "response_id")
-    store, _, _ = await _find_response(request, reply_id, "response_id")
+    reply_id = response_reply_id(request.match_info["response_id"], "response_id")
+    store, _, _ = await find_response(request, reply_id, "response_id")
     response = await _read_response(store, reply_id)
     if response["status"] not in ("queued", "in_progress"):
         return web.json_response(response)
@@ -483,8 +490,8 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
 async def handle_delete(request: web.Request) -> web.StreamResponse:
     """``DELETE /v1/responses/{id}``: stop it if it runs, and forget it everywhere."""
     response_id = request.match_info["response_id"]
-    reply_id = _response_reply_id(response_id, "response_id")
-    store, _, _ = await _find_response(request, reply_id, "response_id")
+    reply_id = response_reply_id(response_id, "response_id")
+    store, _, _ = await find_response(request, reply_id, "response_id")
     try:
         await store.delete(reply_id)  # stopped first, if it runs (on whichever replica)
     except StoreUnavailable as exc:

@@ -10,7 +10,8 @@ know about aiohttp or engines.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
@@ -278,6 +279,19 @@ class Turn(Strict):
 
 
 class Conversation(Strict):
-    """What a stored response keeps in ``ReplyInfo.context``: its conversation so far."""
+    """What a stored response keeps in ``ReplyInfo.context``: its conversation so far (as
+    chat, for a response that continues it), and its request's own ``input`` as the request
+    gave it (for ``GET /v1/responses/{id}/input_items``; None in what a server before that
+    route kept)."""
 
     messages: list[Turn]
+    input: ResponseInput | None = None
+
+
+def kept_conversation(messages: Sequence[Mapping[str, Any]], given: str | Sequence[Strict]) -> str:
+    """The ``Conversation`` a stored response keeps, as JSON: ``messages`` (the history and
+    this request's input, as chat) and ``given``, the request's validated ``input``."""
+    if isinstance(given, str):
+        return json.dumps({"messages": list(messages), "input": given})
+    items = [item.model_dump(exclude_none=True) for item in given]
+    return json.dumps({"messages": list(messages), "input": items})

@@ -16,7 +16,8 @@ Two class attributes of a top-level model steer the error its failures become:
 whose code is ``unknown_parameter`` on every route; and whether a missing top-level field is
 OpenAI's ``missing_required_parameter``) and ``field_codes`` (a code other than
 ``invalid_value`` for a field, by its top-level name or its whole path such as
-``text.format.type``: ``unsupported_parameter`` for a feature this server lacks).
+``text.format.type``: ``unsupported_parameter`` for a feature this server lacks). A third,
+``list_params``, names the text parameters of a query string that take several values.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class Schema(BaseModel):
 
     unknown_field: ClassVar[Literal["native", "openai"]] = "native"
     field_codes: ClassVar[Mapping[str, str]] = {}
+    # Text parameters (a query string's) that are lists: each value given repeats the name,
+    # bare or with ``[]`` after it (``include[]=a&include[]=b``, as the openai SDKs send one).
+    list_params: ClassVar[frozenset[str]] = frozenset()
 
 
 class Strict(Schema):

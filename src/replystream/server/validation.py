@@ -159,14 +159,22 @@ def refuse_repeated_fields(raw: bytes | str, what: str) -> None:
 def parse_mapping(values: Mapping[str, str], model: type[M]) -> M:
     """Text parameters (a query string, headers) as ``model``. A parameter the model declares
     is given once: given again it is a 400 naming it, as which value was meant would be a
-    guess. One the model does not declare is ignored."""
+    guess. One the model does not declare is ignored. A list parameter (``list_params``)
+    is every value given under its name or its name with ``[]``, in their order."""
     # A multidict (aiohttp's query) has one item per value given, though one key per name.
     counts = Counter(name for name, _ in values.items())
     for name in model.model_fields:
-        if counts[name] > 1:
+        if counts[name] > 1 and name not in model.list_params:
             raise repeated(name, counts[name])
+    given: dict[str, Any] = {name: values[name] for name in values}
+    for name in model.list_params:
+        spellings = (name, f"{name}[]")
+        listed = tuple(value for key, value in values.items() if key in spellings)
+        given.pop(f"{name}[]", None)
+        if listed:
+            given[name] = listed
     try:
-        return model.model_validate({name: values[name] for name in values})
+        return model.model_validate(given)
     except ValidationError as exc:
         raise api_error(exc, model, "query") from None
 
