@@ -1,5 +1,5 @@
-"""The declared shape of Anthropic's Messages API requests (``POST /v1/messages``): content
-blocks, tools, tool choice, extended thinking.
+"""The declared shape of Anthropic's Messages API requests (``POST /v1/messages`` and its
+``count_tokens``): content blocks, tools, tool choice, extended thinking.
 
 This file decides, field by field, what that route accepts, by the same rules as
 ``server.schema_fields`` (whose building blocks it uses): strict JSON types, ranges, unknown
@@ -186,13 +186,33 @@ class AnthropicMetadata(Strict):
     user_id: str | None = None
 
 
-class MessagesBody(Strict):
-    """``POST /v1/messages`` (Anthropic's Messages API)."""
+class MessagesInput(Strict):
+    """What a message is made from: the fields ``POST /v1/messages`` and
+    ``POST /v1/messages/count_tokens`` share (Anthropic's count takes a message's body without
+    the fields that shape only its reply, and refuses those)."""
 
     model: str
-    max_tokens: TokenCount
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: AnthropicContent | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+
+    @property
+    def shows_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "enabled"
+
+    @property
+    def system_text(self) -> str:
+        if self.system is None or isinstance(self.system, str):
+            return self.system or ""
+        return "".join(block.text for block in self.system)
+
+
+class MessagesBody(MessagesInput):
+    """``POST /v1/messages`` (Anthropic's Messages API)."""
+
+    max_tokens: TokenCount
     temperature: Probability | None = None  # Anthropic's range is 0 to 1
     top_p: Probability | None = None
     top_k: TopK | None = None
@@ -201,9 +221,6 @@ class MessagesBody(Strict):
     ) = None
     stream: bool = False
     metadata: AnthropicMetadata | None = None
-    tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
-    tool_choice: AnthropicToolChoice | None = None
-    thinking: AnthropicThinking | None = None
     # Priority capacity, where it is offered, or the standard only: this server has one
     # capacity, which is what either asks for.
     service_tier: Literal["auto", "standard_only"] | None = None
@@ -216,13 +233,3 @@ class MessagesBody(Strict):
             message = "thinking.budget_tokens must be less than max_tokens"
             raise invalid(message, "thinking.budget_tokens")
         return self
-
-    @property
-    def shows_thinking(self) -> bool:
-        return self.thinking is not None and self.thinking.type == "enabled"
-
-    @property
-    def system_text(self) -> str:
-        if self.system is None or isinstance(self.system, str):
-            return self.system or ""
-        return "".join(block.text for block in self.system)
