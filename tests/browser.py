@@ -177,6 +177,9 @@ class TimedEngine:
     def count_tokens(self, text: str) -> int:
         return self.inner.count_tokens(text)
 
+    def count_prompt(self, request: GenerationRequest) -> int:
+        return self.inner.count_prompt(request)
+
     def stats(self) -> EngineStats:
         return self.inner.stats()
 

@@ -96,6 +96,9 @@ class ScriptedEngine:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
+    def count_prompt(self, request: GenerationRequest) -> int:
+        return self.count_tokens(request.prompt)
+
     def stats(self) -> EngineStats:
         c = self._counts
         return EngineStats(

@@ -133,6 +133,9 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
         def count_tokens(self, text: str) -> int:
             return 0
 
+        def count_prompt(self, request: GenerationRequest) -> int:
+            return 0
+
         def stats(self) -> EngineStats:
             return EngineStats(started=0, finished=0, cancelled=0, failed=0, active=0, steps=0)
 

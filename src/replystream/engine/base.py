@@ -367,6 +367,19 @@ class Engine(Protocol):
         """How many tokens ``text`` is for this engine (prompt usage accounting)."""
         ...
 
+    def count_prompt(self, request: GenerationRequest) -> int | None:
+        """How many tokens ``request``'s prompt is, as its reply's usage will count it, found
+        without starting it: the count the engine's first delta would carry
+        (``Delta.prompt_tokens``, its chat template's tokens included), built by the same code
+        as ``start`` builds the prompt; for an engine whose deltas carry none, the server's
+        ``count_tokens(request.prompt)``. None: only the reply itself can tell (a relay, whose
+        upstream counts the prompt as it answers).
+
+        Raises:
+            RequestRejected: the request cannot be put in this engine's prompt format.
+        """
+        ...
+
     def stats(self) -> EngineStats: ...
 
     async def readiness(self) -> Readiness:

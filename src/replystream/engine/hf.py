@@ -221,6 +221,9 @@ class HFEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def count_prompt(self, request: GenerationRequest) -> int:
+        return len(self._prompt_ids(request))  # what ``start`` feeds the model
+
     def _token_bytes(self, token: int) -> bytes:
         """A token's text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
         return str(self.tokenizer.decode([token])).encode()

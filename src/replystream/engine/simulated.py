@@ -152,6 +152,10 @@ class SimulatedEngine:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
+    def count_prompt(self, request: GenerationRequest) -> int:
+        # Its deltas carry no count of their own: the usage is the server's, this one.
+        return self.count_tokens(request.prompt)
+
     def schedule(self, request: GenerationRequest) -> list[float]:
         """Seconds from the start at which each token of this request is due."""
         seed = self._seed_of(request)

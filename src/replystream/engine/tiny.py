@@ -121,6 +121,9 @@ class TinyEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
+    def count_prompt(self, request: GenerationRequest) -> int:
+        return len(self.prompts.prompt_ids(request))  # what ``start`` feeds the model
+
     async def start(self, request: GenerationRequest) -> TinyDeltaStream:
         check_sampling(request.sampling)
         check_logit_bias(request.sampling, self.model.config.vocab_size)

@@ -191,6 +191,11 @@ class UpstreamEngine:
         """An estimate (about 4 bytes per token), for when the upstream reports no usage."""
         return math.ceil(len(text.encode("utf-8")) / 4)
 
+    def count_prompt(self, request: GenerationRequest) -> None:
+        """None: the upstream counts a prompt only as it answers it (an OpenAI-compatible
+        server has no count of its own to ask for), and an estimate is no count."""
+        return None
+
     def _headers(self, backend: Backend, client_key: str | None = None) -> dict[str, str]:
         return self._keys.headers(backend.name, client_key)
 
