@@ -193,6 +193,24 @@ MESSAGES_FIELDS = [
     "replystream.batch_tokens",
     "unknown_field",
 ]
+COUNT_TOKENS_FIELDS = [
+    "",
+    "model",
+    "messages",
+    "messages[0]",
+    "messages[0].role",
+    "messages[0].content",
+    "messages[0].content[0]",
+    "messages[0].content[0].type",
+    "messages[0].content[0].text",
+    "system",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "thinking.budget_tokens",
+    "max_tokens",
+    "unknown_field",
+]
 SOCKET_FIELDS = ["", "type", "id", *NATIVE_FIELDS[1:]]
 CANCEL_FIELDS = ["", "type", "id", "unknown"]
 
@@ -214,6 +232,9 @@ def base_body(route: str, path: str) -> dict[str, Any]:
     if route == "/v1/messages":
         message = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
         return {"model": "simulated", "max_tokens": 2, "messages": [message], "stream": True}
+    if route == "/v1/messages/count_tokens":
+        message = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+        return {"model": "simulated", "messages": [message]}
     if route == "/v1/responses":
         message = {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}
         return {"input": [message], "max_output_tokens": 2, "stream": True}
@@ -275,6 +296,7 @@ def body_cases(route: str, fields: list[str]) -> st.SearchStrategy[tuple[str, st
         ("/v1/completions", COMPLETION_FIELDS),
         ("/v1/responses", RESPONSES_FIELDS),
         ("/v1/messages", MESSAGES_FIELDS),
+        ("/v1/messages/count_tokens", COUNT_TOKENS_FIELDS),
     ],
 )
 def test_random_json_in_any_body_field_is_a_4xx_in_our_format_or_a_reply(
@@ -296,7 +318,14 @@ raw_bytes = st.binary(max_size=64) | st.sampled_from(
 
 @pytest.mark.parametrize(
     "route",
-    ["/v1/replies", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"],
+    [
+        "/v1/replies",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    ],
 )
 def test_random_bytes_as_a_body_are_a_400_in_our_format(server: LoggedServer, route: str) -> None:
     @settings(SETTINGS, max_examples=40)

@@ -1,4 +1,5 @@
-"""``POST /v1/messages``: Anthropic's Messages API, streamed or whole.
+"""``POST /v1/messages``: Anthropic's Messages API, streamed or whole; and
+``POST /v1/messages/count_tokens``, the prompt's size the same message would report.
 
 A streamed message is an ordinary reply (``start_reply`` + ``follow_started``) in the Anthropic
 dialect (``delivery.anthropic_format``), so batching, hold-back moderation, the slow-client
@@ -7,8 +8,10 @@ and its events keep our ids, so ``GET /v1/replies/{id}/stream`` resumes it after
 (``X-Reply-Id`` names it). ``stream: false`` collects it whole. ``system`` and ``messages``
 become the same chat messages the other routes pass on; ``anthropic-version`` is accepted
 whatever it says (this route follows the current version). Errors are in Anthropic's shape
-(``errors.in_route_shape``). This file turns requests into replies; it must not know how
-tokens are made or how events are framed.
+(``errors.in_route_shape``). A count is the engine's count of the prompt a message of the
+same input would have (``_conversation`` makes both), so it equals that message's
+``message_start`` ``input_tokens``; it starts no reply. This file turns requests into
+replies; it must not know how tokens are made or how events are framed.
 """
 
 from __future__ import annotations
@@ -30,9 +33,16 @@ from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
-from replystream.server.anthropic_schemas import MessagesBody
+from replystream.server.anthropic_schemas import MessagesBody, MessagesInput
 from replystream.server.buffered import Whole
-from replystream.server.context import CONFIG_KEY, ENGINE_KEY, buffered, follow_started, start_reply
+from replystream.server.context import (
+    CONFIG_KEY,
+    ENGINE_KEY,
+    buffered,
+    count_prompt,
+    follow_started,
+    start_reply,
+)
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native import (
     check_prompt_size,
@@ -62,7 +72,12 @@ def _sampling(body: MessagesBody) -> SamplingFields:
     return SamplingFields.model_construct(temperature=body.temperature, top_p=body.top_p, **fields)
 
 
-def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
+def _conversation(app: web.Application, body: MessagesInput) -> GenerationRequest:
+    """The request a message's input makes, checked as a message is (its tool results, the
+    prompt limit, the model): the prompt and all an engine builds it from, with no sampling.
+    A message and its count (``count_tokens``) are both made here, so the count is the
+    prompt the message would have."""
+    model = routed_model(app, body.model)
     messages: list[dict[str, Any]] = []
     origins: list[Origin] = []
     if body.system_text:
@@ -73,8 +88,7 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
     check_tool_answers(messages, [*origins, *their_origins])
     tools, tool_choice = anthropic_tools(body.tools, body.tool_choice)
     prompt = prompt_of(messages)
-    check_prompt_size(prompt, max_prompt_chars, "messages")
-    sampling = sampling_params(_sampling(body), body.max_tokens)
+    check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "messages")
     choice = body.tool_choice
     disabled = None if choice is None else choice.disable_parallel_tool_use
     parallel = None if disabled is None else not disabled
@@ -84,10 +98,10 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
     prefill = last is not None and last["role"] == "assistant" and not last.get("tool_calls")
     return GenerationRequest(
         prompt,
-        sampling,
-        tuple(messages),
-        tools,
-        tool_choice,
+        messages=tuple(messages),
+        tools=tools,
+        tool_choice=tool_choice,
+        model=model,
         parallel_tool_calls=parallel,
         prefix=str(last["content"] or "") if prefill and last is not None else "",
         continue_final_message=prefill,
@@ -97,14 +111,13 @@ def _generation(body: MessagesBody, max_prompt_chars: int) -> GenerationRequest:
 async def handle_messages(request: web.Request) -> web.StreamResponse:
     """``POST /v1/messages``: a message streamed as Anthropic's events, or one object."""
     app = request.app
-    config = app[CONFIG_KEY]
     body = await read_model(request, MessagesBody)
-    routed = routed_model(app, body.model)
-    model = routed or served_model(app)
-    policy = delivery_overrides(_sampling(body), config.policy)
+    conversation = _conversation(app, body)
+    policy = delivery_overrides(_sampling(body), app[CONFIG_KEY].policy)
+    model = conversation.model or served_model(app)
     generation = replace(
-        _generation(body, config.max_prompt_chars),
-        model=routed,
+        conversation,
+        sampling=sampling_params(_sampling(body), body.max_tokens),
         continuation=_sampling(body).upstream_continue,
         reasoning=body.shows_thinking and policy.shows_thinking,
     )
@@ -125,6 +138,14 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
             refused.param = "tool_choice.disable_parallel_tool_use"
         raise
     return follow_started(request, reply, policy, keepalive=PING, notices=ReaderNotices())
+
+
+async def handle_count_tokens(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/messages/count_tokens``: the input tokens the same message would report
+    (its ``message_start``'s ``usage.input_tokens``), as Anthropic's ``{"input_tokens"}``."""
+    body = await read_model(request, MessagesInput)
+    generation = _conversation(request.app, body)
+    return web.json_response({"input_tokens": count_prompt(request, generation)})
 
 
 async def _whole(
@@ -178,3 +199,4 @@ async def _whole(
 def add_anthropic_routes(app: web.Application) -> None:
     """Register Anthropic's Messages API on ``app``."""
     app.router.add_post("/v1/messages", handle_messages)
+    app.router.add_post("/v1/messages/count_tokens", handle_count_tokens)

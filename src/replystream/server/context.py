@@ -139,6 +139,32 @@ async def start_several(
     return await _admitted(request, record, _start_several(engine, generation, n))
 
 
+def count_prompt(request: web.Request, generation: GenerationRequest) -> int:
+    """The tokens ``generation``'s prompt is, as the reply it would start counts them
+    (``Engine.count_prompt``), without starting it: no engine admission, no reply, no reply
+    metrics. Refused as ``start_generation`` would refuse it before the engine runs.
+
+    Raises:
+        HTTPAPIError: the engine refuses the request, or cannot count a prompt before
+            answering it (a relay: a 400 ``count_unavailable``).
+    """
+    engine = request.app[ENGINE_KEY]
+    try:
+        _refuse_unmakeable_call(engine, generation)
+        counted = engine.count_prompt(_for_engine(request, generation))
+    except RequestRejected as exc:
+        raise HTTPAPIError(exc.status, str(exc), code=exc.code, param=exc.param) from exc
+    if counted is None:
+        raise HTTPAPIError(
+            400,
+            f"the {engine.name} engine cannot count a prompt before it is answered (a relay's "
+            "upstream counts it only as it answers), and an estimate would not be the count: "
+            "a reply's usage reports its upstream's count",
+            code="count_unavailable",
+        )
+    return counted
+
+
 def _refuse_unmakeable_call(engine: Engine, generation: GenerationRequest) -> None:
     """A forced tool call from an engine that makes none would be answered with text the
     client did not ask for: refused instead, naming ``tool_choice``."""
