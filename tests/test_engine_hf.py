@@ -20,6 +20,7 @@ from replystream.client.transport import http_request
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.server import create_app, running
 from replystream.sse import EventParser
+from tests.anthropic_counts import USER, assert_agree, counts_and_starts
 from tests.conftest import wait_for
 from tests.processes import replica
 from tests.services import REQUIRE_ENV, services_required
@@ -345,6 +346,19 @@ async def test_the_chat_template_honours_add_generation_prompt_and_continue_fina
         await engine.start(dataclasses.replace(plain, add_generation_prompt=True))
     assert refused.value.param == "add_generation_prompt"
     assert engine._prompt_ids(dataclasses.replace(plain, add_generation_prompt=False))
+
+
+async def test_anthropics_token_count_is_what_message_start_reports(chat_model_dir: Path):
+    from replystream.engine.hf import load_hf_engine
+
+    engine = load_hf_engine(chat_model_dir)
+    try:
+        found = await counts_and_starts(engine)
+    finally:
+        await engine.aclose()
+    assert_agree(found)
+    # The template's markup is counted: more than the conversation's text alone.
+    assert found["text"][0] > engine.count_tokens(str(USER["content"])) + 3
 
 
 async def test_penalties_change_what_greedy_decoding_picks(engine: Any):
