@@ -197,7 +197,9 @@ async def test_each_message_around_a_tool_call_has_its_own_tokens_logprobs_strea
     ]
 
 
-async def test_an_output_with_logprobs_can_be_sent_back_as_input():
+@pytest.mark.parametrize("store", [False, True])
+async def test_an_output_with_logprobs_can_be_sent_back_as_input(store):
+    # Stored, the input is kept as given (logprobs too) and read again to continue from it.
     async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
         first: Any = await client.responses.create(
             model="simulated", input="count", store=False, include=INCLUDE
@@ -206,9 +208,14 @@ async def test_an_output_with_logprobs_can_be_sent_back_as_input():
         history: list[Any] = [{"role": "user", "content": "count"}]
         history += [item.model_dump(exclude_none=True) for item in first.output]
         second = await client.responses.create(
-            model="simulated", input=[*history, {"role": "user", "content": "again"}], store=False
+            model="simulated", input=[*history, {"role": "user", "content": "again"}], store=store
         )
-    assert second.status == "completed"
+        assert second.status == "completed"
+        if store:
+            third = await client.responses.create(
+                model="simulated", input="more", previous_response_id=second.id
+            )
+            assert third.status == "completed"
 
 
 class NoLogprobsUpstream(ChatUpstream):
