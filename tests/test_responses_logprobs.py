@@ -17,6 +17,7 @@ from aiohttp import web
 
 from replystream.engine.reply_script import parse_reply_script
 from replystream.engine.simulated import SimulatedConfig, simulated_engine
+from replystream.engine.tiny import load_default_engine
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
@@ -51,7 +52,8 @@ def without_bytes(listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def streamed(client: openai.AsyncOpenAI, **ask: Any) -> list[Any]:
-    stream = await client.responses.create(model="simulated", input="count", stream=True, **ask)
+    ask = {"model": "simulated", "input": "count", **ask}
+    stream = await client.responses.create(stream=True, **ask)
     return [event async for event in stream]
 
 
@@ -110,6 +112,50 @@ async def test_without_include_the_output_shows_no_logprobs_whatever_top_logprob
         assert response.output_text == REPLY + " "
         assert response.output[0].content[0].logprobs == []  # there, as OpenAI's parts have it
         assert response.top_logprobs == (top or 0)
+
+
+async def test_the_tiny_models_logprobs_are_the_ones_chat_gives_for_the_same_ask():
+    # A real model's own distribution, through each dialect's code from the same engine.
+    said = "And the LORD said unto Moses,"
+    async with running(create_app(load_default_engine())) as url, sdk(url) as client:
+        events = await streamed(
+            client,
+            model="tiny",
+            input=said,
+            temperature=0,
+            max_output_tokens=12,
+            include=INCLUDE,
+            top_logprobs=5,
+        )
+        chat = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": said}],
+            temperature=0,
+            max_tokens=12,
+            logprobs=True,
+            top_logprobs=5,
+        )
+    response = events[-1].response
+    [part] = response.output[0].content
+    assert chat.choices[0].logprobs is not None
+    assert entries(part.logprobs) == entries(chat.choices[0].logprobs.content)
+    assert part.text == chat.choices[0].message.content and len(part.logprobs) == 12
+    deltas = of_type(events, "response.output_text.delta")
+    assert [e for d in deltas for e in entries(d.logprobs)] == without_bytes(entries(part.logprobs))
+
+
+async def test_batched_text_cut_at_a_stop_string_lists_the_tokens_of_each_delta():
+    extensions = {"replystream": {"seed": 11, "batch_tokens": 2, "stop": ["four"]}}
+    ask: dict[str, Any] = {"include": INCLUDE, "extra_body": extensions}
+    async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
+        events = await streamed(client, **ask)
+    deltas = of_type(events, "response.output_text.delta")
+    assert "".join(delta.delta for delta in deltas) == "one two three "
+    for delta in deltas:  # each its own tokens, whatever was batched with it
+        assert "".join(entry.token for entry in delta.logprobs) == delta.delta
+    assert [len(delta.logprobs) for delta in deltas] == [2, 1]
+    [part] = events[-1].response.output[0].content
+    assert [entry.token for entry in part.logprobs] == ["one ", "two ", "three "]
 
 
 @pytest.mark.parametrize(
