@@ -157,6 +157,8 @@ RESPONSES_FIELDS = [
     "tools",
     "tool_choice",
     "user",
+    "top_logprobs",
+    "include",
     "replystream",
     "replystream.seed",
     "replystream.top_k",

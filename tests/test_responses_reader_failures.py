@@ -23,11 +23,10 @@ def assembled_output(events: list[Any]) -> list[dict[str, Any]]:
     for event in events:
         if event.type in ("response.output_item.added", "response.output_item.done"):
             items[event.output_index] = event.item.model_dump(exclude_none=True)
+        elif event.type == "response.content_part.added":
+            items[event.output_index]["content"] = [event.part.model_dump(exclude_none=True)]
         elif event.type == "response.output_text.delta":
-            item = items[event.output_index]
-            if not item["content"]:
-                item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
-            item["content"][0]["text"] += event.delta
+            items[event.output_index]["content"][0]["text"] += event.delta
     return [items[index] for index in sorted(items)]
 
 

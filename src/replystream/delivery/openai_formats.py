@@ -82,16 +82,31 @@ def completion_id(kind: Kind, reply_id: str) -> str:
     return _ID_PREFIX[kind] + reply_id
 
 
-def _candidate(token: TopLogprob | TokenLogprob) -> dict[str, Any]:
-    return {"token": token.token, "logprob": token.logprob, "bytes": list(token.bytes)}
+def _candidate(token: TopLogprob | TokenLogprob, with_bytes: bool) -> dict[str, Any]:
+    if with_bytes:
+        return {"token": token.token, "logprob": token.logprob, "bytes": list(token.bytes)}
+    return {"token": token.token, "logprob": token.logprob}
+
+
+def logprob_entries(
+    made: Sequence[TokenLogprob], *, with_bytes: bool = True
+) -> list[dict[str, Any]]:
+    """One ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`` entry per
+    token, as chat's ``logprobs.content`` and a Responses ``output_text`` part list them.
+    ``with_bytes=False``: without ``bytes``, as OpenAI's spec has a Responses text event's
+    (``response.output_text.delta`` and ``.done``) entries."""
+    return [
+        {
+            **_candidate(token, with_bytes),
+            "top_logprobs": [_candidate(t, with_bytes) for t in token.top],
+        }
+        for token in made
+    ]
 
 
 def chat_logprobs(made: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     """A chat choice's ``logprobs`` object for these tokens."""
-    content = [
-        {**_candidate(token), "top_logprobs": [_candidate(t) for t in token.top]} for token in made
-    ]
-    return {"content": content, "refusal": None}
+    return {"content": logprob_entries(made), "refusal": None}
 
 
 def completion_logprobs(made: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:

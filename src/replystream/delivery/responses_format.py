@@ -29,6 +29,12 @@ frameworks) reads, byte for byte:
   ``response.content_part.done`` and ``response.output_item.done`` when text or a call
   comes. Its ``summary`` is empty and it has no ``encrypted_content``: the thinking is given
   as it came. The usage counts its tokens in ``output_tokens_details.reasoning_tokens``.
+- Log probabilities, when the request included them (``message.output_text.logprobs``),
+  are OpenAI's: each ``response.output_text.delta`` lists exactly its own tokens' (``token``,
+  ``logprob``, ``top_logprobs``: the likeliest tokens, best first), the message's
+  ``response.output_text.done`` all of its text's, and its ``output_text`` part (in
+  ``response.content_part.done``, ``response.output_item.done`` and the response object) the
+  same with each token's ``bytes``. Not included, every one of those lists is empty.
 - The same response whole, not streamed, is the object the terminal event carries
   (``responses_objects``); what its log tells of a response, and what a reader that ends
   the stream alone says, is ``responses_log``'s.
@@ -44,6 +50,7 @@ from typing import Any
 
 from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.delivery.openai_formats import logprob_entries
 from replystream.delivery.reply_content import Thought, Thoughts
 from replystream.delivery.responses_objects import (
     ItemStatus,
@@ -53,6 +60,7 @@ from replystream.delivery.responses_objects import (
     function_call_item,
     message_id,
     message_item,
+    output_text_part,
     reasoning_item,
     response_object,
 )
@@ -77,6 +85,9 @@ class ResponsesStreamFormat:
     _call_index: dict[int, int] = field(default_factory=dict)  # call index -> output index
     _thoughts: Thoughts = field(default_factory=Thoughts)
     _open_thought: tuple[int, Thought] | None = None  # the reasoning item open now, if any
+    # The log probabilities of each message item's text so far (the open one's last); they
+    # come only when the request included them.
+    _logprobs: list[list[TokenLogprob]] = field(default_factory=list)
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
@@ -94,6 +105,7 @@ class ResponsesStreamFormat:
             text=text,
             tool_calls=calls,
             thoughts=thoughts,
+            logprobs=self._logprobs,
             **details,
         )
 
@@ -133,6 +145,7 @@ class ResponsesStreamFormat:
         output_index = self._open_message = self._items
         self._items += 1
         self._message_from = len(self._text)
+        self._logprobs.append([])
         item_id = message_id(self._reply_id, output_index)
         self._delta_head = (
             f'{{"type":"response.output_text.delta","sequence_number":%d,'
@@ -145,7 +158,7 @@ class ResponsesStreamFormat:
             "role": "assistant",
             "content": [],
         }
-        part = {"type": "output_text", "text": "", "annotations": []}
+        part = output_text_part("")
         where = {"item_id": item_id, "output_index": output_index, "content_index": 0}
         return [
             *specs,
@@ -156,7 +169,19 @@ class ResponsesStreamFormat:
     def text_logprobs(
         self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
     ) -> list[Spec]:
-        return self.text(text, tokens)  # never asked: /v1/responses takes no logprobs
+        specs: list[Spec] = []
+        if self._open_message is None:
+            if not text:  # text-less tokens with no message to hold them: nothing to show
+                return []
+            specs = self._open_item_message()
+        self._text.append(text)
+        self._logprobs[-1] += logprobs
+        number = self._next
+        self._next += 1
+        entries = compact_json(logprob_entries(logprobs, with_bytes=False))
+        delta = f'{self._delta_head % number}{json_string(text)},"logprobs":{entries}}}'
+        specs.append(("response.output_text.delta", delta))
+        return specs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         call = self._calls.calls.get(piece.index)
@@ -254,11 +279,13 @@ class ResponsesStreamFormat:
             return []
         self._open_message = None
         text = "".join(self._text[self._message_from :])
-        item = message_item(self._reply_id, message, text, status)
+        made = self._logprobs[-1]
+        item = message_item(self._reply_id, message, text, status, made)
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": message, "content_index": 0}
+        logprobs = logprob_entries(made, with_bytes=False)
         return [
-            self._event("response.output_text.done", {**where, "text": text, "logprobs": []}),
+            self._event("response.output_text.done", {**where, "text": text, "logprobs": logprobs}),
             self._event("response.content_part.done", {**where, "part": part}),
             self._event("response.output_item.done", {"output_index": message, "item": item}),
         ]

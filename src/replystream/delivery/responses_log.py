@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from replystream.delivery.replay import LogEntry
-from replystream.delivery.responses_objects import compact_json, response_id
+from replystream.delivery.responses_objects import compact_json, output_text_part, response_id
 
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
@@ -89,7 +89,9 @@ def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str
     else:
         item = dict(payload["item"])
         if item["type"] == "message" and not item["content"]:  # added: its text comes next
-            item["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+            # Its tokens' log probabilities come whole with its ``.done`` events (a delta's
+            # have no ``bytes``, which a part's must have).
+            item["content"] = [output_text_part("")]
         elif item["type"] == "reasoning" and not item["content"]:
             item["content"] = [{"type": "reasoning_text", "text": ""}]
         items[item["id"]] = item

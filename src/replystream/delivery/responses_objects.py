@@ -5,18 +5,26 @@ told: the terminal event of a streamed response (``responses_format``), a respon
 whole, ``GET /v1/responses/{id}`` and a reader's own ``response.failed`` (``responses_log``).
 Its output lists the thinking (``reasoning`` items), the text (``message`` items) and the
 function calls (``function_call`` items) in the order they came, each with the status its
-stream gave it. It must not know about events, sockets, tasks or stores.
+stream gave it. Every ``output_text`` part has its ``logprobs``, as OpenAI's do: its tokens'
+when the request included them (``message.output_text.logprobs``), else ``[]``. It must not
+know about events, sockets, tasks or stores.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from replystream.delivery.formats import Usage
+from replystream.delivery.openai_formats import logprob_entries
 from replystream.delivery.reply_content import Thought, in_order
 from replystream.delivery.tool_calls import ToolCall
+from replystream.engine.base import TokenLogprob
+
+# The log probabilities of each message item's text, in the order of the output's messages.
+MessageLogprobs = Sequence[Sequence[TokenLogprob]]
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 # An output item's own status: the spec has no failed or cancelled item (OpenAI's
@@ -34,7 +42,7 @@ def reply_id_of(response: str) -> str | None:
     return response.removeprefix("resp_") if response.startswith("resp_") else None
 
 
-def compact_json(payload: dict[str, Any]) -> str:
+def compact_json(payload: dict[str, Any] | list[Any]) -> str:
     """JSON without spaces, as every event and object of this API is written."""
     return json.dumps(payload, separators=(",", ":"))
 
@@ -59,6 +67,7 @@ class ResponseSettings:
     # The request's ``reasoning``, repeated as OpenAI's response object does.
     reasoning: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
     verbosity: str | None = None  # the request's ``text.verbosity``, repeated in ``text``
+    top_logprobs: int = 0  # the request's, repeated (OpenAI's objects say 0 when not asked)
 
 
 def last_item_status(status: Status) -> ItemStatus:
@@ -81,17 +90,21 @@ def response_object(
     error: dict[str, str] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
     thoughts: tuple[Thought, ...] = (),
+    logprobs: MessageLogprobs = (),
 ) -> dict[str, Any]:
     """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it: its
     output the thinking (reasoning items), text (message items) and calls in the order they
-    came."""
+    came; ``logprobs``: those of each message's tokens, in order (none: ``[]``)."""
     output: list[dict[str, Any]] = []
     pieces = [] if text is None else in_order(text, tool_calls, thoughts)
+    messages = 0
     for index, piece in enumerate(pieces):
         # As the streamed ``response.output_item.done`` events said of each item.
         item_status = last_item_status(status) if index == len(pieces) - 1 else "completed"
         if isinstance(piece, str):
-            output.append(message_item(reply_id, len(output), piece, item_status))
+            made = logprobs[messages] if messages < len(logprobs) else ()
+            messages += 1
+            output.append(message_item(reply_id, len(output), piece, item_status, made))
         elif isinstance(piece, Thought):
             output.append(reasoning_item(reply_id, len(output), piece.text, item_status))
         else:
@@ -116,6 +129,7 @@ def response_object(
         "text": _text_settings(settings),
         "tool_choice": settings.tool_choice,
         "tools": list(settings.tools),
+        "top_logprobs": settings.top_logprobs,
         "top_p": settings.top_p,
         "truncation": "disabled",
         "usage": None if usage is None else usage_object(usage),
@@ -136,15 +150,55 @@ def message_id(reply_id: str, output_index: int) -> str:
     return f"msg_{reply_id}" if not output_index else f"msg_{reply_id}_{output_index}"
 
 
-def message_item(reply_id: str, output_index: int, text: str, status: ItemStatus) -> dict[str, Any]:
-    """A ``message`` output item of ``text``."""
+def output_text_part(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    """An ``output_text`` content part, with its tokens' log probabilities (OpenAI's
+    ``LogProb``: ``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
+    return {
+        "type": "output_text",
+        "text": text,
+        "annotations": [],
+        "logprobs": logprob_entries(logprobs),
+    }
+
+
+def message_item(
+    reply_id: str,
+    output_index: int,
+    text: str,
+    status: ItemStatus,
+    logprobs: Sequence[TokenLogprob] = (),
+) -> dict[str, Any]:
+    """A ``message`` output item of ``text`` (and its tokens' log probabilities)."""
     return {
         "type": "message",
         "id": message_id(reply_id, output_index),
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
+        "content": [output_text_part(text, logprobs)],
     }
+
+
+def split_by_message(
+    text: str,
+    tool_calls: tuple[ToolCall, ...],
+    thoughts: tuple[Thought, ...],
+    made: Sequence[TokenLogprob],
+    tokens_at: Mapping[int, int],
+) -> list[Sequence[TokenLogprob]]:
+    """The log probabilities of a reply's text (``made``, in order), one run per message item
+    of its output. ``tokens_at``: how many of them were made before the text's character
+    ``n``, at each place a call or a stretch of thinking began; the last message has the
+    rest (tokens with no text of their own at the end too)."""
+    messages = [piece for piece in in_order(text, tool_calls, thoughts) if isinstance(piece, str)]
+    runs: list[Sequence[TokenLogprob]] = []
+    at = start = 0
+    for number, message in enumerate(messages):
+        at += len(message)
+        last = number == len(messages) - 1
+        end = len(made) if last else tokens_at.get(at, len(made))
+        runs.append(made[start:end])
+        start = end
+    return runs
 
 
 def reasoning_item(

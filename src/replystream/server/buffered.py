@@ -45,6 +45,10 @@ class Whole(NamedTuple):
     violation: Violation | None = None  # a check stopped it (``text``: what was released)
     tool_calls: tuple[ToolCall, ...] = ()  # joined from their pieces, in the order they started
     thoughts: tuple[Thought, ...] = ()  # a reasoning model's thinking, when it was asked for
+    # With ``logprobs``: where each call or stretch of thinking began, as (characters of the
+    # text before it, how many of ``logprobs`` are theirs), for a dialect that splits the
+    # text there (a Responses output's message items).
+    logprobs_at: tuple[tuple[int, int], ...] = ()
 
     @property
     def reasoning(self) -> str:
@@ -81,6 +85,7 @@ class _Collector:
         self.holdback = HoldBack(WHOLE_REPLY, checks, stops)
         self.parts: list[str] = []
         self.made: list[TokenLogprob] | None = [] if logprobs else None
+        self.made_at: dict[int, int] = {}  # text characters -> ``made`` so far, at each break
         self.calls = ToolCalls()
         self.thoughts = Thoughts()  # never checked, cut or counted as text
         self.text_chars = 0  # of the text so far, where a stretch of thinking begins
@@ -98,6 +103,7 @@ class _Collector:
             self.reported_stop = delta.stop_sequence
         if delta.reasoning:
             self.thoughts.add(delta.reasoning, self.text_chars, len(self.calls.calls))
+            self._break_at(self.text_chars)
             self.reasoning_tokens += delta.tokens
             return False
         if delta.text or delta.tool_call is not None:
@@ -107,6 +113,7 @@ class _Collector:
             # stop string spans it); its pieces are no text and have no log probabilities.
             self.parts.append(self.holdback.finish()[0])
             self.calls.add(delta.tool_call, self.holdback.released_chars)
+            self._break_at(self.holdback.released_chars)
             return False
         if self.made is not None and delta.logprobs:
             self.made.extend(delta.logprobs)
@@ -114,6 +121,10 @@ class _Collector:
         self.parts.append(self.holdback.push(delta.text, delta.tokens)[0])
         self.done = self.holdback.ended
         return self.done
+
+    def _break_at(self, chars: int) -> None:
+        if self.made is not None:
+            self.made_at[chars] = len(self.made)
 
     def whole(self, usage: Usage) -> Whole:
         holdback = self.holdback
@@ -132,7 +143,8 @@ class _Collector:
         text = "".join(self.parts)
         usage = replace(usage, reasoning_tokens=self.reasoning_tokens)
         calls, thoughts = self.calls.whole(), self.thoughts.whole()
-        return Whole(text, finish, usage, stop, shown, holdback.violation, calls, thoughts)
+        breaks = tuple(self.made_at.items())
+        return Whole(text, finish, usage, stop, shown, holdback.violation, calls, thoughts, breaks)
 
 
 async def buffered_reply(

@@ -46,7 +46,13 @@ from replystream.delivery.responses_log import (
     opened_object,
     response_from_log,
 )
-from replystream.delivery.responses_objects import ResponseSettings, reply_id_of, response_object
+from replystream.delivery.responses_objects import (
+    MessageLogprobs,
+    ResponseSettings,
+    reply_id_of,
+    response_object,
+    split_by_message,
+)
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
 from replystream.server.buffered import Whole
@@ -251,7 +257,9 @@ def _generation(
     check_tool_answers(messages, origins)
     prompt = prompt_of(messages)
     check_prompt_size(prompt, max_prompt_chars, "input", noun="input")
-    sampling = sampling_params(_sampling(body), body.max_output_tokens)
+    sampling = sampling_params(
+        _sampling(body), body.max_output_tokens, logprobs=body.shown_logprobs
+    )
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
     parallel = body.parallel_tool_calls
     effort = None if body.reasoning is None else body.reasoning.effort
@@ -311,6 +319,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         parallel_tool_calls=body.parallel_tool_calls is not False,  # the API's default: true
         reasoning=(body.reasoning or ResponsesReasoning()).model_dump(),
         verbosity=None if body.text is None else body.text.verbosity,
+        top_logprobs=body.top_logprobs or 0,
     )
     if not body.store:  # nothing to keep: a plain reply, or one body collected whole
         if not body.stream:
@@ -381,6 +390,12 @@ async def _whole(
     """A response nobody will read again, collected whole (no log)."""
     reply_id = ids.reply_id()
 
+    def message_logprobs(made: Whole) -> MessageLogprobs:
+        if made.logprobs is None:  # not included
+            return ()
+        at = dict(made.logprobs_at)
+        return split_by_message(made.text, made.tool_calls, made.thoughts, made.logprobs, at)
+
     def body(whole: Whole) -> dict[str, Any]:
         cut = whole.finish_reason == "length"
         return response_object(
@@ -392,6 +407,7 @@ async def _whole(
             incomplete_reason="max_output_tokens" if cut else None,
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
+            logprobs=message_logprobs(whole),
         )
 
     def moderated(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
@@ -418,6 +434,7 @@ async def _whole(
             error={"code": code, "message": message},
             tool_calls=made.tool_calls,
             thoughts=made.thoughts,
+            logprobs=message_logprobs(made),
         )
 
     return await buffered(

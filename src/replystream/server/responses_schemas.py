@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
 from replystream.server.chat_message_schemas import MessageToolCall
 from replystream.server.openai_schemas import TextFormat
@@ -33,6 +33,7 @@ from replystream.server.schema_fields import (
     TokenCount,
     ToolName,
     TopK,
+    TopLogprobs,
     content_kind,
     invalid,
     only,
@@ -46,6 +47,7 @@ class InputText(Strict):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None  # an output_text part sent back has them: not needed
 
 
 ResponseContent = Annotated[
@@ -211,6 +213,21 @@ class ResponsesStreamOptions(Strict):
     ) = None
 
 
+# What ``include`` may ask for: the one addition to the output this server makes.
+LOGPROBS_INCLUDED = "message.output_text.logprobs"
+
+
+def _honoured_includes(values: list[str]) -> list[str]:
+    for value in values:
+        if value != LOGPROBS_INCLUDED:
+            message = (
+                f"include may hold only {LOGPROBS_INCLUDED!r}: this server adds nothing "
+                f"else to the output ({value[:100]!r} is not honoured)"
+            )
+            raise invalid(message)
+    return values
+
+
 class ResponsesBody(Strict):
     """``POST /v1/responses``."""
 
@@ -242,11 +259,11 @@ class ResponsesBody(Strict):
     reasoning: ResponsesReasoning | None = None
     stream_options: ResponsesStreamOptions | None = None
     # What the output should carry besides itself (logprobs, encrypted reasoning, ...). This
-    # server adds none of it, so it takes the one value it honours: the empty list agent
-    # frameworks send when they want nothing more.
-    include: (
-        Annotated[list[str], only([], "empty; this server adds nothing to the output")] | None
-    ) = None
+    # server adds its tokens' log probabilities, and nothing else.
+    include: Annotated[list[str], AfterValidator(_honoured_includes)] | None = None
+    # As OpenAI's spec has them, apart: ``include`` decides whether the output shows log
+    # probabilities, ``top_logprobs`` how many of the likeliest tokens each one lists.
+    top_logprobs: TopLogprobs | None = None
     text: ResponsesText | None = None
     # "auto" would let the server drop input from the middle to fit the context: this one
     # never drops input (a prompt too long is a 400), so it takes the one value it honours.
@@ -254,6 +271,14 @@ class ResponsesBody(Strict):
         Annotated[str, only("disabled", "disabled; this server never drops input")] | None
     ) = None
     replystream: ResponsesExtensions | None = None
+
+    @property
+    def shown_logprobs(self) -> int | None:
+        """The likeliest tokens each token's log probability lists in the output (None: the
+        output shows none, so none are asked of the engine)."""
+        if not self.include or LOGPROBS_INCLUDED not in self.include:
+            return None
+        return self.top_logprobs or 0
 
     @model_validator(mode="after")
     def _background_is_stored(self) -> ResponsesBody:
