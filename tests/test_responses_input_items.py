@@ -216,7 +216,7 @@ def _values(given: str | list[str]) -> list[str]:
         ({"order": "sideways"}, "order", "invalid_value"),
         ({"after": "msg_nobody"}, "after", "invalid_value"),
         ({"before": "msg_nobody"}, "before", "invalid_value"),
-        ({"include[]": "message.output_text.logprobs"}, "include[0]", "unsupported_parameter"),
+        ({"include[]": "file_search_call.results"}, "include[0]", "unsupported_parameter"),
         (
             {"include": ["reasoning.encrypted_content", "everything"]},
             "include[1]",
@@ -235,6 +235,23 @@ async def test_a_bad_query_value_is_a_400_naming_it(query, param, code):
     assert status == 400, body
     assert (body["error"]["param"], body["error"]["code"]) == (param, code)
     assert body["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_models_text_sent_back_lists_its_logprobs_when_asked():
+    logprob = {"token": "let", "logprob": -0.5, "bytes": [108, 101, 116], "top_logprobs": []}
+    sent = {"type": "output_text", "text": "let", "annotations": [], "logprobs": [logprob]}
+    given = [{"role": "assistant", "content": [sent]}, {"role": "user", "content": "go on"}]
+    async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
+        made = await client.responses.create(model="simulated", input=given)  # type: ignore[arg-type]
+        async with aiohttp.ClientSession() as http:
+            _, plain = await listed(http, url, made.id, order="asc")
+            _, asked = await listed(
+                http, url, made.id, order="asc", **{"include[]": "message.output_text.logprobs"}
+            )
+    assert plain["data"][0]["content"] == [{k: v for k, v in sent.items() if k != "logprobs"}]
+    assert asked["data"][0]["content"] == [sent]
+    assert asked["data"][1] == plain["data"][1]  # a user's input_text has none
+    ResponseItemList.model_validate(asked)
 
 
 async def test_limit_takes_1_to_100():

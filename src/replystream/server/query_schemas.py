@@ -105,9 +105,10 @@ class RetrieveQuery(ResumeCursor):
     starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None
 
 
-# OpenAI's values of ``include`` (its ``IncludeEnum``), and the one of them that applies to
-# the input items this server keeps: the others name output this server never makes (search
-# results, images, code outputs) or parts an input here cannot hold (logprobs).
+# OpenAI's values of ``include`` (its ``IncludeEnum``), and those of them that apply to the
+# input items this server keeps (a reasoning item's encrypted content; the log probabilities
+# of a model's text sent back): the others name output this server never makes (search
+# results, images, code outputs).
 OPENAI_INCLUDES = (
     "file_search_call.results",
     "web_search_call.results",
@@ -118,7 +119,7 @@ OPENAI_INCLUDES = (
     "reasoning.encrypted_content",
     "message.output_text.logprobs",
 )
-INPUT_ITEMS_INCLUDES = ("reasoning.encrypted_content",)
+INPUT_ITEMS_INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
 INPUT_ITEMS_PAGE_MAX = 100  # OpenAI's range for ``limit``: 1 to 100, 20 by default
 
 

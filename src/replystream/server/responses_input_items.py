@@ -31,10 +31,12 @@ from replystream.server.errors import HTTPAPIError
 from replystream.server.query_schemas import InputItemsQuery
 from replystream.server.responses_api import NO_SUCH_RESPONSE, find_response, response_reply_id
 from replystream.server.responses_schemas import (
+    LOGPROBS_INCLUDED,
     Conversation,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputMessage,
+    InputText,
     ReasoningItem,
 )
 from replystream.server.validation import parse_json, parse_mapping
@@ -55,7 +57,8 @@ def input_items(
 ) -> list[dict[str, Any]]:
     """The items of a request's ``input`` (``given``), in its order, as the API lists them.
     ``include``: what the request for the list asked to add (``reasoning.encrypted_content``:
-    a reasoning item's ``encrypted_content``, left out otherwise)."""
+    a reasoning item's ``encrypted_content``; ``message.output_text.logprobs``: the
+    ``logprobs`` a model's text was sent back with; left out otherwise)."""
     if isinstance(given, str):  # a string is one user message
         given = [InputMessage(role="user", content=given)]
     items: list[dict[str, Any]] = []
@@ -99,20 +102,26 @@ def _shape(item: Item, include: Collection[str]) -> dict[str, Any]:
         if "reasoning.encrypted_content" in include:
             shown["encrypted_content"] = item.encrypted_content
         return {**shown, "status": status}
-    return {"type": "message", "role": item.role, "content": _parts(item), "status": status}
+    content = _parts(item, LOGPROBS_INCLUDED in include)
+    return {"type": "message", "role": item.role, "content": content, "status": status}
 
 
-def _parts(message: InputMessage) -> list[dict[str, Any]]:
+def _parts(message: InputMessage, with_logprobs: bool) -> list[dict[str, Any]]:
     """A message's content as the parts of its role's item: ``input_text`` for the client's
-    roles, ``output_text`` (with its annotations) for an assistant's message sent back."""
+    roles, ``output_text`` (with its annotations and, when asked, the log probabilities it
+    was sent back with) for an assistant's message sent back."""
     given = message.content
-    texts = [(given, None)] if isinstance(given, str) else [(p.text, p.annotations) for p in given]
+    if isinstance(given, str):
+        given = [InputText(type="input_text", text=given)]
     if message.role != "assistant":
-        return [{"type": "input_text", "text": text} for text, _ in texts]
-    return [
-        {"type": "output_text", "text": text, "annotations": list(notes or ())}
-        for text, notes in texts
-    ]
+        return [{"type": "input_text", "text": part.text} for part in given]
+    parts = []
+    for part in given:
+        shown = {"type": "output_text", "text": part.text, "annotations": part.annotations or []}
+        if with_logprobs:
+            shown["logprobs"] = part.logprobs or []
+        parts.append(shown)
+    return parts
 
 
 def page(items: Sequence[dict[str, Any]], query: InputItemsQuery) -> dict[str, Any]:
