@@ -12,12 +12,13 @@ most ``queue_s``, then is ``upstream_busy`` (503). With ``shared`` limits (the w
 server), an attempt at an upstream with a limit also holds one of its slots
 (``upstream_slots``) from the moment it is chosen to its end, however it ends; an upstream
 whose slots the other workers hold is passed over as one at its limit. An upstream that
-refused the request itself (a 400) is not retried elsewhere; any other failure at the head
-is counted on that upstream's circuit (but for what it says of the request, not of the
-upstream: ``NOT_ITS_HEALTH``; a busy upstream's ``Retry-After`` keeps its circuit open at
-least that long: ``upstream_pool``) and the next upstream is tried. Every attempt's result
-is counted on its backend and logged (``replystream.access``, one JSON line each, with the
-request id). What an attempt sends after a seam is ``upstream_continuation``'s.
+refused the request itself (a 400) is not retried elsewhere; one that answered 404 (it does
+not serve the model) goes last for that model in later plans (``upstream_pool``); any other
+failure at the head is counted on that upstream's circuit (but for what it says of the
+request, not of the upstream: ``NOT_ITS_HEALTH``; a busy upstream's ``Retry-After`` keeps its
+circuit open at least that long: ``upstream_pool``) and the next upstream is tried. Every
+attempt's result is counted on its backend and logged (``replystream.access``, one JSON line
+each, with the request id). What an attempt sends after a seam is ``upstream_continuation``'s.
 
 It must not know how an attempt is read, when one failed mid-stream or what happens then
 (``upstream_relay``), how an attempt is sent (``Opener``), or anything about our HTTP
@@ -224,6 +225,10 @@ class AttemptSeries:
         self._last_error = error
         if backend is not None and error.code not in NOT_ITS_HEALTH:
             self._pool.failed(backend, str(error), error.retry_after_s or 0.0)
+        elif backend is not None and error.code == "model_not_found" and self._model is not None:
+            # Its own word that it lacks the model: the next requests for it go elsewhere
+            # first, rather than spend a round trip each to hear it again.
+            self._pool.not_serving(backend, self._model)
         self._attempt_over(result)
 
     def _attempt_over(self, result: str) -> None:
@@ -232,6 +237,7 @@ class AttemptSeries:
             return
         if result == "ok":
             backend.ended_well()
+            self._pool.served(backend, self._model)
         backend.end(self._trial)
         if self._slot is not None:
             slots, index = self._slot
