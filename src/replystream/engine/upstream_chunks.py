@@ -10,7 +10,8 @@ the reply at, when it names one: vLLM's ``stop_reason``, SGLang's ``matched_stop
 decides which upstream misbehaviour ends a reply, always as an ``UpstreamStreamError`` with
 its own code, within bounded memory:
 - ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style);
-- ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object;
+- ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
+  ``choices`` is null or absent has none: that is no failure);
 - ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason.
@@ -236,7 +237,11 @@ class ChunkReader:
                 "upstream_error",
             )
         self._take_usage(chunk)
-        choices = chunk.get("choices", [])
+        if choices is None:
+            # No choices, as a chunk without the field has none: a usage-only chunk that
+            # some hosted OpenAI-compatible services send with null, not [] (the servers
+            # run on one's own GPUs, and Azure's prompt-filter chunk, send []).
+            return
         if not isinstance(choices, list):
             raise self._fail("the upstream chunk's choices is not a list", "upstream_bad_chunk")
         for choice in choices:
