@@ -116,6 +116,16 @@ class FakeUpstream:
         await r.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await r.write(b"data: [DONE]\n\n")
 
+    async def mode_nullchoices(self, r: web.StreamResponse) -> None:
+        # Usage-only chunks whose choices is null, not [] (as some hosted OpenAI-compatible
+        # services send them): one before the text, one within it, one after the finish.
+        await r.write(b'data: {"choices": null, "usage": null}\n\n')
+        await r.write(chunk("one ") + b'data: {"id": "c", "choices": null}\n\n' + chunk("two "))
+        await r.write(chunk(None, "stop"))
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        await r.write(b"data: " + json.dumps({"choices": None, "usage": usage}).encode())
+        await r.write(b"\n\ndata: [DONE]\n\n")
+
     async def mode_errmid(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one ") + chunk("two "))
         await r.write(b'data: {"error": {"message": "out of memory", "code": 500}}\n\n')
@@ -296,6 +306,19 @@ async def test_a_clean_upstream_reply_is_relayed_with_its_usage_and_finish_reaso
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["seed"] == 5 and sent["top_k"] == 7
     assert fake.headers[0]["Authorization"] == "Bearer k1"
+
+
+async def test_a_chunk_whose_choices_is_null_is_a_chunk_with_no_choices():
+    async with fake_upstream() as (_, upstream):
+        target = UpstreamTarget(f"{upstream}/nullchoices/v1")
+        async with running(create_app(UpstreamEngine(UpstreamConfig((target,))))) as relay:
+            body = {**CHAT, "stream_options": {"include_usage": True}}
+            got = await post_events(f"{relay}/v1/chat/completions", body)
+    assert got.status == 200 and not got.of_type("error"), got.raw
+    assert got.chat_text == "one two "
+    payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
+    assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
+    assert payloads[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
 async def test_an_error_chunk_mid_reply_becomes_an_in_band_error_after_the_text():

@@ -27,11 +27,12 @@ import pytest
 
 from replystream.engine.base import GenerationRequest
 from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_chunks import UpstreamStreamError
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_http import HttpOrigin
 from replystream.engine.upstream_http_failures import PeerClosed
 from replystream.engine.upstream_refusals import UpstreamUnavailable
-from replystream.engine.upstream_stream import UpstreamStream, UpstreamStreamError
+from replystream.engine.upstream_stream import UpstreamStream
 from tests.conftest import wait_for
 from tests.test_bench_tls import make_certificates
 from tests.test_upstream_faults import chunk

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from replystream.engine.upstream_pool import Backend, BreakerConfig, Circuit, UpstreamPool
+from replystream.engine.upstream_pool import (
+    NOT_SERVED_LIMIT,
+    NOT_SERVED_S,
+    Backend,
+    BreakerConfig,
+    Circuit,
+    UpstreamPool,
+)
 from replystream.engine.upstream_routes import load_routes
 
 
@@ -313,3 +320,44 @@ def test_a_request_from_before_the_circuit_opened_ending_leaves_the_trial_alone(
     assert a.circuit is Circuit.HALF_OPEN and pool.plan(None) == []  # one trial at a time
     a.end(trial)  # the trial's client left: no verdict, the next request tries
     assert a.circuit.value == "open" and pool.plan(None) == [a]
+
+
+def test_a_404_for_a_model_puts_its_upstream_last_for_that_model_until_listed_or_timed_out():
+    a, b, c = Backend("http://a/v1"), Backend("http://b/v1"), Backend("http://c/v1")
+    pool, clock = pool_of(a, b, c)
+    b.begin()
+    c.begin()  # a is the least loaded: first in every plan, unless it lacks the model
+    pool.not_serving(a, "qwen")
+    assert pool.plan("qwen")[-1] is a and pool.plan("llama")[0] is a
+    assert pool.plan("qwen", prefer=lambda usable: a if a in usable else usable[0])[-1] is a
+    pool.failed(b, "down", 30.0)
+    pool.failed(c, "down", 30.0)
+    assert pool.plan("qwen") == [a]  # the only one left is still asked
+    b.succeeded()
+    c.succeeded()
+    # A probe's listing without the model renews it; with it, lifts it.
+    clock.now += NOT_SERVED_S - 1.0
+    pool.listed(a, ["llama"])
+    clock.now += NOT_SERVED_S - 1.0
+    assert pool.plan("qwen")[-1] is a
+    pool.listed(a, ["llama", "qwen"])
+    assert pool.plan("qwen")[0] is a
+    # With nothing listed, it stands for NOT_SERVED_S.
+    pool.not_serving(a, "qwen")
+    clock.now += NOT_SERVED_S - 0.1
+    assert pool.plan("qwen")[-1] is a
+    clock.now += 0.2
+    assert pool.plan("qwen")[0] is a
+    # An attempt there that ended well says it serves the model.
+    pool.not_serving(a, "qwen")
+    pool.served(a, "qwen")
+    assert pool.plan("qwen")[0] is a
+
+
+def test_the_404s_kept_per_upstream_are_bounded_oldest_first():
+    a = Backend("http://a/v1")
+    pool, _ = pool_of(a)
+    for i in range(NOT_SERVED_LIMIT + 10):
+        pool.not_serving(a, f"model-{i}")
+    assert len(a.unserved) == NOT_SERVED_LIMIT
+    assert "model-0" not in a.unserved and f"model-{NOT_SERVED_LIMIT + 9}" in a.unserved

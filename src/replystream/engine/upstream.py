@@ -9,8 +9,9 @@ head ends the attempt (``UpstreamUnavailable``, 502, or ``UpstreamTimeout``, 504
 ``upstream_refusals``'s. Which upstream serves a request and which are failing is
 ``upstream_pool``'s (with ``serve --workers``, each limit of requests at once is held by all
 the workers together: ``upstream_slots``, ``upstream_shared_limits``); failover, stalls and
-continuation are ``upstream_relay``'s; active health probes are ``upstream_health``'s;
-everything after one response head is ``upstream_stream.UpstreamStream``'s. What goes
+continuation are ``upstream_relay``'s (the next attempt's upstream, ``upstream_attempts``'s);
+active health probes are ``upstream_health``'s; everything after one response head is
+``upstream_stream.UpstreamStream``'s (what each chunk means, ``upstream_chunks``'s). What goes
 upstream as ``Authorization`` is configured per upstream: its own key, or the caller's own
 key passed on (``pass_client_key``, for an upstream where each client has an account), else
 the key for all; a client's key is never sent to an upstream not configured to take it. It

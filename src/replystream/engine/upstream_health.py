@@ -1,11 +1,12 @@
 """Active health checks of the upstreams: each is asked ``GET {base}{path}`` (``/models`` by
 default, cheap on every OpenAI-compatible server) with a short timeout, when the relay starts
 and then every ``interval_s`` in the background; a model list it answers with tells the pool
-which models that upstream serves. An upstream that takes each caller's own key is probed
-without one: its refusal (401, 403) says it is up, and its models come from the routes file
-(or from no listing: it is sent any model). A listed model whose name is also an alias stays
-behind the alias (requests for that name go to the alias's model, as configured): the first
-probe that finds one says so in the log, once per alias and upstream.
+which models that upstream serves (even where the routes file names them: whether a model it
+answered a chat request 404 for is listed again). An upstream that takes each caller's own key
+is probed without one: its refusal (401, 403) says it is up, and its models come from the
+routes file (or from no listing: it is sent any model). A listed model whose name is also an
+alias stays behind the alias (requests for that name go to the alias's model, as configured):
+the first probe that finds one says so in the log, once per alias and upstream.
 
 This file decides what a probe's answer means (a problem in words, or None) and when probes
 run. What a failed probe does to routing is ``upstream_pool``'s. It must not know about our
@@ -128,6 +129,7 @@ class HealthProber:
     ) -> None:
         problem, models = await self._ask(backend, headers(backend), backend.name in keyless)
         backend.probed(problem, models)
+        self._pool.listed(backend, models)  # a model it answered 404 for may be back
         self.note_shadowed([backend])
 
     def note_shadowed(self, backends: Sequence[Backend]) -> None:

@@ -13,7 +13,11 @@ This file decides, for each upstream (a ``Backend``):
   keeps it out for the whole cool-down);
 - whether its last active health probe answered (a failed probe takes it out of routing
   while another upstream for the model is usable; a passing one changes nothing else);
-- which models it serves (from its model list, or as configured).
+- which models it serves (from its model list, or as configured), and which it answered a
+  chat request for with a 404 lately (``UpstreamPool.not_serving``): it goes last for that
+  model, after every other upstream that may take the request (one round trip saved per
+  request), until a probe lists the model again, or for ``NOT_SERVED_S`` when no probe
+  lists its models at all; it is still asked when no other upstream is left.
 And for a request: the upstreams to try, in order (``UpstreamPool.plan``): those serving the
 model, usable now and below their limit of requests at once (if they have one), least
 outstanding requests per unit of weight first (or first the one the request itself prefers,
@@ -35,6 +39,16 @@ from enum import Enum
 
 from replystream.engine.base import BackendStats
 from replystream.stats import LATENCY_BOUNDS
+
+# How long an upstream's 404 for a model keeps it last for that model when nothing else is
+# said: a probe that lists its models lifts it at once (the model is back) or renews it (the
+# model is still missing), so this bounds it only where probes list nothing (a health path
+# other than /models, an upstream probed without a key). Long enough to spare a round trip
+# per request, short enough that a model loaded again is soon tried first again.
+NOT_SERVED_S = 60.0
+# The most models one upstream's 404s are kept for (the oldest go first): an upstream whose
+# models are not known is sent whatever model a client names.
+NOT_SERVED_LIMIT = 256
 
 
 class Circuit(Enum):
@@ -103,6 +117,8 @@ class Backend:
     # bucket (the last past them all) and their sum.
     first_text_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
     first_text_sum: float = 0.0
+    # The models it answered 404 to lately, and until when that stands (``not_serving``).
+    unserved: dict[str, float] = field(default_factory=dict)
 
     def _move(self, outcome: Outcome) -> None:
         self.circuit = CIRCUIT_TABLE[self.circuit, outcome]
@@ -257,9 +273,46 @@ class UpstreamPool:
         usable = [b for b in self.usable(model) if b.has_room]
         if not usable:
             return []
+        last = self._not_serving(usable, model)
+        if last:  # a 404 for the model lately: tried once nothing else is left to try
+            usable = [b for b in usable if b not in last] or last
+            last = [] if usable is last else sorted(last, key=lambda b: b.outstanding / b.weight)
         first = self._pick(usable) if prefer is None else prefer(usable)
         rest = sorted((b for b in usable if b is not first), key=lambda b: b.outstanding / b.weight)
-        return [first, *rest]
+        return [first, *rest, *last]
+
+    def _not_serving(self, backends: list[Backend], model: str | None) -> list[Backend]:
+        """Those of ``backends`` that answered 404 for ``model`` lately (``not_serving``)."""
+        if model is None or not any(b.unserved for b in backends):
+            return []
+        now = self.clock()
+        return [b for b in backends if b.unserved.get(model, now) > now]
+
+    def not_serving(self, backend: Backend, model: str) -> None:
+        """``backend`` answered a chat request for ``model`` 404: it does not serve it, by its
+        own word, until a probe lists it again (or ``NOT_SERVED_S`` pass, where none lists)."""
+        unserved = backend.unserved
+        unserved.pop(model, None)  # the newest last: the oldest go first past the limit
+        while len(unserved) >= NOT_SERVED_LIMIT:
+            del unserved[next(iter(unserved))]
+        unserved[model] = self.clock() + NOT_SERVED_S
+
+    def served(self, backend: Backend, model: str | None) -> None:
+        """An attempt at ``backend`` for ``model`` ended well: it serves the model again."""
+        if backend.unserved and model is not None:
+            backend.unserved.pop(model, None)
+
+    def listed(self, backend: Backend, models: Collection[str]) -> None:
+        """A probe found ``backend`` listing ``models``: each model it answered 404 for is
+        served again if listed, and still not served (for ``NOT_SERVED_S`` more) if not."""
+        if not backend.unserved or not models:
+            return
+        until = self.clock() + NOT_SERVED_S
+        for model in list(backend.unserved):
+            if model in models:
+                del backend.unserved[model]
+            else:
+                backend.unserved[model] = until
 
     def usable(self, model: str | None) -> list[Backend]:
         """The upstreams serving ``model`` a request may go to now, room or not."""

@@ -6,7 +6,7 @@ This file decides who is woken when: when a request at an upstream ends, the fir
 for a model that upstream serves (one, not all: a slot lets one request in); when the routes
 change, every waiter, to look again. A woken waiter that finds the room taken already (by a
 request that came meanwhile) waits again at the front, where it was. What counts as room is
-``upstream_pool``'s; what a request does when its wait is over is ``upstream_relay``'s.
+``upstream_pool``'s; what a request does when its wait is over is ``upstream_attempts``'s.
 
 With workers sharing the limits (``upstream_slots``), the lines of all workers are served
 oldest first, as far as each can tell: a slot another worker gives back wakes nobody here, so

@@ -13,8 +13,8 @@ circuit honours; an upstream passed the caller's own key that refuses it (401, 4
 rate-limits it (429) answers the client as it is, not failed over
 (``UpstreamRefusedClientKey``, ``UpstreamLimitedClientKey``); 401 or 403 to our own key is
 our configuration's fault (502). Every message is ours; an upstream's own words appear only
-quoted, from a JSON error body. Whether another upstream is tried is ``upstream_relay``'s. It
-must not know how a request is built, how an upstream is picked, or about our HTTP server.
+quoted, from a JSON error body. Whether another upstream is tried is ``upstream_attempts``'s.
+It must not know how a request is built, how an upstream is picked, or about our HTTP server.
 """
 
 from __future__ import annotations

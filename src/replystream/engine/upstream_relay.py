@@ -7,23 +7,17 @@ This file decides when an attempt has failed and what happens next:
   stream, or no content within ``ttft_s`` moves the request to the next upstream of the
   plan, invisibly to the client, until ``failover_s`` has passed since the request began.
   An upstream that refused the request itself (a 400) is not retried elsewhere; one that
-  does not serve the model sent (a 404) is, and its circuit does not count it. A busy
-  upstream's ``Retry-After`` keeps its circuit open at least that long (``upstream_pool``);
-  when no upstream is left, a 503 says when one may take a request (``retry_after_s``).
+  does not serve the model sent (a 404) is, and its circuit does not count it.
 - After it: no content for ``stall_s`` is ``upstream_stalled``; that, or any failure of the
   stream, ends the reply with that error, or, with continuation on, sends the prompt plus
   the text already relayed (as the assistant's prefix, ``continue_final_message``) to the
   next upstream, and the reply goes on from there: an empty marker delta (``continued``)
   first, then the new upstream's text. Nothing relayed is sent twice.
-When every upstream left for a request is at its limit of requests at once, it waits for
-room (``upstream_queue``) for at most ``queue_s``, then is ``upstream_busy`` (503). With
-``shared`` limits (the workers of one server), an attempt at an upstream with a limit also
-holds one of its slots (``upstream_slots``) from the moment it is chosen to its end, however
-it ends; an upstream whose slots the other workers hold is passed over as one at its limit.
-Every attempt's result is counted on its backend and logged (``replystream.access``, one JSON
-line each, with the request id). It must not know how an attempt is sent (``Opener``) or
-anything about our HTTP server. Its terms (limits, counts, errors, what a failure is counted
-as) are ``upstream_relay_types``'s; what a continuation sends, ``upstream_continuation``'s.
+Which upstream the next attempt goes to, the wait for room at upstreams at their limit, what
+the reply ends with when none is left, and what each attempt's end counts and logs are
+``upstream_attempts``'s (a ``RelayedReply`` is an ``AttemptSeries``). It must not know how an
+attempt is sent (``Opener``) or anything about our HTTP server. Its terms (limits, counts,
+errors, what a failure is counted as) are ``upstream_relay_types``'s.
 
 A reply is read one of two ways, with the same decisions: iterated (each read awaits the
 current attempt), or attached to a sink (``PushDeltaStream``): then the reply is itself the
@@ -36,80 +30,44 @@ decided at once; only opening the next attempt, which awaits a response head, ru
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Sequence
 
-from replystream.engine.base import (
-    Delta,
-    DeltaSink,
-    EngineError,
-    GenerationRequest,
-    RequestRejected,
-)
-from replystream.engine.upstream_affinity import home, preferred
-from replystream.engine.upstream_continuation import continued_request
-from replystream.engine.upstream_pool import Backend, UpstreamPool
+from replystream.engine.base import Delta, DeltaSink, EngineError, GenerationRequest
+from replystream.engine.upstream_attempts import AttemptSeries
+from replystream.engine.upstream_pool import UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_relay_types import (
-    AT_HEAD,
     IN_STREAM,
-    NOT_ITS_HEALTH,
-    Attempt,
-    NoUpstream,
     Opener,
     RelayBroken,
     RelayCounts,
     RelayLimits,
     RelayStalled,
-    UpstreamBusy,
 )
-from replystream.engine.upstream_shared_limits import Slot, take_slot
 from replystream.engine.upstream_slots import SharedLimits
 
-access_log = logging.getLogger("replystream.access")
 log = logging.getLogger("replystream.upstream")
 
 
-class RelayedReply:
+class RelayedReply(AttemptSeries):
     """A ``PushDeltaStream`` over a sequence of upstream attempts."""
 
-    # Thousands are open at once: slots instead of an instance dict.
+    # Thousands are open at once: slots instead of an instance dict (``AttemptSeries``
+    # holds the attempts' own).
     __slots__ = (
-        "_affinity",
-        "_attempt_began",
-        "_backend",
-        "_began",
         "_continuation",
         "_continued",
-        "_counts",
         "_done",
-        "_flowing",
         "_held",
-        "_last_error",
         "_limit",
-        "_limits",
         "_loop",
-        "_model",
-        "_opener",
         "_opening",
         "_overdue",
-        "_pool",
-        "_queue",
-        "_relayed_any",
-        "_request",
         "_seam",
-        "_sent",
-        "_shared",
         "_sink",
-        "_slot",
-        "_stream",
         "_text_at",
-        "_timer",
-        "_tokens",
-        "_trial",
-        "_tried",
         "_waiter",
     )
 
@@ -126,29 +84,17 @@ class RelayedReply:
         affinity: str | None = None,
         shared: SharedLimits | None = None,
     ) -> None:
-        self._request = request
-        self._pool = pool
-        self._queue = queue
-        # With workers: the limits all of them hold together, and the slot this attempt holds.
-        self._shared = shared
-        self._slot: Slot | None = None
-        # Routed by prefix: the upstream its key prefers goes first (else the least loaded).
-        self._affinity = affinity
-        self._opener = opener
-        self._limits = limits
+        super().__init__(
+            request,
+            pool=pool,
+            opener=opener,
+            limits=limits,
+            counts=counts,
+            queue=queue,
+            affinity=affinity,
+            shared=shared,
+        )
         self._continuation = continuation
-        self._counts = counts
-        self._model = pool.resolve(request.model)
-        self._tried: set[Backend] = set()
-        self._began = time.monotonic()  # of the request, or of the latest seam
-        self._backend: Backend | None = None
-        self._trial = False  # the current attempt is its upstream's circuit's trial
-        self._stream: Attempt | None = None
-        self._attempt_began = 0.0
-        self._flowing = False  # the current attempt has relayed content
-        self._sent: list[str] = []  # every text relayed, in order (with continuation on)
-        self._relayed_any = False
-        self._tokens = 0
         self._seam: str | None = None  # why the next attempt continues the reply
         self._continued = False  # it went on at another upstream (counted once)
         self._held: Delta | None = None
@@ -156,11 +102,9 @@ class RelayedReply:
         self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
         self._text_at = 0.0
         self._limit = limits.ttft_s
-        self._timer: asyncio.TimerHandle | None = None
         self._waiter: asyncio.Task[object] | None = None
         self._overdue = False
         self._done = False
-        self._last_error: EngineError | None = None
         # Attached: the client's sink, and the task opening the next attempt (only then).
         self._sink: DeltaSink | None = None
         self._opening: asyncio.Task[None] | None = None
@@ -176,6 +120,7 @@ class RelayedReply:
             EngineError: no upstream answered within the failover bound (the last failure).
         """
         await self._next_attempt()
+        self._watch()
 
     # -- Iterated -------------------------------------------------------------------------
 
@@ -188,6 +133,7 @@ class RelayedReply:
                 raise StopAsyncIteration
             if self._stream is None:
                 await self._next_attempt()
+                self._watch()
             stream = self._stream
             assert stream is not None
             flowing = self._flowing  # this attempt has sent content already
@@ -281,6 +227,7 @@ class RelayedReply:
         the reply with the last failure."""
         try:
             await self._next_attempt()
+            self._watch()
         except EngineError as error:
             self._opening = None
             self._ended(error)
@@ -403,11 +350,6 @@ class RelayedReply:
         self._overdue = True
         self._waiter.cancel()
 
-    def _unwatch(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _own_ttft_s(self) -> float:
         """The current attempt's upstream's time to its first content, else the relay's."""
         backend = self._backend
@@ -434,145 +376,3 @@ class RelayedReply:
         return RelayStalled(
             f"{where} sent no text within {limit:g} s", code="upstream_ttft_timeout"
         )
-
-    async def _next_attempt(self) -> None:
-        """Open the next upstream of the plan that answers, waiting for room when those left
-        are at their limit of requests at once; raise when none is left."""
-        queued_at: float | None = None
-        while True:
-            if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
-                raise self._give_up()
-            prefer = None if self._affinity is None else self._preferred_among
-            plan = self._pool.plan(self._model, prefer)
-            if self._shared is None:
-                backend = next((b for b in plan if b not in self._tried), None)
-                held_elsewhere = False
-            else:
-                backend, self._slot, held_elsewhere = take_slot(self._shared, plan, self._tried)
-            if backend is None and (held_elsewhere or self._pool.full(self._model, self._tried)):
-                now = time.monotonic()
-                again, queued_at = queued_at is not None, queued_at or now
-                left = self._limits.queue_s - (now - queued_at)
-                if left > 0 and await self._queue.wait(self._model, left, queued_at, again=again):
-                    # Time in line is not the failover window's (``queue_s`` bounds it): the
-                    # attempt let in has what was left of the window when the wait began.
-                    self._began += time.monotonic() - now
-                    continue
-                raise self._no_room(now - queued_at)
-            if backend is None:
-                raise self._give_up()
-            if len(self._tried) == 1 and not self._relayed_any:
-                self._counts.failovers += 1  # once per reply, however many moves it made
-            if not self._tried and self._spilled_past_home(backend):
-                self._counts.spills += 1
-            self._tried.add(backend)
-            self._trial = backend.begin()
-            self._backend, self._attempt_began = backend, time.monotonic()
-            self._flowing = False
-            # The head is awaited only while the failover window is open.
-            left = self._limits.failover_s - (time.monotonic() - self._began)
-            try:
-                request = self._attempt_request()
-                self._stream = await self._opener(backend, request, max(left, 0.001))
-                self._watch()
-                return
-            except RequestRejected:
-                self._attempt_over("rejected")  # the request, not the upstream: no failover
-                raise
-            except EngineError as exc:
-                self._attempt_failed(exc, AT_HEAD.get(exc.code, "connect_error"))
-            except BaseException:
-                self._attempt_over("cancelled")
-                raise
-
-    def _preferred_among(self, usable: list[Backend]) -> Backend:
-        """Routed by prefix: the upstream this reply's key goes to among ``usable``."""
-        assert self._affinity is not None
-        return preferred(usable, self._affinity)
-
-    def _spilled_past_home(self, first: Backend) -> bool:
-        """Routed by prefix: whether ``first``, a reply's first upstream, is not its key's
-        own among those usable now (that one's load past the bound, or at its limit of
-        requests at once, in this worker or counted over every worker's slots)."""
-        if self._affinity is None:
-            return False
-        return first is not home(self._pool.usable(self._model) or [first], self._affinity)
-
-    def _attempt_request(self) -> GenerationRequest:
-        """The request as this attempt sends it: after a seam, with the text so far as the
-        assistant's prefix and the rest of the token budget."""
-        if not self._sent:
-            return self._request
-        return continued_request(self._request, "".join(self._sent), self._tokens)
-
-    def _give_up(self) -> EngineError:
-        error = self._last_error
-        if error is None:
-            model = "" if self._model is None else f" serving {self._model}"
-            problems = "; ".join(
-                b.problem or f"{b.name} is failing" for b in self._pool.serving(self._model)
-            )
-            error = NoUpstream(
-                f"no upstream{model} can take a request now (each circuit is open, after "
-                f"repeated failures or for as long as its upstream asked): {problems}",
-                code="upstream_unavailable",
-            )
-        elif len(self._tried) > 1:
-            error.args = (f"{error} (after trying {len(self._tried)} upstreams)",)
-        if error.status == 503:
-            # Nobody can take it now (or the last upstream was busy): the client learns when
-            # some upstream may, which replaces what an upstream asked of us.
-            error.retry_after_s = self._pool.wait_s(self._model)
-        return error
-
-    def _no_room(self, waited_s: float) -> UpstreamBusy:
-        model = "" if self._model is None else f" serving {self._model}"
-        return UpstreamBusy(
-            f"every upstream{model} is at its limit of requests at once"
-            + (f" (waited {waited_s:.3g} s for room)" if waited_s > 0 else ""),
-            code="upstream_busy",
-            retry_after_s=1.0,  # a request may end at any moment
-        )
-
-    def _attempt_failed(self, error: EngineError, result: str) -> None:
-        backend = self._backend
-        self._close_stream()
-        self._last_error = error
-        if backend is not None and error.code not in NOT_ITS_HEALTH:
-            self._pool.failed(backend, str(error), error.retry_after_s or 0.0)
-        self._attempt_over(result)
-
-    def _attempt_over(self, result: str) -> None:
-        backend, self._backend = self._backend, None
-        if backend is None:
-            return
-        if result == "ok":
-            backend.ended_well()
-        backend.end(self._trial)
-        if self._slot is not None:
-            slots, index = self._slot
-            self._slot = None
-            slots.give_back(index)
-        if backend.max_outstanding is not None:
-            self._queue.ended(backend)
-        backend.attempts[result] += 1
-        if result != "ok" or len(self._tried) > 1:
-            self._log(backend, result)
-
-    def _log(self, backend: Backend, result: str) -> None:
-        if access_log.isEnabledFor(logging.INFO):
-            line = {
-                "request_id": self._request.request_id,
-                "upstream": backend.name,
-                "attempt": len(self._tried),
-                "result": result,
-                "ms": round((time.monotonic() - self._attempt_began) * 1000.0, 1),
-                "relayed_tokens": self._tokens,
-            }
-            access_log.info("%s", json.dumps(line))
-
-    def _close_stream(self) -> None:
-        self._unwatch()
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.close()

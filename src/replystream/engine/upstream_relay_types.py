@@ -4,7 +4,8 @@ errors a reply ends with when no upstream took it or one stalled, and what each 
 an attempt is called in the access log and the attempt counts.
 
 This file only names things; deciding when an attempt failed and what happens next is
-``upstream_relay``'s. It must not know how an attempt is sent or anything about HTTP.
+``upstream_relay``'s and ``upstream_attempts``'s. It must not know how an attempt is sent or
+anything about HTTP.
 """
 
 from __future__ import annotations

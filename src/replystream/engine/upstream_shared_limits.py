@@ -8,8 +8,8 @@ worker's line (``upstream_queue``) sees elsewhere and what it shows the others o
 (``OtherWorkers``), which slot files open when the routes change, and how many slots the
 stats count taken. A shared folder that cannot be used is logged, and this worker's own count
 still bounds each upstream, as in one process. How a slot is held (lock files, ``flock``) is
-``upstream_slots``'s; when an attempt ends and gives its slot back is ``upstream_relay``'s; who
-is woken in a line is ``upstream_queue``'s. It must not know HTTP, how an attempt is sent,
+``upstream_slots``'s; when an attempt ends and gives its slot back is ``upstream_attempts``'s;
+who is woken in a line is ``upstream_queue``'s. It must not know HTTP, how an attempt is sent,
 or the workers' parent.
 """
 

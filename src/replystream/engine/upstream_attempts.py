@@ -1,0 +1,273 @@
+"""The attempts of one relayed reply: which upstream each goes to, and what each one's end
+counts.
+
+This file decides, for each attempt a reply (``upstream_relay.RelayedReply``) makes: the
+upstream it goes to, the first of the pool's plan (with the reply's preference, when routed
+by prefix: ``upstream_affinity``) not tried yet; that no upstream is left once
+``failover_s`` has passed since the request began (or since its latest seam), and what the
+reply then ends with: the last attempt's failure, or, when none could be tried, a 503 that
+says when some upstream may take a request (``retry_after_s``). When every upstream left
+is at its limit of requests at once, the request waits for room (``upstream_queue``) for at
+most ``queue_s``, then is ``upstream_busy`` (503). With ``shared`` limits (the workers of one
+server), an attempt at an upstream with a limit also holds one of its slots
+(``upstream_slots``) from the moment it is chosen to its end, however it ends; an upstream
+whose slots the other workers hold is passed over as one at its limit. An upstream that
+refused the request itself (a 400) is not retried elsewhere; one that answered 404 (it does
+not serve the model) goes last for that model in later plans (``upstream_pool``); any other
+failure at the head is counted on that upstream's circuit (but for what it says of the
+request, not of the upstream: ``NOT_ITS_HEALTH``; a busy upstream's ``Retry-After`` keeps its
+circuit open at least that long: ``upstream_pool``) and the next upstream is tried. Every
+attempt's result is counted on its backend and logged (``replystream.access``, one JSON line
+each, with the request id). What an attempt sends after a seam is ``upstream_continuation``'s.
+
+It must not know how an attempt is read, when one failed mid-stream or what happens then
+(``upstream_relay``), how an attempt is sent (``Opener``), or anything about our HTTP
+server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from replystream.engine.base import EngineError, GenerationRequest, RequestRejected
+from replystream.engine.upstream_affinity import home, preferred
+from replystream.engine.upstream_continuation import continued_request
+from replystream.engine.upstream_pool import Backend, UpstreamPool
+from replystream.engine.upstream_queue import RoomQueue
+from replystream.engine.upstream_relay_types import (
+    AT_HEAD,
+    NOT_ITS_HEALTH,
+    Attempt,
+    NoUpstream,
+    Opener,
+    RelayCounts,
+    RelayLimits,
+    UpstreamBusy,
+)
+from replystream.engine.upstream_shared_limits import Slot, take_slot
+from replystream.engine.upstream_slots import SharedLimits
+
+access_log = logging.getLogger("replystream.access")
+
+
+class AttemptSeries:
+    """One reply's attempts, one after another: the current one's upstream, stream and
+    timer, what was relayed so far, and the opening and end of each attempt."""
+
+    # Thousands are open at once: slots instead of an instance dict.
+    __slots__ = (
+        "_affinity",
+        "_attempt_began",
+        "_backend",
+        "_began",
+        "_counts",
+        "_flowing",
+        "_last_error",
+        "_limits",
+        "_model",
+        "_opener",
+        "_pool",
+        "_queue",
+        "_relayed_any",
+        "_request",
+        "_sent",
+        "_shared",
+        "_slot",
+        "_stream",
+        "_timer",
+        "_tokens",
+        "_trial",
+        "_tried",
+    )
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        *,
+        pool: UpstreamPool,
+        opener: Opener,
+        limits: RelayLimits,
+        counts: RelayCounts,
+        queue: RoomQueue,
+        affinity: str | None = None,
+        shared: SharedLimits | None = None,
+    ) -> None:
+        self._request = request
+        self._pool = pool
+        self._queue = queue
+        # With workers: the limits all of them hold together, and the slot this attempt holds.
+        self._shared = shared
+        self._slot: Slot | None = None
+        # Routed by prefix: the upstream its key prefers goes first (else the least loaded).
+        self._affinity = affinity
+        self._opener = opener
+        self._limits = limits
+        self._counts = counts
+        self._model = pool.resolve(request.model)
+        self._tried: set[Backend] = set()
+        self._began = time.monotonic()  # of the request, or of the latest seam
+        self._backend: Backend | None = None
+        self._trial = False  # the current attempt is its upstream's circuit's trial
+        self._stream: Attempt | None = None
+        self._attempt_began = 0.0
+        self._flowing = False  # the current attempt has relayed content
+        self._sent: list[str] = []  # every text relayed, in order (with continuation on)
+        self._relayed_any = False
+        self._tokens = 0
+        # The current attempt's watchdog timer (the reading reply's: ``upstream_relay``).
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_error: EngineError | None = None
+
+    async def _next_attempt(self) -> None:
+        """Open the next upstream of the plan that answers, waiting for room when those left
+        are at their limit of requests at once; raise when none is left."""
+        queued_at: float | None = None
+        while True:
+            if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
+                raise self._give_up()
+            prefer = None if self._affinity is None else self._preferred_among
+            plan = self._pool.plan(self._model, prefer)
+            if self._shared is None:
+                backend = next((b for b in plan if b not in self._tried), None)
+                held_elsewhere = False
+            else:
+                backend, self._slot, held_elsewhere = take_slot(self._shared, plan, self._tried)
+            if backend is None and (held_elsewhere or self._pool.full(self._model, self._tried)):
+                now = time.monotonic()
+                again, queued_at = queued_at is not None, queued_at or now
+                left = self._limits.queue_s - (now - queued_at)
+                if left > 0 and await self._queue.wait(self._model, left, queued_at, again=again):
+                    # Time in line is not the failover window's (``queue_s`` bounds it): the
+                    # attempt let in has what was left of the window when the wait began.
+                    self._began += time.monotonic() - now
+                    continue
+                raise self._no_room(now - queued_at)
+            if backend is None:
+                raise self._give_up()
+            if len(self._tried) == 1 and not self._relayed_any:
+                self._counts.failovers += 1  # once per reply, however many moves it made
+            if not self._tried and self._spilled_past_home(backend):
+                self._counts.spills += 1
+            self._tried.add(backend)
+            self._trial = backend.begin()
+            self._backend, self._attempt_began = backend, time.monotonic()
+            self._flowing = False
+            # The head is awaited only while the failover window is open.
+            left = self._limits.failover_s - (time.monotonic() - self._began)
+            try:
+                request = self._attempt_request()
+                self._stream = await self._opener(backend, request, max(left, 0.001))
+                return
+            except RequestRejected:
+                self._attempt_over("rejected")  # the request, not the upstream: no failover
+                raise
+            except EngineError as exc:
+                self._attempt_failed(exc, AT_HEAD.get(exc.code, "connect_error"))
+            except BaseException:
+                self._attempt_over("cancelled")
+                raise
+
+    def _preferred_among(self, usable: list[Backend]) -> Backend:
+        """Routed by prefix: the upstream this reply's key goes to among ``usable``."""
+        assert self._affinity is not None
+        return preferred(usable, self._affinity)
+
+    def _spilled_past_home(self, first: Backend) -> bool:
+        """Routed by prefix: whether ``first``, a reply's first upstream, is not its key's
+        own among those usable now (that one's load past the bound, or at its limit of
+        requests at once, in this worker or counted over every worker's slots)."""
+        if self._affinity is None:
+            return False
+        return first is not home(self._pool.usable(self._model) or [first], self._affinity)
+
+    def _attempt_request(self) -> GenerationRequest:
+        """The request as this attempt sends it: after a seam, with the text so far as the
+        assistant's prefix and the rest of the token budget."""
+        if not self._sent:
+            return self._request
+        return continued_request(self._request, "".join(self._sent), self._tokens)
+
+    def _give_up(self) -> EngineError:
+        error = self._last_error
+        if error is None:
+            model = "" if self._model is None else f" serving {self._model}"
+            problems = "; ".join(
+                b.problem or f"{b.name} is failing" for b in self._pool.serving(self._model)
+            )
+            error = NoUpstream(
+                f"no upstream{model} can take a request now (each circuit is open, after "
+                f"repeated failures or for as long as its upstream asked): {problems}",
+                code="upstream_unavailable",
+            )
+        elif len(self._tried) > 1:
+            error.args = (f"{error} (after trying {len(self._tried)} upstreams)",)
+        if error.status == 503:
+            # Nobody can take it now (or the last upstream was busy): the client learns when
+            # some upstream may, which replaces what an upstream asked of us.
+            error.retry_after_s = self._pool.wait_s(self._model)
+        return error
+
+    def _no_room(self, waited_s: float) -> UpstreamBusy:
+        model = "" if self._model is None else f" serving {self._model}"
+        return UpstreamBusy(
+            f"every upstream{model} is at its limit of requests at once"
+            + (f" (waited {waited_s:.3g} s for room)" if waited_s > 0 else ""),
+            code="upstream_busy",
+            retry_after_s=1.0,  # a request may end at any moment
+        )
+
+    def _attempt_failed(self, error: EngineError, result: str) -> None:
+        backend = self._backend
+        self._close_stream()
+        self._last_error = error
+        if backend is not None and error.code not in NOT_ITS_HEALTH:
+            self._pool.failed(backend, str(error), error.retry_after_s or 0.0)
+        elif backend is not None and error.code == "model_not_found" and self._model is not None:
+            # Its own word that it lacks the model: the next requests for it go elsewhere
+            # first, rather than spend a round trip each to hear it again.
+            self._pool.not_serving(backend, self._model)
+        self._attempt_over(result)
+
+    def _attempt_over(self, result: str) -> None:
+        backend, self._backend = self._backend, None
+        if backend is None:
+            return
+        if result == "ok":
+            backend.ended_well()
+            self._pool.served(backend, self._model)
+        backend.end(self._trial)
+        if self._slot is not None:
+            slots, index = self._slot
+            self._slot = None
+            slots.give_back(index)
+        if backend.max_outstanding is not None:
+            self._queue.ended(backend)
+        backend.attempts[result] += 1
+        if result != "ok" or len(self._tried) > 1:
+            self._log(backend, result)
+
+    def _log(self, backend: Backend, result: str) -> None:
+        if access_log.isEnabledFor(logging.INFO):
+            line = {
+                "request_id": self._request.request_id,
+                "upstream": backend.name,
+                "attempt": len(self._tried),
+                "result": result,
+                "ms": round((time.monotonic() - self._attempt_began) * 1000.0, 1),
+                "relayed_tokens": self._tokens,
+            }
+            access_log.info("%s", json.dumps(line))
+
+    def _close_stream(self) -> None:
+        self._unwatch()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def _unwatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -1,0 +1,359 @@
+"""What an upstream's OpenAI chat-completion event stream means, chunk by chunk: body bytes
+in, ``Delta`` values and the upstream's failures out (sans-IO: no awaiting, no clock read but
+the end of a body's).
+
+This file decides, with nothing buffered: each body chunk is fed to
+``replystream.sse.EventParser`` at once, and each content delta in it becomes a ``Delta`` (one
+token each; the last delta carries the difference to the upstream's
+``usage.completion_tokens`` when it sent one, and the request's stop string the upstream cut
+the reply at, when it names one: vLLM's ``stop_reason``, SGLang's ``matched_stop``). It also
+decides which upstream misbehaviour ends a reply, always as an ``UpstreamStreamError`` with
+its own code, within bounded memory:
+- ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style);
+- ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
+  ``choices`` is null or absent has none: that is no failure);
+- ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
+- ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
+- ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason.
+Messages are ours (``upstream_errors``); an upstream's own words appear only quoted. Where the
+bytes come from, where the deltas go and how a connection's failures are named is
+``upstream_stream``'s (a ``ChunkReader`` fed by its connection); it must not know how the
+request was built, which upstream was picked, or anything about our own HTTP server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from pydantic_core import from_json
+
+from replystream.engine.base import Delta, EngineError, ToolCallDelta
+from replystream.engine.upstream_errors import quoted
+from replystream.engine.upstream_logprobs import relayed_logprobs
+from replystream.sse import Event, EventParser, EventTooLarge, SSEError
+
+log = logging.getLogger("replystream.upstream")
+
+
+# Finish reasons upstreams use, mapped to ours ("stop", "length" or "tool_calls"; a filter
+# passes through).
+FINISH_REASONS = {
+    "stop": "stop",
+    "eos": "stop",
+    "eos_token": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "max_tokens": "length",
+    "content_filter": "content_filter",
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",  # OpenAI's deprecated single-function form
+}
+
+
+# Where upstreams stream a reasoning model's thinking in a chunk's delta: ``reasoning_content``
+# (DeepSeek's API, SGLang, llama.cpp, vLLM's reasoning parsers) or ``reasoning`` (newer vLLM,
+# OpenRouter). It is relayed (``Delta.reasoning``) when the request asks for it, and always
+# counts as the upstream's progress (``ChunkReader.thought_at``).
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
+
+class UpstreamStreamError(EngineError):
+    """The upstream misbehaved after its stream started (an in-band error downstream)."""
+
+    status = 502
+
+
+# The largest token count an upstream's usage may give: 2**53 - 1, the largest integer a
+# double holds exactly, which is what a JavaScript client reads a JSON number into and what
+# /metrics counters are. A real count is many orders of magnitude below it.
+MAX_TOKEN_COUNT = 2**53 - 1
+
+
+def _token_count(value: object) -> int | None:
+    """A count from an upstream's usage, or None for what is none: not an integer (a bool is
+    one in Python, not in JSON), negative, or past ``MAX_TOKEN_COUNT``."""
+    return value if type(value) is int and 0 <= value <= MAX_TOKEN_COUNT else None
+
+
+def _has_output(choice: object) -> bool:
+    """Whether a chunk's choice carries text or a tool call (not only a role or a reason)."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("tool_calls"))
+    return bool(choice.get("text"))
+
+
+def _message_of(error: object) -> str:
+    """The upstream's own message in an error it sent mid-stream, quoted (or a placeholder)."""
+    message = error.get("message") or error.get("error") if isinstance(error, dict) else error
+    if isinstance(message, str) and message.strip():
+        return quoted(message)
+    return "no message given"
+
+
+class ChunkReader:
+    """An upstream's reply read from its body bytes (``_take``, ``_end_of_body``) into pending
+    deltas; ``upstream_stream.UpstreamStream`` is one, fed by its connection."""
+
+    def __init__(
+        self,
+        *,
+        max_event_size: int,
+        logprobs: bool = False,
+        stops: tuple[str, ...] = (),
+        reasoning: bool = False,
+    ) -> None:
+        self._logprobs = logprobs  # asked for: text without them is the upstream's failure
+        self._reasoning = reasoning  # thinking is relayed, not only counted as progress
+        self._stops = stops  # the request's stop strings, as sent upstream
+        self._max_event_size = max_event_size
+        self._parser = EventParser(max_event_size=max_event_size)
+        self._pending: deque[Delta] = deque()
+        self._bytes_since_event = 0  # body bytes parsed since the last read that made an event
+        self._tokens = 0
+        # When the upstream last streamed thinking (``REASONING_KEYS``): progress, not text.
+        self.thought_at = 0.0
+        self._usage_tokens: int | None = None
+        self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
+        self._finish: str | None = None
+        self._stop_sequence: str | None = None  # which of ``_stops`` the upstream cut at
+        self._said_late = False  # output after the finish reason was logged (once a reply)
+        self._ended = False  # the last delta was queued (or an error raised)
+        self._clean = False  # the upstream finished its reply: the connection may be reused
+        self._failed = False
+        self._error: UpstreamStreamError | None = None  # raised once the text before it is out
+
+    def _fail(self, message: str, code: str) -> UpstreamStreamError:
+        self._ended = self._failed = True
+        return UpstreamStreamError(message, code=code)
+
+    def _take(self, data: bytes, now: float) -> None:
+        """Parse body bytes into pending deltas. A failure that ends the reply at once
+        raises; one after some deltas is kept in ``_error`` (the deltas before it go out)."""
+        try:
+            events = self._parser.feed(data)
+        except EventTooLarge:
+            raise self._fail(
+                f"an upstream event grew past {self._max_event_size} characters",
+                "upstream_event_too_large",
+            ) from None
+        except SSEError as exc:
+            raise self._fail(
+                f"the upstream's event stream is malformed: {exc}", "upstream_malformed"
+            ) from None
+        if events:
+            self._bytes_since_event = 0
+        else:
+            self._bytes_since_event += len(data)
+            if self._bytes_since_event > self._max_event_size:
+                raise self._fail(
+                    f"the upstream sent {self._max_event_size} bytes without one event",
+                    "upstream_malformed",
+                )
+        try:
+            for event in events:
+                self._on_event(event, now)
+                if self._ended:
+                    return
+        except UpstreamStreamError as error:  # the deltas before it still go out first
+            self._error = error
+
+    def _end_of_body(self) -> None:
+        self._parser.close()
+        if self._finish is None:
+            raise self._fail(
+                "the upstream ended its stream before the reply finished", "upstream_incomplete"
+            )
+        self._finish_reply(time.monotonic())  # a finish reason and no [DONE] (older servers)
+
+    def _on_event(self, event: Event, now: float) -> None:
+        if event.type == "error":  # replystream's own in-band errors, and some proxies'
+            try:
+                error = json.loads(event.data).get("error", event.data)
+            except (ValueError, AttributeError):
+                error = event.data[:500]
+            raise self._fail(
+                f"the upstream reported an error mid-reply: {_message_of(error)}",
+                "upstream_error",
+            )
+        data = event.data
+        if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: no strip
+            if self._finish is None:
+                raise self._fail(
+                    "the upstream sent [DONE] with no finish reason", "upstream_bad_chunk"
+                )
+            self._finish_reply(now)
+            return
+        try:
+            # pydantic's parser (jiter): a third of json.loads's time on a chunk, and a
+            # nesting bound of its own (a ValueError, where json.loads recurses).
+            chunk = from_json(data)
+        except ValueError:
+            raise self._fail(
+                f"the upstream sent an event that is not JSON ({len(data)} characters)",
+                "upstream_bad_chunk",
+            ) from None
+        if not isinstance(chunk, dict):
+            raise self._fail(
+                "the upstream sent a chunk that is not an object", "upstream_bad_chunk"
+            )
+        # The common chunk first: one choice (index 0) whose delta is text alone (a role
+        # may come with it), no logprobs, tool calls, finish reason, usage or error.
+        choices = chunk.get("choices")
+        if self._finish is not None:
+            self._after_finish(chunk)
+            return
+        if type(choices) is list and len(choices) == 1 and not self._logprobs:
+            choice = choices[0]
+            if (
+                type(choice) is dict
+                and choice.get("index", 0) == 0
+                and choice.get("finish_reason") is None
+                and choice.get("logprobs") is None
+                and chunk.get("usage") is None
+                and "error" not in chunk
+                and chunk.get("object") != "error"
+            ):
+                delta = choice.get("delta")
+                if type(delta) is dict and delta.get("tool_calls") is None:
+                    text = delta.get("content")
+                    if type(text) is str:
+                        if text:
+                            self._tokens += 1
+                            self._pending.append(Delta(text, 1, now))
+                        else:
+                            self._thinking(delta, now)
+                        return
+        if "error" in chunk or chunk.get("object") == "error":
+            raise self._fail(
+                "the upstream reported an error mid-reply: "
+                f"{_message_of(chunk.get('error', chunk))}",
+                "upstream_error",
+            )
+        self._take_usage(chunk)
+        if choices is None:
+            # No choices, as a chunk without the field has none: a usage-only chunk that
+            # some hosted OpenAI-compatible services send with null, not [] (the servers
+            # run on one's own GPUs, and Azure's prompt-filter chunk, send []).
+            return
+        if not isinstance(choices, list):
+            raise self._fail("the upstream chunk's choices is not a list", "upstream_bad_chunk")
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(text, str) and text:
+                logprobs = choice.get("logprobs")  # only sent when the request asked
+                if logprobs:
+                    made = relayed_logprobs(logprobs)
+                    count = len(made) if made else 1
+                    self._tokens += count
+                    self._pending.append(Delta(text, count, now, logprobs=made))
+                elif self._logprobs:
+                    raise self._fail(
+                        "the upstream sent text without the logprobs asked for "
+                        "(it does not support them)",
+                        "upstream_no_logprobs",
+                    )
+                else:
+                    self._tokens += 1
+                    self._pending.append(Delta(text, 1, now))
+            elif isinstance(delta, dict):
+                self._thinking(delta, now)
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            if calls:
+                self._tool_calls(calls, now)
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str) and reason:
+                self._finish = FINISH_REASONS.get(reason, "stop")
+                self._stop_sequence = self._named_stop(choice)
+
+    def _after_finish(self, chunk: dict[str, Any]) -> None:
+        """A chunk after the choice's finish reason: only its usage counts (the usage chunk
+        comes last, as ``stream_options.include_usage`` has it). Text or a tool call there
+        is outside the reply the upstream said had ended: dropped, not relayed after the
+        client's own finish, and said once in the log."""
+        self._take_usage(chunk)
+        choices = chunk.get("choices")
+        if not self._said_late and isinstance(choices, list) and any(map(_has_output, choices)):
+            self._said_late = True
+            log.warning("the upstream sent output after its finish reason; dropped it")
+
+    def _take_usage(self, chunk: dict[str, Any]) -> None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            completion = _token_count(usage.get("completion_tokens"))
+            if completion is not None:
+                self._usage_tokens = completion
+                self._prompt_tokens = _token_count(usage.get("prompt_tokens"))
+
+    def _thinking(self, delta: dict[str, object], now: float) -> None:
+        """A delta with no text may carry a reasoning model's thinking: relayed when the
+        request asked for it, and the upstream at work either way (a relay's time limits
+        count it as progress). One spelling only, the first found: an upstream that sends
+        both spells the same thought twice."""
+        for key in REASONING_KEYS:
+            thought = delta.get(key)
+            if type(thought) is str and thought:
+                self.thought_at = now
+                if self._reasoning:
+                    self._tokens += 1
+                    self._pending.append(Delta("", 1, now, reasoning=thought))
+                return
+
+    def _named_stop(self, choice: dict[str, object]) -> str | None:
+        """The stop string a finishing choice says the upstream cut the reply at: vLLM's
+        ``stop_reason`` or SGLang's ``matched_stop``, when it is one of the request's own
+        stop strings (a token id, another string or anything else names none: the value is
+        the upstream's, and only a string the client sent is ever repeated to it)."""
+        for key in ("stop_reason", "matched_stop"):
+            named = choice.get(key)
+            if type(named) is str and named in self._stops:
+                return named
+        return None
+
+    def _tool_calls(self, calls: object, now: float) -> None:
+        """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each."""
+        if not isinstance(calls, list):
+            raise self._fail("the upstream's tool_calls is not a list", "upstream_bad_chunk")
+        for call in calls:
+            function = call.get("function", {}) if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                raise self._fail("the upstream sent a malformed tool call", "upstream_bad_chunk")
+            index, call_id = call.get("index", 0), call.get("id")
+            name, arguments = function.get("name"), function.get("arguments") or ""
+            if (
+                not isinstance(index, int)
+                or isinstance(index, bool)
+                or index < 0
+                or not isinstance(call_id, str | None)
+                or not isinstance(name, str | None)
+                or not isinstance(arguments, str)
+            ):
+                raise self._fail("the upstream sent a malformed tool call", "upstream_bad_chunk")
+            self._tokens += 1
+            self._pending.append(
+                Delta("", 1, now, tool_call=ToolCallDelta(index, call_id, name, arguments))
+            )
+
+    def _finish_reply(self, now: float) -> None:
+        extra = max(0, (self._usage_tokens or 0) - self._tokens)
+        finish = self._finish or "stop"
+        self._pending.append(
+            Delta(
+                "",
+                extra,
+                now,
+                finish,
+                prompt_tokens=self._prompt_tokens,
+                stop_sequence=self._stop_sequence if finish == "stop" else None,
+            )
+        )
+        self._ended = self._clean = True
