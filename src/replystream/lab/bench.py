@@ -1,10 +1,10 @@
 """``replystream bench URL``: load any streaming endpoint and report TTFT, TPOT, ITL and E2EL.
 
 This file decides the order of work: run the load, or a sweep of loads, with a progress bar;
-summarize; then print, write JSON, CSV and plots. The flags are ``bench_args``, sending is
-``load``, pacing is ``profiles``, the sweep's order is ``sweep``, the definitions are
-``benchstats``, the table is ``bench_report``, the plots are ``bench_plots``; this file must
-not compute a metric itself.
+summarize; then print, write JSON, CSV and plots. The flags are ``bench_args``, which of them
+fit together and the configs they make ``bench_config``, sending is ``load``, pacing is
+``profiles``, the sweep's order is ``sweep``, the definitions are ``benchstats``, the table is
+``bench_report``, the plots are ``bench_plots``; this file must not compute a metric itself.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from rich.progress import TextColumn
 
 from replystream.lab.bench_args import add_arguments as add_arguments
-from replystream.lab.bench_args import config_from_args
 from replystream.lab.bench_compare import render_compare
+from replystream.lab.bench_config import config_from_args
 from replystream.lab.bench_csv import write_csv
 from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
