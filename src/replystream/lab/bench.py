@@ -2,9 +2,10 @@
 
 This file decides the order of work: run the load, or a sweep of loads, with a progress bar;
 summarize; then print, write JSON, CSV and plots. The flags are ``bench_args``, which of them
-fit together and the configs they make ``bench_config``, sending is ``load``, pacing is
-``profiles``, the sweep's order is ``sweep``, the definitions are ``benchstats``, the table is
-``bench_report``, the plots are ``bench_plots``; this file must not compute a metric itself.
+fit together and the configs they make ``bench_config``, sending is ``load`` (a run's config
+and records: ``load_types``), pacing is ``profiles``, the sweep's order is ``sweep``, the
+definitions are ``benchstats``, the table is ``bench_report``, the plots are ``bench_plots``;
+this file must not compute a metric itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from replystream.lab.bench_csv import write_csv
 from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import summarize
-from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
+from replystream.lab.load import run_load
+from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model

@@ -18,7 +18,7 @@ from replystream.client.transport import tls_context
 from replystream.lab.bench_args import LONGEST_RUN_S
 from replystream.lab.bench_plots import RUN_PLOTS, SWEEP_PLOTS
 from replystream.lab.datasets import read_dataset, read_trace
-from replystream.lab.load import LoadConfig
+from replystream.lab.load_types import LoadConfig
 from replystream.lab.open_files import OWN_FILES, make_room
 from replystream.lab.profiles import Profile
 from replystream.lab.server_metrics import metrics_url
