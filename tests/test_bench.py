@@ -33,7 +33,8 @@ from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import drop_and_resume
-from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
+from replystream.lab.load import run_load
+from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.local_server import local_server
 from replystream.lab.profiles import Profile, arrival_offsets
 from replystream.lab.served_model import served_model

@@ -22,7 +22,7 @@ from rich.console import Console
 from replystream.client import ReplyTiming
 from replystream.lab.bench_report import CLIENT_LIMITED, render, render_sweep
 from replystream.lab.benchstats import CLIENT_LIMIT_SHARE, summarize
-from replystream.lab.load import LoadConfig, LoadRun, RequestRecord
+from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.local_server import stop_process
 
 EVENTS = 20_000

@@ -17,7 +17,8 @@ from aiohttp import web
 from replystream.client.formats import interpret_event
 from replystream.lab.benchstats import summarize
 from replystream.lab.drop_resume import drop_and_resume
-from replystream.lab.load import LoadConfig, run_load
+from replystream.lab.load import run_load
+from replystream.lab.load_types import LoadConfig
 from replystream.lab.local_server import local_server
 from replystream.lab.profiles import Profile
 from replystream.lab.served_model import served_model

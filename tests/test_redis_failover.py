@@ -18,6 +18,7 @@ from pathlib import Path
 from replystream.delivery.redis_call_counts import CallCounts, Verdict
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
+from replystream.delivery.redis_reply_tables import ReplyTables
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 from tests.failover_scenario import run
@@ -186,15 +187,7 @@ async def test_the_producing_replica_serves_its_copy_of_an_ended_reply_redis_los
 def held(writer: LogWriter) -> dict[str, set[str]]:
     """The replies each of the writer's per-reply tables still holds (none empty)."""
     tables: dict[str, set[str]] = {
-        "failures": set(writer._failures),
-        "pending": set(writer._pending),
-        "endings": set(writer._endings),
-        "next_seq": set(writer._next_seq),
-        "logged": set(writer._logged),
-        "expire_due": set(writer._expire_due),
-        "dirty": set(writer._dirty),
-        "live": set(writer.live),
-        "read_elsewhere": set(writer.read_elsewhere),
+        name: set(getattr(writer.tables, name)) for name in ReplyTables.__slots__
     }
     return {name: replies for name, replies in tables.items() if replies}
 

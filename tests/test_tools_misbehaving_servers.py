@@ -18,7 +18,8 @@ from aiohttp import web
 
 from replystream.client import measure_reply
 from replystream.lab.benchstats import summarize
-from replystream.lab.load import LoadConfig, run_load
+from replystream.lab.load import run_load
+from replystream.lab.load_types import LoadConfig
 from replystream.server import running
 from tests.conftest import fast_engine, serve_engine
 

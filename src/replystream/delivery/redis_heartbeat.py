@@ -8,7 +8,7 @@ and what it wrote meanwhile is deleted), tells whether a reader elsewhere follow
 reader mark: a detached reply goes on while read), and asks its stream's length. A count
 started again at 1 (the metadata was gone) or a stream shorter than what Redis acknowledged
 means Redis evicted part of the reply: the writer writes it again from its copy
-(``LogWriter.rewrite``). For the replies produced elsewhere that a reader here follows, it
+(``Failover.rewrite``). For the replies produced elsewhere that a reader here follows, it
 refreshes their reader marks. A failed beat is tried again a second later; an outage is
 logged once as it begins and once as it ends (``OutageLog``).
 """
@@ -50,7 +50,7 @@ class Heartbeat:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             self._writer.prune()
-            live = list(self._writer.live)
+            live = list(self._writer.tables.live)
             if live:
                 await self._refresh(live)
             reading = self._still_reading()
@@ -129,7 +129,7 @@ class Heartbeat:
         for n, reply_id in enumerate(replies):
             cancelled, beat, length, read = answer[4 * n : 4 * n + 4]
             if read:
-                writer.read_elsewhere[reply_id] = time.monotonic()
+                writer.tables.read_elsewhere[reply_id] = time.monotonic()
             if beat == 0:  # deleted, on another replica: stop, and forget it here too
                 deleted.append(reply_id)
                 writer.forget(reply_id)
@@ -141,10 +141,10 @@ class Heartbeat:
                 # The count started again: the metadata was gone (evicted, or lost in a
                 # failover). Write the reply again from this process's copy.
                 log.warning("reply %s: its metadata is gone; writing it again", reply_id[:8])
-                writer.rewrite(reply_id)
-            elif writer.stream_lost(reply_id, int(length), written):
+                writer.failover.rewrite(reply_id)
+            elif writer.failover.stream_lost(reply_id, int(length), written):
                 log.warning("reply %s: its log is gone; writing it again", reply_id[:8])
-                writer.rewrite(reply_id)
+                writer.failover.rewrite(reply_id)
         if deleted:
             # A flush sent before they were forgotten may have landed after the script.
             async with writer.flushing:

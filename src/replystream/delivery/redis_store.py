@@ -19,7 +19,9 @@ stops, and what it wrote meanwhile is deleted.
 ``RedisReplayStore`` is the ``ReplayStore`` seam over four parts that share one client
 (``redis_link``: retries through a failover) and one naming (``redis_keys``):
 - ``redis_log_writer.LogWriter``: the writes of replies produced here (queued, flushed in
-  batches by one task, repaired from the local copy after a failover or an eviction);
+  batches by one task), repaired from the local copy after a failover or an eviction
+  (``redis_failover.Failover``); both halves change one set of per-reply tables
+  (``redis_reply_tables.ReplyTables``);
 - ``redis_heartbeat.Heartbeat``: once a second, liveness, cancels, deletes and evictions of
   replies produced here, and the reader marks of replies read here;
 - ``redis_reads.RemoteReads``: reads and follows of replies produced elsewhere;
@@ -36,7 +38,7 @@ as unknown.
 
 Failover (Redis through Sentinel, a Cluster shard, or one Redis restarted): a write or a read
 that fails is retried for ``failover_s``; producers go on into their local copy, and what
-the promoted replica lacks is written again (``redis_log_writer``). Past ``failover_s`` a
+the promoted replica lacks is written again (``redis_failover``). Past ``failover_s`` a
 write marks its replies (``failure``), and reads raise ``StoreUnavailable``; a ``create``
 fails with the next flush that cannot reach Redis. This file must not know about HTTP or
 event formats.
@@ -143,7 +145,7 @@ class RedisReplayStore:
 
     async def info(self, reply_id: str) -> ReplyInfo | None:
         local = await self._local.info(reply_id)
-        if local is not None and reply_id in self.writer.live:
+        if local is not None and reply_id in self.writer.tables.live:
             return local  # produced here and running: Redis has nothing newer
         found = await self.reads.info(reply_id)
         if found.info is None and local is not None:
@@ -190,7 +192,7 @@ class RedisReplayStore:
         await self._heartbeat.reading(reply_id)
 
     def read_elsewhere_at(self, reply_id: str) -> float | None:
-        return self.writer.read_elsewhere.get(reply_id)
+        return self.writer.tables.read_elsewhere.get(reply_id)
 
     def cursor(self, reply_id: str, after: int) -> LogCursor:
         if reply_id in self._local._logs:  # produced here: read (and measured) locally
@@ -200,7 +202,7 @@ class RedisReplayStore:
     # Cancels, deletes, and forgetting.
 
     async def request_cancel(self, reply_id: str) -> None:
-        if reply_id in self.writer.live and self.writer.stop_producer is not None:
+        if reply_id in self.writer.tables.live and self.writer.stop_producer is not None:
             self.writer.stop(reply_id)
             return
         try:
@@ -221,7 +223,7 @@ class RedisReplayStore:
         self._local.discard(reply_id)
 
     async def delete(self, reply_id: str) -> None:
-        if reply_id in self.writer.live:
+        if reply_id in self.writer.tables.live:
             self.writer.stop(reply_id)  # elsewhere, its producer hears at its next heartbeat
         self.writer.forget(reply_id)
         keys = [self.keys.key(reply_id, part) for part in DELETED_PARTS]
@@ -232,15 +234,15 @@ class RedisReplayStore:
 
     def stats(self) -> ReplayStats:
         local = self._local.stats()
-        writer = self.writer
+        failover = self.writer.failover
         return dataclasses.replace(
             local,
             gaps=local.gaps + self.reads.gaps,
-            lost_writes=writer.lost_writes,
-            repairs=writer.repairs,
-            repaired_events=writer.repaired_events,
-            holes=writer.holes,
-            evictions=writer.evictions + self.reads.evictions,
+            lost_writes=failover.lost_writes,
+            repairs=failover.repairs,
+            repaired_events=failover.repaired_events,
+            holes=failover.holes,
+            evictions=failover.evictions + self.reads.evictions,
         )
 
     async def aclose(self) -> None:

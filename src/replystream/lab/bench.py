@@ -1,10 +1,11 @@
 """``replystream bench URL``: load any streaming endpoint and report TTFT, TPOT, ITL and E2EL.
 
 This file decides the order of work: run the load, or a sweep of loads, with a progress bar;
-summarize; then print, write JSON, CSV and plots. The flags are ``bench_args``, sending is
-``load``, pacing is ``profiles``, the sweep's order is ``sweep``, the definitions are
-``benchstats``, the table is ``bench_report``, the plots are ``bench_plots``; this file must
-not compute a metric itself.
+summarize; then print, write JSON, CSV and plots. The flags are ``bench_args``, which of them
+fit together and the configs they make ``bench_config``, sending is ``load`` (a run's config
+and records: ``load_types``), pacing is ``profiles``, the sweep's order is ``sweep``, the
+definitions are ``benchstats``, the table is ``bench_report``, the plots are ``bench_plots``;
+this file must not compute a metric itself.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from typing import Any, TypeVar
 from rich.progress import TextColumn
 
 from replystream.lab.bench_args import add_arguments as add_arguments
-from replystream.lab.bench_args import config_from_args
 from replystream.lab.bench_compare import render_compare
+from replystream.lab.bench_config import config_from_args
 from replystream.lab.bench_csv import write_csv
 from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import summarize
-from replystream.lab.load import LoadConfig, LoadRun, RequestRecord, run_load
+from replystream.lab.load import run_load
+from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model

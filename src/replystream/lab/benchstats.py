@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from replystream.lab.load import LoadRun, RequestRecord
+from replystream.lab.load_types import LoadRun, RequestRecord
 from replystream.lab.server_metrics import change, during
 from replystream.stats import distribution, percentile
 

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from replystream.lab.benchstats import SLO, summarize
-from replystream.lab.load import LoadConfig, LoadRun
+from replystream.lab.load_types import LoadConfig, LoadRun
 from replystream.lab.profiles import Profile
 
 Runner = Callable[[LoadConfig], Awaitable[LoadRun]]
