@@ -174,6 +174,9 @@ class TimedEngine:
         finally:
             await deltas.aclose()
 
+    def seed_for(self, request: GenerationRequest) -> int | None:
+        return self.inner.seed_for(request)
+
     def count_tokens(self, text: str) -> int:
         return self.inner.count_tokens(text)
 

@@ -93,6 +93,9 @@ class ScriptedEngine:
             self._active -= 1
             self._counts["finished" if finished else "cancelled"] += 1
 
+    def seed_for(self, request: GenerationRequest) -> int | None:
+        return request.sampling.seed  # the script is the reply, whatever the seed
+
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 

@@ -6,6 +6,7 @@ Skipped with a reason when torch or transformers is missing (the ``hf`` extra), 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import importlib.util
@@ -18,13 +19,20 @@ import pytest
 
 from replystream.client.transport import http_request
 from replystream.engine.base import GenerationRequest, SamplingParams
-from replystream.server import create_app, running
+from replystream.server import command, create_app, running
 from replystream.sse import EventParser
 from tests.anthropic_counts import USER, assert_agree, counts_and_starts
 from tests.conftest import wait_for
 from tests.processes import replica
 from tests.services import REQUIRE_ENV, services_required
 from tests.sse_client import post_events
+
+
+def args_of(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -138,6 +146,23 @@ async def test_the_same_seed_gives_the_same_sampled_reply(engine: Any):
     first, _ = await collect(engine, "a stream", max_tokens=30, temperature=0.9, seed=4)
     again, _ = await collect(engine, "a stream", max_tokens=30, temperature=0.9, seed=4)
     assert first == again
+
+
+async def test_a_reply_without_a_seed_is_drawn_afresh_unless_the_engine_was_given_one(
+    engine: Any, model_dir: Path
+):
+    ask = {"max_tokens": 30, "temperature": 1.0}
+    first, _ = await collect(engine, "a stream", **ask)
+    again, _ = await collect(engine, "a stream", **ask)
+    assert first != again  # a fresh seed per request
+    five, _ = await collect(engine, "a stream", seed=5, **ask)
+    # serve --engine hf:PATH --seed 5: a request without a seed is sampled with 5.
+    seeded: Any = command.build_engine(args_of("--engine", f"hf:{model_dir}", "--seed", "5"))
+    try:
+        assert seeded.config.seed == 5
+        assert [(await collect(seeded, "a stream", **ask))[0] for _ in range(2)] == [five] * 2
+    finally:
+        await seeded.aclose()
 
 
 def test_split_characters_come_out_whole(model_dir: Path):

@@ -104,6 +104,7 @@ async def test_speculative_flags_reach_the_tiny_engine():
         ("simulated", "--speculative", "prompt-lookup"),
         ("upstream:http://127.0.0.1:9/v1", "--delay-ms", "20"),
         ("upstream:http://127.0.0.1:9/v1", "--max-running", "4"),
+        ("upstream:http://127.0.0.1:9/v1", "--seed", "7"),  # the relay passes clients' seeds
     ],
 )
 def test_an_option_the_engine_does_not_use_is_refused_naming_flag_and_engine(engine, flag, value):
@@ -127,3 +128,17 @@ async def test_the_simulated_engine_takes_its_own_options():
     assert isinstance(engine, SimulatedEngine)
     assert len(engine.config.reply_text.split()) == 7
     assert (engine.config.delay_ms, engine.config.jitter_ms) == (20, 0)
+
+
+async def test_seed_reaches_the_models_and_the_simulator_and_each_keeps_its_own_default():
+    tiny = command.build_engine(args_of("--engine", "tiny", "--seed", "7"))
+    fresh = command.build_engine(args_of("--engine", "tiny"))
+    simulated = command.build_engine(args_of("--engine", "simulated", "--seed", "7"))
+    lab = command.build_engine(args_of("--engine", "simulated"))
+    assert isinstance(tiny, TinyEngine) and isinstance(fresh, TinyEngine)
+    assert isinstance(simulated, SimulatedEngine) and isinstance(lab, SimulatedEngine)
+    assert (tiny.config.seed, simulated.config.seed) == (7, 7)
+    assert fresh.config.seed is None  # a fresh seed per request
+    assert lab.config.seed == 42  # the lab's reproducible simulator
+    await tiny.aclose()
+    await fresh.aclose()

@@ -130,6 +130,9 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
         async def start(self, request: GenerationRequest):
             raise RuntimeError("secret internals")
 
+        def seed_for(self, request: GenerationRequest) -> int | None:
+            return request.sampling.seed
+
         def count_tokens(self, text: str) -> int:
             return 0
 

@@ -42,9 +42,9 @@ NOT_FLAGS = {
     "DeliveryPolicy": {"checks"},
     "GuardConfig": set(),
     "TinyEngineConfig": {"block_size", "blas_threads", "spec_tokens"},
-    "SimulatedConfig": set(),
+    "SimulatedConfig": {"seed"},  # from --seed, when given (declared for the models)
     "UpstreamConfig": {"targets", "aliases"},  # aliases: from --upstream-routes
-    "HFEngineConfig": {"default_max_tokens", "torch_threads"},
+    "HFEngineConfig": {"default_max_tokens", "torch_threads", "seed"},
 }
 
 
@@ -186,7 +186,7 @@ def test_an_engine_option_is_refused_for_another_engine_by_its_declaration() -> 
     for row in ROWS:
         if not row.engines or row.choices:
             continue
-        other = next(kind for kind in ("simulated", "tiny") if kind not in row.engines)
+        other = next(kind for kind in ("simulated", "tiny", "upstream") if kind not in row.engines)
         given = [row.flag] if row.switch else [row.flag, a_value(row)[0]]
         with pytest.raises(ValueError, match=f"{row.flag} is an option of the"):
             engine_options.check_options(args_of("--engine", other, *given), other)

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import aiohttp
 import openai
 from aiohttp import web
 
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from tests.chat_upstream import ChatUpstream
+from tests.chat_upstream import ChatUpstream, reply_with
 from tests.sse_client import post_events
 
 PROMPT_TOKENS = 11  # what every upstream reports: more than our estimate of "hi"
@@ -65,7 +66,7 @@ class StallsOnce(ChatUpstream):
 
 
 @asynccontextmanager
-async def relay(upstreams: list[StallsOnce]) -> AsyncIterator[str]:
+async def relay(upstreams: Sequence[ChatUpstream]) -> AsyncIterator[str]:
     async with AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(running(u.app())) for u in upstreams]
         targets = tuple(UpstreamTarget(f"{u}/v1") for u in urls)
@@ -129,3 +130,36 @@ async def test_a_reply_without_a_generation_prompt_is_not_continued_as_an_assist
     assert got.chat_text == expected_text(0)[: len("s0w0 s0w1 s0w2 ")]
     assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_stalled"]
     assert not [b for u in upstreams for b in u.bodies if b.get("continue_final_message")]
+
+
+class NamesItsSeed(ChatUpstream):
+    """Answers every request at once with the seed it was sent (``-``: none), and keeps the
+    bodies."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        return await reply_with(request, f"seed {body.get('seed', '-')}")
+
+
+async def test_the_relay_sends_a_seed_only_when_the_client_gave_one_for_every_choice():
+    """A client without a seed leaves the draws to the upstream, one per choice, each its own
+    (a seed the relay made up would repeat the same choices for every such request); a
+    client's seed goes up as ``seed + i`` for choice ``i``."""
+    upstream = NamesItsSeed()
+    async with (
+        relay([upstream]) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        texts = []
+        for extra in ({"n": 1}, {"n": 2}, {"n": 2, "seed": 5}):
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                choices = (await response.json())["choices"]
+            texts.append(sorted(c["message"]["content"] for c in choices))
+    assert texts == [["seed -"], ["seed -", "seed -"], ["seed 5", "seed 6"]]
+    assert sum("seed" in body for body in upstream.bodies) == 2

@@ -56,7 +56,7 @@ class RequestRejected(EngineError):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each token. ``seed=None`` lets the engine choose (and stay deterministic)."""
+    """How to pick each token. ``seed=None`` lets the engine choose (``Engine.seed_for``)."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -360,6 +360,16 @@ class Engine(Protocol):
         Raises:
             RequestRejected: the request is invalid for this engine or cannot be admitted.
             EngineError: the engine failed before the first token (the server answers 500).
+        """
+        ...
+
+    def seed_for(self, request: GenerationRequest) -> int | None:
+        """The seed ``request`` is sampled with: its own, else the engine's for a request that
+        gives none (a configured one, or a fresh one on every call: ask once per request).
+        None: the engine picks no seed (a relay leaves it to its upstream).
+
+        ``start`` settles its request's seed this way; a request of several choices asks once
+        and gives choice ``i`` the seed ``seed + i`` (``engine.choices``).
         """
         ...
 

@@ -1,12 +1,14 @@
 """Several choices from one request (``n > 1``): n generations, each its own, as one stream.
 
-``start_choices`` admits the request n times, each with its own seed (``seed + i``, the seed
-being 0 when the request gave none), so the choices differ and the same request makes the same
-choices again. ``ChoicesStream`` merges their deltas in the order they are made, each tagged
-with its ``choice``; it ends when every generation has ended, and fails as soon as one fails
-(closing the others). ``close_choice(i)`` stops one generation early (its reply met a stop
-string) while the others go on. A request for one choice never comes here: it pays nothing.
-Every generation's stream is closed on every exit path. It must not know about HTTP.
+``start_choices`` admits the request n times, each with its own seed (``seed + i``, where
+``seed`` is the request's, else the one the engine settles for it once: ``Engine.seed_for``),
+so the choices differ and a request that gives a seed makes the same choices again; an engine
+that picks no seed (a relay) gets every choice without one. ``ChoicesStream`` merges their
+deltas in the order they are made, each tagged with its ``choice``; it ends when every
+generation has ended, and fails as soon as one fails (closing the others). ``close_choice(i)``
+stops one generation early (its reply met a stop string) while the others go on. A request
+for one choice never comes here: it pays nothing. Every generation's stream is closed on
+every exit path. It must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 
 from replystream.engine.base import Delta, DeltaStream, Engine, GenerationRequest
+from replystream.engine.seeds import MAX_SEED
 
-MAX_SEED = (1 << 63) - 1
 
-
-def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
-    """The request of choice ``index``: the same, with its own seed."""
-    seed = ((request.sampling.seed or 0) + index) & MAX_SEED
-    return replace(request, sampling=replace(request.sampling, seed=seed))
+def choice_request(request: GenerationRequest, seed: int | None, index: int) -> GenerationRequest:
+    """The request of choice ``index`` of a request sampled from ``seed``: the same, with its
+    own seed (none when ``seed`` is None)."""
+    if seed is None:
+        return request
+    return replace(request, sampling=replace(request.sampling, seed=(seed + index) & MAX_SEED))
 
 
 async def start_choices(engine: Engine, request: GenerationRequest, n: int) -> ChoicesStream:
@@ -33,10 +36,11 @@ async def start_choices(engine: Engine, request: GenerationRequest, n: int) -> C
     Raises:
         RequestRejected, EngineError: as ``Engine.start`` does, for the first refused.
     """
+    seed = engine.seed_for(request)  # once: a fresh seed's choices are seed + i as well
     streams: list[DeltaStream] = []
     try:
         for index in range(n):
-            streams.append(await engine.start(choice_request(request, index)))
+            streams.append(await engine.start(choice_request(request, seed, index)))
     except BaseException:
         for stream in streams:
             await _close(stream)

@@ -5,7 +5,8 @@ is downloaded) makes a reply: the prompt (or the chat messages, through the toke
 template when it has one, the template's markup with its control tokens and the messages' text
 as plain text: ``HFChatPrompt``) is encoded, then one forward pass per token with the model's own KV
 cache, each token picked by ``sampling.sample_token`` (the same greedy / temperature / top-k /
-top-p / seeded draws as the tiny engine), and sent on at once as a ``Delta``. Each reply runs
+top-p / seeded draws as the tiny engine, a request without a seed taking the configured one
+or a fresh one: ``engine.seeds``), and sent on at once as a ``Delta``. Each reply runs
 in a worker thread (at most ``max_running`` at a time), never on the event loop. Closing the
 stream or cancelling its reader sets the reply's ``threading.Event``, which the thread checks
 before every token, so it stops between two tokens. Text is decoded incrementally
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ from replystream.engine.sampling import (
     sample_token,
     token_logprob,
 )
+from replystream.engine.seeds import settled_seed
 
 log = logging.getLogger("replystream.engine")
 
@@ -224,6 +227,9 @@ class HFEngine:
     def count_prompt(self, request: GenerationRequest) -> int:
         return len(self._prompt_ids(request))  # what ``start`` feeds the model
 
+    def seed_for(self, request: GenerationRequest) -> int:
+        return settled_seed(request.sampling.seed, self.config.seed)
+
     def _token_bytes(self, token: int) -> bytes:
         """A token's text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
         return str(self.tokenizer.decode([token])).encode()
@@ -273,7 +279,8 @@ class HFEngine:
         with self._lock:
             self._cancels.add(cancel)
             self._counts["started"] += 1
-        self._executor.submit(self._generate, prompt, max_new, request, cancel, deliver)
+        seeded = replace(request, sampling=replace(request.sampling, seed=self.seed_for(request)))
+        self._executor.submit(self._generate, prompt, max_new, seeded, cancel, deliver)
         return HFDeltaStream(self._deltas(queue, cancel), cancel)
 
     async def _deltas(
@@ -326,7 +333,7 @@ class HFEngine:
         deliver: Deliver,
     ) -> str:
         params = request.sampling
-        rng = np.random.default_rng(0 if params.seed is None else params.seed)
+        rng = np.random.default_rng(params.seed)  # settled by ``start``
         detok = HFDetokenizer(self.tokenizer)
         stop = StopMatcher(params.stop)
         ids = torch.tensor([prompt], dtype=torch.long)  # (1, prompt tokens)

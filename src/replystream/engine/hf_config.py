@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class HFEngineConfig:
-    """How many replies run at once, and a reply's length when a request sets none."""
+    """How many replies run at once, and a reply's length and seed when a request sets none."""
 
     max_running: int = 4
     default_max_tokens: int = 128
     torch_threads: int | None = 1  # per process; None leaves torch's own choice
+    seed: int | None = None  # a request without a seed samples with it (None: a fresh one each)
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.default_max_tokens < 1:

@@ -139,10 +139,12 @@ class Runner:
     ) -> int:
         """Queue a request whose deltas go to ``deliver`` (called on the worker thread).
 
+        ``params.seed`` seeds the request's generator, which it keeps through preemptions
+        (a recompute makes no draw); None: fresh entropy (an engine settles the seed first).
+
         Raises:
             EngineError: the runner was stopped.
         """
-        seed = 0 if params.seed is None else params.seed
         with self._cond:
             if self._stopping:
                 raise EngineError("the engine was closed", code="engine_closed")
@@ -157,7 +159,7 @@ class Runner:
                     deliver=deliver,
                     detokenizer=IncrementalDetokenizer(self.tokenizer),
                     stop=StopMatcher(params.stop),
-                    rng=np.random.default_rng(seed),
+                    rng=np.random.default_rng(params.seed),
                     queued=self.clock(),
                     history=TokenHistory(prompt) if penalizes(params) else None,
                 )

@@ -2,8 +2,9 @@
 
 This file decides the timing of a simulated reply: an optional time before the first token
 (queueing plus a prefill that grows with the prompt) and then one token every ``d ± j`` ms.
-Each delay is a hash of the request's seed and the token's index, so the same seed gives the
-same schedule and a stream keeps no random generator and no precomputed schedule.
+Each delay is a hash of the request's seed (else the configured one: the lab's simulator is
+reproducible) and the token's index, so the same seed gives the same schedule and a stream
+keeps no random generator and no precomputed schedule.
 Each token is due at a fixed deadline measured from the start (not "sleep d after the last
 token"), so a timer that fires late does not push every later token back. A stream can be
 iterated (one timer per token) or attached to a sink; attached streams share one timer, so
@@ -158,7 +159,7 @@ class SimulatedEngine:
 
     def schedule(self, request: GenerationRequest) -> list[float]:
         """Seconds from the start at which each token of this request is due."""
-        seed = self._seed_of(request)
+        seed = self.seed_for(request)
         due_ms = self._first_token_ms(request)
         due = []
         for index in range(self._start_of(request), self._reply_length(request)):
@@ -166,7 +167,8 @@ class SimulatedEngine:
             due.append(due_ms / 1000.0)
         return due
 
-    def _seed_of(self, request: GenerationRequest) -> int:
+    def seed_for(self, request: GenerationRequest) -> int:
+        """The request's seed, else the configured one: the lab's simulator stays reproducible."""
         return self.config.seed if request.sampling.seed is None else request.sampling.seed
 
     def _first_token_ms(self, request: GenerationRequest) -> float:
@@ -200,7 +202,7 @@ class SimulatedEngine:
         loop = asyncio.get_running_loop()
         if self._ticker is None:
             self._ticker = _Ticker(loop)
-        seed = self._seed_of(request)
+        seed = self.seed_for(request)
         return SimulatedStream(
             self,
             seed,

@@ -4,15 +4,17 @@ This file decides what a request means to the tiny model: the prompt is plain te
 model continues (it was trained on plain prose; an empty prompt starts a new paragraph), how
 many tokens a reply may have (``max_tokens``, else ``default_max_tokens``, never past the
 context; the default never past what the KV pool holds either), and which requests are
-refused before any token (``RequestRejected`` naming the field). Closing a delta stream or
-cancelling its reader aborts the request at the runner's next step. It must not know about HTTP.
+refused before any token (``RequestRejected`` naming the field), and the seed a request that
+gives none is sampled with (``seed``, else a fresh one per request: ``engine.seeds``).
+Closing a delta stream or cancelling its reader aborts the request at the runner's next step.
+It must not know about HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from replystream.engine.base import (
@@ -30,6 +32,7 @@ from replystream.engine.prompts import PlainPrompt, PromptFormat
 from replystream.engine.runner import DeltaQueue, RequestTimings, Runner
 from replystream.engine.sampling import check_logit_bias, check_sampling
 from replystream.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from replystream.engine.seeds import settled_seed
 from replystream.engine.tokenizer import ByteTokenizer
 
 ASSETS = Path(__file__).parent / "tiny_assets"
@@ -38,7 +41,7 @@ EMPTY_PROMPT = "\n\n"
 
 @dataclass(frozen=True, slots=True)
 class TinyEngineConfig:
-    """Capacity of the engine: the KV pool and the step limits."""
+    """Capacity of the engine: the KV pool and the step limits; the default seed."""
 
     num_blocks: int = 512
     block_size: int = 16
@@ -48,6 +51,7 @@ class TinyEngineConfig:
     blas_threads: int | None = 1  # None leaves BLAS's own thread count
     spec_tokens: int = 0  # prompt-lookup draft tokens per step at most (0: off)
     spec_ngram: int = 3  # longest context n-gram a draft is looked up by
+    seed: int | None = None  # a request without a seed samples with it (None: a fresh one each)
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.default_max_tokens) < 1:
@@ -124,6 +128,9 @@ class TinyEngine:
     def count_prompt(self, request: GenerationRequest) -> int:
         return len(self.prompts.prompt_ids(request))  # what ``start`` feeds the model
 
+    def seed_for(self, request: GenerationRequest) -> int:
+        return settled_seed(request.sampling.seed, self.config.seed)
+
     async def start(self, request: GenerationRequest) -> TinyDeltaStream:
         check_sampling(request.sampling)
         check_logit_bias(request.sampling, self.model.config.vocab_size)
@@ -156,7 +163,9 @@ class TinyEngine:
                 f"of {len(prompt)} tokens, max_tokens may be at most {fits}",
                 param="max_tokens",
             )
-        request_id, queue = self.runner.submit(prompt, max_new, request.sampling)
+        # Settled here, once: the runner keeps the one generator through any preemption.
+        sampling = replace(request.sampling, seed=self.seed_for(request))
+        request_id, queue = self.runner.submit(prompt, max_new, sampling)
         self.runner.start()
         return TinyDeltaStream(request_id, self._deltas(request_id, queue), self.runner)
 

@@ -197,6 +197,11 @@ class UpstreamEngine:
         server has no count of its own to ask for), and an estimate is no count."""
         return None
 
+    def seed_for(self, request: GenerationRequest) -> int | None:
+        """The client's seed, passed on; none when it gave none (the upstream draws its own,
+        one per choice of a request of several)."""
+        return request.sampling.seed
+
     def _headers(self, backend: Backend, client_key: str | None = None) -> dict[str, str]:
         return self._keys.headers(backend.name, client_key)
 

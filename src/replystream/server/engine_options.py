@@ -201,7 +201,12 @@ def build_simulated(args: argparse.Namespace) -> Engine:
         raise ValueError("--reply-text has no words; give at least one")
     if args.tokens is not None:
         text = reply_of_length(text, args.tokens)
-    return simulated_engine(settings.fill(SimulatedConfig, args, ENGINE_SETTINGS, reply_text=text))
+    # --seed is declared with the models' config (no default: a fresh seed per request); the
+    # simulated engine keeps its own default unless the command line gave one.
+    seed = {} if args.seed is None else {"seed": args.seed}
+    return simulated_engine(
+        settings.fill(SimulatedConfig, args, ENGINE_SETTINGS, reply_text=text, **seed)
+    )
 
 
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
@@ -265,9 +270,13 @@ def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
             f"--engine hf needs torch and transformers (pip install 'replystream[hf]'): {exc}"
         ) from exc
     assert choice.path is not None
-    # --default-max-tokens is declared once, for the tiny and hf engines alike.
+    # --default-max-tokens and --seed are declared once, for the tiny and hf engines alike.
     config = settings.fill(
-        HFEngineConfig, args, ENGINE_SETTINGS, default_max_tokens=args.default_max_tokens
+        HFEngineConfig,
+        args,
+        ENGINE_SETTINGS,
+        default_max_tokens=args.default_max_tokens,
+        seed=args.seed,
     )
     try:
         return load_hf_engine(choice.path, config)

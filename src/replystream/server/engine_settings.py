@@ -29,6 +29,7 @@ SPECULATIVE = ("off", "prompt-lookup")
 TINY = ("tiny", "smollm2", "gguf")
 SIMULATED = ("simulated",)
 UPSTREAM = ("upstream",)
+SIMULATED_SEED = SimulatedConfig().seed  # its default, which the help of --seed states
 
 TINY_ENGINE = Group(
     "built-in engine (--engine smollm2, the default when installed; tiny; gguf:PATH)",
@@ -87,6 +88,24 @@ TINY_ENGINE = Group(
     ),
 )
 
+# Declared once for every engine that seeds, each with its own default (the help states both):
+# it fills the built-in engine's config, and the hf and simulated builders pass it on to theirs.
+SEEDING = Group(
+    "seeds (--engine smollm2, tiny, gguf:PATH, hf:PATH, simulated)",
+    (
+        Setting(
+            "--seed",
+            "the seed of a request that gives none (its own always wins): the models (tiny, "
+            "smollm2, gguf, hf) sample with it, so the same request makes the same reply "
+            "(default: a fresh seed per request, as OpenAI's and vLLM's); the simulated "
+            f"engine's jitter and made-up log probabilities follow it (default: {SIMULATED_SEED})",
+            non_negative_int,
+            fills=(TinyEngineConfig, "seed"),
+            engines=(*TINY, "hf", *SIMULATED),
+        ),
+    ),
+)
+
 
 def _reply_script(path: str) -> ReplyScript:
     try:
@@ -135,13 +154,6 @@ SIMULATED_ENGINE = Group(
             "each token's delay varies uniformly by up to this much (at most --delay-ms)",
             schedule_ms,
             fills=(SimulatedConfig, "jitter_ms"),
-            engines=SIMULATED,
-        ),
-        Setting(
-            "--seed",
-            "seeds the jitter (a request's seed overrides it)",
-            non_negative_int,
-            fills=(SimulatedConfig, "seed"),
             engines=SIMULATED,
         ),
         Setting(
@@ -315,4 +327,4 @@ HF_ENGINE = Group(
     ),
 )
 
-ENGINE_SETTINGS = (TINY_ENGINE, SIMULATED_ENGINE, UPSTREAM_ENGINE, HF_ENGINE)
+ENGINE_SETTINGS = (TINY_ENGINE, SEEDING, SIMULATED_ENGINE, UPSTREAM_ENGINE, HF_ENGINE)
