@@ -23,13 +23,14 @@ from replystream.cli_values import (
 )
 from replystream.client import ReplyTiming
 from replystream.client.transport import ConnectError, TransportError
+from replystream.engine.seeds import MAX_SEED
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.open_files import OWN_FILES, make_room
 from replystream.lab.plots import plot_timeline
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
-from replystream.server.schema_fields import MAX_SEED, MAX_TOKENS_LIMIT
+from replystream.server.schema_fields import MAX_TOKENS_LIMIT
 
 # What the lab writes in --out: the first call's arrivals, and their plot.
 TIMELINE_FILES = ("timeline.json", "timeline.png")
