@@ -56,11 +56,8 @@ from replystream.server.context import (
     STORE_KEY,
     ServerConfig,
     buffered,
-    check_resume_point,
-    find_reply,
     follow_reply,
     follow_started,
-    resume_after,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError, retry_after_value
@@ -79,6 +76,7 @@ from replystream.server.query_schemas import LabQuery, ResumeCursor
 from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
 from replystream.server.responses_input_items import add_input_items_route
+from replystream.server.resume_points import check_resume_point, find_reply, resume_after
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
 from replystream.server.websocket import add_websocket_route

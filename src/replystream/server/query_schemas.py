@@ -5,7 +5,7 @@ header), ``GET /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
 These carry text, not JSON: an integer is ASCII digits in range, a flag one of a few
 spellings in any case, and unknown parameters are ignored (as the lab's query string always
 has). This file decides what each parameter may be; how the query's cursor and the header
-are reconciled is ``server.context.resume_after``'s. It must not know about aiohttp or
+are reconciled is ``server.resume_points.resume_after``'s. It must not know about aiohttp or
 engines.
 """
 
@@ -90,7 +90,7 @@ class LabQuery(Query):
 class ResumeCursor(Query):
     """``GET /v1/replies/{id}/stream``: the last event id the client holds, as the query's
     ``last_event_id`` or the ``Last-Event-ID`` header says it (blank or absent: None; how
-    the two are reconciled is ``server.context.resume_after``'s)."""
+    the two are reconciled is ``server.resume_points.resume_after``'s)."""
 
     last_event_id: Annotated[
         int | None, _digits("last_event_id", 0, MAX_SEED, blank_is_absent=True)

@@ -59,11 +59,8 @@ from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     buffered,
-    check_resume_point,
-    find_reply,
     follow_reply,
     follow_started,
-    resume_after,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
@@ -82,6 +79,7 @@ from replystream.server.responses_schemas import (
     ResponsesReasoning,
     kept_conversation,
 )
+from replystream.server.resume_points import check_resume_point, find_reply, resume_after
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import (
     Origin,
