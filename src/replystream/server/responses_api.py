@@ -9,8 +9,9 @@
 - ``GET /v1/responses/{id}``: the object as its log tells it now; with ``stream=true``, its
   events after ``starting_after`` (or ``Last-Event-ID``: the same cursor), then the live tail.
 - ``POST /v1/responses/{id}/cancel`` (idempotent) and ``DELETE /v1/responses/{id}``.
-- ``GET /v1/responses/{id}/input_items`` is ``server.responses_input_items``'s (it finds the
-  response with ``response_reply_id`` and ``find_response``, as every route here does).
+- ``GET /v1/responses/{id}/input_items`` is ``server.responses_input_items``'s. Every route
+  that reads a stored response finds it and tells its object through
+  ``server.responses_stored``.
 - ``previous_response_id`` continues a conversation: each stored response keeps its input
   (as chat messages, in ``ReplyInfo.context``, beside the request's ``input`` as given) so
   the next one sends the history, the previous output and its own input.
@@ -33,23 +34,17 @@ from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import (
-    LogEntry,
-    ReadResult,
     ReplayStore,
     StoreUnavailable,
     entries_bytes,
 )
 from replystream.delivery.responses_format import ResponsesStreamFormat
 from replystream.delivery.responses_log import (
-    TERMINAL,
     ReaderNotices,
-    opened_object,
-    response_from_log,
 )
 from replystream.delivery.responses_objects import (
     MessageLogprobs,
     ResponseSettings,
-    reply_id_of,
     response_object,
     split_by_message,
 )
@@ -74,12 +69,18 @@ from replystream.server.openai_api import SDK_KEEPALIVE, routed_model, served_mo
 from replystream.server.query_schemas import RetrieveQuery
 from replystream.server.replies import Reply
 from replystream.server.responses_schemas import (
-    Conversation,
     ResponsesBody,
     ResponsesReasoning,
     kept_conversation,
 )
-from replystream.server.resume_points import check_resume_point, find_reply, resume_after
+from replystream.server.responses_stored import (
+    entries_until,
+    find_response,
+    read_response,
+    response_reply_id,
+    stored_conversation,
+)
+from replystream.server.resume_points import check_resume_point, resume_after
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import (
     Origin,
@@ -88,13 +89,10 @@ from replystream.server.tool_requests import (
     responses_messages,
     responses_tools,
 )
-from replystream.server.validation import parse_json, parse_mapping, read_model
+from replystream.server.validation import parse_mapping, read_model
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
-LIVENESS_WAIT_S = 0.05  # how long reading a live response's object may wait on its store
-FIRST_EVENT_WAIT_S = 2.0  # how long a reply known to the store may take to log its first event
-NO_SUCH_RESPONSE = "no such response (unknown, expired, deleted, or not yours)"
 
 Messages = list[dict[str, Any]]
 
@@ -117,112 +115,17 @@ def input_messages(body: ResponsesBody) -> tuple[Messages, list[Origin]]:
     return responses_messages(body.input)
 
 
-async def find_response(
-    request: web.Request, reply_id: str, param: str
-) -> tuple[ReplayStore, Reply | None, dict[str, Any] | None]:
-    """The store of the caller's response ``reply_id``, its producer when it runs here, and
-    the object its ``response.created`` event carried (None if that event is gone); else a
-    404: a reply of another dialect is not a response, and is neither streamed as one nor
-    deleted here."""
-    _, store, local = await find_reply(request, reply_id, param=param)
-    try:
-        # A reply made on another replica may be known before its first event is: its
-        # producer logs its events to the store a moment after it sends them.
-        head = await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
-    except StoreUnavailable as exc:
-        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    # Every event of a response's log is named response.* (the first one, if it was trimmed).
-    first = head.entries[0] if head is not None and head.entries else None
-    if first is None or not (first.event or "").startswith("response."):
-        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
-    return store, local, opened_object(first)
-
-
-def response_reply_id(response_id: str, param: str) -> str:
-    """The reply id inside ``response_id``, or a 404 naming ``param``."""
-    reply_id = reply_id_of(response_id)
-    if not reply_id:
-        raise HTTPAPIError(
-            404, f"no such response: {response_id!r}", code="reply_not_found", param=param
-        )
-    return reply_id
-
-
-async def _read_log(store: ReplayStore, reply_id: str) -> ReadResult | None:
-    """Every entry of a reply's log as it stands now. A store may answer a read in batches
-    (Redis's: 1,000 entries), so this reads on until a read brings nothing new or the end;
-    the first range of lost events is kept, for the caller to refuse a text with holes."""
-    result = await store.read(reply_id, 0, 0.0)
-    if result is None:
-        return None
-    entries, lost = list(result.entries), result.lost
-    while result.ending is None and result.entries:
-        following = await store.read(reply_id, entries[-1].seq, 0.0)
-        if following is None:  # expired or deleted meanwhile: what was read stands
-            break
-        result = following
-        entries += result.entries
-        lost = lost or result.lost
-    return ReadResult(entries, lost, result.ending, result.producer_lost)
-
-
-async def _entries_until(store: ReplayStore, reply_id: str, after: int) -> list[LogEntry]:
-    """The log's entries up to event ``after``: what a client resuming after it was told."""
-    entries: list[LogEntry] = []
-    try:
-        while not entries or entries[-1].seq < after:
-            result = await store.read(reply_id, entries[-1].seq if entries else 0, 0.0)
-            if result is None or not result.entries:
-                break
-            entries += result.entries
-    except StoreUnavailable as exc:
-        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    return [entry for entry in entries if entry.seq <= after]
-
-
-async def _read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
-    """The response object as its log tells it now."""
-    try:
-        result = await _read_log(store, reply_id)
-        lost = False
-        if result is not None and result.ending is None and result.entries:
-            # Not ended: is its producer still there? (A store says so when a read finds
-            # nothing new; a short wait lets one remote read ask.)
-            after = await store.read(reply_id, result.entries[-1].seq, LIVENESS_WAIT_S)
-            lost = after is not None and after.producer_lost
-    except StoreUnavailable as exc:
-        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    response = None
-    if result is not None:
-        response = response_from_log(result.entries, producer_lost=lost)
-        if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
-            # Events before these are gone (evicted, or trimmed): only a terminal event,
-            # which carries the whole response, can be trusted; never a text with holes.
-            raise HTTPAPIError(
-                410,
-                f"events {result.lost[0]}-{result.lost[1]} of this response are no longer "
-                "kept (evicted by Redis under memory pressure, or trimmed): it cannot be "
-                "told whole",
-                code="reply_evicted",
-                param="response_id",
-            )
-    if response is None:
-        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
-    return response
-
-
 async def _history(request: web.Request, previous: str) -> Messages:
     """The conversation a ``previous_response_id`` continues: its history and input, then
     its output."""
     reply_id = response_reply_id(previous, "previous_response_id")
     store, _, _ = await find_response(request, reply_id, "previous_response_id")
-    info = await store.info(reply_id)
-    response = await _read_response(store, reply_id)
+    kept = await stored_conversation(store, reply_id)
+    response = await read_response(store, reply_id)
     if response["status"] in ("queued", "in_progress"):
         raise bad("previous_response_id", f"response {previous} has not finished yet")
     history: Messages = []
-    if info is not None and info.context:
-        kept = parse_json(info.context, Conversation, what="stored conversation")
+    if kept is not None:
         history = [turn.model_dump(exclude_none=True) for turn in kept.messages]
     text = "".join(
         part["text"]
@@ -365,7 +268,7 @@ async def _await_end(reply: Reply) -> dict[str, Any]:
         await _until_ended(reply.store, reply.reply_id)
     finally:
         reply.reader_left("client_gone")  # after the end, this only lets go of the log
-    return await _read_response(reply.store, reply.reply_id)
+    return await read_response(reply.store, reply.reply_id)
 
 
 async def _until_ended(store: ReplayStore, reply_id: str) -> None:
@@ -455,7 +358,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     reply_id = response_reply_id(given_id, "response_id")
     store, local, opened = await find_response(request, reply_id, "response_id")
     if not query.stream:
-        return web.json_response(await _read_response(store, reply_id))
+        return web.json_response(await read_response(store, reply_id))
     # An EventSource resumes with the same cursor, in its header.
     cursors = {"starting_after": query.starting_after, "last_event_id": query.last_event_id}
     after, param = resume_after(request, cursors)
@@ -468,7 +371,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             param=param,
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
-    told = await _entries_until(store, reply_id, after) if after > 0 else []
+    told = await entries_until(store, reply_id, after) if after > 0 else []
     policy = request.app[CONFIG_KEY].policy
     return follow_reply(
         request,
@@ -487,7 +390,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     has ended already is answered as it is)."""
     reply_id = response_reply_id(request.match_info["response_id"], "response_id")
     store, _, _ = await find_response(request, reply_id, "response_id")
-    response = await _read_response(store, reply_id)
+    response = await read_response(store, reply_id)
     if response["status"] not in ("queued", "in_progress"):
         return web.json_response(response)
     try:
@@ -499,7 +402,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(CANCEL_WAIT_S):
             await _until_ended(store, reply_id)
-    return web.json_response(await _read_response(store, reply_id))
+    return web.json_response(await read_response(store, reply_id))
 
 
 async def handle_delete(request: web.Request) -> web.StreamResponse:

@@ -15,7 +15,7 @@ reply id is random and made after the request was sent, so no id a client gives 
 of these.
 
 This file decides the items' shapes and ids and the page; finding the response (its owner,
-whether it is stored) is ``server.responses_api``'s, and it must not know how a response's
+whether it is stored) is ``server.responses_stored``'s, and it must not know how a response's
 events are logged.
 """
 
@@ -26,20 +26,23 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.delivery.replay import StoreUnavailable
 from replystream.server.errors import HTTPAPIError
 from replystream.server.query_schemas import InputItemsQuery
-from replystream.server.responses_api import NO_SUCH_RESPONSE, find_response, response_reply_id
 from replystream.server.responses_schemas import (
     LOGPROBS_INCLUDED,
-    Conversation,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputMessage,
     InputText,
     ReasoningItem,
 )
-from replystream.server.validation import parse_json, parse_mapping
+from replystream.server.responses_stored import (
+    NO_SUCH_RESPONSE,
+    find_response,
+    response_reply_id,
+    stored_conversation,
+)
+from replystream.server.validation import parse_mapping
 
 Item = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
@@ -164,13 +167,9 @@ async def handle_list_input_items(request: web.Request) -> web.StreamResponse:
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
     store, _, _ = await find_response(request, reply_id, "response_id")
-    try:
-        info = await store.info(reply_id)
-    except StoreUnavailable as exc:
-        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    if info is None:  # expired or deleted since it was found
+    kept = await stored_conversation(store, reply_id)
+    if kept is None:  # expired or deleted since it was found
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
-    kept = parse_json(info.context, Conversation, what="stored conversation")
     if kept.input is None:
         raise HTTPAPIError(
             410,

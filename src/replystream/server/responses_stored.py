@@ -1,0 +1,132 @@
+"""A stored response, found and told from its log: the caller's response by id (a 404 for
+another key's, an unknown one, or a reply of another dialect), the conversation it keeps,
+its entries up to a point, and its object as the log tells it now (a 410 when events it
+needs were evicted: never a text with holes). The Responses routes (``responses_api``,
+``responses_input_items``) read stored responses only through here. It must not know how a
+response's events are made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
+from replystream.delivery.responses_log import TERMINAL, opened_object, response_from_log
+from replystream.delivery.responses_objects import reply_id_of
+from replystream.server.errors import HTTPAPIError
+from replystream.server.replies import Reply
+from replystream.server.responses_schemas import Conversation
+from replystream.server.resume_points import find_reply
+from replystream.server.validation import parse_json
+
+LIVENESS_WAIT_S = 0.05  # how long reading a live response's object may wait on its store
+FIRST_EVENT_WAIT_S = 2.0  # how long a reply known to the store may take to log its first event
+NO_SUCH_RESPONSE = "no such response (unknown, expired, deleted, or not yours)"
+
+
+async def find_response(
+    request: web.Request, reply_id: str, param: str
+) -> tuple[ReplayStore, Reply | None, dict[str, Any] | None]:
+    """The store of the caller's response ``reply_id``, its producer when it runs here, and
+    the object its ``response.created`` event carried (None if that event is gone); else a
+    404: a reply of another dialect is not a response, and is neither streamed as one nor
+    deleted here."""
+    _, store, local = await find_reply(request, reply_id, param=param)
+    try:
+        # A reply made on another replica may be known before its first event is: its
+        # producer logs its events to the store a moment after it sends them.
+        head = await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    # Every event of a response's log is named response.* (the first one, if it was trimmed).
+    first = head.entries[0] if head is not None and head.entries else None
+    if first is None or not (first.event or "").startswith("response."):
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
+    return store, local, opened_object(first)
+
+
+def response_reply_id(response_id: str, param: str) -> str:
+    """The reply id inside ``response_id``, or a 404 naming ``param``."""
+    reply_id = reply_id_of(response_id)
+    if not reply_id:
+        raise HTTPAPIError(
+            404, f"no such response: {response_id!r}", code="reply_not_found", param=param
+        )
+    return reply_id
+
+
+async def read_log(store: ReplayStore, reply_id: str) -> ReadResult | None:
+    """Every entry of a reply's log as it stands now. A store may answer a read in batches
+    (Redis's: 1,000 entries), so this reads on until a read brings nothing new or the end;
+    the first range of lost events is kept, for the caller to refuse a text with holes."""
+    result = await store.read(reply_id, 0, 0.0)
+    if result is None:
+        return None
+    entries, lost = list(result.entries), result.lost
+    while result.ending is None and result.entries:
+        following = await store.read(reply_id, entries[-1].seq, 0.0)
+        if following is None:  # expired or deleted meanwhile: what was read stands
+            break
+        result = following
+        entries += result.entries
+        lost = lost or result.lost
+    return ReadResult(entries, lost, result.ending, result.producer_lost)
+
+
+async def entries_until(store: ReplayStore, reply_id: str, after: int) -> list[LogEntry]:
+    """The log's entries up to event ``after``: what a client resuming after it was told."""
+    entries: list[LogEntry] = []
+    try:
+        while not entries or entries[-1].seq < after:
+            result = await store.read(reply_id, entries[-1].seq if entries else 0, 0.0)
+            if result is None or not result.entries:
+                break
+            entries += result.entries
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    return [entry for entry in entries if entry.seq <= after]
+
+
+async def read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
+    """The response object as its log tells it now."""
+    try:
+        result = await read_log(store, reply_id)
+        lost = False
+        if result is not None and result.ending is None and result.entries:
+            # Not ended: is its producer still there? (A store says so when a read finds
+            # nothing new; a short wait lets one remote read ask.)
+            after = await store.read(reply_id, result.entries[-1].seq, LIVENESS_WAIT_S)
+            lost = after is not None and after.producer_lost
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    response = None
+    if result is not None:
+        response = response_from_log(result.entries, producer_lost=lost)
+        if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
+            # Events before these are gone (evicted, or trimmed): only a terminal event,
+            # which carries the whole response, can be trusted; never a text with holes.
+            raise HTTPAPIError(
+                410,
+                f"events {result.lost[0]}-{result.lost[1]} of this response are no longer "
+                "kept (evicted by Redis under memory pressure, or trimmed): it cannot be "
+                "told whole",
+                code="reply_evicted",
+                param="response_id",
+            )
+    if response is None:
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+    return response
+
+
+async def stored_conversation(store: ReplayStore, reply_id: str) -> Conversation | None:
+    """The conversation a stored response keeps (its history, and its request's input as
+    given); None once the response is gone (expired or deleted since it was found)."""
+    try:
+        info = await store.info(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    if info is None or not info.context:
+        return None
+    return parse_json(info.context, Conversation, what="stored conversation")
