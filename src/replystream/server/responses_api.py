@@ -14,7 +14,8 @@
   ``server.responses_stored``.
 - ``previous_response_id`` continues a conversation: each stored response keeps its input
   (as chat messages, in ``ReplyInfo.context``, beside the request's ``input`` as given) so
-  the next one sends the history, the previous output and its own input.
+  the next one sends the history, the previous output and its own input. That prompt is
+  ``server.responses_prompt``'s, which ``POST /v1/responses/input_tokens`` counts.
 Every response is a reply like any other (batching, hold-back, keep-alive, the slow-client
 limits, owner checks); this file turns requests into replies through ``server.context`` and
 must not know how tokens are made or how events are framed.
@@ -60,14 +61,13 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native import (
-    bad,
-    check_prompt_size,
     delivery_overrides,
     sampling_params,
 )
-from replystream.server.openai_api import SDK_KEEPALIVE, routed_model, served_model
+from replystream.server.openai_api import SDK_KEEPALIVE, served_model
 from replystream.server.query_schemas import RetrieveQuery
 from replystream.server.replies import Reply
+from replystream.server.responses_prompt import response_prompt
 from replystream.server.responses_schemas import (
     ResponsesBody,
     ResponsesReasoning,
@@ -78,23 +78,13 @@ from replystream.server.responses_stored import (
     find_response,
     read_response,
     response_reply_id,
-    stored_conversation,
 )
 from replystream.server.resume_points import check_resume_point, resume_after
 from replystream.server.schema_fields import SamplingFields
-from replystream.server.tool_requests import (
-    Origin,
-    check_tool_answers,
-    prompt_of,
-    responses_messages,
-    responses_tools,
-)
 from replystream.server.validation import parse_mapping, read_model
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
-
-Messages = list[dict[str, Any]]
 
 
 def _sampling(body: ResponsesBody) -> SamplingFields:
@@ -105,74 +95,6 @@ def _sampling(body: ResponsesBody) -> SamplingFields:
         temperature=body.temperature,
         top_p=body.top_p,
         **({} if extensions is None else extensions.model_dump(exclude_none=True)),
-    )
-
-
-def input_messages(body: ResponsesBody) -> tuple[Messages, list[Origin]]:
-    """The request's ``input`` as chat messages, with where in it each came from."""
-    if isinstance(body.input, str):
-        return [{"role": "user", "content": body.input}], [Origin("input")]
-    return responses_messages(body.input)
-
-
-async def _history(request: web.Request, previous: str) -> Messages:
-    """The conversation a ``previous_response_id`` continues: its history and input, then
-    its output."""
-    reply_id = response_reply_id(previous, "previous_response_id")
-    store, _, _ = await find_response(request, reply_id, "previous_response_id")
-    kept = await stored_conversation(store, reply_id)
-    response = await read_response(store, reply_id)
-    if response["status"] in ("queued", "in_progress"):
-        raise bad("previous_response_id", f"response {previous} has not finished yet")
-    history: Messages = []
-    if kept is not None:
-        history = [turn.model_dump(exclude_none=True) for turn in kept.messages]
-    text = "".join(
-        part["text"]
-        for item in response["output"]
-        for part in item.get("content", [])
-        if part.get("type") == "output_text"
-    )
-    calls = [
-        {
-            "id": item["call_id"],
-            "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]},
-        }
-        for item in response["output"]
-        if item.get("type") == "function_call"
-    ]
-    if calls:
-        return [*history, {"role": "assistant", "content": text or None, "tool_calls": calls}]
-    return [*history, {"role": "assistant", "content": text}]
-
-
-def _generation(
-    body: ResponsesBody, conversation: Messages, origins: list[Origin], max_prompt_chars: int
-) -> GenerationRequest:
-    """``origins``: where each message of ``conversation`` came from, which a mistake names."""
-    messages = list(conversation)
-    if body.instructions:  # the request's own: not carried on to the next response
-        messages.insert(0, {"role": "system", "content": body.instructions})
-        origins = [Origin("instructions"), *origins]
-    check_tool_answers(messages, origins)
-    prompt = prompt_of(messages)
-    check_prompt_size(prompt, max_prompt_chars, "input", noun="input")
-    sampling = sampling_params(
-        _sampling(body), body.max_output_tokens, logprobs=body.shown_logprobs
-    )
-    tools, tool_choice = responses_tools(body.tools, body.tool_choice)
-    parallel = body.parallel_tool_calls
-    effort = None if body.reasoning is None else body.reasoning.effort
-    return GenerationRequest(
-        prompt,
-        sampling,
-        tuple(messages),
-        tools,
-        tool_choice,
-        parallel_tool_calls=parallel,
-        prompt_cache_key=body.prompt_cache_key,
-        reasoning_effort=effort,
     )
 
 
@@ -189,21 +111,19 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
     app = request.app
     config = app[CONFIG_KEY]
     body = await read_model(request, ResponsesBody)
-    routed = routed_model(app, body.model)
-    model = routed or served_model(app)
-    conversation, origins = input_messages(body)
-    if body.previous_response_id is not None:
-        history = await _history(request, body.previous_response_id)
-        conversation = [*history, *conversation]
-        # A stored turn was checked when it was made: what it holds is the earlier response's.
-        origins = [Origin("previous_response_id")] * len(history) + origins
+    made = await response_prompt(request, body)
     policy = delivery_overrides(_sampling(body), config.policy)
+    sampling = sampling_params(
+        _sampling(body), body.max_output_tokens, logprobs=body.shown_logprobs
+    )
     generation = replace(
-        _generation(body, conversation, origins, config.max_prompt_chars),
-        model=routed,
+        made.generation,
+        sampling=sampling,
         continuation=_sampling(body).upstream_continue,
         reasoning=policy.shows_thinking,
+        prompt_cache_key=body.prompt_cache_key,
     )
+    model = made.generation.model or served_model(app)
     settings = ResponseSettings(
         model=model,
         created_at=int(time.time()),
@@ -242,7 +162,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         policy=policy,
         resumable=True,
         disconnect="keep" if body.background else "cancel",
-        context=kept_conversation(conversation, body.input),
+        context=kept_conversation(made.conversation, body.input),
     )
     if body.stream:
         return _follow(request, reply, policy, settings)

@@ -1,10 +1,11 @@
-"""The declared shape of OpenAI's Responses API requests (``POST /v1/responses``): its input
-items, function tools, reasoning and text options, replystream's own fields under
-``replystream``; and the conversation a stored response keeps.
+"""The declared shape of OpenAI's Responses API requests (``POST /v1/responses``, and the
+count of its input, ``POST /v1/responses/input_tokens``, which takes the prompt's fields
+alone): its input items, function tools, reasoning and text options, replystream's own fields
+under ``replystream``; and the conversation a stored response keeps.
 
 This file decides what that route accepts, field by field, and the checks within one body (a
 background response is stored; ``stream_options`` only on a stream). Turning a body into a
-request is ``server.responses_api``'s (its tools, ``server.tool_requests``'s). It must not
+request is ``server.responses_prompt``'s (its tools, ``server.tool_requests``'s). It must not
 know about aiohttp or engines.
 """
 
@@ -228,19 +229,65 @@ def _honoured_includes(values: list[str]) -> list[str]:
     return values
 
 
-class ResponsesBody(Strict):
-    """``POST /v1/responses``."""
+class ResponsesPrompt(Strict):
+    """What a response's prompt is made of: the fields ``POST /v1/responses`` and
+    ``POST /v1/responses/input_tokens`` share (OpenAI's spec gives the count exactly these,
+    and ``conversation`` and ``personality``), so the two routes cannot read one input two
+    ways."""
 
     unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
     field_codes: ClassVar[Mapping[str, str]] = {
         "truncation": "unsupported_parameter",
         "text.format.type": "unsupported_parameter",
-        "include": "unsupported_parameter",
     }
 
     model: str | None = None
-    input: ResponseInput
+    input: ResponseInput | None = None
     instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ResponsesReasoning | None = None
+    text: ResponsesText | None = None
+    # "auto" would let the server drop input from the middle to fit the context: this one
+    # never drops input (a prompt too long is a 400), so it takes the one value it honours.
+    truncation: (
+        Annotated[str, only("disabled", "disabled; this server never drops input")] | None
+    ) = None
+
+
+class InputTokensBody(ResponsesPrompt):
+    """``POST /v1/responses/input_tokens``: a response's prompt, to count. Its ``input`` may
+    be left out to count where a ``previous_response_id``'s conversation is (the route
+    refuses a body with neither, as a missing ``input``)."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {
+        **ResponsesPrompt.field_codes,
+        "conversation": "unsupported_parameter",
+        "personality": "unsupported_parameter",
+    }
+
+    # In the count's spec, and nothing this server can honour: it keeps no conversations
+    # (``previous_response_id`` continues one) and has no style presets.
+    conversation: (
+        Annotated[Any, only(None, "left out; this server keeps no conversations")] | None
+    ) = None
+    personality: (
+        Annotated[Any, only(None, "left out; this server has no personality presets")] | None
+    ) = None
+
+
+class ResponsesBody(ResponsesPrompt):
+    """``POST /v1/responses``: a prompt (``input`` required) and the fields that shape the
+    reply."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {
+        **ResponsesPrompt.field_codes,
+        "include": "unsupported_parameter",
+    }
+
+    input: ResponseInput
     max_output_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
@@ -248,15 +295,10 @@ class ResponsesBody(Strict):
     store: bool = True
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     background: bool = False
-    previous_response_id: str | None = None
-    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
-    tool_choice: ResponsesToolChoice | None = None
-    parallel_tool_calls: bool | None = None
     user: str | None = None
     service_tier: str | None = None  # accepted and ignored, as on chat
     safety_identifier: str | None = None  # accepted and ignored, as on chat
     prompt_cache_key: str | None = None
-    reasoning: ResponsesReasoning | None = None
     stream_options: ResponsesStreamOptions | None = None
     # What the output should carry besides itself (logprobs, encrypted reasoning, ...). This
     # server adds its tokens' log probabilities, and nothing else.
@@ -264,12 +306,6 @@ class ResponsesBody(Strict):
     # As OpenAI's spec has them, apart: ``include`` decides whether the output shows log
     # probabilities, ``top_logprobs`` how many of the likeliest tokens each one lists.
     top_logprobs: TopLogprobs | None = None
-    text: ResponsesText | None = None
-    # "auto" would let the server drop input from the middle to fit the context: this one
-    # never drops input (a prompt too long is a 400), so it takes the one value it honours.
-    truncation: (
-        Annotated[str, only("disabled", "disabled; this server never drops input")] | None
-    ) = None
     replystream: ResponsesExtensions | None = None
 
     @property

@@ -1,0 +1,119 @@
+"""What a Responses request's prompt is: its ``input`` as chat messages, after the history a
+``previous_response_id`` continues, with its ``instructions`` first; and the request that
+prompt makes, checked (tool results, the prompt limit, tools and ``tool_choice``, the model).
+
+``POST /v1/responses`` (``server.responses_api``) adds the sampling to that request and starts
+it; ``POST /v1/responses/input_tokens`` (``server.responses_input_tokens``) counts it. Both
+build it here, so a count is the prompt the response would have. This file must not know how
+a reply is started or how its events are framed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from replystream.engine.base import GenerationRequest
+from replystream.server.context import CONFIG_KEY
+from replystream.server.native import bad, check_prompt_size
+from replystream.server.openai_api import routed_model
+from replystream.server.responses_schemas import ResponsesPrompt
+from replystream.server.responses_stored import (
+    find_response,
+    read_response,
+    response_reply_id,
+    stored_conversation,
+)
+from replystream.server.tool_requests import (
+    Origin,
+    check_tool_answers,
+    prompt_of,
+    responses_messages,
+    responses_tools,
+)
+
+Messages = list[dict[str, Any]]
+
+
+def input_messages(body: ResponsesPrompt) -> tuple[Messages, list[Origin]]:
+    """The request's ``input`` as chat messages, with where in it each came from."""
+    if body.input is None:  # a count of where a previous response's conversation is
+        return [], []
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}], [Origin("input")]
+    return responses_messages(body.input)
+
+
+async def _history(request: web.Request, previous: str) -> Messages:
+    """The conversation a ``previous_response_id`` continues: its history and input, then
+    its output."""
+    reply_id = response_reply_id(previous, "previous_response_id")
+    store, _, _ = await find_response(request, reply_id, "previous_response_id")
+    kept = await stored_conversation(store, reply_id)
+    response = await read_response(store, reply_id)
+    if response["status"] in ("queued", "in_progress"):
+        raise bad("previous_response_id", f"response {previous} has not finished yet")
+    history: Messages = []
+    if kept is not None:
+        history = [turn.model_dump(exclude_none=True) for turn in kept.messages]
+    text = "".join(
+        part["text"]
+        for item in response["output"]
+        for part in item.get("content", [])
+        if part.get("type") == "output_text"
+    )
+    calls = [
+        {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
+        for item in response["output"]
+        if item.get("type") == "function_call"
+    ]
+    if calls:
+        return [*history, {"role": "assistant", "content": text or None, "tool_calls": calls}]
+    return [*history, {"role": "assistant", "content": text}]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsePrompt:
+    """A Responses request's prompt: its conversation (the history a ``previous_response_id``
+    continues, then the input, as chat: what a stored response keeps for the next one), and
+    the request it makes, with no sampling."""
+
+    conversation: Messages
+    generation: GenerationRequest
+
+
+async def response_prompt(request: web.Request, body: ResponsesPrompt) -> ResponsePrompt:
+    """The prompt ``body`` makes, checked as a response's is (the model, the previous
+    response, tool results, the prompt limit, tools and ``tool_choice``)."""
+    app = request.app
+    model = routed_model(app, body.model)
+    conversation, origins = input_messages(body)
+    if body.previous_response_id is not None:
+        history = await _history(request, body.previous_response_id)
+        conversation = [*history, *conversation]
+        # A stored turn was checked when it was made: what it holds is the earlier response's.
+        origins = [Origin("previous_response_id")] * len(history) + origins
+    messages = list(conversation)
+    if body.instructions:  # the request's own: not carried on to the next response
+        messages.insert(0, {"role": "system", "content": body.instructions})
+        origins = [Origin("instructions"), *origins]
+    check_tool_answers(messages, origins)
+    prompt = prompt_of(messages)
+    check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "input", noun="input")
+    tools, tool_choice = responses_tools(body.tools, body.tool_choice)
+    generation = GenerationRequest(
+        prompt,
+        messages=tuple(messages),
+        tools=tools,
+        tool_choice=tool_choice,
+        model=model,
+        parallel_tool_calls=body.parallel_tool_calls,
+        reasoning_effort=None if body.reasoning is None else body.reasoning.effort,
+    )
+    return ResponsePrompt(conversation, generation)
