@@ -19,9 +19,7 @@ import pytest
 from aiohttp import web
 from anthropic.types import MessageTokensCount
 
-from replystream.engine.chat_template import ChatTemplate
 from replystream.engine.gguf_engine import load_gguf_model, prompt_format
-from replystream.engine.prompts import ChatPrompt
 from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
@@ -40,23 +38,7 @@ from tests.anthropic_counts import (
 from tests.chat_upstream import ChatUpstream, reply_with
 from tests.conftest import fast_engine
 from tests.services import require_smollm2
-
-# A chat template with a system prompt of its own, as SmolLM2's has: the prompt the model
-# reads is many more tokens than the conversation's text.
-TEMPLATE = (
-    "{{ 'system: You answer in one sentence.\\n' }}"
-    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
-)
-TEMPLATE_RENDERING = "system: You answer in one sentence.\nuser: {text}\nassistant:"
-
-
-def tiny_with_template() -> TinyEngine:
-    default = load_default_engine()
-    prompts = ChatPrompt(
-        default.tokenizer, ChatTemplate(TEMPLATE), default.tokenizer.encode("\n")[0]
-    )
-    return TinyEngine(default.model, default.tokenizer, prompts=prompts)
+from tests.templated_tiny import TEMPLATE_RENDERING, tiny_with_template
 
 
 @pytest.mark.parametrize(

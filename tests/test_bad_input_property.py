@@ -213,6 +213,30 @@ COUNT_TOKENS_FIELDS = [
     "max_tokens",
     "unknown_field",
 ]
+INPUT_TOKENS_FIELDS = [
+    "",
+    "model",
+    "input",
+    "input[0]",
+    "input[0].role",
+    "input[0].content",
+    "input[0].content[0]",
+    "input[0].content[0].type",
+    "input[0].content[0].text",
+    "instructions",
+    "previous_response_id",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning",
+    "text",
+    "text.format",
+    "truncation",
+    "conversation",
+    "personality",
+    "max_output_tokens",
+    "unknown_field",
+]
 SOCKET_FIELDS = ["", "type", "id", *NATIVE_FIELDS[1:]]
 CANCEL_FIELDS = ["", "type", "id", "unknown"]
 
@@ -240,6 +264,9 @@ def base_body(route: str, path: str) -> dict[str, Any]:
     if route == "/v1/responses":
         message = {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}
         return {"input": [message], "max_output_tokens": 2, "stream": True}
+    if route == "/v1/responses/input_tokens":
+        message = {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+        return {"input": [message]}
     if route == "reply":
         return {"type": "reply", "id": "t", "prompt": "hi", "max_tokens": 2} | (
             {"messages": [copy.deepcopy(MESSAGE)], "prompt": None} if uses_messages else {}
@@ -299,6 +326,7 @@ def body_cases(route: str, fields: list[str]) -> st.SearchStrategy[tuple[str, st
         ("/v1/responses", RESPONSES_FIELDS),
         ("/v1/messages", MESSAGES_FIELDS),
         ("/v1/messages/count_tokens", COUNT_TOKENS_FIELDS),
+        ("/v1/responses/input_tokens", INPUT_TOKENS_FIELDS),
     ],
 )
 def test_random_json_in_any_body_field_is_a_4xx_in_our_format_or_a_reply(
@@ -327,6 +355,7 @@ raw_bytes = st.binary(max_size=64) | st.sampled_from(
         "/v1/responses",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses/input_tokens",
     ],
 )
 def test_random_bytes_as_a_body_are_a_400_in_our_format(server: LoggedServer, route: str) -> None:

@@ -76,6 +76,7 @@ from replystream.server.query_schemas import LabQuery, ResumeCursor
 from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
 from replystream.server.responses_input_items import add_input_items_route
+from replystream.server.responses_input_tokens import add_input_tokens_route
 from replystream.server.resume_points import check_resume_point, find_reply, resume_after
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
@@ -304,6 +305,7 @@ def create_app(
     add_openai_routes(app)
     add_responses_routes(app)
     add_input_items_route(app)
+    add_input_tokens_route(app)
     add_anthropic_routes(app)
     add_websocket_route(app)
     add_state_gauges(app)
