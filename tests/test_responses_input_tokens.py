@@ -222,6 +222,28 @@ async def test_another_callers_response_is_not_continued_in_a_count():
     assert isinstance(error, dict) and error["param"] == "previous_response_id"
 
 
+async def test_an_unfinished_previous_response_is_refused_as_create_refuses_it():
+    engine = fast_engine(delay_ms=1000.0, jitter_ms=0.0)  # still making its first tokens
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        running_one = await client.responses.create(
+            input=QUESTION, background=True, max_output_tokens=50
+        )
+        follow_up: dict[str, Any] = {
+            "input": "And tomorrow?",
+            "previous_response_id": running_one.id,
+        }
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.input_tokens.count(**follow_up)
+        with pytest.raises(openai.BadRequestError) as created:
+            await client.responses.create(**follow_up, max_output_tokens=2)
+        await client.responses.cancel(running_one.id)
+    assert refused.value.body == created.value.body
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert (error["code"], error["param"]) == ("invalid_value", "previous_response_id")
+    assert "not finished" in error["message"]
+
+
 LONG = "x" * 200
 
 
