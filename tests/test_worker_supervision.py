@@ -242,7 +242,10 @@ async def test_ctrl_c_while_one_process_starts_stops_it_without_a_traceback(afte
         *SIMULATED, after=lambda _: time.monotonic() - began >= after_s
     )
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert status in (130, 0), (status, stderr)  # 130 while importing; 0 once it served
+    # 130 while importing; 0 once it served; killed by the signal itself while the interpreter
+    # had not yet set its own handler (its first milliseconds, which a loaded machine can
+    # stretch): what a shell reports as 130 too, with nothing printed.
+    assert status in (130, 0, -signal.SIGINT), (status, stderr)
 
 
 def test_ctrl_c_while_the_command_line_loads_is_exit_130_without_a_traceback():

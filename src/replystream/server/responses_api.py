@@ -337,10 +337,15 @@ async def handle_delete(request: web.Request) -> web.StreamResponse:
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
+# A response's own path: any id but ``input_tokens``, which is the count's path (its other
+# methods are a 405 there, not a search for a response of that name).
+RESPONSE_PATH = "/v1/responses/{response_id:(?!input_tokens$)[^{}/]+}"
+
+
 def add_responses_routes(app: web.Application) -> None:
     """Register the Responses API on ``app``."""
     app.router.add_post("/v1/responses", handle_create)
     # A GET of the events streams them: no HEAD (docs/api.md).
-    app.router.add_get("/v1/responses/{response_id}", handle_retrieve, allow_head=False)
+    app.router.add_get(RESPONSE_PATH, handle_retrieve, allow_head=False)
     app.router.add_post("/v1/responses/{response_id}/cancel", handle_cancel)
-    app.router.add_delete("/v1/responses/{response_id}", handle_delete)
+    app.router.add_delete(RESPONSE_PATH, handle_delete)

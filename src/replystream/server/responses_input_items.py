@@ -184,4 +184,6 @@ async def handle_list_input_items(request: web.Request) -> web.StreamResponse:
 
 def add_input_items_route(app: web.Application) -> None:
     """Register ``GET /v1/responses/{response_id}/input_items`` on ``app``."""
-    app.router.add_get("/v1/responses/{response_id}/input_items", handle_list_input_items)
+    app.router.add_get(
+        "/v1/responses/{response_id}/input_items", handle_list_input_items, allow_head=False
+    )
