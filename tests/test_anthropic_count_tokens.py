@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from anthropic.types import MessageTokensCount
 
-from replystream.engine.gguf_engine import load_gguf_model, prompt_format
+from replystream.engine.gguf_engine import load_gguf_engine
 from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
@@ -71,15 +71,7 @@ async def test_the_tiny_engines_count_is_its_chat_templates_tokens_not_the_texts
 
 
 async def test_smollm2_counts_what_its_message_start_reports():
-    gguf, model, tokenizer = load_gguf_model(require_smollm2())
-    engine = TinyEngine(
-        model,
-        tokenizer,
-        TinyEngineConfig(num_blocks=64),
-        prompts=prompt_format(gguf, tokenizer),
-        stop_tokens=gguf.vocabulary.stop_ids,
-        name="smollm2",
-    )
+    engine, _ = load_gguf_engine(require_smollm2(), TinyEngineConfig(num_blocks=64), "smollm2")
     found = await counts_and_starts(engine)
     assert_agree(found)
     # Its chat template's markers and default system prompt are counted too.

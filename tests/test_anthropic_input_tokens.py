@@ -16,8 +16,8 @@ import anthropic
 import pytest
 
 from replystream.engine.base import Engine
-from replystream.engine.gguf_engine import load_gguf_model, prompt_format
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig
+from replystream.engine.gguf_engine import load_gguf_engine
+from replystream.engine.tiny import TinyEngineConfig
 from replystream.server import create_app, running
 from tests.conftest import fast_engine
 from tests.services import require_smollm2
@@ -53,15 +53,7 @@ async def input_tokens(engine: Engine) -> tuple[int, int, int, int]:
 
 
 async def test_smollm2_message_start_counts_the_templated_prompt():
-    gguf, model, tokenizer = load_gguf_model(require_smollm2())
-    engine = TinyEngine(
-        model,
-        tokenizer,
-        TinyEngineConfig(num_blocks=64),
-        prompts=prompt_format(gguf, tokenizer),
-        stop_tokens=gguf.vocabulary.stop_ids,
-        name="smollm2",
-    )
+    engine, _ = load_gguf_engine(require_smollm2(), TinyEngineConfig(num_blocks=64), "smollm2")
     start, delta, final, whole = await input_tokens(engine)
     assert start == delta == final == whole
     # The template's role markers and its default system prompt are tokens too.

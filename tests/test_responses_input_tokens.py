@@ -22,7 +22,7 @@ from aiohttp import web
 from openai.types.responses import InputTokenCountResponse, Response
 
 from replystream.engine.base import Engine
-from replystream.engine.gguf_engine import load_gguf_model, prompt_format
+from replystream.engine.gguf_engine import load_gguf_engine
 from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
@@ -144,15 +144,7 @@ async def test_the_count_is_the_input_tokens_the_same_requests_response_reports(
 
 
 async def test_smollm2_counts_the_input_tokens_its_responses_report():
-    gguf, model, tokenizer = load_gguf_model(require_smollm2())
-    engine = TinyEngine(
-        model,
-        tokenizer,
-        TinyEngineConfig(num_blocks=64),
-        prompts=prompt_format(gguf, tokenizer),
-        stop_tokens=gguf.vocabulary.stop_ids,
-        name="smollm2",
-    )
+    engine, _ = load_gguf_engine(require_smollm2(), TinyEngineConfig(num_blocks=64), "smollm2")
     found = await counts_and_usages(engine)
     assert_agree(found)
     # Its chat template's markers and default system prompt are counted too.
