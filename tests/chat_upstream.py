@@ -35,3 +35,14 @@ class ChatUpstream:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         return app
+
+
+class CountingUpstream(ChatUpstream):
+    """Answers every chat with one word, counting the chats it was asked for."""
+
+    def __init__(self) -> None:
+        self.chats = 0
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.chats += 1
+        return await reply_with(request, "sunny")

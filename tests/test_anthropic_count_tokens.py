@@ -16,7 +16,6 @@ import logging
 import aiohttp
 import anthropic
 import pytest
-from aiohttp import web
 from anthropic.types import MessageTokensCount
 
 from replystream.engine.gguf_engine import load_gguf_engine
@@ -35,7 +34,7 @@ from tests.anthropic_counts import (
     counts_and_starts,
     sdk,
 )
-from tests.chat_upstream import ChatUpstream, reply_with
+from tests.chat_upstream import CountingUpstream
 from tests.conftest import fast_engine
 from tests.services import require_smollm2
 from tests.templated_tiny import TEMPLATE_RENDERING, tiny_with_template
@@ -288,15 +287,6 @@ async def test_thinking_is_taken_without_max_tokens_and_leaves_the_prompt_as_it_
             thinking={"type": "enabled", "budget_tokens": 1024},
         )
     assert thinking.input_tokens == plain.input_tokens
-
-
-class CountingUpstream(ChatUpstream):
-    def __init__(self) -> None:
-        self.chats = 0
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.chats += 1
-        return await reply_with(request, "sunny")
 
 
 async def test_a_relay_refuses_to_guess_its_upstreams_count():

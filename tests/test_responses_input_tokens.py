@@ -18,7 +18,6 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 from openai.types.responses import InputTokenCountResponse, Response
 
 from replystream.engine.base import Engine
@@ -28,7 +27,7 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
-from tests.chat_upstream import ChatUpstream, reply_with
+from tests.chat_upstream import CountingUpstream
 from tests.conftest import fast_engine
 from tests.services import require_smollm2
 from tests.templated_tiny import tiny_with_template
@@ -348,15 +347,6 @@ async def test_what_the_count_alone_refuses_names_its_field(body, code, param):
     error = raised.value.body
     assert isinstance(error, dict)
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
-
-
-class CountingUpstream(ChatUpstream):
-    def __init__(self) -> None:
-        self.chats = 0
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.chats += 1
-        return await reply_with(request, "sunny")
 
 
 async def test_a_relay_refuses_to_guess_its_upstreams_count():
