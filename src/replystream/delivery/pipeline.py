@@ -23,6 +23,7 @@ from replystream.delivery.formats import Spec, StreamFormat, Usage
 from replystream.delivery.moderation import HoldBack, Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
+from replystream.delivery.tool_calls import ending_of
 from replystream.engine.base import Delta, TokenLogprob
 
 
@@ -269,11 +270,7 @@ class ReplyPipeline:
                 # of a character never completed): sent, not lost, in a text-less event.
                 taken = tuple(self.logprobs)
                 specs += self.fmt.text_logprobs("", self._carried, taken)
-        finish, stop = self.finish_reason, self.stop_sequence
-        if self.called and finish == "stop":
-            # A reply that made calls ends as one that did (as vLLM ends it), whatever cut
-            # its text after them: an agent runs the calls on that finish alone.
-            finish, stop = "tool_calls", None
+        finish, stop = ending_of(self.called, self.finish_reason, self.stop_sequence)
         return self._entries(specs + self.fmt.finished(finish, self.usage(), stop))
 
     def fail(self, message: str, code: str) -> list[LogEntry]:

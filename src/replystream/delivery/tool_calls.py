@@ -54,6 +54,17 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": function}
 
 
+def ending_of(made_calls: bool, finish: str, stop: str | None) -> tuple[str, str | None]:
+    """A reply's finish reason and stop string, given whether it made tool calls.
+
+    A reply that made calls ends as one that did (as vLLM ends it), whatever cut its text
+    after them: an agent runs the calls on that finish alone, so the stop string goes too.
+    """
+    if made_calls and finish == "stop":
+        return "tool_calls", None
+    return finish, stop
+
+
 @dataclass(slots=True)
 class ToolCalls:
     """The tool calls of one reply so far, joined from their pieces."""

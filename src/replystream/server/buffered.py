@@ -23,7 +23,7 @@ from replystream.delivery.channel import DeltaChannel, End, pump
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
 from replystream.delivery.reply_content import Thought, Thoughts
-from replystream.delivery.tool_calls import ToolCall, ToolCalls
+from replystream.delivery.tool_calls import ToolCall, ToolCalls, ending_of
 from replystream.engine.base import Delta, DeltaStream, TokenLogprob
 from replystream.server.errors import error_response
 from replystream.server.metrics import ReplyRecord
@@ -134,10 +134,7 @@ class _Collector:
         if stop is None:  # not completed here: the engine's own cut, if it named one
             stop = self.reported_stop
         finish = "stop" if stop is not None else self.finish_reason
-        if self.calls.calls and finish == "stop":
-            # A reply that made calls ends as one that did (as vLLM ends it), whatever cut
-            # its text after them: an agent runs the calls on that finish alone.
-            finish, stop = "tool_calls", None
+        finish, stop = ending_of(bool(self.calls.calls), finish, stop)
         # The tokens of the text released (not those of a stop string cut from it).
         shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
         text = "".join(self.parts)
