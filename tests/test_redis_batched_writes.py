@@ -202,23 +202,47 @@ async def test_hundreds_of_readers_on_another_replica_follow_through_one_shared_
         await reader.aclose()
 
 
-async def test_a_live_reply_that_pauses_longer_than_the_ttl_keeps_its_keys(server: RedisServer):
+@pytest.mark.parametrize("ttl_s", [2.0, 1.0, 0.5])
+async def test_a_live_reply_that_pauses_longer_than_the_ttl_keeps_its_keys(
+    server: RedisServer, ttl_s: float
+):
     # A producer that makes no event for longer than the reply TTL (a model thinking, an
     # upstream slow to answer) still generates: its keys must not expire under it, or a
     # resume on another replica finds no reply and the producer takes the expiry for an
-    # eviction and writes the reply again.
-    producer = RedisReplayStore(server.url, ttl_after_end_s=2.0, liveness_s=1.0)
-    reader = RedisReplayStore(server.url, ttl_after_end_s=2.0, liveness_s=1.0)
+    # eviction and writes the reply again. A TTL no longer than the heartbeat's second
+    # too: keys refreshed for the TTL alone would lapse between two beats.
+    producer = RedisReplayStore(server.url, ttl_after_end_s=ttl_s, liveness_s=1.0)
+    reader = RedisReplayStore(server.url, ttl_after_end_s=ttl_s, liveness_s=1.0)
     await producer.create(ReplyInfo("paused"))
     producer.append("paused", [LogEntry(1, "token", "a")])
     await producer.flush()
     seen = []
-    for _ in range(10):  # 5 s: two and a half TTLs without an event
+    for _ in range(8):  # 4 s: two TTLs or more without an event
         await asyncio.sleep(0.5)
         seen.append(await reader.tail("paused"))
         assert await producer.redis.ttl(producer.keys.key("paused", ":meta")) > 0
     assert set(seen) == {LogTail(1, False)}, seen
     assert producer.stats().evictions == 0 and producer.stats().repairs == 0
+    await producer.aclose()
+    await reader.aclose()
+
+
+async def test_a_cancel_asked_on_another_replica_outlives_the_gap_between_two_beats(
+    server: RedisServer,
+):
+    # Whatever the reply TTL, the producer reads a cancel mark at its next heartbeat, which
+    # may come a second or more later on a loaded machine: the mark must still be there.
+    producer = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
+    reader = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
+    stopped: list[str] = []
+    producer.on_cancel(stopped.append)
+    await producer.create(ReplyInfo("asked"))
+    await reader.request_cancel("asked")
+    assert await reader.redis.pttl(reader.keys.key("asked", ":cancel")) > 2_000
+    async with asyncio.timeout(10):
+        while not stopped:  # noqa: ASYNC110  (a remote request is seen by a heartbeat)
+            await asyncio.sleep(0.05)
+    assert stopped == ["asked"]
     await producer.aclose()
     await reader.aclose()
 

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from replystream.delivery.redis_call_counts import CallCounts
 from replystream.delivery.redis_keys import ReplyKeys
-from replystream.delivery.redis_link import RedisLink
+from replystream.delivery.redis_link import RedisLink, live_hold_s
 from replystream.delivery.redis_repair import LocalCopy, plan
 from replystream.delivery.redis_reply_tables import ReplyTables
 from replystream.delivery.redis_rewrite import stream_states, write_repair
@@ -69,7 +69,7 @@ class Failover:
         self.outage_since: float | None = None  # since when writes fail
         # This store's count of its calls, in Redis (per slot group): short after a failover
         # that lost some.
-        self._counts = CallCounts(max(1, int(ttl_after_end_s)))
+        self._counts = CallCounts(live_hold_s(ttl_after_end_s, liveness_s))
         self.lost_writes = self.repairs = self.repaired_events = self.holes = 0
         self.evictions = 0
 
@@ -194,10 +194,10 @@ class Failover:
                     elif reply_id not in tables.live:
                         tables.ended_unsent(reply_id)  # its ending is in this repair
                 # Counted last, as a flush's call is: a count that survives vouches for these.
-                ttl = max(1, int(self.ttl_after_end_s))
+                hold = self._counts.ttl_s
                 for group in groups:
                     pipe.incr(self._keys.counter_key(group))
-                    pipe.expire(self._keys.counter_key(group), ttl)
+                    pipe.expire(self._keys.counter_key(group), hold)
                 results = await pipe.execute()
         except (RedisError, OSError) as exc:
             self.write_failed(exc, ())

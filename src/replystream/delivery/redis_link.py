@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -42,6 +43,14 @@ HEARTBEAT_S = 1.0
 # to move before calling it lost: the key may have been evicted (``volatile-ttl`` evicts the
 # keys nearest their expiry first) while the producer lives.
 BEAT_CONFIRM_S = 2 * HEARTBEAT_S + 0.5
+
+
+def live_hold_s(ttl_after_end_s: float, liveness_s: float) -> int:
+    """How long each refresh keeps a live reply's keys, and a cancel asked for it: the reply
+    TTL, but never less than the time a producer's heartbeats may be apart before it is called
+    lost. With a TTL no longer than a beat, keys refreshed for the TTL alone would lapse
+    between two beats (and a cancel mark expire before the producer reads it)."""
+    return max(1, int(ttl_after_end_s), math.ceil(liveness_s + 2 * HEARTBEAT_S))
 
 
 class RedisLink:

@@ -25,7 +25,13 @@ from redis.exceptions import RedisError
 
 from replystream.delivery.redis_failover import Failover
 from replystream.delivery.redis_keys import ReplyKeys
-from replystream.delivery.redis_link import HEARTBEAT_S, RETRY_FIRST_S, RETRY_MAX_S, RedisLink
+from replystream.delivery.redis_link import (
+    HEARTBEAT_S,
+    RETRY_FIRST_S,
+    RETRY_MAX_S,
+    RedisLink,
+    live_hold_s,
+)
 from replystream.delivery.redis_reply_tables import ReplyTables
 from replystream.delivery.redis_rows import text
 from replystream.delivery.redis_writes import (
@@ -203,8 +209,9 @@ class LogWriter:
     async def _send(self, group: int, batch: WriteBatch, waiting: Waiting) -> None:
         """One script call; what Redis refused fails its reply; a call that failed as a
         whole is an outage (``Failover.write_failed``), and fails the creates waiting on it."""
-        ttl = max(1, int(self.ttl_after_end_s))
-        argument = batch.argument(ttl, max(1, int(self.liveness_s)), self._keys.counter_key(group))
+        ttl, liveness = max(1, int(self.ttl_after_end_s)), max(1, int(self.liveness_s))
+        hold = live_hold_s(self.ttl_after_end_s, self.liveness_s)
+        argument = batch.argument(ttl, hold, liveness, self._keys.counter_key(group))
         sent = time.monotonic()
         try:
             answer = await self._write(keys=batch.keys, args=[argument])

@@ -56,7 +56,7 @@ from redis.exceptions import RedisError
 from replystream.delivery.redis_follow import RemoteCursor
 from replystream.delivery.redis_heartbeat import Heartbeat
 from replystream.delivery.redis_keys import DELETED_PARTS, ReplyKeys
-from replystream.delivery.redis_link import FAILOVER_S, RedisLink
+from replystream.delivery.redis_link import FAILOVER_S, RedisLink, live_hold_s
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_reads import RemoteReads
 from replystream.delivery.redis_rows import Offsets
@@ -206,8 +206,11 @@ class RedisReplayStore:
             self.writer.stop(reply_id)
             return
         try:
+            # Kept until its producer's next beats have surely read it, however short the TTL.
             await self.redis.set(
-                self.keys.key(reply_id, ":cancel"), b"1", ex=max(1, int(self.ttl_after_end_s))
+                self.keys.key(reply_id, ":cancel"),
+                b"1",
+                ex=live_hold_s(self.ttl_after_end_s, self._link.liveness_s),
             )
         except (RedisError, OSError) as exc:
             raise self._link.unavailable(exc) from exc

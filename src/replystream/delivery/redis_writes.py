@@ -34,8 +34,9 @@ from redis.crc import key_slot
 
 from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 
-# ARGV[1]: JSON [ttl, liveness, counter key index, creates, replies], flat where it can be
-# (the encoder's cost is per list as much as per value).
+# ARGV[1]: JSON [ttl, hold, liveness, counter key index, creates, replies], flat where it can
+# be (the encoder's cost is per list as much as per value). ttl: an ended reply's keys' life;
+# hold: a live reply's, from each refresh (``redis_link.live_hold_s``).
 #   creates: [meta key index, live key index, owner, context]
 #   replies: [stream key index, trim to (0: no trim), indices of keys to expire, ending
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
@@ -50,7 +51,7 @@ from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 # the store retries and repairs instead of stopping replies.
 WRITE_SCRIPT = """
 local batch = cjson.decode(ARGV[1])
-local ttl, liveness = batch[1], batch[2]
+local ttl, hold, liveness = batch[1], batch[2], batch[3]
 local function refused(res)
   if type(res) ~= 'table' or not res.err then return nil end
   local err = res.err
@@ -59,14 +60,16 @@ local function refused(res)
   end
   error(res)
 end
-for _, c in ipairs(batch[4]) do
+for _, c in ipairs(batch[5]) do
   redis.call('HSET', KEYS[c[1]], 'owner', c[3], 'context', c[4], 'beat', 1)
-  redis.call('EXPIRE', KEYS[c[1]], ttl)
+  redis.call('EXPIRE', KEYS[c[1]], hold)
   redis.call('SET', KEYS[c[2]], '1', 'EX', liveness)
 end
 -- One reply's entries and ending; what Redis refused of them, if anything.
 local function write(r)
-  local key, trim = KEYS[r[1]], r[2]
+  local key, trim, ending = KEYS[r[1]], r[2], r[4]
+  local life = hold
+  if ending ~= cjson.null then life = ttl end
   -- Whether this call made the stream: one gone (deleted on another replica, evicted,
   -- expired) is made again by the first entry, and given its TTL here, so it never
   -- outlives the reply should its producer die before it hears.
@@ -94,8 +97,7 @@ local function write(r)
     local err = refused(res)
     if err then return err end
   end
-  if made then redis.call('EXPIRE', key, ttl) end
-  local ending = r[4]
+  if made then redis.call('EXPIRE', key, life) end
   if ending ~= cjson.null then
     local err = refused(redis.pcall('XADD', key, '0-' .. ending[1], 'end', ending[2]))
     if err then return err end
@@ -103,12 +105,12 @@ local function write(r)
     -- producer lost before it.
     redis.call('HSET', KEYS[ending[3]], 'end', ending[2], 'last', ending[1] - 1)
   end
-  for _, k in ipairs(r[3]) do redis.call('EXPIRE', KEYS[k], ttl) end
+  for _, k in ipairs(r[3]) do redis.call('EXPIRE', KEYS[k], life) end
   if r[5] > 0 then redis.call('DEL', KEYS[r[5]]) end
   return nil
 end
 local out = {0}
-for i, r in ipairs(batch[5]) do
+for i, r in ipairs(batch[6]) do
   local ending = r[4]
   if ending ~= cjson.null and redis.call('HEXISTS', KEYS[ending[3]], 'deleted') == 1 then
     -- Deleted on another replica before its producer heard: what it wrote since goes.
@@ -122,16 +124,16 @@ for i, r in ipairs(batch[5]) do
     end
   end
 end
-local counter = KEYS[batch[3]]
+local counter = KEYS[batch[4]]
 out[1] = redis.call('INCR', counter)
-redis.call('EXPIRE', counter, ttl)
+redis.call('EXPIRE', counter, hold)
 return out
 """
 
 # KEYS: live, cancel, meta, stream and reader keys of each reply; ARGV[1]: liveness in
-# seconds; ARGV[2]: the reply TTL, which the metadata and the stream of a live reply get
-# again at every beat (a reply that makes no event for longer than the TTL still lives, and
-# a metadata hash the count makes anew gets its TTL). Returns, per reply: 1 if a cancel was
+# seconds; ARGV[2]: how long the metadata and the stream of a live reply are kept from this
+# beat (``redis_link.live_hold_s``: a reply that makes no event for longer than the TTL still
+# lives, and a metadata hash the count makes anew gets it). Returns, per reply: 1 if a cancel was
 # requested (else 0), its heartbeat count after this beat (1: its metadata was gone; 0: the
 # reply was deleted, and what its producer wrote of it since is deleted now), its stream's
 # length (shorter than what Redis acknowledged: evicted), and 1 if a reader on another
@@ -233,11 +235,11 @@ class WriteBatch:
     def __bool__(self) -> bool:
         return bool(self._creates or self._replies)
 
-    def argument(self, ttl: int, liveness: int, counter_key: str) -> str:
+    def argument(self, ttl: int, hold: int, liveness: int, counter_key: str) -> str:
         """The script's one argument (raw UTF-8: Lua's cjson keeps it byte for byte), with
         the key of the writer's call count (see ``WRITE_SCRIPT``)."""
         counter = self._index(counter_key)
-        return _ENCODER.encode([ttl, liveness, counter, self._creates, self._replies])
+        return _ENCODER.encode([ttl, hold, liveness, counter, self._creates, self._replies])
 
 
 _slot_tags: dict[int, str] = {}
