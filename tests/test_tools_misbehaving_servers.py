@@ -291,7 +291,8 @@ async def test_urls_and_paths_that_look_like_markup_are_printed_as_they_are(tmp_
             *("bench", "--compare", str(folder / "a[/b].json"), str(folder / "a[/b].json"))
         )
         assert "Traceback" not in err, err
-        assert code == 0 and "a[/b].json" in out  # the title wraps to the table's width
+        # The title wraps to the table's width wherever the folder's length puts the break.
+        assert code == 0 and "a[/b].json" in "".join(out.split()), out
         code, out, err = await cli(
             *("lab", "--url", url, "--calls", "1", "--tokens", "2", "--out", str(folder))
         )
