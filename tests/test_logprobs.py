@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replystream.delivery.openai_formats import OpenAIStreamFormat
+from replystream.delivery.openai_formats import OpenAIStreamFormat, completion_logprobs
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Delta, TokenLogprob
@@ -198,3 +198,28 @@ async def test_the_relay_passes_the_upstreams_logprobs_through():
         relayed = await post_events(f"{relay}/v1/chat/completions", body)
     assert relayed.status == direct.status == 200
     assert logprobs_of(relayed) == logprobs_of(direct) != []
+
+
+def test_legacy_text_offsets_count_characters_not_the_tokens_of_a_split_one() -> None:
+    # "né😀!" as a byte-level model makes it: é in two one-byte tokens, 😀 in four. Each
+    # offset is where the token's text begins in the completion's characters.
+    pieces = [b"n", b"\xc3", b"\xa9", b"\xf0\x9f", b"\x98", b"\x80", b"!"]
+    tokens = [TokenLogprob(p.decode(errors="replace"), -1.0, p) for p in pieces]
+    shape = completion_logprobs(tuple(tokens), 5)
+    assert shape["text_offset"] == [5, 6, 6, 7, 7, 7, 8]
+    # Streamed in chunks of three tokens, the offsets are those of the whole completion.
+    policy = DeliveryPolicy(holdback_tokens=0, batch_tokens=3)
+    pipeline = ReplyPipeline(OpenAIStreamFormat("text", "m", 0), policy, logprobs=True)
+    entries = pipeline.start("r")
+    decoded = ""
+    for token in tokens:
+        text = b"".join(p for p in pieces[: tokens.index(token) + 1]).decode(errors="ignore")
+        entries += pipeline.push(Delta(text[len(decoded) :], 1, 0.0, logprobs=(token,)), 0.0)
+        decoded = text
+    entries += pipeline.finish()
+    offsets = []
+    for entry in entries:
+        if entry.data.startswith("{"):
+            for choice in json.loads(entry.data)["choices"]:
+                offsets += (choice.get("logprobs") or {}).get("text_offset", [])
+    assert decoded == "né😀!" and offsets == [0, 1, 1, 2, 2, 2, 3]

@@ -41,6 +41,7 @@ every chunk repeats it. It must not know about sockets, tasks or stores.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -109,15 +110,21 @@ def chat_logprobs(made: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     return {"content": logprob_entries(made), "refusal": None}
 
 
+_utf8_decoder = codecs.getincrementaldecoder("utf-8")
+
+
 def completion_logprobs(made: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
     """A legacy choice's ``logprobs`` object for these tokens, the first at ``offset`` in the
     completion's text. ``top_logprobs`` holds the likeliest tokens and the made one (OpenAI:
-    "up to logprobs+1 elements")."""
+    "up to logprobs+1 elements"). A token's offset counts the characters of the tokens
+    before it, decoded from their bytes: the tokens of one character (a byte each, read as
+    U+FFFD apiece) make one character, and a token that ends one begins where it begins."""
     offsets: list[int] = []
     tops: list[dict[str, float]] = []
+    decoder = _utf8_decoder(errors="replace")
     for token in made:
         offsets.append(offset)
-        offset += len(token.token)
+        offset += len(decoder.decode(token.bytes))
         top = {t.token: t.logprob for t in token.top}
         top.setdefault(token.token, token.logprob)
         tops.append(top)
