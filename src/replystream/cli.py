@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from replystream import __version__
+from replystream import __version__, start_interrupt
 from replystream.cli_values import DefaultsHelpFormatter
 
 DESCRIPTION = "Stream language-model replies, and measure streams: serve, lab, bench, doctor, kv."
@@ -118,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A reload signal (``systemctl reload``) may come while serve starts: before it
         # knows which files it reads again, it must not stop. ``serve`` decides once it does.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        start_interrupt.remember()  # a Ctrl-C while it loads is never lost
     try:
         args = parse(argv)
         code: int = args.run(args)

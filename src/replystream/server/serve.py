@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from replystream import start_interrupt
 from replystream.server.connection import GuardedSockSite
 from replystream.server.context import CONFIG_KEY, MANAGER_KEY, ServerConfig
 
@@ -177,6 +178,10 @@ async def serve_forever(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if start_interrupt.interrupted():
+        # A Ctrl-C during the start that some code swallowed: the start ends as it would
+        # have (exit 130), before the port is announced.
+        raise KeyboardInterrupt
     if on_hangup is not None:
         loop.add_signal_handler(signal.SIGHUP, on_hangup)
     async with serving(app, host, port, sock) as server:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.multiprocess import mark_process_dead
 
+from replystream import start_interrupt
 from replystream.server import metrics_dir
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.restart_backoff import RestartBackoff
@@ -160,6 +161,8 @@ class Supervisor:
     def run(self, announce: Callable[[str], list[str]], *, reloads: bool = False) -> int:
         signal.signal(signal.SIGINT, self._forward)
         signal.signal(signal.SIGTERM, self._forward)
+        if start_interrupt.interrupted():
+            raise KeyboardInterrupt  # a Ctrl-C while the parent loaded, that code swallowed
         if reloads:
             signal.signal(signal.SIGHUP, self._hangup)
         try:
