@@ -278,23 +278,42 @@ def test_ctrl_c_while_the_command_line_loads_is_exit_130_without_a_traceback():
     assert (done.returncode, done.stderr) == (130, "")
 
 
-@pytest.mark.parametrize("workers", [[], ["--workers", "2"]])
-def test_a_ctrl_c_that_some_code_swallows_while_serve_loads_still_stops_it(workers: list[str]):
+SWALLOWED = (
+    "            try:\n"
+    "                os.kill(os.getpid(), signal.SIGINT)\n"
+    "                sum(range(1000))  # the handler raises in here\n"
+    "            except KeyboardInterrupt:\n"
+    "                pass\n"
+)
+WRAPPED = (  # Python 3.11 raises a RuntimeError from it; later ones, the interrupt itself
+    "            class Named:\n"
+    "                def __set_name__(self, owner, name):\n"
+    "                    os.kill(os.getpid(), signal.SIGINT)\n"
+    "                    sum(range(1000))\n"
+    "            type('Made', (), {'field': Named()})\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("landing", "workers"),
+    [(SWALLOWED, []), (SWALLOWED, ["--workers", "2"]), (WRAPPED, [])],
+    ids=["swallowed", "swallowed-workers", "wrapped"],
+)
+def test_a_ctrl_c_that_some_code_swallows_while_serve_loads_still_stops_it(
+    landing: str, workers: list[str]
+):
     """Code that catches and drops ``KeyboardInterrupt`` (C code clearing any error, a module
-    of a library) once made a server started under load serve on after a Ctrl-C. The Ctrl-C is
-    made to land in such code here: a finder that swallows it on the import of the app (in the
-    parent, with workers: none is started)."""
+    of a library) once made a server started under load serve on after a Ctrl-C; one raised
+    while a class was made (a dataclass field's ``__set_name__``) ended it with a RuntimeError
+    and its traceback. The Ctrl-C is made to land in such code here, from a finder, on the
+    import of the app (in the parent, with workers: none is started)."""
     program = (
         "import os, runpy, signal, sys\n"
         "class Swallow:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'replystream.server.app':\n"
         "            sys.meta_path.remove(self)\n"
-        "            try:\n"
-        "                os.kill(os.getpid(), signal.SIGINT)\n"
-        "                sum(range(1000))  # the handler raises in here\n"
-        "            except KeyboardInterrupt:\n"
-        "                pass\n"
+        f"{landing}"
         "sys.meta_path.insert(0, Swallow())\n"
         f"sys.argv = ['replystream', 'serve', '--port', '0', *{[*SIMULATED, *workers]!r}]\n"
         "runpy.run_module('replystream', run_name='__main__', alter_sys=True)\n"

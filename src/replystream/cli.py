@@ -128,4 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout left: stop quietly, as any filter does
         _discard_stdout()
         return BROKEN_PIPE_EXIT
+    except Exception:
+        # A Ctrl-C that reached us as another error: Python 3.11 wraps one raised inside a
+        # class's creation (``__set_name__``, as a dataclass field has) in a RuntimeError.
+        if start_interrupt.interrupted():
+            return INTERRUPTED_EXIT
+        raise
     return code
