@@ -11,7 +11,9 @@ Cluster hash tag, so all of a reply's keys share one hash slot and one shard: ``
   ``P{id}:cancel``: a cancel request from another replica; ``P{id}:read``: a reader's mark,
   set for ``liveness_s`` and refreshed every second by each replica with a reader following
   the reply, which its producer's heartbeat finds (a detached reply goes on while read).
-Every key lives ``ttl_after_end_s`` after the reply's end (refreshed while it is live). A
+Every key lives ``ttl_after_end_s`` after the reply's end; while the reply is live, each write
+and heartbeat keeps them, and a cancel mark lives, for ``redis_link.live_hold_s`` (the TTL, but
+never less than a producer's beats may be apart, so nothing lapses between two). A
 delete leaves ``P{id}:meta`` holding only ``deleted`` for as long: readers find nothing, a
 repair writes nothing, and the producer, wherever it runs, finds it at its next heartbeat,
 stops, and what it wrote meanwhile is deleted.
