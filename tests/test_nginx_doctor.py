@@ -167,8 +167,10 @@ async def test_cli_compares_direct_and_proxied_paths_and_fails_ci(app_url, tmp_p
 
 
 async def test_cli_exits_zero_when_the_stream_streams(app_url):
-    code, out = await run_cli("doctor", f"{app_url}/stream?max_tokens=40")
-    assert code == 0
+    # The whole 4 s reply, not a short one: a median gap over a fraction of a second can be
+    # a moment the test machine starved this server of its core.
+    code, out = await run_cli("doctor", f"{app_url}/stream?max_tokens={TOKENS}")
+    assert code == 0, out
     assert "STREAMING" in out
 
 
