@@ -211,9 +211,10 @@ def test_legacy_text_offsets_count_characters_not_the_tokens_of_a_split_one() ->
     policy = DeliveryPolicy(holdback_tokens=0, batch_tokens=3)
     pipeline = ReplyPipeline(OpenAIStreamFormat("text", "m", 0), policy, logprobs=True)
     entries = pipeline.start("r")
-    decoded = ""
-    for token in tokens:
-        text = b"".join(p for p in pieces[: tokens.index(token) + 1]).decode(errors="ignore")
+    made, decoded = b"", ""
+    for token in tokens:  # each delta carries the characters its token completed
+        made += token.bytes
+        text = made.decode(errors="ignore")
         entries += pipeline.push(Delta(text[len(decoded) :], 1, 0.0, logprobs=(token,)), 0.0)
         decoded = text
     entries += pipeline.finish()
