@@ -104,7 +104,11 @@ async def pin_each_worker(url: str, pids: list[int]) -> AsyncIterator[dict[int, 
 async def _pin(url: str, pids: list[int], pinned: dict[int, Pinned]) -> dict[int, Pinned]:
     parts = urlsplit(url)
     assert parts.hostname is not None and parts.port is not None
-    for _ in range(60):
+    for attempt in range(200):
+        if attempt:
+            # The kernel gives a new connection to whichever worker accepts first: on a busy
+            # machine the same one can win many times in a row, so the other gets a moment.
+            await asyncio.sleep(0.02)
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         client_port = writer.get_extra_info("sockname")[1]
         owner = None
