@@ -48,10 +48,10 @@ def test_step_experiment_reports_each_batch(tiny: LabEngine, tmp_path: Path) -> 
 
 
 def test_pool_experiment_shows_queueing_and_preemption(tiny: LabEngine, tmp_path: Path) -> None:
-    big, small = asyncio.run(run_pool(tiny, requests=6, tokens=24, small_blocks=10))
+    big, small = asyncio.run(run_pool(tiny, requests=6, tokens=60, small_blocks=10))
     assert len(big.timings) == len(small.timings) == 6
-    assert not any(t.preempted for t in big.timings)
-    assert any(t.preempted for t in small.timings)
+    assert not any(t.preempted for t in big.timings) and big.recomputed == 0
+    assert any(t.preempted for t in small.timings) and small.recomputed > 0
 
     # Structure, not magnitudes (the machine is shared): in the small pool some request made
     # its first token only after another had finished (it waited for blocks); in the big

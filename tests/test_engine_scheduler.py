@@ -67,33 +67,74 @@ def test_chunked_prefill_lets_running_streams_decode_every_step() -> None:
 
 
 def test_preemption_takes_the_newest_sequence_and_requeues_it_first() -> None:
-    s = make(blocks=4, block_size=2, budget=64)
-    s.add(0, [1, 2], max_new=5)  # 1 block
-    s.add(1, [1, 2], max_new=5)
-    s.add(2, [1, 2], max_new=5)
-    s.add(3, [1, 2], max_new=5)
-    run(s, s.schedule())  # all four admitted, each holds one full block; the pool is full
-    batch = s.schedule()  # each needs a second block to decode: the newest go first
-    assert batch.preempted == (3, 2)
+    s = make(blocks=7, block_size=2, budget=64)
+    for seq_id in range(4):
+        s.add(seq_id, [1, 2], max_new=6)
+    run(s, s.schedule())  # all four admitted with a block each: 3 free, one per other sequence
+    batch = s.schedule()  # each needs a second block: the three oldest take the three free
+    assert batch.preempted == (3,)
+    assert [c.seq_id for c in batch.chunks] == [0, 1, 2]
+    run(s, batch)
+    run(s, s.schedule())
+    batch = s.schedule()  # each needs a third block, and none is free: the newest goes
+    assert batch.preempted == (2,)
     assert [c.seq_id for c in batch.chunks] == [0, 1]
     assert s.waiting_ids() == (2, 3)  # oldest preempted at the front
     assert s.stats().preemptions == 2
 
 
 def test_preempted_sequence_is_recomputed_with_the_tokens_it_made() -> None:
-    s = make(blocks=2, block_size=2, budget=64)
+    s = make(blocks=3, block_size=2, budget=64)
     s.add(0, [1, 2], max_new=3)
     s.add(1, [3, 4], max_new=3)
-    run(s, s.schedule(), token=9)  # both sampled 9; each holds one block
-    batch = s.schedule()
+    run(s, s.schedule(), token=9)  # both sampled 9; each holds one block, one is free
+    batch = s.schedule()  # 0 takes the free block; 1 has none for its next token
     assert batch.preempted == (1,)
     run(s, batch, token=8)
-    run(s, s.schedule(), token=8)  # sequence 0 makes its third token and finishes
+    run(s, s.schedule(), token=8)  # 0 makes its third token and finishes; 1 did not fit back
     assert s.running_ids() == ()
     again = s.schedule()
     assert [(c.seq_id, c.tokens, c.start, c.samples) for c in again.chunks] == [
         (1, (3, 4, 9), 0, True)
     ]
+
+
+def test_admission_waits_for_the_whole_prompt_and_a_spare_block_per_running_sequence() -> None:
+    s = make(blocks=6, block_size=4, budget=8)
+    s.add(0, [1, 2], max_new=4)
+    run(s, s.schedule())  # 0 decodes in its one block; 5 are free
+    s.add(1, list(range(20)), max_new=1)  # 5 blocks: its first chunk would fit, all of it
+    for _ in range(2):  # would too, but leave 0 nothing to grow into
+        batch = s.schedule()
+        assert [c.seq_id for c in batch.chunks] == [0]
+        run(s, batch)
+    batch = s.schedule()  # 0's last token: it finishes in this step
+    run(s, batch)
+    assert s.running_ids() == ()
+    assert [c.seq_id for c in s.schedule().chunks] == [1]
+
+
+def test_a_pool_short_by_a_little_does_not_recompute_over_and_over() -> None:
+    """Eight 300-token prompts with 200-token replies on a pool that holds three of them.
+
+    Admitted on a first chunk that fit, a sequence was preempted by the growth of those
+    running before its prefill was done, and taken back as soon as that freed its blocks:
+    176 preemptions, and eight times the useful tokens computed. Admitted only when all of
+    its context fits with a block to spare per running sequence, few are preempted."""
+    s = make(blocks=60, block_size=16, budget=128, max_running=32)
+    for seq_id in range(8):
+        s.add(seq_id, list(range(1, 301)), max_new=200)
+    computed = 0
+    while s.has_work():
+        batch = s.schedule()
+        computed += batch.num_tokens
+        run(s, batch)
+    stats = s.stats()
+    assert stats.finished == 8 and stats.kv.free_blocks == 60
+    useful = 8 * (300 + 200 - 1)  # the last token made is never run
+    assert computed == useful + stats.recomputed
+    assert stats.recomputed < 0.6 * useful, stats.recomputed / useful
+    assert stats.preemptions <= 8
 
 
 def test_abort_frees_blocks_at_once() -> None:

@@ -7,8 +7,10 @@ This file decides, step by step, how a token budget is spent and who holds KV bl
 2. When a running sequence needs a block and none is free, the newest running sequence is
    preempted: its blocks are freed and it goes back to the front of the queue, to be
    recomputed (prompt plus the tokens it already made) when blocks allow.
-3. Then waiting sequences are admitted in arrival order while budget, ``max_running`` and free
-   blocks allow (none are admitted in a step that had to preempt).
+3. Then waiting sequences are admitted in arrival order while budget and ``max_running``
+   allow, and while the free blocks hold the whole context of the next one (prompt, plus the
+   tokens it made if it was preempted) with one block to spare per running sequence (none are
+   admitted in a step that had to preempt).
 4. ``abort`` and ``finish`` free a sequence's blocks at once.
 5. With ``spec_tokens`` > 0 a decoding sequence's chunk also carries a draft (prompt lookup,
    ``speculative.propose``), never past ``max_new`` nor the budget; ``record`` then takes the
@@ -96,6 +98,7 @@ class SchedulerStats:
     kv: KVCacheStats
     draft_proposed: int = 0  # draft tokens sent to the model for verification
     draft_accepted: int = 0  # of those, tokens the model agreed with
+    recomputed: int = 0  # cached tokens preemption threw away, to be computed again
 
 
 @dataclass(slots=True, eq=False)  # compared by identity
@@ -122,6 +125,7 @@ class Scheduler:
         self._by_id: dict[int, _Sequence] = {}
         self._steps = 0
         self._preemptions = 0
+        self._recomputed = 0
         self._finished = 0
         self._aborted = 0
         self._proposed = 0
@@ -186,15 +190,23 @@ class Scheduler:
             and len(self._running) < self.config.max_running
         ):
             seq = self._waiting[0]
-            n = min(len(seq.tokens) - seq.computed, budget)
-            if not self.allocator.can_hold(seq.seq_id, seq.computed + n):
+            if not self._admissible(seq):
                 break
+            n = min(len(seq.tokens) - seq.computed, budget)
             self._running.append(self._waiting.popleft())
             chunks.append(self._take(seq, n))
             budget -= n
         if chunks:  # a plan with nothing in it runs no model pass, so it is not a step
             self._steps += 1
         return Batch(self._steps, tuple(chunks), tuple(preempted))
+
+    def _admissible(self, seq: _Sequence) -> bool:
+        # All of its context must fit, not only this step's chunk, and leave a block for each
+        # running sequence's next token: admitted on less, it would be preempted by their
+        # growth before its prefill pays off, and readmitted as soon as that freed its blocks,
+        # over and over (a pool short by a little recomputed several times the useful work).
+        needed = self.allocator.blocks_needed(seq.seq_id, len(seq.tokens))
+        return needed + len(self._running) <= self.allocator.free_blocks
 
     def _draft(self, seq: _Sequence, budget: int) -> tuple[int, ...]:
         # A draft of k tokens makes up to k + 1: never more than the reply may still have.
@@ -211,6 +223,7 @@ class Scheduler:
     def _preempt(self, seq: _Sequence) -> None:
         self._running.remove(seq)
         self.allocator.free(seq.seq_id)
+        self._recomputed += seq.computed
         seq.computed = 0
         self._waiting.appendleft(seq)
         self._preemptions += 1
@@ -293,4 +306,5 @@ class Scheduler:
             kv=self.allocator.stats(),
             draft_proposed=self._proposed,
             draft_accepted=self._accepted,
+            recomputed=self._recomputed,
         )

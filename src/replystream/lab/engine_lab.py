@@ -156,6 +156,13 @@ class PoolRun:
     label: str
     num_blocks: int
     timings: list[RequestTimings]
+    recomputed: int  # cached tokens preemption threw away, computed again
+
+    @property
+    def done_ms(self) -> float:
+        """From the burst to the end of its last reply."""
+        start = min(t.queued for t in self.timings)
+        return _ms(max(t.finished or t.queued for t in self.timings) - start)
 
     @property
     def ttfts_ms(self) -> list[float]:
@@ -181,7 +188,8 @@ async def run_pool(lab: LabEngine, requests: int, tokens: int, small_blocks: int
                 GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=i))
                 for i in range(requests)
             ]
-            runs.append(PoolRun(label, blocks, await _run_all(engine, burst)))
+            timings = await _run_all(engine, burst)
+            runs.append(PoolRun(label, blocks, timings, engine.scheduler_stats().recomputed))
         finally:
             await engine.aclose()
     return runs
@@ -248,11 +256,22 @@ def report_pool(runs: list[PoolRun], out: Path, console: Console, model: str = "
                 f"{statistics.median(gaps):.1f} ms",
                 f"{max(gaps):.1f} ms",
                 f"{preempted}/{len(run.timings)}",
+                f"{run.recomputed:,}",
+                f"{run.done_ms:,.0f} ms",
             ]
         )
     _table(
         f"a burst of requests against KV capacity ({model} engine, engine-side times)",
-        ["pool", "TTFT median", "TTFT max", "longest gap, median", "longest gap, max", "preempted"],
+        [
+            "pool",
+            "TTFT median",
+            "TTFT max",
+            "longest gap, median",
+            "longest gap, max",
+            "preempted",
+            "tokens recomputed",
+            "all done",
+        ],
         rows,
         console,
     )
