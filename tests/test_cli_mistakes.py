@@ -68,7 +68,7 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--port", "-1"], "argument --port: want a port from 0 to 65535"),
     (["serve", "--port", "http"], "argument --port: want a whole number, got 'http'"),
     (["serve", "--workers", "0"], "argument --workers: want a whole number >= 1"),
-    (["serve", "--shutdown-grace-s", "-1"], "argument --shutdown-grace-s: want a number >= 0"),
+    (["serve", "--shutdown-grace-s", "-1"], "argument --shutdown-grace-s: want a number from 0 to"),
     (["serve", "--max-body-bytes", "-5"], "argument --max-body-bytes: want a whole number >= 1"),
     (["serve", "--ws-max-replies", "0"], "argument --ws-max-replies: want a whole number >= 1"),
     (["serve", "--detach-grace-s", "-1"], "argument --detach-grace-s: want a number >= 0"),
@@ -77,7 +77,7 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
     (
         ["serve", "--max-header-bytes", "10"],
-        "argument --max-header-bytes: want a whole number >= 256",
+        "argument --max-header-bytes: want a whole number from 256 to 1048576",
     ),
     # serve: an origin is scheme://host[:port], as a browser sends it, and nothing more
     (
@@ -177,6 +177,20 @@ CASES: list[tuple[list[str], str]] = [
     (
         ["serve", "--engine", "simulated", "--port", "0", "--holdback-tokens", "4097"],
         "argument --holdback-tokens: want a whole number from 0 to 4096, got 4097",
+    ),
+    # Past what Redis takes as an expiry (every resumable reply failed), aiohttp's parser as a
+    # C size (every connection dropped), or any orchestrator's wait for a stopping process
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--reply-ttl-s", "1e300"],
+        "argument --reply-ttl-s: want a number > 0 and <= 2592000, got 1e300",
+    ),
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--max-header-bytes", str(2**64)],
+        f"argument --max-header-bytes: want a whole number from 256 to 1048576, got {2**64}",
+    ),
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--shutdown-grace-s", "1e300"],
+        "argument --shutdown-grace-s: want a number from 0 to 86400, got 1e300",
     ),
     # a default reply length no request could ask for (max_tokens is at most 2**20)
     (
@@ -391,7 +405,25 @@ CASES: list[tuple[list[str], str]] = [
     ),
     (
         ["lab-engine", "pool", "--small-blocks", "0"],
-        "argument --small-blocks: want a whole number >= 1",
+        "argument --small-blocks: want a whole number from 1 to 2047",
+    ),
+    (  # the small pool must be smaller than the one that holds every request
+        ["lab-engine", "pool", "--small-blocks", "1000000000000"],
+        "argument --small-blocks: want a whole number from 1 to 2047",
+    ),
+    (  # and hold one request
+        ["lab-engine", "pool", "--engine", "tiny", "--small-blocks", "1"],
+        "--small-blocks 1: the prompt is 40 tokens; the KV cache holds 16",
+    ),
+    # A pool past this machine's memory is refused before it is allocated, not allocated
+    # lazily and the process killed under load (or a traceback, past what can be mapped).
+    (
+        ["serve", "--engine", "tiny", "--port", "0", "--kv-blocks", "100000000"],
+        "--kv-blocks 100000000: a KV pool of 100,000,000 blocks takes 3,051.8 GiB, more than",
+    ),
+    (
+        ["serve", "--engine", "tiny", "--port", "0", "--kv-blocks", str(10**15)],
+        f"--kv-blocks {10**15}: a KV pool of",
     ),
     (
         ["lab-engine", "ttft", "--engine", "nope"],

@@ -85,15 +85,18 @@ def int_between(low: int, high: int) -> Checker[int]:
     return Checker(wants, parse)
 
 
-def float_between(low: float, high: float, *, zero: str = "") -> Checker[float]:
-    """A finite number from ``low`` to ``high``, both included (for a quantity whose
-    arithmetic leaves the floats' range outside of it); with ``zero`` (what 0 means, as
-    ``never``), 0 as well."""
-    wants = f"a number from {low:g} to {high:g}" + (f", or 0 ({zero})" if zero else "")
+def float_between(
+    low: float, high: float, *, zero: str = "", strict: bool = False
+) -> Checker[float]:
+    """A finite number from ``low`` to ``high``, both included (``low`` excluded when
+    ``strict``), for a quantity whose arithmetic leaves the floats' range outside of it; with
+    ``zero`` (what 0 means, as ``never``), 0 as well."""
+    span = f"> {low:.10g} and <= {high:.10g}" if strict else f"from {low:.10g} to {high:.10g}"
+    wants = f"a number {span}" + (f", or 0 ({zero})" if zero else "")
 
     def parse(text: str) -> float:
         value = float(_number(text, float))
-        if not (low <= value <= high or (zero and value == 0)):
+        if not (low < value <= high or (not strict and value == low) or (zero and value == 0)):
             raise argparse.ArgumentTypeError(f"want {wants}, got {text}")
         return value
 

@@ -14,6 +14,7 @@ per group, with no loop over sequences. This file must not know about models, re
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,26 @@ Span = tuple[int, int, int]  # (seq_id, first new position, new tokens) of one c
 
 class OutOfBlocks(Exception):
     """The pool has too few free blocks for the requested growth."""
+
+
+class PoolTooLarge(ValueError):
+    """A pool of ``num_blocks`` blocks would not fit in this machine's memory."""
+
+    def __init__(self, num_blocks: int, pool_bytes: int, memory_bytes: int | None) -> None:
+        has = f"this machine's {memory_bytes / 2**30:,.1f} GiB" if memory_bytes else "memory"
+        super().__init__(
+            f"a KV pool of {num_blocks:,} blocks takes {pool_bytes / 2**30:,.1f} GiB, "
+            f"more than {has}"
+        )
+        self.num_blocks = num_blocks
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +177,23 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int = 16,
     ) -> None:
+        """Allocate the pool.
+
+        Raises:
+            PoolTooLarge: the pool is more than this machine's memory, or cannot be allocated.
+        """
         shape = (n_layers, num_blocks, block_size, kv_heads, head_dim)
-        self._k = np.zeros(shape, np.float32)  # (layers, blocks, block size, kv heads, head dim)
-        self._v = np.zeros(shape, np.float32)
+        pool_bytes = 2 * n_layers * num_blocks * block_size * kv_heads * head_dim * 4
+        # The arrays are zeroed lazily, page by page as sequences write them: a pool past the
+        # machine's memory would be allocated now and kill the process later, under load.
+        memory = physical_memory_bytes()
+        if memory is not None and pool_bytes > memory:
+            raise PoolTooLarge(num_blocks, pool_bytes, memory)
+        try:
+            self._k = np.zeros(shape, np.float32)  # (layers, blocks, block size, heads, head dim)
+            self._v = np.zeros(shape, np.float32)
+        except MemoryError:
+            raise PoolTooLarge(num_blocks, pool_bytes, memory) from None
         # The same memory as (layers, slots, kv heads, head dim): slot = block * size + offset.
         self._k_slots = self._k.reshape(n_layers, num_blocks * block_size, kv_heads, head_dim)
         self._v_slots = self._v.reshape(n_layers, num_blocks * block_size, kv_heads, head_dim)

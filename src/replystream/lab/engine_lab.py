@@ -31,8 +31,8 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
-from replystream.cli_values import non_negative_float, output_folder, positive_int
-from replystream.engine.base import GenerationRequest, SamplingParams
+from replystream.cli_values import int_between, non_negative_float, output_folder, positive_int
+from replystream.engine.base import GenerationRequest, RequestRejected, SamplingParams
 from replystream.engine.runner import RequestTimings
 from replystream.engine.tiny import TinyEngine
 from replystream.lab.lab_engines import (
@@ -176,10 +176,15 @@ class PoolRun:
         ]
 
 
+# The pool experiment's large pool: every request of the burst fits at once.
+POOL_HOLDS_ALL = 2048
+
+
 async def run_pool(lab: LabEngine, requests: int, tokens: int, small_blocks: int) -> list[PoolRun]:
     """The same burst of requests on a pool that holds them all and on one that does not."""
     runs = []
-    for label, blocks in (("pool holds all", 2048), (f"{small_blocks}-block pool", small_blocks)):
+    pools = (("pool holds all", POOL_HOLDS_ALL), (f"{small_blocks}-block pool", small_blocks))
+    for label, blocks in pools:
         engine = lab.engine(num_blocks=blocks, max_running=requests)
         try:
             await _warm_up(engine)
@@ -360,7 +365,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests", type=positive_int, default=16, help="pool: requests in the burst"
     )
     parser.add_argument(
-        "--small-blocks", type=positive_int, default=40, help="pool: the small pool"
+        "--small-blocks",
+        type=int_between(1, POOL_HOLDS_ALL - 1),
+        default=40,
+        help="pool: the small pool",
     )
     parser.add_argument(
         "--spec-tokens", type=positive_int, default=4, help="spec: draft tokens per step"
@@ -409,7 +417,14 @@ def run(args: argparse.Namespace) -> int:
         rows = asyncio.run(run_step(lab, batches, tokens, repeats))
         path = report_step(rows, args.out, console, lab.name)
     elif args.experiment == "pool":
-        runs = asyncio.run(run_pool(lab, args.requests, tokens, args.small_blocks))
+        try:
+            runs = asyncio.run(run_pool(lab, args.requests, tokens, args.small_blocks))
+        except RequestRejected as exc:  # the small pool cannot hold even one request
+            print(
+                f"replystream lab-engine: --small-blocks {args.small_blocks}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
         path = report_pool(runs, args.out, console, lab.name)
     else:
         spec = run_spec(lab, tokens, repeats, args.spec_tokens, args.spec_ngram, args.temperature)

@@ -25,6 +25,7 @@ from replystream.engine.base import Engine
 from replystream.engine.gguf_engine import load_gguf_engine, load_smollm2_engine, with_defaults
 from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
 from replystream.engine.hf_config import HFEngineConfig
+from replystream.engine.kv_cache import PoolTooLarge
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamEngine
@@ -141,13 +142,16 @@ def build_engine(args: argparse.Namespace) -> Engine:
         return build_upstream(args, choice)
     if choice.kind == "hf":
         return build_hf(args, choice)
-    if choice.kind == "tiny":
-        spec_tokens = args.spec_tokens if args.speculative != "off" else 0
-        return load_default_engine(
-            settings.fill(TinyEngineConfig, args, ENGINE_SETTINGS, spec_tokens=spec_tokens)
-        )
-    if choice.kind in ("smollm2", "gguf"):
-        return build_gguf(args, choice)
+    try:
+        if choice.kind == "tiny":
+            spec_tokens = args.spec_tokens if args.speculative != "off" else 0
+            return load_default_engine(
+                settings.fill(TinyEngineConfig, args, ENGINE_SETTINGS, spec_tokens=spec_tokens)
+            )
+        if choice.kind in ("smollm2", "gguf"):
+            return build_gguf(args, choice)
+    except PoolTooLarge as exc:
+        raise ValueError(f"--kv-blocks {exc.num_blocks}: {exc}") from None
     return build_simulated(args)
 
 
@@ -169,6 +173,8 @@ def build_gguf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
             engine, report = load_smollm2_engine(config)
         else:
             engine, report = load_gguf_engine(choice.path, config)
+    except PoolTooLarge:
+        raise  # the pool's size, not the model: build_engine names --kv-blocks
     except (ValueError, OSError) as exc:
         label = "smollm2" if choice.path is None else "gguf:PATH"
         raise ValueError(f"--engine {label}: {exc}") from None

@@ -15,7 +15,6 @@ from typing import Any
 from replystream import settings
 from replystream.cli_values import (
     float_between,
-    int_at_least,
     int_between,
     non_negative_float,
     non_negative_int,
@@ -42,6 +41,14 @@ from replystream.server.guard import GuardConfig, parse_trusted_proxies
 from replystream.settings import Group, Setting
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Longer than any orchestrator waits for a stopping process: a typing slip such as 1e300 is
+# refused rather than taken as "never stop".
+SHUTDOWN_GRACE_S = float_between(0.0, 86_400.0)
+# Redis refuses an expiry past about 9e15 s, which failed every resumable reply; 30 days is
+# as long as any API keeps a stored reply.
+REPLY_TTL_S = float_between(0.0, 30 * 86_400.0, strict=True)
+# A request line or header field of a mebibyte is far past any client's (nginx: 8 KiB).
+MAX_HEADER_BYTES_MAX = 1 << 20
 
 
 def _zero_is_never(seconds: float) -> float | None:
@@ -112,7 +119,7 @@ SERVER = Group(
         Setting(
             "--shutdown-grace-s",
             "on SIGTERM, how long replies in flight may take to finish",
-            non_negative_float,
+            SHUTDOWN_GRACE_S,
             fills=(ServerConfig, "shutdown_grace_s"),
         ),
     ),
@@ -148,7 +155,8 @@ CLIENT_LIMITS = Group(
         Setting(
             "--max-header-bytes",
             "longest request line or header field",
-            int_at_least(256),
+            # aiohttp's parser takes this as a C size: past 2**64 it drops every connection
+            int_between(256, MAX_HEADER_BYTES_MAX),
             fills=(ServerConfig, "max_header_bytes"),
         ),
         Setting(
@@ -269,7 +277,7 @@ RESUME = Group(
         Setting(
             "--reply-ttl-s",
             "how long a finished resumable reply can still be read",
-            positive_float,
+            REPLY_TTL_S,
             default=TTL_AFTER_END_S,
         ),
         Setting(
