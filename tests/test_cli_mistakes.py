@@ -972,3 +972,22 @@ async def test_a_bench_whose_reader_left_still_writes_its_files(tmp_path: Path):
     assert done.stderr == ""
     assert done.returncode == 0
     assert json.loads(out.read_text())["counts"]["complete"] == 2
+
+
+@pytest.mark.parametrize("command", ["lab", "bench", "lab-engine"])
+def test_a_mistake_is_found_without_loading_the_server(command: str) -> None:
+    """A command that needs a constant of the server's (a schema's limit) imports that module
+    alone: the app, its routes and their schemas are not loaded to report a wrong flag."""
+    probe = (
+        "import sys\n"
+        "from replystream import cli\n"
+        "try:\n"
+        f"    cli.parse([{command!r}, '--no-such-flag'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 2, exc.code\n"
+        "print('replystream.server.app' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "False", done.stderr
