@@ -30,6 +30,7 @@ from aiohttp import web
 from replystream.cli import main
 from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
+from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import drop_and_resume
@@ -41,7 +42,8 @@ from replystream.lab.served_model import served_model
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import constant_rates
 from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
-from replystream.server import running
+from replystream.server import create_app, running
+from replystream.server.state import add_state_gauges
 from tests.conftest import serve_engine
 from tests.processes import replica
 from tests.services import free_port
@@ -1166,3 +1168,19 @@ async def test_a_server_gone_mid_run_meets_readers_that_back_off():
     assert run.unreachable is None  # it was reached: the run went on
     assert 2 <= len(refused) < 100, len(refused)
     assert run.wall_s < 3.5
+
+
+async def test_the_servers_account_says_what_its_kv_pool_cost_in_preemptions(capsys):
+    """The built-in engine on a pool too small for the load: the bench reads its preemptions
+    and recomputed tokens off /metrics, as the engine's scheduler counted them."""
+    engine = load_default_engine(TinyEngineConfig(num_blocks=10, block_size=16))
+    app = create_app(engine)
+    add_state_gauges(app)
+    async with running(app) as url:
+        argv = ["bench", f"{url}/stream?max_tokens=60", "--requests", "4", "--concurrency", "4"]
+        code = await asyncio.to_thread(main, [*argv, "--server-metrics", "--quiet"])
+    out = capsys.readouterr().out
+    counted = engine.scheduler_stats()
+    assert code == 0 and counted.preemptions > 0, out
+    said = f"engine: {counted.preemptions} preemptions for KV blocks, {counted.recomputed} tokens"
+    assert said in out, out

@@ -29,6 +29,9 @@ async def test_state_gauges_return_to_zero_after_a_reply_is_abandoned():
         await wait_for(lambda: engine.stats().active == 0)
         after = await (await raw_request(f"{url}/metrics")).read_body()
     assert gauge(during, "replystream_kv_blocks_used") > 0
+    assert gauge(during, "replystream_kv_blocks") == 64
+    assert gauge(during, "replystream_engine_requests_running") == 1
+    assert gauge(during, "replystream_engine_requests_waiting") == 0
     assert gauge(during, "replystream_replies_in_flight") == 1
     assert gauge(during, "replystream_active_streams") == 1  # read when scraped
     assert gauge(after, "replystream_kv_blocks_used") == 0
@@ -54,3 +57,25 @@ async def test_reply_logs_gauge_drops_logs_that_expired_while_the_server_was_qui
         expired = await (await raw_request(f"{url}/metrics")).read_body()
     assert gauge(ended, 'replystream_reply_logs{store="resumable"}') == 3
     assert gauge(expired, 'replystream_reply_logs{store="resumable"}') == 0
+
+
+async def test_a_pool_too_small_for_the_load_shows_its_preemptions_and_recomputed_tokens():
+    """Four 60-token replies on a 10-block pool: the engine preempts to make room, and the
+    gauges say how often and what it cost, as its scheduler counted them."""
+    engine = load_default_engine(TinyEngineConfig(num_blocks=10, block_size=16))
+    app = create_app(engine)
+    add_state_gauges(app)
+    async with running(app) as url:
+        idle = await (await raw_request(f"{url}/metrics")).read_body()
+
+        async def whole_reply(seed: int) -> bytes:
+            return await (await raw_request(f"{url}/stream?max_tokens=60&seed={seed}")).read_body()
+
+        await asyncio.gather(*(whole_reply(seed) for seed in range(4)))
+        await wait_for(lambda: engine.stats().active == 0)
+        after = await (await raw_request(f"{url}/metrics")).read_body()
+    counted = engine.scheduler_stats()
+    assert gauge(idle, "replystream_engine_preemptions") == 0
+    assert gauge(after, "replystream_engine_preemptions") == counted.preemptions > 0
+    assert gauge(after, "replystream_engine_recomputed_tokens") == counted.recomputed > 0
+    assert gauge(after, "replystream_engine_requests_waiting") == 0

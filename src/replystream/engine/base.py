@@ -319,6 +319,10 @@ class EngineStats:
     active: int
     steps: int
     kv_blocks_used: int | None = None  # KV cache blocks held (None: no paged KV cache)
+    kv_blocks_total: int | None = None  # the paged KV cache's pool
+    running: int | None = None  # of ``active``, in the batch (the rest wait: queued, preempted)
+    preemptions: int = 0  # requests that gave their KV blocks back to make room, since start
+    recomputed_tokens: int = 0  # cached tokens those preemptions threw away, computed again
     # Model names requests may ask for (a relay's upstreams' own, and aliases); empty: the
     # engine answers to one name, the server's.
     models: tuple[str, ...] = ()

@@ -372,6 +372,7 @@ class Runner:
 
     def stats(self) -> EngineStats:
         with self._cond:
+            scheduler = self.scheduler.stats()
             return EngineStats(
                 started=self._counts["started"],
                 finished=self._counts["finished"],
@@ -379,7 +380,11 @@ class Runner:
                 failed=self._counts["failed"],
                 active=len(self._requests) + len(self._pending),
                 steps=self._steps,
-                kv_blocks_used=self.scheduler.stats().kv.used_blocks,
+                kv_blocks_used=scheduler.kv.used_blocks,
+                kv_blocks_total=scheduler.kv.used_blocks + scheduler.kv.free_blocks,
+                running=scheduler.running,
+                preemptions=scheduler.preemptions,
+                recomputed_tokens=scheduler.recomputed,
             )
 
     def scheduler_stats(self) -> SchedulerStats:

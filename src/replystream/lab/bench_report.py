@@ -160,6 +160,12 @@ def _server_lines(server: dict[str, Any]) -> list[str]:
     held = ", ".join(f"{k} {v:g}" for k, v in server["held_at_end"].items() if v is not None)
     gap = server["ttft_gap_ms"]
     lines = []
+    engine = server.get("engine")
+    if engine:
+        lines.append(
+            f"  engine: {engine['preemptions']:g} preemptions for KV blocks, "
+            f"{engine['recomputed_tokens']:g} tokens recomputed"
+        )
     if "during" in server:
         peaks = server["during"]["held"]
         held_during = ", ".join(

@@ -2,10 +2,11 @@
 
 This file decides which of replystream's metrics a bench reads and what their change over a
 run means: tokens the engine made, replies by how they ended, the server's mean TTFT, queue
-time and end-to-end time (the change of a histogram's sum over the change of its count), and
-what it held when the run ended (active streams, engine requests, KV blocks). Reading one
-scrape is pure; ``scrape`` is the one function that does I/O. It must not know how the load
-was sent.
+time and end-to-end time (the change of a histogram's sum over the change of its count), what
+it held when the run ended (active streams, engine requests, KV blocks, requests waiting
+outside the engine's batch), and what making room in the engine's KV pool cost (preemptions,
+recomputed tokens). Reading one scrape is pure; ``scrape`` is the one function that does I/O.
+It must not know how the load was sent.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ _HELD = {
     "active_streams": "replystream_active_streams",
     "engine_requests": "replystream_engine_requests",
     "kv_blocks_used": "replystream_kv_blocks_used",
+    "engine_waiting": "replystream_engine_requests_waiting",
+}
+# What making room in the engine's KV pool cost over the run (engines that report it).
+_ENGINE_COUNTS = {
+    "preemptions": "replystream_engine_preemptions",
+    "recomputed_tokens": "replystream_engine_recomputed_tokens",
 }
 _ACTIVE = "replystream_active_streams"
 
@@ -132,6 +139,7 @@ def change(before: Scrape, after: Scrape) -> dict[str, Any]:
         "replies": {outcome: n for outcome, n in replies.items() if n},
         "mean": means,
         "held_at_end": {key: after.get(name) for key, name in _HELD.items()},
+        "engine": {key: delta(name) for key, name in _ENGINE_COUNTS.items() if name in after},
     }
 
 

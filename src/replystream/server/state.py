@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from replystream.delivery.replay import ReplayStore
-from replystream.engine.base import ATTEMPT_RESULTS, BackendStats, Engine
+from replystream.engine.base import ATTEMPT_RESULTS, BackendStats, Engine, EngineStats
 from replystream.server.context import (
     ENGINE_KEY,
     LOCAL_STORE_KEY,
@@ -72,11 +72,7 @@ def add_state_gauges(app: web.Application) -> None:
         lambda: engine.stats().active,
     )
     if engine.stats().kv_blocks_used is not None:  # an engine with a paged KV cache
-        metrics.state(
-            "replystream_kv_blocks_used",
-            "KV cache blocks held by requests.",
-            lambda: engine.stats().kv_blocks_used or 0,
-        )
+        _add_batch_gauges(metrics, engine)
     gauges = add_backend_gauges(metrics, engine)
     if gauges is not None:
         app[BACKEND_GAUGES_KEY] = gauges
@@ -94,6 +90,47 @@ def add_state_gauges(app: web.Application) -> None:
     _log_faults(metrics, stores)
     if metrics.has_readings:
         app.cleanup_ctx.append(_publishing_readings)
+
+
+def _add_batch_gauges(metrics: Metrics, engine: Engine) -> None:
+    """An engine that batches over a paged KV cache: its pool, its batch and its queue, and
+    what making room cost (a pool too small for the load preempts, and recomputes)."""
+    metrics.state(
+        "replystream_kv_blocks_used",
+        "KV cache blocks held by requests.",
+        lambda: engine.stats().kv_blocks_used or 0,
+    )
+    metrics.state(
+        "replystream_kv_blocks",
+        "KV cache blocks in the pool.",
+        lambda: engine.stats().kv_blocks_total or 0,
+    )
+    metrics.state(
+        "replystream_engine_requests_running",
+        "Requests in the engine's batch.",
+        lambda: engine.stats().running or 0,
+    )
+    metrics.state(
+        "replystream_engine_requests_waiting",
+        "Requests the engine holds outside its batch: not yet admitted, or preempted.",
+        lambda: _waiting(engine.stats()),
+    )
+    metrics.state(
+        "replystream_engine_preemptions",
+        "Requests that gave their KV blocks back to make room for others, since start.",
+        lambda: float(engine.stats().preemptions),
+        across="sum",
+    )
+    metrics.state(
+        "replystream_engine_recomputed_tokens",
+        "Cached tokens preemptions threw away, to be computed again, since start.",
+        lambda: float(engine.stats().recomputed_tokens),
+        across="sum",
+    )
+
+
+def _waiting(stats: EngineStats) -> float:
+    return float(stats.active - (stats.running or 0))
 
 
 async def _publishing_readings(app: web.Application) -> AsyncIterator[None]:
