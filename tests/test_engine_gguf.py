@@ -32,12 +32,14 @@ def loaded() -> Loaded:
     return load_gguf_model(require_smollm2())
 
 
-def engine_of(loaded: Loaded, model: TinyModel | None = None, **config: int) -> TinyEngine:
+def engine_of(
+    loaded: Loaded, model: TinyModel | None = None, *, prefix_caching: bool = False
+) -> TinyEngine:
     gguf, base, tokenizer = loaded
     return TinyEngine(
         model or base,
         tokenizer,
-        TinyEngineConfig(**{"num_blocks": 256, **config}),
+        TinyEngineConfig(num_blocks=256, prefix_caching=prefix_caching),
         prompts=prompt_format(gguf, tokenizer),
         stop_tokens=gguf.vocabulary.stop_ids,
         name="smollm2",
@@ -120,6 +122,38 @@ async def test_batched_greedy_replies_equal_replies_made_one_at_a_time(loaded: L
         await engine.aclose()
     assert list(together) == alone
     assert engine.stats().steps < sum(tokens for _, _, tokens in alone) * 2  # they shared steps
+
+
+async def test_a_chats_next_turn_reuses_its_cached_history_and_makes_the_same_reply(
+    loaded: Loaded,
+):
+    """With prefix caching the second turn's prefill skips the system prompt, the first
+    question and the reply the engine made to it (re-rendered by the chat template), and the
+    greedy replies are those of an engine without the cache."""
+    system = {"role": "system", "content": "You answer in one short sentence. " * 6}
+    replies: dict[bool, list[str]] = {}
+    hits = 0
+    for caching in (False, True):
+        engine = engine_of(loaded, prefix_caching=caching)
+        messages: tuple[dict[str, str], ...] = (system, *QUESTION)
+        try:
+            first, _, _ = await reply(engine, messages, 8)
+            messages += (
+                {"role": "assistant", "content": first},
+                {"role": "user", "content": "And of Spain?"},
+            )
+            second, _, _ = await reply(engine, messages, 8)
+            hits = engine.scheduler_stats().prefix_hit_tokens
+        finally:
+            await engine.aclose()
+        replies[caching] = [first, second]
+    first_prompt = len(
+        prompt_format(loaded[0], loaded[2]).prompt_ids(
+            GenerationRequest("", SamplingParams(), (system, *QUESTION))
+        )
+    )
+    assert hits >= first_prompt // 16 * 16 > 0
+    assert replies[True] == replies[False]
 
 
 async def test_a_reply_cut_by_max_tokens_or_the_context_ends_as_length(loaded: Loaded):

@@ -323,6 +323,8 @@ class EngineStats:
     running: int | None = None  # of ``active``, in the batch (the rest wait: queued, preempted)
     preemptions: int = 0  # requests that gave their KV blocks back to make room, since start
     recomputed_tokens: int = 0  # cached tokens those preemptions threw away, computed again
+    kv_blocks_cached: int = 0  # free KV blocks keeping a prefix for later requests
+    prefix_hit_tokens: int = 0  # prompt tokens found in cached blocks, not computed, since start
     # Model names requests may ask for (a relay's upstreams' own, and aliases); empty: the
     # engine answers to one name, the server's.
     models: tuple[str, ...] = ()

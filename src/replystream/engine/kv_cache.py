@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from replystream.engine.prefix_cache import ROOT, PrefixCache, block_digests
+
 F32 = NDArray[np.float32]
 I64 = NDArray[np.int64]
 Span = tuple[int, int, int]  # (seq_id, first new position, new tokens) of one chunk of a step
@@ -68,6 +70,7 @@ class KVCacheStats:
     wasted_tokens: int
     bytes_per_token: int
     wasted_bytes: int
+    cached_blocks: int = 0  # of the free blocks, those keeping a prefix for later requests
 
     @property
     def live_bytes(self) -> int:
@@ -80,32 +83,65 @@ class KVCacheStats:
         return self.wasted_tokens / reserved if reserved else 0.0
 
 
-class BlockAllocator:
-    """Free list and block tables of a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached blocks a sequence's tokens begin with, and the digest of the last."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, bytes_per_token: int = 0) -> None:
+    blocks: tuple[int, ...] = ()
+    digest: bytes = ROOT
+
+
+NO_MATCH = PrefixMatch()
+
+
+class BlockAllocator:
+    """Free list and block tables of a pool of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    A block is held by every sequence whose table has it (a reference count). With
+    ``prefix_caching`` a full block is named by its tokens and everything before them
+    (``prefix_cache``), another sequence beginning with those tokens takes it into its own
+    table instead of computing it again (``match``, ``adopt``), and a named block nobody holds
+    stays cached, as free as an unnamed one, until a block is needed and none of those is left.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        bytes_per_token: int = 0,
+        *,
+        prefix_caching: bool = False,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
+        self._refs = [0] * num_blocks
+        self._shared = 0  # references past each block's first: tables that share blocks
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
+        self._prefix = PrefixCache() if prefix_caching else None
+        self._named: dict[int, tuple[int, bytes]] = {}  # per sequence: blocks named, last digest
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix is not None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + (self._prefix.idle if self._prefix is not None else 0)
 
     def blocks_needed(self, seq_id: int, length: int) -> int:
         """Extra blocks ``seq_id`` needs to hold ``length`` tokens."""
         return max(0, self.blocks_for(length) - len(self._tables.get(seq_id, ())))
 
     def can_hold(self, seq_id: int, length: int) -> bool:
-        return self.blocks_needed(seq_id, length) <= len(self._free)
+        return self.blocks_needed(seq_id, length) <= self.free_blocks
 
     def reserve(self, seq_id: int, length: int) -> None:
         """Grow ``seq_id``'s table to hold ``length`` tokens (never shrinks).
@@ -114,11 +150,31 @@ class BlockAllocator:
             OutOfBlocks: fewer free blocks than needed; nothing is changed.
         """
         need = self.blocks_needed(seq_id, length)
-        if need > len(self._free):
-            raise OutOfBlocks(f"sequence {seq_id} needs {need} blocks, {len(self._free)} free")
+        if need > self.free_blocks:
+            raise OutOfBlocks(f"sequence {seq_id} needs {need} blocks, {self.free_blocks} free")
         table = self._tables.setdefault(seq_id, [])
-        table.extend(self._free.pop() for _ in range(need))
+        table.extend(self._take() for _ in range(need))
         self._lengths[seq_id] = max(self._lengths.get(seq_id, 0), length)
+
+    def _take(self) -> int:
+        # An unnamed free block first: a named one may still save a later request's prefill.
+        block = self._free.pop() if self._free else self._prefix_cache().evict()
+        self._refs[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] > 0:
+            self._shared -= 1
+        elif self._prefix is not None and self._prefix.named(block):
+            self._prefix.park(block)
+        else:
+            self._free.append(block)
+
+    def _prefix_cache(self) -> PrefixCache:
+        if self._prefix is None:
+            raise OutOfBlocks("no free block")
+        return self._prefix
 
     def truncate(self, seq_id: int, length: int) -> int:
         """Keep only ``length`` tokens of ``seq_id`` (rejected draft positions roll back);
@@ -129,16 +185,82 @@ class BlockAllocator:
         keep = self.blocks_for(length)
         freed = table[keep:]
         del table[keep:]
-        self._free.extend(reversed(freed))
+        for block in reversed(freed):
+            self._release(block)
         self._lengths[seq_id] = length
+        if self._named.get(seq_id, (0, ROOT))[0] > keep:  # named blocks are computed ones, so
+            self._named.pop(seq_id)  # never cut; were one, naming starts over from the first
         return len(freed)
 
     def free(self, seq_id: int) -> int:
-        """Return every block of ``seq_id`` to the pool; how many were freed (0 if none)."""
+        """Return every block of ``seq_id`` to the pool; how many were freed (0 if none).
+
+        Its last blocks are released first, so its first ones, the likeliest to begin another
+        request, are the last a cache gives up."""
         table = self._tables.pop(seq_id, [])
         self._lengths.pop(seq_id, None)
-        self._free.extend(reversed(table))
+        self._named.pop(seq_id, None)
+        for block in reversed(table):
+            self._release(block)
         return len(table)
+
+    def match(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest run of cached blocks ``tokens`` begins with (none without prefix
+        caching). The last token is never matched: its position must be computed, for the
+        logits the next token is sampled from."""
+        if self._prefix is None:
+            return NO_MATCH
+        blocks: list[int] = []
+        last = ROOT
+        for digest in block_digests(tokens[: len(tokens) - 1], self.block_size):
+            block = self._prefix.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+            last = digest
+        return PrefixMatch(tuple(blocks), last)
+
+    def idle_among(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` are cached and held by nobody: adopting them takes them
+        out of the free blocks."""
+        prefix = self._prefix
+        return 0 if prefix is None else sum(1 for b in blocks if prefix.is_idle(b))
+
+    def adopt(self, seq_id: int, match: PrefixMatch) -> int:
+        """Begin ``seq_id``'s table, which must be empty, with the matched blocks; how many
+        tokens they hold (computed already)."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        if not match.blocks:
+            return 0
+        for block in match.blocks:
+            if self._refs[block] == 0:
+                self._prefix_cache().reclaim(block)
+            else:
+                self._shared += 1
+            self._refs[block] += 1
+        self._tables[seq_id] = list(match.blocks)
+        tokens = len(match.blocks) * self.block_size
+        self._lengths[seq_id] = tokens
+        self._named[seq_id] = (len(match.blocks), match.digest)
+        return tokens
+
+    def name_full_blocks(self, seq_id: int, tokens: Sequence[int], computed: int) -> None:
+        """Name the blocks of ``seq_id`` that the first ``computed`` of its ``tokens`` fill,
+        so later requests beginning with them find them (nothing without prefix caching)."""
+        prefix = self._prefix
+        if prefix is None:
+            return
+        named, last = self._named.get(seq_id, (0, ROOT))
+        full = computed // self.block_size
+        if full <= named:
+            return
+        table = self._tables[seq_id]
+        digests = block_digests(tokens[: full * self.block_size], self.block_size, named, last)
+        for index, digest in enumerate(digests, named):
+            prefix.add(table[index], digest)
+            last = digest
+        self._named[seq_id] = (full, last)
 
     def table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._tables.get(seq_id, ()))
@@ -150,19 +272,22 @@ class BlockAllocator:
         return seq_id in self._tables
 
     def stats(self) -> KVCacheStats:
-        used = self.num_blocks - len(self._free)
-        live = sum(self._lengths.values())
+        cached = self._prefix.idle if self._prefix is not None else 0
+        used = self.num_blocks - len(self._free) - cached
+        # A shared block's tokens count once: it is full, and held in several tables.
+        live = sum(self._lengths.values()) - self._shared * self.block_size
         wasted = used * self.block_size - live
         return KVCacheStats(
             block_size=self.block_size,
             total_blocks=self.num_blocks,
             used_blocks=used,
-            free_blocks=len(self._free),
+            free_blocks=len(self._free) + cached,
             sequences=len(self._tables),
             live_tokens=live,
             wasted_tokens=wasted,
             bytes_per_token=self.bytes_per_token,
             wasted_bytes=wasted * self.bytes_per_token,
+            cached_blocks=cached,
         )
 
 
@@ -176,6 +301,8 @@ class PagedKVCache:
         head_dim: int,
         num_blocks: int,
         block_size: int = 16,
+        *,
+        prefix_caching: bool = False,
     ) -> None:
         """Allocate the pool.
 
@@ -198,7 +325,9 @@ class PagedKVCache:
         self._k_slots = self._k.reshape(n_layers, num_blocks * block_size, kv_heads, head_dim)
         self._v_slots = self._v.reshape(n_layers, num_blocks * block_size, kv_heads, head_dim)
         bytes_per_token = 2 * n_layers * kv_heads * head_dim * self._k.itemsize
-        self.allocator = BlockAllocator(num_blocks, block_size, bytes_per_token)
+        self.allocator = BlockAllocator(
+            num_blocks, block_size, bytes_per_token, prefix_caching=prefix_caching
+        )
         self.block_size = block_size
 
     @property

@@ -385,6 +385,8 @@ class Runner:
                 running=scheduler.running,
                 preemptions=scheduler.preemptions,
                 recomputed_tokens=scheduler.recomputed,
+                kv_blocks_cached=scheduler.kv.cached_blocks,
+                prefix_hit_tokens=scheduler.prefix_hit_tokens,
             )
 
     def scheduler_stats(self) -> SchedulerStats:

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from replystream.engine.kv_cache import BlockAllocator, KVCacheStats
+from replystream.engine.kv_cache import BlockAllocator, KVCacheStats, PrefixMatch
 from replystream.engine.speculative import propose
 
 
@@ -99,6 +99,7 @@ class SchedulerStats:
     draft_proposed: int = 0  # draft tokens sent to the model for verification
     draft_accepted: int = 0  # of those, tokens the model agreed with
     recomputed: int = 0  # cached tokens preemption threw away, to be computed again
+    prefix_hit_tokens: int = 0  # prompt tokens found in cached blocks, not computed again
 
 
 @dataclass(slots=True, eq=False)  # compared by identity
@@ -126,6 +127,7 @@ class Scheduler:
         self._steps = 0
         self._preemptions = 0
         self._recomputed = 0
+        self._prefix_hits = 0
         self._finished = 0
         self._aborted = 0
         self._proposed = 0
@@ -190,8 +192,11 @@ class Scheduler:
             and len(self._running) < self.config.max_running
         ):
             seq = self._waiting[0]
-            if not self._admissible(seq):
+            match = self._admission(seq)
+            if match is None:
                 break
+            seq.computed = self.allocator.adopt(seq.seq_id, match)
+            self._prefix_hits += seq.computed
             n = min(len(seq.tokens) - seq.computed, budget)
             self._running.append(self._waiting.popleft())
             chunks.append(self._take(seq, n))
@@ -200,13 +205,17 @@ class Scheduler:
             self._steps += 1
         return Batch(self._steps, tuple(chunks), tuple(preempted))
 
-    def _admissible(self, seq: _Sequence) -> bool:
+    def _admission(self, seq: _Sequence) -> PrefixMatch | None:
         # All of its context must fit, not only this step's chunk, and leave a block for each
         # running sequence's next token: admitted on less, it would be preempted by their
         # growth before its prefill pays off, and readmitted as soon as that freed its blocks,
         # over and over (a pool short by a little recomputed several times the useful work).
-        needed = self.allocator.blocks_needed(seq.seq_id, len(seq.tokens))
-        return needed + len(self._running) <= self.allocator.free_blocks
+        # Cached blocks it begins with need no new block, but leave the free ones if idle.
+        allocator = self.allocator
+        match = allocator.match(seq.tokens)
+        needed = allocator.blocks_for(len(seq.tokens)) - len(match.blocks)
+        needed += allocator.idle_among(match.blocks)
+        return match if needed + len(self._running) <= allocator.free_blocks else None
 
     def _draft(self, seq: _Sequence, budget: int) -> tuple[int, ...]:
         # A draft of k tokens makes up to k + 1: never more than the reply may still have.
@@ -254,6 +263,8 @@ class Scheduler:
                 seq.computed += len(chunk.tokens)
             if chunk.samples:
                 seq.tokens.extend(new)
+            self.allocator.name_full_blocks(seq.seq_id, seq.tokens, seq.computed)
+            if chunk.samples:
                 if seq.made >= seq.max_new:
                     self._release(seq)
                     self._finished += 1
@@ -307,4 +318,5 @@ class Scheduler:
             draft_proposed=self._proposed,
             draft_accepted=self._accepted,
             recomputed=self._recomputed,
+            prefix_hit_tokens=self._prefix_hits,
         )

@@ -52,6 +52,7 @@ class TinyEngineConfig:
     spec_tokens: int = 0  # prompt-lookup draft tokens per step at most (0: off)
     spec_ngram: int = 3  # longest context n-gram a draft is looked up by
     seed: int | None = None  # a request without a seed samples with it (None: a fresh one each)
+    prefix_caching: bool = False  # full KV blocks kept for later requests beginning alike
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.default_max_tokens) < 1:
@@ -108,7 +109,14 @@ class TinyEngine:
         self.name = name
         self.prompts = prompts or PlainPrompt(tokenizer, EMPTY_PROMPT)
         c = model.config
-        cache = PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, cfg.num_blocks, cfg.block_size)
+        cache = PagedKVCache(
+            c.n_layers,
+            c.n_kv_heads,
+            c.head_dim,
+            cfg.num_blocks,
+            cfg.block_size,
+            prefix_caching=cfg.prefix_caching,
+        )
         scheduler = Scheduler(
             cache.allocator,
             SchedulerConfig(cfg.token_budget, cfg.max_running, cfg.spec_tokens, cfg.spec_ngram),

@@ -15,6 +15,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from replystream.engine.gguf_engine import GGUF_ENGINE_DEFAULTS, load_gguf_model, prompt_format
 from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
@@ -52,8 +53,8 @@ class LabEngine:
     load_seconds: float
     _build: Callable[[TinyEngineConfig], TinyEngine]
 
-    def engine(self, **changes: int) -> TinyEngine:
-        """A fresh engine: this model with ``config`` changed by ``changes``."""
+    def engine(self, **changes: Any) -> TinyEngine:
+        """A fresh engine: this model with ``config`` changed by ``changes`` (its fields)."""
         return self._build(replace(self.config, **changes))
 
 

@@ -64,6 +64,15 @@ TINY_ENGINE = Group(
             engines=(*TINY, "hf"),
         ),
         Setting(
+            "--prefix-caching",
+            "keep full KV blocks for later requests that begin with the same tokens (a chat's "
+            "next turn, a shared system prompt): their prefill skips them; a reply is then the "
+            "same for a seed up to float rounding, not bit for bit",
+            fills=(TinyEngineConfig, "prefix_caching"),
+            switch=True,
+            engines=TINY,
+        ),
+        Setting(
             "--speculative",
             "prompt-lookup: draft tokens from n-grams already in the context, verified at once",
             choices=SPECULATIVE,

@@ -93,8 +93,9 @@ def add_state_gauges(app: web.Application) -> None:
 
 
 def _add_batch_gauges(metrics: Metrics, engine: Engine) -> None:
-    """An engine that batches over a paged KV cache: its pool, its batch and its queue, and
-    what making room cost (a pool too small for the load preempts, and recomputes)."""
+    """An engine that batches over a paged KV cache: its pool, its batch and its queue, what
+    making room cost (a pool too small for the load preempts, and recomputes), and what its
+    prefix cache saved."""
     metrics.state(
         "replystream_kv_blocks_used",
         "KV cache blocks held by requests.",
@@ -104,6 +105,17 @@ def _add_batch_gauges(metrics: Metrics, engine: Engine) -> None:
         "replystream_kv_blocks",
         "KV cache blocks in the pool.",
         lambda: engine.stats().kv_blocks_total or 0,
+    )
+    metrics.state(
+        "replystream_kv_blocks_cached",
+        "Free KV cache blocks keeping a prefix for later requests (with --prefix-caching).",
+        lambda: float(engine.stats().kv_blocks_cached),
+    )
+    metrics.state(
+        "replystream_engine_prefix_hit_tokens",
+        "Prompt tokens found in cached KV blocks, not computed again, since start.",
+        lambda: float(engine.stats().prefix_hit_tokens),
+        across="sum",
     )
     metrics.state(
         "replystream_engine_requests_running",
