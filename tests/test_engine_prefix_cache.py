@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import aiohttp
+import pytest
 
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.kv_cache import BlockAllocator
@@ -142,21 +143,31 @@ def test_no_block_leaks_with_prefix_caching_after_1000_random_requests():
     assert stats.prefix_hit_tokens > 1000  # the shared prefixes were found again
 
 
-async def test_a_reply_whose_prompt_comes_from_the_cache_is_the_same_reply():
-    engine = load_default_engine(TinyEngineConfig(prefix_caching=True))
+@pytest.mark.parametrize("spec_tokens", [0, 4], ids=["plain", "speculative"])
+async def test_replies_whose_prompts_come_from_the_cache_are_the_same_replies(spec_tokens: int):
+    """Three requests, each resending the one before and its reply (greedy), on an engine
+    with the cache and on one without; with speculative decoding too, whose rejected draft
+    positions are rolled back inside blocks the cache must not have named."""
     prompt = "And the LORD spake unto Moses, saying, Speak unto the children of Israel. " * 4
-    try:
-        replies = []
-        for _ in range(2):
-            stream = await engine.start(
-                GenerationRequest(prompt, SamplingParams(max_tokens=24, temperature=0.0))
-            )
-            replies.append("".join([d.text async for d in stream]))
-        hits = engine.scheduler_stats().prefix_hit_tokens
-    finally:
-        await engine.aclose()
-    assert hits >= 16 and hits % 16 == 0  # the second request's full prompt blocks
-    assert replies[0] == replies[1] and replies[0]
+    replies: dict[bool, list[str]] = {}
+    for caching in (False, True):
+        config = TinyEngineConfig(prefix_caching=caching, spec_tokens=spec_tokens)
+        engine = load_default_engine(config)
+        texts: list[str] = []
+        try:
+            for _ in range(3):
+                request = GenerationRequest(
+                    prompt + "".join(texts), SamplingParams(max_tokens=40, temperature=0.0)
+                )
+                texts.append("".join([d.text async for d in await engine.start(request)]))
+            stats = engine.scheduler_stats()
+        finally:
+            await engine.aclose()
+        replies[caching] = texts
+        assert stats.kv.used_blocks == 0
+        assert (stats.prefix_hit_tokens > 0) == caching
+        assert stats.prefix_hit_tokens % 16 == 0  # whole blocks
+    assert replies[True] == replies[False] and all(replies[True])
 
 
 async def test_a_chats_next_turn_is_served_from_the_cache_as_metrics_show():
