@@ -1184,3 +1184,19 @@ async def test_the_servers_account_says_what_its_kv_pool_cost_in_preemptions(cap
     assert code == 0 and counted.preemptions > 0, out
     said = f"engine: {counted.preemptions} preemptions for KV blocks, {counted.recomputed} tokens"
     assert said in out, out
+
+
+async def test_a_multi_turn_bench_reads_what_the_engines_prefix_cache_saved(capsys):
+    """Conversations resending their history to an engine with prefix caching: the bench's
+    server account gives the prompt tokens the engine found in its cache over the run."""
+    engine = load_default_engine(TinyEngineConfig(prefix_caching=True))
+    app = create_app(engine)
+    add_state_gauges(app)
+    async with running(app) as url:
+        argv = ["bench", f"{url}/v1/chat/completions", "--requests", "2", "--turns", "3"]
+        argv += ["--output-tokens", "8", "--system-prompt-words", "40", "--server-metrics"]
+        code = await asyncio.to_thread(main, [*argv, "--quiet"])
+    out = capsys.readouterr().out
+    hits = engine.scheduler_stats().prefix_hit_tokens  # the warm-up, first, found none
+    assert code == 0 and hits > 0, out
+    assert f"{hits} prompt tokens from its prefix cache" in out, out

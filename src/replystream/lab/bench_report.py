@@ -164,7 +164,8 @@ def _server_lines(server: dict[str, Any]) -> list[str]:
     if engine:
         lines.append(
             f"  engine: {engine['preemptions']:g} preemptions for KV blocks, "
-            f"{engine['recomputed_tokens']:g} tokens recomputed"
+            f"{engine['recomputed_tokens']:g} tokens recomputed, "
+            f"{engine['prefix_hit_tokens']:g} prompt tokens from its prefix cache"
         )
     if "during" in server:
         peaks = server["during"]["held"]

@@ -4,9 +4,10 @@ This file decides which of replystream's metrics a bench reads and what their ch
 run means: tokens the engine made, replies by how they ended, the server's mean TTFT, queue
 time and end-to-end time (the change of a histogram's sum over the change of its count), what
 it held when the run ended (active streams, engine requests, KV blocks, requests waiting
-outside the engine's batch), and what making room in the engine's KV pool cost (preemptions,
-recomputed tokens). Reading one scrape is pure; ``scrape`` is the one function that does I/O.
-It must not know how the load was sent.
+outside the engine's batch), what making room in the engine's KV pool cost (preemptions,
+recomputed tokens) and what its prefix cache saved (prompt tokens not computed). Reading one
+scrape is pure; ``scrape`` is the one function that does I/O. It must not know how the load
+was sent.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ _HELD = {
     "kv_blocks_used": "replystream_kv_blocks_used",
     "engine_waiting": "replystream_engine_requests_waiting",
 }
-# What making room in the engine's KV pool cost over the run (engines that report it).
+# What making room in the engine's KV pool cost over the run, and what its prefix cache saved
+# (engines that report them).
 _ENGINE_COUNTS = {
     "preemptions": "replystream_engine_preemptions",
     "recomputed_tokens": "replystream_engine_recomputed_tokens",
+    "prefix_hit_tokens": "replystream_engine_prefix_hit_tokens",
 }
 _ACTIVE = "replystream_active_streams"
 
