@@ -1,11 +1,13 @@
 """Paged KV cache: fixed-size blocks in one preallocated pool, a block table per sequence.
 
 This file decides where a sequence's keys and values live. ``BlockAllocator`` is the
-bookkeeping alone (free list, block tables, token counts; no arrays), so the scheduler can plan
-with it and be tested without a model. ``PagedKVCache`` adds the pool itself: per layer one
-(num_blocks, block_size, kv heads, head dim) array for K and one for V, allocated once.
-A sequence's blocks return to the free list the moment ``free`` is called (finished,
-cancelled or preempted). ``ContiguousKVCache`` keeps each sequence in one contiguous array; it
+bookkeeping alone (free list, block tables, reference counts, token counts; no arrays), so the
+scheduler can plan with it and be tested without a model. ``PagedKVCache`` adds the pool
+itself: per layer one (num_blocks, block_size, kv heads, head dim) array for K and one for V,
+allocated once, and never more than the machine's memory. A sequence's blocks return to the
+pool the moment ``free`` is called (finished, cancelled or preempted); with prefix caching,
+the full ones stay findable by later sequences that begin with the same tokens, which then
+share them (``prefix_cache``). ``ContiguousKVCache`` keeps each sequence in one contiguous array; it
 is the reference the paged cache is tested against. Both also answer a whole forward pass at
 once (``step``): the slots of every new token and the padded gather of every sequence a group
 attends over are worked out once, then each layer is one indexed write and one indexed read
@@ -124,10 +126,6 @@ class BlockAllocator:
         self._lengths: dict[int, int] = {}
         self._prefix = PrefixCache() if prefix_caching else None
         self._named: dict[int, tuple[int, bytes]] = {}  # per sequence: blocks named, last digest
-
-    @property
-    def prefix_caching(self) -> bool:
-        return self._prefix is not None
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

@@ -10,7 +10,9 @@ This file decides, step by step, how a token budget is spent and who holds KV bl
 3. Then waiting sequences are admitted in arrival order while budget and ``max_running``
    allow, and while the free blocks hold the whole context of the next one (prompt, plus the
    tokens it made if it was preempted) with one block to spare per running sequence (none are
-   admitted in a step that had to preempt).
+   admitted in a step that had to preempt). With prefix caching, a sequence whose tokens begin
+   with cached blocks takes them (``BlockAllocator.match``, ``adopt``), and its prefill starts
+   after them; each chunk's full blocks are named for later ones in ``record``.
 4. ``abort`` and ``finish`` free a sequence's blocks at once.
 5. With ``spec_tokens`` > 0 a decoding sequence's chunk also carries a draft (prompt lookup,
    ``speculative.propose``), never past ``max_new`` nor the budget; ``record`` then takes the
@@ -263,12 +265,12 @@ class Scheduler:
                 seq.computed += len(chunk.tokens)
             if chunk.samples:
                 seq.tokens.extend(new)
+            # The blocks this chunk filled, findable by later requests (with prefix caching).
             self.allocator.name_full_blocks(seq.seq_id, seq.tokens, seq.computed)
-            if chunk.samples:
-                if seq.made >= seq.max_new:
-                    self._release(seq)
-                    self._finished += 1
-                    finished.append(Finished(seq.seq_id))
+            if chunk.samples and seq.made >= seq.max_new:
+                self._release(seq)
+                self._finished += 1
+                finished.append(Finished(seq.seq_id))
         return tuple(finished)
 
     def finish(self, seq_id: int) -> bool:
