@@ -92,52 +92,96 @@ def add_state_gauges(app: web.Application) -> None:
         app.cleanup_ctx.append(_publishing_readings)
 
 
-def _add_batch_gauges(metrics: Metrics, engine: Engine) -> None:
-    """An engine that batches over a paged KV cache: its pool, its batch and its queue, what
-    making room cost (a pool too small for the load preempts, and recomputes), and what its
-    prefix cache saved."""
-    metrics.state(
+# Gauges read from ``Engine.stats()`` fields: (name, help, field, how workers' readings add up).
+EngineGauge = tuple[str, str, str, AcrossWorkers]
+
+# An engine that batches over a paged KV cache: its pool, its batch and its queue, what making
+# room cost (a pool too small for the load preempts, and recomputes), and what its prefix
+# cache saved.
+_BATCH_GAUGES: tuple[EngineGauge, ...] = (
+    (
         "replystream_kv_blocks_used",
         "KV cache blocks held by requests.",
-        lambda: engine.stats().kv_blocks_used or 0,
-    )
-    metrics.state(
-        "replystream_kv_blocks",
-        "KV cache blocks in the pool.",
-        lambda: engine.stats().kv_blocks_total or 0,
-    )
-    metrics.state(
+        "kv_blocks_used",
+        "livesum",
+    ),
+    ("replystream_kv_blocks", "KV cache blocks in the pool.", "kv_blocks_total", "livesum"),
+    (
         "replystream_kv_blocks_cached",
         "Free KV cache blocks keeping a prefix for later requests (with --prefix-caching).",
-        lambda: float(engine.stats().kv_blocks_cached),
-    )
-    metrics.state(
-        "replystream_engine_prefix_hit_tokens",
-        "Prompt tokens found in cached KV blocks, not computed again, since start.",
-        lambda: float(engine.stats().prefix_hit_tokens),
-        across="sum",
-    )
-    metrics.state(
+        "kv_blocks_cached",
+        "livesum",
+    ),
+    (
         "replystream_engine_requests_running",
         "Requests in the engine's batch.",
-        lambda: engine.stats().running or 0,
-    )
+        "running",
+        "livesum",
+    ),
+    (
+        "replystream_engine_preemptions",
+        "Requests that gave their KV blocks back to make room for others, since start.",
+        "preemptions",
+        "sum",
+    ),
+    (
+        "replystream_engine_recomputed_tokens",
+        "Cached tokens preemptions threw away, to be computed again, since start.",
+        "recomputed_tokens",
+        "sum",
+    ),
+    (
+        "replystream_engine_prefix_hit_tokens",
+        "Prompt tokens found in cached KV blocks, not computed again, since start.",
+        "prefix_hit_tokens",
+        "sum",
+    ),
+)
+# A relay's counts over all its upstreams.
+_RELAY_GAUGES: tuple[EngineGauge, ...] = (
+    (
+        "replystream_upstream_failovers",
+        "Replies moved to another upstream before their first token, since start.",
+        "failovers",
+        "sum",
+    ),
+    (
+        "replystream_upstream_continuations",
+        "Replies continued at another upstream mid-reply, since start.",
+        "continuations",
+        "sum",
+    ),
+    (
+        "replystream_upstream_affinity_spills",
+        "Requests routed by prefix whose first upstream was not their key's own (its load "
+        "past the bound, or at its limit of requests at once), since start.",
+        "spills",
+        "sum",
+    ),
+    (
+        "replystream_upstream_queued",
+        "Requests waiting for room at upstreams at their limit of requests at once.",
+        "queued",
+        "livesum",
+    ),
+)
+
+
+def _add_engine_gauges(metrics: Metrics, engine: Engine, gauges: tuple[EngineGauge, ...]) -> None:
+    for name, documentation, field, across in gauges:
+        metrics.state(name, documentation, _engine_stat(engine, field), across=across)
+
+
+def _engine_stat(engine: Engine, field: str) -> Callable[[], float]:
+    return lambda: float(getattr(engine.stats(), field) or 0)
+
+
+def _add_batch_gauges(metrics: Metrics, engine: Engine) -> None:
+    _add_engine_gauges(metrics, engine, _BATCH_GAUGES)
     metrics.state(
         "replystream_engine_requests_waiting",
         "Requests the engine holds outside its batch: not yet admitted, or preempted.",
         lambda: _waiting(engine.stats()),
-    )
-    metrics.state(
-        "replystream_engine_preemptions",
-        "Requests that gave their KV blocks back to make room for others, since start.",
-        lambda: float(engine.stats().preemptions),
-        across="sum",
-    )
-    metrics.state(
-        "replystream_engine_recomputed_tokens",
-        "Cached tokens preemptions threw away, to be computed again, since start.",
-        lambda: float(engine.stats().recomputed_tokens),
-        across="sum",
     )
 
 
@@ -282,30 +326,7 @@ def add_backend_gauges(metrics: Metrics, engine: Engine) -> BackendGauges | None
         LATENCY_BOUNDS,
         lambda: [(b.name, b.first_text_counts, b.first_text_sum) for b in engine.stats().backends],
     )
-    metrics.state(
-        "replystream_upstream_failovers",
-        "Replies moved to another upstream before their first token, since start.",
-        lambda: float(engine.stats().failovers),
-        across="sum",
-    )
-    metrics.state(
-        "replystream_upstream_continuations",
-        "Replies continued at another upstream mid-reply, since start.",
-        lambda: float(engine.stats().continuations),
-        across="sum",
-    )
-    metrics.state(
-        "replystream_upstream_affinity_spills",
-        "Requests routed by prefix whose first upstream was not their key's own (its load "
-        "past the bound, or at its limit of requests at once), since start.",
-        lambda: float(engine.stats().spills),
-        across="sum",
-    )
-    metrics.state(
-        "replystream_upstream_queued",
-        "Requests waiting for room at upstreams at their limit of requests at once.",
-        lambda: float(engine.stats().queued),
-    )
+    _add_engine_gauges(metrics, engine, _RELAY_GAUGES)
     return gauges
 
 
