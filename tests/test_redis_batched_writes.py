@@ -267,3 +267,29 @@ async def test_a_stream_made_anew_by_a_late_write_expires_even_if_its_producer_d
         assert await redis.ttl(key) > 0, key
     await producer.aclose()
     await other.aclose()
+
+
+async def test_a_delete_made_on_another_replica_outlives_the_gap_between_two_beats(
+    server: RedisServer,
+):
+    # The producer finds a delete at its next heartbeat, which may come a second or more
+    # later on a loaded machine. Had the delete's mark expired with a short reply TTL, the
+    # producer would take the missing metadata for an eviction and write the reply again.
+    producer = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
+    reader = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
+    stopped: list[str] = []
+    producer.on_cancel(stopped.append)
+    await producer.create(ReplyInfo("gone"))
+    producer.append("gone", [LogEntry(1, "token", "a")])
+    await producer.flush()
+    await reader.delete("gone")
+    assert await reader.redis.pttl(reader.keys.key("gone", ":meta")) > 2_000
+    async with asyncio.timeout(10):
+        while not stopped:  # noqa: ASYNC110  (a remote delete is seen by a heartbeat)
+            await asyncio.sleep(0.05)
+    assert stopped == ["gone"]
+    await asyncio.sleep(1.5)  # more beats: none writes it again
+    assert await reader.info("gone") is None
+    assert producer.stats().repairs == 0
+    await producer.aclose()
+    await reader.aclose()

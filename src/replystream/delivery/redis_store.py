@@ -232,8 +232,11 @@ class RedisReplayStore:
             self.writer.stop(reply_id)  # elsewhere, its producer hears at its next heartbeat
         self.writer.forget(reply_id)
         keys = [self.keys.key(reply_id, part) for part in DELETED_PARTS]
+        # The mark must outlive the gap between two of the producer's heartbeats, as a cancel
+        # mark does: found expired, a deleted reply looks evicted, and is written again.
+        hold = live_hold_s(self.ttl_after_end_s, self._link.liveness_s)
         try:
-            await self._delete(keys=keys, args=[max(1, int(self.ttl_after_end_s))])
+            await self._delete(keys=keys, args=[hold])
         except (RedisError, OSError) as exc:
             raise self._link.unavailable(exc) from exc
 
