@@ -227,22 +227,35 @@ async def test_a_live_reply_that_pauses_longer_than_the_ttl_keeps_its_keys(
     await reader.aclose()
 
 
-async def test_a_cancel_asked_on_another_replica_outlives_the_gap_between_two_beats(
-    server: RedisServer,
+@pytest.mark.parametrize("asked", ["cancel", "delete"])
+async def test_a_cancel_or_delete_asked_on_another_replica_outlives_the_gap_between_two_beats(
+    server: RedisServer, asked: str
 ):
-    # Whatever the reply TTL, the producer reads a cancel mark at its next heartbeat, which
-    # may come a second or more later on a loaded machine: the mark must still be there.
+    # Whatever the reply TTL, the producer reads a cancel's or a delete's mark at its next
+    # heartbeat, which may come a second or more later on a loaded machine: the mark must
+    # still be there. A delete's, gone, would leave no metadata: the producer would take it
+    # for an eviction and write the deleted reply again.
     producer = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
     reader = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
     stopped: list[str] = []
     producer.on_cancel(stopped.append)
     await producer.create(ReplyInfo("asked"))
-    await reader.request_cancel("asked")
-    assert await reader.redis.pttl(reader.keys.key("asked", ":cancel")) > 2_000
+    producer.append("asked", [LogEntry(1, "token", "a")])
+    await producer.flush()
+    if asked == "cancel":
+        await reader.request_cancel("asked")
+    else:
+        await reader.delete("asked")
+    mark = reader.keys.key("asked", ":cancel" if asked == "cancel" else ":meta")
+    assert await reader.redis.pttl(mark) > 2_000
     async with asyncio.timeout(10):
         while not stopped:  # noqa: ASYNC110  (a remote request is seen by a heartbeat)
             await asyncio.sleep(0.05)
     assert stopped == ["asked"]
+    if asked == "delete":
+        await asyncio.sleep(1.5)  # more beats: none writes it again
+        assert await reader.info("asked") is None
+        assert producer.stats().repairs == 0
     await producer.aclose()
     await reader.aclose()
 
@@ -267,29 +280,3 @@ async def test_a_stream_made_anew_by_a_late_write_expires_even_if_its_producer_d
         assert await redis.ttl(key) > 0, key
     await producer.aclose()
     await other.aclose()
-
-
-async def test_a_delete_made_on_another_replica_outlives_the_gap_between_two_beats(
-    server: RedisServer,
-):
-    # The producer finds a delete at its next heartbeat, which may come a second or more
-    # later on a loaded machine. Had the delete's mark expired with a short reply TTL, the
-    # producer would take the missing metadata for an eviction and write the reply again.
-    producer = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
-    reader = RedisReplayStore(server.url, ttl_after_end_s=0.5, liveness_s=1.0)
-    stopped: list[str] = []
-    producer.on_cancel(stopped.append)
-    await producer.create(ReplyInfo("gone"))
-    producer.append("gone", [LogEntry(1, "token", "a")])
-    await producer.flush()
-    await reader.delete("gone")
-    assert await reader.redis.pttl(reader.keys.key("gone", ":meta")) > 2_000
-    async with asyncio.timeout(10):
-        while not stopped:  # noqa: ASYNC110  (a remote delete is seen by a heartbeat)
-            await asyncio.sleep(0.05)
-    assert stopped == ["gone"]
-    await asyncio.sleep(1.5)  # more beats: none writes it again
-    assert await reader.info("gone") is None
-    assert producer.stats().repairs == 0
-    await producer.aclose()
-    await reader.aclose()
