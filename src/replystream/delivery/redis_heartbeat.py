@@ -23,7 +23,7 @@ import time
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_keys import ReplyKeys
-from replystream.delivery.redis_link import HEARTBEAT_S, OutageLog, RedisLink, live_hold_s
+from replystream.delivery.redis_link import HEARTBEAT_S, OutageLog, RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT
 
@@ -120,10 +120,7 @@ class Heartbeat:
         try:
             answer = await self._heartbeat(
                 keys=keys,
-                args=[
-                    max(1, int(self.liveness_s)),
-                    live_hold_s(self._writer.ttl_after_end_s, self.liveness_s),
-                ],
+                args=[max(1, int(self.liveness_s)), self._writer.hold_s],
             )
         except (RedisError, OSError) as exc:
             return exc

@@ -63,6 +63,9 @@ class LogWriter:
         self.local = local
         self.ttl_after_end_s = ttl_after_end_s
         self.liveness_s = liveness_s
+        # How long a live reply's keys, and a cancel's or a delete's mark, are kept from each
+        # refresh: the TTL, never less than the gap between two beats.
+        self.hold_s = live_hold_s(ttl_after_end_s, liveness_s)
         self.max_entries = max_entries
         self.tables = ReplyTables()
         # Queued for the next flush: new replies, with what their ``create`` waits on (None,
@@ -210,8 +213,7 @@ class LogWriter:
         """One script call; what Redis refused fails its reply; a call that failed as a
         whole is an outage (``Failover.write_failed``), and fails the creates waiting on it."""
         ttl, liveness = max(1, int(self.ttl_after_end_s)), max(1, int(self.liveness_s))
-        hold = live_hold_s(self.ttl_after_end_s, self.liveness_s)
-        argument = batch.argument(ttl, hold, liveness, self._keys.counter_key(group))
+        argument = batch.argument(ttl, self.hold_s, liveness, self._keys.counter_key(group))
         sent = time.monotonic()
         try:
             answer = await self._write(keys=batch.keys, args=[argument])

@@ -58,7 +58,7 @@ from redis.exceptions import RedisError
 from replystream.delivery.redis_follow import RemoteCursor
 from replystream.delivery.redis_heartbeat import Heartbeat
 from replystream.delivery.redis_keys import DELETED_PARTS, ReplyKeys
-from replystream.delivery.redis_link import FAILOVER_S, RedisLink, live_hold_s
+from replystream.delivery.redis_link import FAILOVER_S, RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_reads import RemoteReads
 from replystream.delivery.redis_rows import Offsets
@@ -212,7 +212,7 @@ class RedisReplayStore:
             await self.redis.set(
                 self.keys.key(reply_id, ":cancel"),
                 b"1",
-                ex=live_hold_s(self.ttl_after_end_s, self._link.liveness_s),
+                ex=self.writer.hold_s,
             )
         except (RedisError, OSError) as exc:
             raise self._link.unavailable(exc) from exc
@@ -234,9 +234,8 @@ class RedisReplayStore:
         keys = [self.keys.key(reply_id, part) for part in DELETED_PARTS]
         # The mark must outlive the gap between two of the producer's heartbeats, as a cancel
         # mark does: found expired, a deleted reply looks evicted, and is written again.
-        hold = live_hold_s(self.ttl_after_end_s, self._link.liveness_s)
         try:
-            await self._delete(keys=keys, args=[hold])
+            await self._delete(keys=keys, args=[self.writer.hold_s])
         except (RedisError, OSError) as exc:
             raise self._link.unavailable(exc) from exc
 

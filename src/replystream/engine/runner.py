@@ -381,7 +381,7 @@ class Runner:
                 active=len(self._requests) + len(self._pending),
                 steps=self._steps,
                 kv_blocks_used=scheduler.kv.used_blocks,
-                kv_blocks_total=scheduler.kv.used_blocks + scheduler.kv.free_blocks,
+                kv_blocks_total=scheduler.kv.total_blocks,
                 running=scheduler.running,
                 preemptions=scheduler.preemptions,
                 recomputed_tokens=scheduler.recomputed,
