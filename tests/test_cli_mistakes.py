@@ -405,11 +405,33 @@ CASES: list[tuple[list[str], str]] = [
     ),
     (
         ["lab-engine", "pool", "--small-blocks", "0"],
-        "argument --small-blocks: want a whole number from 1 to 2047",
+        "argument --small-blocks: want a whole number >= 1",
     ),
     (  # the small pool must be smaller than the one that holds every request
-        ["lab-engine", "pool", "--small-blocks", "1000000000000"],
-        "argument --small-blocks: want a whole number from 1 to 2047",
+        ["lab-engine", "pool", "--engine", "tiny", "--small-blocks", "1000000000000"],
+        "--small-blocks 1000000000000: the pool that holds all 16 requests has 128 blocks; "
+        "give fewer",
+    ),
+    (  # an option another experiment reads is refused, not ignored
+        ["lab-engine", "ttft", "--batches", "99"],
+        "--batches: the ttft experiment does not use it (step)",
+    ),
+    (
+        ["lab-engine", "pool", "--repeats", "5"],
+        "--repeats: the pool experiment does not use it (ttft, step, spec)",
+    ),
+    (  # a reply longer than the context has room for is refused, not cut short unsaid
+        ["lab-engine", "pool", "--engine", "tiny", "--tokens", "1000"],
+        "--tokens: 1000 tokens do not fit after the pool experiment's prompt in the tiny "
+        "model's context of 256; give at most 216",
+    ),
+    (
+        ["lab-engine", "step", "--engine", "tiny", "--tokens", "1"],
+        "--tokens: the step experiment times the gaps between tokens; give 2 or more",
+    ),
+    (
+        ["lab-engine", "step", "--engine", "tiny", "--batches", "100000000"],
+        "--batches: a batch of 100000000: a KV pool of",
     ),
     (  # and hold one request
         ["lab-engine", "pool", "--engine", "tiny", "--small-blocks", "1"],

@@ -47,6 +47,22 @@ def test_step_experiment_reports_each_batch(tiny: LabEngine, tmp_path: Path) -> 
         assert report_step(rows, tmp_path, Console(file=sink)).exists()
 
 
+def test_step_experiment_decodes_a_batch_past_the_serving_budget_together(
+    tiny: LabEngine,
+) -> None:
+    # Past the 128-token budget ``serve`` gives the tiny model, a batch would decode in turns
+    # and its "step" be one turn's: the step time would stay flat while the batch grew. The
+    # experiment's engine holds the largest batch at once, so a step of 512 sequences is
+    # several times one of 128 (about 4x), not the same.
+    rows = asyncio.run(run_step(tiny, (128, 512), tokens=6, repeats=3))
+    assert rows[1].step_ms > 1.5 * rows[0].step_ms
+
+
+def test_step_experiment_runs_with_the_fewest_tokens(tiny: LabEngine) -> None:
+    (row,) = asyncio.run(run_step(tiny, (2,), tokens=2))
+    assert row.step_ms > 0
+
+
 def test_pool_experiment_shows_queueing_and_preemption(tiny: LabEngine, tmp_path: Path) -> None:
     big, small = asyncio.run(run_pool(tiny, requests=6, tokens=60, small_blocks=10))
     assert len(big.timings) == len(small.timings) == 6

@@ -20,7 +20,7 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -31,8 +31,9 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
-from replystream.cli_values import int_between, non_negative_float, output_folder, positive_int
+from replystream.cli_values import non_negative_float, output_folder, positive_int
 from replystream.engine.base import GenerationRequest, RequestRejected, SamplingParams
+from replystream.engine.kv_cache import PoolTooLarge
 from replystream.engine.runner import RequestTimings
 from replystream.engine.tiny import TinyEngine
 from replystream.lab.lab_engines import (
@@ -44,9 +45,25 @@ from replystream.lab.lab_engines import (
     plot_name,
 )
 from replystream.lab.report_console import report_console
+from replystream.lab.spec_lab import PROMPTS as SPEC_PROMPTS
 from replystream.lab.spec_lab import report_spec, run_spec
 
 EXPERIMENTS = ("ttft", "step", "pool", "spec")
+# Which experiments read each option (by its ``dest``): any other refuses it, so no flag is
+# taken and ignored.
+OPTION_USERS: dict[str, tuple[str, ...]] = {
+    "lengths": ("ttft",),
+    "batches": ("step",),
+    "repeats": ("ttft", "step", "spec"),
+    "tokens": ("step", "pool", "spec"),
+    "requests": ("pool",),
+    "small_blocks": ("pool",),
+    "spec_tokens": ("spec",),
+    "spec_ngram": ("spec",),
+    "temperature": ("spec",),
+}
+POOL_DEFAULTS = {"requests": 16, "small_blocks": 40}
+SPEC_DEFAULTS = {"spec_tokens": 4, "spec_ngram": 3}
 WORDS = "and the children of Israel went up out of the land of Egypt unto the mount of God ".split()
 
 
@@ -118,30 +135,53 @@ class StepRow:
     tokens_per_s: float
 
 
+# The prompt of every sequence of the step experiment, in tokens (as ``prompt_of`` cuts it).
+STEP_PROMPT_TOKENS = 32
+
+
 async def run_step(
     lab: LabEngine, batches: tuple[int, ...], tokens: int, repeats: int = 1
 ) -> list[StepRow]:
     """Median gap between tokens while ``batch`` sequences decode together.
 
+    The engine is built to hold the largest batch at once: its token budget prefills every
+    sequence of a batch in one step and its pool holds all of their replies, so from the
+    first token on each step decodes the whole batch (with the capacity ``serve`` gives the
+    model, a batch past its 128-token budget would decode in turns, and ``batch`` over a
+    sequence's gap would count tokens no step made). Gaps are taken where every sequence of
+    the batch is decoding: after the last first token, up to the first last token.
+
     ``repeats`` rounds each go through every batch size, and a batch's figure is the median
     of its rounds: interleaved so that a busy moment on a shared machine lands on different
     batch sizes in different rounds, rather than on one size's only run.
+
+    Raises:
+        PoolTooLarge: the largest batch's replies need more memory than this machine has.
     """
-    engine = lab.engine(max_running=max(batches))
+    probe = lab.engine(num_blocks=1)  # for its tokenizer and prompt format
+    prompt = prompt_of(probe, STEP_PROMPT_TOKENS)
+    # Its end tokens banned, every reply runs to ``tokens``: no sequence leaves a batch early.
+    sampling = SamplingParams(
+        max_tokens=tokens, logit_bias=tuple((t, -100.0) for t in sorted(probe.runner.stop_tokens))
+    )
+    prompt_tokens = len(probe.prompts.prompt_ids(GenerationRequest(prompt, sampling)))
+    blocks_each = _blocks_for(probe, prompt_tokens + tokens)
+    largest = max(batches)
+    engine = lab.engine(
+        max_running=largest,
+        token_budget=max(lab.config.token_budget, largest * prompt_tokens),
+        num_blocks=max(lab.config.num_blocks, largest * blocks_each),
+    )
     steps: dict[int, list[float]] = {batch: [] for batch in batches}
     try:
         await _warm_up(engine)
-        prompt = prompt_of(engine, 32)
         for _ in range(repeats):
             for batch in batches:
                 requests = [
-                    GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=i))
-                    for i in range(batch)
+                    GenerationRequest(prompt, replace(sampling, seed=i)) for i in range(batch)
                 ]
                 timings = await _run_all(engine, requests)
-                # The first gaps of a batch overlap the prefill of its later sequences.
-                gaps = [b - a for t in timings for a, b in itertools.pairwise(t.tokens[4:])]
-                steps[batch].append(statistics.median(gaps))
+                steps[batch].append(statistics.median(_gaps_together(timings)))
     finally:
         await engine.aclose()
     rows = []
@@ -149,6 +189,15 @@ async def run_step(
         step = statistics.median(steps[batch])
         rows.append(StepRow(batch, _ms(step), batch / step))
     return rows
+
+
+def _gaps_together(timings: list[RequestTimings]) -> list[float]:
+    """The gaps between tokens while every sequence was decoding: each a whole batch's step."""
+    start = max(t.tokens[0] for t in timings)
+    end = min(t.tokens[-1] for t in timings)
+    return [
+        b - a for t in timings for a, b in itertools.pairwise(t.tokens) if start <= a and b <= end
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,19 +225,37 @@ class PoolRun:
         ]
 
 
-# The pool experiment's large pool: every request of the burst fits at once.
-POOL_HOLDS_ALL = 2048
+def _blocks_for(engine: TinyEngine, tokens: int) -> int:
+    """The KV blocks a sequence of ``tokens`` tokens holds, and one spare: the scheduler
+    admits a request only with a block to spare for each running sequence's next token."""
+    return -(-tokens // engine.config.block_size) + 1
+
+
+# The prompt of every request of the pool experiment's burst, in tokens.
+POOL_PROMPT_TOKENS = 40
+
+
+def pool_holding_all(lab: LabEngine, requests: int, tokens: int) -> int:
+    """The blocks of the pool experiment's large pool: every request of the burst at once."""
+    probe = lab.engine(num_blocks=1)  # for its tokenizer and prompt format
+    prompt = probe.prompts.prompt_ids(GenerationRequest(prompt_of(probe, POOL_PROMPT_TOKENS)))
+    return requests * _blocks_for(probe, len(prompt) + tokens)
 
 
 async def run_pool(lab: LabEngine, requests: int, tokens: int, small_blocks: int) -> list[PoolRun]:
-    """The same burst of requests on a pool that holds them all and on one that does not."""
+    """The same burst of requests on a pool that holds them all and on one that does not.
+
+    Raises:
+        PoolTooLarge: the pool that holds every request needs more memory than there is.
+    """
     runs = []
-    pools = (("pool holds all", POOL_HOLDS_ALL), (f"{small_blocks}-block pool", small_blocks))
+    holds_all = pool_holding_all(lab, requests, tokens)
+    pools = (("pool holds all", holds_all), (f"{small_blocks}-block pool", small_blocks))
     for label, blocks in pools:
         engine = lab.engine(num_blocks=blocks, max_running=requests)
         try:
             await _warm_up(engine)
-            prompt = prompt_of(engine, 40)
+            prompt = prompt_of(engine, POOL_PROMPT_TOKENS)
             burst = [
                 GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=i))
                 for i in range(requests)
@@ -362,25 +429,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {TINY_SIZES.tokens} tiny, {GGUF_SIZES.tokens} GGUF)",
     )
     parser.add_argument(
-        "--requests", type=positive_int, default=16, help="pool: requests in the burst"
+        "--requests",
+        type=positive_int,
+        default=None,
+        help=f"pool: requests in the burst (default: {POOL_DEFAULTS['requests']})",
     )
     parser.add_argument(
         "--small-blocks",
-        type=int_between(1, POOL_HOLDS_ALL - 1),
-        default=40,
-        help="pool: the small pool",
+        type=positive_int,
+        default=None,
+        help="pool: the small pool, in blocks; fewer than the pool that holds every request "
+        f"(default: {POOL_DEFAULTS['small_blocks']})",
     )
     parser.add_argument(
-        "--spec-tokens", type=positive_int, default=4, help="spec: draft tokens per step"
+        "--spec-tokens",
+        type=positive_int,
+        default=None,
+        help=f"spec: draft tokens per step (default: {SPEC_DEFAULTS['spec_tokens']})",
     )
     parser.add_argument(
-        "--spec-ngram", type=positive_int, default=3, help="spec: longest n-gram looked up"
+        "--spec-ngram",
+        type=positive_int,
+        default=None,
+        help=f"spec: longest n-gram looked up (default: {SPEC_DEFAULTS['spec_ngram']})",
     )
     parser.add_argument(
         "--temperature",
         type=non_negative_float,
-        default=0.0,
-        help="spec: 0 is greedy; above, seeded draws",
+        default=None,
+        help="spec: 0 is greedy; above, seeded draws (default: 0)",
     )
 
 
@@ -388,46 +465,99 @@ def _csv(values: tuple[int, ...]) -> str:
     return ",".join(str(v) for v in values)
 
 
+def _refuse(message: str) -> int:
+    print(f"replystream lab-engine: {message}", file=sys.stderr)
+    return 2
+
+
+def _unused_option(args: argparse.Namespace) -> str | None:
+    """The first option given that ``args.experiment`` does not read, said as a mistake."""
+    for dest, users in OPTION_USERS.items():
+        if getattr(args, dest) is not None and args.experiment not in users:
+            flag = "--" + dest.replace("_", "-")
+            return f"{flag}: the {args.experiment} experiment does not use it ({', '.join(users)})"
+    return None
+
+
+def _reply_room(lab: LabEngine, experiment: str) -> int:
+    """How many tokens a reply may have after the experiment's longest prompt."""
+    probe = lab.engine(num_blocks=1)  # for its tokenizer and prompt format
+    if experiment == "spec":
+        texts = list(SPEC_PROMPTS.values())
+    else:
+        texts = [
+            prompt_of(probe, STEP_PROMPT_TOKENS if experiment == "step" else POOL_PROMPT_TOKENS)
+        ]
+    longest = max(len(probe.prompts.prompt_ids(GenerationRequest(t))) for t in texts)
+    return lab.context - longest
+
+
 def run(args: argparse.Namespace) -> int:
+    unused = _unused_option(args)
+    if unused is not None:
+        return _refuse(unused)
     console = report_console()
     try:
         lab = load_lab_engine(args.engine, time.perf_counter)
     except (ValueError, OSError) as exc:
-        print(f"replystream lab-engine: --engine: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(f"--engine: {exc}")
     sizes = lab.sizes
-    lengths = args.lengths or sizes.ttft_lengths
-    too_long = [n for n in lengths if n >= lab.context]
-    if too_long:
-        print(
-            f"replystream lab-engine: --lengths: {too_long[0]} tokens leave no room for a reply "
-            f"in the {lab.name} model's context of {lab.context}; give at most {lab.context - 1}",
-            file=sys.stderr,
-        )
-        return 2
     repeats = args.repeats or sizes.repeats
     tokens = args.tokens or sizes.tokens
+    if args.experiment == "step" and tokens < 2:
+        return _refuse(
+            "--tokens: the step experiment times the gaps between tokens; give 2 or more"
+        )
+    room = _reply_room(lab, args.experiment) if args.experiment != "ttft" else tokens
+    if tokens > room:
+        return _refuse(
+            f"--tokens: {tokens} tokens do not fit after the {args.experiment} experiment's "
+            f"prompt in the {lab.name} model's context of {lab.context}; give at most {room}"
+        )
     console.print(f"engine: {lab.name} (loaded in {lab.load_seconds:.1f} s)")
     if args.experiment == "ttft":
-        path = report_ttft(
-            asyncio.run(run_ttft(lab, lengths, repeats)), args.out, console, lab.name
-        )
+        lengths = args.lengths or sizes.ttft_lengths
+        too_long = [n for n in lengths if n >= lab.context]
+        if too_long:
+            return _refuse(
+                f"--lengths: {too_long[0]} tokens leave no room for a reply in the {lab.name} "
+                f"model's context of {lab.context}; give at most {lab.context - 1}"
+            )
+        rows = asyncio.run(run_ttft(lab, lengths, repeats))
+        path = report_ttft(rows, args.out, console, lab.name)
     elif args.experiment == "step":
         batches = args.batches or sizes.step_batches
-        rows = asyncio.run(run_step(lab, batches, tokens, repeats))
-        path = report_step(rows, args.out, console, lab.name)
-    elif args.experiment == "pool":
         try:
-            runs = asyncio.run(run_pool(lab, args.requests, tokens, args.small_blocks))
-        except RequestRejected as exc:  # the small pool cannot hold even one request
-            print(
-                f"replystream lab-engine: --small-blocks {args.small_blocks}: {exc}",
-                file=sys.stderr,
+            step_rows = asyncio.run(run_step(lab, batches, tokens, repeats))
+        except PoolTooLarge as exc:
+            return _refuse(f"--batches: a batch of {max(batches)}: {exc}")
+        path = report_step(step_rows, args.out, console, lab.name)
+    elif args.experiment == "pool":
+        requests = args.requests or POOL_DEFAULTS["requests"]
+        small_blocks = args.small_blocks or POOL_DEFAULTS["small_blocks"]
+        holds_all = pool_holding_all(lab, requests, tokens)
+        if small_blocks >= holds_all:
+            return _refuse(
+                f"--small-blocks {small_blocks}: the pool that holds all {requests} requests "
+                f"has {holds_all} blocks; give fewer"
             )
-            return 2
+        try:
+            runs = asyncio.run(run_pool(lab, requests, tokens, small_blocks))
+        except PoolTooLarge as exc:
+            return _refuse(f"--requests: {requests} requests at once: {exc}")
+        except RequestRejected as exc:  # the small pool cannot hold even one request
+            return _refuse(f"--small-blocks {small_blocks}: {exc}")
         path = report_pool(runs, args.out, console, lab.name)
     else:
-        spec = run_spec(lab, tokens, repeats, args.spec_tokens, args.spec_ngram, args.temperature)
-        path = report_spec(asyncio.run(spec), args.out, console, args.temperature, lab.name)
+        temperature = args.temperature or 0.0
+        spec = run_spec(
+            lab,
+            tokens,
+            repeats,
+            args.spec_tokens or SPEC_DEFAULTS["spec_tokens"],
+            args.spec_ngram or SPEC_DEFAULTS["spec_ngram"],
+            temperature,
+        )
+        path = report_spec(asyncio.run(spec), args.out, console, temperature, lab.name)
     console.print(f"wrote {path}")
     return 0
