@@ -961,6 +961,15 @@ def test_compare_prints_two_saved_results_side_by_side_with_ratios(tmp_path, cap
     sweep.write_text(json.dumps({"sweep": {}, "runs": []}))
     assert main(["bench", "--compare", str(saved("c.json", 1.0)), str(sweep)]) == 2
     assert "a sweep and the other a single run" in capsys.readouterr().err
+    # An output file asked for with --compare would never be written: refused, not ignored.
+    both = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert main(["bench", "--compare", *both, "--json", str(tmp_path / "out.json")]) == 2
+    assert capsys.readouterr().err == (
+        "replystream bench: --json: --compare only prints two results\n"
+    )
+    assert main(["bench", "--compare", *both, "--concurrency", "3"]) == 2
+    assert "--concurrency: --compare only prints two results" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from replystream.client import ReplyTiming
 from replystream.lab.bench_report import CLIENT_LIMITED, render, render_sweep
-from replystream.lab.benchstats import CLIENT_LIMIT_SHARE, summarize
+from replystream.lab.benchstats import CLIENT_LIMIT_MIN_WALL_S, CLIENT_LIMIT_SHARE, summarize
 from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.local_server import stop_process
 
@@ -78,7 +78,9 @@ async def test_the_clients_cpu_per_event_is_reported_and_judged(blast_server, tm
     assert 0.1 < client["cpu_us_per_event"] < 1000.0
     assert f"{client['cpu_us_per_event']:,.1f} µs of CPU per text event read" in text
     assert client["limit_share"] == CLIENT_LIMIT_SHARE
-    assert client["client_limited"] == (client["cpu_share_of_one_core"] > CLIENT_LIMIT_SHARE)
+    judged = client["wall_s"] >= CLIENT_LIMIT_MIN_WALL_S
+    busy = client["cpu_share_of_one_core"] > CLIENT_LIMIT_SHARE
+    assert client["client_limited"] == (judged and busy)
     assert (CLIENT_LIMITED in text) == client["client_limited"]
 
 
@@ -142,6 +144,16 @@ def test_a_run_that_read_no_event_is_not_blamed_on_the_client():
     )
     records = tuple(RequestRecord(i, 0.0, 0, None, refused) for i in range(2))
     summary = summarize(LoadRun(config, records, wall_s=0.001, client_cpu_s=0.00101))
+    assert summary["client"]["cpu_share_of_one_core"] > CLIENT_LIMIT_SHARE
+    assert summary["client"]["client_limited"] is False
+    assert CLIENT_LIMITED not in _printed(summary)
+
+
+def test_a_run_over_in_an_instant_is_not_blamed_on_the_client():
+    """Every stream cut after its first events: a busy instant is the client's start and end."""
+    config = LoadConfig(url="http://h/stream", api="lab", requests=10)
+    records = tuple(_record(i) for i in range(10))
+    summary = summarize(LoadRun(config, records, wall_s=0.004, client_cpu_s=0.0037))
     assert summary["client"]["cpu_share_of_one_core"] > CLIENT_LIMIT_SHARE
     assert summary["client"]["client_limited"] is False
     assert CLIENT_LIMITED not in _printed(summary)

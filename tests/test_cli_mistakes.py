@@ -496,6 +496,10 @@ UNBOUNDED: list[tuple[list[str], str]] = [
         "argument --sweep-steps: want a whole number from 1 to 100, got 1000000000",
     ),
     # scrapes back to back, loading the server being measured
+    (  # a single run without bounds has no goodput for the share to judge
+        ["bench", "http://127.0.0.1:9/stream", "--slo-share", "0.5"],
+        "--slo-share is the share of requests that must meet every --slo: add --slo",
+    ),
     (
         ["bench", "http://127.0.0.1:9/stream", "--server-metrics", "--metrics-interval", "1e-300"],
         "argument --metrics-interval: want a number from 0.01 to 604800, got 1e-300",

@@ -218,9 +218,25 @@ def _compare(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    unused = _set_besides_compare(args)
+    if unused is not None:
+        print(f"replystream bench: {unused}: --compare only prints two results", file=sys.stderr)
+        return 2
     try:
         render_compare(args.compare, report_console())
     except ValueError as exc:
         print(f"replystream bench: --compare: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _set_besides_compare(args: argparse.Namespace) -> str | None:
+    """The first option given a value other than its default, besides ``--compare``: none is
+    read when comparing, so one given would be ignored (an output file never written)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    for action in parser._actions:  # argparse's table of options: no public way to walk it
+        if action.option_strings and action.dest != "compare":
+            if getattr(args, action.dest, action.default) != action.default:
+                return action.option_strings[-1]
+    return None

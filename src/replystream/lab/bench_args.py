@@ -40,6 +40,10 @@ MOST_SWEEP_STEPS = 100
 LEAST_METRICS_INTERVAL_S = 0.01
 
 
+# The share of requests that must meet every --slo for goodput to hold, unless told.
+DEFAULT_SLO_SHARE = 0.95
+
+
 def _slo_list(text: str) -> tuple[SLO, ...]:
     try:
         return SLO.parse_list(text)
@@ -294,8 +298,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo-share",
         type=share,
-        default=0.95,
-        help="goodput holds when at least this share of requests meets every --slo",
+        default=None,
+        help="goodput holds when at least this share of requests meets every --slo (a sweep "
+        f"with no --slo: completes) (default: {DEFAULT_SLO_SHARE:g})",
     )
     parser.add_argument(
         "--no-warmup", action="store_true", help="do not send one unrecorded request first"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from replystream.client.transport import tls_context
-from replystream.lab.bench_args import LONGEST_RUN_S
+from replystream.lab.bench_args import DEFAULT_SLO_SHARE, LONGEST_RUN_S
 from replystream.lab.bench_plots import RUN_PLOTS, SWEEP_PLOTS
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.load_types import LoadConfig
@@ -213,6 +213,10 @@ def config_from_args(
     if args.json and args.csv and args.json.resolve() == args.csv.resolve():
         raise ValueError(f"--csv {args.csv} is the --json file too: the CSV would replace it")
     slos = tuple(slo for group in args.slo for slo in group)
+    if args.slo_share is not None and not slos and args.profile != "sweep":
+        raise ValueError(
+            "--slo-share is the share of requests that must meet every --slo: add --slo"
+        )
     names = [slo.metric for slo in slos]
     if len(set(names)) != len(names):
         raise ValueError("--slo: each metric may be bounded once")
@@ -250,7 +254,7 @@ def config_from_args(
     sweep = SweepConfig(
         steps=args.sweep_steps or 5,
         slos=slos,
-        slo_share=args.slo_share,
+        slo_share=DEFAULT_SLO_SHARE if args.slo_share is None else args.slo_share,
         warmup_s=args.warmup_s,
         steady_bound=args.steady_bound,
     )

@@ -39,6 +39,8 @@ STEADY_METRICS = ("ttft_ms", "tpot_ms")
 # may be what limits the figures: an asyncio client is one thread, and near a full core its
 # timestamps wait on its own parsing (and its arrivals fall behind their schedule).
 CLIENT_LIMIT_SHARE = 0.8
+# The shortest run whose client CPU share is judged against CLIENT_LIMIT_SHARE.
+CLIENT_LIMIT_MIN_WALL_S = 0.5
 
 DEFINITIONS = {
     "ttft_ms": "request sent -> first parsed non-empty text (or a reasoning model's thinking)",
@@ -291,8 +293,11 @@ def summarize(
         "cpu_us_per_event": 1e6 * run.client_cpu_s / events_read if events_read else None,
         "limit_share": CLIENT_LIMIT_SHARE,
         # A run that read nothing (every request refused at once) has no figure the client
-        # could have held back: its CPU share over an instant's wall time says nothing.
-        "client_limited": events_read > 0 and run.client_cpu_share > CLIENT_LIMIT_SHARE,
+        # could have held back, and one over in an instant (every stream cut at once) shows
+        # the client's start and end, not a load it kept up: neither is judged.
+        "client_limited": events_read > 0
+        and run.wall_s >= CLIENT_LIMIT_MIN_WALL_S
+        and run.client_cpu_share > CLIENT_LIMIT_SHARE,
     }
     config = run.config
     result["config"] = {
