@@ -212,3 +212,18 @@ async def test_a_final_assistant_message_is_prefilled_text_the_reply_goes_on_fro
             ],
         )
     assert [b.text for b in prefilled.content if b.type == "text"] == ["five six seven "]
+
+
+async def test_a_received_message_saved_whole_goes_back_as_history():
+    """A client that keeps the SDK's message as JSON (``model_dump``) sends its text blocks
+    back with every field the API gave them, ``citations: null`` among them."""
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        first = await client.messages.create(**ASK)  # type: ignore[call-overload]
+        saved = [block.model_dump() for block in first.content]
+        assert "citations" in saved[0]
+        history = [*ASK["messages"], {"role": "assistant", "content": saved}]  # type: ignore[misc]
+        after = await client.messages.create(  # type: ignore[call-overload]
+            **{**ASK, "messages": [*history, {"role": "user", "content": "again"}]}
+        )
+    assert after.content[0].type == "text"

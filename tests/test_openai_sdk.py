@@ -7,10 +7,12 @@ import logging
 import aiohttp
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine.reply_script import parse_reply_script
+from replystream.engine.simulated import SimulatedConfig, simulated_engine
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.conftest import fast_engine, wait_for
@@ -245,3 +247,48 @@ async def test_a_slow_client_cut_is_the_same_error_object_as_an_engine_failure(r
         "param": None,
         "code": "slow_client",
     }
+
+
+WEATHER_TOOL: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+}
+
+
+async def test_the_sdk_helpers_messages_go_back_as_history_unchanged():
+    """The tool loop as the SDK's helpers make it: the message ``stream(...)``'s final
+    completion and ``parse(...)`` return is appended to the messages as it is, with the
+    fields the SDK adds (``annotations``, ``audio``, ``function_call``, ``parsed``, and
+    ``parsed_arguments`` on each call), and the next request is answered."""
+    script = [
+        {"text": "Checking. "},
+        {"tool_call": {"name": "get_weather", "id": "call_1", "arguments": '{"city": "Paris"}'}},
+    ]
+    engine = simulated_engine(
+        SimulatedConfig(delay_ms=5.0, jitter_ms=1.0, script=parse_reply_script(script))
+    )
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        async with client.chat.completions.stream(
+            model="simulated", messages=MESSAGES, tools=[WEATHER_TOOL]
+        ) as stream:
+            streamed = (await stream.get_final_completion()).choices[0].message
+        parsed = (
+            (await client.chat.completions.parse(model="simulated", messages=MESSAGES))
+            .choices[0]
+            .message
+        )
+        assert streamed.tool_calls and streamed.tool_calls[0].id == "call_1"
+        answer: ChatCompletionMessageParam = {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": "sunny",
+        }
+        again: ChatCompletionMessageParam = {"role": "user", "content": "and?"}
+        sent = [*MESSAGES, streamed, answer, again, parsed, {"role": "user", "content": "ok"}]
+        after = await client.chat.completions.create(
+            model="simulated",
+            messages=sent,  # type: ignore[arg-type]  # the SDK's own message objects among them
+            tools=[WEATHER_TOOL],
+            max_tokens=2,
+        )
+    assert after.choices[0].finish_reason in ("length", "tool_calls", "stop")

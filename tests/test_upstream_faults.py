@@ -517,6 +517,37 @@ def test_engine_errors_carry_the_status_the_server_answers_with():
     assert UpstreamTimeout("x").status == 504
 
 
+async def test_what_the_sdk_adds_to_a_message_it_sends_back_is_not_relayed():
+    """An assistant message the OpenAI SDK's stream helper assembled, sent back as history,
+    carries fields the SDK adds (``annotations``, ``audio``, ``function_call``, ``parsed``;
+    ``index`` and ``parsed_arguments`` on a call): taken, and the upstream gets the message
+    as OpenAI documents it."""
+    function = {"name": "f", "arguments": "{}"}
+    call: dict[str, Any] = {"id": "call_1", "type": "function", "function": function}
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "parsed": None,
+        "tool_calls": [{**call, "index": 0, "function": {**function, "parsed_arguments": {}}}],
+    }
+    answer = {"role": "tool", "tool_call_id": "call_1", "content": "ok"}
+    messages = [{"role": "user", "content": "Hello"}, echoed, answer]
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/ok/v1"),), model="m"))
+        async with running(create_app(engine)) as relay:
+            got = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "messages": messages})
+    assert got.status == 200 and got.chat_text == "one two three "
+    assert fake.bodies[0]["messages"] == [
+        messages[0],
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]},
+        answer,
+    ]
+
+
 def test_weights_share_requests_in_proportion_and_interleave():
     a, b = Backend("http://a/v1", 3), Backend("http://b/v1", 1)
     pool = UpstreamPool([a, b], BreakerConfig(), lambda: 0.0)

@@ -35,6 +35,9 @@ class AnthropicText(Strict):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint: nothing to cache here
+    # The sources an assistant's text cited, as Anthropic's API sends them: sent back as
+    # history they are not part of the prompt (this server cites none).
+    citations: list[dict[str, Any]] | None = None
 
 
 AnthropicContent = Annotated[

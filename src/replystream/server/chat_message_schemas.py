@@ -10,7 +10,7 @@ about routes, aiohttp or engines.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
@@ -37,26 +37,40 @@ Content = Annotated[
 class CalledFunction(Strict):
     name: str
     arguments: str
+    # The OpenAI SDK's stream and parse helpers add the arguments as parsed: sent back with
+    # the call, it says nothing ``arguments`` does not.
+    parsed_arguments: Any = None
 
 
 class MessageToolCall(Strict):
-    """A tool call an assistant message made (sent back as history)."""
+    """A tool call an assistant message made (sent back as history). The OpenAI SDK's stream
+    helper keeps each call's ``index`` from the chunks it was assembled from."""
 
     id: str
     type: Literal["function"]
     function: CalledFunction
+    index: int | None = None
 
 
 class Message(Strict):
-    """One chat message. ``name`` is passed on to chat upstreams; ``refusal`` is taken only
-    as null, the value the OpenAI SDKs send back with an assistant message they received.
-    An assistant message may carry ``tool_calls`` (then ``content`` may be null); a ``tool``
-    message answers one, naming it in ``tool_call_id``."""
+    """One chat message. ``name`` is passed on to chat upstreams. An assistant message may
+    carry ``tool_calls`` (then ``content`` may be null); a ``tool`` message answers one,
+    naming it in ``tool_call_id``.
+
+    An assistant message the OpenAI SDK received and is sent back as history carries the
+    reply's other fields too, as OpenAI's API takes them: ``refusal``, ``audio`` and the
+    deprecated ``function_call`` as null (this server makes none of them), ``annotations``
+    (the reply's citations, not part of the prompt), and the parse helpers' ``parsed`` (the
+    content, parsed)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Content | None = None
     name: str | None = None
     refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[dict[str, Any]] | None = None
+    parsed: Any = None
     tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
     tool_call_id: str | None = None
 

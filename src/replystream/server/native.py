@@ -51,11 +51,25 @@ def check_prompt_size(prompt: str, limit: int, param: str, *, noun: str = "promp
         raise bad(param, message, "context_length_exceeded")
 
 
+# What the OpenAI SDK adds to an assistant message it received and sends back, and which
+# says nothing its other fields do not (or what this server never makes): not relayed, so
+# an upstream that takes only the documented message is not refused it.
+SDK_ECHOES: dict[str, Any] = {
+    "parsed": True,
+    "annotations": True,
+    "audio": True,
+    "function_call": True,
+    "tool_calls": {"__all__": {"index": True, "function": {"parsed_arguments": True}}},
+}
+
+
 def relayed_messages(messages: Sequence[Message]) -> tuple[Mapping[str, Any], ...]:
     """The messages as the client sent them, for engines that take chat messages whole
     (every tool result checked to answer an earlier call). Their plain-text prompt is
     ``tool_requests.prompt_of`` them (one ``role: content`` line each, one per tool call)."""
-    relayed = tuple(message.model_dump(exclude_unset=True) for message in messages)
+    relayed = tuple(
+        message.model_dump(exclude_unset=True, exclude=SDK_ECHOES) for message in messages
+    )
     check_tool_answers(relayed, origins_in("messages", len(relayed)))
     return relayed
 
