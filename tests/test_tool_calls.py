@@ -669,3 +669,77 @@ async def test_a_stop_string_before_any_call_still_ends_the_reply_at_it(tmp_path
             message = await client.messages.create(**ANTHROPIC_ASK, stop_sequences=["END"])
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
     assert [block.type for block in message.content] == ["text"]
+
+
+async def test_a_moderated_reply_whole_keeps_the_calls_and_logprobs_its_stream_sent(
+    tmp_path: Path,
+):
+    """A check stops the reply after a call: the whole body holds what the stream sent (the
+    released text, the call before the match, their tokens' log probabilities), in every
+    dialect, as a stored response already did."""
+    steps: list[dict[str, Any]] = [
+        {"text": "Checking. "},
+        {"tool_call": {"name": "get_weather", "id": "call_W", "arguments": '{"city": "Paris"}'}},
+        {"text": "the password is "},
+        {"text": "hunter2 "},
+        {"text": "ok."},
+    ]
+    path = script_file(tmp_path, steps)
+    serve = ("--engine", "simulated", "--reply-script", path, "--ban", "hunter2")
+    chat: Any = {"model": "simulated", "messages": USER, "tools": CHAT_TOOLS, "logprobs": True}
+    asked: Any = {"model": "simulated", "input": "x", "tools": RESPONSES_TOOLS, "store": False}
+    asked["include"] = ["message.output_text.logprobs"]
+    async with replica(*serve) as (_, url), oai(url) as client, claude(url) as other:
+        whole = (await client.chat.completions.create(**chat)).choices[0]
+        # Read raw: the SDK's stream helper raises at a content_filter finish.
+        chunks = await chunks_of(url, {**chat, "stream": True})
+        async with other.messages.stream(**ANTHROPIC_ASK) as stream:
+            streamed_message = await stream.get_final_message()
+        message = await other.messages.create(**ANTHROPIC_ASK)
+        response = await client.responses.create(**asked)
+        async with aiohttp.ClientSession() as http:
+            # Read raw: the SDK's stream helper wants a response.completed, not incomplete.
+            async with http.post(f"{url}/v1/responses", json={**asked, "stream": True}) as raw:
+                events = EventParser().feed(await raw.read())
+            native = {"prompt": "x", "stream": False}
+            async with http.post(f"{url}/v1/replies", json=native) as raw:
+                native_whole = await raw.json()
+    assert whole.finish_reason == "content_filter"
+    deltas = [choice for chunk in chunks for choice in chunk["choices"]]
+    streamed_text = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert whole.message.content == streamed_text == "Checking. the password is "
+    calls = [(c.id, c.function.arguments) for c in whole.message.tool_calls]
+    assert calls == [("call_W", '{"city": "Paris"}')]
+    pieces = tool_call_deltas(chunks)
+    streamed_args = "".join(c["function"]["arguments"] for c in pieces)
+    assert calls == [(pieces[0]["id"], streamed_args)]
+    tokens = [t.token for t in whole.logprobs.content]
+    assert "".join(tokens) == whole.message.content
+    assert tokens == [t["token"] for d in deltas for t in (d["logprobs"] or {}).get("content", [])]
+    assert message.stop_reason == "refusal"
+    assert [b.type for b in message.content] == ["text", "tool_use", "text"]
+    assert streamed_message.model_dump(exclude={"id"}) == message.model_dump(
+        exclude={"id", "replystream_moderation"}
+    )
+    assert [item.type for item in response.output] == ["message", "function_call", "message"]
+    assert response.incomplete_details.reason == "content_filter"
+    ended = json.loads(events[-1].data)
+    assert ended["type"] == "response.incomplete"
+    dumped = response.model_dump(exclude_none=True)
+    assert dumped["incomplete_details"] == ended["response"]["incomplete_details"]
+    assert dumped["usage"] == ended["response"]["usage"]
+
+    def items(output: list[dict[str, Any]]) -> list[Any]:
+        """Each item's kind, text or arguments, and tokens (ids and draws differ per reply)."""
+        return [
+            (item["type"], part.get("text"), [t["token"] for t in part.get("logprobs", [])])
+            if item["type"] == "message"
+            else (item["type"], item["call_id"], item["arguments"])
+            for item in output
+            for part in item.get("content", [item])
+        ]
+
+    assert items(dumped["output"]) == items(ended["response"]["output"])
+    assert items(dumped["output"])[0] == ("message", "Checking. ", ["Checking. "])
+    assert native_whole["finish_reason"] == "moderated"
+    assert [c["id"] for c in native_whole["tool_calls"]] == ["call_W"]

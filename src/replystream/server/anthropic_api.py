@@ -28,7 +28,7 @@ from replystream.delivery.anthropic_format import (
     ReaderNotices,
     message_object,
 )
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
@@ -173,14 +173,16 @@ async def _whole(
             thoughts=whole.thoughts,
         )
 
-    def moderated(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
+    def moderated(whole: Whole, violation: Violation) -> dict[str, Any]:
         message = message_object(
             reply_id,
             model,
-            text=text,
+            text=whole.text,
             stop_reason="refusal",
-            input_tokens=usage.prompt_tokens,
-            output_tokens=usage.completion_tokens,
+            input_tokens=whole.usage.prompt_tokens,
+            output_tokens=whole.usage.completion_tokens,
+            tool_calls=whole.tool_calls,
+            thoughts=whole.thoughts,
         )
         message["replystream_moderation"] = moderated_payload(violation)
         return message

@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.keepalive_clock import KeepaliveClock
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import (
@@ -106,12 +106,14 @@ def lab_request(request: web.Request, query: LabQuery) -> GenerationRequest:
     return GenerationRequest(prompt=query.prompt, sampling=sampling)
 
 
-def _lab_moderated_body(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
-    return {"text": text, "finish_reason": "moderated", "moderation": moderated_payload(violation)}
+def _lab_moderated_body(whole: Whole, violation: Violation) -> dict[str, Any]:
+    moderation = moderated_payload(violation)
+    return {**_lab_body(whole), "finish_reason": "moderated", "moderation": moderation}
 
 
-def _native_moderated_body(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
-    return {**_lab_moderated_body(text, violation, usage), "usage": usage.as_dict()}
+def _native_moderated_body(whole: Whole, violation: Violation) -> dict[str, Any]:
+    moderation = moderated_payload(violation)
+    return {**_native_body(whole), "finish_reason": "moderated", "moderation": moderation}
 
 
 def _native_body(whole: Whole) -> dict[str, Any]:

@@ -68,7 +68,9 @@ class Several:
     close_choice: Callable[[int], None]
 
 
-ModeratedFn = Callable[[str, Violation, Usage], dict[str, Any]]
+# A reply a check stopped: what was released of it (its text, and the calls, thinking and log
+# probabilities that came with that text), and the check's violation.
+ModeratedFn = Callable[[Whole, Violation], dict[str, Any]]
 # A reply that failed after it was admitted, for a dialect whose failed reply is an object of
 # its own (a Responses ``status: failed``): from what was made before the failure (usage not
 # known), the error's code and its message.
@@ -160,14 +162,15 @@ async def buffered_reply(
 ) -> web.Response:
     """Collect an admitted generation whole and answer once, as JSON.
 
-    ``body(whole)`` shapes a finished reply; ``moderated_body(released text, violation,
-    usage)`` a reply a check stopped (its usage counts the tokens made up to the match, as a
-    stream's does). A failure is a 500, a shutdown a 503; or, given ``failed_body``, a 200
-    with that body, as a dialect whose stored replies end so answers them (its code:
-    ``shutdown`` for a shutdown). The generation is stopped at
-    the first stop string. ``several``: ``deltas`` are several choices' (``Delta.choice``),
-    each collected on its own, and the body is ``several.body`` of them all. Tool calls are
-    joined from their pieces, in the order they started (``Whole.tool_calls``).
+    ``body(whole)`` shapes a finished reply; ``moderated_body(whole, violation)`` a reply a
+    check stopped (its text what was released, with the calls and thinking that came before
+    the match; its usage counts the tokens made up to the match, as a stream's does). A
+    failure is a 500, a shutdown a 503; or, given ``failed_body``, a 200 with that body, as
+    a dialect whose stored replies end so answers them (its code: ``shutdown`` for a
+    shutdown). The generation is stopped at the first stop string. ``several``: ``deltas``
+    are several choices' (``Delta.choice``), each collected on its own, and the body is
+    ``several.body`` of them all. Tool calls are joined from their pieces, in the order they
+    started (``Whole.tool_calls``).
     """
     channel = DeltaChannel()
     collectors = [
@@ -200,8 +203,8 @@ async def buffered_reply(
         first = collectors[0]
         if several is None and first.holdback.violation is not None:
             record.outcome, record.reason = "moderated", first.holdback.violation.check
-            usage = Usage(prompt_tokens, first.tokens, first.reasoning_tokens)
-            payload = moderated_body("".join(first.parts), first.holdback.violation, usage)
+            made = first.whole(Usage(prompt_tokens, first.tokens))
+            payload = moderated_body(made, first.holdback.violation)
         elif isinstance(item, End) and item.how == "failed":
             assert item.error is not None
             log.warning("generation failed: %s", item.error)

@@ -61,10 +61,10 @@ log = logging.getLogger("replystream.server")
 T = TypeVar("T")
 
 # A buffered reply's JSON body: from the reply collected whole (its text, finish, usage, stop
-# string, log probabilities and tool calls); or, for a moderated reply, from the released text,
-# the check that stopped it and the usage (the tokens made up to the match).
+# string, log probabilities and tool calls); or, for a moderated reply, from what was released
+# of it (``Whole``: its usage counts the tokens made up to the match) and the check's violation.
 BodyOf = Callable[[Whole], dict[str, Any]]
-ModeratedBodyOf = Callable[[str, Violation, Usage], dict[str, Any]]
+ModeratedBodyOf = Callable[[Whole, Violation], dict[str, Any]]
 # A reply that failed after it was admitted, for a dialect that answers it with an object of
 # its own: from what was made before, the error's code and its message.
 FailedBodyOf = Callable[[Whole, str, str], dict[str, Any]]

@@ -126,31 +126,31 @@ async def _buffered(
             reasoning=whole.reasoning,
         )
 
-    def moderated(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
+    def moderated(whole: Whole, violation: Violation) -> dict[str, Any]:
         return completion_body(
             kind,
             reply_id=reply_id,
             model=model,
             created=created,
-            text=text,
+            text=whole.text,
             finish_reason=MODERATED_FINISH,
-            usage=usage,
+            usage=whole.usage,
             moderation=moderated_payload(violation),
+            logprobs=whole.logprobs,
+            tool_calls=whole.tool_calls,
+            reasoning=whole.reasoning,
         )
 
     def several(wholes: list[Whole]) -> dict[str, Any]:
         choices = []
         for index, whole in enumerate(wholes):
-            if whole.violation is None:
-                finish, logprobs, calls = whole.finish_reason, whole.logprobs, whole.tool_calls
-                choices.append(
-                    completion_choice(
-                        kind, index, whole.text, finish, logprobs, calls, whole.reasoning
-                    )
-                )
-                continue
-            choice = completion_choice(kind, index, whole.text, MODERATED_FINISH)
-            choice[MODERATION_FIELD] = moderated_payload(whole.violation)
+            finish = whole.finish_reason if whole.violation is None else MODERATED_FINISH
+            logprobs, calls = whole.logprobs, whole.tool_calls
+            choice = completion_choice(
+                kind, index, whole.text, finish, logprobs, calls, whole.reasoning
+            )
+            if whole.violation is not None:
+                choice[MODERATION_FIELD] = moderated_payload(whole.violation)
             choices.append(choice)
         prompt = wholes[0].usage.prompt_tokens  # counted once, as OpenAI does
         usage = Usage(

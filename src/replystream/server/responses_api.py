@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from replystream.delivery.formats import Usage, moderated_payload
+from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import (
@@ -231,14 +231,17 @@ async def _whole(
             logprobs=message_logprobs(whole),
         )
 
-    def moderated(text: str, violation: Violation, usage: Usage) -> dict[str, Any]:
+    def moderated(whole: Whole, violation: Violation) -> dict[str, Any]:
         response = response_object(
             settings,
             reply_id,
             "incomplete",
-            text=text,
-            usage=usage,
+            text=whole.text,
+            usage=whole.usage,
             incomplete_reason="content_filter",
+            tool_calls=whole.tool_calls,
+            thoughts=whole.thoughts,
+            logprobs=message_logprobs(whole),
         )
         response["replystream_moderation"] = moderated_payload(violation)
         return response
