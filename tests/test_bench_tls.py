@@ -254,3 +254,52 @@ async def test_tls_flag_mistakes_are_one_line(tmp_path, argv, message):
     assert code == 2
     assert text.startswith("replystream bench: ") and message in text
     assert text.count("\n") == 1
+
+
+async def doctor(*argv: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "replystream",
+        "doctor",
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_doctor_judges_an_https_endpoint_that_wants_a_key(deployment):
+    """The public URL of a deployment is an https one behind a key: doctor verifies it
+    against the CA given, sends the header on the request and the models lookup, and judges
+    the stream through nginx (unbuffered: streaming)."""
+    url = f"https://localhost:{deployment.https_port}/v1/chat/completions"
+    ca = ("--cacert", str(deployment.ca_file))
+    key = ("--header", f"Authorization: Bearer {KEY}")
+    code, out, err = await doctor(url, *ca, *key, "--json")
+    assert code == 0, out + err
+    assert json.loads(out)["verdict"] == "streaming"
+    # Without the key: the server's 401, said, and a failed verdict.
+    code, out, err = await doctor(url, *ca, "--model", "simulated", "--json")
+    assert code == 1 and json.loads(out)["status"] == 401
+    # Not trusting its CA: refused, said, never read.
+    code, out, err = await doctor(url, *key, "--model", "simulated")
+    assert code == 1 and "CERTIFICATE_VERIFY_FAILED" in out, out + err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["http://127.0.0.1:1/stream", "--insecure"], "--insecure skips verifying an https"),
+        (["https://h:1/stream", "--insecure", "--cacert", "CA"], "drop one"),
+        (["https://h:1/stream", "--cacert", "CA"], "holds no usable PEM"),
+    ],
+)
+async def test_doctors_tls_mistakes_are_one_line(argv: list[str], says: str, tmp_path: Path):
+    not_a_ca = tmp_path / "ca.pem"
+    not_a_ca.write_text("not a certificate\n")
+    code, out, err = await doctor(*[str(not_a_ca) if a == "CA" else a for a in argv])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and says in err, err

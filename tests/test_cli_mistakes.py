@@ -496,6 +496,18 @@ UNBOUNDED: list[tuple[list[str], str]] = [
         "argument --sweep-steps: want a whole number from 1 to 100, got 1000000000",
     ),
     # scrapes back to back, loading the server being measured
+    (  # an empty name or phrase would be taken and do nothing
+        ["serve", "--engine", "simulated", "--port", "0", "--ban", ""],
+        "argument --ban: must not be empty, got ''",
+    ),
+    (
+        ["serve", "--engine", "simulated", "--port", "0", "--model-name", " "],
+        "argument --model-name: must not be empty, got ' '",
+    ),
+    (  # an empty Redis URL is not "no Redis"
+        ["serve", "--engine", "simulated", "--port", "0", "--redis-url", ""],
+        "--redis-url: expected one of redis://",
+    ),
     (  # a single run without bounds has no goodput for the share to judge
         ["bench", "http://127.0.0.1:9/stream", "--slo-share", "0.5"],
         "--slo-share is the share of requests that must meet every --slo: add --slo",

@@ -329,3 +329,29 @@ async def test_a_redirect_is_reported_with_where_it_points():
     assert json.loads(out)["reason"] == (
         "no complete reply: HTTP 301: redirected to https://example.test/stream (not followed)"
     )
+
+
+@asynccontextmanager
+async def closing_at_once() -> AsyncIterator[str]:
+    """A server that reads each request and closes the connection without an answer."""
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+async def test_a_server_that_closes_without_answering_is_said_so_in_our_words():
+    async with closing_at_once() as url:
+        code, out, _ = await cli("bench", f"{url}/stream", "--requests", "2", "--quiet")
+        doctor_code, report, _ = await cli("doctor", f"{url}/stream")
+    assert code != 0
+    said = "read failed: the server closed the connection before answering"
+    assert f"failed: 2 x {said}" in out
+    assert doctor_code != 0
+    assert said in report and "role=" not in report + out
+    assert "  status:             -" in report  # no Python None in a report

@@ -265,6 +265,17 @@ def _utf8_text(text: str) -> str:
 
 # Text sent in a request (a prompt, a model name): it must be the UTF-8 the wire carries.
 utf8_text = Checker("UTF-8 text", _utf8_text)
+
+
+def _non_empty_text(text: str) -> str:
+    # An empty name or phrase would be taken and do nothing (no model answers to it, no text
+    # contains it as a ban): refused, as an empty --api-key is.
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
+    return _utf8_text(text)
+
+
+non_empty_text = Checker("UTF-8 text, not empty", _non_empty_text)
 # A name in any case, folded to upper case (a log level).
 upper_case = Checker("a name in any case", str.upper)
 

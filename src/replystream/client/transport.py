@@ -98,7 +98,10 @@ class _ResponseProtocol(asyncio.Protocol):
                     self.ended = True
                     break
         except h11.RemoteProtocolError as exc:
-            self._fail(TransportError(f"response broke HTTP/1.1 framing: {exc}"))
+            if not data and not self.head.done():  # h11 words this as its own state machine's
+                self._fail(TransportError("the server closed the connection before answering"))
+            else:
+                self._fail(TransportError(f"response broke HTTP/1.1 framing: {exc}"))
             return
         self._wake()
 

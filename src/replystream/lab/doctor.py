@@ -12,11 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
 from typing import Any
 
-from replystream.cli_values import http_url, positive_float, positive_int, utf8_text
+from replystream.cli_values import (
+    positive_float,
+    positive_int,
+    readable_file,
+    utf8_text,
+    web_url,
+)
 from replystream.client import ReplyTiming, measure_reply
+from replystream.client.transport import tls_context
+from replystream.lab.bench_args import header
 from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.workload import APIS, MODEL_APIS, Api, build_request, detect_api
@@ -25,10 +34,33 @@ from replystream.lab.workload import APIS, MODEL_APIS, Api, build_request, detec
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Thresholds()
     parser.add_argument(
-        "url", type=http_url, help="the public (proxied) URL of a streaming endpoint"
+        "url",
+        type=web_url,
+        help="the public (proxied) URL of a streaming endpoint, http:// or https://",
     )
     parser.add_argument(
-        "--direct", type=http_url, help="the same endpoint straight at the app, to compare"
+        "--direct", type=web_url, help="the same endpoint straight at the app, to compare"
+    )
+    parser.add_argument(
+        "--cacert",
+        type=readable_file,
+        metavar="FILE",
+        help="https: verify the server's certificate against the CAs in this PEM file "
+        "(default: the system's)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="https: do not verify the server's certificate or name (a self-signed test server)",
+    )
+    parser.add_argument(
+        "--header",
+        action="append",
+        type=header,
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a header sent with each request and the models lookup (repeatable), e.g. "
+        "'Authorization: Bearer KEY'",
     )
     parser.add_argument(
         "--api", choices=["auto", *APIS], default="auto", help="request shape (auto: URL path)"
@@ -64,13 +96,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 DEFAULT_PROMPT = "Tell me about streaming."
 
 
+def _tls(url: str, args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The TLS context for ``url``: None for http://."""
+    if not url.lower().startswith("https://"):
+        return None
+    return tls_context(args.cacert, verify=not args.insecure)
+
+
 async def _measure(url: str, api: Api, args: argparse.Namespace, model: str) -> ReplyTiming:
     prompt = args.prompt
     if prompt is None:
         prompt = "" if api == "lab" else DEFAULT_PROMPT
     spec = build_request(api, url, prompt=prompt, max_tokens=args.max_tokens, model=model)
     return await measure_reply(
-        spec.url, method=spec.method, json_body=spec.json_body, timeout_s=args.timeout
+        spec.url,
+        method=spec.method,
+        json_body=spec.json_body,
+        headers=dict(args.header),
+        timeout_s=args.timeout,
+        tls=_tls(url, args),
     )
 
 
@@ -84,7 +128,9 @@ async def examine(args: argparse.Namespace) -> tuple[ReplyTiming, ReplyTiming | 
     api: Api = api_of(args)
     model = args.model or "default"
     if api in MODEL_APIS and args.model is None:
-        model = await served_model(args.url, timeout_s=args.timeout)
+        headers = dict(args.header)
+        tls = _tls(args.url, args)
+        model = await served_model(args.url, timeout_s=args.timeout, headers=headers, tls=tls)
     async with asyncio.TaskGroup() as group:
         proxied = group.create_task(_measure(args.url, api, args, model))
         direct = group.create_task(_measure(args.direct, api, args, model)) if args.direct else None
@@ -101,7 +147,7 @@ def describe(d: Diagnosis) -> list[str]:
     lines = [
         f"{d.url}",
         f"  verdict:            {d.verdict.upper()}: {d.reason}",
-        f"  status:             {d.status}",
+        f"  status:             {'-' if d.status is None else d.status}",
         f"  first byte:         {_ms(d.first_byte_ms)} (response head)",
         f"  first chunk:        {_ms(d.first_chunk_ms)} (first body bytes)",
         f"  first text:         {_ms(d.first_text_ms)} (first parsed text event)",
@@ -128,6 +174,25 @@ def describe(d: Diagnosis) -> list[str]:
     return lines
 
 
+def _tls_mistake(args: argparse.Namespace) -> str | None:
+    """What is wrong with the TLS options: given with no https:// URL to use them, at odds,
+    or a CA file holding no certificate."""
+    urls = [args.url] + ([args.direct] if args.direct else [])
+    if not any(url.lower().startswith("https://") for url in urls):
+        if args.cacert is not None:
+            return "--cacert verifies an https server: no URL is https://"
+        if args.insecure:
+            return "--insecure skips verifying an https server: no URL is https://"
+        return None
+    if args.insecure and args.cacert is not None:
+        return "--insecure verifies nothing, so --cacert would not be used: drop one"
+    try:
+        tls_context(args.cacert, verify=not args.insecure)
+    except (ssl.SSLError, OSError) as exc:
+        return f"--cacert: {args.cacert} holds no usable PEM certificate ({exc})"
+    return None
+
+
 def api_of(args: argparse.Namespace) -> Api:
     api: Api = detect_api(args.url) if args.api == "auto" else args.api
     return api
@@ -149,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
             "or name its request shape with --api",
             file=sys.stderr,
         )
+        return 2
+    mistake = _tls_mistake(args)
+    if mistake is not None:
+        print(f"replystream doctor: {mistake}", file=sys.stderr)
         return 2
     thresholds = Thresholds(burst_gap_ms=args.burst_gap_ms)
     try:

@@ -93,7 +93,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
 def build_store(args: argparse.Namespace) -> ReplayStore:
     """Where resumable replies are logged; raises ValueError on bad values."""
-    if args.redis_url:
+    if args.redis_url is not None:  # given empty: refused by the URL's parse, not ignored
         try:
             parse_redis_url(args.redis_url)
         except ValueError as exc:
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         # serve, as it stops any process; with one, it is ignored until the server listens.
         signal.signal(signal.SIGHUP, signal.SIG_IGN if reloads else signal.SIG_DFL)
         if args.workers > 1 and args.listen_fd is None:  # (a worker never has workers)
-            if not args.redis_url:
+            if args.redis_url is None:
                 log.warning(
                     "--workers without --redis-url: a reply can be resumed only "
                     "through the worker that made it"

@@ -16,6 +16,7 @@ from replystream import settings
 from replystream.cli_values import (
     float_between,
     int_between,
+    non_empty_text,
     non_negative_float,
     non_negative_int,
     origin,
@@ -188,6 +189,7 @@ API = Group(
         Setting(
             "--model-name",
             "the model name /v1/models lists and requests may name (default: the engine's)",
+            non_empty_text,
             fills=(ServerConfig, "model_name"),
         ),
         Setting(
@@ -301,6 +303,7 @@ CHECKS = Group(
         Setting(
             "--ban",
             "a banned phrase, matched case-insensitively (repeatable)",
+            non_empty_text,
             repeatable=True,
             metavar="PHRASE",
         ),
