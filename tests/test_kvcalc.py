@@ -148,3 +148,28 @@ def test_the_largest_counts_give_finite_numbers(capsys):
     assert isinstance(step, dict)
     assert result["bytes_per_sequence"] == 2 * 10**18 * 4 * 10**12
     assert 0 < step["tokens_per_s_ceiling"] and step["step_floor_ms"] < float("inf")
+
+
+def test_a_preset_with_its_shape_changed_says_so(capsys):
+    assert main(["kv", "--model", "llama-3-8b", "--layers", "10"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: llama-3-8b (published shape but layers 10;")
+    assert "2 x 10 layers" in out
+    assert main(["kv", "--model", "llama-3-8b", "--layers", "10", "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert (model["layers"], model["changed"]) == (10, ["layers"])
+    # A value equal to the preset's changes nothing.
+    assert main(["kv", "--model", "llama-3-8b", "--layers", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["changed"] == []
+
+
+def test_a_changed_shape_needs_its_own_weights_to_size_a_step(capsys):
+    # The preset's 8.03 B parameters are not a 10-layer model's: the step would be wrong.
+    assert main(["kv", "--model", "llama-3-8b", "--layers", "10", "--bandwidth-tbs", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "replystream kv: --layers changes llama-3-8b's shape, so its weights are not the "
+        "preset's: give --weights-gb\n"
+    )
+    # A window changes no weight: the preset's still hold.
+    assert main(["kv", "--model", "llama-3-8b", "--window", "100", "--bandwidth-tbs", "3"]) == 0
+    assert "sliding window 100" in capsys.readouterr().out

@@ -233,6 +233,20 @@ def _shape_value(given: int | None, preset: ModelShape | None, field: str) -> in
     return value
 
 
+# The shape options a preset gives, by the preset's field: each may be given to change it.
+SHAPE_FLAGS = {"layers": "layers", "kv_heads": "kv_heads", "head_dim": "head_dim"}
+
+
+def shape_changes(args: argparse.Namespace) -> dict[str, int]:
+    """The preset's shape fields the options change (field -> the value given)."""
+    if not args.model:
+        return {}
+    preset = PRESETS[args.model]
+    given = {field: getattr(args, dest) for field, dest in SHAPE_FLAGS.items()}
+    given["sliding_window"] = args.window
+    return {f: v for f, v in given.items() if v is not None and v != getattr(preset, f)}
+
+
 def query_from_args(args: argparse.Namespace) -> KVQuery:
     """Explicit options win over the preset's values; raises ValueError for a decode-step
     option without the bandwidth that bounds the step (it would be ignored), or for more
@@ -249,6 +263,14 @@ def query_from_args(args: argparse.Namespace) -> KVQuery:
         )
     weights = args.weights_gb
     if weights is None and preset is not None and args.bandwidth_tbs is not None:
+        # A window changes no weight; a layer count or a head's shape changes the model's.
+        changed = [field for field in shape_changes(args) if field in SHAPE_FLAGS]
+        if changed:  # the preset's parameter count is no longer this model's
+            flag = "--" + changed[0].replace("_", "-")
+            raise ValueError(
+                f"{flag} changes {preset.name}'s shape, so its weights are not the preset's: "
+                "give --weights-gb"
+            )
         weights = preset.params_b * 2
     window = args.window
     if window is None and preset is not None:
@@ -274,12 +296,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"replystream kv: {exc}", file=sys.stderr)
         return 2
     result = kv_sizes(query)
+    changed = shape_changes(args)
     if args.model:
-        result["model"] = asdict(PRESETS[args.model])
+        # The preset as used: its published shape, with what the options changed (named).
+        result["model"] = {**asdict(PRESETS[args.model]), **changed, "changed": sorted(changed)}
     if args.json:
         print(json.dumps(result))
     else:
         if args.model:
-            print(f"model: {args.model} (published shape; weights assume bf16 when not given)")
+            edits = ", ".join(
+                f"{field.replace('_', ' ')} {value}" for field, value in changed.items()
+            )
+            shape = f"published shape but {edits}" if edits else "published shape"
+            print(f"model: {args.model} ({shape}; weights assume bf16 when not given)")
         print(render(result))
     return 0
