@@ -195,6 +195,11 @@ class FakeUpstream:
         assert self.transport is not None
         self.transport.abort()  # no chunked terminator: the body is cut, not ended
 
+    async def mode_hangafterfinish(self, r: web.StreamResponse) -> None:
+        # The finishing chunk came; then nothing (no usage, no [DONE]) past the stall limit.
+        await r.write(chunk("one ") + chunk("two ") + chunk(None, "stop"))
+        await asyncio.sleep(30)
+
     async def _cut_at_stop(self, named: dict[str, Any], r: web.StreamResponse) -> None:
         """A reply the upstream itself cut at a stop string (not sent, as vLLM and SGLang
         do by default), its finishing choice naming what it matched as ``named`` says."""
@@ -389,6 +394,43 @@ async def test_a_body_cut_after_the_finishing_chunk_is_a_finished_reply():
     payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
     assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
     assert got.events[-1].data == "[DONE]"
+
+
+@pytest.mark.parametrize("continuation", [False, True])
+async def test_silence_after_the_finishing_chunk_ends_a_finished_reply(continuation: bool):
+    """The upstream sent its finish reason, then nothing: the reply was whole, so past the
+    stall limit it ends as finished (streamed and whole), neither a stall to report nor a
+    reply to continue elsewhere, and the upstream is not counted as failing."""
+    async with fake_upstream() as (fake, upstream):
+        targets = (
+            UpstreamTarget(f"{upstream}/hangafterfinish/v1", 100),
+            UpstreamTarget(f"{upstream}/ok/v1", 1),
+        )
+        config = UpstreamConfig(
+            targets if continuation else targets[:1],
+            model="m",
+            stall_s=STALL_S,
+            continuation=continuation,
+        )
+        engine = UpstreamEngine(config)
+        async with running(create_app(engine)) as relay:
+            got = await post_events(f"{relay}/v1/chat/completions", CHAT)
+            async with aiohttp.ClientSession() as http:
+                whole_body = {**CHAT, "stream": False}
+                async with http.post(f"{relay}/v1/chat/completions", json=whole_body) as r:
+                    whole = (r.status, await r.json())
+            stats = engine.stats()
+    assert got.chat_text == "one two ", got.raw
+    assert not got.of_type("error"), got.raw
+    payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
+    assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "stop"
+    assert got.events[-1].data == "[DONE]"
+    assert whole[0] == 200, whole
+    assert whole[1]["choices"][0]["message"]["content"] == "one two "
+    assert whole[1]["choices"][0]["finish_reason"] == "stop"
+    assert len(fake.bodies) == 2  # nothing was sent to the second upstream to continue
+    assert stats.continuations == 0
+    assert dict(stats.backends[0].attempts) == {"ok": 2}  # not counted as a stall
 
 
 async def test_a_model_thinking_past_the_ttft_and_stall_limits_is_not_cut():

@@ -341,6 +341,10 @@ class RelayedReply(AttemptSeries):
             delay = max(due - now, min(self._limit, 0.1))
             self._timer = self._loop.call_later(delay, self._check)
             return
+        if stream is not None and stream.finish_seen:
+            # Only the usage and [DONE] were still to come: the reply is whole, not stalled.
+            stream.end_at_finish()
+            return
         if self._sink is not None:  # attached: the attempt failed, decided here and now
             error = self._timed_out(self._limit, self._flowing)
             if not self._attempt_broke(error):

@@ -19,10 +19,16 @@ from replystream.engine.upstream_pool import Backend
 
 
 class Attempt(PushDeltaStream, Protocol):
-    """One attempt's stream as a relayed reply reads it: its deltas, and when its upstream
-    last streamed a reasoning model's thinking (progress, relayed or not: 0.0 for never)."""
+    """One attempt's stream as a relayed reply reads it: its deltas, when its upstream last
+    streamed a reasoning model's thinking (progress, relayed or not: 0.0 for never), and
+    whether it sent its finish reason (then ``end_at_finish`` ends the reply as whole)."""
 
     thought_at: float
+
+    @property
+    def finish_seen(self) -> bool: ...
+
+    def end_at_finish(self) -> None: ...
 
 
 # Sends ``request`` to ``backend`` and returns its stream once the response head arrived,

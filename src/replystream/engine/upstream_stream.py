@@ -160,6 +160,20 @@ class UpstreamStream(ChunkReader):
             self._error = error
         self._readable()
 
+    @property
+    def finish_seen(self) -> bool:
+        """The upstream sent its finish reason; only its usage and ``[DONE]`` are to come."""
+        return self._finish is not None and not self._ended
+
+    def end_at_finish(self) -> None:
+        """End the reply now, as finished: the upstream sent its finish reason and then
+        nothing (no usage, no ``[DONE]``) for as long as a reply may stall. The reply is
+        whole, as one cut after its finish reason is; the count is this side's."""
+        if not self.finish_seen:
+            return
+        self._finish_reply(time.monotonic())
+        self._readable()
+
     def _readable(self) -> None:
         if self._sink is not None:
             self._flush()
