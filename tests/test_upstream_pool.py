@@ -108,7 +108,7 @@ def test_an_upstreams_wait_opens_its_circuit_for_that_long_before_the_row_is_lon
     a.end(trial)
     assert a.reopens_at == clock.now + 10.0
     assert pool.wait_s(None) == 1.0  # b's wait, 4 s from 3 s ago, is over first now
-    a.models = b.models = frozenset({"m"})
+    a.models = b.models = ("m",)
     assert pool.wait_s("other") is None
 
 
@@ -146,7 +146,7 @@ def test_a_failed_probe_steers_requests_away_while_another_upstream_can_serve():
 
 
 def test_models_route_requests_and_aliases_name_them():
-    a = Backend("http://a/v1", models=frozenset({"llama"}), fixed_models=True)
+    a = Backend("http://a/v1", models=("llama",), fixed_models=True)
     b = Backend("http://b/v1")
     pool, _ = pool_of(a, b, aliases={"gpt-4o-mini": "qwen"})
     b.probed(None, ["qwen", "mistral"])

@@ -163,7 +163,7 @@ async def test_a_waiter_woken_then_gone_passes_the_room_to_the_next():
     second = asyncio.create_task(queue.wait("m", 10.0, 0.0))
     other_model = asyncio.create_task(queue.wait("n", 10.0, 0.0))
     await wait_for(lambda: len(queue) == 3)
-    backend.models = frozenset({"m"})
+    backend.models = ("m",)
     queue.freed(backend)  # the first is woken...
     first.cancel()  # ...and its client leaves before it takes the room
     assert await second is True  # so the next waiter for a model it serves gets it

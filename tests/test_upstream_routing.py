@@ -136,6 +136,41 @@ async def test_models_are_the_upstreams_own_merged_and_a_request_picks_the_ones_
         assert got.status == 200 and a.bodies[-1]["model"] == "llama"
 
 
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def test_the_servers_own_name_of_a_real_model_routes_as_that_model():
+    """--model-name names a model an upstream lists: a request for it, or for none, goes to
+    the upstreams serving it (never to another model's, labelled as this one)."""
+    alpha, beta = Upstream(["alpha"]), Upstream(["beta"])
+    server = ServerConfig(model_name="alpha")
+    async with relay([alpha, beta], server=server) as url:
+        for body in [{**CHAT_HI, "model": "alpha"}] * 3 + [CHAT_HI] * 3:
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            assert got.status == 200 and json.loads(got.events[0].data)["model"] == "alpha"
+    assert len(alpha.bodies) == 6 and not beta.bodies
+    assert {b["model"] for b in alpha.bodies} == {"alpha"}
+
+
+async def test_a_request_for_no_model_sends_the_first_model_the_upstream_lists():
+    """vLLM lists its base model first, LoRA adapters after it: the order is kept."""
+    upstream = Upstream(["zeta", "alpha"])
+    async with relay([upstream]) as url:
+        got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
+    assert got.status == 200 and upstream.bodies[-1]["model"] == "zeta"
+
+
+async def test_the_upstream_model_goes_only_to_upstreams_that_serve_it():
+    """--upstream-model is what a request for no model is sent as: routed as that model,
+    so never to an upstream that lists only others (it would answer 404)."""
+    alpha, beta = Upstream(["alpha"]), Upstream(["beta"])
+    async with relay([alpha, beta], model="beta") as url:
+        for _ in range(4):
+            got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
+            assert got.status == 200
+    assert not alpha.bodies and [b["model"] for b in beta.bodies] == ["beta"] * 4
+
+
 async def test_an_alias_for_a_model_no_upstream_lists_is_not_served():
     """Every upstream listed its models and none lists the one an alias stands for: the
     alias is a name nobody serves, as the model's own name is (not listed, a 404), not an
@@ -440,10 +475,10 @@ async def test_rerouting_keeps_a_staying_upstreams_state_and_probes_a_new_one_fi
         )
         assert change.added == (f"{c_url}/v1",) and change.removed == (f"{b_url}/v1",)
         assert engine.pool.backends[0] is kept and kept.weight == 2 and kept.attempts["ok"] == 1
-        assert kept.models == {"m"} and not kept.fixed_models
+        assert kept.models == ("m",) and not kept.fixed_models
         joined = engine.pool.backends[1]
         # Probed before it took a request, with its own key: its model list is known.
-        assert joined.probe_ok is True and joined.models == {"n"}
+        assert joined.probe_ok is True and joined.models == ("n",)
         assert probed_with == ["Bearer c-key"]
         assert engine.stats().models == ("m", "n")
         sent_to_b = len(b.bodies)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +122,7 @@ def _backend(target: UpstreamTarget, config: UpstreamConfig) -> Backend:
     return Backend(
         target.base_url,
         target.weight,
-        frozenset(target.models),
+        tuple(target.models),
         fixed_models=bool(target.models),
         max_outstanding=upstream_limit(target, config),
         ttft_s=target.ttft_s,
@@ -223,7 +223,7 @@ class UpstreamEngine:
             return asked
         if self.config.model is not None:
             return self.config.model
-        return min(backend.models) if backend.models else None
+        return backend.models[0] if backend.models else None
 
     async def start(self, request: GenerationRequest) -> RelayedReply:
         """Send the request upstream (another upstream if one fails before it answers) and
@@ -240,6 +240,9 @@ class UpstreamEngine:
                 ``retry_after_s``).
         """
         await self._prober.first_round()
+        if request.model is None and self.config.model is not None:
+            # Sent as --upstream-model, so routed as it: only to upstreams that serve it.
+            request = replace(request, model=self.config.model)
         continuation = request.continuation
         if request.add_generation_prompt is False and not request.continue_final_message:
             # The reply follows the rendered conversation with no assistant turn opened, so its
@@ -401,7 +404,7 @@ class UpstreamEngine:
                 backend.max_outstanding = upstream_limit(target, config)
                 backend.ttft_s, backend.stall_s = target.ttft_s, target.stall_s
                 if target.models:
-                    backend.models, backend.fixed_models = frozenset(target.models), True
+                    backend.models, backend.fixed_models = tuple(target.models), True
                 elif target.base_url in relisted:
                     backend.models, backend.fixed_models = relisted[target.base_url].models, False
             self.config, self._keys, self._prober.keyless = config, keys, keys.passing

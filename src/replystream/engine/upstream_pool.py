@@ -94,7 +94,8 @@ class Backend:
 
     name: str  # its base URL
     weight: int = 1
-    models: frozenset[str] = frozenset()  # what it serves (empty: not known yet)
+    # What it serves, in the order it lists them (empty: not known yet).
+    models: tuple[str, ...] = ()
     fixed_models: bool = False  # configured: its model list does not replace them
     # The most requests it is sent at once (None: no limit); at it, it takes no more until
     # one ends, and requests wait for room (``upstream_queue``).
@@ -212,7 +213,7 @@ class Backend:
         elif self.circuit is Circuit.CLOSED:
             self.problem = ""
         if models and not self.fixed_models:
-            self.models = frozenset(models)
+            self.models = tuple(dict.fromkeys(models))
 
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models

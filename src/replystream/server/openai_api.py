@@ -71,17 +71,19 @@ def listed_models(app: web.Application) -> list[str]:
 
 
 def routed_model(app: web.Application, asked: str | None) -> str | None:
-    """The model a request routes by: None for none or the server's own name (any will do),
-    else a name the engine serves.
+    """The model a request routes by: a name the engine serves; for none, the server's own
+    name (``--model-name``) when the engine serves a model of that name; else None (any
+    will do) for none or the server's own name.
 
     Raises:
         HTTPAPIError: 404 ``model_not_found`` for any other name.
     """
-    if asked is None or asked == served_model(app):
+    name = served_model(app) if asked is None else asked
+    if name in app[ENGINE_KEY].stats().models:  # a model (or alias) of that name: its route
+        return name
+    if name == served_model(app):
         return None
-    if asked in app[ENGINE_KEY].stats().models:
-        return asked
-    raise model_not_found(asked)
+    raise model_not_found(name)
 
 
 def _model_object(app: web.Application, name: str) -> dict[str, Any]:
