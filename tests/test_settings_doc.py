@@ -125,7 +125,7 @@ def a_value(row: settings.Setting) -> tuple[str, Any]:
     if row.choices:
         other = next(choice for choice in row.choices if choice != row.initial())
         return other, other
-    if row.parse is None:
+    if row.parse is None or wants.startswith("UTF-8 text"):  # text as given, checked
         return "other", "other"
     if row.flag == "--reply-script":
         path = Path(tempfile.mkdtemp()) / "script.json"

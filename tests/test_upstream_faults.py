@@ -559,6 +559,24 @@ def test_engine_errors_carry_the_status_the_server_answers_with():
     assert UpstreamTimeout("x").status == 504
 
 
+async def test_temperature_and_top_p_go_upstream_only_as_the_client_gave_them():
+    """An upstream applies a model's own sampling defaults (vLLM's generation config,
+    Ollama's Modelfile) only to a request that leaves them out: the relay adds none."""
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/ok/v1"),), model="m"))
+        async with running(create_app(engine)) as relay:
+            url = f"{relay}/v1/chat/completions"
+            assert (await post_events(url, CHAT)).status == 200
+            given = {**CHAT, "temperature": 1.0, "top_p": 0.5}
+            assert (await post_events(url, given)).status == 200
+            anthropic_ask = {"model": "upstream", "max_tokens": 5, "messages": CHAT["messages"]}
+            assert (await post_events(f"{relay}/v1/messages", anthropic_ask)).status == 200
+    left_out, kept, anthropic_sent = fake.bodies
+    assert "temperature" not in left_out and "top_p" not in left_out
+    assert (kept["temperature"], kept["top_p"]) == (1.0, 0.5)
+    assert "temperature" not in anthropic_sent and "top_p" not in anthropic_sent
+
+
 async def test_what_the_sdk_adds_to_a_message_it_sends_back_is_not_relayed():
     """An assistant message the OpenAI SDK's stream helper assembled, sent back as history,
     carries fields the SDK adds (``annotations``, ``audio``, ``function_call``, ``parsed``;

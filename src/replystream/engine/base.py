@@ -59,8 +59,10 @@ class SamplingParams:
     """How to pick each token. ``seed=None`` lets the engine choose (``Engine.seed_for``)."""
 
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: the model's default (1.0 for the built-in engines; a relay's upstream applies its
+    # own, such as a model's recommended sampling, only to a request that leaves these out).
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()

@@ -34,9 +34,10 @@ def check_sampling(params: SamplingParams) -> None:
     """
     if params.max_tokens is not None and params.max_tokens < 1:
         raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+    temperature, top_p = params.temperature, params.top_p
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         raise RequestRejected("temperature must be a finite number >= 0", param="temperature")
-    if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise RequestRejected("top_p must be in (0, 1]", param="top_p")
     if params.top_k < 0:
         raise RequestRejected("top_k must be >= 0 (0 keeps every token)", param="top_k")
@@ -135,11 +136,12 @@ def filtered_probabilities(
     if 0 < params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
-    p = probabilities(z, params.temperature)  # (vocab,)
-    if params.top_p < 1.0:
+    p = probabilities(z, 1.0 if params.temperature is None else params.temperature)  # (vocab,)
+    top_p = 1.0 if params.top_p is None else params.top_p
+    if top_p < 1.0:
         order = np.argsort(-p, kind="stable")  # most likely first
         before = np.cumsum(p[order]) - p[order]  # mass of the tokens ranked above each one
-        drop = order[before >= params.top_p]  # the set above already reached top_p
+        drop = order[before >= top_p]  # the set above already reached top_p
         p[drop] = 0.0
         p /= p.sum()
     return p

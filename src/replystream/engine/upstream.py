@@ -76,9 +76,13 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         "messages": messages,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": s.temperature,
-        "top_p": s.top_p,
     }
+    # Only as the client gave them: an upstream applies a model's own defaults (vLLM's
+    # generation config, Ollama's Modelfile) to a request that leaves them out.
+    if s.temperature is not None:
+        body["temperature"] = s.temperature
+    if s.top_p is not None:
+        body["top_p"] = s.top_p
     if model is not None:
         body["model"] = model
     if request.continue_final_message:  # the last message is the assistant's start: continue

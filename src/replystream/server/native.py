@@ -79,8 +79,8 @@ def sampling_params(
 ) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=body.temperature,
+        top_p=body.top_p,
         top_k=body.top_k or 0,
         seed=body.seed,
         stop=body.stop or (),
