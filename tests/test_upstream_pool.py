@@ -45,8 +45,11 @@ def test_consecutive_failures_open_a_circuit_and_a_trial_after_the_cooldown_clos
     assert [x.name for x in pool.plan(None)] == ["http://b/v1"]  # skipped while open
     clock.now += 9.9
     assert a not in pool.plan(None)
+    assert a.stats(clock.now).circuit == "open"
     clock.now += 0.2  # the cool-down is over: the next request there is the trial
     assert a in pool.plan(None)
+    # Its state says so before the trial is sent, as /healthz does (not "open, skipped").
+    assert a.stats(clock.now).circuit == "half_open"
     trial = a.begin()
     assert a.circuit.value == "half_open"
     assert a not in pool.plan(None)  # one trial at a time

@@ -370,7 +370,9 @@ class UpstreamEngine:
             active=sum(b.outstanding for b in self.pool.backends) + len(self._queue),
             steps=self._deltas,
             models=self.pool.model_names(),
-            backends=tuple(backend_stats(self._shared, b) for b in self.pool.backends),
+            backends=tuple(
+                backend_stats(self._shared, b, self.pool.clock()) for b in self.pool.backends
+            ),
             failovers=self._relay_counts.failovers,
             continuations=self._relay_counts.continuations,
             queued=len(self._queue),

@@ -218,10 +218,15 @@ class Backend:
     def serves(self, model: str | None) -> bool:
         return model is None or not self.models or model in self.models
 
-    def stats(self) -> BackendStats:
+    def stats(self, now: float) -> BackendStats:
+        """Its state at ``now``: an open circuit whose cool-down is over lets its trial
+        through, so it is half open, whether or not the trial has been sent yet."""
+        circuit = self.circuit
+        if circuit is Circuit.OPEN and now >= self.reopens_at:
+            circuit = Circuit.HALF_OPEN
         return BackendStats(
             name=self.name,
-            circuit=self.circuit.value,
+            circuit=circuit.value,
             probe_ok=self.probe_ok,
             outstanding=self.outstanding,
             attempts=tuple(sorted(self.attempts.items())),

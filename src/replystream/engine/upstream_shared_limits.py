@@ -68,9 +68,9 @@ def open_slots(shared: SharedLimits, backends: list[Backend]) -> None:
                 log.error("cannot open the shared slots of %s: %s", backend.name, exc)
 
 
-def backend_stats(shared: SharedLimits | None, backend: Backend) -> BackendStats:
-    """Its stats; with shared limits, the slots taken counted over every worker."""
-    stats = backend.stats()
+def backend_stats(shared: SharedLimits | None, backend: Backend, now: float) -> BackendStats:
+    """Its stats at ``now``; with shared limits, the slots taken counted over every worker."""
+    stats = backend.stats(now)
     limit = backend.max_outstanding
     if shared is None or limit is None:
         return stats
