@@ -24,6 +24,7 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
+from tests.processes import replica
 from tests.sse_client import post_events
 
 
@@ -169,6 +170,21 @@ async def test_the_upstream_model_goes_only_to_upstreams_that_serve_it():
             got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
             assert got.status == 200
     assert not alpha.bodies and [b["model"] for b in beta.bodies] == ["beta"] * 4
+
+
+async def test_the_upstream_model_names_the_replies_of_requests_for_none():
+    """serve --upstream-model beta: a request for no model is sent as beta and answered as
+    beta (not as "upstream", a name no upstream serves), and the models list names it."""
+    beta = Upstream(["beta"])
+    async with (
+        running(beta.app()) as upstream,
+        replica("--engine", f"upstream:{upstream}/v1", "--upstream-model", "beta") as (_, url),
+    ):
+        got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
+        status, listing = await get_json(f"{url}/v1/models")
+    assert got.status == 200 and beta.bodies[-1]["model"] == "beta"
+    assert json.loads(got.events[0].data)["model"] == "beta"
+    assert status == 200 and [m["id"] for m in listing["data"]] == ["beta"]
 
 
 async def test_an_alias_for_a_model_no_upstream_lists_is_not_served():

@@ -216,8 +216,9 @@ UPSTREAM_ENGINE = Group(
         ),
         Setting(
             "--upstream-model",
-            "model name sent upstream when a request names none it serves "
-            "(default: the first one the upstream's /models lists)",
+            "model name sent upstream when a request names none it serves, and the server's "
+            "own name unless --model-name gives one (default: the first one the upstream's "
+            "/models lists)",
             fills=(UpstreamConfig, "model"),
             engines=UPSTREAM,
         ),

@@ -188,7 +188,8 @@ API = Group(
     (
         Setting(
             "--model-name",
-            "the model name /v1/models lists and requests may name (default: the engine's)",
+            "the model name /v1/models lists and requests may name; a request for no model is "
+            "answered as it (default: --upstream-model when given, else the engine's)",
             non_empty_text,
             fills=(ServerConfig, "model_name"),
         ),
