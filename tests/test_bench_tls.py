@@ -133,20 +133,24 @@ async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
             yield Deployment(port, ca_file)
 
 
-async def bench(*argv: str) -> tuple[int, str]:
+async def tool(*argv: str) -> tuple[int, str, str]:
+    """``replystream ARGV`` in a child process: its exit status, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "replystream",
-        "bench",
         *argv,
-        "--quiet",
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+        stderr=asyncio.subprocess.PIPE,
     )
-    out, _ = await process.communicate()
+    out, err = await process.communicate()
     assert process.returncode is not None
-    return process.returncode, out.decode()
+    return process.returncode, out.decode(), err.decode()
+
+
+async def bench(*argv: str) -> tuple[int, str]:
+    code, out, err = await tool("bench", *argv, "--quiet")
+    return code, out + err
 
 
 async def read_json(path: Path) -> dict[str, Any]:
@@ -257,18 +261,7 @@ async def test_tls_flag_mistakes_are_one_line(tmp_path, argv, message):
 
 
 async def doctor(*argv: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "replystream",
-        "doctor",
-        *argv,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+    return await tool("doctor", *argv)
 
 
 async def test_doctor_judges_an_https_endpoint_that_wants_a_key(deployment):

@@ -8,7 +8,6 @@ send a request or compute a metric.
 from __future__ import annotations
 
 import argparse
-import re
 
 from replystream.cli_values import (
     Checker,
@@ -26,6 +25,7 @@ from replystream.cli_values import (
     web_url,
 )
 from replystream.lab.benchstats import SLO
+from replystream.lab.client_options import add_client_arguments
 from replystream.lab.drop_resume import CURSORS
 from replystream.lab.profiles import PROFILE_KINDS
 from replystream.lab.workload import APIS, MOST_PROMPT_WORDS
@@ -74,29 +74,6 @@ def _cancel_share(text: str) -> float:
     return value
 
 
-# Headers the measuring client writes itself: one sent by the user would be a second copy.
-_OWN_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding"})
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-
-
-def _header(text: str) -> tuple[str, str]:
-    name, colon, value = text.partition(":")
-    name, value = name.strip(), value.strip()
-    if not colon or not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\0"):
-        raise argparse.ArgumentTypeError(f"want 'NAME: VALUE' (one line), got {text!r}")
-    # The client writes headers as ASCII (as HTTP/1.1 fields are in practice): anything else
-    # could not be sent, and would fail every request with a traceback.
-    if not all(c == "\t" or " " <= c <= "~" for c in value):
-        raise argparse.ArgumentTypeError(
-            f"a header value is printable ASCII (percent- or base64-encode the rest), got {text!r}"
-        )
-    if name.lower() in _OWN_HEADERS:
-        raise argparse.ArgumentTypeError(f"{name} is written by the client itself")
-    return name, value
-
-
-header = Checker("'NAME: VALUE', a header the client does not write itself", _header)
-
 # --cancel-share and --drop-share: a share of conversations, 0 (none) to 1.
 cancel_share = Checker(_cancel.wants, _cancel_share)
 
@@ -109,18 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="endpoint, http:// or https://: .../stream, .../v1/replies, .../chat/completions "
         "or .../v1/responses (not with --compare)",
     )
-    parser.add_argument(
-        "--cacert",
-        type=readable_file,
-        metavar="FILE",
-        help="https: verify the server's certificate against the CAs in this PEM file "
-        "(default: the system's)",
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="https: do not verify the server's certificate or name (a self-signed test "
-        "server; the figures are a TLS server's, the trust is none)",
+    add_client_arguments(
+        parser,
+        header_help="a header sent with every request, resume and scrape (repeatable), e.g. "
+        "'Authorization: Bearer KEY'",
     )
     parser.add_argument(
         "--compare",
@@ -263,15 +232,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_between(0, MOST_PROMPT_WORDS),
         default=0,
         help="a system prompt of N words every request shares (a common prefix)",
-    )
-    parser.add_argument(
-        "--header",
-        action="append",
-        type=header,
-        default=[],
-        metavar="'NAME: VALUE'",
-        help="a header sent with every request, resume and scrape (repeatable), e.g. "
-        "'Authorization: Bearer KEY'",
     )
     parser.add_argument(
         "--model",

@@ -10,13 +10,12 @@ file, into the TLS context every request uses. The flags themselves, and each on
 from __future__ import annotations
 
 import argparse
-import ssl
 from collections.abc import Callable
 from typing import TypeVar
 
-from replystream.client.transport import tls_context
 from replystream.lab.bench_args import DEFAULT_SLO_SHARE, LONGEST_RUN_S
 from replystream.lab.bench_plots import RUN_PLOTS, SWEEP_PLOTS
+from replystream.lab.client_options import tls_for
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.load_types import LoadConfig
 from replystream.lab.open_files import OWN_FILES, make_room
@@ -78,24 +77,6 @@ def profile_from_args(
     if kind == "sweep":
         return None
     return Profile(kind, concurrency=args.concurrency, rate=args.rate, burstiness=args.burstiness)
-
-
-def tls_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
-    """The TLS context for an https URL (None for http://, which has no TLS options); raises
-    ValueError for a flag that does not fit."""
-    if not args.url.lower().startswith("https://"):
-        if args.cacert is not None:
-            raise ValueError("--cacert verifies an https server: the URL is http://")
-        if args.insecure:
-            raise ValueError("--insecure skips verifying an https server: the URL is http://")
-        return None
-    if args.insecure and args.cacert is not None:
-        raise ValueError("--insecure verifies nothing, so --cacert would not be used: drop one")
-    try:
-        return tls_context(args.cacert, verify=not args.insecure)
-    except (ssl.SSLError, OSError) as exc:
-        why = f"{args.cacert} holds no usable PEM certificate ({exc})"
-        raise ValueError(f"--cacert: {why}") from None
 
 
 def _check_run_ends(
@@ -245,7 +226,7 @@ def config_from_args(
         metrics_interval_s=args.metrics_interval,
         resume_cursor=args.resume_cursor or "header",
         headers=tuple(args.header),
-        tls=tls_from_args(args),
+        tls=tls_for([args.url], args.cacert, args.insecure),
         model=args.model or model or "default",
         seed=args.seed,
         timeout_s=args.timeout,

@@ -19,13 +19,11 @@ from typing import Any
 from replystream.cli_values import (
     positive_float,
     positive_int,
-    readable_file,
     utf8_text,
     web_url,
 )
 from replystream.client import ReplyTiming, measure_reply
-from replystream.client.transport import tls_context
-from replystream.lab.bench_args import header
+from replystream.lab.client_options import add_client_arguments, tls_for
 from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.workload import APIS, MODEL_APIS, Api, build_request, detect_api
@@ -41,25 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--direct", type=web_url, help="the same endpoint straight at the app, to compare"
     )
-    parser.add_argument(
-        "--cacert",
-        type=readable_file,
-        metavar="FILE",
-        help="https: verify the server's certificate against the CAs in this PEM file "
-        "(default: the system's)",
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="https: do not verify the server's certificate or name (a self-signed test server)",
-    )
-    parser.add_argument(
-        "--header",
-        action="append",
-        type=header,
-        default=[],
-        metavar="'NAME: VALUE'",
-        help="a header sent with each request and the models lookup (repeatable), e.g. "
+    add_client_arguments(
+        parser,
+        header_help="a header sent with each request and the models lookup (repeatable), e.g. "
         "'Authorization: Bearer KEY'",
     )
     parser.add_argument(
@@ -97,10 +79,11 @@ DEFAULT_PROMPT = "Tell me about streaming."
 
 
 def _tls(url: str, args: argparse.Namespace) -> ssl.SSLContext | None:
-    """The TLS context for ``url``: None for http://."""
+    """The TLS context for ``url``: None for http:// (the options were checked in ``run``,
+    against both URLs: one of them may be http:// when the other is https://)."""
     if not url.lower().startswith("https://"):
         return None
-    return tls_context(args.cacert, verify=not args.insecure)
+    return tls_for([url], args.cacert, args.insecure)
 
 
 async def _measure(url: str, api: Api, args: argparse.Namespace, model: str) -> ReplyTiming:
@@ -174,25 +157,6 @@ def describe(d: Diagnosis) -> list[str]:
     return lines
 
 
-def _tls_mistake(args: argparse.Namespace) -> str | None:
-    """What is wrong with the TLS options: given with no https:// URL to use them, at odds,
-    or a CA file holding no certificate."""
-    urls = [args.url] + ([args.direct] if args.direct else [])
-    if not any(url.lower().startswith("https://") for url in urls):
-        if args.cacert is not None:
-            return "--cacert verifies an https server: no URL is https://"
-        if args.insecure:
-            return "--insecure skips verifying an https server: no URL is https://"
-        return None
-    if args.insecure and args.cacert is not None:
-        return "--insecure verifies nothing, so --cacert would not be used: drop one"
-    try:
-        tls_context(args.cacert, verify=not args.insecure)
-    except (ssl.SSLError, OSError) as exc:
-        return f"--cacert: {args.cacert} holds no usable PEM certificate ({exc})"
-    return None
-
-
 def api_of(args: argparse.Namespace) -> Api:
     api: Api = detect_api(args.url) if args.api == "auto" else args.api
     return api
@@ -215,9 +179,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    mistake = _tls_mistake(args)
-    if mistake is not None:
-        print(f"replystream doctor: {mistake}", file=sys.stderr)
+    try:
+        tls_for([args.url, *([args.direct] if args.direct else [])], args.cacert, args.insecure)
+    except ValueError as exc:
+        print(f"replystream doctor: {exc}", file=sys.stderr)
         return 2
     thresholds = Thresholds(burst_gap_ms=args.burst_gap_ms)
     try:
