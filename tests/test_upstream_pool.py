@@ -48,8 +48,12 @@ def test_consecutive_failures_open_a_circuit_and_a_trial_after_the_cooldown_clos
     assert a.stats(clock.now).circuit == "open"
     clock.now += 0.2  # the cool-down is over: the next request there is the trial
     assert a in pool.plan(None)
-    # Its state says so before the trial is sent, as /healthz does (not "open, skipped").
+    # Its state says so before the trial is sent, as /healthz does (not "open, skipped");
+    # a failed probe keeps requests away while another upstream serves: open, then.
     assert a.stats(clock.now).circuit == "half_open"
+    a.probe_ok = False
+    assert a.stats(clock.now).circuit == "open"
+    a.probe_ok = None
     trial = a.begin()
     assert a.circuit.value == "half_open"
     assert a not in pool.plan(None)  # one trial at a time

@@ -220,9 +220,10 @@ class Backend:
 
     def stats(self, now: float) -> BackendStats:
         """Its state at ``now``: an open circuit whose cool-down is over lets its trial
-        through, so it is half open, whether or not the trial has been sent yet."""
+        through, so it is half open, whether or not the trial has been sent yet (unless its
+        last probe failed: then requests keep away from it while another can serve)."""
         circuit = self.circuit
-        if circuit is Circuit.OPEN and now >= self.reopens_at:
+        if circuit is Circuit.OPEN and now >= self.reopens_at and self.probe_ok is not False:
             circuit = Circuit.HALF_OPEN
         return BackendStats(
             name=self.name,
