@@ -20,6 +20,7 @@ import anthropic
 import openai
 import pytest
 
+from replystream.client import measure_reply
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.engine.simulated import SimulatedEngine
@@ -155,3 +156,17 @@ async def test_the_native_stream_still_tells_a_gap_and_goes_on():
     gap = json.loads(body.split("\n")[1].removeprefix("data: "))
     assert gap["lost_from"] == 2
     assert body.rstrip().endswith('{"finish_reason": "length"}') or "event: done" in body
+
+
+async def test_the_measuring_client_does_not_take_a_reply_with_a_gap_for_whole():
+    engine = fast_engine(reply_text="one two three four five six " * 5, delay_ms=0, jitter_ms=0)
+    app = create_app(engine, store=MemoryReplayStore(max_entries=KEPT))
+    async with running(app) as url:
+        live = await measure_reply(
+            f"{url}/v1/replies", method="POST", json_body={"prompt": "x", "resumable": True}
+        )
+        again = await measure_reply(f"{url}/v1/replies/{live.headers['x-reply-id']}/stream")
+    assert live.complete and live.error is None
+    assert not again.complete
+    assert again.error is not None and again.error.startswith("gap: events 1 to ")
+    assert 0 < len(again.text) < len(live.text)  # what was kept is read, and no more

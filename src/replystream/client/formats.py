@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from replystream.sse import Event
 
-Kind = Literal["text", "thinking", "done", "error", "usage", "other"]
+Kind = Literal["text", "thinking", "done", "error", "usage", "gap", "other"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,13 @@ def interpret_event(event: Event) -> Meaning:
         return Meaning("error", error=f"{event.type}: {detail}")
     if event.type == "done" or event.data == "[DONE]":
         return DONE
+    if event.type == "gap":  # events the server no longer had: the text read is not whole
+        try:
+            lost = json.loads(event.data)
+            said = f"events {lost['lost_from']} to {lost['lost_to']} were lost"
+        except (ValueError, TypeError, KeyError):
+            said = "events were lost"
+        return Meaning("gap", error=f"gap: {said}")
     if event.type == "usage":
         return _usage(event.data)
     if event.type.startswith("response."):

@@ -110,6 +110,7 @@ class _Reading:
         self.event_chars: list[int] = []
         self.headers: dict[str, str] = {}
         self.connected = True
+        self.lost: str | None = None  # a gap the server announced: text is missing
 
     def ms(self, at: float) -> float:
         """``perf_counter()`` time ``at`` as ms since the request started."""
@@ -129,6 +130,8 @@ class _Reading:
         self.event_chars.append(len(text))
 
     def finish(self) -> ReplyTiming:
+        if self.error is None and self.lost is not None:
+            self.error = self.lost
         if not self.complete and self.error is None:
             self.error = "stream ended without an end marker" if self.streamed else "no reply"
         return ReplyTiming(
@@ -179,6 +182,9 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
                 reading.complete = True
             elif meaning.kind == "usage":
                 reading.reported_tokens = meaning.tokens
+            elif meaning.kind == "gap":
+                # The text goes on after the hole, and is read, but it is no whole reply.
+                reading.lost = reading.lost or meaning.error
             elif meaning.kind == "error":
                 reading.error = meaning.error
                 return
