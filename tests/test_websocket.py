@@ -125,6 +125,28 @@ async def test_bad_messages_get_an_error_message_and_the_socket_lives_on(message
     assert ok[-1]["type"] == "done" and text_of(ok) == "A language model "
 
 
+async def test_a_message_past_the_body_limit_is_refused_and_the_other_replies_go_on():
+    """A message larger than --max-body-bytes is an ``error`` message, as a body that large
+    is a 413 over HTTP: the reply running beside it goes on. Past four times the limit the
+    server does not read it: the socket closes with 1009 (message too big)."""
+    engine = fast_engine(delay_ms=10, jitter_ms=0)
+    config = ServerConfig(max_body_bytes=10_000)
+    big = {"type": "reply", "id": "big", "prompt": "x" * 20_000}
+    async with running(create_app(engine, config)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "ok", "prompt": "x", "max_tokens": 20})
+            await ws.send_json(big)
+            messages = await read_until_ended(ws, {"ok"})
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({**big, "prompt": "x" * 50_000})
+            closed = await ws.receive()
+    errors = [m for m in messages if m["type"] == "error"]
+    assert [e["data"]["error"]["code"] for e in errors] == ["body_too_large"]
+    assert "10000 bytes" in errors[0]["data"]["error"]["message"]
+    assert of(messages, "ok")[-1]["type"] == "done"
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1009
+
+
 async def test_cancelling_an_unknown_tag_is_not_found_as_over_http():
     async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
         async with http.post(f"{url}/v1/replies/nobody/cancel") as response:

@@ -86,6 +86,10 @@ CLOSE_TIMEOUT_S = 1.0  # how long a close waits for the client's answering close
 # At shutdown, how long the replies on a socket may take to send their last events (each
 # reply's log already ends with its ``shutdown`` error) before the socket is closed.
 SHUTDOWN_LAST_WORDS_S = 2.0
+# How many times --max-body-bytes a message may be and still be read, to be refused with an
+# ``error`` message while the socket and its other replies go on; past it the socket closes
+# (1009, message too big): the server does not hold that much to refuse it.
+READ_PAST_LIMIT = 4
 
 
 class _SocketDone(Exception):
@@ -273,6 +277,10 @@ class Session:
         try:
             if msg.type != WSMsgType.TEXT:
                 raise HTTPAPIError(400, "messages must be JSON text", code="invalid_json")
+            limit = self.request.app[CONFIG_KEY].max_body_bytes
+            if len(msg.data) > limit and len(msg.data.encode()) > limit:  # as a body would be
+                said = f"a message is larger than {limit} bytes (--max-body-bytes)"
+                raise HTTPAPIError(413, said, code="body_too_large")
             try:
                 message = parse_message(msg.data)
             except BadMessage as bad:
@@ -410,7 +418,7 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(
         # The session pings, and answers pings, itself (rule 4).
         autoping=False,
-        max_msg_size=config.max_body_bytes,
+        max_msg_size=READ_PAST_LIMIT * config.max_body_bytes,
         timeout=CLOSE_TIMEOUT_S,
         # No permessage-deflate, whatever the client offers: compressing costs CPU per frame
         # on the hot path, and the reply transports write whole plain frames themselves.
