@@ -170,3 +170,56 @@ async def test_the_measuring_client_does_not_take_a_reply_with_a_gap_for_whole()
     assert not again.complete
     assert again.error is not None and again.error.startswith("gap: events 1 to ")
     assert 0 < len(again.text) < len(live.text)  # what was kept is read, and no more
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "ends_with"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "openai"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 100}, "openai"),
+        (
+            "/v1/messages",
+            {
+                "model": "simulated",
+                "max_tokens": 100,
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            "anthropic",
+        ),
+        (
+            "/v1/responses",
+            {"model": "simulated", "input": "x", "max_output_tokens": 100},
+            "responses",
+        ),
+    ],
+    ids=["chat", "completions", "anthropic", "responses"],
+)
+async def test_a_reply_of_another_dialect_resumed_natively_ends_at_a_gap_in_its_own_words(
+    route: str, body: dict[str, Any], ends_with: str
+):
+    """GET /v1/replies/{id}/stream resumes a reply from any route: its events stay in that
+    route's dialect, and so does what the reader is told of events no longer kept (no native
+    ``gap`` and then ``[DONE]``, as if the text were whole)."""
+    engine = fast_engine(reply_text="one two three four five six " * 5, delay_ms=0, jitter_ms=0)
+    config = ServerConfig(resumable_by_default=True)
+    app = create_app(engine, config, store=MemoryReplayStore(max_entries=KEPT))
+    async with running(app) as url:
+        first = await raw_request(
+            f"{url}{route}", "POST", json.dumps({**body, "stream": True}).encode()
+        )
+        reply_id = first.headers["x-reply-id"]
+        await first.read_body()
+        again = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        text = (await again.read_body()).decode()
+    assert again.status == 200
+    assert "event: gap" not in text and "[DONE]" not in text and "message_stop" not in text
+    last = json.loads(text.rstrip().rsplit("data: ", 1)[1])
+    if ends_with == "anthropic":
+        assert "event: error\n" in text
+        assert last["type"] == "error" and last["error"]["code"] == "events_lost"
+    elif ends_with == "responses":
+        assert last["type"] == "response.failed", last
+        assert last["response"]["error"]["code"] == "events_lost"
+        assert "response.completed" not in text
+    else:
+        assert last["error"]["code"] == "events_lost"

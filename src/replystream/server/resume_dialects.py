@@ -1,0 +1,66 @@
+"""How a reply resumed through the native route (``GET /v1/replies/{id}/stream``) is told
+what its reader decides, in the dialect it was made in.
+
+The route resumes a reply from any route. Its log holds that route's events: chat chunks,
+Anthropic's message events, Responses events or our own. What the reader itself decides
+(events no longer kept, a lost producer, a slow client) must be said in the same dialect:
+a chat stream's client cannot be handed a native ``gap`` and then ``[DONE]``, as if its text
+were whole. This file decides the dialect from the log's first kept event, and the notices
+and keep-alive that dialect's own route uses. It must not know how the events are written.
+"""
+
+from __future__ import annotations
+
+from replystream.delivery import anthropic_format, openai_formats, responses_log
+from replystream.delivery.anthropic_format import PING
+from replystream.delivery.formats import KEEPALIVE, Notices
+from replystream.delivery.replay import LogEntry, ReplayStore, StoreUnavailable
+from replystream.server.errors import HTTPAPIError
+from replystream.server.openai_api import SDK_KEEPALIVE
+from replystream.server.responses_stored import FIRST_EVENT_WAIT_S, entries_until
+
+# The events of an Anthropic message stream (its log holds no other).
+ANTHROPIC_EVENTS = frozenset(
+    {
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+        "error",
+    }
+)
+# How a chat or completion chunk begins (``completion_id``, written compactly).
+OPENAI_CHUNKS = ('{"id":"chatcmpl-', '{"id":"cmpl-')
+
+
+async def resumed_notices(
+    reply_id: str, store: ReplayStore, after: int
+) -> tuple[Notices | None, bytes]:
+    """The notices and keep-alive of the dialect reply ``reply_id`` was made in (None and
+    the native keep-alive for our own events, or when no event is kept to tell)."""
+    try:
+        # A reply made on another replica may be known before its first event is.
+        head = await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    first = head.entries[0] if head is not None and head.entries else None
+    if first is None:
+        return None, KEEPALIVE
+    return await _notices_of(first, reply_id, store, after)
+
+
+async def _notices_of(
+    first: LogEntry, reply_id: str, store: ReplayStore, after: int
+) -> tuple[Notices | None, bytes]:
+    event = first.event or ""
+    if event.startswith("response."):
+        told = await entries_until(store, reply_id, after) if after > 0 else []
+        opened = responses_log.opened_object(first)
+        return responses_log.ReaderNotices(reply_id, opened, told), SDK_KEEPALIVE
+    if event in ANTHROPIC_EVENTS:
+        return anthropic_format.ReaderNotices(), PING
+    if first.event is None and first.data.startswith(OPENAI_CHUNKS):
+        return openai_formats.ReaderNotices(), SDK_KEEPALIVE
+    return None, KEEPALIVE
