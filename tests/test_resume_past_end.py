@@ -100,3 +100,29 @@ async def test_resume_past_the_last_event_of_a_live_reply_made_here_is_400(
     assert status == 400
     assert body["error"]["code"] == "invalid_value" and body["error"]["param"] == "last_event_id"
     assert "999999" in body["error"]["message"]
+
+
+async def test_a_place_past_the_end_of_a_reply_live_elsewhere_ends_with_an_error_not_nothing(
+    tmp_path: Path,
+):
+    # Another replica cannot know a live reply's last event (the producer's log may be behind
+    # what it sent): the place is followed live; when the reply ends with nothing after it,
+    # the reader is told so in-band, not sent an empty 200 that looks like a cut stream.
+    with redis_server(tmp_path) as redis:
+        engine = fast_engine(delay_ms=20, jitter_ms=0)
+        producer = create_app(engine, store=RedisReplayStore(redis.url))
+        reader = create_app(fast_engine(), store=RedisReplayStore(redis.url))
+        async with running(producer) as start, running(reader) as other:
+            live = await raw_request(
+                f"{start}/v1/replies",
+                "POST",
+                b'{"prompt": "x", "resumable": true, "max_tokens": 10}',
+            )
+            reply_id = live.headers["x-reply-id"]
+            status, _, body = await resume(other, reply_id, "1000")
+            await live.read_body()
+    assert status == 200
+    text = body.decode()
+    assert text.startswith("event: error\n"), text
+    error = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])["error"]
+    assert error["code"] == "invalid_value" and "1000" in error["message"]

@@ -141,6 +141,7 @@ class Follower:
     __slots__ = (
         "_broken",
         "_deadline",
+        "_started_after",
         "_woken",
         "clock",
         "cursor",
@@ -169,6 +170,7 @@ class Follower:
     ) -> None:
         self.reply_id = reply_id
         self.cursor = cursor  # this follower's place in the log, from the reply's store
+        self._started_after = cursor.after  # the reader's resume point (0: from the start)
         self.transport = transport
         self.policy = policy
         self.readers = readers
@@ -339,6 +341,11 @@ class Follower:
             self.cursor.sent(last, 0)
         await self._send_entries(result.entries, last=result.ending is not None)
         if result.ending is not None:
+            if self._started_after and self.cursor.after == self._started_after:
+                # It ended with nothing after the reader's place (a place past the end of a
+                # reply made elsewhere, followed while it was live): said, not an empty body.
+                message = f"last_event_id {self._started_after} is past this reply's last event"
+                await self._send(self._notice(message, "invalid_value"), 1, last=True)
             return "ended"
         if result.producer_lost:
             message = "the replica generating this reply is gone"
