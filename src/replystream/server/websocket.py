@@ -277,8 +277,9 @@ class Session:
         try:
             if msg.type != WSMsgType.TEXT:
                 raise HTTPAPIError(400, "messages must be JSON text", code="invalid_json")
-            limit = self.request.app[CONFIG_KEY].max_body_bytes
-            if len(msg.data) > limit and len(msg.data.encode()) > limit:  # as a body would be
+            limit, size = self.request.app[CONFIG_KEY].max_body_bytes, len(msg.data)
+            # In bytes, as a body is counted (encoded only when its characters could pass it).
+            if size > limit or (4 * size > limit and len(msg.data.encode()) > limit):
                 said = f"a message is larger than {limit} bytes (--max-body-bytes)"
                 raise HTTPAPIError(413, said, code="body_too_large")
             try:
