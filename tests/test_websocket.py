@@ -136,12 +136,14 @@ async def test_a_message_past_the_body_limit_is_refused_and_the_other_replies_go
         async with http.ws_connect(f"{url}/v1/ws") as ws:
             await ws.send_json({"type": "reply", "id": "ok", "prompt": "x", "max_tokens": 20})
             await ws.send_json(big)
+            # Under the limit in characters, past it in bytes: counted as a body is, in bytes.
+            await ws.send_str(json.dumps({**big, "prompt": "é" * 6_000}, ensure_ascii=False))
             messages = await read_until_ended(ws, {"ok"})
         async with http.ws_connect(f"{url}/v1/ws") as ws:
             await ws.send_json({**big, "prompt": "x" * 50_000})
             closed = await ws.receive()
     errors = [m for m in messages if m["type"] == "error"]
-    assert [e["data"]["error"]["code"] for e in errors] == ["body_too_large"]
+    assert [e["data"]["error"]["code"] for e in errors] == ["body_too_large"] * 2
     assert "10000 bytes" in errors[0]["data"]["error"]["message"]
     assert of(messages, "ok")[-1]["type"] == "done"
     assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1009
