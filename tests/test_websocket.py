@@ -11,6 +11,7 @@ import pytest
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, native, running, serving
 from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
+from replystream.server.guard import GuardConfig
 from replystream.server.websocket import CLOSE_TIMEOUT_S, Session
 from replystream.server.ws_transport import PING_FRAME, SocketKeepalive, WebSocketTransport
 from tests.conftest import fast_engine, wait_for
@@ -147,6 +148,25 @@ async def test_a_message_past_the_body_limit_is_refused_and_the_other_replies_go
     assert "10000 bytes" in errors[0]["data"]["error"]["message"]
     assert of(messages, "ok")[-1]["type"] == "done"
     assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1009
+
+
+async def test_each_reply_on_a_socket_counts_against_requests_per_minute():
+    """The socket is one request of its client's rate, and each reply it starts is one
+    more: a client cannot start replies without end over one socket past the limit."""
+    config = ServerConfig(guard=GuardConfig(per_minute=3))
+    async with running(create_app(fast_engine(), config)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:  # the upgrade: one of three
+            for tag in ("a", "b"):
+                await ws.send_json({"type": "reply", "id": tag, "prompt": "x", "max_tokens": 2})
+                assert (await read_until_ended(ws, {tag}))[-1]["type"] == "done"
+            await ws.send_json({"type": "reply", "id": "c", "prompt": "x", "max_tokens": 2})
+            refused = await ws.receive_json()
+        async with http.post(f"{url}/v1/replies", json={"prompt": "x"}) as over_http:
+            status = over_http.status
+    assert refused["type"] == "error" and refused["id"] == "c"
+    assert refused["data"]["error"]["code"] == "rate_limited"
+    assert refused["data"]["retry_after"] >= 1
+    assert status == 429  # the same client's budget, whichever way it asks
 
 
 async def test_cancelling_an_unknown_tag_is_not_found_as_over_http():

@@ -63,6 +63,7 @@ from replystream.server.context import (
 from replystream.server.errors import HTTPAPIError, retry_after_value
 from replystream.server.front_door import FrontDoor, front_door
 from replystream.server.guard import (
+    GATE_KEY,
     GUARD_KEY,
     ClientGate,
     stamp_response,
@@ -281,6 +282,7 @@ def create_app(
     )
     app = web.Application(middlewares=[front_door(door)], client_max_size=config.max_body_bytes)
     app[GUARD_KEY] = guard
+    app[GATE_KEY] = door.gate
     if ring is not None:
         app[KEY_RING] = ring
     app.on_response_prepare.append(stamp_response)

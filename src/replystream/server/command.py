@@ -155,6 +155,13 @@ def run(args: argparse.Namespace) -> int:
                     "--workers without --redis-url: a reply can be resumed only "
                     "through the worker that made it"
                 )
+            if args.max_concurrent_per_client or args.requests_per_minute:
+                log.warning(
+                    "--workers with per-client limits: each worker counts its own, so a "
+                    "client may get up to %d times --max-concurrent-per-client and "
+                    "--requests-per-minute",
+                    args.workers,
+                )
             sock = listen(args.host, args.port)
             return run_workers(
                 worker_argv(sys.argv),

@@ -134,17 +134,26 @@ class ClientGate:
         """None if the request may go on (and is counted open), else seconds to wait."""
         if self.max_concurrent and self.open.get(identity, 0) >= self.max_concurrent:
             return 1.0
-        if self.per_minute:
-            rate = self.per_minute / 60.0
-            tokens, at = self._buckets.get(identity, (float(self.per_minute), now))
-            tokens = min(float(self.per_minute), tokens + (now - at) * rate)
-            if tokens < 1.0:
-                return (1.0 - tokens) / rate
-            self._buckets[identity] = (tokens - 1.0, now)
-            self._admits += 1
-            if self._admits % 1024 == 0:
-                self._forget_full_buckets(now)
+        wait = self.spend(identity, now)
+        if wait is not None:
+            return wait
         self.open[identity] = self.open.get(identity, 0) + 1
+        return None
+
+    def spend(self, identity: str, now: float) -> float | None:
+        """One request of ``identity``'s rate: None if it may go (counted), else seconds to
+        wait. Each reply a WebSocket starts is one too, the socket being one open request."""
+        if not self.per_minute:
+            return None
+        rate = self.per_minute / 60.0
+        tokens, at = self._buckets.get(identity, (float(self.per_minute), now))
+        tokens = min(float(self.per_minute), tokens + (now - at) * rate)
+        if tokens < 1.0:
+            return (1.0 - tokens) / rate
+        self._buckets[identity] = (tokens - 1.0, now)
+        self._admits += 1
+        if self._admits % 1024 == 0:
+            self._forget_full_buckets(now)
         return None
 
     def release(self, identity: str) -> None:
@@ -162,6 +171,11 @@ class ClientGate:
                 del self._buckets[identity]
 
 
+# The server's one gate, for the routes that admit more than their request (a WebSocket's
+# replies).
+GATE_KEY = web.AppKey("client_gate", ClientGate)
+
+
 def identity_of(request: web.Request) -> str:
     """Whom the limits count this request against: its API key, else its client's address."""
     owner = request.get(OWNER)
@@ -170,14 +184,12 @@ def identity_of(request: web.Request) -> str:
     return f"addr:{client_address(request, request.app[GUARD_KEY].trusted_proxies)}"
 
 
+RATE_LIMITED = "too many requests from this client; retry later"
+
+
 def rate_limited(wait_s: float) -> web.Response:
     """The ``429`` for a request ``ClientGate.admit`` refused, with when to try again."""
-    return error_response(
-        429,
-        "too many requests from this client; retry later",
-        code="rate_limited",
-        retry_after_s=wait_s,
-    )
+    return error_response(429, RATE_LIMITED, code="rate_limited", retry_after_s=wait_s)
 
 
 def assign_request_id(request: web.Request) -> str:

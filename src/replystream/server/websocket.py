@@ -41,6 +41,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
+from replystream.server.guard import GATE_KEY, RATE_LIMITED, identity_of
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.replies import Reply, ReplyManager
@@ -331,6 +333,11 @@ class Session:
                 code="too_many_replies",
             )
         ask = parse_reply_request(message, self.policy, self.config.max_prompt_chars)
+        # Each reply is a request of its client's --requests-per-minute (the socket is one
+        # open request; --ws-max-replies bounds the replies at once on it).
+        wait = self.request.app[GATE_KEY].spend(identity_of(self.request), time.monotonic())
+        if wait is not None:
+            raise HTTPAPIError(429, RATE_LIMITED, code="rate_limited", retry_after_s=wait)
         task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
         self.running[tag] = _Running(task)
 
