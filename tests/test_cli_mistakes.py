@@ -1029,3 +1029,14 @@ def test_a_mistake_is_found_without_loading_the_server(command: str) -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_ban_file_with_no_phrase_is_refused_as_moderation_would_be_off(tmp_path: Path):
+    blank = tmp_path / "bans.txt"
+    blank.write_text("\n  \n")
+    done = run("serve", "--engine", "simulated", "--port", "0", "--ban-file", str(blank))
+    assert done.returncode != 0
+    assert (
+        done.stderr
+        == f"replystream serve: --ban-file {blank}: no phrase in it (every line is blank)\n"
+    )

@@ -121,6 +121,7 @@ async def test_a_worker_that_does_not_stop_is_killed_after_the_grace_and_its_mar
         assert f"worker {workers[0]} did not stop within the shutdown grace" in said, said
         assert STOP_MARGIN_S <= waited, waited  # the other stopped at once; this one was waited for
         assert not [pid for pid in workers if alive(pid)]
+        assert process.returncode == 1  # not a graceful stop: said in the exit status too
     finally:
         for pid in workers:
             if alive(pid):

@@ -43,6 +43,8 @@ log = logging.getLogger("replystream.server")
 # The exit status of ``serve --workers`` when a worker exits before every worker was ready:
 # the server never served, and says so instead of restarting what may never start.
 START_FAILED_EXIT = 1
+# The exit status when a worker had to be killed at the stop (it did not stop in time).
+KILLED_AT_STOP_EXIT = 1
 # What a worker writes on its ready pipe.
 READY_BYTE = b"R"
 # How often the parent looks for workers that exited (a worker getting ready wakes it at once).
@@ -309,6 +311,9 @@ class Supervisor:
                     STOP_MARGIN_S,
                 )
                 slot.process.kill()
+                # The stop was not graceful: its replies were cut. Said in the exit status, so
+                # systemd or a CI script sees it (unless a failure already set one).
+                self._status = self._status or KILLED_AT_STOP_EXIT
 
     @staticmethod
     def _signal(slot: Slot, signum: int) -> None:
