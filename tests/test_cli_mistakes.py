@@ -135,7 +135,31 @@ CASES: list[tuple[list[str], str]] = [
             "--upstream-api-key",
             "ключ",
         ],
-        "--engine upstream: the upstream API key must be printable ASCII",
+        "--upstream-api-key: the upstream API key must be one word of printable ASCII",
+    ),
+    (  # an empty flag would fall back to the environment's key, or to none, unsaid
+        [
+            "serve",
+            "--port",
+            "0",
+            "--engine",
+            "upstream:http://127.0.0.1:9/v1",
+            "--upstream-api-key",
+            "",
+        ],
+        "--upstream-api-key is empty: leave it out for no key",
+    ),
+    (  # a key with a space (two keys, a comment after one) is never one an upstream takes
+        [
+            "serve",
+            "--port",
+            "0",
+            "--engine",
+            "upstream:http://127.0.0.1:9/v1",
+            "--upstream-api-key",
+            "sk a",
+        ],
+        "--upstream-api-key: the upstream API key must be one word of printable ASCII",
     ),
     (
         [

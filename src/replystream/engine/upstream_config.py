@@ -54,10 +54,11 @@ def upstream_identity(url: str) -> tuple[str, str, int, str]:
 
 
 def key_problem(key: str) -> str | None:
-    """What keeps ``key`` out of an ``Authorization`` header (None: nothing)."""
-    if key.isascii() and key.isprintable():
+    """What keeps ``key`` out of an ``Authorization`` header (None: nothing). A key is one
+    word: one with a space in it (two keys, a comment after one) would never be taken."""
+    if key and all("!" <= char <= "~" for char in key):
         return None
-    return "must be printable ASCII (an HTTP header carries nothing else)"
+    return "must be one word of printable ASCII (an HTTP header carries nothing else)"
 
 
 @dataclass(frozen=True, slots=True)

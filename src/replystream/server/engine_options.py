@@ -29,7 +29,7 @@ from replystream.engine.kv_cache import PoolTooLarge
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamEngine
-from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget, key_problem
 from replystream.engine.upstream_routes import load_routes
 from replystream.server import metrics_dir
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
@@ -221,6 +221,22 @@ def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     return UpstreamEngine(upstream_config(args, choice), metrics_dir.shared_slots_folder())
 
 
+def upstream_key(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The key for every upstream without its own, and where it came from: the flag, else
+    the environment. Raises ValueError naming that source for a key no header can carry,
+    and for an empty flag (it would fall back to the environment's, or to none, unsaid)."""
+    if args.upstream_api_key is not None:
+        key, source = args.upstream_api_key, "--upstream-api-key"
+        if not key:
+            raise ValueError("--upstream-api-key is empty: leave it out for no key")
+    else:
+        key, source = os.environ.get(API_KEY_ENV) or None, f"${API_KEY_ENV}"
+    problem = None if key is None else key_problem(key)
+    if problem is not None:
+        raise ValueError(f"{source}: the upstream API key {problem}")
+    return key, source
+
+
 def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamConfig:
     """The relay's configuration as the command line and the routes file give it now (read
     at start, and again for each reload of the routes file).
@@ -228,9 +244,8 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
     Raises:
         ValueError: one line naming the flag, or the file, entry and field, at fault.
     """
-    key = args.upstream_api_key or os.environ.get(API_KEY_ENV) or None
+    key, source = upstream_key(args)
     if key is not None and args.upstream_pass_client_key:
-        source = "--upstream-api-key" if args.upstream_api_key else f"${API_KEY_ENV}"
         raise ValueError(
             f"--upstream-pass-client-key sends each client's key upstream, and {source} "
             "gives a key for every upstream: drop one (a routes file gives keys per upstream)"
