@@ -188,7 +188,7 @@ async def buffered_reply(
                     if isinstance(item, End):
                         break
                     assert isinstance(item, Delta)
-                    record.on_delta(item.made_at, item.tokens)
+                    record.on_delta(item.made_at, item.tokens, item.choice)
                     if item.prompt_tokens is not None:  # the engine's own count
                         prompt_tokens = item.prompt_tokens
                     collector = collectors[item.choice]

@@ -219,14 +219,49 @@ class ReplyRecord:
     reason: str = ""
     key: str = ""  # who asked: a short prefix of the API key's digest ("" when auth is off)
     prompt_tokens: int = 0  # the engine's own count when it gave one, else the estimate
+    # With several choices (``n``): the last token of each choice but the first, so each
+    # gap is one choice's time between its tokens, not between two choices' tokens.
+    others_at: dict[int, float] | None = None
 
-    def on_delta(self, made_at: float, tokens: int) -> None:
+    def on_delta(self, made_at: float, tokens: int, choice: int = 0) -> None:
+        if choice:
+            self._on_other_choice(made_at, tokens, choice)
+            return
         if self.last_token_at is None:
-            self.first_token_at = made_at
+            if self.first_token_at is None or made_at < self.first_token_at:
+                self.first_token_at = made_at  # (another choice's token may have come first)
         elif self.gaps is not None:
             self.gaps.observe(self.endpoint, made_at - self.last_token_at)
         self.last_token_at = made_at
         self.tokens += tokens
+
+    def _on_other_choice(self, made_at: float, tokens: int, choice: int) -> None:
+        others = self.others_at if self.others_at is not None else {}
+        self.others_at = others
+        last = others.get(choice)
+        if last is not None and self.gaps is not None:
+            self.gaps.observe(self.endpoint, made_at - last)
+        others[choice] = made_at
+        if self.first_token_at is None or made_at < self.first_token_at:
+            self.first_token_at = made_at
+        self.tokens += tokens
+
+    @property
+    def choices(self) -> int:
+        """How many choices made tokens (1 for a reply of one)."""
+        return 1 + (len(self.others_at) if self.others_at else 0)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """From the first token to the last, per token after the first, of one choice (the
+        tokens of several choices are made side by side, not one after another)."""
+        first, last = self.first_token_at, self.last_token_at
+        if self.others_at:
+            last = max([*self.others_at.values(), *([] if last is None else [last])])
+        per_choice = self.tokens / self.choices
+        if first is None or last is None or per_choice <= 1:
+            return None
+        return (last - first) / (per_choice - 1)
 
     def on_send(self, nbytes: int, events: int = 1) -> None:
         self.bytes_sent += nbytes
@@ -428,11 +463,11 @@ class Metrics:
         children.e2e.observe(ended - record.arrived_at)
         if record.admitted_at is not None:
             children.queue.observe(record.admitted_at - record.arrived_at)
-        first, last = record.first_token_at, record.last_token_at
-        if first is not None and last is not None:
-            children.ttft.observe(first - record.arrived_at)
-            if record.tokens > 1:
-                children.tpot.observe((last - first) / (record.tokens - 1))
+        if record.first_token_at is not None:
+            children.ttft.observe(record.first_token_at - record.arrived_at)
+            tpot = record.time_per_output_token
+            if tpot is not None:
+                children.tpot.observe(tpot)
         if record.events:
             children.events.inc(record.events)
         if record.bytes_sent:

@@ -222,7 +222,7 @@ class Reply:
         entries: list[LogEntry] = []
         size = 0
         for delta in deltas:
-            record.on_delta(delta.made_at, delta.tokens)
+            record.on_delta(delta.made_at, delta.tokens, delta.choice)
             entries += pipeline.push(delta, now)
             if pipeline.halted:  # a check failed or a stop string completed
                 break
