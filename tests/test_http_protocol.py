@@ -262,6 +262,11 @@ async def test_parser_refusals_use_the_error_shape_echo_nothing_and_close(case, 
         assert MARKER not in body.decode("latin-1") and MARKER not in str(headers)
         assert await client.closed_by_server()
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    # Each request answered has its access-log line, the refused one too (echoing nothing).
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
+    assert [line["status"] for line in lines] == [200, expected_status]
+    assert lines[1]["refused"] == expected_code and lines[1]["path"] is None
+    assert MARKER not in str(lines)
 
 
 def on_route(request: str, path: str) -> str:

@@ -169,6 +169,19 @@ async def test_each_reply_on_a_socket_counts_against_requests_per_minute():
     assert status == 429  # the same client's budget, whichever way it asks
 
 
+async def test_a_socket_is_logged_with_its_upgrade_status(caplog: pytest.LogCaptureFixture):
+    # Its handler is cancelled when the client's connection goes: the line still says 101,
+    # not that the client left before an answer.
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "a", "prompt": "x", "max_tokens": 2})
+            assert (await read_until_ended(ws, {"a"}))[-1]["type"] == "done"
+        await wait_for(lambda: any(r.name == "replystream.access" for r in caplog.records))
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
+    assert [(line["path"], line["status"]) for line in lines] == [("/v1/ws", 101)]
+
+
 async def test_cancelling_an_unknown_tag_is_not_found_as_over_http():
     async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
         async with http.post(f"{url}/v1/replies/nobody/cancel") as response:

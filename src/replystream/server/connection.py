@@ -34,6 +34,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from replystream.server.errors import error_response, in_route_shape
+from replystream.server.guard import log_refused
 
 log = logging.getLogger("replystream.server")
 
@@ -256,6 +257,7 @@ class Connection(RequestHandler):
         else:
             status, code, text = refusal(exc)
             log.info("refused a malformed request from %s: %s", request.remote, code)
+            log_refused(request.remote, status, code)
             path, error = self._refused_path, error_response(status, text, code=code)
         response = in_route_shape(path, error)
         response.force_close()

@@ -27,6 +27,7 @@ from aiohttp.typedefs import Handler, Middleware
 from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
 from replystream.server.guard import (
     LIMITED_PREFIXES,
+    UPGRADED,
     ClientGate,
     access_log,
     assign_request_id,
@@ -127,6 +128,8 @@ def front_door(door: FrontDoor) -> Middleware:
             status = exc.status
             raise
         finally:
+            if status == "client_gone" and request.get(UPGRADED):
+                status = 101
             if not sent_later:
                 finish(request, request_id, started, gate, identity, status)
 

@@ -113,6 +113,9 @@ def client_address(request: web.Request, proxies: Sequence[Network]) -> str:
 GUARD_KEY = web.AppKey("guard", GuardConfig)
 REQUEST_ID = web.RequestKey("request_id", str)
 REPLY_ID = web.RequestKey("reply_id", str)  # set by routes that start or follow a reply
+# Set once a request was upgraded to a WebSocket: its status is 101 however the socket ends
+# (aiohttp cancels the handler when the peer's connection goes, before it returns).
+UPGRADED = web.RequestKey("upgraded", bool)
 
 
 class ClientGate:
@@ -216,6 +219,16 @@ def log_access(request: web.Request, request_id: str, status: int | str, started
             }
         ),
     )
+
+
+def log_refused(client: str | None, status: int, code: str) -> None:
+    """The access-log line of a request the HTTP parser refused before any route saw it: no
+    request id, method or path of its own (none could be read), and why (``refused``)."""
+    if access_log.isEnabledFor(logging.INFO):
+        line: dict[str, object] = {"request_id": None, "method": None, "path": None}
+        line |= {"status": status, "ms": None, "client": client, "reply_id": None}
+        line["refused"] = code
+        access_log.info("%s", json.dumps(line))
 
 
 def preflight_response(request: web.Request, origins: Sequence[str]) -> web.Response | None:

@@ -64,7 +64,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
-from replystream.server.guard import GATE_KEY, RATE_LIMITED, identity_of
+from replystream.server.guard import GATE_KEY, RATE_LIMITED, UPGRADED, identity_of
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.replies import Reply, ReplyManager
@@ -439,6 +439,7 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     session = Session(request, ws)
     guard = MaskedFramesOnly.install(request, session.failed_by_client)
     await ws.prepare(request)
+    request[UPGRADED] = True
     if guard is not None and not guard.arm():
         return ws  # the client broke the protocol before its first message was read
     try:
