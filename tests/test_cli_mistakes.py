@@ -62,6 +62,9 @@ FILE = str(Path(__file__))
 FOLDER = str(Path(__file__).parent)
 QUICK_LAB = ["--calls", "1", "--tokens", "2", "--delay-ms", "1", "--jitter-ms", "0"]
 
+# A relay to an upstream no test reaches (its flags are refused before it is tried).
+RELAY = ["serve", "--port", "0", "--engine", "upstream:http://127.0.0.1:9/v1"]
+
 CASES: list[tuple[list[str], str]] = [
     # serve: numbers
     (["serve", "--port", "99999"], "argument --port: want a port from 0 to 65535"),
@@ -126,39 +129,15 @@ CASES: list[tuple[list[str], str]] = [
         "--engine upstream:URL: an upstream URL may not have a query or a fragment",
     ),
     (
-        [
-            "serve",
-            "--port",
-            "0",
-            "--engine",
-            "upstream:http://127.0.0.1:9/v1",
-            "--upstream-api-key",
-            "ключ",
-        ],
+        [*RELAY, "--upstream-api-key", "ключ"],
         "--upstream-api-key: the upstream API key must be one word of printable ASCII",
     ),
     (  # an empty flag would fall back to the environment's key, or to none, unsaid
-        [
-            "serve",
-            "--port",
-            "0",
-            "--engine",
-            "upstream:http://127.0.0.1:9/v1",
-            "--upstream-api-key",
-            "",
-        ],
+        [*RELAY, "--upstream-api-key", ""],
         "--upstream-api-key is empty: leave it out for no key",
     ),
     (  # a key with a space (two keys, a comment after one) is never one an upstream takes
-        [
-            "serve",
-            "--port",
-            "0",
-            "--engine",
-            "upstream:http://127.0.0.1:9/v1",
-            "--upstream-api-key",
-            "sk a",
-        ],
+        [*RELAY, "--upstream-api-key", "sk a"],
         "--upstream-api-key: the upstream API key must be one word of printable ASCII",
     ),
     (

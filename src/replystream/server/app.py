@@ -56,7 +56,6 @@ from replystream.server.context import (
     STORE_KEY,
     ServerConfig,
     buffered,
-    follow_reply,
     follow_started,
     start_reply,
 )
@@ -78,7 +77,7 @@ from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
 from replystream.server.responses_input_items import add_input_items_route
 from replystream.server.responses_input_tokens import add_input_tokens_route
-from replystream.server.resume_dialects import resumed_notices
+from replystream.server.resume_dialects import follow_resumed
 from replystream.server.resume_points import check_resume_point, find_reply, resume_after
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
@@ -216,18 +215,7 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
     reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
         await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
-    policy = request.app[CONFIG_KEY].policy
-    notices, keepalive = await resumed_notices(reply_id, store, after)
-    return follow_reply(
-        request,
-        reply_id=reply_id,
-        store=store,
-        policy=policy,
-        reply=local,
-        after=after,
-        keepalive=keepalive,
-        notices=notices,
-    )
+    return await follow_resumed(request, reply_id, store, local, after)
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

@@ -55,7 +55,6 @@ from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
     buffered,
-    follow_reply,
     follow_started,
     start_reply,
 )
@@ -74,11 +73,11 @@ from replystream.server.responses_schemas import (
     kept_conversation,
 )
 from replystream.server.responses_stored import (
-    entries_until,
     find_response,
     read_response,
     response_reply_id,
 )
+from replystream.server.resume_dialects import follow_resumed
 from replystream.server.resume_points import check_resume_point, resume_after
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.validation import parse_mapping, read_model
@@ -279,7 +278,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     query = parse_mapping(request.query, RetrieveQuery)
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
-    store, local, opened = await find_response(request, reply_id, "response_id")
+    store, local = await find_response(request, reply_id, "response_id")
     if not query.stream:
         return web.json_response(await read_response(store, reply_id))
     # An EventSource resumes with the same cursor, in its header.
@@ -294,25 +293,14 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             param=param,
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
-    told = await entries_until(store, reply_id, after) if after > 0 else []
-    policy = request.app[CONFIG_KEY].policy
-    return follow_reply(
-        request,
-        reply_id=reply_id,
-        store=store,
-        policy=policy,
-        reply=local,
-        after=after,
-        keepalive=SDK_KEEPALIVE,
-        notices=ReaderNotices(reply_id, opened, told),
-    )
+    return await follow_resumed(request, reply_id, store, local, after)
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses/{id}/cancel``: end it with status ``cancelled`` (a response that
     has ended already is answered as it is)."""
     reply_id = response_reply_id(request.match_info["response_id"], "response_id")
-    store, _, _ = await find_response(request, reply_id, "response_id")
+    store, _ = await find_response(request, reply_id, "response_id")
     response = await read_response(store, reply_id)
     if response["status"] not in ("queued", "in_progress"):
         return web.json_response(response)
@@ -332,7 +320,7 @@ async def handle_delete(request: web.Request) -> web.StreamResponse:
     """``DELETE /v1/responses/{id}``: stop it if it runs, and forget it everywhere."""
     response_id = request.match_info["response_id"]
     reply_id = response_reply_id(response_id, "response_id")
-    store, _, _ = await find_response(request, reply_id, "response_id")
+    store, _ = await find_response(request, reply_id, "response_id")
     try:
         await store.delete(reply_id)  # stopped first, if it runs (on whichever replica)
     except StoreUnavailable as exc:

@@ -50,7 +50,7 @@ async def _history(request: web.Request, previous: str) -> Messages:
     """The conversation a ``previous_response_id`` continues: its history and input, then
     its output."""
     reply_id = response_reply_id(previous, "previous_response_id")
-    store, _, _ = await find_response(request, reply_id, "previous_response_id")
+    store, _ = await find_response(request, reply_id, "previous_response_id")
     kept = await stored_conversation(store, reply_id)
     response = await read_response(store, reply_id)
     if response["status"] in ("queued", "in_progress"):

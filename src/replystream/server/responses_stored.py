@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
-from replystream.delivery.responses_log import TERMINAL, opened_object, response_from_log
+from replystream.delivery.responses_log import TERMINAL, response_from_log
 from replystream.delivery.responses_objects import reply_id_of
 from replystream.server.errors import HTTPAPIError
 from replystream.server.replies import Reply
@@ -28,11 +28,10 @@ NO_SUCH_RESPONSE = "no such response (unknown, expired, deleted, or not yours)"
 
 async def find_response(
     request: web.Request, reply_id: str, param: str
-) -> tuple[ReplayStore, Reply | None, dict[str, Any] | None]:
-    """The store of the caller's response ``reply_id``, its producer when it runs here, and
-    the object its ``response.created`` event carried (None if that event is gone); else a
-    404: a reply of another dialect is not a response, and is neither streamed as one nor
-    deleted here."""
+) -> tuple[ReplayStore, Reply | None]:
+    """The store of the caller's response ``reply_id``, and its producer when it runs here;
+    else a 404: a reply of another dialect is not a response, and is neither streamed as one
+    nor deleted here."""
     _, store, local = await find_reply(request, reply_id, param=param)
     try:
         # A reply made on another replica may be known before its first event is: its
@@ -44,7 +43,7 @@ async def find_response(
     first = head.entries[0] if head is not None and head.entries else None
     if first is None or not (first.event or "").startswith("response."):
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
-    return store, local, opened_object(first)
+    return store, local
 
 
 def response_reply_id(response_id: str, param: str) -> str:

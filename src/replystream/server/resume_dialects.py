@@ -11,13 +11,18 @@ and keep-alive that dialect's own route uses. It must not know how the events ar
 
 from __future__ import annotations
 
+from aiohttp import web
+
 from replystream.delivery import anthropic_format, openai_formats, responses_log
 from replystream.delivery.anthropic_format import PING
 from replystream.delivery.formats import KEEPALIVE, Notices
 from replystream.delivery.replay import LogEntry, ReplayStore, StoreUnavailable
+from replystream.server.context import CONFIG_KEY, follow_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.openai_api import SDK_KEEPALIVE
+from replystream.server.replies import Reply
 from replystream.server.responses_stored import FIRST_EVENT_WAIT_S, entries_until
+from replystream.server.sse_transport import EventStream
 
 # The events of an Anthropic message stream (its log holds no other).
 ANTHROPIC_EVENTS = frozenset(
@@ -33,6 +38,24 @@ ANTHROPIC_EVENTS = frozenset(
 )
 # How a chat or completion chunk begins (``completion_id``, written compactly).
 OPENAI_CHUNKS = ('{"id":"chatcmpl-', '{"id":"cmpl-')
+
+
+async def follow_resumed(
+    request: web.Request, reply_id: str, store: ReplayStore, reply: Reply | None, after: int
+) -> EventStream:
+    """The response that streams reply ``reply_id`` from after event ``after``, in the
+    dialect it was made in (both resume routes: ours, and the Responses API's)."""
+    notices, keepalive = await resumed_notices(reply_id, store, after)
+    return follow_reply(
+        request,
+        reply_id=reply_id,
+        store=store,
+        policy=request.app[CONFIG_KEY].policy,
+        reply=reply,
+        after=after,
+        keepalive=keepalive,
+        notices=notices,
+    )
 
 
 async def resumed_notices(
