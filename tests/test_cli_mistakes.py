@@ -507,6 +507,10 @@ UNBOUNDED: list[tuple[list[str], str]] = [
         ["serve", "--engine", "simulated", "--port", "0", "--model-name", " "],
         "argument --model-name: must not be empty, got ' '",
     ),
+    (  # said once by serve, not once by each worker that would have loaded it
+        ["serve", "--port", "0", "--workers", "2", "--engine", "gguf:/no/such.gguf"],
+        "--engine gguf:PATH: /no/such.gguf: not a readable GGUF file",
+    ),
     (  # an empty Redis URL is not "no Redis"
         ["serve", "--engine", "simulated", "--port", "0", "--redis-url", ""],
         "--redis-url: expected one of redis://",

@@ -23,7 +23,7 @@ from pathlib import Path
 from replystream import settings
 from replystream.engine.base import Engine
 from replystream.engine.gguf_engine import load_gguf_engine, load_smollm2_engine, with_defaults
-from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
+from replystream.engine.gguf_file import SMOLLM2_INSTALL, open_gguf, smollm2_path
 from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.kv_cache import PoolTooLarge
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
@@ -117,9 +117,10 @@ def check_options(args: argparse.Namespace, kind: str) -> None:
 
 
 def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
-    """Build the engine once and drop it, when that loads nothing (the relay, the simulated
-    engine): ``serve --workers`` finds their mistakes before any worker starts. The others
-    are checked by each worker as it loads its model.
+    """Before ``serve --workers`` starts any worker, find the mistakes it can find at little
+    cost, so each is said once, not by every worker: the relay and the simulated engine are
+    built once and dropped (they load nothing); a GGUF model's file is opened and its header
+    read (its weights stay unread). The rest each worker finds as it loads its model.
 
     Raises:
         ValueError: what ``build_engine`` would raise.
@@ -128,6 +129,15 @@ def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
         build_upstream(args, choice)  # opens nothing until it serves
     elif choice.kind == "simulated":
         build_simulated(args)
+    elif choice.kind in ("smollm2", "gguf"):
+        label = "smollm2" if choice.path is None else "gguf:PATH"
+        path = smollm2_path() if choice.path is None else choice.path
+        try:
+            if path is None:
+                raise ValueError(f"the SmolLM2 weights are not installed: {SMOLLM2_INSTALL}")
+            open_gguf(path)
+        except ValueError as exc:
+            raise ValueError(f"--engine {label}: {exc}") from None
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
