@@ -164,7 +164,7 @@ async def run_step(
     sampling = SamplingParams(
         max_tokens=tokens, logit_bias=tuple((t, -100.0) for t in sorted(probe.runner.stop_tokens))
     )
-    prompt_tokens = len(probe.prompts.prompt_ids(GenerationRequest(prompt, sampling)))
+    prompt_tokens = _fed_tokens(probe, prompt)
     blocks_each = _blocks_for(probe, prompt_tokens + tokens)
     largest = max(batches)
     engine = lab.engine(
@@ -225,6 +225,11 @@ class PoolRun:
         ]
 
 
+def _fed_tokens(engine: TinyEngine, prompt: str) -> int:
+    """The tokens ``engine`` feeds its model for ``prompt`` (its chat template may add some)."""
+    return len(engine.prompts.prompt_ids(GenerationRequest(prompt)))
+
+
 def _blocks_for(engine: TinyEngine, tokens: int) -> int:
     """The KV blocks a sequence of ``tokens`` tokens holds, and one spare: the scheduler
     admits a request only with a block to spare for each running sequence's next token."""
@@ -238,8 +243,8 @@ POOL_PROMPT_TOKENS = 40
 def pool_holding_all(lab: LabEngine, requests: int, tokens: int) -> int:
     """The blocks of the pool experiment's large pool: every request of the burst at once."""
     probe = lab.engine(num_blocks=1)  # for its tokenizer and prompt format
-    prompt = probe.prompts.prompt_ids(GenerationRequest(prompt_of(probe, POOL_PROMPT_TOKENS)))
-    return requests * _blocks_for(probe, len(prompt) + tokens)
+    prompt_tokens = _fed_tokens(probe, prompt_of(probe, POOL_PROMPT_TOKENS))
+    return requests * _blocks_for(probe, prompt_tokens + tokens)
 
 
 async def run_pool(lab: LabEngine, requests: int, tokens: int, small_blocks: int) -> list[PoolRun]:
@@ -488,7 +493,7 @@ def _reply_room(lab: LabEngine, experiment: str) -> int:
         texts = [
             prompt_of(probe, STEP_PROMPT_TOKENS if experiment == "step" else POOL_PROMPT_TOKENS)
         ]
-    longest = max(len(probe.prompts.prompt_ids(GenerationRequest(t))) for t in texts)
+    longest = max(_fed_tokens(probe, text) for text in texts)
     return lab.context - longest
 
 
