@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests.services import free_port, require_binary
+from tests.services import require_binary
+
+# Below Linux's ephemeral range (32768 and up, where the kernel picks ports for outgoing
+# connections and for port 0), so a port and its cluster bus port (10000 above) are not taken
+# by some test's client socket between choosing them and redis-server binding them.
+PORTS = range(10000, 22768)
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (10000 above it) is free too."""
+def redis_port(*, cluster: bool = False) -> int:
+    """A loopback port free now (and its cluster bus port too, for a cluster node)."""
     while True:
-        port = free_port()
-        if port + 10000 > 65535:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
+        port = random.choice(PORTS)
+        if all(_free(p) for p in ((port, port + 10000) if cluster else (port,))):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class RedisServer:
@@ -32,8 +41,10 @@ class RedisServer:
     ) -> None:
         self.binary = require_binary("redis-server", "redis-server")
         self.workdir = workdir
-        self.port = cluster_port() if cluster else free_port()
+        self.cluster = cluster
+        self.port = redis_port(cluster=cluster)
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = False  # once started, the port is known to others and never moves
         self.extra = extra  # more redis-server options (--maxmemory, --replicaof...)
         if cluster:
             self.extra += ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
@@ -43,7 +54,22 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        """Start and wait for PONG. Another process can take the chosen port before
+        redis-server binds it; on a first start that is met with a new port."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            if self._spawn():
+                self.started = True
+                return
+            exited = self.process is not None and self.process.poll() is not None
+            self.stop()
+            if self.started or not exited:
+                break
+            self.port = redis_port(cluster=self.cluster)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _spawn(self) -> bool:
+        """Run redis-server; True once it answers PING, False if it exits or stays silent."""
         self.process = subprocess.Popen(
             [
                 self.binary,
@@ -63,17 +89,16 @@ class RedisServer:
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.process.poll() is None:
             with (
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock,
             ):
                 sock.sendall(b"PING\r\n")
                 if sock.recv(16).startswith(b"+PONG"):
-                    return
+                    return True
             time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
+        return False
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -204,10 +229,8 @@ class RedisWithSentinel:
         self.sentinel_binary = require_binary("redis-sentinel", "redis-sentinel")
         self.workdir = workdir
         self.primary = RedisServer(workdir / "primary")
-        self.replica = RedisServer(
-            workdir / "replica", extra=("--replicaof", "127.0.0.1", str(self.primary.port))
-        )
-        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.replica = RedisServer(workdir / "replica")
+        self.sentinel_ports = [redis_port() for _ in range(sentinels)]
         self.down_after_ms = down_after_ms
         self.sentinels: list[subprocess.Popen[bytes]] = []
 
@@ -219,6 +242,8 @@ class RedisWithSentinel:
     def start(self) -> None:
         try:
             self.primary.start()
+            # Named only now: the primary's first start may have moved it to another port.
+            self.replica.extra += ("--replicaof", "127.0.0.1", str(self.primary.port))
             self.replica.start()
             for n, port in enumerate(self.sentinel_ports):
                 self.sentinels.append(self._start_sentinel(n, port))
