@@ -70,7 +70,7 @@ PIECES = [
 ]
 
 Events = list[tuple[str, str, str | None]]
-Outcome = tuple[Events, str, int | None, bool] | None
+Outcome = tuple[Events, tuple[str, str], int | None, bool] | None
 
 
 def decode_input(data: bytes) -> tuple[int, list[int], bytes]:
@@ -85,7 +85,8 @@ def decode_input(data: bytes) -> tuple[int, list[int], bytes]:
 
 
 def parse(pieces: list[bytes], max_event_size: int) -> Outcome:
-    """Events, last event ID, retry and discarded-incomplete; None if `EventTooLarge`."""
+    """Events, last event ID string and buffer, retry and discarded-incomplete; None if
+    `EventTooLarge`."""
     parser = EventParser(max_event_size=max_event_size)
     events: list[Event] = []
     try:
@@ -97,14 +98,15 @@ def parse(pieces: list[bytes], max_event_size: int) -> Outcome:
         return None
     parser.close()
     found: Events = [(event.type, event.data, event.id) for event in events]
-    return found, parser.last_event_id, parser.retry, parser.discarded_incomplete
+    ids = parser.last_event_id, parser.last_event_id_buffer
+    return found, ids, parser.retry, parser.discarded_incomplete
 
 
 def reference(stream: bytes) -> Outcome:
     result = interpret(stream)
     events: Events = [(e.type, e.data, e.last_event_id) for e in result.events]
-    last_id, retry = result.last_event_id_buffer, result.reconnection_time
-    return events, last_id, retry, result.discarded_incomplete
+    ids = result.last_event_id_string, result.last_event_id_buffer
+    return events, ids, result.reconnection_time, result.discarded_incomplete
 
 
 def check(data: bytes) -> None:

@@ -3,10 +3,13 @@
 import asyncio
 import json
 
+import aiohttp
+import pytest
 from aiohttp import web
 
 from replystream.client import measure_reply
-from replystream.server import running
+from replystream.engine.tiny import load_default_engine
+from replystream.server import create_app, running
 from tests.conftest import fast_engine, serve_engine
 
 
@@ -119,3 +122,36 @@ async def test_tokens_come_from_usage_when_events_carry_several_each():
         )
     assert timing.complete and timing.tokens == 10
     assert len(timing.text_event_ms) == 3
+
+
+async def test_a_responses_stream_is_counted_by_the_usage_its_last_event_gives():
+    async with serve_engine(fast_engine(delay_ms=1, jitter_ms=0)) as url:
+        timing = await measure_reply(
+            f"{url}/v1/responses",
+            method="POST",
+            json_body={
+                "input": "x",
+                "max_output_tokens": 10,
+                "stream": True,
+                "replystream": {"batch_tokens": 4},
+            },
+        )
+    assert timing.complete and timing.tokens == 10  # in three events
+    assert len(timing.text_event_ms) == 3
+
+
+async def test_a_buffered_body_is_counted_by_its_usage_not_its_words():
+    # The tiny model's tokens are pieces of words: a word count is no token count.
+    body = {"prompt": "Once upon a time", "max_tokens": 20, "seed": 3, "stream": False}
+    async with running(create_app(load_default_engine())) as url:
+        timing = await measure_reply(f"{url}/v1/replies", method="POST", json_body=body)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/replies", json=body) as response:
+                usage = (await response.json())["usage"]
+    assert timing.complete
+    assert timing.tokens == usage["completion_tokens"] != len(timing.text.split())
+
+
+async def test_credentials_in_a_url_are_refused_not_sent_in_the_host_header():
+    with pytest.raises(ValueError, match="credentials in the URL are not sent"):
+        await measure_reply("http://user:secret@127.0.0.1:9/stream")

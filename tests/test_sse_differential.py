@@ -80,7 +80,8 @@ def cut(stream: bytes, points: list[int]) -> list[bytes]:
 
 
 def run(pieces: list[bytes], max_event_size: int = 1 << 20):
-    """Feed ``pieces``, then close: (events, last id, retry, discarded) or the error type."""
+    """Feed ``pieces``, then close: (events, last event ID string and buffer, retry,
+    discarded) or the error type."""
     parser = EventParser(max_event_size=max_event_size)
     events: list[Event] = []
     try:
@@ -90,13 +91,20 @@ def run(pieces: list[bytes], max_event_size: int = 1 << 20):
         assert parser.closed
         return EventTooLarge
     parser.close()
-    return events, parser.last_event_id, parser.retry, parser.discarded_incomplete
+    return (
+        events,
+        parser.last_event_id,
+        parser.last_event_id_buffer,
+        parser.retry,
+        parser.discarded_incomplete,
+    )
 
 
 def expected(reference: Interpretation):
     events = [Event(e.data, e.type, e.last_event_id) for e in reference.events]
     return (
         events,
+        reference.last_event_id_string,
         reference.last_event_id_buffer,
         reference.reconnection_time,
         reference.discarded_incomplete,

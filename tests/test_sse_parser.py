@@ -33,6 +33,7 @@ def chunks(request: pytest.FixtureRequest) -> str:
 class Parsed:
     events: list[Event]
     last_event_id: str
+    last_event_id_buffer: str
     retry: int | None
     at_boundary: bool  # read before close()
     discarded_incomplete: bool  # read after close()
@@ -49,14 +50,19 @@ def _run(pieces: list[bytes], max_event_size: int) -> Parsed:
         # Which events came out before the error depends on the chunking; only the error must not.
         with pytest.raises(SSEError):
             parser.feed(b"")
-        return Parsed([], "", None, False, False, type(exc))
+        return Parsed([], "", "", None, False, False, type(exc))
     assert parser.events == len(events)
     assert parser.bytes_fed == sum(map(len, pieces))
     at_boundary = parser.at_boundary
     parser.close()
     assert parser.closed
     return Parsed(
-        events, parser.last_event_id, parser.retry, at_boundary, parser.discarded_incomplete
+        events,
+        parser.last_event_id,
+        parser.last_event_id_buffer,
+        parser.retry,
+        at_boundary,
+        parser.discarded_incomplete,
     )
 
 
@@ -260,10 +266,13 @@ def test_id_without_data_sets_last_event_id_without_dispatching(chunks: str) -> 
     assert parsed.at_boundary
 
 
-def test_id_in_an_incomplete_event_still_sets_last_event_id(chunks: str) -> None:
-    parsed = feed_chunked(b"id: 7\ndata: a\n", chunks)
-    assert parsed.events == []
-    assert parsed.last_event_id == "7"
+def test_an_incomplete_event_sets_the_id_buffer_and_not_the_last_event_id(chunks: str) -> None:
+    # Resuming after id 7 would skip an event that never arrived: the spec's last event ID
+    # string moves only at a blank line.
+    parsed = feed_chunked(b"id: 1\ndata: a\n\nid: 7\ndata: b\n", chunks)
+    assert parsed.events == [Event("a", "message", "1")]
+    assert parsed.last_event_id == "1"
+    assert parsed.last_event_id_buffer == "7"
     assert parsed.discarded_incomplete
 
 

@@ -36,6 +36,9 @@ class Meaning:
     text: str = ""
     tokens: int = 0
     error: str | None = None
+    # On ``done``: the server's own count of the tokens its reply made, when the end (a
+    # Responses stream's last event, a buffered body) carries one.
+    usage: int | None = None
 
 
 # The largest token count believed from a server: beyond it a count is no count (a float
@@ -148,7 +151,7 @@ def interpret_event(event: Event) -> Meaning:
 
 # A Responses stream ends with one of these; ``incomplete`` at the token limit is a whole reply
 # (as a chat completion that stopped at max_tokens is).
-_RESPONSES_ENDED = frozenset({"response.completed", "response.incomplete", "response.failed"})
+RESPONSES_ENDED = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _RESPONSES_DELTAS: dict[str, Kind] = {
     "response.output_text.delta": "text",
     "response.reasoning_text.delta": "thinking",
@@ -156,7 +159,7 @@ _RESPONSES_DELTAS: dict[str, Kind] = {
 
 
 def _responses_event(event: Event) -> Meaning:
-    if event.type not in _RESPONSES_ENDED and event.type not in _RESPONSES_DELTAS:
+    if event.type not in RESPONSES_ENDED and event.type not in _RESPONSES_DELTAS:
         return OTHER
     try:
         payload = json.loads(event.data)
@@ -170,13 +173,15 @@ def _responses_event(event: Event) -> Meaning:
         return Meaning(kind, delta, 1) if isinstance(delta, str) and delta else OTHER
     response = payload.get("response")
     response = response if isinstance(response, dict) else {}
+    usage = response.get("usage")
+    made = _count(usage.get("output_tokens"), least=0) if isinstance(usage, dict) else None
     if event.type == "response.completed":
-        return DONE
+        return Meaning("done", usage=made)
     if event.type == "response.incomplete":
         details = response.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         if reason == "max_output_tokens":
-            return DONE
+            return Meaning("done", usage=made)
         return Meaning("error", error=f"response.incomplete: {reason or 'no reason given'}")
     return Meaning("error", error=f"response.failed: {_error_text(response)}")
 
@@ -194,7 +199,8 @@ def _usage(source: str | dict[str, Any]) -> Meaning:
 
 
 def interpret_body(body: bytes) -> Meaning:
-    """The reply text in a complete buffered JSON body (``done``), or why there is none."""
+    """The reply text in a complete buffered JSON body (``done``, with the body's
+    ``usage.completion_tokens`` when it has one), or why there is none."""
     try:
         payload = json.loads(body)
     except ValueError:
@@ -204,9 +210,11 @@ def interpret_body(body: bytes) -> Meaning:
             return Meaning("error", error=_error_text(payload))
         if payload.get("finish_reason") == "moderated":
             return Meaning("error", error=f"moderated: {_error_text(payload.get('moderation'))}")
+        usage = payload.get("usage")
+        made = _count(usage.get("completion_tokens"), 0) if isinstance(usage, dict) else None
         if isinstance(payload.get("text"), str):
-            return Meaning("done", payload["text"])
+            return Meaning("done", payload["text"], usage=made)
         text = _choice_text(payload)
         if text is not None:
-            return Meaning("done", text)
+            return Meaning("done", text, usage=made)
     return Meaning("error", error="body holds no reply text")

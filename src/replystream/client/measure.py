@@ -180,6 +180,8 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
                     return
             elif meaning.kind == "done":
                 reading.complete = True
+                if meaning.usage is not None:
+                    reading.reported_tokens = meaning.usage
             elif meaning.kind == "usage":
                 reading.reported_tokens = meaning.tokens
             elif meaning.kind == "gap":
@@ -208,7 +210,10 @@ async def _read_body(reading: _Reading, response: HTTPResponse) -> None:
     elif not 200 <= response.status < 300:
         reading.error = f"HTTP {response.status}: {meaning.error or 'error'}"
     elif meaning.kind == "done":
+        # The body's usage when it has one; a body without (the lab's ``/wait``) is
+        # counted in words, the nearest a reader can tell.
         reading.on_text(meaning.text, max(1, len(meaning.text.split())), at)
+        reading.reported_tokens = meaning.usage
         reading.complete = True
     else:
         reading.error = meaning.error

@@ -11,7 +11,12 @@ once each (an id at or below the last one seen is dropped); ``gap`` events and t
 ``generator_lost`` error are yielded for the caller to see. It stops after the end marker
 (``[DONE]`` or ``done``), an ``error`` or ``moderated`` event, when the server answers a
 resume with 409 ``reply_ended`` (the reply ended with the last event it holds: there is
-nothing more to read), or when attempts run out (``ResumeFailed``). An unnumbered
+nothing more to read), or when attempts run out (``ResumeFailed``, which names the last
+failure). The end marker is each dialect's own: ``[DONE]``, ``done``, a Responses stream's
+``response.completed``, ``response.incomplete`` or ``response.failed``, a Messages stream's
+``message_stop``. A connection that carries no byte for ``idle_timeout_s`` (a peer gone
+without closing: a dead host, a NAT that forgot the flow) counts as dropped; the server's
+keep-alive comments keep a live one busy. An unnumbered
 ``slow_client`` or ``shutdown`` error is about the connection, not the reply, so it leads to
 a resume too, in the native shape and in the Responses one (``code`` at the top of the
 event's data).
@@ -20,6 +25,7 @@ event's data).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import ssl
@@ -27,10 +33,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from replystream.client.transport import TransportError, http_request
+from replystream.client.formats import RESPONSES_ENDED
+from replystream.client.transport import HTTPResponse, TransportError, http_request
 from replystream.sse import Event, EventParser, SSEError
 
-TERMINAL_TYPES = frozenset({"done", "error", "moderated"})
+# How long a connection may carry nothing before it counts as dropped: a few times the
+# server's keep-alive interval (``--keepalive-s``, 15 s by default).
+IDLE_TIMEOUT_S = 45.0
 # Errors a server sends about one connection, not the reply: reading again may succeed.
 RESUMABLE_CUTS = frozenset({"slow_client", "shutdown"})
 # Statuses of a resume that say "not now" (too many requests, a proxy without a server, a
@@ -57,7 +66,14 @@ class Backoff:
 
 
 # The routes a resumable reply is started at, whose prefix its resume URL keeps.
-_START_ROUTES = ("/v1/replies", "/stream")
+_START_ROUTES = (
+    "/v1/replies",
+    "/stream",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+)
 
 
 def resume_url(start_url: str, reply_id: str) -> str:
@@ -86,13 +102,17 @@ class ResumingReader:
         backoff: Backoff | None = None,
         seed: int | None = None,
         tls: ssl.SSLContext | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
+        if idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
         self.url = url
         self.method = method
         self.json_body = json_body
         self.headers = dict(headers or {})
         self.backoff = backoff or Backoff()
         self.tls = tls  # for an https:// URL (see ``transport.connect``)
+        self.idle_timeout_s = idle_timeout_s
         self.reply_id: str | None = None
         self.last_event_id = 0
         self.reconnects = 0
@@ -105,19 +125,25 @@ class ResumingReader:
         """Every event of the reply once, in order, across reconnects."""
         attempt = 0
         while not self.finished:
+            failure: Exception | None = None
             try:
                 async for event in self._one_connection():
                     attempt = 0
                     yield event
-            except (TransportError, SSEError, OSError):
-                pass  # a dropped or broken connection: resume below
+            except (TransportError, SSEError, OSError) as exc:
+                failure = exc  # a dropped or broken connection: resume below
             if self.finished:
                 return
+            why = f": {failure}" if failure is not None else ": the stream ended early"
             if self.reply_id is None:
-                raise ResumeFailed("the reply's id never arrived, so it cannot be resumed")
+                raise ResumeFailed(
+                    f"the reply's id never arrived, so it cannot be resumed{why}"
+                ) from failure
             attempt += 1
             if attempt > self.backoff.max_attempts:
-                raise ResumeFailed(f"gave up after {self.backoff.max_attempts} attempts")
+                raise ResumeFailed(
+                    f"gave up after {self.backoff.max_attempts} attempts; the last{why}"
+                ) from failure
             told = max(self._retry_s or 0.0, self._retry_after_s or 0.0)
             self._retry_after_s = None
             await asyncio.sleep(self.backoff.delay(attempt - 1, told, self._rng))
@@ -133,9 +159,14 @@ class ResumingReader:
         else:
             url, method, body = resume_url(self.url, self.reply_id), "GET", b""
             headers["Last-Event-ID"] = str(self.last_event_id)
-        async with http_request(
-            url, method=method, body=body, headers=headers, tls=self.tls
-        ) as response:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    response = await stack.enter_async_context(
+                        http_request(url, method=method, body=body, headers=headers, tls=self.tls)
+                    )
+            except TimeoutError:
+                raise TransportError(f"no response head within {self.idle_timeout_s:g} s") from None
             if response.status == 404 and self.reply_id is not None:
                 raise ResumeFailed(f"reply {self.reply_id} is gone (expired or never existed)")
             if response.status == 409 and self.reply_id is not None:
@@ -152,28 +183,73 @@ class ResumingReader:
             self.reply_id = self.reply_id or response.headers.get("x-reply-id")
             parser = EventParser()
             previous_id = ""
-            async for chunk in response:
-                for event in parser.feed(chunk.data):
-                    if parser.retry is not None:
-                        self._retry_s = parser.retry / 1000.0
+            async for data in self._body(response):
+                events = parser.feed(data)
+                # A ``retry`` field counts as soon as it is read, with or without an event.
+                if parser.retry is not None:
+                    self._retry_s = parser.retry / 1000.0
+                for event in events:
                     # Reply events carry increasing ids; an event that repeats the id in force
                     # carried none: the server sent it about this connection (a gap, a cut).
-                    numbered = event.id != previous_id and (event.id or "").isdigit()
-                    previous_id = event.id or ""
+                    event_id = event.id or ""
+                    numbered = event_id != previous_id and _is_seq(event_id)
+                    previous_id = event_id
                     if numbered:
-                        seq = int(previous_id)
+                        seq = int(event_id)
                         if seq <= self.last_event_id:
                             continue  # already seen before the reconnect
                         self.last_event_id = seq
                     elif event.type == "error" and _code(event) in RESUMABLE_CUTS:
                         return  # this connection was cut; the reply goes on: resume
                     if event.type == "reply" and self.reply_id is None:
-                        self.reply_id = json.loads(event.data).get("reply_id")
-                    if event.type in TERMINAL_TYPES or event.data == "[DONE]":
+                        self.reply_id = _reply_id(event)
+                    if _ends_reply(event):
                         self.finished = True
                     yield event
                     if self.finished:
                         return
+
+    async def _body(self, response: HTTPResponse) -> AsyncIterator[bytes]:
+        """The body's bytes; a wait past ``idle_timeout_s`` for the next is a dropped
+        connection."""
+        chunks = aiter(response)
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise TransportError(
+                    f"the connection carried nothing for {self.idle_timeout_s:g} s"
+                ) from None
+            yield chunk.data
+
+
+# The events that end a reply, besides ``data: [DONE]``: native, Messages, and every event
+# that ends a Responses stream (each dialect's in-band failure is an ``error`` event).
+ENDING_TYPES = frozenset({"done", "error", "moderated", "message_stop", *RESPONSES_ENDED})
+
+
+def _ends_reply(event: Event) -> bool:
+    """The reply's last event, in any dialect: its end marker, or a failure that ends it."""
+    return event.type in ENDING_TYPES or event.data == "[DONE]"
+
+
+def _is_seq(event_id: str) -> bool:
+    """An event id that is a reply's sequence number (ASCII digits only: ``"\u00b9"`` is a
+    digit to ``str.isdigit`` and no number to ``int``)."""
+    return event_id.isascii() and event_id.isdigit()
+
+
+def _reply_id(event: Event) -> str | None:
+    """The id a native ``reply`` event names, if its data is the object it should be."""
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return None
+    reply_id = payload.get("reply_id") if isinstance(payload, dict) else None
+    return reply_id if isinstance(reply_id, str) and reply_id else None
 
 
 def _retry_after(value: str) -> float | None:

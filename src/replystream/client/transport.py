@@ -204,6 +204,9 @@ async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or parts.hostname is None:
         raise ValueError(f"want an http:// or https:// URL, got {url!r}")
+    if "@" in parts.netloc:
+        # They would be sent nowhere (no Basic auth here): refused rather than dropped.
+        raise ValueError("credentials in the URL are not sent; give an Authorization header")
     secure = parts.scheme == "https"
     loop = asyncio.get_running_loop()
     try:

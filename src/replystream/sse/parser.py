@@ -42,6 +42,7 @@ class EventParser:
         "_data_size",
         "_decoder",
         "_discarded_incomplete",
+        "_dispatched_id",
         "_events",
         "_last_id",
         "_max_size",
@@ -66,7 +67,8 @@ class EventParser:
         self._data: list[str] = []
         self._data_size = 0  # len of the data buffer: values plus their LF separators
         self._type = ""
-        self._last_id = ""
+        self._last_id = ""  # the last event ID buffer
+        self._dispatched_id = ""  # the last event ID string: the buffer at the last blank line
         self._retry: int | None = None
         self._pending = False  # a field line was read since the last blank line
         self._closed = False
@@ -76,7 +78,16 @@ class EventParser:
 
     @property
     def last_event_id(self) -> str:
-        """The last event ID string: set by every ``id`` field without NUL, dispatched or not."""
+        """The last event ID string: the ``id`` in force at the last blank line (an event's
+        end, dispatched or empty). What a reconnecting client sends as ``Last-Event-ID``: an
+        ``id`` of an event cut off before its blank line does not count, as that event was
+        never received."""
+        return self._dispatched_id
+
+    @property
+    def last_event_id_buffer(self) -> str:
+        """The last event ID buffer: set by every ``id`` field without NUL, its event ended
+        or not (what the next dispatched event will carry)."""
         return self._last_id
 
     @property
@@ -128,8 +139,8 @@ class EventParser:
         """Parse the next chunk of the stream and return the events it completes.
 
         Raises `EventTooLarge` (see the class docstring) and closes the parser. The events of
-        the failing chunk are lost, so `last_event_id`, `retry` and `events` are restored to
-        what they were after the last successful feed: a reconnecting client resumes after
+        the failing chunk are lost, so the last event ID, `retry` and `events` are restored
+        to what they were after the last successful feed: a reconnecting client resumes after
         the last event it actually received.
         """
         if self._closed:
@@ -154,12 +165,12 @@ class EventParser:
             # before it. What the general path below makes of it, without its line split.
             self._events += 1
             return [Event(text[6:-2], "message", self._last_id)]
-        saved = self._last_id, self._retry, self._events
+        saved = self._last_id, self._dispatched_id, self._retry, self._events
         try:
             return self._feed(text)
         except SSEError:
             self._closed = True
-            self._last_id, self._retry, self._events = saved
+            self._last_id, self._dispatched_id, self._retry, self._events = saved
             raise
 
     def _feed(self, text: str) -> list[Event]:
@@ -201,6 +212,7 @@ class EventParser:
         data_size = self._data_size
         type_ = self._type
         last_id = self._last_id
+        dispatched_id = self._dispatched_id
         pending = self._pending
         max_size = self._max_size
         dispatched = 0
@@ -211,6 +223,7 @@ class EventParser:
                     dispatched += 1
                     data = []
                     data_size = 0
+                dispatched_id = last_id
                 type_ = ""
                 pending = False
                 continue
@@ -238,6 +251,7 @@ class EventParser:
         self._data_size = data_size
         self._type = type_
         self._last_id = last_id
+        self._dispatched_id = dispatched_id
         self._pending = pending
         self._events += dispatched
 

@@ -1,0 +1,143 @@
+"""The resuming reader at the edges: each dialect's end, a silent connection, a ``retry``
+sent alone, a server that is gone, ids that are no numbers, and proxy prefixes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from replystream.client import ResumeFailed, ResumingReader
+from replystream.client.resume import Backoff, resume_url
+from replystream.server import create_app, running
+from tests.conftest import fast_engine
+from tests.services import free_port
+
+FAST = Backoff(base_s=0.001, cap_s=0.002, max_attempts=2)
+HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Reply-Id: R1\r\n"
+    b"Connection: close\r\n\r\n"
+)
+ENDED = b"HTTP/1.1 409 Conflict\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+# The n-th connection's answer: bytes to write, and whether to keep the connection open
+# (and silent) after them rather than close it.
+Answer = Callable[[int], tuple[bytes, bool]]
+
+
+@asynccontextmanager
+async def raw_server(answer: Answer) -> AsyncIterator[tuple[str, list[int]]]:
+    """A server that reads a request head and answers its n-th connection with
+    ``answer(n)``."""
+    served: list[int] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        served.append(len(served))
+        await reader.readuntil(b"\r\n\r\n")
+        data, stay_open = answer(served[-1])
+        writer.write(data)
+        await writer.drain()
+        if stay_open:
+            await reader.read()  # until the client hangs up
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", served
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await server.wait_closed()
+
+
+def closing(first: bytes, later: bytes = ENDED) -> Answer:
+    """``first`` on the first connection, ``later`` on every other; each then closed."""
+    return lambda n: (first if n == 0 else later, False)
+
+
+async def read_all(reader: ResumingReader) -> list[str]:
+    async with asyncio.timeout(30):
+        return [event.type async for event in reader.events()]
+
+
+async def test_a_responses_stream_read_to_its_end_needs_no_reconnect():
+    body = {"input": "x", "max_output_tokens": 50, "stream": True, "background": True}
+    async with running(create_app(fast_engine(delay_ms=1, reply_text="one two three"))) as url:
+        reader = ResumingReader(f"{url}/v1/responses", json_body=body, backoff=FAST)
+        types = await read_all(reader)
+    assert types[-1] == "response.completed"
+    assert reader.finished and reader.reconnects == 0
+
+
+@pytest.mark.parametrize(
+    "last", [b"event: message_stop\ndata: {}\n\n", b"event: response.failed\ndata: {}\n\n"]
+)
+async def test_a_dialects_last_event_ends_the_read_even_when_the_server_is_gone_after(last):
+    async with raw_server(closing(HEAD + b"id: 1\ndata: {}\n\n" + last, b"")) as (url, served):
+        reader = ResumingReader(url, backoff=FAST)
+        await read_all(reader)
+    assert reader.finished and served == [0]
+
+
+async def test_a_connection_that_goes_silent_counts_as_dropped_and_is_resumed():
+    # The first connection sends an event, then nothing, and stays open.
+    def answer(n: int) -> tuple[bytes, bool]:
+        return (HEAD + b"id: 1\ndata: {}\n\n", True) if n == 0 else (ENDED, False)
+
+    async with raw_server(answer) as (url, served):
+        reader = ResumingReader(url, backoff=FAST, idle_timeout_s=0.3)
+        started = time.monotonic()
+        await read_all(reader)
+    assert reader.finished and reader.reconnects == 1 and reader.last_event_id == 1
+    assert time.monotonic() - started >= 0.3 and served == [0, 1]
+
+
+async def test_a_server_that_never_answers_gives_up_naming_the_silence():
+    def answer(n: int) -> tuple[bytes, bool]:
+        return (HEAD, False) if n == 0 else (b"", True)  # then: no head at all
+
+    async with raw_server(answer) as (url, _):
+        reader = ResumingReader(url, backoff=FAST, idle_timeout_s=0.2)
+        with pytest.raises(ResumeFailed, match=r"the last: no response head within 0\.2 s"):
+            await read_all(reader)
+
+
+async def test_a_retry_sent_without_an_event_sets_the_wait_before_the_resume():
+    async with raw_server(closing(HEAD + b"retry: 400\n\n")) as (url, _):
+        reader = ResumingReader(url, backoff=FAST)
+        started = time.monotonic()
+        await read_all(reader)
+    assert reader.finished and reader.reconnects == 1
+    assert time.monotonic() - started >= 0.4
+
+
+async def test_giving_up_says_why():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ResumeFailed, match=r"never arrived, so it cannot be resumed: cannot"):
+        await read_all(ResumingReader(url, backoff=FAST))
+    async with raw_server(closing(HEAD + b"id: 1\ndata: {}\n\n", b"")) as (url, _):
+        with pytest.raises(ResumeFailed, match=r"gave up after 2 attempts; the last: "):
+            await read_all(ResumingReader(url, backoff=FAST))
+
+
+async def test_ids_that_are_no_numbers_and_a_malformed_reply_event_do_not_break_the_read():
+    stream = b"id: \xc2\xb9\ndata: {}\n\nevent: reply\ndata: nope\n\nevent: done\ndata: {}\n\n"
+    async with raw_server(closing(HEAD + stream)) as (url, _):
+        reader = ResumingReader(url, backoff=FAST)
+        types = await read_all(reader)
+    assert types == ["message", "reply", "done"] and reader.finished
+
+
+ROUTES = ["/v1/replies", "/stream", "/v1/chat/completions", "/v1/completions", "/v1/responses"]
+
+
+@pytest.mark.parametrize("route", [*ROUTES, "/v1/messages"])
+def test_a_resume_url_keeps_a_proxys_prefix_for_every_route(route: str):
+    assert resume_url(f"https://h/api{route}", "R 1") == "https://h/api/v1/replies/R%201/stream"
