@@ -143,10 +143,17 @@ SCENARIOS: dict[str, Chunker] = {
     "error": lambda: reply_events("error", with_id=False),
     "moderated": lambda: reply_events("moderated", with_id=False),
     "end of file without done": lambda: reply_events("eof", with_id=False),
+    # As the server sends it: a gap has no id of its own (it carries id 3, the last before
+    # it), and is no repeat of event 3.
     "gap": lambda: [
         *reply_events("done")[:4],
-        event("gap", {"lost_from": 4, "lost_to": 6}, 6).encode(),
+        event("gap", {"lost_from": 4, "lost_to": 6}, None).encode(),
         *reply_events("done")[7:],
+    ],
+    # Cut as a slow reader (an unnumbered notice about the connection), then resumed.
+    "cut as a slow client": lambda: [
+        *reply_events("done")[1 : 2 + DROPPED_AFTER],
+        event("error", {"error": {"message": "too slow", "code": "slow_client"}}, None).encode(),
     ],
     # reply (id 1) and three tokens (ids 2-4), then the connection ends without `done`.
     "300 events in 6 reads": lambda: [
@@ -305,6 +312,16 @@ async def test_gap_in_a_replayed_reply_is_marked(page: Page):
     marker = await gap.text_content() or ""
     lost = "".join(WORDS[2:5])  # ids 4-6 never came
     assert shown.replace(marker, "") == TEXT.replace(lost, "")
+
+
+async def test_a_reader_cut_as_a_slow_client_resumes_rather_than_fail(
+    page: Page, app: web.Application
+):
+    await page.fill("#prompt", "cut as a slow client")
+    await page.press("#prompt", "Enter")
+    await page.wait_for_selector('[data-pane="stream"][data-state="done"]')
+    assert await page.text_content('[data-pane="stream"] .reply-text') == TEXT
+    assert app[RESUMES] == [str(1 + DROPPED_AFTER)]
 
 
 async def test_text_is_appended_once_per_frame_not_per_event(page: Page):

@@ -11,6 +11,7 @@ const sink = new TextSink($('#text'));
 let source = null;
 let opens = 0;
 let lastSeq = -Infinity;
+let gapsSeen = new Set();  // a gap has no id of its own: it is known by the events it names
 
 function setState(state, label = state) {
   pane.dataset.state = state;
@@ -62,15 +63,21 @@ function follow(id, apiKey) {
   });
   const handlers = {
     token: (data) => sink.push(data.text),
-    gap: (data) => log(`the server lost events ${data.lost_from}–${data.lost_to}`),
+    gap: (data) => {
+      const lost = `${data.lost_from}–${data.lost_to}`;
+      if (gapsSeen.has(lost)) return;
+      gapsSeen.add(lost);
+      log(`the server lost events ${lost}`);
+    },
     done: (data) => finish('done', 'complete', `done (${data.finish_reason}); source closed`),
     moderated: (data) => finish('moderated', 'moderated', `moderated by the ${data.check} check`),
   };
   for (const [type, handle] of Object.entries(handlers)) {
     source.addEventListener(type, (event) => {
-      // Replayed events the page already has are skipped; ids are sequence numbers.
+      // Replayed events the page already has are skipped; ids are sequence numbers. A gap
+      // carries the id of the event before it (EventSource tells no event's own id apart).
       const seq = Number(event.lastEventId);
-      if (Number.isFinite(seq) && event.lastEventId !== '') {
+      if (type !== 'gap' && Number.isFinite(seq) && event.lastEventId !== '') {
         if (seq <= lastSeq) return;
         lastSeq = seq;
         $('#last-id').textContent = event.lastEventId;
@@ -84,6 +91,11 @@ function follow(id, apiKey) {
   source.addEventListener('error', (event) => {
     if (event instanceof MessageEvent) {
       const { message = 'unknown error', code = 'error' } = JSON.parse(event.data).error ?? {};
+      if (code === 'slow_client' || code === 'shutdown') {
+        // About this connection: the server closes it, and EventSource reconnects.
+        log(`the server cut this connection (${code}); EventSource reconnects by itself`);
+        return;
+      }
       finish('error', 'error', `server error (${code}): ${message}`);
     } else if (source.readyState === EventSource.CLOSED) {
       finish('incomplete', 'incomplete', 'the browser gave up on the connection');
@@ -101,6 +113,7 @@ $('#start').addEventListener('submit', async (event) => {
   $('#log').replaceChildren();
   opens = 0;
   lastSeq = -Infinity;
+  gapsSeen = new Set();
   $('#opens').textContent = '0';
   $('#last-id').textContent = '—';
   $('#go').disabled = true;

@@ -17,6 +17,8 @@ import { SSEParser } from './sse.js';
 
 // Reconnect delays: the base doubles per attempt up to the cap; a `retry:` replaces the base.
 const BACKOFF = { baseMs: 300, maxMs: 8000, attempts: 8 };
+// In-band errors about one connection, not the reply (replystream.client.resume's too).
+const RESUMABLE_CUTS = new Set(['slow_client', 'shutdown']);
 
 /**
  * A reply's ending: state is 'done', 'cut' (it ended at its token limit: `max_tokens` or the
@@ -218,7 +220,9 @@ export class StreamedReply {
   // Dispatch parsed events; the first terminal one ends the reply.
   #handle(events) {
     for (const event of events) {
-      const seq = event.id === '' ? NaN : Number(event.id);
+      // Reply events are numbered; one without an id of its own (a gap, a notice about this
+      // connection) is new whatever id it inherits, and is never skipped as a repeat.
+      const seq = event.hasId && event.id !== '' ? Number(event.id) : NaN;
       if (Number.isFinite(seq)) {
         if (seq <= this.#lastSeq) continue;  // already shown before a reconnect
         this.#lastSeq = seq;
@@ -245,8 +249,11 @@ export class StreamedReply {
             moderation: data,
           });
         case 'error': {
-          // generator_lost: the server lost the process making this reply; nothing more comes.
           const { code = 'error', message = 'unknown error' } = data.error ?? {};
+          // Cut as a slow reader, or the server going down: about this connection, not the
+          // reply, which goes on; the connection ends next, and the reply is resumed.
+          if (!event.hasId && RESUMABLE_CUTS.has(code)) break;
+          // generator_lost: the server lost the process making this reply; nothing more comes.
           return ending('error', `${message} (${code})`, { code });
         }
         default: break;  // events this page does not know are ignored

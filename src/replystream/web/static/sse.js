@@ -13,12 +13,18 @@ export class SSEParser {
   #data = [];         // data values of the pending event
   #type = '';
   #pending = false;   // a field line was read since the last blank line
-  #lastId = '';
+  #lastId = '';       // the last event ID buffer
+  #dispatchedId = ''; // the last event ID string: the buffer at the last blank line
+  #ownId = false;     // the pending event's block has an id field of its own
   #retry = null;
   #closed = false;
 
-  /** The last event ID set by an `id` field (fields containing NUL are ignored). */
-  get lastEventId() { return this.#lastId; }
+  /**
+   * The last event ID string: the `id` in force at the last blank line (an `id` field with
+   * NUL is ignored). An event cut off before its blank line never counts: resuming after
+   * its id would skip it.
+   */
+  get lastEventId() { return this.#dispatchedId; }
 
   /** The reconnection time in ms from the last valid `retry` field, or null. */
   get retry() { return this.#retry; }
@@ -29,8 +35,10 @@ export class SSEParser {
   /**
    * Parse the next piece of decoded text.
    * @param {string} text
-   * @returns {{type: string, data: string, id: string}[]} the events it completes; `id` is the
-   *   last event ID in force when the event was dispatched ('' if none).
+   * @returns {{type: string, data: string, id: string, hasId: boolean}[]} the events it
+   *   completes; `id` is the last event ID in force when the event was dispatched ('' if
+   *   none), `hasId` whether the event's own block set it (an event without carries the id
+   *   of the one before: it is no repeat of that one).
    */
   feed(text) {
     if (this.#closed) throw new Error('feed() on a closed SSEParser');
@@ -61,10 +69,15 @@ export class SSEParser {
   #processLine(line, events) {
     if (line === '') {
       if (this.#data.length) {
-        events.push({ type: this.#type || 'message', data: this.#data.join('\n'), id: this.#lastId });
+        events.push({
+          type: this.#type || 'message', data: this.#data.join('\n'), id: this.#lastId,
+          hasId: this.#ownId,
+        });
       }
       this.#data = [];
       this.#type = '';
+      this.#ownId = false;
+      this.#dispatchedId = this.#lastId;
       this.#pending = false;
       return;
     }
@@ -77,7 +90,12 @@ export class SSEParser {
     switch (field) {
       case 'data': this.#data.push(value); break;
       case 'event': this.#type = value; break;
-      case 'id': if (!value.includes('\0')) this.#lastId = value; break;
+      case 'id':
+        if (!value.includes('\0')) {
+          this.#lastId = value;
+          this.#ownId = true;
+        }
+        break;
       case 'retry': if (/^[0-9]+$/.test(value)) this.#retry = Number(value); break;
       default: break;  // unknown fields are ignored
     }
