@@ -3,6 +3,7 @@
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -240,6 +241,7 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
             await ws.send_json(start)  # no key first
             error = await ws.receive_json()
             assert error["data"]["error"]["code"] == "invalid_api_key"
+            assert error["data"]["error"]["type"] == "authentication_error"  # as over HTTP
             closed = await ws.receive()
             assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 4401
     assert engine.stats().started == 2
@@ -712,3 +714,47 @@ async def test_masked_frames_of_every_length_and_split_anywhere_are_read_as_sent
         "invalid_json"
     ]
     assert close_code(frames) == 1002
+
+
+async def test_shutdown_closes_a_socket_still_waiting_for_its_key_at_once_with_1001():
+    app = create_app(fast_engine(), ServerConfig(api_keys=("sk-ws-key",)))
+    async with serving(app) as server, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{server.url}/v1/ws") as ws:  # no key yet
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            stopping = asyncio.create_task(server.shutdown(0.2))
+            closed = await ws.receive(timeout=10)
+            await stopping
+            took = time.monotonic() - started
+    # Not the key's wait running out (10 s) into a refusal of a key never asked for.
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1001
+    assert took < 5, took
+
+
+async def test_no_frame_follows_the_close_frame_of_a_refused_key():
+    engine = fast_engine(delay_ms=2, jitter_ms=0, reply_text=" ".join(["w"] * 5000))
+    async with serving(create_app(engine)) as server:
+        reader, writer = await open_raw_websocket(server.url)
+        try:
+            writer.write(client_frame(b'{"type": "reply", "id": "a", "prompt": "x"}'))
+            for _ in range(4):  # the reply is streaming
+                await read_raw_frame(reader)
+            writer.write(client_frame(b'{"type": "auth", "api_key": ""}'))
+            frames = await read_raw_frames(reader)
+        finally:
+            writer.close()
+    opcodes = [opcode for opcode, _ in frames]
+    assert 0x8 in opcodes, opcodes
+    after_close = opcodes[opcodes.index(0x8) + 1 :]
+    assert after_close == [], f"{len(after_close)} frames after the close frame"
+    assert int.from_bytes(frames[opcodes.index(0x8)][1][:2], "big") == 4401
+
+
+async def test_a_message_naming_type_twice_is_refused_naming_type():
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_str('{"type": "cancel", "id": "q5", "type": "reply"}')
+            error = await ws.receive_json(timeout=5)
+    assert error["id"] == "q5"
+    assert error["data"]["error"]["param"] == "type"
+    assert "names type more than once" in error["data"]["error"]["message"]

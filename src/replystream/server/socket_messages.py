@@ -16,7 +16,7 @@ from replystream.server.native_schemas import (
     SocketEnvelope,
     SocketMessage,
 )
-from replystream.server.validation import parse_json
+from replystream.server.validation import parse_json, refuse_repeated_fields
 
 
 class BadMessage(Exception):
@@ -34,6 +34,12 @@ def parse_message(data: str | bytes) -> SocketMessage:
         envelope = parse_json(data, SocketEnvelope, what="message", whole=False)
     except HTTPAPIError as exc:
         raise BadMessage(None, exc) from None
+    try:
+        # Before the type picks the schema: a message naming ``type`` twice would otherwise
+        # be read as one of its types, and refused as that.
+        refuse_repeated_fields(data, "message")
+    except HTTPAPIError as exc:  # the tag is the message's unless it is what is repeated
+        raise BadMessage(None if exc.param == "id" else envelope.id, exc) from None
     model = SOCKET_MESSAGES.get(envelope.type) if isinstance(envelope.type, str) else None
     if model is None:
         error = HTTPAPIError(
@@ -44,7 +50,7 @@ def parse_message(data: str | bytes) -> SocketMessage:
         )
         raise BadMessage(envelope.id, error)
     try:
-        return parse_json(data, model, what="message")
+        return parse_json(data, model, what="message", whole=False)  # its fields are checked
     except HTTPAPIError as exc:
         raise BadMessage(envelope.id, exc) from None
 

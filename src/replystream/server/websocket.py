@@ -143,7 +143,10 @@ class Session:
         self.running: dict[str, _Running] = {}
         self._send_lock = asyncio.Lock()
         self._group: asyncio.TaskGroup | None = None  # while ``run`` runs
+        self._pinging: asyncio.Task[None] | None = None
         self._closing = False
+        # Set when the server shuts down: ends the wait for an ``auth`` message too.
+        self._stopping: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Kept from the start: a cut must be able to drop the connection whatever state the
         # WebSocket machinery is in by then.
         self.transport = request.transport
@@ -171,10 +174,15 @@ class Session:
         return len(text)
 
     async def send_error(
-        self, tag: str | None, message: str, code: str, param: str | None = None
+        self, tag: str | None, message: str, code: str, *, status: int = 400
     ) -> None:
-        body = error_body(message, code=code, status=400, param=param)
+        body = error_body(message, code=code, status=status)
         await self.send({"type": "error", "id": tag, "data": body})
+
+    @property
+    def closing(self) -> bool:
+        """The socket is closing: nothing more is written to it but the close frame."""
+        return self._closing
 
     async def close(self, code: int, reason: bytes) -> None:
         """Send a close frame and give the client ``CLOSE_TIMEOUT_S`` to answer it.
@@ -186,6 +194,9 @@ class Session:
         if self._closing:
             return
         self._closing = True
+        # No frame may follow the close frame (RFC 6455, 5.5.1): the replies' readers and the
+        # pinger stop first (a reader's direct path checks ``closing`` before each write).
+        self._stop_writers()
         transport = self.transport
         if transport is not None:
             asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
@@ -193,13 +204,28 @@ class Session:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await self.ws.close(code=code, message=reason)
 
+    def _stop_writers(self) -> None:
+        if self._pinging is not None:
+            self._pinging.cancel()
+        for running in self.running.values():
+            running.task.cancel()
+
     async def authenticate(self, ring: KeyRing) -> bool:
-        """Wait for the first message to carry a valid key."""
-        try:
-            async with asyncio.timeout(AUTH_TIMEOUT_S):
-                msg = await self.ws.receive()
-        except TimeoutError:
-            msg = None
+        """Wait for the first message to carry a valid key. The server shutting down ends
+        the wait: the socket closes as every other does then (1001)."""
+        receive = asyncio.ensure_future(self.ws.receive())
+        waits: set[asyncio.Future[Any]] = {receive, self._stopping}
+        await asyncio.wait(waits, timeout=AUTH_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        msg = None
+        if receive.done():
+            msg = receive.result()
+        else:
+            receive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receive
+            if self._stopping.done():
+                await self.close(CLOSE_GOING_AWAY, b"shutdown")
+                return False
         key = None
         if msg is not None and msg.type == WSMsgType.TEXT:
             key = auth_key(msg.data)
@@ -213,19 +239,22 @@ class Session:
 
     async def refuse_key(self, message: str) -> None:
         """Tell the client its key is refused, and close the socket (4401)."""
-        with contextlib.suppress(_SocketDone):
-            await self.send_error(None, message, "invalid_api_key")
+        with contextlib.suppress(_SocketDone):  # 401, as over HTTP (4401 is its close code)
+            await self.send_error(None, message, "invalid_api_key", status=401)
         await self.close(CLOSE_UNAUTHORIZED, b"invalid_api_key")
 
     async def run(self) -> None:
         """Read client messages until the socket closes, running replies alongside."""
-        self.manager.connections.add(self)
+        if self._stopping.done():  # the server began to shut down before this socket ran
+            await self.close(CLOSE_GOING_AWAY, b"shutdown")
+            return
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
-                pinging = None
                 if self.policy.keepalive_s is not None:
-                    pinging = group.create_task(self._keep_alive(self.keepalive), name="ws-ping")
+                    self._pinging = group.create_task(
+                        self._keep_alive(self.keepalive), name="ws-ping"
+                    )
                 try:
                     async for msg in self.ws:
                         if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
@@ -237,10 +266,7 @@ class Session:
                             self.keepalive.answered()
                 finally:
                     # The client is gone (or the socket is being cut): stop every reader.
-                    if pinging is not None:
-                        pinging.cancel()
-                    for running in self.running.values():
-                        running.task.cancel()
+                    self._stop_writers()
         except* _SlowClient as cut:
             log.info("websocket cut: %s", cut.exceptions[0])
             await self.close(CLOSE_POLICY, b"slow_client")
@@ -248,7 +274,6 @@ class Session:
             pass  # the client left while a reply was being sent; its readers have stopped
         finally:
             self._group = None
-            self.manager.forget_connection(self)
 
     async def _keep_alive(self, keepalive: SocketKeepalive) -> None:
         """Ping the socket when idle; cut it (as a slow client) when a ping goes unanswered."""
@@ -261,7 +286,10 @@ class Session:
 
     def server_stopping(self) -> None:
         """The server is shutting down: every reply here is ending with a ``shutdown`` error;
-        send those, then close the socket (1001, going away)."""
+        send those, then close the socket (1001, going away). A socket still waiting for its
+        ``auth`` message closes at once."""
+        if not self._stopping.done():
+            self._stopping.set_result(None)
         if self._group is not None and not self._closing:
             self._group.create_task(self._close_for_shutdown(), name="ws-shutdown")
 
@@ -389,6 +417,7 @@ class Session:
             tag=tag,
             reply_id=reply.reply_id,
             cut=self._cut_by_follower,
+            closing=lambda: self._closing,
             keepalive=self.keepalive,
         )
         follower = follower_of(
@@ -442,6 +471,10 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     request[UPGRADED] = True
     if guard is not None and not guard.arm():
         return ws  # the client broke the protocol before its first message was read
+    manager = request.app[MANAGER_KEY]
+    manager.connections.add(session)  # from now on: told when the server shuts down
+    if manager.shutting_down:
+        session.server_stopping()
     try:
         ring = request.get(AUTH_PENDING)
         if ring is not None and not await session.authenticate(ring):
@@ -450,6 +483,8 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     except Exception as exc:
         log.error("websocket session failed", exc_info=exc)
         await session.close(CLOSE_INTERNAL_ERROR, b"internal_error")
+    finally:
+        manager.forget_connection(session)
     if not ws.closed:
         await session.close(1000, b"")
     return ws

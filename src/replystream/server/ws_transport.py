@@ -229,7 +229,7 @@ class SocketKeepalive:
 class WebSocketTransport(SocketRoom):
     """One reply's share of a WebSocket (the follower's ``FrameTransport``)."""
 
-    __slots__ = ("_cut", "_head", "_keepalive", "reply_id")
+    __slots__ = ("_closing", "_cut", "_head", "_keepalive", "reply_id")
 
     def __init__(
         self,
@@ -238,6 +238,7 @@ class WebSocketTransport(SocketRoom):
         tag: str,
         reply_id: str,
         cut: Callable[[], None],
+        closing: Callable[[], bool],
         keepalive: SocketKeepalive,
     ) -> None:
         super().__init__(request.transport, request.protocol)
@@ -246,6 +247,9 @@ class WebSocketTransport(SocketRoom):
         # Every message of this reply starts the same way after its type.
         self._head = f',"id":{json_string(tag)},"reply_id":{json_string(reply_id)}'
         self._cut = cut  # the socket is done for: the session's other replies end too
+        # The session is closing the socket: its close frame is (or is about to be) written,
+        # and no frame may follow it.
+        self._closing = closing
 
     def _message(self, event: str | None, tail: str) -> bytes:
         text = f'{{"type":{json_string(event or "message")}{self._head}{tail}}}'
@@ -269,12 +273,12 @@ class WebSocketTransport(SocketRoom):
         return None  # the socket is kept alive by its own pings (``SocketKeepalive``)
 
     async def open(self, *, with_first_events: bool) -> None:
-        if self._transport is None or self._transport.is_closing():
+        if self._transport is None or self._transport.is_closing() or self._closing():
             raise ConnectionError("the WebSocket is closed")
 
     async def write(self, data: bytes, *, last: bool) -> int:
         transport = self._transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self._closing():
             raise ConnectionResetError("the WebSocket is closed")
         transport.write(data)
         self._keepalive.sent = True
@@ -283,7 +287,7 @@ class WebSocketTransport(SocketRoom):
         return len(data)
 
     def push(self, entries: Sequence[LogEntry]) -> int | None:
-        if not self.has_room():
+        if not self.has_room() or self._closing():
             return None
         data = self.encode(entries)
         assert self._transport is not None
@@ -296,7 +300,7 @@ class WebSocketTransport(SocketRoom):
 
     def last_words(self, notice: bytes, ending: Ending) -> None:
         transport = self._transport
-        if transport is None or transport.is_closing():
+        if transport is None or transport.is_closing() or self._closing():
             return
         transport.write(notice)
         if ending == "slow_client":
