@@ -179,11 +179,6 @@ class Session:
         body = error_body(message, code=code, status=status)
         await self.send({"type": "error", "id": tag, "data": body})
 
-    @property
-    def closing(self) -> bool:
-        """The socket is closing: nothing more is written to it but the close frame."""
-        return self._closing
-
     async def close(self, code: int, reason: bytes) -> None:
         """Send a close frame and give the client ``CLOSE_TIMEOUT_S`` to answer it.
 
@@ -195,7 +190,7 @@ class Session:
             return
         self._closing = True
         # No frame may follow the close frame (RFC 6455, 5.5.1): the replies' readers and the
-        # pinger stop first (a reader's direct path checks ``closing`` before each write).
+        # pinger stop first (a reply's transport checks ``_closing`` before each write).
         self._stop_writers()
         transport = self.transport
         if transport is not None:

@@ -4,6 +4,7 @@
 // A resumable reply keeps generating when its first reader leaves, so nothing is lost.
 
 import { TextSink } from './render.js';
+import { RESUMABLE_CUTS } from './reply.js';
 
 const $ = (selector) => document.querySelector(selector);
 const pane = $('#pane');
@@ -91,7 +92,7 @@ function follow(id, apiKey) {
   source.addEventListener('error', (event) => {
     if (event instanceof MessageEvent) {
       const { message = 'unknown error', code = 'error' } = JSON.parse(event.data).error ?? {};
-      if (code === 'slow_client' || code === 'shutdown') {
+      if (RESUMABLE_CUTS.has(code)) {
         // About this connection: the server closes it, and EventSource reconnects.
         log(`the server cut this connection (${code}); EventSource reconnects by itself`);
         return;
