@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import aiohttp
+import h11
 import pytest
 from aiohttp import web
 
@@ -155,3 +156,15 @@ async def test_a_buffered_body_is_counted_by_its_usage_not_its_words():
 async def test_credentials_in_a_url_are_refused_not_sent_in_the_host_header():
     with pytest.raises(ValueError, match="credentials in the URL are not sent"):
         await measure_reply("http://user:secret@127.0.0.1:9/stream")
+
+
+async def test_a_head_that_arrives_after_its_wait_was_cancelled_is_dropped_quietly():
+    # Ctrl-C or a timeout cancels the wait for the head, and with it the head's future; a
+    # read already queued in that turn still hands the head over before the socket closes.
+    from replystream.client.transport import _ResponseProtocol
+
+    protocol = _ResponseProtocol(asyncio.get_running_loop())
+    protocol.conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+    protocol.head.cancel()
+    protocol.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert protocol.ended and protocol.error is None

@@ -91,7 +91,10 @@ class _ResponseProtocol(asyncio.Protocol):
                     break
                 if isinstance(event, h11.Response):
                     self.head_at = at
-                    self.head.set_result(event)
+                    # Not when its waiter was cancelled (Ctrl-C, a timeout) and so the future
+                    # with it, and the head came in before the connection was closed.
+                    if not self.head.done():
+                        self.head.set_result(event)
                 elif isinstance(event, h11.Data):
                     self.chunks.append(Chunk(at, bytes(event.data)))
                 elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
