@@ -186,6 +186,9 @@ class TimedEngine:
     def stats(self) -> EngineStats:
         return self.inner.stats()
 
+    def model_names(self) -> tuple[str, ...]:
+        return self.inner.model_names()
+
     async def readiness(self) -> Readiness:
         return await self.inner.readiness()
 

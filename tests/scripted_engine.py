@@ -108,6 +108,9 @@ class ScriptedEngine:
             c["started"], c["finished"], c["cancelled"], c["failed"], self._active, self._steps
         )
 
+    def model_names(self) -> tuple[str, ...]:
+        return ()
+
     async def readiness(self) -> Readiness:
         return READY
 

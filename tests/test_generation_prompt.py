@@ -112,7 +112,7 @@ async def test_the_relay_continues_an_anthropic_prefill_upstream() -> None:
         engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/ok/v1"),), model="m"))
         async with running(create_app(engine)) as relay:
             body = {
-                "model": "upstream",  # the relay's own name: any upstream
+                "model": "m",  # the model the relay sends a request for none as
                 "max_tokens": 8,
                 "messages": [
                     {"role": "user", "content": "What is the capital of France?"},

@@ -142,6 +142,9 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
         def stats(self) -> EngineStats:
             return EngineStats(started=0, finished=0, cancelled=0, failed=0, active=0, steps=0)
 
+        def model_names(self) -> tuple[str, ...]:
+            return ()
+
         async def readiness(self) -> Readiness:
             return READY
 

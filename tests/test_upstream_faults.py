@@ -569,7 +569,7 @@ async def test_temperature_and_top_p_go_upstream_only_as_the_client_gave_them():
             assert (await post_events(url, CHAT)).status == 200
             given = {**CHAT, "temperature": 1.0, "top_p": 0.5}
             assert (await post_events(url, given)).status == 200
-            anthropic_ask = {"model": "upstream", "max_tokens": 5, "messages": CHAT["messages"]}
+            anthropic_ask = {"model": "m", "max_tokens": 5, "messages": CHAT["messages"]}
             assert (await post_events(f"{relay}/v1/messages", anthropic_ask)).status == 200
     left_out, kept, anthropic_sent = fake.bodies
     assert "temperature" not in left_out and "top_p" not in left_out

@@ -161,6 +161,26 @@ async def test_a_request_for_no_model_sends_the_first_model_the_upstream_lists()
     assert got.status == 200 and upstream.bodies[-1]["model"] == "zeta"
 
 
+async def test_a_request_for_no_model_is_answered_as_the_model_that_served_it():
+    """With neither --model-name nor --upstream-model, a request for no model goes to the
+    default (the first upstream's first model) and its reply names that model, in every
+    dialect: never the engine's name ("upstream"), which no listing shows and is refused."""
+    zeta, other = Upstream(["zeta", "alpha"]), Upstream(["beta"])
+    async with relay([zeta, other]) as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert status == 200
+        assert [m["id"] for m in listing["data"]] == ["zeta", "alpha", "beta"]
+        for _ in range(3):
+            got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
+            assert got.status == 200 and json.loads(got.events[0].data)["model"] == "zeta"
+        whole = await post_events(f"{url}/v1/chat/completions", {**CHAT_HI, "stream": False})
+        assert whole.status == 200 and json.loads(whole.raw)["model"] == "zeta"
+        refused = await post_events(f"{url}/v1/chat/completions", {**CHAT_HI, "model": "upstream"})
+        assert refused.status == 404, refused.raw
+        assert json.loads(refused.raw)["error"]["code"] == "model_not_found"
+    assert [b["model"] for b in zeta.bodies] == ["zeta"] * 4 and not other.bodies
+
+
 async def test_the_upstream_model_goes_only_to_upstreams_that_serve_it():
     """--upstream-model is what a request for no model is sent as: routed as that model,
     so never to an upstream that lists only others (it would answer 404)."""
@@ -478,7 +498,7 @@ async def test_rerouting_keeps_a_staying_upstreams_state_and_probes_a_new_one_fi
         kept = engine.pool.backends[0]
         assert kept.attempts["ok"] == 1 and engine.pool.backends[1].attempts["ok"] == 1
 
-        assert engine.stats().models == ("gone", "m")
+        assert engine.stats().models == ("m", "gone")  # a's first model first: the default
         # a stays with a new key and weight, its models no longer given (its own list is
         # asked for); b leaves; c joins, its models not given.
         change = await engine.reroute(

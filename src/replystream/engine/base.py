@@ -400,6 +400,12 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def model_names(self) -> tuple[str, ...]:
+        """The model names requests may ask for (``EngineStats.models``), asked on every
+        request: answered without gathering the engine's stats. Empty: the engine answers to
+        one name, the server's."""
+        ...
+
     async def readiness(self) -> Readiness:
         """Whether requests can be served now (``/healthz`` asks). Cheap enough for a health
         check every second: an engine that depends on something remote answers from what it

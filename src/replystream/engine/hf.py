@@ -389,6 +389,9 @@ class HFEngine:
                 steps=c["steps"],
             )
 
+    def model_names(self) -> tuple[str, ...]:
+        return ()
+
     async def readiness(self) -> Readiness:
         """In-process: ready whenever the process is up to answer."""
         return READY

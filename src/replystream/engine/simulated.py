@@ -240,6 +240,9 @@ class SimulatedEngine:
             steps=self._steps,
         )
 
+    def model_names(self) -> tuple[str, ...]:
+        return ()
+
     async def readiness(self) -> Readiness:
         """In-process: ready whenever the process is up to answer."""
         return READY

@@ -204,6 +204,9 @@ class TinyEngine:
     def stats(self) -> EngineStats:
         return self.runner.stats()
 
+    def model_names(self) -> tuple[str, ...]:
+        return ()
+
     async def readiness(self) -> Readiness:
         """In-process: ready whenever the process is up to answer."""
         return READY

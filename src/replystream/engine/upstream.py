@@ -359,6 +359,14 @@ class UpstreamEngine:
         self._counts[outcome] += 1
         self._deltas += deltas
 
+    def model_names(self) -> tuple[str, ...]:
+        """The upstreams' models, the default first: ``--upstream-model`` when given, what
+        a request for no model is sent as."""
+        names, default = self.pool.model_names(), self.config.model
+        if default is None or names[:1] == (default,):
+            return names
+        return (default, *(n for n in names if n != default))
+
     def stats(self) -> EngineStats:
         return EngineStats(
             started=self._counts["started"],
@@ -369,7 +377,7 @@ class UpstreamEngine:
             # open), and requests waiting for room at one.
             active=sum(b.outstanding for b in self.pool.backends) + len(self._queue),
             steps=self._deltas,
-            models=self.pool.model_names(),
+            models=self.model_names(),
             backends=tuple(
                 backend_stats(self._shared, b, self.pool.clock()) for b in self.pool.backends
             ),

@@ -257,10 +257,16 @@ class UpstreamPool:
         self.aliases = dict(aliases or {})
 
     def model_names(self) -> tuple[str, ...]:
-        """Every model some upstream serves (merged, sorted), then the aliases of a model
-        some upstream may serve (one it lists, or any while its list is not known): an alias
-        for a model nobody lists is a name nobody serves."""
+        """Every model some upstream serves, then the aliases of a model some upstream may
+        serve (one it lists, or any while its list is not known): an alias for a model nobody
+        lists is a name nobody serves. First, the default: the first model the first upstream
+        that lists any lists (vLLM lists its base model before its LoRA adapters), what a
+        request for no model is sent as; the rest merged and sorted."""
         real = sorted(set().union(*(b.models for b in self.backends)))
+        default = next((b.models[0] for b in self.backends if b.models), None)
+        if default is not None:
+            real.remove(default)
+            real.insert(0, default)
         aliases = (a for a, model in self.aliases.items() if a not in real and self.serving(model))
         return (*real, *sorted(aliases))
 

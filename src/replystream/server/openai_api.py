@@ -56,14 +56,21 @@ STARTED_AT = web.AppKey("openai_started_at", int)
 
 
 def served_model(app: web.Application) -> str:
-    """The one model name this server answers to."""
-    return app[CONFIG_KEY].model_name or app[ENGINE_KEY].name
+    """The model a request that names none is served as: ``--model-name``; else, for an
+    engine that lists models (a relay: its upstreams'), the first it lists (its default), so
+    a reply's ``model`` is one ``GET /v1/models`` shows and the request goes where that model
+    is served; else the engine's own name."""
+    return _default_model(app, app[ENGINE_KEY].model_names())
+
+
+def _default_model(app: web.Application, names: tuple[str, ...]) -> str:
+    return app[CONFIG_KEY].model_name or (names[0] if names else app[ENGINE_KEY].name)
 
 
 def listed_models(app: web.Application) -> list[str]:
     """What ``GET /v1/models`` lists: the engine's own model names (``--model-name`` first
     when given), or else the one name the server answers to."""
-    names = list(app[ENGINE_KEY].stats().models)
+    names = list(app[ENGINE_KEY].model_names())
     named = app[CONFIG_KEY].model_name
     if not names:
         return [served_model(app)]
@@ -71,17 +78,19 @@ def listed_models(app: web.Application) -> list[str]:
 
 
 def routed_model(app: web.Application, asked: str | None) -> str | None:
-    """The model a request routes by: a name the engine serves; for none, the server's own
-    name (``--model-name``) when the engine serves a model of that name; else None (any
+    """The model a request routes by: a name the engine serves; for none, the one it is
+    served as (``served_model``) when the engine serves a model of that name; else None (any
     will do) for none or the server's own name.
 
     Raises:
         HTTPAPIError: 404 ``model_not_found`` for any other name.
     """
-    name = served_model(app) if asked is None else asked
-    if name in app[ENGINE_KEY].stats().models:  # a model (or alias) of that name: its route
+    names = app[ENGINE_KEY].model_names()
+    default = _default_model(app, names)
+    name = default if asked is None else asked
+    if name in names:  # a model (or alias) of that name: its route
         return name
-    if name == served_model(app):
+    if name == default:
         return None
     raise model_not_found(name)
 

@@ -11,7 +11,7 @@ about HTTP handlers, engines or wire formats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
@@ -54,15 +54,12 @@ def _ask(
     generation: GenerationRequest,
     param: str,
     *,
-    defaults: DeliveryPolicy,
+    policy: DeliveryPolicy,
     max_prompt_chars: int,
 ) -> CompletionAsk:
     check_prompt_size(generation.prompt, max_prompt_chars, param)
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    policy = delivery_overrides(body, defaults)
-    if isinstance(body, ChatBody) and policy.shows_thinking:  # a legacy completion has no place
-        generation = replace(generation, reasoning=True)
     n = 1 if body.n is None else body.n
     return CompletionAsk(generation, stream, include_usage, policy, body.resumable, n)
 
@@ -78,6 +75,7 @@ def parse_chat_request(
     sampling = sampling_params(body, max_tokens, logprobs=logprobs)
     tools, tool_choice = chat_tools(body.tools, body.tool_choice)
     messages = relayed_messages(body.messages)  # relayed unchanged to chat upstreams
+    policy = delivery_overrides(body, defaults)
     generation = GenerationRequest(
         prompt_of(messages),
         sampling,
@@ -92,12 +90,13 @@ def parse_chat_request(
         parallel_tool_calls=body.parallel_tool_calls,
         prompt_cache_key=body.prompt_cache_key,
         reasoning_effort=body.reasoning_effort,
+        reasoning=policy.shows_thinking,
     )
     return _ask(
         body,
         generation,
         "messages",
-        defaults=defaults,
+        policy=policy,
         max_prompt_chars=max_prompt_chars,
     )
 
@@ -119,6 +118,6 @@ def parse_completion_request(
         body,
         generation,
         "prompt",
-        defaults=defaults,
+        policy=delivery_overrides(body, defaults),  # a legacy completion shows no thinking
         max_prompt_chars=max_prompt_chars,
     )

@@ -189,7 +189,8 @@ API = Group(
         Setting(
             "--model-name",
             "the model name /v1/models lists and requests may name; a request for no model is "
-            "answered as it (default: --upstream-model when given, else the engine's)",
+            "answered as it (default: --upstream-model when given, else the first model a "
+            "relay's upstreams list, else the engine's name)",
             non_empty_text,
             fills=(ServerConfig, "model_name"),
         ),
