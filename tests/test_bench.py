@@ -342,6 +342,87 @@ async def test_openai_chat_completions_request_shape_and_stream():
     }
 
 
+async def test_a_messages_run_reads_anthropic_events_and_resends_its_history():
+    """Anthropic's Messages API: the body it requires (max_tokens, the system prompt apart),
+    text from text deltas only (not thinking, not a tool call's JSON), tokens from the
+    message_delta's usage, the end at message_stop; a later turn resends the reply."""
+    bodies: list[dict[str, Any]] = []
+
+    def event(name: str, data: dict[str, Any]) -> bytes:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        usage = {"input_tokens": 4, "output_tokens": 1}
+        await response.write(event("message_start", {"message": {"usage": usage}}))
+        await response.write(event("ping", {}))
+        thinking = {"type": "thinking_delta", "thinking": "hmm"}
+        await response.write(event("content_block_delta", {"index": 0, "delta": thinking}))
+        for word in ("Hello ", "there"):
+            delta = {"type": "text_delta", "text": word}
+            await response.write(event("content_block_delta", {"index": 1, "delta": delta}))
+            await asyncio.sleep(0.005)
+        call = {"type": "input_json_delta", "partial_json": '{"x": 1}'}
+        await response.write(event("content_block_delta", {"index": 2, "delta": call}))
+        ended = {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 9}}
+        await response.write(event("message_delta", ended) + event("message_stop", {}))
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    async with running(app) as url:
+        target = f"{url}/v1/messages"
+        config = LoadConfig(
+            url=target,
+            api=detect_api(target),
+            requests=1,
+            model="claude",
+            prompts=(Prompt("What is a token?", None, (Prompt("And a word?", 7),)),),
+            system_words=2,
+            turns=2,
+            warmup=False,
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2, summary["counts"]
+    assert [r["tokens"] for r in summary["requests"]] == [9, 9]
+    first = [{"role": "user", "content": "What is a token?"}]
+    assert bodies[0] == {
+        "model": "claude",
+        "max_tokens": 1024,  # the API requires one: asked for when the run leaves it open
+        "stream": True,
+        "system": "you are",
+        "messages": first,
+    }
+    assert bodies[1]["max_tokens"] == 7
+    assert bodies[1]["messages"] == [
+        *first,
+        {"role": "assistant", "content": "Hello there"},
+        {"role": "user", "content": "And a word?"},
+    ]
+
+
+async def test_a_messages_run_against_our_own_route_counts_its_usage():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        target = f"{url}/v1/messages"
+        assert detect_api(target) == "messages"
+        model = await served_model(target, timeout_s=5.0)
+        config = LoadConfig(
+            url=target,
+            api="messages",
+            requests=2,
+            model=model,
+            prompt_words=Lengths.parse("3"),
+            output_tokens=Lengths.parse("6"),
+            warmup=False,
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2, summary["counts"]
+    assert [r["tokens"] for r in summary["requests"]] == [6, 6]
+
+
 def test_lab_requests_keep_the_urls_own_query():
     spec = build_request("lab", "http://h/stream?seed=7", prompt="a b", max_tokens=4, model="x")
     assert (spec.method, spec.json_body) == ("GET", None)

@@ -153,6 +153,24 @@ async def test_a_buffered_body_is_counted_by_its_usage_not_its_words():
     assert timing.tokens == usage["completion_tokens"] != len(timing.text.split())
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_anthropic_message_is_read_streamed_or_whole_and_counted_by_its_usage(stream):
+    body = {
+        "model": "simulated",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": stream,
+    }
+    async with serve_engine(fast_engine(delay_ms=1, jitter_ms=0)) as url:
+        timing = await measure_reply(f"{url}/v1/messages", method="POST", json_body=body)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/messages", json={**body, "stream": False}) as got:
+                whole = await got.json()
+    assert timing.complete, timing.error
+    assert timing.tokens == whole["usage"]["output_tokens"] == 10
+    assert timing.text == whole["content"][0]["text"]  # the simulated engine's fixed reply
+
+
 async def test_credentials_in_a_url_are_refused_not_sent_in_the_host_header():
     with pytest.raises(ValueError, match="credentials in the URL are not sent"):
         await measure_reply("http://user:secret@127.0.0.1:9/stream")

@@ -1,4 +1,4 @@
-"""bench and doctor against replystream's own OpenAI-compatible routes, with no --model.
+"""bench and doctor against replystream's own OpenAI and Anthropic routes, with no --model.
 
 Each test runs the real command as a subprocess against a real server process (or, for the
 models-list cases, a real HTTP server on loopback that lists what the case needs).
@@ -49,6 +49,17 @@ async def test_bench_and_doctor_find_the_model_our_server_lists():
             "bench", f"{url}/v1/completions", "--requests", "2", "--output-tokens", "10", "--quiet"
         )
         assert code == 0, (out, err)
+        # Anthropic's Messages route: the model from the same list, the API from the path.
+        messages = f"{url}/v1/messages"
+        code, out, err = await run_cli("doctor", messages, "--max-tokens", "60", "--json")
+        assert code == 0, (out, err)
+        result = json.loads(out)
+        assert result["verdict"] == "streaming" and result["status"] == 200, result["reason"]
+        code, out, err = await run_cli(
+            "bench", messages, "--requests", "2", "--output-tokens", "10", "--quiet"
+        )
+        assert code == 0, (out, err)
+        assert "Requests: 2 sent, 2 complete" in out
 
 
 def models_app(names: list[str]) -> web.Application:

@@ -10,9 +10,13 @@ carrying text and of saying "finished" or "failed":
 - OpenAI Responses events: ``response.output_text.delta`` carries text, ``response.completed``
   and ``response.incomplete`` at the token limit end it, ``response.failed`` (or an
   ``incomplete`` for any other reason, such as a content filter) ends it in failure;
+- Anthropic Messages events: a ``content_block_delta``'s ``text_delta`` carries text, the
+  ``message_delta``'s ``usage.output_tokens`` the count, ``message_stop`` ends it;
 - a reasoning model's thinking, apart from its text: native ``thinking`` events, a chat
-  delta's ``reasoning_content`` (or ``reasoning``), ``response.reasoning_text.delta``;
-- buffered bodies: ``{"text": ...}`` or an OpenAI ``chat.completion`` / ``text_completion``.
+  delta's ``reasoning_content`` (or ``reasoning``), ``response.reasoning_text.delta``, a
+  Messages ``thinking_delta``;
+- buffered bodies: ``{"text": ...}``, an OpenAI ``chat.completion`` / ``text_completion`` or
+  an Anthropic ``message``.
 ``event: error`` always means failure, and a terminal marker is required for success.
 """
 
@@ -124,6 +128,8 @@ def interpret_event(event: Event) -> Meaning:
         return _usage(event.data)
     if event.type.startswith("response."):
         return _responses_event(event)
+    if event.type in MESSAGES_EVENTS:
+        return _messages_event(event)
     if event.type not in ("message", "token", "thinking"):
         return OTHER
     try:
@@ -186,6 +192,39 @@ def _responses_event(event: Event) -> Meaning:
     return Meaning("error", error=f"response.failed: {_error_text(response)}")
 
 
+# The Anthropic Messages events that say something here (the rest: ``message_start``, a block's
+# start and stop, ``ping``, say nothing of text or its end), and the deltas that carry text
+# or thinking, with the field each keeps it in.
+MESSAGES_EVENTS = frozenset({"content_block_delta", "message_delta", "message_stop"})
+_MESSAGES_DELTAS: dict[str, tuple[Kind, str]] = {
+    "text_delta": ("text", "text"),
+    "thinking_delta": ("thinking", "thinking"),
+}
+
+
+def _messages_event(event: Event) -> Meaning:
+    if event.type == "message_stop":
+        return DONE
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
+    if not isinstance(payload, dict):
+        return Meaning("error", error=f"{event.type} data is not an object")
+    if event.type == "message_delta":  # its usage counts the whole reply's output so far
+        usage = payload.get("usage")
+        made = _count(usage.get("output_tokens"), least=0) if isinstance(usage, dict) else None
+        return OTHER if made is None else Meaning("usage", tokens=made)
+    delta = payload.get("delta")
+    named = delta.get("type") if isinstance(delta, dict) else None
+    carried = _MESSAGES_DELTAS.get(named) if isinstance(named, str) else None
+    if not isinstance(delta, dict) or carried is None:  # a tool call's JSON, a signature
+        return OTHER
+    kind, field = carried
+    piece = delta.get(field)
+    return Meaning(kind, piece, 1) if isinstance(piece, str) and piece else OTHER
+
+
 def _usage(source: str | dict[str, Any]) -> Meaning:
     """The server's own count of the tokens its model made (native ``usage`` event, OpenAI
     chunk): what a benchmark divides time by, as vLLM's does. Text a moderator withheld is
@@ -217,4 +256,15 @@ def interpret_body(body: bytes) -> Meaning:
         text = _choice_text(payload)
         if text is not None:
             return Meaning("done", text, usage=made)
+        if payload.get("type") == "message" and isinstance(payload.get("content"), list):
+            return _anthropic_message(payload)
     return Meaning("error", error="body holds no reply text")
+
+
+def _anthropic_message(message: dict[str, Any]) -> Meaning:
+    """A whole Anthropic ``message``: its text blocks' text, and ``usage.output_tokens``."""
+    blocks = [b for b in message["content"] if isinstance(b, dict) and b.get("type") == "text"]
+    text = "".join(b["text"] for b in blocks if isinstance(b.get("text"), str))
+    usage = message.get("usage")
+    made = _count(usage.get("output_tokens"), 0) if isinstance(usage, dict) else None
+    return Meaning("done", text, usage=made)

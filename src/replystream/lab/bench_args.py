@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "url",
         type=web_url,
         nargs="?",
-        help="endpoint, http:// or https://: .../stream, .../v1/replies, .../chat/completions "
-        "or .../v1/responses (not with --compare)",
+        help="endpoint, http:// or https://: .../stream, .../v1/replies, .../chat/completions, "
+        ".../v1/responses or .../v1/messages (not with --compare)",
     )
     add_client_arguments(
         parser,

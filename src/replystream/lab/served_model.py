@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from replystream.client.transport import TransportError, http_request
 
-_ENDPOINTS = ("/chat/completions", "/completions", "/responses")
+_ENDPOINTS = ("/chat/completions", "/completions", "/responses", "/messages")
 
 
 class ModelLookupError(Exception):

@@ -2,7 +2,8 @@
 
 This file decides the wire shape of one benchmark request for each API replystream can drive
 (the lab's ``GET /stream``, the native ``POST /v1/replies``, OpenAI-compatible
-``POST .../chat/completions`` or ``.../completions``, and OpenAI's ``POST .../responses``),
+``POST .../chat/completions`` or ``.../completions``, OpenAI's ``POST .../responses``, and
+Anthropic's ``POST .../messages``),
 with a system prompt users share, and what each request asks: lengths drawn from a
 distribution or a histogram file, or a prompt from a dataset (``datasets`` reads those files;
 when requests arrive is ``profiles``). No sockets and no clocks, and it must not know how
@@ -19,10 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-Api = Literal["lab", "native", "openai", "responses"]
-APIS: tuple[Api, ...] = ("lab", "native", "openai", "responses")
+Api = Literal["lab", "native", "openai", "responses", "messages"]
+APIS: tuple[Api, ...] = ("lab", "native", "openai", "responses", "messages")
 # The APIs whose requests name a model (the one the server lists, when the user named none).
-MODEL_APIS: frozenset[Api] = frozenset({"openai", "responses"})
+MODEL_APIS: frozenset[Api] = frozenset({"openai", "responses", "messages"})
+# Anthropic's Messages API requires ``max_tokens``: what a request asks for when the run
+# leaves the reply length to the server, which this API cannot.
+MESSAGES_DEFAULT_MAX_TOKENS = 1024
 
 # The most words a prompt (or the shared system prompt) may have: far beyond any model's
 # context, and still a prompt this process can build (about 60 MB); more would exhaust its
@@ -43,6 +47,8 @@ def detect_api(url: str) -> Api:
         return "native"
     if path.endswith("/responses"):
         return "responses"
+    if path.endswith("/messages"):
+        return "messages"
     return "lab"
 
 
@@ -67,14 +73,17 @@ def build_request(
 ) -> RequestSpec:
     """The request that asks ``url`` for one streamed reply to ``prompt``.
 
-    ``max_tokens=None`` leaves the reply length to the server. ``system``, a system prompt
+    ``max_tokens=None`` leaves the reply length to the server (a Messages request, which
+    must give one, asks for ``MESSAGES_DEFAULT_MAX_TOKENS``). ``system``, a system prompt
     every user shares, and ``history``, the conversation's earlier (prompt, reply) turns that
-    a chat client resends, are messages to a chat or Responses endpoint (the system prompt
-    is a Responses request's ``instructions``) and paragraphs before the prompt to the others
-    (which take one text).
+    a chat client resends, are messages to a chat, Responses or Messages endpoint (the system
+    prompt is a Responses request's ``instructions``, a Messages request's ``system``) and
+    paragraphs before the prompt to the others (which take one text).
     """
     if api == "responses":
         return _responses_request(url, prompt, max_tokens, model, system, history)
+    if api == "messages":
+        return _messages_request(url, prompt, max_tokens, model, system, history)
     if not (api == "openai" and _is_chat(url)):
         earlier = [text for turn in history for text in turn]
         prompt = "\n\n".join(p for p in (system, *earlier, prompt) if p)
@@ -125,6 +134,26 @@ def _responses_request(
         body["input"] = prompt
     if max_tokens is not None:
         body["max_output_tokens"] = max_tokens
+    return RequestSpec("POST", url, body)
+
+
+def _messages_request(
+    url: str,
+    prompt: str,
+    max_tokens: int | None,
+    model: str,
+    system: str,
+    history: Sequence[tuple[str, str]],
+) -> RequestSpec:
+    limit = MESSAGES_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    body: dict[str, Any] = {"model": model, "max_tokens": limit, "stream": True}
+    if system:
+        body["system"] = system
+    messages = []
+    for asked, replied in history:
+        messages.append({"role": "user", "content": asked})
+        messages.append({"role": "assistant", "content": replied})
+    body["messages"] = [*messages, {"role": "user", "content": prompt}]
     return RequestSpec("POST", url, body)
 
 
