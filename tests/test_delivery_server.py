@@ -78,6 +78,26 @@ async def test_buffered_reply_is_checked_too():
     assert b'"finish_reason":"moderated"' in body
 
 
+@pytest.mark.parametrize("store", [False, True])
+async def test_a_whole_response_keeps_no_part_of_a_phrase_stored_or_not(store: bool):
+    """A Responses request answered in one body is checked whole whether it is stored or
+    not: storing it must not turn the check into the streaming window's, which would keep
+    the phrase's start in the stored response (and in what GET returns)."""
+    engine = fast_engine(reply_text=REPLY)
+    async with serve(engine, checks=(BannedPhrases(["rocket at dawn"]),)) as url:
+        body = {"input": "x", "store": store}
+        response = await raw_request(f"{url}/v1/responses", "POST", json.dumps(body).encode())
+        whole = json.loads(await response.read_body())
+        kept = None
+        if store:
+            got = await raw_request(f"{url}/v1/responses/{whole['id']}", "GET", b"")
+            kept = json.loads(await got.read_body())
+    assert whole["incomplete_details"]["reason"] == "content_filter"
+    assert whole["output"][0]["content"][0]["text"] == "we will now launch the "
+    if kept is not None:
+        assert kept["output"] == whole["output"]
+
+
 COUNTED = "one two three four five six seven eight nine ten"  # a token a word
 USER = [{"role": "user", "content": "Hi"}]
 Counts = tuple[int, int]  # a reply's usage: prompt tokens, completion tokens (streamed; whole)
@@ -184,6 +204,29 @@ async def test_a_time_window_flushes_a_partial_batch_while_tokens_are_slow():
         )
     # Each token waits at most the 10 ms window, so no batch gathers two 40 ms tokens.
     assert [t["tokens"] for t in got.of_type("token")] == [1] * 6
+
+
+async def test_a_time_window_is_kept_for_every_choice_of_several():
+    """n = 2, tokens out of step between the choices: each choice's batch leaves within the
+    window, not when its own next token happens to come (one timer, for the earliest batch
+    due, used to be all there was)."""
+    engine = fast_engine(delay_ms=150, jitter_ms=100)  # a choice's tokens 50 ms apart or more
+    async with serve(engine) as url:
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "n": 2,
+            "seed": 42,
+            "max_tokens": 8,
+            "batch_tokens": 100,
+            "batch_ms": 10,
+        }
+        got = await post_events(f"{url}/v1/chat/completions", body)
+    chunks = [json.loads(e.data) for e in got.events if e.data.startswith("{")]
+    texts = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    words = [t for t in texts if t]
+    assert len(words) == 16, words  # 8 tokens a choice, each its own batch
+    assert all(len(t.split()) == 1 for t in words), words
 
 
 async def test_keep_alive_comment_arrives_during_a_long_wait_for_the_first_token():

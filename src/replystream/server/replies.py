@@ -204,6 +204,8 @@ class Reply:
     def _flush_window(self) -> None:
         self._window_timer = None
         self._append(self.pipeline.flush_due(time.monotonic()))
+        if self._phase is _PRODUCING:  # another choice's batch may still be open, due later
+            self._arm_window()
 
     def _arm_window(self) -> None:
         due = self.pipeline.batch_due_at

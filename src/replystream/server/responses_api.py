@@ -51,7 +51,7 @@ from replystream.delivery.responses_objects import (
 )
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
-from replystream.server.buffered import Whole
+from replystream.server.buffered import WHOLE_REPLY, Whole
 from replystream.server.context import (
     CONFIG_KEY,
     buffered,
@@ -153,6 +153,11 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
             resumable=False,
         )
         return _follow(request, reply, policy, settings)
+    answered_whole = not body.stream and not body.background
+    if answered_whole and policy.checks:
+        # One body, as an unstored one is: the whole text checked before any of it is kept
+        # (a window would keep the start of a blocked phrase in the stored response).
+        policy = policy.with_overrides(holdback_tokens=WHOLE_REPLY)
     reply = await start_reply(
         request,
         generation,
