@@ -202,6 +202,31 @@ async def test_a_message_with_thinking_enabled_has_a_thinking_block_before_its_t
         assert message.content[1].text == "".join(ANSWER)  # type: ignore[union-attr]
 
 
+async def test_text_held_back_goes_out_before_the_thinking_that_follows_it():
+    """Text, thinking, text: text held for a window or a stop string's possible start is let
+    out before the thinking, so the streamed blocks are the whole message's, in its order."""
+    thinking: Any = {"type": "enabled", "budget_tokens": 1024}
+    held: list[dict[str, Any]] = [
+        {"extra_body": {"replystream": {"holdback_tokens": 2}}},
+        {"stop_sequences": ["answer X"]},  # "answer " could begin it: held until it cannot
+    ]
+    async with (
+        relay("interleaved") as (url, _),
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as client,
+    ):
+        for extra in held:
+            async with client.messages.stream(
+                model="m", max_tokens=2048, messages=ASK, thinking=thinking, **extra
+            ) as stream:
+                streamed = await stream.get_final_message()
+            whole = await client.messages.create(
+                model="m", max_tokens=2048, messages=ASK, thinking=thinking, **extra
+            )
+            for message in (streamed, whole):
+                blocks = [(b.type, getattr(b, "text", None)) for b in message.content]
+                assert blocks == [("text", ANSWER[0]), ("thinking", None), ("text", ANSWER[1])]
+
+
 async def test_thinking_settings_are_checked_as_anthropic_checks_them():
     async with relay("vllm") as (url, upstream):
         for thinking, max_tokens in (

@@ -48,10 +48,14 @@ class ThinkingUpstream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(_event({"role": "assistant", "content": ""}))
+        answer = ANSWER
+        if mode == "interleaved":  # some text, then the thinking, then the rest of the text
+            await response.write(_event({"content": ANSWER[0]}))
+            answer = ANSWER[1:]
         for thought in THOUGHTS:
             if mode == "deepseek":  # DeepSeek's API, SGLang, llama.cpp: content null beside it
                 delta: dict[str, Any] = {"content": None, "reasoning_content": thought}
-            elif mode == "vllm":  # newer vLLM, OpenRouter
+            elif mode in ("vllm", "interleaved"):  # newer vLLM, OpenRouter
                 delta = {"reasoning": thought}
             else:  # both spellings of one thought in one delta
                 delta = {"reasoning": thought, "reasoning_content": thought}
@@ -61,7 +65,7 @@ class ThinkingUpstream:
             assert request.transport is not None
             request.transport.abort()
             return response
-        for piece in ANSWER:
+        for piece in answer:
             await response.write(_event({"content": piece}))
         await response.write(_event({}, "stop"))
         usage = {"object": "chat.completion.chunk", "model": "m", "choices": [], "usage": USAGE}

@@ -123,6 +123,7 @@ class HoldBack:
             raise ValueError("window must be >= 0")
         self.window = window
         self._checks = list(checks)
+        self.checks = bool(self._checks)  # held text waits for checks, not only for stops
         self._context = max((c.context_chars for c in self._checks), default=0)
         self._stops = StopScan(stops) if stops else None
         self._held: deque[tuple[str, int]] = deque()  # (text, tokens), oldest first

@@ -154,11 +154,15 @@ class ReplyPipeline:
         if not delta.text:
             if delta.reasoning:
                 # Thinking is not the answer: no check or stop string reads it (a server
-                # with checks does not ask for it), and no text event holds it. Batched text
-                # goes first, in order; held text stays held for the checks.
+                # with checks does not ask for it), and no text event holds it. The text
+                # before it goes first, in order, as the whole reply has it: batched text,
+                # and text held only for a window or a stop string's tail (a thought breaks
+                # the text as a tool call does); text held for checks stays held.
                 self.reasoning_tokens += delta.tokens
-                thought = self.fmt.reasoning(delta.reasoning, delta.tokens)
-                return self._entries(self._flush() + thought)
+                before = self._flush()
+                if holdback is not None and not holdback.checks:
+                    before = self._release_held()
+                return self._entries(before + self.fmt.reasoning(delta.reasoning, delta.tokens))
             if delta.tool_call is not None:
                 # A call's pieces carry no text; log probabilities, if any came with one,
                 # belong to no text event and are not queued for one.

@@ -104,6 +104,8 @@ class _Collector:
             self.finish_reason = delta.finish_reason
             self.reported_stop = delta.stop_sequence
         if delta.reasoning:
+            if not self.holdback.checks:  # as in a stream: the text before it is let out
+                self.parts.append(self.holdback.finish()[0])
             self.thoughts.add(delta.reasoning, self.text_chars, len(self.calls.calls))
             self._break_at(self.text_chars)
             self.reasoning_tokens += delta.tokens
