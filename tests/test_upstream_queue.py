@@ -155,6 +155,13 @@ async def test_a_client_that_leaves_while_it_waits_takes_no_room_with_it():
         a.release("stays")
         assert await stays == (200, None, "re: stays")
         assert engine.stats().queued == 0
+        # Gone before its reply existed, it is still a reply that ended: cancelled.
+        async with session.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+    endpoint = 'endpoint="/v1/chat/completions"'
+    for outcome, count in (("finished", 2), ("cancelled", 1)):
+        assert f'replystream_replies_total{{{endpoint},outcome="{outcome}"}} {count}.0' in metrics
+    assert f"replystream_end_to_end_seconds_count{{{endpoint}}} 3.0" in metrics
 
 
 async def test_a_waiter_woken_then_gone_passes_the_room_to_the_next():

@@ -181,6 +181,20 @@ async def test_a_request_for_no_model_is_answered_as_the_model_that_served_it():
     assert [b["model"] for b in zeta.bodies] == ["zeta"] * 4 and not other.bodies
 
 
+async def test_time_between_tokens_counts_only_gaps_between_tokens():
+    """The relay's last delta (the finish, the upstream's usage) carries no token: no gap is
+    timed to it. Three words a reply: two gaps each."""
+    async with relay([Upstream(["m"])]) as url:
+        for _ in range(2):
+            got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+    endpoint = 'endpoint="/v1/chat/completions"'
+    assert f"replystream_time_between_tokens_seconds_count{{{endpoint}}} 4.0" in metrics
+    assert f"replystream_tokens_generated_total{{{endpoint}}} 6.0" in metrics
+
+
 async def test_the_upstream_model_goes_only_to_upstreams_that_serve_it():
     """--upstream-model is what a request for no model is sent as: routed as that model,
     so never to an upstream that lists only others (it would answer 404)."""

@@ -9,6 +9,7 @@ any route's request schema or wire dialect.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -218,8 +219,18 @@ async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitab
             ) from exc
         log.warning("generation failed before the first token: %s", exc)
         raise HTTPAPIError(exc.status, str(exc), code=exc.code, retry_after_s=wait) from exc
+    except asyncio.CancelledError:  # the client left while the request waited (a queue)
+        _gone_before_reply(app, record)
+        raise
     record.admitted_at = time.monotonic()
     return started
+
+
+def _gone_before_reply(app: web.Application, record: ReplyRecord) -> None:
+    """A request whose client left before its reply existed: counted as cancelled, as a
+    reply its client leaves is (no reply's ending will count it)."""
+    record.outcome, record.reason = "cancelled", "client_gone"
+    app[METRICS_KEY].observe(record)
 
 
 async def start_reply(
@@ -283,10 +294,12 @@ async def start_reply(
         raise HTTPAPIError(
             503, f"resumable replies are unavailable right now: {exc}", code=exc.code
         ) from exc
-    except BaseException:
+    except BaseException as exc:
         # The client left (or anything else) while a remote store made the log: no reply
         # owns the generation yet, so nothing else would ever stop it.
         await close_quietly(deltas)
+        if isinstance(exc, asyncio.CancelledError):
+            _gone_before_reply(app, record)
         raise
     reply = Reply(
         reply_id=reply_id,

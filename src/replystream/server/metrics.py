@@ -224,6 +224,8 @@ class ReplyRecord:
     others_at: dict[int, float] | None = None
 
     def on_delta(self, made_at: float, tokens: int, choice: int = 0) -> None:
+        if tokens <= 0:  # a finish, a relay's marker: no token came, so no gap between two
+            return
         if choice:
             self._on_other_choice(made_at, tokens, choice)
             return
