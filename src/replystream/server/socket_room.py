@@ -3,8 +3,9 @@ every frame transport shares (``sse_transport``, ``ws_transport``).
 
 aiohttp's writes wait only while its protocol is paused (the socket's buffer passed its
 high-water mark), so a write that keeps the buffer below the mark cannot wait, and needs no
-deadline; the direct path writes only while the buffer is below it. It must not know about
-framing.
+deadline; the direct path writes only while the buffer is below it. And how a socket whose
+last bytes may never leave (a client that stopped reading) is dropped after a grace. It must
+not know about framing.
 """
 
 from __future__ import annotations
@@ -43,3 +44,15 @@ class SocketRoom:
             and not transport.is_closing()
             and transport.get_write_buffer_size() < self._high_water
         )
+
+
+def abort_later(transport: asyncio.WriteTransport, delay_s: float) -> None:
+    """Abort ``transport`` in ``delay_s`` unless it is gone by then (its last bytes left)."""
+    asyncio.get_running_loop().call_later(delay_s, _abort_unless_gone, transport)
+
+
+def _abort_unless_gone(transport: asyncio.WriteTransport) -> None:
+    # asyncio's socket transport, closed and then drained, lets go of its protocol and loop
+    # without counting itself lost: aborting it then fails inside the loop's callback.
+    if transport.get_protocol() is not None:
+        transport.abort()

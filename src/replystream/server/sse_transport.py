@@ -10,7 +10,6 @@ headers only, whatever the route. It must not know about replies or how the log 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ from replystream.delivery.formats import KEEPALIVE, Notices
 from replystream.delivery.frame_transport import Ending
 from replystream.delivery.replay import LogEntry
 from replystream.server.front_door import SentLater
-from replystream.server.socket_room import SocketRoom
+from replystream.server.socket_room import SocketRoom, abort_later
 from replystream.sse import encode_data
 
 LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
@@ -183,7 +182,7 @@ class SSETransport(SocketRoom):
                 transport.write(notice)
         transport.close()  # no headers yet: nothing can be said in-band
         # A client that never reads would keep the socket (and its buffer) forever.
-        asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+        abort_later(transport, LAST_WORDS_S)
 
     def finished(self, ending: Ending) -> None:
         sent = self.response.sent

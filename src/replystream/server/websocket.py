@@ -69,6 +69,7 @@ from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
+from replystream.server.socket_room import abort_later
 from replystream.server.ws_transport import (
     LAST_WORDS_S,
     MaskedFramesOnly,
@@ -194,7 +195,7 @@ class Session:
         self._stop_writers()
         transport = self.transport
         if transport is not None:
-            asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+            abort_later(transport, LAST_WORDS_S)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await self.ws.close(code=code, message=reason)

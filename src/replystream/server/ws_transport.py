@@ -35,7 +35,7 @@ from aiohttp import web
 from replystream.delivery.formats import json_string
 from replystream.delivery.frame_transport import Ending
 from replystream.delivery.replay import LogEntry
-from replystream.server.socket_room import SocketRoom
+from replystream.server.socket_room import SocketRoom, abort_later
 
 LAST_WORDS_S = 5.0  # how long a cut socket's final frames may take to leave
 CLOSE_POLICY = 1008  # the client broke a rule of ours (it did not read)
@@ -147,7 +147,7 @@ class MaskedFramesOnly(asyncio.Protocol):
         if not transport.is_closing():
             transport.write(close_frame(CLOSE_PROTOCOL_ERROR, b"unmasked frame"))
             transport.close()
-            asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+            abort_later(transport, LAST_WORDS_S)
         self._on_failure("the client sent an unmasked frame")
 
     def data_received(self, data: bytes) -> None:
@@ -310,7 +310,7 @@ class WebSocketTransport(SocketRoom):
             transport.write(close_frame(CLOSE_POLICY, ending.encode()))
             self._cut()
             transport.close()
-            asyncio.get_running_loop().call_later(LAST_WORDS_S, transport.abort)
+            abort_later(transport, LAST_WORDS_S)
 
     def finished(self, ending: Ending) -> None:
         return None
