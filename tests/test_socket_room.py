@@ -11,12 +11,13 @@ BIG = b"x" * (8 << 20)  # more than the kernel's buffers take: some waits in the
 
 
 class Keeper(asyncio.Protocol):
-    def __init__(self, transports: list[asyncio.Transport]) -> None:
-        self.transports = transports
+    def __init__(self, transports: list[asyncio.Transport], made: asyncio.Event) -> None:
+        self.transports, self.made = transports, made
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transports.append(transport)
+        self.made.set()
 
 
 async def cut_connection(read: bool) -> tuple[list[dict[str, Any]], bool]:
@@ -27,12 +28,12 @@ async def cut_connection(read: bool) -> tuple[list[dict[str, Any]], bool]:
     errors: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _, context: errors.append(context))
     transports: list[asyncio.Transport] = []
-    server = await loop.create_server(lambda: Keeper(transports), "127.0.0.1", 0)
+    made = asyncio.Event()
+    server = await loop.create_server(lambda: Keeper(transports, made), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        while not transports:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(made.wait(), 10)
         transport = transports[0]
         transport.write(BIG)
         transport.close()
