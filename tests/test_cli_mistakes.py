@@ -201,7 +201,7 @@ CASES: list[tuple[list[str], str]] = [
         "argument --default-max-tokens: want a whole number from 1 to 1048576, got 1048577",
     ),
     (
-        ["serve", "--engine", "simulated", "--delay-ms", "5"],
+        ["serve", "--engine", "simulated", "--delay-ms", "5", "--jitter-ms", "8"],
         "--jitter-ms 8 is more than --delay-ms 5",
     ),
     (["serve", "--workers", "2", "--delay-ms", "5"], "--delay-ms is an option of the simulated"),
@@ -211,7 +211,7 @@ CASES: list[tuple[list[str], str]] = [
         f"--upstream-routes {FILE}: not valid TOML",
     ),
     (
-        ["serve", "--workers", "2", "--engine", "simulated", "--delay-ms", "5"],
+        ["serve", "--workers", "2", "--engine", "simulated", "--delay-ms", "5", "--jitter-ms", "8"],
         "--jitter-ms 8 is more than --delay-ms 5",
     ),
     # lab
@@ -507,6 +507,14 @@ UNBOUNDED: list[tuple[list[str], str]] = [
         ["serve", "--engine", "simulated", "--port", "0", "--model-name", " "],
         "argument --model-name: must not be empty, got ' '",
     ),
+    (  # it would be the model a request for none is sent as, and the server's own name
+        ["serve", "--engine", "upstream:http://127.0.0.1:9/v1", "--upstream-model", ""],
+        "argument --upstream-model: must not be empty, got ''",
+    ),
+    (  # read only when the first client is made, with urllib's words
+        ["serve", "--engine", "simulated", "--port", "0", "--redis-url", "redis://h:99999"],
+        "--redis-url: the port is not a whole number from 0 to 65535",
+    ),
     (  # said once by serve, not once by each worker that would have loaded it
         ["serve", "--port", "0", "--workers", "2", "--engine", "gguf:/no/such.gguf"],
         "--engine gguf:PATH: /no/such.gguf: not a readable GGUF file",
@@ -547,6 +555,29 @@ def test_a_value_without_end_is_refused_before_anything_is_made(argv: list[str],
     line = one_line(done)
     assert line.startswith(f"replystream {argv[0]}: "), line
     assert says in line, line
+
+
+@pytest.mark.parametrize("command", ["serve", "lab"])
+async def test_a_delay_shorter_than_the_default_jitter_lowers_the_jitter(
+    command: str, tmp_path: Path
+):
+    """--delay-ms 2 alone: the default jitter (8 ms) is lowered to it, not refused naming a
+    flag the command line never gave."""
+    if command == "lab":
+        argv = ["lab", "--calls", "1", "--tokens", "2", "--delay-ms", "2", "--json"]
+        argv += ["--out", str(tmp_path)]
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "replystream", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return
+    async with replica("--engine", "simulated", "--delay-ms", "2", "--tokens", "3") as (_, url):
+        timing = await measure_reply(f"{url}/stream")
+    assert timing.complete and timing.tokens == 3
 
 
 async def test_a_cors_origin_is_matched_as_a_browser_writes_it():

@@ -106,6 +106,13 @@ def _nodes(netloc: str, default_port: int) -> tuple[tuple[str, int], ...]:
     return tuple(nodes)
 
 
+def _port_of(url: str) -> int | None:
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        raise ValueError("the port is not a whole number from 0 to 65535") from None
+
+
 def parse_redis_url(url: str) -> RedisTarget:
     """The target ``url`` names; ValueError (one line, no credentials) when it names none."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -113,6 +120,7 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise ValueError(f"expected one of {', '.join(SCHEMES)}")
     kind, tls = _SCHEMES[scheme]
     if kind == "single":
+        _port_of(url)  # read when the client is made: a bad one must fail here, named
         return RedisTarget(url, kind, tls)
     rest = url.split("://", 1)[1]
     netloc, _, path = rest.partition("/")

@@ -120,8 +120,9 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
             url=args.url.rstrip("/"),
         )
     delay = defaults.delay_ms if args.delay_ms is None else args.delay_ms
-    jitter = defaults.jitter_ms if args.jitter_ms is None else args.jitter_ms
-    assert delay is not None and jitter is not None
+    assert delay is not None and defaults.jitter_ms is not None
+    # Not given, the default jitter is lowered to a shorter delay (a delay cannot be negative).
+    jitter = min(defaults.jitter_ms, delay) if args.jitter_ms is None else args.jitter_ms
     if jitter > delay:
         raise ValueError(
             f"--jitter-ms {jitter:g} is more than --delay-ms {delay:g}: a token's delay "

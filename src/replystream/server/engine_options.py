@@ -200,13 +200,15 @@ def build_gguf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
 
 def build_simulated(args: argparse.Namespace) -> Engine:
     """The simulated engine; raises ValueError for values that contradict each other."""
+    given = {row.flag for row in settings.given(args)}
+    if args.jitter_ms > args.delay_ms and "--jitter-ms" not in given:
+        args.jitter_ms = args.delay_ms  # the default jitter, for a delay shorter than it
     if args.jitter_ms > args.delay_ms:
         raise ValueError(
             f"--jitter-ms {args.jitter_ms:g} is more than --delay-ms {args.delay_ms:g}: "
             "a token's delay cannot be negative; lower --jitter-ms"
         )
     if args.reply_script is not None:
-        given = {row.flag for row in settings.given(args)}
         for flag in ("--reply-text", "--tokens"):
             if flag in given:
                 raise ValueError(

@@ -9,6 +9,7 @@ import argparse
 from replystream.cli_values import (
     Checker,
     int_between,
+    non_empty_text,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -160,7 +161,8 @@ SIMULATED_ENGINE = Group(
         ),
         Setting(
             "--jitter-ms",
-            "each token's delay varies uniformly by up to this much (at most --delay-ms)",
+            "each token's delay varies uniformly by up to this much (at most --delay-ms; "
+            "not given, the default is lowered to --delay-ms when that is less)",
             schedule_ms,
             fills=(SimulatedConfig, "jitter_ms"),
             engines=SIMULATED,
@@ -219,6 +221,7 @@ UPSTREAM_ENGINE = Group(
             "model name sent upstream when a request names none it serves, and the server's "
             "own name unless --model-name gives one (default: the first one the upstream's "
             "/models lists)",
+            non_empty_text,
             fills=(UpstreamConfig, "model"),
             engines=UPSTREAM,
         ),
