@@ -114,3 +114,31 @@ async def test_every_buffered_route_feeds_the_time_between_tokens_histogram():
         line = f'replystream_time_between_tokens_seconds_count{{endpoint="{path}"}}'
         counts = [float(row.split()[-1]) for row in metrics.splitlines() if row.startswith(line)]
         assert counts == [4.0], (path, counts)
+
+
+async def test_every_event_a_stream_sends_is_counted_its_ending_included():
+    # A reply's last events (the finish, the usage, [DONE]; usage and done) and any backlog
+    # are sent by its readers after the reply itself was accounted for.
+    engine = fast_engine(delay_ms=2.0, jitter_ms=0.0)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True}
+    asks = {
+        "/v1/chat/completions": {**chat, "stream_options": {"include_usage": True}},
+        "/v1/replies": {"prompt": "x", "max_tokens": 5},
+        "/v1/messages": {**chat, "model": engine.name},
+    }
+    read: dict[str, bytes] = {}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        for path, body in asks.items():
+            async with http.post(f"{url}{path}", json=body) as response:
+                read[path] = await response.read()
+        async with http.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+
+    def counted(name: str, path: str) -> float:
+        line = f'replystream_{name}_total{{endpoint="{path}"}} '
+        return float(next(r for r in metrics.splitlines() if r.startswith(line)).split()[-1])
+
+    for path, body in read.items():
+        assert counted("events_sent", path) == body.count(b"\n\n"), path
+        # The body's bytes, and the chunk framing around each write, on the wire.
+        assert len(body) <= counted("bytes_sent", path) <= len(body) + 64, path

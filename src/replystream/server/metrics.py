@@ -222,6 +222,9 @@ class ReplyRecord:
     # With several choices (``n``): the last token of each choice but the first, so each
     # gap is one choice's time between its tokens, not between two choices' tokens.
     others_at: dict[int, float] | None = None
+    # Once the reply is accounted for (``Metrics.observe``), its endpoint's events and bytes
+    # counters: its readers send its last events (and any backlog) after it ended.
+    sent_after: tuple[Counter, Counter] | None = None
 
     def on_delta(self, made_at: float, tokens: int, choice: int = 0) -> None:
         if tokens <= 0:  # a finish, a relay's marker: no token came, so no gap between two
@@ -268,6 +271,10 @@ class ReplyRecord:
     def on_send(self, nbytes: int, events: int = 1) -> None:
         self.bytes_sent += nbytes
         self.events += events
+        late = self.sent_after
+        if late is not None:
+            late[0].inc(events)
+            late[1].inc(nbytes)
 
 
 class _Children(NamedTuple):
@@ -474,6 +481,7 @@ class Metrics:
             children.events.inc(record.events)
         if record.bytes_sent:
             children.bytes.inc(record.bytes_sent)
+        record.sent_after = children.events, children.bytes
         if record.tokens:
             children.tokens.inc(record.tokens)
         if record.prompt_tokens or record.tokens:
