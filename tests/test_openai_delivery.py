@@ -138,7 +138,7 @@ async def test_every_event_a_stream_sends_is_counted_its_ending_included():
         line = f'replystream_{name}_total{{endpoint="{path}"}} '
         return float(next(r for r in metrics.splitlines() if r.startswith(line)).split()[-1])
 
-    for path, body in read.items():
-        assert counted("events_sent", path) == body.count(b"\n\n"), path
+    for path, got in read.items():
+        assert counted("events_sent", path) == got.count(b"\n\n"), path
         # The body's bytes, and the chunk framing around each write, on the wire.
-        assert len(body) <= counted("bytes_sent", path) <= len(body) + 64, path
+        assert len(got) <= counted("bytes_sent", path) <= len(got) + 64, path

@@ -605,3 +605,32 @@ async def test_an_upstreams_own_time_limits_replace_the_relays_for_it():
 def test_an_upstreams_own_first_text_limit_must_fit_in_the_failover_window():
     with pytest.raises(ValueError, match="past the failover window"):
         UpstreamConfig((UpstreamTarget("http://a/v1", ttft_s=90.0),), failover_s=60.0)
+
+
+async def test_an_upstream_taken_out_and_put_back_counts_on_from_its_counts():
+    """Its per-upstream rows are counts since start: put back, it does not start again at 0
+    (a scrape would read a reset, and with workers the rows of every worker would differ)."""
+    a, b = Upstream(["m"]), Upstream(["m"])
+    async with AsyncExitStack() as stack:
+        a_url, b_url = [await stack.enter_async_context(running(u.app())) for u in (a, b)]
+        both = UpstreamConfig((UpstreamTarget(f"{a_url}/v1"), UpstreamTarget(f"{b_url}/v1")))
+        engine = UpstreamEngine(both)
+        url = await stack.enter_async_context(running(create_app(engine)))
+        for _ in range(4):
+            assert (await post_events(f"{url}/v1/chat/completions", CHAT_HI)).status == 200
+        name = f"{a_url}/v1"
+
+        def a_counts() -> tuple[int, int]:
+            row = next(s for s in engine.stats().backends if s.name == name)
+            return dict(row.attempts).get("ok", 0), sum(dict(row.probes).values())
+
+        sent, probed = a_counts()
+        assert sent == len(a.bodies) > 0 and probed > 0
+        await engine.reroute(UpstreamConfig((UpstreamTarget(f"{b_url}/v1"),)))
+        await engine.reroute(both)
+        again, probed_again = a_counts()
+        assert again == sent and probed_again > probed  # probed again before it rejoined
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+        row = f'replystream_upstream_attempts{{result="ok",upstream="{name}"}} {float(sent)}'
+        assert row in metrics, [r for r in metrics.splitlines() if "upstream_attempts{" in r]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,9 @@ class UpstreamEngine:
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
         self._retired: list[HttpOrigin] = []
+        # The counts (attempts, probes) of upstreams taken out, by name: one put back counts
+        # on from them, as a counter must (its per-upstream rows are read from these).
+        self._counts_kept: dict[str, tuple[Counter[str], Counter[str]]] = {}
         self._rerouting = asyncio.Lock()
         self._prober = HealthProber(
             self.pool,
@@ -398,6 +402,10 @@ class UpstreamEngine:
             before = {b.name: b for b in self.pool.backends}
             backends = [before.get(t.base_url) or _backend(t, config) for t in config.targets]
             joining = [b for b in backends if b.name not in before]
+            for backend in joining:
+                kept_counts = self._counts_kept.pop(backend.name, None)
+                if kept_counts is not None:
+                    backend.attempts, backend.probes = kept_counts
             # A staying upstream whose models are no longer given: its list is asked for by
             # a stand-in, so nothing routed changes before the swap.
             relisted = {
@@ -432,6 +440,7 @@ class UpstreamEngine:
             kept = {b.name for b in backends}
             removed = tuple(name for name in before if name not in kept)
             for name in removed:
+                self._counts_kept[name] = before[name].attempts, before[name].probes
                 origin = self._origins.pop(name, None)
                 if origin is not None:
                     origin.retire()
