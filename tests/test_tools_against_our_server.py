@@ -33,33 +33,23 @@ async def run_cli(*args: str) -> tuple[int, str, str]:
 
 
 async def test_bench_and_doctor_find_the_model_our_server_lists():
-    # Without --model both used to send "default" and get 404 model_not_found.
+    # Without --model both used to send "default" and get 404 model_not_found. Anthropic's
+    # Messages route takes its model from the same list, its API from the path.
     async with replica() as (_, url):
-        chat = f"{url}/v1/chat/completions"
-        code, out, err = await run_cli("doctor", chat, "--max-tokens", "60", "--json")
-        assert code == 0, (out, err)
-        result = json.loads(out)
-        assert result["verdict"] == "streaming" and result["status"] == 200, result["reason"]
-        code, out, err = await run_cli(
-            "bench", chat, "--requests", "3", "--output-tokens", "20", "--quiet"
-        )
-        assert code == 0, (out, err)
-        assert "Requests: 3 sent, 3 complete" in out
+        for route in ("/v1/chat/completions", "/v1/messages"):
+            code, out, err = await run_cli("doctor", url + route, "--max-tokens", "60", "--json")
+            assert code == 0, (route, out, err)
+            result = json.loads(out)
+            assert result["verdict"] == "streaming" and result["status"] == 200, result["reason"]
+            code, out, err = await run_cli(
+                "bench", url + route, "--requests", "3", "--output-tokens", "20", "--quiet"
+            )
+            assert code == 0, (route, out, err)
+            assert "Requests: 3 sent, 3 complete" in out, route
         code, out, err = await run_cli(
             "bench", f"{url}/v1/completions", "--requests", "2", "--output-tokens", "10", "--quiet"
         )
         assert code == 0, (out, err)
-        # Anthropic's Messages route: the model from the same list, the API from the path.
-        messages = f"{url}/v1/messages"
-        code, out, err = await run_cli("doctor", messages, "--max-tokens", "60", "--json")
-        assert code == 0, (out, err)
-        result = json.loads(out)
-        assert result["verdict"] == "streaming" and result["status"] == 200, result["reason"]
-        code, out, err = await run_cli(
-            "bench", messages, "--requests", "2", "--output-tokens", "10", "--quiet"
-        )
-        assert code == 0, (out, err)
-        assert "Requests: 2 sent, 2 complete" in out
 
 
 def models_app(names: list[str]) -> web.Application:

@@ -164,15 +164,23 @@ _RESPONSES_DELTAS: dict[str, Kind] = {
 }
 
 
-def _responses_event(event: Event) -> Meaning:
-    if event.type not in RESPONSES_ENDED and event.type not in _RESPONSES_DELTAS:
-        return OTHER
+def _object_of(event: Event) -> dict[str, Any] | Meaning:
+    """A typed event's data, a JSON object; or the error its data is."""
     try:
         payload = json.loads(event.data)
     except ValueError:
         return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
     if not isinstance(payload, dict):
         return Meaning("error", error=f"{event.type} data is not an object")
+    return payload
+
+
+def _responses_event(event: Event) -> Meaning:
+    if event.type not in RESPONSES_ENDED and event.type not in _RESPONSES_DELTAS:
+        return OTHER
+    payload = _object_of(event)
+    if isinstance(payload, Meaning):
+        return payload
     if event.type in _RESPONSES_DELTAS:
         delta = payload.get("delta")
         kind = _RESPONSES_DELTAS[event.type]
@@ -205,12 +213,9 @@ _MESSAGES_DELTAS: dict[str, tuple[Kind, str]] = {
 def _messages_event(event: Event) -> Meaning:
     if event.type == "message_stop":
         return DONE
-    try:
-        payload = json.loads(event.data)
-    except ValueError:
-        return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
-    if not isinstance(payload, dict):
-        return Meaning("error", error=f"{event.type} data is not an object")
+    payload = _object_of(event)
+    if isinstance(payload, Meaning):
+        return payload
     if event.type == "message_delta":  # its usage counts the whole reply's output so far
         usage = payload.get("usage")
         made = _count(usage.get("output_tokens"), least=0) if isinstance(usage, dict) else None

@@ -102,10 +102,7 @@ def build_request(
         body = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
         if _is_chat(url):
             messages = [{"role": "system", "content": system}] if system else []
-            for asked, replied in history:
-                messages.append({"role": "user", "content": asked})
-                messages.append({"role": "assistant", "content": replied})
-            body["messages"] = [*messages, {"role": "user", "content": prompt}]
+            body["messages"] = [*messages, *_turns(history, prompt)]
         else:
             body["prompt"] = prompt
     if max_tokens is not None:
@@ -124,14 +121,7 @@ def _responses_request(
     body: dict[str, Any] = {"model": model, "stream": True}
     if system:
         body["instructions"] = system
-    if history:
-        items = []
-        for asked, replied in history:
-            items.append({"role": "user", "content": asked})
-            items.append({"role": "assistant", "content": replied})
-        body["input"] = [*items, {"role": "user", "content": prompt}]
-    else:
-        body["input"] = prompt
+    body["input"] = _turns(history, prompt) if history else prompt
     if max_tokens is not None:
         body["max_output_tokens"] = max_tokens
     return RequestSpec("POST", url, body)
@@ -149,12 +139,17 @@ def _messages_request(
     body: dict[str, Any] = {"model": model, "max_tokens": limit, "stream": True}
     if system:
         body["system"] = system
+    body["messages"] = _turns(history, prompt)
+    return RequestSpec("POST", url, body)
+
+
+def _turns(history: Sequence[tuple[str, str]], prompt: str) -> list[dict[str, str]]:
+    """The conversation as chat messages: each earlier turn and its reply, then the prompt."""
     messages = []
     for asked, replied in history:
         messages.append({"role": "user", "content": asked})
         messages.append({"role": "assistant", "content": replied})
-    body["messages"] = [*messages, {"role": "user", "content": prompt}]
-    return RequestSpec("POST", url, body)
+    return [*messages, {"role": "user", "content": prompt}]
 
 
 def _is_chat(url: str) -> bool:
