@@ -5,18 +5,23 @@ import asyncio
 import gzip
 import json
 import re
+import time
+from collections.abc import AsyncGenerator
 from functools import partial
 from typing import Any
 
+import aiohttp
 import pytest
 
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedEngine
+from replystream.engine.base import Delta, DeltaStream, GenerationRequest
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
+from tests.scripted_engine import ScriptedEngine
 from tests.sse_client import Received, post_events
 
 REPLY = "we will now launch the rocket at dawn and then we go home to rest"
@@ -206,27 +211,46 @@ async def test_a_time_window_flushes_a_partial_batch_while_tokens_are_slow():
     assert [t["tokens"] for t in got.of_type("token")] == [1] * 6
 
 
+class PacedChoices(ScriptedEngine):
+    """Two choices (seeds 7 and 8): each says a word, choice 1 30 ms after choice 0, then
+    nothing for 1 s, then its last word."""
+
+    async def start(self, request: GenerationRequest) -> DeltaStream:
+        choice = (request.sampling.seed or 7) - 7
+        return self._paced(f"c{choice} ", 0.03 * choice)
+
+    async def _paced(self, word: str, first_s: float) -> AsyncGenerator[Delta, None]:
+        await asyncio.sleep(first_s)
+        yield Delta(word, 1, time.monotonic())
+        await asyncio.sleep(1.0)
+        yield Delta("end", 1, time.monotonic(), "stop")
+
+
 async def test_a_time_window_is_kept_for_every_choice_of_several():
-    """n = 2, tokens out of step between the choices: each choice's batch leaves within the
-    window, not when its own next token happens to come (one timer, for the earliest batch
-    due, used to be all there was)."""
-    engine = fast_engine(delay_ms=150, jitter_ms=100)  # a choice's tokens 50 ms apart or more
-    async with serve(engine) as url:
-        body = {
-            "messages": [{"role": "user", "content": "x"}],
-            "stream": True,
-            "n": 2,
-            "seed": 42,
-            "max_tokens": 8,
-            "batch_tokens": 100,
-            "batch_ms": 10,
-        }
-        got = await post_events(f"{url}/v1/chat/completions", body)
-    chunks = [json.loads(e.data) for e in got.events if e.data.startswith("{")]
-    texts = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
-    words = [t for t in texts if t]
-    assert len(words) == 16, words  # 8 tokens a choice, each its own batch
-    assert all(len(t.split()) == 1 for t in words), words
+    """Both choices' first words wait in their batches at once: each leaves within the
+    window (100 ms), not when a choice next makes a token. One timer, for the batch due
+    first, used to be all there was: choice 1's word waited a whole second."""
+    app = create_app(PacedChoices(), ServerConfig(policy=DeliveryPolicy()))
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "n": 2,
+        "seed": 7,
+        "batch_tokens": 100,
+        "batch_ms": 100,
+    }
+    arrived: dict[str, float] = {}
+    async with running(app) as url, aiohttp.ClientSession() as session:
+        sent = time.monotonic()
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        text = choice["delta"].get("content")
+                        if text:
+                            arrived.setdefault(text, time.monotonic() - sent)
+    assert set(arrived) == {"c0 ", "c1 ", "end"}, arrived
+    assert arrived["c1 "] < 0.6 < arrived["end"], arrived
 
 
 async def test_keep_alive_comment_arrives_during_a_long_wait_for_the_first_token():
