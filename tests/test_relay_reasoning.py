@@ -209,6 +209,7 @@ async def test_text_held_back_goes_out_before_the_thinking_that_follows_it():
     held: list[dict[str, Any]] = [
         {"extra_body": {"replystream": {"holdback_tokens": 2}}},
         {"stop_sequences": ["answer X"]},  # "answer " could begin it: held until it cannot
+        {"extra_body": {"replystream": {"batch_tokens": 8}}},  # batched, none held back
     ]
     async with (
         relay("interleaved") as (url, _),

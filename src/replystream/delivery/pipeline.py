@@ -159,9 +159,8 @@ class ReplyPipeline:
                 # and text held only for a window or a stop string's tail (a thought breaks
                 # the text as a tool call does); text held for checks stays held.
                 self.reasoning_tokens += delta.tokens
-                before = self._flush()
-                if holdback is not None and not holdback.checks:
-                    before = self._release_held()
+                releases = holdback is not None and not holdback.checks
+                before = self._release_held() if releases else self._flush()
                 return self._entries(before + self.fmt.reasoning(delta.reasoning, delta.tokens))
             if delta.tool_call is not None:
                 # A call's pieces carry no text; log probabilities, if any came with one,
