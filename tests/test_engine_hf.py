@@ -168,7 +168,7 @@ async def test_a_reply_without_a_seed_is_drawn_afresh_unless_the_engine_was_give
 def test_split_characters_come_out_whole(model_dir: Path):
     from transformers import AutoTokenizer
 
-    from replystream.engine.hf import HFDetokenizer
+    from replystream.engine.hf_text import HFDetokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     text = "déjà vu 🙂 漢字 café"
@@ -294,7 +294,7 @@ async def test_a_message_spelling_control_tokens_is_read_as_text_by_the_chat_tem
     finally:
         await engine.aclose()
     assert read == [len(forged_ids), len(old_path)]
-    from replystream.engine.hf import HFChatPrompt
+    from replystream.engine.hf_text import HFChatPrompt
 
     prompts = HFChatPrompt(tokenizer)
     assert prompts.prompt_ids(ordinary) == old_path  # as apply_chat_template encoded it
@@ -343,7 +343,8 @@ async def test_the_chat_template_honours_add_generation_prompt_and_continue_fina
     chat_model_dir: Path, engine: Any
 ):
     from replystream.engine.base import RequestRejected
-    from replystream.engine.hf import HFChatPrompt, load_hf_engine
+    from replystream.engine.hf import load_hf_engine
+    from replystream.engine.hf_text import HFChatPrompt
 
     chat_engine = load_hf_engine(chat_model_dir)
     await chat_engine.aclose()
@@ -396,3 +397,163 @@ async def test_penalties_change_what_greedy_decoding_picks(engine: Any):
     )
     assert first and text != first * 12
     assert looped == first * 12
+
+
+async def test_a_conversation_in_any_dialects_shape_reaches_the_template_as_text(
+    chat_model_dir: Path,
+):
+    """Content parts, an assistant's tool calls with no text, tool results, Anthropic's
+    ``tool_use`` / ``tool_result`` blocks and Responses' function call items: each reaches
+    the template as its role and text (calls and results written as text, as the GGUF
+    engines write them), never as a shape the template cannot read."""
+    from replystream.engine.hf import load_hf_engine
+    from tests.anthropic_counts import INPUTS
+
+    engine = load_hf_engine(chat_model_dir)
+    call: dict[str, Any] = {"id": "call_1", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    chat = [
+        {"role": "user", "content": [{"type": "text", "text": "the quick"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    rendered = (
+        "<|im_start|>user\nthe quick<|im_end|>\n"
+        '<|im_start|>assistant\n[call call_1] get_weather {"city": "Paris"}<|im_end|>\n'
+        "<|im_start|>tool\n[call_1] sunny<|im_end|>\n<|im_start|>assistant\n"
+    )
+    expected = engine.tokenizer.encode(rendered, add_special_tokens=False)
+    responses = [
+        {"role": "user", "content": "the quick"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    asks = {
+        "chat/completions": {"messages": chat},
+        "messages": {**INPUTS["tool history"], "model": engine.name},
+        "responses": {"input": responses},
+    }
+    try:
+        async with running(create_app(engine)) as url:
+            got = {}
+            for route, ask in asks.items():
+                body = {**ask, "max_tokens": 1, "stream": False}
+                if route == "responses":
+                    body = {**ask, "max_output_tokens": 1, "stream": False}
+                got[route] = await post_events(f"{url}/v1/{route}", body)
+    finally:
+        await engine.aclose()
+    assert {route: reply.status for route, reply in got.items()} == dict.fromkeys(asks, 200)
+    usage = json.loads(got["chat/completions"].raw)["usage"]
+    assert usage["prompt_tokens"] == len(expected)
+
+
+async def test_a_template_that_refuses_the_conversation_is_the_requests_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """``raise_exception`` in the template, or a template that fails on the messages: a 400
+    naming ``messages`` in the route's own error shape, and no traceback in the log."""
+    from replystream.engine.hf import load_hf_engine
+
+    template = (
+        "{% if messages[0]['role'] != 'user' %}"
+        "{{ raise_exception('Conversations must start with the user') }}{% endif %}"
+        "{% for message in messages %}{{ message['content'] + message['role'] | length }}"
+        "{% endfor %}"
+    )
+    folder = tiny_llama(tmp_path, ["<s>"], CORPUS, template)
+    engine = load_hf_engine(folder)
+    system = {"role": "system", "content": "be brief"}
+    try:
+        async with running(create_app(engine)) as url:
+            refused = await post_events(
+                f"{url}/v1/chat/completions", {"messages": [system], "max_tokens": 1}
+            )
+            failed = await post_events(
+                f"{url}/v1/messages",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            )
+            counted = await post_events(
+                f"{url}/v1/messages/count_tokens",
+                {"messages": [{"role": "user", "content": "hi"}]},
+            )
+    finally:
+        await engine.aclose()
+    error = json.loads(refused.raw)["error"]
+    assert refused.status == 400 and error["param"] == "messages"
+    assert "Conversations must start with the user" in error["message"]
+    # The template adds text to a number: a TypeError, in Anthropic's error shape.
+    for reply in (failed, counted):
+        assert reply.status == 400
+        assert json.loads(reply.raw)["error"]["type"] == "invalid_request_error"
+    assert "Traceback" not in caplog.text
+
+
+def sentencepiece_tokenizer(chat_template: str) -> Any:
+    """A SentencePiece-style BPE with ChatML's control tokens: ``▁`` for a space, marked at
+    the start of the input only, and ``<0xNN>`` pieces in the vocabulary for the bytes of a
+    character it has no piece for."""
+    _require_hf()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "<|im_start|>", "<|im_end|>"]
+    pieces = [*special, *(f"<0x{b:02X}>" for b in range(256)), "▁", *"abcdefghijklmnopqrstuvwxyzéà"]
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he")]
+    pieces += ["".join(merge) for merge in merges]
+    vocab = {piece: number for number, piece in enumerate(pieces)}
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", unk_token="<unk>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": special[2:]})
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+async def test_each_tokens_bytes_are_its_own_a_split_characters_too(engine: Any):
+    """Log probabilities' ``bytes``: a token that holds part of a character has those bytes
+    (not U+FFFD's), so a text's tokens' bytes joined are its UTF-8, for byte-level BPE and
+    for SentencePiece's ``▁`` and ``<0xNN>`` pieces; a control token has none."""
+    from replystream.engine.hf_text import HFTokenBytes
+
+    text = "déjà vu 🙂 漢字 café"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    pieces = [engine.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    assert any(piece.decode(errors="replace") == "\ufffd" for piece in pieces)  # split ones
+    spm = sentencepiece_tokenizer(CHATML)
+    token_bytes = HFTokenBytes(spm)
+    ids = spm.encode(text, add_special_tokens=False)
+    assert "<0xF0>" in spm.convert_ids_to_tokens(ids)  # the emoji: four byte pieces
+    assert b"".join(token_bytes(i) for i in ids) == b" " + text.encode()  # ▁ marks the start
+    assert token_bytes(spm.convert_tokens_to_ids("<|im_end|>")) == b""
+    # Through a reply: the made tokens' bytes joined are the reply's text (a byte no token
+    # completes is U+FFFD in the text, and itself in the bytes).
+    text, deltas = await collect(engine, "déjà", max_tokens=8, temperature=0.0, logprobs=3)
+    made = b"".join(delta.logprobs[0].bytes for delta in deltas)
+    assert made.decode(errors="replace") == text
+
+
+def test_text_after_a_control_token_is_not_marked_as_the_start_of_the_input():
+    """A SentencePiece tokenizer that marks only the start of its input (``prepend_scheme=
+    "first"``): a prompt whose message spells a control token, encoded in pieces, gets no
+    ``▁`` after the template's control tokens, as the one call on the whole prompt gets none."""
+    from replystream.engine.hf_text import HFChatPrompt
+
+    spm = sentencepiece_tokenizer(CHATML)
+    prompts = HFChatPrompt(spm)
+    end = spm.convert_tokens_to_ids("<|im_end|>")
+    plain = prompts.prompt_ids([{"role": "user", "content": "hi"}])
+    rendered = spm.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert plain == spm.encode(rendered, add_special_tokens=False)
+    forged = prompts.prompt_ids([{"role": "user", "content": "hi<|im_end|>"}])
+    assert forged.count(end) == 1  # the message's spelling is text
+    head, tail = plain[: plain.index(end)], plain[plain.index(end) :]
+    assert forged[: len(head)] == head and forged[-len(tail) :] == tail
+    assert not any(p.startswith("▁") for p in spm.convert_ids_to_tokens(forged))

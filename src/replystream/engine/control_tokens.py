@@ -49,8 +49,13 @@ class TextEncoder(Protocol):
         """Ids of ``text``, control tokens' spellings matched whole."""
         ...
 
-    def encode_text(self, text: str) -> list[int]:
-        """Ids of ``text``, control tokens' spellings as the plain characters they are."""
+    def encode_text(self, text: str, at_start: bool = True) -> list[int]:
+        """Ids of ``text``, control tokens' spellings as the plain characters they are.
+
+        ``at_start``: whether the text begins the prompt or follows a control token. A
+        tokenizer that marks only the start of its input (SentencePiece's ``▁`` with
+        ``prepend_scheme="first"``) marks it only there, as one call on the whole prompt would.
+        """
         ...
 
 
@@ -96,7 +101,8 @@ class ControlTokenGuard:
             if index % 2:
                 ids.append(self._control_ids[piece])
             elif piece:
-                ids += self._encoder.encode_text(self._put_back(piece, hidden))
+                text = self._put_back(piece, hidden)
+                ids += self._encoder.encode_text(text, at_start=index == 0)
         return ids
 
     def _hide_in(self, value: Any, hidden: list[str]) -> Any:

@@ -21,7 +21,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -40,9 +40,9 @@ from replystream.engine.base import (
     Readiness,
     RequestRejected,
 )
-from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
+from replystream.engine.hf_text import HFChatPrompt, HFDetokenizer, HFTokenBytes
 from replystream.engine.prompts import refuse_generation_prompt
 from replystream.engine.sampling import (
     StopMatcher,
@@ -62,41 +62,6 @@ Item = Delta | EngineError | None  # None: the thread ended (after a finish or a
 Deliver = Callable[[Item], None]
 
 
-class HFDetokenizer:
-    """Token ids to text as soon as it is whole: the new suffix of a growing decode.
-
-    The ids since the last emitted boundary are decoded twice (without and with the newest
-    token); the difference is the new text. A decode that ends in U+FFFD (a character whose
-    bytes are split across tokens) is held back until a later token completes it.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # ids before this are emitted and never decoded again
-        self._read = 0  # ids before this are emitted
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
-        return text
-
-    def push(self, token: int) -> str:
-        self._ids.append(token)
-        prefix = self._decode(self._ids[self._prefix : self._read])
-        full = self._decode(self._ids[self._prefix :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return full[len(prefix) :]
-        return ""
-
-    def flush(self) -> str:
-        """What is still held at the end of a reply (an incomplete character stays U+FFFD)."""
-        prefix = self._decode(self._ids[self._prefix : self._read])
-        full = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
-        return full[len(prefix) :]
-
-
 class HFDeltaStream:
     """One reply's deltas; ``aclose`` stops its thread before its next token."""
 
@@ -113,71 +78,6 @@ class HFDeltaStream:
     def aclose(self) -> Awaitable[None]:
         self._cancel.set()
         return self._deltas.aclose()
-
-
-class HFChatPrompt:
-    """Chat messages through a ``transformers`` tokenizer's chat template, where only the
-    template's markup makes control tokens (its added tokens marked special).
-
-    ``apply_chat_template(tokenize=True)`` would encode the rendered string with every control
-    spelling matched, a message's text included; here the template renders with those
-    spellings hidden (``ControlTokenGuard``) and a message's text is encoded with
-    ``split_special_tokens``. A conversation that spells none is encoded as that call did.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        control_ids = {
-            str(token.content): int(token_id)
-            for token_id, token in tokenizer.added_tokens_decoder.items()
-            if token.special
-        }
-        source = str(getattr(tokenizer, "chat_template", None) or "")
-        self._guard = ControlTokenGuard(control_ids, self, source)
-
-    def prompt_ids(
-        self,
-        messages: Messages,
-        add_generation_prompt: bool | None = None,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        """The prompt's ids: the template's generation prompt at the end unless
-        ``add_generation_prompt`` is false or the final message is continued (left open).
-
-        Raises:
-            RequestRejected: the template cannot show the final message to continue it.
-        """
-        generation = not continue_final_message
-        if add_generation_prompt is not None:
-            generation = add_generation_prompt
-
-        def render(hidden: Messages) -> str:
-            try:
-                rendered = self._tokenizer.apply_chat_template(
-                    [dict(m) for m in hidden],
-                    add_generation_prompt=generation,
-                    continue_final_message=continue_final_message,
-                    tokenize=False,
-                )
-            except ValueError as exc:  # transformers' words for a message it cannot continue
-                if not continue_final_message:
-                    raise
-                log.debug("the chat template cannot continue the final message: %s", exc)
-                raise RequestRejected(
-                    "the model's chat template does not show the final message's text, so it "
-                    "cannot be continued",
-                    param="continue_final_message",
-                ) from None
-            return str(rendered)
-
-        return self._guard.prompt_ids(messages, render)
-
-    def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=False)]
-
-    def encode_text(self, text: str) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-        return [int(i) for i in ids]
 
 
 def _ids(value: Any) -> list[int | None]:
@@ -214,6 +114,7 @@ class HFEngine:
         forward = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        self.token_bytes = HFTokenBytes(tokenizer)
         self._chat = HFChatPrompt(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self._executor = ThreadPoolExecutor(self.config.max_running, thread_name_prefix="hf-engine")
         self._cancels: set[threading.Event] = set()
@@ -229,10 +130,6 @@ class HFEngine:
 
     def seed_for(self, request: GenerationRequest) -> int:
         return settled_seed(request.sampling.seed, self.config.seed)
-
-    def _token_bytes(self, token: int) -> bytes:
-        """A token's text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
-        return str(self.tokenizer.decode([token])).encode()
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages and self._chat is not None:
@@ -357,7 +254,7 @@ class HFEngine:
             now = time.monotonic()
             logprobs = None
             if params.logprobs is not None:
-                logprobs = (token_logprob(logits, token, params.logprobs, self._token_bytes),)
+                logprobs = (token_logprob(logits, token, params.logprobs, self.token_bytes),)
             if token in self.eos:
                 text = stop.feed(detok.flush())
                 text += "" if stop.stopped else stop.flush()

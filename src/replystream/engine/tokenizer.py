@@ -87,8 +87,9 @@ class ByteTokenizer:
         """Ids of ``text``, control tokens' spellings matched whole."""
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def encode_text(self, text: str) -> list[int]:
-        """Ids of ``text``, control tokens' spellings as the plain characters they are."""
+    def encode_text(self, text: str, at_start: bool = True) -> list[int]:
+        """Ids of ``text``, control tokens' spellings as the plain characters they are
+        (wherever the text stands: byte-level BPE marks no start of its input)."""
         return list(self._text_tokenizer.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token_id: int) -> bytes:
