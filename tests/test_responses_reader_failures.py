@@ -111,3 +111,45 @@ async def test_a_resumed_reader_cut_fails_the_response_with_the_output_before_it
     failed = events[-1].response
     assert [(item.type, item.status) for item in failed.output] == [("message", "incomplete")]
     assert failed.output[0].content[0].text == text
+
+
+async def test_a_closing_larger_than_the_byte_limit_reaches_a_reader_that_takes_it():
+    """A Responses reply's closing events repeat its whole text and log probabilities: one
+    append larger than ``slow_client_bytes``. A reader held back for a while (its backlog
+    under the limit) that then reads as fast as it can gets the end, not a slow-client cut:
+    what it is writing, and the append that came while it wrote, are not falling behind."""
+    from replystream.delivery.policy import DeliveryPolicy
+    from replystream.server import create_app
+    from replystream.server.context import MANAGER_KEY, ServerConfig
+    from tests.conftest import fast_engine
+    from tests.stalling_proxy import small_send_buffer
+
+    engine = fast_engine(reply_text="word " * 1000, delay_ms=0.1, jitter_ms=0.0)
+    limit = 256 << 10
+    app = create_app(engine, ServerConfig(policy=DeliveryPolicy(slow_client_bytes=limit)))
+    app.on_response_prepare.append(small_send_buffer)
+    release = asyncio.Event()
+    ask: dict[str, Any] = {"model": "simulated", "input": "x", "max_output_tokens": 600}
+    ask.update(include=["message.output_text.logprobs"], top_logprobs=20)
+    async with running(app) as url:
+        async with proxy_stalling_its_first_connection(host_port(url), release) as proxied:
+            client = openai.AsyncOpenAI(base_url=f"{proxied}/v1", api_key="-", max_retries=0)
+            async with client:
+
+                async def read() -> list[Any]:
+                    stream = await client.responses.create(stream=True, **ask)
+                    return [event async for event in stream]
+
+                reading = asyncio.ensure_future(read())
+                replies = app[MANAGER_KEY].replies
+                await wait_for(lambda: bool(replies), timeout_s=30)
+                await wait_for(lambda: not replies, timeout_s=30)  # made to its end
+                release.set()
+                async with asyncio.timeout(30):
+                    events = await reading
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete"
+    closing = sum(len(event.model_dump_json()) for event in events[-4:])
+    sent_before = sum(len(event.model_dump_json()) for event in deltas)
+    assert sent_before < limit < closing and len(deltas) == 600
+    assert "".join(event.delta for event in deltas) == events[-1].response.output_text

@@ -5,15 +5,19 @@ A follower starts after the event id it was given (0: from the start), writes ev
 log has, then waits for more until the reply's terminal entry. While idle it sends
 keep-alives. Each write that may wait (the transport says the socket would not take it at
 once) runs under a deadline of ``slow_client_s``. A follower is also cut when its unsent
-backlog passes its byte limit (``lag_limit``): ``slow_client_bytes`` plus the smallest backlog
-it has had since it began sending. So a reader that resumes or joins far behind may replay
-all the log keeps (it starts behind by what it asked for, not by falling behind), one that
-then falls more than ``slow_client_bytes`` further behind is cut, and one that has caught up
-is held to ``slow_client_bytes`` alone. The backlog comes from its cursor (``LogCursor``,
-handed out by the reply's store), so the limit holds for a reply made here or on another
-replica: the producer's append reaches a follower of a local reply through ``interrupt``,
-even while it is blocked on the socket; a follower of a remote reply asks its cursor while
-its write waits. A cut follower leaves a last ``error`` notice if the socket still takes it.
+backlog, beyond the entries it is writing at that moment, passes its byte limit
+(``lag_limit``): ``slow_client_bytes`` plus the smallest such backlog it has had since it
+began sending. So a reader that resumes or joins far behind may replay all the log keeps (it
+starts behind by what it asked for, not by falling behind), one that then falls more than
+``slow_client_bytes`` further behind is cut, and one that has caught up is held to
+``slow_client_bytes`` alone. What it is writing is not counted: one append of the producer (a
+Responses reply's closing events repeat its whole text and log probabilities) may be larger
+than the limit, and a reader that takes it as fast as the socket allows is not behind. The
+backlog comes from its cursor (``LogCursor``, handed out by the reply's store), so the limit
+holds for a reply made here or on another replica: the producer's append reaches a follower
+of a local reply through ``interrupt``, even while it is blocked on the socket; a follower of
+a remote reply asks its cursor while its write waits. A cut follower leaves a last ``error``
+notice if the socket still takes it.
 
 The direct path: a follower that has caught up with a reply made in this process lets the
 producer write each new event straight into its transport (``push``), so a live stream costs
@@ -76,8 +80,9 @@ class Sink(Protocol):
 class Watcher(Protocol):
     """A follower of a local reply, as the producer sees it."""
 
-    def interrupt(self) -> None:
-        """Called on every append while the follower may be blocked, and on shutdown."""
+    def interrupt(self, appended: list[LogEntry] | None = None) -> None:
+        """Called on every append (``appended``: its entries) while the follower may be
+        blocked, and at the reply's end and on shutdown (none)."""
         ...
 
 
@@ -141,6 +146,8 @@ class Follower:
     __slots__ = (
         "_broken",
         "_deadline",
+        "_in_hand",
+        "_latest",
         "_started_after",
         "_woken",
         "clock",
@@ -184,18 +191,26 @@ class Follower:
         # (``_go_direct``). One attribute, so the producer's checks (``push``, ``interrupt``)
         # cost what a fixed limit would.
         self.lag_limit = NOT_SENDING_YET
+        # Not counted as the backlog the limit is for: the bytes of entries in hand, read from
+        # the log and not yet sent, and of the producer's latest append, when it came while
+        # this follower was writing (it has had no chance to take them yet).
+        self._in_hand = 0
+        self._latest = 0
         self.overflow = False
         self._woken: asyncio.Future[None] | None = None  # while direct: done when there is work
         self._deadline: asyncio.Timeout | None = None
         self._broken: Exception | None = None  # a failure on the direct path, for the task
 
-    def interrupt(self) -> None:
-        """Called on every append while this follower may be blocked, and on shutdown."""
+    def interrupt(self, appended: list[LogEntry] | None = None) -> None:
+        """Called on every append (``appended``: its entries) while this follower may be
+        blocked, and at the reply's end and on shutdown (none)."""
         deadline = self._deadline
         if deadline is None or deadline.expired():
             return
         if not self.readers.shutting_down:
-            if self.cursor.lag_bytes() <= self.lag_limit:
+            if appended:
+                self._latest = entries_bytes(appended)
+            if self.cursor.lag_bytes() - self._in_hand - self._latest <= self.lag_limit:
                 return
             self.overflow = True
         deadline.reschedule(asyncio.get_running_loop().time())
@@ -240,7 +255,10 @@ class Follower:
         try:
             while not write.done():
                 await asyncio.wait((write,), timeout=LIVENESS_POLL_S)
-                if not write.done() and await self.cursor.measure() > self.lag_limit:
+                if (
+                    not write.done()
+                    and await self.cursor.measure() - self._in_hand > self.lag_limit
+                ):
                     self.overflow = True
                     raise self._behind()
             return write.result()
@@ -369,20 +387,27 @@ class Follower:
             return
         start = 0
         size = 0
-        for index, entry in enumerate(entries):
-            size += data_bytes(entry.data)
-            if size >= WRITE_CHUNK or index == len(entries) - 1:
-                lag = self.cursor.lag_bytes()
-                if self.overflow or lag > self.lag_limit:
-                    raise self._behind()
-                self._allow(lag)  # at its first write: the backlog it starts with
-                # Several events in one write: fewer syscalls for a replay.
-                batch = entries[start : index + 1]
-                final = last and index == len(entries) - 1
-                await self._send(self.transport.encode(batch), len(batch), last=final)
-                self.cursor.sent(entry.seq, size)
-                self._allow(self.cursor.lag_bytes())  # just written: its backlog is least now
-                start, size = index + 1, 0
+        self._in_hand = entries_bytes(entries)
+        self._latest = 0  # read, if it had come: in hand now
+        try:
+            for index, entry in enumerate(entries):
+                size += data_bytes(entry.data)
+                if size >= WRITE_CHUNK or index == len(entries) - 1:
+                    behind = self.cursor.lag_bytes() - self._in_hand
+                    if self.overflow or behind > self.lag_limit:
+                        raise self._behind()
+                    self._allow(behind)  # at its first write: the backlog it starts with
+                    # Several events in one write: fewer syscalls for a replay.
+                    batch = entries[start : index + 1]
+                    final = last and index == len(entries) - 1
+                    await self._send(self.transport.encode(batch), len(batch), last=final)
+                    self.cursor.sent(entry.seq, size)
+                    self._in_hand -= size
+                    # Just written: its backlog is least now.
+                    self._allow(self.cursor.lag_bytes() - self._in_hand)
+                    start, size = index + 1, 0
+        finally:
+            self._in_hand = 0
         if self.reply is not None:
             self.reply.consumed(self.cursor.after)
 
@@ -445,8 +470,9 @@ class Follower:
                 return
         if sent is None:
             # The socket is not keeping up. Past the slow-client limit this follower is done
-            # for; say so now, so the producer stops in this tick rather than after it.
-            if not self.overflow and cursor.lag_bytes() > self.lag_limit:
+            # for; say so now, so the producer stops in this tick rather than after it. These
+            # entries are in hand, as a read's are: what was behind before them counts.
+            if not self.overflow and cursor.lag_bytes() - entries_bytes(entries) > self.lag_limit:
                 self.overflow = True
                 if self.reply is not None:
                     self.reply.reader_fell_behind()

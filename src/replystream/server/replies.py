@@ -199,7 +199,7 @@ class Reply:
                 for sink in self.sinks:
                     sink.push(entries)
             for follower in self.followers:
-                follower.interrupt()
+                follower.interrupt(entries)
 
     def _flush_window(self) -> None:
         self._window_timer = None
