@@ -54,7 +54,15 @@ async def test_a_slow_client_cut_fails_the_response_with_the_output_it_was_sent(
                 release.set()
                 async with asyncio.timeout(30):
                     events = await reading
+                # Resumed after the last number the client saw: the response's next event.
+                last_seen = events[-1].sequence_number
+                resumed = await client.responses.retrieve(
+                    events[-1].response.id, stream=True, starting_after=last_seen
+                )
+                rest = [event async for event in resumed]
     assert [event.type for event in events[-2:]] == ["error", "response.failed"]
+    # Nothing skipped: the event after the last one this stream wrote.
+    assert rest and rest[0].sequence_number == last_seen + 1 == events[-3].sequence_number + 1
     failed = events[-1].response
     assert (failed.status, failed.error.code) == ("failed", "slow_client")
     assert [event.type for event in events].count("response.output_text.delta") >= 1
@@ -63,9 +71,9 @@ async def test_a_slow_client_cut_fails_the_response_with_the_output_it_was_sent(
     assert [item["status"] for item in told] == ["incomplete"]
     assert told[0]["content"][0]["text"] == sent[0]["content"][0]["text"]
     assert {**sent[0], "status": "incomplete"} == told[0]
-    # Every event once, in order: the reader's own events follow the last one written.
+    # Every event once, in order; the reader's own two carry the last one written's number.
     numbers = [event.sequence_number for event in events]
-    assert numbers == list(range(1, len(events) + 1))
+    assert numbers == [*range(1, len(events) - 1), len(events) - 2, len(events) - 2]
 
 
 async def test_a_resumed_reader_cut_fails_the_response_with_the_output_before_its_place_too(
@@ -100,7 +108,7 @@ async def test_a_resumed_reader_cut_fails_the_response_with_the_output_before_it
     assert [event.type for event in events[-2:]] == ["error", "response.failed"]
     assert events[0].sequence_number == 7
     numbers = [event.sequence_number for event in events]
-    assert numbers == list(range(7, 7 + len(events)))
+    assert numbers == [*range(7, 5 + len(events)), 4 + len(events), 4 + len(events)]
     told_upto = events[-3].sequence_number
     text = "".join(
         event.delta

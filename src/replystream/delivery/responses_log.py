@@ -109,8 +109,10 @@ def opened_object(first: LogEntry) -> dict[str, Any] | None:
 class ReaderNotices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
     producer, a store that cannot be reached, events lost): an ``error`` event in OpenAI's
-    shape, then ``response.failed``, numbered on from the last event written (they are not
-    in the log).
+    shape, then ``response.failed``. They are not in the log and have no ``id:``; each
+    carries the ``sequence_number`` of the last event written before them, so a client that
+    resumes after the last number it saw (``starting_after``) gets the response's next event,
+    which a number of their own would have skipped.
     Its object is the response as it opened (its settings, as ``response.created`` carried
     them), failed, with the output items this stream has told its client (the open one
     cut: ``incomplete``), so a client that puts the response together from the events has
@@ -149,12 +151,12 @@ class ReaderNotices:
         }
         error_event = {
             "type": "error",
-            "sequence_number": after + 1,
+            "sequence_number": after,
             "code": code,
             "message": message,
             "param": None,
         }
-        failed_event = {"type": "response.failed", "sequence_number": after + 2, "response": failed}
+        failed_event = {"type": "response.failed", "sequence_number": after, "response": failed}
         return [
             ("error", compact_json(error_event)),
             ("response.failed", compact_json(failed_event)),
