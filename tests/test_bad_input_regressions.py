@@ -453,3 +453,26 @@ def test_a_missing_field_is_missing_required_parameter_on_every_route(
     server: LoggedServer, route: str, body: dict[str, object], code: str, param: str
 ) -> None:
     refused(server.post_json_text(route, json.dumps(body)), 400, code, param)
+
+
+@pytest.mark.parametrize(
+    ("choice", "param", "says"),
+    [
+        ("sometimes", "tool_choice", "'none', 'auto' or 'required'"),
+        ({"type": "function"}, "tool_choice.name", "is required"),
+        ({"type": "allowed_tools", "mode": "auto", "tools": []}, "tool_choice.type", "function"),
+        (3, "tool_choice", "an object naming a function"),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/chat/completions"])
+def test_a_bad_tool_choice_names_what_is_wrong_with_it(
+    server: LoggedServer, route: str, choice: object, param: str, says: str
+) -> None:
+    """A mode's name and an object naming a tool are told apart first, so the error is the
+    branch's own (not the other branch's field, nor a path through the union)."""
+    body: dict[str, object] = {"input": "x", "tool_choice": choice}
+    if route == "/v1/chat/completions":
+        body = {"messages": USER, "tool_choice": choice}
+        param = param.replace("tool_choice.name", "tool_choice.function")
+    message = refused(server.post_json_text(route, json.dumps(body)), 400, "invalid_value", param)
+    assert says in message

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, PlainValidator, model_validator
+from pydantic import Discriminator, Field, PlainValidator, Tag, model_validator
 
 from replystream.server.chat_message_schemas import Messages
 from replystream.server.schema_fields import (
+    CHOICE_ERROR,
     MAX_LOGIT_BIASES,
     Bias,
     ChoiceCount,
@@ -28,8 +29,10 @@ from replystream.server.schema_fields import (
     Strict,
     TokenCount,
     TokenIdKey,
+    ToolMode,
     ToolName,
     TopLogprobs,
+    choice_kind,
     invalid,
     only,
 )
@@ -58,7 +61,10 @@ class NamedChatTool(Strict):
     function: FunctionName
 
 
-ChatToolChoice = Literal["none", "auto", "required"] | NamedChatTool
+ChatToolChoice = Annotated[
+    Annotated[ToolMode, Tag("<mode>")] | Annotated[NamedChatTool, Tag("<named>")],
+    Discriminator(choice_kind, custom_error_type="tool_choice", custom_error_message=CHOICE_ERROR),
+]
 
 
 class StreamOptions(Strict):

@@ -20,6 +20,7 @@ from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 from replystream.server.chat_message_schemas import MessageToolCall
 from replystream.server.openai_schemas import TextFormat
 from replystream.server.schema_fields import (
+    CHOICE_ERROR,
     ITEM_TAGS,
     BatchMs,
     BatchTokens,
@@ -32,9 +33,11 @@ from replystream.server.schema_fields import (
     Strict,
     Temperature,
     TokenCount,
+    ToolMode,
     ToolName,
     TopK,
     TopLogprobs,
+    choice_kind,
     content_kind,
     invalid,
     only,
@@ -170,7 +173,10 @@ class NamedFunction(Strict):
     name: str
 
 
-ResponsesToolChoice = Literal["none", "auto", "required"] | NamedFunction
+ResponsesToolChoice = Annotated[
+    Annotated[ToolMode, Tag("<mode>")] | Annotated[NamedFunction, Tag("<named>")],
+    Discriminator(choice_kind, custom_error_type="tool_choice", custom_error_message=CHOICE_ERROR),
+]
 
 
 class ResponsesExtensions(Strict):

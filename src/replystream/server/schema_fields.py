@@ -52,7 +52,10 @@ MAX_TAG_CHARS = 128
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
 ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
 BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-UNION_TAGS = frozenset({"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS)})
+CHOICE_TAGS = ("mode", "named")
+UNION_TAGS = frozenset(
+    {"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS + CHOICE_TAGS)}
+)
 
 
 def invalid(message: str, param: str | None = None) -> PydanticCustomError:
@@ -123,6 +126,20 @@ class Strict(Schema):
     """A JSON request part: strict types, finite numbers, unknown fields refused."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def choice_kind(value: Any) -> str | None:
+    """A ``tool_choice``'s branch: a mode's name, or an object naming a tool (so an error
+    about either names the field, not the other branch's)."""
+    if isinstance(value, str):
+        return "<mode>"
+    if isinstance(value, dict):
+        return "<named>"
+    return None
+
+
+ToolMode = Literal["none", "auto", "required"]
+CHOICE_ERROR = "must be 'none', 'auto', 'required' or an object naming a function"
 
 
 def content_kind(value: Any) -> str | None:
