@@ -476,3 +476,24 @@ def test_a_bad_tool_choice_names_what_is_wrong_with_it(
         param = param.replace("tool_choice.name", "tool_choice.function")
     message = refused(server.post_json_text(route, json.dumps(body)), 400, "invalid_value", param)
     assert says in message
+
+
+@pytest.mark.parametrize(
+    ("metadata", "param", "says"),
+    [
+        ({"k" * 65: "v"}, "metadata", "a key of metadata must have at most 64 character"),
+        ({"k": "v" * 513}, "metadata.k", "metadata.k must have at most 512 character"),
+        ({str(i): "v" for i in range(17)}, "metadata", "at most 16 item"),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/chat/completions"])
+def test_metadata_past_openais_limits_is_a_400(
+    server: LoggedServer, route: str, metadata: dict[str, str], param: str, says: str
+) -> None:
+    body: dict[str, object] = {"input": "x", "metadata": metadata}
+    if route == "/v1/chat/completions":
+        body = {"messages": USER, "metadata": metadata}
+    message = refused(server.post_json_text(route, json.dumps(body)), 400, "invalid_value", param)
+    assert says in message
+    within = {"k" * 64: "v" * 512}
+    assert server.post_json_text(route, json.dumps({**body, "metadata": within})).status == 200

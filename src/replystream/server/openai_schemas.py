@@ -22,6 +22,7 @@ from replystream.server.schema_fields import (
     ChoiceCount,
     JSONSchema,
     LegacyLogprobs,
+    Metadata,
     OnlyOne,
     Penalty,
     RepetitionPenalty,
@@ -98,7 +99,7 @@ class OpenAIBody(SamplingFields):
     logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIASES)] | None = None
     # Accepted and ignored.
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None

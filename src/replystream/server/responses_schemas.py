@@ -27,6 +27,7 @@ from replystream.server.schema_fields import (
     HoldbackTokens,
     JSONSchema,
     KeepaliveS,
+    Metadata,
     Probability,
     Seed,
     Stop,
@@ -299,7 +300,7 @@ class ResponsesBody(ResponsesPrompt):
     top_p: Probability | None = None
     stream: bool = False
     store: bool = True
-    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     background: bool = False
     user: str | None = None
     service_tier: str | None = None  # accepted and ignored, as on chat

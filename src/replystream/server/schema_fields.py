@@ -138,6 +138,12 @@ def choice_kind(value: Any) -> str | None:
     return None
 
 
+# OpenAI's ``metadata`` (chat and Responses): at most 16 pairs, keys of at most 64
+# characters, values of at most 512.
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
 ToolMode = Literal["none", "auto", "required"]
 CHOICE_ERROR = "must be 'none', 'auto', 'required' or an object naming a function"
 

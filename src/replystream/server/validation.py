@@ -208,9 +208,14 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
     errors = exc.errors(include_url=False)
     error = next((e for e in errors if e["type"] != "extra_forbidden"), errors[0])
     kind = error["type"]
+    loc = error["loc"]
+    name = None
+    if "[key]" in loc:  # a mapping's key (pydantic's place: the key, then "[key]")
+        loc = loc[: loc.index("[key]") - 1]
+        name = f"a key of {field_path(loc)}"
     # A check across an object's fields names one of them, inside the object's own place.
     named = error.get("ctx", {}).get("param")
-    param = field_path((*error["loc"], named) if named else error["loc"])
+    param = field_path((*loc, named) if named else loc)
     if kind == "json_invalid":
         detail = error["msg"].removeprefix("Invalid JSON: ")
         return HTTPAPIError(400, f"{what} is not valid JSON: {detail}", code="invalid_json")
@@ -231,7 +236,7 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
         if len(error["loc"]) == 1:
             code = "missing_required_parameter"
         return HTTPAPIError(400, f"{param} is required", code=code, param=param)
-    return HTTPAPIError(400, _message(error, param), code=code, param=param)
+    return HTTPAPIError(400, _message(error, name or param), code=code, param=param)
 
 
 def _message(error: ErrorDetails, param: str | None) -> str:
