@@ -155,7 +155,7 @@ async def test_a_cancelled_response_ends_with_status_cancelled():
     final = json.loads(events[-1].data)
     assert final["type"] == "response.failed"
     assert final["response"]["status"] == "cancelled"
-    assert final["response"]["error"]["code"] == "cancelled"
+    assert final["response"]["error"] is None  # not an error: OpenAI's cancelled object
     await wait_for(lambda: engine.stats().active == 0)
 
 
@@ -319,7 +319,19 @@ async def test_cancel_is_idempotent_and_delete_forgets_the_response():
         cancelled = await client.responses.cancel(queued.id)
         again = await client.responses.cancel(queued.id)
         assert cancelled.status == again.status == "cancelled"
+        assert cancelled.error is None
         await wait_for(lambda: engine.stats().active == 0)
+        # Only a background response can be cancelled: a streamed one, running or not, is
+        # a 400, and goes on.
+        stream = await client.responses.create(model="simulated", input="x", stream=True)
+        opened: Any = await anext(aiter(stream))
+        streamed_id = opened.response.id
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.cancel(streamed_id)
+        assert refused.value.body["param"] == "response_id"  # type: ignore[index]
+        assert "background" in refused.value.body["message"]  # type: ignore[index]
+        assert engine.stats().active == 1
+        await stream.close()
         await client.responses.delete(queued.id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(queued.id)

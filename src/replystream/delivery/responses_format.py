@@ -309,10 +309,12 @@ class ResponsesStreamFormat:
         ]
 
     def error(self, message: str, code: str) -> list[Spec]:
-        status: Status = "cancelled" if code == "cancelled" else "failed"
-        error = {"code": code, "message": message}
-        kind = "response.failed"
-        return [self._event(kind, {"response": self._response(status, error=error)})]
+        # A cancelled response is not an error: OpenAI's object has ``error: null``.
+        if code == "cancelled":
+            response = self._response("cancelled", error=None)
+        else:
+            response = self._response("failed", error={"code": code, "message": message})
+        return [self._event("response.failed", {"response": response})]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on

@@ -303,10 +303,20 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses/{id}/cancel``: end it with status ``cancelled`` (a response that
-    has ended already is answered as it is)."""
-    reply_id = response_reply_id(request.match_info["response_id"], "response_id")
+    has ended already is answered as it is). Only a background response can be cancelled,
+    as in OpenAI's API: a streamed one stops when its client closes the stream."""
+    given_id = request.match_info["response_id"]
+    reply_id = response_reply_id(given_id, "response_id")
     store, _ = await find_response(request, reply_id, "response_id")
     response = await read_response(store, reply_id)
+    if not response.get("background"):
+        raise HTTPAPIError(
+            400,
+            f"response {given_id} was not created with background: true, and only a "
+            "background response can be cancelled",
+            code="invalid_value",
+            param="response_id",
+        )
     if response["status"] not in ("queued", "in_progress"):
         return web.json_response(response)
     try:
