@@ -126,3 +126,26 @@ async def test_a_place_past_the_end_of_a_reply_live_elsewhere_ends_with_an_error
     assert text.startswith("event: error\n"), text
     error = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])["error"]
     assert error["code"] == "invalid_value" and "1000" in error["message"]
+
+
+async def test_a_place_at_the_last_event_of_a_reply_live_elsewhere_ends_the_stream_quietly(
+    tmp_path: Path,
+):
+    # The reader holds the whole reply: followed live on another replica, nothing comes
+    # after its place, and that is no error (a place past the end is: above).
+    with redis_server(tmp_path) as redis:
+        engine = fast_engine(delay_ms=20, jitter_ms=0)
+        producer = create_app(engine, store=RedisReplayStore(redis.url))
+        reader = create_app(fast_engine(), store=RedisReplayStore(redis.url))
+        async with running(producer) as start, running(reader) as other:
+            live = await raw_request(
+                f"{start}/v1/replies",
+                "POST",
+                b'{"prompt": "x", "resumable": true, "max_tokens": 10}',
+            )
+            reply_id = live.headers["x-reply-id"]
+            last = 10 + 3  # its start, 10 tokens, its usage and its done, numbered from 1
+            status, _, body = await resume(other, reply_id, str(last))
+            whole = await live.read_body()
+    assert whole.rstrip().split(b"\n")[-2] == f"id: {last}".encode()  # done's id
+    assert status == 200 and b"event: error" not in body, body

@@ -359,9 +359,12 @@ class Follower:
             self.cursor.sent(last, 0)
         await self._send_entries(result.entries, last=result.ending is not None)
         if result.ending is not None:
-            if self._started_after and self.cursor.after == self._started_after:
-                # It ended with nothing after the reader's place (a place past the end of a
-                # reply made elsewhere, followed while it was live): said, not an empty body.
+            past = result.last_seq is not None and self._started_after > result.last_seq
+            if self.cursor.after == self._started_after and past:
+                # It ended before the reader's place (a place past the end of a reply made
+                # elsewhere, followed while it was live): said, not an empty body. A reader
+                # placed at its last event had it all: its stream just ends, and a resume
+                # from there is the 409 that says the reply ended.
                 message = f"last_event_id {self._started_after} is past this reply's last event"
                 await self._send(self._notice(message, "invalid_value"), 1, last=True)
             return "ended"

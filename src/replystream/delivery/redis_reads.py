@@ -210,7 +210,7 @@ class RemoteReads:
             # stream was evicted. What the reader lacks is told; then the reply's end.
             self.evictions += 1
             lost = (after + 1, meta.last) if after < meta.last else None
-            return ReadResult([], lost, meta.ending), Offsets(None, logged)
+            return ReadResult([], lost, meta.ending, last_seq=meta.last), Offsets(None, logged)
         if not meta.known and not rows and not newest:
             # Every key gone: expired, deleted, or evicted (unless its producer lives: it
             # writes them again, and this reader waits).

@@ -69,6 +69,7 @@ def result_of(rows: Any, after: int, batch: int) -> tuple[ReadResult, Offsets]:
     and where they stand in bytes (the log's size: as far as these entries tell)."""
     entries: list[LogEntry] = []
     ending: str | None = None
+    last_seq: int | None = None
     before_first: int | None = None
     logged: int | None = None
     hole = False
@@ -83,6 +84,7 @@ def result_of(rows: Any, after: int, batch: int) -> tuple[ReadResult, Offsets]:
         expected = seq + 1
         if b"end" in fields:
             ending = fields[b"end"].decode()
+            last_seq = seq - 1  # the terminal entry comes right after the last event
             break
         raw = fields[b"d"]
         if b"b" in fields:
@@ -97,4 +99,4 @@ def result_of(rows: Any, after: int, batch: int) -> tuple[ReadResult, Offsets]:
         lost = (after + 1, first - 1)
     if hole or (len(rows) == batch and ending is None):
         return ReadResult(entries, lost, None), offsets  # more to come on the next read
-    return ReadResult(entries, lost, ending), offsets
+    return ReadResult(entries, lost, ending, last_seq=last_seq), offsets

@@ -93,6 +93,7 @@ class ReadResult:
     lost: tuple[int, int] | None = None  # (first, last) sequence numbers no longer kept
     ending: str | None = None  # set once every entry has been read and the reply has ended
     producer_lost: bool = False  # no ending, and its producer stopped refreshing liveness
+    last_seq: int | None = None  # with ``ending``: the reply's last event (None: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +298,8 @@ class _Log:
             lost = (start, self.first_seq - 1)
             start = self.first_seq
         # Every entry after ``start`` is returned, so the ending (if any) comes with them.
-        return ReadResult(self.entries[start - self.first_seq :], lost, self.ending)
+        last = self.next_seq - 1 if self.ending is not None else None
+        return ReadResult(self.entries[start - self.first_seq :], lost, self.ending, last_seq=last)
 
 
 class MemoryReplayStore:
