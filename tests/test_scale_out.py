@@ -18,7 +18,11 @@ from urllib.parse import urlsplit
 
 from replystream.client import ResumingReader
 from replystream.client.resume import Backoff
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.server import create_app, running
+from replystream.server.context import MANAGER_KEY, ServerConfig
 from tests.chaos_proxy import chaos_proxy, random_budget
+from tests.conftest import fast_engine, wait_for
 from tests.nginx import running_nginx
 from tests.processes import replica, start_server, stop
 from tests.rawhttp import raw_request
@@ -219,3 +223,34 @@ async def test_a_detached_reply_read_on_the_other_replica_goes_on_past_the_grace
     assert read_for > 4  # twice the grace, and more
     assert b"event: done" in body and b'"code": "cancelled"' not in body
     assert body.count(b"event: token") == 250
+
+
+async def test_a_detached_reply_stops_soon_after_its_reader_on_the_other_replica_leaves(
+    tmp_path: Path,
+):
+    # The reader on B leaves past the grace: A stops the reply about the grace after that
+    # (and a heartbeat or two), not after the reader's mark has lapsed too.
+    with redis_server(tmp_path) as redis:
+        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 2000)
+        config = ServerConfig(detach_grace_s=2.0)
+        a = create_app(engine, config, RedisReplayStore(redis.url))
+        b = create_app(fast_engine(), config, RedisReplayStore(redis.url))
+        async with running(a) as a_url, running(b) as b_url:
+            start = await raw_request(
+                f"{a_url}/v1/replies", "POST", b'{"prompt": "x", "resumable": true}'
+            )
+            reply_id = start.headers["x-reply-id"]
+            await start.reader.readuntil(b"\n\n")  # the reply event: then A's reader leaves
+            await start.aclose()
+            resumed = await raw_request(
+                f"{b_url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "1"}
+            )
+            await asyncio.sleep(3.0)  # read past the grace
+            await resumed.aclose()
+            loop = asyncio.get_running_loop()
+            left = loop.time()
+            await wait_for(lambda: not a[MANAGER_KEY].replies, timeout_s=20)
+            stopped_after = loop.time() - left
+    assert engine.stats().cancelled == 1  # stopped, not made to its end
+    # Grace 2 s, and up to a beat to take the mark away and one for A to miss it.
+    assert stopped_after < 4.5, stopped_after

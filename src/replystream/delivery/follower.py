@@ -321,6 +321,7 @@ class Follower:
             log.error("follower of %s failed", self.reply_id[:8], exc_info=exc)
             self.transport.last_words(self._notice("internal error", "internal_error"), ending)
         finally:
+            self.cursor.close()
             self.readers.forget_reader(self)
             if reply is not None:
                 reply.followers.remove(self)

@@ -46,7 +46,9 @@ class FollowedStore(Protocol):
 
     async def logged_bytes(self, reply_id: str) -> int | None: ...
 
-    async def reading(self, reply_id: str) -> None: ...
+    async def reading(self, reply_id: str, joined: bool = False) -> None: ...
+
+    def left(self, reply_id: str) -> None: ...
 
 
 class RemoteCursor:
@@ -54,7 +56,7 @@ class RemoteCursor:
     at the last read, less the bytes up to the reader's place, both from the offsets every
     entry carries (``b``)."""
 
-    __slots__ = ("_following", "_logged", "_sent_upto", "_store", "after", "reply_id")
+    __slots__ = ("_following", "_joined", "_logged", "_sent_upto", "_store", "after", "reply_id")
 
     def __init__(self, store: FollowedStore, reply_id: str, after: int) -> None:
         self._store = store
@@ -64,6 +66,7 @@ class RemoteCursor:
         self._logged = 0
         # The last read found the reply, not ended: the next waits on the shared XREAD first.
         self._following = False
+        self._joined = False  # counted among the reply's readers here (until ``close``)
 
     async def read(self, wait_s: float) -> ReadResult | None:
         if self._following and wait_s > 0:
@@ -78,8 +81,16 @@ class RemoteCursor:
             self._sent_upto = offsets.before_first  # first read, or entries were lost
         self._following = result is not None and result.ending is None and not result.producer_lost
         if self._following:
-            await self._store.reading(self.reply_id)  # its producer keeps it going for us
+            joined = not self._joined
+            self._joined = True
+            # Its producer keeps it going for us.
+            await self._store.reading(self.reply_id, joined=joined)
         return result
+
+    def close(self) -> None:
+        if self._joined:
+            self._joined = False
+            self._store.left(self.reply_id)
 
     def sent(self, upto: int, log_bytes: int) -> None:
         self.after = upto

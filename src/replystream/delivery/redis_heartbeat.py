@@ -39,8 +39,13 @@ class Heartbeat:
         self.redis = link.redis
         self.liveness_s = link.liveness_s
         self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
-        # Replies produced elsewhere that a reader here follows: when it last read each one.
+        # Replies produced elsewhere that a reader here follows: when it last read each one,
+        # how many readers here follow it, and those whose last reader here has just left
+        # (their marks are taken away at the next beat, so their producers' detach grace
+        # runs from about when the reader left, not a mark's lifetime later).
         self._reading: dict[str, float] = {}
+        self._readers: dict[str, int] = {}
+        self._left: set[str] = set()
         # While Redis is down these fail every second: told once as they begin, once as
         # they end.
         self._refresh_outage = OutageLog(log, "liveness refresh")
@@ -56,15 +61,32 @@ class Heartbeat:
             reading = self._still_reading()
             if reading:
                 await self._mark_read(reading)
+            left = [reply_id for reply_id in self._left if reply_id not in self._readers]
+            self._left.clear()
+            if left:
+                await self._unmark(left)
 
-    async def reading(self, reply_id: str) -> None:
-        """A reader here has just read reply ``reply_id``, produced elsewhere and not ended:
-        its mark is left at once the first time (the producer may be counting down its
-        detach grace), then refreshed by the heartbeat while the reader goes on reading."""
+    async def reading(self, reply_id: str, joined: bool = False) -> None:
+        """A reader here has just read reply ``reply_id``, produced elsewhere and not ended
+        (``joined``: its first such read): its mark is left at once the first time (the
+        producer may be counting down its detach grace), then refreshed by the heartbeat
+        while the reader goes on reading."""
+        if joined:
+            self._readers[reply_id] = self._readers.get(reply_id, 0) + 1
         first = reply_id not in self._reading
         self._reading[reply_id] = time.monotonic()
         if first:
             await self._mark_read([reply_id])
+
+    def left(self, reply_id: str) -> None:
+        """A reader here that had joined reply ``reply_id`` (``reading``) is done with it."""
+        count = self._readers.get(reply_id, 0) - 1
+        if count > 0:
+            self._readers[reply_id] = count
+            return
+        self._readers.pop(reply_id, None)
+        self._reading.pop(reply_id, None)
+        self._left.add(reply_id)
 
     def _still_reading(self) -> list[str]:
         """Replies produced elsewhere that a reader here has read within ``liveness_s``."""
@@ -86,6 +108,14 @@ class Heartbeat:
             self._marks_outage.failed(exc)
             return
         self._marks_outage.succeeded()
+
+    async def _unmark(self, replies: list[str]) -> None:
+        """Take away the marks of replies no reader here follows any more (a mark Redis
+        cannot drop now lapses by itself within ``liveness_s``)."""
+        try:
+            await self.redis.delete(*(self._keys.key(reply_id, ":read") for reply_id in replies))
+        except (RedisError, OSError) as exc:
+            self._marks_outage.failed(exc)
 
     async def _refresh(self, live: list[str]) -> None:
         """Refresh the liveness of ``live`` replies, pass on the cancels asked for them, and

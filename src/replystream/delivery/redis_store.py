@@ -187,11 +187,16 @@ class RedisReplayStore:
     async def logged_bytes(self, reply_id: str) -> int | None:
         return await self.reads.logged_bytes(reply_id)
 
-    async def reading(self, reply_id: str) -> None:
-        """A reader here has just read reply ``reply_id``, produced elsewhere and not ended:
-        its producer is told (``Heartbeat.reading``)."""
+    async def reading(self, reply_id: str, joined: bool = False) -> None:
+        """A reader here has just read reply ``reply_id``, produced elsewhere and not ended
+        (``joined``: its first such read): its producer is told (``Heartbeat.reading``)."""
         self._ensure_tasks()
-        await self._heartbeat.reading(reply_id)
+        await self._heartbeat.reading(reply_id, joined)
+
+    def left(self, reply_id: str) -> None:
+        """A reader here that joined reply ``reply_id`` is done: its producer is told at the
+        next beat (``Heartbeat.left``)."""
+        self._heartbeat.left(reply_id)
 
     def read_elsewhere_at(self, reply_id: str) -> float | None:
         return self.writer.tables.read_elsewhere.get(reply_id)

@@ -153,6 +153,11 @@ class LogCursor(Protocol):
         about; one produced here is already known). Raises ``StoreUnavailable``."""
         ...
 
+    def close(self) -> None:
+        """The reader is done with this place (its stream ended, however it ended): a
+        reply produced elsewhere no longer counts it among its readers."""
+        ...
+
 
 class ReplayStore(Protocol):
     name: str
@@ -486,3 +491,6 @@ class MemoryCursor:
 
     async def measure(self) -> int:
         return self.lag_bytes()
+
+    def close(self) -> None:
+        """Nothing to tell: the reply's producer here counts its own readers."""

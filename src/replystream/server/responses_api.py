@@ -198,12 +198,15 @@ async def _await_end(reply: Reply) -> dict[str, Any]:
 async def _until_ended(store: ReplayStore, reply_id: str) -> None:
     """Wait until a reply's log has its ending (or its producer is gone)."""
     cursor = store.cursor(reply_id, 0)
-    while True:
-        result = await cursor.read(ENDING_POLL_S)
-        if result is None or result.ending is not None or result.producer_lost:
-            return
-        if result.entries:
-            cursor.sent(result.entries[-1].seq, entries_bytes(result.entries))
+    try:
+        while True:
+            result = await cursor.read(ENDING_POLL_S)
+            if result is None or result.ending is not None or result.producer_lost:
+                return
+            if result.entries:
+                cursor.sent(result.entries[-1].seq, entries_bytes(result.entries))
+    finally:
+        cursor.close()
 
 
 async def _whole(
