@@ -765,6 +765,18 @@ def test_histogram_lengths_are_drawn_in_proportion_to_their_weights(tmp_path):
         Lengths.parse(f"hist:{hist}")
 
 
+def test_a_normal_draw_past_any_float_is_clamped_to_a_length():
+    """A normal of huge SD draws inf now and then (and nan from inf - inf): each draw is
+    still a whole length within the bounds, not an OverflowError."""
+    rng = random.Random(1)
+    wide = Lengths("normal", 10, 1e308, minimum=1)
+    bounded = Lengths("normal", 10, 1e308, minimum=1, maximum=50)
+    draws = [wide.draw(rng) for _ in range(200)] + [bounded.draw(rng) for _ in range(200)]
+    assert all(isinstance(d, int) and 1 <= d <= 2**53 for d in draws)
+    assert all(d <= 50 for d in draws[200:])
+    assert Lengths("normal", float("inf"), 1, minimum=1).draw(rng) == 2**53
+
+
 def test_datasets_read_prompts_sharegpt_and_messages_with_their_reply_lengths():
     plain = read_dataset(WORKLOADS / "prompts.jsonl")
     assert len(plain) == 5 and plain[0].output_tokens == 60 and plain[3].output_tokens is None

@@ -287,6 +287,42 @@ CASES: list[tuple[list[str], str]] = [
         ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "99999999999999999999"],
         "--prompt-words: '99999999999999999999': length must be at most 10,000,000",
     ),
+    # a draw past what a whole number can be made of: refused, not a traceback at the first
+    # request (the server refuses max_tokens past 2**20 anyway)
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--output-tokens", "normal:1e308:1e308"],
+        "--output-tokens: 'normal:1e308:1e308': lengths must be at most 1,048,576",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--output-tokens", "2000000"],
+        "--output-tokens: '2000000': length must be at most 1,048,576, got 2,000,000",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "normal:10:1e308"],
+        "--prompt-words: 'normal:10:1e308': the SD must be at most 10,000,000",
+    ),
+    # a length spec in another shape says which shapes are read, not Python's words
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--output-tokens", "uniform:1:2:3"],
+        "--output-tokens: 'uniform:1:2:3': want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "many"],
+        "--prompt-words: 'many': want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE (>= 0",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", "normal:5"],
+        "--prompt-words: 'normal:5': want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE",
+    ),
+    # empty is a mistake (a script's unset variable), not the default
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--prompt-words", ""],
+        "--prompt-words: '': want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/stream", "--output-tokens", ""],
+        "--output-tokens: '': want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE",
+    ),
     (
         ["bench", "http://127.0.0.1:9/stream", "--system-prompt-words", "3000000000"],
         "argument --system-prompt-words: want a whole number from 0 to 10000000, got 3000000000",

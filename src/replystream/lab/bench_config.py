@@ -23,6 +23,7 @@ from replystream.lab.profiles import Profile
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import SweepConfig
 from replystream.lab.workload import MODEL_APIS, MOST_PROMPT_WORDS, Lengths, Prompt, detect_api
+from replystream.server.schema_fields import MAX_TOKENS_LIMIT
 
 T = TypeVar("T")
 
@@ -207,12 +208,21 @@ def config_from_args(
         profile=profile or Profile.synchronous(),
         requests=requests,
         duration_s=args.duration,
+        # Not given is the default; given empty is a mistake, not the default.
         prompt_words=_read(
             "--prompt-words",
-            lambda: Lengths.parse(args.prompt_words or "0", minimum=0, maximum=MOST_PROMPT_WORDS),
+            lambda: Lengths.parse(
+                "0" if args.prompt_words is None else args.prompt_words,
+                minimum=0,
+                maximum=MOST_PROMPT_WORDS,
+            ),
         ),
-        output_tokens=_read("--output-tokens", lambda: Lengths.parse(args.output_tokens, minimum=1))
-        if args.output_tokens
+        # A reply longer than any server's max_tokens would be refused by every server.
+        output_tokens=_read(
+            "--output-tokens",
+            lambda: Lengths.parse(args.output_tokens, minimum=1, maximum=MAX_TOKENS_LIMIT),
+        )
+        if args.output_tokens is not None
         else None,
         prompts=prompts,
         prompts_in_order=args.trace is not None,

@@ -32,6 +32,8 @@ MESSAGES_DEFAULT_MAX_TOKENS = 1024
 # context, and still a prompt this process can build (about 60 MB); more would exhaust its
 # memory, or pass what a string can hold, before the first request was sent.
 MOST_PROMPT_WORDS = 10_000_000
+# The longest draw of a length with no maximum: a float is exact up to it.
+_MOST_DRAWN = 2**53
 
 # Prompt filler: distinct short words, so a prompt of N words is N tokens to a word tokenizer.
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
@@ -245,30 +247,37 @@ class Lengths:
         if name == "hist":
             values, weights = read_histogram(rest, minimum, maximum)
             return cls("histogram", 0, minimum=minimum, values=values, weights=weights, source=rest)
+        most = "" if maximum is None else f" and <= {maximum:,}"
+        forms = f"{text!r}: want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE (>= {minimum}{most})"
+        numbers = rest.split(":")
         try:
             if not rest:
                 value = int(name)
                 if value < minimum:
-                    raise ValueError(f"length must be at least {minimum}, got {value}")
+                    raise ValueError(f"{text!r}: length must be at least {minimum}, got {value}")
                 if maximum is not None and value > maximum:
-                    raise ValueError(f"length must be at most {maximum:,}, got {value:,}")
+                    raise ValueError(f"{text!r}: length must be at most {maximum:,}, got {value:,}")
                 return cls("fixed", value, minimum=minimum)
-            a, b = (float(x) for x in rest.split(":"))
+            if name not in ("uniform", "normal") or len(numbers) != 2:
+                raise ValueError(forms)
+            a, b = float(numbers[0]), float(numbers[1])
         except ValueError as exc:
-            raise ValueError(f"{text!r}: {exc}") from None
+            # int() and float() say it in Python's words ("invalid literal for int()")
+            raise ValueError(str(exc) if str(exc).startswith(repr(text)) else forms) from None
         if not (math.isfinite(a) and math.isfinite(b)):  # a draw is rounded to a whole number
             raise ValueError(f"{text!r}: want finite numbers")
         # The largest a draw is meant to reach: HI, or the mean (the tail is cut at maximum).
         meant = b if name == "uniform" else a
-        if name in ("uniform", "normal") and maximum is not None and meant > maximum:
+        if maximum is not None and meant > maximum:
             raise ValueError(f"{text!r}: lengths must be at most {maximum:,}")
+        if maximum is not None and name == "normal" and b > maximum:
+            # Most draws would be cut at a bound, not drawn from the distribution asked for.
+            raise ValueError(f"{text!r}: the SD must be at most {maximum:,}")
         if name == "uniform" and minimum <= a <= b:
             return cls("uniform", a, b, minimum, maximum=maximum)
         if name == "normal" and a >= minimum and b >= 0:
             return cls("normal", a, b, minimum, maximum=maximum)
-        raise ValueError(
-            f"{text!r}: want N, uniform:LO:HI, normal:MEAN:SD or hist:FILE (>= {minimum})"
-        )
+        raise ValueError(forms)
 
     def draw(self, rng: random.Random) -> int:
         if self.kind == "fixed":
@@ -276,8 +285,11 @@ class Lengths:
         if self.kind == "histogram":
             return rng.choices(self.values, self.weights)[0]
         value = rng.uniform(self.a, self.b) if self.kind == "uniform" else rng.gauss(self.a, self.b)
-        drawn = max(self.minimum, round(value))
-        return drawn if self.maximum is None else min(self.maximum, drawn)
+        # Clamped before rounding: a wide normal's draw can pass what round() makes an int
+        # of (inf), or be no number at all (nan).
+        top = _MOST_DRAWN if self.maximum is None else self.maximum
+        value = value if math.isfinite(value) else (top if value > 0 else self.minimum)
+        return round(min(max(value, self.minimum), top))
 
     def describe(self) -> str:
         if self.kind == "fixed":
