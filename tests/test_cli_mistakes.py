@@ -21,6 +21,7 @@ import pytest
 
 from replystream.client import measure_reply
 from replystream.lab.local_server import READY_PREFIX, stop_process
+from replystream.lab.workload import MODEL_APIS
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV as MULTIPROCESS
 from tests.conftest import fast_engine, serve_engine
 from tests.processes import replica
@@ -364,6 +365,15 @@ CASES: list[tuple[list[str], str]] = [
         "argument --max-tokens: want a whole number >= 1",
     ),
     (["doctor", "http://127.0.0.1:99999/stream"], "argument url: want a port from 1 to 65535"),
+    # an empty model name was sent as "default", a model no server may have
+    (
+        ["doctor", "http://127.0.0.1:9/v1/messages", "--model", ""],
+        "argument --model: must not be empty, got ''",
+    ),
+    (
+        ["bench", "http://127.0.0.1:9/v1/chat/completions", "--model", ""],
+        "argument --model: must not be empty, got ''",
+    ),
     # one request shape goes to both paths: two paths of two APIs would fail one of them
     (
         ["doctor", "http://127.0.0.1:9/stream", "--direct", "http://127.0.0.1:9/v1/replies"],
@@ -940,6 +950,14 @@ def test_help_states_every_serve_default_and_the_top_level_has_no_markup():
     for flag in ("--port", "--host", "--kv-blocks", "--delay-ms", "--batch-tokens", "--seed"):
         entry = serve[serve.index(f"  {flag} ") :].split("\n  --", 1)[0]
         assert "default" in " ".join(entry.split()), entry
+
+
+@pytest.mark.parametrize("command", ["bench", "doctor"])
+def test_model_help_names_every_api_whose_requests_name_a_model(command: str):
+    shown = " ".join(run(command, "--help").stdout.split())
+    entry = shown[shown.index("--model MODEL ") :].split(" --", 1)[0]
+    for api in MODEL_APIS:
+        assert api in entry, entry
 
 
 def test_tables_are_not_cut_to_80_columns_when_output_is_not_a_terminal(tmp_path: Path):

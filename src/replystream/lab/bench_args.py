@@ -14,6 +14,7 @@ from replystream.cli_values import (
     float_at_least,
     float_between,
     int_between,
+    non_empty_text,
     non_negative_float,
     non_negative_int,
     output_file,
@@ -21,7 +22,6 @@ from replystream.cli_values import (
     positive_float,
     positive_int,
     readable_file,
-    utf8_text,
     web_url,
 )
 from replystream.lab.benchstats import SLO
@@ -235,9 +235,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        type=utf8_text,
-        help="model name, openai and responses APIs only (default: the one the server's "
-        "/v1/models lists)",
+        type=non_empty_text,
+        help="model name, openai, responses and messages APIs only (default: the one the "
+        "server's /v1/models lists)",
     )
     parser.add_argument(
         "--seed", type=non_negative_int, default=0, help="seeds arrival times and lengths"

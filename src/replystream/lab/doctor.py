@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from replystream.cli_values import (
+    non_empty_text,
     positive_float,
     positive_int,
     utf8_text,
@@ -59,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        type=utf8_text,
-        help="model name, openai API only (default: the one the server's /v1/models lists)",
+        type=non_empty_text,
+        help="model name, openai, responses and messages APIs only (default: the one the "
+        "server's /v1/models lists)",
     )
     parser.add_argument(
         "--burst-gap-ms",
