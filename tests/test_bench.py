@@ -91,7 +91,7 @@ async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tm
     out = tmp_path / "bench.json"
     returncode, stdout, _ = await run_bench(
         f"{scheduled_server}/stream",
-        *("--concurrency", "3", "--requests", "6", "--slo", "ttft:100000", "tpot:1"),
+        *("--concurrency", "3", "--requests", "6", "--slo", "ttft:100000", "--slo", "tpot:1"),
         *("--json", str(out), "--plot", str(tmp_path / "plots")),
         *("--csv", str(tmp_path / "bench.csv")),
     )
@@ -440,7 +440,7 @@ def test_lab_requests_keep_the_urls_own_query():
         ["bench", "http://127.0.0.1:1/stream", "--slo", "queue=5"],
         ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=0"],
         ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5,ttft=6"],
-        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5", "ttft:6"],
+        ["bench", "http://127.0.0.1:1/stream", "--slo", "ttft=5", "--slo", "ttft:6"],
         ["bench", "http://127.0.0.1:1/stream", "--slo-share", "1.5"],
         ["bench", "http://127.0.0.1:1/stream", "--profile", "constant"],
         ["bench", "http://127.0.0.1:1/stream", "--profile", "concurrent"],
@@ -654,6 +654,19 @@ async def test_slo_given_twice_bounds_both_metrics(tmp_path):
         assert await process.wait() == 0
     goodput = json.loads(await asyncio.to_thread(out.read_text))["goodput"]
     assert goodput["slos"] == {"ttft": 1000.0, "tpot": 500.0}
+
+
+async def test_slo_before_the_url_leaves_the_url_to_be_the_url(tmp_path):
+    out = tmp_path / "bench.json"
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))) as url:
+        returncode, _, stderr = await run_bench(
+            *("--slo", "ttft=1000,itl:500", "--slo", "e2el=5000", f"{url}/stream?max_tokens=3"),
+            *("--requests", "1", "--quiet", "--json", str(out)),
+        )
+    assert returncode == 0, stderr.decode()
+    goodput = json.loads(await asyncio.to_thread(out.read_text))["goodput"]
+    assert goodput["slos"] == {"ttft": 1000.0, "itl": 500.0, "e2el": 5000.0}
+    assert goodput["good_requests"] == 1
 
 
 async def test_a_sweep_says_why_its_requests_failed(capsys):

@@ -247,13 +247,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--slo",
-        nargs="+",
-        action="extend",  # --slo given twice adds to the bounds, as one list would
+        # One value each, so a URL after it is the URL; given again, it adds to the bounds.
+        action="append",
         type=slo_list,
         default=[],
         metavar="METRIC=MS[,...]",
         help="goodput bounds, e.g. ttft=200,itl=50,e2el=3000 (metrics: ttft, tpot, itl: "
-        "every gap, e2el; METRIC:MS is read too)",
+        "every gap, e2el; METRIC:MS is read too; repeatable)",
     )
     parser.add_argument(
         "--slo-share",
