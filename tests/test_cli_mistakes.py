@@ -219,6 +219,12 @@ CASES: list[tuple[list[str], str]] = [
     (["lab", "--url", "https://127.0.0.1:8443"], "argument --url: https is not spoken"),
     (["lab", "--url", "http://127.0.0.1:1"], "--url http://127.0.0.1:1: cannot connect"),
     (["lab", "--calls", "-2"], "argument --calls: want a whole number >= 1"),
+    # the lab adds /wait?... and /stream?... to --url: a query there would come before them
+    (
+        ["lab", "--url", "http://127.0.0.1:9?x=1"],
+        "--url http://127.0.0.1:9?x=1: the lab adds its own paths and queries",
+    ),
+    (["lab", "--url", "http://127.0.0.1:9/#top"], "--url http://127.0.0.1:9/#top: the lab adds"),
     (["lab", "--out", FILE], f"argument --out: {FILE}: {FILE} is a file, not a folder"),
     (["lab", "--delay-ms", "-5"], "argument --delay-ms: want a number from 0 to 60000"),
     # A schedule no reply could end in is refused, not served as a run that never ends.

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from rich.console import Console
 from rich.table import Table
@@ -104,6 +105,14 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
             f"seed of at most {MAX_SEED - args.calls + 1}"
         )
     if args.url is not None:
+        parts = urlsplit(args.url)
+        if parts.query or parts.fragment or args.url.endswith(("?", "#")):
+            # The lab adds /wait?... and /stream?... to the URL: a query or fragment would
+            # end up before those paths, so no call would reach them.
+            raise ValueError(
+                f"--url {args.url}: the lab adds its own paths and queries; give the server's "
+                "address (and any path prefix) without a query or fragment"
+            )
         for dest, flag in SCHEDULE_FLAGS.items():
             if getattr(args, dest) is not None:
                 raise ValueError(
