@@ -35,6 +35,21 @@ def test_lab_json_contract_and_shape_of_the_result():
     assert result["config"]["tokens"] == 12 and result["config"]["calls"] == 4
 
 
+def test_lab_json_with_out_writes_the_timeline_as_well(tmp_path: Path):
+    quick = ["--calls", "2", "--tokens", "4", "--delay-ms", "2", "--jitter-ms", "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [*LAB, *quick, "--json", "--out", "out"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stream"]["complete"] == 2  # stdout is still the JSON alone
+    timeline = json.loads((tmp_path / "out" / "timeline.json").read_text())
+    assert len(timeline["stream"]["arrivals"]) == 4
+    assert (tmp_path / "out" / "timeline.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing in the working dir
+
+
 def test_lab_writes_timeline_plot_and_result_line(tmp_path: Path):
     done = subprocess.run(
         [*LAB, *SMALL, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120

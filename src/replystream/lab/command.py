@@ -85,9 +85,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {defaults.first_token_ms:g}; the {schedule})",
     )
     parser.add_argument(
-        "--out", type=output_folder, default=Path("."), help="folder for timeline files"
+        "--out",
+        type=output_folder,
+        help="folder for timeline files (default: here, or none with --json)",
     )
-    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print only the JSON result (and write the timeline files only with --out)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> LabConfig:
@@ -216,14 +222,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"replystream lab: {exc}", file=sys.stderr)
         return 2
-    # The default folder (here) is not checked while parsing: --json writes nothing there.
-    problem = None if args.json else folder_problem(args.out)
-    if problem is None and not args.json:
+    # The default folder (here) is not checked while parsing; --json alone writes no files.
+    out = args.out if args.out is not None or args.json else Path(".")
+    problem = None if out is None else folder_problem(out)
+    if problem is None and out is not None:
         # A folder where a file goes would be found only after the run, by a traceback.
-        folders = [args.out / name for name in TIMELINE_FILES if (args.out / name).is_dir()]
+        folders = [out / name for name in TIMELINE_FILES if (out / name).is_dir()]
         problem = f"{folders[0]} is a folder where the lab writes a file" if folders else None
     if problem is not None:
-        print(f"replystream lab: --out {args.out}: {problem}", file=sys.stderr)
+        print(f"replystream lab: --out {out}: {problem}", file=sys.stderr)
         return 2
     # Every call of both modes holds its connection at once (and so does a local server,
     # which inherits the limit): room for them is made, or the run refused, before it starts.
@@ -250,22 +257,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"replystream lab: {exc}", file=sys.stderr)
         return 1
     result = lab_run.summary()
+    wrote: str | None = None
+    if out is not None:
+        timeline = lab_run.timeline()
+        timeline_path, plot_path = (out / name for name in TIMELINE_FILES)
+        try:  # checked before the run, but a disk can fill or a folder go in the meantime
+            out.mkdir(parents=True, exist_ok=True)
+            timeline_path.write_text(json.dumps(timeline, indent=1) + "\n")
+            plot_timeline(timeline, plot_path)
+            wrote = f"Wrote {timeline_path} and {plot_path}."
+        except OSError as exc:
+            print(f"replystream lab: --out {out}: {exc.strerror or exc}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     else:
         console = report_console()
         render_table(result, console)
-        timeline = lab_run.timeline()
-        timeline_path, plot_path = (args.out / name for name in TIMELINE_FILES)
-        try:  # checked before the run, but a disk can fill or a folder go in the meantime
-            args.out.mkdir(parents=True, exist_ok=True)
-            timeline_path.write_text(json.dumps(timeline, indent=1) + "\n")
-            plot_timeline(timeline, plot_path)
-        except OSError as exc:
-            print(f"replystream lab: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
-            print("RESULT " + json.dumps(result))
-            return 1
-        console.print(f"Wrote {timeline_path} and {plot_path}.", markup=False)
+        if wrote is not None:
+            console.print(wrote, markup=False)
         print("RESULT " + json.dumps(result))
+    if out is not None and wrote is None:
+        return 1
     complete = all(result[mode]["complete"] == result[mode]["calls"] for mode in MODES)
     return 0 if complete else 1
