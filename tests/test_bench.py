@@ -1007,7 +1007,20 @@ async def test_dropped_readers_resume_with_last_event_id_losing_and_repeating_no
     assert summary["counts"]["complete"] == 10
     # A resumed reply is read whole: the tokens before the drop and every one after it.
     assert all(r["tokens"] == 40 and r["resume"]["dropped_after_tokens"] == 5 for r in dropped)
+    assert all(r["resume"]["dropped"] for r in dropped)
     assert 0.0 < resume["reconnect_ms"]["p50"] < 200.0
+
+
+async def test_a_reply_that_ends_before_its_drop_is_not_counted_as_dropped():
+    schedule = ["--delay-ms", "1", "--jitter-ms", "0", "--tokens", "40"]
+    async with local_server(schedule) as url:
+        returncode, stdout, stderr = await run_bench(
+            *(f"{url}/v1/replies", "--requests", "3", "--drop-share", "1", "--drop-after", "50"),
+            *("--output-tokens", "10", "--quiet"),
+        )
+    assert returncode == 0, stderr.decode()
+    # Each reply ended at 10 tokens, before its reader was to drop at 50: nothing to resume.
+    assert "Drop and resume: 0 dropped, 0 resumed" in stdout.decode(), stdout.decode()
 
 
 async def test_drop_and_resume_counts_an_event_lost_and_one_repeated():

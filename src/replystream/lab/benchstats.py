@@ -137,19 +137,23 @@ def _outcome(record: RequestRecord) -> str:
 
 
 def resume_figures(per_request: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The drops of a run (None without any): how many resumed, the time from the resume
-    request to the first replayed event, and events lost and duplicated (both must be 0)."""
-    drops = [m["resume"] for m in per_request if m["resume"] is not None]
-    if not drops:
+    """The drops of a run (None when no reader was to drop): how many readers dropped and
+    resumed, the time from the resume request to the first replayed event, and events lost
+    and duplicated (both must be 0). A reply that ended before its reader was to drop is
+    no drop."""
+    planned = [m["resume"] for m in per_request if m["resume"] is not None]
+    if not planned:
         return None
+    drops = [d for d in planned if d["dropped"]]
     return {
         "drops": len(drops),
         "resumed": sum(d["resumed"] for d in drops),
         "reconnect_ms": distribution(
             [d["reconnect_ms"] for d in drops if d["reconnect_ms"] is not None]
         ),
-        "lost": sum(d["lost"] for d in drops),
-        "duplicated": sum(d["duplicated"] for d in drops),
+        # Over every planned read: one that was not dropped must lose nothing either.
+        "lost": sum(d["lost"] for d in planned),
+        "duplicated": sum(d["duplicated"] for d in planned),
     }
 
 

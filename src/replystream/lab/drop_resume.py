@@ -47,6 +47,9 @@ class ResumeOutcome:
     """What one drop and resume found."""
 
     dropped_after_tokens: int
+    # The connection was dropped: a reply that ended before ``dropped_after_tokens`` was read
+    # whole on its first connection, with nothing to resume.
+    dropped: bool
     resumed: bool  # the resume request was answered with the rest of the reply
     reconnect_ms: float | None  # resume request sent -> first replayed event
     lost: int
@@ -55,6 +58,7 @@ class ResumeOutcome:
     def as_dict(self) -> dict[str, Any]:
         return {
             "dropped_after_tokens": self.dropped_after_tokens,
+            "dropped": self.dropped,
             "resumed": self.resumed,
             "reconnect_ms": self.reconnect_ms,
             "lost": self.lost,
@@ -227,7 +231,7 @@ async def drop_and_resume(
     extra = headers or {}
     start_headers = {"Accept": "text/event-stream", "Content-Type": "application/json", **extra}
     reconnect_ms: float | None = None
-    resumed = False
+    dropped = resumed = False
     connected = True
     try:
         async with asyncio.timeout(timeout_s):
@@ -284,6 +288,7 @@ async def drop_and_resume(
     )
     outcome = ResumeOutcome(
         dropped_after_tokens=drop_after_tokens,
+        dropped=dropped,
         resumed=resumed,
         reconnect_ms=reconnect_ms,
         lost=missing + read.announced_lost,
