@@ -289,6 +289,15 @@ async def test_goodput_counts_only_requests_within_every_slo():
         SLO.parse("queue:5")
 
 
+async def test_a_reply_in_one_event_meets_an_itl_bound():
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))) as url:
+        run = await run_load(LoadConfig(url=f"{url}/stream?max_tokens=1", api="lab", requests=2))
+    summary = summarize(run, (SLO.parse("itl=1000"),))
+    assert [len(r["text_event_ms"]) for r in summary["requests"]] == [1, 1]
+    assert [r["max_itl_ms"] for r in summary["requests"]] == [0.0, 0.0]
+    assert summary["goodput"]["good_requests"] == 2 and summary["goodput"]["held"]
+
+
 async def test_native_replies_endpoint_counts_tokens_per_event():
     engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))
     async with serve_engine(engine) as url:

@@ -111,7 +111,8 @@ def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, A
         "ttft_ms": t.first_text_ms,  # the first text or thinking
         "first_answer_ms": t.first_answer_ms,
         "tpot_ms": tpot,
-        "max_itl_ms": max(gaps) if t.complete and gaps else None,
+        # A complete reply in one text event has no gap: none is over any bound.
+        "max_itl_ms": (max(gaps) if gaps else 0.0) if t.complete else None,
         "e2el_ms": t.closed_ms,
         "first_byte_ms": t.headers_ms,
         "first_chunk_ms": t.first_byte_ms,
