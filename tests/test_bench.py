@@ -920,7 +920,8 @@ async def test_multi_turn_conversations_resend_their_history_with_the_replies_re
     ]
     assert [b["messages"] for b in bodies] == [first, second, first, second]
     assert [b["max_tokens"] for b in bodies] == [11, 7, 11, 7]
-    assert [r["prompt_words"] for r in summary["requests"]] == [4, 9, 4, 9]
+    # The whole prompt sent: the 2 system words too.
+    assert [r["prompt_words"] for r in summary["requests"]] == [6, 11, 6, 11]
 
 
 def test_sharegpt_conversations_keep_their_follow_up_turns():
@@ -945,6 +946,24 @@ async def test_synthetic_turns_go_to_a_text_api_as_paragraphs_of_history():
     assert all(r.timing.complete and r.timing.tokens == 4 for r in run.records)
     # Each turn resends 3 prompt words and 4 reply words per earlier turn.
     assert [r.prompt_words for r in run.records] == [3, 10, 17, 3, 10, 17]
+
+
+async def test_prompt_words_count_the_shared_system_prompt_sent_too():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/v1/replies",
+            api="native",
+            requests=2,
+            prompt_words=Lengths.parse("3"),
+            output_tokens=Lengths.parse("4"),
+            system_words=5,
+            turns=2,
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 4
+    # 5 system words and 3 prompt words; the second turn resends the first and its reply.
+    assert [r["prompt_words"] for r in summary["requests"]] == [8, 15, 8, 15]
 
 
 async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show():

@@ -307,7 +307,9 @@ async def _conversation(
                 stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
                 tls=config.tls,
             )
-        words = one.words + sum(len(text.split()) for pair in history for text in pair)
+        # The whole prompt sent: the shared system prompt and the history resent too.
+        words = config.system_words + one.words
+        words += sum(len(text.split()) for pair in history for text in pair)
         index = number * config.turns + turn
         done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn, resume))
         if not timing.complete:
