@@ -138,6 +138,30 @@ async def test_a_soft_open_file_limit_below_the_run_is_raised_to_what_it_needs(
     assert result["config"]["concurrency"] == 150
 
 
+@pytest.mark.parametrize("profile", ["constant", "poisson"])
+async def test_an_open_loop_raises_a_low_soft_open_file_limit_too(
+    scheduled_server, tmp_path, profile
+):
+    """An open loop sends at its own times: against replies of about 800 ms, 100 requests
+    sent within 0.1 s are all in flight at once, past a soft limit of 64 files."""
+
+    def low_soft_limit() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "replystream", "bench", f"{scheduled_server}/stream",
+        "--profile", profile, "--rate", "1000", "--requests", "100",
+        "--json", str(tmp_path / "run.json"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=low_soft_limit,
+    )  # fmt: skip
+    _, stderr = await process.communicate()
+    assert process.returncode == 0, stderr.decode()
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert result["counts"]["complete"] == 100, result["counts"]
+
+
 async def test_an_output_that_cannot_be_written_is_one_line_and_the_others_are_written(
     scheduled_server, tmp_path
 ):

@@ -18,7 +18,7 @@ from replystream.lab.bench_plots import RUN_PLOTS, SWEEP_PLOTS
 from replystream.lab.client_options import tls_for
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.load_types import LoadConfig
-from replystream.lab.open_files import OWN_FILES, make_room
+from replystream.lab.open_files import OWN_FILES, make_room, make_room_for_up_to
 from replystream.lab.profiles import Profile
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import SweepConfig
@@ -26,6 +26,9 @@ from replystream.lab.workload import MODEL_APIS, MOST_PROMPT_WORDS, Lengths, Pro
 from replystream.server.schema_fields import MAX_TOKENS_LIMIT
 
 T = TypeVar("T")
+# An open loop's requests that may be in flight at once get room up to this many connections
+# (the hard limit allowing): past it, a run's requests are not meant to overlap.
+MOST_OPEN_ROOM = 1 << 20
 
 
 def profile_from_args(
@@ -114,7 +117,9 @@ def _check_at_once(args: argparse.Namespace, requests: int | None) -> None:
     """Refuse more requests at once than this process can hold connections for: each is a
     task and a socket, so 10**9 readers exhausted memory before the first request, and any
     past the open-file limit could only fail. The soft limit (``ulimit -n``, often 1,024) is
-    raised as far as the run needs when the hard one allows it, as load tools do."""
+    raised as far as the run needs when the hard one allows it, as load tools do; an open
+    loop's, which holds as many as a slow server keeps in flight, is raised toward its
+    requests (and never refused)."""
     if args.concurrency is not None:
         flag, at_once = f"--concurrency {args.concurrency}", args.concurrency
         if requests is not None:  # no more readers than conversations start
@@ -122,6 +127,10 @@ def _check_at_once(args: argparse.Namespace, requests: int | None) -> None:
     elif args.profile in ("throughput", "sweep") and requests is not None:
         flag, at_once = f"--requests {requests}", requests  # a burst: every one at once
     else:
+        if args.rate is not None or args.trace is not None:  # an open loop
+            if requests is None:  # a --duration's worth of arrivals (a float may be inf)
+                requests = int(min(args.rate * args.duration, float(MOST_OPEN_ROOM))) + 1
+            make_room_for_up_to(min(requests, MOST_OPEN_ROOM))
         return
     limit = make_room(at_once)
     if limit is None:

@@ -8,6 +8,7 @@ it starts. This file must not know what the connections are for.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 
 # Files the process keeps open besides its requests' connections (standard streams, the event
@@ -25,3 +26,17 @@ def make_room(at_once: int) -> int | None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (at_once + OWN_FILES, hard))
         return None
     return int(hard)
+
+
+def make_room_for_up_to(most: int) -> None:
+    """Raise the soft limit toward holding ``most`` connections, as far as the hard limit
+    allows, refusing nothing: an open loop sends at its own times, so it may hold every
+    request at once against a slow server, or only a few."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = most + OWN_FILES
+    if soft == resource.RLIM_INFINITY or wanted <= soft:
+        return
+    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    # Not raised (a system cap below the hard limit): the run goes on with the room it has.
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
