@@ -77,6 +77,18 @@ async def test_closed_loop_recovers_the_simulated_schedule(scheduled_server):
     assert 0.0 < summary["client"]["cpu_us_per_event"] < 50_000.0
 
 
+async def test_a_batching_servers_lab_stream_counts_every_token_of_each_event():
+    async with local_server(["--batch-tokens", "5", "--delay-ms", "1", "--jitter-ms", "0"]) as url:
+        config = LoadConfig(
+            url=f"{url}/stream", api="lab", requests=2, output_tokens=Lengths.parse("50")
+        )
+        summary = summarize(await run_load(config))
+    assert summary["counts"]["complete"] == 2
+    for request in summary["requests"]:
+        assert request["tokens"] == 50 and request["events"] == 10
+        assert request["tokens_per_event"] == 5.0
+
+
 async def run_bench(*args: str) -> tuple[int | None, bytes, bytes]:
     """``replystream bench ARGS`` as a process: its exit status, stdout and stderr."""
     process = await asyncio.create_subprocess_exec(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from replystream.lab.local_server import READY, announced_process
+from replystream.lab.local_server import READY, announced_process, local_server
 from replystream.server import running
 from tests.conftest import fast_engine, serve_engine
 
@@ -83,6 +83,26 @@ def test_lab_refuses_nonsense_options(bad: list[str], wants: str):
     assert done.stderr.strip().splitlines() == [
         f"replystream lab: argument {bad[0]}: want {wants}, got 0"
     ]
+
+
+@pytest.mark.parametrize("engine", ["simulated", "tiny"])
+async def test_stream_and_wait_count_the_same_tokens_of_a_batching_server(engine: str):
+    """The lab stream's events carry text and no count: with 5 tokens to an event (and the
+    tiny model's tokens, parts of words), its tokens are counted as the /wait body's are."""
+    server = ["--engine", engine, "--batch-tokens", "5", "--seed", "3"]
+    if engine == "simulated":
+        server += ["--delay-ms", "1", "--jitter-ms", "0"]
+    async with local_server(server) as url:
+        process = await asyncio.create_subprocess_exec(
+            *LAB, "--url", url, "--calls", "2", "--tokens", "40", "--json",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        stdout, _ = await process.communicate()
+    assert process.returncode == 0
+    result = json.loads(stdout)
+    assert result["stream"]["tokens"] == result["wait"]["tokens"]
+    if engine == "simulated":  # a word a token
+        assert result["stream"]["tokens"]["median"] == 40
 
 
 async def test_lab_against_a_failing_server_reports_incomplete_and_exits_nonzero():

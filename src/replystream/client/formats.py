@@ -43,6 +43,9 @@ class Meaning:
     # On ``done``: the server's own count of the tokens its reply made, when the end (a
     # Responses stream's last event, a buffered body) carries one.
     usage: int | None = None
+    # ``tokens`` is the text's words, the nearest a reader can tell when the event carries no
+    # count (the lab stream); a word split over two events is one (see ``words_added``).
+    in_words: bool = False
 
 
 # The largest token count believed from a server: beyond it a count is no count (a float
@@ -137,7 +140,9 @@ def interpret_event(event: Event) -> Meaning:
     except ValueError:
         return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
     if isinstance(payload, str):
-        return Meaning("text", payload, 1)
+        # Counted as the lab's /wait body is, so both deliveries of one reply agree, whether
+        # the server sends a token per event or a batch of them.
+        return Meaning("text", payload, len(payload.split()), in_words=True)
     if isinstance(payload, dict):
         if "error" in payload:
             return Meaning("error", error=_error_text(payload))
@@ -153,6 +158,14 @@ def interpret_event(event: Event) -> Meaning:
         if isinstance(payload.get("usage"), dict):  # an OpenAI usage chunk
             return _usage(payload["usage"])
     return OTHER
+
+
+def words_added(before: str, text: str) -> int:
+    """The words ``text`` adds to a reply that so far ended with ``before`` (its last
+    characters will do): its own, less one when it goes on with a word ``before`` ended in."""
+    words = len(text.split())
+    goes_on = before[-1:].strip() and text[:1].strip()
+    return words - 1 if goes_on and words else words
 
 
 # A Responses stream ends with one of these; ``incomplete`` at the token limit is a whole reply

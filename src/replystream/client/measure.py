@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from replystream.client.formats import interpret_body, interpret_event
+from replystream.client.formats import interpret_body, interpret_event, words_added
 from replystream.client.transport import (
     ConnectError,
     Connection,
@@ -171,7 +171,10 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
         for event in parser.feed(chunk.data):
             meaning = interpret_event(event)
             if meaning.kind in ("text", "thinking"):
-                reading.on_text(meaning.text, meaning.tokens, at, meaning.kind == "thinking")
+                tokens = meaning.tokens
+                if meaning.in_words and reading.parts:
+                    tokens = words_added(reading.parts[-1], meaning.text)
+                reading.on_text(meaning.text, tokens, at, meaning.kind == "thinking")
                 stop = reading.stop_after_tokens
                 if stop is not None and reading.tokens >= stop:
                     # Hang up as a user who stops reading does: leaving closes the socket.
