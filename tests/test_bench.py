@@ -1229,6 +1229,51 @@ async def test_custom_headers_go_with_every_request_the_model_lookup_and_the_scr
     assert all(auth == "Bearer k" for _, auth in seen)
 
 
+@pytest.mark.parametrize("command", ["bench", "doctor"])
+async def test_headers_replace_a_default_in_any_case_and_a_repeated_one_goes_twice(command):
+    seen: list[tuple[str, list[tuple[str, str]]]] = []
+
+    def record(request: web.Request) -> None:
+        pairs = [(k.decode().lower(), v.decode()) for k, v in request.raw_headers]
+        seen.append((request.path, pairs))
+
+    async def models(request: web.Request) -> web.Response:
+        record(request)
+        return web.json_response({"data": [{"id": "m1"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        record(request)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("one ", "two"):
+            chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": word}}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.05)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", completions)
+    given = ["accept-encoding: identity", "X-Tag: a", "X-Tag: b", "accept: text/event-stream"]
+    async with running(app) as url:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "replystream", command, f"{url}/v1/chat/completions",
+            *(["--requests", "1", "--quiet"] if command == "bench" else []),
+            *(arg for header in given for arg in ("--header", header)),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await process.communicate()
+    # doctor's status is its verdict on two events: what matters here is what was sent.
+    assert process.returncode in ((0,) if command == "bench" else (0, 1)), stderr.decode()
+    assert not stderr, stderr.decode()
+    assert {path for path, _ in seen} == {"/v1/models", "/v1/chat/completions"}
+    for path, pairs in seen:
+        assert [v for k, v in pairs if k == "accept-encoding"] == ["identity"], path
+        assert [v for k, v in pairs if k == "accept"] == ["text/event-stream"], path
+        assert [v for k, v in pairs if k == "x-tag"] == ["a", "b"], path
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -21,9 +21,11 @@ from replystream.client.formats import interpret_body, interpret_event, words_ad
 from replystream.client.transport import (
     ConnectError,
     Connection,
+    Headers,
     HTTPResponse,
     TransportError,
     http_request,
+    with_headers,
 )
 from replystream.sse import EventParser, SSEError
 
@@ -227,7 +229,7 @@ async def measure_reply(
     *,
     method: str = "GET",
     json_body: Any = None,
-    headers: dict[str, str] | None = None,
+    headers: Headers | None = None,
     timeout_s: float = 300.0,
     connection: Connection | None = None,
     stop_after_tokens: int | None = None,
@@ -241,10 +243,10 @@ async def measure_reply(
     ``tls``: the TLS context for an ``https://`` URL (see ``transport.connect``).
     """
     body = b"" if json_body is None else json.dumps(json_body).encode()
-    sent = {"Accept": "text/event-stream, application/json", "Accept-Encoding": "gzip, deflate"}
+    ours = {"Accept": "text/event-stream, application/json", "Accept-Encoding": "gzip, deflate"}
     if json_body is not None:
-        sent["Content-Type"] = "application/json"
-    sent.update(headers or {})
+        ours["Content-Type"] = "application/json"
+    sent = with_headers(ours, headers)
     reading = _Reading(url, time.perf_counter(), stop_after_tokens)
     try:
         async with asyncio.timeout(timeout_s):

@@ -20,7 +20,7 @@ import ssl
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,13 +227,32 @@ async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
     return Connection(url, transport, protocol)
 
 
+# Request headers: a mapping, or pairs, which may name a header more than once.
+Headers = Mapping[str, str] | Sequence[tuple[str, str]]
+
+
+def _pairs(headers: Headers | None) -> list[tuple[str, str]]:
+    if headers is None:
+        return []
+    return list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+
+
+def with_headers(defaults: Headers, given: Headers | None) -> list[tuple[str, str]]:
+    """``defaults`` with ``given`` after them: a header given replaces a default of the same
+    name in any case (HTTP names are case-insensitive, and a server may read either copy),
+    and one given twice is sent twice."""
+    extra = _pairs(given)
+    named = {name.lower() for name, _ in extra}
+    return [(k, v) for k, v in _pairs(defaults) if k.lower() not in named] + extra
+
+
 @asynccontextmanager
 async def http_request(
     url: str,
     *,
     method: str = "GET",
     body: bytes = b"",
-    headers: dict[str, str] | None = None,
+    headers: Headers | None = None,
     connection: Connection | None = None,
     tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[HTTPResponse]:
@@ -248,7 +267,7 @@ async def http_request(
         parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         fields = [("Host", conn.netloc), ("Connection", "close")]
-        fields += list((headers or {}).items())
+        fields += _pairs(headers)
         if body:
             fields.append(("Content-Length", str(len(body))))
         h11_conn = conn.protocol.conn

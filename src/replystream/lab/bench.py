@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         config, sweep = config_from_args(args)
         if config.api in MODEL_APIS and args.model is None:
             listed = served_model(
-                args.url, timeout_s=args.timeout, headers=dict(args.header), tls=config.tls
+                args.url, timeout_s=args.timeout, headers=args.header, tls=config.tls
             )
             config, sweep = config_from_args(args, asyncio.run(listed))
     except ValueError as exc:

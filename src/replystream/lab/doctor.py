@@ -97,7 +97,7 @@ async def _measure(url: str, api: Api, args: argparse.Namespace, model: str) -> 
         spec.url,
         method=spec.method,
         json_body=spec.json_body,
-        headers=dict(args.header),
+        headers=args.header,
         timeout_s=args.timeout,
         tls=_tls(url, args),
     )
@@ -113,7 +113,7 @@ async def examine(args: argparse.Namespace) -> tuple[ReplyTiming, ReplyTiming | 
     api: Api = api_of(args)
     model = args.model or "default"
     if api in MODEL_APIS and args.model is None:
-        headers = dict(args.header)
+        headers = args.header
         tls = _tls(args.url, args)
         model = await served_model(args.url, timeout_s=args.timeout, headers=headers, tls=tls)
     async with asyncio.TaskGroup() as group:

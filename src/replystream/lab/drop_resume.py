@@ -31,7 +31,13 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 from replystream.client import ReplyTiming
 from replystream.client.formats import interpret_event
 from replystream.client.resume import resume_url
-from replystream.client.transport import ConnectError, TransportError, http_request
+from replystream.client.transport import (
+    ConnectError,
+    Headers,
+    TransportError,
+    http_request,
+    with_headers,
+)
 from replystream.sse import Event, EventParser, SSEError
 
 Route = Literal["native", "responses"]
@@ -104,7 +110,7 @@ async def _follow(
     url: str,
     method: str,
     body: bytes,
-    headers: dict[str, str],
+    headers: Headers,
     stop_after: int,
     tls: ssl.SSLContext | None,
 ) -> float | None:
@@ -217,7 +223,7 @@ async def drop_and_resume(
     json_body: dict[str, Any],
     drop_after_tokens: int,
     timeout_s: float,
-    headers: dict[str, str] | None = None,
+    headers: Headers | None = None,
     *,
     route: Route = "native",
     cursor: Cursor = "header",
@@ -228,8 +234,8 @@ async def drop_and_resume(
     sent on both connections; ``tls`` for an https URL)."""
     read = _Read(time.perf_counter())
     body = json.dumps(_start_body(route, json_body)).encode()
-    extra = headers or {}
-    start_headers = {"Accept": "text/event-stream", "Content-Type": "application/json", **extra}
+    ours = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+    start_headers = with_headers(ours, headers)
     reconnect_ms: float | None = None
     dropped = resumed = False
     connected = True
@@ -249,7 +255,10 @@ async def drop_and_resume(
                 else:
                     target, cursor_headers = again
                     sent = time.perf_counter()
-                    resume_headers = {"Accept": "text/event-stream", **extra, **cursor_headers}
+                    # The cursor is the reader's own: it replaces one given as a header.
+                    resume_headers = with_headers(
+                        with_headers({"Accept": "text/event-stream"}, headers), cursor_headers
+                    )
                     first = await _follow(read, target, "GET", b"", resume_headers, 0, tls)
                     resumed = read.error is None
                     reconnect_ms = None if first is None else (first - sent) * 1000.0

@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from replystream.client import Backoff, measure_reply
+from replystream.client.transport import Headers
 from replystream.lab.drop_resume import ResumeOutcome, drop_and_resume
 from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.server_metrics import Scrape, ScrapeError, scrape, scrape_when_idle
@@ -93,7 +94,7 @@ async def run_load(
     error: str | None = None
     if config.server_metrics is not None:
         try:
-            before = await scrape(config.server_metrics, dict(config.headers), tls=config.tls)
+            before = await scrape(config.server_metrics, config.headers, tls=config.tls)
         except ScrapeError as exc:
             error = str(exc)
     cpu_start = time.process_time()
@@ -157,7 +158,7 @@ async def run_load(
             outer.create_task(
                 _sample(
                     config.server_metrics,
-                    dict(config.headers),
+                    config.headers,
                     config.tls,
                     config.metrics_interval_s,
                     started,
@@ -175,9 +176,7 @@ async def run_load(
     after: Scrape | None = None
     if config.server_metrics is not None and before is not None:
         try:
-            after = await scrape_when_idle(
-                config.server_metrics, dict(config.headers), tls=config.tls
-            )
+            after = await scrape_when_idle(config.server_metrics, config.headers, tls=config.tls)
         except ScrapeError as exc:
             error = str(exc)
     return LoadRun(
@@ -229,7 +228,7 @@ class _Reachability:
 
 async def _sample(
     url: str,
-    headers: dict[str, str],
+    headers: Headers,
     tls: ssl.SSLContext | None,
     interval_s: float,
     started: float,
@@ -292,7 +291,7 @@ async def _conversation(
                 spec.json_body,
                 config.drop_after,
                 config.timeout_s,
-                dict(config.headers),
+                config.headers,
                 route="responses" if config.api == "responses" else "native",
                 cursor=config.resume_cursor,
                 tls=config.tls,
@@ -302,7 +301,7 @@ async def _conversation(
                 spec.url,
                 method=spec.method,
                 json_body=spec.json_body,
-                headers=dict(config.headers),
+                headers=config.headers,
                 timeout_s=config.timeout_s,
                 stop_after_tokens=config.cancel_after if cancels and turn == 0 else None,
                 tls=config.tls,

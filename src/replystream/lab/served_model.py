@@ -13,7 +13,7 @@ import json
 import ssl
 from urllib.parse import urlsplit, urlunsplit
 
-from replystream.client.transport import TransportError, http_request
+from replystream.client.transport import Headers, TransportError, http_request, with_headers
 
 _ENDPOINTS = ("/chat/completions", "/completions", "/responses", "/messages")
 
@@ -38,7 +38,7 @@ async def served_model(
     url: str,
     *,
     timeout_s: float = 30.0,
-    headers: dict[str, str] | None = None,
+    headers: Headers | None = None,
     tls: ssl.SSLContext | None = None,
 ) -> str:
     """The one model the server of endpoint ``url`` lists (``headers``: sent too, such as
@@ -50,7 +50,7 @@ async def served_model(
     listing = models_url(url)
     try:
         async with asyncio.timeout(timeout_s):
-            sent = {"Accept": "application/json", **(headers or {})}
+            sent = with_headers({"Accept": "application/json"}, headers)
             async with http_request(listing, headers=sent, tls=tls) as response:
                 body = b"".join([chunk.data async for chunk in response])
                 status = response.status

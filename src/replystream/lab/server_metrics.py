@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from replystream.client.transport import TransportError, http_request
+from replystream.client.transport import Headers, TransportError, http_request
 
 Scrape = dict[str, float]
 
@@ -85,7 +85,7 @@ def parse(text: str) -> Scrape:
 
 async def scrape(
     url: str,
-    headers: dict[str, str] | None = None,
+    headers: Headers | None = None,
     timeout_s: float = 5.0,
     tls: ssl.SSLContext | None = None,
 ) -> Scrape:
@@ -107,7 +107,7 @@ async def scrape(
 
 async def scrape_when_idle(
     url: str,
-    headers: dict[str, str] | None = None,
+    headers: Headers | None = None,
     settle_s: float = 2.0,
     tls: ssl.SSLContext | None = None,
 ) -> Scrape:
