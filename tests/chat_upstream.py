@@ -4,17 +4,20 @@ one model and answers ``POST /v1/chat/completions`` as its subclass's ``chat`` s
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from aiohttp import web
 
 
-async def reply_with(request: web.Request, text: str) -> web.StreamResponse:
+async def reply_with(
+    request: web.Request, text: str, finish_reason: str = "stop"
+) -> web.StreamResponse:
     """Stream ``text`` as one chat chunk, then the finish and ``[DONE]``."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for body in (
         {"choices": [{"index": 0, "delta": {"content": text}}]},
-        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason}]},
     ):
         await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
@@ -46,3 +49,15 @@ class CountingUpstream(ChatUpstream):
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.chats += 1
         return await reply_with(request, "sunny")
+
+
+class RecordingUpstream(ChatUpstream):
+    """Answers every chat with ``text`` ending as ``finish_reason``, keeping each body asked."""
+
+    def __init__(self, text: str = "sunny", finish_reason: str = "stop") -> None:
+        self.text, self.finish_reason = text, finish_reason
+        self.bodies: list[dict[str, Any]] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        return await reply_with(request, self.text, self.finish_reason)

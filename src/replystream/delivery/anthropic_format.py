@@ -31,8 +31,8 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   the same order (a ``tool_use`` block's ``input`` parsed from the arguments).
 Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``stop_sequence`` (one of
 ``stop_sequences`` completed; ``stop_sequence`` names it), ``tool_use``, ``refusal`` (a check
-stopped the text). A format object serves one message. It must not know about sockets,
-tasks or stores.
+stopped the text, ours or a relayed upstream's filter). A format object serves one message.
+It must not know about sockets, tasks or stores.
 """
 
 from __future__ import annotations
@@ -50,7 +50,13 @@ from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# An upstream's own filter (``content_filter``) stopped the text as a check of ours would.
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "content_filter": "refusal",
+}
 
 
 def message_id(reply_id: str) -> str:

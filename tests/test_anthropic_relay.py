@@ -1,0 +1,53 @@
+"""``POST /v1/messages`` relayed to an OpenAI-compatible upstream, through the anthropic SDK:
+how the upstream's ending and the request's tool results cross between the two dialects."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anthropic
+import pytest
+
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
+from tests.chat_upstream import RecordingUpstream
+
+USER: Any = {"role": "user", "content": "What is the weather in Paris?"}
+
+
+@asynccontextmanager
+async def relayed(upstream: RecordingUpstream) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    """An SDK client of a server relaying to ``upstream``."""
+    async with running(upstream.app()) as upstream_url:
+        engine = UpstreamEngine(
+            UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),), health_s=600.0)
+        )
+        try:
+            async with (
+                running(create_app(engine)) as url,
+                anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as client,
+            ):
+                yield client
+        finally:
+            await engine.aclose()
+
+
+@pytest.fixture
+async def filtering() -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with relayed(RecordingUpstream("I can", finish_reason="content_filter")) as client:
+        yield client
+
+
+async def test_an_upstreams_filtered_reply_is_a_refusal_streamed_and_whole(
+    filtering: anthropic.AsyncAnthropic,
+):
+    ask: Any = {"model": "m", "max_tokens": 5, "messages": [USER]}
+    whole = await filtering.messages.create(**ask)
+    async with filtering.messages.stream(**ask) as stream:
+        streamed = await stream.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason == "refusal"
+        assert [block.type for block in message.content] == ["text"]
