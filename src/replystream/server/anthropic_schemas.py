@@ -58,6 +58,11 @@ class AnthropicToolUse(Strict):
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+    # Who made the call and the toolset its tool belongs to, as Anthropic's API sends a
+    # block (a response saved with the SDK's ``model_dump`` has both, null): they name no
+    # part of the call this server relays, so sent back they are not part of the prompt.
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
 
 
 class AnthropicToolResult(Strict):
@@ -68,6 +73,7 @@ class AnthropicToolResult(Strict):
     content: AnthropicContent | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
+    toolset_name: str | None = None  # its call's toolset, as on ``tool_use``: not read
 
     @property
     def text(self) -> str:
