@@ -51,3 +51,80 @@ async def test_a_replys_blocks_dumped_by_the_sdk_are_taken_back_as_history(
     again = await client.messages.create(**ask, max_tokens=50, messages=history)
     counted = await client.messages.count_tokens(**ask, messages=history)
     assert again.stop_reason == "tool_use" and counted.input_tokens > 0
+
+
+def use(call_id: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": "get_weather", "input": {}}
+
+
+def answer(call_id: str) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": call_id, "content": "sunny"}
+
+
+TEXT = {"type": "text", "text": "and tomorrow?"}
+
+
+def said(role: str, *content: Any) -> dict[str, Any]:
+    return {"role": role, "content": list(content)}
+
+
+@pytest.mark.parametrize(
+    ("turns", "missing"),
+    [
+        ([said("assistant", use("t1")), said("user", TEXT, answer("t1"))], "t1"),
+        ([said("assistant", use("t1"), use("t2")), said("user", answer("t1"))], "t2"),
+        (
+            [
+                said("assistant", use("t1"), use("t2")),
+                said("user", answer("t1"), TEXT, answer("t2")),
+            ],
+            "t2",
+        ),
+        (
+            [
+                said("assistant", use("t1")),
+                said("user", TEXT),
+                said("assistant", {"type": "text", "text": "ok"}),
+                said("user", answer("t1")),
+            ],
+            "t1",
+        ),
+    ],
+)
+async def test_calls_not_answered_first_in_the_next_turn_are_refused_as_anthropic_does(
+    client: anthropic.AsyncAnthropic, turns: list[dict[str, Any]], missing: str
+):
+    ask: Any = {"model": "simulated", "tools": TOOLS, "messages": [USER, *turns]}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await client.messages.create(**ask, max_tokens=5)
+    with pytest.raises(anthropic.BadRequestError) as not_counted:
+        await client.messages.count_tokens(**ask)
+    for error in (refused.value.body["error"], not_counted.value.body["error"]):  # type: ignore[index]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "messages[1]")
+        assert error["message"].startswith(
+            f"messages.1: `tool_use` ids were found without `tool_result` blocks "
+            f"immediately after: {missing}."
+        )
+
+
+SERVED: list[Any] = [
+    # Results first, then the user's text; or the results in a message of their own.
+    [said("assistant", use("t1"), use("t2")), said("user", answer("t2"), answer("t1"), TEXT)],
+    [said("assistant", use("t1")), said("user", answer("t1")), said("user", TEXT)],
+    # Consecutive messages of one role are one turn: the calls may come in an earlier one.
+    [said("assistant", use("t1")), said("assistant", TEXT), said("user", answer("t1"))],
+    # Calls no turn has answered yet end the conversation.
+    [said("assistant", use("t1"))],
+]
+
+
+async def test_only_what_anthropic_refuses_is_refused(client: anthropic.AsyncAnthropic):
+    ask: Any = {"model": "simulated", "tools": TOOLS}
+    for turns in SERVED:
+        message = await client.messages.create(**ask, max_tokens=5, messages=[USER, *turns])
+        counted = await client.messages.count_tokens(**ask, messages=[USER, *turns])
+        assert message.stop_reason in ("tool_use", "max_tokens") and counted.input_tokens > 0
+    # The same answer after the user's text is not: the results lead the turn.
+    late: Any = [said("assistant", use("t1")), said("user", TEXT, answer("t1"))]
+    with pytest.raises(anthropic.BadRequestError):
+        await client.messages.create(**ask, max_tokens=5, messages=[USER, *late])

@@ -55,6 +55,7 @@ from replystream.server.tool_requests import (
     Origin,
     anthropic_messages,
     anthropic_tools,
+    check_anthropic_turns,
     check_tool_answers,
     prompt_of,
 )
@@ -86,6 +87,7 @@ def _conversation(app: web.Application, body: MessagesInput) -> GenerationReques
     converted, their_origins = anthropic_messages(body.messages)
     messages += converted
     check_tool_answers(messages, [*origins, *their_origins])
+    check_anthropic_turns(body.messages)
     tools, tool_choice = anthropic_tools(body.tools, body.tool_choice)
     prompt = prompt_of(messages)
     check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "messages")

@@ -174,11 +174,57 @@ def check_tool_answers(messages: Sequence[Mapping[str, Any]], origins: Sequence[
         answered.add(call_id)
 
 
+def check_anthropic_turns(messages: Sequence[AnthropicMessage]) -> None:
+    """Anthropic's own rule for answering calls, stricter than chat's (run after
+    ``check_tool_answers``, which refuses a result answering no call, or a call answered
+    twice): the user turn right after an assistant turn's ``tool_use`` blocks begins with a
+    ``tool_result`` for each of them (its text may follow), so a call is answered in the next
+    turn or never. Consecutive messages of one role are one turn, as Anthropic's API joins
+    them. A conversation may end with calls no turn answers yet. The message says it as
+    Anthropic's does (``messages.N: ...``, N the message that made the calls)."""
+    unanswered: list[str] = []  # the calls of the assistant turn before this user turn
+    making: list[str] = []  # the calls of the assistant turn going on
+    asked = asking = 0  # where each of those was made (its last message with calls)
+    leading = False  # still in the user turn's first blocks, its results
+    role = None
+    for number, message in enumerate(messages):
+        if message.role != role and message.role == "assistant":
+            _answered_all(unanswered, asked)
+            making = []
+        elif message.role != role:
+            unanswered, asked, leading, making = making, asking, True, []
+        role = message.role
+        if isinstance(message.content, str):
+            leading = False
+            continue
+        for block in message.content:
+            if block.type == "tool_use":
+                making.append(block.id)
+                asking = number
+            elif block.type != "tool_result":
+                leading = False
+            elif leading and block.tool_use_id in unanswered:
+                unanswered.remove(block.tool_use_id)
+    if role == "user":
+        _answered_all(unanswered, asked)
+
+
+def _answered_all(unanswered: Sequence[str], asked: int) -> None:
+    if unanswered:
+        raise _bad(
+            f"messages[{asked}]",
+            f"messages.{asked}: `tool_use` ids were found without `tool_result` blocks "
+            f"immediately after: {', '.join(unanswered)}. Each `tool_use` block must have a "
+            "corresponding `tool_result` block in the next message.",
+        )
+
+
 def anthropic_messages(
     messages: Sequence[AnthropicMessage],
 ) -> tuple[list[ChatMessage], list[Origin]]:
     """Anthropic's messages in chat's form: ``tool_use`` blocks become the assistant's
-    ``tool_calls``, ``tool_result`` blocks ``tool`` messages (before the user's own text);
+    ``tool_calls``, ``tool_result`` blocks ``tool`` messages (before the user's own text,
+    which ``check_anthropic_turns`` has them lead);
     with where each came from (``messages[i]``, a block ``messages[i].content[j]``)."""
     out: list[ChatMessage] = []
     origins: list[Origin] = []
