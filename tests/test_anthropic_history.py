@@ -128,3 +128,61 @@ async def test_only_what_anthropic_refuses_is_refused(client: anthropic.AsyncAnt
     late: Any = [said("assistant", use("t1")), said("user", TEXT, answer("t1"))]
     with pytest.raises(anthropic.BadRequestError):
         await client.messages.create(**ask, max_tokens=5, messages=[USER, *late])
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        ([{"role": "user", "content": ""}], "messages[0].content", "messages.0: all messages"),
+        ([said("user")], "messages[0].content", "must have non-empty content"),
+        (
+            [said("user", {"type": "text", "text": ""})],
+            "messages[0].content[0].text",
+            "messages.0.content.0.text: text content blocks must be non-empty",
+        ),
+        (
+            [USER, said("assistant"), USER],
+            "messages[1].content",
+            "messages.1: all messages must have non-empty content except for the optional "
+            "final assistant message",
+        ),
+        (
+            [USER, said("assistant", {**use("t1"), "id": ""}), said("user", answer(""))],
+            "messages[1].content[0].id",
+            "at least 1 character",
+        ),
+    ],
+)
+async def test_empty_content_is_refused_as_anthropic_refuses_it(
+    client: anthropic.AsyncAnthropic, messages: list[dict[str, Any]], param: str, says: str
+):
+    ask: Any = {"model": "simulated", "tools": TOOLS, "messages": messages}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await client.messages.create(**ask, max_tokens=5)
+    with pytest.raises(anthropic.BadRequestError) as not_counted:
+        await client.messages.count_tokens(**ask)
+    for error in (refused.value.body["error"], not_counted.value.body["error"]):  # type: ignore[index]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param)
+        assert says in error["message"]
+
+
+async def test_a_prefill_may_be_empty_but_may_not_end_in_whitespace(
+    client: anthropic.AsyncAnthropic,
+):
+    ask: Any = {"model": "simulated", "max_tokens": 5}
+    prefill: Any
+    for prefill in ("", [], "It is", [TEXT, use("t1")]):
+        message = await client.messages.create(
+            **ask, messages=[USER, {"role": "assistant", "content": prefill}]
+        )
+        assert message.stop_reason in ("tool_use", "max_tokens")
+    for prefill in ("It is ", [{"type": "text", "text": "It is\n"}], " "):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.messages.create(
+                **ask, messages=[USER, {"role": "assistant", "content": prefill}]
+            )
+        error = refused.value.body["error"]  # type: ignore[index]
+        assert error["param"] == "messages[1].content"
+        assert error["message"] == (
+            "messages.1: final assistant content cannot end with trailing whitespace"
+        )

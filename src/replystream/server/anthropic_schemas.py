@@ -54,7 +54,7 @@ class AnthropicToolUse(Strict):
     """A ``tool_use`` block of an assistant message sent back as history."""
 
     type: Literal["tool_use"]
-    id: str
+    id: Annotated[str, Field(min_length=1)]
     name: str
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
@@ -152,6 +152,14 @@ class AnthropicMessage(Strict):
             return self.content
         return "".join(block.text for block in self.content if block.type == "text")
 
+    @property
+    def ends_in_whitespace(self) -> bool:
+        """Whether the message ends with text, and that text with whitespace."""
+        if isinstance(self.content, str):
+            return self.content[-1:].isspace()
+        last = self.content[-1] if self.content else None
+        return isinstance(last, AnthropicText) and last.text[-1:].isspace()
+
 
 class AnthropicTool(Strict):
     """A client tool of ``POST /v1/messages`` (Anthropic's server tools are not offered)."""
@@ -206,6 +214,36 @@ class MessagesInput(Strict):
     tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
+
+    @model_validator(mode="after")
+    def _content_anthropic_takes(self) -> MessagesInput:
+        # Anthropic's API refuses these, in these words (a conversation taken here would be
+        # refused there): an empty message other than a final assistant one (an empty
+        # prefill), an empty text block, and a prefill ending in whitespace.
+        last = len(self.messages) - 1
+        for number, message in enumerate(self.messages):
+            prefill = number == last and message.role == "assistant"
+            if not message.content and not prefill:
+                raise invalid(
+                    f"messages.{number}: all messages must have non-empty content except for "
+                    "the optional final assistant message",
+                    f"messages[{number}].content",
+                )
+            blocks = [] if isinstance(message.content, str) else message.content
+            for place, block in enumerate(blocks):
+                if block.type == "text" and not block.text:
+                    raise invalid(
+                        f"messages.{number}.content.{place}.text: text content blocks must be "
+                        "non-empty",
+                        f"messages[{number}].content[{place}].text",
+                    )
+            if prefill and message.ends_in_whitespace:
+                raise invalid(
+                    f"messages.{number}: final assistant content cannot end with trailing "
+                    "whitespace",
+                    f"messages[{number}].content",
+                )
+        return self
 
     @property
     def shows_thinking(self) -> bool:
