@@ -51,3 +51,25 @@ async def test_an_upstreams_filtered_reply_is_a_refusal_streamed_and_whole(
     for message in (whole, streamed):
         assert message.stop_reason == "refusal"
         assert [block.type for block in message.content] == ["text"]
+
+
+async def test_a_failed_tools_result_reaches_the_upstream_marked_as_an_error():
+    upstream = RecordingUpstream()
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "timed out"}
+    history: Any = [USER, {"role": "assistant", "content": [call]}]
+    tools: Any = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    async with relayed(upstream) as client:
+        for is_error in (True, False):
+            answer: Any = [{**result, "is_error": is_error}]
+            await client.messages.create(
+                model="m",
+                max_tokens=5,
+                tools=tools,
+                messages=[*history, {"role": "user", "content": answer}],
+            )
+    told = [body["messages"][-1] for body in upstream.bodies]
+    assert told == [
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: timed out"},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "timed out"},
+    ]

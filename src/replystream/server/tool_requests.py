@@ -219,12 +219,15 @@ def _answered_all(unanswered: Sequence[str], asked: int) -> None:
         )
 
 
+TOOL_FAILED = "Error: "  # what a tool result the client marked ``is_error`` begins with
+
+
 def anthropic_messages(
     messages: Sequence[AnthropicMessage],
 ) -> tuple[list[ChatMessage], list[Origin]]:
     """Anthropic's messages in chat's form: ``tool_use`` blocks become the assistant's
     ``tool_calls``, ``tool_result`` blocks ``tool`` messages (before the user's own text,
-    which ``check_anthropic_turns`` has them lead);
+    which ``check_anthropic_turns`` has them lead; one marked ``is_error`` says so first);
     with where each came from (``messages[i]``, a block ``messages[i].content[j]``)."""
     out: list[ChatMessage] = []
     origins: list[Origin] = []
@@ -247,7 +250,9 @@ def anthropic_messages(
         ]
         for place, block in blocks:
             if block.type == "tool_result":
-                answer = {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text}
+                # Chat's tool message has no place for is_error: the model reads it in the text.
+                said = f"{TOOL_FAILED}{block.text}" if block.is_error else block.text
+                answer = {"role": "tool", "tool_call_id": block.tool_use_id, "content": said}
                 out.append(answer)
                 origins.append(Origin(f"{path}.content[{place}]"))
         if calls:
