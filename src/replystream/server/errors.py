@@ -3,7 +3,8 @@
 Errors before a response starts are HTTP statuses with a JSON body
 ``{"error": {"message", "type", "param", "code"}}`` (the shape OpenAI-compatible clients read).
 Errors after a stream started are in-band events built from the same fields. The Anthropic
-route (``/v1/messages``) answers the same errors in Anthropic's shape,
+routes (``/v1/messages``; ``/v1/models`` asked with ``anthropic-version``) answer the same
+errors in Anthropic's shape,
 ``{"type": "error", "error": {"type", "message"}}`` (with our ``code`` and ``param`` beside
 them): ``in_route_shape`` rewrites any error response of ours for it, whoever made it.
 A refusal that knows when the client may try again (a 429 or 503) says so in ``Retry-After``,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -57,6 +59,20 @@ def anthropic_error_type(status: int) -> str:
 # Where an error response keeps its fields, to be written in another route's shape.
 API_ERROR = web.ResponseKey("api_error", tuple)
 ANTHROPIC_PATHS = ("/v1/messages",)
+# Routes both APIs have: Anthropic's when the client says it speaks it, as its SDKs always do.
+SHARED_PATHS = ("/v1/models",)
+ANTHROPIC_HEADER = "anthropic-version"
+
+
+def speaks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
+    """Whether a request is answered in Anthropic's shape: on its routes, and on the routes
+    both APIs have (``/v1/models``) when it carries ``anthropic-version``."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return True
+    shared = path in SHARED_PATHS or path.startswith(tuple(f"{p}/" for p in SHARED_PATHS))
+    return shared and ANTHROPIC_HEADER in headers
+
+
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id")
 
 
@@ -83,10 +99,13 @@ def error_response(
     return response
 
 
-def in_route_shape(path: str, response: web.StreamResponse) -> web.StreamResponse:
-    """An error response of ours in the shape the route's clients read."""
+def in_route_shape(
+    path: str, response: web.StreamResponse, headers: Mapping[str, str] | None = None
+) -> web.StreamResponse:
+    """An error response of ours in the shape the route's clients read (``headers``: the
+    request's, when known)."""
     fields = response.get(API_ERROR)
-    if fields is None or not path.startswith(ANTHROPIC_PATHS):
+    if fields is None or not speaks_anthropic(path, headers or {}):
         return response
     message, code, param = fields
     kind = anthropic_error_type(response.status)

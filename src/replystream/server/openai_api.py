@@ -9,7 +9,8 @@ requests into replies; it must not know how tokens are made or how events are fr
 Models: an engine that routes by model (a relay: its upstreams' own names, merged, and a
 routes file's aliases) lists them in ``GET /v1/models``, and a request's ``model`` picks the
 upstreams serving it; the server's own name (``--model-name``, else the engine's) is always
-accepted and means "any". Any other name is a 404 ``model_not_found``.
+accepted and means "any". Any other name is a 404 ``model_not_found``. An Anthropic client
+(``anthropic-version``) is answered in its API's shape (``server.anthropic_models``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from replystream.delivery.openai_formats import (
     completion_choice,
 )
 from replystream.server import ids
+from replystream.server.anthropic_models import model_info, model_page
 from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
@@ -40,6 +42,7 @@ from replystream.server.context import (
     follow_started,
     start_reply,
 )
+from replystream.server.errors import speaks_anthropic
 from replystream.server.openai_requests import (
     CompletionAsk,
     model_not_found,
@@ -47,7 +50,8 @@ from replystream.server.openai_requests import (
     parse_completion_request,
 )
 from replystream.server.openai_schemas import ChatBody, CompletionBody
-from replystream.server.validation import read_model
+from replystream.server.query_schemas import AnthropicModelsQuery
+from replystream.server.validation import parse_mapping, read_model
 
 # A comment line without the blank line after it: the OpenAI Python SDK turns a blank line
 # after a comment into an empty event once it has seen an ``id:``, and fails to parse it.
@@ -105,8 +109,13 @@ def _model_object(app: web.Application, name: str) -> dict[str, Any]:
 
 
 async def handle_models(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/models``: every model served."""
-    data = [_model_object(request.app, name) for name in listed_models(request.app)]
+    """``GET /v1/models``: every model served (to an Anthropic client, a page of them in
+    its API's shape)."""
+    names = listed_models(request.app)
+    if speaks_anthropic(request.path, request.headers):
+        query = parse_mapping(request.query, AnthropicModelsQuery)
+        return web.json_response(model_page(names, request.app[STARTED_AT], query))
+    data = [_model_object(request.app, name) for name in names]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -115,6 +124,8 @@ async def handle_model(request: web.Request) -> web.StreamResponse:
     name = request.match_info["model"]
     if name not in listed_models(request.app):
         raise model_not_found(name)
+    if speaks_anthropic(request.path, request.headers):
+        return web.json_response(model_info(name, request.app[STARTED_AT]))
     return web.json_response(_model_object(request.app, name))
 
 

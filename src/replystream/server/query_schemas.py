@@ -1,6 +1,7 @@
 """The declared shape of query strings and resume cursors: the lab's ``GET /wait`` and
 ``GET /stream``, a reply's resume point (``last_event_id``, or the ``Last-Event-ID``
-header), ``GET /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
+header), ``GET /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` and Anthropic's
+``GET /v1/models``.
 
 These carry text, not JSON: an integer is ASCII digits in range, a flag one of a few
 spellings in any case, and unknown parameters are ignored (as the lab's query string always
@@ -155,3 +156,15 @@ class InputItemsQuery(Query):
     limit: Annotated[int, _digits("limit", 1, INPUT_ITEMS_PAGE_MAX)] = 20
     order: Literal["asc", "desc"] = "desc"
     include: tuple[Annotated[str, PlainValidator(_input_items_include)], ...] = ()
+
+
+ANTHROPIC_MODELS_PAGE_MAX = 1000  # Anthropic's range for ``limit``: 1 to 1000, 20 by default
+
+
+class AnthropicModelsQuery(Query):
+    """``GET /v1/models`` asked by an Anthropic client: a page of at most ``limit`` models,
+    those after the model ``after_id`` and before the model ``before_id``."""
+
+    after_id: str | None = None
+    before_id: str | None = None
+    limit: Annotated[int, _digits("limit", 1, ANTHROPIC_MODELS_PAGE_MAX)] = 20

@@ -1,0 +1,84 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}`` through the anthropic SDK (which sends
+``anthropic-version``): Anthropic's shapes and paging; the openai SDK still gets OpenAI's."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import datetime
+
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
+from tests.chat_upstream import RecordingUpstream
+
+NAMES = ["alpha", "beta", "gamma"]
+
+
+class ThreeModels(RecordingUpstream):
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": n} for n in NAMES]})
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    async with running(ThreeModels().app()) as upstream_url:
+        engine = UpstreamEngine(
+            UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),), health_s=600.0)
+        )
+        try:
+            async with running(create_app(engine)) as served:
+                yield served
+        finally:
+            await engine.aclose()
+
+
+def sdk(url: str) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+
+
+def oai(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_the_model_list_is_anthropics_page_and_pages_as_the_sdk_asks(url: str):
+    async with sdk(url) as client:
+        page = await client.models.list()
+        one = await client.models.retrieve("beta")
+        paged = [model.id async for model in client.models.list(limit=1)]
+        before = await client.models.list(before_id="gamma", limit=1)
+    assert [model.id for model in page.data] == NAMES == paged
+    assert (page.has_more, page.first_id, page.last_id) == (False, "alpha", "gamma")
+    for model in (*page.data, one):
+        assert model.type == "model" and model.display_name == model.id
+        assert isinstance(model.created_at, datetime) and model.created_at.tzinfo is not None
+    assert one.id == "beta"
+    assert ([m.id for m in before.data], before.has_more) == (["beta"], True)
+    async with oai(url) as other:  # no anthropic-version: OpenAI's list, as before
+        listed = await other.models.list()
+    assert [(m.id, m.object, m.owned_by) for m in listed.data] == [
+        (n, "model", "replystream") for n in NAMES
+    ]
+
+
+async def test_errors_on_the_model_routes_are_anthropics_for_its_clients(url: str):
+    async with sdk(url) as client:
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            await client.models.retrieve("nope")
+        with pytest.raises(anthropic.BadRequestError) as bad_limit:
+            await client.models.list(limit=0)
+        with pytest.raises(anthropic.BadRequestError) as bad_cursor:
+            await client.models.list(after_id="nope")
+    assert missing.value.body["type"] == "error"  # type: ignore[index]
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert bad_limit.value.body["error"]["param"] == "limit"  # type: ignore[index]
+    assert bad_cursor.value.body["error"]["param"] == "after_id"  # type: ignore[index]
+    async with oai(url) as other:
+        with pytest.raises(openai.NotFoundError) as openais:
+            await other.models.retrieve("nope")
+    assert openais.value.code == "model_not_found"
+    assert "type" not in openais.value.response.json()  # OpenAI's shape: the error alone
