@@ -52,8 +52,10 @@ class Answer:
         """The API's error object; fails the test if the body is not in that shape."""
         assert self.content_type == "application/json", (self.status, self.body[:200])
         payload = json.loads(self.body)
-        # Anthropic's shape on its route: the same object, under a "type": "error" envelope.
-        assert set(payload) in ({"error"}, {"type", "error"}), payload
+        # Anthropic's shape on its route: the same object, under a "type": "error" envelope
+        # with the request's id (none for a refusal of the request's head, which has none).
+        anthropic_shapes = ({"type", "error"}, {"type", "error", "request_id"})
+        assert set(payload) in ({"error"}, *anthropic_shapes), payload
         assert payload.get("type", "error") == "error", payload
         error = payload["error"]
         assert set(error) == ERROR_KEYS, error

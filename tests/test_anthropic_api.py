@@ -227,3 +227,18 @@ async def test_a_received_message_saved_whole_goes_back_as_history():
             **{**ASK, "messages": [*history, {"role": "user", "content": "again"}]}
         )
     assert after.content[0].type == "text"
+
+
+async def test_the_request_id_is_where_the_sdk_reads_it_and_a_large_body_is_its_413():
+    app = create_app(fast_engine(reply_text=REPLY), ServerConfig(max_body_bytes=4096))
+    async with running(app) as url, sdk(url) as client:
+        raw = await client.messages.with_raw_response.create(**ASK)  # type: ignore[call-overload]
+        message = await raw.parse()
+        with pytest.raises(anthropic.RequestTooLargeError) as too_large:
+            await client.messages.create(  # type: ignore[call-overload]
+                **{**ASK, "messages": [{"role": "user", "content": "x" * 5000}]}
+            )
+    assert message._request_id == raw.headers["X-Request-Id"]
+    body = too_large.value.body
+    assert isinstance(body, dict) and body["error"]["type"] == "request_too_large"
+    assert too_large.value.request_id == body["request_id"] is not None

@@ -126,6 +126,7 @@ async def test_keys_are_checked_as_on_messages():
             "code": "invalid_api_key",
             "param": None,
         },
+        "request_id": refused.value.request_id,
     }
 
 
@@ -241,9 +242,11 @@ async def test_bad_input_is_refused_as_messages_refuses_it_in_anthropics_shape(
         async with http.post(f"{url}/v1/messages/count_tokens", json=body) as response:
             assert response.status == status
             counted = await response.json()
+            assert counted.pop("request_id") == response.headers["request-id"]
         async with http.post(f"{url}/v1/messages", json={**body, "max_tokens": 5}) as response:
             assert response.status == status
             messaged = await response.json()
+            assert messaged.pop("request_id") == response.headers["request-id"]
         async with sdk(url) as client:
             with pytest.raises(anthropic.APIStatusError) as raised:
                 # The SDK's own request (``count_tokens`` checks its arguments first).
@@ -255,7 +258,8 @@ async def test_bad_input_is_refused_as_messages_refuses_it_in_anthropics_shape(
     error = counted["error"]
     kind = "not_found_error" if status == 404 else "invalid_request_error"
     assert (error["type"], error["code"], error["param"]) == (kind, code, param)
-    assert raised.value.status_code == status and raised.value.body == counted
+    assert raised.value.status_code == status
+    assert raised.value.body == {**counted, "request_id": raised.value.request_id}
 
 
 @pytest.mark.parametrize(

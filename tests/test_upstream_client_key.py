@@ -184,6 +184,7 @@ async def test_a_client_key_the_upstream_refuses_is_the_clients_401_not_a_failov
                     "code": "upstream_refused_client_key",
                     "param": None,
                 },
+                "request_id": refused.value.request_id,
             }
         assert await chat(url, "alice", "open") == "hello there"  # the upstream is not held out
         async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as got:

@@ -4,9 +4,9 @@ Errors before a response starts are HTTP statuses with a JSON body
 ``{"error": {"message", "type", "param", "code"}}`` (the shape OpenAI-compatible clients read).
 Errors after a stream started are in-band events built from the same fields. The Anthropic
 routes (``/v1/messages``; ``/v1/models`` asked with ``anthropic-version``) answer the same
-errors in Anthropic's shape,
-``{"type": "error", "error": {"type", "message"}}`` (with our ``code`` and ``param`` beside
-them): ``in_route_shape`` rewrites any error response of ours for it, whoever made it.
+errors in Anthropic's shape, ``{"type": "error", "error": {"type", "message"},
+"request_id"}`` (with our ``code`` and ``param`` beside them): ``in_route_shape`` rewrites
+any error response of ours for it, whoever made it.
 A refusal that knows when the client may try again (a 429 or 503) says so in ``Retry-After``,
 whichever route's shape it takes.
 """
@@ -47,9 +47,12 @@ def error_body(
 def anthropic_error_type(status: int) -> str:
     """The ``error.type`` Anthropic's clients read for an HTTP ``status``: OpenAI's where they
     agree; Anthropic has no ``server_error`` (a failure of ours or of an upstream is its
-    ``api_error``, a gateway's time-out its ``timeout_error``)."""
+    ``api_error``, a gateway's time-out its ``timeout_error``), and a body too large is its
+    ``request_too_large``."""
     if status == 504:
         return "timeout_error"
+    if status == 413:
+        return "request_too_large"
     kind = _TYPE_BY_STATUS.get(status)
     if kind is not None:
         return kind
@@ -100,20 +103,24 @@ def error_response(
 
 
 def in_route_shape(
-    path: str, response: web.StreamResponse, headers: Mapping[str, str] | None = None
+    path: str,
+    response: web.StreamResponse,
+    headers: Mapping[str, str] | None = None,
+    request_id: str | None = None,
 ) -> web.StreamResponse:
     """An error response of ours in the shape the route's clients read (``headers``: the
-    request's, when known)."""
+    request's, when known; ``request_id``: its id, which Anthropic's body carries)."""
     fields = response.get(API_ERROR)
     if fields is None or not speaks_anthropic(path, headers or {}):
         return response
     message, code, param = fields
     kind = anthropic_error_type(response.status)
     error = {"type": kind, "message": message, "code": code, "param": param}
+    body: dict[str, Any] = {"type": "error", "error": error}
+    if request_id is not None:
+        body["request_id"] = request_id
     reshaped = web.Response(
-        status=response.status,
-        text=json.dumps({"type": "error", "error": error}),
-        content_type="application/json",
+        status=response.status, text=json.dumps(body), content_type="application/json"
     )
     for name in _KEPT_HEADERS:
         if name in response.headers:

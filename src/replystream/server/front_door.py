@@ -116,7 +116,7 @@ def front_door(door: FrontDoor) -> Middleware:
                         response = AbandonedResponse()
                     else:
                         response = error_answer(request, exc, door.max_body_bytes)
-                response = in_route_shape(request.path, response, request.headers)
+                response = in_route_shape(request.path, response, request.headers, request_id)
                 compress_if_worthwhile(request, response, door.gzip_min_bytes)
             status = response.status
             if isinstance(response, SentLater):

@@ -258,11 +258,12 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     request_id = request.get(REQUEST_ID)
     if request_id is not None:
         response.headers["X-Request-Id"] = request_id
+        response.headers["request-id"] = request_id  # the name Anthropic's SDKs read
     origin = request.headers.get("Origin")
     origins = request.app[GUARD_KEY].cors_origins
     if origin is not None and origins and _allowed(origin, origins):
         response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Access-Control-Expose-Headers"] = "X-Reply-Id, X-Request-Id"
+        response.headers["Access-Control-Expose-Headers"] = "X-Reply-Id, X-Request-Id, request-id"
         response.headers["Vary"] = "Origin"
 
 
