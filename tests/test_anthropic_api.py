@@ -135,6 +135,11 @@ async def test_keys_are_read_from_x_api_key_and_errors_are_the_sdks_own_classes(
         ({**ASK, "stop_sequences": [""]}, "stop_sequences[0]"),
         ({**ASK, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
         ({**ASK, "service_tier": "priority"}, "service_tier"),
+        # A server tool has no input_schema: it is refused by its type.
+        (
+            {**ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            "tools[0].type",
+        ),
     ],
 )
 async def test_bad_requests_are_400s_in_anthropics_shape_naming_the_field(body, param):

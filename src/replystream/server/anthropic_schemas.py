@@ -26,6 +26,7 @@ from replystream.server.schema_fields import (
     TopK,
     content_kind,
     invalid,
+    only,
 )
 
 
@@ -161,13 +162,20 @@ class AnthropicMessage(Strict):
         return isinstance(last, AnthropicText) and last.text[-1:].isspace()
 
 
+ClientToolType = Annotated[
+    str, only("custom", '"custom": this server offers client tools, not Anthropic\'s server tools')
+]
+
+
 class AnthropicTool(Strict):
     """A client tool of ``POST /v1/messages`` (Anthropic's server tools are not offered)."""
 
+    # First, so a server tool (``{"type": "web_search_20250305", "name": ...}``) is refused
+    # by its type, not by the input_schema it has no need of.
+    type: ClientToolType | None = None
     name: ToolName
     input_schema: ObjectSchema
     description: str | None = None
-    type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
 
 
