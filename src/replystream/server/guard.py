@@ -29,7 +29,7 @@ from aiohttp import web
 
 from replystream.server import ids
 from replystream.server.auth import OWNER
-from replystream.server.errors import HTTPAPIError, error_response
+from replystream.server.errors import HTTPAPIError, error_response, speaks_anthropic
 
 access_log = logging.getLogger("replystream.access")
 
@@ -258,7 +258,9 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     request_id = request.get(REQUEST_ID)
     if request_id is not None:
         response.headers["X-Request-Id"] = request_id
-        response.headers["request-id"] = request_id  # the name Anthropic's SDKs read
+        if speaks_anthropic(request.path, request.headers):
+            # The name Anthropic's SDKs read; other routes keep their heads as small as before.
+            response.headers["request-id"] = request_id
     origin = request.headers.get("Origin")
     origins = request.app[GUARD_KEY].cors_origins
     if origin is not None and origins and _allowed(origin, origins):
