@@ -141,7 +141,9 @@ def _messages_request(
     body: dict[str, Any] = {"model": model, "max_tokens": limit, "stream": True}
     if system:
         body["system"] = system
-    body["messages"] = _turns(history, prompt)
+    # The Messages API refuses a message with no content (Anthropic's rule, and this
+    # server's): an empty prompt (--prompt-words 0) is sent as one full stop, no word.
+    body["messages"] = _turns(history, prompt or ".")
     return RequestSpec("POST", url, body)
 
 
