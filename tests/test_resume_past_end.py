@@ -102,12 +102,9 @@ async def test_resume_past_the_last_event_of_a_live_reply_made_here_is_400(
     assert "999999" in body["error"]["message"]
 
 
-async def test_a_place_past_the_end_of_a_reply_live_elsewhere_ends_with_an_error_not_nothing(
-    tmp_path: Path,
-):
-    # Another replica cannot know a live reply's last event (the producer's log may be behind
-    # what it sent): the place is followed live; when the reply ends with nothing after it,
-    # the reader is told so in-band, not sent an empty 200 that looks like a cut stream.
+async def resume_live_elsewhere(tmp_path: Path, place: int) -> tuple[int, bytes, bytes]:
+    """A 10-token reply made on one replica, resumed after ``place`` on another while it is
+    live: (the resume's status, its body, the whole reply as its own client read it)."""
     with redis_server(tmp_path) as redis:
         engine = fast_engine(delay_ms=20, jitter_ms=0)
         producer = create_app(engine, store=RedisReplayStore(redis.url))
@@ -118,9 +115,18 @@ async def test_a_place_past_the_end_of_a_reply_live_elsewhere_ends_with_an_error
                 "POST",
                 b'{"prompt": "x", "resumable": true, "max_tokens": 10}',
             )
-            reply_id = live.headers["x-reply-id"]
-            status, _, body = await resume(other, reply_id, "1000")
-            await live.read_body()
+            status, _, body = await resume(other, live.headers["x-reply-id"], str(place))
+            whole = await live.read_body()
+    return status, body, whole
+
+
+async def test_a_place_past_the_end_of_a_reply_live_elsewhere_ends_with_an_error_not_nothing(
+    tmp_path: Path,
+):
+    # Another replica cannot know a live reply's last event (the producer's log may be behind
+    # what it sent): the place is followed live; when the reply ends with nothing after it,
+    # the reader is told so in-band, not sent an empty 200 that looks like a cut stream.
+    status, body, _ = await resume_live_elsewhere(tmp_path, 1000)
     assert status == 200
     text = body.decode()
     assert text.startswith("event: error\n"), text
@@ -133,19 +139,7 @@ async def test_a_place_at_the_last_event_of_a_reply_live_elsewhere_ends_the_stre
 ):
     # The reader holds the whole reply: followed live on another replica, nothing comes
     # after its place, and that is no error (a place past the end is: above).
-    with redis_server(tmp_path) as redis:
-        engine = fast_engine(delay_ms=20, jitter_ms=0)
-        producer = create_app(engine, store=RedisReplayStore(redis.url))
-        reader = create_app(fast_engine(), store=RedisReplayStore(redis.url))
-        async with running(producer) as start, running(reader) as other:
-            live = await raw_request(
-                f"{start}/v1/replies",
-                "POST",
-                b'{"prompt": "x", "resumable": true, "max_tokens": 10}',
-            )
-            reply_id = live.headers["x-reply-id"]
-            last = 10 + 3  # its start, 10 tokens, its usage and its done, numbered from 1
-            status, _, body = await resume(other, reply_id, str(last))
-            whole = await live.read_body()
+    last = 10 + 3  # its start, 10 tokens, its usage and its done, numbered from 1
+    status, body, whole = await resume_live_elsewhere(tmp_path, last)
     assert whole.rstrip().split(b"\n")[-2] == f"id: {last}".encode()  # done's id
     assert status == 200 and b"event: error" not in body, body

@@ -252,5 +252,6 @@ async def test_a_detached_reply_stops_soon_after_its_reader_on_the_other_replica
             await wait_for(lambda: not a[MANAGER_KEY].replies, timeout_s=20)
             stopped_after = loop.time() - left
     assert engine.stats().cancelled == 1  # stopped, not made to its end
-    # Grace 2 s, and up to a beat to take the mark away and one for A to miss it.
-    assert stopped_after < 4.5, stopped_after
+    # Grace 2 s, and up to a beat to take the mark away and one for A to miss it; with the
+    # mark left to lapse it took 7 s. The bound leaves a loaded machine room either side.
+    assert stopped_after < 5.5, stopped_after

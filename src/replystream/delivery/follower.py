@@ -186,7 +186,7 @@ class Follower:
         self.record = record  # where to count what is sent (the producer's record)
         self.last_write = 0.0
         # Cut past this many bytes of backlog: ``slow_client_bytes`` plus the backlog before
-        # its first write of entries, lowered after each write to ``slow_client_bytes`` past
+        # its first write of entries, lowered before each write to ``slow_client_bytes`` past
         # the backlog then (``_allow``), and ``slow_client_bytes`` alone once it has caught up
         # (``_go_direct``). One attribute, so the producer's checks (``push``, ``interrupt``)
         # cost what a fixed limit would.
@@ -406,9 +406,7 @@ class Follower:
                     final = last and index == len(entries) - 1
                     await self._send(self.transport.encode(batch), len(batch), last=final)
                     self.cursor.sent(entry.seq, size)
-                    self._in_hand -= size
-                    # Just written: its backlog is least now.
-                    self._allow(self.cursor.lag_bytes() - self._in_hand)
+                    self._in_hand -= size  # the backlog beyond it is as it was, or more
                     start, size = index + 1, 0
         finally:
             self._in_hand = 0
