@@ -256,8 +256,13 @@ def connect(
             max_connections=max_connections,
             **timeouts,
         )
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        list(target.nodes), sentinel_kwargs=dict(timeouts), retry=no_retry, **timeouts
+    # redis-py 8 types Sentinel's constructor; earlier releases do not (hence both codes).
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
+        list(target.nodes),
+        sentinel_kwargs=dict(timeouts),
+        retry=no_retry,
+        socket_connect_timeout=connect_timeout_s,
+        socket_timeout=command_timeout_s,
     )
     client: _SentinelClient = sentinel.master_for(
         target.service,
