@@ -41,6 +41,7 @@ from tests.sse_client import post_events
 STALL_S = 0.4
 SILENCE_S = 1.0  # an upstream's silence: past STALL_S, within the limits that apply
 MAX_EVENT = 4096
+HEAD_DELAY_S = 0.6  # an upstream's wait before its head, and again before its first text
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
@@ -81,6 +82,8 @@ class FakeUpstream:
         self.transport = request.transport
         if mode == "slowhead":
             await asyncio.sleep(30)
+        if mode == "latehead":
+            await asyncio.sleep(HEAD_DELAY_S)
         if mode == "dripfail":  # a 500 whose body comes a byte at a time, never ending
             failing = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
             await failing.prepare(request)
@@ -167,6 +170,11 @@ class FakeUpstream:
         await r.write(chunk("", role="assistant"))
         await asyncio.sleep(SILENCE_S)
         await r.write(chunk("one ") + chunk(None, "stop") + b"data: [DONE]\n\n")
+
+    async def mode_latehead(self, r: web.StreamResponse) -> None:
+        # Its head after HEAD_DELAY_S (``chat``), then as long again to its first text.
+        await asyncio.sleep(HEAD_DELAY_S)
+        await r.write(chunk("late ") + chunk(None, "stop") + b"data: [DONE]\n\n")
 
     async def mode_pause(self, r: web.StreamResponse) -> None:
         # Text, silence for longer than the relay's stall limit, then the rest.
@@ -923,6 +931,38 @@ async def test_failover_stops_within_its_limit_even_while_a_head_is_awaited():
     error = json.loads(got.raw)["error"]
     assert error["code"] == "upstream_timeout" and "(after trying 2 upstreams)" in error["message"]
     assert 1.2 <= took < 1.9  # two whole head timeouts would be 2 s
+
+
+async def failover_from(mode: str, **config: Any) -> tuple[Any, float]:
+    """One chat request through a relay in front of an upstream in ``mode`` and one that
+    answers at once (tried in that order): what the client got, and how long it took."""
+    async with fake_upstream() as (_, one), fake_upstream() as (_, two):
+        targets = tuple(
+            UpstreamTarget(f"{u}/{m}/v1", models=("m",)) for u, m in ((one, mode), (two, "ok"))
+        )
+        engine = UpstreamEngine(UpstreamConfig(targets, **config))
+        async with running(create_app(engine)) as relay:
+            started = time.monotonic()
+            got = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "model": "m"})
+            took = time.monotonic() - started
+        await engine.aclose()
+    return got, took
+
+
+async def test_an_upstream_slow_to_send_its_head_is_failed_over_at_the_ttft_limit():
+    """An upstream that takes the connection and sends no head: the request goes on to the
+    next upstream once its time to a first text is up, not after the head timeout or the
+    whole failover window."""
+    got, took = await failover_from("slowhead", ttft_s=0.5, headers_timeout_s=30, failover_s=8)
+    assert got.status == 200 and got.chat_text == "one two three ", got.raw
+    assert took < 4.0  # the window is 8 s, the head timeout 30 s
+
+
+async def test_the_ttft_limit_counts_the_heads_wait_and_the_first_texts_together():
+    """A head and then a first text, each within the TTFT limit but not both: the attempt's
+    time to a first text is counted from its start, so the request goes on."""
+    got, _ = await failover_from("latehead", ttft_s=HEAD_DELAY_S * 1.5, failover_s=8)
+    assert got.status == 200 and got.chat_text == "one two three ", got.raw
 
 
 class TrialUpstream(ChatUpstream):

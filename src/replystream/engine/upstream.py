@@ -285,7 +285,8 @@ class UpstreamEngine:
     ) -> UpstreamStream:
         """One attempt: the request to ``backend``, its stream once the head arrived (what a
         relayed reply is made of; no failover here). The head is awaited for the head
-        timeout, or ``within_s`` if that is shorter (what a relay's failover window has left).
+        timeout, or ``within_s`` if that is shorter (a relay's time to the attempt's first
+        content, within what its failover window has left).
         """
         key = request.client_key
         if key and backend.name in self._keys.passing and key_problem(key) is not None:

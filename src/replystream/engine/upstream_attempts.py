@@ -155,11 +155,11 @@ class AttemptSeries:
             self._trial = backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
-            # The head is awaited only while the failover window is open.
-            left = self._limits.failover_s - (time.monotonic() - self._began)
             try:
                 request = self._attempt_request()
-                self._stream = await self._opener(backend, request, max(left, 0.001))
+                # The time to the first content counts from here, the head's wait included:
+                # an upstream slow to answer at all goes the way of one slow to write.
+                self._stream = await self._opener(backend, request, self._ttft_limit())
                 return
             except RequestRejected:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
@@ -169,6 +169,18 @@ class AttemptSeries:
             except BaseException:
                 self._attempt_over("cancelled")
                 raise
+
+    def _own_ttft_s(self) -> float:
+        """The current attempt's upstream's time to its first content, else the relay's."""
+        backend = self._backend
+        return self._limits.ttft_s if backend is None or backend.ttft_s is None else backend.ttft_s
+
+    def _ttft_limit(self) -> float:
+        """The current attempt's time to its first content, from its start (its head's wait
+        included): its upstream's own limit, if it has one, else the relay's; no later than
+        the failover window's end."""
+        left = self._limits.failover_s - (self._attempt_began - self._began)
+        return max(0.001, min(self._own_ttft_s(), left))
 
     def _preferred_among(self, usable: list[Backend]) -> Backend:
         """Routed by prefix: the upstream this reply's key goes to among ``usable``."""

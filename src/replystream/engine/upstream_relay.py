@@ -4,10 +4,11 @@ stall detection and, when the request allows it, continuation after it.
 This file decides when an attempt has failed and what happens next:
 - Before the first content (the commit point, as for hold-back: nothing but headers and
   keep-alives has reached the client): a connect error, a 5xx or 429, an error in the
-  stream, or no content within ``ttft_s`` moves the request to the next upstream of the
-  plan, invisibly to the client, until ``failover_s`` has passed since the request began.
-  An upstream that refused the request itself (a 400) is not retried elsewhere; one that
-  does not serve the model sent (a 404) is, and its circuit does not count it.
+  stream, or no content within ``ttft_s`` of the attempt's start (its response head's wait
+  included) moves the request to the next upstream of the plan, invisibly to the client,
+  until ``failover_s`` has passed since the request began. An upstream that refused the
+  request itself (a 400) is not retried elsewhere; one that does not serve the model sent
+  (a 404) is, and its circuit does not count it.
 - After it: no content for ``stall_s`` is ``upstream_stalled``; that, or any failure of the
   stream, ends the reply with that error, or, with continuation on, sends the prompt plus
   the text already relayed (as the assistant's prefix, ``continue_final_message``) to the
@@ -320,15 +321,17 @@ class RelayedReply(AttemptSeries):
         self._ended(None)
 
     def _watch(self) -> None:
-        """Once per attempt: the watchdog that notices no text for ``_limit`` seconds.
+        """Once per attempt, from its head: the watchdog that notices no text for ``_limit``
+        seconds (the first text's counted from the attempt's start, the head's wait in it).
 
         One timer per attempt rather than a timeout per delta (``asyncio.timeout`` costs
         several microseconds per chunk): each delta only stamps ``_text_at``, and the timer,
         when it fires early, sets itself again for the new due time."""
         self._loop = asyncio.get_running_loop()
-        self._text_at = time.monotonic()
+        self._text_at = self._attempt_began
         self._limit = self._ttft_limit()
-        self._timer = self._loop.call_later(self._limit, self._check)
+        due_in = self._text_at + self._limit - time.monotonic()
+        self._timer = self._loop.call_later(max(due_in, 0.0), self._check)
 
     def _check(self) -> None:
         self._timer = None
@@ -353,17 +356,6 @@ class RelayedReply(AttemptSeries):
         assert self._waiter is not None
         self._overdue = True
         self._waiter.cancel()
-
-    def _own_ttft_s(self) -> float:
-        """The current attempt's upstream's time to its first content, else the relay's."""
-        backend = self._backend
-        return self._limits.ttft_s if backend is None or backend.ttft_s is None else backend.ttft_s
-
-    def _ttft_limit(self) -> float:
-        """The current attempt's time to its first content: its upstream's own limit, if it
-        has one, else the relay's; no later than the failover window's end."""
-        left = self._limits.failover_s - (time.monotonic() - self._began)
-        return max(0.001, min(self._own_ttft_s(), left))
 
     def _timed_out(self, limit: float, flowing: bool) -> EngineError:
         where = "the upstream" if self._backend is None else f"the upstream at {self._backend.name}"

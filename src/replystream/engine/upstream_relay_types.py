@@ -32,7 +32,7 @@ class Attempt(PushDeltaStream, Protocol):
 
 
 # Sends ``request`` to ``backend`` and returns its stream once the response head arrived,
-# awaiting that head no longer than the given seconds.
+# awaiting that head no longer than the given seconds (the attempt's time to first content).
 Opener = Callable[[Backend, GenerationRequest, float], Awaitable[Attempt]]
 
 
