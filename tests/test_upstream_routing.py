@@ -568,6 +568,20 @@ async def test_each_attempt_carries_the_request_id_and_the_callers_trace_context
             assert "traceparent" not in seen and "tracestate" not in seen, (bad, seen)
 
 
+async def test_a_failover_leaves_the_round_robin_where_the_other_requests_find_it():
+    """Two upstreams taking turns, one answering busy every time (its circuit kept closed):
+    a request that began there moves on to the other, and the next request still begins at
+    the other, its turn, rather than at the busy one again."""
+    busy, fine = Upstream(["m"], mode="busy"), Upstream(["m"])
+    async with relay([busy, fine], failures=100) as url:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        for _ in range(6):
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+    # Every other request begins at the busy one (and fails over), not every request.
+    assert (len(busy.bodies), len(fine.bodies)) == (3, 6)
+
+
 async def test_an_upstreams_own_time_limits_replace_the_relays_for_it():
     silent, stalling, ok = (
         Upstream(["m"], mode="silent"),

@@ -129,12 +129,12 @@ class AttemptSeries:
             if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
             prefer = None if self._affinity is None else self._preferred_among
-            plan = self._pool.plan(self._model, prefer)
+            plan = self._pool.plan(self._model, prefer, self._tried)
             if self._shared is None:
-                backend = next((b for b in plan if b not in self._tried), None)
+                backend = plan[0] if plan else None
                 held_elsewhere = False
             else:
-                backend, self._slot, held_elsewhere = take_slot(self._shared, plan, self._tried)
+                backend, self._slot, held_elsewhere = take_slot(self._shared, plan)
             if backend is None and (held_elsewhere or self._pool.full(self._model, self._tried)):
                 now = time.monotonic()
                 again, queued_at = queued_at is not None, queued_at or now

@@ -23,7 +23,8 @@ model, usable now and below their limit of requests at once (if they have one), 
 outstanding requests per unit of weight first (or first the one the request itself prefers,
 routed by prefix: ``upstream_affinity``); ties (every request alone, as under light load) go
 by smooth weighted round robin (nginx's), so weights 3 and 1 still split a sequence of
-requests 3:1; and, when none is, how soon one will be
+requests 3:1, which only a request's first attempt moves on (a failover takes the next
+upstream without shifting where the other requests go); and, when none is, how soon one will be
 (``UpstreamPool.wait_s``, a refusal's ``Retry-After``). The clock is passed in; nothing here
 awaits.
 It must not know HTTP or how a request is sent.
@@ -278,19 +279,26 @@ class UpstreamPool:
         return [b for b in self.backends if b.serves(model)]
 
     def plan(
-        self, model: str | None, prefer: Callable[[list[Backend]], Backend] | None = None
+        self,
+        model: str | None,
+        prefer: Callable[[list[Backend]], Backend] | None = None,
+        tried: Collection[Backend] = (),
     ) -> list[Backend]:
-        """The upstreams to try for a request for ``model`` (a real name), best first; empty
-        when none serving it is usable now. ``prefer`` picks the first among those usable
-        (a request's own preference: ``upstream_affinity``) instead of the least loaded."""
-        usable = [b for b in self.usable(model) if b.has_room]
+        """The upstreams to try for a request for ``model`` (a real name), best first, but
+        those it ``tried`` already; empty when none serving it is usable now. ``prefer``
+        picks the first among those usable (a request's own preference:
+        ``upstream_affinity``) instead of the least loaded. A plan for a request's first
+        attempt moves the round robin on; one for a later attempt (a failover) takes the
+        upstream the round robin would pick and leaves it where it was, so one request's
+        retries do not shift where the others go."""
+        usable = [b for b in self.usable(model) if b.has_room and b not in tried]
         if not usable:
             return []
         last = self._not_serving(usable, model)
         if last:  # a 404 for the model lately: tried once nothing else is left to try
             usable = [b for b in usable if b not in last] or last
             last = [] if usable is last else sorted(last, key=lambda b: b.outstanding / b.weight)
-        first = self._pick(usable) if prefer is None else prefer(usable)
+        first = self._pick(usable, turn=not tried) if prefer is None else prefer(usable)
         rest = sorted((b for b in usable if b is not first), key=lambda b: b.outstanding / b.weight)
         return [first, *rest, *last]
 
@@ -335,11 +343,15 @@ class UpstreamPool:
         # own error then tells the client what is wrong); an open circuit is a hard stop.
         return [b for b in allowed if b.probe_ok is not False] or allowed
 
-    def _pick(self, usable: list[Backend]) -> Backend:
+    def _pick(self, usable: list[Backend], *, turn: bool) -> Backend:
+        """The least loaded of ``usable``; among those tied, the round robin's next, which
+        moves it on only if ``turn``."""
         least = min(b.outstanding / b.weight for b in usable)
         tied = [b for b in usable if b.outstanding / b.weight == least]
         if len(tied) == 1:
             return tied[0]
+        if not turn:  # the one a turn would pick (the first of the highest, as ``max`` does)
+            return max(tied, key=lambda b: b.current + b.weight)
         total = sum(b.weight for b in tied)
         for b in tied:
             b.current += b.weight

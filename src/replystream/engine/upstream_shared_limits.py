@@ -2,7 +2,7 @@
 together: what the upstreams and the line of one worker make of the slots (``upstream_slots``).
 
 This file decides which upstream of a plan an attempt may use when the limits are shared
-(the first not tried whose limit lets it in, holding one of its slots from then on; one whose
+(the first whose limit lets it in, holding one of its slots from then on; one whose
 slots the other workers hold all of is passed over, as one at its limit), what free room a
 worker's line (``upstream_queue``) sees elsewhere and what it shows the others of itself
 (``OtherWorkers``), which slot files open when the routes change, and how many slots the
@@ -16,7 +16,7 @@ or the workers' parent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import replace
 
 from replystream.engine.base import BackendStats
@@ -30,16 +30,14 @@ Slot = tuple[SlotFiles, int]  # an upstream's slot files, and the slot an attemp
 
 
 def take_slot(
-    shared: SharedLimits, plan: list[Backend], tried: Collection[Backend]
+    shared: SharedLimits, plan: list[Backend]
 ) -> tuple[Backend | None, Slot | None, bool]:
-    """The first upstream of ``plan`` not ``tried`` yet whose limit, shared by the workers,
-    lets an attempt in, with the slot it then holds there (None: no limit, or the shared
-    folder cannot be used), and whether some upstream was passed over because the other
-    workers hold all its slots."""
+    """The first upstream of ``plan`` (those a request has not tried) whose limit, shared by
+    the workers, lets an attempt in, with the slot it then holds there (None: no limit, or
+    the shared folder cannot be used), and whether some upstream was passed over because the
+    other workers hold all its slots."""
     passed_over = False
     for backend in plan:
-        if backend in tried:
-            continue
         limit = backend.max_outstanding
         if limit is None:
             return backend, None, passed_over
