@@ -189,6 +189,9 @@ class TimedEngine:
     def model_names(self) -> tuple[str, ...]:
         return self.inner.model_names()
 
+    def passes_unlisted_models(self) -> bool:
+        return self.inner.passes_unlisted_models()
+
     async def readiness(self) -> Readiness:
         return await self.inner.readiness()
 

@@ -111,6 +111,9 @@ class ScriptedEngine:
     def model_names(self) -> tuple[str, ...]:
         return ()
 
+    def passes_unlisted_models(self) -> bool:
+        return False
+
     async def readiness(self) -> Readiness:
         return READY
 

@@ -145,6 +145,9 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
         def model_names(self) -> tuple[str, ...]:
             return ()
 
+        def passes_unlisted_models(self) -> bool:
+            return False
+
         async def readiness(self) -> Readiness:
             return READY
 

@@ -221,6 +221,27 @@ async def test_the_upstream_model_names_the_replies_of_requests_for_none():
     assert status == 200 and [m["id"] for m in listing["data"]] == ["beta"]
 
 
+class Unlisted(Upstream):
+    """An upstream without ``GET /models`` (404): its models are not known."""
+
+    async def list_models(self, _: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "not found"}}, status=404)
+
+
+async def test_with_no_upstreams_models_known_a_request_is_sent_the_model_it_names():
+    """No upstream lists its models: the relay cannot tell a model from a typo, so it passes
+    the name on as a plain relay would, and the upstream is the judge; a reply names it."""
+    unlisted = Unlisted(["llama"])
+    async with relay([unlisted]) as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert status == 200 and [m["id"] for m in listing["data"]] == ["upstream"]
+        for asked in ("llama", "qwen"):
+            got = await post_events(f"{url}/v1/chat/completions", {**CHAT_HI, "model": asked})
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+            assert unlisted.bodies[-1]["model"] == asked
+            assert json.loads(got.events[0].data)["model"] == asked
+
+
 async def test_an_alias_for_a_model_no_upstream_lists_is_not_served():
     """Every upstream listed its models and none lists the one an alias stands for: the
     alias is a name nobody serves, as the model's own name is (not listed, a 404), not an

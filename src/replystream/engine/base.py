@@ -406,6 +406,12 @@ class Engine(Protocol):
         one name, the server's."""
         ...
 
+    def passes_unlisted_models(self) -> bool:
+        """Whether a request may name a model ``model_names`` does not list, passed on as
+        named (a relay with an upstream whose models are not known: that upstream says whether
+        it serves it, as a plain relay would let it); False: any other name is refused."""
+        ...
+
     async def readiness(self) -> Readiness:
         """Whether requests can be served now (``/healthz`` asks). Cheap enough for a health
         check every second: an engine that depends on something remote answers from what it

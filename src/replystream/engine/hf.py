@@ -289,6 +289,9 @@ class HFEngine:
     def model_names(self) -> tuple[str, ...]:
         return ()
 
+    def passes_unlisted_models(self) -> bool:
+        return False
+
     async def readiness(self) -> Readiness:
         """In-process: ready whenever the process is up to answer."""
         return READY

@@ -207,6 +207,9 @@ class TinyEngine:
     def model_names(self) -> tuple[str, ...]:
         return ()
 
+    def passes_unlisted_models(self) -> bool:
+        return False
+
     async def readiness(self) -> Readiness:
         """In-process: ready whenever the process is up to answer."""
         return READY

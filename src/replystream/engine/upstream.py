@@ -372,6 +372,11 @@ class UpstreamEngine:
             return names
         return (default, *(n for n in names if n != default))
 
+    def passes_unlisted_models(self) -> bool:
+        """While some upstream's models are not known (its ``/models`` does not list them,
+        nor does the routes file), a model named is sent there as named: it is the judge."""
+        return any(not backend.models for backend in self.pool.backends)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             started=self._counts["started"],

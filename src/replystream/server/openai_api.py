@@ -9,7 +9,8 @@ requests into replies; it must not know how tokens are made or how events are fr
 Models: an engine that routes by model (a relay: its upstreams' own names, merged, and a
 routes file's aliases) lists them in ``GET /v1/models``, and a request's ``model`` picks the
 upstreams serving it; the server's own name (``--model-name``, else the engine's) is always
-accepted and means "any". Any other name is a 404 ``model_not_found``. An Anthropic client
+accepted and means "any". Any other name is a 404 ``model_not_found``, but for a relay with an
+upstream whose models are not known: it is sent the name, as named. An Anthropic client
 (``anthropic-version``) is answered in its API's shape (``server.anthropic_models``).
 """
 
@@ -84,18 +85,22 @@ def listed_models(app: web.Application) -> list[str]:
 def routed_model(app: web.Application, asked: str | None) -> str | None:
     """The model a request routes by: a name the engine serves; for none, the one it is
     served as (``served_model``) when the engine serves a model of that name; else None (any
-    will do) for none or the server's own name.
+    will do) for none or the server's own name; any other name as given, to an engine that
+    passes names it does not list on (a relay with upstreams whose models are not known).
 
     Raises:
         HTTPAPIError: 404 ``model_not_found`` for any other name.
     """
-    names = app[ENGINE_KEY].model_names()
+    engine = app[ENGINE_KEY]
+    names = engine.model_names()
     default = _default_model(app, names)
     name = default if asked is None else asked
     if name in names:  # a model (or alias) of that name: its route
         return name
     if name == default:
         return None
+    if engine.passes_unlisted_models():
+        return name
     raise model_not_found(name)
 
 
