@@ -24,8 +24,9 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
-from tests.processes import replica
+from tests.processes import launch, ready_url, replica, stop
 from tests.sse_client import post_events
+from tests.test_reload import StderrLines
 
 
 def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
@@ -240,6 +241,35 @@ async def test_with_no_upstreams_models_known_a_request_is_sent_the_model_it_nam
             assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
             assert unlisted.bodies[-1]["model"] == asked
             assert json.loads(got.events[0].data)["model"] == asked
+
+
+async def test_an_upstream_model_no_upstream_lists_is_said_at_start_and_to_each_request():
+    """serve --upstream-model bta (a typo: the upstream lists beta): the server says so as it
+    starts and at /healthz, and a request for no model gets a 404 naming both, not a 503
+    that invites it to retry; a request naming beta is served."""
+    beta = Upstream(["beta"])
+    async with running(beta.app()) as upstream:
+        process = await launch(
+            "--engine", f"upstream:{upstream}/v1", "--upstream-model", "bta",
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            url = await ready_url(process)
+            [said] = await StderrLines(process).wait_for("the engine is not ready")
+            health_status, health = await get_json(f"{url}/healthz")
+            got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
+            named = await post_events(f"{url}/v1/chat/completions", {**CHAT_HI, "model": "beta"})
+        finally:
+            await stop(process)
+    unserved = "no upstream serves the model 'bta' (--upstream-model"
+    assert unserved in said and "they serve 'beta'" in said, said
+    assert health_status == 503 and unserved in health["reason"], health
+    assert got.status == 404, got.raw
+    error = json.loads(got.raw)["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model", error
+    assert unserved in error["message"] and "they serve 'beta'" in error["message"], error
+    assert named.status == 200 and named.chat_text == "w0 w1 w2 "
+    assert [body["model"] for body in beta.bodies] == ["beta"]
 
 
 async def test_an_alias_for_a_model_no_upstream_lists_is_not_served():

@@ -59,7 +59,7 @@ from replystream.engine.upstream_refusals import (
     refusal,
 )
 from replystream.engine.upstream_relay import RelayedReply
-from replystream.engine.upstream_relay_types import RelayCounts, RelayLimits
+from replystream.engine.upstream_relay_types import ModelUnserved, RelayCounts, RelayLimits
 from replystream.engine.upstream_shared_limits import OtherWorkers, backend_stats, open_slots
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
@@ -246,11 +246,16 @@ class UpstreamEngine:
                 caller's own key, refused or rate-limited it (401, 403, 429).
             NoUpstream: no upstream serving the model can take a request now (503, with
                 ``retry_after_s``).
+            ModelUnserved: every upstream lists its models, and none lists the model the
+                request would be sent as (404).
         """
         await self._prober.first_round()
         if request.model is None and self.config.model is not None:
             # Sent as --upstream-model, so routed as it: only to upstreams that serve it.
             request = replace(request, model=self.config.model)
+        problem = self._unserved(request.model)
+        if problem is not None:
+            raise ModelUnserved(problem, code="model_not_found", param="model")
         continuation = request.continuation
         if request.add_generation_prompt is False and not request.continue_final_message:
             # The reply follows the rendered conversation with no assistant turn opened, so its
@@ -273,6 +278,18 @@ class UpstreamEngine:
             self._counts["failed"] += 1
             raise
         return reply
+
+    def _unserved(self, model: str | None) -> str | None:
+        """What is wrong when no upstream serves ``model`` (each lists its models, and none
+        lists it), naming what they do list and, for ``--upstream-model``, that it is the
+        option's; None while some upstream may serve it."""
+        if self.pool.serving(self.pool.resolve(model)):
+            return None
+        named = f"the model {model!r}"
+        if model == self.config.model:
+            named += " (--upstream-model, what a request that names no model is sent as)"
+        listed = ", ".join(repr(name) for name in self.pool.model_names())
+        return f"no upstream serves {named}: they serve {listed}"
 
     def _origin(self, backend: Backend) -> HttpOrigin:
         origin = self._origins.get(backend.name)
@@ -461,9 +478,14 @@ class UpstreamEngine:
 
     async def readiness(self) -> Readiness:
         """Ready while at least one upstream is: its circuit not open, its last probe
-        answered (probed in the background every ``health_s``). Not ready, it says when the
-        first circuit lets a request through, or, when every probe failed, the next probe."""
+        answered (probed in the background every ``health_s``), and, with ``--upstream-model``,
+        some upstream may serve that model (a mistyped one is said at start-up, not found out
+        by each request). Not ready, it says when the first circuit lets a request through,
+        or, when every probe failed or lists no such model, the next probe."""
         await self._prober.first_round()
+        unserved = None if self.config.model is None else self._unserved(self.config.model)
+        if unserved is not None:
+            return Readiness(False, unserved, self.config.health_s)
         ready, reason, wait_s = self.pool.ready()
         if ready:
             return READY

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from replystream.engine.base import EngineError, GenerationRequest, PushDeltaStream
+from replystream.engine.base import EngineError, GenerationRequest, PushDeltaStream, RequestRejected
 from replystream.engine.upstream_pool import Backend
 
 
@@ -55,6 +55,13 @@ class NoUpstream(EngineError):
     """No upstream serving the request can take it now (every circuit open, or none)."""
 
     status = 503
+
+
+class ModelUnserved(RequestRejected):
+    """No upstream serves the model a request would be sent as: each lists its models, and
+    none lists that one (a 404, naming what they do list; no upstream is asked)."""
+
+    status = 404
 
 
 class RelayStalled(EngineError):
