@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
@@ -136,6 +138,57 @@ async def test_a_wait_past_queue_s_is_a_503_that_says_when_to_try_again():
         assert await ask(session, url, "second") == (503, "1", "upstream_busy")  # no wait
         a.release("first")
         await first
+
+
+async def test_a_503_after_the_wait_for_room_says_how_long_it_waited():
+    a = HoldingUpstream()
+    async with relay((a, 1), queue_s=0.3) as (url, _), aiohttp.ClientSession() as session:
+        first = asyncio.create_task(ask(session, url, "first"))
+        await wait_for(lambda: a.held == ["first"])
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "next"}]}
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 503
+            message = (await response.json())["error"]["message"]
+        a.release("first")
+        await first
+    waited = re.search(r"\(waited ([0-9.]+) s for room\)", message)
+    assert waited is not None and float(waited[1]) >= 0.3, message
+
+
+async def ask_choices(session: aiohttp.ClientSession, url: str, n: int) -> tuple[int, Any]:
+    """Status and body of one chat request for ``n`` choices, not streamed."""
+    body = {"model": "m", "n": n, "messages": [{"role": "user", "content": "pick"}]}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        return response.status, await response.json()
+
+
+async def test_more_choices_than_the_upstreams_take_at_once_are_refused_at_once():
+    """n=2 where the upstreams take one request at once: each choice is a request upstream,
+    and the first would hold the only room while the second waits for it. The request is
+    refused at once, naming n, and no upstream is asked."""
+    a = HoldingUpstream()
+    async with relay((a, 1), queue_s=5) as (url, engine), aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        status, body = await ask_choices(session, url, 2)
+        took = time.monotonic() - started
+        assert engine.stats().active == 0
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == "n" and "at most 1 at once" in error["message"], error
+    assert took < 4 and a.most_at_once == 0  # not a wait for room past queue_s, nothing sent
+
+
+async def test_as_many_choices_as_the_upstreams_take_at_once_are_served_within_the_limits():
+    a, b = HoldingUpstream(), HoldingUpstream()
+    async with relay((a, 1), (b, 1)) as (url, _), aiohttp.ClientSession() as session:
+        reply = asyncio.create_task(ask_choices(session, url, 2))
+        for upstream in (a, b):  # one choice each (the next is sent once one's head came)
+            await wait_for(holding("pick", upstream))
+            upstream.release("pick")
+        status, body = await reply
+    assert status == 200, body
+    assert [c["message"]["content"] for c in body["choices"]] == ["re: pick"] * 2
+    assert (a.most_at_once, b.most_at_once) == (1, 1)
 
 
 async def test_a_client_that_leaves_while_it_waits_takes_no_room_with_it():

@@ -136,6 +136,10 @@ class GenerationRequest:
     # Chat's ``reasoning_effort`` as the client gave it: relayed to a chat upstream, which
     # decides what it accepts (None: not given). Engines that do not think ignore it.
     reasoning_effort: str | None = None
+    # How many choices the request asks for (``n``), this one of them, each its own generation
+    # (``engine.choices``): an engine that runs only so many requests at once refuses a
+    # request whose choices could never all run together.
+    choices: int = 1
 
     @property
     def forces_tool_call(self) -> bool:

@@ -1,14 +1,15 @@
 """Several choices from one request (``n > 1``): n generations, each its own, as one stream.
 
-``start_choices`` admits the request n times, each with its own seed (``seed + i``, where
-``seed`` is the request's, else the one the engine settles for it once: ``Engine.seed_for``),
-so the choices differ and a request that gives a seed makes the same choices again; an engine
-that picks no seed (a relay) gets every choice without one. ``ChoicesStream`` merges their
-deltas in the order they are made, each tagged with its ``choice``; it ends when every
-generation has ended, and fails as soon as one fails (closing the others). ``close_choice(i)``
-stops one generation early (its reply met a stop string) while the others go on. A request
-for one choice never comes here: it pays nothing. Every generation's stream is closed on
-every exit path. It must not know about HTTP.
+``start_choices`` admits the request n times, each told how many there are (``choices``, so
+an engine that cannot run them all at once refuses the first) and each with its own seed
+(``seed + i``, where ``seed`` is the request's, else the one the engine settles for it once:
+``Engine.seed_for``), so the choices differ and a request that gives a seed makes the same
+choices again; an engine that picks no seed (a relay) gets every choice without one.
+``ChoicesStream`` merges their deltas in the order they are made, each tagged with its
+``choice``; it ends when every generation has ended, and fails as soon as one fails (closing
+the others). ``close_choice(i)`` stops one generation early (its reply met a stop string)
+while the others go on. A request for one choice never comes here: it pays nothing. Every
+generation's stream is closed on every exit path. It must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ async def start_choices(engine: Engine, request: GenerationRequest, n: int) -> C
         RequestRejected, EngineError: as ``Engine.start`` does, for the first refused.
     """
     seed = engine.seed_for(request)  # once: a fresh seed's choices are seed + i as well
+    request = replace(request, choices=n)
     streams: list[DeltaStream] = []
     try:
         for index in range(n):

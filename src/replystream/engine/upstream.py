@@ -37,6 +37,7 @@ from replystream.engine.base import (
     EngineStats,
     GenerationRequest,
     Readiness,
+    RequestRejected,
 )
 from replystream.engine.upstream_affinity import affinity_key
 from replystream.engine.upstream_config import (
@@ -248,6 +249,8 @@ class UpstreamEngine:
                 ``retry_after_s``).
             ModelUnserved: every upstream lists its models, and none lists the model the
                 request would be sent as (404).
+            RequestRejected: the request asks for more choices than the upstreams serving
+                its model take requests at once (each choice is a request of its own).
         """
         await self._prober.first_round()
         if request.model is None and self.config.model is not None:
@@ -256,6 +259,7 @@ class UpstreamEngine:
         problem = self._unserved(request.model)
         if problem is not None:
             raise ModelUnserved(problem, code="model_not_found", param="model")
+        self._refuse_more_choices_than_room(request)
         continuation = request.continuation
         if request.add_generation_prompt is False and not request.continue_final_message:
             # The reply follows the rendered conversation with no assistant turn opened, so its
@@ -290,6 +294,23 @@ class UpstreamEngine:
             named += " (--upstream-model, what a request that names no model is sent as)"
         listed = ", ".join(repr(name) for name in self.pool.model_names())
         return f"no upstream serves {named}: they serve {listed}"
+
+    def _refuse_more_choices_than_room(self, request: GenerationRequest) -> None:
+        """Each choice of a request is a request upstream, and each choice admitted holds its
+        room while the next waits for some: more choices than the upstreams take at once
+        would wait for room only they hold, until the wait for room is over (a 503 that
+        says to retry what can never be served), so such a request is refused at once."""
+        model = self.pool.resolve(request.model)
+        most = self.pool.most_at_once(model)
+        if most is None or request.choices <= most:
+            return
+        serving = "the upstreams" if model is None else f"the upstreams serving {model!r}"
+        raise RequestRejected(
+            f"n is {request.choices}, and each choice is a request of its own to an upstream, "
+            f"but {serving} take at most {most} at once (their limits of requests at once): "
+            f"n can be at most {most}",
+            param="n",
+        )
 
     def _origin(self, backend: Backend) -> HttpOrigin:
         origin = self._origins.get(backend.name)

@@ -144,7 +144,7 @@ class AttemptSeries:
                     # attempt let in has what was left of the window when the wait began.
                     self._began += time.monotonic() - now
                     continue
-                raise self._no_room(now - queued_at)
+                raise self._no_room(time.monotonic() - queued_at)
             if backend is None:
                 raise self._give_up()
             if len(self._tried) == 1 and not self._relayed_any:
@@ -226,7 +226,7 @@ class AttemptSeries:
         model = "" if self._model is None else f" serving {self._model}"
         return UpstreamBusy(
             f"every upstream{model} is at its limit of requests at once"
-            + (f" (waited {waited_s:.3g} s for room)" if waited_s > 0 else ""),
+            + (f" (waited {waited_s:.3g} s for room)" if self._limits.queue_s > 0 else ""),
             code="upstream_busy",
             retry_after_s=1.0,  # a request may end at any moment
         )

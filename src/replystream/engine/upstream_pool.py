@@ -366,6 +366,16 @@ class UpstreamPool:
         usable = [b for b in self.usable(model) if b not in excluding]
         return bool(usable) and not any(b.has_room for b in usable)
 
+    def most_at_once(self, model: str | None) -> int | None:
+        """The most requests for ``model`` the upstreams serving it take at once, their
+        limits summed; None when one of them has no limit."""
+        total = 0
+        for backend in self.serving(model):
+            if backend.max_outstanding is None:
+                return None
+            total += backend.max_outstanding
+        return total
+
     def failed(self, backend: Backend, problem: str, wait_s: float = 0.0) -> None:
         backend.failed(self.clock(), problem, self.breaker, wait_s)
 
