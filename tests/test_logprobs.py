@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import openai
@@ -18,11 +20,12 @@ from hypothesis import strategies as st
 from replystream.delivery.openai_formats import OpenAIStreamFormat, completion_logprobs
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.engine.base import Delta, TokenLogprob
+from replystream.engine.base import Delta, DeltaStream, GenerationRequest, TokenLogprob, TopLogprob
 from replystream.engine.tiny import load_default_engine
 from replystream.server import create_app, running
 from tests.conftest import fast_engine
 from tests.processes import replica
+from tests.scripted_engine import ScriptedEngine, detokenize
 from tests.sse_client import post_events
 
 ALPHABET = "ab \n"
@@ -224,3 +227,63 @@ def test_legacy_text_offsets_count_characters_not_the_tokens_of_a_split_one() ->
             for choice in json.loads(entry.data)["choices"]:
                 offsets += (choice.get("logprobs") or {}).get("text_offset", [])
     assert decoded == "né😀!" and offsets == [0, 1, 1, 2, 2, 2, 3]
+
+
+class ByteTokensEngine(ScriptedEngine):
+    """Makes byte-level tokens, each with its alternatives at that position (the made one
+    first), however many the request asked for."""
+
+    def __init__(self, positions: list[list[bytes]]) -> None:
+        super().__init__()
+        self.positions = positions
+
+    async def start(self, request: GenerationRequest) -> DeltaStream:
+        return self._made()
+
+    async def _made(self) -> AsyncGenerator[Delta]:
+        texts = detokenize(candidates[0] for candidates in self.positions)
+        for index, (text, candidates) in enumerate(zip(texts, self.positions, strict=True)):
+            top = tuple(
+                TopLogprob(raw.decode(errors="replace"), -1.0 - rank, raw)
+                for rank, raw in enumerate(candidates)
+            )
+            made = TokenLogprob(*top[0], top)
+            last = index == len(texts) - 1
+            yield Delta(text, 1, time.monotonic(), "stop" if last else None, logprobs=(made,))
+
+
+async def test_legacy_logprobs_name_each_partial_character_token_by_its_bytes():
+    # U+2019 (e2 80 99) in two tokens; the alternatives to its first are other partial
+    # characters, one after a space. As text each would be U+FFFD (one key for all four).
+    engine = ByteTokensEngine(
+        [
+            [b"\xe2\x80", b"\xe2\x81", b"\xf0\x9f", b" \xe6\x9e"],
+            [b"\x99", b"\x9c"],
+            [b"ok", b"\xe2"],
+        ]
+    )
+    ask: dict[str, Any] = {"model": "scripted", "prompt": "x", "logprobs": 3}
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.completions.create(**ask)
+        chunks = [c async for c in await client.completions.create(**ask, stream=True)]
+    lp = whole.choices[0].logprobs
+    assert whole.choices[0].text == "\u2019ok"
+    assert lp is not None and lp.tokens == ["bytes:\\xe2\\x80", "bytes:\\x99", "ok"]
+    assert lp.top_logprobs == [
+        {
+            "bytes:\\xe2\\x80": -1.0,
+            "bytes:\\xe2\\x81": -2.0,
+            "bytes:\\xf0\\x9f": -3.0,
+            "bytes: \\xe6\\x9e": -4.0,
+        },
+        {"bytes:\\x99": -1.0, "bytes:\\x9c": -2.0},
+        {"ok": -1.0, "bytes:\\xe2": -2.0},
+    ]
+    assert lp.text_offset == [0, 0, 1]
+    streamed: dict[str, list[Any]] = {"tokens": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        piece = chunk.choices[0].logprobs
+        if piece is not None:
+            for name, values in streamed.items():
+                values += getattr(piece, name) or []
+    assert streamed == {name: getattr(lp, name) for name in streamed}

@@ -113,23 +113,36 @@ def chat_logprobs(made: tuple[TokenLogprob, ...]) -> dict[str, Any]:
 _utf8_decoder = codecs.getincrementaldecoder("utf-8")
 
 
+def legacy_token(token: TopLogprob | TokenLogprob) -> str:
+    """A token as legacy ``logprobs`` name it: its text; or, when its bytes are not whole
+    UTF-8 characters, ``bytes:`` and its bytes as Python writes them (``bytes:\\xe2\\x80``,
+    ``bytes: \\xe6\\x9e``), as OpenAI's legacy completions do. Its text would read U+FFFD,
+    the same for every such token: as ``top_logprobs`` keys, they would be one."""
+    try:
+        token.bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + repr(token.bytes)[2:-1]  # the repr without its b'...'
+    return token.token
+
+
 def completion_logprobs(made: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
     """A legacy choice's ``logprobs`` object for these tokens, the first at ``offset`` in the
     completion's text. ``top_logprobs`` holds the likeliest tokens and the made one (OpenAI:
-    "up to logprobs+1 elements"). A token's offset counts the characters of the tokens
-    before it, decoded from their bytes: the tokens of one character (a byte each, read as
-    U+FFFD apiece) make one character, and a token that ends one begins where it begins."""
+    "up to logprobs+1 elements"), each named by ``legacy_token``, as ``tokens`` are. A
+    token's offset counts the characters of the tokens before it, decoded from their bytes:
+    the tokens of one character (a byte each, read as U+FFFD apiece) make one character,
+    and a token that ends one begins where it begins."""
     offsets: list[int] = []
     tops: list[dict[str, float]] = []
     decoder = _utf8_decoder(errors="replace")
     for token in made:
         offsets.append(offset)
         offset += len(decoder.decode(token.bytes))
-        top = {t.token: t.logprob for t in token.top}
-        top.setdefault(token.token, token.logprob)
+        top = {legacy_token(t): t.logprob for t in token.top}
+        top.setdefault(legacy_token(token), token.logprob)
         tops.append(top)
     return {
-        "tokens": [token.token for token in made],
+        "tokens": [legacy_token(token) for token in made],
         "token_logprobs": [token.logprob for token in made],
         "top_logprobs": tops,
         "text_offset": offsets,
