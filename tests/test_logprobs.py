@@ -17,7 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replystream.delivery.openai_formats import OpenAIStreamFormat, completion_logprobs
+from replystream.delivery.openai_formats import (
+    OpenAIStreamFormat,
+    TextOffsets,
+    completion_logprobs,
+)
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Delta, DeltaStream, GenerationRequest, TokenLogprob, TopLogprob
@@ -208,8 +212,8 @@ def test_legacy_text_offsets_count_characters_not_the_tokens_of_a_split_one() ->
     # offset is where the token's text begins in the completion's characters.
     pieces = [b"n", b"\xc3", b"\xa9", b"\xf0\x9f", b"\x98", b"\x80", b"!"]
     tokens = [TokenLogprob(p.decode(errors="replace"), -1.0, p) for p in pieces]
-    shape = completion_logprobs(tuple(tokens), 5)
-    assert shape["text_offset"] == [5, 6, 6, 7, 7, 7, 8]
+    shape = completion_logprobs(tuple(tokens), TextOffsets())
+    assert shape["text_offset"] == [0, 1, 1, 2, 2, 2, 3]
     # Streamed in chunks of three tokens, the offsets are those of the whole completion.
     policy = DeliveryPolicy(holdback_tokens=0, batch_tokens=3)
     pipeline = ReplyPipeline(OpenAIStreamFormat("text", "m", 0), policy, logprobs=True)
@@ -287,3 +291,42 @@ async def test_legacy_logprobs_name_each_partial_character_token_by_its_bytes():
             for name, values in streamed.items():
                 values += getattr(piece, name) or []
     assert streamed == {name: getattr(lp, name) for name in streamed}
+
+
+async def test_streamed_legacy_text_offsets_are_places_in_the_text_after_a_held_stop_tail():
+    # "ee f" of "three four" may begin the stop string: "thr" goes out with the token
+    # "three ", and "ee " goes out later with "four "; every offset after is in the text.
+    ask: dict[str, Any] = {
+        "model": "simulated",
+        "prompt": "x",
+        "max_tokens": 6,
+        "logprobs": 1,
+        "stop": ["ee fx"],
+        "extra_body": {"batch_tokens": 1, "holdback_tokens": 0},
+    }
+    engine = fast_engine(reply_text="one two three four five six")
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.completions.create(**ask)
+        chunks = [c async for c in await client.completions.create(**ask, stream=True)]
+    text, texts = "", []
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        text += choice.text
+        texts.append(choice.text)
+        if choice.logprobs is not None:
+            tokens += choice.logprobs.tokens or []
+            offsets += choice.logprobs.text_offset or []
+    assert "thr" in texts and "ee four " in texts  # the tail was held mid-token
+    assert text == whole.choices[0].text == "one two three four five six "
+    assert [text[at : at + len(token)] for token, at in zip(tokens, offsets, strict=True)] == [
+        "one ",
+        "two ",
+        "three ",
+        "four ",
+        "five ",
+        "six ",
+    ]
+    assert whole.choices[0].logprobs is not None
+    assert offsets == whole.choices[0].logprobs.text_offset == [0, 4, 8, 14, 19, 24]

@@ -125,19 +125,33 @@ def legacy_token(token: TopLogprob | TokenLogprob) -> str:
     return token.token
 
 
-def completion_logprobs(made: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]:
-    """A legacy choice's ``logprobs`` object for these tokens, the first at ``offset`` in the
-    completion's text. ``top_logprobs`` holds the likeliest tokens and the made one (OpenAI:
-    "up to logprobs+1 elements"), each named by ``legacy_token``, as ``tokens`` are. A
-    token's offset counts the characters of the tokens before it, decoded from their bytes:
-    the tokens of one character (a byte each, read as U+FFFD apiece) make one character,
-    and a token that ends one begins where it begins."""
-    offsets: list[int] = []
+class TextOffsets:
+    """Where each token of one legacy completion begins in its text (``text_offset``): the
+    characters of the tokens before it, decoded from their bytes as one stream. Counted
+    from the tokens, not from the text of the chunks that carry them: a chunk may carry a
+    token whose text is only partly out (the rest held back, as a stop string's possible
+    start, and sent with a later token). The tokens of one character (a byte each, read as
+    U+FFFD apiece) make one character, and a token that ends one begins where it begins."""
+
+    __slots__ = ("_chars", "_decoder")
+
+    def __init__(self) -> None:
+        self._decoder = _utf8_decoder(errors="replace")
+        self._chars = 0
+
+    def place(self, token: TokenLogprob) -> int:
+        """Where ``token``, the one after those placed so far, begins."""
+        at = self._chars
+        self._chars += len(self._decoder.decode(token.bytes))
+        return at
+
+
+def completion_logprobs(made: tuple[TokenLogprob, ...], offsets: TextOffsets) -> dict[str, Any]:
+    """A legacy choice's ``logprobs`` object for these tokens, the next ones of the completion
+    ``offsets`` places. ``top_logprobs`` holds the likeliest tokens and the made one (OpenAI:
+    "up to logprobs+1 elements"), each named by ``legacy_token``, as ``tokens`` are."""
     tops: list[dict[str, float]] = []
-    decoder = _utf8_decoder(errors="replace")
     for token in made:
-        offsets.append(offset)
-        offset += len(decoder.decode(token.bytes))
         top = {legacy_token(t): t.logprob for t in token.top}
         top.setdefault(legacy_token(token), token.logprob)
         tops.append(top)
@@ -145,7 +159,7 @@ def completion_logprobs(made: tuple[TokenLogprob, ...], offset: int) -> dict[str
         "tokens": [legacy_token(token) for token in made],
         "token_logprobs": [token.logprob for token in made],
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": [offsets.place(token) for token in made],
     }
 
 
@@ -186,7 +200,7 @@ class OpenAIStreamFormat:
     index: int = 0  # the choice this format's chunks carry
     one_of_many: bool = False  # the reply's ending is sent once, for all its choices
     reply_id: str = field(default="", init=False)
-    _offset: int = field(default=0, init=False)  # characters sent, for legacy text_offset
+    _offsets: TextOffsets = field(default_factory=TextOffsets, init=False)  # legacy text_offset
     # A text chunk's JSON before and after its text (see ``text``), made on first use.
     _text_parts: tuple[str, str] | None = field(default=None, init=False)
 
@@ -242,8 +256,7 @@ class OpenAIStreamFormat:
         if self.kind == "chat":
             choice["logprobs"] = chat_logprobs(logprobs)
         else:
-            choice["logprobs"] = completion_logprobs(logprobs, self._offset)
-        self._offset += len(text)
+            choice["logprobs"] = completion_logprobs(logprobs, self._offsets)
         return [self._chunk([choice])]
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
@@ -315,7 +328,9 @@ def completion_choice(
         choice = {"index": index, "text": text, "logprobs": None}
     if logprobs is not None:
         made = logprobs
-        choice["logprobs"] = chat_logprobs(made) if kind == "chat" else completion_logprobs(made, 0)
+        choice["logprobs"] = (
+            chat_logprobs(made) if kind == "chat" else completion_logprobs(made, TextOffsets())
+        )
     choice["finish_reason"] = _finish_reason(kind, finish_reason)
     return choice
 
