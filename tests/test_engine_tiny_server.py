@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import aiohttp
 
@@ -77,3 +78,31 @@ async def test_usage_counts_the_prompt_the_chat_template_made_streamed_or_whole_
     assert endings == ["length", "stop", "stop_sequence"]  # the stop string cut both replies
     assert read > len(default.tokenizer.encode("user: Who led Israel?")) + 10
     assert counts == [read] * 5
+
+
+async def test_a_refusal_names_the_field_the_openai_client_sent_as_openai_codes_it():
+    # A 64-token KV pool: a long prompt does not fit, nor does a short one with 100 more.
+    engine = load_default_engine(TinyEngineConfig(num_blocks=4, block_size=16))
+    long, short = "amen " * 40, "And the LORD said"
+    chat, legacy = "/v1/chat/completions", "/v1/completions"
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        (chat, {"messages": [{"role": "user", "content": long}]}, "messages"),
+        (chat, {"messages": [{"role": "user", "content": short}], "max_tokens": 100}, "max_tokens"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": short}], "max_completion_tokens": 100},
+            "max_completion_tokens",
+        ),
+        (legacy, {"prompt": long}, "prompt"),
+        (legacy, {"prompt": short, "max_tokens": 100}, "max_tokens"),
+    ]
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        for path, body, param in cases:
+            for stream in (False, True):
+                async with http.post(f"{url}{path}", json={**body, "stream": stream}) as response:
+                    assert response.status == 400
+                    error = (await response.json())["error"]
+                assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+                assert error["type"] == "invalid_request_error"
+                assert "max_tokens" not in error["message"]  # the message names no field
+    assert engine.stats().started == 0

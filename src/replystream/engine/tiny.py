@@ -166,9 +166,12 @@ class TinyEngine:
         if asked is None:
             max_new = min(max_new, fits)
         elif max_new > fits:
+            # The prompt and the reply together overflow what the engine holds: OpenAI's
+            # code for a context they overflow (the token limit is the field to lower).
             raise RequestRejected(
                 f"the reply would need more KV blocks than the engine has: after this prompt "
-                f"of {len(prompt)} tokens, max_tokens may be at most {fits}",
+                f"of {len(prompt)} tokens, the reply's token limit may be at most {fits}",
+                code="context_length_exceeded",
                 param="max_tokens",
             )
         # Settled here, once: the runner keeps the one generator through any preemption.

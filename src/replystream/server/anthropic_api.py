@@ -41,9 +41,9 @@ from replystream.server.context import (
     buffered,
     count_prompt,
     follow_started,
+    refusals_naming,
     start_reply,
 )
-from replystream.server.errors import HTTPAPIError
 from replystream.server.native import (
     check_prompt_size,
     delivery_overrides,
@@ -60,6 +60,9 @@ from replystream.server.tool_requests import (
     prompt_of,
 )
 from replystream.server.validation import read_model
+
+# An engine's refusal names chat's field; a Messages client disables parallel calls here.
+_FIELDS = {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 def _sampling(body: MessagesBody) -> SamplingFields:
@@ -124,7 +127,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         reasoning=body.shows_thinking and policy.shows_thinking,
     )
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
-    try:
+    with refusals_naming(_FIELDS):
         if not body.stream:
             return await _whole(request, generation, model, input_tokens, policy)
         reply = await start_reply(
@@ -135,10 +138,6 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
             policy=policy,
             resumable=None,  # the server's default, as on the other routes
         )
-    except HTTPAPIError as refused:
-        if refused.param == "parallel_tool_calls":  # an engine's refusal, in chat's words
-            refused.param = "tool_choice.disable_parallel_tool_use"
-        raise
     return follow_started(request, reply, policy, keepalive=PING, notices=ReaderNotices())
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -224,6 +225,20 @@ async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitab
         raise
     record.admitted_at = time.monotonic()
     return started
+
+
+@contextmanager
+def refusals_naming(fields: Mapping[str, str]) -> Iterator[None]:
+    """Refusals raised inside name the fields as the route's client sent them: an engine
+    names a ``GenerationRequest``'s (``prompt``, ``max_tokens``), which a route may take
+    under its own names (``fields``: the engine's name to the route's, such as chat's
+    ``messages``)."""
+    try:
+        yield
+    except HTTPAPIError as refused:
+        if refused.param is not None:
+            refused.param = fields.get(refused.param, refused.param)
+        raise
 
 
 def _gone_before_reply(app: web.Application, record: ReplyRecord) -> None:

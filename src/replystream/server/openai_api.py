@@ -41,6 +41,7 @@ from replystream.server.context import (
     Choices,
     buffered,
     follow_started,
+    refusals_naming,
     start_reply,
 )
 from replystream.server.errors import speaks_anthropic
@@ -204,26 +205,30 @@ async def _buffered(
 async def _complete(
     request: web.Request, kind: Kind, ask: CompletionAsk, model: str
 ) -> web.StreamResponse:
-    """Start a completion: its chunks streamed, or one JSON body."""
+    """Start a completion: its chunks streamed, or one JSON body (a refusal naming the
+    fields as the client sent them)."""
     created = int(time.time())
-    if not ask.stream:
-        return await _buffered(request, kind, ask, model, created)
-    policy = ask.policy
-    fmt: OpenAIStreamFormat | Choices = OpenAIStreamFormat(kind, model, created, ask.include_usage)
-    if ask.n > 1:  # one format per choice; the usage chunk and [DONE] once, at the end
-        formats = [
-            OpenAIStreamFormat(kind, model, created, ask.include_usage, i, one_of_many=True)
-            for i in range(ask.n)
-        ]
-        fmt = Choices(formats, formats[0].reply_end)
-    reply = await start_reply(
-        request,
-        ask.generation,
-        endpoint=request.path,
-        fmt=fmt,
-        policy=policy,
-        resumable=ask.resumable,
-    )
+    with refusals_naming(ask.fields):
+        if not ask.stream:
+            return await _buffered(request, kind, ask, model, created)
+        policy = ask.policy
+        fmt: OpenAIStreamFormat | Choices = OpenAIStreamFormat(
+            kind, model, created, ask.include_usage
+        )
+        if ask.n > 1:  # one format per choice; the usage chunk and [DONE] once, at the end
+            formats = [
+                OpenAIStreamFormat(kind, model, created, ask.include_usage, i, one_of_many=True)
+                for i in range(ask.n)
+            ]
+            fmt = Choices(formats, formats[0].reply_end)
+        reply = await start_reply(
+            request,
+            ask.generation,
+            endpoint=request.path,
+            fmt=fmt,
+            policy=policy,
+            resumable=ask.resumable,
+        )
     return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE, notices=ReaderNotices())
 
 

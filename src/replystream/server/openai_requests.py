@@ -11,7 +11,8 @@ about HTTP handlers, engines or wire formats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
@@ -38,6 +39,9 @@ class CompletionAsk:
     policy: DeliveryPolicy
     resumable: bool | None  # None: the server's default
     n: int = 1  # choices, each its own generation
+    # The fields an engine's refusal names (``prompt``, ``max_tokens``) as this request's
+    # client sent them (chat's ``messages``, ``max_completion_tokens``).
+    fields: Mapping[str, str] = field(default_factory=dict)
 
 
 def model_not_found(model: object) -> HTTPAPIError:
@@ -56,12 +60,13 @@ def _ask(
     *,
     policy: DeliveryPolicy,
     max_prompt_chars: int,
+    fields: Mapping[str, str],
 ) -> CompletionAsk:
     check_prompt_size(generation.prompt, max_prompt_chars, param)
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     n = 1 if body.n is None else body.n
-    return CompletionAsk(generation, stream, include_usage, policy, body.resumable, n)
+    return CompletionAsk(generation, stream, include_usage, policy, body.resumable, n, fields)
 
 
 def parse_chat_request(
@@ -92,12 +97,15 @@ def parse_chat_request(
         reasoning_effort=body.reasoning_effort,
         reasoning=policy.shows_thinking,
     )
+    # The token limit under the name the client gave it (either, given both: they agree).
+    limit_name = "max_tokens" if limit is None else "max_completion_tokens"
     return _ask(
         body,
         generation,
         "messages",
         policy=policy,
         max_prompt_chars=max_prompt_chars,
+        fields={"prompt": "messages", "max_tokens": limit_name},
     )
 
 
@@ -120,4 +128,5 @@ def parse_completion_request(
         "prompt",
         policy=delivery_overrides(body, defaults),  # a legacy completion shows no thinking
         max_prompt_chars=max_prompt_chars,
+        fields={"top_logprobs": "logprobs"},  # its count of alternatives
     )
