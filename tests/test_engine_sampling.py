@@ -55,6 +55,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     p = filtered_probabilities(logits, SamplingParams(top_p=0.81))
     assert set(np.flatnonzero(p)) == {0, 1, 2}
     assert p.sum() == pytest.approx(1.0)
+    p = filtered_probabilities(logits, SamplingParams(top_p=0.0))
+    assert p.tolist() == [1.0, 0.0, 0.0, 0.0]  # the likeliest alone: greedy
 
 
 def test_same_seed_same_draws() -> None:
@@ -84,7 +86,7 @@ def test_draws_follow_the_distribution() -> None:
         (SamplingParams(max_tokens=0), "max_tokens"),
         (SamplingParams(temperature=-0.5), "temperature"),
         (SamplingParams(temperature=float("nan")), "temperature"),
-        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=-0.1), "top_p"),
         (SamplingParams(top_p=1.5), "top_p"),
         (SamplingParams(top_k=-1), "top_k"),
         (SamplingParams(stop=("",)), "stop"),

@@ -2,8 +2,9 @@
 
 This file decides how logits become one token id: greedy at temperature 0, otherwise
 softmax(logits / temperature) computed stably (the max is subtracted before ``exp``), narrowed
-by top-k and then top-p (the smallest set of tokens whose probabilities reach p), and drawn
-with the request's own seeded generator, so the same seed gives the same reply. Penalties
+by top-k and then top-p (the smallest set of tokens whose probabilities reach p; at 0, the
+likeliest token alone), and drawn with the request's own seeded generator, so the same seed
+gives the same reply. Penalties
 (presence, frequency, repetition) change the logits first, from the request's
 ``TokenHistory``. It also tells
 an engine when a stop sequence has completed (the pipeline cuts it). It must not know about
@@ -37,8 +38,8 @@ def check_sampling(params: SamplingParams) -> None:
     temperature, top_p = params.temperature, params.top_p
     if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         raise RequestRejected("temperature must be a finite number >= 0", param="temperature")
-    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise RequestRejected("top_p must be in (0, 1]", param="top_p")
+    if top_p is not None and not (math.isfinite(top_p) and 0 <= top_p <= 1):
+        raise RequestRejected("top_p must be from 0 to 1", param="top_p")
     if params.top_k < 0:
         raise RequestRejected("top_k must be >= 0 (0 keeps every token)", param="top_k")
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
@@ -141,7 +142,9 @@ def filtered_probabilities(
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")  # most likely first
         before = np.cumsum(p[order]) - p[order]  # mass of the tokens ranked above each one
-        drop = order[before >= top_p]  # the set above already reached top_p
+        # The set above already reached top_p; the likeliest token is always kept, so 0 (in
+        # OpenAI's range, 0 to 1) keeps it alone: greedy, as transformers and llama.cpp do.
+        drop = order[1:][before[1:] >= top_p]
         p[drop] = 0.0
         p /= p.sum()
     return p
