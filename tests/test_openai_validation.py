@@ -47,7 +47,7 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
         CHAT,
         {"messages": USER, "stream": True, "stream_options": {"include_obfuscation": True}},
         400,
-        "invalid_value",
+        "unsupported_parameter",  # padding, which this server never does
         "stream_options.include_obfuscation",
     ),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "invalid_value", None),
@@ -58,8 +58,12 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
     (LEGACY, {"model": "simulated"}, 400, "missing_required_parameter", "prompt"),
     (LEGACY, {"prompt": ["a", "b"]}, 400, "invalid_value", "prompt"),
     (LEGACY, {"prompt": [1, 2, 3]}, 400, "invalid_value", "prompt"),
-    (LEGACY, {"prompt": "a", "echo": True}, 400, "invalid_value", "echo"),
-    (LEGACY, {"prompt": "a", "best_of": 3}, 400, "invalid_value", "best_of"),
+    # Values OpenAI takes for features this server lacks; out of OpenAI's range, a bad value.
+    (LEGACY, {"prompt": "a", "echo": True}, 400, "unsupported_parameter", "echo"),
+    (LEGACY, {"prompt": "a", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
+    (LEGACY, {"prompt": "a", "best_of": 0}, 400, "unsupported_parameter", "best_of"),
+    (LEGACY, {"prompt": "a", "best_of": 21}, 400, "invalid_value", "best_of"),
+    (LEGACY, {"prompt": "a", "echo": "yes"}, 400, "invalid_value", "echo"),
     (LEGACY, {"prompt": "a", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     (LEGACY, {"prompt": "a", "model": "nope"}, 404, "model_not_found", "model"),
 ]

@@ -23,7 +23,6 @@ from replystream.server.schema_fields import (
     JSONSchema,
     LegacyLogprobs,
     Metadata,
-    OnlyOne,
     Penalty,
     RepetitionPenalty,
     SamplingFields,
@@ -183,6 +182,9 @@ class CompletionBody(OpenAIBody):
 
     prompt: Annotated[str, PlainValidator(_legacy_prompt)]
     logprobs: LegacyLogprobs | None = None
-    echo: Annotated[bool, only(False, "false")] | None = None
-    best_of: OnlyOne | None = None
+    echo: Annotated[bool, only(False, "false; this server does not echo the prompt")] | None = None
+    # OpenAI's range, 0 to 20; this server makes no candidates to choose the best of.
+    best_of: (
+        Annotated[int, Field(ge=0, le=20), only(1, "1; this server makes no candidates")] | None
+    ) = None
     suffix: Annotated[str, only("", "empty; this server does not fill in the middle")] | None = None

@@ -16,7 +16,8 @@ Two class attributes of a top-level model steer the error its failures become:
 whose code is ``unknown_parameter`` on every route; and whether a missing top-level field is
 OpenAI's ``missing_required_parameter``) and ``field_codes`` (a code other than
 ``invalid_value`` for a field, by its top-level name or its whole path such as
-``text.format.type``: ``unsupported_parameter`` for a feature this server lacks). A third,
+``text.format.type``: ``unsupported_parameter`` for a feature this server lacks; a field
+that ``only`` takes at one value says so without it). A third,
 ``list_params``, names the text parameters of a query string that take several values.
 """
 
@@ -65,7 +66,8 @@ def invalid(message: str, param: str | None = None) -> PydanticCustomError:
 
 
 def only(allowed: object, why: str) -> AfterValidator:
-    """Accept a field at the one value this server can honour (the type is checked first)."""
+    """Accept a field at the one value this server can honour (the type is checked first):
+    another is a feature this server lacks, refused as ``unsupported_parameter``."""
 
     def check(value: Any) -> Any:
         if value != allowed:
@@ -79,7 +81,6 @@ def only(allowed: object, why: str) -> AfterValidator:
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-OnlyOne = Annotated[int, Field(ge=1, le=1)]
 ChoiceCount = Annotated[int, Field(ge=1, le=128)]  # OpenAI's range for n
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
 LegacyLogprobs = Annotated[int, Field(ge=0, le=5)]  # OpenAI's legacy completions range

@@ -222,8 +222,11 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
     if param is None and kind in ("model_type", "model_attributes_type", "dict_type"):
         return HTTPAPIError(400, f"{what} must be a JSON object", code="invalid_json")
     top_field = str(error["loc"][0]) if error["loc"] else ""
+    # A value of the right type that this server cannot honour (``only``) asks for a feature
+    # it lacks; any other failure is a bad value.
+    default = "unsupported_parameter" if kind == "not_honoured" else "invalid_value"
     # A code for the field's own place (``text.format.type``), else for its top field.
-    code = model.field_codes.get(param or "", model.field_codes.get(top_field, "invalid_value"))
+    code = model.field_codes.get(param or "", model.field_codes.get(top_field, default))
     if kind == "extra_forbidden":  # one code on every route; each dialect's own words
         if model.unknown_field == "openai":
             message = f"Unrecognized request argument supplied: {param}"
