@@ -181,9 +181,9 @@ LONG = ("--engine", "simulated", "--delay-ms", "40", "--jitter-ms", "0", "--toke
 LONG_TEXT = reply_of_length(DEFAULT_REPLY, 60) + " "
 
 
-async def kill_mid_reply(continuation: bool) -> list[Event]:
+async def kill_mid_reply(continuation: bool) -> tuple[list[Event], str]:
     """A reply through a relay in front of two upstreams; the one serving it is killed after
-    a few tokens. The events the client read."""
+    a few tokens. The events the client read, and the base URL of the upstream killed."""
     first, first_url = await start_server(*LONG)
     second, second_url = await start_server(*LONG)
     processes = {f"{first_url}/v1": first, f"{second_url}/v1": second}
@@ -193,6 +193,7 @@ async def kill_mid_reply(continuation: bool) -> list[Event]:
             body = {"prompt": "hi", "upstream_continue": continuation}
             events: list[Event] = []
             parser = EventParser()
+            killed_url = ""
             async with (
                 asyncio.timeout(60),
                 session.post(f"{relay}/v1/replies", json=body) as response,
@@ -206,20 +207,21 @@ async def kill_mid_reply(continuation: bool) -> list[Event]:
                         killed = True
                         seen = await scrape(session, relay)
                         serving = [
-                            p
-                            for u, p in processes.items()
+                            u
+                            for u in processes
                             if metric(seen, "replystream_upstream_outstanding", upstream=u) == 1
                         ]
                         assert len(serving) == 1, seen
-                        serving[0].send_signal(signal.SIGKILL)
-            return events
+                        killed_url = serving[0]
+                        processes[killed_url].send_signal(signal.SIGKILL)
+            return events, killed_url
     finally:
         for process in processes.values():
             await stop(process)
 
 
 async def test_an_upstream_killed_mid_reply_is_continued_elsewhere_without_gap_or_repeat():
-    events = await kill_mid_reply(continuation=True)
+    events, _ = await kill_mid_reply(continuation=True)
     assert text_of(events) == LONG_TEXT  # every word once, in order, across the seam
     types = [e.type for e in events]
     assert types.count("continued") == 1 and types[-2:] == ["usage", "done"]
@@ -232,10 +234,10 @@ async def test_an_upstream_killed_mid_reply_is_continued_elsewhere_without_gap_o
 
 
 async def test_an_upstream_killed_mid_reply_without_continuation_is_a_named_error():
-    events = await kill_mid_reply(continuation=False)
+    events, killed_url = await kill_mid_reply(continuation=False)
     errors = [json.loads(e.data)["error"] for e in events if e.type == "error"]
     assert [e["code"] for e in errors] == ["upstream_disconnected"]
-    assert errors[0]["message"] == "the upstream model server closed the connection mid-reply"
+    assert errors[0]["message"] == f"the upstream at {killed_url} closed the connection mid-reply"
     assert "continued" not in [e.type for e in events] and events[-1].type == "error"
     assert LONG_TEXT.startswith(text_of(events)) and len(text_of(events)) < len(LONG_TEXT)
 

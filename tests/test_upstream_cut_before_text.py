@@ -21,9 +21,11 @@ class HangsUpAfterKeepAlive(Upstream):
 
     def __init__(self) -> None:
         super().__init__(["m"])
+        self.base_url = ""  # as the relay names it: the host it asked for, and /v1
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        self.base_url = f"http://{request.host}/v1"
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b": keep-alive\n\n")
@@ -34,7 +36,8 @@ class HangsUpAfterKeepAlive(Upstream):
 
 
 async def test_a_hang_up_after_a_keep_alive_alone_says_no_reply_came():
-    async with relay([HangsUpAfterKeepAlive()]) as url:
+    upstream = HangsUpAfterKeepAlive()
+    async with relay([upstream]) as url:
         chat = await post_events(f"{url}/v1/chat/completions", CHAT)
         native = await post_events(f"{url}/v1/replies", {"prompt": "hi"})
     # The head had come: the chat route's error is in-band, after no text at all.
@@ -42,7 +45,7 @@ async def test_a_hang_up_after_a_keep_alive_alone_says_no_reply_came():
     assert native.text == ""
     assert error["code"] == "upstream_disconnected"
     assert error["message"] == (
-        "the upstream model server closed the connection before sending any of the reply"
+        f"the upstream at {upstream.base_url} closed the connection before sending any of the reply"
     )
     assert b"mid-reply" not in chat.raw and b"before sending any of the reply" in chat.raw
 

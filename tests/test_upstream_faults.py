@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import signal
 import ssl
 import time
@@ -740,6 +741,14 @@ async def test_every_mid_reply_error_is_in_our_words():
     for mode in ("errmid", "stall", "malformed", "notjson", "endless", "eof"):
         got, _, _ = await relay_mode(mode)
         assert in_our_words(error_of(got)["message"]), (mode, error_of(got))
+
+
+async def test_every_mid_reply_error_names_the_upstream_that_failed():
+    # As failures before the stream do: the client and the log learn which upstream it was.
+    for mode in ("errmid", "stall", "malformed", "notjson", "endless", "eof", "badtool"):
+        got, _, _ = await relay_mode(mode)
+        message = error_of(got)["message"]
+        assert re.match(rf"the upstream at http://127\.0\.0\.1:\d+/{mode}/v1 ", message), message
 
 
 async def test_an_upstream_that_ignores_logprobs_is_an_error_not_a_silent_omission():

@@ -71,7 +71,7 @@ async def test_an_upstream_killed_mid_reply_is_reported_in_our_words():
             assert len(errors) == 1, events
             assert errors[0]["code"] == "upstream_disconnected"
             assert errors[0]["message"] == (
-                "the upstream model server closed the connection mid-reply"
+                f"the upstream at {upstream_url}/v1 closed the connection mid-reply"
             )
     finally:
         await stop(upstream)

@@ -43,6 +43,7 @@ from replystream.engine.upstream_stream import UpstreamStream
 from replystream.server.sse_transport import sse_event
 
 BODY = reply_messages(CHUNKS, include_usage=True)
+UPSTREAM = "http://upstream.invalid/v1"  # the recorded replies' upstream, as their errors name it
 
 
 class RecordedResponse:
@@ -70,7 +71,9 @@ async def parse_replies(replies: int) -> tuple[float, list[Delta]]:
     deltas: list[Delta] = []
     started = time.perf_counter()
     for _ in range(replies):
-        stream = UpstreamStream(cast(Response, RecordedResponse()), max_event_size=1 << 20)
+        stream = UpstreamStream(
+            cast(Response, RecordedResponse()), name=UPSTREAM, max_event_size=1 << 20
+        )
         for piece in BODY:
             stream.body_data(piece)
         stream.body_end(None)
@@ -129,14 +132,14 @@ class EncodingSink:
 
 async def attached_replies(replies: int) -> float:
     """Seconds to relay ``replies`` recorded replies through attached streams."""
-    origin = HttpOrigin("http://upstream.invalid/v1")
+    origin = HttpOrigin(UPSTREAM)
     started = time.perf_counter()
     for index in range(replies):
         connection = Connection(origin)
         connection.connection_made(StandInTransport())
         head = connection.send(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n")
         connection.data_received(HEAD)
-        stream = UpstreamStream(head.result(), max_event_size=1 << 20)
+        stream = UpstreamStream(head.result(), name=UPSTREAM, max_event_size=1 << 20)
         sink = EncodingSink(index)
         stream.attach(sink)
         for framed in FRAMED:

@@ -391,6 +391,7 @@ class UpstreamEngine:
         self._counts["started"] += 1
         return UpstreamStream(
             response,
+            name=backend.name,
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,

@@ -15,10 +15,11 @@ its own code, within bounded memory:
 - ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason.
-Messages are ours (``upstream_errors``); an upstream's own words appear only quoted. Where the
-bytes come from, where the deltas go and how a connection's failures are named is
-``upstream_stream``'s (a ``ChunkReader`` fed by its connection); it must not know how the
-request was built, which upstream was picked, or anything about our own HTTP server.
+Messages are ours (``upstream_errors``) and name the upstream by its base URL, as the
+failures before a stream do; an upstream's own words appear only quoted. Where the bytes come
+from, where the deltas go and how a connection's failures are named is ``upstream_stream``'s (a
+``ChunkReader`` fed by its connection); it must not know how the request was built, why its
+upstream was picked, or anything about our own HTTP server.
 """
 
 from __future__ import annotations
@@ -104,11 +105,13 @@ class ChunkReader:
     def __init__(
         self,
         *,
+        name: str,
         max_event_size: int,
         logprobs: bool = False,
         stops: tuple[str, ...] = (),
         reasoning: bool = False,
     ) -> None:
+        self._where = f"the upstream at {name}"  # its base URL: every failure names it
         self._logprobs = logprobs  # asked for: text without them is the upstream's failure
         self._reasoning = reasoning  # thinking is relayed, not only counted as progress
         self._stops = stops  # the request's stop strings, as sent upstream
@@ -140,12 +143,12 @@ class ChunkReader:
             events = self._parser.feed(data)
         except EventTooLarge:
             raise self._fail(
-                f"an upstream event grew past {self._max_event_size} characters",
+                f"{self._where} sent an event past {self._max_event_size} characters",
                 "upstream_event_too_large",
             ) from None
         except SSEError as exc:
             raise self._fail(
-                f"the upstream's event stream is malformed: {exc}", "upstream_malformed"
+                f"{self._where} sent a malformed event stream: {exc}", "upstream_malformed"
             ) from None
         if events:
             self._bytes_since_event = 0
@@ -153,7 +156,7 @@ class ChunkReader:
             self._bytes_since_event += len(data)
             if self._bytes_since_event > self._max_event_size:
                 raise self._fail(
-                    f"the upstream sent {self._max_event_size} bytes without one event",
+                    f"{self._where} sent {self._max_event_size} bytes without one event",
                     "upstream_malformed",
                 )
         try:
@@ -168,7 +171,7 @@ class ChunkReader:
         self._parser.close()
         if self._finish is None:
             raise self._fail(
-                "the upstream ended its stream before the reply finished", "upstream_incomplete"
+                f"{self._where} ended its stream before the reply finished", "upstream_incomplete"
             )
         self._finish_reply(time.monotonic())  # a finish reason and no [DONE] (older servers)
 
@@ -179,14 +182,14 @@ class ChunkReader:
             except (ValueError, AttributeError):
                 error = event.data[:500]
             raise self._fail(
-                f"the upstream reported an error mid-reply: {_message_of(error)}",
+                f"{self._where} reported an error mid-reply: {_message_of(error)}",
                 "upstream_error",
             )
         data = event.data
         if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: no strip
             if self._finish is None:
                 raise self._fail(
-                    "the upstream sent [DONE] with no finish reason", "upstream_bad_chunk"
+                    f"{self._where} sent [DONE] with no finish reason", "upstream_bad_chunk"
                 )
             self._finish_reply(now)
             return
@@ -196,12 +199,12 @@ class ChunkReader:
             chunk = from_json(data)
         except ValueError:
             raise self._fail(
-                f"the upstream sent an event that is not JSON ({len(data)} characters)",
+                f"{self._where} sent an event that is not JSON ({len(data)} characters)",
                 "upstream_bad_chunk",
             ) from None
         if not isinstance(chunk, dict):
             raise self._fail(
-                "the upstream sent a chunk that is not an object", "upstream_bad_chunk"
+                f"{self._where} sent a chunk that is not an object", "upstream_bad_chunk"
             )
         # The common chunk first: one choice (index 0) whose delta is text alone (a role
         # may come with it), no logprobs, tool calls, finish reason, usage or error.
@@ -232,7 +235,7 @@ class ChunkReader:
                         return
         if "error" in chunk or chunk.get("object") == "error":
             raise self._fail(
-                "the upstream reported an error mid-reply: "
+                f"{self._where} reported an error mid-reply: "
                 f"{_message_of(chunk.get('error', chunk))}",
                 "upstream_error",
             )
@@ -243,7 +246,9 @@ class ChunkReader:
             # run on one's own GPUs, and Azure's prompt-filter chunk, send []).
             return
         if not isinstance(choices, list):
-            raise self._fail("the upstream chunk's choices is not a list", "upstream_bad_chunk")
+            raise self._fail(
+                f"{self._where} sent a chunk whose choices is not a list", "upstream_bad_chunk"
+            )
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -258,7 +263,7 @@ class ChunkReader:
                     self._pending.append(Delta(text, count, now, logprobs=made))
                 elif self._logprobs:
                     raise self._fail(
-                        "the upstream sent text without the logprobs asked for "
+                        f"{self._where} sent text without the logprobs asked for "
                         "(it does not support them)",
                         "upstream_no_logprobs",
                     )
@@ -322,11 +327,13 @@ class ChunkReader:
     def _tool_calls(self, calls: object, now: float) -> None:
         """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each."""
         if not isinstance(calls, list):
-            raise self._fail("the upstream's tool_calls is not a list", "upstream_bad_chunk")
+            raise self._fail(
+                f"{self._where} sent tool_calls that is not a list", "upstream_bad_chunk"
+            )
         for call in calls:
             function = call.get("function", {}) if isinstance(call, dict) else None
             if not isinstance(function, dict):
-                raise self._fail("the upstream sent a malformed tool call", "upstream_bad_chunk")
+                raise self._fail(f"{self._where} sent a malformed tool call", "upstream_bad_chunk")
             index, call_id = call.get("index", 0), call.get("id")
             name, arguments = function.get("name"), function.get("arguments") or ""
             if (
@@ -337,7 +344,7 @@ class ChunkReader:
                 or not isinstance(name, str | None)
                 or not isinstance(arguments, str)
             ):
-                raise self._fail("the upstream sent a malformed tool call", "upstream_bad_chunk")
+                raise self._fail(f"{self._where} sent a malformed tool call", "upstream_bad_chunk")
             self._tokens += 1
             self._pending.append(
                 Delta("", 1, now, tool_call=ToolCallDelta(index, call_id, name, arguments))

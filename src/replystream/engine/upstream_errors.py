@@ -106,18 +106,16 @@ def connect_failure(exc: BaseException, base_url: str, timeout_s: float) -> Fail
     return Failure(f"the request to {where} failed", "upstream_unavailable")
 
 
-def broken_stream(exc: BaseException, *, replied: bool = True) -> Failure:
-    """A failure reading the body of a reply whose response head came. ``replied``: some of
-    the reply (text, a call, thinking) had come before it; else only the head and perhaps
-    keep-alive comments had, and the words say so (what failed is the same: the relay may
-    still try another upstream)."""
-    log.debug("upstream stream broke: %r", exc)
+def broken_stream(exc: BaseException, base_url: str, *, replied: bool = True) -> Failure:
+    """A failure reading the body of a reply from ``base_url`` whose response head came.
+    ``replied``: some of the reply (text, a call, thinking) had come before it; else only the
+    head and perhaps keep-alive comments had, and the words say so (what failed is the same:
+    the relay may still try another upstream)."""
+    log.debug("upstream %s: its stream broke: %r", base_url, exc)
+    where = f"the upstream at {base_url}"
     when = "mid-reply" if replied else "before sending any of the reply"
     if isinstance(exc, BadFraming):
-        return Failure(
-            "the upstream model server sent a body whose HTTP framing is broken",
-            "upstream_broken",
-        )
+        return Failure(f"{where} sent a body whose HTTP framing is broken", "upstream_broken")
     if isinstance(
         exc,
         aiohttp.ClientPayloadError
@@ -126,10 +124,8 @@ def broken_stream(exc: BaseException, *, replied: bool = True) -> Failure:
         | BodyCut,
     ):
         # A killed or restarted model server: the body ends before its framing says it may.
-        return Failure(
-            f"the upstream model server closed the connection {when}", "upstream_disconnected"
-        )
-    return Failure(f"the connection to the upstream model server broke {when}", "upstream_broken")
+        return Failure(f"{where} closed the connection {when}", "upstream_disconnected")
+    return Failure(f"the connection to {where} broke {when}", "upstream_broken")
 
 
 def quoted(text: str, limit: int = 300) -> str:

@@ -10,8 +10,8 @@ bytes its connection reads. A failure of the connection itself ends the reply as
 A body cut after the finish reason is no failure: the reply was whole.
 Closing the stream early (``aclose``/``close``, or cancelling its reader) closes the upstream
 connection, which vLLM, TGI and llama.cpp treat as an abort; a finished one goes back to its
-pool. It must not know how the request was built, which upstream was picked, or anything
-about our own HTTP server.
+pool. It is told its upstream's name (its base URL) for its words; it must not know how the
+request was built, why that upstream was picked, or anything about our own HTTP server.
 
 A stream is read one of two ways, with the same parse and the same failures: iterated (each
 read awaits the body, as any ``DeltaStream``), or attached to a sink (``PushDeltaStream``).
@@ -58,6 +58,7 @@ class UpstreamStream(ChunkReader):
         self,
         response: Response,
         *,
+        name: str,
         max_event_size: int,
         on_end: Callable[[str, int], None] | None = None,
         logprobs: bool = False,
@@ -65,8 +66,13 @@ class UpstreamStream(ChunkReader):
         reasoning: bool = False,
     ) -> None:
         super().__init__(
-            max_event_size=max_event_size, logprobs=logprobs, stops=stops, reasoning=reasoning
+            name=name,
+            max_event_size=max_event_size,
+            logprobs=logprobs,
+            stops=stops,
+            reasoning=reasoning,
         )
+        self._name = name  # the upstream's base URL, as its failures name it
         self._response = response
         self._deltas = 0  # deltas handed out
         self._on_end = on_end
@@ -153,7 +159,7 @@ class UpstreamStream(ChunkReader):
             if failure is not None and self._finish is None:
                 # Nothing of the reply yet (a head, keep-alive comments): said as such.
                 replied = self._tokens > 0 or self.thought_at > 0.0
-                broken = broken_stream(failure, replied=replied)
+                broken = broken_stream(failure, self._name, replied=replied)
                 raise self._fail(broken.message, broken.code)
             self._end_of_body()
         except UpstreamStreamError as error:
