@@ -14,7 +14,10 @@ its own code, within bounded memory:
   ``choices`` is null or absent has none: that is no failure);
 - ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
-- ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason.
+- ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
+- ``upstream_aborted``: a finish reason that says the upstream gave the reply up (``ABORTED``:
+  vLLM's ``abort``), and ``upstream_unknown_finish``: one not known here. Neither is a reply
+  finished: its text so far goes out, then the error (no dialect has a finish for either).
 Messages are ours (``upstream_errors``) and name the upstream by its base URL, as the
 failures before a stream do; an upstream's own words appear only quoted. Where the bytes come
 from, where the deltas go and how a connection's failures are named is ``upstream_stream``'s (a
@@ -40,19 +43,27 @@ from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 log = logging.getLogger("replystream.upstream")
 
 
-# Finish reasons upstreams use, mapped to ours ("stop", "length" or "tool_calls"; a filter
-# passes through).
+# Finish reasons upstreams use for a reply they finished, mapped to ours ("stop", "length"
+# or "tool_calls"; a filter passes through).
 FINISH_REASONS = {
     "stop": "stop",
     "eos": "stop",
-    "eos_token": "stop",
+    "eos_token": "stop",  # TGI's
     "stop_sequence": "stop",
+    "end_turn": "stop",  # Anthropic's words, which some proxies pass on
     "length": "length",
     "max_tokens": "length",
+    "model_length": "length",  # Mistral's: the model's context is full
     "content_filter": "content_filter",
     "tool_calls": "tool_calls",
+    "tool_use": "tool_calls",
     "function_call": "tool_calls",  # OpenAI's deprecated single-function form
 }
+# Finish reasons that say the upstream gave the reply up: vLLM's and SGLang's ``abort`` (a
+# request it dropped: preempted, timed out, shut down), ``error`` (Mistral's API, vLLM's
+# engine), DeepSeek's ``insufficient_system_resource``. The text before one is not the
+# whole reply; nor is the text before a reason not known here, which may mean the same.
+ABORTED = frozenset({"abort", "error", "insufficient_system_resource"})
 
 
 # Where upstreams stream a reasoning model's thinking in a chunk's delta: ``reasoning_content``
@@ -277,8 +288,24 @@ class ChunkReader:
                 self._tool_calls(calls, now)
             reason = choice.get("finish_reason")
             if isinstance(reason, str) and reason:
-                self._finish = FINISH_REASONS.get(reason, "stop")
+                self._finish = self._finished(reason)
                 self._stop_sequence = self._named_stop(choice)
+
+    def _finished(self, reason: str) -> str:
+        """Our finish reason for the upstream's ``reason``; a failure for one that says it
+        gave the reply up, or that is not known here (neither is reported as finished)."""
+        finish = FINISH_REASONS.get(reason)
+        if finish is not None:
+            return finish
+        if reason in ABORTED:
+            raise self._fail(
+                f"{self._where} aborted the reply (finish reason '{reason}')", "upstream_aborted"
+            )
+        raise self._fail(
+            f"{self._where} ended the reply with a finish reason the relay does not know "
+            f"('{quoted(reason, 40)}'), so it is not reported as finished",
+            "upstream_unknown_finish",
+        )
 
     def _after_finish(self, chunk: dict[str, Any]) -> None:
         """A chunk after the choice's finish reason: only its usage counts (the usage chunk
