@@ -153,3 +153,24 @@ async def test_a_reply_aborted_before_any_text_goes_to_the_next_upstream():
         await engine.aclose()
     assert got.chat_text == "sunny" and not got.of_type("error"), got.raw
     assert len(aborting.bodies) == len(steady.bodies) == 1
+
+
+async def test_an_upstreams_content_filter_makes_a_response_incomplete_streamed_and_whole():
+    """Stored (the API's default: produced into its log) and not, streamed and whole."""
+    ended = []
+    async with relay_ending("content_filter") as (url, _):
+        for store in (True, False):
+            ask = {**RESPONSES, "store": store}
+            streamed = await post_events(f"{url}/v1/responses", {**ask, "stream": True})
+            assert streamed.types[-1] == "response.incomplete", (store, streamed.types)
+            assert "response.completed" not in streamed.types
+            ended.append(streamed.of_type("response.incomplete")[-1]["response"])
+            status, whole = await post_json(f"{url}/v1/responses", ask)
+            assert status == 200, whole
+            ended.append(whole)
+    for response in ended:
+        assert response["status"] == "incomplete", response
+        assert response["incomplete_details"] == {"reason": "content_filter"}
+        [message] = response["output"]
+        assert message["status"] == "incomplete"
+        assert message["content"][0]["text"] == "partial "

@@ -10,8 +10,8 @@ frameworks) reads, byte for byte:
   ``response.output_text.delta`` per piece of text, ``response.output_text.done``,
   ``response.content_part.done``, ``response.output_item.done``), then the terminal event:
   ``response.completed`` (with usage), ``response.incomplete`` (with usage; the token limit,
-  or a check that stopped the text: ``content_filter``) or ``response.failed`` (with the
-  error). There is no ``[DONE]``: the terminal event ends the stream.
+  or a check or a relayed upstream's own filter that stopped the text: ``content_filter``) or
+  ``response.failed`` (with the error). There is no ``[DONE]``: the terminal event ends the stream.
 - A message item is opened when text comes (a response of calls only has none), and closed
   when a call starts or the response ends; text after a call opens a new message item
   (``msg_<reply id>`` first in the output, ``msg_<reply id>_<output index>`` after a call).
@@ -53,6 +53,7 @@ from replystream.delivery.moderation import Violation
 from replystream.delivery.openai_formats import logprob_entries
 from replystream.delivery.reply_content import Thought, Thoughts
 from replystream.delivery.responses_objects import (
+    INCOMPLETE_REASONS,
     ItemStatus,
     ResponseSettings,
     Status,
@@ -293,8 +294,9 @@ class ResponsesStreamFormat:
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
-        if finish_reason == "length":
-            details = {"usage": usage, "incomplete_reason": "max_output_tokens"}
+        incomplete = INCOMPLETE_REASONS.get(finish_reason)
+        if incomplete is not None:
+            details = {"usage": usage, "incomplete_reason": incomplete}
             return [
                 *self._close_open("incomplete"),
                 self._event(

@@ -30,6 +30,10 @@ Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "
 # An output item's own status: the spec has no failed or cancelled item (OpenAI's
 # ``ResponseOutputMessage``, ``ResponseFunctionToolCall`` and ``ResponseReasoningItem``).
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
+# The finish reasons that leave a response ``incomplete``, and its ``incomplete_details``
+# reason for each (OpenAI's two): the token limit, and a filter (an upstream's own; a check of
+# ours ends a reply as moderated instead). Any other finish completes it.
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
 def response_id(reply_id: str) -> str:

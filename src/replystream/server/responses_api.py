@@ -44,6 +44,7 @@ from replystream.delivery.responses_log import (
     ReaderNotices,
 )
 from replystream.delivery.responses_objects import (
+    INCOMPLETE_REASONS,
     MessageLogprobs,
     ResponseSettings,
     response_object,
@@ -225,14 +226,14 @@ async def _whole(
         return split_by_message(made.text, made.tool_calls, made.thoughts, made.logprobs, at)
 
     def body(whole: Whole) -> dict[str, Any]:
-        cut = whole.finish_reason == "length"
+        incomplete = INCOMPLETE_REASONS.get(whole.finish_reason)
         return response_object(
             settings,
             reply_id,
-            "incomplete" if cut else "completed",
+            "completed" if incomplete is None else "incomplete",
             text=whole.text,
             usage=whole.usage,
-            incomplete_reason="max_output_tokens" if cut else None,
+            incomplete_reason=incomplete,
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
             logprobs=message_logprobs(whole),
