@@ -135,6 +135,19 @@ class FakeUpstream:
         await r.write(b'data: {"error": {"message": "out of memory", "code": 500}}\n\n')
         await asyncio.sleep(30)
 
+    async def _error_event(self, data: bytes, r: web.StreamResponse) -> None:
+        """Text, then an ``event: error`` whose data is ``data`` (not replystream's shape)."""
+        await r.write(chunk("one ") + b"event: error\ndata: " + data + b"\n\n")
+        await asyncio.sleep(30)
+
+    # A proxy's own shape, with a message at the top; one with none (a server's internals);
+    # one that is not JSON at all (a traceback).
+    mode_errevent_message = partialmethod(_error_event, b'{"message": "model unloaded"}')
+    mode_errevent_internals = partialmethod(
+        _error_event, b'{"type": "EngineDeadError", "trace": "File /srv/engine.py, line 3"}'
+    )
+    mode_errevent_text = partialmethod(_error_event, b"Traceback: File /srv/engine.py, line 3")
+
     async def mode_stall(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one "))
         await asyncio.sleep(30)
@@ -340,6 +353,26 @@ async def test_an_error_chunk_mid_reply_becomes_an_in_band_error_after_the_text(
     assert got.chat_text == "one two "
     error = error_of(got)
     assert error["code"] == "upstream_error" and "out of memory" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        ("errevent_message", "reported an error mid-reply: model unloaded"),
+        ("errevent_internals", "reported an error mid-reply: no message given"),
+        (
+            "errevent_text",
+            "reported an error mid-reply, in an event that is not a JSON object (38 characters)",
+        ),
+    ],
+)
+async def test_an_error_event_is_told_in_our_words_quoting_only_its_message(mode: str, said: str):
+    got, _, _ = await relay_mode(mode)
+    assert got.chat_text == "one "
+    error = error_of(got)
+    assert error["code"] == "upstream_error"
+    assert error["message"].endswith(f"/{mode}/v1 {said}"), error
+    assert "/srv/engine.py" not in got.raw.decode()
 
 
 async def test_a_stalled_upstream_ends_the_reply_within_the_stall_limit():

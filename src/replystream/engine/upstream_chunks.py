@@ -27,7 +27,6 @@ upstream was picked, or anything about our own HTTP server.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -102,11 +101,32 @@ def _has_output(choice: object) -> bool:
 
 
 def _message_of(error: object) -> str:
-    """The upstream's own message in an error it sent mid-stream, quoted (or a placeholder)."""
-    message = error.get("message") or error.get("error") if isinstance(error, dict) else error
+    """The upstream's own message in an error it sent mid-stream, quoted (or a placeholder):
+    an error object's ``message`` (or ``error``, or ``detail``), or the error as a string."""
+    message = (
+        error.get("message") or error.get("error") or error.get("detail")
+        if isinstance(error, dict)
+        else error
+    )
     if isinstance(message, str) and message.strip():
         return quoted(message)
     return "no message given"
+
+
+def _error_event(data: str) -> str:
+    """What an upstream's ``event: error`` said, in words that follow its name: the message
+    of its JSON object (``{"error": {...}}``, or one with a message at the top), quoted;
+    never the event's own text, which may be anything (a traceback, a server's internals)."""
+    try:
+        body = from_json(data)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return (
+            "reported an error mid-reply, in an event that is not a JSON object "
+            f"({len(data)} characters)"
+        )
+    return f"reported an error mid-reply: {_message_of(body.get('error', body))}"
 
 
 class ChunkReader:
@@ -188,14 +208,7 @@ class ChunkReader:
 
     def _on_event(self, event: Event, now: float) -> None:
         if event.type == "error":  # replystream's own in-band errors, and some proxies'
-            try:
-                error = json.loads(event.data).get("error", event.data)
-            except (ValueError, AttributeError):
-                error = event.data[:500]
-            raise self._fail(
-                f"{self._where} reported an error mid-reply: {_message_of(error)}",
-                "upstream_error",
-            )
+            raise self._fail(f"{self._where} {_error_event(event.data)}", "upstream_error")
         data = event.data
         if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: no strip
             if self._finish is None:
