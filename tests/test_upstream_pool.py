@@ -292,6 +292,33 @@ def test_serve_stops_at_a_bad_routes_file_with_one_line(tmp_path: Path):
         assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith(says), done.stderr
 
 
+def test_a_routes_files_first_text_limit_past_the_failover_window_names_file_and_field(
+    tmp_path: Path,
+):
+    # Checked against a flag, not within the file alone: named all the same, as the file's
+    # own mistakes are.
+    routes = write(
+        tmp_path,
+        "[[upstreams]]\nurl = 'http://127.0.0.1:9/v1'\n"
+        "[[upstreams]]\nurl = 'http://127.0.0.1:10/v1'\nttft_s = 90\n",
+    )
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "replystream", "serve", "--port", "0", "--engine", "upstream"),
+            *("--upstream-routes", str(routes), "--upstream-failover-s", "60"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert done.stderr.startswith(
+        f"replystream serve: --upstream-routes {routes}: upstreams[1].ttft_s: 90 s to the "
+        "first text is past the failover window (60 s"
+    ), done.stderr
+
+
 def test_an_upstream_at_its_limit_is_skipped_and_all_at_theirs_is_full_not_unusable():
     a = Backend("http://a/v1", max_outstanding=1)
     b = Backend("http://b/v1", max_outstanding=2)

@@ -61,12 +61,19 @@ def key_problem(key: str) -> str | None:
     return "must be one word of printable ASCII (an HTTP header carries nothing else)"
 
 
+class EntryMistake(ValueError):
+    """A routes-file entry at fault, found only when the whole configuration is checked (its
+    limits against the server's): its message names the file, the entry and the field, as
+    the routes file's own mistakes do."""
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamTarget:
     """One upstream: the base URL of its OpenAI API (``http://host:port/v1``), its weight, and
     what a routes file may add: its own API key, or whether it takes the caller's own key
     (``pass_client_key``; None: the server's default), and the models it serves (empty: what
-    its ``GET /models`` lists)."""
+    its ``GET /models`` lists). ``entry``: where a routes file gives it
+    (``routes.toml: upstreams[1]``), for words that send the operator there."""
 
     base_url: str
     weight: int = 1
@@ -77,6 +84,7 @@ class UpstreamTarget:
     # Its own limits to the first content and between pieces (None: the server's).
     ttft_s: float | None = None
     stall_s: float | None = None
+    entry: str | None = None  # None: the command line
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -174,10 +182,17 @@ class UpstreamConfig:
                 raise ValueError(f"the upstream at {first} is given twice{also}")
             seen[identity] = target.base_url
             if target.ttft_s is not None and target.ttft_s > self.failover_s:
+                past = (
+                    f"past the failover window ({self.failover_s:g} s, which ends every wait "
+                    "for it): raise --upstream-failover-s too"
+                )
+                if target.entry is not None:
+                    raise EntryMistake(
+                        f"{target.entry}.ttft_s: {target.ttft_s:g} s to the first text is {past}"
+                    )
                 raise ValueError(
                     f"the upstream at {target.base_url} may take {target.ttft_s:g} s to its "
-                    f"first text, past the failover window ({self.failover_s:g} s, which "
-                    "ends every wait for it): raise --upstream-failover-s too"
+                    f"first text, {past}"
                 )
         if self.api_key is not None and self.pass_client_key:
             raise ValueError(

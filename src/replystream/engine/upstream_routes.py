@@ -157,6 +157,7 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 entry.max_outstanding,
                 entry.ttft_s,
                 entry.stall_s,
+                entry=where,
             )
         )
     served = {m for t in targets for m in t.models}

@@ -29,7 +29,12 @@ from replystream.engine.kv_cache import PoolTooLarge
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.engine.upstream import UpstreamEngine
-from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget, key_problem
+from replystream.engine.upstream_config import (
+    EntryMistake,
+    UpstreamConfig,
+    UpstreamTarget,
+    key_problem,
+)
 from replystream.engine.upstream_routes import load_routes
 from replystream.server import metrics_dir
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
@@ -289,6 +294,8 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
             api_key=key,
             aliases=aliases,
         )
+    except EntryMistake as exc:
+        raise ValueError(f"--upstream-routes {exc}") from None
     except ValueError as exc:
         raise ValueError(f"--engine upstream: {exc}") from None
     return config
