@@ -43,7 +43,8 @@ NOT_FLAGS = {
     "GuardConfig": set(),
     "TinyEngineConfig": {"block_size", "blas_threads", "spec_tokens"},
     "SimulatedConfig": {"seed"},  # from --seed, when given (declared for the models)
-    "UpstreamConfig": {"targets", "aliases"},  # aliases: from --upstream-routes
+    # aliases: from --upstream-routes; api_key_from: which of two settings gave api_key
+    "UpstreamConfig": {"targets", "aliases", "api_key_from"},
     "HFEngineConfig": {"default_max_tokens", "torch_threads", "seed"},
 }
 

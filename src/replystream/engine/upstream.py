@@ -368,6 +368,8 @@ class UpstreamEngine:
                 backend.name,
                 request.client_key,
                 passes_key=backend.name in self._keys.passing,
+                key_from=self._keys.key_from(backend.name),
+                withheld=self._keys.withheld(backend.name, key),
                 read_s=read_s,
                 cooldown_s=self.config.cooldown_s,
             )
@@ -392,6 +394,7 @@ class UpstreamEngine:
         return UpstreamStream(
             response,
             name=backend.name,
+            withheld=self._keys.withheld(backend.name, key),
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,

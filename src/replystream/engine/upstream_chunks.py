@@ -100,20 +100,21 @@ def _has_output(choice: object) -> bool:
     return bool(choice.get("text"))
 
 
-def _message_of(error: object) -> str:
-    """The upstream's own message in an error it sent mid-stream, quoted (or a placeholder):
-    an error object's ``message`` (or ``error``, or ``detail``), or the error as a string."""
+def _message_of(error: object, withheld: tuple[str, ...]) -> str:
+    """The upstream's own message in an error it sent mid-stream, quoted without the keys of
+    ``withheld`` (or a placeholder): an error object's ``message`` (or ``error``, or
+    ``detail``), or the error as a string."""
     message = (
         error.get("message") or error.get("error") or error.get("detail")
         if isinstance(error, dict)
         else error
     )
     if isinstance(message, str) and message.strip():
-        return quoted(message)
+        return quoted(message, withheld=withheld)
     return "no message given"
 
 
-def _error_event(data: str) -> str:
+def _error_event(data: str, withheld: tuple[str, ...]) -> str:
     """What an upstream's ``event: error`` said, in words that follow its name: the message
     of its JSON object (``{"error": {...}}``, or one with a message at the top), quoted;
     never the event's own text, which may be anything (a traceback, a server's internals)."""
@@ -126,7 +127,7 @@ def _error_event(data: str) -> str:
             "reported an error mid-reply, in an event that is not a JSON object "
             f"({len(data)} characters)"
         )
-    return f"reported an error mid-reply: {_message_of(body.get('error', body))}"
+    return f"reported an error mid-reply: {_message_of(body.get('error', body), withheld)}"
 
 
 class ChunkReader:
@@ -138,11 +139,13 @@ class ChunkReader:
         *,
         name: str,
         max_event_size: int,
+        withheld: tuple[str, ...] = (),
         logprobs: bool = False,
         stops: tuple[str, ...] = (),
         reasoning: bool = False,
     ) -> None:
         self._where = f"the upstream at {name}"  # its base URL: every failure names it
+        self._withheld = withheld  # keys its words may repeat, and ours must not
         self._logprobs = logprobs  # asked for: text without them is the upstream's failure
         self._reasoning = reasoning  # thinking is relayed, not only counted as progress
         self._stops = stops  # the request's stop strings, as sent upstream
@@ -208,7 +211,9 @@ class ChunkReader:
 
     def _on_event(self, event: Event, now: float) -> None:
         if event.type == "error":  # replystream's own in-band errors, and some proxies'
-            raise self._fail(f"{self._where} {_error_event(event.data)}", "upstream_error")
+            raise self._fail(
+                f"{self._where} {_error_event(event.data, self._withheld)}", "upstream_error"
+            )
         data = event.data
         if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: no strip
             if self._finish is None:
@@ -260,7 +265,7 @@ class ChunkReader:
         if "error" in chunk or chunk.get("object") == "error":
             raise self._fail(
                 f"{self._where} reported an error mid-reply: "
-                f"{_message_of(chunk.get('error', chunk))}",
+                f"{_message_of(chunk.get('error', chunk), self._withheld)}",
                 "upstream_error",
             )
         self._take_usage(chunk)
@@ -316,7 +321,7 @@ class ChunkReader:
             )
         raise self._fail(
             f"{self._where} ended the reply with a finish reason the relay does not know "
-            f"('{quoted(reason, 40)}'), so it is not reported as finished",
+            f"('{quoted(reason, 40, self._withheld)}'), so it is not reported as finished",
             "upstream_unknown_finish",
         )
 

@@ -73,7 +73,8 @@ class UpstreamTarget:
     what a routes file may add: its own API key, or whether it takes the caller's own key
     (``pass_client_key``; None: the server's default), and the models it serves (empty: what
     its ``GET /models`` lists). ``entry``: where a routes file gives it
-    (``routes.toml: upstreams[1]``), for words that send the operator there."""
+    (``routes.toml: upstreams[1]``), and ``key_from`` where its own key is configured
+    (``routes.toml: upstreams[1].api_key``), for words that send the operator there."""
 
     base_url: str
     weight: int = 1
@@ -85,6 +86,7 @@ class UpstreamTarget:
     ttft_s: float | None = None
     stall_s: float | None = None
     entry: str | None = None  # None: the command line
+    key_from: str | None = None
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -134,6 +136,7 @@ class UpstreamConfig:
 
     targets: tuple[UpstreamTarget, ...]
     api_key: str | None = field(default=None, repr=False)  # for upstreams without their own
+    api_key_from: str = "--upstream-api-key"  # where that key is configured (or its variable)
     # Upstreams without their own key (and not told otherwise) take the caller's own key.
     pass_client_key: bool = False
     model: str | None = None  # None: the first model the upstream's /models lists
@@ -217,20 +220,42 @@ def upstream_limit(target: UpstreamTarget, config: UpstreamConfig) -> int | None
 @dataclass(frozen=True, slots=True)
 class UpstreamKeys:
     """What goes to each upstream as its ``Authorization``: its own key, or the caller's own
-    (for those in ``passing``), else the key for all."""
+    (for those in ``passing``), else the key for all; where each is configured; and what no
+    upstream's words passed on may repeat (``withheld``)."""
 
-    own: dict[str, str | None]
+    own: dict[str, str | None] = field(repr=False)
     passing: frozenset[str]
     default: str | None = field(repr=False)
+    own_from: dict[str, str | None]  # where each upstream's own key is configured
+    default_from: str  # where the key for all is
+    configured: tuple[str, ...] = field(repr=False)  # every key configured, longest first
 
     @classmethod
     def of(cls, config: UpstreamConfig) -> UpstreamKeys:
         targets = config.targets
+        keys = {key for key in (config.api_key, *(t.api_key for t in targets)) if key}
         return cls(
             {t.base_url: t.api_key for t in targets},
             frozenset(t.base_url for t in targets if config.passes_client_key(t)),
             config.api_key,
+            {t.base_url: t.key_from for t in targets},
+            config.api_key_from,
+            tuple(sorted(keys, key=len, reverse=True)),
         )
+
+    def key_from(self, name: str) -> str | None:
+        """Where the key sent to the upstream ``name`` is configured (None: none is; one
+        that takes the caller's own key is not asked)."""
+        if self.own.get(name):
+            return self.own_from.get(name) or "its own api_key"
+        return self.default_from if self.default else None
+
+    def withheld(self, name: str, client_key: str | None) -> tuple[str, ...]:
+        """The keys no word of the upstream ``name`` passed on may repeat, longest first:
+        every key configured, and the caller's own where it is sent to ``name``."""
+        if not client_key or name not in self.passing:
+            return self.configured
+        return tuple(sorted({*self.configured, client_key}, key=len, reverse=True))
 
     def headers(self, name: str, client_key: str | None = None) -> dict[str, str]:
         """What goes to the upstream ``name`` beside a request: its configured key, or, for

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -128,7 +129,16 @@ def broken_stream(exc: BaseException, base_url: str, *, replied: bool = True) ->
     return Failure(f"the connection to {where} broke {when}", "upstream_broken")
 
 
-def quoted(text: str, limit: int = 300) -> str:
-    """An upstream's own message, fit for one line of ours: controls out, length bounded."""
+# What stands for a key of ours an upstream's message repeats (some quote the key they
+# refused): its words go on to a client, to /healthz and to the log.
+KEY_WITHHELD = "(key withheld)"
+
+
+def quoted(text: str, limit: int = 300, withheld: Sequence[str] = ()) -> str:
+    """An upstream's own message, fit for one line of ours: each key of ``withheld`` (the
+    longest first) out, before the length is bounded so that no part of one is left either;
+    controls out."""
+    for key in withheld:
+        text = text.replace(key, KEY_WITHHELD)
     flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"

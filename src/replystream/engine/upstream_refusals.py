@@ -12,9 +12,11 @@ status other than 200 means: an upstream 4xx about the request is a ``RequestRej
 circuit honours; an upstream passed the caller's own key that refuses it (401, 403) or
 rate-limits it (429) answers the client as it is, not failed over
 (``UpstreamRefusedClientKey``, ``UpstreamLimitedClientKey``); 401 or 403 to our own key is
-our configuration's fault (502). Every message is ours; an upstream's own words appear only
-quoted, from a JSON error body. Whether another upstream is tried is ``upstream_attempts``'s.
-It must not know how a request is built, how an upstream is picked, or about our HTTP server.
+our configuration's fault (502, naming where that key is configured). Every message is ours;
+an upstream's own words appear only quoted, from a JSON error body, and never with a key of
+ours in them (some upstreams repeat the key they refused). Whether another upstream is tried
+is ``upstream_attempts``'s. It must not know how a request is built, how an upstream is
+picked, or about our HTTP server.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 
 from replystream.engine.base import EngineError, RequestRejected
 from replystream.engine.retry_after import retry_after_s
@@ -82,9 +85,13 @@ class UpstreamLimitedClientKey(RequestRejected):
         super().__init__(message, code="upstream_rate_limited", retry_after_s=retry_after_s)
 
 
-def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
+def _upstream_message(
+    raw: bytes, withheld: Sequence[str]
+) -> tuple[str | None, str | None, str | None]:
     """Message, code and param of an upstream's JSON error body (any of the common shapes);
-    no message for a body that is not one (an HTML page, a proxy's text, nothing)."""
+    no message for a body that is not one (an HTML page, a proxy's text, nothing). None of
+    them repeats a key of ``withheld``: the message has each one out, and a code or param
+    that holds one is dropped."""
     try:
         body = json.loads(raw)
     except ValueError:
@@ -94,11 +101,22 @@ def _upstream_message(raw: bytes) -> tuple[str | None, str | None, str | None]:
         code, param = error.get("code"), error.get("param")
         message = error.get("message") or error.get("detail")
         return (
-            quoted(message) if isinstance(message, str) and message.strip() else None,
-            code if isinstance(code, str) else None,
-            param if isinstance(param, str) else None,
+            quoted(message, withheld=withheld)
+            if isinstance(message, str) and message.strip()
+            else None,
+            _keyless(code, withheld),
+            _keyless(param, withheld),
         )
-    return (quoted(error) if isinstance(error, str) and error.strip() else None), None, None
+    if isinstance(error, str) and error.strip():
+        return quoted(error, withheld=withheld), None, None
+    return None, None, None
+
+
+def _keyless(value: object, withheld: Sequence[str]) -> str | None:
+    """``value`` if it is a string that holds no key of ``withheld``."""
+    if isinstance(value, str) and not any(key in value for key in withheld):
+        return value
+    return None
 
 
 async def refusal(
@@ -107,12 +125,15 @@ async def refusal(
     client_key: str | None,
     *,
     passes_key: bool,
+    key_from: str | None,
+    withheld: Sequence[str],
     read_s: float,
     cooldown_s: float,
 ) -> EngineError:
     """What ``backend``'s answer other than 200 means for the attempt: its body (at most
-    ``BODY_LIMIT`` bytes, read for at most ``read_s``) quoted in our error, the response
-    closed. ``passes_key``: the upstream is sent the caller's own key (``client_key``);
+    ``BODY_LIMIT`` bytes, read for at most ``read_s``) quoted in our error, without the keys
+    of ``withheld``, the response closed. ``passes_key``: the upstream is sent the caller's
+    own key (``client_key``), else the key configured where ``key_from`` says (None: none);
     ``cooldown_s``: the longest an overloaded upstream's wait keeps its circuit open."""
     try:
         async with asyncio.timeout(read_s):
@@ -121,7 +142,7 @@ async def refusal(
         raw = b""
     finally:
         response.close()
-    message, code, param = _upstream_message(raw)
+    message, code, param = _upstream_message(raw, withheld)
     status = response.status
     where = f"the upstream at {backend} answered {status}"
     said = f"{where}: {message}" if message else where
@@ -155,5 +176,7 @@ async def refusal(
             said = f"{where}: it wants an API key, and you sent none to pass on"
         return UpstreamRefusedClientKey(said, status=status)
     if status in (401, 403):  # our configuration, not the client's request
-        said = f"{where}: it refused our API key (see --upstream-api-key)"
+        said = f"{where}: it refused our API key, set by {key_from}"
+        if key_from is None:
+            said = f"{where}: it wants an API key, and none is configured for it"
     return UpstreamUnavailable(said, code="upstream_error_status")

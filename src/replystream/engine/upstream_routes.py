@@ -139,8 +139,9 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 f"{where}.pass_client_key: the upstream gets the client's key or {given}, "
                 "not both: drop one"
             )
-        key = entry.api_key
+        key, key_from = entry.api_key, f"{where}.api_key"
         if entry.api_key_env is not None:
+            key_from = f"{where}.api_key_env (${entry.api_key_env})"
             key = env.get(entry.api_key_env) or None
             if key is None:
                 raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} is not set")
@@ -158,6 +159,7 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 entry.ttft_s,
                 entry.stall_s,
                 entry=where,
+                key_from=key_from if key is not None else None,
             )
         )
     served = {m for t in targets for m in t.models}

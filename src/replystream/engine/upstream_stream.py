@@ -60,6 +60,7 @@ class UpstreamStream(ChunkReader):
         *,
         name: str,
         max_event_size: int,
+        withheld: tuple[str, ...] = (),
         on_end: Callable[[str, int], None] | None = None,
         logprobs: bool = False,
         stops: tuple[str, ...] = (),
@@ -68,6 +69,7 @@ class UpstreamStream(ChunkReader):
         super().__init__(
             name=name,
             max_event_size=max_event_size,
+            withheld=withheld,
             logprobs=logprobs,
             stops=stops,
             reasoning=reasoning,

@@ -292,6 +292,7 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
             ENGINE_SETTINGS,
             targets=tuple(targets),
             api_key=key,
+            api_key_from=source,
             aliases=aliases,
         )
     except EntryMistake as exc:
