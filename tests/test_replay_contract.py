@@ -215,7 +215,11 @@ async def test_a_cursor_measures_lag_in_utf8_bytes_whatever_the_text(stores, whe
     producer.append("r12", [LogEntry(5, None, "\u00e9" * 100)])
     await settle(producer)
     await cursor.read(wait_s=0)
-    assert await cursor.measure() == size[2] + size[3] + 200
+    assert await cursor.measure() == (size[2] + size[3] + 200, 200)
+    # The log's latest write, whole: what one append added, however many entries it held.
+    producer.append("r12", [LogEntry(6, None, "x" * 30), LogEntry(7, None, "\u00e9" * 5)])
+    await settle(producer)
+    assert await cursor.measure() == (size[2] + size[3] + 200 + 40, 40)
 
 
 async def test_release_and_discard_never_lose_what_a_reader_still_needs(stores):

@@ -12,19 +12,23 @@ import json
 import random
 import signal
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import openai
 from redis.asyncio import Redis
 
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 from replystream.delivery.responses_objects import reply_id_of
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.context import MANAGER_KEY, ServerConfig
 from replystream.sse import EventParser
-from tests.conftest import fast_engine
+from tests.conftest import fast_engine, wait_for
 from tests.processes import replica, start_server, stop
 from tests.redis_server import redis_server
+from tests.stalling_proxy import host_port, proxy_stalling_its_first_connection, small_send_buffer
 from tests.test_scale_out import cluster
 
 
@@ -186,3 +190,52 @@ async def test_a_response_made_elsewhere_is_followed_before_its_first_event_is_l
             await producer.aclose()
     assert status == 200, body
     assert [e.type for e in EventParser().feed(body)] == ["response.created"]
+
+
+async def test_a_reader_on_the_other_replica_held_back_takes_a_closing_larger_than_the_limit(
+    tmp_path: Path,
+):
+    """A Responses reply's closing events repeat its whole text and log probabilities: one
+    append larger than ``slow_client_bytes``. A reader of it on the other replica, held back
+    (its write blocked, its backlog under the limit) while the reply ends there, hears of no
+    append: it finds the closing in Redis when it looks while its write waits. It has had no
+    chance to take it, so it is not cut for it, and then reading as fast as it can it gets
+    the end, as a reader on the producer's replica does."""
+    engine = fast_engine(reply_text="word " * 2000, delay_ms=1.5, jitter_ms=0.0)
+    limit = 768 << 10
+    config = ServerConfig(policy=DeliveryPolicy(slow_client_bytes=limit))
+    ask: dict[str, Any] = {"model": "simulated", "input": "x", "max_output_tokens": 2000}
+    ask.update(include=["message.output_text.logprobs"], top_logprobs=20)
+    release = asyncio.Event()
+    with redis_server(tmp_path) as redis:
+        a = create_app(engine, config, RedisReplayStore(redis.url))
+        b = create_app(fast_engine(), config, RedisReplayStore(redis.url))
+        b.on_response_prepare.append(small_send_buffer)
+        async with (
+            running(a) as url_a,
+            running(b) as url_b,
+            proxy_stalling_its_first_connection(host_port(url_b), release) as proxied,
+            openai.AsyncOpenAI(base_url=f"{url_a}/v1", api_key="-") as maker,
+            openai.AsyncOpenAI(base_url=f"{proxied}/v1", api_key="-", max_retries=0) as reader,
+        ):
+            queued = await maker.responses.create(background=True, **ask)
+
+            async def read() -> list[Any]:
+                stream = await reader.responses.retrieve(queued.id, stream=True)
+                return [event async for event in stream]
+
+            reading = asyncio.ensure_future(read())
+            replies = a[MANAGER_KEY].replies
+            await wait_for(lambda: not replies, timeout_s=30)  # made to its end on A
+            # B's follower, blocked on its write, looks at the log every second meanwhile.
+            await asyncio.sleep(2.5)
+            assert not reading.done()  # held back, not cut
+            release.set()
+            async with asyncio.timeout(30):
+                events = await reading
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    assert events[-1].type == "response.completed"
+    closing = sum(len(event.model_dump_json()) for event in events[-4:])
+    sent_before = sum(len(event.model_dump_json()) for event in deltas)
+    assert sent_before < limit < closing and len(deltas) == 2000
+    assert "".join(event.delta for event in deltas) == events[-1].response.output_text

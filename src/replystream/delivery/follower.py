@@ -16,7 +16,8 @@ than the limit, and a reader that takes it as fast as the socket allows is not b
 backlog comes from its cursor (``LogCursor``, handed out by the reply's store), so the limit
 holds for a reply made here or on another replica: the producer's append reaches a follower
 of a local reply through ``interrupt``, even while it is blocked on the socket; a follower of
-a remote reply asks its cursor while its write waits. A cut follower leaves a last ``error``
+a remote reply asks its cursor while its write waits, which tells it the log's latest write
+too (what the producer's store wrote at once). A cut follower leaves a last ``error``
 notice if the socket still takes it.
 
 The direct path: a follower that has caught up with a reply made in this process lets the
@@ -193,7 +194,8 @@ class Follower:
         self.lag_limit = NOT_SENDING_YET
         # Not counted as the backlog the limit is for: the bytes of entries in hand, read from
         # the log and not yet sent, and of the producer's latest append, when it came while
-        # this follower was writing (it has had no chance to take them yet).
+        # this follower was writing (it has had no chance to take them yet); for a reply made
+        # elsewhere, the log's latest write, as its cursor tells it while it writes.
         self._in_hand = 0
         self._latest = 0
         self.overflow = False
@@ -210,10 +212,15 @@ class Follower:
         if not self.readers.shutting_down:
             if appended:
                 self._latest = entries_bytes(appended)
-            if self.cursor.lag_bytes() - self._in_hand - self._latest <= self.lag_limit:
+            if self._unsent() <= self.lag_limit:
                 return
             self.overflow = True
         deadline.reschedule(asyncio.get_running_loop().time())
+
+    def _unsent(self) -> int:
+        """The backlog the byte limit judges: the log after this follower's place, less what
+        it has in hand and the producer's latest append (``_in_hand``, ``_latest``)."""
+        return self.cursor.lag_bytes() - self._in_hand - self._latest
 
     def _behind(self) -> _Cut:
         return _Cut("slow_client", f"more than {self.lag_limit} bytes behind")
@@ -250,15 +257,18 @@ class Follower:
     async def _write_measuring_lag(self, data: bytes, last: bool) -> int:
         """A write of a follower whose reply is made elsewhere (or has ended): no append will
         interrupt it, so while it waits it asks its cursor how far behind it is, and is cut
-        past the byte limit as a follower of a local reply would be."""
+        past the byte limit as a follower of a local reply would be, its latest append being
+        the log's latest write."""
         write = asyncio.ensure_future(self.transport.write(data, last=last))
         try:
             while not write.done():
                 await asyncio.wait((write,), timeout=LIVENESS_POLL_S)
-                if (
-                    not write.done()
-                    and await self.cursor.measure() - self._in_hand > self.lag_limit
-                ):
+                if write.done():
+                    break
+                lag = await self.cursor.measure()
+                # As far as it is not in hand (a read may have taken it).
+                self._latest = min(lag.latest, max(0, lag.behind - self._in_hand))
+                if self._unsent() > self.lag_limit:
                     self.overflow = True
                     raise self._behind()
             return write.result()
@@ -392,12 +402,14 @@ class Follower:
         start = 0
         size = 0
         self._in_hand = entries_bytes(entries)
-        self._latest = 0  # read, if it had come: in hand now
+        # The latest append, as far as it is not in hand now: a read takes it (a read of a
+        # log kept elsewhere may stop short of it, taking a batch at a time).
+        self._latest = min(self._latest, max(0, self.cursor.lag_bytes() - self._in_hand))
         try:
             for index, entry in enumerate(entries):
                 size += data_bytes(entry.data)
                 if size >= WRITE_CHUNK or index == len(entries) - 1:
-                    behind = self.cursor.lag_bytes() - self._in_hand
+                    behind = self._unsent()
                     if self.overflow or behind > self.lag_limit:
                         raise self._behind()
                     self._allow(behind)  # at its first write: the backlog it starts with

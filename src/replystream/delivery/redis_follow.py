@@ -25,8 +25,8 @@ from typing import Any, Protocol
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_connect import RedisClient
-from replystream.delivery.redis_rows import Offsets
-from replystream.delivery.replay import ReadResult
+from replystream.delivery.redis_rows import Newest, Offsets
+from replystream.delivery.replay import Lag, ReadResult
 
 BLOCK_MS = 50
 Rows = list[tuple[bytes, dict[bytes, bytes]]]  # (entry id, fields), as XRANGE answers
@@ -44,7 +44,7 @@ class FollowedStore(Protocol):
         self, reply_id: str, after: int, wait_s: float
     ) -> tuple[ReadResult | None, Offsets]: ...
 
-    async def logged_bytes(self, reply_id: str) -> int | None: ...
+    async def newest_write(self, reply_id: str) -> Newest: ...
 
     async def reading(self, reply_id: str, joined: bool = False) -> None: ...
 
@@ -100,11 +100,12 @@ class RemoteCursor:
     def lag_bytes(self) -> int:
         return 0 if self._sent_upto is None else max(0, self._logged - self._sent_upto)
 
-    async def measure(self) -> int:
-        logged = await self._store.logged_bytes(self.reply_id)
-        if logged is not None:
-            self._logged = logged
-        return self.lag_bytes()
+    async def measure(self) -> Lag:
+        newest = await self._store.newest_write(self.reply_id)
+        if newest.logged is not None:
+            self._logged = newest.logged
+        lag = self.lag_bytes()
+        return Lag(lag, min(lag, newest.latest))
 
 
 class StreamWatch:

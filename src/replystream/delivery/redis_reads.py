@@ -29,8 +29,9 @@ from replystream.delivery.redis_link import (
 from replystream.delivery.redis_rows import (
     META_READ,
     Meta,
+    Newest,
     Offsets,
-    newest_offset,
+    newest_write,
     result_of,
     seq_of,
     text,
@@ -186,12 +187,12 @@ class RemoteReads:
             alive = now is not None and now != beat
         return ReadResult([], result.lost, None, producer_lost=not alive), offsets
 
-    async def logged_bytes(self, reply_id: str) -> int | None:
-        """The size of a reply's log in Redis so far (None: no event logged yet)."""
+    async def newest_write(self, reply_id: str) -> Newest:
+        """The size of a reply's log in Redis so far, and what its latest write added."""
         newest = await self._link.retrying(
             lambda: self.redis.xrevrange(self._keys.key(reply_id), max="+", min="-", count=2)
         )
-        return newest_offset(newest)
+        return newest_write(newest)
 
     async def _read_remote(self, reply_id: str, after: int) -> tuple[ReadResult | None, Offsets]:
         key = self._keys.key(reply_id)
@@ -201,7 +202,7 @@ class RemoteReads:
             # The newest event entry (the terminal entry, if any, comes after it).
             pipe.xrevrange(key, max="+", min="-", count=2)
             rows, fields, newest = await pipe.execute()
-        logged = newest_offset(newest)
+        logged = newest_write(newest).logged
         meta = Meta.of(fields)
         if meta.deleted:
             return None, Offsets(None, None)

@@ -1,8 +1,9 @@
 """A reply log's Redis stream entries and metadata, read back into events and what is lost.
 
 Stream entry ``0-<seq>`` holds one event (field ``e``: its type, empty for a plain message;
-``d``: its data; ``b``: the log's size in bytes up to and including it); the terminal entry
-holds the ending (``end``). An ended reply's metadata keeps its ending and last event's
+``d``: its data; ``b``: the log's size in bytes up to and including it; ``a``, on the last of
+several entries one write added: the log's size before the first of them); the terminal
+entry holds the ending (``end``). An ended reply's metadata keeps its ending and last event's
 number (``end``, ``last``). Every reader of Redis (a read of its own, or its share of the
 shared ``XREAD``) turns entries into a ``ReadResult`` here, so each tells lost events the
 same way: entries that start after the reader's place (trimmed, evicted), or a hole in the
@@ -59,9 +60,22 @@ def text(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def newest_offset(newest: Any) -> int | None:
-    """The log's size from its newest entries (newest first; the terminal one has none)."""
-    return next((int(fields[b"b"]) for _, fields in newest or () if b"b" in fields), None)
+class Newest(NamedTuple):
+    """What a log's newest entries tell of it, in bytes of data."""
+
+    logged: int | None  # its size (None: no event logged yet)
+    latest: int  # what its latest write added (a write of one entry: that entry)
+
+
+def newest_write(newest: Any) -> Newest:
+    """The log's size and its latest write's bytes, from its newest entries (newest first;
+    the terminal one has neither)."""
+    for _, fields in newest or ():
+        if b"b" in fields:
+            logged = int(fields[b"b"])
+            began = int(fields[b"a"]) if b"a" in fields else logged - len(fields[b"d"])
+            return Newest(logged, logged - began)
+    return Newest(None, 0)
 
 
 def result_of(rows: Any, after: int, batch: int) -> tuple[ReadResult, Offsets]:

@@ -61,7 +61,7 @@ from replystream.delivery.redis_keys import DELETED_PARTS, ReplyKeys
 from replystream.delivery.redis_link import FAILOVER_S, RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_reads import RemoteReads
-from replystream.delivery.redis_rows import Offsets
+from replystream.delivery.redis_rows import Newest, Offsets
 from replystream.delivery.redis_writes import DELETE_SCRIPT
 from replystream.delivery.replay import (
     TTL_AFTER_END_S,
@@ -184,8 +184,8 @@ class RedisReplayStore:
     ) -> tuple[ReadResult | None, Offsets]:
         return await self.reads.follow(reply_id, after, wait_s)
 
-    async def logged_bytes(self, reply_id: str) -> int | None:
-        return await self.reads.logged_bytes(reply_id)
+    async def newest_write(self, reply_id: str) -> Newest:
+        return await self.reads.newest_write(reply_id)
 
     async def reading(self, reply_id: str, joined: bool = False) -> None:
         """A reader here has just read reply ``reply_id``, produced elsewhere and not ended

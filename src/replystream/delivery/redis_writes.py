@@ -40,7 +40,8 @@ from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 #   creates: [meta key index, live key index, owner, context]
 #   replies: [stream key index, trim to (0: no trim), indices of keys to expire, ending
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
-#             4 values per entry: seq, type ("": none), data, log size]
+#             4 values per entry: seq, type ("": none), data, log size (the last of several
+#             entries also gets the log's size before the first: ``redis_rows``)]
 # A reply deleted (``DELETE_SCRIPT``) on another replica may be written until its producer
 # hears of it at its next heartbeat; its ending, if it comes first, deletes what was.
 # Returns {count, index, error, index, error, ...}: the writer's count of its calls after this
@@ -74,8 +75,15 @@ local function write(r)
   -- expired) is made again by the first entry, and given its TTL here, so it never
   -- outlives the reply should its producer die before it hears.
   local made = false
+  -- The last of several entries also carries the log's size before the first ('a'), so a
+  -- reader on another replica tells this write's bytes from those before it.
+  local none = {}
+  local began = none
+  if #r > 9 then began = {'a', r[9] - #r[8]} end
   for j = 6, #r, 4 do
     local id = '0-' .. r[j]
+    local tail = none
+    if j == #r - 3 then tail = began end
     local res
     if j == 6 then
       if trim > 0 then
@@ -90,9 +98,10 @@ local function write(r)
       end
     elseif trim > 0 then
       res = redis.pcall('XADD', key, 'MAXLEN', '~', trim, id, 'e', r[j + 1], 'd', r[j + 2],
-        'b', r[j + 3])
+        'b', r[j + 3], unpack(tail))
     else
-      res = redis.pcall('XADD', key, id, 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3])
+      res = redis.pcall('XADD', key, id, 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3],
+        unpack(tail))
     end
     local err = refused(res)
     if err then return err end

@@ -125,6 +125,15 @@ class ReplayStats:
     evictions: int = 0
 
 
+class Lag(NamedTuple):
+    """How far a reader is behind its reply's log, in bytes of data: all of it
+    (``behind``), and of that, what the log's latest write added (``latest``: a producer's
+    one append, as its store wrote it)."""
+
+    behind: int
+    latest: int
+
+
 class LogCursor(Protocol):
     """One reader's place in one reply's log, handed out by the reply's store.
 
@@ -148,9 +157,10 @@ class LogCursor(Protocol):
         produced elsewhere)."""
         ...
 
-    async def measure(self) -> int:
+    async def measure(self) -> Lag:
         """``lag_bytes`` as the store knows it now (a reply produced elsewhere is asked
-        about; one produced here is already known). Raises ``StoreUnavailable``."""
+        about; one produced here is already known), with the part of it the log's latest
+        write added. Raises ``StoreUnavailable``."""
         ...
 
     def close(self) -> None:
@@ -250,6 +260,7 @@ class _Log:
     next_seq: int = 1
     bytes: int = 0  # bytes of the entries kept (``data_bytes``)
     appended: int = 0  # bytes of every entry ever appended (readers measure their lag by it)
+    appended_before: int = 0  # ``appended`` before the latest append
     ending: str | None = None
     expires_at: float | None = None
     # Readers waiting for more: made when the first one waits (thousands of logs are read
@@ -257,6 +268,7 @@ class _Log:
     waiters: list[asyncio.Future[None]] | None = None
 
     def append(self, new: Sequence[LogEntry]) -> None:
+        self.appended_before = self.appended
         for entry in new:
             if entry.seq != self.next_seq:
                 raise ValueError(f"entry {entry.seq} out of order: expected {self.next_seq}")
@@ -489,8 +501,10 @@ class MemoryCursor:
         log = self._log
         return 0 if log is None else log.appended - self._sent_bytes
 
-    async def measure(self) -> int:
-        return self.lag_bytes()
+    async def measure(self) -> Lag:
+        log = self._log
+        lag = self.lag_bytes()
+        return Lag(lag, 0 if log is None else min(lag, log.appended - log.appended_before))
 
     def close(self) -> None:
         """Nothing to tell: the reply's producer here counts its own readers."""
