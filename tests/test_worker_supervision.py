@@ -285,6 +285,17 @@ SWALLOWED = (
     "            except KeyboardInterrupt:\n"
     "                pass\n"
 )
+IGNORED = (  # raised in a weakref callback (as the import machinery's locks have): dropped
+    "            import weakref\n"
+    "            class Held:\n"
+    "                pass\n"
+    "            def dropped(ref):\n"
+    "                os.kill(os.getpid(), signal.SIGINT)\n"
+    "                sum(range(1000))\n"
+    "            held = Held()\n"
+    "            ref = weakref.ref(held, dropped)\n"
+    "            del held\n"
+)
 WRAPPED = (  # Python 3.11 raises a RuntimeError from it; later ones, the interrupt itself
     "            class Named:\n"
     "                def __set_name__(self, owner, name):\n"
@@ -296,8 +307,8 @@ WRAPPED = (  # Python 3.11 raises a RuntimeError from it; later ones, the interr
 
 @pytest.mark.parametrize(
     ("landing", "workers"),
-    [(SWALLOWED, []), (SWALLOWED, ["--workers", "2"]), (WRAPPED, [])],
-    ids=["swallowed", "swallowed-workers", "wrapped"],
+    [(SWALLOWED, []), (SWALLOWED, ["--workers", "2"]), (IGNORED, []), (WRAPPED, [])],
+    ids=["swallowed", "swallowed-workers", "ignored", "wrapped"],
 )
 def test_a_ctrl_c_that_some_code_swallows_while_serve_loads_still_stops_it(
     landing: str, workers: list[str]
@@ -305,8 +316,10 @@ def test_a_ctrl_c_that_some_code_swallows_while_serve_loads_still_stops_it(
     """Code that catches and drops ``KeyboardInterrupt`` (C code clearing any error, a module
     of a library) once made a server started under load serve on after a Ctrl-C; one raised
     while a class was made (a dataclass field's ``__set_name__``) ended it with a RuntimeError
-    and its traceback. The Ctrl-C is made to land in such code here, from a finder, on the
-    import of the app (in the parent, with workers: none is started)."""
+    and its traceback; one raised in a callback whose errors Python drops (a weakref's, as
+    the import machinery's module locks have) printed "Exception ignored" and its traceback.
+    The Ctrl-C is made to land in such code here, from a finder, on the import of the app
+    (in the parent, with workers: none is started)."""
     program = (
         "import os, runpy, signal, sys\n"
         "class Swallow:\n"
