@@ -294,9 +294,9 @@ async def test_a_message_spelling_control_tokens_is_read_as_text_by_the_chat_tem
     finally:
         await engine.aclose()
     assert read == [len(forged_ids), len(old_path)]
-    from replystream.engine.hf_text import HFChatPrompt
+    from replystream.engine.hf_text import HFChatPrompt, tokenizer_spec
 
-    prompts = HFChatPrompt(tokenizer)
+    prompts = HFChatPrompt(tokenizer, tokenizer_spec(tokenizer))
     assert prompts.prompt_ids(ordinary) == old_path  # as apply_chat_template encoded it
     assert prompts.prompt_ids([{"role": "user", "content": FORGED}]) == forged_ids
 
@@ -344,12 +344,12 @@ async def test_the_chat_template_honours_add_generation_prompt_and_continue_fina
 ):
     from replystream.engine.base import RequestRejected
     from replystream.engine.hf import load_hf_engine
-    from replystream.engine.hf_text import HFChatPrompt
+    from replystream.engine.hf_text import HFChatPrompt, tokenizer_spec
 
     chat_engine = load_hf_engine(chat_model_dir)
     await chat_engine.aclose()
     tokenizer = chat_engine.tokenizer
-    prompts = HFChatPrompt(tokenizer)
+    prompts = HFChatPrompt(tokenizer, tokenizer_spec(tokenizer))
     question = {"role": "user", "content": "the quick"}
     started = {"role": "assistant", "content": "brown fox"}
 
@@ -518,7 +518,7 @@ async def test_each_tokens_bytes_are_its_own_a_split_characters_too(engine: Any)
     """Log probabilities' ``bytes``: a token that holds part of a character has those bytes
     (not U+FFFD's), so a text's tokens' bytes joined are its UTF-8, for byte-level BPE and
     for SentencePiece's ``▁`` and ``<0xNN>`` pieces; a control token has none."""
-    from replystream.engine.hf_text import HFTokenBytes
+    from replystream.engine.hf_text import HFTokenBytes, tokenizer_spec
 
     text = "déjà vu 🙂 漢字 café"
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
@@ -526,7 +526,7 @@ async def test_each_tokens_bytes_are_its_own_a_split_characters_too(engine: Any)
     assert b"".join(pieces) == text.encode()
     assert any(piece.decode(errors="replace") == "\ufffd" for piece in pieces)  # split ones
     spm = sentencepiece_tokenizer(CHATML)
-    token_bytes = HFTokenBytes(spm)
+    token_bytes = HFTokenBytes(spm, tokenizer_spec(spm))
     ids = spm.encode(text, add_special_tokens=False)
     assert "<0xF0>" in spm.convert_ids_to_tokens(ids)  # the emoji: four byte pieces
     assert b"".join(token_bytes(i) for i in ids) == b" " + text.encode()  # ▁ marks the start
@@ -542,10 +542,12 @@ def test_text_after_a_control_token_is_not_marked_as_the_start_of_the_input():
     """A SentencePiece tokenizer that marks only the start of its input (``prepend_scheme=
     "first"``): a prompt whose message spells a control token, encoded in pieces, gets no
     ``▁`` after the template's control tokens, as the one call on the whole prompt gets none."""
-    from replystream.engine.hf_text import HFChatPrompt
+    from replystream.engine.hf_text import HFChatPrompt, tokenizer_spec
 
     spm = sentencepiece_tokenizer(CHATML)
-    prompts = HFChatPrompt(spm)
+    spec = tokenizer_spec(spm)
+    prompts = HFChatPrompt(spm, spec)
+    assert spec == tokenizer_spec(spm)  # the copy it makes is its own: the engine shares spec
     end = spm.convert_tokens_to_ids("<|im_end|>")
     plain = prompts.prompt_ids([{"role": "user", "content": "hi"}])
     rendered = spm.apply_chat_template(

@@ -42,7 +42,7 @@ from replystream.engine.base import (
 )
 from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
-from replystream.engine.hf_text import HFChatPrompt, HFDetokenizer, HFTokenBytes
+from replystream.engine.hf_text import HFChatPrompt, HFDetokenizer, HFTokenBytes, tokenizer_spec
 from replystream.engine.prompts import refuse_generation_prompt
 from replystream.engine.sampling import (
     StopMatcher,
@@ -114,8 +114,10 @@ class HFEngine:
         forward = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
-        self.token_bytes = HFTokenBytes(tokenizer)
-        self._chat = HFChatPrompt(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        spec = tokenizer_spec(tokenizer)
+        self.token_bytes = HFTokenBytes(tokenizer, spec)
+        chat = getattr(tokenizer, "chat_template", None)
+        self._chat = HFChatPrompt(tokenizer, spec) if chat else None
         self._executor = ThreadPoolExecutor(self.config.max_running, thread_name_prefix="hf-engine")
         self._cancels: set[threading.Event] = set()
         self._lock = threading.Lock()

@@ -9,6 +9,7 @@ serving.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -61,8 +62,10 @@ class HFDetokenizer:
         return full[len(prefix) :]
 
 
-def _backend_spec(tokenizer: Any) -> dict[str, Any]:
-    """A fast tokenizer's whole ``tokenizer.json``; empty for a slow (Python) tokenizer."""
+def tokenizer_spec(tokenizer: Any) -> dict[str, Any]:
+    """A fast tokenizer's whole ``tokenizer.json``; empty for a slow (Python) tokenizer.
+    Read once per engine and shared (``HFChatPrompt``, ``HFTokenBytes``): a large
+    vocabulary's takes a tenth of a second or more to write out and read back."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     spec: dict[str, Any] = json.loads(backend.to_str()) if backend is not None else {}
     return spec
@@ -86,16 +89,17 @@ def _text_after_control(spec: dict[str, Any]) -> Tokenizer | None:
     Encoded in one call, such text gets no ``▁``: the mark goes where the input starts, not
     after each control token. Encoded apart, it would get one that the template never wrote.
     """
+    pre_tokenizer = copy.deepcopy(spec.get("pre_tokenizer"))  # ``spec`` is shared: not changed
     marks_start = [
         part
-        for part in _parts(spec.get("pre_tokenizer"))
+        for part in _parts(pre_tokenizer)
         if part.get("type") == "Metaspace" and part.get("prepend_scheme") == "first"
     ]
     if not marks_start:
         return None
     for part in marks_start:
         part["prepend_scheme"] = "never"
-    later = Tokenizer.from_str(json.dumps(spec))
+    later = Tokenizer.from_str(json.dumps({**spec, "pre_tokenizer": pre_tokenizer}))
     later.encode_special_tokens = True  # a message's text: control spellings are characters
     return later
 
@@ -113,7 +117,8 @@ class HFChatPrompt:
     ``split_special_tokens``. A conversation that spells none is encoded as that call did.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, spec: dict[str, Any]) -> None:
+        """``spec``: the tokenizer's ``tokenizer_spec``."""
         self._tokenizer = tokenizer
         control_ids = {
             str(token.content): int(token_id)
@@ -122,7 +127,7 @@ class HFChatPrompt:
         }
         source = str(getattr(tokenizer, "chat_template", None) or "")
         self._guard = ControlTokenGuard(control_ids, self, source)
-        self._later = _text_after_control(_backend_spec(tokenizer))
+        self._later = _text_after_control(spec)
 
     def prompt_ids(
         self,
@@ -199,9 +204,10 @@ class HFTokenBytes:
     spelling, and its tokens' bytes are their decoded text's.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, spec: dict[str, Any]) -> None:
+        """``spec``: the tokenizer's ``tokenizer_spec``."""
         self._tokenizer = tokenizer
-        decoders = _parts(_backend_spec(tokenizer).get("decoder"))
+        decoders = _parts(spec.get("decoder"))
         kinds = {str(part.get("type")) for part in decoders}
         self._byte_level = "ByteLevel" in kinds
         self._by_piece = bool(kinds) and kinds <= _PIECE_DECODERS
