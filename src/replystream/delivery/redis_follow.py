@@ -18,7 +18,6 @@ follow from what its reads returned. This file knows stream keys and entry ids
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -27,6 +26,7 @@ from redis.exceptions import RedisError
 from replystream.delivery.redis_connect import RedisClient
 from replystream.delivery.redis_rows import Newest, Offsets
 from replystream.delivery.replay import Lag, ReadResult
+from replystream.delivery.task_stop import stop_task
 
 BLOCK_MS = 50
 Rows = list[tuple[bytes, dict[bytes, bytes]]]  # (entry id, fields), as XRANGE answers
@@ -195,9 +195,7 @@ class StreamWatch:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await stop_task(self._task)
             self._task = None
 
 

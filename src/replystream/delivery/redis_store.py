@@ -73,6 +73,7 @@ from replystream.delivery.replay import (
     ReplayStats,
     ReplyInfo,
 )
+from replystream.delivery.task_stop import stop_task
 
 
 class RedisReplayStore:
@@ -263,10 +264,7 @@ class RedisReplayStore:
             async with asyncio.timeout(2.0):
                 await self.writer.flush()
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await stop_task(task)
         self._tasks = []
         await self.reads.aclose()
         await self._local.aclose()

@@ -1,0 +1,28 @@
+"""Stopping a background task for good, even when a library loses the cancel.
+
+On Python 3.11, ``asyncio.wait_for`` returns the awaited result when it completes in the
+same turn as a cancel, and the cancel is lost (fixed in 3.12). redis-py sends every
+command through ``wait_for``: a task cancelled while a command's reply arrives goes on
+running, in the "cancelling" state, and one cancel never ends it. Closing code that awaits
+such a task after one ``cancel()`` can wait forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+# How long a cancelled task is given to end before it is cancelled again: a lost cancel
+# costs at most this much.
+RECANCEL_S = 0.05
+
+
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` until it has ended, and wait for that; its outcome is dropped."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECANCEL_S)
+    if not task.cancelled():
+        with contextlib.suppress(Exception):
+            task.result()
