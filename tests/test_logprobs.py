@@ -128,13 +128,14 @@ async def test_chat_logprobs_streamed_equal_the_whole_ones_token_for_token():
 
 async def test_legacy_completion_logprobs_have_openais_shape_streamed_and_whole():
     ask: dict[str, Any] = {"model": "simulated", "prompt": "x", "max_tokens": 4, "logprobs": 2}
+    # text_offset: places in the prompt and the completion, the first after the prompt.
     engine = fast_engine(reply_text="alpha beta gamma delta")
     async with running(create_app(engine)) as url, sdk(url) as client:
         whole = await client.completions.create(**ask)
         chunks = [c async for c in await client.completions.create(**ask, stream=True)]
     lp = whole.choices[0].logprobs
     assert lp is not None and lp.tokens == ["alpha ", "beta ", "gamma ", "delta "]
-    assert lp.text_offset == [0, 6, 11, 17]
+    assert lp.text_offset == [1, 7, 12, 18]
     assert lp.top_logprobs is not None and all(len(top) == 2 for top in lp.top_logprobs)
     tokens: list[str] = []
     offsets: list[int] = []
@@ -283,7 +284,7 @@ async def test_legacy_logprobs_name_each_partial_character_token_by_its_bytes():
         {"bytes:\\x99": -1.0, "bytes:\\x9c": -2.0},
         {"ok": -1.0, "bytes:\\xe2": -2.0},
     ]
-    assert lp.text_offset == [0, 0, 1]
+    assert lp.text_offset == [1, 1, 2]  # after the prompt's one character
     streamed: dict[str, list[Any]] = {"tokens": [], "top_logprobs": [], "text_offset": []}
     for chunk in chunks:
         piece = chunk.choices[0].logprobs
@@ -320,7 +321,8 @@ async def test_streamed_legacy_text_offsets_are_places_in_the_text_after_a_held_
             offsets += choice.logprobs.text_offset or []
     assert "thr" in texts and "ee four " in texts  # the tail was held mid-token
     assert text == whole.choices[0].text == "one two three four five six "
-    assert [text[at : at + len(token)] for token, at in zip(tokens, offsets, strict=True)] == [
+    shown = "x" + text  # the prompt and the completion, as OpenAI's offsets count
+    assert [shown[at : at + len(token)] for token, at in zip(tokens, offsets, strict=True)] == [
         "one ",
         "two ",
         "three ",
@@ -329,4 +331,42 @@ async def test_streamed_legacy_text_offsets_are_places_in_the_text_after_a_held_
         "six ",
     ]
     assert whole.choices[0].logprobs is not None
-    assert offsets == whole.choices[0].logprobs.text_offset == [0, 4, 8, 14, 19, 24]
+    assert offsets == whole.choices[0].logprobs.text_offset == [1, 5, 9, 15, 20, 25]
+
+
+async def test_legacy_text_offsets_count_from_the_prompts_start_for_every_choice():
+    # OpenAI's text_offset are places in the prompt and the completion together, the prompt
+    # not echoed: a 9-character prompt's first completion token is at 9. Each of the two
+    # choices counts from its prompt, not from the other's text, streamed and whole.
+    ask: dict[str, Any] = {
+        "model": "simulated",
+        "prompt": "Count up:",
+        "max_tokens": 3,
+        "logprobs": 1,
+        "n": 2,
+        "extra_body": {"batch_tokens": 1, "holdback_tokens": 0},
+    }
+    engine = fast_engine(reply_text="one two three")
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.completions.create(**ask)
+        chunks = [c async for c in await client.completions.create(**ask, stream=True)]
+    streamed: dict[int, tuple[str, list[str], list[int]]] = {0: ("", [], []), 1: ("", [], [])}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            text, tokens, offsets = streamed[choice.index]
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens or []
+                offsets += choice.logprobs.text_offset or []
+            streamed[choice.index] = (text + choice.text, tokens, offsets)
+    for choice in whole.choices:
+        assert choice.logprobs is not None
+        text, tokens, offsets = streamed[choice.index]
+        assert (text, tokens, offsets) == (
+            choice.text,
+            choice.logprobs.tokens,
+            choice.logprobs.text_offset,
+        )
+        assert tokens == ["one ", "two ", "three "] and offsets == [9, 13, 17]
+        shown = ask["prompt"] + text
+        places = zip(tokens, offsets, strict=True)
+        assert [shown[at : at + len(token)] for token, at in places] == tokens

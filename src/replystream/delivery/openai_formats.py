@@ -30,7 +30,9 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
 - Log probabilities, when asked, are in each text chunk's choice in OpenAI's shapes: chat
   ``logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}], "refusal": null}``; legacy ``logprobs: {tokens, token_logprobs, top_logprobs:
-  [{token: logprob}], text_offset}``; exactly the tokens of that chunk's text.
+  [{token: logprob}], text_offset}``; exactly the tokens of that chunk's text. A legacy
+  ``text_offset`` is a place in the prompt and the completion together, as OpenAI's are:
+  the first token's is the prompt's length in characters (``text_offset_from``).
 - A reply with several choices (``n > 1``) has one format per choice (``index``,
   ``one_of_many``): each sends its own role chunk, text chunks and finish chunk with its
   ``index``; the usage chunk (summed) and ``[DONE]`` come once, after every choice finished
@@ -126,8 +128,10 @@ def legacy_token(token: TopLogprob | TokenLogprob) -> str:
 
 
 class TextOffsets:
-    """Where each token of one legacy completion begins in its text (``text_offset``): the
-    characters of the tokens before it, decoded from their bytes as one stream. Counted
+    """Where each token of one legacy completion begins (``text_offset``): the characters
+    before the completion (``start``: its prompt's, as OpenAI counts from the prompt's start
+    whether or not it is echoed) and those of the tokens before it, decoded from their bytes
+    as one stream. Counted
     from the tokens, not from the text of the chunks that carry them: a chunk may carry a
     token whose text is only partly out (the rest held back, as a stop string's possible
     start, and sent with a later token). The tokens of one character (a byte each, read as
@@ -135,9 +139,9 @@ class TextOffsets:
 
     __slots__ = ("_chars", "_decoder")
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
         self._decoder = _utf8_decoder(errors="replace")
-        self._chars = 0
+        self._chars = start
 
     def place(self, token: TokenLogprob) -> int:
         """Where ``token``, the one after those placed so far, begins."""
@@ -199,10 +203,14 @@ class OpenAIStreamFormat:
     include_usage: bool = False
     index: int = 0  # the choice this format's chunks carry
     one_of_many: bool = False  # the reply's ending is sent once, for all its choices
+    text_offset_from: int = 0  # a legacy completion's prompt, in characters (``TextOffsets``)
     reply_id: str = field(default="", init=False)
-    _offsets: TextOffsets = field(default_factory=TextOffsets, init=False)  # legacy text_offset
+    _offsets: TextOffsets = field(init=False)  # legacy text_offset
     # A text chunk's JSON before and after its text (see ``text``), made on first use.
     _text_parts: tuple[str, str] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._offsets = TextOffsets(self.text_offset_from)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> Spec:
         payload: dict[str, Any] = {
@@ -311,10 +319,12 @@ def completion_choice(
     logprobs: tuple[TokenLogprob, ...] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
     reasoning: str = "",
+    text_offset_from: int = 0,
 ) -> dict[str, Any]:
     """One choice of a whole ``chat.completion`` or ``text_completion`` (``logprobs``: those
     of its tokens, when the request asked; ``tool_calls``: the calls it made, and
-    ``reasoning``: the thinking relayed, chat only)."""
+    ``reasoning``: the thinking relayed, chat only; ``text_offset_from``: a legacy
+    completion's prompt, in characters, where its ``text_offset`` begin)."""
     choice: dict[str, Any]
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
@@ -327,9 +337,10 @@ def completion_choice(
     else:
         choice = {"index": index, "text": text, "logprobs": None}
     if logprobs is not None:
-        made = logprobs
         choice["logprobs"] = (
-            chat_logprobs(made) if kind == "chat" else completion_logprobs(made, TextOffsets())
+            chat_logprobs(logprobs)
+            if kind == "chat"
+            else completion_logprobs(logprobs, TextOffsets(text_offset_from))
         )
     choice["finish_reason"] = _finish_reason(kind, finish_reason)
     return choice
@@ -349,11 +360,17 @@ def completion_body(
     choices: list[dict[str, Any]] | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
     reasoning: str = "",
+    text_offset_from: int = 0,
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` or ``text_completion`` object: one choice of ``text`` (and
-    ``tool_calls``, ``reasoning``), or ``choices`` made by ``completion_choice``."""
+    ``tool_calls``, ``reasoning``, ``text_offset_from``), or ``choices`` made by
+    ``completion_choice``."""
     if choices is None:
-        choices = [completion_choice(kind, 0, text, finish_reason, logprobs, tool_calls, reasoning)]
+        choices = [
+            completion_choice(
+                kind, 0, text, finish_reason, logprobs, tool_calls, reasoning, text_offset_from
+            )
+        ]
     body: dict[str, Any] = {
         "id": completion_id(kind, reply_id),
         "object": _BODY_OBJECT[kind],

@@ -152,6 +152,7 @@ async def _buffered(
             logprobs=whole.logprobs,
             tool_calls=whole.tool_calls,
             reasoning=whole.reasoning,
+            text_offset_from=ask.text_offset_from,
         )
 
     def moderated(whole: Whole, violation: Violation) -> dict[str, Any]:
@@ -167,6 +168,7 @@ async def _buffered(
             logprobs=whole.logprobs,
             tool_calls=whole.tool_calls,
             reasoning=whole.reasoning,
+            text_offset_from=ask.text_offset_from,
         )
 
     def several(wholes: list[Whole]) -> dict[str, Any]:
@@ -175,7 +177,14 @@ async def _buffered(
             finish = whole.finish_reason if whole.violation is None else MODERATED_FINISH
             logprobs, calls = whole.logprobs, whole.tool_calls
             choice = completion_choice(
-                kind, index, whole.text, finish, logprobs, calls, whole.reasoning
+                kind,
+                index,
+                whole.text,
+                finish,
+                logprobs,
+                calls,
+                whole.reasoning,
+                ask.text_offset_from,
             )
             if whole.violation is not None:
                 choice[MODERATION_FIELD] = moderated_payload(whole.violation)
@@ -212,12 +221,21 @@ async def _complete(
         if not ask.stream:
             return await _buffered(request, kind, ask, model, created)
         policy = ask.policy
+        offset = ask.text_offset_from  # every choice's text_offset counts from the prompt
         fmt: OpenAIStreamFormat | Choices = OpenAIStreamFormat(
-            kind, model, created, ask.include_usage
+            kind, model, created, ask.include_usage, text_offset_from=offset
         )
         if ask.n > 1:  # one format per choice; the usage chunk and [DONE] once, at the end
             formats = [
-                OpenAIStreamFormat(kind, model, created, ask.include_usage, i, one_of_many=True)
+                OpenAIStreamFormat(
+                    kind,
+                    model,
+                    created,
+                    ask.include_usage,
+                    i,
+                    one_of_many=True,
+                    text_offset_from=offset,
+                )
                 for i in range(ask.n)
             ]
             fmt = Choices(formats, formats[0].reply_end)

@@ -42,6 +42,8 @@ class CompletionAsk:
     # The fields an engine's refusal names (``prompt``, ``max_tokens``) as this request's
     # client sent them (chat's ``messages``, ``max_completion_tokens``).
     fields: Mapping[str, str] = field(default_factory=dict)
+    # Where a legacy completion's ``text_offset`` begin: after its prompt's characters.
+    text_offset_from: int = 0
 
 
 def model_not_found(model: object) -> HTTPAPIError:
@@ -61,12 +63,15 @@ def _ask(
     policy: DeliveryPolicy,
     max_prompt_chars: int,
     fields: Mapping[str, str],
+    text_offset_from: int = 0,
 ) -> CompletionAsk:
     check_prompt_size(generation.prompt, max_prompt_chars, param)
     stream = bool(body.stream)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     n = 1 if body.n is None else body.n
-    return CompletionAsk(generation, stream, include_usage, policy, body.resumable, n, fields)
+    return CompletionAsk(
+        generation, stream, include_usage, policy, body.resumable, n, fields, text_offset_from
+    )
 
 
 def parse_chat_request(
@@ -129,4 +134,5 @@ def parse_completion_request(
         policy=delivery_overrides(body, defaults),  # a legacy completion shows no thinking
         max_prompt_chars=max_prompt_chars,
         fields={"top_logprobs": "logprobs"},  # its count of alternatives
+        text_offset_from=len(body.prompt),
     )
