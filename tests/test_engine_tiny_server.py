@@ -106,3 +106,72 @@ async def test_a_refusal_names_the_field_the_openai_client_sent_as_openai_codes_
                 assert error["type"] == "invalid_request_error"
                 assert "max_tokens" not in error["message"]  # the message names no field
     assert engine.stats().started == 0
+
+
+async def test_a_refusal_names_the_field_the_responses_or_messages_client_sent():
+    # The same refusals as on chat, to clients that sent the prompt as Responses' ``input``
+    # and the limit as ``max_output_tokens``, or as Anthropic's ``messages``, ``max_tokens``.
+    engine = load_default_engine(TinyEngineConfig(num_blocks=4, block_size=16))
+    long, short = "amen " * 40, "And the LORD said"
+    responses, messages = "/v1/responses", "/v1/messages"
+    said = {"model": "tiny", "max_tokens": 5}
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        (responses, {"input": long}, "input"),
+        (responses, {"input": short, "max_output_tokens": 100}, "max_output_tokens"),
+        (messages, {**said, "messages": [{"role": "user", "content": long}]}, "messages"),
+        (
+            messages,
+            {**said, "messages": [{"role": "user", "content": short}], "max_tokens": 100},
+            "max_tokens",
+        ),
+    ]
+    # A Responses request is answered stored or not, streamed, whole or in the background.
+    ways = [{"stream": s} for s in (False, True)]
+    stored = [{"store": False}, {"store": True}, {"background": True}]
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        for path, body, param in cases:
+            for way in [{**w, **s} for w in ways for s in stored] if path == responses else ways:
+                async with http.post(f"{url}{path}", json={**body, **way}) as response:
+                    assert response.status == 400, (path, way)
+                    answer = await response.json()
+                if path == messages:  # Anthropic's shape: the type beside the error
+                    assert answer["type"] == "error"
+                error = answer["error"]
+                assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+                assert error["type"] == "invalid_request_error"
+
+
+# A template that refuses one message, and shows only the user's turns (so an assistant's
+# final message, to be continued, does not appear in what it makes).
+REFUSING_TEMPLATE = (
+    "{% for message in messages %}{% if message['content'] == 'refuse me' %}"
+    "{{ raise_exception('this template refuses that message') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ message['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+async def test_a_chat_templates_refusal_names_the_field_each_api_takes_the_messages_in():
+    default = load_default_engine()
+    prompts = ChatPrompt(default.tokenizer, ChatTemplate(REFUSING_TEMPLATE), 0)
+    engine = TinyEngine(default.model, default.tokenizer, TinyEngineConfig(), prompts=prompts)
+    refused = [{"role": "user", "content": "refuse me"}]
+    prefill = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": "I"}]
+    anthropic = {"model": "tiny", "max_tokens": 4}
+    cases: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/responses", {"input": "refuse me", "stream": False}, "input"),
+        ("/v1/responses", {"input": "refuse me", "stream": True}, "input"),
+        ("/v1/responses/input_tokens", {"input": "refuse me"}, "input"),
+        ("/v1/messages", {**anthropic, "messages": refused}, "messages"),
+        # The prefill the template does not show cannot be continued: the client sent it
+        # as its messages' last.
+        ("/v1/messages", {**anthropic, "messages": prefill, "stream": False}, "messages"),
+        ("/v1/messages", {**anthropic, "messages": prefill, "stream": True}, "messages"),
+        ("/v1/messages/count_tokens", {"model": "tiny", "messages": prefill}, "messages"),
+    ]
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        for path, body, param in cases:
+            async with http.post(f"{url}{path}", json=body) as response:
+                assert response.status == 400, (path, body)
+                error = (await response.json())["error"]
+            assert (error["param"], error["type"]) == (param, "invalid_request_error"), path

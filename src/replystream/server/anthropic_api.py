@@ -61,8 +61,14 @@ from replystream.server.tool_requests import (
 )
 from replystream.server.validation import read_model
 
-# An engine's refusal names chat's field; a Messages client disables parallel calls here.
-_FIELDS = {"parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+# An engine's refusal names a ``GenerationRequest``'s fields: a Messages client sent the
+# prompt as ``messages`` (whose final assistant message, a prefill, is what is continued),
+# and disables parallel calls in its ``tool_choice`` (``max_tokens``: as named).
+_FIELDS = {
+    "prompt": "messages",
+    "continue_final_message": "messages",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+}
 
 
 def _sampling(body: MessagesBody) -> SamplingFields:
@@ -146,7 +152,9 @@ async def handle_count_tokens(request: web.Request) -> web.StreamResponse:
     (its ``message_start``'s ``usage.input_tokens``), as Anthropic's ``{"input_tokens"}``."""
     body = await read_model(request, MessagesInput)
     generation = _conversation(request.app, body)
-    return web.json_response({"input_tokens": count_prompt(request, generation)})
+    with refusals_naming(_FIELDS):
+        counted = count_prompt(request, generation)
+    return web.json_response({"input_tokens": counted})
 
 
 async def _whole(

@@ -57,6 +57,7 @@ from replystream.server.context import (
     CONFIG_KEY,
     buffered,
     follow_started,
+    refusals_naming,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
@@ -67,7 +68,7 @@ from replystream.server.native import (
 from replystream.server.openai_api import SDK_KEEPALIVE, served_model
 from replystream.server.query_schemas import RetrieveQuery
 from replystream.server.replies import Reply
-from replystream.server.responses_prompt import response_prompt
+from replystream.server.responses_prompt import ENGINE_FIELDS, response_prompt
 from replystream.server.responses_schemas import (
     ResponsesBody,
     ResponsesReasoning,
@@ -142,33 +143,34 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         verbosity=None if body.text is None else body.text.verbosity,
         top_logprobs=body.top_logprobs or 0,
     )
-    if not body.store:  # nothing to keep: a plain reply, or one body collected whole
-        if not body.stream:
-            return await _whole(request, generation, settings, policy)
+    with refusals_naming(ENGINE_FIELDS):  # an engine's refusal, in this API's words
+        if not body.store:  # nothing to keep: a plain reply, or one body collected whole
+            if not body.stream:
+                return await _whole(request, generation, settings, policy)
+            reply = await start_reply(
+                request,
+                generation,
+                endpoint="/v1/responses",
+                fmt=ResponsesStreamFormat(settings),
+                policy=policy,
+                resumable=False,
+            )
+            return _follow(request, reply, policy, settings)
+        answered_whole = not body.stream and not body.background
+        if answered_whole and policy.checks:
+            # One body, as an unstored one is: the whole text checked before any of it is kept
+            # (a window would keep the start of a blocked phrase in the stored response).
+            policy = policy.with_overrides(holdback_tokens=WHOLE_REPLY)
         reply = await start_reply(
             request,
             generation,
             endpoint="/v1/responses",
             fmt=ResponsesStreamFormat(settings),
             policy=policy,
-            resumable=False,
+            resumable=True,
+            disconnect="keep" if body.background else "cancel",
+            context=kept_conversation(made.conversation, body.input),
         )
-        return _follow(request, reply, policy, settings)
-    answered_whole = not body.stream and not body.background
-    if answered_whole and policy.checks:
-        # One body, as an unstored one is: the whole text checked before any of it is kept
-        # (a window would keep the start of a blocked phrase in the stored response).
-        policy = policy.with_overrides(holdback_tokens=WHOLE_REPLY)
-    reply = await start_reply(
-        request,
-        generation,
-        endpoint="/v1/responses",
-        fmt=ResponsesStreamFormat(settings),
-        policy=policy,
-        resumable=True,
-        disconnect="keep" if body.background else "cancel",
-        context=kept_conversation(made.conversation, body.input),
-    )
     if body.stream:
         return _follow(request, reply, policy, settings)
     if body.background:

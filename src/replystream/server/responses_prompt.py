@@ -35,6 +35,10 @@ from replystream.server.tool_requests import (
 )
 
 Messages = list[dict[str, Any]]
+# An engine's refusal names a ``GenerationRequest``'s fields: a Responses client sent the
+# prompt (and the messages a chat template refuses) as ``input``, the limit as
+# ``max_output_tokens`` (``top_logprobs``, ``tool_choice``, ``parallel_tool_calls``: as named).
+ENGINE_FIELDS = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens"}
 
 
 def input_messages(body: ResponsesPrompt) -> tuple[Messages, list[Origin]]:
