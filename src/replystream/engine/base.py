@@ -49,9 +49,13 @@ class RequestRejected(EngineError):
         code: str = "invalid_request",
         param: str | None = None,
         retry_after_s: float | None = None,
+        names_upstream_field: bool = False,
     ):
         super().__init__(message, code=code, retry_after_s=retry_after_s)
         self.param = param
+        # ``param`` names a field of the chat request a relay sent its upstream (the
+        # upstream's words), not of the ``GenerationRequest``.
+        self.names_upstream_field = names_upstream_field
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ This file names those errors, ``UpstreamUnavailable`` (502: no upstream answered
 one should) and ``UpstreamTimeout`` (504: no response head within the head timeout), which
 the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
 status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
-(400) carrying the upstream's message; a 404 says the upstream does not serve the model
+(400) carrying the upstream's message and the field it names (of the chat request it was
+sent: ``names_upstream_field``); a 404 says the upstream does not serve the model
 (``UpstreamModelNotFound``, 404: about that model there, not the upstream's health); 429 and
 503 stay overload (``UpstreamOverloaded``, 503) with the wait the upstream asked for
 (``Retry-After``, at most a cool-down), which its
@@ -147,7 +148,9 @@ async def refusal(
     where = f"the upstream at {backend} answered {status}"
     said = f"{where}: {message}" if message else where
     if status in (400, 413, 422):
-        return RequestRejected(said, code=code or "upstream_rejected", param=param)
+        return RequestRejected(
+            said, code=code or "upstream_rejected", param=param, names_upstream_field=True
+        )
     if status == 404:
         # Its ``/models`` answered (the probe says so otherwise): the path is right, so the
         # model named is what it lacks. Counted on its circuit, one bad name would take it

@@ -41,7 +41,6 @@ from replystream.server.context import (
     buffered,
     count_prompt,
     follow_started,
-    refusals_naming,
     start_reply,
 )
 from replystream.server.native import (
@@ -50,6 +49,7 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.openai_api import routed_model, served_model
+from replystream.server.refusal_names import FieldNames, refusals_naming
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import (
     Origin,
@@ -61,14 +61,25 @@ from replystream.server.tool_requests import (
 )
 from replystream.server.validation import read_model
 
-# An engine's refusal names a ``GenerationRequest``'s fields: a Messages client sent the
-# prompt as ``messages`` (whose final assistant message, a prefill, is what is continued),
-# and disables parallel calls in its ``tool_choice`` (``max_tokens``: as named).
-_FIELDS = {
-    "prompt": "messages",
+# A Messages client sent the prompt as ``messages`` (whose final assistant message, a
+# prefill, is what is continued), disables parallel calls in its ``tool_choice``, and has no
+# seed but ``replystream``'s. Its ``top_k`` and ``stop_sequences`` may be ``replystream``'s
+# instead: an upstream naming either is left out.
+_OURS = {
     "continue_final_message": "messages",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
 }
+_AS_SENT = ("messages", "max_tokens", "temperature", "top_p", "tools", "tool_choice")
+_FIELDS = FieldNames(
+    {"prompt": "messages", **_OURS},
+    {
+        **{name: name for name in _AS_SENT},
+        **_OURS,
+        "add_generation_prompt": "messages",  # sent (false) with a prefill to continue
+        "max_completion_tokens": "max_tokens",
+        "seed": "replystream.seed",
+    },
+)
 
 
 def _sampling(body: MessagesBody) -> SamplingFields:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -55,6 +54,7 @@ from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, REQUEST_ID, GuardConfig
 from replystream.server.metrics import Metrics, ReplyRecord
+from replystream.server.refusal_names import refused
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
 from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransport
 from replystream.server.trace_context import trace_context
@@ -152,7 +152,7 @@ def count_prompt(request: web.Request, generation: GenerationRequest) -> int:
         _refuse_unmakeable_call(engine, generation)
         counted = engine.count_prompt(_for_engine(request, generation))
     except RequestRejected as exc:
-        raise HTTPAPIError(exc.status, str(exc), code=exc.code, param=exc.param) from exc
+        raise refused(exc) from exc
     if counted is None:
         raise HTTPAPIError(
             400,
@@ -215,9 +215,7 @@ async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitab
         app[METRICS_KEY].observe(record)
         wait = exc.retry_after_s  # the engine knows when it may take a request: say so
         if isinstance(exc, RequestRejected):  # a 400, or the 401/403/429 of a key passed on
-            raise HTTPAPIError(
-                exc.status, str(exc), code=exc.code, param=exc.param, retry_after_s=wait
-            ) from exc
+            raise refused(exc) from exc
         log.warning("generation failed before the first token: %s", exc)
         raise HTTPAPIError(exc.status, str(exc), code=exc.code, retry_after_s=wait) from exc
     except asyncio.CancelledError:  # the client left while the request waited (a queue)
@@ -225,20 +223,6 @@ async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitab
         raise
     record.admitted_at = time.monotonic()
     return started
-
-
-@contextmanager
-def refusals_naming(fields: Mapping[str, str]) -> Iterator[None]:
-    """Refusals raised inside name the fields as the route's client sent them: an engine
-    names a ``GenerationRequest``'s (``prompt``, ``max_tokens``), which a route may take
-    under its own names (``fields``: the engine's name to the route's, such as chat's
-    ``messages``)."""
-    try:
-        yield
-    except HTTPAPIError as refused:
-        if refused.param is not None:
-            refused.param = fields.get(refused.param, refused.param)
-        raise
 
 
 def _gone_before_reply(app: web.Application, record: ReplyRecord) -> None:

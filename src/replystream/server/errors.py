@@ -142,12 +142,15 @@ class HTTPAPIError(Exception):
         param: str | None = None,
         close_connection: bool = False,
         retry_after_s: float | None = None,
+        names_upstream_field: bool = False,
     ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        # A relay's refusal: ``param`` is in its upstream's words (``server.refusal_names``).
+        self.names_upstream_field = names_upstream_field
         self.close_connection = close_connection  # the request's end on the wire is unknown
         self.retry_after_s = retry_after_s  # seconds until the client may try again
 

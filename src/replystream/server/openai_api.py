@@ -41,7 +41,6 @@ from replystream.server.context import (
     Choices,
     buffered,
     follow_started,
-    refusals_naming,
     start_reply,
 )
 from replystream.server.errors import speaks_anthropic
@@ -53,6 +52,7 @@ from replystream.server.openai_requests import (
 )
 from replystream.server.openai_schemas import ChatBody, CompletionBody
 from replystream.server.query_schemas import AnthropicModelsQuery
+from replystream.server.refusal_names import refusals_naming
 from replystream.server.validation import parse_mapping, read_model
 
 # A comment line without the blank line after it: the OpenAI Python SDK turns a blank line

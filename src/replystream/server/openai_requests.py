@@ -11,7 +11,6 @@ about HTTP handlers, engines or wire formats.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from replystream.delivery.policy import DeliveryPolicy
@@ -24,9 +23,32 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.openai_schemas import ChatBody, CompletionBody, OpenAIBody
+from replystream.server.refusal_names import FieldNames
 from replystream.server.tool_requests import chat_tools, prompt_of
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A legacy client sent the count of alternatives as ``logprobs``; an upstream was sent its
+# prompt as chat's one message, and these fields under the names the client gave them.
+_LEGACY_AS_SENT = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+)
+_LEGACY_FIELDS = FieldNames(
+    {"top_logprobs": "logprobs"},
+    {
+        **{name: name for name in _LEGACY_AS_SENT},
+        "messages": "prompt",
+        "max_completion_tokens": "max_tokens",
+        "top_logprobs": "logprobs",
+    },
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +61,9 @@ class CompletionAsk:
     policy: DeliveryPolicy
     resumable: bool | None  # None: the server's default
     n: int = 1  # choices, each its own generation
-    # The fields an engine's refusal names (``prompt``, ``max_tokens``) as this request's
-    # client sent them (chat's ``messages``, ``max_completion_tokens``).
-    fields: Mapping[str, str] = field(default_factory=dict)
+    # The fields a refusal names (an engine's ``prompt``, ``max_tokens``; an upstream's chat
+    # fields) as this request's client sent them (chat's ``messages``, a legacy ``prompt``).
+    fields: FieldNames = field(default_factory=FieldNames)
     # Where a legacy completion's ``text_offset`` begin: after its prompt's characters.
     text_offset_from: int = 0
 
@@ -62,7 +84,7 @@ def _ask(
     *,
     policy: DeliveryPolicy,
     max_prompt_chars: int,
-    fields: Mapping[str, str],
+    fields: FieldNames,
     text_offset_from: int = 0,
 ) -> CompletionAsk:
     check_prompt_size(generation.prompt, max_prompt_chars, param)
@@ -102,15 +124,17 @@ def parse_chat_request(
         reasoning_effort=body.reasoning_effort,
         reasoning=policy.shows_thinking,
     )
-    # The token limit under the name the client gave it (either, given both: they agree).
+    # The token limit under the name the client gave it (either, given both: they agree),
+    # whichever an engine or an upstream names.
     limit_name = "max_tokens" if limit is None else "max_completion_tokens"
+    limits = {"max_tokens": limit_name, "max_completion_tokens": limit_name}
     return _ask(
         body,
         generation,
         "messages",
         policy=policy,
         max_prompt_chars=max_prompt_chars,
-        fields={"prompt": "messages", "max_tokens": limit_name},
+        fields=FieldNames({"prompt": "messages", **limits}),  # an upstream's: chat's, too
     )
 
 
@@ -133,6 +157,6 @@ def parse_completion_request(
         "prompt",
         policy=delivery_overrides(body, defaults),  # a legacy completion shows no thinking
         max_prompt_chars=max_prompt_chars,
-        fields={"top_logprobs": "logprobs"},  # its count of alternatives
+        fields=_LEGACY_FIELDS,
         text_offset_from=len(body.prompt),
     )

@@ -57,7 +57,6 @@ from replystream.server.context import (
     CONFIG_KEY,
     buffered,
     follow_started,
-    refusals_naming,
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
@@ -67,8 +66,9 @@ from replystream.server.native import (
 )
 from replystream.server.openai_api import SDK_KEEPALIVE, served_model
 from replystream.server.query_schemas import RetrieveQuery
+from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import Reply
-from replystream.server.responses_prompt import ENGINE_FIELDS, response_prompt
+from replystream.server.responses_prompt import RESPONSES_FIELDS, response_prompt
 from replystream.server.responses_schemas import (
     ResponsesBody,
     ResponsesReasoning,
@@ -143,7 +143,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         verbosity=None if body.text is None else body.text.verbosity,
         top_logprobs=body.top_logprobs or 0,
     )
-    with refusals_naming(ENGINE_FIELDS):  # an engine's refusal, in this API's words
+    with refusals_naming(RESPONSES_FIELDS):  # an engine's refusal, in this API's words
         if not body.store:  # nothing to keep: a plain reply, or one body collected whole
             if not body.stream:
                 return await _whole(request, generation, settings, policy)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from replystream.server.context import count_prompt, refusals_naming
+from replystream.server.context import count_prompt
 from replystream.server.errors import HTTPAPIError
-from replystream.server.responses_prompt import ENGINE_FIELDS, response_prompt
+from replystream.server.refusal_names import refusals_naming
+from replystream.server.responses_prompt import RESPONSES_FIELDS, response_prompt
 from replystream.server.responses_schemas import InputTokensBody
 from replystream.server.validation import read_model
 
@@ -30,7 +31,7 @@ async def handle_input_tokens(request: web.Request) -> web.StreamResponse:
         message = "input is required unless previous_response_id names a conversation to count"
         raise HTTPAPIError(400, message, code="missing_required_parameter", param="input")
     made = await response_prompt(request, body)
-    with refusals_naming(ENGINE_FIELDS):
+    with refusals_naming(RESPONSES_FIELDS):
         counted = count_prompt(request, made.generation)
     return web.json_response({"object": "response.input_tokens", "input_tokens": counted})
 

@@ -19,6 +19,7 @@ from replystream.engine.base import GenerationRequest
 from replystream.server.context import CONFIG_KEY
 from replystream.server.native import bad, check_prompt_size
 from replystream.server.openai_api import routed_model
+from replystream.server.refusal_names import FieldNames
 from replystream.server.responses_schemas import ResponsesPrompt
 from replystream.server.responses_stored import (
     find_response,
@@ -35,10 +36,21 @@ from replystream.server.tool_requests import (
 )
 
 Messages = list[dict[str, Any]]
-# An engine's refusal names a ``GenerationRequest``'s fields: a Responses client sent the
-# prompt (and the messages a chat template refuses) as ``input``, the limit as
-# ``max_output_tokens`` (``top_logprobs``, ``tool_choice``, ``parallel_tool_calls``: as named).
-ENGINE_FIELDS = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens"}
+# A Responses client sent the prompt (the messages a chat template or an upstream refuses)
+# as ``input``, the limit as ``max_output_tokens``, sampling the API has no field for under
+# ``replystream``; an upstream's logprobs flag stands for an ``include``, left out.
+_PROMPT_AND_LIMIT = {"messages": "input", "max_tokens": "max_output_tokens"}
+_AS_SENT = ("temperature", "top_p", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+RESPONSES_FIELDS = FieldNames(
+    {"prompt": "input", **_PROMPT_AND_LIMIT},
+    {
+        **{name: name for name in _AS_SENT},
+        **_PROMPT_AND_LIMIT,
+        "max_completion_tokens": "max_output_tokens",
+        "reasoning_effort": "reasoning.effort",
+        **{name: f"replystream.{name}" for name in ("seed", "top_k", "stop")},
+    },
+)
 
 
 def input_messages(body: ResponsesPrompt) -> tuple[Messages, list[Origin]]:

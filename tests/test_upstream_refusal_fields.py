@@ -1,0 +1,139 @@
+"""An upstream's refusal, relayed, names the field the client sent, in its own API's words.
+
+The relay is always sent chat: an upstream that refuses names chat's fields (``messages``,
+``max_tokens``, ``max_completion_tokens``). A client of the Responses or Messages API, or of
+legacy completions, sent others: it is told its own (``input``, ``max_output_tokens``,
+``prompt``), and a field it has no name for (a place in chat's ``messages``) is left out.
+The upstream is a small aiohttp app in this process on a loopback port; the relay is
+replystream's server on another, read with the official SDKs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
+from tests.chat_upstream import ChatUpstream
+
+
+class RefusingUpstream(ChatUpstream):
+    """Refuses every chat with a 400 naming ``param``, as OpenAI's API words one."""
+
+    param = "messages"
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        error = {
+            "message": "this model's context cannot hold that",
+            "type": "invalid_request_error",
+            "param": self.param,
+            "code": "context_length_exceeded",
+        }
+        return web.json_response({"error": error}, status=400)
+
+
+@asynccontextmanager
+async def relay() -> AsyncIterator[tuple[RefusingUpstream, str]]:
+    upstream = RefusingUpstream()
+    async with running(upstream.app()) as base:
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{base}/v1"),)))
+        async with running(create_app(engine)) as url:
+            yield upstream, url
+
+
+def openai_sdk(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize(
+    ("upstream_param", "client_param"),
+    [
+        ("messages", "input"),
+        ("max_tokens", "max_output_tokens"),
+        ("max_completion_tokens", "max_output_tokens"),
+        ("messages[0].content", None),  # not a place in the client's input
+        ("logprobs", None),  # the client asked with an include, not a field of this name
+    ],
+)
+async def test_a_responses_client_is_told_its_own_field(
+    upstream_param: str, client_param: str | None
+) -> None:
+    async with relay() as (upstream, url), openai_sdk(url) as client:
+        upstream.param = upstream_param
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(
+                    model="m", input="hi", max_output_tokens=50, stream=stream
+                )
+            error = refused.value
+            assert (error.param, error.code) == (client_param, "context_length_exceeded")
+            assert error.type == "invalid_request_error"
+            assert "this model's context cannot hold that" in error.message
+
+
+@pytest.mark.parametrize(
+    ("upstream_param", "client_param"),
+    [
+        ("messages", "messages"),
+        ("max_tokens", "max_tokens"),
+        ("max_completion_tokens", "max_tokens"),
+        ("messages[1].content", None),  # chat's list holds the system prompt first
+        ("stop", None),  # stop_sequences, or replystream's stop: not known which
+    ],
+)
+async def test_a_messages_client_is_told_its_own_field(
+    upstream_param: str, client_param: str | None
+) -> None:
+    ask: dict[str, Any] = {
+        "model": "m",
+        "system": "Be brief.",
+        "max_tokens": 50,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    async with (
+        relay() as (upstream, url),
+        anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as client,
+    ):
+        upstream.param = upstream_param
+        for stream in (False, True):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await client.messages.create(**ask, stream=stream)
+            body: Any = refused.value.body
+            assert body["type"] == "error"
+            error = body["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", client_param)
+
+
+@pytest.mark.parametrize(
+    ("upstream_param", "legacy_param", "chat_param"),
+    [
+        ("messages", "prompt", "messages"),
+        ("max_completion_tokens", "max_tokens", "max_tokens"),  # the limit as it was sent
+        ("messages[0].content", None, "messages[0].content"),  # chat's list is chat's own
+        ("tools", None, "tools"),
+    ],
+)
+async def test_an_openai_client_is_told_its_own_field(
+    upstream_param: str, legacy_param: str | None, chat_param: str
+) -> None:
+    async with relay() as (upstream, url), openai_sdk(url) as client:
+        upstream.param = upstream_param
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as legacy:
+                await client.completions.create(model="m", prompt="hi", stream=stream)
+            with pytest.raises(openai.BadRequestError) as chat:
+                await client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=50,
+                    stream=stream,
+                )
+            assert (legacy.value.param, chat.value.param) == (legacy_param, chat_param)
