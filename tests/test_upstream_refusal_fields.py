@@ -1,9 +1,10 @@
 """An upstream's refusal, relayed, names the field the client sent, in its own API's words.
 
 The relay is always sent chat: an upstream that refuses names chat's fields (``messages``,
-``max_tokens``, ``max_completion_tokens``). A client of the Responses or Messages API, or of
-legacy completions, sent others: it is told its own (``input``, ``max_output_tokens``,
-``prompt``), and a field it has no name for (a place in chat's ``messages``) is left out.
+``max_tokens``, ``max_completion_tokens``). A client of the Responses or Messages API, of
+legacy completions or of the native routes, sent others: it is told its own (``input``,
+``max_output_tokens``, ``prompt``), and a field it has no name for (a place in chat's
+``messages``) is left out.
 The upstream is a small aiohttp app in this process on a loopback port; the relay is
 replystream's server on another, read with the official SDKs.
 """
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import pytest
@@ -137,3 +139,34 @@ async def test_an_openai_client_is_told_its_own_field(
                     stream=stream,
                 )
             assert (legacy.value.param, chat.value.param) == (legacy_param, chat_param)
+
+
+@pytest.mark.parametrize(
+    ("upstream_param", "from_prompt", "from_messages"),
+    [
+        ("messages", "prompt", "messages"),
+        ("max_completion_tokens", "max_tokens", "max_tokens"),
+        ("top_p", "top_p", "top_p"),
+        ("messages[0].content", None, None),  # the relay's list, not the client's
+        ("tools", None, None),  # a field the native request does not have
+    ],
+)
+async def test_a_native_client_is_told_its_own_field(
+    upstream_param: str, from_prompt: str | None, from_messages: str | None
+) -> None:
+    asks: list[tuple[dict[str, Any], str | None]] = [
+        ({"prompt": "hi"}, from_prompt),
+        ({"messages": [{"role": "user", "content": "hi"}]}, from_messages),
+    ]
+    async with relay() as (upstream, url), aiohttp.ClientSession() as http:
+        upstream.param = upstream_param
+        for ask, expected in asks:
+            for stream in (False, True):
+                async with http.post(f"{url}/v1/replies", json={**ask, "stream": stream}) as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"]["param"] == expected
+            async with http.ws_connect(f"{url}/v1/ws") as ws:
+                await ws.send_json({"type": "reply", "id": "t", **ask})
+                error = await ws.receive_json()
+            assert error["type"] == "error" and error["id"] == "t"
+            assert error["data"]["error"]["param"] == expected

@@ -73,6 +73,7 @@ from replystream.server.native_schemas import ReplyBody
 from replystream.server.openai_api import add_openai_routes
 from replystream.server.pages import add_page_routes
 from replystream.server.query_schemas import LabQuery, ResumeCursor
+from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import ReplyManager
 from replystream.server.responses_api import add_responses_routes
 from replystream.server.responses_input_items import add_input_items_route
@@ -187,24 +188,25 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
     body = await read_model(request, ReplyBody)
     ask = parse_reply_request(body, config.policy, config.max_prompt_chars)
-    if not ask.stream:
-        return await buffered(
+    with refusals_naming(ask.fields):
+        if not ask.stream:
+            return await buffered(
+                request,
+                ask.generation,
+                endpoint="/v1/replies",
+                policy=ask.policy,
+                body=_native_body,
+                moderated_body=_native_moderated_body,
+            )
+        reply = await start_reply(
             request,
             ask.generation,
             endpoint="/v1/replies",
+            fmt=NATIVE_FORMAT,
             policy=ask.policy,
-            body=_native_body,
-            moderated_body=_native_moderated_body,
+            resumable=ask.resumable,
+            disconnect=ask.disconnect,
         )
-    reply = await start_reply(
-        request,
-        ask.generation,
-        endpoint="/v1/replies",
-        fmt=NATIVE_FORMAT,
-        policy=ask.policy,
-        resumable=ask.resumable,
-        disconnect=ask.disconnect,
-    )
     return follow_started(request, reply, ask.policy)
 
 

@@ -26,6 +26,7 @@ from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.server.chat_message_schemas import Message
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native_schemas import ReplyBody
+from replystream.server.refusal_names import FieldNames
 from replystream.server.replies import Disconnect
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import check_tool_answers, origins_in, prompt_of
@@ -36,8 +37,27 @@ class ReplyRequest:
     generation: GenerationRequest
     stream: bool
     policy: DeliveryPolicy
-    resumable: bool | None = None  # None: the server's default
-    disconnect: Disconnect | None = None  # None: detach if resumable, else cancel
+    resumable: bool | None  # None: the server's default
+    disconnect: Disconnect | None  # None: detach if resumable, else cancel
+    fields: FieldNames  # what a refusal's field is called here (``native_fields``)
+
+
+# A relay's chat request's fields the native request has under the same names; its prompt
+# and limit are the client's own (``native_fields``); any other is left out of a refusal.
+_NATIVE_AS_SENT = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
+
+
+def native_fields(prompt_field: str) -> FieldNames:
+    """A native request's names for the fields a refusal names, its prompt sent as
+    ``prompt_field`` (``prompt``, or ``messages``)."""
+    return FieldNames(
+        {} if prompt_field == "prompt" else {"prompt": prompt_field},
+        {
+            **{name: name for name in _NATIVE_AS_SENT},
+            "messages": prompt_field,
+            "max_completion_tokens": "max_tokens",
+        },
+    )
 
 
 def bad(param: str | None, message: str, code: str = "invalid_value") -> HTTPAPIError:
@@ -142,4 +162,11 @@ def parse_reply_request(
     )
     policy = delivery_overrides(body, defaults)
     generation = replace(generation, reasoning=policy.shows_thinking)
-    return ReplyRequest(generation, body.stream, policy, body.resumable_asked, body.disconnect)
+    return ReplyRequest(
+        generation,
+        body.stream,
+        policy,
+        body.resumable_asked,
+        body.disconnect,
+        native_fields(param),
+    )

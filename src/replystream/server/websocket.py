@@ -67,6 +67,7 @@ from replystream.server.errors import HTTPAPIError, error_body, retry_after_valu
 from replystream.server.guard import GATE_KEY, RATE_LIMITED, UPGRADED, identity_of
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
+from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
 from replystream.server.socket_room import abort_later
@@ -382,15 +383,16 @@ class Session:
         """Start one reply and send its log; any failure of this reply stays with it."""
         running = self.running[tag]
         try:
-            reply = await start_reply(
-                self.request,
-                ask.generation,
-                endpoint="/v1/ws",
-                fmt=NATIVE_FORMAT,
-                policy=ask.policy,
-                resumable=ask.resumable,
-                disconnect=ask.disconnect,
-            )
+            with refusals_naming(ask.fields):
+                reply = await start_reply(
+                    self.request,
+                    ask.generation,
+                    endpoint="/v1/ws",
+                    fmt=NATIVE_FORMAT,
+                    policy=ask.policy,
+                    resumable=ask.resumable,
+                    disconnect=ask.disconnect,
+                )
             running.reply = reply
             if running.cancelled:
                 # Let the producer take its first step first: a task cancelled before it
