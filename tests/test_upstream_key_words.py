@@ -10,6 +10,7 @@ small aiohttp app in this process on a loopback port.
 from __future__ import annotations
 
 import json
+import tomllib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -56,12 +57,21 @@ class EchoingUpstream(ChatUpstream):
         return response
 
 
+class RefusingUpstream(EchoingUpstream):
+    """Refuses every key, its ``GET /models`` too: the health probe is refused as well."""
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "Incorrect API key"}}, status=401)
+
+
 @asynccontextmanager
-async def relay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, Path]]:
-    """The relay in front of two such upstreams: ``a``, its key from the routes file's
+async def relay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, upstream: type[ChatUpstream] = EchoingUpstream
+) -> AsyncIterator[tuple[str, Path]]:
+    """The relay in front of two ``upstream``s: ``a``, its key from the routes file's
     ``api_key_env``; ``b``, the key for all, from ``--upstream-api-key``. Yields the relay's
     URL and the routes file."""
-    async with running(EchoingUpstream().app()) as a, running(EchoingUpstream().app()) as b:
+    async with running(upstream().app()) as a, running(upstream().app()) as b:
         routes = tmp_path / "routes.toml"
         routes.write_text(
             f'[[upstreams]]\nurl = "{a}/v1"\napi_key_env = "ECHO_KEY"\nmodels = ["a"]\n'
@@ -129,6 +139,21 @@ async def test_a_refusal_of_our_key_names_where_the_key_is_configured(
     ), messages
 
 
+async def test_a_health_probe_refused_names_where_the_key_is_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    async with relay(tmp_path, monkeypatch, RefusingUpstream) as (url, routes):
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/healthz") as response:
+            status, health = response.status, await response.json()
+    a, b = (upstream["url"] for upstream in tomllib.loads(routes.read_text())["upstreams"])
+    assert status == 503, health
+    assert health["reason"] == (
+        f"the upstream at {a} answered 401: it refused our API key, set by {routes}: "
+        "upstreams[0].api_key_env ($ECHO_KEY); "
+        f"the upstream at {b} answered 401: it refused our API key, set by --upstream-api-key"
+    ), health
+
+
 async def test_a_refusal_when_no_key_is_configured_says_none_is():
     async with running(EchoingUpstream().app()) as upstream:
         engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/v1"),)))
@@ -137,6 +162,23 @@ async def test_a_refusal_when_no_key_is_configured_says_none_is():
         await engine.aclose()
     assert status == 502, raw
     assert json.loads(raw)["error"]["message"] == (
+        f"the upstream at {upstream}/v1 answered 401: it wants an API key, and none is "
+        "configured for it"
+    )
+
+
+async def test_a_health_probe_refused_when_no_key_is_configured_says_none_is():
+    async with running(RefusingUpstream().app()) as upstream:
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/v1"),)))
+        async with (
+            running(create_app(engine)) as url,
+            aiohttp.ClientSession() as http,
+            http.get(f"{url}/healthz") as response,
+        ):
+            status, health = response.status, await response.json()
+        await engine.aclose()
+    assert status == 503, health
+    assert health["reason"] == (
         f"the upstream at {upstream}/v1 answered 401: it wants an API key, and none is "
         "configured for it"
     )

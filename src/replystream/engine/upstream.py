@@ -189,10 +189,9 @@ class UpstreamEngine:
         self._prober = HealthProber(
             self.pool,
             session=self._client,
-            headers=self._headers,
+            keys=self._keys,
             interval_s=config.health_s,
             path=config.health_path,
-            keyless=self._keys.passing,
         )
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._deltas = 0
@@ -463,11 +462,7 @@ class UpstreamEngine:
             }
             keys = UpstreamKeys.of(config)
             if joining or relisted:  # with the keys they will be sent
-                await self._prober.probe(
-                    [*joining, *relisted.values()],
-                    headers=lambda b: keys.headers(b.name),
-                    keyless=keys.passing,
-                )
+                await self._prober.probe([*joining, *relisted.values()], keys=keys)
             # The swap: no await from here on.
             for target, backend in zip(config.targets, backends, strict=True):
                 backend.weight = target.weight
@@ -477,7 +472,7 @@ class UpstreamEngine:
                     backend.models, backend.fixed_models = tuple(target.models), True
                 elif target.base_url in relisted:
                     backend.models, backend.fixed_models = relisted[target.base_url].models, False
-            self.config, self._keys, self._prober.keyless = config, keys, keys.passing
+            self.config, self._keys, self._prober.keys = config, keys, keys
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
             # New aliases may stand in front of models the upstreams already list.

@@ -4,13 +4,14 @@ and then every ``interval_s`` in the background; a model list it answers with te
 which models that upstream serves (even where the routes file names them: whether a model it
 answered a chat request 404 for is listed again). An upstream that takes each caller's own key
 is probed without one: its refusal (401, 403) says it is up, and its models come from the
-routes file (or from no listing: it is sent any model). A listed model whose name is also an
-alias stays behind the alias (requests for that name go to the alias's model, as configured):
-the first probe that finds one says so in the log, once per alias and upstream.
+routes file (or from no listing: it is sent any model). One that refuses our key is told in
+the words of a refused request: where that key is configured. A listed model whose name is
+also an alias stays behind the alias (requests for that name go to the alias's model, as
+configured): the first probe that finds one says so in the log, once per alias and upstream.
 
 This file decides what a probe's answer means (a problem in words, or None) and when probes
 run. What a failed probe does to routing is ``upstream_pool``'s. It must not know about our
-HTTP server; the session and each upstream's headers are given.
+HTTP server; the session and the upstreams' keys are given.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 from pydantic_core import from_json
 
+from replystream.engine.upstream_config import UpstreamKeys
 from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
+from replystream.engine.upstream_refusals import our_key_refused
 
 log = logging.getLogger("replystream.upstream")
 
@@ -64,20 +67,19 @@ class HealthProber:
         pool: UpstreamPool,
         *,
         session: Callable[[], aiohttp.ClientSession],
-        headers: Callable[[Backend], Mapping[str, str]],
+        keys: UpstreamKeys,
         interval_s: float,
         path: str = "/models",
         timeout_s: float = PROBE_TIMEOUT_S,
-        keyless: frozenset[str] = frozenset(),
     ) -> None:
         self._pool = pool
         self._session = session
-        self._headers = headers
         self._interval_s = interval_s
         self._path = path
-        # Upstreams that take each caller's own key: probed without one, so a 401 or 403
-        # from them says they are up (set again when the routes change).
-        self.keyless = keyless
+        # What each upstream is sent, and where it is configured (set again when the routes
+        # change). Those that take each caller's own key are probed without one, so a 401
+        # or 403 from them says they are up.
+        self.keys = keys
         self._timeout_s = min(timeout_s, interval_s)
         self._probed = False
         # (alias, the model it stands for, upstream) already said to shadow a listed model.
@@ -98,20 +100,13 @@ class HealthProber:
         await self.probe(self._pool.backends)
         self._probed = True
 
-    async def probe(
-        self,
-        backends: Sequence[Backend],
-        *,
-        headers: Callable[[Backend], Mapping[str, str]] | None = None,
-        keyless: frozenset[str] | None = None,
-    ) -> None:
+    async def probe(self, backends: Sequence[Backend], *, keys: UpstreamKeys | None = None) -> None:
         """Probe ``backends`` at once: those of the pool, or ones about to join it (with the
-        ``headers`` and ``keyless`` they will have there)."""
-        headers = headers or self._headers
-        keyless = self.keyless if keyless is None else keyless
+        ``keys`` they will have there)."""
+        keys = keys or self.keys
         async with asyncio.TaskGroup() as group:
             for backend in backends:
-                group.create_task(self._probe(backend, headers, keyless))
+                group.create_task(self._probe(backend, keys))
 
     async def _run(self) -> None:
         while True:
@@ -121,13 +116,8 @@ class HealthProber:
             except Exception:  # a bug here must not stop the probing for good
                 log.exception("upstream health probe failed")
 
-    async def _probe(
-        self,
-        backend: Backend,
-        headers: Callable[[Backend], Mapping[str, str]],
-        keyless: frozenset[str],
-    ) -> None:
-        problem, models = await self._ask(backend, headers(backend), backend.name in keyless)
+    async def _probe(self, backend: Backend, keys: UpstreamKeys) -> None:
+        problem, models = await self._ask(backend, keys)
         backend.probed(problem, models)
         self._pool.listed(backend, models)  # a model it answered 404 for may be back
         self.note_shadowed([backend])
@@ -155,11 +145,10 @@ class HealthProber:
                     alias,
                 )
 
-    async def _ask(
-        self, backend: Backend, headers: Mapping[str, str], keyless: bool
-    ) -> tuple[str | None, list[str]]:
+    async def _ask(self, backend: Backend, keys: UpstreamKeys) -> tuple[str | None, list[str]]:
         where = f"the upstream at {backend.name}"
         url = f"{backend.name}{self._path}"
+        headers = keys.headers(backend.name)
         try:
             async with asyncio.timeout(self._timeout_s):
                 async with self._session().get(url, headers=headers) as response:
@@ -172,10 +161,10 @@ class HealthProber:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:
             return connect_failure(exc, backend.name, self._timeout_s).message, []
-        if status in (401, 403) and keyless:
+        if status in (401, 403) and backend.name in keys.passing:
             return None, []
         if status in (401, 403):
-            return f"{where} refused our API key ({status})", []
+            return f"{where} answered {status}: {our_key_refused(keys.key_from(backend.name))}", []
         if status == 404:
             return f"{where} has no {self._path} (404): does the URL end in /v1?", []
         if status >= 500:

@@ -120,6 +120,14 @@ def _keyless(value: object, withheld: Sequence[str]) -> str | None:
     return None
 
 
+def our_key_refused(key_from: str | None) -> str:
+    """What a 401 or 403 to our own key means, in words that follow the upstream's name: the
+    operator is sent where that key is configured (``key_from``), or told none is."""
+    if key_from is None:
+        return "it wants an API key, and none is configured for it"
+    return f"it refused our API key, set by {key_from}"
+
+
 async def refusal(
     response: Response,
     backend: str,
@@ -179,7 +187,5 @@ async def refusal(
             said = f"{where}: it wants an API key, and you sent none to pass on"
         return UpstreamRefusedClientKey(said, status=status)
     if status in (401, 403):  # our configuration, not the client's request
-        said = f"{where}: it refused our API key, set by {key_from}"
-        if key_from is None:
-            said = f"{where}: it wants an API key, and none is configured for it"
+        said = f"{where}: {our_key_refused(key_from)}"
     return UpstreamUnavailable(said, code="upstream_error_status")
