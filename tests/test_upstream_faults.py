@@ -304,7 +304,9 @@ async def test_output_after_the_finish_reason_is_dropped_and_its_usage_kept(capl
     warnings = [
         r.getMessage() for r in caplog.records if "after its finish reason" in r.getMessage()
     ]
-    assert warnings == ["the upstream sent output after its finish reason; dropped it"]
+    assert warnings == [
+        f"the upstream at {upstream}/afterfinish/v1 sent output after its finish reason; dropped it"
+    ]
 
 
 def error_of(got) -> dict[str, Any]:

@@ -334,7 +334,7 @@ class ChunkReader:
         choices = chunk.get("choices")
         if not self._said_late and isinstance(choices, list) and any(map(_has_output, choices)):
             self._said_late = True
-            log.warning("the upstream sent output after its finish reason; dropped it")
+            log.warning("%s sent output after its finish reason; dropped it", self._where)
 
     def _take_usage(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("usage")
