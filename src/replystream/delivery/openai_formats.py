@@ -131,8 +131,8 @@ class TextOffsets:
     """Where each token of one legacy completion begins (``text_offset``): the characters
     before the completion (``start``: its prompt's, as OpenAI counts from the prompt's start
     whether or not it is echoed) and those of the tokens before it, decoded from their bytes
-    as one stream. Counted
-    from the tokens, not from the text of the chunks that carry them: a chunk may carry a
+    as one stream. Counted from the tokens, not from the text of the chunks that carry them:
+    a chunk may carry a
     token whose text is only partly out (the rest held back, as a stop string's possible
     start, and sent with a later token). The tokens of one character (a byte each, read as
     U+FFFD apiece) make one character, and a token that ends one begins where it begins."""
