@@ -122,7 +122,10 @@ def test_token_logprob_is_the_log_softmax_of_the_raw_logits_with_the_likeliest_f
     assert made.logprob == pytest.approx(expected[1])  # not the tempered or narrowed one
     assert [t.token for t in made.top] == ["t2", "t0"]
     assert [t.logprob for t in made.top] == pytest.approx([expected[2], expected[0]])
-    assert token_logprob(logits, 3, 0, lambda i: b"\xe2\x82").token == "\ufffd"  # part of a char
+    # Tokens that hold part of a character (the likeliest, 2, after a space).
+    partial = token_logprob(logits, 3, 1, lambda i: b" \xf0" if i == 2 else b"\xe2\x82")
+    assert (partial.token, partial.bytes) == ("\\xe2\\x82", b"\xe2\x82")  # as OpenAI names it
+    assert [(t.token, t.bytes) for t in partial.top] == [(" \\xf0", b" \xf0")]
 
 
 class _TopDraw:

@@ -179,6 +179,32 @@ async def test_the_tiny_models_logprobs_are_its_own_distribution_streamed_and_wh
         assert logprob <= 0 and sum(math.exp(v) for v in values) <= 1 + 1e-9
 
 
+async def test_the_tiny_models_partial_character_token_is_named_by_its_escaped_bytes():
+    # Its byte-level vocabulary's token 172 is the byte f0 alone (an emoji's first): forced.
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "And the LORD said unto Moses,"}],
+        "temperature": 0,
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "logit_bias": {"172": 100},
+    }
+    async with running(create_app(load_default_engine())) as url, sdk(url) as client:
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    assert whole.choices[0].logprobs is not None
+    made = chat_entries(whole.choices[0].logprobs)
+    assert [(token, raw) for token, _, raw, _ in made] == [("\\xf0", [240])] * 2
+    streamed = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in chat_entries(chunk.choices[0].logprobs)
+    ]
+    assert streamed == made
+
+
 @pytest.mark.slow
 async def test_the_relay_passes_the_upstreams_logprobs_through():
     fast = ("--engine", "simulated", "--delay-ms", "4", "--jitter-ms", "1", "--tokens", "12")

@@ -119,3 +119,69 @@ async def test_no_event_carries_the_end_tokens_empty_text(loaded: Loaded):
     deltas = [c["choices"][0]["delta"] for c in chunks[1:] if c["choices"]]  # the role's aside
     assert all(delta.get("content") != "" for delta in deltas), deltas
     assert chat.chat_text == direct.text == staged.text and "Paris" in direct.text
+
+
+KANA: dict[str, Any] = {
+    "model": "smollm2",
+    "temperature": 0,
+    "max_tokens": 2,  # く (e3 81 8f), in two tokens: each holds part of it
+}
+KANA_MESSAGES = [{"role": "user", "content": "Write the Japanese word for cat."}]
+
+
+def openai_name(raw: list[int]) -> str:
+    """OpenAI's name for a token of these bytes: its text, or, when they are not whole UTF-8
+    characters, each byte past ASCII as ``\\xNN``."""
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return "".join(chr(b) if b < 0x80 else f"\\x{b:02x}" for b in raw)
+
+
+async def test_a_token_holding_part_of_a_character_is_named_by_its_escaped_bytes(loaded: Loaded):
+    """As OpenAI's chat completions name it (``\\xe3\\x81``, bytes exact), made or listed as
+    an alternative, streamed or whole, in chat and in a Responses ``output_text``; legacy
+    completions prefix it ``bytes:``. Read as text, each would be U+FFFD."""
+    async with (
+        running(create_app(engine_of(loaded))) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        ask = {**KANA, "messages": KANA_MESSAGES, "logprobs": True, "top_logprobs": 4}
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+        response = await client.responses.create(
+            model="smollm2",
+            input=KANA_MESSAGES,  # type: ignore[arg-type]
+            temperature=0,
+            max_output_tokens=2,
+            include=["message.output_text.logprobs"],
+            top_logprobs=4,
+        )
+        legacy = await client.completions.create(
+            model="smollm2", prompt="x", max_tokens=1, logprobs=1, logit_bias={"7365": 100}
+        )
+    choice = whole.choices[0]
+    assert choice.message.content == "く" and choice.logprobs is not None
+    made = choice.logprobs.content or []
+    assert [(e.token, e.bytes) for e in made] == [("\\xe3\\x81", [227, 129]), ("\\x8f", [143])]
+    alternatives = [t for e in made for t in e.top_logprobs]
+    assert len(alternatives) == 8 and all(
+        t.bytes is not None and t.token == openai_name(t.bytes) for t in alternatives
+    )
+    assert "\\xe3\\x82" in [t.token for t in made[0].top_logprobs]  # a partial alternative
+    streamed = [
+        entry.model_dump()
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in chunk.choices[0].logprobs.content or []
+    ]
+    assert streamed == [entry.model_dump() for entry in made]
+    [message] = response.output
+    assert message.type == "message" and message.content[0].type == "output_text"
+    part = message.content[0].logprobs or []
+    assert [(e.token, e.bytes) for e in part] == [(e.token, e.bytes) for e in made]
+    assert [[t.token for t in e.top_logprobs] for e in part] == [
+        [t.token for t in e.top_logprobs] for e in made
+    ]
+    legacy_logprobs = legacy.choices[0].logprobs
+    assert legacy_logprobs is not None and legacy_logprobs.tokens == ["bytes:\\xe3\\x81"]

@@ -54,7 +54,7 @@ from replystream.delivery.formats import Spec, Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 from replystream.delivery.tool_calls import ToolCall
-from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob
+from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob, escaped_bytes
 
 Kind = Literal["chat", "text"]
 DONE: Spec = (None, "[DONE]")
@@ -116,14 +116,15 @@ _utf8_decoder = codecs.getincrementaldecoder("utf-8")
 
 
 def legacy_token(token: TopLogprob | TokenLogprob) -> str:
-    """A token as legacy ``logprobs`` name it: its text; or, when its bytes are not whole
-    UTF-8 characters, ``bytes:`` and its bytes as Python writes them (``bytes:\\xe2\\x80``,
-    ``bytes: \\xe6\\x9e``), as OpenAI's legacy completions do. Its text would read U+FFFD,
-    the same for every such token: as ``top_logprobs`` keys, they would be one."""
+    """A token as legacy ``logprobs`` name it: its name; or, when its bytes are not whole
+    UTF-8 characters, ``bytes:`` and its bytes escaped (``bytes:\\xe2\\x80``,
+    ``bytes: \\xe6\\x9e``), as OpenAI's legacy completions do, whatever an upstream called
+    it (a relayed one may read U+FFFD, the same for every such token: as ``top_logprobs``
+    keys, they would be one)."""
     try:
         token.bytes.decode("utf-8")
     except UnicodeDecodeError:
-        return "bytes:" + repr(token.bytes)[2:-1]  # the repr without its b'...'
+        return "bytes:" + escaped_bytes(token.bytes)
     return token.token
 
 

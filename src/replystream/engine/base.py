@@ -166,6 +166,23 @@ class ToolCallDelta(NamedTuple):
     arguments: str
 
 
+def escaped_bytes(raw: bytes) -> str:
+    """``raw`` as Python writes it inside a bytes literal: printable ASCII as itself, other
+    bytes escaped (``\\xf0\\x9f``, `` \\xe6\\x9e``, ``\\n``)."""
+    return repr(raw)[2:-1]  # the repr without its b'...'
+
+
+def token_name(raw: bytes) -> str:
+    """What log probabilities call a token of these bytes: its text; or, when its bytes are
+    not whole UTF-8 characters (part of one), the bytes escaped (``\\xf0\\x9f``), as OpenAI's
+    chat completions name such a token. Its text would read U+FFFD, the same for every such
+    token, and say nothing of which bytes it holds."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return escaped_bytes(raw)
+
+
 class TopLogprob(NamedTuple):
     """One candidate token at a position, and its log probability under the model."""
 
@@ -178,8 +195,9 @@ class TokenLogprob(NamedTuple):
     """A made token's log probability under the model (its distribution before temperature
     or top-k/top-p narrowed it), and the likeliest tokens at that position, best first.
 
-    ``token`` is the token's text (bytes that are not whole UTF-8 characters read as U+FFFD);
-    ``bytes`` are its exact bytes.
+    ``token`` is the token's name, ``token_name`` of its bytes for our engines (its text, or
+    its bytes escaped when they are not whole UTF-8 characters); a relayed token's is its
+    upstream's. ``bytes`` are its exact bytes.
     """
 
     token: str

@@ -20,7 +20,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from replystream.engine.base import RequestRejected, SamplingParams, TokenLogprob, TopLogprob
+from replystream.engine.base import (
+    RequestRejected,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    token_name,
+)
 from replystream.engine.stops import StopScan
 
 MAX_STOP_SEQUENCES = 4
@@ -181,7 +187,7 @@ def token_logprob(
 
     def candidate(index: int) -> TopLogprob:
         raw = token_bytes(index)
-        return TopLogprob(raw.decode("utf-8", errors="replace"), float(logp[index]), raw)
+        return TopLogprob(token_name(raw), float(logp[index]), raw)
 
     best: list[int] = []
     if top > 0:
