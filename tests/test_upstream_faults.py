@@ -95,6 +95,11 @@ class FakeUpstream:
         if mode == "reject":
             error = {"message": "prompt too long", "code": "context_length_exceeded"}
             return web.json_response({"error": error}, status=400)
+        top_p = self.bodies[-1].get("top_p", 1.0)
+        if mode == "vllm" and not 0 < top_p <= 1:  # vLLM's range, and its refusal's shape
+            message = f"top_p must be in (0, 1], got {float(top_p)}."
+            error = {"object": "error", "message": message, "type": "BadRequestError"}
+            return web.json_response({**error, "param": None, "code": 400}, status=400)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -112,6 +117,8 @@ class FakeUpstream:
         usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
         await r.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await r.write(b"data: [DONE]\n\n")
+
+    mode_vllm = mode_ok  # but for what it refuses, as vLLM does
 
     async def mode_afterfinish(self, r: web.StreamResponse) -> None:
         await r.write(chunk("one ") + chunk("two ", "stop"))
@@ -619,6 +626,31 @@ async def test_temperature_and_top_p_go_upstream_only_as_the_client_gave_them():
     assert "temperature" not in left_out and "top_p" not in left_out
     assert (kept["temperature"], kept["top_p"]) == (1.0, 0.5)
     assert "temperature" not in anthropic_sent and "top_p" not in anthropic_sent
+
+
+async def test_top_p_0_goes_upstream_as_temperature_0_which_vllm_takes():
+    """``top_p: 0`` (in OpenAI's range: keep the likeliest token) is greedy decoding; vLLM
+    refuses it (its range is (0, 1]), so the relay asks for greedy as every upstream takes it:
+    ``temperature: 0`` and no ``top_p``. Another ``top_p`` goes up as the client gave it."""
+    async with fake_upstream() as (fake, upstream):
+        vllm = f"{upstream}/vllm/v1"
+        refused = await post_events(f"{vllm}/chat/completions", {**CHAT, "top_p": 0})
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(vllm),), model="m"))
+        async with running(create_app(engine)) as relay:
+            greedy = {**CHAT, "temperature": 0.8, "top_p": 0}
+            chat = await post_events(f"{relay}/v1/chat/completions", greedy)
+            asked = {"model": "m", "input": "hi", "top_p": 0, "stream": True}
+            responses = await post_events(f"{relay}/v1/responses", asked)
+            nucleus = {**CHAT, "temperature": 0.8, "top_p": 0.5}
+            kept = await post_events(f"{relay}/v1/chat/completions", nucleus)
+    assert refused.status == 400  # the stand-in refuses top_p 0 as vLLM does
+    assert chat.status == responses.status == kept.status == 200
+    assert chat.chat_text == "one two three "
+    assert responses.of_type("response.completed")
+    _, chat_sent, responses_sent, kept_sent = fake.bodies
+    for sent in (chat_sent, responses_sent):
+        assert sent["temperature"] == 0 and "top_p" not in sent
+    assert (kept_sent["temperature"], kept_sent["top_p"]) == (0.8, 0.5)
 
 
 async def test_what_the_sdk_adds_to_a_message_it_sends_back_is_not_relayed():

@@ -81,10 +81,16 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
     }
     # Only as the client gave them: an upstream applies a model's own defaults (vLLM's
     # generation config, Ollama's Modelfile) to a request that leaves them out.
-    if s.temperature is not None:
-        body["temperature"] = s.temperature
-    if s.top_p is not None:
-        body["top_p"] = s.top_p
+    if s.top_p == 0:
+        # Keeping only the likeliest token (OpenAI's range takes 0) is greedy decoding. vLLM
+        # and TGI refuse top_p 0 (their ranges start above it); temperature 0 is greedy
+        # everywhere (vLLM, TGI's chat route, llama.cpp, Ollama), whatever the client's was.
+        body["temperature"] = 0.0
+    else:
+        if s.temperature is not None:
+            body["temperature"] = s.temperature
+        if s.top_p is not None:
+            body["top_p"] = s.top_p
     if model is not None:
         body["model"] = model
     if request.continue_final_message:  # the last message is the assistant's start: continue
