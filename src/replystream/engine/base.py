@@ -375,6 +375,22 @@ class Readiness:
 READY = Readiness(True)
 
 
+class InProcessEngine:
+    """What every engine that makes its tokens in this process answers alike: it serves one
+    model, under the server's name, and is ready whenever the process is up to answer."""
+
+    __slots__ = ()
+
+    def model_names(self) -> tuple[str, ...]:
+        return ()
+
+    def passes_unlisted_models(self) -> bool:
+        return False
+
+    async def readiness(self) -> Readiness:
+        return READY
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A source of tokens."""

@@ -32,12 +32,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from replystream.engine.base import (
-    READY,
     Delta,
     EngineError,
     EngineStats,
     GenerationRequest,
-    Readiness,
+    InProcessEngine,
     RequestRejected,
 )
 from replystream.engine.end_tokens import end_of_generation_ids
@@ -98,7 +97,7 @@ def end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return end_of_generation_ids(declared, tokenizer.get_vocab())
 
 
-class HFEngine:
+class HFEngine(InProcessEngine):
     """Serves a ``transformers`` causal LM, one worker thread per running reply."""
 
     def __init__(self, model: Any, tokenizer: Any, config: HFEngineConfig | None = None) -> None:
@@ -287,16 +286,6 @@ class HFEngine:
                 active=len(self._cancels),
                 steps=c["steps"],
             )
-
-    def model_names(self) -> tuple[str, ...]:
-        return ()
-
-    def passes_unlisted_models(self) -> bool:
-        return False
-
-    async def readiness(self) -> Readiness:
-        """In-process: ready whenever the process is up to answer."""
-        return READY
 
     async def aclose(self) -> None:
         """Stop every reply between two tokens and wait for the worker threads."""

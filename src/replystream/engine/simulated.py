@@ -27,13 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from replystream.engine.base import (
-    READY,
     Delta,
     DeltaSink,
     EngineError,
     EngineStats,
     GenerationRequest,
-    Readiness,
+    InProcessEngine,
     RequestRejected,
     TokenLogprob,
     TopLogprob,
@@ -126,7 +125,7 @@ class SimulatedConfig:
             raise ValueError("fail_after must be >= 0")
 
 
-class SimulatedEngine:
+class SimulatedEngine(InProcessEngine):
     """Makes the configured reply on a seeded schedule; counts every step it actually runs.
 
     ``fail_after=N`` injects a failure for testing clients: ``N == 0`` fails before the first
@@ -239,16 +238,6 @@ class SimulatedEngine:
             active=self._active,
             steps=self._steps,
         )
-
-    def model_names(self) -> tuple[str, ...]:
-        return ()
-
-    def passes_unlisted_models(self) -> bool:
-        return False
-
-    async def readiness(self) -> Readiness:
-        """In-process: ready whenever the process is up to answer."""
-        return READY
 
     async def aclose(self) -> None:
         """Nothing to release: a stream holds only its schedule."""

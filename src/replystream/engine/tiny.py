@@ -18,12 +18,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from replystream.engine.base import (
-    READY,
     Delta,
     EngineError,
     EngineStats,
     GenerationRequest,
-    Readiness,
+    InProcessEngine,
     RequestRejected,
 )
 from replystream.engine.kv_cache import PagedKVCache
@@ -82,7 +81,7 @@ class TinyDeltaStream:
         return self._deltas.aclose()
 
 
-class TinyEngine:
+class TinyEngine(InProcessEngine):
     """Serves a NumPy transformer with a paged KV cache and continuous batching.
 
     The tiny model continues plain text; a chat model loaded from a GGUF (``gguf_engine``)
@@ -206,16 +205,6 @@ class TinyEngine:
 
     def stats(self) -> EngineStats:
         return self.runner.stats()
-
-    def model_names(self) -> tuple[str, ...]:
-        return ()
-
-    def passes_unlisted_models(self) -> bool:
-        return False
-
-    async def readiness(self) -> Readiness:
-        """In-process: ready whenever the process is up to answer."""
-        return READY
 
     async def aclose(self) -> None:
         """Cancel every request and stop the worker thread (waits for at most one step)."""
