@@ -1,4 +1,5 @@
-"""A background task that makes Redis calls is stopped for good by ``stop_task``.
+"""A background task that makes Redis calls is stopped for good by ``stop_task``; a task
+cancelled once ends at its next ``end_if_cancelled`` if the cancel was lost.
 
 On Python 3.11 a cancel that lands as a command's reply arrives is lost inside redis-py
 (its ``asyncio.wait_for``), so one ``cancel()`` and an ``await`` can wait forever: the
@@ -8,11 +9,12 @@ store's close hung that way. These tests cancel such tasks at many points of the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from pathlib import Path
 
 from replystream.delivery.redis_connect import connect, parse_redis_url
-from replystream.delivery.task_stop import stop_task
+from replystream.delivery.task_stop import end_if_cancelled, stop_task
 from tests.redis_server import redis_server
 
 ROUNDS = 200
@@ -56,3 +58,37 @@ async def test_a_task_that_swallows_a_cancel_is_cancelled_again_until_it_ends():
     async with asyncio.timeout(5):
         await stop_task(task)
     assert task.cancelled() and swallowed == 3
+
+
+async def test_a_task_that_lost_its_one_cancel_ends_at_its_next_check():
+    rounds = 0
+
+    async def looping() -> None:
+        nonlocal rounds
+        while True:
+            end_if_cancelled()
+            rounds += 1
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass  # lost, as inside redis-py: the task goes round again
+
+    task = asyncio.ensure_future(looping())
+    await asyncio.sleep(0)
+    task.cancel()
+    async with asyncio.timeout(5):
+        await asyncio.wait({task})
+    assert task.cancelled() and rounds == 1
+
+
+async def test_a_timeout_that_expired_and_was_handled_ends_nothing():
+    async def looping() -> int:
+        for _ in range(3):
+            end_if_cancelled()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.001):
+                    await asyncio.sleep(10)
+        return 3
+
+    async with asyncio.timeout(5):
+        assert await asyncio.ensure_future(looping()) == 3

@@ -55,6 +55,7 @@ from replystream.delivery.replay import (
     data_bytes,
     entries_bytes,
 )
+from replystream.delivery.task_stop import end_if_cancelled
 
 log = logging.getLogger("replystream.follower")
 
@@ -297,6 +298,10 @@ class Follower:
             keepalive = self.policy.keepalive_s
             self.last_write = time.monotonic()
             while True:
+                # A reader of a reply made elsewhere awaits Redis commands, in which the one
+                # cancel of its client's disconnect can be lost: it would follow on until
+                # its next write (a keep-alive, the next event, or the end).
+                end_if_cancelled()
                 if self.readers.shutting_down and reply is None:
                     raise _Cut("shutdown", "the server is shutting down")
                 idle_for = time.monotonic() - self.last_write

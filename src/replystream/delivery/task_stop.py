@@ -1,10 +1,13 @@
-"""Stopping a background task for good, even when a library loses the cancel.
+"""Stopping a task for good, even when a library loses the cancel.
 
 On Python 3.11, ``asyncio.wait_for`` returns the awaited result when it completes in the
 same turn as a cancel, and the cancel is lost (fixed in 3.12). redis-py sends every
 command through ``wait_for``: a task cancelled while a command's reply arrives goes on
 running, in the "cancelling" state, and one cancel never ends it. Closing code that awaits
-such a task after one ``cancel()`` can wait forever.
+such a task after one ``cancel()`` can wait forever (``stop_task`` cancels until it ends);
+a task cancelled once by someone who does not wait for it (aiohttp cancels a request's
+handler when its client disconnects) must notice the lost cancel itself
+(``end_if_cancelled``).
 """
 
 from __future__ import annotations
@@ -26,3 +29,12 @@ async def stop_task(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         with contextlib.suppress(Exception):
             task.result()
+
+
+def end_if_cancelled() -> None:
+    """Raise ``CancelledError`` in a task that was cancelled and runs on as if it had not
+    been (a library lost the cancel). Called where a long-running task goes round its loop,
+    outside any handling of a cancel: there, a pending request means one was lost."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
