@@ -1005,7 +1005,11 @@ async def test_failover_stops_within_its_limit_even_while_a_head_is_awaited():
         await engine.aclose()
     assert got.status == 504, got.raw
     error = json.loads(got.raw)["error"]
-    assert error["code"] == "upstream_timeout" and "(after trying 2 upstreams)" in error["message"]
+    # The second's wait was cut by what the window had left of its time to a first text.
+    assert error["code"] == "upstream_ttft_timeout", error
+    assert error["message"].endswith(
+        "before the failover window (1.2 s) ended (after trying 2 upstreams)"
+    )
     assert 1.2 <= took < 1.9  # two whole head timeouts would be 2 s
 
 
@@ -1032,6 +1036,47 @@ async def test_an_upstream_slow_to_send_its_head_is_failed_over_at_the_ttft_limi
     got, took = await failover_from("slowhead", ttft_s=0.5, headers_timeout_s=30, failover_s=8)
     assert got.status == 200 and got.chat_text == "one two three ", got.raw
     assert took < 4.0  # the window is 8 s, the head timeout 30 s
+
+
+async def attempts_counted(relay: str, upstream: str) -> dict[str, float]:
+    """The relay's ``replystream_upstream_attempts`` for ``upstream`` (from /metrics), by
+    result, those counted at least once."""
+    async with aiohttp.ClientSession() as session, session.get(f"{relay}/metrics") as response:
+        text = await response.text()
+    labels = rf'result="(\w+)",upstream="{re.escape(upstream)}"'
+    series = re.finditer(rf"^replystream_upstream_attempts\{{{labels}\}} (\S+)$", text, re.M)
+    return {match[1]: float(match[2]) for match in series if float(match[2])}
+
+
+@pytest.mark.parametrize(
+    ("ttft_s", "head_s", "result", "code", "said"),
+    [
+        # The TTFT limit, shorter, fires while the head is awaited: the limit that fired.
+        (0.5, 30.0, "ttft_timeout", "upstream_ttft_timeout", "sent no text within 0.5 s"),
+        # The head timeout, shorter, fires: a head that did not come.
+        (30.0, 0.5, "head_timeout", "upstream_timeout", "did not answer within 0.5 s"),
+    ],
+)
+async def test_a_head_not_sent_in_time_is_counted_as_the_limit_that_fired(
+    ttft_s: float, head_s: float, result: str, code: str, said: str
+):
+    """An upstream that takes the request and sends no head: its attempt is counted (and the
+    client told, once no upstream is left) as whichever limit ended the wait."""
+    async with fake_upstream() as (_, upstream):
+        base = f"{upstream}/slowhead/v1"
+        targets = (UpstreamTarget(base, models=("m",)),)
+        engine = UpstreamEngine(UpstreamConfig(targets, ttft_s=ttft_s, headers_timeout_s=head_s))
+        async with running(create_app(engine)) as relay:
+            started = time.monotonic()
+            got = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "model": "m"})
+            took = time.monotonic() - started
+            counted = await attempts_counted(relay, base)
+        await engine.aclose()
+    assert got.status == 504, got.raw
+    error = json.loads(got.raw)["error"]
+    assert error["code"] == code and said in error["message"], error
+    assert counted == {result: 1.0}, counted
+    assert took < 4.0  # the longer limit is 30 s
 
 
 async def test_the_ttft_limit_counts_the_heads_wait_and_the_first_texts_together():

@@ -292,11 +292,11 @@ ATTEMPT_RESULTS = (
     "cancelled",  # our client left, or the reply was stopped
     "rejected",  # the upstream refused the request itself (a 400): not its fault
     "connect_error",  # refused, unreachable, TLS, hung up or not HTTP before answering
-    "head_timeout",  # no response head in time
+    "head_timeout",  # no response head within the head timeout
     "overloaded",  # 429 or 503
     "model_not_found",  # a 404: it does not serve the model sent (not counted on its circuit)
     "error_status",  # any other status
-    "ttft_timeout",  # no text within the time-to-first-token limit
+    "ttft_timeout",  # no text within the time-to-first-token limit (a head still awaited too)
     "stalled",  # no text for the stall limit mid-reply
     "stream_error",  # the stream broke or carried an error
 )

@@ -60,7 +60,12 @@ from replystream.engine.upstream_refusals import (
     refusal,
 )
 from replystream.engine.upstream_relay import RelayedReply
-from replystream.engine.upstream_relay_types import ModelUnserved, RelayCounts, RelayLimits
+from replystream.engine.upstream_relay_types import (
+    FirstContentLate,
+    ModelUnserved,
+    RelayCounts,
+    RelayLimits,
+)
 from replystream.engine.upstream_shared_limits import OtherWorkers, backend_stats, open_slots
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
@@ -246,6 +251,8 @@ class UpstreamEngine:
         Raises:
             UpstreamUnavailable: connection refused or broken, or a bad response (502).
             UpstreamTimeout: no response head within ``headers_timeout_s`` (504).
+            RelayStalled: no response head within the attempt's time to its first content,
+                when that is shorter (504, ``upstream_ttft_timeout``).
             UpstreamOverloaded: the upstream answered 429 or 503 (with when some upstream
                 may take a request: ``retry_after_s``).
             RequestRejected: the upstream refused the request itself (400), or, passed the
@@ -329,7 +336,8 @@ class UpstreamEngine:
         """One attempt: the request to ``backend``, its stream once the head arrived (what a
         relayed reply is made of; no failover here). The head is awaited for the head
         timeout, or ``within_s`` if that is shorter (a relay's time to the attempt's first
-        content, within what its failover window has left).
+        content, within what its failover window has left: ``FirstContentLate`` when it
+        passes).
         """
         key = request.client_key
         if key and backend.name in self._keys.passing and key_problem(key) is not None:
@@ -342,6 +350,7 @@ class UpstreamEngine:
             )
         body = to_json(request_body(request, self._model_for(backend, request)))
         timeout = self.config.headers_timeout_s
+        first_content_due = within_s is not None and within_s < timeout
         if within_s is not None:
             timeout = min(timeout, within_s)
         sent_at = time.monotonic()
@@ -354,6 +363,8 @@ class UpstreamEngine:
                 origin = self._origin(backend)
                 response = await origin.post("/chat/completions", body, headers)
         except TimeoutError:
+            if first_content_due:  # the relay's limit fired, not the head's: it says which
+                raise FirstContentLate from None
             raise UpstreamTimeout(
                 f"the upstream at {backend.name} did not answer within {timeout:.3g} s",
                 code="upstream_timeout",

@@ -41,10 +41,12 @@ from replystream.engine.upstream_relay_types import (
     AT_HEAD,
     NOT_ITS_HEALTH,
     Attempt,
+    FirstContentLate,
     NoUpstream,
     Opener,
     RelayCounts,
     RelayLimits,
+    RelayStalled,
     UpstreamBusy,
 )
 from replystream.engine.upstream_shared_limits import Slot, take_slot
@@ -155,15 +157,18 @@ class AttemptSeries:
             self._trial = backend.begin()
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
+            # The time to the first content counts from here, the head's wait included: an
+            # upstream slow to answer at all goes the way of one slow to write.
+            limit = self._ttft_limit()
             try:
                 request = self._attempt_request()
-                # The time to the first content counts from here, the head's wait included:
-                # an upstream slow to answer at all goes the way of one slow to write.
-                self._stream = await self._opener(backend, request, self._ttft_limit())
+                self._stream = await self._opener(backend, request, limit)
                 return
             except RequestRejected:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
                 raise
+            except FirstContentLate:  # the head's wait used up the time to the first content
+                self._attempt_failed(self._timed_out(limit, False), "ttft_timeout")
             except EngineError as exc:
                 self._attempt_failed(exc, AT_HEAD.get(exc.code, "connect_error"))
             except BaseException:
@@ -181,6 +186,24 @@ class AttemptSeries:
         the failover window's end."""
         left = self._limits.failover_s - (self._attempt_began - self._began)
         return max(0.001, min(self._own_ttft_s(), left))
+
+    def _timed_out(self, limit: float, flowing: bool) -> EngineError:
+        """The current attempt's failure when ``limit`` passed without content: before the
+        first (its head's wait included), or mid-reply (``flowing``)."""
+        where = "the upstream" if self._backend is None else f"the upstream at {self._backend.name}"
+        if flowing:
+            return RelayStalled(
+                f"{where} sent no text for {limit:g} s mid-reply", code="upstream_stalled"
+            )
+        if limit < self._own_ttft_s():  # what the window had left, not a limit of its own
+            return RelayStalled(
+                f"{where} sent no text before the failover window "
+                f"({self._limits.failover_s:g} s) ended",
+                code="upstream_ttft_timeout",
+            )
+        return RelayStalled(
+            f"{where} sent no text within {limit:g} s", code="upstream_ttft_timeout"
+        )
 
     def _preferred_among(self, usable: list[Backend]) -> Backend:
         """Routed by prefix: the upstream this reply's key goes to among ``usable``."""

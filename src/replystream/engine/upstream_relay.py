@@ -45,7 +45,6 @@ from replystream.engine.upstream_relay_types import (
     RelayBroken,
     RelayCounts,
     RelayLimits,
-    RelayStalled,
 )
 from replystream.engine.upstream_slots import SharedLimits
 
@@ -356,19 +355,3 @@ class RelayedReply(AttemptSeries):
         assert self._waiter is not None
         self._overdue = True
         self._waiter.cancel()
-
-    def _timed_out(self, limit: float, flowing: bool) -> EngineError:
-        where = "the upstream" if self._backend is None else f"the upstream at {self._backend.name}"
-        if flowing:
-            return RelayStalled(
-                f"{where} sent no text for {limit:g} s mid-reply", code="upstream_stalled"
-            )
-        if limit < self._own_ttft_s():  # what the window had left, not a limit of its own
-            return RelayStalled(
-                f"{where} sent no text before the failover window "
-                f"({self._limits.failover_s:g} s) ended",
-                code="upstream_ttft_timeout",
-            )
-        return RelayStalled(
-            f"{where} sent no text within {limit:g} s", code="upstream_ttft_timeout"
-        )

@@ -32,8 +32,15 @@ class Attempt(PushDeltaStream, Protocol):
 
 
 # Sends ``request`` to ``backend`` and returns its stream once the response head arrived,
-# awaiting that head no longer than the given seconds (the attempt's time to first content).
+# awaiting that head no longer than the given seconds (the attempt's time to first content):
+# raises ``FirstContentLate`` when those pass first, an ``EngineError`` for any other failure.
 Opener = Callable[[Backend, GenerationRequest, float], Awaitable[Attempt]]
+
+
+class FirstContentLate(Exception):
+    """An ``Opener``'s: the attempt's time to its first content passed while its response
+    head was awaited (before the head timeout did). That limit fired, not the head's: the
+    relay counts and words it as ``ttft_timeout``, as when it passes after the head."""
 
 
 # What an attempt's failure is counted and logged as (``base.ATTEMPT_RESULTS``), by its
