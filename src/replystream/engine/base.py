@@ -84,6 +84,16 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
 
+class ChoiceGroup:
+    """The choices of one request of several (``n > 1``), as ``engine.choices`` starts them
+    one after another: every choice's request names the same group, so an engine that must
+    admit them together (a relay takes room at its upstreams for all of them before the
+    first is sent, or for none) knows which starts belong to one request. Its identity is
+    all it is."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One reply to make: the prompt text and how to sample it.
@@ -144,6 +154,8 @@ class GenerationRequest:
     # (``engine.choices``): an engine that runs only so many requests at once refuses a
     # request whose choices could never all run together.
     choices: int = 1
+    # The request of several choices this one is a choice of (None: a request of one).
+    group: ChoiceGroup | None = field(default=None, compare=False, repr=False)
 
     @property
     def forces_tool_call(self) -> bool:

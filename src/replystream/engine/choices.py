@@ -1,7 +1,9 @@
 """Several choices from one request (``n > 1``): n generations, each its own, as one stream.
 
-``start_choices`` admits the request n times, each told how many there are (``choices``, so
-an engine that cannot run them all at once refuses the first) and each with its own seed
+``start_choices`` admits the request n times, one after another, each told how many there
+are (``choices``, so an engine that cannot run them all at once refuses the first) and which
+request they are choices of (``group``, so an engine that must admit them together, a relay
+taking room at its upstreams, knows them for one request), each with its own seed
 (``seed + i``, where ``seed`` is the request's, else the one the engine settles for it once:
 ``Engine.seed_for``), so the choices differ and a request that gives a seed makes the same
 choices again; an engine that picks no seed (a relay) gets every choice without one.
@@ -19,7 +21,7 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 
-from replystream.engine.base import Delta, DeltaStream, Engine, GenerationRequest
+from replystream.engine.base import ChoiceGroup, Delta, DeltaStream, Engine, GenerationRequest
 from replystream.engine.seeds import MAX_SEED
 
 
@@ -38,7 +40,7 @@ async def start_choices(engine: Engine, request: GenerationRequest, n: int) -> C
         RequestRejected, EngineError: as ``Engine.start`` does, for the first refused.
     """
     seed = engine.seed_for(request)  # once: a fresh seed's choices are seed + i as well
-    request = replace(request, choices=n)
+    request = replace(request, choices=n, group=ChoiceGroup())
     streams: list[DeltaStream] = []
     try:
         for index in range(n):
