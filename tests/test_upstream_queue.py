@@ -58,7 +58,7 @@ class HoldingUpstream(ChatUpstream):
 
 @asynccontextmanager
 async def relay(
-    *upstreams: tuple[HoldingUpstream, int | None], **config: Any
+    *upstreams: tuple[ChatUpstream, int | None], **config: Any
 ) -> AsyncIterator[tuple[str, UpstreamEngine]]:
     async with AsyncExitStack() as stack:
         targets = []
@@ -235,7 +235,7 @@ async def test_a_waiter_woken_then_gone_passes_the_room_to_the_next():
 
 @asynccontextmanager
 async def relays_sharing(
-    upstream: HoldingUpstream, limit: int, folder: Path, count: int = 2, **config: Any
+    upstream: ChatUpstream, limit: int, folder: Path, count: int = 2, **config: Any
 ) -> AsyncIterator[list[tuple[str, UpstreamEngine]]]:
     """``count`` relays to one upstream, holding its limit together in ``folder`` as the
     workers of one server do (each its own engine, files and locks)."""

@@ -33,12 +33,14 @@ from pydantic_core import to_json
 
 from replystream.engine.base import (
     READY,
+    ChoiceGroup,
     EngineError,
     EngineStats,
     GenerationRequest,
     Readiness,
     RequestRejected,
 )
+from replystream.engine.upstream_admission import ChoiceRoom
 from replystream.engine.upstream_affinity import affinity_key
 from replystream.engine.upstream_config import (
     UpstreamConfig,
@@ -189,6 +191,8 @@ class UpstreamEngine:
         if self._shared is not None:
             others = OtherWorkers(self.pool, self._shared, lambda: len(self._queue))
         self._queue = RoomQueue(others)
+        # The choices of each request of several while they start (``upstream_admission``).
+        self._choice_rooms: dict[ChoiceGroup, ChoiceRoom] = {}
         self._session: aiohttp.ClientSession | None = None  # the health prober's
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
@@ -264,6 +268,17 @@ class UpstreamEngine:
             RequestRejected: the request asks for more choices than the upstreams serving
                 its model take requests at once (each choice is a request of its own).
         """
+        choices = self._choice_room(request)
+        try:
+            return await self._start(request, choices)
+        except BaseException:
+            if request.group is not None:  # no choice of its request starts after this one
+                self._choice_rooms.pop(request.group, None)
+            if choices is not None:  # what was taken for those goes back
+                choices.give_back(self._queue)
+            raise
+
+    async def _start(self, request: GenerationRequest, choices: ChoiceRoom | None) -> RelayedReply:
         await self._prober.first_round()
         if request.model is None and self.config.model is not None:
             # Sent as --upstream-model, so routed as it: only to upstreams that serve it.
@@ -287,13 +302,30 @@ class UpstreamEngine:
             queue=self._queue,
             shared=self._shared,
             affinity=affinity_key(request) if self.config.routing == "prefix" else None,
+            choices=choices,
         )
         try:
             await reply.open()
         except EngineError:
             self._counts["failed"] += 1
             raise
+        if choices is not None:
+            choices.sent += 1
         return reply
+
+    def _choice_room(self, request: GenerationRequest) -> ChoiceRoom | None:
+        """The room taken for the choices of ``request``'s request not started yet, as this
+        one starts: the first takes it for them all (None: a request of one choice)."""
+        group = request.group
+        if group is None:
+            return None
+        choices = self._choice_rooms.get(group)
+        if choices is None:
+            choices = self._choice_rooms[group] = ChoiceRoom(request.choices)
+        choices.unstarted -= 1
+        if not choices.unstarted:  # the last: the others know it from here
+            del self._choice_rooms[group]
+        return choices
 
     def _unserved(self, model: str | None) -> str | None:
         """What is wrong when no upstream serves ``model`` (each lists its models, and none
@@ -308,10 +340,10 @@ class UpstreamEngine:
         return f"no upstream serves {named}: they serve {listed}"
 
     def _refuse_more_choices_than_room(self, request: GenerationRequest) -> None:
-        """Each choice of a request is a request upstream, and each choice admitted holds its
-        room while the next waits for some: more choices than the upstreams take at once
-        would wait for room only they hold, until the wait for room is over (a 503 that
-        says to retry what can never be served), so such a request is refused at once."""
+        """Each choice of a request is a request upstream, and a request's choices get room
+        all at once (``upstream_admission``): more choices than the upstreams take at once
+        never would, and would wait until the wait for room is over (a 503 that says to
+        retry what can never be served), so such a request is refused at once."""
         model = self.pool.resolve(request.model)
         most = self.pool.most_at_once(model)
         if most is None or request.choices <= most:

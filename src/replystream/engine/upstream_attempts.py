@@ -6,19 +6,21 @@ upstream it goes to, the first of the pool's plan (with the reply's preference, 
 by prefix: ``upstream_affinity``) not tried yet; that no upstream is left once
 ``failover_s`` has passed since the request began (or since its latest seam), and what the
 reply then ends with: the last attempt's failure, or, when none could be tried, a 503 that
-says when some upstream may take a request (``retry_after_s``). When every upstream left
-is at its limit of requests at once, the request waits for room (``upstream_queue``) for at
-most ``queue_s``, then is ``upstream_busy`` (503). With ``shared`` limits (the workers of one
-server), an attempt at an upstream with a limit also holds one of its slots
-(``upstream_slots``) from the moment it is chosen to its end, however it ends; an upstream
-whose slots the other workers hold is passed over as one at its limit. An upstream that
-refused the request itself (a 400) is not retried elsewhere; one that answered 404 (it does
-not serve the model) goes last for that model in later plans (``upstream_pool``); any other
-failure at the head is counted on that upstream's circuit (but for what it says of the
-request, not of the upstream: ``NOT_ITS_HEALTH``; a busy upstream's ``Retry-After`` keeps its
-circuit open at least that long: ``upstream_pool``) and the next upstream is tried. Every
-attempt's result is counted on its backend and logged (``replystream.access``, one JSON line
-each, with the request id). What an attempt sends after a seam is ``upstream_continuation``'s.
+says when some upstream may take a request (``retry_after_s``). When every upstream left is
+at its limit of requests at once, the request waits for room (``upstream_queue``) for at
+most ``queue_s``, then is ``upstream_busy`` (503); a choice of a request of several takes
+room with those of its choices not started yet, all or none (``upstream_admission``). With
+``shared`` limits (the workers of one server), an attempt at an upstream with a limit also
+holds one of its slots (``upstream_slots``) from the moment it is chosen to its end, however
+it ends; an upstream whose slots the other workers hold is passed over as one at its limit.
+An upstream that refused the request itself (a 400) is not retried elsewhere; one that
+answered 404 (it does not serve the model) goes last for that model in later plans
+(``upstream_pool``); any other failure at the head is counted on that upstream's circuit
+(but for what it says of the request, not of the upstream: ``NOT_ITS_HEALTH``; a busy
+upstream's ``Retry-After`` keeps its circuit open at least that long: ``upstream_pool``) and
+the next upstream is tried. Every attempt's result is counted on its backend and logged
+(``replystream.access``, one JSON line each, with the request id). What an attempt sends
+after a seam is ``upstream_continuation``'s.
 
 It must not know how an attempt is read, when one failed mid-stream or what happens then
 (``upstream_relay``), how an attempt is sent (``Opener``), or anything about our HTTP
@@ -31,8 +33,10 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from replystream.engine.base import EngineError, GenerationRequest, RequestRejected
+from replystream.engine.upstream_admission import ChoiceRoom, Hold, room, take_one, take_room
 from replystream.engine.upstream_affinity import home, preferred
 from replystream.engine.upstream_continuation import continued_request
 from replystream.engine.upstream_pool import Backend, UpstreamPool
@@ -49,7 +53,6 @@ from replystream.engine.upstream_relay_types import (
     RelayStalled,
     UpstreamBusy,
 )
-from replystream.engine.upstream_shared_limits import Slot, take_slot
 from replystream.engine.upstream_slots import SharedLimits
 
 access_log = logging.getLogger("replystream.access")
@@ -65,8 +68,10 @@ class AttemptSeries:
         "_attempt_began",
         "_backend",
         "_began",
+        "_choices",
         "_counts",
         "_flowing",
+        "_hold",
         "_last_error",
         "_limits",
         "_model",
@@ -77,11 +82,9 @@ class AttemptSeries:
         "_request",
         "_sent",
         "_shared",
-        "_slot",
         "_stream",
         "_timer",
         "_tokens",
-        "_trial",
         "_tried",
     )
 
@@ -96,13 +99,17 @@ class AttemptSeries:
         queue: RoomQueue,
         affinity: str | None = None,
         shared: SharedLimits | None = None,
+        choices: ChoiceRoom | None = None,
     ) -> None:
         self._request = request
         self._pool = pool
         self._queue = queue
-        # With workers: the limits all of them hold together, and the slot this attempt holds.
+        # With workers: the limits all of them hold together.
         self._shared = shared
-        self._slot: Slot | None = None
+        # The room of the current attempt, and, for a choice of a request of several, the
+        # room taken for the choices not started yet.
+        self._hold: Hold | None = None
+        self._choices = choices
         # Routed by prefix: the upstream its key prefers goes first (else the least loaded).
         self._affinity = affinity
         self._opener = opener
@@ -112,7 +119,6 @@ class AttemptSeries:
         self._tried: set[Backend] = set()
         self._began = time.monotonic()  # of the request, or of the latest seam
         self._backend: Backend | None = None
-        self._trial = False  # the current attempt is its upstream's circuit's trial
         self._stream: Attempt | None = None
         self._attempt_began = 0.0
         self._flowing = False  # the current attempt has relayed content
@@ -130,31 +136,29 @@ class AttemptSeries:
         while True:
             if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
-            prefer = None if self._affinity is None else self._preferred_among
-            plan = self._pool.plan(self._model, prefer, self._tried)
-            if self._shared is None:
-                backend = plan[0] if plan else None
-                held_elsewhere = False
-            else:
-                backend, self._slot, held_elsewhere = take_slot(self._shared, plan)
-            if backend is None and (held_elsewhere or self._pool.full(self._model, self._tried)):
+            hold, full = self._take_room()
+            if hold is None and full and self._others_wait_for_this():
+                # In line, it would hold their room while it waited for more: it ends now.
+                raise self._no_room(0.0) if self._last_error is None else self._give_up()
+            if hold is None and full:
                 now = time.monotonic()
                 again, queued_at = queued_at is not None, queued_at or now
                 left = self._limits.queue_s - (now - queued_at)
-                if left > 0 and await self._queue.wait(self._model, left, queued_at, again=again):
+                if left > 0 and await self._queue.wait(
+                    self._model, left, queued_at, again=again, fits=self._fits()
+                ):
                     # Time in line is not the failover window's (``queue_s`` bounds it): the
                     # attempt let in has what was left of the window when the wait began.
                     self._began += time.monotonic() - now
                     continue
                 raise self._no_room(time.monotonic() - queued_at)
-            if backend is None:
+            if hold is None:
                 raise self._give_up()
+            backend = hold.backend
             if len(self._tried) == 1 and not self._relayed_any:
                 self._counts.failovers += 1  # once per reply, however many moves it made
-            if not self._tried and self._spilled_past_home(backend):
-                self._counts.spills += 1
             self._tried.add(backend)
-            self._trial = backend.begin()
+            self._hold = hold
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
             # The time to the first content counts from here, the head's wait included: an
@@ -174,6 +178,61 @@ class AttemptSeries:
             except BaseException:
                 self._attempt_over("cancelled")
                 raise
+
+    def _take_room(self) -> tuple[Hold | None, bool]:
+        """Room for the next attempt (counted at its upstream), or None and whether only the
+        limits keep it out. While some of its request's choices have not started, it is
+        taken with theirs, all or none (``upstream_admission``): a choice's first attempt
+        uses the room taken for it, if some was."""
+        prefer = None if self._affinity is None else self._preferred_among
+        choices = self._choices
+        if choices is None or not choices.starting:
+            backend, slot, full = take_one(
+                self._pool, self._shared, self._model, prefer, self._tried
+            )
+            if backend is None:
+                return None, full
+            self._count_spill(backend)
+            return Hold(backend, slot), False
+        if self._tried or not choices.holds:  # for this one and those not started yet
+            choices.give_back(self._queue)
+            count = 1 + choices.unstarted
+            holds = take_room(self._pool, self._shared, self._model, count, prefer, self._tried)
+            if holds is None:
+                return None, True
+            choices.holds = holds
+        if not choices.holds:
+            return None, False
+        hold = choices.holds.pop(0)
+        self._count_spill(hold.backend)
+        return hold, False
+
+    def _fits(self) -> Callable[[], bool] | None:
+        """While this attempt waits in line: whether there is room enough to let it in now,
+        when it needs more than one (its request's choices not started yet, too); None
+        when any room is."""
+        choices = self._choices
+        if choices is None or not choices.starting:
+            return None
+        pool, shared, model, tried = self._pool, self._shared, self._model, set(self._tried)
+        count = 1 + choices.unstarted
+
+        def fits() -> bool:
+            if tried and not room(pool, shared, model, 1, tried):
+                return False  # none where this attempt has not been yet
+            return room(pool, shared, model, count) >= count
+
+        return fits
+
+    def _others_wait_for_this(self) -> bool:
+        """Whether choices of its request were sent already and wait for this one to be:
+        they are read, and their room given back as they end, only once all are sent."""
+        choices = self._choices
+        return choices is not None and 0 < choices.sent < self._request.choices
+
+    def _count_spill(self, first: Backend) -> None:
+        if not self._tried and self._spilled_past_home(first):
+            self._counts.spills += 1
 
     def _own_ttft_s(self) -> float:
         """The current attempt's upstream's time to its first content, else the relay's."""
@@ -273,13 +332,9 @@ class AttemptSeries:
         if result == "ok":
             backend.ended_well()
             self._pool.served(backend, self._model)
-        backend.end(self._trial)
-        if self._slot is not None:
-            slots, index = self._slot
-            self._slot = None
-            slots.give_back(index)
-        if backend.max_outstanding is not None:
-            self._queue.ended(backend)
+        hold, self._hold = self._hold, None
+        assert hold is not None
+        hold.give_back(self._queue)
         backend.attempts[result] += 1
         if result != "ok" or len(self._tried) > 1:
             self._log(backend, result)

@@ -3,7 +3,11 @@
 served, each for at most a bound of its own.
 
 This file decides who is woken when: when a request at an upstream ends, the first waiter
-for a model that upstream serves (one, not all: a slot lets one request in); when the routes
+for a model that upstream serves (one, not all: a slot lets one request in) that the room
+there is enough for: a request of several choices waits for room for all of them at once
+(``upstream_admission``), and says how it tells (``fits``); while there is not, a room freed
+goes on to the next waiter, one that does not need as much (first come, first served among
+those that fit: a request of several waits at most its ``queue_s``, as any); when the routes
 change, every waiter, to look again. A woken waiter that finds the room taken already (by a
 request that came meanwhile) waits again at the front, where it was. What counts as room is
 ``upstream_pool``'s; what a request does when its wait is over is ``upstream_attempts``'s.
@@ -25,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from replystream.engine.upstream_pool import Backend
@@ -36,14 +40,19 @@ DEFERRED_POLLS = 4
 
 
 class _Waiter:
-    __slots__ = ("model", "since", "woken")
+    __slots__ = ("fits", "model", "since", "woken")
 
     def __init__(
-        self, model: str | None, since: float, woken: asyncio.Future[Backend | None]
+        self,
+        model: str | None,
+        since: float,
+        woken: asyncio.Future[Backend | None],
+        fits: Callable[[], bool] | None,
     ) -> None:
         self.model = model
         self.since = since  # when it began to wait (before any wait ``again``)
         self.woken = woken  # done with the upstream that has room (None: look at them all)
+        self.fits = fits  # whether the room there is now is enough for it (None: any is)
 
 
 class OtherLines(Protocol):
@@ -76,13 +85,21 @@ class RoomQueue:
         return len(self._waiting)
 
     async def wait(
-        self, model: str | None, within_s: float, since: float, *, again: bool = False
+        self,
+        model: str | None,
+        within_s: float,
+        since: float,
+        *,
+        again: bool = False,
+        fits: Callable[[], bool] | None = None,
     ) -> bool:
         """Wait until an upstream that may serve ``model`` has room (True), or for
         ``within_s`` seconds (False); ``since``: when the request began to wait
         (``time.monotonic``). ``again``: a waiter woken before, whose room was taken first,
-        waits at the front."""
-        waiter = _Waiter(model, since, asyncio.get_running_loop().create_future())
+        waits at the front. ``fits``: whether the room there is now is enough (a request
+        that needs more than one); it is passed over until it is."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(model, since, loop.create_future(), fits)
         if again:
             self._waiting.appendleft(waiter)
         else:
@@ -120,9 +137,10 @@ class RoomQueue:
         return oldest is None or self._waiting[0].since <= oldest
 
     def freed(self, backend: Backend) -> None:
-        """``backend`` has room for one more: wake the first waiter it may serve."""
+        """``backend`` has room for one more: wake the first waiter it may serve that it is
+        enough for."""
         for waiter in self._waiting:
-            if backend.serves(waiter.model):
+            if backend.serves(waiter.model) and (waiter.fits is None or waiter.fits()):
                 self._waiting.remove(waiter)
                 waiter.woken.set_result(backend)
                 if self._others is not None:

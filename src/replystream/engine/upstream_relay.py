@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 
 from replystream.engine.base import Delta, DeltaSink, EngineError, GenerationRequest
+from replystream.engine.upstream_admission import ChoiceRoom
 from replystream.engine.upstream_attempts import AttemptSeries
 from replystream.engine.upstream_pool import UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
@@ -83,6 +84,7 @@ class RelayedReply(AttemptSeries):
         queue: RoomQueue,
         affinity: str | None = None,
         shared: SharedLimits | None = None,
+        choices: ChoiceRoom | None = None,
     ) -> None:
         super().__init__(
             request,
@@ -93,6 +95,7 @@ class RelayedReply(AttemptSeries):
             queue=queue,
             affinity=affinity,
             shared=shared,
+            choices=choices,
         )
         self._continuation = continuation
         self._seam: str | None = None  # why the next attempt continues the reply

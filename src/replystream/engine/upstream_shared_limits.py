@@ -55,6 +55,18 @@ def take_slot(
     return None, None, passed_over
 
 
+def free_slots(shared: SharedLimits, backend: Backend, most: int) -> int:
+    """How many slots of ``backend`` (which has a limit) no worker holds now, counted up to
+    ``most``; ``most`` when the shared folder cannot be used (this worker's own count still
+    bounds the upstream then, as ``take_slot`` has it)."""
+    assert backend.max_outstanding is not None
+    try:
+        return shared.slots(backend.name).free(backend.max_outstanding, most)
+    except OSError as exc:
+        log.error("cannot read the shared slots of %s: %s", backend.name, exc)
+        return most
+
+
 def open_slots(shared: SharedLimits, backends: list[Backend]) -> None:
     """After the routes changed: each limited upstream's slot files open, those of a
     limit lowered too (requests under way there count against the new one)."""
