@@ -2,6 +2,7 @@
 
 import os
 import re
+import uuid
 
 from replystream.server import ids
 
@@ -10,7 +11,8 @@ def test_ids_have_their_shapes_and_do_not_repeat():
     replies = [ids.reply_id() for _ in range(10_000)]  # several blocks of OS randomness
     requests = [ids.request_id() for _ in range(10_000)]
     assert all(re.fullmatch(r"[A-Za-z0-9_-]{24}", r) for r in replies)
-    assert all(re.fullmatch(r"[0-9a-f]{16}", r) for r in requests)
+    # A request id is a version 4 UUID as it is usually written.
+    assert all(str(uuid.UUID(r)) == r and uuid.UUID(r).version == 4 for r in requests)
     assert len(set(replies)) == len(replies) and len(set(requests)) == len(requests)
 
 

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -35,6 +36,14 @@ def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+def is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
 class Upstream:
     """An OpenAI-compatible upstream: lists ``models``, answers as ``mode`` says."""
 
@@ -49,6 +58,9 @@ class Upstream:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.headers.append(dict(request.headers))
+        if self.mode == "uuid_ids" and not is_uuid(request.headers.get("X-Request-Id", "")):
+            # As llama-cpp-python's server (starlette-context) refuses an id not a UUID.
+            return web.Response(status=400)
         if self.mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=503)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -617,6 +629,21 @@ async def test_each_attempt_carries_the_request_id_and_the_callers_trace_context
             seen = lowered(fine.headers[-1])  # every reply ends there: the other is busy
             assert seen["x-request-id"] == lowered(got.headers)["x-request-id"] != "req-42"
             assert "traceparent" not in seen and "tracestate" not in seen, (bad, seen)
+
+
+async def test_a_request_id_of_ours_is_one_an_upstream_that_wants_uuids_takes():
+    """Some servers (llama-cpp-python's) refuse a request whose ``X-Request-Id`` is not a
+    UUID, with an empty 400: the ids this server makes for requests are UUIDs, so the
+    requests of clients that send none (the SDKs) are relayed, under the id the client is
+    told."""
+    strict = Upstream(["m"], mode="uuid_ids")
+    async with relay([strict]) as url:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        for _ in range(3):
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 "
+            sent = lowered(strict.headers[-1])["x-request-id"]
+            assert sent == lowered(got.headers)["x-request-id"] and is_uuid(sent)
 
 
 async def test_a_failover_leaves_the_round_robin_where_the_other_requests_find_it():

@@ -41,5 +41,11 @@ def reply_id() -> str:
 
 
 def request_id() -> str:
-    """64 random bits as 16 hex digits."""
-    return _pool.take(8).hex()
+    """A random UUID (version 4) in its usual form: 8-4-4-4-12 hex digits. The form many
+    servers expect of ``X-Request-Id`` (Envoy makes it; llama-cpp-python's server refuses a
+    request whose id is not a UUID), which a relay passes on to its upstreams."""
+    raw = bytearray(_pool.take(16))
+    raw[6] = raw[6] & 0x0F | 0x40  # version 4
+    raw[8] = raw[8] & 0x3F | 0x80  # the variant of RFC 9562
+    digits = raw.hex()
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
