@@ -29,7 +29,7 @@ from replystream.server.native_schemas import ReplyBody
 from replystream.server.refusal_names import FieldNames
 from replystream.server.replies import Disconnect
 from replystream.server.schema_fields import SamplingFields
-from replystream.server.tool_requests import check_tool_answers, origins_in, prompt_of
+from replystream.server.tool_requests import OriginsIn, check_tool_answers, prompt_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ def relayed_messages(messages: Sequence[Message]) -> tuple[Mapping[str, Any], ..
     relayed = tuple(
         message.model_dump(exclude_unset=True, exclude=SDK_ECHOES) for message in messages
     )
-    check_tool_answers(relayed, origins_in("messages", len(relayed)))
+    check_tool_answers(relayed, OriginsIn("messages"))
     return relayed
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from replystream.server.anthropic_schemas import (
     AnthropicMessage,
@@ -50,9 +50,24 @@ class Origin(NamedTuple):
         return self.calls[index] if index < len(self.calls) else self.path
 
 
-def origins_in(param: str, count: int) -> list[Origin]:
-    """The origins of messages that are the request's own ``param`` list, one for one."""
-    return [Origin(f"{param}[{index}]") for index in range(count)]
+class Origins(Protocol):
+    """Where each message of a request came from, by its place among them (a list, or
+    ``OriginsIn``)."""
+
+    def __getitem__(self, index: int, /) -> Origin: ...
+
+
+class OriginsIn:
+    """The origins of messages that are the request's own ``param`` list, one for one, each
+    made when a mistake names it (most requests have none)."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: str) -> None:
+        self.param = param
+
+    def __getitem__(self, index: int, /) -> Origin:
+        return Origin(f"{self.param}[{index}]")
 
 
 Tools = tuple[Mapping[str, Any], ...]
@@ -144,7 +159,7 @@ def _relayed(functions: list[dict[str, Any]]) -> Tools | None:
     return tuple({"type": "function", "function": function} for function in functions)
 
 
-def check_tool_answers(messages: Sequence[Mapping[str, Any]], origins: Sequence[Origin]) -> None:
+def check_tool_answers(messages: Sequence[Mapping[str, Any]], origins: Origins) -> None:
     """Every ``tool`` message answers a call an earlier assistant message made, once: two
     calls of one message with one id, or a call answered twice, would leave which result
     belongs to which call a guess. (An id may come back in a later turn: engines that number
@@ -152,25 +167,27 @@ def check_tool_answers(messages: Sequence[Mapping[str, Any]], origins: Sequence[
     ``origins``: where each message came from, which a mistake names."""
     calls: set[str] = set()  # every call id made so far
     answered: set[str] = set()  # ids answered since they were last made
-    for message, origin in zip(messages, origins, strict=True):
-        made = [call["id"] for call in message.get("tool_calls") or ()]
-        for second, call_id in enumerate(made):
-            if call_id in made[:second]:
-                message_text = f"two tool calls of one message have the id {call_id!r}"
-                raise _bad(origin.of_call(second), message_text)
-        calls.update(made)
-        answered.difference_update(made)
+    for index, message in enumerate(messages):
+        made_calls = message.get("tool_calls")
+        if made_calls:
+            made = [call["id"] for call in made_calls]
+            for second, call_id in enumerate(made):
+                if call_id in made[:second]:
+                    message_text = f"two tool calls of one message have the id {call_id!r}"
+                    raise _bad(origins[index].of_call(second), message_text)
+            calls.update(made)
+            answered.difference_update(made)
         if message["role"] != "tool":
             continue
         call_id = message.get("tool_call_id")
         if call_id not in calls:
             raise _bad(
-                origin.path,
+                origins[index].path,
                 f"a tool result answers the call {call_id!r}, "
                 "which no earlier assistant message made",
             )
         if call_id in answered:
-            raise _bad(origin.path, f"the call {call_id!r} is answered twice")
+            raise _bad(origins[index].path, f"the call {call_id!r} is answered twice")
         answered.add(call_id)
 
 
