@@ -262,6 +262,43 @@ async def test_a_pushed_reply_stopped_ends_in_the_next_loop_turn_with_the_first_
     )
 
 
+class EndsInAttach(PushStream):
+    """A pushed stream with all of its reply at hand: it ends inside ``attach``."""
+
+    def attach(self, sink: DeltaSink) -> None:
+        super().attach(sink)
+        sink.on_deltas([Delta("all", 1, time.monotonic())])
+        sink.on_end(None)
+
+
+async def test_a_reply_ended_inside_attach_concludes_in_the_next_turn_without_a_reader() -> None:
+    reply = await make_reply(EndsInAttach())
+    reply.manager.start(reply)
+    assert phase_of(reply) is Phase.STOPPING  # its log is there for the reader to come
+    await asyncio.sleep(0)
+    assert phase_of(reply) is Phase.ENDED
+    assert (await last_event(reply))[0] == "done"
+
+
+async def test_a_reply_ended_inside_attach_concludes_once_its_reader_sent_its_first_events() -> (
+    None
+):
+    failures: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: failures.append(context))
+    reply = await make_reply(EndsInAttach())
+    reply.manager.start(reply)
+    reply.reader_joined()
+    reply.consumed(reply.last_seq)
+    # Concluded before the turn ends: the reader finds the last events at its next look.
+    assert phase_of(reply) is Phase.ENDED
+    assert reply.record.outcome == "finished"
+    assert (await last_event(reply))[0] == "done"
+    await asyncio.sleep(0)  # the conclusion put off to this turn does not come again
+    await asyncio.sleep(0)
+    assert failures == []
+    assert phase_of(reply) is Phase.ENDED
+
+
 async def test_a_stop_after_the_reply_ended_changes_nothing() -> None:
     reply = await make_reply(PushStream())
     reply.manager.start(reply)

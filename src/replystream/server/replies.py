@@ -90,6 +90,7 @@ class Reply:
     _window_timer: asyncio.TimerHandle | None = None
     _pushed: PushDeltaStream | None = None  # the stream, when the engine pushes its deltas
     _attaching: bool = False  # inside the pushed stream's ``attach`` (see ``_production_ended``)
+    _conclusion: asyncio.Handle | None = None  # its conclusion, put off by ``_production_ended``
     _detach_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -162,9 +163,16 @@ class Reply:
 
     def consumed(self, upto: int) -> None:
         """A reader has sent everything up to ``upto``; a reply nobody may resume, with one
-        reader, needs none of it again, so its log stops growing with the reply."""
+        reader, needs none of it again, so its log stops growing with the reply. A reply
+        whose conclusion was put off (``_production_ended``) concludes now."""
         if not self.resumable and self.readers == 1:
             self.store.release(self.reply_id, upto)
+        if self._conclusion is not None:
+            # It ended inside ``attach``, and a reader has joined and sent its opening events:
+            # concluded now, that reader finds the last events at its next look, in this turn,
+            # rather than waiting for the turn it was put off to and then being woken.
+            self._conclusion.cancel()
+            self._conclude()
 
     def reader_fell_behind(self) -> None:
         """The only reader of a reply nobody may resume is past the slow-client limit: stop
@@ -287,8 +295,9 @@ class Reply:
                 # Ended inside ``attach`` (nothing was left to make, or the first text ended
                 # it): the first reader joins once ``begin`` has returned, in this turn of the
                 # loop. Concluded now, a reply nobody may resume would forget its log first;
-                # concluded in the next turn, as a producer task would, the reader has it.
-                asyncio.get_running_loop().call_soon(self._conclude)
+                # concluded in the next turn, as a producer task would, the reader has it
+                # (or sooner, once a reader has sent what it found: ``consumed``).
+                self._conclusion = asyncio.get_running_loop().call_soon(self._conclude)
             else:
                 self._conclude()
 
@@ -316,6 +325,7 @@ class Reply:
         """End the reply as its ending's row of ``ENDINGS`` says: its last events, its
         outcome, and everything it held. Runs once, however the reply ended."""
         self._advance(Event.CONCLUDED)
+        self._conclusion = None
         ending, record = self._ending, self.record
         assert ending is not None  # decided on the way into STOPPING
         rule = ending.rule
