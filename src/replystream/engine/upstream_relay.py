@@ -250,14 +250,14 @@ class RelayedReply(AttemptSeries):
         """What relaying ``deltas`` changes: the first content of an attempt (text, relayed
         thinking or a call) commits it, a tool call rules continuation out, a finish reason
         ends the attempt well."""
-        if not self._flowing:
+        first = not self._flowing
+        if first:
             self._flowing = True
             backend = self._backend
             assert backend is not None
             # From now on: the stall limit (its upstream's own, if it has one), from here.
             self._limit = self._limits.stall_s if backend.stall_s is None else backend.stall_s
             self._unwatch()
-            self._timer = self._loop.call_later(self._limit, self._check)
             backend.answered()
             backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
@@ -273,6 +273,8 @@ class RelayedReply(AttemptSeries):
                 self._done = True
                 self._unwatch()
                 self._attempt_over("ok")
+        if first and not self._done:  # (an attempt this batch ended has no stall to watch for)
+            self._timer = self._loop.call_later(self._limit, self._check)
 
     def _marker(self, first: Delta) -> Delta:
         """The empty delta that says the text goes on from a new upstream (``continued``)."""
