@@ -230,8 +230,8 @@ class FakeUpstream:
         await asyncio.sleep(30)
 
     async def _cut_at_stop(self, named: dict[str, Any], r: web.StreamResponse) -> None:
-        """A reply the upstream itself cut at a stop string (not sent, as vLLM and SGLang
-        do by default), its finishing choice naming what it matched as ``named`` says."""
+        """A reply the upstream finished ``stop``, its finishing choice naming what it
+        stopped at (vLLM's and SGLang's fields) as ``named`` says."""
         await r.write(chunk("", choice_extra={"stop_reason": None}, role="assistant"))
         await r.write(chunk("one ", choice_extra={"stop_reason": None}) + chunk("two "))
         await r.write(chunk(None, "stop", choice_extra=named) + b"data: [DONE]\n\n")
@@ -829,7 +829,7 @@ async def test_an_upstream_that_ignores_logprobs_is_an_error_not_a_silent_omissi
     assert error_of(got)["code"] == "upstream_no_logprobs"
 
 
-STOPS = ["nope", "three"]  # the request's stop strings; the upstream cut its reply at "three"
+STOPS = ["nope", "three"]  # the request's stop strings ("three": what vLLM's mode names)
 ASK_CLAUDE: dict[str, Any] = {
     "model": "m",
     "max_tokens": 64,
@@ -881,58 +881,47 @@ async def claude_ends(relay: str) -> list[tuple[str | None, str | None]]:
     ]
 
 
-async def test_a_stop_string_vllm_says_it_cut_at_is_named_in_every_dialect():
-    async with relay_of("vllmstop") as (fake, relay):
+async def test_stop_strings_go_upstream_only_from_the_dialects_that_do_not_name_them():
+    """Chat's and Responses' clients learn only that a stop string ended the reply: their
+    upstream is sent the stop strings and cuts the text itself. Anthropic's and the native
+    routes' clients learn which one, which llama.cpp, TGI and Ollama do not say: theirs is
+    sent none, and the relay cuts (``test_relay_stop_strings``)."""
+    async with relay_of("unnamed") as (fake, relay):
         ends = await claude_ends(relay)
-        done, whole = await native_done(relay)
+        await native_done(relay)
         chat = await post_events(f"{relay}/v1/chat/completions", {**CHAT, "stop": STOPS})
         responses = await post_events(
             f"{relay}/v1/responses",
             {"model": "m", "input": "count", "stream": True, "replystream": {"stop": STOPS}},
         )
-    assert all(sent["stop"] == STOPS for sent in fake.bodies)  # as the client gave them
-    assert ends == [("stop_sequence", "three")] * 3
-    assert done == {"finish_reason": "stop", "stop_sequence": "three"}
-    assert (whole["finish_reason"], whole["stop_sequence"]) == ("stop", "three")
-    # Dialects with no field for it finish as for a stop string cut here: chat's ``stop``,
-    # Responses' ``completed``.
+    assert [sent.get("stop") for sent in fake.bodies] == [None] * 4 + [STOPS] * 2
+    assert ends == [("end_turn", None)] * 3  # no stop string in its text: the model's own end
     chunks = [json.loads(e.data) for e in chat.events if e.data != "[DONE]"]
     finishes = [c["finish_reason"] for p in chunks for c in p["choices"]]
     assert chat.chat_text == "one two " and finishes[-1] == "stop"
     assert responses.types[-1] == "response.completed"
 
 
-async def test_a_stop_string_sglang_says_it_matched_is_named_too():
-    async with relay_of("sglangstop") as (_, relay):
-        ends = await claude_ends(relay)
-        done, whole = await native_done(relay)
-    assert ends == [("stop_sequence", "three")] * 3
-    assert done["stop_sequence"] == whole["stop_sequence"] == "three"
-
-
 @pytest.mark.parametrize(
-    ("mode", "named"),
+    "mode",
     [
-        ("vllmstop", "three"),
-        ("tokenstop", None),  # a stop token's id (EOS): the model ended its turn
-        ("otherstop", None),  # a string the client never sent: never repeated to it
-        ("liststop", None),  # not a string at all
-        ("unnamed", None),  # no such field (llama.cpp, TGI, Ollama)
+        "vllmstop",  # one of the request's stop strings (the relay sent it none)
+        "sglangstop",
+        "tokenstop",  # a stop token's id (EOS): the model ended its turn
+        "otherstop",  # a string the client never sent
+        "liststop",  # not a string at all
+        "unnamed",  # no such field (llama.cpp, TGI, Ollama)
     ],
 )
-async def test_only_one_of_the_requests_own_stop_strings_is_ever_named(
-    mode: str, named: str | None
-):
+async def test_an_upstreams_word_for_where_it_stopped_is_never_repeated(mode: str):
+    """Sent no stop strings, an upstream that finishes ``stop`` ended at the model's own
+    end, whatever its finishing choice says it stopped at: nothing of it reaches a client."""
     async with relay_of(mode) as (_, relay):
-        async with anthropic.AsyncAnthropic(base_url=relay, api_key="k", max_retries=0) as claude:
-            whole = await claude.messages.create(**ASK_CLAUDE)
-            async with claude.messages.stream(**ASK_CLAUDE) as stream:
-                final = await stream.get_final_message()
-        got = await post_events(f"{relay}/v1/replies", {"prompt": "count", "stop": STOPS})
-    expected = ("end_turn", None) if named is None else ("stop_sequence", named)
-    assert (whole.stop_reason, whole.stop_sequence) == expected
-    assert (final.stop_reason, final.stop_sequence) == expected
-    assert got.of_type("done")[-1].get("stop_sequence") == named
+        ends = await claude_ends(relay)
+        done, whole = await native_done(relay)
+    assert ends == [("end_turn", None)] * 3
+    assert done == {"finish_reason": "stop"}
+    assert whole["finish_reason"] == "stop" and "stop_sequence" not in whole
 
 
 async def test_an_upstream_failure_on_the_anthropic_route_has_an_anthropic_error_type():

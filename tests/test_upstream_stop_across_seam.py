@@ -64,6 +64,9 @@ async def test_a_stop_string_split_across_a_seam_ends_the_reply_before_it():
     continued = [b for u in upstreams for b in u.bodies if b.get("continue_final_message")]
     assert len(continued) == 3  # every reply went on at the other upstream
     assert all(b["messages"][-1] == {"role": "assistant", "content": "hello ST"} for b in continued)
+    # Only chat's attempts carry the stop string: the native route names it, so the relay
+    # cuts it itself, across the seam too.
+    assert [b.get("stop") for u in upstreams for b in u.bodies].count(["STOP"]) == 2
     assert native.types.count("continued") == 1
     assert native.text == "hello "
     assert native.of_type("done") == [{"finish_reason": "stop", "stop_sequence": "STOP"}]

@@ -144,6 +144,12 @@ class GenerationRequest:
     # a relay then passes on what its upstream streams as thinking; otherwise the thinking
     # only tells the relay its upstream is at work. Engines that do not think ignore it.
     reasoning: bool = False
+    # Whether the client is told which stop string ended the reply (Anthropic's
+    # ``stop_sequence``, the native routes'), not only that one did: an engine must then let
+    # the reply pipeline see the stop string whole, for it to name it. A relay sends no stop
+    # strings to its upstream (most upstreams cut at one without saying which), and stops
+    # the upstream itself when one completes. Engines that make their own tokens ignore it.
+    names_stop_sequence: bool = False
     # OpenAI's ``prompt_cache_key``: requests that give the same one share a prompt's start,
     # and a relay routing by prefix keeps them at one upstream (None: not given).
     prompt_cache_key: str | None = None

@@ -73,6 +73,15 @@ from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
 
 
+def stops_sent(request: GenerationRequest) -> tuple[str, ...]:
+    """The request's stop strings as its upstream is sent them: none when the client is told
+    which one ended the reply. An upstream cuts the text before a stop string and finishes
+    ``stop``, and only vLLM and SGLang say which string it was (llama.cpp, Ollama and TGI do
+    not), so the text comes whole instead: the reply pipeline cuts and names the stop string,
+    and the relay stops the upstream there (``upstream_relay``)."""
+    return () if request.names_stop_sequence else request.sampling.stop
+
+
 def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any]:
     """The upstream chat-completion body for ``request``."""
     s = request.sampling
@@ -121,8 +130,9 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
             body[name] = getattr(s, name)
     if s.logit_bias:  # token ids are the upstream model's: it checks them
         body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
-    if s.stop:
-        body["stop"] = list(s.stop)
+    stops = stops_sent(request)
+    if stops:
+        body["stop"] = list(stops)
     if s.logprobs is not None:
         body["logprobs"] = True
         body["top_logprobs"] = s.logprobs
@@ -446,7 +456,7 @@ class UpstreamEngine:
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,
-            stops=request.sampling.stop,
+            stops=stops_sent(request),
             reasoning=request.reasoning,
         )
 

@@ -14,6 +14,10 @@ This file decides when an attempt has failed and what happens next:
   the text already relayed (as the assistant's prefix, ``continue_final_message``) to the
   next upstream, and the reply goes on from there: an empty marker delta (``continued``)
   first, then the new upstream's text. Nothing relayed is sent twice.
+- A stop string of the request that completes in the text relayed (across seams too) ends
+  the reply as finished, as the built-in engines stop at one: the attempt ended well and its
+  upstream connection is closed. The reply pipeline cuts and names it; the relay only stops
+  an upstream that writes on (one sent no stop strings: ``upstream.stops_sent``).
 Which upstream the next attempt goes to, the wait for room at upstreams at their limit, what
 the reply ends with when none is left, and what each attempt's end counts and logs are
 ``upstream_attempts``'s (a ``RelayedReply`` is an ``AttemptSeries``). It must not know how an
@@ -36,6 +40,7 @@ import time
 from collections.abc import Sequence
 
 from replystream.engine.base import Delta, DeltaSink, EngineError, GenerationRequest
+from replystream.engine.stops import StopScan
 from replystream.engine.upstream_admission import ChoiceRoom
 from replystream.engine.upstream_attempts import AttemptSeries
 from replystream.engine.upstream_pool import UpstreamPool
@@ -68,6 +73,7 @@ class RelayedReply(AttemptSeries):
         "_overdue",
         "_seam",
         "_sink",
+        "_stops",
         "_text_at",
         "_waiter",
     )
@@ -100,7 +106,12 @@ class RelayedReply(AttemptSeries):
         self._continuation = continuation
         self._seam: str | None = None  # why the next attempt continues the reply
         self._continued = False  # it went on at another upstream (counted once)
-        self._held: Delta | None = None
+        # Deltas to yield before reading on (iterated): the first text after a seam, behind
+        # its marker; a finish the relay made.
+        self._held: tuple[Delta, ...] = ()
+        # The text relayed, watched for the request's stop strings (None: it has none).
+        stops = request.sampling.stop
+        self._stops = StopScan(stops) if stops else None
         # The watchdog (``_watch``): when the last text came, how long the next may take.
         self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
         self._text_at = 0.0
@@ -129,8 +140,8 @@ class RelayedReply(AttemptSeries):
 
     async def __anext__(self) -> Delta:
         while True:
-            if self._held is not None:  # the first text after a seam, behind its marker
-                held, self._held = self._held, None
+            if self._held:
+                held, self._held = self._held[0], self._held[1:]
                 return held
             if self._done:
                 raise StopAsyncIteration
@@ -157,12 +168,14 @@ class RelayedReply(AttemptSeries):
                 error = exc
             else:
                 self._text_at = time.monotonic()
-                self._took((delta,))
-                if self._seam is None:
-                    return delta
-                # The client learns where the text comes from a new upstream, then reads it.
-                self._held = delta
-                return self._marker(delta)
+                at_stop = self._took((delta,))
+                if self._seam is not None:
+                    # The client learns where the text comes from a new upstream, then reads it.
+                    self._held = (delta,)
+                    delta = self._marker(delta)
+                if at_stop is not None:
+                    self._finish("stop")
+                return delta
             finally:
                 self._waiter, self._overdue = None, False
             if not self._attempt_broke(error):
@@ -182,7 +195,9 @@ class RelayedReply(AttemptSeries):
         if sink is None:
             return
         self._text_at = time.monotonic()  # not loop.time(): asyncio's is a Python call
-        self._took(deltas)
+        at_stop = self._took(deltas)
+        if at_stop is not None:
+            deltas = list(deltas)[: at_stop + 1]  # (a deque, from the stream)
         if self._seam is not None:
             deltas = [self._marker(deltas[0]), *deltas]
         try:
@@ -191,6 +206,9 @@ class RelayedReply(AttemptSeries):
             log.exception("delivering a relayed reply's deltas failed")
             self.close()
             sink.on_end(RelayBroken("relaying the reply failed", code="upstream_broken"))
+            return
+        if at_stop is not None:
+            self._finish("stop")
 
     def on_end(self, error: EngineError | None) -> None:
         """The current attempt ended: the reply with it, or the next attempt takes over."""
@@ -207,7 +225,7 @@ class RelayedReply(AttemptSeries):
         """Stop relaying now: close the current attempt's upstream connection (or stop
         opening one); the sink is called no more. Safe from inside the sink's own calls."""
         self._done = True
-        self._held = None
+        self._held = ()
         self._sink = None
         opening, self._opening = self._opening, None
         if opening is not None:
@@ -246,10 +264,12 @@ class RelayedReply(AttemptSeries):
 
     # -- Both -----------------------------------------------------------------------------
 
-    def _took(self, deltas: Sequence[Delta]) -> None:
+    def _took(self, deltas: Sequence[Delta]) -> int | None:
         """What relaying ``deltas`` changes: the first content of an attempt (text, relayed
         thinking or a call) commits it, a tool call rules continuation out, a finish reason
-        ends the attempt well."""
+        ends the attempt well, and so does a stop string completing in the text (its upstream
+        stopped: ``_end_at_stop``). The index of the delta that completed a stop string, the
+        reply's last (None: none did)."""
         first = not self._flowing
         if first:
             self._flowing = True
@@ -261,7 +281,7 @@ class RelayedReply(AttemptSeries):
             backend.answered()
             backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
-        for delta in deltas:
+        for index, delta in enumerate(deltas):
             if delta.tool_call is not None:
                 # A continuation sends the text so far as the assistant's prefix; a call
                 # cannot be sent that way, so a reply that made one ends with its error.
@@ -273,8 +293,37 @@ class RelayedReply(AttemptSeries):
                 self._done = True
                 self._unwatch()
                 self._attempt_over("ok")
+            elif self._stop_completed(delta):
+                self._end_at_stop()
+                return index
         if first and not self._done:  # (an attempt this batch ended has no stall to watch for)
             self._timer = self._loop.call_later(self._limit, self._check)
+        return None
+
+    def _stop_completed(self, delta: Delta) -> bool:
+        """Whether ``delta`` completes one of the request's stop strings in the text relayed
+        so far (across seams: one attempt's text goes on in the next), as the reply pipeline
+        reads it: a tool call or a thought between two texts breaks it."""
+        scan = self._stops
+        if scan is None:
+            return False
+        if delta.text:
+            return scan.feed(delta.text) is not None
+        if delta.tool_call is not None or delta.reasoning:
+            scan.break_text()
+        return False
+
+    def _end_at_stop(self) -> None:
+        """A stop string completed: the reply pipeline ends the reply there, so the attempt
+        ended well. Its upstream, sent no stop strings when the client is told which one
+        ended the reply (``upstream.stops_sent``), or one that ignored them, would write on:
+        its connection is closed, as at any cancel."""
+        self._done = True
+        self._unwatch()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.end_at_stop()
+        self._attempt_over("ok")
 
     def _marker(self, first: Delta) -> Delta:
         """The empty delta that says the text goes on from a new upstream (``continued``)."""
@@ -291,7 +340,7 @@ class RelayedReply(AttemptSeries):
             if not self._continuation:
                 return False
             if self._budget_spent():
-                self._finish_at_length()
+                self._finish("length")
                 return True
             self._seam = error.code  # the next attempt continues the text relayed so far
             if not self._continued:  # once per reply, however many seams it has
@@ -307,14 +356,15 @@ class RelayedReply(AttemptSeries):
         most = self._request.sampling.max_tokens
         return most is not None and self._tokens >= most
 
-    def _finish_at_length(self) -> None:
-        """End the reply as one that reached its token budget: its upstream failed after
-        the last token the request allows, and a continuation could only send more."""
+    def _finish(self, reason: str) -> None:
+        """End the reply with a finish of the relay's own: ``length`` when its upstream
+        failed after the last token the request allows (a continuation could only send
+        more), ``stop`` at a stop string its upstream did not stop at."""
         self._done = True
-        finish = Delta("", 0, time.monotonic(), "length")
+        finish = Delta("", 0, time.monotonic(), reason)
         sink = self._sink
         if sink is None:  # iterated: the next read yields it, then the end
-            self._held = finish
+            self._held += (finish,)
             return
         try:
             sink.on_deltas((finish,))

@@ -21,7 +21,8 @@ from replystream.engine.upstream_pool import Backend
 class Attempt(PushDeltaStream, Protocol):
     """One attempt's stream as a relayed reply reads it: its deltas, when its upstream last
     streamed a reasoning model's thinking (progress, relayed or not: 0.0 for never), and
-    whether it sent its finish reason (then ``end_at_finish`` ends the reply as whole)."""
+    whether it sent its finish reason (then ``end_at_finish`` ends the reply as whole);
+    ``end_at_stop`` ends it as whole at a stop string the relay saw complete."""
 
     thought_at: float
 
@@ -29,6 +30,8 @@ class Attempt(PushDeltaStream, Protocol):
     def finish_seen(self) -> bool: ...
 
     def end_at_finish(self) -> None: ...
+
+    def end_at_stop(self) -> None: ...
 
 
 # Sends ``request`` to ``backend`` and returns its stream once the response head arrived,

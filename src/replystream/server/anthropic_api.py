@@ -142,6 +142,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         sampling=sampling_params(_sampling(body), body.max_tokens),
         continuation=_sampling(body).upstream_continue,
         reasoning=body.shows_thinking and policy.shows_thinking,
+        names_stop_sequence=True,  # ``stop_reason: "stop_sequence"`` and its ``stop_sequence``
     )
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
     with refusals_naming(_FIELDS):

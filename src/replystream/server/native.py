@@ -161,7 +161,8 @@ def parse_reply_request(
         continuation=body.upstream_continue,
     )
     policy = delivery_overrides(body, defaults)
-    generation = replace(generation, reasoning=policy.shows_thinking)
+    # Its ``done`` event and body name the stop string the reply ended at.
+    generation = replace(generation, reasoning=policy.shows_thinking, names_stop_sequence=True)
     return ReplyRequest(
         generation,
         body.stream,
