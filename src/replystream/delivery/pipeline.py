@@ -4,8 +4,7 @@ For one reply it applies hold-back moderation and stop strings (one withholding 
 ``HoldBack``), batching and the wire dialect, and numbers the events (the ``id:`` a reader
 resumes from). A stop string is decided here, not by the engine, so every engine gets it: the
 reply ends at the first one (``halted``; the caller stops the engine), finishing ``"stop"``
-with the matched string for dialects that name it (or with the one an engine says it cut
-the text at itself, on its last delta: a relay's upstream). Log probabilities, when asked, go with
+with the matched string for dialects that name it. Log probabilities, when asked, go with
 the tokens each event carries: the buffer and the batcher say how many tokens an event
 holds, and that many are taken, in order, from the ones made (so text withheld or cut takes
 its tokens' log probabilities with it). It is pure state: the caller passes the clock and
@@ -78,7 +77,6 @@ class ReplyPipeline:
         "prompt_estimate",
         "prompt_tokens",
         "reasoning_tokens",
-        "reported_stop",
         "tokens",
     )
 
@@ -122,7 +120,6 @@ class ReplyPipeline:
         self.reasoning_tokens = 0  # of ``tokens``: thinking relayed
         self.finish_reason = "stop"
         self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
-        self.reported_stop: str | None = None  # the stop string the engine cut the reply at
         self.ended = False
         self.halted = False  # a check or a stop string ended the text: push no more deltas
         self.called = False  # the reply made a tool call
@@ -149,7 +146,6 @@ class ReplyPipeline:
             self.fmt.prompt_counted(delta.prompt_tokens)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
-            self.reported_stop = delta.stop_sequence
         holdback, batcher = self.holdback, self.batcher
         if not delta.text:
             if delta.reasoning:
@@ -201,10 +197,8 @@ class ReplyPipeline:
 
     @property
     def stop_sequence(self) -> str | None:
-        """The stop string the reply ended at (None: it ended otherwise, or not yet): the one
-        its text completed here, else the one the engine says it cut the text at."""
-        held = None if self.holdback is None else self.holdback.stop_sequence
-        return self.reported_stop if held is None else held
+        """The stop string the reply ended at (None: it ended otherwise, or not yet)."""
+        return None if self.holdback is None else self.holdback.stop_sequence
 
     @property
     def batch_due_at(self) -> float | None:

@@ -244,9 +244,6 @@ class Delta(NamedTuple):
             its last, as its upstream reports it); None: the server estimates it.
         continued: on an empty marker delta (no text, no tokens), why the reply goes on at
             another upstream from here (a relay's continuation); None otherwise.
-        stop_sequence: on the last delta, the request's stop string the engine itself cut
-            the reply at (a relay's upstream that names it), for a reply whose text never
-            held it; None: none did, or the engine does not say.
         reasoning: a reasoning model's thinking (then ``text`` is empty), made only for a
             request that asked for it (``GenerationRequest.reasoning``); "" otherwise.
     """
@@ -260,7 +257,6 @@ class Delta(NamedTuple):
     tool_call: ToolCallDelta | None = None
     prompt_tokens: int | None = None
     continued: str | None = None
-    stop_sequence: str | None = None
     reasoning: str = ""
 
 

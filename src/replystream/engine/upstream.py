@@ -456,7 +456,6 @@ class UpstreamEngine:
             max_event_size=self.config.max_event_size,
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,
-            stops=stops_sent(request),
             reasoning=request.reasoning,
         )
 

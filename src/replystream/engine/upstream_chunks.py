@@ -5,10 +5,11 @@ the end of a body's).
 This file decides, with nothing buffered: each body chunk is fed to
 ``replystream.sse.EventParser`` at once, and each content delta in it becomes a ``Delta`` (one
 token each; the last delta carries the difference to the upstream's
-``usage.completion_tokens`` when it sent one, and the request's stop string the upstream cut
-the reply at, when it names one: vLLM's ``stop_reason``, SGLang's ``matched_stop``). It also
-decides which upstream misbehaviour ends a reply, always as an ``UpstreamStreamError`` with
-its own code, within bounded memory:
+``usage.completion_tokens`` when it sent one). A finishing choice's word for where the
+upstream stopped (vLLM's ``stop_reason``, SGLang's ``matched_stop``) is not read: a reply
+whose client is told which stop string ended it sends its upstream none (``upstream``), and
+the others do not name it. It also decides which upstream misbehaviour ends a reply, always
+as an ``UpstreamStreamError`` with its own code, within bounded memory:
 - ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style);
 - ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
   ``choices`` is null or absent has none: that is no failure);
@@ -141,14 +142,12 @@ class ChunkReader:
         max_event_size: int,
         withheld: tuple[str, ...] = (),
         logprobs: bool = False,
-        stops: tuple[str, ...] = (),
         reasoning: bool = False,
     ) -> None:
         self._where = f"the upstream at {name}"  # its base URL: every failure names it
         self._withheld = withheld  # keys its words may repeat, and ours must not
         self._logprobs = logprobs  # asked for: text without them is the upstream's failure
         self._reasoning = reasoning  # thinking is relayed, not only counted as progress
-        self._stops = stops  # the request's stop strings, as sent upstream
         self._max_event_size = max_event_size
         self._parser = EventParser(max_event_size=max_event_size)
         self._pending: deque[Delta] = deque()
@@ -159,7 +158,6 @@ class ChunkReader:
         self._usage_tokens: int | None = None
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._finish: str | None = None
-        self._stop_sequence: str | None = None  # which of ``_stops`` the upstream cut at
         self._said_late = False  # output after the finish reason was logged (once a reply)
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
@@ -307,7 +305,6 @@ class ChunkReader:
             reason = choice.get("finish_reason")
             if isinstance(reason, str) and reason:
                 self._finish = self._finished(reason)
-                self._stop_sequence = self._named_stop(choice)
 
     def _finished(self, reason: str) -> str:
         """Our finish reason for the upstream's ``reason``; a failure for one that says it
@@ -358,17 +355,6 @@ class ChunkReader:
                     self._pending.append(Delta("", 1, now, reasoning=thought))
                 return
 
-    def _named_stop(self, choice: dict[str, object]) -> str | None:
-        """The stop string a finishing choice says the upstream cut the reply at: vLLM's
-        ``stop_reason`` or SGLang's ``matched_stop``, when it is one of the request's own
-        stop strings (a token id, another string or anything else names none: the value is
-        the upstream's, and only a string the client sent is ever repeated to it)."""
-        for key in ("stop_reason", "matched_stop"):
-            named = choice.get(key)
-            if type(named) is str and named in self._stops:
-                return named
-        return None
-
     def _tool_calls(self, calls: object, now: float) -> None:
         """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each."""
         if not isinstance(calls, list):
@@ -398,14 +384,5 @@ class ChunkReader:
     def _finish_reply(self, now: float) -> None:
         extra = max(0, (self._usage_tokens or 0) - self._tokens)
         finish = self._finish or "stop"
-        self._pending.append(
-            Delta(
-                "",
-                extra,
-                now,
-                finish,
-                prompt_tokens=self._prompt_tokens,
-                stop_sequence=self._stop_sequence if finish == "stop" else None,
-            )
-        )
+        self._pending.append(Delta("", extra, now, finish, prompt_tokens=self._prompt_tokens))
         self._ended = self._clean = True

@@ -64,7 +64,6 @@ class UpstreamStream(ChunkReader):
         withheld: tuple[str, ...] = (),
         on_end: Callable[[str, int], None] | None = None,
         logprobs: bool = False,
-        stops: tuple[str, ...] = (),
         reasoning: bool = False,
     ) -> None:
         super().__init__(
@@ -72,7 +71,6 @@ class UpstreamStream(ChunkReader):
             max_event_size=max_event_size,
             withheld=withheld,
             logprobs=logprobs,
-            stops=stops,
             reasoning=reasoning,
         )
         self._name = name  # the upstream's base URL, as its failures name it

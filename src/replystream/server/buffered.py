@@ -93,7 +93,6 @@ class _Collector:
         self.text_chars = 0  # of the text so far, where a stretch of thinking begins
         self.reasoning_tokens = 0
         self.finish_reason = "stop"
-        self.reported_stop: str | None = None  # the stop string the engine cut the text at
         self.tokens = 0
         self.done = False  # a check failed or a stop string completed: take no more
 
@@ -102,7 +101,6 @@ class _Collector:
         self.tokens += delta.tokens
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
-            self.reported_stop = delta.stop_sequence
         if delta.reasoning:
             if not self.holdback.checks:  # as in a stream: the text before it is let out
                 self.parts.append(self.holdback.finish()[0])
@@ -135,8 +133,6 @@ class _Collector:
         if not holdback.ended:
             self.parts.append(holdback.finish()[0])
         stop = holdback.stop_sequence
-        if stop is None:  # not completed here: the engine's own cut, if it named one
-            stop = self.reported_stop
         finish = "stop" if stop is not None else self.finish_reason
         finish, stop = ending_of(bool(self.calls.calls), finish, stop)
         # The tokens of the text released (not those of a stop string cut from it).
