@@ -57,6 +57,17 @@ from replystream.engine.upstream_slots import SharedLimits
 log = logging.getLogger("replystream.upstream")
 
 
+def _completes_stop(scan: StopScan, delta: Delta) -> bool:
+    """Whether ``delta`` completes one of the request's stop strings in the text relayed so
+    far (across seams: one attempt's text goes on in the next), as the reply pipeline reads
+    it: a tool call or a thought between two texts breaks it."""
+    if delta.text:
+        return scan.feed(delta.text) is not None
+    if delta.tool_call is not None or delta.reasoning:
+        scan.break_text()
+    return False
+
+
 class RelayedReply(AttemptSeries):
     """A ``PushDeltaStream`` over a sequence of upstream attempts."""
 
@@ -207,7 +218,8 @@ class RelayedReply(AttemptSeries):
             self.close()
             sink.on_end(RelayBroken("relaying the reply failed", code="upstream_broken"))
             return
-        if at_stop is not None:
+        if at_stop is not None and self._sink is not None:
+            # (Most often the reply pipeline, which cut the stop string, closed this already.)
             self._finish("stop")
 
     def on_end(self, error: EngineError | None) -> None:
@@ -281,6 +293,7 @@ class RelayedReply(AttemptSeries):
             backend.answered()
             backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
+        stops = self._stops
         for index, delta in enumerate(deltas):
             if delta.tool_call is not None:
                 # A continuation sends the text so far as the assistant's prefix; a call
@@ -293,25 +306,12 @@ class RelayedReply(AttemptSeries):
                 self._done = True
                 self._unwatch()
                 self._attempt_over("ok")
-            elif self._stop_completed(delta):
+            elif stops is not None and _completes_stop(stops, delta):
                 self._end_at_stop()
                 return index
         if first and not self._done:  # (an attempt this batch ended has no stall to watch for)
             self._timer = self._loop.call_later(self._limit, self._check)
         return None
-
-    def _stop_completed(self, delta: Delta) -> bool:
-        """Whether ``delta`` completes one of the request's stop strings in the text relayed
-        so far (across seams: one attempt's text goes on in the next), as the reply pipeline
-        reads it: a tool call or a thought between two texts breaks it."""
-        scan = self._stops
-        if scan is None:
-            return False
-        if delta.text:
-            return scan.feed(delta.text) is not None
-        if delta.tool_call is not None or delta.reasoning:
-            scan.break_text()
-        return False
 
     def _end_at_stop(self) -> None:
         """A stop string completed: the reply pipeline ends the reply there, so the attempt
