@@ -13,13 +13,12 @@ import time
 from collections.abc import AsyncGenerator, Iterable
 
 from replystream.engine.base import (
-    READY,
     Delta,
     DeltaSink,
     DeltaStream,
     EngineStats,
     GenerationRequest,
-    Readiness,
+    InProcessEngine,
 )
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
@@ -52,7 +51,7 @@ def decoded(pieces: Iterable[bytes]) -> str:
     return codecs.decode(b"".join(pieces), "utf-8", errors="replace")
 
 
-class ScriptedEngine:
+class ScriptedEngine(InProcessEngine):
     """Replays the current script: one `Delta` per piece, the last with ``finish_reason``."""
 
     name = "scripted"
@@ -107,15 +106,6 @@ class ScriptedEngine:
         return EngineStats(
             c["started"], c["finished"], c["cancelled"], c["failed"], self._active, self._steps
         )
-
-    def model_names(self) -> tuple[str, ...]:
-        return ()
-
-    def passes_unlisted_models(self) -> bool:
-        return False
-
-    async def readiness(self) -> Readiness:
-        return READY
 
     async def aclose(self) -> None:
         return None

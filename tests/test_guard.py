@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from urllib.parse import urlsplit
 
 import pytest
 
-from replystream.engine.base import READY, EngineStats, GenerationRequest, Readiness
+from replystream.engine.base import EngineStats, GenerationRequest, InProcessEngine
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from replystream.server.guard import GuardConfig
@@ -122,7 +123,7 @@ async def test_a_body_that_does_not_arrive_is_a_408():
 
 
 async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback():
-    class Broken:
+    class Broken(InProcessEngine):
         name = "broken"
         pushes = False
         makes_tool_calls = False
@@ -141,15 +142,6 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
 
         def stats(self) -> EngineStats:
             return EngineStats(started=0, finished=0, cancelled=0, failed=0, active=0, steps=0)
-
-        def model_names(self) -> tuple[str, ...]:
-            return ()
-
-        def passes_unlisted_models(self) -> bool:
-            return False
-
-        async def readiness(self) -> Readiness:
-            return READY
 
         async def aclose(self) -> None:
             pass
@@ -206,7 +198,8 @@ async def test_every_response_has_a_request_id_that_the_access_log_names(
         await fresh.read_body()
         await asyncio.sleep(0.05)
     assert mine.headers["x-request-id"] == "abc-123"
-    assert len(fresh.headers["x-request-id"]) == 16
+    made = fresh.headers["x-request-id"]
+    assert str(uuid.UUID(made)) == made and uuid.UUID(made).version == 4
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
     by_id = {line["request_id"]: line for line in lines}
     assert (
