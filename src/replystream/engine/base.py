@@ -242,6 +242,9 @@ class Delta(NamedTuple):
         prompt_tokens: the prompt's size as the engine itself counted it, on any one delta
             (the built-in engines: their first, the tokens their chat template made; a relay:
             its last, as its upstream reports it); None: the server estimates it.
+        cached_prompt_tokens: of ``prompt_tokens``, on the same delta, those the engine
+            found in its prefix cache rather than computed (a relay: its upstream's
+            ``prompt_tokens_details.cached_tokens``); None: it did not say.
         continued: on an empty marker delta (no text, no tokens), why the reply goes on at
             another upstream from here (a relay's continuation); None otherwise.
         reasoning: a reasoning model's thinking (then ``text`` is empty), made only for a
@@ -256,6 +259,7 @@ class Delta(NamedTuple):
     choice: int = 0
     tool_call: ToolCallDelta | None = None
     prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
     continued: str | None = None
     reasoning: str = ""
 

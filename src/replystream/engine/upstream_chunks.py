@@ -91,6 +91,18 @@ def _token_count(value: object) -> int | None:
     return value if type(value) is int and 0 <= value <= MAX_TOKEN_COUNT else None
 
 
+def _cached_count(usage: dict[str, Any], prompt_tokens: int | None) -> int | None:
+    """How many of the ``prompt_tokens`` an upstream's usage says it found in its prefix
+    cache (``prompt_tokens_details.cached_tokens``, OpenAI's field, which llama.cpp's
+    server, vLLM and SGLang send too), or None for what is none: no such count, one
+    ``_token_count`` refuses, or one past the prompt's own count (or with none)."""
+    details = usage.get("prompt_tokens_details")
+    cached = _token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if cached is None or prompt_tokens is None or cached > prompt_tokens:
+        return None
+    return cached
+
+
 def _has_output(choice: object) -> bool:
     """Whether a chunk's choice carries text or a tool call (not only a role or a reason)."""
     if not isinstance(choice, dict):
@@ -157,6 +169,7 @@ class ChunkReader:
         self.thought_at = 0.0
         self._usage_tokens: int | None = None
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
+        self._cached_prompt_tokens: int | None = None  # of those, found in its prefix cache
         self._finish: str | None = None
         self._said_late = False  # output after the finish reason was logged (once a reply)
         self._ended = False  # the last delta was queued (or an error raised)
@@ -340,6 +353,7 @@ class ChunkReader:
             if completion is not None:
                 self._usage_tokens = completion
                 self._prompt_tokens = _token_count(usage.get("prompt_tokens"))
+                self._cached_prompt_tokens = _cached_count(usage, self._prompt_tokens)
 
     def _thinking(self, delta: dict[str, object], now: float) -> None:
         """A delta with no text may carry a reasoning model's thinking: relayed when the
@@ -384,5 +398,14 @@ class ChunkReader:
     def _finish_reply(self, now: float) -> None:
         extra = max(0, (self._usage_tokens or 0) - self._tokens)
         finish = self._finish or "stop"
-        self._pending.append(Delta("", extra, now, finish, prompt_tokens=self._prompt_tokens))
+        self._pending.append(
+            Delta(
+                "",
+                extra,
+                now,
+                finish,
+                prompt_tokens=self._prompt_tokens,
+                cached_prompt_tokens=self._cached_prompt_tokens,
+            )
+        )
         self._ended = self._clean = True
