@@ -5,7 +5,8 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   ``message_start`` (the message, empty, with the input tokens), then its content blocks in
   order, each ``content_block_start`` / ``content_block_delta``... / ``content_block_stop``
   with its ``index`` (counted from 0), then ``message_delta`` (the stop reason, and the usage
-  so far: input and output tokens) and ``message_stop``. ``message_start`` waits for the
+  so far: input and output tokens, and the input tokens read from the engine's prefix cache
+  when it tells them: ``usage_counts``) and ``message_stop``. ``message_start`` waits for the
   reply's first event, so its input tokens are the engine's own count of the prompt as the
   engine fed it (a chat template's tokens included), which a built-in engine gives with its
   first delta, having rendered the prompt once to admit it; the server's estimate only for
@@ -73,8 +74,7 @@ def message_object(
     *,
     text: str | None,
     stop_reason: str | None,
-    input_tokens: int,
-    output_tokens: int,
+    usage: Usage,
     stop_sequence: str | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
     thoughts: tuple[Thought, ...] = (),
@@ -104,7 +104,23 @@ def message_object(
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+        "usage": usage_counts(usage),
+    }
+
+
+def usage_counts(usage: Usage) -> dict[str, int]:
+    """Anthropic's usage for ours. Its ``input_tokens`` are the prompt's tokens not read
+    from a cache, and ``cache_read_input_tokens`` those read (the prompt is their sum, with
+    the ``cache_creation_input_tokens`` no engine here tells), so a prompt whose engine said
+    how many it found in its prefix cache is split so; else ``input_tokens`` is all of it and
+    no cache count is named, as Anthropic's own API answers a request that used no cache."""
+    cached = usage.cached_prompt_tokens
+    if cached is None:
+        return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
+    return {
+        "input_tokens": usage.prompt_tokens - cached,
+        "cache_read_input_tokens": cached,
+        "output_tokens": usage.completion_tokens,
     }
 
 
@@ -138,6 +154,7 @@ class AnthropicStreamFormat:
 
     model: str
     input_tokens: int  # the server's estimate, until the engine counts the prompt
+    _cached_input_tokens: int | None = None  # of those, its prefix cache's, if it tells
     _reply_id: str | None = None  # until ``message_start`` is sent
     _open: int | None = None  # the index of the block open now (None: none)
     _text_open: bool = False  # that block is a text block
@@ -152,8 +169,8 @@ class AnthropicStreamFormat:
         self._reply_id = reply_id
         return []
 
-    def prompt_counted(self, tokens: int) -> None:
-        self.input_tokens = tokens
+    def prompt_counted(self, tokens: int, cached: int | None) -> None:
+        self.input_tokens, self._cached_input_tokens = tokens, cached
 
     def _message_start(self) -> list[Spec]:
         """``message_start``, if it is not sent yet: before any other event."""
@@ -166,8 +183,7 @@ class AnthropicStreamFormat:
             self.model,
             text=None,
             stop_reason=None,
-            input_tokens=self.input_tokens,
-            output_tokens=0,
+            usage=Usage(self.input_tokens, 0, cached_prompt_tokens=self._cached_input_tokens),
         )
         return [("message_start", _dumps({"type": "message_start", "message": empty}))]
 
@@ -241,11 +257,10 @@ class AnthropicStreamFormat:
         # Cumulative, as Anthropic's are: the SDK's final message takes these, so the engine's
         # own prompt count replaces the estimate message_start had to send when the engine
         # tells it only at the end (a relay's upstream reports it last).
-        counts = {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": None, **extra},
-            "usage": counts,
+            "usage": usage_counts(usage),
         }
         return [
             *self._message_start(),

@@ -64,6 +64,13 @@ class ChoicesPipeline:
         read the same prompt, and usage counts it once (as OpenAI's does for ``n``)."""
         return next((c.prompt_tokens for c in self.choices if c.prompt_tokens is not None), None)
 
+    @property
+    def cached_prompt_tokens(self) -> int | None:
+        """Of ``prompt_tokens``, those the same choice's count found in its prefix cache (a
+        relay's choices are several upstream requests: the pair comes from one of them)."""
+        counted = (c for c in self.choices if c.prompt_tokens is not None)
+        return next((c.cached_prompt_tokens for c in counted), None)
+
     def _number(self, entries: list[LogEntry]) -> list[LogEntry]:
         seq = self.next_seq
         self.next_seq += len(entries)
@@ -112,7 +119,8 @@ class ChoicesPipeline:
         ]
         reported = self.prompt_tokens
         thought = sum(choice.reasoning_tokens for choice in self.choices)
-        usage = Usage(self.prompt_estimate if reported is None else reported, self.tokens, thought)
+        prompt = self.prompt_estimate if reported is None else reported
+        usage = Usage(prompt, self.tokens, thought, self.cached_prompt_tokens)
         return self._number(entries) + self._number(
             [LogEntry(0, event, data) for event, data in self._ending(usage)]
         )

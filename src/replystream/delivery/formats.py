@@ -63,11 +63,14 @@ class Notices(Protocol):
 @dataclass(frozen=True, slots=True)
 class Usage:
     """A reply's token counts; ``completion_tokens`` include ``reasoning_tokens`` (thinking
-    relayed), as OpenAI counts them, which are named apart only when there were some."""
+    relayed), as OpenAI counts them, which are named apart only when there were some.
+    ``prompt_tokens`` include ``cached_prompt_tokens``, those the engine found in its prefix
+    cache (None: it did not say, and no count is named; 0 is a count, and named)."""
 
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    cached_prompt_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         counts: dict[str, Any] = {
@@ -75,13 +78,15 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_prompt_tokens is not None:  # OpenAI's own field for it
+            counts["prompt_tokens_details"] = {"cached_tokens": self.cached_prompt_tokens}
         if self.reasoning_tokens:
             counts["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return counts
 
     def as_json(self) -> str:
         """``json.dumps(self.as_dict())``, spelt out: every streamed reply sends it."""
-        if self.reasoning_tokens:
+        if self.reasoning_tokens or self.cached_prompt_tokens is not None:
             return json.dumps(self.as_dict())
         prompt, completion = self.prompt_tokens, self.completion_tokens
         return (
@@ -95,10 +100,11 @@ class StreamFormat(Protocol):
 
     def started(self, reply_id: str) -> list[Spec]: ...
 
-    def prompt_counted(self, tokens: int) -> None:
-        """The engine's own count of the prompt (``Delta.prompt_tokens``), before the events
-        of the delta that carried it: for a dialect that names the count before any usage
-        (Anthropic's ``message_start``); the others take it from their ending's usage."""
+    def prompt_counted(self, tokens: int, cached: int | None) -> None:
+        """The engine's own count of the prompt (``Delta.prompt_tokens``, and of those its
+        ``cached_prompt_tokens``), before the events of the delta that carried it: for a
+        dialect that names the count before any usage (Anthropic's ``message_start``); the
+        others take it from their ending's usage."""
         ...
 
     def text(self, text: str, tokens: int) -> list[Spec]:
@@ -206,7 +212,7 @@ class LabFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
-    def prompt_counted(self, tokens: int) -> None:
+    def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # told in the ending's usage
 
     def text(self, text: str, tokens: int) -> list[Spec]:
@@ -247,7 +253,7 @@ class NativeFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
-    def prompt_counted(self, tokens: int) -> None:
+    def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # told in the ending's usage
 
     def text(self, text: str, tokens: int) -> list[Spec]:

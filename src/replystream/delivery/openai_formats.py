@@ -248,7 +248,7 @@ class OpenAIStreamFormat:
         self._text_parts = None  # the id is in every chunk
         return [self._chunk([self._choice("", None, role="assistant")])]
 
-    def prompt_counted(self, tokens: int) -> None:
+    def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # told in the usage chunk
 
     def text(self, text: str, tokens: int) -> list[Spec]:

@@ -65,6 +65,7 @@ class ReplyPipeline:
         "_direct",
         "batcher",
         "batching",
+        "cached_prompt_tokens",
         "called",
         "ended",
         "finish_reason",
@@ -120,6 +121,7 @@ class ReplyPipeline:
         self.reasoning_tokens = 0  # of ``tokens``: thinking relayed
         self.finish_reason = "stop"
         self.prompt_tokens: int | None = None  # the engine's own count, when it gave one
+        self.cached_prompt_tokens: int | None = None  # of those, found in its prefix cache
         self.ended = False
         self.halted = False  # a check or a stop string ended the text: push no more deltas
         self.called = False  # the reply made a tool call
@@ -143,7 +145,8 @@ class ReplyPipeline:
         self.tokens += delta.tokens
         if delta.prompt_tokens is not None:  # on any delta: a stop string may end the reply
             self.prompt_tokens = delta.prompt_tokens  # before the engine's last one is read
-            self.fmt.prompt_counted(delta.prompt_tokens)
+            self.cached_prompt_tokens = delta.cached_prompt_tokens  # told with it, or not
+            self.fmt.prompt_counted(delta.prompt_tokens, delta.cached_prompt_tokens)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
         holdback, batcher = self.holdback, self.batcher
@@ -247,7 +250,8 @@ class ReplyPipeline:
         """The tokens made so far (whether shown or not: held text and a stop string's count
         too), and the prompt's, the engine's own count if it gave one."""
         prompt = self.prompt_estimate if self.prompt_tokens is None else self.prompt_tokens
-        return Usage(prompt, self.tokens, self.reasoning_tokens)
+        cached = self.cached_prompt_tokens  # None with an estimate: told only with a count
+        return Usage(prompt, self.tokens, self.reasoning_tokens, cached)
 
     def _end_moderated(self, violation: Violation) -> list[LogEntry]:
         self.ended = True

@@ -124,7 +124,7 @@ class ResponsesStreamFormat:
         )
         return [*opening, self._event("response.in_progress", {"response": empty})]
 
-    def prompt_counted(self, tokens: int) -> None:
+    def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # usage is null until the terminal event, which tells it
 
     def text(self, text: str, tokens: int) -> list[Spec]:

@@ -231,9 +231,12 @@ def function_call_item(reply_id: str, call: ToolCall, status: ItemStatus) -> dic
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
+    """A response's ``usage``: its details always present, as OpenAI's are (0 cached when
+    the engine did not say; nothing here counts tokens written to a cache)."""
+    cached = usage.cached_prompt_tokens or 0
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,

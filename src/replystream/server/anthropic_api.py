@@ -187,8 +187,7 @@ async def _whole(
             stop_reason="stop_sequence"
             if stop is not None
             else STOP_REASONS.get(whole.finish_reason, "end_turn"),
-            input_tokens=whole.usage.prompt_tokens,  # the engine's own count when it gave one
-            output_tokens=whole.usage.completion_tokens,
+            usage=whole.usage,  # the engine's own count of the prompt when it gave one
             stop_sequence=stop,
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
@@ -200,8 +199,7 @@ async def _whole(
             model,
             text=whole.text,
             stop_reason="refusal",
-            input_tokens=whole.usage.prompt_tokens,
-            output_tokens=whole.usage.completion_tokens,
+            usage=whole.usage,
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
         )

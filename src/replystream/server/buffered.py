@@ -175,6 +175,11 @@ async def buffered_reply(
         _Collector(checks, stops, logprobs) for _ in range(1 if several is None else several.n)
     ]
     open_choices = len(collectors)
+    cached: int | None = None  # of the engine's count of the prompt, its prefix cache's
+
+    def usage(tokens: int) -> Usage:
+        return Usage(prompt_tokens, tokens, cached_prompt_tokens=cached)
+
     item: Delta | End | object = None
     manager.track(channel)
     try:
@@ -189,6 +194,7 @@ async def buffered_reply(
                     record.on_delta(item.made_at, item.tokens, item.choice)
                     if item.prompt_tokens is not None:  # the engine's own count
                         prompt_tokens = item.prompt_tokens
+                        cached = item.cached_prompt_tokens
                     collector = collectors[item.choice]
                     if collector.done or not collector.take(item):
                         continue
@@ -201,7 +207,7 @@ async def buffered_reply(
         first = collectors[0]
         if several is None and first.holdback.violation is not None:
             record.outcome, record.reason = "moderated", first.holdback.violation.check
-            made = first.whole(Usage(prompt_tokens, first.tokens))
+            made = first.whole(usage(first.tokens))
             payload = moderated_body(made, first.holdback.violation)
         elif isinstance(item, End) and item.how == "failed":
             assert item.error is not None
@@ -209,7 +215,7 @@ async def buffered_reply(
             record.outcome, record.reason = "errored", item.error.code
             error = item.error
             if failed_body is not None and several is None:
-                made = first.whole(Usage(prompt_tokens, record.tokens))
+                made = first.whole(usage(record.tokens))
                 payload = failed_body(made, error.code, str(error))
             else:
                 # An upstream's failure is a 502, 503 or 504, as it would be before any byte.
@@ -221,14 +227,14 @@ async def buffered_reply(
             message = "the server is shutting down"
             if failed_body is None or several is not None:
                 return error_response(503, message, code="shutdown")
-            made = first.whole(Usage(prompt_tokens, record.tokens))
+            made = first.whole(usage(record.tokens))
             payload = failed_body(made, "shutdown", message)
         elif several is None:
             record.outcome = "finished"
-            payload = body(first.whole(Usage(prompt_tokens, record.tokens)))
+            payload = body(first.whole(usage(record.tokens)))
         else:
             record.outcome = "finished"
-            payload = several.body([c.whole(Usage(prompt_tokens, c.tokens)) for c in collectors])
+            payload = several.body([c.whole(usage(c.tokens)) for c in collectors])
         response = json_response(payload)
         record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
         return response

@@ -189,11 +189,12 @@ async def _buffered(
             if whole.violation is not None:
                 choice[MODERATION_FIELD] = moderated_payload(whole.violation)
             choices.append(choice)
-        prompt = wholes[0].usage.prompt_tokens  # counted once, as OpenAI does
+        prompt = wholes[0].usage  # counted once, as OpenAI does
         usage = Usage(
-            prompt,
+            prompt.prompt_tokens,
             sum(whole.usage.completion_tokens for whole in wholes),
             sum(whole.usage.reasoning_tokens for whole in wholes),
+            prompt.cached_prompt_tokens,
         )
         return completion_body(
             kind, reply_id=reply_id, model=model, created=created, usage=usage, choices=choices
