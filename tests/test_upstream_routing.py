@@ -45,10 +45,18 @@ def is_uuid(text: str) -> bool:
 
 
 class Upstream:
-    """An OpenAI-compatible upstream: lists ``models``, answers as ``mode`` says."""
+    """An OpenAI-compatible upstream: lists ``models``, answers as ``mode`` says, its usage
+    with ``usage``'s fields added (the prompt's details, say)."""
 
-    def __init__(self, models: list[str], mode: str = "ok", words: int = 3) -> None:
+    def __init__(
+        self,
+        models: list[str],
+        mode: str = "ok",
+        words: int = 3,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
         self.models, self.mode, self.words = models, mode, words
+        self.usage = usage or {}
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
 
@@ -82,6 +90,7 @@ class Upstream:
                 await asyncio.sleep(0.05)
         await response.write(chunk(None, "stop"))
         usage = {"prompt_tokens": 11, "completion_tokens": self.words, "total_tokens": 0}
+        usage.update(self.usage)
         await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode())
         await response.write(b"\n\ndata: [DONE]\n\n")
         return response
