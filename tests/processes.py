@@ -39,9 +39,14 @@ async def ready_url(process: asyncio.subprocess.Process, ready_s: float = 30.0) 
 
 
 async def start_server(*args: str, ready_s: float = 30.0) -> tuple[asyncio.subprocess.Process, str]:
-    """Start ``replystream serve --port 0 ARGS``; return the process and its base URL."""
+    """Start ``replystream serve --port 0 ARGS``; return the process and its base URL. One
+    that does not say it is ready in time is stopped, not left running past the test."""
     process = await launch(*args)
-    return process, await ready_url(process, ready_s)
+    try:
+        return process, await ready_url(process, ready_s)
+    except BaseException:
+        await stop_process(process)
+        raise
 
 
 stop = stop_process

@@ -235,7 +235,9 @@ async def test_a_client_that_leaves_stops_generation_between_tokens(engine: Any)
 
 
 async def test_serve_runs_a_model_folder(model_dir: Path):
-    async with replica("--engine", f"hf:{model_dir}") as (_, url):
+    # Importing torch and transformers in a fresh process takes tens of seconds on a busy
+    # two-core machine.
+    async with replica("--engine", f"hf:{model_dir}", ready_s=120.0) as (_, url):
         body = {"prompt": "the quick", "max_tokens": 8, "temperature": 0, "stream": False}
         got = await post_events(f"{url}/v1/replies", body)
     reply = json.loads(got.raw)
