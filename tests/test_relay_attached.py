@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from replystream.engine.base import Delta, GenerationRequest, SamplingParams
+from replystream.engine.base import Caller, Delta, GenerationRequest, SamplingParams
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import running
@@ -101,10 +101,12 @@ def attempts(engine: UpstreamEngine) -> list[dict[str, int]]:
 async def test_after_a_failover_an_attached_reply_delivers_what_an_iterated_one_yields(caplog):
     caplog.set_level(logging.INFO, logger="replystream.access")
     async with engine_over([Upstream(["m"], mode="busy"), Upstream(["m"])]) as engine:
-        iterated = [d async for d in await engine.start(GenerationRequest("hi", request_id="i"))]
+        iterated = [
+            d async for d in await engine.start(GenerationRequest("hi", caller=Caller("i")))
+        ]
         # The round robin's next turn is the healthy upstream's (a failover took none).
-        [d async for d in await engine.start(GenerationRequest("hi", request_id="t"))]
-        sink = await attached(engine, GenerationRequest("hi", request_id="a"))
+        [d async for d in await engine.start(GenerationRequest("hi", caller=Caller("t")))]
+        sink = await attached(engine, GenerationRequest("hi", caller=Caller("a")))
         stats = engine.stats()
     assert sink.error is None and sink.text == "w0 w1 w2 "
     assert shape(sink.deltas) == shape(iterated)

@@ -95,6 +95,24 @@ class ChoiceGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asked for a reply, as an engine may pass it on: set once, when the request is
+    read, so the handler and the engine keep one request between them."""
+
+    request_id: str = ""  # the id the access log names this request by ("" outside HTTP)
+    # The caller's own API key (its bearer token, or Anthropic's x-api-key), for a relay
+    # configured to pass it on to an upstream; no other engine reads it. Never logged.
+    key: str | None = field(default=None, repr=False)
+    # The caller's W3C trace context (``traceparent``, and ``tracestate`` with it), checked,
+    # as header name and value pairs: a relay passes them on so its upstream's trace joins
+    # the caller's. Empty: none given, or none sane.
+    trace_context: tuple[tuple[str, str], ...] = ()
+
+
+NO_CALLER = Caller()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One reply to make: the prompt text and how to sample it.
 
@@ -128,14 +146,8 @@ class GenerationRequest:
     # Whether a relayed reply whose upstream stalls or fails mid-reply may go on at another
     # upstream (None: the server's default). Engines with no upstream have nothing to do.
     continuation: bool | None = None
-    request_id: str = ""  # the id the access log names this request by ("" outside HTTP)
-    # The caller's own API key (its bearer token, or Anthropic's x-api-key), for a relay
-    # configured to pass it on to an upstream; no other engine reads it. Never logged.
-    client_key: str | None = field(default=None, repr=False)
-    # The caller's W3C trace context (``traceparent``, and ``tracestate`` with it), checked,
-    # as header name and value pairs: a relay passes them on so its upstream's trace joins
-    # the caller's. Empty: none given, or none sane.
-    trace_context: tuple[tuple[str, str], ...] = ()
+    # Who asked, as an engine may pass it on (an upstream's log and trace, a key passed on).
+    caller: Caller = NO_CALLER
     # Whether the reply may hold more than one tool call (chat and Responses'
     # ``parallel_tool_calls``; Anthropic's ``disable_parallel_tool_use`` negated). None: the
     # client did not say (the APIs' default allows several).

@@ -381,7 +381,7 @@ class UpstreamEngine:
         content, within what its failover window has left: ``FirstContentLate`` when it
         passes).
         """
-        key = request.client_key
+        key = request.caller.key
         if key and backend.name in self._keys.passing and key_problem(key) is not None:
             # No HTTP header can carry it: the caller's to fix, not the upstream's failure
             # (counted on its circuit, a client's bad key would take it out for everyone).
@@ -399,9 +399,9 @@ class UpstreamEngine:
         try:
             async with asyncio.timeout(timeout):
                 headers = self._headers(backend, key)
-                if request.request_id:  # our access log's name for it, in the upstream's log
-                    headers["X-Request-Id"] = request.request_id
-                headers.update(request.trace_context)
+                if request.caller.request_id:  # our access log's name for it, in the upstream's log
+                    headers["X-Request-Id"] = request.caller.request_id
+                headers.update(request.caller.trace_context)
                 origin = self._origin(backend)
                 response = await origin.post("/chat/completions", body, headers)
         except TimeoutError:
@@ -424,7 +424,7 @@ class UpstreamEngine:
             raise await refusal(
                 response,
                 backend.name,
-                request.client_key,
+                request.caller.key,
                 passes_key=backend.name in self._keys.passing,
                 key_from=self._keys.key_from(backend.name),
                 withheld=self._keys.withheld(backend.name, key),

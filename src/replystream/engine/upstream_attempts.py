@@ -342,7 +342,7 @@ class AttemptSeries:
     def _log(self, backend: Backend, result: str) -> None:
         if access_log.isEnabledFor(logging.INFO):
             line = {
-                "request_id": self._request.request_id,
+                "request_id": self._request.caller.request_id,
                 "upstream": backend.name,
                 "attempt": len(self._tried),
                 "result": result,

@@ -39,6 +39,7 @@ from replystream.server.context import (
     CONFIG_KEY,
     ENGINE_KEY,
     buffered,
+    caller_of,
     count_prompt,
     follow_started,
     start_reply,
@@ -93,11 +94,12 @@ def _sampling(body: MessagesBody) -> SamplingFields:
     return SamplingFields.model_construct(temperature=body.temperature, top_p=body.top_p, **fields)
 
 
-def _conversation(app: web.Application, body: MessagesInput) -> GenerationRequest:
+def _conversation(request: web.Request, body: MessagesInput) -> GenerationRequest:
     """The request a message's input makes, checked as a message is (its tool results, the
     prompt limit, the model): the prompt and all an engine builds it from, with no sampling.
     A message and its count (``count_tokens``) are both made here, so the count is the
     prompt the message would have."""
+    app = request.app
     model = routed_model(app, body.model)
     messages: list[dict[str, Any]] = []
     origins: list[Origin] = []
@@ -127,6 +129,7 @@ def _conversation(app: web.Application, body: MessagesInput) -> GenerationReques
         parallel_tool_calls=parallel,
         prefix=str(last["content"] or "") if prefill and last is not None else "",
         continue_final_message=prefill,
+        caller=caller_of(request),
     )
 
 
@@ -134,7 +137,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     """``POST /v1/messages``: a message streamed as Anthropic's events, or one object."""
     app = request.app
     body = await read_model(request, MessagesBody)
-    conversation = _conversation(app, body)
+    conversation = _conversation(request, body)
     policy = delivery_overrides(_sampling(body), app[CONFIG_KEY].policy)
     model = conversation.model or served_model(app)
     generation = replace(
@@ -163,7 +166,7 @@ async def handle_count_tokens(request: web.Request) -> web.StreamResponse:
     """``POST /v1/messages/count_tokens``: the input tokens the same message would report
     (its ``message_start``'s ``usage.input_tokens``), as Anthropic's ``{"input_tokens"}``."""
     body = await read_model(request, MessagesInput)
-    generation = _conversation(request.app, body)
+    generation = _conversation(request, body)
     with refusals_naming(_FIELDS):
         counted = count_prompt(request, generation)
     return web.json_response({"input_tokens": counted})

@@ -56,6 +56,7 @@ from replystream.server.context import (
     STORE_KEY,
     ServerConfig,
     buffered,
+    caller_of,
     follow_started,
     start_reply,
 )
@@ -105,7 +106,7 @@ def lab_request(request: web.Request, query: LabQuery) -> GenerationRequest:
             param="prompt",
         )
     sampling = SamplingParams(seed=query.seed, max_tokens=query.max_tokens)
-    return GenerationRequest(prompt=query.prompt, sampling=sampling)
+    return GenerationRequest(prompt=query.prompt, sampling=sampling, caller=caller_of(request))
 
 
 def _lab_moderated_body(whole: Whole, violation: Violation) -> dict[str, Any]:
@@ -187,7 +188,9 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies``: a reply streamed as named events, or one JSON body."""
     config = request.app[CONFIG_KEY]
     body = await read_model(request, ReplyBody)
-    ask = parse_reply_request(body, config.policy, config.max_prompt_chars)
+    ask = parse_reply_request(
+        body, config.policy, config.max_prompt_chars, caller=caller_of(request)
+    )
     with refusals_naming(ask.fields):
         if not ask.stream:
             return await buffered(

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -41,6 +41,7 @@ from replystream.delivery.replay import (
     StoreUnavailable,
 )
 from replystream.engine.base import (
+    Caller,
     DeltaStream,
     Engine,
     EngineError,
@@ -125,7 +126,6 @@ async def start_generation(
 ) -> DeltaStream:
     """Admit a request, turning engine refusals into API errors sent before any byte."""
     _refuse_when_stopping(request, record)
-    generation = _for_engine(request, generation)
     return await _admitted(request, record, _start_one(request.app[ENGINE_KEY], generation))
 
 
@@ -134,7 +134,7 @@ async def start_several(
 ) -> ChoicesStream:
     """``start_generation`` for ``n`` generations of the request, one choice each, merged."""
     _refuse_when_stopping(request, record)
-    engine, generation = request.app[ENGINE_KEY], _for_engine(request, generation)
+    engine = request.app[ENGINE_KEY]
     return await _admitted(request, record, _start_several(engine, generation, n))
 
 
@@ -150,7 +150,7 @@ def count_prompt(request: web.Request, generation: GenerationRequest) -> int:
     engine = request.app[ENGINE_KEY]
     try:
         _refuse_unmakeable_call(engine, generation)
-        counted = engine.count_prompt(_for_engine(request, generation))
+        counted = engine.count_prompt(generation)
     except RequestRejected as exc:
         raise refused(exc) from exc
     if counted is None:
@@ -194,16 +194,12 @@ def _refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
         raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
 
 
-def _for_engine(request: web.Request, generation: GenerationRequest) -> GenerationRequest:
-    """The request as the engine gets it: with the access log's name for it (for an engine's
-    own lines and a relay's upstream), the caller's key (for a relay configured to pass it
-    on) and its trace context (for a relay to pass on)."""
-    key = client_key(request)
-    trace = trace_context(request.headers)
-    if generation.request_id and key is None and not trace:
-        return generation
-    request_id = generation.request_id or request.get(REQUEST_ID, "")
-    return replace(generation, request_id=request_id, client_key=key, trace_context=trace)
+def caller_of(request: web.Request) -> Caller:
+    """Who asked, as the engine gets it with the request: the access log's name for the
+    request (for an engine's own lines and a relay's upstream), the caller's key (for a relay
+    configured to pass it on) and its trace context (for a relay to pass on)."""
+    key, trace = client_key(request), trace_context(request.headers)
+    return Caller(request.get(REQUEST_ID, ""), key, trace)
 
 
 async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitable[T]) -> T:

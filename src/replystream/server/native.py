@@ -18,11 +18,11 @@ the field in ``param``), never a 500.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.engine.base import GenerationRequest, SamplingParams
+from replystream.engine.base import Caller, GenerationRequest, SamplingParams
 from replystream.server.chat_message_schemas import Message
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native_schemas import ReplyBody
@@ -138,9 +138,10 @@ def delivery_overrides(body: SamplingFields, defaults: DeliveryPolicy) -> Delive
 
 
 def parse_reply_request(
-    body: ReplyBody, defaults: DeliveryPolicy, max_prompt_chars: int
+    body: ReplyBody, defaults: DeliveryPolicy, max_prompt_chars: int, *, caller: Caller
 ) -> ReplyRequest:
-    """Check a native reply request against the server's defaults and limits."""
+    """Check a native reply request against the server's defaults and limits; ``caller``:
+    who asks (``context.caller_of``)."""
     messages = None
     if body.messages is not None:
         messages = relayed_messages(body.messages)
@@ -154,15 +155,16 @@ def parse_reply_request(
             code="prompt_too_long",
             param=param,
         )
+    policy = delivery_overrides(body, defaults)
     generation = GenerationRequest(
         prompt,
         sampling_params(body, body.max_tokens),
         messages,
         continuation=body.upstream_continue,
+        caller=caller,
+        reasoning=policy.shows_thinking,
+        names_stop_sequence=True,  # its ``done`` event and body name the stop string
     )
-    policy = delivery_overrides(body, defaults)
-    # Its ``done`` event and body name the stop string the reply ended at.
-    generation = replace(generation, reasoning=policy.shows_thinking, names_stop_sequence=True)
     return ReplyRequest(
         generation,
         body.stream,

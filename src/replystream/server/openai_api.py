@@ -40,6 +40,7 @@ from replystream.server.context import (
     ENGINE_KEY,
     Choices,
     buffered,
+    caller_of,
     follow_started,
     start_reply,
 )
@@ -256,7 +257,11 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, ChatBody)
     config, routed = request.app[CONFIG_KEY], routed_model(request.app, body.model)
     ask = parse_chat_request(
-        body, model=routed, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
+        body,
+        model=routed,
+        defaults=config.policy,
+        max_prompt_chars=config.max_prompt_chars,
+        caller=caller_of(request),
     )
     return await _complete(request, "chat", ask, routed or served_model(request.app))
 
@@ -266,7 +271,11 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, CompletionBody)
     config, routed = request.app[CONFIG_KEY], routed_model(request.app, body.model)
     ask = parse_completion_request(
-        body, model=routed, defaults=config.policy, max_prompt_chars=config.max_prompt_chars
+        body,
+        model=routed,
+        defaults=config.policy,
+        max_prompt_chars=config.max_prompt_chars,
+        caller=caller_of(request),
     )
     return await _complete(request, "text", ask, routed or served_model(request.app))
 

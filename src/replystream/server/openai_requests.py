@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.engine.base import GenerationRequest
+from replystream.engine.base import Caller, GenerationRequest
 from replystream.server.errors import HTTPAPIError
 from replystream.server.native import (
     check_prompt_size,
@@ -97,7 +97,12 @@ def _ask(
 
 
 def parse_chat_request(
-    body: ChatBody, *, model: str | None, defaults: DeliveryPolicy, max_prompt_chars: int
+    body: ChatBody,
+    *,
+    model: str | None,
+    defaults: DeliveryPolicy,
+    max_prompt_chars: int,
+    caller: Caller,
 ) -> CompletionAsk:
     """Check a ``POST /v1/chat/completions`` body against the server; ``model``: the name
     it routes by (``routed_model``: None for the server's default)."""
@@ -123,6 +128,7 @@ def parse_chat_request(
         prompt_cache_key=body.prompt_cache_key,
         reasoning_effort=body.reasoning_effort,
         reasoning=policy.shows_thinking,
+        caller=caller,
     )
     # The token limit under the name the client gave it (either, given both: they agree),
     # whichever an engine or an upstream names.
@@ -139,7 +145,12 @@ def parse_chat_request(
 
 
 def parse_completion_request(
-    body: CompletionBody, *, model: str | None, defaults: DeliveryPolicy, max_prompt_chars: int
+    body: CompletionBody,
+    *,
+    model: str | None,
+    defaults: DeliveryPolicy,
+    max_prompt_chars: int,
+    caller: Caller,
 ) -> CompletionAsk:
     """Check a ``POST /v1/completions`` (legacy) body against the server."""
     max_tokens = LEGACY_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -150,6 +161,7 @@ def parse_completion_request(
         model=model,
         continuation=body.upstream_continue,
         prompt_cache_key=body.prompt_cache_key,
+        caller=caller,
     )
     return _ask(
         body,

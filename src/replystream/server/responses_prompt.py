@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from replystream.engine.base import GenerationRequest
-from replystream.server.context import CONFIG_KEY
+from replystream.server.context import CONFIG_KEY, caller_of
 from replystream.server.native import bad, check_prompt_size
 from replystream.server.openai_api import routed_model
 from replystream.server.refusal_names import FieldNames
@@ -131,5 +131,6 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
         model=model,
         parallel_tool_calls=body.parallel_tool_calls,
         reasoning_effort=None if body.reasoning is None else body.reasoning.effort,
+        caller=caller_of(request),
     )
     return ResponsePrompt(conversation, generation)

@@ -60,6 +60,7 @@ from replystream.server.context import (
     CONFIG_KEY,
     MANAGER_KEY,
     NATIVE_FORMAT,
+    caller_of,
     follower_of,
     start_reply,
 )
@@ -357,7 +358,9 @@ class Session:
                 f"at most {self.config.ws_max_replies} replies may run on one socket",
                 code="too_many_replies",
             )
-        ask = parse_reply_request(message, self.policy, self.config.max_prompt_chars)
+        ask = parse_reply_request(
+            message, self.policy, self.config.max_prompt_chars, caller=caller_of(self.request)
+        )
         # Each reply is a request of its client's --requests-per-minute (the socket is one
         # open request; --ws-max-replies bounds the replies at once on it).
         wait = self.request.app[GATE_KEY].spend(identity_of(self.request), time.monotonic())
