@@ -10,13 +10,17 @@ relay a replystream app serving an ``UpstreamEngine``; the clients are the offic
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import pytest
 
+from replystream.server.context import ServerConfig
 from tests.sse_client import post_events
 from tests.test_upstream_routing import Upstream, relay
 
@@ -152,3 +156,42 @@ async def test_a_cached_count_that_is_no_count_is_left_out(usage: dict[str, Any]
     assert whole.usage.input_tokens == prompt
     assert whole.usage.cache_read_input_tokens is None
     assert "cache_read_input_tokens" not in whole.usage.model_fields_set
+
+
+async def key_tokens(url: str, label: str, want: str) -> str:
+    """The scrape of ``/metrics`` once it holds ``want`` (a reply is counted as it ends,
+    which may be just after its client has read its last byte)."""
+    async with asyncio.timeout(10), aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{url}/metrics") as response:
+                text = await response.text()
+            if want in text:
+                return text
+            await asyncio.sleep(0.05)
+
+
+async def test_the_cached_prompt_tokens_are_counted_per_key_once_per_reply():
+    """``replystream_key_tokens_total{kind="cached_prompt"}``: of each reply's prompt tokens,
+    those its upstream's cache held: a streamed reply, a whole one, and one of two choices
+    (counted once, as its usage does)."""
+    auth = {"Authorization": "Bearer k1"}
+    async with relay(
+        [Upstream(["m"], usage=cached(8))], server=ServerConfig(api_keys=("k1",))
+    ) as url:
+        chat = {"messages": ASK, "stream": True}
+        await post_events(f"{url}/v1/chat/completions", chat, headers=auth)
+        await post_events(f"{url}/v1/chat/completions", {**chat, "stream": False}, headers=auth)
+        await post_events(f"{url}/v1/chat/completions", {**chat, "n": 2}, headers=auth)
+        label = hashlib.sha256(b"k1").hexdigest()[:12]
+        series = f'replystream_key_tokens_total{{key="{label}",kind="%s"}} %s'
+        text = await key_tokens(url, label, series % ("cached_prompt", "24.0"))
+    assert series % ("prompt", "33.0") in text  # 11 each: the cached 8 are among them
+    assert series % ("completion", "12.0") in text
+
+
+async def test_a_reply_with_nothing_cached_counts_none_cached():
+    async with relay([Upstream(["m"])]) as url:
+        await post_events(f"{url}/v1/chat/completions", {"messages": ASK, "stream": False})
+        series = 'replystream_key_tokens_total{key="anonymous",kind="%s"} %s'
+        text = await key_tokens(url, "anonymous", series % ("prompt", "11.0"))
+    assert series % ("cached_prompt", "0.0") in text

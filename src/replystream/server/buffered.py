@@ -242,7 +242,7 @@ async def buffered_reply(
         record.outcome, record.reason = "cancelled", "client_gone"
         raise
     finally:
-        record.prompt_tokens = prompt_tokens
+        record.prompt_tokens, record.cached_prompt_tokens = prompt_tokens, cached or 0
         await close_quietly(deltas)
         manager.untrack(channel)
         manager.metrics.observe(record)

@@ -219,6 +219,7 @@ class ReplyRecord:
     reason: str = ""
     key: str = ""  # who asked: a short prefix of the API key's digest ("" when auth is off)
     prompt_tokens: int = 0  # the engine's own count when it gave one, else the estimate
+    cached_prompt_tokens: int = 0  # of the engine's own count, those its prefix cache held
     # With several choices (``n``): the last token of each choice but the first, so each
     # gap is one choice's time between its tokens, not between two choices' tokens.
     others_at: dict[int, float] | None = None
@@ -275,6 +276,17 @@ class ReplyRecord:
         if late is not None:
             late[0].inc(events)
             late[1].inc(nbytes)
+
+
+class _KeyCounters(NamedTuple):
+    """One API key's token counters (``replystream_key_tokens``), one per kind."""
+
+    prompt: Counter
+    completion: Counter
+    cached_prompt: Counter
+
+
+_KEY_KINDS = _KeyCounters._fields
 
 
 class _Children(NamedTuple):
@@ -368,14 +380,15 @@ class Metrics:
         self.key_tokens = Counter(
             "replystream_key_tokens",
             "Tokens by API key (a digest prefix; 'anonymous' without auth) and kind "
-            "(prompt, completion), for every reply however it ended.",
+            "(prompt, completion; cached_prompt: of the prompt's, those an engine's or "
+            "upstream's prefix cache held), for every reply however it ended.",
             ["key", "kind"],
             registry=r,
         )
         self.worker_restarts = Counter(WORKER_RESTARTS_NAME, WORKER_RESTARTS_HELP, registry=r)
         self._states: dict[str, Gauge] = {}
         self._children: dict[str, _Children] = {}
-        self._key_children: dict[str, tuple[Counter, Counter]] = {}
+        self._key_children: dict[str, _KeyCounters] = {}
 
     def state(
         self,
@@ -485,9 +498,11 @@ class Metrics:
         if record.tokens:
             children.tokens.inc(record.tokens)
         if record.prompt_tokens or record.tokens:
-            prompt, completion = self._key_children.get(record.key) or self._label_key(record.key)
-            prompt.inc(record.prompt_tokens)
-            completion.inc(record.tokens)
+            counters = self._key_children.get(record.key) or self._label_key(record.key)
+            counters.prompt.inc(record.prompt_tokens)
+            counters.completion.inc(record.tokens)
+            if record.cached_prompt_tokens:
+                counters.cached_prompt.inc(record.cached_prompt_tokens)
         if self.multiprocess_dir is not None:
             self.gaps.publish()
 
@@ -505,11 +520,11 @@ class Metrics:
         )
         return children
 
-    def _label_key(self, key: str) -> tuple[Counter, Counter]:
+    def _label_key(self, key: str) -> _KeyCounters:
         label = key or "anonymous"
-        pair = self.key_tokens.labels(label, "prompt"), self.key_tokens.labels(label, "completion")
-        self._key_children[key] = pair
-        return pair
+        counters = _KeyCounters(*(self.key_tokens.labels(label, kind) for kind in _KEY_KINDS))
+        self._key_children[key] = counters
+        return counters
 
     def render(self) -> bytes:
         """The Prometheus text for a scrape: this process's registry, or with workers every

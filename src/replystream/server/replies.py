@@ -334,6 +334,7 @@ class Reply:
         last: list[LogEntry] = []
         reported = self.pipeline.prompt_tokens
         record.prompt_tokens = self.prompt_tokens if reported is None else reported
+        record.cached_prompt_tokens = self.pipeline.cached_prompt_tokens or 0
         if rule.in_band == "end marker":
             last = self.pipeline.finish()
         elif rule.in_band == "error":
