@@ -7,6 +7,7 @@ then the tiny engine, whose reply must not change when its prompt's blocks come 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import aiohttp
 import pytest
@@ -115,6 +116,7 @@ def test_the_scheduler_starts_a_matching_prompts_prefill_past_its_cached_blocks(
     # since the next turn's last token is past them.
     assert chunk.start == 40 and chunk.tokens == (1, 2, 3)
     assert s.stats().prefix_hit_tokens == 40
+    assert batch.admitted == ((2, 40),)  # what it found cached, for its reply's usage
 
 
 def test_no_block_leaks_with_prefix_caching_after_1000_random_requests():
@@ -170,9 +172,10 @@ async def test_replies_whose_prompts_come_from_the_cache_are_the_same_replies(sp
     assert replies[True] == replies[False] and all(replies[True])
 
 
-async def test_a_chats_next_turn_is_served_from_the_cache_as_metrics_show():
+async def test_a_chats_next_turn_is_served_from_the_cache_as_metrics_and_usage_show():
     """Over HTTP: the second turn resends the first turn and its reply; /metrics counts the
-    prompt tokens its prefill skipped, and the blocks kept between the turns."""
+    prompt tokens its prefill skipped, and the blocks kept between the turns; each reply's
+    usage says how many of its prompt tokens were cached, as vLLM's and llama.cpp's do."""
     engine = load_default_engine(TinyEngineConfig(prefix_caching=True))
     app = create_app(engine)
     add_state_gauges(app)
@@ -182,12 +185,15 @@ async def test_a_chats_next_turn_is_served_from_the_cache_as_metrics_show():
         {"role": "user", "content": "Who spake unto Moses?"},
     ]
     async with running(app) as url, aiohttp.ClientSession() as session:
+        usages: list[dict[str, Any]] = []
 
-        async def turn() -> str:
-            body = {"messages": messages, "max_tokens": 12, "temperature": 0}
+        async def turn(max_tokens: int = 12) -> str:
+            body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
             async with session.post(f"{url}/v1/chat/completions", json=body) as response:
                 assert response.status == 200
-                reply: str = (await response.json())["choices"][0]["message"]["content"]
+                answer = await response.json()
+                usages.append(answer["usage"])
+                reply: str = answer["choices"][0]["message"]["content"]
                 return reply
 
         first = await turn()
@@ -198,7 +204,23 @@ async def test_a_chats_next_turn_is_served_from_the_cache_as_metrics_show():
         ]
         await turn()
         after = await (await session.get(f"{url}/metrics")).text()
+        await turn(max_tokens=1)  # a reply of one token: it ends in the step that counts it
     assert gauge(between.encode(), "replystream_engine_prefix_hit_tokens") == 0
     assert gauge(between.encode(), "replystream_kv_blocks_cached") > 0
     hits = gauge(after.encode(), "replystream_engine_prefix_hit_tokens")
-    assert hits == engine.scheduler_stats().prefix_hit_tokens >= 32
+    assert hits >= 32
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    # The same prompt again: every whole block of it was cached by the turn before (its
+    # last token is computed again, for the logits the first token is picked from).
+    again = usages[2]["prompt_tokens"]
+    assert cached == [0, hits, (again - 1) // 16 * 16]
+    assert cached[2] > hits
+
+
+async def test_an_engine_without_the_cache_says_nothing_of_cached_tokens():
+    engine = load_default_engine(TinyEngineConfig())
+    body = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 2}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            usage = (await response.json())["usage"]
+    assert "prompt_tokens_details" not in usage and usage["prompt_tokens"] > 0

@@ -134,6 +134,11 @@ class BlockAllocator:
     def free_blocks(self) -> int:
         return len(self._free) + (self._prefix.idle if self._prefix is not None else 0)
 
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether a sequence may begin with blocks cached for an earlier one (``match``)."""
+        return self._prefix is not None
+
     def blocks_needed(self, seq_id: int, length: int) -> int:
         """Extra blocks ``seq_id`` needs to hold ``length`` tokens."""
         return max(0, self.blocks_for(length) - len(self._tables.get(seq_id, ())))

@@ -82,6 +82,9 @@ class _Request:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens not yet delivered
     history: TokenHistory | None = None  # what the penalties look at (None: none asked)
+    # Of the prompt's tokens, those found in the prefix cache when it was last admitted
+    # before its first token (None: the cache keeps no prefixes).
+    cached: int | None = None
 
 
 class Runner:
@@ -182,6 +185,11 @@ class Runner:
             now = self.clock()
             for seq_id in batch.preempted:
                 self._requests[seq_id].preempted.append(now)
+            if self.scheduler.allocator.caches_prefixes:
+                for seq_id, cached in batch.admitted:
+                    admitted = self._requests[seq_id]
+                    if not admitted.token_times:  # (a readmission mid-reply counts no prompt)
+                        admitted.cached = cached
             requests = {c.seq_id: self._requests[c.seq_id] for c in batch.chunks}
             for request in requests.values():
                 request.scheduled = now if request.scheduled is None else request.scheduled
@@ -225,7 +233,9 @@ class Runner:
     def _emit(self, request: _Request, tokens: list[int], at_length: bool, now: float) -> None:
         # The first delta says how many tokens the model read: the prompt a chat template
         # made, which the server cannot count from the conversation's text.
-        prompt_tokens = None if request.token_times else len(request.prompt)
+        first = not request.token_times
+        prompt_tokens = len(request.prompt) if first else None
+        cached = request.cached if first else None
         text = ""
         count = 0
         eos = False
@@ -250,7 +260,15 @@ class Runner:
             logprobs = tuple(request.logprobs[: count - eos])  # an EOS token is never shown
             request.logprobs.clear()
         request.deliver(
-            Delta(text, count, now, reason, logprobs=logprobs, prompt_tokens=prompt_tokens)
+            Delta(
+                text,
+                count,
+                now,
+                reason,
+                logprobs=logprobs,
+                prompt_tokens=prompt_tokens,
+                cached_prompt_tokens=cached,
+            )
         )
         if reason is not None:
             request.finished, request.finish_reason = now, reason

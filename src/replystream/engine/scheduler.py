@@ -68,11 +68,13 @@ class Batch:
     """One step's work, and the sequences preempted while planning it.
 
     ``step`` counts the steps that ran something: an empty batch (nothing to run) carries the
-    number of the last step that did."""
+    number of the last step that did. ``admitted``: the sequences admitted (or admitted again
+    after a preemption) while planning it, each with the tokens it found cached."""
 
     step: int
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[int, ...] = ()
+    admitted: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +170,7 @@ class Scheduler:
         budget = self.config.token_budget
         chunks: list[ScheduledChunk] = []
         preempted: list[int] = []
+        admitted: list[tuple[int, int]] = []
         index = 0
         while index < len(self._running) and budget > 0:
             seq = self._running[index]
@@ -199,13 +202,14 @@ class Scheduler:
                 break
             seq.computed = self.allocator.adopt(seq.seq_id, match)
             self._prefix_hits += seq.computed
+            admitted.append((seq.seq_id, seq.computed))
             n = min(len(seq.tokens) - seq.computed, budget)
             self._running.append(self._waiting.popleft())
             chunks.append(self._take(seq, n))
             budget -= n
         if chunks:  # a plan with nothing in it runs no model pass, so it is not a step
             self._steps += 1
-        return Batch(self._steps, tuple(chunks), tuple(preempted))
+        return Batch(self._steps, tuple(chunks), tuple(preempted), tuple(admitted))
 
     def _admission(self, seq: _Sequence) -> PrefixMatch | None:
         # All of its context must fit, not only this step's chunk, and leave a block for each
