@@ -155,6 +155,7 @@ class TimedEngine:
     name = "simulated"
     pushes = False  # its streams are its own generators around the inner engine's
     makes_tool_calls = False
+    follows_response_format = False
 
     def __init__(self, inner: SimulatedEngine) -> None:
         self.inner = inner

@@ -71,6 +71,8 @@ class ResponseSettings:
     # The request's ``reasoning``, repeated as OpenAI's response object does.
     reasoning: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
     verbosity: str | None = None  # the request's ``text.verbosity``, repeated in ``text``
+    # The request's ``text.format``, repeated in ``text`` as it was given.
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     top_logprobs: int = 0  # the request's, repeated (OpenAI's objects say 0 when not asked)
 
 
@@ -142,7 +144,7 @@ def response_object(
 
 
 def _text_settings(settings: ResponseSettings) -> dict[str, Any]:
-    text: dict[str, Any] = {"format": {"type": "text"}}
+    text: dict[str, Any] = {"format": settings.text_format}
     if settings.verbosity is not None:
         text["verbosity"] = settings.verbosity
     return text

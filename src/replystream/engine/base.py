@@ -129,6 +129,11 @@ class GenerationRequest:
     # to chat upstreams. None: no tools offered.
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
+    # The form the text must take, in chat's ``response_format`` form (``json_object``, or
+    # ``json_schema`` with its schema), whatever the route's dialect: relayed to chat
+    # upstreams. None: plain text. Refused by an engine that cannot honour it
+    # (``Engine.follows_response_format``).
+    response_format: Mapping[str, Any] | None = None
     # The model name the client asked for (None: the server's default); a relay routes by it.
     model: str | None = None
     # The start of the reply, written already (a final assistant message the client asked to
@@ -407,9 +412,12 @@ READY = Readiness(True)
 
 class InProcessEngine:
     """What every engine that makes its tokens in this process answers alike: it serves one
-    model, under the server's name, and is ready whenever the process is up to answer."""
+    model, under the server's name, and is ready whenever the process is up to answer; and
+    it samples every token freely (no grammar holds its text to a JSON form)."""
 
     __slots__ = ()
+
+    follows_response_format = False
 
     def model_names(self) -> tuple[str, ...]:
         return ()
@@ -433,6 +441,9 @@ class Engine(Protocol):
     # call (``GenerationRequest.forces_tool_call``) is refused before ``start`` by the server
     # when this is False; ``tool_choice: "auto"`` is served (the engine chose text).
     makes_tool_calls: bool
+    # Whether it can hold its text to a JSON form (``GenerationRequest.response_format``); a
+    # request that asks for one is refused before ``start`` by the server when this is False.
+    follows_response_format: bool
 
     async def start(self, request: GenerationRequest) -> DeltaStream:
         """Admit a request and return its delta stream.

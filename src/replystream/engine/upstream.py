@@ -144,6 +144,8 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
             body["parallel_tool_calls"] = request.parallel_tool_calls
     if request.reasoning_effort is not None:
         body["reasoning_effort"] = request.reasoning_effort
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
     return body
 
 
@@ -179,6 +181,7 @@ class UpstreamEngine:
     # attempt's UpstreamStream, so the connection's reads push deltas (no task per reply).
     pushes = True
     makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
+    follows_response_format = True  # relayed likewise: the upstream's grammar holds the text
 
     def __init__(self, config: UpstreamConfig, shared_limits: Path | None = None) -> None:
         """``shared_limits``: the folder where the workers of one server hold the upstreams'
@@ -301,6 +304,11 @@ class UpstreamEngine:
         if request.add_generation_prompt is False and not request.continue_final_message:
             # The reply follows the rendered conversation with no assistant turn opened, so its
             # text so far is no assistant message, the only form a continuation can send it in.
+            continuation = False
+        if request.response_format is not None:
+            # Sent on as an assistant's start, the text so far would not be in the grammar's
+            # reach: the next upstream would hold only what follows it to the schema, from
+            # the schema's start.
             continuation = False
         reply = RelayedReply(
             request,

@@ -149,7 +149,7 @@ def count_prompt(request: web.Request, generation: GenerationRequest) -> int:
     """
     engine = request.app[ENGINE_KEY]
     try:
-        _refuse_unmakeable_call(engine, generation)
+        _refuse_unhonourable(engine, generation)
         counted = engine.count_prompt(generation)
     except RequestRejected as exc:
         raise refused(exc) from exc
@@ -164,9 +164,10 @@ def count_prompt(request: web.Request, generation: GenerationRequest) -> int:
     return counted
 
 
-def _refuse_unmakeable_call(engine: Engine, generation: GenerationRequest) -> None:
-    """A forced tool call from an engine that makes none would be answered with text the
-    client did not ask for: refused instead, naming ``tool_choice``."""
+def _refuse_unhonourable(engine: Engine, generation: GenerationRequest) -> None:
+    """A forced tool call from an engine that makes none, or JSON asked of one that samples
+    freely, would be answered with text the client did not ask for: refused instead, naming
+    ``tool_choice`` or ``response_format``."""
     if generation.forces_tool_call and not engine.makes_tool_calls:
         raise RequestRejected(
             f"the {engine.name} engine cannot make tool calls, so it cannot honour this "
@@ -174,15 +175,24 @@ def _refuse_unmakeable_call(engine: Engine, generation: GenerationRequest) -> No
             code="unsupported_parameter",
             param="tool_choice",
         )
+    if generation.response_format is not None and not engine.follows_response_format:
+        kind = generation.response_format.get("type")
+        raise RequestRejected(
+            f"the {engine.name} engine samples its text freely and cannot hold it to "
+            f'{kind}; {{"type": "text"}} can be served (a relay to a server that '
+            "constrains its output passes response_format on)",
+            code="unsupported_parameter",
+            param="response_format",
+        )
 
 
 async def _start_one(engine: Engine, generation: GenerationRequest) -> DeltaStream:
-    _refuse_unmakeable_call(engine, generation)
+    _refuse_unhonourable(engine, generation)
     return await engine.start(generation)
 
 
 async def _start_several(engine: Engine, generation: GenerationRequest, n: int) -> ChoicesStream:
-    _refuse_unmakeable_call(engine, generation)
+    _refuse_unhonourable(engine, generation)
     return await start_choices(engine, generation, n)
 
 

@@ -23,6 +23,7 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.openai_schemas import ChatBody, CompletionBody, OpenAIBody
+from replystream.server.output_formats import engine_format
 from replystream.server.refusal_names import FieldNames
 from replystream.server.tool_requests import chat_tools, prompt_of
 
@@ -119,6 +120,7 @@ def parse_chat_request(
         messages,
         tools,
         tool_choice,
+        engine_format(body.response_format),
         model=model,
         prefix=body.prefix,
         continue_final_message=bool(body.continue_final_message),

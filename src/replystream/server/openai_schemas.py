@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Discriminator, Field, PlainValidator, Tag, model_validator
 
 from replystream.server.chat_message_schemas import Messages
+from replystream.server.output_formats import ChatResponseFormat
 from replystream.server.schema_fields import (
     CHOICE_ERROR,
     MAX_LOGIT_BIASES,
@@ -76,10 +77,6 @@ class StreamOptions(Strict):
     ) = None
 
 
-class TextFormat(Strict):
-    type: Literal["text"]
-
-
 class OpenAIBody(SamplingFields):
     """Fields both OpenAI routes take: honoured, accepted at the one value honoured, or
     accepted and ignored (documented in docs/api.md, as vLLM and llama.cpp do)."""
@@ -118,13 +115,12 @@ class OpenAIBody(SamplingFields):
 class ChatBody(OpenAIBody):
     """``POST /v1/chat/completions``."""
 
-    field_codes: ClassVar[Mapping[str, str]] = {"response_format": "unsupported_parameter"}
-
     messages: Messages
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    response_format: TextFormat | None = None
+    # Relayed to an upstream, which constrains the text; refused by engines that cannot.
+    response_format: ChatResponseFormat | None = None
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     tool_choice: ChatToolChoice | None = None
     # vLLM's: the final assistant message is the start of the reply, to be continued.

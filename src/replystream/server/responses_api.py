@@ -107,6 +107,14 @@ def _echoed_choice(body: ResponsesBody) -> str | dict[str, Any]:
     return choice if isinstance(choice, str) else choice.model_dump()
 
 
+def _echoed_format(body: ResponsesBody) -> dict[str, Any]:
+    """The ``text.format`` a response object repeats: as given (the API's default: text)."""
+    given = None if body.text is None else body.text.format
+    if given is None:
+        return {"type": "text"}
+    return given.model_dump(by_alias=True, exclude_none=True)
+
+
 async def handle_create(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses``."""
     app = request.app
@@ -141,6 +149,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         parallel_tool_calls=body.parallel_tool_calls is not False,  # the API's default: true
         reasoning=(body.reasoning or ResponsesReasoning()).model_dump(),
         verbosity=None if body.text is None else body.text.verbosity,
+        text_format=_echoed_format(body),
         top_logprobs=body.top_logprobs or 0,
     )
     with refusals_naming(RESPONSES_FIELDS):  # an engine's refusal, in this API's words

@@ -19,6 +19,7 @@ from replystream.engine.base import GenerationRequest
 from replystream.server.context import CONFIG_KEY, caller_of
 from replystream.server.native import bad, check_prompt_size
 from replystream.server.openai_api import routed_model
+from replystream.server.output_formats import engine_format
 from replystream.server.refusal_names import FieldNames
 from replystream.server.responses_schemas import ResponsesPrompt
 from replystream.server.responses_stored import (
@@ -42,12 +43,13 @@ Messages = list[dict[str, Any]]
 _PROMPT_AND_LIMIT = {"messages": "input", "max_tokens": "max_output_tokens"}
 _AS_SENT = ("temperature", "top_p", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
 RESPONSES_FIELDS = FieldNames(
-    {"prompt": "input", **_PROMPT_AND_LIMIT},
+    {"prompt": "input", "response_format": "text.format", **_PROMPT_AND_LIMIT},
     {
         **{name: name for name in _AS_SENT},
         **_PROMPT_AND_LIMIT,
         "max_completion_tokens": "max_output_tokens",
         "reasoning_effort": "reasoning.effort",
+        "response_format": "text.format",
         **{name: f"replystream.{name}" for name in ("seed", "top_k", "stop")},
     },
 )
@@ -128,6 +130,7 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
         messages=tuple(messages),
         tools=tools,
         tool_choice=tool_choice,
+        response_format=engine_format(None if body.text is None else body.text.format),
         model=model,
         parallel_tool_calls=body.parallel_tool_calls,
         reasoning_effort=None if body.reasoning is None else body.reasoning.effort,

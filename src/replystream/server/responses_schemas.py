@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 
 from replystream.server.chat_message_schemas import MessageToolCall
-from replystream.server.openai_schemas import TextFormat
+from replystream.server.output_formats import ResponsesTextFormat
 from replystream.server.schema_fields import (
     CHOICE_ERROR,
     ITEM_TAGS,
@@ -204,11 +204,11 @@ class ResponsesReasoning(Strict):
 
 
 class ResponsesText(Strict):
-    """``text`` of ``POST /v1/responses``: the output's format (plain text, the one this
-    server makes: a JSON schema is refused, as chat's ``response_format`` is) and its
-    ``verbosity`` (echoed, as the API does; no engine here takes it)."""
+    """``text`` of ``POST /v1/responses``: the output's format (plain text, or JSON as chat's
+    ``response_format`` asks it) and its ``verbosity`` (echoed, as the API does; no engine
+    here takes it)."""
 
-    format: TextFormat | None = None
+    format: ResponsesTextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
@@ -245,7 +245,6 @@ class ResponsesPrompt(Strict):
     unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
     field_codes: ClassVar[Mapping[str, str]] = {
         "truncation": "unsupported_parameter",
-        "text.format.type": "unsupported_parameter",
     }
 
     model: str | None = None

@@ -54,8 +54,13 @@ MAX_TAG_CHARS = 128
 ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
 BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 CHOICE_TAGS = ("mode", "named")
+FORMAT_TAGS = ("text", "json_object", "json_schema")
 UNION_TAGS = frozenset(
-    {"<string>", "<parts>", *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS + CHOICE_TAGS)}
+    {
+        "<string>",
+        "<parts>",
+        *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS + CHOICE_TAGS + FORMAT_TAGS),
+    }
 )
 
 
@@ -63,6 +68,12 @@ def invalid(message: str, param: str | None = None) -> PydanticCustomError:
     """A failure whose message is a whole sentence naming the field. ``param`` names the
     field for a check made on the whole object (across fields), whose place is the object."""
     return PydanticCustomError("invalid_field", message, {"param": param} if param else None)
+
+
+def unfit(phrase: str) -> PydanticCustomError:
+    """A failure said as what follows the field's name (``must be ...``): the API's error
+    puts the field's path before it."""
+    return PydanticCustomError("unfit_value", phrase)
 
 
 def only(allowed: object, why: str) -> AfterValidator:
@@ -164,12 +175,12 @@ ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 def _json_schema(value: Any) -> dict[str, Any]:
     """A JSON Schema (checked against the 2020-12 meta-schema), as a function's parameters."""
     if not isinstance(value, dict):
-        raise invalid("must be a JSON Schema object")
+        raise unfit("must be a JSON Schema object")
     try:
         Draft202012Validator.check_schema(value)
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.path) or "the top"
-        raise invalid(f"is not a valid JSON Schema (at {where}: {exc.message[:200]})") from None
+        raise unfit(f"is not a valid JSON Schema (at {where}: {exc.message[:200]})") from None
     return value
 
 
@@ -178,7 +189,7 @@ JSONSchema = Annotated[dict[str, Any], PlainValidator(_json_schema)]
 
 def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
     if value.get("type") != "object":
-        raise invalid('must be a JSON Schema of type "object"')
+        raise unfit('must be a JSON Schema of type "object"')
     return value
 
 

@@ -246,6 +246,8 @@ def _message(error: ErrorDetails, param: str | None) -> str:
     if error["type"] == "invalid_field":  # already a whole sentence naming the field
         return error["msg"]
     name = param or "the input"
+    if error["type"] == "unfit_value":  # what follows the field's name
+        return f"{name} {error['msg']}"
     phrase = _PHRASES.get(error["type"])
     if phrase is None:
         return f"{name}: {error['msg']}"
