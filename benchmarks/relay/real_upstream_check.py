@@ -13,6 +13,9 @@ reference) with the ``openai`` and ``anthropic`` SDKs:
   Anthropic's Messages API (``stop_sequence``) and as ``stop`` on OpenAI's;
 - log probabilities, one per token, whose tokens spell the text (when the server has them);
 - the Responses API, streamed, ends ``incomplete`` at its ``max_output_tokens``;
+- JSON a schema describes (chat's ``response_format``, the Responses API's ``text.format``),
+  the server's grammar holding its text to it, read by the SDKs' parse helpers (a server
+  that refuses it fails this check with its own 400);
 - a stream the client closes early leaves the server serving the next request;
 - three streams at once all complete (a server that serves one request at a time and cuts the
   running one for a newer, as llama-cpp-python's does by default, needs
@@ -35,6 +38,7 @@ import anthropic
 import openai
 from anthropic.types import MessageParam
 from openai.types.chat import ChatCompletionMessageParam
+from pydantic import BaseModel
 
 from replystream.lab.local_server import serve_process
 
@@ -168,6 +172,33 @@ async def ends_a_response_incomplete(c: Clients) -> str:
     return f"{len(kinds)} events, incomplete at max_output_tokens"
 
 
+class Capital(BaseModel):
+    city: str
+    country: str
+
+
+CAPITAL: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France? Answer in JSON."}
+]
+
+
+async def holds_the_text_to_a_schema(c: Clients) -> str:
+    chat = await c.relay.chat.completions.parse(
+        model=c.model, messages=CAPITAL, response_format=Capital, temperature=0, max_tokens=60
+    )
+    parsed = chat.choices[0].message.parsed
+    expect(parsed is not None, f"chat: no parse of {chat.choices[0].message.content!r}")
+    response = await c.relay.responses.parse(
+        model=c.model,
+        input=str(CAPITAL[0]["content"]),
+        text_format=Capital,
+        temperature=0,
+        max_output_tokens=60,
+    )
+    expect(response.output_parsed is not None, f"Responses: no parse of {response.output_text!r}")
+    return f"chat {parsed}; Responses {response.output_parsed}"
+
+
 async def serves_on_after_a_client_leaves(c: Clients) -> str:
     stream = await c.relay.chat.completions.create(
         model=c.model, messages=QUESTION, temperature=0, max_tokens=200, stream=True
@@ -197,6 +228,7 @@ CHECKS: list[Check] = [
     names_the_stop_string,
     gives_log_probabilities,
     ends_a_response_incomplete,
+    holds_the_text_to_a_schema,
     serves_on_after_a_client_leaves,
     serves_three_at_once,
 ]
