@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from aiohttp import web
+from anthropic.types import MessageParam, OutputConfigParam
 from pydantic import BaseModel
 
 from replystream.engine import SimulatedConfig, SimulatedEngine
@@ -195,3 +197,65 @@ async def test_a_reply_held_to_a_json_format_is_not_continued_at_another_upstrea
         return
     assert got.chat_text == "w0 w1 w2 " and other.bodies == []  # it ended where it stalled
     assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_stalled"]
+
+
+async def test_anthropics_output_config_goes_upstream_in_chats_form_and_the_sdk_parses_it():
+    up = JSONUpstream(["m"])
+    ask: list[MessageParam] = [{"role": "user", "content": "Which city?"}]
+    async with (
+        relay([up]) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as claude,
+    ):
+        whole = await claude.messages.parse(
+            model="m", max_tokens=50, messages=ask, output_format=City
+        )
+        async with claude.messages.stream(
+            model="m", max_tokens=50, messages=ask, output_format=City
+        ) as stream:
+            streamed = await stream.get_final_message()
+        effort = await claude.messages.create(
+            model="m", max_tokens=50, messages=ask, output_config={"effort": "low"}
+        )
+    assert whole.parsed_output == City(city="Paris", population=2102650)
+    assert streamed.parsed_output == City(city="Paris", population=2102650)
+    sent = up.bodies[0]["response_format"]
+    # Chat's form needs a name, which Anthropic's has not; its schema is always held to.
+    assert (sent["type"], sent["json_schema"]["name"]) == ("json_schema", "output")
+    assert sent["json_schema"]["strict"] is True
+    assert set(sent["json_schema"]["schema"]["properties"]) == {"city", "population"}
+    assert up.bodies[1]["response_format"] == sent
+    assert up.bodies[2]["reasoning_effort"] == "low" and "response_format" not in up.bodies[2]
+    assert effort.content[0].type == "text"
+
+
+async def test_anthropics_output_format_is_refused_where_it_cannot_be_honoured():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=0, jitter_ms=0))
+    fmt: OutputConfigParam = {"format": {"type": "json_schema", "schema": City.model_json_schema()}}
+    prefilled: list[MessageParam] = [
+        {"role": "user", "content": "Which city?"},
+        {"role": "assistant", "content": '{"city":'},
+    ]
+    async with (
+        running(create_app(engine, ServerConfig(model_name="m"))) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as claude,
+    ):
+        with pytest.raises(anthropic.BadRequestError) as free:
+            await claude.messages.create(
+                model="m",
+                max_tokens=5,
+                messages=prefilled[:1],
+                output_config=fmt,
+            )
+        with pytest.raises(anthropic.BadRequestError) as prefill:
+            await claude.messages.create(
+                model="m",
+                max_tokens=5,
+                messages=prefilled,
+                output_config=fmt,
+            )
+    for refused in (free, prefill):
+        assert isinstance(refused.value.body, dict)
+        assert refused.value.body["type"] == "error"
+        assert refused.value.body["error"]["type"] == "invalid_request_error"
+    assert "samples its text freely" in free.value.message
+    assert "prefilled final assistant message" in prefill.value.message

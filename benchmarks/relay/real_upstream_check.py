@@ -13,7 +13,8 @@ reference) with the ``openai`` and ``anthropic`` SDKs:
   Anthropic's Messages API (``stop_sequence``) and as ``stop`` on OpenAI's;
 - log probabilities, one per token, whose tokens spell the text (when the server has them);
 - the Responses API, streamed, ends ``incomplete`` at its ``max_output_tokens``;
-- JSON a schema describes (chat's ``response_format``, the Responses API's ``text.format``),
+- JSON a schema describes (chat's ``response_format``, the Responses API's ``text.format``,
+  Anthropic's ``output_config.format``),
   the server's grammar holding its text to it, read by the SDKs' parse helpers (a server
   that refuses it fails this check with its own 400);
 - a stream the client closes early leaves the server serving the next request;
@@ -196,7 +197,15 @@ async def holds_the_text_to_a_schema(c: Clients) -> str:
         max_output_tokens=60,
     )
     expect(response.output_parsed is not None, f"Responses: no parse of {response.output_text!r}")
-    return f"chat {parsed}; Responses {response.output_parsed}"
+    message = await c.anthropic.messages.parse(
+        model=c.model,
+        max_tokens=60,
+        messages=[{"role": "user", "content": str(CAPITAL[0]["content"])}],
+        output_format=Capital,
+        extra_body={"temperature": 0},
+    )
+    expect(message.parsed_output is not None, f"Anthropic: no parse of {message.content!r}")
+    return f"chat {parsed}; Responses {response.output_parsed}; Anthropic {message.parsed_output}"
 
 
 async def serves_on_after_a_client_leaves(c: Clients) -> str:

@@ -33,7 +33,7 @@ from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
-from replystream.server.anthropic_schemas import MessagesBody, MessagesInput
+from replystream.server.anthropic_schemas import AnthropicOutputConfig, MessagesBody, MessagesInput
 from replystream.server.buffered import Whole
 from replystream.server.context import (
     CONFIG_KEY,
@@ -44,12 +44,14 @@ from replystream.server.context import (
     follow_started,
     start_reply,
 )
+from replystream.server.errors import HTTPAPIError
 from replystream.server.native import (
     check_prompt_size,
     delivery_overrides,
     sampling_params,
 )
 from replystream.server.openai_api import routed_model, served_model
+from replystream.server.output_formats import engine_format
 from replystream.server.refusal_names import FieldNames, refusals_naming
 from replystream.server.schema_fields import SamplingFields
 from replystream.server.tool_requests import (
@@ -72,13 +74,15 @@ _OURS = {
 }
 _AS_SENT = ("messages", "max_tokens", "temperature", "top_p", "tools", "tool_choice")
 _FIELDS = FieldNames(
-    {"prompt": "messages", **_OURS},
+    {"prompt": "messages", "response_format": "output_config.format", **_OURS},
     {
         **{name: name for name in _AS_SENT},
         **_OURS,
         "add_generation_prompt": "messages",  # sent (false) with a prefill to continue
         "max_completion_tokens": "max_tokens",
         "seed": "replystream.seed",
+        "reasoning_effort": "output_config.effort",
+        "response_format": "output_config.format",
     },
 )
 
@@ -120,16 +124,28 @@ def _conversation(request: web.Request, body: MessagesInput) -> GenerationReques
     # the reply, which goes on from it (as chat's ``continue_final_message``).
     last = messages[-1] if messages else None
     prefill = last is not None and last["role"] == "assistant" and not last.get("tool_calls")
+    output = body.output_config or AnthropicOutputConfig()
+    if prefill and output.format is not None:
+        # As Anthropic's API refuses it: a schema holds the whole reply, not what follows a
+        # start the client wrote.
+        raise HTTPAPIError(
+            400,
+            "output_config.format cannot be used with a prefilled final assistant message",
+            code="invalid_value",
+            param="output_config.format",
+        )
     return GenerationRequest(
         prompt,
         messages=tuple(messages),
         tools=tools,
         tool_choice=tool_choice,
+        response_format=engine_format(output.format),
         model=model,
         parallel_tool_calls=parallel,
         prefix=str(last["content"] or "") if prefill and last is not None else "",
         continue_final_message=prefill,
         caller=caller_of(request),
+        reasoning_effort=output.effort,
     )
 
 

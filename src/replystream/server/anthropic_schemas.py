@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from replystream.server.output_formats import AnthropicSchemaFormat
 from replystream.server.responses_schemas import ResponsesExtensions
 from replystream.server.schema_fields import (
     BLOCK_TAGS,
@@ -211,6 +212,15 @@ class AnthropicMetadata(Strict):
     user_id: str | None = None
 
 
+class AnthropicOutputConfig(Strict):
+    """``output_config``: how much effort a reasoning model puts in (relayed as chat's
+    ``reasoning_effort``; the upstream decides what it takes) and the JSON schema the text
+    must match (structured outputs)."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: AnthropicSchemaFormat | None = None
+
+
 class MessagesInput(Strict):
     """What a message is made from: the fields ``POST /v1/messages`` and
     ``POST /v1/messages/count_tokens`` share (Anthropic's count takes a message's body without
@@ -222,6 +232,7 @@ class MessagesInput(Strict):
     tools: Annotated[list[AnthropicTool], Field(max_length=128)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
+    output_config: AnthropicOutputConfig | None = None
 
     @model_validator(mode="after")
     def _content_anthropic_takes(self) -> MessagesInput:

@@ -178,9 +178,9 @@ def _refuse_unhonourable(engine: Engine, generation: GenerationRequest) -> None:
     if generation.response_format is not None and not engine.follows_response_format:
         kind = generation.response_format.get("type")
         raise RequestRejected(
-            f"the {engine.name} engine samples its text freely and cannot hold it to "
-            f'{kind}; {{"type": "text"}} can be served (a relay to a server that '
-            "constrains its output passes response_format on)",
+            f"the {engine.name} engine samples its text freely and cannot hold it to a JSON "
+            f"form ({kind}); plain text can be served, and a relay passes the format on to a "
+            "server that constrains its output",
             code="unsupported_parameter",
             param="response_format",
         )

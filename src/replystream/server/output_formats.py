@@ -1,6 +1,7 @@
-"""The form a reply's text must take (OpenAI's structured outputs): plain text, any JSON
-object, or JSON a schema describes; declared in chat's spelling (``response_format``) and in
-the Responses API's (``text.format``, the schema's fields one level up).
+"""The form a reply's text must take (structured outputs): plain text, any JSON object, or
+JSON a schema describes; declared in chat's spelling (``response_format``), the Responses
+API's (``text.format``, the schema's fields one level up) and Anthropic's
+(``output_config.format``: a schema, with no name).
 
 This file decides what each accepts and the one form an engine is given either way
 (``GenerationRequest.response_format``: chat's, which a relay sends its upstream as it is;
@@ -66,6 +67,19 @@ _FORMAT_ERROR = Discriminator(
     custom_error_type="format_type",
     custom_error_message='must be an object whose type is "text", "json_object" or "json_schema"',
 )
+
+
+class AnthropicSchemaFormat(Strict):
+    """Anthropic's ``output_config.format``: ``{"type": "json_schema", "schema": {...}}``,
+    always held to exactly (chat's ``strict``)."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchema = Field(alias="schema")
+
+
+# The name chat's form needs for a schema Anthropic's gives none.
+ANTHROPIC_SCHEMA_NAME = "output"
+
 ChatResponseFormat = Annotated[
     Annotated[TextFormat, Tag("<text>")]
     | Annotated[JSONObjectFormat, Tag("<json_object>")]
@@ -81,7 +95,12 @@ ResponsesTextFormat = Annotated[
 
 
 def engine_format(
-    given: TextFormat | JSONObjectFormat | ChatSchemaFormat | ResponsesSchemaFormat | None,
+    given: TextFormat
+    | JSONObjectFormat
+    | ChatSchemaFormat
+    | ResponsesSchemaFormat
+    | AnthropicSchemaFormat
+    | None,
 ) -> Mapping[str, Any] | None:
     """The form an engine is given, chat's, whichever dialect ``given`` came in (None: plain
     text, what every engine makes unasked)."""
@@ -89,5 +108,8 @@ def engine_format(
         return None
     if isinstance(given, JSONObjectFormat):
         return {"type": "json_object"}
+    if isinstance(given, AnthropicSchemaFormat):
+        schema = {"name": ANTHROPIC_SCHEMA_NAME, "schema": given.json_schema, "strict": True}
+        return {"type": "json_schema", "json_schema": schema}
     fields = given.json_schema if isinstance(given, ChatSchemaFormat) else given
     return {"type": "json_schema", "json_schema": fields.chat_form()}
