@@ -59,6 +59,21 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert p.tolist() == [1.0, 0.0, 0.0, 0.0]  # the likeliest alone: greedy
 
 
+def test_min_p_drops_what_is_less_likely_than_its_share_of_the_likeliest() -> None:
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    p = filtered_probabilities(logits, SamplingParams(min_p=0.25))
+    assert set(np.flatnonzero(p)) == {0, 1, 2}  # 0.15 >= 0.25 * 0.5; 0.05 is not
+    np.testing.assert_allclose(p[:3], np.array([0.5, 0.3, 0.15]) / 0.95, rtol=1e-6)
+    p = filtered_probabilities(logits, SamplingParams(min_p=1.0))
+    assert p.tolist() == [1.0, 0.0, 0.0, 0.0]  # only the likeliest reaches its own share
+    # After the temperature: at 2 the distribution flattens, and more tokens pass.
+    hot = filtered_probabilities(logits, SamplingParams(min_p=0.25, temperature=2.0))
+    assert set(np.flatnonzero(hot)) == {0, 1, 2, 3}
+    # Before top-p, which then reads the renormalised distribution.
+    both = filtered_probabilities(logits, SamplingParams(min_p=0.25, top_p=0.8))
+    assert set(np.flatnonzero(both)) == {0, 1}
+
+
 def test_same_seed_same_draws() -> None:
     logits = np.random.default_rng(1).standard_normal(500).astype(np.float32)
     params = SamplingParams(temperature=1.0)
@@ -89,6 +104,8 @@ def test_draws_follow_the_distribution() -> None:
         (SamplingParams(top_p=-0.1), "top_p"),
         (SamplingParams(top_p=1.5), "top_p"),
         (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(min_p=float("nan")), "min_p"),
         (SamplingParams(stop=("",)), "stop"),
         (SamplingParams(stop=("a", "b", "c", "d", "e")), "stop"),
     ],

@@ -331,6 +331,7 @@ async def test_a_clean_upstream_reply_is_relayed_with_its_usage_and_finish_reaso
         )
         async with running(create_app(engine)) as relay:
             body = {**CHAT, "stream_options": {"include_usage": True}, "seed": 5, "top_k": 7}
+            body["min_p"] = 0.05
             got = await post_events(f"{relay}/v1/chat/completions", body)
     assert got.status == 200
     assert got.chat_text == "one two three "
@@ -340,7 +341,7 @@ async def test_a_clean_upstream_reply_is_relayed_with_its_usage_and_finish_reaso
     sent = fake.bodies[0]
     assert sent["messages"] == CHAT["messages"] and sent["model"] == "m"
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
-    assert sent["seed"] == 5 and sent["top_k"] == 7
+    assert sent["seed"] == 5 and sent["top_k"] == 7 and sent["min_p"] == 0.05
     assert fake.headers[0]["Authorization"] == "Bearer k1"
 
 
@@ -703,6 +704,7 @@ def test_the_prompt_goes_up_as_one_user_message_when_there_are_no_messages():
     assert body["messages"] == [{"role": "user", "content": "Hello"}]
     assert body["max_tokens"] == 9 and body["temperature"] == 0 and body["stop"] == ["x"]
     assert "model" not in body and "seed" not in body and "top_k" not in body
+    assert "min_p" not in body  # 0, the default: the upstream's own then applies
 
 
 # Words a client must never see in an error about the upstream: library and exception names,

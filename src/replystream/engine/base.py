@@ -68,6 +68,9 @@ class SamplingParams:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int = 0
+    # vLLM's ``min_p``: tokens less likely than this fraction of the likeliest are dropped
+    # (0: none).
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # Log probabilities of each made token (None: not asked), with this many of the likeliest

@@ -2,7 +2,8 @@
 
 This file decides how logits become one token id: greedy at temperature 0, otherwise
 softmax(logits / temperature) computed stably (the max is subtracted before ``exp``), narrowed
-by top-k and then top-p (the smallest set of tokens whose probabilities reach p; at 0, the
+by top-k, then min-p (tokens less likely than that fraction of the likeliest dropped, as vLLM
+does), then top-p (the smallest set of tokens whose probabilities reach p; at 0, the
 likeliest token alone), and drawn with the request's own seeded generator, so the same seed
 gives the same reply. Penalties
 (presence, frequency, repetition) change the logits first, from the request's
@@ -48,6 +49,8 @@ def check_sampling(params: SamplingParams) -> None:
         raise RequestRejected("top_p must be from 0 to 1", param="top_p")
     if params.top_k < 0:
         raise RequestRejected("top_k must be >= 0 (0 keeps every token)", param="top_k")
+    if not (math.isfinite(params.min_p) and 0 <= params.min_p <= 1):
+        raise RequestRejected("min_p must be from 0 to 1 (0 keeps every token)", param="min_p")
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
         raise RequestRejected(
             f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs"
@@ -138,12 +141,15 @@ def probabilities(logits: NDArray[np.floating], temperature: float = 1.0) -> NDA
 def filtered_probabilities(
     logits: NDArray[np.float32], params: SamplingParams
 ) -> NDArray[np.float64]:
-    """The distribution a token is drawn from: temperature, then top-k, then top-p."""
+    """The distribution a token is drawn from: temperature, then top-k, min-p, top-p."""
     z = logits.astype(np.float64)  # (vocab,)
     if 0 < params.top_k < z.size:
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
     p = probabilities(z, 1.0 if params.temperature is None else params.temperature)  # (vocab,)
+    if params.min_p > 0:  # relative to the likeliest token, which is always kept
+        p[p < params.min_p * p.max()] = 0.0
+        p /= p.sum()
     top_p = 1.0 if params.top_p is None else params.top_p
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")  # most likely first

@@ -119,6 +119,8 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["max_tokens"] = s.max_tokens
     if s.top_k > 0:
         body["top_k"] = s.top_k  # vLLM, TGI, llama.cpp and Ollama take it; OpenAI does not
+    if s.min_p > 0:
+        body["min_p"] = s.min_p  # vLLM, SGLang, llama.cpp and Ollama take it
     if s.seed is not None:
         body["seed"] = s.seed
     for name, none in (

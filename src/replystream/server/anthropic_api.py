@@ -81,6 +81,7 @@ _FIELDS = FieldNames(
         "add_generation_prompt": "messages",  # sent (false) with a prefill to continue
         "max_completion_tokens": "max_tokens",
         "seed": "replystream.seed",
+        "min_p": "replystream.min_p",
         "reasoning_effort": "output_config.effort",
         "response_format": "output_config.format",
     },

@@ -44,7 +44,7 @@ class ReplyRequest:
 
 # A relay's chat request's fields the native request has under the same names; its prompt
 # and limit are the client's own (``native_fields``); any other is left out of a refusal.
-_NATIVE_AS_SENT = ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens")
+_NATIVE_AS_SENT = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "max_tokens")
 
 
 def native_fields(prompt_field: str) -> FieldNames:
@@ -102,6 +102,7 @@ def sampling_params(
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
         seed=body.seed,
         stop=body.stop or (),
         logprobs=logprobs,

@@ -186,6 +186,7 @@ class ResponsesExtensions(Strict):
 
     seed: Seed | None = None
     top_k: TopK | None = None
+    min_p: Probability | None = None
     stop: Stop | None = None
     batch_tokens: BatchTokens | None = None
     batch_ms: BatchMs | None = None

@@ -203,6 +203,7 @@ class SamplingFields(Strict):
     temperature: Temperature | None = None
     top_p: Probability | None = None
     top_k: TopK | None = None
+    min_p: Probability | None = None
     seed: Seed | None = None
     stop: Stop | None = None
     batch_tokens: BatchTokens | None = None
