@@ -561,3 +561,23 @@ def test_text_after_a_control_token_is_not_marked_as_the_start_of_the_input():
     head, tail = plain[: plain.index(end)], plain[plain.index(end) :]
     assert forged[: len(head)] == head and forged[-len(tail) :] == tail
     assert not any(p.startswith("▁") for p in spm.convert_ids_to_tokens(forged))
+
+
+async def test_chat_template_kwargs_reach_a_transformers_template(chat_model_dir: Path):
+    """vLLM's ``chat_template_kwargs`` reach ``apply_chat_template`` (Qwen3's template reads
+    ``enable_thinking`` so), on the same path as the engine's own prompts."""
+    from transformers import AutoTokenizer
+
+    from replystream.engine.hf_text import HFChatPrompt, tokenizer_spec
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    tokenizer.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}" + CHATML
+    )
+    prompts = HFChatPrompt(tokenizer, tokenizer_spec(tokenizer))
+    ask = [{"role": "user", "content": "the quick fox"}]
+    plain = prompts.prompt_ids(ask)
+    off = prompts.prompt_ids(ask, variables={"enable_thinking": False})
+    assert str(tokenizer.decode(off)).startswith("/no_think\n")
+    assert off[-len(plain) :] == plain and len(off) > len(plain)
+    assert prompts.prompt_ids(ask, variables={"enable_thinking": True}) == plain

@@ -151,6 +151,10 @@ class GenerationRequest:
     # continued). An engine that builds no prompt from a template refuses True (there is no
     # generation prompt to add).
     add_generation_prompt: bool | None = None
+    # More variables for the chat template (vLLM's ``chat_template_kwargs``, such as Qwen3's
+    # ``enable_thinking``), none of the names the template is given anyway. An engine with no
+    # chat template refuses them; a relay passes them on. None: none given.
+    chat_template_kwargs: Mapping[str, Any] | None = None
     # Whether a relayed reply whose upstream stalls or fails mid-reply may go on at another
     # upstream (None: the server's default). Engines with no upstream have nothing to do.
     continuation: bool | None = None

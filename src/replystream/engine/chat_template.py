@@ -114,9 +114,11 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages`` (role and text content each, tool calls and
-        results written as text: ``template_message``).
+        results written as text: ``template_message``); ``variables``: more for the template
+        to read (a request's ``chat_template_kwargs``), which never replace those given here.
 
         With ``continue_final_message`` the text ends where the final message's text ends: its
         turn is left open for the model to go on writing (``transformers``'
@@ -134,10 +136,13 @@ class ChatTemplate:
             plain[-1] = {**plain[-1], "content": plain[-1]["content"] + tag}
         try:
             rendered = self._template.render(
-                messages=plain,
-                add_generation_prompt=add_generation_prompt and not tag,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
+                {
+                    **(variables or {}),
+                    "messages": plain,
+                    "add_generation_prompt": add_generation_prompt and not tag,
+                    "bos_token": self.bos_token,
+                    "eos_token": self.eos_token,
+                }
             )
         except (_TemplateRaised, jinja2.TemplateError, TypeError, KeyError) as exc:
             raise RequestRejected(

@@ -42,7 +42,7 @@ from replystream.engine.base import (
 from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
 from replystream.engine.hf_text import HFChatPrompt, HFDetokenizer, HFTokenBytes, tokenizer_spec
-from replystream.engine.prompts import refuse_generation_prompt
+from replystream.engine.prompts import refuse_template_controls
 from replystream.engine.sampling import (
     StopMatcher,
     TokenHistory,
@@ -135,9 +135,12 @@ class HFEngine(InProcessEngine):
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages and self._chat is not None:
             return self._chat.prompt_ids(
-                request.messages, request.add_generation_prompt, request.continue_final_message
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
             )
-        refuse_generation_prompt(request)
+        refuse_template_controls(request)
         # Chat messages in their plain-text form are all the messages' text: no control token
         # in it is real. A completion's prompt is its client's own, control tokens and all.
         chat = {"split_special_tokens": True} if request.messages is not None else {}

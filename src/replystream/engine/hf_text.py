@@ -13,7 +13,7 @@ import copy
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -134,9 +134,11 @@ class HFChatPrompt:
         messages: Messages,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The prompt's ids: the template's generation prompt at the end unless
-        ``add_generation_prompt`` is false or the final message is continued (left open).
+        ``add_generation_prompt`` is false or the final message is continued (left open);
+        ``variables``: more for the template to read (``chat_template_kwargs``).
 
         Raises:
             RequestRejected: the template refuses or fails on these messages, or cannot show
@@ -153,6 +155,7 @@ class HFChatPrompt:
                     add_generation_prompt=generation,
                     continue_final_message=continue_final_message,
                     tokenize=False,
+                    **(variables or {}),
                 )
             except ValueError as exc:  # transformers' words for a message it cannot continue
                 if not continue_final_message:

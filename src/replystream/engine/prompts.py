@@ -8,10 +8,11 @@ the template's markup is encoded with its control tokens, the messages' text as 
 (a legacy completion) is continued as plain text, its control spellings matched whole: its
 client wrote the whole prompt, there is no one else's markup in it to forge. A chat request's
 plain-text form (a model without a template) is all the messages' text, and is encoded as
-such. A request's ``add_generation_prompt`` and ``continue_final_message`` reach the template
-(``template_renderer``); without one, a plain-text form has no generation prompt to add, and
-``add_generation_prompt: true`` is refused rather than ignored. It must not know about models
-or serving.
+such. A request's ``add_generation_prompt``, ``continue_final_message`` and
+``chat_template_kwargs`` reach the template (``template_renderer``); without one, a plain-text
+form has no generation prompt to add and no template to give variables to, and
+``add_generation_prompt: true`` and ``chat_template_kwargs`` are refused rather than ignored.
+It must not know about models or serving.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class PlainPrompt:
         self._empty = empty
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        refuse_generation_prompt(request)
+        refuse_template_controls(request)
         if not request.prompt:
             return self._tokenizer.encode(self._empty)  # ours: it may be a control token (BOS)
         if request.messages is not None:
@@ -80,22 +81,32 @@ def template_renderer(template: ChatTemplate, request: GenerationRequest) -> Ren
         generation = not request.continue_final_message
 
     def render(messages: Messages) -> str:
-        return template.render(messages, generation, request.continue_final_message)
+        return template.render(
+            messages, generation, request.continue_final_message, request.chat_template_kwargs
+        )
 
     return render
 
 
-def refuse_generation_prompt(request: GenerationRequest) -> None:
-    """Refuse ``add_generation_prompt: true`` where there is no chat template: a chat's
-    plain-text form ends with the last message's text, and there is no generation prompt to
-    add (``false`` is what it does anyway; a final message is continued as its text ends).
+def refuse_template_controls(request: GenerationRequest) -> None:
+    """Refuse what only a chat template can honour where there is none: a chat's plain-text
+    form ends with the last message's text, and there is no generation prompt to add
+    (``add_generation_prompt: false`` is what it does anyway; a final message is continued as
+    its text ends), nor a template to read ``chat_template_kwargs``.
 
     Raises:
-        RequestRejected: naming ``add_generation_prompt``.
+        RequestRejected: naming ``add_generation_prompt`` or ``chat_template_kwargs``.
     """
     if request.messages is not None and request.add_generation_prompt:
         raise RequestRejected(
             "this model has no chat template: a chat is read as its messages' plain text, "
             "with no generation prompt to add (send false, or leave it out)",
             param="add_generation_prompt",
+        )
+    if request.chat_template_kwargs:
+        raise RequestRejected(
+            "this model has no chat template to give chat_template_kwargs to: a chat is read "
+            "as its messages' plain text",
+            code="unsupported_parameter",
+            param="chat_template_kwargs",
         )

@@ -115,6 +115,8 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["add_generation_prompt"] = False
     elif request.add_generation_prompt is not None:  # the client's, as it gave it
         body["add_generation_prompt"] = request.add_generation_prompt
+    if request.chat_template_kwargs:  # vLLM's, SGLang's and llama.cpp's server's
+        body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
     if s.max_tokens is not None:
         body["max_tokens"] = s.max_tokens
     if s.top_k > 0:

@@ -125,6 +125,7 @@ def parse_chat_request(
         prefix=body.prefix,
         continue_final_message=bool(body.continue_final_message),
         add_generation_prompt=body.add_generation_prompt,
+        chat_template_kwargs=body.chat_template_kwargs,
         continuation=body.upstream_continue,
         parallel_tool_calls=body.parallel_tool_calls,
         prompt_cache_key=body.prompt_cache_key,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, PlainValidator, Tag, model_validator
+from pydantic import AfterValidator, Discriminator, Field, PlainValidator, Tag, model_validator
 
 from replystream.server.chat_message_schemas import Messages
 from replystream.server.output_formats import ChatResponseFormat
@@ -77,6 +77,37 @@ class StreamOptions(Strict):
     ) = None
 
 
+# What a template is given anyway, or calls: a request's variables may not stand for them
+# (vLLM refuses a ``chat_template`` among them: a client's own template would run).
+TEMPLATE_OWN_NAMES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "bos_token",
+        "eos_token",
+        "tools",
+        "documents",
+        "chat_template",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+
+
+def _template_variables(value: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(TEMPLATE_OWN_NAMES.intersection(value))
+    if taken:
+        raise invalid(
+            f"chat_template_kwargs may not give {taken[0]!r}: the template is given it "
+            "already, or calls it"
+        )
+    return value
+
+
+TemplateVariables = Annotated[dict[str, Any], AfterValidator(_template_variables)]
+
+
 class OpenAIBody(SamplingFields):
     """Fields both OpenAI routes take: honoured, accepted at the one value honoured, or
     accepted and ignored (documented in docs/api.md, as vLLM and llama.cpp do)."""
@@ -126,6 +157,8 @@ class ChatBody(OpenAIBody):
     # vLLM's: the final assistant message is the start of the reply, to be continued.
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    # vLLM's: more variables for the model's chat template (Qwen3's ``enable_thinking``).
+    chat_template_kwargs: TemplateVariables | None = None
 
     @model_validator(mode="after")
     def _continued_message_is_the_assistants(self) -> ChatBody:
