@@ -9,10 +9,12 @@ from replystream.engine.base import RequestRejected, SamplingParams
 from replystream.engine.sampling import (
     StopMatcher,
     check_sampling,
+    ends_held,
     filtered_probabilities,
     probabilities,
     sample_token,
     token_logprob,
+    without_ends,
 )
 
 
@@ -106,6 +108,8 @@ def test_draws_follow_the_distribution() -> None:
         (SamplingParams(top_k=-1), "top_k"),
         (SamplingParams(min_p=1.5), "min_p"),
         (SamplingParams(min_p=float("nan")), "min_p"),
+        (SamplingParams(min_tokens=-1), "min_tokens"),
+        (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
         (SamplingParams(stop=("",)), "stop"),
         (SamplingParams(stop=("a", "b", "c", "d", "e")), "stop"),
     ],
@@ -163,3 +167,17 @@ def test_a_draw_at_the_top_of_the_range_never_picks_a_token_top_k_cut() -> None:
     token = sample_token(logits, params, _TopDraw())  # type: ignore[arg-type]
     assert p[token] > 0
     assert token == int(np.flatnonzero(p)[-1])  # the top of the range: the last kept token
+
+
+def test_the_end_tokens_are_held_back_until_min_tokens_or_throughout_with_ignore_eos() -> None:
+    assert ends_held(SamplingParams(min_tokens=3), 2)
+    assert not ends_held(SamplingParams(min_tokens=3), 3)
+    assert ends_held(SamplingParams(ignore_eos=True), 500)
+    assert not ends_held(SamplingParams(), 0)
+    logits = np.array([5.0, 1.0, 0.5, 0.2], np.float32)
+    banned = without_ends(logits, {0, 9})  # an id past the vocabulary is no token of it
+    assert banned[0] == -np.inf and banned[1:].tolist() == logits[1:].tolist()
+    assert logits[0] == 5.0  # a copy
+    rng = np.random.default_rng(0)
+    assert sample_token(banned, SamplingParams(temperature=0), rng) == 1
+    assert 0 not in {sample_token(banned, SamplingParams(), rng) for _ in range(200)}

@@ -22,7 +22,6 @@ from anthropic.types import MessageParam, OutputConfigParam
 from pydantic import BaseModel
 
 from replystream.engine import SimulatedConfig, SimulatedEngine
-from replystream.engine.tiny import TinyEngineConfig, load_default_engine
 from replystream.server import create_app, running
 from replystream.server.context import ServerConfig
 from tests.sse_client import post_events
@@ -260,45 +259,3 @@ async def test_anthropics_output_format_is_refused_where_it_cannot_be_honoured()
         assert refused.value.body["error"]["type"] == "invalid_request_error"
     assert "samples its text freely" in free.value.message
     assert "prefilled final assistant message" in prefill.value.message
-
-
-async def test_min_p_goes_upstream_from_every_dialect_under_its_own_name():
-    """vLLM's ``min_p``: top-level on chat, completions and the native route, replystream's
-    own on the Responses and Messages APIs (which have no such field)."""
-    up = JSONUpstream(["m"])
-    async with relay([up]) as url:
-        for path, body in (
-            ("/v1/chat/completions", {"messages": ASK, "min_p": 0.1}),
-            ("/v1/completions", {"prompt": "x", "min_p": 0.1}),
-            ("/v1/replies", {"prompt": "x", "min_p": 0.1, "stream": False}),
-            ("/v1/responses", {"input": "x", "replystream": {"min_p": 0.1}}),
-            (
-                "/v1/messages",
-                {"model": "m", "max_tokens": 9, "messages": ASK, "replystream": {"min_p": 0.1}},
-            ),
-        ):
-            got = await post_events(f"{url}{path}", body)
-            assert got.status == 200, (path, got.raw)
-            assert up.bodies[-1]["min_p"] == 0.1, path
-        bad = await post_events(f"{url}/v1/chat/completions", {"messages": ASK, "min_p": 1.5})
-    assert bad.status == 400 and json.loads(bad.raw)["error"]["param"] == "min_p"
-
-
-async def test_the_built_in_model_honours_min_p():
-    """At ``min_p`` 1 only the likeliest token is left at each step: a sampled reply is the
-    greedy one, whatever its seed."""
-    engine = load_default_engine(TinyEngineConfig())
-    async with running(create_app(engine, ServerConfig(model_name="m"))) as url:
-        replies = []
-        for sampling in (
-            {"temperature": 0},
-            {"temperature": 1.5, "min_p": 1.0, "seed": 1},
-            {"temperature": 1.5, "min_p": 1.0, "seed": 2},
-            {"temperature": 1.5, "seed": 1},
-        ):
-            body = {"messages": ASK, "max_tokens": 24, **sampling}
-            got = await post_events(f"{url}/v1/chat/completions", body)
-            replies.append(json.loads(got.raw)["choices"][0]["message"]["content"])
-    greedy, capped, capped_again, free = replies
-    assert capped == capped_again == greedy
-    assert free != greedy  # without it, this seed samples another reply

@@ -85,6 +85,10 @@ class SamplingParams:
     # OpenAI's ``logit_bias``: (token id, bias) pairs, each bias added to that token's logit
     # before any pick (-100 all but bans it, 100 all but forces it).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: the model's end tokens are never picked before ``min_tokens`` tokens were made,
+    # nor at all with ``ignore_eos`` (the reply then runs to its token limit).
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 class ChoiceGroup:

@@ -48,10 +48,12 @@ from replystream.engine.sampling import (
     TokenHistory,
     check_logit_bias,
     check_sampling,
+    ends_held,
     penalize,
     penalizes,
     sample_token,
     token_logprob,
+    without_ends,
 )
 from replystream.engine.seeds import settled_seed
 
@@ -250,10 +252,11 @@ class HFEngine(InProcessEngine):
                 self._counts["steps"] += 1
             past = getattr(out, self._cache_arg)
             logits = out.logits[0, -1].float().numpy()  # (vocab,)
-            if history is None:
-                token = sample_token(logits, params, rng)
-            else:
-                token = sample_token(penalize(logits, params, history), params, rng)
+            z = logits if history is None else penalize(logits, params, history)
+            if ends_held(params, made - 1):
+                z = without_ends(z, self.eos)
+            token = sample_token(z, params, rng)
+            if history is not None:
                 history.add(token)
             now = time.monotonic()
             logprobs = None

@@ -36,10 +36,12 @@ from replystream.engine.model import Chunk, TinyModel
 from replystream.engine.sampling import (
     StopMatcher,
     TokenHistory,
+    ends_held,
     penalize,
     penalizes,
     sample_token,
     token_logprob,
+    without_ends,
 )
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
 from replystream.engine.speculative import accept
@@ -85,6 +87,7 @@ class _Request:
     # Of the prompt's tokens, those found in the prefix cache when it was last admitted
     # before its first token (None: the cache keeps no prefixes).
     cached: int | None = None
+    picked: int = 0  # tokens picked for it so far (every pick is a token made)
 
 
 class Runner:
@@ -206,10 +209,12 @@ class Runner:
                 request = requests[c.seq_id]
 
                 def pick(row: NDArray[np.float32], r: _Request = request) -> int:
-                    if r.history is None:
-                        token = sample_token(row, r.params, r.rng)
-                    else:  # picks one after another: each sees the tokens picked before it
-                        token = sample_token(penalize(row, r.params, r.history), r.params, r.rng)
+                    z = row if r.history is None else penalize(row, r.params, r.history)
+                    if ends_held(r.params, r.picked):
+                        z = without_ends(z, self.stop_tokens)
+                    token = sample_token(z, r.params, r.rng)
+                    r.picked += 1
+                    if r.history is not None:  # each pick sees the tokens picked before it
                         r.history.add(token)
                     # Log probabilities are the model's own (``token_logprob``), unpenalized.
                     if r.params.logprobs is not None:  # every pick is a made token

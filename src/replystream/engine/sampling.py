@@ -7,7 +7,8 @@ does), then top-p (the smallest set of tokens whose probabilities reach p; at 0,
 likeliest token alone), and drawn with the request's own seeded generator, so the same seed
 gives the same reply. Penalties
 (presence, frequency, repetition) change the logits first, from the request's
-``TokenHistory``. It also tells
+``TokenHistory``; then the model's end tokens are banned while the reply may not end yet
+(``min_tokens``, ``ignore_eos``: ``ends_held``). It also tells
 an engine when a stop sequence has completed (the pipeline cuts it). It must not know about
 models, caches, batches or time.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -61,6 +62,14 @@ def check_sampling(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise RequestRejected(f"{name} must be a finite number", param=name)
+    if params.min_tokens < 0:
+        raise RequestRejected("min_tokens must be >= 0", param="min_tokens")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise RequestRejected(
+            f"min_tokens ({params.min_tokens}) must not be more than max_tokens "
+            f"({params.max_tokens})",
+            param="min_tokens",
+        )
     if len(params.stop) > MAX_STOP_SEQUENCES or any(not s for s in params.stop):
         raise RequestRejected(
             f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop"
@@ -123,6 +132,19 @@ def penalize(
         z[ids] -= params.frequency_penalty * counts + params.presence_penalty
     for token, bias in params.logit_bias:  # ids checked against the vocabulary at admission
         z[token] += bias
+    return z
+
+
+def ends_held(params: SamplingParams, made: int) -> bool:
+    """Whether the reply may not end yet after ``made`` tokens (its end tokens banned)."""
+    return params.ignore_eos or made < params.min_tokens
+
+
+def without_ends(logits: NDArray[np.floating], ends: Collection[int]) -> NDArray[np.float32]:
+    """The logits with the model's end tokens banned (a copy), as llama.cpp's
+    ``ignore_eos`` bans them: never picked, the rest of the distribution as it was."""
+    z = np.array(logits, dtype=np.float32)  # (vocab,)
+    z[[token for token in ends if token < z.size]] = -np.inf
     return z
 
 

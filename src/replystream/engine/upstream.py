@@ -123,6 +123,10 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
         body["top_k"] = s.top_k  # vLLM, TGI, llama.cpp and Ollama take it; OpenAI does not
     if s.min_p > 0:
         body["min_p"] = s.min_p  # vLLM, SGLang, llama.cpp and Ollama take it
+    if s.min_tokens > 0:
+        body["min_tokens"] = s.min_tokens  # vLLM's and SGLang's
+    if s.ignore_eos:
+        body["ignore_eos"] = True  # vLLM, SGLang and llama.cpp take it
     if s.seed is not None:
         body["seed"] = s.seed
     for name, none in (

@@ -82,6 +82,8 @@ _FIELDS = FieldNames(
         "max_completion_tokens": "max_tokens",
         "seed": "replystream.seed",
         "min_p": "replystream.min_p",
+        "min_tokens": "replystream.min_tokens",
+        "ignore_eos": "replystream.ignore_eos",
         "reasoning_effort": "output_config.effort",
         "response_format": "output_config.format",
     },

@@ -44,7 +44,16 @@ class ReplyRequest:
 
 # A relay's chat request's fields the native request has under the same names; its prompt
 # and limit are the client's own (``native_fields``); any other is left out of a refusal.
-_NATIVE_AS_SENT = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "max_tokens")
+_NATIVE_AS_SENT = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "seed",
+    "stop",
+    "max_tokens",
+)
 
 
 def native_fields(prompt_field: str) -> FieldNames:
@@ -103,6 +112,8 @@ def sampling_params(
         top_p=body.top_p,
         top_k=body.top_k or 0,
         min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
+        ignore_eos=bool(body.ignore_eos),
         seed=body.seed,
         stop=body.stop or (),
         logprobs=logprobs,

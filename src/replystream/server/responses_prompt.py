@@ -50,7 +50,10 @@ RESPONSES_FIELDS = FieldNames(
         "max_completion_tokens": "max_output_tokens",
         "reasoning_effort": "reasoning.effort",
         "response_format": "text.format",
-        **{name: f"replystream.{name}" for name in ("seed", "top_k", "min_p", "stop")},
+        **{
+            name: f"replystream.{name}"
+            for name in ("seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop")
+        },
     },
 )
 

@@ -28,6 +28,7 @@ from replystream.server.schema_fields import (
     JSONSchema,
     KeepaliveS,
     Metadata,
+    MinTokens,
     Probability,
     Seed,
     Stop,
@@ -187,6 +188,8 @@ class ResponsesExtensions(Strict):
     seed: Seed | None = None
     top_k: TopK | None = None
     min_p: Probability | None = None
+    min_tokens: MinTokens | None = None
+    ignore_eos: bool | None = None
     stop: Stop | None = None
     batch_tokens: BatchTokens | None = None
     batch_ms: BatchMs | None = None

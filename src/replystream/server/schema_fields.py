@@ -91,6 +91,7 @@ def only(allowed: object, why: str) -> AfterValidator:
 # Numbers: strict ints (a bool or 1.0 is refused), finite floats (an int is taken as one).
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 ChoiceCount = Annotated[int, Field(ge=1, le=128)]  # OpenAI's range for n
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
@@ -204,6 +205,8 @@ class SamplingFields(Strict):
     top_p: Probability | None = None
     top_k: TopK | None = None
     min_p: Probability | None = None
+    min_tokens: MinTokens | None = None
+    ignore_eos: bool | None = None
     seed: Seed | None = None
     stop: Stop | None = None
     batch_tokens: BatchTokens | None = None
