@@ -30,7 +30,7 @@ from aiohttp import web
 from replystream.cli import main
 from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
-from replystream.engine.tiny import TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import drop_and_resume
@@ -43,6 +43,7 @@ from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import constant_rates
 from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
 from replystream.server import create_app, running
+from replystream.server.context import ServerConfig
 from replystream.server.state import add_state_gauges
 from tests.conftest import serve_engine
 from tests.processes import replica
@@ -468,6 +469,38 @@ async def test_a_messages_run_against_our_own_route_counts_its_usage():
     assert [r["tokens"] for r in summary["requests"]] == [6, 6]
 
 
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/replies", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"],
+)
+async def test_ignore_eos_runs_every_reply_to_its_length_on_every_api(path: str):
+    """``--ignore-eos``: a model that ends early on its own (here the tiny model, ending at
+    a comma, a full stop or a common word) makes replies of the length asked for."""
+    default = load_default_engine()
+    ends = frozenset(
+        default.tokenizer.encode(word)[0] for word in (",", ".", " the", " and", " of", " unto")
+    )
+    engine = TinyEngine(default.model, default.tokenizer, stop_tokens=ends)
+    async with running(create_app(engine, ServerConfig(model_name="m"))) as url:
+        tokens = {}
+        for ignore_eos in (False, True):
+            config = LoadConfig(
+                url=f"{url}{path}",
+                api=detect_api(f"{url}{path}"),
+                requests=4,
+                model="m",
+                prompt_words=Lengths.parse("4"),
+                output_tokens=Lengths.parse("24"),
+                ignore_eos=ignore_eos,
+                warmup=False,
+            )
+            summary = summarize(await run_load(config))
+            assert summary["counts"]["complete"] == 4, summary["counts"]
+            tokens[ignore_eos] = [r["tokens"] for r in summary["requests"]]
+    assert tokens[True] == [24] * 4
+    assert min(tokens[False]) < 24  # without it, the model ends where it will
+
+
 def test_lab_requests_keep_the_urls_own_query():
     spec = build_request("lab", "http://h/stream?seed=7", prompt="a b", max_tokens=4, model="x")
     assert (spec.method, spec.json_body) == ("GET", None)
@@ -580,6 +613,8 @@ def test_lab_requests_keep_the_urls_own_query():
             "2",
         ],
         ["bench", "http://127.0.0.1:1/stream", "--output-tokens", "uniform:9:3"],
+        ["bench", "http://127.0.0.1:1/stream", "--ignore-eos", "--output-tokens", "4"],
+        ["bench", "http://127.0.0.1:1/v1/replies", "--ignore-eos"],
         ["doctor", "ftp://example.com/stream"],
     ],
 )

@@ -163,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the dataset's or trace's, else the server's)",
     )
     parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask each reply to run to its max_tokens, past the model's end token (vLLM's, "
+        "SGLang's, llama.cpp's and replystream's ignore_eos; under replystream on the Responses "
+        "and Messages APIs): replies of the lengths asked for, whatever the model says",
+    )
+    parser.add_argument(
         "--dataset",
         type=readable_file,
         metavar="FILE",

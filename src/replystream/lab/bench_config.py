@@ -208,6 +208,17 @@ def config_from_args(
         raise ValueError(
             "--slo-share is the share of requests that must meet every --slo: add --slo"
         )
+    if args.ignore_eos:
+        if api == "lab":
+            raise ValueError("--ignore-eos: the lab endpoint takes no ignore_eos")
+        given = args.output_tokens is not None or (
+            prompts and all(p.output_tokens is not None for p in prompts)
+        )
+        if not given:
+            raise ValueError(
+                "--ignore-eos runs each reply to its max_tokens: give --output-tokens (or a "
+                "dataset or trace whose prompts give output_tokens)"
+            )
     names = [slo.metric for slo in slos]
     if len(set(names)) != len(names):
         raise ValueError("--slo: each metric may be bounded once")
@@ -237,6 +248,7 @@ def config_from_args(
         prompts_in_order=args.trace is not None,
         system_words=args.system_prompt_words,
         turns=args.turns,
+        ignore_eos=args.ignore_eos,
         cancel_share=args.cancel_share,
         cancel_after=args.cancel_after or 1,
         drop_share=args.drop_share,

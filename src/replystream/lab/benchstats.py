@@ -321,6 +321,7 @@ def summarize(
         "dataset_prompts": len(config.prompts),
         "system_prompt_words": config.system_words,
         "turns": config.turns,
+        "ignore_eos": config.ignore_eos,
         "cancel_share": config.cancel_share,
         "cancel_after": config.cancel_after,
         "drop_share": config.drop_share,

@@ -161,9 +161,7 @@ async def run_step(
     probe = lab.engine(num_blocks=1)  # for its tokenizer and prompt format
     prompt = prompt_of(probe, STEP_PROMPT_TOKENS)
     # Its end tokens banned, every reply runs to ``tokens``: no sequence leaves a batch early.
-    sampling = SamplingParams(
-        max_tokens=tokens, logit_bias=tuple((t, -100.0) for t in sorted(probe.runner.stop_tokens))
-    )
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True)
     prompt_tokens = _fed_tokens(probe, prompt)
     blocks_each = _blocks_for(probe, prompt_tokens + tokens)
     largest = max(batches)

@@ -282,6 +282,7 @@ async def _conversation(
             model=config.model,
             system=system,
             history=history,
+            ignore_eos=config.ignore_eos,
         )
         sent = time.perf_counter()
         resume: ResumeOutcome | None = None

@@ -38,6 +38,8 @@ class LoadConfig:
     # Turns per conversation: each turn after the first resends the conversation so far (its
     # prompts and the replies received), as a chat client does. requests counts conversations.
     turns: int = 1
+    # Each reply asked to run to its max_tokens, past the model's end token.
+    ignore_eos: bool = False
     # A share of conversations whose first reader hangs up after cancel_after tokens.
     cancel_share: float = 0.0
     cancel_after: int = 1

@@ -72,6 +72,7 @@ def build_request(
     model: str,
     system: str = "",
     history: Sequence[tuple[str, str]] = (),
+    ignore_eos: bool = False,
 ) -> RequestSpec:
     """The request that asks ``url`` for one streamed reply to ``prompt``.
 
@@ -80,12 +81,16 @@ def build_request(
     every user shares, and ``history``, the conversation's earlier (prompt, reply) turns that
     a chat client resends, are messages to a chat, Responses or Messages endpoint (the system
     prompt is a Responses request's ``instructions``, a Messages request's ``system``) and
-    paragraphs before the prompt to the others (which take one text).
+    paragraphs before the prompt to the others (which take one text). ``ignore_eos``: the
+    reply runs to ``max_tokens`` past the model's end token (vLLM's field; replystream's
+    under ``replystream`` on the Responses and Messages APIs, which have no such field; the
+    lab endpoint takes none).
     """
+    ours = {"replystream": {"ignore_eos": True}} if ignore_eos else {}
     if api == "responses":
-        return _responses_request(url, prompt, max_tokens, model, system, history)
+        return _responses_request(url, prompt, max_tokens, model, system, history, ours)
     if api == "messages":
-        return _messages_request(url, prompt, max_tokens, model, system, history)
+        return _messages_request(url, prompt, max_tokens, model, system, history, ours)
     if not (api == "openai" and _is_chat(url)):
         earlier = [text for turn in history for text in turn]
         prompt = "\n\n".join(p for p in (system, *earlier, prompt) if p)
@@ -109,6 +114,8 @@ def build_request(
             body["prompt"] = prompt
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
+    if ignore_eos:
+        body["ignore_eos"] = True
     return RequestSpec("POST", url, body)
 
 
@@ -119,8 +126,9 @@ def _responses_request(
     model: str,
     system: str,
     history: Sequence[tuple[str, str]],
+    ours: dict[str, Any],
 ) -> RequestSpec:
-    body: dict[str, Any] = {"model": model, "stream": True}
+    body: dict[str, Any] = {"model": model, "stream": True, **ours}
     if system:
         body["instructions"] = system
     body["input"] = _turns(history, prompt) if history else prompt
@@ -136,9 +144,10 @@ def _messages_request(
     model: str,
     system: str,
     history: Sequence[tuple[str, str]],
+    ours: dict[str, Any],
 ) -> RequestSpec:
     limit = MESSAGES_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    body: dict[str, Any] = {"model": model, "max_tokens": limit, "stream": True}
+    body: dict[str, Any] = {"model": model, "max_tokens": limit, "stream": True, **ours}
     if system:
         body["system"] = system
     # The Messages API refuses a message with no content (Anthropic's rule, and this
