@@ -17,6 +17,8 @@ reference) with the ``openai`` and ``anthropic`` SDKs:
   Anthropic's ``output_config.format``),
   the server's grammar holding its text to it, read by the SDKs' parse helpers (a server
   that refuses it fails this check with its own 400);
+- vLLM's sampling extras reach it: with ``ignore_eos`` a reply that ends early by itself runs
+  to its ``max_tokens`` (``min_p``, ``chat_template_kwargs`` sent with it are accepted);
 - a stream the client closes early leaves the server serving the next request;
 - three streams at once all complete (a server that serves one request at a time and cuts the
   running one for a newer, as llama-cpp-python's does by default, needs
@@ -208,6 +210,19 @@ async def holds_the_text_to_a_schema(c: Clients) -> str:
     return f"chat {parsed}; Responses {response.output_parsed}; Anthropic {message.parsed_output}"
 
 
+async def runs_past_the_end_with_ignore_eos(c: Clients) -> str:
+    short: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi."}]
+    ask: dict[str, Any] = {"model": c.model, "messages": short, "temperature": 0, "max_tokens": 48}
+    ended = await c.relay.chat.completions.create(**ask)
+    expect(ended.choices[0].finish_reason == "stop", f"ended {ended.choices[0].finish_reason!r}")
+    extras = {"ignore_eos": True, "min_p": 0.05, "chat_template_kwargs": {"enable_thinking": False}}
+    held = await c.relay.chat.completions.create(**ask, extra_body=extras)
+    made = held.usage.completion_tokens if held.usage else 0
+    expect(held.choices[0].finish_reason == "length", f"ended {held.choices[0].finish_reason!r}")
+    expect(made == 48, f"{made} tokens, not 48")
+    return f"{ended.usage.completion_tokens if ended.usage else '?'} tokens alone, 48 with it"
+
+
 async def serves_on_after_a_client_leaves(c: Clients) -> str:
     stream = await c.relay.chat.completions.create(
         model=c.model, messages=QUESTION, temperature=0, max_tokens=200, stream=True
@@ -238,6 +253,7 @@ CHECKS: list[Check] = [
     gives_log_probabilities,
     ends_a_response_incomplete,
     holds_the_text_to_a_schema,
+    runs_past_the_end_with_ignore_eos,
     serves_on_after_a_client_leaves,
     serves_three_at_once,
 ]
