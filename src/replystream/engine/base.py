@@ -181,9 +181,11 @@ class GenerationRequest:
     # OpenAI's ``prompt_cache_key``: requests that give the same one share a prompt's start,
     # and a relay routing by prefix keeps them at one upstream (None: not given).
     prompt_cache_key: str | None = None
-    # Chat's ``reasoning_effort`` as the client gave it: relayed to a chat upstream, which
-    # decides what it accepts (None: not given). Engines that do not think ignore it.
-    reasoning_effort: str | None = None
+    # Chat fields only an upstream reads, as the client gave them, sent to a relay's upstream
+    # under these names (``reasoning_effort``, ``user``, ``safety_identifier``,
+    # ``service_tier``, ``metadata``, ``store``): the upstream decides what it takes. Engines
+    # that make their own tokens ignore them. None: none given.
+    relayed: Mapping[str, Any] | None = None
     # How many choices the request asks for (``n``), this one of them, each its own generation
     # (``engine.choices``): an engine that runs only so many requests at once refuses a
     # request whose choices could never all run together.

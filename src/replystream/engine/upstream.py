@@ -150,8 +150,10 @@ def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any
             body["tool_choice"] = request.tool_choice
         if request.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = request.parallel_tool_calls
-    if request.reasoning_effort is not None:
-        body["reasoning_effort"] = request.reasoning_effort
+    if request.relayed:
+        body.update(request.relayed)
+    if request.prompt_cache_key is not None:  # OpenAI's prompt caching reads it too
+        body["prompt_cache_key"] = request.prompt_cache_key
     if request.response_format is not None:
         body["response_format"] = request.response_format
     return body

@@ -148,8 +148,17 @@ def _conversation(request: web.Request, body: MessagesInput) -> GenerationReques
         prefix=str(last["content"] or "") if prefill and last is not None else "",
         continue_final_message=prefill,
         caller=caller_of(request),
-        reasoning_effort=output.effort,
+        relayed=None if output.effort is None else {"reasoning_effort": output.effort},
     )
+
+
+def _relayed(conversation: GenerationRequest, body: MessagesBody) -> dict[str, Any] | None:
+    """What a relay's upstream gets as given: the effort, and whom the message is for
+    (``metadata.user_id``, chat's ``user``)."""
+    relayed = dict(conversation.relayed or {})
+    if body.metadata is not None and body.metadata.user_id is not None:
+        relayed["user"] = body.metadata.user_id
+    return relayed or None
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -165,6 +174,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         continuation=_sampling(body).upstream_continue,
         reasoning=body.shows_thinking and policy.shows_thinking,
         names_stop_sequence=True,  # ``stop_reason: "stop_sequence"`` and its ``stop_sequence``
+        relayed=_relayed(conversation, body),
     )
     input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
     with refusals_naming(_FIELDS):

@@ -12,6 +12,7 @@ about HTTP handlers, engines or wire formats.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Caller, GenerationRequest
@@ -97,6 +98,19 @@ def _ask(
     )
 
 
+# Who the request is for and how it is to be served, at an upstream that keeps accounts
+# (OpenAI's own, in front of which a relay is a gateway): sent on as the client gave them.
+ACCOUNT_FIELDS = ("user", "safety_identifier", "service_tier")
+# Chat's too: a reasoning model's effort, and a completion stored with its metadata.
+CHAT_RELAYED = (*ACCOUNT_FIELDS, "reasoning_effort", "metadata", "store")
+
+
+def relayed_fields(body: Any, names: tuple[str, ...]) -> dict[str, Any] | None:
+    """The fields of ``body`` among ``names`` the client gave, for a relay's upstream."""
+    given = {name: value for name in names if (value := getattr(body, name)) is not None}
+    return given or None
+
+
 def parse_chat_request(
     body: ChatBody,
     *,
@@ -129,7 +143,7 @@ def parse_chat_request(
         continuation=body.upstream_continue,
         parallel_tool_calls=body.parallel_tool_calls,
         prompt_cache_key=body.prompt_cache_key,
-        reasoning_effort=body.reasoning_effort,
+        relayed=relayed_fields(body, CHAT_RELAYED),
         reasoning=policy.shows_thinking,
         caller=caller,
     )
@@ -164,6 +178,7 @@ def parse_completion_request(
         model=model,
         continuation=body.upstream_continue,
         prompt_cache_key=body.prompt_cache_key,
+        relayed=relayed_fields(body, ACCOUNT_FIELDS),
         caller=caller,
     )
     return _ask(

@@ -65,6 +65,7 @@ from replystream.server.native import (
     sampling_params,
 )
 from replystream.server.openai_api import SDK_KEEPALIVE, served_model
+from replystream.server.openai_requests import ACCOUNT_FIELDS, relayed_fields
 from replystream.server.query_schemas import RetrieveQuery
 from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import Reply
@@ -131,6 +132,9 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         continuation=_sampling(body).upstream_continue,
         reasoning=policy.shows_thinking,
         prompt_cache_key=body.prompt_cache_key,
+        # (Not ``store`` nor ``metadata``: a response is stored here, and they say so.)
+        relayed={**(made.generation.relayed or {}), **(relayed_fields(body, ACCOUNT_FIELDS) or {})}
+        or None,
     )
     model = made.generation.model or served_model(app)
     settings = ResponseSettings(

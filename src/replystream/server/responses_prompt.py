@@ -128,6 +128,7 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
     prompt = prompt_of(messages)
     check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "input", noun="input")
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
+    effort = None if body.reasoning is None else body.reasoning.effort
     generation = GenerationRequest(
         prompt,
         messages=tuple(messages),
@@ -136,7 +137,7 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
         response_format=engine_format(None if body.text is None else body.text.format),
         model=model,
         parallel_tool_calls=body.parallel_tool_calls,
-        reasoning_effort=None if body.reasoning is None else body.reasoning.effort,
+        relayed=None if effort is None else {"reasoning_effort": effort},
         caller=caller_of(request),
     )
     return ResponsePrompt(conversation, generation)
