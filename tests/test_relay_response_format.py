@@ -239,23 +239,17 @@ async def test_anthropics_output_format_is_refused_where_it_cannot_be_honoured()
         running(create_app(engine, ServerConfig(model_name="m"))) as url,
         anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as claude,
     ):
-        with pytest.raises(anthropic.BadRequestError) as free:
-            await claude.messages.create(
-                model="m",
-                max_tokens=5,
-                messages=prefilled[:1],
-                output_config=fmt,
-            )
-        with pytest.raises(anthropic.BadRequestError) as prefill:
-            await claude.messages.create(
-                model="m",
-                max_tokens=5,
-                messages=prefilled,
-                output_config=fmt,
-            )
-    for refused in (free, prefill):
-        assert isinstance(refused.value.body, dict)
-        assert refused.value.body["type"] == "error"
-        assert refused.value.body["error"]["type"] == "invalid_request_error"
-    assert "samples its text freely" in free.value.message
-    assert "prefilled final assistant message" in prefill.value.message
+        refusals = []
+        for messages in (prefilled[:1], prefilled):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await claude.messages.create(
+                    model="m", max_tokens=5, messages=messages, output_config=fmt
+                )
+            refusals.append(refused.value)
+    free, prefill = refusals
+    for error in refusals:
+        assert isinstance(error.body, dict)
+        assert error.body["type"] == "error"
+        assert error.body["error"]["type"] == "invalid_request_error"
+    assert "samples its text freely" in free.message
+    assert "prefilled final assistant message" in prefill.message
