@@ -63,6 +63,8 @@ def openai_sdk(url: str) -> openai.AsyncOpenAI:
         ("max_completion_tokens", "max_output_tokens"),
         ("messages[0].content", None),  # not a place in the client's input
         ("logprobs", None),  # the client asked with an include, not a field of this name
+        ("service_tier", "service_tier"),  # sent on as given
+        ("reasoning_effort", "reasoning.effort"),
     ],
 )
 async def test_a_responses_client_is_told_its_own_field(
@@ -89,6 +91,7 @@ async def test_a_responses_client_is_told_its_own_field(
         ("max_completion_tokens", "max_tokens"),
         ("messages[1].content", None),  # chat's list holds the system prompt first
         ("stop", None),  # stop_sequences, or replystream's stop: not known which
+        ("user", "metadata.user_id"),  # sent on as chat's user
     ],
 )
 async def test_a_messages_client_is_told_its_own_field(
@@ -121,6 +124,7 @@ async def test_a_messages_client_is_told_its_own_field(
         ("max_completion_tokens", "max_tokens", "max_tokens"),  # the limit as it was sent
         ("messages[0].content", None, "messages[0].content"),  # chat's list is chat's own
         ("tools", None, "tools"),
+        ("user", "user", "user"),  # sent on as given
     ],
 )
 async def test_an_openai_client_is_told_its_own_field(

@@ -86,6 +86,7 @@ _FIELDS = FieldNames(
         "ignore_eos": "replystream.ignore_eos",
         "reasoning_effort": "output_config.effort",
         "response_format": "output_config.format",
+        "user": "metadata.user_id",
     },
 )
 

@@ -50,6 +50,7 @@ _NATIVE_AS_SENT = (
     "top_k",
     "min_p",
     "min_tokens",
+    "ignore_eos",
     "seed",
     "stop",
     "max_tokens",

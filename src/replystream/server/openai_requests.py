@@ -39,8 +39,17 @@ _LEGACY_AS_SENT = (
     "stop",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
     "logit_bias",
     "logprobs",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "user",
+    "safety_identifier",
+    "service_tier",
+    "prompt_cache_key",
 )
 _LEGACY_FIELDS = FieldNames(
     {"top_logprobs": "logprobs"},

@@ -41,7 +41,18 @@ Messages = list[dict[str, Any]]
 # as ``input``, the limit as ``max_output_tokens``, sampling the API has no field for under
 # ``replystream``; an upstream's logprobs flag stands for an ``include``, left out.
 _PROMPT_AND_LIMIT = {"messages": "input", "max_tokens": "max_output_tokens"}
-_AS_SENT = ("temperature", "top_p", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+_AS_SENT = (
+    "temperature",
+    "top_p",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "user",
+    "safety_identifier",
+    "service_tier",
+    "prompt_cache_key",
+)
 RESPONSES_FIELDS = FieldNames(
     {"prompt": "input", "response_format": "text.format", **_PROMPT_AND_LIMIT},
     {
