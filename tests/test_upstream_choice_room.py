@@ -139,6 +139,40 @@ async def test_a_room_a_waiting_request_of_several_choices_cannot_use_yet_goes_t
         assert engine.stats().active == 0
 
 
+async def test_a_request_of_several_choices_is_not_starved_by_single_ones_behind_it():
+    """An upstream taking 2 at once, kept busy by four clients sending one request after
+    another: each room freed goes to a single request, never two at once, so a request for
+    n=2 passed over all of its wait would end in a 503. Past half of its wait the room freed
+    is held for it, and single requests that come meanwhile wait behind it: it is served."""
+    upstream = SlowUpstream()
+    async with (
+        relay((upstream, 2), queue_s=4.0) as (url, engine),
+        aiohttp.ClientSession() as session,
+    ):
+        stop = asyncio.Event()
+
+        async def one_after_another(name: str) -> list[int]:
+            statuses: list[int] = []
+            for turn in range(1000):
+                if stop.is_set():
+                    return statuses
+                status, _, _ = await ask(session, url, f"{name}{turn}")
+                statuses.append(status)
+            return statuses
+
+        singles = [asyncio.create_task(one_after_another(name)) for name in "abcd"]
+        await wait_for(queued(engine, 2))  # two in line behind the two the upstream holds
+        began = asyncio.get_running_loop().time()
+        pair = await ask_choices(session, url, 2, "q")
+        waited = asyncio.get_running_loop().time() - began
+        stop.set()
+        statuses = await asyncio.gather(*singles)
+    assert answered(pair, "q"), pair
+    assert 2.0 <= waited < 4.0  # served once half its wait passed, within it
+    assert all(status == 200 for run in statuses for status in run)
+    assert upstream.most_at_once <= 2
+
+
 class FailingUpstream(ChatUpstream):
     """Answers every chat request 500 at once; ``asked`` counts them."""
 

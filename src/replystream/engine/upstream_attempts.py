@@ -136,7 +136,10 @@ class AttemptSeries:
         while True:
             if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
-            hold, full = self._take_room()
+            if queued_at is None and self._behind_a_starving_request():
+                hold, full = None, True  # in line behind it, not taking the room it gathers
+            else:
+                hold, full = self._take_room()
             if hold is None and full and self._others_wait_for_this():
                 # In line, it would hold their room while it waited for more: it ends now.
                 raise self._no_room(0.0) if self._last_error is None else self._give_up()
@@ -223,6 +226,14 @@ class AttemptSeries:
             return room(pool, shared, model, count) >= count
 
         return fits
+
+    def _behind_a_starving_request(self) -> bool:
+        """Whether this attempt, new (not a failover, not starting in room its request took
+        already), comes while a request of several choices for its model starves in line."""
+        choices = self._choices
+        if self._tried or (choices is not None and choices.holds):
+            return False
+        return self._queue.holds_room_for(self._model)
 
     def _others_wait_for_this(self) -> bool:
         """Whether choices of its request were sent already and wait for this one to be:

@@ -7,8 +7,12 @@ for a model that upstream serves (one, not all: a slot lets one request in) that
 there is enough for: a request of several choices waits for room for all of them at once
 (``upstream_admission``), and says how it tells (``fits``); while there is not, a room freed
 goes on to the next waiter, one that does not need as much (first come, first served among
-those that fit: a request of several waits at most its ``queue_s``, as any); when the routes
-change, every waiter, to look again. A woken waiter that finds the room taken already (by a
+those that fit), for the first half of its wait. Past that half it is starving: a room freed
+that it may use is held for it (no waiter behind it is woken for it), and a request that
+comes meanwhile for its model waits in line behind it instead of taking the room (``holds_
+room_for``), so the room it needs gathers while it still has time to wait. When the routes
+change, every waiter looks again, and so does every waiter when a starving one leaves the
+line without the room held for it. A woken waiter that finds the room taken already (by a
 request that came meanwhile) waits again at the front, where it was. What counts as room is
 ``upstream_pool``'s; what a request does when its wait is over is ``upstream_attempts``'s.
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -40,7 +45,7 @@ DEFERRED_POLLS = 4
 
 
 class _Waiter:
-    __slots__ = ("fits", "model", "since", "woken")
+    __slots__ = ("fits", "model", "since", "starves_at", "woken")
 
     def __init__(
         self,
@@ -48,11 +53,18 @@ class _Waiter:
         since: float,
         woken: asyncio.Future[Backend | None],
         fits: Callable[[], bool] | None,
+        starves_at: float,
     ) -> None:
         self.model = model
         self.since = since  # when it began to wait (before any wait ``again``)
         self.woken = woken  # done with the upstream that has room (None: look at them all)
         self.fits = fits  # whether the room there is now is enough for it (None: any is)
+        # From when room is held for it (``time.monotonic``): half its wait in line.
+        self.starves_at = starves_at
+
+    def starving(self, now: float) -> bool:
+        """Whether it needs more room than one and has waited half of its time for it."""
+        return self.fits is not None and now >= self.starves_at
 
 
 class OtherLines(Protocol):
@@ -97,9 +109,11 @@ class RoomQueue:
         ``within_s`` seconds (False); ``since``: when the request began to wait
         (``time.monotonic``). ``again``: a waiter woken before, whose room was taken first,
         waits at the front. ``fits``: whether the room there is now is enough (a request
-        that needs more than one); it is passed over until it is."""
+        that needs more than one); it is passed over until it is, for half of its wait."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(model, since, loop.create_future(), fits)
+        now = time.monotonic()
+        starves_at = since + (now - since + within_s) / 2
+        waiter = _Waiter(model, since, loop.create_future(), fits, starves_at)
         if again:
             self._waiting.appendleft(waiter)
         else:
@@ -121,6 +135,8 @@ class RoomQueue:
                 self._waiting.remove(waiter)
                 if self._others is not None:
                     self._changed()
+                if waiter.starving(time.monotonic()):
+                    self.wake_all()  # room may have been held for it: the others look
             elif not entered and (room := waiter.woken.result()) is not None:
                 self.freed(room)  # woken, then gone before it took the room: it goes on
 
@@ -138,14 +154,25 @@ class RoomQueue:
 
     def freed(self, backend: Backend) -> None:
         """``backend`` has room for one more: wake the first waiter it may serve that it is
-        enough for."""
+        enough for, unless a starving one before it may use it (it is held for that one)."""
+        now = time.monotonic()
         for waiter in self._waiting:
-            if backend.serves(waiter.model) and (waiter.fits is None or waiter.fits()):
+            if not backend.serves(waiter.model):
+                continue
+            if waiter.fits is None or waiter.fits():
                 self._waiting.remove(waiter)
                 waiter.woken.set_result(backend)
                 if self._others is not None:
                     self._changed()
                 return
+            if waiter.starving(now):
+                return
+
+    def holds_room_for(self, model: str | None) -> bool:
+        """Whether a starving request for ``model`` waits in line: one that comes for it
+        now waits behind it rather than take the room gathering for it."""
+        now = time.monotonic()
+        return any(w.model == model and w.starving(now) for w in self._waiting)
 
     def wake_all(self) -> None:
         """The upstreams changed: every waiter looks again."""
