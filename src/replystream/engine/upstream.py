@@ -387,7 +387,8 @@ class UpstreamEngine:
     def _origin(self, backend: Backend) -> HttpOrigin:
         origin = self._origins.get(backend.name)
         if origin is None:
-            origin = self._origins[backend.name] = HttpOrigin(backend.name)
+            tls = self._keys.tls.get(backend.name)
+            origin = self._origins[backend.name] = HttpOrigin(backend.name, tls=tls)
         return origin
 
     async def open_attempt(
@@ -549,6 +550,8 @@ class UpstreamEngine:
                 elif target.base_url in relisted:
                     backend.models, backend.fixed_models = relisted[target.base_url].models, False
             self.config, self._keys, self._prober.keys = config, keys, keys
+            for name, staying in self._origins.items():  # its files, as read again
+                staying.tls = keys.tls.get(name)
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
             # New aliases may stand in front of models the upstreams already list.

@@ -10,6 +10,7 @@ given once. It must not know how requests are sent.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -85,6 +86,10 @@ class UpstreamTarget:
     # Its own limits to the first content and between pieces (None: the server's).
     ttft_s: float | None = None
     stall_s: float | None = None
+    # How an https upstream is reached when not with the system's CAs alone: the CAs its
+    # certificate is checked against, and the certificate this relay shows it (mTLS), as a
+    # routes file gives them (``upstream_routes``). None: the system's, and none.
+    tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
     entry: str | None = None  # None: the command line
     key_from: str | None = None
 
@@ -108,6 +113,8 @@ class UpstreamTarget:
         for limit in (self.ttft_s, self.stall_s):
             if limit is not None and not limit > 0:
                 raise ValueError(f"the upstream at {self.base_url}: limits must be positive")
+        if self.tls is not None and not self.base_url.startswith("https://"):
+            raise ValueError(f"the upstream at {self.base_url}: TLS settings need an https:// URL")
         if self.api_key is not None and self.pass_client_key:
             raise ValueError(
                 f"the upstream at {self.base_url} is given a key and told to take the "
@@ -220,8 +227,9 @@ def upstream_limit(target: UpstreamTarget, config: UpstreamConfig) -> int | None
 @dataclass(frozen=True, slots=True)
 class UpstreamKeys:
     """What goes to each upstream as its ``Authorization``: its own key, or the caller's own
-    (for those in ``passing``), else the key for all; where each is configured; and what no
-    upstream's words passed on may repeat (``withheld``)."""
+    (for those in ``passing``), else the key for all; where each is configured; what no
+    upstream's words passed on may repeat (``withheld``); and the TLS an https upstream is
+    reached with when a routes file gives its own CAs or a client certificate (``tls``)."""
 
     own: dict[str, str | None] = field(repr=False)
     passing: frozenset[str]
@@ -229,6 +237,7 @@ class UpstreamKeys:
     own_from: dict[str, str | None]  # where each upstream's own key is configured
     default_from: str  # where the key for all is
     configured: tuple[str, ...] = field(repr=False)  # every key configured, longest first
+    tls: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, config: UpstreamConfig) -> UpstreamKeys:
@@ -241,6 +250,7 @@ class UpstreamKeys:
             {t.base_url: t.key_from for t in targets},
             config.api_key_from,
             tuple(sorted(keys, key=len, reverse=True)),
+            {t.base_url: t.tls for t in targets if t.tls is not None},
         )
 
     def key_from(self, name: str) -> str | None:

@@ -151,7 +151,8 @@ class HealthProber:
         headers = keys.headers(backend.name)
         try:
             async with asyncio.timeout(self._timeout_s):
-                async with self._session().get(url, headers=headers) as response:
+                tls = keys.tls.get(backend.name, True)  # True: the system's CAs
+                async with self._session().get(url, headers=headers, ssl=tls) as response:
                     status = response.status
                     listing: object = None
                     if status == 200 and self._path == "/models":

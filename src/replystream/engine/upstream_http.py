@@ -75,12 +75,16 @@ async def _answer(head: asyncio.Future[Response]) -> Response:
 class HttpOrigin:
     """The connections to one upstream origin, and the requests sent over them."""
 
-    def __init__(self, url: str, *, max_idle: int = MAX_IDLE) -> None:
+    def __init__(
+        self, url: str, *, max_idle: int = MAX_IDLE, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.origin = Origin(url)
         self._max_idle = max_idle
         self._idle: list[Connection] = []
         self._open: set[Connection] = set()
-        self._tls: ssl.SSLContext | None = None
+        # An https origin's TLS: a routes file's (its CAs, a client certificate), else the
+        # system's CAs, made at the first connection. New connections use what it is now.
+        self.tls = tls
         self._retired = False  # out of the routes: no connection is kept for another request
         self.connections_made = 0  # for /metrics-free checks: connections opened so far
 
@@ -119,9 +123,9 @@ class HttpOrigin:
         origin = self.origin
         tls: ssl.SSLContext | None = None
         if origin.tls:
-            if self._tls is None:
-                self._tls = ssl.create_default_context()
-            tls = self._tls
+            if self.tls is None:
+                self.tls = ssl.create_default_context()
+            tls = self.tls
         try:
             _, connection = await loop.create_connection(
                 lambda: Connection(self),

@@ -13,18 +13,27 @@ line: each upstream's own key and models, and model aliases.
     url = "https://api.example.com/v1"
     pass_client_key = true          # each caller's own key goes to it, not a configured one
 
+    [[upstreams]]
+    url = "https://gpu-b.internal:8443/v1"
+    ca_file = "certs/internal-ca.pem"   # its certificate checked against these CAs only
+    cert_file = "certs/relay.pem"       # the certificate this relay shows it (mTLS), and
+    key_file = "certs/relay.key"        # its key (optional: else in cert_file)
+
     [aliases]                       # optional: a name clients use = a model an upstream serves
     "gpt-4o-mini" = "llama-3.1-8b"
 
 This file decides the format and checks it whole at start-up: every mistake is one line
 naming the file, the entry and the field (``routes.toml: upstreams[1].weight: ...``); an
-upstream given a key and ``pass_client_key = true`` is one. It reads the environment for
-``api_key_env`` only. It must not know how upstreams are used.
+upstream given a key and ``pass_client_key = true`` is one; TLS files (paths relative to the
+routes file's folder) are read and checked here, so a missing or broken one is such a line
+too. It reads the environment for ``api_key_env`` only. It must not know how upstreams are
+used.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +62,9 @@ class UpstreamEntry(_Strict):
     # Seconds, as the command line takes them: a positive finite number.
     ttft_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     stall_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    ca_file: Name | None = None
+    cert_file: Name | None = None
+    key_file: Name | None = None
 
     @field_validator("url")
     @classmethod
@@ -104,6 +116,43 @@ def _message(error: Mapping[str, Any]) -> str:
     if kind == "missing":
         return "is required"
     return message[0].lower() + message[1:].removeprefix("Value error, ")
+
+
+def _tls(entry: UpstreamEntry, where: str, folder: Path) -> ssl.SSLContext | None:
+    """The TLS an entry's upstream is reached with, its files read now (None: the system's
+    CAs, no client certificate).
+
+    Raises:
+        ValueError: one line naming the entry's field at fault.
+    """
+    files = {n: getattr(entry, n) for n in ("ca_file", "cert_file", "key_file")}
+    given = {n: folder / name for n, name in files.items() if name is not None}
+    if not given:
+        return None
+    if not entry.url.startswith("https://"):
+        raise ValueError(f"{where}.{next(iter(given))}: is for an https:// upstream")
+    if "key_file" in given and "cert_file" not in given:
+        raise ValueError(f"{where}.key_file: is the key of cert_file, which is not given")
+    for field, path in given.items():
+        try:
+            path.read_bytes()
+        except OSError as exc:
+            reason = exc.strerror or exc
+            raise ValueError(f"{where}.{field}: {path}: cannot be read ({reason})") from None
+    ca = given.get("ca_file")
+    try:
+        context = ssl.create_default_context(cafile=None if ca is None else str(ca))
+    except ssl.SSLError as exc:
+        words = f"holds no CA certificate this relay can read ({exc.reason or exc})"
+        raise ValueError(f"{where}.ca_file: {ca}: {words}") from None
+    cert, key = given.get("cert_file"), given.get("key_file")
+    if cert is not None:
+        try:
+            context.load_cert_chain(str(cert), None if key is None else str(key))
+        except ssl.SSLError as exc:
+            words = f"is not a certificate and a key that belong together ({exc.reason or exc})"
+            raise ValueError(f"{where}.cert_file: {cert}: {words}") from None
+    return context
 
 
 def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
@@ -158,6 +207,7 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 entry.max_outstanding,
                 entry.ttft_s,
                 entry.stall_s,
+                _tls(entry, where, path.parent),
                 entry=where,
                 key_from=key_from if key is not None else None,
             )
