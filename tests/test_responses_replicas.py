@@ -8,14 +8,18 @@ it produces one is reported on the other, never a hang.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import signal
+import socket
+import struct
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
+import pytest
 from redis.asyncio import Redis
 
 from replystream.delivery.policy import DeliveryPolicy
@@ -239,3 +243,46 @@ async def test_a_reader_on_the_other_replica_held_back_takes_a_closing_larger_th
     sent_before = sum(len(event.model_dump_json()) for event in deltas)
     assert sent_before < limit < closing and len(deltas) == 2000
     assert "".join(event.delta for event in deltas) == events[-1].response.output_text
+
+
+async def test_a_reader_of_a_reply_made_elsewhere_reset_while_its_write_waits_leaves_no_trace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A reader on the other replica whose write waits on a full socket, and whose client
+    then resets the connection: the write fails and the handler is cancelled in one turn.
+    The follower ends quietly, its write's failure taken, not left for asyncio to log with a
+    traceback, as a task exception nobody retrieved, when the task is freed."""
+    engine = fast_engine(reply_text="word " * 2000, delay_ms=2, jitter_ms=0.0)
+    ask = {"input": "x", "background": True, "max_output_tokens": 2000}
+    with redis_server(tmp_path) as redis:
+        a = create_app(engine, ServerConfig(), RedisReplayStore(redis.url))
+        b = create_app(fast_engine(), ServerConfig(), RedisReplayStore(redis.url))
+        b.on_response_prepare.append(small_send_buffer)
+        async with running(a) as url_a, running(b) as url_b, aiohttp.ClientSession() as http:
+            async with http.post(f"{url_a}/v1/responses", json=ask) as created:
+                response_id = (await created.json())["id"]
+            # A client that sends its request and reads nothing.
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, host_port(url_b))
+            path = f"/v1/responses/{response_id}?stream=true"
+            await loop.sock_sendall(sock, f"GET {path} HTTP/1.1\r\nHost: b\r\n\r\n".encode())
+            readers = b[MANAGER_KEY].readers
+            # Its follower is blocked in a write (under its slow-client deadline) and sends
+            # nothing more.
+            await wait_for(lambda: len(readers) == 1, timeout_s=30)
+            (follower,) = readers
+            place = -1
+            async with asyncio.timeout(30):
+                while place != follower.cursor.after or follower._deadline is None:
+                    place = follower.cursor.after
+                    await asyncio.sleep(0.3)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # a reset, not a close: the blocked write fails
+            await wait_for(lambda: not readers, timeout_s=30)
+            del follower
+            gc.collect()  # asyncio logs a task's unretrieved exception when the task is freed
+    unretrieved = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not unretrieved, unretrieved

@@ -55,7 +55,7 @@ from replystream.delivery.replay import (
     data_bytes,
     entries_bytes,
 )
-from replystream.delivery.task_stop import end_if_cancelled
+from replystream.delivery.task_stop import drop_task, end_if_cancelled
 
 log = logging.getLogger("replystream.follower")
 
@@ -274,8 +274,7 @@ class Follower:
                     raise self._behind()
             return write.result()
         finally:
-            if not write.done():
-                write.cancel()
+            drop_task(write)
 
     def _notice(self, message: str, code: str) -> bytes:
         data = json.dumps({"error": {"message": message, "code": code}})

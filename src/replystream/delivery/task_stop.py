@@ -31,6 +31,16 @@ async def stop_task(task: asyncio.Task[Any]) -> None:
             task.result()
 
 
+def drop_task(task: asyncio.Future[Any]) -> None:
+    """Let go of ``task`` without waiting: cancel it if it runs, or take its outcome if it
+    has ended, so a failure of it is not logged as a task exception nobody retrieved. (A
+    client's reset fails a write in the same turn as it cancels the handler waiting for it.)"""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
 def end_if_cancelled() -> None:
     """Raise ``CancelledError`` in a task that was cancelled and runs on as if it had not
     been (a library lost the cancel). Called where a long-running task goes round its loop,
