@@ -88,8 +88,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     try:
         args, extra = parser.parse_known_args(list(argv))
     except argparse.ArgumentError as exc:
-        if sub is None:
-            parser.error(str(exc))  # an unknown command: the top-level --help lists them
+        if sub is None or exc.argument_name is None:
+            # An unknown command (the top-level --help lists them), or arguments missing
+            # (raised rather than passed to ``error`` since Python 3.13).
+            (sub or parser).error(str(exc))
         print(f"{sub.prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if extra:
