@@ -9,7 +9,6 @@ refused for its CA and from one refused for its name.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -18,13 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from replystream.client import measure_reply
 from replystream.client.transport import tls_context
+from tests.certificates import Authority
 from tests.nginx import running_nginx
 from tests.processes import replica
 from tests.services import free_port
@@ -32,72 +29,15 @@ from tests.services import free_port
 KEY = "sk-tls-test"
 
 
-def _name(common: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
-
-
 def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
     """A CA (ca.pem) and a server certificate for ``localhost`` it signs (server.pem, its key
     server.key)."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(_name("replystream test CA"))
-        .issuer_name(_name("replystream test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
-        .sign(ca_key, hashes.SHA256())
+    authority = Authority("replystream test CA")
+    ca_file = authority.write(folder / "ca.pem")
+    return (
+        ca_file,
+        *authority.issue(folder, "server", ExtendedKeyUsageOID.SERVER_AUTH, "localhost"),
     )
-    key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(_name("localhost"))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-        )
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    ca_file, cert_file, key_file = folder / "ca.pem", folder / "server.pem", folder / "server.key"
-    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert_file.write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return ca_file, cert_file, key_file
 
 
 def tls_proxy_config(port: int, upstream: str, cert: Path, key: Path) -> str:

@@ -10,7 +10,6 @@ certificate for the relay."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import ssl
 from collections.abc import AsyncIterator
@@ -19,15 +18,15 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig
 from replystream.engine.upstream_routes import load_routes
 from replystream.server import create_app, running
+from tests.certificates import Authority
 from tests.services import free_port
 from tests.sse_client import post_events
 from tests.test_bench_tls import make_certificates
@@ -39,44 +38,9 @@ ASK = {"messages": [{"role": "user", "content": "hi"}]}
 def client_certificate(folder: Path) -> tuple[Path, Path, Path]:
     """A client CA (client-ca.pem) and a certificate for the relay it signs, for client
     authentication (relay.pem, its key relay.key)."""
-    now = datetime.datetime.now(datetime.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "replystream test client CA")])
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    relay = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relay")]))
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = folder / "client-ca.pem", folder / "relay.pem", folder / "relay.key"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(relay.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return paths
+    authority = Authority("replystream test client CA")
+    ca_file = authority.write(folder / "client-ca.pem")
+    return (ca_file, *authority.issue(folder, "relay", ExtendedKeyUsageOID.CLIENT_AUTH))
 
 
 @asynccontextmanager
