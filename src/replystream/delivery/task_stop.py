@@ -7,7 +7,8 @@ running, in the "cancelling" state, and one cancel never ends it. Closing code t
 such a task after one ``cancel()`` can wait forever (``stop_task`` cancels until it ends);
 a task cancelled once by someone who does not wait for it (aiohttp cancels a request's
 handler when its client disconnects) must notice the lost cancel itself
-(``end_if_cancelled``).
+(``end_if_cancelled``). A task let go of without waiting is cancelled if it runs, or has its
+outcome taken if it ended, so its failure is not logged as never retrieved (``drop_task``).
 """
 
 from __future__ import annotations
