@@ -530,6 +530,25 @@ def test_a_mistake_is_one_line_naming_the_flag_and_a_nonzero_exit(argv: list[str
     assert says in line, line
 
 
+def test_without_torch_a_wrong_hf_path_is_told_first(tmp_path: Path):
+    """Without the ``hf`` extra, a wrong ``--engine hf:PATH`` is the mistake named (the first
+    to fix); a folder that may hold a model asks for the extra."""
+    hiding = tmp_path / "no-torch"
+    hiding.mkdir()
+    (hiding / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    paths = [str(hiding), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {"PYTHONPATH": os.pathsep.join(paths)}
+    wrong = one_line(run("serve", "--engine", f"hf:{tmp_path / 'missing'}", env=env))
+    assert wrong.startswith("replystream serve: --engine hf:PATH: "), wrong
+    assert "is not a Hugging Face model folder" in wrong, wrong
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    done = run("serve", "--engine", f"hf:{folder}", env=env)
+    assert done.returncode != 0
+    assert "--engine hf needs torch and transformers" in one_line(done)
+
+
 # Values that once made a command build or start something without end: each is refused
 # before anything is made (run in bounded memory, so the old behaviour fails the case).
 UNBOUNDED: list[tuple[list[str], str]] = [

@@ -41,6 +41,7 @@ from replystream.engine.base import (
 )
 from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
+from replystream.engine.hf_config import check_model_folder
 from replystream.engine.hf_text import HFChatPrompt, HFDetokenizer, HFTokenBytes, tokenizer_spec
 from replystream.engine.prompts import refuse_template_controls
 from replystream.engine.sampling import (
@@ -308,8 +309,7 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
     Raises:
         ValueError: the folder does not hold a model ``transformers`` can load.
     """
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
+    check_model_folder(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)

@@ -1,10 +1,18 @@
-"""``HFEngineConfig``: the Hugging Face engine's settings, apart from the engine so that reading
-them (``replystream serve --help``, the settings reference) needs neither torch nor
+"""``HFEngineConfig``: the Hugging Face engine's settings, and the check of its model folder,
+apart from the engine so that reading them (``replystream serve --help``, the settings
+reference) and a wrong path (told before a missing torch) need neither torch nor
 transformers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def check_model_folder(path: Path) -> None:
+    """Raise ``ValueError`` unless ``path`` is a folder a Hugging Face model may be in."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from replystream import settings
 from replystream.engine.base import Engine
 from replystream.engine.gguf_engine import load_gguf_engine, load_smollm2_engine, with_defaults
 from replystream.engine.gguf_file import SMOLLM2_INSTALL, open_gguf, smollm2_path
-from replystream.engine.hf_config import HFEngineConfig
+from replystream.engine.hf_config import HFEngineConfig, check_model_folder
 from replystream.engine.kv_cache import PoolTooLarge
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
 from replystream.engine.tiny import TinyEngineConfig, load_default_engine
@@ -304,13 +304,16 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
 
 def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     """The Hugging Face engine (imports torch and transformers: the ``hf`` extra)."""
+    assert choice.path is not None
     try:
+        check_model_folder(choice.path)  # a wrong path is told first, torch or not
         from replystream.engine.hf import load_hf_engine
+    except ValueError as exc:
+        raise ValueError(f"--engine hf:PATH: {exc}") from None
     except ImportError as exc:
         raise ValueError(
             f"--engine hf needs torch and transformers (pip install 'replystream[hf]'): {exc}"
         ) from exc
-    assert choice.path is not None
     # --default-max-tokens and --seed are declared once, for the tiny and hf engines alike.
     config = settings.fill(
         HFEngineConfig,
