@@ -317,6 +317,7 @@ async def test_the_end_ids_are_the_generation_configs_list_and_the_known_end_tok
     """``generate()`` stops at every id of ``generation_config.eos_token_id`` (a list for many
     chat models) while ``config.json`` may name one or none; the engine stops there too, and
     at the known end tokens of the vocabulary, as the GGUF engines do."""
+    _require_hf()
     import torch
     from transformers import GenerationConfig
 
@@ -455,6 +456,7 @@ async def test_a_template_that_refuses_the_conversation_is_the_requests_fault(
 ):
     """``raise_exception`` in the template, or a template that fails on the messages: a 400
     naming ``messages`` in the route's own error shape, and no traceback in the log."""
+    _require_hf()
     from replystream.engine.hf import load_hf_engine
 
     template = (
