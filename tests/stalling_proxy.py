@@ -55,8 +55,8 @@ async def proxy_stalling_its_first_connection(
             if stalled:
                 await release.wait()
                 # Then it reads as fast as it can. Left this small, the connection was seen
-                # to pass 6 KiB every 0.2 s on a busy machine (its window reopened by the
-                # sender's probes alone), far slower than any reader.
+                # to pass 6 KiB every 0.2 s on a busy machine (as if its window reopened
+                # only at the sender's zero-window probes), far slower than any reader.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             await pipe(up_r, client_w)  # the server's side ends the exchange
         finally:
