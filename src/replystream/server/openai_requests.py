@@ -11,6 +11,7 @@ about HTTP handlers, engines or wire formats.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,9 +115,13 @@ ACCOUNT_FIELDS = ("user", "safety_identifier", "service_tier")
 CHAT_RELAYED = (*ACCOUNT_FIELDS, "reasoning_effort", "metadata", "store")
 
 
-def relayed_fields(body: Any, names: tuple[str, ...]) -> dict[str, Any] | None:
-    """The fields of ``body`` among ``names`` the client gave, for a relay's upstream."""
-    given = {name: value for name in names if (value := getattr(body, name)) is not None}
+def relayed_fields(
+    body: Any, names: tuple[str, ...], already: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The fields of ``body`` among ``names`` the client gave, for a relay's upstream, with
+    what the request had for it ``already`` (an effort its prompt's fields gave)."""
+    given = dict(already or {})
+    given.update((name, value) for name in names if (value := getattr(body, name)) is not None)
     return given or None
 
 

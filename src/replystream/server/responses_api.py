@@ -133,8 +133,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         reasoning=policy.shows_thinking,
         prompt_cache_key=body.prompt_cache_key,
         # (Not ``store`` nor ``metadata``: a response is stored here, and they say so.)
-        relayed={**(made.generation.relayed or {}), **(relayed_fields(body, ACCOUNT_FIELDS) or {})}
-        or None,
+        relayed=relayed_fields(body, ACCOUNT_FIELDS, made.generation.relayed),
     )
     model = made.generation.model or served_model(app)
     settings = ResponseSettings(
