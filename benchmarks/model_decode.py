@@ -40,9 +40,9 @@ import numpy as np
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 from replystream.engine.gguf_engine import GGUF_ENGINE_DEFAULTS, load_gguf_model
-from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
+from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
 
 PREFIX = 64  # prompt tokens per sequence before decode is timed
 

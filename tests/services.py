@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
+from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
 
 REQUIRE_ENV = "REPLYSTREAM_REQUIRE_SERVICES"
 # Debian installs daemons in sbin, which is not on every user's PATH.

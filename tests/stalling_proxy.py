@@ -15,7 +15,7 @@ from aiohttp import web
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 
 

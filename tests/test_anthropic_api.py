@@ -12,7 +12,7 @@ import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
 from tests.stalling_proxy import (

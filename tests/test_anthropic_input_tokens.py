@@ -17,7 +17,7 @@ import pytest
 
 from replystream.engine.base import Engine
 from replystream.engine.gguf_engine import load_gguf_engine
-from replystream.engine.tiny import TinyEngineConfig
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from tests.conftest import fast_engine
 from tests.services import require_smollm2

@@ -9,9 +9,10 @@ import openai
 import pytest
 
 from replystream.server import create_app, running
-from replystream.server.auth import KeyRing, collect_keys, key_owner, read_keys_file
+from replystream.server.api_keys import collect_keys, read_keys_file
+from replystream.server.auth import KeyRing, key_owner
 from replystream.server.command import add_arguments, build_config
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-beta-9876543210"

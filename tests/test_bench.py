@@ -30,7 +30,8 @@ from aiohttp import web
 from replystream.cli import main
 from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine, load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import drop_and_resume
@@ -43,7 +44,7 @@ from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import constant_rates
 from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from replystream.server.state import add_state_gauges
 from tests.conftest import serve_engine
 from tests.processes import replica

@@ -16,7 +16,7 @@ from replystream.engine.chat_template import ChatTemplate
 from replystream.engine.prompts import ChatPrompt
 from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.sse_client import post_events
 from tests.test_upstream_routing import Upstream, relay
 

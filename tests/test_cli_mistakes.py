@@ -1129,7 +1129,7 @@ async def test_a_bench_whose_reader_left_still_writes_its_files(tmp_path: Path):
     assert json.loads(out.read_text())["counts"]["complete"] == 2
 
 
-@pytest.mark.parametrize("command", ["lab", "bench", "lab-engine"])
+@pytest.mark.parametrize("command", ["lab", "bench", "lab-engine", "serve"])
 def test_a_mistake_is_found_without_loading_the_server(command: str) -> None:
     """A command that needs a constant of the server's (a schema's limit) imports that module
     alone: the app, its routes and their schemas are not loaded to report a wrong flag."""
@@ -1146,6 +1146,30 @@ def test_a_mistake_is_found_without_loading_the_server(command: str) -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_serve_checks_its_command_line_before_the_server_or_an_engine_loads() -> None:
+    """A mistake ``serve`` finds once its flags are parsed (values that contradict each other)
+    is told with neither aiohttp, the app, NumPy nor Redis loaded; and the simulated engine,
+    built, loads no NumPy (each engine's modules load with it alone)."""
+    probe = (
+        "import sys\n"
+        "from replystream import cli\n"
+        "from replystream.server import engine_options\n"
+        "heavy = ('aiohttp', 'numpy', 'redis', 'pydantic', 'replystream.server.app')\n"
+        "code = cli.main(['serve', '--engine', 'simulated', '--delay-ms', '1', "
+        "'--jitter-ms', '5'])\n"
+        "print(code, [name for name in heavy if name in sys.modules])\n"
+        "args = cli.parse(['serve', '--engine', 'simulated'])\n"
+        "engine_options.build_engine(args)\n"
+        "print([name for name in heavy if name in sys.modules])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    refused, built = done.stdout.splitlines()
+    assert refused == "2 []", done.stderr
+    assert built == "[]", done.stderr
 
 
 def test_a_ban_file_with_no_phrase_is_refused_as_moderation_would_be_off(tmp_path: Path):

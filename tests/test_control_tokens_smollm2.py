@@ -14,7 +14,8 @@ from tokenizers import Tokenizer
 
 from replystream.engine.chat_template import ChatTemplate
 from replystream.engine.gguf_engine import load_gguf_model, prompt_format
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig
+from replystream.engine.tiny import TinyEngine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from tests.services import require_smollm2
 

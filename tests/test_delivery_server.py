@@ -18,7 +18,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedEngine
 from replystream.engine.base import Delta, DeltaStream, GenerationRequest
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
 from tests.scripted_engine import ScriptedEngine

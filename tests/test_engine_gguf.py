@@ -19,7 +19,8 @@ from replystream.engine.gguf_engine import load_gguf_model, prompt_format
 from replystream.engine.gguf_file import GGUFModel, open_gguf, unpermute_rope_rows
 from replystream.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig
+from replystream.engine.tiny import TinyEngine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from tests.services import require_smollm2
 

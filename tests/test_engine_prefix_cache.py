@@ -16,7 +16,8 @@ from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.kv_cache import BlockAllocator
 from replystream.engine.prefix_cache import block_digests
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from replystream.engine.tiny import TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from replystream.server.state import add_state_gauges
 from tests.test_state_gauges import gauge

@@ -16,7 +16,8 @@ import pytest
 
 from replystream.engine import seeds
 from replystream.engine.base import Delta, GenerationRequest, SamplingParams
-from replystream.engine.tiny import TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from tests.processes import replica
 
 PROMPT = "And the LORD spake unto Moses, saying,"

@@ -10,7 +10,8 @@ from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.kv_cache import BlockAllocator
 from replystream.engine.scheduler import Scheduler, SchedulerConfig
 from replystream.engine.speculative import accept, propose
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine, load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 
 PROMPTS = (
     "And the LORD said unto Moses,",

@@ -15,7 +15,8 @@ from replystream.engine.base import (
     RequestRejected,
     SamplingParams,
 )
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine, load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 
 PROMPT = "And the LORD spake unto Moses, saying,"
 

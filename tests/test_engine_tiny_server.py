@@ -9,7 +9,8 @@ import aiohttp
 
 from replystream.engine.chat_template import ChatTemplate
 from replystream.engine.prompts import ChatPrompt
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine, load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from replystream.sse import EventParser
 

@@ -25,7 +25,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.engine.simulated import SimulatedEngine
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
 from tests.stalling_proxy import host_port, proxy_stalling_its_first_connection, small_send_buffer

@@ -12,8 +12,8 @@ import pytest
 
 from replystream.engine.base import EngineStats, GenerationRequest, InProcessEngine
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
-from replystream.server.guard import GuardConfig
+from replystream.server.guard_config import GuardConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 from tests.rawhttp import raw_request
 

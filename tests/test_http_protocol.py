@@ -18,8 +18,9 @@ import pytest
 from aiohttp import web
 
 from replystream.server import create_app, running
-from replystream.server.context import ENGINE_KEY, ServerConfig
-from replystream.server.guard import GuardConfig
+from replystream.server.context import ENGINE_KEY
+from replystream.server.guard_config import GuardConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 from tests.nginx import running_nginx
 from tests.services import free_port

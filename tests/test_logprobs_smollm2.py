@@ -18,7 +18,8 @@ import pytest
 from replystream.engine.gguf_engine import load_gguf_model, prompt_format
 from replystream.engine.gguf_file import GGUFModel
 from replystream.engine.model import TinyModel
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig
+from replystream.engine.tiny import TinyEngine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.tokenizer import ByteTokenizer
 from replystream.server import create_app, running
 from tests.services import require_smollm2

@@ -10,8 +10,9 @@ import pytest
 from replystream.client import measure_reply
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server.app import create_app
-from replystream.server.context import LOCAL_STORE_KEY, MANAGER_KEY, ServerConfig
+from replystream.server.context import LOCAL_STORE_KEY, MANAGER_KEY
 from replystream.server.serve import running
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, serve_engine, wait_for
 from tests.rawhttp import raw_request
 from tests.scripted_engine import GroupedPushEngine

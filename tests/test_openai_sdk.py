@@ -14,7 +14,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.reply_script import parse_reply_script
 from replystream.engine.simulated import SimulatedConfig, simulated_engine
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.stalling_proxy import (
     host_port,

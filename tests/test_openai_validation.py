@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 
 USER = [{"role": "user", "content": "hi"}]

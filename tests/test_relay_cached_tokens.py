@@ -20,7 +20,7 @@ import anthropic
 import openai
 import pytest
 
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.sse_client import post_events
 from tests.test_upstream_routing import Upstream, relay
 

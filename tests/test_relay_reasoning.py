@@ -23,7 +23,7 @@ from replystream.delivery.replay import LogEntry
 from replystream.delivery.responses_format import ResponsesStreamFormat
 from replystream.delivery.responses_log import response_from_log
 from replystream.delivery.responses_objects import ResponseSettings
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.sse_client import post_events
 from tests.test_websocket import read_until_ended
 from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay

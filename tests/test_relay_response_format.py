@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.sse_client import post_events
 from tests.test_upstream_routing import Upstream, chunk, relay
 

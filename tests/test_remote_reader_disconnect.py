@@ -20,8 +20,9 @@ from replystream.delivery.follower import LIVENESS_POLL_S
 from replystream.delivery.redis_connect import connect, parse_redis_url
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.server.app import create_app
-from replystream.server.context import MANAGER_KEY, ServerConfig
+from replystream.server.context import MANAGER_KEY
 from replystream.server.serve import running
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
 from tests.redis_server import redis_server

@@ -15,7 +15,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from replystream.server import create_app, running
-from replystream.server.context import MANAGER_KEY, ServerConfig
+from replystream.server.context import MANAGER_KEY
+from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
 

@@ -23,7 +23,7 @@ from pydantic import TypeAdapter
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplyInfo
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 from tests.redis_server import redis_server
 

@@ -22,11 +22,12 @@ from openai.types.responses import InputTokenCountResponse, Response
 
 from replystream.engine.base import Engine
 from replystream.engine.gguf_engine import load_gguf_engine
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine, load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.chat_upstream import CountingUpstream
 from tests.conftest import fast_engine
 from tests.services import require_smollm2

@@ -128,7 +128,8 @@ async def test_a_closing_larger_than_the_byte_limit_reaches_a_reader_that_takes_
     what it is writing, and the append that came while it wrote, are not falling behind."""
     from replystream.delivery.policy import DeliveryPolicy
     from replystream.server import create_app
-    from replystream.server.context import MANAGER_KEY, ServerConfig
+    from replystream.server.context import MANAGER_KEY
+    from replystream.server.server_config import ServerConfig
     from tests.conftest import fast_engine
     from tests.stalling_proxy import small_send_buffer
 

@@ -27,7 +27,8 @@ from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 from replystream.delivery.responses_objects import reply_id_of
 from replystream.server import create_app, running
-from replystream.server.context import MANAGER_KEY, ServerConfig
+from replystream.server.context import MANAGER_KEY
+from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
 from tests.processes import replica, start_server, stop

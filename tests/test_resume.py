@@ -12,8 +12,8 @@ from replystream.client import ResumeFailed, ResumingReader
 from replystream.client.resume import Backoff
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
-from replystream.server.guard import GuardConfig
+from replystream.server.guard_config import GuardConfig
+from replystream.server.server_config import ServerConfig
 from replystream.sse import Event
 from tests.chaos_proxy import chaos_proxy, random_budget
 from tests.conftest import fast_engine, wait_for

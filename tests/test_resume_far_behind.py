@@ -30,8 +30,8 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.engine.base import Engine
 from replystream.server.app import create_app
-from replystream.server.context import ServerConfig
 from replystream.server.serve import running
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 from tests.rawhttp import RawResponse, raw_request
 from tests.redis_server import redis_server

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import TinyEngine, load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.sse_client import post_events
 from tests.test_relay_response_format import ASK, JSONUpstream
 from tests.test_upstream_routing import relay

@@ -20,7 +20,8 @@ from replystream.client import ResumingReader
 from replystream.client.resume import Backoff
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.server import create_app, running
-from replystream.server.context import MANAGER_KEY, ServerConfig
+from replystream.server.context import MANAGER_KEY
+from replystream.server.server_config import ServerConfig
 from tests.chaos_proxy import chaos_proxy, random_budget
 from tests.conftest import fast_engine, wait_for
 from tests.nginx import running_nginx

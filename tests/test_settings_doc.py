@@ -24,13 +24,14 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import load_reply_script
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig
+from replystream.engine.tiny import TinyEngine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig
 from replystream.server import command, engine_options
-from replystream.server.context import ServerConfig
-from replystream.server.guard import GuardConfig
+from replystream.server.guard_config import GuardConfig
 from replystream.server.serve_settings import SERVE_SETTINGS, current_reference
+from replystream.server.server_config import ServerConfig
 
 DOCUMENT = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 ROWS = list(settings.rows(SERVE_SETTINGS))

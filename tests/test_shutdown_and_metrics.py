@@ -8,7 +8,7 @@ from replystream.client import measure_reply
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
 from tests.processes import start_server
 from tests.rawhttp import raw_request

@@ -3,7 +3,8 @@ import re
 
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
-from replystream.engine.tiny import TinyEngineConfig, load_default_engine
+from replystream.engine.tiny import load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from replystream.server.state import add_state_gauges
 from tests.conftest import wait_for

@@ -21,8 +21,9 @@ import pytest
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.server.app import create_app
-from replystream.server.context import MANAGER_KEY, ServerConfig
+from replystream.server.context import MANAGER_KEY
 from replystream.server.serve import running
+from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import wait_for
 from tests.rawhttp import raw_request

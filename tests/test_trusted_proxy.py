@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
-from replystream.server.guard import GuardConfig, parse_trusted_proxies
+from replystream.server.guard_config import GuardConfig, parse_trusted_proxies
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 from tests.nginx import running_nginx
 from tests.services import free_port

@@ -27,7 +27,7 @@ from aiohttp import web
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.processes import replica
 from tests.rawhttp import raw_request
 from tests.test_websocket import read_until_ended

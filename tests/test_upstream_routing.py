@@ -24,7 +24,7 @@ from aiohttp import web
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.processes import launch, ready_url, replica, stop
 from tests.sse_client import post_events
 from tests.test_reload import StderrLines

@@ -20,7 +20,7 @@ import pytest
 from replystream.engine.simulated import split_words
 from replystream.engine.tiny import load_default_engine
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
 from tests.conftest import fast_engine, wait_for
 from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay

@@ -11,8 +11,9 @@ import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, native, running, serving
-from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY, ServerConfig
-from replystream.server.guard import GuardConfig
+from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY
+from replystream.server.guard_config import GuardConfig
+from replystream.server.server_config import ServerConfig
 from replystream.server.websocket import CLOSE_TIMEOUT_S, Session
 from replystream.server.ws_transport import PING_FRAME, SocketKeepalive, WebSocketTransport
 from tests.conftest import fast_engine, wait_for

@@ -19,7 +19,7 @@ from aiohttp import web
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from replystream.server.context import ServerConfig
+from replystream.server.server_config import ServerConfig
 
 THOUGHTS = ["Two and ", "two ", "make four."]
 THINK_S = 0.2  # after each thought: in all, longer than TTFT_S

@@ -32,9 +32,6 @@ T = TypeVar("T")
 # network that drops packets) is then reported like one that is down, and no reader or
 # flush waits on it for ever. A blocking read blocks for at most half of it.
 COMMAND_TIMEOUT_S = 5.0
-# How long a failed command is retried (a Sentinel failover takes its down-after-milliseconds
-# and an election), unless the server says otherwise (``serve --redis-failover-s``).
-FAILOVER_S = 10.0
 RETRY_FIRST_S = 0.05  # the first retry's pause; each next one doubles, up to RETRY_MAX_S
 RETRY_MAX_S = 0.5
 # A producer refreshes its replies' liveness (and bumps their heartbeat counts) this often.

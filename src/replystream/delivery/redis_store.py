@@ -58,12 +58,13 @@ from redis.exceptions import RedisError
 from replystream.delivery.redis_follow import RemoteCursor
 from replystream.delivery.redis_heartbeat import Heartbeat
 from replystream.delivery.redis_keys import DELETED_PARTS, ReplyKeys
-from replystream.delivery.redis_link import FAILOVER_S, RedisLink
+from replystream.delivery.redis_link import RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_reads import RemoteReads
 from replystream.delivery.redis_rows import Newest, Offsets
 from replystream.delivery.redis_writes import DELETE_SCRIPT
 from replystream.delivery.replay import (
+    FAILOVER_S,
     TTL_AFTER_END_S,
     LogCursor,
     LogEntry,

@@ -32,6 +32,11 @@ from typing import ClassVar, NamedTuple, Protocol
 # How long a finished reply can still be read, unless the server says otherwise (every store's
 # default, and ``replystream serve --reply-ttl-s``'s).
 TTL_AFTER_END_S = 600.0
+# How long a shared store may be unreachable (a Redis Sentinel failover takes its
+# down-after-milliseconds and an election) before readers are told and producers stop; its
+# failed commands are retried meanwhile, unless the server says otherwise
+# (``serve --redis-failover-s``).
+FAILOVER_S = 10.0
 
 
 class StoreUnavailable(Exception):

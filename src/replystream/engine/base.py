@@ -58,6 +58,11 @@ class RequestRejected(EngineError):
         self.names_upstream_field = names_upstream_field
 
 
+# The most tokens a request may ask for (``max_tokens``, and the counts bounded alike): past
+# any context a model here has, and small enough that a typing slip is refused, not planned.
+MAX_TOKENS_LIMIT = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each token. ``seed=None`` lets the engine choose (``Engine.seed_for``)."""

@@ -15,11 +15,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from replystream.engine.chat_template import ChatTemplate
-from replystream.engine.gguf_file import SMOLLM2_INSTALL, GGUFModel, open_gguf, smollm2_path
+from replystream.engine.gguf_file import GGUFModel, open_gguf
 from replystream.engine.gguf_tokenizer import build_tokenizer
 from replystream.engine.model import TinyModel
 from replystream.engine.prompts import ChatPrompt, PlainPrompt, PromptFormat
-from replystream.engine.tiny import TinyEngine, TinyEngineConfig
+from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
+from replystream.engine.tiny import TinyEngine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.tokenizer import ByteTokenizer
 
 # A 135M model is ~45 KiB of KV per token: a pool of 2,048 blocks of 16 tokens (1.41 GiB of

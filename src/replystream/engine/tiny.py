@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from replystream.engine.base import (
@@ -32,30 +32,11 @@ from replystream.engine.runner import DeltaQueue, RequestTimings, Runner
 from replystream.engine.sampling import check_logit_bias, check_sampling
 from replystream.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from replystream.engine.seeds import settled_seed
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.tokenizer import ByteTokenizer
 
 ASSETS = Path(__file__).parent / "tiny_assets"
 EMPTY_PROMPT = "\n\n"
-
-
-@dataclass(frozen=True, slots=True)
-class TinyEngineConfig:
-    """Capacity of the engine: the KV pool and the step limits; the default seed."""
-
-    num_blocks: int = 512
-    block_size: int = 16
-    token_budget: int = 128
-    max_running: int = 32
-    default_max_tokens: int = 128
-    blas_threads: int | None = 1  # None leaves BLAS's own thread count
-    spec_tokens: int = 0  # prompt-lookup draft tokens per step at most (0: off)
-    spec_ngram: int = 3  # longest context n-gram a draft is looked up by
-    seed: int | None = None  # a request without a seed samples with it (None: a fresh one each)
-    prefix_caching: bool = False  # full KV blocks kept for later requests beginning alike
-
-    def __post_init__(self) -> None:
-        if min(self.num_blocks, self.block_size, self.default_max_tokens) < 1:
-            raise ValueError("num_blocks, block_size and default_max_tokens must be >= 1")
 
 
 class TinyDeltaStream:

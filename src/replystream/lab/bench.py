@@ -25,7 +25,6 @@ from replystream.lab.bench_args import add_arguments as add_arguments
 from replystream.lab.bench_compare import render_compare
 from replystream.lab.bench_config import config_from_args
 from replystream.lab.bench_csv import write_csv
-from replystream.lab.bench_plots import plot_all, plot_sweep
 from replystream.lab.bench_report import render, render_sweep
 from replystream.lab.benchstats import summarize
 from replystream.lab.load import run_load
@@ -132,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"replystream bench: {exc}", file=sys.stderr)
         return 1
     console = report_console()
-    plot: Callable[[dict[str, Any], Path], list[Path]]
     try:
         if args.profile == "sweep":
             result = asyncio.run(_sweep(config, sweep, args.quiet))
@@ -152,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.profile == "sweep":
         render_sweep(result, console)
-        plot = plot_sweep
         code = 0 if result["sweep"]["knee_rate"] is not None else 1
     else:
         result = summarize(
@@ -175,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         render(result, console)
-        plot = plot_all
         counts = result["counts"]
         code = 0 if counts["complete"] + counts["cancelled"] == counts["requests"] else 1
         if load_run.interrupted:
@@ -183,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     writes: list[tuple[str, Path | None, Callable[[Path], list[Path]]]] = [
         ("--json", args.json, lambda path: _write_json(result, path)),
         ("--csv", args.csv, lambda path: _write_csv(result, path)),
-        ("--plot", args.plot, lambda folder: plot(result, folder)),
+        ("--plot", args.plot, lambda folder: _plot(result, folder, args.profile == "sweep")),
     ]
     for flag, path, write in writes:
         if path is None:
@@ -198,6 +194,14 @@ def run(args: argparse.Namespace) -> int:
             continue
         console.print(f"Wrote {', '.join(str(p) for p in written)}.", highlight=False, markup=False)
     return code
+
+
+def _plot(result: dict[str, Any], folder: Path, sweep: bool) -> list[Path]:
+    """The run's plots (``bench_plots``), in ``folder``. matplotlib takes half a second to
+    load: only a run that plots loads it."""
+    from replystream.lab import bench_plots
+
+    return (bench_plots.plot_sweep if sweep else bench_plots.plot_all)(result, folder)
 
 
 def _write_json(result: dict[str, Any], path: Path) -> list[Path]:

@@ -13,8 +13,8 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.bench_args import DEFAULT_SLO_SHARE, LONGEST_RUN_S
-from replystream.lab.bench_plots import RUN_PLOTS, SWEEP_PLOTS
 from replystream.lab.client_options import tls_for
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.load_types import LoadConfig
@@ -23,9 +23,12 @@ from replystream.lab.profiles import Profile
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import SweepConfig
 from replystream.lab.workload import MODEL_APIS, MOST_PROMPT_WORDS, Lengths, Prompt, detect_api
-from replystream.server.schema_fields import MAX_TOKENS_LIMIT
 
 T = TypeVar("T")
+
+# The files --plot writes (``bench_plots``): for one run, and for a sweep.
+RUN_PLOTS = ("ttft_cdf.png", "gap_histogram.png", "timeline.png")
+SWEEP_PLOTS = ("sweep_latency.png", "sweep_distributions.png")
 # An open loop's requests that may be in flight at once get room up to this many connections
 # (the hard limit allowing): past it, a run's requests are not meant to overlap.
 MOST_OPEN_ROOM = 1 << 20

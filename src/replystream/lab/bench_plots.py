@@ -16,9 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first, above
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-# The files --plot writes: for one run, and for a sweep.
-RUN_PLOTS = ("ttft_cdf.png", "gap_histogram.png", "timeline.png")
-SWEEP_PLOTS = ("sweep_latency.png", "sweep_distributions.png")
+from replystream.lab.bench_config import RUN_PLOTS, SWEEP_PLOTS
 
 
 def plot_all(summary: dict[str, Any], folder: Path) -> list[Path]:

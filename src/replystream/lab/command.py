@@ -24,14 +24,13 @@ from replystream.cli_values import (
 )
 from replystream.client import ReplyTiming
 from replystream.client.transport import ConnectError, TransportError
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.open_files import OWN_FILES, make_room
-from replystream.lab.plots import plot_timeline
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
-from replystream.server.schema_fields import MAX_TOKENS_LIMIT
 
 # What the lab writes in --out: the first call's arrivals, and their plot.
 TIMELINE_FILES = ("timeline.json", "timeline.png")
@@ -261,6 +260,9 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         timeline = lab_run.timeline()
         timeline_path, plot_path = (out / name for name in TIMELINE_FILES)
+        # matplotlib takes half a second to load: a command line's mistake is told without it.
+        from replystream.lab.plots import plot_timeline
+
         try:  # checked before the run, but a disk can fill or a folder go in the meantime
             out.mkdir(parents=True, exist_ok=True)
             timeline_path.write_text(json.dumps(timeline, indent=1) + "\n")

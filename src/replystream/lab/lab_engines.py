@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from replystream.engine.gguf_engine import GGUF_ENGINE_DEFAULTS, load_gguf_model, prompt_format
-from replystream.engine.gguf_file import SMOLLM2_INSTALL, smollm2_path
 from replystream.engine.model import TinyModel
-from replystream.engine.tiny import ASSETS, TinyEngine, TinyEngineConfig
+from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
+from replystream.engine.tiny import ASSETS, TinyEngine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.tokenizer import ByteTokenizer
 from replystream.server.engine_options import default_engine
 

@@ -14,11 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.server.output_formats import AnthropicSchemaFormat
 from replystream.server.responses_schemas import ResponsesExtensions
 from replystream.server.schema_fields import (
     BLOCK_TAGS,
-    MAX_TOKENS_LIMIT,
     ObjectSchema,
     Probability,
     Strict,

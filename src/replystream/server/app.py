@@ -54,7 +54,6 @@ from replystream.server.context import (
     METRICS_KEY,
     NATIVE_FORMAT,
     STORE_KEY,
-    ServerConfig,
     buffered,
     caller_of,
     follow_started,
@@ -81,6 +80,7 @@ from replystream.server.responses_input_items import add_input_items_route
 from replystream.server.responses_input_tokens import add_input_tokens_route
 from replystream.server.resume_dialects import follow_resumed
 from replystream.server.resume_points import check_resume_point, find_reply, resume_after
+from replystream.server.server_config import ServerConfig
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
 from replystream.server.websocket import add_websocket_route

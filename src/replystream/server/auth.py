@@ -25,8 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable
 
 from aiohttp import web
 
@@ -37,67 +36,6 @@ WEBSOCKET_PATH = "/v1/ws"
 OWNER = web.RequestKey("owner", str)  # who may read and cancel the replies a request starts
 # The key a WebSocket sent in its first message (a browser's socket cannot send headers).
 SOCKET_KEY = web.RequestKey("socket_key", str)
-
-
-def read_keys_file(path: Path) -> list[str]:
-    """API keys from a file: one per line; blank lines and lines starting with ``#`` skipped.
-
-    Raises:
-        ValueError: naming the file: it cannot be read, is not UTF-8 text, or holds no key
-            (auth would silently be off otherwise).
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        byte = exc.object[exc.start]
-        why = f"byte 0x{byte:02x} at offset {exc.start}: {exc.reason}"
-        raise ValueError(f"{path}: not UTF-8 text ({why})") from None
-    keys = []
-    for number, line in enumerate(text.splitlines(), 1):
-        key = line.strip()
-        if not key or key.startswith("#"):
-            continue
-        problem = key_problem(key)
-        if problem is not None:
-            raise ValueError(f"{path}: line {number}: {problem}")
-        keys.append(key)
-    if not keys:
-        raise ValueError(f"{path}: no API keys in the file")
-    return keys
-
-
-def key_problem(key: str) -> str | None:
-    """Why ``key`` could never be sent as one, or None. A client sends a key in a header
-    (``Bearer <key>``, ``x-api-key``): one token of visible ASCII. A key with a space in it
-    (two keys on a line, a comment after one) would be configured and never match."""
-    if all("!" <= char <= "~" for char in key):
-        return None
-    bad = next(char for char in key if not "!" <= char <= "~")
-    return f"a key is one word of visible ASCII characters; this one has {bad!r}"
-
-
-def collect_keys(flags: Sequence[str], path: Path | None) -> list[str]:
-    """The keys given as ``--api-key`` flags and in ``--api-keys-file`` (none: auth off).
-
-    Raises:
-        ValueError: naming the flag: a flag is empty, or the file cannot be read or holds no
-            key (read again on SIGHUP, the file is not checked while parsing).
-    """
-    keys = [key.strip() for key in flags]
-    if any(not key for key in keys):
-        raise ValueError("--api-key must not be empty")
-    for key in keys:
-        problem = key_problem(key)
-        if problem is not None:
-            raise ValueError(f"--api-key: {problem}")
-    if path is not None:
-        try:
-            keys += read_keys_file(path)
-        except ValueError as exc:
-            raise ValueError(f"--api-keys-file {exc}") from None
-    return keys
 
 
 def key_owner(key: str) -> str:

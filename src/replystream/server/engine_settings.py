@@ -16,12 +16,12 @@ from replystream.cli_values import (
     positive_int,
     schedule_ms,
 )
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply_script
 from replystream.engine.simulated import SimulatedConfig
-from replystream.engine.tiny import TinyEngineConfig
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.upstream_config import ROUTINGS, UpstreamConfig
-from replystream.server.schema_fields import MAX_TOKENS_LIMIT
 from replystream.settings import Group, Setting
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"

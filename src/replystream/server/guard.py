@@ -23,13 +23,13 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from replystream.server import ids
 from replystream.server.auth import OWNER
 from replystream.server.errors import HTTPAPIError, error_response, speaks_anthropic
+from replystream.server.guard_config import GuardConfig, Network
 
 access_log = logging.getLogger("replystream.access")
 
@@ -37,41 +37,7 @@ LIMITED_PREFIXES = ("/v1/", "/wait", "/stream")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-@dataclass(frozen=True, slots=True)
-class GuardConfig:
-    """Client limits; 0 turns a limit off. ``trusted_proxies``: peers whose
-    ``X-Forwarded-For`` names the client (none by default: the header is ignored)."""
-
-    max_concurrent: int = 0
-    per_minute: int = 0
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    cors_origins: tuple[str, ...] = ()
-    trusted_proxies: tuple[Network, ...] = ()
-
-
-def parse_trusted_proxies(values: Sequence[str]) -> tuple[Network, ...]:
-    """Addresses and CIDR networks, each value one or a comma-separated list.
-
-    Raises:
-        ValueError: an entry is neither (the message names ``--trusted-proxy``).
-    """
-    networks: list[Network] = []
-    for value in values:
-        for entry in value.split(","):
-            entry = entry.strip()
-            try:
-                networks.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                raise ValueError(
-                    f"--trusted-proxy wants IP addresses or CIDR networks "
-                    f"(e.g. 10.0.0.0/8,127.0.0.1), got {entry!r}"
-                ) from None
-    return tuple(networks)
 
 
 def _address(text: str) -> Address | None:

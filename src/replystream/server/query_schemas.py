@@ -18,8 +18,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BeforeValidator, ConfigDict, PlainValidator
 from pydantic_core import PydanticCustomError
 
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED
-from replystream.server.schema_fields import MAX_TOKENS_LIMIT, Schema, invalid
+from replystream.server.schema_fields import Schema, invalid
 
 
 # Query strings and headers carry text; an integer there is ASCII digits (``int()`` would

@@ -7,7 +7,7 @@ every file in turn, one reload at a time (a signal during a reload reads them on
 it, so the last edit is the one served); a file with a mistake changes nothing, and what was
 served before stays; each file's reload is one log line (what changed, or the mistake, as
 ``serve`` would name it at start-up) and one count in ``replystream_reloads_total`` by file
-and result. What a file means is its reader's (``upstream_routes``, ``auth``); how the server
+and result. What a file means is its reader's (``upstream_routes``, ``api_keys``); how the server
 takes it is its owner's (``UpstreamEngine.reroute``, ``KeyRing.replace``).
 """
 
@@ -24,7 +24,8 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from replystream.engine.upstream import RouteChange, UpstreamEngine
-from replystream.server.auth import KEY_RING, collect_keys
+from replystream.server.api_keys import collect_keys
+from replystream.server.auth import KEY_RING
 from replystream.server.context import ENGINE_KEY, METRICS_KEY
 from replystream.server.engine_options import EngineChoice, upstream_config
 from replystream.server.metrics import Metrics
@@ -137,10 +138,3 @@ def reloads_for(
 
         files.append(ReloadedFile("api_keys", rekey))
     return Reloads(app[METRICS_KEY], files) if files else None
-
-
-def reloads(args: argparse.Namespace, engine_kind: str) -> bool:
-    """Whether ``serve``'s ``args`` name a file SIGHUP reads again."""
-    return args.api_keys_file is not None or (
-        engine_kind == "upstream" and args.upstream_routes is not None
-    )

@@ -46,9 +46,9 @@ from replystream.delivery.policy import (
     KEEPALIVE_S_MAX,
     KEEPALIVE_S_MIN,
 )
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED
 
-MAX_TOKENS_LIMIT = 1 << 20
 MAX_TAG_CHARS = 128
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
 ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")

@@ -34,11 +34,10 @@ from replystream.delivery.policy import (
     KEEPALIVE_S_MIN,
     DeliveryPolicy,
 )
-from replystream.delivery.redis_link import FAILOVER_S
-from replystream.delivery.replay import TTL_AFTER_END_S
-from replystream.server.context import ServerConfig
+from replystream.delivery.replay import FAILOVER_S, TTL_AFTER_END_S
 from replystream.server.engine_settings import ENGINE_SETTINGS
-from replystream.server.guard import GuardConfig, parse_trusted_proxies
+from replystream.server.guard_config import GuardConfig, parse_trusted_proxies
+from replystream.server.server_config import ServerConfig
 from replystream.settings import Group, Setting
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -34,9 +34,9 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from replystream import start_interrupt
 from replystream.server import metrics_dir
+from replystream.server.listening import REFUSED_EXIT, listening_lines
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.restart_backoff import RestartBackoff
-from replystream.server.serve import REFUSED_EXIT, listening_lines
 
 log = logging.getLogger("replystream.server")
 

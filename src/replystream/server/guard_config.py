@@ -1,0 +1,47 @@
+"""``GuardConfig``: the client limits, CORS origins and trusted proxies a server is started with.
+
+Apart from the guard that applies them (``server.guard``, which needs aiohttp) so that
+``serve``'s settings, which fill it from the command line, are read without the server: a
+wrong flag is told before the app loads.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    """Client limits; 0 turns a limit off. ``trusted_proxies``: peers whose
+    ``X-Forwarded-For`` names the client (none by default: the header is ignored)."""
+
+    max_concurrent: int = 0
+    per_minute: int = 0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    cors_origins: tuple[str, ...] = ()
+    trusted_proxies: tuple[Network, ...] = ()
+
+
+def parse_trusted_proxies(values: Sequence[str]) -> tuple[Network, ...]:
+    """Addresses and CIDR networks, each value one or a comma-separated list.
+
+    Raises:
+        ValueError: an entry is neither (the message names ``--trusted-proxy``).
+    """
+    networks: list[Network] = []
+    for value in values:
+        for entry in value.split(","):
+            entry = entry.strip()
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                raise ValueError(
+                    f"--trusted-proxy wants IP addresses or CIDR networks "
+                    f"(e.g. 10.0.0.0/8,127.0.0.1), got {entry!r}"
+                ) from None
+    return tuple(networks)

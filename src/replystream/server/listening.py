@@ -1,0 +1,49 @@
+"""The listening socket of ``serve``, what is said once it listens, and how a start is refused.
+
+Apart from the serving loop (``server.serve``, which needs aiohttp and the app) so that the
+command line, a port it cannot have included, is checked before the server loads.
+"""
+
+from __future__ import annotations
+
+import socket
+
+# Connections the kernel queues before we accept them. aiohttp's default (128) re-listens the
+# socket with a small queue, and a burst of thousands of clients then overflows it: their
+# SYNs are dropped and retried a second later.
+LISTEN_BACKLOG = 4096
+# The exit status of ``serve`` when its command line cannot be served (a bad value, a file it
+# cannot use, a port it cannot have): a worker that exits with it would refuse again.
+REFUSED_EXIT = 2
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``; port 0 lets the kernel pick a free one.
+
+    Raises:
+        ValueError: ``port`` is not 0 to 65535 (the resolver would take a negative one as a
+            service name, and ``bind`` would wrap a large one around to another port).
+        OSError: ``host`` does not resolve (``socket.gaierror``), or the address cannot be
+            bound (in use, not this machine's, privileged).
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0 to 65535, got {port}")
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def listening_lines(url: str) -> list[str]:
+    """What a server prints on stdout once it accepts connections. Tools read the first line
+    (``replystream listening on URL``, nothing after the URL); anything else goes below it."""
+    return [f"replystream listening on {url}"]
