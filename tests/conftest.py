@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -10,6 +11,13 @@ import pytest
 
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.server import create_app, running
+
+# A process started with SIGINT ignored (a background job of a shell without job control,
+# ``nohup``) passes that on to every process it starts: a test that sends a server Ctrl-C
+# would find it ignored, and the server serving on. The suite takes Ctrl-C as Python does by
+# default, and so do the processes it starts.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ServeEngine = Callable[[SimulatedEngine], AbstractAsyncContextManager[str]]
 
