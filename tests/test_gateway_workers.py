@@ -35,10 +35,9 @@ CHAT: dict[str, object] = {"messages": [{"role": "user", "content": "hi"}]}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def accepted_by(server_port: int, client_port: int, pids: Iterable[int]) -> int | None:
-    """The worker holding the server's end of our connection from ``client_port`` (None
-    while no worker has accepted it yet)."""
-    inode = None
+def server_end(server_port: int, client_port: int) -> str | None:
+    """The inode of the server's end of our connection from ``client_port`` (None while no
+    process has accepted it: a queued connection's end has no file yet)."""
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         local, remote = fields[1], fields[2]
@@ -46,9 +45,12 @@ def accepted_by(server_port: int, client_port: int, pids: Iterable[int]) -> int 
             server_port,
             client_port,
         ):
-            inode = fields[9]
-    if inode in (None, "0"):
-        return None
+            return None if fields[9] == "0" else fields[9]
+    return None
+
+
+def holder(inode: str, pids: Iterable[int]) -> int | None:
+    """Which of ``pids`` holds socket ``inode`` (None: none of them)."""
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             try:
@@ -56,6 +58,24 @@ def accepted_by(server_port: int, client_port: int, pids: Iterable[int]) -> int 
                     return pid
             except OSError:
                 continue  # closed while we looked
+    return None
+
+
+async def accepted_by(server_port: int, client_port: int, pids: Iterable[int]) -> int | None:
+    """The worker of ``pids`` that accepted our connection from ``client_port``; None if it
+    was not accepted within 5 s, or another process (another worker) accepted it."""
+    for _ in range(100):
+        inode = server_end(server_port, client_port)
+        if inode is not None:
+            # Accepted: the socket's file exists a moment before its descriptor is in the
+            # worker's table, so a worker of ``pids`` is looked for a little while.
+            for _ in range(20):
+                owner = holder(inode, pids)
+                if owner is not None:
+                    return owner
+                await asyncio.sleep(0.01)
+            return None
+        await asyncio.sleep(0.05)
     return None
 
 
@@ -111,12 +131,7 @@ async def _pin(url: str, pids: list[int], pinned: dict[int, Pinned]) -> dict[int
             await asyncio.sleep(0.02)
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         client_port = writer.get_extra_info("sockname")[1]
-        owner = None
-        for _ in range(100):
-            owner = accepted_by(parts.port, client_port, pids)
-            if owner is not None:
-                break
-            await asyncio.sleep(0.05)
+        owner = await accepted_by(parts.port, client_port, pids)
         if owner is None or owner in pinned:
             await RawResponse(reader, writer).aclose()
             continue
