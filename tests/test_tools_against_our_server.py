@@ -34,8 +34,9 @@ async def run_cli(*args: str) -> tuple[int, str, str]:
 
 async def test_bench_and_doctor_find_the_model_our_server_lists():
     # Without --model both used to send "default" and get 404 model_not_found. Anthropic's
-    # Messages route takes its model from the same list, its API from the path.
-    async with replica() as (_, url):
+    # Messages route takes its model from the same list, its API from the path. The tools ask
+    # the server's model list whatever its engine: the simulated one keeps the run short.
+    async with replica("--engine", "simulated", "--delay-ms", "10", "--jitter-ms", "0") as (_, url):
         for route in ("/v1/chat/completions", "/v1/messages"):
             code, out, err = await run_cli("doctor", url + route, "--max-tokens", "60", "--json")
             assert code == 0, (route, out, err)
