@@ -4,8 +4,9 @@ to be told, and how long (and how much CPU and memory) ``serve`` takes to be rea
 A command line's mistake is told by a fresh process (``python -m replystream ...``) that exits
 with status 2; the time is the whole process's, start to exit, so the interpreter's own start
 is in every figure: ``python -c pass`` is measured beside them as the floor. A server's start is
-``serve --port 0 --engine simulated`` until it prints its ready line, then its CPU (user +
-system, /proc) and resident memory at that moment. ``--src LABEL=PATH`` (repeatable) runs
+``serve --port 0`` until it prints its ready line, then its CPU (user + system, /proc) and
+resident memory at that moment: the simulated engine, and a relay (``--engine upstream:URL``,
+whose upstream is not reached before a request comes). ``--src LABEL=PATH`` (repeatable) runs
 every command from each source tree (``PYTHONPATH=PATH``), interleaved run by run, so two
 versions are compared under the same noise. Reported per case and source: the median over
 ``-N`` runs of each, and each source against the first.
@@ -36,9 +37,14 @@ MISTAKES: list[tuple[str, list[str]]] = [
     ("doctor: a flag it does not have", ["doctor", "--no-such-flag"]),
 ]
 FLOOR = "python -c pass (the interpreter alone)"
-READY = "serve --engine simulated: to its ready line"
-CPU = "serve --engine simulated: CPU at ready"
-RSS = "serve --engine simulated: resident memory at ready (MiB)"
+# Each server: its name in the table, and its engine's flags.
+SERVERS: list[tuple[str, list[str]]] = [
+    ("serve --engine simulated", SIMULATED),
+    ("serve --engine upstream:URL", ["--engine", "upstream:http://127.0.0.1:9/v1"]),
+]
+READY = ": to its ready line"
+CPU = ": CPU at ready"
+RSS = ": resident memory at ready (MiB)"
 
 
 def environment(src: str | None) -> dict[str, str]:
@@ -79,11 +85,11 @@ def proc_figures(pid: int) -> tuple[float, float]:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def server_start(src: str | None) -> tuple[float, float, float]:
-    """Seconds to the ready line of a simulated server, and its CPU seconds and MiB then."""
+def server_start(src: str | None, engine: list[str]) -> tuple[float, float, float]:
+    """Seconds to the ready line of a server of ``engine``, and its CPU seconds and MiB then."""
     began = time.perf_counter()
     process = subprocess.Popen(
-        [sys.executable, "-m", "replystream", "serve", "--port", "0", *SIMULATED],
+        [sys.executable, "-m", "replystream", "serve", "--port", "0", *engine],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=environment(src),
@@ -124,17 +130,19 @@ def main() -> None:
         sources.append((label, path))
     if not sources:
         sources = [("installed", None)]
-    cases = [FLOOR, *(name for name, _ in MISTAKES), READY, CPU, RSS]
+    started = [name + what for name, _ in SERVERS for what in (READY, CPU, RSS)]
+    cases = [FLOOR, *(name for name, _ in MISTAKES), *started]
     figures: dict[tuple[str, str], list[float]] = {(c, s): [] for c in cases for s, _ in sources}
     for _ in range(args.runs):
         for label, src in sources:  # interleaved: each source sees the same noise
             figures[FLOOR, label].append(interpreter(src))
             for name, argv in MISTAKES:
                 figures[name, label].append(told(src, argv))
-            took, cpu, rss = server_start(src)
-            figures[READY, label].append(took)
-            figures[CPU, label].append(cpu)
-            figures[RSS, label].append(rss)
+            for name, engine in SERVERS:
+                took, cpu, rss = server_start(src, engine)
+                figures[name + READY, label].append(took)
+                figures[name + CPU, label].append(cpu)
+                figures[name + RSS, label].append(rss)
     labels = [label for label, _ in sources]
     width = max(len(c) for c in cases)
     print(f"medians of {args.runs} runs; seconds unless said")
@@ -143,7 +151,7 @@ def main() -> None:
     print(f"{'case':<{width}}{header}{against:>16}")
     for case in cases:
         medians = [statistics.median(figures[case, label]) for label in labels]
-        row = "".join(f"{m:>12.3f}" if case != RSS else f"{m:>12.1f}" for m in medians)
+        row = "".join(f"{m:>12.1f}" if case.endswith(RSS) else f"{m:>12.3f}" for m in medians)
         ratio = f"{medians[-1] / medians[0]:>15.2f}x" if len(labels) > 1 and medians[0] else ""
         print(f"{case:<{width}}{row}{ratio}")
 
