@@ -187,13 +187,17 @@ def run(args: argparse.Namespace) -> int:
         return REFUSED_EXIT
     # The server's modules load once the command line is known to be sound: a mistake in it
     # is told before aiohttp, the app and its schemas load (and the engine's, before the
-    # engine: ``engine_options``).
-    from replystream.server import reload
+    # engine: ``engine_options``); what SIGHUP reads again, only for a server that has a file
+    # to read again.
     from replystream.server.app import create_app
     from replystream.server.serve import serve_forever
 
     app = create_app(engine, config, store)
-    rereads = reload.reloads_for(app, args, choice) if reloads else None
+    rereads = None
+    if reloads:
+        from replystream.server import reload
+
+        rereads = reload.reloads_for(app, args, choice)
     quiet = args.listen_fd is not None  # a worker: its parent announces the URL
     ready_fd = args.ready_fd
     with asyncio.Runner(loop_factory=new_loop) as runner:
