@@ -1150,8 +1150,8 @@ def test_a_mistake_is_found_without_loading_the_server(command: str) -> None:
 
 def test_serve_checks_its_command_line_before_the_server_or_an_engine_loads() -> None:
     """A mistake ``serve`` finds once its flags are parsed (values that contradict each other)
-    is told with neither aiohttp, the app, NumPy nor Redis loaded; and the simulated engine,
-    built, loads no NumPy (each engine's modules load with it alone)."""
+    is told with none of aiohttp, the app, pydantic, NumPy or Redis loaded; and the simulated
+    engine, built, loads none of them either (each engine's modules load with it alone)."""
     probe = (
         "import sys\n"
         "from replystream import cli\n"

@@ -247,7 +247,7 @@ async def test_ctrl_c_while_one_process_starts_stops_it_without_a_traceback(afte
     # moment can still fall in the interpreter's start-up (its ``site`` import, which prints
     # a traceback of its own on Ctrl-C), before any code of ours runs. These land early and
     # midway in the imports of the command line and the server (a whole start takes about
-    # 0.75 s of CPU).
+    # 0.7 s of CPU).
     status, stderr = await interrupted_while_starting(
         *SIMULATED, after=lambda pid: cpu_s(pid) >= after_cpu_s
     )
