@@ -24,6 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: the delivery benchmark's /proc readers
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "delivery"))
+
+from procstats import cpu_seconds, memory_kib
+
 SIMULATED = ["--engine", "simulated", "--delay-ms", "1", "--jitter-ms", "0"]
 # Each mistake: a case name, and the command line after ``python -m replystream``.
 MISTAKES: list[tuple[str, list[str]]] = [
@@ -75,16 +80,6 @@ def interpreter(src: str | None) -> float:
     return time.perf_counter() - began
 
 
-def proc_figures(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) and resident MiB of process ``pid`` now."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return cpu, int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
 def server_start(src: str | None, engine: list[str]) -> tuple[float, float, float]:
     """Seconds to the ready line of a server of ``engine``, and its CPU seconds and MiB then."""
     began = time.perf_counter()
@@ -100,7 +95,7 @@ def server_start(src: str | None, engine: list[str]) -> tuple[float, float, floa
         took = time.perf_counter() - began
         if not line.startswith(b"replystream listening on "):
             raise SystemExit(f"serve did not say it was ready: {line!r}")
-        cpu, rss = proc_figures(process.pid)
+        cpu, rss = cpu_seconds([process.pid]), memory_kib([process.pid], "VmRSS") / 1024
     finally:
         process.terminate()
         process.wait(30)
