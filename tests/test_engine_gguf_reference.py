@@ -2,8 +2,8 @@
 
 ``transformers`` dequantises the GGUF itself, undoes llama.cpp's Q/K permutation itself, builds
 its own tokenizer from the file's vocabulary and renders the file's chat template with its own
-Jinja environment; our engine shares none of that code. Loading it takes a minute on a small
-machine, so one model is shared by the module.
+Jinja environment; our engine shares none of that code. Loading it takes seconds even with
+the file's parse shared (below), so one model is shared by the module.
 
 Tolerance: next-token logits agree within 5e-4 (absolute, on logits of magnitude about 40;
 float32 with different summation orders; measured about 1e-4).
@@ -11,6 +11,7 @@ float32 with different summation orders; measured about 1e-4).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -24,6 +25,7 @@ from tests.services import require_smollm2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+gguf_py = pytest.importorskip("gguf")
 
 LOGIT_ATOL = 5e-4
 HARD_TEXTS = [
@@ -50,10 +52,19 @@ def both() -> tuple[Any, Any, Any]:
     path = require_smollm2()
     gguf, model, tokenizer = load_gguf_model(path)
     torch.set_num_threads(1)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers parses the file three times (the config, the weights, the tokenizer)
+        # and builds gguf's tensor-name table once per tensor: 40 s of a 45 s load. Both are
+        # pure reads of the same file and tables, so one of each is shared; what transformers
+        # computes from them is untouched.
+        patch.setattr(gguf_py, "GGUFReader", functools.cache(gguf_py.GGUFReader))
+        patch.setattr(gguf_py, "get_tensor_name_map", functools.cache(gguf_py.get_tensor_name_map))
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
     return (gguf, model, tokenizer), hf_model, hf_tokenizer
 
 
