@@ -40,6 +40,11 @@ MISTAKES: list[tuple[str, list[str]]] = [
     ("bench: a flag it does not have", ["bench", "--no-such-flag"]),
     ("lab: a flag it does not have", ["lab", "--no-such-flag"]),
     ("doctor: a flag it does not have", ["doctor", "--no-such-flag"]),
+    ("lab-engine: a flag it does not have", ["lab-engine", "--no-such-flag"]),
+    (
+        "lab-engine: a flag its experiment does not read (found after parsing)",
+        ["lab-engine", "pool", "--engine", "tiny", "--repeats", "5"],
+    ),
 ]
 FLOOR = "python -c pass (the interpreter alone)"
 # Each server: its name in the table, and its engine's flags.

@@ -1172,6 +1172,27 @@ def test_serve_checks_its_command_line_before_the_server_or_an_engine_loads() ->
     assert built == "[]", done.stderr
 
 
+def test_lab_engine_checks_its_command_line_before_a_model_or_matplotlib_loads() -> None:
+    """A wrong value, and a flag the chosen experiment does not read (found once parsed), are
+    told before the engine's NumPy, the GGUF reader or matplotlib is imported."""
+    probe = (
+        "import sys\n"
+        "from replystream import cli\n"
+        "heavy = ('numpy', 'gguf', 'matplotlib', 'replystream.engine.tiny')\n"
+        "try:\n"
+        "    cli.parse(['lab-engine', 'ttft', '--repeats', '0'])\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, [name for name in heavy if name in sys.modules])\n"
+        "code = cli.main(['lab-engine', 'pool', '--engine', 'tiny', '--repeats', '5'])\n"
+        "print(code, [name for name in heavy if name in sys.modules])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.splitlines() == ["2 []", "2 []"], done.stderr
+    assert "--repeats: the pool experiment does not use it" in done.stderr
+
+
 def test_a_ban_file_with_no_phrase_is_refused_as_moderation_would_be_off(tmp_path: Path):
     blank = tmp_path / "bans.txt"
     blank.write_text("\n  \n")

@@ -32,7 +32,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("lab", "replystream.lab.command", "measure stream vs wait over real HTTP"),
     (
         "lab-engine",
-        "replystream.lab.engine_lab",
+        "replystream.lab.engine_lab_command",
         "measure the built-in engine: ttft, step, pool, spec",
     ),
     ("bench", "replystream.lab.bench", "load a streaming endpoint: TTFT, TPOT, ITL, goodput"),

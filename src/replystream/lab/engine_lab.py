@@ -1,4 +1,5 @@
-"""``replystream lab-engine ttft|step|pool|spec``: what prefill, batching, KV capacity cost.
+"""``replystream lab-engine ttft|step|pool|spec``'s experiments: what prefill, batching, KV
+capacity cost (the command line is ``lab.engine_lab_command``).
 
 Each experiment runs a built-in engine in this process (``--engine tiny``, ``smollm2`` or
 ``gguf:PATH``; by default the one ``serve`` would serve, ``lab.lab_engines``), prints a table and
@@ -14,12 +15,9 @@ Times are the engine's own timestamps (``TinyEngine.timings``), not client-side.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import statistics
-import sys
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,39 +29,12 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
-from replystream.cli_values import non_negative_float, output_folder, positive_int
-from replystream.engine.base import GenerationRequest, RequestRejected, SamplingParams
-from replystream.engine.kv_cache import PoolTooLarge
+from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.runner import RequestTimings
 from replystream.engine.tiny import TinyEngine
-from replystream.lab.lab_engines import (
-    GGUF_SIZES,
-    TINY_SIZES,
-    LabEngine,
-    load_lab_engine,
-    parse_lab_engine,
-    plot_name,
-)
-from replystream.lab.report_console import report_console
+from replystream.lab.lab_engines import LabEngine, plot_name
 from replystream.lab.spec_lab import PROMPTS as SPEC_PROMPTS
-from replystream.lab.spec_lab import report_spec, run_spec
 
-EXPERIMENTS = ("ttft", "step", "pool", "spec")
-# Which experiments read each option (by its ``dest``): any other refuses it, so no flag is
-# taken and ignored.
-OPTION_USERS: dict[str, tuple[str, ...]] = {
-    "lengths": ("ttft",),
-    "batches": ("step",),
-    "repeats": ("ttft", "step", "spec"),
-    "tokens": ("step", "pool", "spec"),
-    "requests": ("pool",),
-    "small_blocks": ("pool",),
-    "spec_tokens": ("spec",),
-    "spec_ngram": ("spec",),
-    "temperature": ("spec",),
-}
-POOL_DEFAULTS = {"requests": 16, "small_blocks": 40}
-SPEC_DEFAULTS = {"spec_tokens": 4, "spec_ngram": 3}
 WORDS = "and the children of Israel went up out of the land of Egypt unto the mount of God ".split()
 
 
@@ -380,109 +351,7 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _lengths(text: str) -> tuple[int, ...]:
-    """A comma-separated list of whole numbers >= 1 (argparse type)."""
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            f"want whole numbers >= 1 separated by commas, got {text!r}"
-        )
-    return values
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("experiment", choices=EXPERIMENTS)
-    parser.add_argument(
-        "--engine",
-        type=parse_lab_engine,
-        default=None,
-        help="tiny, smollm2 or gguf:PATH (default: the engine serve would serve)",
-    )
-    # A text default goes through the type too: the PNG is always written.
-    parser.add_argument("--out", type=output_folder, default=".", help="folder for the PNG")
-    parser.add_argument(
-        "--lengths",
-        type=_lengths,
-        default=None,
-        help="ttft: prompt lengths in tokens, e.g. 64,1024,4096 "
-        f"(default: {_csv(TINY_SIZES.ttft_lengths)} tiny, {_csv(GGUF_SIZES.ttft_lengths)} GGUF)",
-    )
-    parser.add_argument(
-        "--batches",
-        type=_lengths,
-        default=None,
-        help=f"step: batch sizes (default: {_csv(TINY_SIZES.step_batches)})",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=None,
-        help="ttft: runs per prompt length; step: rounds over the batch sizes; spec: runs per "
-        f"prompt; medians are reported (default: {TINY_SIZES.repeats} tiny, "
-        f"{GGUF_SIZES.repeats} GGUF)",
-    )
-    parser.add_argument(
-        "--tokens",
-        type=positive_int,
-        default=None,
-        help="step, pool, spec: tokens per reply "
-        f"(default: {TINY_SIZES.tokens} tiny, {GGUF_SIZES.tokens} GGUF)",
-    )
-    parser.add_argument(
-        "--requests",
-        type=positive_int,
-        default=None,
-        help=f"pool: requests in the burst (default: {POOL_DEFAULTS['requests']})",
-    )
-    parser.add_argument(
-        "--small-blocks",
-        type=positive_int,
-        default=None,
-        help="pool: the small pool, in blocks; fewer than the pool that holds every request "
-        f"(default: {POOL_DEFAULTS['small_blocks']})",
-    )
-    parser.add_argument(
-        "--spec-tokens",
-        type=positive_int,
-        default=None,
-        help=f"spec: draft tokens per step (default: {SPEC_DEFAULTS['spec_tokens']})",
-    )
-    parser.add_argument(
-        "--spec-ngram",
-        type=positive_int,
-        default=None,
-        help=f"spec: longest n-gram looked up (default: {SPEC_DEFAULTS['spec_ngram']})",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=non_negative_float,
-        default=None,
-        help="spec: 0 is greedy; above, seeded draws (default: 0)",
-    )
-
-
-def _csv(values: tuple[int, ...]) -> str:
-    return ",".join(str(v) for v in values)
-
-
-def _refuse(message: str) -> int:
-    print(f"replystream lab-engine: {message}", file=sys.stderr)
-    return 2
-
-
-def _unused_option(args: argparse.Namespace) -> str | None:
-    """The first option given that ``args.experiment`` does not read, said as a mistake."""
-    for dest, users in OPTION_USERS.items():
-        if getattr(args, dest) is not None and args.experiment not in users:
-            flag = "--" + dest.replace("_", "-")
-            return f"{flag}: the {args.experiment} experiment does not use it ({', '.join(users)})"
-    return None
-
-
-def _reply_room(lab: LabEngine, experiment: str) -> int:
+def reply_room(lab: LabEngine, experiment: str) -> int:
     """How many tokens a reply may have after the experiment's longest prompt."""
     probe = lab.engine(num_blocks=1)  # for its tokenizer and prompt format
     if experiment == "spec":
@@ -493,74 +362,3 @@ def _reply_room(lab: LabEngine, experiment: str) -> int:
         ]
     longest = max(_fed_tokens(probe, text) for text in texts)
     return lab.context - longest
-
-
-def run(args: argparse.Namespace) -> int:
-    unused = _unused_option(args)
-    if unused is not None:
-        return _refuse(unused)
-    console = report_console()
-    try:
-        lab = load_lab_engine(args.engine, time.perf_counter)
-    except (ValueError, OSError) as exc:
-        return _refuse(f"--engine: {exc}")
-    sizes = lab.sizes
-    repeats = args.repeats or sizes.repeats
-    tokens = args.tokens or sizes.tokens
-    if args.experiment == "step" and tokens < 2:
-        return _refuse(
-            "--tokens: the step experiment times the gaps between tokens; give 2 or more"
-        )
-    room = _reply_room(lab, args.experiment) if args.experiment != "ttft" else tokens
-    if tokens > room:
-        return _refuse(
-            f"--tokens: {tokens} tokens do not fit after the {args.experiment} experiment's "
-            f"prompt in the {lab.name} model's context of {lab.context}; give at most {room}"
-        )
-    console.print(f"engine: {lab.name} (loaded in {lab.load_seconds:.1f} s)")
-    if args.experiment == "ttft":
-        lengths = args.lengths or sizes.ttft_lengths
-        too_long = [n for n in lengths if n >= lab.context]
-        if too_long:
-            return _refuse(
-                f"--lengths: {too_long[0]} tokens leave no room for a reply in the {lab.name} "
-                f"model's context of {lab.context}; give at most {lab.context - 1}"
-            )
-        rows = asyncio.run(run_ttft(lab, lengths, repeats))
-        path = report_ttft(rows, args.out, console, lab.name)
-    elif args.experiment == "step":
-        batches = args.batches or sizes.step_batches
-        try:
-            step_rows = asyncio.run(run_step(lab, batches, tokens, repeats))
-        except PoolTooLarge as exc:
-            return _refuse(f"--batches: a batch of {max(batches)}: {exc}")
-        path = report_step(step_rows, args.out, console, lab.name)
-    elif args.experiment == "pool":
-        requests = args.requests or POOL_DEFAULTS["requests"]
-        small_blocks = args.small_blocks or POOL_DEFAULTS["small_blocks"]
-        holds_all = pool_holding_all(lab, requests, tokens)
-        if small_blocks >= holds_all:
-            return _refuse(
-                f"--small-blocks {small_blocks}: the pool that holds all {requests} requests "
-                f"has {holds_all} blocks; give fewer"
-            )
-        try:
-            runs = asyncio.run(run_pool(lab, requests, tokens, small_blocks))
-        except PoolTooLarge as exc:
-            return _refuse(f"--requests: {requests} requests at once: {exc}")
-        except RequestRejected as exc:  # the small pool cannot hold even one request
-            return _refuse(f"--small-blocks {small_blocks}: {exc}")
-        path = report_pool(runs, args.out, console, lab.name)
-    else:
-        temperature = args.temperature or 0.0
-        spec = run_spec(
-            lab,
-            tokens,
-            repeats,
-            args.spec_tokens or SPEC_DEFAULTS["spec_tokens"],
-            args.spec_ngram or SPEC_DEFAULTS["spec_ngram"],
-            temperature,
-        )
-        path = report_spec(asyncio.run(spec), args.out, console, temperature, lab.name)
-    console.print(f"wrote {path}")
-    return 0

@@ -15,15 +15,14 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from replystream.engine.gguf_engine import GGUF_ENGINE_DEFAULTS, load_gguf_model, prompt_format
-from replystream.engine.model import TinyModel
 from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
-from replystream.engine.tiny import ASSETS, TinyEngine
 from replystream.engine.tiny_config import TinyEngineConfig
-from replystream.engine.tokenizer import ByteTokenizer
 from replystream.server.engine_options import default_engine
+
+if TYPE_CHECKING:
+    from replystream.engine.tiny import TinyEngine
 
 ENGINE_CHOICES = "tiny, smollm2 or gguf:PATH"
 
@@ -81,6 +80,17 @@ def load_lab_engine(spec: str | None, clock: Callable[[], float]) -> LabEngine:
     Raises:
         ValueError: the SmolLM2 wheel is not installed, or the GGUF cannot be run.
     """
+    # The models' code (NumPy, the GGUF reader) loads here, not with the command line's
+    # grammar above, so a mistake in ``lab-engine``'s flags is told without it.
+    from replystream.engine.gguf_engine import (
+        GGUF_ENGINE_DEFAULTS,
+        load_gguf_model,
+        prompt_format,
+    )
+    from replystream.engine.model import TinyModel
+    from replystream.engine.tiny import ASSETS, TinyEngine
+    from replystream.engine.tokenizer import ByteTokenizer
+
     spec = spec or default_engine()
     began = clock()
     if spec == "tiny":
