@@ -1129,6 +1129,13 @@ async def test_a_bench_whose_reader_left_still_writes_its_files(tmp_path: Path):
     assert json.loads(out.read_text())["counts"]["complete"] == 2
 
 
+def run_probe(probe: str) -> subprocess.CompletedProcess[str]:
+    """``probe`` run by a fresh interpreter, so what it finds imported is what it imported."""
+    return subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+
+
 @pytest.mark.parametrize("command", ["lab", "bench", "lab-engine", "serve"])
 def test_a_mistake_is_found_without_loading_the_server(command: str) -> None:
     """A command that needs a constant of the server's (a schema's limit) imports that module
@@ -1142,9 +1149,7 @@ def test_a_mistake_is_found_without_loading_the_server(command: str) -> None:
         "    assert exc.code == 2, exc.code\n"
         "print('replystream.server.app' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
-    )
+    done = run_probe(probe)
     assert done.stdout.strip() == "False", done.stderr
 
 
@@ -1164,9 +1169,7 @@ def test_serve_checks_its_command_line_before_the_server_or_an_engine_loads() ->
         "engine_options.build_engine(args)\n"
         "print([name for name in heavy if name in sys.modules])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
-    )
+    done = run_probe(probe)
     refused, built = done.stdout.splitlines()
     assert refused == "2 []", done.stderr
     assert built == "[]", done.stderr
@@ -1186,9 +1189,7 @@ def test_lab_engine_checks_its_command_line_before_a_model_or_matplotlib_loads()
         "code = cli.main(['lab-engine', 'pool', '--engine', 'tiny', '--repeats', '5'])\n"
         "print(code, [name for name in heavy if name in sys.modules])\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
-    )
+    done = run_probe(probe)
     assert done.stdout.splitlines() == ["2 []", "2 []"], done.stderr
     assert "--repeats: the pool experiment does not use it" in done.stderr
 
