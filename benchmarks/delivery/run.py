@@ -34,6 +34,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bytecode import write_bytecode
 from procstats import (
     cpu_seconds,
     listen_overflows,
@@ -377,4 +378,5 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
+    write_bytecode()
     sys.exit(asyncio.run(main()))

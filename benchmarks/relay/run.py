@@ -50,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: the delivery benchmark's modul
     HERE = Path(__file__).resolve().parent
     sys.path[:0] = [str(HERE.parent), str(HERE.parent / "delivery")]
 
+from bytecode import write_bytecode
 from procstats import (
     cpu_seconds,
     machine_busy_seconds,
@@ -327,6 +328,7 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse_args()
+    write_bytecode()
     figures = asyncio.run(main(arguments))
     if arguments.json:
         Path(arguments.json).write_text(
