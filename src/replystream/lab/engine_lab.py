@@ -102,8 +102,11 @@ async def run_ttft(lab: LabEngine, lengths: tuple[int, ...], repeats: int) -> li
 @dataclass(frozen=True, slots=True)
 class StepRow:
     batch: int
-    step_ms: float
+    step_ms: float  # the median of the rounds'
     tokens_per_s: float
+    rounds_ms: tuple[
+        float, ...
+    ]  # each round's step (its median gap): the spread a busy machine adds
 
 
 # The prompt of every sequence of the step experiment, in tokens (as ``prompt_of`` cuts it).
@@ -156,7 +159,7 @@ async def run_step(
     rows = []
     for batch in batches:
         step = statistics.median(steps[batch])
-        rows.append(StepRow(batch, _ms(step), batch / step))
+        rows.append(StepRow(batch, _ms(step), batch / step, tuple(map(_ms, steps[batch]))))
     return rows
 
 
@@ -272,8 +275,16 @@ def report_ttft(rows: list[TtftRow], out: Path, console: Console, model: str = "
 def report_step(rows: list[StepRow], out: Path, console: Console, model: str = "tiny") -> Path:
     _table(
         f"decode step time against running sequences ({model} engine)",
-        ["batch", "ms per step", "tokens/s, all sequences"],
-        [[str(r.batch), f"{r.step_ms:.2f}", f"{r.tokens_per_s:,.0f}"] for r in rows],
+        ["batch", "ms per step", "rounds, fastest-slowest", "tokens/s, all sequences"],
+        [
+            [
+                str(r.batch),
+                f"{r.step_ms:.2f}",
+                f"{min(r.rounds_ms):.2f}-{max(r.rounds_ms):.2f}",
+                f"{r.tokens_per_s:,.0f}",
+            ]
+            for r in rows
+        ],
         console,
     )
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
