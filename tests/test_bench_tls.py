@@ -64,7 +64,10 @@ class Deployment:
 @pytest.fixture
 async def deployment(tmp_path: Path) -> AsyncIterator[Deployment]:
     ca_file, cert, key = make_certificates(tmp_path / "certs")
-    schedule = ("--engine", "simulated", "--delay-ms", "3", "--jitter-ms", "0", "--tokens", "20")
+    # 20 tokens 10 ms apart: a reply of 200 ms, longer than the pauses a busy machine gives
+    # the server (3 ms apart, all 20 once reached doctor together with the head at 88 ms,
+    # and it rightly judged that stream buffered).
+    schedule = ("--engine", "simulated", "--delay-ms", "10", "--jitter-ms", "0", "--tokens", "20")
     async with replica(*schedule, "--api-key", KEY) as (_, app_url):
         port = free_port()
         upstream = app_url.removeprefix("http://")
