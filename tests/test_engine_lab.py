@@ -45,7 +45,6 @@ def test_step_experiment_reports_each_batch(tiny: LabEngine, tmp_path: Path) -> 
     rows = asyncio.run(run_step(tiny, (1, 4), tokens=12, repeats=5))
     assert [r.batch for r in rows] == [1, 4]
     assert [len(r.rounds_ms) for r in rows] == [5, 5]
-    assert min(rows[0].rounds_ms) <= rows[0].step_ms <= max(rows[0].rounds_ms)
     one, four = (min(r.rounds_ms) for r in rows)
     assert 4 / four > 1 / one  # batching raises throughput: tokens per ms, all sequences
     with open(tmp_path / "t.txt", "w") as sink:
