@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import statistics
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,19 @@ from replystream.server import create_app, running
 # default, and so do the processes it starts.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Each test file's run time in a whole-suite run (``scripts/test_durations.py`` writes it).
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest files first. Workers take whole files in this order (``scripts/test``), so a
+    file that takes a minute starts early instead of running alone at the end. A file the
+    table does not know yet counts as a typical one (the median)."""
+    seconds: dict[str, float] = json.loads(DURATIONS.read_text())
+    typical = statistics.median(seconds.values())
+    items.sort(key=lambda item: -seconds.get(item.path.name, typical))  # stable: files stay whole
+
 
 ServeEngine = Callable[[SimulatedEngine], AbstractAsyncContextManager[str]]
 
