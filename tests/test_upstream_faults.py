@@ -260,6 +260,18 @@ class FakeUpstream:
         _with_usage, {"prompt_tokens": 2**53, "completion_tokens": 2**53}
     )
 
+    async def mode_oddlogprobs(self, r: web.StreamResponse) -> None:
+        # Python servers write json.dumps's NaN and Infinity; a huge number reads as either.
+        for word, logprob in ODD_LOGPROBS:
+            entry = f'{{"token":"{word}","logprob":{logprob},"top_logprobs":[]}}'
+            tops = f'[{{"token":"x","logprob":NaN}},{{"token":"{word}","logprob":-0.5}}]'
+            top = f'{{"token":"{word}","logprob":-0.5,"top_logprobs":{tops}}}'
+            content = f"[{entry},{top}]" if logprob != "-0.5" else f"[{top}]"
+            logprobs = f'{{"content":{content}}}'
+            choice = f'{{"index":0,"delta":{{"content":"{word}"}},"logprobs":{logprobs}}}'
+            await r.write(f'data: {{"choices":[{choice}]}}\n\n'.encode())
+        await r.write(chunk(None, "stop") + b"data: [DONE]\n\n")
+
     async def mode_forever(self, r: web.StreamResponse) -> None:
         for i in range(10_000):
             await r.write(chunk(f"w{i} "))
@@ -829,6 +841,40 @@ async def test_an_upstream_that_ignores_logprobs_is_an_error_not_a_silent_omissi
     assert fake.bodies[0]["logprobs"] is True and fake.bodies[0]["top_logprobs"] == 2
     assert got.chat_text == ""
     assert error_of(got)["code"] == "upstream_no_logprobs"
+
+
+# Each text's log probability as an upstream may write it: only a finite number is one.
+ODD_LOGPROBS = [
+    ("a", "-0.5"),
+    ("b", "NaN"),
+    ("c", "-Infinity"),
+    ("d", "1e400"),
+    ("e", "-1" + "0" * 400),
+    ("f", "true"),
+]
+
+
+async def test_a_log_probability_that_is_no_finite_number_is_skipped_and_json_stays_json():
+    """JSON has no NaN or infinity: an upstream's (a Python server writes them) must not
+    reach a client as such, nor end the reply; the entry is skipped, as other odd ones are."""
+    async with fake_upstream() as (_, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/oddlogprobs/v1"),)))
+        async with running(create_app(engine)) as relay:
+            body = {**CHAT, "logprobs": True, "top_logprobs": 2}
+            got = await post_events(f"{relay}/v1/chat/completions", body)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in a relayed event: not JSON")
+
+    assert got.status == 200 and got.chat_text == "abcdef" and not got.of_type("error")
+    payloads = [json.loads(e.data, parse_constant=refuse) for e in got.events if e.data != "[DONE]"]
+    relayed = [
+        (entry["token"], entry["logprob"], [t["token"] for t in entry["top_logprobs"]])
+        for p in payloads
+        for c in p["choices"]
+        for entry in (c.get("logprobs") or {}).get("content") or []
+    ]
+    assert relayed == [(word, -0.5, [word]) for word in "abcdef"]
 
 
 STOPS = ["nope", "three"]  # the request's stop strings ("three": what vLLM's mode names)

@@ -2,27 +2,42 @@
 
 A chunk's ``choices[i].logprobs.content`` is a list of ``{token, logprob, bytes,
 top_logprobs}``, one per token of the chunk's text. Entries that are not of that shape are
-skipped (an upstream's odd entry must not end a reply). It must not know about HTTP.
+skipped (an upstream's odd entry must not end a reply), and so is one whose log probability
+is no finite number: a Python server writes NaN and infinities as ``json.dumps`` does, the
+relay's JSON parser reads them, and JSON cannot carry them on to a client. It must not know
+about HTTP.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any
 
 from replystream.engine.base import TokenLogprob, TopLogprob
 
 
+def _finite(value: object) -> float | None:
+    """A JSON number as a finite float; None for anything else (a bool, which Python counts
+    as a number, NaN, an infinity, an integer past a float's range)."""
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if type(value) is int:
+        return float(value) if abs(value) <= sys.float_info.max else None
+    return None
+
+
 def _candidate(entry: Any) -> TopLogprob | None:
     if not isinstance(entry, dict):
         return None
-    token, logprob, raw = entry.get("token"), entry.get("logprob"), entry.get("bytes")
-    if not isinstance(token, str) or not isinstance(logprob, int | float):
+    token, logprob, raw = entry.get("token"), _finite(entry.get("logprob")), entry.get("bytes")
+    if not isinstance(token, str) or logprob is None:
         return None
     if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
         data = bytes(raw)
     else:
         data = token.encode()
-    return TopLogprob(token, float(logprob), data)
+    return TopLogprob(token, logprob, data)
 
 
 def relayed_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:

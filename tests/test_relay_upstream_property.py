@@ -1,0 +1,271 @@
+"""Whatever an upstream streams, the relay's client gets JSON and our words: never a 500,
+never a traceback, never a value JSON cannot carry.
+
+A relay (``replystream serve --engine upstream:URL``, a real process whose log is read)
+stands in front of a raw upstream on a loopback socket that answers each request with the
+event stream of one example: chunks whose every field may hold any JSON value, NaN and
+infinities as Python servers write them, numbers past a float's range, ``[DONE]`` early or
+never, error events, comments. The client asks for log probabilities, so they are relayed.
+"""
+
+from __future__ import annotations
+
+import json
+import socketserver
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replystream.lab.local_server import READY_PREFIX
+from replystream.sse import EventParser
+from tests.bad_input import LoggedServer
+
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+MODELS = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
+ASK = json.dumps(
+    {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+)
+
+
+class Upstream(socketserver.ThreadingTCPServer):
+    """Answers a chat request with ``body`` as its event stream, and a probe with a model."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Answer)
+        self.body = b""
+
+
+class _Answer(socketserver.StreamRequestHandler):
+    server: Upstream
+
+    def handle(self) -> None:
+        request_line = self.rfile.readline()
+        length = 0
+        while (line := self.rfile.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        self.rfile.read(length)
+        chat = b"/chat/completions" in request_line
+        body, kind = (
+            (self.server.body, "text/event-stream") if chat else (MODELS, "application/json")
+        )
+        head = (
+            f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        self.wfile.write(head.encode() + body)
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Upstream]:
+    server = Upstream()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def relay(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedServer]:
+    """The relay in front of ``upstream``; a failing upstream never opens its circuit here."""
+    port = upstream.server_address[1]
+    log_path = tmp_path_factory.mktemp("relay") / "server.log"
+    args = ["--engine", f"upstream:http://127.0.0.1:{port}/v1", "--port", "0"]
+    args += ["--upstream-failures", "1000000", "--log-level", "WARNING"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "replystream", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().decode()
+        assert line.startswith(READY_PREFIX), (line, log_path.read_text())
+        yield LoggedServer(line[len(READY_PREFIX) :].strip(), Path(log_path))
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+# Numbers JSON has no float for (json.dumps writes the first three), and what Python alone
+# takes for a number.
+ODD_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" + "0" * 400, "-0", "true"]
+value = st.one_of(
+    st.sampled_from(ODD_NUMBERS),
+    st.sampled_from(["null", "false", "[]", "{}", '""', '"stop"', '"length"', '"abort"']),
+    st.integers(min_value=-3, max_value=3).map(str),
+    st.floats().map(lambda number: json.dumps(number)),
+    st.text(max_size=6).map(json.dumps),
+)
+absent = st.none()
+
+
+def mostly(
+    usual: st.SearchStrategy[str | None], odd: st.SearchStrategy[str | None]
+) -> st.SearchStrategy[str | None]:
+    """``usual`` four times in five (and as examples shrink): a stream wholly odd would end
+    at its first chunk, and nothing after it would be read."""
+    return st.sampled_from(range(5)).flatmap(lambda n: odd if n == 4 else usual)
+
+
+def obj(**fields: str | None) -> str:
+    """A JSON object's text from fields' texts; a field whose text is None is left out."""
+    return "{" + ",".join(f'"{k}":{v}' for k, v in fields.items() if v is not None) + "}"
+
+
+def array(items: list[str]) -> str:
+    return "[" + ",".join(items) + "]"
+
+
+word = st.sampled_from(["a", "b c", " d", "é"]).map(json.dumps)
+candidate = st.builds(
+    obj,
+    token=mostly(word, value),
+    logprob=st.sampled_from(["-0.5", "-2"]) | value,
+    bytes=mostly(absent, st.sampled_from(["[97]", "[300]", "[]"]) | value),
+)
+entry = st.builds(
+    obj,
+    token=mostly(word, value),
+    logprob=st.just("-0.25") | value,
+    bytes=mostly(absent, value),
+    top_logprobs=mostly(st.lists(candidate, max_size=3).map(array), absent | value),
+)
+logprobs = mostly(
+    st.builds(obj, content=mostly(st.lists(entry, max_size=3).map(array), value)), absent | value
+)
+tool_call = st.builds(
+    obj,
+    index=mostly(st.just("0"), absent | value),
+    id=mostly(st.just('"c1"'), absent | value),
+    function=mostly(
+        st.builds(obj, name=mostly(word, absent | value), arguments=mostly(word, value)),
+        absent | value,
+    ),
+)
+delta = st.builds(
+    obj,
+    role=absent | st.just('"assistant"'),
+    content=mostly(word, absent | value),
+    reasoning_content=mostly(absent, word | value),
+    tool_calls=mostly(absent, st.lists(tool_call, max_size=2).map(array) | value),
+)
+choice = st.builds(
+    obj,
+    index=mostly(st.just("0"), absent | value),
+    delta=mostly(delta, value),
+    logprobs=logprobs,
+    finish_reason=mostly(absent | st.just("null"), value),
+)
+usage = st.builds(
+    obj,
+    completion_tokens=mostly(st.just("3"), value),
+    prompt_tokens=mostly(st.just("4"), absent | value),
+    prompt_tokens_details=mostly(absent, st.builds(obj, cached_tokens=value)),
+)
+chunk = st.builds(
+    obj,
+    choices=mostly(st.lists(choice, min_size=1, max_size=2).map(array), value),
+    usage=mostly(absent, usage | value),
+    error=mostly(absent, value),
+)
+chunks = st.lists(chunk.map(lambda text: f"data: {text}\n\n"), min_size=1, max_size=6)
+# Now and then one of these at a random place among the chunks.
+extra = st.sampled_from(["data: [DONE]\n\n", ": keep-alive\n\n"]) | value.map(
+    lambda text: f"event: error\ndata: {text}\n\n"
+)
+# Most examples end as a reply should, so what comes after an odd chunk is exercised too.
+ending = st.sampled_from(
+    ['data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n', ""]
+)
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> str:
+    events = draw(chunks)
+    if draw(st.integers(0, 3)) == 0:
+        events.insert(draw(st.integers(0, len(events))), draw(extra))
+    return "".join(events) + draw(ending)
+
+
+def strict(data: str) -> object:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in a relayed event: {data[:200]}")
+
+    return json.loads(data, parse_constant=refuse)
+
+
+@SETTINGS
+@given(body=bodies())
+def test_any_upstream_stream_reaches_the_client_as_json_and_our_words(
+    upstream: Upstream, relay: LoggedServer, body: str
+) -> None:
+    upstream.body = body.encode()
+    answer = relay.post_json_text("/v1/chat/completions", ASK)
+    if answer.status != 200:  # failed before the first text: the upstream's failure, named
+        error = answer.error()
+        assert 500 <= answer.status < 600 and answer.status != 500, (answer.status, error)
+        assert error["code"].startswith("upstream"), error
+    else:
+        events = EventParser().feed(answer.body)
+        errors = [e for e in events if e.type == "error"]
+        payloads = [strict(e.data) for e in events if e.data != "[DONE]"]
+        assert len(errors) <= 1, errors
+        if errors:
+            said = strict(errors[0].data)
+            assert isinstance(said, dict) and said["error"]["code"].startswith("upstream"), said
+            assert events[-1] is errors[0]  # nothing after it, [DONE] least of all
+        else:
+            assert events[-1].data == "[DONE]", events[-3:]
+        assert payloads
+    assert relay.new_log_problems() == []
+
+
+def test_a_well_made_stream_through_the_stand_in_is_relayed_whole(
+    upstream: Upstream, relay: LoggedServer
+) -> None:
+    """The property's ground: a stream as an upstream should send it reaches the client."""
+    top = '{"token":"a","logprob":-0.5,"top_logprobs":[{"token":"a","logprob":-0.5}]}'
+    text = f'{{"index":0,"delta":{{"content":"a"}},"logprobs":{{"content":[{top}]}}}}'
+    finish = '{"index":0,"delta":{},"finish_reason":"stop"}'
+    usage = '{"completion_tokens":1,"prompt_tokens":4}'
+    upstream.body = (
+        f'data: {{"choices":[{text}]}}\n\ndata: {{"choices":[{finish}]}}\n\n'
+        f'data: {{"choices":[],"usage":{usage}}}\n\ndata: [DONE]\n\n'
+    ).encode()
+    answer = relay.post_json_text("/v1/chat/completions", ASK)
+    assert answer.status == 200, answer.body
+    payloads = [strict(e.data) for e in EventParser().feed(answer.body) if e.data != "[DONE]"]
+    choices = [c for p in payloads if isinstance(p, dict) for c in p["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == "a"
+    assert [c["logprobs"]["content"][0]["logprob"] for c in choices if c.get("logprobs")] == [-0.5]
+    assert isinstance(payloads[-1], dict) and payloads[-1]["usage"]["completion_tokens"] == 1
+    assert relay.new_log_problems() == []
