@@ -6,6 +6,8 @@ stands in front of a raw upstream on a loopback socket that answers each request
 event stream of one example: chunks whose every field may hold any JSON value, NaN and
 infinities as Python servers write them, numbers past a float's range, ``[DONE]`` early or
 never, error events, comments. The client asks for log probabilities, so they are relayed.
+Then whole answers: any status (and some no status is), odd headers, a length the body does
+not have, chunked or closed framing, an error object of any shape or bytes for a body.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ ROUTES = {
 
 
 class Upstream(socketserver.ThreadingTCPServer):
-    """Answers a chat request with ``body`` as its event stream, and a probe with a model."""
+    """Answers a chat request with ``answer`` as it is (a whole response, when set) or with
+    ``body`` as its event stream, and a probe with a model."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -72,6 +75,7 @@ class Upstream(socketserver.ThreadingTCPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Answer)
         self.body = b""
+        self.answer: bytes | None = None
 
 
 class _Answer(socketserver.StreamRequestHandler):
@@ -86,6 +90,9 @@ class _Answer(socketserver.StreamRequestHandler):
                 length = int(value)
         self.rfile.read(length)
         chat = b"/chat/completions" in request_line
+        if chat and self.server.answer is not None:
+            self.wfile.write(self.server.answer)
+            return
         body, kind = (
             (self.server.body, "text/event-stream") if chat else (MODELS, "application/json")
         )
@@ -248,7 +255,7 @@ def test_any_upstream_stream_reaches_the_client_as_json_and_our_words(
     upstream: Upstream, relay: LoggedServer, route: str, body: str
 ) -> None:
     path, ask, endings = ROUTES[route]
-    upstream.body = body.encode()
+    upstream.body, upstream.answer = body.encode(), None
     answer = relay.post_json_text(path, json.dumps(ask))
     if answer.status != 200:  # failed before the first text: the upstream's failure, named
         error = answer.error()
@@ -265,6 +272,68 @@ def test_any_upstream_stream_reaches_the_client_as_json_and_our_words(
     assert relay.new_log_problems() == []
 
 
+STATUSES = [200, 201, 204, 304, 400, 401, 404, 413, 422, 429, 500, 502, 503, 504, 599, 99, 1000]
+# No Retry-After (its reading has tests of its own): an upstream that asks for a wait is left
+# alone that long, and every later example would see only that.
+HEADERS = [
+    "Content-Encoding: gzip",
+    "Content-Encoding: identity",
+    "Content-Type: application/json",
+    "Content-Type: text/html",
+    "Content-Type: text/event-stream; charset=latin-1",
+    "Content-Type: TEXT/EVENT-STREAM",
+    "X-Odd: \x01",
+]
+# What a refusal's body may be: an error object of any shape, any value, or bytes.
+refusals = st.one_of(
+    st.builds(obj, error=mostly(st.builds(obj, message=value, code=value, type=value), value)),
+    st.builds(obj, object=st.just('"error"'), message=value, code=value),
+    value,
+    st.binary(max_size=40).map(lambda raw: raw.decode("latin-1")),
+)
+
+
+@st.composite
+def answers(draw: st.DrawFn) -> bytes:
+    """A whole HTTP response: a status, headers and framing any server may send."""
+    status = draw(st.just(200) | st.sampled_from(STATUSES))  # a stream half the time
+    text = draw(bodies() if status == 200 else refusals | bodies())
+    body = text.encode("utf-8", "surrogatepass")
+    headers = ["Content-Type: text/event-stream" if status == 200 else ""]
+    headers += draw(st.lists(st.sampled_from(HEADERS), max_size=2))
+    framing = draw(st.sampled_from(["length", "chunked", "close", "short", "long"]))
+    if framing == "chunked":
+        headers.append("Transfer-Encoding: chunked")
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n"
+    elif framing != "close":  # "short" and "long": a length the body does not have
+        length = len(body) + {"length": 0, "short": -1, "long": 7}[framing]
+        headers.append(f"Content-Length: {max(0, length)}")
+    head = f"HTTP/1.1 {status} Reason\r\n" + "".join(f"{h}\r\n" for h in headers if h)
+    return (head + "Connection: close\r\n\r\n").encode("latin-1") + body
+
+
+@pytest.mark.parametrize("route", ["chat", "messages", "responses"])
+@SETTINGS
+@given(answer=answers())
+def test_any_upstream_answer_is_told_in_the_clients_dialect(
+    upstream: Upstream, relay: LoggedServer, route: str, answer: bytes
+) -> None:
+    path, ask, endings = ROUTES[route]
+    upstream.answer = answer
+    got = relay.post_json_text(path, json.dumps(ask))
+    if got.status != 200:
+        error = got.error()  # our error shape, in the dialect's envelope
+        assert 400 <= got.status < 600 and got.status != 500, (got.status, error)
+        assert error["code"] != "internal_error", error
+    else:
+        events = EventParser().feed(got.body)
+        assert all(strict(e.data) is not None for e in events if e.data != "[DONE]")
+        last = events[-1]
+        assert (last.data if last.data == "[DONE]" else last.type) in endings, events[-3:]
+        assert b"internal_error" not in got.body, got.body[-300:]
+    assert relay.new_log_problems() == []
+
+
 def test_a_well_made_stream_through_the_stand_in_is_relayed_whole(
     upstream: Upstream, relay: LoggedServer
 ) -> None:
@@ -277,6 +346,7 @@ def test_a_well_made_stream_through_the_stand_in_is_relayed_whole(
         f'data: {{"choices":[{text}]}}\n\ndata: {{"choices":[{finish}]}}\n\n'
         f'data: {{"choices":[],"usage":{usage}}}\n\ndata: [DONE]\n\n'
     ).encode()
+    upstream.answer = None
     path, ask, _ = ROUTES["chat"]
     answer = relay.post_json_text(path, json.dumps(ask))
     assert answer.status == 200, answer.body
