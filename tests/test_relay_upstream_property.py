@@ -1,5 +1,5 @@
-"""Whatever an upstream streams, the relay's client gets JSON and our words: never a 500,
-never a traceback, never a value JSON cannot carry.
+"""Whatever an upstream sends, the relay's client gets JSON and its dialect's errors: never a
+500, never a traceback, never a value JSON cannot carry.
 
 A relay (``replystream serve --engine upstream:URL``, a real process whose log is read)
 stands in front of a raw upstream on a loopback socket that answers each request with the
@@ -251,7 +251,7 @@ def strict(data: str) -> object:
 @pytest.mark.parametrize("route", ROUTES)
 @SETTINGS
 @given(body=bodies())
-def test_any_upstream_stream_reaches_the_client_as_json_and_our_words(
+def test_any_upstream_stream_reaches_the_client_as_json_ending_as_its_dialect_ends(
     upstream: Upstream, relay: LoggedServer, route: str, body: str
 ) -> None:
     path, ask, endings = ROUTES[route]
