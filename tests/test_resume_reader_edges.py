@@ -118,6 +118,28 @@ async def test_a_retry_sent_without_an_event_sets_the_wait_before_the_resume():
     assert time.monotonic() - started >= 0.4
 
 
+BUSY = b"HTTP/1.1 503 Busy\r\nRetry-After: %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        [HEAD + b"retry: 99999999999999\n\n"],  # about three thousand years
+        [HEAD + b"id: 1\ndata: {}\n\n", BUSY % (b"9" * 400)],  # a number no float holds
+        [HEAD + b"id: 1\ndata: {}\n\n", BUSY % b"86400"],  # a day
+    ],
+    ids=["retry field", "Retry-After past a float", "Retry-After of a day"],
+)
+async def test_a_wait_the_server_asks_for_is_bounded(answers: list[bytes]):
+    script = [*answers, ENDED]
+    async with raw_server(lambda n: (script[min(n, len(script) - 1)], False)) as (url, served):
+        reader = ResumingReader(url, backoff=Backoff(0.001, 0.002, 5, server_wait_cap_s=0.3))
+        started = time.monotonic()
+        await read_all(reader)
+    assert reader.finished and len(served) == len(script)
+    assert 0.3 <= time.monotonic() - started < 10  # one wait, at the bound
+
+
 async def test_giving_up_says_why():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ResumeFailed, match=r"never arrived, so it cannot be resumed: cannot"):

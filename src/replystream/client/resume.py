@@ -6,7 +6,8 @@ connection drops, or ends without the reply's end marker, reconnect to the reply
 is never sent twice. Between attempts it waits with capped exponential backoff and full
 jitter, never less than the server's ``retry:`` value. A resume refused for now (429, 502,
 503, 504: the server or a proxy in front of it is busy or restarting) is an attempt like a
-dropped connection, and waits at least the ``Retry-After`` it came with. Events are yielded
+dropped connection, and waits at least the ``Retry-After`` it came with. Either wait is
+bounded (``Backoff.server_wait_cap_s``, a minute by default). Events are yielded
 once each (an id at or below the last one seen is dropped); ``gap`` events and the
 ``generator_lost`` error are yielded for the caller to see. It stops after the end marker
 (``[DONE]`` or ``done``), an ``error`` or ``moderated`` event, when the server answers a
@@ -53,16 +54,19 @@ class ResumeFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Capped exponential backoff with full jitter: uniform(0, min(cap, base x 2^n))."""
+    """Capped exponential backoff with full jitter: uniform(0, min(cap, base x 2^n)), or the
+    wait the server asked for when longer, up to ``server_wait_cap_s``: a server (or a proxy)
+    that asks for hours, or for a number no float holds, must not stall the reader for good."""
 
     base_s: float = 0.1
     cap_s: float = 5.0
     max_attempts: int = 20
+    server_wait_cap_s: float = 60.0
 
     def delay(self, attempt: int, server_retry_s: float | None, rng: random.Random) -> float:
         ceiling = min(self.cap_s, self.base_s * (2**attempt))
         wait = rng.uniform(0, ceiling)
-        return max(wait, server_retry_s or 0.0)
+        return max(wait, min(server_retry_s or 0.0, self.server_wait_cap_s))
 
 
 # The routes a resumable reply is started at, whose prefix its resume URL keeps.
