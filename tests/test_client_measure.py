@@ -78,6 +78,45 @@ async def test_broken_replies_are_reported_incomplete_with_a_reason():
     assert ok.complete and ok.error is None and ok.text == "hi "
 
 
+# Nested past any parser's patience: json.loads recursed on it and raised RecursionError.
+DEEP = "[" * 100_000
+
+
+def deep_app() -> web.Application:
+    """Each route answers with a document nested ``DEEP``, where its format keeps JSON."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        kind = request.match_info["kind"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        named = "" if kind == "message" else f"event: {kind}\n"
+        await response.write(f"{named}data: {DEEP}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    async def body(request: web.Request) -> web.Response:
+        return web.Response(text=DEEP, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/stream/{kind}", stream)
+    app.router.add_get("/body", body)
+    return app
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        *(f"stream/{kind}" for kind in ("message", "token", "error", "usage")),
+        *("stream/response.output_text.delta", "stream/content_block_delta", "body"),
+    ],
+)
+async def test_json_nested_without_end_is_a_failed_reply_not_a_crash(route: str):
+    async with running(deep_app()) as url:
+        timing = await measure_reply(f"{url}/{route}")
+    assert not timing.complete and timing.error is not None
+    assert len(timing.error) < 300  # the reason, not the document
+
+
 async def test_timings_are_ordered_and_count_every_event():
     async with serve_engine(fast_engine(first_token_ms=100)) as url:
         stream = await measure_reply(f"{url}/stream")

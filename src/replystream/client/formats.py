@@ -61,6 +61,16 @@ def _count(value: Any, least: int) -> int | None:
     return None
 
 
+def server_json(data: str | bytes) -> Any:
+    """What a server sent, read as JSON; ValueError when it is none. A document nested past
+    the interpreter's recursion limit (an event of a hundred thousand ``[``) is one too:
+    ``json.loads`` raises RecursionError for it, which no reader expected."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
+
+
 OTHER = Meaning("other")
 DONE = Meaning("done")
 _TERMINAL_FAILURES = frozenset({"error", "moderated"})
@@ -114,15 +124,15 @@ def interpret_event(event: Event) -> Meaning:
     """The meaning of one parsed SSE event."""
     if event.type in _TERMINAL_FAILURES:
         try:
-            detail = _error_text(json.loads(event.data))
+            detail = _error_text(server_json(event.data))
         except ValueError:
-            detail = event.data
+            detail = event.data[:200]  # its words, as sent (a bound: the rest is anything)
         return Meaning("error", error=f"{event.type}: {detail}")
     if event.type == "done" or event.data == "[DONE]":
         return DONE
     if event.type == "gap":  # events the server no longer had: the text read is not whole
         try:
-            lost = json.loads(event.data)
+            lost = server_json(event.data)
             said = f"events {lost['lost_from']} to {lost['lost_to']} were lost"
         except (ValueError, TypeError, KeyError):
             said = "events were lost"
@@ -136,7 +146,7 @@ def interpret_event(event: Event) -> Meaning:
     if event.type not in ("message", "token", "thinking"):
         return OTHER
     try:
-        payload = json.loads(event.data)
+        payload = server_json(event.data)
     except ValueError:
         return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
     if isinstance(payload, str):
@@ -180,7 +190,7 @@ _RESPONSES_DELTAS: dict[str, Kind] = {
 def _object_of(event: Event) -> dict[str, Any] | Meaning:
     """A typed event's data, a JSON object; or the error its data is."""
     try:
-        payload = json.loads(event.data)
+        payload = server_json(event.data)
     except ValueError:
         return Meaning("error", error=f"event data is not JSON: {event.data[:80]!r}")
     if not isinstance(payload, dict):
@@ -248,7 +258,7 @@ def _usage(source: str | dict[str, Any]) -> Meaning:
     chunk): what a benchmark divides time by, as vLLM's does. Text a moderator withheld is
     counted in it and never sent, so it can be more than the text events read."""
     try:
-        usage = json.loads(source) if isinstance(source, str) else source
+        usage = server_json(source) if isinstance(source, str) else source
     except ValueError:
         return OTHER
     tokens = _count(usage.get("completion_tokens"), least=0) if isinstance(usage, dict) else None
@@ -259,7 +269,7 @@ def interpret_body(body: bytes) -> Meaning:
     """The reply text in a complete buffered JSON body (``done``, with the body's
     ``usage.completion_tokens`` when it has one), or why there is none."""
     try:
-        payload = json.loads(body)
+        payload = server_json(body)
     except ValueError:
         return Meaning("error", error=f"body is not complete JSON ({len(body)} bytes)")
     if isinstance(payload, dict):

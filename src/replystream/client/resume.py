@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from replystream.client.formats import RESPONSES_ENDED
+from replystream.client.formats import RESPONSES_ENDED, server_json
 from replystream.client.transport import HTTPResponse, TransportError, http_request
 from replystream.sse import Event, EventParser, SSEError
 
@@ -249,7 +249,7 @@ def _is_seq(event_id: str) -> bool:
 def _reply_id(event: Event) -> str | None:
     """The id a native ``reply`` event names, if its data is the object it should be."""
     try:
-        payload = json.loads(event.data)
+        payload = server_json(event.data)
     except ValueError:
         return None
     reply_id = payload.get("reply_id") if isinstance(payload, dict) else None
@@ -266,7 +266,7 @@ def _code(event: Event) -> str | None:
     """An ``error`` event's code, in either shape a server sends: the native one
     (``{"error": {"code": ...}}``) or the Responses one (``{"type": "error", "code": ...}``)."""
     try:
-        payload = json.loads(event.data)
+        payload = server_json(event.data)
     except ValueError:
         return None
     if not isinstance(payload, dict):

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeGuard
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from replystream.client import ReplyTiming
-from replystream.client.formats import interpret_event
+from replystream.client.formats import interpret_event, server_json
 from replystream.client.resume import resume_url
 from replystream.client.transport import (
     ConnectError,
@@ -183,7 +183,7 @@ def _created_id(payload: Any) -> str | None:
 
 def _json(data: str) -> Any:
     try:
-        return json.loads(data)
+        return server_json(data)
     except ValueError:
         return None
 

@@ -9,10 +9,10 @@ know how replies are measured.
 from __future__ import annotations
 
 import asyncio
-import json
 import ssl
 from urllib.parse import urlsplit, urlunsplit
 
+from replystream.client.formats import server_json
 from replystream.client.transport import Headers, TransportError, http_request, with_headers
 
 _ENDPOINTS = ("/chat/completions", "/completions", "/responses", "/messages")
@@ -62,7 +62,7 @@ async def served_model(
     if status != 200:
         raise ModelLookupError(f"{listing} answered HTTP {status}; name the model with --model")
     try:
-        names = [str(item["id"]) for item in json.loads(body)["data"]]
+        names = [str(item["id"]) for item in server_json(body)["data"]]
     except (ValueError, KeyError, TypeError):
         raise ModelLookupError(
             f"{listing} is not an OpenAI models list; name the model with --model"
