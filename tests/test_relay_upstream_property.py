@@ -7,7 +7,8 @@ event stream of one example: chunks whose every field may hold any JSON value, N
 infinities as Python servers write them, numbers past a float's range, ``[DONE]`` early or
 never, error events, comments. The client asks for log probabilities, so they are relayed.
 Then whole answers: any status (and some no status is), odd headers, a length the body does
-not have, chunked or closed framing, an error object of any shape or bytes for a body.
+not have, chunked or closed framing, an error object of any shape or bytes for a body. Any
+value may be a document nested past the interpreter's recursion limit.
 """
 
 from __future__ import annotations
@@ -143,8 +144,11 @@ def relay(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Itera
 # Numbers JSON has no float for (json.dumps writes the first three), and what Python alone
 # takes for a number.
 ODD_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" + "0" * 400, "-0", "true"]
+# Documents nested past the interpreter's recursion limit, closed and not.
+DEEP = ["[" * 5000 + "]" * 5000, '{"a":' * 3000 + "1" + "}" * 3000, "[" * 5000]
 value = st.one_of(
     st.sampled_from(ODD_NUMBERS),
+    st.sampled_from(DEEP),
     st.sampled_from(["null", "false", "[]", "{}", '""', '"stop"', '"length"', '"abort"']),
     st.integers(min_value=-3, max_value=3).map(str),
     st.floats().map(lambda number: json.dumps(number)),

@@ -23,9 +23,10 @@ picked, or about our HTTP server.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
+
+from pydantic_core import from_json
 
 from replystream.engine.base import EngineError, RequestRejected
 from replystream.engine.retry_after import retry_after_s
@@ -94,7 +95,7 @@ def _upstream_message(
     them repeats a key of ``withheld``: the message has each one out, and a code or param
     that holds one is dropped."""
     try:
-        body = json.loads(raw)
+        body = from_json(raw)  # its nesting bounded (a ValueError), where json.loads recurses
     except ValueError:
         return None, None, None
     error = body.get("error", body) if isinstance(body, dict) else body
