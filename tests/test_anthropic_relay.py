@@ -3,23 +3,25 @@ how the upstream's ending and the request's tool results cross between the two d
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anthropic
 import pytest
+from aiohttp import web
 
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from tests.chat_upstream import RecordingUpstream
+from tests.chat_upstream import ChatUpstream, RecordingUpstream
 
 USER: Any = {"role": "user", "content": "What is the weather in Paris?"}
 
 
 @asynccontextmanager
-async def relayed(upstream: RecordingUpstream) -> AsyncIterator[anthropic.AsyncAnthropic]:
+async def relayed(upstream: ChatUpstream) -> AsyncIterator[anthropic.AsyncAnthropic]:
     """An SDK client of a server relaying to ``upstream``."""
     async with running(upstream.app()) as upstream_url:
         engine = UpstreamEngine(
@@ -72,4 +74,39 @@ async def test_a_failed_tools_result_reaches_the_upstream_marked_as_an_error():
     assert told == [
         {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: timed out"},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "timed out"},
+    ]
+
+
+class DeepCallUpstream(ChatUpstream):
+    """Answers with one tool call whose arguments nest past the interpreter's recursion limit
+    (as a model may write them: brackets until its token limit), closed or not."""
+
+    def __init__(self, arguments: str) -> None:
+        self.arguments = arguments
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        function = {"name": "get_weather", "arguments": self.arguments}
+        call = {"index": 0, "id": "call_1", "type": "function", "function": function}
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for body in (
+            {"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        ):
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+@pytest.mark.parametrize("arguments", ["[" * 5000 + "]" * 5000, "[" * 5000], ids=["closed", "cut"])
+async def test_tool_arguments_nested_past_the_recursion_limit_are_kept_as_their_text(
+    arguments: str,
+):
+    tools: Any = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    ask: Any = {"model": "m", "max_tokens": 50, "tools": tools, "messages": [USER]}
+    async with relayed(DeepCallUpstream(arguments)) as client:
+        whole = await client.messages.create(**ask)
+    assert whole.stop_reason == "tool_use"
+    assert [(block.type, getattr(block, "input", None)) for block in whole.content] == [
+        ("tool_use", arguments)
     ]

@@ -355,3 +355,32 @@ async def test_a_server_that_closes_without_answering_is_said_so_in_our_words():
     assert doctor_code != 0
     assert said in report and "role=" not in report + out
     assert "  status:             -" in report  # no Python None in a report
+
+
+def deep_json_app() -> web.Application:
+    """A stream whose one event, and a models list, nest past the recursion limit."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + b"[" * 100_000 + b"\n\n")
+        await response.write_eof()
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.Response(text="[" * 100_000, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def test_json_nested_past_the_recursion_limit_is_a_failed_request_not_a_traceback():
+    async with running(deep_json_app()) as url:
+        code, out, err = await cli("bench", f"{url}/stream", "--requests", "2", "--quiet")
+        listing_code, _, listing_err = await cli("bench", f"{url}/v1/chat/completions")
+    assert "Traceback" not in err, err
+    assert code == 1 and "2 failed" in out and "event data is not JSON" in out
+    assert listing_code == 1
+    assert one_line(listing_err).endswith("name the model with --model")

@@ -12,7 +12,6 @@ This file is pure: it must not know about events, dialects or sockets.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +33,15 @@ class ToolCall:
     def parsed_arguments(self) -> Any:
         """The arguments as a JSON value (an empty string is ``{}``, as a call without
         arguments sends; JSON cut short, by a token limit, is what it holds so far; text
-        that is not JSON is kept as a string, not dropped)."""
+        that is not JSON, or that nests too deep to be written again, is kept as a string,
+        not dropped)."""
         if not self.arguments.strip():
             return {}
         try:
-            return json.loads(self.arguments)
-        except ValueError:
-            pass
-        try:
             # As the anthropic SDK reads a stream's fragments (jiter, incomplete values
             # dropped), so a whole message equals the one it assembles from the same call.
+            # Its nesting bound is a ValueError: json.loads recursed to the interpreter's
+            # limit (RecursionError), and a value near it could not be encoded again.
             return from_json(self.arguments, allow_partial=True)
         except ValueError:
             return self.arguments
