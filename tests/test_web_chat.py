@@ -207,6 +207,44 @@ async def test_dropped_connection_is_resumed_without_repeating_the_prompt(browse
             assert await page.text_content("#status") == ""
 
 
+# Records each refusal of the page's content security policy, from the page's first script on.
+RECORD_VIOLATIONS = """
+window.violations = [];
+document.addEventListener('securitypolicyviolation',
+    (e) => window.violations.push(`${e.effectiveDirective} ${e.blockedURI}`));
+"""
+# Markup a page might one day insert by mistake: an image whose inline handler would run.
+INJECTED = """document.body.insertAdjacentHTML('beforeend',
+    '<img src="/static/none.png" onerror="window.ran = true">')"""
+
+
+async def test_both_pages_work_under_their_policy_and_it_refuses_injected_script(
+    browser: Browser,
+):
+    async with running(create_app(fast_engine(delay_ms=2.0, jitter_ms=0.0))) as url:
+        for path, done in (
+            ("/", f'{pane("stream")}[data-state="done"]'),
+            ("/eventsource.html", '#pane[data-state="done"]'),
+        ):
+            page = await browser.new_page()
+            await page.add_init_script(RECORD_VIOLATIONS)
+            await page.goto(f"{url}{path}")
+            page.set_default_timeout(30_000)
+            if path == "/":
+                await send(page, "Hello")
+            else:
+                await page.click("#go")
+            await page.wait_for_selector(done)
+            assert await page.evaluate("window.violations") == [], path
+            await page.evaluate(INJECTED)
+            # A function, not an expression: Playwright evals an expression in the page, which
+            # the policy refuses.
+            await page.wait_for_function("() => window.violations.length > 0 || window.ran")
+            assert await page.evaluate("window.violations") == ["script-src-attr inline"], path
+            assert await page.evaluate("window.ran === undefined"), path
+            await page.close()
+
+
 async def test_eventsource_page_reconnects_with_last_event_id(browser: Browser):
     engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=5.0))
     async with running(create_app(engine)) as url:
@@ -215,7 +253,7 @@ async def test_eventsource_page_reconnects_with_last_event_id(browser: Browser):
             page = await open_page(browser, f"{proxy.url}/eventsource.html")
             await page.click("#go")
             await page.wait_for_function(
-                "document.querySelector('#text').textContent.split(' ').length > 10"
+                "() => document.querySelector('#text').textContent.split(' ').length > 10"
             )
             proxy.cut()
             await page.wait_for_selector('#pane[data-state="done"]')

@@ -30,6 +30,12 @@ async def test_pages_and_assets_are_served_uncached_with_their_types():
                 assert response.content_type == content_type, path
                 assert response.headers["Cache-Control"] == "no-cache", path
                 assert "ETag" in response.headers, path
+                assert response.headers["X-Content-Type-Options"] == "nosniff", path
+                policy = response.headers.get("Content-Security-Policy", "")
+                # The pages' own: framed by no other site, scripts only from here.
+                page = content_type == "text/html"
+                assert ("frame-ancestors 'none'" in policy) == page, path
+                assert ("script-src 'self';" in policy) == page, path
                 await response.read()
 
 

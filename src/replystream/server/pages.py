@@ -4,7 +4,11 @@ The files live in the ``replystream.web`` package and are served as they are: no
 Only files present when the application is created are served, looked up by name in a table,
 so no request path ever reaches the filesystem. Every answer carries ``Cache-Control:
 no-cache`` (revalidate with the ETag each time), so an upgraded package is never mixed with
-a stale cached module.
+a stale cached module, and ``X-Content-Type-Options: nosniff``. The pages carry a content
+security policy that lets them run only this server's own scripts and styles and talk only
+to it, and no other site frame them: a reply is model text, shown as text, and were a page
+ever to insert some as markup, the policy would still refuse what that markup loads or runs
+(the API key the settings keep included).
 """
 
 from __future__ import annotations
@@ -29,11 +33,23 @@ CONTENT_TYPES = {
 }
 
 
+# The pages load their modules and style sheet from /static/ and have no inline script or
+# style; their icon is a data: URL. CSSOM (``element.style.height = ...``) is not restricted.
+PAGE_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
 def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     headers = {
         "Cache-Control": "no-cache",
         "Content-Type": CONTENT_TYPES.get(path.suffix, "application/octet-stream"),
+        "X-Content-Type-Options": "nosniff",
     }
+    if path.suffix == ".html":
+        headers["Content-Security-Policy"] = PAGE_POLICY
+        headers["Referrer-Policy"] = "no-referrer"
 
     async def handle(request: web.Request) -> web.StreamResponse:
         return web.FileResponse(path, headers=headers)
