@@ -601,6 +601,39 @@ async def test_closing_the_stream_closes_the_upstream_connection():
         await engine.aclose()
 
 
+async def test_an_upstream_past_the_token_limit_is_cut_there_and_closed():
+    """It was sent max_tokens and wrote on (``forever`` ignores it): the client gets that many
+    tokens and a finish of ``length``, and the upstream is stopped, read or attached."""
+    ask = {**CHAT, "max_tokens": 5, "stream_options": {"include_usage": True}}
+    async with fake_upstream() as (fake, upstream):
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/forever/v1"),)))
+        async with running(create_app(engine)) as relay:
+            got = await post_events(f"{relay}/v1/chat/completions", ask)
+            await wait_for(fake.disconnected.is_set)
+            fake.disconnected.clear()
+            async with anthropic.AsyncAnthropic(base_url=relay, api_key="k") as claude:
+                whole = await claude.messages.create(
+                    model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+                )
+            await wait_for(fake.disconnected.is_set)
+            fake.disconnected.clear()
+        read = await engine.start(GenerationRequest("hi", SamplingParams(max_tokens=2)))
+        deltas = [delta async for delta in read]
+        await wait_for(fake.disconnected.is_set)
+        await engine.aclose()
+    assert got.chat_text == "w0 w1 w2 w3 w4 " and not got.of_type("error")
+    payloads = [json.loads(e.data) for e in got.events if e.data != "[DONE]"]
+    assert [c["finish_reason"] for p in payloads for c in p["choices"]][-1] == "length"
+    assert payloads[-1]["usage"]["completion_tokens"] == 5
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 3
+    assert [block.text for block in whole.content if block.type == "text"] == ["w0 w1 w2 "]
+    assert [(d.text, d.finish_reason) for d in deltas] == [
+        ("w0 ", None),
+        ("w1 ", None),
+        ("", "length"),
+    ]
+
+
 async def test_cancelling_the_reader_closes_the_upstream_connection():
     async with fake_upstream() as (fake, upstream):
         engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream}/forever/v1"),)))

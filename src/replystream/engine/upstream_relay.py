@@ -18,6 +18,9 @@ This file decides when an attempt has failed and what happens next:
   the reply as finished, as the built-in engines stop at one: the attempt ended well and its
   upstream connection is closed. The reply pipeline cuts and names it; the relay only stops
   an upstream that writes on (one sent no stop strings: ``upstream.stops_sent``).
+- An upstream that writes past the request's ``max_tokens`` (it was sent that limit, and
+  ignored it) is stopped there: what comes past the limit is dropped, its connection closed,
+  and the reply ends with the relay's own ``length``.
 Which upstream the next attempt goes to, the wait for room at upstreams at their limit, what
 the reply ends with when none is left, and what each attempt's end counts and logs are
 ``upstream_attempts``'s (a ``RelayedReply`` is an ``AttemptSeries``). It must not know how an
@@ -38,6 +41,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from replystream.engine.base import Delta, DeltaSink, EngineError, GenerationRequest
 from replystream.engine.stops import StopScan
@@ -66,6 +70,14 @@ def _completes_stop(scan: StopScan, delta: Delta) -> bool:
     if delta.tool_call is not None or delta.reasoning:
         scan.break_text()
     return False
+
+
+class _Cut(NamedTuple):
+    """Where the relay ends a reply: how many of the deltas at hand still go out, and the
+    finish reason it gives."""
+
+    relayed: int
+    reason: str
 
 
 class RelayedReply(AttemptSeries):
@@ -179,13 +191,16 @@ class RelayedReply(AttemptSeries):
                 error = exc
             else:
                 self._text_at = time.monotonic()
-                at_stop = self._took((delta,))
+                cut = self._took((delta,))
+                if cut is not None and cut.relayed == 0:  # past the limit: the finish instead
+                    self._finish(cut.reason)
+                    continue
                 if self._seam is not None:
                     # The client learns where the text comes from a new upstream, then reads it.
                     self._held = (delta,)
                     delta = self._marker(delta)
-                if at_stop is not None:
-                    self._finish("stop")
+                if cut is not None:
+                    self._finish(cut.reason)
                 return delta
             finally:
                 self._waiter, self._overdue = None, False
@@ -206,9 +221,12 @@ class RelayedReply(AttemptSeries):
         if sink is None:
             return
         self._text_at = time.monotonic()  # not loop.time(): asyncio's is a Python call
-        at_stop = self._took(deltas)
-        if at_stop is not None:
-            deltas = list(deltas)[: at_stop + 1]  # (a deque, from the stream)
+        cut = self._took(deltas)
+        if cut is not None:
+            deltas = list(deltas)[: cut.relayed]  # (a deque, from the stream)
+            if not deltas:  # all of them past the limit
+                self._finish(cut.reason)
+                return
         if self._seam is not None:
             deltas = [self._marker(deltas[0]), *deltas]
         try:
@@ -218,9 +236,9 @@ class RelayedReply(AttemptSeries):
             self.close()
             sink.on_end(RelayBroken("relaying the reply failed", code="upstream_broken"))
             return
-        if at_stop is not None and self._sink is not None:
-            # (Most often the reply pipeline, which cut the stop string, closed this already.)
-            self._finish("stop")
+        if cut is not None and self._sink is not None:
+            # (At a stop string most often the reply pipeline, which cut it, closed this.)
+            self._finish(cut.reason)
 
     def on_end(self, error: EngineError | None) -> None:
         """The current attempt ended: the reply with it, or the next attempt takes over."""
@@ -276,12 +294,12 @@ class RelayedReply(AttemptSeries):
 
     # -- Both -----------------------------------------------------------------------------
 
-    def _took(self, deltas: Sequence[Delta]) -> int | None:
+    def _took(self, deltas: Sequence[Delta]) -> _Cut | None:
         """What relaying ``deltas`` changes: the first content of an attempt (text, relayed
         thinking or a call) commits it, a tool call rules continuation out, a finish reason
-        ends the attempt well, and so does a stop string completing in the text (its upstream
-        stopped: ``_end_at_stop``). The index of the delta that completed a stop string, the
-        reply's last (None: none did)."""
+        ends the attempt well, and so do a stop string completing in the text and content
+        past the request's ``max_tokens`` (its upstream stopped: ``_end_whole``). Where the
+        reply ends, when the relay ends it (None: it goes on)."""
         first = not self._flowing
         if first:
             self._flowing = True
@@ -294,7 +312,11 @@ class RelayedReply(AttemptSeries):
             backend.sent_first_text(deltas[0].made_at - self._attempt_began)
         self._relayed_any = True
         stops = self._stops
+        most = self._request.sampling.max_tokens
         for index, delta in enumerate(deltas):
+            if most is not None and self._tokens >= most and delta.finish_reason is None:
+                self._end_whole()  # content past the limit the upstream was sent
+                return _Cut(index, "length")
             if delta.tool_call is not None:
                 # A continuation sends the text so far as the assistant's prefix; a call
                 # cannot be sent that way, so a reply that made one ends with its error.
@@ -307,22 +329,23 @@ class RelayedReply(AttemptSeries):
                 self._unwatch()
                 self._attempt_over("ok")
             elif stops is not None and _completes_stop(stops, delta):
-                self._end_at_stop()
-                return index
+                self._end_whole()
+                return _Cut(index + 1, "stop")
         if first and not self._done:  # (an attempt this batch ended has no stall to watch for)
             self._timer = self._loop.call_later(self._limit, self._check)
         return None
 
-    def _end_at_stop(self) -> None:
-        """A stop string completed: the reply pipeline ends the reply there, so the attempt
-        ended well. Its upstream, sent no stop strings when the client is told which one
-        ended the reply (``upstream.stops_sent``), or one that ignored them, would write on:
-        its connection is closed, as at any cancel."""
+    def _end_whole(self) -> None:
+        """The reply is whole here, so the attempt ended well: a stop string completed (the
+        reply pipeline ends the reply there), or the request's token limit was reached. Its
+        upstream, sent no stop strings when the client is told which one ended the reply
+        (``upstream.stops_sent``), or one that ignored them or the limit, would write on: its
+        connection is closed, as at any cancel."""
         self._done = True
         self._unwatch()
         stream, self._stream = self._stream, None
         if stream is not None:
-            stream.end_at_stop()
+            stream.end_whole()
         self._attempt_over("ok")
 
     def _marker(self, first: Delta) -> Delta:

@@ -22,7 +22,8 @@ class Attempt(PushDeltaStream, Protocol):
     """One attempt's stream as a relayed reply reads it: its deltas, when its upstream last
     streamed a reasoning model's thinking (progress, relayed or not: 0.0 for never), and
     whether it sent its finish reason (then ``end_at_finish`` ends the reply as whole);
-    ``end_at_stop`` ends it as whole at a stop string the relay saw complete."""
+    ``end_whole`` ends it as whole where the relay decided it is: at a stop string it saw
+    complete, or at the request's token limit, which its upstream wrote past."""
 
     thought_at: float
 
@@ -31,7 +32,7 @@ class Attempt(PushDeltaStream, Protocol):
 
     def end_at_finish(self) -> None: ...
 
-    def end_at_stop(self) -> None: ...
+    def end_whole(self) -> None: ...
 
 
 # Sends ``request`` to ``backend`` and returns its stream once the response head arrived,

@@ -9,8 +9,8 @@ bytes its connection reads. A failure of the connection itself ends the reply as
 - ``upstream_broken``: the connection broke otherwise.
 A body cut after the finish reason is no failure: the reply was whole.
 Closing the stream early (``aclose``/``close``, or cancelling its reader) closes the upstream
-connection, which vLLM, TGI and llama.cpp treat as an abort; so does ending it at a stop string
-(``end_at_stop``), though the reply is whole; a finished one goes back to its pool. It is
+connection, which vLLM, TGI and llama.cpp treat as an abort; so does ending it where the relay
+decided the reply is whole (``end_whole``); a finished one goes back to its pool. It is
 told its upstream's name (its base URL) for its words; it must not know how the request was
 built, why that upstream was picked, or anything about our own HTTP server.
 
@@ -81,9 +81,9 @@ class UpstreamStream(ChunkReader):
         self._paused = False  # the connection's reading, paused for an iterating reader
         self._sink: DeltaSink | None = None  # attached (push) reading's
         self._let_go_done = False
-        # The relay saw a stop string complete in the text: the reply is whole, though its
-        # upstream, never sent that stop string, still writes (``end_at_stop``).
-        self._cut_at_stop = False
+        # The relay decided the reply is whole (a stop string completed in the text, the
+        # request's token limit reached), though its upstream still writes (``end_whole``).
+        self._ended_whole = False
         response.set_receiver(self)  # what came with the head is parsed now
 
     def __aiter__(self) -> UpstreamStream:
@@ -184,12 +184,13 @@ class UpstreamStream(ChunkReader):
         self._finish_reply(time.monotonic())
         self._readable()
 
-    def end_at_stop(self) -> None:
-        """End the reply now, as finished: a stop string completed in the text relayed, and
-        the reply pipeline ends the reply there. The upstream, still writing, is stopped as
-        at any cancel (its connection closed, not reused); no usage comes, so the count is
-        this side's. The sink is called no more."""
-        self._cut_at_stop = True
+    def end_whole(self) -> None:
+        """End the reply now, as finished: a stop string completed in the text relayed (the
+        reply pipeline ends the reply there), or the upstream wrote past the request's token
+        limit. The upstream, still writing, is stopped as at any cancel (its connection
+        closed, not reused); no usage comes, so the count is this side's. The sink is called
+        no more."""
+        self._ended_whole = True
         self.close()
 
     def _readable(self) -> None:
@@ -227,7 +228,7 @@ class UpstreamStream(ChunkReader):
     def _close(self) -> None:
         if self._on_end is not None:
             on_end, self._on_end = self._on_end, None
-            whole = self._clean or self._cut_at_stop
+            whole = self._clean or self._ended_whole
             outcome = "finished" if whole else "failed" if self._failed else "cancelled"
             on_end(outcome, self._deltas)
         self._let_go()
