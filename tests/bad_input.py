@@ -14,7 +14,7 @@ import http.client
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,12 +158,15 @@ async def _websocket_exchange(url: str, messages: list[str]) -> list[dict[str, A
 
 
 @contextlib.contextmanager
-def logged_server(workdir: Path, *extra: str) -> Iterator[LoggedServer]:
-    """``replystream serve`` with a fast simulated engine, its log in ``workdir``."""
+def logged_server(
+    workdir: Path, *extra: str, engine: Sequence[str] = SERVER_ARGS
+) -> Iterator[LoggedServer]:
+    """``replystream serve`` with ``engine``'s arguments (a fast simulated engine unless
+    given), its log in ``workdir``."""
     log_path = workdir / "server.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "replystream", "serve", "--port", "0", *SERVER_ARGS, *extra],
+            [sys.executable, "-m", "replystream", "serve", "--port", "0", *engine, *extra],
             stdout=subprocess.PIPE,
             stderr=log,
         )

@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import json
 import socketserver
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replystream.lab.local_server import READY_PREFIX
 from replystream.sse import EventParser
-from tests.bad_input import LoggedServer
+from tests.bad_input import LoggedServer, logged_server
 
 SETTINGS = settings(
     max_examples=60,
@@ -120,25 +116,11 @@ def upstream() -> Iterator[Upstream]:
 def relay(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedServer]:
     """The relay in front of ``upstream``; a failing upstream never opens its circuit here."""
     port = upstream.server_address[1]
-    log_path = tmp_path_factory.mktemp("relay") / "server.log"
-    args = ["--engine", f"upstream:http://127.0.0.1:{port}/v1", "--port", "0"]
-    args += ["--upstream-failures", "1000000", "--log-level", "WARNING"]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "replystream", "serve", *args],
-            stdout=subprocess.PIPE,
-            stderr=log,
-        )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline().decode()
-        assert line.startswith(READY_PREFIX), (line, log_path.read_text())
-        yield LoggedServer(line[len(READY_PREFIX) :].strip(), Path(log_path))
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
-        if process.stdout is not None:
-            process.stdout.close()
+    engine = ["--engine", f"upstream:http://127.0.0.1:{port}/v1", "--log-level", "WARNING"]
+    with logged_server(
+        tmp_path_factory.mktemp("relay"), "--upstream-failures", "1000000", engine=engine
+    ) as server:
+        yield server
 
 
 # Numbers JSON has no float for (json.dumps writes the first three), and what Python alone
