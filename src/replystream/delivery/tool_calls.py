@@ -40,8 +40,8 @@ class ToolCall:
         try:
             # As the anthropic SDK reads a stream's fragments (jiter, incomplete values
             # dropped), so a whole message equals the one it assembles from the same call.
-            # Its nesting bound is a ValueError: json.loads recursed to the interpreter's
-            # limit (RecursionError), and a value near it could not be encoded again.
+            # Its nesting bound is a ValueError, where json.loads recurses to the interpreter's
+            # limit (a RecursionError), and a value near that limit could not be encoded again.
             return from_json(self.arguments, allow_partial=True)
         except ValueError:
             return self.arguments

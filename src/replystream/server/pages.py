@@ -7,8 +7,8 @@ no-cache`` (revalidate with the ETag each time), so an upgraded package is never
 a stale cached module, and ``X-Content-Type-Options: nosniff``. The pages carry a content
 security policy that lets them run only this server's own scripts and styles and talk only
 to it, and no other site frame them: a reply is model text, shown as text, and were a page
-ever to insert some as markup, the policy would still refuse what that markup loads or runs
-(the API key the settings keep included).
+ever to insert some as markup, the policy would still refuse the scripts it runs and the
+requests it makes (to send the API key the settings keep elsewhere, say).
 """
 
 from __future__ import annotations
