@@ -1,12 +1,13 @@
 """Whatever an upstream sends, the relay's client gets JSON and its dialect's errors: never a
-500, never a traceback, never a value JSON cannot carry.
+500, never a traceback, never a value JSON cannot carry, never more tokens than it asked for.
 
 A relay (``replystream serve --engine upstream:URL``, a real process whose log is read)
 stands in front of a raw upstream on a loopback socket that answers each request with the
-event stream of one example: chunks whose every field may hold any JSON value, NaN and
-infinities as Python servers write them, numbers past a float's range, ``[DONE]`` early or
-never, error events, comments. The client asks for log probabilities, so they are relayed.
-Then whole answers: any status (and some no status is), odd headers, a length the body does
+event stream of one example: mostly well-made chunks of text, among them chunks whose every
+field may hold any JSON value, log probabilities of NaN and infinities as Python servers
+write them, numbers past a float's range, ``[DONE]`` early or never, error events, comments.
+The client asks for log probabilities, so they are relayed, and on chat for fewer tokens than
+most examples send, which the upstream ignores. Then whole answers: any status (and some no status is), odd headers, a length the body does
 not have, chunked or closed framing, an error object of any shape or bytes for a body. Any
 value may be a document nested past the interpreter's recursion limit.
 """
@@ -34,12 +35,15 @@ SETTINGS = settings(
 MODELS = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
 MESSAGES = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "m", "messages": MESSAGES, "stream": True, "logprobs": True, "top_logprobs": 2}
+# The chat route's token limit: below what most examples' upstreams send, so the relay cuts
+# them there, whatever comes around the cut.
+MOST = 3
 # Each route the relay serves: its path, a streamed request asking for log probabilities where
 # it has them, and the events a stream ends with (a last ``data: [DONE]`` is "[DONE]").
 ROUTES = {
     "chat": (
         "/v1/chat/completions",
-        {**CHAT, "stream_options": {"include_usage": True}},
+        {**CHAT, "stream_options": {"include_usage": True}, "max_tokens": MOST},
         {"[DONE]", "error"},
     ),
     "completions": (
@@ -202,13 +206,32 @@ usage = st.builds(
     prompt_tokens=mostly(st.just("4"), absent | value),
     prompt_tokens_details=mostly(absent, st.builds(obj, cached_tokens=value)),
 )
-chunk = st.builds(
+# A chunk as an upstream should send it, one token of text with its log probability, but for
+# that number now and then (NaN, an infinity, past a float, a bool: what Python servers write).
+well_made = st.builds(
+    lambda text, logprob: obj(
+        choices=array(
+            [
+                obj(
+                    index="0",
+                    delta=obj(content=text),
+                    logprobs=obj(content=array([obj(token=text, logprob=logprob)])),
+                )
+            ]
+        )
+    ),
+    word,
+    mostly(st.just("-0.5"), st.sampled_from(ODD_NUMBERS)),
+)
+odd_chunk = st.builds(
     obj,
     choices=mostly(st.lists(choice, min_size=1, max_size=2).map(array), value),
     usage=mostly(absent, usage | value),
     error=mostly(absent, value),
 )
-chunks = st.lists(chunk.map(lambda text: f"data: {text}\n\n"), min_size=1, max_size=6)
+# Mostly well made, so a stream goes on past an odd chunk as often as it ends at one.
+chunk = mostly(well_made, odd_chunk)
+chunks = st.lists(chunk.map(lambda text: f"data: {text}\n\n"), min_size=1, max_size=8)
 # Now and then one of these at a random place among the chunks.
 extra = st.sampled_from(["data: [DONE]\n\n", ": keep-alive\n\n"]) | value.map(
     lambda text: f"event: error\ndata: {text}\n\n"
@@ -255,6 +278,10 @@ def test_any_upstream_stream_reaches_the_client_as_json_ending_as_its_dialect_en
         assert (last.data if last.data == "[DONE]" else last.type) in endings, events[-3:]
         errors = [e for e in events if e.type == "error"]
         assert errors in ([], [last]), errors  # one at most, and nothing after it
+        if route == "chat":  # each chunk of text or a call is a token at least
+            made = [c for p in payloads if isinstance(p, dict) for c in p.get("choices", [])]
+            delta = [c["delta"] for c in made]
+            assert sum(bool(d.get("content") or d.get("tool_calls")) for d in delta) <= MOST
     assert relay.new_log_problems() == []
 
 
