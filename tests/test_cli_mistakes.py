@@ -771,6 +771,20 @@ def test_an_empty_json_array_is_no_records_as_an_empty_file_is(flag: str, tmp_pa
     assert one_line(done) == f"replystream bench: {flag}: {workload}: no records"
 
 
+@pytest.mark.parametrize("flag", ["--dataset", "--trace"])
+@pytest.mark.parametrize("shape", ["array", "lines"])
+def test_a_workload_nested_past_the_recursion_limit_is_one_line(
+    flag: str, shape: str, tmp_path: Path
+):
+    workload = tmp_path / "workload.json"
+    nested = '{"prompt": ' + "[" * 100_000 + "}"
+    workload.write_text(f"[{nested}]\n" if shape == "array" else f"{nested}\n")
+    done = run("bench", "http://127.0.0.1:9/stream", flag, str(workload))
+    assert done.returncode == 2
+    where = f"{workload}" if shape == "array" else f"{workload} line 1"
+    assert one_line(done) == f"replystream bench: {flag}: {where}: not JSON (nested too deeply)"
+
+
 @pytest.mark.parametrize(
     "record",
     [

@@ -7,9 +7,10 @@ event stream of one example: mostly well-made chunks of text, among them chunks 
 field may hold any JSON value, log probabilities of NaN and infinities as Python servers
 write them, numbers past a float's range, ``[DONE]`` early or never, error events, comments.
 The client asks for log probabilities, so they are relayed, and on chat for fewer tokens than
-most examples send, which the upstream ignores. Then whole answers: any status (and some no status is), odd headers, a length the body does
-not have, chunked or closed framing, an error object of any shape or bytes for a body. Any
-value may be a document nested past the interpreter's recursion limit.
+most examples send, which the upstream ignores. Then whole answers: any status (and some no
+status is), odd headers, a length the body does not have, chunked or closed framing, an error
+object of any shape or bytes for a body. Any value may be a document nested past the
+interpreter's recursion limit.
 """
 
 from __future__ import annotations

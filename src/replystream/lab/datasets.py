@@ -35,6 +35,8 @@ def _records(path: Path) -> list[tuple[int, Any]]:
             records = list(enumerate(json.loads(text), 1))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+        except RecursionError:  # json.loads recurses; a file may nest past the limit
+            raise ValueError(f"{path}: not JSON (nested too deeply)") from None
     else:
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -42,6 +44,10 @@ def _records(path: Path) -> list[tuple[int, Any]]:
                     records.append((number, json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path} line {number}: not JSON ({exc.msg})") from None
+                except RecursionError:
+                    raise ValueError(
+                        f"{path} line {number}: not JSON (nested too deeply)"
+                    ) from None
     if not records:
         raise ValueError(f"{path}: no records")
     return records
