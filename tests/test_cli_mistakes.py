@@ -785,6 +785,16 @@ def test_a_workload_nested_past_the_recursion_limit_is_one_line(
     assert one_line(done) == f"replystream bench: {flag}: {where}: not JSON (nested too deeply)"
 
 
+def test_a_result_to_compare_nested_past_the_recursion_limit_is_one_line(tmp_path: Path):
+    result = tmp_path / "a.json"
+    result.write_text("[" * 100_000)
+    done = run("bench", "--compare", str(result), str(result))
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream bench: --compare: {result}: not a JSON file bench wrote (nested too deeply)"
+    )
+
+
 @pytest.mark.parametrize(
     "record",
     [

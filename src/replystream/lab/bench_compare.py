@@ -24,6 +24,8 @@ def load_result(path: Path) -> dict[str, Any]:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a JSON file bench wrote ({exc})") from None
+    except RecursionError:  # json.loads recurses; a file may nest past the limit
+        raise ValueError(f"{path}: not a JSON file bench wrote (nested too deeply)") from None
     if not isinstance(result, dict) or not ("sweep" in result or "ttft_ms" in result):
         raise ValueError(f"{path}: not a result bench wrote with --json")
     return result
