@@ -132,9 +132,16 @@ def test_a_script_keeps_its_fragments_exactly_and_derives_stable_ids():
     assert parse_reply_script([{"text": "hi"}]).finish_reason == "stop"
 
 
-def test_a_bad_script_file_is_one_line_naming_the_flag(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("script", "says"),
+    [
+        ('[{"tool_call": {"name": "f", "arguments": [""]}}]', "step 1"),
+        ("[" * 100_000, "is not JSON: nested too deeply"),  # json.loads raised RecursionError
+    ],
+)
+def test_a_bad_script_file_is_one_line_naming_the_flag(script: str, says: str, tmp_path: Path):
     path = tmp_path / "bad.json"
-    path.write_text('[{"tool_call": {"name": "f", "arguments": [""]}}]')
+    path.write_text(script)
     done = subprocess.run(
         [*SERVE, "--engine", "simulated", "--reply-script", str(path)],
         capture_output=True,
@@ -143,7 +150,7 @@ def test_a_bad_script_file_is_one_line_naming_the_flag(tmp_path: Path):
     )
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--reply-script" in lines[0] and "step 1" in lines[0], lines
+    assert len(lines) == 1 and "--reply-script" in lines[0] and says in lines[0], lines
 
 
 ANTHROPIC_BODY: dict[str, Any] = {

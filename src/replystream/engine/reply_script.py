@@ -77,6 +77,8 @@ def load_reply_script(path: str | Path) -> ReplyScript:
         steps = json.loads(raw)
     except ValueError as exc:
         raise ScriptError(f"{str(path)!r} is not JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses; a file may nest past the limit
+        raise ScriptError(f"{str(path)!r} is not JSON: nested too deeply") from None
     return parse_reply_script(steps)
 
 
