@@ -22,8 +22,11 @@ from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 
 THOUGHTS = ["Two and ", "two ", "make four."]
-THINK_S = 0.2  # after each thought: in all, longer than TTFT_S
-TTFT_S = 0.45
+# After each thought: in all, longer than TTFT_S. Each gap is under half the limit, and the
+# first thought comes with the head, so a busy machine's pause does not cut the thinking short
+# (at 0.2 s and 0.45 s, a reply beside the whole suite once passed the limit before its text).
+THINK_S = 0.4
+TTFT_S = 0.9
 ANSWER = ["The answer ", "is 4."]
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
 
