@@ -102,11 +102,17 @@ async def run_ttft(lab: LabEngine, lengths: tuple[int, ...], repeats: int) -> li
 @dataclass(frozen=True, slots=True)
 class StepRow:
     batch: int
-    step_ms: float  # the median of the rounds'
-    tokens_per_s: float
-    rounds_ms: tuple[
-        float, ...
-    ]  # each round's step (its median gap): the spread a busy machine adds
+    # Each round's step (its median gap): the spread a busy machine adds shows in them.
+    rounds_ms: tuple[float, ...]
+
+    @property
+    def step_ms(self) -> float:
+        return statistics.median(self.rounds_ms)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens made per second, all sequences together, at the median step."""
+        return self.batch / (self.step_ms / 1000.0)
 
 
 # The prompt of every sequence of the step experiment, in tokens (as ``prompt_of`` cuts it).
@@ -156,11 +162,7 @@ async def run_step(
                 steps[batch].append(statistics.median(_gaps_together(timings)))
     finally:
         await engine.aclose()
-    rows = []
-    for batch in batches:
-        step = statistics.median(steps[batch])
-        rows.append(StepRow(batch, _ms(step), batch / step, tuple(map(_ms, steps[batch]))))
-    return rows
+    return [StepRow(batch, tuple(map(_ms, steps[batch]))) for batch in batches]
 
 
 def _gaps_together(timings: list[RequestTimings]) -> list[float]:
