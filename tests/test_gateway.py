@@ -86,7 +86,9 @@ async def test_a_thousand_requests_over_dead_slow_and_refusing_upstreams_all_suc
             relay_args = [f"--engine=upstream:{u}/v1" for u in upstreams.values()]
             # Probes 3 s apart: the first (at start, while the dead one still answers) passes,
             # so the load, not a probe, finds it dead and opens its circuit; later probes fail.
-            relay_args += ["--upstream-ttft-s", "0.3", "--upstream-health-s", "3"]
+            # A first token within 1 s, where the slow one takes 5 s: at 0.3 s, the good one
+            # beside the whole suite once took longer, and every circuit opened.
+            relay_args += ["--upstream-ttft-s", "1", "--upstream-health-s", "3"]
             relay_args += ["--upstream-cooldown-s", "1", "--upstream-continue"]
             async with replica(*relay_args) as (_, relay), aiohttp.ClientSession() as session:
                 await stop(dead)  # killed: connections to it are refused from now on
