@@ -183,11 +183,12 @@ async def test_a_live_producer_writes_its_evicted_stream_again_from_its_copy(tmp
 def test_a_stream_that_starts_late_but_was_never_trimmed_is_rewritten():
     copy = LocalCopy(events("x", 1, 11), 0, None, 11)
     # Made anew by an append after it was evicted: events 1-6 are gone from its start.
-    late = plan(copy, StreamState(first=7, last=10, length=4, known=True), kept=100)
+    late = plan(copy, StreamState(first=7, last=10, length=4, known=True))
     assert (late.action, late.entries, late.missing) == ("rewrite", copy.entries, 0)
-    # Trimmed by Redis to about ``kept`` (never below): its start went by design.
-    trimmed = plan(copy, StreamState(first=3, last=10, length=8, known=True), kept=8)
-    assert trimmed.action == "nothing"
+    # Redis trims only to where the producer's copy starts: a stream that starts after that,
+    # however long, lost its start.
+    trimmed = plan(copy, StreamState(first=3, last=10, length=8, known=True))
+    assert (trimmed.action, trimmed.missing) == ("rewrite", 0)
     # A copy trimmed further than Redis: the stream starting before the copy is whole.
     shorter = LocalCopy(events("x", 5, 11), 400, None, 11)
     assert plan(shorter, StreamState(first=3, last=10, length=8, known=True)).action == "nothing"

@@ -35,6 +35,10 @@ def frames(start: int, stop: int) -> list[LogEntry]:
     ]
 
 
+# A log's byte bound in these stores: far above what the small frames above add up to.
+KEPT_BYTES = 64 << 10
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     with redis_cluster(tmp_path_factory.mktemp("cluster")) as running:
@@ -47,11 +51,16 @@ async def stores(
 ) -> AsyncIterator[tuple[ReplayStore, ReplayStore]]:
     """(the producer's store, a reader's store): the same object for memory."""
     if request.param == "memory":
-        store = MemoryReplayStore(ttl_after_end_s=0.5, max_entries=50)
+        store = MemoryReplayStore(ttl_after_end_s=0.5, max_entries=50, max_bytes=KEPT_BYTES)
         yield store, store
         await store.aclose()
         return
-    options = {"ttl_after_end_s": 1.0, "liveness_s": 1.0, "max_entries": 50}
+    options = {
+        "ttl_after_end_s": 1.0,
+        "liveness_s": 1.0,
+        "max_entries": 50,
+        "max_bytes": KEPT_BYTES,
+    }
     if request.param == "redis-cluster":
         url = request.getfixturevalue("cluster").url
         prefix = f"test:{uuid.uuid4().hex}:"
@@ -133,6 +142,36 @@ async def test_entries_no_longer_kept_are_reported_as_lost_not_skipped(stores):
     first_kept = result.entries[0].seq
     assert result.lost == (11, first_kept - 1)
     assert first_kept > 11 and result.entries[-1].seq == 200
+
+
+async def test_a_log_keeps_its_newest_entries_within_its_byte_bound(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("big"))
+    # Deltas of 20 KiB: a handful outgrow a 64 KiB log long before 50 entries do.
+    for seq in range(1, 13):
+        producer.append("big", [LogEntry(seq, None, f'{{"n": {seq}, "t": "{"x" * 20_000}"}}')])
+        await settle(producer)
+    result = await reader.read("big", 0, wait_s=0)
+    assert result is not None and result.lost is not None
+    first_kept = result.entries[0].seq
+    assert result.lost == (1, first_kept - 1)
+    assert [e.seq for e in result.entries] == list(range(first_kept, 13))
+    # The producer keeps at most its bound (trimmed to nine tenths of it, a step); a shared
+    # store keeps what the producer keeps (trimmed whole nodes at a time: perhaps one more).
+    kept = sum(len(e.data) for e in result.entries)
+    assert len(result.entries) >= 2 and kept <= KEPT_BYTES + 20_100
+    if isinstance(producer, RedisReplayStore):
+        # A live reply's stream shorter than what was written, because the producer's copy
+        # dropped its start, is no stream Redis lost: nothing is written again.
+        await asyncio.sleep(2.2)  # two heartbeats
+        assert (producer.stats().evictions, producer.stats().repairs) == (0, 0)
+    # One entry larger than the whole bound is still kept, as the newest.
+    producer.append("big", [LogEntry(13, None, f'{{"t": "{"y" * (KEPT_BYTES + 1)}"}}')])
+    producer.end("big", "finished")
+    await settle(producer)
+    ended = await reader.read("big", 12, wait_s=0)
+    assert ended is not None and [e.seq for e in ended.entries] == [13]
+    assert (ended.lost, ended.ending) == (None, "finished")
 
 
 async def test_a_reader_blocked_on_a_live_reply_wakes_for_the_ending(stores):

@@ -50,7 +50,6 @@ class Failover:
         *,
         ttl_after_end_s: float,
         liveness_s: float,
-        max_entries: int,
         forget: Callable[[str], None],
         stop: Callable[[str], None],
     ) -> None:
@@ -62,7 +61,6 @@ class Failover:
         self._wake = wake  # set: the flusher runs, and repairs before it writes
         self.ttl_after_end_s = ttl_after_end_s
         self.liveness_s = liveness_s
-        self.max_entries = max_entries
         # A reply found deleted on another replica: forgotten, and its producer stopped.
         self._forget = forget
         self._stop = stop
@@ -77,12 +75,13 @@ class Failover:
 
     def stream_lost(self, reply_id: str, length: int, written: dict[str, int] | None) -> bool:
         """Whether a live reply's stream holds fewer events than Redis acknowledged and keeps
-        (it trims to about ``max_entries``, never below)."""
+        (it trims to this process's copy's first kept event, never past it)."""
         if written is None or reply_id in self._tables.dirty or self.outage_since is not None:
             return False  # unknown, or a repair is due anyway
         if reply_id in self._tables.failures:
             return False  # stopped writing: its log is not written again
-        return length < min(written.get(reply_id, 0), self.max_entries)
+        kept = written.get(reply_id, 0) - self.local.kept_from(reply_id) + 1
+        return length < kept
 
     def rewrite(self, reply_id: str) -> None:
         """A live reply lost keys to eviction: it is written again from this process's copy
@@ -177,7 +176,7 @@ class Failover:
                 self._forget(reply_id)
                 if live:
                     self._stop(reply_id)
-            repairs = {r: plan(copies[r], states[r], kept=self.max_entries) for r in copies}
+            repairs = {r: plan(copies[r], states[r]) for r in copies}
             async with self.redis.pipeline(transaction=False) as pipe:
                 for reply_id, repair in repairs.items():
                     logged = write_repair(
@@ -187,7 +186,7 @@ class Failover:
                         repair,
                         ttl_s=self.ttl_after_end_s,
                         live_s=self.liveness_s if reply_id in tables.live else None,
-                        max_entries=self.max_entries,
+                        kept_from=self.local.kept_from(reply_id),
                     )
                     if logged is not None:
                         tables.logged[reply_id] = logged

@@ -56,7 +56,6 @@ class LogWriter:
         *,
         ttl_after_end_s: float,
         liveness_s: float,
-        max_entries: int,
     ) -> None:
         self._keys = keys
         self.redis = link.redis
@@ -66,7 +65,6 @@ class LogWriter:
         # How long a live reply's keys, and a cancel's or a delete's mark, are kept from each
         # refresh: the TTL, never less than the gap between two beats.
         self.hold_s = live_hold_s(ttl_after_end_s, liveness_s)
-        self.max_entries = max_entries
         self.tables = ReplyTables()
         # Queued for the next flush: new replies, with what their ``create`` waits on (None,
         # or why the write failed).
@@ -87,7 +85,6 @@ class LogWriter:
             self.wake,
             ttl_after_end_s=ttl_after_end_s,
             liveness_s=liveness_s,
-            max_entries=max_entries,
             forget=self.forget,
             stop=self.stop,
         )
@@ -198,7 +195,7 @@ class LogWriter:
                 endings,
                 key=self._keys.key,
                 per_slot=self._keys.one_slot_per_call,
-                max_entries=self.max_entries,
+                kept_from=self.local.kept_from,
                 # A third of the TTL: a flush late by up to two thirds of it comes in time.
                 refresh_s=max(1.0, self.ttl_after_end_s / 3),
                 logged=tables.logged,

@@ -13,8 +13,10 @@ copy), so it compares and plans, per reply, one of:
   later append made it anew), or its metadata was lost: the stream is rewritten from the
   producer's copy.
 
-Whatever the producer no longer holds (its copy keeps ``max_entries`` events) stays a hole,
-which readers are told of as a ``gap``; nothing is replayed wrong. Pure: data in, a plan out.
+Redis trims a stream only to where the producer's copy starts (the log's bounds: its newest
+events, so many and so many bytes of them), so a stream that starts later lost its start.
+Whatever the producer no longer holds stays a hole, which readers are told of as a ``gap``;
+nothing is replayed wrong. Pure: data in, a plan out.
 This file must not know about HTTP, event formats or how Redis is reached.
 """
 
@@ -73,14 +75,12 @@ class Repair:
     lost: int  # events Redis lacked (lost, or never sent while it was unreachable)
 
 
-def plan(local: LocalCopy, redis: StreamState, *, kept: int | None = None) -> Repair:
-    """How to make Redis's stream of a reply hold what its producer holds. ``kept``: how many
-    of the newest events Redis keeps at least (it trims a stream to about that many; None:
-    it never trims)."""
+def plan(local: LocalCopy, redis: StreamState) -> Repair:
+    """How to make Redis's stream of a reply hold what its producer holds."""
     first_kept = local.entries[0].seq if local.entries else local.next_seq
-    # Shorter than Redis trims to, yet starting after an event the producer holds: its start
-    # is gone (the stream was evicted, then made anew by a later append).
-    late = redis.length > 0 and redis.first > first_kept and (kept is None or redis.length < kept)
+    # Starting after an event the producer holds: its start is gone (the stream was evicted,
+    # then made anew by a later append).
+    late = redis.length > 0 and redis.first > first_kept
     whole = redis.known and redis.contiguous and not late
     if whole and redis.last == local.last:
         return Repair("nothing", [], [], None, 0, 0, 0)

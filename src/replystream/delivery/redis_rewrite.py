@@ -29,9 +29,10 @@ from replystream.delivery.replay import ReplyInfo
 KeyOf = Callable[..., str]  # (reply id[, part]) -> key
 
 # KEYS: a reply's stream, meta and live keys. ARGV[1]: JSON [rewrite (1: the stream is
-# written anew, 0: appended to), owner, context, TTL, liveness (0: not generated), entries
-# kept at most, ending (null: none), the terminal entry's number, then 4 values per entry:
-# seq, type ("": none), data, log size]. A reply deleted since its state was read is left
+# written anew, 0: appended to), owner, context, TTL, liveness (0: not generated), the
+# first entry kept (the producer's copy's: older ones are trimmed; 0 or 1: none), ending
+# (null: none), the terminal entry's number, then 4 values per entry: seq, type ("": none),
+# data, log size]. A reply deleted since its state was read is left
 # alone (a delete's mark is never written over). The ending's marks in the metadata are
 # those the write script leaves (``redis_writes``), so a reader can tell a stream evicted
 # after the end from a producer lost before it.
@@ -44,9 +45,9 @@ if r[1] == 1 then
   redis.call('HSET', meta, 'owner', r[2], 'context', r[3])
 end
 for j = 9, #r, 4 do
-  redis.call('XADD', stream, 'MAXLEN', '~', r[6], '0-' .. r[j], 'e', r[j + 1], 'd', r[j + 2],
-    'b', r[j + 3])
+  redis.call('XADD', stream, '0-' .. r[j], 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3])
 end
+if r[6] > 1 then redis.call('XTRIM', stream, 'MINID', '~', '0-' .. r[6]) end
 if r[7] ~= cjson.null then
   redis.call('XADD', stream, '0-' .. r[8], 'end', r[7])
   redis.call('HSET', meta, 'end', r[7], 'last', r[8] - 1)
@@ -96,7 +97,7 @@ def write_repair(
     *,
     ttl_s: float,
     live_s: float | None,
-    max_entries: int,
+    kept_from: int,
 ) -> int | None:
     """Queue ``repair``'s writes for reply ``info`` (``live_s``: its liveness, while it is
     generated) as one script call; return the log's size after them when it goes on being
@@ -113,7 +114,7 @@ def write_repair(
         info.context,
         ttl,
         generated,
-        max_entries,
+        kept_from,
         repair.ending,
         repair.ending_seq,
     ]

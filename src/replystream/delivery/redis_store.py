@@ -3,7 +3,8 @@
 Layout, per reply (``P`` is the key prefix; ``{id}`` is the reply id in braces, a Redis
 Cluster hash tag, so all of a reply's keys share one hash slot and one shard: ``redis_keys``):
 - ``P{id}``: a stream; entry ``0-<seq>`` holds one event and the log's size up to it, the
-  terminal entry the ending (``delivery.redis_rows``). Trimmed to about ``max_entries``.
+  terminal entry the ending (``delivery.redis_rows``). Trimmed to where the producer's copy
+  of the reply starts (a log's bounds: ``replay.MAX_LOG_ENTRIES``, ``MAX_LOG_BYTES``).
 - ``P{id}:meta``: a hash with the owner and the route's context, the producer's heartbeat
   count (``beat``, bumped every second while it generates) and, once the reply has ended, its
   ending and last event's number (``end``, ``last``); ``P{id}:live``: the producer's liveness
@@ -65,6 +66,8 @@ from replystream.delivery.redis_rows import Newest, Offsets
 from replystream.delivery.redis_writes import DELETE_SCRIPT
 from replystream.delivery.replay import (
     FAILOVER_S,
+    MAX_LOG_BYTES,
+    MAX_LOG_ENTRIES,
     TTL_AFTER_END_S,
     LogCursor,
     LogEntry,
@@ -88,7 +91,8 @@ class RedisReplayStore:
         *,
         ttl_after_end_s: float = TTL_AFTER_END_S,
         liveness_s: float = 3.0,
-        max_entries: int = 10_000,
+        max_entries: int = MAX_LOG_ENTRIES,
+        max_bytes: int = MAX_LOG_BYTES,
         prefix: str = "replystream:reply:",
         connect_timeout_s: float = 2.0,
         failover_s: float = FAILOVER_S,
@@ -101,7 +105,9 @@ class RedisReplayStore:
         self.ttl_after_end_s = ttl_after_end_s
         self.keys = ReplyKeys(prefix, one_slot_per_call=self._link.target.kind == "cluster")
         self._local = MemoryReplayStore(
-            ttl_after_end_s=min(ttl_after_end_s, 30.0), max_entries=max_entries
+            ttl_after_end_s=min(ttl_after_end_s, 30.0),
+            max_entries=max_entries,
+            max_bytes=max_bytes,
         )
         self.writer = LogWriter(
             self._link,
@@ -109,7 +115,6 @@ class RedisReplayStore:
             self._local,
             ttl_after_end_s=ttl_after_end_s,
             liveness_s=liveness_s,
-            max_entries=max_entries,
         )
         self._heartbeat = Heartbeat(self._link, self.keys, self.writer)
         self.reads = RemoteReads(self._link, self.keys)

@@ -8,8 +8,10 @@ replies, every reply's new entries and its ending; Redis runs the ``XADD``s. Per
 replica builds one row; per reply and flush, one key. Expiry and trimming are not per event
 either: a stream's TTL is set on its first write (and by any write that makes it again, found
 by ``XADD ... NOMKSTREAM``: Redis 6.2 or later), refreshed every third of the TTL while the
-reply lives and at its end, and ``MAXLEN`` is asked for only once a reply has more entries
-than are kept. A write that fails fails its reply alone (the others in the batch go on).
+reply lives and at its end, and ``MINID`` is asked for only once the producer's own copy of
+a reply has dropped its oldest entries (its count or its bytes past the log's bounds): Redis
+keeps what that copy keeps. A write that fails fails its reply alone (the others in the
+batch go on).
 
 The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
 ``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
@@ -38,7 +40,7 @@ from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 # be (the encoder's cost is per list as much as per value). ttl: an ended reply's keys' life;
 # hold: a live reply's, from each refresh (``redis_link.live_hold_s``).
 #   creates: [meta key index, live key index, owner, context]
-#   replies: [stream key index, trim to (0: no trim), indices of keys to expire, ending
+#   replies: [stream key index, first entry kept (0: no trim), indices of keys to expire, ending
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
 #             4 values per entry: seq, type ("": none), data, log size (the last of several
 #             entries also gets the log's size before the first: ``redis_rows``)]
@@ -87,8 +89,8 @@ local function write(r)
     local res
     if j == 6 then
       if trim > 0 then
-        res = redis.pcall('XADD', key, 'NOMKSTREAM', 'MAXLEN', '~', trim, id, 'e', r[7],
-          'd', r[8], 'b', r[9])
+        res = redis.pcall('XADD', key, 'NOMKSTREAM', 'MINID', '~', '0-' .. trim, id,
+          'e', r[7], 'd', r[8], 'b', r[9])
       else
         res = redis.pcall('XADD', key, 'NOMKSTREAM', id, 'e', r[7], 'd', r[8], 'b', r[9])
       end
@@ -97,8 +99,8 @@ local function write(r)
         res = redis.pcall('XADD', key, id, 'e', r[7], 'd', r[8], 'b', r[9])
       end
     elseif trim > 0 then
-      res = redis.pcall('XADD', key, 'MAXLEN', '~', trim, id, 'e', r[j + 1], 'd', r[j + 2],
-        'b', r[j + 3], unpack(tail))
+      res = redis.pcall('XADD', key, 'MINID', '~', '0-' .. trim, id, 'e', r[j + 1],
+        'd', r[j + 2], 'b', r[j + 3], unpack(tail))
     else
       res = redis.pcall('XADD', key, id, 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3],
         unpack(tail))
@@ -278,14 +280,15 @@ def flush_batches(
     *,
     key: Callable[..., str],
     per_slot: bool,
-    max_entries: int,
+    kept_from: Callable[[str], int],
     refresh_s: float,
     logged: dict[str, int],
     expire_due: dict[str, float],
 ) -> dict[int, tuple[WriteBatch, Waiting]]:
     """What one flush writes (new replies, then each reply's entries and ending), in one
     batch, or one per hash slot (``per_slot``); each with the creates waiting on it. ``key``
-    names a reply's keys (``key(reply_id)``, ``key(reply_id, ":meta")``); ``logged`` (bytes
+    names a reply's keys (``key(reply_id)``, ``key(reply_id, ":meta")``); ``kept_from`` the
+    first entry of a reply the producer's copy keeps; ``logged`` (bytes
     written per live reply) and ``expire_due`` (when its keys' TTL is refreshed next, every
     ``refresh_s``) are the store's, updated here."""
     groups: dict[int, tuple[WriteBatch, Waiting]] = {}
@@ -309,8 +312,8 @@ def flush_batches(
         ending = endings.get(reply_id)
         stream = key(reply_id)
         batch = batch_for(stream)[0]
-        last = entries[-1].seq if entries else 0
-        trim = max_entries if last > max_entries else 0
+        first_kept = kept_from(reply_id)
+        trim = first_kept if first_kept > 1 else 0
         if ending is not None:
             # Every key lives the TTL from the reply's end.
             meta = key(reply_id, ":meta")

@@ -37,6 +37,11 @@ TTL_AFTER_END_S = 600.0
 # failed commands are retried meanwhile, unless the server says otherwise
 # (``serve --redis-failover-s``).
 FAILOVER_S = 10.0
+# What a reply's log keeps at most: its newest entries, this many, and no more than this many
+# bytes of them (the byte bound binds only on huge events: an upstream streaming deltas of a
+# mebibyte with no token limit asked; a reply of text stays far below it).
+MAX_LOG_ENTRIES = 10_000
+MAX_LOG_BYTES = 32 << 20
 
 
 class StoreUnavailable(Exception):
@@ -260,8 +265,10 @@ class ReplayStore(Protocol):
 class _Log:
     info: ReplyInfo
     max_entries: int
+    max_bytes: int
     entries: list[LogEntry] = field(default_factory=list)
     first_seq: int = 1  # sequence number of entries[0]
+    kept_from: int = 1  # the first entry the log's bounds keep (a reader's ``release`` aside)
     next_seq: int = 1
     bytes: int = 0  # bytes of the entries kept (``data_bytes``)
     appended: int = 0  # bytes of every entry ever appended (readers measure their lag by it)
@@ -289,8 +296,26 @@ class _Log:
             self.bytes -= entries_bytes(self.entries[:excess])
             del self.entries[:excess]
             self.first_seq += excess
+            self.kept_from = self.first_seq
+        if self.bytes > self.max_bytes:
+            self._trim_bytes()
         if self.waiters:  # most logs are read on the direct path: nobody waits here
             self.wake()
+
+    def _trim_bytes(self) -> None:
+        """Drop the oldest entries until the rest hold at most nine tenths of ``max_bytes``
+        (a step, as for the count), always keeping the newest entry, however large."""
+        keep = self.max_bytes - self.max_bytes // 10
+        drop, size = 0, self.bytes
+        last = len(self.entries) - 1
+        while drop < last and size > keep:
+            data = self.entries[drop].data
+            size -= len(data) if data.isascii() else len(data.encode())
+            drop += 1
+        del self.entries[:drop]
+        self.bytes = size
+        self.first_seq += drop
+        self.kept_from = self.first_seq
 
     def trim(self, upto: int) -> None:
         """Drop entries up to ``upto``."""
@@ -334,12 +359,17 @@ class MemoryReplayStore:
     name = "memory"
 
     def __init__(
-        self, *, ttl_after_end_s: float = TTL_AFTER_END_S, max_entries: int = 10_000
+        self,
+        *,
+        ttl_after_end_s: float = TTL_AFTER_END_S,
+        max_entries: int = MAX_LOG_ENTRIES,
+        max_bytes: int = MAX_LOG_BYTES,
     ) -> None:
-        if ttl_after_end_s < 0 or max_entries < 1:
-            raise ValueError("need ttl_after_end_s >= 0 and max_entries >= 1")
+        if ttl_after_end_s < 0 or max_entries < 1 or max_bytes < 1:
+            raise ValueError("need ttl_after_end_s >= 0, max_entries >= 1 and max_bytes >= 1")
         self.ttl_after_end_s = ttl_after_end_s
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._logs: dict[str, _Log] = {}
         self._sweeps = 0
         self._gaps = 0
@@ -349,7 +379,7 @@ class MemoryReplayStore:
         self._sweep()
         if info.reply_id in self._logs:
             raise ValueError(f"reply {info.reply_id} exists")
-        self._logs[info.reply_id] = _Log(info, self.max_entries)
+        self._logs[info.reply_id] = _Log(info, self.max_entries, self.max_bytes)
 
     def _log(self, reply_id: str) -> _Log | None:
         log = self._logs.get(reply_id)
@@ -387,6 +417,12 @@ class MemoryReplayStore:
     async def tail(self, reply_id: str) -> LogTail | None:
         log = self._log(reply_id)
         return None if log is None else LogTail(log.next_seq - 1, log.ending is not None)
+
+    def kept_from(self, reply_id: str) -> int:
+        """The first entry of a reply the log's bounds keep (1: all so far, or no such reply);
+        a shared store keeps the same, whatever readers released here."""
+        log = self._logs.get(reply_id)
+        return 1 if log is None else log.kept_from
 
     def release(self, reply_id: str, upto: int) -> None:
         """Entries up to ``upto`` will never be read again (a reply nobody may resume)."""
