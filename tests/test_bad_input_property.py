@@ -1,6 +1,7 @@
 """Random JSON of every type and depth in every field of every route and WebSocket message:
 never a 5xx, never an ERROR or a traceback in the server's log, always the API's error shape
-(or a success, for a value that happens to be valid). Over a real server process."""
+(or a success, for a value that happens to be valid). Over a real server process, and over a
+relay in front of one."""
 
 from __future__ import annotations
 
@@ -471,5 +472,45 @@ def test_random_json_in_any_websocket_message_field_is_an_error_message_for_its_
                     )
                     assert error["type"] == expected, received
         assert server.new_log_problems() == [], sent
+
+    check()
+
+
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoggedServer]:
+    """A relay (``--engine upstream:``) in front of a fast simulated replystream: what it
+    forwards is its own request, built from the client's, which the upstream checks again
+    (a refusal there must reach the client as the client's own mistake, never a 5xx)."""
+    with (
+        logged_server(tmp_path_factory.mktemp("upstream")) as upstream,
+        logged_server(
+            tmp_path_factory.mktemp("relay"),
+            engine=["--engine", f"upstream:{upstream.url}/v1", "--log-level", "WARNING"],
+        ) as running,
+    ):
+        yield running
+        assert running.new_log_problems() == []
+
+
+@pytest.mark.parametrize(
+    ("route", "fields"),
+    [
+        ("/v1/replies", NATIVE_FIELDS),
+        ("/v1/chat/completions", CHAT_FIELDS),
+        ("/v1/completions", COMPLETION_FIELDS),
+        ("/v1/responses", RESPONSES_FIELDS),
+        ("/v1/messages", MESSAGES_FIELDS),
+        ("/v1/messages/count_tokens", COUNT_TOKENS_FIELDS),
+        ("/v1/responses/input_tokens", INPUT_TOKENS_FIELDS),
+    ],
+)
+def test_random_json_in_any_body_field_through_a_relay(
+    relay: LoggedServer, route: str, fields: list[str]
+) -> None:
+    @SETTINGS
+    @given(body_cases(route, fields))
+    def check(case: tuple[str, str]) -> None:
+        _, text = case
+        assert_no_server_error(relay, relay.post_json_text(route, text), text[:300])
 
     check()
