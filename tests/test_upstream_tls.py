@@ -4,18 +4,22 @@ CAs its ``ca_file`` holds (not the system's), and this relay's own certificate s
 every mistake in those files one line at start-up naming the entry and the field.
 
 The upstream is a small aiohttp app serving TLS on loopback that asks for a client
-certificate its own CA signed; the relay a replystream app on another port. The certificates
-are made here: a server CA and a certificate for ``localhost``, and a client CA and a
-certificate for the relay."""
+certificate its own CA signed, or a replystream process behind a real nginx that does (the
+usual front of a model server, which refuses a connection's certificate with a 400 page of
+its own); the relay a replystream app on another port. The certificates are made here: a
+server CA and a certificate for ``localhost``, and a client CA and a certificate for the
+relay."""
 
 from __future__ import annotations
 
 import json
+import re
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
@@ -27,6 +31,8 @@ from replystream.engine.upstream_config import UpstreamConfig
 from replystream.engine.upstream_routes import load_routes
 from replystream.server import create_app, running
 from tests.certificates import Authority
+from tests.nginx import running_nginx
+from tests.processes import replica
 from tests.services import free_port
 from tests.sse_client import post_events
 from tests.test_bench_tls import make_certificates
@@ -152,3 +158,104 @@ def test_tls_files_are_for_an_https_upstream(tmp_path: Path):
     routes.write_text('[[upstreams]]\nurl = "http://gpu:8000/v1"\nca_file = "client-ca.pem"\n')
     with pytest.raises(ValueError, match=r"upstreams\[0\]\.ca_file: is for an https:// upstream"):
         load_routes(routes)
+
+
+@asynccontextmanager
+async def nginx_mtls_front(
+    folder: Path, *, replies_only: bool = False
+) -> AsyncIterator[tuple[int, str]]:
+    """A simulated replystream behind nginx serving TLS for ``localhost`` on a port of its
+    own and asking for a client certificate the client CA signed (``ssl_verify_client on``;
+    ``replies_only``: for chat completions alone, its model list open to anyone): nginx's
+    port, and the replystream's own URL (plain HTTP, no front)."""
+    _, cert, key = make_certificates(folder)
+    client_ca, _, _ = client_certificate(folder)
+    schedule = ("--engine", "simulated", "--delay-ms", "0", "--jitter-ms", "0", "--tokens", "3")
+    async with replica(*schedule) as (_, app_url):
+        port = free_port()
+        upstream = app_url.removeprefix("http://")
+        verify = "optional" if replies_only else "on"
+        guarded = (
+            "location /v1/chat/completions { if ($ssl_client_verify != SUCCESS) { return 496; }"
+            f" proxy_pass http://{upstream}; }}"
+            if replies_only
+            else ""
+        )
+        config = f"""    server {{
+        listen 127.0.0.1:{port} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        ssl_client_certificate {client_ca};
+        ssl_verify_client {verify};
+        {guarded}
+        location / {{ proxy_pass http://{upstream}; }}
+    }}"""
+        async with running_nginx(config, port, folder / "nginx"):
+            yield port, app_url
+
+
+async def test_a_tls_front_refusing_the_relays_connection_is_the_relays_fault_not_the_clients(
+    tmp_path: Path,
+):
+    """nginx answers a connection without the certificate it asks for, with one it does not
+    trust, or in plain HTTP to its TLS port, with a 400 page: once relayed as the client's
+    own mistake (400 ``upstream_rejected``, never failed over), now a 502 ``upstream_tls``
+    saying what to fix, and the probe says the same."""
+    Authority("another client CA").issue(
+        tmp_path / "other", "stranger", ExtendedKeyUsageOID.CLIENT_AUTH
+    )
+    async with nginx_mtls_front(tmp_path) as (port, _):
+        https = f'url = "https://localhost:{port}/v1"\nca_file = "ca.pem"\nmodels = ["simulated"]\n'
+        cases = {
+            "shown": (https + 'cert_file = "relay.pem"\nkey_file = "relay.key"\n', None),
+            "none": (https, "asks for a client certificate, and this relay shows none"),
+            "untrusted": (
+                https + 'cert_file = "other/stranger.pem"\nkey_file = "other/stranger.key"\n',
+                "refused the client certificate this relay shows",
+            ),
+            "plain": (
+                f'url = "http://localhost:{port}/v1"\nmodels = ["simulated"]\n',
+                "it is an HTTPS port, spoken to in plain HTTP: its URL must begin with https://",
+            ),
+        }
+        for name, (fields, says) in cases.items():
+            routes = tmp_path / f"{name}.toml"
+            routes.write_text(f"[[upstreams]]\n{fields}")
+            engine = UpstreamEngine(UpstreamConfig(load_routes(routes).targets, health_s=0.2))
+            async with running(create_app(engine)) as relay:
+                answer = await post_events(f"{relay}/v1/chat/completions", ASK)
+                readiness = await engine.readiness()
+            if says is None:
+                assert answer.status == 200, answer.raw
+                assert readiness.ready, readiness
+                continue
+            assert answer.status == 502, (name, answer.raw)
+            error = json.loads(answer.raw)["error"]
+            assert error["code"] == "upstream_tls" and says in error["message"], (name, error)
+            assert not readiness.ready and says in readiness.reason, (name, readiness)
+
+
+async def test_a_request_refused_by_a_tls_front_goes_to_another_upstream(tmp_path: Path):
+    # The front asks for a certificate for replies only: its probe passes, and the relay
+    # learns of the refusal from requests, each moved to the other upstream.
+    async with nginx_mtls_front(tmp_path, replies_only=True) as (port, app_url):
+        routes = tmp_path / "routes.toml"
+        routes.write_text(
+            f'[[upstreams]]\nurl = "https://localhost:{port}/v1"\nca_file = "ca.pem"\n'
+            f'models = ["simulated"]\n\n[[upstreams]]\nurl = "{app_url}/v1"\n'
+            'models = ["simulated"]\n'
+        )
+        # Its circuit never opens here, so requests keep going to it first now and then.
+        engine = UpstreamEngine(UpstreamConfig(load_routes(routes).targets, failures=100))
+        async with running(create_app(engine)) as relay:
+            answers = [await post_events(f"{relay}/v1/chat/completions", ASK) for _ in range(6)]
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{relay}/metrics") as response:
+                    metrics = await response.text()
+    assert [a.status for a in answers] == [200] * 6, [a.raw for a in answers]
+    front = f"https://localhost:{port}/v1"
+    refused = re.search(
+        rf'replystream_upstream_attempts{{result="connect_error",upstream="{front}"}} (\S+)',
+        metrics,
+    )
+    assert refused is not None and float(refused.group(1)) >= 1, metrics

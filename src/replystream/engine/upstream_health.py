@@ -27,7 +27,7 @@ from pydantic_core import from_json
 from replystream.engine.upstream_config import UpstreamKeys
 from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
-from replystream.engine.upstream_refusals import our_key_refused
+from replystream.engine.upstream_refusals import BODY_LIMIT, front_refusal, our_key_refused
 
 log = logging.getLogger("replystream.upstream")
 
@@ -155,13 +155,19 @@ class HealthProber:
                 async with self._session().get(url, headers=headers, ssl=tls) as response:
                     status = response.status
                     listing: object = None
+                    front = None
                     if status == 200 and self._path == "/models":
                         with contextlib.suppress(aiohttp.ClientError):
                             listing = await _listing(response)
+                    elif status == 400:
+                        with contextlib.suppress(aiohttp.ClientError):
+                            front = front_refusal(status, await response.content.read(BODY_LIMIT))
         except TimeoutError:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:
             return connect_failure(exc, backend.name, self._timeout_s).message, []
+        if front is not None:
+            return f"{where} answered {status}: {front}", []
         if status in (401, 403) and backend.name in keys.passing:
             return None, []
         if status in (401, 403):

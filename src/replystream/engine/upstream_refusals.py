@@ -13,7 +13,9 @@ sent: ``names_upstream_field``); a 404 says the upstream does not serve the mode
 circuit honours; an upstream passed the caller's own key that refuses it (401, 403) or
 rate-limits it (429) answers the client as it is, not failed over
 (``UpstreamRefusedClientKey``, ``UpstreamLimitedClientKey``); 401 or 403 to our own key is
-our configuration's fault (502, naming where that key is configured). Every message is ours;
+our configuration's fault (502, naming where that key is configured), and so is a TLS
+front's refusal of the relay's own connection (``front_refusal``: 502, ``upstream_tls``, so
+another upstream is tried). Every message is ours;
 an upstream's own words appear only quoted, from a JSON error body, and never with a key of
 ours in them (some upstreams repeat the key they refused). Whether another upstream is tried
 is ``upstream_attempts``'s. It must not know how a request is built, how an upstream is
@@ -121,6 +123,40 @@ def _keyless(value: object, withheld: Sequence[str]) -> str | None:
     return None
 
 
+# What nginx, the usual TLS front of a model server, answers (as a 400 with a page of its own:
+# its codes 495, 496 and 497) when the connection, not the request, is wrong: the words of
+# each page, and ours for it.
+_FRONT_REFUSALS = (
+    (
+        b"No required SSL certificate was sent",
+        "it asks for a client certificate, and this relay shows none (cert_file and key_file"
+        " in the routes file)",
+    ),
+    (
+        b"The SSL certificate error",
+        "it refused the client certificate this relay shows (is it signed by a CA the"
+        " upstream trusts, and still valid?)",
+    ),
+    (
+        b"The plain HTTP request was sent to HTTPS port",
+        "it is an HTTPS port, spoken to in plain HTTP: its URL must begin with https://",
+    ),
+)
+
+
+def front_refusal(status: int, raw: bytes) -> str | None:
+    """What a TLS front's 400 refusing the relay's own connection says (a client certificate
+    missing or refused, plain HTTP to its HTTPS port), in words that follow the upstream's
+    name; None for any other answer. Such a refusal is the relay's configuration, never the
+    client's request, whatever its status says."""
+    if status != 400:
+        return None
+    for page, words in _FRONT_REFUSALS:
+        if page in raw:
+            return words
+    return None
+
+
 def our_key_refused(key_from: str | None) -> str:
     """What a 401 or 403 to our own key means, in words that follow the upstream's name: the
     operator is sent where that key is configured (``key_from``), or told none is."""
@@ -155,6 +191,9 @@ async def refusal(
     message, code, param = _upstream_message(raw, withheld)
     status = response.status
     where = f"the upstream at {backend} answered {status}"
+    front = front_refusal(status, raw)
+    if front is not None:
+        return UpstreamUnavailable(f"{where}: {front}", code="upstream_tls")
     said = f"{where}: {message}" if message else where
     if status in (400, 413, 422):
         return RequestRejected(
