@@ -12,7 +12,9 @@ import json
 import signal
 
 import aiohttp
+from aiohttp import web
 
+from replystream.server import running
 from replystream.sse import Event, EventParser
 from tests.processes import replica, start_server, stop
 from tests.rawhttp import raw_request
@@ -44,6 +46,39 @@ async def test_healthz_is_503_with_the_reason_until_the_upstream_answers():
                     break
                 await asyncio.sleep(0.25)
             assert (status, body) == (200, {"status": "ok", "engine": "upstream"})
+
+
+async def test_an_upstream_that_redirects_is_reported_with_where_it_points_not_followed():
+    """An http:// upstream whose server sends every request to https:// (a common front):
+    the relay follows no redirect (a 301 would lose a request's body, and another origin
+    would be sent the upstream's key). Its probe once followed it, calling the upstream
+    healthy while every request failed 'answered 301'; both now say where it points."""
+
+    async def elsewhere(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPMovedPermanently(f"https://models.example{request.path}")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", elsewhere)
+    async with (
+        running(app) as upstream,
+        replica("--engine", f"upstream:{upstream}/v1") as (_, relay),
+    ):
+        status, body = await health(relay)
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{relay}/v1/chat/completions", json=chat) as response,
+        ):
+            answer = (response.status, (await response.json())["error"])
+    advice = "and the relay follows no redirect: configure the URL it points to"
+    assert status == 503 and body["reason"] == (
+        f"the upstream at {upstream}/v1 answered 301: it redirects to "
+        f"https://models.example/v1/models, {advice}"
+    ), body
+    assert answer[0] == 502 and answer[1]["message"] == (
+        f"the upstream at {upstream}/v1 answered 301: it redirects to "
+        f"https://models.example/v1/chat/completions, {advice}"
+    ), answer
 
 
 async def test_an_upstream_killed_mid_reply_is_reported_in_our_words():

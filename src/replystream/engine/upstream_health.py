@@ -27,7 +27,12 @@ from pydantic_core import from_json
 from replystream.engine.upstream_config import UpstreamKeys
 from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
-from replystream.engine.upstream_refusals import BODY_LIMIT, front_refusal, our_key_refused
+from replystream.engine.upstream_refusals import (
+    BODY_LIMIT,
+    front_refusal,
+    our_key_refused,
+    redirected,
+)
 
 log = logging.getLogger("replystream.upstream")
 
@@ -152,8 +157,13 @@ class HealthProber:
         try:
             async with asyncio.timeout(self._timeout_s):
                 tls = keys.tls.get(backend.name, True)  # True: the system's CAs
-                async with self._session().get(url, headers=headers, ssl=tls) as response:
+                # Redirects are not followed, as the relay's requests do not follow them: a
+                # probe that did would call an upstream every request fails at healthy.
+                async with self._session().get(
+                    url, headers=headers, ssl=tls, allow_redirects=False
+                ) as response:
                     status = response.status
+                    location = response.headers.get("Location", "")
                     listing: object = None
                     front = None
                     if status == 200 and self._path == "/models":
@@ -168,6 +178,9 @@ class HealthProber:
             return connect_failure(exc, backend.name, self._timeout_s).message, []
         if front is not None:
             return f"{where} answered {status}: {front}", []
+        if 300 <= status < 400:
+            withheld = keys.withheld(backend.name, None)
+            return f"{where} answered {status}: {redirected(location, withheld)}", []
         if status in (401, 403) and backend.name in keys.passing:
             return None, []
         if status in (401, 403):

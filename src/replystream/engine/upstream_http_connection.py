@@ -62,7 +62,14 @@ class Pool(Protocol):
 class Response:
     """A response whose head arrived; its body goes to the receiver set on it."""
 
-    __slots__ = ("_connection", "content_encoding", "content_type", "retry_after", "status")
+    __slots__ = (
+        "_connection",
+        "content_encoding",
+        "content_type",
+        "location",
+        "retry_after",
+        "status",
+    )
 
     def __init__(
         self, connection: Connection, status: int, content_type: str, retry_after: str
@@ -74,6 +81,7 @@ class Response:
         # Its Content-Encoding, lower case ("" if none): compression is refused upstream,
         # and a compressed body is no event stream to parse.
         self.content_encoding = ""
+        self.location = ""  # its Location header as sent ("" if none): where a 3xx points
 
     def set_receiver(self, receiver: BodyReceiver) -> None:
         """Body bytes go to ``receiver`` from now on; what came before, at once."""
@@ -144,6 +152,7 @@ class Connection(asyncio.Protocol):
         self._content_type = b""
         self._retry_after = b""
         self._content_encoding = b""
+        self._location = b""
         self._framed = False  # the body has a Content-Length or is chunked
         self._interim = False  # the head being read is an interim (1xx) response's
         self._complete = False  # the current response's body ended in full
@@ -257,6 +266,8 @@ class Connection(asyncio.Protocol):
             self._retry_after = value
         elif name == b"content-encoding":
             self._content_encoding = value
+        elif name == b"location":
+            self._location = value
         elif name == b"content-length" or (
             name == b"transfer-encoding" and b"chunked" in value.lower()
         ):
@@ -280,6 +291,8 @@ class Connection(asyncio.Protocol):
         encoding = self._content_encoding.strip().lower()
         if encoding and encoding != b"identity":
             response.content_encoding = encoding.decode("latin-1")
+        if self._location:
+            response.location = self._location.decode("latin-1")
         self._response = response
         if parser.should_upgrade():
             self._framed = True
@@ -293,7 +306,7 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._interim:
             self._interim = False
-            self._content_type = self._retry_after = self._content_encoding = b""
+            self._content_type = self._retry_after = self._content_encoding = self._location = b""
             self._framed = False
             return
         parser = self._parser
@@ -316,7 +329,7 @@ class Connection(asyncio.Protocol):
         assert transport is not None
         self._parser = httptools.HttpResponseParser(self)
         self._response = self._receiver = None
-        self._content_type = self._retry_after = self._content_encoding = b""
+        self._content_type = self._retry_after = self._content_encoding = self._location = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
         self._head_bytes = self._head_lines = 0
         self._keep_alive = self._interim = False

@@ -13,7 +13,8 @@ sent: ``names_upstream_field``); a 404 says the upstream does not serve the mode
 circuit honours; an upstream passed the caller's own key that refuses it (401, 403) or
 rate-limits it (429) answers the client as it is, not failed over
 (``UpstreamRefusedClientKey``, ``UpstreamLimitedClientKey``); 401 or 403 to our own key is
-our configuration's fault (502, naming where that key is configured), and so is a TLS
+our configuration's fault (502, naming where that key is configured), as is a redirect
+(502, naming where it points: its URL is to be fixed, not followed), and so is a TLS
 front's refusal of the relay's own connection (``front_refusal``: 502, ``upstream_tls``, so
 another upstream is tried). Every message is ours;
 an upstream's own words appear only quoted, from a JSON error body, and never with a key of
@@ -157,6 +158,14 @@ def front_refusal(status: int, raw: bytes) -> str | None:
     return None
 
 
+def redirected(location: str, withheld: Sequence[str]) -> str:
+    """What a 3xx means, in words that follow the upstream's name: the relay follows no
+    redirect (a 301 or 302 would lose a request's body, and another origin would be sent
+    this upstream's key and certificate), so its URL in the configuration is what to fix."""
+    where = f"it redirects to {quoted(location, withheld=withheld)}" if location else "it redirects"
+    return f"{where}, and the relay follows no redirect: configure the URL it points to"
+
+
 def our_key_refused(key_from: str | None) -> str:
     """What a 401 or 403 to our own key means, in words that follow the upstream's name: the
     operator is sent where that key is configured (``key_from``), or told none is."""
@@ -228,4 +237,6 @@ async def refusal(
         return UpstreamRefusedClientKey(said, status=status)
     if status in (401, 403):  # our configuration, not the client's request
         said = f"{where}: {our_key_refused(key_from)}"
+    elif 300 <= status < 400:  # our configuration too: its URL
+        said = f"{where}: {redirected(response.location, withheld)}"
     return UpstreamUnavailable(said, code="upstream_error_status")
