@@ -254,6 +254,40 @@ stall_s = 2.5
             "[[upstreams]]\nurl = 'http://a/v1'\napi_key_env = 'BAD'",
             "upstreams[0].api_key_env: $BAD",
         ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders = { 'X Tenant' = 'a' }",
+            "upstreams[0].headers: the name 'X Tenant' is no HTTP header name",
+        ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders = { Authorization = 'Bearer k' }",
+            "upstreams[0].headers: Authorization is a header the relay writes itself (give",
+        ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders = { host = 'b' }",
+            "upstreams[0].headers: host is a header the relay writes itself",
+        ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders = { X-T = \"a\\r\\nX-Evil: 1\" }",
+            "upstreams[0].headers: the value of X-T must be printable ASCII",
+        ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders = { X-T = 1 }",
+            "upstreams[0].headers.X-T: input should be a valid string",
+        ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders_env = { X-T = 'NOPE' }",
+            "upstreams[0].headers_env: X-T: $NOPE is not set",
+        ),
+        (
+            # The value is a secret: which variable is told, never what it holds.
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders_env = { X-T = 'BAD' }",
+            "upstreams[0].headers_env ($BAD): the value of X-T must be printable ASCII",
+        ),
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nheaders = { X-T = 'a' }\n"
+            "headers_env = { x-t = 'A_KEY' }",
+            "upstreams[0].headers_env: x-t is given twice",
+        ),
     ],
 )
 def test_a_bad_routes_file_is_one_line_naming_the_file_the_entry_and_the_field(
@@ -261,9 +295,10 @@ def test_a_bad_routes_file_is_one_line_naming_the_file_the_entry_and_the_field(
 ):
     path = write(tmp_path, text)
     with pytest.raises(ValueError) as caught:
-        load_routes(path, env={"BAD": "ключ"})
+        load_routes(path, env={"BAD": "ключ", "A_KEY": "a-key"})
     message = str(caught.value)
     assert message.startswith(f"{path}: ") and says in message and "\n" not in message
+    assert "ключ" not in message
 
 
 def test_serve_stops_at_a_bad_routes_file_with_one_line(tmp_path: Path):

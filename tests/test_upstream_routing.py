@@ -13,6 +13,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,6 +24,7 @@ from aiohttp import web
 
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.engine.upstream_routes import load_routes
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.processes import launch, ready_url, replica, stop
@@ -735,3 +737,45 @@ async def test_an_upstream_taken_out_and_put_back_counts_on_from_its_counts():
             metrics = await response.text()
         row = f'replystream_upstream_attempts{{result="ok",upstream="{name}"}} {float(sent)}'
         assert row in metrics, [r for r in metrics.splitlines() if "upstream_attempts{" in r]
+
+
+async def test_a_routes_files_headers_go_with_every_request_and_probe_and_are_never_repeated(
+    tmp_path: Path,
+):
+    """An identity-aware proxy in front of a model server wants headers of its own on every
+    request (Cloudflare Access's client id and secret, say): a routes file's ``headers``
+    and ``headers_env`` send them with relayed requests and health probes alike, and an
+    upstream that repeats a secret one in its words has it withheld, as a key is."""
+    secret = "cf-secret-0123456789"
+    seen: dict[str, list[dict[str, str]]] = {"probe": [], "chat": []}
+
+    async def models(request: web.Request) -> web.Response:
+        seen["probe"].append(dict(request.headers))
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def chat(request: web.Request) -> web.Response:
+        seen["chat"].append(dict(request.headers))
+        said = f"the secret {request.headers.get('CF-Access-Client-Secret')} is expired"
+        return web.json_response({"error": {"message": said}}, status=400)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    async with running(app) as upstream:
+        path = tmp_path / "routes.toml"
+        path.write_text(
+            f'[[upstreams]]\nurl = "{upstream}/v1"\nheaders = {{ "X-Tenant" = "support" }}\n'
+            'headers_env = { "CF-Access-Client-Secret" = "CF_SECRET" }\n'
+        )
+        routes = load_routes(path, env={"CF_SECRET": secret})
+        engine = UpstreamEngine(UpstreamConfig(routes.targets))
+        async with running(create_app(engine)) as url:
+            ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            answer = await post_events(f"{url}/v1/chat/completions", ask)
+    assert seen["probe"] and seen["chat"]
+    for headers in (seen["probe"][0], seen["chat"][0]):
+        assert headers["X-Tenant"] == "support", headers
+        assert headers["CF-Access-Client-Secret"] == secret, headers
+    assert answer.status == 400, answer.raw
+    message = json.loads(answer.raw)["error"]["message"]
+    assert secret not in message and "the secret (key withheld) is expired" in message, message

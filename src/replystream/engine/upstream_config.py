@@ -1,10 +1,12 @@
 """The relay's configuration: its upstreams (``UpstreamTarget``), its limits and defaults
-(``UpstreamConfig``), and what each upstream is sent as its key (``UpstreamKeys``).
+(``UpstreamConfig``), and what each upstream is sent as its key and headers
+(``UpstreamKeys``).
 
 This file decides what a valid configuration is, so that a mistake stops ``serve`` at
 start-up (or a reload of the routes file keeps the routes before) instead of failing every
 request later: an upstream's base URL (``base_url_problem``) and its identity however it is
-spelt (``upstream_identity``), keys an HTTP header can carry, positive limits, one upstream
+spelt (``upstream_identity``), keys and headers an HTTP request can carry
+(``key_problem``, ``header_problem``), positive limits, one upstream
 given once. It must not know how requests are sent.
 """
 
@@ -54,6 +56,53 @@ def upstream_identity(url: str) -> tuple[str, str, int, str]:
     return scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
 
 
+# Headers the relay writes itself on every request to an upstream (the request's framing,
+# what it accepts, its key, the ids that follow a request across servers): a routes file's
+# ``headers`` may not set them, lest an upstream get two or the relay's be overridden.
+OWN_HEADERS = frozenset(
+    {
+        "host",
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "accept",
+        "accept-encoding",
+        "authorization",
+        "x-request-id",
+        "traceparent",
+        "tracestate",
+    }
+)
+# What an HTTP header name (an RFC 9110 token) is made of.
+_TOKEN_CHARS = frozenset(
+    "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """What keeps ``name: value`` out of a request to an upstream, in words that follow the
+    header's place in the configuration (None: nothing): a name that is an HTTP token and
+    none of the relay's own, a value of printable ASCII (spaces inside it allowed)."""
+    if not name or not set(name) <= _TOKEN_CHARS:
+        return f"the name {name!r} is no HTTP header name"
+    if name.lower() in OWN_HEADERS:
+        key = " (give the key as api_key)" if name.lower() == "authorization" else ""
+        return f"{name} is a header the relay writes itself{key}"
+    if not value or value != value.strip() or not all(" " <= c <= "~" for c in value):
+        return (
+            f"the value of {name} must be printable ASCII, not empty and with no space at "
+            "either end (an HTTP header carries nothing else)"
+        )
+    return None
+
+
 def key_problem(key: str) -> str | None:
     """What keeps ``key`` out of an ``Authorization`` header (None: nothing). A key is one
     word: one with a space in it (two keys, a comment after one) would never be taken."""
@@ -92,6 +141,10 @@ class UpstreamTarget:
     tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
     entry: str | None = None  # None: the command line
     key_from: str | None = None
+    # Headers sent with every request and probe to it besides the relay's own (a routes
+    # file's ``headers``: an identity-aware proxy's credentials, a tenant's name). Their
+    # values may be secrets: never shown, and withheld from an upstream's words as keys are.
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -115,6 +168,10 @@ class UpstreamTarget:
                 raise ValueError(f"the upstream at {self.base_url}: limits must be positive")
         if self.tls is not None and not self.base_url.startswith("https://"):
             raise ValueError(f"the upstream at {self.base_url}: TLS settings need an https:// URL")
+        for name, value in self.headers:
+            problem = header_problem(name, value)
+            if problem is not None:
+                raise ValueError(f"the upstream at {self.base_url}: {problem}")
         if self.api_key is not None and self.pass_client_key:
             raise ValueError(
                 f"the upstream at {self.base_url} is given a key and told to take the "
@@ -236,13 +293,16 @@ class UpstreamKeys:
     default: str | None = field(repr=False)
     own_from: dict[str, str | None]  # where each upstream's own key is configured
     default_from: str  # where the key for all is
-    configured: tuple[str, ...] = field(repr=False)  # every key configured, longest first
+    # Every key and header value configured, longest first.
+    configured: tuple[str, ...] = field(repr=False)
     tls: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False)
+    extra: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, config: UpstreamConfig) -> UpstreamKeys:
         targets = config.targets
         keys = {key for key in (config.api_key, *(t.api_key for t in targets)) if key}
+        keys.update(value for t in targets for _, value in t.headers)
         return cls(
             {t.base_url: t.api_key for t in targets},
             frozenset(t.base_url for t in targets if config.passes_client_key(t)),
@@ -251,6 +311,7 @@ class UpstreamKeys:
             config.api_key_from,
             tuple(sorted(keys, key=len, reverse=True)),
             {t.base_url: t.tls for t in targets if t.tls is not None},
+            {t.base_url: t.headers for t in targets if t.headers},
         )
 
     def key_from(self, name: str) -> str | None:
@@ -262,15 +323,18 @@ class UpstreamKeys:
 
     def withheld(self, name: str, client_key: str | None) -> tuple[str, ...]:
         """The keys no word of the upstream ``name`` passed on may repeat, longest first:
-        every key configured, and the caller's own where it is sent to ``name``."""
+        every key and header value configured, and the caller's own where it is sent to
+        ``name``."""
         if not client_key or name not in self.passing:
             return self.configured
         return tuple(sorted({*self.configured, client_key}, key=len, reverse=True))
 
     def headers(self, name: str, client_key: str | None = None) -> dict[str, str]:
-        """What goes to the upstream ``name`` beside a request: its configured key, or, for
-        one that takes the caller's own, ``client_key`` (a health probe has none to send)."""
+        """What goes to the upstream ``name`` beside a request: its configured headers and
+        key, or, for one that takes the caller's own, ``client_key`` (a health probe has
+        none to send)."""
         headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+        headers.update(self.extra.get(name, ()))
         key = client_key if name in self.passing else self.own.get(name) or self.default
         if key:
             headers["Authorization"] = f"Bearer {key}"

@@ -19,6 +19,11 @@ line: each upstream's own key and models, and model aliases.
     cert_file = "certs/relay.pem"       # the certificate this relay shows it (mTLS), and
     key_file = "certs/relay.key"        # its key (optional: else in cert_file)
 
+    [[upstreams]]
+    url = "https://llm.example.com/v1"
+    headers = { "X-Tenant" = "support" }                    # sent with every request
+    headers_env = { "CF-Access-Client-Secret" = "CF_SECRET" }  # ... the value from $CF_SECRET
+
     [aliases]                       # optional: a name clients use = a model an upstream serves
     "gpt-4o-mini" = "llama-3.1-8b"
 
@@ -26,8 +31,8 @@ This file decides the format and checks it whole at start-up: every mistake is o
 naming the file, the entry and the field (``routes.toml: upstreams[1].weight: ...``); an
 upstream given a key and ``pass_client_key = true`` is one; TLS files (paths relative to the
 routes file's folder) are read and checked here, so a missing or broken one is such a line
-too. It reads the environment for ``api_key_env`` only. It must not know how upstreams are
-used.
+too. It reads the environment for ``api_key_env`` and ``headers_env`` only. It must not know
+how upstreams are used.
 """
 
 from __future__ import annotations
@@ -42,7 +47,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from replystream.engine.upstream_config import UpstreamTarget, base_url_problem, key_problem
+from replystream.engine.upstream_config import (
+    UpstreamTarget,
+    base_url_problem,
+    header_problem,
+    key_problem,
+)
 
 Name = Annotated[str, Field(min_length=1)]
 
@@ -65,6 +75,8 @@ class UpstreamEntry(_Strict):
     ca_file: Name | None = None
     cert_file: Name | None = None
     key_file: Name | None = None
+    headers: dict[str, str] = {}
+    headers_env: dict[str, Name] = {}
 
     @field_validator("url")
     @classmethod
@@ -83,6 +95,30 @@ class UpstreamEntry(_Strict):
         if problem is not None:
             raise ValueError(problem)
         return key
+
+
+def _headers(
+    entry: UpstreamEntry, where: str, env: Mapping[str, str]
+) -> tuple[tuple[str, str], ...]:
+    """An entry's own headers, those of ``headers_env`` read from ``env`` now.
+
+    Raises:
+        ValueError: one line naming the entry's field at fault (a secret's value unshown).
+    """
+    sent: dict[str, tuple[str, str]] = {}  # by lower-case name: one of each
+    for field, given in (("headers", entry.headers), ("headers_env", entry.headers_env)):
+        for name, spec in given.items():
+            value = spec if field == "headers" else env.get(spec, "")
+            if field == "headers_env" and not value:
+                raise ValueError(f"{where}.headers_env: {name}: ${spec} is not set")
+            problem = header_problem(name, value)
+            if problem is not None:
+                shown = f" (${spec})" if field == "headers_env" else ""
+                raise ValueError(f"{where}.{field}{shown}: {problem}")
+            if name.lower() in sent:
+                raise ValueError(f"{where}.{field}: {name} is given twice")
+            sent[name.lower()] = (name, value)
+    return tuple(sent.values())
 
 
 class RoutesFile(_Strict):
@@ -210,6 +246,7 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 _tls(entry, where, path.parent),
                 entry=where,
                 key_from=key_from if key is not None else None,
+                headers=_headers(entry, where, env),
             )
         )
     served = {m for t in targets for m in t.models}
