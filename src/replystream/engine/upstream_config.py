@@ -5,9 +5,9 @@
 This file decides what a valid configuration is, so that a mistake stops ``serve`` at
 start-up (or a reload of the routes file keeps the routes before) instead of failing every
 request later: an upstream's base URL (``base_url_problem``) and its identity however it is
-spelt (``upstream_identity``), keys and headers an HTTP request can carry
-(``key_problem``, ``header_problem``), positive limits, one upstream
-given once. It must not know how requests are sent.
+spelt (``upstream_identity``), keys and headers an HTTP request can carry (``key_problem``,
+``header_problem``), positive limits, one upstream given once. It must not know how requests
+are sent.
 """
 
 from __future__ import annotations
