@@ -25,6 +25,9 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from tests.chat_upstream import ChatUpstream
+from tests.nginx import proxy_config, running_nginx
+from tests.processes import replica
+from tests.services import free_port
 
 
 class RefusingUpstream(ChatUpstream):
@@ -174,3 +177,30 @@ async def test_a_native_client_is_told_its_own_field(
                 error = await ws.receive_json()
             assert error["type"] == "error" and error["id"] == "t"
             assert error["data"]["error"]["param"] == expected
+
+
+async def test_a_proxys_page_refusing_a_large_request_says_what_it_refused(tmp_path):
+    """nginx in front of a model server takes 1 MB of body unless told otherwise, and refuses
+    more with a 413 page of its own, which the relay does not quote: it says what the
+    status means (a 400 for the client, whose request it is, as the upstream's own 413)."""
+    schedule = ("--engine", "simulated", "--delay-ms", "0", "--jitter-ms", "0", "--tokens", "3")
+    async with replica(*schedule) as (_, app_url):
+        port = free_port()
+        config = proxy_config(app_url.removeprefix("http://"), port, "client_max_body_size 2k;")
+        async with running_nginx(config, port, tmp_path / "nginx"):
+            engine = UpstreamEngine(
+                UpstreamConfig((UpstreamTarget(f"http://127.0.0.1:{port}/v1"),))
+            )
+            async with running(create_app(engine)) as relay:
+                small = {"messages": [{"role": "user", "content": "hi"}]}
+                large = {"messages": [{"role": "user", "content": "hi " * 2000}]}
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(f"{relay}/v1/chat/completions", json=small) as ok:
+                        assert ok.status == 200, await ok.text()
+                    async with session.post(f"{relay}/v1/chat/completions", json=large) as no:
+                        status, error = no.status, (await no.json())["error"]
+    assert status == 400, error
+    assert error["message"] == (
+        f"the upstream at http://127.0.0.1:{port}/v1 answered 413: the request is larger than "
+        "it takes (its own limit, or a proxy's)"
+    ), error

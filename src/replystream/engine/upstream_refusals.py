@@ -204,6 +204,8 @@ async def refusal(
     if front is not None:
         return UpstreamUnavailable(f"{where}: {front}", code="upstream_tls")
     said = f"{where}: {message}" if message else where
+    if status == 413 and not message:  # a proxy's page, most often: nginx takes 1 MB at most
+        said = f"{where}: the request is larger than it takes (its own limit, or a proxy's)"
     if status in (400, 413, 422):
         return RequestRejected(
             said, code=code or "upstream_rejected", param=param, names_upstream_field=True
