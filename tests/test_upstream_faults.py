@@ -825,7 +825,32 @@ async def test_tls_spoken_to_a_plain_http_upstream_is_a_tls_failure_in_our_words
         status, error = await relay_error(base.replace("http://", "https://"))
     assert status == 502 and error["code"] == "upstream_tls"
     assert error["message"].startswith("cannot connect to the upstream at https://")
-    assert "TLS handshake failed" in error["message"] and in_our_words(error["message"])
+    assert "it did not answer in TLS (" in error["message"] and in_our_words(error["message"])
+    assert error["message"].endswith("is it a plain HTTP port? Then its URL begins with http://")
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        # A TLS server sent plain HTTP answers with a fatal alert: a TLS record.
+        (b"\x15\x03\x03\x00\x02\x02\x46", "answered in TLS: it is a TLS port"),
+        # Go's HTTP servers (Caddy, Traefik) say so in plain HTTP, with a 400 the relay once
+        # passed on as the client's mistake.
+        (
+            b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n",
+            "answered 400: it is a TLS port, spoken to in plain HTTP",
+        ),
+    ],
+)
+async def test_plain_http_spoken_to_a_tls_upstream_says_its_url_must_be_https(
+    answer: bytes, says: str
+):
+    server, base = await raw_upstream(answer)
+    async with server:
+        status, error = await relay_error(base)
+    assert status == 502 and error["code"] == "upstream_tls", error
+    assert says in error["message"] and in_our_words(error["message"]), error
+    assert error["message"].endswith("its URL must begin with https://"), error
 
 
 async def test_an_untrusted_certificate_is_named_in_our_words(tmp_path: Path):

@@ -215,7 +215,7 @@ async def test_a_tls_front_refusing_the_relays_connection_is_the_relays_fault_no
             ),
             "plain": (
                 f'url = "http://localhost:{port}/v1"\nmodels = ["simulated"]\n',
-                "it is an HTTPS port, spoken to in plain HTTP: its URL must begin with https://",
+                "it is a TLS port, spoken to in plain HTTP: its URL must begin with https://",
             ),
         }
         for name, (fields, says) in cases.items():

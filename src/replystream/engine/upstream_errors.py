@@ -43,6 +43,11 @@ class Failure:
     timed_out: bool = False
 
 
+# What to do about the two ways a URL's scheme can disagree with its port.
+PLAIN_TO_TLS = "it is a TLS port, spoken to in plain HTTP: its URL must begin with https://"
+TLS_TO_PLAIN = "is it a plain HTTP port? Then its URL begins with http://"
+
+
 def _os_reason(error: OSError | None) -> str:
     """``connection refused``, ``network is unreachable``: the system's words for an errno."""
     if error is not None and error.errno:
@@ -58,7 +63,10 @@ def _tls_reason(exc: BaseException) -> str:
         return f"its TLS certificate is not trusted ({verify or 'verification failed'})"
     cause = exc.os_error if isinstance(exc, aiohttp.ClientSSLError) else exc
     reason = cause.reason if isinstance(cause, ssl.SSLError) else None
-    if reason:  # e.g. WRONG_VERSION_NUMBER: usually TLS spoken to a plain-HTTP port
+    if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"):
+        # What came back is no TLS record: most often a plain HTTP server's answer.
+        return f"it did not answer in TLS ({reason.lower().replace('_', ' ')}): {TLS_TO_PLAIN}"
+    if reason:
         return f"the TLS handshake failed ({reason.lower().replace('_', ' ')})"
     return "the TLS handshake failed"
 
@@ -98,6 +106,8 @@ def connect_failure(exc: BaseException, base_url: str, timeout_s: float) -> Fail
             f"{where} sent a response head larger than {MAX_HEAD_BYTES // 1024} KiB",
             "upstream_bad_response",
         )
+    if isinstance(exc, NotHttp) and exc.tls:
+        return Failure(f"{where} answered in TLS: {PLAIN_TO_TLS}", "upstream_tls")
     if isinstance(exc, aiohttp.ClientResponseError | NotHttp):
         return Failure(f"{where} sent a response that is not valid HTTP", "upstream_bad_response")
     if isinstance(exc, aiohttp.InvalidURL):

@@ -195,7 +195,9 @@ class Connection(asyncio.Protocol):
                 if isinstance(ours, HeadTooLarge):
                     self._broken(ours)
                 elif self._response is None:
-                    self._broken(NotHttp("not HTTP"))
+                    # A TLS record's first byte (an alert's, a handshake's) where a status
+                    # line should begin: plain HTTP was sent to a TLS port.
+                    self._broken(NotHttp("not HTTP", tls=data[:1] in (b"\x15", b"\x16")))
                 else:
                     self._broken(BadFraming("bad"))
                 return

@@ -23,7 +23,12 @@ class PeerClosed(HttpFailure):
 
 
 class NotHttp(HttpFailure):
-    """What came back is not an HTTP/1.x response head."""
+    """What came back is not an HTTP/1.x response head; ``tls``: it begins as a TLS record
+    does (a server speaking TLS, sent plain HTTP, answers with an alert)."""
+
+    def __init__(self, message: str, *, tls: bool = False) -> None:
+        super().__init__(message)
+        self.tls = tls
 
 
 class HeadTooLarge(HttpFailure):

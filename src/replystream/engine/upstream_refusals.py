@@ -33,7 +33,7 @@ from pydantic_core import from_json
 
 from replystream.engine.base import EngineError, RequestRejected
 from replystream.engine.retry_after import retry_after_s
-from replystream.engine.upstream_errors import quoted
+from replystream.engine.upstream_errors import PLAIN_TO_TLS, quoted
 from replystream.engine.upstream_http_connection import Response
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
@@ -125,8 +125,8 @@ def _keyless(value: object, withheld: Sequence[str]) -> str | None:
 
 
 # What nginx, the usual TLS front of a model server, answers (as a 400 with a page of its own:
-# its codes 495, 496 and 497) when the connection, not the request, is wrong: the words of
-# each page, and ours for it.
+# its codes 495, 496 and 497), and Go's HTTP servers (Caddy, Traefik) to plain HTTP, when the
+# connection, not the request, is wrong: the words of each page, and ours for it.
 _FRONT_REFUSALS = (
     (
         b"No required SSL certificate was sent",
@@ -138,10 +138,8 @@ _FRONT_REFUSALS = (
         "it refused the client certificate this relay shows (is it signed by a CA the"
         " upstream trusts, and still valid?)",
     ),
-    (
-        b"The plain HTTP request was sent to HTTPS port",
-        "it is an HTTPS port, spoken to in plain HTTP: its URL must begin with https://",
-    ),
+    (b"The plain HTTP request was sent to HTTPS port", PLAIN_TO_TLS),
+    (b"Client sent an HTTP request to an HTTPS server", PLAIN_TO_TLS),
 )
 
 
