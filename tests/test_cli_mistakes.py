@@ -1227,3 +1227,34 @@ def test_a_ban_file_with_no_phrase_is_refused_as_moderation_would_be_off(tmp_pat
         done.stderr
         == f"replystream serve: --ban-file {blank}: no phrase in it (every line is blank)\n"
     )
+
+
+def test_serve_check_says_a_configuration_is_sound_without_serving_it(tmp_path: Path):
+    """``serve --check`` builds what a start builds, then exits: 0 and one line on stdout for
+    a sound configuration (its port taken and its upstream unreachable change nothing: it
+    listens on nothing and asks nobody), 2 and the start's own one line for a mistake."""
+    routes = tmp_path / "routes.toml"
+    routes.write_text('[[upstreams]]\nurl = "http://127.0.0.1:9/v1"\nmodels = ["m"]\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        sound = run(
+            "serve",
+            "--check",
+            "--port",
+            port,
+            "--engine",
+            "upstream",
+            "--upstream-routes",
+            str(routes),
+            "--redis-url",
+            "redis://127.0.0.1:9",
+        )
+    assert sound.returncode == 0, sound.stderr
+    assert sound.stdout == "replystream serve: the configuration is sound (the upstream engine)\n"
+    assert sound.stderr == ""
+    routes.write_text('[[upstreams]]\nurl = "http://127.0.0.1:9/v1"\nweight = 0\n')
+    unsound = run("serve", "--check", "--engine", "upstream", "--upstream-routes", str(routes))
+    assert unsound.returncode == 2 and unsound.stdout == ""
+    assert f"{routes}: upstreams[0].weight: input should be" in one_line(unsound)

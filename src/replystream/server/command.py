@@ -142,6 +142,16 @@ def run(args: argparse.Namespace) -> int:
         # Checked here too: with --workers the engine is built only in the workers, and a
         # worker that refuses to start stops them all (after the URL was announced).
         engine_options.check_options(args, choice.kind)
+        if args.check:
+            # What start-up would find, found without starting: the engine is built as
+            # serving builds it (a model loaded, a relay's routes and TLS files read), the
+            # app made; no socket, no upstream, no Redis is touched.
+            checked = build_engine(args)
+            from replystream.server.app import create_app
+
+            create_app(checked, config, store)
+            print(f"replystream serve: the configuration is sound (the {choice.kind} engine)")
+            return 0
         if args.workers > 1:
             engine_options.check_engine(args, choice)
         announce = announcement(choice.kind)

@@ -67,6 +67,14 @@ SERVER = Group(
         ),
         Setting("--port", "0 picks a free port", port, default=8000),
         Setting(
+            "--check",
+            "check the whole configuration (flags, files, the engine, built as serving would "
+            "build it) and exit: 0 when sound, else one line and 2; listens on nothing, asks "
+            "no upstream or Redis",
+            switch=True,
+            default=False,
+        ),
+        Setting(
             "--workers",
             "processes sharing the port (use --redis-url so any of them can resume any reply)",
             positive_int,
