@@ -206,3 +206,36 @@ async def test_choices_failing_over_while_their_request_starts_wait_holding_no_r
         assert served or failed_at_once, (status, body)
     assert took < 5.0  # not a wait until queue_s (6 s) for room held by the other
     assert (b.most_at_once, c.most_at_once) == (1, 1)
+
+
+async def test_a_request_of_several_choices_is_not_starved_by_another_workers_singles(
+    tmp_path: Path,
+):
+    """The same across the workers of one server: the single requests keeping the upstream
+    busy come through the other worker, whose line sees the room freed, not the request of
+    two waiting in this one's. Past half of its wait the room it needs is held for it in
+    both: the other worker's requests wait behind it rather than take it."""
+    upstream = SlowUpstream()
+    async with (
+        relays_sharing(upstream, 2, tmp_path, queue_s=4.0) as [(one, _), (two, second)],
+        aiohttp.ClientSession() as session,
+    ):
+        stop = asyncio.Event()
+
+        async def one_after_another(name: str) -> list[int]:
+            statuses: list[int] = []
+            for turn in range(1000):
+                if stop.is_set():
+                    return statuses
+                status, _, _ = await ask(session, two, f"{name}{turn}")
+                statuses.append(status)
+            return statuses
+
+        singles = [asyncio.create_task(one_after_another(name)) for name in "abcd"]
+        await wait_for(queued(second, 2))  # two in line behind the two the upstream holds
+        pair = await ask_choices(session, one, 2, "q")
+        stop.set()
+        statuses = await asyncio.gather(*singles)
+    assert answered(pair, "q"), pair  # within its wait, not a 503 at its end
+    assert all(status == 200 for run in statuses for status in run)
+    assert upstream.most_at_once <= 2

@@ -60,6 +60,27 @@ def test_a_process_that_dies_holding_slots_leaves_them_free(tmp_path: Path):
             holder.kill()
 
 
+def test_a_line_shows_the_room_held_for_its_first_waiter_from_when_and_for_which_model(
+    tmp_path: Path,
+):
+    one, other = Lines(tmp_path), Lines(tmp_path)
+    other.show(10.0, (12.0, "qwen"))  # a request of several choices, starving from 12.0
+    assert one.oldest_elsewhere() == 10.0 and one.holding_elsewhere(11.9) == []
+    assert one.holding_elsewhere(12.0) == ["qwen"] and other.holding_elsewhere(12.0) == []
+    other.show(10.0, (12.0, None))  # a request for no model in particular
+    assert one.holding_elsewhere(12.5) == [None]
+    other.show(10.0, (12.0, "ü" * 300))  # not ASCII, and long: shown as it is
+    assert one.holding_elsewhere(12.5) == ["ü" * 300]
+    other.show(10.0, (12.0, "m" * 1025))  # longer than a record holds: shown with no hold
+    assert one.oldest_elsewhere() == 10.0 and one.holding_elsewhere(12.5) == []
+    other.show(11.0)  # served: the next in line needs no more than one room
+    assert one.oldest_elsewhere() == 11.0 and one.holding_elsewhere(12.5) == []
+    other.show(None)
+    assert one.holding_elsewhere(12.5) == []
+    one.close()
+    other.close()
+
+
 def test_lines_show_when_their_first_waiter_began_and_a_dead_ones_file_goes(tmp_path: Path):
     one, other = Lines(tmp_path), Lines(tmp_path)
     assert one.oldest_elsewhere() is None

@@ -20,7 +20,11 @@ With workers sharing the limits (``upstream_slots``), the lines of all workers a
 oldest first, as far as each can tell: a slot another worker gives back wakes nobody here, so
 while anyone waits the line asks every ``poll_s`` or so (jittered, so that no worker's polls
 always come first) for such room (``OtherLines.freed``: an upstream once per free slot) and
-wakes a waiter for each; and each line shows when its first waiter began to wait. A slot
+wakes a waiter for each; and each line shows when its first waiter began to wait, and, when
+that one needs more room than one, from when room is held for it (half its wait, as here)
+and for which model: from then on no other worker takes room it may use, neither for a
+request that comes nor for one in its line, so the room gathers for it across the workers
+as it does in one (``upstream_shared_limits``). A slot
 given back here, or found free by a poll, goes to this line only if no other line began to
 wait earlier; else it is left to that one's poll, unless it is still free after
 ``DEFERRED_POLLS`` polls here (the older line may wait for another model, or its worker be
@@ -74,8 +78,10 @@ class OtherLines(Protocol):
         """Each upstream once per slot of it free now (freed elsewhere) this line may use."""
         ...
 
-    def show(self, since: float | None) -> None:
-        """Tell the others when this line's first waiter began to wait (None: empty)."""
+    def show(self, since: float | None, hold: tuple[float, str | None] | None) -> None:
+        """Tell the others when this line's first waiter began to wait (None: empty), and,
+        when it needs more room than one, from when room is held for it and for which model
+        (``hold``): past that time they take none it may use."""
         ...
 
     def oldest(self) -> float | None:
@@ -185,8 +191,13 @@ class RoomQueue:
         """The line changed: the other workers are told when its first waiter began to
         wait, and the polls run while anyone waits."""
         assert self._others is not None
-        self._others.show(self._waiting[0].since if self._waiting else None)
-        if self._waiting and self._poll is None:
+        if not self._waiting:
+            self._others.show(None, None)
+            return
+        first = self._waiting[0]
+        hold = None if first.fits is None else (first.starves_at, first.model)
+        self._others.show(first.since, hold)
+        if self._poll is None:
             self._arm()
 
     def _arm(self) -> None:

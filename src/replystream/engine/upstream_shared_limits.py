@@ -3,19 +3,24 @@ together: what the upstreams and the line of one worker make of the slots (``ups
 
 This file decides which upstream of a plan an attempt may use when the limits are shared
 (the first whose limit lets it in, holding one of its slots from then on; one whose
-slots the other workers hold all of is passed over, as one at its limit), what free room a
-worker's line (``upstream_queue``) sees elsewhere and what it shows the others of itself
-(``OtherWorkers``), which slot files open when the routes change, and how many slots the
-stats count taken. A shared folder that cannot be used is logged, and this worker's own count
-still bounds each upstream, as in one process. How a slot is held (lock files, ``flock``) is
-``upstream_slots``'s; when an attempt ends and gives its slot back is ``upstream_attempts``'s;
-who is woken in a line is ``upstream_queue``'s. It must not know HTTP, how an attempt is sent,
-or the workers' parent.
+slots the other workers hold all of is passed over, as one at its limit, and so is one
+serving a model another worker's line holds room for: its request of several choices has
+waited half its time for room for all of them at once, which gathers only if nobody else
+takes it), what free room a worker's line (``upstream_queue``) sees elsewhere (none that
+another's line holds) and what it shows the others of itself (``OtherWorkers``), which slot
+files open when the routes change, and how many slots the stats count taken. A request that
+began to wait here before the one holding elsewhere waits for it too: the hold lasts at most
+the second half of that one's wait. A shared folder that cannot be used is logged, and this
+worker's own count still bounds each upstream, as in one process. How a slot is held (lock
+files, ``flock``) is ``upstream_slots``'s; when an attempt ends and gives its slot back is
+``upstream_attempts``'s; who is woken in a line is ``upstream_queue``'s. It must not know
+HTTP, how an attempt is sent, or the workers' parent.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -35,12 +40,18 @@ def take_slot(
     """The first upstream of ``plan`` (those a request has not tried) whose limit, shared by
     the workers, lets an attempt in, with the slot it then holds there (None: no limit, or
     the shared folder cannot be used), and whether some upstream was passed over because the
-    other workers hold all its slots."""
+    other workers hold all its slots or the room it gathers for a request in their lines."""
     passed_over = False
+    held: list[str | None] | None = None  # read at the first upstream with a limit
     for backend in plan:
         limit = backend.max_outstanding
         if limit is None:
             return backend, None, passed_over
+        if held is None:
+            held = held_elsewhere(shared)
+        if held and any(backend.serves(model) for model in held):
+            passed_over = True  # its room gathers for a request in another worker's line
+            continue
         slots = shared.slots(backend.name)
         try:
             index = slots.take(limit)
@@ -53,6 +64,16 @@ def take_slot(
             return backend, (slots, index), passed_over
         passed_over = True
     return None, None, passed_over
+
+
+def held_elsewhere(shared: SharedLimits) -> list[str | None]:
+    """The models the other workers' lines hold room for now (none when their lines cannot
+    be read: this worker then takes room as it finds it, as before any was held)."""
+    try:
+        return shared.lines.holding_elsewhere(time.monotonic())
+    except OSError as exc:
+        log.error("cannot see the other workers' lines: %s", exc)
+        return []
 
 
 def free_slots(shared: SharedLimits, backend: Backend, most: int) -> int:
@@ -104,10 +125,13 @@ class OtherWorkers(OtherLines):
         """Each upstream with a limit, once per slot of it free now: no more than this
         worker has room for, nor than wait in its line."""
         waiting, freed = self._waiting(), []
+        held = held_elsewhere(self._shared)
         for backend in self._pool.backends:
             limit = backend.max_outstanding
             if limit is None or not backend.has_room:
                 continue
+            if held and any(backend.serves(model) for model in held):
+                continue  # held for a request in another worker's line
             most = min(waiting, limit - backend.outstanding)
             try:
                 free = self._shared.slots(backend.name).free(limit, most)
@@ -117,9 +141,9 @@ class OtherWorkers(OtherLines):
             freed += [backend] * free
         return freed
 
-    def show(self, since: float | None) -> None:
+    def show(self, since: float | None, hold: tuple[float, str | None] | None) -> None:
         try:
-            self._shared.lines.show(since)
+            self._shared.lines.show(since, hold)
         except OSError as exc:
             log.error("cannot show the other workers this one's line: %s", exc)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import math
 import os
 import struct
 import time
@@ -41,7 +42,13 @@ from pathlib import Path
 # How long a read of the table of locks is reused: the metrics count the slots taken once per
 # row of theirs when they refresh, all within a moment.
 TAKEN_FRESH_S = 0.1
-_TIME = struct.Struct("d")  # a line's start, as its file holds it
+# A line's file: when its first waiter began to wait, from when room is held for it (NaN:
+# none is; see ``Lines.show``), and the model it is held for (its length, then its UTF-8 name,
+# in one fixed record, so that one ``pwrite`` replaces it whole).
+_LINE = struct.Struct("ddhH")
+MODEL_BYTES = 1024
+_RECORD = _LINE.size + MODEL_BYTES
+NO_MODEL = -1  # the length that stands for a request for no model in particular (None)
 
 
 LOCKS = Path("/proc/locks")
@@ -211,8 +218,11 @@ class Lines:
     processes sharing the slots to compare: each holds an exclusive lock on a file of its own
     (``lines/PID-N``) while its line is not empty, with that time (``time.monotonic``, one
     clock for every process of the machine) in it; the others read it while they find it
-    locked. The kernel drops the lock of a process that dies, so its file says nothing any
-    more; the next process to find it so removes it."""
+    locked. When that first request needs room for several attempts at once (a request of
+    several choices), the file also says from when room is held for it and for which model:
+    past that time the other processes take no room it may use (``holding_elsewhere``), so
+    the room it needs can gather. The kernel drops the lock of a process that dies, so its
+    file says nothing any more; the next process to find it so removes it."""
 
     _made = 0  # lines made in this process (tests run several relays in one)
 
@@ -222,31 +232,43 @@ class Lines:
         self._name = f"{os.getpid()}-{Lines._made}"
         self._fd: int | None = None
         self._others: dict[str, int] = {}
-        self._shown: float | None = None
+        self._shown: tuple[float, tuple[float, str | None] | None] | None = None
 
-    def show(self, since: float | None) -> None:
-        """Show when this process's first waiter began to wait (None: nobody waits)."""
-        if since == self._shown:
+    def show(self, since: float | None, hold: tuple[float, str | None] | None = None) -> None:
+        """Show when this process's first waiter began to wait (None: nobody waits), and, if
+        room is held for it, from when and for which model (``hold``; a model whose name is
+        longer than ``MODEL_BYTES`` in UTF-8 is shown with no hold)."""
+        shown = None if since is None else (since, hold)
+        if shown == self._shown:
             return
         if self._fd is None:
             self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = self._folder / self._name
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if since is not None:
-            os.pwrite(self._fd, _TIME.pack(since), 0)
+            os.pwrite(self._fd, _record(since, hold), 0)
         if (since is None) != (self._shown is None):
             # Blocking: a process reading it holds its lock for three system calls at most.
             fcntl.flock(self._fd, fcntl.LOCK_UN if since is None else fcntl.LOCK_EX)
-        self._shown = since
+        self._shown = shown
 
     def oldest_elsewhere(self) -> float | None:
         """When the first waiter of the longest line elsewhere began to wait (None: no other
         process has anyone waiting)."""
+        return min((since for since, _, _ in self._elsewhere()), default=None)
+
+    def holding_elsewhere(self, now: float) -> list[str | None]:
+        """The models room is held for at ``now`` by the lines of other processes."""
+        return [model for _, held_from, model in self._elsewhere() if held_from <= now]
+
+    def _elsewhere(self) -> list[tuple[float, float, str | None]]:
+        """Each line of another process that has anyone waiting: when its first waiter began
+        to wait, from when room is held for it (NaN: it is not), and for which model."""
         try:
             names = os.listdir(self._folder)
         except FileNotFoundError:
-            return None
-        oldest: float | None = None
+            return []
+        lines: list[tuple[float, float, str | None]] = []
         for name in names:
             if name == self._name:
                 continue
@@ -259,15 +281,14 @@ class Lines:
                 self._others[name] = fd
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # it has a line: when did it begin?
-                written = os.pread(fd, _TIME.size, 0)
-                if len(written) == _TIME.size:
-                    (since,) = _TIME.unpack(written)
-                    oldest = since if oldest is None else min(oldest, since)
+            except BlockingIOError:  # it has a line: when did it begin, and is room held?
+                line = _line(os.pread(fd, _RECORD, 0))
+                if line is not None:
+                    lines.append(line)
                 continue
             fcntl.flock(fd, fcntl.LOCK_UN)
             self._forget_if_gone(name, fd)
-        return oldest
+        return lines
 
     def _forget_if_gone(self, name: str, fd: int) -> None:
         pid = name.split("-", 1)[0]
@@ -293,6 +314,31 @@ class Lines:
             os.close(self._fd)
             self._fd = None
         self._shown = None
+
+
+def _record(since: float, hold: tuple[float, str | None] | None) -> bytes:
+    """A line's file: ``since``, and the hold if there is one it can show."""
+    held_from, name = math.nan, b""
+    length = 0
+    if hold is not None:
+        model = None if hold[1] is None else hold[1].encode()
+        if model is None or len(model) <= MODEL_BYTES:
+            held_from = hold[0]
+            name, length = (b"", NO_MODEL) if model is None else (model, len(model))
+    return _LINE.pack(since, held_from, length, 0) + name.ljust(MODEL_BYTES, b"\0")
+
+
+def _line(record: bytes) -> tuple[float, float, str | None] | None:
+    """What a line's file says (None: not a whole record, as in a file just made)."""
+    if len(record) != _RECORD:
+        return None
+    since, held_from, length, _ = _LINE.unpack_from(record)
+    if length == NO_MODEL:
+        return since, held_from, None
+    if not 0 <= length <= MODEL_BYTES:
+        return None
+    name = record[_LINE.size : _LINE.size + length].decode(errors="replace")
+    return since, held_from, name
 
 
 class SharedLimits:
