@@ -239,3 +239,41 @@ async def test_a_request_of_several_choices_is_not_starved_by_another_workers_si
     assert answered(pair, "q"), pair  # within its wait, not a 503 at its end
     assert all(status == 200 for run in statuses for status in run)
     assert upstream.most_at_once <= 2
+
+
+async def test_two_workers_requests_of_several_choices_hold_room_one_after_the_other(
+    tmp_path: Path,
+):
+    """A request of two starving in each worker's line at once: were each to hold the room
+    from the other, neither would gather it. The one that began to wait first holds it, the
+    other waits behind it, and both are served within their wait."""
+    upstream = SlowUpstream()
+    async with (
+        relays_sharing(upstream, 2, tmp_path, queue_s=6.0) as [(one, first), (two, second)],
+        aiohttp.ClientSession() as session,
+    ):
+        stop = asyncio.Event()
+
+        async def one_after_another(url: str, name: str) -> list[int]:
+            statuses: list[int] = []
+            for turn in range(1000):
+                if stop.is_set():
+                    return statuses
+                status, _, _ = await ask(session, url, f"{name}{turn}")
+                statuses.append(status)
+            return statuses
+
+        singles = [
+            asyncio.create_task(one_after_another(url, name))
+            for url, name in ((one, "a"), (two, "b"), (one, "c"), (two, "d"))
+        ]
+        await wait_for(lambda: first.stats().queued + second.stats().queued >= 2)
+        pairs = await asyncio.gather(
+            ask_choices(session, one, 2, "p"), ask_choices(session, two, 2, "q")
+        )
+        stop.set()
+        statuses = await asyncio.gather(*singles)
+    assert answered(pairs[0], "p"), pairs[0]
+    assert answered(pairs[1], "q"), pairs[1]
+    assert all(status == 200 for run in statuses for status in run)
+    assert upstream.most_at_once <= 2

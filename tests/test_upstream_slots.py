@@ -65,18 +65,21 @@ def test_a_line_shows_the_room_held_for_its_first_waiter_from_when_and_for_which
 ):
     one, other = Lines(tmp_path), Lines(tmp_path)
     other.show(10.0, (12.0, "qwen"))  # a request of several choices, starving from 12.0
-    assert one.oldest_elsewhere() == 10.0 and one.holding_elsewhere(11.9) == []
-    assert one.holding_elsewhere(12.0) == ["qwen"] and other.holding_elsewhere(12.0) == []
+    assert one.oldest_elsewhere() == 10.0 and one.holding_elsewhere(11.9, 13.0) == []
+    assert one.holding_elsewhere(12.0, 13.0) == ["qwen"]
+    assert other.holding_elsewhere(12.0, 13.0) == []  # its own line holds nothing from it
+    # A request that began to wait before it (at 9.0) is not held up by it.
+    assert one.holding_elsewhere(12.0, 9.0) == []
     other.show(10.0, (12.0, None))  # a request for no model in particular
-    assert one.holding_elsewhere(12.5) == [None]
+    assert one.holding_elsewhere(12.5, 13.0) == [None]
     other.show(10.0, (12.0, "ü" * 300))  # not ASCII, and long: shown as it is
-    assert one.holding_elsewhere(12.5) == ["ü" * 300]
+    assert one.holding_elsewhere(12.5, 13.0) == ["ü" * 300]
     other.show(10.0, (12.0, "m" * 1025))  # longer than a record holds: shown with no hold
-    assert one.oldest_elsewhere() == 10.0 and one.holding_elsewhere(12.5) == []
+    assert one.oldest_elsewhere() == 10.0 and one.holding_elsewhere(12.5, 13.0) == []
     other.show(11.0)  # served: the next in line needs no more than one room
-    assert one.oldest_elsewhere() == 11.0 and one.holding_elsewhere(12.5) == []
+    assert one.oldest_elsewhere() == 11.0 and one.holding_elsewhere(12.5, 13.0) == []
     other.show(None)
-    assert one.holding_elsewhere(12.5) == []
+    assert one.holding_elsewhere(12.5, 13.0) == []
     one.close()
     other.close()
 

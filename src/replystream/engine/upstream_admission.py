@@ -93,15 +93,17 @@ def take_one(
     model: str | None,
     prefer: Prefer | None,
     tried: Collection[Backend],
+    since: float,
 ) -> tuple[Backend | None, Slot | None, bool]:
     """The first upstream of the plan for an attempt at ``model`` (but those ``tried``) with
     room, and the slot it holds there (with shared limits), not counted there yet; or None,
-    and whether it is only the limits that keep it out (waiting in line may let it in)."""
+    and whether it is only the limits that keep it out (waiting in line may let it in).
+    ``since``: when its request began to wait for room (now, if it has not)."""
     plan = pool.plan(model, prefer, tried)
     if shared is None:
         backend, slot, held_elsewhere = (plan[0] if plan else None), None, False
     else:
-        backend, slot, held_elsewhere = take_slot(shared, plan)
+        backend, slot, held_elsewhere = take_slot(shared, plan, since)
     if backend is None:
         return None, None, held_elsewhere or pool.full(model, tried)
     return backend, slot, False
@@ -114,14 +116,17 @@ def take_room(
     count: int,
     prefer: Prefer | None,
     tried: Collection[Backend],
+    since: float,
 ) -> list[Hold] | None:
     """Room for ``count`` attempts at ``model`` at once, the first at an upstream not
     ``tried``: one hold each; None when the limits leave room for fewer (none is taken
     then). Fewer (maybe none) when no upstream but those at their limit lets another
-    through (circuits open, a trial under way): each attempt left out finds out for itself."""
+    through (circuits open, a trial under way): each attempt left out finds out for itself.
+    ``since``: as ``take_one``'s."""
     holds: list[Hold] = []
     for index in range(count):
-        backend, slot, full = take_one(pool, shared, model, prefer, tried if index == 0 else ())
+        others_tried = tried if index == 0 else ()
+        backend, slot, full = take_one(pool, shared, model, prefer, others_tried, since)
         if backend is None:
             if full:
                 for hold in holds:

@@ -139,7 +139,7 @@ class AttemptSeries:
             if queued_at is None and self._behind_a_starving_request():
                 hold, full = None, True  # in line behind it, not taking the room it gathers
             else:
-                hold, full = self._take_room()
+                hold, full = self._take_room(queued_at or time.monotonic())
             if hold is None and full and self._others_wait_for_this():
                 # In line, it would hold their room while it waited for more: it ends now.
                 raise self._no_room(0.0) if self._last_error is None else self._give_up()
@@ -182,16 +182,18 @@ class AttemptSeries:
                 self._attempt_over("cancelled")
                 raise
 
-    def _take_room(self) -> tuple[Hold | None, bool]:
+    def _take_room(self, since: float) -> tuple[Hold | None, bool]:
         """Room for the next attempt (counted at its upstream), or None and whether only the
         limits keep it out. While some of its request's choices have not started, it is
         taken with theirs, all or none (``upstream_admission``): a choice's first attempt
-        uses the room taken for it, if some was."""
+        uses the room taken for it, if some was. ``since``: when it began to wait in line
+        (now, if it has not): room another worker holds for a request that began earlier is
+        not taken."""
         prefer = None if self._affinity is None else self._preferred_among
         choices = self._choices
         if choices is None or not choices.starting:
             backend, slot, full = take_one(
-                self._pool, self._shared, self._model, prefer, self._tried
+                self._pool, self._shared, self._model, prefer, self._tried, since
             )
             if backend is None:
                 return None, full
@@ -200,7 +202,9 @@ class AttemptSeries:
         if self._tried or not choices.holds:  # for this one and those not started yet
             choices.give_back(self._queue)
             count = 1 + choices.unstarted
-            holds = take_room(self._pool, self._shared, self._model, count, prefer, self._tried)
+            holds = take_room(
+                self._pool, self._shared, self._model, count, prefer, self._tried, since
+            )
             if holds is None:
                 return None, True
             choices.holds = holds

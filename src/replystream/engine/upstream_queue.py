@@ -74,8 +74,9 @@ class _Waiter:
 class OtherLines(Protocol):
     """The lines of the other workers that hold the limits with this one."""
 
-    def freed(self) -> Iterable[Backend]:
-        """Each upstream once per slot of it free now (freed elsewhere) this line may use."""
+    def freed(self, before: float) -> Iterable[Backend]:
+        """Each upstream once per slot of it free now (freed elsewhere) this line may use,
+        whose first waiter began to wait at ``before``."""
         ...
 
     def show(self, since: float | None, hold: tuple[float, str | None] | None) -> None:
@@ -210,7 +211,7 @@ class RoomQueue:
         self._poll = None
         if not self._waiting or self._others is None:
             return
-        freed = list(self._others.freed())
+        freed = list(self._others.freed(self._waiting[0].since))
         if freed and self._deferred < DEFERRED_POLLS and not self._first_here():
             self._deferred += 1
         else:

@@ -35,12 +35,13 @@ Slot = tuple[SlotFiles, int]  # an upstream's slot files, and the slot an attemp
 
 
 def take_slot(
-    shared: SharedLimits, plan: list[Backend]
+    shared: SharedLimits, plan: list[Backend], since: float
 ) -> tuple[Backend | None, Slot | None, bool]:
     """The first upstream of ``plan`` (those a request has not tried) whose limit, shared by
     the workers, lets an attempt in, with the slot it then holds there (None: no limit, or
     the shared folder cannot be used), and whether some upstream was passed over because the
-    other workers hold all its slots or the room it gathers for a request in their lines."""
+    other workers hold all its slots or the room it gathers for a request in their lines
+    that began to wait before this one (``since``: when it began to wait, or now)."""
     passed_over = False
     held: list[str | None] | None = None  # read at the first upstream with a limit
     for backend in plan:
@@ -48,7 +49,7 @@ def take_slot(
         if limit is None:
             return backend, None, passed_over
         if held is None:
-            held = held_elsewhere(shared)
+            held = held_elsewhere(shared, since)
         if held and any(backend.serves(model) for model in held):
             passed_over = True  # its room gathers for a request in another worker's line
             continue
@@ -66,11 +67,12 @@ def take_slot(
     return None, None, passed_over
 
 
-def held_elsewhere(shared: SharedLimits) -> list[str | None]:
-    """The models the other workers' lines hold room for now (none when their lines cannot
-    be read: this worker then takes room as it finds it, as before any was held)."""
+def held_elsewhere(shared: SharedLimits, before: float) -> list[str | None]:
+    """The models the other workers' lines hold room for now, for requests that began to
+    wait ``before`` (none when their lines cannot be read: this worker then takes room as
+    it finds it, as before any was held)."""
     try:
-        return shared.lines.holding_elsewhere(time.monotonic())
+        return shared.lines.holding_elsewhere(time.monotonic(), before)
     except OSError as exc:
         log.error("cannot see the other workers' lines: %s", exc)
         return []
@@ -121,11 +123,12 @@ class OtherWorkers(OtherLines):
         self._shared = shared
         self._waiting = waiting  # how many wait in this worker's line
 
-    def freed(self) -> list[Backend]:
+    def freed(self, before: float) -> list[Backend]:
         """Each upstream with a limit, once per slot of it free now: no more than this
-        worker has room for, nor than wait in its line."""
+        worker has room for, nor than wait in its line; none that another worker's line
+        holds for a request that began to wait ``before`` this line's first."""
         waiting, freed = self._waiting(), []
-        held = held_elsewhere(self._shared)
+        held = held_elsewhere(self._shared, before)
         for backend in self._pool.backends:
             limit = backend.max_outstanding
             if limit is None or not backend.has_room:

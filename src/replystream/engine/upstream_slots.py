@@ -257,9 +257,15 @@ class Lines:
         process has anyone waiting)."""
         return min((since for since, _, _ in self._elsewhere()), default=None)
 
-    def holding_elsewhere(self, now: float) -> list[str | None]:
-        """The models room is held for at ``now`` by the lines of other processes."""
-        return [model for _, held_from, model in self._elsewhere() if held_from <= now]
+    def holding_elsewhere(self, now: float, before: float) -> list[str | None]:
+        """The models room is held for at ``now`` by the lines of other processes whose
+        first waiter began to wait ``before`` (a request that began earlier is not held up
+        by one that began later: two such requests never hold room from each other)."""
+        return [
+            model
+            for since, held_from, model in self._elsewhere()
+            if held_from <= now and since < before
+        ]
 
     def _elsewhere(self) -> list[tuple[float, float, str | None]]:
         """Each line of another process that has anyone waiting: when its first waiter began
