@@ -22,9 +22,9 @@ while anyone waits the line asks every ``poll_s`` or so (jittered, so that no wo
 always come first) for such room (``OtherLines.freed``: an upstream once per free slot) and
 wakes a waiter for each; and each line shows when its first waiter began to wait, and, when
 that one needs more room than one, from when room is held for it (half its wait, as here)
-and for which model: from then on no other worker takes room it may use, neither for a
-request that comes nor for one in its line, so the room gathers for it across the workers
-as it does in one (``upstream_shared_limits``). A slot
+and for which model: from then on no other worker takes room it may use for a request that
+began to wait after it, one that comes or one in its line, so the room gathers for it across
+the workers as it does in one (``upstream_shared_limits``). A slot
 given back here, or found free by a poll, goes to this line only if no other line began to
 wait earlier; else it is left to that one's poll, unless it is still free after
 ``DEFERRED_POLLS`` polls here (the older line may wait for another model, or its worker be
