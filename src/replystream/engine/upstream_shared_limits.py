@@ -4,17 +4,16 @@ together: what the upstreams and the line of one worker make of the slots (``ups
 This file decides which upstream of a plan an attempt may use when the limits are shared
 (the first whose limit lets it in, holding one of its slots from then on; one whose
 slots the other workers hold all of is passed over, as one at its limit, and so is one
-serving a model another worker's line holds room for: its request of several choices has
-waited half its time for room for all of them at once, which gathers only if nobody else
-takes it), what free room a worker's line (``upstream_queue``) sees elsewhere (none that
-another's line holds) and what it shows the others of itself (``OtherWorkers``), which slot
-files open when the routes change, and how many slots the stats count taken. A request that
-began to wait here before the one holding elsewhere waits for it too: the hold lasts at most
-the second half of that one's wait. A shared folder that cannot be used is logged, and this
-worker's own count still bounds each upstream, as in one process. How a slot is held (lock
-files, ``flock``) is ``upstream_slots``'s; when an attempt ends and gives its slot back is
-``upstream_attempts``'s; who is woken in a line is ``upstream_queue``'s. It must not know
-HTTP, how an attempt is sent, or the workers' parent.
+serving a model another worker's line holds room for, for a request that began to wait
+before this one: a request of several choices that has waited half its time for room for
+all of them at once, which gathers only if nobody after it takes it), what free room a
+worker's line (``upstream_queue``) sees elsewhere (none held so for a request older than its
+first) and what it shows the others of itself (``OtherWorkers``), which slot files open when
+the routes change, and how many slots the stats count taken. A shared folder that cannot be
+used is logged, and this worker's own count still bounds each upstream, as in one process.
+How a slot is held (lock files, ``flock``) is ``upstream_slots``'s; when an attempt ends and
+gives its slot back is ``upstream_attempts``'s; who is woken in a line is
+``upstream_queue``'s. It must not know HTTP, how an attempt is sent, or the workers' parent.
 """
 
 from __future__ import annotations
