@@ -12,6 +12,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -583,3 +585,21 @@ async def test_chat_template_kwargs_reach_a_transformers_template(chat_model_dir
     assert str(tokenizer.decode(off)).startswith("/no_think\n")
     assert off[-len(plain) :] == plain and len(off) > len(plain)
     assert prompts.prompt_ids(ask, variables={"enable_thinking": True}) == plain
+
+
+def test_a_model_folder_whose_config_nests_too_deeply_is_one_line(tmp_path: Path):
+    """transformers reads a folder's JSON with ``json.loads``, which recurses: a config
+    nested past the interpreter's limit ended ``serve`` in a traceback."""
+    _require_hf()
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    done = subprocess.run(
+        [sys.executable, "-m", "replystream", "serve", "--engine", f"hf:{tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"replystream serve: --engine hf:PATH: {tmp_path}: a JSON file of the model (its "
+        "config.json, or its tokenizer's) is nested too deeply to read"
+    ]

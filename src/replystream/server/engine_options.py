@@ -339,3 +339,8 @@ def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
         return load_hf_engine(choice.path, config)
     except (ValueError, OSError) as exc:
         raise ValueError(f"--engine hf:PATH: {exc}") from None
+    except RecursionError:  # transformers reads its JSON files with json.loads, which recurses
+        raise ValueError(
+            f"--engine hf:PATH: {choice.path}: a JSON file of the model (its config.json, or "
+            "its tokenizer's) is nested too deeply to read"
+        ) from None
