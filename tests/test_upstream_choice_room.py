@@ -12,6 +12,7 @@ over real sockets.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,38 @@ async def test_a_room_a_waiting_request_of_several_choices_cannot_use_yet_goes_t
         assert engine.stats().active == 0
 
 
+async def pairs_among_singles(
+    session: aiohttp.ClientSession,
+    singles_to: list[str],
+    pairs_to: list[tuple[str, str]],
+    in_line: Callable[[], bool],
+) -> tuple[list[tuple[int, Any]], list[int]]:
+    """Four clients each send single requests one after another (to ``singles_to``'s URLs,
+    in turn), keeping the upstream busy; once ``in_line()``, a request of two choices to
+    each URL of ``pairs_to`` (with its prompt), at once. Their replies, and the statuses of
+    every single request."""
+    stop = asyncio.Event()
+
+    async def one_after_another(url: str, name: str) -> list[int]:
+        statuses: list[int] = []
+        for turn in range(1000):
+            if stop.is_set():
+                return statuses
+            status, _, _ = await ask(session, url, f"{name}{turn}")
+            statuses.append(status)
+        return statuses
+
+    urls = singles_to * (4 // len(singles_to))
+    singles = [
+        asyncio.create_task(one_after_another(u, n)) for u, n in zip(urls, "abcd", strict=True)
+    ]
+    await wait_for(in_line)
+    pairs = await asyncio.gather(*(ask_choices(session, url, 2, p) for url, p in pairs_to))
+    stop.set()
+    statuses = await asyncio.gather(*singles)
+    return list(pairs), [status for run in statuses for status in run]
+
+
 async def test_a_request_of_several_choices_is_not_starved_by_single_ones_behind_it():
     """An upstream taking 2 at once, kept busy by four clients sending one request after
     another: each room freed goes to a single request, never two at once, so a request for
@@ -149,24 +182,12 @@ async def test_a_request_of_several_choices_is_not_starved_by_single_ones_behind
         relay((upstream, 2), queue_s=4.0) as (url, engine),
         aiohttp.ClientSession() as session,
     ):
-        stop = asyncio.Event()
-
-        async def one_after_another(name: str) -> list[int]:
-            statuses: list[int] = []
-            for turn in range(1000):
-                if stop.is_set():
-                    return statuses
-                status, _, _ = await ask(session, url, f"{name}{turn}")
-                statuses.append(status)
-            return statuses
-
-        singles = [asyncio.create_task(one_after_another(name)) for name in "abcd"]
-        await wait_for(queued(engine, 2))  # two in line behind the two the upstream holds
-        pair = await ask_choices(session, url, 2, "q")
-        stop.set()
-        statuses = await asyncio.gather(*singles)
+        # Once two wait in line behind the two the upstream holds.
+        [pair], statuses = await pairs_among_singles(
+            session, [url], [(url, "q")], queued(engine, 2)
+        )
     assert answered(pair, "q"), pair  # within its wait, not a 503 at its end
-    assert all(status == 200 for run in statuses for status in run)
+    assert all(status == 200 for status in statuses)
     assert upstream.most_at_once <= 2
 
 
@@ -220,24 +241,11 @@ async def test_a_request_of_several_choices_is_not_starved_by_another_workers_si
         relays_sharing(upstream, 2, tmp_path, queue_s=4.0) as [(one, _), (two, second)],
         aiohttp.ClientSession() as session,
     ):
-        stop = asyncio.Event()
-
-        async def one_after_another(name: str) -> list[int]:
-            statuses: list[int] = []
-            for turn in range(1000):
-                if stop.is_set():
-                    return statuses
-                status, _, _ = await ask(session, two, f"{name}{turn}")
-                statuses.append(status)
-            return statuses
-
-        singles = [asyncio.create_task(one_after_another(name)) for name in "abcd"]
-        await wait_for(queued(second, 2))  # two in line behind the two the upstream holds
-        pair = await ask_choices(session, one, 2, "q")
-        stop.set()
-        statuses = await asyncio.gather(*singles)
+        [pair], statuses = await pairs_among_singles(
+            session, [two], [(one, "q")], queued(second, 2)
+        )
     assert answered(pair, "q"), pair  # within its wait, not a 503 at its end
-    assert all(status == 200 for run in statuses for status in run)
+    assert all(status == 200 for status in statuses)
     assert upstream.most_at_once <= 2
 
 
@@ -252,28 +260,13 @@ async def test_two_workers_requests_of_several_choices_hold_room_one_after_the_o
         relays_sharing(upstream, 2, tmp_path, queue_s=6.0) as [(one, first), (two, second)],
         aiohttp.ClientSession() as session,
     ):
-        stop = asyncio.Event()
-
-        async def one_after_another(url: str, name: str) -> list[int]:
-            statuses: list[int] = []
-            for turn in range(1000):
-                if stop.is_set():
-                    return statuses
-                status, _, _ = await ask(session, url, f"{name}{turn}")
-                statuses.append(status)
-            return statuses
-
-        singles = [
-            asyncio.create_task(one_after_another(url, name))
-            for url, name in ((one, "a"), (two, "b"), (one, "c"), (two, "d"))
-        ]
-        await wait_for(lambda: first.stats().queued + second.stats().queued >= 2)
-        pairs = await asyncio.gather(
-            ask_choices(session, one, 2, "p"), ask_choices(session, two, 2, "q")
+        pairs, statuses = await pairs_among_singles(
+            session,
+            [one, two],
+            [(one, "p"), (two, "q")],
+            lambda: first.stats().queued + second.stats().queued >= 2,
         )
-        stop.set()
-        statuses = await asyncio.gather(*singles)
     assert answered(pairs[0], "p"), pairs[0]
     assert answered(pairs[1], "q"), pairs[1]
-    assert all(status == 200 for run in statuses for status in run)
+    assert all(status == 200 for status in statuses)
     assert upstream.most_at_once <= 2
