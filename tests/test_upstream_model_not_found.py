@@ -157,3 +157,27 @@ async def test_an_upstream_that_answered_404_is_still_asked_when_no_other_is_lef
         got = await post_events(f"{url}/v1/chat/completions", ask("qwen"))
         assert got.status == 200 and got.chat_text == "w0 w1 w2 "
     assert other.asked.count("qwen") == 3 and typo.asked.count("qwen") == 2
+
+
+async def test_an_upstream_url_without_its_v1_is_said_and_failed_over_not_a_missing_model():
+    """A base URL without its /v1: the server answers the chat request 404 with no word of a
+    model (aiohttp's "404: Not Found" here; FastAPI's {"detail": "Not Found"}, nginx's page).
+    Once told as "it does not serve the model sent to it" and never counted against it; now
+    a 502 saying the path is missing, and another upstream is tried first."""
+    right = Serving(["llama"])
+    async with running(right.app()) as server:
+        wrong = UpstreamTarget(server, models=("llama",))  # the same server, its /v1 left out
+        alone = UpstreamEngine(UpstreamConfig((wrong,), model="llama"))
+        async with running(create_app(alone)) as url:
+            refused = await post_events(f"{url}/v1/chat/completions", ask("llama"))
+        both = (wrong, UpstreamTarget(f"{server}/v1", models=("llama",)))
+        async with running(create_app(UpstreamEngine(UpstreamConfig(both)))) as url:
+            served = [await post_events(f"{url}/v1/chat/completions", ask("llama")) for _ in "ab"]
+    assert refused.status == 502, refused.raw
+    error = json.loads(refused.raw)["error"]
+    assert error["code"] == "upstream_error_status", error
+    assert error["message"] == (
+        f"the upstream at {server} answered 404 to POST {server}/chat/completions: it has no "
+        "such path; does its URL end in /v1?"
+    ), error
+    assert [got.status for got in served] == [200, 200], [got.raw for got in served]

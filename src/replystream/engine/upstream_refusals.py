@@ -6,8 +6,9 @@ one should) and ``UpstreamTimeout`` (504: no response head within the head timeo
 the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
 status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
 (400) carrying the upstream's message and the field it names (of the chat request it was
-sent: ``names_upstream_field``); a 404 says the upstream does not serve the model
-(``UpstreamModelNotFound``, 404: about that model there, not the upstream's health); 429 and
+sent: ``names_upstream_field``); a 404 that speaks of a model says the upstream does not
+serve the model (``UpstreamModelNotFound``, 404: about that model there, not the upstream's
+health), one that does not, that its URL lacks the path (502, most often no /v1); 429 and
 503 stay overload (``UpstreamOverloaded``, 503) with the wait the upstream asked for
 (``Retry-After``, at most a cool-down), which its
 circuit honours; an upstream passed the caller's own key that refuses it (401, 403) or
@@ -208,10 +209,19 @@ async def refusal(
         return RequestRejected(
             said, code=code or "upstream_rejected", param=param, names_upstream_field=True
         )
+    if status == 404 and (message is None or "model" not in message.lower()):
+        # No word of a model: the path is what it lacks (a framework's "Not Found", nginx's
+        # page), most often a base URL without its /v1. That upstream serves nothing so: its
+        # failure, counted on its circuit, another upstream tried.
+        said = f"{where} to POST {backend}/chat/completions: it has no such path"
+        said += f" ({message})" if message else ""
+        return UpstreamUnavailable(
+            f"{said}; does its URL end in /v1?", code="upstream_error_status"
+        )
     if status == 404:
-        # Its ``/models`` answered (the probe says so otherwise): the path is right, so the
-        # model named is what it lacks. Counted on its circuit, one bad name would take it
-        # out for every model it does serve.
+        # It says the model is what it lacks (vLLM's, Ollama's and OpenAI's words all name
+        # it). Counted on its circuit, one bad name would take it out for every model it
+        # does serve.
         said = f"{where} to the chat request: it does not serve the model sent to it"
         if message:
             said += f" ({message})"
