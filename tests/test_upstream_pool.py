@@ -246,6 +246,16 @@ stall_s = 2.5
         ("[[upstreams]]\nurl = 'http://u:p@a/v1'", "upstreams[0].url: may not carry a user name"),
         ("[[upstreams]]\nurl = 'http://a/v1#x'", "upstreams[0].url: may not have a query"),
         ("[[upstreams]]\nurl = 'http://[::1/v1'", "upstreams[0].url: is not a valid URL"),
+        # A space would split the request line; a control character would reach it and the
+        # logs; a host not in ASCII would be sent as no Host header can be.
+        ("[[upstreams]]\nurl = 'http://a/ v1'", "upstreams[0].url: may hold printable ASCII"),
+        ('[[upstreams]]\nurl = "http://a/v1\\u001b[2J"', "upstreams[0].url: may hold printable"),
+        ("[[upstreams]]\nurl = 'http://bücher.example/v1'", "give a host in its ASCII form"),
+        # A name of the file's, however odd, is shown quoted on the one line.
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\nmodels = ['m']\n[aliases]\n\"a\\nb\" = 5",
+            'aliases."a\\nb": input should be a valid string',
+        ),
         (
             "[[upstreams]]\nurl = 'http://a/v1'\napi_key = \"a\\nb\"",
             "upstreams[0].api_key: must be",
@@ -276,7 +286,7 @@ stall_s = 2.5
         ),
         (
             "[[upstreams]]\nurl = 'http://a/v1'\nheaders_env = { X-T = 'NOPE' }",
-            "upstreams[0].headers_env: X-T: $NOPE is not set",
+            "upstreams[0].headers_env.X-T: $NOPE is not set",
         ),
         (
             # The value is a secret: which variable is told, never what it holds.

@@ -23,6 +23,14 @@ def base_url_problem(url: str) -> str | None:
     """What makes ``url`` (an http(s) URL) no upstream base URL, in words that follow "an
     upstream URL"; None when nothing does. Checked at start-up, so that a URL no request
     could use stops ``serve`` rather than failing every request later."""
+    if not all("!" <= char <= "~" for char in url):
+        # A space would split the request line; a control character (which ``urlsplit``
+        # drops, some of them) would reach it, the logs and every message naming the
+        # upstream; a host that is not ASCII would be sent as no Host header can be.
+        return (
+            "may hold printable ASCII only, no spaces (percent-encode them, and give a host "
+            "in its ASCII form, xn--...)"
+        )
     try:
         parts = urlsplit(url)
     except ValueError:  # an unclosed [ of an IPv6 address

@@ -37,7 +37,9 @@ how upstreams are used.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import ssl
 import tomllib
 from collections.abc import Mapping
@@ -55,6 +57,7 @@ from replystream.engine.upstream_config import (
 )
 
 Name = Annotated[str, Field(min_length=1)]
+_BARE = re.compile(r"[A-Za-z0-9_-]+")  # a TOML bare key
 
 
 class _Strict(BaseModel):
@@ -110,11 +113,11 @@ def _headers(
         for name, spec in given.items():
             value = spec if field == "headers" else env.get(spec, "")
             if field == "headers_env" and not value:
-                raise ValueError(f"{where}.headers_env: {name}: ${spec} is not set")
+                raise ValueError(f"{where}.headers_env.{shown(name)}: ${shown(spec)} is not set")
             problem = header_problem(name, value)
             if problem is not None:
-                shown = f" (${spec})" if field == "headers_env" else ""
-                raise ValueError(f"{where}.{field}{shown}: {problem}")
+                variable = f" (${shown(spec)})" if field == "headers_env" else ""
+                raise ValueError(f"{where}.{field}{variable}: {problem}")
             if name.lower() in sent:
                 raise ValueError(f"{where}.{field}: {name} is given twice")
             sent[name.lower()] = (name, value)
@@ -134,6 +137,13 @@ class Routes:
     aliases: tuple[tuple[str, str], ...]
 
 
+def shown(name: str) -> str:
+    """A name from the file as a message shows it: as written if TOML would take it bare,
+    else quoted with JSON's escapes (which are TOML's), so a message stays one line of
+    printable text whatever the file holds."""
+    return name if _BARE.fullmatch(name) else json.dumps(name)
+
+
 def _where(loc: tuple[int | str, ...]) -> str:
     """``upstreams[1].weight`` from pydantic's ``("upstreams", 1, "weight")``; a table's
     name at fault (``("aliases", "", "[key]")``) is ``aliases: the name ''``."""
@@ -141,7 +151,10 @@ def _where(loc: tuple[int | str, ...]) -> str:
         return f"{_where(loc[:-2])}: the name {str(loc[-2])!r}"
     text = ""
     for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{shown(part)}" if text else shown(part)
     return text or "the file"
 
 
@@ -226,13 +239,13 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
             )
         key, key_from = entry.api_key, f"{where}.api_key"
         if entry.api_key_env is not None:
-            key_from = f"{where}.api_key_env (${entry.api_key_env})"
+            key_from = f"{where}.api_key_env (${shown(entry.api_key_env)})"
             key = env.get(entry.api_key_env) or None
             if key is None:
-                raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} is not set")
+                raise ValueError(f"{where}.api_key_env: ${shown(entry.api_key_env)} is not set")
             problem = key_problem(key)
             if problem is not None:
-                raise ValueError(f"{where}.api_key_env: ${entry.api_key_env} {problem}")
+                raise ValueError(f"{where}.api_key_env: ${shown(entry.api_key_env)} {problem}")
         targets.append(
             UpstreamTarget(
                 entry.url,
@@ -253,7 +266,11 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
     every_listed = all(t.models for t in targets)
     for alias, model in parsed.aliases.items():
         if alias in served:
-            raise ValueError(f"{path}: aliases.{alias}: is a model an upstream serves already")
+            raise ValueError(
+                f"{path}: aliases.{shown(alias)}: is a model an upstream serves already"
+            )
         if every_listed and model not in served:
-            raise ValueError(f"{path}: aliases.{alias}: no upstream lists the model {model!r}")
+            raise ValueError(
+                f"{path}: aliases.{shown(alias)}: no upstream lists the model {model!r}"
+            )
     return Routes(tuple(targets), tuple(parsed.aliases.items()))
