@@ -179,28 +179,41 @@ async def test_a_native_client_is_told_its_own_field(
             assert error["data"]["error"]["param"] == expected
 
 
-async def test_a_proxys_page_refusing_a_large_request_says_what_it_refused(tmp_path):
+async def test_a_request_too_large_for_one_upstream_goes_to_another_and_alone_is_a_413(tmp_path):
     """nginx in front of a model server takes 1 MB of body unless told otherwise, and refuses
-    more with a 413 page of its own, which the relay does not quote: it says what the
-    status means (a 400 for the client, whose request it is, as the upstream's own 413)."""
+    more with a 413 page of its own, which the relay does not quote. That limit is the
+    upstream's, not the request's fault nor its health: another upstream is tried (nothing
+    counted on the front's circuit), and with none left the client gets a 413 saying what
+    the status means."""
     schedule = ("--engine", "simulated", "--delay-ms", "0", "--jitter-ms", "0", "--tokens", "3")
     async with replica(*schedule) as (_, app_url):
         port = free_port()
         config = proxy_config(app_url.removeprefix("http://"), port, "client_max_body_size 2k;")
+        front = f"http://127.0.0.1:{port}/v1"
+        large = {"messages": [{"role": "user", "content": "hi " * 2000}]}
         async with running_nginx(config, port, tmp_path / "nginx"):
-            engine = UpstreamEngine(
-                UpstreamConfig((UpstreamTarget(f"http://127.0.0.1:{port}/v1"),))
-            )
-            async with running(create_app(engine)) as relay:
+            alone = UpstreamEngine(UpstreamConfig((UpstreamTarget(front),), failures=1))
+            async with running(create_app(alone)) as relay, aiohttp.ClientSession() as session:
+                async with session.post(f"{relay}/v1/chat/completions", json=large) as refused:
+                    status, error = refused.status, (await refused.json())["error"]
                 small = {"messages": [{"role": "user", "content": "hi"}]}
-                large = {"messages": [{"role": "user", "content": "hi " * 2000}]}
-                async with aiohttp.ClientSession() as session:
-                    async with session.post(f"{relay}/v1/chat/completions", json=small) as ok:
-                        assert ok.status == 200, await ok.text()
-                    async with session.post(f"{relay}/v1/chat/completions", json=large) as no:
-                        status, error = no.status, (await no.json())["error"]
-    assert status == 400, error
+                async with session.post(f"{relay}/v1/chat/completions", json=small) as after:
+                    # One failure would open its circuit: the 413 was not counted as one.
+                    assert after.status == 200, await after.text()
+            both = (UpstreamTarget(front), UpstreamTarget(f"{app_url}/v1"))
+            relayed = UpstreamEngine(UpstreamConfig(both))
+            async with running(create_app(relayed)) as relay, aiohttp.ClientSession() as session:
+                answers = []
+                for _ in range(4):  # ties go round robin: the front goes first every other time
+                    async with session.post(f"{relay}/v1/chat/completions", json=large) as got:
+                        answers.append(got.status)
+                stats = relayed.stats().backends
+    assert status == 413 and error["type"] == "invalid_request_error", error
+    assert error["code"] == "request_too_large", error
     assert error["message"] == (
-        f"the upstream at http://127.0.0.1:{port}/v1 answered 413: the request is larger than "
-        "it takes (its own limit, or a proxy's)"
+        f"the upstream at {front} answered 413: the request is larger than it takes (its own "
+        "limit, or a proxy's)"
     ), error
+    assert answers == [200] * 4, answers
+    too_large = {b.name: dict(b.attempts).get("too_large", 0) for b in stats}
+    assert too_large[front] >= 1 and too_large[f"{app_url}/v1"] == 0, too_large

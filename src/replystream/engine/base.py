@@ -348,6 +348,7 @@ ATTEMPT_RESULTS = (
     "head_timeout",  # no response head within the head timeout
     "overloaded",  # 429 or 503
     "model_not_found",  # a 404: it does not serve the model sent (not counted on its circuit)
+    "too_large",  # a 413: the request is larger than it takes (not counted on its circuit)
     "error_status",  # any other status
     "ttft_timeout",  # no text within the time-to-first-token limit (a head still awaited too)
     "stalled",  # no text for the stall limit mid-reply

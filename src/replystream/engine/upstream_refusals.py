@@ -6,22 +6,22 @@ one should) and ``UpstreamTimeout`` (504: no response head within the head timeo
 the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
 status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
 (400) carrying the upstream's message and the field it names (of the chat request it was
-sent: ``names_upstream_field``); a 404 that speaks of a model says the upstream does not
-serve the model (``UpstreamModelNotFound``, 404: about that model there, not the upstream's
-health), one that does not, that its URL lacks the path (502, most often no /v1); 429 and
-503 stay overload (``UpstreamOverloaded``, 503) with the wait the upstream asked for
-(``Retry-After``, at most a cool-down), which its
-circuit honours; an upstream passed the caller's own key that refuses it (401, 403) or
-rate-limits it (429) answers the client as it is, not failed over
-(``UpstreamRefusedClientKey``, ``UpstreamLimitedClientKey``); 401 or 403 to our own key is
-our configuration's fault (502, naming where that key is configured), as is a redirect
-(502, naming where it points: its URL is to be fixed, not followed), and so is a TLS
-front's refusal of the relay's own connection (``front_refusal``: 502, ``upstream_tls``, so
-another upstream is tried). Every message is ours;
-an upstream's own words appear only quoted, from a JSON error body, and never with a key of
-ours in them (some upstreams repeat the key they refused). Whether another upstream is tried
-is ``upstream_attempts``'s. It must not know how a request is built, how an upstream is
-picked, or about our HTTP server.
+sent: ``names_upstream_field``); a 413 says the upstream's limit on a request's size
+(``UpstreamTooLarge``, 413: another upstream may take it); a 404 that speaks of a model says
+the upstream does not serve the model (``UpstreamModelNotFound``, 404: about that model
+there, not the upstream's health), one that does not, that its URL lacks the path (502,
+most often no /v1); 429 and 503 stay overload (``UpstreamOverloaded``, 503) with the wait
+the upstream asked for (``Retry-After``, at most a cool-down), which its circuit honours; an
+upstream passed the caller's own key that refuses it (401, 403) or rate-limits it (429)
+answers the client as it is, not failed over (``UpstreamRefusedClientKey``,
+``UpstreamLimitedClientKey``); 401 or 403 to our own key is our configuration's fault (502,
+naming where that key is configured), as is a redirect (502, naming where it points: its URL
+is to be fixed, not followed), and so is a TLS front's refusal of the relay's own connection
+(``front_refusal``: 502, ``upstream_tls``, so another upstream is tried). Every message is
+ours; an upstream's own words appear only quoted, from a JSON error body, and never with a
+key of ours in them (some upstreams repeat the key they refused). Whether another upstream
+is tried is ``upstream_attempts``'s. It must not know how a request is built, how an
+upstream is picked, or about our HTTP server.
 """
 
 from __future__ import annotations
@@ -70,6 +70,14 @@ class UpstreamModelNotFound(EngineError):
     model may take the request, and none counts it on its circuit."""
 
     status = 404
+
+
+class UpstreamTooLarge(EngineError):
+    """An upstream answered 413: the request is larger than it (or a proxy in front of it)
+    takes. Its limit, not the request's validity nor the upstream's health: another upstream
+    may take it, and none counts it on its circuit; with none left, the client's 413."""
+
+    status = 413
 
 
 class UpstreamRefusedClientKey(RequestRejected):
@@ -203,9 +211,11 @@ async def refusal(
     if front is not None:
         return UpstreamUnavailable(f"{where}: {front}", code="upstream_tls")
     said = f"{where}: {message}" if message else where
-    if status == 413 and not message:  # a proxy's page, most often: nginx takes 1 MB at most
-        said = f"{where}: the request is larger than it takes (its own limit, or a proxy's)"
-    if status in (400, 413, 422):
+    if status == 413:  # a proxy's page, most often, with no message: nginx takes 1 MB at most
+        if not message:
+            said = f"{where}: the request is larger than it takes (its own limit, or a proxy's)"
+        return UpstreamTooLarge(said, code="request_too_large")
+    if status in (400, 422):
         return RequestRejected(
             said, code=code or "upstream_rejected", param=param, names_upstream_field=True
         )
