@@ -96,9 +96,15 @@ async def test_an_upstream_is_reached_with_its_own_cas_and_the_relays_certificat
     assert len(upstream.bodies) == 1  # the relay without a certificate got nowhere
     assert refused.status == 502, refused.raw
     # Over TLS 1.3 the upstream refuses a missing certificate after the handshake, closing
-    # the connection; over TLS 1.2 the handshake itself fails.
-    code = json.loads(refused.raw)["error"]["code"]
-    assert code in ("upstream_disconnected", "upstream_tls"), code
+    # the connection with no alert (as Python's asyncio servers do, uvicorn's and vLLM's
+    # among them); over TLS 1.2 the handshake itself fails.
+    error = json.loads(refused.raw)["error"]
+    assert error["code"] in ("upstream_disconnected", "upstream_tls"), error
+    if error["code"] == "upstream_disconnected":
+        assert error["message"].endswith(
+            "closed the connection before answering; does it ask for a client certificate? "
+            "This relay shows none (cert_file and key_file in the routes file)"
+        ), error
 
 
 async def test_the_models_are_probed_with_the_same_tls(tmp_path: Path):

@@ -153,6 +153,7 @@ class UpstreamTarget:
     # file's ``headers``: an identity-aware proxy's credentials, a tenant's name). Their
     # values may be secrets: never shown, and withheld from an upstream's words as keys are.
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    shows_certificate: bool = False  # its ``tls`` holds a client certificate (``cert_file``)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -305,6 +306,7 @@ class UpstreamKeys:
     configured: tuple[str, ...] = field(repr=False)
     tls: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False)
     extra: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict, repr=False)
+    certified: frozenset[str] = frozenset()  # those shown a client certificate
 
     @classmethod
     def of(cls, config: UpstreamConfig) -> UpstreamKeys:
@@ -320,6 +322,7 @@ class UpstreamKeys:
             tuple(sorted(keys, key=len, reverse=True)),
             {t.base_url: t.tls for t in targets if t.tls is not None},
             {t.base_url: t.headers for t in targets if t.headers},
+            frozenset(t.base_url for t in targets if t.shows_certificate),
         )
 
     def key_from(self, name: str) -> str | None:

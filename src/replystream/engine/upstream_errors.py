@@ -48,6 +48,24 @@ PLAIN_TO_TLS = "it is a TLS port, spoken to in plain HTTP: its URL must begin wi
 TLS_TO_PLAIN = "is it a plain HTTP port? Then its URL begins with http://"
 
 
+def closed_over_tls(failure: Failure, base_url: str, shows_certificate: bool) -> Failure:
+    """``failure``, with a question when an https upstream shown no client certificate
+    closed the connection before answering: a TLS server that wants one and does not send
+    an alert (Python's asyncio servers, uvicorn's, vLLM's with ``--ssl-cert-reqs``) closes
+    the connection so once the TLS 1.3 handshake is done."""
+    if (
+        failure.code != "upstream_disconnected"
+        or shows_certificate
+        or not base_url.startswith("https://")
+    ):
+        return failure
+    question = (
+        "; does it ask for a client certificate? This relay shows none (cert_file and "
+        "key_file in the routes file)"
+    )
+    return Failure(failure.message + question, failure.code, failure.timed_out)
+
+
 def _os_reason(error: OSError | None) -> str:
     """``connection refused``, ``network is unreachable``: the system's words for an errno."""
     if error is not None and error.errno:

@@ -260,6 +260,7 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 entry=where,
                 key_from=key_from if key is not None else None,
                 headers=_headers(entry, where, env),
+                shows_certificate=entry.cert_file is not None,
             )
         )
     served = {m for t in targets for m in t.models}
