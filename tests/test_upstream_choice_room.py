@@ -140,36 +140,29 @@ async def test_a_room_a_waiting_request_of_several_choices_cannot_use_yet_goes_t
         assert engine.stats().active == 0
 
 
-async def pairs_among_singles(
-    session: aiohttp.ClientSession,
-    singles_to: list[str],
-    pairs_to: list[tuple[str, str]],
-    in_line: Callable[[], bool],
-) -> tuple[list[tuple[int, Any]], list[int]]:
-    """Four clients each send single requests one after another (to ``singles_to``'s URLs,
-    in turn), keeping the upstream busy; once ``in_line()``, a request of two choices to
-    each URL of ``pairs_to`` (with its prompt), at once. Their replies, and the statuses of
-    every single request."""
+async def pair_among_singles(
+    session: aiohttp.ClientSession, singles_to: str, pair_to: str, in_line: Callable[[], bool]
+) -> tuple[tuple[int, Any], list[int]]:
+    """Four clients each send single requests to ``singles_to`` one after another, keeping
+    the upstream busy; once ``in_line()``, a request of two choices to ``pair_to``. Its
+    reply, and the statuses of every single request."""
     stop = asyncio.Event()
 
-    async def one_after_another(url: str, name: str) -> list[int]:
+    async def one_after_another(name: str) -> list[int]:
         statuses: list[int] = []
         for turn in range(1000):
             if stop.is_set():
                 return statuses
-            status, _, _ = await ask(session, url, f"{name}{turn}")
+            status, _, _ = await ask(session, singles_to, f"{name}{turn}")
             statuses.append(status)
         return statuses
 
-    urls = singles_to * (4 // len(singles_to))
-    singles = [
-        asyncio.create_task(one_after_another(u, n)) for u, n in zip(urls, "abcd", strict=True)
-    ]
+    singles = [asyncio.create_task(one_after_another(name)) for name in "abcd"]
     await wait_for(in_line)
-    pairs = await asyncio.gather(*(ask_choices(session, url, 2, p) for url, p in pairs_to))
+    pair = await ask_choices(session, pair_to, 2, "q")
     stop.set()
     statuses = await asyncio.gather(*singles)
-    return list(pairs), [status for run in statuses for status in run]
+    return pair, [status for run in statuses for status in run]
 
 
 async def test_a_request_of_several_choices_is_not_starved_by_single_ones_behind_it():
@@ -183,9 +176,7 @@ async def test_a_request_of_several_choices_is_not_starved_by_single_ones_behind
         aiohttp.ClientSession() as session,
     ):
         # Once two wait in line behind the two the upstream holds.
-        [pair], statuses = await pairs_among_singles(
-            session, [url], [(url, "q")], queued(engine, 2)
-        )
+        pair, statuses = await pair_among_singles(session, url, url, queued(engine, 2))
     assert answered(pair, "q"), pair  # within its wait, not a 503 at its end
     assert all(status == 200 for status in statuses)
     assert upstream.most_at_once <= 2
@@ -241,32 +232,7 @@ async def test_a_request_of_several_choices_is_not_starved_by_another_workers_si
         relays_sharing(upstream, 2, tmp_path, queue_s=4.0) as [(one, _), (two, second)],
         aiohttp.ClientSession() as session,
     ):
-        [pair], statuses = await pairs_among_singles(
-            session, [two], [(one, "q")], queued(second, 2)
-        )
+        pair, statuses = await pair_among_singles(session, two, one, queued(second, 2))
     assert answered(pair, "q"), pair  # within its wait, not a 503 at its end
-    assert all(status == 200 for status in statuses)
-    assert upstream.most_at_once <= 2
-
-
-async def test_two_workers_requests_of_several_choices_hold_room_one_after_the_other(
-    tmp_path: Path,
-):
-    """A request of two starving in each worker's line at once: were each to hold the room
-    from the other, neither would gather it. The one that began to wait first holds it, the
-    other waits behind it, and both are served within their wait."""
-    upstream = SlowUpstream()
-    async with (
-        relays_sharing(upstream, 2, tmp_path, queue_s=6.0) as [(one, first), (two, second)],
-        aiohttp.ClientSession() as session,
-    ):
-        pairs, statuses = await pairs_among_singles(
-            session,
-            [one, two],
-            [(one, "p"), (two, "q")],
-            lambda: first.stats().queued + second.stats().queued >= 2,
-        )
-    assert answered(pairs[0], "p"), pairs[0]
-    assert answered(pairs[1], "q"), pairs[1]
     assert all(status == 200 for status in statuses)
     assert upstream.most_at_once <= 2

@@ -49,7 +49,7 @@ from replystream.engine.upstream_config import (
     key_problem,
     upstream_limit,
 )
-from replystream.engine.upstream_errors import closed_over_tls, connect_failure
+from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpOrigin
 from replystream.engine.upstream_http_failures import HttpFailure
@@ -431,11 +431,8 @@ class UpstreamEngine:
                 code="upstream_timeout",
             ) from None
         except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            failure = closed_over_tls(
-                connect_failure(exc, backend.name, timeout),
-                backend.name,
-                backend.name in self._keys.certified,
-            )
+            shows = backend.name in self._keys.certified
+            failure = connect_failure(exc, backend.name, timeout, shows_certificate=shows)
             kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
             raise kind(failure.message, code=failure.code) from None
         if response.status != 200:

@@ -48,24 +48,6 @@ PLAIN_TO_TLS = "it is a TLS port, spoken to in plain HTTP: its URL must begin wi
 TLS_TO_PLAIN = "is it a plain HTTP port? Then its URL begins with http://"
 
 
-def closed_over_tls(failure: Failure, base_url: str, shows_certificate: bool) -> Failure:
-    """``failure``, with a question when an https upstream shown no client certificate
-    closed the connection before answering: a TLS server that wants one and does not send
-    an alert (Python's asyncio servers, uvicorn's, vLLM's with ``--ssl-cert-reqs``) closes
-    the connection so once the TLS 1.3 handshake is done."""
-    if (
-        failure.code != "upstream_disconnected"
-        or shows_certificate
-        or not base_url.startswith("https://")
-    ):
-        return failure
-    question = (
-        "; does it ask for a client certificate? This relay shows none (cert_file and "
-        "key_file in the routes file)"
-    )
-    return Failure(failure.message + question, failure.code, failure.timed_out)
-
-
 def _os_reason(error: OSError | None) -> str:
     """``connection refused``, ``network is unreachable``: the system's words for an errno."""
     if error is not None and error.errno:
@@ -89,10 +71,12 @@ def _tls_reason(exc: BaseException) -> str:
     return "the TLS handshake failed"
 
 
-def connect_failure(exc: BaseException, base_url: str, timeout_s: float) -> Failure:
+def connect_failure(
+    exc: BaseException, base_url: str, timeout_s: float, *, shows_certificate: bool
+) -> Failure:
     """A failure to send a request to ``base_url`` or to read its response head: the relay's
     own client's (``upstream_http``, ``OSError``, ``ssl.SSLError``) or aiohttp's (the health
-    prober's)."""
+    prober's). ``shows_certificate``: the relay shows this upstream a client certificate."""
     log.debug("upstream %s: %r", base_url, exc)
     where = f"the upstream at {base_url}"
     if isinstance(exc, aiohttp.ServerTimeoutError):
@@ -118,7 +102,16 @@ def connect_failure(exc: BaseException, base_url: str, timeout_s: float) -> Fail
         | PeerClosed
         | ConnectionResetError,
     ):
-        return Failure(f"{where} closed the connection before answering", "upstream_disconnected")
+        said = f"{where} closed the connection before answering"
+        if base_url.startswith("https://") and not shows_certificate:
+            # A TLS server that wants a client certificate and sends no alert (Python's
+            # asyncio servers: uvicorn's, vLLM's with --ssl-cert-reqs) closes so, once the
+            # TLS 1.3 handshake is done.
+            said += (
+                "; does it ask for a client certificate? This relay shows none (cert_file and "
+                "key_file in the routes file)"
+            )
+        return Failure(said, "upstream_disconnected")
     if isinstance(exc, HeadTooLarge):
         return Failure(
             f"{where} sent a response head larger than {MAX_HEAD_BYTES // 1024} KiB",

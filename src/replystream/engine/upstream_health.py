@@ -25,7 +25,7 @@ import aiohttp
 from pydantic_core import from_json
 
 from replystream.engine.upstream_config import UpstreamKeys
-from replystream.engine.upstream_errors import closed_over_tls, connect_failure
+from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_refusals import (
     BODY_LIMIT,
@@ -175,9 +175,9 @@ class HealthProber:
         except TimeoutError:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:
-            failure = connect_failure(exc, backend.name, self._timeout_s)
             shows = backend.name in keys.certified
-            return closed_over_tls(failure, backend.name, shows).message, []
+            failure = connect_failure(exc, backend.name, self._timeout_s, shows_certificate=shows)
+            return failure.message, []
         if front is not None:
             return f"{where} answered {status}: {front}", []
         if 300 <= status < 400:
