@@ -11,6 +11,8 @@ access log, streaming passed through), and known to be ready:
   process (``master_process off``), the floor for any relay;
 - ``pipe``: ``byte_pipe.py``, bytes piped through asyncio with nothing parsed, on the same
   loop as replystream: the floor for any relay written in Python;
+- ``parse-pipe``: ``byte_pipe.py --parse``, the same pipe parsing each chunk and writing one
+  of its own, nothing else: the floor for a Python relay that reads what it relays;
 - ``native``: not a relay: replystream making the same replies itself (the simulated engine,
   the upstream's words on the upstream's schedule, no jitter), on the same route, loop and
   process count as the ``replystream`` relay: what native delivery costs beside relaying.
@@ -39,7 +41,7 @@ from relay.upstream_server import text_of
 from replystream.lab.local_server import announced_process, serve_process, stop_process
 
 HERE = Path(__file__).resolve().parent
-RELAYS = ("replystream", "litellm", "nginx", "pipe", "native")
+RELAYS = ("replystream", "litellm", "nginx", "pipe", "parse-pipe", "native")
 # LiteLLM refuses to start without a master key; every target is sent it (the others ignore it).
 API_KEY = "sk-bench-" + secrets.token_hex(24)
 READY = re.compile(r"listening on (http://\S+)")
@@ -168,10 +170,12 @@ async def native_server(
 
 
 @contextlib.asynccontextmanager
-async def pipe_relay(upstream: str, loop: str) -> AsyncIterator[Target]:
+async def pipe_relay(upstream: str, loop: str, parse: bool) -> AsyncIterator[Target]:
+    name = "parse-pipe" if parse else "pipe"
     command = [sys.executable, str(HERE / "byte_pipe.py"), "--upstream", upstream.split("//")[1]]
-    async with announced_process([*command, "--loop", loop], READY, name="pipe") as server:
-        yield Target("pipe", server.url, server.pid)
+    command += ["--loop", loop, *(["--parse"] if parse else [])]
+    async with announced_process(command, READY, name=name) as server:
+        yield Target(name, server.url, server.pid)
 
 
 @contextlib.asynccontextmanager

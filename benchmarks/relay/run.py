@@ -26,8 +26,8 @@ Every figure is the median over the rounds. Then the relay's own parse and re-en
 chunk, apart from its socket work (``parse_cost.py``). See docs/performance.md.
 
 Run: python benchmarks/relay/run.py [--quick] [-C 1 100 500 1000] [--rounds 3]
-         [--relays replystream litellm nginx pipe native] [--litellm PATH] [--loop asyncio|uvloop]
-         [--workers N] [--first-chunk-ms 0]
+         [--relays replystream litellm nginx pipe parse-pipe native] [--litellm PATH]
+         [--loop asyncio|uvloop] [--workers N] [--first-chunk-ms 0]
          [--replies-per-slot 2] [--burst] [--timeout-s 10] [--json FILE]
 """
 
@@ -209,8 +209,8 @@ def relay_context(
         return replystream_relay(upstream, args.loop, args.workers)
     if name == "nginx":
         return nginx_relay(upstream, tmp)
-    if name == "pipe":
-        return pipe_relay(upstream, args.loop)
+    if name in ("pipe", "parse-pipe"):
+        return pipe_relay(upstream, args.loop, parse=name == "parse-pipe")
     if name == "native":
         return native_server(
             args.chunks, args.interval_ms, args.loop, args.workers, args.first_chunk_ms
