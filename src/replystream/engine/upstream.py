@@ -21,6 +21,7 @@ must not know about our HTTP server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import Counter
@@ -56,6 +57,7 @@ from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_refusals import (
+    StreamOptionsRefused,
     UpstreamRefusedClientKey,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -72,6 +74,8 @@ from replystream.engine.upstream_shared_limits import OtherWorkers, backend_stat
 from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
 
+log = logging.getLogger("replystream.upstream")
+
 
 def stops_sent(request: GenerationRequest) -> tuple[str, ...]:
     """The request's stop strings as its upstream is sent them: none when the client is told
@@ -82,19 +86,20 @@ def stops_sent(request: GenerationRequest) -> tuple[str, ...]:
     return () if request.names_stop_sequence else request.sampling.stop
 
 
-def request_body(request: GenerationRequest, model: str | None) -> dict[str, Any]:
-    """The upstream chat-completion body for ``request``."""
+def request_body(
+    request: GenerationRequest, model: str | None, *, ask_usage: bool = True
+) -> dict[str, Any]:
+    """The upstream chat-completion body for ``request``; ``ask_usage``: with
+    ``stream_options.include_usage`` (not for an upstream that refused it)."""
     s = request.sampling
     messages = (
         [dict(m) for m in request.messages]
         if request.messages
         else [{"role": "user", "content": request.prompt}]
     )
-    body: dict[str, Any] = {
-        "messages": messages,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body: dict[str, Any] = {"messages": messages, "stream": True}
+    if ask_usage:
+        body["stream_options"] = {"include_usage": True}
     # Only as the client gave them: an upstream applies a model's own defaults (vLLM's
     # generation config, Ollama's Modelfile) to a request that leaves them out.
     if s.top_p == 0:
@@ -409,7 +414,10 @@ class UpstreamEngine:
                 "an HTTP header carries printable ASCII characters only",
                 status=401,
             )
-        body = to_json(request_body(request, self._model_for(backend, request)))
+        ask_usage = backend.takes_stream_options
+        body = to_json(
+            request_body(request, self._model_for(backend, request), ask_usage=ask_usage)
+        )
         timeout = self.config.headers_timeout_s
         first_content_due = within_s is not None and within_s < timeout
         if within_s is not None:
@@ -441,7 +449,7 @@ class UpstreamEngine:
             read_s = self.config.headers_timeout_s
             if within_s is not None:
                 read_s = min(read_s, max(0.0, within_s - (time.monotonic() - sent_at)))
-            raise await refusal(
+            refused = await refusal(
                 response,
                 backend.name,
                 request.caller.key,
@@ -451,6 +459,22 @@ class UpstreamEngine:
                 read_s=read_s,
                 cooldown_s=self.config.cooldown_s,
             )
+            if ask_usage and isinstance(refused, StreamOptionsRefused):
+                # The field is ours, added to have the upstream's usage (older Azure OpenAI
+                # API versions, and servers whose schema forbids fields it does not know,
+                # refuse it): not the client's mistake. Sent again without it, then and
+                # from now on; its replies' usage is counted here.
+                backend.takes_stream_options = False
+                log.warning(
+                    "%s: it is sent no stream_options from now on, and the usage of its "
+                    "replies is counted by this relay",
+                    refused,
+                )
+                left = (
+                    None if within_s is None else max(0.0, within_s - (time.monotonic() - sent_at))
+                )
+                return await self.open_attempt(backend, request, left)
+            raise refused
         if response.content_type != "text/event-stream":
             response.close()
             raise UpstreamUnavailable(

@@ -121,6 +121,8 @@ class Backend:
     first_text_sum: float = 0.0
     # The models it answered 404 to lately, and until when that stands (``not_serving``).
     unserved: dict[str, float] = field(default_factory=dict)
+    # Whether it is sent ``stream_options`` (for its own usage): not once it refused them.
+    takes_stream_options: bool = True
 
     def _move(self, outcome: Outcome) -> None:
         self.circuit = CIRCUIT_TABLE[self.circuit, outcome]

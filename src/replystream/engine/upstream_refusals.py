@@ -6,7 +6,9 @@ one should) and ``UpstreamTimeout`` (504: no response head within the head timeo
 the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
 status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
 (400) carrying the upstream's message and the field it names (of the chat request it was
-sent: ``names_upstream_field``); a 413 says the upstream's limit on a request's size
+sent: ``names_upstream_field``), or a ``StreamOptionsRefused`` when it names
+``stream_options``, the field the relay adds (the engine sends the request again without
+it); a 413 says the upstream's limit on a request's size
 (``UpstreamTooLarge``, 413: another upstream may take it); a 404 that speaks of a model says
 the upstream does not serve the model (``UpstreamModelNotFound``, 404: about that model
 there, not the upstream's health), one that does not, that its URL lacks the path (502,
@@ -72,6 +74,13 @@ class UpstreamModelNotFound(EngineError):
     status = 404
 
 
+class StreamOptionsRefused(RequestRejected):
+    """An upstream's 400 or 422 naming ``stream_options``: the field the relay adds to every
+    request for the upstream's own usage, which some upstreams refuse (older Azure OpenAI
+    API versions; servers whose schema forbids a field they do not know). Not the client's
+    mistake: the engine sends the request again without it."""
+
+
 class UpstreamTooLarge(EngineError):
     """An upstream answered 413: the request is larger than it (or a proxy in front of it)
     takes. Its limit, not the request's validity nor the upstream's health: another upstream
@@ -111,6 +120,8 @@ def _upstream_message(
     except ValueError:
         return None, None, None
     error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict) and isinstance(error.get("detail"), list):
+        return _validation_detail(error["detail"], withheld)
     if isinstance(error, dict):
         code, param = error.get("code"), error.get("param")
         message = error.get("message") or error.get("detail")
@@ -124,6 +135,25 @@ def _upstream_message(
     if isinstance(error, str) and error.strip():
         return quoted(error, withheld=withheld), None, None
     return None, None, None
+
+
+def _validation_detail(
+    detail: list[object], withheld: Sequence[str]
+) -> tuple[str | None, str | None, str | None]:
+    """Message and param of a FastAPI validation error (a 422 whose ``detail`` lists each
+    problem: ``{"loc": ["body", "stream_options"], "msg": "Extra inputs are not permitted"}``),
+    the first problem's. The ``input`` each problem repeats (the request's own values) is not
+    quoted."""
+    first = detail[0] if detail else None
+    if not isinstance(first, dict) or not isinstance(first.get("msg"), str):
+        return None, None, None
+    loc = first.get("loc")
+    where = [str(part) for part in loc] if isinstance(loc, list) else []
+    if where[:1] == ["body"]:
+        where = where[1:]
+    said = f"{'.'.join(where)}: {first['msg']}" if where else first["msg"]
+    param = _keyless(where[0], withheld) if where else None
+    return quoted(said, withheld=withheld), None, param
 
 
 def _keyless(value: object, withheld: Sequence[str]) -> str | None:
@@ -216,7 +246,8 @@ async def refusal(
             said = f"{where}: the request is larger than it takes (its own limit, or a proxy's)"
         return UpstreamTooLarge(said, code="request_too_large")
     if status in (400, 422):
-        return RequestRejected(
+        names_ours = param == "stream_options" or (message and "stream_options" in message)
+        return (StreamOptionsRefused if names_ours else RequestRejected)(
             said, code=code or "upstream_rejected", param=param, names_upstream_field=True
         )
     if status == 404 and (message is None or "model" not in message.lower()):
