@@ -1,15 +1,18 @@
-"""An upstream that refuses ``stream_options``, which the relay adds to every request to have
-the upstream's own usage: Azure OpenAI's older API versions answer 400 "Unrecognized request
-argument supplied: stream_options", servers whose schema forbids fields they do not know
-answer FastAPI's 422. The client never sent that field: its request is sent again without
-it, then every request to that upstream goes without it and its usage is counted by the
-relay. Also: a FastAPI 422 about a field the client did send is quoted and names it.
+"""Fields as the relay writes them that an upstream refuses, never the client's mistake.
+``stream_options``, added to every request to have the upstream's own usage: Azure OpenAI's
+API versions before 2024-10-21 answer 400 "Unrecognized request argument supplied:
+stream_options" (later "Unknown parameter" with that param), servers whose schema forbids
+fields they do not know answer FastAPI's 422. ``max_tokens``, the relay's spelling of a
+token limit: OpenAI's reasoning models take only ``max_completion_tokens``. The request is
+sent again as the upstream asks, and every request after it goes so. Also: a FastAPI 422
+about a field the client did send is quoted and names it.
 Real aiohttp upstreams on loopback ports, replystream serving an ``UpstreamEngine``."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,64 +21,82 @@ from aiohttp import web
 from tests.sse_client import post_events
 from tests.test_upstream_routing import Upstream, relay
 
+Answer = tuple[int, dict[str, Any]]
+
+
+def openai_400(message: str, param: str | None, code: str | None) -> Answer:
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    return 400, {"error": error}
+
+
+def fastapi_422(field: str) -> Callable[[dict[str, Any]], Answer | None]:
+    """FastAPI's answer to a body holding ``field``, which its model forbids."""
+
+    def refuse(body: dict[str, Any]) -> Answer | None:
+        if field not in body:
+            return None
+        problem = {
+            "type": "extra_forbidden",
+            "loc": ["body", field],
+            "msg": "Extra inputs are not permitted",
+            "input": body[field],
+        }
+        return 422, {"detail": [problem]}
+
+    return refuse
+
+
+def refusing_field(field: str, answer: Answer) -> Callable[[dict[str, Any]], Answer | None]:
+    return lambda body: answer if field in body else None
+
+
 # Azure OpenAI's answers, API versions before 2024-10-21: in words alone, then with its param.
-AZURE_400 = {
-    "error": {
-        "message": "Unrecognized request argument supplied: stream_options",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": None,
-    }
-}
-UNKNOWN_PARAMETER_400 = {
-    "error": {
-        "message": "Unknown parameter: 'stream_options'.",
-        "type": "invalid_request_error",
-        "param": "stream_options",
-        "code": "unknown_parameter",
-    }
-}
-
-
-def fastapi_422(field: str, body: dict[str, Any]) -> dict[str, Any]:
-    """FastAPI's answer to a body with a field its model forbids (``extra="forbid"``)."""
-    return {
-        "detail": [
-            {
-                "type": "extra_forbidden",
-                "loc": ["body", field],
-                "msg": "Extra inputs are not permitted",
-                "input": body[field],
-            }
-        ]
-    }
+AZURE = openai_400("Unrecognized request argument supplied: stream_options", None, None)
+UNKNOWN_PARAMETER = openai_400(
+    "Unknown parameter: 'stream_options'.", "stream_options", "unknown_parameter"
+)
+# OpenAI's answer for a reasoning model.
+MAX_TOKENS_UNSUPPORTED = openai_400(
+    "Unsupported parameter: 'max_tokens' is not supported with this model. "
+    "Use 'max_completion_tokens' instead.",
+    "max_tokens",
+    "unsupported_parameter",
+)
 
 
 class Refusing(Upstream):
-    """An upstream that answers ``refusal(body)`` (a status and a JSON body) to a request
-    holding ``field``, and streams as ``Upstream`` does to one without it."""
+    """An upstream that answers what ``refuse`` says to a body it refuses, and streams as
+    ``Upstream`` does to any other; ``refused`` counts the refusals."""
 
-    def __init__(self, field: str, status: int, shape: str) -> None:
-        super().__init__(["m"])
-        self.field, self.status, self.shape = field, status, shape
+    def __init__(
+        self, refuse: Callable[[dict[str, Any]], Answer | None], models: list[str] | None = None
+    ) -> None:
+        super().__init__(models or ["m"])
+        self.refuse = refuse
+        self.refused = 0
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        if self.field in body:
-            self.bodies.append(body)
-            answers = {"azure": AZURE_400, "unknown_parameter": UNKNOWN_PARAMETER_400}
-            answer = answers.get(self.shape) or fastapi_422(self.field, body)
-            return web.json_response(answer, status=self.status)
-        return await super().chat(request)
+        answer = self.refuse(await request.json())
+        if answer is None:
+            return await super().chat(request)
+        self.bodies.append(await request.json())
+        self.refused += 1
+        return web.json_response(answer[1], status=answer[0])
 
 
 @pytest.mark.parametrize(
-    ("status", "shape"), [(400, "azure"), (400, "unknown_parameter"), (422, "fastapi")]
+    "refuse",
+    [
+        refusing_field("stream_options", AZURE),
+        refusing_field("stream_options", UNKNOWN_PARAMETER),
+        fastapi_422("stream_options"),
+    ],
+    ids=["azure", "unknown_parameter", "fastapi"],
 )
 async def test_an_upstream_refusing_stream_options_is_sent_none_and_usage_is_counted_here(
-    status: int, shape: str, caplog: pytest.LogCaptureFixture
+    refuse: Callable[[dict[str, Any]], Answer | None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    up = Refusing("stream_options", status, shape)
+    up = Refusing(refuse)
     caplog.set_level(logging.WARNING, logger="replystream.upstream")
     chat = {
         "messages": [{"role": "user", "content": "hi there"}],
@@ -97,8 +118,33 @@ async def test_an_upstream_refusing_stream_options_is_sent_none_and_usage_is_cou
     assert "sent no stream_options from now on" in warnings[0]
 
 
+async def test_a_model_that_takes_only_max_completion_tokens_is_sent_its_limit_so() -> None:
+    def refuse(body: dict[str, Any]) -> Answer | None:
+        reasoning = body["model"] == "reasoner"
+        return MAX_TOKENS_UNSUPPORTED if reasoning and "max_tokens" in body else None
+
+    up = Refusing(refuse, ["reasoner", "m"])
+    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([up], failures=1) as url:
+        for model, limit in [("reasoner", "max_completion_tokens"), ("reasoner", "max_tokens")]:
+            got = await post_events(f"{url}/v1/chat/completions", {**ask, "model": model, limit: 7})
+            assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+        got = await post_events(
+            f"{url}/v1/chat/completions", {**ask, "model": "m", "max_tokens": 7}
+        )
+        assert got.status == 200, got.raw
+    limits = [(b["model"], b.get("max_tokens"), b.get("max_completion_tokens")) for b in up.bodies]
+    assert limits == [
+        ("reasoner", 7, None),  # refused
+        ("reasoner", None, 7),  # sent again as it asks
+        ("reasoner", None, 7),  # and so from then on, for that model
+        ("m", 7, None),  # but not for another
+    ]
+    assert up.refused == 1
+
+
 async def test_a_fastapi_422_about_the_clients_own_field_is_quoted_and_names_it() -> None:
-    up = Refusing("top_k", 422, "fastapi")
+    up = Refusing(fastapi_422("top_k"))
     chat = {"messages": [{"role": "user", "content": "hi"}], "top_k": 5, "stream": True}
     async with relay([up]) as url:
         got = await post_events(f"{url}/v1/chat/completions", chat)
@@ -106,4 +152,4 @@ async def test_a_fastapi_422_about_the_clients_own_field_is_quoted_and_names_it(
     error = json.loads(got.raw)["error"]
     assert error["param"] == "top_k"
     assert error["message"].endswith("answered 422: top_k: Extra inputs are not permitted")
-    assert len(up.bodies) == 1  # the client's own field: not sent again
+    assert up.refused == 1  # the client's own field: not sent again

@@ -57,7 +57,7 @@ from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_refusals import (
-    StreamOptionsRefused,
+    OwnFieldRefused,
     UpstreamRefusedClientKey,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -75,6 +75,8 @@ from replystream.engine.upstream_slots import SharedLimits
 from replystream.engine.upstream_stream import UpstreamStream
 
 log = logging.getLogger("replystream.upstream")
+# Models remembered per upstream as taking a token limit only as max_completion_tokens.
+COMPLETION_LIMIT_MODELS = 1024
 
 
 def stops_sent(request: GenerationRequest) -> tuple[str, ...]:
@@ -87,10 +89,15 @@ def stops_sent(request: GenerationRequest) -> tuple[str, ...]:
 
 
 def request_body(
-    request: GenerationRequest, model: str | None, *, ask_usage: bool = True
+    request: GenerationRequest,
+    model: str | None,
+    *,
+    ask_usage: bool = True,
+    limit_field: str = "max_tokens",
 ) -> dict[str, Any]:
     """The upstream chat-completion body for ``request``; ``ask_usage``: with
-    ``stream_options.include_usage`` (not for an upstream that refused it)."""
+    ``stream_options.include_usage``; ``limit_field``: the token limit's name (both as the
+    upstream takes them: ``Backend.takes_stream_options``, ``completion_limit_models``)."""
     s = request.sampling
     messages = (
         [dict(m) for m in request.messages]
@@ -123,7 +130,7 @@ def request_body(
     if request.chat_template_kwargs:  # vLLM's, SGLang's and llama.cpp's server's
         body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
     if s.max_tokens is not None:
-        body["max_tokens"] = s.max_tokens
+        body[limit_field] = s.max_tokens
     if s.top_k > 0:
         body["top_k"] = s.top_k  # vLLM, TGI, llama.cpp and Ollama take it; OpenAI does not
     if s.min_p > 0:
@@ -396,6 +403,29 @@ class UpstreamEngine:
             origin = self._origins[backend.name] = HttpOrigin(backend.name, tls=tls)
         return origin
 
+    def _heed(self, backend: Backend, model: str | None, refused: OwnFieldRefused) -> bool:
+        """Write the field ``refused`` (as the relay wrote it) as ``backend`` asks, from now
+        on; whether the request it refused is then written otherwise (else that refusal
+        stands: the field was already written so)."""
+        if refused.field == "stream_options":
+            if not backend.takes_stream_options:
+                return False
+            backend.takes_stream_options = False
+            then = "it is sent no stream_options from now on, and the usage of its replies is "
+            then += "counted by this relay"
+        else:
+            limits = backend.completion_limit_models
+            if model in limits:
+                return False
+            while len(limits) >= COMPLETION_LIMIT_MODELS:
+                del limits[next(iter(limits))]
+            limits[model] = None
+            which = f"for {model}" if model is not None else "when no model is named"
+            then = f"a token limit goes to it as max_completion_tokens {which} from now on"
+        # Both are fields as the relay writes them, not the client's: its request stands.
+        log.warning("%s: %s", refused, then)
+        return True
+
     async def open_attempt(
         self, backend: Backend, request: GenerationRequest, within_s: float | None = None
     ) -> UpstreamStream:
@@ -414,10 +444,12 @@ class UpstreamEngine:
                 "an HTTP header carries printable ASCII characters only",
                 status=401,
             )
-        ask_usage = backend.takes_stream_options
-        body = to_json(
-            request_body(request, self._model_for(backend, request), ask_usage=ask_usage)
+        model = self._model_for(backend, request)
+        limit_field = (
+            "max_completion_tokens" if model in backend.completion_limit_models else "max_tokens"
         )
+        ask_usage = backend.takes_stream_options
+        body = to_json(request_body(request, model, ask_usage=ask_usage, limit_field=limit_field))
         timeout = self.config.headers_timeout_s
         first_content_due = within_s is not None and within_s < timeout
         if within_s is not None:
@@ -459,20 +491,10 @@ class UpstreamEngine:
                 read_s=read_s,
                 cooldown_s=self.config.cooldown_s,
             )
-            if ask_usage and isinstance(refused, StreamOptionsRefused):
-                # The field is ours, added to have the upstream's usage (older Azure OpenAI
-                # API versions, and servers whose schema forbids fields it does not know,
-                # refuse it): not the client's mistake. Sent again without it, then and
-                # from now on; its replies' usage is counted here.
-                backend.takes_stream_options = False
-                log.warning(
-                    "%s: it is sent no stream_options from now on, and the usage of its "
-                    "replies is counted by this relay",
-                    refused,
-                )
-                left = (
-                    None if within_s is None else max(0.0, within_s - (time.monotonic() - sent_at))
-                )
+            if isinstance(refused, OwnFieldRefused) and self._heed(backend, model, refused):
+                left = within_s
+                if left is not None:
+                    left = max(0.0, left - (time.monotonic() - sent_at))
                 return await self.open_attempt(backend, request, left)
             raise refused
         if response.content_type != "text/event-stream":

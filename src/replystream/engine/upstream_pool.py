@@ -123,6 +123,9 @@ class Backend:
     unserved: dict[str, float] = field(default_factory=dict)
     # Whether it is sent ``stream_options`` (for its own usage): not once it refused them.
     takes_stream_options: bool = True
+    # The models it takes a token limit for only as ``max_completion_tokens`` (it refused
+    # ``max_tokens`` for them, as OpenAI does for its reasoning models), oldest first.
+    completion_limit_models: dict[str | None, None] = field(default_factory=dict)
 
     def _move(self, outcome: Outcome) -> None:
         self.circuit = CIRCUIT_TABLE[self.circuit, outcome]

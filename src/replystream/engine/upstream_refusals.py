@@ -6,9 +6,9 @@ one should) and ``UpstreamTimeout`` (504: no response head within the head timeo
 the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
 status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
 (400) carrying the upstream's message and the field it names (of the chat request it was
-sent: ``names_upstream_field``), or a ``StreamOptionsRefused`` when it names
-``stream_options``, the field the relay adds (the engine sends the request again without
-it); a 413 says the upstream's limit on a request's size
+sent: ``names_upstream_field``), or an ``OwnFieldRefused`` when the field is one as the
+relay writes it (``stream_options``, ``max_tokens``: the engine sends the request again as
+the upstream asks); a 413 says the upstream's limit on a request's size
 (``UpstreamTooLarge``, 413: another upstream may take it); a 404 that speaks of a model says
 the upstream does not serve the model (``UpstreamModelNotFound``, 404: about that model
 there, not the upstream's health), one that does not, that its URL lacks the path (502,
@@ -74,11 +74,29 @@ class UpstreamModelNotFound(EngineError):
     status = 404
 
 
-class StreamOptionsRefused(RequestRejected):
-    """An upstream's 400 or 422 naming ``stream_options``: the field the relay adds to every
-    request for the upstream's own usage, which some upstreams refuse (older Azure OpenAI
-    API versions; servers whose schema forbids a field they do not know). Not the client's
-    mistake: the engine sends the request again without it."""
+class OwnFieldRefused(RequestRejected):
+    """An upstream's 400 or 422 refusing a field as the relay itself writes it (``field``):
+    ``stream_options``, added to every request for the upstream's own usage, which some
+    upstreams refuse (Azure OpenAI's API versions before 2024-10-21; servers whose schema
+    forbids a field they do not know); or ``max_tokens``, the relay's spelling of the
+    client's token limit, where the model takes only ``max_completion_tokens`` (OpenAI's
+    reasoning models). Not the client's mistake: the engine sends the request again as the
+    upstream asks."""
+
+    def __init__(self, message: str, *, field: str, code: str, param: str | None) -> None:
+        super().__init__(message, code=code, param=param, names_upstream_field=True)
+        self.field = field
+
+
+def own_field_refused(param: str | None, message: str | None) -> str | None:
+    """Which field as the relay writes it an upstream's 400 or 422 refuses, by its ``param``
+    and its words (None: none of ours)."""
+    said = message or ""
+    if param == "stream_options" or "stream_options" in said:
+        return "stream_options"
+    if (param == "max_tokens" or "max_tokens" in said) and "max_completion_tokens" in said:
+        return "max_tokens"
+    return None
 
 
 class UpstreamTooLarge(EngineError):
@@ -246,8 +264,10 @@ async def refusal(
             said = f"{where}: the request is larger than it takes (its own limit, or a proxy's)"
         return UpstreamTooLarge(said, code="request_too_large")
     if status in (400, 422):
-        names_ours = param == "stream_options" or (message and "stream_options" in message)
-        return (StreamOptionsRefused if names_ours else RequestRejected)(
+        field = own_field_refused(param, message)
+        if field is not None:
+            return OwnFieldRefused(said, field=field, code=code or "upstream_rejected", param=param)
+        return RequestRejected(
             said, code=code or "upstream_rejected", param=param, names_upstream_field=True
         )
     if status == 404 and (message is None or "model" not in message.lower()):
