@@ -245,6 +245,8 @@ class UpstreamEngine:
         )
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._deltas = 0
+        for name, proxy in self._keys.proxies.items():
+            log.info("the upstream at %s is reached through the proxy at %s", name, proxy.shown)
 
     def count_tokens(self, text: str) -> int:
         """An estimate (about 4 bytes per token), for when the upstream reports no usage."""
@@ -400,7 +402,8 @@ class UpstreamEngine:
         origin = self._origins.get(backend.name)
         if origin is None:
             tls = self._keys.tls.get(backend.name)
-            origin = self._origins[backend.name] = HttpOrigin(backend.name, tls=tls)
+            proxy = self._keys.proxies.get(backend.name)
+            origin = self._origins[backend.name] = HttpOrigin(backend.name, tls=tls, proxy=proxy)
         return origin
 
     def _heed(self, backend: Backend, model: str | None, refused: OwnFieldRefused) -> bool:

@@ -16,6 +16,8 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from replystream.engine.upstream_proxy import Proxy, proxies_of
+
 ROUTINGS = ("least", "prefix")  # how the first upstream for a request is chosen
 
 
@@ -295,7 +297,8 @@ class UpstreamKeys:
     """What goes to each upstream as its ``Authorization``: its own key, or the caller's own
     (for those in ``passing``), else the key for all; where each is configured; what no
     upstream's words passed on may repeat (``withheld``); and the TLS an https upstream is
-    reached with when a routes file gives its own CAs or a client certificate (``tls``)."""
+    reached with when a routes file gives its own CAs or a client certificate (``tls``);
+    the proxy an upstream is reached through (``proxies``, from the environment)."""
 
     own: dict[str, str | None] = field(repr=False)
     passing: frozenset[str]
@@ -307,6 +310,8 @@ class UpstreamKeys:
     tls: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False)
     extra: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict, repr=False)
     certified: frozenset[str] = frozenset()  # those shown a client certificate
+    # The proxy each upstream reached through one is reached through (the environment's).
+    proxies: dict[str, Proxy] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: UpstreamConfig) -> UpstreamKeys:
@@ -323,6 +328,7 @@ class UpstreamKeys:
             {t.base_url: t.tls for t in targets if t.tls is not None},
             {t.base_url: t.headers for t in targets if t.headers},
             frozenset(t.base_url for t in targets if t.shows_certificate),
+            proxies_of(t.base_url for t in targets),
         )
 
     def key_from(self, name: str) -> str | None:

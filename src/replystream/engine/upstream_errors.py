@@ -29,7 +29,9 @@ from replystream.engine.upstream_http_failures import (
     HeadTooLarge,
     NotHttp,
     PeerClosed,
+    ProxyFailed,
 )
+from replystream.engine.upstream_proxy import tunnel_refused
 
 log = logging.getLogger("replystream.upstream")
 
@@ -72,13 +74,32 @@ def _tls_reason(exc: BaseException) -> str:
 
 
 def connect_failure(
-    exc: BaseException, base_url: str, timeout_s: float, *, shows_certificate: bool
+    exc: BaseException,
+    base_url: str,
+    timeout_s: float,
+    *,
+    shows_certificate: bool,
+    proxy: str = "",
 ) -> Failure:
     """A failure to send a request to ``base_url`` or to read its response head: the relay's
     own client's (``upstream_http``, ``OSError``, ``ssl.SSLError``) or aiohttp's (the health
-    prober's). ``shows_certificate``: the relay shows this upstream a client certificate."""
+    prober's). ``shows_certificate``: the relay shows this upstream a client certificate;
+    ``proxy``: the proxy it is reached through, as shown (aiohttp's failures do not say)."""
     log.debug("upstream %s: %r", base_url, exc)
     where = f"the upstream at {base_url}"
+    if isinstance(exc, aiohttp.ClientProxyConnectionError):
+        exc = ProxyFailed("it cannot be reached", os_error=exc.os_error)
+        exc.proxy = proxy
+    elif isinstance(exc, aiohttp.ClientHttpProxyError):
+        exc = tunnel_refused(exc.status, exc.message)
+        exc.proxy = proxy
+    if isinstance(exc, ProxyFailed):
+        said = f"cannot connect to {where} through the proxy at {exc.proxy}: {exc}"
+        if isinstance(exc.os_error, socket.gaierror):
+            said += " (its host name does not resolve)"
+        elif exc.os_error is not None:
+            said += f" ({_os_reason(exc.os_error)})"
+        return Failure(said, "upstream_unavailable")
     if isinstance(exc, aiohttp.ServerTimeoutError):
         return Failure(
             f"{where} did not answer within {timeout_s:g} s", "upstream_timeout", timed_out=True

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiohttp
 from pydantic_core import from_json
@@ -27,6 +28,7 @@ from pydantic_core import from_json
 from replystream.engine.upstream_config import UpstreamKeys
 from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
+from replystream.engine.upstream_proxy import CREDENTIALS_ASKED
 from replystream.engine.upstream_refusals import (
     BODY_LIMIT,
     front_refusal,
@@ -157,10 +159,22 @@ class HealthProber:
         try:
             async with asyncio.timeout(self._timeout_s):
                 tls = keys.tls.get(backend.name, True)  # True: the system's CAs
+                proxy = keys.proxies.get(backend.name)
+                through: dict[str, Any] = {}
+                if proxy is not None:
+                    through["proxy"] = proxy.url
+                    if proxy.authorization:
+                        # To an https upstream it goes with CONNECT; to an http one, aiohttp
+                        # sends the request's own headers to the proxy.
+                        authorization = {"Proxy-Authorization": proxy.authorization}
+                        if backend.name.startswith("https://"):
+                            through["proxy_headers"] = authorization
+                        else:
+                            headers = {**headers, **authorization}
                 # Redirects are not followed, as the relay's requests do not follow them: a
                 # probe that did would call an upstream every request fails at healthy.
                 async with self._session().get(
-                    url, headers=headers, ssl=tls, allow_redirects=False
+                    url, headers=headers, ssl=tls, allow_redirects=False, **through
                 ) as response:
                     status = response.status
                     location = response.headers.get("Location", "")
@@ -176,13 +190,19 @@ class HealthProber:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except aiohttp.ClientError as exc:
             shows = backend.name in keys.certified
-            failure = connect_failure(exc, backend.name, self._timeout_s, shows_certificate=shows)
+            proxy = keys.proxies.get(backend.name)
+            shown = "" if proxy is None else proxy.shown
+            failure = connect_failure(
+                exc, backend.name, self._timeout_s, shows_certificate=shows, proxy=shown
+            )
             return failure.message, []
         if front is not None:
             return f"{where} answered {status}: {front}", []
         if 300 <= status < 400:
             withheld = keys.withheld(backend.name, None)
             return f"{where} answered {status}: {redirected(location, withheld)}", []
+        if status == 407:  # a proxy's, on the way to an http upstream
+            return f"{where} answered 407: {CREDENTIALS_ASKED}", []
         if status in (401, 403) and backend.name in keys.passing:
             return None, []
         if status in (401, 403):

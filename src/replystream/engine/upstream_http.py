@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from replystream.engine.upstream_http_connection import Connection, Response
 from replystream.engine.upstream_http_failures import ConnectFailed, PeerClosed, Stale
+from replystream.engine.upstream_proxy import Proxy, connect_to, open_tunnel
 
 MAX_IDLE = 1024  # idle keep-alive connections kept per origin (a burst of replies reuses them)
 
@@ -76,9 +77,24 @@ class HttpOrigin:
     """The connections to one upstream origin, and the requests sent over them."""
 
     def __init__(
-        self, url: str, *, max_idle: int = MAX_IDLE, tls: ssl.SSLContext | None = None
+        self,
+        url: str,
+        *,
+        max_idle: int = MAX_IDLE,
+        tls: ssl.SSLContext | None = None,
+        proxy: Proxy | None = None,
     ) -> None:
         self.origin = Origin(url)
+        # Reached through a proxy: an https origin through a tunnel it opens; an http one by
+        # requests to the proxy in absolute form, which carry its credentials.
+        self.proxy = proxy
+        origin = self.origin
+        self._target = origin.path
+        self._proxy_line = ""
+        if proxy is not None and not origin.tls:
+            self._target = f"http://{origin.host_header}{origin.path}"
+            if proxy.authorization:
+                self._proxy_line = f"Proxy-Authorization: {proxy.authorization}\r\n"
         self._max_idle = max_idle
         self._idle: list[Connection] = []
         self._open: set[Connection] = set()
@@ -93,9 +109,9 @@ class HttpOrigin:
         complete. Cancelling the wait closes the connection."""
         origin = self.origin
         request = (
-            f"POST {origin.path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
+            f"POST {self._target}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"{_header_lines(headers)}\r\n"
+            f"{self._proxy_line}{_header_lines(headers)}\r\n"
         ).encode("latin-1") + body
         connection = self._take_idle()
         if connection is not None:
@@ -126,6 +142,25 @@ class HttpOrigin:
             if self.tls is None:
                 self.tls = ssl.create_default_context()
             tls = self.tls
+        proxy = self.proxy
+        if proxy is not None:
+            connection = Connection(self)
+            if tls is None:
+                await connect_to(proxy, connection)
+            else:
+                tunnel = await open_tunnel(proxy, origin.host, origin.port)
+                try:
+                    # asyncio calls no connection_made on a protocol it starts TLS for.
+                    inside = await loop.start_tls(
+                        tunnel, connection, tls, server_hostname=origin.host
+                    )
+                except BaseException:
+                    tunnel.close()
+                    raise
+                assert inside is not None
+                connection.connection_made(inside)
+            self.connections_made += 1
+            return connection
         try:
             _, connection = await loop.create_connection(
                 lambda: Connection(self),

@@ -45,3 +45,13 @@ class BadFraming(HttpFailure):
 
 class Stale(HttpFailure):
     """A reused connection closed before any byte of the answer: send again, once."""
+
+
+class ProxyFailed(HttpFailure):
+    """The proxy an upstream is reached through (``proxy``, as shown) could not be reached
+    (``os_error``), or did not open the tunnel to it."""
+
+    def __init__(self, message: str, *, os_error: OSError | None = None) -> None:
+        super().__init__(message)
+        self.os_error = os_error
+        self.proxy = ""

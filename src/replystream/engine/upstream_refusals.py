@@ -38,6 +38,7 @@ from replystream.engine.base import EngineError, RequestRejected
 from replystream.engine.retry_after import retry_after_s
 from replystream.engine.upstream_errors import PLAIN_TO_TLS, quoted
 from replystream.engine.upstream_http_connection import Response
+from replystream.engine.upstream_proxy import CREDENTIALS_ASKED
 
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
 # The longest wait a caller is told when an upstream rate-limited its own key: a day, the
@@ -306,7 +307,9 @@ async def refusal(
         if not client_key:
             said = f"{where}: it wants an API key, and you sent none to pass on"
         return UpstreamRefusedClientKey(said, status=status)
-    if status in (401, 403):  # our configuration, not the client's request
+    if status == 407:  # a proxy's, on the way to an http upstream: our configuration too
+        said = f"{where}: {CREDENTIALS_ASKED}"
+    elif status in (401, 403):  # our configuration, not the client's request
         said = f"{where}: {our_key_refused(key_from)}"
     elif 300 <= status < 400:  # our configuration too: its URL
         said = f"{where}: {redirected(response.location, withheld)}"

@@ -1,0 +1,176 @@
+"""Which proxy the relay reaches an upstream through, and the tunnel it opens through one.
+
+This file decides, from the environment as curl, requests and httpx read it (``HTTPS_PROXY``
+for an https upstream, ``HTTP_PROXY`` for an http one, ``NO_PROXY`` for the hosts reached
+directly; either case; parsed by the standard library's ``urllib.request``), whether an
+upstream is reached through a proxy, and how a connection to it is made: to an https
+upstream, a tunnel the proxy opens on ``CONNECT`` (``open_tunnel``), in which TLS is spoken
+with the upstream end to end; to an http one, a connection to the proxy, sent requests in
+absolute form (``upstream_http`` writes them). Only a proxy spoken to in plain HTTP is taken
+(asyncio speaks no TLS inside TLS). A user name and password in a proxy's URL go to it as
+``Proxy-Authorization`` and never into a message. It must not know what goes through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from urllib.parse import unquote, urlsplit
+
+from replystream.engine.upstream_http_failures import ProxyFailed
+
+MAX_ANSWER_BYTES = 16 * 1024  # a proxy's answer to CONNECT: its status line and headers
+
+
+@dataclass(frozen=True, slots=True)
+class Proxy:
+    """A proxy an upstream is reached through."""
+
+    host: str
+    port: int
+    shown: str  # its URL without user name or password, and the variable it came from
+    # The user name and password its URL holds (None: none).
+    credentials: tuple[str, str] | None = field(default=None, repr=False)
+
+    @property
+    def authorization(self) -> str | None:
+        """``Proxy-Authorization``'s value (None: none is sent)."""
+        if self.credentials is None:
+            return None
+        pair = ":".join(self.credentials).encode()
+        return "Basic " + base64.b64encode(pair).decode("ascii")
+
+    @property
+    def url(self) -> str:
+        """Its URL without user name or password."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def proxies_of(base_urls: Iterable[str]) -> dict[str, Proxy]:
+    """The proxy each upstream (by base URL) is reached through, from the environment
+    (those reached directly are left out). Raises ValueError for a proxy URL this relay
+    cannot use, naming its variable."""
+    found = urllib.request.getproxies_environment()
+    chosen = {}
+    for url in base_urls:
+        parts = urlsplit(url)
+        proxy_url = found.get(parts.scheme)
+        netloc = parts.netloc.rpartition("@")[2]
+        if not proxy_url or urllib.request.proxy_bypass(netloc):
+            continue
+        chosen[url] = _proxy(proxy_url, f"{parts.scheme.upper()}_PROXY")
+    return chosen
+
+
+def _proxy(url: str, variable: str) -> Proxy:
+    if "://" not in url:
+        url = f"http://{url}"  # host:port, as curl takes it
+    try:
+        parts = urlsplit(url)
+        port = parts.port or 80
+    except ValueError:
+        raise ValueError(f"{variable}: the proxy's URL is not a valid URL") from None
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(
+            f"{variable}: a proxy reached over {parts.scheme or 'no scheme'} is not supported: "
+            "give its http:// URL (the tunnel to an https upstream is TLS end to end all the same)"
+        )
+    credentials = None
+    if parts.username is not None:
+        credentials = (unquote(parts.username), unquote(parts.password or ""))
+    proxy = Proxy(parts.hostname, port, "", credentials)
+    return replace(proxy, shown=f"{proxy.url} ({variable})")
+
+
+class _Answer(asyncio.Protocol):
+    """Reads the head of a proxy's answer to ``CONNECT``, and whether more came with it (a
+    refusal's page; from a tunnel opened, nothing may come before the upstream is spoken to)."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.head: asyncio.Future[tuple[bytes, bool]] = loop.create_future()
+        self.read = b""
+
+    def data_received(self, data: bytes) -> None:
+        if self.head.done():
+            return
+        self.read += data
+        end = self.read.find(b"\r\n\r\n")
+        if end >= 0:
+            self.head.set_result((self.read[:end], end + 4 < len(self.read)))
+        elif len(self.read) > MAX_ANSWER_BYTES:
+            self.head.set_exception(ProxyFailed("its answer to CONNECT is too large"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.head.done():
+            self.head.set_exception(ProxyFailed("it closed the connection before answering"))
+
+
+async def open_tunnel(proxy: Proxy, host: str, port: int) -> asyncio.Transport:
+    """A connection through ``proxy`` to ``host``:``port``, once the proxy said it is open
+    (``ProxyFailed`` when it cannot be reached or refuses). The caller speaks TLS in it."""
+    try:
+        return await _tunnel(proxy, host, port)
+    except ProxyFailed as failure:
+        failure.proxy = proxy.shown
+        raise
+
+
+async def connect_to(proxy: Proxy, protocol: asyncio.Protocol) -> None:
+    """Connect ``protocol`` to ``proxy`` itself (to send it requests in absolute form)."""
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.create_connection(lambda: protocol, proxy.host, proxy.port)
+    except OSError as exc:
+        failure = ProxyFailed("it cannot be reached", os_error=exc)
+        failure.proxy = proxy.shown
+        raise failure from None
+
+
+async def _tunnel(proxy: Proxy, host: str, port: int) -> asyncio.Transport:
+    loop = asyncio.get_running_loop()
+    try:
+        transport, answer = await loop.create_connection(_Answer, proxy.host, proxy.port)
+    except OSError as exc:
+        raise ProxyFailed("it cannot be reached", os_error=exc) from None
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    request = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+    if proxy.authorization:
+        request += f"Proxy-Authorization: {proxy.authorization}\r\n"
+    transport.write(f"{request}\r\n".encode("latin-1"))
+    try:
+        head, more = await answer.head
+        status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        version, _, rest = status_line.partition(" ")
+        status, _, reason = rest.partition(" ")
+        if not version.startswith("HTTP/1.") or not status.isdigit():
+            raise ProxyFailed("its answer to CONNECT is not HTTP")
+        if not 200 <= int(status) < 300:
+            raise tunnel_refused(int(status), reason)
+        if more:
+            raise ProxyFailed("it sent bytes after its answer to CONNECT")
+    except BaseException:
+        transport.close()
+        raise
+    return transport
+
+
+# What a proxy's 407 asks for, in words that follow its status.
+CREDENTIALS_ASKED = (
+    "it asks for a user name and password (they go in the proxy's URL: "
+    "http://user:password@host:port)"
+)
+
+
+def tunnel_refused(status: int, reason: str) -> ProxyFailed:
+    """A proxy's answer to ``CONNECT`` other than 2xx, in our words."""
+    said = f"it refused the tunnel: {status} {reason}".rstrip()
+    if status == 407:
+        said += f"; {CREDENTIALS_ASKED}"
+    elif status == 403:
+        said += " (does it allow a tunnel to that host and port?)"
+    return ProxyFailed(said)

@@ -1,0 +1,218 @@
+"""Upstreams reached through a proxy named by the environment, as curl, requests and httpx
+take it: ``HTTPS_PROXY`` for an https upstream (a tunnel opened by ``CONNECT``, TLS inside
+it end to end), ``HTTP_PROXY`` for an http one (requests in absolute form), ``NO_PROXY`` for
+the hosts reached directly; a user name and password in the proxy's URL, never in a message.
+Relayed requests and health probes alike.
+
+The proxy is a real tinyproxy (Debian's package) started here on a free loopback port; the
+upstreams small aiohttp apps (one over TLS for ``localhost``, its CA made here); the relay a
+replystream app in this process, made after the environment is set."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.engine.upstream_routes import load_routes
+from replystream.server import create_app, running
+from tests.services import free_port, require_binary
+from tests.sse_client import post_events
+from tests.test_bench_tls import make_certificates
+from tests.test_cli_mistakes import run
+from tests.test_upstream_routing import Upstream
+
+ASK = {"messages": [{"role": "user", "content": "hi"}]}
+PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "ALL_PROXY")
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_from_outside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the proxies each test names."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+
+
+class Tinyproxy:
+    def __init__(self, url: str, log: Path) -> None:
+        self.url, self.log = url, log
+
+    def lines(self, word: str) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if word in line]
+
+
+@asynccontextmanager
+async def tinyproxy(folder: Path, credentials: str | None = None) -> AsyncIterator[Tinyproxy]:
+    """tinyproxy on a free loopback port, asking for ``credentials`` (user:password) if
+    given; it logs each request and tunnel it serves."""
+    binary = require_binary("tinyproxy")
+    port = free_port()
+    log = folder / "tinyproxy.log"
+    config = folder / "tinyproxy.conf"
+    lines = [
+        f"Port {port}",
+        "Listen 127.0.0.1",
+        "Timeout 60",
+        "MaxClients 50",
+        f'LogFile "{log}"',
+        "LogLevel Info",
+        "Allow 127.0.0.1",
+    ]
+    if credentials:
+        lines.append("BasicAuth " + credentials.replace(":", " "))
+    config.write_text("\n".join(lines) + "\n")
+    process = await asyncio.create_subprocess_exec(binary, "-d", "-c", str(config))
+    try:
+        for _ in range(200):
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.025)
+                continue
+            writer.close()
+            break
+        else:
+            raise AssertionError("tinyproxy did not start listening")
+        yield Tinyproxy(f"127.0.0.1:{port}", log)
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+@asynccontextmanager
+async def tls_upstream(folder: Path) -> AsyncIterator[tuple[Path, Upstream]]:
+    """``Upstream`` over TLS for ``localhost``; a routes file reaching it with its CA."""
+    _, cert, key = make_certificates(folder)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    upstream = Upstream(["m"])
+    runner = web.AppRunner(upstream.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
+    routes = folder / "routes.toml"
+    routes.write_text(f'[[upstreams]]\nurl = "https://localhost:{port}/v1"\nca_file = "ca.pem"\n')
+    try:
+        yield routes, upstream
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def relay(targets: tuple[UpstreamTarget, ...]) -> AsyncIterator[str]:
+    engine = UpstreamEngine(UpstreamConfig(targets, health_s=0.2))
+    async with running(create_app(engine)) as url:
+        yield url
+
+
+async def healthz(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):  # the first probe's verdict
+            async with session.get(f"{url}/healthz") as response:
+                body = await response.text()
+            if "not checked yet" not in body:
+                return response.status, body
+            await asyncio.sleep(0.1)
+    return response.status, body
+
+
+async def test_an_https_upstream_is_reached_through_a_tunnel_and_no_proxy_skips_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    async with tinyproxy(tmp_path) as proxy, tls_upstream(tmp_path) as (routes, upstream):
+        monkeypatch.setenv("HTTPS_PROXY", f"http://{proxy.url}")
+        async with relay(load_routes(routes).targets) as url:
+            served = await post_events(f"{url}/v1/chat/completions", ASK)
+            health = await healthz(url)
+        tunnels = proxy.lines("CONNECT localhost:")
+        monkeypatch.setenv("NO_PROXY", "localhost")
+        async with relay(load_routes(routes).targets) as url:
+            direct = await post_events(f"{url}/v1/chat/completions", ASK)
+    assert served.status == 200, served.raw
+    assert json.loads(served.raw)["choices"][0]["message"]["content"] == "w0 w1 w2 "
+    assert health[0] == 200, health
+    assert len(tunnels) >= 2, tunnels  # the relayed request's and the probe's
+    assert direct.status == 200, direct.raw
+    assert proxy.lines("CONNECT localhost:") == tunnels  # NO_PROXY: none more
+    assert len(upstream.bodies) == 2
+
+
+async def test_an_http_upstream_is_sent_requests_through_the_proxy_with_its_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    upstream = Upstream(["m"])
+    async with tinyproxy(tmp_path, "relay:s3cret") as proxy, running(upstream.app()) as base:
+        targets = (UpstreamTarget(f"{base}/v1"),)
+        monkeypatch.setenv("HTTP_PROXY", f"http://relay:s3cret@{proxy.url}")
+        async with relay(targets) as url:
+            served = await post_events(f"{url}/v1/chat/completions", ASK)
+            health = await healthz(url)
+        monkeypatch.setenv("HTTP_PROXY", f"http://{proxy.url}")  # no user name or password
+        async with relay(targets) as url:
+            refused = await post_events(f"{url}/v1/chat/completions", ASK)
+            unhealthy = await healthz(url)
+    assert served.status == 200, served.raw
+    assert health[0] == 200, health
+    # Every request the upstream got came through the proxy (it says so in Via).
+    assert upstream.headers and all("tinyproxy" in h.get("Via", "") for h in upstream.headers)
+    assert refused.status == 502, refused.raw
+    message = json.loads(refused.raw)["error"]["message"]
+    assert message.endswith(
+        "answered 407: it asks for a user name and password (they go in the proxy's URL: "
+        "http://user:password@host:port)"
+    ), message
+    assert unhealthy[0] == 503 and "answered 407" in unhealthy[1], unhealthy
+
+
+async def test_a_proxy_that_refuses_or_cannot_be_reached_is_named_without_its_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    async with tinyproxy(tmp_path, "relay:s3cret") as proxy, tls_upstream(tmp_path) as (routes, _):
+        monkeypatch.setenv("HTTPS_PROXY", f"http://{proxy.url}")  # no user name or password
+        async with relay(load_routes(routes).targets) as url:
+            refused = await post_events(f"{url}/v1/chat/completions", ASK)
+            refused_health = await healthz(url)
+        closed = free_port()
+        monkeypatch.setenv("HTTPS_PROXY", f"http://relay:nope@127.0.0.1:{closed}")
+        async with relay(load_routes(routes).targets) as url:
+            unreachable = await post_events(f"{url}/v1/chat/completions", ASK)
+            unreachable_health = await healthz(url)
+    shown = f"through the proxy at http://{proxy.url} (HTTPS_PROXY): it refused the tunnel: 407"
+    said = json.loads(refused.raw)["error"]
+    assert refused.status == 502 and said["code"] == "upstream_unavailable", said
+    assert shown in said["message"] and "user name and password" in said["message"], said
+    assert shown in refused_health[1], refused_health
+    said = json.loads(unreachable.raw)["error"]
+    assert unreachable.status == 502, said
+    assert said["message"].endswith(
+        f"through the proxy at http://127.0.0.1:{closed} (HTTPS_PROXY): it cannot be reached "
+        "(connection refused)"
+    ), said
+    assert f"http://127.0.0.1:{closed} (HTTPS_PROXY): it cannot be reached" in unreachable_health[1]
+    everything = (
+        (refused.raw + unreachable.raw).decode() + refused_health[1] + unreachable_health[1]
+    )
+    assert "nope" not in everything
+
+
+def test_a_proxy_spoken_to_over_tls_is_refused_at_start_in_one_line(tmp_path: Path):
+    done = run(
+        "serve",
+        "--engine",
+        "upstream:https://api.example.com/v1",
+        "--check",
+        env={"HTTPS_PROXY": "https://user:pw@proxy.example.com:443"},
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "pw" not in done.stderr, done.stderr
+    assert "HTTPS_PROXY: a proxy reached over https is not supported" in done.stderr
