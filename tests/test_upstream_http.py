@@ -3,7 +3,8 @@
 Raw asyncio servers here write exactly the bytes each test needs (and count the connections
 they accept), so the tests pin what a relay's upstream connection must do beyond what an
 aiohttp upstream shows: one connection serving replies in turn, a connection the upstream
-closed while idle not used (and a request on one closed as it went sent once more), a body
+closed while idle not used (and a request on one closed as it went sent once more), one
+idle past its keep-alive time closed rather than reused, a body
 that ends with its connection, responses split at every byte (inside a chunk-size line,
 between CR and LF), interim (1xx) responses skipped, TLS verified against a CA made here
 with the host name sent as SNI, and a reader that falls behind pausing the connection's
@@ -127,6 +128,35 @@ async def test_an_idle_connection_the_upstream_closed_is_not_used():
         await asyncio.sleep(0.1)  # the close arrives while the connection is idle
         assert engine._origins[url].idle == 0
         assert await reply_of(engine) == ("one two three ", "stop")
+        await engine.aclose()
+    assert accepted == [0, 1]
+
+
+async def test_a_connection_idle_past_its_keep_alive_is_not_sent_a_request():
+    """A NAT or load balancer that dropped an idle connection without a word leaves it open
+    here: a request sent on it would never be answered. Past ``keepalive_s`` it is closed
+    and a new one made; within it, it is reused."""
+
+    async def dropped_when_idle(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+    ) -> None:
+        idle_from = 0.0
+        while await read_request(reader) is not None:
+            if idle_from and time.monotonic() - idle_from > 0.3:
+                await asyncio.sleep(3600)  # what went on it after a while goes nowhere
+            writer.write(HEAD + chunked(SSE))
+            await writer.drain()
+            idle_from = time.monotonic()
+
+    async with raw_server(dropped_when_idle) as (accepted, url):
+        engine = engine_for(url, keepalive_s=0.2, headers_timeout_s=3.0)
+        for _ in range(2):  # back to back: one connection
+            assert await reply_of(engine) == ("one two three ", "stop")
+        await asyncio.sleep(0.5)
+        began = time.monotonic()
+        assert await reply_of(engine) == ("one two three ", "stop")
+        assert time.monotonic() - began < 2.0  # not the head's timeout of 3 s
+        assert engine._origins[url].idle == 1  # the new connection, kept
         await engine.aclose()
     assert accepted == [0, 1]
 

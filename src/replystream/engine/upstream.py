@@ -403,7 +403,10 @@ class UpstreamEngine:
         if origin is None:
             tls = self._keys.tls.get(backend.name)
             proxy = self._keys.proxies.get(backend.name)
-            origin = self._origins[backend.name] = HttpOrigin(backend.name, tls=tls, proxy=proxy)
+            origin = HttpOrigin(
+                backend.name, keepalive_s=self.config.keepalive_s, tls=tls, proxy=proxy
+            )
+            self._origins[backend.name] = origin
         return origin
 
     def _heed(self, backend: Backend, model: str | None, refused: OwnFieldRefused) -> bool:

@@ -217,6 +217,9 @@ class UpstreamConfig:
     model: str | None = None  # None: the first model the upstream's /models lists
     aliases: tuple[tuple[str, str], ...] = ()  # (a name clients use, an upstream's model)
     headers_timeout_s: float = 30.0  # connect plus the response head
+    # A kept-alive connection idle this long is closed rather than sent a request: a NAT or
+    # load balancer on the way may have dropped it without a word (aiohttp's default).
+    keepalive_s: float = 15.0
     ttft_s: float = 30.0  # an attempt's first text within this, else the next upstream
     stall_s: float = 60.0  # no text for this long mid-reply is a stall
     failover_s: float = 60.0  # other upstreams are tried until this long after the request
@@ -239,7 +242,12 @@ class UpstreamConfig:
     def __post_init__(self) -> None:
         if not self.targets:
             raise ValueError("give at least one upstream")
-        if not (self.headers_timeout_s > 0 and self.stall_s > 0 and self.max_event_size > 0):
+        if not (
+            self.headers_timeout_s > 0
+            and self.keepalive_s > 0
+            and self.stall_s > 0
+            and self.max_event_size > 0
+        ):
             raise ValueError("upstream timeouts and the event size limit must be positive")
         if self.max_outstanding is not None and self.max_outstanding < 1:
             raise ValueError(

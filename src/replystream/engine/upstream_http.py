@@ -6,7 +6,9 @@ and the caller gets the ``Response`` once its head is complete; its body is then
 the receiver set on it as the connection reads it (``upstream_http_connection``).
 
 Connections are kept per origin and reused (last in, first out) once a reply's body ended
-in full on a connection the upstream keeps alive; at most ``MAX_IDLE`` are kept idle. Bytes
+in full on a connection the upstream keeps alive; at most ``MAX_IDLE`` are kept idle, none
+for longer than its keep-alive time (a NAT or load balancer on the way may drop an idle
+connection without a word, and a request sent on it would wait for an answer never coming). Bytes
 after a whole response (another response, or anything) are not parsed: the response is
 delivered whole and its connection closed, since it holds what nobody asked for. One
 the upstream closed while idle leaves the pool; a request on a reused connection that fails
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -33,6 +36,7 @@ from replystream.engine.upstream_http_failures import ConnectFailed, PeerClosed,
 from replystream.engine.upstream_proxy import Proxy, connect_to, open_tunnel
 
 MAX_IDLE = 1024  # idle keep-alive connections kept per origin (a burst of replies reuses them)
+KEEPALIVE_S = 15.0  # the longest one is kept idle (``UpstreamConfig.keepalive_s``)
 
 
 class Origin:
@@ -81,6 +85,7 @@ class HttpOrigin:
         url: str,
         *,
         max_idle: int = MAX_IDLE,
+        keepalive_s: float = KEEPALIVE_S,
         tls: ssl.SSLContext | None = None,
         proxy: Proxy | None = None,
     ) -> None:
@@ -96,7 +101,8 @@ class HttpOrigin:
             if proxy.authorization:
                 self._proxy_line = f"Proxy-Authorization: {proxy.authorization}\r\n"
         self._max_idle = max_idle
-        self._idle: list[Connection] = []
+        self._keepalive_s = keepalive_s
+        self._idle: list[Connection] = []  # the longest idle first
         self._open: set[Connection] = set()
         # An https origin's TLS: a routes file's (its CAs, a client certificate), else the
         # system's CAs, made at the first connection. New connections use what it is now.
@@ -127,6 +133,7 @@ class HttpOrigin:
 
     def _take_idle(self) -> Connection | None:
         idle = self._idle
+        self._expire(time.monotonic())
         while idle:
             connection = idle.pop()
             if connection.usable():
@@ -185,10 +192,25 @@ class HttpOrigin:
             self._idle.remove(connection)
 
     def give_back(self, connection: Connection) -> None:
+        now = time.monotonic()
+        self._expire(now)
         if self._retired or len(self._idle) >= self._max_idle:
             connection.close()
         else:
+            connection.idle_since = now
             self._idle.append(connection)
+
+    def _expire(self, now: float) -> None:
+        """Close the connections idle longer than ``keepalive_s``: one that a NAT or a load
+        balancer dropped without a word would take a request and never answer it."""
+        idle = self._idle
+        expired = 0
+        while expired < len(idle) and now - idle[expired].idle_since > self._keepalive_s:
+            expired += 1
+        if expired:
+            gone, idle[:expired] = idle[:expired], []
+            for connection in gone:
+                connection.close()
 
     @property
     def idle(self) -> int:

@@ -166,6 +166,7 @@ class Connection(asyncio.Protocol):
         self._releasing: asyncio.TimerHandle | None = None
         self._closed = False
         self.paused = False
+        self.idle_since = 0.0  # when it went back to its pool (time.monotonic())
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 

@@ -233,6 +233,14 @@ UPSTREAM_ENGINE = Group(
             engines=UPSTREAM,
         ),
         Setting(
+            "--upstream-keepalive-s",
+            "a kept-alive connection to an upstream idle this long is closed, not reused (a NAT "
+            "or load balancer may have dropped it silently)",
+            positive_float,
+            fills=(UpstreamConfig, "keepalive_s"),
+            engines=UPSTREAM,
+        ),
+        Setting(
             "--upstream-ttft-s",
             "no text (nor a reasoning model's thinking) from an upstream within this long: the "
             "request goes to the next one",
