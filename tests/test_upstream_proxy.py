@@ -56,37 +56,47 @@ async def tinyproxy(folder: Path, credentials: str | None = None) -> AsyncIterat
     """tinyproxy on a free loopback port, asking for ``credentials`` (user:password) if
     given; it logs each request and tunnel it serves."""
     binary = require_binary("tinyproxy")
-    port = free_port()
     log = folder / "tinyproxy.log"
-    config = folder / "tinyproxy.conf"
-    lines = [
-        f"Port {port}",
-        "Listen 127.0.0.1",
-        "Timeout 60",
-        "MaxClients 50",
-        f'LogFile "{log}"',
-        "LogLevel Info",
-        "Allow 127.0.0.1",
-    ]
-    if credentials:
-        lines.append("BasicAuth " + credentials.replace(":", " "))
-    config.write_text("\n".join(lines) + "\n")
-    process = await asyncio.create_subprocess_exec(binary, "-d", "-c", str(config))
-    try:
-        for _ in range(200):
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                await asyncio.sleep(0.025)
-                continue
-            writer.close()
+    for _ in range(3):  # a port free a moment ago may be taken by the time it binds
+        port = free_port()
+        lines = [
+            f"Port {port}",
+            "Listen 127.0.0.1",
+            "Timeout 60",
+            "MaxClients 50",
+            f'LogFile "{log}"',
+            "LogLevel Info",
+            "Allow 127.0.0.1",
+        ]
+        if credentials:
+            lines.append("BasicAuth " + credentials.replace(":", " "))
+        config = folder / "tinyproxy.conf"
+        config.write_text("\n".join(lines) + "\n")
+        log.write_text("")
+        process = await asyncio.create_subprocess_exec(binary, "-d", "-c", str(config))
+        if await listening(process, log):
             break
-        else:
-            raise AssertionError("tinyproxy did not start listening")
+        await process.wait()
+    else:
+        raise AssertionError(f"tinyproxy did not start: {log.read_text()}")
+    try:
         yield Tinyproxy(f"127.0.0.1:{port}", log)
     finally:
         process.terminate()
         await process.wait()
+
+
+async def listening(process: asyncio.subprocess.Process, log: Path) -> bool:
+    """Whether tinyproxy bound its port and accepts connections (its log says so once it
+    has), rather than exiting."""
+    for _ in range(400):
+        if "Accepting connections" in await asyncio.to_thread(log.read_text):
+            return True
+        if process.returncode is not None:
+            return False
+        await asyncio.sleep(0.025)
+    process.kill()
+    return False
 
 
 @asynccontextmanager
@@ -172,6 +182,20 @@ async def test_an_http_upstream_is_sent_requests_through_the_proxy_with_its_cred
         "http://user:password@host:port)"
     ), message
     assert unhealthy[0] == 503 and "answered 407" in unhealthy[1], unhealthy
+
+
+@pytest.mark.parametrize("no_proxy", ["127.0.0.1", "127.0.0.0/8", "10.0.0.0/8, 127.0.0.0/24"])
+async def test_no_proxy_names_the_hosts_and_networks_reached_directly(
+    no_proxy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    upstream = Upstream(["m"])
+    async with tinyproxy(tmp_path) as proxy, running(upstream.app()) as base:
+        monkeypatch.setenv("HTTP_PROXY", f"http://{proxy.url}")
+        monkeypatch.setenv("NO_PROXY", no_proxy)
+        async with relay((UpstreamTarget(f"{base}/v1"),)) as url:
+            served = await post_events(f"{url}/v1/chat/completions", ASK)
+    assert served.status == 200, served.raw
+    assert upstream.headers and not any("Via" in h for h in upstream.headers)
 
 
 async def test_a_proxy_that_refuses_or_cannot_be_reached_is_named_without_its_password(

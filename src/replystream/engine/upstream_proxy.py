@@ -2,8 +2,9 @@
 
 This file decides, from the environment as curl, requests and httpx read it (``HTTPS_PROXY``
 for an https upstream, ``HTTP_PROXY`` for an http one, ``NO_PROXY`` for the hosts reached
-directly; either case; parsed by the standard library's ``urllib.request``), whether an
-upstream is reached through a proxy, and how a connection to it is made: to an https
+directly, networks among them; either case; parsed by the standard library's
+``urllib.request``), whether an upstream is reached through a proxy, and how a connection
+to it is made: to an https
 upstream, a tunnel the proxy opens on ``CONNECT`` (``open_tunnel``), in which TLS is spoken
 with the upstream end to end; to an http one, a connection to the proxy, sent requests in
 absolute form (``upstream_http`` writes them). Only a proxy spoken to in plain HTTP is taken
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import ipaddress
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -59,11 +62,27 @@ def proxies_of(base_urls: Iterable[str]) -> dict[str, Proxy]:
     for url in base_urls:
         parts = urlsplit(url)
         proxy_url = found.get(parts.scheme)
-        netloc = parts.netloc.rpartition("@")[2]
-        if not proxy_url or urllib.request.proxy_bypass(netloc):
+        if not proxy_url or _bypassed(parts.netloc, parts.hostname or "", found.get("no", "")):
             continue
         chosen[url] = _proxy(proxy_url, f"{parts.scheme.upper()}_PROXY")
     return chosen
+
+
+def _bypassed(netloc: str, host: str, no_proxy: str) -> bool:
+    """Whether ``NO_PROXY`` names the host: as ``urllib.request`` reads it (names, domain
+    suffixes, ``*``), or, for an address, a network it is in (``10.0.0.0/8``, as curl and
+    requests read it: what a cluster's own addresses are given as)."""
+    if urllib.request.proxy_bypass(netloc):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    for entry in no_proxy.split(","):
+        with contextlib.suppress(ValueError):
+            if "/" in entry and address in ipaddress.ip_network(entry.strip(), strict=False):
+                return True
+    return False
 
 
 def _proxy(url: str, variable: str) -> Proxy:
