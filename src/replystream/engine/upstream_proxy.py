@@ -7,9 +7,10 @@ directly, networks among them; either case; parsed by the standard library's
 to it is made: to an https
 upstream, a tunnel the proxy opens on ``CONNECT`` (``open_tunnel``), in which TLS is spoken
 with the upstream end to end; to an http one, a connection to the proxy, sent requests in
-absolute form (``upstream_http`` writes them). Only a proxy spoken to in plain HTTP is taken
-(asyncio speaks no TLS inside TLS). A user name and password in a proxy's URL go to it as
-``Proxy-Authorization`` and never into a message. It must not know what goes through it.
+absolute form (``upstream_http`` writes them). Only a proxy spoken to in plain HTTP is taken,
+as most are (the tunnel to an https upstream is encrypted end to end all the same). A user
+name and password in a proxy's URL go to it as ``Proxy-Authorization`` and never into a
+message. It must not know what goes through it.
 """
 
 from __future__ import annotations
