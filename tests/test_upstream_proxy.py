@@ -19,7 +19,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
@@ -30,6 +29,7 @@ from tests.sse_client import post_events
 from tests.test_bench_tls import make_certificates
 from tests.test_cli_mistakes import run
 from tests.test_upstream_routing import Upstream
+from tests.test_upstream_tls import served_over_tls
 
 ASK = {"messages": [{"role": "user", "content": "hi"}]}
 PROXY_VARIABLES = ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "ALL_PROXY")
@@ -106,16 +106,10 @@ async def tls_upstream(folder: Path) -> AsyncIterator[tuple[Path, Upstream]]:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     upstream = Upstream(["m"])
-    runner = web.AppRunner(upstream.app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
-    routes = folder / "routes.toml"
-    routes.write_text(f'[[upstreams]]\nurl = "https://localhost:{port}/v1"\nca_file = "ca.pem"\n')
-    try:
+    async with served_over_tls(upstream, context) as url:
+        routes = folder / "routes.toml"
+        routes.write_text(f'[[upstreams]]\nurl = "{url}"\nca_file = "ca.pem"\n')
         yield routes, upstream
-    finally:
-        await runner.cleanup()
 
 
 @asynccontextmanager

@@ -59,12 +59,20 @@ async def mtls_upstream(folder: Path) -> AsyncIterator[tuple[str, Upstream]]:
     context.verify_mode = ssl.CERT_REQUIRED
     context.load_cert_chain(cert, key)
     upstream = Upstream(["m"])
+    async with served_over_tls(upstream, context) as url:
+        yield url, upstream
+
+
+@asynccontextmanager
+async def served_over_tls(upstream: Upstream, context: ssl.SSLContext) -> AsyncIterator[str]:
+    """``upstream`` served over TLS (``context``) on a loopback port; its base URL, naming
+    ``localhost``."""
     runner = web.AppRunner(upstream.app())
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
     try:
-        yield f"https://localhost:{port}/v1", upstream
+        yield f"https://localhost:{port}/v1"
     finally:
         await runner.cleanup()
 
