@@ -5,16 +5,16 @@ This file decides how a relayed request goes over the wire: a request is one
 and the caller gets the ``Response`` once its head is complete; its body is then pushed to
 the receiver set on it as the connection reads it (``upstream_http_connection``).
 
-Connections are kept per origin and reused (last in, first out) once a reply's body ended
-in full on a connection the upstream keeps alive; at most ``MAX_IDLE`` are kept idle, none
-for longer than its keep-alive time (a NAT or load balancer on the way may drop an idle
-connection without a word, and a request sent on it would wait for an answer never
-coming). Bytes after a whole response (another response, or anything) are not parsed: the response is
-delivered whole and its connection closed, since it holds what nobody asked for. One
-the upstream closed while idle leaves the pool; a request on a reused connection that fails
-before any byte of the answer (the upstream closed it as the request went) is sent once more
-on a new connection, as browsers and other clients do. A body not read to its end (a reply
-cancelled, or failed) closes its connection: that is how a model server learns to abort.
+Connections are kept per origin and reused (last in, first out) once a reply's body ended in
+full on a connection the upstream keeps alive; at most ``MAX_IDLE`` are kept idle, none for
+longer than its keep-alive time (a NAT or load balancer on the way may drop an idle connection
+without a word, and a request sent on it would wait for an answer never coming). Bytes after a
+whole response (another response, or anything) are not parsed: the response is delivered whole
+and its connection closed, since it holds what nobody asked for. One the upstream closed while
+idle leaves the pool; a request on a reused connection that fails before any byte of the
+answer (the upstream closed it as the request went) is sent once more on a new connection, as
+browsers and other clients do. A body not read to its end (a reply cancelled, or failed)
+closes its connection: that is how a model server learns to abort.
 
 One connection and the response read over it are ``upstream_http_connection``'s; the
 failures (``PeerClosed``, ``NotHttp``, ``BodyCut``, ``BadFraming``, ``ConnectFailed``) are
