@@ -17,9 +17,10 @@ browsers and other clients do. A body not read to its end (a reply cancelled, or
 closes its connection: that is how a model server learns to abort.
 
 One connection and the response read over it are ``upstream_http_connection``'s; the
-failures (``PeerClosed``, ``NotHttp``, ``BodyCut``, ``BadFraming``, ``ConnectFailed``) are
-``upstream_http_failures``'s, besides ``OSError`` and ``ssl.SSLError``; ``upstream_errors``
-names them in our words. It must not know what the request or the body means.
+failures (``PeerClosed``, ``NotHttp``, ``BodyCut``, ``BadFraming``, ``ConnectFailed``,
+``ProxyFailed``) are ``upstream_http_failures``'s, besides ``OSError`` and ``ssl.SSLError``;
+``upstream_errors`` names them in our words; a proxy is ``upstream_proxy``'s. It must not
+know what the request or the body means.
 """
 
 from __future__ import annotations
