@@ -218,8 +218,10 @@ class UpstreamConfig:
     aliases: tuple[tuple[str, str], ...] = ()  # (a name clients use, an upstream's model)
     headers_timeout_s: float = 30.0  # connect plus the response head
     # A kept-alive connection idle this long is closed rather than sent a request: a NAT or
-    # load balancer on the way may have dropped it without a word (aiohttp's default).
-    keepalive_s: float = 15.0
+    # load balancer on the way may have dropped it without a word (Azure's drops one idle
+    # for 4 minutes). A minute, as nginx keeps its upstream connections: short of those, and
+    # long enough that a quiet relay seldom pays a new TLS handshake to a hosted API.
+    keepalive_s: float = 60.0
     ttft_s: float = 30.0  # an attempt's first text within this, else the next upstream
     stall_s: float = 60.0  # no text for this long mid-reply is a stall
     failover_s: float = 60.0  # other upstreams are tried until this long after the request

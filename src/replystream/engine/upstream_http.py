@@ -37,7 +37,7 @@ from replystream.engine.upstream_http_failures import ConnectFailed, PeerClosed,
 from replystream.engine.upstream_proxy import Proxy, connect_to, open_tunnel
 
 MAX_IDLE = 1024  # idle keep-alive connections kept per origin (a burst of replies reuses them)
-KEEPALIVE_S = 15.0  # the longest one is kept idle (``UpstreamConfig.keepalive_s``)
+KEEPALIVE_S = 60.0  # the longest one is kept idle (``UpstreamConfig.keepalive_s``)
 
 
 class Origin:
