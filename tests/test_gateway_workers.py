@@ -193,6 +193,10 @@ async def test_upstream_metrics_of_two_workers_read_as_one_servers_and_survive_a
                     assert value(seen, "replystream_upstream_probe_ok", upstream=base) == 1
                     assert value(seen, "replystream_upstream_outstanding", upstream=base) == 0
                 assert total(seen, "replystream_upstream_attempts", result="ok") == 5
+                # Each worker opened one connection to each upstream it sent to, and kept it.
+                opened = total(seen, "replystream_upstream_connections_opened")
+                assert 2 <= opened <= 4, seen
+                assert 1 <= total(seen, "replystream_upstream_connections_idle") <= opened
             probes_before = total(seen, "replystream_upstream_probes", result="ok")
 
             os.kill(doomed.pid, signal.SIGKILL)
@@ -204,6 +208,7 @@ async def test_upstream_metrics_of_two_workers_read_as_one_servers_and_survive_a
                 # The dead worker's attempts and probes are still counted: counts since start.
                 assert total(seen, "replystream_upstream_attempts", result="ok") == 5
                 assert total(seen, "replystream_upstream_probes", result="ok") > probes_before
+                assert total(seen, "replystream_upstream_connections_opened") == opened
                 for base in bases:
                     assert value(seen, "replystream_upstream_probe_ok", upstream=base) == 1
                 status, _ = await fresh[newcomer].request("POST", "/v1/chat/completions", CHAT)
@@ -211,6 +216,7 @@ async def test_upstream_metrics_of_two_workers_read_as_one_servers_and_survive_a
                 await asyncio.sleep(STATE_REFRESH_S * 1.5)
                 seen = await spared.scrape()
                 assert total(seen, "replystream_upstream_attempts", result="ok") == 6
+                assert total(seen, "replystream_upstream_connections_opened") == opened + 1
 
 
 async def test_an_upstream_circuit_open_in_both_workers_reads_open():

@@ -116,6 +116,27 @@ async def test_one_connection_serves_replies_in_turn():
     assert accepted == [0]
 
 
+async def test_connections_opened_and_idle_are_counted_per_upstream():
+    """What /metrics shows of an upstream's connections: opened since start, idle now. One
+    kept alive serves every reply; one that closes after each makes a connection a reply."""
+
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(HEAD + chunked(SSE))
+        await writer.drain()
+
+    for handler, opened, idle in [(keep_alive, 1, 1), (closing, 3, 0)]:
+        async with raw_server(handler) as (accepted, url):
+            engine = engine_for(url)
+            for _ in range(3):
+                assert await reply_of(engine) == ("one two three ", "stop")
+            await asyncio.sleep(0.1)  # a closing upstream's close arrives
+            backend = engine.stats().backends[0]
+            await engine.aclose()
+        assert (backend.connections, backend.idle_connections) == (opened, idle)
+        assert len(accepted) == opened
+
+
 async def test_an_idle_connection_the_upstream_closed_is_not_used():
     async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)

@@ -376,6 +376,9 @@ class BackendStats:
         slots_taken: requests at once it is sent by the whole server, as its limit counts
             them: this process's outstanding count, or, with the workers of one server
             sharing the limit, the slots every worker holds (None: it has no limit).
+        connections: connections opened to it so far (each request on one kept alive adds
+            none).
+        idle_connections: its kept-alive connections idle now.
     """
 
     name: str
@@ -388,6 +391,8 @@ class BackendStats:
     first_text_sum: float = 0.0
     max_outstanding: int | None = None
     slots_taken: int | None = None
+    connections: int = 0
+    idle_connections: int = 0
 
 
 @dataclass(frozen=True, slots=True)

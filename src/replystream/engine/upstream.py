@@ -232,9 +232,10 @@ class UpstreamEngine:
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
         self._retired: list[HttpOrigin] = []
-        # The counts (attempts, probes) of upstreams taken out, by name: one put back counts
+        # The counts (attempts, probes, connections opened) of upstreams taken out, by name:
+        # one put back counts
         # on from them, as a counter must (its per-upstream rows are read from these).
-        self._counts_kept: dict[str, tuple[Counter[str], Counter[str]]] = {}
+        self._counts_kept: dict[str, tuple[Counter[str], Counter[str], int]] = {}
         self._rerouting = asyncio.Lock()
         self._prober = HealthProber(
             self.pool,
@@ -403,8 +404,14 @@ class UpstreamEngine:
         if origin is None:
             tls = self._keys.tls.get(backend.name)
             proxy = self._keys.proxies.get(backend.name)
+            # One taken out of the routes and put back gets a new origin, with its new
+            # Backend (which took over its counts).
             origin = HttpOrigin(
-                backend.name, keepalive_s=self.config.keepalive_s, tls=tls, proxy=proxy
+                backend.name,
+                keepalive_s=self.config.keepalive_s,
+                tls=tls,
+                proxy=proxy,
+                on_connect=backend.connected,
             )
             self._origins[backend.name] = origin
         return origin
@@ -548,7 +555,12 @@ class UpstreamEngine:
         nor does the routes file), a model named is sent there as named: it is the judge."""
         return any(not backend.models for backend in self.pool.backends)
 
+    def _idle(self, name: str) -> int:
+        origin = self._origins.get(name)
+        return 0 if origin is None else origin.idle
+
     def stats(self) -> EngineStats:
+        now = self.pool.clock()
         return EngineStats(
             started=self._counts["started"],
             finished=self._counts["finished"],
@@ -560,7 +572,8 @@ class UpstreamEngine:
             steps=self._deltas,
             models=self.model_names(),
             backends=tuple(
-                backend_stats(self._shared, b, self.pool.clock()) for b in self.pool.backends
+                replace(backend_stats(self._shared, b, now), idle_connections=self._idle(b.name))
+                for b in self.pool.backends
             ),
             failovers=self._relay_counts.failovers,
             continuations=self._relay_counts.continuations,
@@ -582,7 +595,7 @@ class UpstreamEngine:
             for backend in joining:
                 kept_counts = self._counts_kept.pop(backend.name, None)
                 if kept_counts is not None:
-                    backend.attempts, backend.probes = kept_counts
+                    backend.attempts, backend.probes, backend.connections = kept_counts
             # A staying upstream whose models are no longer given: its list is asked for by
             # a stand-in, so nothing routed changes before the swap.
             relisted = {
@@ -615,7 +628,8 @@ class UpstreamEngine:
             kept = {b.name for b in backends}
             removed = tuple(name for name in before if name not in kept)
             for name in removed:
-                self._counts_kept[name] = before[name].attempts, before[name].probes
+                gone = before[name]
+                self._counts_kept[name] = gone.attempts, gone.probes, gone.connections
                 origin = self._origins.pop(name, None)
                 if origin is not None:
                     origin.retire()

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 from replystream.engine.upstream_http_connection import Connection, Response
@@ -89,6 +89,7 @@ class HttpOrigin:
         keepalive_s: float = KEEPALIVE_S,
         tls: ssl.SSLContext | None = None,
         proxy: Proxy | None = None,
+        on_connect: Callable[[], None] | None = None,
     ) -> None:
         self.origin = Origin(url)
         # Reached through a proxy: an https origin through a tunnel it opens; an http one by
@@ -109,7 +110,7 @@ class HttpOrigin:
         # system's CAs, made at the first connection. New connections use what it is now.
         self.tls = tls
         self._retired = False  # out of the routes: no connection is kept for another request
-        self.connections_made = 0  # for /metrics-free checks: connections opened so far
+        self._on_connect = on_connect  # told of each connection opened (for its count)
 
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """``POST`` ``body`` (JSON) to the origin's ``path``; the response once its head is
@@ -167,7 +168,7 @@ class HttpOrigin:
                     raise
                 assert inside is not None
                 connection.connection_made(inside)
-            self.connections_made += 1
+            self._connected()
             return connection
         try:
             _, connection = await loop.create_connection(
@@ -181,8 +182,12 @@ class HttpOrigin:
             raise
         except OSError as exc:
             raise ConnectFailed(exc) from None
-        self.connections_made += 1
+        self._connected()
         return connection
+
+    def _connected(self) -> None:
+        if self._on_connect is not None:
+            self._on_connect()
 
     def opened(self, connection: Connection) -> None:
         self._open.add(connection)

@@ -121,11 +121,16 @@ class Backend:
     first_text_sum: float = 0.0
     # The models it answered 404 to lately, and until when that stands (``not_serving``).
     unserved: dict[str, float] = field(default_factory=dict)
+    connections: int = 0  # opened to it so far (a request on one kept alive opens none)
     # Whether it is sent ``stream_options`` (for its own usage): not once it refused them.
     takes_stream_options: bool = True
     # The models it takes a token limit for only as ``max_completion_tokens`` (it refused
     # ``max_tokens`` for them, as OpenAI does for its reasoning models), oldest first.
     completion_limit_models: dict[str | None, None] = field(default_factory=dict)
+
+    def connected(self) -> None:
+        """A connection to it was opened."""
+        self.connections += 1
 
     def _move(self, outcome: Outcome) -> None:
         self.circuit = CIRCUIT_TABLE[self.circuit, outcome]
@@ -242,6 +247,7 @@ class Backend:
             first_text_sum=self.first_text_sum,
             max_outstanding=self.max_outstanding,
             slots_taken=None if self.max_outstanding is None else self.outstanding,
+            connections=self.connections,
         )
 
 

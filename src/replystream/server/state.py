@@ -296,6 +296,18 @@ class BackendGauges:
                 across="sum",
                 result=result,
             )
+        state(
+            "replystream_upstream_connections_opened",
+            "Connections opened to an upstream since start (a request on one kept alive opens "
+            "none; a count, read on scrape).",
+            lambda b: float(b.connections),
+            across="sum",
+        )
+        state(
+            "replystream_upstream_connections_idle",
+            "An upstream's kept-alive connections idle now.",
+            lambda b: float(b.idle_connections),
+        )
         for result in ("ok", "failed"):
             state(
                 "replystream_upstream_probes",
