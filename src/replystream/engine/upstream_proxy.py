@@ -3,14 +3,13 @@
 This file decides, from the environment as curl, requests and httpx read it (``HTTPS_PROXY``
 for an https upstream, ``HTTP_PROXY`` for an http one, ``NO_PROXY`` for the hosts reached
 directly, networks among them; either case; parsed by the standard library's
-``urllib.request``), whether an upstream is reached through a proxy, and how a connection
-to it is made: to an https
-upstream, a tunnel the proxy opens on ``CONNECT`` (``open_tunnel``), in which TLS is spoken
-with the upstream end to end; to an http one, a connection to the proxy, sent requests in
-absolute form (``upstream_http`` writes them). Only a proxy spoken to in plain HTTP is taken,
-as most are (the tunnel to an https upstream is encrypted end to end all the same). A user
-name and password in a proxy's URL go to it as ``Proxy-Authorization`` and never into a
-message. It must not know what goes through it.
+``urllib.request``), whether an upstream is reached through a proxy, and how a connection to
+it is made: to an https upstream, a tunnel the proxy opens on ``CONNECT`` (``open_tunnel``),
+in which TLS is spoken with the upstream end to end; to an http one, a connection to the
+proxy, sent requests in absolute form (``upstream_http`` writes them). Only a proxy spoken to
+in plain HTTP is taken, as most are (the tunnel to an https upstream is encrypted end to end
+all the same). A user name and password in a proxy's URL go to it as ``Proxy-Authorization``
+and never into a message. It must not know what goes through it.
 """
 
 from __future__ import annotations
