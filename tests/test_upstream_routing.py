@@ -61,6 +61,7 @@ class Upstream:
         self.usage = usage or {}
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.usage_unasked = True  # its usage even to a request without stream_options
 
     async def list_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
@@ -91,10 +92,12 @@ class Upstream:
                 await response.write(b": keep-alive\n\n")
                 await asyncio.sleep(0.05)
         await response.write(chunk(None, "stop"))
-        usage = {"prompt_tokens": 11, "completion_tokens": self.words, "total_tokens": 0}
-        usage.update(self.usage)
-        await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode())
-        await response.write(b"\n\ndata: [DONE]\n\n")
+        if self.usage_unasked or self.bodies[-1].get("stream_options", {}).get("include_usage"):
+            usage = {"prompt_tokens": 11, "completion_tokens": self.words, "total_tokens": 0}
+            usage.update(self.usage)
+            await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode())
+            await response.write(b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
         return response
 
     def app(self) -> web.Application:

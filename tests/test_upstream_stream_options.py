@@ -2,11 +2,11 @@
 ``stream_options``, added to every request to have the upstream's own usage: Azure OpenAI's
 API versions before 2024-10-21 answer 400 "Unrecognized request argument supplied:
 stream_options" (later "Unknown parameter" with that param), servers whose schema forbids
-fields they do not know answer FastAPI's 422. ``max_tokens``, the relay's spelling of a
-token limit: OpenAI's reasoning models take only ``max_completion_tokens``. The request is
-sent again as the upstream asks, and every request after it goes so. Also: a FastAPI 422
-about a field the client did send is quoted and names it.
-Real aiohttp upstreams on loopback ports, replystream serving an ``UpstreamEngine``."""
+fields they do not know answer FastAPI's 422 (Mistral's API, inside an error of its own).
+``max_tokens``, the relay's spelling of a token limit: OpenAI's reasoning models take only
+``max_completion_tokens``. The request is sent again as the upstream asks, and every request
+after it goes so. Also: a FastAPI 422 about a field the client did send is quoted and names
+it. Real aiohttp upstreams on loopback ports, replystream serving an ``UpstreamEngine``."""
 
 from __future__ import annotations
 
@@ -46,6 +46,21 @@ def fastapi_422(field: str) -> Callable[[dict[str, Any]], Answer | None]:
     return refuse
 
 
+def mistral_422(field: str) -> Callable[[dict[str, Any]], Answer | None]:
+    """Mistral's API's answer to a body holding ``field`` (FastAPI's inside its own error)."""
+    fastapi = fastapi_422(field)
+
+    def refuse(body: dict[str, Any]) -> Answer | None:
+        refused = fastapi(body)
+        if refused is None:
+            return None
+        problem = {**refused[1]["detail"][0], "loc": ["body", field, "include_usage"]}
+        error = {"message": {"detail": [problem]}, "type": "invalid_request_error"}
+        return 422, {"object": "error", **error, "param": None, "code": None}
+
+    return refuse
+
+
 def refusing_field(field: str, answer: Answer) -> Callable[[dict[str, Any]], Answer | None]:
     return lambda body: answer if field in body else None
 
@@ -69,11 +84,15 @@ class Refusing(Upstream):
     ``Upstream`` does to any other; ``refused`` counts the refusals."""
 
     def __init__(
-        self, refuse: Callable[[dict[str, Any]], Answer | None], models: list[str] | None = None
+        self,
+        refuse: Callable[[dict[str, Any]], Answer | None],
+        models: list[str] | None = None,
+        usage_unasked: bool = False,
     ) -> None:
         super().__init__(models or ["m"])
         self.refuse = refuse
         self.refused = 0
+        self.usage_unasked = usage_unasked  # as most do not, Mistral's API does
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         answer = self.refuse(await request.json())
@@ -85,18 +104,21 @@ class Refusing(Upstream):
 
 
 @pytest.mark.parametrize(
-    "refuse",
+    ("refuse", "usage_unasked"),
     [
-        refusing_field("stream_options", AZURE),
-        refusing_field("stream_options", UNKNOWN_PARAMETER),
-        fastapi_422("stream_options"),
+        (refusing_field("stream_options", AZURE), False),
+        (refusing_field("stream_options", UNKNOWN_PARAMETER), False),
+        (fastapi_422("stream_options"), False),
+        (mistral_422("stream_options"), True),
     ],
-    ids=["azure", "unknown_parameter", "fastapi"],
+    ids=["azure", "unknown_parameter", "fastapi", "mistral"],
 )
-async def test_an_upstream_refusing_stream_options_is_sent_none_and_usage_is_counted_here(
-    refuse: Callable[[dict[str, Any]], Answer | None], caplog: pytest.LogCaptureFixture
+async def test_an_upstream_refusing_stream_options_is_sent_none_and_its_usage_still_told(
+    refuse: Callable[[dict[str, Any]], Answer | None],
+    usage_unasked: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    up = Refusing(refuse)
+    up = Refusing(refuse, usage_unasked=usage_unasked)
     caplog.set_level(logging.WARNING, logger="replystream.upstream")
     chat = {
         "messages": [{"role": "user", "content": "hi there"}],
@@ -109,7 +131,9 @@ async def test_an_upstream_refusing_stream_options_is_sent_none_and_usage_is_cou
             assert got.status == 200, got.raw
             assert got.chat_text == "w0 w1 w2 "
             usage = json.loads(got.events[-2].data)["usage"]
-            assert usage["completion_tokens"] == 3  # the relay's count: the upstream sent none
+            assert usage["completion_tokens"] == 3  # the upstream's, or the chunks relayed
+            # The upstream's own count (11) where it sends one unasked; else the relay's.
+            assert (usage["prompt_tokens"] == 11) == usage_unasked, usage
             assert usage["prompt_tokens"] > 0
     # Refused once; sent again without it at once, and never again with it.
     assert ["stream_options" in body for body in up.bodies] == [True, False, False, False]

@@ -139,6 +139,8 @@ def _upstream_message(
     except ValueError:
         return None, None, None
     error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict) and isinstance(error.get("message"), dict):
+        error = error["message"]  # Mistral's: a FastAPI error inside its own
     if isinstance(error, dict) and isinstance(error.get("detail"), list):
         return _validation_detail(error["detail"], withheld)
     if isinstance(error, dict):
@@ -160,9 +162,9 @@ def _validation_detail(
     detail: list[object], withheld: Sequence[str]
 ) -> tuple[str | None, str | None, str | None]:
     """Message and param of a FastAPI validation error (a 422 whose ``detail`` lists each
-    problem: ``{"loc": ["body", "stream_options"], "msg": "Extra inputs are not permitted"}``),
-    the first problem's. The ``input`` each problem repeats (the request's own values) is not
-    quoted."""
+    problem: ``{"loc": ["body", "stream_options"], "msg": "Extra inputs are not permitted"}``;
+    Mistral's API sends it as its error's ``message``), the first problem's. The ``input``
+    each problem repeats (the request's own values) is not quoted."""
     first = detail[0] if detail else None
     if not isinstance(first, dict) or not isinstance(first.get("msg"), str):
         return None, None, None
