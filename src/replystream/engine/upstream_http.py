@@ -8,13 +8,14 @@ the receiver set on it as the connection reads it (``upstream_http_connection``)
 Connections are kept per origin and reused (last in, first out) once a reply's body ended in
 full on a connection the upstream keeps alive; at most ``MAX_IDLE`` are kept idle, none for
 longer than its keep-alive time (a NAT or load balancer on the way may drop an idle connection
-without a word, and a request sent on it would wait for an answer never coming). Bytes after a
-whole response (another response, or anything) are not parsed: the response is delivered whole
-and its connection closed, since it holds what nobody asked for. One the upstream closed while
-idle leaves the pool; a request on a reused connection that fails before any byte of the
-answer (the upstream closed it as the request went) is sent once more on a new connection, as
-browsers and other clients do. A body not read to its end (a reply cancelled, or failed)
-closes its connection: that is how a model server learns to abort.
+without a word, and a request sent on it would wait for an answer never coming; one timer per
+origin closes them as they expire). Bytes after a whole response (another response, or
+anything) are not parsed: the response is delivered whole and its connection closed, since it
+holds what nobody asked for. One the upstream closed while idle leaves the pool; a request on
+a reused connection that fails before any byte of the answer (the upstream closed it as the
+request went) is sent once more on a new connection, as browsers and other clients do. A body
+not read to its end (a reply cancelled, or failed) closes its connection: that is how a model
+server learns to abort.
 
 One connection and the response read over it are ``upstream_http_connection``'s; the
 failures (``PeerClosed``, ``NotHttp``, ``BodyCut``, ``BadFraming``, ``ConnectFailed``,
@@ -105,6 +106,7 @@ class HttpOrigin:
         self._max_idle = max_idle
         self._keepalive_s = keepalive_s
         self._idle: list[Connection] = []  # the longest idle first
+        self._sweep: asyncio.TimerHandle | None = None  # closes what expires while left alone
         self._open: set[Connection] = set()
         # An https origin's TLS: a routes file's (its CAs, a client certificate), else the
         # system's CAs, made at the first connection. New connections use what it is now.
@@ -202,21 +204,33 @@ class HttpOrigin:
         self._expire(now)
         if self._retired or len(self._idle) >= self._max_idle:
             connection.close()
-        else:
-            connection.idle_since = now
-            self._idle.append(connection)
+            return
+        connection.idle_since = now
+        self._idle.append(connection)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self._keepalive_s, self._swept)
 
     def _expire(self, now: float) -> None:
         """Close the connections idle longer than ``keepalive_s``: one that a NAT or a load
         balancer dropped without a word would take a request and never answer it."""
         idle = self._idle
         expired = 0
-        while expired < len(idle) and now - idle[expired].idle_since > self._keepalive_s:
+        while expired < len(idle) and now - idle[expired].idle_since >= self._keepalive_s:
             expired += 1
         if expired:
             gone, idle[:expired] = idle[:expired], []
             for connection in gone:
                 connection.close()
+
+    def _swept(self) -> None:
+        """A pool left alone closes its expired connections all the same (a socket each), on
+        one timer per origin, armed again while some are idle."""
+        self._sweep = None
+        now = time.monotonic()
+        self._expire(now)
+        if self._idle:  # the oldest expires first: the timer for it
+            wait = self._idle[0].idle_since + self._keepalive_s - now
+            self._sweep = asyncio.get_running_loop().call_later(max(wait, 0.0), self._swept)
 
     @property
     def idle(self) -> int:
@@ -237,6 +251,9 @@ class HttpOrigin:
 
     def close(self) -> None:
         """Close every connection (idle or in use)."""
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         self._idle.clear()
         for connection in list(self._open):
             connection.close()
