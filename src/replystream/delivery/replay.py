@@ -309,8 +309,7 @@ class _Log:
         drop, size = 0, self.bytes
         last = len(self.entries) - 1
         while drop < last and size > keep:
-            data = self.entries[drop].data
-            size -= len(data) if data.isascii() else len(data.encode())
+            size -= data_bytes(self.entries[drop].data)
             drop += 1
         del self.entries[:drop]
         self.bytes = size
