@@ -1,7 +1,11 @@
 """The measuring client against deliberately broken servers: incomplete is never a result."""
 
 import asyncio
+import gc
 import json
+import logging
+import socket
+import struct
 
 import aiohttp
 import h11
@@ -222,6 +226,38 @@ async def test_a_head_that_arrives_after_its_wait_was_cancelled_is_dropped_quiet
 
     protocol = _ResponseProtocol(asyncio.get_running_loop())
     protocol.conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
-    protocol.head.cancel()
+    protocol.response_head().cancel()
     protocol.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
     assert protocol.ended and protocol.error is None
+
+
+async def test_connections_closed_unused_leave_no_failure_nobody_reads(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The lab opens its connections before any request; when one of them cannot be opened,
+    # the others close unused, or the server resets them (out of sockets itself). Neither
+    # may leave asyncio a failed future to report on stderr as never retrieved.
+    from replystream.client.transport import connect
+
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        linger = struct.pack("ii", 1, 0)  # closed at once: a reset, not an orderly close
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        writer.transport.abort()
+
+    server = await asyncio.start_server(reset, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        connections = [await connect(url) for _ in range(4)]
+        connections[0].close()
+        for _ in range(50):  # the server's resets reach the others
+            if all(c.protocol.error is not None for c in connections):
+                break
+            await asyncio.sleep(0.01)
+        assert all(c.protocol.error is not None for c in connections)
+        for connection in connections:
+            connection.close()
+        del connections
+        gc.collect()
+    server.close()
+    await server.wait_closed()
+    assert "never retrieved" not in caplog.text

@@ -59,7 +59,10 @@ class _ResponseProtocol(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.conn = h11.Connection(h11.CLIENT)
         self.transport: asyncio.Transport | None = None
-        self.head: asyncio.Future[h11.Response] = loop.create_future()
+        # Made once a request is written (``response_head``): an unused connection that
+        # closes or fails leaves no future whose exception nobody reads.
+        self._head: asyncio.Future[h11.Response] | None = None
+        self._head_event: h11.Response | None = None
         self.head_at = 0.0
         self.chunks: deque[Chunk] = deque()
         self.ended = False
@@ -91,17 +94,18 @@ class _ResponseProtocol(asyncio.Protocol):
                     break
                 if isinstance(event, h11.Response):
                     self.head_at = at
+                    self._head_event = event
                     # Not when its waiter was cancelled (Ctrl-C, a timeout) and so the future
                     # with it, and the head came in before the connection was closed.
-                    if not self.head.done():
-                        self.head.set_result(event)
+                    if self._head is not None and not self._head.done():
+                        self._head.set_result(event)
                 elif isinstance(event, h11.Data):
                     self.chunks.append(Chunk(at, bytes(event.data)))
                 elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                     self.ended = True
                     break
         except h11.RemoteProtocolError as exc:
-            if not data and not self.head.done():  # h11 words this as its own state machine's
+            if not data and self._head_event is None:  # h11 words this as its own state's
                 self._fail(TransportError("the server closed the connection before answering"))
             else:
                 self._fail(TransportError(f"response broke HTTP/1.1 framing: {exc}"))
@@ -110,9 +114,20 @@ class _ResponseProtocol(asyncio.Protocol):
 
     def _fail(self, error: TransportError) -> None:
         self.error = error
-        if not self.head.done():
-            self.head.set_exception(error)
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
         self._wake()
+
+    def response_head(self) -> asyncio.Future[h11.Response]:
+        """The response's head, for the request just written: done at once when it already
+        came, or when the connection failed before."""
+        if self._head is None:
+            self._head = self._loop.create_future()
+            if self._head_event is not None:
+                self._head.set_result(self._head_event)
+            elif self.error is not None:
+                self._head.set_exception(self.error)
+        return self._head
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -276,7 +291,7 @@ async def http_request(
             out += h11_conn.send(h11.Data(data=body))
         out += h11_conn.send(h11.EndOfMessage())
         conn.transport.write(out)
-        head = await conn.protocol.head
+        head = await conn.protocol.response_head()
         yield HTTPResponse(conn.protocol, head)
     finally:
         conn.close()

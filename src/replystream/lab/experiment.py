@@ -152,10 +152,20 @@ async def run_experiment(
 
     # Connections are opened first, as a client with warm connections has them, so "all at
     # once" means all requests written in one burst and connection setup is not timed.
-    connections = {mode: [await connect(url) for _ in range(config.calls)] for mode in MODES}
-    async with asyncio.TaskGroup() as group:
-        tasks = {
-            mode: [group.create_task(one(mode, i, c)) for i, c in enumerate(connections[mode])]
-            for mode in MODES
-        }
+    connections: dict[str, list[Connection]] = {mode: [] for mode in MODES}
+    try:
+        for mode in MODES:
+            for _ in range(config.calls):
+                connections[mode].append(await connect(url))
+        async with asyncio.TaskGroup() as group:
+            tasks = {
+                mode: [group.create_task(one(mode, i, c)) for i, c in enumerate(connections[mode])]
+                for mode in MODES
+            }
+    finally:
+        # Each call closes its own; these are the ones a failure left unused (a connect that
+        # failed part way, calls cancelled before they began).
+        for opened in connections.values():
+            for connection in opened:
+                connection.close()
     return LabRun(config, {mode: [t.result() for t in tasks[mode]] for mode in MODES})
