@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -60,14 +61,25 @@ async def test_the_relay_returns_the_upstreams_text_for_the_same_seed():
         assert json.loads(native.raw)["usage"]["completion_tokens"] == 25
 
 
-async def test_the_relay_on_uvloop_returns_the_upstreams_text():
-    """uvloop's transports are not subclasses of asyncio's: the relay's own client must
-    take them as they are."""
-    pytest.importorskip("uvloop", reason="--loop uvloop needs the uvloop package")
+def uvloop_loaded(pid: int) -> bool:
+    """Whether the process has uvloop's compiled loop in its memory (it is imported only to
+    serve on it)."""
+    return "/uvloop/loop." in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("loop", [None, "uvloop"])
+async def test_the_relay_serves_on_the_loop_asked_for(loop: str | None) -> None:
+    """``--loop uvloop`` serves on uvloop, whose transports are not subclasses of asyncio's:
+    the relay's own client must take them as they are. With no ``--loop``, asyncio's own
+    (uvloop adds to the first chunk's wait under a burst of requests: docs/performance.md)."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop", reason="--loop uvloop needs the uvloop package")
+    choice = () if loop is None else ("--loop", loop)
     async with (
         replica(*FAST, "--seed", "11") as (_, upstream),
-        replica("--engine", f"upstream:{upstream}/v1", "--loop", "uvloop") as (_, relay),
+        replica("--engine", f"upstream:{upstream}/v1", *choice) as (process, relay),
     ):
+        assert uvloop_loaded(process.pid) == (loop == "uvloop")
         for seed in (1, 2):  # the second reply on the first one's kept-alive connection
             body = chat(seed, max_tokens=25)
             direct = await post_events(f"{upstream}/v1/chat/completions", body)
