@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from replystream.lab.local_server import stop_process
-from tests.services import require_binary
+from tests.services import REQUIRE_ENV, require_binary, services_required
 
 _MAIN = """daemon off;
 master_process off;
@@ -112,3 +112,47 @@ async def _wait_listening(port: int, process: asyncio.subprocess.Process, log: P
             writer.close()
             await writer.wait_closed()
             return
+
+
+# Debian's libnginx-mod-stream: nginx's TCP and TLS proxying, a module loaded by path.
+STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")
+
+_STREAM_MAIN = """load_module {module};
+daemon off;
+master_process off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 256; }}
+stream {{
+{stream}
+}}
+"""
+
+
+def _write_stream_config(stream_config: str, tmp: Path) -> Path:
+    if not STREAM_MODULE.exists():
+        reason = "nginx's stream module is not installed (Debian package libnginx-mod-stream)"
+        if services_required():
+            pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires it")
+        pytest.skip(reason)
+    tmp.mkdir(parents=True, exist_ok=True)
+    conf = tmp / "nginx.conf"
+    conf.write_text(_STREAM_MAIN.format(module=STREAM_MODULE, tmp=tmp, stream=stream_config))
+    return conf
+
+
+@contextlib.asynccontextmanager
+async def running_nginx_stream(stream_config: str, port: int, tmp: Path) -> AsyncIterator[None]:
+    """Start nginx with ``stream_config`` as its stream block (which must listen on
+    ``127.0.0.1:port``), until the block ends."""
+    binary = require_binary("nginx")
+    conf = _write_stream_config(stream_config, tmp)
+    error_log = tmp / "error.log"
+    process = await asyncio.create_subprocess_exec(
+        binary, "-p", str(tmp), "-c", str(conf), "-e", str(error_log)
+    )
+    try:
+        await _wait_listening(port, process, error_log)
+        yield
+    finally:
+        await stop_process(process)

@@ -24,6 +24,8 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_routes import load_routes
 from replystream.server import create_app, running
+from tests.nginx import running_nginx_stream
+from tests.processes import replica
 from tests.services import free_port, require_binary
 from tests.sse_client import post_events
 from tests.test_bench_tls import make_certificates
@@ -223,14 +225,116 @@ async def test_a_proxy_that_refuses_or_cannot_be_reached_is_named_without_its_pa
     assert "nope" not in everything
 
 
-def test_a_proxy_spoken_to_over_tls_is_refused_at_start_in_one_line(tmp_path: Path):
+def test_a_proxy_of_another_kind_is_refused_at_start_in_one_line(tmp_path: Path):
     done = run(
         "serve",
         "--engine",
         "upstream:https://api.example.com/v1",
         "--check",
-        env={"HTTPS_PROXY": "https://user:pw@proxy.example.com:443"},
+        env={"HTTPS_PROXY": "socks5://user:pw@proxy.example.com:1080"},
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "pw" not in done.stderr, done.stderr
-    assert "HTTPS_PROXY: a proxy reached over https is not supported" in done.stderr
+    assert "HTTPS_PROXY: a proxy reached over socks5 is not supported" in done.stderr
+
+
+@asynccontextmanager
+async def tls_proxy(folder: Path, credentials: str | None = None) -> AsyncIterator[str]:
+    """tinyproxy behind nginx speaking TLS for ``localhost`` (its CA ``folder/ca.pem``, as
+    ``make_certificates`` made it): a proxy spoken to in TLS; its URL, credentials in it."""
+    _, cert, key = make_certificates(folder)
+    port = free_port()
+    async with tinyproxy(folder, credentials) as proxy:
+        stream = (
+            f"    server {{ listen 127.0.0.1:{port} ssl; ssl_certificate {cert}; "
+            f"ssl_certificate_key {key}; proxy_pass {proxy.url}; }}"
+        )
+        async with running_nginx_stream(stream, port, folder / "nginx"):
+            userinfo = f"{credentials}@" if credentials else ""
+            yield f"https://{userinfo}localhost:{port}"
+
+
+async def relayed_chat(url: str) -> tuple[int, str, tuple[int, str]]:
+    served = await post_events(f"{url}/v1/chat/completions", ASK)
+    return served.status, served.raw.decode(), await healthz(url)
+
+
+async def test_a_proxy_spoken_to_in_tls_carries_a_tunnel_inside_tls_and_plain_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Relay processes of their own, started with the proxy's and the upstream's CAs in
+    # SSL_CERT_FILE (OpenSSL reads it for every default context, aiohttp's made at import).
+    ca, cert, key = make_certificates(tmp_path / "upstream")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    over_tls, plain = Upstream(["m"]), Upstream(["m"])
+    async with (
+        tls_proxy(tmp_path, "relay:s3cret") as proxy_url,
+        served_over_tls(over_tls, context) as tls_base,
+        running(plain.app()) as plain_base,
+    ):
+        bundle = tmp_path / "bundle.pem"
+        bundle.write_bytes((tmp_path / "ca.pem").read_bytes() + ca.read_bytes())
+        monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+        monkeypatch.setenv("HTTPS_PROXY", proxy_url)
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        probed = ("--upstream-health-s", "0.2")
+        async with replica("--engine", f"upstream:{tls_base}", *probed) as (_, url):
+            tunnelled = await relayed_chat(url)
+        async with replica("--engine", f"upstream:{plain_base}/v1", *probed) as (_, url):
+            absolute = await relayed_chat(url)
+    for status, raw, health in (tunnelled, absolute):
+        assert status == 200, raw
+        assert json.loads(raw)["choices"][0]["message"]["content"] == "w0 w1 w2 "
+        assert health[0] == 200, health
+    assert len(over_tls.bodies) == 1  # reached in TLS, through the tunnel
+    assert plain.headers and all("tinyproxy" in h.get("Via", "") for h in plain.headers)
+
+
+def test_a_proxy_in_tls_to_an_upstream_with_its_own_cas_is_refused_in_one_line(tmp_path: Path):
+    make_certificates(tmp_path)
+    routes = tmp_path / "routes.toml"
+    routes.write_text('[[upstreams]]\nurl = "https://localhost:9/v1"\nca_file = "ca.pem"\n')
+    args = ("serve", "--engine", "upstream", "--upstream-routes", str(routes), "--check")
+    done = run(*args, env={"HTTPS_PROXY": "https://user:pw@proxy.example.com"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "pw" not in done.stderr, done.stderr
+    assert (
+        "the proxy at https://proxy.example.com:443 (HTTPS_PROXY) is spoken to in TLS, which the "
+        "upstream at https://localhost:9/v1, with its own ca_file or cert_file, cannot be probed "
+        "through; give the proxy's http:// URL"
+    ) in done.stderr, done.stderr
+
+
+async def test_a_proxy_whose_tls_fails_is_named_with_what_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)  # the system's CAs: not the test's
+    async with (
+        tls_proxy(tmp_path, "relay:s3cret") as proxy_url,
+        running(Upstream(["m"]).app()) as plain_http,  # answers a TLS hello in plain HTTP
+    ):
+        # Never reached: the proxy fails first.
+        with_tls = ("--engine", "upstream:https://localhost:9/v1", "--upstream-health-s", "0.2")
+        monkeypatch.setenv("HTTPS_PROXY", proxy_url)
+        async with replica(*with_tls) as (_, url):
+            untrusted = await post_events(f"{url}/v1/chat/completions", ASK)
+            health = await healthz(url)
+        monkeypatch.setenv("HTTPS_PROXY", plain_http.replace("http://", "https://"))
+        async with replica(*with_tls) as (_, url):
+            not_tls = await post_events(f"{url}/v1/chat/completions", ASK)
+    shown = proxy_url.replace("relay:s3cret@", "")
+    assert untrusted.status == 502, untrusted.raw
+    message = json.loads(untrusted.raw)["error"]["message"]
+    assert f"through the proxy at {shown} (HTTPS_PROXY): its TLS certificate is not trusted (" in (
+        message
+    ), message
+    assert "SSL_CERT_FILE" in message and "s3cret" not in message, message
+    assert health[0] == 503, health
+    assert (
+        f"through the proxy at {shown} (HTTPS_PROXY): its TLS certificate is not trusted"
+        in (health[1])
+    ), health
+    assert not_tls.status == 502, not_tls.raw
+    message = json.loads(not_tls.raw)["error"]["message"]
+    assert "it did not answer in TLS" in message and "is its URL http://?" in message, message

@@ -18,6 +18,7 @@ import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -57,6 +58,10 @@ def _os_reason(error: OSError | None) -> str:
     return "the connection failed"
 
 
+def _host(url: str) -> str | None:
+    return urlsplit(url).hostname
+
+
 def _tls_reason(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
         exc = exc.certificate_error
@@ -89,6 +94,10 @@ def connect_failure(
     where = f"the upstream at {base_url}"
     if isinstance(exc, aiohttp.ClientProxyConnectionError):
         exc = ProxyFailed("it cannot be reached", os_error=exc.os_error)
+        exc.proxy = proxy
+    elif proxy and isinstance(exc, aiohttp.ClientSSLError) and exc.host != _host(base_url):
+        # aiohttp's TLS with the proxy itself (one spoken to in TLS), not with the upstream.
+        exc = ProxyFailed(_tls_reason(exc))
         exc.proxy = proxy
     elif isinstance(exc, aiohttp.ClientHttpProxyError):
         exc = tunnel_refused(exc.status, exc.message)

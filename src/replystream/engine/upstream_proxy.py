@@ -6,10 +6,12 @@ directly, networks among them; either case; parsed by the standard library's
 ``urllib.request``), whether an upstream is reached through a proxy, and how a connection to
 it is made: to an https upstream, a tunnel the proxy opens on ``CONNECT`` (``open_tunnel``),
 in which TLS is spoken with the upstream end to end; to an http one, a connection to the
-proxy, sent requests in absolute form (``upstream_http`` writes them). Only a proxy spoken to
-in plain HTTP is taken, as most are (the tunnel to an https upstream is encrypted end to end
-all the same). A user name and password in a proxy's URL go to it as ``Proxy-Authorization``
-and never into a message. It must not know what goes through it.
+proxy, sent requests in absolute form (``upstream_http`` writes them). A proxy is spoken to
+in plain HTTP (``http://``, as most are) or in TLS (``https://``: its certificate checked
+against the system's CAs, which ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` name as OpenSSL reads
+them; a tunnel to an https upstream is then TLS inside TLS). A user name and password in a
+proxy's URL go to it as ``Proxy-Authorization`` and never into a message. It must not know
+what goes through it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import ipaddress
+import ssl
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
 from replystream.engine.upstream_http_failures import ProxyFailed
@@ -37,6 +42,7 @@ class Proxy:
     shown: str  # its URL without user name or password, and the variable it came from
     # The user name and password its URL holds (None: none).
     credentials: tuple[str, str] | None = field(default=None, repr=False)
+    tls: bool = False  # spoken to in TLS (an https:// URL)
 
     @property
     def authorization(self) -> str | None:
@@ -50,7 +56,7 @@ class Proxy:
     def url(self) -> str:
         """Its URL without user name or password."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
 
 def proxies_of(base_urls: Iterable[str]) -> dict[str, Proxy]:
@@ -90,18 +96,18 @@ def _proxy(url: str, variable: str) -> Proxy:
         url = f"http://{url}"  # host:port, as curl takes it
     try:
         parts = urlsplit(url)
-        port = parts.port or 80
+        port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         raise ValueError(f"{variable}: the proxy's URL is not a valid URL") from None
-    if parts.scheme != "http" or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(
             f"{variable}: a proxy reached over {parts.scheme or 'no scheme'} is not supported: "
-            "give its http:// URL (the tunnel to an https upstream is TLS end to end all the same)"
+            "give its http:// or https:// URL"
         )
     credentials = None
     if parts.username is not None:
         credentials = (unquote(parts.username), unquote(parts.password or ""))
-    proxy = Proxy(parts.hostname, port, "", credentials)
+    proxy = Proxy(parts.hostname, port, "", credentials, tls=parts.scheme == "https")
     return replace(proxy, shown=f"{proxy.url} ({variable})")
 
 
@@ -141,21 +147,54 @@ async def open_tunnel(proxy: Proxy, host: str, port: int) -> asyncio.Transport:
 
 async def connect_to(proxy: Proxy, protocol: asyncio.Protocol) -> None:
     """Connect ``protocol`` to ``proxy`` itself (to send it requests in absolute form)."""
-    loop = asyncio.get_running_loop()
     try:
-        await loop.create_connection(lambda: protocol, proxy.host, proxy.port)
-    except OSError as exc:
-        failure = ProxyFailed("it cannot be reached", os_error=exc)
+        await _reach(proxy, lambda: protocol)
+    except ProxyFailed as failure:
         failure.proxy = proxy.shown
-        raise failure from None
+        raise
+
+
+@functools.cache
+def _proxy_tls() -> ssl.SSLContext:
+    # The system's CAs (or SSL_CERT_FILE's): loading them takes milliseconds, so once.
+    return ssl.create_default_context()
+
+
+P = TypeVar("P", bound=asyncio.Protocol)
+
+
+async def _reach(proxy: Proxy, factory: Callable[[], P]) -> tuple[asyncio.Transport, P]:
+    """A connection to ``proxy``, in TLS if it is spoken to so."""
+    loop = asyncio.get_running_loop()
+    tls = _proxy_tls() if proxy.tls else None
+    try:
+        transport, protocol = await loop.create_connection(
+            factory, proxy.host, proxy.port, ssl=tls, server_hostname=proxy.host if tls else None
+        )
+    except ssl.SSLError as exc:  # (an OSError too)
+        raise _tls_failed(exc) from None
+    except OSError as exc:
+        raise ProxyFailed("it cannot be reached", os_error=exc) from None
+    return transport, protocol
+
+
+def _tls_failed(exc: ssl.SSLError) -> ProxyFailed:
+    """A TLS handshake with a proxy that failed, in our words."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ProxyFailed(
+            f"its TLS certificate is not trusted ({exc.verify_message or 'verification failed'}; "
+            "a private CA's certificate goes in SSL_CERT_FILE)"
+        )
+    reason = exc.reason or ""
+    words = reason.lower().replace("_", " ")
+    if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"):
+        # What came back is no TLS record: a proxy spoken to in plain HTTP.
+        return ProxyFailed(f"it did not answer in TLS ({words}): is its URL http://?")
+    return ProxyFailed(f"the TLS handshake with it failed ({words or 'no reason given'})")
 
 
 async def _tunnel(proxy: Proxy, host: str, port: int) -> asyncio.Transport:
-    loop = asyncio.get_running_loop()
-    try:
-        transport, answer = await loop.create_connection(_Answer, proxy.host, proxy.port)
-    except OSError as exc:
-        raise ProxyFailed("it cannot be reached", os_error=exc) from None
+    transport, answer = await _reach(proxy, _Answer)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     request = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
     if proxy.authorization:
