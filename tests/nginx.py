@@ -86,15 +86,21 @@ async def running_nginx(http_config: str, port: int, tmp: Path) -> AsyncIterator
 
     ``http_config`` must listen on ``127.0.0.1:port``.
     """
+    async with _running(_write_config(http_config, tmp), port, tmp):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def _running(conf: Path, port: int, tmp: Path) -> AsyncIterator[None]:
+    """nginx with ``conf``, listening on ``port``, until the block ends."""
     binary = require_binary("nginx")
-    conf = _write_config(http_config, tmp)
     error_log = tmp / "error.log"
     process = await asyncio.create_subprocess_exec(
         binary, "-p", str(tmp), "-c", str(conf), "-e", str(error_log)
     )
     try:
         await _wait_listening(port, process, error_log)
-        yield f"http://127.0.0.1:{port}"
+        yield
     finally:
         await stop_process(process)
 
@@ -145,14 +151,6 @@ def _write_stream_config(stream_config: str, tmp: Path) -> Path:
 async def running_nginx_stream(stream_config: str, port: int, tmp: Path) -> AsyncIterator[None]:
     """Start nginx with ``stream_config`` as its stream block (which must listen on
     ``127.0.0.1:port``), until the block ends."""
-    binary = require_binary("nginx")
-    conf = _write_stream_config(stream_config, tmp)
-    error_log = tmp / "error.log"
-    process = await asyncio.create_subprocess_exec(
-        binary, "-p", str(tmp), "-c", str(conf), "-e", str(error_log)
-    )
-    try:
-        await _wait_listening(port, process, error_log)
+    require_binary("nginx")  # before the stream module: the package it comes with
+    async with _running(_write_stream_config(stream_config, tmp), port, tmp):
         yield
-    finally:
-        await stop_process(process)
