@@ -177,3 +177,33 @@ async def test_a_fastapi_422_about_the_clients_own_field_is_quoted_and_names_it(
     assert error["param"] == "top_k"
     assert error["message"].endswith("answered 422: top_k: Extra inputs are not permitted")
     assert up.refused == 1  # the client's own field: not sent again
+
+
+def vllm_model_check_400(body: dict[str, Any]) -> Answer | None:
+    """vLLM's 400 for a request its model-level check refuses (here, any with ``seed`` 13):
+    pydantic's error, which echoes the whole request it was sent, ``stream_options`` and all."""
+    if body.get("seed") != 13:
+        return None
+    message = (
+        "1 validation error for ChatCompletionRequest\n  Value error, seed 13 is refused here "
+        f"[type=value_error, input_value={body!r}, input_type=dict]"
+    )
+    error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+    return 400, {"object": "error", **error}
+
+
+async def test_a_400_that_echoes_the_request_is_the_clients_not_a_refused_stream_options(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    up = Refusing(vllm_model_check_400)
+    caplog.set_level(logging.WARNING, logger="replystream.upstream")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([up]) as url:
+        refused = await post_events(f"{url}/v1/chat/completions", {**chat, "seed": 13})
+        served = await post_events(f"{url}/v1/chat/completions", chat)
+    assert refused.status == 400, refused.raw
+    assert "seed 13 is refused here" in json.loads(refused.raw)["error"]["message"]
+    assert served.status == 200 and served.chat_text == "w0 w1 w2 ", served.raw
+    # Sent once (not again without stream_options), and the next request still asks for usage.
+    assert ["stream_options" in body for body in up.bodies] == [True, True]
+    assert not [r for r in caplog.records if "sent no stream_options" in r.getMessage()]

@@ -29,6 +29,7 @@ upstream is picked, or about our HTTP server.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Sequence
 
@@ -89,11 +90,28 @@ class OwnFieldRefused(RequestRejected):
         self.field = field
 
 
+# Words that refuse a field named beside them: "Unrecognized request argument supplied:
+# stream_options" (Azure OpenAI's older API versions), "Unknown parameter: 'stream_options'."
+# (OpenAI's), "stream_options is not supported", "Invalid value for stream_options". The gap
+# between them may hold no ``{`` or ``=``: a validation error that echoes the whole request
+# (pydantic's ``input_value={...}``, as vLLM's 400 for a model-level check quotes it) names
+# the field without refusing it.
+_REFUSING = (
+    r"(?:unrecogni[sz]ed|unknown|unsupported|unexpected|invalid|extra|forbidden"
+    r"|not (?:allowed|permitted|supported|recogni[sz]ed))"
+)
+_STREAM_OPTIONS_REFUSED = re.compile(
+    rf"\b{_REFUSING}\b[^{{=\n]{{0,40}}\bstream_options\b"
+    rf"|\bstream_options\b[^{{=\n]{{0,30}}\b{_REFUSING}\b",
+    re.IGNORECASE,
+)
+
+
 def own_field_refused(param: str | None, message: str | None) -> str | None:
     """Which field as the relay writes it an upstream's 400 or 422 refuses, by its ``param``
     and its words (None: none of ours)."""
     said = message or ""
-    if param == "stream_options" or "stream_options" in said:
+    if param == "stream_options" or _STREAM_OPTIONS_REFUSED.search(said):
         return "stream_options"
     if (param == "max_tokens" or "max_tokens" in said) and "max_completion_tokens" in said:
         return "max_tokens"
