@@ -33,6 +33,7 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
+from replystream.server.accepting import BatchAcceptingServer, accepts_one_per_turn
 from replystream.server.errors import error_response, in_route_shape
 from replystream.server.guard import log_refused
 
@@ -285,7 +286,12 @@ class GuardedSockSite(web.SockSite):
         def connection() -> asyncio.Protocol:
             return Connection(server, loop=loop, deadlines=self.deadlines, **options)
 
-        self._server = await loop.create_server(connection, sock=self._sock, backlog=self._backlog)
+        if accepts_one_per_turn(loop):  # uvloop's: a burst would wait a turn per connection
+            self._server = BatchAcceptingServer(loop, self._sock, connection, self._backlog)
+        else:
+            self._server = await loop.create_server(
+                connection, sock=self._sock, backlog=self._backlog
+            )
 
     async def stop(self) -> None:
         self.deadlines.close()

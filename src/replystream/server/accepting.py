@@ -1,0 +1,136 @@
+"""Accepting connections on uvloop: every one waiting, each time the socket is readable.
+
+uvloop's own server accepts one connection per turn of its loop (libuv does since 1.45:
+"unix: don't accept() connections in a loop"). Under a burst of new connections, while the
+first ones' requests start, each turn is long, and the rest wait in the kernel's queue one
+turn each: measured, 261 of a burst of 500 relayed requests were accepted one at a time over
+695 ms, and their first chunks waited for that (docs/performance.md). asyncio's own loop
+accepts up to its backlog per turn. This server does what asyncio's does, on any loop: when
+the listening socket is readable, it accepts every connection waiting (at most
+``ACCEPT_BATCH``) and hands each to the loop (``connect_accepted_socket``), whose transport
+and protocol are then the loop's own.
+
+Out of file descriptors (or memory), accepting pauses for ``ACCEPT_RETRY_S`` and says so in
+one line, as asyncio's server pauses; a connection that fails before it is handed over is
+closed. It must not know about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections.abc import Callable
+
+log = logging.getLogger("replystream.server")
+
+ACCEPT_BATCH = 4096  # the listen backlog: every connection the kernel may hold, in one turn
+ACCEPT_RETRY_S = 1.0  # asyncio's own pause when accept() runs out of a resource
+OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+def accepts_one_per_turn(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop``'s own server accepts one connection per turn (uvloop's: any loop
+    that is not asyncio's own)."""
+    return not isinstance(loop, asyncio.BaseEventLoop)
+
+
+class BatchAcceptingServer(asyncio.AbstractServer):
+    """A listening socket whose waiting connections are all accepted each time it is
+    readable, each made a connection of ``factory``'s protocol by the loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        factory: Callable[[], asyncio.Protocol],
+        backlog: int,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._factory = factory
+        self._handing: set[asyncio.Task[None]] = set()  # connections not handed over yet
+        self._paused: asyncio.TimerHandle | None = None
+        self._serving = True
+        self._closed: asyncio.Future[None] = loop.create_future()
+        sock.setblocking(False)
+        sock.listen(backlog)
+        loop.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue  # the client gave up before we accepted it
+            except OSError as exc:
+                if exc.errno not in OUT_OF_RESOURCES:
+                    raise
+                self._pause(exc)
+                return
+            self._hand_over(conn)
+
+    def _hand_over(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        if conn.family in (socket.AF_INET, socket.AF_INET6):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        task = self._loop.create_task(self._connect(conn))
+        self._handing.add(task)
+        task.add_done_callback(self._handing.discard)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(self._factory, conn)
+        except (OSError, asyncio.CancelledError) as exc:
+            # Reset before it was handed over, or the server closing: nothing was read.
+            log.debug("a connection failed before it was served: %r", exc)
+            conn.close()
+
+    def _pause(self, exc: OSError) -> None:
+        log.warning(
+            "accepting connections paused for %g s: %s",
+            ACCEPT_RETRY_S,
+            (exc.strerror or str(exc)).lower(),
+        )
+        self._loop.remove_reader(self._sock.fileno())
+        self._paused = self._loop.call_later(ACCEPT_RETRY_S, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = None
+        if self._serving:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    # -- asyncio.AbstractServer ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop accepting (the socket stays open: its owner closes it). Connections being
+        handed over are cancelled and closed."""
+        if not self._serving:
+            return
+        self._serving = False
+        self._closed.set_result(None)
+        if self._paused is not None:
+            self._paused.cancel()
+        else:
+            self._loop.remove_reader(self._sock.fileno())
+        for task in self._handing:
+            task.cancel()
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def is_serving(self) -> bool:
+        return self._serving
+
+    async def start_serving(self) -> None:
+        """Serving starts when it is made."""
+
+    async def serve_forever(self) -> None:
+        await asyncio.shield(self._closed)
+
+    async def wait_closed(self) -> None:
+        if self._handing:
+            await asyncio.gather(*self._handing, return_exceptions=True)

@@ -1,0 +1,101 @@
+"""The server's accepts on uvloop: every connection waiting, each time the socket is readable.
+
+uvloop's own server accepts one connection per turn of its loop; ``BatchAcceptingServer``
+accepts all that wait. Real sockets on loopback, a real uvloop loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import socket
+from collections.abc import Callable
+
+import pytest
+
+from replystream.server.accepting import BatchAcceptingServer, accepts_one_per_turn
+
+uvloop = pytest.importorskip("uvloop", reason="the batched accepts are uvloop's")
+
+
+class Counted(asyncio.Protocol):
+    def __init__(self, made: list[asyncio.Transport]) -> None:
+        self.made = made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.made.append(transport)  # type: ignore[arg-type]
+
+
+def on_uvloop(main: Callable[[], object]) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())  # type: ignore[arg-type]
+
+
+def test_every_waiting_connection_is_served_within_a_few_turns_of_the_loop() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        assert accepts_one_per_turn(loop)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        made: list[asyncio.Transport] = []
+        server = BatchAcceptingServer(loop, listener, lambda: Counted(made), backlog=128)
+        # 40 connections complete in the kernel and wait to be accepted.
+        clients = [socket.create_connection(listener.getsockname()) for _ in range(40)]
+        for _ in range(10):  # turns of the loop (uvloop's own server: one accept each)
+            await asyncio.sleep(0)
+        assert len(made) == 40
+        for client in clients:
+            client.sendall(b"x")  # each a connection of its own, open and served
+        server.close()
+        await server.wait_closed()
+        assert not server.is_serving()
+        for transport in made:
+            transport.close()
+        for client in clients:
+            client.close()
+        listener.close()
+
+    on_uvloop(main)
+
+
+def test_out_of_file_descriptors_accepting_pauses_and_says_so_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        made: list[asyncio.Transport] = []
+        server = BatchAcceptingServer(loop, listener, lambda: Counted(made), backlog=128)
+        client = socket.create_connection(listener.getsockname())
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # A few descriptors over those open, then none left for the accept.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        spare = []
+        try:
+            while True:
+                spare.append(socket.socket())
+        except OSError:
+            pass
+        try:
+            for _ in range(10):
+                await asyncio.sleep(0)
+        finally:
+            for sock in spare:
+                sock.close()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert made == []
+        await asyncio.sleep(1.2)  # ACCEPT_RETRY_S: accepting again, the connection served
+        assert len(made) == 1
+        server.close()
+        for transport in made:
+            transport.close()
+        client.close()
+        listener.close()
+        assert (soft, hard) == resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    with caplog.at_level("WARNING", logger="replystream.server"):
+        on_uvloop(main)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["accepting connections paused for 1 s: too many open files"], lines
+    assert not any(r.exc_info for r in caplog.records)
