@@ -281,7 +281,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--relays", nargs="+", choices=RELAYS, default=list(RELAYS))
     parser.add_argument("--litellm", default=shutil.which("litellm"), help="litellm executable")
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="uvloop",  # serve's own where uvloop is installed (--loop auto)
+        help="the event loop of replystream, native and the pipes",
+    )
     parser.add_argument(
         "--workers",
         type=int,

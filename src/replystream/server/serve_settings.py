@@ -82,9 +82,10 @@ SERVER = Group(
         ),
         Setting(
             "--loop",
-            "event loop (uvloop needs the uvloop package; see docs/performance.md)",
-            choices=("asyncio", "uvloop"),
-            default="asyncio",
+            "event loop: auto is uvloop where it is installed (a dependency on Linux and "
+            "macOS), else asyncio's own (see docs/performance.md)",
+            choices=("auto", "asyncio", "uvloop"),
+            default="auto",
         ),
         # A worker started by --workers serves the socket its parent opened, tells its parent
         # when it accepts connections (a byte on the pipe --ready-fd), and stops when that
