@@ -6,9 +6,9 @@ first ones' requests start, each turn is long, and the rest wait in the kernel's
 turn each: measured, 261 of a burst of 500 relayed requests were accepted one at a time over
 695 ms, and their first chunks waited for that (docs/performance.md). asyncio's own loop
 accepts up to its backlog per turn. This server does what asyncio's does, on any loop: when
-the listening socket is readable, it accepts every connection waiting (at most
-``ACCEPT_BATCH``) and hands each to the loop (``connect_accepted_socket``), whose transport
-and protocol are then the loop's own.
+the listening socket is readable, it accepts every connection waiting (at most its backlog)
+and hands each to the loop (``connect_accepted_socket``), whose transport and protocol are
+then the loop's own.
 
 Out of file descriptors (or memory), accepting pauses for ``ACCEPT_RETRY_S`` and says so in
 one line, as asyncio's server pauses; a connection that fails before it is handed over is
@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 log = logging.getLogger("replystream.server")
 
-ACCEPT_BATCH = 4096  # the listen backlog: every connection the kernel may hold, in one turn
 ACCEPT_RETRY_S = 1.0  # asyncio's own pause when accept() runs out of a resource
 OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -50,6 +49,7 @@ class BatchAcceptingServer(asyncio.AbstractServer):
         self._loop = loop
         self._sock = sock
         self._factory = factory
+        self._backlog = backlog  # every connection the kernel may hold, in one turn
         self._handing: set[asyncio.Task[None]] = set()  # connections not handed over yet
         self._paused: asyncio.TimerHandle | None = None
         self._serving = True
@@ -59,7 +59,7 @@ class BatchAcceptingServer(asyncio.AbstractServer):
         loop.add_reader(sock.fileno(), self._accept)
 
     def _accept(self) -> None:
-        for _ in range(ACCEPT_BATCH):
+        for _ in range(self._backlog):
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
