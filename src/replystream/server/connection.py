@@ -17,6 +17,9 @@ It decides two things:
   request are kept until its head is parsed, to read its path from when the parser refuses
   the head: aiohttp hands a refusal over without one.
 
+Its site listens through asyncio's own server, or on uvloop through ``accepting``'s, which
+takes a burst of connections in at once as asyncio's does.
+
 It must not know about routes or replies.
 """
 
