@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from replystream.engine import upstream_proxy
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_routes import load_routes
@@ -338,3 +339,25 @@ async def test_a_proxy_whose_tls_fails_is_named_with_what_failed(
     assert not_tls.status == 502, not_tls.raw
     message = json.loads(not_tls.raw)["error"]["message"]
     assert "it did not answer in TLS" in message and "is its URL http://?" in message, message
+
+
+async def test_a_proxy_that_never_finishes_its_tls_handshake_is_named_not_the_upstream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # tinyproxy speaks plain HTTP: given an https:// URL, it waits for a request line that
+    # never comes, while the relay waits for its side of the handshake.
+    monkeypatch.setattr(upstream_proxy, "PROXY_TLS_HANDSHAKE_S", 0.5)
+    async with tinyproxy(tmp_path) as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", f"https://{proxy.url}")
+        async with relay((UpstreamTarget("https://localhost:9/v1"),)) as url:
+            started = asyncio.get_running_loop().time()
+            got = await post_events(f"{url}/v1/chat/completions", ASK)
+            waited = asyncio.get_running_loop().time() - started
+    assert got.status == 502, got.raw
+    message = json.loads(got.raw)["error"]["message"]
+    assert message == (
+        f"cannot connect to the upstream at https://localhost:9/v1 through the proxy at "
+        f"https://{proxy.url} (HTTPS_PROXY): it did not finish a TLS handshake within 0.5 s: "
+        "does it speak TLS (is its URL http://?)"
+    ), message
+    assert waited < 10, waited  # not the attempt's head timeout (30 s)

@@ -31,6 +31,11 @@ from urllib.parse import unquote, urlsplit
 from replystream.engine.upstream_http_failures import ProxyFailed
 
 MAX_ANSWER_BYTES = 16 * 1024  # a proxy's answer to CONNECT: its status line and headers
+# A TLS handshake with a proxy takes a few round trips; one still unfinished after this long
+# is most often a proxy that speaks plain HTTP waiting for a request line (an https:// URL
+# given for it), which would otherwise be waited for until the attempt's head timeout and
+# then said as the upstream's silence.
+PROXY_TLS_HANDSHAKE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +173,27 @@ async def _reach(proxy: Proxy, factory: Callable[[], P]) -> tuple[asyncio.Transp
     loop = asyncio.get_running_loop()
     tls = _proxy_tls() if proxy.tls else None
     try:
-        transport, protocol = await loop.create_connection(
-            factory, proxy.host, proxy.port, ssl=tls, server_hostname=proxy.host if tls else None
-        )
+        if tls is None:
+            transport, protocol = await loop.create_connection(factory, proxy.host, proxy.port)
+        else:
+            transport, protocol = await loop.create_connection(
+                factory,
+                proxy.host,
+                proxy.port,
+                ssl=tls,
+                server_hostname=proxy.host,
+                ssl_handshake_timeout=PROXY_TLS_HANDSHAKE_S,
+            )
     except ssl.SSLError as exc:  # (an OSError too)
         raise _tls_failed(exc) from None
+    except ConnectionAbortedError as exc:
+        if tls is None:
+            raise ProxyFailed("it cannot be reached", os_error=exc) from None
+        # asyncio's and uvloop's words for a handshake past its time.
+        raise ProxyFailed(
+            f"it did not finish a TLS handshake within {PROXY_TLS_HANDSHAKE_S:g} s: "
+            "does it speak TLS (is its URL http://?)"
+        ) from None
     except OSError as exc:
         raise ProxyFailed("it cannot be reached", os_error=exc) from None
     return transport, protocol
