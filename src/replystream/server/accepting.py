@@ -12,7 +12,8 @@ then the loop's own.
 
 Out of file descriptors (or memory), accepting pauses for ``ACCEPT_RETRY_S`` and says so in
 one line, as asyncio's server pauses; a connection that fails before it is handed over is
-closed. It must not know about HTTP.
+closed; one accepted before the server closes is still handed over. It must not know about
+HTTP.
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ class BatchAcceptingServer(asyncio.AbstractServer):
     async def _connect(self, conn: socket.socket) -> None:
         try:
             await self._loop.connect_accepted_socket(self._factory, conn)
-        except (OSError, asyncio.CancelledError) as exc:
-            # Reset before it was handed over, or the server closing: nothing was read.
+        except OSError as exc:  # reset before it was handed over: nothing was read
             log.debug("a connection failed before it was served: %r", exc)
             conn.close()
+        except asyncio.CancelledError:  # the loop itself ending
+            conn.close()
+            raise
 
     def _pause(self, exc: OSError) -> None:
         log.warning(
@@ -106,8 +109,9 @@ class BatchAcceptingServer(asyncio.AbstractServer):
     # -- asyncio.AbstractServer ----------------------------------------------------------
 
     def close(self) -> None:
-        """Stop accepting (the socket stays open: its owner closes it). Connections being
-        handed over are cancelled and closed."""
+        """Stop accepting (the socket stays open: its owner closes it). Connections already
+        accepted are still handed over, as asyncio's server lets them be: a shutdown answers
+        their requests as it answers any (refused in the API's shape), not cut unanswered."""
         if not self._serving:
             return
         self._serving = False
@@ -116,8 +120,6 @@ class BatchAcceptingServer(asyncio.AbstractServer):
             self._paused.cancel()
         else:
             self._loop.remove_reader(self._sock.fileno())
-        for task in self._handing:
-            task.cancel()
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
