@@ -233,8 +233,8 @@ class UpstreamEngine:
         # Those of upstreams taken out of the routes, while replies under way still use them.
         self._retired: list[HttpOrigin] = []
         # The counts (attempts, probes, connections opened) of upstreams taken out, by name:
-        # one put back counts
-        # on from them, as a counter must (its per-upstream rows are read from these).
+        # one put back counts on from them, as a counter must (its per-upstream rows are read
+        # from these).
         self._counts_kept: dict[str, tuple[Counter[str], Counter[str], int]] = {}
         self._rerouting = asyncio.Lock()
         self._prober = HealthProber(

@@ -24,6 +24,7 @@ import aiohttp
 
 from replystream.engine.upstream_http_connection import MAX_HEAD_BYTES
 from replystream.engine.upstream_http_failures import (
+    TLS_TO_PLAIN,
     BadFraming,
     BodyCut,
     ConnectFailed,
@@ -48,7 +49,8 @@ class Failure:
 
 # What to do about the two ways a URL's scheme can disagree with its port.
 PLAIN_TO_TLS = "it is a TLS port, spoken to in plain HTTP: its URL must begin with https://"
-TLS_TO_PLAIN = "is it a plain HTTP port? Then its URL begins with http://"
+# A proxy spoken to in TLS is checked against the system's CAs (OpenSSL reads this variable).
+PROXY_CA_HINT = "; a private CA's certificate goes in SSL_CERT_FILE"
 
 
 def _os_reason(error: OSError | None) -> str:
@@ -62,12 +64,14 @@ def _host(url: str) -> str | None:
     return urlsplit(url).hostname
 
 
-def _tls_reason(exc: BaseException) -> str:
+def _tls_reason(exc: BaseException, *, ca_hint: str = "") -> str:
+    """A failed TLS handshake in our words; ``ca_hint``: where an untrusted certificate's CA
+    would go, said with it."""
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
         exc = exc.certificate_error
     if isinstance(exc, ssl.SSLCertVerificationError):
-        verify = exc.verify_message
-        return f"its TLS certificate is not trusted ({verify or 'verification failed'})"
+        verify = exc.verify_message or "verification failed"
+        return f"its TLS certificate is not trusted ({verify}{ca_hint})"
     cause = exc.os_error if isinstance(exc, aiohttp.ClientSSLError) else exc
     reason = cause.reason if isinstance(cause, ssl.SSLError) else None
     if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"):
@@ -97,13 +101,16 @@ def connect_failure(
         exc.proxy = proxy
     elif proxy and isinstance(exc, aiohttp.ClientSSLError) and exc.host != _host(base_url):
         # aiohttp's TLS with the proxy itself (one spoken to in TLS), not with the upstream.
-        exc = ProxyFailed(_tls_reason(exc))
+        exc = ProxyFailed("its TLS handshake failed", tls_error=exc)
         exc.proxy = proxy
     elif isinstance(exc, aiohttp.ClientHttpProxyError):
         exc = tunnel_refused(exc.status, exc.message)
         exc.proxy = proxy
     if isinstance(exc, ProxyFailed):
-        said = f"cannot connect to {where} through the proxy at {exc.proxy}: {exc}"
+        reason = str(exc)
+        if exc.tls_error is not None:
+            reason = _tls_reason(exc.tls_error, ca_hint=PROXY_CA_HINT)
+        said = f"cannot connect to {where} through the proxy at {exc.proxy}: {reason}"
         if isinstance(exc.os_error, socket.gaierror):
             said += " (its host name does not resolve)"
         elif exc.os_error is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
-from replystream.engine.upstream_http_failures import ProxyFailed
+from replystream.engine.upstream_http_failures import TLS_TO_PLAIN, ProxyFailed
 
 MAX_ANSWER_BYTES = 16 * 1024  # a proxy's answer to CONNECT: its status line and headers
 # A TLS handshake with a proxy takes a few round trips; one still unfinished after this long
@@ -184,34 +184,18 @@ async def _reach(proxy: Proxy, factory: Callable[[], P]) -> tuple[asyncio.Transp
                 server_hostname=proxy.host,
                 ssl_handshake_timeout=PROXY_TLS_HANDSHAKE_S,
             )
-    except ssl.SSLError as exc:  # (an OSError too)
-        raise _tls_failed(exc) from None
+    except ssl.SSLError as exc:  # (an OSError too): worded by ``upstream_errors``
+        raise ProxyFailed("its TLS handshake failed", tls_error=exc) from None
     except ConnectionAbortedError as exc:
         if tls is None:
             raise ProxyFailed("it cannot be reached", os_error=exc) from None
         # asyncio's and uvloop's words for a handshake past its time.
         raise ProxyFailed(
-            f"it did not finish a TLS handshake within {PROXY_TLS_HANDSHAKE_S:g} s: "
-            "does it speak TLS (is its URL http://?)"
+            f"it did not finish a TLS handshake within {PROXY_TLS_HANDSHAKE_S:g} s: {TLS_TO_PLAIN}"
         ) from None
     except OSError as exc:
         raise ProxyFailed("it cannot be reached", os_error=exc) from None
     return transport, protocol
-
-
-def _tls_failed(exc: ssl.SSLError) -> ProxyFailed:
-    """A TLS handshake with a proxy that failed, in our words."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return ProxyFailed(
-            f"its TLS certificate is not trusted ({exc.verify_message or 'verification failed'}; "
-            "a private CA's certificate goes in SSL_CERT_FILE)"
-        )
-    reason = exc.reason or ""
-    words = reason.lower().replace("_", " ")
-    if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"):
-        # What came back is no TLS record: a proxy spoken to in plain HTTP.
-        return ProxyFailed(f"it did not answer in TLS ({words}): is its URL http://?")
-    return ProxyFailed(f"the TLS handshake with it failed ({words or 'no reason given'})")
 
 
 async def _tunnel(proxy: Proxy, host: str, port: int) -> asyncio.Transport:
