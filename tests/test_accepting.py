@@ -6,10 +6,11 @@ accepts all that wait. Real sockets on loopback, a real uvloop loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -28,6 +29,26 @@ class Counted(asyncio.Protocol):
             self.served.set()
 
 
+@contextlib.asynccontextmanager
+async def batch_server(
+    made: list[asyncio.Transport], served: asyncio.Event | None = None
+) -> AsyncIterator[tuple[BatchAcceptingServer, tuple[str, int]]]:
+    """A ``BatchAcceptingServer`` on a loopback socket, its connections in ``made``; its
+    address. Closed, with what it served, when the block ends."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    loop = asyncio.get_running_loop()
+    server = BatchAcceptingServer(loop, listener, lambda: Counted(made, served), backlog=128)
+    try:
+        yield server, listener.getsockname()
+    finally:
+        server.close()
+        await server.wait_closed()
+        for transport in made:
+            transport.close()
+        listener.close()
+
+
 def on_uvloop(main: Callable[[], object]) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())  # type: ignore[arg-type]
@@ -35,27 +56,18 @@ def on_uvloop(main: Callable[[], object]) -> None:
 
 def test_every_waiting_connection_is_served_within_a_few_turns_of_the_loop() -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        assert accepts_one_per_turn(loop)
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
+        assert accepts_one_per_turn(asyncio.get_running_loop())
         made: list[asyncio.Transport] = []
-        server = BatchAcceptingServer(loop, listener, lambda: Counted(made), backlog=128)
-        # 40 connections complete in the kernel and wait to be accepted.
-        clients = [socket.create_connection(listener.getsockname()) for _ in range(40)]
-        for _ in range(10):  # turns of the loop (uvloop's own server: one accept each)
-            await asyncio.sleep(0)
-        assert len(made) == 40
-        for client in clients:
-            client.sendall(b"x")  # each a connection of its own, open and served
-        server.close()
-        await server.wait_closed()
+        async with batch_server(made) as (server, address):
+            # 40 connections complete in the kernel and wait to be accepted.
+            clients = [socket.create_connection(address) for _ in range(40)]
+            for _ in range(10):  # turns of the loop (uvloop's own server: one accept each)
+                await asyncio.sleep(0)
+            assert len(made) == 40
+            for client in clients:
+                client.sendall(b"x")  # each a connection of its own, open and served
+                client.close()
         assert not server.is_serving()
-        for transport in made:
-            transport.close()
-        for client in clients:
-            client.close()
-        listener.close()
 
     on_uvloop(main)
 
@@ -64,21 +76,15 @@ def test_connections_accepted_before_the_server_closes_are_still_served() -> Non
     # A shutdown closes the server between the accept and the hand-over: what was accepted is
     # served (its request then refused as the shutdown says), not cut unanswered.
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
         made: list[asyncio.Transport] = []
-        server = BatchAcceptingServer(loop, listener, lambda: Counted(made), backlog=128)
-        clients = [socket.create_connection(listener.getsockname()) for _ in range(10)]
-        await asyncio.sleep(0)  # one turn: accepted, not handed over yet
-        server.close()
-        await server.wait_closed()
-        assert len(made) == 10
-        for transport in made:
-            transport.close()
-        for client in clients:
-            client.close()
-        listener.close()
+        async with batch_server(made) as (server, address):
+            clients = [socket.create_connection(address) for _ in range(10)]
+            await asyncio.sleep(0)  # one turn: accepted, not handed over yet
+            server.close()
+            await server.wait_closed()
+            assert len(made) == 10
+            for client in clients:
+                client.close()
 
     on_uvloop(main)
 
@@ -87,37 +93,30 @@ def test_out_of_file_descriptors_accepting_pauses_and_says_so_in_one_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
         made: list[asyncio.Transport] = []
         served = asyncio.Event()
-        server = BatchAcceptingServer(loop, listener, lambda: Counted(made, served), backlog=128)
-        client = socket.create_connection(listener.getsockname())
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        # A few descriptors over those open, then none left for the accept.
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        spare = []
-        try:
-            while True:
-                spare.append(socket.socket())
-        except OSError:
-            pass
-        try:
-            for _ in range(10):
-                await asyncio.sleep(0)
-        finally:
-            for sock in spare:
-                sock.close()
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        assert made == []
-        await asyncio.wait_for(served.wait(), 10)  # ACCEPT_RETRY_S (1 s) on: accepting again
-        assert len(made) == 1
-        server.close()
-        for transport in made:
-            transport.close()
-        client.close()
-        listener.close()
+        async with batch_server(made, served) as (_, address):
+            client = socket.create_connection(address)
+            # A few descriptors over those open, then none left for the accept.
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+            spare = []
+            try:
+                while True:
+                    spare.append(socket.socket())
+            except OSError:
+                pass
+            try:
+                for _ in range(10):
+                    await asyncio.sleep(0)
+            finally:
+                for sock in spare:
+                    sock.close()
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert made == []
+            await asyncio.wait_for(served.wait(), 10)  # ACCEPT_RETRY_S (1 s) on: accepting again
+            assert len(made) == 1
+            client.close()
         assert (soft, hard) == resource.getrlimit(resource.RLIMIT_NOFILE)
 
     with caplog.at_level("WARNING", logger="replystream.server"):
