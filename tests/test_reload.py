@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -325,3 +326,28 @@ async def test_with_no_file_to_read_again_sighup_stops_serve():
         assert await asyncio.wait_for(process.wait(), 10) == -signal.SIGHUP
     finally:
         await stop(process)
+
+
+async def test_a_dead_models_requests_go_on_to_its_fallback_until_a_reload_drops_it(
+    tmp_path: Path,
+):
+    with socket.socket() as closed:  # a port nothing listens on: a dead upstream
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    async with replica(*upstream("beta " * 3, "model-b")) as (_, b):
+        file = tmp_path / "routes.toml"
+        both = routes((dead, "model-a"), (b, "model-b"))
+        file.write_text(both + '[fallbacks]\n"model-a" = ["model-b"]\n')
+        async with relay(file) as (process, url, stderr):
+            assert await ask(url, "model-a") == "beta " * 3
+            _, text = await get(f"{url}/metrics")
+            assert samples(text)["replystream_upstream_fallbacks", ()] == 1
+            file.write_text(both)
+            process.send_signal(signal.SIGHUP)
+            [line] = await stderr.wait_for("routes reloaded")
+            assert line.rstrip().endswith("2 upstreams, 0 aliases"), line
+            body = {"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            # Its connection refused (502), or, its circuit open by then, none to try (503).
+            assert got.status in (502, 503), got.raw
+            assert json.loads(got.raw)["error"]["code"] == "upstream_unavailable"

@@ -62,6 +62,7 @@ class Upstream:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.usage_unasked = True  # its usage even to a request without stream_options
+        self.asked = asyncio.Event()  # set by the first request
 
     async def list_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
@@ -69,13 +70,18 @@ class Upstream:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.headers.append(dict(request.headers))
+        self.asked.set()
         if self.mode == "uuid_ids" and not is_uuid(request.headers.get("X-Request-Id", "")):
             # As llama-cpp-python's server (starlette-context) refuses an id not a UUID.
             return web.Response(status=400)
         if self.mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=503)
+        if self.mode == "refuse":  # the request itself: a 400, as vLLM's for a bad field
+            return web.json_response({"error": {"message": "bad field"}}, status=400)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.mode == "slow":  # a head, then a long prefill
+            await asyncio.sleep(0.8)
         if self.mode == "silent":  # a head, then nothing but keep-alives
             for _ in range(300):
                 await response.write(b": keep-alive\n\n")

@@ -418,6 +418,7 @@ class EngineStats:
     backends: tuple[BackendStats, ...] = ()  # the servers a relay sends requests to
     failovers: int = 0  # replies moved to another backend before their first token
     continuations: int = 0  # replies that went on at another backend mid-reply
+    fallbacks: int = 0  # replies that went on to a fallback model
     queued: int = 0  # requests waiting for room at backends at their limit of requests
     spills: int = 0  # requests routed by prefix that went first past their key's own backend
 

@@ -192,6 +192,7 @@ class RouteChange:
     removed: tuple[str, ...]
     upstreams: int
     aliases: int
+    fallbacks: int  # models given fallbacks
 
 
 class UpstreamEngine:
@@ -216,6 +217,7 @@ class UpstreamEngine:
             BreakerConfig(config.failures, config.cooldown_s),
             time.monotonic,
             dict(config.aliases),
+            dict(config.fallbacks),
         )
         self._limits = RelayLimits(config.ttft_s, config.stall_s, config.failover_s, config.queue_s)
         self._relay_counts = RelayCounts()
@@ -577,17 +579,18 @@ class UpstreamEngine:
             ),
             failovers=self._relay_counts.failovers,
             continuations=self._relay_counts.continuations,
+            fallbacks=self._relay_counts.fallbacks,
             queued=len(self._queue),
             spills=self._relay_counts.spills,
         )
 
     async def reroute(self, config: UpstreamConfig) -> RouteChange:
-        """Serve ``config``'s upstreams and aliases from now on (a routes file read again;
-        the rest of ``config`` is the command line's, as before). An upstream that stays
-        keeps its circuit, counts and connections, with its weight, key and models as now
-        given; a new one is probed before it joins, and one whose models are no longer
-        given is asked for its list again. One taken out gets no new request; the replies
-        under way there go on to their end."""
+        """Serve ``config``'s upstreams, aliases and fallbacks from now on (a routes file
+        read again; the rest of ``config`` is the command line's, as before). An upstream
+        that stays keeps its circuit, counts and connections, with its weight, key and models
+        as now given; a new one is probed before it joins, and one whose models are no
+        longer given is asked for its list again. One taken out gets no new request; the
+        replies under way there go on to their end (and with the fallbacks they began with)."""
         async with self._rerouting:  # two reloads at once: one after the other
             before = {b.name: b for b in self.pool.backends}
             backends = [before.get(t.base_url) or _backend(t, config) for t in config.targets]
@@ -620,6 +623,7 @@ class UpstreamEngine:
                 staying.tls = keys.tls.get(name)
             self.pool.backends = backends
             self.pool.aliases = dict(config.aliases)
+            self.pool.fallbacks = dict(config.fallbacks)
             # New aliases may stand in front of models the upstreams already list.
             self._prober.note_shadowed(backends)
             if self._shared is not None:
@@ -640,6 +644,7 @@ class UpstreamEngine:
                 removed=removed,
                 upstreams=len(backends),
                 aliases=len(config.aliases),
+                fallbacks=len(config.fallbacks),
             )
 
     async def readiness(self) -> Readiness:

@@ -66,12 +66,13 @@ class ChoiceRoom:
     """The room taken for the choices of one request that are not started yet, shared by
     its choices' relayed replies while they start one after another."""
 
-    __slots__ = ("holds", "sent", "unstarted")
+    __slots__ = ("holds", "model", "sent", "unstarted")
 
     def __init__(self, choices: int) -> None:
         # The room of the choice starting now and of those after it, in the order they start
         # (empty: none taken yet, or fewer upstreams than choices let a request through).
         self.holds: list[Hold] = []
+        self.model: str | None = None  # the model the room in ``holds`` is at
         self.unstarted = choices  # those whose start has not begun
         self.sent = 0  # those whose start is over: a response head came
 

@@ -2,13 +2,16 @@
 counts.
 
 This file decides, for each attempt a reply (``upstream_relay.RelayedReply``) makes: the
-upstream it goes to, the first of the pool's plan (with the reply's preference, when routed
-by prefix: ``upstream_affinity``) not tried yet; that no upstream is left once
-``failover_s`` has passed since the request began (or since its latest seam), and what the
-reply then ends with: the last attempt's failure, or, when none could be tried, a 503 that
-says when some upstream may take a request (``retry_after_s``). When every upstream left is
-at its limit of requests at once, the request waits for room (``upstream_queue``) for at
-most ``queue_s``, then is ``upstream_busy`` (503); a choice of a request of several takes
+upstream it goes to, the first of the pool's plan for its model (with the reply's
+preference, when routed by prefix: ``upstream_affinity``) not tried yet; when none is left,
+or every one left is at its limit of requests at once, the next model of the model's
+fallbacks (the routes file's: ``UpstreamPool.fallbacks``), sent as that model, its upstreams
+untried; that no upstream is left once ``failover_s`` has passed since the request began (or
+since its latest seam), and what the reply then ends with: the last attempt's failure, or,
+when none could be tried, a 503 that says when some upstream may take a request
+(``retry_after_s``). When every upstream left of the last model is at its limit of requests
+at once, the request waits for room (``upstream_queue``) for at most ``queue_s``, then is
+``upstream_busy`` (503); a choice of a request of several takes
 room with those of its choices not started yet, all or none (``upstream_admission``). With
 ``shared`` limits (the workers of one server), an attempt at an upstream with a limit also
 holds one of its slots (``upstream_slots``) from the moment it is chosen to its end, however
@@ -34,6 +37,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from replystream.engine.base import EngineError, GenerationRequest, RequestRejected
 from replystream.engine.upstream_admission import ChoiceRoom, Hold, room, take_one, take_room
@@ -66,10 +70,12 @@ class AttemptSeries:
     __slots__ = (
         "_affinity",
         "_attempt_began",
+        "_attempts",
         "_backend",
         "_began",
         "_choices",
         "_counts",
+        "_fallbacks",
         "_flowing",
         "_hold",
         "_last_error",
@@ -116,7 +122,11 @@ class AttemptSeries:
         self._limits = limits
         self._counts = counts
         self._model = pool.resolve(request.model)
-        self._tried: set[Backend] = set()
+        # The models its requests go on to, in order, when none of the current one's
+        # upstreams can answer (``_fall_back``); the first is the model asked for.
+        self._fallbacks = (self._model, *pool.fallbacks.get(self._model or "", ()))
+        self._tried: set[Backend] = set()  # the current model's upstreams tried
+        self._attempts = 0  # over every model
         self._began = time.monotonic()  # of the request, or of the latest seam
         self._backend: Backend | None = None
         self._stream: Attempt | None = None
@@ -134,12 +144,14 @@ class AttemptSeries:
         are at their limit of requests at once; raise when none is left."""
         queued_at: float | None = None
         while True:
-            if self._tried and time.monotonic() - self._began >= self._limits.failover_s:
+            if self._attempts and time.monotonic() - self._began >= self._limits.failover_s:
                 raise self._give_up()
             if queued_at is None and self._behind_a_starving_request():
                 hold, full = None, True  # in line behind it, not taking the room it gathers
             else:
                 hold, full = self._take_room(queued_at or time.monotonic())
+            if hold is None and full and self._fall_back():
+                continue  # its fallback now, rather than wait in line for this model
             if hold is None and full and self._others_wait_for_this():
                 # In line, it would hold their room while it waited for more: it ends now.
                 raise self._no_room(0.0) if self._last_error is None else self._give_up()
@@ -156,11 +168,14 @@ class AttemptSeries:
                     continue
                 raise self._no_room(time.monotonic() - queued_at)
             if hold is None:
+                if self._fall_back():
+                    continue
                 raise self._give_up()
             backend = hold.backend
-            if len(self._tried) == 1 and not self._relayed_any:
+            if self._attempts == 1 and not self._relayed_any:
                 self._counts.failovers += 1  # once per reply, however many moves it made
             self._tried.add(backend)
+            self._attempts += 1
             self._hold = hold
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False
@@ -182,6 +197,22 @@ class AttemptSeries:
                 self._attempt_over("cancelled")
                 raise
 
+    def _fall_back(self) -> bool:
+        """Go on to the next of the request's fallbacks (its upstreams, none tried yet), if
+        one is left and the failover window is not over."""
+        at = self._fallbacks.index(self._model)
+        if at + 1 == len(self._fallbacks):
+            return False
+        if time.monotonic() - self._began >= self._limits.failover_s:
+            return False
+        if at == 0:
+            self._counts.fallbacks += 1  # once per reply, however far along it goes
+        self._model = self._fallbacks[at + 1]
+        self._tried = set()
+        if self._choices is not None:  # the room taken for the model before
+            self._choices.give_back(self._queue)
+        return True
+
     def _take_room(self, since: float) -> tuple[Hold | None, bool]:
         """Room for the next attempt (counted at its upstream), or None and whether only the
         limits keep it out. While some of its request's choices have not started, it is
@@ -199,7 +230,9 @@ class AttemptSeries:
                 return None, full
             self._count_spill(backend)
             return Hold(backend, slot), False
-        if self._tried or not choices.holds:  # for this one and those not started yet
+        if self._tried or not choices.holds or choices.model != self._model:
+            # For this one and those not started yet (a choice gone on to a fallback takes
+            # its room there; the others still start at theirs).
             choices.give_back(self._queue)
             count = 1 + choices.unstarted
             holds = take_room(
@@ -207,7 +240,7 @@ class AttemptSeries:
             )
             if holds is None:
                 return None, True
-            choices.holds = holds
+            choices.holds, choices.model = holds, self._model
         if not choices.holds:
             return None, False
         hold = choices.holds.pop(0)
@@ -235,7 +268,7 @@ class AttemptSeries:
         """Whether this attempt, new (not a failover, not starting in room its request took
         already), comes while a request of several choices for its model starves in line."""
         choices = self._choices
-        if self._tried or (choices is not None and choices.holds):
+        if self._attempts or (choices is not None and choices.holds):
             return False
         return self._queue.holds_room_for(self._model)
 
@@ -246,7 +279,7 @@ class AttemptSeries:
         return choices is not None and 0 < choices.sent < self._request.choices
 
     def _count_spill(self, first: Backend) -> None:
-        if not self._tried and self._spilled_past_home(first):
+        if not self._attempts and self._spilled_past_home(first):
             self._counts.spills += 1
 
     def _own_ttft_s(self) -> float:
@@ -295,34 +328,47 @@ class AttemptSeries:
     def _attempt_request(self) -> GenerationRequest:
         """The request as this attempt sends it: after a seam, with the text so far as the
         assistant's prefix and the rest of the token budget."""
+        request = self._request
+        if self._model != self._fallbacks[0]:  # a fallback's upstream: sent its model
+            request = replace(request, model=self._model)
         if not self._sent:
-            return self._request
-        return continued_request(self._request, "".join(self._sent), self._tokens)
+            return request
+        return continued_request(request, "".join(self._sent), self._tokens)
 
     def _give_up(self) -> EngineError:
         error = self._last_error
         if error is None:
-            model = "" if self._model is None else f" serving {self._model}"
             problems = "; ".join(
-                b.problem or f"{b.name} is failing" for b in self._pool.serving(self._model)
+                b.problem or f"{b.name} is failing"
+                for b in self._pool.backends
+                if any(b.serves(model) for model in self._fallbacks)
             )
             error = NoUpstream(
-                f"no upstream{model} can take a request now (each circuit is open, after "
+                f"no upstream{self._serving()} can take a request now (each circuit is open, after "
                 f"repeated failures or for as long as its upstream asked): {problems}",
                 code="upstream_unavailable",
             )
-        elif len(self._tried) > 1:
-            error.args = (f"{error} (after trying {len(self._tried)} upstreams)",)
+        elif self._attempts > 1:
+            error.args = (f"{error} (after trying {self._attempts} upstreams)",)
         if error.status == 503:
             # Nobody can take it now (or the last upstream was busy): the client learns when
             # some upstream may, which replaces what an upstream asked of us.
-            error.retry_after_s = self._pool.wait_s(self._model)
+            waits = (self._pool.wait_s(model) for model in self._fallbacks)
+            error.retry_after_s = min((s for s in waits if s is not None), default=None)
         return error
 
+    def _serving(self) -> str:
+        """`` serving M`` (`` serving M or its fallbacks F, G``) for an error's words."""
+        asked, *fallbacks = self._fallbacks
+        if asked is None:
+            return ""
+        if not fallbacks:
+            return f" serving {asked}"
+        return f" serving {asked} or its fallbacks {', '.join(map(str, fallbacks))}"
+
     def _no_room(self, waited_s: float) -> UpstreamBusy:
-        model = "" if self._model is None else f" serving {self._model}"
         return UpstreamBusy(
-            f"every upstream{model} is at its limit of requests at once"
+            f"every upstream{self._serving()} is at its limit of requests at once"
             + (f" (waited {waited_s:.3g} s for room)" if self._limits.queue_s > 0 else ""),
             code="upstream_busy",
             retry_after_s=1.0,  # a request may end at any moment
@@ -351,7 +397,7 @@ class AttemptSeries:
         assert hold is not None
         hold.give_back(self._queue)
         backend.attempts[result] += 1
-        if result != "ok" or len(self._tried) > 1:
+        if result != "ok" or self._attempts > 1:
             self._log(backend, result)
 
     def _log(self, backend: Backend, result: str) -> None:
@@ -359,11 +405,13 @@ class AttemptSeries:
             line = {
                 "request_id": self._request.caller.request_id,
                 "upstream": backend.name,
-                "attempt": len(self._tried),
+                "attempt": self._attempts,
                 "result": result,
                 "ms": round((time.monotonic() - self._attempt_began) * 1000.0, 1),
                 "relayed_tokens": self._tokens,
             }
+            if self._model != self._fallbacks[0]:
+                line["model"] = self._model  # a fallback's
             access_log.info("%s", json.dumps(line))
 
     def _close_stream(self) -> None:

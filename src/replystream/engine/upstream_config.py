@@ -216,6 +216,9 @@ class UpstreamConfig:
     pass_client_key: bool = False
     model: str | None = None  # None: the first model the upstream's /models lists
     aliases: tuple[tuple[str, str], ...] = ()  # (a name clients use, an upstream's model)
+    # (a model, the models its requests go on to, in order, when none of its upstreams can
+    # answer them): the routes file's ``fallbacks``.
+    fallbacks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     headers_timeout_s: float = 30.0  # connect plus the response head
     # A kept-alive connection idle this long is closed rather than sent a request: a NAT or
     # load balancer on the way may have dropped it without a word (Azure's drops one idle

@@ -260,6 +260,7 @@ class UpstreamPool:
         breaker: BreakerConfig,
         clock: Callable[[], float],
         aliases: dict[str, str] | None = None,
+        fallbacks: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         if not backends:
             raise ValueError("give at least one upstream")
@@ -267,6 +268,9 @@ class UpstreamPool:
         self.breaker = breaker
         self.clock = clock
         self.aliases = dict(aliases or {})
+        # A model's fallbacks: the models its requests go on to when none of its upstreams
+        # can answer them (``upstream_attempts``).
+        self.fallbacks = dict(fallbacks or {})
 
     def model_names(self) -> tuple[str, ...]:
         """Every model some upstream serves, then the aliases of a model some upstream may

@@ -116,3 +116,4 @@ class RelayCounts:
     failovers: int = 0
     spills: int = 0  # replies routed by prefix whose first upstream was not their key's own
     continuations: int = 0
+    fallbacks: int = 0  # replies gone on to a fallback model (the routes file's)

@@ -27,6 +27,9 @@ line: each upstream's own key and models, and model aliases.
     [aliases]                       # optional: a name clients use = a model an upstream serves
     "gpt-4o-mini" = "llama-3.1-8b"
 
+    [fallbacks]                     # optional: a model = the models its requests go on to,
+    "llama-3.1-70b" = ["llama-3.1-8b"]  # in order, when no upstream of it can answer them
+
 This file decides the format and checks it whole at start-up: every mistake is one line
 naming the file, the entry and the field (``routes.toml: upstreams[1].weight: ...``); an
 upstream given a key and ``pass_client_key = true`` is one; TLS files (paths relative to the
@@ -127,14 +130,17 @@ def _headers(
 class RoutesFile(_Strict):
     upstreams: Annotated[list[UpstreamEntry], Field(min_length=1)]
     aliases: dict[Name, Name] = {}
+    fallbacks: dict[Name, Annotated[list[Name], Field(min_length=1)]] = {}
 
 
 @dataclass(frozen=True, slots=True)
 class Routes:
-    """What a routes file says."""
+    """What a routes file says. ``fallbacks``: each model (an alias written as its model)
+    and the models its requests go on to, in order, likewise written as models."""
 
     targets: tuple[UpstreamTarget, ...]
     aliases: tuple[tuple[str, str], ...]
+    fallbacks: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def shown(name: str) -> str:
@@ -274,4 +280,36 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
             raise ValueError(
                 f"{path}: aliases.{shown(alias)}: no upstream lists the model {model!r}"
             )
-    return Routes(tuple(targets), tuple(parsed.aliases.items()))
+    fallbacks = _fallbacks(parsed, served if every_listed else None, path)
+    return Routes(tuple(targets), tuple(parsed.aliases.items()), fallbacks)
+
+
+def _fallbacks(
+    parsed: RoutesFile, served: set[str] | None, path: Path
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The file's fallbacks with every alias written as its model.
+
+    Raises:
+        ValueError: one line naming the entry at fault: a model its own fallback, one
+            listed twice, one given fallbacks twice (as itself and by an alias), or (when
+            every upstream lists its models: ``served``) one no upstream lists.
+    """
+    aliases = parsed.aliases
+    made: dict[str, tuple[str, ...]] = {}
+    for name, others in parsed.fallbacks.items():
+        where = f"{path}: fallbacks.{shown(name)}"
+        model = aliases.get(name, name)
+        if model in made:
+            raise ValueError(f"{where}: the model {model!r} is given fallbacks twice")
+        models = [aliases.get(other, other) for other in others]
+        for other, resolved in zip(others, models, strict=True):
+            if served is not None and resolved not in served:
+                raise ValueError(f"{where}: no upstream lists the model {resolved!r}")
+            if resolved == model:
+                raise ValueError(f"{where}: {other!r} is the model itself")
+            if models.count(resolved) > 1:
+                raise ValueError(f"{where}: the model {resolved!r} is listed twice")
+        if served is not None and model not in served:
+            raise ValueError(f"{where}: no upstream lists the model {model!r}")
+        made[model] = tuple(models)
+    return tuple(made.items())

@@ -280,6 +280,7 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
         )
     targets = list(choice.targets)
     aliases: tuple[tuple[str, str], ...] = ()
+    fallbacks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     if args.upstream_routes is not None:
         from replystream.engine.upstream_routes import load_routes
 
@@ -295,7 +296,7 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
                     "--engine too; name it in one place"
                 )
         targets += routes.targets
-        aliases = routes.aliases
+        aliases, fallbacks = routes.aliases, routes.fallbacks
     if not targets:
         raise ValueError("--engine upstream needs --upstream-routes FILE, or give upstream:URL")
     try:
@@ -307,6 +308,7 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
             api_key=key,
             api_key_from=source,
             aliases=aliases,
+            fallbacks=fallbacks,
         )
     except EntryMistake as exc:
         raise ValueError(f"--upstream-routes {exc}") from None

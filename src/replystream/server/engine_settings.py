@@ -196,8 +196,8 @@ UPSTREAM_ENGINE = Group(
     (
         Setting(
             "--upstream-routes",
-            "a TOML file of upstreams (each one's key, weight and models) and model aliases, "
-            "read again on SIGHUP",
+            "a TOML file of upstreams (each one's key, weight and models), model aliases and "
+            "fallbacks, read again on SIGHUP",
             metavar="FILE",
             engines=UPSTREAM,
         ),

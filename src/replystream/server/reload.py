@@ -98,7 +98,8 @@ class Reloads:
 
 
 def change_line(path: str, change: RouteChange) -> str:
-    """``routes reloaded from routes.toml: 3 upstreams (added ..., removed ...), 1 alias``."""
+    """``routes reloaded from routes.toml: 3 upstreams (added ..., removed ...), 1 alias``,
+    then ``, 2 models with fallbacks`` when any are."""
     moves = [f"added {', '.join(change.added)}"] if change.added else []
     if change.removed:
         moves.append(f"removed {', '.join(change.removed)}")
@@ -106,6 +107,8 @@ def change_line(path: str, change: RouteChange) -> str:
     if moves:
         upstreams += f" ({'; '.join(moves)})"
     aliases = f"{change.aliases} alias{'es' * (change.aliases != 1)}"
+    if change.fallbacks:
+        aliases += f", {change.fallbacks} model{'s' * (change.fallbacks != 1)} with fallbacks"
     return f"routes reloaded from {path}: {upstreams}, {aliases}"
 
 

@@ -152,6 +152,12 @@ _RELAY_GAUGES: tuple[EngineGauge, ...] = (
         "sum",
     ),
     (
+        "replystream_upstream_fallbacks",
+        "Replies gone on to a fallback model (the routes file's), since start.",
+        "fallbacks",
+        "sum",
+    ),
+    (
         "replystream_upstream_affinity_spills",
         "Requests routed by prefix whose first upstream was not their key's own (its load "
         "past the bound, or at its limit of requests at once), since start.",

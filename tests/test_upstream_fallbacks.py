@@ -1,0 +1,198 @@
+"""A model's fallbacks (the routes file's ``[fallbacks]``): a request none of its model's
+upstreams can answer goes on to the next model's, invisibly to the client, before its first
+text; against small aiohttp upstreams on loopback ports and replystream serving an
+``UpstreamEngine`` on another."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from replystream.engine.upstream_routes import load_routes
+from replystream.server.reload import change_line
+from tests.sse_client import post_events
+from tests.test_upstream_routing import Upstream, relay
+
+BIG_TO_SMALL = (("big", ("small",)),)
+
+
+def chunks(got: Any) -> list[dict[str, Any]]:
+    return [json.loads(e.data) for e in got.events if e.type == "message" and e.data != "[DONE]"]
+
+
+def chat(model: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        **extra,
+    }
+
+
+async def metric(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[1])
+
+
+async def test_a_model_whose_upstreams_all_fail_goes_on_to_its_fallback(caplog):
+    big, small = Upstream(["big"], mode="busy"), Upstream(["small"])
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with relay([big, small], fallbacks=BIG_TO_SMALL, failures=1) as url:
+        first = await post_events(f"{url}/v1/chat/completions", chat("big"), {"X-Request-Id": "r1"})
+        # Its circuit open now, the next request goes to the fallback at once.
+        second = await post_events(f"{url}/v1/chat/completions", chat("big"))
+        direct = await post_events(f"{url}/v1/chat/completions", chat("small"))
+        fallbacks = await metric(url, "replystream_upstream_fallbacks")
+    for got in (first, second, direct):
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+    # The reply names the model asked for; the fallback's upstream was sent its own model.
+    assert {chunk["model"] for chunk in chunks(first)} == {"big"}
+    assert [body["model"] for body in small.bodies] == ["small", "small", "small"]
+    assert len(big.bodies) == 1
+    assert fallbacks == 2.0
+    lines = [json.loads(r.getMessage()) for r in caplog.records if '"attempt"' in r.getMessage()]
+    mine = [
+        (line["attempt"], line["result"], line.get("model"))
+        for line in lines
+        if line["request_id"] == "r1"
+    ]
+    assert mine == [(1, "overloaded", None), (2, "ok", "small")]
+
+
+async def test_without_fallbacks_the_same_failure_is_the_clients():
+    async with relay([Upstream(["big"], mode="busy"), Upstream(["small"])]) as url:
+        got = await post_events(f"{url}/v1/chat/completions", chat("big"))
+    assert got.status == 503
+    assert json.loads(got.raw)["error"]["code"] == "upstream_overloaded"
+
+
+async def test_a_model_at_its_limit_goes_on_to_its_fallback_rather_than_wait_in_line():
+    big, small = Upstream(["big"], mode="slow"), Upstream(["small"])
+    async with relay([big, small], fallbacks=BIG_TO_SMALL, max_outstanding=1) as url:
+        began = time.monotonic()
+        ended: dict[str, float] = {}
+
+        async def ask(name: str) -> Any:
+            got = await post_events(f"{url}/v1/chat/completions", chat("big"))
+            ended[name] = time.monotonic() - began
+            return got
+
+        slow = asyncio.create_task(ask("slow"))
+        await big.asked.wait()  # the one room at big's upstream taken
+        quick = await ask("quick")
+        await slow
+    assert quick.status == 200 and quick.chat_text == "w0 w1 w2 "
+    assert [body["model"] for body in small.bodies] == ["small"]
+    assert len(big.bodies) == 1 and ended["quick"] < ended["slow"]
+
+
+async def test_a_request_the_upstream_refuses_does_not_go_on_to_a_fallback():
+    big, small = Upstream(["big"], mode="refuse"), Upstream(["small"])
+    async with relay([big, small], fallbacks=BIG_TO_SMALL) as url:
+        got = await post_events(f"{url}/v1/chat/completions", chat("big"))
+    assert got.status == 400 and small.bodies == []
+
+
+async def test_every_choice_of_a_request_goes_on_to_the_fallback():
+    big, small = Upstream(["big"], mode="busy"), Upstream(["small"])
+    async with relay([big, small], fallbacks=BIG_TO_SMALL) as url:
+        got = await post_events(f"{url}/v1/chat/completions", chat("big", n=2))
+    assert got.status == 200, got.raw
+    texts: dict[int, str] = {}
+    for chunk in chunks(got):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + (
+                choice["delta"].get("content") or ""
+            )
+    assert texts == {0: "w0 w1 w2 ", 1: "w0 w1 w2 "}
+    assert [body["model"] for body in small.bodies] == ["small", "small"]
+
+
+async def test_a_reply_cut_mid_way_continues_at_the_fallback_when_allowed():
+    big, small = Upstream(["big"], mode="cut"), Upstream(["small"], words=2)
+    async with relay([big, small], fallbacks=BIG_TO_SMALL) as url:
+        body = chat("big", upstream_continue=True)
+        got = await post_events(f"{url}/v1/chat/completions", body)
+    assert got.status == 200 and got.events[-1].data == "[DONE]", got.raw
+    sent = small.bodies[0]
+    assert sent["model"] == "small"
+    assert sent["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 "}
+    # This fake upstream does not continue: it starts over, and the client reads what it sent.
+    assert got.chat_text == "w0 w1 w2 " + "w0 w1 "
+
+
+async def test_every_model_of_the_chain_failing_is_said_with_the_chain():
+    big, small = Upstream(["big"], mode="busy"), Upstream(["small"], mode="busy")
+    async with relay([big, small], fallbacks=BIG_TO_SMALL, failures=1) as url:
+        await post_events(f"{url}/v1/chat/completions", chat("big"))
+        got = await post_events(f"{url}/v1/chat/completions", chat("big"))
+    assert got.status == 503
+    error = json.loads(got.raw)["error"]
+    assert error["code"] == "upstream_unavailable"
+    assert "no upstream serving big or its fallbacks small can take a request" in error["message"]
+    assert int(got.headers["retry-after"]) >= 1
+
+
+def test_a_routes_files_fallbacks_are_read_as_models(tmp_path: Path):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        "[[upstreams]]\nurl = 'http://a/v1'\nmodels = ['big', 'mid', 'small']\n"
+        "[aliases]\nlarge = 'big'\ntiny = 'small'\n"
+        "[fallbacks]\nlarge = ['mid', 'tiny']\n"
+    )
+    assert load_routes(path).fallbacks == (("big", ("mid", "small")),)
+
+
+@pytest.mark.parametrize(
+    ("fallbacks", "says"),
+    [
+        ("big = ['big']", "fallbacks.big: 'big' is the model itself"),
+        ("large = ['big']", "fallbacks.large: 'big' is the model itself"),
+        ("big = ['small', 'tiny']", "fallbacks.big: the model 'small' is listed twice"),
+        ("big = ['none']", "fallbacks.big: no upstream lists the model 'none'"),
+        ("none = ['big']", "fallbacks.none: no upstream lists the model 'none'"),
+        (
+            "big = ['small']\nlarge = ['small']",
+            "fallbacks.large: the model 'big' is given fallbacks twice",
+        ),
+        ("big = []", "fallbacks.big: list should have at least 1 item"),
+        ("big = 'small'", "fallbacks.big: input should be a valid list"),
+    ],
+)
+def test_a_routes_files_fallbacks_are_checked_at_start(tmp_path: Path, fallbacks: str, says: str):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        "[[upstreams]]\nurl = 'http://a/v1'\nmodels = ['big', 'small']\n"
+        f"[aliases]\nlarge = 'big'\ntiny = 'small'\n[fallbacks]\n{fallbacks}\n"
+    )
+    with pytest.raises(ValueError) as raised:
+        load_routes(path)
+    assert str(raised.value).startswith(f"{path}: {says}")
+
+
+def test_a_model_an_upstream_may_learn_later_is_taken_when_lists_are_not_all_known(
+    tmp_path: Path,
+):
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        "[[upstreams]]\nurl = 'http://a/v1'\n[[upstreams]]\nurl = 'http://b/v1'\n"
+        "models = ['small']\n[fallbacks]\nbig = ['small']\n"
+    )
+    assert load_routes(path).fallbacks == BIG_TO_SMALL
+
+
+def test_a_reload_says_how_many_models_have_fallbacks(tmp_path: Path):
+    from replystream.engine.upstream import RouteChange
+
+    change = RouteChange(added=(), removed=(), upstreams=2, aliases=1, fallbacks=2)
+    assert change_line("r.toml", change).endswith(": 2 upstreams, 1 alias, 2 models with fallbacks")
+    none = RouteChange(added=(), removed=(), upstreams=1, aliases=0, fallbacks=0)
+    assert change_line("r.toml", none).endswith(": 1 upstream, 0 aliases")
