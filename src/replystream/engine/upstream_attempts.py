@@ -397,7 +397,7 @@ class AttemptSeries:
         assert hold is not None
         hold.give_back(self._queue)
         backend.attempts[result] += 1
-        if result != "ok" or self._attempts > 1:
+        if result != "ok" or self._attempts > 1 or self._model != self._fallbacks[0]:
             self._log(backend, result)
 
     def _log(self, backend: Backend, result: str) -> None:
