@@ -48,7 +48,9 @@ async def test_a_model_whose_upstreams_all_fail_goes_on_to_its_fallback(caplog):
     async with relay([big, small], fallbacks=BIG_TO_SMALL, failures=1) as url:
         first = await post_events(f"{url}/v1/chat/completions", chat("big"), {"X-Request-Id": "r1"})
         # Its circuit open now, the next request goes to the fallback at once.
-        second = await post_events(f"{url}/v1/chat/completions", chat("big"))
+        second = await post_events(
+            f"{url}/v1/chat/completions", chat("big"), {"X-Request-Id": "r2"}
+        )
         direct = await post_events(f"{url}/v1/chat/completions", chat("small"))
         fallbacks = await metric(url, "replystream_upstream_fallbacks")
     for got in (first, second, direct):
@@ -59,12 +61,17 @@ async def test_a_model_whose_upstreams_all_fail_goes_on_to_its_fallback(caplog):
     assert len(big.bodies) == 1
     assert fallbacks == 2.0
     lines = [json.loads(r.getMessage()) for r in caplog.records if '"attempt"' in r.getMessage()]
-    mine = [
-        (line["attempt"], line["result"], line.get("model"))
-        for line in lines
-        if line["request_id"] == "r1"
-    ]
-    assert mine == [(1, "overloaded", None), (2, "ok", "small")]
+
+    def attempts(request_id: str) -> list[tuple[int, str, str | None]]:
+        return [
+            (line["attempt"], line["result"], line.get("model"))
+            for line in lines
+            if line["request_id"] == request_id
+        ]
+
+    assert attempts("r1") == [(1, "overloaded", None), (2, "ok", "small")]
+    # Straight to the fallback: one attempt, and its line says where it went.
+    assert attempts("r2") == [(1, "ok", "small")]
 
 
 async def test_without_fallbacks_the_same_failure_is_the_clients():
