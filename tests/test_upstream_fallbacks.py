@@ -93,7 +93,7 @@ async def test_a_model_at_its_limit_goes_on_to_its_fallback_rather_than_wait_in_
             return got
 
         slow = asyncio.create_task(ask("slow"))
-        await big.asked.wait()  # the one room at big's upstream taken
+        await big.requested.wait()  # the one room at big's upstream taken
         quick = await ask("quick")
         await slow
     assert quick.status == 200 and quick.chat_text == "w0 w1 w2 "

@@ -110,3 +110,30 @@ async def test_an_upstream_killed_mid_reply_is_reported_in_our_words():
             )
     finally:
         await stop(upstream)
+
+
+async def test_probes_keep_one_connection_alive_of_their_own():
+    """Probes go over the relay's own client on a connection of their own, kept alive from
+    one probe to the next; the relay's connections (its metric) are its requests'."""
+    peers: list[int] = []
+
+    async def models(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername")[1])
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with running(app) as upstream:
+        args = ("--engine", f"upstream:{upstream}/v1", "--upstream-health-s", "0.1")
+        async with replica(*args) as (_, relay):
+            for _ in range(100):
+                if len(peers) >= 6:
+                    break
+                await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{relay}/metrics") as response:
+                    metrics = await response.text()
+    assert len(peers) >= 6 and len(set(peers)) == 1, peers
+    opened = f'replystream_upstream_connections_opened{{upstream="{upstream}/v1"}} 0.0'
+    assert opened in metrics, [m for m in metrics.splitlines() if "opened" in m]

@@ -62,7 +62,7 @@ class Upstream:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.usage_unasked = True  # its usage even to a request without stream_options
-        self.asked = asyncio.Event()  # set by the first request
+        self.requested = asyncio.Event()  # set by the first request
 
     async def list_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
@@ -70,7 +70,7 @@ class Upstream:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.headers.append(dict(request.headers))
-        self.asked.set()
+        self.requested.set()
         if self.mode == "uuid_ids" and not is_uuid(request.headers.get("X-Request-Id", "")):
             # As llama-cpp-python's server (starlette-context) refuses an id not a UUID.
             return web.Response(status=400)

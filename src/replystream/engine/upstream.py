@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from pydantic_core import to_json
 
 from replystream.engine.base import (
@@ -197,7 +196,8 @@ class RouteChange:
 
 class UpstreamEngine:
     """Relays OpenAI-compatible streaming servers: requests over the relay's own HTTP client
-    (``upstream_http``, a keep-alive pool per upstream), health probes over aiohttp."""
+    (``upstream_http``, a keep-alive pool per upstream), and health probes over the same
+    client, on connections of their own (``upstream_health``)."""
 
     name = "upstream"
     # A reply is a RelayedReply over its attempts: attached, it attaches itself to each
@@ -230,7 +230,6 @@ class UpstreamEngine:
         self._queue = RoomQueue(others)
         # The choices of each request of several while they start (``upstream_admission``).
         self._choice_rooms: dict[ChoiceGroup, ChoiceRoom] = {}
-        self._session: aiohttp.ClientSession | None = None  # the health prober's
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
         self._retired: list[HttpOrigin] = []
@@ -241,10 +240,10 @@ class UpstreamEngine:
         self._rerouting = asyncio.Lock()
         self._prober = HealthProber(
             self.pool,
-            session=self._client,
             keys=self._keys,
             interval_s=config.health_s,
             path=config.health_path,
+            keepalive_s=config.keepalive_s,
         )
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._deltas = 0
@@ -267,16 +266,6 @@ class UpstreamEngine:
 
     def _headers(self, backend: Backend, client_key: str | None = None) -> dict[str, str]:
         return self._keys.headers(backend.name, client_key)
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.headers_timeout_s)
-            self._session = aiohttp.ClientSession(
-                timeout=timeout,
-                connector=aiohttp.TCPConnector(limit=0),
-                auto_decompress=False,
-            )
-        return self._session
 
     def _model_for(self, backend: Backend, request: GenerationRequest) -> str | None:
         """The model name sent: the one asked for (an alias resolved), else the configured
@@ -671,6 +660,3 @@ class UpstreamEngine:
             origin.close()
         self._origins.clear()
         self._retired.clear()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None

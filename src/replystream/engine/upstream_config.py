@@ -330,16 +330,6 @@ class UpstreamKeys:
     def of(cls, config: UpstreamConfig) -> UpstreamKeys:
         targets = config.targets
         proxies = proxies_of(t.base_url for t in targets)
-        for target in targets:
-            proxy = proxies.get(target.base_url)
-            if proxy is not None and proxy.tls and target.tls is not None:
-                # aiohttp, the health prober's client, checks a proxy's certificate against
-                # the upstream's own CAs: every probe would fail.
-                raise ValueError(
-                    f"the proxy at {proxy.shown} is spoken to in TLS, which the upstream at "
-                    f"{target.base_url}, with its own ca_file or cert_file, cannot be probed "
-                    "through; give the proxy's http:// URL"
-                )
         keys = {key for key in (config.api_key, *(t.api_key for t in targets)) if key}
         keys.update(value for t in targets for _, value in t.headers)
         return cls(

@@ -4,10 +4,10 @@
 This file decides the message and code of each transport failure: before the response head
 (``connect_failure``: refused, unresolvable, TLS, disconnected, not HTTP), and after it
 (``broken_stream``: cut mid-body, broken framing, broken otherwise), from the relay's own
-client (``upstream_http``'s failures, ``OSError``, ``ssl.SSLError``) or from aiohttp's (the
-health prober's). What the failure means for the reply (its status, whether it ends) is the
-callers'. The library's own text goes to the log at debug level only. It must not know how a
-request is built or which upstream was picked.
+client (``upstream_http``'s failures, ``OSError``, ``ssl.SSLError``), which relayed requests
+and health probes both use. What the failure means for the reply (its status, whether it
+ends) is the callers'. The library's own text goes to the log at debug level only. It must
+not know how a request is built or which upstream was picked.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
-
-import aiohttp
 
 from replystream.engine.upstream_http_connection import MAX_HEAD_BYTES
 from replystream.engine.upstream_http_failures import (
@@ -33,7 +30,6 @@ from replystream.engine.upstream_http_failures import (
     PeerClosed,
     ProxyFailed,
 )
-from replystream.engine.upstream_proxy import tunnel_refused
 
 log = logging.getLogger("replystream.upstream")
 
@@ -60,20 +56,13 @@ def _os_reason(error: OSError | None) -> str:
     return "the connection failed"
 
 
-def _host(url: str) -> str | None:
-    return urlsplit(url).hostname
-
-
 def _tls_reason(exc: BaseException, *, ca_hint: str = "") -> str:
     """A failed TLS handshake in our words; ``ca_hint``: where an untrusted certificate's CA
     would go, said with it."""
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        exc = exc.certificate_error
     if isinstance(exc, ssl.SSLCertVerificationError):
         verify = exc.verify_message or "verification failed"
         return f"its TLS certificate is not trusted ({verify}{ca_hint})"
-    cause = exc.os_error if isinstance(exc, aiohttp.ClientSSLError) else exc
-    reason = cause.reason if isinstance(cause, ssl.SSLError) else None
+    reason = exc.reason if isinstance(exc, ssl.SSLError) else None
     if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "RECORD_LAYER_FAILURE"):
         # What came back is no TLS record: most often a plain HTTP server's answer.
         return f"it did not answer in TLS ({reason.lower().replace('_', ' ')}): {TLS_TO_PLAIN}"
@@ -88,24 +77,12 @@ def connect_failure(
     timeout_s: float,
     *,
     shows_certificate: bool,
-    proxy: str = "",
 ) -> Failure:
-    """A failure to send a request to ``base_url`` or to read its response head: the relay's
-    own client's (``upstream_http``, ``OSError``, ``ssl.SSLError``) or aiohttp's (the health
-    prober's). ``shows_certificate``: the relay shows this upstream a client certificate;
-    ``proxy``: the proxy it is reached through, as shown (aiohttp's failures do not say)."""
+    """A failure to send a request (or a health probe) to ``base_url`` or to read its
+    response head (``upstream_http``'s failures, ``OSError``, ``ssl.SSLError``).
+    ``shows_certificate``: the relay shows this upstream a client certificate."""
     log.debug("upstream %s: %r", base_url, exc)
     where = f"the upstream at {base_url}"
-    if isinstance(exc, aiohttp.ClientProxyConnectionError):
-        exc = ProxyFailed("it cannot be reached", os_error=exc.os_error)
-        exc.proxy = proxy
-    elif proxy and isinstance(exc, aiohttp.ClientSSLError) and exc.host != _host(base_url):
-        # aiohttp's TLS with the proxy itself (one spoken to in TLS), not with the upstream.
-        exc = ProxyFailed("its TLS handshake failed", tls_error=exc)
-        exc.proxy = proxy
-    elif isinstance(exc, aiohttp.ClientHttpProxyError):
-        exc = tunnel_refused(exc.status, exc.message)
-        exc.proxy = proxy
     if isinstance(exc, ProxyFailed):
         reason = str(exc)
         if exc.tls_error is not None:
@@ -116,29 +93,17 @@ def connect_failure(
         elif exc.os_error is not None:
             said += f" ({_os_reason(exc.os_error)})"
         return Failure(said, "upstream_unavailable")
-    if isinstance(exc, aiohttp.ServerTimeoutError):
-        return Failure(
-            f"{where} did not answer within {timeout_s:g} s", "upstream_timeout", timed_out=True
-        )
-    if isinstance(exc, aiohttp.ClientSSLError | ssl.SSLError):
+    if isinstance(exc, ssl.SSLError):
         return Failure(f"cannot connect to {where}: {_tls_reason(exc)}", "upstream_tls")
-    if isinstance(exc, aiohttp.ClientConnectorDNSError) or (
-        isinstance(exc, ConnectFailed) and isinstance(exc.os_error, socket.gaierror)
-    ):
+    if isinstance(exc, ConnectFailed) and isinstance(exc.os_error, socket.gaierror):
         return Failure(
             f"cannot connect to {where}: its host name does not resolve", "upstream_unavailable"
         )
-    if isinstance(exc, aiohttp.ClientConnectorError | ConnectFailed):
+    if isinstance(exc, ConnectFailed):
         return Failure(
             f"cannot connect to {where}: {_os_reason(exc.os_error)}", "upstream_unavailable"
         )
-    if isinstance(
-        exc,
-        aiohttp.ServerDisconnectedError
-        | aiohttp.ClientConnectionResetError
-        | PeerClosed
-        | ConnectionResetError,
-    ):
+    if isinstance(exc, PeerClosed | ConnectionResetError):
         said = f"{where} closed the connection before answering"
         if base_url.startswith("https://") and not shows_certificate:
             # A TLS server that wants a client certificate and sends no alert (Python's
@@ -156,11 +121,9 @@ def connect_failure(
         )
     if isinstance(exc, NotHttp) and exc.tls:
         return Failure(f"{where} answered in TLS: {PLAIN_TO_TLS}", "upstream_tls")
-    if isinstance(exc, aiohttp.ClientResponseError | NotHttp):
+    if isinstance(exc, NotHttp | BadFraming):
         return Failure(f"{where} sent a response that is not valid HTTP", "upstream_bad_response")
-    if isinstance(exc, aiohttp.InvalidURL):
-        return Failure(f"{where} is not a valid URL", "upstream_unavailable")
-    if isinstance(exc, aiohttp.ClientOSError | OSError):
+    if isinstance(exc, OSError):
         return Failure(f"the connection to {where} failed: {_os_reason(exc)}", "upstream_broken")
     return Failure(f"the request to {where} failed", "upstream_unavailable")
 
@@ -175,13 +138,7 @@ def broken_stream(exc: BaseException, base_url: str, *, replied: bool = True) ->
     when = "mid-reply" if replied else "before sending any of the reply"
     if isinstance(exc, BadFraming):
         return Failure(f"{where} sent a body whose HTTP framing is broken", "upstream_broken")
-    if isinstance(
-        exc,
-        aiohttp.ClientPayloadError
-        | aiohttp.ServerDisconnectedError
-        | ConnectionResetError
-        | BodyCut,
-    ):
+    if isinstance(exc, ConnectionResetError | BodyCut | PeerClosed):
         # A killed or restarted model server: the body ends before its framing says it may.
         return Failure(f"{where} closed the connection {when}", "upstream_disconnected")
     return Failure(f"the connection to {where} broke {when}", "upstream_broken")

@@ -1,6 +1,8 @@
 """Active health checks of the upstreams: each is asked ``GET {base}{path}`` (``/models`` by
 default, cheap on every OpenAI-compatible server) with a short timeout, when the relay starts
-and then every ``interval_s`` in the background; a model list it answers with tells the pool
+and then every ``interval_s`` in the background, over the relay's own HTTP client
+(``upstream_http``: the TLS, proxy and failures of a relayed request, on a kept-alive
+connection of the probes' own); a model list it answers with tells the pool
 which models that upstream serves (even where the routes file names them: whether a model it
 answered a chat request 404 for is listed again). An upstream that takes each caller's own key
 is probed without one: its refusal (401, 403) says it is up, and its models come from the
@@ -19,16 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+import ssl
+from collections.abc import Sequence
 
-import aiohttp
 from pydantic_core import from_json
 
 from replystream.engine.upstream_config import UpstreamKeys
 from replystream.engine.upstream_errors import connect_failure
+from replystream.engine.upstream_http import KEEPALIVE_S, HttpOrigin
+from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
-from replystream.engine.upstream_proxy import CREDENTIALS_ASKED
+from replystream.engine.upstream_proxy import CREDENTIALS_ASKED, Proxy
 from replystream.engine.upstream_refusals import (
     BODY_LIMIT,
     front_refusal,
@@ -52,16 +55,14 @@ def listed_models(listing: object) -> list[str]:
     return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
-async def _listing(response: aiohttp.ClientResponse) -> object:
-    """The JSON of a ``/models`` answer; None past ``MODELS_BODY_LIMIT`` bytes or when it is
-    not JSON (pydantic's parser bounds its nesting, where ``json.loads`` would recurse)."""
-    body = bytearray()
-    async for part in response.content.iter_any():
-        body += part
-        if len(body) > MODELS_BODY_LIMIT:
-            return None
+def _listing(body: bytes | None) -> object:
+    """The JSON of a ``/models`` answer; None past ``MODELS_BODY_LIMIT`` bytes (``body``
+    None) or when it is not JSON (pydantic's parser bounds its nesting, where ``json.loads``
+    would recurse)."""
+    if body is None:
+        return None
     try:
-        return from_json(bytes(body))
+        return from_json(body)
     except ValueError:
         return None
 
@@ -73,14 +74,18 @@ class HealthProber:
         self,
         pool: UpstreamPool,
         *,
-        session: Callable[[], aiohttp.ClientSession],
         keys: UpstreamKeys,
         interval_s: float,
         path: str = "/models",
         timeout_s: float = PROBE_TIMEOUT_S,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self._pool = pool
-        self._session = session
+        # Probes go over the relay's own HTTP client (its TLS, proxies and failures, as a
+        # relayed request meets them), on connections of their own: one kept alive per
+        # upstream, made again when its TLS or proxy changes (``_origin``).
+        self._origins: dict[str, tuple[HttpOrigin, ssl.SSLContext | None, Proxy | None]] = {}
+        self._keepalive_s = keepalive_s
         self._interval_s = interval_s
         self._path = path
         # What each upstream is sent, and where it is configured (set again when the routes
@@ -106,6 +111,21 @@ class HealthProber:
     async def probe_all(self) -> None:
         await self.probe(self._pool.backends)
         self._probed = True
+        served = {b.name for b in self._pool.backends}
+        for name in [name for name in self._origins if name not in served]:
+            self._origins.pop(name)[0].close()  # out of the routes
+
+    def _origin(self, name: str, keys: UpstreamKeys) -> HttpOrigin:
+        """The probes' connections to the upstream ``name``, reached as ``keys`` say."""
+        tls, proxy = keys.tls.get(name), keys.proxies.get(name)
+        kept = self._origins.get(name)
+        if kept is not None and kept[1] is tls and kept[2] == proxy:
+            return kept[0]
+        if kept is not None:
+            kept[0].close()
+        origin = HttpOrigin(name, max_idle=1, keepalive_s=self._keepalive_s, tls=tls, proxy=proxy)
+        self._origins[name] = origin, tls, proxy
+        return origin
 
     async def probe(self, backends: Sequence[Backend], *, keys: UpstreamKeys | None = None) -> None:
         """Probe ``backends`` at once: those of the pool, or ones about to join it (with the
@@ -154,47 +174,26 @@ class HealthProber:
 
     async def _ask(self, backend: Backend, keys: UpstreamKeys) -> tuple[str | None, list[str]]:
         where = f"the upstream at {backend.name}"
-        url = f"{backend.name}{self._path}"
         headers = keys.headers(backend.name)
+        listing: object = None
+        front = None
         try:
             async with asyncio.timeout(self._timeout_s):
-                tls = keys.tls.get(backend.name, True)  # True: the system's CAs
-                proxy = keys.proxies.get(backend.name)
-                through: dict[str, Any] = {}
-                if proxy is not None:
-                    through["proxy"] = proxy.url
-                    if proxy.authorization:
-                        # To an https upstream it goes with CONNECT; to an http one, aiohttp
-                        # sends the request's own headers to the proxy.
-                        authorization = {"Proxy-Authorization": proxy.authorization}
-                        if backend.name.startswith("https://"):
-                            through["proxy_headers"] = authorization
-                        else:
-                            headers = {**headers, **authorization}
                 # Redirects are not followed, as the relay's requests do not follow them: a
                 # probe that did would call an upstream every request fails at healthy.
-                async with self._session().get(
-                    url, headers=headers, ssl=tls, allow_redirects=False, **through
-                ) as response:
-                    status = response.status
-                    location = response.headers.get("Location", "")
-                    listing: object = None
-                    front = None
-                    if status == 200 and self._path == "/models":
-                        with contextlib.suppress(aiohttp.ClientError):
-                            listing = await _listing(response)
-                    elif status == 400:
-                        with contextlib.suppress(aiohttp.ClientError):
-                            front = front_refusal(status, await response.content.read(BODY_LIMIT))
+                response = await self._origin(backend.name, keys).get(self._path, headers)
+                status, location = response.status, response.location
+                listing_asked = status == 200 and self._path == "/models"
+                body = await response.read_whole(MODELS_BODY_LIMIT if listing_asked else BODY_LIMIT)
+                if listing_asked and not response.content_encoding:
+                    listing = _listing(body)
+                elif status == 400 and body is not None:
+                    front = front_refusal(status, body)
         except TimeoutError:
             return f"{where} did not answer within {self._timeout_s:g} s", []
-        except aiohttp.ClientError as exc:
+        except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             shows = backend.name in keys.certified
-            proxy = keys.proxies.get(backend.name)
-            shown = "" if proxy is None else proxy.shown
-            failure = connect_failure(
-                exc, backend.name, self._timeout_s, shows_certificate=shows, proxy=shown
-            )
+            failure = connect_failure(exc, backend.name, self._timeout_s, shows_certificate=shows)
             return failure.message, []
         if front is not None:
             return f"{where} answered {status}: {front}", []
@@ -219,3 +218,6 @@ class HealthProber:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for origin, _, _ in self._origins.values():
+            origin.close()
+        self._origins.clear()

@@ -117,12 +117,20 @@ class HttpOrigin:
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """``POST`` ``body`` (JSON) to the origin's ``path``; the response once its head is
         complete. Cancelling the wait closes the connection."""
-        origin = self.origin
-        request = (
-            f"POST {self._target}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"{self._proxy_line}{_header_lines(headers)}\r\n"
-        ).encode("latin-1") + body
+        framing = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        return await self._exchange(self._head("POST", path, framing, headers) + body)
+
+    async def get(self, path: str, headers: Mapping[str, str]) -> Response:
+        """``GET`` the origin's ``path`` (a health probe's); as ``post``."""
+        return await self._exchange(self._head("GET", path, "", headers))
+
+    def _head(self, method: str, path: str, framing: str, headers: Mapping[str, str]) -> bytes:
+        return (
+            f"{method} {self._target}{path} HTTP/1.1\r\nHost: {self.origin.host_header}\r\n"
+            f"{framing}{self._proxy_line}{_header_lines(headers)}\r\n"
+        ).encode("latin-1")
+
+    async def _exchange(self, request: bytes) -> Response:
         connection = self._take_idle()
         if connection is not None:
             try:

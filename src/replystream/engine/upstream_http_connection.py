@@ -116,15 +116,39 @@ class Response:
         finally:
             self.close()
 
+    async def read_whole(self, limit: int) -> bytes | None:
+        """The whole body, or None when it runs past ``limit`` bytes (the rest is not read).
+        A body read whole leaves its connection to be used again.
+
+        Raises:
+            HttpFailure: the body did not end in full (``BodyCut``, ``PeerClosed``).
+        """
+        collected = _Collected(limit + 1, asyncio.get_running_loop().create_future())
+        self.set_receiver(collected)
+        whole = False
+        try:
+            body = await collected.done
+            if collected.failure is not None:
+                raise collected.failure
+            whole = len(body) <= limit
+            return body if whole else None
+        finally:
+            if whole:
+                self.release(0.0)
+            else:
+                self.close()
+
 
 class _Collected:
-    """A receiver that keeps the first ``limit`` bytes of a body (an error body)."""
+    """A receiver that keeps the first ``limit`` bytes of a body (an error body), and what
+    cut it short, if something did before then."""
 
     def __init__(self, limit: int, done: asyncio.Future[bytes]) -> None:
         self._limit = limit
         self._parts: list[bytes] = []
         self._size = 0
         self.done = done
+        self.failure: Exception | None = None
 
     def body_data(self, data: bytes) -> None:
         self._parts.append(data)
@@ -134,6 +158,7 @@ class _Collected:
 
     def body_end(self, failure: Exception | None) -> None:
         if not self.done.done():
+            self.failure = failure
             self.done.set_result(b"".join(self._parts)[: self._limit])
 
 

@@ -5,6 +5,8 @@ request may fail with ``OSError`` or ``ssl.SSLError``.
 
 from __future__ import annotations
 
+import ssl
+
 # What a TLS handshake that got no TLS record back most often means.
 TLS_TO_PLAIN = "is it a plain HTTP port? Then its URL begins with http://"
 
@@ -52,15 +54,15 @@ class Stale(HttpFailure):
 
 class ProxyFailed(HttpFailure):
     """The proxy an upstream is reached through (``proxy``, as shown) could not be reached
-    (``os_error``), its TLS handshake failed (``tls_error``: ``ssl.SSLError``, or aiohttp's
-    for a health probe), or it did not open the tunnel to it."""
+    (``os_error``), its TLS handshake failed (``tls_error``), or it did not open the tunnel
+    to it."""
 
     def __init__(
         self,
         message: str,
         *,
         os_error: OSError | None = None,
-        tls_error: Exception | None = None,
+        tls_error: ssl.SSLError | None = None,
     ) -> None:
         super().__init__(message)
         self.os_error = os_error
