@@ -44,8 +44,9 @@ NOT_FLAGS = {
     "GuardConfig": set(),
     "TinyEngineConfig": {"block_size", "blas_threads", "spec_tokens"},
     "SimulatedConfig": {"seed"},  # from --seed, when given (declared for the models)
-    # aliases: from --upstream-routes; api_key_from: which of two settings gave api_key
-    "UpstreamConfig": {"targets", "aliases", "api_key_from"},
+    # aliases, fallbacks: from --upstream-routes; api_key_from: which of two settings gave
+    # api_key
+    "UpstreamConfig": {"targets", "aliases", "fallbacks", "api_key_from"},
     "HFEngineConfig": {"default_max_tokens", "torch_threads", "seed"},
 }
 
