@@ -108,6 +108,95 @@ async def test_a_request_the_upstream_refuses_does_not_go_on_to_a_fallback():
     assert got.status == 400 and small.bodies == []
 
 
+# How upstreams say a request is past the model's context (their own error bodies).
+TOO_LONG = {
+    "vllm": (
+        400,
+        {
+            "error": {
+                "message": "'max_tokens' or 'max_completion_tokens' is too large: 8000. This "
+                "model's maximum context length is 4096 tokens and your request has 2778 input "
+                "tokens (8000 > 4096 - 2778). None",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        },
+    ),
+    "llama.cpp": (
+        400,
+        {
+            "error": {
+                "code": 400,
+                "message": "the request exceeds the available context size, try increasing it",
+                "type": "exceed_context_size_error",
+                "n_prompt_tokens": 5000,
+                "n_ctx": 4096,
+            }
+        },
+    ),
+    "tgi": (
+        422,
+        {
+            "error": "Input validation error: `inputs` tokens + `max_new_tokens` must be <= "
+            "4096. Given: 4000 `inputs` tokens and 200 `max_new_tokens`",
+            "error_type": "validation",
+        },
+    ),
+    "sglang": (
+        400,
+        {
+            "object": "error",
+            "message": "The input (5000 tokens) is longer than the model's context length "
+            "(4096 tokens).",
+            "type": "BadRequestError",
+            "code": 400,
+        },
+    ),
+    "openai": (
+        400,
+        {
+            "error": {
+                "message": "This model's maximum context length is 128000 tokens. However, your "
+                "messages resulted in 130000 tokens. Please reduce the length of the messages.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("server", TOO_LONG)
+async def test_a_prompt_past_the_models_context_goes_on_to_its_fallback(server: str):
+    big, small = Upstream(["big"], mode="refuse"), Upstream(["small"])
+    big.refusal = TOO_LONG[server]
+    async with relay([big, small], fallbacks=BIG_TO_SMALL) as url:
+        got = await post_events(f"{url}/v1/chat/completions", chat("big", max_tokens=8000))
+    assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+    assert len(big.bodies) == 1 and [body["model"] for body in small.bodies] == ["small"]
+
+
+@pytest.mark.parametrize("server", TOO_LONG)
+async def test_with_no_fallback_a_prompt_past_the_context_is_said_as_our_engines_say_it(
+    server: str,
+):
+    """The built-in engines' code, which clients (the chat page among them) act on; vLLM's
+    words for a token limit past the context name max_tokens beside max_completion_tokens,
+    and are no refusal of the field: the request is not sent again under the other name."""
+    big = Upstream(["big"], mode="refuse")
+    big.refusal = TOO_LONG[server]
+    async with relay([big]) as url:
+        got = await post_events(f"{url}/v1/chat/completions", chat("big", max_tokens=8000))
+        again = await post_events(f"{url}/v1/chat/completions", chat("big", max_tokens=8000))
+    for answer in (got, again):
+        assert answer.status == 400, answer.raw
+        assert json.loads(answer.raw)["error"]["code"] == "context_length_exceeded"
+    assert [body.get("max_tokens") for body in big.bodies] == [8000, 8000]
+    assert all("max_completion_tokens" not in body for body in big.bodies)
+
+
 async def test_every_choice_of_a_request_goes_on_to_the_fallback():
     big, small = Upstream(["big"], mode="busy"), Upstream(["small"])
     async with relay([big, small], fallbacks=BIG_TO_SMALL) as url:

@@ -63,6 +63,7 @@ class Upstream:
         self.headers: list[dict[str, str]] = []
         self.usage_unasked = True  # its usage even to a request without stream_options
         self.requested = asyncio.Event()  # set by the first request
+        self.refusal: tuple[int, Any] = (400, {"error": {"message": "bad field"}})  # "refuse"
 
     async def list_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
@@ -77,7 +78,8 @@ class Upstream:
         if self.mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=503)
         if self.mode == "refuse":  # the request itself: a 400, as vLLM's for a bad field
-            return web.json_response({"error": {"message": "bad field"}}, status=400)
+            status, body = self.refusal
+            return web.json_response(body, status=status)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         if self.mode == "slow":  # a head, then a long prefill

@@ -16,7 +16,8 @@ room with those of its choices not started yet, all or none (``upstream_admissio
 ``shared`` limits (the workers of one server), an attempt at an upstream with a limit also
 holds one of its slots (``upstream_slots``) from the moment it is chosen to its end, however
 it ends; an upstream whose slots the other workers hold is passed over as one at its limit.
-An upstream that refused the request itself (a 400) is not retried elsewhere; one that
+An upstream that refused the request itself (a 400) is not retried elsewhere (but one that
+said it is past its model's context, ``ContextTooLong``, goes on to a fallback model); one that
 answered 404 (it does not serve the model) goes last for that model in later plans
 (``upstream_pool``); any other failure at the head is counted on that upstream's circuit
 (but for what it says of the request, not of the upstream: ``NOT_ITS_HEALTH``; a busy
@@ -45,6 +46,7 @@ from replystream.engine.upstream_affinity import home, preferred
 from replystream.engine.upstream_continuation import continued_request
 from replystream.engine.upstream_pool import Backend, UpstreamPool
 from replystream.engine.upstream_queue import RoomQueue
+from replystream.engine.upstream_refusals import ContextTooLong
 from replystream.engine.upstream_relay_types import (
     AT_HEAD,
     NOT_ITS_HEALTH,
@@ -186,8 +188,11 @@ class AttemptSeries:
                 request = self._attempt_request()
                 self._stream = await self._opener(backend, request, limit)
                 return
-            except RequestRejected:
+            except RequestRejected as exc:
                 self._attempt_over("rejected")  # the request, not the upstream: no failover
+                if isinstance(exc, ContextTooLong) and self._fall_back():
+                    self._last_error = exc
+                    continue  # but a fallback's model, of a longer context, may take it
                 raise
             except FirstContentLate:  # the head's wait used up the time to the first content
                 self._attempt_failed(self._timed_out(limit, False), "ttft_timeout")

@@ -6,9 +6,11 @@ one should) and ``UpstreamTimeout`` (504: no response head within the head timeo
 the engine raises for a failed connection (``upstream_errors`` words it), and decides what a
 status other than 200 means: an upstream 4xx about the request is a ``RequestRejected``
 (400) carrying the upstream's message and the field it names (of the chat request it was
-sent: ``names_upstream_field``), or an ``OwnFieldRefused`` when the field is one as the
-relay writes it (``stream_options``, ``max_tokens``: the engine sends the request again as
-the upstream asks); a 413 says the upstream's limit on a request's size
+sent: ``names_upstream_field``), a ``ContextTooLong`` when its words say the request is past
+the model's context (``context_length_exceeded``, as the built-in engines say it: a model of
+a longer context may take it), or an ``OwnFieldRefused`` when the field is one as the relay
+writes it (``stream_options``, ``max_tokens``: the engine sends the request again as the
+upstream asks); a 413 says the upstream's limit on a request's size
 (``UpstreamTooLarge``, 413: another upstream may take it); a 404 that speaks of a model says
 the upstream does not serve the model (``UpstreamModelNotFound``, 404: about that model
 there, not the upstream's health), one that does not, that its URL lacks the path (502,
@@ -107,15 +109,58 @@ _STREAM_OPTIONS_REFUSED = re.compile(
 )
 
 
+_MAX_TOKENS_REFUSED = re.compile(
+    rf"\b{_REFUSING}\b[^{{=\n]{{0,40}}\bmax_tokens\b|\bmax_tokens\b[^{{=\n]{{0,30}}\b{_REFUSING}\b",
+    re.IGNORECASE,
+)
+
+
 def own_field_refused(param: str | None, message: str | None) -> str | None:
     """Which field as the relay writes it an upstream's 400 or 422 refuses, by its ``param``
-    and its words (None: none of ours)."""
+    and its words (None: none of ours). ``max_tokens`` is refused where the words say so
+    and name ``max_completion_tokens`` ("Unsupported parameter: 'max_tokens' is not supported
+    with this model. Use 'max_completion_tokens' instead."), not where they only name both
+    (vLLM's "'max_tokens' or 'max_completion_tokens' is too large", a limit past the context)."""
     said = message or ""
     if param == "stream_options" or _STREAM_OPTIONS_REFUSED.search(said):
         return "stream_options"
-    if (param == "max_tokens" or "max_tokens" in said) and "max_completion_tokens" in said:
+    if _MAX_TOKENS_REFUSED.search(said) and "max_completion_tokens" in said:
         return "max_tokens"
     return None
+
+
+class ContextTooLong(RequestRejected):
+    """An upstream's 400 or 422 saying the request (its prompt, or the prompt and its token
+    limit together) is past the model's context: the client's to shorten, or a fallback
+    model's of a longer context to take (``upstream_attempts``)."""
+
+    def __init__(self, message: str, *, param: str | None) -> None:
+        super().__init__(
+            message, code="context_length_exceeded", param=param, names_upstream_field=True
+        )
+
+
+# How upstreams say a request is past the model's context: OpenAI's code
+# ``context_length_exceeded`` ("This model's maximum context length is 128000 tokens"), vLLM's
+# "maximum context length is 4096 tokens" (of the prompt, or of "'max_tokens' or
+# 'max_completion_tokens' is too large"), SGLang's "longer than the model's context length",
+# llama.cpp's "the request exceeds the available context size", Mistral's "too large for model
+# with 32768 maximum context length", TGI's "`inputs` tokens + `max_new_tokens` must be <=
+# 4096" and "`inputs` must have less than 4096 tokens", and Anthropic's "prompt is too long"
+# (through proxies that pass it on).
+_CONTEXT_EXCEEDED = re.compile(
+    r"\bcontext (?:length|size|window|limit)\b"
+    r"|maximum context length"
+    r"|`inputs` tokens \+ `max_new_tokens` must be"
+    r"|`inputs` must have less than \d+ tokens"
+    r"|\bprompt is too long\b",
+    re.IGNORECASE,
+)
+
+
+def context_exceeded(code: str | None, message: str | None) -> bool:
+    """Whether an upstream's 400 or 422 says the request is past the model's context."""
+    return code == "context_length_exceeded" or bool(_CONTEXT_EXCEEDED.search(message or ""))
 
 
 class UpstreamTooLarge(EngineError):
@@ -285,6 +330,8 @@ async def refusal(
             said = f"{where}: the request is larger than it takes (its own limit, or a proxy's)"
         return UpstreamTooLarge(said, code="request_too_large")
     if status in (400, 422):
+        if context_exceeded(code, message):
+            return ContextTooLong(said, param=param)
         field = own_field_refused(param, message)
         if field is not None:
             return OwnFieldRefused(said, field=field, code=code or "upstream_rejected", param=param)
