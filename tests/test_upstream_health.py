@@ -137,3 +137,19 @@ async def test_probes_keep_one_connection_alive_of_their_own():
     assert len(peers) >= 6 and len(set(peers)) == 1, peers
     opened = f'replystream_upstream_connections_opened{{upstream="{upstream}/v1"}} 0.0'
     assert opened in metrics, [m for m in metrics.splitlines() if "opened" in m]
+
+
+async def test_a_models_answer_cut_short_is_said_so():
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+        writer.write(head + b'\r\n{"data": [')
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(cut, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    async with server, replica("--engine", f"upstream:{base}") as (_, relay):
+        status, body = await health(relay)
+    assert status == 503
+    assert body["reason"] == f"the upstream at {base} closed the connection mid-answer", body

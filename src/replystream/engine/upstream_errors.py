@@ -114,6 +114,8 @@ def connect_failure(
                 "key_file in the routes file)"
             )
         return Failure(said, "upstream_disconnected")
+    if isinstance(exc, BodyCut):  # a probe's answer, read whole
+        return Failure(f"{where} closed the connection mid-answer", "upstream_disconnected")
     if isinstance(exc, HeadTooLarge):
         return Failure(
             f"{where} sent a response head larger than {MAX_HEAD_BYTES // 1024} KiB",

@@ -121,7 +121,7 @@ class Response:
         A body read whole leaves its connection to be used again.
 
         Raises:
-            HttpFailure: the body did not end in full (``BodyCut``, ``PeerClosed``).
+            BodyCut, OSError: the body did not end in full.
         """
         collected = _Collected(limit + 1, asyncio.get_running_loop().create_future())
         self.set_receiver(collected)
