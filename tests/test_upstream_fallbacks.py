@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anthropic
+import openai
 import pytest
 
 from replystream.engine.upstream_routes import load_routes
@@ -72,6 +74,24 @@ async def test_a_model_whose_upstreams_all_fail_goes_on_to_its_fallback(caplog):
     assert attempts("r1") == [(1, "overloaded", None), (2, "ok", "small")]
     # Straight to the fallback: one attempt, and its line says where it went.
     assert attempts("r2") == [(1, "ok", "small")]
+
+
+async def test_every_dialect_names_the_model_asked_for_and_has_the_fallbacks_text():
+    """Through the official SDKs: Anthropic's Messages, OpenAI's Responses and completions."""
+    big, small = Upstream(["big"], mode="busy"), Upstream(["small"])
+    ask = [{"role": "user", "content": "hi"}]
+    async with (
+        relay([big, small], fallbacks=BIG_TO_SMALL) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as claude,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as oai,
+    ):
+        message = await claude.messages.create(model="big", max_tokens=9, messages=ask)  # type: ignore[arg-type]
+        response = await oai.responses.create(model="big", input="hi")
+        completion = await oai.completions.create(model="big", prompt="hi")
+    assert message.model == "big" and message.content[0].text == "w0 w1 w2 "  # type: ignore[union-attr]
+    assert response.model == "big" and response.output_text == "w0 w1 w2 "
+    assert completion.model == "big" and completion.choices[0].text == "w0 w1 w2 "
+    assert [body["model"] for body in small.bodies] == ["small"] * 3
 
 
 async def test_without_fallbacks_the_same_failure_is_the_clients():
