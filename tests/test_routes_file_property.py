@@ -99,14 +99,20 @@ entries = st.lists(
     max_size=3,
 )
 aliases = st.dictionaries(text, values, max_size=2)
+# A model's fallbacks: mostly lists of the models and aliases a file may name, at times any
+# value at all.
+named = st.sampled_from(["m", "n", "a", "x"]) | text
+fallbacks = st.dictionaries(named, st.lists(named, max_size=3) | values, max_size=2)
 
 
 def test_any_routes_file_is_read_or_refused_in_one_line(tmp_path: Path) -> None:
     make_certificates(tmp_path)  # ca.pem, server.pem and server.key beside the file
 
     @SETTINGS
-    @given(entries, aliases)
-    def check(upstreams: list[dict[str, Any]], named: dict[str, Any]) -> None:
+    @given(entries, aliases, fallbacks)
+    def check(
+        upstreams: list[dict[str, Any]], named: dict[str, Any], falls: dict[str, Any]
+    ) -> None:
         lines = []
         for entry in upstreams:
             lines.append("[[upstreams]]")
@@ -114,6 +120,9 @@ def test_any_routes_file_is_read_or_refused_in_one_line(tmp_path: Path) -> None:
         if named:
             lines.append("[aliases]")
             lines += [f"{toml_value(k)} = {toml_value(v)}" for k, v in named.items()]
+        if falls:
+            lines.append("[fallbacks]")
+            lines += [f"{toml_value(k)} = {toml_value(v)}" for k, v in falls.items()]
         path = tmp_path / "routes.toml"
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         try:
@@ -124,5 +133,29 @@ def test_any_routes_file_is_read_or_refused_in_one_line(tmp_path: Path) -> None:
             assert "s3cr3t" not in message, message  # a secret's value is never shown
             return
         assert isinstance(routes, Routes) and routes.targets
+
+    check()
+
+
+def test_a_files_fallbacks_are_of_models_its_upstreams_serve(tmp_path: Path) -> None:
+    """Where a file reads, each model its fallbacks name (a key or in a list) is one an
+    upstream lists, or one whose upstreams' lists are not all known, never itself, never
+    twice."""
+
+    @SETTINGS
+    @given(fallbacks)
+    def check(falls: dict[str, Any]) -> None:
+        lines = ["[[upstreams]]", 'url = "http://a/v1"', 'models = ["m", "n"]']
+        lines += ["[aliases]", 'a = "m"', "[fallbacks]"]
+        lines += [f"{toml_value(k)} = {toml_value(v)}" for k, v in falls.items()]
+        path = tmp_path / "routes.toml"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        try:
+            routes = load_routes(path)
+        except ValueError:
+            return
+        for model, others in routes.fallbacks:
+            assert {model, *others} <= {"m", "n"} and model not in others
+            assert len(set(others)) == len(others)
 
     check()
