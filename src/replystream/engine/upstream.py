@@ -54,6 +54,7 @@ from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpOrigin
 from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
+from replystream.engine.upstream_proxy import proxy_handshake_s
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_refusals import (
     OwnFieldRefused,
@@ -402,6 +403,7 @@ class UpstreamEngine:
                 keepalive_s=self.config.keepalive_s,
                 tls=tls,
                 proxy=proxy,
+                proxy_handshake_s=proxy_handshake_s(self.config.headers_timeout_s),
                 on_connect=backend.connected,
             )
             self._origins[backend.name] = origin

@@ -31,7 +31,7 @@ from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_http import KEEPALIVE_S, HttpOrigin
 from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
-from replystream.engine.upstream_proxy import CREDENTIALS_ASKED, Proxy
+from replystream.engine.upstream_proxy import CREDENTIALS_ASKED, Proxy, proxy_handshake_s
 from replystream.engine.upstream_refusals import (
     BODY_LIMIT,
     front_refusal,
@@ -123,7 +123,14 @@ class HealthProber:
             return kept[0]
         if kept is not None:
             kept[0].close()
-        origin = HttpOrigin(name, max_idle=1, keepalive_s=self._keepalive_s, tls=tls, proxy=proxy)
+        origin = HttpOrigin(
+            name,
+            max_idle=1,
+            keepalive_s=self._keepalive_s,
+            tls=tls,
+            proxy=proxy,
+            proxy_handshake_s=proxy_handshake_s(self._timeout_s),
+        )
         self._origins[name] = origin, tls, proxy
         return origin
 

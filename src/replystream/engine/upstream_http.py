@@ -35,7 +35,12 @@ from urllib.parse import urlsplit
 
 from replystream.engine.upstream_http_connection import Connection, Response
 from replystream.engine.upstream_http_failures import ConnectFailed, PeerClosed, Stale
-from replystream.engine.upstream_proxy import Proxy, connect_to, open_tunnel
+from replystream.engine.upstream_proxy import (
+    PROXY_TLS_HANDSHAKE_S,
+    Proxy,
+    connect_to,
+    open_tunnel,
+)
 
 MAX_IDLE = 1024  # idle keep-alive connections kept per origin (a burst of replies reuses them)
 KEEPALIVE_S = 60.0  # the longest one is kept idle (``UpstreamConfig.keepalive_s``)
@@ -90,12 +95,14 @@ class HttpOrigin:
         keepalive_s: float = KEEPALIVE_S,
         tls: ssl.SSLContext | None = None,
         proxy: Proxy | None = None,
+        proxy_handshake_s: float = PROXY_TLS_HANDSHAKE_S,
         on_connect: Callable[[], None] | None = None,
     ) -> None:
         self.origin = Origin(url)
         # Reached through a proxy: an https origin through a tunnel it opens; an http one by
         # requests to the proxy in absolute form, which carry its credentials.
         self.proxy = proxy
+        self._proxy_handshake_s = proxy_handshake_s  # a TLS handshake with it, at most
         origin = self.origin
         self._target = origin.path
         self._proxy_line = ""
@@ -165,9 +172,11 @@ class HttpOrigin:
         if proxy is not None:
             connection = Connection(self)
             if tls is None:
-                await connect_to(proxy, connection)
+                await connect_to(proxy, connection, handshake_s=self._proxy_handshake_s)
             else:
-                tunnel = await open_tunnel(proxy, origin.host, origin.port)
+                tunnel = await open_tunnel(
+                    proxy, origin.host, origin.port, handshake_s=self._proxy_handshake_s
+                )
                 try:
                     # asyncio calls no connection_made on a protocol it starts TLS for.
                     inside = await loop.start_tls(

@@ -38,6 +38,15 @@ MAX_ANSWER_BYTES = 16 * 1024  # a proxy's answer to CONNECT: its status line and
 PROXY_TLS_HANDSHAKE_S = 10.0
 
 
+def proxy_handshake_s(within_s: float) -> float:
+    """How long a TLS handshake with a proxy may take for a request (or probe) that must be
+    answered ``within_s``: ``PROXY_TLS_HANDSHAKE_S``, or half of that time when it is
+    shorter, so that a proxy that never finishes is named as the proxy, not left to the
+    caller's deadline (said as the upstream's silence) with the tunnel and the upstream's
+    answer still to come in the other half."""
+    return min(PROXY_TLS_HANDSHAKE_S, within_s / 2)
+
+
 @dataclass(frozen=True, slots=True)
 class Proxy:
     """A proxy an upstream is reached through."""
@@ -140,20 +149,23 @@ class _Answer(asyncio.Protocol):
             self.head.set_exception(ProxyFailed("it closed the connection before answering"))
 
 
-async def open_tunnel(proxy: Proxy, host: str, port: int) -> asyncio.Transport:
+async def open_tunnel(
+    proxy: Proxy, host: str, port: int, *, handshake_s: float
+) -> asyncio.Transport:
     """A connection through ``proxy`` to ``host``:``port``, once the proxy said it is open
-    (``ProxyFailed`` when it cannot be reached or refuses). The caller speaks TLS in it."""
+    (``ProxyFailed`` when it cannot be reached or refuses; a TLS handshake with it bounded
+    by ``handshake_s``). The caller speaks TLS in it."""
     try:
-        return await _tunnel(proxy, host, port)
+        return await _tunnel(proxy, host, port, handshake_s)
     except ProxyFailed as failure:
         failure.proxy = proxy.shown
         raise
 
 
-async def connect_to(proxy: Proxy, protocol: asyncio.Protocol) -> None:
+async def connect_to(proxy: Proxy, protocol: asyncio.Protocol, *, handshake_s: float) -> None:
     """Connect ``protocol`` to ``proxy`` itself (to send it requests in absolute form)."""
     try:
-        await _reach(proxy, lambda: protocol)
+        await _reach(proxy, lambda: protocol, handshake_s)
     except ProxyFailed as failure:
         failure.proxy = proxy.shown
         raise
@@ -168,8 +180,11 @@ def _proxy_tls() -> ssl.SSLContext:
 P = TypeVar("P", bound=asyncio.Protocol)
 
 
-async def _reach(proxy: Proxy, factory: Callable[[], P]) -> tuple[asyncio.Transport, P]:
-    """A connection to ``proxy``, in TLS if it is spoken to so."""
+async def _reach(
+    proxy: Proxy, factory: Callable[[], P], handshake_s: float
+) -> tuple[asyncio.Transport, P]:
+    """A connection to ``proxy``, in TLS if it is spoken to so (its handshake bounded by
+    ``handshake_s``)."""
     loop = asyncio.get_running_loop()
     tls = _proxy_tls() if proxy.tls else None
     try:
@@ -182,7 +197,7 @@ async def _reach(proxy: Proxy, factory: Callable[[], P]) -> tuple[asyncio.Transp
                 proxy.port,
                 ssl=tls,
                 server_hostname=proxy.host,
-                ssl_handshake_timeout=PROXY_TLS_HANDSHAKE_S,
+                ssl_handshake_timeout=handshake_s,
             )
     except ssl.SSLError as exc:  # (an OSError too): worded by ``upstream_errors``
         raise ProxyFailed("its TLS handshake failed", tls_error=exc) from None
@@ -191,15 +206,15 @@ async def _reach(proxy: Proxy, factory: Callable[[], P]) -> tuple[asyncio.Transp
             raise ProxyFailed("it cannot be reached", os_error=exc) from None
         # asyncio's and uvloop's words for a handshake past its time.
         raise ProxyFailed(
-            f"it did not finish a TLS handshake within {PROXY_TLS_HANDSHAKE_S:g} s: {TLS_TO_PLAIN}"
+            f"it did not finish a TLS handshake within {handshake_s:g} s: {TLS_TO_PLAIN}"
         ) from None
     except OSError as exc:
         raise ProxyFailed("it cannot be reached", os_error=exc) from None
     return transport, protocol
 
 
-async def _tunnel(proxy: Proxy, host: str, port: int) -> asyncio.Transport:
-    transport, answer = await _reach(proxy, _Answer)
+async def _tunnel(proxy: Proxy, host: str, port: int, handshake_s: float) -> asyncio.Transport:
+    transport, answer = await _reach(proxy, _Answer, handshake_s)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     request = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
     if proxy.authorization:
