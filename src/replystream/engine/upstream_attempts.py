@@ -126,7 +126,8 @@ class AttemptSeries:
         self._model = pool.resolve(request.model)
         # The models its requests go on to, in order, when none of the current one's
         # upstreams can answer (``_fall_back``); the first is the model asked for.
-        self._fallbacks = (self._model, *pool.fallbacks.get(self._model or "", ()))
+        chain = () if self._model is None else pool.fallbacks.get(self._model, ())
+        self._fallbacks = (self._model, *chain)
         self._tried: set[Backend] = set()  # the current model's upstreams tried
         self._attempts = 0  # over every model
         self._began = time.monotonic()  # of the request, or of the latest seam
