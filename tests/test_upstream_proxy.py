@@ -115,8 +115,11 @@ async def tls_upstream(folder: Path) -> AsyncIterator[tuple[Path, Upstream]]:
 
 
 @asynccontextmanager
-async def relay(targets: tuple[UpstreamTarget, ...], **config: float) -> AsyncIterator[str]:
-    engine = UpstreamEngine(UpstreamConfig(targets, health_s=0.2, **config))
+async def relay(
+    targets: tuple[UpstreamTarget, ...], headers_timeout_s: float = 30.0
+) -> AsyncIterator[str]:
+    config = UpstreamConfig(targets, health_s=0.2, headers_timeout_s=headers_timeout_s)
+    engine = UpstreamEngine(config)
     async with running(create_app(engine)) as url:
         yield url
 
