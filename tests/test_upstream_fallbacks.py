@@ -29,6 +29,16 @@ def chunks(got: Any) -> list[dict[str, Any]]:
     return [json.loads(e.data) for e in got.events if e.type == "message" and e.data != "[DONE]"]
 
 
+def texts(got: Any) -> dict[int, str]:
+    """Each choice's text of a streamed chat reply."""
+    made: dict[int, str] = {}
+    for chunk in chunks(got):
+        for choice in chunk["choices"]:
+            index = choice["index"]
+            made[index] = made.get(index, "") + (choice["delta"].get("content") or "")
+    return made
+
+
 def chat(model: str, **extra: Any) -> dict[str, Any]:
     return {
         "model": model,
@@ -222,13 +232,7 @@ async def test_every_choice_of_a_request_goes_on_to_the_fallback():
     async with relay([big, small], fallbacks=BIG_TO_SMALL) as url:
         got = await post_events(f"{url}/v1/chat/completions", chat("big", n=2))
     assert got.status == 200, got.raw
-    texts: dict[int, str] = {}
-    for chunk in chunks(got):
-        for choice in chunk["choices"]:
-            texts[choice["index"]] = texts.get(choice["index"], "") + (
-                choice["delta"].get("content") or ""
-            )
-    assert texts == {0: "w0 w1 w2 ", 1: "w0 w1 w2 "}
+    assert texts(got) == {0: "w0 w1 w2 ", 1: "w0 w1 w2 "}
     assert [body["model"] for body in small.bodies] == ["small", "small"]
 
 
@@ -312,3 +316,29 @@ def test_a_reload_says_how_many_models_have_fallbacks(tmp_path: Path):
     assert change_line("r.toml", change).endswith(": 2 upstreams, 1 alias, 2 models with fallbacks")
     none = RouteChange(added=(), removed=(), upstreams=1, aliases=0, fallbacks=0)
     assert change_line("r.toml", none).endswith(": 1 upstream, 0 aliases")
+
+
+async def test_under_load_every_request_is_answered_and_every_room_given_back():
+    """Thirty requests at once, half of two choices, for a model whose upstreams are one busy
+    and one slow, each taking two requests at once, and a fallback of two fast upstreams: each
+    is answered, and once they are, no upstream counts a request out, none waits in line."""
+    busy, slow = Upstream(["big"], mode="busy"), Upstream(["big"], mode="slow")
+    fast = [Upstream(["small"]), Upstream(["small"])]
+    async with relay([busy, slow, *fast], fallbacks=BIG_TO_SMALL, max_outstanding=2) as url:
+        answers = await asyncio.gather(
+            *(
+                post_events(f"{url}/v1/chat/completions", chat("big", n=1 + i % 2))
+                for i in range(30)
+            )
+        )
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+    for i, got in enumerate(answers):
+        assert got.status == 200, got.raw
+        assert texts(got) == dict.fromkeys(range(1 + i % 2), "w0 w1 w2 "), got.raw
+    counts = [line for line in metrics.splitlines() if line.startswith("replystream_upstream_")]
+    outstanding = [line for line in counts if line.startswith("replystream_upstream_outstanding{")]
+    assert len(outstanding) == 4 and all(line.endswith(" 0.0") for line in outstanding), counts
+    assert "replystream_upstream_queued 0.0" in counts, counts
+    assert sum(len(u.bodies) for u in fast) >= 30  # most went on to the fallback

@@ -211,13 +211,17 @@ class AttemptSeries:
             return False
         if time.monotonic() - self._began >= self._limits.failover_s:
             return False
-        if at == 0:
-            self._counts.fallbacks += 1  # once per reply, however far along it goes
-        self._model = self._fallbacks[at + 1]
-        self._tried = set()
+        self._go_on_to(self._fallbacks[at + 1])
         if self._choices is not None:  # the room taken for the model before
             self._choices.give_back(self._queue)
         return True
+
+    def _go_on_to(self, model: str | None) -> None:
+        """Send the attempts from now on to ``model``, one of the request's fallbacks."""
+        if self._model == self._fallbacks[0]:
+            self._counts.fallbacks += 1  # once per reply, however far along it goes
+        self._model = model
+        self._tried = set()
 
     def _take_room(self, since: float) -> tuple[Hold | None, bool]:
         """Room for the next attempt (counted at its upstream), or None and whether only the
@@ -236,9 +240,17 @@ class AttemptSeries:
                 return None, full
             self._count_spill(backend)
             return Hold(backend, slot), False
+        if (
+            choices.holds
+            and choices.model != self._model
+            and not self._attempts
+            and choices.model in self._fallbacks
+        ):
+            # A choice before it went on to a fallback and took room there for this one too:
+            # it starts there (its own model's upstreams could not take that one either).
+            self._go_on_to(choices.model)
         if self._tried or not choices.holds or choices.model != self._model:
-            # For this one and those not started yet (a choice gone on to a fallback takes
-            # its room there; the others still start at theirs).
+            # For this one and those not started yet.
             choices.give_back(self._queue)
             count = 1 + choices.unstarted
             holds = take_room(
