@@ -342,3 +342,15 @@ async def test_under_load_every_request_is_answered_and_every_room_given_back():
     assert len(outstanding) == 4 and all(line.endswith(" 0.0") for line in outstanding), counts
     assert "replystream_upstream_queued 0.0" in counts, counts
     assert sum(len(u.bodies) for u in fast) >= 30  # most went on to the fallback
+
+
+async def test_more_choices_than_the_model_takes_at_once_go_to_a_fallback_that_takes_them():
+    big, small = Upstream(["big"]), [Upstream(["small"]), Upstream(["small"])]
+    async with relay([big, *small], fallbacks=BIG_TO_SMALL, max_outstanding=1) as url:
+        got = await post_events(f"{url}/v1/chat/completions", chat("big", n=2))
+        three = await post_events(f"{url}/v1/chat/completions", chat("big", n=3))
+    assert got.status == 200 and texts(got) == {0: "w0 w1 w2 ", 1: "w0 w1 w2 "}, got.raw
+    assert big.bodies == [] and [len(u.bodies) for u in small] == [1, 1]
+    assert three.status == 400, three.raw
+    error = json.loads(three.raw)["error"]
+    assert error["param"] == "n" and "(or any of its fallbacks: 'small')" in error["message"]

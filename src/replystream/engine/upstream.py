@@ -378,12 +378,18 @@ class UpstreamEngine:
         """Each choice of a request is a request upstream, and a request's choices get room
         all at once (``upstream_admission``): more choices than the upstreams take at once
         never would, and would wait until the wait for room is over (a 503 that says to
-        retry what can never be served), so such a request is refused at once."""
+        retry what can never be served), so such a request is refused at once; unless one of
+        its model's fallbacks takes them all (they go on to it together)."""
         model = self.pool.resolve(request.model)
-        most = self.pool.most_at_once(model)
-        if most is None or request.choices <= most:
-            return
+        fallbacks = () if model is None else self.pool.fallbacks.get(model, ())
+        mosts = [self.pool.most_at_once(m) for m in (model, *fallbacks)]
+        limited = [m for m in mosts if m is not None]
+        if len(limited) < len(mosts) or request.choices <= max(limited):
+            return  # some model's upstreams have no limit, or take them all
+        most = max(limited)
         serving = "the upstreams" if model is None else f"the upstreams serving {model!r}"
+        if fallbacks:
+            serving += f" (or any of its fallbacks: {', '.join(map(repr, fallbacks))})"
         raise RequestRejected(
             f"n is {request.choices}, and each choice is a request of its own to an upstream, "
             f"but {serving} take at most {most} at once (their limits of requests at once): "
