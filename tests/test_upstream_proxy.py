@@ -116,9 +116,9 @@ async def tls_upstream(folder: Path) -> AsyncIterator[tuple[Path, Upstream]]:
 
 @asynccontextmanager
 async def relay(
-    targets: tuple[UpstreamTarget, ...], headers_timeout_s: float = 30.0
+    targets: tuple[UpstreamTarget, ...], headers_timeout_s: float = 30.0, health_s: float = 0.2
 ) -> AsyncIterator[str]:
-    config = UpstreamConfig(targets, health_s=0.2, headers_timeout_s=headers_timeout_s)
+    config = UpstreamConfig(targets, health_s=health_s, headers_timeout_s=headers_timeout_s)
     engine = UpstreamEngine(config)
     async with running(create_app(engine)) as url:
         yield url
@@ -359,11 +359,12 @@ async def test_a_proxy_that_never_finishes_its_tls_handshake_is_named_not_the_up
 ):
     """tinyproxy speaks plain HTTP: given an https:// URL, it waits for a request line that
     never comes, while the relay waits for its side of the handshake. That wait is bounded
-    by half the time the request (1 s to its head, here) or the probe (0.2 s, its interval)
-    has, at most 10 s, so the proxy is named before the deadline would blame the upstream."""
+    by half the time the request (4 s to its head, here) or the probe (2 s) has, at most
+    10 s, so the proxy is named before the deadline would blame the upstream."""
+    target = (UpstreamTarget("https://localhost:9/v1"),)
     async with tinyproxy(tmp_path) as proxy:
         monkeypatch.setenv("HTTPS_PROXY", f"https://{proxy.url}")
-        async with relay((UpstreamTarget("https://localhost:9/v1"),), headers_timeout_s=1.0) as url:
+        async with relay(target, headers_timeout_s=4.0, health_s=2.0) as url:
             started = asyncio.get_running_loop().time()
             got = await post_events(f"{url}/v1/chat/completions", ASK)
             waited = asyncio.get_running_loop().time() - started
@@ -375,6 +376,6 @@ async def test_a_proxy_that_never_finishes_its_tls_handshake_is_named_not_the_up
         f"https://{proxy.url} (HTTPS_PROXY): it did not finish a TLS handshake within {{}} s: "
         "is it a plain HTTP port? Then its URL begins with http://"
     )
-    assert message == said.format("0.5"), message
-    assert waited < 1, waited  # not the attempt's head timeout
+    assert message == said.format("2"), message
+    assert waited < 4, waited  # not the attempt's head timeout
     assert health[0] == 503 and said.split(" within")[0] in health[1], health
