@@ -112,3 +112,25 @@ def test_the_lab_measures_the_real_model_with_chunked_prefill(tmp_path: Path) ->
         assert report_step(rows, tmp_path, Console(file=sink), lab.name).exists()
     assert (tmp_path / "engine-ttft-smollm2.png").exists()
     assert (tmp_path / "engine-step-smollm2.png").exists()
+
+
+def test_a_burst_of_requests_is_admitted_at_one_step(tiny: LabEngine) -> None:
+    """The experiments queue their requests as one burst: the worker, running beside the
+    event loop, takes none of them before all are queued, so all are scheduled at one step
+    (one by one, the first could be decoding, or done, before the last came in)."""
+    from replystream.engine.base import GenerationRequest, SamplingParams
+    from replystream.lab.engine_lab import _run_all
+
+    async def burst() -> set[float | None]:
+        engine = tiny.engine(max_running=64, token_budget=64 * 40, num_blocks=512)
+        try:
+            await _run_all(engine, [GenerationRequest("And", SamplingParams(max_tokens=2))])
+            asks = [
+                GenerationRequest(f"Once upon a time {i}", SamplingParams(max_tokens=4))
+                for i in range(64)
+            ]
+            return {t.scheduled for t in await _run_all(engine, asks)}
+        finally:
+            await engine.aclose()
+
+    assert len(asyncio.run(burst())) == 1

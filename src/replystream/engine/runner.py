@@ -19,11 +19,12 @@ It must not know about HTTP or about how a reply is delivered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,6 +136,14 @@ class Runner:
                 pass
 
         return self.submit_with(prompt, max_new, params, deliver), queue
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the worker from taking submissions until the block ends, so that those made
+        in it are admitted together, at one step (a burst, as the lab's experiments send
+        one). On the event loop's thread; nothing in the block may wait for the worker."""
+        with self._cond:  # a re-entrant lock: ``submit_with`` takes it again inside
+            yield
 
     def submit_with(
         self,

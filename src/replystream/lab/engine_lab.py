@@ -46,7 +46,11 @@ def prompt_of(engine: TinyEngine, tokens: int) -> str:
 
 
 async def _run_all(engine: TinyEngine, requests: list[GenerationRequest]) -> list[RequestTimings]:
-    streams = [await engine.start(r) for r in requests]
+    # Queued as one burst: were the worker to step while they are queued one by one (the
+    # event loop's thread and its own take turns), the first could be decoding, or done,
+    # before the last is admitted, and a batch would never decode together.
+    with engine.runner.held():
+        streams = [await engine.start(r) for r in requests]
 
     async def drain(stream_index: int) -> None:
         async for _ in streams[stream_index]:
