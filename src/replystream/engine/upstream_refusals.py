@@ -102,17 +102,18 @@ _REFUSING = (
     r"(?:unrecogni[sz]ed|unknown|unsupported|unexpected|invalid|extra|forbidden"
     r"|not (?:allowed|permitted|supported|recogni[sz]ed))"
 )
-_STREAM_OPTIONS_REFUSED = re.compile(
-    rf"\b{_REFUSING}\b[^{{=\n]{{0,40}}\bstream_options\b"
-    rf"|\bstream_options\b[^{{=\n]{{0,30}}\b{_REFUSING}\b",
-    re.IGNORECASE,
-)
 
 
-_MAX_TOKENS_REFUSED = re.compile(
-    rf"\b{_REFUSING}\b[^{{=\n]{{0,40}}\bmax_tokens\b|\bmax_tokens\b[^{{=\n]{{0,30}}\b{_REFUSING}\b",
-    re.IGNORECASE,
-)
+def _refused(field: str) -> re.Pattern[str]:
+    """Words that refuse ``field``, before or after its name."""
+    return re.compile(
+        rf"\b{_REFUSING}\b[^{{=\n]{{0,40}}\b{field}\b|\b{field}\b[^{{=\n]{{0,30}}\b{_REFUSING}\b",
+        re.IGNORECASE,
+    )
+
+
+_STREAM_OPTIONS_REFUSED = _refused("stream_options")
+_MAX_TOKENS_REFUSED = _refused("max_tokens")
 
 
 def own_field_refused(param: str | None, message: str | None) -> str | None:
