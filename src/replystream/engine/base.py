@@ -454,6 +454,33 @@ class InProcessEngine:
         return READY
 
 
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """An engine's answer to ``POST /v1/embeddings``, as the client gets it: its JSON, and
+    the prompt tokens it counted (None: none was reported)."""
+
+    body: bytes
+    prompt_tokens: int | None
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An engine that makes embeddings (a relay: its upstreams do). Every other engine makes
+    text alone, and the route says so."""
+
+    async def embed(
+        self, fields: dict[str, Any], model: str | None, answer_as: str, caller: Caller
+    ) -> Embeddings:
+        """``fields`` (the request's, but its model) embedded by ``model`` (None: the
+        default), the answer named ``answer_as``.
+
+        Raises:
+            RequestRejected: the request is refused (a 4xx).
+            EngineError: no embeddings could be made now.
+        """
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A source of tokens."""

@@ -33,7 +33,9 @@ from pydantic_core import to_json
 
 from replystream.engine.base import (
     READY,
+    Caller,
     ChoiceGroup,
+    Embeddings,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -49,9 +51,11 @@ from replystream.engine.upstream_config import (
     key_problem,
     upstream_limit,
 )
+from replystream.engine.upstream_embeddings import EmbeddingsRelay
 from replystream.engine.upstream_errors import connect_failure
 from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpOrigin
+from replystream.engine.upstream_http_connection import Response
 from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPool
 from replystream.engine.upstream_proxy import proxy_handshake_s
@@ -438,6 +442,50 @@ class UpstreamEngine:
         log.warning("%s: %s", refused, then)
         return True
 
+    async def _post(
+        self, backend: Backend, path: str, body: bytes, caller: Caller, within_s: float
+    ) -> Response:
+        """``POST {backend}{path}`` with ``body`` as ``caller`` is to be seen there (the
+        caller's key when it is passed on, its request id and trace context); the response
+        once its head came.
+
+        Raises:
+            TimeoutError: no head within ``within_s`` seconds (the caller words it).
+            UpstreamUnavailable, UpstreamTimeout: the connection failed (or its connect
+                timed out) before the head.
+            UpstreamRefusedClientKey: the caller's key, to be passed on, fits no HTTP header.
+        """
+        key = caller.key
+        if key and backend.name in self._keys.passing and key_problem(key) is not None:
+            # No HTTP header can carry it: the caller's to fix, not the upstream's failure
+            # (counted on its circuit, a client's bad key would take it out for everyone).
+            raise UpstreamRefusedClientKey(
+                f"the API key you sent cannot be passed on to the upstream at {backend.name}: "
+                "an HTTP header carries printable ASCII characters only",
+                status=401,
+            )
+        try:
+            async with asyncio.timeout(within_s):
+                headers = self._headers(backend, key)
+                if caller.request_id:  # our access log's name for it, in the upstream's log
+                    headers["X-Request-Id"] = caller.request_id
+                headers.update(caller.trace_context)
+                return await self._origin(backend).post(path, body, headers)
+        except TimeoutError:
+            raise
+        except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            shows = backend.name in self._keys.certified
+            failure = connect_failure(exc, backend.name, within_s, shows_certificate=shows)
+            kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
+            raise kind(failure.message, code=failure.code) from None
+
+    @staticmethod
+    def _timed_out(backend: Backend, timeout: float) -> UpstreamTimeout:
+        return UpstreamTimeout(
+            f"the upstream at {backend.name} did not answer within {timeout:.3g} s",
+            code="upstream_timeout",
+        )
+
     async def open_attempt(
         self, backend: Backend, request: GenerationRequest, within_s: float | None = None
     ) -> UpstreamStream:
@@ -448,14 +496,6 @@ class UpstreamEngine:
         passes).
         """
         key = request.caller.key
-        if key and backend.name in self._keys.passing and key_problem(key) is not None:
-            # No HTTP header can carry it: the caller's to fix, not the upstream's failure
-            # (counted on its circuit, a client's bad key would take it out for everyone).
-            raise UpstreamRefusedClientKey(
-                f"the API key you sent cannot be passed on to the upstream at {backend.name}: "
-                "an HTTP header carries printable ASCII characters only",
-                status=401,
-            )
         model = self._model_for(backend, request)
         limit_field = (
             "max_completion_tokens" if model in backend.completion_limit_models else "max_tokens"
@@ -468,25 +508,11 @@ class UpstreamEngine:
             timeout = min(timeout, within_s)
         sent_at = time.monotonic()
         try:
-            async with asyncio.timeout(timeout):
-                headers = self._headers(backend, key)
-                if request.caller.request_id:  # our access log's name for it, in the upstream's log
-                    headers["X-Request-Id"] = request.caller.request_id
-                headers.update(request.caller.trace_context)
-                origin = self._origin(backend)
-                response = await origin.post("/chat/completions", body, headers)
+            response = await self._post(backend, "/chat/completions", body, request.caller, timeout)
         except TimeoutError:
             if first_content_due:  # the relay's limit fired, not the head's: it says which
                 raise FirstContentLate from None
-            raise UpstreamTimeout(
-                f"the upstream at {backend.name} did not answer within {timeout:.3g} s",
-                code="upstream_timeout",
-            ) from None
-        except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            shows = backend.name in self._keys.certified
-            failure = connect_failure(exc, backend.name, timeout, shows_certificate=shows)
-            kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
-            raise kind(failure.message, code=failure.code) from None
+            raise self._timed_out(backend, timeout) from None
         if response.status != 200:
             # Its body is quoted if it comes while the failover window is open: one sent
             # slowly must not hold the request past it.
@@ -535,6 +561,60 @@ class UpstreamEngine:
             on_end=self._ended,
             logprobs=request.sampling.logprobs is not None,
             reasoning=request.reasoning,
+        )
+
+    async def embed(
+        self, fields: dict[str, Any], model: str | None, answer_as: str, caller: Caller
+    ) -> Embeddings:
+        """``POST /v1/embeddings``'s ``fields`` (but its model) relayed
+        (``upstream_embeddings``): sent as ``model`` (an alias resolved; None: as
+        ``--upstream-model``, else to any upstream, as it serves it), the answer named
+        ``answer_as``.
+
+        Raises:
+            ModelUnserved: every upstream lists its models, and none lists that one (404).
+            RequestRejected: an upstream refused the request itself (a 4xx).
+            EngineError: no upstream could answer (the last failure, or a 503 that says when
+                one may).
+        """
+        await self._prober.first_round()
+        if model is None:
+            model = self.config.model
+        problem = self._unserved(model)
+        if problem is not None:
+            raise ModelUnserved(problem, code="model_not_found", param="model")
+        relay = EmbeddingsRelay(
+            pool=self.pool,
+            shared=self._shared,
+            queue=self._queue,
+            limits=self._limits,
+            headers_timeout_s=self.config.headers_timeout_s,
+            post=self._post_embeddings,
+            refusal=self._embeddings_refusal,
+        )
+        return await relay.relay(fields, self.pool.resolve(model), answer_as, caller)
+
+    async def _post_embeddings(
+        self, backend: Backend, body: bytes, caller: Caller, within_s: float
+    ) -> Response:
+        try:
+            return await self._post(backend, "/embeddings", body, caller, within_s)
+        except TimeoutError:
+            raise self._timed_out(backend, within_s) from None
+
+    async def _embeddings_refusal(
+        self, response: Response, backend: Backend, caller: Caller
+    ) -> EngineError:
+        return await refusal(
+            response,
+            backend.name,
+            caller.key,
+            passes_key=backend.name in self._keys.passing,
+            key_from=self._keys.key_from(backend.name),
+            withheld=self._keys.withheld(backend.name, caller.key),
+            read_s=self.config.headers_timeout_s,
+            cooldown_s=self.config.cooldown_s,
+            path="/embeddings",
         )
 
     def _ended(self, outcome: str, deltas: int) -> None:

@@ -306,8 +306,10 @@ async def refusal(
     withheld: Sequence[str],
     read_s: float,
     cooldown_s: float,
+    path: str = "/chat/completions",
 ) -> EngineError:
-    """What ``backend``'s answer other than 200 means for the attempt: its body (at most
+    """What ``backend``'s answer other than 200 to ``POST {backend}{path}`` means for the
+    attempt: its body (at most
     ``BODY_LIMIT`` bytes, read for at most ``read_s``) quoted in our error, without the keys
     of ``withheld``, the response closed. ``passes_key``: the upstream is sent the caller's
     own key (``client_key``), else the key configured where ``key_from`` says (None: none);
@@ -343,7 +345,7 @@ async def refusal(
         # No word of a model: the path is what it lacks (a framework's "Not Found", nginx's
         # page), most often a base URL without its /v1. That upstream serves nothing so: its
         # failure, counted on its circuit, another upstream tried.
-        said = f"{where} to POST {backend}/chat/completions: it has no such path"
+        said = f"{where} to POST {backend}{path}: it has no such path"
         said += f" ({message})" if message else ""
         return UpstreamUnavailable(
             f"{said}; does its URL end in /v1?", code="upstream_error_status"
@@ -352,7 +354,7 @@ async def refusal(
         # It says the model is what it lacks (vLLM's, Ollama's and OpenAI's words all name
         # it). Counted on its circuit, one bad name would take it out for every model it
         # does serve.
-        said = f"{where} to the chat request: it does not serve the model sent to it"
+        said = f"{where} to POST {path}: it does not serve the model sent to it"
         if message:
             said += f" ({message})"
         return UpstreamModelNotFound(said, code="model_not_found")

@@ -59,6 +59,7 @@ from replystream.server.context import (
     follow_started,
     start_reply,
 )
+from replystream.server.embeddings_api import add_embeddings_route
 from replystream.server.errors import HTTPAPIError, retry_after_value
 from replystream.server.front_door import FrontDoor, front_door
 from replystream.server.guard import (
@@ -309,6 +310,7 @@ def create_app(
     app.router.add_get("/healthz", handle_health)
     add_page_routes(app)
     add_openai_routes(app)
+    add_embeddings_route(app)
     add_responses_routes(app)
     add_input_items_route(app)
     add_input_tokens_route(app)

@@ -1,0 +1,257 @@
+"""Embeddings relayed: ``POST {base}/embeddings`` to the upstreams serving a request's model,
+one after another until one answers.
+
+This file decides how one embeddings request goes upstream: to the first upstream of the
+pool's plan for its model with room (waiting in line, as a chat request does, while every one
+left is at its limit of requests at once, for at most ``queue_s``); a connection that fails,
+no answer within the head timeout, a 5xx or a 429 counts on that upstream's circuit (as a chat
+attempt's does: ``NOT_ITS_HEALTH``) and the next upstream is tried, until ``failover_s`` has
+passed since the request began; a refusal of the request itself (a 4xx) is the client's
+answer, from the first upstream that gave it. The answer is relayed whole and as the upstream
+wrote it (``encoding_format`` is passed on: base64 stays base64), but for its ``model``, the
+name the client asked for (an alias's, as a chat reply names it). A model's fallbacks are
+never tried: another model's vectors lie in another space, and mixed into one index they
+would break its searches without a word. Each attempt's end is counted on its upstream and
+logged as a chat attempt's is (``replystream.access``). It must not know about our HTTP
+server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic_core import from_json, to_json
+
+from replystream.engine.base import Caller, Embeddings, EngineError, RequestRejected
+from replystream.engine.upstream_admission import Hold, take_one
+from replystream.engine.upstream_http_connection import Response
+from replystream.engine.upstream_http_failures import HttpFailure
+from replystream.engine.upstream_pool import Backend, UpstreamPool
+from replystream.engine.upstream_queue import RoomQueue
+from replystream.engine.upstream_refusals import UpstreamTimeout, UpstreamUnavailable
+from replystream.engine.upstream_relay_types import (
+    AT_HEAD,
+    NOT_ITS_HEALTH,
+    NoUpstream,
+    RelayLimits,
+    UpstreamBusy,
+)
+from replystream.engine.upstream_slots import SharedLimits
+
+access_log = logging.getLogger("replystream.access")
+
+# The largest answer relayed: 2,048 inputs (OpenAI's most per request) of 4,096 dimensions
+# are about 45 MB in base64 (the official SDKs' default) and 100 MB as JSON numbers.
+MAX_ANSWER_BYTES = 128 * 1024 * 1024
+
+# What an upstream that makes no embeddings answers (one serving chat alone): TGI's and most
+# frameworks' 404 or 405 for a path they lack, llama.cpp's server's 501 (started without
+# ``--embeddings``).
+NO_SUCH_ROUTE = (404, 405, 501)
+# Failures that say nothing of an upstream's health (its chat requests go on, its circuit
+# shut by none of them), but the next upstream is tried.
+NOT_ITS_HEALTH_HERE = NOT_ITS_HEALTH | {"embeddings_unsupported"}
+
+
+class NoEmbeddings(EngineError):
+    """An upstream makes no embeddings: it has no such route (404 to the client, when no
+    other upstream of the model answered)."""
+
+    status = 404
+
+
+# Sends a body to ``POST {backend}/embeddings`` and returns the response once its head came
+# (raising an ``EngineError`` for a failure before then), with ``caller`` (its key, request
+# id and trace context) as the upstream is to see it, within the given seconds.
+Poster = Callable[[Backend, bytes, Caller, float], Awaitable[Response]]
+# What an answer other than 200 means (``upstream_refusals.refusal``), for that backend.
+Refusal = Callable[[Response, Backend, Caller], Awaitable[EngineError]]
+
+
+class EmbeddingsRelay:
+    """One embeddings request's attempts, one upstream after another."""
+
+    def __init__(
+        self,
+        *,
+        pool: UpstreamPool,
+        shared: SharedLimits | None,
+        queue: RoomQueue,
+        limits: RelayLimits,
+        headers_timeout_s: float,
+        post: Poster,
+        refusal: Refusal,
+    ) -> None:
+        self._pool = pool
+        self._shared = shared
+        self._queue = queue
+        self._limits = limits
+        self._headers_timeout_s = headers_timeout_s
+        self._post = post
+        self._refusal = refusal
+
+    async def relay(
+        self, fields: dict[str, Any], model: str | None, answer_as: str, caller: Caller
+    ) -> Embeddings:
+        """``fields`` (the client's, but its model) sent as ``model`` (None: to any upstream,
+        as it serves it, with no model named); the answer named ``answer_as``.
+
+        Raises:
+            RequestRejected: an upstream refused the request itself.
+            EngineError: no upstream answered within the failover bound (the last failure),
+                or none can take a request now (``NoUpstream``, ``UpstreamBusy``: 503).
+        """
+        body = to_json(fields if model is None else {**fields, "model": model})
+        began = time.monotonic()
+        tried: set[Backend] = set()
+        last_error: EngineError | None = None
+        queued_at: float | None = None
+        while True:
+            now = time.monotonic()
+            left = self._limits.failover_s - (now - began)
+            if tried and left <= 0:
+                assert last_error is not None
+                raise _after(last_error, len(tried))
+            backend, slot, full = take_one(
+                self._pool, self._shared, model, None, tried, queued_at or now
+            )
+            if backend is None:
+                if not full:
+                    if last_error is not None:
+                        raise _after(last_error, len(tried))
+                    raise self._none_left(model)
+                again, queued_at = queued_at is not None, queued_at or now
+                wait = self._limits.queue_s - (now - queued_at)
+                if wait > 0 and await self._queue.wait(model, wait, queued_at, again=again):
+                    began += time.monotonic() - now  # time in line is not the window's
+                    continue
+                raise UpstreamBusy(
+                    f"every upstream{_serving(model)} is at its limit of requests at once",
+                    code="upstream_busy",
+                    retry_after_s=1.0,
+                )
+            hold = Hold(backend, slot)
+            tried.add(backend)
+            attempt_began = time.monotonic()
+            result = "cancelled"
+            try:
+                answer = await self._attempt(backend, body, answer_as, caller, max(left, 0.001))
+                result = "ok"
+                return answer
+            except RequestRejected:
+                result = "rejected"  # the request, not the upstream: no other is tried
+                raise
+            except EngineError as exc:
+                result = AT_HEAD.get(exc.code, "connect_error")
+                if exc.code == "embeddings_unsupported":
+                    result = "model_not_found"  # what it serves, not its health
+                last_error = exc
+                if exc.code not in NOT_ITS_HEALTH_HERE:
+                    self._pool.failed(backend, str(exc), exc.retry_after_s or 0.0)
+                elif exc.code == "model_not_found" and model is not None:
+                    self._pool.not_serving(backend, model)
+            finally:
+                if result == "ok":
+                    backend.succeeded()
+                    self._pool.served(backend, model)
+                hold.give_back(self._queue)
+                backend.attempts[result] += 1
+                if result != "ok" or len(tried) > 1:
+                    _log(caller, backend, len(tried), result, attempt_began)
+
+    async def _attempt(
+        self, backend: Backend, body: bytes, answer_as: str, caller: Caller, within_s: float
+    ) -> Embeddings:
+        # One deadline for the head and the body: an upstream answers when its vectors are
+        # made, all of them at once.
+        timeout = min(self._headers_timeout_s, within_s)
+        due = asyncio.get_running_loop().time() + timeout
+        response = await self._post(backend, body, caller, timeout)
+        where = f"the upstream at {backend.name}"
+        if response.status != 200:
+            refused = await self._refusal(response, backend, caller)
+            if response.status in NO_SUCH_ROUTE and refused.code == "upstream_error_status":
+                raise NoEmbeddings(
+                    f"{where} makes no embeddings ({refused})", code="embeddings_unsupported"
+                )
+            raise refused
+        try:
+            async with asyncio.timeout_at(due):
+                raw = await response.read_whole(MAX_ANSWER_BYTES)
+        except TimeoutError:
+            response.close()
+            raise UpstreamTimeout(
+                f"{where} did not send its whole answer within {timeout:.3g} s",
+                code="upstream_timeout",
+            ) from None
+        except (HttpFailure, OSError):
+            raise UpstreamUnavailable(
+                f"{where} closed the connection mid-answer", code="upstream_bad_response"
+            ) from None
+        if raw is None:
+            raise UpstreamUnavailable(
+                f"{where} answered more than {MAX_ANSWER_BYTES} bytes of embeddings",
+                code="upstream_bad_response",
+            )
+        return _answer(raw, answer_as, where)
+
+    def _none_left(self, model: str | None) -> NoUpstream:
+        problems = "; ".join(
+            b.problem or f"{b.name} is failing" for b in self._pool.backends if b.serves(model)
+        )
+        return NoUpstream(
+            f"no upstream{_serving(model)} can take a request now (each circuit is open, "
+            f"after repeated failures or for as long as its upstream asked): {problems}",
+            code="upstream_unavailable",
+            retry_after_s=self._pool.wait_s(model),
+        )
+
+
+def _answer(raw: bytes, answer_as: str, where: str) -> Embeddings:
+    """The upstream's answer checked for what an OpenAI client reads (a list of embeddings,
+    each a list of numbers or a base64 string), named ``answer_as``."""
+    try:
+        answer = from_json(raw)
+    except ValueError:
+        answer = None
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list) or not all(
+        isinstance(item, dict) and isinstance(item.get("embedding"), list | str) for item in data
+    ):
+        raise UpstreamUnavailable(
+            f"{where} answered something other than a list of embeddings ({len(raw)} bytes)",
+            code="upstream_bad_response",
+        )
+    assert isinstance(answer, dict)
+    answer["model"] = answer_as
+    usage = answer.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    counted = tokens if type(tokens) is int and tokens >= 0 else None
+    return Embeddings(to_json(answer), counted)
+
+
+def _after(error: EngineError, attempts: int) -> EngineError:
+    if attempts > 1:
+        error.args = (f"{error} (after trying {attempts} upstreams)",)
+    return error
+
+
+def _serving(model: str | None) -> str:
+    return "" if model is None else f" serving {model}"
+
+
+def _log(caller: Caller, backend: Backend, attempt: int, result: str, began: float) -> None:
+    if access_log.isEnabledFor(logging.INFO):
+        line = {
+            "request_id": caller.request_id,
+            "upstream": backend.name,
+            "attempt": attempt,
+            "result": result,
+            "ms": round((time.monotonic() - began) * 1000.0, 1),
+        }
+        access_log.info("%s", json.dumps(line))

@@ -1,0 +1,118 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings route, relayed to the upstreams.
+
+This file decides what the route accepts (OpenAI's fields: ``input`` as a string, strings,
+token ids or lists of them, ``encoding_format``, ``dimensions``, ``user``; anything else is
+refused, as on every route) and what it answers: the upstream's answer under the model name
+asked for, its prompt tokens counted per API key in ``/metrics`` as a reply's are. An engine
+that makes no embeddings (every one but a relay's: a chat model is not an embedding model)
+answers 404 in OpenAI's shape, saying so. Which upstream answers, and what its failures
+mean, is the engine's (``engine.upstream_embeddings``). It must not know how the upstream
+is reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import Field, PlainValidator
+
+from replystream.engine.base import Embedder, EngineError, RequestRejected
+from replystream.server.context import (
+    ENGINE_KEY,
+    KEY_LABEL_CHARS,
+    METRICS_KEY,
+    caller_of,
+    owner_of,
+)
+from replystream.server.errors import HTTPAPIError
+from replystream.server.openai_api import routed_model, served_model
+from replystream.server.refusal_names import refused
+from replystream.server.schema_fields import Strict, invalid
+from replystream.server.validation import read_model
+
+ENDPOINT = "/v1/embeddings"
+MAX_INPUTS = 2048  # OpenAI's most inputs in one request
+
+
+def _one_input(value: Any, where: str) -> str | list[int]:
+    if isinstance(value, str):
+        if not value:
+            raise invalid(f"{where} must not be an empty string")
+        return value
+    if isinstance(value, list) and value:
+        for token in value:
+            if type(token) is not int or token < 0:
+                raise invalid(f"{where} must be a string or a list of token ids (integers >= 0)")
+        return value
+    raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids")
+
+
+def _input(value: Any) -> str | list[int] | list[str | list[int]]:
+    """OpenAI's four shapes: a string, strings, token ids, lists of token ids (a list of
+    inputs of one kind)."""
+    if isinstance(value, str):
+        return _one_input(value, "input")
+    if not isinstance(value, list) or not value:
+        raise invalid("input must be a string or a non-empty list (of strings or token ids)")
+    if all(type(item) is int for item in value):
+        return _one_input(value, "input")  # one input, as token ids
+    if len(value) > MAX_INPUTS:
+        raise invalid(f"input may hold at most {MAX_INPUTS} inputs; it holds {len(value)}")
+    kinds = {type(item) for item in value}
+    if len(kinds) > 1:
+        raise invalid("input must hold inputs of one kind: all strings or all lists of token ids")
+    return [_one_input(item, f"input[{i}]") for i, item in enumerate(value)]
+
+
+class EmbeddingsBody(Strict):
+    """``POST /v1/embeddings``."""
+
+    input: Annotated[Any, PlainValidator(_input)]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+async def handle_embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings``: the upstream's embeddings of ``input``."""
+    app = request.app
+    engine = app[ENGINE_KEY]
+    if not isinstance(engine, Embedder):
+        raise HTTPAPIError(
+            404,
+            f"this server's engine ({engine.name}) makes no embeddings: /v1/embeddings is "
+            "served by a relay (--engine upstream:URL), whose upstreams make them",
+            code="unsupported_endpoint",
+        )
+    body = await read_model(request, EmbeddingsBody)
+    routed = routed_model(app, body.model)
+    fields = body.model_dump(exclude_none=True, exclude={"model"})
+    record = app[METRICS_KEY].record(ENDPOINT, streamed=False)
+    record.key = owner_of(request)[:KEY_LABEL_CHARS]
+    try:
+        answer = await engine.embed(fields, routed, routed or served_model(app), caller_of(request))
+    except RequestRejected as exc:  # a 4xx: the upstream's refusal, in our words
+        record.outcome, record.reason = "rejected", exc.code
+        raise refused(exc) from exc
+    except EngineError as exc:  # no upstream could answer, as a chat request's start says it
+        record.outcome, record.reason = "rejected", exc.code
+        raise HTTPAPIError(
+            exc.status, str(exc), code=exc.code, retry_after_s=exc.retry_after_s
+        ) from exc
+    except asyncio.CancelledError:  # the client left
+        record.reason = "client_gone"
+        raise
+    else:
+        record.outcome = "finished"
+        record.prompt_tokens = answer.prompt_tokens or 0
+    finally:
+        app[METRICS_KEY].observe(record)
+    return web.Response(body=answer.body, content_type="application/json")
+
+
+def add_embeddings_route(app: web.Application) -> None:
+    """Register ``POST /v1/embeddings`` on ``app``."""
+    app.router.add_post(ENDPOINT, handle_embeddings)

@@ -1,0 +1,356 @@
+"""``POST /v1/embeddings`` relayed: against small aiohttp upstreams on loopback ports that
+make embeddings of their own, replystream serving an ``UpstreamEngine`` on another, and the
+official OpenAI SDK (whose default asks for base64) as a client. Routing by model and alias,
+failover before an answer with its circuit and access-log lines, refusals passed on in our
+words, room at an upstream's limit, no fallback to another model's vectors, per-key prompt
+tokens, and the route's own checks."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import struct
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from replystream.engine.simulated import SimulatedConfig, SimulatedEngine
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
+
+
+def vector(text: str, index: int) -> list[float]:
+    """An upstream's embedding of ``text``: exact in float32, so base64 and JSON agree."""
+    return [float(len(text)), float(index), 0.5, -0.25]
+
+
+class EmbeddingUpstream:
+    """An OpenAI-compatible embeddings server answering as ``mode`` says."""
+
+    def __init__(self, models: list[str], mode: str = "ok") -> None:
+        self.models, self.mode = models, mode
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.in_flight = self.most_in_flight = 0
+
+    async def list_models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        if self.mode == "busy":
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        if self.mode == "refuse":
+            message = "This model's maximum context length is 512 tokens"
+            return web.json_response({"error": {"message": message, "param": "input"}}, status=400)
+        if self.mode == "chat_only":  # llama.cpp's server started without --embeddings
+            message = "This server does not support embeddings. Start it with `--embeddings`"
+            return web.json_response({"error": {"message": message}}, status=501)
+        if self.mode == "garbage":
+            return web.json_response({"object": "list", "data": "no"})
+        if self.mode == "stall_body":  # a head and part of the body, then nothing for a while
+            response = web.StreamResponse(headers={"Content-Length": "1000"})
+            await response.prepare(request)
+            await response.write(b'{"object": "list", "data": [')
+            await asyncio.sleep(2)
+            return response
+        if self.mode == "cut":  # a head, part of the body, then the connection is gone
+            response = web.StreamResponse(headers={"Content-Length": "1000"})
+            await response.prepare(request)
+            await response.write(b'{"object": "list", "data": [')
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.mode == "slow":
+                await asyncio.sleep(0.3)
+            inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+            if inputs and isinstance(inputs[0], int):
+                inputs = [inputs]  # one input as token ids
+            data = []
+            for index, item in enumerate(inputs):
+                text = item if isinstance(item, str) else "t" * len(item)
+                made: Any = vector(text, index)
+                if body.get("encoding_format") == "base64":
+                    made = base64.b64encode(struct.pack(f"<{len(made)}f", *made)).decode()
+                data.append({"object": "embedding", "index": index, "embedding": made})
+            tokens = sum(len(str(i).split()) for i in inputs)
+            answer = {
+                "object": "list",
+                "data": data,
+                "model": body.get("model", "its-own"),
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+            return web.json_response(answer)
+        finally:
+            self.in_flight -= 1
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.list_models)
+        if self.mode != "no_route":  # a chat server's: no such route, aiohttp's 404 page
+            app.router.add_post("/v1/embeddings", self.embeddings)
+        return app
+
+
+@asynccontextmanager
+async def relay(
+    upstreams: list[EmbeddingUpstream], dead: int = 0, **config: Any
+) -> AsyncIterator[str]:
+    """replystream relaying ``upstreams`` (after ``dead`` of them: ports nothing listens on)."""
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(running(u.app())) for u in upstreams]
+        targets = [UpstreamTarget(f"{url}/v1") for url in urls]
+        for _ in range(dead):
+            async with running(web.Application()) as gone:
+                pass  # its port is free again: a connection is refused
+            targets.insert(0, UpstreamTarget(f"{gone}/v1", models=("m",)))
+        engine = UpstreamEngine(UpstreamConfig(tuple(targets), **config))
+        yield await stack.enter_async_context(running(create_app(engine)))
+
+
+async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/embeddings", json=body, headers=headers) as response,
+    ):
+        return response.status, await response.json()
+
+
+def attempt_lines(caplog: pytest.LogCaptureFixture, request_id: str) -> list[tuple[int, str]]:
+    lines = [json.loads(r.getMessage()) for r in caplog.records if '"attempt"' in r.getMessage()]
+    return [(line["attempt"], line["result"]) for line in lines if line["request_id"] == request_id]
+
+
+async def test_the_openai_sdk_reads_embeddings_relayed_in_base64_and_as_numbers():
+    a, b = EmbeddingUpstream(["chat-model"]), EmbeddingUpstream(["embedder"])
+    async with (
+        relay([a, b], aliases=(("text-embedding-3-small", "embedder"),)) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        packed = await client.embeddings.create(
+            model="text-embedding-3-small", input=["hello", "a longer text"]
+        )
+        plain = await client.embeddings.create(
+            model="embedder", input="hi", encoding_format="float", dimensions=4
+        )
+    # The SDK asked for base64 and decoded it: the upstream's numbers, in order.
+    assert [item.embedding for item in packed.data] == [
+        vector("hello", 0),
+        vector("a longer text", 1),
+    ]
+    assert packed.model == "text-embedding-3-small"  # the name asked for, as a chat reply's
+    assert packed.usage.prompt_tokens == 4
+    assert plain.data[0].embedding == vector("hi", 0) and plain.model == "embedder"
+    assert not a.bodies  # routed by model: only the upstream serving it was asked
+    assert b.bodies[0] == {
+        "input": ["hello", "a longer text"],
+        "encoding_format": "base64",
+        "model": "embedder",
+    }
+    assert b.bodies[1] == {
+        "input": "hi",
+        "encoding_format": "float",
+        "dimensions": 4,
+        "model": "embedder",
+    }
+
+
+async def test_token_ids_go_through_as_token_ids():
+    up = EmbeddingUpstream(["e"])
+    async with relay([up]) as url:
+        one = await post(url, {"model": "e", "input": [1, 2, 3]})
+        many = await post(url, {"model": "e", "input": [[1, 2], [3]]})
+    assert one[0] == 200 and len(one[1]["data"]) == 1
+    assert many[0] == 200 and [d["embedding"][0] for d in many[1]["data"]] == [2.0, 1.0]
+    assert [body["input"] for body in up.bodies] == [[1, 2, 3], [[1, 2], [3]]]
+
+
+async def test_a_failing_upstream_is_passed_over_invisibly_and_its_circuit_opens(caplog):
+    busy, ok = EmbeddingUpstream(["m"], mode="busy"), EmbeddingUpstream(["m"])
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with relay([busy, ok], failures=1, routing="least") as url:
+        first = await post(url, {"model": "m", "input": "x"}, {"X-Request-Id": "e1"})
+        second = await post(url, {"model": "m", "input": "y"}, {"X-Request-Id": "e2"})
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as got:
+            metrics = await got.text()
+    assert first[0] == 200 and second[0] == 200
+    assert len(busy.bodies) == 1 and len(ok.bodies) == 2  # its circuit open: not asked again
+    assert attempt_lines(caplog, "e1") == [(1, "overloaded"), (2, "ok")]
+    assert attempt_lines(caplog, "e2") == []  # one attempt, and it answered: no line
+    circuits = {
+        line.split('"')[1]: float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("replystream_upstream_circuit{")
+    }
+    assert sorted(circuits.values()) == [0.0, 2.0]  # the busy one open, the other closed
+    attempts = [
+        line for line in metrics.splitlines() if line.startswith("replystream_upstream_attempts")
+    ]
+    assert any('result="overloaded"' in line and line.endswith(" 1.0") for line in attempts)
+    assert any('result="ok"' in line and line.endswith(" 2.0") for line in attempts)
+
+
+async def test_a_dead_upstream_and_a_cut_answer_are_failures_another_upstream_answers():
+    cut, ok = EmbeddingUpstream(["m"], mode="cut"), EmbeddingUpstream(["m"])
+    async with relay([cut, ok], dead=1) as url:
+        got = [await post(url, {"model": "m", "input": "x"}) for _ in range(3)]
+    assert all(status == 200 for status, _ in got), got
+    assert len(ok.bodies) == 3
+
+
+async def test_upstreams_that_make_no_embeddings_are_passed_over_and_stay_in_chat_routing():
+    """A chat-only upstream (no such route: aiohttp's 404 page; llama.cpp's 501) is not sick:
+    its circuit stays closed, the next upstream answers, and with none left it is a 404."""
+    no_route = EmbeddingUpstream(["m"], mode="no_route")
+    chat_only, ok = EmbeddingUpstream(["m"], mode="chat_only"), EmbeddingUpstream(["m"])
+    async with relay([no_route, chat_only, ok], failures=1) as url:
+        got = [await post(url, {"model": "m", "input": "x"}) for _ in range(3)]
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as page:
+            metrics = await page.text()
+    assert [status for status, _ in got] == [200, 200, 200]
+    circuits = [
+        line for line in metrics.splitlines() if line.startswith("replystream_upstream_circuit{")
+    ]
+    assert len(circuits) == 3 and all(line.endswith(" 0.0") for line in circuits), circuits
+    passed_over = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("replystream_upstream_attempts{")
+        and 'result="model_not_found"' in line
+        and not line.endswith(" 0.0")
+    ]
+    assert len(passed_over) == 2, passed_over  # both were asked, and counted as such
+    async with relay([EmbeddingUpstream(["m"], mode="chat_only")]) as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 404 and body["error"]["code"] == "embeddings_unsupported"
+    assert "makes no embeddings" in body["error"]["message"]
+    assert "does not support embeddings" in body["error"]["message"]  # its own words, quoted
+
+
+async def test_an_upstream_slower_than_the_timeout_is_passed_over_head_or_body(caplog):
+    slow, ok = EmbeddingUpstream(["m"], mode="slow"), EmbeddingUpstream(["m"])
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with relay([slow, ok], headers_timeout_s=0.15) as url:
+        got = await post(url, {"model": "m", "input": "x"}, {"X-Request-Id": "s1"})
+    assert got[0] == 200 and len(slow.bodies) == 1 and len(ok.bodies) == 1
+    assert attempt_lines(caplog, "s1") == [(1, "head_timeout"), (2, "ok")]
+    async with relay([EmbeddingUpstream(["m"], mode="stall_body")], headers_timeout_s=0.3) as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 504 and body["error"]["code"] == "upstream_timeout"
+    assert "did not send its whole answer within 0.3 s" in body["error"]["message"]
+
+
+async def test_what_every_upstream_fails_at_is_said_in_our_words():
+    async with relay([EmbeddingUpstream(["m"], mode="garbage")]) as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 502
+    assert body["error"]["code"] == "upstream_bad_response"
+    assert "answered something other than a list of embeddings" in body["error"]["message"]
+    async with relay([EmbeddingUpstream(["m"], mode="cut")]) as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 502 and "closed the connection mid-answer" in body["error"]["message"]
+    async with relay([EmbeddingUpstream(["m"], mode="busy")]) as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 503 and body["error"]["code"] == "upstream_overloaded"
+
+
+async def test_a_refusal_of_the_request_is_the_clients_and_goes_nowhere_else():
+    refuse, ok = EmbeddingUpstream(["m"], mode="refuse"), EmbeddingUpstream(["m"])
+    async with relay([refuse, ok], routing="least") as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 400
+    assert body["error"]["param"] == "input"
+    assert "maximum context length is 512 tokens" in body["error"]["message"]
+    assert not ok.bodies
+
+
+async def test_a_models_fallbacks_are_never_its_embeddings():
+    """Another model's vectors are in another space: no fallback, the failure is the client's."""
+    big, small = EmbeddingUpstream(["big"], mode="busy"), EmbeddingUpstream(["small"])
+    async with relay([big, small], fallbacks=(("big", ("small",)),)) as url:
+        status, body = await post(url, {"model": "big", "input": "x"})
+    assert status == 503 and body["error"]["code"] == "upstream_overloaded"
+    assert not small.bodies
+
+
+async def test_requests_past_an_upstreams_limit_wait_for_room():
+    up = EmbeddingUpstream(["m"], mode="slow")
+    async with relay([up], max_outstanding=1) as url:
+        got = await asyncio.gather(*(post(url, {"model": "m", "input": "x"}) for _ in range(3)))
+    assert [status for status, _ in got] == [200, 200, 200]
+    assert up.most_in_flight == 1
+
+
+async def test_a_model_no_upstream_serves_is_a_404():
+    async with relay([EmbeddingUpstream(["m"])]) as url:
+        status, body = await post(url, {"model": "nope", "input": "x"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+async def test_prompt_tokens_are_counted_per_key():
+    up = EmbeddingUpstream(["m"])
+    server = ServerConfig(api_keys=("sk-one",))
+    async with AsyncExitStack() as stack:
+        upstream_url = await stack.enter_async_context(running(up.app()))
+        engine = UpstreamEngine(UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),)))
+        url = await stack.enter_async_context(running(create_app(engine, server)))
+        headers = {"Authorization": "Bearer sk-one"}
+        status, _ = await post(url, {"model": "m", "input": ["a b c", "d"]}, headers)
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as got:
+            metrics = await got.text()
+    assert status == 200
+    prompt = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("replystream_key_tokens_total{") and 'kind="prompt"' in line
+    ]
+    assert len(prompt) == 1 and prompt[0].endswith(" 4.0"), prompt
+    assert 'replystream_replies_total{endpoint="/v1/embeddings",outcome="finished"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"model": "m"}, "input"),
+        ({"model": "m", "input": ""}, "input must not be an empty string"),
+        ({"model": "m", "input": []}, "non-empty list"),
+        ({"model": "m", "input": ["a", [1]]}, "of one kind"),
+        ({"model": "m", "input": ["a", ""]}, "input[1] must not be an empty string"),
+        ({"model": "m", "input": [1, -2]}, "token ids"),
+        ({"model": "m", "input": ["x"] * 2049}, "at most 2048 inputs"),
+        ({"model": "m", "input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"model": "m", "input": "x", "dimensions": 0}, "dimensions"),
+        ({"model": "m", "input": "x", "truncate": True}, "truncate"),
+        ({"model": "m", "input": True}, "input"),
+    ],
+)
+async def test_a_bad_request_is_a_400_naming_what_is_wrong(body, words):
+    up = EmbeddingUpstream(["m"])
+    async with relay([up]) as url:
+        status, answer = await post(url, body)
+    assert status == 400, answer
+    assert words in answer["error"]["message"] or words == answer["error"]["param"], answer
+    assert not up.bodies
+
+
+async def test_an_engine_that_makes_no_embeddings_says_so():
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=0, jitter_ms=0))
+    async with running(create_app(engine)) as url:
+        status, body = await post(url, {"input": "x"})
+    assert status == 404
+    assert body["error"]["code"] == "unsupported_endpoint"
+    assert "makes no embeddings" in body["error"]["message"]
