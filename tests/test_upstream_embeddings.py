@@ -48,7 +48,7 @@ class EmbeddingUpstream:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        self.headers.append(dict(request.headers))
+        self.headers.append({name.lower(): value for name, value in request.headers.items()})
         if self.mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=503)
         if self.mode == "refuse":
@@ -354,3 +354,27 @@ async def test_an_engine_that_makes_no_embeddings_says_so():
     assert status == 404
     assert body["error"]["code"] == "unsupported_endpoint"
     assert "makes no embeddings" in body["error"]["message"]
+
+
+async def test_each_upstream_gets_its_own_key_or_the_callers_and_the_request_id():
+    own, passing = EmbeddingUpstream(["a"]), EmbeddingUpstream(["b"])
+    async with AsyncExitStack() as stack:
+        own_url = await stack.enter_async_context(running(own.app()))
+        passing_url = await stack.enter_async_context(running(passing.app()))
+        targets = (
+            UpstreamTarget(f"{own_url}/v1", api_key="sk-upstream"),
+            UpstreamTarget(f"{passing_url}/v1", pass_client_key=True),
+        )
+        engine = UpstreamEngine(UpstreamConfig(targets))
+        url = await stack.enter_async_context(running(create_app(engine)))
+        headers = {"Authorization": "Bearer sk-caller", "X-Request-Id": "emb-1"}
+        for model in ("a", "b"):
+            status, _ = await post(url, {"model": model, "input": "x"}, headers)
+            assert status == 200
+        status, body = await post(url, {"model": "b", "input": "x"}, {"Authorization": "Bearer é"})
+    assert own.headers[0]["authorization"] == "Bearer sk-upstream"  # never the caller's
+    assert passing.headers[0]["authorization"] == "Bearer sk-caller"
+    assert own.headers[0]["x-request-id"] == passing.headers[0]["x-request-id"] == "emb-1"
+    assert own.headers[0]["accept"] == "application/json"  # not chat's event stream
+    # A key no header can carry: the caller's to fix (401), and nothing sent.
+    assert status == 401 and len(passing.bodies) == 1, body

@@ -269,8 +269,10 @@ class UpstreamEngine:
         one per choice of a request of several)."""
         return request.sampling.seed
 
-    def _headers(self, backend: Backend, client_key: str | None = None) -> dict[str, str]:
-        return self._keys.headers(backend.name, client_key)
+    def _headers(
+        self, backend: Backend, client_key: str | None, accept: str = "text/event-stream"
+    ) -> dict[str, str]:
+        return self._keys.headers(backend.name, client_key, accept)
 
     def _model_for(self, backend: Backend, request: GenerationRequest) -> str | None:
         """The model name sent: the one asked for (an alias resolved), else the configured
@@ -443,11 +445,17 @@ class UpstreamEngine:
         return True
 
     async def _post(
-        self, backend: Backend, path: str, body: bytes, caller: Caller, within_s: float
+        self,
+        backend: Backend,
+        path: str,
+        body: bytes,
+        caller: Caller,
+        within_s: float,
+        accept: str = "text/event-stream",
     ) -> Response:
         """``POST {backend}{path}`` with ``body`` as ``caller`` is to be seen there (the
-        caller's key when it is passed on, its request id and trace context); the response
-        once its head came.
+        caller's key when it is passed on, its request id and trace context), asking for
+        ``accept``; the response once its head came.
 
         Raises:
             TimeoutError: no head within ``within_s`` seconds (the caller words it).
@@ -466,7 +474,7 @@ class UpstreamEngine:
             )
         try:
             async with asyncio.timeout(within_s):
-                headers = self._headers(backend, key)
+                headers = self._headers(backend, key, accept)
                 if caller.request_id:  # our access log's name for it, in the upstream's log
                     headers["X-Request-Id"] = caller.request_id
                 headers.update(caller.trace_context)
@@ -598,7 +606,9 @@ class UpstreamEngine:
         self, backend: Backend, body: bytes, caller: Caller, within_s: float
     ) -> Response:
         try:
-            return await self._post(backend, "/embeddings", body, caller, within_s)
+            return await self._post(
+                backend, "/embeddings", body, caller, within_s, "application/json"
+            )
         except TimeoutError:
             raise self._timed_out(backend, within_s) from None
 

@@ -360,11 +360,13 @@ class UpstreamKeys:
             return self.configured
         return tuple(sorted({*self.configured, client_key}, key=len, reverse=True))
 
-    def headers(self, name: str, client_key: str | None = None) -> dict[str, str]:
-        """What goes to the upstream ``name`` beside a request: its configured headers and
-        key, or, for one that takes the caller's own, ``client_key`` (a health probe has
-        none to send)."""
-        headers = {"Accept": "text/event-stream", "Accept-Encoding": "identity"}
+    def headers(
+        self, name: str, client_key: str | None = None, accept: str = "text/event-stream"
+    ) -> dict[str, str]:
+        """What goes to the upstream ``name`` beside a request whose answer is ``accept``:
+        its configured headers and key, or, for one that takes the caller's own,
+        ``client_key`` (a health probe has none to send)."""
+        headers = {"Accept": accept, "Accept-Encoding": "identity"}
         headers.update(self.extra.get(name, ()))
         key = client_key if name in self.passing else self.own.get(name) or self.default
         if key:
