@@ -230,14 +230,14 @@ async def test_upstreams_that_make_no_embeddings_are_passed_over_and_stay_in_cha
         line
         for line in metrics.splitlines()
         if line.startswith("replystream_upstream_attempts{")
-        and 'result="model_not_found"' in line
+        and 'result="no_route"' in line
         and not line.endswith(" 0.0")
     ]
     assert len(passed_over) == 2, passed_over  # both were asked, and counted as such
     async with relay([EmbeddingUpstream(["m"], mode="chat_only")]) as url:
         status, body = await post(url, {"model": "m", "input": "x"})
-    assert status == 404 and body["error"]["code"] == "embeddings_unsupported"
-    assert "makes no embeddings" in body["error"]["message"]
+    assert status == 404 and body["error"]["code"] == "route_unsupported"
+    assert "/embeddings: it has no such route" in body["error"]["message"]
     assert "does not support embeddings" in body["error"]["message"]  # its own words, quoted
 
 

@@ -1,10 +1,10 @@
 """An upstream's refusal, relayed, names the field the client sent, in its own API's words.
 
-The relay is always sent chat: an upstream that refuses names chat's fields (``messages``,
-``max_tokens``, ``max_completion_tokens``). A client of the Responses or Messages API, of
-legacy completions or of the native routes, sent others: it is told its own (``input``,
-``max_output_tokens``, ``prompt``), and a field it has no name for (a place in chat's
-``messages``) is left out.
+The relay is sent chat but for a legacy completion (sent as one, with the client's own
+fields): an upstream that refuses names chat's fields (``messages``, ``max_tokens``,
+``max_completion_tokens``). A client of the Responses or Messages API, or of the native
+routes, sent others: it is told its own (``input``, ``max_output_tokens``, ``prompt``), and
+a field it has no name for (a place in chat's ``messages``) is left out.
 The upstream is a small aiohttp app in this process on a loopback port; the relay is
 replystream's server on another, read with the official SDKs.
 """
@@ -34,6 +34,11 @@ class RefusingUpstream(ChatUpstream):
     """Refuses every chat with a 400 naming ``param``, as OpenAI's API words one."""
 
     param = "messages"
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_post("/v1/completions", self.chat)  # legacy completions alike
+        return app
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         error = {
@@ -123,8 +128,12 @@ async def test_a_messages_client_is_told_its_own_field(
 @pytest.mark.parametrize(
     ("upstream_param", "legacy_param", "chat_param"),
     [
-        ("messages", "prompt", "messages"),
-        ("max_completion_tokens", "max_tokens", "max_tokens"),  # the limit as it was sent
+        # A legacy completion goes up as one (``/completions``): its fields are the client's.
+        ("prompt", "prompt", "messages"),  # (a chat request has no prompt: its messages)
+        ("max_tokens", "max_tokens", "max_tokens"),
+        ("logprobs", "logprobs", "logprobs"),
+        ("messages", None, "messages"),  # not a field a legacy completion has
+        ("max_completion_tokens", None, "max_tokens"),  # the limit as it was sent
         ("messages[0].content", None, "messages[0].content"),  # chat's list is chat's own
         ("tools", None, "tools"),
         ("user", "user", "user"),  # sent on as given

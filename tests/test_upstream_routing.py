@@ -32,9 +32,16 @@ from tests.sse_client import post_events
 from tests.test_reload import StderrLines
 
 
-def chunk(content: str | None = None, finish: str | None = None, **extra: Any) -> bytes:
-    delta = {} if content is None else {"content": content}
-    body = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+def chunk(
+    content: str | None = None, finish: str | None = None, legacy: bool = False, **extra: Any
+) -> bytes:
+    """A chat chunk, or with ``legacy`` a legacy completion's (its text, no delta)."""
+    if legacy:
+        choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+    else:
+        delta = {} if content is None else {"content": content}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    body = {"choices": [choice], **extra}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -69,6 +76,8 @@ class Upstream:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        """``/chat/completions``, and ``/completions`` alike in legacy chunks."""
+        legacy = not request.path.endswith("/chat/completions")
         self.bodies.append(await request.json())
         self.headers.append(dict(request.headers))
         self.requested.set()
@@ -88,9 +97,10 @@ class Upstream:
             for _ in range(300):
                 await response.write(b": keep-alive\n\n")
                 await asyncio.sleep(0.05)
-        await response.write(chunk("", role="assistant"))
+        if not legacy:
+            await response.write(chunk("", role="assistant"))
         for i in range(self.words):
-            await response.write(chunk(f"w{i} "))
+            await response.write(chunk(f"w{i} ", legacy=legacy))
         if self.mode == "cut":  # text, then the connection closes mid-body (a crash)
             assert request.transport is not None
             request.transport.close()
@@ -99,7 +109,7 @@ class Upstream:
             for _ in range(300):
                 await response.write(b": keep-alive\n\n")
                 await asyncio.sleep(0.05)
-        await response.write(chunk(None, "stop"))
+        await response.write(chunk(None, "stop", legacy=legacy))
         if self.usage_unasked or self.bodies[-1].get("stream_options", {}).get("include_usage"):
             usage = {"prompt_tokens": 11, "completion_tokens": self.words, "total_tokens": 0}
             usage.update(self.usage)
@@ -112,6 +122,7 @@ class Upstream:
         app = web.Application()
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.chat)
         return app
 
 

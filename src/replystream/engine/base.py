@@ -167,6 +167,11 @@ class GenerationRequest:
     # Whether a relayed reply whose upstream stalls or fails mid-reply may go on at another
     # upstream (None: the server's default). Engines with no upstream have nothing to do.
     continuation: bool | None = None
+    # Whether ``prompt`` is to be continued as written, with no chat template around it:
+    # OpenAI's legacy completions. A relay sends it to its upstream's ``/completions`` (a
+    # base model, a code model's fill-in markup); any other prompt goes up as a chat's user
+    # message. The built-in engines continue every bare prompt as written anyway.
+    raw_prompt: bool = False
     # Who asked, as an engine may pass it on (an upstream's log and trace, a key passed on).
     caller: Caller = NO_CALLER
     # Whether the reply may hold more than one tool call (chat and Responses'
@@ -349,6 +354,7 @@ ATTEMPT_RESULTS = (
     "overloaded",  # 429 or 503
     "model_not_found",  # a 404: it does not serve the model sent (not counted on its circuit)
     "too_large",  # a 413: the request is larger than it takes (not counted on its circuit)
+    "no_route",  # a 404, 405 or 501 to a route beside chat it lacks (not counted on its circuit)
     "error_status",  # any other status
     "ttft_timeout",  # no text within the time-to-first-token limit (a head still awaited too)
     "stalled",  # no text for the stall limit mid-reply

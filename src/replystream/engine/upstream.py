@@ -1,17 +1,19 @@
 """``UpstreamEngine``: OpenAI-compatible model servers (vLLM, TGI, llama.cpp, Ollama) relayed.
 
 This file decides how a ``GenerationRequest`` becomes a streaming ``POST {base}/chat/completions``
-(the client's chat messages unchanged, or the prompt as one user message; sampling fields
-mapped; ``stream_options.include_usage`` always, so usage is the upstream's own; a prefix to
-continue as ``continue_final_message``), and how a connection that fails before a response
-head ends the attempt (``UpstreamUnavailable``, 502, or ``UpstreamTimeout``, 504, past
-``headers_timeout_s``); what an upstream's answer other than a stream means is
-``upstream_refusals``'s. Which upstream serves a request and which are failing is
-``upstream_pool``'s (with ``serve --workers``, each limit of requests at once is held by all
-the workers together: ``upstream_slots``, ``upstream_shared_limits``); failover, stalls and
-continuation are ``upstream_relay``'s (the next attempt's upstream, ``upstream_attempts``'s);
-active health probes are ``upstream_health``'s; everything after one response head is
-``upstream_stream.UpstreamStream``'s (what each chunk means, ``upstream_chunks``'s). What goes
+(the client's chat messages unchanged, or the prompt as one user message; a prefix to
+continue as ``continue_final_message``), or, for a legacy completion (``raw_prompt``),
+``POST {base}/completions`` (the prompt as written): sampling fields mapped, and
+``stream_options.include_usage`` always, so usage is the upstream's own; and how a
+connection that fails before a response head ends the attempt (``UpstreamUnavailable``, 502,
+or ``UpstreamTimeout``, 504, past ``headers_timeout_s``); what an upstream's answer other
+than a stream means is ``upstream_refusals``'s. Which upstream serves a request and which
+are failing is ``upstream_pool``'s (with ``serve --workers``, each limit of requests at once
+is held by all the workers together: ``upstream_slots``, ``upstream_shared_limits``);
+failover, stalls and continuation are ``upstream_relay``'s (the next attempt's upstream,
+``upstream_attempts``'s); active health probes are ``upstream_health``'s; everything after
+one response head is ``upstream_stream.UpstreamStream``'s (what each chunk means,
+``upstream_chunks``'s); an embeddings request is ``upstream_embeddings``'s. What goes
 upstream as ``Authorization`` is configured per upstream: its own key, or the caller's own
 key passed on (``pass_client_key``, for an upstream where each client has an account), else
 the key for all; a client's key is never sent to an upstream not configured to take it. It
@@ -61,6 +63,7 @@ from replystream.engine.upstream_pool import Backend, BreakerConfig, UpstreamPoo
 from replystream.engine.upstream_proxy import proxy_handshake_s
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_refusals import (
+    CHAT_PATH,
     OwnFieldRefused,
     UpstreamRefusedClientKey,
     UpstreamTimeout,
@@ -103,12 +106,16 @@ def request_body(
     ``stream_options.include_usage``; ``limit_field``: the token limit's name (both as the
     upstream takes them: ``Backend.takes_stream_options``, ``completion_limit_models``)."""
     s = request.sampling
-    messages = (
-        [dict(m) for m in request.messages]
-        if request.messages
-        else [{"role": "user", "content": request.prompt}]
-    )
-    body: dict[str, Any] = {"messages": messages, "stream": True}
+    body: dict[str, Any]
+    if request.raw_prompt:  # a legacy completion: the prompt as written, for /completions
+        body = {"prompt": request.prompt, "stream": True}
+    else:
+        messages = (
+            [dict(m) for m in request.messages]
+            if request.messages
+            else [{"role": "user", "content": request.prompt}]
+        )
+        body = {"messages": messages, "stream": True}
     if ask_usage:
         body["stream_options"] = {"include_usage": True}
     # Only as the client gave them: an upstream applies a model's own defaults (vLLM's
@@ -157,7 +164,9 @@ def request_body(
     stops = stops_sent(request)
     if stops:
         body["stop"] = list(stops)
-    if s.logprobs is not None:
+    if s.logprobs is not None and request.raw_prompt:
+        body["logprobs"] = s.logprobs  # the legacy field: how many candidates per token
+    elif s.logprobs is not None:
         body["logprobs"] = True
         body["top_logprobs"] = s.logprobs
     if request.tools:  # already in chat's form, whatever dialect the client spoke
@@ -505,9 +514,10 @@ class UpstreamEngine:
         """
         key = request.caller.key
         model = self._model_for(backend, request)
-        limit_field = (
-            "max_completion_tokens" if model in backend.completion_limit_models else "max_tokens"
-        )
+        path = "/completions" if request.raw_prompt else CHAT_PATH
+        # (A legacy completion's limit has the one name.)
+        limited_so = model in backend.completion_limit_models and not request.raw_prompt
+        limit_field = "max_completion_tokens" if limited_so else "max_tokens"
         ask_usage = backend.takes_stream_options
         body = to_json(request_body(request, model, ask_usage=ask_usage, limit_field=limit_field))
         timeout = self.config.headers_timeout_s
@@ -516,7 +526,7 @@ class UpstreamEngine:
             timeout = min(timeout, within_s)
         sent_at = time.monotonic()
         try:
-            response = await self._post(backend, "/chat/completions", body, request.caller, timeout)
+            response = await self._post(backend, path, body, request.caller, timeout)
         except TimeoutError:
             if first_content_due:  # the relay's limit fired, not the head's: it says which
                 raise FirstContentLate from None
@@ -536,6 +546,7 @@ class UpstreamEngine:
                 withheld=self._keys.withheld(backend.name, key),
                 read_s=read_s,
                 cooldown_s=self.config.cooldown_s,
+                path=path,
             )
             if isinstance(refused, OwnFieldRefused) and self._heed(backend, model, refused):
                 left = within_s

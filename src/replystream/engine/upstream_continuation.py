@@ -1,6 +1,6 @@
 """What a relayed reply continued at another upstream sends it: the request again, with the
-text already relayed as the assistant's prefix (``continue_final_message``) and what is left
-of the token budget.
+text already relayed as the assistant's prefix (``continue_final_message``), or, for a legacy
+completion, at the end of its prompt, and what is left of the token budget.
 
 Pure: a request and the text so far in, the request out. When a reply may be continued, and
 what it sends first to the client, is ``upstream_relay``'s. It must not know how a request
@@ -17,7 +17,13 @@ from replystream.engine.base import GenerationRequest
 def continued_request(request: GenerationRequest, relayed: str, tokens: int) -> GenerationRequest:
     """``request`` continued after ``relayed`` (the text the client has, ``tokens`` tokens of
     it): a final assistant message holding it (the client's own prefix, extended, when the
-    request already continued one) and ``max_tokens`` less what was sent."""
+    request already continued one), or a raw prompt extended by it, and ``max_tokens`` less
+    what was sent."""
+    sampling = request.sampling
+    if sampling.max_tokens is not None:
+        sampling = replace(sampling, max_tokens=max(1, sampling.max_tokens - tokens))
+    if request.raw_prompt:  # a legacy completion: its prompt goes on with the text so far
+        return replace(request, prompt=request.prompt + relayed, sampling=sampling)
     prefix = relayed
     messages = request.messages or ({"role": "user", "content": request.prompt},)
     if request.continue_final_message:  # the client's own prefix, continued: extend it
@@ -26,9 +32,6 @@ def continued_request(request: GenerationRequest, relayed: str, tokens: int) -> 
         prefix = request.prefix + prefix
     else:
         messages = (*messages, {"role": "assistant", "content": prefix})
-    sampling = request.sampling
-    if sampling.max_tokens is not None:
-        sampling = replace(sampling, max_tokens=max(1, sampling.max_tokens - tokens))
     return replace(
         request,
         messages=tuple(messages),

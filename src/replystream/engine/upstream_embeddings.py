@@ -49,22 +49,6 @@ access_log = logging.getLogger("replystream.access")
 # are about 45 MB in base64 (the official SDKs' default) and 100 MB as JSON numbers.
 MAX_ANSWER_BYTES = 128 * 1024 * 1024
 
-# What an upstream that makes no embeddings answers (one serving chat alone): TGI's and most
-# frameworks' 404 or 405 for a path they lack, llama.cpp's server's 501 (started without
-# ``--embeddings``).
-NO_SUCH_ROUTE = (404, 405, 501)
-# Failures that say nothing of an upstream's health (its chat requests go on, its circuit
-# shut by none of them), but the next upstream is tried.
-NOT_ITS_HEALTH_HERE = NOT_ITS_HEALTH | {"embeddings_unsupported"}
-
-
-class NoEmbeddings(EngineError):
-    """An upstream makes no embeddings: it has no such route (404 to the client, when no
-    other upstream of the model answered)."""
-
-    status = 404
-
-
 # Sends a body to ``POST {backend}/embeddings`` and returns the response once its head came
 # (raising an ``EngineError`` for a failure before then), with ``caller`` (its key, request
 # id and trace context) as the upstream is to see it, within the given seconds.
@@ -148,10 +132,8 @@ class EmbeddingsRelay:
                 raise
             except EngineError as exc:
                 result = AT_HEAD.get(exc.code, "connect_error")
-                if exc.code == "embeddings_unsupported":
-                    result = "model_not_found"  # what it serves, not its health
                 last_error = exc
-                if exc.code not in NOT_ITS_HEALTH_HERE:
+                if exc.code not in NOT_ITS_HEALTH:
                     self._pool.failed(backend, str(exc), exc.retry_after_s or 0.0)
                 elif exc.code == "model_not_found" and model is not None:
                     self._pool.not_serving(backend, model)
@@ -173,13 +155,8 @@ class EmbeddingsRelay:
         due = asyncio.get_running_loop().time() + timeout
         response = await self._post(backend, body, caller, timeout)
         where = f"the upstream at {backend.name}"
-        if response.status != 200:
-            refused = await self._refusal(response, backend, caller)
-            if response.status in NO_SUCH_ROUTE and refused.code == "upstream_error_status":
-                raise NoEmbeddings(
-                    f"{where} makes no embeddings ({refused})", code="embeddings_unsupported"
-                )
-            raise refused
+        if response.status != 200:  # a route it lacks is ``UpstreamLacksRoute``: not its health
+            raise await self._refusal(response, backend, caller)
         try:
             async with asyncio.timeout_at(due):
                 raw = await response.read_whole(MAX_ANSWER_BYTES)

@@ -1,7 +1,9 @@
-"""Log probabilities an OpenAI-compatible upstream sends in a chat chunk, read into ours.
+"""Log probabilities an OpenAI-compatible upstream sends in a chunk, read into ours.
 
-A chunk's ``choices[i].logprobs.content`` is a list of ``{token, logprob, bytes,
-top_logprobs}``, one per token of the chunk's text. Entries that are not of that shape are
+A chat chunk's ``choices[i].logprobs.content`` is a list of ``{token, logprob, bytes,
+top_logprobs}``, one per token of the chunk's text; a legacy completion's
+``choices[i].logprobs`` holds lists of ``tokens``, ``token_logprobs`` and ``top_logprobs``
+(maps of token to log probability). Entries that are not of that shape are
 skipped (an upstream's odd entry must not end a reply), and so is one whose log probability
 is no finite number: a Python server writes NaN and infinities as ``json.dumps`` does, the
 relay's JSON parser reads them, and JSON cannot carry them on to a client. It must not know
@@ -40,11 +42,37 @@ def _candidate(entry: Any) -> TopLogprob | None:
     return TopLogprob(token, logprob, data)
 
 
-def relayed_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
-    """Ours, from a chat chunk choice's ``logprobs`` object (None: it has no content list)."""
-    content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    if not isinstance(content, list):
+def _legacy(logprobs: dict[str, Any]) -> tuple[TokenLogprob, ...] | None:
+    """Ours, from a legacy completion's ``logprobs``: parallel lists of ``tokens``,
+    ``token_logprobs`` and ``top_logprobs`` (each a map of token to log probability, or
+    null), with no bytes (each token's own UTF-8)."""
+    tokens, values, tops = (logprobs.get(k) for k in ("tokens", "token_logprobs", "top_logprobs"))
+    if not isinstance(tokens, list) or not isinstance(values, list):
         return None
+    made: list[TokenLogprob] = []
+    for index, (token, value) in enumerate(zip(tokens, values, strict=False)):
+        logprob = _finite(value)
+        if not isinstance(token, str) or logprob is None:
+            continue
+        candidates = tops[index] if isinstance(tops, list) and index < len(tops) else None
+        top = []
+        if isinstance(candidates, dict):
+            for candidate, number in candidates.items():
+                finite = _finite(number)
+                if isinstance(candidate, str) and finite is not None:
+                    top.append(TopLogprob(candidate, finite, candidate.encode()))
+        made.append(TokenLogprob(token, logprob, token.encode(), tuple(top)))
+    return tuple(made)
+
+
+def relayed_logprobs(logprobs: Any) -> tuple[TokenLogprob, ...] | None:
+    """Ours, from a chunk choice's ``logprobs`` object: a chat chunk's ``content`` list, or a
+    legacy completion's lists (None: neither)."""
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    if not isinstance(content, list):
+        return _legacy(logprobs) if "tokens" in logprobs else None
     made: list[TokenLogprob] = []
     for entry in content:
         token = _candidate(entry)

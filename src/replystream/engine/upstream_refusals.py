@@ -14,7 +14,9 @@ upstream asks); a 413 says the upstream's limit on a request's size
 (``UpstreamTooLarge``, 413: another upstream may take it); a 404 that speaks of a model says
 the upstream does not serve the model (``UpstreamModelNotFound``, 404: about that model
 there, not the upstream's health), one that does not, that its URL lacks the path (502,
-most often no /v1); 429 and 503 stay overload (``UpstreamOverloaded``, 503) with the wait
+most often no /v1), but for a route beside chat (``/completions``, ``/embeddings``), where
+it and a 405 or 501 say the upstream serves chat alone (``UpstreamLacksRoute``, 404, not
+its health either); 429 and 503 stay overload (``UpstreamOverloaded``, 503) with the wait
 the upstream asked for (``Retry-After``, at most a cool-down), which its circuit honours; an
 upstream passed the caller's own key that refuses it (401, 403) or rate-limits it (429)
 answers the client as it is, not failed over (``UpstreamRefusedClientKey``,
@@ -43,6 +45,7 @@ from replystream.engine.upstream_errors import PLAIN_TO_TLS, quoted
 from replystream.engine.upstream_http_connection import Response
 from replystream.engine.upstream_proxy import CREDENTIALS_ASKED
 
+CHAT_PATH = "/chat/completions"  # the route every upstream serves (after its base URL)
 BODY_LIMIT = 64 * 1024  # bytes of an upstream error body we read to quote its message
 # The longest wait a caller is told when an upstream rate-limited its own key: a day, the
 # longest window a hosted API's quota resets over; a longer one is a broken header.
@@ -67,6 +70,17 @@ class UpstreamOverloaded(EngineError):
     relay gives up, when some upstream may take a request."""
 
     status = 503
+
+
+class UpstreamLacksRoute(EngineError):
+    """An upstream has no route for a request beside chat (``/completions``,
+    ``/embeddings``): a 404 that names no model, a 405, or llama.cpp's server's 501 for
+    embeddings it was not started to make. Some upstreams serve chat alone (most hosted
+    OpenAI-compatible APIs lack the legacy completions route), so it says what the upstream
+    serves, not its health: another upstream may take the request, and none counts it on its
+    circuit (404 to the client when none is left)."""
+
+    status = 404
 
 
 class UpstreamModelNotFound(EngineError):
@@ -306,7 +320,7 @@ async def refusal(
     withheld: Sequence[str],
     read_s: float,
     cooldown_s: float,
-    path: str = "/chat/completions",
+    path: str = CHAT_PATH,
 ) -> EngineError:
     """What ``backend``'s answer other than 200 to ``POST {backend}{path}`` means for the
     attempt: its body (at most
@@ -341,7 +355,12 @@ async def refusal(
         return RequestRejected(
             said, code=code or "upstream_rejected", param=param, names_upstream_field=True
         )
-    if status == 404 and (message is None or "model" not in message.lower()):
+    no_route = status == 404 and (message is None or "model" not in message.lower())
+    if path != CHAT_PATH and (no_route or status in (405, 501)):
+        said = f"{where} to POST {path}: it has no such route"
+        said += f" ({message})" if message else ""
+        return UpstreamLacksRoute(said, code="route_unsupported")
+    if no_route:
         # No word of a model: the path is what it lacks (a framework's "Not Found", nginx's
         # page), most often a base URL without its /v1. That upstream serves nothing so: its
         # failure, counted on its circuit, another upstream tried.

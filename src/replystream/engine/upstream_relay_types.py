@@ -55,12 +55,15 @@ AT_HEAD = {
     "upstream_error_status": "error_status",
     "model_not_found": "model_not_found",
     "request_too_large": "too_large",
+    "route_unsupported": "no_route",
 }
 IN_STREAM = {"upstream_ttft_timeout": "ttft_timeout", "upstream_stalled": "stalled"}
 # Failures that say what the request asked of an upstream, not that the upstream is sick:
 # another upstream may be tried, but its circuit does not count them (else requests for
 # what it lacks would take it out of routing for every request).
-NOT_ITS_HEALTH = frozenset({"upstream_no_logprobs", "model_not_found", "request_too_large"})
+NOT_ITS_HEALTH = frozenset(
+    {"upstream_no_logprobs", "model_not_found", "request_too_large", "route_unsupported"}
+)
 
 
 class NoUpstream(EngineError):

@@ -30,9 +30,10 @@ from replystream.server.refusal_names import FieldNames
 from replystream.server.tool_requests import chat_tools, prompt_of
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# A legacy client sent the count of alternatives as ``logprobs``; an upstream was sent its
-# prompt as chat's one message, and these fields under the names the client gave them.
+# A legacy client sent the count of alternatives as ``logprobs``; an upstream is sent a
+# legacy completion too, with these fields under the names the client gave them.
 _LEGACY_AS_SENT = (
+    "prompt",
     "max_tokens",
     "temperature",
     "top_p",
@@ -52,15 +53,7 @@ _LEGACY_AS_SENT = (
     "service_tier",
     "prompt_cache_key",
 )
-_LEGACY_FIELDS = FieldNames(
-    {"top_logprobs": "logprobs"},
-    {
-        **{name: name for name in _LEGACY_AS_SENT},
-        "messages": "prompt",
-        "max_completion_tokens": "max_tokens",
-        "top_logprobs": "logprobs",
-    },
-)
+_LEGACY_FIELDS = FieldNames({"top_logprobs": "logprobs"}, {name: name for name in _LEGACY_AS_SENT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +187,7 @@ def parse_completion_request(
         prompt_cache_key=body.prompt_cache_key,
         relayed=relayed_fields(body, ACCOUNT_FIELDS),
         caller=caller,
+        raw_prompt=True,
     )
     return _ask(
         body,
