@@ -5,7 +5,14 @@ the end of a body's).
 This file decides, with nothing buffered: each body chunk is fed to
 ``replystream.sse.EventParser`` at once, and each content delta in it becomes a ``Delta`` (one
 token each; the last delta carries the difference to the upstream's
-``usage.completion_tokens`` when it sent one). A finishing choice's word for where the
+``usage.completion_tokens`` when it sent one). The common chunk (one text delta at index 0,
+nothing else) is read by its bytes once one was read in full: a server writes every such
+chunk of a reply the same way but for its text (vLLM, SGLang and TGI keep its id, time and
+model), so a read that is one whole event with the same bytes before and after a text that
+needs no escaping in JSON means what the learned chunk meant with that text, and is taken
+as it, with no event parse or JSON (a third of the relay's own work per chunk, in
+``benchmarks/relay/parse_cost.py``); any other read is parsed in full, and may teach the
+bytes anew. A finishing choice's word for where the
 upstream stopped (vLLM's ``stop_reason``, SGLang's ``matched_stop``) is not read: a reply
 whose client is told which stop string ended it sends its upstream none (``upstream``), and
 the others do not name it. It also decides which upstream misbehaviour ends a reply, always
@@ -29,6 +36,7 @@ upstream was picked, or anything about our own HTTP server.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from typing import Any
@@ -143,6 +151,40 @@ def _error_event(data: str, withheld: tuple[str, ...]) -> str:
     return f"reported an error mid-reply: {_message_of(body.get('error', body), withheld)}"
 
 
+# What cannot stand in a JSON string as it is: a quote, a backslash, a control character.
+_NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
+# The end of a chunk's bytes just before its text: the delta's ``content`` key.
+_CONTENT_KEY = re.compile(rb'[{,]\s*"content"\s*:\s*"$')
+
+
+def _plain_text(data: bytes, start: int, end: int) -> str | None:
+    """``data[start:end]`` as text, if it is a JSON string's inside as it is: not empty, no
+    quote, backslash or control character, valid UTF-8 (None otherwise)."""
+    middle = data[start:end]
+    if not middle or _NOT_PLAIN.search(middle) is not None:
+        return None
+    try:
+        return middle.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _template_of(data: bytes, text: str) -> tuple[bytes, bytes] | None:
+    """The bytes of a read that was one common text chunk, around its text: its ``content``
+    string's inside, found once, written plain (None: not so written, or not found once)."""
+    written = text.encode()
+    if _NOT_PLAIN.search(written) is not None:
+        return None
+    needle = b'"' + written + b'"'
+    at = data.find(needle)
+    if at < 0 or data.find(needle, at + 1) >= 0:
+        return None
+    before, after = data[: at + 1], data[at + 1 + len(written) :]
+    if _CONTENT_KEY.search(before[-64:]) is None:
+        return None
+    return before, after
+
+
 class ChunkReader:
     """An upstream's reply read from its body bytes (``_take``, ``_end_of_body``) into pending
     deltas; ``upstream_stream.UpstreamStream`` is one, fed by its connection."""
@@ -176,6 +218,12 @@ class ChunkReader:
         self._clean = False  # the upstream finished its reply: the connection may be reused
         self._failed = False
         self._error: UpstreamStreamError | None = None  # raised once the text before it is out
+        # The bytes of the last read that was one common text chunk, but for its text (before,
+        # after): a read of the same bytes around another plain text is that text's chunk
+        # (``_take``), read with no event parse or JSON. None: no such read yet (or the last
+        # one's text needed escaping).
+        self._template: tuple[bytes, bytes] | None = None
+        self._common_text: str | None = None  # the text of the last read's common chunk
 
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
         self._ended = self._failed = True
@@ -184,6 +232,18 @@ class ChunkReader:
     def _take(self, data: bytes, now: float) -> None:
         """Parse body bytes into pending deltas. A failure that ends the reply at once
         raises; one after some deltas is kept in ``_error`` (the deltas before it go out)."""
+        template = self._template
+        if template is not None and self._finish is None:
+            before, after = template
+            if data.startswith(before) and data.endswith(after) and self._parser.at_rest:
+                text = _plain_text(data, len(before), len(data) - len(after))
+                if text is not None:
+                    # The last common chunk's bytes around another text: the same chunk.
+                    self._bytes_since_event = 0
+                    self._tokens += 1
+                    self._pending.append(Delta(text, 1, now))
+                    return
+        self._common_text = None
         try:
             events = self._parser.feed(data)
         except EventTooLarge:
@@ -211,6 +271,10 @@ class ChunkReader:
                     return
         except UpstreamStreamError as error:  # the deltas before it still go out first
             self._error = error
+            return
+        text = self._common_text
+        if text is not None and len(events) == 1:
+            self._template = _template_of(data, text)
 
     def _end_of_body(self) -> None:
         self._parser.close()
@@ -270,6 +334,7 @@ class ChunkReader:
                         if text:
                             self._tokens += 1
                             self._pending.append(Delta(text, 1, now))
+                            self._common_text = text
                         else:
                             self._thinking(delta, now)
                         return

@@ -106,6 +106,13 @@ class EventParser:
         return not (self._tail or self._pending or self._decoder.getstate()[0])
 
     @property
+    def at_rest(self) -> bool:
+        """Whether the bytes fed so far ended after a whole event and whole characters: what
+        ``at_boundary`` says, in fewer steps (a caller that takes a whole event's bytes
+        itself asks it once per read)."""
+        return self._whole_chars and not (self._tail or self._pending or self._skip_lf)
+
+    @property
     def discarded_incomplete(self) -> bool:
         """True if `close` found an incomplete event (or partial line) and discarded it."""
         return self._discarded_incomplete
