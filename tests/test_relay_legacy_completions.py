@@ -8,18 +8,14 @@ extended by the text so far), and an upstream that serves chat alone."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
 import openai
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamEngine
-from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
-from replystream.server import create_app, running
 from tests.sse_client import post_events
+from tests.test_upstream_routing import relay
 
 FIM = "<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>"
 
@@ -88,15 +84,6 @@ class ChatOnlyServer(BaseModelServer):
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         return app
-
-
-@asynccontextmanager
-async def relay(upstreams: list[BaseModelServer], **config: Any) -> AsyncIterator[str]:
-    async with AsyncExitStack() as stack:
-        urls = [await stack.enter_async_context(running(u.app())) for u in upstreams]
-        targets = tuple(UpstreamTarget(f"{url}/v1") for url in urls)
-        engine = UpstreamEngine(UpstreamConfig(targets, **config))
-        yield await stack.enter_async_context(running(create_app(engine)))
 
 
 def client(url: str) -> openai.AsyncOpenAI:

@@ -11,10 +11,10 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import anthropic
@@ -126,9 +126,15 @@ class Upstream:
         return app
 
 
+class ServesApp(Protocol):
+    """A stand-in upstream: an aiohttp app to run on a loopback port."""
+
+    def app(self) -> web.Application: ...
+
+
 @asynccontextmanager
 async def relay(
-    upstreams: list[Upstream],
+    upstreams: Sequence[ServesApp],
     keys: list[str | None] | None = None,
     server: ServerConfig | None = None,
     **config: Any,
