@@ -1,8 +1,9 @@
 """A relayed stream's common chunks read by their bytes (``upstream_chunks``): once a read was
-one whole common text chunk, a read of the same bytes around another plain text is taken as
-that text's chunk, with no event parse or JSON. Whatever an upstream writes, the deltas are
-those a full parse makes: checked against the chunks' own texts for any text, any JSON
-spelling, fields that change from chunk to chunk, and reads cut anywhere."""
+one whole common text chunk (chat's, or a legacy completion's), a read of the same bytes
+around another plain text is taken as that text's chunk, with no event parse or JSON.
+Whatever an upstream writes, the deltas are those a full parse makes: checked against the
+chunks' own texts for any text, any JSON spelling, fields that change from chunk to chunk,
+and reads cut anywhere."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import itertools
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,14 +30,20 @@ def chunk(
     spaced: bool = False,
     ascii_only: bool = False,
     finish: str | None = None,
+    legacy: bool = False,
 ) -> bytes:
-    delta: dict[str, Any] = {"role": "assistant"} if role else {}
-    if finish is None:
-        delta["content"] = text
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    """A chat chunk, or with ``legacy`` a legacy completion's (its choice's ``text``)."""
+    choice: dict[str, Any]
+    if legacy:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    else:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if finish is None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     body = {
         "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
+        "object": "text_completion" if legacy else "chat.completion.chunk",
         "created": created,
         "model": "m",
         "choices": [choice],
@@ -68,19 +76,27 @@ TEXTS = st.text(min_size=0, max_size=12)
 @st.composite
 def streams(draw: st.DrawFn) -> tuple[list[bytes], list[str]]:
     """A reply's chunks (one whole event each) and the texts a client must get."""
-    spaced, ascii_only = draw(st.booleans()), draw(st.booleans())
+    spaced, ascii_only, legacy = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     made: list[bytes] = []
     texts: list[str] = []
     created = 1
     for index, text in enumerate(draw(st.lists(TEXTS, max_size=30))):
         if draw(st.integers(0, 9)) == 0:
             created += 1  # a server that stamps each chunk with the second it was made
+        role = index == 0 and not legacy
         made.append(
-            chunk(text, created=created, role=index == 0, spaced=spaced, ascii_only=ascii_only)
+            chunk(
+                text,
+                created=created,
+                role=role,
+                spaced=spaced,
+                ascii_only=ascii_only,
+                legacy=legacy,
+            )
         )
         if text:
             texts.append(text)
-    made.append(chunk("", finish="stop", spaced=spaced))
+    made.append(chunk("", finish="stop", spaced=spaced, legacy=legacy))
     made.append(b"data: [DONE]\n\n")
     return made, texts
 
@@ -141,13 +157,14 @@ def test_an_error_after_a_learned_chunk_still_ends_the_reply() -> None:
     assert "boom" in str(source._error)
 
 
-def test_a_learned_chunks_bytes_skip_the_event_parser() -> None:
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_learned_chunks_bytes_skip_the_event_parser(legacy: bool) -> None:
     """What the template is for: after one common chunk, the next ones are not parsed."""
     source = reader()
     parser = source._parser
-    source._take(chunk("one "), 0.0)
+    source._take(chunk("one ", legacy=legacy), 0.0)
     assert parser.events == 1
     for word in ("two ", "three ", "four "):
-        source._take(chunk(word), 0.0)
+        source._take(chunk(word, legacy=legacy), 0.0)
     assert parser.events == 1
     assert texts_of(source, [])[0] == ["one ", "two ", "three ", "four "]

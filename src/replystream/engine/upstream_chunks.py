@@ -6,13 +6,13 @@ This file decides, with nothing buffered: each body chunk is fed to
 ``replystream.sse.EventParser`` at once, and each content delta in it becomes a ``Delta`` (one
 token each; the last delta carries the difference to the upstream's
 ``usage.completion_tokens`` when it sent one). The common chunk (one text delta at index 0,
-nothing else) is read by its bytes once one was read in full: a server writes every such
-chunk of a reply the same way but for its text (vLLM, SGLang and TGI keep its id, time and
-model), so a read that is one whole event with the same bytes before and after a text that
-needs no escaping in JSON means what the learned chunk meant with that text, and is taken
-as it, with no event parse or JSON (a third of the relay's own work per chunk, in
-``benchmarks/relay/parse_cost.py``); any other read is parsed in full, and may teach the
-bytes anew. A finishing choice's word for where the
+or a legacy completion's text, nothing else) is read by its bytes once one was read in full:
+a server writes every such chunk of a reply the same way but for its text (vLLM, SGLang and
+TGI keep its id, time and model), so a read that is one whole event with the same bytes
+before and after a text that needs no escaping in JSON means what the learned chunk meant
+with that text, and is taken as it, with no event parse or JSON (a third of the relay's own
+work per chunk, in ``benchmarks/relay/parse_cost.py``); any other read is parsed in full,
+and may teach the bytes anew. A finishing choice's word for where the
 upstream stopped (vLLM's ``stop_reason``, SGLang's ``matched_stop``) is not read: a reply
 whose client is told which stop string ended it sends its upstream none (``upstream``), and
 the others do not name it. It also decides which upstream misbehaviour ends a reply, always
@@ -153,8 +153,10 @@ def _error_event(data: str, withheld: tuple[str, ...]) -> str:
 
 # What cannot stand in a JSON string as it is: a quote, a backslash, a control character.
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
-# The end of a chunk's bytes just before its text: the delta's ``content`` key.
+# The end of a chunk's bytes just before its text: the delta's ``content`` key, or a legacy
+# completion choice's ``text``.
 _CONTENT_KEY = re.compile(rb'[{,]\s*"content"\s*:\s*"$')
+_TEXT_KEY = re.compile(rb'[{,]\s*"text"\s*:\s*"$')
 
 
 def _plain_text(data: bytes, start: int, end: int) -> str | None:
@@ -169,9 +171,10 @@ def _plain_text(data: bytes, start: int, end: int) -> str | None:
         return None
 
 
-def _template_of(data: bytes, text: str) -> tuple[bytes, bytes] | None:
-    """The bytes of a read that was one common text chunk, around its text: its ``content``
-    string's inside, found once, written plain (None: not so written, or not found once)."""
+def _template_of(data: bytes, text: str, key: re.Pattern[bytes]) -> tuple[bytes, bytes] | None:
+    """The bytes of a read that was one common text chunk, around its text: the inside of
+    its string, found once, written plain, right after ``key`` (None: not so written, or not
+    found once)."""
     written = text.encode()
     if _NOT_PLAIN.search(written) is not None:
         return None
@@ -180,7 +183,7 @@ def _template_of(data: bytes, text: str) -> tuple[bytes, bytes] | None:
     if at < 0 or data.find(needle, at + 1) >= 0:
         return None
     before, after = data[: at + 1], data[at + 1 + len(written) :]
-    if _CONTENT_KEY.search(before[-64:]) is None:
+    if key.search(before[-64:]) is None:
         return None
     return before, after
 
@@ -224,6 +227,7 @@ class ChunkReader:
         # one's text needed escaping).
         self._template: tuple[bytes, bytes] | None = None
         self._common_text: str | None = None  # the text of the last read's common chunk
+        self._common_key = _CONTENT_KEY  # the key of its text (chat's, or a legacy one's)
 
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
         self._ended = self._failed = True
@@ -274,7 +278,7 @@ class ChunkReader:
             return
         text = self._common_text
         if text is not None and len(events) == 1:
-            self._template = _template_of(data, text)
+            self._template = _template_of(data, text, self._common_key)
 
     def _end_of_body(self) -> None:
         self._parser.close()
@@ -311,7 +315,8 @@ class ChunkReader:
                 f"{self._where} sent a chunk that is not an object", "upstream_bad_chunk"
             )
         # The common chunk first: one choice (index 0) whose delta is text alone (a role
-        # may come with it), no logprobs, tool calls, finish reason, usage or error.
+        # may come with it), or a legacy completion's text, no logprobs, tool calls, finish
+        # reason, usage or error.
         choices = chunk.get("choices")
         if self._finish is not None:
             self._after_finish(chunk)
@@ -334,9 +339,16 @@ class ChunkReader:
                         if text:
                             self._tokens += 1
                             self._pending.append(Delta(text, 1, now))
-                            self._common_text = text
+                            self._common_text, self._common_key = text, _CONTENT_KEY
                         else:
                             self._thinking(delta, now)
+                        return
+                elif delta is None:  # a legacy completion's chunk
+                    text = choice.get("text")
+                    if type(text) is str and text:
+                        self._tokens += 1
+                        self._pending.append(Delta(text, 1, now))
+                        self._common_text, self._common_key = text, _TEXT_KEY
                         return
         if "error" in chunk or chunk.get("object") == "error":
             raise self._fail(
