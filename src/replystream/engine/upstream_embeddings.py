@@ -6,14 +6,15 @@ pool's plan for its model with room (waiting in line, as a chat request does, wh
 left is at its limit of requests at once, for at most ``queue_s``); a connection that fails,
 no answer within the head timeout, a 5xx or a 429 counts on that upstream's circuit (as a chat
 attempt's does: ``NOT_ITS_HEALTH``) and the next upstream is tried, until ``failover_s`` has
-passed since the request began; a refusal of the request itself (a 4xx) is the client's
-answer, from the first upstream that gave it. The answer is relayed whole and as the upstream
-wrote it (``encoding_format`` is passed on: base64 stays base64), but for its ``model``, the
-name the client asked for (an alias's, as a chat reply names it). A model's fallbacks are
-never tried: another model's vectors lie in another space, and mixed into one index they
-would break its searches without a word. Each attempt's end is counted on its upstream and
-logged as a chat attempt's is (``replystream.access``). It must not know about our HTTP
-server.
+passed since the request began; an upstream without the route (one serving chat alone:
+``UpstreamLacksRoute``) is passed over with no mark on its circuit; a refusal of the request
+itself (a 4xx) is the client's answer, from the first upstream that gave it. The answer is
+relayed whole and as the upstream wrote it (``encoding_format`` is passed on: base64 stays
+base64), but for its ``model``, the name the client asked for (an alias's, as a chat reply
+names it). A model's fallbacks are never tried: another model's vectors lie in another
+space, and mixed into one index they would break its searches without a word. Each
+attempt's end is counted on its upstream and logged as a chat attempt's is
+(``replystream.access``). It must not know about our HTTP server.
 """
 
 from __future__ import annotations
