@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import struct
@@ -41,6 +42,7 @@ class EmbeddingUpstream:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.in_flight = self.most_in_flight = 0
+        self.left = 0  # requests whose relay closed the connection before the answer
 
     async def list_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
@@ -76,7 +78,11 @@ class EmbeddingUpstream:
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             if self.mode == "slow":
-                await asyncio.sleep(0.3)
+                try:
+                    await asyncio.sleep(0.3)
+                except asyncio.CancelledError:  # its client (the relay) closed the connection
+                    self.left += 1
+                    raise
             inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
             if inputs and isinstance(inputs[0], int):
                 inputs = [inputs]  # one input as token ids
@@ -378,3 +384,17 @@ async def test_each_upstream_gets_its_own_key_or_the_callers_and_the_request_id(
     assert own.headers[0]["accept"] == "application/json"  # not chat's event stream
     # A key no header can carry: the caller's to fix (401), and nothing sent.
     assert status == 401 and len(passing.bodies) == 1, body
+
+
+async def test_a_client_that_leaves_closes_its_request_upstream():
+    up = EmbeddingUpstream(["m"], mode="slow")
+    async with relay([up]) as url, aiohttp.ClientSession() as session:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await session.post(f"{url}/v1/embeddings", json={"model": "m", "input": "x"})
+        await asyncio.sleep(0.5)  # the upstream's answer would be made by now
+        async with session.get(f"{url}/metrics") as page:
+            metrics = await page.text()
+    assert len(up.bodies) == 1 and up.left == 1  # its connection was closed, not left open
+    ended = 'replystream_replies_total{endpoint="/v1/embeddings",outcome="cancelled"} 1.0'
+    assert ended in metrics
