@@ -37,12 +37,13 @@ def vector(text: str, index: int) -> list[float]:
 class EmbeddingUpstream:
     """An OpenAI-compatible embeddings server answering as ``mode`` says."""
 
-    def __init__(self, models: list[str], mode: str = "ok") -> None:
-        self.models, self.mode = models, mode
+    def __init__(self, models: list[str], mode: str = "ok", slow_s: float = 0.3) -> None:
+        self.models, self.mode, self.slow_s = models, mode, slow_s
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.in_flight = self.most_in_flight = 0
         self.left = 0  # requests whose relay closed the connection before the answer
+        self.requested = asyncio.Event()  # set by the first request
 
     async def list_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
@@ -51,6 +52,7 @@ class EmbeddingUpstream:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append({name.lower(): value for name, value in request.headers.items()})
+        self.requested.set()
         if self.mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=503)
         if self.mode == "refuse":
@@ -79,7 +81,7 @@ class EmbeddingUpstream:
         try:
             if self.mode == "slow":
                 try:
-                    await asyncio.sleep(0.3)
+                    await asyncio.sleep(self.slow_s)
                 except asyncio.CancelledError:  # its client (the relay) closed the connection
                     self.left += 1
                     raise
@@ -248,9 +250,9 @@ async def test_upstreams_that_make_no_embeddings_are_passed_over_and_stay_in_cha
 
 
 async def test_an_upstream_slower_than_the_timeout_is_passed_over_head_or_body(caplog):
-    slow, ok = EmbeddingUpstream(["m"], mode="slow"), EmbeddingUpstream(["m"])
+    slow, ok = EmbeddingUpstream(["m"], mode="slow", slow_s=10.0), EmbeddingUpstream(["m"])
     caplog.set_level(logging.INFO, logger="replystream.access")
-    async with relay([slow, ok], headers_timeout_s=0.15) as url:
+    async with relay([slow, ok], headers_timeout_s=1.0) as url:
         got = await post(url, {"model": "m", "input": "x"}, {"X-Request-Id": "s1"})
     assert got[0] == 200 and len(slow.bodies) == 1 and len(ok.bodies) == 1
     assert attempt_lines(caplog, "s1") == [(1, "head_timeout"), (2, "ok")]
@@ -387,14 +389,22 @@ async def test_each_upstream_gets_its_own_key_or_the_callers_and_the_request_id(
 
 
 async def test_a_client_that_leaves_closes_its_request_upstream():
-    up = EmbeddingUpstream(["m"], mode="slow")
-    async with relay([up]) as url, aiohttp.ClientSession() as session:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0.1):
-                await session.post(f"{url}/v1/embeddings", json={"model": "m", "input": "x"})
-        await asyncio.sleep(0.5)  # the upstream's answer would be made by now
-        async with session.get(f"{url}/metrics") as page:
-            metrics = await page.text()
-    assert len(up.bodies) == 1 and up.left == 1  # its connection was closed, not left open
+    up = EmbeddingUpstream(["m"], mode="slow", slow_s=10.0)
     ended = 'replystream_replies_total{endpoint="/v1/embeddings",outcome="cancelled"} 1.0'
+    async with relay([up]) as url, aiohttp.ClientSession() as session:
+        asking = asyncio.create_task(
+            session.post(f"{url}/v1/embeddings", json={"model": "m", "input": "x"})
+        )
+        await asyncio.wait_for(up.requested.wait(), 10.0)
+        asking.cancel()  # the client leaves: its connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+        metrics = ""
+        for _ in range(100):  # until both ends have seen it (long before the answer's 10 s)
+            async with session.get(f"{url}/metrics") as page:
+                metrics = await page.text()
+            if up.left and ended in metrics:
+                break
+            await asyncio.sleep(0.05)
+    assert len(up.bodies) == 1 and up.left == 1  # its connection was closed, not left open
     assert ended in metrics

@@ -537,17 +537,7 @@ class UpstreamEngine:
             read_s = self.config.headers_timeout_s
             if within_s is not None:
                 read_s = min(read_s, max(0.0, within_s - (time.monotonic() - sent_at)))
-            refused = await refusal(
-                response,
-                backend.name,
-                request.caller.key,
-                passes_key=backend.name in self._keys.passing,
-                key_from=self._keys.key_from(backend.name),
-                withheld=self._keys.withheld(backend.name, key),
-                read_s=read_s,
-                cooldown_s=self.config.cooldown_s,
-                path=path,
-            )
+            refused = await self._refusal(response, backend, key, path, read_s)
             if isinstance(refused, OwnFieldRefused) and self._heed(backend, model, refused):
                 left = within_s
                 if left is not None:
@@ -626,16 +616,25 @@ class UpstreamEngine:
     async def _embeddings_refusal(
         self, response: Response, backend: Backend, caller: Caller
     ) -> EngineError:
+        return await self._refusal(
+            response, backend, caller.key, "/embeddings", self.config.headers_timeout_s
+        )
+
+    async def _refusal(
+        self, response: Response, backend: Backend, key: str | None, path: str, read_s: float
+    ) -> EngineError:
+        """What ``backend``'s answer other than 200 to ``POST {path}`` means
+        (``upstream_refusals.refusal``), as sent with the caller's ``key``."""
         return await refusal(
             response,
             backend.name,
-            caller.key,
+            key,
             passes_key=backend.name in self._keys.passing,
             key_from=self._keys.key_from(backend.name),
-            withheld=self._keys.withheld(backend.name, caller.key),
-            read_s=self.config.headers_timeout_s,
+            withheld=self._keys.withheld(backend.name, key),
+            read_s=read_s,
             cooldown_s=self.config.cooldown_s,
-            path="/embeddings",
+            path=path,
         )
 
     def _ended(self, outcome: str, deltas: int) -> None:

@@ -37,7 +37,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from replystream.engine.base import EngineError, GenerationRequest, RequestRejected
@@ -354,43 +354,10 @@ class AttemptSeries:
         return continued_request(request, "".join(self._sent), self._tokens)
 
     def _give_up(self) -> EngineError:
-        error = self._last_error
-        if error is None:
-            problems = "; ".join(
-                b.problem or f"{b.name} is failing"
-                for b in self._pool.backends
-                if any(b.serves(model) for model in self._fallbacks)
-            )
-            error = NoUpstream(
-                f"no upstream{self._serving()} can take a request now (each circuit is open, after "
-                f"repeated failures or for as long as its upstream asked): {problems}",
-                code="upstream_unavailable",
-            )
-        elif self._attempts > 1:
-            error.args = (f"{error} (after trying {self._attempts} upstreams)",)
-        if error.status == 503:
-            # Nobody can take it now (or the last upstream was busy): the client learns when
-            # some upstream may, which replaces what an upstream asked of us.
-            waits = (self._pool.wait_s(model) for model in self._fallbacks)
-            error.retry_after_s = min((s for s in waits if s is not None), default=None)
-        return error
-
-    def _serving(self) -> str:
-        """`` serving M`` (`` serving M or its fallbacks F, G``) for an error's words."""
-        asked, *fallbacks = self._fallbacks
-        if asked is None:
-            return ""
-        if not fallbacks:
-            return f" serving {asked}"
-        return f" serving {asked} or its fallbacks {', '.join(map(str, fallbacks))}"
+        return gave_up(self._pool, self._fallbacks, self._last_error, self._attempts)
 
     def _no_room(self, waited_s: float) -> UpstreamBusy:
-        return UpstreamBusy(
-            f"every upstream{self._serving()} is at its limit of requests at once"
-            + (f" (waited {waited_s:.3g} s for room)" if self._limits.queue_s > 0 else ""),
-            code="upstream_busy",
-            retry_after_s=1.0,  # a request may end at any moment
-        )
+        return no_room(self._fallbacks, self._limits.queue_s, waited_s)
 
     def _attempt_failed(self, error: EngineError, result: str) -> None:
         backend = self._backend
@@ -419,18 +386,17 @@ class AttemptSeries:
             self._log(backend, result)
 
     def _log(self, backend: Backend, result: str) -> None:
-        if access_log.isEnabledFor(logging.INFO):
-            line = {
-                "request_id": self._request.caller.request_id,
-                "upstream": backend.name,
-                "attempt": self._attempts,
-                "result": result,
-                "ms": round((time.monotonic() - self._attempt_began) * 1000.0, 1),
-                "relayed_tokens": self._tokens,
-            }
-            if self._model != self._fallbacks[0]:
-                line["model"] = self._model  # a fallback's
-            access_log.info("%s", json.dumps(line))
+        more: dict[str, object] = {"relayed_tokens": self._tokens}
+        if self._model != self._fallbacks[0]:
+            more["model"] = self._model  # a fallback's
+        log_attempt(
+            self._request.caller.request_id,
+            backend,
+            self._attempts,
+            result,
+            self._attempt_began,
+            more,
+        )
 
     def _close_stream(self) -> None:
         self._unwatch()
@@ -442,3 +408,81 @@ class AttemptSeries:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+# What a request's attempts end with, for a reply's (``AttemptSeries``) and an embeddings
+# request's (``upstream_embeddings``) alike. ``models``: the model asked for, then the ones it
+# may go on to (None: any upstream).
+
+
+def serving(models: Sequence[str | None]) -> str:
+    """`` serving M`` (`` serving M or its fallbacks F, G``) for an error's words."""
+    asked, *fallbacks = models
+    if asked is None:
+        return ""
+    if not fallbacks:
+        return f" serving {asked}"
+    return f" serving {asked} or its fallbacks {', '.join(map(str, fallbacks))}"
+
+
+def gave_up(
+    pool: UpstreamPool,
+    models: Sequence[str | None],
+    last_error: EngineError | None,
+    attempts: int,
+) -> EngineError:
+    """What a request ends with when no upstream is left to try: the last attempt's failure
+    (naming how many were tried), or, when none could be tried, that every circuit is open; a
+    503 says when some upstream serving ``models`` may take a request."""
+    error = last_error
+    if error is None:
+        problems = "; ".join(
+            b.problem or f"{b.name} is failing"
+            for b in pool.backends
+            if any(b.serves(model) for model in models)
+        )
+        error = NoUpstream(
+            f"no upstream{serving(models)} can take a request now (each circuit is open, after "
+            f"repeated failures or for as long as its upstream asked): {problems}",
+            code="upstream_unavailable",
+        )
+    elif attempts > 1:
+        error.args = (f"{error} (after trying {attempts} upstreams)",)
+    if error.status == 503:
+        # Nobody can take it now (or the last upstream was busy): the client learns when
+        # some upstream may, which replaces what an upstream asked of us.
+        waits = (pool.wait_s(model) for model in models)
+        error.retry_after_s = min((s for s in waits if s is not None), default=None)
+    return error
+
+
+def no_room(models: Sequence[str | None], queue_s: float, waited_s: float) -> UpstreamBusy:
+    """Every upstream serving ``models`` stayed at its limit of requests at once."""
+    return UpstreamBusy(
+        f"every upstream{serving(models)} is at its limit of requests at once"
+        + (f" (waited {waited_s:.3g} s for room)" if queue_s > 0 else ""),
+        code="upstream_busy",
+        retry_after_s=1.0,  # a request may end at any moment
+    )
+
+
+def log_attempt(
+    request_id: str,
+    backend: Backend,
+    attempt: int,
+    result: str,
+    began: float,
+    more: dict[str, object] | None = None,
+) -> None:
+    """An attempt's access-log line (``replystream.access``), with ``more`` fields."""
+    if access_log.isEnabledFor(logging.INFO):
+        line: dict[str, object] = {
+            "request_id": request_id,
+            "upstream": backend.name,
+            "attempt": attempt,
+            "result": result,
+            "ms": round((time.monotonic() - began) * 1000.0, 1),
+        }
+        if more:
+            line.update(more)
+        access_log.info("%s", json.dumps(line))

@@ -20,8 +20,6 @@ attempt's end is counted on its upstream and logged as a chat attempt's is
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,6 +28,7 @@ from pydantic_core import from_json, to_json
 
 from replystream.engine.base import Caller, Embeddings, EngineError, RequestRejected
 from replystream.engine.upstream_admission import Hold, take_one
+from replystream.engine.upstream_attempts import gave_up, log_attempt, no_room
 from replystream.engine.upstream_http_connection import Response
 from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
@@ -38,13 +37,9 @@ from replystream.engine.upstream_refusals import UpstreamTimeout, UpstreamUnavai
 from replystream.engine.upstream_relay_types import (
     AT_HEAD,
     NOT_ITS_HEALTH,
-    NoUpstream,
     RelayLimits,
-    UpstreamBusy,
 )
 from replystream.engine.upstream_slots import SharedLimits
-
-access_log = logging.getLogger("replystream.access")
 
 # The largest answer relayed: 2,048 inputs (OpenAI's most per request) of 4,096 dimensions
 # are about 45 MB in base64 (the official SDKs' default) and 100 MB as JSON numbers.
@@ -100,26 +95,19 @@ class EmbeddingsRelay:
             now = time.monotonic()
             left = self._limits.failover_s - (now - began)
             if tried and left <= 0:
-                assert last_error is not None
-                raise _after(last_error, len(tried))
+                raise gave_up(self._pool, (model,), last_error, len(tried))
             backend, slot, full = take_one(
                 self._pool, self._shared, model, None, tried, queued_at or now
             )
             if backend is None:
                 if not full:
-                    if last_error is not None:
-                        raise _after(last_error, len(tried))
-                    raise self._none_left(model)
+                    raise gave_up(self._pool, (model,), last_error, len(tried))
                 again, queued_at = queued_at is not None, queued_at or now
                 wait = self._limits.queue_s - (now - queued_at)
                 if wait > 0 and await self._queue.wait(model, wait, queued_at, again=again):
                     began += time.monotonic() - now  # time in line is not the window's
                     continue
-                raise UpstreamBusy(
-                    f"every upstream{_serving(model)} is at its limit of requests at once",
-                    code="upstream_busy",
-                    retry_after_s=1.0,
-                )
+                raise no_room((model,), self._limits.queue_s, time.monotonic() - queued_at)
             hold = Hold(backend, slot)
             tried.add(backend)
             attempt_began = time.monotonic()
@@ -145,7 +133,7 @@ class EmbeddingsRelay:
                 hold.give_back(self._queue)
                 backend.attempts[result] += 1
                 if result != "ok" or len(tried) > 1:
-                    _log(caller, backend, len(tried), result, attempt_began)
+                    log_attempt(caller.request_id, backend, len(tried), result, attempt_began)
 
     async def _attempt(
         self, backend: Backend, body: bytes, answer_as: str, caller: Caller, within_s: float
@@ -178,17 +166,6 @@ class EmbeddingsRelay:
             )
         return _answer(raw, answer_as, where)
 
-    def _none_left(self, model: str | None) -> NoUpstream:
-        problems = "; ".join(
-            b.problem or f"{b.name} is failing" for b in self._pool.backends if b.serves(model)
-        )
-        return NoUpstream(
-            f"no upstream{_serving(model)} can take a request now (each circuit is open, "
-            f"after repeated failures or for as long as its upstream asked): {problems}",
-            code="upstream_unavailable",
-            retry_after_s=self._pool.wait_s(model),
-        )
-
 
 def _answer(raw: bytes, answer_as: str, where: str) -> Embeddings:
     """The upstream's answer checked for what an OpenAI client reads (a list of embeddings,
@@ -211,25 +188,3 @@ def _answer(raw: bytes, answer_as: str, where: str) -> Embeddings:
     tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     counted = tokens if type(tokens) is int and tokens >= 0 else None
     return Embeddings(to_json(answer), counted)
-
-
-def _after(error: EngineError, attempts: int) -> EngineError:
-    if attempts > 1:
-        error.args = (f"{error} (after trying {attempts} upstreams)",)
-    return error
-
-
-def _serving(model: str | None) -> str:
-    return "" if model is None else f" serving {model}"
-
-
-def _log(caller: Caller, backend: Backend, attempt: int, result: str, began: float) -> None:
-    if access_log.isEnabledFor(logging.INFO):
-        line = {
-            "request_id": caller.request_id,
-            "upstream": backend.name,
-            "attempt": attempt,
-            "result": result,
-            "ms": round((time.monotonic() - began) * 1000.0, 1),
-        }
-        access_log.info("%s", json.dumps(line))

@@ -84,7 +84,7 @@ class UpstreamLacksRoute(EngineError):
 
 
 class UpstreamModelNotFound(EngineError):
-    """An upstream answered 404 to a chat request: it serves no model by the name sent (a
+    """An upstream answered 404 naming a model: it serves no model by the name sent (a
     typo in a routes file's ``models``, a model it unloaded). That says something of the
     model at that upstream, not of the upstream's health: another upstream serving the
     model may take the request, and none counts it on its circuit."""
