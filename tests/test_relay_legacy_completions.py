@@ -15,7 +15,7 @@ import openai
 from aiohttp import web
 
 from tests.sse_client import post_events
-from tests.test_upstream_routing import relay
+from tests.test_upstream_routing import Upstream, relay
 
 FIM = "<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>"
 
@@ -83,6 +83,31 @@ class ChatOnlyServer(BaseModelServer):
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
+        return app
+
+
+class ChatModelServer(Upstream):
+    """OpenAI's own way with a chat model: chat served, and the legacy route a 404 whose
+    words name the model."""
+
+    def __init__(self, models: list[str]) -> None:
+        super().__init__(models)
+        self.legacy_asked = 0
+
+    async def no_legacy(self, _: web.Request) -> web.Response:
+        self.legacy_asked += 1
+        message = (
+            "This is a chat model and not supported in the v1/completions endpoint. "
+            "Did you mean to use v1/chat/completions?"
+        )
+        error = {"message": message, "type": "invalid_request_error", "param": "model"}
+        return web.json_response({"error": {**error, "code": None}}, status=404)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.no_legacy)
         return app
 
 
@@ -180,3 +205,30 @@ async def test_an_upstream_serving_chat_alone_is_passed_over_not_taken_out():
             raise AssertionError("a relay with no completions route answered")
     assert isinstance(error, dict) and error["code"] == "route_unsupported", error
     assert "/completions: it has no such route" in error["message"]
+
+
+async def test_a_legacy_routes_404_for_a_chat_model_leaves_its_chat_requests_alone():
+    """A 404 naming the model on the legacy route says that route lacks it, not chat: the
+    completion goes on to the next upstream, and the chat requests for the model still go
+    to both upstreams as the round robin has it (not to the other one first, as after a
+    chat request's 404)."""
+    chat_only, both = ChatModelServer(["chatty"]), Upstream(["chatty"])
+    async with relay([chat_only, both]) as url, client(url) as sdk:
+        completions = [await sdk.completions.create(model="chatty", prompt="p") for _ in range(2)]
+        asked_before = len(chat_only.bodies)
+        for _ in range(4):
+            await sdk.chat.completions.create(
+                model="chatty", messages=[{"role": "user", "content": "hi"}]
+            )
+    assert [c.choices[0].text for c in completions] == ["w0 w1 w2 "] * 2
+    assert chat_only.legacy_asked == 1  # the round robin sent it one; it went on to the other
+    assert len(chat_only.bodies) - asked_before == 2, "its chat requests went elsewhere first"
+    async with relay([ChatModelServer(["chatty"])]) as url, client(url) as sdk:
+        try:
+            await sdk.completions.create(model="chatty", prompt="p")
+        except openai.NotFoundError as exc:
+            error = exc.body
+        else:
+            raise AssertionError("a chat model's legacy completion was answered")
+    assert isinstance(error, dict) and error["code"] == "model_not_found", error
+    assert "This is a chat model" in error["message"], error

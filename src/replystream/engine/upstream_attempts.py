@@ -365,9 +365,16 @@ class AttemptSeries:
         self._last_error = error
         if backend is not None and error.code not in NOT_ITS_HEALTH:
             self._pool.failed(backend, str(error), error.retry_after_s or 0.0)
-        elif backend is not None and error.code == "model_not_found" and self._model is not None:
+        elif (
+            backend is not None
+            and error.code == "model_not_found"
+            and self._model is not None
+            and not self._request.raw_prompt
+        ):
             # Its own word that it lacks the model: the next requests for it go elsewhere
-            # first, rather than spend a round trip each to hear it again.
+            # first, rather than spend a round trip each to hear it again. Not from a legacy
+            # completion's 404: a route besides chat may lack a model chat serves (OpenAI's
+            # "This is a chat model and not supported in the v1/completions endpoint").
             self._pool.not_serving(backend, self._model)
         self._attempt_over(result)
 
@@ -377,7 +384,8 @@ class AttemptSeries:
             return
         if result == "ok":
             backend.ended_well()
-            self._pool.served(backend, self._model)
+            if not self._request.raw_prompt:  # (chat's word on the model, as ``not_serving``)
+                self._pool.served(backend, self._model)
         hold, self._hold = self._hold, None
         assert hold is not None
         hold.give_back(self._queue)

@@ -124,12 +124,11 @@ class EmbeddingsRelay:
                 last_error = exc
                 if exc.code not in NOT_ITS_HEALTH:
                     self._pool.failed(backend, str(exc), exc.retry_after_s or 0.0)
-                elif exc.code == "model_not_found" and model is not None:
-                    self._pool.not_serving(backend, model)
+                # (A 404 for the model, or an answer, is this route's word on it alone:
+                # ``UpstreamPool.not_serving`` and ``served`` keep chat's.)
             finally:
                 if result == "ok":
                     backend.succeeded()
-                    self._pool.served(backend, model)
                 hold.give_back(self._queue)
                 backend.attempts[result] += 1
                 if result != "ok" or len(tried) > 1:

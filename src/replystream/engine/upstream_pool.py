@@ -334,7 +334,8 @@ class UpstreamPool:
         unserved[model] = self.clock() + NOT_SERVED_S
 
     def served(self, backend: Backend, model: str | None) -> None:
-        """An attempt at ``backend`` for ``model`` ended well: it serves the model again."""
+        """A chat attempt at ``backend`` for ``model`` ended well: it serves the model again
+        (another route's answer says nothing of chat's: ``not_serving``)."""
         if backend.unserved and model is not None:
             backend.unserved.pop(model, None)
 
