@@ -18,9 +18,13 @@ target process's CPU (user + system, /proc) per request, and the client-seen tim
 first content chunk (p50), medians over the rounds; the ratios against the upstream's own
 figures. ``--src LABEL=PATH`` (repeatable) runs replystream's processes from each source
 tree (``PYTHONPATH=PATH``), interleaved round by round, so two versions are compared under
-the same noise. (``benchmarks/delivery/start_cost.py`` measures a burst of native replies.)
+the same noise. ``--pause-ms`` (one table per value) makes the client wait that long before
+each request, so that every target meets each request after being idle that long, as a
+server of sparse requests does (its CPU figure then includes what it spends idle: timers).
+(``benchmarks/delivery/start_cost.py`` measures a burst of native replies.)
 
-Run: python benchmarks/chat_start_cost.py [-N 1000] [--rounds 3] [--src before=/path/src ...]
+Run: python benchmarks/chat_start_cost.py [-N 1000] [--rounds 3] [--pause-ms 0 20 ...]
+         [--src before=/path/src ...]
 """
 
 from __future__ import annotations
@@ -134,8 +138,9 @@ def one_request(sock: socket.socket, request: bytes) -> float:
     return first
 
 
-def run(target: Target, mode: str, requests: int) -> tuple[float, float]:
-    """``requests`` sequential requests: CPU µs per request, first content p50 in ms."""
+def run(target: Target, mode: str, requests: int, pause_s: float = 0.0) -> tuple[float, float]:
+    """``requests`` sequential requests, ``pause_s`` before each: CPU µs per request, first
+    content p50 in ms."""
     request = request_bytes(target.host, target.port)
     address = (target.host, target.port)
     firsts = []
@@ -143,6 +148,8 @@ def run(target: Target, mode: str, requests: int) -> tuple[float, float]:
     before = cpu_seconds(target.pid)
     try:
         for _ in range(requests):
+            if pause_s:
+                time.sleep(pause_s)
             if kept is not None:
                 firsts.append(one_request(kept, request))
                 continue
@@ -198,14 +205,25 @@ async def main(args: argparse.Namespace) -> None:
         for target in targets:  # warm-up: imports, caches, the relay's upstream connections
             for mode in MODES:
                 await asyncio.to_thread(run, target, mode, 30)
-        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        results: dict[tuple[float, str, str], list[tuple[float, float]]] = {}
         for _ in range(args.rounds):
-            for mode in MODES:
-                for target in targets:
-                    figures = await asyncio.to_thread(run, target, mode, args.requests)
-                    results.setdefault((target.name, mode), []).append(figures)
+            for pause_ms in args.pause_ms:
+                for mode in MODES:
+                    for target in targets:
+                        figures = await asyncio.to_thread(
+                            run, target, mode, args.requests, pause_ms / 1000
+                        )
+                        results.setdefault((pause_ms, target.name, mode), []).append(figures)
     print(f"{args.requests} sequential one-chunk streamed chat completions per run, ", end="")
     print(f"median of {args.rounds} rounds")
+    for pause_ms in args.pause_ms:
+        if len(args.pause_ms) > 1 or pause_ms:
+            print(f"each request after {pause_ms:g} ms idle")
+        table(targets, {(t, m): r for (p, t, m), r in results.items() if p == pause_ms})
+    print(f"(CPU is read in 10 ms clock ticks: about {1e4 / args.requests:.0f} µs per request)")
+
+
+def table(targets: list[Target], results: dict[tuple[str, str], list[tuple[float, float]]]) -> None:
     print(f"{'target':>20} {'mode':>9} {'CPU µs/req':>11} {'x upstream':>11} ", end="")
     print(f"{'TTFT p50 ms':>12} {'added ms':>9}")
     for mode in MODES:
@@ -219,7 +237,13 @@ async def main(args: argparse.Namespace) -> None:
                 f"{target.name:>20} {mode:>9} {cpu:11.0f} {ratio(cpu, peer_cpu):>11} "
                 f"{first:12.3f} {first - peer_first:9.3f}"
             )
-    print(f"(CPU is read in 10 ms clock ticks: about {1e4 / args.requests:.0f} µs per request)")
+
+
+def pause(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a pause (0 or more ms)")
+    return value
 
 
 def ratio(value: float, peer: float) -> str:
@@ -230,6 +254,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-N", "--requests", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--pause-ms",
+        type=pause,
+        nargs="+",
+        default=[0.0],
+        help="the client's pause before each request (one table per value; default 0)",
+    )
     parser.add_argument(
         "--src",
         action="append",
