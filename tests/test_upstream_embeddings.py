@@ -44,6 +44,7 @@ class EmbeddingUpstream:
         self.in_flight = self.most_in_flight = 0
         self.left = 0  # requests whose relay closed the connection before the answer
         self.requested = asyncio.Event()  # set by the first request
+        self.large = b""  # the answer, as written, in mode "large"
 
     async def list_models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
@@ -61,6 +62,8 @@ class EmbeddingUpstream:
         if self.mode == "chat_only":  # llama.cpp's server started without --embeddings
             message = "This server does not support embeddings. Start it with `--embeddings`"
             return web.json_response({"error": {"message": message}}, status=501)
+        if self.mode == "large":
+            return web.Response(body=self.large, content_type="application/json")
         if self.mode == "garbage":
             return web.json_response({"object": "list", "data": "no"})
         if self.mode == "stall_body":  # a head and part of the body, then nothing for a while
@@ -175,6 +178,40 @@ async def test_the_openai_sdk_reads_embeddings_relayed_in_base64_and_as_numbers(
         "dimensions": 4,
         "model": "embedder",
     }
+
+
+async def test_a_large_answer_goes_on_as_written_and_the_loop_keeps_turning():
+    """A batch's answer of 34 MB (1,024 inputs of 1,536 numbers, as JSON) is relayed byte for
+    byte, while the relay's loop (this test's) is never held for long: parsed whole and
+    written again, such an answer held it for a quarter of a second, and every stream with
+    it."""
+    row = b"[" + b",".join([b"-0.012345678"] * 1536) + b"]"
+    items = (b'{"object":"embedding","index":%d,"embedding":%s}' % (i, row) for i in range(1024))
+    answer = b'{"object":"list","data":[%s],"model":"e","usage":{"prompt_tokens":1024}}' % (
+        b",".join(items)
+    )
+    upstream = EmbeddingUpstream(["e"], mode="large")
+    upstream.large = answer
+    held, watching = 0.0, True
+
+    async def watch() -> None:
+        nonlocal held
+        loop = asyncio.get_running_loop()
+        while watching:
+            began = loop.time()
+            await asyncio.sleep(0.002)
+            held = max(held, loop.time() - began - 0.002)
+
+    async with relay([upstream]) as url, aiohttp.ClientSession() as session:
+        watcher = asyncio.create_task(watch())
+        body = {"model": "e", "input": ["x"] * 1024, "encoding_format": "float"}
+        headers = {"Accept-Encoding": "identity"}  # (this client's own inflating aside)
+        async with session.post(f"{url}/v1/embeddings", json=body, headers=headers) as response:
+            status, got = response.status, await response.read()
+        watching = False
+        await watcher
+    assert status == 200 and got == answer
+    assert held < 0.1, f"the loop was held for {held * 1000:.0f} ms"
 
 
 async def test_token_ids_go_through_as_token_ids():

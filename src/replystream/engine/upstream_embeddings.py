@@ -11,10 +11,11 @@ passed since the request began; an upstream without the route (one serving chat 
 itself (a 4xx) is the client's answer, from the first upstream that gave it. The answer is
 relayed whole and as the upstream wrote it (``encoding_format`` is passed on: base64 stays
 base64), but for its ``model``, the name the client asked for (an alias's, as a chat reply
-names it). A model's fallbacks are never tried: another model's vectors lie in another
-space, and mixed into one index they would break its searches without a word. Each
-attempt's end is counted on its upstream and logged as a chat attempt's is
-(``replystream.access``). It must not know about our HTTP server.
+names it), once checked without holding the loop (``embeddings_answer``). A model's
+fallbacks are never tried: another model's vectors lie in another space, and mixed into one
+index they would break its searches without a word. Each attempt's end is counted on its
+upstream and logged as a chat attempt's is (``replystream.access``). It must not know about
+our HTTP server.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pydantic_core import from_json, to_json
+from pydantic_core import to_json
 
 from replystream.engine.base import Caller, Embeddings, EngineError, RequestRejected
+from replystream.engine.embeddings_answer import checked_answer
 from replystream.engine.upstream_admission import Hold, take_one
 from replystream.engine.upstream_attempts import gave_up, log_attempt, no_room
 from replystream.engine.upstream_http_connection import Response
@@ -163,27 +165,10 @@ class EmbeddingsRelay:
                 f"{where} answered more than {MAX_ANSWER_BYTES} bytes of embeddings",
                 code="upstream_bad_response",
             )
-        return _answer(raw, answer_as, where)
-
-
-def _answer(raw: bytes, answer_as: str, where: str) -> Embeddings:
-    """The upstream's answer checked for what an OpenAI client reads (a list of embeddings,
-    each a list of numbers or a base64 string), named ``answer_as``."""
-    try:
-        answer = from_json(raw)
-    except ValueError:
-        answer = None
-    data = answer.get("data") if isinstance(answer, dict) else None
-    if not isinstance(data, list) or not all(
-        isinstance(item, dict) and isinstance(item.get("embedding"), list | str) for item in data
-    ):
-        raise UpstreamUnavailable(
-            f"{where} answered something other than a list of embeddings ({len(raw)} bytes)",
-            code="upstream_bad_response",
-        )
-    assert isinstance(answer, dict)
-    answer["model"] = answer_as
-    usage = answer.get("usage")
-    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    counted = tokens if type(tokens) is int and tokens >= 0 else None
-    return Embeddings(to_json(answer), counted)
+        answer = await checked_answer(raw, answer_as)
+        if answer is None:
+            raise UpstreamUnavailable(
+                f"{where} answered something other than a list of embeddings ({len(raw)} bytes)",
+                code="upstream_bad_response",
+            )
+        return answer
