@@ -163,6 +163,23 @@ def test_models_route_requests_and_aliases_name_them():
     assert pool.plan(pool.resolve("gpt-4o-mini")) == [b]
 
 
+def test_the_model_names_are_made_again_once_what_they_are_made_of_changes():
+    """Asked for by every request, the names are kept; a probe's new list, new routes'
+    aliases and a reload's new upstreams each make them anew."""
+    a, b = Backend("http://a/v1", models=("llama",)), Backend("http://b/v1", models=("qwen",))
+    pool, _ = pool_of(a, b, aliases={"small": "qwen"})
+    first = pool.model_names()
+    assert first == ("llama", "qwen", "small") and pool.model_names() is first
+    b.probed(None, ["qwen", "mistral"])
+    assert pool.model_names() == ("llama", "mistral", "qwen", "small")
+    b.probed(None, ["mistral"])  # qwen gone: its alias names nothing served
+    assert pool.model_names() == ("llama", "mistral")
+    pool.aliases = {"big": "llama"}
+    assert pool.model_names() == ("llama", "mistral", "big")
+    pool.backends = [Backend("http://c/v1", models=("gemma",))]
+    assert pool.model_names() == ("gemma",)
+
+
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "routes.toml"
     path.write_text(text)

@@ -271,6 +271,10 @@ class UpstreamPool:
         # A model's fallbacks: the models its requests go on to when none of its upstreams
         # can answer them (``upstream_attempts``).
         self.fallbacks = dict(fallbacks or {})
+        # ``model_names``' last answer, with the lists and aliases it was made of: asked for
+        # by every request, it is made anew only once a probe, a reload or new routes have
+        # replaced one of them (an upstream's list is a tuple: replaced, never changed).
+        self._names: tuple[list[tuple[str, ...]], dict[str, str], tuple[str, ...]] | None = None
 
     def model_names(self) -> tuple[str, ...]:
         """Every model some upstream serves, then the aliases of a model some upstream may
@@ -278,6 +282,20 @@ class UpstreamPool:
         lists is a name nobody serves. First, the default: the first model the first upstream
         that lists any lists (vLLM lists its base model before its LoRA adapters), what a
         request for no model is sent as; the rest merged and sorted."""
+        lists = [b.models for b in self.backends]
+        made = self._names
+        if (
+            made is not None
+            and made[1] is self.aliases
+            and len(made[0]) == len(lists)
+            and all(was is now for was, now in zip(made[0], lists, strict=True))
+        ):
+            return made[2]
+        names = self._merged_names()
+        self._names = (lists, self.aliases, names)
+        return names
+
+    def _merged_names(self) -> tuple[str, ...]:
         real = sorted(set().union(*(b.models for b in self.backends)))
         default = next((b.models[0] for b in self.backends if b.models), None)
         if default is not None:
