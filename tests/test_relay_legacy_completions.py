@@ -115,6 +115,17 @@ def client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
 
 
+async def not_found(url: str, model: str) -> dict[str, Any]:
+    """The body of the 404 a legacy completion for ``model`` gets through the relay."""
+    async with client(url) as sdk:
+        try:
+            await sdk.completions.create(model=model, prompt="p")
+        except openai.NotFoundError as exc:
+            assert isinstance(exc.body, dict), exc.body
+            return exc.body
+    raise AssertionError(f"a legacy completion for {model!r} was answered")
+
+
 async def test_the_prompt_goes_up_as_written_to_the_upstreams_own_completions_route():
     base = BaseModelServer(["return ", "a + b"])
     async with relay([base]) as url, client(url) as sdk:
@@ -196,14 +207,9 @@ async def test_an_upstream_serving_chat_alone_is_passed_over_not_taken_out():
         if line.startswith("replystream_upstream_attempts{") and 'result="no_route"' in line
     ]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in no_route) >= 1, no_route  # asked
-    async with relay([ChatOnlyServer([])]) as url, client(url) as sdk:
-        try:
-            await sdk.completions.create(model="base", prompt="p")
-        except openai.NotFoundError as exc:
-            error = exc.body
-        else:
-            raise AssertionError("a relay with no completions route answered")
-    assert isinstance(error, dict) and error["code"] == "route_unsupported", error
+    async with relay([ChatOnlyServer([])]) as url:
+        error = await not_found(url, "base")
+    assert error["code"] == "route_unsupported", error
     assert "/completions: it has no such route" in error["message"]
 
 
@@ -223,12 +229,7 @@ async def test_a_legacy_routes_404_for_a_chat_model_leaves_its_chat_requests_alo
     assert [c.choices[0].text for c in completions] == ["w0 w1 w2 "] * 2
     assert chat_only.legacy_asked == 1  # the round robin sent it one; it went on to the other
     assert len(chat_only.bodies) - asked_before == 2, "its chat requests went elsewhere first"
-    async with relay([ChatModelServer(["chatty"])]) as url, client(url) as sdk:
-        try:
-            await sdk.completions.create(model="chatty", prompt="p")
-        except openai.NotFoundError as exc:
-            error = exc.body
-        else:
-            raise AssertionError("a chat model's legacy completion was answered")
-    assert isinstance(error, dict) and error["code"] == "model_not_found", error
+    async with relay([ChatModelServer(["chatty"])]) as url:
+        error = await not_found(url, "chatty")
+    assert error["code"] == "model_not_found", error
     assert "This is a chat model" in error["message"], error
