@@ -11,7 +11,14 @@ has them, for ``--inputs`` inputs of ``--dims`` numbers each: as JSON numbers, a
 stretch without a turn of the loop (a task on the same loop timing its turns), and the peak
 of memory allocated while reading (``tracemalloc``, in a read of its own).
 
+``--through-relay`` measures the whole way instead: a relay (``UpstreamEngine`` behind our
+app, on this process's loop, ``--loop``) between an upstream serving the answer of numbers
+and a client reading it, each a process of its own; per read, the longest turn of the relay's
+loop while the answer goes through it (its read, its check, its write to the client), the
+relay as it is against one whose check is the full parse, alternated.
+
 Run: python benchmarks/relay/embeddings_answer.py [--inputs 256 2048] [--dims 1536] [--repeats 5]
+         [--through-relay [--loop uvloop|asyncio]]
 """
 
 from __future__ import annotations
@@ -20,15 +27,24 @@ import argparse
 import asyncio
 import base64
 import random
+import socket
 import statistics
 import struct
+import sys
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
 
+import uvloop
+from aiohttp import web
 from pydantic_core import from_json, to_json
 
+from replystream.engine import upstream_embeddings
+from replystream.engine.base import Embeddings
 from replystream.engine.embeddings_answer import checked_answer
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
 
 Reader = Callable[[bytes], Awaitable[object]]
 
@@ -40,11 +56,16 @@ async def relayed(raw: bytes) -> object:
 
 
 async def parsed_whole(raw: bytes) -> object:
+    return await parsed_whole_as(raw, "asked")
+
+
+async def parsed_whole_as(raw: bytes, answer_as: str) -> Embeddings | None:
+    """The peer: the answer made Python objects, checked, renamed and written again."""
     answer = from_json(raw)
     data = answer["data"]
     assert all(isinstance(item.get("embedding"), list | str) for item in data)
-    answer["model"] = "asked"
-    return to_json(answer)
+    answer["model"] = answer_as
+    return Embeddings(to_json(answer), answer["usage"]["prompt_tokens"])
 
 
 def answer_of(inputs: int, dims: int, packed: bool) -> bytes:
@@ -109,9 +130,123 @@ async def main(args: argparse.Namespace) -> None:
                 print(f"{label:>26} {name:>12} {took:9.1f} {held:13.1f} {peak:8.1f}")
 
 
+CLIENT = """
+import json, sys, urllib.request
+url, inputs = sys.argv[1], int(sys.argv[2])
+body = json.dumps({"model": "e", "input": ["x"] * inputs, "encoding_format": "float"}).encode()
+asked = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+print(len(urllib.request.urlopen(asked).read()))
+"""
+
+
+def serve_answer(port: int, inputs: int, dims: int) -> None:
+    """The upstream of ``--through-relay``: the one answer, to every embeddings request."""
+    answer = answer_of(inputs, dims, packed=False)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "e"}]})
+
+    async def embeddings(_: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/embeddings", embeddings)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def listening(port: int) -> None:
+    """Once the upstream takes connections on ``port``."""
+    for _ in range(600):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        return
+    raise RuntimeError(f"the upstream did not listen on {port} within 30 s")
+
+
+async def held_while(relayed: Awaitable[object]) -> float:
+    """The longest turn of this loop, in seconds, while ``relayed`` runs."""
+    held, watching = 0.0, True
+
+    async def watch() -> None:
+        nonlocal held
+        while watching:
+            began = time.perf_counter()
+            await asyncio.sleep(0)
+            held = max(held, time.perf_counter() - began)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await relayed
+    finally:
+        watching = False
+        await watcher
+    return held
+
+
+async def through_relay(args: argparse.Namespace) -> None:
+    checks = {"replystream": checked_answer, "full parse": parsed_whole_as}
+    for inputs in args.inputs:
+        port = free_port()
+        serve = [sys.executable, __file__, "--serve-answer", str(port), str(inputs)]
+        upstream = await asyncio.create_subprocess_exec(*serve, "--dims", str(args.dims))
+        try:
+            await listening(port)  # (it makes its answer first)
+            engine = UpstreamEngine(
+                UpstreamConfig((UpstreamTarget(f"http://127.0.0.1:{port}/v1"),))
+            )
+            async with running(create_app(engine)) as url:
+                held: dict[str, list[float]] = {name: [] for name in checks}
+                for _ in range(args.repeats):
+                    for name, check in checks.items():
+                        upstream_embeddings.checked_answer = check  # type: ignore[attr-defined]
+                        client = await asyncio.create_subprocess_exec(
+                            sys.executable,
+                            "-c",
+                            CLIENT,
+                            f"{url}/v1/embeddings",
+                            str(inputs),
+                            stdout=asyncio.subprocess.PIPE,
+                        )
+                        held[name].append(await held_while(client.communicate()))
+                        if client.returncode != 0:
+                            raise RuntimeError("the client's request failed")
+        finally:
+            upstream_embeddings.checked_answer = checked_answer  # type: ignore[attr-defined]
+            upstream.kill()
+            await upstream.wait()
+        for name, stretches in held.items():
+            longest = statistics.median(stretches) * 1000
+            print(
+                f"{inputs} x {args.dims} numbers through the relay ({args.loop}), {name}: "
+                f"longest turn of its loop {longest:.1f} ms (median of {args.repeats})"
+            )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--dims", type=int, default=1536)
     parser.add_argument("--repeats", type=int, default=5)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--through-relay", action="store_true")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--serve-answer", type=int, nargs=2, help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.serve_answer:
+        serve_answer(arguments.serve_answer[0], arguments.serve_answer[1], arguments.dims)
+    elif arguments.through_relay:
+        run = uvloop.run if arguments.loop == "uvloop" else asyncio.run
+        run(through_relay(arguments))
+    else:
+        asyncio.run(main(arguments))

@@ -2,7 +2,7 @@
 the event loop.
 
 An answer to 2,048 inputs of 1,536 numbers is 66 MB of JSON. Parsed whole (three million
-floats made Python objects) and written again, it held the relay's loop for 450 ms,
+floats made Python objects) and written again, it held the relay's loop for half a second,
 and every stream it carried with it. This file decides how an answer is read instead: in
 slices of about ``SLICE_BYTES``, the loop turning between them. Its structure comes from the
 bytes that make it (quotes and brackets, each kind found by a ``bytes.find``, strings skipped
@@ -101,12 +101,18 @@ async def checked_answer(raw: bytes, answer_as: str) -> Embeddings | None:
     usage = top.get("usage")
     tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     counted = tokens if type(tokens) is int and tokens >= 0 else None
-    return Embeddings(_written(raw, data, top), counted)
+    large = len(raw) >= SLICE_BYTES
+    if large:  # the copy below in a turn of its own, not after the last slice's work
+        await asyncio.sleep(0)
+    body = _written(raw, data, top)
+    if large:  # nor before the write of it to the client
+        await asyncio.sleep(0)
+    return Embeddings(body, counted)
 
 
 def _written(raw: bytes, data: tuple[int, int], top: dict[str, Any]) -> bytes:
-    """``top`` as JSON, its ``data`` the list as ``raw`` has it: one copy of it (the one
-    step that holds the loop for the answer's size, about 0.5 ms a megabyte here)."""
+    """``top`` as JSON, its ``data`` the list as ``raw`` has it: one copy of it (a step that
+    holds the loop for the answer's size, about 0.5 ms a megabyte here)."""
     parts: list[bytes | memoryview] = []
     for name, value in top.items():
         parts += (b",", to_json(name), b":")
