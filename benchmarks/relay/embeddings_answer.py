@@ -27,18 +27,22 @@ import argparse
 import asyncio
 import base64
 import random
-import socket
 import statistics
 import struct
 import sys
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the relay benchmark's modules
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvloop
 from aiohttp import web
 from pydantic_core import from_json, to_json
 
+from relay.relays import free_port, wait_http
 from replystream.engine import upstream_embeddings
 from replystream.engine.base import Embeddings
 from replystream.engine.embeddings_answer import checked_answer
@@ -83,23 +87,9 @@ def answer_of(inputs: int, dims: int, packed: bool) -> bytes:
 
 async def timed(read: Reader, raw: bytes) -> tuple[float, float]:
     """Seconds to read ``raw``, and the longest the loop went without a turn meanwhile."""
-    held, watching = 0.0, True
-
-    async def watch() -> None:
-        nonlocal held
-        while watching:
-            began = time.perf_counter()
-            await asyncio.sleep(0)
-            held = max(held, time.perf_counter() - began)
-
-    watcher = asyncio.create_task(watch())
-    await asyncio.sleep(0)
     began = time.perf_counter()
-    await read(raw)
-    took = time.perf_counter() - began
-    watching = False
-    await watcher
-    return took, held
+    held = await held_while(read(raw))
+    return time.perf_counter() - began, held
 
 
 async def peak_bytes(read: Reader, raw: bytes) -> int:
@@ -155,26 +145,6 @@ def serve_answer(port: int, inputs: int, dims: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-async def listening(port: int) -> None:
-    """Once the upstream takes connections on ``port``."""
-    for _ in range(600):
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            await asyncio.sleep(0.05)
-            continue
-        writer.close()
-        return
-    raise RuntimeError(f"the upstream did not listen on {port} within 30 s")
-
-
 async def held_while(relayed: Awaitable[object]) -> float:
     """The longest turn of this loop, in seconds, while ``relayed`` runs."""
     held, watching = 0.0, True
@@ -187,6 +157,7 @@ async def held_while(relayed: Awaitable[object]) -> float:
             held = max(held, time.perf_counter() - began)
 
     watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0)  # the watcher's clock runs before ``relayed`` does
     try:
         await relayed
     finally:
@@ -202,7 +173,7 @@ async def through_relay(args: argparse.Namespace) -> None:
         serve = [sys.executable, __file__, "--serve-answer", str(port), str(inputs)]
         upstream = await asyncio.create_subprocess_exec(*serve, "--dims", str(args.dims))
         try:
-            await listening(port)  # (it makes its answer first)
+            await wait_http(f"http://127.0.0.1:{port}/v1/models", 60.0, upstream)
             engine = UpstreamEngine(
                 UpstreamConfig((UpstreamTarget(f"http://127.0.0.1:{port}/v1"),))
             )
