@@ -20,7 +20,7 @@ import pytest
 from replystream.engine.upstream_routes import load_routes
 from replystream.server.reload import change_line
 from tests.sse_client import post_events
-from tests.test_upstream_routing import Upstream, relay
+from tests.test_upstream_routing import Upstream, get_json, relay
 
 BIG_TO_SMALL = (("big", ("small",)),)
 
@@ -102,6 +102,33 @@ async def test_every_dialect_names_the_model_asked_for_and_has_the_fallbacks_tex
     assert response.model == "big" and response.output_text == "w0 w1 w2 "
     assert completion.model == "big" and completion.choices[0].text == "w0 w1 w2 "
     assert [body["model"] for body in small.bodies] == ["small"] * 3
+
+
+async def test_a_model_its_upstreams_stop_listing_goes_on_to_its_fallback():
+    """A model whose upstreams list it no more (a server restarted with another model) is
+    still a name the routes answer while a fallback of it is served: ``/v1/models`` lists it,
+    and its chat requests go to the fallback's upstreams, named as asked; an embeddings
+    request for it is a 404 (another model's vectors would lie in another space)."""
+    big, small = Upstream(["big"]), Upstream(["small"])
+    async with relay([big, small], fallbacks=BIG_TO_SMALL, health_s=0.05) as url:
+        big.models = ["other"]
+        for _ in range(200):  # until a probe has read the new list
+            _, listing = await get_json(f"{url}/v1/models")
+            names = [model["id"] for model in listing["data"]]
+            if "other" in names:
+                break
+            await asyncio.sleep(0.02)
+        got = await post_events(f"{url}/v1/chat/completions", chat("big"))
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{url}/v1/embeddings", json={"model": "big", "input": "x"}) as answer,
+        ):
+            vectors_status, vectors = answer.status, await answer.json()
+    assert names == ["other", "small", "big"]
+    assert got.status == 200, got.raw
+    assert texts(got) == {0: "w0 w1 w2 "} and {c["model"] for c in chunks(got)} == {"big"}
+    assert not big.bodies and [body["model"] for body in small.bodies] == ["small"]
+    assert vectors_status == 404 and vectors["error"]["code"] == "model_not_found", vectors
 
 
 async def test_without_fallbacks_the_same_failure_is_the_clients():

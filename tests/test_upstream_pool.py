@@ -165,7 +165,7 @@ def test_models_route_requests_and_aliases_name_them():
 
 def test_the_model_names_are_made_again_once_what_they_are_made_of_changes():
     """Asked for by every request, the names are kept; a probe's new list, new routes'
-    aliases and a reload's new upstreams each make them anew."""
+    aliases or fallbacks and a reload's new upstreams each make them anew."""
     a, b = Backend("http://a/v1", models=("llama",)), Backend("http://b/v1", models=("qwen",))
     pool, _ = pool_of(a, b, aliases={"small": "qwen"})
     first = pool.model_names()
@@ -178,6 +178,8 @@ def test_the_model_names_are_made_again_once_what_they_are_made_of_changes():
     assert pool.model_names() == ("llama", "mistral", "big")
     pool.backends = [Backend("http://c/v1", models=("gemma",))]
     assert pool.model_names() == ("gemma",)
+    pool.fallbacks = {"llama": ("gemma",)}  # listed by none now, but its fallback is served
+    assert pool.model_names() == ("gemma", "llama", "big")
 
 
 def write(tmp_path: Path, text: str) -> Path:

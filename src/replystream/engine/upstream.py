@@ -377,11 +377,13 @@ class UpstreamEngine:
             del self._choice_rooms[group]
         return choices
 
-    def _unserved(self, model: str | None) -> str | None:
+    def _unserved(self, model: str | None, *, or_fallback: bool = True) -> str | None:
         """What is wrong when no upstream serves ``model`` (each lists its models, and none
         lists it), naming what they do list and, for ``--upstream-model``, that it is the
-        option's; None while some upstream may serve it."""
-        if self.pool.serving(self.pool.resolve(model)):
+        option's; None while some upstream may serve it, or (``or_fallback``: a reply's
+        request, which goes on to them) one of its fallbacks."""
+        real = self.pool.resolve(model)
+        if self.pool.serving(real) or (or_fallback and self.pool.reached_by_fallback(real)):
             return None
         named = f"the model {model!r}"
         if model == self.config.model:
@@ -589,7 +591,7 @@ class UpstreamEngine:
         await self._prober.first_round()
         if model is None:
             model = self.config.model
-        problem = self._unserved(model)
+        problem = self._unserved(model, or_fallback=False)  # (another model's vectors: no)
         if problem is not None:
             raise ModelUnserved(problem, code="model_not_found", param="model")
         relay = EmbeddingsRelay(

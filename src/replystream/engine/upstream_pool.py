@@ -271,28 +271,33 @@ class UpstreamPool:
         # A model's fallbacks: the models its requests go on to when none of its upstreams
         # can answer them (``upstream_attempts``).
         self.fallbacks = dict(fallbacks or {})
-        # ``model_names``' last answer, with the lists and aliases it was made of: asked for
-        # by every request, it is made anew only once a probe, a reload or new routes have
-        # replaced one of them (an upstream's list is a tuple: replaced, never changed).
-        self._names: tuple[list[tuple[str, ...]], dict[str, str], tuple[str, ...]] | None = None
+        # ``model_names``' last answer, with the lists, aliases and fallbacks it was made of:
+        # asked for by every request, it is made anew only once a probe, a reload or new
+        # routes have replaced one of them (an upstream's list is a tuple: replaced, never
+        # changed; the routes' dicts are replaced whole).
+        self._names: tuple[list[tuple[str, ...]], tuple[object, ...], tuple[str, ...]] | None
+        self._names = None
 
     def model_names(self) -> tuple[str, ...]:
         """Every model some upstream serves, then the aliases of a model some upstream may
         serve (one it lists, or any while its list is not known): an alias for a model nobody
         lists is a name nobody serves. First, the default: the first model the first upstream
         that lists any lists (vLLM lists its base model before its LoRA adapters), what a
-        request for no model is sent as; the rest merged and sorted."""
+        request for no model is sent as; the rest merged and sorted. After them, a model of
+        the routes' that no upstream lists now but one of its fallbacks is served (a reply's
+        request for it goes on to them: ``reached_by_fallback``), with its aliases."""
         lists = [b.models for b in self.backends]
+        routes = (self.aliases, self.fallbacks)
         made = self._names
         if (
             made is not None
-            and made[1] is self.aliases
+            and all(was is now for was, now in zip(made[1], routes, strict=True))
             and len(made[0]) == len(lists)
             and all(was is now for was, now in zip(made[0], lists, strict=True))
         ):
             return made[2]
         names = self._merged_names()
-        self._names = (lists, self.aliases, names)
+        self._names = (lists, routes, names)
         return names
 
     def _merged_names(self) -> tuple[str, ...]:
@@ -301,8 +306,22 @@ class UpstreamPool:
         if default is not None:
             real.remove(default)
             real.insert(0, default)
-        aliases = (a for a, model in self.aliases.items() if a not in real and self.serving(model))
-        return (*real, *sorted(aliases))
+        listed = set(real)
+        by_fallback = sorted(m for m in self.fallbacks if self.reached_by_fallback(m))
+        listed.update(by_fallback)
+        aliases = (
+            a
+            for a, model in self.aliases.items()
+            if a not in listed and (self.serving(model) or self.reached_by_fallback(model))
+        )
+        return (*real, *by_fallback, *sorted(aliases))
+
+    def reached_by_fallback(self, model: str | None) -> bool:
+        """No upstream serves ``model`` (a real name), and one of its fallbacks is served: a
+        reply's request for it goes on to them (an embeddings request does not)."""
+        if model is None or self.serving(model):
+            return False
+        return any(self.serving(fallback) for fallback in self.fallbacks.get(model, ()))
 
     def resolve(self, model: str | None) -> str | None:
         """The real model name a request's ``model`` (maybe an alias) stands for."""
