@@ -279,13 +279,13 @@ class UpstreamPool:
         self._names = None
 
     def model_names(self) -> tuple[str, ...]:
-        """Every model some upstream serves, then the aliases of a model some upstream may
-        serve (one it lists, or any while its list is not known): an alias for a model nobody
-        lists is a name nobody serves. First, the default: the first model the first upstream
-        that lists any lists (vLLM lists its base model before its LoRA adapters), what a
-        request for no model is sent as; the rest merged and sorted. After them, a model of
-        the routes' that no upstream lists now but one of its fallbacks is served (a reply's
-        request for it goes on to them: ``reached_by_fallback``), with its aliases."""
+        """Every model some upstream serves; then each model of the routes' that no upstream
+        lists now but one of whose fallbacks is served (a reply's request for it goes on to
+        them: ``reached_by_fallback``); then the aliases of a model some upstream may serve
+        (one it lists, or any while its list is not known) or a fallback reaches: an alias
+        for a model nobody lists is a name nobody serves. First, the default: the first model
+        the first upstream that lists any lists (vLLM lists its base model before its LoRA
+        adapters), what a request for no model is sent as; the rest merged and sorted."""
         lists = [b.models for b in self.backends]
         routes = (self.aliases, self.fallbacks)
         made = self._names
