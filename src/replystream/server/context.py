@@ -109,7 +109,7 @@ async def start_generation(
 ) -> DeltaStream:
     """Admit a request, turning engine refusals into API errors sent before any byte."""
     _refuse_when_stopping(request, record)
-    return await _admitted(request, record, _start_one(request.app[ENGINE_KEY], generation))
+    return await admitted(request, record, _start_one(request.app[ENGINE_KEY], generation))
 
 
 async def start_several(
@@ -118,7 +118,7 @@ async def start_several(
     """``start_generation`` for ``n`` generations of the request, one choice each, merged."""
     _refuse_when_stopping(request, record)
     engine = request.app[ENGINE_KEY]
-    return await _admitted(request, record, _start_several(engine, generation, n))
+    return await admitted(request, record, _start_several(engine, generation, n))
 
 
 def count_prompt(request: web.Request, generation: GenerationRequest) -> int:
@@ -195,7 +195,10 @@ def caller_of(request: web.Request) -> Caller:
     return Caller(request.get(REQUEST_ID, ""), key, trace)
 
 
-async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitable[T]) -> T:
+async def admitted(request: web.Request, record: ReplyRecord, starting: Awaitable[T]) -> T:
+    """What ``starting`` (an engine's start, or its whole answer) gives, its refusals and
+    failures turned into API errors and counted in ``record``, as is a client that left
+    while it waited."""
     app = request.app
     try:
         started = await starting
@@ -205,7 +208,7 @@ async def _admitted(request: web.Request, record: ReplyRecord, starting: Awaitab
         wait = exc.retry_after_s  # the engine knows when it may take a request: say so
         if isinstance(exc, RequestRejected):  # a 400, or the 401/403/429 of a key passed on
             raise refused(exc) from exc
-        log.warning("generation failed before the first token: %s", exc)
+        log.warning("the engine failed before its answer began: %s", exc)
         raise HTTPAPIError(exc.status, str(exc), code=exc.code, retry_after_s=wait) from exc
     except asyncio.CancelledError:  # the client left while the request waited (a queue)
         _gone_before_reply(app, record)

@@ -12,23 +12,22 @@ is reached.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import Field, PlainValidator
 
-from replystream.engine.base import Embedder, EngineError, RequestRejected
+from replystream.engine.base import Embedder
 from replystream.server.context import (
     ENGINE_KEY,
     KEY_LABEL_CHARS,
     METRICS_KEY,
+    admitted,
     caller_of,
     owner_of,
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.openai_api import routed_model, served_model
-from replystream.server.refusal_names import refused
 from replystream.server.schema_fields import Strict, invalid
 from replystream.server.validation import read_model
 
@@ -92,24 +91,14 @@ async def handle_embeddings(request: web.Request) -> web.Response:
     fields = body.model_dump(exclude_none=True, exclude={"model"})
     record = app[METRICS_KEY].record(ENDPOINT, streamed=False)
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
-    try:
-        answer = await engine.embed(fields, routed, routed or served_model(app), caller_of(request))
-    except RequestRejected as exc:  # a 4xx: the upstream's refusal, in our words
-        record.outcome, record.reason = "rejected", exc.code
-        raise refused(exc) from exc
-    except EngineError as exc:  # no upstream could answer, as a chat request's start says it
-        record.outcome, record.reason = "rejected", exc.code
-        raise HTTPAPIError(
-            exc.status, str(exc), code=exc.code, retry_after_s=exc.retry_after_s
-        ) from exc
-    except asyncio.CancelledError:  # the client left
-        record.reason = "client_gone"
-        raise
-    else:
-        record.outcome = "finished"
-        record.prompt_tokens = answer.prompt_tokens or 0
-    finally:
-        app[METRICS_KEY].observe(record)
+    answer = await admitted(
+        request,
+        record,
+        engine.embed(fields, routed, routed or served_model(app), caller_of(request)),
+    )
+    record.outcome = "finished"
+    record.prompt_tokens = answer.prompt_tokens or 0
+    app[METRICS_KEY].observe(record)
     return web.Response(body=answer.body, content_type="application/json")
 
 
