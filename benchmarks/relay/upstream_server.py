@@ -95,31 +95,28 @@ class Wheel:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.slots: defaultdict[int, list[Stream]] = defaultdict(list)
-        self.next_slot = 0
         self.handle: asyncio.TimerHandle | None = None
 
     def add(self, stream: Stream, due: float) -> None:
         slot = int(due / WHEEL_S) + 1
         self.slots[slot].append(stream)
         if self.handle is None:
-            loop = asyncio.get_running_loop()
-            self.next_slot = int(loop.time() / WHEEL_S)
-            self.handle = loop.call_at(slot * WHEEL_S, self.tick)
+            self.handle = asyncio.get_running_loop().call_at(slot * WHEEL_S, self.tick)
 
     def tick(self) -> None:
         loop = asyncio.get_running_loop()
         now_slot = int(loop.time() / WHEEL_S)
         slots = self.slots
-        for slot in range(self.next_slot, now_slot + 1):
-            streams = slots.pop(slot, None)
-            if streams:
-                for stream in streams:
-                    stream.send_next()
-        self.next_slot = now_slot + 1
-        if slots:
-            self.handle = loop.call_at(min(slots) * WHEEL_S, self.tick)
-        else:
-            self.handle = None
+        # Every slot due by now, those the sends add included: a stream behind its schedule
+        # (an interval no longer than a slot, or a late tick) adds its next frame to a slot
+        # already due, which must be written now, not left behind the ticks to come.
+        while slots:
+            slot = min(slots)
+            if slot > now_slot:
+                break
+            for stream in slots.pop(slot):
+                stream.send_next()
+        self.handle = loop.call_at(min(slots) * WHEEL_S, self.tick) if slots else None
 
 
 class Stream(asyncio.Protocol):
