@@ -14,11 +14,12 @@ of memory allocated while reading (``tracemalloc``, in a read of its own).
 ``--through-relay`` measures the whole way instead: a relay (``UpstreamEngine`` behind our
 app, on this process's loop, ``--loop``) between an upstream serving the answer of numbers
 and a client reading it, each a process of its own; per read, the longest turn of the relay's
-loop while the answer goes through it (its read, its check, its write to the client), the
-relay as it is against one whose check is the full parse, alternated.
+loop while the answer goes through it (its read, its check, its write to the client) and the
+client's time to the whole answer (``--accept-encoding gzip``: gzipped on the way, as the
+OpenAI SDK asks), the relay as it is against one whose check is the full parse, alternated.
 
 Run: python benchmarks/relay/embeddings_answer.py [--inputs 256 2048] [--dims 1536] [--repeats 5]
-         [--through-relay [--loop uvloop|asyncio]]
+         [--through-relay [--loop uvloop|asyncio] [--accept-encoding gzip]]
 """
 
 from __future__ import annotations
@@ -121,11 +122,13 @@ async def main(args: argparse.Namespace) -> None:
 
 
 CLIENT = """
-import json, sys, urllib.request
-url, inputs = sys.argv[1], int(sys.argv[2])
+import json, sys, time, urllib.request
+url, inputs, accept = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 body = json.dumps({"model": "e", "input": ["x"] * inputs, "encoding_format": "float"}).encode()
-asked = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-print(len(urllib.request.urlopen(asked).read()))
+headers = {"Content-Type": "application/json", "Accept-Encoding": accept}
+began = time.perf_counter()
+answer = urllib.request.urlopen(urllib.request.Request(url, body, headers)).read()
+print(time.perf_counter() - began, len(answer))
 """
 
 
@@ -179,6 +182,7 @@ async def through_relay(args: argparse.Namespace) -> None:
             )
             async with running(create_app(engine)) as url:
                 held: dict[str, list[float]] = {name: [] for name in checks}
+                took: dict[str, list[float]] = {name: [] for name in checks}
                 for _ in range(args.repeats):
                     for name, check in checks.items():
                         upstream_embeddings.checked_answer = check  # type: ignore[attr-defined]
@@ -188,20 +192,26 @@ async def through_relay(args: argparse.Namespace) -> None:
                             CLIENT,
                             f"{url}/v1/embeddings",
                             str(inputs),
+                            args.accept_encoding,
                             stdout=asyncio.subprocess.PIPE,
                         )
-                        held[name].append(await held_while(client.communicate()))
+                        answered = asyncio.ensure_future(client.communicate())
+                        held[name].append(await held_while(answered))
                         if client.returncode != 0:
                             raise RuntimeError("the client's request failed")
+                        took[name].append(float(answered.result()[0].split()[0]))
         finally:
             upstream_embeddings.checked_answer = checked_answer  # type: ignore[attr-defined]
             upstream.kill()
             await upstream.wait()
         for name, stretches in held.items():
             longest = statistics.median(stretches) * 1000
+            answer_s = statistics.median(took[name])
             print(
-                f"{inputs} x {args.dims} numbers through the relay ({args.loop}), {name}: "
-                f"longest turn of its loop {longest:.1f} ms (median of {args.repeats})"
+                f"{inputs} x {args.dims} numbers through the relay ({args.loop}, "
+                f"Accept-Encoding: {args.accept_encoding}), {name}: longest turn of its loop "
+                f"{longest:.1f} ms, the client's whole answer in {answer_s * 1000:.0f} ms "
+                f"(medians of {args.repeats})"
             )
 
 
@@ -212,6 +222,11 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--through-relay", action="store_true")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument(
+        "--accept-encoding",
+        default="identity",
+        help="the client's Accept-Encoding through the relay (gzip: as the OpenAI SDK asks)",
+    )
     parser.add_argument("--serve-answer", type=int, nargs=2, help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.serve_answer:

@@ -3,7 +3,8 @@
 In order: the request gets an id (``guard``); a CORS preflight is
 answered; on ``/v1/*`` the API key is checked (``auth``); the per-client limits admit the
 request (``guard``); the handler runs. Whatever fails becomes the API's error shape
-(``errors``), JSON and HTML bodies are gzipped for clients that accept them, and one access
+(``errors``), JSON and HTML bodies are gzipped for clients that accept them
+(``response_gzip``), and one access
 log line names the request.
 
 Each step is a plain function owned by its module; they run in one coroutine, not a stack of
@@ -36,6 +37,7 @@ from replystream.server.guard import (
     preflight_response,
     rate_limited,
 )
+from replystream.server.response_gzip import gzip_if_worthwhile
 
 log = logging.getLogger("replystream.server")
 
@@ -117,7 +119,7 @@ def front_door(door: FrontDoor) -> Middleware:
                     else:
                         response = error_answer(request, exc, door.max_body_bytes)
                 response = in_route_shape(request.path, response, request.headers, request_id)
-                compress_if_worthwhile(request, response, door.gzip_min_bytes)
+                await gzip_if_worthwhile(request, response, door.gzip_min_bytes)
             status = response.status
             if isinstance(response, SentLater):
                 sent_later = True
@@ -170,19 +172,3 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
         return response
     log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
     return error_response(500, "internal server error", code="internal_error")
-
-
-def compress_if_worthwhile(
-    request: web.Request, response: web.StreamResponse, min_bytes: int
-) -> None:
-    """gzip a finished JSON or HTML body for a client that accepts it; never an event stream
-    (a stream is on the wire by the time its handler returns, and is never touched)."""
-    if (
-        isinstance(response, web.Response)
-        and not response.prepared
-        and response.content_type in ("application/json", "text/html")
-        and isinstance(response.body, bytes)
-        and len(response.body) >= min_bytes
-        and "gzip" in request.headers.get("Accept-Encoding", "")
-    ):
-        response.enable_compression(web.ContentCoding.gzip)

@@ -1,0 +1,82 @@
+"""gzip for a finished JSON or HTML answer, when the client accepts it.
+
+This file decides which answers are compressed, how hard, and where the work runs:
+- only a whole body (a ``web.Response`` not yet sent) of JSON or HTML of at least
+  ``min_bytes``; never an event stream, which is on the wire by the time its handler returns;
+- only for a client whose ``Accept-Encoding`` takes gzip (its q-values read: ``gzip;q=0``
+  refuses it, ``*`` takes it unless gzip is refused by name);
+- at zlib's fastest level, nginx's default (``gzip_comp_level 1``): several times faster than
+  zlib's default level, which aiohttp's own compression uses, for a body a few per cent
+  larger (measured in docs/performance.md, "A large answer gzipped");
+- a large body in a worker thread (zlib lets go of the GIL while it works), so the event loop,
+  and every stream it carries, goes on meanwhile.
+The answer says ``Vary: Accept-Encoding``, so a cache between keeps the two forms apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+from aiohttp import hdrs, web
+
+LEVEL = 1
+# A body at least this large is compressed off the loop: a few milliseconds of work or more.
+IN_THREAD_BYTES = 256 * 1024
+_GZIP_WBITS = 16 + zlib.MAX_WBITS  # a gzip header and trailer around the deflate stream
+_COMPRESSED_TYPES = ("application/json", "text/html")
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Whether an ``Accept-Encoding`` header takes gzip (RFC 9110, section 12.5.3)."""
+    star: bool | None = None
+    for item in accept_encoding.split(","):
+        coding, _, params = item.partition(";")
+        coding = coding.strip().lower()
+        if coding not in ("gzip", "x-gzip", "*"):
+            continue
+        taken = _weight(params) > 0.0
+        if coding == "*":
+            star = taken
+        else:
+            return taken  # named: its own weight decides, whatever "*" says
+    return bool(star)
+
+
+def _weight(params: str) -> float:
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "q":
+            try:
+                return float(value.strip())
+            except ValueError:
+                return 0.0  # a weight that is no number takes nothing
+    return 1.0
+
+
+def gzipped(body: bytes) -> bytes:
+    compressor = zlib.compressobj(LEVEL, zlib.DEFLATED, _GZIP_WBITS)
+    return compressor.compress(body) + compressor.flush()
+
+
+async def gzip_if_worthwhile(
+    request: web.Request, response: web.StreamResponse, min_bytes: int
+) -> None:
+    """Compress ``response``'s body in place when it is worth it (see above)."""
+    if not (
+        isinstance(response, web.Response)
+        and not response.prepared
+        and response.content_type in _COMPRESSED_TYPES
+        and isinstance(response.body, bytes)
+        and len(response.body) >= min_bytes
+        and hdrs.CONTENT_ENCODING not in response.headers
+        and accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, ""))
+    ):
+        return
+    body = response.body
+    if len(body) >= IN_THREAD_BYTES:
+        response.body = await asyncio.to_thread(gzipped, body)
+    else:
+        response.body = gzipped(body)
+    response.headers[hdrs.CONTENT_ENCODING] = "gzip"
+    response.headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)

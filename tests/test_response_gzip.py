@@ -1,0 +1,81 @@
+"""Finished JSON answers are gzipped for clients that take gzip, at zlib's fastest level."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from replystream.server import create_app, running
+from replystream.server.response_gzip import IN_THREAD_BYTES, accepts_gzip
+from tests.conftest import fast_engine
+from tests.rawhttp import raw_request
+
+# 80 tokens of 4,000 characters: an answer past IN_THREAD_BYTES, made in a few milliseconds.
+LONG_REPLY = " ".join(["y" * 4000] * 80)
+# The gzip header's XFL byte (RFC 1952): 4 says the compressor used its fastest algorithm.
+FASTEST = 4
+
+
+@pytest.mark.parametrize(
+    ("header", "taken"),
+    [
+        ("gzip", True),
+        ("gzip, deflate, br, zstd", True),
+        ("GZip;Q=0.5", True),
+        ("x-gzip", True),
+        ("deflate, gzip;q=0", False),
+        ("gzip; q=0.000", False),
+        ("gzip;q=nonsense", False),
+        ("br", False),
+        ("", False),
+        ("identity", False),
+        ("*", True),
+        ("*;q=0", False),
+        ("gzip;q=0, *", False),  # named, gzip's own weight decides
+        ("*;q=0, gzip", True),
+        ("deflate;q=1, gzip ;q=0.1", True),
+    ],
+)
+def test_accept_encoding_is_read_with_its_weights(header: str, taken: bool) -> None:
+    assert accepts_gzip(header) is taken
+
+
+async def _chat(url: str, accept: str | None) -> tuple[dict[str, str], bytes]:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = {"Content-Type": "application/json"}
+    if accept is not None:
+        headers["Accept-Encoding"] = accept
+    response = await raw_request(f"{url}/v1/chat/completions", "POST", body, headers)
+    assert response.status == 200
+    return response.headers, await response.read_body()
+
+
+@pytest.mark.parametrize(
+    "reply_text", [" ".join(["a few words"] * 100), LONG_REPLY], ids=["small", "large"]
+)
+async def test_an_answer_is_gzipped_at_the_fastest_level(reply_text: str) -> None:
+    """Small (compressed on the loop) and large (in a worker thread): the same form."""
+    engine = fast_engine(reply_text=reply_text, delay_ms=0.1, jitter_ms=0)
+    async with running(create_app(engine)) as url:
+        headers, body = await _chat(url, "gzip, deflate")
+        plain_headers, plain = await _chat(url, None)
+    assert headers["content-encoding"] == "gzip"
+    assert headers["vary"] == "Accept-Encoding"
+    assert body[:2] == b"\x1f\x8b" and body[8] == FASTEST
+    assert int(headers["content-length"]) == len(body)
+    text = json.loads(gzip.decompress(body))["choices"][0]["message"]["content"]
+    assert text.strip() == reply_text
+    assert "content-encoding" not in plain_headers
+    assert json.loads(plain)["choices"][0]["message"]["content"] == text
+    assert (len(plain) >= IN_THREAD_BYTES) is (reply_text == LONG_REPLY)
+    assert len(body) < len(plain)
+
+
+async def test_a_client_that_refuses_gzip_by_weight_gets_the_answer_plain() -> None:
+    engine = fast_engine(reply_text=LONG_REPLY, delay_ms=0.1, jitter_ms=0)
+    async with running(create_app(engine)) as url:
+        headers, body = await _chat(url, "gzip;q=0, deflate")
+    assert "content-encoding" not in headers
+    assert json.loads(body)["choices"][0]["message"]["content"].strip() == LONG_REPLY
