@@ -55,6 +55,7 @@ def _weight(params: str) -> float:
 
 
 def gzipped(body: bytes) -> bytes:
+    """``body`` in gzip's format, at ``LEVEL``."""
     compressor = zlib.compressobj(LEVEL, zlib.DEFLATED, _GZIP_WBITS)
     return compressor.compress(body) + compressor.flush()
 
