@@ -79,3 +79,13 @@ async def test_a_client_that_refuses_gzip_by_weight_gets_the_answer_plain() -> N
         headers, body = await _chat(url, "gzip;q=0, deflate")
     assert "content-encoding" not in headers
     assert json.loads(body)["choices"][0]["message"]["content"].strip() == LONG_REPLY
+
+
+async def test_the_metrics_a_scraper_asks_for_gzipped_come_gzipped() -> None:
+    async with running(create_app(fast_engine())) as url:
+        response = await raw_request(f"{url}/metrics", headers={"Accept-Encoding": "gzip"})
+        body = await response.read_body()
+    assert response.status == 200
+    assert response.headers["content-encoding"] == "gzip"
+    assert response.headers["content-type"].startswith("text/plain")
+    assert b"# HELP replystream_" in gzip.decompress(body)

@@ -1,8 +1,9 @@
-"""gzip for a finished JSON or HTML answer, when the client accepts it.
+"""gzip for a finished JSON, HTML or plain-text answer, when the client accepts it.
 
 This file decides which answers are compressed, how hard, and where the work runs:
-- only a whole body (a ``web.Response`` not yet sent) of JSON or HTML of at least
-  ``min_bytes``; never an event stream, which is on the wire by the time its handler returns;
+- only a whole body (a ``web.Response`` not yet sent) of JSON, HTML or plain text (the
+  metrics a Prometheus server scrapes, asking for gzip) of at least ``min_bytes``; never an
+  event stream, which is on the wire by the time its handler returns;
 - only for a client whose ``Accept-Encoding`` takes gzip (its q-values read: ``gzip;q=0``
   refuses it, ``*`` takes it unless gzip is refused by name);
 - at zlib's fastest level, nginx's default (``gzip_comp_level 1``): several times faster than
@@ -24,7 +25,7 @@ LEVEL = 1
 # A body at least this large is compressed off the loop: a few milliseconds of work or more.
 IN_THREAD_BYTES = 256 * 1024
 _GZIP_WBITS = 16 + zlib.MAX_WBITS  # a gzip header and trailer around the deflate stream
-_COMPRESSED_TYPES = ("application/json", "text/html")
+_COMPRESSED_TYPES = ("application/json", "text/html", "text/plain")
 
 
 def accepts_gzip(accept_encoding: str) -> bool:
