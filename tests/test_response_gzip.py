@@ -6,6 +6,7 @@ import gzip
 import json
 
 import pytest
+from aiohttp import web
 
 from replystream.server import create_app, running
 from replystream.server.response_gzip import IN_THREAD_BYTES, accepts_gzip
@@ -89,3 +90,23 @@ async def test_the_metrics_a_scraper_asks_for_gzipped_come_gzipped() -> None:
     assert response.headers["content-encoding"] == "gzip"
     assert response.headers["content-type"].startswith("text/plain")
     assert b"# HELP replystream_" in gzip.decompress(body)
+
+
+async def test_a_length_the_handler_set_becomes_the_compressed_bodys() -> None:
+    """A handler that set the plain body's Content-Length: the client still reads exactly the
+    compressed body, and the connection stays usable."""
+    plain = json.dumps({"items": [f"item {i}" for i in range(2000)]}).encode()
+
+    async def sized(_: web.Request) -> web.Response:
+        return web.Response(
+            body=plain, content_type="application/json", headers={"Content-Length": str(len(plain))}
+        )
+
+    app = create_app(fast_engine())
+    app.router.add_get("/sized", sized)
+    async with running(app) as url:
+        response = await raw_request(f"{url}/sized", headers={"Accept-Encoding": "gzip"})
+        body = await response.read_body()
+    assert response.headers["content-encoding"] == "gzip"
+    assert int(response.headers["content-length"]) == len(body) < len(plain)
+    assert gzip.decompress(body) == plain

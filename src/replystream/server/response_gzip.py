@@ -80,5 +80,9 @@ async def gzip_if_worthwhile(
         response.body = await asyncio.to_thread(gzipped, body)
     else:
         response.body = gzipped(body)
-    response.headers[hdrs.CONTENT_ENCODING] = "gzip"
-    response.headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
+    headers = response.headers
+    headers[hdrs.CONTENT_ENCODING] = "gzip"
+    headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
+    # A length a handler set is the plain body's: aiohttp writes the one it is left, so the
+    # compressed body's is made when it is sent.
+    headers.popall(hdrs.CONTENT_LENGTH, None)
