@@ -1,4 +1,5 @@
-"""Finished JSON answers are gzipped for clients that take gzip, at zlib's fastest level."""
+"""Finished answers (JSON, HTML, plain text) are gzipped for clients that take gzip, at zlib's
+fastest level."""
 
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ async def test_the_metrics_a_scraper_asks_for_gzipped_come_gzipped() -> None:
 
 
 async def test_a_length_the_handler_set_becomes_the_compressed_bodys() -> None:
-    """A handler that set the plain body's Content-Length: the client still reads exactly the
-    compressed body, and the connection stays usable."""
+    """A handler that set the plain body's Content-Length: the client is told the compressed
+    body's, and reads exactly that body."""
     plain = json.dumps({"items": [f"item {i}" for i in range(2000)]}).encode()
 
     async def sized(_: web.Request) -> web.Response:

@@ -3,7 +3,7 @@
 In order: the request gets an id (``guard``); a CORS preflight is
 answered; on ``/v1/*`` the API key is checked (``auth``); the per-client limits admit the
 request (``guard``); the handler runs. Whatever fails becomes the API's error shape
-(``errors``), JSON and HTML bodies are gzipped for clients that accept them
+(``errors``), JSON, HTML and plain-text bodies are gzipped for clients that accept them
 (``response_gzip``), and one access log line names the request.
 
 Each step is a plain function owned by its module; they run in one coroutine, not a stack of
