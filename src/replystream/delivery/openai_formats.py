@@ -52,6 +52,7 @@ from typing import Any, Literal
 from replystream.delivery.formats import Spec, Usage, json_compact, json_string, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
+from replystream.delivery.sliced_json import Sliced
 from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob, escaped_bytes
 
@@ -109,9 +110,11 @@ def logprob_entries(
     ]
 
 
-def chat_logprobs(made: tuple[TokenLogprob, ...]) -> dict[str, Any]:
-    """A chat choice's ``logprobs`` object for these tokens."""
-    return {"content": logprob_entries(made), "refusal": None}
+def chat_logprobs(made: tuple[TokenLogprob, ...], *, sliced: bool = False) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` object for these tokens (``sliced``: its entries made as
+    ``dumps_sliced`` writes them, for a whole reply's body)."""
+    content = Sliced(made, logprob_entries) if sliced else logprob_entries(made)
+    return {"content": content, "refusal": None}
 
 
 _utf8_decoder = codecs.getincrementaldecoder("utf-8")
@@ -153,21 +156,28 @@ class TextOffsets:
         return at
 
 
-def completion_logprobs(made: tuple[TokenLogprob, ...], offsets: TextOffsets) -> dict[str, Any]:
+def completion_logprobs(
+    made: tuple[TokenLogprob, ...], offsets: TextOffsets, *, sliced: bool = False
+) -> dict[str, Any]:
     """A legacy choice's ``logprobs`` object for these tokens, the next ones of the completion
     ``offsets`` places. ``top_logprobs`` holds the likeliest tokens and the made one (OpenAI:
-    "up to logprobs+1 elements"), each named by ``legacy_token``, as ``tokens`` are."""
+    "up to logprobs+1 elements"), each named by ``legacy_token``, as ``tokens`` are
+    (``sliced``: made as ``dumps_sliced`` writes them, for a whole reply's body)."""
+    return {
+        "tokens": [legacy_token(token) for token in made],
+        "token_logprobs": [token.logprob for token in made],
+        "top_logprobs": Sliced(made, _legacy_tops) if sliced else _legacy_tops(made),
+        "text_offset": [offsets.place(token) for token in made],
+    }
+
+
+def _legacy_tops(made: Sequence[TokenLogprob]) -> list[dict[str, float]]:
     tops: list[dict[str, float]] = []
     for token in made:
         top = {legacy_token(t): t.logprob for t in token.top}
         top.setdefault(legacy_token(token), token.logprob)
         tops.append(top)
-    return {
-        "tokens": [legacy_token(token) for token in made],
-        "token_logprobs": [token.logprob for token in made],
-        "top_logprobs": tops,
-        "text_offset": [offsets.place(token) for token in made],
-    }
+    return tops
 
 
 def in_band_error(message: str, code: str) -> Spec:
@@ -331,7 +341,8 @@ def completion_choice(
     """One choice of a whole ``chat.completion`` or ``text_completion`` (``logprobs``: those
     of its tokens, when the request asked; ``tool_calls``: the calls it made, and
     ``reasoning``: the thinking relayed, chat only; ``text_offset_from``: a legacy
-    completion's prompt, in characters, where its ``text_offset`` begin)."""
+    completion's prompt, in characters, where its ``text_offset`` begin). Its log
+    probabilities are ``Sliced``: the body is written by ``dumps_sliced``."""
     choice: dict[str, Any]
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
@@ -343,11 +354,11 @@ def completion_choice(
         choice = {"index": index, "message": message, "logprobs": None}
     else:
         choice = {"index": index, "text": text, "logprobs": None}
-    if logprobs is not None:
+    if logprobs is not None:  # the largest part of a body by far: written in slices
         choice["logprobs"] = (
-            chat_logprobs(logprobs)
+            chat_logprobs(logprobs, sliced=True)
             if kind == "chat"
-            else completion_logprobs(logprobs, TextOffsets(text_offset_from))
+            else completion_logprobs(logprobs, TextOffsets(text_offset_from), sliced=True)
         )
     choice["finish_reason"] = _finish_reason(kind, finish_reason)
     return choice

@@ -11,7 +11,6 @@ know how tokens are made or which route asked for the reply.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ from replystream.delivery.channel import DeltaChannel, End, pump
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
 from replystream.delivery.reply_content import Thought, Thoughts
+from replystream.delivery.sliced_json import dumps_sliced
 from replystream.delivery.tool_calls import ToolCall, ToolCalls, ending_of
 from replystream.engine.base import Delta, DeltaStream, TokenLogprob
 from replystream.server.errors import error_response
@@ -235,7 +235,7 @@ async def buffered_reply(
         else:
             record.outcome = "finished"
             payload = several.body([c.whole(usage(c.tokens)) for c in collectors])
-        response = json_response(payload)
+        response = await json_response(payload)
         record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
         return response
     except asyncio.CancelledError:
@@ -248,8 +248,8 @@ async def buffered_reply(
         manager.metrics.observe(record)
 
 
-def json_response(payload: dict[str, Any]) -> web.Response:
-    """A compact JSON body (no spaces after separators, as the lab's byte counts assume)."""
-    return web.Response(
-        text=json.dumps(payload, separators=(",", ":")), content_type="application/json"
-    )
+async def json_response(payload: dict[str, Any]) -> web.Response:
+    """A compact JSON body (no spaces after separators, as the lab's byte counts assume), its
+    large lists written in slices (``dumps_sliced``)."""
+    body = await dumps_sliced(payload)
+    return web.Response(body=body, content_type="application/json", charset="utf-8")

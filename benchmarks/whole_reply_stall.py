@@ -1,0 +1,215 @@
+"""How long a whole (non-streamed) reply with log probabilities stops every other stream.
+
+A whole reply's body is made and written on the server's event loop when the reply ends;
+with ``--tokens`` tokens and ``--top`` log probabilities each it is several megabytes of
+JSON. Meanwhile no other stream the server carries moves. This measures it from outside, as
+a client of another stream sees it: a server (``replystream serve --engine simulated``, a
+token every ``--delay-ms``) streams one long reply to a reader that stamps each event's
+arrival; while it flows, a whole chat completion with ``logprobs`` is asked for, and the
+longest gap between two events of the stream while that request was open is its stall (the
+stream's own interval is the floor). Both clients are threads with blocking sockets, so that
+the client's own reading of the large body cannot delay the stamps.
+
+``--src LABEL=PATH`` (repeatable) runs the server from each source tree
+(``PYTHONPATH=PATH``), the trees alternated round by round, so two versions are compared
+under the same load. Printed per tree: medians over ``--rounds`` of the stream's longest gap
+while the whole reply was made and sent, of its longest gap in the half second or so before
+it was asked for (the floor), and of the whole reply's time and size. ``--api responses``
+asks for the whole reply on ``POST /v1/responses`` instead of chat.
+
+Run: python benchmarks/whole_reply_stall.py [--tokens 4096] [--top 20] [--rounds 5]
+         [--delay-ms 1] [--api chat|responses] [--src before=/path/src --src after=/path/src]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import http.client
+import itertools
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from replystream.lab.local_server import READY, announced_process
+
+
+@dataclass
+class Round:
+    longest_gap_ms: float
+    longest_before_ms: float  # the same stream's, before the whole reply was asked for
+    whole_ms: float
+    whole_bytes: int
+
+
+def _post(
+    host: str, port: int, body: dict[str, object], path: str = "/v1/chat/completions"
+) -> http.client.HTTPResponse:
+    connection = http.client.HTTPConnection(host, port, timeout=120)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"the server answered {response.status}: {response.read()[:300]!r}")
+    return response
+
+
+def _whole_ask(api: str, tokens: int, top: int) -> tuple[str, dict[str, object]]:
+    if api == "responses":
+        return "/v1/responses", {
+            "model": "bench",
+            "input": "hello",
+            "max_output_tokens": tokens,
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": top,
+        }
+    message = [{"role": "user", "content": "hello"}]
+    ask = {"model": "bench", "messages": message, "max_tokens": tokens, "logprobs": True}
+    return "/v1/chat/completions", {**ask, "top_logprobs": top}
+
+
+def _tokens_in(api: str, body: bytes) -> int:
+    answer = json.loads(body)
+    if api == "responses":
+        return len(answer["output"][0]["content"][0]["logprobs"])
+    return len(answer["choices"][0]["logprobs"]["content"])
+
+
+def one_round(host: str, port: int, api: str, tokens: int, top: int) -> Round:
+    arrivals: list[float] = []
+    stop = threading.Event()
+    message = [{"role": "user", "content": "hello"}]
+
+    def stream() -> None:
+        ask = {"model": "bench", "messages": message, "stream": True, "max_tokens": 5 * tokens // 2}
+        response = _post(host, port, ask)
+        try:
+            for line in response:
+                if line.startswith(b"data:"):
+                    arrivals.append(time.perf_counter())
+                if stop.is_set():
+                    return
+        finally:
+            response.close()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while len(arrivals) < 50:  # the stream flows
+        time.sleep(0.01)
+    path, ask = _whole_ask(api, tokens, top)
+    began = time.perf_counter()
+    body = _post(host, port, ask, path).read()
+    ended = time.perf_counter()
+    time.sleep(0.05)  # an event after the body: the gap the body's end closed
+    stop.set()
+    reader.join()
+    made = _tokens_in(api, body)
+    if made != tokens:
+        raise RuntimeError(f"the whole reply has {made} tokens, not {tokens}")
+    split = sum(1 for t in arrivals if t < began)
+    ahead, spanned = arrivals[:split], [t for t in arrivals[split - 1 :] if t <= ended + 0.05]
+    return Round(_longest_gap(spanned), _longest_gap(ahead), (ended - began) * 1000, len(body))
+
+
+def _longest_gap(stamps: list[float]) -> float:
+    return max((b - a) * 1000 for a, b in itertools.pairwise(stamps))
+
+
+def serve_command(src: str | None, tokens: int, delay_ms: float) -> list[str]:
+    env = ["env", f"PYTHONPATH={src}"] if src else []  # the pid is the server's
+    words = " ".join(f"w{i % 97}" for i in range(3 * tokens))  # argv: under 128 KiB
+    return [
+        *env,
+        sys.executable,
+        "-m",
+        "replystream",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--engine",
+        "simulated",
+        "--delay-ms",
+        str(delay_ms),
+        "--jitter-ms",
+        "0",
+        "--reply-text",
+        words,
+        "--model-name",
+        "bench",
+        "--log-level",
+        "WARNING",
+    ]
+
+
+async def main(args: argparse.Namespace) -> None:
+    sources: list[tuple[str, str | None]] = [
+        (label, path) for label, _, path in (s.partition("=") for s in args.src)
+    ] or [("replystream", None)]
+    results: dict[str, list[Round]] = {label: [] for label, _ in sources}
+    async with contextlib.AsyncExitStack() as stack:
+        servers = []
+        for label, src in sources:
+            command = serve_command(src, args.tokens, args.delay_ms)
+            server = await stack.enter_async_context(announced_process(command, READY, name=label))
+            url = urlsplit(server.url)
+            assert url.hostname is not None and url.port is not None
+            servers.append((label, url.hostname, url.port))
+        for _label, host, port in servers:  # warm-up: imports, caches
+            await asyncio.to_thread(one_round, host, port, args.api, 64, args.top)
+        for _ in range(args.rounds):
+            for label, host, port in servers:
+                figures = await asyncio.to_thread(
+                    one_round, host, port, args.api, args.tokens, args.top
+                )
+                results[label].append(figures)
+                print(
+                    f"{label}: longest gap {figures.longest_gap_ms:.1f} ms, whole reply "
+                    f"{figures.whole_ms:.0f} ms, {figures.whole_bytes / 1e6:.2f} MB",
+                    flush=True,
+                )
+    print(
+        f"\nA stream of a token every {args.delay_ms:g} ms while a whole {args.api} reply of "
+        f"{args.tokens} tokens with {args.top} log probabilities each is made and sent; "
+        f"medians of {args.rounds} rounds"
+    )
+    print(f"{'server':<16}{'longest gap':>14}{'before it':>12}{'whole reply':>13}{'size':>9}")
+    for label, rounds in results.items():
+        longest = statistics.median(r.longest_gap_ms for r in rounds)
+        ahead = statistics.median(r.longest_before_ms for r in rounds)
+        whole = statistics.median(r.whole_ms for r in rounds)
+        size = statistics.median(r.whole_bytes for r in rounds) / 1e6
+        print(f"{label:<16}{longest:>11.1f} ms{ahead:>9.1f} ms{whole:>10.0f} ms{size:>6.2f} MB")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=20, help="top_logprobs (0-20)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--api", choices=["chat", "responses"], default="chat", help="the whole reply's route"
+    )
+    parser.add_argument("--delay-ms", type=float, default=1.0, help="the server's token time")
+    parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH")
+    args = parser.parse_args(argv)
+    if args.tokens < 1:
+        parser.error("--tokens must be at least 1")
+    if not 0 <= args.top <= 20:
+        parser.error("--top must be 0-20")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.delay_ms <= 0:
+        parser.error("--delay-ms must be above 0")
+    if any("=" not in s for s in args.src):
+        parser.error("--src takes LABEL=PATH")
+    return args
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
