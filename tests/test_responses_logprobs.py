@@ -6,6 +6,7 @@ an upstream that has none."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -211,6 +212,37 @@ async def test_a_stored_response_is_read_back_and_resumed_with_its_logprobs():
     deltas = of_type(replayed, "response.output_text.delta")
     told = [entry for delta in deltas for entry in entries(delta.logprobs)]
     assert without_bytes(entries(part.logprobs)) == told
+
+
+async def test_a_long_replys_logprobs_are_the_same_streamed_stored_and_whole_byte_for_byte():
+    """Forty tokens: their entries written as they came and joined for the last events, and
+    made in slices for a whole one; a stored response read back is its terminal event's
+    object, byte for byte (not parsed and written again)."""
+    long_reply = " ".join(f"w{i}" for i in range(40))
+    ask = {"input": "count", "include": INCLUDE, "top_logprobs": 4, **SEEDED}
+    async with (
+        running(create_app(fast_engine(reply_text=long_reply))) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{url}/v1/responses", json={**ask, "stream": True}) as response:
+            events = {e.type: e.data for e in EventParser().feed(await response.read())}
+            response_id = "resp_" + response.headers["X-Reply-Id"]
+        async with http.get(f"{url}/v1/responses/{response_id}") as read_back:
+            stored = await read_back.text()
+        async with http.post(f"{url}/v1/responses", json=ask) as blocking:
+            waited = await blocking.json()
+        async with http.post(f"{url}/v1/responses", json={**ask, "store": False}) as whole:
+            unstored = await whole.json()
+    completed = events["response.completed"]
+    assert completed.endswith("," + '"response":' + stored + "}")
+    part = json.loads(stored)["output"][0]["content"][0]
+    assert len(part["logprobs"]) == 40 and part["logprobs"][39]["token"] == "w39 "
+    assert all(len(entry["top_logprobs"]) == 4 for entry in part["logprobs"])
+    assert json.loads(events["response.content_part.done"])["part"] == part
+    done = json.loads(events["response.output_text.done"])
+    assert done["logprobs"] == without_bytes(part["logprobs"])
+    for other in (waited, unstored):  # the same seed: the same tokens, other ids
+        assert other["output"][0]["content"][0] == part
 
 
 async def test_each_message_around_a_tool_call_has_its_own_tokens_logprobs_streamed_and_whole():

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replystream.delivery.openai_formats import completion_body
-from replystream.delivery.sliced_json import SLICE, Sliced, dumps_sliced
+from replystream.delivery.sliced_json import SLICE, Sliced, Written, dumps_sliced, dumps_written
 from replystream.engine.base import TokenLogprob, TopLogprob
 
 leaves = (
@@ -145,3 +145,35 @@ async def test_the_loop_turns_between_slices() -> None:
 def test_what_json_cannot_write_is_refused_as_json_dumps_refuses_it() -> None:
     with pytest.raises(TypeError, match="not JSON serializable"):
         asyncio.run(dumps_sliced({"a": object()}))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(leaves, max_size=4), max_size=6), bodies)
+def test_a_list_written_as_it_came_is_the_list_made_whole(batches: Any, rest: Any) -> None:
+    """Items added a batch at a time (some batches empty), put in a body beside anything else
+    a body holds: the text json.dumps writes of the whole list there."""
+    written = Written()
+    for batch in batches:
+        written.add(json.dumps(batch, separators=(",", ":")))
+    items = [item for batch in batches for item in batch]
+    body = {"rest": rest, "items": written, "again": [written]}
+    try:
+        expected = json.dumps(
+            {"rest": made_whole(rest), "items": items, "again": [items]}, separators=(",", ":")
+        )
+    except TypeError:
+        return  # a Sliced inside a Sliced's items (above)
+    assert asyncio.run(dumps_sliced(body)) == expected.encode()
+    if _holds_sliced(rest):
+        with pytest.raises(TypeError, match="dumps_sliced"):
+            dumps_written(body)  # which does not wait, so cannot slice
+    else:
+        assert dumps_written(body) == expected
+
+
+def _holds_sliced(value: Any) -> bool:
+    if isinstance(value, Sliced):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_sliced(item) for item in value.values())
+    return isinstance(value, list) and any(_holds_sliced(item) for item in value)

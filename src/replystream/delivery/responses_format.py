@@ -65,6 +65,7 @@ from replystream.delivery.responses_objects import (
     reasoning_item,
     response_object,
 )
+from replystream.delivery.sliced_json import Written
 from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 
@@ -88,7 +89,10 @@ class ResponsesStreamFormat:
     _open_thought: tuple[int, Thought] | None = None  # the reasoning item open now, if any
     # The log probabilities of each message item's text so far (the open one's last); they
     # come only when the request included them.
-    _logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Written as they come, each delta's entries once more with their bytes: the last events
+    # repeat them all, and made and written then, in one go, they would hold the loop. Per
+    # message: without ``bytes`` (``output_text.done``), with them (the part, item, response).
+    _logprobs: list[tuple[Written, Written]] = field(default_factory=list)
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
@@ -106,7 +110,7 @@ class ResponsesStreamFormat:
             text=text,
             tool_calls=calls,
             thoughts=thoughts,
-            logprobs=self._logprobs,
+            logprobs=[entries for _, entries in self._logprobs],
             **details,
         )
 
@@ -146,7 +150,7 @@ class ResponsesStreamFormat:
         output_index = self._open_message = self._items
         self._items += 1
         self._message_from = len(self._text)
-        self._logprobs.append([])
+        self._logprobs.append((Written(), Written()))
         item_id = message_id(self._reply_id, output_index)
         self._delta_head = (
             f'{{"type":"response.output_text.delta","sequence_number":%d,'
@@ -176,10 +180,12 @@ class ResponsesStreamFormat:
                 return []
             specs = self._open_item_message()
         self._text.append(text)
-        self._logprobs[-1] += logprobs
+        plain, full = self._logprobs[-1]
+        full.add(compact_json(logprob_entries(logprobs)))
         number = self._next
         self._next += 1
         entries = compact_json(logprob_entries(logprobs, with_bytes=False))
+        plain.add(entries)
         delta = f'{self._delta_head % number}{json_string(text)},"logprobs":{entries}}}'
         specs.append(("response.output_text.delta", delta))
         return specs
@@ -280,13 +286,12 @@ class ResponsesStreamFormat:
             return []
         self._open_message = None
         text = "".join(self._text[self._message_from :])
-        made = self._logprobs[-1]
-        item = message_item(self._reply_id, message, text, status, made)
+        plain, full = self._logprobs[-1]
+        item = message_item(self._reply_id, message, text, status, full)
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": message, "content_index": 0}
-        logprobs = logprob_entries(made, with_bytes=False)
         return [
-            self._event("response.output_text.done", {**where, "text": text, "logprobs": logprobs}),
+            self._event("response.output_text.done", {**where, "text": text, "logprobs": plain}),
             self._event("response.content_part.done", {**where, "part": part}),
             self._event("response.output_item.done", {"output_index": message, "item": item}),
         ]

@@ -12,6 +12,7 @@ told its client. It must not know about sockets, tasks or which store keeps the 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,23 @@ from replystream.delivery.replay import LogEntry
 from replystream.delivery.responses_objects import compact_json, output_text_part, response_id
 
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# A terminal event as ``ResponsesStreamFormat`` writes it, up to its ``response``: the last
+# (and only other) field, so the rest of the event, but its closing brace, is the object.
+_TERMINAL_HEAD = re.compile(r'\{"type":"response\.[a-z]+","sequence_number":\d+,"response":\{')
+
+
+def response_json_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> str | None:
+    """``response_from_log``'s object as compact JSON. An ended response's is the text its
+    terminal event holds, not parsed and written again: with log probabilities it can be
+    megabytes, and a parse and a write of it would hold the loop for a quarter second."""
+    for entry in reversed(entries):
+        if entry.event in TERMINAL:
+            head = _TERMINAL_HEAD.match(entry.data)
+            if head is not None and entry.data.endswith("}"):
+                return entry.data[head.end() - 1 : -1]
+            break  # written some other way: parsed
+    response = response_from_log(entries, producer_lost=producer_lost)
+    return None if response is None else compact_json(response)
 
 
 def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> dict[str, Any] | None:

@@ -12,7 +12,6 @@ know about events, sockets, tasks or stores.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,11 +19,15 @@ from typing import Any, Literal
 from replystream.delivery.formats import Usage
 from replystream.delivery.openai_formats import logprob_entries
 from replystream.delivery.reply_content import Thought, in_order
+from replystream.delivery.sliced_json import Sliced, Written, dumps_written
 from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob
 
 # The log probabilities of each message item's text, in the order of the output's messages.
-MessageLogprobs = Sequence[Sequence[TokenLogprob]]
+# A message's tokens' log probabilities: the tokens, or their entries as a large body or the
+# stream's last events write them (``sliced_json``).
+TextLogprobs = Sequence[TokenLogprob] | Sliced[TokenLogprob] | Written
+MessageLogprobs = Sequence[TextLogprobs]
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 # An output item's own status: the spec has no failed or cancelled item (OpenAI's
@@ -47,8 +50,9 @@ def reply_id_of(response: str) -> str | None:
 
 
 def compact_json(payload: dict[str, Any] | list[Any]) -> str:
-    """JSON without spaces, as every event and object of this API is written."""
-    return json.dumps(payload, separators=(",", ":"))
+    """JSON without spaces, as every event and object of this API is written (``Written``
+    log probabilities put in as written)."""
+    return dumps_written(payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +160,11 @@ def message_id(reply_id: str, output_index: int) -> str:
     return f"msg_{reply_id}" if not output_index else f"msg_{reply_id}_{output_index}"
 
 
-def output_text_part(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+def output_text_part(text: str, logprobs: TextLogprobs = ()) -> dict[str, Any]:
     """An ``output_text`` content part, with its tokens' log probabilities (OpenAI's
     ``LogProb``: ``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
-    return {
-        "type": "output_text",
-        "text": text,
-        "annotations": [],
-        "logprobs": logprob_entries(logprobs),
-    }
+    entries = logprobs if isinstance(logprobs, Sliced | Written) else logprob_entries(logprobs)
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": entries}
 
 
 def message_item(
@@ -172,7 +172,7 @@ def message_item(
     output_index: int,
     text: str,
     status: ItemStatus,
-    logprobs: Sequence[TokenLogprob] = (),
+    logprobs: TextLogprobs = (),
 ) -> dict[str, Any]:
     """A ``message`` output item of ``text`` (and its tokens' log probabilities)."""
     return {

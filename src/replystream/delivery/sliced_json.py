@@ -6,11 +6,15 @@ one go, that holds the loop for a quarter of a second, and every stream the serv
 stands still meanwhile. Such a body's large part is always a list whose items are made from
 a sequence (one entry per token), so a body builder puts a ``Sliced`` there: the sequence and
 how to make items of it. ``dumps_sliced`` writes the body with each ``Sliced`` made and
-encoded ``SLICE`` items at a time, awaiting a turn of the loop between slices.
+encoded ``SLICE`` items at a time, awaiting a turn of the loop between slices. A stream's
+last events, written where nothing may wait, repeat what its deltas carried: there the items
+are written as they come (``Written``, the JSON of each delta's items) and only joined at
+the end (``dumps_written``).
 
-The bytes are ``json.dumps(body, separators=(",", ":"))``'s with every ``Sliced`` made whole
-(``Sliced.whole``), the floats spelt as ``json.dumps`` spells them. A body with no ``Sliced``
-is one ``json.dumps``, as before. This file must not know what the lists hold.
+The text is ``json.dumps(body, separators=(",", ":"))``'s with every ``Sliced`` made whole
+(``Sliced.whole``) and every ``Written`` the list it was written from, the floats spelt as
+``json.dumps`` spells them. A body with neither is one ``json.dumps``, as before. This file
+must not know what the lists hold.
 """
 
 from __future__ import annotations
@@ -45,42 +49,90 @@ class Sliced(Generic[T]):
         return self.make(self.source)
 
 
-async def dumps_sliced(body: Any) -> bytes:
-    """``body`` as compact JSON (ASCII, as ``json.dumps`` escapes), its ``Sliced`` lists made
-    and written a slice at a time, the loop turning between slices."""
-    sliced: list[Sliced[Any]] = []
-    # Each Sliced is written first as a string no text can hold (a tag drawn for this body
-    # alone), then that string is replaced by the list: one json.dumps for the rest.
-    tag = f"\x00sliced-{secrets.token_hex(16)}-"
+class Written:
+    """A list of a body whose items are written as JSON beforehand, some at a time as they
+    come (``add``), and joined when the body is written."""
+
+    __slots__ = ("_joined", "_pieces")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._joined: str | None = "[]"
+
+    def add(self, items: str) -> None:
+        """Some more items: a JSON list's text (``[]`` adds none)."""
+        if items != "[]":
+            self._pieces.append(items[1:-1])
+            self._joined = None
+
+    def json(self) -> str:
+        """The whole list's JSON (joined once, however many bodies repeat it)."""
+        if self._joined is None:
+            self._joined = "[" + ",".join(self._pieces) + "]"
+        return self._joined
+
+
+def _with_stand_ins(body: Any) -> tuple[str, list[tuple[str, Sliced[Any] | Written]]]:
+    """``body``'s compact JSON with each ``Sliced`` or ``Written`` in it written as a string
+    no text can hold (a tag drawn for this body alone), and those strings (as JSON) with the
+    part each stands for, in the order the text has them."""
+    parts: list[tuple[str, Sliced[Any] | Written]] = []
+    tag = f"\x00part-{secrets.token_hex(16)}-"
 
     def stand_in(value: object) -> str:
-        if not isinstance(value, Sliced):
+        if not isinstance(value, Sliced | Written):
             raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
-        sliced.append(value)
-        return f"{tag}{len(sliced) - 1}"
+        name = f"{tag}{len(parts)}"
+        parts.append((_compact(name), value))
+        return name
 
-    text = json.dumps(body, separators=(",", ":"), default=stand_in)
-    if not sliced:
+    return json.dumps(body, separators=(",", ":"), default=stand_in), parts
+
+
+def dumps_written(body: Any) -> str:
+    """``body`` as compact JSON, each ``Written`` list in it put in as written (no
+    ``Sliced``: this does not wait). ``json.dumps``'s text of the body made whole."""
+    text, parts = _with_stand_ins(body)
+    if not parts:
+        return text
+    out: list[str] = []
+    for stand_in, part in parts:
+        if isinstance(part, Sliced):
+            raise TypeError("a Sliced list is written by dumps_sliced, which waits")
+        before, _, text = text.partition(stand_in)
+        out += (before, part.json())
+    out.append(text)
+    return "".join(out)
+
+
+async def dumps_sliced(body: Any) -> bytes:
+    """``body`` as compact JSON (ASCII, as ``json.dumps`` escapes), its ``Sliced`` lists made
+    and written a slice at a time, the loop turning between slices (``Written`` ones put in
+    as written)."""
+    text, parts = _with_stand_ins(body)
+    if not parts:
         return text.encode()
-    parts: list[str] = []
-    rest = text
-    for index, part in enumerate(sliced):  # in the order json.dumps met them, the text's
-        before, _, rest = rest.partition(_compact(f"{tag}{index}"))
-        parts.append(before)
-        await _write(part, parts)
-    parts.append(rest)
-    return "".join(parts).encode()
+    out: list[str] = []
+    for stand_in, part in parts:
+        before, _, text = text.partition(stand_in)
+        out.append(before)
+        if isinstance(part, Written):
+            out.append(part.json())
+        else:
+            await _write(part, out)
+    out.append(text)
+    return "".join(out).encode()
 
 
-async def _write(sliced: Sliced[Any], parts: list[str]) -> None:
+async def _write(sliced: Sliced[Any], out: list[str]) -> None:
     source, make = sliced.source, sliced.make
-    parts.append("[")
+    out.append("[")
     written = False
     for start in range(0, len(source), SLICE):
         if start:
             await asyncio.sleep(0)  # the other streams' turn
         items = make(source[start : start + SLICE])
         if items:
-            parts.append(f"{',' if written else ''}{_compact(items)[1:-1]}")
+            out.append(f"{',' if written else ''}{_compact(items)[1:-1]}")
             written = True
-    parts.append("]")
+    out.append("]")

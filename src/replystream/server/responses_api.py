@@ -33,6 +33,7 @@ from aiohttp import web
 
 from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
+from replystream.delivery.openai_formats import logprob_entries
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import (
     ReplayStore,
@@ -50,6 +51,7 @@ from replystream.delivery.responses_objects import (
     response_object,
     split_by_message,
 )
+from replystream.delivery.sliced_json import Sliced
 from replystream.engine.base import GenerationRequest
 from replystream.server import ids
 from replystream.server.buffered import WHOLE_REPLY, Whole
@@ -78,6 +80,7 @@ from replystream.server.responses_schemas import (
 from replystream.server.responses_stored import (
     find_response,
     read_response,
+    response_body,
     response_reply_id,
 )
 from replystream.server.resume_dialects import follow_resumed
@@ -188,7 +191,9 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
     if body.background:
         queued = response_object(settings, reply.reply_id, "queued")
         return web.json_response(queued, headers={"X-Reply-Id": reply.reply_id})
-    return web.json_response(await _await_end(reply), headers={"X-Reply-Id": reply.reply_id})
+    answer = await _await_end(reply)
+    answer.headers["X-Reply-Id"] = reply.reply_id
+    return answer
 
 
 def _follow(
@@ -199,7 +204,7 @@ def _follow(
     return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE, notices=notices)
 
 
-async def _await_end(reply: Reply) -> dict[str, Any]:
+async def _await_end(reply: Reply) -> web.Response:
     """A stored response answered whole: wait for its log's ending, then read the object.
     The waiting request is its reader: if the client leaves, the response stops."""
     reply.reader_joined()
@@ -207,7 +212,7 @@ async def _await_end(reply: Reply) -> dict[str, Any]:
         await _until_ended(reply.store, reply.reply_id)
     finally:
         reply.reader_left("client_gone")  # after the end, this only lets go of the log
-    return await read_response(reply.store, reply.reply_id)
+    return await response_body(reply.store, reply.reply_id)
 
 
 async def _until_ended(store: ReplayStore, reply_id: str) -> None:
@@ -237,7 +242,8 @@ async def _whole(
         if made.logprobs is None:  # not included
             return ()
         at = dict(made.logprobs_at)
-        return split_by_message(made.text, made.tool_calls, made.thoughts, made.logprobs, at)
+        split = split_by_message(made.text, made.tool_calls, made.thoughts, made.logprobs, at)
+        return [Sliced(tokens, logprob_entries) for tokens in split]  # a body's largest part
 
     def body(whole: Whole) -> dict[str, Any]:
         incomplete = INCOMPLETE_REASONS.get(whole.finish_reason)
@@ -303,7 +309,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     reply_id = response_reply_id(given_id, "response_id")
     store, local = await find_response(request, reply_id, "response_id")
     if not query.stream:
-        return web.json_response(await read_response(store, reply_id))
+        return await response_body(store, reply_id)
     # An EventSource resumes with the same cursor, in its header.
     cursors = {"starting_after": query.starting_after, "last_event_id": query.last_event_id}
     after, param = resume_after(request, cursors)
@@ -346,7 +352,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(CANCEL_WAIT_S):
             await _until_ended(store, reply_id)
-    return web.json_response(await read_response(store, reply_id))
+    return await response_body(store, reply_id)
 
 
 async def handle_delete(request: web.Request) -> web.StreamResponse:

@@ -8,12 +8,17 @@ response's events are made.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
-from replystream.delivery.responses_log import TERMINAL, response_from_log
+from replystream.delivery.responses_log import (
+    TERMINAL,
+    response_from_log,
+    response_json_from_log,
+)
 from replystream.delivery.responses_objects import reply_id_of
 from replystream.server.errors import HTTPAPIError
 from replystream.server.replies import Reply
@@ -90,6 +95,26 @@ async def entries_until(store: ReplayStore, reply_id: str, after: int) -> list[L
 
 async def read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     """The response object as its log tells it now."""
+    entries, lost = await _told_whole(store, reply_id)
+    response = response_from_log(entries, producer_lost=lost)
+    if response is None:
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+    return response
+
+
+async def response_body(store: ReplayStore, reply_id: str) -> web.Response:
+    """``read_response``'s object as a JSON answer: an ended response's as its terminal event
+    wrote it, not parsed and written again (``response_json_from_log``)."""
+    entries, lost = await _told_whole(store, reply_id)
+    text = response_json_from_log(entries, producer_lost=lost)
+    if text is None:
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+    return web.Response(text=text, content_type="application/json")
+
+
+async def _told_whole(store: ReplayStore, reply_id: str) -> tuple[Sequence[LogEntry], bool]:
+    """A response's log as it is now (none: no such log), and whether its producer is lost.
+    A 410 when events it needs were evicted or trimmed."""
     try:
         result = await read_log(store, reply_id)
         lost = False
@@ -100,23 +125,20 @@ async def read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
             lost = after is not None and after.producer_lost
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    response = None
-    if result is not None:
-        response = response_from_log(result.entries, producer_lost=lost)
-        if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
-            # Events before these are gone (evicted, or trimmed): only a terminal event,
-            # which carries the whole response, can be trusted; never a text with holes.
-            raise HTTPAPIError(
-                410,
-                f"events {result.lost[0]}-{result.lost[1]} of this response are no longer "
-                "kept (evicted by Redis under memory pressure, or trimmed): it cannot be "
-                "told whole",
-                code="reply_evicted",
-                param="response_id",
-            )
-    if response is None:
-        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
-    return response
+    if result is None:
+        return [], lost
+    if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
+        # Events before these are gone (evicted, or trimmed): only a terminal event,
+        # which carries the whole response, can be trusted; never a text with holes.
+        raise HTTPAPIError(
+            410,
+            f"events {result.lost[0]}-{result.lost[1]} of this response are no longer "
+            "kept (evicted by Redis under memory pressure, or trimmed): it cannot be "
+            "told whole",
+            code="reply_evicted",
+            param="response_id",
+        )
+    return result.entries, lost
 
 
 async def stored_conversation(store: ReplayStore, reply_id: str) -> Conversation | None:
