@@ -15,10 +15,12 @@ the client's own reading of the large body cannot delay the stamps.
 under the same load. Printed per tree: medians over ``--rounds`` of the stream's longest gap
 while the whole reply was made and sent, of its longest gap in the half second or so before
 it was asked for (the floor), and of the whole reply's time and size. ``--api responses``
-asks for the whole reply on ``POST /v1/responses`` instead of chat.
+asks for the whole reply on ``POST /v1/responses`` instead of chat; ``--redis-url`` has the
+servers keep their logs in a running Redis.
 
 Run: python benchmarks/whole_reply_stall.py [--tokens 4096] [--top 20] [--rounds 5]
-         [--delay-ms 1] [--api chat|responses] [--src before=/path/src --src after=/path/src]
+         [--delay-ms 1] [--api chat|responses] [--redis-url redis://127.0.0.1:6379/0]
+         [--src before=/path/src --src after=/path/src]
 """
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ def _longest_gap(stamps: list[float]) -> float:
     return max((b - a) * 1000 for a, b in itertools.pairwise(stamps))
 
 
-def serve_command(src: str | None, tokens: int, delay_ms: float) -> list[str]:
+def serve_command(
+    src: str | None, tokens: int, delay_ms: float, redis_url: str | None
+) -> list[str]:
     env = ["env", f"PYTHONPATH={src}"] if src else []  # the pid is the server's
     words = " ".join(f"w{i % 97}" for i in range(3 * tokens))  # argv: under 128 KiB
     return [
@@ -144,6 +148,7 @@ def serve_command(src: str | None, tokens: int, delay_ms: float) -> list[str]:
         "bench",
         "--log-level",
         "WARNING",
+        *(["--redis-url", redis_url] if redis_url else []),
     ]
 
 
@@ -155,7 +160,7 @@ async def main(args: argparse.Namespace) -> None:
     async with contextlib.AsyncExitStack() as stack:
         servers = []
         for label, src in sources:
-            command = serve_command(src, args.tokens, args.delay_ms)
+            command = serve_command(src, args.tokens, args.delay_ms, args.redis_url)
             server = await stack.enter_async_context(announced_process(command, READY, name=label))
             url = urlsplit(server.url)
             assert url.hostname is not None and url.port is not None
@@ -197,6 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--delay-ms", type=float, default=1.0, help="the server's token time")
     parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH")
+    parser.add_argument(
+        "--redis-url", help="the servers keep their reply logs in this Redis (a running one)"
+    )
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error("--tokens must be at least 1")
