@@ -15,11 +15,13 @@ the client's own reading of the large body cannot delay the stamps.
 under the same load. Printed per tree: medians over ``--rounds`` of the stream's longest gap
 while the whole reply was made and sent, of its longest gap in the half second or so before
 it was asked for (the floor), and of the whole reply's time and size. ``--api responses``
-asks for the whole reply on ``POST /v1/responses`` instead of chat; ``--redis-url`` has the
+asks for the whole reply on ``POST /v1/responses`` instead of chat; ``--api previous`` asks
+for a one-token response whose ``previous_response_id`` is such a reply, stored before the
+stream began (its history is read from that reply's log); ``--redis-url`` has the
 servers keep their logs in a running Redis.
 
 Run: python benchmarks/whole_reply_stall.py [--tokens 4096] [--top 20] [--rounds 5]
-         [--delay-ms 1] [--api chat|responses] [--redis-url redis://127.0.0.1:6379/0]
+         [--delay-ms 1] [--api chat|responses|previous] [--redis-url redis://127.0.0.1:6379/0]
          [--src before=/path/src --src after=/path/src]
 """
 
@@ -81,7 +83,20 @@ def _tokens_in(api: str, body: bytes) -> int:
     return len(answer["choices"][0]["logprobs"]["content"])
 
 
+def _follow_up(host: str, port: int, tokens: int, top: int) -> tuple[str, dict[str, object]]:
+    """A one-token response continuing a stored one of ``tokens`` tokens with log
+    probabilities (made now, before the stream starts)."""
+    path, ask = _whole_ask("responses", tokens, top)
+    stored = json.loads(_post(host, port, ask, path).read())
+    ask = {"model": "bench", "input": "and?", "max_output_tokens": 1}
+    return path, {**ask, "previous_response_id": stored["id"]}
+
+
 def one_round(host: str, port: int, api: str, tokens: int, top: int) -> Round:
+    if api == "previous":
+        path, ask = _follow_up(host, port, tokens, top)
+    else:
+        path, ask = _whole_ask(api, tokens, top)
     arrivals: list[float] = []
     stop = threading.Event()
     message = [{"role": "user", "content": "hello"}]
@@ -102,15 +117,14 @@ def one_round(host: str, port: int, api: str, tokens: int, top: int) -> Round:
     reader.start()
     while len(arrivals) < 50:  # the stream flows
         time.sleep(0.01)
-    path, ask = _whole_ask(api, tokens, top)
     began = time.perf_counter()
     body = _post(host, port, ask, path).read()
     ended = time.perf_counter()
     time.sleep(0.05)  # an event after the body: the gap the body's end closed
     stop.set()
     reader.join()
-    made = _tokens_in(api, body)
-    if made != tokens:
+    made = 1 if api == "previous" else _tokens_in(api, body)
+    if made != (1 if api == "previous" else tokens):
         raise RuntimeError(f"the whole reply has {made} tokens, not {tokens}")
     split = sum(1 for t in arrivals if t < began)
     ahead, spanned = arrivals[:split], [t for t in arrivals[split - 1 :] if t <= ended + 0.05]
@@ -178,10 +192,14 @@ async def main(args: argparse.Namespace) -> None:
                     f"{figures.whole_ms:.0f} ms, {figures.whole_bytes / 1e6:.2f} MB",
                     flush=True,
                 )
+    asked = (
+        f"a one-token response continues a stored one of {args.tokens} tokens"
+        if args.api == "previous"
+        else f"a whole {args.api} reply of {args.tokens} tokens is made and sent"
+    )
     print(
-        f"\nA stream of a token every {args.delay_ms:g} ms while a whole {args.api} reply of "
-        f"{args.tokens} tokens with {args.top} log probabilities each is made and sent; "
-        f"medians of {args.rounds} rounds"
+        f"\nA stream of a token every {args.delay_ms:g} ms while {asked}, with {args.top} log "
+        f"probabilities each; medians of {args.rounds} rounds"
     )
     print(f"{'server':<16}{'longest gap':>14}{'before it':>12}{'whole reply':>13}{'size':>9}")
     for label, rounds in results.items():
@@ -198,7 +216,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=20, help="top_logprobs (0-20)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
-        "--api", choices=["chat", "responses"], default="chat", help="the whole reply's route"
+        "--api",
+        choices=["chat", "responses", "previous"],
+        default="chat",
+        help="the whole reply's route; previous: a one-token response continuing one of "
+        "--tokens tokens (previous_response_id)",
     )
     parser.add_argument("--delay-ms", type=float, default=1.0, help="the server's token time")
     parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH")

@@ -11,10 +11,11 @@ told its client. It must not know about sockets, tasks or which store keeps the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from replystream.delivery.replay import LogEntry
 from replystream.delivery.responses_objects import compact_json, output_text_part, response_id
@@ -113,6 +114,71 @@ def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str
         elif item["type"] == "reasoning" and not item["content"]:
             item["content"] = [{"type": "reasoning_text", "text": ""}]
         items[item["id"]] = item
+
+
+# Events read between two turns of the loop, where an ended response's output is read from
+# its small events (a text delta with 20 log probabilities is about 1.4 KB).
+SAID_SLICE = 64
+
+
+class Call(NamedTuple):
+    """A function call a response made, as a conversation holds it."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+class Said(NamedTuple):
+    """What a response said, as the next turn's assistant message takes it: its messages'
+    text, joined, and its function calls, in order."""
+
+    text: str
+    calls: list[Call]
+
+
+def said_in_object(response: dict[str, Any]) -> Said:
+    """What a response object's output says."""
+    output = response["output"]
+    text = "".join(
+        part["text"]
+        for item in output
+        for part in item.get("content", [])
+        if part.get("type") == "output_text"
+    )
+    calls = [
+        Call(item["call_id"], item["name"], item["arguments"])
+        for item in output
+        if item.get("type") == "function_call"
+    ]
+    return Said(text, calls)
+
+
+async def said_in_events(entries: Sequence[LogEntry]) -> Said:
+    """What an ended response said, read from its whole log's small events (its messages'
+    text deltas, its calls' opening and argument deltas), ``SAID_SLICE`` at a time with a turn of
+    the loop between: not from the events that repeat a message whole (its ``.done`` events
+    and the terminal one), which with log probabilities are megabytes, and whose parse would
+    hold the loop for a tenth of a second or more."""
+    texts: list[str] = []
+    calls: dict[str, dict[str, Any]] = {}  # by item id, in order
+    for index, entry in enumerate(entries):
+        if index and not index % SAID_SLICE:
+            await asyncio.sleep(0)  # the other streams' turn
+        event = entry.event
+        if event == "response.output_text.delta":
+            texts.append(json.loads(entry.data)["delta"])
+        elif event == "response.output_item.added":
+            item = json.loads(entry.data)["item"]
+            if item["type"] == "function_call":
+                calls[item["id"]] = item
+        elif event == "response.function_call_arguments.delta":
+            piece = json.loads(entry.data)
+            call = calls.get(piece["item_id"])
+            if call is not None:
+                call["arguments"] += piece["delta"]
+    made = [Call(call["call_id"], call["name"], call["arguments"]) for call in calls.values()]
+    return Said("".join(texts), made)
 
 
 def opened_object(first: LogEntry) -> dict[str, Any] | None:

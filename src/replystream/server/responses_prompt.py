@@ -24,8 +24,8 @@ from replystream.server.refusal_names import FieldNames
 from replystream.server.responses_schemas import ResponsesPrompt
 from replystream.server.responses_stored import (
     find_response,
-    read_response,
     response_reply_id,
+    response_said,
     stored_conversation,
 )
 from replystream.server.tool_requests import (
@@ -84,26 +84,20 @@ async def _history(request: web.Request, previous: str) -> Messages:
     reply_id = response_reply_id(previous, "previous_response_id")
     store, _ = await find_response(request, reply_id, "previous_response_id")
     kept = await stored_conversation(store, reply_id)
-    response = await read_response(store, reply_id)
-    if response["status"] in ("queued", "in_progress"):
+    said = await response_said(store, reply_id)
+    if said is None:
         raise bad("previous_response_id", f"response {previous} has not finished yet")
     history: Messages = []
     if kept is not None:
         history = [turn.model_dump(exclude_none=True) for turn in kept.messages]
-    text = "".join(
-        part["text"]
-        for item in response["output"]
-        for part in item.get("content", [])
-        if part.get("type") == "output_text"
-    )
+    text = said.text
     calls = [
         {
-            "id": item["call_id"],
+            "id": call.call_id,
             "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]},
+            "function": {"name": call.name, "arguments": call.arguments},
         }
-        for item in response["output"]
-        if item.get("type") == "function_call"
+        for call in said.calls
     ]
     if calls:
         return [*history, {"role": "assistant", "content": text or None, "tool_calls": calls}]

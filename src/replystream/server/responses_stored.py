@@ -9,15 +9,18 @@ response's events are made.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
 from replystream.delivery.responses_log import (
     TERMINAL,
+    Said,
     response_from_log,
     response_json_from_log,
+    said_in_events,
+    said_in_object,
 )
 from replystream.delivery.responses_objects import reply_id_of
 from replystream.server.errors import HTTPAPIError
@@ -95,8 +98,8 @@ async def entries_until(store: ReplayStore, reply_id: str, after: int) -> list[L
 
 async def read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     """The response object as its log tells it now."""
-    entries, lost = await _told_whole(store, reply_id)
-    response = response_from_log(entries, producer_lost=lost)
+    told = await _read_told(store, reply_id)
+    response = response_from_log(told.entries, producer_lost=told.producer_lost)
     if response is None:
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
     return response
@@ -105,16 +108,37 @@ async def read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
 async def response_body(store: ReplayStore, reply_id: str) -> web.Response:
     """``read_response``'s object as a JSON answer: an ended response's as its terminal event
     wrote it, not parsed and written again (``response_json_from_log``)."""
-    entries, lost = await _told_whole(store, reply_id)
-    text = response_json_from_log(entries, producer_lost=lost)
+    told = await _read_told(store, reply_id)
+    text = response_json_from_log(told.entries, producer_lost=told.producer_lost)
     if text is None:
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
     return web.Response(text=text, content_type="application/json")
 
 
-async def _told_whole(store: ReplayStore, reply_id: str) -> tuple[Sequence[LogEntry], bool]:
-    """A response's log as it is now (none: no such log), and whether its producer is lost.
-    A 410 when events it needs were evicted or trimmed."""
+async def response_said(store: ReplayStore, reply_id: str) -> Said | None:
+    """What a response said, for the next turn's history; None while it has not finished
+    (queued, or in progress). An ended one's whole log is read from its small events
+    (``said_in_events``, a slice at a time); one whose early events are gone, or whose
+    producer was lost, from its object."""
+    told = await _read_told(store, reply_id)
+    if told.whole and any(entry.event in TERMINAL for entry in reversed(told.entries)):
+        return await said_in_events(told.entries)
+    response = response_from_log(told.entries, producer_lost=told.producer_lost)
+    if response is None:
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+    if response["status"] in ("queued", "in_progress"):
+        return None
+    return said_in_object(response)
+
+
+class _Told(NamedTuple):
+    entries: Sequence[LogEntry]  # none: no such log
+    producer_lost: bool  # not ended, and its producer is gone
+    whole: bool  # no event of it was lost
+
+
+async def _read_told(store: ReplayStore, reply_id: str) -> _Told:
+    """A response's log as it is now. A 410 when events it needs were evicted or trimmed."""
     try:
         result = await read_log(store, reply_id)
         lost = False
@@ -126,7 +150,7 @@ async def _told_whole(store: ReplayStore, reply_id: str) -> tuple[Sequence[LogEn
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     if result is None:
-        return [], lost
+        return _Told((), lost, True)
     if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
         # Events before these are gone (evicted, or trimmed): only a terminal event,
         # which carries the whole response, can be trusted; never a text with holes.
@@ -138,7 +162,7 @@ async def _told_whole(store: ReplayStore, reply_id: str) -> tuple[Sequence[LogEn
             code="reply_evicted",
             param="response_id",
         )
-    return result.entries, lost
+    return _Told(result.entries, lost, result.lost is None)
 
 
 async def stored_conversation(store: ReplayStore, reply_id: str) -> Conversation | None:
