@@ -87,11 +87,10 @@ class ResponsesStreamFormat:
     _call_index: dict[int, int] = field(default_factory=dict)  # call index -> output index
     _thoughts: Thoughts = field(default_factory=Thoughts)
     _open_thought: tuple[int, Thought] | None = None  # the reasoning item open now, if any
-    # The log probabilities of each message item's text so far (the open one's last); they
-    # come only when the request included them.
-    # Written as they come, each delta's entries once more with their bytes: the last events
-    # repeat them all, and made and written then, in one go, they would hold the loop. Per
-    # message: without ``bytes`` (``output_text.done``), with them (the part, item, response).
+    # The log probabilities of each message item's text so far (the open one's last), when
+    # the request included them: written as each delta comes, without ``bytes`` (for its
+    # ``output_text.done``) and with them (its part, its item, the response). The last events
+    # repeat them all; made and written then, in one go, they would hold the loop.
     _logprobs: list[tuple[Written, Written]] = field(default_factory=list)
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:

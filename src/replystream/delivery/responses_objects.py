@@ -23,10 +23,10 @@ from replystream.delivery.sliced_json import Sliced, Written, dumps_written
 from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob
 
-# The log probabilities of each message item's text, in the order of the output's messages.
-# A message's tokens' log probabilities: the tokens, or their entries as a large body or the
+# A message's tokens' log probabilities: the tokens, or their entries as a large body or a
 # stream's last events write them (``sliced_json``).
 TextLogprobs = Sequence[TokenLogprob] | Sliced[TokenLogprob] | Written
+# The log probabilities of each message item's text, in the order of the output's messages.
 MessageLogprobs = Sequence[TextLogprobs]
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]

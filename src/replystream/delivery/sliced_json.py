@@ -1,4 +1,5 @@
-"""A whole reply's JSON body written in slices, the event loop turning between them.
+"""The large lists of a reply's JSON: made in slices, the loop turning between, or written
+as they came.
 
 A stream's events are small; a whole reply's body need not be: 4,096 tokens with 20 log
 probabilities each are about 6 MB of JSON, made from some 90,000 dicts. Made and encoded in

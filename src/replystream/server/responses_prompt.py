@@ -90,7 +90,6 @@ async def _history(request: web.Request, previous: str) -> Messages:
     history: Messages = []
     if kept is not None:
         history = [turn.model_dump(exclude_none=True) for turn in kept.messages]
-    text = said.text
     calls = [
         {
             "id": call.call_id,
@@ -100,8 +99,9 @@ async def _history(request: web.Request, previous: str) -> Messages:
         for call in said.calls
     ]
     if calls:
-        return [*history, {"role": "assistant", "content": text or None, "tool_calls": calls}]
-    return [*history, {"role": "assistant", "content": text}]
+        message = {"role": "assistant", "content": said.text or None, "tool_calls": calls}
+        return [*history, message]
+    return [*history, {"role": "assistant", "content": said.text}]
 
 
 @dataclass(frozen=True, slots=True)

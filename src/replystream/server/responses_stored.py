@@ -101,7 +101,7 @@ async def read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
     told = await _read_told(store, reply_id)
     response = response_from_log(told.entries, producer_lost=told.producer_lost)
     if response is None:
-        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+        raise _no_such_response()
     return response
 
 
@@ -111,7 +111,7 @@ async def response_body(store: ReplayStore, reply_id: str) -> web.Response:
     told = await _read_told(store, reply_id)
     text = response_json_from_log(told.entries, producer_lost=told.producer_lost)
     if text is None:
-        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+        raise _no_such_response()
     return web.Response(text=text, content_type="application/json")
 
 
@@ -125,10 +125,14 @@ async def response_said(store: ReplayStore, reply_id: str) -> Said | None:
         return await said_in_events(told.entries)
     response = response_from_log(told.entries, producer_lost=told.producer_lost)
     if response is None:
-        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+        raise _no_such_response()
     if response["status"] in ("queued", "in_progress"):
         return None
     return said_in_object(response)
+
+
+def _no_such_response() -> HTTPAPIError:
+    return HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
 
 
 class _Told(NamedTuple):
