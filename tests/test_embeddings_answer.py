@@ -4,7 +4,6 @@ loop turning while a large one is read."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -15,6 +14,7 @@ from pydantic_core import from_json
 
 from replystream.engine import embeddings_answer
 from replystream.engine.embeddings_answer import checked_answer
+from tests.loop_turns import counted_turns
 
 # Text that a structural scan could stumble on: quotes, backslashes, brackets, a key's name.
 TRICKY = st.text(st.sampled_from(['"', "\\", "[", "]", "{", "}", ",", ":", "a", "é", "\n"]))
@@ -145,19 +145,7 @@ async def test_the_loop_turns_while_a_large_answer_is_read(monkeypatch: pytest.M
     monkeypatch.setattr(embeddings_answer, "SLICE_BYTES", 1024)
     items = [{"embedding": [0.5] * 200, "index": i} for i in range(40)]  # about 40 KB
     raw = json.dumps({"data": items, "model": "m"}).encode()
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-
-    counter = asyncio.create_task(count_turns())
-    await asyncio.sleep(0)
-    try:
+    async with counted_turns() as turns:
         got = await checked_answer(raw, "asked")
-    finally:
-        counter.cancel()
+        assert turns() >= 40, turns()  # one at least every kilobyte scanned, and every item parsed
     assert got is not None and from_json(got.body)["data"] == items
-    assert turns >= 40, turns  # one at least every kilobyte scanned, and every item parsed

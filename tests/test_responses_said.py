@@ -15,9 +15,10 @@ from replystream.delivery.formats import Spec, Usage
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 from replystream.delivery.responses_format import ResponsesStreamFormat
-from replystream.delivery.responses_log import TERMINAL, said_in_events, said_in_object
+from replystream.delivery.responses_log import SAID_SLICE, TERMINAL, said_in_events, said_in_object
 from replystream.delivery.responses_objects import ResponseSettings
 from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob
+from tests.loop_turns import counted_turns
 
 texts = st.text(min_size=1, max_size=8)
 pieces = st.lists(
@@ -70,3 +71,12 @@ def test_what_the_events_say_is_what_the_terminal_object_says(steps: Any, ending
     [terminal] = [entry for entry in entries if entry.event in TERMINAL]
     told = said_in_object(json.loads(terminal.data)["response"])
     assert asyncio.run(said_in_events(entries)) == told
+
+
+async def test_a_long_log_is_read_with_turns_of_the_loop_between() -> None:
+    steps = [("logprobs", f"w{i} ") for i in range(4 * SAID_SLICE)]
+    entries = responded(steps, "stop")
+    async with counted_turns() as turns:
+        said = await said_in_events(entries)
+        assert turns() >= 4
+    assert said.text == "".join(text for _, text in steps)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from replystream.delivery.openai_formats import completion_body
 from replystream.delivery.sliced_json import SLICE, Sliced, Written, dumps_sliced, dumps_written
 from replystream.engine.base import TokenLogprob, TopLogprob
+from tests.loop_turns import counted_turns
 
 leaves = (
     st.none()
@@ -121,25 +122,12 @@ def test_a_whole_replys_body_with_log_probabilities_is_what_it_was(kind: Any) ->
 
 
 async def test_the_loop_turns_between_slices() -> None:
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-
-    counter = asyncio.create_task(count_turns())
-    await asyncio.sleep(0)
-    try:
-        before = turns
+    async with counted_turns() as turns:
         await dumps_sliced({"a": Sliced(list(range(10 * SLICE)), _keep)})
-        assert turns - before >= 9  # one between each two of the ten slices
-        before = turns
+        assert turns() >= 9  # one between each two of the ten slices
+    async with counted_turns() as turns:
         await dumps_sliced({"a": list(range(10 * SLICE))})  # nothing sliced: one go
-        assert turns == before
-    finally:
-        counter.cancel()
+        assert turns() == 0
 
 
 def test_what_json_cannot_write_is_refused_as_json_dumps_refuses_it() -> None:
