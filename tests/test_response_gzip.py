@@ -3,14 +3,17 @@ fastest level."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
+import os
+import threading
 
 import pytest
 from aiohttp import web
 
-from replystream.server import create_app, running
-from replystream.server.response_gzip import IN_THREAD_BYTES, accepts_gzip
+from replystream.server import create_app, response_gzip, running
+from replystream.server.response_gzip import IN_THREAD_BYTES, STEP_BYTES, accepts_gzip, gzipped
 from tests.conftest import fast_engine
 from tests.rawhttp import raw_request
 
@@ -111,3 +114,44 @@ async def test_a_length_the_handler_set_becomes_the_compressed_bodys() -> None:
     assert response.headers["content-encoding"] == "gzip"
     assert int(response.headers["content-length"]) == len(body) < len(plain)
     assert gzip.decompress(body) == plain
+
+
+def test_a_large_body_compressed_a_step_at_a_time_is_gzip_and_stops_when_told() -> None:
+    body = os.urandom(STEP_BYTES // 2) * 5  # five steps and a half, some of it repeated
+    assert gzip.decompress(gzipped(body, threading.Event())) == body
+    stop = threading.Event()
+    stop.set()
+    assert gzipped(body, stop) == b""
+
+
+async def test_a_client_that_leaves_stops_its_answers_compression(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compression in its worker thread is told to stop when the request is cancelled
+    (its client gone), rather than run to the end of a body nobody will read."""
+    entered, told = threading.Event(), threading.Event()
+
+    def watched(body: bytes, stop: threading.Event | None = None) -> bytes:
+        assert stop is not None
+        entered.set()
+        if stop.wait(10.0):
+            told.set()
+        return b""
+
+    monkeypatch.setattr(response_gzip, "gzipped", watched)
+    plain = json.dumps({"items": ["x" * 100] * 4000}).encode()  # past IN_THREAD_BYTES
+
+    async def large(_: web.Request) -> web.Response:
+        return web.Response(body=plain, content_type="application/json")
+
+    app = create_app(fast_engine())
+    app.router.add_get("/large", large)
+    async with running(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /large HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n")
+        await writer.drain()
+        assert await asyncio.to_thread(entered.wait, 10.0)
+        writer.close()  # gone before the answer
+        await writer.wait_closed()
+        assert await asyncio.to_thread(told.wait, 10.0)

@@ -10,20 +10,24 @@ This file decides which answers are compressed, how hard, and where the work run
   zlib's default level, which aiohttp's own compression uses, for a body a few per cent
   larger (measured in docs/performance.md, "A large answer gzipped");
 - a large body in a worker thread (zlib lets go of the GIL while it works), so the event loop,
-  and every stream it carries, goes on meanwhile.
+  and every stream it carries, goes on meanwhile; a megabyte at a time, so that it stops soon
+  after the request is cancelled (its client gone).
 The answer says ``Vary: Accept-Encoding``, so a cache between keeps the two forms apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import zlib
 
 from aiohttp import hdrs, web
 
 LEVEL = 1
-# A body at least this large is compressed off the loop: a few milliseconds of work or more.
+# A body at least this large is compressed off the loop: a few milliseconds of work or more,
+# STEP_BYTES at a time, so that the work stops soon after its client has gone.
 IN_THREAD_BYTES = 256 * 1024
+STEP_BYTES = 1024 * 1024
 _GZIP_WBITS = 16 + zlib.MAX_WBITS  # a gzip header and trailer around the deflate stream
 _COMPRESSED_TYPES = ("application/json", "text/html", "text/plain")
 
@@ -55,10 +59,20 @@ def _weight(params: str) -> float:
     return 1.0
 
 
-def gzipped(body: bytes) -> bytes:
-    """``body`` in gzip's format, at ``LEVEL``."""
+def gzipped(body: bytes, stop: threading.Event | None = None) -> bytes:
+    """``body`` in gzip's format, at ``LEVEL``. ``stop``: compressed ``STEP_BYTES`` at a time,
+    given up (``b""``) once it is set."""
     compressor = zlib.compressobj(LEVEL, zlib.DEFLATED, _GZIP_WBITS)
-    return compressor.compress(body) + compressor.flush()
+    if stop is None:
+        return compressor.compress(body) + compressor.flush()
+    parts = []
+    whole = memoryview(body)
+    for start in range(0, len(body), STEP_BYTES):
+        if stop.is_set():
+            return b""
+        parts.append(compressor.compress(whole[start : start + STEP_BYTES]))
+    parts.append(compressor.flush())
+    return b"".join(parts)
 
 
 async def gzip_if_worthwhile(
@@ -77,7 +91,12 @@ async def gzip_if_worthwhile(
         return
     body = response.body
     if len(body) >= IN_THREAD_BYTES:
-        response.body = await asyncio.to_thread(gzipped, body)
+        stop = threading.Event()
+        try:
+            response.body = await asyncio.to_thread(gzipped, body, stop)
+        except asyncio.CancelledError:  # the client left: the thread stops at its next step
+            stop.set()
+            raise
     else:
         response.body = gzipped(body)
     headers = response.headers
