@@ -29,7 +29,7 @@ _TERMINAL_HEAD = re.compile(r'\{"type":"response\.[a-z]+","sequence_number":\d+,
 def response_json_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> str | None:
     """``response_from_log``'s object as compact JSON. An ended response's is the text its
     terminal event holds, not parsed and written again: with log probabilities it can be
-    megabytes, and a parse and a write of it would hold the loop for a quarter second."""
+    megabytes, and a parse and a write of it would hold the loop."""
     for entry in reversed(entries):
         if entry.event in TERMINAL:
             head = _TERMINAL_HEAD.match(entry.data)
@@ -158,8 +158,8 @@ async def said_in_events(entries: Sequence[LogEntry]) -> Said:
     """What an ended response said, read from its whole log's small events (its messages'
     text deltas, its calls' opening and argument deltas), ``SAID_SLICE`` at a time with a turn of
     the loop between: not from the events that repeat a message whole (its ``.done`` events
-    and the terminal one), which with log probabilities are megabytes, and whose parse would
-    hold the loop for a tenth of a second or more."""
+    and the terminal one), which with log probabilities are megabytes, whose parse would
+    hold the loop."""
     texts: list[str] = []
     calls: dict[str, dict[str, Any]] = {}  # by item id, in order
     for index, entry in enumerate(entries):

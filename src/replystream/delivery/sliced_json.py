@@ -3,14 +3,14 @@ as they came.
 
 A stream's events are small; a whole reply's body need not be: 4,096 tokens with 20 log
 probabilities each are about 6 MB of JSON, made from some 90,000 dicts. Made and encoded in
-one go, that holds the loop for a quarter of a second, and every stream the server carries
-stands still meanwhile. Such a body's large part is always a list whose items are made from
-a sequence (one entry per token), so a body builder puts a ``Sliced`` there: the sequence and
-how to make items of it. ``dumps_sliced`` writes the body with each ``Sliced`` made and
-encoded ``SLICE`` items at a time, awaiting a turn of the loop between slices. A stream's
-last events, written where nothing may wait, repeat what its deltas carried: there the items
-are written as they come (``Written``, the JSON of each delta's items) and only joined at
-the end (``dumps_written``).
+one go, that holds the loop, and every stream the server carries stands still meanwhile
+(docs/performance.md, "A whole reply's log probabilities"). Such a body's large part is
+always a list whose items are made from a sequence (one entry per token), so a body builder
+puts a ``Sliced`` there: the sequence and how to make items of it. ``dumps_sliced`` writes
+the body with each ``Sliced`` made and encoded ``SLICE`` items at a time, awaiting a turn of
+the loop between slices. A stream's last events, written where nothing may wait, repeat what
+its deltas carried: there the items are written as they come (``Written``, the JSON of each
+delta's items) and only joined at the end (``dumps_written``).
 
 The text is ``json.dumps(body, separators=(",", ":"))``'s with every ``Sliced`` made whole
 (``Sliced.whole``) and every ``Written`` the list it was written from, the floats spelt as
@@ -28,8 +28,8 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-# Items made and encoded between two turns of the loop: 16 tokens with 20 log probabilities
-# each are 336 dicts, about a millisecond here.
+# Items made and encoded between two turns of the loop (16 tokens with 20 log probabilities
+# each: 336 dicts).
 SLICE = 16
 
 _compact = json.JSONEncoder(separators=(",", ":")).encode
