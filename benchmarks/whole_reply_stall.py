@@ -17,11 +17,13 @@ while the whole reply was made and sent, of its longest gap in the half second o
 it was asked for (the floor), and of the whole reply's time and size. ``--api responses``
 asks for the whole reply on ``POST /v1/responses`` instead of chat; ``--api previous`` asks
 for a one-token response whose ``previous_response_id`` is such a reply, stored before the
-stream began (its history is read from that reply's log); ``--redis-url`` has the
+stream began (its history is read from that reply's log); ``--api cancel`` cancels such a
+reply made in the background and ended before the stream began (the answer is its object);
+``--redis-url`` has the
 servers keep their logs in a running Redis.
 
 Run: python benchmarks/whole_reply_stall.py [--tokens 4096] [--top 20] [--rounds 5]
-         [--delay-ms 1] [--api chat|responses|previous] [--redis-url redis://127.0.0.1:6379/0]
+         [--delay-ms 1] [--api chat|responses|previous|cancel] [--redis-url redis://127.0.0.1:6379/0]
          [--src before=/path/src --src after=/path/src]
 """
 
@@ -92,9 +94,25 @@ def _follow_up(host: str, port: int, tokens: int, top: int) -> tuple[str, dict[s
     return path, {**ask, "previous_response_id": stored["id"]}
 
 
+def _cancel_ended(host: str, port: int, tokens: int, top: int) -> tuple[str, dict[str, object]]:
+    """A cancel of a background response of ``tokens`` tokens with log probabilities that
+    has ended (made now, before the stream starts): answered with its object."""
+    path, ask = _whole_ask("responses", tokens, top)
+    queued = json.loads(_post(host, port, {**ask, "background": True}, path).read())
+    while True:
+        connection = http.client.HTTPConnection(host, port, timeout=120)
+        connection.request("GET", f"{path}/{queued['id']}")
+        if json.loads(connection.getresponse().read())["status"] not in ("queued", "in_progress"):
+            break
+        time.sleep(0.1)
+    return f"{path}/{queued['id']}/cancel", {}
+
+
 def one_round(host: str, port: int, api: str, tokens: int, top: int) -> Round:
     if api == "previous":
         path, ask = _follow_up(host, port, tokens, top)
+    elif api == "cancel":
+        path, ask = _cancel_ended(host, port, tokens, top)
     else:
         path, ask = _whole_ask(api, tokens, top)
     arrivals: list[float] = []
@@ -123,7 +141,7 @@ def one_round(host: str, port: int, api: str, tokens: int, top: int) -> Round:
     time.sleep(0.05)  # an event after the body: the gap the body's end closed
     stop.set()
     reader.join()
-    made = 1 if api == "previous" else _tokens_in(api, body)
+    made = 1 if api == "previous" else _tokens_in("chat" if api == "chat" else "responses", body)
     if made != (1 if api == "previous" else tokens):
         raise RuntimeError(f"the whole reply has {made} tokens, not {tokens}")
     split = sum(1 for t in arrivals if t < began)
@@ -192,11 +210,10 @@ async def main(args: argparse.Namespace) -> None:
                     f"{figures.whole_ms:.0f} ms, {figures.whole_bytes / 1e6:.2f} MB",
                     flush=True,
                 )
-    asked = (
-        f"a one-token response continues a stored one of {args.tokens} tokens"
-        if args.api == "previous"
-        else f"a whole {args.api} reply of {args.tokens} tokens is made and sent"
-    )
+    asked = {
+        "previous": f"a one-token response continues a stored one of {args.tokens} tokens",
+        "cancel": f"a background response of {args.tokens} tokens, ended, is cancelled",
+    }.get(args.api, f"a whole {args.api} reply of {args.tokens} tokens is made and sent")
     print(
         f"\nA stream of a token every {args.delay_ms:g} ms while {asked}, with {args.top} log "
         f"probabilities each; medians of {args.rounds} rounds"
@@ -217,10 +234,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
         "--api",
-        choices=["chat", "responses", "previous"],
+        choices=["chat", "responses", "previous", "cancel"],
         default="chat",
         help="the whole reply's route; previous: a one-token response continuing one of "
-        "--tokens tokens (previous_response_id)",
+        "--tokens tokens (previous_response_id); cancel: a cancel of such a background "
+        "response, ended",
     )
     parser.add_argument("--delay-ms", type=float, default=1.0, help="the server's token time")
     parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH")

@@ -245,6 +245,35 @@ async def test_a_long_replys_logprobs_are_the_same_streamed_stored_and_whole_byt
         assert other["output"][0]["content"][0] == part
 
 
+async def test_cancelling_an_ended_background_response_answers_its_object_as_written():
+    """Its standing is read from its first and last events: the answer is the stored
+    object, byte for byte as a GET has it; a streamed one is still refused (400)."""
+    ask = {"input": "count", "include": INCLUDE, "top_logprobs": 4, **SEEDED}
+    async with (
+        running(create_app(fast_engine(reply_text=REPLY))) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{url}/v1/responses", json={**ask, "background": True}) as queued:
+            response_id = (await queued.json())["id"]
+        while True:
+            async with http.get(f"{url}/v1/responses/{response_id}") as read_back:
+                stored = await read_back.text()
+            if json.loads(stored)["status"] == "completed":
+                break
+            await asyncio.sleep(0.01)
+        async with http.post(f"{url}/v1/responses/{response_id}/cancel") as cancelled:
+            assert cancelled.status == 200
+            assert await cancelled.text() == stored
+        async with http.post(f"{url}/v1/responses", json={**ask, "stream": True}) as streamed:
+            await streamed.read()
+            streamed_id = "resp_" + streamed.headers["X-Reply-Id"]
+        async with http.post(f"{url}/v1/responses/{streamed_id}/cancel") as refused:
+            assert refused.status == 400
+            assert (await refused.json())["error"]["param"] == "response_id"
+    part = json.loads(stored)["output"][0]["content"][0]
+    assert len(part["logprobs"]) == 5
+
+
 async def test_each_message_around_a_tool_call_has_its_own_tokens_logprobs_streamed_and_whole():
     steps = [
         {"text": "Let "},

@@ -79,9 +79,9 @@ from replystream.server.responses_schemas import (
 )
 from replystream.server.responses_stored import (
     find_response,
-    read_response,
     response_body,
     response_reply_id,
+    response_standing,
 )
 from replystream.server.resume_dialects import follow_resumed
 from replystream.server.resume_points import check_resume_point, resume_after
@@ -332,8 +332,8 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
     store, _ = await find_response(request, reply_id, "response_id")
-    response = await read_response(store, reply_id)
-    if not response.get("background"):
+    standing = await response_standing(store, reply_id)
+    if not standing.background:
         raise HTTPAPIError(
             400,
             f"response {given_id} was not created with background: true, and only a "
@@ -341,8 +341,8 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
             code="invalid_value",
             param="response_id",
         )
-    if response["status"] not in ("queued", "in_progress"):
-        return web.json_response(response)
+    if not standing.running:
+        return await response_body(store, reply_id)
     try:
         await store.request_cancel(reply_id)  # reaches the producer, on whichever replica
     except StoreUnavailable as exc:

@@ -9,7 +9,7 @@ response's events are made.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -17,6 +17,7 @@ from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, Store
 from replystream.delivery.responses_log import (
     TERMINAL,
     Said,
+    opened_object,
     response_from_log,
     response_json_from_log,
     said_in_events,
@@ -96,18 +97,9 @@ async def entries_until(store: ReplayStore, reply_id: str, after: int) -> list[L
     return [entry for entry in entries if entry.seq <= after]
 
 
-async def read_response(store: ReplayStore, reply_id: str) -> dict[str, Any]:
-    """The response object as its log tells it now."""
-    told = await _read_told(store, reply_id)
-    response = response_from_log(told.entries, producer_lost=told.producer_lost)
-    if response is None:
-        raise _no_such_response()
-    return response
-
-
 async def response_body(store: ReplayStore, reply_id: str) -> web.Response:
-    """``read_response``'s object as a JSON answer: an ended response's as its terminal event
-    wrote it, not parsed and written again (``response_json_from_log``)."""
+    """The response object as its log tells it now, as a JSON answer: an ended response's as
+    its terminal event wrote it, not parsed and written again (``response_json_from_log``)."""
     told = await _read_told(store, reply_id)
     text = response_json_from_log(told.entries, producer_lost=told.producer_lost)
     if text is None:
@@ -129,6 +121,30 @@ async def response_said(store: ReplayStore, reply_id: str) -> Said | None:
     if response["status"] in ("queued", "in_progress"):
         return None
     return said_in_object(response)
+
+
+class Standing(NamedTuple):
+    """What a cancel must know of a response."""
+
+    background: bool  # created with ``background: true`` (only such a one is cancelled)
+    running: bool  # queued or in progress: a cancel can still stop it
+
+
+async def response_standing(store: ReplayStore, reply_id: str) -> Standing:
+    """Whether a response is a background one, and whether it still runs. An ended one's is
+    read from its first event (``response.created``, small) and the kind of its last, not
+    from its object, which may be megabytes; one whose first event is gone, or that has not
+    ended, from its object."""
+    told = await _read_told(store, reply_id)
+    entries = told.entries
+    if entries and any(entry.event in TERMINAL for entry in reversed(entries)):
+        opened = opened_object(entries[0])
+        if opened is not None:
+            return Standing(bool(opened["background"]), running=False)
+    response = response_from_log(entries, producer_lost=told.producer_lost)
+    if response is None:
+        raise _no_such_response()
+    return Standing(bool(response["background"]), response["status"] in ("queued", "in_progress"))
 
 
 def _no_such_response() -> HTTPAPIError:
