@@ -1,5 +1,5 @@
-"""A whole reply's body written in slices: the bytes ``json.dumps`` writes of the same body
-made whole, and the event loop turning between slices."""
+"""A reply's large lists, made in slices or written as they came: the bytes ``json.dumps``
+writes of the same body made whole, and the event loop turning between slices."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ leaves = (
     | st.integers()
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text()  # control characters, lone surrogates, the tag's own first characters
-    | st.just("\x00sliced-")
+    | st.just("\x00part-")
 )
 
 
