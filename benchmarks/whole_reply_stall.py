@@ -99,12 +99,16 @@ def _cancel_ended(host: str, port: int, tokens: int, top: int) -> tuple[str, dic
     has ended (made now, before the stream starts): answered with its object."""
     path, ask = _whole_ask("responses", tokens, top)
     queued = json.loads(_post(host, port, {**ask, "background": True}, path).read())
-    while True:
-        connection = http.client.HTTPConnection(host, port, timeout=120)
-        connection.request("GET", f"{path}/{queued['id']}")
-        if json.loads(connection.getresponse().read())["status"] not in ("queued", "in_progress"):
-            break
-        time.sleep(0.1)
+    connection = http.client.HTTPConnection(host, port, timeout=120)
+    try:
+        while True:
+            connection.request("GET", f"{path}/{queued['id']}")
+            status = json.loads(connection.getresponse().read())["status"]
+            if status not in ("queued", "in_progress"):
+                break
+            time.sleep(0.1)
+    finally:
+        connection.close()
     return f"{path}/{queued['id']}/cancel", {}
 
 

@@ -77,12 +77,19 @@ def _with_stand_ins(body: Any) -> tuple[str, list[tuple[str, Sliced[Any] | Writt
     """``body``'s compact JSON with each ``Sliced`` or ``Written`` in it written as a string
     no text can hold (a tag drawn for this body alone), and those strings (as JSON) with the
     part each stands for, in the order the text has them."""
+    try:
+        return _compact(body), []  # most bodies (every event but a few) have no part
+    except TypeError:
+        pass  # a part (or what JSON cannot write: refused below, as json.dumps refuses it)
     parts: list[tuple[str, Sliced[Any] | Written]] = []
-    tag = f"\x00part-{secrets.token_hex(16)}-"
+    tag = ""
 
     def stand_in(value: object) -> str:
+        nonlocal tag
         if not isinstance(value, Sliced | Written):
             raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+        if not parts:  # drawn at the first part
+            tag = f"\x00part-{secrets.token_hex(16)}-"
         name = f"{tag}{len(parts)}"
         parts.append((_compact(name), value))
         return name
