@@ -109,7 +109,7 @@ class ResponsesStreamFormat:
             text=text,
             tool_calls=calls,
             thoughts=thoughts,
-            logprobs=[entries for _, entries in self._logprobs],
+            logprobs=[entries or () for _, entries in self._logprobs],
             **details,
         )
 
@@ -286,11 +286,13 @@ class ResponsesStreamFormat:
         self._open_message = None
         text = "".join(self._text[self._message_from :])
         plain, full = self._logprobs[-1]
-        item = message_item(self._reply_id, message, text, status, full)
+        # (None written, as without log probabilities: a plain ``[]``, the events' quick way.)
+        item = message_item(self._reply_id, message, text, status, full or ())
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": message, "content_index": 0}
+        logprobs: Written | list[Any] = plain or []
         return [
-            self._event("response.output_text.done", {**where, "text": text, "logprobs": plain}),
+            self._event("response.output_text.done", {**where, "text": text, "logprobs": logprobs}),
             self._event("response.content_part.done", {**where, "part": part}),
             self._event("response.output_item.done", {"output_index": message, "item": item}),
         ]

@@ -60,6 +60,10 @@ class Written:
         self._pieces: list[str] = []
         self._joined: str | None = "[]"
 
+    def __bool__(self) -> bool:
+        """Whether it has any item (a list with none is plainly ``[]``)."""
+        return bool(self._pieces)
+
     def add(self, items: str) -> None:
         """Some more items: a JSON list's text (``[]`` adds none)."""
         if items != "[]":
