@@ -38,15 +38,14 @@ def test_ttft_experiment_reports_each_prompt_length(tiny: LabEngine, tmp_path: P
 
 
 def test_step_experiment_reports_each_batch(tiny: LabEngine, tmp_path: Path) -> None:
-    # Five interleaved rounds, each batch judged by its least disturbed one: on a machine
-    # whose cores other work shares, a longer step is more often cut by the scheduler than a
-    # short one: in one suite run that slowed most rounds of the larger batch (its median
-    # 6.4 ms a step, against 2.5-3.0 alone; the single sequence's 1.5, against 1.1-1.3).
-    rows = asyncio.run(run_step(tiny, (1, 4), tokens=12, repeats=5))
+    # How much faster a batch makes tokens is the experiment's figure, measured, not a test's
+    # (``benchmarks/engine_decode.py`` times it); that it was a batch is checked here: four
+    # sequences of 12 tokens took as many engine steps as one did, one token each a step.
+    rows = asyncio.run(run_step(tiny, (1, 4), tokens=12, repeats=3))
     assert [r.batch for r in rows] == [1, 4]
-    assert [len(r.rounds_ms) for r in rows] == [5, 5]
-    one, four = (min(r.rounds_ms) for r in rows)
-    assert 4 / four > 1 / one  # batching raises throughput: tokens per ms, all sequences
+    assert [len(r.rounds_ms) for r in rows] == [3, 3]
+    assert all(ms > 0 for r in rows for ms in r.rounds_ms)
+    assert [r.rounds_steps for r in rows] == [(12, 12, 12)] * 2
     with open(tmp_path / "t.txt", "w") as sink:
         assert report_step(rows, tmp_path, Console(file=sink)).exists()
 
@@ -55,11 +54,10 @@ def test_step_experiment_decodes_a_batch_past_the_serving_budget_together(
     tiny: LabEngine,
 ) -> None:
     # Past the 128-token budget ``serve`` gives the tiny model, a batch would decode in turns
-    # and its "step" be one turn's: the step time would stay flat while the batch grew. The
-    # experiment's engine holds the largest batch at once, so a step of 512 sequences is
-    # several times one of 128 (about 4x), not the same.
-    rows = asyncio.run(run_step(tiny, (128, 512), tokens=6, repeats=3))
-    assert rows[1].step_ms > 1.5 * rows[0].step_ms
+    # and its "step" be one turn's. The experiment's engine holds the largest batch at once:
+    # 512 sequences take as many steps as 128 do (prefill of all in the first).
+    rows = asyncio.run(run_step(tiny, (128, 512), tokens=6))
+    assert [r.rounds_steps for r in rows] == [(6,), (6,)]
 
 
 def test_step_experiment_runs_with_the_fewest_tokens(tiny: LabEngine) -> None:

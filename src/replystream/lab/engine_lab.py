@@ -108,6 +108,9 @@ class StepRow:
     batch: int
     # Each round's step (its median gap): the spread a busy machine adds shows in them.
     rounds_ms: tuple[float, ...]
+    # Each round's engine steps, prefill included: a batch decoded together takes as many as
+    # one sequence does, one a step, where a batch decoded in turns would take more.
+    rounds_steps: tuple[int, ...]
 
     @property
     def step_ms(self) -> float:
@@ -154,7 +157,8 @@ async def run_step(
         token_budget=max(lab.config.token_budget, largest * prompt_tokens),
         num_blocks=max(lab.config.num_blocks, largest * blocks_each),
     )
-    steps: dict[int, list[float]] = {batch: [] for batch in batches}
+    gaps: dict[int, list[float]] = {batch: [] for batch in batches}
+    steps: dict[int, list[int]] = {batch: [] for batch in batches}
     try:
         await _warm_up(engine)
         for _ in range(repeats):
@@ -162,11 +166,13 @@ async def run_step(
                 requests = [
                     GenerationRequest(prompt, replace(sampling, seed=i)) for i in range(batch)
                 ]
+                steps_before = engine.stats().steps
                 timings = await _run_all(engine, requests)
-                steps[batch].append(statistics.median(_gaps_together(timings)))
+                steps[batch].append(engine.stats().steps - steps_before)
+                gaps[batch].append(statistics.median(_gaps_together(timings)))
     finally:
         await engine.aclose()
-    return [StepRow(batch, tuple(map(_ms, steps[batch]))) for batch in batches]
+    return [StepRow(batch, tuple(map(_ms, gaps[batch])), tuple(steps[batch])) for batch in batches]
 
 
 def _gaps_together(timings: list[RequestTimings]) -> list[float]:
@@ -281,13 +287,20 @@ def report_ttft(rows: list[TtftRow], out: Path, console: Console, model: str = "
 def report_step(rows: list[StepRow], out: Path, console: Console, model: str = "tiny") -> Path:
     _table(
         f"decode step time against running sequences ({model} engine)",
-        ["batch", "ms per step", "rounds, fastest-slowest", "tokens/s, all sequences"],
+        [
+            "batch",
+            "ms per step",
+            "rounds, fastest-slowest",
+            "tokens/s, all sequences",
+            "engine steps a round",
+        ],
         [
             [
                 str(r.batch),
                 f"{r.step_ms:.2f}",
                 f"{min(r.rounds_ms):.2f}-{max(r.rounds_ms):.2f}",
                 f"{r.tokens_per_s:,.0f}",
+                _span(r.rounds_steps),
             ]
             for r in rows
         ],
@@ -304,6 +317,11 @@ def report_step(rows: list[StepRow], out: Path, console: Console, model: str = "
         ax.grid(alpha=0.3)
     fig.suptitle(f"A bigger batch makes each step slower and the engine faster ({model})")
     return _save(fig, out / plot_name("engine-step", model))
+
+
+def _span(counts: tuple[int, ...]) -> str:
+    low, high = min(counts), max(counts)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def report_pool(runs: list[PoolRun], out: Path, console: Console, model: str = "tiny") -> Path:
