@@ -1,6 +1,8 @@
 """Bearer API keys on /v1/*: 401 without a valid key; a reply belongs to the key that started it."""
 
 import argparse
+import asyncio
+import json
 import logging
 from pathlib import Path
 
@@ -124,10 +126,37 @@ async def test_a_request_offering_two_different_keys_is_401():
             await response.read()
 
 
+@pytest.mark.parametrize(
+    ("path", "header"),
+    [
+        ("/v1/models", b"x-api-key: \xff"),  # not UTF-8
+        ("/v1/chat/completions", b"Authorization: Bearer sk-\xed\xa0\x80"),  # a surrogate
+        ("/v1/messages", b"x-api-key: \xc3"),  # cut inside a character
+    ],
+)
+async def test_a_key_that_is_not_utf8_is_401_not_an_error(path, header, caplog):
+    # aiohttp hands such header bytes over as surrogate escapes, which no key can equal.
+    caplog.set_level(logging.DEBUG)
+    async with running(create_app(fast_engine(), CONFIG)) as url:
+        reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+        writer.write(
+            b"POST %s HTTP/1.1\r\nHost: x\r\n%s\r\nContent-Length: 2\r\n"
+            b"Connection: close\r\n\r\n{}" % (path.encode(), header)
+        )
+        answer = await reader.read()
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401 "), answer
+    error = json.loads(body)["error"]
+    assert error["type"] == "authentication_error"
+    assert "Traceback" not in caplog.text and "unhandled" not in caplog.text
+
+
 def test_key_ring_matches_exactly_and_never_shows_keys():
     ring = KeyRing([KEY_A, KEY_B])
     assert ring.accepts(KEY_A) and ring.accepts(KEY_B)
     assert not ring.accepts("") and not ring.accepts(KEY_A[:-1]) and not ring.accepts("é")
+    assert not ring.accepts(KEY_A + "\udcff") and not ring.accepts("\ud800")
     assert KEY_A not in repr(ring)
     assert key_owner(KEY_A) != key_owner(KEY_B) and KEY_A not in key_owner(KEY_A)
     with pytest.raises(ValueError):

@@ -70,7 +70,12 @@ class KeyRing:
         return f"KeyRing({len(self._keys)} keys)"  # never the keys
 
     def accepts(self, candidate: str) -> bool:
-        given = candidate.encode()
+        try:
+            given = candidate.encode()
+        except UnicodeEncodeError:
+            # Header bytes that are not UTF-8 (aiohttp hands them over as surrogate escapes),
+            # or a lone surrogate in a JSON string: no key is spelled so.
+            return False
         matched = False
         for key in self._keys:  # every key, no early exit
             matched |= hmac.compare_digest(given, key)
