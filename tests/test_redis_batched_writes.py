@@ -15,7 +15,7 @@ import pytest
 from redis.crc import key_slot
 
 from replystream.delivery.redis_store import RedisReplayStore
-from replystream.delivery.replay import LogEntry, LogTail, ReplyInfo
+from replystream.delivery.replay import LogEntry, LogTail, ReplyInfo, StoreUnavailable
 from tests.redis_server import RedisServer, redis_server
 
 
@@ -95,6 +95,32 @@ async def test_a_write_redis_refuses_fails_that_reply_alone(server: RedisServer)
     assert await reader.redis.xlen(producer.keys.key("bad")) == 1
     await producer.aclose()
     await reader.aclose()
+
+
+async def test_a_flush_that_fails_as_no_redis_error_refuses_its_creates_and_flushing_goes_on(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+):
+    # A bug (here: the client library raising TypeError, as redis-py does for a connection
+    # option it does not know) once killed the flusher task: every create waited forever.
+    producer = RedisReplayStore(server.url)
+    write = producer.writer._write
+
+    async def broken(**_: object) -> object:
+        raise TypeError("an unexpected keyword argument")
+
+    producer.writer._write = broken  # type: ignore[assignment]
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(producer.create(ReplyInfo(f"r{n}")) for n in range(3)), return_exceptions=True
+        ),
+        timeout=10,
+    )
+    assert all(isinstance(r, StoreUnavailable) and "TypeError" in str(r) for r in results)
+    assert "writing reply logs to Redis failed" in caplog.text
+    producer.writer._write = write
+    await asyncio.wait_for(producer.create(ReplyInfo("after")), timeout=10)
+    assert await producer.info("after") == ReplyInfo("after")
+    await producer.aclose()
 
 
 async def test_keys_expire_from_the_first_write_and_after_the_end_and_live_replies_keep_them(

@@ -36,6 +36,19 @@ def test_plain_urls_are_redis_pys_and_shown_without_credentials():
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h/3?client_name=replica-a&health_check_interval=5&socket_keepalive=yes",
+        "redis://h?db=2",
+        "rediss://h/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required",
+        "unix:///run/redis.sock?db=1",
+    ],
+)
+def test_a_url_may_set_what_the_store_leaves_to_its_operator(url: str):
+    assert parse_redis_url(url).kind == "single"
+
+
+@pytest.mark.parametrize(
     ("url", "says"),
     [
         ("http://x", "expected one of redis://"),
@@ -43,6 +56,16 @@ def test_plain_urls_are_redis_pys_and_shown_without_credentials():
         ("redis+sentinel://h:1/svc/x", "must be a number"),
         ("redis+cluster://h:1/0", "only database 0"),
         ("redis+cluster://:pw@", "no host"),
+        # redis-py would pass an unknown name to every connection (which then fails), drop a
+        # database that is not a number, and let a query override the store's own timeouts.
+        ("redis://:pw@h:1/0?foo=bar", "query option 'foo' is not one this server takes"),
+        ("redis://h:1/0?socket_timeout=1", "timeouts and retries are its own"),
+        ("redis://h:1/0?ssl_certfile=x", "'ssl_certfile' is not one"),  # no TLS: no TLS files
+        ("redis://:pw@h/abc", "the database must be a number, got 'abc'"),
+        ("redis://h/?db=x", "the database must be a number"),
+        ("redis://h/0?health_check_interval=soon", "Invalid value for 'health_check_interval'"),
+        ("redis+sentinel://:pw@h/svc?x=1", "takes no query"),
+        ("redis+cluster://:pw@h?x=1", "takes no query"),
     ],
 )
 def test_a_url_that_names_no_redis_is_refused_in_one_line(url: str, says: str):

@@ -18,6 +18,12 @@ for one (up to the command timeout) instead of failing: redis-py's default pool 
 use a blocking pool; a Cluster client has one pool per node that cannot block, so its
 commands pass a gate of the same size first. This file must not know about replies, HTTP or
 event formats.
+
+A one-server URL's query may set what redis-py reads from one and this server leaves to the
+operator (``URL_OPTIONS``, and with ``rediss://`` the TLS files and checks); any other name is
+refused when the URL is read: redis-py would pass it on to each connection it makes, which
+then fails (an unknown name), or would override the timeouts and retries the store is built
+around. Sentinel and Cluster URLs take no query.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
@@ -46,6 +52,20 @@ RedisClient = aioredis.Redis | RedisCluster
 MAX_CONNECTIONS = 200
 SENTINEL_PORT = 26379
 REDIS_PORT = 6379
+
+# What a one-server URL's query may set.
+URL_OPTIONS = ("db", "client_name", "health_check_interval", "socket_keepalive", "socket_read_size")
+TLS_URL_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+    "ssl_ciphers",
+    "ssl_min_version",
+)
 _SCHEMES: dict[str, tuple[Kind, bool]] = {
     "redis": ("single", False),
     "rediss": ("single", True),
@@ -113,6 +133,28 @@ def _port_of(url: str) -> int | None:
         raise ValueError("the port is not a whole number from 0 to 65535") from None
 
 
+def _check_single(url: str, scheme: str, tls: bool) -> None:
+    """What redis-py would read from a one-server URL only when it connects, read now."""
+    parts = urlsplit(url)
+    _port_of(url)
+    # redis-py takes the path's number as the database, and silently drops any other path.
+    if scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        raise ValueError(f"the database must be a number, got {parts.path.strip('/')!r}")
+    allowed = URL_OPTIONS + (TLS_URL_OPTIONS if tls else ())
+    for name, values in parse_qs(parts.query, keep_blank_values=True).items():
+        if name not in allowed:
+            raise ValueError(
+                f"the query option {name!r} is not one this server takes "
+                f"(it takes {', '.join(allowed)}; timeouts and retries are its own)"
+            )
+        if name == "db" and not values[0].isdigit():
+            raise ValueError(f"the database must be a number, got {values[0]!r}")
+    try:
+        aioredis.connection.parse_url(url)  # the values' types, as redis-py reads them
+    except ValueError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
 def parse_redis_url(url: str) -> RedisTarget:
     """The target ``url`` names; ValueError (one line, no credentials) when it names none."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -120,11 +162,12 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise ValueError(f"expected one of {', '.join(SCHEMES)}")
     kind, tls = _SCHEMES[scheme]
     if kind == "single":
-        _port_of(url)  # read when the client is made: a bad one must fail here, named
+        _check_single(url, scheme, tls)
         return RedisTarget(url, kind, tls)
-    rest = url.split("://", 1)[1]
+    rest, _, query = url.split("://", 1)[1].partition("?")
+    if query:
+        raise ValueError(f"a {scheme}:// URL takes no query (?{query.split('=', 1)[0]}...)")
     netloc, _, path = rest.partition("/")
-    path = path.split("?", 1)[0]
     username = password = None
     if "@" in netloc:
         userinfo = netloc.rsplit("@", 1)[0]

@@ -69,6 +69,9 @@ class LogWriter:
         # Queued for the next flush: new replies, with what their ``create`` waits on (None,
         # or why the write failed).
         self._creates: list[tuple[ReplyInfo, asyncio.Future[str | None]]] = []
+        # Every create still waiting, queued or in a call: what a flush that failed as no
+        # Redis error does (a bug) must answer, or its requests would wait forever.
+        self._waiting: set[asyncio.Future[str | None]] = set()
         self.wake = asyncio.Event()
         # One flush at a time: a reply's entries reach Redis in order, and the call counts
         # come back in order.
@@ -98,7 +101,11 @@ class LogWriter:
         # The flusher's next call sends it with everything else queued (a burst of new
         # replies shares one call, and none waits behind the others' writes).
         self.wake.set()
-        failure = await written
+        self._waiting.add(written)
+        try:
+            failure = await written
+        finally:
+            self._waiting.discard(written)
         if failure is None:
             await self.local.create(info)
             self.tables.live.add(info.reply_id)
@@ -164,7 +171,14 @@ class LogWriter:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception as exc:
+                # Not Redis's failure (those are handled where they happen) but a bug, ours
+                # or the client library's: told once per flush, and no create waits forever.
+                log.exception("writing reply logs to Redis failed")
+                self._creates.clear()
+                _settle(list(self._waiting), f"writing to Redis failed ({type(exc).__name__})")
             if self.failover.outage_since is None:
                 pause = RETRY_FIRST_S
                 continue
