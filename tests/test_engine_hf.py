@@ -603,3 +603,27 @@ def test_a_model_folder_whose_config_nests_too_deeply_is_one_line(tmp_path: Path
         f"replystream serve: --engine hf:PATH: {tmp_path}: a JSON file of the model (its "
         "config.json, or its tokenizer's) is nested too deeply to read"
     ]
+
+
+@pytest.mark.parametrize("damage", ["weights", "tokenizer"])
+def test_a_damaged_model_folder_is_one_line(model_dir: Path, tmp_path: Path, damage: str):
+    """Weights whose header is not safetensors' raised safetensors' own error, and a folder
+    without a tokenizer gave transformers' words over several lines: both are one line."""
+    _require_hf()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / name).exists() and not (damage == "tokenizer" and name != "config.json"):
+            (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(
+        b"\xff" * 64 if damage == "weights" else (model_dir / "model.safetensors").read_bytes()
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "replystream", "serve", "--check", "--engine", f"hf:{tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(
+        f"replystream serve: --engine hf:PATH: cannot load a causal LM from {tmp_path}: "
+    )

@@ -303,6 +303,10 @@ class HFEngine(InProcessEngine):
         await asyncio.to_thread(self._executor.shutdown, wait=True)  # queued replies see the cancel
 
 
+# How much of a loader's own words a load failure repeats.
+WORDS_MAX = 300
+
+
 def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine:
     """Load a causal LM and its tokenizer from a local folder (never from the network).
 
@@ -313,6 +317,11 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot load a causal LM from {path}: {exc}") from exc
+    except Exception as exc:
+        # Whatever a damaged or foreign folder makes ``transformers`` (or safetensors, or
+        # torch) raise: its words on one line, as a mistake on the command line is told.
+        words = " ".join(str(exc).split()) or type(exc).__name__
+        if len(words) > WORDS_MAX:
+            words = words[: WORDS_MAX - 3] + "..."
+        raise ValueError(f"cannot load a causal LM from {path}: {words}") from exc
     return HFEngine(model, tokenizer, config)
