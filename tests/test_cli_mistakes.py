@@ -129,6 +129,25 @@ CASES: list[tuple[list[str], str]] = [
         ["serve", "--engine", "upstream:http://127.0.0.1:9/v1?key=k"],
         "--engine upstream:URL: an upstream URL may not have a query or a fragment",
     ),
+    # A weight that is not a whole number was once read as part of the URL's path.
+    (
+        ["serve", "--engine", "upstream:http://127.0.0.1:9/v1=0.5"],
+        "--engine upstream:URL: an upstream weight (after =) must be a whole number, got '0.5'",
+    ),
+    (
+        ["serve", "--engine", "upstream:http://127.0.0.1:9/v1=²"],
+        "--engine upstream:URL: an upstream weight (after =) must be a whole number, got '²'",
+    ),
+    # The probe's path goes into its request line as it is.
+    (
+        [*RELAY, "--upstream-health-path", "/a b\r\nX-Injected: yes"],
+        "argument --upstream-health-path: a path of visible ASCII characters (no space, no #;",
+    ),
+    (
+        [*RELAY, "--upstream-health-path", "http://elsewhere/x"],
+        "argument --upstream-health-path: want a path after the upstream's base URL, not a URL",
+    ),
+    ([*RELAY, "--upstream-health-path", ""], "want a path after the upstream's base URL, such"),
     (
         [*RELAY, "--upstream-api-key", "ключ"],
         "--upstream-api-key: the upstream API key must be one word of printable ASCII",

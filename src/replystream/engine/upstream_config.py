@@ -191,11 +191,38 @@ class UpstreamTarget:
 
     @classmethod
     def parse(cls, spec: str) -> UpstreamTarget:
-        """``URL`` or ``URL=WEIGHT`` (only a trailing ``=digits`` is a weight)."""
+        """``URL`` or ``URL=WEIGHT``: what follows the last ``=`` is a weight, and must be a whole
+        number, unless it holds a ``/`` or follows a query (refused as a URL's)."""
         url, sep, weight = spec.rpartition("=")
-        if sep and weight.isdigit() and url:
-            return cls(_without_trailing_slash(url), int(weight))
-        return cls(_without_trailing_slash(spec))
+        if not sep or not url or "/" in weight or "?" in url or "#" in url:
+            return cls(_without_trailing_slash(spec))
+        if not (weight.isascii() and weight.isdigit()):
+            raise ValueError(f"an upstream weight (after =) must be a whole number, got {weight!r}")
+        return cls(_without_trailing_slash(url), int(weight))
+
+
+def health_path(text: str) -> str:
+    """``text`` as the path a health probe asks for after an upstream's base URL (a leading
+    ``/`` added). It goes into the probe's request line as it is: visible ASCII only (a space,
+    or a CR or LF, would end that line early and start a header of its own), and a path, not a
+    URL.
+
+    Raises:
+        ValueError: ``text`` is no such path.
+    """
+    path = text if text.startswith("/") else f"/{text}"
+    if not text.strip("/"):
+        raise ValueError(
+            f"want a path after the upstream's base URL, such as /models, got {text!r}"
+        )
+    if "://" in text or path.startswith("//"):
+        raise ValueError(f"want a path after the upstream's base URL, not a URL: {text!r}")
+    if not all("!" <= char <= "~" for char in path) or "#" in path:
+        raise ValueError(
+            f"a path of visible ASCII characters (no space, no #; escape others as %XX), "
+            f"got {text!r}"
+        )
+    return path
 
 
 def _without_trailing_slash(url: str) -> str:
@@ -262,7 +289,7 @@ class UpstreamConfig:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.queue_s < 0:
             raise ValueError(f"the wait for room cannot be negative, got {self.queue_s:g}")
-        if not self.health_path.startswith("/"):
+        if health_path(self.health_path) != self.health_path:
             raise ValueError(f"the health path must start with /, got {self.health_path!r}")
         seen: dict[tuple[str, str, int, str], str] = {}
         for target in self.targets:

@@ -21,8 +21,16 @@ from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply_script
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny_config import TinyEngineConfig
-from replystream.engine.upstream_config import ROUTINGS, UpstreamConfig
+from replystream.engine.upstream_config import ROUTINGS, UpstreamConfig, health_path
 from replystream.settings import Group, Setting
+
+
+def _health_path(text: str) -> str:
+    try:
+        return health_path(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 API_KEY_ENV = "REPLYSTREAM_UPSTREAM_API_KEY"
 SPECULATIVE = ("off", "prompt-lookup")
@@ -307,7 +315,7 @@ UPSTREAM_ENGINE = Group(
             "--upstream-health-path",
             "what a probe asks each upstream for, after its base URL",
             fills=(UpstreamConfig, "health_path"),
-            convert=lambda path: path if path.startswith("/") else f"/{path}",
+            parse=Checker("a path after the upstream's base URL, such as /models", _health_path),
             engines=UPSTREAM,
         ),
         Setting(
