@@ -15,6 +15,7 @@ from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
+from tests.conftest import fast_engine
 from tests.sse_client import post_events
 from tests.test_relay_response_format import ASK, JSONUpstream
 from tests.test_upstream_routing import relay
@@ -116,3 +117,21 @@ async def test_min_tokens_and_ignore_eos_go_upstream_from_every_dialect():
             assert (sent["min_tokens"], sent["ignore_eos"]) == (4, True), path
         await post_events(f"{url}/v1/chat/completions", {"messages": ASK})
     assert "min_tokens" not in up.bodies[-1] and "ignore_eos" not in up.bodies[-1]
+
+
+async def test_min_tokens_past_max_tokens_is_refused_by_every_engine():
+    # The check was the tiny engine's own: the simulated engine (which makes no end token to
+    # hold back) answered such a request, and the relay passed it on.
+    body = {"max_tokens": 2, "min_tokens": 5}
+    up = JSONUpstream(["m"])
+    async with running(create_app(fast_engine())) as simulated, relay([up]) as relayed:
+        for url in (simulated, relayed):
+            for path, extra in (
+                ("/v1/chat/completions", {"messages": ASK}),
+                ("/v1/replies", {"prompt": "x", "stream": False}),
+            ):
+                got = await post_events(f"{url}{path}", {**body, **extra})
+                assert got.status == 400, (url, path, got.raw)
+                error = json.loads(got.raw)["error"]
+                assert error["param"] == "min_tokens" and "max_tokens (2)" in error["message"]
+    assert up.bodies == []

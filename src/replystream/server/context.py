@@ -150,13 +150,21 @@ def count_prompt(request: web.Request, generation: GenerationRequest) -> int:
 def _refuse_unhonourable(engine: Engine, generation: GenerationRequest) -> None:
     """A forced tool call from an engine that makes none, or JSON asked of one that samples
     freely, would be answered with text the client did not ask for: refused instead, naming
-    ``tool_choice`` or ``response_format``."""
+    ``tool_choice`` or ``response_format``; so is a request whose lengths contradict."""
     if generation.forces_tool_call and not engine.makes_tool_calls:
         raise RequestRejected(
             f"the {engine.name} engine cannot make tool calls, so it cannot honour this "
             'tool_choice (a required or named tool); "auto" or "none" can be served',
             code="unsupported_parameter",
             param="tool_choice",
+        )
+    sampling = generation.sampling
+    if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
+        # Asked of every engine alike: one that ignores min_tokens would answer it.
+        raise RequestRejected(
+            f"min_tokens ({sampling.min_tokens}) must not be more than max_tokens "
+            f"({sampling.max_tokens})",
+            param="min_tokens",
         )
     if generation.response_format is not None and not engine.follows_response_format:
         kind = generation.response_format.get("type")
