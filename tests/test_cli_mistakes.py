@@ -148,6 +148,8 @@ CASES: list[tuple[list[str], str]] = [
         "argument --upstream-health-path: want a path after the upstream's base URL, not a URL",
     ),
     ([*RELAY, "--upstream-health-path", ""], "want a path after the upstream's base URL, such"),
+    ([*RELAY, "--upstream-queue-s", "5"], "--upstream-queue-s is how long a request waits"),
+    ([*RELAY, "--upstream-ttft-s", "61"], "--upstream-ttft-s 61 is past the failover window (60 s"),
     (
         [*RELAY, "--upstream-api-key", "ключ"],
         "--upstream-api-key: the upstream API key must be one word of printable ASCII",

@@ -314,6 +314,23 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
         raise ValueError(f"--upstream-routes {exc}") from None
     except ValueError as exc:
         raise ValueError(f"--engine upstream: {exc}") from None
+    given = {row.flag for row in settings.given(args)}
+    if "--upstream-ttft-s" in given and config.ttft_s > config.failover_s:
+        # As a routes file's ttft_s past it is refused: the window would end every wait first.
+        raise ValueError(
+            f"--upstream-ttft-s {config.ttft_s:g} is past the failover window "
+            f"({config.failover_s:g} s, which ends every wait for a first text): raise "
+            "--upstream-failover-s too"
+        )
+    limited = config.max_outstanding is not None or any(
+        target.max_outstanding is not None for target in config.targets
+    )
+    if not limited and "--upstream-queue-s" in given:
+        raise ValueError(
+            "--upstream-queue-s is how long a request waits for room at upstreams at their "
+            "limit of requests at once, and no upstream has one: add "
+            "--upstream-max-outstanding (or max_outstanding in the routes file), or drop it"
+        )
     return config
 
 
