@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replystream.engine.upstream_chunks import ChunkReader
+from replystream.engine.upstream_chunks import ChunkReader, UpstreamStreamError
 
 
 def reader() -> ChunkReader:
@@ -168,3 +168,27 @@ def test_a_learned_chunks_bytes_skip_the_event_parser(legacy: bool) -> None:
         source._take(chunk(word, legacy=legacy), 0.0)
     assert parser.events == 1
     assert texts_of(source, [])[0] == ["one ", "two ", "three ", "four "]
+
+
+@pytest.mark.parametrize(
+    ("choice", "says"),
+    [
+        ({"index": 0, "delta": {"content": 123}}, "whose content is not a string"),
+        ({"index": 0, "delta": "hello"}, "whose delta is not an object"),
+        ({"index": 0, "text": ["a"]}, "whose text is not a string"),
+        (1, "a choice that is not an object"),
+        ({"index": 5, "delta": {"content": "a"}}, "a choice of index 5"),
+        ({"index": "0", "delta": {"content": "a"}}, "a choice of index 0,"),
+        ({"index": 0, "delta": {}, "finish_reason": 123}, "finish reason that is not a string"),
+    ],
+)
+def test_a_choice_that_cannot_be_read_is_a_bad_chunk_not_no_text(choice: Any, says: str):
+    # Once skipped as a choice with no text: the reply was reported finished without it.
+    source = reader()
+    source._take(chunk("one "), 0.0)
+    body = {"id": "c", "object": "chat.completion.chunk", "created": 1, "choices": [choice]}
+    source._take(b"data: " + json.dumps(body).encode() + b"\n\n", 0.0)
+    failure = source._error  # kept: the text before it goes out first
+    assert isinstance(failure, UpstreamStreamError) and failure.code == "upstream_bad_chunk"
+    assert says in str(failure)
+    assert [d.text for d in source._pending] == ["one "]

@@ -367,11 +367,8 @@ class ChunkReader:
                 f"{self._where} sent a chunk whose choices is not a list", "upstream_bad_chunk"
             )
         for choice in choices:
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            if isinstance(text, str) and text:
+            delta, text = self._checked_choice(choice)
+            if text:
                 logprobs = choice.get("logprobs")  # only sent when the request asked
                 if logprobs:
                     made = relayed_logprobs(logprobs)
@@ -393,8 +390,42 @@ class ChunkReader:
             if calls:
                 self._tool_calls(calls, now)
             reason = choice.get("finish_reason")
-            if isinstance(reason, str) and reason:
+            if reason:
                 self._finish = self._finished(reason)
+
+    def _checked_choice(self, choice: object) -> tuple[dict[str, Any] | None, str]:
+        """A choice's delta (None: a legacy completion's choice) and text, once the choice is
+        known to be one of the one choice asked for, each field of the type it must be: a
+        choice whose text could not be read would otherwise be relayed as no text, and the
+        reply reported finished without it."""
+        if not isinstance(choice, dict):
+            raise self._fail(
+                f"{self._where} sent a choice that is not an object", "upstream_bad_chunk"
+            )
+        index = choice.get("index", 0)
+        if index != 0 or type(index) is not int:
+            raise self._fail(
+                f"{self._where} sent a choice of index {quoted(str(index), 20, self._withheld)}, "
+                "where one choice (index 0) was asked for",
+                "upstream_bad_chunk",
+            )
+        delta = choice.get("delta")
+        if delta is not None and not isinstance(delta, dict):
+            raise self._fail(
+                f"{self._where} sent a choice whose delta is not an object", "upstream_bad_chunk"
+            )
+        field = "text" if delta is None else "content"
+        text = (choice if delta is None else delta).get(field)
+        if text is not None and not isinstance(text, str):
+            raise self._fail(
+                f"{self._where} sent a choice whose {field} is not a string", "upstream_bad_chunk"
+            )
+        reason = choice.get("finish_reason")
+        if reason is not None and not isinstance(reason, str):
+            raise self._fail(
+                f"{self._where} sent a finish reason that is not a string", "upstream_bad_chunk"
+            )
+        return delta, text or ""
 
     def _finished(self, reason: str) -> str:
         """Our finish reason for the upstream's ``reason``; a failure for one that says it
