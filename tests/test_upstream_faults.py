@@ -1293,3 +1293,19 @@ async def test_a_compressed_stream_though_none_was_asked_for_is_named_as_such():
     assert error["message"] == (
         f"the upstream at {base} answered a gzip-compressed stream, though asked for none"
     )
+
+
+def test_an_upstream_errors_code_and_param_are_passed_on_only_when_name_sized():
+    from replystream.engine.upstream_refusals import NAME_MAX, _upstream_message
+
+    def said(code: str, param: str) -> tuple[str | None, str | None, str | None]:
+        body = {"error": {"message": "no", "code": code, "param": param}}
+        return _upstream_message(json.dumps(body).encode(), ("sk-secret",))
+
+    assert said("context_length_exceeded", "messages") == (
+        "no",
+        "context_length_exceeded",
+        "messages",
+    )
+    assert said("x" * (NAME_MAX + 1), "p" * 500) == ("no", None, None)
+    assert said("bad sk-secret", "messages") == ("no", None, "messages")

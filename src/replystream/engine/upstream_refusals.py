@@ -255,9 +255,19 @@ def _validation_detail(
     return quoted(said, withheld=withheld), None, param
 
 
+# The longest code or param passed on: OpenAI's and the servers' are a word or a field's
+# path; anything longer is no code a client matches on, and is not repeated.
+NAME_MAX = 100
+
+
 def _keyless(value: object, withheld: Sequence[str]) -> str | None:
-    """``value`` if it is a string that holds no key of ``withheld``."""
-    if isinstance(value, str) and not any(key in value for key in withheld):
+    """``value`` if it is a string, no longer than ``NAME_MAX``, that holds no key of
+    ``withheld``."""
+    if (
+        isinstance(value, str)
+        and len(value) <= NAME_MAX
+        and not any(key in value for key in withheld)
+    ):
         return value
     return None
 
