@@ -187,6 +187,19 @@ async def test_models_are_the_upstreams_own_merged_and_a_request_picks_the_ones_
         }
         got = await post_events(f"{url}/v1/messages", message)
         assert got.status == 200 and a.bodies[-1]["model"] == "llama"
+        # So does the native one, streamed or not, and a WebSocket's reply.
+        for stream in (True, False):
+            got = await post_events(
+                f"{url}/v1/replies", {"model": "gpt-4o-mini", "prompt": "x", "stream": stream}
+            )
+            assert got.status == 200 and b.bodies[-1]["model"] == "qwen", got.raw
+        native_unknown = await post_events(f"{url}/v1/replies", {"model": "gpt-5", "prompt": "x"})
+        assert native_unknown.status == 404
+        async with aiohttp.ClientSession() as http, http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.send_json({"type": "reply", "id": "r", "model": "llama", "prompt": "x"})
+            while (await ws.receive_json(timeout=10))["type"] not in ("done", "error"):
+                pass
+        assert a.bodies[-1]["model"] == "llama"
 
 
 CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "stream": True}

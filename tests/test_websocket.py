@@ -430,10 +430,10 @@ async def test_a_message_that_fails_anywhere_is_an_error_for_its_tag_and_other_r
 ):
     parse = native.parse_reply_request
 
-    def parse_with_a_bug(body, defaults, max_prompt_chars, *, caller):
+    def parse_with_a_bug(body, defaults, max_prompt_chars, *, caller, model):
         if body.prompt == "bug":
             raise RuntimeError("injected")
-        return parse(body, defaults, max_prompt_chars, caller=caller)
+        return parse(body, defaults, max_prompt_chars, caller=caller, model=model)
 
     monkeypatch.setattr("replystream.server.websocket.parse_reply_request", parse_with_a_bug)
     engine = fast_engine(delay_ms=10, jitter_ms=0)

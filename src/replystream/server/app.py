@@ -71,7 +71,7 @@ from replystream.server.guard import (
 from replystream.server.metrics import Metrics
 from replystream.server.native import parse_reply_request
 from replystream.server.native_schemas import ReplyBody
-from replystream.server.openai_api import add_openai_routes
+from replystream.server.openai_api import add_openai_routes, routed_model
 from replystream.server.pages import add_page_routes
 from replystream.server.query_schemas import LabQuery, ResumeCursor
 from replystream.server.refusal_names import refusals_naming
@@ -190,7 +190,11 @@ async def handle_replies(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG_KEY]
     body = await read_model(request, ReplyBody)
     ask = parse_reply_request(
-        body, config.policy, config.max_prompt_chars, caller=caller_of(request)
+        body,
+        config.policy,
+        config.max_prompt_chars,
+        caller=caller_of(request),
+        model=routed_model(request.app, body.model),
     )
     with refusals_naming(ask.fields):
         if not ask.stream:

@@ -54,6 +54,7 @@ _NATIVE_AS_SENT = (
     "seed",
     "stop",
     "max_tokens",
+    "model",
 )
 
 
@@ -151,10 +152,16 @@ def delivery_overrides(body: SamplingFields, defaults: DeliveryPolicy) -> Delive
 
 
 def parse_reply_request(
-    body: ReplyBody, defaults: DeliveryPolicy, max_prompt_chars: int, *, caller: Caller
+    body: ReplyBody,
+    defaults: DeliveryPolicy,
+    max_prompt_chars: int,
+    *,
+    caller: Caller,
+    model: str | None,
 ) -> ReplyRequest:
     """Check a native reply request against the server's defaults and limits; ``caller``:
-    who asks (``context.caller_of``)."""
+    who asks (``context.caller_of``); ``model``: the name it routes by
+    (``openai_api.routed_model`` of its ``model``)."""
     messages = None
     if body.messages is not None:
         messages = relayed_messages(body.messages)
@@ -175,6 +182,7 @@ def parse_reply_request(
         messages,
         continuation=body.upstream_continue,
         caller=caller,
+        model=model,
         reasoning=policy.shows_thinking,
         names_stop_sequence=True,  # its ``done`` event and body name the stop string
     )

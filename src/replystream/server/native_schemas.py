@@ -30,6 +30,9 @@ class ReplyBody(SamplingFields):
 
     prompt: str | None = None
     messages: Messages | None = None
+    # The model to route by, as chat's: one of a relay's models or aliases (none: the
+    # server's default model).
+    model: str | None = None
     max_tokens: TokenCount | None = None
     stream: bool = True
     disconnect: Literal["cancel", "detach"] | None = None

@@ -68,6 +68,7 @@ from replystream.server.errors import HTTPAPIError, error_body, retry_after_valu
 from replystream.server.guard import GATE_KEY, RATE_LIMITED, UPGRADED, identity_of
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
+from replystream.server.openai_api import routed_model
 from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
@@ -359,7 +360,11 @@ class Session:
                 code="too_many_replies",
             )
         ask = parse_reply_request(
-            message, self.policy, self.config.max_prompt_chars, caller=caller_of(self.request)
+            message,
+            self.policy,
+            self.config.max_prompt_chars,
+            caller=caller_of(self.request),
+            model=routed_model(self.request.app, message.model),
         )
         # Each reply is a request of its client's --requests-per-minute (the socket is one
         # open request; --ws-max-replies bounds the replies at once on it).
