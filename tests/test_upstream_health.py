@@ -155,3 +155,28 @@ async def test_a_models_answer_cut_short_is_said_so():
         status, body = await health(relay)
     assert status == 503
     assert body["reason"] == f"the upstream at {base} closed the connection mid-answer", body
+
+
+async def test_a_probe_path_the_upstream_lacks_is_told_as_the_flags_path_not_the_base():
+    # The 404's advice was always "does the URL end in /v1?", though here the base URL is
+    # right (requests are served) and the path, of the flag's own, is what is missing.
+    async with (
+        replica("--engine", "simulated") as (_, upstream),
+        replica(
+            "--engine",
+            f"upstream:{upstream}/v1",
+            "--upstream-health-path",
+            "/healthz",
+            "--upstream-health-s",
+            "0.2",
+        ) as (_, relay),
+    ):
+        for _ in range(40):
+            status, body = await health(relay)
+            if status == 503:
+                break
+            await asyncio.sleep(0.25)
+    assert status == 503 and body["reason"] == (
+        f"the upstream at {upstream}/v1 has no /healthz (404): the probe's path is asked "
+        "after the base URL (--upstream-health-path)"
+    ), body

@@ -214,7 +214,14 @@ class HealthProber:
         if status in (401, 403):
             return f"{where} answered {status}: {our_key_refused(keys.key_from(backend.name))}", []
         if status == 404:
-            return f"{where} has no {self._path} (404): does the URL end in /v1?", []
+            # The probe's path follows the base URL: a wrong base is the likelier mistake for
+            # the default path, a path of the operator's own for any other.
+            hint = (
+                "does the URL end in /v1?"
+                if self._path == "/models"
+                else "the probe's path is asked after the base URL (--upstream-health-path)"
+            )
+            return f"{where} has no {self._path} (404): {hint}", []
         if status >= 500:
             return f"{where} answered {status} to GET {self._path}", []
         return None, listed_models(listing)
