@@ -121,6 +121,9 @@ async def test_after_a_failover_an_attached_reply_delivers_what_an_iterated_one_
         ("a", 1, "overloaded"),
         ("a", 2, "ok"),
     ]
+    # A failed attempt's line says why, as a client would be told; a served one has no error.
+    assert lines[0]["error"] == "upstream_overloaded" and "answered 503" in lines[0]["reason"]
+    assert "error" not in lines[1] and "reason" not in lines[1]
 
 
 async def test_a_reply_that_moved_twice_is_one_failover():

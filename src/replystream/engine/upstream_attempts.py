@@ -190,7 +190,7 @@ class AttemptSeries:
                 self._stream = await self._opener(backend, request, limit)
                 return
             except RequestRejected as exc:
-                self._attempt_over("rejected")  # the request, not the upstream: no failover
+                self._attempt_over("rejected", exc)  # the request, not the upstream: no failover
                 if isinstance(exc, ContextTooLong) and self._fall_back():
                     self._last_error = exc
                     continue  # but a fallback's model, of a longer context, may take it
@@ -376,9 +376,9 @@ class AttemptSeries:
             # completion's 404: a route besides chat may lack a model chat serves (OpenAI's
             # "This is a chat model and not supported in the v1/completions endpoint").
             self._pool.not_serving(backend, self._model)
-        self._attempt_over(result)
+        self._attempt_over(result, error)
 
-    def _attempt_over(self, result: str) -> None:
+    def _attempt_over(self, result: str, error: EngineError | None = None) -> None:
         backend, self._backend = self._backend, None
         if backend is None:
             return
@@ -391,12 +391,16 @@ class AttemptSeries:
         hold.give_back(self._queue)
         backend.attempts[result] += 1
         if result != "ok" or self._attempts > 1 or self._model != self._fallbacks[0]:
-            self._log(backend, result)
+            self._log(backend, result, error)
 
-    def _log(self, backend: Backend, result: str) -> None:
+    def _log(self, backend: Backend, result: str, error: EngineError | None) -> None:
         more: dict[str, object] = {"relayed_tokens": self._tokens}
         if self._model != self._fallbacks[0]:
             more["model"] = self._model  # a fallback's
+        if error is not None:
+            # Why, in the words a client would get (keys withheld): a failure the next
+            # attempt rescued reaches no client, and its line is all that tells of it.
+            more["error"], more["reason"] = error.code, str(error)
         log_attempt(
             self._request.caller.request_id,
             backend,
