@@ -980,10 +980,18 @@ def test_a_metrics_folder_set_from_outside_is_one_line_naming_it(folder: str):
     assert "unset it" in line
 
 
-def test_an_unresolvable_host_is_one_line_naming_host():
-    done = run("serve", "--host", "no-such-host.invalid", "--port", "0")
+@pytest.mark.parametrize("check", [(), ("--check",)])
+def test_an_unresolvable_host_is_one_line_naming_host(check: tuple[str, ...]):
+    # --check once passed a host that serve then refused.
+    done = run("serve", "--host", "no-such-host.invalid", "--port", "0", *check)
     assert done.returncode == 2
     assert "--host no-such-host.invalid: not an address" in one_line(done)
+
+
+def test_an_empty_host_is_refused_not_every_interface():
+    done = run("serve", "--host", "", "--check")
+    assert done.returncode == 2
+    assert "argument --host: want an address or host name, got ''" in one_line(done)
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             # What start-up would find, found without starting: the engine is built as
             # serving builds it (a model loaded, a relay's routes and TLS files read), the
             # app made; no socket, no upstream, no Redis is touched.
+            check_host(args.host)
             checked = build_engine(args)
             from replystream.server.app import create_app
 
@@ -244,6 +245,21 @@ def announcement(engine_kind: str) -> Callable[[str], list[str]]:
     return lines
 
 
+def unresolved(host: str, exc: socket.gaierror) -> ValueError:
+    return ValueError(
+        f"--host {host}: not an address or a name this machine can resolve "
+        f"({exc.strerror}); try 127.0.0.1, or 0.0.0.0 for every interface"
+    )
+
+
+def check_host(host: str) -> None:
+    """What ``listen`` would find of ``--host`` short of binding: that it resolves."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise unresolved(host, exc) from None
+
+
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket for ``--host`` and ``--port``.
 
@@ -253,10 +269,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         return bind_socket(host, port)
     except socket.gaierror as exc:
-        raise ValueError(
-            f"--host {host}: not an address or a name this machine can resolve "
-            f"({exc.strerror}); try 127.0.0.1, or 0.0.0.0 for every interface"
-        ) from None
+        raise unresolved(host, exc) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ValueError(

@@ -10,10 +10,12 @@ the command reads it itself. The engines' own options are in ``server.engine_set
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from replystream import settings
 from replystream.cli_values import (
+    Checker,
     float_between,
     int_between,
     non_empty_text,
@@ -55,6 +57,15 @@ def _zero_is_never(seconds: float) -> float | None:
     return seconds or None
 
 
+def _host(text: str) -> str:
+    # Empty (or blank), the socket would listen on every interface: said as 0.0.0.0 instead.
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"want an address or host name, got {text!r}: 127.0.0.1, or 0.0.0.0 for every interface"
+        )
+    return text
+
+
 def _as_tuple(items: list[Any]) -> tuple[Any, ...]:
     return tuple(items)
 
@@ -63,14 +74,17 @@ SERVER = Group(
     "",
     (
         Setting(
-            "--host", "address to listen on", default="127.0.0.1", accepts="an address or host name"
+            "--host",
+            "address to listen on",
+            Checker("an address or host name", _host),
+            default="127.0.0.1",
         ),
         Setting("--port", "0 picks a free port", port, default=8000),
         Setting(
             "--check",
-            "check the whole configuration (flags, files, the engine, built as serving would "
-            "build it) and exit: 0 when sound, else one line and 2; listens on nothing, asks "
-            "no upstream or Redis",
+            "check the whole configuration (flags, files, --host resolved, the engine, built "
+            "as serving would build it) and exit: 0 when sound, else one line and 2; listens "
+            "on nothing, asks no upstream or Redis",
             switch=True,
             default=False,
         ),
