@@ -138,6 +138,13 @@ CASES: list[tuple[list[str], str]] = [
         ["serve", "--engine", "upstream:http://127.0.0.1:9/v1=²"],
         "--engine upstream:URL: an upstream weight (after =) must be a whole number, got '²'",
     ),
+    # Python's int() reads these, and no one means them on a command line.
+    (["serve", "--port", "80_00"], "argument --port: want a whole number, got '80_00'"),
+    (
+        ["serve", "--port", "\uff18\uff10"],
+        "argument --port: want a whole number, got '\uff18\uff10'",
+    ),
+    (["serve", "--delay-ms", "1_0.5"], "argument --delay-ms: want a number, got '1_0.5'"),
     # The probe's path goes into its request line as it is.
     (
         [*RELAY, "--upstream-health-path", "/a b\r\nX-Injected: yes"],

@@ -130,6 +130,8 @@ def a_value(row: settings.Setting) -> tuple[str, Any]:
         return other, other
     if row.parse is None or wants.startswith("UTF-8 text"):  # text as given, checked
         return "other", "other"
+    if wants.startswith("a path after the upstream's base URL"):
+        return "health", "/health"
     if row.flag == "--reply-script":
         path = Path(tempfile.mkdtemp()) / "script.json"
         path.write_text('[{"text": "hi "}, {"tool_call": {"name": "f", "arguments": "{}"}}]')
@@ -179,6 +181,8 @@ async def test_each_valued_flag_reaches_the_config_field_it_declares(row: settin
     extra = ENGINE_OF.get(row.fills[0], [])
     if row.flag == "--jitter-ms":
         extra = ["--engine", "simulated", "--delay-ms", "99"]
+    if row.flag == "--upstream-queue-s":  # a wait for room under a limit: one is given
+        extra = [*extra, "--upstream-max-outstanding", "2"]
     args = args_of(*extra, row.flag, text)
     config = config_of(row, args)
     expected = parsed if row.convert is None else row.convert(parsed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,12 +35,20 @@ class Checker(Generic[T]):
         return self.parse(text)
 
 
+# As a number is written on a command line: ASCII digits, no grouping underscores (Python's
+# int() and float() also take "80_00" and other scripts' digits, which no one means).
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _number(text: str, kind: type[int] | type[float]) -> int | float:
-    try:
-        value = kind(text)
-    except ValueError:
+    pattern = _WHOLE if kind is int else _DECIMAL
+    if kind is float and text.strip().lstrip("+-").lower() in ("inf", "infinity", "nan"):
+        raise argparse.ArgumentTypeError(f"want a finite number, got {text!r}")
+    if pattern.fullmatch(text.strip()) is None:
         noun = "a whole number" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"want {noun}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"want {noun}, got {text!r}")
+    value = kind(text)
     if kind is float and not (value == value and abs(value) != float("inf")):
         raise argparse.ArgumentTypeError(f"want a finite number, got {text!r}")
     return value
