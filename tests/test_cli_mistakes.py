@@ -110,6 +110,7 @@ CASES: list[tuple[list[str], str]] = [
     # serve: files and engines
     (["serve", "--api-keys-file", "/nonexistent"], "--api-keys-file: /nonexistent does not exist"),
     (["serve", "--ban-file", FOLDER], f"--ban-file: {FOLDER} is a folder"),
+    (["serve", "--ban-file", "/dev/null"], "--ban-file: /dev/null is not a regular file"),
     (
         ["serve", "--engine", "gpt"],
         "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or",
@@ -1017,6 +1018,8 @@ def test_an_empty_host_is_refused_not_every_interface():
         ),
         (["doctor"], "replystream doctor: the following arguments are required: url"),
         (["no-such-command"], "replystream: argument COMMAND: invalid choice: 'no-such-command'"),
+        # Once "the following arguments are required: COMMAND", naming no flag.
+        (["--port", "8000"], "replystream: unrecognized arguments: --port: an option follows"),
     ],
 )
 def test_a_wrong_flag_or_a_missing_argument_is_one_line(argv: list[str], line: str):

@@ -85,6 +85,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser, subparsers = build_parser(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     sub = subparsers.get(chosen or "")
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        # An option before any command: argparse would say a command is required, or take
+        # the option's value for one, not name the option.
+        parser.error(f"unrecognized arguments: {argv[0]}: an option follows its command")
     try:
         args, extra = parser.parse_known_args(list(argv))
     except argparse.ArgumentError as exc:

@@ -229,7 +229,12 @@ def _with_valid_port(text: str) -> str:
 def _readable_file(text: str) -> Path:
     path = Path(text)
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
+        if path.is_dir():
+            what = "is a folder"
+        elif path.exists():  # a device, a pipe, a socket: no file to read whole
+            what = "is not a regular file"
+        else:
+            what = "does not exist"
         raise argparse.ArgumentTypeError(f"{text} {what}; want a readable file")
     if not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"{text} is not readable by this user")
