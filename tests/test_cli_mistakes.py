@@ -112,6 +112,10 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--ban-file", FOLDER], f"--ban-file: {FOLDER} is a folder"),
     (["serve", "--ban-file", "/dev/null"], "--ban-file: /dev/null is not a regular file"),
     (
+        ["serve", "--ban-regex", "card=[0-9]{16}", "--ban-regex", "card=x"],
+        "--ban-regex card is given twice: name each pattern once",
+    ),
+    (
         ["serve", "--engine", "gpt"],
         "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or",
     ),

@@ -66,6 +66,8 @@ def build_checks(args: argparse.Namespace) -> list[Check]:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"--ban-regex {name}: {exc}") from None
+            if name in patterns:  # the later one would replace the first: a ban dropped unsaid
+                raise ValueError(f"--ban-regex {name} is given twice: name each pattern once")
             patterns[name] = pattern
         checks.append(RegexCheck(patterns, name="regex"))
     if args.block_secrets:
