@@ -317,6 +317,8 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except RecursionError:
+        raise  # a JSON file nested past the limit: told by the command, in words of its own
     except Exception as exc:
         # Whatever a damaged or foreign folder makes ``transformers`` (or safetensors, or
         # torch) raise: its words on one line, as a mistake on the command line is told.
