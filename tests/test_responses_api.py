@@ -219,8 +219,8 @@ async def test_the_fields_agent_frameworks_send_by_default_are_taken():
     ("body", "status", "param"),
     [
         ({"input": "x", "background": True, "store": False}, 400, "background"),
-        ({"input": "x", "previous_response_id": "resp_abc"}, 404, "previous_response_id"),
-        ({"input": "x", "previous_response_id": "chatcmpl-1"}, 404, "previous_response_id"),
+        ({"input": "x", "previous_response_id": "resp_abc"}, 400, "previous_response_id"),
+        ({"input": "x", "previous_response_id": "chatcmpl-1"}, 400, "previous_response_id"),
         ({"input": 7}, 400, "input"),
         ({"input": []}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, None),
@@ -426,10 +426,13 @@ async def test_a_response_is_only_its_owners():
                 b.responses.retrieve(mine.id),
                 b.responses.cancel(mine.id),
                 b.responses.delete(mine.id),
-                b.responses.create(model="simulated", input="y", previous_response_id=mine.id),
             ):
                 with pytest.raises(openai.NotFoundError):
                     await attempt
+            # Continued by another key, it is not found either (said as OpenAI says it).
+            with pytest.raises(openai.BadRequestError) as refused:
+                await b.responses.create(model="simulated", input="y", previous_response_id=mine.id)
+            assert refused.value.code == "previous_response_not_found"
             assert (await a.responses.retrieve(mine.id)).status == "completed"
 
 
@@ -535,3 +538,18 @@ async def test_the_whole_response_and_every_event_validate_as_the_sdks_own_types
     for event in events:
         adapter.validate_python(json.loads(event.data))
     assert whole["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+
+
+async def test_an_unknown_previous_response_is_openais_previous_response_not_found():
+    # The code coding agents read to send the whole conversation again (it was a 404
+    # reply_not_found); so is a response deleted before it is continued.
+    async with running(create_app(fast_engine())) as url, sdk(url) as client:
+        gone = await client.responses.create(model="simulated", input="x")
+        await client.responses.delete(gone.id)
+        for previous in ("resp_abc", gone.id):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(
+                    model="simulated", input="y", previous_response_id=previous
+                )
+            assert refused.value.code == "previous_response_not_found"
+            assert refused.value.param == "previous_response_id"

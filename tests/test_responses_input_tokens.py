@@ -203,9 +203,9 @@ async def test_another_callers_response_is_not_continued_in_a_count():
         first = await owner.responses.create(input=QUESTION, max_output_tokens=2)
         counted = await owner.responses.input_tokens.count(previous_response_id=first.id)
         assert counted.input_tokens > 0
-        with pytest.raises(openai.NotFoundError) as refused:
+        with pytest.raises(openai.BadRequestError) as refused:
             await other.responses.input_tokens.count(previous_response_id=first.id)
-        with pytest.raises(openai.NotFoundError) as created:
+        with pytest.raises(openai.BadRequestError) as created:
             await other.responses.create(
                 input="x", previous_response_id=first.id, max_output_tokens=2
             )
@@ -288,8 +288,8 @@ LONG = "x" * 200
         ({"input": "hi", "instructions": LONG}, 400, "context_length_exceeded", "input"),
         (
             {"input": QUESTION, "previous_response_id": "resp_nope"},
-            404,
-            "reply_not_found",
+            400,
+            "previous_response_not_found",
             "previous_response_id",
         ),
         ({"input": QUESTION, "model": "other"}, 404, "model_not_found", "model"),

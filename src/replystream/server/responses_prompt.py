@@ -17,6 +17,7 @@ from aiohttp import web
 
 from replystream.engine.base import GenerationRequest
 from replystream.server.context import CONFIG_KEY, caller_of
+from replystream.server.errors import HTTPAPIError
 from replystream.server.native import bad, check_prompt_size
 from replystream.server.openai_api import routed_model
 from replystream.server.output_formats import engine_format
@@ -81,8 +82,21 @@ def input_messages(body: ResponsesPrompt) -> tuple[Messages, list[Origin]]:
 async def _history(request: web.Request, previous: str) -> Messages:
     """The conversation a ``previous_response_id`` continues: its history and input, then
     its output."""
-    reply_id = response_reply_id(previous, "previous_response_id")
-    store, _ = await find_response(request, reply_id, "previous_response_id")
+    try:
+        reply_id = response_reply_id(previous, "previous_response_id")
+        store, _ = await find_response(request, reply_id, "previous_response_id")
+    except HTTPAPIError as exc:
+        if exc.status != 404:
+            raise
+        # OpenAI's code for it (a 400, the request's own field at fault), which clients such
+        # as coding agents read to send the whole conversation instead.
+        raise HTTPAPIError(
+            400,
+            f"no response {previous!r} was found to continue (previous_response_id): it never "
+            "existed here, was deleted, or has expired",
+            code="previous_response_not_found",
+            param="previous_response_id",
+        ) from None
     kept = await stored_conversation(store, reply_id)
     said = await response_said(store, reply_id)
     if said is None:
