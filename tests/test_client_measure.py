@@ -157,6 +157,39 @@ def test_the_servers_usage_count_is_read_from_native_and_openai_streams():
     assert (chunk.kind, chunk.tokens) == ("usage", 12)
 
 
+@pytest.mark.parametrize("usage_with", ["finish", "last text"])
+async def test_usage_in_the_chunk_of_the_finish_or_the_last_text_is_the_count(usage_with: str):
+    # llama.cpp's server once sent its usage so, with no usage chunk of its own: the count
+    # was then the text events (6), not the 30 tokens they carried.
+    usage = {"prompt_tokens": 3, "completion_tokens": 30}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n in range(6):
+            choice = {"index": 0, "delta": {"content": f"w{n} " * 5}, "finish_reason": None}
+            chunk: dict[str, object] = {"choices": [choice]}
+            if n == 5 and usage_with == "last text":
+                chunk["usage"] = usage
+            await response.write(b"data: %s\n\n" % json.dumps(chunk).encode())
+        finish: dict[str, object] = {
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+        }
+        if usage_with == "finish":
+            finish["usage"] = usage
+        await response.write(b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(finish).encode())
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with running(app) as url:
+        timing = await measure_reply(
+            f"{url}/v1/chat/completions", method="POST", json_body={"messages": []}
+        )
+    assert timing.complete and timing.tokens == 30
+    assert len(timing.text_event_ms) == 6
+
+
 async def test_tokens_come_from_usage_when_events_carry_several_each():
     async with serve_engine(fast_engine(delay_ms=1, jitter_ms=0)) as url:
         timing = await measure_reply(

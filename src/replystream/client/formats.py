@@ -40,8 +40,8 @@ class Meaning:
     text: str = ""
     tokens: int = 0
     error: str | None = None
-    # On ``done``: the server's own count of the tokens its reply made, when the end (a
-    # Responses stream's last event, a buffered body) carries one.
+    # On ``done``, or on text: the server's own count of the tokens its reply made, when the
+    # end (a Responses stream's last event, a buffered body) or the last text carries one.
     usage: int | None = None
     # ``tokens`` is the text's words, the nearest a reader can tell when the event carries no
     # count (the lab stream); a word split over two events is one (see ``words_added``).
@@ -161,12 +161,17 @@ def interpret_event(event: Event) -> Meaning:
             kind: Kind = "thinking" if event.type == "thinking" else "text"
             return Meaning(kind, payload["text"], 1 if tokens is None else tokens)
         text = _choice_text(payload)
+        # An OpenAI usage chunk; or, from some servers (llama.cpp's, before it sent one of its
+        # own), the usage in the chunk of the finish reason, or of the last text.
+        reported = _completion_tokens(payload.get("usage"))
         if not text and (thought := _choice_thought(payload)) is not None:
             return Meaning("thinking", thought, 1)
+        if text:
+            return Meaning("text", text, 1, usage=reported)
+        if reported is not None:
+            return Meaning("usage", tokens=reported)
         if text is not None:
-            return Meaning("text", text, 1 if text else 0)
-        if isinstance(payload.get("usage"), dict):  # an OpenAI usage chunk
-            return _usage(payload["usage"])
+            return Meaning("text", "", 0)
     return OTHER
 
 
@@ -261,8 +266,12 @@ def _usage(source: str | dict[str, Any]) -> Meaning:
         usage = server_json(source) if isinstance(source, str) else source
     except ValueError:
         return OTHER
-    tokens = _count(usage.get("completion_tokens"), least=0) if isinstance(usage, dict) else None
+    tokens = _completion_tokens(usage)
     return OTHER if tokens is None else Meaning("usage", tokens=tokens)
+
+
+def _completion_tokens(usage: Any) -> int | None:
+    return _count(usage.get("completion_tokens"), least=0) if isinstance(usage, dict) else None
 
 
 def interpret_body(body: bytes) -> Meaning:

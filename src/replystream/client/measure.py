@@ -177,6 +177,8 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
                 if meaning.in_words and reading.parts:
                     tokens = words_added(reading.parts[-1], meaning.text)
                 reading.on_text(meaning.text, tokens, at, meaning.kind == "thinking")
+                if meaning.usage is not None:
+                    reading.reported_tokens = meaning.usage
                 stop = reading.stop_after_tokens
                 if stop is not None and reading.tokens >= stop:
                     # Hang up as a user who stops reading does: leaving closes the socket.
