@@ -30,7 +30,8 @@ async def assert_401(response: aiohttp.ClientResponse) -> None:
     assert response.status == 401
     assert response.headers["WWW-Authenticate"] == "Bearer"
     error = (await response.json())["error"]
-    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    # OpenAI types a wrong key a request error, its code telling which
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
 
 
 @pytest.mark.parametrize(
@@ -148,7 +149,7 @@ async def test_a_key_that_is_not_utf8_is_401_not_an_error(path, header, caplog):
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 401 "), answer
     error = json.loads(body)["error"]
-    assert error["type"] == "authentication_error"
+    assert error["code"] == "invalid_api_key"
     assert "Traceback" not in caplog.text and "unhandled" not in caplog.text
 
 

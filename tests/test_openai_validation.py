@@ -74,7 +74,7 @@ def assert_error_shape(body: Any, status: int, code: str, param: str | None) -> 
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == code and error["message"]
-    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["type"] == "invalid_request_error"  # OpenAI's type for a 404 too
     if param is not None:
         assert error["param"] == param
 

@@ -76,7 +76,7 @@ async def test_a_resume_of_an_evicted_reply_is_told_what_is_gone(tmp_path: Path)
             gone, body = await resume(f"{b_url}/v1/replies/{made['meta']}/stream", after=3)
             error = json.loads(body)["error"]
             assert gone.status == 410, body
-            assert (error["code"], error["type"]) == ("reply_evicted", "not_found_error")
+            assert (error["code"], error["type"]) == ("reply_evicted", "invalid_request_error")
             assert "evicted" in error["message"] and error["param"] == "reply_id"
 
             unknown, body = await resume(f"{b_url}/v1/replies/{made['all']}/stream", after=3)

@@ -194,7 +194,7 @@ async def test_keys_are_checked_as_on_responses():
             await bad.responses.input_tokens.count(input=QUESTION)
     error = refused.value.body
     assert isinstance(error, dict)
-    assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
 
 
 async def test_another_callers_response_is_not_continued_in_a_count():
@@ -315,8 +315,7 @@ async def test_bad_input_is_refused_as_create_refuses_it_in_openais_shape(
                 )
     assert counted == created  # the same refusal, word for word
     error = counted["error"]
-    kind = "not_found_error" if status == 404 else "invalid_request_error"
-    assert (error["type"], error["code"], error["param"]) == (kind, code, param)
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
     assert raised.value.status_code == status and raised.value.body == error
 
 

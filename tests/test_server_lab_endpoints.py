@@ -135,7 +135,7 @@ async def test_bad_query_is_a_400_naming_the_field_and_unknown_paths_are_json_40
             assert (await response.json())["error"]["param"] == "max_tokens"
         async with http.get(f"{url}/nope") as response:
             assert response.status == 404
-            assert (await response.json())["error"]["type"] == "not_found_error"
+            assert (await response.json())["error"]["code"] == "not_found"
 
 
 async def test_same_seed_same_text_in_both_modes_and_max_tokens():

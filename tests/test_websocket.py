@@ -193,7 +193,7 @@ async def test_cancelling_an_unknown_tag_is_not_found_as_over_http():
             await ws.send_json({"type": "cancel", "id": "nobody"})
             error = (await ws.receive_json())["data"]["error"]
     assert error["code"] == over_http["code"] == "reply_not_found"
-    assert error["type"] == over_http["type"] == "not_found_error"
+    assert error["type"] == over_http["type"] == "invalid_request_error"
     assert error["param"] == "id"
 
 
@@ -242,7 +242,7 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
             await ws.send_json(start)  # no key first
             error = await ws.receive_json()
             assert error["data"]["error"]["code"] == "invalid_api_key"
-            assert error["data"]["error"]["type"] == "authentication_error"  # as over HTTP
+            assert error["data"]["error"]["type"] == "invalid_request_error"  # as over HTTP
             closed = await ws.receive()
             assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 4401
     assert engine.stats().started == 2

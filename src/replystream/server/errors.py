@@ -20,7 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-_TYPE_BY_STATUS = {
+# Anthropic's error types, by status.
+_ANTHROPIC_TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -39,21 +40,29 @@ _TYPE_BY_STATUS = {
 def error_body(
     message: str, *, code: str, status: int = 500, param: str | None = None
 ) -> dict[str, Any]:
-    """The JSON error object for ``status``."""
-    kind = _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    """The JSON error object for ``status``, typed as OpenAI types its own: every refusal an
+    ``invalid_request_error`` (a wrong key and an unknown model too: the ``code`` tells them
+    apart), a rate limit on requests ``requests``, a failure on the server's side
+    ``server_error``."""
+    kind = (
+        "server_error"
+        if status >= 500
+        else "requests"
+        if status == 429
+        else "invalid_request_error"
+    )
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def anthropic_error_type(status: int) -> str:
-    """The ``error.type`` Anthropic's clients read for an HTTP ``status``: OpenAI's where they
-    agree; Anthropic has no ``server_error`` (a failure of ours or of an upstream is its
-    ``api_error``, a gateway's time-out its ``timeout_error``), and a body too large is its
-    ``request_too_large``."""
+    """The ``error.type`` Anthropic's clients read for an HTTP ``status``: a failure of ours
+    or of an upstream is its ``api_error``, a gateway's time-out its ``timeout_error``, a body
+    too large its ``request_too_large``."""
     if status == 504:
         return "timeout_error"
     if status == 413:
         return "request_too_large"
-    kind = _TYPE_BY_STATUS.get(status)
+    kind = _ANTHROPIC_TYPE_BY_STATUS.get(status)
     if kind is not None:
         return kind
     return "api_error" if status >= 500 else "invalid_request_error"
