@@ -226,6 +226,36 @@ async def test_a_detached_reply_read_on_the_other_replica_goes_on_past_the_grace
     assert body.count(b"event: token") == 250
 
 
+async def test_a_reader_joining_on_the_other_replica_late_in_the_grace_is_not_cut(
+    tmp_path: Path,
+):
+    # Its producer learns of a reader elsewhere at its once-a-second beat: one that joined in
+    # the last beat before the grace ran out was not yet known, and the reply was stopped
+    # under it (detach_expired) a moment after it began to read.
+    with redis_server(tmp_path) as redis:
+        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 2000)
+        config = ServerConfig(detach_grace_s=1.5)
+        a = create_app(engine, config, RedisReplayStore(redis.url))
+        b = create_app(fast_engine(), config, RedisReplayStore(redis.url))
+        async with running(a) as a_url, running(b) as b_url:
+            start = await raw_request(
+                f"{a_url}/v1/replies", "POST", b'{"prompt": "x", "resumable": true}'
+            )
+            reply_id = start.headers["x-reply-id"]
+            await start.reader.readuntil(b"\n\n")  # the reply event: then A's reader leaves
+            await start.aclose()
+            await asyncio.sleep(1.4)  # within the grace, after (most likely) A's last beat
+            resumed = await raw_request(
+                f"{b_url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "1"}
+            )
+            try:  # past when the grace, as it ran, would have ended it
+                cut = await asyncio.wait_for(resumed.read_body(), timeout=2.5)
+            except TimeoutError:
+                cut = None  # still streaming
+                await resumed.aclose()
+    assert cut is None, cut[-300:]
+
+
 async def test_a_detached_reply_stops_soon_after_its_reader_on_the_other_replica_leaves(
     tmp_path: Path,
 ):

@@ -59,7 +59,7 @@ from redis.exceptions import RedisError
 from replystream.delivery.redis_follow import RemoteCursor
 from replystream.delivery.redis_heartbeat import Heartbeat
 from replystream.delivery.redis_keys import DELETED_PARTS, ReplyKeys
-from replystream.delivery.redis_link import RedisLink
+from replystream.delivery.redis_link import HEARTBEAT_S, RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_reads import RemoteReads
 from replystream.delivery.redis_rows import Newest, Offsets
@@ -84,6 +84,9 @@ class RedisReplayStore:
     """A ``ReplayStore`` shared by every replica that points at the same Redis."""
 
     name = "redis"
+    # A reader's mark is left at once; its producer reads marks at its beats (and a beat
+    # takes its own time): seen within a beat and a half.
+    readers_elsewhere_seen_within_s = 1.5 * HEARTBEAT_S
 
     def __init__(
         self,

@@ -181,6 +181,9 @@ class LogCursor(Protocol):
 
 class ReplayStore(Protocol):
     name: str
+    # How long after a reader on another replica starts reading its producer may be the last
+    # to know (0: every reader is the producer's own): a detach grace waits that much more.
+    readers_elsewhere_seen_within_s: float
 
     async def create(self, info: ReplyInfo) -> None:
         """Start a reply's log (live). Raises ``StoreUnavailable``."""
@@ -356,6 +359,7 @@ class MemoryReplayStore:
     """
 
     name = "memory"
+    readers_elsewhere_seen_within_s = 0.0
 
     def __init__(
         self,

@@ -159,7 +159,7 @@ class Reply:
             self.stop(reason)
         elif self._detach_timer is None:
             loop = asyncio.get_running_loop()
-            self._detach_timer = loop.call_later(self.detach_grace_s, self._detach_expired)
+            self._detach_timer = loop.call_later(self._grace_s(), self._detach_expired)
 
     def consumed(self, upto: int) -> None:
         """A reader has sent everything up to ``upto``; a reply nobody may resume, with one
@@ -185,13 +185,18 @@ class Reply:
         if not self.resumable and self.readers == 0:
             self.store.discard(self.reply_id)
 
+    def _grace_s(self) -> float:
+        """The detach grace, and the time a reader that joined on another replica within it
+        may take to be known here: stopped sooner, the reply would be cut under that reader."""
+        return self.detach_grace_s + self.store.readers_elsewhere_seen_within_s
+
     def _detach_expired(self) -> None:
         self._detach_timer = None
         if self.readers:
             return
         # A reader on another replica is a reader too: the grace runs from its last read.
         seen = self.store.read_elsewhere_at(self.reply_id)
-        left = 0.0 if seen is None else seen + self.detach_grace_s - time.monotonic()
+        left = 0.0 if seen is None else seen + self._grace_s() - time.monotonic()
         if left > 0:
             loop = asyncio.get_running_loop()
             self._detach_timer = loop.call_later(left, self._detach_expired)
