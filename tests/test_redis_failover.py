@@ -239,6 +239,38 @@ async def test_replies_whose_writes_failed_are_forgotten_once_ended_and_their_co
         await producer.aclose()
 
 
+async def test_a_reply_that_ended_in_an_outage_past_the_failover_time_is_written_after_it(
+    tmp_path: Path,
+):
+    # Its writes failed for longer than failover_s, but the reply had ended: its copy here is
+    # whole. It was dropped from the writes due (never written again), so after the outage
+    # another replica answered 404 for a reply its producer still served.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url, failover_s=0.5)
+        reader = RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("ended", owner="k"))
+        producer.append("ended", [LogEntry(1, "token", "a")])
+        await producer.flush()
+        server.stop()
+        producer.append("ended", [LogEntry(2, "token", "b"), LogEntry(3, "token", "c")])
+        producer.end("ended", "finished")
+        await producer.flush()  # fails: the outage begins
+        await asyncio.sleep(1.0)  # past the failover time
+        await producer.flush()  # fails again, past it
+        assert producer.failure("ended") is None  # ended, so not failed: still due
+        server.start()
+        async with asyncio.timeout(10):
+            while True:  # the writer's retries reach Redis within a back-off
+                got = await reader.read("ended", 0, wait_s=0)
+                if got is not None and got.ending is not None:
+                    break
+                await asyncio.sleep(0.2)
+        assert await reader.info("ended") == ReplyInfo("ended", owner="k")
+        assert [e.data for e in got.entries] == ["a", "b", "c"] and got.ending == "finished"
+        await producer.aclose()
+        await reader.aclose()
+
+
 async def test_readers_during_the_repair_of_an_ended_reply_never_see_a_false_gap(
     tmp_path: Path,
 ):

@@ -6,7 +6,8 @@ writes the old primary acknowledged; the writer finds out (a call failed, or its
 came back short) and repairs every reply it holds from its local copy (``redis_repair``
 plans, ``redis_rewrite`` writes): re-appends what Redis lost, or rewrites a stream with a
 hole. What it no longer holds stays a hole, which readers are told of as a gap. Past
-``failover_s`` of failing, a write marks its replies (``failure``); a ``create`` fails with
+``failover_s`` of failing, a write marks its live replies (``failure``); the ended ones are
+written again whenever Redis answers, while this process holds them; a ``create`` fails with
 the next flush that cannot reach Redis. A live reply the heartbeat finds evicted is repaired
 the same way (``rewrite``).
 
@@ -131,16 +132,18 @@ class Failover:
             )
         if now - self.outage_since < self._link.failover_s:
             return
-        log.warning("reply log writes to Redis failed for %gs: %s", self._link.failover_s, exc)
-        for reply_id in tables.dirty:
-            if reply_id in tables.live:
-                tables.failures[reply_id] = f"Redis write failed: {exc}"
-            else:  # ended: nothing more is sent of it, its ending if still queued neither
-                tables.ended_unsent(reply_id)
+        # The live replies fail: their producers stop, rather than generate on for no reader
+        # elsewhere. An ended one stays due: its copy here is whole, and is written once Redis
+        # answers (the writer retries until then), so a reply that finished during the outage
+        # can be read from any replica afterwards, as the ones before it can.
+        failing = [reply_id for reply_id in tables.dirty if reply_id in tables.live]
+        if failing:
+            log.warning("reply log writes to Redis failed for %gs: %s", self._link.failover_s, exc)
+        for reply_id in failing:
+            tables.failures[reply_id] = f"Redis write failed: {exc}"
             tables.pending.pop(reply_id, None)
             tables.endings.pop(reply_id, None)
-        tables.dirty.clear()
-        self.outage_since = None
+            tables.dirty.discard(reply_id)
 
     # Writing it again.
 
