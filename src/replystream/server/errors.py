@@ -44,13 +44,12 @@ def error_body(
     ``invalid_request_error`` (a wrong key and an unknown model too: the ``code`` tells them
     apart), a rate limit on requests ``requests``, a failure on the server's side
     ``server_error``."""
-    kind = (
-        "server_error"
-        if status >= 500
-        else "requests"
-        if status == 429
-        else "invalid_request_error"
-    )
+    if status >= 500:
+        kind = "server_error"
+    elif status == 429:
+        kind = "requests"
+    else:
+        kind = "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
