@@ -68,6 +68,27 @@ def test_secret_patterns_and_named_regexes():
     assert check.find("pay 1234-5678 now") is None
 
 
+@pytest.mark.parametrize("window", [0, 3, 50])
+def test_the_earliest_match_of_any_check_stops_the_text_whatever_the_checks_order(window: int):
+    # A key, then a banned phrase, completing in one push (a relayed chunk of several tokens):
+    # the phrase's check came first in the list and matched, and the text before it went
+    # out, the key in it.
+    key = "sk-" + "abcdefghijABCDEFGHIJ0123"
+    card = RegexCheck({"card": r"\b\d{4}-\d{4}\b"}, name="regex")
+    for checks in (
+        [BannedPhrases(["forbidden phrase"]), card, secret_check()],
+        [secret_check(), card, BannedPhrases(["forbidden phrase"])],
+    ):
+        holdback = HoldBack(window, checks)
+        out = "".join(
+            holdback.push(text, 1)[0]
+            for text in ["Intro ", "key ", f"{key} 1234-5678 forbidden phrase"]
+        )
+        out += holdback.finish()[0]
+        assert holdback.violation is not None and holdback.violation.reason == "openai_key"
+        assert out == "Intro key " and key[:3] not in out
+
+
 def test_banned_phrases_case_sensitivity_and_blank_lists():
     assert BannedPhrases(["Foo"]).find("a foo b") is not None
     assert BannedPhrases(["Foo"], case_sensitive=True).find("a foo b") is None

@@ -164,10 +164,15 @@ class HoldBack:
             held = "".join(t for t, _ in self._held)
             if hit is not None:
                 held = held[:room]  # text from the stop string on is never shown
+            # The earliest match of any check stops the text: the first check to match in
+            # list order may match after another's, whose text would then be released.
+            first: Finding | None = None
             for check in self._checks:
                 finding = check.find(self._tail + held)
-                if finding is not None:
-                    return self._stop(finding, max(0, finding.start - len(self._tail)))
+                if finding is not None and (first is None or finding.start < first.start):
+                    first = finding
+            if first is not None:
+                return self._stop(first, max(0, first.start - len(self._tail)))
         if hit is not None:
             out = self._take(room, lambda: True)
             self._drop_held()
