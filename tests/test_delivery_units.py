@@ -89,6 +89,23 @@ def test_the_earliest_match_of_any_check_stops_the_text_whatever_the_checks_orde
         assert out == "Intro key " and key[:3] not in out
 
 
+@pytest.mark.parametrize(
+    "written",
+    [
+        "".join(chr(ord(c) + 0xFEE0) if c != " " else c for c in "forbidden phrase"),
+        "for\u200bbid\u200dden phr\u00adase",  # zero-width space and joiner, soft hyphen
+        "FORBIDDEN\u2060 PHRASE",  # a word joiner
+    ],
+)
+def test_a_banned_phrase_is_found_however_its_letters_are_written(written: str):
+    # Each got past the check: a model told to spell a phrase past a filter writes so.
+    tokens = ["Well ", *(written[i : i + 3] for i in range(0, len(written), 3)), " end"]
+    holdback = HoldBack(10, [BannedPhrases(["forbidden phrase"])])  # the phrase, in tokens
+    out = "".join(holdback.push(token, 1)[0] for token in tokens) + holdback.finish()[0]
+    assert holdback.violation is not None and out == "Well "
+    assert BannedPhrases(["Straße"]).find("no STRASSE here") is not None  # Unicode's folding
+
+
 def test_banned_phrases_case_sensitivity_and_blank_lists():
     assert BannedPhrases(["Foo"]).find("a foo b") is not None
     assert BannedPhrases(["Foo"], case_sensitive=True).find("a foo b") is None

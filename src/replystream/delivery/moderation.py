@@ -15,6 +15,7 @@ This file is pure: no clock, no I/O. It must not know about events or sockets.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -42,8 +43,27 @@ class Check(Protocol):
     def find(self, text: str) -> Finding | None: ...
 
 
+# Each character's form as phrases are matched (see ``BannedPhrases``), kept once made: text
+# is checked again with every token, and a reply's characters are few.
+_FOLDED_FORMS: dict[str, str] = {}
+_CASED_FORMS: dict[str, str] = {}
+
+
+def _form_of(char: str, *, fold_case: bool) -> str:
+    if unicodedata.category(char) == "Cf":
+        return ""  # invisible: a zero-width space or joiner, a soft hyphen
+    plain = unicodedata.normalize("NFKC", char)
+    return plain.casefold() if fold_case else plain
+
+
 class BannedPhrases:
-    """Fails text containing any of the phrases (case-insensitive unless told otherwise)."""
+    """Fails text containing any of the phrases (case-insensitive unless told otherwise).
+
+    A phrase is found however its letters are written: in a compatibility form (full-width
+    letters, ligatures: Unicode's NFKC), and with invisible format characters inside it
+    (zero-width spaces and joiners, soft hyphens: category Cf), which a model told to spell a
+    phrase past a filter writes; case is folded as Unicode folds it (ß as ss). Text of ASCII
+    alone has none of these, and is searched as it is."""
 
     name = "banned_phrase"
 
@@ -51,15 +71,39 @@ class BannedPhrases:
         cleaned = sorted({p for p in phrases if p.strip()}, key=len, reverse=True)
         if not cleaned:
             raise ValueError("BannedPhrases needs at least one non-blank phrase")
+        self._case_sensitive = case_sensitive
+        folded = sorted({self._fold(p)[0] for p in cleaned}, key=len, reverse=True)
         flags = 0 if case_sensitive else re.IGNORECASE
-        self._pattern = re.compile("|".join(re.escape(p) for p in cleaned), flags)
-        self.context_chars = max(len(p) for p in cleaned)
+        self._pattern = re.compile("|".join(re.escape(p) for p in folded), flags)
+        # Written with format characters between its letters, a phrase takes more room.
+        self.context_chars = 2 * max(len(p) for p in cleaned)
+
+    def _fold(self, text: str) -> tuple[str, list[int]]:
+        """``text`` as phrases are matched, and where each of its characters came from."""
+        forms = _CASED_FORMS if self._case_sensitive else _FOLDED_FORMS
+        folded: list[str] = []
+        origins: list[int] = []
+        for index, char in enumerate(text):
+            plain = forms.get(char)
+            if plain is None:
+                plain = forms[char] = _form_of(char, fold_case=forms is _FOLDED_FORMS)
+            if plain:
+                folded.append(plain)
+                origins += [index] * len(plain)
+        return "".join(folded), origins
 
     def find(self, text: str) -> Finding | None:
-        match = self._pattern.search(text)
+        if text.isascii():  # folds to itself (but for case, which the pattern ignores)
+            match = self._pattern.search(text)
+            if match is None:
+                return None
+            return Finding(match.start(), match.end(), self.name, "banned phrase")
+        folded, origins = self._fold(text)
+        match = self._pattern.search(folded)
         if match is None:
             return None
-        return Finding(match.start(), match.end(), self.name, "banned phrase")
+        start, end = origins[match.start()], origins[match.end() - 1] + 1
+        return Finding(start, end, self.name, "banned phrase")
 
 
 class RegexCheck:

@@ -326,7 +326,8 @@ CHECKS = Group(
     (
         Setting(
             "--ban",
-            "a banned phrase, matched case-insensitively (repeatable)",
+            "a banned phrase, matched case-insensitively, in any compatibility form (full-width "
+            "letters) and with invisible characters (zero-width spaces) inside (repeatable)",
             non_empty_text,
             repeatable=True,
             metavar="PHRASE",
