@@ -6,7 +6,13 @@ import pytest
 
 from replystream.delivery.batching import Batcher
 from replystream.delivery.formats import NativeFormat, Usage
-from replystream.delivery.moderation import BannedPhrases, HoldBack, RegexCheck, secret_check
+from replystream.delivery.moderation import (
+    BannedPhrases,
+    Check,
+    HoldBack,
+    RegexCheck,
+    secret_check,
+)
 
 
 def run_holdback(tokens: list[str], window: int, phrases: list[str]) -> tuple[str, HoldBack]:
@@ -75,10 +81,11 @@ def test_the_earliest_match_of_any_check_stops_the_text_whatever_the_checks_orde
     # out, the key in it.
     key = "sk-" + "abcdefghijABCDEFGHIJ0123"
     card = RegexCheck({"card": r"\b\d{4}-\d{4}\b"}, name="regex")
-    for checks in (
+    orders: list[list[Check]] = [
         [BannedPhrases(["forbidden phrase"]), card, secret_check()],
         [secret_check(), card, BannedPhrases(["forbidden phrase"])],
-    ):
+    ]
+    for checks in orders:
         holdback = HoldBack(window, checks)
         out = "".join(
             holdback.push(text, 1)[0]
