@@ -210,13 +210,16 @@ class HoldBack:
                 held = held[:room]  # text from the stop string on is never shown
             # The earliest match of any check stops the text: the first check to match in
             # list order may match after another's, whose text would then be released.
+            text, tail = self._tail + held, len(self._tail)
             first: Finding | None = None
+            first_start = 0
             for check in self._checks:
-                finding = check.find(self._tail + held)
-                if finding is not None and (first is None or finding.start < first.start):
-                    first = finding
+                skip = max(0, tail - check.context_chars)  # each reads its own context
+                finding = check.find(text[skip:] if skip else text)
+                if finding is not None and (first is None or skip + finding.start < first_start):
+                    first, first_start = finding, skip + finding.start
             if first is not None:
-                return self._stop(first, max(0, first.start - len(self._tail)))
+                return self._stop(first, max(0, first_start - tail))
         if hit is not None:
             out = self._take(room, lambda: True)
             self._drop_held()
