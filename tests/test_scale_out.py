@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from aiohttp import web
+
 from replystream.client import ResumingReader
 from replystream.client.resume import Backoff
 from replystream.delivery.redis_store import RedisReplayStore
+from replystream.engine.simulated import SimulatedEngine
 from replystream.server import create_app, running
 from replystream.server.context import MANAGER_KEY
 from replystream.server.server_config import ServerConfig
@@ -226,15 +229,15 @@ async def test_a_detached_reply_read_on_the_other_replica_goes_on_past_the_grace
     assert body.count(b"event: token") == 250
 
 
-async def test_a_reader_joining_on_the_other_replica_late_in_the_grace_is_not_cut(
-    tmp_path: Path,
-):
-    # Its producer learns of a reader elsewhere at its once-a-second beat: one that joined in
-    # the last beat before the grace ran out was not yet known, and the reply was stopped
-    # under it (detach_expired) a moment after it began to read.
+@contextlib.asynccontextmanager
+async def left_on_a(
+    tmp_path: Path, grace_s: float
+) -> AsyncIterator[tuple[web.Application, SimulatedEngine, str, str]]:
+    """A long resumable reply started on replica A whose reader there has just left (its
+    detach grace running): A, A's engine, replica B's URL and the reply's id; one Redis."""
     with redis_server(tmp_path) as redis:
         engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 2000)
-        config = ServerConfig(detach_grace_s=1.5)
+        config = ServerConfig(detach_grace_s=grace_s)
         a = create_app(engine, config, RedisReplayStore(redis.url))
         b = create_app(fast_engine(), config, RedisReplayStore(redis.url))
         async with running(a) as a_url, running(b) as b_url:
@@ -244,15 +247,25 @@ async def test_a_reader_joining_on_the_other_replica_late_in_the_grace_is_not_cu
             reply_id = start.headers["x-reply-id"]
             await start.reader.readuntil(b"\n\n")  # the reply event: then A's reader leaves
             await start.aclose()
-            await asyncio.sleep(1.4)  # within the grace, after (most likely) A's last beat
-            resumed = await raw_request(
-                f"{b_url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "1"}
-            )
-            try:  # past when the grace, as it ran, would have ended it
-                cut = await asyncio.wait_for(resumed.read_body(), timeout=2.5)
-            except TimeoutError:
-                cut = None  # still streaming
-                await resumed.aclose()
+            yield a, engine, b_url, reply_id
+
+
+async def test_a_reader_joining_on_the_other_replica_late_in_the_grace_is_not_cut(
+    tmp_path: Path,
+):
+    # Its producer learns of a reader elsewhere at its once-a-second beat: one that joined in
+    # the last beat before the grace ran out was not yet known, and the reply was stopped
+    # under it (detach_expired) a moment after it began to read.
+    async with left_on_a(tmp_path, grace_s=1.5) as (_, _, b_url, reply_id):
+        await asyncio.sleep(1.4)  # within the grace, after (most likely) A's last beat
+        resumed = await raw_request(
+            f"{b_url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "1"}
+        )
+        try:  # past when the grace, as it ran, would have ended it
+            cut = await asyncio.wait_for(resumed.read_body(), timeout=2.5)
+        except TimeoutError:
+            cut = None  # still streaming
+            await resumed.aclose()
     assert cut is None, cut[-300:]
 
 
@@ -261,27 +274,16 @@ async def test_a_detached_reply_stops_soon_after_its_reader_on_the_other_replica
 ):
     # The reader on B leaves past the grace: A stops the reply about the grace after that
     # (and a heartbeat or two), not after the reader's mark has lapsed too.
-    with redis_server(tmp_path) as redis:
-        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 2000)
-        config = ServerConfig(detach_grace_s=2.0)
-        a = create_app(engine, config, RedisReplayStore(redis.url))
-        b = create_app(fast_engine(), config, RedisReplayStore(redis.url))
-        async with running(a) as a_url, running(b) as b_url:
-            start = await raw_request(
-                f"{a_url}/v1/replies", "POST", b'{"prompt": "x", "resumable": true}'
-            )
-            reply_id = start.headers["x-reply-id"]
-            await start.reader.readuntil(b"\n\n")  # the reply event: then A's reader leaves
-            await start.aclose()
-            resumed = await raw_request(
-                f"{b_url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "1"}
-            )
-            await asyncio.sleep(3.0)  # read past the grace
-            await resumed.aclose()
-            loop = asyncio.get_running_loop()
-            left = loop.time()
-            await wait_for(lambda: not a[MANAGER_KEY].replies, timeout_s=20)
-            stopped_after = loop.time() - left
+    async with left_on_a(tmp_path, grace_s=2.0) as (a, engine, b_url, reply_id):
+        resumed = await raw_request(
+            f"{b_url}/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "1"}
+        )
+        await asyncio.sleep(3.0)  # read past the grace
+        await resumed.aclose()
+        loop = asyncio.get_running_loop()
+        left = loop.time()
+        await wait_for(lambda: not a[MANAGER_KEY].replies, timeout_s=20)
+        stopped_after = loop.time() - left
     assert engine.stats().cancelled == 1  # stopped, not made to its end
     # Grace 2 s, and up to a beat to take the mark away and one for A to miss it; with the
     # mark left to lapse it took 7 s. The bound leaves a loaded machine room either side.
