@@ -436,4 +436,5 @@ async def buffered(
     )
     if reply_id is not None:
         response.headers["X-Reply-Id"] = reply_id
+        request[REPLY_ID] = reply_id  # its access-log line names it, as a stream's does
     return response

@@ -62,6 +62,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
+from replystream.server.guard import REPLY_ID
 from replystream.server.native import (
     delivery_overrides,
     sampling_params,
@@ -188,11 +189,14 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         )
     if body.stream:
         return _follow(request, reply, policy, settings)
+    request[REPLY_ID] = reply.reply_id  # its access-log line names it, as a stream's does
     if body.background:
         queued = response_object(settings, reply.reply_id, "queued")
         return web.json_response(queued, headers={"X-Reply-Id": reply.reply_id})
     answer = await _await_end(reply)
     answer.headers["X-Reply-Id"] = reply.reply_id
+    # The one body is the events this reply sent its client, as a buffered chat's is.
+    reply.record.on_send(len(answer.body) if isinstance(answer.body, bytes) else 0)
     return answer
 
 

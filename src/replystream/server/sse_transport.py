@@ -152,10 +152,11 @@ class SSETransport(SocketRoom):
         ):
             return None
         data = self.encode(entries)
+        size = len(data)  # the body's bytes, as ``write`` counts them: not the chunk framing
         if self._chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
+            data = b"%x\r\n%s\r\n" % (size, data)
         transport.write(data)
-        return len(data)
+        return size
 
     async def end(self) -> None:
         if not self._body_ended:
