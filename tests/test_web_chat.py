@@ -19,6 +19,7 @@ import pytest
 
 from replystream.engine.simulated import split_words
 from replystream.engine.tiny import load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
@@ -272,6 +273,44 @@ async def test_eventsource_page_reconnects_with_last_event_id(browser: Browser):
             assert proxy.sent.decode("latin-1").lower().count("/stream http/1.1") == streams
 
 
+async def test_eventsource_page_tells_a_cut_reply_and_a_refusal_as_they_are(browser: Browser):
+    # A reply at its token limit was badged complete, and every refusal but a 401 was said
+    # to be a server without resumable replies.
+    engine = load_default_engine(TinyEngineConfig(default_max_tokens=6))
+    config = ServerConfig(api_keys=("sk-page-test",))
+    async with running(create_app(engine, config)) as url:
+        page = await open_page(browser, f"{url}/eventsource.html")
+        await page.fill("#api-key", "sk-page-test")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="cut"]')
+        assert await page.text_content("#badge") == "cut"
+        await page.fill("#api-key", "sk-wrong")
+        await page.click("#go")
+        await page.wait_for_function(
+            "() => document.querySelector('#log').textContent.includes('HTTP 401')"
+        )
+        log = await page.locator("#log li").all_text_contents()
+        assert "Incorrect API key provided. (HTTP 401)" in log[-1], log
+
+
+async def test_a_setting_out_of_the_fields_steps_or_range_is_sent_not_dropped(browser: Browser):
+    # Temperature 0.25 failed the field's step check and 5 its range: either was left out of
+    # the request, and the server's default served without a word.
+    engine = TimedEngine(fast_engine(delay_ms=2.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        bodies = posted_bodies(page)
+        await set_delivery(page, temperature="0.25", max_tokens=4)
+        await send(page, "Hello")
+        await wait_state(page, "stream", "cut")
+        await set_delivery(page, temperature="5")
+        await send(page, "Again")
+        await wait_state(page, "stream", "error")
+        note = await page.text_content(f"{TURN} .pane-note") or ""
+        assert "temperature" in note, note
+    assert [body.get("temperature") for body in bodies] == [0.25, 5]
+
+
 async def test_phone_width_stacks_the_panes_and_keyboard_sends(browser: Browser):
     engine = TimedEngine(fast_engine(delay_ms=5.0, jitter_ms=1.0))
     async with running(create_app(engine)) as url:
@@ -359,6 +398,25 @@ async def test_a_reply_cut_at_max_tokens_is_shown_as_cut_not_complete(browser: B
         await send(page, "Now all of it.")
         await wait_state(page, "stream", "done")
         assert await page.is_hidden(f"{pane('stream')} .pane-note")
+
+
+async def test_a_conversation_past_the_servers_prompt_limit_drops_its_oldest_turns_too(
+    browser: Browser,
+):
+    # --max-prompt-chars refuses with prompt_too_long, which the page did not read as the
+    # conversation outgrowing what is sent: every later message failed until a new chat.
+    engine = TimedEngine(fast_engine(delay_ms=1.0, jitter_ms=0.0))
+    async with running(create_app(engine, ServerConfig(max_prompt_chars=300))) as url:
+        page = await open_page(browser, url)
+        await set_delivery(page, max_tokens=12)
+        for sent in range(1, 6):
+            await send(page, f"{sent}: tell me about the river and the road home")
+            await page.wait_for_selector(
+                f'{pane("stream")}:is([data-state="done"], [data-state="cut"])'
+            )
+        notice = await page.text_content(".context-notice") or ""
+        assert "no longer fit" in notice, notice
+        assert await page.locator(".turn.user.out-of-context").count() > 0
 
 
 async def test_a_conversation_longer_than_the_context_drops_its_oldest_turns_and_says_so(

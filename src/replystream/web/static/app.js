@@ -26,8 +26,9 @@ const BADGES = {
   cut: 'cut',
 };
 const CUT_NOTE = 'Cut at the token limit (max tokens, or the end of the model\'s context).';
-// The error code an engine answers when the conversation no longer fits its context.
-const TOO_LONG = 'context_length_exceeded';
+// The error codes that say the conversation no longer fits: the engine's context, or the
+// server's --max-prompt-chars (prompt_too_long on the native route).
+const TOO_LONG = new Set(['context_length_exceeded', 'prompt_too_long']);
 
 function formatMs(ms) {
   if (ms === null) return '—';
@@ -211,10 +212,12 @@ let contextStart = 0;
 let contextNotice = null;
 
 // The delivery settings sent in the request body (numbers; empty means the server's default).
+// A value out of the field's range is sent all the same: the server's refusal names it, where
+// leaving it out would serve the default without a word.
 function settings() {
   const values = {};
   for (const input of settingsForm.elements) {
-    if (input.type === 'number' && input.value.trim() !== '' && input.validity.valid) {
+    if (input.type === 'number' && input.value.trim() !== '') {
       values[input.name] = Number(input.value);
     }
   }
@@ -266,7 +269,7 @@ async function exchange(turn) {
   const jobs = [];
   turn.stream.start();
   jobs.push(stream.run().then((result) => {
-    tooLong ||= result.code === TOO_LONG;
+    tooLong ||= TOO_LONG.has(result.code);
     turn.stream.finish(result.state === 'cut' ? { ...result, message: CUT_NOTE } : result);
   }));
   if (turn.wait) {
@@ -284,7 +287,7 @@ async function exchange(turn) {
         });
       },
       (error) => {
-        tooLong ||= error instanceof ReplyRefused && error.code === TOO_LONG;
+        tooLong ||= error instanceof ReplyRefused && TOO_LONG.has(error.code);
         turn.wait.finish(waitAbort.signal.aborted
           ? { state: 'stopped', message: 'Stopped.' }
           : { state: 'error', message: error.message });

@@ -44,12 +44,25 @@ async function startReply(prompt, apiKey) {
     signal: abort.signal,
   });
   const id = response.headers.get('X-Reply-Id');
-  abort.abort();  // we only wanted the id; the reply keeps generating for its next reader
-  if (response.status === 401) throw new Error('the server wants an API key (HTTP 401)');
-  if (!response.ok || !id) {
-    throw new Error(`this server does not offer resumable replies (HTTP ${response.status})`);
+  if (!response.ok) {
+    // A refusal's body is its reason (a wrong key, a rate limit, a bad setting): said as is.
+    const said = await refusal(response);
+    throw new Error(`${said} (HTTP ${response.status})`);
   }
+  abort.abort();  // we only wanted the id; the reply keeps generating for its next reader
+  if (!id) throw new Error('this server does not offer resumable replies (no X-Reply-Id)');
   return id;
+}
+
+async function refusal(response) {
+  try {
+    const body = await response.json();
+    const message = body?.error?.message;
+    if (typeof message === 'string' && message) return message;
+  } catch {
+    // not JSON: said by its status alone
+  }
+  return response.status === 401 ? 'the server wants an API key' : 'the server refused the reply';
 }
 
 function follow(id, apiKey) {
@@ -70,7 +83,10 @@ function follow(id, apiKey) {
       gapsSeen.add(lost);
       log(`the server lost events ${lost}`);
     },
-    done: (data) => finish('done', 'complete', `done (${data.finish_reason}); source closed`),
+    // A reply cut at its token limit is whole as far as it went, but not complete.
+    done: (data) => (data.finish_reason === 'length'
+      ? finish('cut', 'cut', 'cut at the token limit (length); source closed')
+      : finish('done', 'complete', `done (${data.finish_reason}); source closed`)),
     moderated: (data) => finish('moderated', 'moderated', `moderated by the ${data.check} check`),
   };
   for (const [type, handle] of Object.entries(handlers)) {
