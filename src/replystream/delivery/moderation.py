@@ -87,9 +87,12 @@ class BannedPhrases:
             plain = forms.get(char)
             if plain is None:
                 plain = forms[char] = _form_of(char, fold_case=forms is _FOLDED_FORMS)
-            if plain:
+            if len(plain) == 1:  # most characters: one folded character
                 folded.append(plain)
-                origins += [index] * len(plain)
+                origins.append(index)
+            elif plain:  # a ligature or a full-width pair unpacked, ß as ss
+                folded.append(plain)
+                origins.extend([index] * len(plain))
         return "".join(folded), origins
 
     def find(self, text: str) -> Finding | None:

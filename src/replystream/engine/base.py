@@ -124,6 +124,23 @@ class Caller:
 NO_CALLER = Caller()
 
 
+def check_lengths(params: SamplingParams) -> None:
+    """Refuse reply lengths that contradict each other, whatever the engine (one that never
+    holds an end token back would answer them all the same).
+
+    Raises:
+        RequestRejected: naming ``min_tokens``.
+    """
+    if params.min_tokens < 0:
+        raise RequestRejected("min_tokens must be >= 0", param="min_tokens")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise RequestRejected(
+            f"min_tokens ({params.min_tokens}) must not be more than max_tokens "
+            f"({params.max_tokens})",
+            param="min_tokens",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One reply to make: the prompt text and how to sample it.

@@ -27,6 +27,7 @@ from replystream.engine.base import (
     SamplingParams,
     TokenLogprob,
     TopLogprob,
+    check_lengths,
     token_name,
 )
 from replystream.engine.stops import StopScan
@@ -62,14 +63,7 @@ def check_sampling(params: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise RequestRejected(f"{name} must be a finite number", param=name)
-    if params.min_tokens < 0:
-        raise RequestRejected("min_tokens must be >= 0", param="min_tokens")
-    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
-        raise RequestRejected(
-            f"min_tokens ({params.min_tokens}) must not be more than max_tokens "
-            f"({params.max_tokens})",
-            param="min_tokens",
-        )
+    check_lengths(params)
     if len(params.stop) > MAX_STOP_SEQUENCES or any(not s for s in params.stop):
         raise RequestRejected(
             f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop"

@@ -47,6 +47,7 @@ from replystream.engine.base import (
     EngineError,
     GenerationRequest,
     RequestRejected,
+    check_lengths,
 )
 from replystream.engine.choices import ChoicesStream, start_choices
 from replystream.server import ids
@@ -158,14 +159,7 @@ def _refuse_unhonourable(engine: Engine, generation: GenerationRequest) -> None:
             code="unsupported_parameter",
             param="tool_choice",
         )
-    sampling = generation.sampling
-    if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
-        # Asked of every engine alike: one that ignores min_tokens would answer it.
-        raise RequestRejected(
-            f"min_tokens ({sampling.min_tokens}) must not be more than max_tokens "
-            f"({sampling.max_tokens})",
-            param="min_tokens",
-        )
+    check_lengths(generation.sampling)
     if generation.response_format is not None and not engine.follows_response_format:
         kind = generation.response_format.get("type")
         raise RequestRejected(

@@ -113,7 +113,7 @@ async def response_said(store: ReplayStore, reply_id: str) -> Said | None:
     (``said_in_events``, a slice at a time); one whose early events are gone, or whose
     producer was lost, from its object."""
     told = await _read_told(store, reply_id)
-    if told.whole and any(entry.event in TERMINAL for entry in reversed(told.entries)):
+    if told.whole and told.ended:
         return await said_in_events(told.entries)
     response = response_from_log(told.entries, producer_lost=told.producer_lost)
     if response is None:
@@ -137,7 +137,7 @@ async def response_standing(store: ReplayStore, reply_id: str) -> Standing:
     ended, from its object."""
     told = await _read_told(store, reply_id)
     entries = told.entries
-    if entries and any(entry.event in TERMINAL for entry in reversed(entries)):
+    if told.ended:
         opened = opened_object(entries[0])
         if opened is not None:
             return Standing(bool(opened["background"]), running=False)
@@ -155,6 +155,7 @@ class _Told(NamedTuple):
     entries: Sequence[LogEntry]  # none: no such log
     producer_lost: bool  # not ended, and its producer is gone
     whole: bool  # no event of it was lost
+    ended: bool  # its terminal event is among them
 
 
 async def _read_told(store: ReplayStore, reply_id: str) -> _Told:
@@ -170,8 +171,9 @@ async def _read_told(store: ReplayStore, reply_id: str) -> _Told:
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     if result is None:
-        return _Told((), lost, True)
-    if result.lost is not None and not any(e.event in TERMINAL for e in result.entries):
+        return _Told((), lost, whole=True, ended=False)
+    ended = any(entry.event in TERMINAL for entry in reversed(result.entries))
+    if result.lost is not None and not ended:
         # Events before these are gone (evicted, or trimmed): only a terminal event,
         # which carries the whole response, can be trusted; never a text with holes.
         raise HTTPAPIError(
@@ -182,7 +184,7 @@ async def _read_told(store: ReplayStore, reply_id: str) -> _Told:
             code="reply_evicted",
             param="response_id",
         )
-    return _Told(result.entries, lost, result.lost is None)
+    return _Told(result.entries, lost, whole=result.lost is None, ended=ended)
 
 
 async def stored_conversation(store: ReplayStore, reply_id: str) -> Conversation | None:
