@@ -160,8 +160,9 @@ def test_an_ambiguous_resume_point_is_a_400_naming_it(
     ("query", "headers", "param"),
     [
         ("starting_after=3&starting_after=2", [], "starting_after"),
-        ("starting_after=2&last_event_id=3", [], "last_event_id"),
-        ("starting_after=4", [("Last-Event-ID", "2")], "starting_after"),
+        # A sequence number is one below its event's id: 3 and 3 are two places.
+        ("starting_after=3&last_event_id=3", [], "last_event_id"),
+        ("starting_after=2", [("Last-Event-ID", "2")], "starting_after"),
         ("", [("Last-Event-ID", "3"), ("Last-Event-ID", "2")], "last_event_id"),
         ("stream=true", [], "stream"),
     ],
@@ -172,6 +173,19 @@ def test_an_ambiguous_responses_cursor_is_a_400_naming_it(
     created = server.post_json_text("/v1/responses", '{"input": "x"}')
     path = f"/v1/responses/{json.loads(created.body)['id']}?stream=true&{query}"
     refused(server.request("GET", path, headers=headers), 400, "invalid_value", param)
+
+
+def test_a_sequence_number_and_its_event_id_are_one_responses_cursor(
+    server: LoggedServer,
+) -> None:
+    created = server.post_json_text("/v1/responses", '{"input": "x"}')
+    path = f"/v1/responses/{json.loads(created.body)['id']}?stream=true"
+    both = server.request("GET", f"{path}&starting_after=2&last_event_id=3")
+    header = server.request("GET", f"{path}&starting_after=2", headers={"Last-Event-ID": "3"})
+    alone = server.request("GET", f"{path}&starting_after=2")
+    assert both.status == header.status == alone.status == 200
+    assert event_ids(both.body)[0] == 4 and both.body == header.body == alone.body
+    assert b'"sequence_number":3,' in alone.body.split(b"\n\n")[0]
 
 
 def test_a_header_after_the_query_cursor_is_where_an_event_source_resumes(

@@ -58,7 +58,7 @@ async def test_streamed_text_equals_the_whole_response_and_usage_matches_the_eng
     assert completed.type == "response.completed"
     assert completed.response.output_text == text
     assert completed.response.usage == whole.usage
-    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 async def test_the_sync_client_reads_a_token_limit_as_an_incomplete_response():
@@ -85,7 +85,9 @@ async def test_the_sync_client_reads_a_token_limit_as_an_incomplete_response():
     assert last.response.output_text == whole.output_text  # type: ignore[attr-defined]
 
 
-async def test_every_event_names_its_type_and_its_sequence_number_is_its_event_id():
+async def test_every_event_names_its_type_and_sequence_numbers_count_from_zero():
+    """OpenAI's numbering: ``response.created`` is 0. The SSE id (``Last-Event-ID``'s cursor)
+    is the event's number in the reply log, one more."""
     engine = fast_engine(reply_text=REPLY)
     body = {"input": "count", "stream": True, "max_output_tokens": 3}
     async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
@@ -94,10 +96,13 @@ async def test_every_event_names_its_type_and_its_sequence_number_is_its_event_i
             raw = await response.read()
     events = EventParser().feed(raw)
     assert b"[DONE]" not in raw
+    numbers = []
     for event in events:
         data = json.loads(event.data)
         assert data["type"] == event.type
-        assert data["sequence_number"] == int(event.id or "-1")
+        assert data["sequence_number"] == int(event.id or "-1") - 1
+        numbers.append(data["sequence_number"])
+    assert numbers == list(range(len(events)))
     assert events[-1].type == "response.incomplete"
 
 
@@ -300,15 +305,16 @@ async def test_a_background_response_runs_unread_and_resumes_after_any_sequence_
         done = await client.responses.retrieve(queued.id)
         assert (done.status, done.output_text) == ("completed", REPLY + " ")
         whole = [e async for e in await client.responses.retrieve(queued.id, stream=True)]
-        for after in (1, 5, len(whole) - 2):
+        assert [e.sequence_number for e in whole] == list(range(len(whole)))
+        for after in (0, 5, len(whole) - 2):
             rest = [
                 e
                 async for e in await client.responses.retrieve(
                     queued.id, stream=True, starting_after=after
                 )
             ]
-            assert [e.sequence_number for e in rest] == list(range(after + 1, len(whole) + 1))
-            assert rest == whole[after:]
+            assert [e.sequence_number for e in rest] == list(range(after + 1, len(whole)))
+            assert rest == whole[after + 1 :]
     assert whole[0].type == "response.created" and whole[1].type == "response.queued"
     assert whole[-1].type == "response.completed"
 
@@ -490,8 +496,14 @@ async def test_a_resume_at_the_last_event_of_a_response_names_the_response_id():
             async with http.get(f"{url}/v1/responses/{done.id}", params=query) as response:
                 assert response.status == 409
                 error = (await response.json())["error"]
+            query = {"stream": "true", "starting_after": str(last + 1)}
+            async with http.get(f"{url}/v1/responses/{done.id}", params=query) as response:
+                assert response.status == 400
+                past = (await response.json())["error"]
     assert error["code"] == "reply_ended" and error["param"] == "starting_after"
     assert error["message"].startswith(f"response {done.id} has ended and {last} is its last")
+    # Quoted in sequence numbers, the client's, not the log's ids.
+    assert past["message"] == f"starting_after {last + 1} is past this reply's last event ({last})"
 
 
 async def test_an_event_source_resumes_a_response_with_last_event_id():
@@ -505,8 +517,10 @@ async def test_an_event_source_resumes_a_response_with_last_event_id():
             path = f"{url}/v1/responses/{done.id}"
             async with http.get(path, params=query, headers=headers) as response:
                 events = EventParser().feed(await response.read())
+    # The header is an id (the log's number): the next event's id is 6, its sequence number 5.
+    assert [int(event.id or "0") for event in events] == list(range(6, 6 + len(events)))
     numbers = [json.loads(event.data)["sequence_number"] for event in events]
-    assert numbers[0] == 6 and numbers == list(range(6, 6 + len(numbers)))
+    assert numbers == list(range(5, 5 + len(numbers)))
     assert events[-1].type == "response.completed"
 
 

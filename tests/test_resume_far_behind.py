@@ -162,7 +162,7 @@ async def test_a_response_streamed_from_its_first_event_reads_to_its_end(store_k
                         if (await got.json())["status"] == "completed":
                             break
                     await asyncio.sleep(0.05)
-                query = {"stream": "true", "starting_after": "1"}
+                query = {"stream": "true", "starting_after": "0"}  # response.created's
                 async with asyncio.timeout(30), http.get(path, params=query) as streamed:
                     raw = await streamed.read()
     ids = [int(n) for n in re.findall(rb"^id: (\d+)$", raw, re.MULTILINE)]

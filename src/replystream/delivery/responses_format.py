@@ -3,8 +3,9 @@
 This file decides what a Responses client (``client.responses`` of the openai SDK, agent
 frameworks) reads, byte for byte:
 - A streamed response is ``event: <type>`` with a ``data:`` object whose ``type`` matches and
-  whose ``sequence_number`` is the event's id in the reply log (the same cursor for
-  ``starting_after`` and ``Last-Event-ID``), in OpenAI's order: ``response.created``,
+  whose ``sequence_number`` counts the response's events from 0, as OpenAI's do (the cursor
+  of ``starting_after``; the event's SSE ``id:``, the cursor of ``Last-Event-ID``, is its
+  number in the reply log, one more), in OpenAI's order: ``response.created``,
   ``response.in_progress``, then the output items in order (a message:
   ``response.output_item.added``, ``response.content_part.added``, one
   ``response.output_text.delta`` per piece of text, ``response.output_text.done``,
@@ -39,8 +40,8 @@ frameworks) reads, byte for byte:
   (``responses_objects``); what its log tells of a response, and what a reader that ends
   the stream alone says, is ``responses_log``'s.
 A format object serves one response: it numbers its events as the pipeline will (one per
-spec, from 1), and keeps the text so far, which the closing events repeat. It must not know
-about sockets, tasks or stores.
+spec, each one below its number in the log), and keeps the text so far, which the closing
+events repeat. It must not know about sockets, tasks or stores.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ResponsesStreamFormat:
 
     settings: ResponseSettings
     _reply_id: str = ""
-    _next: int = 1  # the sequence number the pipeline gives the next spec
+    _next: int = 0  # the next spec's sequence number (its number in the log, less one)
     _text: list[str] = field(default_factory=list)
     _delta_head: str = ""  # a text delta's JSON up to its number, for the open message
     _calls: ToolCalls = field(default_factory=ToolCalls)

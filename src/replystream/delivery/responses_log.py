@@ -194,9 +194,9 @@ class ReaderNotices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
     producer, a store that cannot be reached, events lost): an ``error`` event in OpenAI's
     shape, then ``response.failed``. They are not in the log and have no ``id:``; each
-    carries the ``sequence_number`` of the last event written before them, so a client that
-    resumes after the last number it saw (``starting_after``) gets the response's next event,
-    which a number of their own would have skipped.
+    carries the ``sequence_number`` of the last event written before them (0 when there was
+    none), so a client that resumes after the last number it saw (``starting_after``) gets
+    the response's next event, which a number of their own would have skipped.
     Its object is the response as it opened (its settings, as ``response.created`` carried
     them), failed, with the output items this stream has told its client (the open one
     cut: ``incomplete``), so a client that puts the response together from the events has
@@ -222,6 +222,7 @@ class ReaderNotices:
             return [(event, data)]
         if self._told:  # a write that did not drain is sent all the same, before these
             after = max(after, self._told[-1].seq)
+        number = max(after - 1, 0)  # the log's number, as a sequence number
         error = json.loads(data)["error"]
         code, message = error["code"], error["message"]
         opened = self._opened or {"id": response_id(self._reply_id), "object": "response"}
@@ -235,12 +236,12 @@ class ReaderNotices:
         }
         error_event = {
             "type": "error",
-            "sequence_number": after,
+            "sequence_number": number,
             "code": code,
             "message": message,
             "param": None,
         }
-        failed_event = {"type": "response.failed", "sequence_number": after, "response": failed}
+        failed_event = {"type": "response.failed", "sequence_number": number, "response": failed}
         return [
             ("error", compact_json(error_event)),
             ("response.failed", compact_json(failed_event)),

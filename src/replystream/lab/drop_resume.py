@@ -7,7 +7,9 @@ This file decides how a dropped read is done and judged, on two routes:
 - responses: ``POST .../v1/responses`` with ``store`` and ``background`` (OpenAI resumes only
   a background response: any other stops when its reader leaves), the response id from
   ``response.created``, resumed at ``GET .../v1/responses/{id}?stream=true``, the query
-  cursor ``starting_after``; an event's number is its ``id:`` or else its ``sequence_number``.
+  cursor ``starting_after`` (a ``sequence_number``, counted from 0; ``Last-Event-ID`` takes
+  an ``id:``). An event's number, by which losses and repeats are counted, is its ``id:`` or
+  else its ``sequence_number``.
 Start the reply, read until ``drop_after`` tokens arrived, close the socket, then ask for the
 events after the last number seen and read to the end. It reports the
 time from sending the resume request to the first replayed event, and the events lost (an id
@@ -92,6 +94,7 @@ class _Read:
     reply_id: str | None = None
     response_id: str | None = None  # a Responses id, from ``response.created``
     first_number: int | None = None  # the first event's number: 1 ours, 0 OpenAI's Responses
+    last_sequence: int | None = None  # the last Responses ``sequence_number`` read
 
     def ms(self, at: float) -> float:
         return (at - self.started) * 1000.0
@@ -101,8 +104,12 @@ def _number(event: Event, payload: Any) -> int | None:
     """An event's place in the reply: its ``id:``, else a Responses ``sequence_number``."""
     if (event.id or "").isdigit():
         return int(event.id or "0")
+    return _sequence_number(payload)
+
+
+def _sequence_number(payload: Any) -> int | None:
     number = payload.get("sequence_number") if isinstance(payload, dict) else None
-    return number if isinstance(number, int) and not isinstance(number, bool) else None
+    return number if _whole(number) else None
 
 
 async def _follow(
@@ -132,8 +139,13 @@ async def _follow(
                 read.first_byte_ms = read.ms(chunk.at)
             read.body_bytes += len(chunk.data)
             for event in parser.feed(chunk.data):
-                payload = None if (event.id or "").isdigit() else _json(event.data)
+                sequenced = read.response_id is not None or event.type == "response.created"
+                numbered = (event.id or "").isdigit()
+                payload = _json(event.data) if sequenced or not numbered else None
                 number = _number(event, payload)
+                sequence = _sequence_number(payload)
+                if sequence is not None:
+                    read.last_sequence = sequence
                 if number is not None:
                     read.ids.append(number)
                     read.first_number = number if read.first_number is None else read.first_number
@@ -214,7 +226,9 @@ def _resume_request(
         param, query = "starting_after", {"stream": "true"}
     sent_headers = {"Last-Event-ID": after} if cursor == "header" else {}
     if cursor == "query":
-        query[param] = after
+        # ``starting_after`` is a sequence number, whatever the events' ids.
+        sequence = read.last_sequence if param == "starting_after" else None
+        query[param] = after if sequence is None else str(sequence)
     return (f"{target}?{urlencode(query)}" if query else target), sent_headers
 
 

@@ -101,8 +101,8 @@ class ResumeCursor(Query):
 
 class RetrieveQuery(ResumeCursor):
     """``GET /v1/responses/{id}``: the object (``stream`` absent or false), or its events
-    after ``starting_after`` (a sequence number; absent: from the first; ``last_event_id``
-    is the same cursor)."""
+    after ``starting_after`` (a sequence number, from 0; absent: from the first), or after
+    ``last_event_id`` (an event's SSE ``id:``, the sequence number plus one)."""
 
     stream: Annotated[bool, _flag("stream")] = False
     starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None

@@ -7,7 +7,9 @@
   A stored response not streamed is produced into its log like a streamed one and answered
   with the terminal event's object, so it can be read again and continued from.
 - ``GET /v1/responses/{id}``: the object as its log tells it now; with ``stream=true``, its
-  events after ``starting_after`` (or ``Last-Event-ID``: the same cursor), then the live tail.
+  events after ``starting_after`` (a ``sequence_number``, from 0) or ``Last-Event-ID`` (an
+  event's SSE ``id:``, its number in the log: the sequence number plus one), then the live
+  tail.
 - ``POST /v1/responses/{id}/cancel`` (idempotent) and ``DELETE /v1/responses/{id}``.
 - ``GET /v1/responses/{id}/input_items`` is ``server.responses_input_items``'s. Every route
   that reads a stored response finds it and tells its object through
@@ -91,6 +93,8 @@ from replystream.server.validation import parse_mapping, read_model
 
 CANCEL_WAIT_S = 5.0  # how long a cancel waits to answer with the response's last state
 ENDING_POLL_S = 1.0  # how long one read of a response's log may wait for more
+# ``starting_after`` is a sequence number, from 0; the log's ids (``Last-Event-ID``) from 1.
+SEQUENCE_BELOW_ID = {"starting_after": 1}
 
 
 def _sampling(body: ResponsesBody) -> SamplingFields:
@@ -314,9 +318,9 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     store, local = await find_response(request, reply_id, "response_id")
     if not query.stream:
         return await response_body(store, reply_id)
-    # An EventSource resumes with the same cursor, in its header.
+    # An EventSource resumes with its events' ids, in the query or its header.
     cursors = {"starting_after": query.starting_after, "last_event_id": query.last_event_id}
-    after, param = resume_after(request, cursors)
+    after, param = resume_after(request, cursors, SEQUENCE_BELOW_ID)
     if after > 0:
         await check_resume_point(
             reply_id,
@@ -324,6 +328,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             after,
             made_here=local is not None,
             param=param,
+            below=SEQUENCE_BELOW_ID.get(param, 0),
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
     return await follow_resumed(request, reply_id, store, local, after)

@@ -22,22 +22,31 @@ from replystream.server.replies import Reply
 from replystream.server.validation import parse_mapping, repeated
 
 
-def resume_after(request: web.Request, cursors: Mapping[str, int | None]) -> tuple[int, str]:
+def resume_after(
+    request: web.Request,
+    cursors: Mapping[str, int | None],
+    below: Mapping[str, int] | None = None,
+) -> tuple[int, str]:
     """Where a resume starts (the event id it starts after) and the parameter that says so,
     from the route's query cursors (``cursors``: each one's value, None when not given) and
-    the ``Last-Event-ID`` header; none given: 0, from the start.
+    the ``Last-Event-ID`` header; none given: 0, from the start. ``below``: how far a
+    cursor's numbers sit below the log's ids (a Responses ``starting_after``, a sequence
+    number, counts from 0: 1), so that every cursor is compared, and the start returned, as
+    an id; a message quotes each in its own numbers.
 
     Places that disagree are refused (400), never one of them taken silently: query cursors
-    with different values, a header given twice, or a header before the query's cursor. A
+    at different places, a header given twice, or a header before the query's cursor. A
     header after it is where to resume: a browser's ``EventSource`` opened at a query cursor
     reconnects to the same URL, with the last id it got since in the header."""
-    given = [(name, after) for name, after in cursors.items() if after is not None]
-    query_param, query_after = given[0] if given else ("last_event_id", None)
-    for name, after in given[1:]:
-        if after != query_after:
+    shift = below or {}
+    given = [(name, value) for name, value in cursors.items() if value is not None]
+    query_param, query_value = given[0] if given else ("last_event_id", None)
+    query_after = None if query_value is None else query_value + shift.get(query_param, 0)
+    for name, value in given[1:]:
+        if value + shift.get(name, 0) != query_after:
             raise HTTPAPIError(
                 400,
-                f"{query_param} {query_after} and {name} {after} are two places to resume "
+                f"{query_param} {query_value} and {name} {value} are two places to resume "
                 "from: give one",
                 code="invalid_value",
                 param=name,
@@ -53,7 +62,7 @@ def resume_after(request: web.Request, cursors: Mapping[str, int | None]) -> tup
     if query_after is not None and header < query_after:
         raise HTTPAPIError(
             400,
-            f"Last-Event-ID {header} is before {query_param} {query_after}: two places to "
+            f"Last-Event-ID {header} is before {query_param} {query_value}: two places to "
             "resume from; give one",
             code="invalid_value",
             param=query_param,
@@ -99,14 +108,16 @@ async def check_resume_point(
     *,
     made_here: bool,
     param: str = "last_event_id",
+    below: int = 0,
     known_as: str | None = None,
 ) -> None:
     """Refuse a resume that could only send an empty stream: after an ended reply's last event
     (409 ``reply_ended``: the client has it all) or past the last event (400: not an id of
     this reply). A live reply made on another replica is followed from any id (this one may
     not have read yet what its producer has sent); one made here (``made_here``) is known to
-    its last event. ``known_as``: how the message names the reply (the id the client used;
-    default ``reply <reply_id>``)."""
+    its last event. ``after`` is an id; ``below``: how far ``param``'s numbers sit below the
+    ids (``resume_after``'s), in which the messages quote them. ``known_as``: how the message
+    names the reply (the id the client used; default ``reply <reply_id>``)."""
     try:
         tail = await store.tail(reply_id)
     except StoreUnavailable as exc:
@@ -115,10 +126,11 @@ async def check_resume_point(
         ) from exc
     if tail is None or after < tail.last_seq or not (tail.ended or made_here):
         return
+    given, last = after - below, tail.last_seq - below
     if after > tail.last_seq:
         raise HTTPAPIError(
             400,
-            f"{param} {after} is past this reply's last event ({tail.last_seq})",
+            f"{param} {given} is past this reply's last event ({last})",
             code="invalid_value",
             param=param,
         )
@@ -126,7 +138,7 @@ async def check_resume_point(
         return  # at the live reply's last event: what comes next is followed
     raise HTTPAPIError(
         409,
-        f"{known_as or f'reply {reply_id}'} has ended and {after} is its last event: "
+        f"{known_as or f'reply {reply_id}'} has ended and {given} is its last event: "
         "there is nothing after it",
         code="reply_ended",
         param=param,
