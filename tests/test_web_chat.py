@@ -21,6 +21,7 @@ from replystream.engine.simulated import split_words
 from replystream.engine.tiny import load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
+from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
 from tests.browser import LoopbackProxy, TimedEngine, chromium
 from tests.conftest import fast_engine, wait_for
@@ -291,6 +292,37 @@ async def test_eventsource_page_tells_a_cut_reply_and_a_refusal_as_they_are(brow
         )
         log = await page.locator("#log li").all_text_contents()
         assert "Incorrect API key provided. (HTTP 401)" in log[-1], log
+
+
+async def test_a_rate_limit_says_when_to_try_again_and_a_gone_server_that_it_is_gone(
+    browser: Browser,
+):
+    # A 429's Retry-After was not shown; a server that could not be reached was "The
+    # connection failed: Failed to fetch", as if a reply had been cut.
+    engine = TimedEngine(fast_engine(delay_ms=1.0, jitter_ms=0.0))
+    config = ServerConfig(guard=GuardConfig(per_minute=2))  # one turn: its stream and its wait
+    async with running(create_app(engine, config)) as url:
+        page = await open_page(browser, url)
+        await page.get_by_label("Wait vs stream").check()
+        await send(page, "First.")
+        await wait_state(page, "stream", "done")
+        await wait_state(page, "wait", "done")
+        await send(page, "Second.")
+        for kind in ("stream", "wait"):
+            await wait_state(page, kind, "error")
+            note = await page.text_content(f"{pane(kind)} .pane-note") or ""
+            assert re.search(r"; retry later \(try again in [0-9]+ s\)$", note), note
+        events = await open_page(browser, f"{url}/eventsource.html")
+    # The server is gone; the pages it served are still open.
+    await send(page, "Third.")
+    for kind in ("stream", "wait"):
+        await wait_state(page, kind, "error")
+        note = await page.text_content(f"{pane(kind)} .pane-note") or ""
+        assert note.startswith("The server could not be reached ("), note
+    await events.click("#go")
+    await events.wait_for_selector('#pane[data-state="error"]')
+    log = await events.locator("#log li").all_text_contents()
+    assert "The server could not be reached (" in log[-1], log
 
 
 async def test_a_setting_out_of_the_fields_steps_or_range_is_sent_not_dropped(browser: Browser):

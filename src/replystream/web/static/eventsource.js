@@ -4,7 +4,7 @@
 // A resumable reply keeps generating when its first reader leaves, so nothing is lost.
 
 import { TextSink } from './render.js';
-import { RESUMABLE_CUTS } from './reply.js';
+import { RESUMABLE_CUTS, refusal, unreachable } from './reply.js';
 
 const $ = (selector) => document.querySelector(selector);
 const pane = $('#pane');
@@ -34,35 +34,30 @@ function finish(state, label, message) {
 
 async function startReply(prompt, apiKey) {
   const abort = new AbortController();
-  const response = await fetch('/v1/replies', {
-    method: 'POST',
-    headers: {
-      'Content-Type': 'application/json',
-      ...(apiKey ? { Authorization: `Bearer ${apiKey}` } : {}),
-    },
-    body: JSON.stringify({ prompt, resumable: true }),
-    signal: abort.signal,
-  });
+  let response;
+  try {
+    response = await fetch('/v1/replies', {
+      method: 'POST',
+      headers: {
+        'Content-Type': 'application/json',
+        ...(apiKey ? { Authorization: `Bearer ${apiKey}` } : {}),
+      },
+      body: JSON.stringify({ prompt, resumable: true }),
+      signal: abort.signal,
+    });
+  } catch (error) {
+    throw new Error(unreachable(error));
+  }
   const id = response.headers.get('X-Reply-Id');
   if (!response.ok) {
     // A refusal's body is its reason (a wrong key, a rate limit, a bad setting): said as is.
-    const said = await refusal(response);
-    throw new Error(`${said} (HTTP ${response.status})`);
+    const { message } = await refusal(response);
+    const status = `HTTP ${response.status}`;
+    throw new Error(message.startsWith(status) ? message : `${message} (${status})`);
   }
   abort.abort();  // we only wanted the id; the reply keeps generating for its next reader
   if (!id) throw new Error('this server does not offer resumable replies (no X-Reply-Id)');
   return id;
-}
-
-async function refusal(response) {
-  try {
-    const body = await response.json();
-    const message = body?.error?.message;
-    if (typeof message === 'string' && message) return message;
-  } catch {
-    // not JSON: said by its status alone
-  }
-  return response.status === 401 ? 'the server wants an API key' : 'the server refused the reply';
 }
 
 function follow(id, apiKey) {

@@ -40,12 +40,31 @@ function sleep(ms, signal) {
 }
 
 /** A refused request's words and machine-readable code (ours, or a proxy's bare status). */
-async function refusal(response) {
+export async function refusal(response) {
+  let message = '';
+  let code = '';
   try {
     const body = await response.json();
-    if (body?.error?.message) return { message: body.error.message, code: body.error.code ?? '' };
+    if (typeof body?.error?.message === 'string') {
+      message = body.error.message;
+      code = body.error.code ?? '';
+    }
   } catch { /* not a JSON error body */ }
-  return { message: `HTTP ${response.status}`, code: '' };
+  if (!message) {
+    message = response.status === 401 ? 'The server wants an API key.' : `HTTP ${response.status}`;
+  }
+  // A 429 or 503 that knows when the server will take a request says so in seconds.
+  const wait = (response.headers.get('Retry-After') ?? '').trim();
+  if (/^[0-9]+$/.test(wait)) message += ` (try again in ${wait} s)`;
+  return { message, code };
+}
+
+/**
+ * What a request that got no answer at all (a refused connection, a name that does not
+ * resolve, the network gone) says: the server could not be reached, not that it refused.
+ */
+export function unreachable(error) {
+  return `The server could not be reached (${error.message}).`;
 }
 
 
@@ -105,7 +124,13 @@ export class ReplyRefused extends Error {
  * Options: signal, base (URL prefix), apiKey.
  */
 export async function bufferedReply(body, options = {}) {
-  const response = await postReply({ ...body, stream: false }, options);
+  let response;
+  try {
+    response = await postReply({ ...body, stream: false }, options);
+  } catch (error) {
+    if (options.signal?.aborted) throw error;
+    throw new Error(unreachable(error));
+  }
   if (!response.ok) throw new ReplyRefused(await refusal(response));
   return response.json();
 }
@@ -151,7 +176,13 @@ export class StreamedReply {
         base: this.#base, apiKey: this.#apiKey, signal: this.#abort.signal,
       });
       this.#headers = post.catch(() => null);
-      let response = await post;
+      let response;
+      try {
+        response = await post;
+      } catch (error) {
+        if (this.#stopped) throw error;
+        return ending('error', unreachable(error));
+      }
       if (!response.ok) {
         const { message, code } = await refusal(response);
         return ending('error', message, { code });
