@@ -505,19 +505,24 @@ async def test_a_stall_continues_at_another_upstream_only_when_allowed(continuat
 
 async def test_every_route_says_a_relay_failure_in_its_own_dialect_and_our_words():
     async with relay([Upstream(["m"], mode="busy")]) as url:
-        anthropic = await post_events(
+        claude = await post_events(
             f"{url}/v1/messages",
             {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
         )
         responses = await post_events(f"{url}/v1/responses", {"input": "x", "stream": True})
         native = await post_events(f"{url}/v1/replies", {"prompt": "x"})
-    body = json.loads(anthropic.raw)
-    assert anthropic.status == 503 and body["type"] == "error"
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as sdk:
+            with pytest.raises(anthropic.OverloadedError):  # Anthropic's 529
+                await sdk.messages.create(
+                    model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]
+                )
+    body = json.loads(claude.raw)
+    assert claude.status == 529 and body["type"] == "error"
     assert body["error"]["type"] == "overloaded_error"
     for got in (responses, native):
         assert got.status == 503
         assert json.loads(got.raw)["error"]["code"] == "upstream_overloaded"
-    for got in (anthropic, responses, native):
+    for got in (claude, responses, native):
         message = json.loads(got.raw)["error"]["message"]
         assert message.startswith("the upstream at http://127.0.0.1:")
         assert not any(word in message for word in ("aiohttp", "Error", "Exception", "<"))

@@ -33,8 +33,11 @@ _ANTHROPIC_TYPE_BY_STATUS = {
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
-    503: "overloaded_error",
+    529: "overloaded_error",
 }
+# Anthropic's API has no 503: a service that cannot take a request now is its 529, which its
+# SDKs raise as ``OverloadedError`` (and retry, as every 5xx).
+ANTHROPIC_OVERLOADED = 529
 
 
 def error_body(
@@ -122,14 +125,15 @@ def in_route_shape(
     if fields is None or not speaks_anthropic(path, headers or {}):
         return response
     message, code, param = fields
-    kind = anthropic_error_type(response.status)
+    status = ANTHROPIC_OVERLOADED if response.status == 503 else response.status
+    kind = anthropic_error_type(status)
     error = {"type": kind, "message": message, "code": code, "param": param}
     body: dict[str, Any] = {"type": "error", "error": error}
     if request_id is not None:
         body["request_id"] = request_id
-    reshaped = web.Response(
-        status=response.status, text=json.dumps(body), content_type="application/json"
-    )
+    reshaped = web.Response(status=status, text=json.dumps(body), content_type="application/json")
+    if status == ANTHROPIC_OVERLOADED:
+        reshaped.set_status(status, "Overloaded")  # no reason phrase of its own in HTTP
     for name in _KEPT_HEADERS:
         if name in response.headers:
             reshaped.headers[name] = response.headers[name]
