@@ -50,6 +50,24 @@ async def test_two_requests_without_a_seed_make_different_replies_and_a_given_se
     assert greedy[0] == greedy[1]  # temperature 0 draws nothing
 
 
+async def test_a_seed_is_any_64_bit_integer_negative_ones_too():
+    """OpenAI's ``seed`` is an int64: a negative one is a seed like any other, and the
+    choices of the largest wrap to the smallest."""
+    smallest, largest = -(1 << 63), (1 << 63) - 1
+    async with replica("--engine", "tiny") as (_, url):
+        [minus], [again], [plus] = [await texts(url, seed=seed) for seed in (-5, -5, 5)]
+        several = await texts(url, n=2, seed=largest, max_tokens=12)
+        alone = [(await texts(url, seed=seed, max_tokens=12))[0] for seed in (largest, smallest)]
+        async with aiohttp.ClientSession() as http:
+            for seed in (smallest - 1, largest + 1):
+                body = {**ASK, "seed": seed}
+                async with http.post(f"{url}/v1/completions", json=body) as response:
+                    assert response.status == 400, seed
+                    assert (await response.json())["error"]["param"] == "seed"
+    assert minus == again and minus != plus
+    assert several == alone and alone[0] != alone[1]
+
+
 async def test_serve_seed_makes_requests_without_a_seed_repeat_as_that_seed():
     async with replica("--engine", "tiny", "--seed", "7") as (_, url):
         [first], [second] = await texts(url), await texts(url)

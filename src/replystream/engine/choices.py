@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 
 from replystream.engine.base import ChoiceGroup, Delta, DeltaStream, Engine, GenerationRequest
-from replystream.engine.seeds import MAX_SEED
+from replystream.engine.seeds import choice_seed
 
 
 def choice_request(request: GenerationRequest, seed: int | None, index: int) -> GenerationRequest:
@@ -30,7 +30,7 @@ def choice_request(request: GenerationRequest, seed: int | None, index: int) -> 
     own seed (none when ``seed`` is None)."""
     if seed is None:
         return request
-    return replace(request, sampling=replace(request.sampling, seed=(seed + index) & MAX_SEED))
+    return replace(request, sampling=replace(request.sampling, seed=choice_seed(seed, index)))
 
 
 async def start_choices(engine: Engine, request: GenerationRequest, n: int) -> ChoicesStream:

@@ -56,7 +56,7 @@ from replystream.engine.sampling import (
     token_logprob,
     without_ends,
 )
-from replystream.engine.seeds import settled_seed
+from replystream.engine.seeds import generator_seed, settled_seed
 
 log = logging.getLogger("replystream.engine")
 
@@ -237,7 +237,7 @@ class HFEngine(InProcessEngine):
         deliver: Deliver,
     ) -> str:
         params = request.sampling
-        rng = np.random.default_rng(params.seed)  # settled by ``start``
+        rng = np.random.default_rng(generator_seed(params.seed))  # settled by ``start``
         detok = HFDetokenizer(self.tokenizer)
         stop = StopMatcher(params.stop)
         ids = torch.tensor([prompt], dtype=torch.long)  # (1, prompt tokens)

@@ -45,6 +45,7 @@ from replystream.engine.sampling import (
     without_ends,
 )
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerStats
+from replystream.engine.seeds import generator_seed
 from replystream.engine.speculative import accept
 from replystream.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
@@ -174,7 +175,7 @@ class Runner:
                     deliver=deliver,
                     detokenizer=IncrementalDetokenizer(self.tokenizer),
                     stop=StopMatcher(params.stop),
-                    rng=np.random.default_rng(params.seed),
+                    rng=np.random.default_rng(generator_seed(params.seed)),
                     queued=self.clock(),
                     history=TokenHistory(prompt) if penalizes(params) else None,
                 )

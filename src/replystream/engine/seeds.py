@@ -13,12 +13,28 @@ from __future__ import annotations
 
 import secrets
 
-MAX_SEED = (1 << 63) - 1  # the largest seed a request may give (the APIs' 0..2^63-1)
+# A request's seed is a 64-bit signed integer, as OpenAI's ``seed`` (int64) and vLLM's are.
+MIN_SEED = -(1 << 63)
+MAX_SEED = (1 << 63) - 1
+_SEEDS = 1 << 64
 
 
 def fresh_seed() -> int:
     """A seed in [0, MAX_SEED] from the operating system's randomness."""
     return secrets.randbelow(MAX_SEED + 1)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded ``seed``: ``seed + index``, wrapped
+    within the range a request's seed takes (so an upstream is sent a seed it accepts)."""
+    return (seed + index - MIN_SEED) % _SEEDS + MIN_SEED
+
+
+def generator_seed(seed: int | None) -> int | None:
+    """What a NumPy generator is seeded with for a request's ``seed``: its 64 bits read as
+    unsigned (the generator takes no negative seed; distinct seeds stay distinct). None
+    stays None: the generator draws from the operating system."""
+    return None if seed is None else seed % _SEEDS
 
 
 def settled_seed(given: int | None, configured: int | None) -> int:

@@ -47,7 +47,7 @@ from replystream.delivery.policy import (
     KEEPALIVE_S_MIN,
 )
 from replystream.engine.base import MAX_TOKENS_LIMIT
-from replystream.engine.seeds import MAX_SEED
+from replystream.engine.seeds import MAX_SEED, MIN_SEED
 
 MAX_TAG_CHARS = 128
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
@@ -92,7 +92,7 @@ def only(allowed: object, why: str) -> AfterValidator:
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]  # int64, as OpenAI's
 ChoiceCount = Annotated[int, Field(ge=1, le=128)]  # OpenAI's range for n
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]  # OpenAI's chat range
 LegacyLogprobs = Annotated[int, Field(ge=0, le=5)]  # OpenAI's legacy completions range
