@@ -284,7 +284,8 @@ async def test_the_sdk_helpers_messages_go_back_as_history_unchanged():
             "content": "sunny",
         }
         again: ChatCompletionMessageParam = {"role": "user", "content": "and?"}
-        sent = [*MESSAGES, streamed, answer, again, parsed, {"role": "user", "content": "ok"}]
+        # parse(...)'s reply made the script's call too: answered, as chat requires.
+        sent = [*MESSAGES, streamed, answer, again, parsed, answer, again]
         after = await client.chat.completions.create(
             model="simulated",
             messages=sent,  # type: ignore[arg-type]  # the SDK's own message objects among them

@@ -3,12 +3,15 @@
 ``/v1/messages`` and ``/v1/responses`` turn their requests into chat messages before checking
 that every tool result answers a call once; a system message (``system``, ``instructions``)
 or a stored history comes first there, and one Anthropic message may become several. The
-error's ``param`` is still the path in what the client sent."""
+error's ``param`` is still the path in what the client sent. A call left unanswered is
+refused as chat's API refuses it: the tool messages right after the call answer it (on the
+native route too, which takes chat's messages)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import pytest
@@ -122,3 +125,79 @@ async def test_a_responses_mistake_after_a_stored_turn_names_the_new_input():
             )
     assert refused.value.param == "input[0]"
     assert "answered twice" in refused.value.message
+
+
+def calls(*ids: str) -> dict[str, Any]:
+    """An assistant message making a call of ``f`` with each id."""
+    made = [
+        {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": made}
+
+
+def result(call_id: str) -> dict[str, str]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "r"}
+
+
+ASK = {"role": "user", "content": "hi"}
+MORE = {"role": "user", "content": "and?"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "unanswered", "instead"),
+    [
+        # One of two calls answered, then the user speaks.
+        ([ASK, calls("c1", "c2"), result("c1"), MORE], "'c2'", "messages[3] has the role 'user'"),
+        # Answered, but not right after the call: OpenAI refuses it too.
+        ([ASK, calls("c1"), MORE, result("c1")], "'c1'", "messages[2] has the role 'user'"),
+        (
+            [ASK, calls("c1"), {"role": "assistant", "content": "wait"}, result("c1")],
+            "'c1'",
+            "messages[2] has the role 'assistant'",
+        ),
+        # The conversation ends with calls no result answers.
+        ([ASK, calls("c1", "c2")], "'c1', 'c2'", "no message follows"),
+        ([ASK, calls("c1", "c2"), result("c2")], "'c1'", "no message follows"),
+    ],
+)
+async def test_a_chat_call_not_answered_right_after_it_is_a_400_naming_its_message(
+    messages: list[dict[str, Any]], unanswered: str, instead: str
+):
+    async with (
+        running(create_app(fast_engine())) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="simulated", messages=sent(messages))
+    error = refused.value
+    assert (error.code, error.param) == ("invalid_value", "messages[1]")
+    assert f"not answered: {unanswered}." in error.message
+    assert f"({instead})" in error.message
+
+
+async def test_chat_and_native_take_calls_answered_right_after_them_and_no_later():
+    # In any order within the tool messages, and an id made again in a later turn.
+    answered = [ASK, calls("c1", "c2"), result("c2"), result("c1"), MORE, calls("c1"), result("c1")]
+    late = [ASK, calls("c1", "c2"), result("c2"), MORE, result("c1")]
+    async with (
+        running(create_app(fast_engine())) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+        aiohttp.ClientSession() as session,
+    ):
+        taken = await client.chat.completions.create(
+            model="simulated", messages=sent(answered), max_tokens=2
+        )
+        assert taken.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="simulated", messages=sent(late))
+        assert refused.value.param == "messages[1]"
+        # The native route takes chat's messages, checked alike.
+        native = {"messages": answered, "stream": False, "max_tokens": 2}
+        async with session.post(f"{url}/v1/replies", json=native) as answer:
+            assert answer.status == 200, await answer.text()
+        async with session.post(f"{url}/v1/replies", json={**native, "messages": late}) as answer:
+            error = (await answer.json())["error"]
+    assert answer.status == 400
+    assert (error["code"], error["param"]) == ("invalid_value", "messages[1]")
+    assert "not answered: 'c1'." in error["message"]
+    assert "(messages[3] has the role 'user')" in error["message"]

@@ -29,7 +29,12 @@ from replystream.server.native_schemas import ReplyBody
 from replystream.server.refusal_names import FieldNames
 from replystream.server.replies import Disconnect
 from replystream.server.schema_fields import SamplingFields
-from replystream.server.tool_requests import OriginsIn, check_tool_answers, prompt_of
+from replystream.server.tool_requests import (
+    OriginsIn,
+    check_calls_answered_next,
+    check_tool_answers,
+    prompt_of,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +101,15 @@ SDK_ECHOES: dict[str, Any] = {
 
 def relayed_messages(messages: Sequence[Message]) -> tuple[Mapping[str, Any], ...]:
     """The messages as the client sent them, for engines that take chat messages whole
-    (every tool result checked to answer an earlier call). Their plain-text prompt is
-    ``tool_requests.prompt_of`` them (one ``role: content`` line each, one per tool call)."""
+    (every tool result checked to answer an earlier call, and every call answered by the tool
+    messages right after it, as OpenAI's chat API has it; the native route's messages are
+    chat's, relayed to the same upstreams, so they are checked alike). Their plain-text prompt
+    is ``tool_requests.prompt_of`` them (one ``role: content`` line each, one per tool call)."""
     relayed = tuple(
         message.model_dump(exclude_unset=True, exclude=SDK_ECHOES) for message in messages
     )
     check_tool_answers(relayed, OriginsIn("messages"))
+    check_calls_answered_next(relayed, OriginsIn("messages"))
     return relayed
 
 

@@ -7,8 +7,9 @@ message's ``tool_calls`` and each result as a ``tool`` message with its ``tool_c
 (what a chat upstream takes). This file makes that form from the chat, Responses and
 Anthropic requests (already validated by their ``server.*_schemas``), checks what spans
 fields (a ``tool_choice`` naming a tool that is not offered, a result answering no call, a
-tool offered twice), and writes the plain-text prompt of such messages. Every mistake is a 400
-(``HTTPAPIError``) before anything starts. It must not know about HTTP handlers or engines.
+call no result answers, a tool offered twice), and writes the plain-text prompt of such
+messages. Every mistake is a 400 (``HTTPAPIError``) before anything starts. It must not know
+about HTTP handlers or engines.
 """
 
 from __future__ import annotations
@@ -189,6 +190,39 @@ def check_tool_answers(messages: Sequence[Mapping[str, Any]], origins: Origins) 
         if call_id in answered:
             raise _bad(origins[index].path, f"the call {call_id!r} is answered twice")
         answered.add(call_id)
+
+
+def check_calls_answered_next(messages: Sequence[Mapping[str, Any]], origins: Origins) -> None:
+    """OpenAI chat's rule (run after ``check_tool_answers``): the ``tool`` messages right after
+    an assistant message with ``tool_calls`` answer each of its calls. Its documentation does
+    not spell the rule out; this is what its API does: it refuses a result that comes after
+    another message (its 400 names that message) and calls still unanswered where the
+    conversation ends (its 400 names ``messages``). So a call is answered at once or never, and
+    no reply follows a call without its result, even a last one (Anthropic's API takes those:
+    ``check_anthropic_turns``). The mistake names the message that made the calls, as
+    Anthropic's does, and says what came where a result was due."""
+    for index, message in enumerate(messages):
+        made = message.get("tool_calls")
+        if not made:
+            continue
+        after = index + 1
+        answered: set[str] = set()
+        while after < len(messages) and messages[after]["role"] == "tool":
+            answered.add(messages[after]["tool_call_id"])
+            after += 1
+        unanswered = [call["id"] for call in made if call["id"] not in answered]
+        if unanswered:
+            ids = ", ".join(repr(call_id) for call_id in unanswered)
+            instead = (
+                f"{origins[after].path} has the role {messages[after]['role']!r}"
+                if after < len(messages)
+                else "no message follows"
+            )
+            raise _bad(
+                origins[index].path,
+                f"tool calls not answered: {ids}. The tool messages right after an assistant "
+                f"message must answer each of its calls ({instead})",
+            )
 
 
 def check_anthropic_turns(messages: Sequence[AnthropicMessage]) -> None:
