@@ -451,15 +451,39 @@ async def test_previous_response_id_carries_the_calls_to_the_next_response(serve
             input="weather in Paris?",
             tools=RESPONSES_TOOLS,
         )
+        outputs = [
+            {"type": "function_call_output", "call_id": item.call_id, "output": "18 C"}
+            for item in first.output
+            if item.type == "function_call"
+        ]
+        assert len(outputs) == 2  # the script makes two calls: each is answered
         second = await client.responses.create(
-            model="simulated",
-            previous_response_id=first.id,
-            input=[{"type": "function_call_output", "call_id": "call_W1", "output": "18 C"}],
-            tools=RESPONSES_TOOLS,
+            model="simulated", previous_response_id=first.id, input=outputs, tools=RESPONSES_TOOLS
         )
     assert second.status == "completed"
     assert second.usage is not None and first.usage is not None
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+async def test_a_previous_responses_calls_left_unanswered_are_a_400(server: str):
+    async with oai(server) as client:
+        first = await client.responses.create(
+            model="simulated", input="weather in Paris?", tools=RESPONSES_TOOLS
+        )
+        made = [item.call_id for item in first.output if item.type == "function_call"]
+        one = [{"type": "function_call_output", "call_id": made[0], "output": "18 C"}]
+        # A new question with no output at all, and an output for one of the two calls.
+        for given, unanswered in (("thanks", made[0]), (one, made[1])):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(
+                    model="simulated",
+                    previous_response_id=first.id,
+                    input=given,
+                    tools=RESPONSES_TOOLS,
+                )
+            error = refused.value
+            assert (error.code, error.param) == ("invalid_value", "previous_response_id")
+            assert f"function call {unanswered!r} has no function_call_output" in error.message
 
 
 async def test_bad_tools_are_400s_in_each_apis_own_shape(server: str):

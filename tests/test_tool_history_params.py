@@ -4,8 +4,8 @@
 that every tool result answers a call once; a system message (``system``, ``instructions``)
 or a stored history comes first there, and one Anthropic message may become several. The
 error's ``param`` is still the path in what the client sent. A call left unanswered is
-refused as chat's API refuses it: the tool messages right after the call answer it (on the
-native route too, which takes chat's messages)."""
+refused by each API's own rule: chat's (and the native route's) tool messages right after
+the call, Responses' output anywhere after it."""
 
 from __future__ import annotations
 
@@ -201,3 +201,47 @@ async def test_chat_and_native_take_calls_answered_right_after_them_and_no_later
     assert (error["code"], error["param"]) == ("invalid_value", "messages[1]")
     assert "not answered: 'c1'." in error["message"]
     assert "(messages[3] has the role 'user')" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("items", "param", "unanswered"),
+    [
+        ([call("c1"), call("c2"), output("c1")], "input[2]", "c2"),
+        ([call("c1")], "input[1]", "c1"),
+        ([call("c1"), output("c1"), call("c2"), MORE], "input[3]", "c2"),
+    ],
+)
+async def test_a_responses_call_with_no_output_is_a_400_naming_its_item(
+    items: list[dict[str, str]], param: str, unanswered: str
+):
+    async with (
+        running(create_app(fast_engine())) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(
+                model="simulated", instructions="be brief", input=sent([ASK, *items])
+            )
+        with pytest.raises(openai.BadRequestError) as uncounted:
+            await client.responses.input_tokens.count(
+                model="simulated", instructions="be brief", input=sent([ASK, *items])
+            )
+    for error in (refused.value, uncounted.value):
+        assert (error.code, error.param) == ("invalid_value", param)
+        said = f"the function call {unanswered!r} has no function_call_output after it"
+        assert error.message.endswith(f" - {said}")  # the SDK puts the status first
+
+
+async def test_a_responses_output_may_come_after_other_items_but_must_come():
+    # The Responses API pairs a call and its output by call_id, wherever the output is.
+    later = [ASK, call("c1"), call("c2"), MORE, output("c2"), MORE, output("c1")]
+    async with (
+        running(create_app(fast_engine())) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        taken = await client.responses.create(model="simulated", input=sent(later))
+        assert taken.status == "completed"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="simulated", input=sent(later[:-1]))
+    assert refused.value.param == "input[1]"
+    assert "'c1'" in refused.value.message

@@ -1,6 +1,7 @@
 """What a Responses request's prompt is: its ``input`` as chat messages, after the history a
 ``previous_response_id`` continues, with its ``instructions`` first; and the request that
-prompt makes, checked (tool results, the prompt limit, tools and ``tool_choice``, the model).
+prompt makes, checked (tool calls and results, the prompt limit, tools and ``tool_choice``,
+the model).
 
 ``POST /v1/responses`` (``server.responses_api``) adds the sampling to that request and starts
 it; ``POST /v1/responses/input_tokens`` (``server.responses_input_tokens``) counts it. Both
@@ -31,6 +32,7 @@ from replystream.server.responses_stored import (
 )
 from replystream.server.tool_requests import (
     Origin,
+    check_calls_answered,
     check_tool_answers,
     prompt_of,
     responses_messages,
@@ -130,7 +132,7 @@ class ResponsePrompt:
 
 async def response_prompt(request: web.Request, body: ResponsesPrompt) -> ResponsePrompt:
     """The prompt ``body`` makes, checked as a response's is (the model, the previous
-    response, tool results, the prompt limit, tools and ``tool_choice``)."""
+    response, tool calls and results, the prompt limit, tools and ``tool_choice``)."""
     app = request.app
     model = routed_model(app, body.model)
     conversation, origins = input_messages(body)
@@ -144,6 +146,7 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
         messages.insert(0, {"role": "system", "content": body.instructions})
         origins = [Origin("instructions"), *origins]
     check_tool_answers(messages, origins)
+    check_calls_answered(messages, origins)
     prompt = prompt_of(messages)
     check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "input", noun="input")
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)

@@ -225,6 +225,33 @@ def check_calls_answered_next(messages: Sequence[Mapping[str, Any]], origins: Or
             )
 
 
+def check_calls_answered(messages: Sequence[Mapping[str, Any]], origins: Origins) -> None:
+    """OpenAI Responses' rule (run after ``check_tool_answers``): every function call has a
+    ``function_call_output`` of its ``call_id`` somewhere after it, a call the response named
+    by ``previous_response_id`` made too. Unlike chat's, the output may come after other items,
+    as the Responses API pairs them by ``call_id`` wherever they are. The mistake names the
+    first call left unanswered: its ``function_call`` item, or ``previous_response_id`` for a
+    call the stored response made."""
+    later: set[str] = set()  # the ids a tool message after this point answers
+    # The earliest call found unanswered, walking back: (message, call, id).
+    unanswered: tuple[int, int, str] | None = None
+    for index in reversed(range(len(messages))):
+        message = messages[index]
+        if message["role"] == "tool":
+            later.add(message["tool_call_id"])
+            continue
+        calls = message.get("tool_calls")
+        if not calls:
+            continue
+        missing = [number for number, call in enumerate(calls) if call["id"] not in later]
+        if missing:
+            unanswered = index, missing[0], calls[missing[0]]["id"]
+    if unanswered is not None:
+        index, number, call_id = unanswered
+        message_text = f"the function call {call_id!r} has no function_call_output after it"
+        raise _bad(origins[index].of_call(number), message_text)
+
+
 def check_anthropic_turns(messages: Sequence[AnthropicMessage]) -> None:
     """Anthropic's own rule for answering calls, stricter than chat's (run after
     ``check_tool_answers``, which refuses a result answering no call, or a call answered
