@@ -198,7 +198,7 @@ def check_calls_answered_next(messages: Sequence[Mapping[str, Any]], origins: Or
     not spell the rule out; this is what its API does: it refuses a result that comes after
     another message (its 400 names that message) and calls still unanswered where the
     conversation ends (its 400 names ``messages``). So a call is answered at once or never, and
-    no reply follows a call without its result, even a last one (Anthropic's API takes those:
+    a conversation may not end with calls unanswered (Anthropic's may:
     ``check_anthropic_turns``). The mistake names the message that made the calls, as
     Anthropic's does, and says what came where a result was due."""
     for index, message in enumerate(messages):
@@ -253,13 +253,13 @@ def check_calls_answered(messages: Sequence[Mapping[str, Any]], origins: Origins
 
 
 def check_anthropic_turns(messages: Sequence[AnthropicMessage]) -> None:
-    """Anthropic's own rule for answering calls, stricter than chat's (run after
-    ``check_tool_answers``, which refuses a result answering no call, or a call answered
-    twice): the user turn right after an assistant turn's ``tool_use`` blocks begins with a
-    ``tool_result`` for each of them (its text may follow), so a call is answered in the next
-    turn or never. Consecutive messages of one role are one turn, as Anthropic's API joins
-    them. A conversation may end with calls no turn answers yet. The message says it as
-    Anthropic's does (``messages.N: ...``, N the message that made the calls)."""
+    """Anthropic's own rule for answering calls (run after ``check_tool_answers``, which
+    refuses a result answering no call, or a call answered twice): the user turn right after
+    an assistant turn's ``tool_use`` blocks begins with a ``tool_result`` for each of them (its
+    text may follow), so a call is answered in the next turn or never. Consecutive messages of
+    one role are one turn, as Anthropic's API joins them. A conversation may end with calls no
+    turn answers yet. The message says it as Anthropic's does (``messages.N: ...``, N the
+    message that made the calls)."""
     unanswered: list[str] = []  # the calls of the assistant turn before this user turn
     making: list[str] = []  # the calls of the assistant turn going on
     asked = asking = 0  # where each of those was made (its last message with calls)
