@@ -153,6 +153,58 @@ async def test_bad_requests_are_400s_in_anthropics_shape_naming_the_field(body, 
         assert answer["error"]["param"] == param
 
 
+THINKING = {**ASK, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+ADAPTIVE = {**ASK, "thinking": {"type": "adaptive"}}
+FORCED = {"type": "tool", "name": "f"}
+TOOLS = [{"name": "f", "input_schema": {"type": "object"}}]
+PREFILL = {"role": "assistant", "content": "I"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**THINKING, "temperature": 0.5}, "temperature"),
+        ({**ADAPTIVE, "temperature": 0}, "temperature"),
+        ({**THINKING, "top_p": 0.9}, "top_p"),
+        ({**THINKING, "top_k": 5}, "top_k"),
+        ({**THINKING, "tools": TOOLS, "tool_choice": {"type": "any"}}, "tool_choice"),
+        ({**ADAPTIVE, "tools": TOOLS, "tool_choice": FORCED}, "tool_choice"),
+        (
+            {**THINKING, "messages": [{"role": "user", "content": "count"}, PREFILL]},
+            "messages[1]",
+        ),
+        (
+            {**ASK, "thinking": {"type": "adaptive", "budget_tokens": 1024}},
+            "thinking.budget_tokens",
+        ),
+    ],
+)
+async def test_what_anthropic_refuses_with_thinking_on_is_refused(body, param):
+    """Thinking on (``enabled`` or ``adaptive``), Anthropic's API takes the model's own
+    sampling only (temperature 1, top_p from 0.95, no top_k), no forced tool use, and no
+    reply begun for it."""
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/messages", json=body) as response:
+            answer = await response.json()
+            assert response.status == 400, answer
+    assert (answer["error"]["type"], answer["error"]["param"]) == ("invalid_request_error", param)
+
+
+async def test_thinking_on_takes_what_anthropic_allows_with_it():
+    allowed = [
+        {**THINKING, "temperature": 1, "top_p": 0.95},
+        {**ADAPTIVE, "tools": TOOLS, "tool_choice": {"type": "auto"}},
+        {**THINKING, "thinking": {"type": "disabled"}, "temperature": 0.5, "top_k": 5},
+    ]
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        for body in allowed:
+            async with http.post(f"{url}/v1/messages", json=body) as response:
+                message = await response.json()
+                assert response.status == 200, (body, message)
+            assert message["stop_reason"] == "end_turn", body
+
+
 async def test_stop_sequences_and_top_k_are_a_reply_not_a_500():
     async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
         message = await client.messages.create(  # type: ignore[call-overload]

@@ -195,16 +195,17 @@ class AnthropicToolChoice(Strict):
 
 class AnthropicThinking(Strict):
     """``thinking``: whether the message shows a reasoning model's thinking (thinking blocks),
-    with Anthropic's checks on the budget."""
+    with Anthropic's checks on the budget. ``adaptive`` (the model decides how much to think,
+    with no budget) shows it as ``enabled`` does."""
 
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: Annotated[int, Field(ge=1024, le=MAX_TOKENS_LIMIT)] | None = None
 
     @model_validator(mode="after")
     def _budget_when_enabled(self) -> AnthropicThinking:
         if (self.budget_tokens is not None) != (self.type == "enabled"):
             message = 'thinking.budget_tokens is given exactly when thinking.type is "enabled"'
-            raise invalid(message, "thinking.budget_tokens")
+            raise invalid(message, "budget_tokens")  # named inside ``thinking``'s own place
         return self
 
 
@@ -266,13 +267,16 @@ class MessagesInput(Strict):
 
     @property
     def shows_thinking(self) -> bool:
-        return self.thinking is not None and self.thinking.type == "enabled"
+        return self.thinking is not None and self.thinking.type != "disabled"
 
     @property
     def system_text(self) -> str:
         if self.system is None or isinstance(self.system, str):
             return self.system or ""
         return "".join(block.text for block in self.system)
+
+
+THINKING_TOP_P_MIN = 0.95  # the lowest top_p Anthropic takes with thinking on
 
 
 class MessagesBody(MessagesInput):
@@ -291,6 +295,30 @@ class MessagesBody(MessagesInput):
     # capacity, which is what either asks for.
     service_tier: Literal["auto", "standard_only"] | None = None
     replystream: ResponsesExtensions | None = None
+
+    @model_validator(mode="after")
+    def _what_thinking_allows(self) -> MessagesBody:
+        """Anthropic's limits on a message with thinking: its sampling is the model's own
+        (``temperature`` 1 only, ``top_p`` from 0.95, no ``top_k``), no forced tool use, and
+        no reply begun for it (a final assistant message). Its API refuses each; a client
+        that sends one here would be refused there."""
+        if not self.shows_thinking:
+            return self
+        if self.temperature is not None and self.temperature != 1:
+            raise invalid("temperature may only be set to 1 when thinking is on", "temperature")
+        if self.top_p is not None and self.top_p < THINKING_TOP_P_MIN:
+            message = f"top_p must be at least {THINKING_TOP_P_MIN} when thinking is on"
+            raise invalid(message, "top_p")
+        if self.top_k is not None:
+            raise invalid("top_k may not be set when thinking is on", "top_k")
+        if self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
+            message = "thinking may not be on when tool_choice forces tool use"
+            raise invalid(message, "tool_choice")
+        last = len(self.messages) - 1
+        if self.messages[last].role == "assistant":
+            message = "a reply may not be begun (a final assistant message) when thinking is on"
+            raise invalid(message, f"messages[{last}]")
+        return self
 
     @model_validator(mode="after")
     def _budget_below_max_tokens(self) -> MessagesBody:
