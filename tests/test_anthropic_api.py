@@ -205,6 +205,18 @@ async def test_thinking_on_takes_what_anthropic_allows_with_it():
             assert message["stop_reason"] == "end_turn", body
 
 
+async def test_automatic_prompt_caching_is_taken_as_the_hint_it_is():
+    """Anthropic's request-wide ``cache_control`` was an unknown field, where a block's own
+    was taken: the SDK sends either."""
+    hint = {"cache_control": {"type": "ephemeral"}}
+    async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
+        message = await client.messages.create(**ASK, extra_body=hint)  # type: ignore[call-overload]
+        count = await client.messages.count_tokens(
+            model="simulated", messages=[{"role": "user", "content": "count"}], extra_body=hint
+        )
+    assert message.stop_reason == "end_turn" and count.input_tokens > 0
+
+
 async def test_stop_sequences_and_top_k_are_a_reply_not_a_500():
     async with running(create_app(fast_engine(reply_text=REPLY))) as url, sdk(url) as client:
         message = await client.messages.create(  # type: ignore[call-overload]

@@ -234,6 +234,9 @@ class MessagesInput(Strict):
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
     output_config: AnthropicOutputConfig | None = None
+    # Anthropic's automatic prompt caching, for the whole request (a block's own is the same
+    # hint): an engine with a prefix cache keeps every prompt's prefix without being asked.
+    cache_control: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _content_anthropic_takes(self) -> MessagesInput:
