@@ -11,6 +11,7 @@ import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, native, running, serving
+from replystream.server.auth import KEY_RING
 from replystream.server.context import LOCAL_STORE_KEY, METRICS_KEY
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
@@ -246,6 +247,54 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
             closed = await ws.receive()
             assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 4401
     assert engine.stats().started == 2
+
+
+async def test_a_socket_keyed_in_its_first_message_counts_against_its_key_not_its_address():
+    """A browser's socket gives its key in its first message, after the upgrade was counted
+    against its address: it was never counted against its key, so the key's limit did not
+    hold on it, and other keys behind the same address were refused."""
+    guard = GuardConfig(max_concurrent=1)
+    config = ServerConfig(api_keys=("sk-one", "sk-two"), guard=guard)
+    start = {"type": "reply", "id": "r", "prompt": "x", "max_tokens": 2}
+    async with running(create_app(fast_engine(), config)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as one:
+            await one.send_json({"type": "auth", "api_key": "sk-one"})
+            await one.send_json(start)
+            assert (await read_until_ended(one, {"r"}))[-1]["type"] == "done"
+            # The key has its one request open: the socket.
+            headers = {"Authorization": "Bearer sk-one"}
+            async with http.post(f"{url}/v1/replies", json={"prompt": "x"}, headers=headers) as r:
+                over_http = r.status
+            async with http.ws_connect(f"{url}/v1/ws") as again:
+                await again.send_json({"type": "auth", "api_key": "sk-one"})
+                refused = await again.receive_json()
+                closed = await again.receive()
+            # Another key from the same address has nothing open.
+            async with http.ws_connect(f"{url}/v1/ws") as two:
+                await two.send_json({"type": "auth", "api_key": "sk-two"})
+                await two.send_json(start)
+                assert (await read_until_ended(two, {"r"}))[-1]["type"] == "done"
+    assert over_http == 429
+    assert refused["data"]["error"]["code"] == "rate_limited" and refused["data"]["retry_after"]
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1013
+
+
+async def test_a_key_revoked_while_its_socket_is_open_starts_no_more_replies():
+    config = ServerConfig(api_keys=("sk-old",))
+    app = create_app(fast_engine(delay_ms=20.0, jitter_ms=0.0), config)
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        headers = {"Authorization": "Bearer sk-old"}
+        async with http.ws_connect(f"{url}/v1/ws", headers=headers) as ws:
+            await ws.send_json({"type": "reply", "id": "long", "prompt": "x", "max_tokens": 20})
+            first = await ws.receive_json()
+            app[KEY_RING].replace(["sk-new"])  # what a reload of --api-keys-file does
+            await ws.send_json({"type": "reply", "id": "late", "prompt": "x", "max_tokens": 2})
+            messages = [first, *await read_until_ended(ws, {"long", "late"})]
+    refused = [m for m in messages if m["id"] == "late"]
+    assert [m["type"] for m in refused] == ["error"]
+    assert refused[0]["data"]["error"]["code"] == "invalid_api_key"
+    # What the key started before goes on to its end.
+    assert [m for m in messages if m["id"] == "long"][-1]["type"] == "done"
 
 
 @pytest.mark.parametrize("keys", [(), ("sk-ws-key",)])

@@ -26,6 +26,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
 from replystream.server.guard import (
+    ADMITTED,
     LIMITED_PREFIXES,
     UPGRADED,
     ClientGate,
@@ -89,7 +90,6 @@ def front_door(door: FrontDoor) -> Middleware:
         request_id = assign_request_id(request)
         started = time.monotonic()
         status: int | str = "client_gone"
-        identity = None  # a client counted open, to release when the request is done
         sent_later = False
         try:
             response: web.StreamResponse | None = preflight_response(request, origins)
@@ -99,8 +99,9 @@ def front_door(door: FrontDoor) -> Middleware:
                     if limits and response is None and request.path.startswith(LIMITED_PREFIXES):
                         identity = identity_of(request)
                         wait = gate.admit(identity, time.monotonic())
-                        if wait is not None:
-                            identity = None  # not counted open: nothing to release
+                        if wait is None:
+                            request[ADMITTED] = identity  # counted open until ``finish``
+                        else:
                             response = rate_limited(wait)
                     if response is None:
                         response = await handler(request)
@@ -122,8 +123,8 @@ def front_door(door: FrontDoor) -> Middleware:
             status = response.status
             if isinstance(response, SentLater):
                 sent_later = True
-                if identity is not None or access_log.isEnabledFor(logging.INFO):
-                    response.sent = partial(finish, request, request_id, started, gate, identity)
+                if ADMITTED in request or access_log.isEnabledFor(logging.INFO):
+                    response.sent = partial(finish, request, request_id, started, gate)
             return response
         except web.HTTPException as exc:
             status = exc.status
@@ -132,20 +133,17 @@ def front_door(door: FrontDoor) -> Middleware:
             if status == "client_gone" and request.get(UPGRADED):
                 status = 101
             if not sent_later:
-                finish(request, request_id, started, gate, identity, status)
+                finish(request, request_id, started, gate, status)
 
     return front
 
 
 def finish(
-    request: web.Request,
-    request_id: str,
-    started: float,
-    gate: ClientGate,
-    identity: str | None,
-    status: int | str,
+    request: web.Request, request_id: str, started: float, gate: ClientGate, status: int | str
 ) -> None:
-    """A request's last steps: its client's slot is free again; its access log line."""
+    """A request's last steps: its client's slot is free again (whoever it is counted
+    against by now: ``guard.count_as_owner``); its access log line."""
+    identity = request.get(ADMITTED)
     if identity is not None:
         gate.release(identity)
     if access_log.isEnabledFor(logging.INFO):  # off by default: skip building the line

@@ -145,12 +145,36 @@ class ClientGate:
 GATE_KEY = web.AppKey("client_gate", ClientGate)
 
 
+# Whom the front door counted a request open against (``identity_of``), until its end.
+ADMITTED = web.RequestKey("admitted_as", str)
+
+
 def identity_of(request: web.Request) -> str:
     """Whom the limits count this request against: its API key, else its client's address."""
     owner = request.get(OWNER)
     if owner:
         return f"key:{owner}"
     return f"addr:{client_address(request, request.app[GUARD_KEY].trusted_proxies)}"
+
+
+def count_as_owner(request: web.Request) -> float | None:
+    """A WebSocket that gave its key in its first message was admitted as its address (no
+    key was known at its upgrade): count it open against its key from now on, as a socket
+    whose key came in a header is, so the key's limit holds and the address is free again.
+    None if taken, else the seconds to wait: the key has as many requests open as it may."""
+    before = request.get(ADMITTED)
+    if before is None:  # no limits, or not counted
+        return None
+    after = identity_of(request)
+    if after == before:
+        return None
+    gate = request.app[GATE_KEY]
+    if gate.max_concurrent and gate.open.get(after, 0) >= gate.max_concurrent:
+        return 1.0
+    gate.release(before)
+    gate.open[after] = gate.open.get(after, 0) + 1
+    request[ADMITTED] = after
+    return None
 
 
 RATE_LIMITED = "too many requests from this client; retry later"

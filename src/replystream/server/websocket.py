@@ -50,6 +50,7 @@ from aiohttp import WSMessage, WSMsgType, web
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server.auth import (
     AUTH_PENDING,
+    KEY_RING,
     OWNER,
     SOCKET_KEY,
     KeyRing,
@@ -65,7 +66,13 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
-from replystream.server.guard import GATE_KEY, RATE_LIMITED, UPGRADED, identity_of
+from replystream.server.guard import (
+    GATE_KEY,
+    RATE_LIMITED,
+    UPGRADED,
+    count_as_owner,
+    identity_of,
+)
 from replystream.server.native import ReplyRequest, parse_reply_request
 from replystream.server.native_schemas import AuthMessage, CancelMessage, ReplyMessage
 from replystream.server.openai_api import routed_model
@@ -85,6 +92,7 @@ log = logging.getLogger("replystream.websocket")
 AUTH_TIMEOUT_S = 10.0
 LIVENESS_POLL_S = 1.0
 CLOSE_UNAUTHORIZED = 4401  # application range (4000-4999): "401" over a WebSocket
+CLOSE_TRY_AGAIN_LATER = 1013  # RFC 6455's: the server cannot take the socket now (a 429)
 CLOSE_POLICY = 1008
 CLOSE_GOING_AWAY = 1001  # the server is shutting down
 CLOSE_INTERNAL_ERROR = 1011
@@ -231,7 +239,14 @@ class Session:
         if key is not None and ring.accepts(key):
             self.request[OWNER] = key_owner(key)
             self.request[SOCKET_KEY] = key  # for a relay that passes it on
-            return True
+            wait = count_as_owner(self.request)
+            if wait is None:
+                return True
+            error = HTTPAPIError(429, RATE_LIMITED, code="rate_limited", retry_after_s=wait)
+            with contextlib.suppress(_SocketDone):
+                await self.send(failure_message(None, error))
+            await self.close(CLOSE_TRY_AGAIN_LATER, b"rate_limited")
+            return False
         if not self.ws.closed:
             await self.refuse_key('send {"type": "auth", "api_key": ...} first, with a valid key')
         return False
@@ -349,6 +364,12 @@ class Session:
 
     def _start(self, message: ReplyMessage, group: asyncio.TaskGroup) -> None:
         tag = message.id
+        ring = self.request.app.get(KEY_RING)
+        key = client_key(self.request)
+        if ring is not None and key is not None and not ring.accepts(key):
+            # Revoked since the socket opened (a reload of --api-keys-file): a reply is a
+            # request, refused as one over HTTP is; the replies running on it go on.
+            raise HTTPAPIError(401, "Incorrect API key provided.", code="invalid_api_key")
         if tag in self.running:
             raise HTTPAPIError(
                 400, f"a reply tagged {tag!r} is running", code="duplicate_id", param="id"
