@@ -273,6 +273,39 @@ async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Pa
         await stop(process)
 
 
+async def test_a_worker_restarted_on_a_file_its_peers_refused_waits_for_it_and_they_serve_on(
+    tmp_path: Path,
+):
+    """The keys file is emptied and the reload refused ("what was served before stays"); then
+    a worker dies: its restart reads the empty file and refuses to start. That stopped the
+    whole server, cutting every stream of the worker still serving."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-one\n")
+    process = await launch(
+        *upstream("hello", "simulated"), "--api-keys-file", str(keys), "--workers", "2",
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = await ready_url(process)
+        stderr = StderrLines(process)
+        keys.write_text("# nobody\n")
+        process.send_signal(signal.SIGHUP)
+        await stderr.wait_for("api_keys not reloaded", count=2)
+        workers = children_of(process.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        [line] = await stderr.wait_for("the other workers go on serving")
+        assert "refused to start" in line and "trying again in" in line, line
+        assert process.returncode is None
+        for _ in range(4):  # whichever connection lands: the worker left serves it
+            assert await status_with(url, "sk-one") == 200
+        keys.write_text("sk-one\n")  # fixed: the next try starts
+        await stderr.wait_for("in place of one that exited")
+        assert len(children_of(process.pid)) == 2
+        assert not any("Traceback" in line for line in stderr.lines), stderr.lines
+    finally:
+        await stop(process)
+
+
 async def test_an_api_keys_file_read_again_in_vain_is_named_with_its_flag(tmp_path: Path):
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-one\n")

@@ -91,8 +91,9 @@ def run_workers(
     again a worker that exits on its own (waiting longer after each exit in a row of its slot:
     ``restart_backoff``), and returns when all have stopped: a worker still there
     ``STOP_MARGIN_S`` past the shutdown grace (``grace_s``) is killed. A worker that refuses
-    to start (``REFUSED_EXIT``: its command line, or a file it names, cannot be served) is not
-    restarted for ever: the parent stops the others and returns ``REFUSED_EXIT``. The workers
+    to start (``REFUSED_EXIT``: its command line, or a file it names, cannot be served) before
+    the server is ready stops it: the parent stops the others and returns ``REFUSED_EXIT``;
+    one restarted later is started again as after any exit, the others serving on. The workers
     share their metrics through files in a fresh folder (``MULTIPROCESS_DIR_ENV``), so any
     worker's ``/metrics`` counts them all; the parent removes it when it returns, and, as it starts,
     those that parents killed outright left behind (``metrics_dir``). With ``reloads`` (the
@@ -258,9 +259,21 @@ class Supervisor:
         if self._stopping:
             return
         ended = f"worker {process.pid} {how_it_ended(status)}"
-        if status == REFUSED_EXIT:
+        if status == REFUSED_EXIT and not self._announced:
             log.error("%s: it refused to start (said above); stopping", ended)
             self._stop(REFUSED_EXIT)
+        elif status == REFUSED_EXIT:
+            # A restart that refuses what a file now says (a keys or routes file emptied
+            # since, which the others, still serving, refused to reload): they go on; the
+            # slot tries again as after any exit, and starts once the file is fixed.
+            restart = slot.backoff.after_exit(None)
+            slot.restart_at = now + restart.delay_s
+            log.error(
+                "%s: it refused to start (said above); the other workers go on serving; "
+                "trying again in %.1f s",
+                ended,
+                restart.delay_s,
+            )
         elif not self._announced:
             self._cannot_start(slot, f"{ended} before every worker was ready")
         else:
