@@ -186,6 +186,28 @@ async def test_a_file_with_a_mistake_changes_nothing_and_says_why(tmp_path: Path
             assert not any("Traceback" in line for line in stderr.lines), stderr.lines
 
 
+async def test_a_routes_file_dropping_the_last_limit_is_taken_and_the_idle_flag_said(
+    tmp_path: Path,
+):
+    """``--upstream-queue-s`` with no limit of requests at once to wait under is refused at
+    start; a reload (which cannot change the command line) of a sound file dropping the last
+    limit was refused for it, and the old limit stayed."""
+    async with replica(*upstream("alpha", "model-a")) as (_, a):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a")) + "max_outstanding = 1\n")
+        async with relay(file, "--upstream-queue-s", "5") as (process, url, stderr):
+            assert await ask(url, "model-a") == "alpha "
+            file.write_text(routes((a, "model-a")))
+            process.send_signal(signal.SIGHUP)
+            [said] = await stderr.wait_for("until then it does nothing")
+            await stderr.wait_for("routes reloaded")
+            seen = samples((await get(f"{url}/metrics"))[1])
+            limit = seen["replystream_upstream_max_outstanding", (("upstream", f"{a}/v1"),)]
+            assert limit == -1  # none now
+            assert await ask(url, "model-a") == "alpha "
+    assert f"{file}: until then it does nothing (--upstream-queue-s is how long" in said, said
+
+
 async def test_every_worker_reloads_on_one_signal_to_the_parent(tmp_path: Path):
     async with (
         replica(*upstream("alpha", "model-a")) as (_, a),

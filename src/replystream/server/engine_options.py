@@ -246,7 +246,11 @@ def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     of ``--workers``, with the limits of requests at once held with the other workers."""
     from replystream.engine.upstream import UpstreamEngine
 
-    return UpstreamEngine(upstream_config(args, choice), metrics_dir.shared_slots_folder())
+    config = upstream_config(args, choice)
+    idle_flag = queue_without_limit(args, config)
+    if idle_flag is not None:
+        raise ValueError(idle_flag)
+    return UpstreamEngine(config, metrics_dir.shared_slots_folder())
 
 
 def upstream_key(args: argparse.Namespace) -> tuple[str | None, str]:
@@ -322,16 +326,23 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
             f"({config.failover_s:g} s, which ends every wait for a first text): raise "
             "--upstream-failover-s too"
         )
+    return config
+
+
+def queue_without_limit(args: argparse.Namespace, config: UpstreamConfig) -> str | None:
+    """What ``--upstream-queue-s`` given with no upstream's limit of requests at once to wait
+    under would do (nothing), said; None when it has one to apply to. Refused at start; on a
+    reload of the routes file (which cannot change the command line) said as a warning."""
     limited = config.max_outstanding is not None or any(
         target.max_outstanding is not None for target in config.targets
     )
-    if not limited and "--upstream-queue-s" in given:
-        raise ValueError(
-            "--upstream-queue-s is how long a request waits for room at upstreams at their "
-            "limit of requests at once, and no upstream has one: add "
-            "--upstream-max-outstanding (or max_outstanding in the routes file), or drop it"
-        )
-    return config
+    if limited or "--upstream-queue-s" not in {row.flag for row in settings.given(args)}:
+        return None
+    return (
+        "--upstream-queue-s is how long a request waits for room at upstreams at their "
+        "limit of requests at once, and no upstream has one: add --upstream-max-outstanding "
+        "(or max_outstanding in the routes file), or drop it"
+    )
 
 
 def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:

@@ -27,7 +27,7 @@ from replystream.engine.upstream import RouteChange, UpstreamEngine
 from replystream.server.api_keys import collect_keys
 from replystream.server.auth import KEY_RING
 from replystream.server.context import ENGINE_KEY, METRICS_KEY
-from replystream.server.engine_options import EngineChoice, upstream_config
+from replystream.server.engine_options import EngineChoice, queue_without_limit, upstream_config
 from replystream.server.metrics import Metrics
 from replystream.server.state import BACKEND_GAUGES_KEY
 
@@ -124,7 +124,11 @@ def reloads_for(
         gauges = app.get(BACKEND_GAUGES_KEY)
 
         async def reroute() -> str:
-            change = await engine.reroute(upstream_config(args, choice))
+            config = upstream_config(args, choice)
+            idle_flag = queue_without_limit(args, config)
+            if idle_flag is not None:  # the file is sound; the flag waits for a limit again
+                log.warning("%s: until then it does nothing (%s)", path, idle_flag)
+            change = await engine.reroute(config)
             if gauges is not None:
                 gauges.sync()  # a row for each upstream routed to now
             return change_line(path, change)
