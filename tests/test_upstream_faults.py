@@ -739,6 +739,8 @@ def test_weights_share_requests_in_proportion_and_interleave():
     assert UpstreamTarget.parse("http://h:1/a=b/v1") == UpstreamTarget("http://h:1/a=b/v1", 1)
     with pytest.raises(ValueError, match="may not have a query"):  # nothing would send it
         UpstreamTarget.parse("http://h:1/v1?a=b")
+    # A scheme is case-insensitive: one spelling names the upstream everywhere.
+    assert UpstreamTarget.parse("HTTPS://H:1/v1/=2") == UpstreamTarget("https://H:1/v1", 2)
 
 
 def test_the_prompt_goes_up_as_one_user_message_when_there_are_no_messages():

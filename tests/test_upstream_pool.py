@@ -252,6 +252,17 @@ stall_s = 2.5
         ("upstreams = []", "upstreams: list should have at least 1 item"),
         ("[[upstreams]]\nurl = 'http://a/v1'\napi_key_env = 'NOPE'", "$NOPE is not set"),
         ("[[upstreams]]\nurl = 'http://a/v1'\n[[upstreams]]\nurl = 'http://a/v1'", "listed twice"),
+        # One upstream however it is spelt: the file's own line says so, not --engine's.
+        (
+            "[[upstreams]]\nurl = 'http://A:80/v1'\n[[upstreams]]\nurl = 'HTTP://a/v1/'",
+            "upstreams[1].url: http://a/v1 is listed twice (as http://A:80/v1)",
+        ),
+        # An alias's model is looked up once: an alias of an alias, or of itself, names none.
+        (
+            "[[upstreams]]\nurl = 'http://a/v1'\n[aliases]\nx = 'y'\ny = 'm'",
+            "aliases.x: 'y' is itself an alias: name the model it stands for",
+        ),
+        ("[[upstreams]]\nurl = 'http://a/v1'\n[aliases]\nc = 'c'", "aliases.c: is its own model"),
         (
             "[[upstreams]]\nurl = 'http://a/v1'\nmodels = ['m']\n[aliases]\nx = 'n'",
             "aliases.x: no upstream lists the model 'n'",

@@ -226,9 +226,18 @@ def health_path(text: str) -> str:
 
 
 def _without_trailing_slash(url: str) -> str:
-    """``url`` without the slashes that end its path (``http://`` stays itself)."""
+    """``url`` without the slashes that end its path (``http://`` stays itself), its scheme in
+    lower case (``lower_scheme``)."""
+    url = lower_scheme(url)
     scheme, sep, rest = url.partition("://")
     return scheme + sep + rest.rstrip("/")
+
+
+def lower_scheme(url: str) -> str:
+    """``url`` with its scheme in lower case: a scheme is case-insensitive (``HTTP://`` is
+    ``http://``), and every check and every name of the upstream reads one spelling."""
+    scheme, sep, rest = url.partition("://")
+    return scheme.lower() + sep + rest if sep else url
 
 
 @dataclass(frozen=True, slots=True)

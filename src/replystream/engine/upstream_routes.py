@@ -57,6 +57,8 @@ from replystream.engine.upstream_config import (
     base_url_problem,
     header_problem,
     key_problem,
+    lower_scheme,
+    upstream_identity,
 )
 
 Name = Annotated[str, Field(min_length=1)]
@@ -87,6 +89,7 @@ class UpstreamEntry(_Strict):
     @field_validator("url")
     @classmethod
     def _http(cls, url: str) -> str:
+        url = lower_scheme(url)
         if not url.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         problem = base_url_problem(url)
@@ -229,12 +232,14 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
         first = exc.errors()[0]
         message = _message(first).removeprefix("value error, ")
         raise ValueError(f"{path}: {_where(first['loc'])}: {message}") from None
-    targets, seen = [], set()
+    targets: list[UpstreamTarget] = []
+    seen: dict[tuple[str, str, int, str], str] = {}  # each upstream's identity: its URL here
     for index, entry in enumerate(parsed.upstreams):
         where = f"{path}: upstreams[{index}]"
-        if entry.url in seen:
-            raise ValueError(f"{where}.url: {entry.url} is listed twice")
-        seen.add(entry.url)
+        identity = upstream_identity(entry.url)  # one upstream however its URL is spelt
+        if identity in seen:
+            raise ValueError(f"{where}.url: {entry.url} is listed twice (as {seen[identity]})")
+        seen[identity] = entry.url
         if entry.api_key is not None and entry.api_key_env is not None:
             raise ValueError(f"{where}.api_key_env: give api_key or api_key_env, not both")
         if entry.pass_client_key and (entry.api_key or entry.api_key_env) is not None:
@@ -272,6 +277,13 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
     served = {m for t in targets for m in t.models}
     every_listed = all(t.models for t in targets)
     for alias, model in parsed.aliases.items():
+        if model == alias:
+            raise ValueError(f"{path}: aliases.{shown(alias)}: is its own model")
+        if model in parsed.aliases:  # one lookup: an alias of an alias would name no model
+            raise ValueError(
+                f"{path}: aliases.{shown(alias)}: {model!r} is itself an alias: name the "
+                "model it stands for"
+            )
         if alias in served:
             raise ValueError(
                 f"{path}: aliases.{shown(alias)}: is a model an upstream serves already"

@@ -35,6 +35,7 @@ from replystream.engine.upstream_config import (
     UpstreamConfig,
     UpstreamTarget,
     key_problem,
+    upstream_identity,
 )
 from replystream.server import metrics_dir
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
@@ -292,12 +293,14 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
             routes = load_routes(Path(args.upstream_routes))
         except ValueError as exc:
             raise ValueError(f"--upstream-routes {exc}") from None
-        given = {t.base_url for t in targets}
+        on_command_line = {upstream_identity(t.base_url): t.base_url for t in targets}
         for target in routes.targets:
-            if target.base_url in given:
+            also = on_command_line.get(upstream_identity(target.base_url))
+            if also is not None:
+                spelt = "" if also == target.base_url else f" (as {also})"
                 raise ValueError(
-                    f"--upstream-routes {args.upstream_routes}: {target.base_url} is given by "
-                    "--engine too; name it in one place"
+                    f"--upstream-routes {target.entry}.url: {target.base_url} is given by "
+                    f"--engine too{spelt}; name it in one place"
                 )
         targets += routes.targets
         aliases, fallbacks = routes.aliases, routes.fallbacks
