@@ -16,6 +16,7 @@ from replystream.engine.tiny import load_default_engine
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
+from tests.conftest import fast_engine
 from tests.sse_client import post_events
 from tests.test_upstream_faults import fake_upstream
 
@@ -66,6 +67,17 @@ async def test_the_tiny_model_honours_penalties_over_the_api() -> None:
     assert repeats["repetition"] == 1  # every token seen is a tenth as likely: none again
     assert repeats["frequency"] < repeats["plain"]
     assert zero.status == 400 and json.loads(zero.raw)["error"]["param"] == "repetition_penalty"
+
+
+async def test_a_repetition_penalty_of_zero_is_refused_by_every_engine_as_a_bad_value() -> None:
+    """It divides a logit: 0 is no penalty. Only the built-in models refused it (with a code
+    no table listed); the simulated engine and a relay took it."""
+    ask = {"model": "simulated", "messages": [{"role": "user", "content": "hi"}]}
+    async with running(create_app(fast_engine())) as url:
+        got = await post_events(f"{url}/v1/chat/completions", {**ask, "repetition_penalty": 0})
+    error = json.loads(got.raw)["error"]
+    assert got.status == 400
+    assert (error["param"], error["code"]) == ("repetition_penalty", "invalid_value")
 
 
 async def test_the_relay_passes_the_penalties_on_when_given() -> None:

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, LogTail, ReplyInfo, StoreUnavailable
+from tests.conftest import wait_for
 from tests.redis_server import redis_server
 
 
@@ -130,7 +131,9 @@ async def test_a_live_producer_writes_its_evicted_metadata_and_log_again(tmp_pat
             assert await reader.info("p") == ReplyInfo("p", owner="k", context="ctx")
             while (await reader.read("p", 0, wait_s=0)).entries != events("p", 1, 6):  # type: ignore[union-attr]  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
-        assert producer.stats().evictions == 1 and producer.stats().repairs == 1
+        # Counted once the repair's write has answered, after readers may see it.
+        await wait_for(lambda: producer.stats().repairs == 1)
+        assert producer.stats().evictions == 1
         await producer.aclose()
         await reader.aclose()
 
@@ -161,14 +164,17 @@ async def test_a_live_producer_writes_its_evicted_stream_again_from_its_copy(tmp
         # Evicted between appends: the producer's heartbeat finds it shorter than written.
         await producer.redis.delete(key(producer, "v"))
         took = await whole_again(reader, "v", 5)
-        assert producer.stats().evictions == 1 and producer.stats().repairs == 1
+        # Counted once the repair's write has answered, after readers may see it.
+        await wait_for(lambda: producer.stats().repairs == 1)
+        assert producer.stats().evictions == 1
         # Evicted, then made anew by the next append (it starts late: a reader is told of
         # the gap), and written whole again from the producer's copy.
         await producer.redis.delete(key(producer, "v"))
         producer.append("v", events("v", 6, 8))
         await producer.flush()
         took = max(took, await whole_again(reader, "v", 7))
-        assert producer.stats().evictions == 2 and producer.stats().repairs == 2
+        await wait_for(lambda: producer.stats().repairs == 2)
+        assert producer.stats().evictions == 2
         assert producer.stats().holes == 0  # it held every event: nothing stays lost
         producer.end("v", "finished")
         await producer.flush()

@@ -46,7 +46,7 @@ class RequestRejected(EngineError):
         self,
         message: str,
         *,
-        code: str = "invalid_request",
+        code: str = "invalid_value",  # a value the engine cannot take, as the schemas say it
         param: str | None = None,
         retry_after_s: float | None = None,
         names_upstream_field: bool = False,

@@ -103,7 +103,7 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 BatchMs = Annotated[float, Field(ge=0.0, le=BATCH_MS_MAX)]
 KeepaliveS = Annotated[float, Field(ge=KEEPALIVE_S_MIN, le=KEEPALIVE_S_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, Field(ge=0.0, le=10.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]  # it divides: 0 is none
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # a token id, as text
 MAX_LOGIT_BIASES = 1024

@@ -357,7 +357,7 @@ class Session:
             raise HTTPAPIError(
                 400,
                 "this socket has its key already (from its upgrade or an earlier auth message)",
-                code="invalid_request",
+                code="invalid_value",
                 param="api_key",
             )
         self.request[SOCKET_KEY] = key
