@@ -193,6 +193,12 @@ CASES: list[tuple[list[str], str]] = [
     # serve: an option the engine would not use
     (["serve", "--delay-ms", "20"], "--delay-ms is an option of the simulated engine"),
     (["serve", "--first-token-ms", "200"], "add --engine simulated, or drop --first-token-ms"),
+    # The fix names how the engine is asked for, where its bare name would be refused.
+    (["serve", "--hf-max-running", "2"], "add --engine hf:PATH, or drop --hf-max-running"),
+    (
+        ["serve", "--upstream-queue-s", "3"],
+        "add --engine upstream:URL (or upstream with --upstream-routes FILE), or drop",
+    ),
     (
         ["serve", "--engine", "simulated", "--kv-blocks", "9"],
         "--kv-blocks is an option of the tiny",

@@ -41,6 +41,12 @@ from replystream.server import metrics_dir
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
 
 KINDS = ("smollm2", "tiny", "gguf", "simulated", "hf", "upstream")
+# How each engine is asked for, where a bare name is not the whole of it.
+ENGINE_SPELLED = {kind: kind for kind in KINDS} | {
+    "hf": "hf:PATH",
+    "gguf": "gguf:PATH",
+    "upstream": "upstream:URL (or upstream with --upstream-routes FILE)",
+}
 log = logging.getLogger("replystream.serve")
 
 
@@ -111,7 +117,8 @@ def check_options(args: argparse.Namespace, kind: str) -> None:
             owners = " or ".join(row.engines)
             raise ValueError(
                 f"{row.flag} is an option of the {owners} engine, and this server runs the "
-                f"{kind} engine: add --engine {row.engines[0]}, or drop {row.flag}"
+                f"{kind} engine: add --engine {ENGINE_SPELLED[row.engines[0]]}, or drop "
+                f"{row.flag}"
             )
     if args.speculative == "off":
         for row in given:

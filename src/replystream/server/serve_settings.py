@@ -200,7 +200,7 @@ CLIENT_LIMITS = Group(
             convert=_as_tuple,
             repeatable=True,
             metavar="ORIGIN",
-            accepts="an origin (`https://HOST[:PORT]`) or `*`",
+            accepts="an origin (`http(s)://HOST[:PORT]`) or `*`",
         ),
     ),
 )
