@@ -258,17 +258,28 @@ async def status_with(url: str, key: str) -> int:
         return response.status
 
 
+@contextlib.asynccontextmanager
+async def keyed(
+    keys: Path, *args: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, StderrLines]]:
+    """A simulated server reading its API keys from ``keys`` (``args``: more flags), ready."""
+    process = await launch(
+        *upstream("hello", "simulated"), "--api-keys-file", str(keys), *args,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = await ready_url(process)
+        yield process, url, StderrLines(process)
+    finally:
+        await stop(process)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Path, workers: int):
     keys = tmp_path / "keys.txt"
     keys.write_text("# the team's keys\nsk-old\n")
-    process = await launch(
-        *upstream("hello", "simulated"), "--api-key", "sk-flag", "--api-keys-file", str(keys),
-        "--workers", str(workers), stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        url = await ready_url(process)
-        stderr = StderrLines(process)
+    flags = ("--api-key", "sk-flag", "--workers", str(workers))
+    async with keyed(keys, *flags) as (process, url, stderr):
         assert [await status_with(url, k) for k in ("sk-old", "sk-new")] == [200, 401]
         keys.write_text("sk-new\n")
         process.send_signal(signal.SIGHUP)
@@ -291,8 +302,6 @@ async def test_the_api_keys_file_read_again_revokes_and_grants_keys(tmp_path: Pa
             seen["replystream_reloads_total", (("file", "api_keys"), ("result", "ok"))] == workers
         )
         assert not any("Traceback" in line for line in stderr.lines), stderr.lines
-    finally:
-        await stop(process)
 
 
 async def test_a_worker_restarted_on_a_file_its_peers_refused_waits_for_it_and_they_serve_on(
@@ -303,13 +312,7 @@ async def test_a_worker_restarted_on_a_file_its_peers_refused_waits_for_it_and_t
     whole server, cutting every stream of the worker still serving."""
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-one\n")
-    process = await launch(
-        *upstream("hello", "simulated"), "--api-keys-file", str(keys), "--workers", "2",
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        url = await ready_url(process)
-        stderr = StderrLines(process)
+    async with keyed(keys, "--workers", "2") as (process, url, stderr):
         keys.write_text("# nobody\n")
         process.send_signal(signal.SIGHUP)
         await stderr.wait_for("api_keys not reloaded", count=2)
@@ -324,20 +327,12 @@ async def test_a_worker_restarted_on_a_file_its_peers_refused_waits_for_it_and_t
         await stderr.wait_for("in place of one that exited")
         assert len(children_of(process.pid)) == 2
         assert not any("Traceback" in line for line in stderr.lines), stderr.lines
-    finally:
-        await stop(process)
 
 
 async def test_an_api_keys_file_read_again_in_vain_is_named_with_its_flag(tmp_path: Path):
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-one\n")
-    process = await launch(
-        *upstream("hello", "simulated"), "--api-keys-file", str(keys),
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        url = await ready_url(process)
-        stderr = StderrLines(process)
+    async with keyed(keys) as (process, url, stderr):
         keys.write_bytes(b"sk-\xff\xfe\n")  # not UTF-8
         process.send_signal(signal.SIGHUP)
         [line] = await stderr.wait_for("api_keys not reloaded")
@@ -348,8 +343,6 @@ async def test_an_api_keys_file_read_again_in_vain_is_named_with_its_flag(tmp_pa
         assert f"--api-keys-file {keys}: cannot be read (No such file or directory)" in line
         assert await status_with(url, "sk-one") == 200  # what was served before stays
         assert not any("Traceback" in line for line in stderr.lines), stderr.lines
-    finally:
-        await stop(process)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
