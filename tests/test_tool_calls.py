@@ -767,3 +767,35 @@ async def test_a_moderated_reply_whole_keeps_the_calls_and_logprobs_its_stream_s
     assert items(dumped["output"])[0] == ("message", "Checking. ", ["Checking. "])
     assert native_whole["finish_reason"] == "moderated"
     assert [c["id"] for c in native_whole["tool_calls"]] == ["call_W"]
+
+
+async def test_a_function_output_given_as_text_parts_is_its_text(server: str):
+    """OpenAI's ``function_call_output.output`` is a string or a list of parts; a list was a
+    400. Its text parts are the result's text; an image part is refused by its type, as a
+    message's is (this server reads text only)."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather"}
+    call["arguments"] = WEATHER_ARGS
+    ask = {"role": "user", "content": "weather in Paris?"}
+    parts = [{"type": "input_text", "text": "18 "}, {"type": "input_text", "text": "C"}]
+    as_text = {"type": "function_call_output", "call_id": "c1", "output": "18 C"}
+    as_parts = {**as_text, "output": parts}
+    image = {**as_text, "output": [{"type": "input_image", "image_url": "https://x/y.png"}]}
+    async with aiohttp.ClientSession() as http:
+        counts = []
+        for output in (as_text, as_parts):
+            body = {"model": "simulated", "input": [ask, call, output], "tools": RESPONSES_TOOLS}
+            async with http.post(f"{server}/v1/responses/input_tokens", json=body) as counted:
+                assert counted.status == 200, await counted.text()
+                counts.append((await counted.json())["input_tokens"])
+        body = {**body, "store": True}
+        async with http.post(f"{server}/v1/responses", json=body) as made:
+            response_id = (await made.json())["id"]
+        async with http.get(f"{server}/v1/responses/{response_id}/input_items") as listed:
+            items = (await listed.json())["data"]
+        body = {**body, "input": [ask, call, image]}
+        async with http.post(f"{server}/v1/responses", json=body) as refused:
+            error = (await refused.json())["error"]
+            status = refused.status
+    assert counts[0] == counts[1]
+    assert items[0]["output"] == parts  # listed as given, newest first
+    assert status == 400 and error["param"] == "input[2].output[0].type"

@@ -92,7 +92,10 @@ def _shape(item: Item, include: Collection[str]) -> dict[str, Any]:
         return {
             "type": "function_call_output",
             "call_id": item.call_id,
-            "output": item.output,
+            # As given: a string, or its text parts (``input_text``).
+            "output": item.output
+            if isinstance(item.output, str)
+            else [{"type": "input_text", "text": part.text} for part in item.output],
             "status": status,
         }
     if isinstance(item, ReasoningItem):

@@ -99,9 +99,15 @@ class FunctionCallOutputItem(Strict):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: ResponseContent  # a string, or text parts (OpenAI's images and files: not read)
     id: str | None = None
     status: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
 
 
 class SummaryText(Strict):

@@ -371,7 +371,7 @@ def responses_messages(items: Sequence[ResponseItem]) -> tuple[list[ChatMessage]
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 origins.append(Origin(path, (path,)))
         elif item.type == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
             origins.append(Origin(path))
         else:
             out.append({"role": item.role, "content": item.text})
