@@ -567,3 +567,33 @@ async def test_an_unknown_previous_response_is_openais_previous_response_not_fou
                 )
             assert refused.value.code == "previous_response_not_found"
             assert refused.value.param == "previous_response_id"
+
+
+async def test_the_object_repeats_what_openais_does_of_its_request_and_when_it_completed():
+    """Keys OpenAI's response object always has were missing (a typed client finds them
+    absent): the request's user, safety_identifier and prompt_cache_key, the tier that
+    served it, max_tool_calls, completed_at, and each function tool's parameters and
+    strict (null when not given)."""
+    engine = fast_engine(reply_text=REPLY)
+    tool = {"type": "function", "name": "get_weather"}
+    body = {
+        "input": "count",
+        "user": "u-1",
+        "safety_identifier": "s-1",
+        "prompt_cache_key": "k-1",
+        "tools": [tool],
+        "stream": True,
+    }
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json=body) as response:
+            events = EventParser().feed(await response.read())
+    opened = json.loads(events[0].data)["response"]
+    done = json.loads(events[-1].data)["response"]
+    for shown in (opened, done):
+        assert (shown["user"], shown["safety_identifier"]) == ("u-1", "s-1")
+        assert (shown["prompt_cache_key"], shown["service_tier"]) == ("k-1", "default")
+        assert shown["max_tool_calls"] is None
+        assert shown["tools"] == [{**tool, "parameters": None, "strict": None}]
+    assert opened["completed_at"] is None and done["status"] == "completed"
+    assert done["completed_at"] >= done["created_at"]
+    Response.model_validate(done)

@@ -170,12 +170,13 @@ async def test_openai_sdk_assembles_the_scripted_calls_on_chat_streamed_and_whol
 
 
 def same_response(one: Any, other: Any) -> bool:
-    """Two responses alike but for what names the reply (ids, the second it was made) and
-    what the SDK adds to a streamed one (``parsed``, ``parsed_arguments``: None here)."""
+    """Two responses alike but for what names the reply (ids, the seconds it was made and
+    completed) and what the SDK adds to a streamed one (``parsed``, ``parsed_arguments``:
+    None here)."""
 
     def shape(value: Any) -> Any:
         if isinstance(value, dict):
-            dropped = ("id", "created_at")
+            dropped = ("id", "created_at", "completed_at")
             return {k: shape(v) for k, v in value.items() if v is not None and k not in dropped}
         if isinstance(value, list):
             return [shape(v) for v in value]

@@ -12,6 +12,7 @@ know about events, sockets, tasks or stores.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -78,6 +79,11 @@ class ResponseSettings:
     # The request's ``text.format``, repeated in ``text`` as it was given.
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
     top_logprobs: int = 0  # the request's, repeated (OpenAI's objects say 0 when not asked)
+    # Repeated as given (null when not): who asks, for OpenAI's abuse checks (which this
+    # server has none of), and the key that keeps requests with one prefix together.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 def last_item_status(status: Status) -> ItemStatus:
@@ -123,17 +129,24 @@ def response_object(
         "id": response_id(reply_id),
         "object": "response",
         "created_at": settings.created_at,
+        # When it completed (made now, as the terminal event's object is); null before, and
+        # for any other ending, as OpenAI's.
+        "completed_at": int(time.time()) if status == "completed" else None,
         "status": status,
         "background": settings.background,
         "error": error,
         "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
         "instructions": settings.instructions,
         "max_output_tokens": settings.max_output_tokens,
+        "max_tool_calls": None,  # no limit: every call the model makes is given
         "model": settings.model,
         "output": output,
         "parallel_tool_calls": settings.parallel_tool_calls,
         "previous_response_id": settings.previous_response_id,
+        "prompt_cache_key": settings.prompt_cache_key,
         "reasoning": settings.reasoning,
+        "safety_identifier": settings.safety_identifier,
+        "service_tier": "default",  # the tier that served it: this server has one
         "store": settings.store,
         "temperature": settings.temperature,
         "text": _text_settings(settings),
@@ -143,6 +156,7 @@ def response_object(
         "top_p": settings.top_p,
         "truncation": "disabled",
         "usage": None if usage is None else usage_object(usage),
+        "user": settings.user,
         "metadata": settings.metadata or {},
     }
 

@@ -76,6 +76,7 @@ from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import Reply
 from replystream.server.responses_prompt import RESPONSES_FIELDS, response_prompt
 from replystream.server.responses_schemas import (
+    FunctionTool,
     ResponsesBody,
     ResponsesReasoning,
     kept_conversation,
@@ -114,6 +115,13 @@ def _echoed_choice(body: ResponsesBody) -> str | dict[str, Any]:
     if choice is None:
         return "auto"
     return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def _echoed_tool(tool: FunctionTool) -> dict[str, Any]:
+    """A function tool as the response object repeats it: as given, with ``parameters`` and
+    ``strict`` always there (null when not given), as OpenAI's object has them."""
+    given = tool.model_dump(exclude_none=True)
+    return {**given, "parameters": given.get("parameters"), "strict": given.get("strict")}
 
 
 def _echoed_format(body: ResponsesBody) -> dict[str, Any]:
@@ -155,13 +163,16 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         previous_response_id=body.previous_response_id,
         store=body.store,
         background=body.background,
-        tools=tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ()),
+        tools=tuple(_echoed_tool(tool) for tool in body.tools or ()),
         tool_choice=_echoed_choice(body),
         parallel_tool_calls=body.parallel_tool_calls is not False,  # the API's default: true
         reasoning=(body.reasoning or ResponsesReasoning()).model_dump(),
         verbosity=None if body.text is None else body.text.verbosity,
         text_format=_echoed_format(body),
         top_logprobs=body.top_logprobs or 0,
+        user=body.user,
+        safety_identifier=body.safety_identifier,
+        prompt_cache_key=body.prompt_cache_key,
     )
     with refusals_naming(RESPONSES_FIELDS):  # an engine's refusal, in this API's words
         if not body.store:  # nothing to keep: a plain reply, or one body collected whole
