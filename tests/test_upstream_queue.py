@@ -123,6 +123,29 @@ async def test_no_upstream_gets_more_than_its_limit_and_the_rest_wait_first_come
         assert (a.most_at_once, b.most_at_once) == (2, 1)
 
 
+async def test_an_upstream_taken_out_and_put_back_keeps_the_replies_it_is_running():
+    """Two reloads, the first taking an upstream out while it runs replies, the second
+    putting it back: it came back as a fresh upstream with nothing under way, so it was sent
+    past its limit while its gauge said less."""
+    a, b = HoldingUpstream(), HoldingUpstream()
+    async with relay((a, 2), (b, 1)) as (url, engine), aiohttp.ClientSession() as session:
+        full = engine.config
+        replies = {p: asyncio.create_task(ask(session, url, p)) for p in ("r0", "r1", "r2")}
+        await wait_for(lambda: (len(a.held), len(b.held)) == (2, 1))  # every limit reached
+        await engine.reroute(replace(full, targets=full.targets[1:]))  # a taken out
+        await engine.reroute(full)  # and put back, its two replies still running there
+        assert engine.stats().backends[0].outstanding == 2
+        replies["r3"] = asyncio.create_task(ask(session, url, "r3"))
+        await wait_for(queued(engine, 1))  # no room anywhere: it waits
+        for prompt in list(a.held + b.held):
+            (a if prompt in a.held else b).release(prompt)
+        await wait_for(holding("r3", a, b))
+        (a if "r3" in a.held else b).release("r3")
+        for prompt, reply in replies.items():
+            assert await reply == (200, None, f"re: {prompt}")
+    assert (a.most_at_once, b.most_at_once) == (2, 1)
+
+
 async def test_a_wait_past_queue_s_is_a_503_that_says_when_to_try_again():
     a = HoldingUpstream()
     async with relay((a, 1), queue_s=0.3) as (url, engine), aiohttp.ClientSession() as session:

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -247,10 +246,11 @@ class UpstreamEngine:
         self._origins: dict[str, HttpOrigin] = {}  # relayed requests, per upstream
         # Those of upstreams taken out of the routes, while replies under way still use them.
         self._retired: list[HttpOrigin] = []
-        # The counts (attempts, probes, connections opened) of upstreams taken out, by name:
-        # one put back counts on from them, as a counter must (its per-upstream rows are read
-        # from these).
-        self._counts_kept: dict[str, tuple[Counter[str], Counter[str], int]] = {}
+        # Upstreams a reload took out, by name, kept whole: the replies still running there
+        # end against them, and one put back is the same upstream (its requests at once, its
+        # circuit, and its counts, which count on as a counter must), not a fresh one that
+        # would let its limit be passed.
+        self._departed: dict[str, Backend] = {}
         self._rerouting = asyncio.Lock()
         self._prober = HealthProber(
             self.pool,
@@ -692,12 +692,11 @@ class UpstreamEngine:
         replies under way there go on to their end (and with the fallbacks they began with)."""
         async with self._rerouting:  # two reloads at once: one after the other
             before = {b.name: b for b in self.pool.backends}
-            backends = [before.get(t.base_url) or _backend(t, config) for t in config.targets]
+            backends = [
+                before.get(t.base_url) or self._departed.get(t.base_url) or _backend(t, config)
+                for t in config.targets
+            ]
             joining = [b for b in backends if b.name not in before]
-            for backend in joining:
-                kept_counts = self._counts_kept.pop(backend.name, None)
-                if kept_counts is not None:
-                    backend.attempts, backend.probes, backend.connections = kept_counts
             # A staying upstream whose models are no longer given: its list is asked for by
             # a stand-in, so nothing routed changes before the swap.
             relisted = {
@@ -730,9 +729,10 @@ class UpstreamEngine:
             self._queue.wake_all()  # room may be elsewhere now, or more of it
             kept = {b.name for b in backends}
             removed = tuple(name for name in before if name not in kept)
+            for backend in joining:
+                self._departed.pop(backend.name, None)
             for name in removed:
-                gone = before[name]
-                self._counts_kept[name] = gone.attempts, gone.probes, gone.connections
+                self._departed[name] = before[name]
                 origin = self._origins.pop(name, None)
                 if origin is not None:
                     origin.retire()
