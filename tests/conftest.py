@@ -9,6 +9,7 @@ import statistics
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,3 +63,16 @@ async def serve_engine(engine: SimulatedEngine) -> AsyncIterator[str]:
 @pytest.fixture
 def serve() -> ServeEngine:
     return serve_engine
+
+
+def our_code(error: Any) -> str:
+    """Our code of a failed Responses object's ``error`` (JSON or the SDK's object): its
+    ``code`` is one of OpenAI's, ours ends its message in parentheses."""
+    code, message = (
+        (error["code"], error["message"])
+        if isinstance(error, dict)
+        else (error.code, error.message)
+    )
+    assert code in ("server_error", "rate_limit_exceeded"), code
+    assert message.endswith(")"), message
+    return str(message[message.rindex("(") + 1 : -1])

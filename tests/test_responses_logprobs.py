@@ -24,7 +24,7 @@ from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.sse import EventParser
 from tests.chat_upstream import ChatUpstream, reply_with
-from tests.conftest import fast_engine
+from tests.conftest import fast_engine, our_code
 
 REPLY = "one two three four five"  # five tokens, five different words
 INCLUDE: Any = ["message.output_text.logprobs"]
@@ -369,7 +369,7 @@ async def test_a_relay_asks_its_upstream_and_fails_as_chat_does_when_it_has_none
     failed = events[-1]
     assert failed.type == "response.failed"
     assert failed.response.error is not None and whole.error is not None
-    assert failed.response.error.code == whole.error.code == chat_error.value.code
+    assert our_code(failed.response.error) == our_code(whole.error) == chat_error.value.code
     assert chat_error.value.code == "upstream_no_logprobs"
     assert whole.status == "failed"
     assert plain.status == "completed" and plain.output_text == "plain text"

@@ -9,7 +9,7 @@ from typing import Any
 import openai
 
 from replystream.server import running
-from tests.conftest import wait_for
+from tests.conftest import our_code, wait_for
 from tests.stalling_proxy import (
     host_port,
     proxy_stalling_its_first_connection,
@@ -64,7 +64,7 @@ async def test_a_slow_client_cut_fails_the_response_with_the_output_it_was_sent(
     # Nothing skipped: the event after the last one this stream wrote.
     assert rest and rest[0].sequence_number == last_seen + 1 == events[-3].sequence_number + 1
     failed = events[-1].response
-    assert (failed.status, failed.error.code) == ("failed", "slow_client")
+    assert (failed.status, our_code(failed.error)) == ("failed", "slow_client")
     assert [event.type for event in events].count("response.output_text.delta") >= 1
     told = [item.model_dump(exclude_none=True) for item in failed.output]
     sent = assembled_output(events)

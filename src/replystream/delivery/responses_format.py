@@ -64,6 +64,7 @@ from replystream.delivery.responses_objects import (
     message_item,
     output_text_part,
     reasoning_item,
+    response_error,
     response_object,
 )
 from replystream.delivery.sliced_json import Written
@@ -322,7 +323,7 @@ class ResponsesStreamFormat:
         if code == "cancelled":
             response = self._response("cancelled", error=None)
         else:
-            response = self._response("failed", error={"code": code, "message": message})
+            response = self._response("failed", error=response_error(code, message))
         return [self._event("response.failed", {"response": response})]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:

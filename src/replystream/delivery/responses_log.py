@@ -18,7 +18,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from replystream.delivery.replay import LogEntry
-from replystream.delivery.responses_objects import compact_json, output_text_part, response_id
+from replystream.delivery.responses_objects import (
+    compact_json,
+    output_text_part,
+    response_error,
+    response_id,
+)
 
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # A terminal event as ``ResponsesStreamFormat`` writes it, up to its ``response``: the last
@@ -60,7 +65,7 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
     status = "in_progress" if started else created["status"]
     if producer_lost:
         message = "the replica generating this response is gone"
-        created["error"] = {"code": "generator_lost", "message": message}
+        created["error"] = response_error("generator_lost", message)
         status = "failed"
     created["status"] = status
     if started:
@@ -229,7 +234,7 @@ class ReaderNotices:
         failed = {
             **opened,
             "status": "failed",
-            "error": {"code": code, "message": message},
+            "error": response_error(code, message),
             "incomplete_details": None,
             "output": output_from_log(self._told, cut=True),
             "usage": None,

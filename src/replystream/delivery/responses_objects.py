@@ -86,6 +86,18 @@ class ResponseSettings:
     prompt_cache_key: str | None = None
 
 
+# OpenAI's codes for a response's ``error`` (its clients' types hold no other); every
+# failure here is the server's side of it but a rate limit an upstream passed on.
+_OPENAI_ERROR_CODES = {"upstream_rate_limited": "rate_limit_exceeded"}
+
+
+def response_error(code: str, message: str) -> dict[str, str]:
+    """A failed response's ``error`` as OpenAI's clients read it: one of OpenAI's codes, with
+    ours, which says what failed, at the end of the message (the stream's ``error`` event,
+    whose code is free, carries ours as it is)."""
+    return {"code": _OPENAI_ERROR_CODES.get(code, "server_error"), "message": f"{message} ({code})"}
+
+
 def last_item_status(status: Status) -> ItemStatus:
     """The status of the output item open when a response reaches ``status``: its last one
     (every item before it was closed, completed, when the next one began). Cut short by the

@@ -50,6 +50,7 @@ from replystream.delivery.responses_objects import (
     INCOMPLETE_REASONS,
     MessageLogprobs,
     ResponseSettings,
+    response_error,
     response_object,
     split_by_message,
 )
@@ -302,7 +303,7 @@ async def _whole(
             reply_id,
             "failed",
             text=made.text,
-            error={"code": code, "message": message},
+            error=response_error(code, message),
             tool_calls=made.tool_calls,
             thoughts=made.thoughts,
             logprobs=message_logprobs(made),
