@@ -238,7 +238,9 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
         where = f"{path}: upstreams[{index}]"
         identity = upstream_identity(entry.url)  # one upstream however its URL is spelt
         if identity in seen:
-            raise ValueError(f"{where}.url: {entry.url} is listed twice (as {seen[identity]})")
+            listed = seen[identity]
+            spelt = "" if listed == entry.url else f" (as {listed})"
+            raise ValueError(f"{where}.url: {entry.url} is listed twice{spelt}")
         seen[identity] = entry.url
         if entry.api_key is not None and entry.api_key_env is not None:
             raise ValueError(f"{where}.api_key_env: give api_key or api_key_env, not both")
