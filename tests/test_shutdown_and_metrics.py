@@ -1,14 +1,18 @@
 """SIGTERM with streams open, and /metrics counting exactly what happened."""
 
 import asyncio
+import json
 import re
 import signal
+
+import aiohttp
 
 from replystream.client import measure_reply
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
+from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
 from tests.processes import start_server
 from tests.rawhttp import raw_request
@@ -62,6 +66,30 @@ async def test_a_buffered_request_at_shutdown_gets_a_503():
             process.kill()
             await process.wait()
     assert timing.status == 503 and not timing.complete
+
+
+async def test_an_anthropic_stream_cut_by_shutdown_ends_overloaded_as_anthropics_would():
+    """Mid-stream, the server going down was Anthropic's api_error; before the stream it is
+    its 529 overloaded_error, and the SDK reads either by the error's type."""
+    process, url = await start_server(
+        "--engine", "simulated", "--delay-ms", "30", "--jitter-ms", "0", "--shutdown-grace-s", "0.3"
+    )  # fmt: skip
+    body = {"model": "simulated", "max_tokens": 100, "stream": True}
+    body["messages"] = [{"role": "user", "content": "hi"}]
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/messages", json=body) as response:
+                await response.content.readuntil(b"content_block_delta")
+                process.send_signal(signal.SIGTERM)
+                events = EventParser().feed(await response.read())
+        await asyncio.wait_for(process.wait(), 15)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    error = json.loads(events[-1].data)
+    assert events[-1].type == "error", [e.type for e in events[-3:]]
+    assert (error["error"]["type"], error["error"]["code"]) == ("overloaded_error", "shutdown")
 
 
 def replies_count(metrics: bytes, endpoint: str, outcome: str) -> float:

@@ -124,8 +124,15 @@ def usage_counts(usage: Usage) -> dict[str, int]:
     }
 
 
-def error_object(message: str, code: str, kind: str = "api_error") -> dict[str, Any]:
-    """Anthropic's error object (``type``, ``message``), with our code beside them."""
+# Our codes of a server that cannot go on now, which Anthropic's API says as its
+# ``overloaded_error`` (its 529), mid-stream as before it: shutting down, every upstream busy.
+OVERLOADED_CODES = frozenset({"shutdown", "upstream_overloaded", "upstream_busy"})
+
+
+def error_object(message: str, code: str) -> dict[str, Any]:
+    """Anthropic's error object (``type``, ``message``), with our code beside them: an
+    ``overloaded_error`` when the server cannot go on now, else its ``api_error``."""
+    kind = "overloaded_error" if code in OVERLOADED_CODES else "api_error"
     return {"type": "error", "error": {"type": kind, "message": message, "code": code}}
 
 
