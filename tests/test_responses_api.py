@@ -573,9 +573,9 @@ async def test_an_unknown_previous_response_is_openais_previous_response_not_fou
 
 async def test_the_object_repeats_what_openais_does_of_its_request_and_when_it_completed():
     """Keys OpenAI's response object always has were missing (a typed client finds them
-    absent): the request's user, safety_identifier and prompt_cache_key, the tier that
-    served it, max_tool_calls, completed_at, and each function tool's parameters and
-    strict (null when not given)."""
+    absent): the request's user, safety_identifier, prompt_cache_key and max_tool_calls
+    (refused before), the tier that served it, completed_at, and each function tool's
+    parameters and strict (null when not given)."""
     engine = fast_engine(reply_text=REPLY)
     tool = {"type": "function", "name": "get_weather"}
     body = {
@@ -583,6 +583,7 @@ async def test_the_object_repeats_what_openais_does_of_its_request_and_when_it_c
         "user": "u-1",
         "safety_identifier": "s-1",
         "prompt_cache_key": "k-1",
+        "max_tool_calls": 3,  # of OpenAI's built-in tools, which this server has none of
         "tools": [tool],
         "stream": True,
     }
@@ -594,7 +595,7 @@ async def test_the_object_repeats_what_openais_does_of_its_request_and_when_it_c
     for shown in (opened, done):
         assert (shown["user"], shown["safety_identifier"]) == ("u-1", "s-1")
         assert (shown["prompt_cache_key"], shown["service_tier"]) == ("k-1", "default")
-        assert shown["max_tool_calls"] is None
+        assert shown["max_tool_calls"] == 3
         assert shown["tools"] == [{**tool, "parameters": None, "strict": None}]
     assert opened["completed_at"] is None and done["status"] == "completed"
     assert done["completed_at"] >= done["created_at"]

@@ -84,6 +84,7 @@ class ResponseSettings:
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    max_tool_calls: int | None = None
 
 
 # OpenAI's codes for a response's ``error`` (its clients' types hold no other); every
@@ -150,7 +151,7 @@ def response_object(
         "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
         "instructions": settings.instructions,
         "max_output_tokens": settings.max_output_tokens,
-        "max_tool_calls": None,  # no limit: every call the model makes is given
+        "max_tool_calls": settings.max_tool_calls,
         "model": settings.model,
         "output": output,
         "parallel_tool_calls": settings.parallel_tool_calls,

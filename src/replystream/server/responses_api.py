@@ -174,6 +174,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         user=body.user,
         safety_identifier=body.safety_identifier,
         prompt_cache_key=body.prompt_cache_key,
+        max_tool_calls=body.max_tool_calls,
     )
     with refusals_naming(RESPONSES_FIELDS):  # an engine's refusal, in this API's words
         if not body.store:  # nothing to keep: a plain reply, or one body collected whole

@@ -315,6 +315,9 @@ class ResponsesBody(ResponsesPrompt):
     service_tier: str | None = None  # accepted and ignored, as on chat
     safety_identifier: str | None = None  # accepted and ignored, as on chat
     prompt_cache_key: str | None = None
+    # OpenAI's bound on calls of its built-in tools (search, code, ...) in one response:
+    # this server has none of them, so any bound holds; repeated in the response object.
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     stream_options: ResponsesStreamOptions | None = None
     # What the output should carry besides itself (logprobs, encrypted reasoning, ...). This
     # server adds its tokens' log probabilities, and nothing else.
