@@ -56,7 +56,11 @@ def test_an_integer_too_large_for_a_float_is_a_400_naming_the_field(
 
 
 @pytest.mark.parametrize("route", ["/v1/replies", "/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize("shape", ["[" * 100_000, '{"prompt": ' * 50_000])
+# Short ids: a test's id is in PYTEST_CURRENT_TEST, which a server started for it inherits,
+# and an environment value past 128 KiB stops any process from starting (E2BIG).
+@pytest.mark.parametrize(
+    "shape", ["[" * 100_000, '{"prompt": ' * 50_000], ids=["arrays", "objects"]
+)
 def test_json_nested_past_the_parser_limit_is_invalid_json(
     server: LoggedServer, route: str, shape: str
 ) -> None:

@@ -32,6 +32,7 @@ from replystream.server.responses_stored import (
 )
 from replystream.server.tool_requests import (
     Origin,
+    answers_after_calls,
     check_calls_answered,
     check_tool_answers,
     prompt_of,
@@ -147,6 +148,7 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
         origins = [Origin("instructions"), *origins]
     check_tool_answers(messages, origins)
     check_calls_answered(messages, origins)
+    messages = answers_after_calls(messages)  # as chat has them, for a chat engine or upstream
     prompt = prompt_of(messages)
     check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "input", noun="input")
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)

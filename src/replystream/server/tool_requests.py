@@ -252,6 +252,25 @@ def check_calls_answered(messages: Sequence[Mapping[str, Any]], origins: Origins
         raise _bad(origins[index].of_call(number), message_text)
 
 
+def answers_after_calls(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """``messages`` with each ``tool`` message moved to right after the assistant message
+    that made its call (after that message's earlier answers), the others in their order:
+    chat's shape (``check_calls_answered_next``), which a Responses input need not have (its
+    outputs may come anywhere after their calls) and a chat engine or upstream is sent. Run
+    after ``check_tool_answers``: every result answers an earlier call."""
+    runs: list[list[ChatMessage]] = []
+    made_by: dict[str, list[ChatMessage]] = {}  # a call's id: the run of its latest maker
+    for message in messages:
+        if message["role"] == "tool":
+            made_by[message["tool_call_id"]].append(message)
+            continue
+        run = [message]
+        runs.append(run)
+        for call in message.get("tool_calls") or ():
+            made_by[call["id"]] = run
+    return [message for run in runs for message in run]
+
+
 def check_anthropic_turns(messages: Sequence[AnthropicMessage]) -> None:
     """Anthropic's own rule for answering calls (run after ``check_tool_answers``, which
     refuses a result answering no call, or a call answered twice): the user turn right after
