@@ -4,9 +4,15 @@ one model and answers ``POST /v1/chat/completions`` as its subclass's ``chat`` s
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from aiohttp import web
+
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
 
 
 async def reply_with(
@@ -61,3 +67,17 @@ class RecordingUpstream(ChatUpstream):
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         return await reply_with(request, self.text, self.finish_reason)
+
+
+@asynccontextmanager
+async def relaying_to(upstream: ChatUpstream) -> AsyncIterator[str]:
+    """The URL of a server relaying to ``upstream`` (both on loopback ports)."""
+    async with running(upstream.app()) as upstream_url:
+        engine = UpstreamEngine(
+            UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),), health_s=600.0)
+        )
+        try:
+            async with running(create_app(engine)) as url:
+                yield url
+        finally:
+            await engine.aclose()

@@ -11,10 +11,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamEngine
-from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
-from replystream.server import create_app, running
-from tests.chat_upstream import RecordingUpstream
+from tests.chat_upstream import RecordingUpstream, relaying_to
 
 NAMES = ["alpha", "beta", "gamma"]
 
@@ -26,15 +23,8 @@ class ThreeModels(RecordingUpstream):
 
 @pytest.fixture
 async def url() -> AsyncIterator[str]:
-    async with running(ThreeModels().app()) as upstream_url:
-        engine = UpstreamEngine(
-            UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),), health_s=600.0)
-        )
-        try:
-            async with running(create_app(engine)) as served:
-                yield served
-        finally:
-            await engine.aclose()
+    async with relaying_to(ThreeModels()) as served:
+        yield served
 
 
 def sdk(url: str) -> anthropic.AsyncAnthropic:

@@ -12,10 +12,7 @@ import anthropic
 import pytest
 from aiohttp import web
 
-from replystream.engine.upstream import UpstreamEngine
-from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
-from replystream.server import create_app, running
-from tests.chat_upstream import ChatUpstream, RecordingUpstream
+from tests.chat_upstream import ChatUpstream, RecordingUpstream, relaying_to
 
 USER: Any = {"role": "user", "content": "What is the weather in Paris?"}
 
@@ -23,18 +20,11 @@ USER: Any = {"role": "user", "content": "What is the weather in Paris?"}
 @asynccontextmanager
 async def relayed(upstream: ChatUpstream) -> AsyncIterator[anthropic.AsyncAnthropic]:
     """An SDK client of a server relaying to ``upstream``."""
-    async with running(upstream.app()) as upstream_url:
-        engine = UpstreamEngine(
-            UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),), health_s=600.0)
-        )
-        try:
-            async with (
-                running(create_app(engine)) as url,
-                anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as client,
-            ):
-                yield client
-        finally:
-            await engine.aclose()
+    async with (
+        relaying_to(upstream) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as client,
+    ):
+        yield client
 
 
 @pytest.fixture

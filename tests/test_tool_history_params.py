@@ -16,10 +16,8 @@ import anthropic
 import openai
 import pytest
 
-from replystream.engine.upstream import UpstreamEngine
-from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
-from tests.chat_upstream import RecordingUpstream
+from tests.chat_upstream import RecordingUpstream, relaying_to
 from tests.conftest import fast_engine
 
 USE = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
@@ -256,18 +254,11 @@ async def test_a_responses_output_after_other_items_reaches_a_chat_upstream_afte
     refused by a strict chat upstream: the output now goes up right after its call."""
     upstream = RecordingUpstream()
     items = [ASK, call("c1"), MORE, call("c2"), output("c2"), output("c1")]
-    async with running(upstream.app()) as upstream_url:
-        engine = UpstreamEngine(
-            UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),), health_s=600.0)
-        )
-        try:
-            async with (
-                running(create_app(engine)) as url,
-                openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as client,
-            ):
-                made = await client.responses.create(model="m", input=sent(items), store=False)
-        finally:
-            await engine.aclose()
+    async with (
+        relaying_to(upstream) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as client,
+    ):
+        made = await client.responses.create(model="m", input=sent(items), store=False)
     assert made.status == "completed"
     roles = [(m["role"], m.get("tool_call_id")) for m in upstream.bodies[0]["messages"]]
     assert roles == [
