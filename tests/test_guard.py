@@ -122,6 +122,25 @@ async def test_a_body_that_does_not_arrive_is_a_408():
     assert b'"code": "body_timeout"' in body
 
 
+async def test_a_body_declared_past_the_limit_is_a_413_before_it_is_sent():
+    config = ServerConfig(max_body_bytes=2000, guard=GuardConfig(body_timeout_s=60))
+    async with running(create_app(fast_engine(), config)) as url:
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 2001\r\n\r\n{"
+        )
+        await writer.drain()
+        async with asyncio.timeout(10):  # far below the body timeout: answered on the header
+            head = await reader.readuntil(b"\r\n\r\n")
+            body = await reader.readexactly(int(head.split(b"Content-Length: ")[1].split()[0]))
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413")
+    assert b"Connection: close" in head  # the unread body ends the connection
+    assert json.loads(body)["error"]["code"] == "body_too_large"
+
+
 async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback():
     class Broken(InProcessEngine):
         name = "broken"

@@ -159,7 +159,9 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
         return exc.response()
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         message = f"request body is larger than {max_body_bytes} bytes"
-        return error_response(413, message, code="body_too_large")
+        response = error_response(413, message, code="body_too_large")
+        response.force_close()  # the rest of the body is unread: the connection cannot go on
+        return response
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc

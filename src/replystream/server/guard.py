@@ -10,7 +10,8 @@ replies.
   token bucket) per identity; a refusal is ``429`` with ``Retry-After``.
 - Slow clients before the handler: a request whose headers take longer than
   ``header_timeout_s`` closes its connection (``server.connection``); a request body that
-  does not arrive within ``body_timeout_s`` is a ``408`` (``read_body``).
+  does not arrive within ``body_timeout_s`` is a ``408``, and one whose ``Content-Length``
+  is past the body limit a ``413`` before any of it is read (``read_body``).
 - CORS: origins on the allow-list get the headers the chat page needs; others get none.
 """
 
@@ -260,7 +261,15 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, or a ``408`` if it does not arrive within the body timeout."""
+    """The request body, or a ``408`` if it does not arrive within the body timeout.
+
+    A body its ``Content-Length`` puts past the limit is refused on that header alone, as
+    nginx's ``client_max_body_size`` refuses it: waiting for it would hold the client to an
+    upload that can only be refused (or, for one that never comes, answer a ``408`` naming
+    the wrong fault)."""
+    limit, declared = request.client_max_size, request.content_length
+    if declared is not None and declared > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
     if request.content.is_eof():
         return await request.read()  # all of it has arrived: nothing to wait for, no timer
     timeout = request.app[GUARD_KEY].body_timeout_s
