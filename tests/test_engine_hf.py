@@ -364,6 +364,11 @@ async def test_the_chat_template_honours_add_generation_prompt_and_continue_fina
     asked = "<|im_start|>user\nthe quick<|im_end|>\n"
     assert prompts.prompt_ids([question]) == encoded(asked + "<|im_start|>assistant\n")
     assert prompts.prompt_ids([question], add_generation_prompt=False) == encoded(asked)
+    # OpenAI's developer role is the system message to a template that does not know it.
+    instructions = "You obey the user."
+    developer = prompts.prompt_ids([{"role": "developer", "content": instructions}, question])
+    system = "<|im_start|>system\nYou obey the user.<|im_end|>\n"
+    assert developer == encoded(system + asked + "<|im_start|>assistant\n")
     continued = prompts.prompt_ids([question, started], continue_final_message=True)
     assert continued == encoded(asked + "<|im_start|>assistant\nbrown fox")
     # Through the engine, as the server hands the fields over.

@@ -53,8 +53,20 @@ def message_text(content: Any) -> str:
     return "".join(str(part.get("text", "")) for part in content or ())
 
 
-def template_message(message: Mapping[str, Any]) -> dict[str, str]:
+def knows_developer(source: str) -> bool:
+    """Whether a chat template names OpenAI's ``developer`` role (a template written for it
+    renders it its own way; one that is not would show it as a turn of an unknown speaker)."""
+    return "developer" in source
+
+
+def template_message(message: Mapping[str, Any], developer: bool = False) -> dict[str, str]:
     """A chat message (OpenAI chat's form) as the template gets it: its role and its text.
+
+    A ``developer`` message is OpenAI's system message by another name: it goes to the
+    template as ``system`` unless ``developer`` says the template knows that role
+    (``knows_developer``), so the same instructions make the same prompt whichever name the
+    client gave them (and a template that adds a default system prompt when the first message
+    is not one adds none).
 
     The models served here make no tool calls and their templates need not know tools, but a
     conversation may hold calls made elsewhere (an assistant's ``tool_calls``) and their
@@ -69,9 +81,12 @@ def template_message(message: Mapping[str, Any]) -> dict[str, str]:
         for call in calls
     )
     content = "\n".join(lines)
-    if message["role"] == "tool":
+    role = message["role"]
+    if role == "tool":
         content = f"[{message.get('tool_call_id')}] {content}"
-    return {"role": message["role"], "content": content}
+    elif role == "developer" and not developer:
+        role = "system"
+    return {"role": role, "content": content}
 
 
 def _continue_tag(source: str, messages: Sequence[Mapping[str, str]]) -> str:
@@ -106,6 +121,7 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
         self.source = source
+        self._developer = knows_developer(source)
         self.bos_token = bos_token
         self.eos_token = eos_token
 
@@ -129,7 +145,7 @@ class ChatTemplate:
             RequestRejected: the template refuses this conversation, or fails on it, or does
                 not show the final message that is to be continued.
         """
-        plain = [template_message(message) for message in messages]
+        plain = [template_message(message, self._developer) for message in messages]
         tag = ""
         if continue_final_message and plain:
             tag = _continue_tag(self.source, plain)

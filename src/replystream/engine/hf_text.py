@@ -20,7 +20,7 @@ import jinja2
 from tokenizers import Tokenizer
 
 from replystream.engine.base import RequestRejected
-from replystream.engine.chat_template import template_message
+from replystream.engine.chat_template import knows_developer, template_message
 from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.tokenizer import bytes_to_unicode
 
@@ -127,6 +127,7 @@ class HFChatPrompt:
         }
         source = str(getattr(tokenizer, "chat_template", None) or "")
         self._guard = ControlTokenGuard(control_ids, self, source)
+        self._developer = knows_developer(source)
         self._later = _text_after_control(spec)
 
     def prompt_ids(
@@ -151,7 +152,7 @@ class HFChatPrompt:
         def render(hidden: Messages) -> str:
             try:
                 rendered = self._tokenizer.apply_chat_template(
-                    [template_message(m) for m in hidden],
+                    [template_message(m, self._developer) for m in hidden],
                     add_generation_prompt=generation,
                     continue_final_message=continue_final_message,
                     tokenize=False,
