@@ -3,16 +3,18 @@
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from replystream.lab.local_server import READY, announced_process, local_server
-from replystream.server import running
-from tests.conftest import fast_engine, serve_engine
+from replystream.server import create_app, running
+from tests.conftest import fast_engine, serve_engine, wait_for
 
 LAB = [sys.executable, "-m", "replystream", "lab"]
 SMALL = ["--calls", "4", "--tokens", "12", "--delay-ms", "20", "--jitter-ms", "4"]
@@ -144,11 +146,14 @@ async def test_lab_says_why_calls_did_not_complete_under_its_table(tmp_path: Pat
 
 
 async def test_a_reason_that_looks_like_markup_is_printed_as_it_came(tmp_path: Path):
-    async def refuse(request: web.Request) -> web.Response:
+    @web.middleware
+    async def refuse(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.query.get("max_tokens") == "1":  # the warm-up: a failed one stops the run
+            return await handler(request)
         return web.json_response({"error": {"message": "no [/bold] here"}}, status=503)
 
-    app = web.Application()
-    app.router.add_get("/{mode}", refuse)
+    app = create_app(fast_engine())
+    app.middlewares.insert(0, refuse)
     async with running(app) as url:
         process = await asyncio.create_subprocess_exec(
             *(*LAB, "--url", url, "--calls", "1", "--out", str(tmp_path)),
@@ -224,6 +229,8 @@ async def test_lab_url_sends_tokens_as_max_tokens_and_reports_only_what_applied(
         ("https://127.0.0.1:8443", 2, "https is not spoken"),
         ("127.0.0.1:8000", 2, "want http://HOST"),
         ("http://127.0.0.1:99999", 2, "port from 1 to 65535"),
+        ("http://127.0.0.1:8000/stream", 2, "the lab adds /wait and /stream itself"),
+        ("http://127.0.0.1:8000/api/wait/", 2, "the lab adds /wait and /stream itself"),
     ],
 )
 def test_lab_url_mistakes_get_one_line(url: str, code: int, says: str):
@@ -233,3 +240,72 @@ def test_lab_url_mistakes_get_one_line(url: str, code: int, says: str):
     assert done.returncode == code
     line = one_line_error(done)
     assert "--url" in line and says in line
+
+
+async def test_a_warm_up_call_that_fails_stops_the_run_in_one_line():
+    # Not a lab server's address (its routes are one level up): every call would be a 404.
+    async with serve_engine(fast_engine()) as url:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [*LAB, "--url", f"{url}/v1", "--calls", "2", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1 and done.stdout == ""  # nothing measured, nothing reported
+    line = one_line_error(done)
+    assert line.startswith(f"replystream lab: the warm-up call GET {url}/v1/wait?max_tokens=1")
+    assert "HTTP 404" in line
+
+
+async def test_a_server_that_never_answers_stops_the_lab_after_its_timeout():
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # reads the request, answers nothing, until the lab hangs up
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [*LAB, "--url", f"http://127.0.0.1:{port}", "--timeout", "0.5", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,  # the default call timeout is 300 s: this run must not wait for it
+        )
+    assert done.returncode == 1
+    assert "timed out after 0.5 s" in one_line_error(done)
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes ``pid`` started that are still its children (Linux's /proc)."""
+    found = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in found.read_text().split()] if found.exists() else []
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie no one has reaped yet)."""
+    try:
+        return "(zombie)" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+LINUX_ONLY = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's"
+)
+
+
+@LINUX_ONLY
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGKILL"])
+async def test_the_labs_server_ends_with_the_lab_however_the_lab_is_stopped(sent: str):
+    slow = ["--calls", "1", "--tokens", "400", "--delay-ms", "50", "--jitter-ms", "0"]
+    lab = await asyncio.create_subprocess_exec(
+        *LAB, *slow, "--json", stdout=asyncio.subprocess.DEVNULL
+    )
+    await wait_for(lambda: bool(children_of(lab.pid)), timeout_s=60)  # its server started
+    [server] = children_of(lab.pid)
+    await asyncio.sleep(1)  # the calls are under way
+    os.kill(lab.pid, getattr(signal, sent))
+    await lab.wait()
+    await wait_for(lambda: ended(server), timeout_s=30)  # its shutdown: no stream left to end

@@ -19,6 +19,7 @@ from replystream.cli_values import (
     int_between,
     non_negative_int,
     output_folder,
+    positive_float,
     positive_int,
     schedule_ms,
 )
@@ -34,6 +35,9 @@ from replystream.lab.report_console import report_console
 
 # What the lab writes in --out: the first call's arrivals, and their plot.
 TIMELINE_FILES = ("timeline.json", "timeline.png")
+
+# The paths of the modes, which the lab adds to --url itself.
+MODE_PATHS = tuple(f"/{mode}" for mode in MODES)
 
 # The local server's schedule: a server measured with --url keeps its own.
 SCHEDULE_FLAGS = {
@@ -84,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {defaults.first_token_ms:g}; the {schedule})",
     )
     parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=defaults.timeout_s,
+        help="a call not ended by then is incomplete; a warm-up call that is stops the run, s",
+    )
+    parser.add_argument(
         "--out",
         type=output_folder,
         help="folder for timeline files (default: here, or none with --json)",
@@ -118,6 +128,12 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
                 f"--url {args.url}: the lab adds its own paths and queries; give the server's "
                 "address (and any path prefix) without a query or fragment"
             )
+        if parts.path.rstrip("/").endswith(MODE_PATHS):
+            # The lab adds /wait and /stream itself: one given here would be asked for twice.
+            raise ValueError(
+                f"--url {args.url}: give the server's address (and any path prefix); the lab "
+                "adds /wait and /stream itself"
+            )
         for dest, flag in SCHEDULE_FLAGS.items():
             if getattr(args, dest) is not None:
                 raise ValueError(
@@ -132,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
             seed=args.seed,
             calls=args.calls,
             url=args.url.rstrip("/"),
+            timeout_s=args.timeout,
         )
     delay = defaults.delay_ms if args.delay_ms is None else args.delay_ms
     assert delay is not None and defaults.jitter_ms is not None
@@ -151,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
             defaults.first_token_ms if args.first_token_ms is None else args.first_token_ms
         ),
         calls=args.calls,
+        timeout_s=args.timeout,
     )
 
 
@@ -252,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         where = f"--url {config.url}: " if config.url else "the local server: "
         print(f"replystream lab: {where}{exc}{hint}", file=sys.stderr)
         return 1
-    except RuntimeError as exc:  # the local server did not start, or died
+    except RuntimeError as exc:  # the local server did not start or died; a warm-up failed
         print(f"replystream lab: {exc}", file=sys.stderr)
         return 1
     result = lab_run.summary()

@@ -20,6 +20,10 @@ from replystream.stats import percentile
 MODES = ("wait", "stream")
 
 
+class WarmUpFailed(RuntimeError):
+    """A mode's first, unmeasured call did not complete: nothing would be measured."""
+
+
 @dataclass(frozen=True, slots=True)
 class LabConfig:
     """Parameters of one experiment (defaults match the reference lab).
@@ -37,6 +41,7 @@ class LabConfig:
     first_token_ms: float | None = 0.0
     calls: int = 20
     url: str | None = None
+    timeout_s: float = 300.0  # a call that has not ended by then is counted incomplete
 
     def __post_init__(self) -> None:
         schedule = (self.delay_ms, self.jitter_ms, self.first_token_ms)
@@ -140,15 +145,23 @@ async def run_experiment(
         if config.tokens is not None:
             params["max_tokens"] = config.tokens
         query = urlencode(params)
-        timing = await measure_reply(f"{url}/{mode}?{query}", connection=connection)
+        timing = await measure_reply(
+            f"{url}/{mode}?{query}", connection=connection, timeout_s=config.timeout_s
+        )
         if on_done is not None:
             on_done(mode, timing)
         return timing
 
     # One short call per mode first, so one-time costs (code paths run for the first time)
-    # are not charged to the measured calls.
+    # are not charged to the measured calls. One that fails says the calls would fail too
+    # (no such route, a server that does not answer): the run stops there, saying why.
+    # Its connection is made as the calls' are, so a server not there is said as for them.
     for mode in MODES:
-        await measure_reply(f"{url}/{mode}?max_tokens=1")
+        warm_up = f"{url}/{mode}?max_tokens=1"
+        warm = await connect(url)
+        timing = await measure_reply(warm_up, connection=warm, timeout_s=config.timeout_s)
+        if not timing.complete:
+            raise WarmUpFailed(f"the warm-up call GET {warm_up} failed: {timing.error}")
 
     # Connections are opened first, as a client with warm connections has them, so "all at
     # once" means all requests written in one burst and connection setup is not timed.

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import os
 import re
+import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 READY_PREFIX = "replystream listening on "
@@ -25,6 +28,26 @@ class LocalServer:
     pid: int
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
+
+
+def _ended_with_parent() -> Callable[[], None] | None:
+    """What a child runs before its program (Linux): be sent SIGTERM when this process ends,
+    however it ends (a SIGTERM or SIGHUP Python does not catch, a SIGKILL), so a server
+    started for a tool never outlives it. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent ended before the request took hold
+            os._exit(1)
+
+    return in_child
+
+
 @contextlib.asynccontextmanager
 async def announced_process(
     command: Sequence[str], ready: re.Pattern[str], *, name: str, ready_timeout_s: float = 30.0
@@ -32,7 +55,9 @@ async def announced_process(
     """Run ``command``, wait for a stdout line matching ``ready`` (group 1: the URL); yield
     the URL and pid; stop it on exit. A child that exits before it is ready, or while in
     use, is an error: measuring a dead server would report nonsense."""
-    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, preexec_fn=_ended_with_parent()
+    )
     assert process.stdout is not None
     try:
         try:
