@@ -492,6 +492,11 @@ CASES: list[tuple[list[str], str]] = [
         ["kv", "--model", "llama-3-8b", "--memory-gib", "8", "--batch", "4"],
         "--batch sizes the decode step: add --bandwidth-tbs",
     ),
+    (  # a step reads the weights too: without them (no preset) the floor is no model's
+        ["kv", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--tokens", "4096",
+         "--bandwidth-tbs", "2"],
+        "--bandwidth-tbs bounds a step that reads the weights too: give --weights-gb",
+    ),  # fmt: skip
     (["lab-engine", "ttft", "--repeats", "0"], "argument --repeats: want a whole number >= 1"),
     (
         ["lab-engine", "pool", "--engine", "tiny", "--requests", "1", "--out", "/proc/nope"],

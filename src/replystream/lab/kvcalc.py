@@ -249,7 +249,8 @@ def shape_changes(args: argparse.Namespace) -> dict[str, int]:
 
 def query_from_args(args: argparse.Namespace) -> KVQuery:
     """Explicit options win over the preset's values; raises ValueError for a decode-step
-    option without the bandwidth that bounds the step (it would be ignored), or for more
+    option without the bandwidth that bounds the step (it would be ignored), the bandwidth
+    with no weights to read (neither given nor a preset's), or for more
     tokens per sequence than the preset's model can attend to (no sequence is that long)."""
     if args.bandwidth_tbs is None:
         for flag, value in (("--weights-gb", args.weights_gb), ("--batch", args.batch)):
@@ -262,6 +263,12 @@ def query_from_args(args: argparse.Namespace) -> KVQuery:
             f"tokens: give at most {preset.context:,} (or drop --model and give the shape)"
         )
     weights = args.weights_gb
+    if weights is None and preset is None and args.bandwidth_tbs is not None:
+        # Every step reads the weights: a step of the cache alone is no floor a model has.
+        raise ValueError(
+            "--bandwidth-tbs bounds a step that reads the weights too: give --weights-gb "
+            "(or --model)"
+        )
     if weights is None and preset is not None and args.bandwidth_tbs is not None:
         # A window changes no weight; a layer count or a head's shape changes the model's.
         changed = [field for field in shape_changes(args) if field in SHAPE_FLAGS]
