@@ -294,6 +294,14 @@ CASES: list[tuple[list[str], str]] = [
         "argument --timeout: want a number > 0",
     ),
     (["bench", "http://127.0.0.1:9/stream", "--rate", "0"], "argument --rate: want a number > 0"),
+    # bench, doctor: a path that names no endpoint would get every request wrong
+    (["bench", "http://127.0.0.1:9"], "names no endpoint (one ending in /completions, "),
+    (["bench", "http://127.0.0.1:9/v1/"], "or name its request shape with --api"),
+    (["doctor", "http://127.0.0.1:9/v1"], "or name its request shape with --api"),
+    (
+        ["doctor", "http://127.0.0.1:9/stream", "--direct", "http://127.0.0.1:8/"],
+        "http://127.0.0.1:8/: its path names no endpoint",
+    ),
     (
         ["bench", "http://127.0.0.1:9/stream", "--json", FOLDER],
         f"argument --json: {FOLDER} is a folder",
@@ -493,10 +501,21 @@ CASES: list[tuple[list[str], str]] = [
         "--batch sizes the decode step: add --bandwidth-tbs",
     ),
     (  # a step reads the weights too: without them (no preset) the floor is no model's
-        ["kv", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--tokens", "4096",
-         "--bandwidth-tbs", "2"],
+        [
+            "kv",
+            "--layers",
+            "32",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "128",
+            "--tokens",
+            "4096",
+            "--bandwidth-tbs",
+            "2",
+        ],
         "--bandwidth-tbs bounds a step that reads the weights too: give --weights-gb",
-    ),  # fmt: skip
+    ),
     (["lab-engine", "ttft", "--repeats", "0"], "argument --repeats: want a whole number >= 1"),
     (
         ["lab-engine", "pool", "--engine", "tiny", "--requests", "1", "--out", "/proc/nope"],

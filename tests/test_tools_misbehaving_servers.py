@@ -20,7 +20,8 @@ from replystream.client import measure_reply
 from replystream.lab.benchstats import summarize
 from replystream.lab.load import run_load
 from replystream.lab.load_types import LoadConfig
-from replystream.server import running
+from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, serve_engine
 
 CLI = [sys.executable, "-m", "replystream"]
@@ -106,6 +107,36 @@ async def test_a_models_list_that_never_comes_says_it_timed_out_after_timeout():
                 f"replystream {command}: cannot list models at {url}/v1/models "
                 "(no answer within 0.5 s)"
             )
+
+
+async def test_a_models_list_behind_a_key_says_to_send_the_key():
+    app = create_app(fast_engine(), ServerConfig(api_keys=("sk-right",)))
+    async with running(app) as url:
+        listing = f"{url}/v1/models"
+        for command in ("bench", "doctor"):
+            code, _, err = await cli(command, f"{url}/v1/chat/completions")
+            assert code == 1
+            assert one_line(err) == (
+                f"replystream {command}: {listing} answered HTTP 401; it wants a key: send it "
+                "with --header 'Authorization: Bearer KEY'"
+            )
+        wrong = ("--header", "Authorization: Bearer sk-wrong")
+        code, _, err = await cli("bench", f"{url}/v1/chat/completions", *wrong)
+        assert (code, one_line(err)) == (
+            1,
+            f"replystream bench: {listing} answered HTTP 401; the key sent was refused",
+        )
+
+
+async def test_doctor_json_gives_a_failed_verdict_when_the_model_cannot_be_looked_up():
+    async with silent_server() as url:
+        target = f"{url}/v1/chat/completions"
+        code, out, err = await cli("doctor", target, "--timeout", "0.5", "--json")
+    assert code == 1 and err == ""
+    verdict = json.loads(out)  # the one JSON object, as for a reply that failed
+    assert verdict["url"] == target and verdict["verdict"] == "failed"
+    assert verdict["reason"] == f"cannot list models at {url}/v1/models (no answer within 0.5 s)"
+    assert verdict["events"] == 0 and verdict["status"] is None
 
 
 async def test_metrics_that_never_come_are_reported_as_timed_out():

@@ -146,6 +146,28 @@ def diagnose(timing: ReplyTiming, thresholds: Thresholds | None = None) -> Diagn
     )
 
 
+def never_asked(url: str, reason: str) -> Diagnosis:
+    """The verdict on a reply that was never asked for: what had to come first (the lookup of
+    the model's name) failed for ``reason``."""
+    return Diagnosis(
+        url=url,
+        verdict="failed",
+        reason=reason,
+        hop=None,
+        fix=None,
+        status=None,
+        first_byte_ms=None,
+        first_chunk_ms=None,
+        first_text_ms=None,
+        last_text_ms=None,
+        events=0,
+        tokens=0,
+        body_bytes=0,
+        median_gap_ms=None,
+        gaps_ms=distribution([]),
+    )
+
+
 def _verdict(
     timing: ReplyTiming, limits: Thresholds, median_gap: float | None, bursts: list[Burst]
 ) -> tuple[Verdict, str]:

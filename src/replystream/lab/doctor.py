@@ -25,7 +25,7 @@ from replystream.cli_values import (
 )
 from replystream.client import ReplyTiming, measure_reply
 from replystream.lab.client_options import add_client_arguments, tls_for
-from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose
+from replystream.lab.diagnosis import Diagnosis, Thresholds, compare, diagnose, never_asked
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.workload import APIS, MODEL_APIS, Api, build_request, detect_api
 
@@ -165,6 +165,13 @@ def api_of(args: argparse.Namespace) -> Api:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        api_of(args)
+        if args.direct and args.api == "auto":
+            detect_api(args.direct)
+    except ValueError as exc:  # a path that names no endpoint
+        print(f"replystream doctor: {exc}", file=sys.stderr)
+        return 2
     if args.model is not None and api_of(args) not in MODEL_APIS:
         print(
             f"replystream doctor: --model names the model of an OpenAI request; "
@@ -190,7 +197,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         proxied_timing, direct_timing = asyncio.run(examine(args))
     except ModelLookupError as exc:
-        print(f"replystream doctor: {exc}", file=sys.stderr)
+        if args.json:  # a script reading the verdict gets one, as for a reply that failed
+            print(json.dumps(never_asked(args.url, str(exc)).as_dict()))
+        else:
+            print(f"replystream doctor: {exc}", file=sys.stderr)
         return 1
     proxied = diagnose(proxied_timing, thresholds)
     direct = diagnose(direct_timing, thresholds) if direct_timing else None

@@ -34,6 +34,10 @@ def models_url(url: str) -> str:
     return urlunsplit(parts._replace(path=f"{path}/models", query="", fragment=""))
 
 
+# The headers a client sends its key in: OpenAI's and Anthropic's.
+KEY_HEADERS = ("authorization", "x-api-key")
+
+
 async def served_model(
     url: str,
     *,
@@ -59,6 +63,14 @@ async def served_model(
         raise ModelLookupError(f"cannot list models at {listing} ({reason})") from None
     except TransportError as exc:
         raise ModelLookupError(f"cannot list models at {listing} ({exc})") from None
+    if status in (401, 403):  # naming the model would not help: every request needs the key
+        keyed = any(name.lower() in KEY_HEADERS for name, _ in sent)
+        advice = (
+            "the key sent was refused"
+            if keyed
+            else "it wants a key: send it with --header 'Authorization: Bearer KEY'"
+        )
+        raise ModelLookupError(f"{listing} answered HTTP {status}; {advice}")
     if status != 200:
         raise ModelLookupError(f"{listing} answered HTTP {status}; name the model with --model")
     try:

@@ -40,18 +40,33 @@ _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 _SYSTEM_WORDS = "you are a helpful assistant answer briefly and kindly".split()
 
 
+# What each API's endpoint path ends in, as a URL's path tells the API it speaks.
+API_PATHS: dict[str, Api] = {
+    "/completions": "openai",  # chat's and the legacy one
+    "/replies": "native",
+    "/responses": "responses",
+    "/messages": "messages",
+    "/stream": "lab",
+    "/wait": "lab",
+}
+
+
 def detect_api(url: str) -> Api:
-    """The API a URL most likely speaks, from its path."""
+    """The API a URL speaks, from its path.
+
+    Raises:
+        ValueError: the path ends in no endpoint's name (a server's address, ``.../v1``, a
+            proxy's own path): every request would go to the wrong place in the wrong shape.
+    """
     path = urlsplit(url).path.rstrip("/")
-    if path.endswith("/completions"):
-        return "openai"
-    if path.endswith("/replies"):
-        return "native"
-    if path.endswith("/responses"):
-        return "responses"
-    if path.endswith("/messages"):
-        return "messages"
-    return "lab"
+    for end, api in API_PATHS.items():
+        if path.endswith(end):
+            return api
+    ends = ", ".join(API_PATHS)
+    raise ValueError(
+        f"{url}: its path names no endpoint (one ending in {ends}); give the endpoint's URL, "
+        "or name its request shape with --api"
+    )
 
 
 @dataclass(frozen=True, slots=True)
