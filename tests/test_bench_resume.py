@@ -115,6 +115,30 @@ async def test_dropped_responses_readers_resume_losing_and_repeating_nothing(cur
     assert 0.0 < resume["reconnect_ms"]["p50"] < 200.0
 
 
+@pytest.mark.parametrize(("api", "path"), [("responses", "responses"), ("native", "replies")])
+async def test_a_resumed_reply_counts_the_tokens_its_server_reports(api, path):
+    """Events of 4 tokens each: a Responses delta says nothing of its tokens, so the count is
+    the reply's usage (on its last event), not one per text event."""
+    schedule = ["--delay-ms", "5", "--jitter-ms", "0", "--tokens", "30", "--batch-tokens", "4"]
+    async with local_server(schedule) as url:
+        target = f"{url}/v1/{path}"
+        config = LoadConfig(
+            url=target,
+            api=api,
+            profile=Profile("concurrent", 4),
+            requests=8,
+            drop_share=0.5,
+            drop_after=3,
+            model=await served_model(target) if api == "responses" else "default",
+        )
+        summary = summarize(await run_load(config))
+    requests = summary["requests"]
+    dropped = [r for r in requests if r["resume"] is not None and r["resume"]["dropped"]]
+    assert dropped and all(r["resume"]["resumed"] for r in dropped)
+    # 30 tokens in 8 events (7 of 4, one of 2), whether or not the reader dropped on the way.
+    assert [(r["tokens"], r["events"]) for r in requests] == [(30, 8)] * 8
+
+
 @asynccontextmanager
 async def app_under_api_prefix(tmp_path: Path) -> AsyncIterator[str]:
     """A server behind a real nginx that serves it under /api/; yields the proxy's URL."""

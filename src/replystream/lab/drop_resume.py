@@ -83,6 +83,10 @@ class _Read:
     announced_lost: int = 0
     text: list[str] = field(default_factory=list)
     tokens: int = 0
+    # The server's own count of the reply's tokens (a Responses stream's ending event, a
+    # ``usage`` event): the better count, as ``measure_reply`` takes it, since an event may
+    # carry several tokens without saying so.
+    reported_tokens: int | None = None
     event_ms: list[float] = field(default_factory=list)
     event_chars: list[int] = field(default_factory=list)
     complete: bool = False
@@ -155,6 +159,8 @@ async def _follow(
                 elif event.type == "response.created":
                     read.response_id = read.response_id or _created_id(_json(event.data))
                 meaning = interpret_event(event)
+                if meaning.usage is not None:
+                    read.reported_tokens = meaning.usage
                 if meaning.kind == "text" and meaning.text:
                     read.text.append(meaning.text)
                     read.tokens += meaning.tokens
@@ -165,6 +171,8 @@ async def _follow(
                 elif meaning.kind == "done":
                     read.complete = True
                     return first_at
+                elif meaning.kind == "usage":
+                    read.reported_tokens = meaning.tokens
                 elif meaning.kind == "error":
                     read.error = meaning.error
                     return first_at
@@ -303,7 +311,7 @@ async def drop_and_resume(
         closed_ms=read.ms(time.perf_counter()),
         body_bytes=read.body_bytes,
         text="".join(read.text),
-        tokens=read.tokens,
+        tokens=read.tokens if read.reported_tokens is None else read.reported_tokens,
         text_event_ms=tuple(read.event_ms),
         text_event_chars=tuple(read.event_chars),
         reply_id=read.reply_id,
