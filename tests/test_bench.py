@@ -20,7 +20,7 @@ import signal
 import statistics
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import constant_rates
 from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
 from replystream.server import create_app, running
+from replystream.server.serve import RunningServer, serving
 from replystream.server.server_config import ServerConfig
 from replystream.server.state import add_state_gauges
 from tests.conftest import serve_engine
@@ -777,6 +778,67 @@ async def test_a_sweep_claims_only_the_constant_rates_it_ran(capsys):
     rows = [line.split()[1] for line in out.splitlines() if line.startswith("│ ")]
     assert rows == ["synchronous", "throughput"], out
     assert "maximum throughput 0.00 req/s, 0 constant rates between." in out
+
+
+def lab_words(requests_before_stop: int, stop: Callable[[], Awaitable[None]]) -> web.Application:
+    """A lab stream of 3 words 50 ms apart; ``stop`` is awaited as request
+    ``requests_before_stop`` arrives (its own reply is still sent)."""
+    arrived = 0
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        nonlocal arrived
+        arrived += 1
+        if arrived == requests_before_stop:
+            await stop()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in ("a ", "b ", "c"):
+            await asyncio.sleep(0.05)
+            await response.write(f"data: {json.dumps(word)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    return app
+
+
+async def test_a_sweep_whose_server_goes_away_reports_the_runs_it_made(tmp_path):
+    """The server stops listening once the burst's requests are in: the first constant run
+    cannot connect, so the sweep ends there with its two runs reported and written."""
+    out, table = tmp_path / "sweep.json", tmp_path / "sweep.csv"
+    listening: list[RunningServer] = []
+
+    async def stop_listening() -> None:
+        await listening[0].site.stop()
+
+    # A warm-up and 2 requests each for the synchronous run and the burst: the 6th is the last.
+    async with serving(lab_words(6, stop_listening)) as server:
+        listening.append(server)
+        code, stdout, stderr = await run_bench(
+            f"{server.url}/stream",
+            *("--profile", "sweep", "--requests", "2", "--sweep-steps", "2", "--quiet"),
+            *("--json", str(out), "--csv", str(table)),
+        )
+    text = stdout.decode()
+    assert code == 1, stderr.decode()
+    assert "Traceback" not in stderr.decode() and "nothing was measured" not in stderr.decode()
+    result = json.loads(await asyncio.to_thread(out.read_text))
+    sweep = result["sweep"]
+    assert [run["profile"] for run in result["runs"]] == ["synchronous", "throughput"]
+    assert all(run["summary"]["counts"]["complete"] == 2 for run in result["runs"])
+    assert sweep["knee_rate"] is None and len(sweep["rates"]) == 2
+    assert sweep["ended_early"].startswith(f"the run at {sweep['rates'][0]:,.2f} req/s could not")
+    assert "cannot connect" in sweep["ended_early"]
+    assert f"The sweep ended early: {sweep['ended_early']}." in text
+    assert "0 of 2 constant rates between." in text
+    # The synchronous run held, yet it is no knee: a rate the sweep never ran may hold too.
+    assert "Knee: none; " in text and "a knee is judged over every rate" in text
+    rows = await asyncio.to_thread(table.read_text, encoding="utf-8")
+    assert [row["profile"] for row in csv.DictReader(rows.splitlines())] == [
+        *["synchronous"] * 2,
+        *["throughput"] * 2,
+    ]
 
 
 async def test_warmup_window_keeps_early_requests_out_of_every_figure():

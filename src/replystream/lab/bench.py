@@ -32,7 +32,7 @@ from replystream.lab.load_types import LoadConfig, LoadRun, RequestRecord
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
-from replystream.lab.sweep import SweepConfig, run_sweep
+from replystream.lab.sweep import RunNotMade, SweepConfig, run_sweep
 from replystream.lab.workload import MODEL_APIS
 
 T = TypeVar("T")
@@ -41,8 +41,9 @@ T = TypeVar("T")
 INTERRUPTED_EXIT = 130
 
 
-class Unreachable(Exception):
-    """The run's first request could not connect: nothing was measured (one line)."""
+class Unreachable(RunNotMade):
+    """The run's first request could not connect: nothing was measured (one line). A sweep's
+    later run ends the sweep there instead, reporting the runs before it."""
 
 
 class Interrupted(Exception):

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from replystream.lab.benchstats import DEFINITIONS
+from replystream.lab.sweep import knee
 from replystream.stats import PERCENTILES
 
 _ROWS = (
@@ -212,9 +213,9 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
         steady = s["steady_state"]["steady"]
         client = s["client"]
         limited = client["client_limited"]
-        knee = run["rate"] is not None and run["rate"] == sweep["knee_rate"]
+        at_knee = run["rate"] is not None and run["rate"] == sweep["knee_rate"]
         table.add_row(
-            run["profile"] + (" (knee)" if knee else ""),
+            run["profile"] + (" (knee)" if at_knee else ""),
             "-" if target is None else f"{target:,.2f}",
             f"{s['throughput']['requests_per_s']:,.2f}",
             _cell(s["ttft_ms"]["p50"], "ms"),
@@ -248,13 +249,29 @@ def render_sweep(result: dict[str, Any], console: Console) -> None:
     slos = " and ".join(f"{k} <= {v:g} ms" for k, v in sweep["slos"].items())
     # Without an SLO a request is good when it completed: say that, not "kept no SLO".
     kept = f"kept {slos} for" if slos else "completed"
+    maximum = sweep["max_throughput_rate"]
+    ran = sum(run["profile"] == "constant" for run in result["runs"])
+    planned = len(sweep["rates"])
+    found = "not measured" if maximum is None else f"{maximum:,.2f} req/s"
+    # A sweep that ended early claims only the constant rates it ran.
+    between = f"{ran} constant rates" if ran == planned else f"{ran} of {planned} constant rates"
     console.print(
-        f"Synchronous rate {sweep['synchronous_rate']:,.2f} req/s, maximum throughput "
-        f"{sweep['max_throughput_rate']:,.2f} req/s, {len(sweep['rates'])} constant rates "
-        "between.",
+        f"Synchronous rate {sweep['synchronous_rate']:,.2f} req/s, maximum throughput {found}, "
+        f"{between} between.",
         highlight=False,
     )
-    if sweep["knee_rate"] is None:
+    ended = sweep.get("ended_early")
+    if ended is not None:
+        console.print(f"The sweep ended early: {ended}.", highlight=False, markup=False)
+    held = knee(result["runs"])
+    if sweep["knee_rate"] is None and ended is not None and held is not None:
+        # What held so far is not the knee: a higher rate the sweep never ran may hold too.
+        console.print(
+            f"Knee: none; {held:,.2f} req/s {kept} {100 * sweep['slo_share']:g} % of requests "
+            "and stayed steady, but a knee is judged over every rate of a whole sweep.",
+            highlight=False,
+        )
+    elif sweep["knee_rate"] is None:
         console.print(
             f"Knee: none; no rate {kept} {100 * sweep['slo_share']:g} % of requests and stayed "
             "steady.",

@@ -5,8 +5,10 @@ synchronous rate (one request at a time) and the maximum throughput (every reque
 then runs ``steps`` constant rates evenly spaced above the synchronous rate up to the maximum
 (the last one is the maximum itself). The knee is the highest of these rates, the synchronous
 one included, whose goodput held (at least the stated share of requests met every SLO) and
-whose run was not marked unsteady. Sending is ``load``, each run's figures are ``benchstats``;
-this file must not compute a metric itself.
+whose run was not marked unsteady. A sweep ends early, with no knee (one is judged over
+every rate), when a run after the first could not be made (``RunNotMade``: the server went
+away); what it measured until then is its result, with the reason. Sending is ``load``, each
+run's figures are ``benchstats``; this file must not compute a metric itself.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from replystream.lab.load_types import LoadConfig, LoadRun
 from replystream.lab.profiles import Profile
 
 Runner = Callable[[LoadConfig], Awaitable[LoadRun]]
+
+
+class RunNotMade(Exception):
+    """A runner could not make a run (its first request found no server): the sweep ends
+    before that run with the runs before it; raised on when it was the first (nothing was
+    measured)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,7 +68,12 @@ def knee(runs: list[dict[str, Any]]) -> float | None:
 
 async def run_sweep(base: LoadConfig, sweep: SweepConfig, runner: Runner) -> dict[str, Any]:
     """Run the whole sweep with ``runner`` (``load.run_load`` with a progress bar, say) and
-    return its JSON object: every run's summary in order, the rates and the knee."""
+    return its JSON object: every run's summary in order, the rates and the knee (None, and
+    ``ended_early`` saying why, for a sweep that could not run to its end).
+
+    Raises:
+        RunNotMade: the first run could not be made, so nothing was measured.
+    """
     runs: list[dict[str, Any]] = []
 
     async def one(profile: Profile, warmup_s: float) -> dict[str, Any]:
@@ -83,24 +96,35 @@ async def run_sweep(base: LoadConfig, sweep: SweepConfig, runner: Runner) -> dic
 
     synchronous = await one(Profile.synchronous(), sweep.warmup_s)
     synchronous_rate: float = synchronous["summary"]["throughput"]["requests_per_s"]
-    # Every request of the burst is sent at once, so a warm-up window would hold them all.
-    burst = await one(Profile("throughput"), 0.0)
-    maximum: float = burst["summary"]["throughput"]["requests_per_s"]
-    rates = constant_rates(synchronous_rate, maximum, sweep.steps)
-    for rate in rates:
-        await one(Profile("constant", rate=rate), sweep.warmup_s)
+    maximum: float | None = None
+    rates: list[float] = []
+    ended: str | None = None
+    try:
+        # Every request of the burst is sent at once, so a warm-up window would hold them all.
+        burst = await one(Profile("throughput"), 0.0)
+        maximum = burst["summary"]["throughput"]["requests_per_s"]
+        rates = constant_rates(synchronous_rate, maximum, sweep.steps)
+        for rate in rates:
+            await one(Profile("constant", rate=rate), sweep.warmup_s)
+    except RunNotMade as exc:
+        made = sum(run["profile"] == "constant" for run in runs)
+        name = "throughput burst" if maximum is None else f"run at {rates[made]:,.2f} req/s"
+        ended = f"the {name} could not start: {exc}"
+    step = (maximum - synchronous_rate) / sweep.steps if maximum is not None and rates else None
     return {
         "sweep": {
             "synchronous_rate": synchronous_rate,
             "max_throughput_rate": maximum,
             "steps": sweep.steps,
-            "step": (maximum - synchronous_rate) / sweep.steps if rates else None,
+            "step": step,
             "rates": rates,
             "slos": {slo.metric: slo.limit_ms for slo in sweep.slos},
             "slo_share": sweep.slo_share,
             "steady_bound": sweep.steady_bound,
             "warmup_s": sweep.warmup_s,
-            "knee_rate": knee(runs),
+            # A knee is the highest rate that held among every rate: a sweep cut short has none.
+            "knee_rate": knee(runs) if ended is None else None,
+            "ended_early": ended,
         },
         "runs": runs,
     }
