@@ -780,15 +780,17 @@ async def test_a_sweep_claims_only_the_constant_rates_it_ran(capsys):
     assert "maximum throughput 0.00 req/s, 0 constant rates between." in out
 
 
-def lab_words(requests_before_stop: int, stop: Callable[[], Awaitable[None]]) -> web.Application:
-    """A lab stream of 3 words 50 ms apart; ``stop`` is awaited as request
-    ``requests_before_stop`` arrives (its own reply is still sent)."""
+def lab_words(
+    stop: Callable[[], Awaitable[None]] | None = None, at_request: int = 0
+) -> web.Application:
+    """A lab stream of 3 words 50 ms apart; ``stop`` is awaited as request number
+    ``at_request`` arrives (its own reply is still sent)."""
     arrived = 0
 
     async def stream(request: web.Request) -> web.StreamResponse:
         nonlocal arrived
         arrived += 1
-        if arrived == requests_before_stop:
+        if stop is not None and arrived == at_request:
             await stop()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -813,7 +815,7 @@ async def test_a_sweep_whose_server_goes_away_reports_the_runs_it_made(tmp_path)
         await listening[0].site.stop()
 
     # A warm-up and 2 requests each for the synchronous run and the burst: the 6th is the last.
-    async with serving(lab_words(6, stop_listening)) as server:
+    async with serving(lab_words(stop_listening, at_request=6)) as server:
         listening.append(server)
         code, stdout, stderr = await run_bench(
             f"{server.url}/stream",
@@ -839,6 +841,44 @@ async def test_a_sweep_whose_server_goes_away_reports_the_runs_it_made(tmp_path)
         *["synchronous"] * 2,
         *["throughput"] * 2,
     ]
+
+
+async def test_a_sweep_whose_burst_completed_nothing_failed_and_has_no_knee(tmp_path):
+    """The server answers the synchronous run, then fails every request of the burst: a rate
+    of 0 is no maximum, so the sweep fails there, though the synchronous rate held."""
+    words = lab_words()
+    arrived = 0
+
+    @web.middleware
+    async def gone_after_four(request: web.Request, handler: Any) -> web.StreamResponse:
+        nonlocal arrived
+        arrived += 1
+        # A warm-up and 2 requests for the synchronous run, the burst's warm-up; then none.
+        if arrived > 4:
+            return web.json_response({"error": {"message": "gone"}}, status=503)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    words.middlewares.append(gone_after_four)
+    out = tmp_path / "sweep.json"
+    async with running(words) as url:
+        code, stdout, stderr = await run_bench(
+            f"{url}/stream",
+            *("--profile", "sweep", "--requests", "2", "--sweep-steps", "2", "--quiet"),
+            *("--json", str(out)),
+        )
+    text = stdout.decode()
+    assert code == 1, stderr.decode()
+    result = json.loads(await asyncio.to_thread(out.read_text))
+    sweep, runs = result["sweep"], result["runs"]
+    assert [run["profile"] for run in runs] == ["synchronous", "throughput"]
+    assert runs[0]["summary"]["goodput"]["held"] and sweep["synchronous_rate"] > 0
+    assert runs[1]["summary"]["counts"]["failed"] == 2
+    assert sweep["knee_rate"] is None and sweep["rates"] == []
+    assert "completed no request" in sweep["ended_early"]
+    assert "the sweep failed" in sweep["ended_early"]
+    assert f"The sweep ended early: {sweep['ended_early']}." in text
+    assert "(knee)" not in text and "Knee: none; " in text
 
 
 async def test_warmup_window_keeps_early_requests_out_of_every_figure():

@@ -6,9 +6,11 @@ then runs ``steps`` constant rates evenly spaced above the synchronous rate up t
 (the last one is the maximum itself). The knee is the highest of these rates, the synchronous
 one included, whose goodput held (at least the stated share of requests met every SLO) and
 whose run was not marked unsteady. A sweep ends early, with no knee (one is judged over
-every rate), when a run after the first could not be made (``RunNotMade``: the server went
-away); what it measured until then is its result, with the reason. Sending is ``load``, each
-run's figures are ``benchstats``; this file must not compute a metric itself.
+every rate), when its burst completed no request (it found no maximum to pace the constant
+rates by: the sweep failed) or when a run after the first could not be made (``RunNotMade``:
+the server went away); what it measured until then is its result, with the reason. Sending
+is ``load``, each run's figures are ``benchstats``; this file must not compute a metric
+itself.
 """
 
 from __future__ import annotations
@@ -103,9 +105,17 @@ async def run_sweep(base: LoadConfig, sweep: SweepConfig, runner: Runner) -> dic
         # Every request of the burst is sent at once, so a warm-up window would hold them all.
         burst = await one(Profile("throughput"), 0.0)
         maximum = burst["summary"]["throughput"]["requests_per_s"]
-        rates = constant_rates(synchronous_rate, maximum, sweep.steps)
-        for rate in rates:
-            await one(Profile("constant", rate=rate), sweep.warmup_s)
+        if not burst["summary"]["counts"]["complete"]:
+            # Its rate of 0 is no maximum the server reached: rates paced by it, and a knee
+            # among them (the synchronous rate), would claim what nothing measured.
+            ended = (
+                "the throughput burst completed no request, so it found no maximum to pace "
+                "the constant rates by: the sweep failed"
+            )
+        else:
+            rates = constant_rates(synchronous_rate, maximum, sweep.steps)
+            for rate in rates:
+                await one(Profile("constant", rate=rate), sweep.warmup_s)
     except RunNotMade as exc:
         made = sum(run["profile"] == "constant" for run in runs)
         name = "throughput burst" if maximum is None else f"run at {rates[made]:,.2f} req/s"
