@@ -1486,6 +1486,50 @@ async def test_ctrl_c_stops_a_run_and_reports_what_ended(tmp_path):
     assert counts["requests"] < started  # the warm-up and the cancelled ones are not counted
 
 
+async def test_ctrl_c_counts_the_requests_it_cancelled_in_flight_as_sent(tmp_path):
+    """After the warm-up and 4 measured requests the server answers no more: two readers
+    each have one request in flight when Ctrl-C comes, so 6 were sent and 4 ended."""
+    arrived = 0
+    both_waiting = asyncio.Event()
+    never = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        nonlocal arrived
+        arrived += 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if arrived > 5:
+            if arrived == 7:
+                both_waiting.set()
+            await never.wait()  # until the reader hangs up
+        await response.write(b'data: "a"\n\ndata: [DONE]\n\n')
+        return response
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    out_json = tmp_path / "run.json"
+    async with running(app) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream", "--quiet"),
+            *("--concurrency", "2", "--duration", "600", "--json", str(out_json)),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(60):
+            await both_waiting.wait()
+            process.send_signal(signal.SIGINT)
+            out, err = await process.communicate()
+    assert process.returncode == 130, err
+    lines = out.decode().splitlines()
+    assert "Requests: 6 sent, 4 complete, 0 incomplete, 0 failed, 0 cancelled on purpose" in lines
+    assert any(
+        line.startswith("  interrupted (Ctrl-C): 2 in flight were cancelled") for line in lines
+    )
+    counts = json.loads(await asyncio.to_thread(out_json.read_text))["counts"]
+    assert (counts["sent"], counts["requests"], counts["complete"]) == (6, 4, 4)
+    assert counts["in_flight_cancelled"] == 2
+
+
 async def test_the_client_cpu_line_divides_by_the_wall_it_shows(tmp_path):
     """The CPU share is over the whole run; the line showed the wall of the figures (the
     run less its warm-up window) beside it, so its arithmetic did not hold."""

@@ -60,7 +60,7 @@ def render(summary: dict[str, Any], console: Console) -> None:
             f"{config['warmup_s']:g} s warm-up, left out)"
         )
     console.print(
-        f"Requests: {counts['requests']} sent, {counts['complete']} complete, "
+        f"Requests: {counts['sent']} sent, {counts['complete']} complete, "
         f"{counts['incomplete']} incomplete, {counts['failed']} failed, "
         f"{counts['cancelled']} cancelled on purpose{warmup}",
         highlight=False,
@@ -68,10 +68,11 @@ def render(summary: dict[str, Any], console: Console) -> None:
     for kind in ("incomplete", "failed"):
         for reason, n in counts[f"{kind}_reasons"].items():
             console.print(f"  {kind}: {n} x {reason}", highlight=False, markup=False)
-    if counts.get("interrupted"):
+    if counts["interrupted"]:
         console.print(
-            "  interrupted (Ctrl-C): these are the requests that ended before it; those in "
-            "flight were cancelled and are not counted",
+            f"  interrupted (Ctrl-C): {counts['in_flight_cancelled']} in flight were "
+            "cancelled and are in no other count or figure; the rest are the requests that "
+            "ended before it",
             highlight=False,
         )
     rate = summary["throughput"]

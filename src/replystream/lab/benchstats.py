@@ -253,11 +253,16 @@ def summarize(
     for record, outcome in zip(records, outcomes, strict=True):
         if outcome in reasons:
             reasons[outcome][record.timing.error or "unknown"] += 1
+    cut = run.cancelled_in_flight_s
+    cut_measured = sum(start_s >= warmup_s for start_s in cut)
     result["counts"] = {
-        # Ctrl-C stopped the run: requests still in flight then were cancelled, not counted.
+        # Ctrl-C stopped the run: requests still in flight then were cancelled; they were
+        # sent (``sent``, ``in_flight_cancelled``) but are in no other count or figure.
         "interrupted": run.interrupted,
+        "sent": len(per_request) + cut_measured,
+        "in_flight_cancelled": cut_measured,
         "requests": len(per_request),
-        "warmup_requests": len(all_requests) - len(per_request),
+        "warmup_requests": len(all_requests) - len(per_request) + len(cut) - cut_measured,
         "complete": len(done),
         "cancelled": outcomes.count("cancelled"),
         "incomplete": sum(reasons["incomplete"].values()),

@@ -90,6 +90,9 @@ async def run_load(
         if reachability.refusal is not None:
             return LoadRun(config, (), 0.0, 0.0, unreachable=reachability.refusal)
     records: list[RequestRecord] = []
+    # Requests sent and not yet ended, by index: their send times (from the run's start).
+    # Those left when Ctrl-C cancels the run were sent, though they end in no record.
+    in_flight: dict[int, float] = {}
     before: Scrape | None = None
     error: str | None = None
     if config.server_metrics is not None:
@@ -102,6 +105,7 @@ async def run_load(
     issuer = _Issuer(config, started)
 
     def done(record: RequestRecord) -> None:
+        in_flight.pop(record.index, None)
         records.append(record)
         reachability.saw(record)
         if reachability.refusal is not None:
@@ -110,7 +114,9 @@ async def run_load(
             on_done(record)
 
     async def send(index: int) -> bool:
-        return await _conversation(config, index, started, done, turns=config.turns)
+        return await _conversation(
+            config, index, started, done, turns=config.turns, in_flight=in_flight
+        )
 
     rng = random.Random(f"{config.seed}:reconnect")
 
@@ -190,6 +196,7 @@ async def run_load(
         tuple(samples),
         reachability.refusal,
         interrupted,
+        tuple(sorted(in_flight.values())),
     )
 
 
@@ -252,10 +259,12 @@ async def _conversation(
     done: Callable[[RequestRecord], None],
     *,
     turns: int,
+    in_flight: dict[int, float] | None = None,
 ) -> bool:
     """Send conversation ``number``'s turns one after another, each resending the turns
     before it with the replies received; a turn that did not complete ends it (a chat
-    client would have nothing to resend). False when its last request could not connect."""
+    client would have nothing to resend). False when its last request could not connect.
+    ``in_flight``: each request's send time is put there under its index until ``done``."""
     # Lengths are drawn per conversation, so its shape does not depend on completion order.
     rng = random.Random(f"{config.seed}:{number}")
     planned = plan(
@@ -285,6 +294,9 @@ async def _conversation(
             ignore_eos=config.ignore_eos,
         )
         sent = time.perf_counter()
+        index = number * config.turns + turn
+        if in_flight is not None:
+            in_flight[index] = sent - started
         resume: ResumeOutcome | None = None
         if drops and turn == 0 and spec.json_body is not None:
             timing, resume = await drop_and_resume(
@@ -310,7 +322,6 @@ async def _conversation(
         # The whole prompt sent: the shared system prompt and the history resent too.
         words = config.system_words + one.words
         words += sum(len(text.split()) for pair in history for text in pair)
-        index = number * config.turns + turn
         done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn, resume))
         if not timing.complete:
             return timing.connected

@@ -126,6 +126,9 @@ class LoadRun:
     unreachable: str | None = None
     # Stopped by ``interrupt``: the records are the requests that ended before it.
     interrupted: bool = False
+    # When each request the interrupt cancelled in flight was sent (seconds from the start):
+    # sent, so counted as sent, but with no reply to record.
+    cancelled_in_flight_s: tuple[float, ...] = ()
 
     @property
     def client_cpu_share(self) -> float:
