@@ -162,6 +162,37 @@ async def test_a_live_reply_redis_lost_is_waited_for_while_its_producer_writes_i
         await reader.aclose()
 
 
+async def test_a_restart_no_command_saw_is_found_and_what_it_lost_written_again(
+    tmp_path: Path,
+):
+    # Redis restarted without its data between two commands: none failed, on the producer or
+    # on a reader elsewhere. A resume elsewhere at once waits for the live reply (its producer
+    # writes it again) rather than calling it gone; the reply that had ended is written again
+    # too, so every replica reads it, not only its producer.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url)
+        reader = RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("ended"))
+        producer.append("ended", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+        producer.end("ended", "finished")
+        await producer.create(ReplyInfo("live"))
+        producer.append("live", [LogEntry(1, "token", "1")])
+        await producer.flush()
+        assert await reader.info("live") is not None
+        await asyncio.sleep(1.5)  # a heartbeat on each side has seen this Redis
+        server.stop()
+        server.start()
+        async with asyncio.timeout(10):
+            assert await reader.info("live") is not None  # waited for, not gone
+            while (result := await reader.read("ended", 0, wait_s=0)) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        assert [e.seq for e in result.entries] == [1, 2, 3] and result.ending == "finished"
+        live = await reader.read("live", 0, wait_s=0)
+        assert live is not None and [e.seq for e in live.entries] == [1]
+        await producer.aclose()
+        await reader.aclose()
+
+
 async def test_the_producing_replica_serves_its_copy_of_an_ended_reply_redis_lost(
     tmp_path: Path,
 ):

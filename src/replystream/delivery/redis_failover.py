@@ -5,7 +5,9 @@ every reply made here). Redis replicates asynchronously, so the promoted replica
 writes the old primary acknowledged; the writer finds out (a call failed, or its call count
 came back short) and repairs every reply it holds from its local copy (``redis_repair``
 plans, ``redis_rewrite`` writes): re-appends what Redis lost, or rewrites a stream with a
-hole. What it no longer holds stays a hole, which readers are told of as a gap. Past
+hole; or whose Redis answers with another ``run_id`` than before (restarted, or failed over,
+with no call failing meanwhile: ``redis_replaced``). What it no longer holds stays a hole,
+which readers are told of as a gap. Past
 ``failover_s`` of failing, a write marks its live replies (``failure``); the ended ones are
 written again whenever Redis answers, while this process holds them; a ``create`` fails with
 the next flush that cannot reach Redis. A live reply the heartbeat finds evicted is repaired
@@ -112,6 +114,18 @@ class Failover:
             log.warning("Redis lost %d acknowledged writes (a failover?)", verdict.calls)
             self._tables.dirty.update(self.local._logs)
             self._wake.set()
+
+    def redis_replaced(self) -> None:
+        """Another Redis answers than before (a restart, a failover) though no call here
+        failed to tell of it: it may hold nothing written before. Every reply held here is
+        checked and repaired, the ended ones too (as after a failed write)."""
+        log.warning(
+            "Redis answering is not the one before (restarted or failed over): checking "
+            "every reply held here"
+        )
+        self._counts.forget()  # a count started again is no eviction
+        self._tables.dirty.update(self.local._logs)
+        self._wake.set()
 
     def write_failed(self, exc: Exception, reply_ids: Iterable[str]) -> None:
         """A write failed: it may or may not have landed. Every reply held here is repaired

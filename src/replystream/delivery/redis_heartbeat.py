@@ -9,8 +9,10 @@ reader mark: a detached reply goes on while read), and asks its stream's length.
 started again at 1 (the metadata was gone) or a stream shorter than what Redis acknowledged
 means Redis evicted part of the reply: the writer writes it again from its copy
 (``Failover.rewrite``). For the replies produced elsewhere that a reader here follows, it
-refreshes their reader marks. A failed beat is tried again a second later; an outage is
-logged once as it begins and once as it ends (``OutageLog``).
+refreshes their reader marks. Each beat also asks whether another Redis answers than at the
+last one (``RedisLink.servers_changed``: a restart or failover no failed call told of), and
+if so has every reply held here written again. A failed beat is tried again a second later;
+an outage is logged once as it begins and once as it ends (``OutageLog``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Heartbeat:
     def __init__(self, link: RedisLink, keys: ReplyKeys, writer: LogWriter) -> None:
         self._keys = keys
         self._writer = writer
+        self._link = link
         self.redis = link.redis
         self.liveness_s = link.liveness_s
         self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
@@ -54,6 +57,7 @@ class Heartbeat:
     async def beat_forever(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
+            await self._check_servers()
             self._writer.prune()
             live = list(self._writer.tables.live)
             if live:
@@ -65,6 +69,17 @@ class Heartbeat:
             self._left.clear()
             if left:
                 await self._unmark(left)
+
+    async def _check_servers(self) -> None:
+        """Whether another Redis answers than at the last beat (restarted, or failed over):
+        if so, what this process holds is written again (a failure of the call is an outage,
+        which the writes find and tell of themselves)."""
+        try:
+            replaced = await self._link.servers_changed()
+        except (RedisError, OSError):
+            return
+        if replaced:
+            self._writer.failover.redis_replaced()
 
     async def reading(self, reply_id: str, joined: bool = False) -> None:
         """A reader here has just read reply ``reply_id``, produced elsewhere and not ended

@@ -9,7 +9,9 @@ a promoted replica may hold stale liveness keys, and a reply Redis lost altogeth
 restart without its data) is there again only once its producer writes it again. The
 timings every part shares (a command's timeout, the heartbeat's period) live here too, and
 how a call made every second tells of an outage (``OutageLog``: once as it begins, once as
-it ends). This file must not know what the keys hold.
+it ends), and whether the Redis answering is still the one that answered before
+(``servers_changed``: a restart quick enough that no command failed). This file must not know
+what the keys hold.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_connect import connect, parse_redis_url
@@ -66,6 +69,8 @@ class RedisLink:
         # When a command last failed, or first succeeded after failing: until producers have
         # written again, Redis may lack their liveness keys, or every key of their replies.
         self._troubled_at = -float("inf")
+        # The run ids of the Redis servers answering (a Cluster's primaries), when last asked.
+        self._servers: frozenset[str] | None = None
 
     def unavailable(self, why: object) -> StoreUnavailable:
         """What a caller is told when Redis cannot be reached."""
@@ -101,12 +106,42 @@ class RedisLink:
         """Redis answered again after failing."""
         self._troubled_at = time.monotonic()
 
+    async def servers_changed(self) -> bool:
+        """Whether the Redis answering is another than when last asked (never, the first
+        time): its ``run_id`` changes when it restarts, or another takes its place (a
+        failover; for a Cluster, any of its primaries). A restart may be quick enough that no
+        command here failed meanwhile, and without its data (no persistence) it lost every
+        reply: a change counts as a failure (``recovering``), as one seen would.
+
+        Raises:
+            RedisError, OSError: Redis could not be asked.
+        """
+        if isinstance(self.redis, RedisCluster):
+            answer = await self.redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+        else:
+            answer = await self.redis.info("server")
+        servers = frozenset(_run_ids(answer))
+        before, self._servers = self._servers, servers
+        if before is None or servers == before:
+            return False
+        self.failed()
+        return True
+
     def recovering(self) -> bool:
         """Whether Redis failed or came back too recently for what producers write to be
         trusted to be there: liveness keys are refreshed every second (a promoted replica may
         hold stale ones), and a reply Redis lost is written again once its producer reaches
         it."""
         return time.monotonic() - self._troubled_at < self.liveness_s + 2 * HEARTBEAT_S
+
+
+def _run_ids(info: object) -> list[str]:
+    """Every ``run_id`` in an ``INFO server`` answer (one server's, or one per node)."""
+    if not isinstance(info, dict):
+        return []
+    if "run_id" in info:
+        return [str(info["run_id"])]
+    return [run_id for value in info.values() for run_id in _run_ids(value)]
 
 
 class OutageLog:

@@ -227,7 +227,11 @@ class RemoteReads:
         reply; its producer writes them again once it reaches Redis)."""
         if self._link.recovering():
             return True
-        return bool(await self.redis.exists(self._keys.key(reply_id, ":live")))
+        if await self.redis.exists(self._keys.key(reply_id, ":live")):
+            return True
+        # Gone, unless Redis restarted (or failed over) since this process last asked, too
+        # quickly for any of its commands to fail: then its producer is writing it again.
+        return await self._link.servers_changed()
 
     async def aclose(self) -> None:
         await self.watch.aclose()
