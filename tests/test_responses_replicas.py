@@ -197,6 +197,44 @@ async def test_a_response_made_elsewhere_is_followed_before_its_first_event_is_l
     assert [e.type for e in EventParser().feed(body)] == ["response.created"]
 
 
+async def test_a_response_whose_log_expires_while_its_lost_producer_is_confirmed_is_gone(
+    tmp_path: Path,
+):
+    """A response whose producer died: reading its object waits a moment to confirm the
+    producer is lost. Its keys expiring meanwhile (here deleted, as an expiry does) leave no
+    response: a 404, never the object read before the wait as if it were still in progress."""
+    with redis_server(tmp_path) as redis:
+        producer = RedisReplayStore(redis.url, liveness_s=1.0)
+        reader = RedisReplayStore(redis.url)
+        await producer.create(ReplyInfo("dead"))
+        opened = {"id": "resp_dead", "object": "response", "status": "in_progress"}
+        created = json.dumps({"type": "response.created", "response": opened})
+        producer.append("dead", [LogEntry(1, "response.created", created)])
+        await producer.flush()
+        for task in producer._tasks:  # it dies: no more heartbeats, its liveness lapses
+            task.cancel()
+        await asyncio.sleep(1.5)
+        keys = Redis.from_url(redis.url)
+
+        async def expire_meanwhile() -> None:
+            await asyncio.sleep(0.5)  # the reader is confirming the producer is lost
+            await keys.delete(*await keys.keys("*dead*"))
+
+        async with (
+            running(create_app(fast_engine(), ServerConfig(), reader)) as url,
+            aiohttp.ClientSession() as http,
+        ):
+            expiring = asyncio.create_task(expire_meanwhile())
+            async with http.get(f"{url}/v1/responses/resp_dead") as got:
+                status, body = got.status, await got.json()
+            await expiring
+        await keys.aclose()
+        await producer.aclose()
+        await reader.aclose()
+    assert status == 404, body
+    assert body["error"]["code"] == "reply_not_found"
+
+
 async def test_a_reader_on_the_other_replica_held_back_takes_a_closing_larger_than_the_limit(
     tmp_path: Path,
 ):

@@ -167,7 +167,9 @@ async def _read_told(store: ReplayStore, reply_id: str) -> _Told:
             # Not ended: is its producer still there? (A store says so when a read finds
             # nothing new; a short wait lets one remote read ask.)
             after = await store.read(reply_id, result.entries[-1].seq, LIVENESS_WAIT_S)
-            lost = after is not None and after.producer_lost
+            if after is None:  # gone meanwhile (expired while its dead producer was confirmed)
+                return _Told((), False, whole=True, ended=False)
+            lost = after.producer_lost
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     if result is None:
