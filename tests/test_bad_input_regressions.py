@@ -179,6 +179,17 @@ def test_an_ambiguous_responses_cursor_is_a_400_naming_it(
     refused(server.request("GET", path, headers=headers), 400, "invalid_value", param)
 
 
+def test_a_header_before_a_sequence_number_quotes_both_as_event_ids(server: LoggedServer) -> None:
+    created = server.post_json_text("/v1/responses", '{"input": "x"}')
+    path = f"/v1/responses/{json.loads(created.body)['id']}?stream=true&starting_after=2"
+    answer = server.request("GET", path, headers={"Last-Event-ID": "2"})
+    message = refused(answer, 400, "invalid_value", "starting_after")
+    assert message == (
+        "Last-Event-ID 2 is before starting_after 2 (event id 3): two places to resume from; "
+        "give one"
+    )
+
+
 def test_a_sequence_number_and_its_event_id_are_one_responses_cursor(
     server: LoggedServer,
 ) -> None:

@@ -131,7 +131,44 @@ async def test_a_place_past_the_end_of_a_reply_live_elsewhere_ends_with_an_error
     text = body.decode()
     assert text.startswith("event: error\n"), text
     error = json.loads(text.split("data: ", 1)[1].split("\n", 1)[0])["error"]
-    assert error["code"] == "invalid_value" and "1000" in error["message"]
+    assert error["code"] == "invalid_value" and error["param"] == "last_event_id"
+    assert error["message"].startswith("last_event_id 1000 is past this reply's last event (")
+
+
+async def test_a_place_past_the_end_of_a_response_live_elsewhere_is_an_error_in_its_numbers(
+    tmp_path: Path,
+):
+    # The same on the Responses API: said in the client's own numbers (sequence numbers,
+    # naming starting_after), as the error alone: the response itself did not fail.
+    with redis_server(tmp_path) as redis:
+        engine = fast_engine(delay_ms=20, jitter_ms=0)
+        producer = create_app(engine, store=RedisReplayStore(redis.url))
+        reader = create_app(fast_engine(), store=RedisReplayStore(redis.url))
+        async with running(producer) as start, running(reader) as other:
+            made = await raw_request(
+                f"{start}/v1/responses",
+                "POST",
+                b'{"input": "x", "background": true, "max_output_tokens": 10}',
+            )
+            response_id = json.loads(await made.read_body())["id"]
+            resumed = await raw_request(
+                f"{other}/v1/responses/{response_id}?stream=true&starting_after=500"
+            )
+            status, body = resumed.status, await resumed.read_body()
+            whole = await raw_request(f"{start}/v1/responses/{response_id}?stream=true")
+            last = int(json.loads(whole_events(await whole.read_body())[-1])["sequence_number"])
+    assert status == 200
+    events = whole_events(body)
+    assert [json.loads(data)["type"] for data in events] == ["error"], body
+    error = json.loads(events[0])
+    assert error["code"] == "invalid_value" and error["param"] == "starting_after"
+    assert error["message"] == f"starting_after 500 is past this reply's last event ({last})"
+    assert error["sequence_number"] == last
+
+
+def whole_events(body: bytes) -> list[str]:
+    """The data of each event of an SSE body."""
+    return [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
 
 
 async def test_a_place_at_the_last_event_of_a_reply_live_elsewhere_ends_the_stream_quietly(

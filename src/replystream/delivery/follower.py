@@ -43,7 +43,7 @@ import json
 import logging
 import sys
 import time
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from replystream.delivery.frame_transport import Ending, FrameTransport
 from replystream.delivery.keepalive_clock import KeepaliveClock
@@ -135,6 +135,18 @@ class SendRecord(Protocol):
     def on_send(self, nbytes: int, events: int) -> None: ...
 
 
+class ResumePlace(NamedTuple):
+    """How a resuming reader named its place: the parameter, and how far its numbers sit
+    below the log's ids (a Responses ``starting_after`` counts from 0: 1), so that what is
+    said of the place quotes the reader's own number."""
+
+    param: str = "last_event_id"
+    below: int = 0
+
+
+BY_EVENT_ID = ResumePlace()  # ``Last-Event-ID`` or ``last_event_id``: the log's own ids
+
+
 class _Cut(Exception):
     def __init__(self, ending: Ending, detail: str) -> None:
         super().__init__(detail)
@@ -150,6 +162,7 @@ class Follower:
         "_deadline",
         "_in_hand",
         "_latest",
+        "_place",
         "_started_after",
         "_woken",
         "clock",
@@ -176,10 +189,12 @@ class Follower:
         clock: KeepaliveClock,
         reply: LiveReply | None,
         record: SendRecord | None,
+        place: ResumePlace = BY_EVENT_ID,
     ) -> None:
         self.reply_id = reply_id
         self.cursor = cursor  # this follower's place in the log, from the reply's store
         self._started_after = cursor.after  # the reader's resume point (0: from the start)
+        self._place = place  # how the reader named it
         self.transport = transport
         self.policy = policy
         self.readers = readers
@@ -276,9 +291,16 @@ class Follower:
         finally:
             drop_task(write)
 
-    def _notice(self, message: str, code: str) -> bytes:
-        data = json.dumps({"error": {"message": message, "code": code}})
-        return self.transport.notice("error", data, self.cursor.after)
+    def _notice(
+        self, message: str, code: str, *, param: str | None = None, after: int | None = None
+    ) -> bytes:
+        """An error the reader decides; ``param``: the request's parameter at fault (the
+        reply itself did not fail); ``after``: the last event it follows (the reader's)."""
+        error = {"message": message, "code": code}
+        if param is not None:
+            error["param"] = param
+        data = json.dumps({"error": error})
+        return self.transport.notice("error", data, self.cursor.after if after is None else after)
 
     async def run(self) -> None:
         """Open the transport, then follow the log to its end (or until cut).
@@ -374,14 +396,21 @@ class Follower:
             self.cursor.sent(last, 0)
         await self._send_entries(result.entries, last=result.ending is not None)
         if result.ending is not None:
-            past = result.last_seq is not None and self._started_after > result.last_seq
-            if self.cursor.after == self._started_after and past:
+            last_seq = result.last_seq
+            past = last_seq is not None and self._started_after > last_seq
+            if self.cursor.after == self._started_after and past and last_seq is not None:
                 # It ended before the reader's place (a place past the end of a reply made
-                # elsewhere, followed while it was live): said, not an empty body. A reader
+                # elsewhere, followed while it was live): said, not an empty body, in the
+                # reader's own numbers (as the 400 a resume here would have had). A reader
                 # placed at its last event had it all: its stream just ends, and a resume
                 # from there is the 409 that says the reply ended.
-                message = f"last_event_id {self._started_after} is past this reply's last event"
-                await self._send(self._notice(message, "invalid_value"), 1, last=True)
+                param, below = self._place
+                message = (
+                    f"{param} {self._started_after - below} is past this reply's last event "
+                    f"({last_seq - below})"
+                )
+                notice = self._notice(message, "invalid_value", param=param, after=last_seq)
+                await self._send(notice, 1, last=True)
             return "ended"
         if result.producer_lost:
             message = "the replica generating this reply is gone"

@@ -198,10 +198,12 @@ def opened_object(first: LogEntry) -> dict[str, Any] | None:
 class ReaderNotices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
     producer, a store that cannot be reached, events lost): an ``error`` event in OpenAI's
-    shape, then ``response.failed``. They are not in the log and have no ``id:``; each
-    carries the ``sequence_number`` of the last event written before them (0 when there was
-    none), so a client that resumes after the last number it saw (``starting_after``) gets
-    the response's next event, which a number of their own would have skipped.
+    shape, then ``response.failed``; a fault of the reader's request (its error names a
+    ``param``: a place past the end) is the ``error`` alone. They are not in the log and
+    have no ``id:``; each carries the ``sequence_number`` of the last event written before
+    them (0 when there was none), so a client that resumes after the last number it saw
+    (``starting_after``) gets the response's next event, which a number of their own would
+    have skipped.
     Its object is the response as it opened (its settings, as ``response.created`` carried
     them), failed, with the output items this stream has told its client (the open one
     cut: ``incomplete``), so a client that puts the response together from the events has
@@ -230,6 +232,13 @@ class ReaderNotices:
         number = max(after - 1, 0)  # the log's number, as a sequence number
         error = json.loads(data)["error"]
         code, message = error["code"], error["message"]
+        param = error.get("param")
+        if param is not None:
+            # The reader's request was at fault (a place past the end), not the response:
+            # the error alone, naming the parameter; the response stands as it ended.
+            error_event = {"type": "error", "sequence_number": number}
+            error_event |= {"code": code, "message": message, "param": param}
+            return [("error", compact_json(error_event))]
         opened = self._opened or {"id": response_id(self._reply_id), "object": "response"}
         failed = {
             **opened,

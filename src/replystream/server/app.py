@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from replystream.delivery.follower import ResumePlace
 from replystream.delivery.formats import moderated_payload
 from replystream.delivery.keepalive_clock import KeepaliveClock
 from replystream.delivery.moderation import Violation
@@ -225,7 +226,7 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
     reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
         await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
-    return await follow_resumed(request, reply_id, store, local, after)
+    return await follow_resumed(request, reply_id, store, local, after, ResumePlace(param))
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

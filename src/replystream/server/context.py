@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from replystream.delivery.choices import ChoicesPipeline
-from replystream.delivery.follower import Follower
+from replystream.delivery.follower import BY_EVENT_ID, Follower, ResumePlace
 from replystream.delivery.formats import (
     KEEPALIVE,
     LabFormat,
@@ -323,9 +323,11 @@ def follow_reply(
     keepalive: bytes = KEEPALIVE,
     numbered: bool = True,
     notices: Notices | None = None,
+    place: ResumePlace = BY_EVENT_ID,
 ) -> EventStream:
     """The response that streams a reply's log to this connection as SSE, from after event
-    ``after``; the handler returns it, and aiohttp sends it after the handler has returned."""
+    ``after`` (which the reader named as ``place`` says); the handler returns it, and aiohttp
+    sends it after the handler has returned."""
     request[REPLY_ID] = reply_id
     response = EventStream({**SSE_HEADERS, "X-Reply-Id": reply_id})
     response.follower = follower_of(
@@ -338,6 +340,7 @@ def follow_reply(
         transport=SSETransport(
             request, response, numbered=numbered, keepalive=keepalive, notices=notices
         ),
+        place=place,
     )
     return response
 
@@ -373,8 +376,10 @@ def follower_of(
     reply: Reply | None,
     transport: FrameTransport,
     after: int = 0,
+    place: ResumePlace = BY_EVENT_ID,
 ) -> Follower:
-    """A follower of a reply's log through ``transport``, from after event ``after``."""
+    """A follower of a reply's log through ``transport``, from after event ``after`` (named
+    by the reader as ``place`` says)."""
     return Follower(
         reply_id=reply_id,
         cursor=store.cursor(reply_id, after),
@@ -384,6 +389,7 @@ def follower_of(
         clock=request.app[KEEPALIVE_CLOCK_KEY],
         reply=reply,
         record=None if reply is None else reply.record,
+        place=place,
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from replystream.delivery.follower import ResumePlace
 from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.openai_formats import logprob_entries
@@ -334,6 +335,7 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     # An EventSource resumes with its events' ids, in the query or its header.
     cursors = {"starting_after": query.starting_after, "last_event_id": query.last_event_id}
     after, param = resume_after(request, cursors, SEQUENCE_BELOW_ID)
+    place = ResumePlace(param, SEQUENCE_BELOW_ID.get(param, 0))
     if after > 0:
         await check_resume_point(
             reply_id,
@@ -341,10 +343,10 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             after,
             made_here=local is not None,
             param=param,
-            below=SEQUENCE_BELOW_ID.get(param, 0),
+            below=place.below,
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
-    return await follow_resumed(request, reply_id, store, local, after)
+    return await follow_resumed(request, reply_id, store, local, after, place)
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

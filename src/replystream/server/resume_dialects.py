@@ -15,6 +15,7 @@ from aiohttp import web
 
 from replystream.delivery import anthropic_format, openai_formats, responses_log
 from replystream.delivery.anthropic_format import PING
+from replystream.delivery.follower import BY_EVENT_ID, ResumePlace
 from replystream.delivery.formats import KEEPALIVE, Notices
 from replystream.delivery.replay import LogEntry, ReplayStore, StoreUnavailable
 from replystream.server.context import CONFIG_KEY, follow_reply
@@ -41,10 +42,16 @@ OPENAI_CHUNKS = ('{"id":"chatcmpl-', '{"id":"cmpl-')
 
 
 async def follow_resumed(
-    request: web.Request, reply_id: str, store: ReplayStore, reply: Reply | None, after: int
+    request: web.Request,
+    reply_id: str,
+    store: ReplayStore,
+    reply: Reply | None,
+    after: int,
+    place: ResumePlace = BY_EVENT_ID,
 ) -> EventStream:
-    """The response that streams reply ``reply_id`` from after event ``after``, in the
-    dialect it was made in (both resume routes: ours, and the Responses API's)."""
+    """The response that streams reply ``reply_id`` from after event ``after`` (named by
+    the client as ``place`` says), in the dialect it was made in (both resume routes: ours,
+    and the Responses API's)."""
     notices, keepalive = await resumed_notices(reply_id, store, after)
     return follow_reply(
         request,
@@ -55,6 +62,7 @@ async def follow_resumed(
         after=after,
         keepalive=keepalive,
         notices=notices,
+        place=place,
     )
 
 

@@ -60,10 +60,12 @@ def resume_after(
     if header is None:
         return query_after or 0, query_param
     if query_after is not None and header < query_after:
+        # The header is an event id: a cursor counted otherwise is quoted as one too.
+        as_id = "" if query_after == query_value else f" (event id {query_after})"
         raise HTTPAPIError(
             400,
-            f"Last-Event-ID {header} is before {query_param} {query_value}: two places to "
-            "resume from; give one",
+            f"Last-Event-ID {header} is before {query_param} {query_value}{as_id}: two "
+            "places to resume from; give one",
             code="invalid_value",
             param=query_param,
         )
