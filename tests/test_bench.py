@@ -843,6 +843,39 @@ async def test_a_sweep_whose_server_goes_away_reports_the_runs_it_made(tmp_path)
     ]
 
 
+async def test_ctrl_c_in_a_sweep_reports_the_runs_before_it(tmp_path):
+    """Ctrl-C while the first constant run waits on the server: the sweep ends there, its
+    synchronous run and burst reported and written, with exit status 130."""
+    out = tmp_path / "sweep.json"
+    waiting, never = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        waiting.set()
+        await never.wait()  # until the reader hangs up
+
+    async with running(lab_words(hold, at_request=7)) as url:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream", "--quiet"),
+            *("--profile", "sweep", "--requests", "2", "--sweep-steps", "2"),
+            *("--json", str(out)),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(60):
+            await waiting.wait()
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = await process.communicate()
+    assert process.returncode == 130, stderr.decode()
+    result = json.loads(await asyncio.to_thread(out.read_text))
+    sweep = result["sweep"]
+    assert [run["profile"] for run in result["runs"]] == ["synchronous", "throughput"]
+    assert sweep["knee_rate"] is None
+    assert sweep["ended_early"] == (
+        f"the run at {sweep['rates'][0]:,.2f} req/s was interrupted (Ctrl-C): the sweep ends there"
+    )
+    assert f"The sweep ended early: {sweep['ended_early']}." in stdout.decode()
+
+
 async def test_a_sweep_whose_burst_completed_nothing_failed_and_has_no_knee(tmp_path):
     """The server answers the synchronous run, then fails every request of the burst: a rate
     of 0 is no maximum, so the sweep fails there, though the synchronous rate held."""

@@ -47,7 +47,17 @@ class Unreachable(RunNotMade):
 
 
 class Interrupted(Exception):
-    """Ctrl-C stopped a run before any request ended, or stopped a sweep (one line)."""
+    """Ctrl-C stopped a run before any request ended, or a sweep in its first run (one
+    line)."""
+
+
+class SweepInterrupted(Interrupted, RunNotMade):
+    """Ctrl-C stopped one of a sweep's runs: the sweep ends there, with the runs before it
+    (or, in its first, nothing measured: one line)."""
+
+    def __init__(self) -> None:
+        reason = "interrupted (Ctrl-C) in the sweep's first run: nothing was measured"
+        super().__init__(reason, what="was interrupted (Ctrl-C): the sweep ends there")
 
 
 async def _on_ctrl_c(work: Callable[[asyncio.Event], Awaitable[T]]) -> T:
@@ -96,16 +106,23 @@ async def _run(config: LoadConfig, quiet: bool, interrupt: asyncio.Event) -> Loa
     return run
 
 
-async def _sweep(config: LoadConfig, sweep: SweepConfig, quiet: bool) -> dict[str, Any]:
-    async def one(interrupt: asyncio.Event) -> dict[str, Any]:
+async def _sweep(
+    config: LoadConfig, sweep: SweepConfig, quiet: bool
+) -> tuple[dict[str, Any], bool]:
+    """The sweep's result, and whether Ctrl-C ended it (its runs before that reported)."""
+
+    async def one(interrupt: asyncio.Event) -> tuple[dict[str, Any], bool]:
         async def step(step_config: LoadConfig) -> LoadRun:
-            run = await _run(step_config, quiet, interrupt)
+            try:
+                run = await _run(step_config, quiet, interrupt)
+            except Interrupted:  # before any of its requests ended
+                raise SweepInterrupted() from None
             if run.interrupted:
-                # A knee is judged over every rate: a sweep cut short has none to report.
-                raise Interrupted("interrupted: a sweep is reported once all its runs end")
+                # A run cut short is not a run at its rate: the sweep ends before it.
+                raise SweepInterrupted()
             return run
 
-        return await run_sweep(config, sweep, step)
+        return await run_sweep(config, sweep, step), interrupt.is_set()
 
     return await _on_ctrl_c(one)
 
@@ -134,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     console = report_console()
     try:
         if args.profile == "sweep":
-            result = asyncio.run(_sweep(config, sweep, args.quiet))
+            result, interrupted = asyncio.run(_sweep(config, sweep, args.quiet))
         else:
             load_run = asyncio.run(_on_ctrl_c(lambda stop: _run(config, args.quiet, stop)))
     except Interrupted as exc:
@@ -152,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
     if args.profile == "sweep":
         render_sweep(result, console)
         code = 0 if result["sweep"]["knee_rate"] is not None else 1
+        if interrupted:
+            code = INTERRUPTED_EXIT
     else:
         result = summarize(
             load_run,

@@ -7,8 +7,9 @@ then runs ``steps`` constant rates evenly spaced above the synchronous rate up t
 one included, whose goodput held (at least the stated share of requests met every SLO) and
 whose run was not marked unsteady. A sweep ends early, with no knee (one is judged over
 every rate), when its burst completed no request (it found no maximum to pace the constant
-rates by: the sweep failed) or when a run after the first could not be made (``RunNotMade``:
-the server went away); what it measured until then is its result, with the reason. Sending
+rates by: the sweep failed) or when a run after the first could not be made or was stopped
+(``RunNotMade``: the server went away, Ctrl-C); what it measured until then is its result,
+with the reason. Sending
 is ``load``, each run's figures are ``benchstats``; this file must not compute a metric
 itself.
 """
@@ -27,9 +28,14 @@ Runner = Callable[[LoadConfig], Awaitable[LoadRun]]
 
 
 class RunNotMade(Exception):
-    """A runner could not make a run (its first request found no server): the sweep ends
-    before that run with the runs before it; raised on when it was the first (nothing was
-    measured)."""
+    """A runner could not make a run (its first request found no server), or was stopped
+    in it (Ctrl-C): the sweep ends before that run with the runs before it; raised on when
+    it was the first (nothing was measured). ``what``: what befell the run, as a report
+    says it after the run's name ("could not start: ...")."""
+
+    def __init__(self, reason: str, what: str | None = None) -> None:
+        super().__init__(reason)
+        self.what = f"could not start: {reason}" if what is None else what
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,7 +125,7 @@ async def run_sweep(base: LoadConfig, sweep: SweepConfig, runner: Runner) -> dic
     except RunNotMade as exc:
         made = sum(run["profile"] == "constant" for run in runs)
         name = "throughput burst" if maximum is None else f"run at {rates[made]:,.2f} req/s"
-        ended = f"the {name} could not start: {exc}"
+        ended = f"the {name} {exc.what}"
     step = (maximum - synchronous_rate) / sweep.steps if maximum is not None and rates else None
     return {
         "sweep": {
