@@ -529,3 +529,82 @@ async def test_a_reasoning_models_thinking_is_shown_above_its_answer_never_sent_
     # What the page sent back as history is the answer alone, never the thinking.
     earlier = [m for m in upstream.bodies[-1]["messages"] if m["role"] == "assistant"]
     assert earlier == [{"role": "assistant", "content": "".join(ANSWER)}]
+
+
+async def test_an_unanswered_message_is_left_out_and_a_message_too_long_alone_drops_nothing(
+    browser: Browser,
+):
+    # A message the server refused was sent again with every later turn (refused again, or
+    # an unanswered user message); one too long on its own had the page drop every earlier
+    # turn first, and keep them dropped.
+    config = ServerConfig(max_prompt_chars=300)
+    async with running(create_app(fast_engine(delay_ms=1.0, jitter_ms=0.0), config)) as url:
+        page = await open_page(browser, url)
+        bodies = posted_bodies(page)
+        await set_delivery(page, max_tokens=3)
+        await send(page, "alpha")
+        await wait_state(page, "stream", "cut")
+        first_reply = await shown_text(page, "stream")
+        await send(page, "x" * 400)
+        await wait_state(page, "stream", "error")
+        note = await page.text_content(f"{TURN} .pane-note") or ""
+        assert "300" in note, note  # the server's words for the limit
+        assert await page.locator(".out-of-context").count() == 0
+        assert await page.locator(".context-notice").count() == 0
+        await send(page, "    indented():\n        beta")
+        await wait_state(page, "stream", "cut")
+    assert bodies[-1]["messages"] == [
+        {"role": "user", "content": "alpha"},
+        {"role": "assistant", "content": first_reply},
+        {"role": "user", "content": "    indented():\n        beta"},  # its indentation kept
+    ]
+
+
+async def test_focus_stays_where_the_reader_put_it_and_an_unreadable_number_is_not_sent(
+    browser: Browser,
+):
+    engine = TimedEngine(fast_engine(delay_ms=30.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        bodies = posted_bodies(page)
+        await set_delivery(page, max_tokens=8)
+        await send(page, "Hello")
+        await words_shown(page, "stream", 2)
+        await page.click(".settings summary")
+        await page.focus('#settings input[name="seed"]')
+        await page.keyboard.type("7")
+        await wait_state(page, "stream", "cut")
+        await page.keyboard.type("1")  # the reply ended: the field still has the focus
+        assert await page.input_value('#settings input[name="seed"]') == "71"
+        assert await page.input_value("#prompt") == ""
+        # A number the browser cannot read reads as empty: said, and nothing is sent.
+        await page.fill('#settings input[name="max_tokens"]', "")
+        await page.focus('#settings input[name="max_tokens"]')
+        await page.keyboard.type("1e400")
+        await send(page, "Again")
+        await page.wait_for_function(
+            "() => document.querySelector('#status').textContent.includes('not a number')"
+        )
+        assert len(bodies) == 1
+        assert await page.input_value("#prompt") == "Again"  # kept, to send once fixed
+        # A reply or message in a right-to-left script is laid out as one.
+        assert await page.get_attribute(f"{pane('stream')} .reply-text", "dir") == "auto"
+        assert await page.get_attribute(".turn.user .bubble", "dir") == "auto"
+
+
+async def test_the_eventsource_page_gives_up_once_the_server_cannot_be_reached(browser: Browser):
+    # EventSource retries for ever while nothing answers (every 3 s in Chromium): the page
+    # said "reconnecting" and kept Start disabled for good.
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        proxy = LoopbackProxy(host, int(port))
+        await proxy.__aenter__()
+        page = await open_page(browser, f"{proxy.url}/eventsource.html")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="streaming"]')
+        await proxy.__aexit__()  # no longer listening: each reconnect is refused
+        await page.wait_for_selector('#pane[data-state="incomplete"]', timeout=60_000)
+        assert await page.is_enabled("#go")
+        log = await page.locator("#log li").all_text_contents()
+        assert "could not be reached in 8 attempts to reconnect" in log[-1], log

@@ -65,7 +65,8 @@ class Pane {
   #thought;
 
   constructor(kind, title) {
-    this.text = element('div', { class: 'reply-text' });
+    // dir="auto": a reply in a right-to-left script is laid out as one (per paragraph: CSS).
+    this.text = element('div', { class: 'reply-text', dir: 'auto' });
     // A reasoning model's thinking (a relayed upstream's): shown open while it comes, folded
     // once the answer starts, and never sent back as the conversation's history.
     this.#thought = element('div', { class: 'thinking-text' });
@@ -196,7 +197,7 @@ class Turn {
     this.root = element('article', { class: `turn assistant ${mode}` },
       panes, element('div', { class: 'turn-actions' }, this.seedLabel, this.retryButton));
     this.user = element('article', { class: 'turn user' },
-      element('div', { class: 'bubble' }, prompt));
+      element('div', { class: 'bubble', dir: 'auto' }, prompt));
     this.active = null;
     this.seed = null;
   }
@@ -224,14 +225,29 @@ function settings() {
   return values;
 }
 
+// The label of a number setting the browser cannot read ("1e400", "--1"): its field then
+// reads as empty, and the default would be served without a word.
+function unreadableSetting() {
+  for (const input of settingsForm.elements) {
+    if (input.type === 'number' && input.validity.badInput) {
+      return input.closest('label')?.textContent.trim() || input.name;
+    }
+  }
+  return null;
+}
+
 const apiKey = () => settingsForm.elements.api_key.value.trim();
 
+// The conversation sent with `upTo`: the turns before it still in the context, each prompt
+// with its reply. A prompt that got no reply (refused, failed or stopped before any text) is
+// left out: the model never answered it, and one the server refused would be refused again.
 function history(upTo) {
   const messages = [];
   for (const turn of turns.slice(contextStart)) {
     if (turn === upTo) break;
+    if (!turn.reply) continue;
     messages.push({ role: 'user', content: turn.prompt });
-    if (turn.reply) messages.push({ role: 'assistant', content: turn.reply });
+    messages.push({ role: 'assistant', content: turn.reply });
   }
   messages.push({ role: 'user', content: upTo.prompt });
   return messages;
@@ -304,16 +320,27 @@ async function exchange(turn) {
 function dropOldest(turn) {
   const index = turns.indexOf(turn);
   if (index < 0 || contextStart >= index) return false;
-  const dropped = turns[contextStart];
-  dropped.user.classList.add('out-of-context');
-  dropped.root.classList.add('out-of-context');
-  contextStart += 1;
+  setContextStart(contextStart + 1);
+  return true;
+}
+
+// The oldest turn still sent is turns[start]: those before it are shown as dropped.
+function setContextStart(start) {
+  turns.forEach((turn, index) => {
+    turn.user.classList.toggle('out-of-context', index < start);
+    turn.root.classList.toggle('out-of-context', index < start);
+  });
+  contextStart = start;
+  if (!start) {
+    contextNotice?.remove();
+    contextNotice = null;
+    return;
+  }
   contextNotice ??= element('p', { class: 'context-notice', role: 'note' });
-  const messages = contextStart === 1 ? 'The first exchange' : `The first ${contextStart} exchanges`;
+  const messages = start === 1 ? 'The first exchange' : `The first ${start} exchanges`;
   contextNotice.textContent = `${messages} no longer fit the model's context: they are not `
     + 'sent, so the model no longer sees them.';
-  turns[contextStart].user.before(contextNotice);
-  return true;
+  turns[start].user.before(contextNotice);
 }
 
 async function runTurn(turn) {
@@ -322,7 +349,12 @@ async function runTurn(turn) {
   setBusy(true);
   turn.retryButton.hidden = true;
   turn.root.setAttribute('aria-busy', 'true');  // screen readers read the reply once, whole
-  while (await exchange(turn) && running === turn && dropOldest(turn)) { /* send it again */ }
+  const start = contextStart;
+  let tooLong = await exchange(turn);
+  while (tooLong && running === turn && dropOldest(turn)) tooLong = await exchange(turn);
+  // Every earlier turn dropped and still too long: the message alone does not fit, and the
+  // turns dropped for it are sent again with the next one.
+  if (tooLong && running === turn && contextStart > start) setContextStart(start);
   turn.root.removeAttribute('aria-busy');
   const ended = (pane) => ['done', 'cut'].includes(pane.root.dataset.state);
   turn.retryButton.hidden = [turn.stream, turn.wait].every((pane) => !pane || ended(pane));
@@ -330,7 +362,10 @@ async function runTurn(turn) {
     running = null;
     setBusy(false);
   }
-  promptBox.focus();
+  // Back to the message box, unless the reader went elsewhere meanwhile (a setting, say):
+  // focus left on the page, or on the composer's buttons, which were disabled under it.
+  const at = document.activeElement;
+  if (!at || at === document.body || composer.contains(at)) promptBox.focus();
 }
 
 function send(prompt) {
@@ -347,8 +382,19 @@ function send(prompt) {
 
 composer.addEventListener('submit', (event) => {
   event.preventDefault();
-  const prompt = promptBox.value.trim();
-  if (!prompt || running) return;
+  if (running) return;
+  const prompt = promptBox.value;  // as written: a pasted block keeps its indentation
+  if (!prompt.trim()) {
+    statusLine.textContent = 'Nothing to send: the message is empty.';
+    return;
+  }
+  const unreadable = unreadableSetting();
+  if (unreadable) {
+    statusLine.textContent = `${unreadable}: not a number this browser can read; fix it or `
+      + 'clear it for the server\'s default.';
+    return;
+  }
+  statusLine.textContent = '';
   promptBox.value = '';
   fitPrompt();
   send(prompt);

@@ -4,13 +4,16 @@
 // A resumable reply keeps generating when its first reader leaves, so nothing is lost.
 
 import { TextSink } from './render.js';
-import { RESUMABLE_CUTS, refusal, unreachable } from './reply.js';
+import { BACKOFF, RESUMABLE_CUTS, refusal, unreachable } from './reply.js';
 
 const $ = (selector) => document.querySelector(selector);
 const pane = $('#pane');
 const sink = new TextSink($('#text'));
 let source = null;
 let opens = 0;
+// Connections that failed since the last one opened: EventSource retries for ever while the
+// server cannot be reached, so the page gives up after as many as the chat page tries.
+let failures = 0;
 let lastSeq = -Infinity;
 let gapsSeen = new Set();  // a gap has no id of its own: it is known by the events it names
 
@@ -65,6 +68,7 @@ function follow(id, apiKey) {
   const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : '';
   source = new EventSource(`/v1/replies/${encodeURIComponent(id)}/stream${query}`);
   source.addEventListener('open', () => {
+    failures = 0;
     opens += 1;
     $('#opens').textContent = String(opens);
     setState('streaming', 'streaming');
@@ -111,6 +115,10 @@ function follow(id, apiKey) {
       finish('error', 'error', `server error (${code}): ${message}`);
     } else if (source.readyState === EventSource.CLOSED) {
       finish('incomplete', 'incomplete', 'the browser gave up on the connection');
+    } else if (++failures > BACKOFF.attempts) {
+      finish('incomplete', 'incomplete',
+        `the server could not be reached in ${BACKOFF.attempts} attempts to reconnect; `
+        + 'source closed');
     } else {
       setState('reconnecting', 'reconnecting');
       log('connection lost; EventSource reconnects by itself');
@@ -124,6 +132,7 @@ $('#start').addEventListener('submit', async (event) => {
   sink.clear();
   $('#log').replaceChildren();
   opens = 0;
+  failures = 0;
   lastSeq = -Infinity;
   gapsSeen = new Set();
   $('#opens').textContent = '0';

@@ -16,7 +16,7 @@
 import { SSEParser } from './sse.js';
 
 // Reconnect delays: the base doubles per attempt up to the cap; a `retry:` replaces the base.
-const BACKOFF = { baseMs: 300, maxMs: 8000, attempts: 8 };
+export const BACKOFF = { baseMs: 300, maxMs: 8000, attempts: 8 };
 // In-band errors about one connection, not the reply (replystream.client.resume's too).
 export const RESUMABLE_CUTS = new Set(['slow_client', 'shutdown']);
 
