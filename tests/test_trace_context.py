@@ -10,12 +10,23 @@ TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 GOOD = f"00-{TRACE}-{PARENT}-01"
 
 
+def test_a_traceparent_of_this_version_is_passed_on_as_it_is():
+    assert trace_context({"traceparent": GOOD}) == (("traceparent", GOOD),)
+
+
 @pytest.mark.parametrize(
-    "value",
-    [GOOD, f"01-{TRACE}-{PARENT}-00", f"cc-{TRACE}-{PARENT}-09-what-a-later-version-adds"],
+    ("value", "passed"),
+    [
+        (f"01-{TRACE}-{PARENT}-00", f"00-{TRACE}-{PARENT}-00"),
+        (f"cc-{TRACE}-{PARENT}-09-what-a-later-version-adds", f"00-{TRACE}-{PARENT}-09"),
+        # What follows never reaches an upstream: of any length, in any character.
+        (f"01-{TRACE}-{PARENT}-01-" + "A" * 7000, GOOD),
+        (f"01-{TRACE}-{PARENT}-01-\u4e2d", GOOD),
+    ],
+    ids=["version 01", "a later version's fields", "a long tail", "a tail beyond Latin-1"],
 )
-def test_a_traceparent_of_this_or_a_later_version_is_passed_on(value: str):
-    assert trace_context({"traceparent": value}) == (("traceparent", value),)
+def test_a_later_versions_four_fields_are_passed_on_as_version_00(value: str, passed: str):
+    assert trace_context({"traceparent": value}) == (("traceparent", passed),)
 
 
 @pytest.mark.parametrize(

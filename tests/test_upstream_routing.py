@@ -28,6 +28,7 @@ from replystream.engine.upstream_routes import load_routes
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.processes import launch, ready_url, replica, stop
+from tests.rawhttp import raw_request
 from tests.sse_client import post_events
 from tests.test_reload import StderrLines
 
@@ -686,6 +687,17 @@ async def test_each_attempt_carries_the_request_id_and_the_callers_trace_context
             seen = lowered(fine.headers[-1])  # every reply ends there: the other is busy
             assert seen["x-request-id"] == lowered(got.headers)["x-request-id"] != "req-42"
             assert "traceparent" not in seen and "tracestate" not in seen, (bad, seen)
+        # A later version's tail is left out, whatever it holds: one no header can carry
+        # upstream failed the request before it left, and counted it on the upstream's circuit.
+        later = parent.replace("00-", "01-", 1) + "-\u4e2d"
+        for _ in range(4):
+            chunks = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+            got_raw = await raw_request(
+                f"{url}/v1/chat/completions", "POST", chunks, {"traceparent": later}
+            )
+            assert got_raw.status == 200, await got_raw.read_body()
+            await got_raw.read_body()
+            assert lowered(fine.headers[-1])["traceparent"] == parent
 
 
 async def test_a_request_id_of_ours_is_one_an_upstream_that_wants_uuids_takes():

@@ -2,7 +2,9 @@
 
 This file decides which of those headers are passed on: a ``traceparent`` of the W3C Trace
 Context format (version 00's four fields, lower-case hex, and neither id all zeros; a later
-version's first four fields the same, what follows them ignored as the standard says), and
+version's first four fields the same, passed on as version 00 with what follows them left
+out, as the standard has a system that speaks version 00 read a later one: a client's tail
+of any length or character never reaches an upstream), and
 ``tracestate`` only beside such a ``traceparent``, up to 512 characters (what the standard
 asks every hop to keep) of visible ASCII. Anything else is dropped, not repaired: the
 upstream then starts a trace of its own. It must not know how a relay sends them.
@@ -17,21 +19,24 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 TRACESTATE_LIMIT = 512
 
 
-def _valid_traceparent(value: str) -> bool:
+def _traceparent(value: str) -> str | None:
+    """The ``traceparent`` to pass on for ``value`` (version 00's four fields), if it is one."""
     match = _TRACEPARENT.fullmatch(value)
     if match is None:
-        return False
-    version, trace_id, parent_id, _, rest = match.groups()
+        return None
+    version, trace_id, parent_id, flags, rest = match.groups()
     if version == "ff" or (version == "00" and rest is not None):
-        return False
-    return trace_id != "0" * 32 and parent_id != "0" * 16
+        return None
+    if trace_id == "0" * 32 or parent_id == "0" * 16:
+        return None
+    return f"00-{trace_id}-{parent_id}-{flags}"
 
 
 def trace_context(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The trace-context headers of a request worth passing on (none, or ``traceparent``
     with, when given and sane, ``tracestate``)."""
-    parent = headers.get("traceparent", "").strip()
-    if not parent or not _valid_traceparent(parent):
+    parent = _traceparent(headers.get("traceparent", "").strip())
+    if parent is None:
         return ()
     state = headers.get("tracestate", "").strip()
     if state and len(state) <= TRACESTATE_LIMIT and state.isascii() and state.isprintable():
