@@ -452,6 +452,23 @@ async def test_a_client_leaving_a_stored_response_that_is_not_background_stops_i
         await wait_for(lambda: engine.stats().cancelled == 1)
 
 
+async def test_on_a_server_resumable_by_default_a_response_whose_client_left_goes_on():
+    # As a reply on another route does there: detached for the grace, and resumed whole.
+    engine = fast_engine(reply_text=REPLY, delay_ms=20.0, jitter_ms=0.0)
+    app = create_app(engine, ServerConfig(resumable_by_default=True))
+    async with running(app) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json={"input": "x", "stream": True}) as r:
+            created = json.loads((await r.content.readuntil(b"\n\n")).split(b"data: ")[1])
+        response_id = created["response"]["id"]
+        query = {"stream": "true"}
+        async with http.get(f"{url}/v1/responses/{response_id}", params=query) as resumed:
+            events = EventParser().feed(await resumed.read())
+    assert engine.stats().cancelled == 0
+    assert events[-1].type == "response.completed"
+    text = "".join(json.loads(e.data)["delta"] for e in events if e.type.endswith("text.delta"))
+    assert text.strip() == REPLY
+
+
 async def test_starting_after_out_of_range_or_not_a_number_is_a_400():
     engine = fast_engine(reply_text=REPLY)
     async with running(create_app(engine)) as url, sdk(url) as client:

@@ -195,6 +195,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
             # One body, as an unstored one is: the whole text checked before any of it is kept
             # (a window would keep the start of a blocked phrase in the stored response).
             policy = policy.with_overrides(holdback_tokens=WHOLE_REPLY)
+        resumes_by_default = request.app[CONFIG_KEY].resumable_by_default
         reply = await start_reply(
             request,
             generation,
@@ -202,7 +203,10 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
             fmt=ResponsesStreamFormat(settings),
             policy=policy,
             resumable=True,
-            disconnect="keep" if body.background else "cancel",
+            # Not in the background, it stops when its client leaves, as a reply on another
+            # route does, unless the server makes replies resumable by default: then it goes
+            # on for the detach grace, as theirs do.
+            disconnect="keep" if body.background else None if resumes_by_default else "cancel",
             context=kept_conversation(made.conversation, body.input),
         )
     if body.stream:
