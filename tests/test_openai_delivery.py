@@ -145,3 +145,30 @@ async def test_every_event_a_stream_sends_is_counted_its_ending_included():
         assert counted("events_sent", path) == events, path
         # The body's bytes, whichever way each write went (the chunk framing is not body).
         assert counted("bytes_sent", path) == len(got), path
+
+
+async def test_a_reader_of_a_reply_not_made_for_it_counts_what_it_sends_under_its_route():
+    # A resume of a reply that had ended (or one made on another replica) has no producer's
+    # record here: what it sent was counted nowhere.
+    engine = fast_engine(delay_ms=1.0, jitter_ms=0.0)
+    ask = {"prompt": "x", "max_tokens": 5, "resumable": True}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/replies", json=ask) as response:
+            reply_id = response.headers["X-Reply-Id"]
+            await response.read()
+        async with http.get(f"{url}/v1/replies/{reply_id}/stream") as response:
+            again = await response.read()
+        async with http.get(f"{url}/metrics") as response:
+            metrics = await response.text()
+    route = "/v1/replies/{reply_id}/stream"
+    counted = {
+        name: float(
+            next(
+                row
+                for row in metrics.splitlines()
+                if row.startswith(f'replystream_{name}_total{{endpoint="{route}"}} ')
+            ).split()[-1]
+        )
+        for name in ("events_sent", "bytes_sent")
+    }
+    assert counted == {"events_sent": again.count(b"\n\n"), "bytes_sent": len(again)}

@@ -55,7 +55,7 @@ from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID, REQUEST_ID
-from replystream.server.metrics import Metrics, ReplyRecord
+from replystream.server.metrics import Metrics, ReaderSends, ReplyRecord
 from replystream.server.refusal_names import refused
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
 from replystream.server.server_config import ServerConfig
@@ -388,9 +388,17 @@ def follower_of(
         readers=request.app[MANAGER_KEY],
         clock=request.app[KEEPALIVE_CLOCK_KEY],
         reply=reply,
-        record=None if reply is None else reply.record,
+        record=reader_sends(request) if reply is None else reply.record,
         place=place,
     )
+
+
+def reader_sends(request: web.Request) -> ReaderSends:
+    """Where a reader of a reply produced elsewhere counts what it sends: under the route it
+    reads on (a bounded label: the router's name for it, not the path with its id)."""
+    route = request.match_info.route.resource
+    name = route.canonical if route is not None else request.path
+    return request.app[METRICS_KEY].reader_sends(name)
 
 
 async def buffered(

@@ -278,6 +278,23 @@ class ReplyRecord:
             late[1].inc(nbytes)
 
 
+class ReaderSends:
+    """Where a reader of a reply produced elsewhere (another replica, or here before this
+    reader came: a resume) counts what it sends: the events and bytes counters of the route
+    it reads on, since the reply's own record is not here to take them."""
+
+    __slots__ = ("_bytes", "_events", "reason")
+
+    def __init__(self, events: Counter, bytes_sent: Counter) -> None:
+        self._events = events
+        self._bytes = bytes_sent
+        self.reason = ""  # why a reader was cut: the producer's record keeps the reply's
+
+    def on_send(self, nbytes: int, events: int = 1) -> None:
+        self._events.inc(events)
+        self._bytes.inc(nbytes)
+
+
 class _KeyCounters(NamedTuple):
     """One API key's token counters (``replystream_key_tokens``), one per kind."""
 
@@ -388,6 +405,7 @@ class Metrics:
         self.worker_restarts = Counter(WORKER_RESTARTS_NAME, WORKER_RESTARTS_HELP, registry=r)
         self._states: dict[str, Gauge] = {}
         self._children: dict[str, _Children] = {}
+        self._reader_sends: dict[str, ReaderSends] = {}
         self._key_children: dict[str, _KeyCounters] = {}
 
     def state(
@@ -470,6 +488,16 @@ class Metrics:
     def record(self, endpoint: str, *, streamed: bool) -> ReplyRecord:
         """A new reply's record, wired to the per-token histogram."""
         return ReplyRecord(endpoint, streamed, gaps=self.gaps)
+
+    def reader_sends(self, route: str) -> ReaderSends:
+        """The counters a reader of a reply not produced here counts into (``route``: the
+        route it reads on, as the router names it: ``/v1/replies/{reply_id}/stream``)."""
+        sends = self._reader_sends.get(route)
+        if sends is None:
+            sends = self._reader_sends[route] = ReaderSends(
+                self.events.labels(route), self.bytes.labels(route)
+            )
+        return sends
 
     def observe(self, record: ReplyRecord) -> None:
         """Account for one reply that has ended."""
