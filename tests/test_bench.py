@@ -102,6 +102,20 @@ async def run_bench(*args: str) -> tuple[int | None, bytes, bytes]:
     return process.returncode, stdout, stderr
 
 
+async def bench_until_ctrl_c(ready: asyncio.Event, *args: str) -> tuple[int | None, bytes, bytes]:
+    """``replystream bench ARGS`` as a process, sent Ctrl-C (SIGINT) once ``ready`` is set:
+    its exit status, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "replystream", "bench", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        await ready.wait()
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = await process.communicate()
+    return process.returncode, stdout, stderr
+
+
 async def test_cli_writes_the_json_contract_and_three_plots(scheduled_server, tmp_path):
     out = tmp_path / "bench.json"
     returncode, stdout, _ = await run_bench(
@@ -854,18 +868,12 @@ async def test_ctrl_c_in_a_sweep_reports_the_runs_before_it(tmp_path):
         await never.wait()  # until the reader hangs up
 
     async with running(lab_words(hold, at_request=7)) as url:
-        process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream", "--quiet"),
-            *("--profile", "sweep", "--requests", "2", "--sweep-steps", "2"),
-            *("--json", str(out)),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        code, stdout, stderr = await bench_until_ctrl_c(
+            waiting,
+            *(f"{url}/stream", "--quiet", "--profile", "sweep"),
+            *("--requests", "2", "--sweep-steps", "2", "--json", str(out)),
         )
-        async with asyncio.timeout(60):
-            await waiting.wait()
-            process.send_signal(signal.SIGINT)
-            stdout, stderr = await process.communicate()
-    assert process.returncode == 130, stderr.decode()
+    assert code == 130, stderr.decode()
     result = json.loads(await asyncio.to_thread(out.read_text))
     sweep = result["sweep"]
     assert [run["profile"] for run in result["runs"]] == ["synchronous", "throughput"]
@@ -1499,17 +1507,12 @@ async def test_ctrl_c_stops_a_run_and_reports_what_ended(tmp_path):
     app.router.add_post("/v1/chat/completions", completions)
     out_json = tmp_path / "run.json"
     async with running(app) as url:
-        process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "replystream", "bench", f"{url}/v1/chat/completions"),
-            *("--model", "m", "--concurrency", "2", "--duration", "600", "--json", str(out_json)),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        code, out, err = await bench_until_ctrl_c(
+            measuring,
+            *(f"{url}/v1/chat/completions", "--model", "m", "--concurrency", "2"),
+            *("--duration", "600", "--json", str(out_json)),
         )
-        async with asyncio.timeout(60):
-            await measuring.wait()
-            process.send_signal(signal.SIGINT)
-            out, err = await process.communicate()
-    assert process.returncode == 130, err
+    assert code == 130, err
     assert err == b""
     assert "interrupted (Ctrl-C)" in out.decode()
     result = json.loads(await asyncio.to_thread(out_json.read_text))
@@ -1542,17 +1545,12 @@ async def test_ctrl_c_counts_the_requests_it_cancelled_in_flight_as_sent(tmp_pat
     app.router.add_get("/stream", stream)
     out_json = tmp_path / "run.json"
     async with running(app) as url:
-        process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "replystream", "bench", f"{url}/stream", "--quiet"),
-            *("--concurrency", "2", "--duration", "600", "--json", str(out_json)),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        code, out, err = await bench_until_ctrl_c(
+            both_waiting,
+            *(f"{url}/stream", "--quiet", "--concurrency", "2"),
+            *("--duration", "600", "--json", str(out_json)),
         )
-        async with asyncio.timeout(60):
-            await both_waiting.wait()
-            process.send_signal(signal.SIGINT)
-            out, err = await process.communicate()
-    assert process.returncode == 130, err
+    assert code == 130, err
     lines = out.decode().splitlines()
     assert "Requests: 6 sent, 4 complete, 0 incomplete, 0 failed, 0 cancelled on purpose" in lines
     assert any(

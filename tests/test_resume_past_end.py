@@ -20,9 +20,11 @@ from tests.sse_client import post_events
 
 
 @contextlib.asynccontextmanager
-async def producer_and_reader(kind: str, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
-    """(the URL that starts replies, the URL that resumes them)."""
-    engine = fast_engine(delay_ms=1, jitter_ms=0)
+async def producer_and_reader(
+    kind: str, tmp_path: Path, delay_ms: float = 1
+) -> AsyncIterator[tuple[str, str]]:
+    """(the URL that starts replies, the URL that resumes them); ``delay_ms`` a token."""
+    engine = fast_engine(delay_ms=delay_ms, jitter_ms=0)
     if kind == "memory":
         async with running(create_app(engine)) as url:
             yield url, url
@@ -105,18 +107,14 @@ async def test_resume_past_the_last_event_of_a_live_reply_made_here_is_400(
 async def resume_live_elsewhere(tmp_path: Path, place: int) -> tuple[int, bytes, bytes]:
     """A 10-token reply made on one replica, resumed after ``place`` on another while it is
     live: (the resume's status, its body, the whole reply as its own client read it)."""
-    with redis_server(tmp_path) as redis:
-        engine = fast_engine(delay_ms=20, jitter_ms=0)
-        producer = create_app(engine, store=RedisReplayStore(redis.url))
-        reader = create_app(fast_engine(), store=RedisReplayStore(redis.url))
-        async with running(producer) as start, running(reader) as other:
-            live = await raw_request(
-                f"{start}/v1/replies",
-                "POST",
-                b'{"prompt": "x", "resumable": true, "max_tokens": 10}',
-            )
-            status, _, body = await resume(other, live.headers["x-reply-id"], str(place))
-            whole = await live.read_body()
+    async with producer_and_reader("redis", tmp_path, delay_ms=20) as (start, other):
+        live = await raw_request(
+            f"{start}/v1/replies",
+            "POST",
+            b'{"prompt": "x", "resumable": true, "max_tokens": 10}',
+        )
+        status, _, body = await resume(other, live.headers["x-reply-id"], str(place))
+        whole = await live.read_body()
     return status, body, whole
 
 
@@ -140,23 +138,19 @@ async def test_a_place_past_the_end_of_a_response_live_elsewhere_is_an_error_in_
 ):
     # The same on the Responses API: said in the client's own numbers (sequence numbers,
     # naming starting_after), as the error alone: the response itself did not fail.
-    with redis_server(tmp_path) as redis:
-        engine = fast_engine(delay_ms=20, jitter_ms=0)
-        producer = create_app(engine, store=RedisReplayStore(redis.url))
-        reader = create_app(fast_engine(), store=RedisReplayStore(redis.url))
-        async with running(producer) as start, running(reader) as other:
-            made = await raw_request(
-                f"{start}/v1/responses",
-                "POST",
-                b'{"input": "x", "background": true, "max_output_tokens": 10}',
-            )
-            response_id = json.loads(await made.read_body())["id"]
-            resumed = await raw_request(
-                f"{other}/v1/responses/{response_id}?stream=true&starting_after=500"
-            )
-            status, body = resumed.status, await resumed.read_body()
-            whole = await raw_request(f"{start}/v1/responses/{response_id}?stream=true")
-            last = int(json.loads(whole_events(await whole.read_body())[-1])["sequence_number"])
+    async with producer_and_reader("redis", tmp_path, delay_ms=20) as (start, other):
+        made = await raw_request(
+            f"{start}/v1/responses",
+            "POST",
+            b'{"input": "x", "background": true, "max_output_tokens": 10}',
+        )
+        response_id = json.loads(await made.read_body())["id"]
+        resumed = await raw_request(
+            f"{other}/v1/responses/{response_id}?stream=true&starting_after=500"
+        )
+        status, body = resumed.status, await resumed.read_body()
+        whole = await raw_request(f"{start}/v1/responses/{response_id}?stream=true")
+        last = int(json.loads(whole_events(await whole.read_body())[-1])["sequence_number"])
     assert status == 200
     events = whole_events(body)
     assert [json.loads(data)["type"] for data in events] == ["error"], body
