@@ -383,7 +383,8 @@ function send(prompt) {
 composer.addEventListener('submit', (event) => {
   event.preventDefault();
   if (running) return;
-  const prompt = promptBox.value;  // as written: a pasted block keeps its indentation
+  // As written, less trailing blank space: a pasted block keeps its indentation.
+  const prompt = promptBox.value.trimEnd();
   if (!prompt.trim()) {
     statusLine.textContent = 'Nothing to send: the message is empty.';
     return;
