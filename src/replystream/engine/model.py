@@ -28,6 +28,8 @@ _DTYPES = {"F32": np.float32, "F16": np.float16}
 # Keys per block of the prefill attention: a 256-query chunk's scores for one block, over the
 # 9 heads of SmolLM2, are 9 x 256 x 512 float32 = 4.5 MiB (the whole 4,096-token prefix: 36).
 KEY_BLOCK = 512
+# Rows of the rotary table made at load (for SmolLM2's 64 dims: 2 MiB), grown on demand past.
+ROTARY_ROWS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,11 +182,29 @@ class TinyModel:
                 )
             )
         D = c.head_dim
-        inv_freq = 1.0 / c.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)  # (D/2,)
-        angles = np.outer(np.arange(c.context), inv_freq)  # (context, D/2)
-        angles = np.concatenate((angles, angles), axis=-1)  # (context, D)
-        self.cos = np.cos(angles).astype(np.float32)
-        self.sin = np.sin(angles).astype(np.float32)
+        self._inv_freq = 1.0 / c.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D)
+        self._rotary = self._rotary_table(min(c.context, ROTARY_ROWS))  # (rows, D) each
+
+    def _rotary_table(self, rows: int) -> tuple[F32, F32]:
+        """cos and sin of positions ``0..rows-1`` (rows, head dim), in the rotate-half layout."""
+        angles = np.outer(np.arange(rows), self._inv_freq)  # (rows, D/2), float64
+        angles = np.concatenate((angles, angles), axis=-1)  # (rows, D)
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def _rotation(self, pos: NDArray[np.int64]) -> tuple[F32, F32]:
+        """cos and sin at positions ``pos`` (N,), each (N, 1, head dim).
+
+        The table grows (doubling, up to the context) to the furthest position run so far,
+        not to the context the weights claim: what a position costs is paid only by a
+        sequence the KV pool let reach it, and a file claiming 2^32 positions loads in the
+        memory of one that claims 2,048. Growing swaps the (cos, sin) pair whole, so a
+        reader never sees one table grown and the other not."""
+        cos, sin = self._rotary
+        furthest = int(pos.max()) if pos.size else -1
+        if furthest >= len(cos):
+            rows = min(self.config.context, max(furthest + 1, 2 * len(cos)))
+            cos, sin = self._rotary = self._rotary_table(rows)
+        return cos[pos][:, None, :], sin[pos][:, None, :]
 
     @classmethod
     def load(cls, directory: Path) -> TinyModel:
@@ -271,7 +291,7 @@ class TinyModel:
         groups = ([decode] if decode else []) + [[i] for i in prefills]
         spans = [(ch.seq_id, ch.start, n) for ch, n in zip(chunks, lengths, strict=True)]
         kv = cache.step(spans, groups)
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N, 1, head dim)
+        cos, sin = self._rotation(pos)  # (N, 1, head dim) each
         rows_d = ends[decode] - 1  # (B,) rows of the decode chunks
         seen = np.array([chunks[i].start + 1 for i in decode], dtype=np.int64)  # (B,)
         longest = int(seen.max()) if decode else 0
@@ -372,7 +392,7 @@ class TinyModel:
         pos = np.arange(T)
         x = self.embed[np.asarray(tokens, dtype=np.int64)]  # (T, d_model)
         causal = (pos[None, :] <= pos[:, None])[None]  # (1, T, T)
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (T, 1, head dim)
+        cos, sin = self._rotation(pos)  # (T, 1, head dim) each
         for w in self.layers:
             q, k, v = self._qkv(w, x, cos, sin)
             att = self._attend(q[None], k[None], v[None], causal)[0]  # (T, heads, head dim)
