@@ -8,10 +8,17 @@ proportion to what the metadata merely claims.
 
 from __future__ import annotations
 
+import os
+import resource
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType
 
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.gguf_engine import load_gguf_engine, load_gguf_model
@@ -57,3 +64,231 @@ def test_rotary_rows_past_the_first_table_are_those_a_whole_table_gives(tmp_path
     assert np.array_equal(cos[:, 0], np.cos(angles).astype(np.float32))
     assert np.array_equal(sin[:, 0], np.sin(angles).astype(np.float32))
     assert len(model._rotary[0]) < 4 * ROTARY_ROWS + 1
+
+
+def shaped(*shape: int) -> np.ndarray:
+    return np.full(shape, 0.01, np.float32)
+
+
+# (what is changed, the metadata and tensors that change it, what the refusal must say)
+REFUSED: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
+    # The block count checked against the blk.N tensors present.
+    ("more blocks claimed", {"block_count": 10**9}, {}, "block_count is 1000000000 but .* 0 to 1"),
+    ("a block missing", {"block_count": 3}, {}, "block_count is 3 but"),
+    (
+        "no block at all",
+        {},
+        {
+            f"blk.{i}.{n}": None
+            for i in (0, 1)
+            for n in (
+                "attn_norm.weight",
+                "attn_q.weight",
+                "attn_k.weight",
+                "attn_v.weight",
+                "attn_output.weight",
+                "ffn_norm.weight",
+                "ffn_gate.weight",
+                "ffn_up.weight",
+                "ffn_down.weight",
+            )
+        },
+        "no blk.N tensors",
+    ),
+    # Every tensor's shape checked against the metadata.
+    (
+        "a projection misshapen",
+        {},
+        {"blk.0.ffn_up.weight": shaped(32, 32)},
+        "blk.0.ffn_up.weight is 32x32; the metadata makes it 64x32",
+    ),
+    (
+        "fewer embedding rows",
+        {},
+        {"token_embd.weight": shaped(100, 32)},
+        "token_embd.weight is 100x32",
+    ),
+    (
+        "an output of another width",
+        {},
+        {"output.weight": shaped(260, 16)},
+        "output.weight is 260x16",
+    ),
+    (
+        "embedding_length not the tensors'",
+        {"embedding_length": 64},
+        {},
+        "the metadata makes it .*x64",
+    ),
+    ("feed_forward_length not the tensors'", {"feed_forward_length": 128}, {}, "makes it 128x32"),
+    (
+        "KV heads that do not divide the heads",
+        {"attention.head_count_kv": 3},
+        {},
+        "4 attention heads do not share 3 KV heads",
+    ),
+    (
+        "a vocab_size that is not the vocabulary's",
+        {"vocab_size": 300},
+        {},
+        "llama.vocab_size is 300 but the vocabulary has 260",
+    ),
+    # Metadata missing or unusable.
+    ("no head count", {"attention.head_count": None}, {}, "no llama.attention.head_count"),
+    ("no block count", {"block_count": None}, {}, "no llama.block_count"),
+    ("no context length", {"context_length": None}, {}, "no llama.context_length"),
+    ("zero heads", {"attention.head_count": 0}, {}, "head_count is 0; it must be a whole number"),
+    (
+        "heads given per layer",
+        {"attention.head_count": [4, 4]},
+        {},
+        "head_count is given per layer",
+    ),
+    ("a head count in words", {"attention.head_count": "four"}, {}, "head_count is 'four'"),
+    (
+        "heads that do not divide the width",
+        {"attention.head_count": 5},
+        {},
+        "not a multiple of 5 heads",
+    ),
+    (
+        "an odd head dimension",
+        {"attention.head_count": 32, "attention.head_count_kv": 32},
+        {},
+        "head dimension 1 is odd",
+    ),
+    ("rope base 0", {"rope.freq_base": 0.0}, {}, "rope.freq_base is 0.0"),
+    (
+        "a negative epsilon",
+        {"attention.layer_norm_rms_epsilon": -1.0},
+        {},
+        "layer_norm_rms_epsilon is -1.0",
+    ),
+    (
+        "a mixture of experts",
+        {"expert_count": 8, "expert_used_count": 2},
+        {},
+        "a mixture of 8 experts",
+    ),
+    (
+        "no vocabulary",
+        {"tokens": None, "token_type": None, "merges": None},
+        {},
+        "no tokenizer.ggml.tokens",
+    ),
+    (
+        "a BOS past the vocabulary",
+        {"bos_token_id": 100000},
+        {},
+        "bos_token_id is 100000, not one of the 260",
+    ),
+    ("an EOS past the vocabulary", {"eos_token_id": 260}, {}, "eos_token_id is 260"),
+    ("an EOT past the vocabulary", {"tokenizer.ggml.eot_token_id": 999}, {}, "eot_token_id is 999"),
+    ("fewer token types than tokens", {"token_type": [1, 1]}, {}, "2 token types for 260 tokens"),
+    (
+        "a merge of tokens not in the vocabulary",
+        {"merges": ["Ġ t", "q z"]},
+        {},
+        "merge 1 \\('q z'\\) joins tokens",
+    ),
+    (
+        "a missing layer tensor",
+        {},
+        {"blk.1.ffn_down.weight": None},
+        "no tensor blk.1.ffn_down.weight",
+    ),
+    ("no output norm", {}, {"output_norm.weight": None}, "no tensor output_norm.weight"),
+    (
+        "an integer tensor",
+        {},
+        {"blk.0.attn_norm.weight": np.ones(32, np.int32)},
+        "blk.0.attn_norm.weight is of kind I32",
+    ),
+    # Tensors and scalings the engine does not compute.
+    (
+        "Llama 3.1's rope_freqs",
+        {},
+        {"rope_freqs.weight": np.ones(4, np.float32)},
+        "does not compute: rope_freqs.weight \\(Llama 3.1's rope scaling\\)",
+    ),
+    (
+        "attention biases",
+        {},
+        {"blk.0.attn_q.bias": shaped(32), "blk.0.attn_k.bias": shaped(16)},
+        "does not compute: blk.0.attn_q.bias, blk.0.attn_k.bias \\(biases\\)",
+    ),
+    (
+        "yarn scaling with no factor",
+        {"rope.scaling.type": "yarn"},
+        {},
+        "rope scaling 'yarn' is not supported",
+    ),
+    (
+        "linear scaling",
+        {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
+        {},
+        "rope scaling 'linear'",
+    ),
+    (
+        "a scaling factor alone",
+        {"rope.scaling.factor": 8.0},
+        {},
+        "rope.scaling.factor 8.0 is not supported",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("meta", "tensors", "message"), [case[1:] for case in REFUSED], ids=[c[0] for c in REFUSED]
+)
+def test_a_file_the_engine_cannot_run_is_refused_in_one_line_naming_it(
+    tmp_path: Path, meta: dict[str, Any], tensors: dict[str, Any], message: str
+) -> None:
+    path = write_llama_gguf(tmp_path / "model.gguf", meta=meta, tensors=tensors)
+    with pytest.raises(ValueError, match=message) as refused:
+        load_gguf_engine(path)
+    text = str(refused.value)
+    assert text.startswith(f"{path}: ") and "\n" not in text, text
+
+
+def test_a_sound_file_with_its_own_output_and_quantised_weights_loads(tmp_path: Path) -> None:
+    path = write_llama_gguf(
+        tmp_path / "q8.gguf",
+        tensors={"output.weight": shaped(260, 32)},
+        kind=GGMLQuantizationType.Q8_0,
+    )
+    _, model, _ = load_gguf_model(path)
+    assert model.unembed is not model.embed
+
+
+def serve_check(path: Path) -> subprocess.CompletedProcess[str]:
+    """``serve --engine gguf:PATH --check`` in at most 3 GiB of address space."""
+
+    def bound() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    argv = [sys.executable, "-m", "replystream", "serve", "--engine", f"gguf:{path}", "--check"]
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env=env, preexec_fn=bound
+    )
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({"block_count": 10**9}, "llama.block_count is 1000000000 but the file has blocks 0 to 1"),
+        ({"attention.head_count": None}, "no llama.attention.head_count in the metadata"),
+        (
+            {"eos_token_id": 10**6},
+            "tokenizer.ggml.eos_token_id is 1000000, not one of the 260 tokens",
+        ),
+    ],
+)
+def test_serve_check_refuses_a_bad_file_in_one_line_with_exit_2(
+    tmp_path: Path, meta: dict[str, Any], message: str
+) -> None:
+    path = write_llama_gguf(tmp_path / "model.gguf", meta=meta)
+    done = serve_check(path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"replystream serve: --engine gguf:PATH: {path}: {message}"

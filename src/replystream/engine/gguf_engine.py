@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -50,10 +52,20 @@ def load_gguf_model(path: Path) -> tuple[GGUFModel, TinyModel, ByteTokenizer]:
     Raises:
         ValueError: a file this engine cannot run (named in the message).
     """
-    gguf = open_gguf(path)
-    tokenizer = build_tokenizer(gguf.vocabulary)
-    model = TinyModel(gguf.config, gguf.weights)
+    gguf = open_gguf(path)  # its refusals name the file already
+    with _naming(path):
+        tokenizer = build_tokenizer(gguf.vocabulary)
+        model = TinyModel(gguf.config, gguf.weights)
     return gguf, model, tokenizer
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """A ValueError raised inside names ``path`` first, as every refusal of a file does."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def prompt_format(gguf: GGUFModel, tokenizer: ByteTokenizer) -> PromptFormat:
@@ -79,11 +91,13 @@ def load_gguf_engine(
     """
     began = time.perf_counter()
     gguf, model, tokenizer = load_gguf_model(path)
+    with _naming(path):
+        prompts = prompt_format(gguf, tokenizer)
     engine = TinyEngine(
         model,
         tokenizer,
         config or GGUF_ENGINE_DEFAULTS,
-        prompts=prompt_format(gguf, tokenizer),
+        prompts=prompts,
         stop_tokens=gguf.vocabulary.stop_ids,
         name=name,
     )

@@ -8,8 +8,9 @@ float32 arrays under Hugging Face's Llama names, so ``model.TinyModel`` runs the
 2. llama.cpp's converter permutes the rows of the Q and K projections so that its rotary
    embedding can rotate adjacent pairs (x0, x1), (x2, x3)...; Hugging Face's Llama rotates
    halves (x_i, x_{i+D/2}). The permutation is undone here, so the model keeps one convention.
-3. Only what our model computes is accepted: the llama architecture, rotary embeddings over
-   the whole head, no rope scaling. Anything else is refused with a ValueError that names it.
+3. Only what our model computes is accepted: the llama architecture, and metadata, tensors
+   and token ids as ``gguf_checks.py`` checks them, before a weight is read. Anything else is
+   refused with a ValueError that names the file and what is wrong.
 It must not know about serving, tokenizers' algorithms or chat templates (it only hands over
 the vocabulary, merges and template strings the file stores).
 """
@@ -26,6 +27,7 @@ from gguf.quants import dequantize
 from numpy.typing import NDArray
 
 from replystream.engine.end_tokens import end_of_generation_ids
+from replystream.engine.gguf_checks import check_tensors, check_token_ids, model_config
 from replystream.engine.gguf_header import GGUFHeader, read_header
 from replystream.engine.model import ModelConfig
 
@@ -138,49 +140,35 @@ def open_gguf(path: Path) -> GGUFModel:
     if arch != "llama":
         raise ValueError(f"{path}: architecture {arch!r}; this engine runs 'llama' models")
 
-    def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"llama.{key}", default)
-
-    n_heads = int(meta("attention.head_count"))
-    d_model = int(meta("embedding_length"))
-    head_dim = d_model // n_heads
-    rope_dims = int(meta("rope.dimension_count", head_dim))
-    if rope_dims != head_dim or meta("attention.key_length", head_dim) != head_dim:
-        raise ValueError(f"{path}: rotary embedding over {rope_dims} of {head_dim} dimensions")
-    scaling = meta("rope.scaling.type", "none")
-    if scaling not in ("none", None) and float(meta("rope.scaling.factor", 1.0)) != 1.0:
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported")
     tokens = tuple(str(t) for t in _field(reader, "tokenizer.ggml.tokens", []))
-    config = ModelConfig(
-        vocab_size=int(meta("vocab_size", len(tokens))),
-        d_model=d_model,
-        n_layers=int(meta("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
-        d_ff=int(meta("feed_forward_length")),
-        context=int(meta("context_length")),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-    )
-    ids = {
-        key: _field(reader, f"tokenizer.ggml.{key}_token_id")
-        for key in ("bos", "eos", "eot", "eom")
-    }
+    try:
+        if not tokens:
+            raise ValueError("no tokenizer.ggml.tokens: the file holds no vocabulary")
+        config = model_config(reader.fields, len(tokens))
+        check_tensors(reader.tensors, config)
+        ids = {
+            key: _field(reader, f"tokenizer.ggml.{key}_token_id")
+            for key in ("bos", "eos", "eot", "eom")
+        }
+        check_token_ids(ids, len(tokens))
+        types = tuple(int(t) for t in _field(reader, "tokenizer.ggml.token_type", []))
+        if types and len(types) != len(tokens):
+            raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     spelt = {text: index for index, text in reversed(list(enumerate(tokens)))}  # first id wins
     stop_ids = end_of_generation_ids((ids[k] for k in ("eos", "eot", "eom")), spelt)
     vocabulary = Vocabulary(
         model=str(_field(reader, "tokenizer.ggml.model", "")),
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
         tokens=tokens,
-        token_types=tuple(int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])),
+        token_types=types,
         merges=tuple(str(m) for m in _field(reader, "tokenizer.ggml.merges", [])),
-        bos_id=None if ids["bos"] is None else int(ids["bos"]),
-        eos_id=None if ids["eos"] is None else int(ids["eos"]),
+        bos_id=ids["bos"],
+        eos_id=ids["eos"],
         stop_ids=stop_ids,
         chat_template=_field(reader, "tokenizer.chat_template"),
     )
     weights = _Weights(reader, config)
-    if "model.embed_tokens.weight" not in weights:
-        raise ValueError(f"{path}: no token_embd.weight tensor")
     name = str(_field(reader, "general.name", "") or path.stem)
     return GGUFModel(path, name, config, weights, vocabulary, path.stat().st_size)

@@ -58,7 +58,8 @@ def build_tokenizer(vocabulary: Vocabulary) -> ByteTokenizer:
     """The GGUF's tokenizer.
 
     Raises:
-        ValueError: not a byte-level BPE, or a pre-tokenizer this file does not know.
+        ValueError: not a byte-level BPE, a pre-tokenizer this file does not know, or merges
+            of tokens the vocabulary lacks.
     """
     v = vocabulary
     if v.model != "gpt2":
@@ -68,7 +69,17 @@ def build_tokenizer(vocabulary: Vocabulary) -> ByteTokenizer:
         raise ValueError(f"pre-tokenizer {v.pre!r} is not supported ({', '.join(PRE_TOKENIZERS)})")
     vocab = {token: index for index, token in enumerate(v.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in v.merges]
-    bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False)  # type: ignore[arg-type]
+    for number, pair in enumerate(merges):
+        # A merge joins two tokens into a third, all three in the vocabulary (as ``tokenizers``
+        # requires, with a message that names neither the file nor the merge's number).
+        if len(pair) != 2 or any(t not in vocab for t in (*pair, "".join(pair))):
+            raise ValueError(
+                f"merge {number} ({v.merges[number]!r}) joins tokens the vocabulary lacks"
+            )
+    try:
+        bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False)  # type: ignore[arg-type]
+    except Exception as exc:  # ``tokenizers`` raises a bare Exception for a vocabulary it refuses
+        raise ValueError(f"the vocabulary and merges make no tokenizer ({exc})") from None
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = make_pre()
     tokenizer.decoder = decoders.ByteLevel()
