@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import struct
 import subprocess
 import sys
 import tracemalloc
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType
 
 from replystream.engine.base import GenerationRequest, SamplingParams
@@ -292,3 +294,68 @@ def test_serve_check_refuses_a_bad_file_in_one_line_with_exit_2(
     done = serve_check(path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == f"replystream serve: --engine gguf:PATH: {path}: {message}"
+
+
+def with_nan(shape: tuple[int, ...], dtype: type = np.float32, bad: float = np.nan) -> np.ndarray:
+    array: np.ndarray = np.full(shape, 0.01, dtype)
+    array.flat[7] = bad
+    return array
+
+
+@pytest.mark.parametrize(
+    ("name", "array"),
+    [
+        ("token_embd.weight", with_nan((260, 32))),
+        ("blk.1.ffn_down.weight", with_nan((32, 64), bad=np.inf)),
+        ("blk.0.attn_norm.weight", with_nan((32,), np.float16, -np.inf)),
+    ],
+)
+def test_weights_that_are_not_finite_are_refused_at_load_naming_the_tensor(
+    tmp_path: Path, name: str, array: np.ndarray
+) -> None:
+    path = write_llama_gguf(tmp_path / "model.gguf", tensors={name: array})
+    with pytest.raises(ValueError, match=f"^{path}: tensor {name} holds values that are not fin"):
+        load_gguf_engine(path)
+
+
+def patched(path: Path, name: str, *, kind: int | None = None, offset: int | None = None) -> Path:
+    """``path`` with tensor ``name``'s kind or data offset overwritten in its header."""
+    reader = GGUFReader(path)
+    field = next(t for t in reader.tensors if t.name == name).field
+    data = bytearray(path.read_bytes())
+    for value, part, fmt in ((kind, field.parts[-2], "<I"), (offset, field.parts[-1], "<Q")):
+        if value is not None:
+            at = part.ctypes.data - reader.data.ctypes.data  # where the value lies in the file
+            struct.pack_into(fmt, data, at, value)
+    out = path.with_name(f"patched-{path.name}")
+    out.write_bytes(bytes(data))
+    return out
+
+
+def data_offset(path: Path, name: str) -> int:
+    reader = GGUFReader(path)
+    return int(next(t for t in reader.tensors if t.name == name).field.parts[-1][0])
+
+
+F16 = int(GGMLQuantizationType.F16)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # An F32 tensor said to be F16: half its bytes read, the rest left to no tensor.
+        ({"name": "blk.0.attn_q.weight", "kind": F16}, "blk.0.attn_k.weight starts at data off"),
+        ({"name": "blk.1.ffn_down.weight", "kind": F16}, "4096 bytes after the last tensor"),
+        ({"name": "blk.1.ffn_down.weight", "offset": 3}, "blk.1.ffn_down.weight starts at data of"),
+        ({"name": "blk.0.attn_k.weight", "offset": "blk.0.attn_q.weight"}, "attn_k.weight starts"),
+    ],
+)
+def test_tensors_not_laid_out_one_after_another_are_refused(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    sound = write_llama_gguf(tmp_path / "model.gguf")
+    if isinstance(change.get("offset"), str):  # overlapping the tensor of that name
+        change = change | {"offset": data_offset(sound, change["offset"])}
+    path = patched(sound, **change)
+    with pytest.raises(ValueError, match=f"^{path}: not a readable GGUF file \\(.*{message}"):
+        load_gguf_engine(path)

@@ -84,6 +84,11 @@ class _Weights(Mapping[str, F32]):
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
         w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         w = w.reshape(shape)  # (out features, in features) for a matrix, as in PyTorch
+        # One NaN or infinity makes every logit NaN from the first token on (and a NaN log
+        # probability is no JSON): refused here, while the file is being loaded. A pass over
+        # the float32 copy: about 30 ms on SmolLM2's 135M weights, once.
+        if not np.isfinite(w).all():
+            raise ValueError(f"tensor {tensor.name} holds values that are not finite numbers")
         c = self._config
         if name.endswith("q_proj.weight"):
             w = unpermute_rope_rows(w, c.n_heads)

@@ -118,8 +118,9 @@ def read_header(path: Path) -> GGUFHeader:
     """Map ``path`` and read its header; tensor data stay in the mapping until used.
 
     Raises:
-        ValueError: not a GGUF file, a version or byte order this reader does not read, or a
-            header that runs past the end of the file (each named in the message).
+        ValueError: not a GGUF file, a version or byte order this reader does not read, a
+            header that runs past the end of the file, or tensors not laid out one after
+            another as the header lists them (each named in the message).
     """
     with path.open("rb") as file:
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -156,6 +157,11 @@ def _parse(buffer: mmap.mmap) -> GGUFHeader:
         raise ValueError(f"alignment {alignment} is not a power of two")
     data_start = -(-cursor.at // alignment) * alignment
     tensors = []
+    # Tensors lie one after another in the order the header lists them, each at the next
+    # multiple of the alignment, as every writer lays them out and llama.cpp requires. A
+    # tensor elsewhere overlaps another or leaves bytes no tensor reads, which is what a
+    # damaged offset or a relabelled kind (so a wrong byte count) looks like.
+    expected = 0  # where the next tensor must start, from ``data_start``
     for name, dims, kind, offset in described:
         shape = tuple(reversed(dims))  # outermost first, as NumPy lays it out
         count = int(np.prod(dims, dtype=np.int64))
@@ -169,6 +175,14 @@ def _parse(buffer: mmap.mmap) -> GGUFHeader:
         start = data_start + offset
         if start + items * dtype.itemsize > len(buffer):
             raise ValueError(f"tensor {name} runs past the end of the file")
+        if offset != expected:
+            raise ValueError(
+                f"tensor {name} starts at data offset {offset}; the tensors before it "
+                f"end at {expected}"
+            )
+        expected = -(-(offset + items * dtype.itemsize) // alignment) * alignment
         data = np.frombuffer(buffer, dtype, items, start).reshape(shape)
         tensors.append(TensorInfo(name, kind, dims, data))
+    if len(buffer) > data_start + expected:  # the last tensor's padding may be left out
+        raise ValueError(f"{len(buffer) - data_start - expected} bytes after the last tensor")
     return GGUFHeader(version, fields, tensors)
