@@ -136,6 +136,8 @@ def write_llama_gguf(
         if kind != GGMLQuantizationType.F32 and array.ndim == 2 and array.dtype == np.float32:
             raw = quantize(array, kind)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        elif array.dtype == np.uint8:  # blocks already quantised to ``kind``
+            writer.add_tensor(name, array, raw_dtype=kind)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
 
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.gguf_engine import load_gguf_engine, load_gguf_model
@@ -359,3 +360,15 @@ def test_tensors_not_laid_out_one_after_another_are_refused(
     path = patched(sound, **change)
     with pytest.raises(ValueError, match=f"^{path}: not a readable GGUF file \\(.*{message}"):
         load_gguf_engine(path)
+
+
+def test_a_quantised_block_with_an_infinite_scale_is_refused_without_a_warning(
+    tmp_path: Path,
+) -> None:
+    blocks = quantize(np.full((64, 32), 0.01, np.float32), GGMLQuantizationType.Q8_0)
+    blocks[0, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # block 0's scale
+    blocks[0, 2:34] = 0  # inf * 0: NaN, and NumPy's "invalid value" warning
+    path = tmp_path / "model.gguf"
+    write_llama_gguf(path, tensors={"blk.0.ffn_up.weight": blocks}, kind=GGMLQuantizationType.Q8_0)
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight holds values that are not"):
+        load_gguf_engine(path)  # the suite makes warnings errors: none may come first

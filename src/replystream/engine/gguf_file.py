@@ -82,7 +82,10 @@ class _Weights(Mapping[str, F32]):
     def __getitem__(self, name: str) -> F32:
         tensor = self._tensors[self._gguf_name[name]]
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        # Damaged blocks (an infinite scale times a zero) make NaN: refused just below, by
+        # name, without NumPy's warning lines before the one line of the refusal.
+        with np.errstate(invalid="ignore", over="ignore"):
+            w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         w = w.reshape(shape)  # (out features, in features) for a matrix, as in PyTorch
         # One NaN or infinity makes every logit NaN from the first token on (and a NaN log
         # probability is no JSON): refused here, while the file is being loaded. A pass over
