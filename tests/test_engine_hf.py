@@ -632,3 +632,51 @@ def test_a_damaged_model_folder_is_one_line(model_dir: Path, tmp_path: Path, dam
     assert line.startswith(
         f"replystream serve: --engine hf:PATH: cannot load a causal LM from {tmp_path}: "
     )
+
+
+def copied(folder: Path, into: Path) -> Path:
+    """A copy of a model folder's files."""
+    for file in folder.iterdir():
+        if file.is_file():
+            (into / file.name).write_bytes(file.read_bytes())
+    return into
+
+
+def check_serve(folder: Path) -> subprocess.CompletedProcess[str]:
+    """``replystream serve --check --engine hf:FOLDER``."""
+    return subprocess.run(
+        [sys.executable, "-m", "replystream", "serve", "--check", "--engine", f"hf:{folder}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("damage", ["a layer's weights gone", "a template that is not Jinja"])
+def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start(
+    chat_model_dir: Path, tmp_path: Path, damage: str
+):
+    """Weights missing from the checkpoint were started at random (the server answered with
+    noise); a chat template that is not Jinja made every chat request a 400 blamed on the
+    client. Both are one line at start-up now."""
+    from safetensors.torch import load_file, save_file
+
+    folder = copied(chat_model_dir, tmp_path)
+    if damage == "a layer's weights gone":
+        weights = load_file(folder / "model.safetensors")
+        kept = {name: t for name, t in weights.items() if "layers.1." not in name}
+        save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+        says = "its weights lack 9 tensors the model needs (model.layers.1."
+    else:
+        broken = "{% for m in messages %}{{ m['content'] }"
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = broken
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        if (folder / "chat_template.jinja").exists():
+            (folder / "chat_template.jinja").write_text(broken)
+        says = "the chat template is not valid Jinja"
+    done = check_serve(folder)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines() or [""]
+    assert line.startswith("replystream serve: --engine hf:PATH: "), done.stderr
+    assert says in line, line

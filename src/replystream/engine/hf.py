@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from replystream.engine.base import (
     Delta,
@@ -314,9 +315,22 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
         ValueError: the folder does not hold a model ``transformers`` can load.
     """
     check_model_folder(path)
+    # A start-up says its one line: the loader's bar of tensors and its report of what the
+    # checkpoint lacked (which this function tells in its own words) are not printed.
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        # trust_remote_code stated: a folder asking to run its own code is loaded with the
+        # library's class of its kind, or refused, never asked about on a terminal.
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
+        # With output_loading_info the loader answers (model, what it found and lacked).
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False, output_loading_info=True
+        )
+        model, loading = loaded
     except RecursionError:
         raise  # a JSON file nested past the limit: told by the command, in words of its own
     except Exception as exc:
@@ -326,4 +340,20 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
         if len(words) > WORDS_MAX:
             words = words[: WORDS_MAX - 3] + "..."
         raise ValueError(f"cannot load a causal LM from {path}: {words}") from exc
-    return HFEngine(model, tokenizer, config)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        # The loader starts them at random and says so in a note: a model that would answer
+        # with noise (weights lost, or a checkpoint of another kind, an encoder's).
+        shown = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        raise ValueError(
+            f"cannot load a causal LM from {path}: its weights lack {len(missing)} tensors "
+            f"the model needs ({shown})"
+        )
+    try:
+        return HFEngine(model, tokenizer, config)
+    except ValueError as exc:  # its chat template, say: named with the folder
+        raise ValueError(f"{path}: {exc}") from None

@@ -20,7 +20,7 @@ import jinja2
 from tokenizers import Tokenizer
 
 from replystream.engine.base import RequestRejected
-from replystream.engine.chat_template import knows_developer, template_message
+from replystream.engine.chat_template import ChatTemplate, knows_developer, template_message
 from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.tokenizer import bytes_to_unicode
 
@@ -126,6 +126,9 @@ class HFChatPrompt:
             if token.special
         }
         source = str(getattr(tokenizer, "chat_template", None) or "")
+        # Compiled now, as a GGUF's is: a template that is not Jinja is the folder's fault,
+        # told at start-up, not every chat request's 400.
+        ChatTemplate(source)
         self._guard = ControlTokenGuard(control_ids, self, source)
         self._developer = knows_developer(source)
         self._later = _text_after_control(spec)
