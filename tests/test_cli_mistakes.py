@@ -204,6 +204,13 @@ CASES: list[tuple[list[str], str]] = [
         "--kv-blocks is an option of the tiny",
     ),
     (["serve", "--spec-tokens", "3"], "add --speculative prompt-lookup, or drop --spec-tokens"),
+    (  # drafts are cut to the step's budget: one of 3 leaves a draft of 3 no room at all
+        [
+            *("serve", "--check", "--engine", "tiny", "--speculative", "prompt-lookup"),
+            *("--spec-tokens", "3", "--token-budget", "3"),
+        ],
+        "--token-budget 3 leaves no room for --spec-tokens 3: a step drafting 3 tokens takes 4",
+    ),
     # a delivery default a request could not set: the request's own range holds for the server's
     (
         ["serve", "--engine", "simulated", "--port", "0", "--keepalive-s", "1e-9"],

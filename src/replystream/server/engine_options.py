@@ -176,12 +176,28 @@ def build_engine(args: argparse.Namespace) -> Engine:
             from replystream.engine.tiny import load_default_engine
 
             spec_tokens = args.spec_tokens if args.speculative != "off" else 0
-            return load_default_engine(
-                settings.fill(TinyEngineConfig, args, ENGINE_SETTINGS, spec_tokens=spec_tokens)
-            )
+            config = settings.fill(TinyEngineConfig, args, ENGINE_SETTINGS, spec_tokens=spec_tokens)
+            check_drafts(config)
+            return load_default_engine(config)
         return build_gguf(args, choice)
     except PoolTooLarge as exc:
         raise ValueError(f"--kv-blocks {exc.num_blocks}: {exc}") from None
+
+
+def check_drafts(config: TinyEngineConfig) -> None:
+    """Refuse a step budget that leaves a speculative draft no room: a sequence drafting k
+    tokens takes k + 1 in its step, and drafts are cut to fit the budget, so a budget of k or
+    less would turn speculation off without a word.
+
+    Raises:
+        ValueError: one line naming both flags.
+    """
+    if config.spec_tokens and config.token_budget < config.spec_tokens + 1:
+        raise ValueError(
+            f"--token-budget {config.token_budget} leaves no room for --spec-tokens "
+            f"{config.spec_tokens}: a step drafting {config.spec_tokens} tokens takes "
+            f"{config.spec_tokens + 1}; raise --token-budget or lower --spec-tokens"
+        )
 
 
 def build_gguf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
@@ -200,6 +216,7 @@ def build_gguf(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     }
     given["spec_tokens"] = args.spec_tokens if args.speculative != "off" else 0
     config = with_defaults(given)
+    check_drafts(config)
     try:
         if choice.path is None:
             engine, report = load_smollm2_engine(config)
