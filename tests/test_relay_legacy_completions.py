@@ -233,3 +233,35 @@ async def test_a_legacy_routes_404_for_a_chat_model_leaves_its_chat_requests_alo
         error = await not_found(url, "chatty")
     assert error["code"] == "model_not_found", error
     assert "This is a chat model" in error["message"], error
+
+
+async def test_a_token_named_by_its_bytes_counts_as_those_bytes_in_the_offsets():
+    """An upstream names a token that is part of a character ``bytes:`` and its bytes
+    escaped, as OpenAI's legacy completions do (and this server): its offset counted the 14
+    characters of the name, so every offset after it was wrong."""
+
+    class PartialCharacters(BaseModelServer):
+        async def complete(self, request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            # U+1F600 in two tokens of two bytes each, in the chunk of its whole character (as
+            # this server sends one), then a word.
+            halves = ["bytes:\\xf0\\x9f", "bytes:\\x98\\x80"]
+            probs = {
+                "tokens": halves,
+                "token_logprobs": [-0.5, -0.5],
+                "top_logprobs": [{name: -0.5} for name in halves],
+            }
+            await response.write(legacy_chunk("\U0001f600", logprobs=probs))
+            probs = {"tokens": [" ok"], "token_logprobs": [-0.5], "top_logprobs": [{" ok": -0.5}]}
+            await response.write(legacy_chunk(" ok", logprobs=probs))
+            await response.write(legacy_chunk("", "stop") + b"data: [DONE]\n\n")
+            return response
+
+    async with relay([PartialCharacters([])]) as url, client(url) as sdk:
+        got = await sdk.completions.create(model="base", prompt="Hi", logprobs=1)
+    logprobs = got.choices[0].logprobs
+    assert logprobs is not None and got.choices[0].text == "\U0001f600 ok"
+    assert logprobs.tokens == ["bytes:\\xf0\\x9f", "bytes:\\x98\\x80", " ok"]
+    # After the prompt's 2 characters: the emoji is one character, begun by its first token.
+    assert logprobs.text_offset == [2, 2, 3]
