@@ -362,6 +362,9 @@ async def test_prompt_tokens_are_counted_per_key():
         ({"model": "m", "input": []}, "non-empty list"),
         ({"model": "m", "input": ["a", [1]]}, "of one kind"),
         ({"model": "m", "input": ["a", ""]}, "input[1] must not be an empty string"),
+        ({"model": "m", "input": [[1], [1, 2**31]]}, "input[1]"),  # its param, nested
+        ({"model": "m", "input": [int("9" * 400)]}, "from 0 to 2147483647"),
+        ({"model": "m", "input": "x", "dimensions": 10**20}, "dimensions"),
         ({"model": "m", "input": [1, -2]}, "token ids"),
         ({"model": "m", "input": ["x"] * 2049}, "at most 2048 inputs"),
         ({"model": "m", "input": "x", "encoding_format": "int8"}, "encoding_format"),
@@ -377,6 +380,8 @@ async def test_a_bad_request_is_a_400_naming_what_is_wrong(body, words):
     assert status == 400, answer
     assert words in answer["error"]["message"] or words == answer["error"]["param"], answer
     assert not up.bodies
+    if "input[1]" in words:  # the path of the input at fault, as OpenAI's errors name it
+        assert answer["error"]["param"] == "input[1]", answer
 
 
 async def test_an_engine_that_makes_no_embeddings_says_so():

@@ -33,19 +33,31 @@ from replystream.server.validation import read_model
 
 ENDPOINT = "/v1/embeddings"
 MAX_INPUTS = 2048  # OpenAI's most inputs in one request
+# A token id past any vocabulary (2^31, what 32-bit ids hold), and more dimensions than any
+# embedding model makes: out of range here, never an upstream's 5xx counted on its circuit.
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_DIMENSIONS = 1 << 16
 
 
-def _one_input(value: Any, where: str) -> str | list[int]:
+def _one_input(value: Any, where: str, index: int | None = None) -> str | list[int]:
+    """One input (``where``: its path; ``index``: its place in the list, which the error's
+    ``param`` names after ``input``)."""
     if isinstance(value, str):
         if not value:
-            raise invalid(f"{where} must not be an empty string")
+            raise invalid(f"{where} must not be an empty string", param=index)
         return value
     if isinstance(value, list) and value:
         for token in value:
-            if type(token) is not int or token < 0:
-                raise invalid(f"{where} must be a string or a list of token ids (integers >= 0)")
+            if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
+                raise invalid(
+                    f"{where} must be a string or a list of token ids (integers from 0 to "
+                    f"{MAX_TOKEN_ID})",
+                    param=index,
+                )
         return value
-    raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids")
+    raise invalid(
+        f"{where} must be a non-empty string or a non-empty list of token ids", param=index
+    )
 
 
 def _input(value: Any) -> str | list[int] | list[str | list[int]]:
@@ -62,7 +74,7 @@ def _input(value: Any) -> str | list[int] | list[str | list[int]]:
     kinds = {type(item) for item in value}
     if len(kinds) > 1:
         raise invalid("input must hold inputs of one kind: all strings or all lists of token ids")
-    return [_one_input(item, f"input[{i}]") for i, item in enumerate(value)]
+    return [_one_input(item, f"input[{i}]", i) for i, item in enumerate(value)]
 
 
 class EmbeddingsBody(Strict):
@@ -71,7 +83,7 @@ class EmbeddingsBody(Strict):
     input: Annotated[Any, PlainValidator(_input)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
     user: str | None = None
 
 

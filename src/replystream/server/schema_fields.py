@@ -64,10 +64,13 @@ UNION_TAGS = frozenset(
 )
 
 
-def invalid(message: str, param: str | None = None) -> PydanticCustomError:
+def invalid(message: str, param: str | int | None = None) -> PydanticCustomError:
     """A failure whose message is a whole sentence naming the field. ``param`` names the
-    field for a check made on the whole object (across fields), whose place is the object."""
-    return PydanticCustomError("invalid_field", message, {"param": param} if param else None)
+    field for a check made on the whole object (across fields), whose place is the object;
+    an index, the item at fault of a list checked whole."""
+    return PydanticCustomError(
+        "invalid_field", message, {"param": param} if param is not None else None
+    )
 
 
 def unfit(phrase: str) -> PydanticCustomError:

@@ -215,7 +215,7 @@ def api_error(exc: ValidationError, model: type[Schema], what: str) -> HTTPAPIEr
         name = f"a key of {field_path(loc)}"
     # A check across an object's fields names one of them, inside the object's own place.
     named = error.get("ctx", {}).get("param")
-    param = field_path((*loc, named) if named else loc)
+    param = field_path((*loc, named) if named is not None else loc)
     if kind == "json_invalid":
         detail = error["msg"].removeprefix("Invalid JSON: ")
         return HTTPAPIError(400, f"{what} is not valid JSON: {detail}", code="invalid_json")
