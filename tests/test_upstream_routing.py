@@ -837,3 +837,14 @@ async def test_a_routes_files_headers_go_with_every_request_and_probe_and_are_ne
     assert answer.status == 400, answer.raw
     message = json.loads(answer.raw)["error"]["message"]
     assert secret not in message and "the secret (key withheld) is expired" in message, message
+
+
+async def test_a_model_whose_id_holds_a_slash_is_retrieved_by_its_path():
+    """Hugging Face names (``org/model``): the SDK sends the slash encoded, a plain client
+    as it is; both reach the model (the latter was a 404 ``not_found``)."""
+    async with relay([Upstream(["org/mod-1"])]) as url:
+        for path in ("org/mod-1", "org%2Fmod-1"):
+            status, one = await get_json(f"{url}/v1/models/{path}")
+            assert (status, one.get("id")) == (200, "org/mod-1"), (path, one)
+        status, missing = await get_json(f"{url}/v1/models/org/other")
+    assert status == 404 and missing["error"]["code"] == "model_not_found"

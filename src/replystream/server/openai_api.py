@@ -286,4 +286,5 @@ def add_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_get("/v1/models", handle_models)
-    app.router.add_get("/v1/models/{model}", handle_model)
+    # A model id may hold a slash (a Hugging Face name, org/model): the rest of the path.
+    app.router.add_get("/v1/models/{model:.+}", handle_model)
