@@ -66,6 +66,19 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
     (LEGACY, {"prompt": "a", "echo": "yes"}, 400, "invalid_value", "echo"),
     (LEGACY, {"prompt": "a", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     (LEGACY, {"prompt": "a", "model": "nope"}, 404, "model_not_found", "model"),
+    # Each of the n choices is the best of best_of: fewer candidates than choices is no request.
+    (LEGACY, {"prompt": "a", "n": 2, "best_of": 1}, 400, "invalid_value", "best_of"),
+    # Chat's own fields: OpenAI's legacy route has none of them, and was taking them silently.
+    *(
+        (LEGACY, {"prompt": "a", name: value}, 400, "unknown_parameter", name)
+        for name, value in (
+            ("parallel_tool_calls", False),
+            ("verbosity", "low"),
+            ("metadata", {"k": "v"}),
+            ("store", True),
+            ("reasoning_effort", "low"),
+        )
+    ),
 ]
 
 

@@ -124,17 +124,12 @@ class OpenAIBody(SamplingFields):
     repetition_penalty: RepetitionPenalty | None = None
     # Token id (as text) -> a bias added to its logit: honoured and relayed likewise.
     logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIASES)] | None = None
-    # Accepted and ignored.
+    # Who the request is for, and how a provider serves it: relayed as given, ignored by the
+    # built-in engines (a prompt cache's key: a relay's routing hint, too).
     user: str | None = None
-    metadata: Metadata | None = None
-    store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    verbosity: str | None = None
-    # Relayed to a chat upstream as given (chat only); ignored by engines that do not think.
-    reasoning_effort: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> OpenAIBody:
@@ -147,6 +142,14 @@ class ChatBody(OpenAIBody):
     """``POST /v1/chat/completions``."""
 
     messages: Messages
+    # Chat's alone (a legacy completion has none of them, and refuses them as unknown):
+    # accepted and ignored, or relayed to a chat upstream as given.
+    metadata: Metadata | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    verbosity: str | None = None
+    # Relayed to a chat upstream as given; ignored by engines that do not think.
+    reasoning_effort: str | None = None
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
@@ -217,3 +220,11 @@ class CompletionBody(OpenAIBody):
         Annotated[int, Field(ge=0, le=20), only(1, "1; this server makes no candidates")] | None
     ) = None
     suffix: Annotated[str, only("", "empty; this server does not fill in the middle")] | None = None
+
+    @model_validator(mode="after")
+    def _best_of_at_least_n(self) -> CompletionBody:
+        # OpenAI's rule: each of the n choices is the best of best_of candidates.
+        if self.best_of is not None and self.n is not None and self.best_of < self.n:
+            message = f"best_of ({self.best_of}) must be at least n ({self.n})"
+            raise invalid(message, "best_of")
+        return self
