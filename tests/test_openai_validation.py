@@ -56,8 +56,11 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
     (CHAT, {"messages": USER, "model": "gpt-4o"}, 404, "model_not_found", "model"),
     (CHAT, [1, 2], 400, "invalid_json", None),
     (LEGACY, {"model": "simulated"}, 400, "missing_required_parameter", "prompt"),
-    (LEGACY, {"prompt": ["a", "b"]}, 400, "invalid_value", "prompt"),
-    (LEGACY, {"prompt": [1, 2, 3]}, 400, "invalid_value", "prompt"),
+    # OpenAI's forms this server lacks (several prompts, token ids): a feature, not a value.
+    (LEGACY, {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+    (LEGACY, {"prompt": [1, 2, 3]}, 400, "unsupported_parameter", "prompt"),
+    (LEGACY, {"prompt": [[1, 2]]}, 400, "unsupported_parameter", "prompt"),
+    (LEGACY, {"prompt": 5}, 400, "invalid_value", "prompt"),
     # Values OpenAI takes for features this server lacks; out of OpenAI's range, a bad value.
     (LEGACY, {"prompt": "a", "echo": True}, 400, "unsupported_parameter", "echo"),
     (LEGACY, {"prompt": "a", "best_of": 3}, 400, "unsupported_parameter", "best_of"),

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Discriminator, Field, PlainValidator, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from replystream.server.chat_message_schemas import Messages
 from replystream.server.output_formats import ChatResponseFormat
@@ -202,6 +203,14 @@ class ChatBody(OpenAIBody):
 def _legacy_prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
+    if isinstance(value, list) and value and all(isinstance(v, (str, int, list)) for v in value):
+        # OpenAI's other forms (several prompts, token ids): a feature this server lacks,
+        # told as such, not as a value no API takes.
+        raise PydanticCustomError(
+            "not_honoured",
+            "must be a string (or a list of one string): this server takes neither several "
+            "prompts in one request nor a prompt as token ids",
+        )
     if not isinstance(value, str):
         raise invalid("prompt must be a string (or a list of one string)")
     return value
