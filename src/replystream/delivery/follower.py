@@ -397,8 +397,7 @@ class Follower:
         await self._send_entries(result.entries, last=result.ending is not None)
         if result.ending is not None:
             last_seq = result.last_seq
-            past = last_seq is not None and self._started_after > last_seq
-            if self.cursor.after == self._started_after and past and last_seq is not None:
+            if last_seq is not None and self.cursor.after == self._started_after > last_seq:
                 # It ended before the reader's place (a place past the end of a reply made
                 # elsewhere, followed while it was live): said, not an empty body, in the
                 # reader's own numbers (as the 400 a resume here would have had). A reader
