@@ -183,6 +183,8 @@ async def test_each_valued_flag_reaches_the_config_field_it_declares(row: settin
         extra = ["--engine", "simulated", "--delay-ms", "99"]
     if row.flag == "--upstream-queue-s":  # a wait for room under a limit: one is given
         extra = [*extra, "--upstream-max-outstanding", "2"]
+    if row.flag == "--token-budget":  # a small budget, with room for the drafts made
+        extra = [*extra, "--spec-tokens", "1"]
     args = args_of(*extra, row.flag, text)
     config = config_of(row, args)
     expected = parsed if row.convert is None else row.convert(parsed)
