@@ -386,3 +386,26 @@ async def test_an_outage_is_logged_once_as_it_begins_and_once_as_it_ends(tmp_pat
         assert re.fullmatch(ended, lines[1]), lines[1]
         failed_for = float(lines[1].split("failing for ")[1].split(" s")[0])
         assert 3.0 <= failed_for <= 7.0, lines[1]
+
+
+async def test_a_producer_found_lost_is_told_at_once_to_the_next_read(tmp_path: Path):
+    # Finding a producer lost takes a wait for its heartbeat (BEAT_CONFIRM_S); a response's
+    # object asked for again (every poll of a failed response) paid that wait each time.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url, liveness_s=1.0)
+        reader = RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("r"))
+        producer.append("r", [LogEntry(1, "token", "1")])
+        await producer.flush()
+        for task in producer._tasks:  # it dies: no more heartbeats, its liveness lapses
+            task.cancel()
+        await asyncio.sleep(1.5)
+        took = []
+        for _ in range(2):
+            began = time.monotonic()
+            result = await reader.read("r", 1, wait_s=0.1)
+            took.append(time.monotonic() - began)
+            assert result is not None and result.producer_lost
+        await producer.aclose()
+        await reader.aclose()
+    assert took[1] < took[0] / 2, took  # the second read asked no heartbeat again

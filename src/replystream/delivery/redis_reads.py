@@ -5,11 +5,14 @@ with the reply's metadata and newest entry in the same round trip, so it knows t
 size and whether the reply ended. One that has read everything waits on the one blocking
 ``XREAD`` this process shares (``redis_follow.StreamWatch``); when nothing came, it checks
 that the producer lives: its liveness key, or, that key gone (expired, or evicted), its
-heartbeat count moving within ``BEAT_CONFIRM_S``. A missing key is never taken for something
-else: a stream gone behind an ended reply is a gap up to the ``last`` its metadata keeps,
-then the ending; metadata gone behind a surviving stream is reported as evicted; only a reply
-whose every key is gone (and no producer writing it again) reads as unknown. Every read is
-retried through a failover (``RedisLink.retrying``). This file reads; it writes nothing.
+heartbeat count moving within ``BEAT_CONFIRM_S``; a producer so found lost is remembered for
+``LOST_REMEMBERED_S``, so the next read of its reply (a response's object asked for again, a
+resume) is told at once rather than after another such wait. A missing key is never taken
+for something else: a stream gone behind an ended reply is a gap up to the ``last`` its
+metadata keeps, then the ending; metadata gone behind a surviving stream is reported as
+evicted; only a reply whose every key is gone (and no producer writing it again) reads as
+unknown. Every read is retried through a failover (``RedisLink.retrying``). This file reads;
+it writes nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from replystream.delivery.redis_rows import (
 from replystream.delivery.replay import LogTail, ReadResult, ReplyInfo
 
 READ_BATCH = 1000
+# How long a producer found lost is taken as lost without asking again. Events its reply
+# gains meanwhile (a producer back from a partition) are read before this is looked at.
+LOST_REMEMBERED_S = 30.0
 
 
 class Found(NamedTuple):
@@ -59,6 +65,7 @@ class RemoteReads:
         self.watch = StreamWatch(self.redis, READ_BATCH, keys.slot_of_key)
         self.gaps = 0  # reads that told of lost entries
         self.evictions = 0  # keys found evicted
+        self._lost: dict[str, float] = {}  # replies whose producer was found lost, and when
 
     async def info(self, reply_id: str) -> Found:
         """A reply's owner and context, as Redis keeps them, or why not."""
@@ -170,6 +177,9 @@ class RemoteReads:
         result, offsets = await self._read_remote(reply_id, after)
         if result is None or result.entries or result.lost or result.ending:
             return result, offsets
+        found_lost = self._lost.get(reply_id)
+        if found_lost is not None and time.monotonic() - found_lost < LOST_REMEMBERED_S:
+            return ReadResult([], result.lost, None, producer_lost=True), offsets
         alive = self._link.recovering() or await self.redis.exists(
             self._keys.key(reply_id, ":live")
         )
@@ -185,7 +195,15 @@ class RemoteReads:
                 return result, offsets
             now = await self.redis.hget(self._keys.key(reply_id, ":meta"), "beat")
             alive = now is not None and now != beat
+            if not alive:
+                self._remember_lost(reply_id)
         return ReadResult([], result.lost, None, producer_lost=not alive), offsets
+
+    def _remember_lost(self, reply_id: str) -> None:
+        now = time.monotonic()
+        for old in [r for r, at in self._lost.items() if now - at >= LOST_REMEMBERED_S]:
+            del self._lost[old]
+        self._lost[reply_id] = now
 
     async def newest_write(self, reply_id: str) -> Newest:
         """The size of a reply's log in Redis so far, and what its latest write added."""
