@@ -10,10 +10,13 @@ times, from ``python -m benchmarks.redis_failover``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
 from pathlib import Path
+
+from redis.exceptions import RedisError
 
 from replystream.delivery.redis_call_counts import CallCounts, Verdict
 from replystream.delivery.redis_log_writer import LogWriter
@@ -409,3 +412,34 @@ async def test_a_producer_found_lost_is_told_at_once_to_the_next_read(tmp_path: 
         await producer.aclose()
         await reader.aclose()
     assert took[1] < took[0] / 2, took  # the second read asked no heartbeat again
+
+
+async def test_a_restart_a_reader_found_first_still_has_the_replies_held_written_again(
+    tmp_path: Path,
+):
+    # A replica that both produced a reply and looked for one it could not find: its read
+    # found the restart before its heartbeat did, and the repair the heartbeat would have
+    # ordered never came (the change was already seen): the ended reply stayed lost.
+    with redis_server(tmp_path) as server:
+        both = RedisReplayStore(server.url)
+        other = RedisReplayStore(server.url)
+        await both.create(ReplyInfo("ended"))
+        both.append("ended", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+        both.end("ended", "finished")
+        await both.flush()
+        await asyncio.sleep(1.5)  # its heartbeat has seen this Redis
+        for task in both._tasks:  # and beats no more: only the read below finds the restart
+            if task.get_name() == "redis-store-heartbeat":
+                task.cancel()
+        server.stop()
+        server.start()
+        for _ in range(3):  # its pool's connections made anew: no command of the store fails
+            with contextlib.suppress(RedisError, OSError):
+                await both.redis.ping()
+        assert await both.info("never-made") is None  # the read that finds the restart
+        async with asyncio.timeout(10):
+            while (result := await other.read("ended", 0, wait_s=0)) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        assert [e.seq for e in result.entries] == [1, 2, 3] and result.ending == "finished"
+        await both.aclose()
+        await other.aclose()

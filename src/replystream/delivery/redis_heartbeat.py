@@ -72,14 +72,10 @@ class Heartbeat:
 
     async def _check_servers(self) -> None:
         """Whether another Redis answers than at the last beat (restarted, or failed over):
-        if so, what this process holds is written again (a failure of the call is an outage,
-        which the writes find and tell of themselves)."""
-        try:
-            replaced = await self._link.servers_changed()
-        except (RedisError, OSError):
-            return
-        if replaced:
-            self._writer.failover.redis_replaced()
+        if so, the link has what this process holds written again (a failure of the call is
+        an outage, which the writes find and tell of themselves)."""
+        with contextlib.suppress(RedisError, OSError):
+            await self._link.servers_changed()
 
     async def reading(self, reply_id: str, joined: bool = False) -> None:
         """A reader here has just read reply ``reply_id``, produced elsewhere and not ended

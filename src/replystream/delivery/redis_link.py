@@ -69,8 +69,10 @@ class RedisLink:
         # When a command last failed, or first succeeded after failing: until producers have
         # written again, Redis may lack their liveness keys, or every key of their replies.
         self._troubled_at = -float("inf")
-        # The run ids of the Redis servers answering (a Cluster's primaries), when last asked.
+        # The run ids of the Redis servers answering (a Cluster's primaries), when last asked,
+        # and what must follow a change, whichever caller finds it (the writer's repair).
         self._servers: frozenset[str] | None = None
+        self.on_replaced: Callable[[], None] | None = None
 
     def unavailable(self, why: object) -> StoreUnavailable:
         """What a caller is told when Redis cannot be reached."""
@@ -111,7 +113,9 @@ class RedisLink:
         time): its ``run_id`` changes when it restarts, or another takes its place (a
         failover; for a Cluster, any of its primaries). A restart may be quick enough that no
         command here failed meanwhile, and without its data (no persistence) it lost every
-        reply: a change counts as a failure (``recovering``), as one seen would.
+        reply: a change counts as a failure (``recovering``), as one seen would, and
+        ``on_replaced`` is called, so the replies held here are written again however the
+        change was found (a heartbeat, or a reader that could not find a reply).
 
         Raises:
             RedisError, OSError: Redis could not be asked.
@@ -125,6 +129,8 @@ class RedisLink:
         if before is None or servers == before:
             return False
         self.failed()
+        if self.on_replaced is not None:
+            self.on_replaced()
         return True
 
     def recovering(self) -> bool:

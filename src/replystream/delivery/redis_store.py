@@ -119,6 +119,7 @@ class RedisReplayStore:
             ttl_after_end_s=ttl_after_end_s,
             liveness_s=liveness_s,
         )
+        self._link.on_replaced = self.writer.failover.redis_replaced
         self._heartbeat = Heartbeat(self._link, self.keys, self.writer)
         self.reads = RemoteReads(self._link, self.keys)
         self._delete = self.redis.register_script(DELETE_SCRIPT)
