@@ -188,7 +188,7 @@ class Follower:
         readers: Readers,
         clock: KeepaliveClock,
         reply: LiveReply | None,
-        record: SendRecord | None,
+        record: SendRecord,
         place: ResumePlace = BY_EVENT_ID,
     ) -> None:
         self.reply_id = reply_id
@@ -249,8 +249,7 @@ class Follower:
         else:
             sent = await self._write_within_deadline(data, last)
         self.last_write = time.monotonic()
-        if self.record is not None:
-            self.record.on_send(sent, events)
+        self.record.on_send(sent, events)
 
     async def _write_within_deadline(self, data: bytes, last: bool) -> int:
         try:
@@ -346,7 +345,7 @@ class Follower:
             await self.transport.end()
         except _Cut as cut:
             ending = cut.ending
-            if cut.ending == "slow_client" and self.record is not None:
+            if cut.ending == "slow_client":
                 self.record.reason = str(cut)
             log.info("follower of %s cut: %s", self.reply_id[:8], cut)
             self.transport.last_words(self._notice(str(cut), cut.ending), cut.ending)
@@ -531,8 +530,7 @@ class Follower:
             size = entries_bytes(entries)
         cursor.sent(entries[-1].seq, size)
         self.last_write = time.monotonic()
-        if self.record is not None:
-            self.record.on_send(sent, len(entries))
+        self.record.on_send(sent, len(entries))
         if self.reply is not None:
             self.reply.consumed(cursor.after)
 

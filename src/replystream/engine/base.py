@@ -247,6 +247,35 @@ def escaped_bytes(raw: bytes) -> str:
     return repr(raw)[2:-1]  # the repr without its b'...'
 
 
+# How a bytes literal's inside escapes a byte: the ones ``repr`` writes.
+_ESCAPED = {"n": 10, "r": 13, "t": 9, "\\": 92, "'": 39, '"': 34}
+
+
+def unescaped_bytes(text: str) -> bytes | None:
+    """The bytes ``escaped_bytes`` writes as ``text`` (None: no such spelling)."""
+    out = bytearray()
+    at = 0
+    while at < len(text):
+        char = text[at]
+        if char != "\\":
+            if not " " <= char <= "~":
+                return None
+            out.append(ord(char))
+            at += 1
+            continue
+        escape = text[at + 1 : at + 2]
+        digits = text[at + 2 : at + 4]
+        if escape == "x" and len(digits) == 2 and all(c in "0123456789abcdef" for c in digits):
+            out.append(int(digits, 16))
+            at += 4
+        elif escape in _ESCAPED:
+            out.append(_ESCAPED[escape])
+            at += 2
+        else:
+            return None
+    return bytes(out)
+
+
 def token_name(raw: bytes) -> str:
     """What log probabilities call a token of these bytes: its text; or, when its bytes are
     not whole UTF-8 characters (part of one), the bytes escaped (``\\xf0\\x9f``), as OpenAI's

@@ -16,7 +16,7 @@ import math
 import sys
 from typing import Any
 
-from replystream.engine.base import TokenLogprob, TopLogprob, token_name
+from replystream.engine.base import TokenLogprob, TopLogprob, token_name, unescaped_bytes
 
 
 def _finite(value: object) -> float | None:
@@ -42,41 +42,12 @@ def _candidate(entry: Any) -> TopLogprob | None:
     return TopLogprob(token, logprob, data)
 
 
-# How a bytes literal's inside escapes a byte: the ones ``repr`` writes.
-_ESCAPED = {"n": 10, "r": 13, "t": 9, "\\": 92, "'": 39, '"': 34}
-
-
-def _unescaped(text: str) -> bytes | None:
-    """The bytes ``base.escaped_bytes`` writes as ``text`` (None: no such spelling)."""
-    out = bytearray()
-    at = 0
-    while at < len(text):
-        char = text[at]
-        if char != "\\":
-            if not " " <= char <= "~":
-                return None
-            out.append(ord(char))
-            at += 1
-            continue
-        escape = text[at + 1 : at + 2]
-        digits = text[at + 2 : at + 4]
-        if escape == "x" and len(digits) == 2 and all(c in "0123456789abcdef" for c in digits):
-            out.append(int(digits, 16))
-            at += 4
-        elif escape in _ESCAPED:
-            out.append(_ESCAPED[escape])
-            at += 2
-        else:
-            return None
-    return bytes(out)
-
-
 def _legacy_token(name: str) -> tuple[str, bytes]:
     """A legacy token's name and bytes: one named ``bytes:`` and its bytes escaped (part of
     a character, as OpenAI's legacy completions and this server name it) is those bytes,
     not the 14 characters of its name; any other is its own UTF-8."""
     if name.startswith("bytes:"):
-        raw = _unescaped(name.removeprefix("bytes:"))
+        raw = unescaped_bytes(name.removeprefix("bytes:"))
         if raw is not None:
             return token_name(raw), raw
     return name, name.encode()
