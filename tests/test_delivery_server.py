@@ -336,3 +336,29 @@ async def test_client_leaving_cancels_in_both_native_modes_and_metrics_say_so():
     assert re.search(
         rb'replystream_replies_total\{endpoint="/v1/replies",outcome="cancelled"\} 2', metrics
     )
+
+
+@pytest.mark.parametrize(
+    ("route", "ask"), [(route, ask) for route, ask, *_ in MODERATED_ROUTES], ids=str
+)
+async def test_a_request_may_widen_the_servers_holdback_window_but_not_narrow_it(route, ask):
+    # The Responses and Messages APIs take replystream's own fields under ``replystream``.
+    under = "replystream." if route in ("/v1/responses", "/v1/messages") else ""
+
+    def extension(tokens: int) -> dict[str, object]:
+        if under:
+            return {"replystream": {"holdback_tokens": tokens}}
+        return {"holdback_tokens": tokens}
+
+    engine = fast_engine(reply_text=COUNTED, delay_ms=2, jitter_ms=0)
+    async with serve(engine, holdback_tokens=3, checks=(BannedPhrases(["five six"]),)) as url:
+        narrowed = await raw_request(
+            f"{url}{route}", "POST", json.dumps({**ask, **extension(1)}).encode()
+        )
+        refusal = json.loads(await narrowed.read_body())["error"]
+        widened = await post_events(f"{url}{route}", {**ask, **extension(5)})
+    assert narrowed.status == 400
+    assert refusal["param"] == f"{under}holdback_tokens"
+    assert "holdback_tokens is 1" in refusal["message"]
+    assert "at least 3 tokens" in refusal["message"]
+    assert "six" not in widened.text and "five" not in widened.text

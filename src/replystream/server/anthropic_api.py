@@ -167,7 +167,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await read_model(request, MessagesBody)
     conversation = _conversation(request, body)
-    policy = delivery_overrides(_sampling(body), app[CONFIG_KEY].policy)
+    policy = delivery_overrides(_sampling(body), app[CONFIG_KEY].policy, under="replystream.")
     model = conversation.model or served_model(app)
     generation = replace(
         conversation,

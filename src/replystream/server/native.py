@@ -144,8 +144,12 @@ def penalties(body: SamplingFields) -> dict[str, Any]:
     return given
 
 
-def delivery_overrides(body: SamplingFields, defaults: DeliveryPolicy) -> DeliveryPolicy:
-    """The server's delivery policy with this request's overrides applied."""
+def delivery_overrides(
+    body: SamplingFields, defaults: DeliveryPolicy, *, under: str = ""
+) -> DeliveryPolicy:
+    """The server's delivery policy with this request's overrides applied; ``under``: where
+    the route's client puts these fields (``replystream.`` on the Responses and Messages
+    APIs), for the name a refusal gives."""
     changes: dict[str, object] = {
         name: value
         for name in ("batch_tokens", "batch_ms", "holdback_tokens", "keepalive_s")
@@ -153,6 +157,15 @@ def delivery_overrides(body: SamplingFields, defaults: DeliveryPolicy) -> Delive
     }
     if not changes:
         return defaults
+    held = changes.get("holdback_tokens")
+    if defaults.checks and isinstance(held, int) and held < defaults.holdback_tokens:
+        # The server's window is what keeps every part of a banned phrase from being sent:
+        # a request may widen it, never narrow it.
+        message = (
+            f"holdback_tokens is {held}; this server holds back at least "
+            f"{defaults.holdback_tokens} tokens for its moderation checks"
+        )
+        raise bad(f"{under}holdback_tokens", message)
     try:
         return defaults.with_overrides(**changes)
     except ValueError as exc:  # a combination the policy itself refuses

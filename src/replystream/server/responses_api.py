@@ -140,7 +140,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
     config = app[CONFIG_KEY]
     body = await read_model(request, ResponsesBody)
     made = await response_prompt(request, body)
-    policy = delivery_overrides(_sampling(body), config.policy)
+    policy = delivery_overrides(_sampling(body), config.policy, under="replystream.")
     sampling = sampling_params(
         _sampling(body), body.max_output_tokens, logprobs=body.shown_logprobs
     )
