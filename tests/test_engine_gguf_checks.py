@@ -286,7 +286,12 @@ def serve_check(path: Path) -> subprocess.CompletedProcess[str]:
             {"eos_token_id": 10**6},
             "tokenizer.ggml.eos_token_id is 1000000, not one of the 260 tokens",
         ),
+        (  # written for another runtime's helpers: would fail every chat request
+            {"tokenizer.chat_template": "{{ render_turns(messages) }}"},
+            "the chat template fails on one user message: 'render_turns' is undefined",
+        ),
     ],
+    ids=["blocks", "heads", "eos", "template"],
 )
 def test_serve_check_refuses_a_bad_file_in_one_line_with_exit_2(
     tmp_path: Path, meta: dict[str, Any], message: str

@@ -469,9 +469,15 @@ async def test_a_template_that_refuses_the_conversation_is_the_requests_fault(
     template = (
         "{% if messages[0]['role'] != 'user' %}"
         "{{ raise_exception('Conversations must start with the user') }}{% endif %}"
-        "{% for message in messages %}{{ message['content'] + message['role'] | length }}"
-        "{% endfor %}"
+        "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+        "{{ message['content'] + message['role'] | length }}"
+        "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
     )
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and?"},
+    ]
     folder = tiny_llama(tmp_path, ["<s>"], CORPUS, template)
     engine = load_hf_engine(folder)
     system = {"role": "system", "content": "be brief"}
@@ -480,20 +486,15 @@ async def test_a_template_that_refuses_the_conversation_is_the_requests_fault(
             refused = await post_events(
                 f"{url}/v1/chat/completions", {"messages": [system], "max_tokens": 1}
             )
-            failed = await post_events(
-                f"{url}/v1/messages",
-                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
-            )
-            counted = await post_events(
-                f"{url}/v1/messages/count_tokens",
-                {"messages": [{"role": "user", "content": "hi"}]},
-            )
+            failed = await post_events(f"{url}/v1/messages", {"messages": turns, "max_tokens": 1})
+            counted = await post_events(f"{url}/v1/messages/count_tokens", {"messages": turns})
     finally:
         await engine.aclose()
     error = json.loads(refused.raw)["error"]
     assert refused.status == 400 and error["param"] == "messages"
     assert "Conversations must start with the user" in error["message"]
-    # The template adds text to a number: a TypeError, in Anthropic's error shape.
+    # The template adds text to a number at an assistant's turn: a TypeError, in Anthropic's
+    # error shape.
     for reply in (failed, counted):
         assert reply.status == 400
         assert json.loads(reply.raw)["error"]["type"] == "invalid_request_error"

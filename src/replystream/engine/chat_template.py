@@ -102,13 +102,19 @@ def _continue_tag(source: str, messages: Sequence[Mapping[str, str]]) -> str:
     return f"{mark} "
 
 
+# What a template's render may raise: its own refusal, Jinja's errors, and a Python
+# operation on the wrong kind of value (a template indexing a string, adding a list).
+_RENDER_FAILURES = (_TemplateRaised, jinja2.TemplateError, TypeError, KeyError)
+
+
 class ChatTemplate:
     """One compiled template, and the special tokens it may name."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         """
         Raises:
-            ValueError: the template is not valid Jinja.
+            ValueError: the template is not valid Jinja, or fails on the simplest
+                conversation (one user message), as every request would find it.
         """
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -124,6 +130,14 @@ class ChatTemplate:
         self._developer = knows_developer(source)
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # A template written for other helpers than ours (a function it calls is undefined
+        # here) compiles, and would then fail every chat request as a 400 blamed on the
+        # client: the model's fault, told at start-up.
+        trial = {"messages": [{"role": "user", "content": "Hello"}], "add_generation_prompt": True}
+        try:
+            self._template.render({**trial, "bos_token": bos_token, "eos_token": eos_token})
+        except _RENDER_FAILURES as exc:
+            raise ValueError(f"the chat template fails on one user message: {exc}") from None
 
     def render(
         self,
@@ -160,7 +174,7 @@ class ChatTemplate:
                     "eos_token": self.eos_token,
                 }
             )
-        except (_TemplateRaised, jinja2.TemplateError, TypeError, KeyError) as exc:
+        except _RENDER_FAILURES as exc:
             raise RequestRejected(
                 f"the model's chat template refuses these messages: {exc}", param="messages"
             ) from None
