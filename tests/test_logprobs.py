@@ -320,6 +320,27 @@ async def test_legacy_logprobs_name_each_partial_character_token_by_its_bytes():
     assert streamed == {name: getattr(lp, name) for name in streamed}
 
 
+async def test_legacy_top_logprobs_keep_the_likeliest_of_tokens_with_one_name():
+    # A chat model's control tokens (SmolLM2 has 17) decode to no bytes, so they share the
+    # name "": the made one (the likeliest) must keep its own log probability as the key's,
+    # not take that of a less likely control token listed after it.
+    engine = ByteTokensEngine([[b"", b"ok", b""], [b"ok", b"", b"", b"!"]])
+    ask: dict[str, Any] = {"model": "scripted", "prompt": "x", "logprobs": 4}
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.completions.create(**ask)
+        chunks = [c async for c in await client.completions.create(**ask, stream=True)]
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs == [-1.0, -1.0]
+    assert lp.top_logprobs == [{"": -1.0, "ok": -2.0}, {"ok": -1.0, "": -2.0, "!": -4.0}]
+    streamed = [
+        top
+        for c in chunks
+        if c.choices[0].logprobs
+        for top in c.choices[0].logprobs.top_logprobs or []
+    ]
+    assert streamed == lp.top_logprobs
+
+
 async def test_streamed_legacy_text_offsets_are_places_in_the_text_after_a_held_stop_tail():
     # "ee f" of "three four" may begin the stop string: "thr" goes out with the token
     # "three ", and "ee " goes out later with "four "; every offset after is in the text.

@@ -174,7 +174,11 @@ def completion_logprobs(
 def _legacy_tops(made: Sequence[TokenLogprob]) -> list[dict[str, float]]:
     tops: list[dict[str, float]] = []
     for token in made:
-        top = {legacy_token(t): t.logprob for t in token.top}
+        # Tokens of one name (a model's control tokens, whose bytes are all empty) are one
+        # key: it keeps the likeliest's log probability, as the alternatives come best first.
+        top: dict[str, float] = {}
+        for t in token.top:
+            top.setdefault(legacy_token(t), t.logprob)
         top.setdefault(legacy_token(token), token.logprob)
         tops.append(top)
     return tops
