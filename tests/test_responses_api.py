@@ -525,6 +525,30 @@ async def test_a_resume_at_the_last_event_of_a_response_names_the_response_id():
     assert past["message"] == f"starting_after {last + 1} is past this reply's last event ({last})"
 
 
+async def test_the_sdk_asks_once_to_resume_after_the_last_event_of_an_ended_response():
+    # The SDKs retry a 409 unless told not to: "reply_ended" is final, so it says so, and a
+    # client with the default retries has its answer from one request, with no back-off.
+    sent: list[str] = []
+
+    async def count(request: Any) -> None:
+        sent.append(str(request.url.path))
+
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url:
+        http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [count]})
+        client = openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=2, http_client=http
+        )
+        async with client:
+            done = await client.responses.create(model="simulated", input="x", max_output_tokens=3)
+            last = len([e async for e in await client.responses.retrieve(done.id, stream=True)])
+            sent.clear()
+            with pytest.raises(openai.ConflictError) as raised:
+                await client.responses.retrieve(done.id, stream=True, starting_after=last - 1)
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert sent == [f"/v1/responses/{done.id}"]
+
+
 async def test_an_event_source_resumes_a_response_with_last_event_id():
     engine = fast_engine(reply_text=REPLY)
     async with running(create_app(engine)) as url, sdk(url) as client:

@@ -87,7 +87,7 @@ def speaks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
     return shared and ANTHROPIC_HEADER in headers
 
 
-_KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id")
+_KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id", "X-Should-Retry")
 
 
 def retry_after_value(wait_s: float) -> str:
@@ -110,6 +110,11 @@ def error_response(
     response[API_ERROR] = (message, code, param)
     if retry_after_s is not None:
         response.headers["Retry-After"] = retry_after_value(retry_after_s)
+    if status == 409:
+        # The openai and anthropic SDKs retry a 409 twice by default (a lock another request
+        # held, in their APIs). Ours is a reply that has ended: asking again changes nothing,
+        # and their header says so, so the client has its answer at once.
+        response.headers["X-Should-Retry"] = "false"
     return response
 
 
