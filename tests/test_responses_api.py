@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import openai
@@ -21,6 +21,7 @@ from replystream.sse import EventParser
 from tests.conftest import fast_engine, our_code, wait_for
 
 REPLY = "one two three four five six seven eight nine ten"
+LOGPROBS: Final = "message.output_text.logprobs"
 OPENING = [
     "response.created",
     "response.in_progress",
@@ -547,6 +548,36 @@ async def test_the_sdk_asks_once_to_resume_after_the_last_event_of_an_ended_resp
                 await client.responses.retrieve(done.id, stream=True, starting_after=last - 1)
     assert raised.value.response.headers["x-should-retry"] == "false"
     assert sent == [f"/v1/responses/{done.id}"]
+
+
+async def test_retrieve_takes_include_and_include_obfuscation_only_at_what_it_does():
+    # The SDK sends both from OpenAI's spec of the route; a value this server cannot honour
+    # is refused, as POST /v1/responses refuses it, rather than ignored.
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        done = await client.responses.create(model="simulated", input="x", max_output_tokens=3)
+        refused: list[Any] = []
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as padded:
+                await client.responses.retrieve(done.id, stream=stream, include_obfuscation=True)
+            with pytest.raises(openai.BadRequestError) as included:
+                await client.responses.retrieve(
+                    done.id, stream=stream, include=["reasoning.encrypted_content"]
+                )
+            refused += [padded.value.body, included.value.body]
+        plain = await client.responses.retrieve(
+            done.id, include_obfuscation=False, include=[LOGPROBS]
+        )
+        events = await client.responses.retrieve(
+            done.id, stream=True, include_obfuscation=False, include=[LOGPROBS]
+        )
+        assert isinstance(events, openai.AsyncStream)
+        streamed = [event.type async for event in events]
+    assert [(body["param"], body["code"]) for body in refused] == [
+        ("include_obfuscation", "unsupported_parameter"),
+        ("include[0]", "unsupported_parameter"),
+    ] * 2
+    assert plain.status == "incomplete" and streamed[-1] == "response.incomplete"
 
 
 async def test_an_event_source_resumes_a_response_with_last_event_id():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, ConfigDict, PlainValidator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from replystream.engine.base import MAX_TOKENS_LIMIT
@@ -99,13 +99,46 @@ class ResumeCursor(Query):
     ] = None
 
 
+# What ``include`` may name on ``GET /v1/responses/{id}``: the log probabilities a response
+# was made with (its text's, when its request included them; ``[]`` otherwise).
+RETRIEVE_INCLUDE = "message.output_text.logprobs"
+
+
+def _retrieve_include(raw: Any) -> str:
+    if raw == RETRIEVE_INCLUDE:
+        return str(raw)
+    raise PydanticCustomError(
+        "not_honoured",
+        "may hold only {taken}: a response here has no other output to add; got {value}",
+        {"value": _cut(raw), "taken": RETRIEVE_INCLUDE},
+    )
+
+
+def _no_obfuscation(raw: bool) -> bool:
+    if raw:
+        raise PydanticCustomError(
+            "not_honoured", "must be false; this server does not pad events", {}
+        )
+    return raw
+
+
 class RetrieveQuery(ResumeCursor):
     """``GET /v1/responses/{id}``: the object (``stream`` absent or false), or its events
     after ``starting_after`` (a sequence number, from 0; absent: from the first), or after
-    ``last_event_id`` (an event's SSE ``id:``, the sequence number plus one)."""
+    ``last_event_id`` (an event's SSE ``id:``, the sequence number plus one). ``include``
+    and ``include_obfuscation``, which the SDKs send from OpenAI's spec of this route, are
+    taken at what this server does, as ``POST /v1/responses`` takes them: another value is
+    a 400, not ignored."""
+
+    field_codes: ClassVar[Mapping[str, str]] = {"include": "unsupported_parameter"}
+    list_params: ClassVar[frozenset[str]] = frozenset({"include"})
 
     stream: Annotated[bool, _flag("stream")] = False
     starting_after: Annotated[int, _digits("starting_after", 0, MAX_SEED)] | None = None
+    include: tuple[Annotated[str, PlainValidator(_retrieve_include)], ...] = ()
+    include_obfuscation: Annotated[
+        bool, _flag("include_obfuscation"), AfterValidator(_no_obfuscation)
+    ] = False
 
 
 # OpenAI's values of ``include`` (its ``IncludeEnum``), and those of them that apply to the
