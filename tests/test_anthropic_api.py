@@ -80,6 +80,35 @@ async def test_events_come_in_anthropic_order_each_with_an_id_to_resume_from():
     assert [(e.type, e.data) for e in rest] == [(e.type, e.data) for e in events[3:]]
 
 
+async def test_a_message_asked_resumable_is_resumed_by_its_event_ids():
+    # On a server without --resumable-by-default, as chat's ``resumable`` asks it there.
+    engine = fast_engine(reply_text=REPLY)
+    body = {**ASK, "max_tokens": 6, "stream": True}
+    asked = {**body, "replystream": {"resumable": True}}
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        rests = []
+        for ask in (asked, body):
+            async with http.post(f"{url}/v1/messages", json=ask) as response:
+                reply_id = response.headers["X-Reply-Id"]
+                head = b""
+                while head.count(b"\n\n") < 3:  # message_start, the block's start, a delta
+                    head += await response.content.readany()
+            headers = {"Last-Event-ID": "3"}
+            stream = f"{url}/v1/replies/{reply_id}/stream"
+            async with http.get(stream, headers=headers) as again:
+                rests.append((again.status, await again.read()))
+        whole = {**ASK, "stream": False, "replystream": {"resumable": True}}
+        async with http.post(f"{url}/v1/messages", json=whole) as response:
+            refused = (response.status, (await response.json())["error"]["param"])
+    (status, rest), (not_kept, _) = rests
+    events = EventParser().feed(rest)
+    assert status == 200 and not_kept == 404
+    assert [e.type for e in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    texts = [json.loads(e.data)["delta"]["text"] for e in events if e.type == "content_block_delta"]
+    assert "".join(texts) == "two three four five six "  # after the delta holding "one "
+    assert refused == (400, "replystream.resumable")
+
+
 async def test_an_engine_failure_mid_stream_is_anthropics_error_event():
     engine = fast_engine(reply_text=REPLY, fail_after=3)
     async with running(create_app(engine)) as url, sdk(url) as client:

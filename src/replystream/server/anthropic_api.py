@@ -187,7 +187,8 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
             endpoint="/v1/messages",
             fmt=AnthropicStreamFormat(model, input_tokens),
             policy=policy,
-            resumable=None,  # the server's default, as on the other routes
+            # None: the server's default, as on the other routes.
+            resumable=body.replystream.resumable if body.replystream else None,
         )
     return follow_started(request, reply, policy, keepalive=PING, notices=ReaderNotices())
 

@@ -282,6 +282,15 @@ class MessagesInput(Strict):
 THINKING_TOP_P_MIN = 0.95  # the lowest top_p Anthropic takes with thinking on
 
 
+class MessagesExtensions(ResponsesExtensions):
+    """replystream's own fields of a message, under ``replystream``: those of a response,
+    and ``resumable`` (a stream whose client leaves goes on, to be resumed by its event ids
+    at ``GET /v1/replies/{id}/stream``), as on chat. A response has ``background`` and
+    ``store`` for that instead."""
+
+    resumable: bool | None = None
+
+
 class MessagesBody(MessagesInput):
     """``POST /v1/messages`` (Anthropic's Messages API)."""
 
@@ -297,7 +306,14 @@ class MessagesBody(MessagesInput):
     # Priority capacity, where it is offered, or the standard only: this server has one
     # capacity, which is what either asks for.
     service_tier: Literal["auto", "standard_only"] | None = None
-    replystream: ResponsesExtensions | None = None
+    replystream: MessagesExtensions | None = None
+
+    @model_validator(mode="after")
+    def _resumable_is_streamed(self) -> MessagesBody:
+        if self.replystream is not None and self.replystream.resumable and not self.stream:
+            message = "a resumable reply must be streamed (stream: true)"
+            raise invalid(message, "replystream.resumable")
+        return self
 
     @model_validator(mode="after")
     def _what_thinking_allows(self) -> MessagesBody:
