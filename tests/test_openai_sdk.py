@@ -293,3 +293,23 @@ async def test_the_sdk_helpers_messages_go_back_as_history_unchanged():
             max_tokens=2,
         )
     assert after.choices[0].finish_reason in ("length", "tool_calls", "stop")
+
+
+async def test_a_route_this_server_lacks_is_named_in_the_sdks_error():
+    # OpenAI answers "Invalid URL (POST /v1/x)"; a bare "Not Found" left a client guessing
+    # which of its calls the server lacks.
+    async with running(create_app(fast_engine())) as url, sdk(url) as client:
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.moderations.create(input="x")
+        with pytest.raises(openai.APIStatusError) as wrong_method:
+            await client.get("/chat/completions", cast_to=object)
+    assert missing.value.body == {
+        "message": "Not Found: POST /v1/moderations is not a route of this server",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "not_found",
+    }
+    assert wrong_method.value.status_code == 405
+    assert wrong_method.value.body["message"] == (  # type: ignore[index]
+        "Method Not Allowed: /v1/chat/completions takes POST, not GET"
+    )

@@ -165,7 +165,15 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc
-        response = error_response(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+        message = exc.reason
+        # The router's own refusals say which request they refuse, as OpenAI's "Invalid URL
+        # (POST /v1/x)" does: an SDK call this server does not have is named in the error.
+        if isinstance(exc, web.HTTPNotFound):
+            message = f"{exc.reason}: {request.method} {request.path} is not a route of this server"
+        elif isinstance(exc, web.HTTPMethodNotAllowed):
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            message = f"{exc.reason}: {request.path} takes {allowed}, not {request.method}"
+        response = error_response(exc.status, message, code=exc.reason.lower().replace(" ", "_"))
         if "Allow" in exc.headers:  # a 405 says which methods the route serves
             response.headers["Allow"] = exc.headers["Allow"]
         return response
