@@ -1018,6 +1018,18 @@ def test_a_port_in_use_is_one_line_not_a_traceback():
     assert "--port 0 picks a free one" in line
 
 
+def test_a_port_a_connection_holds_is_not_said_to_be_listened_on():
+    # Bound, not listening: as an outgoing connection's own port, or one in TIME_WAIT, is.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        done = run("serve", "--port", str(port))
+    assert done.returncode == 2
+    line = one_line(done)
+    assert f"--port {port}: 127.0.0.1:{port} is held, though nothing listens on it" in line
+    assert "another process" not in line and "--port 0 picks a free one" in line
+
+
 @pytest.mark.parametrize("folder", ["/nonexistent", FOLDER])
 def test_a_metrics_folder_set_from_outside_is_one_line_naming_it(folder: str):
     # Whether the folder exists (other processes' files would be merged) or not (the

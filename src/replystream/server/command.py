@@ -262,6 +262,17 @@ def check_host(host: str) -> None:
         raise unresolved(host, exc) from None
 
 
+def _answers(host: str, port: int) -> bool:
+    """Whether something accepts connections on ``host:port`` (a wildcard host is asked on
+    loopback): the port in use is another server's, not a connection's own port."""
+    target = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    try:
+        with socket.create_connection((target, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket for ``--host`` and ``--port``.
 
@@ -274,6 +285,12 @@ def listen(host: str, port: int) -> socket.socket:
         raise unresolved(host, exc) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
+            if not _answers(host, port):
+                raise ValueError(
+                    f"--port {port}: {host}:{port} is held, though nothing listens on it (a "
+                    "connection of this machine has it as its own port, or one still closing "
+                    "in TIME_WAIT); choose another port (--port 0 picks a free one)"
+                ) from None
             raise ValueError(
                 f"--port {port}: another process already listens on {host}:{port}; stop it, "
                 "or choose another port (--port 0 picks a free one)"
