@@ -580,6 +580,25 @@ async def test_retrieve_takes_include_and_include_obfuscation_only_at_what_it_do
     assert plain.status == "incomplete" and streamed[-1] == "response.incomplete"
 
 
+async def test_a_cursor_without_stream_is_refused_not_ignored():
+    # The object has no events to start after: a cursor sent without stream=true would
+    # otherwise be dropped without a word.
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        done = await client.responses.create(model="simulated", input="x", max_output_tokens=3)
+        with pytest.raises(openai.BadRequestError) as after:
+            await client.responses.retrieve(done.id, starting_after=2)
+        async with aiohttp.ClientSession() as http:
+            path = f"{url}/v1/responses/{done.id}"
+            async with http.get(path, params={"last_event_id": "3"}) as response:
+                by_id = (response.status, (await response.json())["error"]["param"])
+        whole = await client.responses.retrieve(done.id)
+    assert after.value.body["param"] == "starting_after"  # type: ignore[index]
+    assert "send stream=true" in after.value.message
+    assert by_id == (400, "last_event_id")
+    assert whole.id == done.id
+
+
 async def test_an_event_source_resumes_a_response_with_last_event_id():
     engine = fast_engine(reply_text=REPLY)
     async with running(create_app(engine)) as url, sdk(url) as client:

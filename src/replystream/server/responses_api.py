@@ -331,6 +331,12 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
     """``GET /v1/responses/{id}``: the object, or (``stream=true``) its events after
     ``starting_after``, then the live tail."""
     query = parse_mapping(request.query, RetrieveQuery)
+    if not query.stream:
+        # A cursor says where a stream of events starts: the object has none to start from.
+        for name in ("starting_after", "last_event_id"):
+            if getattr(query, name) is not None:
+                message = f"{name} says where a stream of events starts: send stream=true with it"
+                raise HTTPAPIError(400, message, code="invalid_value", param=name)
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
     store, local = await find_response(request, reply_id, "response_id")
