@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 
 from replystream.server import create_app, running
 from replystream.server.context import MANAGER_KEY
+from replystream.server.responses_stored import NO_SUCH_RESPONSE
 from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, our_code, wait_for
@@ -578,6 +579,17 @@ async def test_retrieve_takes_include_and_include_obfuscation_only_at_what_it_do
         ("include[0]", "unsupported_parameter"),
     ] * 2
     assert plain.status == "incomplete" and streamed[-1] == "response.incomplete"
+
+
+async def test_a_deleted_response_is_named_a_response_when_it_is_not_found():
+    engine = fast_engine(reply_text=REPLY)
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        done = await client.responses.create(model="simulated", input="x", max_output_tokens=3)
+        await client.responses.delete(done.id)
+        with pytest.raises(openai.NotFoundError) as gone:
+            await client.responses.retrieve(done.id)
+    assert gone.value.body["param"] == "response_id"  # type: ignore[index]
+    assert gone.value.body["message"] == NO_SUCH_RESPONSE  # type: ignore[index]
 
 
 async def test_a_cursor_without_stream_is_refused_not_ignored():

@@ -41,7 +41,7 @@ async def find_response(
     """The store of the caller's response ``reply_id``, and its producer when it runs here;
     else a 404: a reply of another dialect is not a response, and is neither streamed as one
     nor deleted here."""
-    _, store, local = await find_reply(request, reply_id, param=param)
+    _, store, local = await find_reply(request, reply_id, param=param, missing=NO_SUCH_RESPONSE)
     try:
         # A reply made on another replica may be known before its first event is: its
         # producer logs its events to the store a moment after it sends them.

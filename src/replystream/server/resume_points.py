@@ -73,10 +73,15 @@ def resume_after(
 
 
 async def find_reply(
-    request: web.Request, reply_id: str, *, param: str = "reply_id"
+    request: web.Request,
+    reply_id: str,
+    *,
+    param: str = "reply_id",
+    missing: str = "no such reply (unknown, expired, or not yours)",
 ) -> tuple[str, ReplayStore, Reply | None]:
     """The reply ``reply_id``, if it exists, has not expired and is the caller's: its id, its
-    store, and its producer when it runs in this process. Else a 404 naming ``param``."""
+    store, and its producer when it runs in this process. Else a 404 naming ``param``, its
+    message ``missing`` (the route's word for what it looked for)."""
     app = request.app
     local = app[MANAGER_KEY].get(reply_id)
     store = local.store if local is not None else app[STORE_KEY]
@@ -94,12 +99,7 @@ async def find_reply(
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     # Another key's reply looks exactly like one that does not exist.
     if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
-        raise HTTPAPIError(
-            404,
-            "no such reply (unknown, expired, or not yours)",
-            code="reply_not_found",
-            param=param,
-        )
+        raise HTTPAPIError(404, missing, code="reply_not_found", param=param)
     return reply_id, store, local
 
 
