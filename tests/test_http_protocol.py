@@ -408,3 +408,28 @@ async def test_an_idle_kept_alive_connection_is_not_cut_by_the_header_deadline()
         await asyncio.sleep(0.8)  # silent between requests: keep-alive's business
         status, _, _ = await client.request("GET", "/healthz")
         assert status == 200
+
+
+async def test_an_http_1_0_stream_asked_to_keep_alive_ends_with_its_connection():
+    """HTTP/1.0 has no chunked framing: an event stream's body ends only where its connection
+    does. Were the connection kept alive, the client could not tell where the stream ended,
+    and the answer to a request sent after it would be read as more of the stream."""
+    async with running(create_app(fast_engine(delay_ms=1.0, jitter_ms=0.0))) as url:
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
+        native = {"prompt": "x", "max_tokens": 2}
+        for path, request in (("/v1/replies", native), ("/v1/chat/completions", chat)):
+            body = json.dumps(request).encode()
+            async with connect(url) as client:
+                await client.send(
+                    f"POST {path} HTTP/1.0\r\nConnection: keep-alive\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                    + b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+                )
+                async with asyncio.timeout(10):
+                    received = await client.reader.read()  # all of it: the server closes
+            head, _, stream = received.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 200"), path
+            assert b"keep-alive" not in head.lower(), path
+            assert b"content-length" not in head.lower(), path
+            assert b"HTTP/1.0" not in stream, path  # no second response inside the stream

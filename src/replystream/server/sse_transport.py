@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from replystream.delivery.follower import Follower
 from replystream.delivery.formats import KEEPALIVE, Notices
@@ -61,6 +61,11 @@ class EventStream(SentLater):
         return follower.run()
 
     async def send_headers(self, request: web.BaseRequest) -> None:
+        if request.version < HttpVersion11:
+            # HTTP/1.0 has no chunks: the body ends where the connection does, whatever
+            # keep-alive the client asked for (aiohttp's header says so, but it would keep
+            # the connection open, and the client could not tell where the stream ended).
+            self.force_close()
         await super().prepare(request)
 
 
