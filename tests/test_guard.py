@@ -122,6 +122,29 @@ async def test_a_body_that_does_not_arrive_is_a_408():
     assert b'"code": "body_timeout"' in body
 
 
+async def test_a_408_closes_its_connection_so_a_next_request_is_not_read_as_the_old_body():
+    app = create_app(fast_engine(), ServerConfig(guard=GuardConfig(body_timeout_s=0.3)))
+    async with running(app) as url:
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.write(
+            b"POST /v1/replies HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 30\r\n\r\n{"prompt":'
+        )
+        await writer.drain()
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(head.split(b"Content-Length: ")[1].split()[0]))
+        # A client that takes the 408 for a finished exchange sends its next request.
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(5):
+            rest = await reader.read()  # all of it: the server closes
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 408")
+    assert b"Connection: close" in head
+    assert rest == b""  # no answer made of the next request's leftover bytes
+
+
 async def test_a_body_declared_past_the_limit_is_a_413_before_it_is_sent():
     config = ServerConfig(max_body_bytes=2000, guard=GuardConfig(body_timeout_s=60))
     async with running(create_app(fast_engine(), config)) as url:

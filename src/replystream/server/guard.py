@@ -261,7 +261,8 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, or a ``408`` if it does not arrive within the body timeout.
+    """The request body, or a ``408`` (closing the connection) if it does not arrive within
+    the body timeout.
 
     A body its ``Content-Length`` puts past the limit is refused on that header alone, as
     nginx's ``client_max_body_size`` refuses it: waiting for it would hold the client to an
@@ -278,5 +279,10 @@ async def read_body(request: web.Request) -> bytes:
             return await request.read()
     except TimeoutError:
         raise HTTPAPIError(
-            408, f"the request body did not arrive within {timeout:g} s", code="body_timeout"
+            408,
+            f"the request body did not arrive within {timeout:g} s",
+            code="body_timeout",
+            # The rest of the body may still come: on a kept-alive connection the next
+            # request's bytes would be read as it. The connection ends with the answer.
+            close_connection=True,
         ) from None
