@@ -207,6 +207,19 @@ BAD_REQUESTS = {
         431,
         "header_too_large",
     ),
+    "too many header fields": (
+        "GET /healthz HTTP/1.1\r\nHost: t\r\n"
+        + "".join(f"X-{n}: {MARKER}\r\n" for n in range(200))
+        + "\r\n",
+        431,
+        "header_too_large",
+    ),
+    "too many trailer fields": (
+        "POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "2\r\n{}\r\n0\r\n" + "".join(f"X-{n}: {MARKER}\r\n" for n in range(200)) + "\r\n",
+        431,
+        "header_too_large",
+    ),
     "bad method": (f"G{MARKER}(T /healthz HTTP/1.1\r\nHost: t\r\n\r\n", 400, "bad_method"),
     "space in header name": (
         f"GET /healthz HTTP/1.1\r\nHost: t\r\nX {MARKER}: 1\r\n\r\n",

@@ -49,6 +49,11 @@ _HEADER_TOO_LARGE: Refusal = (
     "header_too_large",
     "the request line or a header field is longer than the server accepts",
 )
+_TOO_MANY_HEADERS: Refusal = (
+    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+    "header_too_large",
+    "the request has more header fields than the server accepts",
+)
 _BAD_METHOD: Refusal = (
     HTTPStatus.BAD_REQUEST,
     "bad_method",
@@ -102,6 +107,8 @@ def refusal(exc: BaseException | None) -> Refusal:
             return answer
     if isinstance(exc, http_exceptions.BadHttpMessage):
         reason = exc.message.partition(":\n")[0].lower()  # llhttp's words, not the bytes sent
+        if reason.startswith(("too many headers", "too many trailers")):  # aiohttp's count
+            return _TOO_MANY_HEADERS
         if any(word in reason for word in _FRAMING_WORDS):
             return _BAD_FRAMING
         if reason.startswith("invalid header"):
