@@ -267,3 +267,37 @@ async def test_every_response_has_a_request_id_that_the_access_log_names(
     assert by_id[fresh.headers["x-request-id"]]["status"] == 404
     for request_id, reply_id in answered_whole.items():
         assert by_id[request_id]["reply_id"] == reply_id, request_id
+
+
+async def raw_head(url: str, request: bytes) -> list[str]:
+    """The header lines of the response to ``request`` (repeated names kept apart)."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    writer.write(request)
+    async with asyncio.timeout(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+    writer.close()
+    return head.decode("latin-1").split("\r\n")[1:]
+
+
+def header_values(lines: list[str], name: str) -> list[str]:
+    found = (line.partition(":") for line in lines)
+    return [
+        value.strip()
+        for key, _, value in found
+        if key.strip().lower() == name
+        for value in value.split(",")
+    ]
+
+
+async def test_a_gzipped_answer_to_an_allowed_origin_varies_on_both():
+    """A cache must keep gzip's form from clients that do not take it, whatever the origin."""
+    guard = GuardConfig(cors_origins=("https://chat.example",))
+    async with serve_with(guard, gzip_min_bytes=1) as url:
+        lines = await raw_head(
+            url,
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n"
+            b"Origin: https://chat.example\r\nConnection: close\r\n\r\n",
+        )
+    assert header_values(lines, "content-encoding") == ["gzip"]
+    assert sorted(header_values(lines, "vary")) == ["Accept-Encoding", "Origin"]

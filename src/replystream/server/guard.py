@@ -257,7 +257,7 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     if origin is not None and origins and _allowed(origin, origins):
         response.headers["Access-Control-Allow-Origin"] = origin
         response.headers["Access-Control-Expose-Headers"] = "X-Reply-Id, X-Request-Id, request-id"
-        response.headers["Vary"] = "Origin"
+        response.headers.add("Vary", "Origin")  # beside any other (gzip's Accept-Encoding)
 
 
 async def read_body(request: web.Request) -> bytes:
