@@ -301,3 +301,24 @@ async def test_a_gzipped_answer_to_an_allowed_origin_varies_on_both():
         )
     assert header_values(lines, "content-encoding") == ["gzip"]
     assert sorted(header_values(lines, "vary")) == ["Accept-Encoding", "Origin"]
+
+
+async def test_a_preflight_allows_the_headers_and_methods_the_api_takes_from_a_browser():
+    """Anthropic's SDK sends its key as x-api-key, with anthropic-version; both SDKs add their
+    x-stainless-* headers; DELETE /v1/responses/{id} is a route. A browser sends none of
+    them unless the preflight names them."""
+    asked = "content-type, x-api-key, anthropic-version, x-stainless-retry-count"
+    async with serve_with(GuardConfig(cors_origins=("https://chat.example",))) as url:
+        lines = await raw_head(
+            url,
+            b"OPTIONS /v1/responses/resp_x HTTP/1.1\r\nHost: x\r\n"
+            b"Origin: https://chat.example\r\nAccess-Control-Request-Method: DELETE\r\n"
+            + f"Access-Control-Request-Headers: {asked}\r\n".encode()
+            + b"Connection: close\r\n\r\n",
+        )
+    allowed = {value.lower() for value in header_values(lines, "access-control-allow-headers")}
+    assert set(asked.split(", ")) <= allowed
+    assert {"authorization", "last-event-id", "x-request-id"} <= allowed
+    assert "DELETE" in header_values(lines, "access-control-allow-methods")
+    vary = {value.lower() for value in header_values(lines, "vary")}
+    assert {"origin", "access-control-request-headers"} <= vary

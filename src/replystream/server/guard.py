@@ -229,15 +229,21 @@ def preflight_response(request: web.Request, origins: Sequence[str]) -> web.Resp
     origin = request.headers.get("Origin")
     if origin is None or not _allowed(origin, origins):
         return error_response(403, "origin not allowed", code="cors_forbidden")
+    # The origin is trusted, so are the headers its page sends: an SDK's own (Anthropic's
+    # ``x-api-key`` and ``anthropic-version``, both SDKs' ``x-stainless-*``) as much as ours.
+    asked = request.headers.get("Access-Control-Request-Headers", "").strip()
     return web.Response(
         status=204,
         headers={
-            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": "Authorization, Content-Type, "
-            "Last-Event-ID, X-Request-Id",
+            "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+            "Access-Control-Allow-Headers": _PREFLIGHT_HEADERS + (f", {asked}" if asked else ""),
             "Access-Control-Max-Age": "600",
+            "Vary": "Access-Control-Request-Headers",
         },
     )
+
+
+_PREFLIGHT_HEADERS = "Authorization, Content-Type, Last-Event-ID, X-Request-Id"
 
 
 def _allowed(origin: str, origins: Sequence[str]) -> bool:
