@@ -130,6 +130,12 @@ def target_path(head: bytes | bytearray) -> str:
     return parts[1].partition(b"?")[0].decode("latin-1")
 
 
+def _upgrade_served(message: RawRequestMessage) -> bool:
+    """Whether aiohttp's parser keeps the bytes after ``message``, an upgrade request: a
+    WebSocket's (its frames, or the next request when a route declines it) or a CONNECT's."""
+    return message.method == "CONNECT" or message.headers.get("Upgrade", "").lower() == "websocket"
+
+
 class HeaderDeadlines:
     """The header deadlines of one listening site, swept by one timer.
 
@@ -226,6 +232,12 @@ class Connection(RequestHandler):
         head, self._head = self._head, None
         if isinstance(message, RawRequestMessage):
             self._body = body
+            if message.upgrade and not _upgrade_served(message):
+                # aiohttp's parser drops the bytes that follow a request asking to switch to
+                # a protocol it does not switch to (``Upgrade: h2c``): a request pipelined
+                # after it would never be answered. It is answered; then the connection ends,
+                # which tells the client to send again what it sent after it.
+                self.close()
         elif head is None and self._body is not None and not self._body.is_eof():
             self._refuse_body(self._body, message.exc)
         elif count == 1 and head is not None:  # the refused request began with ``head``
