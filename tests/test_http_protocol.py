@@ -8,6 +8,7 @@ byte shows up as the next response's broken status line, as it would for a real 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -469,3 +470,20 @@ async def test_a_request_pipelined_after_an_h2c_upgrade_is_not_lost(path):
                 rest = await client.reader.read()  # to the end: the server closes
             # The models list, or nothing: closed, so the client sends it again.
             assert rest == b"" or (rest.startswith(b"HTTP/1.1 200") and b'"list"' in rest)
+
+
+@pytest.mark.parametrize("codings", ["gzip, chunked", "deflate,chunked"])
+async def test_a_transfer_coding_other_than_chunked_is_refused_not_read_as_the_body(codings):
+    body = gzip.compress(b'{"prompt": "x", "max_tokens": 2}')
+    async with running(create_app(fast_engine(delay_ms=1.0, jitter_ms=0.0))) as url:
+        async with connect(url) as client:
+            await client.send(
+                f"POST /v1/replies HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: {codings}\r\n"
+                f"Content-Type: application/json\r\n\r\n{len(body):x}\r\n".encode()
+                + body
+                + b"\r\n0\r\n\r\n"
+            )
+            status, headers, answer = await client.response()
+            assert (status, json.loads(answer)["error"]["code"]) == (400, "bad_body_framing")
+            assert headers.get("connection") == "close"
+            assert await client.closed_by_server()

@@ -274,6 +274,20 @@ async def read_body(request: web.Request) -> bytes:
     nginx's ``client_max_body_size`` refuses it: waiting for it would hold the client to an
     upload that can only be refused (or, for one that never comes, answer a ``408`` naming
     the wrong fault)."""
+    codings = [
+        coding.strip().lower()
+        for header in request.headers.getall("Transfer-Encoding", ())
+        for coding in header.split(",")
+    ]
+    if codings and codings != ["chunked"]:
+        # aiohttp's parser takes ``gzip, chunked`` as plain chunks, so the gzip would be read
+        # as the body itself. No transfer coding but chunked is decoded here.
+        raise HTTPAPIError(
+            400,
+            "the request body's framing (Content-Length or Transfer-Encoding) is not valid",
+            code="bad_body_framing",
+            close_connection=True,
+        )
     limit, declared = request.client_max_size, request.content_length
     if declared is not None and declared > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
