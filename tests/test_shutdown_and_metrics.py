@@ -6,6 +6,7 @@ import re
 import signal
 
 import aiohttp
+import pytest
 
 from replystream.client import measure_reply
 from replystream.delivery.moderation import BannedPhrases
@@ -49,6 +50,46 @@ async def test_sigterm_with_50_open_streams_ends_each_with_a_reply_or_an_error_e
     told = [t for t in timings if not t.complete and t.error and "shutdown" in t.error]
     assert len(finished) + len(told) == 50, [t.error for t in timings if not t.complete]
     assert finished and told  # short replies made it within the grace period, long ones not
+
+
+@pytest.mark.parametrize("mode", [("--loop", "uvloop"), ("--loop", "asyncio"), ("--workers", "2")])
+async def test_from_sigterm_on_a_new_connection_is_refused_while_replies_drain(
+    mode: tuple[str, str],
+) -> None:
+    # A reply of about 12 s, a grace of 5 s: the server is still draining when we connect.
+    process, url = await start_server(
+        "--engine",
+        "simulated",
+        "--tokens",
+        "400",
+        "--delay-ms",
+        "30",
+        "--shutdown-grace-s",
+        "5",
+        *mode,
+    )
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        reply = asyncio.create_task(measure_reply(f"{url}/stream"))
+        await asyncio.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        # Not queued by the kernel until the process exits: refused, as a load balancer
+        # needs to see the replica gone.
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
+        except ConnectionRefusedError:
+            pass
+        else:
+            writer.close()
+            pytest.fail("a new connection was taken while the server drained")
+        timing = await reply
+        assert timing.error and "shutdown" in timing.error
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 async def test_a_buffered_request_at_shutdown_gets_a_503():

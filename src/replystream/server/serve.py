@@ -37,16 +37,31 @@ PARENT_CHECK_S = 1.0
 class RunningServer:
     """An application listening on a socket."""
 
-    def __init__(self, app: web.Application, runner: web.AppRunner, site: web.SockSite, url: str):
+    def __init__(
+        self,
+        app: web.Application,
+        runner: web.AppRunner,
+        site: web.SockSite,
+        url: str,
+        sock: socket.socket,
+    ):
         self.app = app
         self.runner = runner
         self.site = site
         self.url = url
+        self.sock = sock
+
+    def stop_listening(self) -> None:
+        """Close the listening socket, so a new connection is refused at once rather than
+        queued by the kernel until the process exits (uvloop's accepting server leaves the
+        socket to its owner; asyncio's closes it too: closing twice is harmless)."""
+        self.sock.close()
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting, give replies ``grace_s`` to finish, then end the rest in-band and
         close every connection that carries replies, each within a bounded time."""
         await self.site.stop()
+        self.stop_listening()
         manager = self.app[MANAGER_KEY]
         manager.stop_accepting()
         if len(manager):
@@ -89,7 +104,7 @@ async def serving(
         await site.start()
         bound_host, bound_port = sock.getsockname()[:2]
         shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-        yield RunningServer(app, runner, site, f"http://{shown_host}:{bound_port}")
+        yield RunningServer(app, runner, site, f"http://{shown_host}:{bound_port}", sock)
     finally:
         await runner.cleanup()
         sock.close()

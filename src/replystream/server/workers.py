@@ -173,6 +173,10 @@ class Supervisor:
                 self._start(slot)
             while not (self._stopping and all(s.process is None for s in self._slots)):
                 self._wait()
+                if self._stopping:
+                    # The workers stop listening as they take the signal; while this copy
+                    # is open the kernel would still queue new connections, unanswered.
+                    self._sock.close()
                 now = time.monotonic()
                 for slot in self._slots:
                     self._reap(slot, now)
