@@ -92,6 +92,30 @@ async def test_from_sigterm_on_a_new_connection_is_refused_while_replies_drain(
             await process.wait()
 
 
+async def test_from_sigterm_on_healthz_on_a_kept_alive_connection_says_unavailable():
+    process, url = await start_server(
+        "--engine", "simulated", "--tokens", "400", "--delay-ms", "30", "--shutdown-grace-s", "5"
+    )
+    try:
+        reply = asyncio.create_task(measure_reply(f"{url}/stream"))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+            async with session.get(f"{url}/healthz") as response:
+                assert response.status == 200
+                await response.read()
+            await asyncio.sleep(0.3)
+            process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            async with session.get(f"{url}/healthz") as response:  # the same connection
+                assert response.status == 503
+                assert (await response.json())["reason"] == "shutting down"
+        await reply
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 async def test_a_buffered_request_at_shutdown_gets_a_503():
     process, url = await start_server(
         "--engine", "simulated", "--delay-ms", "30", "--shutdown-grace-s", "0.3"

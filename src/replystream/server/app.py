@@ -247,8 +247,12 @@ async def handle_metrics(request: web.Request) -> web.StreamResponse:
 async def handle_health(request: web.Request) -> web.StreamResponse:
     """``200 {"status": "ok"}`` while the engine can serve; ``503 {"status": "unavailable",
     "reason": ...}`` while it cannot (a relay whose upstream does not answer), so a load
-    balancer sends requests elsewhere instead of to certain 502s."""
+    balancer sends requests elsewhere instead of to certain 502s; ``503`` too from the
+    moment shutdown begins, when every new reply is refused."""
     engine = request.app[ENGINE_KEY]
+    if not request.app[MANAGER_KEY].accepting:
+        body = {"status": "unavailable", "engine": engine.name, "reason": "shutting down"}
+        return web.json_response(body, status=503)
     readiness = await engine.readiness()
     if readiness.ready:
         return web.json_response({"status": "ok", "engine": engine.name})
