@@ -92,6 +92,35 @@ async def test_from_sigterm_on_a_new_connection_is_refused_while_replies_drain(
             await process.wait()
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_sighup_with_nothing_to_read_again_drains_as_sigterm_does(workers: str) -> None:
+    # A closed terminal, or a reload asked of a server with no file to read again: the open
+    # reply is told it was cut (it outlives the 1 s grace), and the server exits cleanly.
+    process, url = await start_server(
+        "--engine",
+        "simulated",
+        "--tokens",
+        "400",
+        "--delay-ms",
+        "30",
+        "--shutdown-grace-s",
+        "1",
+        "--workers",
+        workers,
+    )
+    try:
+        reply = asyncio.create_task(measure_reply(f"{url}/stream"))
+        await asyncio.sleep(0.5)
+        process.send_signal(signal.SIGHUP)
+        timing = await reply
+        assert timing.error and "shutdown" in timing.error, timing.error
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 async def test_from_sigterm_on_healthz_on_a_kept_alive_connection_says_unavailable():
     process, url = await start_server(
         "--engine", "simulated", "--tokens", "400", "--delay-ms", "30", "--shutdown-grace-s", "5"

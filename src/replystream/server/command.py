@@ -162,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
         if note is not None and args.listen_fd is None:  # workers: their parent said it
             print(f"replystream serve: {note}", file=sys.stderr)
         reloads = names_files_read_again(args, choice.kind)
-        # Ignored since start-up (``cli.main``): with no file to read again, SIGHUP stops
-        # serve, as it stops any process; with one, it is ignored until the server listens.
+        # Ignored since start-up (``cli.main``): with no file to read again, SIGHUP ends a
+        # start under way, as it ends any process (once serving, it stops the server as
+        # SIGTERM does); with one, it is ignored until the server listens.
         signal.signal(signal.SIGHUP, signal.SIG_IGN if reloads else signal.SIG_DFL)
         if args.workers > 1 and args.listen_fd is None:  # (a worker never has workers)
             if args.redis_url is None:

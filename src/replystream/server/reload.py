@@ -116,7 +116,7 @@ def reloads_for(
     app: web.Application, args: argparse.Namespace, choice: EngineChoice
 ) -> Reloads | None:
     """What SIGHUP reads again for ``serve``'s ``args``: the relay's routes file, the API keys
-    file; None when it names neither (SIGHUP then stops the server, as it stops any)."""
+    file; None when it names neither (SIGHUP then stops the server as SIGTERM does)."""
     files = []
     engine = app[ENGINE_KEY]
     if isinstance(engine, UpstreamEngine) and args.upstream_routes is not None:

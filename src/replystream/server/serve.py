@@ -151,7 +151,9 @@ async def serve_forever(
     (tools read its first line); a worker serving an inherited socket passes None and stays
     quiet (its parent announces the URL once ``on_serving`` said so for every worker), and its
     parent's ``parent_pid``: it also stops, the same way, when that parent is gone. With
-    ``on_hangup``, a SIGHUP calls it (else it stops the process, as it stops any)."""
+    ``on_hangup``, a SIGHUP calls it; else it stops the server as SIGTERM does (a terminal
+    closed, or a reload asked of a server with nothing to read again, must not cut its
+    replies without a word)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -160,8 +162,7 @@ async def serve_forever(
         # A Ctrl-C during the start that some code swallowed: the start ends as it would
         # have (exit 130), before the port is announced.
         raise KeyboardInterrupt
-    if on_hangup is not None:
-        loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    loop.add_signal_handler(signal.SIGHUP, on_hangup if on_hangup is not None else stop.set)
     async with serving(app, host, port, sock) as server:
         tune_collector()
         if announce is not None:

@@ -98,7 +98,8 @@ def run_workers(
     worker's ``/metrics`` counts them all; the parent removes it when it returns, and, as it starts,
     those that parents killed outright left behind (``metrics_dir``). With ``reloads`` (the
     workers read a file again on SIGHUP), the parent forwards SIGHUP to each worker once it is
-    ready (one still starting gets it when it is: it may have read the file before the edit).
+    ready (one still starting gets it when it is: it may have read the file before the edit);
+    without, a SIGHUP stops the workers as SIGTERM does.
     """
     metrics_dir.remove_stale_folders()
     with metrics_dir.owned_folder() as folder:
@@ -166,8 +167,8 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._forward)
         if start_interrupt.interrupted():
             raise KeyboardInterrupt  # a Ctrl-C while the parent loaded, that code swallowed
-        if reloads:
-            signal.signal(signal.SIGHUP, self._hangup)
+        # With no file to read again, SIGHUP stops the workers as SIGTERM does.
+        signal.signal(signal.SIGHUP, self._hangup if reloads else self._stop_on_hangup)
         try:
             for slot in self._slots:
                 self._start(slot)
@@ -339,6 +340,9 @@ class Supervisor:
         has nothing to finish)."""
         assert slot.process is not None
         slot.process.send_signal(signum if slot.serving_since is not None else signal.SIGTERM)
+
+    def _stop_on_hangup(self, _signum: int, frame: object) -> None:
+        self._forward(signal.SIGTERM, frame)
 
     def _hangup(self, _signum: int, _frame: object) -> None:
         for slot in self._slots:
