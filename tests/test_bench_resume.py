@@ -173,11 +173,22 @@ async def test_a_reply_behind_a_path_prefix_resumes_under_that_prefix(api, tmp_p
     assert summary["resume"]["resumed"] == summary["resume"]["drops"] == 2
 
 
-async def test_server_metrics_behind_a_path_prefix_are_read_under_that_prefix(tmp_path):
+@pytest.mark.parametrize(
+    ("api", "path"),
+    [("native", "v1/replies"), ("messages", "v1/messages"), ("openai", "v1/chat/completions")],
+)
+async def test_server_metrics_behind_a_path_prefix_are_read_under_that_prefix(api, path, tmp_path):
     async with app_under_api_prefix(tmp_path) as proxy:
-        target = f"{proxy}/api/v1/replies"
+        target = f"{proxy}/api/{path}"
         assert metrics_url(target) == f"{proxy}/api/metrics"
-        load = LoadConfig(url=target, api="native", requests=2, server_metrics=metrics_url(target))
+        model = "default" if api == "native" else await served_model(target)
+        load = LoadConfig(
+            url=target,
+            api=api,
+            requests=2,
+            model=model,
+            server_metrics=metrics_url(target),
+        )
         summary = summarize(await run_load(load))
     server = summary["server"]
     assert "error" not in server, server

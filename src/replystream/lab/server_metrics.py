@@ -54,6 +54,7 @@ _ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/responses",
+    "/v1/messages",
     "/v1/replies",
     "/stream",
     "/wait",
