@@ -32,6 +32,7 @@ from replystream.client import ReplyTiming
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
+from replystream.lab import bench_plots
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import drop_and_resume
@@ -939,6 +940,30 @@ async def test_warmup_window_keeps_early_requests_out_of_every_figure():
     assert summary["counts"]["warmup_requests"] == len(early)
     assert summary["counts"]["requests"] == summary["ttft_ms"]["count"] == measured
     assert summary["throughput"]["output_tokens"] == 5 * measured
+
+
+async def test_run_plots_leave_the_warmup_window_out_as_the_figures_do(tmp_path, monkeypatch):
+    """The TTFT curve and the gap histogram draw the requests the table measured, not the
+    warm-up window's (whose first replies met a cold server)."""
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=5",
+            api="lab",
+            profile=Profile("constant", rate=20.0),
+            requests=None,
+            duration_s=1.0,
+        )
+        run = await run_load(config)
+    summary = summarize(run, warmup_s=0.5)
+    assert summary["counts"]["warmup_requests"] >= 8
+    drawn: dict[str, list[dict[str, Any]]] = {}
+    monkeypatch.setattr(bench_plots, "_ttft_cdf", lambda done, path: drawn.update(ttft=done))
+    monkeypatch.setattr(bench_plots, "_gap_histogram", lambda done, path: drawn.update(gaps=done))
+    bench_plots.plot_all(summary, tmp_path)
+    measured = [r["index"] for r in summary["requests"] if r["complete"] and not r["warmup"]]
+    assert len(measured) == summary["ttft_ms"]["count"]
+    assert [r["index"] for r in drawn["ttft"]] == measured
+    assert [r["index"] for r in drawn["gaps"]] == measured
 
 
 def _record(index: int, start_s: float, ttft_ms: float) -> RequestRecord:

@@ -22,7 +22,8 @@ from replystream.lab.bench_config import RUN_PLOTS, SWEEP_PLOTS
 def plot_all(summary: dict[str, Any], folder: Path) -> list[Path]:
     """Write ``ttft_cdf.png``, ``gap_histogram.png`` and ``timeline.png``; return their paths."""
     folder.mkdir(parents=True, exist_ok=True)
-    done = [r for r in summary["requests"] if r["complete"]]
+    # The requests every figure counts: complete, and sent after the warm-up window.
+    done = [r for r in summary["requests"] if r["complete"] and not r.get("warmup", False)]
     paths = [folder / name for name in RUN_PLOTS]
     _ttft_cdf(done, paths[0])
     _gap_histogram(done, paths[1])
