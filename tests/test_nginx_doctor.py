@@ -113,6 +113,21 @@ async def test_gzip_on_the_event_stream_is_named_compressed(app_url, tmp_path):
     assert result.fix is not None and "text/event-stream" in result.fix
 
 
+async def test_gzip_over_proxy_buffering_names_both_hops_and_both_fixes(app_url, tmp_path):
+    """Turning compression off alone would leave this stream held in nginx's buffers."""
+    port = free_port()
+    location = f"{LOCATIONS['large_buffers']} gzip on; gzip_types text/event-stream;"
+    config = proxy_config(upstream_of(app_url), port, location)
+    async with running_nginx(config, port, tmp_path) as proxy:
+        result = await doctor(proxy)
+    assert result.verdict == "compressed", result.reason
+    assert "and buffered" in result.reason, result.reason
+    assert result.hop is not None and "nginx gzip" in result.hop
+    assert "nginx proxy buffering" in result.hop
+    assert result.fix is not None and "gzip_types" in result.fix
+    assert "proxy_buffering off" in result.fix
+
+
 def deploy_config(app_url: str, port: int) -> str:
     """docs/deploy/nginx.conf with its listen port and upstream address substituted."""
     text = (REPO / "docs" / "deploy" / "nginx.conf").read_text()

@@ -9,6 +9,8 @@ The rules, in order:
 1. failed: no complete reply (error status, in-band error, no end marker, timeout), or too few
    text events to judge;
 2. compressed: the event stream carries a ``Content-Encoding`` (a compressor holds small events);
+   when its events also arrived held (rule 5), the reason and the fix say so too, since a hop
+   that buffers as well as compresses still holds the stream once compression is off;
 3. not an event stream at all: buffered (one JSON body);
 4. events are grouped into bursts, split wherever a gap exceeds ``burst_gap_ms``; when the
    median gap is above ``burst_gap_ms`` most events arrived on their own: streaming;
@@ -125,6 +127,18 @@ def diagnose(timing: ReplyTiming, thresholds: Thresholds | None = None) -> Diagn
     verdict, reason = _verdict(timing, limits, median_gap, bursts)
     headers = {name: timing.headers[name] for name in HEADERS if name in timing.headers}
     hop, fix = _hop_and_fix(verdict, headers, bursts)
+    if (
+        verdict == "compressed"
+        and median_gap is not None
+        and _came_together(timing, limits, median_gap)
+    ):
+        # Compression is not all: the events came held too, and turning compression off
+        # alone would leave them so.
+        kind, why = _held(timing, limits, median_gap, bursts)
+        hop_held, fix_held = _hop_and_fix(kind, headers, bursts)
+        reason = f"{reason}; and {kind}: {why}"
+        hop = f"{hop}, and {hop_held}"
+        fix = f"{fix}; and {fix_held}"
     return Diagnosis(
         url=timing.url,
         verdict=verdict,
@@ -192,6 +206,20 @@ def _verdict(
             f"text spread over {events} events, median gap {median_gap:.1f} ms"
             f" ({timing.tokens / events:.2f} tokens per event)"
         )
+    return _held(timing, limits, median_gap, bursts)
+
+
+def _came_together(timing: ReplyTiming, limits: Thresholds, median_gap: float) -> bool:
+    """Enough text events to judge, and most of them closer than ``burst_gap_ms``."""
+    enough = len(timing.text_event_ms) >= limits.min_events
+    return enough and median_gap <= limits.burst_gap_ms
+
+
+def _held(
+    timing: ReplyTiming, limits: Thresholds, median_gap: float, bursts: list[Burst]
+) -> tuple[Verdict, str]:
+    """Buffered or bursty, with why, for text events that came together (rule 5)."""
+    events = len(timing.text_event_ms)
     largest = max(b.events for b in bursts)
     if largest >= limits.buffered_share * events:
         return "buffered", (
