@@ -1032,6 +1032,19 @@ def test_histogram_lengths_are_drawn_in_proportion_to_their_weights(tmp_path):
         Lengths.parse(f"hist:{hist}")
 
 
+def test_uniform_lengths_draw_every_whole_number_between_the_bounds_equally():
+    """uniform:3:9 is seven lengths, 3 and 9 as likely as 6: a continuous draw rounded gives
+    each bound half the others' share."""
+    rng = random.Random(0)
+    drawn = Counter(Lengths.parse("uniform:3:9").draw(rng) for _ in range(14000))
+    assert set(drawn) == set(range(3, 10))
+    for length in range(3, 10):
+        assert drawn[length] / 14000 == pytest.approx(1 / 7, abs=0.015), drawn
+    # Bounds that are not whole: the whole numbers between them; none between: the nearest.
+    assert {Lengths.parse("uniform:2.5:4.5").draw(rng) for _ in range(200)} == {3, 4}
+    assert {Lengths.parse("uniform:2.2:2.4").draw(rng) for _ in range(20)} == {2}
+
+
 def test_a_normal_draw_past_any_float_is_clamped_to_a_length():
     """A normal of huge SD draws inf now and then (and nan from inf - inf): each draw is
     still a whole length within the bounds, not an OverflowError."""

@@ -251,8 +251,9 @@ class Lengths:
     """A length that is fixed (``64``) or drawn: ``uniform:LO:HI``, ``normal:MEAN:SD`` or
     ``hist:FILE`` (a histogram: lines of ``LENGTH WEIGHT``, ``#`` comments).
 
-    Drawn lengths are rounded and never below ``minimum`` (nor above ``maximum``, when
-    given: a normal distribution's tail has no end).
+    Drawn lengths are whole numbers, never below ``minimum`` (nor above ``maximum``, when
+    given: a normal distribution's tail has no end); a uniform draw makes each whole number
+    between its bounds equally likely.
     """
 
     kind: Literal["fixed", "uniform", "normal", "histogram"]
@@ -310,7 +311,14 @@ class Lengths:
             return int(self.a)
         if self.kind == "histogram":
             return rng.choices(self.values, self.weights)[0]
-        value = rng.uniform(self.a, self.b) if self.kind == "uniform" else rng.gauss(self.a, self.b)
+        if self.kind == "uniform":
+            # Each whole length between the bounds equally likely (a continuous draw rounded
+            # would give each bound half the others' share); none between: the nearest.
+            low, high = math.ceil(self.a), math.floor(self.b)
+            if low <= high:
+                return rng.randint(low, high)
+            return round((self.a + self.b) / 2)
+        value = rng.gauss(self.a, self.b)
         # Clamped before rounding: a wide normal's draw can pass what round() makes an int
         # of (inf), or be no number at all (nan).
         top = _MOST_DRAWN if self.maximum is None else self.maximum
