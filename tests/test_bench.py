@@ -29,10 +29,12 @@ from aiohttp import web
 
 from replystream.cli import main
 from replystream.client import ReplyTiming
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.lab import bench_plots
+from replystream.lab.bench_report import server_lines
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import drop_and_resume
@@ -43,7 +45,7 @@ from replystream.lab.profiles import Profile, arrival_offsets
 from replystream.lab.served_model import served_model
 from replystream.lab.server_metrics import metrics_url
 from replystream.lab.sweep import constant_rates
-from replystream.lab.workload import Lengths, Prompt, build_request, detect_api
+from replystream.lab.workload import Api, Lengths, Prompt, build_request, detect_api
 from replystream.server import create_app, running
 from replystream.server.serve import RunningServer, serving
 from replystream.server.server_config import ServerConfig
@@ -1222,6 +1224,39 @@ async def test_prompt_words_count_the_shared_system_prompt_sent_too():
     assert summary["counts"]["complete"] == 4
     # 5 system words and 3 prompt words; the second turn resends the first and its reply.
     assert [r["prompt_words"] for r in summary["requests"]] == [8, 15, 8, 15]
+
+
+@pytest.mark.parametrize(
+    ("api", "path", "estimated"),
+    [("openai", "/v1/chat/completions", 4), ("native", "/v1/replies", 0)],
+)
+async def test_readers_that_left_before_the_usage_are_said_to_count_events_not_tokens(
+    api: Api, path: str, estimated: int
+) -> None:
+    # Four tokens per event: a chat reader that leaves before the usage counts one per
+    # event, a quarter of what it was sent; the native events say their own count.
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=5.0, jitter_ms=0.0))
+    config = ServerConfig(policy=DeliveryPolicy(batch_tokens=4))
+    async with running(create_app(engine, config)) as url:
+        load = LoadConfig(
+            url=f"{url}{path}",
+            api=api,
+            profile=Profile("concurrent", 2),
+            requests=4,
+            model="simulated",
+            output_tokens=Lengths.parse("100"),
+            cancel_share=1.0,
+            cancel_after=5,
+            server_metrics=metrics_url(url),
+        )
+        summary = summarize(await run_load(load))
+    server = summary["server"]
+    assert summary["counts"]["cancelled"] == 4
+    assert server["client_counts_estimated"] == estimated
+    told = "readers' counts are their events or words" in "\n".join(server_lines(server))
+    assert told == bool(estimated)
+    if not estimated:  # counted as sent: 8 tokens each (two events of 4 reach the limit)
+        assert server["client_tokens_received"] == 4 * 8
 
 
 async def test_cancelled_readers_stop_the_servers_generation_as_its_metrics_show():

@@ -46,6 +46,9 @@ class Meaning:
     # ``tokens`` is the text's words, the nearest a reader can tell when the event carries no
     # count (the lab stream); a word split over two events is one (see ``words_added``).
     in_words: bool = False
+    # ``tokens`` is the server's own count (the native events' ``tokens``), not one per event
+    # or the words: what a reader's count may be held against the server's.
+    counted: bool = False
 
 
 # The largest token count believed from a server: beyond it a count is no count (a float
@@ -159,7 +162,9 @@ def interpret_event(event: Event) -> Meaning:
         if isinstance(payload.get("text"), str):
             tokens = _count(payload.get("tokens"), least=1)  # text is at least one token
             kind: Kind = "thinking" if event.type == "thinking" else "text"
-            return Meaning(kind, payload["text"], 1 if tokens is None else tokens)
+            if tokens is None:
+                return Meaning(kind, payload["text"], 1)
+            return Meaning(kind, payload["text"], tokens, counted=True)
         text = _choice_text(payload)
         # An OpenAI usage chunk; or, from some servers (llama.cpp's, before it sent one of its
         # own), the usage in the chunk of the finish reason, or of the last text.

@@ -47,6 +47,10 @@ class ReplyTiming:
     body_bytes: int
     text: str
     tokens: int
+    # ``tokens`` is the server's count (its usage, or events that each say theirs); False: a
+    # reader's estimate, one per event or the text's words, which a server batching tokens
+    # into events, or a tokenizer that is not words, makes differ from what it sent.
+    tokens_counted: bool = True
     text_event_ms: tuple[float, ...] = ()
     text_event_chars: tuple[int, ...] = ()
     reply_id: str | None = None
@@ -80,6 +84,7 @@ class ReplyTiming:
             "closed_ms": self.closed_ms,
             "body_bytes": self.body_bytes,
             "tokens": self.tokens,
+            "tokens_counted": self.tokens_counted,
             "cancelled": self.cancelled,
             "first_answer_ms": self.first_answer_ms,
             "thinking_chars": len(self.thinking),
@@ -108,6 +113,7 @@ class _Reading:
         self.first_answer_ms: float | None = None
         self.tokens = 0
         self.reported_tokens: int | None = None  # the server's own count, when it sends one
+        self.estimated = False  # a text event's tokens were counted here, not by the server
         self.event_ms: list[float] = []
         self.event_chars: list[int] = []
         self.headers: dict[str, str] = {}
@@ -152,6 +158,7 @@ class _Reading:
             # Servers that put several tokens in one chunk (without saying so per event) do
             # report the total in their usage; it is the better count.
             tokens=self.reported_tokens if self.reported_tokens is not None else self.tokens,
+            tokens_counted=self.reported_tokens is not None or not self.estimated,
             text_event_ms=tuple(self.event_ms),
             text_event_chars=tuple(self.event_chars),
             reply_id=self.headers.get("x-reply-id"),
@@ -177,6 +184,9 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
                 if meaning.in_words and reading.parts:
                     tokens = words_added(reading.parts[-1], meaning.text)
                 reading.on_text(meaning.text, tokens, at, meaning.kind == "thinking")
+                reading.estimated = reading.estimated or (
+                    bool(meaning.text) and not meaning.counted
+                )
                 if meaning.usage is not None:
                     reading.reported_tokens = meaning.usage
                 stop = reading.stop_after_tokens
@@ -221,6 +231,7 @@ async def _read_body(reading: _Reading, response: HTTPResponse) -> None:
         # counted in words, the nearest a reader can tell.
         reading.on_text(meaning.text, max(1, len(meaning.text.split())), at)
         reading.reported_tokens = meaning.usage
+        reading.estimated = meaning.usage is None
         reading.complete = True
     else:
         reading.error = meaning.error

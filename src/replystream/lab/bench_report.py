@@ -105,7 +105,7 @@ def render(summary: dict[str, Any], console: Console) -> None:
             highlight=False,
         )
     if summary["server"] is not None:
-        for line in _server_lines(summary["server"]):
+        for line in server_lines(summary["server"]):
             console.print(line, highlight=False, markup=False)
     console.print(client_line(summary["client"]), highlight=False)
 
@@ -145,7 +145,7 @@ def _steady_line(steady: dict[str, Any]) -> str:
     return f"Steady state: {verdict}, second half vs first: {changes} ({bound})"
 
 
-def _server_lines(server: dict[str, Any]) -> list[str]:
+def server_lines(server: dict[str, Any]) -> list[str]:
     if "error" in server:
         return [f"Server metrics: not read ({server['error']})"]
     mean = server["mean"]
@@ -178,11 +178,19 @@ def _server_lines(server: dict[str, Any]) -> list[str]:
             f"  during the run ({server['during']['scrapes']} scrapes every "
             f"{server['during']['interval_s']:g} s): {held_during or 'nothing reported'}"
         )
+    estimated = server["client_counts_estimated"]
+    # A reader's own count (events, words) is not the server's tokens: the difference then
+    # measures the counting too, and says so.
+    caveat = (
+        f" ({estimated} readers' counts are their events or words, not the server's tokens)"
+        if estimated
+        else ""
+    )
     return [
         f"Server ({server['url']}): means {figures or 'none'}; replies {replies or 'none'}",
         f"  tokens made {server['tokens_generated']:g}, received by readers "
         f"{server['client_tokens_received']:g}, made and never read "
-        f"{server['excess_tokens']:g}; held at the end: {held or 'nothing reported'}",
+        f"{server['excess_tokens']:g}{caveat}; held at the end: {held or 'nothing reported'}",
         "  client TTFT minus server TTFT (network, client and write path): "
         + ("-" if gap is None else f"{gap:,.1f} ms"),
         *lines,

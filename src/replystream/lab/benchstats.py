@@ -162,8 +162,10 @@ def server_side(run: LoadRun) -> dict[str, Any] | None:
     """The server's account of the run beside the client's (None when not scraped): every
     request of the run counts, the warm-up window's and cancelled ones too, as the server's
     counters do. ``excess_tokens``: tokens the server made that no reader received (near 0
-    when it stops generating for a reader that hung up); ``ttft_gap_ms``: client mean TTFT
-    minus the server's (network, client parsing and the server's own write path)."""
+    when it stops generating for a reader that hung up), exact only when every reader's count
+    is the server's (``client_counts_estimated``: the readers whose count is theirs, one per
+    event or the words); ``ttft_gap_ms``: client mean TTFT minus the server's (network,
+    client parsing and the server's own write path)."""
     if run.config.server_metrics is None:
         return None
     if run.server_before is None or run.server_after is None:
@@ -174,6 +176,7 @@ def server_side(run: LoadRun) -> dict[str, Any] | None:
     client_ttft = sum(firsts) / len(firsts) if firsts else None
     server_ttft = result["mean"]["ttft_ms"]
     result["client_tokens_received"] = received
+    result["client_counts_estimated"] = sum(not r.timing.tokens_counted for r in run.records)
     result["excess_tokens"] = result["tokens_generated"] - received
     result["client_ttft_mean_ms"] = client_ttft
     result["ttft_gap_ms"] = (

@@ -87,6 +87,7 @@ class _Read:
     # ``usage`` event): the better count, as ``measure_reply`` takes it, since an event may
     # carry several tokens without saying so.
     reported_tokens: int | None = None
+    estimated: bool = False  # a text event's tokens were counted here (``Meaning.counted``)
     event_ms: list[float] = field(default_factory=list)
     event_chars: list[int] = field(default_factory=list)
     complete: bool = False
@@ -164,6 +165,7 @@ async def _follow(
                 if meaning.kind == "text" and meaning.text:
                     read.text.append(meaning.text)
                     read.tokens += meaning.tokens
+                    read.estimated = read.estimated or not meaning.counted
                     read.event_ms.append(read.ms(chunk.at))
                     read.event_chars.append(len(meaning.text))
                     if stop_after and read.tokens >= stop_after:
@@ -312,6 +314,7 @@ async def drop_and_resume(
         body_bytes=read.body_bytes,
         text="".join(read.text),
         tokens=read.tokens if read.reported_tokens is None else read.reported_tokens,
+        tokens_counted=read.reported_tokens is not None or not read.estimated,
         text_event_ms=tuple(read.event_ms),
         text_event_chars=tuple(read.event_chars),
         reply_id=read.reply_id,
