@@ -216,6 +216,10 @@ class ChunkReader:
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._cached_prompt_tokens: int | None = None  # of those, found in its prefix cache
         self._finish: str | None = None
+        # Each tool call's id and name as a piece of it named them, by its index: a later
+        # piece repeating them (llama-cpp-python's server sends both on every piece) names
+        # nothing new.
+        self._call_names: dict[int, tuple[str | None, str | None]] = {}
         self._said_late = False  # output after the finish reason was logged (once a reply)
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
@@ -478,7 +482,10 @@ class ChunkReader:
                 return
 
     def _tool_calls(self, calls: object, now: float) -> None:
-        """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each."""
+        """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each,
+        its id and name only where they are new for its call, as OpenAI streams them (a client
+        joins each piece's fields to the call's, and an id or name sent again would be
+        doubled)."""
         if not isinstance(calls, list):
             raise self._fail(
                 f"{self._where} sent tool_calls that is not a list", "upstream_bad_chunk"
@@ -498,6 +505,13 @@ class ChunkReader:
                 or not isinstance(arguments, str)
             ):
                 raise self._fail(f"{self._where} sent a malformed tool call", "upstream_bad_chunk")
+            named_id, named = self._call_names.get(index, (None, None))
+            if call_id == named_id:
+                call_id = None
+            if name == named:
+                name = None
+            if call_id is not None or name is not None:
+                self._call_names[index] = (call_id or named_id, name or named)
             self._tokens += 1
             self._pending.append(
                 Delta("", 1, now, tool_call=ToolCallDelta(index, call_id, name, arguments))
