@@ -84,3 +84,68 @@ async def test_a_call_named_on_every_piece_is_named_once_to_a_chat_client():
         assert isinstance(call, openai.types.chat.ChatCompletionMessageFunctionToolCall)
         assert (call.id, call.function.name) == (CALL_ID, "get_weather")
         assert call.function.arguments == '{ "city": "Paris" }'
+
+
+# llama-cpp-python's answer to a request its schema refuses (here OpenAI's ``json_schema``
+# format, which 0.3.36 does not take), byte for byte but for its install's path.
+REFUSED = {
+    "error": {
+        "message": "1 validation error:\n  {'type': 'literal_error', 'loc': ('body',"
+        " 'response_format', 'type'), 'msg': \"Input should be 'text' or 'json_object'\","
+        " 'input': 'json_schema', 'ctx': {'expected': \"'text' or 'json_object'\"}}\n\n"
+        '  File "/srv/venv/lib/python3.11/site-packages/llama_cpp/server/app.py", line 376,'
+        " in create_chat_completion\n    POST /v1/chat/completions",
+        "type": "internal_server_error",
+        "param": None,
+        "code": None,
+    }
+}
+SCHEMA: Any = {
+    "type": "json_schema",
+    "json_schema": {"name": "city", "schema": {"type": "object"}},
+}
+
+
+class SchemaRefusing(Upstream):
+    """Refuses a JSON schema format as llama-cpp-python's server does, with a 500."""
+
+    def __init__(self) -> None:
+        super().__init__(["m"])
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("response_format", {}).get("type") == "json_schema":
+            self.bodies.append(body)
+            return web.json_response(REFUSED, status=500)
+        return await super().chat(request)
+
+
+async def test_a_request_its_schema_refuses_is_the_clients_400_and_leaves_the_upstream_up():
+    upstream = SchemaRefusing()
+    async with (
+        relay([upstream], failures=2) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        ask: Any = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(3):  # past the failures that open a circuit
+            try:
+                await client.chat.completions.create(**ask, response_format=SCHEMA)
+            except openai.BadRequestError as exc:
+                refused = exc
+            else:
+                raise AssertionError("a refused request was answered")
+        reply = await client.chat.completions.create(**ask)
+    assert refused.status_code == 400
+    assert isinstance(refused.body, dict)
+    message = refused.body.pop("message")
+    assert refused.body == {
+        "type": "invalid_request_error",
+        "param": "response_format",
+        "code": "upstream_rejected",
+    }
+    assert message.startswith("the upstream at http://127.0.0.1:")
+    assert message.endswith(
+        "/v1 refused the request: response_format.type: Input should be 'text' or 'json_object'"
+    )
+    assert reply.choices[0].message.content == "w0 w1 w2 "
+    assert len(upstream.bodies) == 4

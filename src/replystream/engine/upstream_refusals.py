@@ -32,6 +32,7 @@ upstream is picked, or about our HTTP server.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import re
 import time
@@ -255,6 +256,41 @@ def _validation_detail(
     return quoted(said, withheld=withheld), None, param
 
 
+# How llama-cpp-python's server (0.3.36) answers a request its schema refuses: not FastAPI's
+# 422, but a 500 whose message is the validation error as Python prints it, each problem on a
+# line of its own, the request's own values among them ("1 validation error:\n  {'type':
+# 'literal_error', 'loc': ('body', 'response_format', 'type'), 'msg': "Input should be
+# 'text' or 'json_object'", 'input': 'json_schema', ...}"), and where in its code it failed.
+_PRINTED_VALIDATION = re.compile(r"\d+ validation errors?:\n")
+_PRINTED_PROBLEM = re.compile(
+    r"\{'type': '[a-z_]+', 'loc': \((?P<loc>'body'(?:, (?:'[^'\\\n]*'|\d+))*)\), "
+    r"'msg': (?P<msg>'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\")"
+)
+
+
+def _printed_validation(
+    raw: bytes, withheld: Sequence[str]
+) -> tuple[str | None, str | None, str | None] | None:
+    """Message and param of the first problem of a validation error of the request's body
+    printed as an error's message (llama-cpp-python's 500), as ``_validation_detail`` gives
+    them for FastAPI's 422: the field and its words, no value of the request's; None for any
+    other answer."""
+    try:
+        body = from_json(raw)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) or not _PRINTED_VALIDATION.match(message):
+        return None
+    first = _PRINTED_PROBLEM.search(message)
+    if first is None:
+        return None
+    loc = ast.literal_eval(f"({first['loc']},)")
+    msg = ast.literal_eval(first["msg"])
+    return _validation_detail([{"loc": list(loc), "msg": msg}], withheld)
+
+
 # The longest code or param passed on: OpenAI's and the servers' are a word or a field's
 # path; anything longer is no code a client matches on, and is not repeated.
 NAME_MAX = 100
@@ -356,7 +392,13 @@ async def refusal(
         if not message:
             said = f"{where}: the request is larger than it takes (its own limit, or a proxy's)"
         return UpstreamTooLarge(said, code="request_too_large")
-    if status in (400, 422):
+    printed = _printed_validation(raw, withheld) if status == 500 else None
+    if printed is not None:
+        # The request, refused by the upstream's schema (llama-cpp-python's 500 for it): the
+        # client's to change, as a 422 is, and no failure of the upstream's to count.
+        message, code, param = printed
+        said = f"the upstream at {backend} refused the request: {message}"
+    if status in (400, 422) or printed is not None:
         if context_exceeded(code, message):
             return ContextTooLong(said, param=param)
         field = own_field_refused(param, message)
