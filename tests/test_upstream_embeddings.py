@@ -62,6 +62,10 @@ class EmbeddingUpstream:
         if self.mode == "chat_only":  # llama.cpp's server started without --embeddings
             message = "This server does not support embeddings. Start it with `--embeddings`"
             return web.json_response({"error": {"message": message}}, status=501)
+        if self.mode == "chat_only_500":  # llama-cpp-python's server without --embedding
+            message = "Llama model must be created with embedding=True to call this method"
+            error = {"message": message, "type": "internal_server_error"}
+            return web.json_response({"error": error}, status=500)
         if self.mode == "large":
             return web.Response(body=self.large, content_type="application/json")
         if self.mode == "garbage":
@@ -271,6 +275,22 @@ async def test_upstreams_that_make_no_embeddings_are_passed_over_and_stay_in_cha
     assert status == 404 and body["error"]["code"] == "route_unsupported"
     assert "/embeddings: it has no such route" in body["error"]["message"]
     assert "does not support embeddings" in body["error"]["message"]  # its own words, quoted
+
+
+async def test_llama_cpp_pythons_500_without_embeddings_is_a_route_it_lacks():
+    """llama-cpp-python's server started without ``--embedding`` says so in a 500: no sign of
+    sickness, so its circuit stays closed however often it is asked, and chat goes on."""
+    upstream = EmbeddingUpstream(["m"], mode="chat_only_500")
+    async with relay([upstream], failures=1) as url:
+        got = [await post(url, {"model": "m", "input": "x"}) for _ in range(3)]
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/healthz") as page:
+            health = page.status
+    assert [status for status, _ in got] == [404, 404, 404]
+    body = got[-1][1]
+    assert body["error"]["code"] == "route_unsupported"
+    assert "/embeddings: it has no such route" in body["error"]["message"]
+    assert "embedding=True" in body["error"]["message"]  # its own words, quoted
+    assert health == 200
 
 
 async def test_an_upstream_slower_than_the_timeout_is_passed_over_head_or_body(caplog):

@@ -291,6 +291,11 @@ def _printed_validation(
     return _validation_detail([{"loc": list(loc), "msg": msg}], withheld)
 
 
+# llama-cpp-python's server started without ``--embedding`` answers its embeddings route with
+# a 500 saying so: a route it lacks, as llama.cpp's own server's 501 says.
+_NO_EMBEDDINGS = "must be created with embedding=True"
+
+
 # The longest code or param passed on: OpenAI's and the servers' are a word or a field's
 # path; anything longer is no code a client matches on, and is not repeated.
 NAME_MAX = 100
@@ -408,7 +413,8 @@ async def refusal(
             said, code=code or "upstream_rejected", param=param, names_upstream_field=True
         )
     no_route = status == 404 and (message is None or "model" not in message.lower())
-    if path != CHAT_PATH and (no_route or status in (405, 501)):
+    lacks = status in (405, 501) or (status == 500 and _NO_EMBEDDINGS in (message or ""))
+    if path != CHAT_PATH and (no_route or lacks):
         said = f"{where} to POST {path}: it has no such route"
         said += f" ({message})" if message else ""
         return UpstreamLacksRoute(said, code="route_unsupported")
