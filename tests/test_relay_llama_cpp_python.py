@@ -100,6 +100,29 @@ REFUSED = {
         "code": None,
     }
 }
+# Its answer to an assistant message whose content is null beside its tool calls, which its
+# schema takes only as a string: each kind of message it checked, one problem per line.
+PROBLEMS = (
+    "{'type': 'literal_error', 'loc': ('body', 'messages', 1,"
+    " 'ChatCompletionRequestSystemMessage', 'role'), 'msg': \"Input should be 'system'\","
+    " 'input': 'assistant', 'ctx': {'expected': \"'system'\"}}",
+    "{'type': 'string_type', 'loc': ('body', 'messages', 1,"
+    " 'ChatCompletionRequestAssistantMessage', 'content'), 'msg': 'Input should be a valid"
+    " string', 'input': None}",
+    "{'type': 'missing', 'loc': ('body', 'messages', 1, 'ChatCompletionRequestToolMessage',"
+    " 'tool_call_id'), 'msg': 'Field required', 'input': {'role': 'assistant', 'content': None}}",
+    "{'type': 'literal_error', 'loc': ('body', 'messages', 1,"
+    " 'ChatCompletionRequestToolMessage', 'role'), 'msg': \"Input should be 'tool'\","
+    " 'input': 'assistant', 'ctx': {'expected': \"'tool'\"}}",
+)
+REFUSED_HISTORY = {
+    "error": {
+        "message": "4 validation errors:\n" + "".join(f"  {p}\n" for p in PROBLEMS),
+        "type": "internal_server_error",
+        "param": None,
+        "code": None,
+    }
+}
 SCHEMA: Any = {
     "type": "json_schema",
     "json_schema": {"name": "city", "schema": {"type": "object"}},
@@ -117,6 +140,9 @@ class SchemaRefusing(Upstream):
         if body.get("response_format", {}).get("type") == "json_schema":
             self.bodies.append(body)
             return web.json_response(REFUSED, status=500)
+        if len(body["messages"]) > 1:
+            self.bodies.append(body)
+            return web.json_response(REFUSED_HISTORY, status=500)
         return await super().chat(request)
 
 
@@ -149,3 +175,27 @@ async def test_a_request_its_schema_refuses_is_the_clients_400_and_leaves_the_up
     )
     assert reply.choices[0].message.content == "w0 w1 w2 "
     assert len(upstream.bodies) == 4
+
+
+async def test_a_message_refused_is_told_by_the_kind_its_role_names():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history: Any = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    async with (
+        relay([SchemaRefusing()]) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        try:
+            await client.chat.completions.create(model="m", messages=history)
+        except openai.BadRequestError as exc:
+            refused = exc
+        else:
+            raise AssertionError("a refused request was answered")
+    assert isinstance(refused.body, dict) and refused.body["param"] == "messages"
+    assert refused.body["message"].endswith(
+        " refused the request: messages.1.ChatCompletionRequestAssistantMessage.content:"
+        " Input should be a valid string"
+    )

@@ -263,7 +263,7 @@ def _validation_detail(
 # 'text' or 'json_object'", 'input': 'json_schema', ...}"), and where in its code it failed.
 _PRINTED_VALIDATION = re.compile(r"\d+ validation errors?:\n")
 _PRINTED_PROBLEM = re.compile(
-    r"\{'type': '[a-z_]+', 'loc': \((?P<loc>'body'(?:, (?:'[^'\\\n]*'|\d+))*)\), "
+    r"\{'type': '(?P<type>[a-z_]+)', 'loc': \((?P<loc>'body'(?:, (?:'[^'\\\n]*'|\d+))*)\), "
     r"'msg': (?P<msg>'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\")"
 )
 
@@ -274,7 +274,8 @@ def _printed_validation(
     """Message and param of the first problem of a validation error of the request's body
     printed as an error's message (llama-cpp-python's 500), as ``_validation_detail`` gives
     them for FastAPI's 422: the field and its words, no value of the request's; None for any
-    other answer."""
+    other answer. Of a message checked against each kind of message, the first problem of
+    the kind its role names, where there is one."""
     try:
         body = from_json(raw)
     except ValueError:
@@ -283,11 +284,19 @@ def _printed_validation(
     message = error.get("message") if isinstance(error, dict) else None
     if not isinstance(message, str) or not _PRINTED_VALIDATION.match(message):
         return None
-    first = _PRINTED_PROBLEM.search(message)
-    if first is None:
+    problems = [
+        (found["type"], ast.literal_eval(f"({found['loc']},)"), ast.literal_eval(found["msg"]))
+        for found in _PRINTED_PROBLEM.finditer(message)
+    ]
+    if not problems:
         return None
-    loc = ast.literal_eval(f"({first['loc']},)")
-    msg = ast.literal_eval(first["msg"])
+    # A message is checked against each kind of message (a union): a kind whose role it does
+    # not have is no kind it meant, and its other problems say nothing of it.
+    other_kinds = [
+        loc[:-1] for kind, loc, _ in problems if kind == "literal_error" and loc[-1] == "role"
+    ]
+    meant = [p for p in problems if not any(p[1][: len(k)] == k for k in other_kinds)]
+    _, loc, msg = (meant or problems)[0]
     return _validation_detail([{"loc": list(loc), "msg": msg}], withheld)
 
 
