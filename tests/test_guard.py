@@ -8,6 +8,7 @@ import logging
 import uuid
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 
 from replystream.engine.base import EngineStats, GenerationRequest, InProcessEngine
@@ -227,6 +228,34 @@ async def test_cors_allows_listed_origins_only_including_on_event_streams():
     assert preflight.status == 204
     assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
     assert refused.status == 403
+
+
+async def test_a_websocket_from_a_foreign_page_is_refused_before_its_upgrade():
+    # A browser applies no CORS to a WebSocket: a page of any site could open one and read
+    # every reply. Pages of this server's own host and listed origins may; others get a 403.
+    async def opens(url: str, origin: str | None) -> int | str:
+        headers = {} if origin is None else {"Origin": origin}
+        async with aiohttp.ClientSession() as http:
+            try:
+                async with http.ws_connect(f"{url}/v1/ws", headers=headers) as ws:
+                    await ws.send_json({"type": "reply", "id": "a", "prompt": "x", "max_tokens": 1})
+                    while (message := await ws.receive_json())["type"] not in ("done", "error"):
+                        pass
+                    return str(message["type"])
+            except aiohttp.WSServerHandshakeError as exc:
+                return exc.status
+
+    async with serve_with(GuardConfig(cors_origins=("https://chat.example",))) as url:
+        port = urlsplit(url).port
+        assert await opens(url, "https://evil.example") == 403
+        assert await opens(url, "null") == 403
+        assert await opens(url, f"http://evil.example:{port}") == 403
+        assert await opens(url, None) == "done"  # not a browser
+        assert await opens(url, "https://chat.example") == "done"
+        assert await opens(url, f"http://127.0.0.1:{port}") == "done"  # the server's own page
+        assert await opens(url, "http://127.0.0.1:8443") == "done"  # behind a proxy's port
+    async with serve_with(GuardConfig(cors_origins=("*",))) as url:
+        assert await opens(url, "https://evil.example") == "done"
 
 
 async def test_every_response_has_a_request_id_that_the_access_log_names(

@@ -250,6 +250,33 @@ def _allowed(origin: str, origins: Sequence[str]) -> bool:
     return "*" in origins or origin in origins
 
 
+def _host_name(authority: str) -> str:
+    """The host of ``HOST[:PORT]`` (an IPv6 address in brackets kept whole), lower-cased."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):
+        return authority.partition("]")[0] + "]"
+    return authority.rpartition(":")[0] if authority.count(":") == 1 else authority
+
+
+def foreign_origin(request: web.Request) -> str | None:
+    """The ``Origin`` of a browser page from another site, that ``--cors-origin`` does not
+    allow; None for a request without one (not a browser's), a page of this server's own
+    host (as the request's ``Host`` names it: the port is left out, since a proxy may send
+    ``$host`` alone), or an allowed one. A browser applies no CORS to a WebSocket: any page
+    may open one and read all it says, so the server must tell foreign pages away itself."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return None
+    origins = request.app[GUARD_KEY].cors_origins
+    if _allowed(origin, origins):
+        return None
+    scheme, _, authority = origin.partition("://")
+    if scheme in ("http", "https") and authority and "/" not in authority:
+        if _host_name(authority) == _host_name(request.host):
+            return None
+    return origin
+
+
 async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
     """Before headers leave (streams included): the request id and CORS headers."""
     request_id = request.get(REQUEST_ID)
