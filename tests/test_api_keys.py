@@ -57,6 +57,30 @@ async def test_missing_or_wrong_key_is_401_on_every_v1_route(method, path, caplo
     assert KEY_A not in caplog.text and "sk-wrong" not in caplog.text
 
 
+async def test_the_lab_routes_generate_only_for_a_key():
+    # /wait and /stream make replies as /v1/replies does (a relay's with its upstream key):
+    # with keys on, no key may not make one there either.
+    engine = fast_engine()
+    async with running(create_app(engine, CONFIG)) as url, aiohttp.ClientSession() as http:
+        for path in ("/wait?max_tokens=2", "/stream?max_tokens=2", "/stream?resumable=1"):
+            for headers in ({}, bearer("sk-wrong")):
+                async with http.get(f"{url}{path}", headers=headers) as response:
+                    await assert_401(response)
+        assert engine.stats().started == 0
+        async with http.get(f"{url}/stream?resumable=1&max_tokens=2", headers=bearer(KEY_A)) as r:
+            assert r.status == 200
+            reply_id = r.headers["X-Reply-Id"]
+            await r.read()
+        async with http.get(f"{url}/wait?max_tokens=2", headers={"x-api-key": KEY_B}) as r:
+            assert r.status == 200
+        # the lab's resumable reply is its key's, as any other
+        resume = f"{url}/v1/replies/{reply_id}/stream"
+        async with http.get(resume, headers=bearer(KEY_B)) as r:
+            assert r.status == 404
+        async with http.get(resume, headers=bearer(KEY_A)) as r:
+            assert r.status == 200
+
+
 async def test_health_metrics_and_pages_need_no_key():
     async with running(create_app(fast_engine(), CONFIG)) as url, aiohttp.ClientSession() as http:
         for path in ("/healthz", "/metrics", "/"):

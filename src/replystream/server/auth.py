@@ -1,11 +1,11 @@
 """Bearer-token API keys: who may call ``/v1/*``, and whose replies a caller may touch.
 
 This file decides:
-- Every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (or ``x-api-key``, as
-  Anthropic's clients send it) once keys are configured;
-  ``/healthz``, ``/metrics`` and the static pages do not. A missing or wrong key is a 401 in
-  the API's error shape (``authentication_error`` / ``invalid_api_key``) with
-  ``WWW-Authenticate: Bearer``.
+- Every ``/v1/*`` route, and the lab's ``/wait`` and ``/stream`` (which generate as they
+  do), needs ``Authorization: Bearer <key>`` (or ``x-api-key``, as Anthropic's clients send
+  it) once keys are configured; ``/healthz``, ``/metrics`` and the static pages do not. A
+  missing or wrong key is a 401 in the API's error shape (``authentication_error`` /
+  ``invalid_api_key``) with ``WWW-Authenticate: Bearer``.
 - ``GET /v1/replies/{id}/stream`` (resume) also takes the key as ``?api_key=``, because
   ``EventSource`` cannot send headers. No other route does: a key in a URL ends up in logs.
   A request offering two different keys (in any of these places) is a 401.
@@ -33,6 +33,8 @@ from replystream.server.errors import error_response
 
 RESUME_PATH = re.compile(r"^/v1/replies/[^/]+/stream$")
 WEBSOCKET_PATH = "/v1/ws"
+# The lab's routes generate as the API's do (a relay's with its upstream key): keyed alike.
+LAB_PATHS = frozenset(("/wait", "/stream"))
 OWNER = web.RequestKey("owner", str)  # who may read and cancel the replies a request starts
 # The key a WebSocket sent in its first message (a browser's socket cannot send headers).
 SOCKET_KEY = web.RequestKey("socket_key", str)
@@ -131,7 +133,7 @@ def api_key_check(ring: KeyRing) -> Callable[[web.Request], web.Response | None]
 
     def check(request: web.Request) -> web.Response | None:
         path = request.path
-        if not (path == "/v1" or path.startswith("/v1/")):
+        if not (path == "/v1" or path.startswith("/v1/") or path in LAB_PATHS):
             return None
         offered = offered_keys(request)
         if len(offered) > 1:
