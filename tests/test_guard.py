@@ -70,6 +70,42 @@ async def test_limits_count_per_api_key_not_per_address():
         assert await status("key-a") == 429
 
 
+async def test_background_responses_are_open_requests_of_their_key_until_they_end():
+    # A background response runs on after its answer: were it not counted, a key held to 2
+    # requests at once could run any number of generations of up to 2^20 tokens each.
+    # (The second is streamed, and its reader leaves at once: it goes on all the same.)
+    engine = fast_engine(delay_ms=50.0, jitter_ms=0.0)
+    config = ServerConfig(guard=GuardConfig(max_concurrent=2), api_keys=("key-a",))
+    auth = {"Authorization": "Bearer key-a", "Content-Type": "application/json"}
+    job = {"input": "x", "background": True, "max_output_tokens": 100_000}
+    async with running(create_app(engine, config)) as url, aiohttp.ClientSession() as http:
+
+        async def create(body: dict[str, object]) -> tuple[int, dict[str, object]]:
+            async with http.post(f"{url}/v1/responses", json=body, headers=auth) as response:
+                return response.status, await response.json()
+
+        first = await create(job)
+        async with http.post(
+            f"{url}/v1/responses", json={**job, "stream": True}, headers=auth
+        ) as streamed:
+            assert streamed.status == 200
+            second_id = streamed.headers["X-Reply-Id"]
+        assert first[0] == 200
+        status, refused = await create(job)
+        assert status == 429 and refused["error"]["code"] == "rate_limited"  # type: ignore[index]
+        assert engine.stats().started == 2
+        # polling and cancelling them need no room of their own
+        async with http.get(f"{url}/v1/responses/resp_{second_id}", headers=auth) as r:
+            assert r.status == 200
+        async with http.post(f"{url}/v1/responses/{first[1]['id']}/cancel", headers=auth) as r:
+            assert r.status == 200
+        # its end frees its place: the next one is taken
+        async with asyncio.timeout(5):
+            while (again := await create({**job, "max_output_tokens": 1}))[0] == 429:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        assert again[0] == 200
+
+
 async def test_a_connection_that_never_finishes_its_headers_is_closed():
     app = create_app(fast_engine(), ServerConfig(guard=GuardConfig(header_timeout_s=0.3)))
     async with running(app) as url:

@@ -23,7 +23,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from aiohttp import web
 
@@ -92,6 +93,7 @@ class ClientGate:
         self.max_concurrent = max_concurrent
         self.per_minute = per_minute
         self.open: dict[str, int] = {}
+        self.background: dict[str, int] = {}  # identity -> its background responses running
         self._buckets: dict[str, tuple[float, float]] = {}  # identity -> (tokens, at)
         self._admits = 0
 
@@ -126,6 +128,27 @@ class ClientGate:
             self._forget_full_buckets(now)
         return None
 
+    def hold_background(self, identity: str) -> Callable[[], None] | None:
+        """Count a background response of ``identity``, which one of its open requests
+        (this one) is starting: None if it has as many requests open and background
+        responses running as ``max_concurrent``, else the function that frees it, to call
+        once it ends. So a key held to N requests at once runs N background responses at
+        most, besides its requests (a poll or a cancel of them needs no room of its own)."""
+        if not self.max_concurrent:
+            return _nothing
+        running = self.background.get(identity, 0)
+        if self.open.get(identity, 1) - 1 + running >= self.max_concurrent:
+            return None
+        self.background[identity] = running + 1
+        return partial(self._background_ended, identity)
+
+    def _background_ended(self, identity: str) -> None:
+        left = self.background.get(identity, 0) - 1
+        if left > 0:
+            self.background[identity] = left
+        else:
+            self.background.pop(identity, None)
+
     def release(self, identity: str) -> None:
         left = self.open.get(identity, 0) - 1
         if left > 0:
@@ -139,6 +162,10 @@ class ClientGate:
         for identity, (_, at) in list(self._buckets.items()):
             if now - at >= full_after:
                 del self._buckets[identity]
+
+
+def _nothing() -> None:
+    pass
 
 
 # The server's one gate, for the routes that admit more than their request (a WebSocket's
@@ -179,6 +206,25 @@ def count_as_owner(request: web.Request) -> float | None:
 
 
 RATE_LIMITED = "too many requests from this client; retry later"
+
+
+def hold_background(request: web.Request) -> Callable[[], None]:
+    """Room for a background response among its client's requests at once (see
+    ``ClientGate.hold_background``): the function that frees it, to call once it ends.
+
+    Raises:
+        HTTPAPIError: the ``429`` of a client with no room left.
+    """
+    release = request.app[GATE_KEY].hold_background(identity_of(request))
+    if release is None:
+        raise HTTPAPIError(
+            429,
+            "too many background responses and requests of this client at once; retry "
+            "once one has ended",
+            code="rate_limited",
+            retry_after_s=1.0,
+        )
+    return release
 
 
 def rate_limited(wait_s: float) -> web.Response:

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, cast
 
@@ -92,6 +92,16 @@ class Reply:
     _attaching: bool = False  # inside the pushed stream's ``attach`` (see ``_production_ended``)
     _conclusion: asyncio.Handle | None = None  # its conclusion, put off by ``_production_ended``
     _detach_timer: asyncio.TimerHandle | None = None
+    # Called once as the reply ends: what it holds of its client's limits (a background
+    # response is its client's open request until then).
+    _ended_call: Callable[[], None] | None = None
+
+    def when_ended(self, call: Callable[[], None]) -> None:
+        """Call ``call`` once the reply has ended (now, if it has)."""
+        if self._phase is Phase.ENDED:
+            call()
+        else:
+            self._ended_call = call
 
     @property
     def last_seq(self) -> int:
@@ -359,6 +369,9 @@ class Reply:
         for follower in list(self.followers):
             follower.interrupt()
         self.manager.finished(self)
+        if self._ended_call is not None:
+            call, self._ended_call = self._ended_call, None
+            call()
         self.forget_if_unwanted()
 
 

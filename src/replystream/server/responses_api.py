@@ -66,7 +66,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
-from replystream.server.guard import REPLY_ID
+from replystream.server.guard import REPLY_ID, hold_background
 from replystream.server.native import (
     delivery_overrides,
     sampling_params,
@@ -196,19 +196,29 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
             # (a window would keep the start of a blocked phrase in the stored response).
             policy = policy.with_overrides(holdback_tokens=WHOLE_REPLY)
         resumes_by_default = request.app[CONFIG_KEY].resumable_by_default
-        reply = await start_reply(
-            request,
-            generation,
-            endpoint="/v1/responses",
-            fmt=ResponsesStreamFormat(settings),
-            policy=policy,
-            resumable=True,
-            # Not in the background, it stops when its client leaves, as a reply on another
-            # route does, unless the server makes replies resumable by default: then it goes
-            # on for the detach grace, as theirs do.
-            disconnect="keep" if body.background else None if resumes_by_default else "cancel",
-            context=kept_conversation(made.conversation, body.input),
-        )
+        # A background response runs on after its request: room for it among its client's
+        # requests at once is held until it ends.
+        release = hold_background(request) if body.background else None
+        try:
+            reply = await start_reply(
+                request,
+                generation,
+                endpoint="/v1/responses",
+                fmt=ResponsesStreamFormat(settings),
+                policy=policy,
+                resumable=True,
+                # Not in the background, it stops when its client leaves, as a reply on another
+                # route does, unless the server makes replies resumable by default: then it goes
+                # on for the detach grace, as theirs do.
+                disconnect="keep" if body.background else None if resumes_by_default else "cancel",
+                context=kept_conversation(made.conversation, body.input),
+            )
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            reply.when_ended(release)
     if body.stream:
         return _follow(request, reply, policy, settings)
     request[REPLY_ID] = reply.reply_id  # its access-log line names it, as a stream's does
