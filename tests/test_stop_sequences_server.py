@@ -4,6 +4,8 @@ finish says so, and usage counts the tokens made up to the one that completed it
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -11,6 +13,7 @@ import anthropic
 import openai
 import pytest
 
+from replystream.engine.simulated import reply_of_length
 from replystream.server import create_app, running
 from tests.conftest import fast_engine
 from tests.sse_client import post_events
@@ -136,3 +139,17 @@ async def test_a_stop_string_stops_the_engine_too():
         assert got.text == "one "
     stats = simulated.stats()
     assert stats.active == 0 and stats.steps <= 3
+
+
+async def test_a_long_stop_string_costs_a_token_little():
+    # A long stop string is watched for in each token's text: done by trying every length
+    # of it up to the text seen, a reply of 5,000 tokens and a stop string of 40,000
+    # characters held the event loop for most of a minute, every other client waiting.
+    stop = "zq" * 20_000
+    ask = {"prompt": "x", "max_tokens": 5_000, "stop": [stop]}
+    made = fast_engine(reply_text=reply_of_length(REPLY, 5_000), delay_ms=0.0, jitter_ms=0.0)
+    async with running(create_app(made)) as url:
+        async with asyncio.timeout(10):
+            events = (await post_events(f"{url}/v1/replies", ask)).events
+    assert events[-1].type == "done"
+    assert sum(json.loads(e.data)["tokens"] for e in events if e.type == "token") == 5_000

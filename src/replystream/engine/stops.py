@@ -66,9 +66,15 @@ class StopScan:
             end, negative_length, stop = best
             return StopHit(offset + end + negative_length, stop)
         self._tail = window[-self._span :] if self._span else ""
+        # A stop string begun ``n`` characters before the end of the window had begun
+        # ``n - len(text)`` before the end of the text seen before, so it is at most the last
+        # ``keep`` plus this piece: only those need trying. Trying every length up to the
+        # longest stop string's, each comparison as long as its length, cost a piece the
+        # square of that length (a stop string of 40,000 characters: about 20 ms a token).
+        longest = self.keep + len(text)
         keep = 0
         for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(window)), keep, -1):
+            for n in range(min(len(stop) - 1, len(window), longest), keep, -1):
                 if window.endswith(stop[:n]):
                     keep = n
                     break
