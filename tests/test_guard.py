@@ -266,6 +266,30 @@ async def test_cors_allows_listed_origins_only_including_on_event_streams():
     assert refused.status == 403
 
 
+async def test_a_preflight_allows_the_sdks_headers_and_delete_to_a_listed_origin():
+    # The official SDKs send headers of their own, which a browser asks leave for first
+    # (OpenAI's x-stainless-*, Anthropic's x-api-key and anthropic-version); a stored
+    # response is deleted with DELETE.
+    asked = "authorization, x-stainless-os, x-api-key, anthropic-version, content-type"
+    async with serve_with(GuardConfig(cors_origins=("https://chat.example",))) as url:
+        preflight = await raw_request(
+            f"{url}/v1/responses/resp_x",
+            "OPTIONS",
+            headers={
+                "Origin": "https://chat.example",
+                "Access-Control-Request-Method": "DELETE",
+                "Access-Control-Request-Headers": asked,
+            },
+        )
+        await preflight.read_body()
+    assert preflight.status == 204
+    assert "DELETE" in preflight.headers["access-control-allow-methods"]
+    allowed = {
+        h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")
+    }
+    assert allowed >= {h.strip() for h in asked.split(",")} | {"last-event-id", "x-request-id"}
+
+
 async def test_a_websocket_from_a_foreign_page_is_refused_before_its_upgrade():
     # A browser applies no CORS to a WebSocket: a page of any site could open one and read
     # every reply. Pages of this server's own host and listed origins may; others get a 403.

@@ -275,21 +275,33 @@ def preflight_response(request: web.Request, origins: Sequence[str]) -> web.Resp
     origin = request.headers.get("Origin")
     if origin is None or not _allowed(origin, origins):
         return error_response(403, "origin not allowed", code="cors_forbidden")
-    # The origin is trusted, so are the headers its page sends: an SDK's own (Anthropic's
-    # ``x-api-key`` and ``anthropic-version``, both SDKs' ``x-stainless-*``) as much as ours.
-    asked = request.headers.get("Access-Control-Request-Headers", "").strip()
+    requested = request.headers.get("Access-Control-Request-Headers", "")
     return web.Response(
         status=204,
         headers={
+            # DELETE: of a stored response (``DELETE /v1/responses/{id}``).
             "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
-            "Access-Control-Allow-Headers": _PREFLIGHT_HEADERS + (f", {asked}" if asked else ""),
+            "Access-Control-Allow-Headers": _allowed_headers(requested),
             "Access-Control-Max-Age": "600",
             "Vary": "Access-Control-Request-Headers",
         },
     )
 
 
-_PREFLIGHT_HEADERS = "Authorization, Content-Type, Last-Event-ID, X-Request-Id"
+ALLOWED_HEADERS = ("Authorization", "Content-Type", "Last-Event-ID", "X-Request-Id")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}$")
+
+
+def _allowed_headers(requested: str) -> str:
+    """The headers a page of an allowed origin may send: ours, and those its preflight asks
+    for (the SDKs send their own: Anthropic's ``x-api-key`` and ``anthropic-version``,
+    OpenAI's ``x-stainless-*``), when they are header names; the key is a bearer token a page
+    sends itself, never a cookie, so naming more headers lets no page do more."""
+    names = [name.strip() for name in requested.split(",") if name.strip()]
+    if len(names) > 64 or not all(_HEADER_NAME.match(name) for name in names):
+        names = []
+    known = {name.lower() for name in ALLOWED_HEADERS}
+    return ", ".join([*ALLOWED_HEADERS, *(n for n in names if n.lower() not in known)])
 
 
 def _allowed(origin: str, origins: Sequence[str]) -> bool:
