@@ -290,9 +290,11 @@ async def test_a_preflight_allows_the_sdks_headers_and_delete_to_a_listed_origin
     assert allowed >= {h.strip() for h in asked.split(",")} | {"last-event-id", "x-request-id"}
 
 
-async def test_a_websocket_from_a_foreign_page_is_refused_before_its_upgrade():
+async def test_a_request_from_a_foreign_page_is_refused_websocket_or_not():
     # A browser applies no CORS to a WebSocket: a page of any site could open one and read
-    # every reply. Pages of this server's own host and listed origins may; others get a 403.
+    # every reply; and a "simple" POST (text/plain, no preflight) is sent whatever CORS says,
+    # only its answer hidden. Pages of this server's own host and listed origins may call
+    # it; others get a 403 and no reply is made.
     async def opens(url: str, origin: str | None) -> int | str:
         headers = {} if origin is None else {"Origin": origin}
         async with aiohttp.ClientSession() as http:
@@ -314,6 +316,19 @@ async def test_a_websocket_from_a_foreign_page_is_refused_before_its_upgrade():
         assert await opens(url, "https://chat.example") == "done"
         assert await opens(url, f"http://127.0.0.1:{port}") == "done"  # the server's own page
         assert await opens(url, "http://127.0.0.1:8443") == "done"  # behind a proxy's port
+        async with aiohttp.ClientSession() as http:
+            simple = {"Origin": "https://evil.example", "Content-Type": "text/plain"}
+            body = '{"prompt": "x", "max_tokens": 1, "stream": false}'
+            async with http.post(f"{url}/v1/replies", data=body, headers=simple) as response:
+                assert response.status == 403
+                assert (await response.json())["error"]["code"] == "cors_forbidden"
+            anthropic = {**simple, "anthropic-version": "2023-06-01"}
+            async with http.post(f"{url}/v1/messages", data="{}", headers=anthropic) as response:
+                assert response.status == 403  # in the shape the route's clients read
+                assert (await response.json())["error"]["type"] == "permission_error"
+            mine = {**simple, "Origin": "https://chat.example"}
+            async with http.post(f"{url}/v1/replies", data=body, headers=mine) as response:
+                assert response.status == 200
     async with serve_with(GuardConfig(cors_origins=("*",))) as url:
         assert await opens(url, "https://evil.example") == "done"
 

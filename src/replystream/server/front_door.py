@@ -1,7 +1,8 @@
 """The one middleware every request passes through, and the order of what it does.
 
 In order: the request gets an id (``guard``); a CORS preflight is
-answered; on ``/v1/*`` the API key is checked (``auth``); the per-client limits admit the
+answered; a request a page of a foreign origin made is refused (``guard``); on ``/v1/*``
+and the lab's routes the API key is checked (``auth``); the per-client limits admit the
 request (``guard``); the handler runs. Whatever fails becomes the API's error shape
 (``errors``), JSON, HTML and plain-text bodies are gzipped for clients that accept them
 (``response_gzip``), and one access log line names the request.
@@ -32,6 +33,7 @@ from replystream.server.guard import (
     ClientGate,
     access_log,
     assign_request_id,
+    foreign_page_refusal,
     identity_of,
     log_access,
     preflight_response,
@@ -95,7 +97,9 @@ def front_door(door: FrontDoor) -> Middleware:
             response: web.StreamResponse | None = preflight_response(request, origins)
             if response is None:
                 try:
-                    response = check_key(request) if check_key is not None else None
+                    response = foreign_page_refusal(request)
+                    if response is None and check_key is not None:
+                        response = check_key(request)
                     if limits and response is None and request.path.startswith(LIMITED_PREFIXES):
                         identity = identity_of(request)
                         wait = gate.admit(identity, time.monotonic())

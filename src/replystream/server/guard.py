@@ -316,12 +316,26 @@ def _host_name(authority: str) -> str:
     return authority.rpartition(":")[0] if authority.count(":") == 1 else authority
 
 
+def foreign_page_refusal(request: web.Request) -> web.Response | None:
+    """The ``403`` of a request a page of a foreign origin made (``foreign_origin``); None
+    for any other. The browser would not let the page read the answer, but the request would
+    still have been served: a reply made (on a relay, on its upstream key), a response
+    deleted, by any site its user visits. A WebSocket it would even let the page read."""
+    origin = foreign_origin(request)
+    if origin is None:
+        return None
+    message = (
+        f"a page from {origin[:100]!r} may not call this server: the origin is not this "
+        "server's, nor one --cors-origin allows"
+    )
+    return error_response(403, message, code="cors_forbidden")
+
+
 def foreign_origin(request: web.Request) -> str | None:
     """The ``Origin`` of a browser page from another site, that ``--cors-origin`` does not
     allow; None for a request without one (not a browser's), a page of this server's own
     host (as the request's ``Host`` names it: the port is left out, since a proxy may send
-    ``$host`` alone), or an allowed one. A browser applies no CORS to a WebSocket: any page
-    may open one and read all it says, so the server must tell foreign pages away itself."""
+    ``$host`` alone), or an allowed one."""
     origin = request.headers.get("Origin")
     if origin is None:
         return None

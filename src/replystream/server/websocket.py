@@ -71,7 +71,6 @@ from replystream.server.guard import (
     RATE_LIMITED,
     UPGRADED,
     count_as_owner,
-    foreign_origin,
     identity_of,
 )
 from replystream.server.native import ReplyRequest, parse_reply_request
@@ -480,14 +479,6 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     Once upgraded, nothing may escape this handler: an HTTP response written now would land
     inside the WebSocket stream. A failure of the session itself closes the socket (1011)."""
     config = request.app[CONFIG_KEY]
-    origin = foreign_origin(request)
-    if origin is not None:
-        raise HTTPAPIError(
-            403,
-            f"a page from {origin[:100]!r} may not open this server's WebSocket: the origin is "
-            "not this server's, nor one --cors-origin allows",
-            code="cors_forbidden",
-        )
     ws = web.WebSocketResponse(
         # The session pings, and answers pings, itself (rule 4).
         autoping=False,
