@@ -87,6 +87,12 @@ class Upstream:
             return web.Response(status=400)
         if self.mode == "busy":
             return web.json_response({"error": {"message": "busy"}}, status=503)
+        if self.mode == "empty_when_long" and len(json.dumps(self.bodies[-1])) > 500:
+            # llama-cpp-python's server's answer to a streamed prompt past its context: a
+            # head, and an empty body.
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            return response
         if self.mode == "refuse":  # the request itself: a 400, as vLLM's for a bad field
             status, body = self.refusal
             return web.json_response(body, status=status)
@@ -442,6 +448,24 @@ async def test_asking_an_upstream_for_logprobs_it_lacks_does_not_open_its_circui
             assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_no_logprobs"]
         got = await post_events(f"{url}/v1/chat/completions", ask)
         assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+    assert len(up.bodies) == 4
+
+
+async def test_an_empty_stream_for_a_long_prompt_does_not_open_the_upstreams_circuit():
+    """A streamed body that ends with no output at all may be the request's fault (a prompt
+    past the upstream's context, as llama-cpp-python answers one): any client's long prompts
+    must not take the upstream out of routing for every other request."""
+    up = Upstream(["m"], mode="empty_when_long")
+    long = {"messages": [{"role": "user", "content": "hello " * 200}], "stream": True}
+    async with relay([up], failures=1) as url:
+        for _ in range(3):  # more than --upstream-failures
+            got = await post_events(f"{url}/v1/chat/completions", long)
+            assert [e["error"]["code"] for e in got.of_type("error")] == ["upstream_empty"]
+        short = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        got = await post_events(f"{url}/v1/chat/completions", short)
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+        status, health = await get_json(f"{url}/healthz")
+    assert status == 200, health
     assert len(up.bodies) == 4
 
 

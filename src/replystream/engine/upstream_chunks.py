@@ -23,6 +23,7 @@ as an ``UpstreamStreamError`` with its own code, within bounded memory:
 - ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
+- ``upstream_empty``: it ended so with no output at all (not counted on the circuit);
 - ``upstream_aborted``: a finish reason that says the upstream gave the reply up (``ABORTED``:
   vLLM's ``abort``), and ``upstream_unknown_finish``: one not known here. Neither is a reply
   finished: its text so far goes out, then the error (no dialect has a finish for either).
@@ -287,6 +288,17 @@ class ChunkReader:
     def _end_of_body(self) -> None:
         self._parser.close()
         if self._finish is None:
+            if self._tokens == 0:
+                # Nothing made, and the body ended cleanly: how llama-cpp-python's server
+                # answers a streamed prompt past its context. It may be the request's fault,
+                # so it is not the upstream's failure to count (``NOT_ITS_HEALTH``): three such
+                # prompts from any client would otherwise take the upstream out of routing.
+                raise self._fail(
+                    f"{self._where} ended its stream before any output or finish reason (a "
+                    "request it refused without saying why: llama-cpp-python's server does "
+                    "so for a prompt past its context)",
+                    "upstream_empty",
+                )
             raise self._fail(
                 f"{self._where} ended its stream before the reply finished", "upstream_incomplete"
             )

@@ -62,7 +62,13 @@ IN_STREAM = {"upstream_ttft_timeout": "ttft_timeout", "upstream_stalled": "stall
 # another upstream may be tried, but its circuit does not count them (else requests for
 # what it lacks would take it out of routing for every request).
 NOT_ITS_HEALTH = frozenset(
-    {"upstream_no_logprobs", "model_not_found", "request_too_large", "route_unsupported"}
+    {
+        "upstream_no_logprobs",
+        "model_not_found",
+        "request_too_large",
+        "route_unsupported",
+        "upstream_empty",
+    }
 )
 
 
