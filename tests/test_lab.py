@@ -14,6 +14,7 @@ from aiohttp.typedefs import Handler
 
 from replystream.lab.local_server import READY, announced_process, local_server
 from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, serve_engine, wait_for
 
 LAB = [sys.executable, "-m", "replystream", "lab"]
@@ -220,6 +221,34 @@ async def test_lab_url_sends_tokens_as_max_tokens_and_reports_only_what_applied(
     assert config["tokens"] == 7
     # The server at --url kept its own schedule: the result does not claim the lab's.
     assert config["delay_ms"] is config["jitter_ms"] is config["first_token_ms"] is None
+
+
+async def test_lab_url_sends_its_headers_to_a_keyed_server_and_keeps_no_key():
+    config = ServerConfig(api_keys=("sk-lab-key-1234",))
+    async with running(create_app(fast_engine(), config)) as url:
+        runs = []
+        for given in ([], ["--header", "Authorization: Bearer sk-lab-key-1234"]):
+            process = await asyncio.create_subprocess_exec(
+                *LAB,
+                "--url",
+                url,
+                "--calls",
+                "2",
+                "--tokens",
+                "5",
+                "--json",
+                *given,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            runs.append((*await process.communicate(), process.returncode))
+    (_, refused, code), (out, _, ok) = runs
+    assert code == 1 and "HTTP 401" in refused.decode()  # the warm-up call, without the key
+    assert ok == 0
+    result = json.loads(out)
+    assert result["stream"]["complete"] == result["wait"]["complete"] == 2
+    assert result["config"]["headers"] == ["Authorization"]
+    assert b"sk-lab-key-1234" not in out
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from replystream.client import ReplyTiming
 from replystream.client.transport import ConnectError, TransportError
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED
+from replystream.lab.client_options import header
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.open_files import OWN_FILES, make_room
@@ -94,6 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a call not ended by then is incomplete; a warm-up call that is stops the run, s",
     )
     parser.add_argument(
+        "--header",
+        action="append",
+        type=header,
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a header sent with every call (repeatable): 'Authorization: Bearer KEY' for a "
+        "server with API keys, which its /wait and /stream need",
+    )
+    parser.add_argument(
         "--out",
         type=output_folder,
         help="folder for timeline files (default: here, or none with --json)",
@@ -149,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
             calls=args.calls,
             url=args.url.rstrip("/"),
             timeout_s=args.timeout,
+            headers=tuple(args.header),
         )
     delay = defaults.delay_ms if args.delay_ms is None else args.delay_ms
     assert delay is not None and defaults.jitter_ms is not None
@@ -169,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
         ),
         calls=args.calls,
         timeout_s=args.timeout,
+        headers=tuple(args.header),
     )
 
 

@@ -42,6 +42,8 @@ class LabConfig:
     calls: int = 20
     url: str | None = None
     timeout_s: float = 300.0  # a call that has not ended by then is counted incomplete
+    # Sent with every call (``--header``): a keyed server's key, say.
+    headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         schedule = (self.delay_ms, self.jitter_ms, self.first_token_ms)
@@ -104,7 +106,10 @@ class LabRun:
         result["total_median_diff_pct"] = (
             100.0 * (stream_total - wait_total) / wait_total if both and wait_total else None
         )
-        result["config"] = asdict(self.config)
+        config = asdict(self.config)
+        # Their names alone: a header's value may be a key, which a result file must not keep.
+        config["headers"] = [name for name, _ in self.config.headers]
+        result["config"] = config
         return result
 
     def timeline(self) -> dict[str, Any]:
@@ -146,7 +151,10 @@ async def run_experiment(
             params["max_tokens"] = config.tokens
         query = urlencode(params)
         timing = await measure_reply(
-            f"{url}/{mode}?{query}", connection=connection, timeout_s=config.timeout_s
+            f"{url}/{mode}?{query}",
+            headers=config.headers,
+            connection=connection,
+            timeout_s=config.timeout_s,
         )
         if on_done is not None:
             on_done(mode, timing)
@@ -159,7 +167,9 @@ async def run_experiment(
     for mode in MODES:
         warm_up = f"{url}/{mode}?max_tokens=1"
         warm = await connect(url)
-        timing = await measure_reply(warm_up, connection=warm, timeout_s=config.timeout_s)
+        timing = await measure_reply(
+            warm_up, headers=config.headers, connection=warm, timeout_s=config.timeout_s
+        )
         if not timing.complete:
             raise WarmUpFailed(f"the warm-up call GET {warm_up} failed: {timing.error}")
 
