@@ -1,7 +1,7 @@
 """The doctor names the buffering hop correctly through a real nginx in front of a real server.
 
 Each test starts the replystream app on a loopback port and nginx in front of it, then asks for
-one 400-token reply at 10 ms per token (about 6 KiB of events), long enough for the verdicts to
+one 400-token reply at 10 ms per token (about 9 KiB of events), long enough for the verdicts to
 separate clearly. Verdicts and their evidence are checked, never tight timings.
 """
 
@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 
 from replystream.client import measure_reply
@@ -150,6 +151,44 @@ async def test_deploy_config_streams_events_and_compresses_json(app_url, tmp_pat
     assert "content-encoding" not in stream.headers
     assert diagnose(native).verdict == "streaming", diagnose(native).reason
     assert wait.complete and wait.headers.get("content-encoding") == "gzip"
+
+
+async def ws_reply_from(address: str, proxy: str, spoofed_for: str | None = None) -> str:
+    """Open /v1/ws from ``address`` through ``proxy``, run one reply, return how it ended."""
+    headers = {"X-Forwarded-For": spoofed_for} if spoofed_for else {}
+    connector = aiohttp.TCPConnector(local_addr=(address, 0))
+    async with aiohttp.ClientSession(connector=connector) as http:
+        try:
+            ws = await http.ws_connect(f"{proxy}/v1/ws", headers=headers)
+        except aiohttp.WSServerHandshakeError as exc:
+            return f"refused {exc.status}"
+        async with ws:
+            await ws.send_json({"type": "reply", "id": "q", "prompt": "Hi"})
+            while True:
+                message = await ws.receive_json(timeout=30)
+                if message["type"] in ("done", "error"):
+                    return str(message["type"])
+
+
+async def test_deploy_config_names_each_websocket_client_to_the_app(tmp_path):
+    # The app trusts nginx's X-Forwarded-For (--trusted-proxy), as the config's comment says
+    # to run it. On /v1/ws too, nginx must set that header from the client's address: else
+    # every WebSocket client is nginx's one address, sharing one client's limits, and a
+    # header the client sent itself reaches the app as if nginx had written it.
+    schedule = ("--engine", "simulated", "--delay-ms", "25", "--jitter-ms", "0", "--tokens", "40")
+    guard = ("--trusted-proxy", "127.0.0.1", "--max-concurrent-per-client", "1")
+    async with replica(*schedule, *guard) as (_, app_url):
+        port = free_port()
+        async with running_nginx(deploy_config(app_url, port), port, tmp_path) as proxy:
+            two_clients = await asyncio.gather(
+                ws_reply_from("127.0.0.2", proxy), ws_reply_from("127.0.0.3", proxy)
+            )
+            one_posing_as_the_other = await asyncio.gather(
+                ws_reply_from("127.0.0.2", proxy),
+                ws_reply_from("127.0.0.3", proxy, spoofed_for="127.0.0.2"),
+            )
+    assert list(two_clients) == ["done", "done"]
+    assert list(one_posing_as_the_other) == ["done", "done"]
 
 
 async def run_cli(*args: str) -> tuple[int, str]:
