@@ -7,7 +7,7 @@ line: each upstream's own key and models, and model aliases.
     api_key_env = "GPU_A_KEY"       # or api_key = "..." (optional: else --upstream-api-key)
     models = ["llama-3.1-8b"]       # optional: else what its GET /models lists
     max_outstanding = 64            # optional: else --upstream-max-outstanding
-    ttft_s = 120                    # optional: else --upstream-ttft-s (likewise stall_s)
+    ttft_s = 50                     # optional: else --upstream-ttft-s (likewise stall_s)
 
     [[upstreams]]
     url = "https://api.example.com/v1"
