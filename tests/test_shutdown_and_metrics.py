@@ -15,13 +15,13 @@ from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
-from tests.processes import start_server
+from tests.processes import replica
 from tests.rawhttp import raw_request
 
 
 async def test_sigterm_with_50_open_streams_ends_each_with_a_reply_or_an_error_event():
     # Replies take about 3 s; the grace period is 1 s, so some finish and most are told.
-    process, url = await start_server(
+    async with replica(
         "--engine",
         "simulated",
         "--tokens",
@@ -32,8 +32,7 @@ async def test_sigterm_with_50_open_streams_ends_each_with_a_reply_or_an_error_e
         "0",
         "--shutdown-grace-s",
         "1",
-    )
-    try:
+    ) as (process, url):
         tasks = [
             asyncio.create_task(measure_reply(f"{url}/stream?max_tokens={20 + 2 * i}"))
             for i in range(50)
@@ -42,10 +41,6 @@ async def test_sigterm_with_50_open_streams_ends_each_with_a_reply_or_an_error_e
         process.send_signal(signal.SIGTERM)
         timings = await asyncio.gather(*tasks)
         assert await asyncio.wait_for(process.wait(), 15) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     finished = [t for t in timings if t.complete]
     told = [t for t in timings if not t.complete and t.error and "shutdown" in t.error]
     assert len(finished) + len(told) == 50, [t.error for t in timings if not t.complete]
@@ -57,7 +52,7 @@ async def test_from_sigterm_on_a_new_connection_is_refused_while_replies_drain(
     mode: tuple[str, str],
 ) -> None:
     # A reply of about 12 s, a grace of 5 s: the server is still draining when we connect.
-    process, url = await start_server(
+    async with replica(
         "--engine",
         "simulated",
         "--tokens",
@@ -67,9 +62,8 @@ async def test_from_sigterm_on_a_new_connection_is_refused_while_replies_drain(
         "--shutdown-grace-s",
         "5",
         *mode,
-    )
-    port = int(url.rsplit(":", 1)[1])
-    try:
+    ) as (process, url):
+        port = int(url.rsplit(":", 1)[1])
         reply = asyncio.create_task(measure_reply(f"{url}/stream"))
         await asyncio.sleep(0.5)
         process.send_signal(signal.SIGTERM)
@@ -86,17 +80,13 @@ async def test_from_sigterm_on_a_new_connection_is_refused_while_replies_drain(
         timing = await reply
         assert timing.error and "shutdown" in timing.error
         assert await asyncio.wait_for(process.wait(), 15) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 async def test_sighup_with_nothing_to_read_again_drains_as_sigterm_does(workers: str) -> None:
     # A closed terminal, or a reload asked of a server with no file to read again: the open
     # reply is told it was cut (it outlives the 1 s grace), and the server exits cleanly.
-    process, url = await start_server(
+    async with replica(
         "--engine",
         "simulated",
         "--tokens",
@@ -107,25 +97,19 @@ async def test_sighup_with_nothing_to_read_again_drains_as_sigterm_does(workers:
         "1",
         "--workers",
         workers,
-    )
-    try:
+    ) as (process, url):
         reply = asyncio.create_task(measure_reply(f"{url}/stream"))
         await asyncio.sleep(0.5)
         process.send_signal(signal.SIGHUP)
         timing = await reply
         assert timing.error and "shutdown" in timing.error, timing.error
         assert await asyncio.wait_for(process.wait(), 15) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 async def test_from_sigterm_on_healthz_on_a_kept_alive_connection_says_unavailable():
-    process, url = await start_server(
+    async with replica(
         "--engine", "simulated", "--tokens", "400", "--delay-ms", "30", "--shutdown-grace-s", "5"
-    )
-    try:
+    ) as (process, url):
         reply = asyncio.create_task(measure_reply(f"{url}/stream"))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
             async with session.get(f"{url}/healthz") as response:
@@ -139,48 +123,34 @@ async def test_from_sigterm_on_healthz_on_a_kept_alive_connection_says_unavailab
                 assert (await response.json())["reason"] == "shutting down"
         await reply
         assert await asyncio.wait_for(process.wait(), 15) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 async def test_a_buffered_request_at_shutdown_gets_a_503():
-    process, url = await start_server(
+    async with replica(
         "--engine", "simulated", "--delay-ms", "30", "--shutdown-grace-s", "0.3"
-    )
-    try:
+    ) as (process, url):
         task = asyncio.create_task(measure_reply(f"{url}/wait"))
         await asyncio.sleep(0.3)
         process.send_signal(signal.SIGTERM)
         timing = await task
         await asyncio.wait_for(process.wait(), 15)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     assert timing.status == 503 and not timing.complete
 
 
 async def test_an_anthropic_stream_cut_by_shutdown_ends_overloaded_as_anthropics_would():
     """Mid-stream, the server going down was Anthropic's api_error; before the stream it is
     its 529 overloaded_error, and the SDK reads either by the error's type."""
-    process, url = await start_server(
+    async with replica(
         "--engine", "simulated", "--delay-ms", "30", "--jitter-ms", "0", "--shutdown-grace-s", "0.3"
-    )  # fmt: skip
-    body = {"model": "simulated", "max_tokens": 100, "stream": True}
-    body["messages"] = [{"role": "user", "content": "hi"}]
-    try:
+    ) as (process, url):  # fmt: skip
+        body = {"model": "simulated", "max_tokens": 100, "stream": True}
+        body["messages"] = [{"role": "user", "content": "hi"}]
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{url}/v1/messages", json=body) as response:
                 await response.content.readuntil(b"content_block_delta")
                 process.send_signal(signal.SIGTERM)
                 events = EventParser().feed(await response.read())
         await asyncio.wait_for(process.wait(), 15)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     error = json.loads(events[-1].data)
     assert events[-1].type == "error", [e.type for e in events[-3:]]
     assert (error["error"]["type"], error["error"]["code"]) == ("overloaded_error", "shutdown")

@@ -54,6 +54,11 @@ def add_client_arguments(parser: argparse.ArgumentParser, *, header_help: str) -
         help="https: do not verify the server's certificate or name (a self-signed test "
         "server; the figures are a TLS server's, the trust is none)",
     )
+    add_header_argument(parser, header_help)
+
+
+def add_header_argument(parser: argparse.ArgumentParser, header_help: str) -> None:
+    """``--header`` (repeatable), ``header_help`` saying where it goes."""
     parser.add_argument(
         "--header",
         action="append",

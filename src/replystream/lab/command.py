@@ -27,7 +27,7 @@ from replystream.client import ReplyTiming
 from replystream.client.transport import ConnectError, TransportError
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED
-from replystream.lab.client_options import header
+from replystream.lab.client_options import add_header_argument
 from replystream.lab.experiment import MODES, LabConfig, LabRun, run_experiment
 from replystream.lab.local_server import local_server
 from replystream.lab.open_files import OWN_FILES, make_room
@@ -94,14 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.timeout_s,
         help="a call not ended by then is incomplete; a warm-up call that is stops the run, s",
     )
-    parser.add_argument(
-        "--header",
-        action="append",
-        type=header,
-        default=[],
-        metavar="'NAME: VALUE'",
-        help="a header sent with every call (repeatable): 'Authorization: Bearer KEY' for a "
-        "server with API keys, which its /wait and /stream need",
+    add_header_argument(
+        parser,
+        "a header sent with every call (repeatable): 'Authorization: Bearer KEY' for a server "
+        "with API keys, which its /wait and /stream need",
     )
     parser.add_argument(
         "--out",
