@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import time
 from collections import deque
 from typing import Any
@@ -50,6 +51,11 @@ from replystream.engine.upstream_logprobs import relayed_logprobs
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 log = logging.getLogger("replystream.upstream")
+
+
+def _new_call_id() -> str:
+    """An id for a call its upstream gave none, in OpenAI's form."""
+    return f"call_{secrets.token_hex(12)}"
 
 
 # Finish reasons upstreams use for a reply they finished, mapped to ours ("stop", "length"
@@ -217,10 +223,10 @@ class ChunkReader:
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._cached_prompt_tokens: int | None = None  # of those, found in its prefix cache
         self._finish: str | None = None
-        # Each tool call's id and name as a piece of it named them, by its index: a later
+        # Each tool call's id and name as its first piece named them, by its index: a later
         # piece repeating them (llama-cpp-python's server sends both on every piece) names
         # nothing new.
-        self._call_names: dict[int, tuple[str | None, str | None]] = {}
+        self._call_names: dict[int, tuple[str, str]] = {}
         self._said_late = False  # output after the finish reason was logged (once a reply)
         self._ended = False  # the last delta was queued (or an error raised)
         self._clean = False  # the upstream finished its reply: the connection may be reused
@@ -506,28 +512,53 @@ class ChunkReader:
             function = call.get("function", {}) if isinstance(call, dict) else None
             if not isinstance(function, dict):
                 raise self._fail(f"{self._where} sent a malformed tool call", "upstream_bad_chunk")
-            index, call_id = call.get("index", 0), call.get("id")
-            name, arguments = function.get("name"), function.get("arguments") or ""
+            index, call_id = call.get("index"), call.get("id") or None  # "": none
+            name, arguments = function.get("name") or None, function.get("arguments") or ""
             if (
-                not isinstance(index, int)
+                not isinstance(index, int | None)
                 or isinstance(index, bool)
-                or index < 0
+                or (index is not None and index < 0)
                 or not isinstance(call_id, str | None)
                 or not isinstance(name, str | None)
                 or not isinstance(arguments, str)
             ):
                 raise self._fail(f"{self._where} sent a malformed tool call", "upstream_bad_chunk")
-            named_id, named = self._call_names.get(index, (None, None))
-            if call_id == named_id:
+            if index is None:
+                index = self._index_of_unnumbered(call_id, name)
+            if index not in self._call_names:
+                # A call is named once: a call the upstream gave no id gets one (a client
+                # sends its result back by it, and Anthropic's API takes no empty id).
+                self._call_names[index] = (call_id or _new_call_id(), name or "")
+                call_id, name = self._call_names[index]
+            else:
+                # Named already: an id or name sent again (llama-cpp-python's server repeats
+                # both on every piece) would be joined onto the call's by a client; a name
+                # only a later piece gives is the call's.
+                named_id, named = self._call_names[index]
                 call_id = None
-            if name == named:
-                name = None
-            if call_id is not None or name is not None:
-                self._call_names[index] = (call_id or named_id, name or named)
+                if name is not None and not named:
+                    self._call_names[index] = (named_id, name)
+                else:
+                    name = None
             self._tokens += 1
             self._pending.append(
                 Delta("", 1, now, tool_call=ToolCallDelta(index, call_id, name, arguments))
             )
+
+    def _index_of_unnumbered(self, call_id: str | None, name: str | None) -> int:
+        """The index of a ``tool_calls`` entry without one, as Gemini's OpenAI-compatible API
+        sends them (each call whole, several in one chunk, or its arguments over several
+        entries): a new call when it names one (an id other than the last call's, or a name
+        while the last call has one), else a piece of the last call."""
+        if not self._call_names:
+            return 0
+        last = max(self._call_names)
+        last_id, last_name = self._call_names[last]
+        if (call_id is not None and call_id != last_id) or (
+            call_id is None and name is not None and last_name
+        ):
+            return last + 1
+        return last
 
     def _finish_reply(self, now: float) -> None:
         extra = max(0, (self._usage_tokens or 0) - self._tokens)
