@@ -249,6 +249,17 @@ async def test_keys_on_the_upgrade_or_in_the_first_message():
     assert engine.stats().started == 2
 
 
+async def test_a_ping_or_pong_before_the_auth_message_is_not_taken_for_it():
+    config = ServerConfig(api_keys=("sk-ws-key",))
+    async with running(create_app(fast_engine(), config)) as url, aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{url}/v1/ws") as ws:
+            await ws.ping(b"first")  # control frames are no messages (RFC 6455 5.5)
+            await ws.pong(b"unsolicited")
+            await ws.send_json({"type": "auth", "api_key": "sk-ws-key"})
+            await ws.send_json({"type": "reply", "id": "k", "prompt": "x", "max_tokens": 2})
+            assert (await read_until_ended(ws, {"k"}))[-1]["type"] == "done"
+
+
 async def test_a_socket_keyed_in_its_first_message_counts_against_its_key_not_its_address():
     """A browser's socket gives its key in its first message, after the upgrade was counted
     against its address: it was never counted against its key, so the key's limit did not

@@ -220,19 +220,31 @@ class Session:
     async def authenticate(self, ring: KeyRing) -> bool:
         """Wait for the first message to carry a valid key. The server shutting down ends
         the wait: the socket closes as every other does then (1001)."""
-        receive = asyncio.ensure_future(self.ws.receive())
-        waits: set[asyncio.Future[Any]] = {receive, self._stopping}
-        await asyncio.wait(waits, timeout=AUTH_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-        msg = None
-        if receive.done():
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + AUTH_TIMEOUT_S
+        msg: WSMessage | None = None
+        while msg is None:
+            receive = asyncio.ensure_future(self.ws.receive())
+            waits: set[asyncio.Future[Any]] = {receive, self._stopping}
+            timeout = max(0.0, deadline - loop.time())
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not receive.done():
+                receive.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await receive
+                if self._stopping.done():
+                    await self.close(CLOSE_GOING_AWAY, b"shutdown")
+                    return False
+                break
             msg = receive.result()
-        else:
-            receive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await receive
-            if self._stopping.done():
-                await self.close(CLOSE_GOING_AWAY, b"shutdown")
-                return False
+            # A control frame is no message (RFC 6455 5.5): the client may ping, or send an
+            # unsolicited pong, before its first message.
+            if msg.type == WSMsgType.PING:
+                with contextlib.suppress(ConnectionError):
+                    await self.ws.pong(msg.data)
+                msg = None
+            elif msg.type == WSMsgType.PONG:
+                msg = None
         key = None
         if msg is not None and msg.type == WSMsgType.TEXT:
             key = auth_key(msg.data)
