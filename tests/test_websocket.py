@@ -107,6 +107,8 @@ async def test_closing_the_socket_stops_every_reply_on_it():
         (json.dumps({"type": "reply", "prompt": "x"}), None, "missing_required_parameter"),  # no id
         (json.dumps({"type": "reply", "id": ""}), None, "invalid_value"),
         (json.dumps({"type": "dance", "id": "t"}), "t", "invalid_value"),
+        (json.dumps({"id": "t", "prompt": "x"}), "t", "missing_required_parameter"),  # no type
+        (json.dumps({"type": None, "id": "t"}), "t", "invalid_value"),
         (json.dumps({"type": "reply", "id": "t", "prompt": "x", "max_tokens": 0}), "t", None),
         (json.dumps({"type": "reply", "id": "t"}), "t", "invalid_value"),
         (json.dumps({"type": "reply", "id": "t", "prompt": "x", "stream": False}), "t", None),

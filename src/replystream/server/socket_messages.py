@@ -40,6 +40,11 @@ def parse_message(data: str | bytes) -> SocketMessage:
         refuse_repeated_fields(data, "message")
     except HTTPAPIError as exc:  # the tag is the message's unless it is what is repeated
         raise BadMessage(None if exc.param == "id" else envelope.id, exc) from None
+    if "type" not in envelope.model_fields_set:  # a missing field, as a body's is named
+        error = HTTPAPIError(
+            400, "type is required", code="missing_required_parameter", param="type"
+        )
+        raise BadMessage(envelope.id, error)
     model = SOCKET_MESSAGES.get(envelope.type) if isinstance(envelope.type, str) else None
     if model is None:
         error = HTTPAPIError(
