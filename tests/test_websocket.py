@@ -112,6 +112,11 @@ async def test_closing_the_socket_stops_every_reply_on_it():
         (json.dumps({"type": "reply", "id": "t", "prompt": "x", "max_tokens": 0}), "t", None),
         (json.dumps({"type": "reply", "id": "t"}), "t", "invalid_value"),
         (json.dumps({"type": "reply", "id": "t", "prompt": "x", "stream": False}), "t", None),
+        (  # the socket is kept alive by the server's pings, not per reply
+            json.dumps({"type": "reply", "id": "t", "prompt": "x", "keepalive_s": 0.5}),
+            "t",
+            "unsupported_parameter",
+        ),
         (json.dumps({"type": "cancel", "id": "nobody"}), "nobody", "reply_not_found"),
     ],
 )

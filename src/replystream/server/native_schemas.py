@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
 from replystream.server.chat_message_schemas import Messages
 from replystream.server.schema_fields import (
@@ -94,6 +95,15 @@ class ReplyMessage(ReplyBody):
     def _streamed(self) -> ReplyMessage:
         if not self.stream:
             raise invalid("replies over a WebSocket are streamed", "stream")
+        if self.keepalive_s is not None:
+            # The socket, not each reply, is kept alive: pinged while idle at the server's
+            # --keepalive-s. A reply's own interval would be taken and never applied.
+            raise PydanticCustomError(
+                "not_honoured",
+                "keepalive_s is not taken on a WebSocket: the server pings an idle socket "
+                "every --keepalive-s, whatever its replies ask",
+                {"param": "keepalive_s"},
+            )
         return self
 
 
