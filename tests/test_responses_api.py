@@ -14,6 +14,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from replystream.delivery.replay import MemoryReplayStore, ReadResult
 from replystream.server import create_app, running
 from replystream.server.context import MANAGER_KEY
 from replystream.server.responses_stored import NO_SUCH_RESPONSE
@@ -703,3 +704,33 @@ async def test_the_object_repeats_what_openais_does_of_its_request_and_when_it_c
     assert opened["completed_at"] is None and done["status"] == "completed"
     assert done["completed_at"] >= done["created_at"]
     Response.model_validate(done)
+
+
+class _DeletedOnceFound(MemoryReplayStore):
+    """A store whose response named in ``doomed`` is deleted right after it is first read:
+    a DELETE landing between a continuation finding its previous response and reading it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.doomed: set[str] = set()
+
+    async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
+        result = await super().read(reply_id, after, wait_s)
+        if reply_id in self.doomed:
+            self.doomed.discard(reply_id)
+            await self.delete(reply_id)
+        return result
+
+
+async def test_a_previous_response_deleted_while_it_is_read_is_previous_response_not_found():
+    # It was a 404 reply_not_found naming response_id, a field the request does not have.
+    store = _DeletedOnceFound()
+    async with running(create_app(fast_engine(), store=store)) as url, sdk(url) as client:
+        gone = await client.responses.create(model="simulated", input="x")
+        store.doomed.add(gone.id.removeprefix("resp_"))
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(
+                model="simulated", input="y", previous_response_id=gone.id
+            )
+        assert refused.value.code == "previous_response_not_found"
+        assert refused.value.param == "previous_response_id"

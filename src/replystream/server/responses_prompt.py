@@ -88,6 +88,9 @@ async def _history(request: web.Request, previous: str) -> Messages:
     try:
         reply_id = response_reply_id(previous, "previous_response_id")
         store, _ = await find_response(request, reply_id, "previous_response_id")
+        # Deleted or expired while read, the response is as gone as one never found.
+        kept = await stored_conversation(store, reply_id)
+        said = await response_said(store, reply_id)
     except HTTPAPIError as exc:
         if exc.status != 404:
             raise
@@ -100,8 +103,6 @@ async def _history(request: web.Request, previous: str) -> Messages:
             code="previous_response_not_found",
             param="previous_response_id",
         ) from None
-    kept = await stored_conversation(store, reply_id)
-    said = await response_said(store, reply_id)
     if said is None:
         raise bad("previous_response_id", f"response {previous} has not finished yet")
     history: Messages = []
