@@ -151,9 +151,11 @@ class StreamWatch:
     async def _watch(self) -> None:
         while self._waiting:
             calls: dict[int, dict[Any, Any]] = {}
+            cursors: dict[str, int] = {}  # per key, the entry this call reads after
             for key, waiters in self._waiting.items():
                 slot = self._slot_of(key) if self._slot_of is not None else 0
-                calls.setdefault(slot, {})[key] = f"0-{min(after for after, _ in waiters)}"
+                cursors[key] = min(after for after, _ in waiters)
+                calls.setdefault(slot, {})[key] = f"0-{cursors[key]}"
             try:
                 answers = await asyncio.gather(
                     *(
@@ -167,17 +169,19 @@ class StreamWatch:
             self.calls += len(calls)
             for found in answers:
                 for key, rows in _answered(found):
-                    self._hand_over(key, rows)
+                    self._hand_over(key, rows, cursors.get(key))
 
-    def _hand_over(self, key: str, rows: Rows) -> None:
-        """Give each reader of ``key`` the entries after its own; keep those with none."""
+    def _hand_over(self, key: str, rows: Rows, cursor: int | None) -> None:
+        """Give each reader of ``key`` the entries after its own; keep those with none, and
+        those registered during the call behind its ``cursor``: the call did not read their
+        next entries, and the next call does (handing them what it read would skip those)."""
         waiters = self._waiting.get(key)
         if not waiters or not rows:
             return
         kept = []
         for after, woken in waiters:
             newer = [row for row in rows if _seq(row[0]) > after]
-            if not newer:
+            if not newer or cursor is None or after < cursor:
                 kept.append((after, woken))
             elif not woken.done():
                 woken.set_result(newer)
