@@ -734,3 +734,20 @@ async def test_a_previous_response_deleted_while_it_is_read_is_previous_response
             )
         assert refused.value.code == "previous_response_not_found"
         assert refused.value.param == "previous_response_id"
+
+
+async def test_a_response_deleted_as_its_stream_is_asked_for_is_404_not_a_native_error():
+    # Its dialect is told from its log's first event: read once the log was gone, the stream
+    # began in the native dialect and ended with a native ``error`` event (no sequence number,
+    # no response.failed), which no Responses client reads as its own.
+    store = _DeletedOnceFound()
+    async with running(create_app(fast_engine(), store=store)) as url:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/responses", json={"input": "x"}) as response:
+                made = await response.json()
+            store.doomed.add(made["id"].removeprefix("resp_"))
+            async with http.get(f"{url}/v1/responses/{made['id']}?stream=true") as response:
+                assert response.status == 404, await response.text()
+                error = (await response.json())["error"]
+    assert (error["code"], error["param"]) == ("reply_not_found", "response_id")
+    assert error["message"] == NO_SUCH_RESPONSE

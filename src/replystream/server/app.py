@@ -81,7 +81,12 @@ from replystream.server.responses_api import add_responses_routes
 from replystream.server.responses_input_items import add_input_items_route
 from replystream.server.responses_input_tokens import add_input_tokens_route
 from replystream.server.resume_dialects import follow_resumed
-from replystream.server.resume_points import check_resume_point, find_reply, resume_after
+from replystream.server.resume_points import (
+    NO_SUCH_REPLY,
+    check_resume_point,
+    find_reply,
+    resume_after,
+)
 from replystream.server.server_config import ServerConfig
 from replystream.server.state import add_state_gauges
 from replystream.server.validation import parse_mapping, read_model
@@ -226,7 +231,10 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
     reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
         await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
-    return await follow_resumed(request, reply_id, store, local, after, ResumePlace(param))
+    gone = HTTPAPIError(404, NO_SUCH_REPLY, code="reply_not_found", param="reply_id")
+    return await follow_resumed(
+        request, reply_id, store, local, after, ResumePlace(param), gone=gone
+    )
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

@@ -84,6 +84,7 @@ from replystream.server.responses_schemas import (
     kept_conversation,
 )
 from replystream.server.responses_stored import (
+    NO_SUCH_RESPONSE,
     find_response,
     response_body,
     response_reply_id,
@@ -366,7 +367,8 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             below=place.below,
             known_as=f"response {given_id}",  # the id the client has, not the log's
         )
-    return await follow_resumed(request, reply_id, store, local, after, place)
+    gone = HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
+    return await follow_resumed(request, reply_id, store, local, after, place, gone=gone)
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:

@@ -17,7 +17,7 @@ from replystream.delivery import anthropic_format, openai_formats, responses_log
 from replystream.delivery.anthropic_format import PING
 from replystream.delivery.follower import BY_EVENT_ID, ResumePlace
 from replystream.delivery.formats import KEEPALIVE, Notices
-from replystream.delivery.replay import LogEntry, ReplayStore, StoreUnavailable
+from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
 from replystream.server.context import CONFIG_KEY, follow_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.openai_api import SDK_KEEPALIVE
@@ -48,11 +48,17 @@ async def follow_resumed(
     reply: Reply | None,
     after: int,
     place: ResumePlace = BY_EVENT_ID,
+    *,
+    gone: HTTPAPIError | None = None,
 ) -> EventStream:
     """The response that streams reply ``reply_id`` from after event ``after`` (named by
     the client as ``place`` says), in the dialect it was made in (both resume routes: ours,
-    and the Responses API's)."""
-    notices, keepalive = await resumed_notices(reply_id, store, after)
+    and the Responses API's). ``gone``: the route's answer for a reply that expired or was
+    deleted since it was found (its dialect can no longer be told, so no stream is begun)."""
+    head = await _head(reply_id, store)
+    if head is None:
+        raise gone or HTTPAPIError(404, "no such reply", code="reply_not_found")
+    notices, keepalive = await _notices_from(head, reply_id, store, after)
     return follow_reply(
         request,
         reply_id=reply_id,
@@ -66,16 +72,18 @@ async def follow_resumed(
     )
 
 
-async def resumed_notices(
-    reply_id: str, store: ReplayStore, after: int
-) -> tuple[Notices | None, bytes]:
-    """The notices and keep-alive of the dialect reply ``reply_id`` was made in (None and
-    the native keep-alive for our own events, or when no event is kept to tell)."""
+async def _head(reply_id: str, store: ReplayStore) -> ReadResult | None:
+    """The first read of a reply's log (None: there is no such log, or no longer)."""
     try:
         # A reply made on another replica may be known before its first event is.
-        head = await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
+        return await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+
+
+async def _notices_from(
+    head: ReadResult | None, reply_id: str, store: ReplayStore, after: int
+) -> tuple[Notices | None, bytes]:
     first = head.entries[0] if head is not None and head.entries else None
     if first is None:
         return None, KEEPALIVE

@@ -72,12 +72,15 @@ def resume_after(
     return header, "last_event_id"
 
 
+NO_SUCH_REPLY = "no such reply (unknown, expired, or not yours)"
+
+
 async def find_reply(
     request: web.Request,
     reply_id: str,
     *,
     param: str = "reply_id",
-    missing: str = "no such reply (unknown, expired, or not yours)",
+    missing: str = NO_SUCH_REPLY,
 ) -> tuple[str, ReplayStore, Reply | None]:
     """The reply ``reply_id``, if it exists, has not expired and is the caller's: its id, its
     store, and its producer when it runs in this process. Else a 404 naming ``param``, its
