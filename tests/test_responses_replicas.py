@@ -165,6 +165,31 @@ async def test_a_response_deleted_on_one_replica_while_the_other_makes_it_stays_
     assert mark == {b"deleted": b"1"}
 
 
+async def test_a_response_deleted_on_another_replica_is_404_at_once_where_it_is_made(
+    tmp_path: Path,
+):
+    # Its producer hears of the delete at its next heartbeat: until then, its replica read
+    # the response from its own copy, and answered it (200, and its stream) after the
+    # DELETE had been answered.
+    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0")
+    with redis_server(tmp_path) as redis:
+        async with (
+            replica(*slow, "--redis-url", redis.url) as (_, a_url),
+            replica(*slow, "--redis-url", redis.url) as (_, b_url),
+            aiohttp.ClientSession() as http,
+        ):
+            body = {"input": "x", "background": True}
+            async with http.post(f"{a_url}/v1/responses", json=body) as created:
+                response_id = (await created.json())["id"]
+            async with http.delete(f"{b_url}/v1/responses/{response_id}") as deleted:
+                assert deleted.status == 200
+            for query in ("", "?stream=true"):
+                async with http.get(f"{a_url}/v1/responses/{response_id}{query}") as gone:
+                    assert gone.status == 404, await gone.text()
+            async with http.get(f"{a_url}/v1/replies/{reply_id_of(response_id)}/stream") as gone:
+                assert gone.status == 404, await gone.text()
+
+
 async def test_a_response_made_elsewhere_is_followed_before_its_first_event_is_logged(
     tmp_path: Path,
 ):

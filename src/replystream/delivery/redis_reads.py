@@ -21,6 +21,8 @@ import asyncio
 import time
 from typing import Any, NamedTuple
 
+from redis.exceptions import RedisError
+
 from replystream.delivery.redis_follow import StreamWatch
 from replystream.delivery.redis_keys import ReplyKeys
 from replystream.delivery.redis_link import (
@@ -76,6 +78,17 @@ class RemoteReads:
             reply_id, owner=text(meta.get(b"owner")), context=text(meta.get(b"context"))
         )
         return Found(info, False)
+
+    async def deleted(self, reply_id: str) -> bool:
+        """Whether a reply was deleted (its mark is there). Asked once, not retried: Redis
+        out of reach, a reply produced here is still read from this process's copy."""
+        if self._link.recovering():
+            return False
+        try:
+            found = await self.redis.hexists(self._keys.key(reply_id, ":meta"), "deleted")
+        except (RedisError, OSError):
+            return False
+        return bool(found)
 
     async def _meta_of(self, reply_id: str) -> dict[bytes | str, bytes | str]:
         """A reply's metadata; when it is gone but its producer may live (its heartbeat or

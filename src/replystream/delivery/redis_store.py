@@ -159,7 +159,9 @@ class RedisReplayStore:
     async def info(self, reply_id: str) -> ReplyInfo | None:
         local = await self._local.info(reply_id)
         if local is not None and reply_id in self.writer.tables.live:
-            return local  # produced here and running: Redis has nothing newer
+            # Produced here and running: Redis has nothing newer, but for a delete made on
+            # another replica, which this producer hears of only at its next heartbeat.
+            return None if await self.reads.deleted(reply_id) else local
         found = await self.reads.info(reply_id)
         if found.info is None and local is not None:
             if found.deleted:  # deleted on another replica: this copy goes too
