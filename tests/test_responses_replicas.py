@@ -8,12 +8,14 @@ it produces one is reported on the other, never a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import random
 import signal
 import socket
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +132,13 @@ async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path
     assert waited < 10  # liveness expires after 3 s; never a hang
 
 
-async def test_a_response_deleted_on_one_replica_while_the_other_makes_it_stays_deleted(
-    tmp_path: Path,
-):
+@contextlib.asynccontextmanager
+async def deleted_elsewhere(
+    tmp_path: Path, after_s: float = 0.0
+) -> AsyncIterator[tuple[str, str, str, str, aiohttp.ClientSession]]:
+    """A background response made on replica A and deleted on replica B ``after_s`` later
+    (both on one Redis); yields A's and B's URLs, the Redis URL, the response's id and a
+    client session."""
     slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0")
     with redis_server(tmp_path) as redis:
         async with (
@@ -143,22 +149,30 @@ async def test_a_response_deleted_on_one_replica_while_the_other_makes_it_stays_
             body = {"input": "x", "background": True}
             async with http.post(f"{a_url}/v1/responses", json=body) as created:
                 response_id = (await created.json())["id"]
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(after_s)
             async with http.delete(f"{b_url}/v1/responses/{response_id}") as deleted:
                 assert deleted.status == 200
                 assert (await deleted.json())["deleted"] is True
-            # A hears of it at its next heartbeat and stops; no heartbeat or write of its
-            # makes the response again.
-            await asyncio.sleep(3)
-            for url in (a_url, b_url):
-                async with http.get(f"{url}/v1/responses/{response_id}") as gone:
-                    assert gone.status == 404, await gone.text()
-            async with http.get(f"{a_url}/metrics") as metrics:
-                text = await metrics.text()
-            reply_id = str(reply_id_of(response_id))
-            async with Redis.from_url(redis.url) as client:
-                keys = [key async for key in client.scan_iter(f"*{reply_id}*")]
-                mark = await client.hgetall(f"replystream:reply:{{{reply_id}}}:meta")
+            yield a_url, b_url, redis.url, response_id, http
+
+
+async def test_a_response_deleted_on_one_replica_while_the_other_makes_it_stays_deleted(
+    tmp_path: Path,
+):
+    made = deleted_elsewhere(tmp_path, after_s=0.5)  # while A makes it
+    async with made as (a_url, b_url, redis_url, response_id, http):
+        # A hears of it at its next heartbeat and stops; no heartbeat or write of its makes
+        # the response again.
+        await asyncio.sleep(3)
+        for url in (a_url, b_url):
+            async with http.get(f"{url}/v1/responses/{response_id}") as gone:
+                assert gone.status == 404, await gone.text()
+        async with http.get(f"{a_url}/metrics") as metrics:
+            text = await metrics.text()
+        reply_id = str(reply_id_of(response_id))
+        async with Redis.from_url(redis_url) as client:
+            keys = [key async for key in client.scan_iter(f"*{reply_id}*")]
+            mark = await client.hgetall(f"replystream:reply:{{{reply_id}}}:meta")
     assert 'outcome="cancelled"} 1.0' in text, text
     # What is left is the mark of the delete, until its TTL.
     assert keys == [f"replystream:reply:{{{reply_id}}}:meta".encode()]
@@ -171,23 +185,12 @@ async def test_a_response_deleted_on_another_replica_is_404_at_once_where_it_is_
     # Its producer hears of the delete at its next heartbeat: until then, its replica read
     # the response from its own copy, and answered it (200, and its stream) after the
     # DELETE had been answered.
-    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0")
-    with redis_server(tmp_path) as redis:
-        async with (
-            replica(*slow, "--redis-url", redis.url) as (_, a_url),
-            replica(*slow, "--redis-url", redis.url) as (_, b_url),
-            aiohttp.ClientSession() as http,
-        ):
-            body = {"input": "x", "background": True}
-            async with http.post(f"{a_url}/v1/responses", json=body) as created:
-                response_id = (await created.json())["id"]
-            async with http.delete(f"{b_url}/v1/responses/{response_id}") as deleted:
-                assert deleted.status == 200
-            for query in ("", "?stream=true"):
-                async with http.get(f"{a_url}/v1/responses/{response_id}{query}") as gone:
-                    assert gone.status == 404, await gone.text()
-            async with http.get(f"{a_url}/v1/replies/{reply_id_of(response_id)}/stream") as gone:
+    async with deleted_elsewhere(tmp_path) as (a_url, _, _, response_id, http):
+        for query in ("", "?stream=true"):
+            async with http.get(f"{a_url}/v1/responses/{response_id}{query}") as gone:
                 assert gone.status == 404, await gone.text()
+        async with http.get(f"{a_url}/v1/replies/{reply_id_of(response_id)}/stream") as gone:
+            assert gone.status == 404, await gone.text()
 
 
 async def test_a_response_made_elsewhere_is_followed_before_its_first_event_is_logged(
