@@ -16,7 +16,7 @@ from replystream.server import create_app, running
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
-from tests.rawhttp import raw_request
+from tests.rawhttp import RawResponse, raw_request
 
 
 def serve_with(guard: GuardConfig, **config: object):
@@ -410,3 +410,37 @@ async def test_a_preflight_allows_the_headers_and_methods_the_api_takes_from_a_b
     assert "DELETE" in header_values(lines, "access-control-allow-methods")
     vary = {value.lower() for value in header_values(lines, "vary")}
     assert {"origin", "access-control-request-headers"} <= vary
+
+
+async def test_replies_left_to_run_detached_hold_their_clients_room_until_a_reader_returns():
+    # A resumable reply its client leaves generates on for the detach grace: were it not
+    # counted, a client held to one request at once could leave any number generating.
+    # The second one left finds the client's room taken by the first: it stops.
+    engine = fast_engine(delay_ms=20.0, jitter_ms=0.0)
+    config = ServerConfig(guard=GuardConfig(max_concurrent=1))
+    body = b'{"prompt": "x", "resumable": true, "max_tokens": 400}'
+    async with running(create_app(engine, config)) as url:
+
+        async def admitted(path: str, method: str = "GET", data: bytes = b"") -> RawResponse:
+            while (response := await raw_request(f"{url}{path}", method, data)).status == 429:
+                await response.read_body()  # until the server has seen the last request go
+                await asyncio.sleep(0.02)
+            return response
+
+        async def leave_one() -> str:
+            started = await admitted("/v1/replies", "POST", body)
+            await started.aclose()
+            return started.headers["x-reply-id"]
+
+        first, second = await leave_one(), await leave_one()
+        await (await admitted("/wait?max_tokens=1")).read_body()
+        stopped = await (await admitted(f"/v1/replies/{second}/stream")).read_body()
+        assert b"reply stopped: detach_refused" in stopped.rstrip().rsplit(b"\n\n", 1)[-1]
+        resumed = await admitted(f"/v1/replies/{first}/stream")
+        assert resumed.status == 200
+        assert b"event: done" in (await resumed.read_body()).rstrip().rsplit(b"\n\n", 1)[-1]
+        # read to its end, the first freed its room: the next one left goes on
+        third = await leave_one()
+        await (await admitted("/wait?max_tokens=1")).read_body()
+        resumed = await admitted(f"/v1/replies/{third}/stream")
+        assert b"detach_refused" not in await resumed.read_body()

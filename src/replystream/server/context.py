@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -54,7 +55,7 @@ from replystream.server import ids
 from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError
-from replystream.server.guard import REPLY_ID, REQUEST_ID
+from replystream.server.guard import GATE_KEY, REPLY_ID, REQUEST_ID, identity_of
 from replystream.server.metrics import Metrics, ReaderSends, ReplyRecord
 from replystream.server.refusal_names import refused
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
@@ -308,6 +309,11 @@ async def start_reply(
         # Several choices are merged by the reply's task: only one engine stream is pushed.
         pushes=not isinstance(fmt, Choices) and app[ENGINE_KEY].pushes,
     )
+    gate = app[GATE_KEY]
+    if reply.disconnect == "detach" and gate.max_concurrent:
+        # Left by its client, it generates for nobody: room for it among that client's
+        # limits, or it stops (``Reply.take_room``).
+        reply.take_room = partial(gate.hold_detached, identity_of(request))
     app[MANAGER_KEY].start(reply)
     return reply
 

@@ -93,7 +93,8 @@ class ClientGate:
         self.max_concurrent = max_concurrent
         self.per_minute = per_minute
         self.open: dict[str, int] = {}
-        self.background: dict[str, int] = {}  # identity -> its background responses running
+        # identity -> its replies running for no request: background, or detached
+        self.unattended: dict[str, int] = {}
         self._buckets: dict[str, tuple[float, float]] = {}  # identity -> (tokens, at)
         self._admits = 0
 
@@ -130,24 +131,38 @@ class ClientGate:
 
     def hold_background(self, identity: str) -> Callable[[], None] | None:
         """Count a background response of ``identity``, which one of its open requests
-        (this one) is starting: None if it has as many requests open and background
-        responses running as ``max_concurrent``, else the function that frees it, to call
-        once it ends. So a key held to N requests at once runs N background responses at
-        most, besides its requests (a poll or a cancel of them needs no room of its own)."""
+        (this one) is starting: None if it has as many requests open and replies running
+        unattended as ``max_concurrent``, else the function that frees it, to call once it
+        ends. So a key held to N requests at once runs N background responses at most,
+        besides its requests (a poll or a cancel of them needs no room of its own)."""
         if not self.max_concurrent:
             return _nothing
-        running = self.background.get(identity, 0)
+        running = self.unattended.get(identity, 0)
         if self.open.get(identity, 1) - 1 + running >= self.max_concurrent:
             return None
-        self.background[identity] = running + 1
-        return partial(self._background_ended, identity)
+        return self._hold(identity, running)
 
-    def _background_ended(self, identity: str) -> None:
-        left = self.background.get(identity, 0) - 1
+    def hold_detached(self, identity: str) -> Callable[[], None] | None:
+        """Count a reply ``identity`` left, still generating for its detach grace: None if it
+        has as many replies running unattended (detached, or in the background) as
+        ``max_concurrent``, else the function that frees it, to call once a reader joins it
+        or it ends. Its client's resume is a request like any other, so the room the reply
+        held is free again for it."""
+        running = self.unattended.get(identity, 0)
+        if running >= self.max_concurrent:
+            return None
+        return self._hold(identity, running)
+
+    def _hold(self, identity: str, running: int) -> Callable[[], None]:
+        self.unattended[identity] = running + 1
+        return partial(self._unattended_ended, identity)
+
+    def _unattended_ended(self, identity: str) -> None:
+        left = self.unattended.get(identity, 0) - 1
         if left > 0:
-            self.background[identity] = left
+            self.unattended[identity] = left
         else:
-            self.background.pop(identity, None)
+            self.unattended.pop(identity, None)
 
     def release(self, identity: str) -> None:
         left = self.open.get(identity, 0) - 1

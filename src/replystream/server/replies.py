@@ -95,6 +95,10 @@ class Reply:
     # Called once as the reply ends: what it holds of its client's limits (a background
     # response is its client's open request until then).
     _ended_call: Callable[[], None] | None = None
+    # Room among its client's limits for a detached reply, generating for nobody: takes it
+    # (giving what frees it) or says None, none is left. None: the client has no limits.
+    take_room: Callable[[], Callable[[], None] | None] | None = None
+    _room: Callable[[], None] | None = None  # what frees the room held while detached
 
     def when_ended(self, call: Callable[[], None]) -> None:
         """Call ``call`` once the reply has ended (now, if it has)."""
@@ -157,6 +161,7 @@ class Reply:
         if self._detach_timer is not None:
             self._detach_timer.cancel()
             self._detach_timer = None
+            self._free_room()  # a reader's own request holds its room now
 
     def reader_left(self, reason: StopReason) -> None:
         self.readers -= 1
@@ -168,6 +173,11 @@ class Reply:
         if self.disconnect == "cancel":
             self.stop(reason)
         elif self._detach_timer is None:
+            if self.take_room is not None:
+                self._room = self.take_room()
+                if self._room is None:
+                    self.stop("detach_refused")
+                    return
             loop = asyncio.get_running_loop()
             self._detach_timer = loop.call_later(self._grace_s(), self._detach_expired)
 
@@ -194,6 +204,11 @@ class Reply:
         """Drop the log of an ended reply nobody may resume, once its last reader is done."""
         if not self.resumable and self.readers == 0:
             self.store.discard(self.reply_id)
+
+    def _free_room(self) -> None:
+        if self._room is not None:
+            room, self._room = self._room, None
+            room()
 
     def _grace_s(self) -> float:
         """The detach grace, and the time a reader that joined on another replica within it
@@ -362,6 +377,7 @@ class Reply:
         for timer in (self._window_timer, self._detach_timer):
             if timer is not None:
                 timer.cancel()
+        self._free_room()
         record.outcome = rule.outcome
         self.store.end(self.reply_id, rule.log_end)
         for sink in list(self.sinks):

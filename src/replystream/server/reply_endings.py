@@ -24,7 +24,9 @@ from replystream.engine.base import EngineError
 from replystream.server.metrics import Outcome
 
 # How a reader, or the server, stops a reply (``Reply.stop``).
-StopReason = Literal["cancelled", "client_gone", "slow_client", "shutdown", "detach_expired"]
+StopReason = Literal[
+    "cancelled", "client_gone", "slow_client", "shutdown", "detach_expired", "detach_refused"
+]
 Way = (
     Literal["finished", "moderated", "engine_error", "store_failure", "internal_error"] | StopReason
 )
@@ -113,6 +115,9 @@ ENDINGS: dict[Way, EndingRule] = {
     "client_gone": _stopped("client_gone"),
     "slow_client": _stopped("slow_client", "slow_client"),
     "detach_expired": _stopped("detach_expired"),
+    # Its client left it as its key (or address) already had as many replies running for
+    # nobody as it may have requests at once: stopped, as a reply nobody may resume is.
+    "detach_refused": _stopped("detach_refused"),
 }
 
 
