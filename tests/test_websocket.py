@@ -826,3 +826,45 @@ async def test_a_message_naming_type_twice_is_refused_naming_type():
     assert error["id"] == "q5"
     assert error["data"]["error"]["param"] == "type"
     assert "names type more than once" in error["data"]["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("sent", "answer"),
+    [
+        (None, 1000),  # a close frame without a code
+        (1000, 1000),
+        (1001, 1000),
+        (4000, 1000),
+        (4999, 1000),
+        # RFC 6455 7.4: codes no peer may send are a protocol error.
+        (1005, 1002),
+        (1006, 1002),
+        (1015, 1002),
+        (2999, 1002),
+        (5000, 1002),
+        (65535, 1002),
+    ],
+)
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "waiting for its key"])
+async def test_a_client_close_is_answered_1000_or_1002_for_a_code_no_peer_may_send(
+    sent: int | None, answer: int, keyed: bool
+):
+    config = ServerConfig(api_keys=("sk-a",) if keyed else ())
+    async with serving(create_app(fast_engine(), config)) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(HANDSHAKE)
+            await reader.readuntil(b"\r\n\r\n")
+            if not keyed:  # a reply first: the session is reading messages
+                writer.write(reply_frame("r"))
+                for _ in range(5):  # reply, two tokens, usage, done
+                    _first, payload = await read_raw_frame(reader)
+                assert json.loads(payload)["type"] == "done"
+            body = b"" if sent is None else sent.to_bytes(2, "big")
+            writer.write(frame(body, opcode=0x8))
+            frames = await frames_until_closed(reader)
+        finally:
+            writer.close()
+    assert [opcode for opcode, _ in frames] == [0x8]
+    assert close_code(frames) == answer

@@ -31,6 +31,8 @@ Rules:
    socket closes with 1001; every close is bounded (a client that does not answer is dropped).
 7. A client frame that is not masked fails the connection (1002) before aiohttp reads it
    (``ws_transport.MaskedFramesOnly``); the session only stops, as when the client leaves.
+   A client's close frame is answered by the session: 1000, or 1002 for a close code no peer
+   may send (``ws_transport.close_answer``).
 This file must not know how tokens are made or how the log is stored.
 """
 
@@ -81,10 +83,12 @@ from replystream.server.replies import Reply, ReplyManager
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
 from replystream.server.socket_room import abort_later
 from replystream.server.ws_transport import (
+    CLOSE_PROTOCOL_ERROR,
     LAST_WORDS_S,
     MaskedFramesOnly,
     SocketKeepalive,
     WebSocketTransport,
+    close_answer,
 )
 
 log = logging.getLogger("replystream.websocket")
@@ -211,6 +215,16 @@ class Session:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await self.ws.close(code=code, message=reason)
 
+    async def answer_close(self, code: int | None) -> None:
+        """Answer the client's close frame, whose code was ``code``: with 1000, or with 1002
+        (protocol error) for a code no peer may send (``ws_transport.close_answer``)."""
+        answer = close_answer(code)
+        if answer == CLOSE_PROTOCOL_ERROR:
+            log.info("websocket closed (1002, protocol error): the client sent close code %s", code)
+            await self.close(answer, b"invalid close code")
+        else:
+            await self.close(answer, b"")
+
     def _stop_writers(self) -> None:
         if self._pinging is not None:
             self._pinging.cancel()
@@ -245,6 +259,9 @@ class Session:
                 msg = None
             elif msg.type == WSMsgType.PONG:
                 msg = None
+        if msg is not None and msg.type == WSMsgType.CLOSE:
+            await self.answer_close(msg.data)
+            return False
         key = None
         if msg is not None and msg.type == WSMsgType.TEXT:
             key = auth_key(msg.data)
@@ -290,6 +307,8 @@ class Session:
                                 await self.ws.pong(msg.data)
                         elif msg.type == WSMsgType.PONG:
                             self.keepalive.answered()
+                    if self.ws.close_code is not None and not self.ws.closed:
+                        await self.answer_close(self.ws.close_code)  # the client's close
                 finally:
                     # The client is gone (or the socket is being cut): stop every reader.
                     self._stop_writers()
@@ -494,6 +513,9 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(
         # The session pings, and answers pings, itself (rule 4).
         autoping=False,
+        # The session answers the client's close frame itself: aiohttp answers 1000 even to
+        # a code no peer may send (1006, 5000 and up), which RFC 6455 makes a protocol error.
+        autoclose=False,
         max_msg_size=READ_PAST_LIMIT * config.max_body_bytes,
         timeout=CLOSE_TIMEOUT_S,
         # No permessage-deflate, whatever the client offers: compressing costs CPU per frame

@@ -11,7 +11,9 @@ the upgrade). It must not know about replies.
 
 What the client sends is checked here too, before aiohttp reads it (``MaskedFramesOnly``):
 aiohttp's frame reader takes an unmasked client frame as a masked one, but RFC 6455 (5.1)
-says a server must close the connection on one (1002, protocol error).
+says a server must close the connection on one (1002, protocol error). And the answer to a
+client's close frame is decided here (``close_answer``): aiohttp refuses most codes no peer
+may send, but takes 1006 and every code from 5000 up as valid ones.
 
 Keep-alive (``SocketKeepalive``), instead of aiohttp's heartbeat, which pings every period
 whatever is being sent and drops a peer whose pong is late, though a ping queued behind
@@ -57,6 +59,23 @@ def close_frame(code: int, reason: bytes) -> bytes:
     """A close frame with its status code (RFC 6455 5.5.1)."""
     body = struct.pack("!H", code) + reason[:123]
     return bytes((0x88, len(body))) + body
+
+
+# Codes RFC 6455 (7.4.1) reserves for an endpoint's own report of a closure: never in a
+# close frame. 1004 is reserved with no meaning; 1016-2999 belong to later RFCs (none exist).
+_NEVER_SENT = frozenset((1004, 1005, 1006, 1015))
+
+
+def close_answer(code: int | None) -> int:
+    """The code of the close frame answering a client's close with ``code`` (None or 0: the
+    frame had no code). RFC 6455 7.4: a code a peer must not send (under 1000, one kept for
+    reports, unassigned below 3000, or past 4999) is a protocol error (1002); any other close
+    is answered with a normal one (1000)."""
+    if not code:
+        return 1000
+    if code < 1000 or code in _NEVER_SENT or 1016 <= code < 3000 or code >= 5000:
+        return CLOSE_PROTOCOL_ERROR
+    return 1000
 
 
 PING_FRAME = bytes((0x89, 0))  # a ping without a payload (RFC 6455 5.5.2)
