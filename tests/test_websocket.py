@@ -868,3 +868,25 @@ async def test_a_client_close_is_answered_1000_or_1002_for_a_code_no_peer_may_se
             writer.close()
     assert [opcode for opcode, _ in frames] == [0x8]
     assert close_code(frames) == answer
+
+
+async def test_an_offered_subprotocol_is_not_echoed_and_not_logged(
+    caplog: pytest.LogCaptureFixture,
+):
+    caplog.set_level(logging.DEBUG)
+    async with serving(create_app(fast_engine())) as server:
+        for _ in range(3):
+            reader, writer, head = await open_raw_websocket_with_head(
+                server.url, b"Sec-WebSocket-Protocol: foo, chat.v2\r\n"
+            )
+            try:
+                writer.write(reply_frame("r"))
+                for _ in range(5):  # reply, two tokens, usage, done: the socket works
+                    _first, payload = await read_raw_frame(reader)
+                assert json.loads(payload)["type"] == "done"
+            finally:
+                writer.close()
+            # RFC 6455 4.2.2: a server that speaks none of the offered subprotocols answers
+            # without the header (echoing one would claim to speak it).
+            assert b"sec-websocket-protocol" not in head.lower()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records

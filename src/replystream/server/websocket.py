@@ -551,6 +551,23 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     return ws
 
 
+class _OfferedSubprotocols(logging.Filter):
+    """Drops aiohttp's warning that a client offered subprotocols (``Sec-WebSocket-Protocol``)
+    none of which the server speaks: logged at every handshake step of every such upgrade
+    (twice an upgrade here), so any client could fill the log with it. The server speaks no
+    subprotocol: RFC 6455 (4.2.2) has it answer such an offer without the header, which
+    aiohttp does, and that is no fault of the server's worth a line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.funcName == "_handshake" and str(record.msg).startswith("%s: Client protocols")
+        )
+
+
+_OFFERS_FILTER = _OfferedSubprotocols()
+
+
 def add_websocket_route(app: web.Application) -> None:
     """Register ``GET /v1/ws`` on ``app``."""
+    logging.getLogger("aiohttp.websocket").addFilter(_OFFERS_FILTER)  # once, however many apps
     app.router.add_get("/v1/ws", handle_websocket, allow_head=False)
