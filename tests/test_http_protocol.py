@@ -20,6 +20,7 @@ from aiohttp import web
 
 from replystream.server import create_app, running
 from replystream.server.context import ENGINE_KEY
+from replystream.server.front_door import unrouted
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
@@ -92,10 +93,13 @@ async def connect(url: str) -> AsyncIterator[Connection]:
 
 
 def route_targets(app: web.Application, reply_id: str, model: str) -> list[tuple[str, str]]:
-    """Every (method, path) the app serves, path parameters filled with real values."""
+    """Every (method, path) the app serves, path parameters filled with real values (not
+    the route answering what no other serves: ``front_door.unrouted``)."""
     values = {"reply_id": reply_id, "model": model, "response_id": "resp_" + reply_id}
     targets = []
     for resource in app.router.resources():
+        if any(route.handler is unrouted for route in resource):
+            continue
         info = resource.get_info()
         path = info.get("path") or info["formatter"].format(**values)
         for route in resource:
@@ -143,6 +147,26 @@ async def test_a_method_a_route_does_not_serve_is_a_405_in_the_error_shape():
                     {"HEAD"} if "HEAD" in served else set()
                 )
                 assert json.loads(body)["error"]["code"] == "method_not_allowed"
+
+
+async def test_no_route_invites_a_body_before_the_front_door_refused_its_request():
+    # A foreign page's request is refused on every route: with ``Expect: 100-continue`` the
+    # refusal comes first, never a ``100 Continue`` (every route leaves ``Expect`` to the
+    # front door: a route added with aiohttp's default expect handler fails here).
+    app = create_app(fast_engine())
+    async with running(app) as url:
+        targets = route_targets(app, "r" * 32, app[ENGINE_KEY].name)
+        extra = [("POST", "/no/such/route"), ("POST", "/line%0Abreak"), ("PATCH", "/healthz")]
+        for method, path in [*targets, *extra]:
+            async with connect(url) as client:
+                head = (
+                    f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Length: 10\r\n"
+                    "Expect: 100-continue\r\nOrigin: https://elsewhere.example\r\n\r\n"
+                )
+                await client.send(head.encode())
+                status, headers, _ = await client.response(head_only=True)
+                assert status == 403, (method, path, status)
+                assert headers["connection"] == "close", (method, path)
 
 
 async def test_head_through_nginx_leaves_the_pooled_upstream_connection_in_step(tmp_path):

@@ -45,6 +45,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
+from replystream.server.front_door import expect_later
 from replystream.server.native import (
     check_prompt_size,
     delivery_overrides,
@@ -253,5 +254,7 @@ async def _whole(
 
 def add_anthropic_routes(app: web.Application) -> None:
     """Register Anthropic's Messages API on ``app``."""
-    app.router.add_post("/v1/messages", handle_messages)
-    app.router.add_post("/v1/messages/count_tokens", handle_count_tokens)
+    app.router.add_post("/v1/messages", handle_messages, expect_handler=expect_later)
+    app.router.add_post(
+        "/v1/messages/count_tokens", handle_count_tokens, expect_handler=expect_later
+    )

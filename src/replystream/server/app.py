@@ -62,7 +62,7 @@ from replystream.server.context import (
 )
 from replystream.server.embeddings_api import add_embeddings_route
 from replystream.server.errors import HTTPAPIError, retry_after_value
-from replystream.server.front_door import FrontDoor, front_door
+from replystream.server.front_door import FrontDoor, add_unrouted, expect_later, front_door
 from replystream.server.guard import (
     GATE_KEY,
     GUARD_KEY,
@@ -318,13 +318,18 @@ def create_app(
         store.on_cancel(stop_producer)
     # A HEAD of a route that generates or streams would start a generation and, on the direct
     # path, write a body no HEAD may have: such routes answer HEAD with 405 (docs/api.md).
-    app.router.add_get("/wait", handle_wait, allow_head=False)
-    app.router.add_get("/stream", handle_stream, allow_head=False)
-    app.router.add_post("/v1/replies", handle_replies)
-    app.router.add_get("/v1/replies/{reply_id}/stream", handle_resume, allow_head=False)
-    app.router.add_post("/v1/replies/{reply_id}/cancel", handle_cancel)
-    app.router.add_get("/metrics", handle_metrics)
-    app.router.add_get("/healthz", handle_health)
+    app.router.add_get("/wait", handle_wait, allow_head=False, expect_handler=expect_later)
+    app.router.add_get("/stream", handle_stream, allow_head=False, expect_handler=expect_later)
+    app.router.add_post("/v1/replies", handle_replies, expect_handler=expect_later)
+    app.router.add_get(
+        "/v1/replies/{reply_id}/stream",
+        handle_resume,
+        allow_head=False,
+        expect_handler=expect_later,
+    )
+    app.router.add_post("/v1/replies/{reply_id}/cancel", handle_cancel, expect_handler=expect_later)
+    app.router.add_get("/metrics", handle_metrics, expect_handler=expect_later)
+    app.router.add_get("/healthz", handle_health, expect_handler=expect_later)
     add_page_routes(app)
     add_openai_routes(app)
     add_embeddings_route(app)
@@ -334,6 +339,7 @@ def create_app(
     add_anthropic_routes(app)
     add_websocket_route(app)
     add_state_gauges(app)
+    add_unrouted(app.router)  # last: whatever no route above serves
 
     async def close_all(app: web.Application) -> None:
         await app[MANAGER_KEY].aclose()

@@ -27,6 +27,7 @@ from replystream.server.context import (
     owner_of,
 )
 from replystream.server.errors import HTTPAPIError
+from replystream.server.front_door import expect_later
 from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schema_fields import Strict, invalid
 from replystream.server.validation import read_model
@@ -116,4 +117,4 @@ async def handle_embeddings(request: web.Request) -> web.Response:
 
 def add_embeddings_route(app: web.Application) -> None:
     """Register ``POST /v1/embeddings`` on ``app``."""
-    app.router.add_post(ENDPOINT, handle_embeddings)
+    app.router.add_post(ENDPOINT, handle_embeddings, expect_handler=expect_later)

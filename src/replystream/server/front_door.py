@@ -3,7 +3,8 @@
 In order: the request gets an id (``guard``); a CORS preflight is
 answered; a request a page of a foreign origin made is refused (``guard``); on ``/v1/*``
 and the lab's routes the API key is checked (``auth``); the per-client limits admit the
-request (``guard``); the handler runs. Whatever fails becomes the API's error shape
+request (``guard``); its ``Expect`` header is answered (``expectation``: the body is invited
+only now); the handler runs. Whatever fails becomes the API's error shape
 (``errors``), JSON, HTML and plain-text bodies are gzipped for clients that accept them
 (``response_gzip``), and one access log line names the request.
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
 from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
@@ -107,6 +108,8 @@ def front_door(door: FrontDoor) -> Middleware:
                             request[ADMITTED] = identity  # counted open until ``finish``
                         else:
                             response = rate_limited(wait)
+                    if response is None and "Expect" in request.headers:
+                        response = await expectation(request, door.max_body_bytes)
                     if response is None:
                         response = await handler(request)
                 except Exception as exc:
@@ -123,6 +126,10 @@ def front_door(door: FrontDoor) -> Middleware:
                     else:
                         response = error_answer(request, exc, door.max_body_bytes)
                 response = in_route_shape(request.path, response, request.headers, request_id)
+                if response.status >= 400 and body_withheld(request):
+                    # The client holds its body back until invited, or until it tires of
+                    # waiting: then it would be read as the next request. Nothing follows.
+                    response.force_close()
                 await gzip_if_worthwhile(request, response, door.gzip_min_bytes)
             status = response.status
             if isinstance(response, SentLater):
@@ -183,3 +190,92 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
         return response
     log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
     return error_response(500, "internal server error", code="internal_error")
+
+
+# ``Expect``: a client that sends ``Expect: 100-continue`` waits for ``100 Continue`` before
+# it sends its body (RFC 9110 10.1.1), so a request refused on its head alone costs it no
+# upload. aiohttp answers the header per route, before any middleware (``expect_handler``,
+# whose default invites every body); every route here leaves it to the front door
+# (``expect_later``), which decides once the checks that need no body have passed.
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+INVITED = web.RequestKey("body_invited", bool)
+
+
+async def expect_later(request: web.Request) -> None:
+    """Every route's expect handler: nothing yet; the front door answers ``Expect``
+    (``expectation``) once its checks passed."""
+    return None
+
+
+def expectations(request: web.Request) -> list[str]:
+    """What the request's ``Expect`` fields ask for, lowercased (RFC 9110: a list of
+    tokens, case-insensitive)."""
+    return [
+        item.strip().lower()
+        for field in request.headers.getall("Expect", ())
+        for item in field.split(",")
+        if item.strip()
+    ]
+
+
+async def expectation(request: web.Request, max_body_bytes: int) -> web.Response | None:
+    """The answer to the request's ``Expect`` header, with every check that needs no body
+    passed: a refusal, or None once the body is invited (``100 Continue``) if it has one to
+    come. An expectation other than ``100-continue`` is a ``417``; a body its
+    ``Content-Length`` puts past the limit a ``413`` without it. A path no route serves, or
+    a method its route does not take, is not invited: the handler's ``404`` or ``405``
+    follows (``unrouted``). HTTP/1.0 has no ``100 Continue``: the expectation is ignored."""
+    asked = expectations(request)
+    if not asked:
+        return None
+    if any(item != "100-continue" for item in asked):
+        response = error_response(
+            417,
+            "the only expectation this server meets is Expect: 100-continue",
+            code="expectation_failed",
+        )
+        response.force_close()  # the body may come all the same, or not: the end is unknown
+        return response
+    if request.version < HttpVersion11 or request.match_info.handler is unrouted:
+        return None
+    declared = request.content_length
+    if declared is not None and declared > max_body_bytes:
+        too_large = web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=declared)
+        return error_answer(request, too_large, max_body_bytes)
+    if request.body_exists and not request.content.is_eof():
+        await request.writer.write(CONTINUE)
+        request.writer.output_size = 0  # an interim answer: the response has not begun
+        request[INVITED] = True
+    return None
+
+
+def body_withheld(request: web.Request) -> bool:
+    """Whether the request's body may still come though it was never invited: refused
+    before its ``100 Continue``, the connection cannot go on."""
+    return (
+        "Expect" in request.headers
+        and not request.get(INVITED)
+        and request.body_exists
+        and not request.content.is_eof()
+        and "100-continue" in expectations(request)
+    )
+
+
+async def unrouted(request: web.Request) -> web.StreamResponse:
+    """A path no route serves (``404``) or a method its route does not take (``405``, with
+    the methods it does): aiohttp's router's own answers, made by a route (``add_unrouted``)
+    so that its ``Expect`` is the front door's too (the router's would invite the body)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        _, methods = await resource.resolve(request)
+        allowed |= methods
+    allowed.discard(hdrs.METH_ANY)  # this route's own
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
+
+
+def add_unrouted(router: web.UrlDispatcher) -> None:
+    """Register ``unrouted`` for every path and method no route takes; added last."""
+    # Any path: ``.`` would miss one whose decoded form holds a line break (``%0A``).
+    router.add_route("*", r"/{path:[\s\S]*}", unrouted, expect_handler=expect_later)

@@ -45,6 +45,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import speaks_anthropic
+from replystream.server.front_door import expect_later
 from replystream.server.openai_requests import (
     CompletionAsk,
     model_not_found,
@@ -283,8 +284,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
 def add_openai_routes(app: web.Application) -> None:
     """Register the OpenAI-compatible routes on ``app``."""
     app[STARTED_AT] = int(time.time())
-    app.router.add_post("/v1/chat/completions", handle_chat)
-    app.router.add_post("/v1/completions", handle_completions)
-    app.router.add_get("/v1/models", handle_models)
+    app.router.add_post("/v1/chat/completions", handle_chat, expect_handler=expect_later)
+    app.router.add_post("/v1/completions", handle_completions, expect_handler=expect_later)
+    app.router.add_get("/v1/models", handle_models, expect_handler=expect_later)
     # A model id may hold a slash (a Hugging Face name, org/model): the rest of the path.
-    app.router.add_get("/v1/models/{model:.+}", handle_model)
+    app.router.add_get("/v1/models/{model:.+}", handle_model, expect_handler=expect_later)

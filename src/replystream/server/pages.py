@@ -19,6 +19,7 @@ from pathlib import Path
 from aiohttp import web
 
 import replystream.web
+from replystream.server.front_door import expect_later
 
 WEB_DIR = Path(replystream.web.__file__).parent
 PAGES = {"/": "index.html", "/eventsource.html": "eventsource.html"}
@@ -60,8 +61,10 @@ def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamRes
 def add_page_routes(app: web.Application) -> None:
     """Serve the chat pages and their static assets from the installed package."""
     for route, name in PAGES.items():
-        app.router.add_get(route, _file_handler(WEB_DIR / name))
+        app.router.add_get(route, _file_handler(WEB_DIR / name), expect_handler=expect_later)
     static = WEB_DIR / "static"
     for path in sorted(static.iterdir()):
         if path.is_file() and path.suffix in CONTENT_TYPES:
-            app.router.add_get(f"/static/{path.name}", _file_handler(path))
+            app.router.add_get(
+                f"/static/{path.name}", _file_handler(path), expect_handler=expect_later
+            )

@@ -66,6 +66,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError
+from replystream.server.front_door import expect_later
 from replystream.server.guard import REPLY_ID, hold_background
 from replystream.server.native import (
     delivery_overrides,
@@ -420,8 +421,12 @@ RESPONSE_PATH = "/v1/responses/{response_id:(?!input_tokens$)[^{}/]+}"
 
 def add_responses_routes(app: web.Application) -> None:
     """Register the Responses API on ``app``."""
-    app.router.add_post("/v1/responses", handle_create)
+    app.router.add_post("/v1/responses", handle_create, expect_handler=expect_later)
     # A GET of the events streams them: no HEAD (docs/api.md).
-    app.router.add_get(RESPONSE_PATH, handle_retrieve, allow_head=False)
-    app.router.add_post("/v1/responses/{response_id}/cancel", handle_cancel)
-    app.router.add_delete(RESPONSE_PATH, handle_delete)
+    app.router.add_get(
+        RESPONSE_PATH, handle_retrieve, allow_head=False, expect_handler=expect_later
+    )
+    app.router.add_post(
+        "/v1/responses/{response_id}/cancel", handle_cancel, expect_handler=expect_later
+    )
+    app.router.add_delete(RESPONSE_PATH, handle_delete, expect_handler=expect_later)

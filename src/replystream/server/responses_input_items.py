@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from replystream.server.errors import HTTPAPIError
+from replystream.server.front_door import expect_later
 from replystream.server.query_schemas import InputItemsQuery
 from replystream.server.responses_schemas import (
     LOGPROBS_INCLUDED,
@@ -188,5 +189,8 @@ async def handle_list_input_items(request: web.Request) -> web.StreamResponse:
 def add_input_items_route(app: web.Application) -> None:
     """Register ``GET /v1/responses/{response_id}/input_items`` on ``app``."""
     app.router.add_get(
-        "/v1/responses/{response_id}/input_items", handle_list_input_items, allow_head=False
+        "/v1/responses/{response_id}/input_items",
+        handle_list_input_items,
+        allow_head=False,
+        expect_handler=expect_later,
     )

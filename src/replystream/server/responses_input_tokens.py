@@ -17,6 +17,7 @@ from aiohttp import web
 
 from replystream.server.context import count_prompt
 from replystream.server.errors import HTTPAPIError
+from replystream.server.front_door import expect_later
 from replystream.server.refusal_names import refusals_naming
 from replystream.server.responses_prompt import RESPONSES_FIELDS, response_prompt
 from replystream.server.responses_schemas import InputTokensBody
@@ -38,4 +39,6 @@ async def handle_input_tokens(request: web.Request) -> web.StreamResponse:
 
 def add_input_tokens_route(app: web.Application) -> None:
     """Register ``POST /v1/responses/input_tokens`` on ``app``."""
-    app.router.add_post("/v1/responses/input_tokens", handle_input_tokens)
+    app.router.add_post(
+        "/v1/responses/input_tokens", handle_input_tokens, expect_handler=expect_later
+    )

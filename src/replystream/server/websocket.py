@@ -68,6 +68,7 @@ from replystream.server.context import (
     start_reply,
 )
 from replystream.server.errors import HTTPAPIError, error_body, retry_after_value
+from replystream.server.front_door import expect_later
 from replystream.server.guard import (
     GATE_KEY,
     RATE_LIMITED,
@@ -570,4 +571,4 @@ _OFFERS_FILTER = _OfferedSubprotocols()
 def add_websocket_route(app: web.Application) -> None:
     """Register ``GET /v1/ws`` on ``app``."""
     logging.getLogger("aiohttp.websocket").addFilter(_OFFERS_FILTER)  # once, however many apps
-    app.router.add_get("/v1/ws", handle_websocket, allow_head=False)
+    app.router.add_get("/v1/ws", handle_websocket, allow_head=False, expect_handler=expect_later)
