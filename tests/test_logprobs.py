@@ -417,3 +417,35 @@ async def test_legacy_text_offsets_count_from_the_prompts_start_for_every_choice
         shown = ask["prompt"] + text
         places = zip(tokens, offsets, strict=True)
         assert [shown[at : at + len(token)] for token, at in places] == tokens
+
+
+async def test_a_stop_string_beginning_with_a_split_character_lists_none_of_its_tokens():
+    # "🎉" (f0 9f 8e 89) comes in two tokens, the first with no text of its own: both are
+    # the stop string's, so neither is listed, streamed or whole, and no chunk without text
+    # carries them.
+    engine = ByteTokensEngine(
+        [[b"ok"], [b"\xf0\x9f", b"ok"], [b"\x8e\x89", b"\x8e\x88"], [b"!"], [b"."]]
+    )
+    ask: dict[str, Any] = {
+        "model": "scripted",
+        "messages": [{"role": "user", "content": "x"}],
+        "logprobs": True,
+        "top_logprobs": 1,
+        "stop": ["\U0001f389!"],
+    }
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    assert whole.choices[0].message.content == "ok"
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].logprobs is not None
+    made = chat_entries(whole.choices[0].logprobs)
+    assert [token for token, _, _, _ in made] == ["ok"]
+    streamed = [
+        (choice.delta.content, entry)
+        for chunk in chunks
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in chat_entries(choice.logprobs)
+    ]
+    assert streamed == [("ok", made[0])]

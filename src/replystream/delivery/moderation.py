@@ -239,7 +239,7 @@ class HoldBack:
             return "", 0
         if self._stops is not None:
             self._stops.break_text()
-        return self._take(self._held_chars, lambda: bool(self._held))
+        return self._take(self._held_chars, lambda: bool(self._held), to_the_end=True)
 
     def _stop(self, finding: Finding, safe_chars: int) -> tuple[str, int]:
         # Whole tokens before the match go out; a token the match starts inside goes out only
@@ -256,16 +256,27 @@ class HoldBack:
         self._held_tokens = self._held_chars = 0
 
     def _take(
-        self, room: int, more: Callable[[], bool], *, split_counts: bool = True
+        self,
+        room: int,
+        more: Callable[[], bool],
+        *,
+        split_counts: bool = True,
+        to_the_end: bool = False,
     ) -> tuple[str, int]:
         """Release held pieces, oldest first, while ``more()`` and within ``room``
         characters. A piece that does not fit goes out up to ``room``; its tokens go with
-        that first part (``split_counts``), and the rest stays held with none."""
+        that first part (``split_counts``), and the rest stays held with none. A piece with
+        no text (a token ending inside a character) belongs to the character after it: it
+        stays held with that character once ``room`` runs out, unless the text has ended
+        (``to_the_end``), so a stop string or a match beginning with that character takes
+        its tokens too."""
         parts: list[str] = []
         released_tokens = 0
         held = self._held
         while held and more():
             text, tokens = held[0]
+            if not text and not room and not to_the_end:
+                break
             if len(text) > room:
                 if room > 0:
                     parts.append(text[:room])
