@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
 import pytest
 
 from replystream.engine.base import GenerationRequest, SamplingParams
@@ -12,6 +13,7 @@ from replystream.engine.scheduler import Scheduler, SchedulerConfig
 from replystream.engine.speculative import accept, propose
 from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
+from replystream.server import create_app, running
 
 PROMPTS = (
     "And the LORD said unto Moses,",
@@ -115,3 +117,38 @@ async def test_a_repetitive_prompt_takes_fewer_steps_than_tokens(engines):
         f"{stats.draft_accepted}/{stats.draft_proposed} draft tokens accepted ({rate:.0%})"
     )
     assert text == (await reply(plain, REPETITIVE, max_tokens=100))[0]
+
+
+async def test_a_stop_string_inside_a_step_lists_the_log_probabilities_plain_decoding_does(engines):
+    # A step that accepts a draft makes several tokens; when a stop string begins and ends
+    # among them, the tokens of the stop string itself are not the text's: the log
+    # probabilities and the usage are those of the same reply made one token at a time.
+    plain, spec = engines
+    ask = {
+        "model": "tiny",
+        "prompt": REPETITIVE,
+        "max_tokens": 40,
+        "temperature": 0,
+        "logprobs": 1,
+        "stop": ["ildren of"],
+    }
+    answers = []
+    for engine in (plain, spec):
+        async with (
+            running(create_app(engine)) as url,
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+        ):
+            whole = await client.completions.create(**ask)  # type: ignore[call-overload]
+            chunks = [c async for c in await client.completions.create(**ask, stream=True)]  # type: ignore[call-overload]
+        streamed = [
+            token
+            for chunk in chunks
+            if chunk.choices and chunk.choices[0].logprobs is not None
+            for token in chunk.choices[0].logprobs.tokens or []
+        ]
+        assert whole.choices[0].logprobs is not None
+        assert streamed == whole.choices[0].logprobs.tokens
+        answers.append((whole.choices[0].text, streamed, whole.usage))
+    assert answers[1] == answers[0]
+    assert answers[0][0] == " Ammon, and the ch"
+    assert answers[0][1] == [" Ammon", ",", " and", " the", " children"]

@@ -246,6 +246,22 @@ class Runner:
         return batch
 
     def _emit(self, request: _Request, tokens: list[int], at_length: bool, now: float) -> None:
+        if request.params.logprobs is not None and len(tokens) > 1:
+            # A step that accepted a draft made several tokens. With log probabilities each
+            # goes out as its own delta, as plain decoding makes them: the reply pipeline
+            # gives a delta's entries to the text it carries, and a stop string beginning
+            # among them must not take the text's tokens with it (nor give it its own).
+            last = len(tokens) - 1
+            for index, token in enumerate(tokens):
+                if self._emit_tokens(request, [token], at_length and index == last, now):
+                    return
+            return
+        self._emit_tokens(request, tokens, at_length, now)
+
+    def _emit_tokens(
+        self, request: _Request, tokens: list[int], at_length: bool, now: float
+    ) -> bool:
+        """Deliver one delta of ``tokens``; True when it ended the reply."""
         # The first delta says how many tokens the model read: the prompt a chat template
         # made, which the server cannot count from the conversation's text.
         first = not request.token_times
@@ -273,7 +289,10 @@ class Runner:
         logprobs = None
         if request.params.logprobs is not None:  # those of the tokens shown, in order
             logprobs = tuple(request.logprobs[: count - eos])  # an EOS token is never shown
-            request.logprobs.clear()
+            if reason is None:
+                del request.logprobs[:count]  # the step's later tokens' are theirs
+            else:
+                request.logprobs.clear()
         request.deliver(
             Delta(
                 text,
@@ -289,6 +308,8 @@ class Runner:
             request.finished, request.finish_reason = now, reason
             self._counts["finished"] += 1
             self._retire(request)
+            return True
+        return False
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
