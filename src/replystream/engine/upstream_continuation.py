@@ -17,11 +17,14 @@ from replystream.engine.base import GenerationRequest
 def continued_request(request: GenerationRequest, relayed: str, tokens: int) -> GenerationRequest:
     """``request`` continued after ``relayed`` (the text the client has, ``tokens`` tokens of
     it): a final assistant message holding it (the client's own prefix, extended, when the
-    request already continued one), or a raw prompt extended by it, and ``max_tokens`` less
-    what was sent."""
+    request already continued one), or a raw prompt extended by it, and ``max_tokens`` and
+    ``min_tokens`` less what was sent (the tokens sent count toward the least the client asked
+    for, and vLLM and SGLang refuse a ``min_tokens`` above ``max_tokens``)."""
     sampling = request.sampling
     if sampling.max_tokens is not None:
         sampling = replace(sampling, max_tokens=max(1, sampling.max_tokens - tokens))
+    if sampling.min_tokens:
+        sampling = replace(sampling, min_tokens=max(0, sampling.min_tokens - tokens))
     if request.raw_prompt:  # a legacy completion: its prompt goes on with the text so far
         return replace(request, prompt=request.prompt + relayed, sampling=sampling)
     prefix = relayed
