@@ -99,6 +99,20 @@ async def test_where_the_thinking_is_not_shown_it_still_keeps_the_attempt_alive(
     assert upstream.requests == 2  # one each: no attempt timed out and moved on
 
 
+async def test_thinking_not_shown_is_counted_as_shown_thinking_is_without_upstream_usage():
+    # An upstream that sends no usage: the relay counts the reply itself, the thinking's
+    # pieces in it whether or not the dialect shows them, as an upstream's own usage does.
+    async with relay("quiet") as (url, _):
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as client:
+            message = await client.messages.create(model="m", max_tokens=50, messages=ASK)
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as oc:
+            chat = await oc.chat.completions.create(model="m", messages=ASK)
+    assert message.content[0].text == "".join(ANSWER)  # type: ignore[union-attr]
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens == len(THOUGHTS) + len(ANSWER)
+    assert message.usage.output_tokens == len(THOUGHTS) + len(ANSWER)
+
+
 async def test_shown_thinking_commits_the_reply_to_its_upstream():
     # Thinking the client has read cannot be taken back: an upstream that breaks after it
     # ends the reply with an in-band error (continuation off), not an invisible failover.

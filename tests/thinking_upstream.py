@@ -3,7 +3,8 @@ DeepSeek's API do, and a relay in front of it (both on loopback sockets).
 
 The mode is the first path segment of its base URL: ``deepseek`` (``reasoning_content``,
 content null beside it), ``vllm`` (``reasoning``), ``both`` (both spellings of one thought),
-``cut`` (the connection breaks after the thinking, before any text).
+``cut`` (the connection breaks after the thinking, before any text), ``quiet`` (as ``vllm``,
+but no usage: llama-cpp-python's server sends none).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ThinkingUpstream:
         for thought in THOUGHTS:
             if mode == "deepseek":  # DeepSeek's API, SGLang, llama.cpp: content null beside it
                 delta: dict[str, Any] = {"content": None, "reasoning_content": thought}
-            elif mode in ("vllm", "interleaved"):  # newer vLLM, OpenRouter
+            elif mode in ("vllm", "interleaved", "quiet"):  # newer vLLM, OpenRouter
                 delta = {"reasoning": thought}
             else:  # both spellings of one thought in one delta
                 delta = {"reasoning": thought, "reasoning_content": thought}
@@ -71,6 +72,9 @@ class ThinkingUpstream:
         for piece in answer:
             await response.write(_event({"content": piece}))
         await response.write(_event({}, "stop"))
+        if mode == "quiet":
+            await response.write(b"data: [DONE]\n\n")
+            return response
         usage = {"object": "chat.completion.chunk", "model": "m", "choices": [], "usage": USAGE}
         await response.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
         return response

@@ -217,6 +217,9 @@ class ChunkReader:
         self._pending: deque[Delta] = deque()
         self._bytes_since_event = 0  # body bytes parsed since the last read that made an event
         self._tokens = 0
+        # Thinking the request does not show: no delta, but tokens the upstream made all the
+        # same, counted at the finish as its usage would count them when it sends none.
+        self._hidden_tokens = 0
         # When the upstream last streamed thinking (``REASONING_KEYS``): progress, not text.
         self.thought_at = 0.0
         self._usage_tokens: int | None = None
@@ -497,6 +500,8 @@ class ChunkReader:
                 if self._reasoning:
                     self._tokens += 1
                     self._pending.append(Delta("", 1, now, reasoning=thought))
+                else:
+                    self._hidden_tokens += 1
                 return
 
     def _tool_calls(self, calls: object, now: float) -> None:
@@ -561,7 +566,10 @@ class ChunkReader:
         return last
 
     def _finish_reply(self, now: float) -> None:
-        extra = max(0, (self._usage_tokens or 0) - self._tokens)
+        if self._usage_tokens is None:  # our count: the thinking not shown is in it too
+            extra = self._hidden_tokens
+        else:
+            extra = max(0, self._usage_tokens - self._tokens)
         finish = self._finish or "stop"
         self._pending.append(
             Delta(
