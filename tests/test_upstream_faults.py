@@ -821,6 +821,29 @@ async def test_an_error_page_from_the_upstream_is_not_quoted():
     assert error["message"] == f"the upstream at {base} answered 500"
 
 
+async def test_a_traceback_in_an_upstreams_error_is_cut_to_its_exception():
+    # A FastAPI server that puts traceback.format_exc() in its 500's message: its file paths
+    # and lines of code stay with it; the exception says what failed.
+    trace = (
+        "Traceback (most recent call last):\n"
+        '  File "/srv/venv/lib/python3.11/site-packages/llama_cpp/server/app.py", line 481, '
+        "in create_chat_completion\n"
+        '    raise RuntimeError("kv cache full")\n'
+        "RuntimeError: kv cache full"
+    )
+    page = json.dumps({"error": {"message": trace, "type": "internal_server_error"}}).encode()
+    answer = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+    answer += b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+    server, base = await raw_upstream(answer)
+    async with server:
+        status, error = await relay_error(base)
+    assert status == 502 and error["code"] == "upstream_error_status"
+    assert error["message"] == (
+        f"the upstream at {base} answered 500: RuntimeError: kv cache full "
+        "(its traceback not passed on)"
+    )
+
+
 async def test_tls_spoken_to_a_plain_http_upstream_is_a_tls_failure_in_our_words():
     server, base = await raw_upstream(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
     async with server:

@@ -151,10 +151,30 @@ def broken_stream(exc: BaseException, base_url: str, *, replied: bool = True) ->
 KEY_WITHHELD = "(key withheld)"
 
 
+# How Python prints a traceback, which some servers put in an error's message (a 500 from
+# a FastAPI app that returns ``traceback.format_exc()``): its file paths and lines of code are
+# the upstream's insides, for its own log, not our clients.
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def without_traceback(text: str) -> str:
+    """``text`` with a Python traceback in it cut to its last line, the exception and its
+    words (what failed), or, where that line cannot be told from the frames (the traceback
+    flattened onto one line, or cut short), left out whole."""
+    at = text.find(TRACEBACK)
+    if at < 0:
+        return text
+    lines = [line.strip() for line in text[at + len(TRACEBACK) :].splitlines() if line.strip()]
+    last = lines[-1] if len(lines) > 1 and not lines[-1].startswith("File ") else ""
+    kept = " ".join(part for part in (text[:at].strip(), last) if part)
+    return f"{kept} (its traceback not passed on)" if kept else "a traceback, not passed on"
+
+
 def quoted(text: str, limit: int = 300, withheld: Sequence[str] = ()) -> str:
-    """An upstream's own message, fit for one line of ours: each key of ``withheld`` (the
-    longest first) out, before the length is bounded so that no part of one is left either;
-    controls out."""
+    """An upstream's own message, fit for one line of ours: a Python traceback in it cut to
+    its exception (``without_traceback``); each key of ``withheld`` (the longest first) out,
+    before the length is bounded so that no part of one is left either; controls out."""
+    text = without_traceback(text)
     for key in withheld:
         text = text.replace(key, KEY_WITHHELD)
     flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
