@@ -154,6 +154,7 @@ class TimedEngine:
 
     name = "simulated"
     pushes = False  # its streams are its own generators around the inner engine's
+    queues = False
     makes_tool_calls = False
     follows_response_format = False
 

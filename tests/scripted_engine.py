@@ -56,6 +56,7 @@ class ScriptedEngine(InProcessEngine):
 
     name = "scripted"
     pushes = False
+    queues = False
     makes_tool_calls = False
 
     def __init__(self, texts: Iterable[str] = ()) -> None:
@@ -117,6 +118,7 @@ class GroupedPushEngine(ScriptedEngine):
 
     name = "grouped"
     pushes = True
+    queues = False
 
     def __init__(self, texts: Iterable[str], group: int, pause_s: float = 0.005) -> None:
         super().__init__(texts)

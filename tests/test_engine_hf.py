@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -681,3 +682,30 @@ def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start
     (line,) = done.stderr.strip().splitlines() or [""]
     assert line.startswith("replystream serve: --engine hf:PATH: "), done.stderr
     assert says in line, line
+
+
+async def test_a_reply_waiting_for_a_thread_is_admitted_only_when_one_takes_it_up(model_dir: Path):
+    from replystream.engine.hf import HFEngineConfig, load_hf_engine
+
+    engine = load_hf_engine(model_dir, HFEngineConfig(max_running=1))
+    try:
+        told: list[str] = []
+        streams = {}
+        for name in ("running", "waiting", "closed"):
+            request = GenerationRequest("the", SamplingParams(max_tokens=4000))
+            streams[name] = await engine.start(request)
+            streams[name].when_admitted(functools.partial(told.append, name))
+        await wait_for(lambda: told == ["running"])
+        first = await anext(aiter(streams["running"]))
+        assert first.text is not None
+        await streams["closed"].aclose()  # closed while it waits: never taken up
+        await asyncio.sleep(0.2)
+        assert told == ["running"]  # the thread is still the first reply's
+        await streams["running"].aclose()
+        await wait_for(lambda: told == ["running", "waiting"], timeout_s=10)
+        assert (await anext(aiter(streams["waiting"]))).tokens == 1
+        await streams["waiting"].aclose()
+        await wait_for(lambda: engine.stats().active == 0, timeout_s=10)
+        assert told == ["running", "waiting"]
+    finally:
+        await engine.aclose()

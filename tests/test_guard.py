@@ -189,6 +189,7 @@ async def test_oversized_headers_are_refused_and_errors_never_show_a_traceback()
     class Broken(InProcessEngine):
         name = "broken"
         pushes = False
+        queues = False
         makes_tool_calls = False
 
         async def start(self, request: GenerationRequest):

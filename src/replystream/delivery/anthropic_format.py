@@ -176,6 +176,9 @@ class AnthropicStreamFormat:
         self._reply_id = reply_id
         return []
 
+    def admitted(self) -> list[Spec]:
+        return []  # no such event: a message says nothing of a queue
+
     def prompt_counted(self, tokens: int, cached: int | None) -> None:
         self.input_tokens, self._cached_input_tokens = tokens, cached
 

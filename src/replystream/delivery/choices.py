@@ -80,6 +80,10 @@ class ChoicesPipeline:
         """Every choice's opening events (the first one names the reply)."""
         return self._number([e for choice in self.choices for e in choice.start(reply_id)])
 
+    def admitted(self) -> list[LogEntry]:
+        """Every choice's events that say the engine took the request up."""
+        return self._number([e for choice in self.choices for e in choice.admitted()])
+
     def push(self, delta: Delta, now: float) -> list[LogEntry]:
         """Events made ready by a delta of one choice (its finish, if it finished)."""
         index = delta.choice

@@ -100,6 +100,12 @@ class StreamFormat(Protocol):
 
     def started(self, reply_id: str) -> list[Spec]: ...
 
+    def admitted(self) -> list[Spec]:
+        """The engine has taken the request up (``engine.base.QueuedDeltaStream``; at once,
+        after ``started``, for an engine with no queue of its own): the dialect's event for
+        it (a background response's ``response.in_progress``), or nothing where it has none."""
+        ...
+
     def prompt_counted(self, tokens: int, cached: int | None) -> None:
         """The engine's own count of the prompt (``Delta.prompt_tokens``, and of those its
         ``cached_prompt_tokens``), before the events of the delta that carried it: for a
@@ -212,6 +218,9 @@ class LabFormat:
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
 
+    def admitted(self) -> list[Spec]:
+        return []
+
     def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # told in the ending's usage
 
@@ -252,6 +261,9 @@ class NativeFormat:
 
     def started(self, reply_id: str) -> list[Spec]:
         return [reply_spec(reply_id)]
+
+    def admitted(self) -> list[Spec]:
+        return []
 
     def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # told in the ending's usage

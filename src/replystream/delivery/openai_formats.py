@@ -262,6 +262,9 @@ class OpenAIStreamFormat:
         self._text_parts = None  # the id is in every chunk
         return [self._chunk([self._choice("", None, role="assistant")])]
 
+    def admitted(self) -> list[Spec]:
+        return []  # no such chunk: a chat reply says nothing of a queue
+
     def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # told in the usage chunk
 

@@ -52,6 +52,8 @@ class Pipeline(Protocol):
 
     def start(self, reply_id: str) -> list[LogEntry]: ...
 
+    def admitted(self) -> list[LogEntry]: ...
+
     def push(self, delta: Delta, now: float) -> list[LogEntry]: ...
 
     def flush_due(self, now: float) -> list[LogEntry]: ...
@@ -144,6 +146,10 @@ class ReplyPipeline:
     def start(self, reply_id: str) -> list[LogEntry]:
         """The events that open a reply (its id, for a client that may need to resume)."""
         return self._entries(self.fmt.started(reply_id)) if self.numbered else []
+
+    def admitted(self) -> list[LogEntry]:
+        """The events that say the engine has taken the request up (once, after ``start``)."""
+        return self._entries(self.fmt.admitted()) if self.numbered else []
 
     def push(self, delta: Delta, now: float) -> list[LogEntry]:
         """Events made ready by a new delta (none while text is held or batched)."""

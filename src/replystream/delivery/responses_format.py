@@ -13,6 +13,15 @@ frameworks) reads, byte for byte:
   ``response.completed`` (with usage), ``response.incomplete`` (with usage; the token limit,
   or a check or a relayed upstream's own filter that stopped the text: ``content_filter``) or
   ``response.failed`` (with the error). There is no ``[DONE]``: the terminal event ends the stream.
+- A background response is ``queued`` until the engine takes it up, as OpenAI's is: its
+  ``response.created`` carries ``status: "queued"`` and is followed by ``response.queued``
+  (the same object), and its ``response.in_progress`` comes only when the engine admits the
+  request (``admitted``: at once for an engine with no queue of its own), so its log tells a
+  reader polling it which of the two it is. Should an engine make output without saying so,
+  ``response.in_progress`` goes before the first output item or the ending (never before a
+  ``response.failed``: a response cancelled while queued never started). A response that is
+  not in the background is never queued, as OpenAI's is not: ``response.created``
+  (``in_progress``) and ``response.in_progress`` open it at once, whatever the engine's queue.
 - A message item is opened when text comes (a response of calls only has none), and closed
   when a call starts or the response ends; text after a call opens a new message item
   (``msg_<reply id>`` first in the output, ``msg_<reply id>_<output index>`` after a call).
@@ -94,6 +103,7 @@ class ResponsesStreamFormat:
     # ``output_text.done``) and with them (its part, its item, the response). The last events
     # repeat them all; made and written then, in one go, they would hold the loop.
     _logprobs: list[tuple[Written, Written]] = field(default_factory=list)
+    _in_progress: bool = False  # ``response.in_progress`` is written
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
@@ -117,17 +127,25 @@ class ResponsesStreamFormat:
 
     def started(self, reply_id: str) -> list[Spec]:
         self._reply_id = reply_id
-        empty = response_object(self.settings, reply_id, "in_progress")
-        # A background response is queued first (it runs whoever reads it).
-        opening = (
-            [
-                self._event("response.created", {"response": {**empty, "status": "queued"}}),
-                self._event("response.queued", {"response": {**empty, "status": "queued"}}),
+        if self.settings.background:  # queued until the engine takes it up (``admitted``)
+            queued = response_object(self.settings, reply_id, "queued")
+            return [
+                self._event("response.created", {"response": queued}),
+                self._event("response.queued", {"response": queued}),
             ]
-            if self.settings.background
-            else [self._event("response.created", {"response": empty})]
-        )
-        return [*opening, self._event("response.in_progress", {"response": empty})]
+        empty = response_object(self.settings, reply_id, "in_progress")
+        return [self._event("response.created", {"response": empty}), *self._opened()]
+
+    def admitted(self) -> list[Spec]:
+        return self._opened()
+
+    def _opened(self) -> list[Spec]:
+        """``response.in_progress``, unless it is written already."""
+        if self._in_progress:
+            return []
+        self._in_progress = True
+        empty = response_object(self.settings, self._reply_id, "in_progress")
+        return [self._event("response.in_progress", {"response": empty})]
 
     def prompt_counted(self, tokens: int, cached: int | None) -> None:
         pass  # usage is null until the terminal event, which tells it
@@ -147,7 +165,7 @@ class ResponsesStreamFormat:
 
     def _open_item_message(self) -> list[Spec]:
         """Close the open call, if any, and open a message item."""
-        specs = self._close_open("completed")
+        specs = self._opened() + self._close_open("completed")
         output_index = self._open_message = self._items
         self._items += 1
         self._message_from = len(self._text)
@@ -195,7 +213,7 @@ class ResponsesStreamFormat:
         call = self._calls.calls.get(piece.index)
         specs: list[Spec] = []
         if call is None:  # a new call: close the item open now, then add a function_call item
-            specs = self._close_open("completed")
+            specs = self._opened() + self._close_open("completed")
             call = self._calls.add(piece, sum(map(len, self._text)))
             self._call_index[call.index] = self._items
             self._items += 1
@@ -225,7 +243,7 @@ class ResponsesStreamFormat:
     def reasoning(self, thought: str, tokens: int) -> list[Spec]:
         specs: list[Spec] = []
         if self._open_thought is None:  # close the item open now, then add a reasoning item
-            specs = self._close_open("completed")
+            specs = self._opened() + self._close_open("completed")
         text_at = sum(map(len, self._text))
         stretch, began = self._thoughts.add(thought, text_at, len(self._calls.calls))
         if began:
@@ -303,15 +321,18 @@ class ResponsesStreamFormat:
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
         incomplete = INCOMPLETE_REASONS.get(finish_reason)
+        opened = self._opened()  # (a response that finished was taken up)
         if incomplete is not None:
             details = {"usage": usage, "incomplete_reason": incomplete}
             return [
+                *opened,
                 *self._close_open("incomplete"),
                 self._event(
                     "response.incomplete", {"response": self._response("incomplete", **details)}
                 ),
             ]
         return [
+            *opened,
             *self._close_open("completed"),
             self._event(
                 "response.completed", {"response": self._response("completed", usage=usage)}
@@ -333,6 +354,7 @@ class ResponsesStreamFormat:
         response = self._response("incomplete", usage=usage, incomplete_reason="content_filter")
         response["replystream_moderation"] = moderated_payload(violation)
         return [
+            *self._opened(),
             *self._close_open("incomplete"),
             self._event("response.incomplete", {"response": response}),
         ]

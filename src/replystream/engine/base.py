@@ -1,14 +1,17 @@
 """The engine seam: what every token source (simulated, built-in model, upstream server) offers.
 
 An engine knows nothing about HTTP. It takes a ``GenerationRequest`` and, once admitted, yields
-``Delta`` values as tokens are made. The consumer cancels a generation by closing the stream
-(``aclose()``) or by cancelling the task that iterates it; an engine must stop making tokens
-at the next step either way and free what the request held.
+``Delta`` values as tokens are made. An engine whose requests may wait in a queue of its own
+after ``start`` has returned (a scheduler at its ``max_running``) says when each one leaves it
+(``QueuedDeltaStream``); any other's requests are at work once ``start`` returns. The consumer
+cancels a generation by closing the stream (``aclose()``) or by cancelling the task that
+iterates it; an engine must stop making tokens at the next step either way and free what the
+request held (a request still queued holds nothing but its place in the queue).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -390,6 +393,44 @@ class PushDeltaStream(DeltaStream, Protocol):
         ...
 
 
+@runtime_checkable
+class QueuedDeltaStream(DeltaStream, Protocol):
+    """A delta stream whose request may wait in the engine's own queue after ``start`` has
+    returned, before the engine does any work on it (its prompt is not read yet)."""
+
+    def when_admitted(self, call: Callable[[], None]) -> None:
+        """Call ``call`` once, on the event loop, when the engine takes the request up (now,
+        if it has): before the stream's first delta, and never for a request that ends
+        while it waits (closed, cancelled, or failed in the queue)."""
+        ...
+
+
+class Admission:
+    """When a queued request was admitted, for a ``QueuedDeltaStream`` to tell: ``admit`` is
+    called on the event loop (from a worker thread, through ``call_soon_threadsafe``), once
+    or more; the call ``when_admitted`` gave runs at the first."""
+
+    __slots__ = ("_call", "admitted")
+
+    def __init__(self) -> None:
+        self.admitted = False
+        self._call: Callable[[], None] | None = None
+
+    def when_admitted(self, call: Callable[[], None]) -> None:
+        if self.admitted:
+            call()
+        else:
+            self._call = call
+
+    def admit(self) -> None:
+        if self.admitted:
+            return
+        self.admitted = True
+        call, self._call = self._call, None
+        if call is not None:
+            call()
+
+
 # What became of an attempt, as a relay counts it per backend (``BackendStats.attempts``).
 ATTEMPT_RESULTS = (
     "ok",  # it relayed the reply (or its part of it) to the end
@@ -541,6 +582,11 @@ class Engine(Protocol):
     # Whether every delta stream ``start`` returns is a ``PushDeltaStream``: the consumer then
     # attaches a sink (no task per stream) instead of iterating.
     pushes: bool
+    # Whether a stream ``start`` returns may wait in the engine's own queue before any work on
+    # it begins: every such stream is then a ``QueuedDeltaStream``, which tells when the
+    # request is admitted. False: every request is at work once ``start`` returns (an engine
+    # that waits for room does so inside ``start``, as a relay waits for its upstreams).
+    queues: bool
     # Whether its replies can hold tool calls (``Delta.tool_call``). A request that forces a
     # call (``GenerationRequest.forces_tool_call``) is refused before ``start`` by the server
     # when this is False; ``tool_choice: "auto"`` is served (the engine chose text).

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from replystream.engine.base import (
+    Admission,
     Delta,
     EngineError,
     EngineStats,
@@ -66,11 +67,19 @@ Deliver = Callable[[Item], None]
 
 
 class HFDeltaStream:
-    """One reply's deltas; ``aclose`` stops its thread before its next token."""
+    """One reply's deltas; ``aclose`` stops its thread before its next token. A
+    ``QueuedDeltaStream``: it says when a worker thread takes the reply up (it waits while
+    ``max_running`` replies run)."""
 
-    def __init__(self, deltas: AsyncGenerator[Delta], cancel: threading.Event) -> None:
+    def __init__(
+        self, deltas: AsyncGenerator[Delta], cancel: threading.Event, admission: Admission
+    ) -> None:
         self._deltas = deltas
         self._cancel = cancel
+        self._admission = admission
+
+    def when_admitted(self, call: Callable[[], None]) -> None:
+        self._admission.when_admitted(call)
 
     def __aiter__(self) -> HFDeltaStream:
         return self
@@ -109,6 +118,7 @@ class HFEngine(InProcessEngine):
         self.model = model
         self.tokenizer = tokenizer
         self.pushes = False
+        self.queues = True  # a reply waits for a worker thread (``max_running``)
         self.makes_tool_calls = False  # text only: no tool-call parser for its output
         self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
@@ -181,12 +191,20 @@ class HFEngine(InProcessEngine):
             except RuntimeError:  # the loop closed: nobody is reading any more
                 pass
 
+        admission = Admission()
+
+        def admitted() -> None:  # before its first delta, on the same loop's queue of calls
+            try:
+                loop.call_soon_threadsafe(admission.admit)
+            except RuntimeError:
+                pass
+
         with self._lock:
             self._cancels.add(cancel)
             self._counts["started"] += 1
         seeded = replace(request, sampling=replace(request.sampling, seed=self.seed_for(request)))
-        self._executor.submit(self._generate, prompt, max_new, seeded, cancel, deliver)
-        return HFDeltaStream(self._deltas(queue, cancel), cancel)
+        self._executor.submit(self._generate, prompt, max_new, seeded, cancel, deliver, admitted)
+        return HFDeltaStream(self._deltas(queue, cancel), cancel, admission)
 
     async def _deltas(
         self, queue: asyncio.Queue[Item], cancel: threading.Event
@@ -211,9 +229,12 @@ class HFEngine(InProcessEngine):
         request: GenerationRequest,
         cancel: threading.Event,
         deliver: Deliver,
+        admitted: Callable[[], None],
     ) -> None:
         outcome = "cancelled"
         try:
+            if not cancel.is_set():  # not closed while it waited for this thread
+                admitted()
             if self.config.torch_threads is not None:
                 torch.set_num_threads(self.config.torch_threads)
             outcome = self._decode_loop(prompt, max_new, request, cancel, deliver)

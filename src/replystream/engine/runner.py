@@ -6,7 +6,9 @@ recorded about each request's time:
    The worker applies them at the start of its next step, so the scheduler, the KV cache and
    every request's sampler are touched by the worker alone.
 2. Each delta (or an ``EngineError``) goes to the request's ``asyncio.Queue`` through
-   ``loop.call_soon_threadsafe``; the model never waits for a reader.
+   ``loop.call_soon_threadsafe``; the model never waits for a reader. A request the scheduler
+   takes up for the first time (its first chunk runs in this step) is told so the same way
+   (``submit``'s ``admitted``), before that step's delta.
 3. BLAS runs on ``blas_threads`` threads (1 by default) while the worker runs.
    A chunk with a speculative draft is verified here (``speculative.accept``), and every token
    one step makes for a request goes out as one delta (``Delta.tokens`` says how many).
@@ -90,6 +92,8 @@ class _Request:
     # before its first token (None: the cache keeps no prefixes).
     cached: int | None = None
     picked: int = 0  # tokens picked for it so far (every pick is a token made)
+    # Called (on the worker) when its first chunk is scheduled: it leaves the queue.
+    admitted: Callable[[], None] | None = None
 
 
 class Runner:
@@ -124,9 +128,14 @@ class Runner:
         self._steps = 0
 
     def submit(
-        self, prompt: list[int], max_new: int, params: SamplingParams
+        self,
+        prompt: list[int],
+        max_new: int,
+        params: SamplingParams,
+        admitted: Callable[[], None] | None = None,
     ) -> tuple[int, DeltaQueue]:
-        """Queue a request (call on the event loop); its deltas arrive on the returned queue."""
+        """Queue a request (call on the event loop); its deltas arrive on the returned queue,
+        and ``admitted`` is called on the loop when the scheduler first takes it up."""
         loop = asyncio.get_running_loop()
         queue: DeltaQueue = asyncio.Queue()
 
@@ -136,7 +145,15 @@ class Runner:
             except RuntimeError:  # the loop closed: nobody is reading any more
                 pass
 
-        return self.submit_with(prompt, max_new, params, deliver), queue
+        def admit() -> None:
+            assert admitted is not None
+            try:
+                loop.call_soon_threadsafe(admitted)
+            except RuntimeError:
+                pass
+
+        told = None if admitted is None else admit
+        return self.submit_with(prompt, max_new, params, deliver, told), queue
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -152,8 +169,10 @@ class Runner:
         max_new: int,
         params: SamplingParams,
         deliver: Callable[[Delta | EngineError], None],
+        admitted: Callable[[], None] | None = None,
     ) -> int:
-        """Queue a request whose deltas go to ``deliver`` (called on the worker thread).
+        """Queue a request whose deltas go to ``deliver`` (called on the worker thread), and
+        ``admitted`` (on the worker too) when its first chunk is scheduled.
 
         ``params.seed`` seeds the request's generator, which it keeps through preemptions
         (a recompute makes no draw); None: fresh entropy (an engine settles the seed first).
@@ -178,6 +197,7 @@ class Runner:
                     rng=np.random.default_rng(generator_seed(params.seed)),
                     queued=self.clock(),
                     history=TokenHistory(prompt) if penalizes(params) else None,
+                    admitted=admitted,
                 )
             )
             self._counts["started"] += 1
@@ -205,7 +225,10 @@ class Runner:
                         admitted.cached = cached
             requests = {c.seq_id: self._requests[c.seq_id] for c in batch.chunks}
             for request in requests.values():
-                request.scheduled = now if request.scheduled is None else request.scheduled
+                if request.scheduled is None:  # taken up for the first time: out of the queue
+                    request.scheduled = now
+                    if request.admitted is not None:
+                        request.admitted()
         if not batch.chunks:
             return batch
         rows = [1 + c.draft for c in batch.chunks]  # a draft is verified at every position

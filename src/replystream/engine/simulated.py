@@ -134,6 +134,7 @@ class SimulatedEngine(InProcessEngine):
 
     name = "simulated"
     pushes = True  # its streams share one timer and push to a sink
+    queues = False  # a reply is at work from its start (its first token's wait included)
     makes_tool_calls = False  # only a scripted reply has calls (``ScriptedEngine``)
 
     def __init__(self, config: SimulatedConfig | None = None) -> None:

@@ -13,11 +13,12 @@ It must not know about HTTP.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
 from replystream.engine.base import (
+    Admission,
     Delta,
     EngineError,
     EngineStats,
@@ -40,22 +41,34 @@ EMPTY_PROMPT = "\n\n"
 
 
 class TinyDeltaStream:
-    """A request's deltas; ``request_id`` finds its timings (``TinyEngine.timings``).
+    """A request's deltas; ``request_id`` finds its timings (``TinyEngine.timings``). A
+    ``QueuedDeltaStream``: it says when the scheduler first takes the request up (it waits
+    while ``max_running`` sequences run, or the KV pool cannot hold it).
 
     ``aclose`` aborts the request even before the first read (an async generator that never
     started would skip its ``finally``); aborting a finished request does nothing.
     """
 
-    def __init__(self, request_id: int, deltas: AsyncGenerator[Delta], runner: Runner) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        deltas: AsyncGenerator[Delta],
+        runner: Runner,
+        admission: Admission,
+    ) -> None:
         self.request_id = request_id
         self._deltas = deltas
         self._runner = runner
+        self._admission = admission
 
     def __aiter__(self) -> TinyDeltaStream:
         return self
 
     def __anext__(self) -> Awaitable[Delta]:
         return self._deltas.__anext__()
+
+    def when_admitted(self, call: Callable[[], None]) -> None:
+        self._admission.when_admitted(call)
 
     def aclose(self) -> Awaitable[None]:
         self._runner.abort(self.request_id)
@@ -71,6 +84,7 @@ class TinyEngine(InProcessEngine):
     """
 
     pushes = False
+    queues = True  # a request waits for the scheduler (``max_running``, the KV pool)
     makes_tool_calls = False
 
     def __init__(
@@ -156,9 +170,11 @@ class TinyEngine(InProcessEngine):
             )
         # Settled here, once: the runner keeps the one generator through any preemption.
         sampling = replace(request.sampling, seed=self.seed_for(request))
-        request_id, queue = self.runner.submit(prompt, max_new, sampling)
+        admission = Admission()
+        request_id, queue = self.runner.submit(prompt, max_new, sampling, admission.admit)
         self.runner.start()
-        return TinyDeltaStream(request_id, self._deltas(request_id, queue), self.runner)
+        deltas = self._deltas(request_id, queue)
+        return TinyDeltaStream(request_id, deltas, self.runner, admission)
 
     async def _deltas(self, request_id: int, queue: DeltaQueue) -> AsyncGenerator[Delta]:
         done = False

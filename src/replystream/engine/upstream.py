@@ -216,6 +216,8 @@ class UpstreamEngine:
     # A reply is a RelayedReply over its attempts: attached, it attaches itself to each
     # attempt's UpstreamStream, so the connection's reads push deltas (no task per reply).
     pushes = True
+    # Its wait for room at its upstreams (``upstream_queue``) is inside ``start``.
+    queues = False
     makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
     follows_response_format = True  # relayed likewise: the upstream's grammar holds the text
 

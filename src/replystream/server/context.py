@@ -308,6 +308,8 @@ async def start_reply(
         resumable=resumable,
         # Several choices are merged by the reply's task: only one engine stream is pushed.
         pushes=not isinstance(fmt, Choices) and app[ENGINE_KEY].pushes,
+        # Several choices are taken up as one: at once (no dialect with them tells a queue).
+        queues=not isinstance(fmt, Choices) and app[ENGINE_KEY].queues,
     )
     gate = app[GATE_KEY]
     if reply.disconnect == "detach" and gate.max_concurrent:

@@ -33,7 +33,13 @@ from replystream.delivery.replay import (
     ReplayStore,
     StoreUnavailable,
 )
-from replystream.engine.base import Delta, DeltaStream, EngineError, PushDeltaStream
+from replystream.engine.base import (
+    Delta,
+    DeltaStream,
+    EngineError,
+    PushDeltaStream,
+    QueuedDeltaStream,
+)
 from replystream.server.metrics import Metrics, ReplyRecord
 from replystream.server.reply_endings import Ending, StopReason
 from replystream.server.reply_phases import Event, Phase, next_phase
@@ -80,6 +86,9 @@ class Reply:
     manager: ReplyManager
     resumable: bool = False
     pushes: bool = False  # ``deltas`` is a PushDeltaStream (the engine said so)
+    # ``deltas`` is a QueuedDeltaStream (the engine said so): its request may wait in the
+    # engine's queue, and the reply logs the engine taking it up when it does.
+    queues: bool = False
     readers: int = 0
     # Lists, not sets: a reply has one reader or a few, and thousands of replies each hold these.
     followers: list[Watcher] = field(default_factory=list)  # its readers in this process
@@ -303,8 +312,14 @@ class Reply:
         else:
             self._advance(Event.SPAWNED)
         # The opening events are logged at once, so the first reader finds them ready and
-        # its response headers leave together with them.
-        self._append(self.pipeline.start(self.reply_id))
+        # its response headers leave together with them; so is the request's admission, for
+        # an engine with no queue of its own (else when it tells: ``_admitted``).
+        opening = self.pipeline.start(self.reply_id)
+        if not self.queues:
+            opening += self.pipeline.admitted()
+        self._append(opening)
+        if self.queues:
+            cast(QueuedDeltaStream, self.deltas).when_admitted(self._admitted)
         if self._pushed is not None:
             self._attaching = True
             try:
@@ -315,6 +330,12 @@ class Reply:
             self.task = asyncio.get_running_loop().create_task(
                 self.produce(), name=f"reply-{self.reply_id[:8]}"
             )
+
+    def _admitted(self) -> None:
+        """The engine has taken the request up (before its first delta): logged, unless the
+        reply's ending is decided already (it was stopped while it waited)."""
+        if self._phase is _PRODUCING or self._phase is Phase.STARTING:
+            self._append(self.pipeline.admitted())
 
     def _production_ended(self, ending: Ending) -> None:
         """The stream, a check or the store ended production: a pushed reply ends now (in
