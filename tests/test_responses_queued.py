@@ -1,15 +1,18 @@
-"""A background response is ``queued`` while the engine's scheduler keeps it waiting, then
-``in_progress`` once it is taken up, polled or streamed, as OpenAI's is."""
+"""A background response is ``queued`` while the engine keeps it waiting (the tiny engine's
+scheduler, a relay's line for room at its upstreams), then ``in_progress`` once it is taken
+up, polled or streamed, as OpenAI's is."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
+from aiohttp import web
 from openai.types.responses import (
     Response,
     ResponseCreatedEvent,
@@ -20,8 +23,10 @@ from openai.types.responses import (
 
 from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
+from replystream.engine.upstream import UpstreamEngine
 from replystream.server import create_app, running
-from tests.conftest import wait_for
+from tests.conftest import our_code, wait_for
+from tests.test_upstream_queue import HoldingUpstream, relay
 
 
 class Gate:
@@ -206,3 +211,86 @@ async def test_cancelling_a_queued_background_response_ends_it_unstarted_freeing
     timings = engine.timings(1)  # the second request's
     assert timings is not None and timings.scheduled is None  # never taken up
     assert engine.scheduler_stats().kv.used_blocks == 0
+
+
+class SeenUpstream(HoldingUpstream):
+    """A holding upstream that remembers every prompt it was sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append((await request.json())["messages"][-1]["content"])
+        return await super().chat(request)
+
+
+@asynccontextmanager
+async def full_relay(
+    **config: Any,
+) -> AsyncIterator[tuple[openai.AsyncOpenAI, UpstreamEngine, SeenUpstream]]:
+    """A relay on loopback to one upstream that takes one request at a time."""
+    upstream = SeenUpstream()
+    async with (
+        relay((upstream, 1), **config) as (url, engine),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        yield client, engine, upstream
+
+
+async def test_a_background_response_waiting_for_room_at_the_relays_upstream_is_queued():
+    async with full_relay(queue_s=10.0) as (client, engine, upstream):
+        first = await client.responses.create(model="m", input="first", background=True)
+        await wait_for(lambda: upstream.held == ["first"])
+        assert (await status(client, first.id)).status == "in_progress"
+        began = time.monotonic()
+        second = await client.responses.create(model="m", input="second", background=True)
+        assert time.monotonic() - began < 1.0  # answered at once, not once room is found
+        assert second.status == "queued"
+        for _ in range(5):
+            assert (await status(client, second.id)).status == "queued"
+            await asyncio.sleep(0.05)
+        assert engine.stats().queued == 1 and upstream.seen == ["first"]
+        upstream.release("first")
+        await wait_for(lambda: upstream.held == ["second"])
+        assert (await status(client, second.id)).status == "in_progress"
+        upstream.release("second")
+        done = await until_ended(client, second.id)
+        events = await client.responses.retrieve(second.id, stream=True)
+        kinds = [event async for event in events]
+    assert (done.status, done.output_text, done.created_at) == (
+        "completed",
+        "re: second",
+        second.created_at,
+    )
+    assert [told(e) for e in kinds[:3]] == [
+        ("response.created", "queued", second.created_at),
+        ("response.queued", "queued", second.created_at),
+        ("response.in_progress", "in_progress", second.created_at),
+    ]
+    assert kinds[-1].type == "response.completed"
+
+
+async def test_a_queued_relayed_response_cancelled_or_never_let_in_never_reaches_the_upstream():
+    async with full_relay(queue_s=0.5) as (client, engine, upstream):
+        first = await client.responses.create(model="m", input="first", background=True)
+        await wait_for(lambda: upstream.held == ["first"])
+        second = await client.responses.create(model="m", input="second", background=True)
+        await wait_for(lambda: engine.stats().queued == 1)
+        cancelled = await client.responses.cancel(second.id)
+        assert (cancelled.status, cancelled.output) == ("cancelled", [])
+        assert engine.stats().queued == 0  # out of the line, with nothing taken
+        # One that waits longer than the line allows fails, as the 503 a chat gets says.
+        third = await client.responses.create(model="m", input="third", background=True)
+        assert third.status == "queued"
+        ended = await until_ended(client, third.id)
+        assert ended.status == "failed" and ended.error is not None
+        assert our_code(ended.error) == "upstream_busy"
+        assert engine.stats().failed == 1  # as a chat refused for want of room is counted
+        assert (await status(client, first.id)).status == "in_progress"
+        upstream.release("first")
+        assert (await until_ended(client, first.id)).status == "completed"
+        events = await client.responses.retrieve(second.id, stream=True)
+        kinds = [event.type async for event in events]
+    assert kinds == ["response.created", "response.queued", "response.failed"]
+    assert upstream.seen == ["first"]

@@ -222,6 +222,11 @@ class GenerationRequest:
     choices: int = 1
     # The request of several choices this one is a choice of (None: a request of one).
     group: ChoiceGroup | None = field(default=None, compare=False, repr=False)
+    # Whether the caller answers before the reply begins (a background response): an engine
+    # that waits for room inside ``start`` (a relay at its upstreams' limits) then returns at
+    # once, its stream waiting (``QueuedDeltaStream``), and a failure to begin ends the
+    # stream instead of ``start``. Engines that never wait in ``start`` ignore it.
+    background: bool = False
 
     @property
     def forces_tool_call(self) -> bool:
@@ -583,9 +588,9 @@ class Engine(Protocol):
     # attaches a sink (no task per stream) instead of iterating.
     pushes: bool
     # Whether a stream ``start`` returns may wait in the engine's own queue before any work on
-    # it begins: every such stream is then a ``QueuedDeltaStream``, which tells when the
-    # request is admitted. False: every request is at work once ``start`` returns (an engine
-    # that waits for room does so inside ``start``, as a relay waits for its upstreams).
+    # it begins (a relay's: a background request's, ``GenerationRequest.background``): every
+    # stream is then a ``QueuedDeltaStream``, which tells when the request is admitted.
+    # False: every request is at work once ``start`` returns.
     queues: bool
     # Whether its replies can hold tool calls (``Delta.tool_call``). A request that forces a
     # call (``GenerationRequest.forces_tool_call``) is refused before ``start`` by the server

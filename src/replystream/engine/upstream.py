@@ -216,8 +216,9 @@ class UpstreamEngine:
     # A reply is a RelayedReply over its attempts: attached, it attaches itself to each
     # attempt's UpstreamStream, so the connection's reads push deltas (no task per reply).
     pushes = True
-    # Its wait for room at its upstreams (``upstream_queue``) is inside ``start``.
-    queues = False
+    # Its streams say when the request took room at an upstream (``when_admitted``): a
+    # background request's waits for it after ``start`` returns, any other's inside ``start``.
+    queues = True
     makes_tool_calls = True  # the upstream's calls are relayed (it refuses what it cannot do)
     follows_response_format = True  # relayed likewise: the upstream's grammar holds the text
 
@@ -356,6 +357,10 @@ class UpstreamEngine:
             affinity=affinity_key(request) if self.config.routing == "prefix" else None,
             choices=choices,
         )
+        if request.background and choices is None:
+            # Its caller answers before the reply begins: the reply waits for room and opens
+            # its first attempt once attached, and a failure to is its end, not a refusal.
+            return reply
         try:
             await reply.open()
         except EngineError:
@@ -668,7 +673,7 @@ class UpstreamEngine:
             started=self._counts["started"],
             finished=self._counts["finished"],
             cancelled=self._counts["cancelled"],
-            failed=self._counts["failed"],
+            failed=self._counts["failed"] + self._relay_counts.unopened,
             # Queued or running: attempts sent to an upstream (its head awaited or its stream
             # open), and requests waiting for room at one.
             active=sum(b.outstanding for b in self.pool.backends) + len(self._queue),

@@ -83,6 +83,7 @@ class AttemptSeries:
         "_last_error",
         "_limits",
         "_model",
+        "_on_admitted",
         "_opener",
         "_pool",
         "_queue",
@@ -141,6 +142,15 @@ class AttemptSeries:
         # The current attempt's watchdog timer (the reading reply's: ``upstream_relay``).
         self._timer: asyncio.TimerHandle | None = None
         self._last_error: EngineError | None = None
+        self._on_admitted: Callable[[], None] | None = None  # ``when_admitted``'s, until then
+
+    def when_admitted(self, call: Callable[[], None]) -> None:
+        """Call ``call`` once, when the request is first sent to an upstream (it took room
+        there): now, if it was (``start`` waits for that but for a background request)."""
+        if self._attempts:
+            call()
+        else:
+            self._on_admitted = call
 
     async def _next_attempt(self) -> None:
         """Open the next upstream of the plan that answers, waiting for room when those left
@@ -179,6 +189,9 @@ class AttemptSeries:
                 self._counts.failovers += 1  # once per reply, however many moves it made
             self._tried.add(backend)
             self._attempts += 1
+            admitted, self._on_admitted = self._on_admitted, None
+            if admitted is not None:  # out of the line: sent upstream from here
+                admitted()
             self._hold = hold
             self._backend, self._attempt_began = backend, time.monotonic()
             self._flowing = False

@@ -210,10 +210,15 @@ class RelayedReply(AttemptSeries):
     # -- Attached -------------------------------------------------------------------------
 
     def attach(self, sink: DeltaSink) -> None:
-        """Deliver every delta to ``sink`` as the current attempt's connection reads it."""
+        """Deliver every delta to ``sink`` as the current attempt's connection reads it. A
+        reply not opened yet (a background request's: ``start`` did not wait) opens its
+        first attempt now, in a task, as it would open the next one; its failure to is the
+        reply's end."""
         self._sink = sink
         if self._stream is not None:
             self._stream.attach(self)
+        elif self._opening is None and not self._done:
+            self._opening = self._loop.create_task(self._reopen())
 
     def on_deltas(self, deltas: Sequence[Delta]) -> None:
         """The current attempt's deltas (it is attached to this reply): on to the sink."""
@@ -274,13 +279,15 @@ class RelayedReply(AttemptSeries):
             sink.on_end(error)
 
     async def _reopen(self) -> None:
-        """Attached, after an attempt failed: open the next one and attach to it, or end
-        the reply with the last failure."""
+        """Attached, after an attempt failed (or before the first, not opened by ``start``):
+        open the next one and attach to it, or end the reply with the last failure."""
         try:
             await self._next_attempt()
             self._watch()
         except EngineError as error:
             self._opening = None
+            if self._request.background and not self._relayed_any:  # (``start`` did not wait)
+                self._counts.unopened += 1
             self._ended(error)
             return
         except Exception:

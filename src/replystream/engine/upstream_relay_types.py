@@ -126,3 +126,6 @@ class RelayCounts:
     spills: int = 0  # replies routed by prefix whose first upstream was not their key's own
     continuations: int = 0
     fallbacks: int = 0  # replies gone on to a fallback model (the routes file's)
+    # Background requests that failed before relaying anything (their ``start`` did not wait
+    # for an upstream to answer): counted with the requests whose ``start`` failed.
+    unopened: int = 0

@@ -154,6 +154,8 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         prompt_cache_key=body.prompt_cache_key,
         # (Not ``store`` nor ``metadata``: a response is stored here, and they say so.)
         relayed=relayed_fields(body, ACCOUNT_FIELDS, made.generation.relayed),
+        # Answered before it begins: it may wait for room after the engine's start (a relay).
+        background=body.background,
     )
     model = made.generation.model or served_model(app)
     settings = ResponseSettings(
