@@ -5,12 +5,14 @@ up, polled or streamed, as OpenAI's is."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import openai
 from aiohttp import web
 from openai.types.responses import (
@@ -112,6 +114,14 @@ async def test_a_background_response_waiting_for_the_scheduler_is_queued_until_t
         assert engine.scheduler_stats().waiting == 1
         gate.open.set()
         done = [await until_ended(client, r.id) for r in (first, second)]
+        # Its time in the queue is the server's queue time (not the moment ``start`` returned).
+        async with aiohttp.ClientSession() as http:
+            async with http.get(str(client.base_url).replace("/v1/", "/metrics")) as answer:
+                metrics = await answer.text()
+        waited = re.search(
+            r'replystream_queue_seconds_sum\{endpoint="/v1/responses"\} (\S+)', metrics
+        )
+        assert waited is not None and float(waited[1]) >= 0.25  # the five polls' 50 ms sleeps
         assert [r.status for r in done] == ["incomplete", "incomplete"]  # (no end token)
         assert [r.created_at for r in done] == [first.created_at, second.created_at]
         events = await client.responses.retrieve(second.id, stream=True)

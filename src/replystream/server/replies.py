@@ -319,6 +319,7 @@ class Reply:
             opening += self.pipeline.admitted()
         self._append(opening)
         if self.queues:
+            self.record.admitted_at = None  # (not when ``start`` returned: when it is told)
             cast(QueuedDeltaStream, self.deltas).when_admitted(self._admitted)
         if self._pushed is not None:
             self._attaching = True
@@ -335,6 +336,7 @@ class Reply:
         """The engine has taken the request up (before its first delta): logged, unless the
         reply's ending is decided already (it was stopped while it waited)."""
         if self._phase is _PRODUCING or self._phase is Phase.STARTING:
+            self.record.admitted_at = time.monotonic()  # its time in the queue ends here
             self._append(self.pipeline.admitted())
 
     def _production_ended(self, ending: Ending) -> None:
