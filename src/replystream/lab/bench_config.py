@@ -79,6 +79,12 @@ def profile_from_args(
         )
     if kind == "throughput" and args.warmup_s:
         raise ValueError("--warmup-s: the throughput profile sends every request at once")
+    if kind == "throughput" and args.duration is not None:
+        # Every arrival is at 0, so no duration could stop one: it would be taken and ignored.
+        raise ValueError(
+            "--duration: the throughput profile sends every request at once; --requests "
+            "says how many"
+        )
     if args.duration is not None and args.warmup_s >= args.duration:
         raise ValueError("--warmup-s must be shorter than --duration")
     if kind == "sweep":
