@@ -765,6 +765,22 @@ def test_a_file_of_lines_that_is_not_utf8_is_one_line_naming_flag_and_file(
     ), line
 
 
+@pytest.mark.parametrize("flag", ["--delay-ms", "--jitter-ms"])
+def test_a_schedule_flag_no_step_of_a_timed_script_would_use_is_refused(flag: str, tmp_path: Path):
+    """Every step of this script gives its own delay_ms: the engine's delay and jitter would
+    time none of its tokens, so either flag would be taken and do nothing."""
+    path = tmp_path / "timed.json"
+    path.write_text('[{"text": "a ", "delay_ms": 10}, {"text": "b", "delay_ms": 10}]')
+    script = ("--engine", "simulated", "--reply-script", str(path))
+    done = run("serve", "--check", *script, flag, "5")
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith(f"replystream serve: {flag} ") and "delay_ms" in line, line
+    # A step without its own delay is timed by the flags: then they are read, and taken.
+    path.write_text('[{"text": "a ", "delay_ms": 10}, {"text": "b"}]')
+    assert run("serve", "--check", *script, flag, "5").returncode == 0
+
+
 def test_a_key_no_client_could_send_is_refused_naming_its_line(tmp_path: Path):
     """Two keys on a line, or a comment after one, would be one key with a space that no
     request could ever match: the server would start and refuse everybody."""

@@ -253,6 +253,14 @@ def build_simulated(args: argparse.Namespace) -> Engine:
                 raise ValueError(
                     f"--reply-script gives the whole reply, and {flag} shapes it too: drop one"
                 )
+        if all(step.delay_ms is not None for step in args.reply_script.deltas):
+            for flag in ("--delay-ms", "--jitter-ms"):
+                if flag in given:
+                    raise ValueError(
+                        f"{flag} times the steps of --reply-script without a delay_ms of "
+                        "their own, and every step has one: drop it (or the delay_ms of the "
+                        "steps it should time)"
+                    )
     text = args.reply_text
     if not text.split():
         raise ValueError("--reply-text has no words; give at least one")
