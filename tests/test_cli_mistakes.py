@@ -1109,6 +1109,18 @@ def test_help_states_every_serve_default_and_the_top_level_has_no_markup():
         assert "default" in " ".join(entry.split()), entry
 
 
+def test_api_key_help_names_every_path_a_key_guards():
+    """The lab's /wait and /stream need the key as /v1/* does (``server.auth``): help that
+    named /v1/* alone told an operator the lab's routes stayed open."""
+    from replystream.server.auth import LAB_PATHS
+
+    shown = " ".join(run("serve", "--help").stdout.split("options:", 1)[1].split())
+    for flag in ("--api-key KEY ", "--api-keys-file "):
+        entry = shown[shown.index(flag) :].split(" --", 1)[0]
+        for path in ("/v1/*", *sorted(LAB_PATHS)):
+            assert path in entry, entry
+
+
 @pytest.mark.parametrize("command", ["bench", "doctor"])
 def test_model_help_names_every_api_whose_requests_name_a_model(command: str):
     shown = " ".join(run(command, "--help").stdout.split())

@@ -218,13 +218,15 @@ API = Group(
         ),
         Setting(
             "--api-key",
-            "require this bearer key on /v1/* (repeatable; visible in ps: prefer a file)",
+            "require this bearer key on /v1/* and the lab's /wait and /stream (repeatable; "
+            "visible in ps: prefer a file)",
             repeatable=True,
             metavar="KEY",
         ),
         Setting(
             "--api-keys-file",
-            "API keys, one per line (# starts a comment line), read again on SIGHUP",
+            "API keys for /v1/* and the lab's /wait and /stream, one per line (# starts a "
+            "comment line), read again on SIGHUP",
             readable_text_file,
         ),
         Setting(
