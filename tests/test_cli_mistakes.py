@@ -1065,6 +1065,15 @@ def test_an_unresolvable_host_is_one_line_naming_host(check: tuple[str, ...]):
     assert "--host no-such-host.invalid: not an address" in one_line(done)
 
 
+@pytest.mark.parametrize("check", [(), ("--check",)])
+def test_an_address_of_another_machine_is_one_line_naming_host(check: tuple[str, ...]):
+    # 192.0.2.1 resolves (RFC 5737's documentation range) but is no address of this machine:
+    # --check once called the configuration sound, and serve then refused it.
+    done = run("serve", "--engine", "simulated", "--host", "192.0.2.1", "--port", "0", *check)
+    assert done.returncode == 2
+    assert "--host 192.0.2.1: not an address of this machine" in one_line(done)
+
+
 def test_an_empty_host_is_refused_not_every_interface():
     done = run("serve", "--host", "", "--check")
     assert done.returncode == 2

@@ -255,12 +255,30 @@ def unresolved(host: str, exc: socket.gaierror) -> ValueError:
     )
 
 
+def not_this_machines(host: str) -> ValueError:
+    return ValueError(
+        f"--host {host}: not an address of this machine; try 127.0.0.1, "
+        "or 0.0.0.0 for every interface"
+    )
+
+
 def check_host(host: str) -> None:
-    """What ``listen`` would find of ``--host`` short of binding: that it resolves."""
+    """What ``listen`` would find of ``--host`` short of taking ``--port``: that it resolves,
+    and that it is an address of this machine (bound on a port the kernel picks, never
+    listened on, and closed at once)."""
     try:
-        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
         raise unresolved(host, exc) from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise not_this_machines(host) from None
+            raise ValueError(f"--host {host}: cannot listen: {exc.strerror}") from None
 
 
 def _answers(host: str, port: int) -> bool:
@@ -301,10 +319,7 @@ def listen(host: str, port: int) -> socket.socket:
                 f"--port {port}: this user may not listen on ports below 1024; choose 1024 or above"
             ) from None
         if exc.errno == errno.EADDRNOTAVAIL:
-            raise ValueError(
-                f"--host {host}: not an address of this machine; try 127.0.0.1, "
-                "or 0.0.0.0 for every interface"
-            ) from None
+            raise not_this_machines(host) from None
         raise ValueError(f"--host {host} --port {port}: cannot listen: {exc.strerror}") from None
 
 

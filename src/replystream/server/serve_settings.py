@@ -82,9 +82,9 @@ SERVER = Group(
         Setting("--port", "0 picks a free port", port, default=8000),
         Setting(
             "--check",
-            "check the whole configuration (flags, files, --host resolved, the engine, built "
-            "as serving would build it) and exit: 0 when sound, else one line and 2; listens "
-            "on nothing, asks no upstream or Redis",
+            "check the whole configuration (flags, files, --host resolved to an address of "
+            "this machine, the engine, built as serving would build it) and exit: 0 when "
+            "sound, else one line and 2; listens on nothing, asks no upstream or Redis",
             switch=True,
             default=False,
         ),
