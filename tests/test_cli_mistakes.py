@@ -1057,6 +1057,43 @@ def test_a_metrics_folder_set_from_outside_is_one_line_naming_it(folder: str):
     assert "unset it" in line
 
 
+OWN_SETTINGS = """
+[[upstreams]]
+url = "http://127.0.0.1:9/v1"
+api_key = "sk-own"
+max_outstanding = 4
+[[upstreams]]
+url = "http://127.0.0.2:9/v1"
+pass_client_key = true
+max_outstanding = 2
+"""
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--upstream-max-outstanding", "8"],
+        ["--upstream-api-key", "sk-all"],
+        ["--upstream-pass-client-key"],
+    ],
+    ids=lambda given: given[0],
+)
+def test_a_relay_default_every_upstream_overrides_is_refused(given: list[str], tmp_path: Path):
+    """Every upstream of this routes file has its own limit and its own way to a key: a
+    default for upstreams without them would be taken, and read by none."""
+    routes = tmp_path / "routes.toml"
+    routes.write_text(OWN_SETTINGS)
+    relay = ("serve", "--check", "--engine", "upstream", "--upstream-routes", str(routes))
+    done = run(*relay, *given)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith(f"replystream serve: {given[0]} is the default for upstreams "), line
+    assert "drop it" in line, line
+    # One upstream without a setting of its own takes the default: then it is read.
+    routes.write_text(OWN_SETTINGS + '[[upstreams]]\nurl = "http://127.0.0.3:9/v1"\n')
+    assert run(*relay, *given).returncode == 0
+
+
 @pytest.mark.parametrize("check", [(), ("--check",)])
 def test_an_unresolvable_host_is_one_line_naming_host(check: tuple[str, ...]):
     # --check once passed a host that serve then refused.

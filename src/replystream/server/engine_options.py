@@ -280,7 +280,7 @@ def build_upstream(args: argparse.Namespace, choice: EngineChoice) -> Engine:
     from replystream.engine.upstream import UpstreamEngine
 
     config = upstream_config(args, choice)
-    idle_flag = queue_without_limit(args, config)
+    idle_flag = idle_upstream_flag(args, config)
     if idle_flag is not None:
         raise ValueError(idle_flag)
     return UpstreamEngine(config, metrics_dir.shared_slots_folder())
@@ -378,6 +378,43 @@ def queue_without_limit(args: argparse.Namespace, config: UpstreamConfig) -> str
         "limit of requests at once, and no upstream has one: add --upstream-max-outstanding "
         "(or max_outstanding in the routes file), or drop it"
     )
+
+
+def idle_upstream_flag(args: argparse.Namespace, config: UpstreamConfig) -> str | None:
+    """What a relay flag given that no upstream would read does (nothing), said; None when
+    each one given applies to some upstream: ``--upstream-queue-s`` with no limit to wait
+    under (``queue_without_limit``), and a default every upstream overrides with its own
+    (its routes entry's ``max_outstanding``; its own key, or the caller's, for the key to
+    send). Refused at start; on a reload of the routes file said as a warning."""
+    queue = queue_without_limit(args, config)
+    if queue is not None:
+        return queue
+    given = {row.flag for row in settings.given(args)}
+    targets = config.targets
+    overridden = (
+        (
+            "--upstream-max-outstanding",
+            all(target.max_outstanding is not None for target in targets),
+            "its own max_outstanding",
+        ),
+        (
+            "--upstream-api-key",
+            all(t.api_key is not None or config.passes_client_key(t) for t in targets),
+            "its own api_key, or the client's key (pass_client_key)",
+        ),
+        (
+            "--upstream-pass-client-key",
+            all(t.api_key is not None or t.pass_client_key is not None for t in targets),
+            "its own api_key or pass_client_key",
+        ),
+    )
+    for flag, every_one, own in overridden:
+        if flag in given and every_one:
+            return (
+                f"{flag} is the default for upstreams without a setting of their own, and "
+                f"every upstream of --upstream-routes has {own}: drop it"
+            )
+    return None
 
 
 def build_hf(args: argparse.Namespace, choice: EngineChoice) -> Engine:

@@ -27,7 +27,7 @@ from replystream.engine.upstream import RouteChange, UpstreamEngine
 from replystream.server.api_keys import collect_keys
 from replystream.server.auth import KEY_RING
 from replystream.server.context import ENGINE_KEY, METRICS_KEY
-from replystream.server.engine_options import EngineChoice, queue_without_limit, upstream_config
+from replystream.server.engine_options import EngineChoice, idle_upstream_flag, upstream_config
 from replystream.server.metrics import Metrics
 from replystream.server.state import BACKEND_GAUGES_KEY
 
@@ -125,7 +125,7 @@ def reloads_for(
 
         async def reroute() -> str:
             config = upstream_config(args, choice)
-            idle_flag = queue_without_limit(args, config)
+            idle_flag = idle_upstream_flag(args, config)
             if idle_flag is not None:  # the file is sound; the flag waits for a limit again
                 log.warning("%s: until then it does nothing (%s)", path, idle_flag)
             change = await engine.reroute(config)
