@@ -1062,10 +1062,14 @@ OWN_SETTINGS = """
 url = "http://127.0.0.1:9/v1"
 api_key = "sk-own"
 max_outstanding = 4
+ttft_s = 5
+stall_s = 5
 [[upstreams]]
 url = "http://127.0.0.2:9/v1"
 pass_client_key = true
 max_outstanding = 2
+ttft_s = 9
+stall_s = 9
 """
 
 
@@ -1073,6 +1077,8 @@ max_outstanding = 2
     "given",
     [
         ["--upstream-max-outstanding", "8"],
+        ["--upstream-ttft-s", "3"],
+        ["--upstream-stall-s", "3"],
         ["--upstream-api-key", "sk-all"],
         ["--upstream-pass-client-key"],
     ],

@@ -384,8 +384,9 @@ def idle_upstream_flag(args: argparse.Namespace, config: UpstreamConfig) -> str 
     """What a relay flag given that no upstream would read does (nothing), said; None when
     each one given applies to some upstream: ``--upstream-queue-s`` with no limit to wait
     under (``queue_without_limit``), and a default every upstream overrides with its own
-    (its routes entry's ``max_outstanding``; its own key, or the caller's, for the key to
-    send). Refused at start; on a reload of the routes file said as a warning."""
+    (its routes entry's ``max_outstanding``, ``ttft_s`` or ``stall_s``; its own key, or the
+    caller's, for the key to send). Refused at start; on a reload of the routes file said
+    as a warning."""
     queue = queue_without_limit(args, config)
     if queue is not None:
         return queue
@@ -397,6 +398,8 @@ def idle_upstream_flag(args: argparse.Namespace, config: UpstreamConfig) -> str 
             all(target.max_outstanding is not None for target in targets),
             "its own max_outstanding",
         ),
+        ("--upstream-ttft-s", all(t.ttft_s is not None for t in targets), "its own ttft_s"),
+        ("--upstream-stall-s", all(t.stall_s is not None for t in targets), "its own stall_s"),
         (
             "--upstream-api-key",
             all(t.api_key is not None or config.passes_client_key(t) for t in targets),
