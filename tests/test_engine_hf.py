@@ -470,6 +470,7 @@ async def test_a_template_that_refuses_the_conversation_is_the_requests_fault(
     template = (
         "{% if messages[0]['role'] != 'user' %}"
         "{{ raise_exception('Conversations must start with the user') }}{% endif %}"
+        "{% if messages | length == 2 %}{{ 1 // 0 }}{% endif %}"
         "{% for message in messages %}{% if message['role'] == 'assistant' %}"
         "{{ message['content'] + message['role'] | length }}"
         "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
@@ -489,14 +490,17 @@ async def test_a_template_that_refuses_the_conversation_is_the_requests_fault(
             )
             failed = await post_events(f"{url}/v1/messages", {"messages": turns, "max_tokens": 1})
             counted = await post_events(f"{url}/v1/messages/count_tokens", {"messages": turns})
+            divided = await post_events(
+                f"{url}/v1/chat/completions", {"messages": turns[:1] * 2, "max_tokens": 1}
+            )
     finally:
         await engine.aclose()
     error = json.loads(refused.raw)["error"]
     assert refused.status == 400 and error["param"] == "messages"
     assert "Conversations must start with the user" in error["message"]
     # The template adds text to a number at an assistant's turn: a TypeError, in Anthropic's
-    # error shape.
-    for reply in (failed, counted):
+    # error shape; a division by zero at two messages, in OpenAI's.
+    for reply in (failed, counted, divided):
         assert reply.status == 400
         assert json.loads(reply.raw)["error"]["type"] == "invalid_request_error"
     assert "Traceback" not in caplog.text

@@ -16,11 +16,15 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jinja2
 from tokenizers import Tokenizer
 
 from replystream.engine.base import RequestRejected
-from replystream.engine.chat_template import ChatTemplate, knows_developer, template_message
+from replystream.engine.chat_template import (
+    RENDER_FAILURES,
+    ChatTemplate,
+    knows_developer,
+    template_message,
+)
 from replystream.engine.control_tokens import ControlTokenGuard, Messages
 from replystream.engine.tokenizer import bytes_to_unicode
 
@@ -170,7 +174,7 @@ class HFChatPrompt:
                     "cannot be continued",
                     param="continue_final_message",
                 ) from None
-            except (jinja2.TemplateError, TypeError, KeyError) as exc:
+            except RENDER_FAILURES as exc:
                 # ``raise_exception`` (roles that do not alternate, say), or a template that
                 # fails on this conversation: the request's fault, as for the GGUF engines.
                 raise _refused(exc) from None
