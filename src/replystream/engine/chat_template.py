@@ -3,20 +3,23 @@
 This file decides how chat messages become the prompt text a chat model was trained on. The
 template comes from the model file (``tokenizer.chat_template``) and is untrusted code, so it
 runs in Jinja's ``ImmutableSandboxedEnvironment`` with the environment ``transformers`` gives
-templates (``trim_blocks``, ``lstrip_blocks``, loop controls, a ``tojson`` that does not
-escape HTML, ``raise_exception``, ``strftime_now``). A template that refuses a conversation
-(``raise_exception``: roles that do not alternate, say) is the request's fault: a
-``RequestRejected`` naming ``messages``. It must not know about tokens or models.
+templates (``trim_blocks``, ``lstrip_blocks``, loop controls, the ``generation`` tag, a
+``tojson`` that does not escape HTML, ``raise_exception``, ``strftime_now``). A template that
+refuses a conversation (``raise_exception``: roles that do not alternate, say) is the
+request's fault: a ``RequestRejected`` naming ``messages``. It must not know about tokens or models.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from replystream.engine.base import RequestRejected
@@ -28,6 +31,22 @@ class _TemplateRaised(Exception):
 
 def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``, the tag ``transformers`` gives templates to
+    mark an assistant's text (for training masks): its body, rendered as if unmarked, as
+    ``transformers`` renders it when it is not asked where that text lies."""
+
+    tags = {"generation"}  # noqa: RUF012  (as Jinja declares it)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
 
 
 def _tojson(
@@ -120,7 +139,9 @@ class ChatTemplate:
                 conversation (one user message), as every request would find it.
         """
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _GenerationTag],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
