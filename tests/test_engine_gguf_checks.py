@@ -188,6 +188,39 @@ REFUSED: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ("an EOS past the vocabulary", {"eos_token_id": 260}, {}, "eos_token_id is 260"),
     ("an EOT past the vocabulary", {"tokenizer.ggml.eot_token_id": 999}, {}, "eot_token_id is 999"),
     ("fewer token types than tokens", {"token_type": [1, 1]}, {}, "2 token types for 260 tokens"),
+    # Values of another type than the key's.
+    ("tokens not an array", {"tokens": 7}, {}, "tokenizer.ggml.tokens is not an array of text"),
+    (
+        "tokens that are numbers",
+        {"tokens": list(range(260))},
+        {},
+        "tokenizer.ggml.tokens is not an array of text",
+    ),
+    ("merges not an array", {"merges": 7}, {}, "tokenizer.ggml.merges is not an array of text"),
+    (
+        "token types not an array",
+        {"token_type": 7},
+        {},
+        "tokenizer.ggml.token_type is not an array of whole numbers",
+    ),
+    (
+        "token types in words",
+        {"token_type": ["normal"] * 260},
+        {},
+        "tokenizer.ggml.token_type is not an array of whole numbers",
+    ),
+    (
+        "a chat template that is a number",
+        {"tokenizer.chat_template": 5},
+        {},
+        "tokenizer.chat_template is not text",
+    ),
+    (
+        "an alignment that is an array",
+        {"general.alignment": [32]},
+        {},
+        "general.alignment is \\[32\\]; it must be a power of two",
+    ),
     (
         "a merge of tokens not in the vocabulary",
         {"merges": ["Ġ t", "q z"]},

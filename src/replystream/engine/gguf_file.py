@@ -134,6 +134,18 @@ def _field(header: GGUFHeader, key: str, default: Any = None) -> Any:
     return header.fields.get(key, default)
 
 
+def _texts(header: GGUFHeader, key: str) -> tuple[str, ...]:
+    """An array of strings (empty when the key is absent).
+
+    Raises:
+        ValueError: the key holds something else (a number, an array of numbers).
+    """
+    value = _field(header, key, [])
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{key} is not an array of text")
+    return tuple(value)
+
+
 def open_gguf(path: Path) -> GGUFModel:
     """Read ``path``'s metadata and map its tensors (nothing is dequantised yet).
 
@@ -148,8 +160,8 @@ def open_gguf(path: Path) -> GGUFModel:
     if arch != "llama":
         raise ValueError(f"{path}: architecture {arch!r}; this engine runs 'llama' models")
 
-    tokens = tuple(str(t) for t in _field(reader, "tokenizer.ggml.tokens", []))
     try:
+        tokens = _texts(reader, "tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError("no tokenizer.ggml.tokens: the file holds no vocabulary")
         config = model_config(reader.fields, len(tokens))
@@ -159,9 +171,17 @@ def open_gguf(path: Path) -> GGUFModel:
             for key in ("bos", "eos", "eot", "eom")
         }
         check_token_ids(ids, len(tokens))
-        types = tuple(int(t) for t in _field(reader, "tokenizer.ggml.token_type", []))
+        types = _field(reader, "tokenizer.ggml.token_type", [])
+        if not isinstance(types, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in types
+        ):
+            raise ValueError("tokenizer.ggml.token_type is not an array of whole numbers")
         if types and len(types) != len(tokens):
             raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+        merges = _texts(reader, "tokenizer.ggml.merges")
+        template = _field(reader, "tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ValueError("tokenizer.chat_template is not text")
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     spelt = {text: index for index, text in reversed(list(enumerate(tokens)))}  # first id wins
@@ -170,12 +190,12 @@ def open_gguf(path: Path) -> GGUFModel:
         model=str(_field(reader, "tokenizer.ggml.model", "")),
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
         tokens=tokens,
-        token_types=types,
-        merges=tuple(str(m) for m in _field(reader, "tokenizer.ggml.merges", [])),
+        token_types=tuple(types),
+        merges=merges,
         bos_id=ids["bos"],
         eos_id=ids["eos"],
         stop_ids=stop_ids,
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        chat_template=template,
     )
     weights = _Weights(reader, config)
     name = str(_field(reader, "general.name", "") or path.stem)

@@ -152,9 +152,14 @@ def _parse(buffer: mmap.mmap) -> GGUFHeader:
         dims = tuple(cursor.unpack("<Q") for _ in range(cursor.unpack("<I")))
         kind = GGMLQuantizationType(cursor.unpack("<I"))  # ValueError for an unknown kind
         described.append((name, dims, kind, cursor.unpack("<Q")))
-    alignment = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"alignment {alignment} is not a power of two")
+    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
+        raise ValueError(f"general.alignment is {alignment!r}; it must be a power of two")
     data_start = -(-cursor.at // alignment) * alignment
     tensors = []
     # Tensors lie one after another in the order the header lists them, each at the next
