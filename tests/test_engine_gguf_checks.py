@@ -410,3 +410,14 @@ def test_a_quantised_block_with_an_infinite_scale_is_refused_without_a_warning(
     write_llama_gguf(path, tensors={"blk.0.ffn_up.weight": blocks}, kind=GGMLQuantizationType.Q8_0)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight holds values that are not"):
         load_gguf_engine(path)  # the suite makes warnings errors: none may come first
+
+
+def test_a_kind_this_engine_does_not_read_is_named_with_the_kinds_it_reads(
+    tmp_path: Path,
+) -> None:
+    """MXFP4 weights are weights, of a kind this engine does not read: the refusal says so,
+    and which kinds it does read."""
+    path = write_llama_gguf(tmp_path / "model.gguf", kind=GGMLQuantizationType.MXFP4)
+    with pytest.raises(ValueError, match="is of kind MXFP4, which this engine does not read") as no:
+        load_gguf_engine(path)
+    assert "(it reads F32, F16, BF16, Q4_0, " in str(no.value)

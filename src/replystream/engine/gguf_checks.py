@@ -40,6 +40,7 @@ WEIGHT_KINDS = frozenset(
         _Q.IQ4_NL, _Q.IQ4_XS, _Q.TQ1_0, _Q.TQ2_0,
     }
 )  # fmt: skip
+_READ_ORDER = [_Q.F32, _Q.F16, _Q.BF16, *(k for k in _Q if k not in (_Q.F32, _Q.F16, _Q.BF16))]
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 # Why a tensor the model does not compute is there, where a name says it.
 _UNUSED_WHY = {
@@ -188,7 +189,11 @@ def check_tensors(tensors: Sequence[TensorInfo], config: ModelConfig) -> None:
                 f"{'x'.join(map(str, expected[t.name]))}"
             )
         if t.tensor_type not in WEIGHT_KINDS:
-            raise ValueError(f"tensor {t.name} is of kind {t.tensor_type.name}, not a weight kind")
+            read = ", ".join(kind.name for kind in sorted(WEIGHT_KINDS, key=_READ_ORDER.index))
+            raise ValueError(
+                f"tensor {t.name} is of kind {t.tensor_type.name}, which this engine does not "
+                f"read (it reads {read})"
+            )
 
 
 def check_token_ids(ids: Mapping[str, Any], n_tokens: int) -> None:
