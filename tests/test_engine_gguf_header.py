@@ -107,3 +107,24 @@ def test_damaged_files_are_refused_naming_what_is_wrong(tmp_path: Path) -> None:
         bad.write_bytes(content)
         with pytest.raises(ValueError, match=message):
             read_header(bad)
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_without_opening_it(tmp_path: Path) -> None:
+    """A named pipe would block the open until something writes to it (``serve`` would hang
+    at start-up, ``--check`` too); a directory is no file either."""
+    import os
+    import subprocess
+    import sys
+
+    pipe = tmp_path / "model.gguf"
+    os.mkfifo(pipe)
+    code = (
+        "import sys; from pathlib import Path; from replystream.engine.gguf_header import "
+        "read_header\ntry:\n    read_header(Path(sys.argv[1]))\nexcept ValueError as exc:\n"
+        "    print(exc)"
+    )
+    for path in (pipe, tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=20
+        )
+        assert done.stdout.strip() == "not a regular file", done.stderr

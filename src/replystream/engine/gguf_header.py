@@ -13,6 +13,7 @@ not know what the metadata means (``gguf_file.py`` does) nor how to dequantise.
 from __future__ import annotations
 
 import mmap
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,15 @@ def read_header(path: Path) -> GGUFHeader:
     """Map ``path`` and read its header; tensor data stay in the mapping until used.
 
     Raises:
-        ValueError: not a GGUF file, a version or byte order this reader does not read, a
-            header that runs past the end of the file, or tensors not laid out one after
-            another as the header lists them (each named in the message).
+        OSError: ``path`` cannot be read (it is not there, say).
+        ValueError: not a regular file, not a GGUF file, a version or byte order this reader
+            does not read, a header that runs past the end of the file, or tensors not laid
+            out one after another as the header lists them (each named in the message).
     """
+    # A named pipe would block the open until something writes to it (a server that never
+    # starts), a device has no size to map: only a regular file is opened.
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise ValueError("not a regular file")
     with path.open("rb") as file:
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     try:
