@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -245,6 +246,21 @@ async def test_serve_runs_a_model_folder(model_dir: Path):
         got = await post_events(f"{url}/v1/replies", body)
     reply = json.loads(got.raw)
     assert got.status == 200 and reply["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("context", [0, -4])
+def test_a_model_whose_context_holds_no_token_is_refused_at_load(
+    model_dir: Path, tmp_path: Path, context: int
+):
+    """Served, it would refuse every request as longer than its context."""
+    from replystream.engine.hf import load_hf_engine
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": context}))
+    with pytest.raises(ValueError, match=f"max_position_embeddings is {context}; it must be a wh"):
+        load_hf_engine(folder)
 
 
 CHATML = (

@@ -121,7 +121,13 @@ class HFEngine(InProcessEngine):
         self.queues = True  # a reply waits for a worker thread (``max_running``)
         self.makes_tool_calls = False  # text only: no tool-call parser for its output
         self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
-        self.context = int(getattr(model.config, "max_position_embeddings", 2048))
+        context = getattr(model.config, "max_position_embeddings", 2048)
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            # Served, every request would be refused as longer than the context.
+            raise ValueError(
+                f"max_position_embeddings is {context!r}; it must be a whole number of at least 1"
+            )
+        self.context = context
         self.eos = end_ids(model, tokenizer)
         # transformers 5 renamed ``past_key_values`` to ``cache``; older releases take the former.
         forward = inspect.signature(model.forward).parameters
