@@ -140,6 +140,12 @@ REFUSED: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ("no head count", {"attention.head_count": None}, {}, "no llama.attention.head_count"),
     ("no block count", {"block_count": None}, {}, "no llama.block_count"),
     ("no context length", {"context_length": None}, {}, "no llama.context_length"),
+    (
+        "a context of one token",
+        {"context_length": 1},
+        {},
+        "llama.context_length is 1; a prompt and its reply need at least 2",
+    ),
     ("zero heads", {"attention.head_count": 0}, {}, "head_count is 0; it must be a whole number"),
     (
         "heads given per layer",

@@ -248,7 +248,7 @@ async def test_serve_runs_a_model_folder(model_dir: Path):
     assert got.status == 200 and reply["usage"]["completion_tokens"] == 8
 
 
-@pytest.mark.parametrize("context", [0, -4])
+@pytest.mark.parametrize("context", [0, 1, -4])
 def test_a_model_whose_context_holds_no_token_is_refused_at_load(
     model_dir: Path, tmp_path: Path, context: int
 ):
@@ -259,7 +259,10 @@ def test_a_model_whose_context_holds_no_token_is_refused_at_load(
     shutil.copytree(model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": context}))
-    with pytest.raises(ValueError, match=f"max_position_embeddings is {context}; it must be a wh"):
+    with pytest.raises(
+        ValueError,
+        match=f"max_position_embeddings is {context}; a prompt and its reply need at least 2",
+    ):
         load_hf_engine(folder)
 
 

@@ -105,6 +105,11 @@ def model_config(fields: Mapping[str, Any], n_tokens: int) -> ModelConfig:
     factor = fields.get("llama.rope.scaling.factor", 1.0)
     if factor not in (0.0, 1.0):  # llama.cpp reads 0 as no scaling
         raise ValueError(f"llama.rope.scaling.factor {factor!r} is not supported (only 1)")
+    context = _count(fields, "context_length")
+    if context < 2:  # served, every request would be refused as longer than the context
+        raise ValueError(
+            f"llama.context_length is {context}; a prompt and its reply need at least 2"
+        )
     vocab_size = fields.get("llama.vocab_size", n_tokens)
     if vocab_size != n_tokens:
         raise ValueError(f"llama.vocab_size is {vocab_size!r} but the vocabulary has {n_tokens}")
@@ -115,7 +120,7 @@ def model_config(fields: Mapping[str, Any], n_tokens: int) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         d_ff=_count(fields, "feed_forward_length"),
-        context=_count(fields, "context_length"),
+        context=context,
         rope_theta=_positive(fields, "rope.freq_base", 10000.0),
         norm_eps=_positive(fields, "attention.layer_norm_rms_epsilon", 1e-5),
     )

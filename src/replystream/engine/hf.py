@@ -122,10 +122,10 @@ class HFEngine(InProcessEngine):
         self.makes_tool_calls = False  # text only: no tool-call parser for its output
         self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
         context = getattr(model.config, "max_position_embeddings", 2048)
-        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        if isinstance(context, bool) or not isinstance(context, int) or context < 2:
             # Served, every request would be refused as longer than the context.
             raise ValueError(
-                f"max_position_embeddings is {context!r}; it must be a whole number of at least 1"
+                f"max_position_embeddings is {context!r}; a prompt and its reply need at least 2"
             )
         self.context = context
         self.eos = end_ids(model, tokenizer)
