@@ -128,3 +128,15 @@ def test_a_path_that_is_not_a_regular_file_is_refused_without_opening_it(tmp_pat
             [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=20
         )
         assert done.stdout.strip() == "not a regular file", done.stderr
+
+
+def test_arrays_nested_past_any_use_are_refused_not_recursed_into(tmp_path: Path) -> None:
+    """Each level is 12 bytes: a 60 KB file would take the reader past Python's recursion
+    limit, a traceback instead of a refusal."""
+    key = b"general.deep"
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    data += struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="arrays nested more than 16 deep"):
+        read_header(path)

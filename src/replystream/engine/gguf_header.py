@@ -27,6 +27,7 @@ from numpy.typing import NDArray
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 counted with 32-bit integers; no file of it is still made
 DEFAULT_ALIGNMENT = 32
+MAX_NESTING = 16  # arrays within arrays: no writer nests more than a couple
 
 # GGUF value type -> (struct format, NumPy dtype) of the fixed-size kinds.
 _SCALARS: dict[int, tuple[str, np.dtype[Any]]] = {
@@ -95,14 +96,16 @@ class _Cursor:
         self.at = end
         return text
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
+            if depth == MAX_NESTING:  # each level is 12 bytes: a small file, a deep recursion
+                raise ValueError(f"arrays nested more than {MAX_NESTING} deep")
             item_kind, count = self.unpack("<I"), self.unpack("<Q")
             scalar = _SCALARS.get(item_kind)
             if scalar is None:  # strings or nested arrays: one by one
-                return [self.value(item_kind) for _ in range(count)]
+                return [self.value(item_kind, depth + 1) for _ in range(count)]
             dtype = scalar[1]
             if self.at + count * dtype.itemsize > len(self.buffer):
                 raise ValueError(f"an array of {count} values runs past the end of the file")
