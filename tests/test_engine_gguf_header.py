@@ -140,3 +140,28 @@ def test_arrays_nested_past_any_use_are_refused_not_recursed_into(tmp_path: Path
     path.write_bytes(data)
     with pytest.raises(ValueError, match="arrays nested more than 16 deep"):
         read_header(path)
+
+
+@pytest.mark.parametrize(
+    "dims", [(2**32, 2**32), (2**63 + 1, 1), (2**64 - 1, 2)], ids=["wraps", "past i64", "u64"]
+)
+def test_dims_whose_product_is_past_any_file_are_refused_naming_the_tensor(
+    tmp_path: Path, dims: tuple[int, int]
+) -> None:
+    """Multiplied as 64-bit integers, 2^32 x 2^32 wraps to 0 elements (a tensor that fits in
+    any file) and a dim past 2^63 warns; counted exactly, each runs past the end."""
+    writer = GGUFWriter(tmp_path / "sound.gguf", "llama")
+    writer.add_tensor("t", np.zeros((2, 2), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFReader(tmp_path / "sound.gguf")
+    data = bytearray((tmp_path / "sound.gguf").read_bytes())
+    parts = reader.tensors[0].field.parts
+    at = parts[3].ctypes.data - reader.data.ctypes.data  # the dims, innermost first
+    struct.pack_into("<QQ", data, at, *dims)
+    path = tmp_path / "huge.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"^tensor t runs past the end of the file$"):
+        read_header(path)

@@ -12,6 +12,7 @@ not know what the metadata means (``gguf_file.py`` does) nor how to dequantise.
 
 from __future__ import annotations
 
+import math
 import mmap
 import stat
 import struct
@@ -178,7 +179,7 @@ def _parse(buffer: mmap.mmap) -> GGUFHeader:
     expected = 0  # where the next tensor must start, from ``data_start``
     for name, dims, kind, offset in described:
         shape = tuple(reversed(dims))  # outermost first, as NumPy lays it out
-        count = int(np.prod(dims, dtype=np.int64))
+        count = math.prod(dims)  # exact: as 64-bit integers, 2^32 x 2^32 would be 0
         plain = _PLAIN.get(kind)
         if plain is not None:
             dtype, items = np.dtype(plain), count
