@@ -427,3 +427,25 @@ def test_a_kind_this_engine_does_not_read_is_named_with_the_kinds_it_reads(
     with pytest.raises(ValueError, match="is of kind MXFP4, which this engine does not read") as no:
         load_gguf_engine(path)
     assert "(it reads F32, F16, BF16, Q4_0, " in str(no.value)
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({"tokenizer.chat_template": "{{ x }"}, "the chat template is not valid Jinja"),
+        ({"pre": "qwen2"}, "pre-tokenizer 'qwen2' is not supported"),
+    ],
+    ids=["template", "pre-tokenizer"],
+)
+def test_serve_with_workers_says_a_bad_tokenizer_or_template_once_before_starting_any(
+    tmp_path: Path, meta: dict[str, Any], message: str
+) -> None:
+    """Found without reading a weight, so by serve itself: not by each worker in turn, each
+    saying it again, after the URL was announced."""
+    path = write_llama_gguf(tmp_path / "model.gguf", meta=meta)
+    argv = [sys.executable, "-m", "replystream", "serve", "--engine", f"gguf:{path}"]
+    argv += ["--port", "0", "--workers", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"replystream serve: --engine gguf:PATH: {path}: {message}")
+    assert done.stderr.count("\n") == 1, done.stderr

