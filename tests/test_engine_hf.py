@@ -732,3 +732,31 @@ async def test_a_reply_waiting_for_a_thread_is_admitted_only_when_one_takes_it_u
         assert told == ["running", "waiting"]
     finally:
         await engine.aclose()
+
+
+def test_named_chat_templates_without_a_default_are_refused_at_load(tmp_path: Path):
+    """transformers renders a chat with the template named ``default`` (this engine offers
+    the template no tools): without one, every chat request would be refused."""
+    from replystream.engine.hf import load_hf_engine
+
+    named = {"chatml": CHATML, "tool_use": CHATML}
+    folder = tiny_llama(tmp_path / "model", ["<s>", "<|im_start|>", "<|im_end|>"], CORPUS, named)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chat templates are named chatml, tool_use, and none is"):
+        load_hf_engine(folder)
+
+
+async def test_the_default_of_named_chat_templates_is_the_one_checked_and_used(tmp_path: Path):
+    from replystream.engine.hf import load_hf_engine
+
+    named = {"default": CHATML, "tool_use": "{{ render_tools(tools) }}"}
+    folder = tiny_llama(tmp_path / "model", ["<s>", "<|im_start|>", "<|im_end|>"], CORPUS, named)  # type: ignore[arg-type]
+    engine = load_hf_engine(folder)
+    try:
+        chat = ({"role": "user", "content": "hi"},)
+        ids = engine._prompt_ids(GenerationRequest(messages=chat))
+        assert (
+            engine.tokenizer.decode(ids)
+            == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        )
+    finally:
+        await engine.aclose()

@@ -129,7 +129,7 @@ class HFChatPrompt:
             for token_id, token in tokenizer.added_tokens_decoder.items()
             if token.special
         }
-        source = str(getattr(tokenizer, "chat_template", None) or "")
+        source = chat_template_source(tokenizer)
         # Compiled now, as a GGUF's is: a template that is not Jinja is the folder's fault,
         # told at start-up, not every chat request's 400.
         ChatTemplate(source)
@@ -190,6 +190,26 @@ class HFChatPrompt:
             return list(self._later.encode(text, add_special_tokens=False).ids)
         ids = self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
         return [int(i) for i in ids]
+
+
+def chat_template_source(tokenizer: Any) -> str:
+    """The chat template ``apply_chat_template`` renders a chat with ("" if none): the
+    tokenizer's one, or of its named ones, ``default`` (the one for a chat offering no tools,
+    as this engine's chats offer none).
+
+    Raises:
+        ValueError: the templates are named and none is ``default``, so every chat would fail.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        if "default" not in template:
+            names = ", ".join(sorted(map(str, template)))
+            raise ValueError(
+                f"its chat templates are named {names}, and none is 'default', the one a chat "
+                "is rendered with"
+            )
+        template = template["default"]
+    return str(template or "")
 
 
 def _refused(exc: Exception) -> RequestRejected:
