@@ -1,13 +1,14 @@
 """A GGUF's byte-level BPE as a Hugging Face ``tokenizers`` tokenizer.
 
-This file decides how ``tokenizer.ggml.*`` becomes a tokenizer that splits text as the
-model's authors did: the vocabulary and merges go into a ``tokenizers`` BPE model, and the
+This file decides how ``tokenizer.ggml.*`` becomes a tokenizer that splits text as the model's
+authors did: the vocabulary and merges go into a ``tokenizers`` BPE model, and the
 pre-tokenizer is chosen by ``tokenizer.ggml.pre``, the name llama.cpp gives each known
 pre-tokenizer (``smollm``: every digit on its own, then GPT-2's split; ``llama-bpe``: LLaMA 3's
-split). Control tokens (type 3) are matched whole in the text and decode to nothing;
-user-defined ones (type 4) are matched whole and decode to their text. A pre-tokenizer this
-file does not know is refused rather than guessed, since a wrong split gives the model token
-sequences it never saw. It must not know about models or serving.
+split, and a word the vocabulary holds whole is one token, before any merge). Control tokens
+(type 3) are matched whole in the text and decode to nothing; user-defined ones (type 4) are
+matched whole and decode to their text. A pre-tokenizer this file does not know is refused
+rather than guessed, since a wrong split gives the model token sequences it never saw. It must
+not know about models or serving.
 """
 
 from __future__ import annotations
@@ -77,7 +78,14 @@ def build_tokenizer(vocabulary: Vocabulary) -> ByteTokenizer:
                 f"merge {number} ({v.merges[number]!r}) joins tokens the vocabulary lacks"
             )
     try:
-        bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False)  # type: ignore[arg-type]
+        bpe = models.BPE(
+            vocab,
+            merges,  # type: ignore[arg-type]
+            fuse_unk=False,
+            # LLaMA 3 takes a pre-tokenized word its vocabulary holds as one token, before any
+            # merge (its tokenizer.json's ``ignore_merges``; llama.cpp's for these names too).
+            ignore_merges=make_pre is _llama3,
+        )
     except Exception as exc:  # ``tokenizers`` raises a bare Exception for a vocabulary it refuses
         raise ValueError(f"the vocabulary and merges make no tokenizer ({exc})") from None
     tokenizer = Tokenizer(bpe)
