@@ -449,3 +449,30 @@ def test_serve_with_workers_says_a_bad_tokenizer_or_template_once_before_startin
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"replystream serve: --engine gguf:PATH: {path}: {message}")
     assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_file_cut_short_while_serving_does_not_take_the_weights_with_it(tmp_path: Path) -> None:
+    """The file is mapped to read its header and tensors; the model must hold its weights in
+    memory of its own. Float32 tensors left as views of the mapping would be read from the
+    file at each step: a file cut short (copied over in place) kills the process by SIGBUS."""
+    path = write_llama_gguf(tmp_path / "model.gguf")
+    code = (
+        "import asyncio, os, sys\n"
+        "from pathlib import Path\n"
+        "from replystream.engine.base import GenerationRequest, SamplingParams\n"
+        "from replystream.engine.gguf_engine import load_gguf_engine\n"
+        "engine, _ = load_gguf_engine(Path(sys.argv[1]))\n"
+        "os.truncate(sys.argv[1], 64)\n"
+        "async def main():\n"
+        "    sampling = SamplingParams(max_tokens=3, temperature=0.0)\n"
+        "    stream = await engine.start(GenerationRequest('the', sampling=sampling))\n"
+        "    async for _ in stream:\n"
+        "        pass\n"
+        "    await engine.aclose()\n"
+        "asyncio.run(main())\n"
+        "print('answered')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (0, "answered\n"), done.stderr

@@ -87,6 +87,11 @@ class _Weights(Mapping[str, F32]):
         with np.errstate(invalid="ignore", over="ignore"):
             w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         w = w.reshape(shape)  # (out features, in features) for a matrix, as in PyTorch
+        if not w.flags.writeable:
+            # A float32 tensor comes back as a view of the file's read-only mapping: held as
+            # it is, each step would read the file, and a file cut short while serving (copied
+            # over in place) would kill the process by SIGBUS. The model holds its own copy.
+            w = w.copy()
         # One NaN or infinity makes every logit NaN from the first token on (and a NaN log
         # probability is no JSON): refused here, while the file is being loaded. A pass over
         # the float32 copy: about 30 ms on SmolLM2's 135M weights, once.
