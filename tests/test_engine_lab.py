@@ -132,3 +132,11 @@ def test_a_burst_of_requests_is_admitted_at_one_step(tiny: LabEngine) -> None:
             await engine.aclose()
 
     assert len(asyncio.run(burst())) == 1
+
+
+def test_a_gguf_whose_chat_template_fails_is_refused_naming_the_file(tmp_path: Path) -> None:
+    from tests.gguf_files import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "m.gguf", meta={"tokenizer.chat_template": "{{ 1 / 0 }}"})
+    with pytest.raises(ValueError, match=f"^{path}: the chat template fails on one user message"):
+        load_lab_engine(f"gguf:{path}", time.perf_counter)

@@ -113,7 +113,10 @@ def load_lab_engine(spec: str | None, clock: Callable[[], float]) -> LabEngine:
         path = Path(spec[5:])
         name = path.stem
     gguf, gguf_model, gguf_tokenizer = load_gguf_model(path)
-    prompts = prompt_format(gguf, gguf_tokenizer)
+    try:
+        prompts = prompt_format(gguf, gguf_tokenizer)
+    except ValueError as exc:  # its chat template, named with the file as every refusal is
+        raise ValueError(f"{path}: {exc}") from None
     stops = gguf.vocabulary.stop_ids
 
     def build(config: TinyEngineConfig) -> TinyEngine:
