@@ -211,6 +211,31 @@ async def test_a_time_window_flushes_a_partial_batch_while_tokens_are_slow():
     assert [t["tokens"] for t in got.of_type("token")] == [1] * 6
 
 
+@pytest.mark.parametrize(
+    ("server", "asked", "batched"),
+    [
+        (DeliveryPolicy(), {"batch_ms": 100}, True),  # the request's window alone
+        (DeliveryPolicy(batch_ms=100), {}, True),  # the server's window alone
+        (DeliveryPolicy(batch_ms=100), {"batch_tokens": 1}, False),  # one token, said so
+        (DeliveryPolicy(batch_tokens=1), {"batch_ms": 100}, False),  # the server's one token
+    ],
+    ids=["request-window", "server-window", "request-one-token", "server-one-token"],
+)
+async def test_a_time_window_alone_batches_by_time(
+    server: DeliveryPolicy, asked: dict[str, int], batched: bool
+):
+    engine = fast_engine(delay_ms=10, jitter_ms=0)
+    app = create_app(engine, ServerConfig(policy=server))
+    async with running(app) as url:
+        got = await post_events(f"{url}/v1/replies", {"prompt": "x", "max_tokens": 20, **asked})
+    counts = [t["tokens"] for t in got.of_type("token")]
+    assert sum(counts) == 20
+    if batched:  # tokens 10 ms apart, gathered for 100 ms: a few events, not twenty
+        assert len(counts) <= 10, counts
+    else:
+        assert counts == [1] * 20
+
+
 class PacedChoices(ScriptedEngine):
     """Two choices (seeds 7 and 8): each says a word, choice 1 30 ms after choice 0, then
     nothing for 1 s, then its last word."""

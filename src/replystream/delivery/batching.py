@@ -1,4 +1,4 @@
-"""Batching: send every k tokens or every W ms, whichever comes first.
+"""Batching: send every k tokens or every W ms, whichever comes first (a window alone: every W ms).
 
 Pure state with the clock passed in. A batch's window starts when its first token arrives, so
 the first token of a full batch waits about (k - 1) x d and the average token (k - 1) x d / 2
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 
 class Batcher:
-    """Collects released text into batches of at most ``max_tokens`` or ``window_s`` seconds."""
+    """Collects released text into batches of at most ``max_tokens`` or ``window_s`` seconds
+    (``max_tokens`` None: as many as the window gathers; with no window, one token a batch)."""
 
-    def __init__(self, max_tokens: int = 1, window_s: float | None = None) -> None:
-        if max_tokens < 1:
+    def __init__(self, max_tokens: int | None = 1, window_s: float | None = None) -> None:
+        if max_tokens is None:
+            max_tokens = 1 if window_s is None else 0
+        elif max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if window_s is not None and window_s < 0:
             raise ValueError("window_s must be >= 0")
@@ -39,8 +42,10 @@ class Batcher:
         self._parts.append(text)
         self._tokens += tokens
         # Unbatched (one token a batch), released text with no token of its own (the first
-        # part of a token whose rest could begin a stop string) goes out at once too.
-        if self._tokens >= self.max_tokens or self.max_tokens == 1 or self.expired(now):
+        # part of a token whose rest could begin a stop string) goes out at once too. A
+        # limit of 0 batches by the window alone.
+        limit = self.max_tokens
+        if (limit and (self._tokens >= limit or limit == 1)) or self.expired(now):
             return self.flush()
         return None
 

@@ -111,7 +111,7 @@ class ReplyPipeline:
             and not policy.checks
             and not stops
             and not logprobs
-            and policy.batch_tokens == 1
+            and (policy.batch_tokens is None or policy.batch_tokens == 1)
             and window_s is None
         )
         self.holdback = (

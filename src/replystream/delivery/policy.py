@@ -22,7 +22,8 @@ class DeliveryPolicy:
     """Server defaults come from the command line; requests may override the first four.
 
     Attributes:
-        batch_tokens: send an event once this many tokens are waiting (1: every token).
+        batch_tokens: send an event once this many tokens are waiting (1: every token; None,
+            not set: every token, or, with a window, as many as the window gathers).
         batch_ms: or once the oldest waiting token is this old (None: no time window).
         holdback_tokens: tokens kept back until checks have seen the text after them.
         keepalive_s: send a comment after this long without any other byte (None: never).
@@ -32,7 +33,7 @@ class DeliveryPolicy:
         checks: moderation checks run on held-back text.
     """
 
-    batch_tokens: int = 1
+    batch_tokens: int | None = None
     batch_ms: float | None = None
     holdback_tokens: int = 0
     keepalive_s: float | None = 15.0
@@ -41,7 +42,7 @@ class DeliveryPolicy:
     checks: Sequence[Check] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.batch_tokens < 1:
+        if self.batch_tokens is not None and self.batch_tokens < 1:
             raise ValueError("batch_tokens must be at least 1")
         if self.batch_ms is not None and self.batch_ms < 0:
             raise ValueError("batch_ms must be >= 0")

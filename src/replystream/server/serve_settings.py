@@ -243,13 +243,13 @@ DELIVERY = Group(
     (
         Setting(
             "--batch-tokens",
-            "send an event every k tokens",
+            "send an event every k tokens (unset: every token, or with --batch-ms every window)",
             int_between(1, BATCH_TOKENS_MAX),
             fills=(DeliveryPolicy, "batch_tokens"),
         ),
         Setting(
             "--batch-ms",
-            "or once the oldest waiting token is this old",
+            "or once the oldest waiting token is this old (alone: batch by time)",
             float_between(0.0, BATCH_MS_MAX),
             fills=(DeliveryPolicy, "batch_ms"),
         ),
