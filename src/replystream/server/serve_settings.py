@@ -51,6 +51,9 @@ SHUTDOWN_GRACE_S = float_between(0.0, 86_400.0)
 REPLY_TTL_S = float_between(0.0, 30 * 86_400.0, strict=True)
 # A request line or header field of a mebibyte is far past any client's (nginx: 8 KiB).
 MAX_HEADER_BYTES_MAX = 1 << 20
+# Far past any machine's useful count, so a slip (a port number in the wrong flag, say)
+# is refused before thousands of processes are started.
+MAX_WORKERS = 1024
 
 
 def _zero_is_never(seconds: float) -> float | None:
@@ -91,7 +94,7 @@ SERVER = Group(
         Setting(
             "--workers",
             "processes sharing the port (use --redis-url so any of them can resume any reply)",
-            positive_int,
+            int_between(1, MAX_WORKERS),
             default=1,
         ),
         Setting(
@@ -135,7 +138,8 @@ SERVER = Group(
         ),
         Setting(
             "--max-prompt-chars",
-            "longest prompt (all messages' text together); more gets 400",
+            "longest prompt, in characters of the text the engine is given (a chat's "
+            "messages joined, each with its role); more gets 400",
             positive_int,
             fills=(ServerConfig, "max_prompt_chars"),
         ),
