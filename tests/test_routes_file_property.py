@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -159,3 +161,21 @@ def test_a_files_fallbacks_are_of_models_its_upstreams_serve(tmp_path: Path) -> 
             assert len(set(others)) == len(others)
 
     check()
+
+
+@pytest.mark.parametrize(
+    ("models", "said"),
+    [
+        ("[]", "upstreams[0].models: is empty: list the names, or leave it out"),
+        ('["a", "b", "a"]', "upstreams[0].models: lists a more than once"),
+        ('["a\\nb"]', "upstreams[0].models: a name holds a control character"),
+    ],
+    ids=["empty", "twice", "line-break"],
+)
+def test_a_list_of_models_names_each_once_printably(tmp_path: Path, models: str, said: str):
+    # An empty list was taken as none given (the upstream's own list used), a name twice or
+    # with a line break without a word.
+    path = tmp_path / "routes.toml"
+    path.write_text(f'[[upstreams]]\nurl = "http://127.0.0.1:9/v1"\nmodels = {models}\n')
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_routes(path)

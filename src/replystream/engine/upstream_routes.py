@@ -75,7 +75,8 @@ class UpstreamEntry(_Strict):
     api_key: Name | None = None
     api_key_env: Name | None = None
     pass_client_key: bool | None = None
-    models: list[Name] = []
+    # Absent: the upstream's own list (its ``GET /models``); given, at least one name, once.
+    models: list[Name] | None = None
     max_outstanding: Annotated[int, Field(ge=1)] | None = None
     # Seconds, as the command line takes them: a positive finite number.
     ttft_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
@@ -96,6 +97,20 @@ class UpstreamEntry(_Strict):
         if problem is not None:
             raise ValueError(problem)
         return url.rstrip("/")
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, models: list[str] | None) -> list[str] | None:
+        if models is None:
+            return None
+        if not models:
+            raise ValueError("is empty: list the names, or leave it out to take the upstream's")
+        if any(not name.isprintable() for name in models):
+            raise ValueError("a name holds a control character (a line break, a tab)")
+        twice = sorted({m for m in models if models.count(m) > 1})
+        if twice:
+            raise ValueError(f"lists {', '.join(twice)} more than once")
+        return models
 
     @field_validator("api_key")
     @classmethod
@@ -264,7 +279,7 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
                 entry.url,
                 entry.weight,
                 key,
-                tuple(entry.models),
+                tuple(entry.models or ()),
                 entry.pass_client_key,
                 entry.max_outstanding,
                 entry.ttft_s,
