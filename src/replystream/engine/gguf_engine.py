@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from replystream.engine.chat_template import ChatTemplate
-from replystream.engine.gguf_file import GGUFModel, open_gguf
+from replystream.engine.gguf_file import GGUFModel, Vocabulary, open_gguf
 from replystream.engine.gguf_tokenizer import build_tokenizer
 from replystream.engine.model import TinyModel
-from replystream.engine.prompts import ChatPrompt, PlainPrompt, PromptFormat
+from replystream.engine.prompts import BosFirst, ChatPrompt, PlainPrompt, PromptFormat
 from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
 from replystream.engine.tiny import TinyEngine
 from replystream.engine.tiny_config import TinyEngineConfig
@@ -81,8 +81,14 @@ def _naming(path: Path) -> Iterator[None]:
 
 
 def prompt_format(gguf: GGUFModel, tokenizer: ByteTokenizer) -> PromptFormat:
-    """The file's chat template for chat messages (plain text if it has none)."""
+    """The file's chat template for chat messages (plain text if it has none), every prompt
+    begun with BOS when the file says so."""
     v = gguf.vocabulary
+    chosen = _formatted(v, tokenizer)
+    return chosen if v.bos_id is None or not v.add_bos else BosFirst(chosen, v.bos_id)
+
+
+def _formatted(v: Vocabulary, tokenizer: ByteTokenizer) -> PromptFormat:
     start = v.bos_id if v.bos_id is not None else tokenizer.encode("\n")[0]
     if not v.chat_template:
         # BOS is a control token, matched whole when its text is encoded; a newline's id is

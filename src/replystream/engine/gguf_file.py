@@ -34,6 +34,9 @@ from replystream.engine.model import ModelConfig
 F32 = NDArray[np.float32]
 
 # GGUF tensor name (per block where ``{i}`` appears) -> Hugging Face Llama parameter name.
+# LLaMA 3's pre-tokenizer names: llama.cpp begins every prompt of such a file with BOS unless
+# the file says not to (``tokenizer.ggml.add_bos_token``); any other, only when it says to.
+BOS_BY_DEFAULT = frozenset({"llama-bpe", "llama3", "llama-v3"})
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -60,6 +63,7 @@ class Vocabulary:
     token_types: tuple[int, ...]  # 1 normal, 3 control, 4 user-defined (llama.cpp's values)
     merges: tuple[str, ...]
     bos_id: int | None
+    add_bos: bool  # every prompt begins with BOS (``tokenizer.ggml.add_bos_token``)
     eos_id: int | None
     # End of generation: EOS, EOT and EOM where the file names them, and the known end
     # tokens its vocabulary holds (``end_tokens``).
@@ -184,6 +188,12 @@ def open_gguf(path: Path) -> GGUFModel:
         if types and len(types) != len(tokens):
             raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
         merges = _texts(reader, "tokenizer.ggml.merges")
+        pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+        add_bos = _field(reader, "tokenizer.ggml.add_bos_token", pre in BOS_BY_DEFAULT)
+        if not isinstance(add_bos, bool):
+            raise ValueError("tokenizer.ggml.add_bos_token is not true or false")
+        if add_bos and ids["bos"] is None:
+            raise ValueError("tokenizer.ggml.add_bos_token asks for a BOS the file does not name")
         template = _field(reader, "tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise ValueError("tokenizer.chat_template is not text")
@@ -193,11 +203,12 @@ def open_gguf(path: Path) -> GGUFModel:
     stop_ids = end_of_generation_ids((ids[k] for k in ("eos", "eot", "eom")), spelt)
     vocabulary = Vocabulary(
         model=str(_field(reader, "tokenizer.ggml.model", "")),
-        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        pre=pre,
         tokens=tokens,
         token_types=tuple(types),
         merges=merges,
         bos_id=ids["bos"],
+        add_bos=add_bos,
         eos_id=ids["eos"],
         stop_ids=stop_ids,
         chat_template=template,

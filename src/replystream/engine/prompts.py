@@ -73,6 +73,21 @@ class ChatPrompt:
         return self._tokenizer.encode(request.prompt) or [self._start_id]
 
 
+class BosFirst:
+    """Another format's ids, begun with BOS: a model whose file says every prompt begins with
+    it (llama.cpp's ``add_bos_token``, LLaMA 3's by default) was trained on nothing else.
+    Ids that begin with it already (a chat template that writes it) are left as they are,
+    so a prompt never begins with two, as llama.cpp's server makes it."""
+
+    def __init__(self, inner: PromptFormat, bos_id: int) -> None:
+        self._inner = inner
+        self._bos_id = bos_id
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        ids = self._inner.prompt_ids(request)
+        return ids if ids[:1] == [self._bos_id] else [self._bos_id, *ids]
+
+
 def template_renderer(template: ChatTemplate, request: GenerationRequest) -> Render:
     """``template``'s rendering as ``request`` asks for it: its generation prompt added unless
     the request says not to or continues the final message, which stays open."""
