@@ -247,7 +247,7 @@ DELIVERY = Group(
     (
         Setting(
             "--batch-tokens",
-            "send an event every k tokens (unset: every token, or with --batch-ms every window)",
+            "send an event every k tokens (default: every token, or with --batch-ms every window)",
             int_between(1, BATCH_TOKENS_MAX),
             fills=(DeliveryPolicy, "batch_tokens"),
         ),
