@@ -96,13 +96,19 @@ def told(event: ResponseStreamEvent) -> tuple[str, str | None, float]:
 LONG = 200
 
 
+async def running_first(client: openai.AsyncOpenAI) -> Response:
+    """A long background response, taken up by the engine at once (its forward pass is held
+    by the gate): in progress, not queued, and the engine's one running sequence."""
+    first = await client.responses.create(
+        model="tiny", input="In the beginning", background=True, max_output_tokens=LONG
+    )
+    await until_status(client, first.id, "in_progress")
+    return first
+
+
 async def test_a_background_response_waiting_for_the_scheduler_is_queued_until_taken_up() -> None:
     async with one_at_a_time() as (client, engine, gate):
-        first = await client.responses.create(
-            model="tiny", input="In the beginning", background=True, max_output_tokens=LONG
-        )
-        # Taken up at once (its forward pass is held): in progress, not queued.
-        await until_status(client, first.id, "in_progress")
+        first = await running_first(client)
         second = await client.responses.create(
             model="tiny", input="And God said", background=True, max_output_tokens=8
         )
@@ -138,10 +144,7 @@ async def test_a_background_response_waiting_for_the_scheduler_is_queued_until_t
 
 async def test_a_streamed_background_response_says_queued_then_in_progress_when_taken_up():
     async with one_at_a_time() as (client, _, gate):
-        first = await client.responses.create(
-            model="tiny", input="In the beginning", background=True, max_output_tokens=LONG
-        )
-        await until_status(client, first.id, "in_progress")
+        await running_first(client)
         stream = await client.responses.create(
             model="tiny", input="And God said", background=True, stream=True, max_output_tokens=8
         )
@@ -170,10 +173,7 @@ async def test_a_response_not_in_the_background_is_in_progress_at_once_even_whil
     """OpenAI's foreground responses are never queued: created in progress, then in
     progress, whatever the engine's queue; the text comes once the engine takes it up."""
     async with one_at_a_time() as (client, engine, gate):
-        first = await client.responses.create(
-            model="tiny", input="In the beginning", background=True, max_output_tokens=LONG
-        )
-        await until_status(client, first.id, "in_progress")
+        await running_first(client)
         stream = await client.responses.create(
             model="tiny", input="And God said", stream=True, max_output_tokens=8
         )
@@ -192,10 +192,7 @@ async def test_a_response_not_in_the_background_is_in_progress_at_once_even_whil
 
 async def test_cancelling_a_queued_background_response_ends_it_unstarted_freeing_nothing_else():
     async with one_at_a_time() as (client, engine, gate):
-        first = await client.responses.create(
-            model="tiny", input="In the beginning", background=True, max_output_tokens=LONG
-        )
-        await until_status(client, first.id, "in_progress")
+        first = await running_first(client)
         second = await client.responses.create(
             model="tiny", input="And God said", background=True, max_output_tokens=8
         )

@@ -14,40 +14,29 @@ from aiohttp import web
 from replystream.server import running
 from tests.processes import replica
 from tests.sse_client import post_events
-from tests.test_upstream_routing import Upstream, chunk
+from tests.test_upstream_routing import chunk
+from tests.test_upstream_stop_across_seam import CrashesThenContinues
 
 pytestmark = pytest.mark.slow
 
 
-class CrashesThenChecksLimits(Upstream):
-    """Asked afresh: four words, then the connection closes (a crash). Asked to continue:
-    a 400 when ``min_tokens`` is above ``max_tokens``, as vLLM answers; else two words and a
-    finish."""
+class ChecksLimits(CrashesThenContinues):
+    """Four words before the crash; asked to continue, a 400 when ``min_tokens`` is above
+    ``max_tokens``, as vLLM answers, else two words and a finish."""
 
     def __init__(self) -> None:
-        super().__init__(["m"])
+        words = b"".join(chunk(w) for w in ("a ", "b ", "c ", "d "))
+        super().__init__(words, chunk("e ") + chunk("f") + chunk(None, "length"))
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body: dict[str, Any] = await request.json()
-        self.bodies.append(body)
+    def answer_instead(self, body: dict[str, Any]) -> web.Response | None:
         if body.get("min_tokens", 0) > body.get("max_tokens", 1 << 30):
             message = "min_tokens must be less than or equal to max_tokens"
             return web.json_response({"error": {"message": message}}, status=400)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        if not body.get("continue_final_message"):
-            await response.write(b"".join(chunk(w) for w in ("a ", "b ", "c ", "d ")))
-            await response.drain()
-            assert request.transport is not None
-            request.transport.close()
-            return response
-        await response.write(chunk("e ") + chunk("f") + chunk(None, "length"))
-        await response.write(b"data: [DONE]\n\n")
-        return response
+        return None
 
 
 async def test_a_continuation_asks_for_what_is_left_of_min_tokens():
-    upstreams = [CrashesThenChecksLimits(), CrashesThenChecksLimits()]
+    upstreams = [ChecksLimits(), ChecksLimits()]
     async with running(upstreams[0].app()) as one, running(upstreams[1].app()) as two:
         relay_args = (f"--engine=upstream:{one}/v1", f"--engine=upstream:{two}/v1")
         async with replica(*relay_args, "--upstream-continue") as (_, relay):

@@ -763,6 +763,12 @@ def in_our_words(message: str) -> bool:
     return not any(word in message for word in LIBRARY_WORDS)
 
 
+def error_500(content_type: bytes, page: bytes) -> bytes:
+    """A whole 500 answer with ``page`` as its body, the connection closed after it."""
+    head = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: %s\r\n" % content_type
+    return head + b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+
+
 async def raw_upstream(answer: bytes) -> tuple[asyncio.Server, str]:
     """A TCP server that reads what comes, writes ``answer`` (maybe nothing) and hangs up."""
 
@@ -812,9 +818,7 @@ async def test_an_answer_that_is_not_http_is_named_as_such():
 
 async def test_an_error_page_from_the_upstream_is_not_quoted():
     page = b"<html><body><h1>500 Internal Server Error</h1><pre>Traceback...</pre></body></html>"
-    answer = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/html\r\n"
-    answer += b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
-    server, base = await raw_upstream(answer)
+    server, base = await raw_upstream(error_500(b"text/html", page))
     async with server:
         status, error = await relay_error(base)
     assert status == 502 and error["code"] == "upstream_error_status"
@@ -832,9 +836,7 @@ async def test_a_traceback_in_an_upstreams_error_is_cut_to_its_exception():
         "RuntimeError: kv cache full"
     )
     page = json.dumps({"error": {"message": trace, "type": "internal_server_error"}}).encode()
-    answer = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
-    answer += b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
-    server, base = await raw_upstream(answer)
+    server, base = await raw_upstream(error_500(b"application/json", page))
     async with server:
         status, error = await relay_error(base)
     assert status == 502 and error["code"] == "upstream_error_status"

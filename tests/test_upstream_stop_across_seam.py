@@ -21,31 +21,45 @@ from tests.test_upstream_routing import Upstream, chunk
 pytestmark = pytest.mark.slow
 
 
-class SplitsTheStop(Upstream):
-    """Asked afresh: ``hello `` and ``ST``, then the connection closes (a crash). Asked to
-    continue (a final assistant message): ``OP`` and `` world``, and a finish."""
+class CrashesThenContinues(Upstream):
+    """Asked afresh: ``first`` (chunks), then the connection closes (a crash). Asked to
+    continue (a final assistant message): ``rest`` (chunks ending with a finish), and
+    ``[DONE]``; unless ``answer_instead`` answers the request instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: bytes, rest: bytes) -> None:
         super().__init__(["m"])
+        self.first, self.rest = first, rest
+
+    def answer_instead(self, body: dict[str, Any]) -> web.Response | None:
+        return None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body: dict[str, Any] = await request.json()
         self.bodies.append(body)
+        refused = self.answer_instead(body)
+        if refused is not None:
+            return refused
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         if not body.get("continue_final_message"):
-            await response.write(chunk("hello ") + chunk("ST"))
+            await response.write(self.first)
             await response.drain()
             assert request.transport is not None
             request.transport.close()
             return response
-        await response.write(chunk("OP") + chunk(" world") + chunk(None, "stop"))
+        await response.write(self.rest)
         await response.write(b"data: [DONE]\n\n")
         return response
 
 
+def splits_the_stop() -> CrashesThenContinues:
+    """``hello `` and ``ST`` before the crash; ``OP`` and `` world`` after it."""
+    before = chunk("hello ") + chunk("ST")
+    return CrashesThenContinues(before, chunk("OP") + chunk(" world") + chunk(None, "stop"))
+
+
 async def test_a_stop_string_split_across_a_seam_ends_the_reply_before_it():
-    upstreams = [SplitsTheStop(), SplitsTheStop()]
+    upstreams = [splits_the_stop(), splits_the_stop()]
     async with running(upstreams[0].app()) as one, running(upstreams[1].app()) as two:
         relay_args = (f"--engine=upstream:{one}/v1", f"--engine=upstream:{two}/v1")
         async with replica(*relay_args, "--upstream-continue") as (_, relay):
