@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,10 @@ from replystream.engine.kv_cache import (
     OutOfBlocks,
     PagedKVCache,
 )
-from replystream.engine.model import KVStep
+from replystream.engine.model import KVStep, ModelConfig
+from replystream.engine.tiny import ASSETS
+from replystream.engine.tiny_config import TinyEngineConfig
+from replystream.lab.kvcalc import format_bytes
 
 
 def test_reserve_grows_by_whole_blocks_and_free_returns_them() -> None:
@@ -109,3 +114,21 @@ def test_a_step_past_the_reserved_blocks_is_refused() -> None:
     cache.allocator.reserve(0, 4)
     with pytest.raises(OutOfBlocks):
         cache.step([(0, 3, 2)], [[0]])
+
+
+def test_model_doc_states_the_tiny_engines_default_pool_as_allocated() -> None:
+    # docs/model.md's table of the two models gives each default pool's size; the tiny
+    # engine's is what its default config allocates for the shipped model's shape.
+    shape = ModelConfig.from_json(ASSETS / "config.json")
+    config = TinyEngineConfig()
+    cache = PagedKVCache(
+        shape.n_layers, shape.n_kv_heads, shape.head_dim, config.num_blocks, config.block_size
+    )
+    tokens = config.num_blocks * config.block_size
+    doc = Path(__file__).resolve().parent.parent / "docs" / "model.md"
+    row = next(line for line in doc.read_text().splitlines() if line.startswith("| default pool"))
+    tiny = row.rstrip(" |").rsplit("|", 1)[1].strip()
+    assert tiny.startswith(
+        f"{config.num_blocks} blocks of {config.block_size} = {tokens:,} tokens, "
+        f"{format_bytes(cache.pool_bytes)}:"
+    )
