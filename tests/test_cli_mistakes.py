@@ -824,6 +824,8 @@ def test_a_password_in_a_measured_url_is_refused_without_being_repeated(argv: li
     line = one_line(done)
     assert "a URL with a user name or password" in line, line
     assert "s3cret" not in line
+    # Each of these tools takes the key as a header; the line says how, for the tool run.
+    assert "send the key with --header 'Authorization: Bearer KEY'" in line, line
 
 
 def test_a_histogram_length_too_long_to_build_names_its_line(tmp_path: Path):

@@ -210,7 +210,7 @@ def _measured_target(text: str) -> str:
     if "@" in urlsplit(text).netloc:
         raise argparse.ArgumentTypeError(
             "a URL with a user name or password: they would not be sent as credentials; "
-            "drop them from the URL (bench sends an Authorization with --header)"
+            "drop them from the URL and send the key with --header 'Authorization: Bearer KEY'"
         )
     return _with_valid_port(text)
 
