@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -304,6 +305,34 @@ async def test_a_server_that_never_answers_stops_the_lab_after_its_timeout():
         )
     assert done.returncode == 1
     assert "timed out after 0.5 s" in one_line_error(done)
+
+
+async def test_a_server_that_never_completes_the_handshake_stops_the_lab_after_its_timeout():
+    # A listener whose accept queue is full drops each new SYN, as a host behind a firewall
+    # that drops packets does: a connect waits for the kernel's retries (about two minutes).
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        queued = [socket.socket() for _ in range(3)]
+        for sock in queued:
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+        try:
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [*LAB, "--url", f"http://127.0.0.1:{port}", "--timeout", "0.5", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=30,  # far less than the kernel's retries: this run must not wait them
+            )
+        finally:
+            for sock in queued:
+                sock.close()
+    assert done.returncode == 1 and done.stdout == ""
+    line = one_line_error(done)
+    assert line.startswith(f"replystream lab: --url http://127.0.0.1:{port}: cannot connect")
+    assert "no connection within 0.5 s" in line
 
 
 def children_of(pid: int) -> list[int]:

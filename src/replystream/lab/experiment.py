@@ -11,10 +11,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 from replystream.client import ReplyTiming, measure_reply
-from replystream.client.transport import Connection, connect
+from replystream.client.transport import ConnectError, Connection, connect
 from replystream.stats import percentile
 
 MODES = ("wait", "stream")
@@ -134,6 +134,22 @@ class LabRun:
         return out
 
 
+async def _connect(url: str, timeout_s: float) -> Connection:
+    """A connection to ``url``'s server, made within ``timeout_s``.
+
+    Raises:
+        ConnectError: none was made; a host that drops the handshake (a full accept queue, a
+            firewall) is waited for as long as a call, not for the kernel's retries.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await connect(url)
+    except TimeoutError:
+        where = urlsplit(url).netloc
+        message = f"cannot connect to {where}: no connection within {timeout_s:g} s"
+        raise ConnectError(message, refused=False) from None
+
+
 def _median_p95(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"median": None, "p95": None}
@@ -166,7 +182,7 @@ async def run_experiment(
     # Its connection is made as the calls' are, so a server not there is said as for them.
     for mode in MODES:
         warm_up = f"{url}/{mode}?max_tokens=1"
-        warm = await connect(url)
+        warm = await _connect(url, config.timeout_s)
         timing = await measure_reply(
             warm_up, headers=config.headers, connection=warm, timeout_s=config.timeout_s
         )
@@ -179,7 +195,7 @@ async def run_experiment(
     try:
         for mode in MODES:
             for _ in range(config.calls):
-                connections[mode].append(await connect(url))
+                connections[mode].append(await _connect(url, config.timeout_s))
         async with asyncio.TaskGroup() as group:
             tasks = {
                 mode: [group.create_task(one(mode, i, c)) for i, c in enumerate(connections[mode])]
