@@ -19,7 +19,13 @@ the others do not name it. It also decides which upstream misbehaviour ends a re
 as an ``UpstreamStreamError`` with its own code, within bounded memory:
 - ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style);
 - ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
-  ``choices`` is null or absent has none: that is no failure);
+  ``choices`` is null or absent has none: that is no failure). A lone UTF-16 surrogate
+  escape is no failure either: Node.js's ``JSON.stringify`` writes one for each half of a
+  character its server cut between two chunks. The halves are joined (a text's high
+  surrogate at its end and the next text's low one at its start, into the one character),
+  and any surrogate left alone becomes U+FFFD, as a UTF-8 decoder's bad bytes do; such an
+  event is read again by ``json`` (pydantic's parser refuses a lone surrogate), the rest
+  as before;
 - ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
@@ -36,6 +42,7 @@ upstream was picked, or anything about our own HTTP server.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
@@ -158,6 +165,50 @@ def _error_event(data: str, withheld: tuple[str, ...]) -> str:
     return f"reported an error mid-reply: {_message_of(body.get('error', body), withheld)}"
 
 
+# A JSON escape of a UTF-16 surrogate (``\\ud83d``): pydantic's parser refuses an event with one
+# that is alone, which is the only kind sent to ``_with_lone_surrogates`` (a pair is parsed).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogates_replaced(text: str, *, keep_ends: bool = False) -> str:
+    """``text`` with each surrogate not in a pair as U+FFFD; with ``keep_ends``, but for a
+    low surrogate that begins it and a high one that ends it (a character's halves that
+    the chunks before and after it hold the others of)."""
+    if _SURROGATE.search(text) is None:
+        return text
+    head = tail = ""
+    if keep_ends:
+        if "\udc00" <= text[0] <= "\udfff":
+            head, text = text[0], text[1:]
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            tail, text = text[-1], text[:-1]
+    # Through UTF-16: a pair is its character, a lone half the decoder's U+FFFD.
+    middle = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return head + middle + tail
+
+
+def _mended(value: object) -> object:
+    """A value ``json`` parsed with every lone surrogate in its strings as U+FFFD."""
+    if type(value) is str:
+        return _lone_surrogates_replaced(value)
+    if type(value) is list:
+        return [_mended(item) for item in value]
+    if type(value) is dict:
+        return {_lone_surrogates_replaced(k): _mended(v) for k, v in value.items()}
+    return value
+
+
+def _joined(high: str, text: str) -> str:
+    """A high surrogate held from one text before the next ``text``: the character the
+    pair makes when ``text`` begins with the low one, else U+FFFD (and ``text``'s own low
+    surrogate at its start, if alone, U+FFFD too)."""
+    if "\udc00" <= text[0] <= "\udfff":
+        pair = (high + text[0]).encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+        return pair + text[1:]
+    return "\ufffd" + text
+
+
 # What cannot stand in a JSON string as it is: a quote, a backslash, a control character.
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
 # The end of a chunk's bytes just before its text: the delta's ``content`` key, or a legacy
@@ -242,6 +293,10 @@ class ChunkReader:
         self._template: tuple[bytes, bytes] | None = None
         self._common_text: str | None = None  # the text of the last read's common chunk
         self._common_key = _CONTENT_KEY  # the key of its text (chat's, or a legacy one's)
+        # A text's last delta whose text ended with a character's high surrogate (its low
+        # one in the next text, as Node.js's servers cut them): held back, its text only
+        # that surrogate, until the next text's delta, which it goes out joined to.
+        self._held: Delta | None = None
 
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
         self._ended = self._failed = True
@@ -331,10 +386,81 @@ class ChunkReader:
             # nesting bound of its own (a ValueError, where json.loads recurses).
             chunk = from_json(data)
         except ValueError:
-            raise self._fail(
-                f"{self._where} sent an event that is not JSON ({len(data)} characters)",
-                "upstream_bad_chunk",
-            ) from None
+            if _SURROGATE_ESCAPE.search(data) is None:
+                raise self._not_json(data) from None
+            chunk = self._with_lone_surrogates(data)
+        else:
+            if self._held is None:
+                self._on_chunk(chunk, now)
+                return
+        # A surrogate alone in it, or one held from the last: its texts' deltas are mended.
+        start = len(self._pending)
+        try:
+            self._on_chunk(chunk, now)
+        finally:
+            self._mend(start)
+
+    def _not_json(self, data: str) -> UpstreamStreamError:
+        return self._fail(
+            f"{self._where} sent an event that is not JSON ({len(data)} characters)",
+            "upstream_bad_chunk",
+        )
+
+    def _with_lone_surrogates(self, data: str) -> object:
+        """An event pydantic's parser refused, with a surrogate escape in it, as ``json``
+        reads it: each string's lone surrogates U+FFFD, but for those at the ends of a
+        choice's text, which ``_mend`` joins to their texts' neighbours."""
+        try:
+            # Recursive, as ``_mended`` is: a nesting past Python's limit is no chunk.
+            chunk = json.loads(data)
+            mended = _mended(chunk)
+        except (ValueError, RecursionError):
+            raise self._not_json(data) from None
+        if type(chunk) is dict and type(mended) is dict and type(chunk.get("choices")) is list:
+            for raw, choice in zip(chunk["choices"], mended["choices"], strict=True):
+                if type(raw) is not dict:
+                    continue
+                delta = raw.get("delta")
+                if type(delta) is dict and type(delta.get("content")) is str:
+                    choice["delta"]["content"] = _lone_surrogates_replaced(
+                        delta["content"], keep_ends=True
+                    )
+                elif delta is None and type(raw.get("text")) is str:
+                    choice["text"] = _lone_surrogates_replaced(raw["text"], keep_ends=True)
+        return mended
+
+    def _mend(self, start: int) -> None:
+        """The text deltas queued from ``start`` on, made of texts with a surrogate left at
+        an end (``_with_lone_surrogates``) or after one held: each joined to the one held
+        before it, and one ending in a high surrogate held in turn. No template is learned
+        from them, and none is used while one is held (its text is not that chunk's)."""
+        self._common_text = None
+        pending = self._pending
+        made = [pending.pop() for _ in range(len(pending) - start)]
+        for delta in reversed(made):
+            text = delta.text
+            if not text:
+                pending.append(delta)
+                continue
+            held, self._held = self._held, None
+            if held is not None:
+                text = _joined(held.text, text)
+                logprobs = delta.logprobs
+                if held.logprobs and logprobs:
+                    logprobs = held.logprobs + logprobs
+                delta = delta._replace(tokens=held.tokens + delta.tokens, logprobs=logprobs)
+            elif "\udc00" <= text[0] <= "\udfff":
+                text = "\ufffd" + text[1:]
+            if "\ud800" <= text[-1] <= "\udbff":
+                self._template = None
+                if len(text) == 1:
+                    self._held = delta._replace(text=text)
+                    continue
+                self._held = Delta(text[-1], 0, delta.made_at)
+                text = text[:-1]
+            pending.append(delta._replace(text=text))
+
+    def _on_chunk(self, chunk: object, now: float) -> None:
         if not isinstance(chunk, dict):
             raise self._fail(
                 f"{self._where} sent a chunk that is not an object", "upstream_bad_chunk"
@@ -566,6 +692,9 @@ class ChunkReader:
         return last
 
     def _finish_reply(self, now: float) -> None:
+        held, self._held = self._held, None
+        if held is not None:  # no text came after it: a surrogate alone
+            self._pending.append(held._replace(text="\ufffd"))
         if self._usage_tokens is None:  # our count: the thinking not shown is in it too
             extra = self._hidden_tokens
         else:
