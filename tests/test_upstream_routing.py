@@ -528,6 +528,22 @@ async def test_a_stall_continues_at_another_upstream_only_when_allowed(continuat
     assert got.text == "w0 w1 w2 " + "w0 w1 w2 w3 w4 "
 
 
+async def test_each_attempts_access_log_line_counts_the_tokens_it_relayed_itself(caplog):
+    """After a continuation the reply's tokens are both upstreams', but each attempt's line
+    says what that attempt relayed, as its ``ms`` is its own time."""
+    stalling, other = Upstream(["m"], mode="stall"), Upstream(["m"], words=5)
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    async with relay([stalling, other], stall_s=0.4) as url:
+        body = {"prompt": "hi", "upstream_continue": True}
+        got = await post_events(f"{url}/v1/replies", body)
+    assert got.types.count("continued") == 1 and got.types[-1] == "done"
+    lines = [json.loads(r.getMessage()) for r in caplog.records if '"attempt"' in r.getMessage()]
+    assert [(line["attempt"], line["result"], line["relayed_tokens"]) for line in lines] == [
+        (1, "stalled", 3),
+        (2, "ok", 5),
+    ]
+
+
 async def test_every_route_says_a_relay_failure_in_its_own_dialect_and_our_words():
     async with relay([Upstream(["m"], mode="busy")]) as url:
         claude = await post_events(

@@ -72,6 +72,7 @@ class AttemptSeries:
     __slots__ = (
         "_affinity",
         "_attempt_began",
+        "_attempt_from",
         "_attempts",
         "_backend",
         "_began",
@@ -139,6 +140,7 @@ class AttemptSeries:
         self._sent: list[str] = []  # every text relayed, in order (with continuation on)
         self._relayed_any = False
         self._tokens = 0
+        self._attempt_from = 0  # of ``_tokens``, those relayed before the current attempt
         # The current attempt's watchdog timer (the reading reply's: ``upstream_relay``).
         self._timer: asyncio.TimerHandle | None = None
         self._last_error: EngineError | None = None
@@ -194,6 +196,7 @@ class AttemptSeries:
                 admitted()
             self._hold = hold
             self._backend, self._attempt_began = backend, time.monotonic()
+            self._attempt_from = self._tokens
             self._flowing = False
             # The time to the first content counts from here, the head's wait included: an
             # upstream slow to answer at all goes the way of one slow to write.
@@ -407,7 +410,8 @@ class AttemptSeries:
             self._log(backend, result, error)
 
     def _log(self, backend: Backend, result: str, error: EngineError | None) -> None:
-        more: dict[str, object] = {"relayed_tokens": self._tokens}
+        # This attempt's own, as ``ms`` is: after a seam, the tokens before it are another's.
+        more: dict[str, object] = {"relayed_tokens": self._tokens - self._attempt_from}
         if self._model != self._fallbacks[0]:
             more["model"] = self._model  # a fallback's
         if error is not None:
