@@ -191,6 +191,9 @@ class TimedEngine:
     def model_names(self) -> tuple[str, ...]:
         return self.inner.model_names()
 
+    def default_model(self) -> str | None:
+        return self.inner.default_model()
+
     def passes_unlisted_models(self) -> bool:
         return self.inner.passes_unlisted_models()
 

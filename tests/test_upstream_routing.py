@@ -27,6 +27,7 @@ from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.engine.upstream_routes import load_routes
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
+from tests.conftest import wait_for
 from tests.processes import launch, ready_url, replica, stop
 from tests.rawhttp import raw_request
 from tests.sse_client import post_events
@@ -317,7 +318,7 @@ async def test_with_no_upstreams_models_known_a_request_is_sent_the_model_it_nam
 async def test_an_upstream_model_no_upstream_lists_is_said_at_start_and_to_each_request():
     """serve --upstream-model bta (a typo: the upstream lists beta): the server says so as it
     starts and at /healthz, and a request for no model gets a 404 naming both, not a 503
-    that invites it to retry; a request naming beta is served."""
+    that invites it to retry; a request naming beta is served, and only beta is listed."""
     beta = Upstream(["beta"])
     async with running(beta.app()) as upstream:
         process = await launch(
@@ -330,6 +331,7 @@ async def test_an_upstream_model_no_upstream_lists_is_said_at_start_and_to_each_
             health_status, health = await get_json(f"{url}/healthz")
             got = await post_events(f"{url}/v1/chat/completions", CHAT_HI)
             named = await post_events(f"{url}/v1/chat/completions", {**CHAT_HI, "model": "beta"})
+            models_status, listing = await get_json(f"{url}/v1/models")
         finally:
             await stop(process)
     unserved = "no upstream serves the model 'bta' (--upstream-model"
@@ -341,6 +343,63 @@ async def test_an_upstream_model_no_upstream_lists_is_said_at_start_and_to_each_
     assert unserved in error["message"] and "they serve 'beta'" in error["message"], error
     assert named.status == 200 and named.chat_text == "w0 w1 w2 "
     assert [body["model"] for body in beta.bodies] == ["beta"]
+    # Listed are the models a request may be served: not the typo.
+    assert models_status == 200 and [m["id"] for m in listing["data"]] == ["beta"], listing
+
+
+async def test_an_upstream_model_no_upstream_lists_is_not_listed_and_still_refused_by_name():
+    """--upstream-model m9 (a typo) while the upstreams list m1 and m3: /v1/models lists
+    what a request may be served, so not m9; a request for no model, or for m9, is still
+    the 404 that names the option (not sent to m1 instead); one for m3 is served."""
+    async with relay([Upstream(["m1"]), Upstream(["m3"])], model="m9") as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert status == 200 and [m["id"] for m in listing["data"]] == ["m1", "m3"]
+        one_status, _ = await get_json(f"{url}/v1/models/m9")
+        assert one_status == 404
+        for body in (CHAT_HI, {**CHAT_HI, "model": "m9"}):
+            got = await post_events(f"{url}/v1/chat/completions", body)
+            assert got.status == 404, got.raw
+            message = json.loads(got.raw)["error"]["message"]
+            assert "no upstream serves the model 'm9' (--upstream-model" in message, message
+        served = await post_events(f"{url}/v1/chat/completions", {**CHAT_HI, "model": "m3"})
+        assert served.status == 200 and served.chat_text == "w0 w1 w2 "
+    async with relay([Upstream(["m1"]), Upstream(["m3"])], model="m3") as url:
+        status, listing = await get_json(f"{url}/v1/models")
+        assert [m["id"] for m in listing["data"]] == ["m3", "m1"]  # served: the default first
+
+
+class ListsLater(Upstream):
+    """Answers its ``/models`` 503 until ``listing`` is set (an upstream still starting)."""
+
+    listing = False
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        if not self.listing:
+            return web.json_response({"error": {"message": "loading"}}, status=503)
+        return await super().list_models(request)
+
+
+async def test_an_upstream_model_found_unserved_after_start_up_is_said_once(caplog):
+    """The upstreams' lists are learned only after start-up (none answered its first probe):
+    once they are, and none lists --upstream-model, the log says so once, naming the option,
+    however many probes follow."""
+    later = ListsLater(["m1"])
+    caplog.set_level(logging.WARNING, logger="replystream.upstream")
+    async with relay([later], model="m9", health_s=0.1) as url:
+        _, listing = await get_json(f"{url}/v1/models")
+        assert [m["id"] for m in listing["data"]] == ["m9"]  # nothing known yet: maybe served
+        later.listing = True
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "--upstream-model" in r.getMessage()]
+
+        await wait_for(lambda: bool(said()), timeout_s=10.0)
+        await asyncio.sleep(0.5)  # several more rounds of probes
+        _, listing = await get_json(f"{url}/v1/models")
+        assert [m["id"] for m in listing["data"]] == ["m1"]
+    [warning] = said()
+    assert warning.startswith("no upstream serves the model 'm9' (--upstream-model"), warning
+    assert "they serve 'm1'" in warning and "/healthz answers 503" in warning
 
 
 async def test_an_alias_for_a_model_no_upstream_lists_is_not_served():

@@ -545,6 +545,9 @@ class InProcessEngine:
     def model_names(self) -> tuple[str, ...]:
         return ()
 
+    def default_model(self) -> str | None:
+        return None
+
     def passes_unlisted_models(self) -> bool:
         return False
 
@@ -642,6 +645,13 @@ class Engine(Protocol):
         """The model names requests may ask for (``EngineStats.models``), asked on every
         request: answered without gathering the engine's stats. Empty: the engine answers to
         one name, the server's."""
+        ...
+
+    def default_model(self) -> str | None:
+        """The model a request that names none is sent as when the engine is told one (a
+        relay's ``--upstream-model``), listed by ``model_names`` or not (a name no upstream
+        serves is not listed, and its requests are refused in words that name the option);
+        None: the first of ``model_names``, else the server's name."""
         ...
 
     def passes_unlisted_models(self) -> bool:

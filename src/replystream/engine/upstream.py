@@ -261,7 +261,11 @@ class UpstreamEngine:
             interval_s=config.health_s,
             path=config.health_path,
             keepalive_s=config.keepalive_s,
+            after_round=self._note_default,
         )
+        # Whether ``--upstream-model`` is known to be served by no upstream, and said so
+        # (None: no round of probes yet). Start-up says it with the server's readiness.
+        self._default_unserved: bool | None = None
         self._counts = {"started": 0, "finished": 0, "cancelled": 0, "failed": 0}
         self._deltas = 0
         for name, proxy in self._keys.proxies.items():
@@ -384,13 +388,20 @@ class UpstreamEngine:
             del self._choice_rooms[group]
         return choices
 
+    def _may_serve(self, model: str | None, *, or_fallback: bool = True) -> bool:
+        """Whether some upstream may serve ``model`` (lists it, or lists nothing known), or
+        (``or_fallback``: a reply's request, which goes on to them) one of its fallbacks."""
+        real = self.pool.resolve(model)
+        return bool(self.pool.serving(real)) or (
+            or_fallback and self.pool.reached_by_fallback(real)
+        )
+
     def _unserved(self, model: str | None, *, or_fallback: bool = True) -> str | None:
         """What is wrong when no upstream serves ``model`` (each lists its models, and none
         lists it), naming what they do list and, for ``--upstream-model``, that it is the
         option's; None while some upstream may serve it, or (``or_fallback``: a reply's
         request, which goes on to them) one of its fallbacks."""
-        real = self.pool.resolve(model)
-        if self.pool.serving(real) or (or_fallback and self.pool.reached_by_fallback(real)):
+        if self._may_serve(model, or_fallback=or_fallback):
             return None
         named = f"the model {model!r}"
         if model == self.config.model:
@@ -652,11 +663,32 @@ class UpstreamEngine:
 
     def model_names(self) -> tuple[str, ...]:
         """The upstreams' models, the default first: ``--upstream-model`` when given, what
-        a request for no model is sent as."""
+        a request for no model is sent as; but not while no upstream may serve it (every
+        one lists its models, and none lists it: a typo, said in the log and by
+        ``readiness``), since a request for it is refused (``default_model`` still sends
+        a request for no model there, to be refused in words that name the option)."""
         names, default = self.pool.model_names(), self.config.model
         if default is None or names[:1] == (default,):
             return names
+        if default not in names and not self._may_serve(default):
+            return names
         return (default, *(n for n in names if n != default))
+
+    def default_model(self) -> str | None:
+        return self.config.model
+
+    def _note_default(self) -> None:
+        """After each round of probes: when ``--upstream-model`` has come to be a model no
+        upstream serves since the round before (their lists learned only after start-up,
+        say, whose readiness said so of the first round), say so once in the log, naming the
+        option, until it is served again."""
+        model = self.config.model
+        if model is None:
+            return
+        unserved = self._unserved(model)
+        if unserved is not None and self._default_unserved is False:
+            log.warning("%s; /healthz answers 503", unserved)
+        self._default_unserved = unserved is not None
 
     def passes_unlisted_models(self) -> bool:
         """While some upstream's models are not known (its ``/models`` does not list them,

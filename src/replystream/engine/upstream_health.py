@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic_core import from_json
 
@@ -79,8 +79,10 @@ class HealthProber:
         path: str = "/models",
         timeout_s: float = PROBE_TIMEOUT_S,
         keepalive_s: float = KEEPALIVE_S,
+        after_round: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
+        self._after_round = after_round  # called after each round of every upstream's probe
         # Probes go over the relay's own HTTP client (its TLS, proxies and failures, as a
         # relayed request meets them), on connections of their own: one kept alive per
         # upstream, made again when its TLS or proxy changes (``_origin``).
@@ -111,6 +113,8 @@ class HealthProber:
     async def probe_all(self) -> None:
         await self.probe(self._pool.backends)
         self._probed = True
+        if self._after_round is not None:
+            self._after_round()
         served = {b.name for b in self._pool.backends}
         for name in [name for name in self._origins if name not in served]:
             self._origins.pop(name)[0].close()  # out of the routes

@@ -87,9 +87,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         ServerConfig,
         args,
         SERVE_SETTINGS,
-        # A relay's requests for no model are sent as --upstream-model: the server's own name
-        # says so (it labels their replies), unless --model-name gives another.
-        model_name=args.model_name or getattr(args, "upstream_model", None),
+        # A relay's requests for no model are sent as --upstream-model, and labelled so
+        # unless --model-name gives another name: the engine's own default
+        # (``Engine.default_model``), listed only while some upstream may serve it.
+        model_name=args.model_name,
         policy=settings.fill(DeliveryPolicy, args, SERVE_SETTINGS, checks=checks),
         guard=settings.fill(GuardConfig, args, SERVE_SETTINGS),
         api_keys=tuple(collect_keys(args.api_key, args.api_keys_file)),

@@ -64,15 +64,19 @@ STARTED_AT = web.AppKey("openai_started_at", int)
 
 
 def served_model(app: web.Application) -> str:
-    """The model a request that names none is served as: ``--model-name``; else, for an
-    engine that lists models (a relay: its upstreams'), the first it lists (its default), so
+    """The model a request that names none is served as: ``--model-name``; else the engine's
+    own default (``--upstream-model``); else, for an engine that lists models (a relay: its
+    upstreams'), the first it lists (its default), so
     a reply's ``model`` is one ``GET /v1/models`` shows and the request goes where that model
     is served; else the engine's own name."""
     return _default_model(app, app[ENGINE_KEY].model_names())
 
 
 def _default_model(app: web.Application, names: tuple[str, ...]) -> str:
-    return app[CONFIG_KEY].model_name or (names[0] if names else app[ENGINE_KEY].name)
+    engine = app[ENGINE_KEY]
+    return (
+        app[CONFIG_KEY].model_name or engine.default_model() or (names[0] if names else engine.name)
+    )
 
 
 def listed_models(app: web.Application) -> list[str]:
