@@ -13,6 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from replystream.client import ReplyTiming
+from replystream.lab.experiment import LabConfig, LabRun
 from replystream.lab.local_server import READY, announced_process, local_server
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
@@ -367,3 +369,36 @@ async def test_the_labs_server_ends_with_the_lab_however_the_lab_is_stopped(sent
     os.kill(lab.pid, getattr(signal, sent))
     await lab.wait()
     await wait_for(lambda: ended(server), timeout_s=30)  # its shutdown: no stream left to end
+
+
+def _timing(first_ms: float | None, total_ms: float | None, *, streamed: bool) -> ReplyTiming:
+    return ReplyTiming(
+        url="http://h/stream" if streamed else "http://h/wait",
+        streamed=streamed,
+        complete=first_ms is not None,
+        error=None if first_ms is not None else "cut",
+        status=200,
+        headers_ms=1.0,
+        first_byte_ms=first_ms,
+        first_text_ms=first_ms,
+        last_text_ms=total_ms,
+        closed_ms=total_ms or 50.0,
+        body_bytes=10,
+        text="a b",
+        tokens=2,
+    )
+
+
+def test_the_modes_are_compared_over_the_calls_complete_in_both():
+    # Call i of both modes asks for the same reply: the comparison pairs them. Only call 0 of
+    # the stream completed: compared against the wait's call 0 alone, not the median of all
+    # five waits (which would credit streaming with 2 s it never saved).
+    waits = [_timing(t, t, streamed=False) for t in (1000.0, 2000.0, 3000.0, 4000.0, 5000.0)]
+    streams = [_timing(10.0, 1001.0, streamed=True)] + [
+        _timing(None, None, streamed=True) for _ in range(4)
+    ]
+    result = LabRun(LabConfig(calls=5), {"wait": waits, "stream": streams}).summary()
+    assert result["compared_calls"] == 1
+    assert result["first_text_sooner_ms"] == 990.0
+    assert result["total_median_diff_ms"] == 1.0
+    assert result["wait"]["first_text_ms"]["median"] == 3000.0  # each mode's own row: all

@@ -218,12 +218,15 @@ def render_table(result: dict[str, Any], console: Console) -> None:
                 soft_wrap=True,  # one line, however long the reasons
             )
     if result["first_text_sooner_ms"] is None:
-        console.print("Some calls did not complete: no comparison is made.")
+        console.print("No call completed in both modes: no comparison is made.")
         return
+    compared = result["compared_calls"]
+    calls = result["wait"]["calls"]
+    over = "" if compared == calls else f" (over the {compared} of {calls} calls complete in both)"
     console.print(
         f"First text sooner by streaming: {result['first_text_sooner_ms']:,.1f} ms; "
         f"total medians differ by {result['total_median_diff_ms']:+,.1f} ms "
-        f"({result['total_median_diff_pct']:+.2f} %)."
+        f"({result['total_median_diff_pct']:+.2f} %){over}."
     )
 
 

@@ -96,15 +96,30 @@ class LabRun:
                 "tokens": _median_p95(tokens),
                 "errors": sorted({t.error for t in self.timings[mode] if t.error}),
             }
-        wait_first = result["wait"]["first_text_ms"]["median"]
-        stream_first = result["stream"]["first_text_ms"]["median"]
-        wait_total = result["wait"]["total_ms"]["median"]
-        stream_total = result["stream"]["total_ms"]["median"]
-        both = None not in (wait_first, stream_first, wait_total, stream_total)
-        result["first_text_sooner_ms"] = wait_first - stream_first if both else None
-        result["total_median_diff_ms"] = stream_total - wait_total if both else None
+        # Call i of each mode asks for the same reply (seed + i), on the same schedule: the
+        # modes are compared over the calls complete in both, pair by pair, not over
+        # whichever calls of each happened to complete.
+        pairs = [
+            (wait, stream)
+            for wait, stream in (
+                (_times(w), _times(s))
+                for w, s in zip(self.timings["wait"], self.timings["stream"], strict=True)
+            )
+            if wait is not None and stream is not None
+        ]
+        result["compared_calls"] = len(pairs)
+        both = bool(pairs)
+        if both:
+            wait_first = percentile([wait[0] for wait, _ in pairs], 50)
+            stream_first = percentile([stream[0] for _, stream in pairs], 50)
+            wait_total = percentile([wait[1] for wait, _ in pairs], 50)
+            stream_total = percentile([stream[1] for _, stream in pairs], 50)
+        result["first_text_sooner_ms"] = round(wait_first - stream_first, 3) if both else None
+        result["total_median_diff_ms"] = round(stream_total - wait_total, 3) if both else None
         result["total_median_diff_pct"] = (
-            100.0 * (stream_total - wait_total) / wait_total if both and wait_total else None
+            round(100.0 * (stream_total - wait_total) / wait_total, 3)
+            if both and wait_total
+            else None
         )
         config = asdict(self.config)
         # Their names alone: a header's value may be a key, which a result file must not keep.
@@ -148,6 +163,12 @@ async def _connect(url: str, timeout_s: float) -> Connection:
         where = urlsplit(url).netloc
         message = f"cannot connect to {where}: no connection within {timeout_s:g} s"
         raise ConnectError(message, refused=False) from None
+
+
+def _times(timing: ReplyTiming) -> tuple[float, float] | None:
+    """A complete call's first and last text's times (None: incomplete, or no text)."""
+    first, last = timing.first_text_ms, timing.last_text_ms
+    return (first, last) if timing.complete and first is not None and last is not None else None
 
 
 def _median_p95(values: list[float]) -> dict[str, float | None]:
