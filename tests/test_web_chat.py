@@ -608,3 +608,35 @@ async def test_the_eventsource_page_gives_up_once_the_server_cannot_be_reached(b
         assert await page.is_enabled("#go")
         log = await page.locator("#log li").all_text_contents()
         assert "could not be reached in 8 attempts to reconnect" in log[-1], log
+
+
+async def test_an_api_key_a_header_cannot_carry_is_said_so_not_taken_for_a_server_out_of_reach(
+    browser: Browser,
+):
+    # A key pasted with an invisible character past U+00FF (a zero-width space) makes fetch
+    # refuse the Authorization header before anything is sent: the pages said the server
+    # "could not be reached", though it was up and was never asked.
+    engine = TimedEngine(fast_engine(delay_ms=5.0, jitter_ms=0.0))
+    config = ServerConfig(api_keys=("sk-page-test",))
+    async with running(create_app(engine, config)) as url:
+        page = await open_page(browser, url)
+        await page.get_by_label("Wait vs stream").check()
+        await set_delivery(page, api_key="sk-page-test\u200b", max_tokens=4)
+        await send(page, "Hello")
+        for kind in ("stream", "wait"):
+            await wait_state(page, kind, "error")
+            note = await page.text_content(f"{pane(kind)} .pane-note") or ""
+            assert "U+200B" in note and "could not be reached" not in note, note
+        assert engine.replies == []
+
+        await set_delivery(page, api_key="sk-page-test")
+        await page.click(f"{TURN} .turn-actions button:has-text('Retry')")
+        await wait_state(page, "stream", "cut")
+        await wait_state(page, "wait", "cut")
+
+        await page.goto(f"{url}/eventsource.html")
+        await page.fill("#api-key", "sk-page-test\u200b")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="error"]')
+        log = await page.locator("#log li").all_text_contents()
+        assert "U+200B" in log[-1] and "could not be reached" not in log[-1], log

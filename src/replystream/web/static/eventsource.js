@@ -4,7 +4,7 @@
 // A resumable reply keeps generating when its first reader leaves, so nothing is lost.
 
 import { TextSink } from './render.js';
-import { BACKOFF, RESUMABLE_CUTS, refusal, unreachable } from './reply.js';
+import { BACKOFF, RESUMABLE_CUTS, refusal, unreachable, unsendableKey } from './reply.js';
 
 const $ = (selector) => document.querySelector(selector);
 const pane = $('#pane');
@@ -36,6 +36,8 @@ function finish(state, label, message) {
 }
 
 async function startReply(prompt, apiKey) {
+  const badKey = unsendableKey(apiKey);
+  if (badKey) throw new Error(badKey);
   const abort = new AbortController();
   let response;
   try {

@@ -68,6 +68,19 @@ export function unreachable(error) {
 }
 
 
+/**
+ * Why an API key cannot be sent, or null. A header carries only characters up to U+00FF:
+ * given one past it (a zero-width space pasted with the key, say), fetch refuses the request
+ * before sending anything, which would read as a server out of reach.
+ */
+export function unsendableKey(apiKey) {
+  const bad = [...apiKey].find((char) => char.codePointAt(0) > 0xff);
+  if (bad === undefined) return null;
+  const code = bad.codePointAt(0).toString(16).toUpperCase().padStart(4, '0');
+  return `The API key has a character a request header cannot carry (U+${code}); `
+    + 'nothing was sent. Type the key again without it.';
+}
+
 /** Request headers carrying the API key, if the server wants one. */
 function authorization(apiKey) {
   return apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
@@ -124,6 +137,8 @@ export class ReplyRefused extends Error {
  * Options: signal, base (URL prefix), apiKey.
  */
 export async function bufferedReply(body, options = {}) {
+  const badKey = unsendableKey(options.apiKey ?? '');
+  if (badKey) throw new ReplyRefused({ message: badKey, code: 'invalid_api_key' });
   let response;
   try {
     response = await postReply({ ...body, stream: false }, options);
@@ -171,6 +186,8 @@ export class StreamedReply {
 
   /** Run the reply to its end; resolves to an ending (see `ending`), never rejects. */
   async run() {
+    const badKey = unsendableKey(this.#apiKey);
+    if (badKey) return ending('error', badKey, { code: 'invalid_api_key' });
     try {
       const post = postReply(this.#body, {
         base: this.#base, apiKey: this.#apiKey, signal: this.#abort.signal,
