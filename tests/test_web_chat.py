@@ -382,9 +382,15 @@ async def test_api_key_from_the_settings_reaches_every_route_the_pages_use(brows
     config = ServerConfig(api_keys=("sk-page-test",))
     async with running(create_app(engine, config)) as url:
         page = await open_page(browser, url)
+        await page.get_by_label("Wait vs stream").check()
         await send(page, "No key yet.")
-        await wait_state(page, "stream", "error")
-        assert "API key" in (await page.text_content(f"{TURN} .pane-note") or "")
+        # The server's words ask for an Authorization header, which the reader of a page
+        # cannot send: the page says where its key goes.
+        for kind in ("stream", "wait"):
+            await wait_state(page, kind, "error")
+            note = await page.text_content(f"{pane(kind)} .pane-note") or ""
+            assert "API key" in note and "Delivery" in note, note
+        await page.get_by_label("Chat").check()
 
         await set_delivery(page, api_key="sk-page-test")
         await send(page, "Now with the key.")

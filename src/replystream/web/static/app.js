@@ -29,6 +29,10 @@ const CUT_NOTE = 'Cut at the token limit (max tokens, or the end of the model\'s
 // The error codes that say the conversation no longer fits: the engine's context, or the
 // server's --max-prompt-chars (prompt_too_long on the native route).
 const TOO_LONG = new Set(['context_length_exceeded', 'prompt_too_long']);
+// A refused key: the server's words ask for an Authorization header, which a reader of this
+// page cannot send; the page sends the key from its settings.
+const KEY_NOTE = ' The key goes in Delivery → API key.';
+const withKeyNote = (message, code) => (code === 'invalid_api_key' ? message + KEY_NOTE : message);
 
 function formatMs(ms) {
   if (ms === null) return '—';
@@ -286,7 +290,8 @@ async function exchange(turn) {
   turn.stream.start();
   jobs.push(stream.run().then((result) => {
     tooLong ||= TOO_LONG.has(result.code);
-    turn.stream.finish(result.state === 'cut' ? { ...result, message: CUT_NOTE } : result);
+    const message = result.state === 'cut' ? CUT_NOTE : withKeyNote(result.message, result.code);
+    turn.stream.finish({ ...result, message });
   }));
   if (turn.wait) {
     turn.wait.start();
@@ -306,7 +311,7 @@ async function exchange(turn) {
         tooLong ||= error instanceof ReplyRefused && TOO_LONG.has(error.code);
         turn.wait.finish(waitAbort.signal.aborted
           ? { state: 'stopped', message: 'Stopped.' }
-          : { state: 'error', message: error.message });
+          : { state: 'error', message: withKeyNote(error.message, error.code) });
       },
     ));
   }
