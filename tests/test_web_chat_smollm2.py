@@ -125,3 +125,17 @@ async def test_the_third_and_the_tenth_message_of_one_conversation_still_work(
     assert len(last) == 19
     assert [m["content"] for m in last if m["role"] == "user"] == list(QUESTIONS)
     assert [m["content"] for m in last if m["role"] == "assistant"] == answers[:9]
+
+
+async def test_the_eventsource_page_asks_its_prompt_as_a_chat_message(
+    smollm2_url: str, browser: Browser
+) -> None:
+    # Sent as a bare `prompt`, the question was text for the instruction-tuned model to
+    # continue, not a user's message: it ended at once, an empty reply badged complete.
+    page = await open_page(browser, f"{smollm2_url}/eventsource.html")
+    page.set_default_timeout(REPLY_TIMEOUT_MS)
+    await page.fill("#prompt", "What is the capital of France?")
+    await page.click("#go")
+    await page.wait_for_selector('#pane:is([data-state="done"], [data-state="cut"])')
+    answer = await page.text_content("#text") or ""
+    assert len(answer.split()) >= 3, answer

@@ -47,7 +47,9 @@ async function startReply(prompt, apiKey) {
         'Content-Type': 'application/json',
         ...(apiKey ? { Authorization: `Bearer ${apiKey}` } : {}),
       },
-      body: JSON.stringify({ prompt, resumable: true }),
+      // A user's message, as the chat page sends it: a bare `prompt` is text for the model
+      // to continue, and an instruction-tuned model may just end it.
+      body: JSON.stringify({ messages: [{ role: 'user', content: prompt }], resumable: true }),
       signal: abort.signal,
     });
   } catch (error) {
