@@ -646,3 +646,30 @@ async def test_an_api_key_a_header_cannot_carry_is_said_so_not_taken_for_a_serve
         await page.wait_for_selector('#pane[data-state="error"]')
         log = await page.locator("#log li").all_text_contents()
         assert "U+200B" in log[-1] and "could not be reached" not in log[-1], log
+
+
+async def test_leaving_the_eventsource_page_cancels_its_reply_on_the_server(browser: Browser):
+    # A resumable reply keeps generating for --detach-grace-s (30 s) once its reader is gone:
+    # the chat page cancels its reply when closed, the EventSource page left it running.
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=0.0))
+    config = ServerConfig(api_keys=("sk-page-test",))
+    async with running(create_app(engine, config)) as url:
+        page = await open_page(browser, f"{url}/eventsource.html")
+        await page.fill("#api-key", "sk-page-test")  # the cancel must carry it
+        await page.click("#go")
+        await page.wait_for_function(
+            "() => document.querySelector('#text').textContent.split(' ').length > 5"
+        )
+        await page.goto("about:blank")
+        await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+        assert engine.stats().finished == 0
+
+        # A reply that already ended is not cancelled again when the page is left.
+        page = await open_page(browser, f"{url}/eventsource.html")
+        await page.fill("#api-key", "sk-page-test")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="done"]')
+        requests: list[str] = []
+        page.on("request", lambda request: requests.append(request.url))
+        await page.goto("about:blank")
+        assert not [sent for sent in requests if sent.endswith("/cancel")], requests

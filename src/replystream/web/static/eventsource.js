@@ -4,7 +4,9 @@
 // A resumable reply keeps generating when its first reader leaves, so nothing is lost.
 
 import { TextSink } from './render.js';
-import { BACKOFF, RESUMABLE_CUTS, refusal, unreachable, unsendableKey } from './reply.js';
+import {
+  BACKOFF, RESUMABLE_CUTS, cancelReply, refusal, unreachable, unsendableKey,
+} from './reply.js';
 
 const $ = (selector) => document.querySelector(selector);
 const pane = $('#pane');
@@ -16,6 +18,8 @@ let opens = 0;
 let failures = 0;
 let lastSeq = -Infinity;
 let gapsSeen = new Set();  // a gap has no id of its own: it is known by the events it names
+// The reply being read, until the server ends it: leaving the page cancels it there.
+let current = null;
 
 function setState(state, label = state) {
   pane.dataset.state = state;
@@ -29,6 +33,9 @@ function log(message) {
 
 function finish(state, label, message) {
   source?.close();  // without this, EventSource would reconnect even after a normal end
+  // An incomplete reply may still be generating (the page's reading failed, not the reply;
+  // and a page being left closes its source before its pagehide): it stays cancellable.
+  if (state !== 'incomplete') current = null;
   sink.flush();
   setState(state, label);
   log(message);
@@ -68,6 +75,7 @@ async function startReply(prompt, apiKey) {
 }
 
 function follow(id, apiKey) {
+  current = { id, apiKey };
   // EventSource cannot send headers, so the resume route also takes the key in the query.
   const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : '';
   source = new EventSource(`/v1/replies/${encodeURIComponent(id)}/stream${query}`);
@@ -152,4 +160,10 @@ $('#start').addEventListener('submit', async (event) => {
   } catch (error) {
     finish('error', 'error', error.message);
   }
+});
+
+// A resumable reply keeps generating when its reader leaves (for the server's detach grace);
+// leaving the page cancels it, as the chat page does (a keepalive fetch carries the key).
+addEventListener('pagehide', () => {
+  if (current) cancelReply(current.id, { apiKey: current.apiKey });
 });
