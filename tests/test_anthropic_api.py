@@ -119,16 +119,22 @@ async def test_an_engine_failure_mid_stream_is_anthropics_error_event():
     assert "generation_failed" in str(raised.value.body) or "failed" in str(raised.value)
 
 
-async def test_an_idle_stream_is_kept_alive_with_ping_events():
-    engine = fast_engine(reply_text=REPLY, first_token_ms=700.0, delay_ms=1.0, jitter_ms=0.0)
+async def test_an_idle_stream_is_kept_alive_with_ping_events_after_message_start():
+    # Idle before the first token (message_start waits for it) and between the two tokens:
+    # comments keep the stream open before message_start, which Anthropic sends first; pings
+    # after it.
+    engine = fast_engine(reply_text=REPLY, first_token_ms=700.0, delay_ms=600.0, jitter_ms=0.0)
     policy = DeliveryPolicy(keepalive_s=0.2)
     async with running(create_app(engine, ServerConfig(policy=policy))) as url:
         async with aiohttp.ClientSession() as http:
             body = {**ASK, "max_tokens": 2, "stream": True}
             async with http.post(f"{url}/v1/messages", json=body) as response:
-                events = EventParser().feed(await response.read())
+                raw = await response.read()
         async with sdk(url) as client:
             whole = await client.messages.create(**{**ASK, "max_tokens": 2})  # type: ignore[call-overload]
+    events = EventParser().feed(raw)
+    assert raw.startswith(b": keep-alive\n\n")
+    assert events[0].type == "message_start"
     pings = [e for e in events if e.type == "ping"]
     assert pings and all(json.loads(e.data) == {"type": "ping"} for e in pings)
     assert events[-1].type == "message_stop"

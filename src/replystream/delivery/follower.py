@@ -417,7 +417,7 @@ class Follower:
         keepalive = self.policy.keepalive_s
         idle_for = time.monotonic() - self.last_write
         if not result.entries and keepalive is not None and idle_for >= keepalive:
-            frame = self.transport.keepalive()
+            frame = self.transport.keepalive(first=self.cursor.after == 0)
             if frame is not None:
                 await self._send(frame, 0)
             else:

@@ -47,8 +47,9 @@ class FrameTransport(Protocol):
         whose clients read one text and would take a text with a hole for the whole."""
         ...
 
-    def keepalive(self) -> bytes | None:
-        """What an idle stream sends to stay open (None: the transport keeps itself alive)."""
+    def keepalive(self, *, first: bool) -> bytes | None:
+        """What an idle stream sends to stay open (None: the transport keeps itself alive).
+        ``first``: none of the stream's events was sent yet."""
         ...
 
     async def open(self, *, with_first_events: bool) -> None:

@@ -119,8 +119,11 @@ class SSETransport(SocketRoom):
         # The native and lab streams (no notices of a dialect) have a ``gap`` event.
         return self._notices is None or self._notices.tells_gaps
 
-    def keepalive(self) -> bytes:
-        return self._keepalive
+    def keepalive(self, *, first: bool) -> bytes:
+        # A dialect's keep-alive event (Anthropic's ``ping``) never comes before the stream's
+        # first event (``message_start``, which waits for the engine's count of the prompt):
+        # a comment, which every SSE reader skips, keeps the stream open until then.
+        return KEEPALIVE if first else self._keepalive
 
     async def open(self, *, with_first_events: bool) -> None:
         """Headers leave now, before the first token exists: alone, or, when events are

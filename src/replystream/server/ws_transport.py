@@ -288,7 +288,7 @@ class WebSocketTransport(SocketRoom):
     def tells_gaps(self) -> bool:
         return True  # the native messages have a ``gap`` type
 
-    def keepalive(self) -> None:
+    def keepalive(self, *, first: bool) -> None:
         return None  # the socket is kept alive by its own pings (``SocketKeepalive``)
 
     async def open(self, *, with_first_events: bool) -> None:
