@@ -17,6 +17,7 @@ the vocabulary, merges and template strings the file stores).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from replystream.engine.model import ModelConfig
 F32 = NDArray[np.float32]
 
 # GGUF tensor name (per block where ``{i}`` appears) -> Hugging Face Llama parameter name.
+log = logging.getLogger("replystream.engine")
+
 # LLaMA 3's pre-tokenizer names: llama.cpp begins every prompt of such a file with BOS unless
 # the file says not to (``tokenizer.ggml.add_bos_token``); any other, only when it says to.
 BOS_BY_DEFAULT = frozenset({"llama-bpe", "llama3", "llama-v3"})
@@ -189,6 +192,14 @@ def open_gguf(path: Path) -> GGUFModel:
             raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
         merges = _texts(reader, "tokenizer.ggml.merges")
         pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+        if "tokenizer.ggml.pre" not in reader.fields:
+            # Older converters wrote none; llama.cpp then splits text its own default way, and
+            # warns that the model may not have been trained on that split. So do we.
+            log.warning(
+                "%s: no tokenizer.ggml.pre: its text is split as GPT-2 splits it, which may "
+                "not be how the model was trained (a newer conversion of it names one)",
+                path,
+            )
         add_bos = _field(reader, "tokenizer.ggml.add_bos_token", pre in BOS_BY_DEFAULT)
         if not isinstance(add_bos, bool):
             raise ValueError("tokenizer.ggml.add_bos_token is not true or false")

@@ -1,8 +1,10 @@
-"""A GGUF's ``tokenizer.ggml.add_bos_token``: every prompt begins with BOS when the file says
-so (LLaMA 3's pre-tokenizers by default, as llama.cpp reads them), never twice."""
+"""A GGUF's tokenizer metadata as llama.cpp reads it: ``tokenizer.ggml.add_bos_token`` (every
+prompt begins with BOS when the file says so, LLaMA 3's pre-tokenizers by default, never
+twice), and a missing ``tokenizer.ggml.pre`` (read with a warning)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,17 @@ def test_an_add_bos_token_that_cannot_be_honoured_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=said):
         load_gguf_model(write_llama_gguf(tmp_path / "m.gguf", meta=meta))
+
+
+def test_a_file_naming_no_pre_tokenizer_is_read_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_llama_gguf(tmp_path / "m.gguf", meta={"pre": None})
+    with caplog.at_level(logging.WARNING, logger="replystream.engine"):
+        load_gguf_model(path)
+    [warned] = [r.getMessage() for r in caplog.records if "tokenizer.ggml.pre" in r.getMessage()]
+    assert warned.startswith(f"{path}: no tokenizer.ggml.pre: its text is split as GPT-2")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="replystream.engine"):
+        load_gguf_model(write_llama_gguf(tmp_path / "named.gguf", meta={"pre": "gpt2"}))
+    assert not caplog.records
