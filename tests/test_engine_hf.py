@@ -677,7 +677,10 @@ def check_serve(folder: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("damage", ["a layer's weights gone", "a template that is not Jinja"])
+@pytest.mark.parametrize(
+    "damage",
+    ["a layer's weights gone", "a layer more in the weights", "a template that is not Jinja"],
+)
 def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start(
     chat_model_dir: Path, tmp_path: Path, damage: str
 ):
@@ -692,6 +695,13 @@ def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start
         kept = {name: t for name, t in weights.items() if "layers.1." not in name}
         save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
         says = "its weights lack 9 tensors the model needs (model.layers.1."
+    elif damage == "a layer more in the weights":
+        # config.json says one layer where the weights hold two: loaded, the second was left
+        # out without a word, a model cut short.
+        config = json.loads((folder / "config.json").read_text())
+        config["num_hidden_layers"] = 1
+        (folder / "config.json").write_text(json.dumps(config))
+        says = "its weights hold 2 layers where config.json says 1"
     else:
         broken = "{% for m in messages %}{{ m['content'] }"
         config = json.loads((folder / "tokenizer_config.json").read_text())

@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -335,6 +336,16 @@ class HFEngine(InProcessEngine):
 WORDS_MAX = 300
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layers_held(unexpected: Iterable[str]) -> int:
+    """How many decoder layers weights the loader did not take name (0: none): the highest
+    ``layers.N.`` among them, plus one."""
+    found = [int(m.group(1)) for key in unexpected if (m := _LAYER.search(key))]
+    return max(found) + 1 if found else 0
+
+
 def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine:
     """Load a causal LM and its tokenizer from a local folder (never from the network).
 
@@ -379,6 +390,16 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
         raise ValueError(
             f"cannot load a causal LM from {path}: its weights lack {len(missing)} tensors "
             f"the model needs ({shown})"
+        )
+    held = _layers_held(loading.get("unexpected_keys") or ())
+    configured = getattr(model.config, "num_hidden_layers", None)
+    if isinstance(configured, int) and held > configured:
+        # The loader leaves the layers past config.json's count out with a note: a model cut
+        # short, answering as none was trained to. (Other unexpected weights, a multimodal
+        # checkpoint's vision tower, say, are the text model's to ignore.)
+        raise ValueError(
+            f"cannot load a causal LM from {path}: its weights hold {held} layers where "
+            f"config.json says {configured}"
         )
     try:
         return HFEngine(model, tokenizer, config)
