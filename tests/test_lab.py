@@ -24,6 +24,23 @@ LAB = [sys.executable, "-m", "replystream", "lab"]
 SMALL = ["--calls", "4", "--tokens", "12", "--delay-ms", "20", "--jitter-ms", "4"]
 
 
+async def lab_at(url: str, *args: str) -> tuple[int, bytes, bytes]:
+    """``replystream lab --url URL ARGS``, as a terminal-less run sees it (no ``COLUMNS``):
+    its exit status, stdout and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        *LAB,
+        "--url",
+        url,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stdout, stderr
+
+
 def test_lab_json_contract_and_shape_of_the_result():
     done = subprocess.run([*LAB, *SMALL, "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -99,12 +116,8 @@ async def test_stream_and_wait_count_the_same_tokens_of_a_batching_server(engine
     if engine == "simulated":
         server += ["--delay-ms", "1", "--jitter-ms", "0"]
     async with local_server(server) as url:
-        process = await asyncio.create_subprocess_exec(
-            *LAB, "--url", url, "--calls", "2", "--tokens", "40", "--json",
-            stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        stdout, _ = await process.communicate()
-    assert process.returncode == 0
+        code, stdout, _ = await lab_at(url, "--calls", "2", "--tokens", "40", "--json")
+    assert code == 0
     result = json.loads(stdout)
     assert result["stream"]["tokens"] == result["wait"]["tokens"]
     if engine == "simulated":  # a word a token
@@ -115,11 +128,8 @@ async def test_lab_against_a_failing_server_reports_incomplete_and_exits_nonzero
     # Every reply fails after 3 tokens (the warm-up asks for 1): nothing may count as a result.
     engine = fast_engine(fail_after=3)
     async with serve_engine(engine) as url:
-        process = await asyncio.create_subprocess_exec(
-            *LAB, "--url", url, "--calls", "2", "--json", stdout=asyncio.subprocess.PIPE
-        )
-        stdout, _ = await process.communicate()
-    assert process.returncode == 1
+        code, stdout, _ = await lab_at(url, "--calls", "2", "--json")
+    assert code == 1
     result = json.loads(stdout)
     assert result["stream"]["complete"] == result["wait"]["complete"] == 0
     assert result["stream"]["first_text_ms"]["median"] is None
@@ -130,19 +140,8 @@ async def test_lab_against_a_failing_server_reports_incomplete_and_exits_nonzero
 async def test_lab_says_why_calls_did_not_complete_under_its_table(tmp_path: Path):
     engine = fast_engine(fail_after=3)
     async with serve_engine(engine) as url:
-        process = await asyncio.create_subprocess_exec(
-            *LAB,
-            "--url",
-            url,
-            "--calls",
-            "2",
-            "--out",
-            str(tmp_path),
-            stdout=asyncio.subprocess.PIPE,
-            env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
-        )
-        stdout, _ = await process.communicate()
-    assert process.returncode == 1
+        code, stdout, _ = await lab_at(url, "--calls", "2", "--out", str(tmp_path))
+    assert code == 1
     lines = stdout.decode().splitlines()
     stream = next(line for line in lines if line.startswith("Stream (SSE): "))
     assert stream.startswith("Stream (SSE): 2 of 2 calls did not complete: ")
@@ -159,14 +158,9 @@ async def test_a_reason_that_looks_like_markup_is_printed_as_it_came(tmp_path: P
     app = create_app(fast_engine())
     app.middlewares.insert(0, refuse)
     async with running(app) as url:
-        process = await asyncio.create_subprocess_exec(
-            *(*LAB, "--url", url, "--calls", "1", "--out", str(tmp_path)),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        stdout, stderr = await process.communicate()
+        code, stdout, stderr = await lab_at(url, "--calls", "1", "--out", str(tmp_path))
     assert b"Traceback" not in stderr, stderr.decode()
-    assert process.returncode == 1
+    assert code == 1
     assert "Stream (SSE): 1 of 1 calls did not complete: HTTP 503: no [/bold] here" in (
         stdout.decode().splitlines()
     )
@@ -205,19 +199,8 @@ async def test_lab_url_refuses_a_schedule_it_could_not_apply(flag: str):
 async def test_lab_url_sends_tokens_as_max_tokens_and_reports_only_what_applied():
     # The server's own reply is longer than 7 tokens; --tokens must reach it per request.
     async with serve_engine(fast_engine()) as url:
-        process = await asyncio.create_subprocess_exec(
-            *LAB,
-            "--url",
-            url,
-            "--calls",
-            "2",
-            "--tokens",
-            "7",
-            "--json",
-            stdout=asyncio.subprocess.PIPE,
-        )
-        stdout, _ = await process.communicate()
-    assert process.returncode == 0
+        code, stdout, _ = await lab_at(url, "--calls", "2", "--tokens", "7", "--json")
+    assert code == 0
     result = json.loads(stdout)
     assert result["stream"]["tokens"]["median"] == result["wait"]["tokens"]["median"] == 7
     config = result["config"]
@@ -229,23 +212,9 @@ async def test_lab_url_sends_tokens_as_max_tokens_and_reports_only_what_applied(
 async def test_lab_url_sends_its_headers_to_a_keyed_server_and_keeps_no_key():
     config = ServerConfig(api_keys=("sk-lab-key-1234",))
     async with running(create_app(fast_engine(), config)) as url:
-        runs = []
-        for given in ([], ["--header", "Authorization: Bearer sk-lab-key-1234"]):
-            process = await asyncio.create_subprocess_exec(
-                *LAB,
-                "--url",
-                url,
-                "--calls",
-                "2",
-                "--tokens",
-                "5",
-                "--json",
-                *given,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            runs.append((*await process.communicate(), process.returncode))
-    (_, refused, code), (out, _, ok) = runs
+        asked = ("--calls", "2", "--tokens", "5", "--json")
+        code, _, refused = await lab_at(url, *asked)
+        ok, out, _ = await lab_at(url, *asked, "--header", "Authorization: Bearer sk-lab-key-1234")
     assert code == 1 and "HTTP 401" in refused.decode()  # the warm-up call, without the key
     assert ok == 0
     result = json.loads(out)

@@ -10,9 +10,8 @@ from typing import Any
 
 import anthropic
 import openai
-from aiohttp import web
 
-from tests.test_upstream_routing import Upstream, chunk, relay
+from tests.test_upstream_routing import Scripted, chunk, relay
 
 TOOLS: Any = [
     {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
@@ -35,22 +34,11 @@ def call(arguments: str, call_id: str = "", name: str = "") -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-class Unnumbered(Upstream):
-    """Two calls with no ``index``: the first whole beside the second's start in one chunk,
-    the second's arguments in a later entry (id and name empty, as Gemini leaves them)."""
-
-    def __init__(self, pieces: tuple[bytes, ...]) -> None:
-        super().__init__(["m"])
-        self.pieces = pieces
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.bodies.append(await request.json())
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for piece in (chunk(None, role="assistant"), *self.pieces, chunk(None, "stop")):
-            await response.write(piece)
-        await response.write(b"data: [DONE]\n\n")
-        return response
+def unnumbered(pieces: tuple[bytes, ...]) -> Scripted:
+    """Tool calls with no ``index`` (``pieces``), between a role chunk and a finish: two calls,
+    the first whole beside the second's start in one chunk, the second's arguments in a later
+    entry (id and name empty, as Gemini leaves them)."""
+    return Scripted((chunk(None, role="assistant"), *pieces, chunk(None, "stop")))
 
 
 GEMINI = (
@@ -64,7 +52,7 @@ GEMINI = (
 
 async def test_calls_without_an_index_stay_apart_for_every_client():
     async with (
-        relay([Unnumbered(GEMINI)]) as url,
+        relay([unnumbered(GEMINI)]) as url,
         openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
         anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as claude,
     ):
@@ -99,7 +87,7 @@ async def test_calls_without_an_index_stay_apart_for_every_client():
 async def test_a_call_with_no_id_gets_one_its_result_can_answer():
     pieces = (calls_chunk({"index": 0, **call("{}", name="get_weather")}),)
     async with (
-        relay([Unnumbered(pieces)]) as url,
+        relay([unnumbered(pieces)]) as url,
         anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as claude,
     ):
         tools: Any = [{"name": "get_weather", "input_schema": {"type": "object"}}]

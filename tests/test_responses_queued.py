@@ -252,7 +252,8 @@ async def test_a_background_response_waiting_for_room_at_the_relays_upstream_is_
         assert (await status(client, first.id)).status == "in_progress"
         began = time.monotonic()
         second = await client.responses.create(model="m", input="second", background=True)
-        assert time.monotonic() - began < 1.0  # answered at once, not once room is found
+        # Answered at once, not once room is found (the line holds it up to 10 s).
+        assert time.monotonic() - began < 5.0
         assert second.status == "queued"
         for _ in range(5):
             assert (await status(client, second.id)).status == "queued"

@@ -134,6 +134,23 @@ class Upstream:
         return app
 
 
+class Scripted(Upstream):
+    """Streams ``pieces`` (whole SSE events, as written), then ``[DONE]``."""
+
+    def __init__(self, pieces: Sequence[bytes]) -> None:
+        super().__init__(["m"])
+        self.pieces = tuple(pieces)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in self.pieces:
+            await response.write(piece)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
 class ServesApp(Protocol):
     """A stand-in upstream: an aiohttp app to run on a loopback port."""
 

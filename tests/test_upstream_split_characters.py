@@ -10,11 +10,10 @@ import json
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from replystream.engine.upstream_chunks import ChunkReader
 from tests.sse_client import post_events
-from tests.test_upstream_routing import Upstream, relay
+from tests.test_upstream_routing import Scripted, relay
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -45,25 +44,8 @@ SPLIT = [
 ]
 
 
-class SplitsCharacters(Upstream):
-    """Streams ``events`` then the finish and [DONE]."""
-
-    def __init__(self, events: list[bytes]) -> None:
-        super().__init__(["m"])
-        self.events = events
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.bodies.append(await request.json())
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for data in self.events:
-            await response.write(data)
-        await response.write(event(None, "stop") + b"data: [DONE]\n\n")
-        return response
-
-
 async def relayed(events: list[bytes]) -> tuple[str, bytes]:
-    async with relay([SplitsCharacters(events)]) as url:
+    async with relay([Scripted([*events, event(None, "stop")])]) as url:
         got = await post_events(f"{url}/v1/chat/completions", CHAT)
     assert got.status == 200
     return got.chat_text, got.raw

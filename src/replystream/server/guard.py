@@ -155,21 +155,10 @@ class ClientGate:
 
     def _hold(self, identity: str, running: int) -> Callable[[], None]:
         self.unattended[identity] = running + 1
-        return partial(self._unattended_ended, identity)
-
-    def _unattended_ended(self, identity: str) -> None:
-        left = self.unattended.get(identity, 0) - 1
-        if left > 0:
-            self.unattended[identity] = left
-        else:
-            self.unattended.pop(identity, None)
+        return partial(_count_down, self.unattended, identity)
 
     def release(self, identity: str) -> None:
-        left = self.open.get(identity, 0) - 1
-        if left > 0:
-            self.open[identity] = left
-        else:
-            self.open.pop(identity, None)
+        _count_down(self.open, identity)
 
     def _forget_full_buckets(self, now: float) -> None:
         # A bucket that has refilled completely carries no state worth keeping.
@@ -177,6 +166,15 @@ class ClientGate:
         for identity, (_, at) in list(self._buckets.items()):
             if now - at >= full_after:
                 del self._buckets[identity]
+
+
+def _count_down(counts: dict[str, int], identity: str) -> None:
+    """One less of ``identity``'s; an identity with none left is forgotten."""
+    left = counts.get(identity, 0) - 1
+    if left > 0:
+        counts[identity] = left
+    else:
+        counts.pop(identity, None)
 
 
 def _nothing() -> None:
