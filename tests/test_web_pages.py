@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import html
+import re
 import sys
 
 import aiohttp
 import pytest
 
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.pages import WEB_DIR
+from replystream.server.server_config import ServerConfig
 from tests import browser
 from tests.conftest import fast_engine
 from tests.services import REQUIRE_ENV
@@ -54,12 +58,50 @@ async def test_unknown_or_escaping_paths_are_not_found():
                 assert response.status == 404, path
 
 
-async def test_a_revalidated_page_is_not_modified():
+@pytest.mark.parametrize("path", ["/", "/eventsource.html", "/static/sse.js"])
+async def test_a_revalidated_page_is_not_modified(path: str):
     async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
-        async with http.get(f"{url}/static/sse.js") as response:
+        async with http.get(f"{url}{path}") as response:
             etag = response.headers["ETag"]
-        async with http.get(f"{url}/static/sse.js", headers={"If-None-Match": etag}) as response:
-            assert response.status == 304
+            body = await response.read()
+        for held in (etag, f"W/{etag}", f'"other", {etag}', "*"):
+            async with http.get(f"{url}{path}", headers={"If-None-Match": held}) as response:
+                assert response.status == 304, held
+                assert response.headers["ETag"] == etag
+                assert response.headers["Cache-Control"] == "no-cache"
+        async with http.get(f"{url}{path}", headers={"If-None-Match": '"other"'}) as response:
+            assert response.status == 200
+            assert await response.read() == body
+
+
+def _placeholders(page: str) -> dict[str, str]:
+    fields = re.findall(r'<input name="(\w+)"[^>]*? placeholder="([^"]*)"', page)
+    return {name: html.unescape(text) for name, text in fields}  # as the browser reads them
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (DeliveryPolicy(), {"batch_tokens": "1", "batch_ms": "none", "holdback_tokens": "0"}),
+        (
+            DeliveryPolicy(batch_tokens=4, batch_ms=12.5, holdback_tokens=3),
+            {"batch_tokens": "4", "batch_ms": "12.5", "holdback_tokens": "3"},
+        ),
+        (DeliveryPolicy(batch_ms=50), {"batch_tokens": "window's", "batch_ms": "50"}),
+    ],
+)
+async def test_the_chat_page_says_the_servers_delivery_defaults(
+    policy: DeliveryPolicy, expected: dict[str, str]
+):
+    # Its fields left empty take the server's defaults: the page shows them, not its own.
+    config = ServerConfig(policy=policy)
+    async with running(create_app(fast_engine(), config)) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/") as response:
+            page = await response.text()
+    placeholders = _placeholders(page)
+    assert {name: placeholders[name] for name in expected} == expected
+    assert placeholders["seed"] == "random"  # the rest of the page as it is
+    assert page.count("<input ") == (WEB_DIR / "index.html").read_text().count("<input ")
 
 
 def test_every_module_the_pages_import_is_in_the_package():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from aiohttp import web
 
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import running
 from replystream.server.pages import add_page_routes
 from replystream.sse import EventParser
@@ -210,7 +211,7 @@ def app() -> web.Application:
     app = web.Application()
     app[CALLS] = {}
     app[RESUMES] = []
-    add_page_routes(app)
+    add_page_routes(app, DeliveryPolicy())
     app.router.add_post("/v1/replies", scripted_replies)
     app.router.add_get("/v1/replies/{reply_id}/stream", scripted_resume)
     return app

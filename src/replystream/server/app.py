@@ -330,7 +330,7 @@ def create_app(
     app.router.add_post("/v1/replies/{reply_id}/cancel", handle_cancel, expect_handler=expect_later)
     app.router.add_get("/metrics", handle_metrics, expect_handler=expect_later)
     app.router.add_get("/healthz", handle_health, expect_handler=expect_later)
-    add_page_routes(app)
+    add_page_routes(app, config.policy)
     add_openai_routes(app)
     add_embeddings_route(app)
     add_responses_routes(app)

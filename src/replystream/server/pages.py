@@ -9,16 +9,24 @@ security policy that lets them run only this server's own scripts and styles and
 to it, and no other site frame them: a reply is model text, shown as text, and were a page
 ever to insert some as markup, the policy would still refuse the scripts it runs and the
 requests it makes (to send the API key the settings keep elsewhere, say).
+
+The chat page's delivery fields say, empty, what the server does when a request leaves them
+out: the page is rendered once, as the application is made, with this server's defaults in
+their placeholders, and served from memory with an ETag of its bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import html
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
 import replystream.web
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.server.front_door import expect_later
 
 WEB_DIR = Path(replystream.web.__file__).parent
@@ -42,7 +50,31 @@ PAGE_POLICY = (
 )
 
 
-def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def delivery_placeholders(policy: DeliveryPolicy) -> dict[str, str]:
+    """What each delivery field of the chat page does when left empty, under ``policy``."""
+    if policy.batch_tokens is not None:
+        batch_tokens = str(policy.batch_tokens)
+    else:  # every token, or, with a window, as many as the window gathers
+        batch_tokens = "1" if policy.batch_ms is None else "window's"
+    return {
+        "batch_tokens": batch_tokens,
+        "batch_ms": "none" if policy.batch_ms is None else f"{policy.batch_ms:g}",
+        "holdback_tokens": str(policy.holdback_tokens),
+    }
+
+
+def render_placeholders(page: str, placeholders: dict[str, str]) -> str:
+    """``page`` with the placeholder of each named input set; every name must be there once."""
+    for name, text in placeholders.items():
+        field = re.compile(rf'(<input name="{name}"[^>]*? placeholder=")[^"]*(")')
+        attribute = html.escape(text).replace("\\", "\\\\")  # as re.sub's template
+        page, found = field.subn(rf"\g<1>{attribute}\g<2>", page)
+        if found != 1:
+            raise ValueError(f"the page has {found} inputs named {name!r}")
+    return page
+
+
+def _headers(path: Path) -> dict[str, str]:
     headers = {
         "Cache-Control": "no-cache",
         "Content-Type": CONTENT_TYPES.get(path.suffix, "application/octet-stream"),
@@ -51,6 +83,11 @@ def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamRes
     if path.suffix == ".html":
         headers["Content-Security-Policy"] = PAGE_POLICY
         headers["Referrer-Policy"] = "no-referrer"
+    return headers
+
+
+def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    headers = _headers(path)
 
     async def handle(request: web.Request) -> web.StreamResponse:
         return web.FileResponse(path, headers=headers)
@@ -58,10 +95,41 @@ def _file_handler(path: Path) -> Callable[[web.Request], Awaitable[web.StreamRes
     return handle
 
 
-def add_page_routes(app: web.Application) -> None:
-    """Serve the chat pages and their static assets from the installed package."""
+def _rendered_handler(
+    path: Path, text: str
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Serve ``text`` (the page at ``path`` rendered) as ``FileResponse`` serves a file:
+    with a strong ETag, a ``304`` to a request that holds it."""
+    body = text.encode()
+    etag = hashlib.sha256(body).hexdigest()[:32]
+    headers = _headers(path)
+    del headers["Content-Type"]  # web.Response sets it from content_type and charset
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        held = request.if_none_match or ()
+        if any(tag.value in (etag, "*") for tag in held):
+            response = web.Response(status=304, headers=headers)
+        else:
+            response = web.Response(
+                body=body, content_type="text/html", charset="utf-8", headers=headers
+            )
+        response.etag = etag
+        return response
+
+    return handle
+
+
+def add_page_routes(app: web.Application, policy: DeliveryPolicy) -> None:
+    """Serve the chat pages and their static assets from the installed package, the chat
+    page's delivery fields saying ``policy``'s defaults."""
     for route, name in PAGES.items():
-        app.router.add_get(route, _file_handler(WEB_DIR / name), expect_handler=expect_later)
+        path = WEB_DIR / name
+        if name == "index.html":
+            page = render_placeholders(path.read_text("utf-8"), delivery_placeholders(policy))
+            handler = _rendered_handler(path, page)
+        else:
+            handler = _file_handler(path)
+        app.router.add_get(route, handler, expect_handler=expect_later)
     static = WEB_DIR / "static"
     for path in sorted(static.iterdir()):
         if path.is_file() and path.suffix in CONTENT_TYPES:
