@@ -1,5 +1,6 @@
 """Delivery policies on the OpenAI routes: resume across cuts, batching, cancel, ownership."""
 
+import asyncio
 import json
 import random
 from urllib.parse import urlsplit
@@ -88,6 +89,27 @@ async def test_a_client_that_leaves_stops_generation():
         async with http.post(f"{url}/v1/completions", json=body) as response:
             await response.content.readuntil(b"\n\n")
             await response.content.readuntil(b"\n\n")
+        await wait_for(lambda: engine.stats().cancelled == 1)
+    assert engine.stats().steps < 100
+
+
+async def test_a_client_that_half_closes_is_one_that_left():
+    # The end of a socket's input is the only sign a closed tab gives before the next write
+    # (docs/reliability.md): a half-close is taken for it, so generation stops.
+    engine = fast_engine(delay_ms=20, jitter_ms=0)
+    body = json.dumps({"prompt": "x", "stream": True, "max_tokens": 100}).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    async with running(create_app(engine)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head.encode() + body)
+        await writer.drain()
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(), 10)  # the server closes its side
+        writer.close()
         await wait_for(lambda: engine.stats().cancelled == 1)
     assert engine.stats().steps < 100
 
