@@ -23,6 +23,9 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   ``content_block_delta`` (``input_json_delta``, ``partial_json``) per fragment of its
   arguments, ``content_block_stop`` when the next block starts or the message ends, and the
   stop reason ``tool_use``. Text after a call opens a new text block at the next index.
+  Blocks never interleave: calls whose fragments an upstream interleaved (chat's indexes
+  allow it) go one block after another, what came while a call's arguments were incomplete
+  waiting until they are (``sequential_calls``).
 - A reasoning model's thinking, relayed when the request enabled ``thinking``, is a
   ``thinking`` block before the text (``{"type": "thinking", "thinking": "", "signature":
   ""}``), one ``thinking_delta`` per piece. Its ``signature`` stays empty and no
@@ -47,6 +50,12 @@ from replystream.delivery.formats import Spec, Usage, json_string, moderated_pay
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 from replystream.delivery.reply_content import Thought, in_order
+from replystream.delivery.sequential_calls import (
+    Piece,
+    SequentialCalls,
+    TextPiece,
+    ThinkingPiece,
+)
 from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 
@@ -169,6 +178,7 @@ class AnthropicStreamFormat:
     _next_block: int = 0  # the index the next block gets
     _blocks: dict[int, int] = field(default_factory=dict)  # tool call index -> block index
     _delta_head: str = ""  # a text delta's JSON up to its text, for the open text block
+    _calls: SequentialCalls | None = None  # one call at a time (None: no call yet)
 
     def started(self, reply_id: str) -> list[Spec]:
         # Sent with the first event, when the engine has counted the prompt (its first
@@ -203,6 +213,9 @@ class AnthropicStreamFormat:
             return [("content_block_delta", self._delta_head + json_string(text) + "}}")]
         if not text:
             return []  # no block is opened for no text
+        calls = self._calls
+        if calls is not None and calls.calling:  # after a call's arguments, perhaps incomplete
+            return calls.take(TextPiece(text, tokens), self._place)
         specs = self._message_start() + self._start_block({"type": "text", "text": ""})
         self._text_open = True
         self._delta_head = (
@@ -218,6 +231,19 @@ class AnthropicStreamFormat:
         return self.text(text, tokens)  # never asked: /v1/messages takes no logprobs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        if self._calls is None:  # made at the first call: a reply of text never needs it
+            self._calls = SequentialCalls()
+        return self._calls.take(piece, self._place)
+
+    def _place(self, piece: Piece) -> list[Spec]:
+        """The events of a piece ``SequentialCalls`` lets go now."""
+        if isinstance(piece, ToolCallDelta):
+            return self._tool_call(piece)
+        if isinstance(piece, ThinkingPiece):
+            return self._reasoning(piece.text)
+        return self.text(piece.text, piece.tokens)  # (no call open now: it goes through)
+
+    def _tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         specs = self._message_start()
         block = self._blocks.get(piece.index)
         if block is None:  # a new call: stop the open block, start a tool_use block
@@ -235,6 +261,12 @@ class AnthropicStreamFormat:
         return specs
 
     def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        calls = self._calls
+        if calls is not None and calls.calling:  # after a call's arguments, perhaps incomplete
+            return calls.take(ThinkingPiece(thought, tokens), self._place)
+        return self._reasoning(thought)
+
+    def _reasoning(self, thought: str) -> list[Spec]:
         specs = self._message_start()
         if not self._thinking_open:
             specs += self._start_block({"type": "thinking", "thinking": "", "signature": ""})
@@ -263,6 +295,10 @@ class AnthropicStreamFormat:
         self._open, self._text_open, self._thinking_open = None, False, False
         return [("content_block_stop", _dumps(stop))]
 
+    def _held(self) -> list[Spec]:
+        """The events of every piece still held for a call's arguments: the message ends."""
+        return [] if self._calls is None else self._calls.flush(self._place)
+
     def _ending(self, stop_reason: str, usage: Usage, **extra: Any) -> list[Spec]:
         # Cumulative, as Anthropic's are: the SDK's final message takes these, so the engine's
         # own prompt count replaces the estimate message_start had to send when the engine
@@ -272,8 +308,9 @@ class AnthropicStreamFormat:
             "delta": {"stop_reason": stop_reason, "stop_sequence": None, **extra},
             "usage": usage_counts(usage),
         }
+        specs = self._message_start() + self._held()
         return [
-            *self._message_start(),
+            *specs,
             *self._stop_block(),
             ("message_delta", _dumps(delta)),
             ("message_stop", '{"type":"message_stop"}'),
@@ -287,7 +324,8 @@ class AnthropicStreamFormat:
         return self._ending(STOP_REASONS.get(finish_reason, "end_turn"), usage)
 
     def error(self, message: str, code: str) -> list[Spec]:
-        return [*self._message_start(), ("error", _dumps(error_object(message, code)))]
+        specs = self._message_start() + self._held()
+        return [*specs, ("error", _dumps(error_object(message, code)))]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on

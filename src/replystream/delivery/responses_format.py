@@ -31,7 +31,9 @@ frameworks) reads, byte for byte:
   and when the next item starts or the response ends
   ``response.function_call_arguments.done`` (the whole arguments) and
   ``response.output_item.done``. The whole response's ``output`` has the same items in the
-  same order.
+  same order. Items never interleave: calls whose fragments an upstream interleaved (chat's
+  indexes allow it) are one item after another, what came while a call's arguments were
+  incomplete waiting until they are (``sequential_calls``).
 - A reasoning model's thinking, relayed, is a ``reasoning`` output item (``rs_<reply id>_<output
   index>``), as vLLM and the open-weight models' servers stream it: ``response.output_item.
   added``, ``response.content_part.added`` (a ``reasoning_text`` part), one
@@ -76,6 +78,12 @@ from replystream.delivery.responses_objects import (
     response_error,
     response_object,
 )
+from replystream.delivery.sequential_calls import (
+    Piece,
+    SequentialCalls,
+    TextPiece,
+    ThinkingPiece,
+)
 from replystream.delivery.sliced_json import Written
 from replystream.delivery.tool_calls import ToolCall, ToolCalls
 from replystream.engine.base import TokenLogprob, ToolCallDelta
@@ -104,6 +112,7 @@ class ResponsesStreamFormat:
     # repeat them all; made and written then, in one go, they would hold the loop.
     _logprobs: list[tuple[Written, Written]] = field(default_factory=list)
     _in_progress: bool = False  # ``response.in_progress`` is written
+    _sequence: SequentialCalls | None = None  # one call at a time (None: no call yet)
 
     def _event(self, kind: str, payload: dict[str, Any]) -> Spec:
         number = self._next
@@ -160,6 +169,9 @@ class ResponsesStreamFormat:
             return [("response.output_text.delta", delta)]
         if not text:
             return []  # no message is opened for no text
+        calls = self._sequence
+        if calls is not None and calls.calling:  # after a call's arguments, perhaps incomplete
+            return calls.take(TextPiece(text, tokens), self._place)
         specs = self._open_item_message()
         return specs + self.text(text, tokens)
 
@@ -197,6 +209,9 @@ class ResponsesStreamFormat:
         if self._open_message is None:
             if not text:  # text-less tokens with no message to hold them: nothing to show
                 return []
+            calls = self._sequence
+            if calls is not None and calls.calling:  # after a call's arguments, perhaps incomplete
+                return calls.take(TextPiece(text, tokens, logprobs), self._place)
             specs = self._open_item_message()
         self._text.append(text)
         plain, full = self._logprobs[-1]
@@ -210,6 +225,21 @@ class ResponsesStreamFormat:
         return specs
 
     def tool_call(self, piece: ToolCallDelta) -> list[Spec]:
+        if self._sequence is None:  # made at the first call: a reply of text never needs it
+            self._sequence = SequentialCalls()
+        return self._sequence.take(piece, self._place)
+
+    def _place(self, piece: Piece) -> list[Spec]:
+        """The events of a piece ``SequentialCalls`` lets go now."""
+        if isinstance(piece, ToolCallDelta):
+            return self._tool_call(piece)
+        if isinstance(piece, ThinkingPiece):
+            return self._reasoning(piece.text)
+        if piece.logprobs is None:
+            return self.text(piece.text, piece.tokens)
+        return self.text_logprobs(piece.text, piece.tokens, piece.logprobs)
+
+    def _tool_call(self, piece: ToolCallDelta) -> list[Spec]:
         call = self._calls.calls.get(piece.index)
         specs: list[Spec] = []
         if call is None:  # a new call: close the item open now, then add a function_call item
@@ -241,6 +271,12 @@ class ResponsesStreamFormat:
         return specs
 
     def reasoning(self, thought: str, tokens: int) -> list[Spec]:
+        calls = self._sequence
+        if calls is not None and calls.calling:  # after a call's arguments, perhaps incomplete
+            return calls.take(ThinkingPiece(thought, tokens), self._place)
+        return self._reasoning(thought)
+
+    def _reasoning(self, thought: str) -> list[Spec]:
         specs: list[Spec] = []
         if self._open_thought is None:  # close the item open now, then add a reasoning item
             specs = self._opened() + self._close_open("completed")
@@ -269,6 +305,10 @@ class ResponsesStreamFormat:
         }
         specs.append(self._event("response.reasoning_text.delta", {**where, "delta": thought}))
         return specs
+
+    def _held(self) -> list[Spec]:
+        """The events of every piece still held for a call's arguments: the response ends."""
+        return [] if self._sequence is None else self._sequence.flush(self._place)
 
     def _close_open(self, status: ItemStatus) -> list[Spec]:
         """The closing events of the item open now, if any: thinking, a message, or a call."""
@@ -322,6 +362,7 @@ class ResponsesStreamFormat:
     ) -> list[Spec]:
         incomplete = INCOMPLETE_REASONS.get(finish_reason)
         opened = self._opened()  # (a response that finished was taken up)
+        opened += self._held()
         if incomplete is not None:
             details = {"usage": usage, "incomplete_reason": incomplete}
             return [
@@ -340,21 +381,24 @@ class ResponsesStreamFormat:
         ]
 
     def error(self, message: str, code: str) -> list[Spec]:
+        # Its output has every piece made, the held ones too (their events go first).
+        specs = self._held()
         # A cancelled response is not an error: OpenAI's object has ``error: null``.
         if code == "cancelled":
             response = self._response("cancelled", error=None)
         else:
             response = self._response("failed", error=response_error(code, message))
-        return [self._event("response.failed", {"response": response})]
+        return [*specs, self._event("response.failed", {"response": response})]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on
 
     def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
+        specs = self._opened() + self._held()
         response = self._response("incomplete", usage=usage, incomplete_reason="content_filter")
         response["replystream_moderation"] = moderated_payload(violation)
         return [
-            *self._opened(),
+            *specs,
             *self._close_open("incomplete"),
             self._event("response.incomplete", {"response": response}),
         ]
