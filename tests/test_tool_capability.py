@@ -3,7 +3,9 @@
 An engine that cannot make tool calls refuses a forced ``tool_choice`` with a 400 naming it, in
 each API's own error shape; ``"auto"`` is answered with text (the model chose not to call).
 ``parallel_tool_calls: false`` (Anthropic: ``disable_parallel_tool_use``) is passed upstream by
-the relay, and a reply script of several calls refuses it rather than break it."""
+the relay, and a reply script of several calls refuses it rather than break it. A reply script
+keeps to ``tool_choice``: ``"none"`` leaves its calls out, a named function all calls but its
+own, and a choice the script cannot honour is a 400 naming ``tool_choice``."""
 
 from __future__ import annotations
 
@@ -26,11 +28,14 @@ from tests.test_tool_calls import (
     CHAT_TOOLS,
     RESPONSES_TOOLS,
     SCRIPT,
+    TEXT,
     USER,
     body_of,
+    chunks_of,
     claude,
     oai,
     scripted,
+    tool_call_deltas,
 )
 
 FORCED_CHAT: list[Any] = ["required", {"type": "function", "function": {"name": "get_time"}}]
@@ -163,3 +168,121 @@ async def test_parallel_tool_calls_false_serves_one_call_and_the_response_says_s
     assert [call.function.name for call in chat.choices[0].message.tool_calls] == ["get_weather"]
     assert response.parallel_tool_calls is False
     assert [item.type for item in response.output][-1] == "function_call"
+
+
+async def test_a_reply_script_leaves_out_the_calls_tool_choice_forbids_in_every_dialect(
+    tmp_path: Path,
+):
+    async with scripted(tmp_path) as (_, url), oai(url) as client, claude(url) as other:
+        # "none": the script's text, no calls, ending as text ends.
+        chat = await client.chat.completions.create(
+            model="simulated", messages=USER, tools=CHAT_TOOLS, tool_choice="none"
+        )
+        assert chat.choices[0].message.content == TEXT
+        assert chat.choices[0].message.tool_calls is None
+        assert chat.choices[0].finish_reason == "stop"
+        response = await client.responses.create(
+            model="simulated", input="hi", tools=RESPONSES_TOOLS, tool_choice="none", store=False
+        )
+        assert [item.type for item in response.output] == ["message"]
+        assert response.output_text == TEXT
+        message = await other.messages.create(
+            model="simulated",
+            max_tokens=50,
+            messages=USER,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "none"},
+        )
+        assert [block.type for block in message.content] == ["text"]
+        assert message.stop_reason == "end_turn"
+
+        # A named function: only its calls, numbered from 0 (one call: parallel false is met).
+        named = {"type": "function", "function": {"name": "get_time"}}
+        chunks = await chunks_of(
+            url,
+            {
+                "model": "simulated",
+                "messages": USER,
+                "tools": CHAT_TOOLS,
+                "tool_choice": named,
+                "parallel_tool_calls": False,
+                "stream": True,
+            },
+        )
+        calls = tool_call_deltas(chunks)
+        assert {call["index"] for call in calls} == {0}
+        assert [call["function"].get("name") for call in calls if "id" in call] == ["get_time"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        response = await client.responses.create(
+            model="simulated",
+            input="hi",
+            tools=RESPONSES_TOOLS,
+            tool_choice={"type": "function", "name": "get_time"},
+            store=False,
+        )
+        assert [item.name for item in response.output if item.type == "function_call"] == [
+            "get_time"
+        ]
+        message = await other.messages.create(
+            model="simulated",
+            max_tokens=50,
+            messages=USER,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "tool", "name": "get_weather"},
+        )
+        assert [b.name for b in message.content if b.type == "tool_use"] == ["get_weather"]
+
+        # A function the script never calls: refused in each API's shape, naming tool_choice.
+        tools = [*CHAT_TOOLS, {"type": "function", "function": {"name": "get_news"}}]
+        with pytest.raises(openai.BadRequestError) as chat_error:
+            await client.chat.completions.create(
+                model="simulated",
+                messages=USER,
+                tools=tools,
+                tool_choice={"type": "function", "function": {"name": "get_news"}},
+                stream=True,
+            )
+        with pytest.raises(openai.BadRequestError) as responses_error:
+            await client.responses.create(
+                model="simulated",
+                input="hi",
+                tools=[*RESPONSES_TOOLS, {"type": "function", "name": "get_news"}],
+                tool_choice={"type": "function", "name": "get_news"},
+                store=False,
+            )
+        with pytest.raises(anthropic.BadRequestError) as claude_error:
+            await other.messages.create(
+                model="simulated",
+                max_tokens=50,
+                messages=USER,
+                tools=[*ANTHROPIC_TOOLS, {"name": "get_news", "input_schema": {"type": "object"}}],
+                tool_choice={"type": "tool", "name": "get_news"},
+            )
+    for error in (body_of(chat_error), body_of(responses_error), body_of(claude_error)["error"]):
+        assert error["param"] == "tool_choice", error
+        assert "'get_news'" in error["message"]
+
+
+async def test_a_reply_script_refuses_a_tool_choice_it_cannot_honour(tmp_path: Path):
+    async with scripted(tmp_path, SCRIPT[:2]) as (_, url), oai(url) as client:  # text only
+        with pytest.raises(openai.BadRequestError) as required:
+            await client.chat.completions.create(
+                model="simulated", messages=USER, tools=CHAT_TOOLS, tool_choice="required"
+            )
+        async with claude(url) as other:
+            with pytest.raises(anthropic.BadRequestError) as any_tool:
+                await other.messages.create(
+                    model="simulated",
+                    max_tokens=50,
+                    messages=USER,
+                    tools=ANTHROPIC_TOOLS,
+                    tool_choice={"type": "any"},
+                )
+    calls_only = [SCRIPT[2]]
+    async with scripted(tmp_path, calls_only) as (_, url), oai(url) as client:
+        with pytest.raises(openai.BadRequestError) as none:
+            await client.responses.create(
+                model="simulated", input="hi", tools=RESPONSES_TOOLS, tool_choice="none"
+            )
+    for error in (body_of(required), body_of(any_tool)["error"], body_of(none)):
+        assert error["param"] == "tool_choice", error

@@ -18,7 +18,9 @@ The file (``serve --engine simulated --reply-script FILE``) is a JSON list of st
 - ``delay_ms`` (optional, >= 0) is the time before each delta of the step; without it the
   engine's own seeded delay (``--delay-ms`` ± ``--jitter-ms``) applies.
 The reply's finish reason is ``tool_calls`` when the script makes a call, else ``stop``
-(``length`` when ``max_tokens`` cuts it). This file reads and checks a script, with one
+(``length`` when ``max_tokens`` cuts it). A request's ``tool_choice`` may leave calls out
+(``ReplyScript.keeping_calls_to``): none of them, or all but those to the one function it
+names. This file reads and checks a script, with one
 message per mistake naming the step and the field. It must not know about HTTP or timing.
 """
 
@@ -61,6 +63,29 @@ class ReplyScript:
     def finish_reason(self) -> str:
         """How the whole script ends: ``tool_calls`` if it makes any, else ``stop``."""
         return "tool_calls" if self.calls else "stop"
+
+    @property
+    def call_names(self) -> tuple[str, ...]:
+        """The functions the script calls, each once, in the order of their first call."""
+        names = (delta.tool_call.name for delta in self.deltas if delta.tool_call is not None)
+        return tuple(dict.fromkeys(name for name in names if name is not None))
+
+    def keeping_calls_to(self, name: str | None) -> ReplyScript:
+        """The script with only its calls to ``name`` (None: no calls at all), renumbered
+        from 0 in script order; its text and every delay as written."""
+        kept: list[ScriptedDelta] = []
+        numbers: dict[int, int] = {}  # a kept call's index in the script -> in this reply
+        for delta in self.deltas:
+            call = delta.tool_call
+            if call is None:
+                kept.append(delta)
+                continue
+            if call.name is not None and call.name == name:  # a call's first delta names it
+                numbers[call.index] = len(numbers)
+            if call.index in numbers:
+                renumbered = call._replace(index=numbers[call.index])
+                kept.append(ScriptedDelta(delta.text, renumbered, delta.delay_ms))
+        return ReplyScript(tuple(kept), len(numbers))
 
 
 def load_reply_script(path: str | Path) -> ReplyScript:

@@ -23,8 +23,9 @@ import asyncio
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from replystream.engine.base import (
     Delta,
@@ -162,7 +163,8 @@ class SimulatedEngine(InProcessEngine):
         seed = self.seed_for(request)
         due_ms = self._first_token_ms(request)
         due = []
-        for index in range(self._start_of(request), self._reply_length(request)):
+        words = self._words
+        for index in range(self._start_of(request, words), self._reply_length(request, words)):
             due_ms += self._gap_ms(seed, index)
             due.append(due_ms / 1000.0)
         return due
@@ -180,17 +182,24 @@ class SimulatedEngine(InProcessEngine):
         """The delay before token ``index``: uniform in ``delay_ms ± jitter_ms``."""
         return self._low_ms + self._span_ms * token_draw(seed, index)
 
-    def _reply_length(self, request: GenerationRequest) -> int:
-        """Where the reply ends: the whole text, or ``max_tokens`` after where it starts."""
-        limit, start = request.sampling.max_tokens, self._start_of(request)
-        return len(self._words) if limit is None else min(start + limit, len(self._words))
+    @staticmethod
+    def _reply_length(request: GenerationRequest, words: list[str]) -> int:
+        """Where the reply of ``words`` ends: all of them, or ``max_tokens`` after where it
+        starts."""
+        limit, start = request.sampling.max_tokens, SimulatedEngine._start_of(request, words)
+        return len(words) if limit is None else min(start + limit, len(words))
 
-    def _start_of(self, request: GenerationRequest) -> int:
+    @staticmethod
+    def _start_of(request: GenerationRequest, words: list[str]) -> int:
         """The word a reply starts at: after as many words as the prefix to continue has
         (a relay continuing a cut reply here gets the rest of the same text)."""
-        return min(len(request.prefix.split()), len(self._words))
+        return min(len(request.prefix.split()), len(words))
 
     async def start(self, request: GenerationRequest) -> SimulatedStream:
+        return self._open(request, self)
+
+    def _open(self, request: GenerationRequest, reply: TokenSource) -> SimulatedStream:
+        """A stream of ``reply``'s tokens for ``request``, counted as this engine's."""
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise RequestRejected("max_tokens must be at least 1", param="max_tokens")
@@ -206,11 +215,12 @@ class SimulatedEngine(InProcessEngine):
         return SimulatedStream(
             self,
             seed,
-            self._reply_length(request),
+            self._reply_length(request, reply._words),
             self._first_token_ms(request),
             loop.time(),
             request.sampling.logprobs,
-            first=self._start_of(request),
+            first=self._start_of(request, reply._words),
+            reply=reply,
         )
 
     def _token(self, index: int, count: int, made_at: float) -> Delta:
@@ -244,13 +254,54 @@ class SimulatedEngine(InProcessEngine):
         """Nothing to release: a stream holds only its schedule."""
 
 
+class TokenSource(Protocol):
+    """What a stream makes its tokens of: a reply's words (its length), each token's delay,
+    each token. The simulated engine is one; a scripted reply another (``ScriptedReply``)."""
+
+    _words: list[str]
+
+    def _gap_ms(self, seed: int, index: int) -> float: ...
+
+    def _token(self, index: int, count: int, made_at: float) -> Delta: ...
+
+
+class ScriptedReply:
+    """A script as a stream replays it: its deltas, on their own delays where it gives them
+    (else its engine's seeded ones), counted as its engine's steps."""
+
+    __slots__ = ("_engine", "_plan", "_words", "script")
+
+    def __init__(self, engine: ScriptedEngine, script: ReplyScript) -> None:
+        self._engine = engine
+        self.script = script
+        self._plan = script.deltas
+        self._words = [step.text for step in script.deltas]  # the length a reply has
+
+    def _gap_ms(self, seed: int, index: int) -> float:
+        if index < len(self._plan):
+            delay = self._plan[index].delay_ms
+            if delay is not None:
+                return delay
+        return SimulatedEngine._gap_ms(self._engine, seed, index)
+
+    def _token(self, index: int, count: int, made_at: float) -> Delta:
+        self._engine._steps += 1
+        finish = None
+        if index == count - 1:
+            finish = "length" if count < len(self._plan) else self.script.finish_reason
+        step = self._plan[index]
+        return Delta(step.text, 1, made_at, finish, tool_call=step.tool_call)
+
+
 class ScriptedEngine(SimulatedEngine):
     """The simulated engine making a scripted reply (``engine.reply_script``): text and tool
     calls, each delta one token, on the script's own delays where it gives them.
 
     A subclass, so a plain simulated reply pays nothing per token for what scripts need.
     The script is replayed as written whatever tools a request offers: it stands in for a
-    model to test clients, it is not one.
+    model to test clients, it is not one. Its calls are left out where the request's
+    ``tool_choice`` forbids them (``"none"``: all; a named function: those to any other),
+    and a ``tool_choice`` the script cannot honour (a call it does not make) is refused.
     """
 
     makes_tool_calls = True
@@ -258,33 +309,64 @@ class ScriptedEngine(SimulatedEngine):
     def __init__(self, config: SimulatedConfig, script: ReplyScript) -> None:
         super().__init__(config)
         self.script = script
-        self._plan = script.deltas
-        self._words = [step.text for step in script.deltas]  # the length every reply has
+        self._whole = ScriptedReply(self, script)
+        self._words = self._whole._words  # the whole script's length, for ``schedule``
+        # The script keeping only the calls to one function (None: no calls), by its name.
+        self._kept = {
+            name: ScriptedReply(self, script.keeping_calls_to(name))
+            for name in (None, *script.call_names)
+        }
 
     async def start(self, request: GenerationRequest) -> SimulatedStream:
-        if request.parallel_tool_calls is False and self.script.calls > 1:
+        reply = self._reply_for(request.tool_choice)
+        calls = reply.script.calls
+        if request.parallel_tool_calls is False and calls > 1:
             raise RequestRejected(
                 f"parallel tool calls are disabled, and this server's reply script makes "
-                f"{self.script.calls} calls in one reply (it is replayed as written)",
+                f"{calls} calls in one reply (it is replayed as written)",
                 code="unsupported_parameter",
                 param="parallel_tool_calls",
             )
-        return await super().start(request)
+        return self._open(request, reply)
+
+    def _reply_for(self, choice: str | Mapping[str, object] | None) -> ScriptedReply:
+        """The script as ``tool_choice`` (in chat's form) lets it be replayed, or refused
+        when the script cannot honour the choice."""
+        if choice == "none":
+            reply = self._kept[None]
+            if not reply.script.deltas:
+                raise _cannot_honour(
+                    'tool_choice "none" allows no tool calls, and this server\'s reply script '
+                    "is only tool calls (it has no text to reply with)"
+                )
+            return reply
+        if isinstance(choice, Mapping):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, Mapping) else None
+            named = self._kept.get(name) if isinstance(name, str) else None
+            if named is None:
+                calls = ", ".join(repr(n) for n in self.script.call_names) or "none"
+                raise _cannot_honour(
+                    f"tool_choice names {name!r}, and this server's reply script makes no "
+                    f"call to it (its calls: {calls}; it is replayed as written)"
+                )
+            return named
+        if choice == "required" and not self.script.calls:
+            raise _cannot_honour(
+                'tool_choice "required" asks for a tool call, and this server\'s reply script '
+                "makes none (it is replayed as written)"
+            )
+        return self._whole
 
     def _gap_ms(self, seed: int, index: int) -> float:
-        if index < len(self._plan):
-            delay = self._plan[index].delay_ms
-            if delay is not None:
-                return delay
-        return super()._gap_ms(seed, index)
+        return self._whole._gap_ms(seed, index)
 
     def _token(self, index: int, count: int, made_at: float) -> Delta:
-        self._steps += 1
-        finish = None
-        if index == count - 1:
-            finish = "length" if count < len(self._plan) else self.script.finish_reason
-        step = self._plan[index]
-        return Delta(step.text, 1, made_at, finish, tool_call=step.tool_call)
+        return self._whole._token(index, count, made_at)
+
+
+def _cannot_honour(message: str) -> RequestRejected:
+    return RequestRejected(message, code="unsupported_parameter", param="tool_choice")
 
 
 def simulated_engine(config: SimulatedConfig) -> SimulatedEngine:
@@ -309,6 +391,7 @@ class SimulatedStream:
         "_engine",
         "_fail_at",
         "_next",
+        "_reply",
         "_seed",
         "_sink",
         "_start",
@@ -325,24 +408,27 @@ class SimulatedStream:
         logprobs: int | None = None,
         *,
         first: int = 0,
+        reply: TokenSource | None = None,
     ) -> None:
         self._engine = engine
+        self._reply: TokenSource = engine if reply is None else reply  # what it makes
         self._seed = seed
         self._count = count  # the index the reply ends before
         self._start = start
         self._next = first  # the next token to deliver
-        self._due_ms = first_ms + engine._gap_ms(seed, first)  # its due time, from the start
+        self._due_ms = first_ms + self._reply._gap_ms(seed, first)  # its due, from the start
         self._ended = False
         self._sink: DeltaSink | None = None
         self._fail_at = engine.config.fail_after
         # How token ``index`` is made: plain, or (only when asked) with its log probability.
-        self._token: Callable[[int, int, float], Delta] = engine._token
+        made = self._reply
+        self._token: Callable[[int, int, float], Delta] = made._token
         if logprobs is not None:
             top = logprobs
 
             def with_logprob(index: int, count: int, made_at: float) -> Delta:
-                lp = simulated_logprob(engine._words, seed, index, top)
-                return engine._token(index, count, made_at)._replace(logprobs=(lp,))
+                lp = simulated_logprob(made._words, seed, index, top)
+                return made._token(index, count, made_at)._replace(logprobs=(lp,))
 
             self._token = with_logprob
 
@@ -352,7 +438,7 @@ class SimulatedStream:
 
     def _advance(self) -> None:
         self._next += 1
-        self._due_ms += self._engine._gap_ms(self._seed, self._next)
+        self._due_ms += self._reply._gap_ms(self._seed, self._next)
 
     def _finish(self, outcome: str) -> None:
         if not self._ended:
