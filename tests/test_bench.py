@@ -354,6 +354,26 @@ async def test_a_reply_in_one_event_meets_an_itl_bound():
     assert summary["goodput"]["good_requests"] == 2 and summary["goodput"]["held"]
 
 
+async def test_a_reply_of_one_token_is_not_judged_by_a_tpot_bound(tmp_path):
+    out = tmp_path / "bench.json"
+    async with serve_engine(SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))) as url:
+        target = f"{url}/stream?max_tokens=1"
+        returncode, stdout, stderr = await run_bench(
+            target, *("--requests", "2", "--slo", "ttft=60000,tpot=1000", "--json", str(out))
+        )
+        run = await run_load(LoadConfig(url=target, api="lab", requests=2))
+    assert returncode == 0, stderr.decode()
+    result = json.loads(await asyncio.to_thread(out.read_text))
+    assert [r["tokens"] for r in result["requests"]] == [1, 1]
+    assert [r["tpot_ms"] for r in result["requests"]] == [None, None]
+    assert result["goodput"]["good_requests"] == 2 and result["goodput"]["held"]
+    assert result["goodput"]["no_tpot"] == 2
+    assert "2 replies of under 2 tokens had no TPOT" in stdout.decode()
+    # Its other bounds still judge it.
+    strict = summarize(run, (SLO.parse("ttft=0.001"), SLO.parse("tpot=1000")))
+    assert strict["goodput"]["good_requests"] == 0
+
+
 async def test_native_replies_endpoint_counts_tokens_per_event():
     engine = SimulatedEngine(SimulatedConfig(delay_ms=2.0, jitter_ms=0.0))
     async with serve_engine(engine) as url:

@@ -84,12 +84,19 @@ def render(summary: dict[str, Any], console: Console) -> None:
     goodput = summary["goodput"]
     if goodput["slos"]:
         slos = " and ".join(f"{k} <= {v:g} ms" for k, v in goodput["slos"].items())
+        unjudged = goodput["no_tpot"] if "tpot" in goodput["slos"] else 0
         console.print(
             f"Goodput ({slos}): {goodput['good_requests']} requests, "
             f"{goodput['requests_per_s']:,.2f} req/s "
             f"({100 * goodput['share_of_requests']:.1f} % of requests; "
             f"{'held' if goodput['held'] else 'did not hold'} at "
-            f"{100 * goodput['share_target']:g} %)",
+            f"{100 * goodput['share_target']:g} %)"
+            + (
+                f"; {unjudged} {'reply' if unjudged == 1 else 'replies'} of under 2 tokens "
+                "had no TPOT, the tpot bound not applied"
+                if unjudged
+                else ""
+            ),
             highlight=False,
         )
     console.print(_steady_line(summary["steady_state"]), highlight=False)

@@ -86,8 +86,19 @@ class SLO:
         return slos
 
     def met(self, metrics: dict[str, Any]) -> bool:
+        """Whether a request's metrics keep to this bound. A complete reply of fewer than 2
+        tokens has no time per output token: a ``tpot`` bound does not apply to it (as
+        vLLM's benchmark counts it 0 for goodput), neither failing nor judging it."""
         value = metrics[SLO_METRICS[self.metric]]
+        if value is None and self.metric == "tpot" and no_tpot(metrics):
+            return True
         return value is not None and value <= self.limit_ms
+
+
+def no_tpot(metrics: dict[str, Any]) -> bool:
+    """Whether a request completed with too few tokens (0 or 1) to have a time per output
+    token: there is no gap between tokens to divide."""
+    return bool(metrics["complete"]) and metrics["tokens"] < 2
 
 
 def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, Any]:
@@ -287,6 +298,8 @@ def summarize(
     result["goodput"] = {
         "slos": {slo.metric: slo.limit_ms for slo in slos},
         "good_requests": len(good),
+        # Complete replies of fewer than 2 tokens: no TPOT, so a tpot bound did not judge them.
+        "no_tpot": sum(no_tpot(m) for m in done),
         "requests_per_s": len(good) / wall if wall else 0.0,
         "share_of_requests": share,
         "share_target": slo_share,
