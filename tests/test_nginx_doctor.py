@@ -76,6 +76,24 @@ async def test_default_proxy_buffering_arrives_in_buffer_sized_bursts(app_url, t
     assert result.first_text_ms is not None and result.first_text_ms > 1000
 
 
+async def test_a_responses_streams_bursts_are_the_bytes_of_one_buffer(app_url, tmp_path):
+    # Its closing events repeat the whole reply (output_text.done, content_part.done,
+    # output_item.done, response.completed): no full burst may be swollen by them.
+    body = {"model": "simulated", "input": "hi", "stream": True, "max_output_tokens": TOKENS}
+    port = free_port()
+    config = proxy_config(upstream_of(app_url), port, LOCATIONS["buffering_on"])
+    async with running_nginx(config, port, tmp_path) as proxy:
+        timing = await measure_reply(
+            f"{proxy}/v1/responses", method="POST", json_body=body, timeout_s=60
+        )
+    result = diagnose(timing, Thresholds())
+    assert result.verdict == "bursty", result.reason
+    assert sum(b.events for b in result.bursts) == TOKENS
+    assert all(3000 <= b.approx_bytes <= 4096 for b in result.bursts[:-1]), result.bursts
+    assert sum(b.approx_bytes for b in result.bursts) <= timing.body_bytes
+    assert result.hop is not None and "bursts of about 4 KiB" in result.hop
+
+
 async def test_buffers_larger_than_the_reply_deliver_it_all_at_the_end(app_url, tmp_path):
     port = free_port()
     config = proxy_config(upstream_of(app_url), port, LOCATIONS["large_buffers"])

@@ -53,6 +53,10 @@ class ReplyTiming:
     tokens_counted: bool = True
     text_event_ms: tuple[float, ...] = ()
     text_event_chars: tuple[int, ...] = ()
+    # Per text event, the body bytes read before and after the read that completed it: the
+    # bytes that arrived together with it, whatever other events (a Responses stream's
+    # closing ones, which repeat the whole reply) the body holds elsewhere.
+    text_event_reads: tuple[tuple[int, int], ...] = ()
     reply_id: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     cancelled: bool = False  # the reader hung up on purpose (``stop_after_tokens``)
@@ -108,6 +112,7 @@ class _Reading:
         self.headers_ms: float | None = None
         self.first_byte_ms: float | None = None
         self.body_bytes = 0
+        self.read_from = 0  # the body bytes read before the current read
         self.parts: list[str] = []
         self.thoughts: list[str] = []
         self.first_answer_ms: float | None = None
@@ -116,6 +121,7 @@ class _Reading:
         self.estimated = False  # a text event's tokens were counted here, not by the server
         self.event_ms: list[float] = []
         self.event_chars: list[int] = []
+        self.event_reads: list[tuple[int, int]] = []
         self.headers: dict[str, str] = {}
         self.connected = True
         self.lost: str | None = None  # a gap the server announced: text is missing
@@ -136,6 +142,7 @@ class _Reading:
         self.tokens += tokens
         self.event_ms.append(at_ms)
         self.event_chars.append(len(text))
+        self.event_reads.append((self.read_from, self.body_bytes))
 
     def finish(self) -> ReplyTiming:
         if self.error is None and self.lost is not None:
@@ -161,6 +168,7 @@ class _Reading:
             tokens_counted=self.reported_tokens is not None or not self.estimated,
             text_event_ms=tuple(self.event_ms),
             text_event_chars=tuple(self.event_chars),
+            text_event_reads=tuple(self.event_reads),
             reply_id=self.headers.get("x-reply-id"),
             headers=self.headers,
             cancelled=self.cancelled,
@@ -176,6 +184,7 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
         at = reading.ms(chunk.at)
         if reading.first_byte_ms is None:
             reading.first_byte_ms = at
+        reading.read_from = reading.body_bytes
         reading.body_bytes += len(chunk.data)
         for event in parser.feed(chunk.data):
             meaning = interpret_event(event)

@@ -66,7 +66,12 @@ class Burst:
 
     at_ms: float
     events: int
-    approx_bytes: int  # events x the reply's mean body bytes per event
+    # The body bytes of the reads that carried its events, from the first one's to the last
+    # one's: what arrived together, to set against a proxy's buffer size. Whole reads, so an
+    # event cut across two counts in the second, and events that are not text count where
+    # they arrived (a Responses stream's closing ones, which repeat the whole reply, in the
+    # last burst at most). A timing that recorded no reads: events x mean body bytes per event.
+    approx_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +111,23 @@ def bursts_of(timing: ReplyTiming, burst_gap_ms: float) -> list[Burst]:
     times = timing.text_event_ms
     if not times:
         return []
-    per_event = timing.body_bytes / len(times)
-    sizes = [1]
-    starts = [times[0]]
-    for before, after in itertools.pairwise(times):
+    firsts = [0]  # the index of each burst's first event
+    for index, (before, after) in enumerate(itertools.pairwise(times), 1):
         if after - before > burst_gap_ms:
-            sizes.append(1)
-            starts.append(after)
-        else:
-            sizes[-1] += 1
-    return [Burst(at, n, round(n * per_event)) for at, n in zip(starts, sizes, strict=True)]
+            firsts.append(index)
+    ends = [*firsts[1:], len(times)]
+    reads = timing.text_event_reads
+    per_event = timing.body_bytes / len(times)
+
+    def size(first: int, end: int) -> int:
+        if len(reads) == len(times):
+            return reads[end - 1][1] - reads[first][0]
+        return round((end - first) * per_event)
+
+    return [
+        Burst(times[first], end - first, size(first, end))
+        for first, end in zip(firsts, ends, strict=True)
+    ]
 
 
 def diagnose(timing: ReplyTiming, thresholds: Thresholds | None = None) -> Diagnosis:
