@@ -1037,6 +1037,35 @@ def test_a_port_in_use_is_one_line_not_a_traceback():
     assert "--port 0 picks a free one" in line
 
 
+@pytest.mark.parametrize(
+    ("flag", "fd", "says"),
+    [
+        ("--ready-fd", "99", "not an open file descriptor"),
+        ("--listen-fd", "99", "not an open file descriptor"),
+        ("--ready-fd", "0", "open for reading only"),  # stdin: a file opened to be read
+        ("--listen-fd", "0", "non-socket"),
+    ],
+)
+def test_a_worker_descriptor_that_cannot_be_used_is_one_line_naming_its_flag(
+    flag: str, fd: str, says: str, tmp_path: Path
+):
+    readable = tmp_path / "in"
+    readable.write_bytes(b"")
+    with readable.open("rb") as stdin:
+        done = subprocess.run(
+            [*CLI, "serve", "--engine", "simulated", "--port", "0", flag, fd],
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith(f"replystream serve: {flag} {fd}: "), line
+    assert says in line, line
+    assert READY_PREFIX not in done.stdout  # refused before it listens
+
+
 def test_a_port_a_connection_holds_is_not_said_to_be_listened_on():
     # Bound, not listening: as an outgoing connection's own port, or one in TIME_WAIT, is.
     with socket.socket() as held:

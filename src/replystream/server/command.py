@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -131,6 +132,30 @@ def refuse_foreign_metrics_dir(args: argparse.Namespace) -> None:
         )
 
 
+def check_worker_descriptors(args: argparse.Namespace) -> None:
+    """The descriptors a worker of ``--workers`` is handed (``--listen-fd``, ``--ready-fd``)
+    must be open as it is to use them: told at start, naming the flag, rather than when the
+    worker first uses one (a ready pipe's, once it serves: a traceback after its URL).
+
+    Raises:
+        ValueError: one is not open, or the ready pipe is not open for writing.
+    """
+    for flag, fd in (("--listen-fd", args.listen_fd), ("--ready-fd", args.ready_fd)):
+        if fd is None:
+            continue
+        try:
+            mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError as exc:
+            raise ValueError(
+                f"{flag} {fd}: not an open file descriptor ({exc.strerror}); serve --workers "
+                "hands its workers their descriptors"
+            ) from None
+        if flag == "--ready-fd" and mode == os.O_RDONLY:
+            raise ValueError(
+                f"{flag} {fd}: open for reading only; the worker writes a byte to it once it serves"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level,
@@ -139,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         refuse_foreign_metrics_dir(args)
+        check_worker_descriptors(args)
         config = build_config(args)
         store = build_store(args)
         choice = engine_options.parse_engines(args.engine)
@@ -192,7 +218,10 @@ def run(args: argparse.Namespace) -> int:
         new_loop = loop_factory(args.loop)
         # Listen first: a port already taken is reported at once, not after a model load.
         if args.listen_fd is not None:
-            sock = socket.socket(fileno=args.listen_fd)
+            try:
+                sock = socket.socket(fileno=args.listen_fd)
+            except OSError as exc:
+                raise ValueError(f"--listen-fd {args.listen_fd}: {exc.strerror}") from None
             sock.setblocking(False)
         else:
             sock = listen(args.host, args.port)
