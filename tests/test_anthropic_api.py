@@ -168,6 +168,7 @@ async def test_keys_are_read_from_x_api_key_and_errors_are_the_sdks_own_classes(
         ({**ASK, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({**ASK, "temperature": 1.5}, "temperature"),
         ({**ASK, "stop_sequences": [""]}, "stop_sequences[0]"),
+        ({**ASK, "stop_sequences": ["end", "\n\t "]}, "stop_sequences[1]"),
         ({**ASK, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
         ({**ASK, "service_tier": "priority"}, "service_tier"),
         # A server tool has no input_schema: it is refused by its type.

@@ -309,6 +309,16 @@ class MessagesBody(MessagesInput):
     replystream: MessagesExtensions | None = None
 
     @model_validator(mode="after")
+    def _stops_are_visible(self) -> MessagesBody:
+        # Anthropic refuses a stop sequence of whitespace alone (a newline, say), as it does
+        # an empty one; an OpenAI stop may be one, so the engine takes it on chat's routes.
+        for at, stop in enumerate(self.stop_sequences or ()):
+            if not stop.strip():
+                message = "each stop sequence must contain non-whitespace"
+                raise invalid(message, f"stop_sequences[{at}]")
+        return self
+
+    @model_validator(mode="after")
     def _resumable_is_streamed(self) -> MessagesBody:
         if self.replystream is not None and self.replystream.resumable and not self.stream:
             message = "a resumable reply must be streamed (stream: true)"
