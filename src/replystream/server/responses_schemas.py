@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from replystream.server.chat_message_schemas import MessageToolCall
 from replystream.server.output_formats import ResponsesTextFormat
@@ -294,6 +294,12 @@ class InputTokensBody(ResponsesPrompt):
     ) = None
 
 
+def _null_is(default: bool) -> BeforeValidator:
+    """A flag OpenAI's spec lets be null, meaning its default: the openai SDK types them
+    ``Optional[bool]`` and sends ``None`` as null."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
 class ResponsesBody(ResponsesPrompt):
     """``POST /v1/responses``: a prompt (``input`` required) and the fields that shape the
     reply."""
@@ -307,10 +313,10 @@ class ResponsesBody(ResponsesPrompt):
     max_output_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    stream: bool = False
-    store: bool = True
+    stream: Annotated[bool, _null_is(False)] = False
+    store: Annotated[bool, _null_is(True)] = True
     metadata: Metadata | None = None
-    background: bool = False
+    background: Annotated[bool, _null_is(False)] = False
     user: str | None = None
     service_tier: str | None = None  # accepted and ignored, as on chat
     safety_identifier: str | None = None  # accepted and ignored, as on chat
