@@ -74,17 +74,18 @@ _OURS = {
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
 }
 _AS_SENT = ("messages", "max_tokens", "temperature", "top_p", "tools", "tool_choice")
+# Fields only ``replystream`` has (an engine refusing one names it as its own).
+_EXTENSIONS = {
+    name: f"replystream.{name}" for name in ("seed", "min_p", "min_tokens", "ignore_eos")
+}
 _FIELDS = FieldNames(
-    {"prompt": "messages", "response_format": "output_config.format", **_OURS},
+    {"prompt": "messages", "response_format": "output_config.format", **_OURS, **_EXTENSIONS},
     {
         **{name: name for name in _AS_SENT},
         **_OURS,
         "add_generation_prompt": "messages",  # sent (false) with a prefill to continue
         "max_completion_tokens": "max_tokens",
-        "seed": "replystream.seed",
-        "min_p": "replystream.min_p",
-        "min_tokens": "replystream.min_tokens",
-        "ignore_eos": "replystream.ignore_eos",
+        **_EXTENSIONS,
         "reasoning_effort": "output_config.effort",
         "response_format": "output_config.format",
         "user": "metadata.user_id",

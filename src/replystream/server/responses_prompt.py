@@ -57,18 +57,19 @@ _AS_SENT = (
     "service_tier",
     "prompt_cache_key",
 )
+_EXTENSIONS = {
+    name: f"replystream.{name}"
+    for name in ("seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop")
+}
 RESPONSES_FIELDS = FieldNames(
-    {"prompt": "input", "response_format": "text.format", **_PROMPT_AND_LIMIT},
+    {"prompt": "input", "response_format": "text.format", **_PROMPT_AND_LIMIT, **_EXTENSIONS},
     {
         **{name: name for name in _AS_SENT},
         **_PROMPT_AND_LIMIT,
         "max_completion_tokens": "max_output_tokens",
         "reasoning_effort": "reasoning.effort",
         "response_format": "text.format",
-        **{
-            name: f"replystream.{name}"
-            for name in ("seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop")
-        },
+        **_EXTENSIONS,
     },
 )
 
