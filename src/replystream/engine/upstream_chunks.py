@@ -523,7 +523,9 @@ class ChunkReader:
                 logprobs = choice.get("logprobs")  # only sent when the request asked
                 if logprobs:
                     made = relayed_logprobs(logprobs)
-                    count = len(made) if made else 1
+                    # Text whose list is empty carries no token of its own (the end of one
+                    # an earlier chunk listed, held back as a stop string's possible start).
+                    count = 1 if made is None else len(made)
                     self._tokens += count
                     self._pending.append(Delta(text, count, now, logprobs=made))
                 elif self._logprobs:

@@ -20,7 +20,10 @@ This file decides when an attempt has failed and what happens next:
   an upstream that writes on (one sent no stop strings: ``upstream.stops_sent``).
 - An upstream that writes past the request's ``max_tokens`` (it was sent that limit, and
   ignored it) is stopped there: what comes past the limit is dropped, its connection closed,
-  and the reply ends with the relay's own ``length``.
+  and the reply ends with the relay's own ``length``. Text an upstream sent stop strings
+  withheld, as it could begin one, and releases after its last token (replystream's own
+  servers send it in a chunk of its own) is no such content: text past the limit that is
+  the start of one of them passes.
 Which upstream the next attempt goes to, the wait for room at upstreams at their limit, what
 the reply ends with when none is left, and what each attempt's end counts and logs are
 ``upstream_attempts``'s (a ``RelayedReply`` is an ``AttemptSeries``). It must not know how an
@@ -97,6 +100,8 @@ class RelayedReply(AttemptSeries):
         "_seam",
         "_sink",
         "_stops",
+        "_stops_sent",
+        "_tail",
         "_text_at",
         "_waiter",
     )
@@ -135,6 +140,11 @@ class RelayedReply(AttemptSeries):
         # The text relayed, watched for the request's stop strings (None: it has none).
         stops = request.sampling.stop
         self._stops = StopScan(stops) if stops else None
+        # The text an upstream may still send after the request's last token: what it held
+        # back as the start of a stop string it was sent (``upstream.stops_sent``: none when
+        # the client is told which one ended the reply). ``_tail``: that text so far.
+        self._stops_sent = () if request.names_stop_sequence else stops
+        self._tail = ""
         # The watchdog (``_watch``): when the last text came, how long the next may take.
         self._loop = asyncio.get_running_loop()  # made by the engine's ``start``
         self._text_at = 0.0
@@ -322,8 +332,9 @@ class RelayedReply(AttemptSeries):
         most = self._request.sampling.max_tokens
         for index, delta in enumerate(deltas):
             if most is not None and self._tokens >= most and delta.finish_reason is None:
-                self._end_whole()  # content past the limit the upstream was sent
-                return _Cut(index, "length")
+                if not self._withheld_tail(delta):
+                    self._end_whole()  # content past the limit the upstream was sent
+                    return _Cut(index, "length")
             if delta.tool_call is not None:
                 # A continuation sends the text so far as the assistant's prefix; a call
                 # cannot be sent that way, so a reply that made one ends with its error.
@@ -341,6 +352,18 @@ class RelayedReply(AttemptSeries):
         if first and not self._done:  # (an attempt this batch ended has no stall to watch for)
             self._timer = self._loop.call_later(self._limit, self._check)
         return None
+
+    def _withheld_tail(self, delta: Delta) -> bool:
+        """Whether ``delta``, come after the request's last token, is text its upstream held
+        back as it could begin a stop string it was sent: with the text before it past the
+        limit, the start of one of them, shorter than it."""
+        if delta.tool_call is not None or delta.reasoning or not delta.text:
+            return False
+        tail = self._tail + delta.text
+        if not any(len(tail) < len(s) and s.startswith(tail) for s in self._stops_sent):
+            return False
+        self._tail = tail
+        return True
 
     def _end_whole(self) -> None:
         """The reply is whole here, so the attempt ended well: a stop string completed (the
