@@ -118,8 +118,12 @@ def penalize(
     if params.repetition_penalty != 1.0:
         seen = np.fromiter(history.prompt | history.made.keys(), dtype=np.int64)
         seen = seen[seen < z.size]
-        rp = np.float32(params.repetition_penalty)
-        z[seen] = np.where(z[seen] > 0, z[seen] / rp, z[seen] * rp)
+        # In float64, then held to float32's range: a penalty near 0 (1e-300 is one, and
+        # float32's 0) would make a positive logit inf, and inf - inf a NaN in the softmax.
+        rp = params.repetition_penalty
+        zs = z[seen].astype(np.float64)
+        big = np.finfo(np.float32).max
+        z[seen] = np.clip(np.where(zs > 0, zs / rp, zs * rp), -big, big)
     if history.made and (params.frequency_penalty or params.presence_penalty):
         ids = np.fromiter(history.made.keys(), dtype=np.int64, count=len(history.made))
         counts = np.fromiter(history.made.values(), dtype=np.float32, count=len(history.made))
