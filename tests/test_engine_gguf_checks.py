@@ -26,7 +26,7 @@ from gguf.quants import quantize
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.gguf_engine import load_gguf_engine, load_gguf_model
 from replystream.engine.model import ROTARY_ROWS
-from tests.gguf_files import write_llama_gguf
+from tests.gguf_files import TOKEN_TYPES, write_llama_gguf
 
 
 def peak_bytes_of_loading(path: Path) -> int:
@@ -44,6 +44,37 @@ def test_a_claimed_context_of_2_to_the_40_costs_no_memory_until_positions_are_ru
     small = write_llama_gguf(tmp_path / "small.gguf")
     huge = write_llama_gguf(tmp_path / "huge.gguf", meta={"context_length": 2**40})
     assert peak_bytes_of_loading(huge) < peak_bytes_of_loading(small) + 2**20
+
+
+def with_long_array(path: Path, key: str, count: int) -> Path:
+    """``path`` (a sound file) with ``count`` int32s under ``key``, written in place of a
+    one-item array (``GGUFWriter`` packs an array one item at a time: far too slow here)."""
+    assert (count - 1) * 4 % 32 == 0  # the tensors stay at the same alignment
+    write_llama_gguf(path, meta={key: [7]})
+    name = struct.pack("<Q", len(key)) + key.encode()
+    one = name + struct.pack("<IIQi", 9, 5, 1, 7)  # an array (9) of 1 int32 (5): 7
+    many = name + struct.pack("<IIQ", 9, 5, count) + np.arange(count, dtype="<i4").tobytes()
+    data = path.read_bytes()
+    assert data.count(one) == 1
+    path.write_bytes(data.replace(one, many))
+    return path
+
+
+def test_a_long_array_no_one_reads_costs_no_memory_to_load(tmp_path: Path) -> None:
+    """4 million numbers (16 MB of file) held as a list were 150 MB of Python ints: an 80 MB
+    file took the server to 900 MB. The array is left in the file, unread."""
+    small = write_llama_gguf(tmp_path / "small.gguf")
+    long = with_long_array(tmp_path / "long.gguf", "general.unused", 4_000_001)
+    assert peak_bytes_of_loading(long) < peak_bytes_of_loading(small) + 2**20
+
+
+def test_the_token_types_kept_are_an_array_of_the_loaders_own(tmp_path: Path) -> None:
+    """Not a view of the file, which a file cut short while serving would make a SIGBUS."""
+    gguf, _, tokenizer = load_gguf_model(write_llama_gguf(tmp_path / "model.gguf"))
+    types = gguf.vocabulary.token_types
+    assert isinstance(types, np.ndarray) and types.base is None
+    assert types.tolist() == TOKEN_TYPES
+    assert tokenizer.decode(tokenizer.encode("<|im_start|>hi")) == "hi"  # a control token
 
 
 async def test_a_model_claiming_a_huge_context_still_answers(tmp_path: Path) -> None:
@@ -270,6 +301,24 @@ REFUSED: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
         {"rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
         {},
         "rope scaling 'linear'",
+    ),
+    (
+        "a scaling factor that is an array",
+        {"rope.scaling.factor": [1.0]},
+        {},
+        "rope.scaling.factor is \\[1.0\\]; it must be one value",
+    ),
+    (
+        "a vocab_size that is an array",
+        {"vocab_size": [260]},
+        {},
+        "llama.vocab_size is \\[260\\]; it must be one value",
+    ),
+    (
+        "a BOS that is an array",
+        {"bos_token_id": [1, 2]},
+        {},
+        "bos_token_id is \\[1, 2\\], not one of the 260",
     ),
     (
         "a scaling factor alone",

@@ -24,9 +24,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from gguf.constants import GGMLQuantizationType
 
-from replystream.engine.gguf_header import TensorInfo
+from replystream.engine.gguf_header import TensorInfo, shown
 from replystream.engine.model import ModelConfig
 
 _Q = GGMLQuantizationType
@@ -58,17 +59,25 @@ def _count(fields: Mapping[str, Any], key: str, default: int | None = None) -> i
         if default is None:
             raise ValueError(f"no llama.{key} in the metadata")
         return default
-    if isinstance(value, list):
+    if isinstance(value, list | np.ndarray):
         raise ValueError(f"llama.{key} is given per layer; this engine runs uniform layers")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"llama.{key} is {value!r}; it must be a whole number of at least 1")
+        raise ValueError(f"llama.{key} is {shown(value)}; it must be a whole number of at least 1")
+    return value
+
+
+def _one(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """``llama.{key}``, one value (``default`` when absent); an array is refused by name."""
+    value = fields.get(f"llama.{key}", default)
+    if isinstance(value, list | np.ndarray):
+        raise ValueError(f"llama.{key} is {shown(value)}; it must be one value, not an array")
     return value
 
 
 def _positive(fields: Mapping[str, Any], key: str, default: float) -> float:
     value = fields.get(f"llama.{key}", default)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"llama.{key} is {value!r}; it must be a number")
+        raise ValueError(f"llama.{key} is {shown(value)}; it must be a number")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"llama.{key} is {value!r}; it must be a finite number above 0")
     return float(value)
@@ -80,7 +89,7 @@ def model_config(fields: Mapping[str, Any], n_tokens: int) -> ModelConfig:
     Raises:
         ValueError: a value missing or unusable, or a model this engine does not compute.
     """
-    experts = fields.get("llama.expert_count")
+    experts = _one(fields, "expert_count")
     if experts:
         raise ValueError(f"a mixture of {experts!r} experts; this engine runs dense models")
     n_heads = _count(fields, "attention.head_count")
@@ -99,10 +108,10 @@ def model_config(fields: Mapping[str, Any], n_tokens: int) -> ModelConfig:
                 f"llama.{key} is {fields[f'llama.{key}']}; this engine runs heads of "
                 f"{head_dim} (embedding_length / head_count) under a rotary embedding of all"
             )
-    scaling = fields.get("llama.rope.scaling.type", "none")
+    scaling = _one(fields, "rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"rope scaling {scaling!r} is not supported (only 'none')")
-    factor = fields.get("llama.rope.scaling.factor", 1.0)
+    factor = _one(fields, "rope.scaling.factor", 1.0)
     if factor not in (0.0, 1.0):  # llama.cpp reads 0 as no scaling
         raise ValueError(f"llama.rope.scaling.factor {factor!r} is not supported (only 1)")
     context = _count(fields, "context_length")
@@ -110,7 +119,7 @@ def model_config(fields: Mapping[str, Any], n_tokens: int) -> ModelConfig:
         raise ValueError(
             f"llama.context_length is {context}; a prompt and its reply need at least 2"
         )
-    vocab_size = fields.get("llama.vocab_size", n_tokens)
+    vocab_size = _one(fields, "vocab_size", n_tokens)
     if vocab_size != n_tokens:
         raise ValueError(f"llama.vocab_size is {vocab_size!r} but the vocabulary has {n_tokens}")
     return ModelConfig(
@@ -212,5 +221,5 @@ def check_token_ids(ids: Mapping[str, Any], n_tokens: int) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_tokens:
             raise ValueError(
-                f"tokenizer.ggml.{key}_token_id is {value!r}, not one of the {n_tokens} tokens"
+                f"tokenizer.ggml.{key}_token_id is {shown(value)}, not one of the {n_tokens} tokens"
             )

@@ -63,7 +63,9 @@ class Vocabulary:
     model: str  # "gpt2" for byte-level BPE
     pre: str  # the pre-tokenizer's name in llama.cpp ("smollm", "llama-bpe", ...)
     tokens: tuple[str, ...]
-    token_types: tuple[int, ...]  # 1 normal, 3 control, 4 user-defined (llama.cpp's values)
+    # 1 normal, 3 control, 4 user-defined (llama.cpp's values), one per token; empty when the
+    # file gives none. The loader's own copy, not a view of the file.
+    token_types: NDArray[np.int32]
     merges: tuple[str, ...]
     bos_id: int | None
     add_bos: bool  # every prompt begins with BOS (``tokenizer.ggml.add_bos_token``)
@@ -158,6 +160,26 @@ def _texts(header: GGUFHeader, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _token_types(header: GGUFHeader) -> NDArray[np.int32]:
+    """``tokenizer.ggml.token_type`` as the loader's own int32 array (empty when absent).
+
+    The header's array is a view of the file's mapping: copied, so nothing kept after the load
+    reads the file (a file cut short while serving would end the process by SIGBUS).
+
+    Raises:
+        ValueError: the key holds something else than whole numbers that fit an int32.
+    """
+    value = _field(header, "tokenizer.ggml.token_type")
+    if value is None:
+        return np.zeros(0, np.int32)
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu":
+        raise ValueError("tokenizer.ggml.token_type is not an array of whole numbers")
+    limits = np.iinfo(np.int32)
+    if value.size and (value.min() < limits.min or value.max() > limits.max):
+        raise ValueError("tokenizer.ggml.token_type holds numbers no token type is")
+    return value.astype(np.int32)  # a copy, always (a new dtype or not)
+
+
 def open_gguf(path: Path) -> GGUFModel:
     """Read ``path``'s metadata and map its tensors (nothing is dequantised yet).
 
@@ -183,13 +205,9 @@ def open_gguf(path: Path) -> GGUFModel:
             for key in ("bos", "eos", "eot", "eom")
         }
         check_token_ids(ids, len(tokens))
-        types = _field(reader, "tokenizer.ggml.token_type", [])
-        if not isinstance(types, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in types
-        ):
-            raise ValueError("tokenizer.ggml.token_type is not an array of whole numbers")
-        if types and len(types) != len(tokens):
-            raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+        types = _token_types(reader)
+        if types.size and types.size != len(tokens):
+            raise ValueError(f"{types.size} token types for {len(tokens)} tokens")
         merges = _texts(reader, "tokenizer.ggml.merges")
         pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
         if "tokenizer.ggml.pre" not in reader.fields:
@@ -216,7 +234,7 @@ def open_gguf(path: Path) -> GGUFModel:
         model=str(_field(reader, "tokenizer.ggml.model", "")),
         pre=pre,
         tokens=tokens,
-        token_types=tuple(types),
+        token_types=types,
         merges=merges,
         bos_id=ids["bos"],
         add_bos=add_bos,
@@ -225,5 +243,6 @@ def open_gguf(path: Path) -> GGUFModel:
         chat_template=template,
     )
     weights = _Weights(reader, config)
-    name = str(_field(reader, "general.name", "") or path.stem)
+    given = _field(reader, "general.name")
+    name = given if isinstance(given, str) and given else path.stem
     return GGUFModel(path, name, config, weights, vocabulary, path.stat().st_size)

@@ -4,10 +4,14 @@ This file decides how the bytes of a GGUF header (version 2 or 3, little-endian)
 values and memory-mapped tensor views. ``gguf.GGUFReader`` reads the same header but builds a
 NumPy view for every part of every value: on SmolLM2's 49,152 tokens and 48,900 merges that is
 about a million small arrays and most of a 6-second load. Here a string is ``struct`` and a
-slice, a numeric array one ``np.frombuffer``. The tensors come out as ``GGUFReader`` gives them
-(same dtype and shape: raw bytes for quantised kinds), so ``gguf.quants.dequantize`` takes them
-unchanged; ``tests/test_engine_gguf.py`` checks both readers agree on the whole file. It must
-not know what the metadata means (``gguf_file.py`` does) nor how to dequantise.
+slice, a numeric array one ``np.frombuffer``: a read-only view of the mapping, never a list, so
+a key nobody reads costs no memory however long its array (20 million numbers as a Python list
+are most of a gigabyte, from an 80 MB file). Whoever keeps such an array past the load copies
+it: a view of a file cut short later would end the process by SIGBUS when read. The tensors
+come out as ``GGUFReader`` gives them (same dtype and shape: raw bytes for quantised kinds), so
+``gguf.quants.dequantize`` takes them unchanged; ``tests/test_engine_gguf_header.py`` checks
+both readers agree on the whole file. It must not know what the metadata means
+(``gguf_file.py`` does) nor how to dequantise.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 counted with 32-bit integers; no file of it is still made
 DEFAULT_ALIGNMENT = 32
 MAX_NESTING = 16  # arrays within arrays: no writer nests more than a couple
+_SHOWN_ITEMS = 8  # an array of numbers longer than this is counted in a refusal, not listed
 
 # GGUF value type -> (struct format, NumPy dtype) of the fixed-size kinds.
 _SCALARS: dict[int, tuple[str, np.dtype[Any]]] = {
@@ -69,11 +74,22 @@ class TensorInfo:
 
 @dataclass(frozen=True, slots=True)
 class GGUFHeader:
-    """The metadata (key -> value; arrays as lists) and the tensors of a GGUF file."""
+    """The metadata and the tensors of a GGUF file.
+
+    ``fields``: key -> value; an array of numbers is a read-only NumPy view of the file's
+    mapping (of the file's own dtype), an array of strings or of arrays a list.
+    """
 
     version: int
     fields: dict[str, Any]
     tensors: list[TensorInfo]
+
+
+def shown(value: Any) -> str:
+    """A metadata value as a refusal names it: an array of numbers as a short list, or counted."""
+    if isinstance(value, np.ndarray):
+        return repr(value.tolist()) if value.size <= _SHOWN_ITEMS else f"{value.size} numbers"
+    return repr(value)
 
 
 class _Cursor:
@@ -112,7 +128,7 @@ class _Cursor:
                 raise ValueError(f"an array of {count} values runs past the end of the file")
             items = np.frombuffer(self.buffer, dtype, count, self.at)
             self.at += count * dtype.itemsize
-            return items.tolist()
+            return items
         scalar = _SCALARS.get(kind)
         if scalar is None:
             raise ValueError(f"unknown GGUF value type {kind}")
@@ -169,7 +185,7 @@ def _parse(buffer: mmap.mmap) -> GGUFHeader:
         or alignment <= 0
         or alignment & (alignment - 1)
     ):
-        raise ValueError(f"general.alignment is {alignment!r}; it must be a power of two")
+        raise ValueError(f"general.alignment is {shown(alignment)}; it must be a power of two")
     data_start = -(-cursor.at // alignment) * alignment
     tensors = []
     # Tensors lie one after another in the order the header lists them, each at the next

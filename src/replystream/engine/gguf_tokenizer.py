@@ -13,6 +13,7 @@ not know about models or serving.
 
 from __future__ import annotations
 
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from replystream.engine.gguf_file import Vocabulary
@@ -91,16 +92,15 @@ def build_tokenizer(vocabulary: Vocabulary) -> ByteTokenizer:
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = make_pre()
     tokenizer.decoder = decoders.ByteLevel()
-    types = v.token_types or (1,) * len(v.tokens)
-    control = [i for i, t in enumerate(types) if t == CONTROL]
+    types = v.token_types if v.token_types.size else np.ones(len(v.tokens), np.int32)
+    control = np.flatnonzero(types == CONTROL).tolist()
     tokenizer.add_special_tokens(
         [AddedToken(v.tokens[i], normalized=False, special=True) for i in control]
     )
     tokenizer.add_tokens(
         [
             AddedToken(v.tokens[i], normalized=False, special=False)
-            for i, t in enumerate(types)
-            if t == USER_DEFINED
+            for i in np.flatnonzero(types == USER_DEFINED).tolist()
         ]
     )
     return ByteTokenizer.from_pieces(tokenizer, v.tokens, hidden=control)
