@@ -553,7 +553,7 @@ def sentencepiece_tokenizer(chat_template: str) -> Any:
 async def test_each_tokens_bytes_are_its_own_a_split_characters_too(engine: Any):
     """Log probabilities' ``bytes``: a token that holds part of a character has those bytes
     (not U+FFFD's), so a text's tokens' bytes joined are its UTF-8, for byte-level BPE and
-    for SentencePiece's ``▁`` and ``<0xNN>`` pieces; a control token has none."""
+    for SentencePiece's ``▁`` and ``<0xNN>`` pieces; a control token has its spelling's."""
     from replystream.engine.hf_text import HFTokenBytes, tokenizer_spec
 
     text = "déjà vu 🙂 漢字 café"
@@ -566,12 +566,29 @@ async def test_each_tokens_bytes_are_its_own_a_split_characters_too(engine: Any)
     ids = spm.encode(text, add_special_tokens=False)
     assert "<0xF0>" in spm.convert_ids_to_tokens(ids)  # the emoji: four byte pieces
     assert b"".join(token_bytes(i) for i in ids) == b" " + text.encode()  # ▁ marks the start
-    assert token_bytes(spm.convert_tokens_to_ids("<|im_end|>")) == b""
+    # A control token: its spelling, as vLLM and llama.cpp's server name it.
+    end = spm.convert_tokens_to_ids("<|im_end|>")
+    assert token_bytes(end) == b"<|im_end|>" and end in token_bytes.hidden
     # Through a reply: the made tokens' bytes joined are the reply's text (a byte no token
     # completes is U+FFFD in the text, and itself in the bytes).
     text, deltas = await collect(engine, "déjà", max_tokens=8, temperature=0.0, logprobs=3)
     made = b"".join(delta.logprobs[0].bytes for delta in deltas)
     assert made.decode(errors="replace") == text
+
+
+async def test_a_control_token_made_is_named_as_spelt_but_is_no_text(chat_model_dir: Path):
+    from replystream.engine.hf import HFEngineConfig, load_hf_engine
+
+    engine = load_hf_engine(chat_model_dir, HFEngineConfig(max_running=1))
+    start = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    try:
+        text, deltas = await collect(
+            engine, "the", max_tokens=2, temperature=0.0, logprobs=1, logit_bias=((start, 100.0),)
+        )
+    finally:
+        await engine.aclose()
+    made = [(d.logprobs[0].token, d.logprobs[0].bytes, d.logprobs[0].in_text) for d in deltas]
+    assert text == "" and made == [("<|im_start|>", b"<|im_start|>", False)] * 2
 
 
 def test_text_after_a_control_token_is_not_marked_as_the_start_of_the_input():

@@ -260,6 +260,19 @@ def test_legacy_text_offsets_count_characters_not_the_tokens_of_a_split_one() ->
     assert decoded == "né😀!" and offsets == [0, 1, 1, 2, 2, 2, 3]
 
 
+def test_a_control_token_is_named_but_moves_no_legacy_text_offset() -> None:
+    """``<|im_start|>`` is named as the vocabulary spells it but is no part of the text: the
+    token after it begins where it began."""
+    tokens = (
+        TokenLogprob("Hi", -1.0, b"Hi"),
+        TokenLogprob("<|im_start|>", -2.0, b"<|im_start|>", in_text=False),
+        TokenLogprob(" there", -1.0, b" there"),
+    )
+    shape = completion_logprobs(tokens, TextOffsets(4))
+    assert shape["tokens"] == ["Hi", "<|im_start|>", " there"]
+    assert shape["text_offset"] == [4, 6, 6]
+
+
 class ByteTokensEngine(ScriptedEngine):
     """Makes byte-level tokens, each with its alternatives at that position (the made one
     first), however many the request asked for."""

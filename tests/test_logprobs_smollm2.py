@@ -186,3 +186,54 @@ async def test_a_token_holding_part_of_a_character_is_named_by_its_escaped_bytes
     ]
     legacy_logprobs = legacy.choices[0].logprobs
     assert legacy_logprobs is not None and legacy_logprobs.tokens == ["bytes:\\xe3\\x81"]
+
+
+async def test_a_control_token_is_named_as_the_vocabulary_spells_it_but_is_no_text(
+    loaded: Loaded,
+):
+    """``<|im_start|>`` made (a logit bias makes it) or ``<|im_end|>`` listed as an
+    alternative: named as vLLM and llama.cpp's server name them, with that name's bytes, in
+    chat and legacy completions, streamed and whole; the reply's text holds neither."""
+    start = b"<|im_start|>"
+    biased: dict[str, Any] = {"temperature": 0, "max_tokens": 3, "logit_bias": {"1": 100}}
+    async with (
+        running(create_app(engine_of(loaded))) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        ask = {**ASK, **biased, "top_logprobs": 2}
+        whole = await client.chat.completions.create(**ask)
+        chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+        said = {**ASK, "messages": [{"role": "user", "content": "Say only the word yes"}]}
+        ended = await client.chat.completions.create(**said)
+        legacy = {"model": "smollm2", "prompt": "Hello", "logprobs": 2, **biased}
+        text = await client.completions.create(**legacy)
+        text_chunks = [c async for c in await client.completions.create(**legacy, stream=True)]
+    choice = whole.choices[0]
+    assert choice.message.content == "" and choice.logprobs is not None
+    made = [(e.token, e.bytes) for e in choice.logprobs.content or []]
+    assert made == [("<|im_start|>", list(start))] * 3
+    streamed = [
+        (e.token, e.bytes)
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for e in chunk.choices[0].logprobs.content or []
+    ]
+    assert streamed == made
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert ended.choices[0].logprobs is not None
+    alternatives = [t for e in ended.choices[0].logprobs.content or [] for t in e.top_logprobs]
+    assert ("<|im_end|>", list(b"<|im_end|>")) in [(t.token, t.bytes) for t in alternatives]
+    assert all(t.token and t.bytes == list(t.token.encode()) for t in alternatives)
+    assert text.choices[0].text == "" and text.choices[0].logprobs is not None
+    legacy_logprobs = text.choices[0].logprobs
+    assert legacy_logprobs.tokens == ["<|im_start|>"] * 3
+    assert legacy_logprobs.text_offset == [5, 5, 5]  # the prompt's 5 characters: no text after
+    assert all("<|im_start|>" in top for top in legacy_logprobs.top_logprobs or [])
+    streamed_tokens = [
+        token
+        for chunk in text_chunks
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for token in chunk.choices[0].logprobs.tokens or []
+    ]
+    assert streamed_tokens == legacy_logprobs.tokens
+    assert "".join(c.choices[0].text for c in text_chunks if c.choices) == ""

@@ -152,7 +152,8 @@ class TextOffsets:
     def place(self, token: TokenLogprob) -> int:
         """Where ``token``, the one after those placed so far, begins."""
         at = self._chars
-        self._chars += len(self._decoder.decode(token.bytes))
+        if token.in_text:  # a control token is named but adds no text
+            self._chars += len(self._decoder.decode(token.bytes))
         return at
 
 
@@ -174,8 +175,8 @@ def completion_logprobs(
 def _legacy_tops(made: Sequence[TokenLogprob]) -> list[dict[str, float]]:
     tops: list[dict[str, float]] = []
     for token in made:
-        # Tokens of one name (a model's control tokens, whose bytes are all empty) are one
-        # key: it keeps the likeliest's log probability, as the alternatives come best first.
+        # Tokens of one name (two of a relayed upstream's that it names alike) are one key:
+        # it keeps the likeliest's log probability, as the alternatives come best first.
         top: dict[str, float] = {}
         for t in token.top:
             top.setdefault(legacy_token(t), t.logprob)

@@ -309,13 +309,16 @@ class TokenLogprob(NamedTuple):
 
     ``token`` is the token's name, ``token_name`` of its bytes for our engines (its text, or
     its bytes escaped when they are not whole UTF-8 characters); a relayed token's is its
-    upstream's. ``bytes`` are its exact bytes.
+    upstream's. ``bytes`` are its exact bytes. A control token (``<|im_start|>``) is named
+    and has the bytes of its spelling in the vocabulary, as vLLM and llama.cpp's server name
+    it, though it is no part of the reply's text: ``in_text`` is False for it.
     """
 
     token: str
     logprob: float
     bytes: bytes
     top: tuple[TopLogprob, ...] = ()
+    in_text: bool = True
 
 
 class Delta(NamedTuple):

@@ -291,7 +291,8 @@ class HFEngine(InProcessEngine):
             now = time.monotonic()
             logprobs = None
             if params.logprobs is not None:
-                logprobs = (token_logprob(logits, token, params.logprobs, self.token_bytes),)
+                spelt, hidden = self.token_bytes, self.token_bytes.hidden
+                logprobs = (token_logprob(logits, token, params.logprobs, spelt, hidden),)
             if token in self.eos:
                 text = stop.feed(detok.flush())
                 text += "" if stop.stopped else stop.flush()

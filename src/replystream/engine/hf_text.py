@@ -230,8 +230,9 @@ class HFTokenBytes:
 
     Read from the token's piece in the vocabulary, by the tokenizer's decoder: byte-level BPE
     spells each byte as a printable character (GPT-2's table); SentencePiece spells a space
-    ``▁`` and an unknown character's bytes ``<0xNN>``. A control token (hidden from the
-    reply's text) has none. A tokenizer with another decoder (WordPiece, say) has no byte
+    ``▁`` and an unknown character's bytes ``<0xNN>``. A control token (``hidden`` from the
+    reply's text) has those of its spelling (``<|im_end|>``), as vLLM and llama.cpp's server
+    name it. A tokenizer with another decoder (WordPiece, say) has no byte
     spelling, and its tokens' bytes are their decoded text's.
     """
 
@@ -254,7 +255,7 @@ class HFTokenBytes:
             if part.get("type") == "Metaspace"
         ]
         self._to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-        self._hidden = {
+        self.hidden = {
             int(token_id)
             for token_id, token in tokenizer.added_tokens_decoder.items()
             if token.special
@@ -268,8 +269,8 @@ class HFTokenBytes:
         return known
 
     def _bytes_of(self, token: int) -> bytes:
-        if token in self._hidden:
-            return b""
+        if token in self.hidden:
+            return str(self._tokenizer.convert_ids_to_tokens(token)).encode()
         piece = str(self._tokenizer.convert_ids_to_tokens(token))
         if self._byte_level and set(piece) <= self._to_byte.keys():
             return bytes(self._to_byte[char] for char in piece)

@@ -251,8 +251,9 @@ class Runner:
                         r.history.add(token)
                     # Log probabilities are the model's own (``token_logprob``), unpenalized.
                     if r.params.logprobs is not None:  # every pick is a made token
-                        top, to_bytes = r.params.logprobs, self.tokenizer.token_bytes
-                        r.logprobs.append(token_logprob(row, token, top, to_bytes))
+                        top, to_bytes = r.params.logprobs, self.tokenizer.spelt_bytes
+                        hidden = self.tokenizer.hidden_ids
+                        r.logprobs.append(token_logprob(row, token, top, to_bytes, hidden))
                     return token
 
                 sampled[c.seq_id] = accept(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -199,10 +199,17 @@ def sample_token(
 
 
 def token_logprob(
-    logits: NDArray[np.floating], token: int, top: int, token_bytes: Callable[[int], bytes]
+    logits: NDArray[np.floating],
+    token: int,
+    top: int,
+    token_bytes: Callable[[int], bytes],
+    hidden: Container[int] = (),
 ) -> TokenLogprob:
     """The log probability of ``token`` under the model's own distribution (log-softmax of the
     logits, before temperature, top-k or top-p), and the ``top`` likeliest tokens.
+
+    ``token_bytes``: each token's bytes as the vocabulary spells it, a control token's too
+    (``<|im_end|>``); ``hidden``: the control tokens' ids, which are no part of the text.
 
     This is what OpenAI and vLLM report: how likely the model found each token, whatever the
     sampling settings that picked it.
@@ -221,7 +228,8 @@ def token_logprob(
         picked = np.argpartition(-logp, count - 1)[:count]
         best = sorted(picked.tolist(), key=lambda i: (-logp[i], i))
     made = candidate(token)
-    return TokenLogprob(made.token, made.logprob, made.bytes, tuple(candidate(i) for i in best))
+    alternatives = tuple(candidate(i) for i in best)
+    return TokenLogprob(made.token, made.logprob, made.bytes, alternatives, token not in hidden)
 
 
 class StopMatcher:

@@ -40,7 +40,8 @@ class ByteTokenizer:
 
     Control tokens (``<|im_end|>`` and the like) are matched whole by ``encode`` (a chat
     template's markup) and not by ``encode_text`` (a message's text, where ``<|im_end|>`` is
-    ten characters), and ``hidden``: they decode to no text, as ``skip_special_tokens`` does.
+    ten characters), and ``hidden``: they decode to no text, as ``skip_special_tokens`` does,
+    though log probabilities name them as the vocabulary spells them (``spelt_bytes``).
     """
 
     def __init__(self, path: Path) -> None:
@@ -76,7 +77,10 @@ class ByteTokenizer:
             bytes(to_byte[c] for c in piece) if set(piece) <= to_byte.keys() else piece.encode()
             for piece in pieces
         ]
-        for token_id in hidden:
+        # Control tokens' spellings, for log probabilities; their text is nothing.
+        self._spelt = {token_id: self._bytes[token_id] for token_id in hidden}
+        self.hidden_ids = frozenset(self._spelt)
+        for token_id in self.hidden_ids:
             self._bytes[token_id] = b""
 
     @property
@@ -93,7 +97,13 @@ class ByteTokenizer:
         return list(self._text_tokenizer.encode(text, add_special_tokens=False).ids)
 
     def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` adds to the text (none for a control token)."""
         return self._bytes[token_id]
+
+    def spelt_bytes(self, token_id: int) -> bytes:
+        """The token as the vocabulary spells it, a control token's spelling included: what log
+        probabilities name it (``<|im_end|>``, as vLLM and llama.cpp's server do)."""
+        return self._spelt.get(token_id, self._bytes[token_id])
 
     def decode(self, ids: list[int]) -> str:
         """All of ``ids`` as text (invalid UTF-8 becomes U+FFFD)."""
