@@ -734,6 +734,32 @@ def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start
     assert says in line, line
 
 
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("{not json", "not a JSON file (Expecting property name"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"eos_token_id": "two"}', "eos_token_id is 'two'; it must be a token id"),
+        ('{"eos_token_id": [1, true]}', "eos_token_id is [1, True]; it must be a token id"),
+        ('{"max_new_tokens": "many"}', "not supported between instances of 'str' and 'int'"),
+    ],
+    ids=["not JSON", "an array", "an end id in words", "a bool among the end ids", "a count"],
+)
+def test_a_damaged_generation_config_is_refused_at_start_naming_the_file(
+    model_dir: Path, tmp_path: Path, content: str, says: str
+):
+    """Not JSON, transformers took the file as no file, without a word (a reply then ends
+    at config.json's ids, not at the ones this file lists); an end id that is no id was
+    kept; a count in words failed in words that named no file."""
+    folder = copied(model_dir, tmp_path)
+    (folder / "generation_config.json").write_text(content)
+    done = check_serve(folder)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines() or [""]
+    named = f"replystream serve: --engine hf:PATH: {folder / 'generation_config.json'}: "
+    assert line.startswith(named) and says in line, line
+
+
 async def test_a_reply_waiting_for_a_thread_is_admitted_only_when_one_takes_it_up(model_dir: Path):
     from replystream.engine.hf import HFEngineConfig, load_hf_engine
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as transformers_logging
 
 from replystream.engine.base import (
@@ -43,8 +43,8 @@ from replystream.engine.base import (
     RequestRejected,
 )
 from replystream.engine.end_tokens import end_of_generation_ids
+from replystream.engine.hf_config import GENERATION_CONFIG, check_model_folder
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
-from replystream.engine.hf_config import check_model_folder
 from replystream.engine.hf_text import HFChatPrompt, HFDetokenizer, HFTokenBytes, tokenizer_spec
 from replystream.engine.prompts import refuse_template_controls
 from replystream.engine.sampling import (
@@ -347,6 +347,31 @@ def _layers_held(unexpected: Iterable[str]) -> int:
     return max(found) + 1 if found else 0
 
 
+def _words(exc: BaseException) -> str:
+    """An exception's words on one line, cut at ``WORDS_MAX``."""
+    words = " ".join(str(exc).split()) or type(exc).__name__
+    return words if len(words) <= WORDS_MAX else words[: WORDS_MAX - 3] + "..."
+
+
+class _NamedRefusal(ValueError):
+    """A refusal that names its file already."""
+
+
+def _read_generation_config(path: Path) -> None:
+    """Values of a wrong type in ``generation_config.json`` make the model's loader raise in
+    words that name no file (``'<=' not supported between instances of 'str' and 'int'``):
+    read first, on its own, they are told with the file's name."""
+    file = path / GENERATION_CONFIG
+    if not file.exists():
+        return
+    try:
+        GenerationConfig.from_pretrained(path, local_files_only=True)
+    except RecursionError:
+        raise
+    except Exception as exc:
+        raise _NamedRefusal(f"{file}: {_words(exc)}") from None
+
+
 def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine:
     """Load a causal LM and its tokenizer from a local folder (never from the network).
 
@@ -360,6 +385,7 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     try:
+        _read_generation_config(path)
         # trust_remote_code stated: a folder asking to run its own code is loaded with the
         # library's class of its kind, or refused, never asked about on a terminal.
         tokenizer = AutoTokenizer.from_pretrained(
@@ -370,15 +396,12 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
             path, local_files_only=True, trust_remote_code=False, output_loading_info=True
         )
         model, loading = loaded
-    except RecursionError:
+    except (RecursionError, _NamedRefusal):
         raise  # a JSON file nested past the limit: told by the command, in words of its own
     except Exception as exc:
         # Whatever a damaged or foreign folder makes ``transformers`` (or safetensors, or
         # torch) raise: its words on one line, as a mistake on the command line is told.
-        words = " ".join(str(exc).split()) or type(exc).__name__
-        if len(words) > WORDS_MAX:
-            words = words[: WORDS_MAX - 3] + "..."
-        raise ValueError(f"cannot load a causal LM from {path}: {words}") from exc
+        raise ValueError(f"cannot load a causal LM from {path}: {_words(exc)}") from exc
     finally:
         transformers_logging.set_verbosity(verbosity)
     missing = sorted(loading.get("missing_keys") or ())

@@ -5,14 +5,49 @@ transformers."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+GENERATION_CONFIG = "generation_config.json"
 
 
 def check_model_folder(path: Path) -> None:
-    """Raise ``ValueError`` unless ``path`` is a folder a Hugging Face model may be in."""
+    """Raise ``ValueError`` unless ``path`` is a folder a Hugging Face model may be in, its
+    ``generation_config.json`` (if any) readable JSON with usable end ids."""
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
+    check_generation_config(path / GENERATION_CONFIG)
+
+
+def check_generation_config(file: Path) -> None:
+    """A folder's ``generation_config.json``, when there is one, is a JSON object whose
+    ``eos_token_id`` (where the reply ends) is a token id or a list of them.
+
+    ``transformers`` takes a file that is not JSON as no file (a note at its info level) and
+    keeps a wrong-typed ``eos_token_id``: a reply would end at config.json's ids instead, or at
+    none (Llama 3's instruct models end their turns at an id only this file lists).
+
+    Raises:
+        ValueError: naming the file and what is wrong.
+    """
+    if not file.exists():
+        return
+    try:
+        data: Any = json.loads(file.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{file}: nested too deeply to read") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{file}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    eos = data.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise ValueError(f"{file}: eos_token_id is {eos!r}; it must be a token id or a list of ids")
 
 
 @dataclass(frozen=True, slots=True)
