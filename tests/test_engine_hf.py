@@ -696,7 +696,12 @@ def check_serve(folder: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "damage",
-    ["a layer's weights gone", "a layer more in the weights", "a template that is not Jinja"],
+    [
+        "a layer's weights gone",
+        "a layer more in the weights",
+        "weights of another shape",
+        "a template that is not Jinja",
+    ],
 )
 def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start(
     chat_model_dir: Path, tmp_path: Path, damage: str
@@ -719,6 +724,17 @@ def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start
         config["num_hidden_layers"] = 1
         (folder / "config.json").write_text(json.dumps(config))
         says = "its weights hold 2 layers where config.json says 1"
+    elif damage == "weights of another shape":
+        # transformers refused it in words that sent the reader to its load report ("look at
+        # the above report!"), which the quieted log does not print.
+        config = json.loads((folder / "config.json").read_text())
+        config["intermediate_size"] = 48
+        (folder / "config.json").write_text(json.dumps(config))
+        says = (
+            "its weights are not the shapes config.json makes them: "
+            "model.layers.0.mlp.down_proj.weight is 32x64 in the weights, 32x48 by config.json "
+            "(and 5 more)"
+        )
     else:
         broken = "{% for m in messages %}{{ m['content'] }"
         config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -732,6 +748,47 @@ def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start
     (line,) = done.stderr.strip().splitlines() or [""]
     assert line.startswith("replystream serve: --engine hf:PATH: "), done.stderr
     assert says in line, line
+
+
+def test_weights_that_cannot_take_the_models_layout_are_named_not_sent_to_a_report(
+    model_dir: Path, tmp_path: Path
+):
+    """A Mixtral whose experts' weights differ in shape cannot be stacked into its layout:
+    transformers said "look at the CONVERSION entries of the above report!", a report its
+    quieted log does not print. The tensor and the error are named instead."""
+    _require_hf()
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    config = MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    weights = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.0.block_sparse_moe.experts.1.w1.weight"  # the checkpoint's layout
+    weights[key] = weights[key][:48].contiguous()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    done = check_serve(tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines() or [""]
+    assert line == (
+        f"replystream serve: --engine hf:PATH: cannot load a causal LM from {tmp_path}: its "
+        "weights could not be converted to the model's layout: "
+        "model.layers.0.mlp.experts.gate_up_proj: stack expects each tensor to be equal size, "
+        "but got [64, 32] at entry 0 and [48, 32] at entry 1"
+    )
 
 
 @pytest.mark.parametrize(

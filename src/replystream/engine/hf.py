@@ -347,10 +347,47 @@ def _layers_held(unexpected: Iterable[str]) -> int:
     return max(found) + 1 if found else 0
 
 
+def _shape(shape: Iterable[int]) -> str:
+    return "x".join(str(int(n)) for n in shape)
+
+
+# The line that ends a traceback: the exception's type and its words.
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ", re.MULTILINE)
+
+
+def _conversion_error(exc: BaseException) -> str | None:
+    """What weights ``transformers`` could not convert to the model's layout (a Mixtral's
+    experts of unequal shapes, say), in words of our own, or None.
+
+    It raises "look at the CONVERSION entries of the above report!", a report its quieted log
+    does not print: the entries are read from the loading info its report was made of (the
+    frame that raised), the first one told by the tensor it was for and the error it met.
+    """
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_name != "log_state_dict_report":
+        tb = tb.tb_next
+    info = None if tb is None else tb.tb_frame.f_locals.get("loading_info")
+    errors = getattr(info, "conversion_errors", None)
+    if not isinstance(errors, dict) or not errors:
+        return None
+    name, error = min(errors.items())
+    said = str(error)
+    found = list(_RAISED.finditer(said))
+    if found:  # the words its traceback ends with (the entry repeats them, then its own)
+        said = said[found[-1].end() :].split("\n", 1)[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return _cut(f"its weights could not be converted to the model's layout{more}: {name}: {said}")
+
+
+def _cut(text: str) -> str:
+    """``text`` on one line, cut at ``WORDS_MAX``."""
+    words = " ".join(text.split())
+    return words if len(words) <= WORDS_MAX else words[: WORDS_MAX - 3] + "..."
+
+
 def _words(exc: BaseException) -> str:
     """An exception's words on one line, cut at ``WORDS_MAX``."""
-    words = " ".join(str(exc).split()) or type(exc).__name__
-    return words if len(words) <= WORDS_MAX else words[: WORDS_MAX - 3] + "..."
+    return _cut(str(exc)) or type(exc).__name__
 
 
 class _NamedRefusal(ValueError):
@@ -392,8 +429,15 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
             path, local_files_only=True, trust_remote_code=False
         )
         # With output_loading_info the loader answers (model, what it found and lacked).
+        # Weights of another shape than config.json's would make it raise words that send
+        # the reader to its report ("look at the above report!"), which the quieted log does
+        # not print: taken (at random, as it starts them), they are refused below by name.
         loaded: Any = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, trust_remote_code=False, output_loading_info=True
+            path,
+            local_files_only=True,
+            trust_remote_code=False,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
         )
         model, loading = loaded
     except (RecursionError, _NamedRefusal):
@@ -401,7 +445,8 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
     except Exception as exc:
         # Whatever a damaged or foreign folder makes ``transformers`` (or safetensors, or
         # torch) raise: its words on one line, as a mistake on the command line is told.
-        raise ValueError(f"cannot load a causal LM from {path}: {_words(exc)}") from exc
+        words = _conversion_error(exc) or _words(exc)
+        raise ValueError(f"cannot load a causal LM from {path}: {words}") from exc
     finally:
         transformers_logging.set_verbosity(verbosity)
     missing = sorted(loading.get("missing_keys") or ())
@@ -414,6 +459,15 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
         raise ValueError(
             f"cannot load a causal LM from {path}: its weights lack {len(missing)} tensors "
             f"the model needs ({shown})"
+        )
+    mismatched = sorted(loading.get("mismatched_keys") or ())
+    if mismatched:
+        name, in_file, in_config = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ValueError(
+            f"cannot load a causal LM from {path}: its weights are not the shapes config.json "
+            f"makes them: {name} is {_shape(in_file)} in the weights, {_shape(in_config)} by "
+            f"config.json{more}"
         )
     held = _layers_held(loading.get("unexpected_keys") or ())
     configured = getattr(model.config, "num_hidden_layers", None)
