@@ -174,3 +174,36 @@ async def test_a_place_at_the_last_event_of_a_reply_live_elsewhere_ends_the_stre
     status, body, whole = await resume_live_elsewhere(tmp_path, last)
     assert whole.rstrip().split(b"\n")[-2] == f"id: {last}".encode()  # done's id
     assert status == 200 and b"event: error" not in body, body
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}),
+    ],
+)
+async def test_a_place_past_the_end_of_a_dialect_reply_live_elsewhere_names_the_place(
+    tmp_path: Path, path: str, body: dict[str, Any]
+):
+    # Resumed in the dialect it was made in, the error still says the reader's request was
+    # at fault and names the place, as the 400 a resume on the producer's replica is.
+    request = {
+        "model": "simulated",
+        "stream": True,
+        "max_tokens": 10,
+        **body,
+        **({"replystream": {"resumable": True}} if path == "/v1/messages" else {"resumable": True}),
+    }
+    async with producer_and_reader("redis", tmp_path, delay_ms=20) as (start, other):
+        live = await raw_request(f"{start}{path}", "POST", json.dumps(request).encode())
+        status, _, resumed = await resume(other, live.headers["x-reply-id"], "1000")
+        await live.read_body()
+    assert status == 200
+    events = whole_events(resumed)
+    assert len(events) == 1, resumed
+    error = json.loads(events[0])["error"]
+    assert error["code"] == "invalid_value" and error["param"] == "last_event_id", error
+    assert error["type"] == "invalid_request_error", error
+    assert error["message"].startswith("last_event_id 1000 is past this reply's last event (")

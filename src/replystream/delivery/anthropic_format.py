@@ -138,9 +138,14 @@ def usage_counts(usage: Usage) -> dict[str, int]:
 OVERLOADED_CODES = frozenset({"shutdown", "upstream_overloaded", "upstream_busy"})
 
 
-def error_object(message: str, code: str) -> dict[str, Any]:
+def error_object(message: str, code: str, param: str | None = None) -> dict[str, Any]:
     """Anthropic's error object (``type``, ``message``), with our code beside them: an
-    ``overloaded_error`` when the server cannot go on now, else its ``api_error``."""
+    ``overloaded_error`` when the server cannot go on now, else its ``api_error``; with
+    ``param`` (the request's parameter at fault, named beside them too), an
+    ``invalid_request_error``."""
+    if param is not None:
+        error = {"type": "invalid_request_error", "message": message, "code": code}
+        return {"type": "error", "error": error | {"param": param}}
     kind = "overloaded_error" if code in OVERLOADED_CODES else "api_error"
     return {"type": "error", "error": {"type": kind, "message": message, "code": code}}
 
@@ -161,7 +166,8 @@ class ReaderNotices:
         if event != "error":
             return [(event, data)]
         error = json.loads(data)["error"]
-        return [("error", _dumps(error_object(error["message"], error["code"])))]
+        message, code, param = error["message"], error["code"], error.get("param")
+        return [("error", _dumps(error_object(message, code, param)))]
 
 
 @dataclass(slots=True)

@@ -185,9 +185,11 @@ def _legacy_tops(made: Sequence[TokenLogprob]) -> list[dict[str, float]]:
     return tops
 
 
-def in_band_error(message: str, code: str) -> Spec:
-    """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on."""
-    error = {"message": message, "type": "server_error", "param": None, "code": code}
+def in_band_error(message: str, code: str, param: str | None = None) -> Spec:
+    """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on;
+    ``param``: the request's parameter at fault (the reply itself did not fail)."""
+    kind = "server_error" if param is None else "invalid_request_error"
+    error = {"message": message, "type": kind, "param": param, "code": code}
     return "error", json_compact({"error": error})
 
 
@@ -207,7 +209,7 @@ class ReaderNotices:
         if event != "error":
             return [(event, data)]
         error = json.loads(data)["error"]
-        kind, spelt = in_band_error(error["message"], error["code"])
+        kind, spelt = in_band_error(error["message"], error["code"], error.get("param"))
         return [(kind or "error", spelt)]
 
 
