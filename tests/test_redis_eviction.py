@@ -63,6 +63,21 @@ async def test_a_stream_evicted_after_its_end_is_told_as_a_gap_then_the_end(tmp_
         await reader.aclose()
 
 
+async def test_a_read_past_the_end_of_a_whole_stream_counts_no_eviction(tmp_path: Path):
+    # A reader on another replica may follow a live reply from past its last event (its
+    # producer's log may be ahead of Redis); the reply ends before that place. Its stream is
+    # all there: what the reader is told is the ending, and nothing was evicted.
+    with redis_server(tmp_path) as server:
+        producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+        await ended(producer, "p")
+        past = await reader.read("p", 1000, wait_s=0)
+        assert past is not None
+        assert (past.entries, past.lost, past.ending, past.last_seq) == ([], None, "finished", 12)
+        assert reader.stats().evictions == 0 and reader.stats().gaps == 0
+        await producer.aclose()
+        await reader.aclose()
+
+
 async def test_metadata_evicted_behind_its_log_is_reported_evicted_not_unknown(tmp_path: Path):
     with redis_server(tmp_path) as server:
         producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)

@@ -239,8 +239,11 @@ class RemoteReads:
             return None, Offsets(None, None)
         if not rows and meta.ending is not None:
             # Ended, but nothing after ``after`` is left, not even the terminal entry: the
-            # stream was evicted. What the reader lacks is told; then the reply's end.
-            self.evictions += 1
+            # stream was evicted, or the reader's place is past the end (a live reply
+            # followed from there, which ended before it; its stream is all there). What
+            # the reader lacks is told; then the reply's end.
+            if not newest:
+                self.evictions += 1
             lost = (after + 1, meta.last) if after < meta.last else None
             return ReadResult([], lost, meta.ending, last_seq=meta.last), Offsets(None, logged)
         if not meta.known and not rows and not newest:
