@@ -66,6 +66,9 @@ def test_a_url_may_set_what_the_store_leaves_to_its_operator(url: str):
         ("redis://h/0?health_check_interval=soon", "Invalid value for 'health_check_interval'"),
         ("redis+sentinel://:pw@h/svc?x=1", "takes no query"),
         ("redis+cluster://:pw@h?x=1", "takes no query"),
+        # No socket to connect to: redis-py would fail on every command ("Error 22").
+        ("unix://", "names its socket"),
+        ("unix:///?db=1", "names its socket"),
     ],
 )
 def test_a_url_that_names_no_redis_is_refused_in_one_line(url: str, says: str):

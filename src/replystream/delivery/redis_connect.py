@@ -137,6 +137,9 @@ def _check_single(url: str, scheme: str, tls: bool) -> None:
     """What redis-py would read from a one-server URL only when it connects, read now."""
     parts = urlsplit(url)
     _port_of(url)
+    if scheme == "unix" and not parts.path.strip("/"):
+        # redis-py would take it, and fail on every command (connecting to "").
+        raise ValueError("a unix:// URL names its socket: unix:///path/to/redis.sock")
     # redis-py takes the path's number as the database, and silently drops any other path.
     if scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
         raise ValueError(f"the database must be a number, got {parts.path.strip('/')!r}")
