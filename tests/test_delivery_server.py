@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from replystream.delivery.moderation import BannedPhrases
+from replystream.delivery.moderation import BannedPhrases, RegexCheck, secret_check
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedEngine
 from replystream.engine.base import Delta, DeltaStream, GenerationRequest
@@ -70,6 +70,37 @@ async def test_buffered_reply_never_contains_any_part_of_a_phrase_across_tokens(
         body = json.loads(await response.read_body())
     assert body["text"] == "we will now launch the "
     assert body["finish_reason"] == "moderated"
+
+
+# Prose with a word a credential pattern would match from its middle on ("sk-" of "task-"),
+# or a word-bounded pattern from its middle ("ass" of "class"), then enough text that the
+# released tail a check reads again is cut at every character, that one included.
+HYPHENATED = (
+    "Use the task-management-system-for-teams in class today. "
+    + "Then write it all down, and keep writing for a good while longer. " * 5
+)
+
+
+@pytest.mark.parametrize("route", ["/v1/replies", "/v1/chat/completions"])
+async def test_a_check_reads_a_word_boundary_where_the_released_tail_is_cut(route: str):
+    engine = ScriptedEngine(list(HYPHENATED))  # a character a token: every cut is tried
+    checks = (secret_check(), RegexCheck({"word": r"\bass\b"}))
+    ask = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "model": "scripted"}
+    ask = {k: v for k, v in ask.items() if (k == "prompt") == (route == "/v1/replies")}
+    policy = DeliveryPolicy(holdback_tokens=2, checks=checks)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        streamed = await post_events(f"{url}{route}", {**ask, "stream": True})
+        response = await raw_request(
+            f"{url}{route}", "POST", json.dumps({**ask, "stream": False}).encode()
+        )
+        whole = json.loads(await response.read_body())
+    # Nothing here is a credential or the word: the stream and the whole reply say it all.
+    if route == "/v1/replies":
+        assert streamed.text == HYPHENATED and streamed.types[-1] == "done"
+        assert whole["text"] == HYPHENATED and whole["finish_reason"] == "stop"
+    else:
+        assert streamed.chat_text == HYPHENATED and b"content_filter" not in streamed.raw
+        assert whole["choices"][0]["message"]["content"] == HYPHENATED
 
 
 async def test_buffered_reply_is_checked_too():

@@ -40,7 +40,11 @@ class Check(Protocol):
     name: str
     context_chars: int  # how much already released text it needs to see again
 
-    def find(self, text: str) -> Finding | None: ...
+    def find(self, text: str, start: int = 0) -> Finding | None:
+        """The first match in ``text`` that begins at ``start`` or after. The text before
+        ``start`` is there to be looked back at (a word boundary, a look-behind), never to
+        begin a match in; a ``^`` matches only where ``text`` begins."""
+        ...
 
 
 # Each character's form as phrases are matched (see ``BannedPhrases``), kept once made: text
@@ -95,7 +99,12 @@ class BannedPhrases:
                 origins.extend([index] * len(plain))
         return "".join(folded), origins
 
-    def find(self, text: str) -> Finding | None:
+    def find(self, text: str, start: int = 0) -> Finding | None:
+        if start:  # a phrase looks back at nothing before it
+            found = self.find(text[start:])
+            if found is None:
+                return None
+            return Finding(start + found.start, start + found.end, found.check, found.reason)
         if text.isascii():  # folds to itself (but for case, which the pattern ignores)
             match = self._pattern.search(text)
             if match is None:
@@ -127,10 +136,10 @@ class RegexCheck:
         self.name = name
         self.context_chars = context_chars
 
-    def find(self, text: str) -> Finding | None:
+    def find(self, text: str, start: int = 0) -> Finding | None:
         found: Finding | None = None
         for label, pattern in self._patterns:
-            match = pattern.search(text)
+            match = pattern.search(text, start)
             if match is not None and (found is None or match.start() < found.start):
                 found = Finding(match.start(), match.end(), self.name, label)
         return found
@@ -214,15 +223,18 @@ class HoldBack:
             # The earliest match of any check stops the text: the first check to match in
             # list order may match after another's, whose text would then be released.
             text, tail = self._tail + held, len(self._tail)
+            # The tail keeps one character more than any check reads: once it no longer
+            # begins the reply, every check starts after that character and may look back
+            # at it, so a pattern's ``\b`` or ``^`` never takes the tail's cut for the start
+            # of a word or of the reply (``sk-...`` cut out of ``task-...``).
             first: Finding | None = None
-            first_start = 0
             for check in self._checks:
                 skip = max(0, tail - check.context_chars)  # each reads its own context
-                finding = check.find(text[skip:] if skip else text)
-                if finding is not None and (first is None or skip + finding.start < first_start):
-                    first, first_start = finding, skip + finding.start
+                finding = check.find(text, skip)
+                if finding is not None and (first is None or finding.start < first.start):
+                    first = finding
             if first is not None:
-                return self._stop(first, max(0, first_start - tail))
+                return self._stop(first, max(0, first.start - tail))
         if hit is not None:
             out = self._take(room, lambda: True)
             self._drop_held()
@@ -297,5 +309,5 @@ class HoldBack:
             self.released_chars += len(out)
             self.released_tokens += released_tokens
             if self._context:
-                self._tail = (self._tail + out)[-self._context :]
+                self._tail = (self._tail + out)[-(self._context + 1) :]
         return out, released_tokens
