@@ -117,6 +117,10 @@ CASES: list[tuple[list[str], str]] = [
         "--ban-regex card is given twice: name each pattern once",
     ),
     (
+        ["serve", "--ban-regex", "digits=[0-9]*"],
+        "--ban-regex digits: [0-9]* matches the empty text, so it would stop every reply",
+    ),
+    (
         ["serve", "--engine", "gpt"],
         "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or",
     ),

@@ -64,9 +64,14 @@ def build_checks(args: argparse.Namespace) -> list[Check]:
             if not sep or not name or not pattern:
                 raise ValueError(f"--ban-regex wants NAME=REGEX, got {item!r}")
             try:
-                re.compile(pattern)
+                compiled = re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"--ban-regex {name}: {exc}") from None
+            if compiled.search("") is not None:  # found in any text: every reply stopped
+                raise ValueError(
+                    f"--ban-regex {name}: {pattern} matches the empty text, so it would stop "
+                    "every reply at its first token; make it match at least one character"
+                )
             if name in patterns:  # the later one would replace the first: a ban dropped unsaid
                 raise ValueError(f"--ban-regex {name} is given twice: name each pattern once")
             patterns[name] = pattern
