@@ -2,8 +2,9 @@
 over a reply's held text as each token comes, for replies in English (ASCII alone), French
 (accented letters) and Japanese.
 
-Each reply is 2,000 tokens of about four characters, pushed through ``HoldBack`` with a
-window of 8 tokens, ten banned phrases (none of which the text holds, so every token is
+Each reply is 2,000 tokens (``--tokens``) of about four characters, pushed through
+``HoldBack`` with a window of 8 tokens (``--window``; ``whole``: every token held, as a reply
+not streamed is), ten banned phrases (none of which the text holds, so every token is
 checked to the end) and ``--block-secrets``' patterns; the figure is the median over the
 rounds of the CPU time per token. Run it against two trees to compare them:
 
@@ -35,17 +36,17 @@ TEXTS = {
     "French (accents)": "Voilà une réponse détaillée, écrite en français très élégant. ",
     "Japanese": "これは日本語で書かれた長い返事です。モデルが一つずつ言葉を作ります。",
 }
-TOKENS = 2000
+WHOLE_REPLY = 1 << 30  # as server/buffered.py holds a reply not streamed (not imported: server)
 
 
-def tokens_of(text: str) -> list[str]:
-    """``TOKENS`` pieces of about four characters, cycling through ``text``."""
+def tokens_of(text: str, count: int) -> list[str]:
+    """``count`` pieces of about four characters, cycling through ``text``."""
     pieces = [text[i : i + 4] for i in range(0, len(text), 4)]
-    return [pieces[n % len(pieces)] for n in range(TOKENS)]
+    return [pieces[n % len(pieces)] for n in range(count)]
 
 
-def cost_per_token_us(tokens: list[str]) -> float:
-    holdback = HoldBack(8, [BannedPhrases(PHRASES), secret_check()])
+def cost_per_token_us(tokens: list[str], window: int) -> float:
+    holdback = HoldBack(window, [BannedPhrases(PHRASES), secret_check()])
     began = time.process_time()
     for token in tokens:
         holdback.push(token, 1)
@@ -57,15 +58,27 @@ def cost_per_token_us(tokens: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=2000, help="tokens per reply")
+    parser.add_argument(
+        "--window", default="8", help="tokens held: a number, or whole (a reply not streamed)"
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("argument --rounds: want a whole number >= 1")
-    print(f"hold-back moderation, window 8, {len(PHRASES)} phrases and the secret patterns")
+    if args.tokens < 1:
+        parser.error("argument --tokens: want a whole number >= 1")
+    if args.window != "whole" and not (args.window.isdigit() and args.window.isascii()):
+        parser.error(f"argument --window: want a whole number or whole, got {args.window!r}")
+    window = WHOLE_REPLY if args.window == "whole" else int(args.window)
+    print(
+        f"hold-back moderation, window {args.window}, {args.tokens} tokens, "
+        f"{len(PHRASES)} phrases and the secret patterns"
+    )
     print(f"{'reply':<20} {'µs per token (median of ' + str(args.rounds) + ')':>28}")
     for label, text in TEXTS.items():
-        tokens = tokens_of(text)
-        cost_per_token_us(tokens)  # warm: the first reply's characters' forms are found
-        rounds = [cost_per_token_us(tokens) for _ in range(args.rounds)]
+        tokens = tokens_of(text, args.tokens)
+        cost_per_token_us(tokens, window)  # warm: the first reply's characters' forms are found
+        rounds = [cost_per_token_us(tokens, window) for _ in range(args.rounds)]
         print(f"{label:<20} {statistics.median(rounds):>28.1f}")
 
 

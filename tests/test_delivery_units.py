@@ -74,6 +74,41 @@ def test_secret_patterns_and_named_regexes():
     assert check.find("pay 1234-5678 now") is None
 
 
+class CountingCheck:
+    """A check that finds nothing and counts the characters it was asked to read."""
+
+    name = "counting"
+
+    def __init__(self, context_chars: int) -> None:
+        self.context_chars = context_chars
+        self.reads: list[int] = []
+
+    def find(self, text: str, start: int = 0) -> None:
+        self.reads.append(len(text) - start)
+
+
+@pytest.mark.parametrize("window", [8, 1 << 30])
+def test_each_push_reads_the_new_text_and_a_checks_context_not_all_it_holds(window: int):
+    # A reply not streamed holds every token (window 1 << 30): read again whole at each
+    # token, 8,000 tokens of text cost seconds of CPU. A check reads its context before the
+    # new text, whatever is held; what lies further back it read when it came.
+    check = CountingCheck(context_chars=16)
+    holdback = HoldBack(window, [check])
+    for _ in range(2000):
+        holdback.push("abcd", 1)
+    assert holdback.finish() == ("abcd" * min(window, 2000), min(window, 2000))
+    assert max(check.reads) == 16 + 4
+
+
+@pytest.mark.parametrize("window", [0, 2, 1 << 30])
+def test_a_phrase_held_long_before_its_end_is_still_found_as_its_end_comes(window: int):
+    tokens = ["x "] * 500 + ["the ", "rock", "et ", "now "] + ["y "] * 10
+    released, holdback = run_holdback(tokens, window, ["rocket now"])
+    assert holdback.violation is not None
+    # With no window the phrase's start has left before its end comes; with one, it has not.
+    assert released == "x " * 500 + ("the rocket " if window == 0 else "the ")
+
+
 @pytest.mark.parametrize("window", [0, 3, 50])
 def test_the_earliest_match_of_any_check_stops_the_text_whatever_the_checks_order(window: int):
     # A key, then a banned phrase, completing in one push (a relayed chunk of several tokens):

@@ -1,11 +1,12 @@
 """Hold-back moderation: text is released only after checks have seen it with w tokens after it.
 
 ``HoldBack`` keeps the newest ``window`` tokens unreleased. Each time a token arrives, every
-check runs over the unreleased text plus a tail of already released text (so a phrase split
-across tokens, or across batch edges, is seen whole). When a check matches, the reply stops:
-nothing from the start of the match on is ever released, and the caller learns how much text
-was released before it. A bigger window lets a check stop earlier text (a longer phrase whose
-end arrives late); the cost is ``window`` tokens of delay on every token.
+check reads it with as much of the text before it as the check needs, unreleased or already
+released (so a phrase split across tokens, or across batch edges, is seen whole). When a
+check matches, the reply stops: nothing from the start of the match on is ever released, and
+the caller learns how much text was released before it. A bigger window lets a check stop
+earlier text (a longer phrase whose end arrives late); the cost is ``window`` tokens of delay
+on every token.
 Stop strings are withheld by the same buffer: besides the window, the shortest tail of the
 text that could still begin a stop string stays held (``engine.stops``), and is released
 once it cannot; when one completes, the text before it is released and nothing after.
@@ -18,7 +19,7 @@ import re
 import unicodedata
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from replystream.engine.stops import StopHit, StopScan
@@ -217,30 +218,59 @@ class HoldBack:
             end = self._stops.seen - self._stops.keep if hit is None else hit.start
             room = end - self.released_chars
         if self._checks:
-            held = "".join(t for t, _ in self._held)
-            if hit is not None:
-                held = held[:room]  # text from the stop string on is never shown
-            # The earliest match of any check stops the text: the first check to match in
-            # list order may match after another's, whose text would then be released.
-            text, tail = self._tail + held, len(self._tail)
-            # The tail keeps one character more than any check reads: once it no longer
-            # begins the reply, every check starts after that character and may look back
-            # at it, so a pattern's ``\b`` or ``^`` never takes the tail's cut for the start
-            # of a word or of the reply (``sk-...`` cut out of ``task-...``).
-            first: Finding | None = None
-            for check in self._checks:
-                skip = max(0, tail - check.context_chars)  # each reads its own context
-                finding = check.find(text, skip)
-                if finding is not None and (first is None or finding.start < first.start):
-                    first = finding
+            # Text from the stop string on is never shown, so no check reads it.
+            first = self._first_finding(self._held_chars - len(text), None if hit is None else room)
             if first is not None:
-                return self._stop(first, max(0, first.start - tail))
+                return self._stop(first, max(0, first.start - len(self._tail)))
         if hit is not None:
             out = self._take(room, lambda: True)
             self._drop_held()
             self.stop_sequence = hit.stop
             return out
         return self._take(room, lambda: self._held_tokens > self.window)
+
+    def _first_finding(self, before: int, end: int | None) -> Finding | None:
+        """The earliest match of any check in the released tail and the held text up to
+        ``end`` (None: all of it), the text pushed last beginning ``before`` characters into
+        the held text; its place counted from the tail's start.
+
+        The earliest match of any check stops the text: the first check to match in list
+        order may match after another's, whose text would then be released. Each check reads
+        the same context before the new text, of the tail and the held text alike: a match
+        it can find (no longer than its context and the new text) that began further back
+        it found as the text that ends it came, so the held text before is not read again.
+        So a whole reply (every token held) is checked in time linear in its length, not
+        quadratic, and a stream's window changes when text is released, not what a check
+        finds. The tail keeps one character more than any check reads: every check starts
+        after that character and may look back at it, so a pattern's ``\\b`` or ``^`` never
+        takes the tail's cut for the start of a word or of the reply (``sk-...`` cut out of
+        ``task-...``).
+        """
+        tail = len(self._tail)
+        end = self._held_chars if end is None else end
+        new = tail + min(before, end)  # where the new text begins, from the tail's start
+        starts = [max(new - check.context_chars, 0) for check in self._checks]
+        offset = max(min(starts) - 1, 0)  # the text given to the checks begins here
+        text = self._tail[offset:] + self._held_text(max(offset - tail, 0), end)
+        first: Finding | None = None
+        for check, start in zip(self._checks, starts, strict=True):
+            finding = check.find(text, start - offset)
+            if finding is not None and (first is None or finding.start < first.start - offset):
+                first = replace(finding, start=offset + finding.start, end=offset + finding.end)
+        return first
+
+    def _held_text(self, begin: int, end: int) -> str:
+        """The held text from character ``begin`` to ``end``, read from its newest piece back
+        only as far as ``begin`` (a whole reply holds all of its text)."""
+        pieces: list[str] = []
+        start = self._held_chars  # where the first piece in ``pieces`` begins
+        for piece, _ in reversed(self._held):
+            if start <= begin:
+                break
+            start -= len(piece)
+            pieces.append(piece)
+        pieces.reverse()
+        return "".join(pieces)[begin - start : end - start]
 
     def finish(self) -> tuple[str, int]:
         """The text ended (the reply did, or a tool call came): release everything still
