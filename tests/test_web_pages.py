@@ -43,6 +43,24 @@ async def test_pages_and_assets_are_served_uncached_with_their_types():
                 await response.read()
 
 
+async def test_pages_and_assets_go_out_as_they_are_to_a_client_that_takes_gzip():
+    # A JSON answer this long is gzipped; the chat page, rendered with the server's defaults,
+    # is served as its files are: its strong ETag names its plain bytes.
+    paths = ["/", "/eventsource.html", "/static/style.css", *(f"/static/{m}" for m in MODULES)]
+    headers = {"Accept-Encoding": "gzip"}
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        for path in paths:
+            async with http.get(f"{url}{path}", headers=headers) as response:
+                body = await response.read()
+                assert response.status == 200, path
+                assert len(body) >= 512, path
+                assert "Content-Encoding" not in response.headers, path
+                assert int(response.headers["Content-Length"]) == len(body), path
+        async with http.get(f"{url}/wait", headers=headers) as response:
+            await response.read()
+            assert response.headers["Content-Encoding"] == "gzip"
+
+
 async def test_unknown_or_escaping_paths_are_not_found():
     paths = [
         "/static/nope.js",

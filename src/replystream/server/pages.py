@@ -28,6 +28,7 @@ from aiohttp import web
 import replystream.web
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server.front_door import expect_later
+from replystream.server.response_gzip import AS_IS
 
 WEB_DIR = Path(replystream.web.__file__).parent
 PAGES = {"/": "index.html", "/eventsource.html": "eventsource.html"}
@@ -99,7 +100,7 @@ def _rendered_handler(
     path: Path, text: str
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """Serve ``text`` (the page at ``path`` rendered) as ``FileResponse`` serves a file:
-    with a strong ETag, a ``304`` to a request that holds it."""
+    with a strong ETag, a ``304`` to a request that holds it, and never compressed."""
     body = text.encode()
     etag = hashlib.sha256(body).hexdigest()[:32]
     headers = _headers(path)
@@ -114,6 +115,7 @@ def _rendered_handler(
                 body=body, content_type="text/html", charset="utf-8", headers=headers
             )
         response.etag = etag
+        response[AS_IS] = True
         return response
 
     return handle

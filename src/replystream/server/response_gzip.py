@@ -3,7 +3,8 @@
 This file decides which answers are compressed, how hard, and where the work runs:
 - only a whole body (a ``web.Response`` not yet sent) of JSON, HTML or plain text (the
   metrics a Prometheus server scrapes, asking for gzip) of at least ``min_bytes``; never an
-  event stream, which is on the wire by the time its handler returns;
+  event stream, which is on the wire by the time its handler returns, nor the chat page,
+  served as its files are (``AS_IS``);
 - only for a client whose ``Accept-Encoding`` takes gzip (its q-values read: ``gzip;q=0``
   refuses it, ``*`` takes it unless gzip is refused by name);
 - at zlib's fastest level, nginx's default (``gzip_comp_level 1``): several times faster than
@@ -30,6 +31,9 @@ IN_THREAD_BYTES = 256 * 1024
 STEP_BYTES = 1024 * 1024
 _GZIP_WBITS = 16 + zlib.MAX_WBITS  # a gzip header and trailer around the deflate stream
 _COMPRESSED_TYPES = ("application/json", "text/html", "text/plain")
+# Set on an answer that goes out as it is, as a file would: the chat page, whose ETag is its
+# plain bytes' (a gzipped body under the same strong tag would be another representation).
+AS_IS = web.ResponseKey("as_is", bool)
 
 
 def accepts_gzip(accept_encoding: str) -> bool:
@@ -82,6 +86,7 @@ async def gzip_if_worthwhile(
     if not (
         isinstance(response, web.Response)
         and not response.prepared
+        and not response.get(AS_IS, False)
         and response.content_type in _COMPRESSED_TYPES
         and isinstance(response.body, bytes)
         and len(response.body) >= min_bytes
