@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from multidict import CIMultiDict
 
 from replystream.server.trace_context import TRACESTATE_LIMIT, trace_context
 
@@ -53,3 +54,10 @@ def test_tracestate_goes_only_beside_a_traceparent_and_only_when_sane():
     )
     for state in ("a" * (TRACESTATE_LIMIT + 1), "a=\u00e9"):
         assert trace_context({"traceparent": GOOD, "tracestate": state}) == (("traceparent", GOOD),)
+
+
+def test_two_traceparent_fields_are_none_and_tracestate_fields_are_one_list():
+    two = CIMultiDict([("traceparent", GOOD), ("Traceparent", GOOD), ("tracestate", "a=1")])
+    assert trace_context(two) == ()
+    states = CIMultiDict([("traceparent", GOOD), ("tracestate", "a=1"), ("tracestate", " b=2")])
+    assert trace_context(states) == (("traceparent", GOOD), ("tracestate", "a=1,b=2"))

@@ -21,6 +21,7 @@ import anthropic
 import openai
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
@@ -814,6 +815,34 @@ async def test_each_attempt_carries_the_request_id_and_the_callers_trace_context
             assert got_raw.status == 200, await got_raw.read_body()
             await got_raw.read_body()
             assert lowered(fine.headers[-1])["traceparent"] == parent
+
+
+async def test_two_traceparent_fields_are_no_trace_and_tracestate_fields_are_one_list():
+    """W3C Trace Context: a request with two ``traceparent`` fields has no parent to pass on
+    (its upstream starts a trace of its own, as the standard's test suite expects), and the
+    fields of ``tracestate`` are one list, joined as HTTP joins a list's fields."""
+    fine = Upstream(["m"])
+    one = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def send(*headers: tuple[str, str]) -> dict[str, str]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, json=body, headers=CIMultiDict(headers)) as response,
+        ):
+            assert response.status == 200
+            await response.read()
+        return lowered(fine.headers[-1])
+
+    async with relay([fine]) as base:
+        url = f"{base}/v1/chat/completions"
+        seen = await send(("traceparent", one), ("traceparent", other), ("tracestate", "a=1"))
+        assert "traceparent" not in seen and "tracestate" not in seen, seen
+        seen = await send(("traceparent", one), ("traceparent", one))
+        assert "traceparent" not in seen, seen
+        seen = await send(("traceparent", one), ("tracestate", "a=1"), ("tracestate", "b=2"))
+        assert (seen["traceparent"], seen["tracestate"]) == (one, "a=1,b=2")
 
 
 async def test_a_request_id_of_ours_is_one_an_upstream_that_wants_uuids_takes():

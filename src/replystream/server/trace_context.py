@@ -6,8 +6,11 @@ version's first four fields the same, passed on as version 00 with what follows 
 out, as the standard has a system that speaks version 00 read a later one: a client's tail
 of any length or character never reaches an upstream), and
 ``tracestate`` only beside such a ``traceparent``, up to 512 characters (what the standard
-asks every hop to keep) of visible ASCII. Anything else is dropped, not repaired: the
-upstream then starts a trace of its own. It must not know how a relay sends them.
+asks every hop to keep) of visible ASCII. A request with two ``traceparent`` fields has no
+trace context (which would be its parent cannot be told); several ``tracestate`` fields are
+one list, joined with commas, as HTTP joins the fields of a list. Anything else is dropped,
+not repaired: the upstream then starts a trace of its own. It must not know how a relay
+sends them.
 """
 
 from __future__ import annotations
@@ -34,11 +37,23 @@ def _traceparent(value: str) -> str | None:
 
 def trace_context(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The trace-context headers of a request worth passing on (none, or ``traceparent``
-    with, when given and sane, ``tracestate``)."""
-    parent = _traceparent(headers.get("traceparent", "").strip())
+    with, when given and sane, ``tracestate``). ``headers``: a request's (a multidict: every
+    field of a name counts), or a plain mapping of one field per name."""
+    parents = fields(headers, "traceparent")
+    parent = _traceparent(parents[0].strip()) if len(parents) == 1 else None
     if parent is None:
         return ()
-    state = headers.get("tracestate", "").strip()
+    states = (field.strip() for field in fields(headers, "tracestate"))
+    state = ",".join(field for field in states if field)
     if state and len(state) <= TRACESTATE_LIMIT and state.isascii() and state.isprintable():
         return (("traceparent", parent), ("tracestate", state))
     return (("traceparent", parent),)
+
+
+def fields(headers: Mapping[str, str], name: str) -> list[str]:
+    """Every field named ``name`` (a multidict holds each one a request sent)."""
+    getall = getattr(headers, "getall", None)
+    if getall is not None:
+        return list(getall(name, []))
+    value = headers.get(name)
+    return [] if value is None else [value]
