@@ -198,3 +198,28 @@ async def test_metrics_count_what_happened():
         rb'replystream_time_to_first_token_seconds_count\{endpoint="/stream"\} (\S+)', metrics
     )
     assert ttft and float(ttft.group(1)) == 4
+
+
+def sent_count(metrics: bytes, series: str, endpoint: str) -> float:
+    found = re.search(
+        rb'replystream_%s_total\{endpoint="%s"\} ([0-9.e+]+)'
+        % (series.encode(), endpoint.encode()),
+        metrics,
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_a_whole_reply_that_failed_counts_its_error_body_as_sent():
+    """A reply collected whole that failed is answered with an error body: written to its
+    client as a finished reply's body is, and counted the same way (one event, its bytes)."""
+    async with running(create_app(fast_engine(fail_after=2))) as url:
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+        failed = await raw_request(
+            f"{url}/v1/chat/completions", "POST", body, {"Content-Type": "application/json"}
+        )
+        answer = await failed.read_body()
+        assert failed.status == 500 and b"simulated failure" in answer
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    assert replies_count(metrics, "/v1/chat/completions", "errored") == 1
+    assert sent_count(metrics, "events_sent", "/v1/chat/completions") == 1
+    assert sent_count(metrics, "bytes_sent", "/v1/chat/completions") == len(answer)

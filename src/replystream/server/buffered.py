@@ -219,14 +219,17 @@ async def buffered_reply(
                 payload = failed_body(made, error.code, str(error))
             else:
                 # An upstream's failure is a 502, 503 or 504, as it would be before any byte.
-                return error_response(
-                    error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
+                return sent(
+                    record,
+                    error_response(
+                        error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
+                    ),
                 )
         elif isinstance(item, End) and item.how == "shutdown":
             record.outcome, record.reason = "shutdown", "shutdown"
             message = "the server is shutting down"
             if failed_body is None or several is not None:
-                return error_response(503, message, code="shutdown")
+                return sent(record, error_response(503, message, code="shutdown"))
             made = first.whole(usage(record.tokens))
             payload = failed_body(made, "shutdown", message)
         elif several is None:
@@ -235,9 +238,7 @@ async def buffered_reply(
         else:
             record.outcome = "finished"
             payload = several.body([c.whole(usage(c.tokens)) for c in collectors])
-        response = await json_response(payload)
-        record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
-        return response
+        return sent(record, await json_response(payload))
     except asyncio.CancelledError:
         record.outcome, record.reason = "cancelled", "client_gone"
         raise
@@ -246,6 +247,12 @@ async def buffered_reply(
         await close_quietly(deltas)
         manager.untrack(channel)
         manager.metrics.observe(record)
+
+
+def sent(record: ReplyRecord, response: web.Response) -> web.Response:
+    """``response``, the reply's one body (its error too), counted as sent in ``record``."""
+    record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
+    return response
 
 
 async def json_response(payload: dict[str, Any]) -> web.Response:
