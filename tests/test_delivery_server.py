@@ -418,3 +418,25 @@ async def test_a_request_may_widen_the_servers_holdback_window_but_not_narrow_it
     assert "holdback_tokens is 1" in refusal["message"]
     assert "at least 3 tokens" in refusal["message"]
     assert "six" not in widened.text and "five" not in widened.text
+
+
+async def test_no_alternative_a_check_matches_reaches_the_reader_in_top_logprobs():
+    # The simulated engine's alternatives are its reply's other words, the banned ones among
+    # them, though the reply stops before them: the model weighed them, no reader sees them.
+    engine = fast_engine(reply_text="we leave at dawn with the FORBIDDEN cargo")
+    checks = (BannedPhrases(["forbidden"]), RegexCheck({"cargo": r"\bcargo\b"}))
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    asks = {
+        "/v1/chat/completions": {**chat, "logprobs": True, "top_logprobs": 8},
+        "/v1/completions": {"prompt": "x", "max_tokens": 4, "logprobs": 5},
+    }
+    async with serve(engine, checks=checks) as url, aiohttp.ClientSession() as http:
+        for path, body in asks.items():
+            bodies = []
+            async with http.post(f"{url}{path}", json=body) as response:
+                bodies.append(await response.text())
+            streamed = await post_events(f"{url}{path}", {**body, "stream": True})
+            bodies.append(streamed.raw.decode())
+            for text in bodies:
+                assert "dawn" in text, path  # the alternatives are there
+                assert "FORBIDDEN" not in text and "cargo" not in text, (path, text)

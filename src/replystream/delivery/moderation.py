@@ -22,7 +22,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from replystream.engine.base import TokenLogprob
 from replystream.engine.stops import StopHit, StopScan
+
+# Alternatives' verdicts kept per reply: a few thousand distinct tokens at most, in practice.
+MAX_ALTERNATIVES_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +195,7 @@ class HoldBack:
         self.released_tokens = 0
         self.violation: Violation | None = None
         self.stop_sequence: str | None = None  # the stop string the text ended at
+        self._alternatives: dict[str, bool] = {}  # a token's text -> no check matches it
 
     @property
     def ended(self) -> bool:
@@ -271,6 +276,26 @@ class HoldBack:
             pieces.append(piece)
         pieces.reverse()
         return "".join(pieces)[begin - start : end - start]
+
+    def shown_alternatives(self, made: Sequence[TokenLogprob]) -> tuple[TokenLogprob, ...]:
+        """``made`` (released tokens' log probabilities) without the alternatives any check
+        matches: a token the model did not choose is text no check read in the reply, and a
+        banned word the model weighed (`` Paris`` beside the `` capital`` it chose) would
+        reach the reader in ``top_logprobs``. Each alternative is read alone, as text that
+        ends there; the part of a phrase one token holds is not a match (as a window shorter
+        than a phrase lets its start out)."""
+        return tuple(
+            entry._replace(top=tuple(t for t in entry.top if self._allows(t.token)))
+            for entry in made
+        )
+
+    def _allows(self, token: str) -> bool:
+        allowed = self._alternatives.get(token)
+        if allowed is None:
+            allowed = all(check.find(token) is None for check in self._checks)
+            if len(self._alternatives) < MAX_ALTERNATIVES_KEPT:
+                self._alternatives[token] = allowed
+        return allowed
 
     def finish(self) -> tuple[str, int]:
         """The text ended (the reply did, or a tool call came): release everything still

@@ -238,6 +238,9 @@ class ReplyPipeline:
         if made is None:
             return self.fmt.text(text, tokens)
         taken = tuple(made.popleft() for _ in range(min(tokens, len(made))))
+        holdback = self.holdback
+        if holdback is not None and holdback.checks:
+            taken = holdback.shown_alternatives(taken)
         return self.fmt.text_logprobs(text, tokens, taken)
 
     def _release_held(self) -> list[Spec]:

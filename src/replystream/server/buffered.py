@@ -136,7 +136,11 @@ class _Collector:
         finish = "stop" if stop is not None else self.finish_reason
         finish, stop = ending_of(bool(self.calls.calls), finish, stop)
         # The tokens of the text released (not those of a stop string cut from it).
-        shown = None if self.made is None else tuple(self.made[: holdback.released_tokens])
+        shown = None
+        if self.made is not None:
+            shown = tuple(self.made[: holdback.released_tokens])
+            if holdback.checks:
+                shown = holdback.shown_alternatives(shown)
         text = "".join(self.parts)
         usage = replace(usage, reasoning_tokens=self.reasoning_tokens)
         calls, thoughts = self.calls.whole(), self.thoughts.whole()
