@@ -20,7 +20,7 @@ import unicodedata
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from replystream.engine.base import TokenLogprob
 from replystream.engine.stops import StopHit, StopScan
@@ -65,6 +65,57 @@ def _form_of(char: str, *, fold_case: bool) -> str:
     return plain.casefold() if fold_case else plain
 
 
+# How deep the groups of a phrases' pattern may nest before it is written as a plain list
+# (phrases each a prefix of the next, a thousand deep, would pass what ``re`` compiles).
+MAX_PATTERN_DEPTH = 64
+
+
+def phrases_pattern(phrases: Iterable[str]) -> str:
+    """A pattern matching any of ``phrases``, written as their trie (``(?:ab(?:c|d))``): at
+    each place in the text the engine follows one branch per character rather than trying
+    every phrase in turn, so thousands of phrases cost about what a few do. At a place where
+    several match, the longest is taken. Falls back to a plain list of phrases when the trie
+    would nest deeper than ``MAX_PATTERN_DEPTH``."""
+    trie: dict[str, Any] = {}
+    for phrase in phrases:
+        node = trie
+        for char in phrase:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a phrase ends here
+    try:
+        pattern, depth = _trie_pattern(trie)
+    except RecursionError:  # phrases each a prefix of the next, past Python's own depth
+        pattern, depth = "", MAX_PATTERN_DEPTH + 1
+    if depth > MAX_PATTERN_DEPTH:
+        longest_first = sorted(phrases, key=len, reverse=True)
+        return "|".join(re.escape(phrase) for phrase in longest_first)
+    return pattern
+
+
+def _trie_pattern(node: dict[str, Any]) -> tuple[str, int]:
+    """The pattern of the phrases below ``node`` (a longer one first), and how deep its
+    groups nest."""
+    branches: list[str] = []
+    depth = 0
+    for char, child in sorted(node.items()):
+        if not char:
+            continue
+        literal = char
+        while len(child) == 1 and "" not in child:  # a run of one-way letters: one literal
+            [(char, child)] = child.items()
+            literal += char
+        below, nested = _trie_pattern(child)
+        branches.append(re.escape(literal) + below)
+        depth = max(depth, nested)
+    if not branches:
+        return "", 0
+    grouped = len(branches) > 1
+    body = "(?:" + "|".join(branches) + ")" if grouped else branches[0]
+    if "" in node:  # a phrase ends here: the longer ones below are tried first
+        return (body if grouped else f"(?:{body})") + "?", depth + 1
+    return body, depth + grouped
+
+
 class BannedPhrases:
     """Fails text containing any of the phrases (case-insensitive unless told otherwise).
 
@@ -81,9 +132,9 @@ class BannedPhrases:
         if not cleaned:
             raise ValueError("BannedPhrases needs at least one non-blank phrase")
         self._case_sensitive = case_sensitive
-        folded = sorted({self._fold(p)[0] for p in cleaned}, key=len, reverse=True)
+        folded = {self._fold(p)[0] for p in cleaned}
         flags = 0 if case_sensitive else re.IGNORECASE
-        self._pattern = re.compile("|".join(re.escape(p) for p in folded), flags)
+        self._pattern = re.compile(phrases_pattern(folded), flags)
         # Written with format characters between its letters, a phrase takes more room.
         self.context_chars = 2 * max(len(p) for p in cleaned)
 
