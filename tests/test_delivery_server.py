@@ -20,6 +20,7 @@ from replystream.engine.base import Delta, DeltaStream, GenerationRequest
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
+from tests.processes import launch, ready_url, stop
 from tests.rawhttp import raw_request
 from tests.scripted_engine import ScriptedEngine
 from tests.sse_client import Received, post_events
@@ -440,3 +441,26 @@ async def test_no_alternative_a_check_matches_reaches_the_reader_in_top_logprobs
             for text in bodies:
                 assert "dawn" in text, path  # the alternatives are there
                 assert "FORBIDDEN" not in text and "cargo" not in text, (path, text)
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--block-secrets"], True),
+        (["--ban", "rocket"], True),
+        (["--ban", "rocket", "--holdback-tokens", "4"], False),
+        ([], False),
+    ],
+)
+async def test_checks_without_a_window_are_said_to_let_a_phrases_start_out(
+    flags: list[str], warned: bool
+):
+    # With no window, a key of many tokens is stopped at its last: the rest is already sent.
+    process = await launch("--engine", "simulated", *flags, stderr=asyncio.subprocess.PIPE)
+    try:
+        await ready_url(process)
+    finally:
+        await stop(process)
+    assert process.stderr is not None
+    said = (await process.stderr.read()).decode()
+    assert ("--holdback-tokens 0" in said) is warned, said

@@ -193,6 +193,13 @@ def run(args: argparse.Namespace) -> int:
         note = engine_options.fallback_note() if not args.engine else None
         if note is not None and args.listen_fd is None:  # workers: their parent said it
             print(f"replystream serve: {note}", file=sys.stderr)
+        if config.policy.checks and not config.policy.holdback_tokens and args.listen_fd is None:
+            log.warning(
+                "moderation checks with --holdback-tokens 0: a check reads each token only "
+                "as it is sent, so a phrase or key of several tokens is stopped at its last "
+                "token, the ones before it already sent; hold back as many tokens as the "
+                "longest (--holdback-tokens 4, say)"
+            )
         reloads = names_files_read_again(args, choice.kind)
         # Ignored since start-up (``cli.main``): with no file to read again, SIGHUP ends a
         # start under way, as it ends any process (once serving, it stops the server as
