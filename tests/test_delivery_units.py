@@ -152,6 +152,75 @@ def test_a_banned_phrase_is_found_however_its_letters_are_written(written: str):
     assert BannedPhrases(["Straße"]).find("no STRASSE here") is not None  # Unicode's folding
 
 
+def pushed(holdback: HoldBack, tokens: list[str]) -> str:
+    return "".join(holdback.push(token, 1)[0] for token in tokens)
+
+
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_a_match_at_the_end_of_the_text_so_far_is_decided_by_the_text_after_it(window: int):
+    def read(tokens: list[str]) -> tuple[str, HoldBack]:
+        holdback = HoldBack(window, [RegexCheck({"word": r"\bass\b"})])
+        before = pushed(holdback, tokens[:2])
+        # "ass" may be the word: nothing from its start leaves, and nothing is stopped yet.
+        assert before == ("I am your " if window < 2 else "")
+        assert holdback.violation is None and not holdback.ended
+        out = before + pushed(holdback, tokens[2:])
+        return out + holdback.finish()[0], holdback
+
+    # Undone: "istant" came, and "ass" was the start of "assistant".
+    said = ["I am your ", "ass", "istant", ", happy ", "to help."]
+    out, holdback = read(said)
+    assert out == "".join(said) and holdback.violation is None
+    assert holdback.released_tokens == len(said)
+    # Made final by the text after it, or by the text's end: stopped before the word.
+    for tokens in (["I am your ", "ass", " you", " are"], ["I am your ", "ass"]):
+        out, holdback = read(tokens)
+        assert out == "I am your " and holdback.violation is not None
+        violation = holdback.violation
+        assert (violation.reason, violation.released_chars, violation.released_tokens) == (
+            "word",
+            10,
+            1,
+        )
+        assert holdback.finish() == ("", 0)
+
+
+def test_a_tentative_match_longer_than_its_checks_context_is_still_held():
+    # The key grows past the 8 characters its check reads again each time: what it reads
+    # reaches back to the key's start, so none of it leaves while it may still be one.
+    holdback = HoldBack(0, [RegexCheck({"key": r"\bkey-\w+"}, context_chars=8)])
+    out = pushed(holdback, ["my ", "key-a", *["bcde"] * 10])
+    assert out == "my " and holdback.violation is None
+    out += pushed(holdback, [" done", " more"])
+    assert out == "my " and holdback.violation is not None
+
+
+def test_a_final_match_behind_a_tentative_one_stops_the_text_at_the_tentative_start():
+    checks: list[Check] = [RegexCheck({"key": r"\bkey-\w+"}), BannedPhrases(["bad"])]
+    holdback = HoldBack(0, checks)
+    out = pushed(holdback, ["my ", "key-12bad34"])
+    assert out == "my " and holdback.violation is not None
+    assert holdback.violation.check == "banned_phrase"
+
+
+def test_a_stop_string_after_a_tentative_match_makes_it_final():
+    holdback = HoldBack(3, [RegexCheck({"word": r"\bass\b"})], stops=["!"])
+    out = pushed(holdback, ["I am your ", "ass", "!", " more"]) + holdback.finish()[0]
+    assert out == "I am your " and holdback.violation is not None
+    assert holdback.stop_sequence is None
+
+
+def test_a_finding_says_whether_more_text_could_undo_it():
+    word = RegexCheck({"word": r"\bass\b"})
+    found = word.find("your ass")
+    assert found is not None and found.tentative
+    found = word.find("your ass.")
+    assert found is not None and not found.tentative
+    # A phrase found is found whatever comes next, even where it ends the text.
+    phrase = BannedPhrases(["ass"]).find("your ass")
+    assert phrase is not None and not phrase.tentative
+
+
 def test_banned_phrases_case_sensitivity_and_blank_lists():
     assert BannedPhrases(["Foo"]).find("a foo b") is not None
     assert BannedPhrases(["Foo"], case_sensitive=True).find("a foo b") is None

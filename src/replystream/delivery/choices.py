@@ -102,7 +102,9 @@ class ChoicesPipeline:
         self._done[index] = True
         if self.choices[index].halted:
             self._on_choice_done(index)  # a stop string: its generation is stopped now
-        return self.choices[index].finish()  # its format leaves the usage to the reply's end
+        # Its format leaves the usage to the reply's end. The end of its text may make a
+        # match final (one that reached the end of the text so far): then it ends moderated.
+        return self.choices[index].finish()
 
     @property
     def batch_due_at(self) -> float | None:

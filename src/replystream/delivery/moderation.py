@@ -4,9 +4,13 @@
 check reads it with as much of the text before it as the check needs, unreleased or already
 released (so a phrase split across tokens, or across batch edges, is seen whole). When a
 check matches, the reply stops: nothing from the start of the match on is ever released, and
-the caller learns how much text was released before it. A bigger window lets a check stop
-earlier text (a longer phrase whose end arrives late); the cost is ``window`` tokens of delay
-on every token.
+the caller learns how much text was released before it. A match that reaches the end of the
+text so far may hold only because the text stops there (a ``\\b``, a ``$``, a look-ahead:
+"ass" of "assistant" while "istant" has not come): it is tentative. Nothing from its start on
+is released, and the next text decides it: read again, it no longer matches, or it does
+whatever comes next. When the text ends (the reply's end, a tool call) a tentative match is
+final. A bigger window lets a check stop earlier text (a longer phrase whose end arrives
+late); the cost is ``window`` tokens of delay on every token.
 Stop strings are withheld by the same buffer: besides the window, the shortest tail of the
 text that could still begin a stop string stays held (``engine.stops``), and is released
 once it cannot; when one completes, the text before it is released and nothing after.
@@ -31,12 +35,17 @@ MAX_ALTERNATIVES_KEPT = 4096
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """Where a check matched, in the text it was given, and why."""
+    """Where a check matched, in the text it was given, and why.
+
+    ``tentative``: the match reaches the end of that text and may hold only because the
+    text stops there; more text may undo it. A match more text cannot undo (a phrase found
+    whole) is not tentative even where it ends the text."""
 
     start: int
     end: int
     check: str
     reason: str
+    tentative: bool
 
 
 class Check(Protocol):
@@ -48,7 +57,9 @@ class Check(Protocol):
     def find(self, text: str, start: int = 0) -> Finding | None:
         """The first match in ``text`` that begins at ``start`` or after. The text before
         ``start`` is there to be looked back at (a word boundary, a look-behind), never to
-        begin a match in; a ``^`` matches only where ``text`` begins."""
+        begin a match in; a ``^`` matches only where ``text`` begins. ``text`` is the text
+        so far, not the whole of it: a match that more text could undo says so
+        (``Finding.tentative``)."""
         ...
 
 
@@ -160,22 +171,28 @@ class BannedPhrases:
             found = self.find(text[start:])
             if found is None:
                 return None
-            return Finding(start + found.start, start + found.end, found.check, found.reason)
+            return replace(found, start=start + found.start, end=start + found.end)
         if text.isascii():  # folds to itself (but for case, which the pattern ignores)
             match = self._pattern.search(text)
             if match is None:
                 return None
-            return Finding(match.start(), match.end(), self.name, "banned phrase")
+            return Finding(match.start(), match.end(), self.name, "banned phrase", False)
         folded, origins = self._fold(text)
         match = self._pattern.search(folded)
         if match is None:
             return None
         start, end = origins[match.start()], origins[match.end() - 1] + 1
-        return Finding(start, end, self.name, "banned phrase")
+        # A phrase found is found whatever comes after it: never tentative.
+        return Finding(start, end, self.name, "banned phrase", False)
 
 
 class RegexCheck:
-    """Fails text matching any of the regular expressions (named for reporting)."""
+    """Fails text matching any of the regular expressions (named for reporting).
+
+    A match that reaches the end of the text it was given is tentative: a ``\\b``, a ``$`` or
+    a look-ahead there read the end of the text so far as the end of the text. (A look-ahead
+    that reads past the end of its match, ``ass(?!istant)``, reads only as far as the text
+    so far goes: "ass", "ist" is not tentative, and matches.)"""
 
     def __init__(
         self,
@@ -196,8 +213,12 @@ class RegexCheck:
         found: Finding | None = None
         for label, pattern in self._patterns:
             match = pattern.search(text, start)
-            if match is not None and (found is None or match.start() < found.start):
-                found = Finding(match.start(), match.end(), self.name, label)
+            if match is None:
+                continue
+            at, tentative = match.start(), match.end() == len(text)
+            # The earliest; of two at one place, a final one.
+            if found is None or at < found.start or (at == found.start and found.tentative):
+                found = Finding(at, match.end(), self.name, label, tentative)
         return found
 
 
@@ -247,6 +268,9 @@ class HoldBack:
         self.violation: Violation | None = None
         self.stop_sequence: str | None = None  # the stop string the text ended at
         self._alternatives: dict[str, bool] = {}  # a token's text -> no check matches it
+        # The earliest tentative match in the text so far (its place counted from the start
+        # of the text), which the next text decides, or the text's end makes final.
+        self._pending: Finding | None = None
 
     @property
     def ended(self) -> bool:
@@ -258,7 +282,8 @@ class HoldBack:
 
         When a check fails, this returns the held text before the match (if any) and sets
         ``violation``; when a stop string completes, the held text before it, and sets
-        ``stop_sequence``. From then on nothing more is released.
+        ``stop_sequence``. From then on nothing more is released. A tentative match (see
+        ``Finding``) holds back the text from its start on, and fails nothing yet.
         """
         if self.violation is not None or self.stop_sequence is not None:
             return "", 0
@@ -275,9 +300,21 @@ class HoldBack:
             room = end - self.released_chars
         if self._checks:
             # Text from the stop string on is never shown, so no check reads it.
-            first = self._first_finding(self._held_chars - len(text), None if hit is None else room)
+            first, tentative = self._first_finding(
+                self._held_chars - len(text), None if hit is None else room
+            )
+            if tentative is not None and hit is not None:
+                first, tentative = tentative, None  # the text ends at the stop string
             if first is not None:
-                return self._stop(first, max(0, first.start - len(self._tail)))
+                cut = first.start if tentative is None else tentative.start
+                return self._stop(first, max(0, cut - len(self._tail)))
+            if tentative is not None:
+                # The text to come decides it: nothing from its start on leaves before then
+                # (nothing more, if it began in text already released).
+                room = min(room, max(0, tentative.start - len(self._tail)))
+                at = self.released_chars - len(self._tail)  # where the tail begins
+                tentative = replace(tentative, start=at + tentative.start, end=at + tentative.end)
+            self._pending = tentative
         if hit is not None:
             out = self._take(room, lambda: True)
             self._drop_held()
@@ -285,10 +322,11 @@ class HoldBack:
             return out
         return self._take(room, lambda: self._held_tokens > self.window)
 
-    def _first_finding(self, before: int, end: int | None) -> Finding | None:
-        """The earliest match of any check in the released tail and the held text up to
-        ``end`` (None: all of it), the text pushed last beginning ``before`` characters into
-        the held text; its place counted from the tail's start.
+    def _first_finding(self, before: int, end: int | None) -> tuple[Finding | None, Finding | None]:
+        """The earliest final match of any check in the released tail and the held text up
+        to ``end`` (None: all of it), the text pushed last beginning ``before`` characters
+        into the held text, and the earliest tentative match before it (None: none); their
+        places counted from the tail's start.
 
         The earliest match of any check stops the text: the first check to match in list
         order may match after another's, whose text would then be released. Each check reads
@@ -300,20 +338,37 @@ class HoldBack:
         finds. The tail keeps one character more than any check reads: every check starts
         after that character and may look back at it, so a pattern's ``\\b`` or ``^`` never
         takes the tail's cut for the start of a word or of the reply (``sk-...`` cut out of
-        ``task-...``).
+        ``task-...``). A tentative match found last time is read again from its start,
+        however far back that is (its text has not been released): the new text decides it.
+        After a tentative match, a check reads on for a final one that begins later.
         """
         tail = len(self._tail)
         end = self._held_chars if end is None else end
         new = tail + min(before, end)  # where the new text begins, from the tail's start
         starts = [max(new - check.context_chars, 0) for check in self._checks]
+        if self._pending is not None:
+            back = max(self._pending.start - (self.released_chars - tail), 0)
+            starts = [min(start, back) for start in starts]
         offset = max(min(starts) - 1, 0)  # the text given to the checks begins here
         text = self._tail[offset:] + self._held_text(max(offset - tail, 0), end)
         first: Finding | None = None
+        tentative: Finding | None = None
         for check, start in zip(self._checks, starts, strict=True):
             finding = check.find(text, start - offset)
+            while finding is not None and finding.tentative:
+                if tentative is None or finding.start < tentative.start - offset:
+                    tentative = replace(
+                        finding, start=offset + finding.start, end=offset + finding.end
+                    )
+                if first is not None and finding.start >= first.start - offset:
+                    finding = None  # nothing later can come first
+                else:
+                    finding = check.find(text, finding.start + 1)
             if finding is not None and (first is None or finding.start < first.start - offset):
                 first = replace(finding, start=offset + finding.start, end=offset + finding.end)
-        return first
+        if tentative is not None and first is not None and tentative.start >= first.start:
+            tentative = None
+        return first, tentative
 
     def _held_text(self, begin: int, end: int) -> str:
         """The held text from character ``begin`` to ``end``, read from its newest piece back
@@ -349,14 +404,20 @@ class HoldBack:
         return allowed
 
     def finish(self) -> tuple[str, int]:
-        """The text ended (the reply did, or a tool call came): release everything still
-        held (it has been checked, and no stop string can complete any more). Text pushed
+        """The text ended (the reply did, or a tool call or thinking came): release
+        everything still held (it has been checked, and no stop string can complete any
+        more). A tentative match is final now that the text ends where it does: as in
+        ``push``, this returns the held text before it and sets ``violation``. Text pushed
         after this is new text: a stop string never spans the break; the checks still read
         the released text before it as context."""
         if self.violation is not None or self.stop_sequence is not None:
             return "", 0
         if self._stops is not None:
             self._stops.break_text()
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            return self._stop(pending, max(0, pending.start - self.released_chars))
         return self._take(self._held_chars, lambda: bool(self._held), to_the_end=True)
 
     def _stop(self, finding: Finding, safe_chars: int) -> tuple[str, int]:

@@ -167,7 +167,8 @@ class ReplyPipeline:
                 # with checks does not ask for it), and no text event holds it. The text
                 # before it goes first, in order, as the whole reply has it: batched text,
                 # and text held only for a window or a stop string's tail (a thought breaks
-                # the text as a tool call does); text held for checks stays held.
+                # the text as a tool call does); text held for checks stays held (so no
+                # tentative match is decided here: with no check, the text's end fails none).
                 self.reasoning_tokens += delta.tokens
                 releases = holdback is not None and not holdback.checks
                 before = self._release_held() if releases else self._flush()
@@ -178,7 +179,10 @@ class ReplyPipeline:
                 self.called = True
                 if holdback is None or batcher is None:
                     return self._entries(self.fmt.tool_call(delta.tool_call))
-                return self._entries(self._release_held() + self.fmt.tool_call(delta.tool_call))
+                before = self._release_held()
+                if holdback.violation is not None:  # a tentative match was final at the break
+                    return self._end_moderated(before)  # and the call is never sent
+                return self._entries(before + self.fmt.tool_call(delta.tool_call))
             if not delta.tokens:  # a finish, or a relay's continuation marker
                 if delta.continued is not None:
                     return self._entries(self.fmt.continued(delta.continued, self.tokens))
@@ -201,7 +205,7 @@ class ReplyPipeline:
         if holdback.ended:
             self.halted = True
             if holdback.violation is not None:
-                return self._entries(specs) + self._end_moderated(holdback.violation)
+                return self._end_moderated(specs)
             self.finish_reason = "stop"  # even on the last token the length allowed
         return self._entries(specs)
 
@@ -246,9 +250,13 @@ class ReplyPipeline:
     def _release_held(self) -> list[Spec]:
         """Text before a tool call: all of it goes out first, in order. The checks have
         seen it; the text it could still join with is gone (a tool call ends it), and the
-        checks read text only, never a call's arguments."""
+        checks read text only, never a call's arguments. A tentative match is final at the
+        break: then only the text before it goes out, and ``halted`` is set (the caller
+        ends the reply moderated: ``_end_moderated``)."""
         assert self.holdback is not None and self.batcher is not None
         text, tokens = self.holdback.finish()
+        if self.holdback.violation is not None:
+            self.halted = True
         batch = self.batcher.add(text, tokens, 0.0)
         return ([] if batch is None else self._text(*batch)) + self._flush()
 
@@ -267,18 +275,27 @@ class ReplyPipeline:
         cached = self.cached_prompt_tokens  # None with an estimate: told only with a count
         return Usage(prompt, self.tokens, self.reasoning_tokens, cached)
 
-    def _end_moderated(self, violation: Violation) -> list[LogEntry]:
+    def _end_moderated(self, released: list[Spec]) -> list[LogEntry]:
+        """``released`` (the text before the match), what is batched, then the ``moderated``
+        event: the reply ends as its check failed."""
+        assert self.holdback is not None and self.holdback.violation is not None
         self.ended = True
-        return self._entries(self._flush() + self.fmt.moderated(violation, self.usage()))
+        moderated = self.fmt.moderated(self.holdback.violation, self.usage())
+        return self._entries(released + self._flush() + moderated)
 
     def finish(self) -> list[LogEntry]:
-        """The reply ended normally: release held text, flush, then the end marker."""
+        """The reply ended normally: release held text, flush, then the end marker. A
+        tentative match is final at the end: then the text before it goes out, and the
+        ``moderated`` event instead of the end marker (``violation`` says so)."""
         self.ended = True
         specs: list[Spec] = []
         if self.holdback is not None and self.batcher is not None:
             text, tokens = self.holdback.finish()
             batch = self.batcher.add(text, tokens, 0.0)
             specs = [] if batch is None else self._text(*batch)
+            if self.holdback.violation is not None:
+                self.halted = True
+                return self._end_moderated(specs)
             specs += self._flush()
             if self._carried and self.logprobs:
                 # Text-less tokens at the end that have log probabilities (the first bytes

@@ -102,7 +102,9 @@ class _Collector:
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
         if delta.reasoning:
-            if not self.holdback.checks:  # as in a stream: the text before it is let out
+            # As in a stream: the text before it is let out (with no check, so its end
+            # fails nothing); text held for checks stays held.
+            if not self.holdback.checks:
                 self.parts.append(self.holdback.finish()[0])
             self.thoughts.add(delta.reasoning, self.text_chars, len(self.calls.calls))
             self._break_at(self.text_chars)
@@ -113,7 +115,11 @@ class _Collector:
         if delta.tool_call is not None:
             # As in a stream: a call ends the text before it (held text is released, and no
             # stop string spans it); its pieces are no text and have no log probabilities.
+            # A tentative match is final there: the reply ends before the call.
             self.parts.append(self.holdback.finish()[0])
+            if self.holdback.violation is not None:
+                self.done = True
+                return True
             self.calls.add(delta.tool_call, self.holdback.released_chars)
             self._break_at(self.holdback.released_chars)
             return False
@@ -128,10 +134,15 @@ class _Collector:
         if self.made is not None:
             self.made_at[chars] = len(self.made)
 
+    def end_text(self) -> None:
+        """The text ended: release what is still held. A tentative match is final now, and
+        may stop the text (``holdback.violation``)."""
+        if not self.holdback.ended:
+            self.parts.append(self.holdback.finish()[0])
+
     def whole(self, usage: Usage) -> Whole:
         holdback = self.holdback
-        if not holdback.ended:
-            self.parts.append(holdback.finish()[0])
+        self.end_text()
         stop = holdback.stop_sequence
         finish = "stop" if stop is not None else self.finish_reason
         finish, stop = ending_of(bool(self.calls.calls), finish, stop)
@@ -209,6 +220,8 @@ async def buffered_reply(
             finally:
                 pump_task.cancel()
         first = collectors[0]
+        if several is None and not (isinstance(item, End) and item.how != "finished"):
+            first.end_text()  # before its violation is read: the text's end may decide one
         if several is None and first.holdback.violation is not None:
             record.outcome, record.reason = "moderated", first.holdback.violation.check
             made = first.whole(usage(first.tokens))

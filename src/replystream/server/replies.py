@@ -390,6 +390,12 @@ class Reply:
         record.cached_prompt_tokens = self.pipeline.cached_prompt_tokens or 0
         if rule.in_band == "end marker":
             last = self.pipeline.finish()
+            violation = self.pipeline.violation
+            if violation is not None:
+                # A match the text's end decided (one that reached the end of the text so
+                # far): ``finish`` logged the ``moderated`` event, and the reply ends so.
+                ending = self._ending = Ending("moderated", violation.check)
+                rule = ending.rule
         elif rule.in_band == "error":
             last = self.pipeline.fail(ending.fill(rule.message), ending.fill(rule.code))
         # (``moderated``: its event was logged as the check matched.)

@@ -69,6 +69,8 @@ def _stopped(way: StopReason, outcome: Outcome = "cancelled") -> EndingRule:
 
 ENDINGS: dict[Way, EndingRule] = {
     "finished": EndingRule("finished", "finished", "end marker"),
+    # A check matched; or the reply ended ``finished`` and its end made a match that reached
+    # the end of the text so far final (``Reply._conclude`` takes this row then).
     "moderated": EndingRule(
         "moderated", "moderated", "moderated", reason="{detail}", detail="the check that matched"
     ),
