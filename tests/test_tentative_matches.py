@@ -151,6 +151,9 @@ async def test_each_choice_of_several_is_decided_at_its_own_end():
     async with serve(steps) as url:
         streamed = await post_events(f"{url}{route}", ask(route, True, n=2))
         body = await whole(f"{url}{route}", ask(route, False, n=2))
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    # A check stopped every choice: the reply was moderated, streamed and whole.
+    assert moderated_count(metrics, route) == 2
     assert not shows_the_word(streamed.raw)
     assert chat_finishes(streamed) == ["content_filter", "content_filter"]
     assert streamed.chat_text == "I am your " * 2

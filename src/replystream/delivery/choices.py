@@ -52,7 +52,13 @@ class ChoicesPipeline:
         self.ended = False
         # A check or a stop string ends one choice, never the reply: production goes on.
         self.halted = False
-        self.violation: Violation | None = None
+
+    @property
+    def violation(self) -> Violation | None:
+        """The first choice's check, once a check has stopped every choice's text: the
+        reply was moderated (one choice that finished makes a reply that finished)."""
+        stopped = [choice.violation for choice in self.choices]
+        return stopped[0] if all(v is not None for v in stopped) else None
 
     @property
     def tokens(self) -> int:

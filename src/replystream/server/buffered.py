@@ -253,8 +253,12 @@ async def buffered_reply(
             record.outcome = "finished"
             payload = body(first.whole(usage(record.tokens)))
         else:
+            wholes = [c.whole(usage(c.tokens)) for c in collectors]
+            stopped = [whole.violation for whole in wholes]
             record.outcome = "finished"
-            payload = several.body([c.whole(usage(c.tokens)) for c in collectors])
+            if stopped[0] is not None and all(stopped):  # a check stopped every choice
+                record.outcome, record.reason = "moderated", stopped[0].check
+            payload = several.body(wholes)
         return sent(record, await json_response(payload))
     except asyncio.CancelledError:
         record.outcome, record.reason = "cancelled", "client_gone"
