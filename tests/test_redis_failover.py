@@ -22,6 +22,7 @@ from replystream.delivery.redis_call_counts import CallCounts, Verdict
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
 from replystream.delivery.redis_reply_tables import ReplyTables
+from replystream.delivery.redis_rewrite import write_repair
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 from tests.failover_scenario import run
@@ -72,6 +73,22 @@ def test_call_counts_tell_a_short_count_from_an_evicted_or_expired_one():
     counts.forget()  # a call failed: its count is unknown
     assert counts.after(0, 1, sent=14.0, now=14.1) == Verdict("as_expected")
     assert counts.after(0, 1, sent=15.0, now=15.1) == Verdict("evicted")
+
+
+def test_a_call_expects_the_count_its_last_call_left_and_learns_another_one():
+    counts = CallCounts(ttl_s=10)
+    assert counts.expected(0, now=0.0, within_s=5) == 0  # none seen: not checked
+    counts.after(0, 7, sent=1.0, now=1.1)
+    assert counts.expected(0, now=2.0, within_s=5) == 7
+    # Answered past a TTL after the previous call, the count may have expired: unchecked.
+    assert counts.expected(0, now=6.0, within_s=5) == 0
+    assert counts.unexpected(0, 4, sent=2.0) == Verdict("lost", 3)
+    assert counts.expected(0, now=2.1, within_s=5) == 4  # counted on from what Redis holds
+    assert counts.unexpected(0, 9, sent=2.2) == Verdict("elsewhere")  # another primary's
+    assert counts.unexpected(0, 0, sent=2.3) == Verdict("evicted")  # the count is gone
+    assert counts.after(0, 1, sent=2.4, now=2.5) == Verdict("as_expected")
+    counts.forget()
+    assert counts.expected(0, now=2.6, within_s=5) == 0
 
 
 async def test_a_hole_in_a_stream_is_told_as_lost_never_skipped(tmp_path: Path):
@@ -216,6 +233,156 @@ async def test_the_producing_replica_serves_its_copy_of_an_ended_reply_redis_los
         assert result is not None and [e.seq for e in result.entries] == [1, 2, 3, 4, 5]
         assert result.ending == "finished"
         await producer.aclose()
+
+
+async def _created(store: RedisReplayStore, info: ReplyInfo) -> None:
+    """``create``, flushed here: no flusher task runs, so every write is one of the test's."""
+    creating = asyncio.ensure_future(store.writer.create(info))
+    await asyncio.sleep(0)  # queued
+    await store.flush()
+    assert await creating is None
+
+
+async def _read_all(reader: RedisReplayStore, reply_id: str) -> tuple[list[int], list[object]]:
+    """Every event of a reply Redis holds now, read from the start as a reader elsewhere
+    reads it, and what it was told was lost."""
+    seqs: list[int] = []
+    told: list[object] = []
+    after = 0
+    while True:
+        result = await reader.read(reply_id, after, wait_s=0)
+        assert result is not None
+        if result.lost is not None:
+            told.append(result.lost)
+        if not result.entries:
+            return seqs, told
+        seqs += [e.seq for e in result.entries]
+        after = result.entries[-1].seq
+
+
+async def _replicate(client: object, port: int | None) -> None:
+    """``REPLICAOF`` a loopback Redis (None: ``NO ONE``), waiting for the sync to end."""
+    redis = client
+    if port is None:
+        await redis.execute_command("REPLICAOF", "NO", "ONE")  # type: ignore[attr-defined]
+        return
+    await redis.execute_command("REPLICAOF", "127.0.0.1", port)  # type: ignore[attr-defined]
+    async with asyncio.timeout(10):
+        while True:
+            info = await redis.info("replication")  # type: ignore[attr-defined]
+            if info.get("master_link_status") == "up" and not info.get("master_sync_in_progress"):
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_events_after_writes_redis_lost_wait_for_their_repair_never_a_false_gap(
+    tmp_path: Path,
+):
+    # The primary acknowledged events 4 and 5, then a replica that had only 1-3 took over
+    # (Sentinel's planned failover: here the replica is promoted, and the old primary made a
+    # replica of it, so it takes its data, as a demoted primary does). No call failed. The
+    # producer's next events, 6 and 7, must not land past the hole: a reader elsewhere would
+    # be told 4 and 5 were lost, though the producer holds them and writes them again. Its
+    # call finds its count short and writes nothing; 4 to 7 are written, in order, first.
+    with redis_server(tmp_path / "primary") as primary, redis_server(tmp_path / "spare") as spare:
+        producer = RedisReplayStore(primary.url)
+        reader = RedisReplayStore(primary.url)
+        other = RedisReplayStore(spare.url)
+        await _created(producer, ReplyInfo("r", owner="k"))
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+        await producer.flush()
+        await _replicate(other.redis, primary.port)
+        assert await producer.redis.execute_command("WAIT", 1, 5000) == 1
+        await _replicate(other.redis, None)  # promoted, without what comes next
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(4, 6)])
+        await producer.flush()  # acknowledged by the old primary alone
+        await _replicate(producer.redis, spare.port)  # demoted: it takes the new one's data
+        await _replicate(producer.redis, None)
+        assert (await _read_all(reader, "r"))[0] == [1, 2, 3]  # 4 and 5 are gone
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(6, 8)])
+        await producer.flush()
+        assert await _read_all(reader, "r") == ([1, 2, 3, 4, 5, 6, 7], [])
+        assert producer.stats().lost_writes == 1 and reader.stats().gaps == 0
+        producer.append("r", [LogEntry(8, "token", "8")])
+        producer.end("r", "finished")
+        await producer.flush()
+        assert await _read_all(reader, "r") == (list(range(1, 9)), [])
+        assert producer.stats().lost_writes == 1
+        for store in (producer, reader, other):
+            await store.aclose()
+
+
+async def test_events_after_calls_another_primary_took_wait_for_the_repair_never_a_false_gap(
+    tmp_path: Path,
+):
+    # A demoted primary still took writes while the client reached both (a planned
+    # failover): the call that wrote events 4 and 5 went to the other one, which also took
+    # more calls of this producer since; the Redis answering now lacks 4 and 5, and holds a
+    # count past the one the producer's last call left. Events 6 and 7 must not land past
+    # the hole; a repair planned from a read of one primary must not append to the other.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url)
+        reader = RedisReplayStore(server.url)
+        await _created(producer, ReplyInfo("r", owner="k"))
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+        await producer.flush()
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(4, 6)])
+        await producer.flush()
+        # This Redis never had 4 and 5, and its count is the other primary's.
+        await reader.redis.xdel(producer.keys.key("r"), "0-4", "0-5")
+        await reader.redis.execute_command("XSETID", producer.keys.key("r"), "0-3")
+        await reader.redis.incrby(producer.keys.counter_key(0), 2)
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(6, 8)])
+        await producer.flush()
+        assert await _read_all(reader, "r") == (list(range(1, 8)), [])
+        # A repair planned from one state is not applied to a stream found otherwise.
+        entries = [LogEntry(n, "token", f"{n}") for n in range(1, 10)]
+        copy = LocalCopy(entries, bytes_before=0, ending=None, next_seq=10)
+        state = StreamState(first=1, last=7, length=7, known=True)
+        repair = plan(copy, state)
+        assert repair.action == "append"
+        await reader.redis.xdel(producer.keys.key("r"), "0-7")  # not the stream it read
+        await reader.redis.execute_command("XSETID", producer.keys.key("r"), "0-6")
+        async with reader.redis.pipeline(transaction=False) as pipe:
+            write_repair(
+                pipe,
+                producer.keys.key,
+                ReplyInfo("r", owner="k"),
+                repair,
+                state,
+                ttl_s=60,
+                live_s=3.0,
+                kept_from=1,
+            )
+            assert await pipe.execute() == [2]  # written nothing: planned again
+        assert (await _read_all(reader, "r"))[0] == list(range(1, 7))
+        for store in (producer, reader):
+            await store.aclose()
+
+
+async def test_events_after_redis_lost_everything_wait_for_the_repair_never_a_false_gap(
+    tmp_path: Path,
+):
+    # Redis lost everything between two calls, and no call failed (a restart without its data
+    # quick enough that the connection held, as FLUSHALL leaves it), before any heartbeat
+    # found another Redis answering: the producer's count of its calls is gone with the rest.
+    # Its next events must not make the stream anew from event 4 (a reader elsewhere would
+    # be told 1 to 3 were lost): the call writes nothing, the reply is written again from
+    # its copy, then the rest.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url)
+        reader = RedisReplayStore(server.url)
+        await _created(producer, ReplyInfo("r", owner="k"))
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+        await producer.flush()
+        await reader.redis.flushall()
+        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(4, 6)])
+        await producer.flush()
+        assert await _read_all(reader, "r") == ([1, 2, 3, 4, 5], [])
+        assert reader.stats().gaps == 0
+        assert await reader.info("r") == ReplyInfo("r", owner="k")
+        for store in (producer, reader):
+            await store.aclose()
 
 
 def held(writer: LogWriter) -> dict[str, set[str]]:

@@ -3,15 +3,17 @@
 Failover: producers go on into their local copy (a ``MemoryReplayStore`` the store keeps of
 every reply made here). Redis replicates asynchronously, so the promoted replica may lack
 writes the old primary acknowledged; the writer finds out (a call failed, or its call count
-came back short) and repairs every reply it holds from its local copy (``redis_repair``
-plans, ``redis_rewrite`` writes): re-appends what Redis lost, or rewrites a stream with a
-hole; or whose Redis answers with another ``run_id`` than before (restarted, or failed over,
-with no call failing meanwhile: ``redis_replaced``). What it no longer holds stays a hole,
-which readers are told of as a gap. Past
-``failover_s`` of failing, a write marks its live replies (``failure``); the ended ones are
-written again whenever Redis answers, while this process holds them; a ``create`` fails with
-the next flush that cannot reach Redis. A live reply the heartbeat finds evicted is repaired
-the same way (``rewrite``).
+was not the one its last call left: each flush's call checks it before it writes, and writes
+nothing then, so no new event lands past a hole a reader elsewhere would take for lost;
+``unexpected``) and repairs every reply it holds from its local copy before it writes
+anything new (``redis_repair`` plans, ``redis_rewrite`` writes, an append only to a stream
+still as it was read): re-appends what Redis lost, or rewrites a stream with a hole; or
+whose Redis answers with another ``run_id`` than before (restarted, or failed over, with no
+call failing meanwhile: ``redis_replaced``). What it no longer holds stays a hole, which
+readers are told of as a gap. Past ``failover_s`` of failing, a write marks its live
+replies (``failure``); the ended ones are written again whenever Redis answers, while this
+process holds them; a ``create`` fails with the next flush that cannot reach Redis. A live
+reply the heartbeat finds evicted is repaired the same way (``rewrite``).
 
 This file decides which replies must be written again (marked dirty in ``ReplyTables``) and
 when an outage has lasted too long, and writes the repairs; it owns when the outage began,
@@ -28,15 +30,17 @@ from collections.abc import Callable, Iterable
 
 from redis.exceptions import RedisError
 
-from replystream.delivery.redis_call_counts import CallCounts
+from replystream.delivery.redis_call_counts import CallCounts, Verdict
 from replystream.delivery.redis_keys import ReplyKeys
-from replystream.delivery.redis_link import RedisLink, live_hold_s
+from replystream.delivery.redis_link import COMMAND_TIMEOUT_S, RedisLink, live_hold_s
 from replystream.delivery.redis_repair import LocalCopy, plan
 from replystream.delivery.redis_reply_tables import ReplyTables
 from replystream.delivery.redis_rewrite import stream_states, write_repair
 from replystream.delivery.replay import MemoryReplayStore
 
 log = logging.getLogger("replystream.redis_store")
+
+_STALE = 2  # ``REPAIR_SCRIPT``'s answer for an append to a stream no longer as it was read
 
 
 class Failover:
@@ -100,7 +104,24 @@ class Failover:
         ``sent``. Replication is ordered, so a count short of ours means Redis lost calls it
         had acknowledged, and with them whatever they wrote: every reply held here is checked
         and repaired."""
-        verdict = self._counts.after(group, count, sent, time.monotonic())
+        self._judge(self._counts.after(group, count, sent, time.monotonic()))
+
+    def expected(self, group: int, sent: float) -> int:
+        """The count of this store's calls (to one slot group) Redis must hold before a call
+        sent at ``sent`` writes anything (0: unknown, not checked)."""
+        return self._counts.expected(group, sent, COMMAND_TIMEOUT_S)
+
+    def unexpected(self, group: int, count: int, sent: float, reply_ids: Iterable[str]) -> None:
+        """A flush's call sent at ``sent`` found Redis's count of this store's calls (to one
+        slot group) at ``count``, not the last one seen, and wrote nothing: the replies it
+        carried (``reply_ids``) are written from their copy here, with every reply Redis may
+        lack, before anything new (it would land past the hole)."""
+        self._tables.dirty.update(reply_ids)
+        self._judge(self._counts.unexpected(group, count, sent))
+        self._wake.set()
+
+    def _judge(self, verdict: Verdict) -> None:
+        """Mark what a verdict on the count says Redis may have lost (to be repaired)."""
         if verdict.kind == "evicted":
             # The count itself is gone: a maxmemory Redis evicted it. Writing every evicted
             # log again would only fill Redis again: the replies still being written are
@@ -112,6 +133,13 @@ class Failover:
         elif verdict.kind == "lost":
             self.lost_writes += 1
             log.warning("Redis lost %d acknowledged writes (a failover?)", verdict.calls)
+            self._tables.dirty.update(self.local._logs)
+            self._wake.set()
+        elif verdict.kind == "elsewhere":
+            # Two primaries answer (a demoted one still takes writes, until Sentinel makes it
+            # a replica): each lacks what the other took; what the old one took will be lost.
+            self.lost_writes += 1
+            log.warning("Redis answering lacks writes another primary took (a failover under way?)")
             self._tables.dirty.update(self.local._logs)
             self._wake.set()
 
@@ -201,6 +229,7 @@ class Failover:
                         self._keys.key,
                         self.local._logs[reply_id].info,
                         repair,
+                        states[reply_id],
                         ttl_s=self.ttl_after_end_s,
                         live_s=self.liveness_s if reply_id in tables.live else None,
                         kept_from=self.local.kept_from(reply_id),
@@ -218,13 +247,19 @@ class Failover:
         except (RedisError, OSError) as exc:
             self.write_failed(exc, ())
             return str(exc)
-        tables.dirty -= dirty
+        written = [r for r, repair in repairs.items() if repair.action != "nothing"]
+        # An append to a stream found other than it was read (two primaries answering, in a
+        # failover) wrote nothing: that reply is planned again, from a new read.
+        stale = {r for r, done in zip(written, results, strict=False) if done == _STALE}
+        tables.dirty -= dirty - stale
         self.outage_since = None
         self._link.recovered()
         counts = results[len(results) - 2 * len(groups) :: 2]
         for group, count in zip(groups, counts, strict=True):
             self.counted(group, int(count), sent)
-        done = [r for r in repairs.values() if r.action != "nothing"]
+        if stale:
+            self._wake.set()
+        done = [repairs[r] for r in written if r not in stale]
         if done:
             self.repairs += len(done)
             self.repaired_events += sum(len(r.entries) for r in done)

@@ -4,10 +4,13 @@ Writes never wait: ``append`` and ``end`` queue entries for one flusher task, wh
 everything queued, across replies, in one script call per round trip (one per hash slot for
 a Cluster: ``redis_writes``); ``create`` joins the next one and waits for it. The call ends
 with the ending's marks in the metadata and an ``INCR`` of this store's count of its calls
-(per slot for a Cluster). A write Redis refuses for one reply (its ids, its key's type) fails
-that reply alone (``failure``: its producer stops with an in-band error); a call that fails as
-a whole (a lost connection, a demoted primary) is a failover, which ``redis_failover`` handles:
-before its next write, the flusher has it write again what Redis lost.
+(per slot for a Cluster), and begins by checking that count: one other than its last call
+left (Redis lost calls it had acknowledged, or another primary took them) writes nothing. A
+write Redis refuses for one reply (its ids, its key's type) fails that reply alone
+(``failure``: its producer stops with an in-band error); a call that fails as a whole (a
+lost connection, a demoted primary), or finds another count, is a failover, which
+``redis_failover`` handles: before its next write, the flusher has it write again what Redis
+lost, so no event is written past a hole.
 
 This file queues and sends the writes; the state of the replies produced here (which are
 live, queued, failed, deleted, and the reads from elsewhere the heartbeat found) is
@@ -43,6 +46,10 @@ from replystream.delivery.redis_writes import (
 from replystream.delivery.replay import LogEntry, MemoryReplayStore, ReplyInfo
 
 log = logging.getLogger("replystream.redis_store")
+
+# Rounds of one flush, at most (a repair, then calls that may find another count and write
+# nothing): Redis losing writes again and again, the flusher goes on at its next wake.
+_ROUNDS = 3
 
 
 class LogWriter:
@@ -190,49 +197,90 @@ class LogWriter:
 
     async def flush(self) -> None:
         """Repair what Redis may have lost, then send everything queued, across replies, in
-        one script call (one per hash slot with ``one_slot_per_call``)."""
-        tables = self.tables
+        one script call (one per hash slot with ``one_slot_per_call``); a call that found
+        Redis lacking calls it had acknowledged wrote nothing: repaired, then sent again."""
         async with self.flushing:
-            if tables.dirty:
-                failure = await self.failover.repair()
-                if failure is not None:
-                    # Redis cannot be reached: a new reply is refused now, not held.
-                    creates, self._creates = self._creates, []
-                    _settle([written for _, written in creates], failure)
+            for _ in range(_ROUNDS):
+                if not await self._flush_once():
                     return
-            creates, self._creates = self._creates, []
-            pending, tables.pending = tables.pending, {}
-            endings, tables.endings = tables.endings, {}
-            batches = flush_batches(
-                creates,
-                pending,
-                endings,
-                key=self._keys.key,
-                per_slot=self._keys.one_slot_per_call,
-                kept_from=self.local.kept_from,
-                # A third of the TTL: a flush late by up to two thirds of it comes in time.
-                refresh_s=max(1.0, self.ttl_after_end_s / 3),
-                logged=tables.logged,
-                expire_due=tables.expire_due,
-            )
-            if batches:
-                await asyncio.gather(
-                    *(self._send(group, *batch) for group, batch in batches.items())
-                )
+        self.wake.set()  # lost again and again: the flusher goes on
 
-    async def _send(self, group: int, batch: WriteBatch, waiting: Waiting) -> None:
-        """One script call; what Redis refused fails its reply; a call that failed as a
-        whole is an outage (``Failover.write_failed``), and fails the creates waiting on it."""
-        ttl, liveness = max(1, int(self.ttl_after_end_s)), max(1, int(self.liveness_s))
-        argument = batch.argument(ttl, self.hold_s, liveness, self._keys.counter_key(group))
+    async def _flush_once(self) -> bool:
+        """One repair if due, then one call per slot group; whether to go again: a call found
+        another count (nothing of it written), or more was found to repair."""
+        tables = self.tables
+        if tables.dirty:
+            failure = await self.failover.repair()
+            if failure is not None:
+                # Redis cannot be reached: a new reply is refused now, not held.
+                creates, self._creates = self._creates, []
+                _settle([written for _, written in creates], failure)
+                return False
+            if tables.dirty:
+                # Found during the repair (a heartbeat found another Redis answering, which
+                # also makes the count unknown): repaired too before anything is written.
+                return True
+        creates, self._creates = self._creates, []
+        pending, tables.pending = tables.pending, {}
+        endings, tables.endings = tables.endings, {}
+        batches = flush_batches(
+            creates,
+            pending,
+            endings,
+            key=self._keys.key,
+            per_slot=self._keys.one_slot_per_call,
+            kept_from=self.local.kept_from,
+            # A third of the TTL: a flush late by up to two thirds of it comes in time.
+            refresh_s=max(1.0, self.ttl_after_end_s / 3),
+            logged=tables.logged,
+            expire_due=tables.expire_due,
+        )
+        if not batches:
+            return False
+        # Each call's argument, with the count Redis must hold before it, is made now,
+        # with nothing dirty: what is found from here on is found by these calls.
         sent = time.monotonic()
+        ttl, liveness = max(1, int(self.ttl_after_end_s)), max(1, int(self.liveness_s))
+        calls = [
+            (
+                group,
+                batch,
+                waiting,
+                batch.argument(
+                    ttl,
+                    self.hold_s,
+                    liveness,
+                    self._keys.counter_key(group),
+                    self.failover.expected(group, sent),
+                ),
+            )
+            for group, (batch, waiting) in batches.items()
+        ]
+        unwritten = await asyncio.gather(*(self._send(*call, sent) for call in calls))
+        if all(waiting is None for waiting in unwritten):
+            return False
+        # Their creates go first in the next call, after the repair.
+        again = {written for waiting in unwritten if waiting for written in waiting}
+        self._creates[:0] = [create for create in creates if create[1] in again]
+        return True
+
+    async def _send(
+        self, group: int, batch: WriteBatch, waiting: Waiting, argument: str, sent: float
+    ) -> Waiting | None:
+        """One script call; what Redis refused fails its reply; a call that failed as a
+        whole is an outage (``Failover.write_failed``), and fails the creates waiting on it.
+        A call that found another count (``Failover.unexpected``) wrote nothing: the creates
+        waiting on it are returned, to be sent again (None: the call is done with)."""
         try:
             answer = await self._write(keys=batch.keys, args=[argument])
         except (RedisError, OSError) as exc:
             _settle(waiting, str(exc))
             self.failover.write_failed(exc, batch.reply_ids)
-            return
+            return None
         self.writes += 1
+        if int(answer[0]) == 0:
+            self.failover.unexpected(group, int(answer[1]), sent, batch.reply_ids)
+            return waiting
         refused = answer[1:]
         for index, error in zip(refused[::2], refused[1::2], strict=True):
             reason = text(error)
@@ -240,6 +288,7 @@ class LogWriter:
             self.tables.failures[batch.reply_ids[int(index)]] = f"Redis write failed: {reason}"
         _settle(waiting, None)
         self.failover.counted(group, int(answer[0]), sent)
+        return None
 
     async def acknowledged(self, live: list[str]) -> dict[str, int] | None:
         """How many events of each live reply Redis has acknowledged: those appended and no

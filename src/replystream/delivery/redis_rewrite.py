@@ -31,9 +31,12 @@ KeyOf = Callable[..., str]  # (reply id[, part]) -> key
 # KEYS: a reply's stream, meta and live keys. ARGV[1]: JSON [rewrite (1: the stream is
 # written anew, 0: appended to), owner, context, TTL, liveness (0: not generated), the
 # first entry kept (the producer's copy's: older ones are trimmed; 0 or 1: none), ending
-# (null: none), the terminal entry's number, then 4 values per entry: seq, type ("": none),
-# data, log size]. A reply deleted since its state was read is left
-# alone (a delete's mark is never written over). The ending's marks in the metadata are
+# (null: none), the terminal entry's number, the stream's last entry and length as planned
+# from, then 4 values per entry: seq, type ("": none), data, log size]. A reply deleted
+# since its state was read is left alone (a delete's mark is never written over): 0. An
+# append to a stream that is no longer as it was read (another primary answered that read,
+# while a demoted one still took writes) writes nothing either, as it would leave a hole: 2,
+# and the repair is planned again. The ending's marks in the metadata are
 # those the write script leaves (``redis_writes``), so a reader can tell a stream evicted
 # after the end from a producer lost before it.
 REPAIR_SCRIPT = """
@@ -43,8 +46,15 @@ if redis.call('HEXISTS', meta, 'deleted') == 1 then return 0 end
 if r[1] == 1 then
   redis.call('DEL', stream)
   redis.call('HSET', meta, 'owner', r[2], 'context', r[3])
+else
+  local length = redis.call('XLEN', stream)
+  if length ~= r[10] or redis.call('HEXISTS', meta, 'owner') == 0 then return 2 end
+  if length > 0 then
+    local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1][1]
+    if last ~= '0-' .. r[9] then return 2 end
+  end
 end
-for j = 9, #r, 4 do
+for j = 11, #r, 4 do
   redis.call('XADD', stream, '0-' .. r[j], 'e', r[j + 1], 'd', r[j + 2], 'b', r[j + 3])
 end
 if r[6] > 1 then redis.call('XTRIM', stream, 'MINID', '~', '0-' .. r[6]) end
@@ -94,14 +104,15 @@ def write_repair(
     key_of: KeyOf,
     info: ReplyInfo,
     repair: Repair,
+    state: StreamState,
     *,
     ttl_s: float,
     live_s: float | None,
     kept_from: int,
 ) -> int | None:
     """Queue ``repair``'s writes for reply ``info`` (``live_s``: its liveness, while it is
-    generated) as one script call; return the log's size after them when it goes on being
-    written, else None."""
+    generated), planned from ``state``, as one script call (none for nothing to write);
+    return the log's size after them when it goes on being written, else None."""
     if repair.action == "nothing":
         return None
     reply_id = info.reply_id
@@ -117,6 +128,8 @@ def write_repair(
         kept_from,
         repair.ending,
         repair.ending_seq,
+        state.last,
+        state.length,
     ]
     for entry, offset in zip(repair.entries, repair.offsets, strict=True):
         argument += (entry.seq, entry.event or "", entry.data, offset)

@@ -14,7 +14,12 @@ keeps what that copy keeps. A write that fails fails its reply alone (the others
 batch go on).
 
 The call also marks an ended reply's metadata (``end``, ``last``) and counts itself (an
-``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found. The
+``INCR`` of the writer's count, last), so acknowledged writes a failover lost are found; it
+first checks that count, and writes nothing unless Redis holds exactly the count the writer's
+last call left: fewer, and calls were lost (a failover), more, and another primary took the
+writer's last calls (a demoted one that still takes writes, while the client reaches both):
+either way an entry written now would land past a hole, where a reader elsewhere would take
+the events in it for lost before the producer has written them again (``redis_failover``). The
 liveness refresh is one call too (``HEARTBEAT_SCRIPT``), which also keeps a live reply's keys
 (their TTL, however long it goes without an event), bumps its heartbeat count and asks its
 stream's length (eviction checks), finds a reply deleted
@@ -36,9 +41,10 @@ from redis.crc import key_slot
 
 from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 
-# ARGV[1]: JSON [ttl, hold, liveness, counter key index, creates, replies], flat where it can
-# be (the encoder's cost is per list as much as per value). ttl: an ended reply's keys' life;
-# hold: a live reply's, from each refresh (``redis_link.live_hold_s``).
+# ARGV[1]: JSON [ttl, hold, liveness, counter key index, creates, replies, expected], flat
+# where it can be (the encoder's cost is per list as much as per value). ttl: an ended reply's
+# keys' life; hold: a live reply's, from each refresh (``redis_link.live_hold_s``); expected:
+# the writer's count Redis must hold before this call (0: unknown, not checked).
 #   creates: [meta key index, live key index, owner, context]
 #   replies: [stream key index, first entry kept (0: no trim), indices of keys to expire, ending
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
@@ -48,13 +54,21 @@ from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 # hears of it at its next heartbeat; its ending, if it comes first, deletes what was.
 # Returns {count, index, error, index, error, ...}: the writer's count of its calls after this
 # one (INCR-ed last, so a count that survives a failover vouches for every write before it),
-# then the replies (from 0) whose writes Redis refused. A refusal that is the reply's own (its
+# then the replies (from 0) whose writes Redis refused; or {0, count} when the count Redis
+# holds is not the expected one (fewer: calls acknowledged, then lost in a failover, or the
+# count evicted or gone with a restart; more: another primary answered the last calls), and
+# nothing was written. A refusal that is the reply's own (its
 # ids, its key's type: ``ERR``, ``WRONGTYPE``) fails that reply alone; any other (``READONLY``
 # from a demoted primary, ``OOM``, ...) fails the whole call, as a lost connection does, so
 # the store retries and repairs instead of stopping replies.
 WRITE_SCRIPT = """
 local batch = cjson.decode(ARGV[1])
 local ttl, hold, liveness = batch[1], batch[2], batch[3]
+local counter = KEYS[batch[4]]
+if batch[7] > 0 then
+  local held = tonumber(redis.call('GET', counter) or '0')
+  if held ~= batch[7] then return {0, held} end
+end
 local function refused(res)
   if type(res) ~= 'table' or not res.err then return nil end
   local err = res.err
@@ -135,7 +149,6 @@ for i, r in ipairs(batch[6]) do
     end
   end
 end
-local counter = KEYS[batch[4]]
 out[1] = redis.call('INCR', counter)
 redis.call('EXPIRE', counter, hold)
 return out
@@ -246,11 +259,16 @@ class WriteBatch:
     def __bool__(self) -> bool:
         return bool(self._creates or self._replies)
 
-    def argument(self, ttl: int, hold: int, liveness: int, counter_key: str) -> str:
+    def argument(
+        self, ttl: int, hold: int, liveness: int, counter_key: str, expected: int = 0
+    ) -> str:
         """The script's one argument (raw UTF-8: Lua's cjson keeps it byte for byte), with
-        the key of the writer's call count (see ``WRITE_SCRIPT``)."""
+        the key of the writer's call count and the count it must hold before this call
+        (``expected``, 0: not checked; see ``WRITE_SCRIPT``)."""
         counter = self._index(counter_key)
-        return _ENCODER.encode([ttl, hold, liveness, counter, self._creates, self._replies])
+        return _ENCODER.encode(
+            [ttl, hold, liveness, counter, self._creates, self._replies, expected]
+        )
 
 
 _slot_tags: dict[int, str] = {}
