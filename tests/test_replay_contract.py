@@ -361,6 +361,18 @@ async def test_a_reply_deleted_while_produced_is_stopped_and_stays_deleted(store
         assert await store.read("r11", 0, wait_s=0) is None
 
 
+async def test_a_replys_dialect_is_kept_with_it_before_any_event(stores):
+    # A resume before the first event is logged tells its reader's notices in this dialect.
+    producer, reader = stores
+    info = ReplyInfo("r11", owner="k", dialect="anthropic")
+    await producer.create(info)
+    await settle(producer)
+    assert await reader.info("r11") == info
+    assert await producer.info("r11") == info
+    producer.end("r11", "finished")
+    await settle(producer)
+
+
 async def test_delete_forgets_a_reply_everywhere_and_context_is_kept_until_then(stores):
     producer, reader = stores
     info = ReplyInfo("r10", owner="k", context='[{"role": "user"}]')

@@ -60,6 +60,7 @@ from replystream.delivery.tool_calls import ToolCall
 from replystream.engine.base import TokenLogprob, ToolCallDelta
 
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive
+DIALECT = "anthropic"  # a Messages reply's ``ReplyInfo.dialect``
 # An upstream's own filter (``content_filter``) stopped the text as a check of ours would.
 STOP_REASONS = {
     "stop": "end_turn",

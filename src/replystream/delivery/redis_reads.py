@@ -75,7 +75,10 @@ class RemoteReads:
         if b"owner" not in meta:
             return Found(None, b"deleted" in meta)
         info = ReplyInfo(
-            reply_id, owner=text(meta.get(b"owner")), context=text(meta.get(b"context"))
+            reply_id,
+            owner=text(meta.get(b"owner")),
+            context=text(meta.get(b"context")),
+            dialect=text(meta.get(b"dialect")),
         )
         return Found(info, False)
 

@@ -45,7 +45,7 @@ from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 # where it can be (the encoder's cost is per list as much as per value). ttl: an ended reply's
 # keys' life; hold: a live reply's, from each refresh (``redis_link.live_hold_s``); expected:
 # the writer's count Redis must hold before this call (0: unknown, not checked).
-#   creates: [meta key index, live key index, owner, context]
+#   creates: [meta key index, live key index, owner, context, dialect ("": none, not kept)]
 #   replies: [stream key index, first entry kept (0: no trim), indices of keys to expire, ending
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
 #             4 values per entry: seq, type ("": none), data, log size (the last of several
@@ -79,6 +79,7 @@ local function refused(res)
 end
 for _, c in ipairs(batch[5]) do
   redis.call('HSET', KEYS[c[1]], 'owner', c[3], 'context', c[4], 'beat', 1)
+  if c[5] ~= '' then redis.call('HSET', KEYS[c[1]], 'dialect', c[5]) end
   redis.call('EXPIRE', KEYS[c[1]], hold)
   redis.call('SET', KEYS[c[2]], '1', 'EX', liveness)
 end
@@ -210,15 +211,17 @@ class WriteBatch:
     def __init__(self) -> None:
         self.keys: list[str] = []
         self.reply_ids: list[str] = []  # in the order of the script's replies
-        self._creates: list[tuple[int, int, str, str]] = []
+        self._creates: list[tuple[int, int, str, str, str]] = []
         self._replies: list[ReplyWrite] = []
 
     def _index(self, key: str) -> int:
         self.keys.append(key)
         return len(self.keys)  # Lua counts from 1
 
-    def create(self, meta_key: str, live_key: str, owner: str, context: str) -> None:
-        self._creates.append((self._index(meta_key), self._index(live_key), owner, context))
+    def create(self, meta_key: str, live_key: str, info: ReplyInfo) -> None:
+        self._creates.append(
+            (self._index(meta_key), self._index(live_key), info.owner, info.context, info.dialect)
+        )
 
     def reply(
         self,
@@ -320,9 +323,7 @@ def flush_batches(
 
     for info, written in creates:
         batch, waiting = batch_for(key(info.reply_id))
-        batch.create(
-            key(info.reply_id, ":meta"), key(info.reply_id, ":live"), info.owner, info.context
-        )
+        batch.create(key(info.reply_id, ":meta"), key(info.reply_id, ":live"), info)
         waiting.append(written)
     now = time.monotonic()
     for reply_id in (pending.keys() | endings.keys()) if endings else pending.keys():

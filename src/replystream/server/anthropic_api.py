@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from replystream.delivery.anthropic_format import (
+    DIALECT,
     PING,
     STOP_REASONS,
     AnthropicStreamFormat,
@@ -191,6 +192,9 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
             policy=policy,
             # None: the server's default, as on the other routes.
             resumable=body.replystream.resumable if body.replystream else None,
+            # Its log holds nothing until the first token (``message_start`` waits for it):
+            # a resume before then is told what its reader decides in this dialect too.
+            dialect=DIALECT,
         )
     return follow_started(request, reply, policy, keepalive=PING, notices=ReaderNotices())
 

@@ -238,10 +238,13 @@ async def start_reply(
     disconnect: Disconnect | None = None,
     numbered: bool = True,
     context: str = "",
+    dialect: str = "",
 ) -> Reply:
     """Admit a generation and start producing it into a new reply log. ``resumable``: None
     takes the server's default; a stream without event ids (``numbered=False``) never is.
-    ``context``: what the route keeps with the reply in its store (``ReplyInfo.context``).
+    ``context``: what the route keeps with the reply in its store (``ReplyInfo.context``);
+    ``dialect``: the dialect a reader of it speaks before its first event is logged
+    (``ReplyInfo.dialect``).
     ``fmt`` as ``Choices``: several generations, one choice each, in one reply."""
     app = request.app
     if resumable is None:
@@ -280,7 +283,7 @@ async def start_reply(
             prompt_estimate=prompt_tokens,
         )
     try:
-        await store.create(ReplyInfo(reply_id, owner=owner, context=context))
+        await store.create(ReplyInfo(reply_id, owner=owner, context=context, dialect=dialect))
     except StoreUnavailable as exc:
         await close_quietly(deltas)
         record.outcome, record.reason = "rejected", exc.code

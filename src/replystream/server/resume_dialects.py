@@ -5,8 +5,10 @@ The route resumes a reply from any route. Its log holds that route's events: cha
 Anthropic's message events, Responses events or our own. What the reader itself decides
 (events no longer kept, a lost producer, a slow client) must be said in the same dialect:
 a chat stream's client cannot be handed a native ``gap`` and then ``[DONE]``, as if its text
-were whole. This file decides the dialect from the log's first kept event, and the notices
-and keep-alive that dialect's own route uses. It must not know how the events are written.
+were whole. This file decides the dialect from the log's first kept event (or, before the
+first is logged, from the dialect the route stored with the reply: ``ReplyInfo.dialect``),
+and the notices and keep-alive that dialect's own route uses. It must not know how the
+events are written.
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ async def _notices_from(
 ) -> tuple[Notices | None, bytes]:
     first = head.entries[0] if head is not None and head.entries else None
     if first is None:
+        # Nothing logged yet (a Messages reply before its first token): the dialect its
+        # route stored with it.
+        try:
+            info = await store.info(reply_id)
+        except StoreUnavailable as exc:
+            raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+        if info is not None and info.dialect == anthropic_format.DIALECT:
+            return anthropic_format.ReaderNotices(), PING
         return None, KEEPALIVE
     return await _notices_of(first, reply_id, store, after)
 
