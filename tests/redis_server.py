@@ -296,6 +296,19 @@ class RedisWithSentinel:
         lines = self._sentinel("get-master-addr-by-name", self.SERVICE).split()
         return int(lines[1]) if len(lines) == 2 else 0
 
+    def fail_over(self) -> None:
+        """``SENTINEL FAILOVER``: the replica is promoted with the primary still up (which
+        Sentinel makes a replica only later); returns once Sentinel names the new one. Asked
+        again while Sentinel finds no replica it may promote yet (``NOGOODSLAVE``: it has not
+        heard from it for long enough)."""
+        self._wait_for(
+            lambda: self._sentinel("failover", self.SERVICE).startswith("OK"), "a failover"
+        )
+        self.wait_for_failover()
+        # Named above while the failover ends; its state (what clients ask) once it switched.
+        switched = f"port\n{self.replica.port}\n"
+        self._wait_for(lambda: switched in self._sentinel("master", self.SERVICE), "the switch")
+
     def wait_for_failover(self, timeout_s: float = 30) -> None:
         self._wait_for(lambda: self.primary_port() == self.replica.port, "a failover", timeout_s)
 

@@ -16,9 +16,11 @@ import re
 import time
 from pathlib import Path
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_call_counts import CallCounts, Verdict
+from replystream.delivery.redis_link import RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
 from replystream.delivery.redis_reply_tables import ReplyTables
@@ -26,7 +28,7 @@ from replystream.delivery.redis_rewrite import write_repair
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 from tests.failover_scenario import run
-from tests.redis_server import redis_server
+from tests.redis_server import redis_server, redis_with_sentinel
 
 
 async def test_primary_killed_under_200_live_replies_every_client_exact_or_told(tmp_path: Path):
@@ -383,6 +385,29 @@ async def test_events_after_redis_lost_everything_wait_for_the_repair_never_a_fa
         assert await reader.info("r") == ReplyInfo("r", owner="k")
         for store in (producer, reader):
             await store.aclose()
+
+
+async def test_after_a_planned_failover_no_command_goes_to_the_old_primary(tmp_path: Path):
+    # SENTINEL FAILOVER promotes the replica, and the old primary goes on taking writes until
+    # Sentinel makes it a replica, about 10 s later. The connections made to it, idle or in
+    # use as the failover happens, must not carry commands on: what they wrote is lost when
+    # it becomes a replica, and one process writing to two primaries leaves holes in both.
+    with redis_with_sentinel(tmp_path) as running:
+        link = RedisLink(running.url, connect_timeout_s=2.0, failover_s=10.0, liveness_s=3.0)
+        redis = link.redis
+        assert isinstance(redis, Redis)
+        assert await link.servers_changed() is False  # the first asked
+        pool = redis.connection_pool
+        in_use = [await pool.get_connection() for _ in range(3)]  # type: ignore[no-untyped-call]
+        await asyncio.gather(*(redis.ping() for _ in range(3)))  # and some idle
+        running.fail_over()
+        changed = await link.servers_changed()  # a heartbeat, a second later at most
+        for connection in in_use:
+            await pool.release(connection)
+        answers = await asyncio.gather(*(redis.info("server") for _ in range(8)))
+        assert {int(answer["tcp_port"]) for answer in answers} == {running.replica.port}
+        assert changed  # and what the old one took is written again (its count tells too)
+        await redis.aclose()
 
 
 def held(writer: LogWriter) -> dict[str, set[str]]:

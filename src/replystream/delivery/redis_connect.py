@@ -193,7 +193,22 @@ def parse_redis_url(url: str) -> RedisTarget:
 
 class _SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """Sentinel's pool (it asks the Sentinels for the primary), waiting for a free connection
-    past its size like ``BlockingConnectionPool`` instead of raising."""
+    past its size like ``BlockingConnectionPool`` instead of raising.
+
+    A connection to a primary Sentinel no longer names is closed as it comes back, not used
+    again: after a planned failover (``SENTINEL FAILOVER``) the old primary goes on taking
+    writes until Sentinel makes it a replica, up to about 10 s later, and redis-py's asyncio
+    pool would keep handing out the connections made to it beside new ones to the promoted
+    replica, so one process would write to two primaries at once (and lose, with the old
+    one's data, what went there). redis-py closes only idle connections when it learns of a
+    new primary (``get_master_address``), which it asks only as it connects:
+    ``follow_primary`` asks every second."""
+
+    async def release(self, connection: Any) -> None:
+        primary = self.master_address
+        if primary is not None and (connection.host, connection.port) != primary:
+            await connection.disconnect()
+        await super().release(connection)
 
 
 class _SentinelClient(aioredis.Redis):
@@ -225,6 +240,20 @@ class _Gate:
 
     async def __aexit__(self, *exc: object) -> None:
         self._free.release()
+
+
+async def follow_primary(client: RedisClient) -> None:
+    """Through Sentinel: ask which server is the primary now; after a failover, connections
+    to the one before are closed (idle ones now, the others as they come back), so every
+    command goes to the new one (``_SentinelBlockingPool``). Otherwise nothing.
+
+    Raises:
+        RedisError, OSError: the Sentinels could not be asked.
+    """
+    if isinstance(client, _SentinelClient):
+        pool = client.connection_pool
+        assert isinstance(pool, _SentinelBlockingPool)
+        await pool.get_master_address()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 @contextlib.contextmanager

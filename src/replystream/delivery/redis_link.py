@@ -26,7 +26,7 @@ from typing import TypeVar
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from replystream.delivery.redis_connect import connect, parse_redis_url
+from replystream.delivery.redis_connect import connect, follow_primary, parse_redis_url
 from replystream.delivery.replay import StoreUnavailable
 
 T = TypeVar("T")
@@ -115,11 +115,14 @@ class RedisLink:
         command here failed meanwhile, and without its data (no persistence) it lost every
         reply: a change counts as a failure (``recovering``), as one seen would, and
         ``on_replaced`` is called, so the replies held here are written again however the
-        change was found (a heartbeat, or a reader that could not find a reply).
+        change was found (a heartbeat, or a reader that could not find a reply). Through
+        Sentinel, it first asks which server is the primary (``follow_primary``).
 
         Raises:
-            RedisError, OSError: Redis could not be asked.
+            RedisError, OSError: Redis (or the Sentinels) could not be asked.
         """
+        # Through Sentinel, the primary it names now (connections to another are closed).
+        await follow_primary(self.redis)
         if isinstance(self.redis, RedisCluster):
             answer = await self.redis.info("server", target_nodes=RedisCluster.PRIMARIES)
         else:
