@@ -245,6 +245,16 @@ async def _created(store: RedisReplayStore, info: ReplyInfo) -> None:
     assert await creating is None
 
 
+async def _wrote_three(url: str) -> tuple[RedisReplayStore, RedisReplayStore]:
+    """A producer that created reply "r" and wrote its events 1 to 3, each write flushed by
+    the test, and a reader of the same Redis."""
+    producer, reader = RedisReplayStore(url), RedisReplayStore(url)
+    await _created(producer, ReplyInfo("r", owner="k"))
+    producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+    await producer.flush()
+    return producer, reader
+
+
 async def _read_all(reader: RedisReplayStore, reply_id: str) -> tuple[list[int], list[object]]:
     """Every event of a reply Redis holds now, read from the start as a reader elsewhere
     reads it, and what it was told was lost."""
@@ -287,12 +297,8 @@ async def test_events_after_writes_redis_lost_wait_for_their_repair_never_a_fals
     # be told 4 and 5 were lost, though the producer holds them and writes them again. Its
     # call finds its count short and writes nothing; 4 to 7 are written, in order, first.
     with redis_server(tmp_path / "primary") as primary, redis_server(tmp_path / "spare") as spare:
-        producer = RedisReplayStore(primary.url)
-        reader = RedisReplayStore(primary.url)
+        producer, reader = await _wrote_three(primary.url)
         other = RedisReplayStore(spare.url)
-        await _created(producer, ReplyInfo("r", owner="k"))
-        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
-        await producer.flush()
         await _replicate(other.redis, primary.port)
         assert await producer.redis.execute_command("WAIT", 1, 5000) == 1
         await _replicate(other.redis, None)  # promoted, without what comes next
@@ -323,11 +329,7 @@ async def test_events_after_calls_another_primary_took_wait_for_the_repair_never
     # count past the one the producer's last call left. Events 6 and 7 must not land past
     # the hole; a repair planned from a read of one primary must not append to the other.
     with redis_server(tmp_path) as server:
-        producer = RedisReplayStore(server.url)
-        reader = RedisReplayStore(server.url)
-        await _created(producer, ReplyInfo("r", owner="k"))
-        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
-        await producer.flush()
+        producer, reader = await _wrote_three(server.url)
         producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(4, 6)])
         await producer.flush()
         # This Redis never had 4 and 5, and its count is the other primary's.
@@ -372,11 +374,7 @@ async def test_events_after_redis_lost_everything_wait_for_the_repair_never_a_fa
     # be told 1 to 3 were lost): the call writes nothing, the reply is written again from
     # its copy, then the rest.
     with redis_server(tmp_path) as server:
-        producer = RedisReplayStore(server.url)
-        reader = RedisReplayStore(server.url)
-        await _created(producer, ReplyInfo("r", owner="k"))
-        producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
-        await producer.flush()
+        producer, reader = await _wrote_three(server.url)
         await reader.redis.flushall()
         producer.append("r", [LogEntry(n, "token", f"{n}") for n in range(4, 6)])
         await producer.flush()
