@@ -343,6 +343,27 @@ async def test_every_response_has_a_request_id_that_the_access_log_names(
             )
             await whole.read_body()
             answered_whole[request_id] = whole.headers["x-reply-id"]
+        # A request that names a reply, to cancel, read or delete it, is named by it too.
+        kept = await raw_request(
+            f"{url}/v1/replies",
+            "POST",
+            json.dumps({"prompt": "x", "max_tokens": 2, "resumable": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        await kept.read_body()
+        reply_id = kept.headers["x-reply-id"]
+        stored = answered_whole["stored-1"]
+        response_id = f"resp_{stored}"  # the Responses API's id of the reply
+        for request_id, method, path in (
+            ("cancel-1", "POST", f"/v1/replies/{reply_id}/cancel"),
+            ("read-1", "GET", f"/v1/responses/{response_id}"),
+            ("items-1", "GET", f"/v1/responses/{response_id}/input_items"),
+            ("delete-1", "DELETE", f"/v1/responses/{response_id}"),
+        ):
+            named = await raw_request(f"{url}{path}", method, headers={"X-Request-Id": request_id})
+            await named.read_body()
+            assert named.status == 200, (path, named.status)
+            answered_whole[request_id] = reply_id if "replies" in path else stored
         await asyncio.sleep(0.05)
     assert mine.headers["x-request-id"] == "abc-123"
     made = fresh.headers["x-request-id"]

@@ -17,6 +17,7 @@ from aiohttp import web
 from replystream.delivery.replay import ReplayStore, StoreUnavailable
 from replystream.server.context import LOCAL_STORE_KEY, MANAGER_KEY, STORE_KEY, owner_of
 from replystream.server.errors import HTTPAPIError
+from replystream.server.guard import REPLY_ID
 from replystream.server.query_schemas import ResumeCursor
 from replystream.server.replies import Reply
 from replystream.server.validation import parse_mapping, repeated
@@ -83,8 +84,9 @@ async def find_reply(
     missing: str = NO_SUCH_REPLY,
 ) -> tuple[str, ReplayStore, Reply | None]:
     """The reply ``reply_id``, if it exists, has not expired and is the caller's: its id, its
-    store, and its producer when it runs in this process. Else a 404 naming ``param``, its
-    message ``missing`` (the route's word for what it looked for)."""
+    store, and its producer when it runs in this process (the request's access-log line
+    names it from here). Else a 404 naming ``param``, its message ``missing`` (the route's
+    word for what it looked for)."""
     app = request.app
     local = app[MANAGER_KEY].get(reply_id)
     store = local.store if local is not None else app[STORE_KEY]
@@ -103,6 +105,7 @@ async def find_reply(
     # Another key's reply looks exactly like one that does not exist.
     if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
         raise HTTPAPIError(404, missing, code="reply_not_found", param=param)
+    request[REPLY_ID] = reply_id  # its access-log line names it (a cancel's, a read's too)
     return reply_id, store, local
 
 
