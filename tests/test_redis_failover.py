@@ -633,3 +633,27 @@ async def test_a_restart_a_reader_found_first_still_has_the_replies_held_written
         assert [e.seq for e in result.entries] == [1, 2, 3] and result.ending == "finished"
         await both.aclose()
         await other.aclose()
+
+
+async def test_an_ended_reply_written_again_is_kept_only_what_is_left_of_its_ttl(
+    tmp_path: Path,
+):
+    # Redis lost everything (a restart without its data); the producer writes its replies
+    # again from its copy. An ended one is kept --reply-ttl-s from its end, not from the
+    # repair: a restart must not keep a reply longer than the server promises.
+    with redis_server(tmp_path) as server:
+        producer = RedisReplayStore(server.url, ttl_after_end_s=8.0)
+        reader = RedisReplayStore(server.url)
+        await _created(producer, ReplyInfo("ended", owner="k"))
+        producer.append("ended", [LogEntry(n, "token", f"{n}") for n in range(1, 4)])
+        producer.end("ended", "finished")
+        await producer.flush()
+        await asyncio.sleep(3.0)
+        await reader.redis.flushall()
+        producer.writer.failover.redis_replaced()  # as its heartbeat finds another Redis
+        await producer.flush()
+        assert (await _read_all(reader, "ended"))[0] == [1, 2, 3]
+        left = await reader.redis.ttl(producer.keys.key("ended"))
+        assert 0 < left <= 6, left  # about 5 of its 8 s left, not 8 again
+        for store in (producer, reader):
+            await store.aclose()

@@ -143,6 +143,17 @@ class Failover:
             self._tables.dirty.update(self.local._logs)
             self._wake.set()
 
+    def _ttl_left(self, reply_id: str) -> float:
+        """How long Redis is to keep a reply written again: ``ttl_after_end_s`` from its end
+        (the copy here keeps it a shorter while, from the same end), not from the repair, so
+        a restart does not keep a reply past what ``--reply-ttl-s`` promises; a live reply's
+        full TTL."""
+        expires_at = self.local._logs[reply_id].expires_at
+        if expires_at is None:
+            return self.ttl_after_end_s
+        ended_at = expires_at - self.local.ttl_after_end_s
+        return max(1.0, ended_at + self.ttl_after_end_s - time.monotonic())
+
     def redis_replaced(self) -> None:
         """Another Redis answers than before (a restart, a failover) though no call here
         failed to tell of it: it may hold nothing written before. Every reply held here is
@@ -230,7 +241,7 @@ class Failover:
                         self.local._logs[reply_id].info,
                         repair,
                         states[reply_id],
-                        ttl_s=self.ttl_after_end_s,
+                        ttl_s=self._ttl_left(reply_id),
                         live_s=self.liveness_s if reply_id in tables.live else None,
                         kept_from=self.local.kept_from(reply_id),
                     )
