@@ -14,7 +14,7 @@ no clock, no I/O, nothing of sockets or stores. A reply with one choice never us
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from replystream.delivery.formats import Spec, StreamFormat, Usage
 from replystream.delivery.moderation import Violation
@@ -22,6 +22,14 @@ from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import LogEntry
 from replystream.engine.base import Delta
+
+
+def moderated_reply(stopped: Iterable[Violation | None]) -> Violation | None:
+    """Of a reply's choices' checks (None: that choice was not stopped by one), the first
+    choice's when a check stopped every choice: the reply was moderated; else None (one
+    choice that finished makes a reply that finished). Streamed or whole, the same rule."""
+    found = list(stopped)
+    return found[0] if found and all(v is not None for v in found) else None
 
 
 class ChoicesPipeline:
@@ -57,8 +65,7 @@ class ChoicesPipeline:
     def violation(self) -> Violation | None:
         """The first choice's check, once a check has stopped every choice's text: the
         reply was moderated (one choice that finished makes a reply that finished)."""
-        stopped = [choice.violation for choice in self.choices]
-        return stopped[0] if all(v is not None for v in stopped) else None
+        return moderated_reply(choice.violation for choice in self.choices)
 
     @property
     def tokens(self) -> int:

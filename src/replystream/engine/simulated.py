@@ -359,10 +359,7 @@ class ScriptedEngine(SimulatedEngine):
         return self._whole
 
     def _gap_ms(self, seed: int, index: int) -> float:
-        return self._whole._gap_ms(seed, index)
-
-    def _token(self, index: int, count: int, made_at: float) -> Delta:
-        return self._whole._token(index, count, made_at)
+        return self._whole._gap_ms(seed, index)  # the whole script's, for ``schedule``
 
 
 def _cannot_honour(message: str) -> RequestRejected:

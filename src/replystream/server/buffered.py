@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from replystream.delivery.channel import DeltaChannel, End, pump
+from replystream.delivery.choices import moderated_reply
 from replystream.delivery.formats import Usage
 from replystream.delivery.moderation import Check, HoldBack, Violation
 from replystream.delivery.reply_content import Thought, Thoughts
@@ -254,10 +255,10 @@ async def buffered_reply(
             payload = body(first.whole(usage(record.tokens)))
         else:
             wholes = [c.whole(usage(c.tokens)) for c in collectors]
-            stopped = [whole.violation for whole in wholes]
             record.outcome = "finished"
-            if stopped[0] is not None and all(stopped):  # a check stopped every choice
-                record.outcome, record.reason = "moderated", stopped[0].check
+            violation = moderated_reply(whole.violation for whole in wholes)
+            if violation is not None:
+                record.outcome, record.reason = "moderated", violation.check
             payload = several.body(wholes)
         return sent(record, await json_response(payload))
     except asyncio.CancelledError:
