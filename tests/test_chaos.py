@@ -172,8 +172,9 @@ async def cancel(base: str, reply_id: str) -> bool:
     while time.monotonic() < deadline:
         try:
             async with http_request(f"{base}/v1/replies/{reply_id}/cancel", method="POST") as r:
-                if r.status == 200:
-                    return True
+                if r.status == 200:  # asked for, unless the reply had ended already
+                    body = b"".join([chunk.data async for chunk in r])
+                    return bool(json.loads(body)["cancel_requested"])
                 if r.status < 500:
                     return False
         except OSError:

@@ -4,6 +4,7 @@ import asyncio
 import json
 import logging
 import random
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -24,6 +25,7 @@ from tests.stalling_proxy import (
     proxy_stalling_its_first_connection,
     server_cutting_stalled_readers,
 )
+from tests.test_resume_past_end import producer_and_reader
 
 FAST_RETRY = Backoff(base_s=0.005, cap_s=0.05, max_attempts=50)
 
@@ -118,12 +120,33 @@ async def test_detached_reply_keeps_generating_and_an_explicit_cancel_stops_it()
         assert engine.stats().steps > steps + 3  # still generating with nobody connected
         cancel = await raw_request(f"{url}/v1/replies/{reply_id}/cancel", "POST")
         assert cancel.status == 200
-        await cancel.read_body()
+        assert json.loads(await cancel.read_body())["cancel_requested"] is True
         await wait_for(lambda: engine.stats().active == 0)
         assert engine.stats().cancelled == 1
         resumed = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
         body = await resumed.read_body()
     assert body.rstrip().endswith(b'"code": "cancelled"}}')
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_cancel_of_a_reply_that_has_ended_says_none_was_asked_for_and_leaves_it(
+    kind: str, tmp_path: Path
+):
+    # On Redis, asked of the replica that did not make it: it knows the reply ended from
+    # the shared log.
+    async with producer_and_reader(kind, tmp_path) as (start, other):
+        done = await raw_request(
+            f"{start}/v1/replies", "POST", b'{"prompt": "x", "resumable": true, "max_tokens": 3}'
+        )
+        reply_id = done.headers["x-reply-id"]
+        whole = await done.read_body()
+        assert b"event: done" in whole
+        cancel = await raw_request(f"{other}/v1/replies/{reply_id}/cancel", "POST")
+        assert cancel.status == 200
+        answer = json.loads(await cancel.read_body())
+        assert answer == {"reply_id": reply_id, "cancel_requested": False}
+        resumed = await raw_request(f"{other}/v1/replies/{reply_id}/stream")
+        assert await resumed.read_body() == whole  # still the reply as it ended
 
 
 def events_of(body: bytes) -> list[tuple[str, str]]:

@@ -238,13 +238,18 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_cancel(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/replies/{id}/cancel``: stop generating a reply (on whichever replica)."""
+    """``POST /v1/replies/{id}/cancel``: stop generating a reply (on whichever replica). A
+    reply that has ended already is left as it ended, and the answer says no cancel was
+    asked for (a client told ``true`` would take its reply for cancelled)."""
     reply_id, store, _ = await find_reply(request, request.match_info["reply_id"])
     try:
-        await store.request_cancel(reply_id)  # the store reaches the producer, here or not
+        tail = await store.tail(reply_id)
+        running = tail is not None and not tail.ended
+        if running:
+            await store.request_cancel(reply_id)  # the store reaches the producer, here or not
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-    return web.json_response({"reply_id": reply_id, "cancel_requested": True})
+    return web.json_response({"reply_id": reply_id, "cancel_requested": running})
 
 
 async def handle_metrics(request: web.Request) -> web.StreamResponse:
