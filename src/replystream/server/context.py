@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 
@@ -47,6 +46,7 @@ from replystream.engine.base import (
     Engine,
     EngineError,
     GenerationRequest,
+    QueuedDeltaStream,
     RequestRejected,
     check_lengths,
 )
@@ -216,7 +216,7 @@ async def admitted(request: web.Request, record: ReplyRecord, starting: Awaitabl
     except asyncio.CancelledError:  # the client left while the request waited (a queue)
         _gone_before_reply(app, record)
         raise
-    record.admitted_at = time.monotonic()
+    record.admitted()  # (a queueing engine's reply: again when the engine tells, below)
     return started
 
 
@@ -436,6 +436,9 @@ async def buffered(
     deltas: DeltaStream
     if choices is None:
         deltas = await start_generation(request, generation, record)
+        if app[ENGINE_KEY].queues:  # its time in the queue ends when the engine tells
+            record.admitted_at = None
+            cast(QueuedDeltaStream, deltas).when_admitted(record.admitted)
     else:
         n, several_body = choices
         merged = await start_several(request, generation, record, n)

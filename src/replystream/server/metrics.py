@@ -227,6 +227,10 @@ class ReplyRecord:
     # counters: its readers send its last events (and any backlog) after it ended.
     sent_after: tuple[Counter, Counter] | None = None
 
+    def admitted(self) -> None:
+        """The engine took the request up: its time in the queue ends here."""
+        self.admitted_at = time.monotonic()
+
     def on_delta(self, made_at: float, tokens: int, choice: int = 0) -> None:
         if tokens <= 0:  # a finish, a relay's marker: no token came, so no gap between two
             return
@@ -525,9 +529,12 @@ class Metrics:
         record.sent_after = children.events, children.bytes
         if record.tokens:
             children.tokens.inc(record.tokens)
-        if record.prompt_tokens or record.tokens:
+        # A request the engine never took up (refused, or its client left while it waited)
+        # read none of its prompt.
+        prompt_tokens = record.prompt_tokens if record.admitted_at is not None else 0
+        if prompt_tokens or record.tokens:
             counters = self._key_children.get(record.key) or self._label_key(record.key)
-            counters.prompt.inc(record.prompt_tokens)
+            counters.prompt.inc(prompt_tokens)
             counters.completion.inc(record.tokens)
             if record.cached_prompt_tokens:
                 counters.cached_prompt.inc(record.cached_prompt_tokens)

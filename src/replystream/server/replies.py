@@ -336,7 +336,7 @@ class Reply:
         """The engine has taken the request up (before its first delta): logged, unless the
         reply's ending is decided already (it was stopped while it waited)."""
         if self._phase is _PRODUCING or self._phase is Phase.STARTING:
-            self.record.admitted_at = time.monotonic()  # its time in the queue ends here
+            self.record.admitted()
             self._append(self.pipeline.admitted())
 
     def _production_ended(self, ending: Ending) -> None:
