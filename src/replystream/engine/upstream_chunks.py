@@ -17,7 +17,8 @@ upstream stopped (vLLM's ``stop_reason``, SGLang's ``matched_stop``) is not read
 whose client is told which stop string ended it sends its upstream none (``upstream``), and
 the others do not name it. It also decides which upstream misbehaviour ends a reply, always
 as an ``UpstreamStreamError`` with its own code, within bounded memory:
-- ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style);
+- ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style,
+  or an ``error: {...}`` line, llama.cpp's server's before October 2025);
 - ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
   ``choices`` is null or absent has none: that is no failure). A lone UTF-16 surrogate
   escape is no failure either: Node.js's ``JSON.stringify`` writes one for each half of a
@@ -264,7 +265,9 @@ class ChunkReader:
         self._logprobs = logprobs  # asked for: text without them is the upstream's failure
         self._reasoning = reasoning  # thinking is relayed, not only counted as progress
         self._max_event_size = max_event_size
-        self._parser = EventParser(max_event_size=max_event_size)
+        # ``error: {...}`` lines, llama.cpp's server's mid-stream error before October 2025,
+        # are read as the error events they are: else only its ``[DONE]`` would be read.
+        self._parser = EventParser(max_event_size=max_event_size, error_field=True)
         self._pending: deque[Delta] = deque()
         self._bytes_since_event = 0  # body bytes parsed since the last read that made an event
         self._tokens = 0

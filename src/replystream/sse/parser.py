@@ -33,6 +33,11 @@ class EventParser:
     (equal to bytes for ASCII) of the pending event: the data buffer (values joined with LF)
     plus the line being read. Any line, terminated or not, that would take that past the limit
     raises `EventTooLarge`, whatever the chunking.
+
+    ``error_field`` reads a line of the field ``error``, which the standard ignores, as an
+    ``event: error`` with its value as a ``data`` line: llama.cpp's server (its builds before
+    October 2025) wrote an error mid-stream so, as ``error: {...}``, then ``data: [DONE]``.
+    A reader of a stream that is not one's own may take it (the relay does); off by default.
     """
 
     __slots__ = (
@@ -43,6 +48,7 @@ class EventParser:
         "_decoder",
         "_discarded_incomplete",
         "_dispatched_id",
+        "_error_field",
         "_events",
         "_last_id",
         "_max_size",
@@ -55,10 +61,11 @@ class EventParser:
         "_whole_chars",
     )
 
-    def __init__(self, max_event_size: int = 1 << 20) -> None:
+    def __init__(self, max_event_size: int = 1 << 20, *, error_field: bool = False) -> None:
         if max_event_size < 1:
             raise ValueError(f"max_event_size must be positive, got {max_event_size}")
         self._max_size = max_event_size
+        self._error_field = error_field
         self._decoder = _new_decoder("replace")
         self._whole_chars = False  # the decoder holds no bytes and has settled the BOM
         self._tail: list[str] = []  # pieces of the line read so far, not yet terminated
@@ -254,6 +261,10 @@ class EventParser:
                 type_ = value
             elif name == "retry":
                 self._set_retry(value)
+            elif name == "error" and self._error_field:
+                type_ = "error"
+                data.append(value)
+                data_size += len(value) + 1
         self._data = data
         self._data_size = data_size
         self._type = type_
