@@ -10,7 +10,7 @@ import json
 from aiohttp import web
 
 from replystream.sse import EventParser
-from tests.chat_upstream import ChatUpstream, relaying_to
+from tests.chat_upstream import ChatUpstream, relaying_to, reply_with
 from tests.sse_client import post_events
 
 CONTEXT_ERROR = (
@@ -80,3 +80,41 @@ def test_the_error_field_is_read_only_when_asked_for():
     assert EventParser().feed(line) == []  # the standard's reading: an unknown field
     (event,) = EventParser(error_field=True).feed(line)
     assert (event.type, event.data) == ("error", '{"message":"x"}')
+
+
+class ContextRefusingServer(OldLlamaCppServer):
+    """Refuses in its stream every prompt but ``hi``, as past its context."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["messages"][-1]["content"] == "hi":
+            return await reply_with(request, "Hello")
+        return await super().chat(request)
+
+
+async def test_a_prompt_refused_in_the_stream_as_past_the_context_is_the_clients_to_fix():
+    async with relaying_to(ContextRefusingServer("", CONTEXT_ERROR)) as url:
+        for _ in range(4):  # past the failures that open a circuit (3 by default)
+            got = await post_events(
+                f"{url}/v1/chat/completions",
+                {"model": "m", "messages": [{"role": "user", "content": "long"}], "stream": True},
+            )
+            (error,) = [e["error"] for e in got.of_type("error")]
+            assert error["code"] == "context_length_exceeded", error
+            assert (
+                "refused the request: the request exceeds the available context"
+                in (error["message"])
+            )
+        whole = await post_events(
+            f"{url}/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "long"}]},
+        )
+        got = await post_events(
+            f"{url}/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        )
+    assert got.status == 200 and got.chat_text == "Hello", got.raw
+    # Not streamed, the refusal is the client's 400, as a refusal before the stream is.
+    assert whole.status == 400, whole.raw
+    error = json.loads(whole.raw)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "context_length_exceeded")

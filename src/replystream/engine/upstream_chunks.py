@@ -18,7 +18,8 @@ whose client is told which stop string ended it sends its upstream none (``upstr
 the others do not name it. It also decides which upstream misbehaviour ends a reply, always
 as an ``UpstreamStreamError`` with its own code, within bounded memory:
 - ``upstream_error``: an error object in the stream (``{"error": ...}``, vLLM and TGI style,
-  or an ``error: {...}`` line, llama.cpp's server's before October 2025);
+  or an ``error: {...}`` line, llama.cpp's server's before October 2025); one before any
+  output that says the request is past the model's context is ``context_length_exceeded``;
 - ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
   ``choices`` is null or absent has none: that is no failure). A lone UTF-16 surrogate
   escape is no failure either: Node.js's ``JSON.stringify`` writes one for each half of a
@@ -56,6 +57,7 @@ from pydantic_core import from_json
 from replystream.engine.base import Delta, EngineError, ToolCallDelta
 from replystream.engine.upstream_errors import quoted
 from replystream.engine.upstream_logprobs import relayed_logprobs
+from replystream.engine.upstream_refusals import context_exceeded
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 log = logging.getLogger("replystream.upstream")
@@ -100,6 +102,13 @@ class UpstreamStreamError(EngineError):
     """The upstream misbehaved after its stream started (an in-band error downstream)."""
 
     status = 502
+
+
+class StreamedRefusal(UpstreamStreamError):
+    """The upstream refused the request in its stream, before any output: the request's
+    fault (past the model's context), as a refusal before the stream is (a 400)."""
+
+    status = 400
 
 
 # The largest token count an upstream's usage may give: 2**53 - 1, the largest integer a
@@ -150,20 +159,37 @@ def _message_of(error: object, withheld: tuple[str, ...]) -> str:
     return "no message given"
 
 
-def _error_event(data: str, withheld: tuple[str, ...]) -> str:
+def _error_event(data: str, withheld: tuple[str, ...]) -> tuple[str, object]:
     """What an upstream's ``event: error`` said, in words that follow its name: the message
     of its JSON object (``{"error": {...}}``, or one with a message at the top), quoted;
-    never the event's own text, which may be anything (a traceback, a server's internals)."""
+    never the event's own text, which may be anything (a traceback, a server's internals).
+    And the error object itself (None: the event held none)."""
     try:
         body = from_json(data)
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        return (
+        said = (
             "reported an error mid-reply, in an event that is not a JSON object "
             f"({len(data)} characters)"
         )
-    return f"reported an error mid-reply: {_message_of(body.get('error', body), withheld)}"
+        return said, None
+    error = body.get("error", body)
+    return f"reported an error mid-reply: {_message_of(error, withheld)}", error
+
+
+def _says_context_exceeded(error: object) -> bool:
+    """Whether an upstream's error object says the request is past the model's context: its
+    ``code`` (else its ``type``: llama.cpp's ``exceed_context_size_error``) or its message."""
+    if not isinstance(error, dict):
+        return False
+    code = error.get("code")
+    if not isinstance(code, str):
+        code = error.get("type")
+    message = error.get("message")
+    return context_exceeded(
+        code if isinstance(code, str) else None, message if isinstance(message, str) else None
+    )
 
 
 # A JSON escape of a UTF-16 surrogate (``\\ud83d``): pydantic's parser refuses an event with one
@@ -373,9 +399,8 @@ class ChunkReader:
 
     def _on_event(self, event: Event, now: float) -> None:
         if event.type == "error":  # replystream's own in-band errors, and some proxies'
-            raise self._fail(
-                f"{self._where} {_error_event(event.data, self._withheld)}", "upstream_error"
-            )
+            said, error = _error_event(event.data, self._withheld)
+            raise self._error_said(f"{self._where} {said}", error)
         data = event.data
         if data[:1] != "{" and data.strip() == "[DONE]":  # a chunk is an object: no strip
             if self._finish is None:
@@ -402,6 +427,20 @@ class ChunkReader:
             self._on_chunk(chunk, now)
         finally:
             self._mend(start)
+
+    def _error_said(self, said: str, error: object) -> UpstreamStreamError:
+        """The failure an error object in the stream is: ``upstream_error``, but for one
+        before any output that says the request is past the model's context (llama.cpp's
+        server streamed that refusal, before October 2025): ``context_length_exceeded``, as
+        its refusal before the stream is, which says nothing of the upstream's health (three
+        over-long prompts would otherwise open its circuit, for every client)."""
+        if self._tokens == 0 and self.thought_at == 0.0 and _says_context_exceeded(error):
+            self._ended = self._failed = True
+            return StreamedRefusal(
+                f"{self._where} refused the request: {_message_of(error, self._withheld)}",
+                code="context_length_exceeded",
+            )
+        return self._fail(said, "upstream_error")
 
     def _not_json(self, data: str) -> UpstreamStreamError:
         return self._fail(
@@ -505,10 +544,10 @@ class ChunkReader:
                         self._common_text, self._common_key = text, _TEXT_KEY
                         return
         if "error" in chunk or chunk.get("object") == "error":
-            raise self._fail(
-                f"{self._where} reported an error mid-reply: "
-                f"{_message_of(chunk.get('error', chunk), self._withheld)}",
-                "upstream_error",
+            error = chunk.get("error", chunk)
+            raise self._error_said(
+                f"{self._where} reported an error mid-reply: {_message_of(error, self._withheld)}",
+                error,
             )
         self._take_usage(chunk)
         if choices is None:

@@ -68,6 +68,7 @@ NOT_ITS_HEALTH = frozenset(
         "request_too_large",
         "route_unsupported",
         "upstream_empty",
+        "context_length_exceeded",  # said in the stream (``upstream_chunks``)
     }
 )
 
