@@ -101,10 +101,23 @@ async def test_a_prompt_refused_in_the_stream_as_past_the_context_is_the_clients
             )
             (error,) = [e["error"] for e in got.of_type("error")]
             assert error["code"] == "context_length_exceeded", error
+            assert error["type"] == "invalid_request_error"  # not the server's to retry
             assert (
                 "refused the request: the request exceeds the available context"
                 in (error["message"])
             )
+        messages = await post_events(
+            f"{url}/v1/messages",
+            {
+                "model": "m",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "long"}],
+                "stream": True,
+            },
+        )
+        (said,) = messages.of_type("error")
+        assert said["error"]["type"] == "invalid_request_error", said
+        assert said["error"]["code"] == "context_length_exceeded"
         whole = await post_events(
             f"{url}/v1/chat/completions",
             {"model": "m", "messages": [{"role": "user", "content": "long"}]},

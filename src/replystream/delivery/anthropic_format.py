@@ -46,7 +46,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from replystream.delivery.formats import Spec, Usage, json_string, moderated_payload
+from replystream.delivery.formats import (
+    REQUEST_FAULT_CODES,
+    Spec,
+    Usage,
+    json_string,
+    moderated_payload,
+)
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 from replystream.delivery.reply_content import Thought, in_order
@@ -142,11 +148,11 @@ OVERLOADED_CODES = frozenset({"shutdown", "upstream_overloaded", "upstream_busy"
 def error_object(message: str, code: str, param: str | None = None) -> dict[str, Any]:
     """Anthropic's error object (``type``, ``message``), with our code beside them: an
     ``overloaded_error`` when the server cannot go on now, else its ``api_error``; with
-    ``param`` (the request's parameter at fault, named beside them too), an
-    ``invalid_request_error``."""
-    if param is not None:
+    ``param`` (the request's parameter at fault, named beside them too), or a code of the
+    request's fault (``REQUEST_FAULT_CODES``), an ``invalid_request_error``."""
+    if param is not None or code in REQUEST_FAULT_CODES:
         error = {"type": "invalid_request_error", "message": message, "code": code}
-        return {"type": "error", "error": error | {"param": param}}
+        return {"type": "error", "error": error if param is None else error | {"param": param}}
     kind = "overloaded_error" if code in OVERLOADED_CODES else "api_error"
     return {"type": "error", "error": {"type": kind, "message": message, "code": code}}
 

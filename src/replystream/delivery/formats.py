@@ -159,6 +159,12 @@ def error_spec(message: str, code: str) -> Spec:
     return "error", json.dumps({"error": {"message": message, "code": code}})
 
 
+# In-band error codes that are the request's fault though they name no one parameter (a
+# relay's upstream refusing the prompt inside its stream as past the model's context): the
+# dialects' error types say so, and an SDK does not take them for the server's to retry.
+REQUEST_FAULT_CODES = frozenset({"context_length_exceeded"})
+
+
 def error_frame(message: str, code: str) -> bytes:
     """An unnumbered in-band error event (for endings decided by a reader, not the log)."""
     return encode_data(error_spec(message, code)[1], type="error")

@@ -49,7 +49,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from replystream.delivery.formats import Spec, Usage, json_compact, json_string, moderated_payload
+from replystream.delivery.formats import (
+    REQUEST_FAULT_CODES,
+    Spec,
+    Usage,
+    json_compact,
+    json_string,
+    moderated_payload,
+)
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 from replystream.delivery.sliced_json import Sliced
@@ -187,8 +194,10 @@ def _legacy_tops(made: Sequence[TokenLogprob]) -> list[dict[str, float]]:
 
 def in_band_error(message: str, code: str, param: str | None = None) -> Spec:
     """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on;
-    ``param``: the request's parameter at fault (the reply itself did not fail)."""
-    kind = "server_error" if param is None else "invalid_request_error"
+    ``param``: the request's parameter at fault (the reply itself did not fail). That, or a
+    code of the request's fault (``REQUEST_FAULT_CODES``), is an ``invalid_request_error``."""
+    faulty = param is not None or code in REQUEST_FAULT_CODES
+    kind = "invalid_request_error" if faulty else "server_error"
     error = {"message": message, "type": kind, "param": param, "code": code}
     return "error", json_compact({"error": error})
 
