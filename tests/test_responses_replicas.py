@@ -353,3 +353,57 @@ async def test_a_reader_of_a_reply_made_elsewhere_reset_while_its_write_waits_le
             gc.collect()  # asyncio logs a task's unretrieved exception when the task is freed
     unretrieved = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
     assert not unretrieved, unretrieved
+
+
+async def test_a_response_read_on_the_other_replica_goes_on_when_its_own_client_leaves(
+    tmp_path: Path,
+):
+    # A response not in the background stops when its last reader leaves. A reader on the
+    # other replica is a reader too: on one replica a second reader keeps it going, so it
+    # must across replicas, rather than being cancelled under that reader.
+    with redis_server(tmp_path) as redis:
+        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 200)
+        a = create_app(engine, ServerConfig(), RedisReplayStore(redis.url))
+        b = create_app(fast_engine(), ServerConfig(), RedisReplayStore(redis.url))
+        async with running(a) as a_url, running(b) as b_url, aiohttp.ClientSession() as http:
+            body = {"input": "x", "stream": True, "max_output_tokens": 200}
+            creator = await http.post(f"{a_url}/v1/responses", json=body)
+            first = json.loads((await creator.content.readuntil(b"\n\n")).split(b"data: ")[1])
+            response_id = first["response"]["id"]
+            query = {"stream": "true"}
+            async with http.get(f"{b_url}/v1/responses/{response_id}", params=query) as read:
+                await read.content.readuntil(b"\n\n")
+                await asyncio.sleep(2.5)  # A's heartbeat has found B's reader by now
+                creator.close()  # the response's own client leaves, on A
+                events = EventParser().feed(await read.read())
+    assert events[-1].type == "response.completed", events[-1].data[:300]
+    assert engine.stats().cancelled == 0
+
+
+async def test_a_response_read_only_on_the_other_replica_stops_soon_after_that_reader_leaves(
+    tmp_path: Path,
+):
+    with redis_server(tmp_path) as redis:
+        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 2000)
+        a = create_app(engine, ServerConfig(), RedisReplayStore(redis.url))
+        b = create_app(fast_engine(), ServerConfig(), RedisReplayStore(redis.url))
+        async with running(a) as a_url, running(b) as b_url, aiohttp.ClientSession() as http:
+            body = {"input": "x", "stream": True, "max_output_tokens": 2000}
+            creator = await http.post(f"{a_url}/v1/responses", json=body)
+            first = json.loads((await creator.content.readuntil(b"\n\n")).split(b"data: ")[1])
+            response_id = first["response"]["id"]
+            query = {"stream": "true"}
+            async with http.get(f"{b_url}/v1/responses/{response_id}", params=query) as read:
+                await read.content.readuntil(b"\n\n")
+                await asyncio.sleep(2.5)
+                creator.close()
+                await asyncio.sleep(1.0)
+            loop = asyncio.get_running_loop()
+            left = loop.time()
+            await wait_for(lambda: not a[MANAGER_KEY].replies, timeout_s=20)
+            stopped_after = loop.time() - left
+            async with http.get(f"{a_url}/v1/responses/{response_id}") as final:
+                stopped = await final.json()
+    assert engine.stats().cancelled == 1  # stopped, not made to its 2,000 tokens
+    assert stopped["status"] == "cancelled"
+    assert stopped_after < 5, stopped_after  # about a beat and a half, on a loaded machine

@@ -100,6 +100,7 @@ class Reply:
     _pushed: PushDeltaStream | None = None  # the stream, when the engine pushes its deltas
     _attaching: bool = False  # inside the pushed stream's ``attach`` (see ``_production_ended``)
     _conclusion: asyncio.Handle | None = None  # its conclusion, put off by ``_production_ended``
+    # When the detach grace ends, or (``cancel``) when to look again for a reader elsewhere.
     _detach_timer: asyncio.TimerHandle | None = None
     # Called once as the reply ends: what it holds of its client's limits (a background
     # response is its client's open request until then).
@@ -180,15 +181,17 @@ class Reply:
         if self.readers or self.disconnect == "keep":
             return
         if self.disconnect == "cancel":
-            self.stop(reason)
+            self._stop_once_unread(self.store.readers_elsewhere_seen_within_s, reason)
         elif self._detach_timer is None:
             if self.take_room is not None:
                 self._room = self.take_room()
                 if self._room is None:
                     self.stop("detach_refused")
                     return
-            loop = asyncio.get_running_loop()
-            self._detach_timer = loop.call_later(self._grace_s(), self._detach_expired)
+            grace_s, loop = self._grace_s(), asyncio.get_running_loop()
+            self._detach_timer = loop.call_later(
+                grace_s, self._stop_once_unread, grace_s, "detach_expired"
+            )
 
     def consumed(self, upto: int) -> None:
         """A reader has sent everything up to ``upto``; a reply nobody may resume, with one
@@ -224,18 +227,20 @@ class Reply:
         may take to be known here: stopped sooner, the reply would be cut under that reader."""
         return self.detach_grace_s + self.store.readers_elsewhere_seen_within_s
 
-    def _detach_expired(self) -> None:
+    def _stop_once_unread(self, within_s: float, reason: StopReason) -> None:
+        """Stop, the last reader here having left: unless a reader has come back, or one on
+        another replica (a reader too) was found reading within ``within_s``, in which case
+        look again once that finding is that old."""
         self._detach_timer = None
         if self.readers:
             return
-        # A reader on another replica is a reader too: the grace runs from its last read.
         seen = self.store.read_elsewhere_at(self.reply_id)
-        left = 0.0 if seen is None else seen + self._grace_s() - time.monotonic()
+        left = 0.0 if seen is None else seen + within_s - time.monotonic()
         if left > 0:
             loop = asyncio.get_running_loop()
-            self._detach_timer = loop.call_later(left, self._detach_expired)
+            self._detach_timer = loop.call_later(left, self._stop_once_unread, within_s, reason)
             return
-        self.stop("detach_expired")
+        self.stop(reason)
 
     def _append(self, entries: list[LogEntry], *, push: bool = True) -> None:
         if entries:
