@@ -130,6 +130,7 @@ def split_after_cr(body: bytes) -> list[bytes]:
 
 Chunker = Callable[[], list[bytes]]
 DROPPED_AFTER = 3  # tokens sent before the scripted connection drop
+NOT_SSE = "not-sse"  # a reply whose resume URL answers 200 with an HTML page
 SCENARIOS: dict[str, Chunker] = {
     "one byte at a time": lambda: [
         bytes([b]) for b in b"".join(reply_events("done", with_id=False))
@@ -165,6 +166,11 @@ SCENARIOS: dict[str, Chunker] = {
         for start in range(0, 300, 50)
     ],
     "dropped, then replayed with overlap": lambda: reply_events("done")[1 : 2 + DROPPED_AFTER],
+    # As above, but the resume is answered with a page that is no event stream.
+    "dropped, then resumed at an HTML page": lambda: [
+        event("reply", {"reply_id": NOT_SSE}, 1).encode(),
+        *reply_events("done")[2 : 2 + DROPPED_AFTER],
+    ],
 }
 CALLS = web.AppKey("calls", dict[str, int])
 RESUMES = web.AppKey("resumes", list[str])
@@ -187,6 +193,8 @@ async def scripted_resume(request: web.Request) -> web.StreamResponse:
     """Replay from two events before the client's Last-Event-ID: the client must drop those."""
     last = request.headers.get("Last-Event-ID", "")
     request.app[RESUMES].append(last)
+    if request.match_info["reply_id"] == NOT_SSE:  # a proxy's page, say
+        return web.Response(text="<html>not here</html>", content_type="text/html")
     events = reply_events("done")[1:]  # reply event has id 1, so events[k] has id k + 1
     return await write_chunks(request, events[max(0, int(last) - 3) :])
 
@@ -305,6 +313,21 @@ async def test_resumed_reply_drops_replayed_events_it_already_showed(
     # One reconnect, naming the last event seen: the reply event and three tokens.
     assert app[RESUMES] == [str(1 + DROPPED_AFTER)]
     assert app[CALLS][scenario] == 1  # the prompt went once
+
+
+async def test_resume_answered_with_no_event_stream_ends_incomplete(
+    page: Page, app: web.Application
+):
+    # EventSource fails the connection on a 200 that is not text/event-stream: the page
+    # must too, not read it as an empty stream and resume again without end.
+    await page.fill("#prompt", "dropped, then resumed at an HTML page")
+    await page.press("#prompt", "Enter")
+    await page.wait_for_selector('[data-pane="stream"][data-state="incomplete"]')
+    assert await page.text_content('[data-pane="stream"] .reply-text') == "".join(
+        WORDS[:DROPPED_AFTER]
+    )
+    assert "not an event stream" in (await page.text_content(".pane-note") or "")
+    assert app[RESUMES] == [str(1 + DROPPED_AFTER)]
 
 
 async def test_gap_in_a_replayed_reply_is_marked(page: Page):

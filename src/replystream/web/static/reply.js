@@ -81,6 +81,16 @@ export function unsendableKey(apiKey) {
     + 'nothing was sent. Type the key again without it.';
 }
 
+/**
+ * Whether a response is an event stream to read, as EventSource decides it: a 200 whose
+ * Content-Type is text/event-stream. Any other answer to a resume (a 204, a proxy's HTML
+ * page) fails it: read as events it holds none, and asking again brings the same.
+ */
+function isEventStream(response) {
+  const type = (response.headers.get('Content-Type') ?? '').split(';')[0].trim().toLowerCase();
+  return response.status === 200 && type === 'text/event-stream';
+}
+
 /** Request headers carrying the API key, if the server wants one. */
 function authorization(apiKey) {
   return apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
@@ -212,7 +222,9 @@ export class StreamedReply {
           return ending('incomplete', 'The connection closed before the reply finished.');
         }
         response = await this.#reconnect();
-        if (!response.ok) return ending('incomplete', await this.#resumeFailure(response));
+        if (!isEventStream(response)) {
+          return ending('incomplete', await this.#resumeFailure(response));
+        }
       }
     } catch (error) {
       if (this.#stopped) return ending('stopped', 'Stopped.');
@@ -317,7 +329,8 @@ export class StreamedReply {
     return capped / 2 + Math.random() * (capped / 2);
   }
 
-  // Reconnect to the resume URL until a 2xx or an answer that retrying cannot change.
+  // Reconnect to the resume URL until an event stream or an answer that retrying cannot
+  // change.
   async #reconnect() {
     const url = `${this.#base}/v1/replies/${encodeURIComponent(this.#replyId)}/stream`;
     let last = null;
@@ -332,11 +345,11 @@ export class StreamedReply {
         if (this.#stopped) throw error;
         continue;  // the server is not reachable yet
       }
-      if (last.ok) {
+      if (isEventStream(last)) {
         this.#on.onStatus?.('');
         return last;
       }
-      if (last.status < 500 && last.status !== 429) return last;
+      if (last.ok || (last.status < 500 && last.status !== 429)) return last;
     }
     if (last) return last;
     throw new Error(`gave up after ${BACKOFF.attempts} attempts to reconnect`);
@@ -345,6 +358,11 @@ export class StreamedReply {
   async #resumeFailure(response) {
     if (response.status === 404) {
       return 'The connection dropped and the server no longer has this reply.';
+    }
+    if (response.ok) {
+      const type = response.headers.get('Content-Type') || 'no Content-Type';
+      return 'The connection dropped and resuming failed: the server answered '
+        + `HTTP ${response.status} (${type}), not an event stream.`;
     }
     return `The connection dropped and resuming failed: ${(await refusal(response)).message}`;
   }
