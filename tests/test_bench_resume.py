@@ -247,6 +247,45 @@ async def test_responses_resume_counts_an_event_lost_and_one_repeated():
     assert (outcome.lost, outcome.duplicated) == (1, 1)
 
 
+async def test_native_resume_counts_an_announced_gap_once_and_repeats_nothing():
+    """As replystream's server writes a ``gap``: without an ``id:`` of its own, so it is
+    parsed with the id of the event before it, which it does not repeat."""
+
+    def token(seq: int) -> bytes:
+        data = json.dumps({"text": f"t{seq} ", "tokens": 1})
+        return f"event: token\nid: {seq}\ndata: {data}\n\n".encode()
+
+    resumed_after: list[str | None] = []
+
+    async def start(request: web.Request) -> web.StreamResponse:
+        headers = {"Content-Type": "text/event-stream", "X-Reply-Id": "r1"}
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        reply = b'event: reply\nid: 1\ndata: {"reply_id": "r1"}\n\n'
+        gap = b'event: gap\ndata: {"lost_from": 3, "lost_to": 3}\n\n'
+        await response.write(reply + token(2) + gap + token(4) + token(5))
+        await asyncio.sleep(1)  # the reader drops before this ends
+        return response
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        resumed_after.append(request.headers.get("Last-Event-ID"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        done = b'event: done\nid: 7\ndata: {"finish_reason": "stop"}\n\n'
+        await response.write(token(6) + done)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/replies", start)
+    app.router.add_get("/v1/replies/r1/stream", resume)
+    async with running(app) as url:
+        timing, outcome = await drop_and_resume(f"{url}/v1/replies", {"prompt": "x"}, 3, 5.0)
+    assert timing.complete and outcome.resumed
+    assert resumed_after == ["5"]
+    # Event 3 is lost (announced, and never came): once; nothing came twice.
+    assert (outcome.lost, outcome.duplicated) == (1, 0)
+
+
 async def drop_readers(url: str, api: str, model: str, drops: int) -> dict[str, Any]:
     config = LoadConfig(
         url=url,

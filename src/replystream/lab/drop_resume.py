@@ -40,7 +40,7 @@ from replystream.client.transport import (
     http_request,
     with_headers,
 )
-from replystream.sse import Event, EventParser, SSEError
+from replystream.sse import EventParser, SSEError
 
 Route = Literal["native", "responses"]
 ROUTES: tuple[Route, ...] = ("native", "responses")
@@ -80,7 +80,8 @@ class _Read:
 
     started: float
     ids: list[int] = field(default_factory=list)
-    announced_lost: int = 0
+    announced: list[tuple[int, int]] = field(default_factory=list)  # ``gap`` ranges, ids
+    by_ids: bool = False  # an event had an ``id:`` of its own: events are counted by those
     text: list[str] = field(default_factory=list)
     tokens: int = 0
     # The server's own count of the reply's tokens (a Responses stream's ending event, a
@@ -105,11 +106,12 @@ class _Read:
         return (at - self.started) * 1000.0
 
 
-def _number(event: Event, payload: Any) -> int | None:
-    """An event's place in the reply: its ``id:``, else a Responses ``sequence_number``."""
-    if (event.id or "").isdigit():
-        return int(event.id or "0")
-    return _sequence_number(payload)
+def _id_number(event_id: str | None) -> int | None:
+    """An event's own ``id:`` as its number (None: it has none, or one of other characters;
+    ``str.isdigit`` alone takes ``"\u00b2"``, which ``int`` refuses)."""
+    if event_id is not None and event_id.isascii() and event_id.isdigit():
+        return int(event_id)
+    return None
 
 
 def _sequence_number(payload: Any) -> int | None:
@@ -139,15 +141,28 @@ async def _follow(
             read.error = f"HTTP {response.status}: {detail}"
             return None
         parser = EventParser()
+        previous_id = ""
         async for chunk in response:
             if read.first_byte_ms is None:
                 read.first_byte_ms = read.ms(chunk.at)
             read.body_bytes += len(chunk.data)
             for event in parser.feed(chunk.data):
                 sequenced = read.response_id is not None or event.type == "response.created"
-                numbered = (event.id or "").isdigit()
-                payload = _json(event.data) if sequenced or not numbered else None
-                number = _number(event, payload)
+                # A parsed event carries the last id in force: one that repeats the id of
+                # the event before it has none of its own (a ``gap``, a notice about this
+                # connection), and its number is not that event's again.
+                event_id = event.id or ""
+                own_id = event_id if event_id != previous_id else None
+                previous_id = event_id
+                number = _id_number(own_id)
+                payload = _json(event.data) if sequenced or number is None else None
+                if number is not None:
+                    read.by_ids = True
+                elif not read.by_ids:
+                    # A stream without ids (OpenAI's Responses) is counted by its
+                    # ``sequence_number``s; one with ids by those alone: an event without
+                    # (a notice) repeats the number of the one before it, in either count.
+                    number = _sequence_number(payload)
                 sequence = _sequence_number(payload)
                 if sequence is not None:
                     read.last_sequence = sequence
@@ -156,7 +171,7 @@ async def _follow(
                     read.first_number = number if read.first_number is None else read.first_number
                     first_at = chunk.at if first_at is None else first_at
                 if event.type == "gap":
-                    read.announced_lost += _gap_size(event.data)
+                    read.announced.append(_gap_range(event.data))
                 elif event.type == "response.created":
                     read.response_id = read.response_id or _created_id(_json(event.data))
                 meaning = interpret_event(event)
@@ -181,15 +196,32 @@ async def _follow(
     return first_at
 
 
-def _gap_size(data: str) -> int:
-    """How many events a ``gap`` event says were lost (``{"lost_from", "lost_to"}``, ids);
+def _gap_range(data: str) -> tuple[int, int]:
+    """The ids a ``gap`` event says were lost (``{"lost_from", "lost_to"}``), first and last;
     raises ValueError for one that names no such range (a server's mistake, reported)."""
     gap = _json(data)
     first = gap.get("lost_from") if isinstance(gap, dict) else None
     last = gap.get("lost_to") if isinstance(gap, dict) else None
     if not (_whole(first) and _whole(last) and 0 <= first <= last):
         raise ValueError(f"a gap event names no range of lost events: {data[:80]!r}")
-    return last - first + 1
+    return first, last
+
+
+def _lost(seen: set[int], origin: int, announced: list[tuple[int, int]]) -> int:
+    """How many numbers from ``origin`` up were lost: never arrived (below the highest that
+    did) or announced in a ``gap`` event, each counted once when it is both."""
+    ranges = list(announced)
+    expected = origin
+    for number in sorted(seen):
+        if number > expected:
+            ranges.append((expected, number - 1))
+        expected = max(expected, number + 1)
+    lost, end = 0, -1  # ``end``: the last number counted so far
+    for first, last in sorted(ranges):
+        if last > end:
+            lost += last - max(first, end + 1) + 1
+            end = last
+    return lost
 
 
 def _whole(value: object) -> TypeGuard[int]:
@@ -299,7 +331,6 @@ async def drop_and_resume(
     seen = set(read.ids)
     # Numbers run without a hole from the first: 1 (ours), or 0 (OpenAI's sequence numbers).
     origin = 0 if read.first_number == 0 else 1
-    missing = (max(seen) - origin + 1 - len(seen)) if seen else 0
     timing = ReplyTiming(
         url=url,
         streamed=True,
@@ -325,7 +356,7 @@ async def drop_and_resume(
         dropped=dropped,
         resumed=resumed,
         reconnect_ms=reconnect_ms,
-        lost=missing + read.announced_lost,
+        lost=_lost(seen, origin, read.announced),
         duplicated=len(read.ids) - len(seen),
     )
     return timing, outcome
