@@ -134,6 +134,16 @@ def test_text_after_the_finish_is_dropped_even_in_the_learned_bytes() -> None:
     assert [d.finish_reason for d in source._pending if d.finish_reason] == ["stop"]
 
 
+def test_a_read_ending_inside_the_next_chunk_teaches_no_bytes_of_it() -> None:
+    # Reads that end a few bytes into the next chunk, every other one: the learned read must
+    # not be the one that went on, or a later read ending in the same first bytes of a
+    # chunk (a chunk's id, created and model are the same in every chunk) loses that chunk.
+    cut = 30
+    empty, lost = chunk(""), chunk("lost ")
+    reads = [chunk("one ") + empty[:cut], empty[cut:], chunk("two ") + lost[:cut], lost[cut:]]
+    assert texts_of(reader(), [*reads, chunk("three ")])[0] == ["one ", "two ", "lost ", "three "]
+
+
 def test_two_events_in_one_read_are_both_read() -> None:
     reads = [chunk("one "), chunk("two ") + chunk("three ")]
     assert texts_of(reader(), reads)[0] == ["one ", "two ", "three "]

@@ -44,6 +44,7 @@ upstream was picked, or anything about our own HTTP server.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import re
@@ -346,6 +347,11 @@ class ChunkReader:
                     self._pending.append(Delta(text, 1, now))
                     return
         self._common_text = None
+        # The read starts an event: the stream's first (without a BOM, which a parser at
+        # rest would not strip again), or one after a whole event.
+        rested = self._parser.at_rest or (
+            self._parser.bytes_fed == 0 and not data.startswith(codecs.BOM_UTF8)
+        )
         try:
             events = self._parser.feed(data)
         except EventTooLarge:
@@ -376,7 +382,11 @@ class ChunkReader:
             return
         text = self._common_text
         if text is not None and len(events) == 1:
-            self._template = _template_of(data, text, self._common_key)
+            # Learned only from a read that is the one event, from its start to its end: a
+            # read that went on into the next event would teach that event's first bytes as
+            # part of the chunk, and a later read ending in the same bytes would lose them.
+            whole = rested and self._parser.at_rest  # at rest: it ended where the event did
+            self._template = _template_of(data, text, self._common_key) if whole else None
 
     def _end_of_body(self) -> None:
         self._parser.close()
