@@ -109,6 +109,28 @@ async def test_a_server_that_never_answers_gives_up_naming_the_silence():
             await read_all(reader)
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+        b"Content-Length: 100\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n7\r\n",
+    ],
+)
+async def test_a_refusal_whose_body_stops_fails_within_the_idle_timeout(head: bytes):
+    # The answer to the resume: a refusal (or no event stream) whose body starts, then stops
+    # and stays open. Its status decides; its body is only quoted, as far as it came.
+    def answer(n: int) -> tuple[bytes, bool]:
+        return (HEAD + b"id: 1\ndata: {}\n\n", False) if n == 0 else (head + b"partial", True)
+
+    async with raw_server(answer) as (url, served):
+        reader = ResumingReader(url, backoff=FAST, idle_timeout_s=0.3)
+        started = time.monotonic()
+        with pytest.raises(ResumeFailed, match=r"^HTTP (500|200): partial$"):
+            await read_all(reader)
+    assert time.monotonic() - started < 5 and served == [0, 1]
+
+
 async def test_a_retry_sent_without_an_event_sets_the_wait_before_the_resume():
     async with raw_server(closing(HEAD + b"retry: 400\n\n")) as (url, _):
         reader = ResumingReader(url, backoff=FAST)

@@ -30,7 +30,7 @@ import contextlib
 import json
 import random
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -46,6 +46,8 @@ RESUMABLE_CUTS = frozenset({"slow_client", "shutdown"})
 # Statuses of a resume that say "not now" (too many requests, a proxy without a server, a
 # server that cannot serve for the moment): the reply may well go on, so try again.
 RETRIED_STATUSES = frozenset({429, 502, 503, 504})
+# How much of a refusal's body its message quotes.
+DETAIL_BYTES = 300
 
 
 class ResumeFailed(Exception):
@@ -182,8 +184,7 @@ class ResumingReader:
                 self._retry_after_s = _retry_after(response.headers.get("retry-after", ""))
                 raise TransportError(f"resume refused for now: HTTP {response.status}")
             if response.status >= 400 or response.content_type != "text/event-stream":
-                detail = b"".join([c.data async for c in response])[:300].decode(errors="replace")
-                raise ResumeFailed(f"HTTP {response.status}: {detail}")
+                raise ResumeFailed(f"HTTP {response.status}: {await self._detail(response)}")
             self.reply_id = self.reply_id or response.headers.get("x-reply-id")
             parser = EventParser()
             previous_id = ""
@@ -213,7 +214,19 @@ class ResumingReader:
                     if self.finished:
                         return
 
-    async def _body(self, response: HTTPResponse) -> AsyncIterator[bytes]:
+    async def _detail(self, response: HTTPResponse) -> str:
+        """The start of a refusal's body, for its message: up to ``DETAIL_BYTES``, and only
+        what came before the body ended, stopped or broke (the status said what matters)."""
+        kept = b""
+        with contextlib.suppress(TransportError):
+            async with contextlib.aclosing(self._body(response)) as body:
+                async for data in body:
+                    kept += data
+                    if len(kept) >= DETAIL_BYTES:
+                        break
+        return kept[:DETAIL_BYTES].decode(errors="replace")
+
+    async def _body(self, response: HTTPResponse) -> AsyncGenerator[bytes, None]:
         """The body's bytes; a wait past ``idle_timeout_s`` for the next is a dropped
         connection."""
         chunks = aiter(response)
