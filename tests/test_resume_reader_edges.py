@@ -131,6 +131,16 @@ async def test_a_refusal_whose_body_stops_fails_within_the_idle_timeout(head: by
     assert time.monotonic() - started < 5 and served == [0, 1]
 
 
+@pytest.mark.parametrize("status", [b"201 Created", b"206 Partial Content", b"302 Found"])
+async def test_an_event_stream_answered_with_another_status_than_200_is_no_stream(status):
+    head = HEAD.replace(b"200 OK", status)
+    async with raw_server(closing(head + b"id: 1\ndata: {}\n\n")) as (url, served):
+        reader = ResumingReader(url, backoff=FAST)
+        with pytest.raises(ResumeFailed, match=rf"^HTTP {status[:3].decode()}: "):
+            await read_all(reader)
+    assert served == [0]
+
+
 async def test_a_retry_sent_without_an_event_sets_the_wait_before_the_resume():
     async with raw_server(closing(HEAD + b"retry: 400\n\n")) as (url, _):
         reader = ResumingReader(url, backoff=FAST)

@@ -183,7 +183,9 @@ class ResumingReader:
             if response.status in RETRIED_STATUSES and self.reply_id is not None:
                 self._retry_after_s = _retry_after(response.headers.get("retry-after", ""))
                 raise TransportError(f"resume refused for now: HTTP {response.status}")
-            if response.status >= 400 or response.content_type != "text/event-stream":
+            # An event stream is a 200 (as an EventSource takes it): a 201, a 206 or a
+            # redirect not followed is no stream to read, whatever its type.
+            if response.status != 200 or response.content_type != "text/event-stream":
                 raise ResumeFailed(f"HTTP {response.status}: {await self._detail(response)}")
             self.reply_id = self.reply_id or response.headers.get("x-reply-id")
             parser = EventParser()
