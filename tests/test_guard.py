@@ -466,3 +466,18 @@ async def test_replies_left_to_run_detached_hold_their_clients_room_until_a_read
         await (await admitted("/wait?max_tokens=1")).read_body()
         resumed = await admitted(f"/v1/replies/{third}/stream")
         assert b"detach_refused" not in await resumed.read_body()
+
+
+async def test_a_body_in_several_reads_does_not_start_a_header_deadline():
+    # A body larger than one socket read (256 KiB) arrives in two: its second part is read
+    # after aiohttp took the request from its queue, before the handler began. It is body,
+    # not a next request's head: the reply outlasts the header timeout and is whole.
+    engine = fast_engine(delay_ms=50.0, jitter_ms=0.0)
+    app = create_app(engine, ServerConfig(guard=GuardConfig(header_timeout_s=0.3)))
+    async with running(app) as url:
+        body = b'{"prompt": "x", "max_tokens": 20}' + b" " * 300_000
+        response = await raw_request(f"{url}/v1/replies", "POST", body)
+        async with asyncio.timeout(10):
+            streamed = await response.read_body()
+    assert response.status == 200
+    assert streamed.count(b"event: token") == 20 and b"event: done" in streamed

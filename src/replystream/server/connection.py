@@ -203,17 +203,21 @@ class Connection(RequestHandler):
         self._deadlines.arm(self)
 
     def data_received(self, data: bytes) -> None:
-        # Between requests, the first byte of the next one starts its header deadline.
+        # Between requests, the first byte of the next one starts its header deadline. Bytes
+        # of a body still arriving are not one: read after aiohttp took its request from the
+        # queue but before its handler began (a body in two reads), they would arm a deadline
+        # no head clears, and the connection would be closed mid-reply.
+        between = not self._upgraded and (self._body is None or self._body.is_eof())
         if (
             self.header_deadline is None
             and data
+            and between
             and not self._request_in_progress
             and not self._messages
-            and not self._upgraded
         ):
             self._deadlines.arm(self)
         head = self._head
-        if head is None and not self._upgraded and (self._body is None or self._body.is_eof()):
+        if head is None and between:
             # The last request has all arrived: these bytes begin the next one. (Bytes of a
             # request that began after a body, within one read, are not seen as its start.)
             head = self._head = bytearray()
