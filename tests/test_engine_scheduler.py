@@ -10,8 +10,16 @@ from replystream.engine.kv_cache import BlockAllocator
 from replystream.engine.scheduler import Batch, Scheduler, SchedulerConfig
 
 
-def make(blocks: int, block_size: int = 4, budget: int = 64, max_running: int = 8) -> Scheduler:
-    return Scheduler(BlockAllocator(blocks, block_size), SchedulerConfig(budget, max_running))
+def make(
+    blocks: int,
+    block_size: int = 4,
+    budget: int = 64,
+    max_running: int = 8,
+    *,
+    prefix_caching: bool = False,
+) -> Scheduler:
+    allocator = BlockAllocator(blocks, block_size, prefix_caching=prefix_caching)
+    return Scheduler(allocator, SchedulerConfig(budget, max_running))
 
 
 def run(s: Scheduler, batch: Batch, token: int = 7) -> None:
@@ -114,16 +122,17 @@ def test_admission_waits_for_the_whole_prompt_and_a_spare_block_per_running_sequ
     assert [c.seq_id for c in s.schedule().chunks] == [1]
 
 
-def test_a_pool_short_by_a_little_does_not_recompute_over_and_over() -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_pool_short_by_a_little_does_not_recompute_over_and_over(prefix_caching: bool) -> None:
     """Eight 300-token prompts with 200-token replies on a pool that holds three of them.
 
     Admitted on a first chunk that fit, a sequence was preempted by the growth of those
     running before its prefill was done, and taken back as soon as that freed its blocks:
     176 preemptions, and eight times the useful tokens computed. Admitted only when all of
     its context fits with a block to spare per running sequence, few are preempted."""
-    s = make(blocks=60, block_size=16, budget=128, max_running=32)
-    for seq_id in range(8):
-        s.add(seq_id, list(range(1, 301)), max_new=200)
+    s = make(blocks=60, block_size=16, budget=128, max_running=32, prefix_caching=prefix_caching)
+    for seq_id in range(8):  # prompts no other shares: a prefix hit is a readmission's own
+        s.add(seq_id, [seq_id + 1, *range(1000, 1299)], max_new=200)
     computed = 0
     while s.has_work():
         batch = s.schedule()
@@ -132,7 +141,7 @@ def test_a_pool_short_by_a_little_does_not_recompute_over_and_over() -> None:
     stats = s.stats()
     assert stats.finished == 8 and stats.kv.free_blocks == 60
     useful = 8 * (300 + 200 - 1)  # the last token made is never run
-    assert computed == useful + stats.recomputed
+    assert computed == useful + stats.recomputed  # what the prefix cache kept is not counted
     assert stats.recomputed < 0.6 * useful, stats.recomputed / useful
     assert stats.preemptions <= 8
 

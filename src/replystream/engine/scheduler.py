@@ -102,7 +102,9 @@ class SchedulerStats:
     kv: KVCacheStats
     draft_proposed: int = 0  # draft tokens sent to the model for verification
     draft_accepted: int = 0  # of those, tokens the model agreed with
-    recomputed: int = 0  # cached tokens preemption threw away, to be computed again
+    # Tokens preemption threw away and a readmitted sequence computed again (those the
+    # prefix cache still held for it are not: they are prefix hits).
+    recomputed: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens found in cached blocks, not computed again
 
 
@@ -113,6 +115,7 @@ class _Sequence:
     max_new: int
     prompt_len: int
     computed: int = 0  # tokens whose keys and values are in the cache
+    lost: int = 0  # tokens it had in the cache when it was last preempted
 
     @property
     def made(self) -> int:
@@ -202,6 +205,9 @@ class Scheduler:
                 break
             seq.computed = self.allocator.adopt(seq.seq_id, match)
             self._prefix_hits += seq.computed
+            # Counted as it is taken back: what the prefix cache kept of it is no recompute.
+            self._recomputed += max(0, seq.lost - seq.computed)
+            seq.lost = 0
             admitted.append((seq.seq_id, seq.computed))
             n = min(len(seq.tokens) - seq.computed, budget)
             self._running.append(self._waiting.popleft())
@@ -238,8 +244,7 @@ class Scheduler:
     def _preempt(self, seq: _Sequence) -> None:
         self._running.remove(seq)
         self.allocator.free(seq.seq_id)
-        self._recomputed += seq.computed
-        seq.computed = 0
+        seq.lost, seq.computed = seq.computed, 0
         self._waiting.appendleft(seq)
         self._preemptions += 1
 

@@ -126,7 +126,7 @@ _BATCH_GAUGES: tuple[EngineGauge, ...] = (
     ),
     (
         "replystream_engine_recomputed_tokens",
-        "Cached tokens preemptions threw away, to be computed again, since start.",
+        "Cached tokens preemptions threw away and readmission computed again, since start.",
         "recomputed_tokens",
         "sum",
     ),
