@@ -42,7 +42,7 @@ It must not know about sockets, tasks or stores.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,7 +182,10 @@ class AnthropicStreamFormat:
     """The events of one streamed message (a ``StreamFormat``)."""
 
     model: str
-    input_tokens: int  # the server's estimate, until the engine counts the prompt
+    # The prompt's tokens, found only if a message must start before the engine's first delta
+    # has counted them (an error came first): the engine's count found apart, or an estimate.
+    count_input: Callable[[], int]
+    input_tokens: int | None = None  # the engine's count, once its first delta gave it
     _cached_input_tokens: int | None = None  # of those, its prefix cache's, if it tells
     _reply_id: str | None = None  # until ``message_start`` is sent
     _open: int | None = None  # the index of the block open now (None: none)
@@ -211,6 +214,8 @@ class AnthropicStreamFormat:
         if reply_id is None:
             return []
         self._reply_id = None
+        if self.input_tokens is None:
+            self.input_tokens = self.count_input()
         empty = message_object(
             reply_id,
             self.model,

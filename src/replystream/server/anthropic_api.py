@@ -16,7 +16,9 @@ replies; it must not know how tokens are made or how events are framed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -32,7 +34,7 @@ from replystream.delivery.anthropic_format import (
 from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.engine.base import GenerationRequest
+from replystream.engine.base import Engine, GenerationRequest, RequestRejected
 from replystream.server import ids
 from replystream.server.anthropic_schemas import AnthropicOutputConfig, MessagesBody, MessagesInput
 from replystream.server.buffered import Whole
@@ -180,15 +182,16 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         names_stop_sequence=True,  # ``stop_reason: "stop_sequence"`` and its ``stop_sequence``
         relayed=_relayed(conversation, body),
     )
-    input_tokens = app[ENGINE_KEY].count_tokens(generation.prompt)
+    engine = app[ENGINE_KEY]
     with refusals_naming(_FIELDS):
         if not body.stream:
-            return await _whole(request, generation, model, input_tokens, policy)
+            estimate = engine.count_tokens(generation.prompt)
+            return await _whole(request, generation, model, estimate, policy)
         reply = await start_reply(
             request,
             generation,
             endpoint="/v1/messages",
-            fmt=AnthropicStreamFormat(model, input_tokens),
+            fmt=AnthropicStreamFormat(model, partial(_input_tokens, engine, generation)),
             policy=policy,
             # None: the server's default, as on the other routes.
             resumable=body.replystream.resumable if body.replystream else None,
@@ -197,6 +200,17 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
             dialect=DIALECT,
         )
     return follow_started(request, reply, policy, keepalive=PING, notices=ReaderNotices())
+
+
+def _input_tokens(engine: Engine, generation: GenerationRequest) -> int:
+    """The prompt's tokens for a ``message_start`` that must go before the engine's first
+    delta counted them (an error came first): the count that delta would have carried,
+    found apart, as ``count_tokens`` answers it; a relay's estimate (its upstream counts)."""
+    with contextlib.suppress(RequestRejected):
+        counted = engine.count_prompt(generation)
+        if counted is not None:
+            return counted
+    return engine.count_tokens(generation.prompt)
 
 
 async def handle_count_tokens(request: web.Request) -> web.StreamResponse:
