@@ -84,15 +84,15 @@ async def test_metadata_evicted_behind_its_log_is_reported_evicted_not_unknown(t
         await ended(producer, "m")
         await producer.redis.delete(key(producer, "m", ":meta"))
         assert await reader.info("m") is None  # whose it was went with it: nobody may read
-        reason = await reader.evicted("m")
-        assert reason is not None and "evicted" in reason
+        gone = await reader.gone("m")
+        assert gone is not None and gone.reason == "evicted" and "evicted" in gone.detail
         # A reader already following it (its owner was checked) reads on to the end.
         rest = await reader.read("m", 4, wait_s=0)
         assert rest is not None and rest.entries == events("m", 5, 13)
         assert rest.ending == "finished"
         # Every key gone: nothing tells it from a reply that never was (a 404).
         await producer.redis.delete(key(producer, "m"))
-        assert await reader.evicted("m") is None and await reader.read("m", 0, 0) is None
+        assert await reader.gone("m") is None and await reader.read("m", 0, 0) is None
         await producer.aclose()
         await reader.aclose()
 
@@ -304,7 +304,8 @@ async def account(reader: RedisReplayStore, reply: str) -> str:
     """How a reader who resumes ``reply`` from its start fares: what it was told, or "wrong"
     (an event misplaced or altered, a silent hole, a lost producer for an ended reply)."""
     if await reader.info(reply) is None:
-        return "gone 410" if await reader.evicted(reply) is not None else "gone 404"
+        gone = await reader.gone(reply)
+        return "gone 410" if gone is not None and gone.reason == "evicted" else "gone 404"
     after, told = 0, False
     while True:
         result = await reader.read(reply, after, wait_s=0.5)

@@ -12,9 +12,11 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from replystream.delivery import replay
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import (
     LogEntry,
@@ -389,3 +391,70 @@ async def test_delete_forgets_a_reply_everywhere_and_context_is_kept_until_then(
     assert await producer.info("r10") is None
     assert await reader.info("r10") is None
     assert await reader.read("r10", 0, wait_s=0) is None
+
+
+@pytest.mark.parametrize("deleted_on", ["producer", "reader"])
+async def test_a_deleted_reply_is_told_as_deleted_not_as_unknown_or_expired(stores, deleted_on):
+    # A reader that finds a reply gone asks why: a deleted one says so (its readers are told
+    # ``deleted``, not ``expired``), on every replica, whichever made the delete.
+    producer, reader = stores
+    await producer.create(ReplyInfo("r13", owner="k"))
+    producer.append("r13", frames(1, 4))
+    await settle(producer)
+    cursors = [producer.cursor("r13", 0), reader.cursor("r13", 0)]
+    for cursor in cursors:
+        assert (await cursor.read(wait_s=0)).entries == frames(1, 4)
+        assert await cursor.gone() is None  # there: nothing to tell
+    await (producer if deleted_on == "producer" else reader).delete("r13")
+    # Elsewhere, the producer's copy goes at its next heartbeat: its reader reads on until then.
+    async with asyncio.timeout(5):
+        while await producer.read("r13", 0, wait_s=0) is not None:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    for store in (producer, reader):
+        gone = await store.gone("r13")
+        assert gone is not None and gone.reason == "deleted" and "deleted" in gone.detail
+    for cursor in cursors:
+        assert await cursor.read(wait_s=0) is None
+        gone = await cursor.gone()
+        assert gone is not None and gone.reason == "deleted"
+        cursor.close()
+
+
+async def test_an_unknown_or_expired_reply_is_not_told_as_gone_for_a_reason(stores):
+    producer, reader = stores
+    assert await reader.gone("never") is None
+    await producer.create(ReplyInfo("r14"))
+    producer.append("r14", frames(1, 2))
+    producer.end("r14", "finished")
+    await settle(producer)
+    assert (await reader.read("r14", 0, wait_s=0)).ending == "finished"
+    if isinstance(producer, RedisReplayStore):
+        await producer.aclose()  # the producing replica goes away; Redis keeps the reply
+    await asyncio.sleep(1.6)
+    assert await reader.read("r14", 0, wait_s=0) is None
+    assert await reader.gone("r14") is None  # expired: nothing said of it
+
+
+async def test_the_memory_store_remembers_deleted_replies_for_a_while_and_a_bounded_number(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    now = [1000.0]
+    monkeypatch.setattr(replay, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(replay, "DELETED_TOLD_MAX", 3)
+    store = MemoryReplayStore()
+    for n in range(5):
+        await store.create(ReplyInfo(f"d{n}"))
+        await store.delete(f"d{n}")
+    # The oldest are forgotten past the bound; the newest are told.
+    told = [(await store.gone(f"d{n}")) is not None for n in range(5)]
+    assert told == [False, False, True, True, True]
+    now[0] += replay.DELETED_TOLD_S - 1
+    assert await store.gone("d4") is not None
+    now[0] += 2  # past the time a delete is told for
+    assert [await store.gone(f"d{n}") for n in range(5)] == [None] * 5
+    assert store._deleted == {}  # forgotten, not only untold
+    # An id made again (it never is, in practice) is not told as deleted.
+    await store.delete("d0")
+    await store.create(ReplyInfo("d0"))
+    assert await store.gone("d0") is None
+    await store.aclose()

@@ -31,6 +31,9 @@ follower goes on after them; a transport whose dialect has no such event (anothe
 whose client would take the text with a hole for the whole) is ended there instead, with an
 ``events_lost`` error (``FrameTransport.tells_gaps``).
 
+A reply the store no longer has is told by why it is gone (``LogCursor.gone``): ``deleted``
+(a delete, on any replica), ``reply_evicted`` (Redis evicted it), else ``expired``.
+
 Framing belongs to the transport (``frame_transport``: SSE over HTTP/1.1, a WebSocket); what a
 reply's producer offers its followers is ``LiveReply``. This file must not know about HTTP,
 WebSockets, the engine or which store keeps the log.
@@ -61,6 +64,7 @@ log = logging.getLogger("replystream.follower")
 
 LIVENESS_POLL_S = 1.0  # how often a follower of a remote reply checks its producer is alive
 EVENTS_LOST = "events_lost"  # the code of a gap in a stream that cannot tell one
+REPLY_EVICTED = "reply_evicted"  # the code of a reply Redis evicted while it was read
 WRITE_CHUNK = 64 * 1024  # a replay goes out in writes of about this size, each drained
 # A follower's byte limit before it first sends entries: its backlog is not known yet (a
 # cursor on a reply made elsewhere learns it from its first read), and it has not fallen behind.
@@ -370,14 +374,23 @@ class Follower:
         Its own frame, so what it read is not held while the follower waits for more."""
         try:
             result = await self.cursor.read(wait_s)
+            gone = await self.cursor.gone() if result is None else None
         except StoreUnavailable as exc:
             log.warning("follower of %s: %s", self.reply_id[:8], exc)
             await self._send(self._notice(exc.describe(), exc.code), 1, last=True)
             return "store_unavailable"
         if result is None:
-            notice = self._notice("the reply expired while being read", "expired")
+            if gone is None:  # the store knows nothing of it any more: it expired
+                notice = self._notice("the reply expired while being read", "expired")
+                ending: Ending = "expired"
+            elif gone.reason == "deleted":
+                notice = self._notice("the reply was deleted while being read", "deleted")
+                ending = "deleted"
+            else:
+                notice = self._notice(gone.detail, REPLY_EVICTED)
+                ending = "evicted"
             await self._send(notice, 1, last=True)
-            return "expired"
+            return ending
         if result.lost is not None:
             first, last = result.lost
             if not self.transport.tells_gaps():

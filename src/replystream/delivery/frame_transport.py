@@ -21,6 +21,8 @@ Ending = Literal[
     "shutdown",
     "producer_lost",
     "expired",
+    "deleted",
+    "evicted",
     "store_unavailable",
     "events_lost",
     "failed",

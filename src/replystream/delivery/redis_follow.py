@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 
 from replystream.delivery.redis_connect import RedisClient
 from replystream.delivery.redis_rows import Newest, Offsets
-from replystream.delivery.replay import Lag, ReadResult
+from replystream.delivery.replay import Gone, Lag, ReadResult
 from replystream.delivery.task_stop import stop_task
 
 BLOCK_MS = 50
@@ -45,6 +45,8 @@ class FollowedStore(Protocol):
     ) -> tuple[ReadResult | None, Offsets]: ...
 
     async def newest_write(self, reply_id: str) -> Newest: ...
+
+    async def gone(self, reply_id: str) -> Gone | None: ...
 
     async def reading(self, reply_id: str, joined: bool = False) -> None: ...
 
@@ -86,6 +88,9 @@ class RemoteCursor:
             # Its producer keeps it going for us.
             await self._store.reading(self.reply_id, joined=joined)
         return result
+
+    async def gone(self) -> Gone | None:
+        return await self._store.gone(self.reply_id)
 
     def close(self) -> None:
         if self._joined:

@@ -154,7 +154,7 @@ class LogWriter:
         """Drop everything queued or held here for a deleted reply; a producer still winding
         down may append and end it, to no effect."""
         self.tables.forget(reply_id)
-        self.local.discard(reply_id)
+        self.local.discard_deleted(reply_id)
 
     def prune(self) -> None:
         """Forget the failures of replies that ended and whose copy here is gone (expired,

@@ -41,7 +41,7 @@ from replystream.delivery.redis_rows import (
     seq_of,
     text,
 )
-from replystream.delivery.replay import LogTail, ReadResult, ReplyInfo
+from replystream.delivery.replay import DELETED, Gone, LogTail, ReadResult, ReplyInfo
 
 READ_BATCH = 1000
 # How long a producer found lost is taken as lost without asking again. Events its reply
@@ -108,8 +108,9 @@ class RemoteReads:
             meta = await self.redis.hgetall(key)
         return meta
 
-    async def evicted(self, reply_id: str) -> str | None:
-        """Why a reply can no longer be read, if its metadata was evicted from under it."""
+    async def gone(self, reply_id: str) -> Gone | None:
+        """Why a reply can no longer be read: deleted (its mark is there), or its metadata
+        evicted from under it."""
 
         async def look() -> tuple[Meta, bool]:
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -119,12 +120,15 @@ class RemoteReads:
             return Meta.of(fields), bool(logged)
 
         meta, logged = await self._link.retrying(look)
-        if meta.known or meta.deleted or not logged:
+        if meta.deleted:
+            return DELETED
+        if meta.known or not logged:
             return None
         self.evictions += 1
-        return (
+        return Gone(
+            "evicted",
             "this reply's metadata is gone from Redis while its events remain (evicted under "
-            "maxmemory, or lost in a failover): it can no longer be read or resumed"
+            "maxmemory, or lost in a failover): it can no longer be read or resumed",
         )
 
     async def tail(self, reply_id: str) -> LogTail | None:

@@ -69,6 +69,7 @@ from replystream.delivery.replay import (
     MAX_LOG_BYTES,
     MAX_LOG_ENTRIES,
     TTL_AFTER_END_S,
+    Gone,
     LogCursor,
     LogEntry,
     LogTail,
@@ -165,14 +166,16 @@ class RedisReplayStore:
         found = await self.reads.info(reply_id)
         if found.info is None and local is not None:
             if found.deleted:  # deleted on another replica: this copy goes too
-                self._local.discard(reply_id)
+                self._local.discard_deleted(reply_id)
                 return None
             # Redis lost it (restarted without its data, or evicted it): this copy is whole.
             return local
         return found.info
 
-    async def evicted(self, reply_id: str) -> str | None:
-        return await self.reads.evicted(reply_id)
+    async def gone(self, reply_id: str) -> Gone | None:
+        # A delete made or heard of here is known at once (its mark may not be in Redis yet).
+        local = await self._local.gone(reply_id)
+        return local if local is not None else await self.reads.gone(reply_id)
 
     async def tail(self, reply_id: str) -> LogTail | None:
         if await self._local.info(reply_id) is not None:

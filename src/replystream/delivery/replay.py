@@ -15,6 +15,8 @@ Rules every store keeps:
    ``producer_lost`` once its entries are read, so no reader hangs on a dead replica.
 5. A reply is kept while live and for ``ttl_after_end_s`` after its ending; then it is gone
    (``read``, ``info`` and ``tail`` return None), as is a reply id that never existed.
+   Why a reply it once had is gone, when that was not its expiry, the store tells (``gone``):
+   deleted (for at least ``DELETED_TOLD_S``), or evicted.
 6. ``tail`` tells the last event's sequence number and whether the reply has ended; once it
    says ended, every event up to that number can be read (so a resume past it is a mistake).
 This file must not know about HTTP or event formats.
@@ -27,7 +29,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, Literal, NamedTuple, Protocol
 
 # How long a finished reply can still be read, unless the server says otherwise (every store's
 # default, and ``replystream serve --reply-ttl-s``'s).
@@ -42,6 +44,11 @@ FAILOVER_S = 10.0
 # mebibyte with no token limit asked; a reply of text stays far below it).
 MAX_LOG_ENTRIES = 10_000
 MAX_LOG_BYTES = 32 << 20
+# How long a store still tells a deleted reply as deleted (``gone``), at least: long enough
+# for every reader following it to find it gone and say why. The memory store remembers no
+# more than ``DELETED_TOLD_MAX`` such ids (the oldest forgotten first): a few hundred kB.
+DELETED_TOLD_S = 60.0
+DELETED_TOLD_MAX = 10_000
 
 
 class StoreUnavailable(Exception):
@@ -97,6 +104,19 @@ class ReplyInfo:
     # (``"anthropic"``: the Messages route logs nothing until the first token); "": told by
     # the first event.
     dialect: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """Why a store no longer has a reply it had, when that was not its expiry: ``deleted``
+    (``ReplayStore.delete``, on any replica), or ``evicted`` (a ``maxmemory`` Redis dropped
+    part of it); ``detail`` says it in a sentence."""
+
+    reason: Literal["deleted", "evicted"]
+    detail: str
+
+
+DELETED = Gone("deleted", "this reply was deleted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +182,11 @@ class LogCursor(Protocol):
         or expired reply. Does not move ``after``. Raises ``StoreUnavailable``."""
         ...
 
+    async def gone(self) -> Gone | None:
+        """Why the reply is gone, once ``read`` returned None (``ReplayStore.gone``).
+        Raises ``StoreUnavailable``."""
+        ...
+
     def sent(self, upto: int, log_bytes: int) -> None:
         """The reader has sent the entries up to ``upto``: ``log_bytes`` of their data."""
         ...
@@ -208,10 +233,11 @@ class ReplayStore(Protocol):
 
     async def info(self, reply_id: str) -> ReplyInfo | None: ...
 
-    async def evicted(self, reply_id: str) -> str | None:
-        """Why a reply ``info`` does not find is gone, when the store knows it existed and
-        lost it to memory pressure (a ``maxmemory`` Redis evicted part of it); None when it
-        knows nothing of it (unknown, expired or deleted). Raises ``StoreUnavailable``."""
+    async def gone(self, reply_id: str) -> Gone | None:
+        """Why a reply ``info`` or ``read`` does not find is gone, when the store knows it
+        existed: deleted (told for at least ``DELETED_TOLD_S`` after the delete, whichever
+        replica made it), or evicted (a ``maxmemory`` Redis lost part of it); None when it
+        knows nothing of it (unknown, or expired). Raises ``StoreUnavailable``."""
         ...
 
     async def tail(self, reply_id: str) -> LogTail | None:
@@ -378,6 +404,9 @@ class MemoryReplayStore:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._logs: dict[str, _Log] = {}
+        # Replies deleted lately, and when (oldest first), so a reader finding one gone is
+        # told why (``gone``); bounded in time and in number.
+        self._deleted: dict[str, float] = {}
         self._sweeps = 0
         self._gaps = 0
         self._on_cancel: Callable[[str], None] = _no_producer
@@ -386,6 +415,7 @@ class MemoryReplayStore:
         self._sweep()
         if info.reply_id in self._logs:
             raise ValueError(f"reply {info.reply_id} exists")
+        self._deleted.pop(info.reply_id, None)
         self._logs[info.reply_id] = _Log(info, self.max_entries, self.max_bytes)
 
     def _log(self, reply_id: str) -> _Log | None:
@@ -418,8 +448,10 @@ class MemoryReplayStore:
         log = self._log(reply_id)
         return None if log is None else log.info
 
-    async def evicted(self, reply_id: str) -> str | None:
-        return None  # nothing is evicted from this process's memory: logs expire or go
+    async def gone(self, reply_id: str) -> Gone | None:
+        # Nothing is evicted from this process's memory: logs expire, or are deleted.
+        self._forget_old_deletes()
+        return DELETED if reply_id in self._deleted else None
 
     async def tail(self, reply_id: str) -> LogTail | None:
         log = self._log(reply_id)
@@ -475,7 +507,26 @@ class MemoryReplayStore:
 
     async def delete(self, reply_id: str) -> None:
         await self.request_cancel(reply_id)
+        self.discard_deleted(reply_id)
+
+    def discard_deleted(self, reply_id: str) -> None:
+        """Forget a reply that was deleted (here, or heard of from another replica),
+        remembering for ``DELETED_TOLD_S`` that it was: its readers, woken, are told why."""
+        self._deleted.pop(reply_id, None)  # deleted again: its time is now's
+        self._deleted[reply_id] = time.monotonic()
+        self._forget_old_deletes()
         self.discard(reply_id)
+
+    def _forget_old_deletes(self) -> None:
+        deleted = self._deleted
+        if not deleted:
+            return
+        old = time.monotonic() - DELETED_TOLD_S
+        while deleted:
+            reply_id, at = next(iter(deleted.items()))
+            if at > old and len(deleted) <= DELETED_TOLD_MAX:
+                break
+            del deleted[reply_id]
 
     def discard(self, reply_id: str) -> None:
         """Forget a reply at once (one nobody may resume)."""
@@ -514,6 +565,7 @@ class MemoryReplayStore:
         for log in self._logs.values():
             log.wake()
         self._logs.clear()
+        self._deleted.clear()
 
 
 def _no_producer(reply_id: str) -> None:
@@ -540,6 +592,9 @@ class MemoryCursor:
 
     async def read(self, wait_s: float) -> ReadResult | None:
         return await self._store.read(self.reply_id, self.after, wait_s)
+
+    async def gone(self) -> Gone | None:
+        return await self._store.gone(self.reply_id)
 
     def sent(self, upto: int, log_bytes: int) -> None:
         self.after = upto

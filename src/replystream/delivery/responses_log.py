@@ -195,11 +195,17 @@ def opened_object(first: LogEntry) -> dict[str, Any] | None:
     return opened
 
 
+# Codes of a reader's ending after which the response has no object to tell: it was
+# deleted while read (any later read of it is a 404), and did not fail.
+NO_OBJECT_CODES = frozenset({"deleted"})
+
+
 class ReaderNotices:
     """How a Responses stream spells what its reader decides (a slow client, a lost
     producer, a store that cannot be reached, events lost): an ``error`` event in OpenAI's
     shape, then ``response.failed``; a fault of the reader's request (its error names a
-    ``param``: a place past the end) is the ``error`` alone. They are not in the log and
+    ``param``: a place past the end), or a response deleted while read
+    (``NO_OBJECT_CODES``), is the ``error`` alone. They are not in the log and
     have no ``id:``; each carries the ``sequence_number`` of the last event written before
     them (0 when there was none), so a client that resumes after the last number it saw
     (``starting_after``) gets the response's next event, which a number of their own would
@@ -233,9 +239,10 @@ class ReaderNotices:
         error = json.loads(data)["error"]
         code, message = error["code"], error["message"]
         param = error.get("param")
-        if param is not None:
+        if param is not None or code in NO_OBJECT_CODES:
             # The reader's request was at fault (a place past the end), not the response:
-            # the error alone, naming the parameter; the response stands as it ended.
+            # the error alone, naming the parameter; the response stands as it ended. Or
+            # the response was deleted: it did not fail, and there is no object to tell.
             error_event = {"type": "error", "sequence_number": number}
             error_event |= {"code": code, "message": message, "param": param}
             return [("error", compact_json(error_event))]

@@ -93,11 +93,12 @@ async def find_reply(
     try:
         info = await store.info(reply_id)
         if info is None and local is None and store is not app[LOCAL_STORE_KEY]:
-            evicted = await store.evicted(reply_id)
-            if evicted is not None:
+            gone = await store.gone(reply_id)
+            if gone is not None and gone.reason == "evicted":
                 # It existed, but who it belongs to was evicted with its metadata: nobody
-                # can be let read it; say why rather than that it never was.
-                raise HTTPAPIError(410, evicted, code="reply_evicted", param=param)
+                # can be let read it; say why rather than that it never was. (A deleted
+                # one is as gone as one that never was, whoever asks.)
+                raise HTTPAPIError(410, gone.detail, code="reply_evicted", param=param)
             store = app[LOCAL_STORE_KEY]
             info = await store.info(reply_id)
     except StoreUnavailable as exc:
