@@ -570,16 +570,19 @@ async def test_retrieve_takes_include_and_include_obfuscation_only_at_what_it_do
         plain = await client.responses.retrieve(
             done.id, include_obfuscation=False, include=[LOGPROBS]
         )
-        events = await client.responses.retrieve(
-            done.id, stream=True, include_obfuscation=False, include=[LOGPROBS]
-        )
+        events = await client.responses.retrieve(done.id, stream=True, include_obfuscation=False)
         assert isinstance(events, openai.AsyncStream)
         streamed = [event.type async for event in events]
+        # What to include applies to the object: a stream replays its events as made.
+        with pytest.raises(openai.BadRequestError) as with_stream:
+            await client.responses.retrieve(done.id, stream=True, include=[LOGPROBS])
     assert [(body["param"], body["code"]) for body in refused] == [
         ("include_obfuscation", "unsupported_parameter"),
         ("include[0]", "unsupported_parameter"),
     ] * 2
     assert plain.status == "incomplete" and streamed[-1] == "response.incomplete"
+    body: Any = with_stream.value.body
+    assert (body["param"], body["code"]) == ("include", "unsupported_parameter")
 
 
 async def test_a_deleted_response_is_named_a_response_when_it_is_not_found():

@@ -200,12 +200,16 @@ async def test_a_stored_response_is_read_back_and_resumed_with_its_logprobs():
                     (event.type, event.data) for event in EventParser().feed(await again.read())
                 ]
             assert rest == events[after + 1 :]  # byte for byte, logprobs and all
-        read_back: Any = await client.responses.retrieve(response_id)
+        read_back: Any = await client.responses.retrieve(response_id, include=INCLUDE)
+        not_included: Any = await client.responses.retrieve(response_id)
         replayed: list[Any] = [
             e async for e in await client.responses.retrieve(response_id, stream=True)
         ]
     completed = replayed[-1].response
     assert read_back == completed
+    # Read back without asking for them, the object shows none, as one made without them.
+    assert not_included.output[0].content[0].logprobs == []
+    assert not_included.output_text == read_back.output_text
     [part] = read_back.output[0].content
     assert part.logprobs is not None and len(part.logprobs) == 5
     assert all(len(entry.top_logprobs) == 3 for entry in part.logprobs)
@@ -227,7 +231,8 @@ async def test_a_long_replys_logprobs_are_the_same_streamed_stored_and_whole_byt
         async with http.post(f"{url}/v1/responses", json={**ask, "stream": True}) as response:
             events = {e.type: e.data for e in EventParser().feed(await response.read())}
             response_id = "resp_" + response.headers["X-Reply-Id"]
-        async with http.get(f"{url}/v1/responses/{response_id}") as read_back:
+        asked = {"include[]": INCLUDE[0]}
+        async with http.get(f"{url}/v1/responses/{response_id}", params=asked) as read_back:
             stored = await read_back.text()
         async with http.post(f"{url}/v1/responses", json=ask) as blocking:
             waited = await blocking.json()
@@ -255,9 +260,11 @@ async def test_cancelling_an_ended_background_response_answers_its_object_as_wri
     ):
         async with http.post(f"{url}/v1/responses", json={**ask, "background": True}) as queued:
             response_id = (await queued.json())["id"]
+        asked = {"include[]": INCLUDE[0]}
         async with asyncio.timeout(30):  # five tokens: it ends at once
             while True:
-                async with http.get(f"{url}/v1/responses/{response_id}") as read_back:
+                got = http.get(f"{url}/v1/responses/{response_id}", params=asked)
+                async with got as read_back:
                     stored = await read_back.text()
                 if json.loads(stored)["status"] == "completed":
                     break
@@ -383,10 +390,43 @@ async def test_an_unstored_stream_and_a_background_response_show_them_too():
             model="simulated", input="count", background=True, **ask
         )
         for _ in range(200):
-            done: Any = await client.responses.retrieve(queued.id)
+            done: Any = await client.responses.retrieve(queued.id, include=INCLUDE)
             if done.status == "completed":
                 break
             await asyncio.sleep(0.02)
     parts = [events[-1].response.output[0].content[0], done.output[0].content[0]]
     assert parts[0] == parts[1]
     assert parts[0].logprobs is not None and len(parts[0].logprobs) == 5
+
+
+async def test_a_retrieved_response_shows_its_logprobs_only_when_the_retrieve_includes_them():
+    # OpenAI's retrieve takes ``include`` as its create does: the object shows log
+    # probabilities only when asked, whatever its request included.
+    async with (
+        running(create_app(fast_engine(reply_text=REPLY))) as url,
+        sdk(url) as client,
+        aiohttp.ClientSession() as http,
+    ):
+        made = await client.responses.create(
+            model="simulated", input="count", include=INCLUDE, top_logprobs=2
+        )
+        plain = await client.responses.create(model="simulated", input="count")
+        included: Any = await client.responses.retrieve(made.id, include=INCLUDE)
+        not_included: Any = await client.responses.retrieve(made.id)
+        none_made: Any = await client.responses.retrieve(plain.id, include=INCLUDE)
+        async with http.get(f"{url}/v1/responses/{made.id}") as raw:
+            text = await raw.text()
+        with pytest.raises(openai.BadRequestError) as with_stream:
+            await client.responses.retrieve(made.id, stream=True, include=INCLUDE)
+    assert included == made
+    assert len(included.output[0].content[0].logprobs) == 5
+    # Not included: the object a response made without them shows, its text and all else alike.
+    assert not_included.output[0].content[0].logprobs == []
+    assert not_included.model_dump(exclude={"output"}) == made.model_dump(exclude={"output"})
+    assert not_included.output_text == made.output_text
+    assert json.loads(text)["output"][0]["content"][0]["logprobs"] == []
+    # Asked of a response made without them: there are none to show.
+    assert none_made.output[0].content[0].logprobs == []
+    # A stream replays its events as they were made: include is refused there, not ignored.
+    refused: Any = with_stream.value.body
+    assert (refused["param"], refused["code"]) == ("include", "unsupported_parameter")

@@ -45,6 +45,32 @@ def response_json_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) 
     return None if response is None else compact_json(response)
 
 
+# How a non-empty ``logprobs`` list begins in compact JSON; a text holds it only as a field's
+# name and value (inside a JSON string its quotes would be escaped).
+_LISTED_LOGPROBS = '"logprobs":[{'
+
+
+def without_logprobs_json(text: str) -> str:
+    """A response object (compact JSON) as a request that does not include log probabilities
+    sees it (``without_logprobs``); the text itself when it lists none."""
+    if _LISTED_LOGPROBS not in text:
+        return text
+    return compact_json(without_logprobs(json.loads(text)))
+
+
+def without_logprobs(response: dict[str, Any]) -> dict[str, Any]:
+    """A response object as one made without ``message.output_text.logprobs`` included
+    has it: each ``output_text`` part's ``logprobs`` ``[]`` (there, as OpenAI's parts have
+    it). Changed in place."""
+    for item in response.get("output") or ():
+        if item.get("type") != "message":
+            continue
+        for part in item.get("content") or ():
+            if part.get("type") == "output_text" and part.get("logprobs"):
+                part["logprobs"] = []
+    return response
+
+
 def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> dict[str, Any] | None:
     """A response object as its log tells it so far: the terminal event's when it has ended;
     else the one ``response.created`` carried, with the text so far (``failed``, naming the

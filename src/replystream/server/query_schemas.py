@@ -100,7 +100,9 @@ class ResumeCursor(Query):
 
 
 # What ``include`` may name on ``GET /v1/responses/{id}``: the log probabilities a response
-# was made with (its text's, when its request included them; ``[]`` otherwise).
+# was made with (its text's, when its request included them; ``[]`` otherwise). Not named,
+# the object shows none (each ``output_text`` part's ``logprobs`` is ``[]``), as OpenAI's
+# retrieve adds only what its ``include`` names.
 RETRIEVE_INCLUDE = "message.output_text.logprobs"
 
 
@@ -128,7 +130,8 @@ class RetrieveQuery(ResumeCursor):
     ``last_event_id`` (an event's SSE ``id:``, the sequence number plus one). ``include``
     and ``include_obfuscation``, which the SDKs send from OpenAI's spec of this route, are
     taken at what this server does, as ``POST /v1/responses`` takes them: another value is
-    a 400, not ignored."""
+    a 400, not ignored. ``include`` decides what the object shows, and is refused with
+    ``stream`` (``responses_api.handle_retrieve``): a stream replays its events as made."""
 
     field_codes: ClassVar[Mapping[str, str]] = {"include": "unsupported_parameter"}
     list_params: ClassVar[frozenset[str]] = frozenset({"include"})

@@ -74,7 +74,7 @@ from replystream.server.native import (
 )
 from replystream.server.openai_api import SDK_KEEPALIVE, served_model
 from replystream.server.openai_requests import ACCOUNT_FIELDS, relayed_fields
-from replystream.server.query_schemas import RetrieveQuery
+from replystream.server.query_schemas import RETRIEVE_INCLUDE, RetrieveQuery
 from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import Reply
 from replystream.server.responses_prompt import RESPONSES_FIELDS, response_prompt
@@ -351,11 +351,21 @@ async def handle_retrieve(request: web.Request) -> web.StreamResponse:
             if getattr(query, name) is not None:
                 message = f"{name} says where a stream of events starts: send stream=true with it"
                 raise HTTPAPIError(400, message, code="invalid_value", param=name)
+    elif query.include:
+        # A stream replays the events as they were made, with the log probabilities their
+        # request included: what to include applies to the object alone.
+        raise HTTPAPIError(
+            400,
+            "include applies to the object a GET answers; the events a stream replays "
+            "(stream=true) are the ones the response was made with: send one or the other",
+            code="unsupported_parameter",
+            param="include",
+        )
     given_id = request.match_info["response_id"]
     reply_id = response_reply_id(given_id, "response_id")
     store, local = await find_response(request, reply_id, "response_id")
     if not query.stream:
-        return await response_body(store, reply_id)
+        return await response_body(store, reply_id, logprobs=RETRIEVE_INCLUDE in query.include)
     # An EventSource resumes with its events' ids, in the query or its header.
     cursors = {"starting_after": query.starting_after, "last_event_id": query.last_event_id}
     after, param = resume_after(request, cursors, SEQUENCE_BELOW_ID)

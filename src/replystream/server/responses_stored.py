@@ -22,6 +22,7 @@ from replystream.delivery.responses_log import (
     response_json_from_log,
     said_in_events,
     said_in_object,
+    without_logprobs_json,
 )
 from replystream.delivery.responses_objects import reply_id_of
 from replystream.server.errors import HTTPAPIError
@@ -97,13 +98,19 @@ async def entries_until(store: ReplayStore, reply_id: str, after: int) -> list[L
     return [entry for entry in entries if entry.seq <= after]
 
 
-async def response_body(store: ReplayStore, reply_id: str) -> web.Response:
+async def response_body(
+    store: ReplayStore, reply_id: str, *, logprobs: bool = True
+) -> web.Response:
     """The response object as its log tells it now, as a JSON answer: an ended response's as
-    its terminal event wrote it, not parsed and written again (``response_json_from_log``)."""
+    its terminal event wrote it, not parsed and written again (``response_json_from_log``).
+    ``logprobs``: its text's log probabilities are shown (as its request made them; else
+    each ``output_text`` part's are ``[]``, as a retrieve that does not include them says)."""
     told = await _read_told(store, reply_id)
     text = response_json_from_log(told.entries, producer_lost=told.producer_lost)
     if text is None:
         raise _no_such_response()
+    if not logprobs:
+        text = without_logprobs_json(text)
     return web.Response(text=text, content_type="application/json")
 
 
