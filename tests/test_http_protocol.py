@@ -448,6 +448,25 @@ async def test_an_idle_kept_alive_connection_is_not_cut_by_the_header_deadline()
         assert status == 200
 
 
+async def test_a_kept_alive_connection_idle_past_the_idle_timeout_is_closed_but_a_stream_is_not():
+    config = ServerConfig(guard=GuardConfig(idle_timeout_s=0.3))
+    engine = fast_engine(delay_ms=100.0, jitter_ms=0.0)  # a reply of 8 tokens: about 0.8 s
+    async with running(create_app(engine, config)) as url, connect(url) as client:
+        body = json.dumps({"prompt": "x", "max_tokens": 8}).encode()
+        await client.send(
+            b"POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        async with asyncio.timeout(10):  # the whole stream, longer than the idle timeout
+            streamed = await client.reader.readuntil(b"event: done")
+        assert streamed.startswith(b"HTTP/1.1 200")
+        await client.reader.readuntil(b"0\r\n\r\n")  # the stream's last chunk: now idle
+        loop = asyncio.get_running_loop()
+        idle_from = loop.time()
+        assert await client.closed_by_server()
+        assert loop.time() - idle_from >= 0.25
+
+
 async def test_an_http_1_0_stream_asked_to_keep_alive_ends_with_its_connection():
     """HTTP/1.0 has no chunked framing: an event stream's body ends only where its connection
     does. Were the connection kept alive, the client could not tell where the stream ended,

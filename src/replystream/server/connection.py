@@ -7,7 +7,8 @@ It decides two things:
   must arrive within ``header_timeout_s`` of the accept; on a kept-alive connection, those of
   each later request within ``header_timeout_s`` of its first byte. A client that trickles a
   header line a second is closed then, whichever request it is on. (An idle kept-alive
-  connection, silent between requests, is aiohttp's keep-alive timeout's business.)
+  connection, silent between requests, is closed by aiohttp's keep-alive timeout, which
+  ``serve`` sets from ``idle_timeout_s``.)
 - **Requests aiohttp's parser refuses** (framing in doubt: Content-Length with
   Transfer-Encoding, a duplicate Content-Length, a line over the size limit, a bad method)
   are answered in the API's JSON error shape, echo none of the bytes they were sent, are

@@ -23,6 +23,10 @@ class GuardConfig:
     per_minute: int = 0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    # A kept-alive connection silent between requests: nginx's keepalive_timeout. Above the
+    # idle timeouts of the load balancers most put in front (AWS's 60 s), so the balancer,
+    # not the server, closes an idle connection, and never one it is sending a request on.
+    idle_timeout_s: float = 75.0
     cors_origins: tuple[str, ...] = ()
     trusted_proxies: tuple[Network, ...] = ()
 

@@ -92,6 +92,7 @@ async def serving(
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=5.0,
+        keepalive_timeout=config.guard.idle_timeout_s,
         max_line_size=config.max_header_bytes,
         max_field_size=config.max_header_bytes,
     )

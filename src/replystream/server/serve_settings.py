@@ -174,6 +174,13 @@ CLIENT_LIMITS = Group(
             fills=(GuardConfig, "header_timeout_s"),
         ),
         Setting(
+            "--idle-timeout-s",
+            "close a kept-alive connection silent this long between requests (keep it above "
+            "the idle timeout of a load balancer in front)",
+            positive_float,
+            fills=(GuardConfig, "idle_timeout_s"),
+        ),
+        Setting(
             "--body-timeout-s",
             "answer 408 when a request body takes longer",
             positive_float,
