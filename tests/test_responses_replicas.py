@@ -16,18 +16,22 @@ import signal
 import socket
 import struct
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from redis.asyncio import Redis
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 from replystream.delivery.responses_objects import reply_id_of
+from replystream.engine.simulated import SimulatedEngine
 from replystream.server import create_app, running
 from replystream.server.context import MANAGER_KEY
 from replystream.server.server_config import ServerConfig
@@ -355,18 +359,28 @@ async def test_a_reader_of_a_reply_made_elsewhere_reset_while_its_write_waits_le
     assert not unretrieved, unretrieved
 
 
-async def test_a_response_read_on_the_other_replica_goes_on_when_its_own_client_leaves(
-    tmp_path: Path,
-):
-    # A response not in the background stops when its last reader leaves. A reader on the
-    # other replica is a reader too: on one replica a second reader keeps it going, so it
-    # must across replicas, rather than being cancelled under that reader.
+@dataclass
+class ReadElsewhere:
+    """A streamed response (not in the background) made on replica A, its creator's stream
+    still open, and a reader following it on replica B that has read its first event."""
+
+    engine: SimulatedEngine
+    a: web.Application
+    a_url: str
+    http: aiohttp.ClientSession
+    response_id: str
+    creator: aiohttp.ClientResponse
+    read: aiohttp.ClientResponse
+
+
+@asynccontextmanager
+async def read_on_the_other_replica(tmp_path: Path, tokens: int) -> AsyncIterator[ReadElsewhere]:
     with redis_server(tmp_path) as redis:
-        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 200)
+        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * tokens)
         a = create_app(engine, ServerConfig(), RedisReplayStore(redis.url))
         b = create_app(fast_engine(), ServerConfig(), RedisReplayStore(redis.url))
         async with running(a) as a_url, running(b) as b_url, aiohttp.ClientSession() as http:
-            body = {"input": "x", "stream": True, "max_output_tokens": 200}
+            body = {"input": "x", "stream": True, "max_output_tokens": tokens}
             creator = await http.post(f"{a_url}/v1/responses", json=body)
             first = json.loads((await creator.content.readuntil(b"\n\n")).split(b"data: ")[1])
             response_id = first["response"]["id"]
@@ -374,36 +388,35 @@ async def test_a_response_read_on_the_other_replica_goes_on_when_its_own_client_
             async with http.get(f"{b_url}/v1/responses/{response_id}", params=query) as read:
                 await read.content.readuntil(b"\n\n")
                 await asyncio.sleep(2.5)  # A's heartbeat has found B's reader by now
-                creator.close()  # the response's own client leaves, on A
-                events = EventParser().feed(await read.read())
+                yield ReadElsewhere(engine, a, a_url, http, response_id, creator, read)
+
+
+async def test_a_response_read_on_the_other_replica_goes_on_when_its_own_client_leaves(
+    tmp_path: Path,
+):
+    # A response not in the background stops when its last reader leaves. A reader on the
+    # other replica is a reader too: on one replica a second reader keeps it going, so it
+    # must across replicas, rather than being cancelled under that reader.
+    async with read_on_the_other_replica(tmp_path, 200) as r:
+        r.creator.close()  # the response's own client leaves, on A
+        events = EventParser().feed(await r.read.read())
     assert events[-1].type == "response.completed", events[-1].data[:300]
-    assert engine.stats().cancelled == 0
+    assert r.engine.stats().cancelled == 0
 
 
 async def test_a_response_read_only_on_the_other_replica_stops_soon_after_that_reader_leaves(
     tmp_path: Path,
 ):
-    with redis_server(tmp_path) as redis:
-        engine = fast_engine(delay_ms=20, jitter_ms=0, reply_text="word " * 2000)
-        a = create_app(engine, ServerConfig(), RedisReplayStore(redis.url))
-        b = create_app(fast_engine(), ServerConfig(), RedisReplayStore(redis.url))
-        async with running(a) as a_url, running(b) as b_url, aiohttp.ClientSession() as http:
-            body = {"input": "x", "stream": True, "max_output_tokens": 2000}
-            creator = await http.post(f"{a_url}/v1/responses", json=body)
-            first = json.loads((await creator.content.readuntil(b"\n\n")).split(b"data: ")[1])
-            response_id = first["response"]["id"]
-            query = {"stream": "true"}
-            async with http.get(f"{b_url}/v1/responses/{response_id}", params=query) as read:
-                await read.content.readuntil(b"\n\n")
-                await asyncio.sleep(2.5)
-                creator.close()
-                await asyncio.sleep(1.0)
-            loop = asyncio.get_running_loop()
-            left = loop.time()
-            await wait_for(lambda: not a[MANAGER_KEY].replies, timeout_s=20)
-            stopped_after = loop.time() - left
-            async with http.get(f"{a_url}/v1/responses/{response_id}") as final:
-                stopped = await final.json()
-    assert engine.stats().cancelled == 1  # stopped, not made to its 2,000 tokens
+    async with read_on_the_other_replica(tmp_path, 2000) as r:
+        r.creator.close()
+        await asyncio.sleep(1.0)
+        r.read.close()  # and then the reader on B
+        loop = asyncio.get_running_loop()
+        left = loop.time()
+        await wait_for(lambda: not r.a[MANAGER_KEY].replies, timeout_s=20)
+        stopped_after = loop.time() - left
+        async with r.http.get(f"{r.a_url}/v1/responses/{r.response_id}") as final:
+            stopped = await final.json()
+    assert r.engine.stats().cancelled == 1  # stopped, not made to its 2,000 tokens
     assert stopped["status"] == "cancelled"
     assert stopped_after < 5, stopped_after  # about a beat and a half, on a loaded machine
