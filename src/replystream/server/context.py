@@ -110,7 +110,7 @@ async def start_generation(
     request: web.Request, generation: GenerationRequest, record: ReplyRecord
 ) -> DeltaStream:
     """Admit a request, turning engine refusals into API errors sent before any byte."""
-    _refuse_when_stopping(request, record)
+    refuse_when_stopping(request, record)
     return await admitted(request, record, _start_one(request.app[ENGINE_KEY], generation))
 
 
@@ -118,7 +118,7 @@ async def start_several(
     request: web.Request, generation: GenerationRequest, record: ReplyRecord, n: int
 ) -> ChoicesStream:
     """``start_generation`` for ``n`` generations of the request, one choice each, merged."""
-    _refuse_when_stopping(request, record)
+    refuse_when_stopping(request, record)
     engine = request.app[ENGINE_KEY]
     return await admitted(request, record, _start_several(engine, generation, n))
 
@@ -182,7 +182,8 @@ async def _start_several(engine: Engine, generation: GenerationRequest, n: int) 
     return await start_choices(engine, generation, n)
 
 
-def _refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
+def refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
+    """A 503 ``shutdown`` (counted in ``record``) once shutdown has begun."""
     app = request.app
     if not app[MANAGER_KEY].accepting:
         record.outcome, record.reason = "rejected", "shutdown"

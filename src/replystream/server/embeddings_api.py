@@ -6,25 +6,30 @@ refused, as on every route) and what it answers: the upstream's answer under the
 asked for, its prompt tokens counted per API key in ``/metrics`` as a reply's are. An engine
 that makes no embeddings (every one but a relay's: a chat model is not an embedding model)
 answers 404 in OpenAI's shape, saying so. Which upstream answers, and what its failures
-mean, is the engine's (``engine.upstream_embeddings``). It must not know how the upstream
-is reached.
+mean, is the engine's (``engine.upstream_embeddings``). Shutdown treats a request in
+flight as a buffered reply: the grace period waits for its answer, and one still coming then
+is a 503 ``shutdown``, as is a request made once shutdown has begun. It must not know how
+the upstream is reached.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import Field, PlainValidator
 
-from replystream.engine.base import Embedder
+from replystream.engine.base import Embedder, Embeddings
 from replystream.server.context import (
     ENGINE_KEY,
     KEY_LABEL_CHARS,
+    MANAGER_KEY,
     METRICS_KEY,
     admitted,
     caller_of,
     owner_of,
+    refuse_when_stopping,
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.front_door import expect_later
@@ -104,15 +109,37 @@ async def handle_embeddings(request: web.Request) -> web.Response:
     fields = body.model_dump(exclude_none=True, exclude={"model"})
     record = app[METRICS_KEY].record(ENDPOINT, streamed=False)
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
-    answer = await admitted(
-        request,
-        record,
-        engine.embed(fields, routed, routed or served_model(app), caller_of(request)),
+    refuse_when_stopping(request, record)
+    work = asyncio.ensure_future(
+        engine.embed(fields, routed, routed or served_model(app), caller_of(request))
     )
+    app[MANAGER_KEY].hold(work)
+    try:
+        answer = await admitted(request, record, _unless_shut_down(work))
+    except _ShutDown:
+        record.outcome, record.reason = "shutdown", "shutdown"
+        app[METRICS_KEY].observe(record)
+        raise HTTPAPIError(503, "the server is shutting down", code="shutdown") from None
     record.outcome = "finished"
     record.prompt_tokens = answer.prompt_tokens or 0
     app[METRICS_KEY].observe(record)
     return web.Response(body=answer.body, content_type="application/json")
+
+
+class _ShutDown(Exception):
+    """Shutdown cancelled the request's answer after the grace period."""
+
+
+async def _unless_shut_down(work: asyncio.Future[Embeddings]) -> Embeddings:
+    """``work``'s answer; ``_ShutDown`` when shutdown cancelled it (a client that leaves
+    cancels this task, and ``work`` with it: that cancellation goes on)."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if work.cancelled() and task is not None and not task.cancelling():
+            raise _ShutDown from None
+        raise
 
 
 def add_embeddings_route(app: web.Application) -> None:

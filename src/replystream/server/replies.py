@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 from replystream.delivery.channel import DeltaChannel, End
 from replystream.delivery.follower import Follower, Sink, Watcher
@@ -432,6 +432,9 @@ class ReplyManager:
         self.metrics = metrics
         self.replies: dict[str, Reply] = {}
         self.channels: set[DeltaChannel] = set()  # buffered replies being collected
+        # Whole answers made outside a reply (an embeddings request's upstream call): the
+        # grace period waits for them, and shutdown cancels those still running then.
+        self.answers: set[asyncio.Future[Any]] = set()
         self.readers: set[Follower] = set()  # every open reader, to interrupt on shutdown
         self.connections: set[ReplyConnection] = set()  # to close on shutdown
         self.quiet = asyncio.Event()  # set once shut down, with no reader or connection left
@@ -443,7 +446,18 @@ class ReplyManager:
         metrics.read_on_scrape(metrics.active, lambda: len(self.replies))
 
     def __len__(self) -> int:
-        return len(self.replies) + len(self.channels)
+        return len(self.replies) + len(self.channels) + len(self.answers)
+
+    def hold(self, answer: asyncio.Future[Any]) -> None:
+        """``answer`` is in flight until done: shutdown waits for it, then cancels it."""
+        self.answers.add(answer)
+        self.idle.clear()
+        answer.add_done_callback(self._let_go)
+
+    def _let_go(self, answer: asyncio.Future[Any]) -> None:
+        self.answers.discard(answer)
+        if not len(self):
+            self.idle.set()
 
     def track(self, channel: DeltaChannel) -> None:
         self.channels.add(channel)
@@ -481,6 +495,8 @@ class ReplyManager:
             reply.stop("shutdown")
         for channel in list(self.channels):
             channel.close(End("shutdown"))
+        for answer in list(self.answers):
+            answer.cancel()
         for reader in list(self.readers):
             reader.interrupt()
         for connection in list(self.connections):
