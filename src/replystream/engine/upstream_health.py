@@ -48,11 +48,15 @@ MODELS_BODY_LIMIT = 4 * 1024 * 1024
 
 
 def listed_models(listing: object) -> list[str]:
-    """The model ids of an OpenAI ``GET /models`` answer (none for any other shape)."""
+    """The model ids of an OpenAI ``GET /models`` answer (none for any other shape); an
+    empty id names no model a client could ask for (``GET /v1/models/`` is no route) and
+    would end an Anthropic client's paging as a last page does."""
     data = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(data, list):
         return []
-    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return [
+        m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+    ]
 
 
 def _listing(body: bytes | None) -> object:
