@@ -14,9 +14,12 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -400,3 +403,54 @@ async def test_a_dead_models_requests_go_on_to_its_fallback_until_a_reload_drops
             # Its connection refused (502), or, its circuit open by then, none to try (503).
             assert got.status in (502, 503), got.raw
             assert json.loads(got.raw)["error"]["code"] == "upstream_unavailable"
+
+
+@contextlib.contextmanager
+def open_files_at_most(most: int) -> Iterator[None]:
+    """The processes started meanwhile may open ``most`` files (``ulimit -n``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_limit_past_the_files_workers_may_open_is_refused_and_they_serve_on(
+    tmp_path: Path,
+):
+    """The workers hold an upstream's limit through a file per slot, each open in every
+    worker: a reload raising the limit past ``ulimit -n`` took every descriptor the workers
+    had, said "routes reloaded", and left them unable to accept a connection."""
+    async with replica(*upstream("alpha", "model-a")) as (_, a):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a")))
+        with open_files_at_most(1024):  # this process's too: its children's
+            async with relay(file, "--workers", "2") as (process, url, stderr):
+                file.write_text(routes((a, "model-a")) + "max_outstanding = 2000\n")
+                process.send_signal(signal.SIGHUP)
+                lines = await stderr.wait_for("routes not reloaded", count=2)
+                assert f"{file}: upstreams[0].max_outstanding: with --workers" in lines[0], lines
+                assert "the 1024 files a process may open (ulimit -n" in lines[0], lines
+                replies = await asyncio.gather(*(ask(url, "model-a") for _ in range(6)))
+                assert replies == ["alpha "] * 6
+                assert not any("Traceback" in line for line in stderr.lines), stderr.lines
+
+
+def test_a_limit_past_the_files_workers_may_open_stops_the_start_and_check_in_a_line() -> None:
+    """Refused before any worker starts (a worker died of it, in a traceback), and by
+    ``--check``, which said such a configuration was sound."""
+    command = (
+        sys.executable, "-m", "replystream", "serve", "--engine", "upstream:http://127.0.0.1:9/v1",
+        "--upstream-max-outstanding", "2000", "--workers", "2", "--port", "0",
+    )  # fmt: skip
+    with open_files_at_most(1024):
+        for check in ((), ("--check",)):
+            done = subprocess.run([*command, *check], capture_output=True, text=True, timeout=30)
+            assert done.returncode == 2, done
+            assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+            assert done.stderr.startswith(
+                "replystream serve: --upstream-max-outstanding: with --workers each worker keeps "
+                "a file open per request an upstream may be sent at once, 2000 here, past half "
+                "the 1024 files a process may open (ulimit -n;"
+            ), done.stderr

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from replystream.engine.upstream_config import (
     UpstreamTarget,
     key_problem,
     upstream_identity,
+    upstream_limit,
 )
 from replystream.server import metrics_dir
 from replystream.server.engine_settings import API_KEY_ENV, ENGINE_SETTINGS
@@ -354,6 +356,10 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
         raise ValueError(f"--upstream-routes {exc}") from None
     except ValueError as exc:
         raise ValueError(f"--engine upstream: {exc}") from None
+    if args.workers > 1 or metrics_dir.shared_slots_folder() is not None:
+        problem = shared_slots_problem(config)
+        if problem is not None:
+            raise ValueError(problem)
     given = {row.flag for row in settings.given(args)}
     if "--upstream-ttft-s" in given and config.ttft_s > config.failover_s:
         # As a routes file's ttft_s past it is refused: the window would end every wait first.
@@ -363,6 +369,31 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
             "--upstream-failover-s too"
         )
     return config
+
+
+def shared_slots_problem(config: UpstreamConfig) -> str | None:
+    """What limits of requests at once too high for ``--workers`` are, said; None when they
+    fit. The workers hold each limit together through one open file per slot, which every
+    worker keeps open: past what a process may open (``ulimit -n``), the files would take
+    the descriptors its connections need, and it would accept none. Half is left for them
+    (each relayed reply holds two: its client's and its upstream's)."""
+    limits = [(upstream_limit(t, config), t) for t in config.targets]
+    limited = [(limit, t) for limit, t in limits if limit is not None]
+    total = sum(limit for limit, _ in limited)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if not limited or soft == resource.RLIM_INFINITY or total <= soft // 2:
+        return None
+    _, largest = max(limited, key=lambda pair: pair[0])
+    if largest.max_outstanding is not None and largest.entry is not None:
+        source = f"--upstream-routes {largest.entry}.max_outstanding"
+    else:
+        source = "--upstream-max-outstanding"
+    return (
+        f"{source}: with --workers each worker keeps a file open per request an upstream "
+        f"may be sent at once, {total} here, past half the {soft} files a process may open "
+        f"(ulimit -n; the other half is for connections): lower the limits, or raise "
+        f"ulimit -n to {2 * total} or more"
+    )
 
 
 def queue_without_limit(args: argparse.Namespace, config: UpstreamConfig) -> str | None:
