@@ -160,3 +160,31 @@ def test_without_a_table_of_locks_the_count_is_of_the_slots_this_process_holds(t
     assert blind.take(3) is not None
     assert blind.taken(3) == 1  # its own; the other's cannot be seen without trying it
     assert other.taken(3) == 2  # read from the kernel's table
+
+
+def test_slot_files_past_the_open_files_allowed_are_all_closed_again(tmp_path: Path):
+    """Out of descriptors half-way, the files opened so far were kept: the process then had
+    none left for a connection. None is kept, and a limit that fits opens as before."""
+    script = (
+        "import os, resource, sys\n"
+        "from pathlib import Path\n"
+        "from replystream.engine.upstream_slots import SlotFiles\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "slots = SlotFiles(Path(sys.argv[1]))\n"
+        "before = len(os.listdir('/proc/self/fd'))\n"
+        "try:\n"
+        "    slots.open(1000)\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno)\n"
+        "print(len(os.listdir('/proc/self/fd')) - before)\n"
+        "print(slots.take(2) is not None and slots.take(2) is not None and slots.take(2) is None)\n"
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "slots")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["24", "0", "True"], done.stdout  # EMFILE; none kept

@@ -129,11 +129,20 @@ class SlotFiles:
         higher limit before: requests under way may hold them)."""
         self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         limit = max(limit, len(os.listdir(self._folder)))
-        while len(self._fds) < limit:
-            path = self._folder / str(len(self._fds))
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            self._fds.append(fd)
-            self._inodes.append(os.fstat(fd).st_ino)
+        had = len(self._fds)
+        try:
+            while len(self._fds) < limit:
+                path = self._folder / str(len(self._fds))
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._fds.append(fd)
+                self._inodes.append(os.fstat(fd).st_ino)
+        except OSError:
+            # None of them kept: out of descriptors, a process that held them all would
+            # accept no connection and open no upstream's.
+            for fd in self._fds[had:]:
+                os.close(fd)
+            del self._fds[had:], self._inodes[had:]
+            raise
 
     def _try(self, index: int) -> bool:
         try:
