@@ -454,3 +454,35 @@ def test_a_limit_past_the_files_workers_may_open_stops_the_start_and_check_in_a_
                 "a file open per request an upstream may be sent at once, 2000 here, past half "
                 "the 1024 files a process may open (ulimit -n;"
             ), done.stderr
+
+
+async def test_a_request_waiting_for_room_at_an_upstream_taken_out_is_told_so(tmp_path: Path):
+    """A request in line for an upstream at its limit, whose routes went with a reload: its
+    503 said every circuit was open after repeated failures, and none was."""
+    async with (
+        replica(*upstream("slow " * 30, "model-s", delay_ms="100")) as (_, slow),
+        replica(*upstream("beta", "model-b")) as (_, b),
+    ):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((slow, "model-s")) + "max_outstanding = 1\n")
+        async with relay(file, "--upstream-queue-s", "30") as (process, url, stderr):
+            under_way = asyncio.create_task(ask(url, "model-s"))
+            await wait_for_outstanding(url, f"{slow}/v1")
+            body = {"model": "model-s", "messages": [{"role": "user", "content": "hi"}]}
+            waiting = asyncio.create_task(post_events(f"{url}/v1/chat/completions", body))
+            row = ("replystream_upstream_queued", ())
+            async with asyncio.timeout(20):
+                while samples((await get(f"{url}/metrics"))[1]).get(row, 0.0) < 1:  # noqa: ASYNC110  (another process)
+                    await asyncio.sleep(0.05)
+            file.write_text(routes((b, "model-b")))
+            process.send_signal(signal.SIGHUP)
+            await stderr.wait_for("routes reloaded")
+            got = await waiting
+            assert got.status == 503, got.raw
+            error = json.loads(got.raw)["error"]
+            assert error["code"] == "upstream_unavailable", error
+            assert error["message"] == (
+                "no upstream serving model-s is left: the routes changed while the request "
+                "waited for room (or its upstreams list it no more)"
+            ), error
+            assert await under_way == "slow " * 30  # whole

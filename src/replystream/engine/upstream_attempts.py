@@ -461,15 +461,21 @@ def gave_up(
     attempts: int,
 ) -> EngineError:
     """What a request ends with when no upstream is left to try: the last attempt's failure
-    (naming how many were tried), or, when none could be tried, that every circuit is open; a
-    503 says when some upstream serving ``models`` may take a request."""
+    (naming how many were tried), or, when none could be tried, that every circuit is open,
+    or that none serving ``models`` is left in the routes; a 503 says when some upstream
+    serving ``models`` may take a request."""
     error = last_error
-    if error is None:
-        problems = "; ".join(
-            b.problem or f"{b.name} is failing"
-            for b in pool.backends
-            if any(b.serves(model) for model in models)
+    serving_them = [b for b in pool.backends if any(b.serves(model) for model in models)]
+    if error is None and not serving_them:
+        # Served when the request came: the routes file read again while it waited in line
+        # took its upstreams out (or they list the model no more).
+        error = NoUpstream(
+            f"no upstream{serving(models)} is left: the routes changed while the request "
+            "waited for room (or its upstreams list it no more)",
+            code="upstream_unavailable",
         )
+    elif error is None:
+        problems = "; ".join(b.problem or f"{b.name} is failing" for b in serving_them)
         error = NoUpstream(
             f"no upstream{serving(models)} can take a request now (each circuit is open, after "
             f"repeated failures or for as long as its upstream asked): {problems}",
