@@ -179,3 +179,23 @@ def test_a_list_of_models_names_each_once_printably(tmp_path: Path, models: str,
     path.write_text(f'[[upstreams]]\nurl = "http://127.0.0.1:9/v1"\nmodels = {models}\n')
     with pytest.raises(ValueError, match=re.escape(said)):
         load_routes(path)
+
+
+@pytest.mark.parametrize(
+    ("tables", "said"),
+    [
+        ('[aliases]\n"a\\nb" = "m"\n', 'aliases."a\\nb": a name holds a control character'),
+        ('[aliases]\na = "m\\tx"\n', "aliases.a: a name holds a control character"),
+        ('[fallbacks]\nm = ["n\\rx"]\n', "fallbacks.m: a name holds a control character"),
+    ],
+    ids=["alias", "aliased-model", "fallback"],
+)
+def test_alias_and_fallback_names_are_printable_as_models_are(
+    tmp_path: Path, tables: str, said: str
+):
+    # An upstream's models refused a line break; an alias (listed by /v1/models as a model)
+    # or a fallback took one without a word.
+    path = tmp_path / "routes.toml"
+    path.write_text(f'[[upstreams]]\nurl = "http://127.0.0.1:9/v1"\n{tables}')
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_routes(path)

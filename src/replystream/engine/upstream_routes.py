@@ -293,6 +293,17 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
         )
     served = {m for t in targets for m in t.models}
     every_listed = all(t.models for t in targets)
+    for table, names in (
+        ("aliases", {a: [m] for a, m in parsed.aliases.items()}),
+        ("fallbacks", parsed.fallbacks),
+    ):
+        for name, others in names.items():
+            if not all(text.isprintable() for text in (name, *others)):
+                # As an upstream's models: a model name is one line of printable text.
+                raise ValueError(
+                    f"{path}: {table}.{shown(name)}: a name holds a control character "
+                    "(a line break, a tab)"
+                )
     for alias, model in parsed.aliases.items():
         if model == alias:
             raise ValueError(f"{path}: aliases.{shown(alias)}: is its own model")
