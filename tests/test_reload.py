@@ -486,3 +486,27 @@ async def test_a_request_waiting_for_room_at_an_upstream_taken_out_is_told_so(tm
                 "waited for room (or its upstreams list it no more)"
             ), error
             assert await under_way == "slow " * 30  # whole
+
+
+async def test_a_file_replaced_by_a_pipe_is_refused_and_the_server_serves_on(tmp_path: Path):
+    """Read in the event loop, a pipe in place of the routes file or the keys file waited
+    for a writer: the whole server stopped answering, its replies stalled."""
+    async with replica(*upstream("alpha", "model-a")) as (_, a):
+        file = tmp_path / "routes.toml"
+        file.write_text(routes((a, "model-a")))
+        async with relay(file) as (process, url, stderr):
+            file.unlink()
+            os.mkfifo(file)
+            process.send_signal(signal.SIGHUP)
+            [line] = await stderr.wait_for("routes not reloaded")
+            assert f"{file}: is not a regular file (a pipe, a device)" in line, line
+            assert await ask(url, "model-a") == "alpha "
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-one\n")
+    async with keyed(keys) as (process, url, stderr):
+        keys.unlink()
+        os.mkfifo(keys)
+        process.send_signal(signal.SIGHUP)
+        [line] = await stderr.wait_for("api_keys not reloaded")
+        assert f"{keys}: is not a regular file (a pipe, a device)" in line, line
+        assert await status_with(url, "sk-one") == 200

@@ -44,6 +44,7 @@ import json
 import os
 import re
 import ssl
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -228,6 +229,19 @@ def _tls(entry: UpstreamEntry, where: str, folder: Path) -> ssl.SSLContext | Non
     return context
 
 
+def _not_a_file(path: Path) -> bool:
+    """Whether ``path`` is there and neither a file nor a folder (which reading names).
+
+    Raises:
+        OSError: it cannot be looked at.
+    """
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return False  # said by reading it
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
     """Read and check a routes file.
 
@@ -236,6 +250,10 @@ def load_routes(path: Path, env: Mapping[str, str] | None = None) -> Routes:
     """
     env = os.environ if env is None else env
     try:
+        if _not_a_file(path):
+            # A pipe would be read until a writer closes it (a reload's wait stopping the
+            # server), a device for ever.
+            raise ValueError(f"{path}: is not a regular file (a pipe, a device): want the file")
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None

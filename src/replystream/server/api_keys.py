@@ -7,6 +7,7 @@ aiohttp) so that a wrong key or file is told before the server loads.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +20,11 @@ def read_keys_file(path: Path) -> list[str]:
             (auth would silently be off otherwise).
     """
     try:
+        mode = path.stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            # A pipe would be read until a writer closes it (a reload's wait stopping the
+            # server), a device for ever.
+            raise ValueError(f"{path}: is not a regular file (a pipe, a device): want the file")
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
