@@ -510,3 +510,33 @@ async def test_a_file_replaced_by_a_pipe_is_refused_and_the_server_serves_on(tmp
         [line] = await stderr.wait_for("api_keys not reloaded")
         assert f"{keys}: is not a regular file (a pipe, a device)" in line, line
         assert await status_with(url, "sk-one") == 200
+
+
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_workers_close_the_slot_files_of_upstreams_a_reload_took_out(tmp_path: Path):
+    """With ``--workers`` each limited upstream's slots are files every worker keeps open;
+    those of an upstream taken out stayed open for good, so routes rewritten as upstreams
+    come and go (a pod's address each) ran the workers out of descriptors."""
+    async with (
+        replica(*upstream("slow " * 30, "model-s", delay_ms="100")) as (_, slow),
+        replica(*upstream("alpha", "model-a")) as (_, a),
+    ):
+        file = tmp_path / "routes.toml"
+        limited = "max_outstanding = 200\n"
+        file.write_text(routes((slow, "model-s")) + limited)
+        async with relay(file, "--workers", "2") as (process, url, stderr):
+            under_way = asyncio.create_task(ask(url, "model-s"))
+            await wait_for_outstanding(url, f"{slow}/v1")
+            workers = children_of(process.pid)
+            before = {pid: open_files(pid) for pid in workers}
+            for n in range(1, 4):  # each time another limited upstream, the last one gone
+                file.write_text(routes((f"{a}/p{n}", "model-a")) + limited)
+                process.send_signal(signal.SIGHUP)
+                await stderr.wait_for("routes reloaded", count=2 * n)
+            assert await under_way == "slow " * 30  # its slot kept to its end
+            after = {pid: open_files(pid) for pid in workers}
+            # One limited upstream's 200 files at most, not one set per upstream ever routed.
+            assert all(after[pid] < before[pid] + 100 for pid in workers), (before, after)

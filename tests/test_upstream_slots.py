@@ -13,7 +13,7 @@ from subprocess import PIPE
 
 import pytest
 
-from replystream.engine.upstream_slots import LOCKS, Lines, LockTable, SlotFiles
+from replystream.engine.upstream_slots import LOCKS, Lines, LockTable, SharedLimits, SlotFiles
 
 
 def test_two_holders_of_one_folder_take_no_more_slots_than_the_limit_together(tmp_path: Path):
@@ -188,3 +188,21 @@ def test_slot_files_past_the_open_files_allowed_are_all_closed_again(tmp_path: P
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["24", "0", "True"], done.stdout  # EMFILE; none kept
+
+
+def test_an_upstream_taken_out_closes_its_files_once_its_last_slot_is_given_back(
+    tmp_path: Path,
+):
+    shared = SharedLimits(tmp_path)
+    gone = shared.slots("http://gone/v1")
+    held = gone.take(3)
+    assert held is not None
+    before = len(os.listdir("/proc/self/fd"))
+    shared.forget("http://gone/v1")  # a reply under way there keeps its slot
+    assert len(os.listdir("/proc/self/fd")) == before
+    back = shared.slots("http://gone/v1")  # put back while it runs: it still counts
+    assert back is not gone and back.free(3, 3) == 2
+    gone.give_back(held)
+    assert back.free(3, 3) == 3
+    assert len(os.listdir("/proc/self/fd")) == before  # the first's 3 closed, its own 3 open
+    shared.close()

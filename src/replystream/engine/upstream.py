@@ -772,6 +772,8 @@ class UpstreamEngine:
                 self._departed.pop(backend.name, None)
             for name in removed:
                 self._departed[name] = before[name]
+                if self._shared is not None:
+                    self._shared.forget(name)
                 origin = self._origins.pop(name, None)
                 if origin is not None:
                     origin.retire()

@@ -103,7 +103,7 @@ def _flock_inodes(table: str) -> list[int]:
 class SlotFiles:
     """One upstream's slot files, as this process holds them."""
 
-    __slots__ = ("_fds", "_folder", "_held", "_inodes", "_locks", "_next")
+    __slots__ = ("_fds", "_folder", "_held", "_inodes", "_locks", "_next", "_retired")
 
     def __init__(
         self,
@@ -117,6 +117,7 @@ class SlotFiles:
         self._inodes: list[int] = []  # each file's, as the table of locks names it
         self._held: set[int] = set()  # the slots this process holds
         self._next = 0  # where the next try starts
+        self._retired = False  # its upstream left the routes: closed once none is held
         # Shared by the upstreams of one server (one read of the table for them all).
         self._locks = LockTable(clock) if locks is None else locks
 
@@ -194,6 +195,15 @@ class SlotFiles:
         if index in self._held:
             self._held.discard(index)
             fcntl.flock(self._fds[index], fcntl.LOCK_UN)
+            if self._retired and not self._held:
+                self.close()
+
+    def retire(self) -> None:
+        """Its upstream left the routes: close the files now, or once the last slot this
+        process holds is given back (an attempt under way there keeps its slot to its end)."""
+        self._retired = True
+        if not self._held:
+            self.close()
 
     def free(self, limit: int, most: int) -> int:
         """How many requests more the upstream may be sent within ``limit`` now, counted
@@ -374,6 +384,14 @@ class SharedLimits:
             digest = "u" + hashlib.sha256(name.encode()).hexdigest()[:32]
             files = self._upstreams[name] = SlotFiles(self.folder / digest, locks=self._locks)
         return files
+
+    def forget(self, name: str) -> None:
+        """The upstream at ``name`` left the routes: its files are closed as its attempts
+        under way end (each upstream taken out kept every worker's descriptors for good).
+        Put back, it opens them again; slots still held then count against its limit."""
+        files = self._upstreams.pop(name, None)
+        if files is not None:
+            files.retire()
 
     def close(self) -> None:
         for files in self._upstreams.values():
