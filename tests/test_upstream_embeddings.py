@@ -34,6 +34,16 @@ def vector(text: str, index: int) -> list[float]:
     return [float(len(text)), float(index), 0.5, -0.25]
 
 
+# Embeddings no client can read, as an upstream might write them.
+BAD_VECTORS = {
+    "words": b'["a", null, {}]',
+    "nan": b"[0.5, NaN, Infinity]",
+    "nested": b"[[0.5]]",
+    "not_base64": b'"!!!not base64"',
+    "ragged_base64": b'"AAAAAAA="',  # 5 bytes: no whole float32s
+}
+
+
 class EmbeddingUpstream:
     """An OpenAI-compatible embeddings server answering as ``mode`` says."""
 
@@ -70,6 +80,10 @@ class EmbeddingUpstream:
             return web.Response(body=self.large, content_type="application/json")
         if self.mode == "garbage":
             return web.json_response({"object": "list", "data": "no"})
+        if self.mode in BAD_VECTORS:  # a list of embeddings, one of which no client reads
+            item = b'{"object": "embedding", "index": 0, "embedding": ' + BAD_VECTORS[self.mode]
+            answer = b'{"object": "list", "data": [' + item + b'}], "model": "m"}'
+            return web.Response(body=answer, content_type="application/json")
         if self.mode == "stall_body":  # a head and part of the body, then nothing for a while
             response = web.StreamResponse(headers={"Content-Length": "1000"})
             await response.prepare(request)
@@ -246,6 +260,17 @@ async def test_a_dead_upstream_and_a_cut_answer_are_failures_another_upstream_an
         got = [await post(url, {"model": "m", "input": "x"}) for _ in range(3)]
     assert all(status == 200 for status, _ in got), got
     assert len(ok.bodies) == 3
+
+
+@pytest.mark.parametrize("mode", sorted(BAD_VECTORS))
+async def test_an_embedding_no_client_reads_is_the_upstreams_failure(mode: str):
+    async with relay([EmbeddingUpstream(["m"], mode=mode)]) as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 502 and body["error"]["code"] == "upstream_bad_response", body
+    bad, ok = EmbeddingUpstream(["m"], mode=mode), EmbeddingUpstream(["m"])
+    async with relay([bad, ok]) as url:
+        got = [await post(url, {"model": "m", "input": "x"}) for _ in range(3)]
+    assert all(status == 200 for status, _ in got), got  # the next upstream answered
 
 
 async def test_upstreams_that_make_no_embeddings_are_passed_over_and_stay_in_chat_routing():

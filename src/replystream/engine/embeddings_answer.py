@@ -6,8 +6,8 @@ floats made Python objects) and written again, it held the relay's loop for half
 and every stream it carried with it. This file decides how an answer is read instead: in
 slices of about ``SLICE_BYTES``, the loop turning between them. Its structure comes from the
 bytes that make it (quotes and brackets, each kind found by a ``bytes.find``, strings skipped
-whole); each item of its ``data`` is parsed on its own (every number checked, then dropped),
-the rest of it parsed with ``data`` emptied, and what lies between the items checked to be
+whole); each item of its ``data`` is parsed on its own (its embedding checked to be finite
+numbers, or base64 of float32s, then dropped), the rest of it parsed with ``data`` emptied, and what lies between the items checked to be
 commas and blanks: the whole text is checked as JSON, as a full parse would check it. The
 answer goes on as the upstream wrote it, ``data`` byte for byte, its other fields written
 again with ``model`` the name asked for.
@@ -16,6 +16,8 @@ again with ``model`` the name asked for.
 from __future__ import annotations
 
 import asyncio
+import binascii
+import math
 import re
 from typing import Any
 
@@ -36,6 +38,27 @@ def _past_blanks(raw: bytes, at: int) -> int:
     blanks = _BLANK.match(raw, at)
     assert blanks is not None  # (it matches nothing as well)
     return blanks.end()
+
+
+_NUMBERS = frozenset({int, float})
+
+
+def sound_embedding(embedding: object) -> bool:
+    """An embedding as OpenAI's API writes one: a list of finite numbers (``float``), or
+    (``base64``) the base64 of little-endian float32s, which a client decodes with NumPy."""
+    if type(embedding) is list:
+        if not set(map(type, embedding)) <= _NUMBERS:  # in C: a few ns a number
+            return False
+        try:
+            return math.isfinite(sum(embedding))  # any NaN or infinity makes the sum one
+        except OverflowError:  # an integer past any float
+            return False
+    if type(embedding) is str:
+        try:
+            return len(binascii.a2b_base64(embedding, strict_mode=True)) % 4 == 0
+        except ValueError:  # binascii.Error, or a character past ASCII
+            return False
+    return False
 
 
 class _Malformed(Exception):
@@ -185,7 +208,7 @@ async def _check_items(raw: bytes, data: tuple[int, int], items: list[tuple[int,
         if index and _COMMA.fullmatch(raw, items[index - 1][1], start) is None:
             raise _Malformed
         item = from_json(raw[start:end])
-        if not isinstance(item, dict) or not isinstance(item.get("embedding"), list | str):
+        if not isinstance(item, dict) or not sound_embedding(item.get("embedding")):
             raise _Malformed
         read += end - start
         if read >= SLICE_BYTES:
