@@ -82,8 +82,8 @@ class EmbeddingUpstream:
             return web.json_response({"object": "list", "data": "no"})
         if self.mode in BAD_VECTORS:  # a list of embeddings, one of which no client reads
             item = b'{"object": "embedding", "index": 0, "embedding": ' + BAD_VECTORS[self.mode]
-            answer = b'{"object": "list", "data": [' + item + b'}], "model": "m"}'
-            return web.Response(body=answer, content_type="application/json")
+            written = b'{"object": "list", "data": [' + item + b'}], "model": "m"}'
+            return web.Response(body=written, content_type="application/json")
         if self.mode == "stall_body":  # a head and part of the body, then nothing for a while
             response = web.StreamResponse(headers={"Content-Length": "1000"})
             await response.prepare(request)

@@ -7,8 +7,9 @@ and every stream it carried with it. This file decides how an answer is read ins
 slices of about ``SLICE_BYTES``, the loop turning between them. Its structure comes from the
 bytes that make it (quotes and brackets, each kind found by a ``bytes.find``, strings skipped
 whole); each item of its ``data`` is parsed on its own (its embedding checked to be finite
-numbers, or base64 of float32s, then dropped), the rest of it parsed with ``data`` emptied, and what lies between the items checked to be
-commas and blanks: the whole text is checked as JSON, as a full parse would check it. The
+numbers, or base64 of float32s, then dropped), the rest of it parsed with ``data`` emptied,
+and what lies between the items checked to be commas and blanks: the whole text is checked
+as JSON, as a full parse would check it. The
 answer goes on as the upstream wrote it, ``data`` byte for byte, its other fields written
 again with ``model`` the name asked for.
 """
