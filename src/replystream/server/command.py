@@ -208,8 +208,9 @@ def run(args: argparse.Namespace) -> int:
         if args.workers > 1 and args.listen_fd is None:  # (a worker never has workers)
             if args.redis_url is None:
                 log.warning(
-                    "--workers without --redis-url: a reply can be resumed only "
-                    "through the worker that made it"
+                    "--workers without --redis-url: a reply can be resumed, and a stored "
+                    "response read or continued (previous_response_id), only through the "
+                    "worker that made it; elsewhere it is not found"
                 )
             if args.max_concurrent_per_client or args.requests_per_minute:
                 log.warning(

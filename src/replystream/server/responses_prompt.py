@@ -30,6 +30,7 @@ from replystream.server.responses_stored import (
     response_said,
     stored_conversation,
 )
+from replystream.server.resume_points import not_found_here
 from replystream.server.tool_requests import (
     Origin,
     answers_after_calls,
@@ -99,8 +100,11 @@ async def _history(request: web.Request, previous: str) -> Messages:
         # as coding agents read to send the whole conversation instead.
         raise HTTPAPIError(
             400,
-            f"no response {previous!r} was found to continue (previous_response_id): it never "
-            "existed here, was deleted, or has expired",
+            not_found_here(
+                request.app,
+                f"no response {previous!r} was found to continue (previous_response_id): it "
+                "never existed here, was deleted, or has expired",
+            ),
             code="previous_response_not_found",
             param="previous_response_id",
         ) from None

@@ -14,8 +14,14 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from replystream.delivery.replay import ReplayStore, StoreUnavailable
-from replystream.server.context import LOCAL_STORE_KEY, MANAGER_KEY, STORE_KEY, owner_of
+from replystream.delivery.replay import MemoryReplayStore, ReplayStore, StoreUnavailable
+from replystream.server.context import (
+    LOCAL_STORE_KEY,
+    MANAGER_KEY,
+    METRICS_KEY,
+    STORE_KEY,
+    owner_of,
+)
 from replystream.server.errors import HTTPAPIError
 from replystream.server.guard import REPLY_ID
 from replystream.server.query_schemas import ResumeCursor
@@ -74,6 +80,22 @@ def resume_after(
 
 
 NO_SUCH_REPLY = "no such reply (unknown, expired, or not yours)"
+# Said after it by a worker of ``--workers`` whose replies are in its own memory: the reply
+# may be another worker's, which a client asking again may reach, and ``--redis-url`` fixes.
+ANOTHER_WORKERS = (
+    "; or made by another of this server's workers, which keep their replies apart "
+    "without --redis-url"
+)
+
+
+def not_found_here(app: web.Application, missing: str) -> str:
+    """``missing`` (a 404's message), and on a worker of ``--workers`` whose replies no other
+    worker can read (the memory store: they share their metrics' folder, not their replies)
+    the likelier reason: made by another worker."""
+    shared_metrics = app[METRICS_KEY].multiprocess_dir is not None
+    if shared_metrics and isinstance(app[STORE_KEY], MemoryReplayStore):
+        return missing + ANOTHER_WORKERS
+    return missing
 
 
 async def find_reply(
@@ -105,7 +127,7 @@ async def find_reply(
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     # Another key's reply looks exactly like one that does not exist.
     if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
-        raise HTTPAPIError(404, missing, code="reply_not_found", param=param)
+        raise HTTPAPIError(404, not_found_here(app, missing), code="reply_not_found", param=param)
     request[REPLY_ID] = reply_id  # its access-log line names it (a cancel's, a read's too)
     return reply_id, store, local
 
