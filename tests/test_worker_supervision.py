@@ -360,3 +360,19 @@ async def test_ctrl_c_while_the_workers_start_stops_them_all_without_a_traceback
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert status == 0, stderr
     assert not any(alive(pid) for pid in workers)
+
+
+def test_a_folder_without_a_hugging_face_model_is_said_once_before_any_worker_starts(
+    tmp_path: Path,
+):
+    """Found without loading torch, so by serve itself: not by each worker in turn, each
+    saying it again."""
+    argv = [sys.executable, "-m", "replystream", "serve", "--engine", f"hf:{tmp_path}"]
+    done = subprocess.run(
+        [*argv, "--port", "0", "--workers", "3"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"replystream serve: --engine hf:PATH: {tmp_path} is not a Hugging Face model folder "
+        "(no config.json)\n"
+    )

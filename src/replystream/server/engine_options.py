@@ -135,8 +135,9 @@ def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
     """Before ``serve --workers`` starts any worker, find the mistakes it can find at little
     cost, so each is said once, not by every worker: the relay and the simulated engine are
     built once and dropped (they load nothing); a GGUF model's file is opened, its header
-    read, and its tokenizer and chat template built (its weights stay unread). The rest each
-    worker finds as it loads its model.
+    read, and its tokenizer and chat template built (its weights stay unread); a Hugging
+    Face model's folder is checked as its engine checks it first. The rest each worker finds
+    as it loads its model.
 
     Raises:
         ValueError: what ``build_engine`` would raise.
@@ -145,6 +146,12 @@ def check_engine(args: argparse.Namespace, choice: EngineChoice) -> None:
         build_upstream(args, choice)  # opens nothing until it serves
     elif choice.kind == "simulated":
         build_simulated(args)
+    elif choice.kind == "hf":
+        assert choice.path is not None
+        try:
+            check_model_folder(choice.path)  # the weights, and torch, are the workers' to load
+        except ValueError as exc:
+            raise ValueError(f"--engine hf:PATH: {exc}") from None
     elif choice.kind in ("smollm2", "gguf"):
         label = "smollm2" if choice.path is None else "gguf:PATH"
         path = smollm2_path() if choice.path is None else choice.path
