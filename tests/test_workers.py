@@ -127,3 +127,36 @@ async def test_a_worker_that_does_not_stop_is_killed_after_the_grace_and_its_mar
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         await stop(process)
+
+
+async def test_a_worker_that_dies_during_the_stop_is_said_and_fails_the_exit_status():
+    process = await launch(
+        "--engine", "simulated", "--delay-ms", "50", "--workers", "2",
+        "--shutdown-grace-s", "30",
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        url = await ready_url(process)
+        workers = children_of(process.pid)
+        os.kill(workers[1], signal.SIGSTOP)  # so that the other takes the stream
+        try:
+            reply = await raw_request(f"{url}/v1/replies", "POST", b'{"prompt": "x"}')
+        finally:
+            os.kill(workers[1], signal.SIGCONT)
+        await reply.reader.readuntil(b"event: token")
+        process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1)  # the stop under way: the reply has its grace to finish in
+        os.kill(workers[0], signal.SIGKILL)  # the OOM killer, say: the reply is cut
+        await asyncio.wait_for(process.wait(), 30)
+        assert process.stderr is not None
+        said = (await process.stderr.read()).decode()
+        assert f"worker {workers[0]} was killed by SIGKILL while the server stopped" in said, said
+        assert f"worker {workers[1]}" not in said, said  # it stopped gracefully
+        assert process.returncode == 1
+        await reply.aclose()
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        await stop(process)

@@ -43,7 +43,8 @@ log = logging.getLogger("replystream.server")
 # The exit status of ``serve --workers`` when a worker exits before every worker was ready:
 # the server never served, and says so instead of restarting what may never start.
 START_FAILED_EXIT = 1
-# The exit status when a worker had to be killed at the stop (it did not stop in time).
+# The exit status when a worker did not stop gracefully: it had to be killed at the stop (it
+# did not stop in time), or it ended otherwise during it (a crash, a SIGKILL from outside).
 KILLED_AT_STOP_EXIT = 1
 # What a worker writes on its ready pipe.
 READY_BYTE = b"R"
@@ -161,6 +162,7 @@ class Supervisor:
         # From the first stop signal: when a worker still there is killed.
         self._kill_after_s = kill_after_s
         self._kill_at: float | None = None
+        self._killed: set[int] = set()  # the workers killed for not stopping (said already)
 
     def run(self, announce: Callable[[str], list[str]], *, reloads: bool = False) -> int:
         signal.signal(signal.SIGINT, self._forward)
@@ -262,6 +264,7 @@ class Supervisor:
         # Its counts stay in the totals; what it held (live gauges) does not.
         mark_process_dead(process.pid, self._folder)  # type: ignore[no-untyped-call]
         if self._stopping:
+            self._ended_in_the_stop(slot, process.pid, status)
             return
         ended = f"worker {process.pid} {how_it_ended(status)}"
         if status == REFUSED_EXIT and not self._announced:
@@ -292,6 +295,21 @@ class Supervisor:
                 restart.delay_s,
                 restart.in_a_row,
             )
+
+    def _ended_in_the_stop(self, slot: Slot, pid: int, status: int) -> None:
+        """A worker that exited once the server was stopping: gracefully is status 0 (or, one
+        not serving yet, SIGTERM's own end: it had nothing to finish). Any other end of a
+        server that served cut its replies, so it is said, and in the exit status, as a worker
+        killed for not stopping."""
+        graceful = status == 0 or (status == -signal.SIGTERM and slot.serving_since is None)
+        # Before the server was ready, a start that failed stops it: the others refusing too
+        # (status 2, each said) or killed in their start have no replies to cut.
+        if graceful or pid in self._killed or not self._announced:
+            return
+        log.error(
+            "worker %d %s while the server stopped: its replies were cut", pid, how_it_ended(status)
+        )
+        self._status = self._status or KILLED_AT_STOP_EXIT
 
     def _cannot_start(self, slot: Slot, what: str) -> None:
         """A worker could not be started, or exited: before the server was ready that stops
@@ -329,6 +347,7 @@ class Supervisor:
                     STOP_MARGIN_S,
                 )
                 slot.process.kill()
+                self._killed.add(slot.process.pid)
                 # The stop was not graceful: its replies were cut. Said in the exit status, so
                 # systemd or a CI script sees it (unless a failure already set one).
                 self._status = self._status or KILLED_AT_STOP_EXIT
