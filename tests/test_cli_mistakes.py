@@ -1466,3 +1466,22 @@ def test_serve_check_says_a_configuration_is_sound_without_serving_it(tmp_path: 
     unsound = run("serve", "--check", "--engine", "upstream", "--upstream-routes", str(routes))
     assert unsound.returncode == 2 and unsound.stdout == ""
     assert f"{routes}: upstreams[0].weight: input should be" in one_line(unsound)
+
+
+def test_workers_with_a_handed_socket_are_refused_not_ignored():
+    # A process handed a socket (--listen-fd) is one worker: it served alone, --workers unsaid.
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        fd = listening.fileno()
+        done = subprocess.run(
+            [*CLI, "serve", "--engine", "simulated", "--listen-fd", str(fd), "--workers", "2"],
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("replystream serve: --workers 2 with --listen-fd: "), line
+    assert READY_PREFIX not in done.stdout

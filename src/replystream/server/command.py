@@ -143,8 +143,16 @@ def check_worker_descriptors(args: argparse.Namespace) -> None:
     worker first uses one (a ready pipe's, once it serves: a traceback after its URL).
 
     Raises:
-        ValueError: one is not open, or the ready pipe is not open for writing.
+        ValueError: one is not open, or the ready pipe is not open for writing; or
+            ``--workers`` asks for more than the one process a handed socket gets.
     """
+    if args.listen_fd is not None and args.workers > 1:
+        # A worker serves the socket it is handed, alone: --workers would be ignored.
+        raise ValueError(
+            f"--workers {args.workers} with --listen-fd: a process handed a socket serves it "
+            "alone; drop --listen-fd (serve --workers opens the socket and hands it to its "
+            "workers)"
+        )
     for flag, fd in (("--listen-fd", args.listen_fd), ("--ready-fd", args.ready_fd)):
         if fd is None:
             continue
