@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
                     "--requests-per-minute",
                     args.workers,
                 )
-            sock = listen(args.host, args.port)
+            sock = listen(args.host, args.port, shared=True)
             return run_workers(
                 worker_argv(sys.argv),
                 args.workers,
@@ -343,14 +343,19 @@ def _answers(host: str, port: int) -> bool:
         return False
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The listening socket for ``--host`` and ``--port``.
+def listen(host: str, port: int, *, shared: bool = False) -> socket.socket:
+    """The listening socket for ``--host`` and ``--port`` (``shared``: the port's holder for
+    workers, ``bind_socket``'s).
 
     Raises:
         ValueError: one line naming the flag that cannot be served, and the fix.
     """
     try:
-        return bind_socket(host, port)
+        if shared and port and _answers(host, port):
+            # Bound with SO_REUSEPORT, it would share the port of another server of this
+            # user's that does too (another ``serve --workers``) instead of being refused.
+            raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+        return bind_socket(host, port, shared=shared)
     except socket.gaierror as exc:
         raise unresolved(host, exc) from None
     except OSError as exc:

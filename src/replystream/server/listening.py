@@ -17,8 +17,10 @@ LISTEN_BACKLOG = 4096
 REFUSED_EXIT = 2
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
     """A listening TCP socket on ``host:port``; port 0 lets the kernel pick a free one.
+    ``shared``: the port's holder for workers, bound and not listening, others bound to its
+    address with ``also_listening`` (``SO_REUSEPORT``) listening in its place.
 
     Raises:
         ValueError: ``port`` is not 0 to 65535 (the resolver would take a negative one as a
@@ -34,7 +36,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
+        if not shared:
+            sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def also_listening(holder: socket.socket) -> socket.socket:
+    """Another listening socket on ``holder``'s address (``bind_socket(shared=True)``): the
+    kernel spreads new connections evenly over every such socket that listens, one per
+    worker, instead of handing a burst to whichever worker woke first on one shared queue."""
+    sock = socket.socket(holder.family, holder.type, holder.proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(holder.getsockname())
         sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()

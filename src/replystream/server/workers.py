@@ -1,5 +1,13 @@
-"""``serve --workers N``: N processes of ``replystream serve`` on one listening socket, and
-the parent that supervises them.
+"""``serve --workers N``: N processes of ``replystream serve`` on one port, and the parent
+that supervises them.
+
+Each worker listens on a socket of its own, bound to the port with ``SO_REUSEPORT``, which the
+parent opens for it and hands it (``--listen-fd``): the kernel spreads new connections evenly
+over the workers. (On one shared socket, whichever worker woke first took every connection
+queued, a burst of 40 all on one of four workers.) The parent holds the port with a socket
+that does not listen, so it stays the server's while every worker restarts; a worker's socket
+is closed when the worker exits, so new connections go to the others until its replacement,
+on a new socket, is started.
 
 This file decides when the server says it is listening (once every worker accepts
 connections), how soon a worker that exited is started again, and how the workers are
@@ -34,7 +42,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from replystream import start_interrupt
 from replystream.server import metrics_dir
-from replystream.server.listening import REFUSED_EXIT, listening_lines
+from replystream.server.listening import REFUSED_EXIT, also_listening, listening_lines
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.restart_backoff import RestartBackoff
 
@@ -82,25 +90,27 @@ def run_workers(
     reloads: bool = False,
     grace_s: float = 10.0,
 ) -> int:
-    """Run ``workers`` processes of ``replystream serve`` accepting on one listening socket.
+    """Run ``workers`` processes of ``replystream serve`` accepting connections on one port.
 
-    The parent has bound ``sock``; it starts each worker with it inherited (``--listen-fd``),
-    and the kernel hands each new connection to one of them. It prints ``announce(url)`` once
-    every worker accepts connections; a worker that exits before that stops the server
-    (``START_FAILED_EXIT``), without that line. The parent forwards SIGINT and SIGTERM (each
-    worker then shuts down gracefully; one still starting, deaf to SIGINT, gets SIGTERM), starts
-    again a worker that exits on its own (waiting longer after each exit in a row of its slot:
-    ``restart_backoff``), and returns when all have stopped: a worker still there
-    ``STOP_MARGIN_S`` past the shutdown grace (``grace_s``) is killed. A worker that refuses
-    to start (``REFUSED_EXIT``: its command line, or a file it names, cannot be served) before
-    the server is ready stops it: the parent stops the others and returns ``REFUSED_EXIT``;
-    one restarted later is started again as after any exit, the others serving on. The workers
-    share their metrics through files in a fresh folder (``MULTIPROCESS_DIR_ENV``), so any
-    worker's ``/metrics`` counts them all; the parent removes it when it returns, and, as it starts,
-    those that parents killed outright left behind (``metrics_dir``). With ``reloads`` (the
-    workers read a file again on SIGHUP), the parent forwards SIGHUP to each worker once it is
-    ready (one still starting gets it when it is: it may have read the file before the edit);
-    without, a SIGHUP stops the workers as SIGTERM does.
+    The parent has bound ``sock`` (``bind_socket(shared=True)``: it holds the port, and does not
+    listen); it starts each worker with a listening socket of its own on that port
+    (``--listen-fd``), and the kernel hands each new connection to one of them. It prints
+    ``announce(url)`` once every worker accepts connections; a worker that exits before that
+    stops the server (``START_FAILED_EXIT``), without that line. The parent forwards SIGINT and
+    SIGTERM (each worker then shuts down gracefully; one still starting, deaf to SIGINT, gets
+    SIGTERM), starts again a worker that exits on its own (waiting longer after each exit in a
+    row of its slot: ``restart_backoff``), and returns when all have stopped: a worker still
+    there ``STOP_MARGIN_S`` past the shutdown grace (``grace_s``) is killed. A worker that
+    refuses to start (``REFUSED_EXIT``: its command line, or a file it names, cannot be served)
+    before the server is ready stops it: the parent stops the others and returns
+    ``REFUSED_EXIT``; one restarted later is started again as after any exit, the others serving
+    on. The workers share their metrics through files in a fresh folder
+    (``MULTIPROCESS_DIR_ENV``), so any worker's ``/metrics`` counts them all; the parent removes
+    it when it returns, and, as it starts, those that parents killed outright left behind
+    (``metrics_dir``). With ``reloads`` (the workers read a file again on SIGHUP), the parent
+    forwards SIGHUP to each worker once it is ready (one still starting gets it when it is: it
+    may have read the file before the edit); without, a SIGHUP stops the workers as SIGTERM
+    does.
     """
     metrics_dir.remove_stale_folders()
     with metrics_dir.owned_folder() as folder:
@@ -119,6 +129,7 @@ class Slot:
 
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
     process: subprocess.Popen[bytes] | None = None
+    listening: socket.socket | None = None  # the parent's copy of its worker's socket
     ready_pipe: int | None = None  # our end, until the worker said it is ready or died
     serving_since: float | None = None  # when it said it is ready (monotonic)
     restart_at: float | None = None
@@ -138,16 +149,13 @@ class Supervisor:
         *,
         kill_after_s: float,
     ) -> None:
-        sock.set_inheritable(True)
-        self._sock = sock
+        self._holder = sock
         self._command = [
             sys.executable,
             "-m",
             "replystream",
             "serve",
             *argv,
-            "--listen-fd",
-            str(sock.fileno()),
             "--parent-pid",
             str(os.getpid()),
         ]
@@ -177,9 +185,10 @@ class Supervisor:
             while not (self._stopping and all(s.process is None for s in self._slots)):
                 self._wait()
                 if self._stopping:
-                    # The workers stop listening as they take the signal; while this copy
-                    # is open the kernel would still queue new connections, unanswered.
-                    self._sock.close()
+                    # The workers stop listening as they take the signal; while these copies
+                    # are open the kernel would still queue new connections, unanswered.
+                    for slot in self._slots:
+                        self._stop_listening(slot)
                 now = time.monotonic()
                 for slot in self._slots:
                     self._reap(slot, now)
@@ -187,7 +196,7 @@ class Supervisor:
                     self._kill_the_stuck()
                 if not self._announced and not self._stopping:
                     if all(slot.serving_since is not None for slot in self._slots):
-                        print("\n".join(announce(url_of(self._sock))), flush=True)
+                        print("\n".join(announce(url_of(self._holder))), flush=True)
                         log.warning("%d workers share the port", len(self._slots))
                         self._announced = True
                 for slot in self._slots:
@@ -196,8 +205,9 @@ class Supervisor:
         finally:
             for slot in self._slots:
                 self._close_pipe(slot)
+                self._stop_listening(slot)
             self._selector.close()
-            self._sock.close()
+            self._holder.close()
         return self._status
 
     def _start(self, slot: Slot, again: bool = False) -> None:
@@ -205,11 +215,18 @@ class Supervisor:
         slot.hangup_due = False  # a new worker reads the file as it starts
         if self._stopping:
             return
+        try:
+            if slot.listening is None:
+                slot.listening = also_listening(self._holder)
+        except OSError as exc:
+            self._cannot_start(slot, f"cannot listen for a worker: {exc.strerror or exc}")
+            return
+        listening = slot.listening.fileno()
         read_end, write_end = os.pipe()
         try:
             slot.process = subprocess.Popen(
-                [*self._command, "--ready-fd", str(write_end)],
-                pass_fds=(self._sock.fileno(), write_end),
+                [*self._command, "--listen-fd", str(listening), "--ready-fd", str(write_end)],
+                pass_fds=(listening, write_end),
                 env=self._env,
                 # Deaf to SIGINT until it serves (its loop then takes it): a terminal's Ctrl-C
                 # reaches every process of its group, and a worker still importing would
@@ -260,6 +277,9 @@ class Supervisor:
         if process is None or (status := process.poll()) is None:
             return
         self._close_pipe(slot)
+        # Closed with it: the kernel hands new connections to the others' sockets (those it
+        # had queued for this one are refused) until another takes its place on a new one.
+        self._stop_listening(slot)
         slot.process = None
         # Its counts stay in the totals; what it held (live gauges) does not.
         mark_process_dead(process.pid, self._folder)  # type: ignore[no-untyped-call]
@@ -371,6 +391,12 @@ class Supervisor:
                 slot.hangup_due = True
             else:
                 slot.process.send_signal(signal.SIGHUP)
+
+    @staticmethod
+    def _stop_listening(slot: Slot) -> None:
+        if slot.listening is not None:
+            slot.listening.close()
+            slot.listening = None
 
     def _close_pipe(self, slot: Slot) -> None:
         if slot.ready_pipe is not None:
