@@ -85,6 +85,16 @@ async def settle(store: ReplayStore) -> None:
         await store.flush()
 
 
+async def test_a_store_says_whether_another_process_reads_its_replies(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("told"))
+    producer.append("told", frames(1, 2))
+    await settle(producer)
+    # Memory's two roles are one object: another process's store is another object.
+    elsewhere = reader if reader is not producer else MemoryReplayStore()
+    assert (await elsewhere.info("told") is not None) is producer.shared is reader.shared
+
+
 async def test_replay_after_an_id_then_follow_the_live_tail_to_the_end(stores):
     producer, reader = stores
     await producer.create(ReplyInfo("r1", owner="k"))

@@ -85,6 +85,7 @@ class RedisReplayStore:
     """A ``ReplayStore`` shared by every replica that points at the same Redis."""
 
     name = "redis"
+    shared = True
     # A reader's mark is left at once; its producer reads marks at its beats (and a beat
     # takes its own time): seen within a beat and a half.
     readers_elsewhere_seen_within_s = 1.5 * HEARTBEAT_S

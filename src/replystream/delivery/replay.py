@@ -210,6 +210,8 @@ class LogCursor(Protocol):
 
 class ReplayStore(Protocol):
     name: str
+    # Whether other processes (replicas, the workers of ``--workers``) read its replies.
+    shared: bool
     # How long after a reader on another replica starts reading its producer may be the last
     # to know (0: every reader is the producer's own): a detach grace waits that much more.
     readers_elsewhere_seen_within_s: float
@@ -389,6 +391,7 @@ class MemoryReplayStore:
     """
 
     name = "memory"
+    shared = False  # this process's memory
     readers_elsewhere_seen_within_s = 0.0
 
     def __init__(

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from replystream.delivery.replay import MemoryReplayStore, ReplayStore, StoreUnavailable
+from replystream.delivery.replay import ReplayStore, StoreUnavailable
 from replystream.server.context import (
     LOCAL_STORE_KEY,
     MANAGER_KEY,
@@ -93,7 +93,7 @@ def not_found_here(app: web.Application, missing: str) -> str:
     worker can read (the memory store: they share their metrics' folder, not their replies)
     the likelier reason: made by another worker."""
     shared_metrics = app[METRICS_KEY].multiprocess_dir is not None
-    if shared_metrics and isinstance(app[STORE_KEY], MemoryReplayStore):
+    if shared_metrics and not app[STORE_KEY].shared:
         return missing + ANOTHER_WORKERS
     return missing
 
