@@ -605,6 +605,22 @@ async def test_a_stall_continues_at_another_upstream_only_when_allowed(continuat
     assert got.text == "w0 w1 w2 " + "w0 w1 w2 w3 w4 "
 
 
+async def test_text_batched_before_a_seam_goes_out_before_the_continued_event():
+    """Batching holds the first upstream's text when it dies: that text is sent before the
+    ``continued`` event, which says where the next upstream's text begins."""
+    cut, other = Upstream(["m"], mode="cut"), Upstream(["m"], words=5)
+    async with relay([cut, other]) as url:
+        body = {"prompt": "hi", "upstream_continue": True, "batch_tokens": 4, "batch_ms": 5000}
+        got = await post_events(f"{url}/v1/replies", body)
+    assert got.types[-1] == "done" and got.types.count("continued") == 1
+    seam = got.types.index("continued")
+    before = "".join(json.loads(e.data)["text"] for e in got.events[:seam] if e.type == "token")
+    assert before == "w0 w1 w2 "
+    assert got.of_type("continued")[0] == {"reason": "upstream_disconnected", "after_tokens": 3}
+    ids = [int(e.id) for e in got.events]
+    assert ids == list(range(1, len(ids) + 1))
+
+
 async def test_each_attempts_access_log_line_counts_the_tokens_it_relayed_itself(caplog):
     """After a continuation the reply's tokens are both upstreams', but each attempt's line
     says what that attempt relayed, as its ``ms`` is its own time."""

@@ -185,7 +185,11 @@ class ReplyPipeline:
                 return self._entries(before + self.fmt.tool_call(delta.tool_call))
             if not delta.tokens:  # a finish, or a relay's continuation marker
                 if delta.continued is not None:
-                    return self._entries(self.fmt.continued(delta.continued, self.tokens))
+                    # The text batched before the seam goes first, as the reply has it: the
+                    # marker tells where the new upstream's text begins. (Text held for a
+                    # check or a stop string's tail stays held: one may span the seam.)
+                    before = self._flush()
+                    return self._entries(before + self.fmt.continued(delta.continued, self.tokens))
                 if holdback is None or batcher is None:
                     return []
             elif holdback is None or batcher is None:
