@@ -16,8 +16,7 @@ from replystream.delivery import anthropic_format, openai_formats, responses_log
 from replystream.server import create_app, running
 from replystream.sse import EventParser
 from tests.conftest import fast_engine
-from tests.processes import replica
-from tests.redis_server import redis_server
+from tests.test_responses_replicas import two_slow_replicas
 
 DELETED = {"code": "deleted", "message": "the reply was deleted while being read"}
 
@@ -85,24 +84,18 @@ async def test_every_reader_of_a_response_deleted_while_read_is_told_deleted_not
 async def test_a_response_deleted_on_either_replica_is_told_deleted_to_readers_on_both(
     tmp_path: Path,
 ):
-    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0")
-    with redis_server(tmp_path) as redis:
-        async with (
-            replica(*slow, "--redis-url", redis.url) as (_, a_url),
-            replica(*slow, "--redis-url", redis.url) as (_, b_url),
-            aiohttp.ClientSession() as http,
-        ):
-            # Made on A; read on A (its own copy) or on B (from Redis); deleted on either.
-            cases = [(read, delete) for read in (a_url, b_url) for delete in (a_url, b_url)]
-            ids = [await background(http, a_url) for _ in cases]
-            told = await asyncio.gather(
-                *(
-                    events_until_deleted(
-                        http, f"{read}/v1/responses/{response_id}?stream=true", delete, response_id
-                    )
-                    for (read, delete), response_id in zip(cases, ids, strict=True)
+    async with two_slow_replicas(tmp_path) as (a_url, b_url, _, http):
+        # Made on A; read on A (its own copy) or on B (from Redis); deleted on either.
+        cases = [(read, delete) for read in (a_url, b_url) for delete in (a_url, b_url)]
+        ids = [await background(http, a_url) for _ in cases]
+        told = await asyncio.gather(
+            *(
+                events_until_deleted(
+                    http, f"{read}/v1/responses/{response_id}?stream=true", delete, response_id
                 )
+                for (read, delete), response_id in zip(cases, ids, strict=True)
             )
+        )
     for seen in told:
         assert_told_deleted(seen)
 

@@ -8,7 +8,6 @@ it produces one is reported on the other, never a hang.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import random
@@ -136,13 +135,12 @@ async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path
     assert waited < 10  # liveness expires after 3 s; never a hang
 
 
-@contextlib.asynccontextmanager
-async def deleted_elsewhere(
-    tmp_path: Path, after_s: float = 0.0
-) -> AsyncIterator[tuple[str, str, str, str, aiohttp.ClientSession]]:
-    """A background response made on replica A and deleted on replica B ``after_s`` later
-    (both on one Redis); yields A's and B's URLs, the Redis URL, the response's id and a
-    client session."""
+@asynccontextmanager
+async def two_slow_replicas(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[str, str, str, aiohttp.ClientSession]]:
+    """Two ``serve`` processes on one Redis, a token every 50 ms: A's and B's URLs, the
+    Redis URL and a client session."""
     slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0")
     with redis_server(tmp_path) as redis:
         async with (
@@ -150,14 +148,25 @@ async def deleted_elsewhere(
             replica(*slow, "--redis-url", redis.url) as (_, b_url),
             aiohttp.ClientSession() as http,
         ):
-            body = {"input": "x", "background": True}
-            async with http.post(f"{a_url}/v1/responses", json=body) as created:
-                response_id = (await created.json())["id"]
-            await asyncio.sleep(after_s)
-            async with http.delete(f"{b_url}/v1/responses/{response_id}") as deleted:
-                assert deleted.status == 200
-                assert (await deleted.json())["deleted"] is True
-            yield a_url, b_url, redis.url, response_id, http
+            yield a_url, b_url, redis.url, http
+
+
+@asynccontextmanager
+async def deleted_elsewhere(
+    tmp_path: Path, after_s: float = 0.0
+) -> AsyncIterator[tuple[str, str, str, str, aiohttp.ClientSession]]:
+    """A background response made on replica A and deleted on replica B ``after_s`` later
+    (both on one Redis); yields A's and B's URLs, the Redis URL, the response's id and a
+    client session."""
+    async with two_slow_replicas(tmp_path) as (a_url, b_url, redis_url, http):
+        body = {"input": "x", "background": True}
+        async with http.post(f"{a_url}/v1/responses", json=body) as created:
+            response_id = (await created.json())["id"]
+        await asyncio.sleep(after_s)
+        async with http.delete(f"{b_url}/v1/responses/{response_id}") as deleted:
+            assert deleted.status == 200
+            assert (await deleted.json())["deleted"] is True
+        yield a_url, b_url, redis_url, response_id, http
 
 
 async def test_a_response_deleted_on_one_replica_while_the_other_makes_it_stays_deleted(

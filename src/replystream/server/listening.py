@@ -7,6 +7,7 @@ command line, a port it cannot have included, is checked before the server loads
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 # Connections the kernel queues before we accept them. aiohttp's default (128) re-listens the
 # socket with a small queue, and a burst of thousands of clients then overflows it: their
@@ -33,19 +34,7 @@ def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if shared:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-        if not shared:
-            sock.listen(LISTEN_BACKLOG)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
+    return _bound(socket.socket(family, kind, proto), address, shared=shared, listens=not shared)
 
 
 def also_listening(holder: socket.socket) -> socket.socket:
@@ -53,11 +42,19 @@ def also_listening(holder: socket.socket) -> socket.socket:
     kernel spreads new connections evenly over every such socket that listens, one per
     worker, instead of handing a burst to whichever worker woke first on one shared queue."""
     sock = socket.socket(holder.family, holder.type, holder.proto)
+    return _bound(sock, holder.getsockname(), shared=True, listens=True)
+
+
+def _bound(sock: socket.socket, address: Any, *, shared: bool, listens: bool) -> socket.socket:
+    """``sock`` bound to ``address`` (with ``SO_REUSEPORT`` when ``shared``), listening if
+    ``listens``, non-blocking; closed if it cannot be."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(holder.getsockname())
-        sock.listen(LISTEN_BACKLOG)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        if listens:
+            sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         raise
