@@ -198,3 +198,30 @@ async def test_a_burst_of_connections_is_spread_over_every_worker():
         await stop(process)
     assert sum(taken.values()) == 80, taken
     assert min(taken.values()) >= 8, taken  # 20 each on average
+
+
+async def test_every_worker_down_at_once_is_said_and_so_is_the_first_back():
+    process = await launch(
+        "--engine", "simulated", "--workers", "2", stderr=asyncio.subprocess.PIPE
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        url = await ready_url(process)
+        workers = children_of(process.pid)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        assert process.stderr is not None
+        said: list[str] = []
+        async with asyncio.timeout(30):
+            while not said or "a worker is serving again" not in said[-1]:
+                said.append((await process.stderr.readline()).decode())
+        told = "".join(said)
+        assert told.index("no worker is serving") < told.index("a worker is serving again")
+        assert told.count("no worker is serving") == 1, told
+        timing = await measure_reply(f"{url}/stream")  # served again
+        assert timing.complete
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        await stop(process)

@@ -165,6 +165,7 @@ class Supervisor:
         self._slots = [Slot() for _ in range(workers)]
         self._selector = selectors.DefaultSelector()
         self._announced = self._stopping = False
+        self._none_serving = False  # said that every worker is down, until one is ready
         self._stop_signal: int = signal.SIGTERM
         self._status = 0
         # From the first stop signal: when a worker still there is killed.
@@ -266,6 +267,9 @@ class Supervisor:
                 slot.serving_since = time.monotonic()
                 if self._announced and slot.process is not None:  # after a restart: recovered
                     log.warning("worker %d is ready, in place of one that exited", slot.process.pid)
+                    if self._none_serving:
+                        self._none_serving = False
+                        log.warning("a worker is serving again")
                 if slot.hangup_due and slot.process is not None:
                     slot.hangup_due = False
                     slot.process.send_signal(signal.SIGHUP)
@@ -315,6 +319,14 @@ class Supervisor:
                 restart.delay_s,
                 restart.in_a_row,
             )
+        if self._announced and not self._none_serving and not self._serving():
+            # Each exit is said, but not that they add up to a server that answers nobody.
+            self._none_serving = True
+            log.error("no worker is serving: new connections are refused until one is ready")
+
+    def _serving(self) -> int:
+        """The workers that accept connections now."""
+        return sum(s.process is not None and s.serving_since is not None for s in self._slots)
 
     def _ended_in_the_stop(self, slot: Slot, pid: int, status: int) -> None:
         """A worker that exited once the server was stopping: gracefully is status 0 (or, one
