@@ -13,8 +13,11 @@ import anthropic
 import openai
 import pytest
 
+from replystream.delivery.moderation import BannedPhrases
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.simulated import reply_of_length
 from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 from tests.sse_client import post_events
 
@@ -153,3 +156,18 @@ async def test_a_long_stop_string_costs_a_token_little():
             events = (await post_events(f"{url}/v1/replies", ask)).events
     assert events[-1].type == "done"
     assert sum(json.loads(e.data)["tokens"] for e in events if e.type == "token") == 5_000
+
+
+@pytest.mark.parametrize("checked", [False, True])
+async def test_a_reply_that_fails_shows_the_text_it_held_as_a_stop_strings_start(checked: bool):
+    """The engine fails after ``three``, held as it could begin the stop string ``three fx``:
+    none can complete now, so it goes out before the error, as a whole reply that failed
+    shows it (with checks on, they read it as the text's end: the match after it never comes)."""
+    made = fast_engine(delay_ms=1, jitter_ms=0, reply_text="one two three four", fail_after=3)
+    checks = (BannedPhrases(["four"]),) if checked else ()
+    config = ServerConfig(policy=DeliveryPolicy(holdback_tokens=2, checks=checks))
+    async with running(create_app(made, config)) as url:
+        streamed = await post_events(f"{url}/v1/replies", {"prompt": "x", "stop": ["three fx"]})
+    texts = [json.loads(e.data)["text"] for e in streamed.events if e.type == "token"]
+    assert "".join(texts) == "one two three "
+    assert streamed.types[-1] == "error"

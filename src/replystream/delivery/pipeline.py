@@ -310,6 +310,13 @@ class ReplyPipeline:
         return self._entries(specs + self.fmt.finished(finish, self.usage(), stop))
 
     def fail(self, message: str, code: str) -> list[LogEntry]:
-        """The reply ended early: released text goes out, then an in-band error."""
+        """The reply ended early: its text ends where it stopped, so what is still held goes
+        out as at a normal end (held as it could begin a stop string, none can complete now;
+        held for the checks, they read it as the text's end, and none of a match goes out),
+        as a whole reply that failed shows it; then an in-band error."""
         self.ended = True
-        return self._entries(self._flush() + self.fmt.error(message, code))
+        specs: list[Spec] = []
+        if self.holdback is not None and self.batcher is not None:
+            batch = self.batcher.add(*self.holdback.finish(), 0.0)
+            specs = [] if batch is None else self._text(*batch)
+        return self._entries(specs + self._flush() + self.fmt.error(message, code))
