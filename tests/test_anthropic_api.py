@@ -171,6 +171,13 @@ async def test_keys_are_read_from_x_api_key_and_errors_are_the_sdks_own_classes(
         ({**ASK, "stop_sequences": ["end", "\n\t "]}, "stop_sequences[1]"),
         ({**ASK, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
         ({**ASK, "service_tier": "priority"}, "service_tier"),
+        # The API's own fields under their extension names too: one of the two would be
+        # ignored.
+        (
+            {**ASK, "stop_sequences": ["four"], "replystream": {"stop": "two"}},
+            "replystream.stop",
+        ),
+        ({**ASK, "top_k": 1, "replystream": {"top_k": 5}}, "replystream.top_k"),
         # A server tool has no input_schema: it is refused by its type.
         (
             {**ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
@@ -203,6 +210,7 @@ PREFILL = {"role": "assistant", "content": "I"}
         ({**ADAPTIVE, "temperature": 0}, "temperature"),
         ({**THINKING, "top_p": 0.9}, "top_p"),
         ({**THINKING, "top_k": 5}, "top_k"),
+        ({**THINKING, "replystream": {"top_k": 5}}, "replystream.top_k"),
         ({**THINKING, "tools": TOOLS, "tool_choice": {"type": "any"}}, "tool_choice"),
         ({**ADAPTIVE, "tools": TOOLS, "tool_choice": FORCED}, "tool_choice"),
         (

@@ -326,6 +326,21 @@ class MessagesBody(MessagesInput):
         return self
 
     @model_validator(mode="after")
+    def _one_name_each(self) -> MessagesBody:
+        # ``replystream.stop`` and ``replystream.top_k`` (taken as on a response) are this
+        # API's own ``stop_sequences`` and ``top_k``: given both, one would be ignored.
+        extensions = self.replystream
+        if extensions is None:
+            return self
+        if extensions.stop is not None and self.stop_sequences is not None:
+            message = "stop_sequences and replystream.stop are the same setting: give one"
+            raise invalid(message, "replystream.stop")
+        if extensions.top_k is not None and self.top_k is not None:
+            message = "top_k and replystream.top_k are the same setting: give one"
+            raise invalid(message, "replystream.top_k")
+        return self
+
+    @model_validator(mode="after")
     def _what_thinking_allows(self) -> MessagesBody:
         """Anthropic's limits on a message with thinking: its sampling is the model's own
         (``temperature`` 1 only, ``top_p`` from 0.95, no ``top_k``), no forced tool use, and
@@ -340,6 +355,8 @@ class MessagesBody(MessagesInput):
             raise invalid(message, "top_p")
         if self.top_k is not None:
             raise invalid("top_k may not be set when thinking is on", "top_k")
+        if self.replystream is not None and self.replystream.top_k is not None:
+            raise invalid("top_k may not be set when thinking is on", "replystream.top_k")
         if self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
             message = "thinking may not be on when tool_choice forces tool use"
             raise invalid(message, "tool_choice")
