@@ -138,6 +138,19 @@ async def test_bad_query_is_a_400_naming_the_field_and_unknown_paths_are_json_40
             assert (await response.json())["error"]["code"] == "not_found"
 
 
+async def test_sampling_the_lab_does_not_take_is_a_400_not_ignored():
+    """A temperature (or any sampling field but seed and max_tokens) would be ignored: the
+    reply sampled otherwise than asked. Other unknown parameters (a cache-buster) still are."""
+    async with serve_engine(fast_engine()) as url, aiohttp.ClientSession() as http:
+        for path in ("/wait?temperature=0", "/stream?max_tokens=2&top_p=0.5"):
+            async with http.get(f"{url}{path}") as response:
+                assert response.status == 400
+                error = (await response.json())["error"]
+            assert error["param"] == path.rsplit("&", 1)[-1].split("?")[-1].split("=")[0]
+        async with http.get(f"{url}/wait?max_tokens=2&_=123") as response:
+            assert response.status == 200
+
+
 async def test_same_seed_same_text_in_both_modes_and_max_tokens():
     async with serve_engine(fast_engine()) as url:
         wait = await measure_reply(f"{url}/wait?seed=3&max_tokens=7")

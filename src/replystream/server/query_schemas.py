@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, PlainValidator
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from replystream.engine.base import MAX_TOKENS_LIMIT
@@ -77,9 +77,44 @@ def _no_lab_tools(raw: Any) -> str:
     )
 
 
+# The sampling fields of ``POST /v1/replies`` and the OpenAI routes, which the lab's query does
+# not take: ignored like any unknown parameter, a reply would be sampled otherwise than asked.
+LAB_UNTAKEN = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "stop",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "max_completion_tokens",
+)
+
+
 class LabQuery(Query):
     """``GET /wait`` and ``GET /stream``: ``prompt``, ``seed``, ``max_tokens``; ``/stream``
-    also ``ids`` and ``resumable`` (None: the server's default)."""
+    also ``ids`` and ``resumable`` (None: the server's default). A sampling field the
+    lab does not take (``LAB_UNTAKEN``) is refused, not ignored."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_other_sampling(cls, raw: Any) -> Any:
+        if isinstance(raw, Mapping):
+            for name in LAB_UNTAKEN:
+                if name in raw:
+                    raise invalid(
+                        f"the lab routes take no {name} (only prompt, seed and max_tokens): "
+                        "ask POST /v1/replies for it",
+                        name,
+                    )
+        return raw
 
     prompt: str = ""
     seed: Annotated[int, _digits("seed", 0, MAX_SEED)] | None = None
