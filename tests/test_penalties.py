@@ -37,6 +37,10 @@ def test_penalties_change_the_logits_of_the_tokens_seen_as_vllm_does() -> None:
     assert logits.tolist() == [2.0, -2.0, 1.0, 3.0, 0.5]  # a copy: the model's own kept
     biased = penalize(logits, SamplingParams(logit_bias=((1, 100.0), (3, -100.0))), history)
     assert biased.tolist() == [2.0, 98.0, 1.0, -97.0, 0.5]
+    # vLLM adds the biases first (a logits processor) and penalizes the biased logits: a
+    # seen token's bias is divided or multiplied with it, and may turn its sign first.
+    both = SamplingParams(repetition_penalty=2.0, logit_bias=((0, 2.0), (1, 3.0), (3, -1.0)))
+    assert penalize(logits, both, history).tolist() == [2.0, 0.5, 0.5, 1.0, 0.5]
 
 
 def test_a_repetition_penalty_of_zero_is_refused() -> None:

@@ -5,12 +5,11 @@ softmax(logits / temperature) computed stably (the max is subtracted before ``ex
 by top-k, then min-p (tokens less likely than that fraction of the likeliest dropped, as vLLM
 does), then top-p (the smallest set of tokens whose probabilities reach p; at 0, the
 likeliest token alone), and drawn with the request's own seeded generator, so the same seed
-gives the same reply. Penalties
-(presence, frequency, repetition) change the logits first, from the request's
-``TokenHistory``; then the model's end tokens are banned while the reply may not end yet
-(``min_tokens``, ``ignore_eos``: ``ends_held``). It also tells
-an engine when a stop sequence has completed (the pipeline cuts it). It must not know about
-models, caches, batches or time.
+gives the same reply. Logit biases, then penalties (repetition, frequency, presence), change
+the logits first, in vLLM's order, from the request's ``TokenHistory``; then the model's end
+tokens are banned while the reply may not end yet (``min_tokens``, ``ignore_eos``:
+``ends_held``). It also tells an engine when a stop sequence has completed (the pipeline cuts
+it). It must not know about models, caches, batches or time.
 """
 
 from __future__ import annotations
@@ -109,12 +108,15 @@ class TokenHistory:
 def penalize(
     logits: NDArray[np.floating], params: SamplingParams, history: TokenHistory
 ) -> NDArray[np.float32]:
-    """The logits with the request's penalties applied (a copy), as vLLM applies them:
-    ``repetition_penalty`` divides a positive logit and multiplies a negative one for every
-    token of the prompt or the reply; then each token the reply made loses
-    ``frequency_penalty`` times its count, and ``presence_penalty`` once; then each
-    ``logit_bias`` is added."""
+    """The logits with the request's penalties applied (a copy), as vLLM applies them: each
+    ``logit_bias`` is added; then ``repetition_penalty`` divides a positive logit and
+    multiplies a negative one for every token of the prompt or the reply (a biased one
+    as biased: vLLM's bias is a logits processor run before its penalties); then each token
+    the reply made loses ``frequency_penalty`` times its count, and ``presence_penalty``
+    once."""
     z = np.array(logits, dtype=np.float32)  # (vocab,)
+    for token, bias in params.logit_bias:  # ids checked against the vocabulary at admission
+        z[token] += bias
     if params.repetition_penalty != 1.0:
         seen = np.fromiter(history.prompt | history.made.keys(), dtype=np.int64)
         seen = seen[seen < z.size]
@@ -128,8 +130,6 @@ def penalize(
         ids = np.fromiter(history.made.keys(), dtype=np.int64, count=len(history.made))
         counts = np.fromiter(history.made.values(), dtype=np.float32, count=len(history.made))
         z[ids] -= params.frequency_penalty * counts + params.presence_penalty
-    for token, bias in params.logit_bias:  # ids checked against the vocabulary at admission
-        z[token] += bias
     return z
 
 
