@@ -591,6 +591,37 @@ async def test_a_control_token_made_is_named_as_spelt_but_is_no_text(chat_model_
     assert text == "" and made == [("<|im_start|>", b"<|im_start|>", False)] * 2
 
 
+async def test_a_padded_vocabularys_row_that_is_no_token_has_no_bytes(
+    model_dir: Path, tmp_path: Path
+):
+    """A model whose output rows outnumber its tokenizer's tokens (a vocabulary padded to a
+    round size): a row picked (a logit_bias may force one) is no text, and its log
+    probability's entry names none, not the ``None`` its missing spelling would print."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from replystream.engine.hf import HFEngineConfig, load_hf_engine
+
+    padded = tmp_path / "padded"
+    padded.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, padded / name)
+    config = LlamaConfig.from_pretrained(model_dir)
+    config.vocab_size += 16
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(padded)
+    engine = load_hf_engine(padded, HFEngineConfig(max_running=1))
+    row = config.vocab_size - 1
+    try:
+        text, deltas = await collect(
+            engine, "the", max_tokens=2, temperature=0.0, logprobs=1, logit_bias=((row, 100.0),)
+        )
+    finally:
+        await engine.aclose()
+    made = [(d.logprobs[0].token, d.logprobs[0].bytes) for d in deltas]
+    assert text == "" and made == [("", b"")] * 2
+
+
 def test_text_after_a_control_token_is_not_marked_as_the_start_of_the_input():
     """A SentencePiece tokenizer that marks only the start of its input (``prepend_scheme=
     "first"``): a prompt whose message spells a control token, encoded in pieces, gets no

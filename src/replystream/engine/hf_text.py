@@ -269,9 +269,14 @@ class HFTokenBytes:
         return known
 
     def _bytes_of(self, token: int) -> bytes:
+        spelt = self._tokenizer.convert_ids_to_tokens(token)
+        if spelt is None:
+            # A row of the model's padded vocabulary (its config's ``vocab_size`` past the
+            # tokenizer's): no token, no text, as the reply's text has none for it.
+            return b""
         if token in self.hidden:
-            return str(self._tokenizer.convert_ids_to_tokens(token)).encode()
-        piece = str(self._tokenizer.convert_ids_to_tokens(token))
+            return str(spelt).encode()
+        piece = str(spelt)
         if self._byte_level and set(piece) <= self._to_byte.keys():
             return bytes(self._to_byte[char] for char in piece)
         if self._by_piece:
