@@ -73,6 +73,11 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--port", "http"], "argument --port: want a whole number, got 'http'"),
     (["serve", "--workers", "0"], "argument --workers: want a whole number from 1 to 1024"),
     (["serve", "--workers", "8000"], "argument --workers: want a whole number from 1 to 1024"),
+    # A request's seed is an int64; the server's default seed is held to the same.
+    (
+        ["serve", "--seed", str(1 << 63)],
+        "argument --seed: want a whole number from 0 to 9223372036854775807",
+    ),
     (["serve", "--shutdown-grace-s", "-1"], "argument --shutdown-grace-s: want a number from 0 to"),
     (["serve", "--max-body-bytes", "-5"], "argument --max-body-bytes: want a whole number >= 1"),
     (["serve", "--ws-max-replies", "0"], "argument --ws-max-replies: want a whole number >= 1"),

@@ -41,6 +41,9 @@ async def test_min_tokens_past_the_limit_names_it_under_replystream() -> None:
             {"max_tokens": 2, "min_tokens": 3, "messages": [{"role": "user", "content": "count"}]},
         )
     assert responses["param"] == "replystream.min_tokens"
+    # The limit is named as no dialect's field in particular: this one's is max_output_tokens.
+    assert "the reply's token limit (2)" in responses["message"], responses
+    assert "max_tokens" not in responses["message"], responses
     assert (messages["type"], messages["param"]) == (
         "invalid_request_error",
         "replystream.min_tokens",

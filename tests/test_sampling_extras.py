@@ -133,5 +133,5 @@ async def test_min_tokens_past_max_tokens_is_refused_by_every_engine():
                 got = await post_events(f"{url}{path}", {**body, **extra})
                 assert got.status == 400, (url, path, got.raw)
                 error = json.loads(got.raw)["error"]
-                assert error["param"] == "min_tokens" and "max_tokens (2)" in error["message"]
+                assert error["param"] == "min_tokens" and "token limit (2)" in error["message"]
     assert up.bodies == []

@@ -138,7 +138,9 @@ def check_lengths(params: SamplingParams) -> None:
         raise RequestRejected("min_tokens must be >= 0", param="min_tokens")
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise RequestRejected(
-            f"min_tokens ({params.min_tokens}) must not be more than max_tokens "
+            # Worded for every route: the limit is max_tokens, max_completion_tokens or
+            # max_output_tokens, as the request's dialect names it.
+            f"min_tokens ({params.min_tokens}) must not be more than the reply's token limit "
             f"({params.max_tokens})",
             param="min_tokens",
         )

@@ -19,6 +19,7 @@ from replystream.cli_values import (
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.hf_config import HFEngineConfig
 from replystream.engine.reply_script import ReplyScript, ScriptError, load_reply_script
+from replystream.engine.seeds import MAX_SEED
 from replystream.engine.simulated import SimulatedConfig
 from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.engine.upstream_config import ROUTINGS, UpstreamConfig, health_path
@@ -117,7 +118,7 @@ SEEDING = Group(
             "smollm2, gguf, hf) sample with it, so the same request makes the same reply "
             "(default: a fresh seed per request, as OpenAI's and vLLM's); the simulated "
             f"engine's jitter and made-up log probabilities follow it (default: {SIMULATED_SEED})",
-            non_negative_int,
+            int_between(0, MAX_SEED),  # a request's seed is an int64; this one is no wider
             fills=(TinyEngineConfig, "seed"),
             engines=(*TINY, "hf", *SIMULATED),
         ),
