@@ -20,7 +20,7 @@ from replystream.engine.base import Delta, DeltaStream, GenerationRequest
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine, wait_for
-from tests.processes import launch, ready_url, stop
+from tests.processes import launch, ready_url, replica, stop
 from tests.rawhttp import raw_request
 from tests.scripted_engine import ScriptedEngine
 from tests.sse_client import Received, post_events
@@ -464,3 +464,31 @@ async def test_checks_without_a_window_are_said_to_let_a_phrases_start_out(
     assert process.stderr is not None
     said = (await process.stderr.read()).decode()
     assert ("--holdback-tokens 0" in said) is warned, said
+
+
+@pytest.mark.parametrize(
+    ("banned", "written"),
+    [
+        ("café", "cafe\u0301"),  # the accent a combining mark after the letter
+        ("cafe\u0301", "café"),  # the phrase given so, the text composed
+        ("세계", "\u1109\u1166\u1100\u1168"),  # Hangul syllables written as their letters (jamo)
+    ],
+)
+async def test_a_banned_phrase_is_found_in_its_composed_or_decomposed_form(
+    banned: str, written: str
+):
+    # NFKC makes "e" + U+0301 the one "é", and conjoining jamo their syllable: folding each
+    # character alone left them apart, and the phrase got past the check either way round.
+    reply = f"we drink {written} then rest"
+    async with replica(
+        "--engine", "simulated", "--delay-ms", "1", "--reply-text", reply, "--ban", banned
+    ) as (_, url):
+        streamed = await post_events(f"{url}/v1/replies", {"prompt": "x"})
+        async with aiohttp.ClientSession() as http:
+            whole_url = f"{url}/v1/chat/completions"
+            chat = {"messages": [{"role": "user", "content": "x"}]}
+            async with http.post(whole_url, json=chat) as response:
+                whole = await response.json()
+    assert streamed.text == "we drink " and streamed.types[-1] == "moderated"
+    assert whole["choices"][0]["message"]["content"] == "we drink "
+    assert whole["choices"][0]["finish_reason"] == "content_filter"

@@ -152,6 +152,20 @@ def test_a_banned_phrase_is_found_however_its_letters_are_written(written: str):
     assert BannedPhrases(["Straße"]).find("no STRASSE here") is not None  # Unicode's folding
 
 
+def test_a_letter_and_the_marks_after_it_are_matched_as_nfkc_composes_them():
+    phrases = BannedPhrases(["café", "fire"])
+    found = phrases.find("a cafe\u0301\u200b!")  # decomposed, an invisible character after it
+    assert found is not None and (found.start, found.end) == (2, 8)
+    assert phrases.find("cafe\u0301\u0327") is None  # a cedilla too: another letter
+    # Characters folded to several (ß as ss, a ligature) and marked keep later places right.
+    found = phrases.find("\u00df\u0301 \ufb01\u0301re fire")
+    assert found is not None and found.start == 8
+    # A run of marks far past what one character takes: folded alone past the first 30, so
+    # the text is read in time linear in its length (joined, each would fold all before it).
+    found = phrases.find("a" + "\u0301" * 100_000 + " cafe\u0301")
+    assert found is not None and found.start == 100_002
+
+
 def pushed(holdback: HoldBack, tokens: list[str]) -> str:
     return "".join(holdback.push(token, 1)[0] for token in tokens)
 

@@ -76,6 +76,31 @@ def _form_of(char: str, *, fold_case: bool) -> str:
     return plain.casefold() if fold_case else plain
 
 
+# Whether a character joins the one before it in NFKC: a combining mark (the accent of
+# "e" + U+0301, which NFKC composes into "é") or a Hangul vowel or final consonant jamo (which
+# compose with the consonant before them into one syllable). Kept once known, as the forms.
+_JOINS: dict[str, bool] = {}
+# The most marks joined to one character, as Unicode's stream-safe text format bounds them (30
+# non-starters); the ones after are folded alone. Each mark folds its character again: a run
+# of thousands (a model told to write "Zalgo" text) would cost their square.
+MAX_JOINED_MARKS = 30
+
+
+def _joins(char: str) -> bool:
+    joins = _JOINS[char] = bool(unicodedata.combining(char)) or "\u1160" <= char <= "\u11ff"
+    return joins
+
+
+def _cluster_form(cluster: str, *, fold_case: bool) -> str:
+    """A character and the marks joined to it, as phrases are matched: composed as NFKC
+    composes them (its form of each character alone would leave "e" + U+0301 as two)."""
+    plain = "".join(c for c in cluster if unicodedata.category(c) != "Cf")
+    plain = unicodedata.normalize("NFKC", plain)
+    if fold_case:
+        plain = unicodedata.normalize("NFKC", plain.casefold())
+    return plain
+
+
 # How deep the groups of a phrases' pattern may nest before it is written as a plain list
 # (phrases each a prefix of the next, a thousand deep, would pass what ``re`` compiles).
 MAX_PATTERN_DEPTH = 64
@@ -133,8 +158,10 @@ class BannedPhrases:
     A phrase is found however its letters are written: in a compatibility form (full-width
     letters, ligatures: Unicode's NFKC), and with invisible format characters inside it
     (zero-width spaces and joiners, soft hyphens: category Cf), which a model told to spell a
-    phrase past a filter writes; case is folded as Unicode folds it (ß as ss). Text of ASCII
-    alone has none of these, and is searched as it is."""
+    phrase past a filter writes; case is folded as Unicode folds it (ß as ss). A letter and
+    the combining marks after it are one character, composed as NFKC composes them ("e" +
+    U+0301 as "é"), however the phrase or the text writes it. Text of ASCII alone has none of
+    these, and is searched as it is."""
 
     name = "banned_phrase"
 
@@ -150,11 +177,29 @@ class BannedPhrases:
         self.context_chars = 2 * max(len(p) for p in cleaned)
 
     def _fold(self, text: str) -> tuple[str, list[int]]:
-        """``text`` as phrases are matched, and where each of its characters came from."""
+        """``text`` as phrases are matched, and where each of its characters came from (the
+        start of the character, with any marks joined to it, it is part of)."""
         forms = _CASED_FORMS if self._case_sensitive else _FOLDED_FORMS
         folded: list[str] = []
         origins: list[int] = []
+        base = -1  # where the last visible character begins, marks may join it (-1: none)
+        made = 0  # how many folded characters it and the marks joined to it made
         for index, char in enumerate(text):
+            joins = _JOINS.get(char)
+            if joins is None:
+                joins = _joins(char)
+            if joins and 0 <= base and index - base <= MAX_JOINED_MARKS:
+                # A mark joined to the character before it: the two are folded again as one
+                # (the character's fold, one piece of ``folded``, replaced).
+                if made:
+                    folded.pop()
+                    del origins[len(origins) - made :]
+                cluster = _cluster_form(text[base : index + 1], fold_case=forms is _FOLDED_FORMS)
+                made = len(cluster)
+                if made:
+                    folded.append(cluster)
+                    origins.extend([base] * made)
+                continue
             plain = forms.get(char)
             if plain is None:
                 plain = forms[char] = _form_of(char, fold_case=forms is _FOLDED_FORMS)
@@ -164,6 +209,10 @@ class BannedPhrases:
             elif plain:  # a ligature or a full-width pair unpacked, ß as ss
                 folded.append(plain)
                 origins.extend([index] * len(plain))
+            else:  # invisible: a mark after it joins the character before it
+                continue
+            if not joins:  # a mark left alone (past the most joined, or first) joins nothing
+                base, made = index, len(plain)
         return "".join(folded), origins
 
     def find(self, text: str, start: int = 0) -> Finding | None:
@@ -182,6 +231,10 @@ class BannedPhrases:
         if match is None:
             return None
         start, end = origins[match.start()], origins[match.end() - 1] + 1
+        while end < len(text) and (
+            _JOINS.get(text[end]) or unicodedata.category(text[end]) == "Cf"
+        ):
+            end += 1  # the marks joined to its last character
         # A phrase found is found whatever comes after it: never tentative.
         return Finding(start, end, self.name, "banned phrase", False)
 
