@@ -492,3 +492,21 @@ async def test_a_banned_phrase_is_found_in_its_composed_or_decomposed_form(
     assert streamed.text == "we drink " and streamed.types[-1] == "moderated"
     assert whole["choices"][0]["message"]["content"] == "we drink "
     assert whole["choices"][0]["finish_reason"] == "content_filter"
+
+
+@pytest.mark.parametrize("window", [1, 2])
+async def test_a_moderated_reply_counts_as_released_only_the_tokens_it_sent(window: int):
+    # Byte-level tokens: each character of the phrase "ニュー" takes two, its first ending
+    # inside the character. A window shorter than that let such a first token out alone,
+    # counted as released though its character never was.
+    engine = ScriptedEngine()
+    engine.say_bytes(
+        [b"\xe3\x82", b"\xa2", b"\xe3\x83", b"\x8b", b"\xe3\x83", b"\xa5", b"\xe3\x83", b"\xbc"]
+    )
+    policy = DeliveryPolicy(checks=(BannedPhrases(["ニュー"]),), holdback_tokens=window)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        got = await post_events(f"{url}/v1/replies", {"prompt": "x"})
+    sent = sum(event["tokens"] for event in got.of_type("token"))
+    moderated = got.of_type("moderated")[0]
+    assert moderated["released_chars"] == len(got.text) and "アニュ".startswith(got.text)
+    assert moderated["released_tokens"] == sent == 2 * len(got.text)

@@ -487,6 +487,24 @@ class HoldBack:
         self._held.clear()
         self._held_tokens = self._held_chars = 0
 
+    def _completed_leaves(self, more: Callable[[], bool]) -> bool:
+        """Whether the held pieces with no text at the front (a character's first tokens)
+        would leave with the piece that completes their character: that piece is held, and
+        ``more()`` still lets it out once they are gone. Alone they would count as released
+        tokens whose bytes were never shown."""
+        first_tokens = 0
+        for text, tokens in self._held:
+            if text:
+                break
+            first_tokens += tokens
+        else:
+            return False  # the character is not complete yet
+        self._held_tokens -= first_tokens
+        try:
+            return more()
+        finally:
+            self._held_tokens += first_tokens
+
     def _take(
         self,
         room: int,
@@ -499,15 +517,16 @@ class HoldBack:
         characters. A piece that does not fit goes out up to ``room``; its tokens go with
         that first part (``split_counts``), and the rest stays held with none. A piece with
         no text (a token ending inside a character) belongs to the character after it: it
-        stays held with that character once ``room`` runs out, unless the text has ended
-        (``to_the_end``), so a stop string or a match beginning with that character takes
-        its tokens too."""
+        stays held with that character once ``room`` runs out, or while ``more()`` would
+        hold that character back (a window shorter than its tokens), unless the text has
+        ended (``to_the_end``), so a stop string or a match beginning with that character
+        takes its tokens too."""
         parts: list[str] = []
         released_tokens = 0
         held = self._held
         while held and more():
             text, tokens = held[0]
-            if not text and not room and not to_the_end:
+            if not text and not to_the_end and not (room and self._completed_leaves(more)):
                 break
             if len(text) > room:
                 if room > 0:
