@@ -481,3 +481,22 @@ async def test_a_body_in_several_reads_does_not_start_a_header_deadline():
             streamed = await response.read_body()
     assert response.status == 200
     assert streamed.count(b"event: token") == 20 and b"event: done" in streamed
+
+
+async def test_an_allowed_page_may_read_when_to_retry():
+    # The SDKs a page runs read Retry-After (a 429's wait) and X-Should-Retry (a 409 is not
+    # retried): a browser hides every header the answer does not expose from the page.
+    async with serve_with(GuardConfig(cors_origins=("https://chat.example",), per_minute=1)) as url:
+        headers = {"Origin": "https://chat.example"}
+        statuses = []
+        for _ in range(2):
+            response = await raw_request(f"{url}/wait?max_tokens=1", headers=headers)
+            await response.read_body()
+            statuses.append(response.status)
+    assert statuses == [200, 429]
+    assert "retry-after" in response.headers
+    exposed = {
+        name.strip().lower()
+        for name in response.headers["access-control-expose-headers"].split(",")
+    }
+    assert exposed >= {"retry-after", "x-should-retry", "x-reply-id", "x-request-id"}

@@ -301,6 +301,10 @@ def preflight_response(request: web.Request, origins: Sequence[str]) -> web.Resp
     )
 
 
+# The answer's headers a page of an allowed origin may read, besides those CORS always lets
+# it: the reply's and request's ids, and when to retry (the SDKs read ``Retry-After`` and
+# ``X-Should-Retry``; unexposed, a 429's wait is guessed and a 409 retried all the same).
+EXPOSED_HEADERS = "X-Reply-Id, X-Request-Id, request-id, Retry-After, X-Should-Retry"
 ALLOWED_HEADERS = ("Authorization", "Content-Type", "Last-Event-ID", "X-Request-Id")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}$")
 
@@ -374,7 +378,7 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     origins = request.app[GUARD_KEY].cors_origins
     if origin is not None and origins and _allowed(origin, origins):
         response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Access-Control-Expose-Headers"] = "X-Reply-Id, X-Request-Id, request-id"
+        response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
         response.headers.add("Vary", "Origin")  # beside any other (gzip's Accept-Encoding)
 
 
