@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 import zlib
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -526,3 +527,33 @@ def test_metadata_past_openais_limits_is_a_400(
     assert says in message
     within = {"k" * 64: "v" * 512}
     assert server.post_json_text(route, json.dumps({**body, "metadata": within})).status == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "route", "status"),
+    [
+        ("GET", "/v1/models", 200),
+        ("HEAD", "/healthz", 200),
+        ("POST", "/v1/no-such-route", 404),
+        ("PUT", "/v1/chat/completions", 405),
+        ("POST", "/v1/messages/no-such-route", 404),
+    ],
+)
+def test_a_body_not_in_its_encoding_on_a_route_that_reads_no_body_logs_no_traceback(
+    server: LoggedServer, method: str, route: str, status: int
+) -> None:
+    # The route answers without reading the body; the undecodable body must not then be
+    # logged as an unhandled exception (the autouse fixture checks the log), whether it
+    # came with the head or after it.
+    headers: dict[str, str | bytes] = {"Content-Encoding": "gzip"}
+    answer = server.request(method, route, b'{"not": "compressed"}', headers)
+    assert answer.status == status
+    host, port = server.host_port
+    with socket.create_connection((host, port), timeout=10) as sock:
+        head = f"{method} {route} HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+        sock.sendall(f"{head}Content-Length: 21\r\n\r\n".encode())
+        first = sock.recv(65536)
+        sock.sendall(b'{"not": "compressed"}')
+        rest = b"".join(iter(lambda: sock.recv(65536), b""))  # the connection then ends
+    assert first.startswith(f"HTTP/1.1 {status} ".encode()), first[:100]
+    assert rest == b""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -129,6 +130,12 @@ def target_path(head: bytes | bytearray) -> str:
     if len(parts) < 2 or not parts[1].startswith(b"/"):
         return ""
     return parts[1].partition(b"?")[0].decode("latin-1")
+
+
+def _encoded(request: web.BaseRequest) -> bool:
+    """Whether the request's body is compressed (aiohttp decodes it as it arrives)."""
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    return coding not in ("", "identity")
 
 
 def _upgrade_served(message: RawRequestMessage) -> bool:
@@ -265,6 +272,34 @@ class Connection(RequestHandler):
         # reading it instead of waiting.
         body.feed_eof()
         self.close()  # read nothing more; close once the response is sent
+
+    async def _handle_request(
+        self,
+        request: web.BaseRequest,
+        start_time: float | None,
+        request_handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+    ) -> tuple[web.StreamResponse, bool]:
+        answer = await super()._handle_request(request, start_time, request_handler)
+        body = request.content
+        if not answer[1] and not body.is_eof() and _encoded(request):
+            await self._drain_encoded(body)
+        return answer
+
+    async def _drain_encoded(self, body: StreamReader) -> None:
+        """Read the rest of a compressed body the handler left unread (a ``404``, a ``405``, a
+        route that takes no body), as aiohttp would after the response, so that the
+        connection may go on; a body that is not in its ``Content-Encoding`` ends it quietly.
+        aiohttp's own reading would log the decoding error as an unhandled exception, with
+        its traceback, for a request already answered."""
+        try:
+            async with asyncio.timeout(self._lingering_time):
+                while not body.is_eof():
+                    await body.readany()
+        except TimeoutError:
+            pass  # aiohttp's drain finds the body unfinished too and closes the connection
+        except RequestPayloadError:
+            body.feed_eof()  # nothing more of it can be read
+            self.close()  # where the next request would begin is unknown
 
     def handle_error(
         self,
