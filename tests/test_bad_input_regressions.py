@@ -557,3 +557,20 @@ def test_a_body_not_in_its_encoding_on_a_route_that_reads_no_body_logs_no_traceb
         rest = b"".join(iter(lambda: sock.recv(65536), b""))  # the connection then ends
     assert first.startswith(f"HTTP/1.1 {status} ".encode()), first[:100]
     assert rest == b""
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"not": "compressed"}',  # read as raw deflate, it never ends
+        zlib.compress(b'{"prompt": "x", "stream": false}')[:-4],  # cut before its checksum
+        zlib.compress(b'{"prompt": "x", "stream": false}')[:12],
+    ],
+)
+def test_a_deflate_body_that_ends_before_its_stream_is_a_400_not_an_unknown_coding(
+    server: LoggedServer, body: bytes
+) -> None:
+    # deflate is a coding the server decodes: the fault is the body, not the coding.
+    answer = server.post_json_text("/v1/replies", body, **{"Content-Encoding": "deflate"})
+    message = refused(answer, 400, "invalid_content_encoding", None)
+    assert "not one this server decodes" not in message

@@ -76,6 +76,11 @@ _UNSUPPORTED_ENCODING: Refusal = (
     "unsupported_content_encoding",
     "the body's Content-Encoding is not one this server decodes (gzip, deflate, identity)",
 )
+_BAD_ENCODED_BODY: Refusal = (
+    HTTPStatus.BAD_REQUEST,
+    "invalid_content_encoding",
+    "the body is not valid data of the Content-Encoding it names",
+)
 _BAD_FRAMING: Refusal = (
     HTTPStatus.BAD_REQUEST,
     "bad_body_framing",
@@ -104,6 +109,8 @@ _FRAMING_WORDS = ("content-length", "transfer-encoding", "chunk")
 
 def refusal(exc: BaseException | None) -> Refusal:
     """The status, code and message for a request aiohttp's parser refused with ``exc``."""
+    if isinstance(exc, http_exceptions.ContentEncodingError) and _decodes_badly(exc):
+        return _BAD_ENCODED_BODY
     for kind, answer in _REFUSALS:
         if isinstance(exc, kind):
             return answer
@@ -116,6 +123,15 @@ def refusal(exc: BaseException | None) -> Refusal:
         if reason.startswith("invalid header"):
             return _BAD_HEADER
     return _MALFORMED
+
+
+def _decodes_badly(exc: http_exceptions.ContentEncodingError) -> bool:
+    """Whether ``exc`` says the body is not in a coding aiohttp decodes (gzip, deflate), as
+    its ``Content-Encoding`` claims, rather than that the coding is one it does not decode
+    (``br``, ``zstd``). A deflate body that ends before its stream does is said once the
+    whole body has come, as the request's refusal: "deflate" and nothing more."""
+    words = exc.message.strip().lower()
+    return words in ("gzip", "deflate") or words.endswith((": gzip", ": deflate"))
 
 
 # How much of a request's first bytes is kept to read its path from: enough for every route's
