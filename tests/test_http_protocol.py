@@ -149,6 +149,20 @@ async def test_a_method_a_route_does_not_serve_is_a_405_in_the_error_shape():
                 assert json.loads(body)["error"]["code"] == "method_not_allowed"
 
 
+async def test_a_404_names_the_path_as_it_was_matched_an_encoded_slash_kept():
+    # /v1/chat%2Fcompletions is not /v1/chat/completions (the router keeps %2F as it came):
+    # its 404 must not name the route that does exist.
+    async with running(create_app(fast_engine())) as url, connect(url) as client:
+        status, _, body = await client.request("POST", "/v1/chat%2Fcompletions", b"{}")
+        assert status == 404
+        message = json.loads(body)["error"]["message"]
+        assert message == "Not Found: POST /v1/chat%2Fcompletions is not a route of this server"
+        status, _, body = await client.request("GET", "/v1/%63hat/completions")
+        assert status == 405  # an encoded letter is the letter: the route, asked with GET
+        message = json.loads(body)["error"]["message"]
+        assert message.startswith("Method Not Allowed: /v1/chat/completions takes POST")
+
+
 async def test_no_route_invites_a_body_before_the_front_door_refused_its_request():
     # A foreign page's request is refused on every route: with ``Expect: 100-continue`` the
     # refusal comes first, never a ``100 Continue`` (every route leaves ``Expect`` to the

@@ -179,11 +179,13 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
         message = exc.reason
         # The router's own refusals say which request they refuse, as OpenAI's "Invalid URL
         # (POST /v1/x)" does: an SDK call this server does not have is named in the error.
+        # The path as the router matched it: an encoded slash (``%2F``) kept, not read as one.
+        path = request.rel_url.path_safe
         if isinstance(exc, web.HTTPNotFound):
-            message = f"{exc.reason}: {request.method} {request.path} is not a route of this server"
+            message = f"{exc.reason}: {request.method} {path} is not a route of this server"
         elif isinstance(exc, web.HTTPMethodNotAllowed):
             allowed = ", ".join(sorted(exc.allowed_methods))
-            message = f"{exc.reason}: {request.path} takes {allowed}, not {request.method}"
+            message = f"{exc.reason}: {path} takes {allowed}, not {request.method}"
         response = error_response(exc.status, message, code=exc.reason.lower().replace(" ", "_"))
         if "Allow" in exc.headers:  # a 405 says which methods the route serves
             response.headers["Allow"] = exc.headers["Allow"]
