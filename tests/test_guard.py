@@ -500,3 +500,25 @@ async def test_an_allowed_page_may_read_when_to_retry():
         for name in response.headers["access-control-expose-headers"].split(",")
     }
     assert exposed >= {"retry-after", "x-should-retry", "x-reply-id", "x-request-id"}
+
+
+async def test_the_model_routes_vary_on_the_header_that_picks_their_shape():
+    # GET /v1/models answers OpenAI's list, or Anthropic's page when anthropic-version is
+    # sent: a cache between must not hand one client's form to the other.
+    async with serve_with(GuardConfig(), gzip_min_bytes=1) as url:
+        for target in (b"/v1/models", b"/v1/models/nope"):
+            for extra in (b"", b"anthropic-version: 2023-06-01\r\nAccept-Encoding: gzip\r\n"):
+                lines = await raw_head(
+                    url,
+                    b"GET "
+                    + target
+                    + b" HTTP/1.1\r\nHost: x\r\n"
+                    + extra
+                    + b"Connection: close\r\n\r\n",
+                )
+                vary = {value.lower() for value in header_values(lines, "vary")}
+                assert "anthropic-version" in vary, (target, extra)
+        lines = await raw_head(
+            url, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        assert header_values(lines, "vary") == []

@@ -78,13 +78,18 @@ SHARED_PATHS = ("/v1/models",)
 ANTHROPIC_HEADER = "anthropic-version"
 
 
+def shared_route(path: str) -> bool:
+    """Whether ``path`` is on a route both APIs have, answered in the shape its request's
+    ``anthropic-version`` header chooses."""
+    return path in SHARED_PATHS or path.startswith(tuple(f"{p}/" for p in SHARED_PATHS))
+
+
 def speaks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
     """Whether a request is answered in Anthropic's shape: on its routes, and on the routes
     both APIs have (``/v1/models``) when it carries ``anthropic-version``."""
     if path.startswith(ANTHROPIC_PATHS):
         return True
-    shared = path in SHARED_PATHS or path.startswith(tuple(f"{p}/" for p in SHARED_PATHS))
-    return shared and ANTHROPIC_HEADER in headers
+    return shared_route(path) and ANTHROPIC_HEADER in headers
 
 
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id", "X-Should-Retry")

@@ -30,7 +30,13 @@ from aiohttp import web
 
 from replystream.server import ids
 from replystream.server.auth import OWNER
-from replystream.server.errors import HTTPAPIError, error_response, speaks_anthropic
+from replystream.server.errors import (
+    ANTHROPIC_HEADER,
+    HTTPAPIError,
+    error_response,
+    shared_route,
+    speaks_anthropic,
+)
 from replystream.server.guard_config import GuardConfig, Network
 
 access_log = logging.getLogger("replystream.access")
@@ -374,6 +380,9 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
         if speaks_anthropic(request.path, request.headers):
             # The name Anthropic's SDKs read; other routes keep their heads as small as before.
             response.headers["request-id"] = request_id
+    if shared_route(request.path):
+        # Its shape is chosen by a header: a cache between must keep the two apart.
+        response.headers.add("Vary", ANTHROPIC_HEADER)
     origin = request.headers.get("Origin")
     origins = request.app[GUARD_KEY].cors_origins
     if origin is not None and origins and _allowed(origin, origins):
