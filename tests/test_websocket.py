@@ -5,6 +5,7 @@ import json
 import logging
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -463,6 +464,30 @@ async def test_a_plain_get_is_a_400_in_the_error_shape():
             assert response.status == 400
             error = (await response.json())["error"]
     assert error["code"] == "upgrade_required" and error["type"] == "invalid_request_error"
+
+
+async def test_an_upgrade_over_http_1_0_or_of_another_version_is_refused_naming_13():
+    # HTTP/1.0 has no 101 (its Upgrade header is to be ignored); a client asking a WebSocket
+    # version other than 13 is told the one the server speaks.
+    key = b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    upgrade = b"Upgrade: websocket\r\nConnection: Upgrade\r\n" + key
+    async with running(create_app(fast_engine())) as url:
+        parts = urlsplit(url)
+        for version, ws_version in ((b"1.0", b"13"), (b"1.1", b"99")):
+            reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+            writer.write(
+                b"GET /v1/ws HTTP/"
+                + version
+                + b"\r\nHost: x\r\n"
+                + upgrade
+                + b"Sec-WebSocket-Version: "
+                + ws_version
+                + b"\r\n\r\n"
+            )
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            writer.close()
+            assert head.split("\r\n")[0].split()[1] == "400", head
+            assert "sec-websocket-version: 13\r\n" in head
 
 
 async def read_raw_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:

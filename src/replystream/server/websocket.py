@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import WSMessage, WSMsgType, web
+from aiohttp import HttpVersion11, WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server.auth import (
@@ -523,10 +523,16 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
         # on the hot path, and the reply transports write whole plain frames themselves.
         compress=False,
     )
-    if not ws.can_prepare(request).ok:
-        raise HTTPAPIError(
+    # HTTP/1.0 has no protocol switch: its Upgrade header is ignored (RFC 9110, 7.8), so its
+    # request is a plain GET, never answered with a 101 its client cannot read.
+    if request.version < HttpVersion11 or not ws.can_prepare(request).ok:
+        refusal = HTTPAPIError(
             400, "GET /v1/ws is a WebSocket: send an Upgrade request", code="upgrade_required"
-        )
+        ).response()
+        # The version this server speaks, which a client asking another must be told
+        # (RFC 6455, 4.2.2).
+        refusal.headers["Sec-WebSocket-Version"] = "13"
+        return refusal
     session = Session(request, ws)
     guard = MaskedFramesOnly.install(request, session.failed_by_client)
     await ws.prepare(request)
