@@ -243,6 +243,11 @@ BAD_REQUESTS = {
     ),
     "url too long": (
         f"GET /healthz?q={MARKER * 900} HTTP/1.1\r\nHost: t\r\n\r\n",
+        414,
+        "uri_too_long",
+    ),
+    "header field too long after a long url": (
+        f"GET /healthz?q={MARKER * 30} HTTP/1.1\r\nHost: t\r\nX-Big: {MARKER * 900}\r\n\r\n",
         431,
         "header_too_large",
     ),

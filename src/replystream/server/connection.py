@@ -51,6 +51,11 @@ _HEADER_TOO_LARGE: Refusal = (
     "header_too_large",
     "the request line or a header field is longer than the server accepts",
 )
+_URI_TOO_LONG: Refusal = (
+    HTTPStatus.REQUEST_URI_TOO_LONG,
+    "uri_too_long",
+    "the request target (its path and query) is longer than the server accepts",
+)
 _TOO_MANY_HEADERS: Refusal = (
     HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
     "header_too_large",
@@ -134,6 +139,23 @@ def _decodes_badly(exc: http_exceptions.ContentEncodingError) -> bool:
     return words in ("gzip", "deflate") or words.endswith((": gzip", ": deflate"))
 
 
+def target_too_long(exc: BaseException | None, head: bytes | bytearray) -> bool:
+    """Whether ``exc``, the parser's ``LineTooLong``, is about the request target of the
+    request whose first bytes are ``head`` (a ``414``), not a header field (a ``431``): the
+    request line does not end within them, and the line the parser shows begins as the
+    target (llhttp's) or the request line (aiohttp's own parser's) does."""
+    if not isinstance(exc, http_exceptions.LineTooLong) or not exc.args:
+        return False
+    line, ended, _ = head.lstrip(b"\r\n").partition(b"\r\n")
+    parts = line.split(b" ", 2)
+    if ended or len(parts) < 2:
+        return False
+    shown = exc.args[0]
+    shown = shown.encode("latin-1") if isinstance(shown, str) else bytes(shown)
+    shown = shown.removesuffix(b"...")[:64]
+    return bool(shown) and (parts[1].startswith(shown) or line.startswith(shown))
+
+
 # How much of a request's first bytes is kept to read its path from: enough for every route's
 # path after a method (a longer target is cut, which a match on the path's start does not mind).
 _HEAD_BYTES = 256
@@ -209,7 +231,14 @@ class Connection(RequestHandler):
     """aiohttp's connection protocol with a header deadline per request and parser
     refusals in the API's error shape."""
 
-    __slots__ = ("_body", "_deadlines", "_head", "_refused_path", "header_deadline")
+    __slots__ = (
+        "_body",
+        "_deadlines",
+        "_head",
+        "_refused_head",
+        "_refused_path",
+        "header_deadline",
+    )
 
     def __init__(self, manager: web.Server, *, deadlines: HeaderDeadlines, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -221,6 +250,7 @@ class Connection(RequestHandler):
         self._head: bytearray | None = None
         self._body: StreamReader | None = None
         self._refused_path = ""
+        self._refused_head = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -270,6 +300,7 @@ class Connection(RequestHandler):
             self._refuse_body(self._body, message.exc)
         elif count == 1 and head is not None:  # the refused request began with ``head``
             self._refused_path = target_path(head)
+            self._refused_head = bytes(head)
 
     def _refuse_body(self, body: StreamReader, exc: BaseException) -> None:
         """The body of the request being read broke its framing (a bad chunk in a later read
@@ -334,7 +365,10 @@ class Connection(RequestHandler):
             path = request.path
             error = error_response(status, "internal server error", code="internal_error")
         else:
-            status, code, text = refusal(exc)
+            refused = refusal(exc)
+            if target_too_long(exc, self._refused_head):
+                refused = _URI_TOO_LONG
+            status, code, text = refused
             log.info("refused a malformed request from %s: %s", request.remote, code)
             log_refused(request.remote, status, code)
             path, error = self._refused_path, error_response(status, text, code=code)
