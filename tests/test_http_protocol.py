@@ -281,6 +281,12 @@ BAD_REQUESTS = {
         400,
         "malformed_request",
     ),
+    "http/2.0 in text": (
+        f"GET /healthz HTTP/2.0\r\nHost: t\r\nX-Note: {MARKER}\r\n\r\n",
+        400,
+        "malformed_request",
+    ),
+    "http/0.9 request line": (f"GET /healthz?{MARKER}\r\n\r\n", 400, "malformed_request"),
     "brotli body": (
         "POST /v1/replies HTTP/1.1\r\nHost: t\r\nContent-Encoding: br\r\n"
         f"Content-Length: 20\r\n\r\n{MARKER[:15]}12345",

@@ -33,10 +33,10 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import http_exceptions, web
+from aiohttp import HttpVersion10, HttpVersion11, http_exceptions, web
 from aiohttp.http_parser import RawRequestMessage
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from replystream.server.accepting import BatchAcceptingServer, accepts_one_per_turn
 from replystream.server.errors import error_response, in_route_shape
@@ -155,6 +155,9 @@ def target_too_long(exc: BaseException | None, head: bytes | bytearray) -> bool:
     shown = shown.removesuffix(b"...")[:64]
     return bool(shown) and (parts[1].startswith(shown) or line.startswith(shown))
 
+
+# The HTTP versions this server answers in (any other request is refused, in HTTP/1.0).
+_SPOKEN = (HttpVersion10, HttpVersion11)
 
 # How much of a request's first bytes is kept to read its path from: enough for every route's
 # path after a method (a longer target is cut, which a match on the path's start does not mind).
@@ -286,6 +289,7 @@ class Connection(RequestHandler):
 
     def _parsed(self, count: int) -> None:
         """The parser ended ``count`` request heads: the last was a request or a refusal."""
+        self._refuse_versions(count)
         message, body = self._messages[-1]
         head, self._head = self._head, None
         if isinstance(message, RawRequestMessage):
@@ -301,6 +305,25 @@ class Connection(RequestHandler):
         elif count == 1 and head is not None:  # the refused request began with ``head``
             self._refused_path = target_path(head)
             self._refused_head = bytes(head)
+
+    def _refuse_versions(self, count: int) -> None:
+        """Refuse the first of the last ``count`` requests whose version is neither HTTP/1.1
+        nor HTTP/1.0 (``GET / HTTP/2.0`` in text, an HTTP/0.9 request line alone), and drop
+        what follows it. aiohttp's parser takes them, and its response would repeat their
+        version in its status line ("HTTP/2.0 200 OK", a status line to an HTTP/0.9 client):
+        a version this server does not speak (RFC 9112, 2.3)."""
+        messages = self._messages
+        for index in range(max(0, len(messages) - count), len(messages)):
+            message = messages[index][0]
+            if isinstance(message, RawRequestMessage) and message.version not in _SPOKEN:
+                exc = http_exceptions.BadHttpMessage("unsupported HTTP version")
+                refused = _ErrInfo(status=400, exc=exc, message=exc.message)
+                while len(messages) > index:
+                    messages.pop()
+                messages.append((refused, EMPTY_PAYLOAD))
+                self._refused_path = message.path.partition("?")[0]
+                self._head = None  # the refusal's path is known: not read from the head
+                return
 
     def _refuse_body(self, body: StreamReader, exc: BaseException) -> None:
         """The body of the request being read broke its framing (a bad chunk in a later read
