@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -83,3 +84,38 @@ async def test_a_request_once_shutdown_has_begun_is_refused():
         assert (await asyncio.wait_for(asked, 20))[0] == 200
         assert await asyncio.wait_for(process.wait(), 15) == 0
     assert len(up.bodies) == 1  # the refused one never went upstream
+
+
+async def test_a_reply_refused_at_shutdown_ends_its_kept_alive_connection():
+    # The 503 comes on a connection kept alive from before: the connection ends with it, so
+    # the client's retry makes a new connection (to a replica still serving) instead of
+    # asking the stopping one again on the same socket until its grace ends.
+    asks = {
+        b"/v1/chat/completions": b'{"model": "simulated", "messages": [{"role": "user", '
+        b'"content": "x"}]}',
+        b"/v1/responses": b'{"model": "simulated", "input": "x"}',
+    }
+    serve = ("--engine", "simulated", "--delay-ms", "50", "--shutdown-grace-s", "10")
+    async with replica(*serve) as (process, url):
+        host, port = urlsplit(url).hostname, urlsplit(url).port
+        draining, draining_writer = await asyncio.open_connection(host, port)
+        draining_writer.write(b"GET /stream?max_tokens=100 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await draining.readuntil(b"\r\n\r\n")  # a reply running: the server drains it
+        kept = []
+        for _ in asks:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            await reader.readuntil(b"}")  # answered, and kept alive
+            kept.append((reader, writer))
+        process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        for (path, body), (reader, writer) in zip(asks.items(), kept, strict=True):
+            writer.write(
+                b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            assert head.startswith("http/1.1 503 ") and "connection: close\r\n" in head, head
+            assert b'"shutdown"' in await asyncio.wait_for(reader.read(), 5)  # then its end
+            writer.close()
+        draining_writer.close()

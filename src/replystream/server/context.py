@@ -188,7 +188,14 @@ def refuse_when_stopping(request: web.Request, record: ReplyRecord) -> None:
     if not app[MANAGER_KEY].accepting:
         record.outcome, record.reason = "rejected", "shutdown"
         app[METRICS_KEY].observe(record)
-        raise HTTPAPIError(503, "the server is shutting down", code="shutdown")
+        raise shutting_down()
+
+
+def shutting_down() -> HTTPAPIError:
+    """The ``503`` of a request that came once shutdown had begun, on a connection kept
+    alive from before: that connection ends with it, so that the client's next attempt
+    makes a new one (to a replica still serving) rather than asking this one again."""
+    return HTTPAPIError(503, "the server is shutting down", code="shutdown", close_connection=True)
 
 
 def caller_of(request: web.Request) -> Caller:

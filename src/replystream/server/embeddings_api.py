@@ -30,6 +30,7 @@ from replystream.server.context import (
     caller_of,
     owner_of,
     refuse_when_stopping,
+    shutting_down,
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.front_door import expect_later
@@ -119,7 +120,7 @@ async def handle_embeddings(request: web.Request) -> web.Response:
     except _ShutDown:
         record.outcome, record.reason = "shutdown", "shutdown"
         app[METRICS_KEY].observe(record)
-        raise HTTPAPIError(503, "the server is shutting down", code="shutdown") from None
+        raise shutting_down() from None
     record.outcome = "finished"
     record.prompt_tokens = answer.prompt_tokens or 0
     app[METRICS_KEY].observe(record)
