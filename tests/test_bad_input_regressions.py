@@ -574,3 +574,20 @@ def test_a_deflate_body_that_ends_before_its_stream_is_a_400_not_an_unknown_codi
     answer = server.post_json_text("/v1/replies", body, **{"Content-Encoding": "deflate"})
     message = refused(answer, 400, "invalid_content_encoding", None)
     assert "not one this server decodes" not in message
+
+
+def test_x_gzip_is_decoded_as_gzip(server: LoggedServer) -> None:
+    # x-gzip is gzip's old name (RFC 9110, 8.4.1.3): accepted, so decoded, not read as JSON.
+    plain = b'{"prompt": "x", "stream": false, "max_tokens": 1}'
+    headers = {"Content-Encoding": "x-gzip"}
+    answer = server.post_json_text("/v1/replies", gzip.compress(plain), **headers)
+    assert answer.status == 200, answer.body[:300]
+    two_members = gzip.compress(plain[:10]) + gzip.compress(plain[10:])
+    assert server.post_json_text("/v1/replies", two_members, **headers).status == 200
+    cut = gzip.compress(plain)[:-6]
+    refused(
+        server.post_json_text("/v1/replies", cut, **headers), 400, "invalid_content_encoding", None
+    )
+    bomb = gzip.compress(b'{"prompt": "' + b"x" * 3_000_000 + b'"}')
+    answer = server.post_json_text("/v1/replies", bomb, **headers)
+    assert answer.status == 413 and answer.error()["code"] == "body_too_large"
