@@ -591,3 +591,18 @@ def test_x_gzip_is_decoded_as_gzip(server: LoggedServer) -> None:
     bomb = gzip.compress(b'{"prompt": "' + b"x" * 3_000_000 + b'"}')
     answer = server.post_json_text("/v1/replies", bomb, **headers)
     assert answer.status == 413 and answer.error()["code"] == "body_too_large"
+
+
+@pytest.mark.parametrize(
+    "fields", [["gzip", "gzip"], ["gzip", "identity"], ["identity", "gzip"], ["x-gzip", "gzip"]]
+)
+def test_content_encoding_in_several_fields_is_read_as_one_list(
+    server: LoggedServer, fields: list[str]
+) -> None:
+    # Two fields are the list "a, b" (RFC 9110, 5.3): refused as that line would be, not
+    # decoded by one of them and read as JSON, or decoded once where twice was said.
+    body = gzip.compress(b'{"prompt": "x", "stream": false, "max_tokens": 1}')
+    headers: list[tuple[str, str | bytes]] = [("Content-Type", "application/json")]
+    headers += [("Content-Encoding", field) for field in fields]
+    answer = server.request("POST", "/v1/replies", body, headers)
+    refused(answer, 415, "unsupported_content_encoding", None)

@@ -64,7 +64,9 @@ _PHRASES = {
 
 async def read_model(request: web.Request, model: type[M]) -> M:
     """The request's JSON body as ``model``, or an ``HTTPAPIError`` that says what is wrong."""
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    # Several Content-Encoding fields are one list (RFC 9110, 5.3): codings applied in turn,
+    # which aiohttp's parser, decoding by the last field alone, would not all undo.
+    encoding = ", ".join(request.headers.getall("Content-Encoding", ())).strip().lower()
     if encoding not in DECODED_ENCODINGS:
         raise HTTPAPIError(
             415,
