@@ -60,8 +60,9 @@ async def raw_request(
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     target = parts.path + (f"?{parts.query}" if parts.query else "")
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
-    for name, value in (headers or {}).items():
+    headers = {"Host": parts.netloc} | (headers or {})  # a Host given replaces the URL's
+    lines = [f"{method} {target} HTTP/1.1", "Connection: close"]
+    for name, value in headers.items():
         lines.append(f"{name}: {value}")
     if body:
         lines.append(f"Content-Length: {len(body)}")

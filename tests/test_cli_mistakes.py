@@ -73,6 +73,12 @@ CASES: list[tuple[list[str], str]] = [
     (["serve", "--port", "http"], "argument --port: want a whole number, got 'http'"),
     (["serve", "--workers", "0"], "argument --workers: want a whole number from 1 to 1024"),
     (["serve", "--workers", "8000"], "argument --workers: want a whole number from 1 to 1024"),
+    # A Host header's name alone: a URL would match no request.
+    (
+        ["serve", "--allowed-host", "https://chat.example.com"],
+        "argument --allowed-host: want a host name, *.DOMAIN for its subdomains, or *, got "
+        "'https://chat.example.com' (the name alone: no scheme, port or path)",
+    ),
     # A request's seed is an int64; the server's default seed is held to the same.
     (
         ["serve", "--seed", str(1 << 63)],

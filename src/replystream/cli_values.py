@@ -196,6 +196,24 @@ def _origin(text: str) -> str:
 # port), or * for any.
 origin = Checker("an origin, http(s)://HOST[:PORT], or *", _origin)
 
+_HOST_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+
+
+def _host_name(text: str) -> str:
+    # Compared with the Host header's name as it is, lower-cased: a value in another shape (a
+    # port, a scheme) would match no request, silently.
+    name = text.strip().lower().removesuffix(".")
+    if name == "*":
+        return name
+    labels = name.removeprefix("*.").split(".")
+    if not all(_HOST_LABEL.match(label) for label in labels):
+        hint = " (the name alone: no scheme, port or path)" if any(c in name for c in ":/") else ""
+        raise argparse.ArgumentTypeError(f"want {host_name.wants}, got {text!r}{hint}")
+    return name
+
+
+host_name = Checker("a host name, *.DOMAIN for its subdomains, or *", _host_name)
+
 
 def _measured_target(text: str) -> str:
     # An HTTP/1.1 request line and Host header are printable ASCII: a space or a letter

@@ -291,6 +291,7 @@ def create_app(
     ring = KeyRing(config.api_keys) if config.api_keys else None
     door = FrontDoor(
         cors_origins=guard.cors_origins,
+        allowed_hosts=guard.allowed_hosts,
         gate=ClientGate(guard.max_concurrent, guard.per_minute),
         check_key=None if ring is None else api_key_check(ring),
         max_body_bytes=config.max_body_bytes,

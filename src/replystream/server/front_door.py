@@ -1,7 +1,8 @@
 """The one middleware every request passes through, and the order of what it does.
 
-In order: the request gets an id (``guard``); a CORS preflight is
-answered; a request a page of a foreign origin made is refused (``guard``); on ``/v1/*``
+In order: the request gets an id (``guard``); a CORS preflight is answered; one for a name
+that is not this server's, reaching it at a loopback address, is refused (``guard``: DNS
+rebinding); a request a page of a foreign origin made is refused (``guard``); on ``/v1/*``
 and the lab's routes the API key is checked (``auth``); the per-client limits admit the
 request (``guard``); its ``Expect`` header is answered (``expectation``: the body is invited
 only now); the handler runs. Whatever fails becomes the API's error shape
@@ -39,6 +40,7 @@ from replystream.server.guard import (
     log_access,
     preflight_response,
     rate_limited,
+    rebinding_refusal,
 )
 from replystream.server.response_gzip import gzip_if_worthwhile
 
@@ -51,6 +53,7 @@ Check = Callable[[web.Request], web.StreamResponse | None]
 @dataclass(frozen=True, slots=True)
 class FrontDoor:
     cors_origins: tuple[str, ...]
+    allowed_hosts: tuple[str, ...]
     gate: ClientGate
     check_key: Check | None  # None: no API keys configured
     max_body_bytes: int
@@ -86,6 +89,7 @@ class AbandonedResponse(web.StreamResponse):
 def front_door(door: FrontDoor) -> Middleware:
     """The middleware running ``door``'s steps around every handler."""
     origins, gate, check_key = door.cors_origins, door.gate, door.check_key
+    allowed_hosts = door.allowed_hosts
     limits = gate.limits
 
     @web.middleware
@@ -98,7 +102,9 @@ def front_door(door: FrontDoor) -> Middleware:
             response: web.StreamResponse | None = preflight_response(request, origins)
             if response is None:
                 try:
-                    response = foreign_page_refusal(request)
+                    response = rebinding_refusal(request, allowed_hosts)
+                    if response is None:
+                        response = foreign_page_refusal(request)
                     if response is None and check_key is not None:
                         response = check_key(request)
                     if limits and response is None and request.path.startswith(LIMITED_PREFIXES):

@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import re
+import socket
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -337,6 +338,55 @@ def _host_name(authority: str) -> str:
     if authority.startswith("["):
         return authority.partition("]")[0] + "]"
     return authority.rpartition(":")[0] if authority.count(":") == 1 else authority
+
+
+# DNS rebinding: a site's page, its name then pointed at 127.0.0.1, is to the browser of the
+# same origin as a server on this machine, which then lets the page read every answer (its
+# ``Origin`` and the request's ``Host`` agree, so ``foreign_origin`` takes it). Such a name is
+# a public one; the names a connection to a loopback address is taken for are those no site
+# can point: IP addresses, names of one label (``localhost``, this machine's), the suffixes
+# reserved for local use, this machine's own name, and ``--allowed-host``'s.
+LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
+_MACHINE_NAME = socket.gethostname().lower()
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith(("127.", "::ffff:127.")) or address == "::1"
+
+
+def local_name(name: str, allowed: Sequence[str]) -> bool:
+    """Whether ``name`` (a ``Host``'s, lower-cased, its port left out) is one a request
+    reaching this server at a loopback address may give: see ``LOCAL_SUFFIXES``."""
+    name = name.removesuffix(".")
+    if "." not in name or name.startswith("[") or name.endswith(LOCAL_SUFFIXES):
+        return True
+    if name.replace(".", "").isdigit() or name == _MACHINE_NAME or name in allowed:
+        return True
+    return any(
+        entry == "*" or (entry.startswith("*.") and name.endswith(entry[1:])) for entry in allowed
+    )
+
+
+def rebinding_refusal(request: web.Request, allowed: Sequence[str]) -> web.Response | None:
+    """The ``403`` of a request that reached a loopback address of this server for a name
+    that is not a local one (``local_name``); None for any other."""
+    transport = request.transport
+    local = None if transport is None else transport.get_extra_info("sockname")
+    if type(local) is not tuple or not _loopback(local[0]):
+        return None  # reached over a network, or a Unix socket: names are not this check's
+    host = request.headers.get("Host")
+    if not host:
+        return None
+    name = _host_name(host)
+    if local_name(name, allowed):
+        return None
+    message = (
+        f"this server takes requests for {name!r} only when started with --allowed-host "
+        f"{name}: reached at a loopback address, it takes local names (IP addresses, "
+        "localhost), not a site's, which a page of that site could use once its name points "
+        "here"
+    )
+    return error_response(403, message, code="host_not_allowed")
 
 
 def foreign_page_refusal(request: web.Request) -> web.Response | None:

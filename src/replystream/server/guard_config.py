@@ -28,6 +28,9 @@ class GuardConfig:
     # not the server, closes an idle connection, and never one it is sending a request on.
     idle_timeout_s: float = 75.0
     cors_origins: tuple[str, ...] = ()
+    # Names a request reaching a loopback address may give in its Host besides local ones
+    # (``guard.rebinding_refusal``); ``*`` takes any.
+    allowed_hosts: tuple[str, ...] = ()
     trusted_proxies: tuple[Network, ...] = ()
 
 

@@ -17,6 +17,7 @@ from replystream import settings
 from replystream.cli_values import (
     Checker,
     float_between,
+    host_name,
     int_between,
     non_empty_text,
     non_negative_float,
@@ -212,6 +213,20 @@ CLIENT_LIMITS = Group(
             repeatable=True,
             metavar="ORIGIN",
             accepts="an origin (`http(s)://HOST[:PORT]`) or `*`",
+        ),
+        Setting(
+            "--allowed-host",
+            "take requests for this name on connections to a loopback address (repeatable; "
+            "*.DOMAIN for its subdomains, * for any): there only IP addresses, localhost and "
+            "other local names are taken by default, so a site's page whose name was pointed "
+            "at this machine (DNS rebinding) cannot use it; a proxy on this machine passing "
+            "the browser's Host (nginx's proxy_set_header Host $host) needs its public name",
+            host_name,
+            fills=(GuardConfig, "allowed_hosts"),
+            convert=_as_tuple,
+            repeatable=True,
+            metavar="NAME",
+            accepts="a host name, `*.DOMAIN` or `*`",
         ),
     ),
 )
