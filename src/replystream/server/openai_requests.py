@@ -105,7 +105,7 @@ def _ask(
 # (OpenAI's own, in front of which a relay is a gateway): sent on as the client gave them.
 ACCOUNT_FIELDS = ("user", "safety_identifier", "service_tier")
 # Chat's too: a reasoning model's effort, and a completion stored with its metadata.
-CHAT_RELAYED = (*ACCOUNT_FIELDS, "reasoning_effort", "metadata", "store")
+CHAT_RELAYED = (*ACCOUNT_FIELDS, "reasoning_effort", "verbosity", "metadata", "store")
 
 
 def relayed_fields(

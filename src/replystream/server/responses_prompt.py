@@ -69,6 +69,7 @@ RESPONSES_FIELDS = FieldNames(
         **_PROMPT_AND_LIMIT,
         "max_completion_tokens": "max_output_tokens",
         "reasoning_effort": "reasoning.effort",
+        "verbosity": "text.verbosity",
         "response_format": "text.format",
         **_EXTENSIONS,
     },
@@ -159,6 +160,9 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
     check_prompt_size(prompt, app[CONFIG_KEY].max_prompt_chars, "input", noun="input")
     tools, tool_choice = responses_tools(body.tools, body.tool_choice)
     effort = None if body.reasoning is None else body.reasoning.effort
+    verbosity = None if body.text is None else body.text.verbosity
+    # Chat's names for them, as a relay asks its upstream (the upstream decides what it takes).
+    relayed = {"reasoning_effort": effort, "verbosity": verbosity}
     generation = GenerationRequest(
         prompt,
         messages=tuple(messages),
@@ -167,7 +171,7 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
         response_format=engine_format(None if body.text is None else body.text.format),
         model=model,
         parallel_tool_calls=body.parallel_tool_calls,
-        relayed=None if effort is None else {"reasoning_effort": effort},
+        relayed={k: v for k, v in relayed.items() if v is not None} or None,
         caller=caller_of(request),
     )
     return ResponsePrompt(conversation, generation)

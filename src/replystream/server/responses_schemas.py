@@ -215,8 +215,8 @@ class ResponsesReasoning(Strict):
 
 class ResponsesText(Strict):
     """``text`` of ``POST /v1/responses``: the output's format (plain text, or JSON as chat's
-    ``response_format`` asks it) and its ``verbosity`` (echoed, as the API does; no engine
-    here takes it)."""
+    ``response_format`` asks it) and its ``verbosity`` (echoed, as the API does; passed to a
+    relay's upstream as chat's ``verbosity``, which the built-in engines ignore)."""
 
     format: ResponsesTextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
