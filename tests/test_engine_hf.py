@@ -238,6 +238,59 @@ async def test_a_client_that_leaves_stops_generation_between_tokens(engine: Any)
         assert engine.stats().active == 0
 
 
+async def test_a_client_that_leaves_while_a_long_prompt_is_read_stops_it_within_a_chunk(
+    engine: Any,
+):
+    import threading
+
+    prompt = " ".join(CORPUS)  # over a thousand tokens
+    prompt_tokens = len(engine.tokenizer.encode(prompt))
+    reading, left = threading.Event(), threading.Event()
+    passes: list[int] = []
+
+    def hold(_module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        passes.append(int(kwargs["input_ids"].shape[1]))
+        reading.set()
+        left.wait(10)  # the first pass lasts until the client has gone, as a long one would
+
+    hook = engine.model.register_forward_pre_hook(hold, with_kwargs=True)
+    try:
+        async with running(create_app(engine)) as url:
+            body = {"prompt": prompt, "max_tokens": 4, "batch_tokens": 1}
+            async with http_request(
+                f"{url}/v1/replies",
+                method="POST",
+                body=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                async for _ in response:
+                    break  # the reply's first event
+                await asyncio.to_thread(reading.wait, 10)
+            # The server has seen the client go: the reply's cancel is set.
+            await wait_for(lambda: all(c.is_set() for c in engine._cancels), timeout_s=10)
+            left.set()
+            await wait_for(lambda: engine.stats().cancelled == 1, timeout_s=10)
+    finally:
+        left.set()
+        hook.remove()
+    # Read in one pass, the whole prompt was read after the client left.
+    assert sum(passes) < prompt_tokens and len(passes) == 1
+
+
+async def test_a_prompt_read_in_chunks_gives_generates_greedy_tokens(engine: Any):
+    import torch
+
+    prompt = " ".join(CORPUS[:12])
+    ids = engine.tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] > 300  # more than one chunk
+    text, _ = await collect(engine, prompt, max_tokens=12, temperature=0.0)
+    with torch.inference_mode():
+        reference = engine.model.generate(
+            ids, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    assert text == engine.tokenizer.decode(reference[0, ids.shape[1] :], skip_special_tokens=True)
+
+
 async def test_serve_runs_a_model_folder(model_dir: Path):
     # Importing torch and transformers in a fresh process takes tens of seconds on a busy
     # two-core machine.

@@ -9,8 +9,9 @@ top-p / seeded draws as the tiny engine, a request without a seed taking the con
 or a fresh one: ``engine.seeds``), and sent on at once as a ``Delta``. Each reply runs
 in a worker thread (at most ``max_running`` at a time), never on the event loop. Closing the
 stream or cancelling its reader sets the reply's ``threading.Event``, which the thread checks
-before every token, so it stops between two tokens. Text is decoded incrementally
-(``HFDetokenizer``). It must not know about HTTP. It needs the ``hf`` extra (torch,
+before every forward pass (a long prompt is read in chunks of ``PREFILL_CHUNK`` tokens, one
+pass each), so it stops between two tokens, or two chunks of its prompt. Text is decoded
+incrementally (``HFDetokenizer``). It must not know about HTTP. It needs the ``hf`` extra (torch,
 transformers); nothing else in replystream imports it.
 """
 
@@ -62,6 +63,10 @@ from replystream.engine.sampling import (
 from replystream.engine.seeds import generator_seed, settled_seed
 
 log = logging.getLogger("replystream.engine")
+
+# The most prompt tokens one forward pass reads (a longer prompt takes several, a reply
+# cancelled meanwhile stopping between two of them).
+PREFILL_CHUNK = 256
 
 Item = Delta | EngineError | None  # None: the thread ended (after a finish or a cancel)
 Deliver = Callable[[Item], None]
@@ -269,9 +274,23 @@ class HFEngine(InProcessEngine):
         rng = np.random.default_rng(generator_seed(params.seed))  # settled by ``start``
         detok = HFDetokenizer(self.tokenizer)
         stop = StopMatcher(params.stop)
-        ids = torch.tensor([prompt], dtype=torch.long)  # (1, prompt tokens)
         history = TokenHistory(prompt) if penalizes(params) else None
         past = None
+        # A long prompt is read a chunk at a time, the cancel checked between chunks: read in
+        # one pass, a prompt of thousands of tokens would hold the thread (and a stopping
+        # server, which waits for it) for many seconds after its client left.
+        last = (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # where the last chunk starts
+        for at in range(0, last, PREFILL_CHUNK):
+            if cancel.is_set():
+                return "cancelled"
+            chunk = torch.tensor([prompt[at : at + PREFILL_CHUNK]], dtype=torch.long)
+            out = self.model(
+                input_ids=chunk, use_cache=True, **{self._cache_arg: past}, **self._keep
+            )
+            with self._lock:
+                self._counts["steps"] += 1
+            past = getattr(out, self._cache_arg)
+        ids = torch.tensor([prompt[last:]], dtype=torch.long)  # (1, the last chunk's tokens)
         for made in range(1, max_new + 1):
             # The first delta says how many tokens the model read (its chat template's).
             read = len(prompt) if made == 1 else None
