@@ -301,6 +301,24 @@ async def test_serve_runs_a_model_folder(model_dir: Path):
     assert got.status == 200 and reply["usage"]["completion_tokens"] == 8
 
 
+async def test_a_snapshot_in_the_hugging_face_cache_is_served_by_its_repositorys_name(
+    model_dir: Path, tmp_path: Path
+):
+    from replystream.engine.hf import load_hf_engine
+
+    snapshot = tmp_path / "models--acme--tiny-llama" / "snapshots" / "0123456789abcdef0123"
+    shutil.copytree(model_dir, snapshot)
+    engine = load_hf_engine(snapshot)
+    try:
+        async with running(create_app(engine)) as url:
+            async with http_request(f"{url}/v1/models") as response:
+                listed = json.loads(b"".join([chunk.data async for chunk in response]))
+        assert [m["id"] for m in listed["data"]] == ["acme/tiny-llama"]
+    finally:
+        await engine.aclose()
+    assert load_hf_engine(model_dir).name == model_dir.name  # a folder of its own: its name
+
+
 @pytest.mark.parametrize("context", [0, 1, -4])
 def test_a_model_whose_context_holds_no_token_is_refused_at_load(
     model_dir: Path, tmp_path: Path, context: int

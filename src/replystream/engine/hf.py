@@ -116,6 +116,16 @@ def end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return end_of_generation_ids(declared, tokenizer.get_vocab())
 
 
+def served_name(folder: Path) -> str:
+    """The name a model folder is served by: its own name, or for a snapshot in the Hugging
+    Face cache (``models--ORG--NAME/snapshots/COMMIT``, what ``hf download`` makes) the
+    repository's, ``ORG/NAME``, rather than a commit hash."""
+    repo = folder.parent.parent.name
+    if folder.parent.name == "snapshots" and repo.startswith("models--") and repo != "models--":
+        return repo.removeprefix("models--").replace("--", "/")
+    return folder.name or "hf"
+
+
 class HFEngine(InProcessEngine):
     """Serves a ``transformers`` causal LM, one worker thread per running reply."""
 
@@ -126,7 +136,7 @@ class HFEngine(InProcessEngine):
         self.pushes = False
         self.queues = True  # a reply waits for a worker thread (``max_running``)
         self.makes_tool_calls = False  # text only: no tool-call parser for its output
-        self.name = Path(str(getattr(model, "name_or_path", "") or "hf")).name or "hf"
+        self.name = served_name(Path(str(getattr(model, "name_or_path", "") or "hf")))
         context = getattr(model.config, "max_position_embeddings", 2048)
         if isinstance(context, bool) or not isinstance(context, int) or context < 2:
             # Served, every request would be refused as longer than the context.
