@@ -621,6 +621,42 @@ def sentencepiece_tokenizer(chat_template: str) -> Any:
     return tokenizer
 
 
+async def test_a_sentencepiece_replys_first_token_keeps_its_space(tmp_path: Path):
+    """A SentencePiece decoder drops the space its input opens with (``Strip``, as Llama 2's
+    and Mistral's do): a reply's first token ``▁the`` is still " the" after its prompt, as
+    the prompt and the reply decoded together read, and as its bytes spell it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from replystream.engine.hf import load_hf_engine
+
+    tokenizer = sentencepiece_tokenizer(CHATML)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = load_hf_engine(tmp_path)
+    the = tokenizer.convert_tokens_to_ids("▁the")
+    try:
+        sampling = {"temperature": 0.0, "logprobs": 0, "logit_bias": ((the, 100.0),)}
+        text, deltas = await collect(engine, "eat", max_tokens=2, **sampling)
+    finally:
+        await engine.aclose()
+    prompt = tokenizer.encode("eat")
+    assert text == " the the"
+    assert "eat" + text == tokenizer.decode([*prompt, the, the], skip_special_tokens=True)
+    assert b"".join(d.logprobs[0].bytes for d in deltas) == text.encode()
+
+
 async def test_each_tokens_bytes_are_its_own_a_split_characters_too(engine: Any):
     """Log probabilities' ``bytes``: a token that holds part of a character has those bytes
     (not U+FFFD's), so a text's tokens' bytes joined are its UTF-8, for byte-level BPE and

@@ -67,6 +67,9 @@ log = logging.getLogger("replystream.engine")
 # The most prompt tokens one forward pass reads (a longer prompt takes several, a reply
 # cancelled meanwhile stopping between two of them).
 PREFILL_CHUNK = 256
+# The prompt's last tokens a reply's text is decoded after (as vLLM's detokenizer does): its
+# first token's leading space is then kept, as for every later token.
+DETOKENIZER_CONTEXT = 5
 
 Item = Delta | EngineError | None  # None: the thread ended (after a finish or a cancel)
 Deliver = Callable[[Item], None]
@@ -282,7 +285,7 @@ class HFEngine(InProcessEngine):
     ) -> str:
         params = request.sampling
         rng = np.random.default_rng(generator_seed(params.seed))  # settled by ``start``
-        detok = HFDetokenizer(self.tokenizer)
+        detok = HFDetokenizer(self.tokenizer, prompt[-DETOKENIZER_CONTEXT:])
         stop = StopMatcher(params.stop)
         history = TokenHistory(prompt) if penalizes(params) else None
         past = None

@@ -37,13 +37,18 @@ class HFDetokenizer:
     The ids since the last emitted boundary are decoded twice (without and with the newest
     token); the difference is the new text. A decode that ends in U+FFFD (a character whose
     bytes are split across tokens) is held back until a later token completes it.
+
+    ``context``: the prompt's last ids, decoded before the reply's first token as the ones
+    before any later token are. A SentencePiece decoder drops the space its input opens with
+    (``Strip``), so without them a reply's first token ``▁Paris`` would come out ``Paris``:
+    a completion glued to its prompt, and text its tokens' bytes do not spell.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, context: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context)
         self._prefix = 0  # ids before this are emitted and never decoded again
-        self._read = 0  # ids before this are emitted
+        self._read = len(self._ids)  # ids before this are emitted (or the prompt's)
 
     def _decode(self, ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
