@@ -522,3 +522,41 @@ async def test_the_model_routes_vary_on_the_header_that_picks_their_shape():
             url, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
         assert header_values(lines, "vary") == []
+
+
+async def test_a_client_at_its_limit_may_still_stop_and_poll_what_it_runs():
+    # A client whose requests at once are all taken (streams open) must still be able to
+    # stop a reply, or a background response, and poll one: those free room, or take none
+    # for longer than their answer. A 429 would leave it no way to stop a background job.
+    engine = fast_engine(delay_ms=20.0, jitter_ms=0.0)
+    config = ServerConfig(guard=GuardConfig(max_concurrent=2), api_keys=("key-a",))
+    auth = {"Authorization": "Bearer key-a", "Content-Type": "application/json"}
+    job = {"input": "x", "background": True, "max_output_tokens": 100_000}
+    async with running(create_app(engine, config)) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/responses", json=job, headers=auth) as created:
+            assert created.status == 200
+            background = (await created.json())["id"]
+        streamed = {"prompt": "x", "max_tokens": 100_000, "resumable": True}
+        async with (
+            http.post(f"{url}/v1/replies", json=streamed, headers=auth) as first,
+            http.post(f"{url}/v1/replies", json=streamed, headers=auth) as second,
+        ):
+            assert (first.status, second.status) == (200, 200)
+            async with http.post(f"{url}/v1/replies", json=streamed, headers=auth) as third:
+                assert third.status == 429  # the limit holds for what makes a reply
+            async with http.get(f"{url}/v1/responses/{background}", headers=auth) as polled:
+                assert polled.status == 200
+            # a read that follows the events (stream=true) is a stream: it still needs room
+            async with http.get(
+                f"{url}/v1/responses/{background}?stream=true", headers=auth
+            ) as followed:
+                assert followed.status == 429
+            async with http.post(f"{url}/v1/responses/{background}/cancel", headers=auth) as r:
+                assert r.status == 200
+                assert (await r.json())["status"] == "cancelled"
+            reply_id = second.headers["X-Reply-Id"]
+            async with http.post(f"{url}/v1/replies/{reply_id}/cancel", headers=auth) as r:
+                assert r.status == 200
+                assert (await r.json())["cancel_requested"] is True
+            async with http.delete(f"{url}/v1/responses/{background}", headers=auth) as r:
+                assert r.status == 200

@@ -38,6 +38,7 @@ from replystream.server.guard import (
     foreign_page_refusal,
     identity_of,
     log_access,
+    needs_no_room,
     preflight_response,
     rate_limited,
     rebinding_refusal,
@@ -109,10 +110,11 @@ def front_door(door: FrontDoor) -> Middleware:
                         response = check_key(request)
                     if limits and response is None and request.path.startswith(LIMITED_PREFIXES):
                         identity = identity_of(request)
-                        wait = gate.admit(identity, time.monotonic())
-                        if wait is None:
+                        if needs_no_room(request):
+                            wait = gate.spend(identity, time.monotonic())
+                        elif (wait := gate.admit(identity, time.monotonic())) is None:
                             request[ADMITTED] = identity  # counted open until ``finish``
-                        else:
+                        if wait is not None:
                             response = rate_limited(wait)
                     if response is None and "Expect" in request.headers:
                         response = await expectation(request, door.max_body_bytes)

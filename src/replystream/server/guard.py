@@ -43,6 +43,11 @@ from replystream.server.guard_config import GuardConfig, Network
 access_log = logging.getLogger("replystream.access")
 
 LIMITED_PREFIXES = ("/v1/", "/wait", "/stream")
+# Requests that stop what a client runs, or read a stored response once: each is answered at
+# once and frees room or holds none, so the cap on requests at once never refuses them (a
+# client at its cap could not stop a background response otherwise); the rate counts them.
+_STOPS = re.compile(r"^/v1/(?:replies|responses)/[^/]+/cancel$")
+_STORED_RESPONSE = re.compile(r"^/v1/responses/[^/]+$")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -195,6 +200,19 @@ GATE_KEY = web.AppKey("client_gate", ClientGate)
 
 # Whom the front door counted a request open against (``identity_of``), until its end.
 ADMITTED = web.RequestKey("admitted_as", str)
+
+
+def needs_no_room(request: web.Request) -> bool:
+    """Whether the cap on a client's requests at once lets ``request`` by: a cancel, a
+    delete of a stored response, a poll of one (not ``stream``, which follows its events)."""
+    path, method = request.path, request.method
+    if method == "POST":
+        return _STOPS.match(path) is not None
+    if method == "DELETE":
+        return _STORED_RESPONSE.match(path) is not None
+    if method == "GET":
+        return _STORED_RESPONSE.match(path) is not None and "stream" not in request.query
+    return False
 
 
 def identity_of(request: web.Request) -> str:
