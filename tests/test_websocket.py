@@ -3,6 +3,8 @@
 import asyncio
 import json
 import logging
+import socket
+import struct
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -191,6 +193,33 @@ async def test_a_socket_is_logged_with_its_upgrade_status(caplog: pytest.LogCapt
         await wait_for(lambda: any(r.name == "replystream.access" for r in caplog.records))
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
     assert [(line["path"], line["status"]) for line in lines] == [("/v1/ws", 101)]
+
+
+@pytest.mark.parametrize("leaving", ["close", "reset"])
+async def test_a_client_gone_before_the_upgrade_is_answered_is_no_server_error(
+    caplog: pytest.LogCaptureFixture, leaving: str
+):
+    # A loaded server answers an upgrade late, and a client whose open timeout passed has
+    # left by then: the answer cannot be written. That is the client's leaving, not a
+    # failure of the server's: no ERROR, no traceback; the access log says the client left.
+    caplog.set_level(logging.INFO, logger="replystream")
+    upgrade = (
+        b"GET /v1/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    async with running(create_app(fast_engine())) as url:
+        host, port = url.removeprefix("http://").split(":")
+        # Blocking calls: the server's loop (this one) reads the upgrade only once the
+        # client has already gone, as a busy server would.
+        client = socket.create_connection((host, int(port)))
+        client.sendall(upgrade)
+        if leaving == "reset":
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
+        await wait_for(lambda: any(r.name == "replystream.access" for r in caplog.records))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
+    assert [(line["path"], line["status"]) for line in lines] == [("/v1/ws", "client_gone")]
 
 
 async def test_cancelling_an_unknown_tag_is_not_found_as_over_http():

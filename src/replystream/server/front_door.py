@@ -99,6 +99,7 @@ def front_door(door: FrontDoor) -> Middleware:
         started = time.monotonic()
         status: int | str = "client_gone"
         sent_later = False
+        gone = False  # the client left while its answer was being written
         try:
             response: web.StreamResponse | None = preflight_response(request, origins)
             if response is None:
@@ -124,12 +125,14 @@ def front_door(door: FrontDoor) -> Middleware:
                     if request.writer.output_size:
                         # The response (or a WebSocket's upgrade) is on the wire: a second
                         # one would be read as part of it. The connection just ends.
-                        log.error(
-                            "%s %s failed after its response began",
-                            request.method,
-                            request.path,
-                            exc_info=exc,
-                        )
+                        gone = client_left(request, exc)
+                        if not gone:
+                            log.error(
+                                "%s %s failed after its response began",
+                                request.method,
+                                request.path,
+                                exc_info=exc,
+                            )
                         response = AbandonedResponse()
                     else:
                         response = error_answer(request, exc, door.max_body_bytes)
@@ -139,7 +142,7 @@ def front_door(door: FrontDoor) -> Middleware:
                     # waiting: then it would be read as the next request. Nothing follows.
                     response.force_close()
                 await gzip_if_worthwhile(request, response, door.gzip_min_bytes)
-            status = response.status
+            status = "client_gone" if gone else response.status
             if isinstance(response, SentLater):
                 sent_later = True
                 if ADMITTED in request or access_log.isEnabledFor(logging.INFO):
@@ -155,6 +158,14 @@ def front_door(door: FrontDoor) -> Middleware:
                 finish(request, request_id, started, gate, status)
 
     return front
+
+
+def client_left(request: web.Request, exc: Exception) -> bool:
+    """Whether ``exc`` is the client's leaving, not a failure: a write refused because its
+    connection is closing or gone (a WebSocket upgrade answered after the client gave up
+    waiting for it, on a busy server)."""
+    transport = request.transport
+    return isinstance(exc, ConnectionError) and (transport is None or transport.is_closing())
 
 
 def finish(
