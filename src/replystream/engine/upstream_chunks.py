@@ -23,11 +23,11 @@ as an ``UpstreamStreamError`` with its own code, within bounded memory:
 - ``upstream_bad_chunk``: a ``data:`` payload that is not a JSON chunk object (one whose
   ``choices`` is null or absent has none: that is no failure). A lone UTF-16 surrogate
   escape is no failure either: Node.js's ``JSON.stringify`` writes one for each half of a
-  character its server cut between two chunks. The halves are joined (a text's high
-  surrogate at its end and the next text's low one at its start, into the one character),
-  and any surrogate left alone becomes U+FFFD, as a UTF-8 decoder's bad bytes do; such an
-  event is read again by ``json`` (pydantic's parser refuses a lone surrogate), the rest
-  as before;
+  character its server cut between two chunks. The halves are joined (a piece's high
+  surrogate at its end and the low one at the start of the next piece of the same kind, into
+  the one character: text, thinking, or one tool call's arguments), and any surrogate left
+  alone becomes U+FFFD, as a UTF-8 decoder's bad bytes do; such an event is read again by
+  ``json`` (pydantic's parser refuses a lone surrogate), the rest as before;
 - ``upstream_event_too_large``: one event grew past ``max_event_size`` characters;
 - ``upstream_malformed``: more than ``max_event_size`` bytes arrived without a single event;
 - ``upstream_incomplete``: the body ended before ``[DONE]`` or a finish reason;
@@ -228,13 +228,58 @@ def _mended(value: object) -> object:
 
 
 def _joined(high: str, text: str) -> str:
-    """A high surrogate held from one text before the next ``text``: the character the
-    pair makes when ``text`` begins with the low one, else U+FFFD (and ``text``'s own low
+    """A high surrogate held from one piece before the next piece's ``text``: the character
+    the pair makes when ``text`` begins with the low one, else U+FFFD (and ``text``'s own low
     surrogate at its start, if alone, U+FFFD too)."""
     if "\udc00" <= text[0] <= "\udfff":
         pair = (high + text[0]).encode("utf-16-le", "surrogatepass").decode("utf-16-le")
         return pair + text[1:]
     return "\ufffd" + text
+
+
+# The kinds of piece a character's halves may be cut between (``ChunkReader._mend``): text,
+# thinking, and each tool call's arguments (by the call's index, an int).
+_TEXT, _THINKING = "text", "thinking"
+
+
+def _piece_of(delta: Delta) -> tuple[str | int, str] | None:
+    """The kind of piece ``delta`` is, and its piece (None: it has none)."""
+    if delta.text:
+        return _TEXT, delta.text
+    if delta.reasoning:
+        return _THINKING, delta.reasoning
+    call = delta.tool_call
+    if call is not None and call.arguments:
+        return call.index, call.arguments
+    return None
+
+
+def _held_half(delta: Delta) -> str:
+    """The high surrogate a held delta (``ChunkReader._held``) holds: its piece."""
+    found = _piece_of(delta)
+    assert found is not None
+    return found[1]
+
+
+def _with_piece(delta: Delta, kind: str | int, piece: str) -> Delta:
+    """``delta`` with its piece of ``kind`` (``_piece_of``) replaced by ``piece``."""
+    if kind == _TEXT:
+        return delta._replace(text=piece)
+    if kind == _THINKING:
+        return delta._replace(reasoning=piece)
+    assert delta.tool_call is not None
+    return delta._replace(tool_call=delta.tool_call._replace(arguments=piece))
+
+
+def _half_alone(kind: str | int, half: str, made_at: float) -> Delta:
+    """A piece of ``kind`` that is only ``half``, a character's high surrogate, carrying no
+    token of its own."""
+    if kind == _TEXT:
+        return Delta(half, 0, made_at)
+    if kind == _THINKING:
+        return Delta("", 0, made_at, reasoning=half)
+    assert isinstance(kind, int)
+    return Delta("", 0, made_at, tool_call=ToolCallDelta(kind, None, None, half))
 
 
 # What cannot stand in a JSON string as it is: a quote, a backslash, a control character.
@@ -323,10 +368,11 @@ class ChunkReader:
         self._template: tuple[bytes, bytes] | None = None
         self._common_text: str | None = None  # the text of the last read's common chunk
         self._common_key = _CONTENT_KEY  # the key of its text (chat's, or a legacy one's)
-        # A text's last delta whose text ended with a character's high surrogate (its low
-        # one in the next text, as Node.js's servers cut them): held back, its text only
-        # that surrogate, until the next text's delta, which it goes out joined to.
-        self._held: Delta | None = None
+        # By kind of piece (``_piece_of``: text, thinking, a tool call's arguments), the last
+        # delta whose piece ended with a character's high surrogate (its low one in the next
+        # piece of that kind, as Node.js's servers cut them): held back, its piece only that
+        # surrogate, until the next piece of its kind, which it goes out joined to.
+        self._held: dict[str | int, Delta] = {}
 
     def _fail(self, message: str, code: str) -> UpstreamStreamError:
         self._ended = self._failed = True
@@ -428,10 +474,10 @@ class ChunkReader:
                 raise self._not_json(data) from None
             chunk = self._with_lone_surrogates(data)
         else:
-            if self._held is None:
+            if not self._held:
                 self._on_chunk(chunk, now)
                 return
-        # A surrogate alone in it, or one held from the last: its texts' deltas are mended.
+        # A surrogate alone in it, or one held from the last: its pieces' deltas are mended.
         start = len(self._pending)
         try:
             self._on_chunk(chunk, now)
@@ -461,7 +507,8 @@ class ChunkReader:
     def _with_lone_surrogates(self, data: str) -> object:
         """An event pydantic's parser refused, with a surrogate escape in it, as ``json``
         reads it: each string's lone surrogates U+FFFD, but for those at the ends of a
-        choice's text, which ``_mend`` joins to their texts' neighbours."""
+        choice's text, thinking or tool call arguments, which ``_mend`` joins to their
+        pieces' neighbours."""
         try:
             # Recursive, as ``_mended`` is: a nesting past Python's limit is no chunk.
             chunk = json.loads(data)
@@ -473,44 +520,65 @@ class ChunkReader:
                 if type(raw) is not dict:
                     continue
                 delta = raw.get("delta")
-                if type(delta) is dict and type(delta.get("content")) is str:
-                    choice["delta"]["content"] = _lone_surrogates_replaced(
-                        delta["content"], keep_ends=True
-                    )
+                if type(delta) is dict:
+                    mended_delta = choice["delta"]
+                    for key in ("content", *REASONING_KEYS):
+                        if type(delta.get(key)) is str:
+                            mended_delta[key] = _lone_surrogates_replaced(
+                                delta[key], keep_ends=True
+                            )
+                    calls = delta.get("tool_calls")
+                    if type(calls) is list:
+                        for call, mended_call in zip(
+                            calls, mended_delta["tool_calls"], strict=True
+                        ):
+                            function = call.get("function") if type(call) is dict else None
+                            if type(function) is dict and type(function.get("arguments")) is str:
+                                mended_call["function"]["arguments"] = _lone_surrogates_replaced(
+                                    function["arguments"], keep_ends=True
+                                )
                 elif delta is None and type(raw.get("text")) is str:
                     choice["text"] = _lone_surrogates_replaced(raw["text"], keep_ends=True)
         return mended
 
     def _mend(self, start: int) -> None:
-        """The text deltas queued from ``start`` on, made of texts with a surrogate left at
-        an end (``_with_lone_surrogates``) or after one held: each joined to the one held
-        before it, and one ending in a high surrogate held in turn. No template is learned
-        from them, and none is used while one is held (its text is not that chunk's)."""
+        """The deltas queued from ``start`` on, made of pieces (text, thinking, a tool call's
+        arguments: ``_piece_of``) with a surrogate left at an end (``_with_lone_surrogates``)
+        or after one held: each joined to the one its kind held before it, and one ending in
+        a high surrogate held in turn. Thinking's held half goes out alone (U+FFFD) when the
+        answer begins, text or a call: the thinking is over. No template is learned from
+        them, and none is used while one is held (its text is not that chunk's)."""
         self._common_text = None
         pending = self._pending
         made = [pending.pop() for _ in range(len(pending) - start)]
+        holds = self._held
         for delta in reversed(made):
-            text = delta.text
-            if not text:
+            if _THINKING in holds and (delta.text or delta.tool_call is not None):
+                pending.append(_with_piece(holds.pop(_THINKING), _THINKING, "\ufffd"))
+            found = _piece_of(delta)
+            if found is None:
                 pending.append(delta)
                 continue
-            held, self._held = self._held, None
+            kind, piece = found
+            held = holds.pop(kind, None)
             if held is not None:
-                text = _joined(held.text, text)
+                piece = _joined(_held_half(held), piece)
                 logprobs = delta.logprobs
                 if held.logprobs and logprobs:
                     logprobs = held.logprobs + logprobs
                 delta = delta._replace(tokens=held.tokens + delta.tokens, logprobs=logprobs)
-            elif "\udc00" <= text[0] <= "\udfff":
-                text = "\ufffd" + text[1:]
-            if "\ud800" <= text[-1] <= "\udbff":
+            elif "\udc00" <= piece[0] <= "\udfff":
+                piece = "\ufffd" + piece[1:]
+            if "\ud800" <= piece[-1] <= "\udbff":
                 self._template = None
-                if len(text) == 1:
-                    self._held = delta._replace(text=text)
+                call = delta.tool_call
+                if len(piece) == 1 and (call is None or (call.id is None and call.name is None)):
+                    holds[kind] = _with_piece(delta, kind, piece)
                     continue
-                self._held = Delta(text[-1], 0, delta.made_at)
-                text = text[:-1]
-            pending.append(delta._replace(text=text))
+                # (A call's first piece goes out for its id and name, its arguments held.)
+                holds[kind] = _half_alone(kind, piece[-1], delta.made_at)
+                piece = piece[:-1]
+            pending.append(_with_piece(delta, kind, piece))
 
     def _on_chunk(self, chunk: object, now: float) -> None:
         if not isinstance(chunk, dict):
@@ -746,9 +814,9 @@ class ChunkReader:
         return last
 
     def _finish_reply(self, now: float) -> None:
-        held, self._held = self._held, None
-        if held is not None:  # no text came after it: a surrogate alone
-            self._pending.append(held._replace(text="\ufffd"))
+        for kind, held in self._held.items():  # no piece of its kind came after: alone
+            self._pending.append(_with_piece(held, kind, "\ufffd"))
+        self._held.clear()
         if self._usage_tokens is None:  # our count: the thinking not shown is in it too
             extra = self._hidden_tokens
         else:
