@@ -19,12 +19,22 @@ def test_a_traceparent_of_this_version_is_passed_on_as_it_is():
     ("value", "passed"),
     [
         (f"01-{TRACE}-{PARENT}-00", f"00-{TRACE}-{PARENT}-00"),
-        (f"cc-{TRACE}-{PARENT}-09-what-a-later-version-adds", f"00-{TRACE}-{PARENT}-09"),
+        # Of a later version's flags only ``sampled`` is known: version 00 has the others 0.
+        (f"cc-{TRACE}-{PARENT}-09-what-a-later-version-adds", f"00-{TRACE}-{PARENT}-01"),
+        (f"cc-{TRACE}-{PARENT}-fe-what-a-later-version-adds", f"00-{TRACE}-{PARENT}-00"),
+        (f"01-{TRACE}-{PARENT}-ff", GOOD),
         # What follows never reaches an upstream: of any length, in any character.
         (f"01-{TRACE}-{PARENT}-01-" + "A" * 7000, GOOD),
         (f"01-{TRACE}-{PARENT}-01-\u4e2d", GOOD),
     ],
-    ids=["version 01", "a later version's fields", "a long tail", "a tail beyond Latin-1"],
+    ids=[
+        "version 01",
+        "a later version's fields",
+        "a later version's flags but sampled",
+        "a later version's flags all set",
+        "a long tail",
+        "a tail beyond Latin-1",
+    ],
 )
 def test_a_later_versions_four_fields_are_passed_on_as_version_00(value: str, passed: str):
     assert trace_context({"traceparent": value}) == (("traceparent", passed),)

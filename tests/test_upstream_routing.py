@@ -861,6 +861,19 @@ async def test_two_traceparent_fields_are_no_trace_and_tracestate_fields_are_one
         assert (seen["traceparent"], seen["tracestate"]) == (one, "a=1,b=2")
 
 
+async def test_a_later_versions_traceparent_goes_on_with_only_its_sampled_flag():
+    """W3C Trace Context: of a later version's ``traceparent`` only the ids and the
+    ``sampled`` flag are read; the version 00 it is passed on as has every other flag 0."""
+    fine = Upstream(["m"])
+    ids = "4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([fine]) as url:
+        for flags, passed in (("ff", "01"), ("fe", "00"), ("01", "01")):
+            headers = {"traceparent": f"cc-{ids}-{flags}-what-the-future-will-be-like"}
+            assert (await post_events(f"{url}/v1/chat/completions", body, headers)).status == 200
+            assert lowered(fine.headers[-1])["traceparent"] == f"00-{ids}-{passed}"
+
+
 async def test_a_request_id_of_ours_is_one_an_upstream_that_wants_uuids_takes():
     """Some servers (llama-cpp-python's) refuse a request whose ``X-Request-Id`` is not a
     UUID, with an empty 400: the ids this server makes for requests are UUIDs, so the

@@ -4,7 +4,8 @@ This file decides which of those headers are passed on: a ``traceparent`` of the
 Context format (version 00's four fields, lower-case hex, and neither id all zeros; a later
 version's first four fields the same, passed on as version 00 with what follows them left
 out, as the standard has a system that speaks version 00 read a later one: a client's tail
-of any length or character never reaches an upstream), and
+of any length or character never reaches an upstream, and of its flags only ``sampled``,
+the one version 00 knows, is kept), and
 ``tracestate`` only beside such a ``traceparent``, up to 512 characters (what the standard
 asks every hop to keep) of visible ASCII. A request with two ``traceparent`` fields has no
 trace context (which would be its parent cannot be told); several ``tracestate`` fields are
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 TRACESTATE_LIMIT = 512
+SAMPLED = 0x01  # the one flag of version 00
 
 
 def _traceparent(value: str) -> str | None:
@@ -32,6 +34,10 @@ def _traceparent(value: str) -> str | None:
         return None
     if trace_id == "0" * 32 or parent_id == "0" * 16:
         return None
+    if version != "00":
+        # Of a later version's flags only ``sampled`` is known; version 00 has every other
+        # flag zero (the standard: "Vendors MUST set those to zero").
+        flags = "01" if int(flags, 16) & SAMPLED else "00"
     return f"00-{trace_id}-{parent_id}-{flags}"
 
 
