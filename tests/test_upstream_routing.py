@@ -874,6 +874,25 @@ async def test_a_later_versions_traceparent_goes_on_with_only_its_sampled_flag()
             assert lowered(fine.headers[-1])["traceparent"] == f"00-{ids}-{passed}"
 
 
+async def test_a_tracestate_with_tabs_around_its_members_goes_on_and_one_broken_does_not():
+    """W3C Trace Context: spaces and tabs may surround ``tracestate``'s members (its test
+    suite sends ``foo=1 \\t , \\t bar=2``), and a list not of its grammar is dropped, the
+    ``traceparent`` beside it going on alone."""
+    fine = Upstream(["m"])
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([fine]) as url:
+        for state, passed in (
+            ("foo=1 \t , \t bar=2, \t baz=3", "foo=1,bar=2,baz=3"),
+            ("foo=1,foo=2", None),
+            ("FOO=1", None),
+        ):
+            headers = {"traceparent": parent, "tracestate": state}
+            assert (await post_events(f"{url}/v1/chat/completions", body, headers)).status == 200
+            seen = lowered(fine.headers[-1])
+            assert seen["traceparent"] == parent and seen.get("tracestate") == passed, seen
+
+
 async def test_a_request_id_of_ours_is_one_an_upstream_that_wants_uuids_takes():
     """Some servers (llama-cpp-python's) refuse a request whose ``X-Request-Id`` is not a
     UUID, with an empty 400: the ids this server makes for requests are UUIDs, so the
