@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from replystream.delivery.replay import MemoryReplayStore, ReadResult
@@ -38,6 +40,34 @@ async def test_a_handler_failing_after_its_response_began_gets_no_second_respons
     assert response.status == 200
     assert b"HTTP/1.1" not in rest and b"internal_error" not in rest
     assert rest.startswith(b"8\r\npartial\n\r\n") and not rest.endswith(b"0\r\n\r\n")
+
+
+async def test_a_failing_handlers_path_cannot_forge_log_lines(caplog: pytest.LogCaptureFixture):
+    """A path's ``%0A`` and ``%0D`` are line breaks once decoded: the error line naming a
+    failed request quotes its path, so no client can write a line of its own into the log."""
+
+    async def failing(request: web.Request) -> web.StreamResponse:
+        raise RuntimeError("injected")
+
+    async def half_sent(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        raise RuntimeError("injected")
+
+    forged = "%0D%0A2026-01-01%2000:00:00,000%20CRITICAL%20replystream.server%20forged"
+    app = create_app(fast_engine())
+    app.router.add_get("/failing/{tail:[\\s\\S]*}", failing)
+    app.router.add_get("/half-sent/{tail:[\\s\\S]*}", half_sent)
+    caplog.set_level(logging.ERROR, logger="replystream.server")
+    async with serving(app) as server:
+        for route in ("failing", "half-sent"):
+            response = await raw_request(f"{server.url}/{route}/x{forged}")
+            async with asyncio.timeout(10):
+                await response.reader.read()
+            await response.aclose()
+    said = [r.getMessage() for r in caplog.records if r.name == "replystream.server"]
+    assert len(said) == 2 and all("forged" in line for line in said), said
+    assert not any("\n" in line or "\r" in line for line in said), said
 
 
 async def ws_messages_until_closed(ws: aiohttp.ClientWebSocketResponse) -> list[Any]:

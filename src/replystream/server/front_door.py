@@ -128,9 +128,9 @@ def front_door(door: FrontDoor) -> Middleware:
                         gone = client_left(request, exc)
                         if not gone:
                             log.error(
-                                "%s %s failed after its response began",
+                                "%s %r failed after its response began",
                                 request.method,
-                                request.path,
+                                request.path,  # quoted: a decoded path may hold line breaks
                                 exc_info=exc,
                             )
                         response = AbandonedResponse()
@@ -209,7 +209,8 @@ def error_answer(request: web.Request, exc: Exception, max_body_bytes: int) -> w
         if "Allow" in exc.headers:  # a 405 says which methods the route serves
             response.headers["Allow"] = exc.headers["Allow"]
         return response
-    log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
+    # The path quoted: decoded, it may hold line breaks (``%0A``) that would forge log lines.
+    log.error("unhandled error in %s %r", request.method, request.path, exc_info=exc)
     return error_response(500, "internal server error", code="internal_error")
 
 
