@@ -167,6 +167,24 @@ async def test_a_model_that_takes_only_max_completion_tokens_is_sent_its_limit_s
     assert up.refused == 1
 
 
+async def test_a_models_name_in_the_line_saying_so_cannot_forge_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An upstream that lists no models is sent a model as the client named it; its name,
+    with a line break in it, is quoted in the warning that its limit goes so from now on."""
+    up = Refusing(lambda body: MAX_TOKENS_UNSUPPORTED if "max_tokens" in body else None)
+    up.models = []  # none listed: any name is the upstream's to judge
+    caplog.set_level(logging.WARNING, logger="replystream.upstream")
+    forged = "x\n2026-01-01 00:00:00,000 CRITICAL replystream.server forged"
+    ask = {"model": forged, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+    async with relay([up], failures=1) as url:
+        got = await post_events(f"{url}/v1/chat/completions", {**ask, "stream": True})
+        assert got.status == 200 and got.chat_text == "w0 w1 w2 ", got.raw
+    said = [r.getMessage() for r in caplog.records if "max_completion_tokens" in r.getMessage()]
+    assert len(said) == 1 and "forged" in said[0], said
+    assert "\n" not in said[0], said
+
+
 async def test_a_fastapi_422_about_the_clients_own_field_is_quoted_and_names_it() -> None:
     up = Refusing(fastapi_422("top_k"))
     chat = {"messages": [{"role": "user", "content": "hi"}], "top_k": 5, "stream": True}

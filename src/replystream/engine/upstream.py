@@ -467,7 +467,8 @@ class UpstreamEngine:
             while len(limits) >= COMPLETION_LIMIT_MODELS:
                 del limits[next(iter(limits))]
             limits[model] = None
-            which = f"for {model}" if model is not None else "when no model is named"
+            # Quoted: a client's name, passed on as named, may hold a line break.
+            which = f"for {model!r}" if model is not None else "when no model is named"
             then = f"a token limit goes to it as max_completion_tokens {which} from now on"
         # Both are fields as the relay writes them, not the client's: its request stands.
         log.warning("%s: %s", refused, then)
