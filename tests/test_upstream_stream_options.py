@@ -10,6 +10,7 @@ it. Real aiohttp upstreams on loopback ports, replystream serving an ``UpstreamE
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.conftest import wait_for
 from tests.sse_client import post_events
 from tests.test_upstream_routing import Upstream, relay
 
@@ -183,6 +185,29 @@ async def test_a_models_name_in_the_line_saying_so_cannot_forge_log_lines(
     said = [r.getMessage() for r in caplog.records if "max_completion_tokens" in r.getMessage()]
     assert len(said) == 1 and "forged" in said[0], said
     assert "\n" not in said[0], said
+
+
+async def test_a_models_name_in_an_error_the_log_repeats_cannot_forge_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model named by a client, sent as named to an upstream that lists none, is quoted
+    in an error's words (which the log's warning repeats) when it holds a line break."""
+    up = Upstream([], mode="slow")  # none listed; each reply holds its room a while
+    caplog.set_level(logging.WARNING, logger="replystream.server")
+    forged = "x\n2026-01-01 00:00:00,000 CRITICAL replystream.server forged"
+    ask = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with relay([up], max_outstanding=1, queue_s=0.0) as url:
+        holding = asyncio.create_task(
+            post_events(f"{url}/v1/chat/completions", {**ask, "model": "m"})
+        )
+        await wait_for(lambda: bool(up.bodies))  # its room is taken
+        got = await post_events(f"{url}/v1/chat/completions", {**ask, "model": forged})
+        assert got.status == 503, got.raw
+        assert (await holding).status == 200
+    message = json.loads(got.raw)["error"]["message"]
+    assert message.startswith(f"every upstream serving {forged!r} is at its limit"), message
+    said = [r.getMessage() for r in caplog.records if "forged" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
 
 
 async def test_a_fastapi_422_about_the_clients_own_field_is_quoted_and_names_it() -> None:

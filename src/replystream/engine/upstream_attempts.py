@@ -450,8 +450,16 @@ def serving(models: Sequence[str | None]) -> str:
     if asked is None:
         return ""
     if not fallbacks:
-        return f" serving {asked}"
-    return f" serving {asked} or its fallbacks {', '.join(map(str, fallbacks))}"
+        return f" serving {named(asked)}"
+    return f" serving {named(asked)} or its fallbacks {', '.join(map(named, fallbacks))}"
+
+
+def named(model: str | None) -> str:
+    """A model's name as words show it: as it is, or quoted when it holds a character that is
+    not printable (a client's name, sent as named to an upstream that lists none, may hold a
+    line break, which would forge a line of the log these words go to)."""
+    text = str(model)
+    return text if text.isprintable() else repr(text)
 
 
 def gave_up(
