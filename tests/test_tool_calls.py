@@ -466,6 +466,44 @@ async def test_previous_response_id_carries_the_calls_to_the_next_response(serve
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
+def _answers(response: Any) -> list[dict[str, Any]]:
+    return [
+        {"type": "function_call_output", "call_id": item.call_id, "output": "18 C"}
+        for item in response.output
+        if item.type == "function_call"
+    ]
+
+
+async def test_a_chain_of_calls_goes_on_past_its_second_response(tmp_path: Path):
+    # Each response's stored conversation holds the history it continued, an assistant turn
+    # of calls without text included: the third response reads the second's history back.
+    calls_alone = [step for step in SCRIPT if "tool_call" in step]
+    async with scripted(tmp_path, calls_alone) as (_, server), oai(server) as client:
+        made = await client.responses.create(
+            model="simulated", input="weather in Paris?", tools=RESPONSES_TOOLS
+        )
+        usages = [made.usage.input_tokens]
+        for _ in range(3):
+            count = await client.responses.input_tokens.count(
+                model="simulated",
+                previous_response_id=made.id,
+                input=_answers(made),
+                tools=RESPONSES_TOOLS,
+            )
+            made = await client.responses.create(
+                model="simulated",
+                previous_response_id=made.id,
+                input=_answers(made),
+                tools=RESPONSES_TOOLS,
+            )
+            assert made.status == "completed"
+            assert count.input_tokens == made.usage.input_tokens
+            usages.append(made.usage.input_tokens)
+            items = await client.responses.input_items.list(made.id, order="asc")
+            assert [item.type for item in items.data] == ["function_call_output"] * 2
+    assert usages == sorted(usages) and len(set(usages)) == 4
+
+
 async def test_a_previous_responses_calls_left_unanswered_are_a_400(server: str):
     async with oai(server) as client:
         first = await client.responses.create(

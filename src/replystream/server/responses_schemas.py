@@ -356,10 +356,12 @@ class ResponsesBody(ResponsesPrompt):
 
 
 class Turn(Strict):
-    """One message of a stored conversation (what a Responses request sent, as chat)."""
+    """One message of a stored conversation (what a Responses request sent, as chat). An
+    assistant turn of tool calls alone has no ``content``: a continued history is kept
+    without its null fields, so a missing one is null."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None
+    content: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
