@@ -215,7 +215,9 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
                 # route does, unless the server makes replies resumable by default: then it goes
                 # on for the detach grace, as theirs do.
                 disconnect="keep" if body.background else None if resumes_by_default else "cancel",
-                context=kept_conversation(made.conversation, body.input),
+                context=kept_conversation(
+                    made.conversation, body.input, background=body.background
+                ),
             )
         except BaseException:
             if release is not None:

@@ -374,12 +374,18 @@ class Conversation(Strict):
 
     messages: list[Turn]
     input: ResponseInput | None = None
+    # Made with ``background: true`` (None in what a server before it kept): read by a cancel
+    # when a long log no longer holds the response's first event, which says it too.
+    background: bool | None = None
 
 
-def kept_conversation(messages: Sequence[Mapping[str, Any]], given: str | Sequence[Strict]) -> str:
+def kept_conversation(
+    messages: Sequence[Mapping[str, Any]], given: str | Sequence[Strict], *, background: bool
+) -> str:
     """The ``Conversation`` a stored response keeps, as JSON: ``messages`` (the history and
-    this request's input, as chat) and ``given``, the request's validated ``input``."""
+    this request's input, as chat), ``given``, the request's validated ``input``, and whether
+    it runs in the ``background``."""
     if isinstance(given, str):
-        return json.dumps({"messages": list(messages), "input": given})
+        return json.dumps({"messages": list(messages), "input": given, "background": background})
     items = [item.model_dump(exclude_none=True) for item in given]
-    return json.dumps({"messages": list(messages), "input": items})
+    return json.dumps({"messages": list(messages), "input": items, "background": background})

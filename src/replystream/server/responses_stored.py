@@ -141,8 +141,19 @@ async def response_standing(store: ReplayStore, reply_id: str) -> Standing:
     """Whether a response is a background one, and whether it still runs. An ended one's is
     read from its first event (``response.created``, small) and the kind of its last, not
     from its object, which may be megabytes; one whose first event is gone, or that has not
-    ended, from its object."""
-    told = await _read_told(store, reply_id)
+    ended, from its object; one still running whose first events a long log no longer
+    holds, from what its conversation keeps."""
+    try:
+        told = await _read_told(store, reply_id)
+    except HTTPAPIError as exc:
+        if exc.status != 410:
+            raise
+        # Not ended (an ended one's terminal event tells it whole), and too long for its log
+        # to hold its opening: it still runs, and its conversation says how it was made.
+        kept = await stored_conversation(store, reply_id)
+        if kept is None or kept.background is None:
+            raise
+        return Standing(kept.background, running=True)
     entries = told.entries
     if told.ended:
         opened = opened_object(entries[0])
