@@ -1,5 +1,5 @@
-"""A background response longer than its log holds (its newest 10,000 events) is cancelled
-while it runs, as a short one is, over a real server."""
+"""A background response longer than its log holds (its newest 10,000 events) is cancelled,
+and refused as a previous response, while it runs, as a short one is, over a real server."""
 
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ async def test_a_background_response_past_its_logs_length_is_cancelled() -> None
                     break
                 assert (await state.json())["status"] in ("queued", "in_progress")
             await asyncio.sleep(0.2)
+        # Continued while it runs, it is a response that has not finished, as a short one.
+        follow = {"input": "and then?", "previous_response_id": response_id}
+        for route, body in (("", {**follow, "max_output_tokens": 2}), ("/input_tokens", follow)):
+            async with http.post(f"{url}/v1/responses{route}", json=body) as refused:
+                error = (await refused.json())["error"]
+                assert refused.status == 400, error
+            assert (error["code"], error["param"]) == ("invalid_value", "previous_response_id")
+            assert error["message"] == f"response {response_id} has not finished yet"
         async with http.post(f"{url}/v1/responses/{response_id}/cancel") as cancel:
             answer = await cancel.json()
             assert cancel.status == 200, answer

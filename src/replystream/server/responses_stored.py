@@ -119,7 +119,20 @@ async def response_said(store: ReplayStore, reply_id: str) -> Said | None:
     (queued, or in progress). An ended one's whole log is read from its small events
     (``said_in_events``, a slice at a time); one whose early events are gone, or whose
     producer was lost, from its object."""
-    told = await _read_told(store, reply_id)
+    try:
+        told = await _read_told(store, reply_id)
+    except HTTPAPIError as exc:
+        if exc.status != 410:
+            raise
+        # A log too long to still hold a running response's first events has no object
+        # to tell until its terminal event: the response has not finished.
+        try:
+            tail = await store.tail(reply_id)
+        except StoreUnavailable as unavailable:
+            raise HTTPAPIError(503, unavailable.describe(), code=unavailable.code) from None
+        if tail is None or tail.ended:
+            raise
+        return None
     if told.whole and told.ended:
         return await said_in_events(told.entries)
     response = response_from_log(told.entries, producer_lost=told.producer_lost)
