@@ -60,6 +60,8 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
     (LEGACY, {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
     (LEGACY, {"prompt": [1, 2, 3]}, 400, "unsupported_parameter", "prompt"),
     (LEGACY, {"prompt": [[1, 2]]}, 400, "unsupported_parameter", "prompt"),
+    (LEGACY, {"prompt": [7]}, 400, "unsupported_parameter", "prompt"),  # one token id
+    (LEGACY, {"prompt": [None]}, 400, "invalid_value", "prompt"),
     (LEGACY, {"prompt": 5}, 400, "invalid_value", "prompt"),
     # Values OpenAI takes for features this server lacks; out of OpenAI's range, a bad value.
     (LEGACY, {"prompt": "a", "echo": True}, 400, "unsupported_parameter", "echo"),

@@ -201,9 +201,10 @@ class ChatBody(OpenAIBody):
 
 
 def _legacy_prompt(value: Any) -> str:
-    if isinstance(value, list) and len(value) == 1:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
-    if isinstance(value, list) and value and all(isinstance(v, (str, int, list)) for v in value):
+    # (A list of one int is a prompt of one token id, as ``[[1]]`` is a batch of it.)
+    if isinstance(value, list) and value and all(type(v) in (str, int, list) for v in value):
         # OpenAI's other forms (several prompts, token ids): a feature this server lacks,
         # told as such, not as a value no API takes.
         raise PydanticCustomError(
