@@ -152,3 +152,24 @@ async def test_a_stop_string_inside_a_step_lists_the_log_probabilities_plain_dec
     assert answers[1] == answers[0]
     assert answers[0][0] == " Ammon, and the ch"
     assert answers[0][1] == [" Ammon", ",", " and", " the", " children"]
+
+
+def test_drafts_leave_every_running_sequence_its_token_of_the_step():
+    # Four replies decode together on a budget of 12; each has a 3-token draft to verify.
+    # Drafts that took the whole budget would leave the newest reply without a token, step
+    # after step, for as long as the older ones keep repeating themselves.
+    allocator = BlockAllocator(num_blocks=32, block_size=4)
+    scheduler = Scheduler(allocator, SchedulerConfig(token_budget=12, spec_tokens=4))
+    prompts = {i: [10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(4)}
+    for seq_id, prompt in prompts.items():
+        scheduler.add(seq_id, prompt, max_new=40)
+    prefill = scheduler.schedule()
+    assert [c.seq_id for c in prefill.chunks] == [0, 1, 2, 3]
+    # Each reply begins with its prompt's first token: "a b c a" drafts "b c a".
+    scheduler.record(prefill, {i: prompts[i][0] for i in prompts})
+    for _ in range(5):
+        step = scheduler.schedule()
+        assert [c.seq_id for c in step.chunks] == [0, 1, 2, 3]
+        assert step.num_tokens <= 12
+        assert any(c.draft for c in step.chunks)
+        scheduler.record(step, {c.seq_id: [*c.tokens[1:], c.tokens[0]] for c in step.chunks})

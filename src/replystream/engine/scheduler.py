@@ -15,7 +15,8 @@ This file decides, step by step, how a token budget is spent and who holds KV bl
    after them; each chunk's full blocks are named for later ones in ``record``.
 4. ``abort`` and ``finish`` free a sequence's blocks at once.
 5. With ``spec_tokens`` > 0 a decoding sequence's chunk also carries a draft (prompt lookup,
-   ``speculative.propose``), never past ``max_new`` nor the budget; ``record`` then takes the
+   ``speculative.propose``), never past ``max_new`` nor the budget less a token for each
+   running sequence after it (drafts never keep one from its step); ``record`` then takes the
    tokens the model accepted and rolls the cache back over the rejected draft positions.
 ``schedule()`` returns a frozen ``Batch``; ``record()`` takes the sampled tokens back. It must
 not know about models, clocks, threads or asyncio.
@@ -178,7 +179,10 @@ class Scheduler:
         while index < len(self._running) and budget > 0:
             seq = self._running[index]
             n = min(len(seq.tokens) - seq.computed, budget)
-            draft = self._draft(seq, budget) if n == 1 else ()
+            # A draft leaves a token of the budget to each running sequence after this one:
+            # speculation may save steps, but never at the cost of another stream's token.
+            later = len(self._running) - index - 1
+            draft = self._draft(seq, budget - later) if n == 1 else ()
             while not self.allocator.can_hold(seq.seq_id, seq.computed + n + len(draft)):
                 if draft:  # drop the draft before preempting anyone for it
                     draft = ()
