@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from replystream.delivery.redis_connect import RedisTarget, parse_redis_url
+from tests.certificates import Authority
 
 
 def test_a_sentinel_url_names_its_sentinels_service_and_database():
@@ -40,7 +44,7 @@ def test_plain_urls_are_redis_pys_and_shown_without_credentials():
     [
         "redis://h/3?client_name=replica-a&health_check_interval=5&socket_keepalive=yes",
         "redis://h?db=2",
-        "rediss://h/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required",
+        "rediss://h/0?ssl_cert_reqs=optional&ssl_check_hostname=false",
         "unix:///run/redis.sock?db=1",
     ],
 )
@@ -75,3 +79,41 @@ def test_a_url_that_names_no_redis_is_refused_in_one_line(url: str, says: str):
     with pytest.raises(ValueError, match=says) as caught:
         parse_redis_url(url)
     assert "\n" not in str(caught.value) and "pw" not in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("redis-tls")
+    authority = Authority("redis test ca")
+    cert, key = authority.issue(folder, "client", ExtendedKeyUsageOID.CLIENT_AUTH)
+    return {"ca": authority.write(folder / "ca.pem"), "cert": cert, "key": key}
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        # redis-py reads these only as it connects: every command would fail, a missing file
+        # told as "Error 2 connecting to h:6380", as if Redis could not be reached.
+        ("ssl_cert_reqs=bogus", "Invalid SSL Certificate Requirements Flag: bogus"),
+        ("ssl_ca_certs={missing}", "ssl_ca_certs: no file"),
+        ("ssl_certfile={cert}&ssl_keyfile={missing}", "ssl_keyfile: no file"),
+        ("ssl_ca_path={missing}", "ssl_ca_path: no folder"),
+        ("ssl_ca_certs={key}", "the TLS options cannot be used"),  # a key, not a certificate
+        ("ssl_certfile={cert}&ssl_keyfile={ca}", "the TLS options cannot be used"),
+        ("ssl_ciphers=NO-SUCH-CIPHER", "the TLS options cannot be used: No cipher"),
+    ],
+)
+def test_tls_options_that_cannot_be_used_are_refused_when_the_url_is_read(
+    tls_files: dict[str, Path], query: str, says: str
+):
+    names = {name: str(path) for name, path in tls_files.items()}
+    url = "rediss://:pw@h:6380/0?" + query.format(missing="/no/such/file.pem", **names)
+    with pytest.raises(ValueError, match=says) as caught:
+        parse_redis_url(url)
+    assert "\n" not in str(caught.value) and "pw" not in str(caught.value)
+
+
+def test_usable_tls_files_are_taken(tls_files: dict[str, Path]):
+    files = f"ssl_ca_certs={tls_files['ca']}&ssl_certfile={tls_files['cert']}"
+    url = f"rediss://h:6380/0?{files}&ssl_keyfile={tls_files['key']}&ssl_cert_reqs=required"
+    assert parse_redis_url(url).tls

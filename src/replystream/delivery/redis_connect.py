@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +42,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.typing import EncodableT
 
 Kind = Literal["single", "sentinel", "cluster"]
@@ -153,9 +155,29 @@ def _check_single(url: str, scheme: str, tls: bool) -> None:
         if name == "db" and not values[0].isdigit():
             raise ValueError(f"the database must be a number, got {values[0]!r}")
     try:
-        aioredis.connection.parse_url(url)  # the values' types, as redis-py reads them
+        options = aioredis.connection.parse_url(url)  # the values' types, as redis-py reads them
     except ValueError as exc:
         raise ValueError(str(exc).splitlines()[0]) from None
+    if tls:
+        _check_tls({name: value for name, value in options.items() if name.startswith("ssl_")})
+
+
+def _check_tls(options: dict[str, Any]) -> None:
+    """The TLS options read as redis-py reads them only when it connects (its context made,
+    its files loaded), read now: a mistake in one would otherwise fail every command, told as
+    Redis that cannot be reached (a missing file as "Error 2 connecting to ...")."""
+    for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+        path = options.get(name)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{name}: no file {path}")
+    folder = options.get("ssl_ca_path")
+    if folder is not None and not os.path.isdir(folder):
+        raise ValueError(f"ssl_ca_path: no folder {folder}")
+    try:
+        aioredis.SSLConnection(**options).ssl_context.get()
+    except (RedisError, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        reason = exc.args[0] if len(exc.args) == 1 else exc  # ("No cipher can be selected.",)
+        raise ValueError(f"the TLS options cannot be used: {reason}") from None
 
 
 def parse_redis_url(url: str) -> RedisTarget:
