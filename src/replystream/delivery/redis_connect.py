@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,8 +42,9 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
 Kind = Literal["single", "sentinel", "cluster"]
@@ -374,3 +376,50 @@ def connect(
     )
     client.sentinels = sentinel
     return client
+
+
+@dataclass(frozen=True, slots=True)
+class FirstContact:
+    """What Redis answered when first asked: ``refused`` when it will not take this server's
+    commands however long it is waited for (``why`` says what it said)."""
+
+    refused: bool
+    why: str
+
+
+async def first_contact(
+    target: RedisTarget, key: str, *, connect_timeout_s: float, command_timeout_s: float
+) -> FirstContact | None:
+    """Ask Redis once, on a client of its own, whether it takes the commands the store sends:
+    a connection (its password, or none, its database, its TLS certificate) and a script
+    call on ``key`` (a user allowed ``EVALSHA`` and that key). None when it takes them.
+
+    Failing every command, a wrong password, ``NOAUTH``, a database out of range or an ACL
+    user without a command or key the store uses would be retried as a failover and found by
+    each request in turn; a Redis that cannot be reached now (not yet started, or failing
+    over) may be reached later, and is not refused.
+    """
+    client = connect(
+        target,
+        connect_timeout_s=connect_timeout_s,
+        command_timeout_s=command_timeout_s,
+        max_connections=1,
+    )
+    try:
+        await client.ping()
+        with contextlib.suppress(NoScriptError):  # allowed, and no such script: as expected
+            await client.evalsha("0" * 40, 1, key)  # type: ignore[no-untyped-call, unused-ignore]
+    except AuthenticationError as exc:  # a ConnectionError, but a waiting one never passes
+        return FirstContact(True, str(exc))
+    except RedisConnectionError as exc:
+        # A Redis certificate this server does not trust is a setting to change, not an outage.
+        refused = isinstance(exc.__cause__, ssl.SSLCertVerificationError)
+        return FirstContact(refused, str(exc))
+    except (RedisTimeoutError, RedisClusterException, OSError) as exc:
+        return FirstContact(False, str(exc))
+    except RedisError as exc:  # NOPERM, a database out of range, ...
+        return FirstContact(True, str(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            await client.aclose()
+    return None

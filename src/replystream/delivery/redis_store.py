@@ -56,10 +56,11 @@ from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
+from replystream.delivery.redis_connect import FirstContact, first_contact
 from replystream.delivery.redis_follow import RemoteCursor
 from replystream.delivery.redis_heartbeat import Heartbeat
 from replystream.delivery.redis_keys import DELETED_PARTS, ReplyKeys
-from replystream.delivery.redis_link import HEARTBEAT_S, RedisLink
+from replystream.delivery.redis_link import COMMAND_TIMEOUT_S, HEARTBEAT_S, RedisLink
 from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_reads import RemoteReads
 from replystream.delivery.redis_rows import Newest, Offsets
@@ -103,6 +104,7 @@ class RedisReplayStore:
         failover_s: float = FAILOVER_S,
     ) -> None:
         self.url = url
+        self._connect_timeout_s = connect_timeout_s
         self._link = RedisLink(
             url, connect_timeout_s=connect_timeout_s, failover_s=failover_s, liveness_s=liveness_s
         )
@@ -126,6 +128,16 @@ class RedisReplayStore:
         self.reads = RemoteReads(self._link, self.keys)
         self._delete = self.redis.register_script(DELETE_SCRIPT)
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def first_contact(self) -> FirstContact | None:
+        """Whether Redis takes this store's commands, asked once on a client of its own (so
+        from any event loop, before serving): see ``redis_connect.first_contact``."""
+        return await first_contact(
+            self._link.target,
+            self.keys.key("first-contact"),
+            connect_timeout_s=self._connect_timeout_s,
+            command_timeout_s=COMMAND_TIMEOUT_S,
+        )
 
     def _ensure_tasks(self) -> None:
         if not self._tasks:

@@ -1,0 +1,92 @@
+"""``serve --redis-url`` asks Redis once before it listens: a Redis that refuses the store's
+commands (a wrong password, none given where one is needed, a database it lacks, an ACL user
+without a command or key the store uses) is a start-up error of one line that names Redis by
+host and port only; one that cannot be reached yet is told, and the server serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.processes import replica
+from tests.redis_server import RedisServer, redis_server
+from tests.services import free_port
+
+CLI = [sys.executable, "-m", "replystream", "serve", "--engine", "simulated"]
+SECRET = "s3cr%t@p:ss/w#rd"  # "%2540" and the like in a URL
+QUOTED = "s3cr%25t%40p%3Ass%2Fw%23rd"
+
+
+@pytest.fixture(scope="module")
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with redis_server(tmp_path_factory.mktemp("redis-acl")) as server:
+        admin = redis.Redis(port=server.port)
+        admin.acl_setuser(
+            "alice",
+            enabled=True,
+            passwords=[f"+{SECRET}"],
+            keys=["*"],
+            channels=["*"],
+            commands=["+@all"],
+        )
+        admin.acl_setuser(
+            "bob",
+            enabled=True,
+            passwords=["+bobpw"],
+            keys=["*"],
+            commands=["+@all", "-evalsha", "-eval"],
+        )
+        admin.acl_setuser(
+            "carol", enabled=True, passwords=["+carolpw"], keys=["other:*"], commands=["+@all"]
+        )
+        admin.config_set("requirepass", "defaultpw")  # NOAUTH without a password
+        admin.close()
+        yield server
+
+
+def serve(url: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    argv = [*CLI, "--port", str(free_port()), "--redis-url", url]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=20, env=env)
+
+
+@pytest.mark.parametrize(
+    ("auth", "db", "says"),
+    [
+        ("alice:wrongpw@", 0, "invalid username-password pair"),
+        ("", 0, "authenticated"),  # NOAUTH
+        ("bob:bobpw@", 0, "no permissions to run the 'evalsha' command"),
+        ("carol:carolpw@", 0, "no permissions to access one of the keys"),
+        (f"alice:{QUOTED}@", 99, "DB index is out of range"),
+    ],
+)
+def test_a_redis_that_refuses_the_stores_commands_stops_start_up_in_one_line(
+    acl_redis: RedisServer, auth: str, db: int, says: str
+):
+    done = serve(f"redis://{auth}127.0.0.1:{acl_redis.port}/{db}")
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    where = f"Redis at redis://127.0.0.1:{acl_redis.port}/{db} refuses"
+    assert lines[0].startswith(f"replystream serve: --redis-url: {where}"), lines[0]
+    assert says in lines[0], lines[0]
+    assert "pw" not in lines[0] and "s3cr" not in lines[0]
+
+
+async def test_a_user_the_redis_takes_serves_its_database(acl_redis: RedisServer):
+    url = f"redis://alice:{QUOTED}@127.0.0.1:{acl_redis.port}/4"
+    async with replica("--engine", "simulated", "--redis-url", url):
+        pass
+
+
+async def test_a_redis_not_reachable_yet_is_told_and_the_server_serves(tmp_path: Path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    async with replica("--engine", "simulated", "--redis-url", url) as (_, base):
+        assert base.startswith("http://")
