@@ -67,6 +67,9 @@ def test_a_url_may_set_what_the_store_leaves_to_its_operator(url: str):
         ("redis://h:1/0?ssl_certfile=x", "'ssl_certfile' is not one"),  # no TLS: no TLS files
         ("redis://:pw@h/abc", "the database must be a number, got 'abc'"),
         ("redis://h/?db=x", "the database must be a number"),
+        # A digit int() does not read: redis-py would drop it and use database 0.
+        ("redis://h/\u00b2", "the database must be a number, got '\u00b2'"),
+        ("redis+sentinel://h/svc/\u00b2", "the database must be a number"),
         ("redis://h/0?health_check_interval=soon", "Invalid value for 'health_check_interval'"),
         ("redis+sentinel://:pw@h/svc?x=1", "takes no query"),
         ("redis+cluster://:pw@h?x=1", "takes no query"),

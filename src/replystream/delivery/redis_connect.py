@@ -145,7 +145,7 @@ def _check_single(url: str, scheme: str, tls: bool) -> None:
         # redis-py would take it, and fail on every command (connecting to "").
         raise ValueError("a unix:// URL names its socket: unix:///path/to/redis.sock")
     # redis-py takes the path's number as the database, and silently drops any other path.
-    if scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+    if scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdecimal():
         raise ValueError(f"the database must be a number, got {parts.path.strip('/')!r}")
     allowed = URL_OPTIONS + (TLS_URL_OPTIONS if tls else ())
     for name, values in parse_qs(parts.query, keep_blank_values=True).items():
@@ -154,7 +154,7 @@ def _check_single(url: str, scheme: str, tls: bool) -> None:
                 f"the query option {name!r} is not one this server takes "
                 f"(it takes {', '.join(allowed)}; timeouts and retries are its own)"
             )
-        if name == "db" and not values[0].isdigit():
+        if name == "db" and not values[0].isdecimal():
             raise ValueError(f"the database must be a number, got {values[0]!r}")
     try:
         options = aioredis.connection.parse_url(url)  # the values' types, as redis-py reads them
@@ -210,7 +210,7 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not segments or len(segments) > 2:
         raise ValueError("a Sentinel URL names its service: .../service_name[/db]")
     db = segments[1] if len(segments) == 2 else "0"
-    if not db.isdigit():
+    if not db.isdecimal():
         raise ValueError(f"the database must be a number, got {db!r}")
     return RedisTarget(url, kind, tls, nodes, segments[0], int(db), username, password)
 
