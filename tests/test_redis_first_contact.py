@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.delivery.replay import StoreUnavailable
 from tests.processes import replica
 from tests.redis_server import RedisServer, redis_server
 from tests.services import free_port
@@ -90,3 +92,22 @@ async def test_a_redis_not_reachable_yet_is_told_and_the_server_serves(tmp_path:
     url = f"redis://127.0.0.1:{free_port()}/0"
     async with replica("--engine", "simulated", "--redis-url", url) as (_, base):
         assert base.startswith("http://")
+
+
+async def test_a_sentinel_that_cannot_be_asked_is_named_by_its_address(tmp_path: Path):
+    """redis-py names each Sentinel it could not ask by its client's whole repr (a screenful
+    of pool and connection settings), which reached clients' error messages and the log."""
+    with redis_server(tmp_path) as not_a_sentinel:  # answers SENTINEL with an error
+        url = f"redis+sentinel://:pw@127.0.0.1:{not_a_sentinel.port}/svc"
+        store = RedisReplayStore(url, failover_s=0.0)
+        try:
+            with pytest.raises(StoreUnavailable) as caught:
+                await store.info("r1")
+            contact = await store.first_contact()
+        finally:
+            await store.aclose()
+    said = caught.value.describe()
+    assert f"No master found for 'svc' : Sentinel 127.0.0.1:{not_a_sentinel.port} - " in said
+    assert "redis.asyncio" not in said and "socket_timeout" not in said, said
+    assert contact is not None and not contact.refused
+    assert "redis.asyncio" not in contact.why, contact.why

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -213,6 +214,19 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not db.isdecimal():
         raise ValueError(f"the database must be a number, got {db!r}")
     return RedisTarget(url, kind, tls, nodes, segments[0], int(db), username, password)
+
+
+# How redis-py names a Sentinel it could not ask in ``MasterNotFoundError``: the client's
+# whole repr (its pool's and connection's settings, a screenful), where its address is meant.
+_SENTINEL_REPR = re.compile(
+    r"<redis\.asyncio\.client\.Redis\(<.*?,host=([^,>]+),port=(\d+),.*?\)>\)>\)>(?= - )"
+)
+
+
+def error_text(error: object) -> str:
+    """What a Redis error says, as a log line or a client may show it: a Sentinel redis-py
+    names by its client's repr is named by its address instead."""
+    return _SENTINEL_REPR.sub(lambda m: f"Sentinel {_host(m[1])}:{m[2]}", str(error))
 
 
 class _SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
@@ -414,7 +428,7 @@ async def first_contact(
     except RedisConnectionError as exc:
         # A Redis certificate this server does not trust is a setting to change, not an outage.
         refused = isinstance(exc.__cause__, ssl.SSLCertVerificationError)
-        return FirstContact(refused, str(exc))
+        return FirstContact(refused, error_text(exc))
     except (RedisTimeoutError, RedisClusterException, OSError) as exc:
         return FirstContact(False, str(exc))
     except RedisError as exc:  # NOPERM, a database out of range, ...

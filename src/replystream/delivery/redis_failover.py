@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from redis.exceptions import RedisError
 
 from replystream.delivery.redis_call_counts import CallCounts, Verdict
+from replystream.delivery.redis_connect import error_text
 from replystream.delivery.redis_keys import ReplyKeys
 from replystream.delivery.redis_link import COMMAND_TIMEOUT_S, RedisLink, live_hold_s
 from replystream.delivery.redis_repair import LocalCopy, plan
@@ -181,7 +182,9 @@ class Failover:
         if self.outage_since is None:
             self.outage_since = now
             log.warning(
-                "reply log write to Redis failed (retrying %gs): %s", self._link.failover_s, exc
+                "reply log write to Redis failed (retrying %gs): %s",
+                self._link.failover_s,
+                error_text(exc),
             )
         if now - self.outage_since < self._link.failover_s:
             return

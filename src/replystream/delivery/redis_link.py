@@ -26,7 +26,12 @@ from typing import TypeVar
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from replystream.delivery.redis_connect import connect, follow_primary, parse_redis_url
+from replystream.delivery.redis_connect import (
+    connect,
+    error_text,
+    follow_primary,
+    parse_redis_url,
+)
 from replystream.delivery.replay import StoreUnavailable
 
 T = TypeVar("T")
@@ -76,7 +81,7 @@ class RedisLink:
 
     def unavailable(self, why: object) -> StoreUnavailable:
         """What a caller is told when Redis cannot be reached."""
-        return StoreUnavailable(f"{self.where}: {why}")
+        return StoreUnavailable(f"{self.where}: {error_text(why)}")
 
     async def retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()``, retried for ``failover_s`` while Redis cannot be reached (a
@@ -170,7 +175,9 @@ class OutageLog:
         if self._since is None:
             self._since = time.monotonic()
             self._attempts = 0
-            self._log.warning("%s failed: %s (told again once it succeeds)", self.what, exc)
+            self._log.warning(
+                "%s failed: %s (told again once it succeeds)", self.what, error_text(exc)
+            )
         self._attempts += 1
 
     def succeeded(self) -> None:
