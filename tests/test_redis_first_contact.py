@@ -111,3 +111,23 @@ async def test_a_sentinel_that_cannot_be_asked_is_named_by_its_address(tmp_path:
     assert "redis.asyncio" not in said and "socket_timeout" not in said, said
     assert contact is not None and not contact.refused
     assert "redis.asyncio" not in contact.why, contact.why
+
+
+def test_a_cluster_that_refuses_the_password_stops_start_up(tmp_path: Path):
+    node = RedisServer(tmp_path, cluster=True)
+    node.start()
+    try:
+        admin = redis.Redis(port=node.port)
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")  # type: ignore[no-untyped-call]
+        admin.config_set("requirepass", "rightpw")
+        admin.close()
+        done = serve(f"redis+cluster://:wrongpw@127.0.0.1:{node.port}")
+    finally:
+        node.stop()
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(
+        f"replystream serve: --redis-url: Redis at redis+cluster://127.0.0.1:{node.port} refuses"
+    ), lines[0]
+    assert "invalid username-password pair" in lines[0] and "pw" not in lines[0]

@@ -429,7 +429,11 @@ async def first_contact(
         # A Redis certificate this server does not trust is a setting to change, not an outage.
         refused = isinstance(exc.__cause__, ssl.SSLCertVerificationError)
         return FirstContact(refused, error_text(exc))
-    except (RedisTimeoutError, RedisClusterException, OSError) as exc:
+    except RedisClusterException as exc:
+        # No node could be asked: refused when one refused this server's password.
+        refused = isinstance(exc.__cause__ or exc.__context__, AuthenticationError)
+        return FirstContact(refused, str(exc))
+    except (RedisTimeoutError, OSError) as exc:
         return FirstContact(False, str(exc))
     except RedisError as exc:  # NOPERM, a database out of range, ...
         return FirstContact(True, str(exc))
