@@ -85,6 +85,13 @@ async def settle(store: ReplayStore) -> None:
         await store.flush()
 
 
+async def test_a_store_that_takes_its_commands_says_so_when_first_asked(stores):
+    # Asked before serving (``serve`` stops on a refusal): every store here takes them, a
+    # Redis and a Redis Cluster that ask no password included. Refusals: test_redis_first_contact.
+    for store in stores:
+        assert await store.first_contact() is None
+
+
 async def test_a_store_says_whether_another_process_reads_its_replies(stores):
     producer, reader = stores
     await producer.create(ReplyInfo("told"))

@@ -48,6 +48,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
+from replystream.delivery.replay import FirstContact
+
 Kind = Literal["single", "sentinel", "cluster"]
 RedisClient = aioredis.Redis | RedisCluster
 
@@ -390,15 +392,6 @@ def connect(
     )
     client.sentinels = sentinel
     return client
-
-
-@dataclass(frozen=True, slots=True)
-class FirstContact:
-    """What Redis answered when first asked: ``refused`` when it will not take this server's
-    commands however long it is waited for (``why`` says what it said)."""
-
-    refused: bool
-    why: str
 
 
 async def first_contact(

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
-from replystream.delivery.redis_connect import FirstContact, first_contact
+from replystream.delivery.redis_connect import first_contact
 from replystream.delivery.redis_follow import RemoteCursor
 from replystream.delivery.redis_heartbeat import Heartbeat
 from replystream.delivery.redis_keys import DELETED_PARTS, ReplyKeys
@@ -70,6 +70,7 @@ from replystream.delivery.replay import (
     MAX_LOG_BYTES,
     MAX_LOG_ENTRIES,
     TTL_AFTER_END_S,
+    FirstContact,
     Gone,
     LogCursor,
     LogEntry,

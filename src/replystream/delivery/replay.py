@@ -208,6 +208,16 @@ class LogCursor(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class FirstContact:
+    """What a shared store's server answered when first asked (``ReplayStore.first_contact``):
+    ``refused`` when it will not take this server's commands however long it is waited for (a
+    password, a user's rights), else it cannot be reached now; ``why`` says what it said."""
+
+    refused: bool
+    why: str
+
+
 class ReplayStore(Protocol):
     name: str
     # Whether other processes (replicas, the workers of ``--workers``) read its replies.
@@ -215,6 +225,13 @@ class ReplayStore(Protocol):
     # How long after a reader on another replica starts reading its producer may be the last
     # to know (0: every reader is the producer's own): a detach grace waits that much more.
     readers_elsewhere_seen_within_s: float
+
+    async def first_contact(self) -> FirstContact | None:
+        """Whether the store takes this server's commands, asked once before serving, on a
+        connection of its own (from any event loop); None when it does (a store in this
+        process always does). A shared store's server may refuse them for good (a wrong
+        password, a user without a command the store sends) or not be reachable yet."""
+        ...
 
     async def create(self, info: ReplyInfo) -> None:
         """Start a reply's log (live). Raises ``StoreUnavailable``."""
@@ -413,6 +430,9 @@ class MemoryReplayStore:
         self._sweeps = 0
         self._gaps = 0
         self._on_cancel: Callable[[str], None] = _no_producer
+
+    async def first_contact(self) -> FirstContact | None:
+        return None  # in this process: nothing to ask
 
     async def create(self, info: ReplyInfo) -> None:
         self._sweep()

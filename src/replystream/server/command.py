@@ -121,31 +121,29 @@ def build_store(args: argparse.Namespace) -> ReplayStore:
     return MemoryReplayStore(ttl_after_end_s=args.reply_ttl_s)
 
 
-def check_redis(store: ReplayStore) -> None:
-    """Serving with ``--redis-url``: ask Redis once, before listening, whether it takes the
-    store's commands. One that refuses them (a wrong password, or none given where one is
-    needed, a database it lacks, an ACL user without a command or key the store uses) would
-    fail every resumable reply; one that cannot be reached now may be later (it is still
-    starting, or failing over), so it is told and the server serves.
+def check_store(store: ReplayStore, redis_url: str | None) -> None:
+    """Before listening, ask the store once whether it takes this server's commands. A shared
+    one that refuses them (a wrong password, or none given where one is needed, a database
+    it lacks, an ACL user without a command or key the store uses) would fail every
+    resumable reply; one that cannot be reached now may be later (it is still starting, or
+    failing over), so it is told and the server serves.
 
     Raises:
-        ValueError: Redis refused, in one line naming it by host and port only.
+        ValueError: the store refused, in one line naming its flag (and Redis by host and
+            port only).
     """
-    if store.name != "redis":  # (Redis's modules load only with it)
-        return
-    from replystream.delivery.redis_connect import parse_redis_url
-    from replystream.delivery.redis_store import RedisReplayStore
-
-    assert isinstance(store, RedisReplayStore)
     contact = asyncio.run(store.first_contact())
     if contact is None:
         return
-    where = f"Redis at {parse_redis_url(store.url).shown}"
+    where = "the reply store"
+    if redis_url is not None:
+        from replystream.delivery.redis_connect import parse_redis_url
+
+        where = f"--redis-url: Redis at {parse_redis_url(redis_url).shown}"
     if contact.refused:
-        raise ValueError(f"--redis-url: {where} refuses this server's commands: {contact.why}")
+        raise ValueError(f"{where} refuses this server's commands: {contact.why}")
     log.warning(
-        "--redis-url: %s cannot be reached now (%s); serving: resumable replies fail "
-        "until it answers",
+        "%s cannot be reached now (%s); serving: resumable replies fail until it answers",
         where,
         contact.why,
     )
@@ -226,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"replystream serve: the configuration is sound (the {choice.kind} engine)")
             return 0
         if args.listen_fd is None:  # workers: their parent asked
-            check_redis(store)
+            check_store(store, args.redis_url)
         if args.workers > 1:
             engine_options.check_engine(args, choice)
         announce = announcement(choice.kind)
