@@ -33,6 +33,7 @@ from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
 from replystream.lab.served_model import ModelLookupError, served_model
 from replystream.lab.sweep import RunNotMade, SweepConfig, run_sweep
+from replystream.lab.whole_file import write_text_whole
 from replystream.lab.workload import MODEL_APIS
 
 T = TypeVar("T")
@@ -208,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
         # a file only root's open accepts) is said in one line, and the other outputs written.
         try:
             written = write(path)
+        except KeyboardInterrupt:  # a second Ctrl-C while writing: the rest is left unwritten
+            print(f"replystream bench: {flag} {path}: not written (Ctrl-C)", file=sys.stderr)
+            return INTERRUPTED_EXIT
         except OSError as exc:
             print(f"replystream bench: {flag} {path}: {exc.strerror or exc}", file=sys.stderr)
             code = 1
@@ -226,7 +230,7 @@ def _plot(result: dict[str, Any], folder: Path, sweep: bool) -> list[Path]:
 
 def _write_json(result: dict[str, Any], path: Path) -> list[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_text_whole(path, json.dumps(result, indent=1) + "\n")
     return [path]
 
 

@@ -10,6 +10,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from replystream.lab.whole_file import written_whole
+
 COLUMNS = (
     "run",
     "profile",
@@ -47,7 +49,7 @@ def _runs(result: dict[str, Any]) -> list[tuple[dict[str, Any], float | None]]:
 def write_csv(result: dict[str, Any], path: Path) -> None:
     """Write every request of ``result`` (a summary or a sweep) to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as file:
+    with written_whole(path, newline="") as file:
         writer = csv.DictWriter(file, COLUMNS)
         writer.writeheader()
         for number, (summary, target) in enumerate(_runs(result)):

@@ -33,6 +33,7 @@ from replystream.lab.local_server import local_server
 from replystream.lab.open_files import OWN_FILES, make_room
 from replystream.lab.progress_bar import progress_bar
 from replystream.lab.report_console import report_console
+from replystream.lab.whole_file import write_text_whole
 
 # What the lab writes in --out: the first call's arrivals, and their plot.
 TIMELINE_FILES = ("timeline.json", "timeline.png")
@@ -294,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:  # checked before the run, but a disk can fill or a folder go in the meantime
             out.mkdir(parents=True, exist_ok=True)
-            timeline_path.write_text(json.dumps(timeline, indent=1) + "\n")
+            write_text_whole(timeline_path, json.dumps(timeline, indent=1) + "\n")
             plot_timeline(timeline, plot_path)
             wrote = f"Wrote {timeline_path} and {plot_path}."
         except OSError as exc:
