@@ -8,7 +8,8 @@ and what it wants; a wrong flag or a missing argument says so and where the flag
 (``replystream serve --help``). A flag must be spelled whole: a prefix (``--work``) is refused,
 never taken for the flag it begins. A reader of stdout that leaves (``| head -1``) ends the
 command quietly with status 141, as a shell reports a writer whose pipe closed; a report's
-reader leaving does not stop a command from writing its files.
+reader leaving does not stop a command from writing its files. A measuring command (all
+but ``serve``) takes SIGTERM as a Ctrl-C and then exits 143; a second SIGTERM ends it at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import importlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
+from types import FrameType
 from typing import NoReturn
 
 from replystream import __version__, start_interrupt
@@ -104,6 +107,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
+TERMINATED_EXIT = 143  # 128 + SIGTERM, as a shell reports a process a SIGTERM stopped
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
 
 
@@ -118,6 +122,24 @@ def _discard_stdout() -> None:
         pass
 
 
+# How long a measuring command sent SIGTERM may take to stop as on Ctrl-C (a local server's
+# own stop takes up to 10 s) before SIGTERM ends it as by default.
+TERMINATED_STOP_S = 30.0
+_terminated = False
+
+
+def _as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    global _terminated
+    _terminated = True
+    # A second SIGTERM ends the command at once, as would this one were the Ctrl-C lost
+    # (code that catches and drops a KeyboardInterrupt): SIGTERM must always end it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ender = threading.Timer(TERMINATED_STOP_S, os.kill, (os.getpid(), signal.SIGTERM))
+    ender.daemon = True
+    ender.start()
+    os.kill(os.getpid(), signal.SIGINT)  # to whichever handler has Ctrl-C at this moment
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if next((a for a in argv if not a.startswith("-")), None) == "serve":
@@ -125,12 +147,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # knows which files it reads again, it must not stop. ``serve`` decides once it does.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         start_interrupt.remember()  # a Ctrl-C while it loads is never lost
+    elif (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        # A measuring command sent SIGTERM (``timeout``, ``kill``) stops as on Ctrl-C, as load
+        # tools do: its progress bar gives the terminal its cursor back, a server it started
+        # is stopped, and a file half written is removed, where dying at once would leave them.
+        # (Where SIGINT is ignored, a background job's, SIGTERM keeps its default: it must end.)
+        signal.signal(signal.SIGTERM, _as_ctrl_c)
     try:
         args = parse(argv)
         code: int = args.run(args)
         sys.stdout.flush()  # a reader that left (``| head -1``) is found here, not at exit
     except KeyboardInterrupt:  # Ctrl-C before a command took SIGINT (importing, loading)
-        return INTERRUPTED_EXIT
+        return TERMINATED_EXIT if _terminated else INTERRUPTED_EXIT
     except BrokenPipeError:  # the reader of stdout left: stop quietly, as any filter does
         _discard_stdout()
         return BROKEN_PIPE_EXIT
@@ -140,4 +171,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         if start_interrupt.interrupted():
             return INTERRUPTED_EXIT
         raise
-    return code
+    return TERMINATED_EXIT if _terminated and code == INTERRUPTED_EXIT else code
