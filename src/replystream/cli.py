@@ -168,7 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:
         # A Ctrl-C that reached us as another error: Python 3.11 wraps one raised inside a
         # class's creation (``__set_name__``, as a dataclass field has) in a RuntimeError.
+        if _terminated:
+            return TERMINATED_EXIT
         if start_interrupt.interrupted():
             return INTERRUPTED_EXIT
         raise
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _as_ctrl_c:  # a caller's own process again
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return TERMINATED_EXIT if _terminated and code == INTERRUPTED_EXIT else code
