@@ -376,3 +376,29 @@ def test_a_folder_without_a_hugging_face_model_is_said_once_before_any_worker_st
         f"replystream serve: --engine hf:PATH: {tmp_path} is not a Hugging Face model folder "
         "(no config.json)\n"
     )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_a_stop_signalled_to_the_whole_group_stops_the_workers_gracefully(signum: int):
+    """A terminal's Ctrl-C, or systemd's SIGTERM, reaches every process of the group: each
+    worker gets the stop from there and again from its parent. One that lands as a worker's
+    loop closes used to kill it, and the parent then reported its replies cut, exit status 1."""
+    async with parent(*SIMULATED, "--workers", "2") as process:
+        await ready_url(process)
+        workers = children_of(process.pid)
+        assert len(workers) == 2
+        os.kill(process.pid, signum)
+        # The group's copy of the signal, again and again while the workers stop, so that
+        # one lands whenever a worker would die of it.
+        while process.returncode is None and any(alive(pid) for pid in workers):
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            await asyncio.sleep(0.005)
+        assert process.stderr is not None
+        async with asyncio.timeout(30):
+            stderr = (await process.stderr.read()).decode()
+            status = await process.wait()
+    assert "replies were cut" not in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    assert status == 0, stderr

@@ -175,6 +175,14 @@ async def serve_forever(
         else:
             await _until_stopped_or_orphaned(stop, parent_pid)
         await server.shutdown(grace_s)
+    if parent_pid is not None:
+        # A worker is sent the stop twice: by its parent, and by whoever signalled the whole
+        # group (a terminal's Ctrl-C, systemd's SIGTERM). Closing the loop would give each
+        # signal its default back, and one landing then would kill a worker that stopped
+        # gracefully, which its parent reports as replies cut. Stopped, it ignores them.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
 
 async def _until_stopped_or_orphaned(stop: asyncio.Event, parent_pid: int) -> None:
