@@ -180,9 +180,16 @@ async def serve_forever(
         # group (a terminal's Ctrl-C, systemd's SIGTERM). Closing the loop would give each
         # signal its default back, and one landing then would kill a worker that stopped
         # gracefully, which its parent reports as replies cut. Stopped, it ignores them.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
+        # (Held back while handlers change: removing the loop's gives the default back for a
+        # moment, and one landing then would be that death; ignored, a held one is dropped.)
+        stops = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        try:
+            for sig in stops:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
 
 
 async def _until_stopped_or_orphaned(stop: asyncio.Event, parent_pid: int) -> None:
