@@ -402,3 +402,52 @@ async def test_a_stop_signalled_to_the_whole_group_stops_the_workers_gracefully(
     assert "replies were cut" not in stderr, stderr
     assert "Traceback" not in stderr, stderr
     assert status == 0, stderr
+
+
+async def test_workers_killed_again_and_again_leave_their_counts_and_few_files(tmp_path: Path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    async with parent(*SIMULATED, "--workers", "2", env=env) as process:
+        url = await ready_url(process, ready_s=60.0)
+        (folder,) = metrics_folders(tmp_path)
+
+        async def scraped(name: str) -> float:
+            response = await raw_request(f"{url}/metrics")
+            text = (await response.read_body()).decode()
+            families = text_string_to_metric_families(text)
+            return sum(s.value for f in families if f.name == name for s in f.samples)
+
+        async def counted(name: str, expected: float) -> None:
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        if await scraped(name) == expected:
+                            return
+                    except ConnectionError:  # queued for the killed worker, as it went
+                        pass
+                    await asyncio.sleep(0.1)
+
+        body = b'{"model": "simulated", "messages": [{"role": "user", "content": "hi"}]}'
+        sent = kills = 0
+        for _ in range(4):
+            for _ in range(3):
+                response = await raw_request(f"{url}/v1/chat/completions", "POST", body)
+                assert response.status == 200
+                await response.read_body()
+                sent += 1
+            await counted("replystream_replies", sent)  # (counted as each reply ended)
+            os.kill(children_of(process.pid)[0], signal.SIGKILL)
+            kills += 1
+            await counted("replystream_worker_restarts", kills)  # (the dead one was reaped)
+            await until(lambda: len(children_of(process.pid)) == 2)
+        # Every reply of the killed workers is still counted, through either worker...
+        for _ in range(4):
+            assert await scraped("replystream_replies") == sent
+        # ...and the folder holds files of the running processes alone, and those the
+        # counts of the exited ones were added into.
+        writers = {
+            int(m.group(1))
+            for m in map(re.compile(r"_(\d+)\.db$").search, (p.name for p in folder.iterdir()))
+            if m
+        }
+        assert writers <= {process.pid, *children_of(process.pid)}
+        assert len(list(folder.glob("*.db"))) <= 3 + 3 * 3  # parent's, gone, 2 workers' 3 + 2

@@ -19,6 +19,8 @@ A single process keeps the plain in-memory registry, at the same cost as before.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import time
@@ -44,6 +46,22 @@ STATE_REFRESH_S = 1.0
 # workers' folder; every worker declares it too, at 0, so one process shows it as well.
 WORKER_RESTARTS_NAME = "replystream_worker_restarts"
 WORKER_RESTARTS_HELP = "Workers the parent of --workers started again after one exited."
+# In the folder: the lock a scrape holds shared while it reads the files, and the parent
+# exclusively while it moves the counts of a worker that exited into the files of the
+# workers gone (``metrics_dir.absorb``), so that no scrape counts them twice, or not at all.
+_FILES_LOCK = "files.lock"
+
+
+@contextlib.contextmanager
+def files_held(folder: str, *, exclusive: bool) -> Iterator[None]:
+    """Hold the lock on the metric files of ``folder`` (see ``_FILES_LOCK``)."""
+    fd = os.open(os.path.join(folder, _FILES_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
 
 # How a gauge read on scrape adds up across workers (prometheus-client's multiprocess modes):
 # ``livesum`` what the workers alive now hold, summed; ``sum`` a count since start, summed
@@ -571,4 +589,5 @@ class Metrics:
         merged = CollectorRegistry()
         workers = MultiProcessCollector(None, self.multiprocess_dir)  # type: ignore[no-untyped-call]
         merged.register(_OnlyCurrent(workers, self._current))
-        return generate_latest(merged)
+        with files_held(self.multiprocess_dir, exclusive=False):
+            return generate_latest(merged)

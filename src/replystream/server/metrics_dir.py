@@ -36,11 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import values as prometheus_values
+from prometheus_client.mmap_dict import MmapedDict
 
 from replystream.server.metrics import (
     MULTIPROCESS_DIR_ENV,
     WORKER_RESTARTS_HELP,
     WORKER_RESTARTS_NAME,
+    files_held,
 )
 
 log = logging.getLogger("replystream.server")
@@ -52,6 +54,12 @@ SLOTS_FOLDER = "upstream-slots"
 _OWNED_FOLDER = re.compile(re.escape(FOLDER_PREFIX) + r"(\d+)-(\d+)-[^/]+")
 # prometheus-client names each process's files KIND_PID.db (gauges KIND_MODE_PID.db).
 _WRITER_FILE = re.compile(r"_(\d+)\.db")
+# The files the counts of the workers that exited are added up in: KIND_gone.db, read by a
+# scrape as one more process's (their name holds no process id: no writer of ``writers_of``).
+GONE = "gone"
+# What can be added up: counts (counters, histograms) and gauges summed over every worker
+# that ever ran; those of live workers alone went with their worker (``mark_process_dead``).
+_ADDED_UP = ("counter", "histogram", "gauge_sum")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +159,28 @@ def owned_folder() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix=prefix) as folder:
         os.mkdir(os.path.join(folder, SLOTS_FOLDER), 0o700)
         yield folder
+
+
+def absorb(folder: str, pid: int) -> None:
+    """Move the counts of worker ``pid``, which exited, into the files of the workers gone,
+    and remove its files: the folder keeps a few files however often workers are started
+    again, and a scrape reads those few. Held against scrapes (``files_held``), which see the
+    counts either in its files or in those, never both or neither."""
+    with files_held(folder, exclusive=True):
+        for kind in _ADDED_UP:
+            path = os.path.join(folder, f"{kind}_{pid}.db")
+            try:
+                values = list(MmapedDict.read_all_values_from_file(path))  # type: ignore[no-untyped-call]
+            except FileNotFoundError:
+                continue
+            gone = MmapedDict(os.path.join(folder, f"{kind}_{GONE}.db"))  # type: ignore[no-untyped-call]
+            try:
+                for key, value, timestamp, _ in values:
+                    total = gone.read_value(key)[0] + value  # type: ignore[no-untyped-call]
+                    gone.write_value(key, total, timestamp)  # type: ignore[no-untyped-call]
+            finally:
+                gone.close()  # type: ignore[no-untyped-call]
+            os.remove(path)
 
 
 def shared_slots_folder() -> Path | None:

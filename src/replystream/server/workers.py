@@ -287,6 +287,13 @@ class Supervisor:
         slot.process = None
         # Its counts stay in the totals; what it held (live gauges) does not.
         mark_process_dead(process.pid, self._folder)  # type: ignore[no-untyped-call]
+        if not self._stopping:  # (the folder goes when the server stops)
+            try:
+                metrics_dir.absorb(self._folder, process.pid)
+            except (OSError, RuntimeError) as exc:  # a file it left half written: kept
+                log.warning(
+                    "the metrics of worker %d stay in files of their own: %s", process.pid, exc
+                )
         if self._stopping:
             self._ended_in_the_stop(slot, process.pid, status)
             return
