@@ -1496,3 +1496,22 @@ def test_workers_with_a_handed_socket_are_refused_not_ignored():
     line = one_line(done)
     assert line.startswith("replystream serve: --workers 2 with --listen-fd: "), line
     assert READY_PREFIX not in done.stdout
+
+
+@pytest.mark.parametrize(
+    "how", [(), ("--check",), ("--workers", "2")], ids=["serve", "check", "workers"]
+)
+def test_a_loop_that_is_not_installed_is_one_line_before_anything_starts(
+    how: tuple[str, ...], tmp_path: Path
+):
+    # --check once called --loop uvloop sound where uvloop cannot be imported, and serve
+    # --workers started every worker before each of them refused it.
+    (tmp_path / "uvloop.py").write_text("raise ImportError('No module named uvloop')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    done = run(
+        *("serve", "--engine", "simulated", "--port", "0", "--loop", "uvloop", *how),
+        env={"PYTHONPATH": path},
+    )
+    assert done.returncode == 2
+    assert one_line(done) == "replystream serve: --loop uvloop needs the uvloop package"
+    assert done.stdout == ""

@@ -212,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
         # Checked here too: with --workers the engine is built only in the workers, and a
         # worker that refuses to start stops them all (after the URL was announced).
         engine_options.check_options(args, choice.kind)
+        # Before --check and before any worker starts: a loop that cannot be had is one
+        # line here, not a sound check followed by every worker refusing.
+        new_loop = loop_factory(args.loop)
         if args.check:
             # What start-up would find, found without starting: the engine is built as
             # serving builds it (a model loaded, a relay's routes and TLS files read), the
@@ -266,7 +269,6 @@ def run(args: argparse.Namespace) -> int:
                 reloads=reloads,
                 grace_s=config.shutdown_grace_s,
             )
-        new_loop = loop_factory(args.loop)
         # Listen first: a port already taken is reported at once, not after a model load.
         if args.listen_fd is not None:
             try:
