@@ -1515,3 +1515,19 @@ def test_a_loop_that_is_not_installed_is_one_line_before_anything_starts(
     assert done.returncode == 2
     assert one_line(done) == "replystream serve: --loop uvloop needs the uvloop package"
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("query", "line"),
+    [
+        ("health_check_interval=-1", "health_check_interval must be 0 or more seconds, got -1"),
+        ("socket_read_size=0", "socket_read_size must be 1 or more bytes, got 0"),
+        ("client_name=replica%20a", "client_name 'replica a': Redis takes a name of visible"),
+    ],
+)
+def test_a_redis_url_value_redis_py_would_fail_on_is_refused_by_check(query: str, line: str):
+    # --check once called these sound; serve then refused at start (a negative interval, a
+    # name with a space) or served with every resumable reply failing (a read size of 0).
+    done = run("serve", "--check", "--engine", "simulated", "--redis-url", f"redis://h/0?{query}")
+    assert done.returncode == 2
+    assert one_line(done).startswith(f"replystream serve: --redis-url: {line}")

@@ -71,6 +71,14 @@ def test_a_url_may_set_what_the_store_leaves_to_its_operator(url: str):
         ("redis://h/\u00b2", "the database must be a number, got '\u00b2'"),
         ("redis+sentinel://h/svc/\u00b2", "the database must be a number"),
         ("redis://h/0?health_check_interval=soon", "Invalid value for 'health_check_interval'"),
+        # Taken by redis-py without a word, each failed only on a connection: a negative
+        # interval made every connection's first command read another's answer (serve refused
+        # at start naming CLIENT SETINFO); a read size of 0 took every read for Redis closing
+        # the connection (told as Redis that cannot be reached); Redis refuses such a name.
+        ("redis://h/0?health_check_interval=-5", "health_check_interval must be 0 or more"),
+        ("redis://h/0?socket_read_size=0", "socket_read_size must be 1 or more bytes, got 0"),
+        ("redis://h/0?client_name=replica%20a", "client_name 'replica a': Redis takes a name"),
+        ("redis://h/0?client_name=r%0Aa", "client_name 'r.+a': Redis takes a name"),
         ("redis+sentinel://:pw@h/svc?x=1", "takes no query"),
         ("redis+cluster://:pw@h?x=1", "takes no query"),
         # No socket to connect to: redis-py would fail on every command ("Error 22").

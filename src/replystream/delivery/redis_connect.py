@@ -163,8 +163,28 @@ def _check_single(url: str, scheme: str, tls: bool) -> None:
         options = aioredis.connection.parse_url(url)  # the values' types, as redis-py reads them
     except ValueError as exc:
         raise ValueError(str(exc).splitlines()[0]) from None
+    _check_values(dict(options))
     if tls:
         _check_tls({name: value for name, value in options.items() if name.startswith("ssl_")})
+
+
+def _check_values(options: dict[str, Any]) -> None:
+    """The values redis-py reads without a word and that fail only on a connection: a
+    negative health check interval (every connection's first command then reads another's
+    answer), a read size of 0 (every read is taken as Redis closing the connection), a
+    client name Redis refuses (as it refuses names with a space, a newline or any character
+    outside visible ASCII)."""
+    interval = options.get("health_check_interval")
+    if interval is not None and interval < 0:
+        raise ValueError(f"health_check_interval must be 0 or more seconds, got {interval}")
+    size = options.get("socket_read_size")
+    if size is not None and size < 1:
+        raise ValueError(f"socket_read_size must be 1 or more bytes, got {size}")
+    name = options.get("client_name")
+    if name and not all("!" <= char <= "~" for char in name):
+        raise ValueError(
+            f"client_name {name!r}: Redis takes a name of visible ASCII characters, with no space"
+        )
 
 
 def _check_tls(options: dict[str, Any]) -> None:
