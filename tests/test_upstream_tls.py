@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -273,3 +275,42 @@ async def test_a_request_refused_by_a_tls_front_goes_to_another_upstream(tmp_pat
         metrics,
     )
     assert refused is not None and float(refused.group(1)) >= 1, metrics
+
+
+@pytest.mark.parametrize("key_in", ["key_file", "cert_file"])
+def test_an_encrypted_key_is_one_line_naming_its_field_not_a_passphrase_prompt(
+    tmp_path: Path, key_in: str
+):
+    """A routes file gives no passphrase: OpenSSL once asked for one on the terminal (a
+    check, a start or a reload of the routes waiting there), and without one the start said
+    only ``[Errno 22] Invalid argument``, after two prompts."""
+    _, cert, key = client_certificate(tmp_path)
+    loaded = serialization.load_pem_private_key(key.read_bytes(), None)
+    encrypted = loaded.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"passphrase"),
+    )
+    if key_in == "key_file":
+        (tmp_path / "relay.key").write_bytes(encrypted)
+        fields = 'cert_file = "relay.pem"\nkey_file = "relay.key"'
+    else:
+        (tmp_path / "both.pem").write_bytes(cert.read_bytes() + encrypted)
+        fields = 'cert_file = "both.pem"'
+    routes = tmp_path / "routes.toml"
+    routes.write_text(f'[[upstreams]]\nurl = "https://gpu:8443/v1"\nmodels = ["m"]\n{fields}\n')
+    check = ["serve", "--check", "--engine", "upstream", "--upstream-routes", str(routes)]
+    done = subprocess.run(
+        [sys.executable, "-m", "replystream", *check],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    file = "relay.key" if key_in == "key_file" else "both.pem"
+    assert done.stderr == (
+        f"replystream serve: --upstream-routes {routes}: upstreams[0].{key_in}: "
+        f"{tmp_path / file}: the key is encrypted, and a routes file gives no passphrase: "
+        "decrypt it (openssl pkey -in KEY -out KEY.plain)\n"
+    )

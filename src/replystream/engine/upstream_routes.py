@@ -221,8 +221,20 @@ def _tls(entry: UpstreamEntry, where: str, folder: Path) -> ssl.SSLContext | Non
         raise ValueError(f"{where}.ca_file: {ca}: {words}") from None
     cert, key = given.get("cert_file"), given.get("key_file")
     if cert is not None:
+        field, holder = ("key_file", key) if key is not None else ("cert_file", cert)
+
+        def no_passphrase() -> str:
+            # Without a callback OpenSSL asks for one on the terminal: --check, a start or a
+            # reload would wait there (a reload with the whole server stopped).
+            raise ValueError(
+                f"{where}.{field}: {holder}: the key is encrypted, and a routes file gives no "
+                "passphrase: decrypt it (openssl pkey -in KEY -out KEY.plain)"
+            )
+
         try:
-            context.load_cert_chain(str(cert), None if key is None else str(key))
+            context.load_cert_chain(
+                str(cert), None if key is None else str(key), password=no_passphrase
+            )
         except ssl.SSLError as exc:
             words = f"is not a certificate and a key that belong together ({exc.reason or exc})"
             raise ValueError(f"{where}.cert_file: {cert}: {words}") from None
