@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from replystream.delivery.redis_connect import RedisTarget, parse_redis_url
@@ -128,3 +131,33 @@ def test_usable_tls_files_are_taken(tls_files: dict[str, Path]):
     files = f"ssl_ca_certs={tls_files['ca']}&ssl_certfile={tls_files['cert']}"
     url = f"rediss://h:6380/0?{files}&ssl_keyfile={tls_files['key']}&ssl_cert_reqs=required"
     assert parse_redis_url(url).tls
+
+
+def test_an_encrypted_key_without_its_passphrase_is_one_line_not_a_prompt(
+    tls_files: dict[str, Path], tmp_path: Path
+):
+    """OpenSSL once asked for the passphrase on the terminal (``serve --check`` and a start
+    waited there), and without one the start said only ``[Errno 22] Invalid argument``."""
+    key = serialization.load_pem_private_key(tls_files["key"].read_bytes(), None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"hunter22"),
+        )
+    )
+    url = f"rediss://h:6380/0?ssl_certfile={tls_files['cert']}&ssl_keyfile={encrypted}"
+    done = subprocess.run(
+        [sys.executable, "-m", "replystream", "serve", "--check", "--redis-url", url],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "replystream serve: --redis-url: ssl_keyfile: the key is encrypted: give its "
+        "passphrase as ssl_password\n"
+    )
+    assert parse_redis_url(f"{url}&ssl_password=hunter22").tls

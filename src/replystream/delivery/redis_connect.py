@@ -198,6 +198,16 @@ def _check_tls(options: dict[str, Any]) -> None:
     folder = options.get("ssl_ca_path")
     if folder is not None and not os.path.isdir(folder):
         raise ValueError(f"ssl_ca_path: no folder {folder}")
+    certfile, keyfile = options.get("ssl_certfile"), options.get("ssl_keyfile")
+    if certfile is not None and options.get("ssl_password") is None:
+        field = "ssl_certfile" if keyfile is None else "ssl_keyfile"
+
+        def no_passphrase() -> str:
+            # Without one OpenSSL asks for it on the terminal, at start and on every connect.
+            raise ValueError(f"{field}: the key is encrypted: give its passphrase as ssl_password")
+
+        with contextlib.suppress(ssl.SSLError):  # told below, as redis-py's context says it
+            ssl.create_default_context().load_cert_chain(certfile, keyfile, no_passphrase)
     try:
         aioredis.SSLConnection(**options).ssl_context.get()
     except (RedisError, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
