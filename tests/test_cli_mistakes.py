@@ -1531,3 +1531,15 @@ def test_a_redis_url_value_redis_py_would_fail_on_is_refused_by_check(query: str
     done = run("serve", "--check", "--engine", "simulated", "--redis-url", f"redis://h/0?{query}")
     assert done.returncode == 2
     assert one_line(done).startswith(f"replystream serve: --redis-url: {line}")
+
+
+def test_a_reply_script_that_is_a_pipe_is_refused_not_waited_on(tmp_path: Path):
+    # --check (and serve) once waited for ever, reading a pipe until a writer closed it.
+    pipe = tmp_path / "script.json"
+    os.mkfifo(pipe)
+    done = run("serve", "--check", "--engine", "simulated", "--reply-script", str(pipe), timeout=30)
+    assert done.returncode == 2
+    assert one_line(done) == (
+        f"replystream serve: argument --reply-script: {pipe} is not a regular file; want a "
+        "readable file"
+    )

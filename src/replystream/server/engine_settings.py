@@ -14,6 +14,7 @@ from replystream.cli_values import (
     non_negative_int,
     positive_float,
     positive_int,
+    readable_file,
     schedule_ms,
 )
 from replystream.engine.base import MAX_TOKENS_LIMIT
@@ -127,6 +128,9 @@ SEEDING = Group(
 
 
 def _reply_script(path: str) -> ReplyScript:
+    # A pipe or a device would be read until a writer closes it: the command would wait
+    # there, --check too.
+    readable_file(path)
     try:
         return load_reply_script(path)
     except ScriptError as exc:  # argparse prints it after the flag's name, on one line
