@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import gzip
 import json
 import logging
 import struct
@@ -78,6 +79,10 @@ class EmbeddingUpstream:
             return web.json_response({"error": error}, status=500)
         if self.mode == "large":
             return web.Response(body=self.large, content_type="application/json")
+        if self.mode == "gzip":  # compressed though asked for none (a gateway's doing)
+            written = gzip.compress(b'{"object": "list", "data": [], "model": "m"}')
+            headers = {"Content-Encoding": "gzip"}
+            return web.Response(body=written, content_type="application/json", headers=headers)
         if self.mode == "garbage":
             return web.json_response({"object": "list", "data": "no"})
         if self.mode in BAD_VECTORS:  # a list of embeddings, one of which no client reads
@@ -340,6 +345,10 @@ async def test_what_every_upstream_fails_at_is_said_in_our_words():
     async with relay([EmbeddingUpstream(["m"], mode="cut")]) as url:
         status, body = await post(url, {"model": "m", "input": "x"})
     assert status == 502 and "closed the connection mid-answer" in body["error"]["message"]
+    async with relay([EmbeddingUpstream(["m"], mode="gzip")]) as url:
+        status, body = await post(url, {"model": "m", "input": "x"})
+    assert status == 502 and body["error"]["code"] == "upstream_bad_response"
+    assert "answered a gzip-compressed body, though asked for none" in body["error"]["message"]
     async with relay([EmbeddingUpstream(["m"], mode="busy")]) as url:
         status, body = await post(url, {"model": "m", "input": "x"})
     assert status == 503 and body["error"]["code"] == "upstream_overloaded"

@@ -147,6 +147,14 @@ class EmbeddingsRelay:
         where = f"the upstream at {backend.name}"
         if response.status != 200:  # a route it lacks is ``UpstreamLacksRoute``: not its health
             raise await self._refusal(response, backend, caller)
+        encoding = response.content_encoding
+        if encoding:  # asked for none (``Accept-Encoding: identity``): no JSON to read
+            response.close()
+            named = f"{encoding}-" if encoding.isascii() and encoding.isalnum() else ""
+            raise UpstreamUnavailable(
+                f"{where} answered a {named}compressed body, though asked for none",
+                code="upstream_bad_response",
+            )
         try:
             async with asyncio.timeout_at(due):
                 raw = await response.read_whole(MAX_ANSWER_BYTES)
