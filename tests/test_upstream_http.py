@@ -14,6 +14,7 @@ reading until it catches up.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import logging
 import socket
@@ -570,3 +571,19 @@ async def test_a_wait_cancelled_as_the_response_head_arrives_closes_the_connecti
         await engine.aclose()  # closes whatever is still open
         thread.join(5)
     assert was_closed
+
+
+async def test_a_body_compressed_as_a_transfer_coding_is_refused_as_compressed():
+    async def gzipped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        head = HEAD.replace(b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip, chunked")
+        writer.write(head + chunked(gzip.compress(SSE)))
+        await writer.drain()
+
+    async with raw_server(gzipped) as (_, url):
+        engine = engine_for(url)
+        with pytest.raises(UpstreamUnavailable) as failure:
+            await reply_of(engine)
+        await engine.aclose()
+    assert failure.value.code == "upstream_bad_response"
+    assert "answered a gzip-compressed stream, though asked for none" in str(failure.value)

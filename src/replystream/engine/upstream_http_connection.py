@@ -177,6 +177,7 @@ class Connection(asyncio.Protocol):
         self._content_type = b""
         self._retry_after = b""
         self._content_encoding = b""
+        self._transfer_coding = b""  # a transfer coding besides chunked (gzip...), if any
         self._location = b""
         self._framed = False  # the body has a Content-Length or is chunked
         self._interim = False  # the head being read is an interim (1xx) response's
@@ -296,9 +297,15 @@ class Connection(asyncio.Protocol):
             self._content_encoding = value
         elif name == b"location":
             self._location = value
-        elif name == b"content-length" or (
-            name == b"transfer-encoding" and b"chunked" in value.lower()
-        ):
+        elif name == b"transfer-encoding":
+            codings = [coding.strip() for coding in value.lower().split(b",")]
+            if b"chunked" in codings:
+                self._framed = True
+            # One besides chunked compresses the body as a Content-Encoding would.
+            other = [coding for coding in codings if coding not in (b"", b"chunked", b"identity")]
+            if other:
+                self._transfer_coding = other[0]
+        elif name == b"content-length":
             self._framed = True
 
     def on_headers_complete(self) -> None:
@@ -317,6 +324,8 @@ class Connection(asyncio.Protocol):
             self, status, media.decode("latin-1"), self._retry_after.decode("latin-1")
         )
         encoding = self._content_encoding.strip().lower()
+        if not encoding or encoding == b"identity":
+            encoding = self._transfer_coding
         if encoding and encoding != b"identity":
             response.content_encoding = encoding.decode("latin-1")
         if self._location:
@@ -335,6 +344,7 @@ class Connection(asyncio.Protocol):
         if self._interim:
             self._interim = False
             self._content_type = self._retry_after = self._content_encoding = self._location = b""
+            self._transfer_coding = b""
             self._framed = False
             return
         parser = self._parser
@@ -358,6 +368,7 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._response = self._receiver = None
         self._content_type = self._retry_after = self._content_encoding = self._location = b""
+        self._transfer_coding = b""
         self._framed = self._complete = self._told_end = self._got_bytes = False
         self._head_bytes = self._head_lines = 0
         self._keep_alive = self._interim = False
