@@ -587,3 +587,20 @@ async def test_a_body_compressed_as_a_transfer_coding_is_refused_as_compressed()
         await engine.aclose()
     assert failure.value.code == "upstream_bad_response"
     assert "answered a gzip-compressed stream, though asked for none" in str(failure.value)
+
+
+async def test_an_upstream_speaking_http2_alone_is_named_so():
+    async def h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+        goaway = b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + bytes(7) + b"\x01"  # PROTOCOL_ERROR
+        writer.write(settings + goaway)
+        await writer.drain()
+
+    async with raw_server(h2) as (_, url):
+        engine = engine_for(url)
+        with pytest.raises(UpstreamUnavailable) as failure:
+            await reply_of(engine)
+        await engine.aclose()
+    assert failure.value.code == "upstream_bad_response"
+    assert "answered in HTTP/2 alone; this relay speaks HTTP/1.1" in str(failure.value)

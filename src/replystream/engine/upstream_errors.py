@@ -123,6 +123,11 @@ def connect_failure(
         )
     if isinstance(exc, NotHttp) and exc.tls:
         return Failure(f"{where} answered in TLS: {PLAIN_TO_TLS}", "upstream_tls")
+    if isinstance(exc, NotHttp) and exc.h2:
+        return Failure(
+            f"{where} answered in HTTP/2 alone; this relay speaks HTTP/1.1 to upstreams",
+            "upstream_bad_response",
+        )
     if isinstance(exc, NotHttp | BadFraming):
         return Failure(f"{where} sent a response that is not valid HTTP", "upstream_bad_response")
     if isinstance(exc, OSError):

@@ -224,7 +224,10 @@ class Connection(asyncio.Protocol):
                 elif self._response is None:
                     # A TLS record's first byte (an alert's, a handshake's) where a status
                     # line should begin: plain HTTP was sent to a TLS port.
-                    self._broken(NotHttp("not HTTP", tls=data[:1] in (b"\x15", b"\x16")))
+                    # An HTTP/2 frame (SETTINGS, GOAWAY: on stream 0) is an h2-only server's.
+                    h2 = len(data) >= 9 and data[3] in (0x04, 0x07) and data[5:9] == bytes(4)
+                    tls = data[:1] in (b"\x15", b"\x16")
+                    self._broken(NotHttp("not HTTP", tls=tls, h2=h2))
                 else:
                     self._broken(BadFraming("bad"))
                 return

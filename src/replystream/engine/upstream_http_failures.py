@@ -29,11 +29,13 @@ class PeerClosed(HttpFailure):
 
 class NotHttp(HttpFailure):
     """What came back is not an HTTP/1.x response head; ``tls``: it begins as a TLS record
-    does (a server speaking TLS, sent plain HTTP, answers with an alert)."""
+    does (a server speaking TLS, sent plain HTTP, answers with an alert); ``h2``: it begins
+    as an HTTP/2 frame does (a server speaking HTTP/2 alone)."""
 
-    def __init__(self, message: str, *, tls: bool = False) -> None:
+    def __init__(self, message: str, *, tls: bool = False, h2: bool = False) -> None:
         super().__init__(message)
         self.tls = tls
+        self.h2 = h2
 
 
 class HeadTooLarge(HttpFailure):
