@@ -178,6 +178,15 @@ CASES: list[tuple[list[str], str]] = [
     ([*RELAY, "--upstream-health-path", ""], "want a path after the upstream's base URL, such"),
     ([*RELAY, "--upstream-queue-s", "5"], "--upstream-queue-s is how long a request waits"),
     ([*RELAY, "--upstream-ttft-s", "61"], "--upstream-ttft-s 61 is past the failover window (60 s"),
+    # Every wait it bounds is cut where the failover window ends: a longer one was ignored.
+    (
+        [*RELAY, "--upstream-timeout-s", "61"],
+        "--upstream-timeout-s 61 is past the failover window (60 s",
+    ),
+    (
+        [*RELAY, "--check", "--upstream-timeout-s", "20", "--upstream-failover-s", "10"],
+        "--upstream-timeout-s 20 is past the failover window (10 s",
+    ),
     (
         [*RELAY, "--upstream-api-key", "ключ"],
         "--upstream-api-key: the upstream API key must be one word of printable ASCII",
@@ -1145,6 +1154,12 @@ def test_a_relay_default_every_upstream_overrides_is_refused(given: list[str], t
     # One upstream without a setting of its own takes the default: then it is read.
     routes.write_text(OWN_SETTINGS + '[[upstreams]]\nurl = "http://127.0.0.3:9/v1"\n')
     assert run(*relay, *given).returncode == 0
+
+
+def test_a_head_timeout_past_the_time_to_a_first_text_is_sound():
+    # It still bounds an embeddings answer, which has no first text.
+    done = run(*RELAY, "--check", "--upstream-timeout-s", "10", "--upstream-ttft-s", "2")
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("check", [(), ("--check",)])

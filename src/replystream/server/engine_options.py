@@ -375,6 +375,14 @@ def upstream_config(args: argparse.Namespace, choice: EngineChoice) -> UpstreamC
             f"({config.failover_s:g} s, which ends every wait for a first text): raise "
             "--upstream-failover-s too"
         )
+    if "--upstream-timeout-s" in given and config.headers_timeout_s > config.failover_s:
+        # Every wait it bounds (a text request's head, an embeddings answer) is cut at what
+        # the failover window has left: a value past the window is never waited out.
+        raise ValueError(
+            f"--upstream-timeout-s {config.headers_timeout_s:g} is past the failover window "
+            f"({config.failover_s:g} s, which ends every wait for an upstream's answer): "
+            "lower it, or raise --upstream-failover-s too"
+        )
     return config
 
 

@@ -240,7 +240,9 @@ UPSTREAM_ENGINE = Group(
         ),
         Setting(
             "--upstream-timeout-s",
-            "connect and response-head limit per upstream; past it the next one is tried",
+            "connect and response-head limit per upstream attempt, past it the next one is "
+            "tried; a chat or completion's head is awaited no longer than its time to a first "
+            "text (--upstream-ttft-s) either, an embeddings answer whole within this",
             positive_float,
             fills=(UpstreamConfig, "headers_timeout_s"),
             engines=UPSTREAM,
