@@ -1558,3 +1558,18 @@ def test_a_reply_script_that_is_a_pipe_is_refused_not_waited_on(tmp_path: Path):
         f"replystream serve: argument --reply-script: {pipe} is not a regular file; want a "
         "readable file"
     )
+
+
+@pytest.mark.parametrize("check", [(), ("--check",)])
+def test_workers_past_the_open_file_limit_are_one_line_naming_both(check: tuple[str, ...]):
+    # Once "cannot start a worker: [Errno 24] Too many open files", naming neither.
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    argv = ("serve", *check, "--port", "0", "--engine", "simulated", "--workers", "8")
+    done = run_with_open_files(20, hard, *argv)
+    assert done.returncode != 0
+    line = one_line(done)
+    assert line.startswith("replystream serve: --workers 8: the parent keeps 2 files open"), line
+    assert "past the 20 a process may open (ulimit -n)" in line, line
+    # Room for the parent's files: the check lets it start.
+    sound = ("serve", "--check", *argv[1 + len(check) :])
+    assert run_with_open_files(64, hard, *sound).returncode == 0

@@ -32,7 +32,7 @@ from replystream.server.listening import REFUSED_EXIT, bind_socket, listening_li
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.serve_settings import SERVE_SETTINGS
 from replystream.server.server_config import ServerConfig
-from replystream.server.workers import run_workers, tell_parent_ready
+from replystream.server.workers import descriptors_problem, run_workers, tell_parent_ready
 
 log = logging.getLogger("replystream.serve")
 
@@ -215,6 +215,10 @@ def run(args: argparse.Namespace) -> int:
         # Before --check and before any worker starts: a loop that cannot be had is one
         # line here, not a sound check followed by every worker refusing.
         new_loop = loop_factory(args.loop)
+        if args.workers > 1 and args.listen_fd is None:
+            problem = descriptors_problem(args.workers)
+            if problem is not None:
+                raise ValueError(problem)
         if args.check:
             # What start-up would find, found without starting: the engine is built as
             # serving builds it (a model loaded, a relay's routes and TLS files read), the

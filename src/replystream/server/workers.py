@@ -26,9 +26,11 @@ and cleaning up).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -73,6 +75,43 @@ def tell_parent_ready(fd: int) -> None:
         pass  # the parent is gone: this worker notices, and stops (``--parent-pid``)
     finally:
         os.close(fd)
+
+
+def open_descriptors() -> int:
+    """How many files this process has open now (its descriptors; 3, stdio's, where the
+    system does not list them)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder)) - 1  # (the listing's own)
+        except OSError:
+            continue
+    return 3
+
+
+def descriptors_problem(workers: int) -> str | None:
+    """What ``--workers`` too many for the files a process may open (``ulimit -n``) is,
+    said; None when they fit. The parent keeps two files open per worker (the worker's
+    listening socket and its ready pipe), and starting one takes three more for a moment;
+    beside those it holds the port, its wait for the workers and the file of its count of
+    restarts, and what it has open now."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = open_descriptors() + 3 + 2 * workers + 3
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return None
+    return (
+        f"--workers {workers}: the parent keeps 2 files open per worker, {needed} files in "
+        f"all here, past the {soft} a process may open (ulimit -n): lower --workers, or "
+        f"raise ulimit -n (each worker needs many more for its connections)"
+    )
+
+
+def too_many_files(workers: int) -> str:
+    """The end of the line for a worker that could not be started for want of files."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (
+        f"out of the {soft} files a process may open (ulimit -n) with --workers {workers}: "
+        "lower --workers, or raise ulimit -n"
+    )
 
 
 def url_of(sock: socket.socket) -> str:
@@ -220,10 +259,14 @@ class Supervisor:
             if slot.listening is None:
                 slot.listening = also_listening(self._holder)
         except OSError as exc:
-            self._cannot_start(slot, f"cannot listen for a worker: {exc.strerror or exc}")
+            self._cannot_start(slot, f"cannot listen for a worker: {self._why(exc)}")
             return
         listening = slot.listening.fileno()
-        read_end, write_end = os.pipe()
+        try:
+            read_end, write_end = os.pipe()
+        except OSError as exc:
+            self._cannot_start(slot, f"cannot start a worker: {self._why(exc)}")
+            return
         try:
             slot.process = subprocess.Popen(
                 [*self._command, "--listen-fd", str(listening), "--ready-fd", str(write_end)],
@@ -236,7 +279,7 @@ class Supervisor:
             )
         except OSError as exc:
             os.close(read_end)
-            self._cannot_start(slot, f"cannot start a worker: {exc}")
+            self._cannot_start(slot, f"cannot start a worker: {self._why(exc)}")
             return
         finally:
             # Only the worker holds the write end now: its exit is our end of file.
@@ -349,6 +392,13 @@ class Supervisor:
             "worker %d %s while the server stopped: its replies were cut", pid, how_it_ended(status)
         )
         self._status = self._status or KILLED_AT_STOP_EXIT
+
+    def _why(self, exc: OSError) -> str:
+        """Why a worker could not be had: past the files a process may open, said with
+        ``--workers`` and the limit; otherwise as the system says it."""
+        if exc.errno == errno.EMFILE:
+            return too_many_files(len(self._slots))
+        return exc.strerror or str(exc)
 
     def _cannot_start(self, slot: Slot, what: str) -> None:
         """A worker could not be started, or exited: before the server was ready that stops
