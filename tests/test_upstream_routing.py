@@ -513,6 +513,21 @@ async def test_a_refusing_upstream_fails_over_and_the_access_log_says_so(caplog)
     assert len(busy.bodies) >= 1 and len(ok.bodies) == 4
 
 
+async def test_the_warning_of_a_request_no_upstream_answered_names_its_request(caplog):
+    # The server log's line for it, at WARNING, is found by the id its client, its
+    # access-log line and its attempts' lines have.
+    caplog.set_level(logging.WARNING, logger="replystream.server")
+    async with relay([Upstream(["m"], mode="busy")]) as url:
+        got = await post_events(
+            f"{url}/v1/replies",
+            {"prompt": "hi", "stream": False},
+            {"X-Request-Id": "req-told"},
+        )
+    assert got.status == 503, got.raw
+    said = [r.getMessage() for r in caplog.records if "failed before its answer" in r.getMessage()]
+    assert said and all(line.startswith("request req-told: ") for line in said), said
+
+
 async def test_asking_an_upstream_for_logprobs_it_lacks_does_not_open_its_circuit():
     """An upstream without log probabilities answers such a request with text alone: the
     request's wish, not the upstream's sickness, so other requests still go there."""

@@ -219,7 +219,12 @@ async def admitted(request: web.Request, record: ReplyRecord, starting: Awaitabl
         wait = exc.retry_after_s  # the engine knows when it may take a request: say so
         if isinstance(exc, RequestRejected):  # a 400, or the 401/403/429 of a key passed on
             raise refused(exc) from exc
-        log.warning("the engine failed before its answer began: %s", exc)
+        # Named by the request's id, as its access-log line and a relay's attempt lines are.
+        log.warning(
+            "request %s: the engine failed before its answer began: %s",
+            request.get(REQUEST_ID, "-"),
+            exc,
+        )
         raise HTTPAPIError(exc.status, str(exc), code=exc.code, retry_after_s=wait) from exc
     except asyncio.CancelledError:  # the client left while the request waited (a queue)
         _gone_before_reply(app, record)
