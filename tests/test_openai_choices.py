@@ -22,6 +22,7 @@ from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Delta, EngineError
 from replystream.engine.choices import ChoicesStream
 from replystream.engine.tiny import load_default_engine
+from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
 from tests.conftest import fast_engine
 from tests.sse_client import post_events
@@ -340,3 +341,32 @@ def test_interleaved_choices_each_end_as_a_single_reply_would(
         )
         assert texts[index] == expected
     assert finished == [1] * n
+
+
+async def test_whole_and_streamed_choices_count_a_fresh_prompt_as_not_cached():
+    # Each choice is its own generation of one prompt: the later ones find it in the prefix
+    # cache the first just filled. The usage is the first choice's, streamed and whole.
+    engine = load_default_engine(TinyEngineConfig(prefix_caching=True))
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        fresh: Any = [{"role": "user", "content": "lamb " * 60}]
+        whole = await client.chat.completions.create(
+            model="tiny", messages=fresh, max_tokens=3, n=3
+        )
+        again = await client.chat.completions.create(
+            model="tiny", messages=fresh, max_tokens=3, n=3
+        )
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "goat " * 60}],
+            max_tokens=3,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        streamed = [chunk async for chunk in stream][-1].usage
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert streamed is not None and streamed.prompt_tokens_details is not None
+    assert streamed.prompt_tokens_details.cached_tokens == 0
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens  # asked again: now it is cached

@@ -192,6 +192,9 @@ async def buffered_reply(
     ]
     open_choices = len(collectors)
     cached: int | None = None  # of the engine's count of the prompt, its prefix cache's
+    # The choice whose count is taken: the first (lowest index) that gave one, as a stream's
+    # usage takes it; a later choice's may find the prompt its siblings just cached.
+    counted_by: int | None = None
 
     def usage(tokens: int) -> Usage:
         return Usage(prompt_tokens, tokens, cached_prompt_tokens=cached)
@@ -208,9 +211,12 @@ async def buffered_reply(
                         break
                     assert isinstance(item, Delta)
                     record.on_delta(item.made_at, item.tokens, item.choice)
-                    if item.prompt_tokens is not None:  # the engine's own count
+                    if item.prompt_tokens is not None and (  # the engine's own count
+                        counted_by is None or item.choice < counted_by
+                    ):
                         prompt_tokens = item.prompt_tokens
                         cached = item.cached_prompt_tokens
+                        counted_by = item.choice
                     collector = collectors[item.choice]
                     if collector.done or not collector.take(item):
                         continue
