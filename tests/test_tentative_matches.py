@@ -161,3 +161,30 @@ async def test_each_choice_of_several_is_decided_at_its_own_end():
     for choice in body["choices"]:
         assert choice["message"]["content"] == "I am your "
         assert choice["finish_reason"] == "content_filter"
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_word_a_token_begins_inside_is_not_shown_in_its_log_probability(route: str):
+    # " ass" might yet be " assistant": the space before the word goes out, the token does
+    # not, so its log probability (which names it) is not sent when ", sir" decides it.
+    steps = [{"text": text} for text in ["I am your", " ass", ", sir"]]
+    if route == "/v1/completions":
+        body = {"model": "simulated", "prompt": "Hi", "logprobs": 1}
+    else:
+        body = {"model": "simulated", "messages": USER, "logprobs": True, "top_logprobs": 1}
+    async with serve(steps, holdback=0) as url:
+        streamed = await post_events(f"{url}{route}", {**body, "stream": True})
+        answer = await whole(f"{url}{route}", body)
+    assert b"ass" not in streamed.raw.replace(b"assistant", b"")
+    chunks = [
+        json.loads(event.data)
+        for event in streamed.events
+        if event.type == "message" and event.data != "[DONE]"
+    ]
+    released = [c["replystream_moderation"] for c in chunks if "replystream_moderation" in c]
+    moderation = answer.get("replystream_moderation") or answer["choices"][0].get(
+        "replystream_moderation"
+    )
+    assert released == [moderation]
+    assert moderation["released_chars"] == len("I am your ")
+    assert moderation["released_tokens"] == 1

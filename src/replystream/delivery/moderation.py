@@ -344,6 +344,7 @@ class HoldBack:
         self._held_tokens += tokens
         self._held_chars += len(text)
         room = self._held_chars  # how much of the held text is not a stop string's start
+        at_match = False  # ``room`` ends where a tentative match begins
         hit: StopHit | None = None
         if self._stops is not None:
             hit = self._stops.feed(text)
@@ -364,7 +365,9 @@ class HoldBack:
             if tentative is not None:
                 # The text to come decides it: nothing from its start on leaves before then
                 # (nothing more, if it began in text already released).
-                room = min(room, max(0, tentative.start - len(self._tail)))
+                before_match = max(0, tentative.start - len(self._tail))
+                at_match = before_match <= room
+                room = min(room, before_match)
                 at = self.released_chars - len(self._tail)  # where the tail begins
                 tentative = replace(tentative, start=at + tentative.start, end=at + tentative.end)
             self._pending = tentative
@@ -373,7 +376,9 @@ class HoldBack:
             self._drop_held()
             self.stop_sequence = hit.stop
             return out
-        return self._take(room, lambda: self._held_tokens > self.window)
+        # A token a tentative match begins inside goes out only up to the match, and keeps
+        # its count (and so its log probability, whose token holds the match) with the rest.
+        return self._take(room, lambda: self._held_tokens > self.window, split_counts=not at_match)
 
     def _first_finding(self, before: int, end: int | None) -> tuple[Finding | None, Finding | None]:
         """The earliest final match of any check in the released tail and the held text up
@@ -515,7 +520,8 @@ class HoldBack:
     ) -> tuple[str, int]:
         """Release held pieces, oldest first, while ``more()`` and within ``room``
         characters. A piece that does not fit goes out up to ``room``; its tokens go with
-        that first part (``split_counts``), and the rest stays held with none. A piece with
+        that first part (``split_counts``), and the rest stays held with none (else with
+        them). A piece with
         no text (a token ending inside a character) belongs to the character after it: it
         stays held with that character once ``room`` runs out, or while ``more()`` would
         hold that character back (a window shorter than its tokens), unless the text has
@@ -531,7 +537,7 @@ class HoldBack:
             if len(text) > room:
                 if room > 0:
                     parts.append(text[:room])
-                    held[0] = (text[room:], 0)
+                    held[0] = (text[room:], 0 if split_counts else tokens)
                     self._held_chars -= room
                     if split_counts:
                         released_tokens += tokens
