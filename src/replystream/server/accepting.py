@@ -1,4 +1,4 @@
-"""Accepting connections on uvloop: every one waiting, each time the socket is readable.
+"""Accepting connections on any loop: every one waiting, each time the socket is readable.
 
 uvloop's own server accepts one connection per turn of its loop (libuv does since 1.45:
 "unix: don't accept() connections in a loop"). Under a burst of new connections, while the
@@ -11,7 +11,10 @@ and hands each to the loop (``connect_accepted_socket``), whose transport and pr
 then the loop's own.
 
 Out of file descriptors (or memory), accepting pauses for ``ACCEPT_RETRY_S`` and says so in
-one line, as asyncio's server pauses; a connection that fails before it is handed over is
+one line. asyncio's own server pauses too, but logs a traceback for each accept it tries
+meanwhile (it goes on through its backlog after the first fails, and schedules a restart for
+each): tens of thousands of lines in a few seconds of shortage, so the server uses this one
+on asyncio's loop as well. A connection that fails before it is handed over is
 closed; one accepted before the server closes is still handed over. It must not know about
 HTTP.
 """

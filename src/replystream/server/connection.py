@@ -18,8 +18,10 @@ It decides two things:
   request are kept until its head is parsed, to read its path from when the parser refuses
   the head: aiohttp hands a refusal over without one.
 
-Its site listens through asyncio's own server, or on uvloop through ``accepting``'s, which
-takes a burst of connections in at once as asyncio's does.
+Its site listens through ``accepting``'s server on every loop: on uvloop, whose own server
+takes one connection per turn, it takes a burst in at once as asyncio's does; on asyncio's,
+whose own server logs a traceback for every accept that finds no file descriptor left (many a
+second, more each second the shortage lasts), it pauses and says so in one line.
 
 It must not know about routes or replies.
 """
@@ -38,7 +40,7 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
-from replystream.server.accepting import BatchAcceptingServer, accepts_one_per_turn
+from replystream.server.accepting import BatchAcceptingServer
 from replystream.server.errors import error_response, in_route_shape
 from replystream.server.guard import log_refused
 
@@ -421,12 +423,7 @@ class GuardedSockSite(web.SockSite):
         def connection() -> asyncio.Protocol:
             return Connection(server, loop=loop, deadlines=self.deadlines, **options)
 
-        if accepts_one_per_turn(loop):  # uvloop's: a burst would wait a turn per connection
-            self._server = BatchAcceptingServer(loop, self._sock, connection, self._backlog)
-        else:
-            self._server = await loop.create_server(
-                connection, sock=self._sock, backlog=self._backlog
-            )
+        self._server = BatchAcceptingServer(loop, self._sock, connection, self._backlog)
 
     async def stop(self) -> None:
         self.deadlines.close()
