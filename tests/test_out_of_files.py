@@ -1,14 +1,17 @@
 """A real ``serve`` out of file descriptors: it pauses accepting, says so in one line a pause,
-serves the connections it has, and accepts again once clients leave."""
+serves the connections it has, and accepts again once clients leave; a relay with no
+descriptor left for an upstream connection says so, and takes no upstream out for it."""
 
 from __future__ import annotations
 
+import json
 import re
 import resource
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -78,3 +81,81 @@ def test_out_of_file_descriptors_the_log_says_so_in_a_line_a_pause(
     paused = [line for line in lines if "accepting connections paused" in line]
     assert 1 <= len(paused) <= 5, len(lines)
     assert all(line.endswith("paused for 1 s: too many open files") for line in paused), paused
+
+
+def started(command: tuple[str, ...], most: int | None = None) -> tuple[subprocess.Popen[str], str]:
+    """``replystream serve`` with ``command``'s flags (under ``ulimit -n most``), and its URL
+    once it listens."""
+    process = subprocess.Popen(
+        (sys.executable, "-m", "replystream", "serve", "--port", "0", *command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=None if most is None else lambda: limited(most),
+    )
+    assert process.stdout is not None
+    found = re.search(r"listening on (http://\S+)", process.stdout.readline())
+    assert found is not None
+    return process, found.group(1)
+
+
+def chat(url: str) -> tuple[int, dict[str, object]]:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_relay_out_of_file_descriptors_says_so_and_takes_no_upstream_out() -> None:
+    """Each connect to the upstream that failed with EMFILE was counted on the upstream's
+    circuit: 502 "cannot connect to the upstream", then, three on, the healthy upstream was
+    taken out, and every request for 10 s was a 503 saying its circuit was open."""
+    upstream, upstream_url = started(("--engine", "simulated", "--delay-ms", "50"))
+    relay, url = started(("--engine", f"upstream:{upstream_url}/v1"), most=48)
+    clients: list[socket.socket] = []
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        request = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+        for _ in range(30):  # each holds one descriptor, and its upstream connection one
+            client = socket.create_connection((host, int(port)))
+            client.sendall(request)
+            clients.append(client)
+        time.sleep(2)
+        heads: list[bytes] = []
+        for client in clients:
+            client.settimeout(0.2)
+            try:
+                heads.append(client.recv(4096))
+            except TimeoutError:
+                pass  # not accepted yet: no descriptor for it
+        statuses = {head.split(b" ", 2)[1] for head in heads}
+        assert statuses == {b"200", b"503"}, statuses
+        refused = next(head for head in heads if head.startswith(b"HTTP/1.1 503"))
+        assert b"Retry-After: 1\r\n" in refused, refused
+        error = json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "server_out_of_resources", error
+        assert error["message"] == (
+            f"this server cannot open a connection to the upstream at {upstream_url}/v1 now: "
+            "too many open files"
+        )
+        for client in clients:
+            client.close()
+        clients.clear()
+        time.sleep(0.5)
+        status, answer = chat(url)  # the upstream was never at fault: taken at once
+        assert status == 200, answer
+    finally:
+        for client in clients:
+            client.close()
+        for process in (relay, upstream):
+            process.terminate()
+            process.communicate(timeout=30)

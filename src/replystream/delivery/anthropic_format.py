@@ -142,7 +142,9 @@ def usage_counts(usage: Usage) -> dict[str, int]:
 
 # Our codes of a server that cannot go on now, which Anthropic's API says as its
 # ``overloaded_error`` (its 529), mid-stream as before it: shutting down, every upstream busy.
-OVERLOADED_CODES = frozenset({"shutdown", "upstream_overloaded", "upstream_busy"})
+OVERLOADED_CODES = frozenset(
+    {"shutdown", "upstream_overloaded", "upstream_busy", "server_out_of_resources"}
+)
 
 
 def error_object(message: str, code: str, param: str | None = None) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from replystream.engine.upstream_config import (
     upstream_limit,
 )
 from replystream.engine.upstream_embeddings import EmbeddingsRelay
-from replystream.engine.upstream_errors import connect_failure
+from replystream.engine.upstream_errors import OWN_SHORTAGE, connect_failure
 from replystream.engine.upstream_health import HealthProber
 from replystream.engine.upstream_http import HttpOrigin
 from replystream.engine.upstream_http_connection import Response
@@ -63,6 +63,7 @@ from replystream.engine.upstream_proxy import proxy_handshake_s
 from replystream.engine.upstream_queue import RoomQueue
 from replystream.engine.upstream_refusals import (
     CHAT_PATH,
+    OutOfResources,
     OwnFieldRefused,
     UpstreamRefusedClientKey,
     UpstreamTimeout,
@@ -491,6 +492,7 @@ class UpstreamEngine:
             TimeoutError: no head within ``within_s`` seconds (the caller words it).
             UpstreamUnavailable, UpstreamTimeout: the connection failed (or its connect
                 timed out) before the head.
+            OutOfResources: this process had no file descriptor (or memory) for it.
             UpstreamRefusedClientKey: the caller's key, to be passed on, fits no HTTP header.
         """
         key = caller.key
@@ -514,6 +516,8 @@ class UpstreamEngine:
         except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             shows = backend.name in self._keys.certified
             failure = connect_failure(exc, backend.name, within_s, shows_certificate=shows)
+            if failure.code == OWN_SHORTAGE:
+                raise OutOfResources(failure.message, code=failure.code) from None
             kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
             raise kind(failure.message, code=failure.code) from None
 

@@ -12,6 +12,7 @@ not know how a request is built or which upstream was picked.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -49,6 +50,22 @@ PLAIN_TO_TLS = "it is a TLS port, spoken to in plain HTTP: its URL must begin wi
 PROXY_CA_HINT = "; a private CA's certificate goes in SSL_CERT_FILE"
 
 
+# The relay's own shortage, not the upstream's: no file descriptor (``ulimit -n``, the
+# system's table) or memory left for a socket.
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Its code: counted on no upstream's circuit (``upstream_relay_types.NOT_ITS_HEALTH``).
+OWN_SHORTAGE = "server_out_of_resources"
+
+
+def own_shortage(exc: BaseException) -> OSError | None:
+    """The error of ``exc`` that says this process ran out of file descriptors or memory for
+    a connection (None: it says no such thing). That is no failure of the upstream."""
+    error = exc.os_error if isinstance(exc, ConnectFailed | ProxyFailed) else exc
+    if isinstance(error, OSError) and error.errno in OUT_OF_RESOURCES:
+        return error
+    return None
+
+
 def _os_reason(error: OSError | None) -> str:
     """``connection refused``, ``network is unreachable``: the system's words for an errno."""
     if error is not None and error.errno:
@@ -83,6 +100,12 @@ def connect_failure(
     ``shows_certificate``: the relay shows this upstream a client certificate."""
     log.debug("upstream %s: %r", base_url, exc)
     where = f"the upstream at {base_url}"
+    shortage = own_shortage(exc)
+    if shortage is not None:
+        return Failure(
+            f"this server cannot open a connection to {where} now: {_os_reason(shortage)}",
+            OWN_SHORTAGE,
+        )
     if isinstance(exc, ProxyFailed):
         reason = str(exc)
         if exc.tls_error is not None:

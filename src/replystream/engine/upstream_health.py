@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pydantic_core import from_json
 
 from replystream.engine.upstream_config import UpstreamKeys
-from replystream.engine.upstream_errors import connect_failure
+from replystream.engine.upstream_errors import connect_failure, own_shortage
 from replystream.engine.upstream_http import KEEPALIVE_S, HttpOrigin
 from replystream.engine.upstream_http_failures import HttpFailure
 from replystream.engine.upstream_pool import Backend, UpstreamPool
@@ -69,6 +69,11 @@ def _listing(body: bytes | None) -> object:
         return from_json(body)
     except ValueError:
         return None
+
+
+class _NoVerdict(Exception):
+    """A probe that could not be sent for this process's own shortage (no file descriptor
+    left): the upstream keeps the verdict it had."""
 
 
 class HealthProber:
@@ -159,7 +164,10 @@ class HealthProber:
                 log.exception("upstream health probe failed")
 
     async def _probe(self, backend: Backend, keys: UpstreamKeys) -> None:
-        problem, models = await self._ask(backend, keys)
+        try:
+            problem, models = await self._ask(backend, keys)
+        except _NoVerdict:
+            return  # this process's shortage says nothing of the upstream: as it was
         backend.probed(problem, models)
         self._pool.listed(backend, models)  # a model it answered 404 for may be back
         self.note_shadowed([backend])
@@ -207,6 +215,8 @@ class HealthProber:
         except TimeoutError:
             return f"{where} did not answer within {self._timeout_s:g} s", []
         except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            if own_shortage(exc) is not None:  # no file descriptor left here for the probe
+                raise _NoVerdict from None
             shows = backend.name in keys.certified
             failure = connect_failure(exc, backend.name, self._timeout_s, shows_certificate=shows)
             return failure.message, []

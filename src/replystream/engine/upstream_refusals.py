@@ -59,6 +59,14 @@ class UpstreamUnavailable(EngineError):
     status = 502
 
 
+class OutOfResources(EngineError):
+    """This server ran out of file descriptors (or memory) for a connection to an upstream:
+    its own shortage, which says nothing of the upstream (no circuit counts it). 503: it may
+    pass as soon as other connections close."""
+
+    status = 503
+
+
 class UpstreamTimeout(EngineError):
     """An upstream took longer than the head timeout to connect or answer (504)."""
 

@@ -69,6 +69,7 @@ NOT_ITS_HEALTH = frozenset(
         "route_unsupported",
         "upstream_empty",
         "context_length_exceeded",  # said in the stream (``upstream_chunks``)
+        "server_out_of_resources",  # ours: no file descriptor left for its connection
     }
 )
 
