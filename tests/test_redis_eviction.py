@@ -236,6 +236,27 @@ async def test_noeviction_makes_writes_fail_and_the_store_treats_it_as_an_outage
         await producer.aclose()
 
 
+async def test_a_full_redis_is_told_without_the_command_it_refused(tmp_path: Path):
+    """redis-py's error of a pipelined command begins with the command, here the source of
+    our write script ("Command # 1 (EVAL local r = cjson.decode(ARGV[1]) ...) of pipeline
+    caused error: ..."), which went on to clients in the 503 and the in-band error."""
+    with redis_server(tmp_path, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction") as srv:
+        producer = RedisReplayStore(srv.url, failover_s=0.5)
+        await producer.create(ReplyInfo("n"))
+        await producer.flush()
+        await fill_until_full(srv.url)
+        with pytest.raises(StoreUnavailable) as refused:
+            await producer.create(ReplyInfo("refused"))
+        producer.append("n", events("n", 1, 4))
+        async with asyncio.timeout(10):
+            while producer.failure("n") is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        for said in (str(refused.value), producer.failure("n") or ""):
+            assert "command not allowed when used memory > 'maxmemory'" in said, said
+            assert "pipeline" not in said and "EVAL" not in said and "INCR" not in said, said
+        await producer.aclose()
+
+
 async def fill_until_full(url: str) -> None:
     """Write junk until a noeviction Redis refuses writes."""
     client = aioredis.Redis.from_url(url)

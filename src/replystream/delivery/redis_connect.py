@@ -255,10 +255,17 @@ _SENTINEL_REPR = re.compile(
 )
 
 
+# How redis-py begins the error of a pipelined command: the command itself, a script's source
+# for EVAL (ours, cut at 50 characters), which is no one's business but ours.
+_PIPELINE_COMMAND = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.DOTALL)
+
+
 def error_text(error: object) -> str:
     """What a Redis error says, as a log line or a client may show it: a Sentinel redis-py
-    names by its client's repr is named by its address instead."""
-    return _SENTINEL_REPR.sub(lambda m: f"Sentinel {_host(m[1])}:{m[2]}", str(error))
+    names by its client's repr is named by its address instead; the command of a pipeline
+    that failed (a script's source) is left out."""
+    said = _PIPELINE_COMMAND.sub("", str(error))
+    return _SENTINEL_REPR.sub(lambda m: f"Sentinel {_host(m[1])}:{m[2]}", said)
 
 
 class _SentinelBlockingPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):

@@ -194,9 +194,13 @@ class Failover:
         # can be read from any replica afterwards, as the ones before it can.
         failing = [reply_id for reply_id in tables.dirty if reply_id in tables.live]
         if failing:
-            log.warning("reply log writes to Redis failed for %gs: %s", self._link.failover_s, exc)
+            log.warning(
+                "reply log writes to Redis failed for %gs: %s",
+                self._link.failover_s,
+                error_text(exc),
+            )
         for reply_id in failing:
-            tables.failures[reply_id] = f"Redis write failed: {exc}"
+            tables.failures[reply_id] = f"Redis write failed: {error_text(exc)}"
             tables.pending.pop(reply_id, None)
             tables.endings.pop(reply_id, None)
             tables.dirty.discard(reply_id)
@@ -260,7 +264,7 @@ class Failover:
                 results = await pipe.execute()
         except (RedisError, OSError) as exc:
             self.write_failed(exc, ())
-            return str(exc)
+            return error_text(exc)
         written = [r for r, repair in repairs.items() if repair.action != "nothing"]
         # An append to a stream found other than it was read (two primaries answering, in a
         # failover) wrote nothing: that reply is planned again, from a new read.

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
+from replystream.delivery.redis_connect import error_text
 from replystream.delivery.redis_failover import Failover
 from replystream.delivery.redis_keys import ReplyKeys
 from replystream.delivery.redis_link import (
@@ -274,7 +275,7 @@ class LogWriter:
         try:
             answer = await self._write(keys=batch.keys, args=[argument])
         except (RedisError, OSError) as exc:
-            _settle(waiting, str(exc))
+            _settle(waiting, error_text(exc))
             self.failover.write_failed(exc, batch.reply_ids)
             return None
         self.writes += 1
