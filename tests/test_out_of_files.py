@@ -159,3 +159,49 @@ def test_a_relay_out_of_file_descriptors_says_so_and_takes_no_upstream_out() -> 
         for process in (relay, upstream):
             process.terminate()
             process.communicate(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_stdout_on_a_full_disk_is_told_in_a_line_and_the_server_serves(
+    workers: str, tmp_path: Path
+) -> None:
+    """Printing the address once listening raised ENOSPC out of the serving loop: a
+    traceback, exit 1, a server that never served."""
+    port = free_port()
+    command = (
+        sys.executable, "-m", "replystream", "serve", "--engine", "simulated",
+        "--port", str(port), "--workers", workers,
+    )  # fmt: skip
+    with open("/dev/full", "w") as full, (tmp_path / "stderr").open("w") as log:
+        process = subprocess.Popen(command, stdout=full, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert process.poll() is None, (tmp_path / "stderr").read_text()
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        status, answer = chat(f"http://127.0.0.1:{port}")
+        assert status == 200, answer
+    finally:
+        process.terminate()
+        returncode = process.wait(timeout=30)
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert returncode == 0, lines
+    assert not any("Traceback" in line or "Exception ignored" in line for line in lines), lines
+    told = [line for line in lines if "stdout" in line]
+    assert len(told) == 1 and told[0].endswith(
+        "serving, but stdout cannot be written (the address was not printed): "
+        "no space left on device"
+    ), lines

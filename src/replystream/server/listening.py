@@ -6,8 +6,14 @@ command line, a port it cannot have included, is checked before the server loads
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import socket
+import sys
 from typing import Any
+
+log = logging.getLogger("replystream.server")
 
 # Connections the kernel queues before we accept them. aiohttp's default (128) re-listens the
 # socket with a small queue, and a burst of thousands of clients then overflows it: their
@@ -66,3 +72,19 @@ def listening_lines(url: str) -> list[str]:
     """What a server prints on stdout once it accepts connections. Tools read the first line
     (``replystream listening on URL``, nothing after the URL); anything else goes below it."""
     return [f"replystream listening on {url}"]
+
+
+def announce(lines: list[str]) -> None:
+    """Print ``lines`` on stdout, once listening. A stdout that cannot be written (a log file
+    on a full disk, a reader gone) is told on stderr in one line, and serving goes on: what is
+    served does not depend on it. Its unwritten bytes go nowhere (else they would fail again
+    at exit)."""
+    try:
+        print("\n".join(lines), flush=True)
+    except OSError as exc:
+        log.warning(
+            "serving, but stdout cannot be written (the address was not printed): %s",
+            (exc.strerror or str(exc)).lower(),
+        )
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # for the rest of the process

@@ -22,6 +22,7 @@ from replystream import start_interrupt
 from replystream.server.connection import GuardedSockSite
 from replystream.server.context import CONFIG_KEY, MANAGER_KEY
 from replystream.server.listening import LISTEN_BACKLOG, bind_socket, listening_lines
+from replystream.server.listening import announce as announce_lines
 from replystream.server.server_config import ServerConfig
 
 log = logging.getLogger("replystream.server")
@@ -167,7 +168,7 @@ async def serve_forever(
     async with serving(app, host, port, sock) as server:
         tune_collector()
         if announce is not None:
-            print("\n".join(announce(server.url)), flush=True)
+            announce_lines(announce(server.url))
         if on_serving is not None:
             on_serving()
         if parent_pid is None:

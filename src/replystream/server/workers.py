@@ -45,6 +45,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from replystream import start_interrupt
 from replystream.server import metrics_dir
 from replystream.server.listening import REFUSED_EXIT, also_listening, listening_lines
+from replystream.server.listening import announce as announce_lines
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.restart_backoff import RestartBackoff
 
@@ -236,7 +237,7 @@ class Supervisor:
                     self._kill_the_stuck()
                 if not self._announced and not self._stopping:
                     if all(slot.serving_since is not None for slot in self._slots):
-                        print("\n".join(announce(url_of(self._holder))), flush=True)
+                        announce_lines(announce(url_of(self._holder)))
                         log.warning("%d workers share the port", len(self._slots))
                         self._announced = True
                 for slot in self._slots:
