@@ -33,12 +33,6 @@ ACCEPT_RETRY_S = 1.0  # asyncio's own pause when accept() runs out of a resource
 OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
-def accepts_one_per_turn(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether ``loop``'s own server accepts one connection per turn (uvloop's: any loop
-    that is not asyncio's own)."""
-    return not isinstance(loop, asyncio.BaseEventLoop)
-
-
 class BatchAcceptingServer(asyncio.AbstractServer):
     """A listening socket whose waiting connections are all accepted each time it is
     readable, each made a connection of ``factory``'s protocol by the loop."""
