@@ -197,6 +197,24 @@ async def test_no_proxy_names_the_hosts_and_networks_reached_directly(
     assert upstream.headers and not any("Via" in h for h in upstream.headers)
 
 
+@pytest.mark.parametrize("no_proxy", ["localhost,127.0.0.1,::1", "[::1]", "0:0::1"])
+async def test_no_proxy_names_an_ipv6_upstream_with_or_without_brackets(
+    no_proxy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # curl, requests and httpx take ``::1`` (the usual "localhost,127.0.0.1,::1") for an
+    # upstream at http://[::1]:PORT; the standard library's matching alone does not.
+    upstream = Upstream(["m"])
+    async with tinyproxy(tmp_path) as proxy, running(upstream.app(), host="::1") as base:
+        assert base.startswith("http://[::1]:")
+        monkeypatch.setenv("HTTP_PROXY", f"http://{proxy.url}")
+        monkeypatch.setenv("NO_PROXY", no_proxy)
+        async with relay((UpstreamTarget(f"{base}/v1"),)) as url:
+            served = await post_events(f"{url}/v1/chat/completions", ASK)
+    assert served.status == 200, served.raw
+    assert upstream.headers and not any("Via" in h for h in upstream.headers)
+    assert not proxy.lines("[::1]"), proxy.lines("[::1]")
+
+
 async def test_a_proxy_that_refuses_or_cannot_be_reached_is_named_without_its_password(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

@@ -90,8 +90,10 @@ def proxies_of(base_urls: Iterable[str]) -> dict[str, Proxy]:
 
 def _bypassed(netloc: str, host: str, no_proxy: str) -> bool:
     """Whether ``NO_PROXY`` names the host: as ``urllib.request`` reads it (names, domain
-    suffixes, ``*``), or, for an address, a network it is in (``10.0.0.0/8``, as curl and
-    requests read it: what a cluster's own addresses are given as)."""
+    suffixes, ``*``), or, for an address, the address itself (an IPv6 one with or without
+    brackets: ``::1``, which ``urllib.request`` matches against ``[::1]`` and so misses) or a
+    network it is in (``10.0.0.0/8``, as curl and requests read it: what a cluster's own
+    addresses are given as)."""
     if urllib.request.proxy_bypass(netloc):
         return True
     try:
@@ -99,8 +101,12 @@ def _bypassed(netloc: str, host: str, no_proxy: str) -> bool:
     except ValueError:
         return False
     for entry in no_proxy.split(","):
+        entry = entry.strip()
         with contextlib.suppress(ValueError):
-            if "/" in entry and address in ipaddress.ip_network(entry.strip(), strict=False):
+            if "/" in entry:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            elif ipaddress.ip_address(entry.removeprefix("[").removesuffix("]")) == address:
                 return True
     return False
 
