@@ -115,6 +115,17 @@ CASES: list[tuple[list[str], str]] = [
         "argument --cors-origin: an origin has no path, query or fragment: want "
         "https://app.example.com, got",
     ),
+    # An IPv6 origin: its brackets closed, round an address, with no zone (no browser
+    # takes a URL with one)
+    (
+        ["serve", "--check", "--cors-origin", "http://[::1"],
+        "argument --cors-origin: want an origin, http(s)://HOST[:PORT], or *, got 'http://[::1'",
+    ),
+    (
+        ["serve", "--check", "--cors-origin", "http://[fe80::1%25eth0]:3000"],
+        "argument --cors-origin: want an origin, http(s)://HOST[:PORT], or * (an IPv6 address "
+        "in brackets, with no zone), got 'http://[fe80::1%25eth0]:3000'",
+    ),
     (
         ["serve", "--cors-origin", "https://app.example.com:0"],
         "argument --cors-origin: want a port from 1 to 65535",

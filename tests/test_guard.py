@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
+from replystream import cli
 from replystream.engine.base import EngineStats, GenerationRequest, InProcessEngine
 from replystream.server import create_app, running
 from replystream.server.guard_config import GuardConfig
@@ -249,6 +250,26 @@ async def test_cors_allows_listed_origins_only_including_on_event_streams():
     assert preflight.status == 204
     assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
     assert refused.status == 403
+
+
+@pytest.mark.parametrize(
+    ("given", "page"),
+    [
+        ("http://[0:0:0:0:0:0:0:1]:3000", "http://[::1]:3000"),
+        ("http://[::FFFF:127.0.0.1]:3000", "http://[::ffff:7f00:1]:3000"),
+        ("https://[2001:DB8:0:0:1:0:0:1]:443", "https://[2001:db8::1:0:0:1]"),
+    ],
+)
+async def test_an_ipv6_origin_on_the_command_line_matches_the_page_a_browser_names(
+    given: str, page: str
+):
+    # A browser writes an IPv6 origin in one form (the URL Standard's): the allow-list
+    # holds that form however the address was spelt on the command line.
+    args = cli.parse(["serve", "--cors-origin", given])
+    async with serve_with(GuardConfig(cors_origins=tuple(args.cors_origin))) as url:
+        allowed = await raw_request(f"{url}/stream?max_tokens=2", headers={"Origin": page})
+        await allowed.read_body()
+    assert allowed.headers.get("access-control-allow-origin") == page, allowed.headers
 
 
 async def test_a_preflight_allows_the_sdks_headers_and_delete_to_a_listed_origin():

@@ -8,6 +8,7 @@ adds it) and says what would be accepted. It must not know what any option means
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import tempfile
@@ -164,11 +165,16 @@ def _origin(text: str) -> str:
     # value in any other shape would silently match no page.
     if text == "*":
         return text
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError:  # an unclosed [, or brackets around what is no IPv6 address
+        raise argparse.ArgumentTypeError(f"want {origin.wants}, got {text!r}") from None
     scheme, host = parts.scheme.lower(), parts.hostname
     if scheme not in _DEFAULT_PORTS or not host or any(c.isspace() for c in host):
         hint = f" (https://{text}?)" if "://" not in text and "." in text else ""
         raise argparse.ArgumentTypeError(f"want {origin.wants}, got {text!r}{hint}")
+    if "[" in parts.netloc:
+        host = _ipv6_as_browsers_write(host, text)
     if "@" in parts.netloc:
         raise argparse.ArgumentTypeError(f"an origin has no user name or password, got {text!r}")
     try:
@@ -190,6 +196,34 @@ def _origin(text: str) -> str:
             f"an origin has no path, query or fragment: want {canonical}, got {text!r}"
         )
     return canonical
+
+
+def _ipv6_as_browsers_write(host: str, text: str) -> str:
+    """The IPv6 address ``host`` (from ``text``'s brackets) as a browser writes it in an
+    origin (the URL Standard's serializer, RFC 5952's form): lower-case hex without leading
+    zeros, the first longest run of two or more zero groups as ``::``, an IPv4-mapped one in
+    hex too (``::ffff:7f00:1``). Any other spelling would match no page's origin."""
+    try:
+        address = ipaddress.IPv6Address(host)
+    except ValueError:
+        address = None
+    if address is None or address.scope_id is not None:
+        # A zone (fe80::1%25eth0): browsers take no URL with one.
+        raise argparse.ArgumentTypeError(
+            f"want {origin.wants} (an IPv6 address in brackets, with no zone), got {text!r}"
+        )
+    groups = [int.from_bytes(address.packed[i : i + 2], "big") for i in range(0, 16, 2)]
+    start, length = -1, 1
+    for i in range(8):
+        run = 0
+        while i + run < 8 and groups[i + run] == 0:
+            run += 1
+        if run > length:
+            start, length = i, run
+    words = [f"{group:x}" for group in groups]
+    if start < 0:
+        return ":".join(words)
+    return ":".join(words[:start]) + "::" + ":".join(words[start + length :])
 
 
 # A browser page's origin for the CORS allow-list, made canonical (lower case, no default
