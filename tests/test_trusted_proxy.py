@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -61,6 +62,43 @@ async def test_clients_behind_a_trusted_proxy_get_a_bucket_each(caplog: pytest.L
     assert bob == 200
     clients = [json.loads(r.getMessage())["client"] for r in caplog.records]
     assert clients == ["203.0.113.1"] * 3 + ["203.0.113.2"]
+
+
+def dual_stack() -> bool:
+    """Whether a socket bound to ``::`` also takes IPv4 connections (Linux's default)."""
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::", 0))
+            return sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not dual_stack(), reason="no dual-stack IPv6 socket here")
+async def test_an_ipv4_client_of_a_dual_stack_socket_is_one_client_direct_or_proxied(
+    caplog: pytest.LogCaptureFixture,
+):
+    # Listening on ::, an IPv4 peer is seen as ::ffff:127.0.0.2; the proxy on ::1 names the
+    # same client 127.0.0.2. One bucket for both, and the access log names it one way.
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    guard = GuardConfig(per_minute=PER_MINUTE, trusted_proxies=parse_trusted_proxies(["::1"]))
+    async with running(create_app(fast_engine(), ServerConfig(guard=guard)), host="::") as url:
+        port = urlsplit(url).port
+        via_proxy = f"http://[::1]:{port}/stream?max_tokens=2"
+        direct = f"http://127.0.0.1:{port}/stream?max_tokens=2"
+        statuses = [await status_from("::1", via_proxy, "127.0.0.2") for _ in range(2)]
+        statuses.append(await status_from("127.0.0.2", direct))
+        # A request the parser refuses is logged with its client named the same way.
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=("127.0.0.2", 0)
+        )
+        writer.write(b"NOT HTTP\r\n\r\n")
+        assert b" 400 " in await reader.readline()
+        await reader.read()
+        writer.close()
+    assert statuses == [200, 200, 429]
+    clients = [json.loads(r.getMessage())["client"] for r in caplog.records]
+    assert clients == ["127.0.0.2"] * 4, clients
 
 
 async def test_a_direct_client_cannot_forge_x_forwarded_for():

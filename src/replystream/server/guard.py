@@ -72,10 +72,13 @@ def client_address(request: web.Request, proxies: Sequence[Network]) -> str:
     """Who sent the request: the peer, unless the peer is a trusted proxy; then the right-most
     address in ``X-Forwarded-For`` that is not itself a trusted proxy (each proxy appends
     the address it served, so entries left of that one are the client's word and may be
-    forged). With no proxies listed the header is never read."""
+    forged). With no proxies listed the header is never read. An IPv4 peer of a dual-stack
+    socket (``--host ::``), which it sees as ``::ffff:a.b.c.d``, is ``a.b.c.d``, as a proxy
+    names it: one client, one identity."""
     peer = request.remote or "unknown"
-    if not proxies or not _trusted(_address(peer), proxies):
-        return peer
+    address = _address(peer)
+    if not proxies or not _trusted(address, proxies):
+        return peer if address is None else str(address)
     hops = [
         hop for header in request.headers.getall("X-Forwarded-For", ()) for hop in header.split(",")
     ]
@@ -301,7 +304,9 @@ def log_refused(client: str | None, status: int, code: str) -> None:
     request id, method or path of its own (none could be read), and why (``refused``)."""
     if access_log.isEnabledFor(logging.INFO):
         line: dict[str, object] = {"request_id": None, "method": None, "path": None}
-        line |= {"status": status, "ms": None, "client": client, "reply_id": None}
+        address = None if client is None else _address(client)
+        shown = client if address is None else str(address)  # as ``client_address`` names it
+        line |= {"status": status, "ms": None, "client": shown, "reply_id": None}
         line["refused"] = code
         access_log.info("%s", json.dumps(line))
 
