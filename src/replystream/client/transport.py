@@ -226,11 +226,14 @@ async def connect(url: str, tls: ssl.SSLContext | None = None) -> Connection:
         # They would be sent nowhere (no Basic auth here): refused rather than dropped.
         raise ValueError("credentials in the URL are not sent; give an Authorization header")
     secure = parts.scheme == "https"
+    # A link-local IPv6 address's zone is written %25eth0 in a URL (RFC 6874): %eth0 for the
+    # resolver.
+    host = parts.hostname.replace("%25", "%", 1) if "[" in parts.netloc else parts.hostname
     loop = asyncio.get_running_loop()
     try:
         transport, protocol = await loop.create_connection(
             lambda: _ResponseProtocol(loop),
-            parts.hostname,
+            host,
             (443 if secure else 80) if parts.port is None else parts.port,
             # The host is sent as SNI and checked against the certificate (asyncio's default
             # server_hostname when ssl is given).

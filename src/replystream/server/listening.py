@@ -68,6 +68,23 @@ def _bound(sock: socket.socket, address: Any, *, shared: bool, listens: bool) ->
     return sock
 
 
+def url_of(sock: socket.socket) -> str:
+    """The URL clients reach the listening ``sock`` at: an IPv6 address in brackets, a
+    link-local one with its zone (``http://[fe80::1%25eth0]:8000``, RFC 6874), without which
+    it names no interface and cannot be connected to."""
+    address = sock.getsockname()
+    host, port = address[:2]
+    if ":" in host:
+        scope = address[3] if len(address) > 3 else 0
+        if scope and "%" not in host:
+            try:
+                host += "%25" + socket.if_indextoname(scope)
+            except OSError:  # an interface gone since: its number is a zone too
+                host += f"%25{scope}"
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 def listening_lines(url: str) -> list[str]:
     """What a server prints on stdout once it accepts connections. Tools read the first line
     (``replystream listening on URL``, nothing after the URL); anything else goes below it."""

@@ -21,7 +21,7 @@ from aiohttp import web
 from replystream import start_interrupt
 from replystream.server.connection import GuardedSockSite
 from replystream.server.context import CONFIG_KEY, MANAGER_KEY
-from replystream.server.listening import LISTEN_BACKLOG, bind_socket, listening_lines
+from replystream.server.listening import LISTEN_BACKLOG, bind_socket, listening_lines, url_of
 from replystream.server.listening import announce as announce_lines
 from replystream.server.server_config import ServerConfig
 
@@ -104,9 +104,7 @@ async def serving(
             runner, sock, header_timeout_s=config.guard.header_timeout_s, backlog=LISTEN_BACKLOG
         )
         await site.start()
-        bound_host, bound_port = sock.getsockname()[:2]
-        shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-        yield RunningServer(app, runner, site, f"http://{shown_host}:{bound_port}", sock)
+        yield RunningServer(app, runner, site, url_of(sock), sock)
     finally:
         await runner.cleanup()
         sock.close()

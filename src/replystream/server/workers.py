@@ -44,7 +44,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from replystream import start_interrupt
 from replystream.server import metrics_dir
-from replystream.server.listening import REFUSED_EXIT, also_listening, listening_lines
+from replystream.server.listening import REFUSED_EXIT, also_listening, listening_lines, url_of
 from replystream.server.listening import announce as announce_lines
 from replystream.server.metrics import MULTIPROCESS_DIR_ENV
 from replystream.server.restart_backoff import RestartBackoff
@@ -113,12 +113,6 @@ def too_many_files(workers: int) -> str:
         f"out of the {soft} files a process may open (ulimit -n) with --workers {workers}: "
         "lower --workers, or raise ulimit -n"
     )
-
-
-def url_of(sock: socket.socket) -> str:
-    bound_host, bound_port = sock.getsockname()[:2]
-    shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-    return f"http://{shown_host}:{bound_port}"
 
 
 def run_workers(
