@@ -101,6 +101,19 @@ async def test_an_ipv4_client_of_a_dual_stack_socket_is_one_client_direct_or_pro
     assert clients == ["127.0.0.2"] * 4, clients
 
 
+@pytest.mark.skipif(not dual_stack(), reason="no dual-stack IPv6 socket here")
+@pytest.mark.parametrize("trusted", ["::ffff:127.0.0.1", "::ffff:127.0.0.0/104"])
+async def test_a_proxy_given_as_an_ipv4_mapped_address_is_trusted(trusted: str):
+    # The form a dual-stack socket shows an IPv4 peer in: the proxy at 127.0.0.1 it names.
+    guard = GuardConfig(per_minute=PER_MINUTE, trusted_proxies=parse_trusted_proxies([trusted]))
+    async with running(create_app(fast_engine(), ServerConfig(guard=guard)), host="::") as url:
+        stream = f"http://127.0.0.1:{urlsplit(url).port}/stream?max_tokens=2"
+        alice = [await status_from("127.0.0.1", stream, "203.0.113.1") for _ in range(3)]
+        bob = await status_from("127.0.0.1", stream, "203.0.113.2")
+    assert alice == [200, 200, 429]
+    assert bob == 200
+
+
 async def test_a_direct_client_cannot_forge_x_forwarded_for():
     async with serve("10.0.0.0/8") as url:
         stream = f"{url}/stream?max_tokens=2"

@@ -45,10 +45,21 @@ def parse_trusted_proxies(values: Sequence[str]) -> tuple[Network, ...]:
         for entry in value.split(","):
             entry = entry.strip()
             try:
-                networks.append(ipaddress.ip_network(entry, strict=False))
+                network = ipaddress.ip_network(entry, strict=False)
             except ValueError:
                 raise ValueError(
                     f"--trusted-proxy wants IP addresses or CIDR networks "
                     f"(e.g. 10.0.0.0/8,127.0.0.1), got {entry!r}"
                 ) from None
+            networks.append(_as_ipv4(network))
     return tuple(networks)
+
+
+def _as_ipv4(network: Network) -> Network:
+    """An IPv4-mapped network (``::ffff:10.0.0.1``, ``::ffff:10.0.0.0/104``) as the IPv4 one
+    it maps: peers and forwarded addresses in that form are compared as IPv4 ones, which the
+    mapped form would never match."""
+    mapped = network.network_address.ipv4_mapped if network.version == 6 else None
+    if mapped is None or network.prefixlen < 96:
+        return network
+    return ipaddress.IPv4Network((mapped, network.prefixlen - 96))
