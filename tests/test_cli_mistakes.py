@@ -1072,6 +1072,21 @@ def test_a_port_in_use_is_one_line_not_a_traceback():
     assert "--port 0 picks a free one" in line
 
 
+def test_a_port_an_ipv4_server_holds_is_its_for_a_dual_stack_host():
+    # --host :: takes the port for IPv4 too (Linux's default): a server on 127.0.0.1 holds it.
+    with socket.socket(socket.AF_INET6) as probe:
+        if probe.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY):
+            pytest.skip("IPv6 sockets here are IPv6 only")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run("serve", "--host", "::", "--port", str(port))
+    assert done.returncode == 2
+    line = one_line(done)
+    assert f"--port {port}: another process already listens on [::]:{port}" in line, line
+
+
 @pytest.mark.parametrize(
     ("flag", "fd", "says"),
     [

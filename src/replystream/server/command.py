@@ -370,13 +370,20 @@ def check_host(host: str) -> None:
 
 def _answers(host: str, port: int) -> bool:
     """Whether something accepts connections on ``host:port`` (a wildcard host is asked on
-    loopback): the port in use is another server's, not a connection's own port."""
-    target = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    try:
-        with socket.create_connection((target, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
+    loopback; ``::`` on IPv4's too, a dual-stack socket holding the port for both): the port
+    in use is another server's, not a connection's own port."""
+    wildcards = {"": ("127.0.0.1",), "0.0.0.0": ("127.0.0.1",), "::": ("::1", "127.0.0.1")}
+    for target in wildcards.get(host, (host,)):
+        try:
+            with socket.create_connection((target, port), timeout=1.0):
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def listen(host: str, port: int, *, shared: bool = False) -> socket.socket:
@@ -398,13 +405,13 @@ def listen(host: str, port: int, *, shared: bool = False) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             if not _answers(host, port):
                 raise ValueError(
-                    f"--port {port}: {host}:{port} is held, though nothing listens on it (a "
-                    "connection of this machine has it as its own port, or one still closing "
-                    "in TIME_WAIT); choose another port (--port 0 picks a free one)"
+                    f"--port {port}: {_host_port(host, port)} is held, though nothing listens "
+                    "on it (a connection of this machine has it as its own port, or one still "
+                    "closing in TIME_WAIT); choose another port (--port 0 picks a free one)"
                 ) from None
             raise ValueError(
-                f"--port {port}: another process already listens on {host}:{port}; stop it, "
-                "or choose another port (--port 0 picks a free one)"
+                f"--port {port}: another process already listens on {_host_port(host, port)}; "
+                "stop it, or choose another port (--port 0 picks a free one)"
             ) from None
         if exc.errno == errno.EACCES:
             raise ValueError(
