@@ -1196,6 +1196,12 @@ def test_an_unresolvable_host_is_one_line_naming_host(check: tuple[str, ...]):
     assert "--host no-such-host.invalid: not an address" in one_line(done)
 
 
+def test_an_ipv6_host_in_brackets_is_taken_as_the_address():
+    # As a URL writes it ([::1]), which the resolver does not take.
+    done = run("serve", "--engine", "simulated", "--host", "[::1]", "--port", "0", "--check")
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize("check", [(), ("--check",)])
 def test_an_address_of_another_machine_is_one_line_naming_host(check: tuple[str, ...]):
     # 192.0.2.1 resolves (RFC 5737's documentation range) but is no address of this machine:

@@ -67,6 +67,8 @@ def _host(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"want an address or host name, got {text!r}: 127.0.0.1, or 0.0.0.0 for every interface"
         )
+    if text.startswith("[") and text.endswith("]") and ":" in text:
+        return text[1:-1]  # an IPv6 address as a URL writes it ([::1]): the resolver's is bare
     return text
 
 
@@ -80,7 +82,7 @@ SERVER = Group(
         Setting(
             "--host",
             "address to listen on",
-            Checker("an address or host name", _host),
+            Checker("an address or host name (an IPv6 address bare or in brackets)", _host),
             default="127.0.0.1",
         ),
         Setting("--port", "0 picks a free port", port, default=8000),
