@@ -1196,6 +1196,15 @@ def test_an_unresolvable_host_is_one_line_naming_host(check: tuple[str, ...]):
     assert "--host no-such-host.invalid: not an address" in one_line(done)
 
 
+@pytest.mark.parametrize("check", [(), ("--check",)])
+def test_a_link_local_host_without_its_zone_is_told_to_give_it(check: tuple[str, ...]):
+    done = run("serve", "--engine", "simulated", "--host", "fe80::1", "--port", "0", *check)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert "--host fe80::1: a link-local address is bound on one interface" in line, line
+    assert "(fe80::1%eth0," in line, line
+
+
 def test_an_ipv6_host_in_brackets_is_taken_as_the_address():
     # As a URL writes it ([::1]), which the resolver does not take.
     done = run("serve", "--engine", "simulated", "--host", "[::1]", "--port", "0", "--check")

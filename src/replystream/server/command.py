@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import errno
 import fcntl
+import ipaddress
 import logging
 import os
 import re
@@ -349,6 +350,25 @@ def not_this_machines(host: str) -> ValueError:
     )
 
 
+def _link_local(host: str) -> bool:
+    """Whether ``host`` is a link-local IPv6 address without its zone (``fe80::1``)."""
+    try:
+        return "%" not in host and ipaddress.ip_address(host).is_link_local
+    except ValueError:
+        return False
+
+
+def cannot_listen(host: str, exc: OSError) -> ValueError:
+    """Why ``--host`` cannot be bound, when no other refusal names it: a link-local IPv6
+    address given without its interface (the kernel's "Invalid argument") says so."""
+    if exc.errno == errno.EINVAL and _link_local(host):
+        return ValueError(
+            f"--host {host}: a link-local address is bound on one interface: give it with "
+            f"its zone ({host}%eth0, the interface's name as ip addr shows it)"
+        )
+    return ValueError(f"--host {host}: cannot listen: {exc.strerror}")
+
+
 def check_host(host: str) -> None:
     """What ``listen`` would find of ``--host`` short of taking ``--port``: that it resolves,
     and that it is an address of this machine (bound on a port the kernel picks, never
@@ -365,7 +385,7 @@ def check_host(host: str) -> None:
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise not_this_machines(host) from None
-            raise ValueError(f"--host {host}: cannot listen: {exc.strerror}") from None
+            raise cannot_listen(host, exc) from None
 
 
 def _answers(host: str, port: int) -> bool:
@@ -419,6 +439,8 @@ def listen(host: str, port: int, *, shared: bool = False) -> socket.socket:
             ) from None
         if exc.errno == errno.EADDRNOTAVAIL:
             raise not_this_machines(host) from None
+        if exc.errno == errno.EINVAL:
+            raise cannot_listen(host, exc) from None
         raise ValueError(f"--host {host} --port {port}: cannot listen: {exc.strerror}") from None
 
 
