@@ -223,6 +223,18 @@ CASES: list[tuple[list[str], str]] = [
         "--engine upstream: the upstream at http://LocalHost:80/v1 is given twice "
         "(also as http://localhost/v1)",
     ),
+    (
+        [
+            *RELAY[:3],
+            "--check",
+            "--engine",
+            "upstream:http://[::1]:9/v1",
+            "--engine",
+            "upstream:http://[0::1]:9/v1",
+        ],
+        "--engine upstream: the upstream at http://[::1]:9/v1 is given twice "
+        "(also as http://[0::1]:9/v1)",
+    ),
     (["serve", "--redis-url", "http://x"], "--redis-url: expected one of redis://"),
     (["serve", "--redis-url", "redis+sentinel://127.0.0.1:26379"], "names its service"),
     (["serve", "--redis-failover-s", "5"], "--redis-failover-s is an option of --redis-url"),

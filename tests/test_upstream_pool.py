@@ -257,6 +257,13 @@ stall_s = 2.5
             "[[upstreams]]\nurl = 'http://A:80/v1'\n[[upstreams]]\nurl = 'HTTP://a/v1/'",
             "upstreams[1].url: http://a/v1 is listed twice (as http://A:80/v1)",
         ),
+        # An IPv6 address however it is written.
+        (
+            "[[upstreams]]\nurl = 'http://[::1]:8000/v1'\n[[upstreams]]\n"
+            "url = 'http://[0:0:0:0:0:0:0:1]:8000/v1'",
+            "upstreams[1].url: http://[0:0:0:0:0:0:0:1]:8000/v1 is listed twice (as "
+            "http://[::1]:8000/v1)",
+        ),
         # An alias's model is looked up once: an alias of an alias, or of itself, names none.
         (
             "[[upstreams]]\nurl = 'http://a/v1'\n[aliases]\nx = 'y'\ny = 'm'",

@@ -12,6 +12,8 @@ are sent.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -58,12 +60,17 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 def upstream_identity(url: str) -> tuple[str, str, int, str]:
     """What tells one upstream from another, however its base URL is spelt: the scheme and
-    host in any case, the port given or its scheme's default, the path without its trailing
-    slashes. ``url`` is one ``base_url_problem`` found nothing wrong with."""
+    host in any case (an IPv6 address in any of its spellings: ``[0:0::1]`` is ``[::1]``),
+    the port given or its scheme's default, the path without its trailing slashes. ``url``
+    is one ``base_url_problem`` found nothing wrong with."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     port = parts.port or DEFAULT_PORTS[scheme]
-    return scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        with contextlib.suppress(ValueError):
+            host = str(ipaddress.IPv6Address(host))
+    return scheme, host, port, parts.path.rstrip("/")
 
 
 # Headers the relay writes itself on every request to an upstream (the request's framing,
