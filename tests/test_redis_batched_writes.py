@@ -150,6 +150,26 @@ async def test_keys_expire_from_the_first_write_and_after_the_end_and_live_repli
     await producer.aclose()
 
 
+async def test_an_ended_reply_is_kept_in_redis_no_shorter_than_a_fractional_ttl(
+    server: RedisServer,
+):
+    """EXPIRE takes whole seconds: a TTL of 2.5 s is rounded up, never cut to 2 (another
+    replica would lose the reply half a second before the producer's own copy)."""
+    producer = RedisReplayStore(server.url, ttl_after_end_s=2.5, liveness_s=1.0)
+    redis = producer.redis
+    await producer.create(ReplyInfo("part"))
+    producer.append("part", [LogEntry(1, "token", "x")])
+    producer.end("part", "finished")
+    await producer.flush()
+    for part in ("", ":meta"):
+        assert await redis.pttl(producer.keys.key("part", part)) > 2500
+    await asyncio.sleep(2.2)
+    reader = RedisReplayStore(server.url, ttl_after_end_s=2.5, liveness_s=1.0)
+    assert await reader.info("part") is not None
+    await reader.aclose()
+    await producer.aclose()
+
+
 async def test_with_one_slot_per_call_a_flush_sends_a_call_per_hash_slot(server: RedisServer):
     """What a Redis Cluster needs (a script touches one slot's keys): the same writes, split."""
     producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)

@@ -50,12 +50,20 @@ HEARTBEAT_S = 1.0
 BEAT_CONFIRM_S = 2 * HEARTBEAT_S + 0.5
 
 
+def ttl_whole_s(ttl_after_end_s: float) -> int:
+    """A reply's TTL as Redis's EXPIRE takes it, in whole seconds: rounded up, so that an
+    ended reply is readable on every replica at least as long as ``--reply-ttl-s`` says (2.9
+    cut to 2 would lose it on another replica while the producer's own copy still serves
+    it), and at least 1 (0 would delete it at once)."""
+    return max(1, math.ceil(ttl_after_end_s))
+
+
 def live_hold_s(ttl_after_end_s: float, liveness_s: float) -> int:
     """How long each refresh keeps a live reply's keys, and a cancel asked for it: the reply
     TTL, but never less than the time a producer's heartbeats may be apart before it is called
     lost. With a TTL no longer than a beat, keys refreshed for the TTL alone would lapse
     between two beats (and a cancel mark expire before the producer reads it)."""
-    return max(1, int(ttl_after_end_s), math.ceil(liveness_s + 2 * HEARTBEAT_S))
+    return max(ttl_whole_s(ttl_after_end_s), math.ceil(liveness_s + 2 * HEARTBEAT_S))
 
 
 class RedisLink:

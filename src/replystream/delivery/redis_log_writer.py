@@ -35,6 +35,7 @@ from replystream.delivery.redis_link import (
     RETRY_MAX_S,
     RedisLink,
     live_hold_s,
+    ttl_whole_s,
 )
 from replystream.delivery.redis_reply_tables import ReplyTables
 from replystream.delivery.redis_rows import text
@@ -241,7 +242,7 @@ class LogWriter:
         # Each call's argument, with the count Redis must hold before it, is made now,
         # with nothing dirty: what is found from here on is found by these calls.
         sent = time.monotonic()
-        ttl, liveness = max(1, int(self.ttl_after_end_s)), max(1, int(self.liveness_s))
+        ttl, liveness = ttl_whole_s(self.ttl_after_end_s), max(1, int(self.liveness_s))
         calls = [
             (
                 group,

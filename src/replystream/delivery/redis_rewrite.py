@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from replystream.delivery.redis_connect import RedisClient
-from replystream.delivery.redis_link import live_hold_s
+from replystream.delivery.redis_link import live_hold_s, ttl_whole_s
 from replystream.delivery.redis_repair import Repair, StreamState
 from replystream.delivery.redis_rows import seq_of
 from replystream.delivery.replay import ReplyInfo
@@ -120,7 +120,7 @@ def write_repair(
     reply_id = info.reply_id
     generated = max(1, int(live_s)) if live_s is not None and repair.ending is None else 0
     # A reply still generated keeps its keys from beat to beat (``live_hold_s``).
-    ttl = live_hold_s(ttl_s, live_s) if live_s is not None and generated else max(1, int(ttl_s))
+    ttl = live_hold_s(ttl_s, live_s) if live_s is not None and generated else ttl_whole_s(ttl_s)
     argument: list[object] = [
         1 if repair.action == "rewrite" else 0,
         info.owner,
