@@ -492,6 +492,22 @@ async def test_a_kept_alive_connection_idle_past_the_idle_timeout_is_closed_but_
         assert loop.time() - idle_from >= 0.25
 
 
+async def test_a_request_begun_before_the_idle_timeout_has_its_header_deadline_to_arrive():
+    """Once the next request's first byte arrived, the connection is no longer idle: its
+    headers have --header-timeout-s from that byte, not what was left of the idle time."""
+    config = ServerConfig(guard=GuardConfig(idle_timeout_s=1.0, header_timeout_s=2.0))
+    async with running(create_app(fast_engine(), config)) as url, connect(url) as client:
+        status, _, _ = await client.request("GET", "/healthz")
+        assert status == 200
+        await asyncio.sleep(0.7)  # silent, within the idle timeout
+        await client.send(b"GET /healthz HTTP/1.1\r\n")
+        await asyncio.sleep(0.8)  # past the idle timeout, within the header deadline
+        await client.send(b"Host: t\r\n\r\n")
+        async with asyncio.timeout(5):
+            status, _, _ = await client.response()
+        assert status == 200
+
+
 async def test_an_http_1_0_stream_asked_to_keep_alive_ends_with_its_connection():
     """HTTP/1.0 has no chunked framing: an event stream's body ends only where its connection
     does. Were the connection kept alive, the client could not tell where the stream ended,

@@ -275,6 +275,11 @@ class Connection(RequestHandler):
             and not self._messages
         ):
             self._deadlines.arm(self)
+            # No longer idle: the header deadline bounds the request from here on, not
+            # what was left of the idle timeout (aiohttp's would close it mid-request).
+            if self._keepalive_handle is not None:
+                self._keepalive_handle.cancel()
+                self._keepalive_handle = None
         head = self._head
         if head is None and between:
             # The last request has all arrived: these bytes begin the next one. (Bytes of a
