@@ -325,7 +325,7 @@ class Session:
         """Ping the socket when idle; cut it (as a slow client) when a ping goes unanswered."""
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(keepalive.period_s)
+            await asyncio.sleep(keepalive.next_check_s(loop.time()))
             problem = keepalive.check(loop.time())
             if problem is not None:
                 raise _SlowClient(problem)

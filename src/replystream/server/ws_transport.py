@@ -223,6 +223,15 @@ class SocketKeepalive:
         """How often ``check`` runs: a ping leaves at most a quarter period late."""
         return self._keepalive_s / 4.0
 
+    def next_check_s(self, now: float) -> float:
+        """How long until ``check`` must run next: a period, or, while a ping waits for its
+        answer, no later than its ``patience_s`` is up (a check a period later would let a
+        peer that is gone stay up to a quarter of ``keepalive_s`` past it)."""
+        if self._ping_at is None:
+            return self.period_s
+        # A timer may fire a little early (uvloop's are in milliseconds): never 0, no spin.
+        return max(0.001, min(self.period_s, self._ping_at + self._patience_s - now))
+
     def answered(self) -> None:
         """The peer's pong came."""
         self._ping_at = None
