@@ -829,6 +829,19 @@ def test_a_schedule_flag_no_step_of_a_timed_script_would_use_is_refused(flag: st
     assert run("serve", "--check", *script, flag, "5").returncode == 0
 
 
+def test_a_script_step_delay_past_the_bound_is_refused_naming_the_bound(tmp_path: Path):
+    """delay_ms has an upper bound as well as a lower one: a refusal of 1e12 that said only
+    ">= 0" would refuse a number that is >= 0."""
+    path = tmp_path / "slow.json"
+    path.write_text('[{"text": "a", "delay_ms": 1e12}]')
+    done = run("serve", "--check", "--engine", "simulated", "--reply-script", str(path))
+    assert done.returncode == 2
+    assert one_line(done) == (
+        "replystream serve: argument --reply-script: step 1: delay_ms must be a number from 0 "
+        "to below 1000000000 (about 11.6 days)"
+    )
+
+
 def test_a_key_no_client_could_send_is_refused_naming_its_line(tmp_path: Path):
     """Two keys on a line, or a comment after one, would be one key with a space that no
     request could ever match: the server would start and refuse everybody."""

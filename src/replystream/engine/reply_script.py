@@ -143,7 +143,9 @@ def _delay(step: dict[str, Any], where: str) -> float | None:
     if delay is None:
         return None
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay < 1e9:
-        raise ScriptError(f"{where}: delay_ms must be a number >= 0")
+        raise ScriptError(
+            f"{where}: delay_ms must be a number from 0 to below 1000000000 (about 11.6 days)"
+        )
     return float(delay)
 
 
