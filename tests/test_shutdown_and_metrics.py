@@ -183,7 +183,16 @@ async def test_metrics_count_what_happened():
         await wait_for(lambda: engine.stats().active == 0)
         bad = await raw_request(f"{url}/stream?seed=x")
         await bad.read_body()
-        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+        # The reply whose client left is counted when its handler has ended, which may be
+        # after its engine's sequence was freed: a few scrapes, then the count is read.
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            metrics = await (await raw_request(f"{url}/metrics")).read_body()
+            if replies_count(metrics, "/stream", "cancelled") or (
+                asyncio.get_running_loop().time() > deadline
+            ):
+                break
+            await asyncio.sleep(0.05)
     assert replies_count(metrics, "/stream", "finished") == 3
     assert replies_count(metrics, "/wait", "finished") == 1
     assert replies_count(metrics, "/v1/replies", "moderated") == 1

@@ -5,6 +5,7 @@ import json
 import logging
 import socket
 import struct
+import sys
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -219,7 +220,13 @@ async def test_a_client_gone_before_the_upgrade_is_answered_is_no_server_error(
         await wait_for(lambda: any(r.name == "replystream.access" for r in caplog.records))
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"]
-    assert [(line["path"], line["status"]) for line in lines] == [("/v1/ws", "client_gone")]
+    # On 3.11 aiohttp starts the handler a turn after the request is read, by when the
+    # client's leaving has been read too and the answer's write is refused. From 3.12 it
+    # starts it at once: the 101 is written before the server can know, and logged as sent.
+    gone = [("/v1/ws", "client_gone")]
+    assert [(line["path"], line["status"]) for line in lines] in (
+        [gone] if sys.version_info < (3, 12) else [gone, [("/v1/ws", 101)]]
+    )
 
 
 async def test_cancelling_an_unknown_tag_is_not_found_as_over_http():
