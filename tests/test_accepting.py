@@ -123,3 +123,32 @@ def test_out_of_file_descriptors_accepting_pauses_and_says_so_in_one_line(
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["accepting connections paused for 1 s: too many open files"], lines
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_close_clients_and_abort_clients_end_the_connections_handed_over() -> None:
+    # asyncio.AbstractServer's two since Python 3.13: every connection the server handed over
+    # and still open is closed, or aborted (closed without what it had yet to send).
+    async def main() -> None:
+        made: list[asyncio.Transport] = []
+        async with batch_server(made) as (server, address):
+            clients = [socket.create_connection(address, timeout=5) for _ in range(2)]
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert len(made) == 2
+            made[1].close()  # one the server's protocol closed itself: closing it again is harmless
+            server.close_clients()
+            await asyncio.sleep(0.05)
+            assert all(transport.is_closing() for transport in made)
+            assert [client.recv(1) for client in clients] == [b"", b""]
+            late = socket.create_connection(address, timeout=5)
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert len(made) == 3
+            server.abort_clients()
+            await asyncio.sleep(0.05)
+            assert made[2].is_closing()
+            assert late.recv(1) == b""
+            for client in [*clients, late]:
+                client.close()
+
+    on_uvloop(main)

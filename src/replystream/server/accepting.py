@@ -25,6 +25,7 @@ import asyncio
 import errno
 import logging
 import socket
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger("replystream.server")
@@ -49,6 +50,7 @@ class BatchAcceptingServer(asyncio.AbstractServer):
         self._factory = factory
         self._backlog = backlog  # every connection the kernel may hold, in one turn
         self._handing: set[asyncio.Task[None]] = set()  # connections not handed over yet
+        self._clients: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()  # handed over
         self._paused: asyncio.TimerHandle | None = None
         self._serving = True
         self._closed: asyncio.Future[None] = loop.create_future()
@@ -81,13 +83,15 @@ class BatchAcceptingServer(asyncio.AbstractServer):
 
     async def _connect(self, conn: socket.socket) -> None:
         try:
-            await self._loop.connect_accepted_socket(self._factory, conn)
+            transport, _ = await self._loop.connect_accepted_socket(self._factory, conn)
         except OSError as exc:  # reset before it was handed over: nothing was read
             log.debug("a connection failed before it was served: %r", exc)
             conn.close()
         except asyncio.CancelledError:  # the loop itself ending
             conn.close()
             raise
+        else:
+            self._clients.add(transport)  # until it is freed
 
     def _pause(self, exc: OSError) -> None:
         log.warning(
@@ -129,6 +133,19 @@ class BatchAcceptingServer(asyncio.AbstractServer):
 
     async def serve_forever(self) -> None:
         await asyncio.shield(self._closed)
+
+    def close_clients(self) -> None:
+        """Close every connection handed over that is still open (asyncio's servers have
+        this since Python 3.13)."""
+        for transport in list(self._clients):
+            if not transport.is_closing():
+                transport.close()
+
+    def abort_clients(self) -> None:
+        """Abort every connection handed over that is still open, unsent data dropped."""
+        for transport in list(self._clients):
+            if not transport.is_closing():
+                transport.abort()
 
     async def wait_closed(self) -> None:
         if self._handing:
