@@ -194,6 +194,10 @@ def test_a_stdout_on_a_full_disk_is_told_in_a_line_and_the_server_serves(
                 time.sleep(0.2)
         status, answer = chat(f"http://127.0.0.1:{port}")
         assert status == 200, answer
+        # With --workers the parent announces once every worker is ready, which may be
+        # after one of them has answered.
+        while "stdout" not in (tmp_path / "stderr").read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         process.terminate()
         returncode = process.wait(timeout=30)
