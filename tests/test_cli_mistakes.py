@@ -1639,3 +1639,22 @@ def test_workers_past_the_open_file_limit_are_one_line_naming_both(check: tuple[
     # Room for the parent's files: the check lets it start.
     sound = ("serve", "--check", *argv[1 + len(check) :])
     assert run_with_open_files(64, hard, *sound).returncode == 0
+
+
+async def test_a_report_stdout_cannot_encode_is_escaped_and_its_files_written(tmp_path: Path):
+    # An ASCII-only stdout (LC_ALL=POSIX with UTF-8 mode off, PYTHONIOENCODING=ascii) meets a
+    # "µs" in the client line and a model name the server's error quotes.
+    out = tmp_path / "run.json"
+    env = {"PYTHONIOENCODING": "ascii"}
+    async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
+        bench = ("bench", f"{url}/stream?max_tokens=3", "--requests", "2", "--json", str(out))
+        done = await asyncio.to_thread(run, *bench, env=env)
+        doctor = ("doctor", f"{url}/v1/chat/completions", "--model", "caf\u00e9")
+        told = await asyncio.to_thread(run, *doctor, env=env)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 0
+    assert "\\xb5s of CPU per text event read" in done.stdout
+    assert json.loads(out.read_text())["counts"]["complete"] == 2
+    assert "Traceback" not in told.stderr, told.stderr
+    assert told.returncode == 1
+    assert "caf\\xe9" in told.stdout

@@ -140,8 +140,19 @@ def _as_ctrl_c(signum: int, frame: FrameType | None) -> None:
     os.kill(os.getpid(), signal.SIGINT)  # to whichever handler has Ctrl-C at this moment
 
 
+def _escape_what_stdout_cannot_encode() -> None:
+    # A report holds text its writer does not choose (a model's reply, a server's error, a
+    # path) and a "µs": where stdout's encoding cannot hold a character (LC_ALL=POSIX,
+    # PYTHONIOENCODING=ascii), it is written escaped (\xb5) rather than ending the command
+    # with a traceback and its files unwritten. stderr already escapes so by default.
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None and getattr(sys.stdout, "errors", None) == "strict":
+        reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _escape_what_stdout_cannot_encode()
     if next((a for a in argv if not a.startswith("-")), None) == "serve":
         # A reload signal (``systemctl reload``) may come while serve starts: before it
         # knows which files it reads again, it must not stop. ``serve`` decides once it does.
