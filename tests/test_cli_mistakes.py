@@ -1658,3 +1658,29 @@ async def test_a_report_stdout_cannot_encode_is_escaped_and_its_files_written(tm
     assert "Traceback" not in told.stderr, told.stderr
     assert told.returncode == 1
     assert "caf\\xe9" in told.stdout
+
+
+async def test_a_command_started_with_stdout_closed_ends_without_a_traceback(tmp_path: Path):
+    # ``>&-``: Python gives such a process no sys.stdout at all.
+    out = tmp_path / "run.json"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+
+    def closed(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env=env,
+            preexec_fn=lambda: os.close(1),
+        )
+
+    async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
+        bench = ("bench", f"{url}/stream?max_tokens=3", "--requests", "2", "--json", str(out))
+        done = await asyncio.to_thread(closed, *bench)
+    assert done.stderr == ""
+    assert done.returncode == 0
+    assert json.loads(out.read_text())["counts"]["complete"] == 2
+    told = await asyncio.to_thread(closed, "kv", "--model", "llama-3-8b")
+    assert (told.returncode, told.stderr) == (0, "")

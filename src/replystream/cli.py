@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse(argv)
         code: int = args.run(args)
-        sys.stdout.flush()  # a reader that left (``| head -1``) is found here, not at exit
+        if sys.stdout is not None:  # None when started with stdout closed (``>&-``)
+            sys.stdout.flush()  # a reader that left (``| head -1``) is found here, not at exit
     except KeyboardInterrupt:  # Ctrl-C before a command took SIGINT (importing, loading)
         return TERMINATED_EXIT if _terminated else INTERRUPTED_EXIT
     except BrokenPipeError:  # the reader of stdout left: stop quietly, as any filter does
