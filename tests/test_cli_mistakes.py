@@ -1529,6 +1529,17 @@ def test_a_ban_file_with_no_phrase_is_refused_as_moderation_would_be_off(tmp_pat
     )
 
 
+def test_a_ban_file_is_read_as_utf8_whatever_the_locale(tmp_path: Path):
+    # Checked as UTF-8, it must be read so: under an ASCII locale (LC_ALL=POSIX with UTF-8
+    # mode off) the locale's codec refused it, and a Latin-1 one would garble its phrases.
+    bans = tmp_path / "bans.txt"
+    bans.write_bytes("caf\u00e9\nlanguage\n".encode())
+    env = {"LC_ALL": "POSIX", "PYTHONUTF8": "0"}
+    done = run("serve", "--check", "--engine", "simulated", "--ban-file", str(bans), env=env)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert "the configuration is sound" in done.stdout
+
+
 def test_serve_check_says_a_configuration_is_sound_without_serving_it(tmp_path: Path):
     """``serve --check`` builds what a start builds, then exits: 0 and one line on stdout for
     a sound configuration (its port taken and its upstream unreachable change nothing: it

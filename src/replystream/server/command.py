@@ -52,7 +52,7 @@ def build_checks(args: argparse.Namespace) -> list[Check]:
     checks: list[Check] = []
     phrases = list(args.ban)
     if args.ban_file is not None:
-        listed = [line.strip() for line in args.ban_file.read_text().splitlines()]
+        listed = [line.strip() for line in args.ban_file.read_text("utf-8").splitlines()]
         if not any(listed):  # as --api-keys-file: moderation would silently be off
             raise ValueError(f"--ban-file {args.ban_file}: no phrase in it (every line is blank)")
         phrases += listed
