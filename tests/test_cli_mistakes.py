@@ -1695,3 +1695,14 @@ async def test_a_command_started_with_stdout_closed_ends_without_a_traceback(tmp
     assert json.loads(out.read_text())["counts"]["complete"] == 2
     told = await asyncio.to_thread(closed, "kv", "--model", "llama-3-8b")
     assert (told.returncode, told.stderr) == (0, "")
+
+
+async def test_utf8_text_given_under_a_locale_that_is_not_utf8_is_sent_as_given():
+    # LC_ALL=POSIX with UTF-8 mode off: Python reads the command line's UTF-8 "é" as two
+    # undecodable bytes; they are the UTF-8 the user typed, not a mistake.
+    env = {"LC_ALL": "POSIX", "PYTHONUTF8": "0"}
+    async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
+        argv = ("doctor", f"{url}/v1/chat/completions", "--model", "caf\u00e9", "--json")
+        done = await asyncio.to_thread(run, *argv, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "The model 'caf\u00e9' does not exist" in json.loads(done.stdout)["reason"]

@@ -316,17 +316,22 @@ readable_text_file = Checker("a readable UTF-8 text file", _readable_text_file)
 
 
 def _utf8_text(text: str) -> str:
-    # Python reads a command line's bytes that are not UTF-8 as lone surrogates: they could
-    # not be sent in a request (a URL's query or a JSON body) as the user meant them.
+    # Python decodes a command line in the locale's encoding, keeping bytes it cannot decode
+    # as lone surrogates; os.fsencode gives back the bytes given. Those must be UTF-8, the
+    # encoding a request carries (a URL's query, a JSON body), whatever the locale: under
+    # LC_ALL=POSIX with UTF-8 mode off, "café" in UTF-8 reaches Python as surrogates, and
+    # under a Latin-1 locale as "cafÃ©".
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        byte = ord(text[exc.start]) - 0xDC00
+        given = os.fsencode(text)
+    except UnicodeEncodeError:  # not from a command line (a caller's own str)
+        given = text.encode("utf-8", "surrogateescape")
+    try:
+        return given.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise argparse.ArgumentTypeError(
-            f"not UTF-8 text (byte 0x{byte:02x} at offset {exc.start}); check the terminal's "
-            "or the script's encoding"
+            f"not UTF-8 text (byte 0x{given[exc.start]:02x} at offset {exc.start}); check the "
+            "terminal's or the script's encoding"
         ) from None
-    return text
 
 
 # Text sent in a request (a prompt, a model name): it must be the UTF-8 the wire carries.
