@@ -1652,11 +1652,17 @@ def test_workers_past_the_open_file_limit_are_one_line_naming_both(check: tuple[
     assert run_with_open_files(64, hard, *sound).returncode == 0
 
 
-async def test_a_report_stdout_cannot_encode_is_escaped_and_its_files_written(tmp_path: Path):
-    # An ASCII-only stdout (LC_ALL=POSIX with UTF-8 mode off, PYTHONIOENCODING=ascii) meets a
-    # "µs" in the client line and a model name the server's error quotes.
+@pytest.mark.parametrize(
+    "env",
+    [{"PYTHONIOENCODING": "ascii"}, {"LC_ALL": "POSIX", "PYTHONUTF8": "0"}],
+    ids=["ascii", "posix"],
+)
+async def test_a_report_stdout_cannot_encode_is_escaped_and_its_files_written(
+    env: dict[str, str], tmp_path: Path
+):
+    # An ASCII-only stdout (strict errors, or surrogateescape under the POSIX locale) meets
+    # a "µs" in the client line and a model name the server's error quotes.
     out = tmp_path / "run.json"
-    env = {"PYTHONIOENCODING": "ascii"}
     async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
         bench = ("bench", f"{url}/stream?max_tokens=3", "--requests", "2", "--json", str(out))
         done = await asyncio.to_thread(run, *bench, env=env)

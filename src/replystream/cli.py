@@ -15,6 +15,7 @@ but ``serve``) takes SIGTERM as a Ctrl-C and then exits 143; a second SIGTERM en
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
 import os
 import signal
@@ -109,6 +110,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
 TERMINATED_EXIT = 143  # 128 + SIGTERM, as a shell reports a process a SIGTERM stopped
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
+ESCAPE_ERRORS = "replystream.escape"
+STDOUT_ERRORS = ("strict", "surrogateescape")  # Python's own, which stop at such text
 
 
 def _discard_stdout() -> None:
@@ -140,14 +143,27 @@ def _as_ctrl_c(signum: int, frame: FrameType | None) -> None:
     os.kill(os.getpid(), signal.SIGINT)  # to whichever handler has Ctrl-C at this moment
 
 
+def _escape_unencodable(exc: UnicodeError) -> tuple[str | bytes, int]:
+    # The bytes of a command line's argument the locale could not decode (a path) are
+    # written back as they came, as Python's own surrogateescape does; anything else the
+    # encoding cannot hold is written escaped (\xb5).
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    try:
+        return codecs.lookup_error("surrogateescape")(exc)
+    except UnicodeError:
+        return codecs.backslashreplace_errors(exc)
+
+
 def _escape_what_stdout_cannot_encode() -> None:
     # A report holds text its writer does not choose (a model's reply, a server's error, a
-    # path) and a "µs": where stdout's encoding cannot hold a character (LC_ALL=POSIX,
-    # PYTHONIOENCODING=ascii), it is written escaped (\xb5) rather than ending the command
-    # with a traceback and its files unwritten. stderr already escapes so by default.
+    # path) and a "µs": where stdout's encoding cannot hold a character (LC_ALL=POSIX with
+    # UTF-8 mode off, PYTHONIOENCODING=ascii), it is written escaped rather than ending the
+    # command with a traceback and its files unwritten. stderr already escapes by default.
     reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None and getattr(sys.stdout, "errors", None) == "strict":
-        reconfigure(errors="backslashreplace")
+    if reconfigure is not None and getattr(sys.stdout, "errors", None) in STDOUT_ERRORS:
+        codecs.register_error(ESCAPE_ERRORS, _escape_unencodable)
+        reconfigure(errors=ESCAPE_ERRORS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
