@@ -1164,6 +1164,17 @@ def test_a_metrics_folder_set_from_outside_is_one_line_naming_it(folder: str):
     assert "unset it" in line
 
 
+def test_an_empty_metrics_folder_set_from_outside_is_refused_too():
+    # prometheus-client reads an empty folder as the current one: it wrote its files there,
+    # or failed with a bare "No such file" where it could not.
+    done = run("serve", "--check", "--engine", "simulated", env={MULTIPROCESS: ""})
+    assert done.returncode == 2
+    assert one_line(done) == (
+        "replystream serve: PROMETHEUS_MULTIPROC_DIR is set in the environment (empty); "
+        "serve sets it itself for the workers of --workers: unset it"
+    )
+
+
 OWN_SETTINGS = """
 [[upstreams]]
 url = "http://127.0.0.1:9/v1"

@@ -159,10 +159,13 @@ def refuse_foreign_metrics_dir(args: argparse.Namespace) -> None:
     Raises:
         ValueError: it is set, and this process is not such a worker.
     """
-    if args.listen_fd is None and os.environ.get(MULTIPROCESS_DIR_ENV):
+    if args.listen_fd is None and MULTIPROCESS_DIR_ENV in os.environ:
+        # Empty too: prometheus-client takes an empty folder for the current one, and
+        # leaves its files there (or fails where it cannot write them).
+        empty = "" if os.environ[MULTIPROCESS_DIR_ENV] else " (empty)"
         raise ValueError(
-            f"{MULTIPROCESS_DIR_ENV} is set in the environment; serve sets it itself for the "
-            "workers of --workers: unset it"
+            f"{MULTIPROCESS_DIR_ENV} is set in the environment{empty}; serve sets it itself "
+            "for the workers of --workers: unset it"
         )
 
 
