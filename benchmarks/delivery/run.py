@@ -30,7 +30,7 @@ import platform
 import subprocess
 import sys
 import time
-from importlib import metadata
+from importlib import import_module, metadata
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +264,20 @@ def revision() -> str:
     return described.stdout.strip()
 
 
+# What the Starlette baseline (starlette_app.py) imports: the bench extra.
+STARLETTE_MODULES = ("starlette", "sse_starlette", "uvicorn")
+
+
+def not_importable(modules: tuple[str, ...]) -> list[str]:
+    missing = []
+    for module in modules:
+        try:
+            import_module(module)
+        except ImportError:
+            missing.append(module)
+    return missing
+
+
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version(), "replystream_revision": revision()}
     for package in (
@@ -331,6 +345,11 @@ async def main() -> int:
     )
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     args = parser.parse_args()
+    if "starlette" in args.servers and (missing := not_importable(STARLETTE_MODULES)):
+        parser.error(
+            f"--servers starlette: {', '.join(missing)} not installed"
+            " (pip install -e '.[bench]', or leave starlette out of --servers)"
+        )
     nofile = raise_nofile()  # children inherit it
     check_schedule(max(args.concurrency))
     for name in args.servers:
