@@ -11,11 +11,22 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from tests.conftest import serve_engine, wait_for
 
 
-async def test_sigterm_stops_a_bench_run_and_reports_what_ended(tmp_path: Path) -> None:
+def _deaf_to_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's shell starts a job with `&`
+
+
+@pytest.mark.parametrize("started", ["foreground", "background"])
+async def test_sigterm_stops_a_bench_run_and_reports_what_ended(
+    tmp_path: Path, started: str
+) -> None:
+    # A background job of a script ignores SIGINT (the shell's doing), and SIGTERM is how it
+    # is stopped: it killed bench at once there, with no report and no file.
     engine = SimulatedEngine(SimulatedConfig(delay_ms=20.0, jitter_ms=0.0))
     out_json = tmp_path / "run.json"
     async with serve_engine(engine) as url:
@@ -24,6 +35,7 @@ async def test_sigterm_stops_a_bench_run_and_reports_what_ended(tmp_path: Path) 
             *("--concurrency", "2", "--duration", "600", "--output-tokens", "5"),
             *("--json", str(out_json)),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_deaf_to_ctrl_c if started == "background" else None,
         )  # fmt: skip
         await asyncio.sleep(3.0)  # started, warmed up, and a few requests ended
         process.send_signal(signal.SIGTERM)
@@ -52,10 +64,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def test_sigterm_stops_the_lab_and_the_server_it_started() -> None:
+@pytest.mark.parametrize("started", ["foreground", "background"])
+async def test_sigterm_stops_the_lab_and_the_server_it_started(started: str) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "replystream", "lab", "--calls", "3", "--tokens", "500", "--json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_deaf_to_ctrl_c if started == "background" else None,
     )  # fmt: skip
     await wait_for(lambda: bool(_children(process.pid)), timeout_s=30)
     (server,) = _children(process.pid)

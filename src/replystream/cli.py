@@ -140,6 +140,10 @@ def _as_ctrl_c(signum: int, frame: FrameType | None) -> None:
     ender = threading.Timer(TERMINATED_STOP_S, os.kill, (os.getpid(), signal.SIGTERM))
     ender.daemon = True
     ender.start()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # A background job of a script, deaf to the terminal's Ctrl-C, with no handler of
+        # its own for it at this moment: the Ctrl-C is raised here, as Python's own would.
+        raise KeyboardInterrupt
     os.kill(os.getpid(), signal.SIGINT)  # to whichever handler has Ctrl-C at this moment
 
 
@@ -174,14 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # knows which files it reads again, it must not stop. ``serve`` decides once it does.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         start_interrupt.remember()  # a Ctrl-C while it loads is never lost
-    elif (
-        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    ):
+    elif signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         # A measuring command sent SIGTERM (``timeout``, ``kill``) stops as on Ctrl-C, as load
         # tools do: its progress bar gives the terminal its cursor back, a server it started
         # is stopped, and a file half written is removed, where dying at once would leave them.
-        # (Where SIGINT is ignored, a background job's, SIGTERM keeps its default: it must end.)
+        # So does a background job of a script, whose Ctrl-C the shell ignores: SIGTERM is
+        # how such a job is stopped.
         signal.signal(signal.SIGTERM, _as_ctrl_c)
     try:
         args = parse(argv)
