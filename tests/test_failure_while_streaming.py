@@ -150,7 +150,7 @@ async def test_redis_killed_mid_reply_ends_every_reader_on_both_replicas_in_band
         assert body.count(b"event: token") >= 5
         error = last_event(body)
         assert error["code"] == "replay_store_unavailable"
-        assert error["message"].startswith("the reply store cannot be reached")
+        assert error["message"].startswith("the reply store is unavailable")
     assert ws_messages[-1]["type"] == "error"
     assert ws_messages[-1]["data"]["error"]["code"] == "replay_store_unavailable"
 

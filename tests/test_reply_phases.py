@@ -348,9 +348,7 @@ async def end_by(way: Way) -> Reply:
 WORDS: dict[str, Ending] = {
     "moderated": Ending("moderated", "banned_phrase"),
     "engine_error": Ending("engine_error", "the model fell over", "model_down"),
-    "store_failure": Ending(
-        "store_failure", "the reply store cannot be reached: connection refused"
-    ),
+    "store_failure": Ending("store_failure", "the reply store is unavailable: connection refused"),
     "internal_error": Ending("internal_error", "ValueError"),
 }
 

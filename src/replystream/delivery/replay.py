@@ -59,8 +59,9 @@ class StoreUnavailable(Exception):
     code: ClassVar[str] = "replay_store_unavailable"
 
     def describe(self) -> str:
-        """What a client is told: the reply store failed, not the reply."""
-        return f"the reply store cannot be reached: {self}"
+        """What a client is told: the reply store failed, not the reply (not reached, or
+        refusing writes: a Redis at its ``maxmemory``)."""
+        return f"the reply store is unavailable: {self}"
 
 
 class LogEntry(NamedTuple):

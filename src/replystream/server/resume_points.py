@@ -153,7 +153,7 @@ async def check_resume_point(
         tail = await store.tail(reply_id)
     except StoreUnavailable as exc:
         raise HTTPAPIError(
-            503, f"the reply store cannot be reached: {exc}", code="replay_store_unavailable"
+            503, f"the reply store is unavailable: {exc}", code="replay_store_unavailable"
         ) from exc
     if tail is None or after < tail.last_seq or not (tail.ended or made_here):
         return
