@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -450,4 +451,80 @@ async def test_workers_killed_again_and_again_leave_their_counts_and_few_files(t
             if m
         }
         assert writers <= {process.pid, *children_of(process.pid)}
-        assert len(list(folder.glob("*.db"))) <= 3 + 3 * 3  # parent's, gone, 2 workers' 3 + 2
+        # The parent's, the 3 of the workers gone, each worker's 6 (made as it starts)
+        assert len(list(folder.glob("*.db"))) <= 1 + 3 + 2 * 6
+        # Every file has its disk blocks: a page of a sparse one that a full filesystem cannot
+        # back kills (SIGBUS) the process writing it, the parent too as it adds counts up.
+        sparse = [
+            p.name for p in folder.glob("*.db") if p.stat().st_blocks * 512 < p.stat().st_size
+        ]
+        assert sparse == []
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until its filesystem has no room left."""
+    with contextlib.suppress(OSError), path.open("wb") as f:
+        while True:
+            f.write(b"\0" * 4096)
+            f.flush()
+
+
+async def test_a_full_filesystem_under_the_metrics_folder_leaves_the_server_serving(
+    tmp_path: Path,
+):
+    """A full ``/tmp`` under ``--workers``: a worker wrote a new page of its sparse metric
+    file and was killed by SIGBUS, then the parent adding its counts up, and so the whole
+    server, with nothing said. The shortage is now an error where a file is made or grown."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1), to mount a small filesystem for this server alone")
+    small = tmp_path / "small"
+    small.mkdir()
+    # The server in a mount namespace of its own, on a 2 MiB tmpfs as its temp directory.
+    mount = f'mount -t tmpfs -o size=2m tmpfs "{small}" && exec "$@"'
+    process = await asyncio.create_subprocess_exec(
+        "unshare", "-m", "sh", "-c", mount, "sh",
+        sys.executable, "-m", "replystream", "serve", "--port", "0", *SIMULATED,
+        "--workers", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(small)},
+    )  # fmt: skip
+    try:
+        try:
+            url = await ready_url(process, ready_s=60.0)
+        except AssertionError:
+            assert process.stderr is not None
+            said = (await process.stderr.read()).decode()
+            if "mount" in said or "unshare" in said:
+                pytest.skip(f"cannot mount a filesystem here: {said.strip()}")
+            raise
+        # Fill it, as seen from the server's namespace.
+        await asyncio.to_thread(fill, Path(f"/proc/{process.pid}/root{small}/filler"))
+        chat = b'{"model": "simulated", "messages": [{"role": "user", "content": "hi"}]}'
+        legacy = b'{"prompt": "hi", "max_tokens": 2}'
+
+        async def answered(path: str, body: bytes) -> int:
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        response = await raw_request(f"{url}{path}", "POST", body)
+                        await response.read_body()
+                        return response.status
+                    except ConnectionError:  # queued for the killed worker, as it went
+                        await asyncio.sleep(0.1)
+
+        for _ in range(4):  # new rows of every kind of metric, in both workers
+            assert await answered("/v1/chat/completions", chat) == 200
+            assert await answered("/v1/completions", legacy) == 200
+        # A worker gone: the parent adds its counts up, and one in its place cannot make
+        # its files (it says so, and is tried again); the other serves on.
+        os.kill(children_of(process.pid)[0], signal.SIGKILL)
+        await asyncio.sleep(1.0)
+        for _ in range(4):
+            assert await answered("/v1/chat/completions", chat) == 200
+        assert process.returncode is None and alive(process.pid)
+    finally:
+        await stop(process)
+    assert process.stderr is not None
+    said = (await process.stderr.read()).decode()
+    assert "SIGBUS" not in said and "Traceback" not in said, said
+    assert "replystream serve: [Errno 28] No space left on device: " in said, said

@@ -297,7 +297,11 @@ def run(args: argparse.Namespace) -> int:
     from replystream.server.app import create_app
     from replystream.server.serve import serve_forever
 
-    app = create_app(engine, config, store)
+    try:
+        app = create_app(engine, config, store)
+    except OSError as exc:  # a worker's metric files (``metric_files``): its filesystem full
+        print(f"replystream serve: {exc}", file=sys.stderr)
+        return REFUSED_EXIT
     rereads = None
     if reloads:
         from replystream.server import reload

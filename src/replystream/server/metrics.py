@@ -27,13 +27,14 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import values as prometheus_values
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from replystream.server.metric_files import back_metric_files, make_metric_files
 from replystream.stats import LATENCY_BOUNDS
 
 # Set (by ``run_workers``) to a directory shared by the worker processes: prometheus-client
@@ -358,6 +359,10 @@ class Metrics:
 
     def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROCESS_DIR_ENV) or None
+        if self.multiprocess_dir is not None:
+            back_metric_files()
+            across = (f"gauge_{mode}" for mode in get_args(AcrossWorkers))
+            make_metric_files(self.multiprocess_dir, ("counter", "histogram", *across))
         self._readings: list[tuple[Gauge, Callable[[], float]]] = []
         # With workers: labels whose rows are scraped only for their current values (an
         # upstream taken out of the routes), since the files the workers share keep every row.

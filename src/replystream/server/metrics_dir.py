@@ -38,6 +38,7 @@ from pathlib import Path
 from prometheus_client import values as prometheus_values
 from prometheus_client.mmap_dict import MmapedDict
 
+from replystream.server.metric_files import BackedMmapedDict, back_metric_files
 from replystream.server.metrics import (
     MULTIPROCESS_DIR_ENV,
     WORKER_RESTARTS_HELP,
@@ -173,7 +174,7 @@ def absorb(folder: str, pid: int) -> None:
                 values = list(MmapedDict.read_all_values_from_file(path))  # type: ignore[no-untyped-call]
             except FileNotFoundError:
                 continue
-            gone = MmapedDict(os.path.join(folder, f"{kind}_{GONE}.db"))  # type: ignore[no-untyped-call]
+            gone = BackedMmapedDict(os.path.join(folder, f"{kind}_{GONE}.db"))
             try:
                 for key, value, timestamp, _ in values:
                     total = gone.read_value(key)[0] + value  # type: ignore[no-untyped-call]
@@ -202,6 +203,7 @@ class RestartCount:
     def __init__(self, folder: str) -> None:
         # prometheus-client reads the folder from the environment when a value is made, and
         # chose this process's value class when it was imported (before the folder existed).
+        back_metric_files()
         previous = os.environ.get(MULTIPROCESS_DIR_ENV)
         os.environ[MULTIPROCESS_DIR_ENV] = folder
         try:

@@ -34,6 +34,7 @@ import resource
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -328,7 +329,7 @@ class Supervisor:
         if not self._stopping:  # (the folder goes when the server stops)
             try:
                 metrics_dir.absorb(self._folder, process.pid)
-            except (OSError, RuntimeError) as exc:  # a file it left half written: kept
+            except (OSError, RuntimeError, struct.error) as exc:  # a file half written: kept
                 log.warning(
                     "the metrics of worker %d stay in files of their own: %s", process.pid, exc
                 )
