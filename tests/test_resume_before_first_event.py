@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 
 import aiohttp
@@ -54,3 +55,28 @@ async def test_a_messages_reply_resumed_before_its_first_token_is_told_in_anthro
     error = json.loads(events[-1].data)
     assert error["type"] == "error"
     assert error["error"]["type"] == "api_error" and error["error"]["code"] == "generator_lost"
+
+
+async def test_a_messages_reply_resumed_before_its_first_token_is_answered_at_once():
+    # Its dialect is stored with it, so nothing waits for a first event to tell it: the
+    # response began only after a 2 s wait for one (its keep-alives later still).
+    process, url = await start_server(*SLOW_START)
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {
+                "model": "simulated",
+                "max_tokens": 20,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            async with http.post(f"{url}/v1/messages", json=body) as started:
+                assert started.status == 200
+                reply_id = started.headers["X-Reply-Id"]
+                began = time.monotonic()
+                async with http.get(f"{url}/v1/replies/{reply_id}/stream") as resumed:
+                    waited_s = time.monotonic() - began
+                    assert resumed.status == 200
+                    assert resumed.headers["Content-Type"].startswith("text/event-stream")
+    finally:
+        await stop(process)
+    assert waited_s < 1.5

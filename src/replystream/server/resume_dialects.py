@@ -77,10 +77,21 @@ async def follow_resumed(
 async def _head(reply_id: str, store: ReplayStore) -> ReadResult | None:
     """The first read of a reply's log (None: there is no such log, or no longer)."""
     try:
-        # A reply made on another replica may be known before its first event is.
-        return await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
+        head = await store.read(reply_id, 0, 0.0)
+        if head is not None and not head.entries and not await _dialect_stored(reply_id, store):
+            # Its dialect is told by its first event, which a reply made on another replica
+            # may not have logged yet.
+            head = await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)
+        return head
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+
+
+async def _dialect_stored(reply_id: str, store: ReplayStore) -> bool:
+    """Whether the reply's route stored its dialect with it (a Messages reply, whose first
+    event waits for its first token): then no event need be waited for to know it."""
+    info = await store.info(reply_id)
+    return info is not None and info.dialect == anthropic_format.DIALECT
 
 
 async def _notices_from(
@@ -91,11 +102,10 @@ async def _notices_from(
         # Nothing logged yet (a Messages reply before its first token): the dialect its
         # route stored with it.
         try:
-            info = await store.info(reply_id)
+            if await _dialect_stored(reply_id, store):
+                return anthropic_format.ReaderNotices(), PING
         except StoreUnavailable as exc:
             raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-        if info is not None and info.dialect == anthropic_format.DIALECT:
-            return anthropic_format.ReaderNotices(), PING
         return None, KEEPALIVE
     return await _notices_of(first, reply_id, store, after)
 
