@@ -64,6 +64,24 @@ async def test_clients_behind_a_trusted_proxy_get_a_bucket_each(caplog: pytest.L
     assert clients == ["203.0.113.1"] * 3 + ["203.0.113.2"]
 
 
+@pytest.mark.parametrize(
+    ("alice", "bob"),
+    [("203.0.113.1:5678", "203.0.113.2:5678"), ("[2001:db8::1]:4711", "[2001:db8::2]")],
+)
+async def test_an_entry_with_the_port_a_proxy_was_connected_from_names_its_client(
+    alice: str, bob: str
+):
+    # Such an entry stopped the walk, and every client behind that proxy shared its bucket.
+    async with serve("127.0.0.1") as url:
+        stream = f"{url}/stream?max_tokens=2"
+        from_alice = [
+            await status_from("127.0.0.1", stream, f"10.9.9.9, {alice}") for _ in range(3)
+        ]
+        from_bob = await status_from("127.0.0.1", stream, bob)
+    assert from_alice == [200, 200, 429]
+    assert from_bob == 200
+
+
 def dual_stack() -> bool:
     """Whether a socket bound to ``::`` also takes IPv4 connections (Linux's default)."""
     try:

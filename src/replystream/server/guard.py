@@ -64,6 +64,18 @@ def _address(text: str) -> Address | None:
     return address
 
 
+# A proxy may write the port it was connected from beside the address (Azure's Application
+# Gateway does): "203.0.113.1:5678", "[2001:db8::1]:4711" (or "[2001:db8::1]") name the
+# address in them.
+_WITH_PORT = re.compile(r"\s*(?:\[([^\]]+)\](?::\d{1,5})?|(\d{1,3}(?:\.\d{1,3}){3}):\d{1,5})\s*")
+
+
+def _hop_address(hop: str) -> Address | None:
+    """The address an ``X-Forwarded-For`` entry names, with or without a port."""
+    with_port = _WITH_PORT.fullmatch(hop)
+    return _address(with_port[1] or with_port[2] if with_port else hop)
+
+
 def _trusted(address: Address | None, proxies: Sequence[Network]) -> bool:
     return address is not None and any(address in network for network in proxies)
 
@@ -84,7 +96,7 @@ def client_address(request: web.Request, proxies: Sequence[Network]) -> str:
     ]
     client = peer
     for hop in reversed(hops):
-        address = _address(hop)
+        address = _hop_address(hop)
         if address is None:
             break  # not an address: nothing left of it can be trusted either
         client = str(address)
