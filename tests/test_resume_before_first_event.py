@@ -22,6 +22,12 @@ from tests.processes import replica, start_server, stop
 from tests.redis_server import redis_server
 
 SLOW_START = ("--engine", "simulated", "--first-token-ms", "60000", "--resumable-by-default")
+ASK = {
+    "model": "simulated",
+    "max_tokens": 20,
+    "stream": True,
+    "messages": [{"role": "user", "content": "hi"}],
+}
 
 
 async def test_a_messages_reply_resumed_before_its_first_token_is_told_in_anthropic_words(
@@ -34,13 +40,7 @@ async def test_a_messages_reply_resumed_before_its_first_token_is_told_in_anthro
                 replica(*SLOW_START, "--redis-url", redis.url) as (_, b_url),
                 aiohttp.ClientSession() as http,
             ):
-                body = {
-                    "model": "simulated",
-                    "max_tokens": 20,
-                    "stream": True,
-                    "messages": [{"role": "user", "content": "hi"}],
-                }
-                async with http.post(f"{a_url}/v1/messages", json=body) as started:
+                async with http.post(f"{a_url}/v1/messages", json=ASK) as started:
                     assert started.status == 200
                     reply_id = started.headers["X-Reply-Id"]
                     a_proc.send_signal(signal.SIGKILL)  # before its first token
@@ -63,13 +63,7 @@ async def test_a_messages_reply_resumed_before_its_first_token_is_answered_at_on
     process, url = await start_server(*SLOW_START)
     try:
         async with aiohttp.ClientSession() as http:
-            body = {
-                "model": "simulated",
-                "max_tokens": 20,
-                "stream": True,
-                "messages": [{"role": "user", "content": "hi"}],
-            }
-            async with http.post(f"{url}/v1/messages", json=body) as started:
+            async with http.post(f"{url}/v1/messages", json=ASK) as started:
                 assert started.status == 200
                 reply_id = started.headers["X-Reply-Id"]
                 began = time.monotonic()
