@@ -1723,3 +1723,16 @@ async def test_utf8_text_given_under_a_locale_that_is_not_utf8_is_sent_as_given(
         done = await asyncio.to_thread(run, *argv, env=env)
     assert done.returncode == 1, done.stderr
     assert "The model 'caf\u00e9' does not exist" in json.loads(done.stdout)["reason"]
+
+
+async def test_bench_draws_its_plots_whatever_backend_mplbackend_names(tmp_path: Path):
+    # Its plots are PNG files drawn without a display; a MPLBACKEND this matplotlib does not
+    # know (a user's setting for other work) made its import fail, after the whole run.
+    async with serve_engine(fast_engine(delay_ms=1.0, jitter_ms=0.0)) as url:
+        argv = ("bench", f"{url}/stream?max_tokens=3", "--requests", "2")
+        done = await asyncio.to_thread(
+            run, *argv, "--plot", str(tmp_path), env={"MPLBACKEND": "nonsense"}
+        )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "gap_histogram.png").stat().st_size > 0

@@ -173,6 +173,10 @@ def _escape_what_stdout_cannot_encode() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _escape_what_stdout_cannot_encode()
+    # Every plot a command draws is a PNG file drawn without a display (its module chooses
+    # matplotlib's "Agg"): a MPLBACKEND this matplotlib does not know, set for other work,
+    # failed its import, after a whole run.
+    os.environ.pop("MPLBACKEND", None)
     if next((a for a in argv if not a.startswith("-")), None) == "serve":
         # A reload signal (``systemctl reload``) may come while serve starts: before it
         # knows which files it reads again, it must not stop. ``serve`` decides once it does.
