@@ -863,6 +863,9 @@ async def test_a_sweep_whose_server_goes_away_reports_the_runs_it_made(tmp_path)
 
     async def stop_listening() -> None:
         await listening[0].site.stop()
+        # The site leaves the socket it was given open (the kernel would queue new
+        # connections, each then timing out); closing it refuses them at once.
+        listening[0].stop_listening()
 
     # A warm-up and 2 requests each for the synchronous run and the burst: the 6th is the last.
     async with serving(lab_words(stop_listening, at_request=6)) as server:
