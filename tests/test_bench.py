@@ -19,6 +19,7 @@ import resource
 import signal
 import statistics
 import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from rich.console import Console
 
 from replystream.cli import main
 from replystream.client import ReplyTiming
@@ -34,7 +36,8 @@ from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.engine.tiny import TinyEngine, load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.lab import bench_plots
-from replystream.lab.bench_report import server_lines
+from replystream.lab.bench_csv import write_csv
+from replystream.lab.bench_report import render, server_lines
 from replystream.lab.benchstats import SLO, summarize
 from replystream.lab.datasets import read_dataset, read_trace
 from replystream.lab.drop_resume import drop_and_resume
@@ -1764,3 +1767,46 @@ async def test_a_multi_turn_bench_reads_what_the_engines_prefix_cache_saved(caps
     hits = engine.scheduler_stats().prefix_hit_tokens  # the warm-up, first, found none
     assert code == 0 and hits > 0, out
     assert f"{hits} prompt tokens from its prefix cache" in out, out
+
+
+async def test_an_open_loops_sends_behind_schedule_are_measured_and_reported(tmp_path):
+    # A client that falls behind its schedule (busy, or starved by other work) sends late;
+    # every latency runs from the actual send, so the lag must be shown beside them, not
+    # vanish from the figures.
+    engine = SimulatedEngine(SimulatedConfig(delay_ms=1.0, jitter_ms=0.0))
+    async with serve_engine(engine) as url:
+        config = LoadConfig(
+            url=f"{url}/stream?max_tokens=2",
+            api="lab",
+            profile=Profile("constant", rate=20.0),
+            requests=10,
+            warmup=False,
+        )
+        # The client's loop stalls 0.3 s once, 0.12 s in: arrivals 3 to 8 are due then.
+        asyncio.get_running_loop().call_later(0.12, time.sleep, 0.3)
+        run = await run_load(config)
+    summary = summarize(run)
+    requests = summary["requests"]
+    assert [r["scheduled_s"] for r in requests] == pytest.approx([i / 20 for i in range(10)])
+    for request in requests:
+        assert request["send_lag_ms"] == pytest.approx(
+            (request["start_s"] - request["scheduled_s"]) * 1e3
+        )
+    lag = summary["send_lag_ms"]
+    assert lag["count"] == 10
+    assert lag["max"] >= 250.0  # the one due at 0.15 s went at about 0.42 s
+    console = Console(record=True, width=200)
+    render(summary, console)
+    assert "Sends behind schedule (open loop)" in console.export_text()
+    write_csv(summary, tmp_path / "run.csv")
+    rows = list(csv.DictReader((tmp_path / "run.csv").read_text(encoding="utf-8").splitlines()))
+    assert [float(row["send_lag_ms"]) for row in rows] == pytest.approx(
+        [r["send_lag_ms"] for r in requests]
+    )
+
+
+async def test_a_closed_loop_has_no_schedule_to_fall_behind(scheduled_server):
+    config = LoadConfig(url=f"{scheduled_server}/stream", api="lab", requests=2, warmup=False)
+    summary = summarize(await run_load(config))
+    assert all(r["scheduled_s"] is None and r["send_lag_ms"] is None for r in summary["requests"])
+    assert summary["send_lag_ms"]["count"] == 0

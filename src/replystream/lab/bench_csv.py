@@ -19,6 +19,8 @@ COLUMNS = (
     "index",
     "turn",
     "start_s",
+    "scheduled_s",
+    "send_lag_ms",
     "warmup",
     "status",
     "complete",

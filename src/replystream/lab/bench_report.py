@@ -81,6 +81,14 @@ def render(summary: dict[str, Any], console: Console) -> None:
         f"{rate['output_tokens_per_s']:,.1f} tokens/s, {rate['events_per_s']:,.1f} events/s",
         highlight=False,
     )
+    lag = summary["send_lag_ms"]
+    if lag["count"]:
+        console.print(
+            f"Sends behind schedule (open loop): p50 {lag['p50']:,.1f} ms, p99 "
+            f"{lag['p99']:,.1f} ms, max {lag['max']:,.1f} ms; every latency runs from the "
+            "actual send, so this lag is in none of them",
+            highlight=False,
+        )
     goodput = summary["goodput"]
     if goodput["slos"]:
         slos = " and ".join(f"{k} <= {v:g} ms" for k, v in goodput["slos"].items())

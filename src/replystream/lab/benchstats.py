@@ -50,6 +50,7 @@ DEFINITIONS = {
     "first_byte_ms": "request sent -> response head (status and headers) arrived",
     "first_chunk_ms": "request sent -> first raw body chunk arrived (before parsing)",
     "tokens_per_event": "per request: tokens / text events",
+    "send_lag_ms": "open loop, per request: sent - when its arrival was scheduled",
 }
 
 
@@ -112,6 +113,12 @@ def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, A
     return {
         "index": record.index,
         "start_s": record.start_s,
+        "scheduled_s": record.scheduled_s,
+        # How late an open loop sent it: every time above runs from the actual send, so
+        # this lag (a client busy or starved) is in none of them.
+        "send_lag_ms": (
+            None if record.scheduled_s is None else (record.start_s - record.scheduled_s) * 1e3
+        ),
         "warmup": record.start_s < warmup_s,
         "turn": record.turn,
         "prompt_words": record.prompt_words,
@@ -258,6 +265,11 @@ def summarize(
             result[name] = distribution([m[name] for m in done if m[name] is not None])
     result["tokens_per_event"] = distribution(
         [m["tokens_per_event"] for m in done if m["tokens_per_event"] is not None]
+    )
+    # Over every measured request an open loop scheduled, whatever its outcome: the lag is
+    # the sender's, not the reply's.
+    result["send_lag_ms"] = distribution(
+        [m["send_lag_ms"] for m in per_request if m["send_lag_ms"] is not None]
     )
     wall = max(run.wall_s - warmup_s, 0.0)
     tokens = sum(m["tokens"] for m in done)

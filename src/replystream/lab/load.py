@@ -113,9 +113,15 @@ async def run_load(
         if on_done is not None:
             on_done(record)
 
-    async def send(index: int) -> bool:
+    async def send(index: int, scheduled_s: float | None = None) -> bool:
         return await _conversation(
-            config, index, started, done, turns=config.turns, in_flight=in_flight
+            config,
+            index,
+            started,
+            done,
+            turns=config.turns,
+            in_flight=in_flight,
+            scheduled_s=scheduled_s,
         )
 
     rng = random.Random(f"{config.seed}:reconnect")
@@ -155,7 +161,7 @@ async def run_load(
                     delay = started + offset - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                    group.create_task(send(index))
+                    group.create_task(send(index, offset))
 
     samples: list[tuple[float, Scrape]] = []
     async with asyncio.TaskGroup() as outer:
@@ -260,11 +266,13 @@ async def _conversation(
     *,
     turns: int,
     in_flight: dict[int, float] | None = None,
+    scheduled_s: float | None = None,
 ) -> bool:
     """Send conversation ``number``'s turns one after another, each resending the turns
     before it with the replies received; a turn that did not complete ends it (a chat
     client would have nothing to resend). False when its last request could not connect.
-    ``in_flight``: each request's send time is put there under its index until ``done``."""
+    ``in_flight``: each request's send time is put there under its index until ``done``.
+    ``scheduled_s``: when an open loop meant to send the first turn (from the run's start)."""
     # Lengths are drawn per conversation, so its shape does not depend on completion order.
     rng = random.Random(f"{config.seed}:{number}")
     planned = plan(
@@ -322,7 +330,12 @@ async def _conversation(
         # The whole prompt sent: the shared system prompt and the history resent too.
         words = config.system_words + one.words
         words += sum(len(text.split()) for pair in history for text in pair)
-        done(RequestRecord(index, sent - started, words, one.max_tokens, timing, turn, resume))
+        scheduled = scheduled_s if turn == 0 else None
+        done(
+            RequestRecord(
+                index, sent - started, words, one.max_tokens, timing, turn, resume, scheduled
+            )
+        )
         if not timing.complete:
             return timing.connected
         history.append((one.prompt, timing.text))

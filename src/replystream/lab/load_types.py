@@ -98,7 +98,9 @@ class LoadConfig:
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One request and its reply. ``start_s`` is when it was sent, from the run's start;
-    ``prompt_words`` counts the whole prompt sent (a later turn's history included)."""
+    ``prompt_words`` counts the whole prompt sent (a later turn's history included).
+    ``scheduled_s``: when an open loop meant to send it (None for a closed loop's requests
+    and a conversation's later turns, which follow a reply, not a schedule)."""
 
     index: int
     start_s: float
@@ -107,6 +109,7 @@ class RequestRecord:
     timing: ReplyTiming
     turn: int = 0
     resume: ResumeOutcome | None = None  # what a dropped and resumed read found
+    scheduled_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
