@@ -26,7 +26,7 @@ from replystream.delivery.responses_objects import ResponseSettings
 from replystream.server.server_config import ServerConfig
 from tests.sse_client import post_events
 from tests.test_websocket import read_until_ended
-from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay
+from tests.thinking_upstream import ANSWER, COUNTED_THOUGHT_TOKENS, THINK_S, THOUGHTS, relay
 
 ASK: Any = [{"role": "user", "content": "What is 2 + 2?"}]
 
@@ -111,6 +111,33 @@ async def test_thinking_not_shown_is_counted_as_shown_thinking_is_without_upstre
     assert chat.usage is not None
     assert chat.usage.completion_tokens == len(THOUGHTS) + len(ANSWER)
     assert message.usage.output_tokens == len(THOUGHTS) + len(ANSWER)
+
+
+async def test_the_upstreams_own_count_of_its_thinking_is_named_in_every_dialect():
+    # Its usage says the thinking took more tokens than it came in pieces: every dialect
+    # names the upstream's count, streamed and whole, as it gives its completion_tokens.
+    want = COUNTED_THOUGHT_TOKENS
+    async with (
+        relay("counted") as (url, _),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        whole = await client.chat.completions.create(model="m", messages=ASK)
+        stream = await client.chat.completions.create(
+            model="m", messages=ASK, stream=True, stream_options={"include_usage": True}
+        )
+        streamed = None
+        async for chunk in stream:
+            streamed = chunk.usage or streamed
+        response = await client.responses.create(model="m", input=ASK)
+        native = await post_events(f"{url}/v1/replies", {"prompt": "2 + 2?", "stream": True})
+    for usage in (whole.usage, streamed):
+        assert usage is not None and usage.completion_tokens == want + len(ANSWER)
+        assert usage.completion_tokens_details is not None
+        assert usage.completion_tokens_details.reasoning_tokens == want
+    assert response.usage is not None
+    assert response.usage.output_tokens_details.reasoning_tokens == want
+    (counted,) = native.of_type("usage")
+    assert counted["completion_tokens_details"] == {"reasoning_tokens": want}
 
 
 async def test_shown_thinking_commits_the_reply_to_its_upstream():

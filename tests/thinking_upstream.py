@@ -4,7 +4,8 @@ DeepSeek's API do, and a relay in front of it (both on loopback sockets).
 The mode is the first path segment of its base URL: ``deepseek`` (``reasoning_content``,
 content null beside it), ``vllm`` (``reasoning``), ``both`` (both spellings of one thought),
 ``cut`` (the connection breaks after the thinking, before any text), ``quiet`` (as ``vllm``,
-but no usage: llama-cpp-python's server sends none).
+but no usage: llama-cpp-python's server sends none), ``counted`` (as ``vllm``, its usage
+naming the thinking's tokens, more than its pieces, as DeepSeek's API and OpenRouter send it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ THOUGHTS = ["Two and ", "two ", "make four."]
 THINK_S = 0.4
 TTFT_S = 0.9
 ANSWER = ["The answer ", "is 4."]
-USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+USAGE: dict[str, Any] = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+# The ``counted`` mode's: each thought two tokens, each answer piece one.
+COUNTED_THOUGHT_TOKENS = 2 * len(THOUGHTS)
+COUNTED_USAGE: dict[str, Any] = {
+    "prompt_tokens": 7,
+    "completion_tokens": COUNTED_THOUGHT_TOKENS + len(ANSWER),
+    "total_tokens": 7 + COUNTED_THOUGHT_TOKENS + len(ANSWER),
+    "completion_tokens_details": {"reasoning_tokens": COUNTED_THOUGHT_TOKENS},
+}
 
 
 def _event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
@@ -59,7 +68,7 @@ class ThinkingUpstream:
         for thought in THOUGHTS:
             if mode == "deepseek":  # DeepSeek's API, SGLang, llama.cpp: content null beside it
                 delta: dict[str, Any] = {"content": None, "reasoning_content": thought}
-            elif mode in ("vllm", "interleaved", "quiet"):  # newer vLLM, OpenRouter
+            elif mode in ("vllm", "interleaved", "quiet", "counted"):  # newer vLLM, OpenRouter
                 delta = {"reasoning": thought}
             else:  # both spellings of one thought in one delta
                 delta = {"reasoning": thought, "reasoning_content": thought}
@@ -75,7 +84,8 @@ class ThinkingUpstream:
         if mode == "quiet":
             await response.write(b"data: [DONE]\n\n")
             return response
-        usage = {"object": "chat.completion.chunk", "model": "m", "choices": [], "usage": USAGE}
+        counts = COUNTED_USAGE if mode == "counted" else USAGE
+        usage = {"object": "chat.completion.chunk", "model": "m", "choices": [], "usage": counts}
         await response.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
         return response
 

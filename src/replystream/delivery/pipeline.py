@@ -154,6 +154,7 @@ class ReplyPipeline:
     def push(self, delta: Delta, now: float) -> list[LogEntry]:
         """Events made ready by a new delta (none while text is held or batched)."""
         self.tokens += delta.tokens
+        self.reasoning_tokens += delta.reasoning_tokens
         if delta.prompt_tokens is not None:  # on any delta: a stop string may end the reply
             self.prompt_tokens = delta.prompt_tokens  # before the engine's last one is read
             self.cached_prompt_tokens = delta.cached_prompt_tokens  # told with it, or not

@@ -348,6 +348,9 @@ class Delta(NamedTuple):
             another upstream from here (a relay's continuation); None otherwise.
         reasoning: a reasoning model's thinking (then ``text`` is empty), made only for a
             request that asked for it (``GenerationRequest.reasoning``); "" otherwise.
+        reasoning_tokens: of ``tokens``, on a delta with no ``reasoning`` of its own, those
+            that were thinking (a relay's last delta: what its upstream's usage counts as
+            thinking beyond the pieces already relayed); 0 otherwise.
     """
 
     text: str
@@ -361,6 +364,7 @@ class Delta(NamedTuple):
     cached_prompt_tokens: int | None = None
     continued: str | None = None
     reasoning: str = ""
+    reasoning_tokens: int = 0
 
 
 class DeltaStream(Protocol):

@@ -349,6 +349,10 @@ class ChunkReader:
         # When the upstream last streamed thinking (``REASONING_KEYS``): progress, not text.
         self.thought_at = 0.0
         self._usage_tokens: int | None = None
+        # Of those, the thinking (``completion_tokens_details.reasoning_tokens``), and the
+        # tokens counted for the thinking relayed so far (one a piece).
+        self._usage_reasoning: int | None = None
+        self._relayed_reasoning = 0
         self._prompt_tokens: int | None = None  # the upstream's own count, from its usage
         self._cached_prompt_tokens: int | None = None  # of those, found in its prefix cache
         self._finish: str | None = None
@@ -733,6 +737,9 @@ class ChunkReader:
             completion = _token_count(usage.get("completion_tokens"))
             if completion is not None:
                 self._usage_tokens = completion
+                details = usage.get("completion_tokens_details")
+                thought = details.get("reasoning_tokens") if isinstance(details, dict) else None
+                self._usage_reasoning = _token_count(thought)
                 self._prompt_tokens = _token_count(usage.get("prompt_tokens"))
                 self._cached_prompt_tokens = _cached_count(usage, self._prompt_tokens)
 
@@ -747,6 +754,7 @@ class ChunkReader:
                 self.thought_at = now
                 if self._reasoning:
                     self._tokens += 1
+                    self._relayed_reasoning += 1
                     self._pending.append(Delta("", 1, now, reasoning=thought))
                 else:
                     self._hidden_tokens += 1
@@ -817,10 +825,15 @@ class ChunkReader:
         for kind, held in self._held.items():  # no piece of its kind came after: alone
             self._pending.append(_with_piece(held, kind, "\ufffd"))
         self._held.clear()
+        thought = 0
         if self._usage_tokens is None:  # our count: the thinking not shown is in it too
             extra = self._hidden_tokens
         else:
             extra = max(0, self._usage_tokens - self._tokens)
+            if self._reasoning and self._usage_reasoning is not None:
+                # The upstream's own count of its thinking, where pieces held several tokens
+                # (of the tokens its usage adds to ours, as no more than that can be).
+                thought = min(extra, max(0, self._usage_reasoning - self._relayed_reasoning))
         finish = self._finish or "stop"
         self._pending.append(
             Delta(
@@ -830,6 +843,7 @@ class ChunkReader:
                 finish,
                 prompt_tokens=self._prompt_tokens,
                 cached_prompt_tokens=self._cached_prompt_tokens,
+                reasoning_tokens=thought,
             )
         )
         self._ended = self._clean = True

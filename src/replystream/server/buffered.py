@@ -100,6 +100,7 @@ class _Collector:
     def take(self, delta: Delta) -> bool:
         """Add a delta; True once this choice needs no more (its generation can stop)."""
         self.tokens += delta.tokens
+        self.reasoning_tokens += delta.reasoning_tokens
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
         if delta.reasoning:
