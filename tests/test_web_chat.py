@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import pytest
@@ -673,3 +673,112 @@ async def test_leaving_the_eventsource_page_cancels_its_reply_on_the_server(brow
         page.on("request", lambda request: requests.append(request.url))
         await page.goto("about:blank")
         assert not [sent for sent in requests if sent.endswith("/cancel")], requests
+
+
+# Every text on the page with its contrast against what is painted behind it (WCAG 2.2
+# 1.4.3): its colour over the backgrounds of its ancestors, each element's opacity applied,
+# and the placeholders of the fields. Disabled controls are exempt.
+CONTRAST_JS = """() => {
+  const canvas = document.createElement('canvas');
+  canvas.width = canvas.height = 1;
+  const context = canvas.getContext('2d', { willReadFrequently: true });
+  const rgba = (color) => {
+    context.clearRect(0, 0, 1, 1);
+    context.fillStyle = color;
+    context.fillRect(0, 0, 1, 1);
+    const [r, g, b, a] = context.getImageData(0, 0, 1, 1).data;
+    return [r, g, b, a / 255];
+  };
+  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]))
+    .concat(1);
+  const channel = (v) => (v /= 255) <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+  const luminance = ([r, g, b]) =>
+    0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b);
+  const ratio = (a, b) => {
+    const [hi, lo] = [luminance(a), luminance(b)].sort((x, y) => y - x);
+    return (hi + 0.05) / (lo + 0.05);
+  };
+  const chain = (node) => {
+    const nodes = [];
+    for (let at = node; at; at = at.parentElement) nodes.unshift(at);
+    return nodes;
+  };
+  // Painted back to front: each ancestor's background over what is under it, its opacity
+  // fading it (and the text on it) toward what is under the faded element.
+  const painted = (node, foreground) => {
+    let under = [255, 255, 255, 1];
+    let back = under;
+    for (const at of chain(node)) {
+      const style = getComputedStyle(at);
+      const opacity = parseFloat(style.opacity);
+      if (opacity < 1) under = back;
+      back = over(rgba(style.backgroundColor), back);
+      if (opacity < 1) back = over([...back.slice(0, 3), opacity], under);
+    }
+    let text = over(rgba(foreground), back);
+    let fade = 1;
+    for (const at of chain(node)) fade *= parseFloat(getComputedStyle(at).opacity);
+    if (fade < 1) text = over([...text.slice(0, 3), fade], back);
+    return [text, back];
+  };
+  const found = [];
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const seen = new Set();
+  for (let text = walker.nextNode(); text; text = walker.nextNode()) {
+    const node = text.parentElement;
+    if (!text.data.trim() || seen.has(node)) continue;
+    seen.add(node);
+    if (!node.checkVisibility() || node.closest(':disabled')) continue;
+    const style = getComputedStyle(node);
+    const size = parseFloat(style.fontSize);
+    const large = size >= 24 || (parseInt(style.fontWeight, 10) >= 700 && size >= 18.66);
+    const [fore, back] = painted(node, style.color);
+    const need = large ? 3 : 4.5;
+    found.push({ text: text.data.trim().slice(0, 40), ratio: ratio(fore, back), need });
+  }
+  for (const field of document.querySelectorAll('[placeholder]')) {
+    if (!field.checkVisibility() || field.value) continue;
+    const [fore, back] = painted(field, getComputedStyle(field, '::placeholder').color);
+    found.push({ text: `placeholder ${field.placeholder}`, ratio: ratio(fore, back), need: 4.5 });
+  }
+  return found.filter((item) => item.ratio < item.need)
+    .map((item) => `${item.text}: ${item.ratio.toFixed(2)} < ${item.need}`);
+}"""
+
+
+async def low_contrast(page: Page) -> list[str]:
+    found: list[str] = await page.evaluate(CONTRAST_JS)
+    return found
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+async def test_text_and_controls_have_enough_contrast_in_both_schemes(
+    browser: Browser, scheme: Literal["light", "dark"]
+):
+    # The dark scheme's Send button was white on a light blue (3.1:1), the light scheme's
+    # badges (streaming, complete, cut) 3.9 to 4.3:1, and the fields' placeholders, which
+    # show the server's defaults, the browser's own grey (4.0 to 4.3:1; 3.6 in the dark).
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await browser.new_page(viewport={"width": 1200, "height": 900}, color_scheme=scheme)
+        page.set_default_timeout(30_000)
+        await page.goto(url)
+        problems = await low_contrast(page)
+        await send(page, "Hello")
+        await words_shown(page, "stream", 2)
+        problems += await low_contrast(page)  # streaming
+        await wait_state(page, "stream", "done")
+        problems += await low_contrast(page)
+        await set_delivery(page, max_tokens=3)
+        await page.click('input[value="compare"]', force=True)
+        await send(page, "Again")
+        await wait_state(page, "stream", "cut")
+        await wait_state(page, "wait", "cut")
+        await page.click(".settings summary")
+        problems += await low_contrast(page)  # cut, with the settings open
+        await page.fill('#settings input[name="temperature"]', "9")
+        await page.click(".settings summary")
+        await send(page, "Refused")
+        await wait_state(page, "stream", "error")
+        problems += await low_contrast(page)
+        assert not problems, sorted(set(problems))
