@@ -782,3 +782,31 @@ async def test_text_and_controls_have_enough_contrast_in_both_schemes(
         await wait_state(page, "stream", "error")
         problems += await low_contrast(page)
         assert not problems, sorted(set(problems))
+
+
+@pytest.mark.parametrize(("width", "height"), [(320, 256), (844, 390)])
+async def test_every_setting_can_be_reached_on_a_short_screen(
+    browser: Browser, width: int, height: int
+):
+    # 320 by 256 is a 1280 by 1024 screen zoomed to 400% (WCAG 2.2 1.4.10), 844 by 390 a
+    # phone held sideways. The settings panel moves with the sticky bar, so the page cannot
+    # scroll it: its last fields (the API key) and its link were below the screen for good.
+    engine = TimedEngine(fast_engine())
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url, width=width, height=height)
+        await page.click(".settings summary")
+        for control in ['#settings input[name="api_key"]', "#settings a"]:
+            await page.focus(control)
+            shown = await page.evaluate(
+                """(selector) => {
+                    const node = document.querySelector(selector);
+                    const box = node.getBoundingClientRect();
+                    const at = document.elementFromPoint(box.left + box.width / 2,
+                                                         box.top + box.height / 2);
+                    return box.bottom <= innerHeight && node.contains(at);
+                }""",
+                control,
+            )
+            assert shown, f"{control} is out of reach at {width}x{height}"
+        sideways = await page.evaluate("document.documentElement.scrollWidth - innerWidth")
+        assert sideways <= 0
