@@ -810,3 +810,31 @@ async def test_every_setting_can_be_reached_on_a_short_screen(
             assert shown, f"{control} is out of reach at {width}x{height}"
         sideways = await page.evaluate("document.documentElement.scrollWidth - innerWidth")
         assert sideways <= 0
+
+
+async def test_the_send_and_retry_buttons_pressed_leave_the_focus_in_the_message_box(
+    browser: Browser,
+):
+    # Pressed from the keyboard, Send is disabled and Retry hidden under the focus: it fell
+    # to the page itself for the whole reply, where a screen reader says nothing useful and
+    # the next Tab starts wherever the browser chooses.
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        focused = "() => document.activeElement.id || document.activeElement.tagName"
+        await page.fill("#prompt", "Hello")
+        await page.keyboard.press("Tab")
+        assert await page.evaluate(focused) == "send"
+        await page.keyboard.press("Enter")
+        await words_shown(page, "stream", 2)
+        assert await page.evaluate(focused) == "prompt"
+        await page.keyboard.press("Tab")  # Stop is next, and stops
+        assert await page.evaluate(focused) == "stop"
+        await page.keyboard.press("Enter")
+        await wait_state(page, "stream", "stopped")
+        await page.wait_for_function("() => document.activeElement.id === 'prompt'")
+        await page.keyboard.press("Shift+Tab")  # back to Retry, the control before the box
+        assert await page.evaluate("() => document.activeElement.textContent") == "Retry"
+        await page.keyboard.press("Enter")
+        await words_shown(page, "stream", 2)
+        assert await page.evaluate(focused) == "prompt"

@@ -353,6 +353,13 @@ async function runTurn(turn) {
   running = turn;
   setBusy(true);
   turn.retryButton.hidden = true;
+  // The Send or Retry button just pressed is now disabled or hidden, which would leave the
+  // focus nowhere (a keyboard reader starts again from the top): it goes to the message box,
+  // where it also returns when the reply ends, and Stop is the next control from there.
+  const pressed = document.activeElement;
+  if (!pressed || pressed === document.body || [sendButton, turn.retryButton].includes(pressed)) {
+    promptBox.focus();
+  }
   turn.root.setAttribute('aria-busy', 'true');  // screen readers read the reply once, whole
   const start = contextStart;
   let tooLong = await exchange(turn);
