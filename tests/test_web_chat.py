@@ -838,3 +838,23 @@ async def test_the_send_and_retry_buttons_pressed_leave_the_focus_in_the_message
         await page.keyboard.press("Enter")
         await words_shown(page, "stream", 2)
         assert await page.evaluate(focused) == "prompt"
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+async def test_turns_the_model_no_longer_sees_stay_readable(
+    browser: Browser, scheme: Literal["light", "dark"]
+):
+    # They were faded with opacity: the light scheme's messages fell to 2.2:1, the timers
+    # and notes under the replies to 2.1 to 3.8:1.
+    engine = TimedEngine(fast_engine(delay_ms=1.0, jitter_ms=0.0))
+    async with running(create_app(engine, ServerConfig(max_prompt_chars=300))) as url:
+        page = await browser.new_page(viewport={"width": 1200, "height": 900}, color_scheme=scheme)
+        page.set_default_timeout(30_000)
+        await page.goto(url)
+        await set_delivery(page, max_tokens=4)
+        for sent in range(1, 5):
+            await send(page, f"{sent}: tell me about the river and the road home, and more")
+            await wait_state(page, "stream", "cut")
+        assert await page.locator(".turn.out-of-context").count() > 0
+        problems = await low_contrast(page)
+        assert not problems, sorted(set(problems))
