@@ -858,3 +858,18 @@ async def test_turns_the_model_no_longer_sees_stay_readable(
         assert await page.locator(".turn.out-of-context").count() > 0
         problems = await low_contrast(page)
         assert not problems, sorted(set(problems))
+
+
+async def test_the_eventsource_page_fits_a_320_pixel_screen(browser: Browser):
+    # Its prompt, key and Start sat on one line: at 320 px (a page zoomed to 400%, WCAG 2.2
+    # 1.4.10) Start ran past the screen's edge, with a sideways scroll, and the key field was
+    # squeezed to almost nothing.
+    engine = TimedEngine(fast_engine())
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, f"{url}/eventsource.html", width=320, height=640)
+        assert await page.evaluate("document.documentElement.scrollWidth - innerWidth") <= 0
+        for control in ["#prompt", "#api-key", "#go"]:
+            box = await page.locator(control).bounding_box()
+            assert box is not None
+            assert box["x"] >= 0 and box["x"] + box["width"] <= 320, (control, box)
+            assert box["width"] >= 60, (control, box)
