@@ -873,3 +873,29 @@ async def test_the_eventsource_page_fits_a_320_pixel_screen(browser: Browser):
             assert box is not None
             assert box["x"] >= 0 and box["x"] + box["width"] <= 320, (control, box)
             assert box["width"] >= 60, (control, box)
+
+
+async def test_the_streaming_caret_blinks_only_without_a_request_for_less_motion(
+    browser: Browser,
+):
+    # The reduced-motion rule was out-ranked by the streaming state's own selector: the caret
+    # blinked for a reader who had asked the system for less motion.
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        cases: list[tuple[Literal["reduce", "no-preference"], str]] = [
+            ("reduce", "none"),
+            ("no-preference", "blink"),
+        ]
+        for motion, animation in cases:
+            page = await browser.new_page(reduced_motion=motion)
+            page.set_default_timeout(30_000)
+            await page.goto(url)
+            await send(page, "Hello")
+            await words_shown(page, "stream", 2)
+            shown = await page.evaluate(
+                """(selector) => getComputedStyle(document.querySelector(selector), '::after')
+                    .animationName""",
+                f'{pane("stream")}[data-state="streaming"] .reply-text',
+            )
+            assert shown == animation, motion
+            await page.close()
