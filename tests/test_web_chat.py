@@ -899,3 +899,63 @@ async def test_the_streaming_caret_blinks_only_without_a_request_for_less_motion
             )
             assert shown == animation, motion
             await page.close()
+
+
+# Every change inside a live region of the page (role=status is one), counted.
+COUNT_LIVE_CHANGES = """() => {
+    window.liveChanges = 0;
+    const observer = new MutationObserver((changes) => {
+        for (const change of changes) {
+            const node = change.target.nodeType === 1 ? change.target : change.target.parentElement;
+            if (node && node.closest('[aria-live], [role="status"], [role="alert"]')) {
+                window.liveChanges += 1;
+            }
+        }
+    });
+    observer.observe(document.body, { subtree: true, childList: true, characterData: true });
+}"""
+
+
+async def test_a_screen_reader_is_told_a_reply_once_whole_as_it_ends(browser: Browser):
+    # The whole conversation was the live region: each frame's text and each tick of the
+    # timers was a change a screen reader would be told of (some 600 a reply), aria-busy on
+    # the turn holding them back in some readers and not others.
+    engine = TimedEngine(fast_engine(delay_ms=20.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, url)
+        await page.evaluate(COUNT_LIVE_CHANGES)
+        await send(page, "Hello")
+        await words_shown(page, "stream", 3)
+        assert await page.text_content("#announcer") == ""
+        await wait_state(page, "stream", "done")
+        told = await page.text_content("#announcer")
+        assert told == f"Reply complete. {await shown_text(page, 'stream')}"
+        assert await page.evaluate("() => window.liveChanges") <= 2  # cleared, then told
+        live = await page.eval_on_selector_all("[aria-live]", "nodes => nodes.map(n => n.id)")
+        assert live == ["announcer"]
+
+
+async def test_an_empty_message_is_told_on_the_status_line(browser: Browser):
+    # The box was `required`: the browser's own bubble answered, the status line said
+    # nothing, and screen readers called the empty box invalid from the start.
+    async with running(create_app(fast_engine())) as url:
+        page = await open_page(browser, url)
+        await page.press("#prompt", "Enter")
+        assert await page.text_content("#status") == "Nothing to send: the message is empty."
+        assert await page.get_attribute("#prompt", "required") is None
+
+
+async def test_the_eventsource_page_tells_its_reply_once_whole_as_it_ends(browser: Browser):
+    engine = TimedEngine(fast_engine(delay_ms=20.0, jitter_ms=0.0))
+    async with running(create_app(engine)) as url:
+        page = await open_page(browser, f"{url}/eventsource.html")
+        await page.evaluate(COUNT_LIVE_CHANGES)
+        await page.fill("#prompt", "Hello")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="done"]')
+        text = await page.text_content("#text")
+        assert text
+        assert await page.text_content("#announcer") == f"Reply complete. {text}"
+        live = await page.eval_on_selector_all("[aria-live]", "nodes => nodes.map(n => n.id)")
+        assert live == ["announcer"]
+        assert await page.evaluate("() => window.liveChanges") <= 2

@@ -16,6 +16,7 @@ const promptBox = $('#prompt');
 const sendButton = $('#send');
 const stopButton = $('#stop');
 const statusLine = $('#status');
+const announcer = $('#announcer');
 const settingsForm = $('#settings');
 const newChatButton = $('#new-chat');
 const intro = $('#intro');
@@ -348,6 +349,15 @@ function setContextStart(start) {
   turns[start].user.before(contextNotice);
 }
 
+// A screen reader is told a reply once, as it ends, whole, from a region of its own. The
+// conversation is not live: its text grows by the frame and its timers tick, each a change a
+// reader would be told of piece by piece, which aria-busy does not hold back in every reader.
+// (The side-by-side mode's two panes hold the same reply: the streamed one is told.)
+function announce(pane) {
+  const state = pane.root.dataset.state;
+  announcer.textContent = `Reply ${BADGES[state] ?? state}. ${pane.shownText}`;
+}
+
 async function runTurn(turn) {
   if (running) return;
   running = turn;
@@ -360,7 +370,8 @@ async function runTurn(turn) {
   if (!pressed || pressed === document.body || [sendButton, turn.retryButton].includes(pressed)) {
     promptBox.focus();
   }
-  turn.root.setAttribute('aria-busy', 'true');  // screen readers read the reply once, whole
+  turn.root.setAttribute('aria-busy', 'true');  // (its text grows and its timers tick)
+  announcer.textContent = '';
   const start = contextStart;
   let tooLong = await exchange(turn);
   while (tooLong && running === turn && dropOldest(turn)) tooLong = await exchange(turn);
@@ -368,6 +379,7 @@ async function runTurn(turn) {
   // turns dropped for it are sent again with the next one.
   if (tooLong && running === turn && contextStart > start) setContextStart(start);
   turn.root.removeAttribute('aria-busy');
+  announce(turn.stream);
   const ended = (pane) => ['done', 'cut'].includes(pane.root.dataset.state);
   turn.retryButton.hidden = [turn.stream, turn.wait].every((pane) => !pane || ended(pane));
   if (running === turn) {

@@ -38,6 +38,9 @@ function finish(state, label, message) {
   if (state !== 'incomplete') current = null;
   sink.flush();
   setState(state, label);
+  // Told once, whole, as it ends: the text itself is not live, or a screen reader would be
+  // told each frame's piece of it.
+  $('#announcer').textContent = `Reply ${label}. ${sink.text}`;
   log(message);
   $('#go').disabled = false;
 }
@@ -142,6 +145,7 @@ $('#start').addEventListener('submit', async (event) => {
   event.preventDefault();
   source?.close();
   sink.clear();
+  $('#announcer').textContent = '';
   $('#log').replaceChildren();
   opens = 0;
   failures = 0;
