@@ -509,7 +509,13 @@ async def test_an_upgrade_over_http_1_0_or_of_another_version_is_refused_naming_
     upgrade = b"Upgrade: websocket\r\nConnection: Upgrade\r\n" + key
     async with running(create_app(fast_engine())) as url:
         parts = urlsplit(url)
-        for version, ws_version in ((b"1.0", b"13"), (b"1.1", b"99")):
+        # 7 and 8: drafts before RFC 6455, which aiohttp alone would accept.
+        for version, ws_version in (
+            (b"1.0", b"13"),
+            (b"1.1", b"99"),
+            (b"1.1", b"8"),
+            (b"1.1", b"7"),
+        ):
             reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
             writer.write(
                 b"GET /v1/ws HTTP/"

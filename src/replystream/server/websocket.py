@@ -524,8 +524,14 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
         compress=False,
     )
     # HTTP/1.0 has no protocol switch: its Upgrade header is ignored (RFC 9110, 7.8), so its
-    # request is a plain GET, never answered with a 101 its client cannot read.
-    if request.version < HttpVersion11 or not ws.can_prepare(request).ok:
+    # request is a plain GET, never answered with a 101 its client cannot read. Only RFC
+    # 6455's version 13 is spoken: aiohttp would take the drafts' 7 and 8 too, whose clients
+    # name their page in ``Sec-WebSocket-Origin``, which the origin check does not read.
+    if (
+        request.version < HttpVersion11
+        or request.headers.get("Sec-WebSocket-Version", "").strip() != "13"
+        or not ws.can_prepare(request).ok
+    ):
         refusal = HTTPAPIError(
             400, "GET /v1/ws is a WebSocket: send an Upgrade request", code="upgrade_required"
         ).response()
