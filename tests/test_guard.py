@@ -16,7 +16,7 @@ from replystream.engine.base import EngineStats, GenerationRequest, InProcessEng
 from replystream.server import create_app, running
 from replystream.server.guard_config import GuardConfig
 from replystream.server.server_config import ServerConfig
-from tests.conftest import fast_engine
+from tests.conftest import fast_engine, serve_engine, wait_for
 from tests.rawhttp import RawResponse, raw_request
 
 
@@ -581,3 +581,41 @@ async def test_a_client_at_its_limit_may_still_stop_and_poll_what_it_runs():
                 assert (await r.json())["cancel_requested"] is True
             async with http.delete(f"{url}/v1/responses/{background}", headers=auth) as r:
                 assert r.status == 200
+
+
+async def test_a_reply_answered_whole_whose_client_left_is_named_by_its_access_log_line(
+    caplog: pytest.LogCaptureFixture,
+):
+    # The reply was started (its tokens are counted) though its body was never sent: the
+    # line of a client that left names it, as a stream's does.
+    caplog.set_level(logging.INFO, logger="replystream.access")
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200}
+    async with serve_engine(fast_engine(delay_ms=20.0, jitter_ms=0.0)) as url:
+        parts = urlsplit(url)
+        for request_id, path, body in (
+            ("left-chat", "/v1/chat/completions", chat),
+            ("left-messages", "/v1/messages", {**chat, "model": "simulated"}),
+        ):
+            data = json.dumps(body).encode()
+            _, writer = await asyncio.open_connection(parts.hostname, parts.port)
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nX-Request-Id: {request_id}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
+            await writer.drain()
+            await asyncio.sleep(0.3)  # some tokens made, far from the whole reply
+            writer.close()
+            await writer.wait_closed()
+
+        def logged() -> dict[str, dict[str, object]]:
+            lines = (
+                json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"
+            )
+            return {line["request_id"]: line for line in lines if "request_id" in line}
+
+        await wait_for(lambda: {"left-chat", "left-messages"} <= logged().keys())
+    for request_id in ("left-chat", "left-messages"):
+        line = logged()[request_id]
+        assert line["status"] == "client_gone", line
+        assert isinstance(line["reply_id"], str) and len(line["reply_id"]) == 24, line

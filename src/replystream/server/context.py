@@ -456,6 +456,8 @@ async def buffered(
         n, several_body = choices
         merged = await start_several(request, generation, record, n)
         several, deltas = Several(n, several_body, merged.close_choice), merged
+    if reply_id is not None:  # started: its access-log line names it, even if its client left
+        request[REPLY_ID] = reply_id
     response = await buffered_reply(
         deltas,
         manager=app[MANAGER_KEY],
@@ -471,5 +473,4 @@ async def buffered(
     )
     if reply_id is not None:
         response.headers["X-Reply-Id"] = reply_id
-        request[REPLY_ID] = reply_id  # its access-log line names it, as a stream's does
     return response
