@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -225,3 +226,26 @@ async def test_a_reply_of_another_dialect_resumed_natively_ends_at_a_gap_in_its_
         assert "response.completed" not in text
     else:
         assert last["error"]["code"] == "events_lost"
+
+
+async def test_a_resume_past_the_kept_events_is_no_warning_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+):
+    """Any client may ask, as often as it likes, for events a log no longer keeps: that is
+    what it is told (``events_lost``), and at INFO in the log, as a slow client's cut is; a
+    WARNING per request would let clients fill the log with lines an operator must read."""
+    caplog.set_level(logging.INFO, logger="replystream.follower")
+    engine = fast_engine(reply_text="one two three four five six " * 5, delay_ms=0, jitter_ms=0)
+    config = ServerConfig(resumable_by_default=True)
+    app = create_app(engine, config, store=MemoryReplayStore(max_entries=KEPT))
+    chat = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with running(app) as url:
+        first = await raw_request(f"{url}/v1/chat/completions", "POST", json.dumps(chat).encode())
+        reply_id = first.headers["x-reply-id"]
+        await first.read_body()
+        for _ in range(3):
+            again = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+            assert "events_lost" in (await again.read_body()).decode()
+    told = [r for r in caplog.records if r.name == "replystream.follower"]
+    assert len(told) == 3 and all(r.levelno == logging.INFO for r in told), told
+    assert all("no longer kept" in r.getMessage() for r in told)

@@ -398,7 +398,9 @@ class Follower:
                     f"events {first} to {last} of this reply are no longer kept, so the rest "
                     "of it would have a hole: the stream ends here"
                 )
-                log.warning("follower of %s: %s", self.reply_id[:8], message)
+                # INFO, as a slow client's cut: any reader may ask for events no longer
+                # kept, as often as it likes; that is no fault of the server's.
+                log.info("follower of %s: %s", self.reply_id[:8], message)
                 await self._send(self._notice(message, EVENTS_LOST), 1, last=True)
                 return "events_lost"
             gap = f'{{"lost_from": {first:d}, "lost_to": {last:d}}}'
