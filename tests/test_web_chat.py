@@ -367,7 +367,8 @@ async def test_phone_width_stacks_the_panes_and_keyboard_sends(browser: Browser)
             "document.documentElement.scrollWidth - document.documentElement.clientWidth"
         )
         assert overflow <= 0
-        assert await page.get_attribute("#conversation", "aria-live") == "polite"
+        assert await page.get_attribute("#conversation", "aria-live") is None
+        assert await page.get_attribute("#announcer", "aria-live") == "polite"
         # Send and Stop are real buttons reachable with the keyboard.
         await page.focus("#prompt")
         focused = []

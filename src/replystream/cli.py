@@ -182,12 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # knows which files it reads again, it must not stop. ``serve`` decides once it does.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         start_interrupt.remember()  # a Ctrl-C while it loads is never lost
-    elif signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    elif (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        and threading.current_thread() is threading.main_thread()
+    ):
         # A measuring command sent SIGTERM (``timeout``, ``kill``) stops as on Ctrl-C, as load
         # tools do: its progress bar gives the terminal its cursor back, a server it started
         # is stopped, and a file half written is removed, where dying at once would leave them.
         # So does a background job of a script, whose Ctrl-C the shell ignores: SIGTERM is
-        # how such a job is stopped.
+        # how such a job is stopped. (A program calling ``main`` from another thread keeps
+        # its own: only the main thread may set a handler.)
         signal.signal(signal.SIGTERM, _as_ctrl_c)
     try:
         args = parse(argv)
