@@ -167,7 +167,14 @@ async def test_deploy_config_streams_events_and_compresses_json(app_url, tmp_pat
         )
     assert stream.verdict == "streaming", stream.reason
     assert "content-encoding" not in stream.headers
-    assert diagnose(native).verdict == "streaming", diagnose(native).reason
+    # Not held by nginx. On a loaded machine this process's loop (the server's and the three
+    # clients') can stall past a token's 10 ms, and the server then writes the tokens due in
+    # one turn: small bursts, never a proxy buffer's fill (4 KiB at the least, nginx's page).
+    native_seen = diagnose(native)
+    largest = max((burst.approx_bytes for burst in native_seen.bursts), default=0)
+    assert native_seen.verdict == "streaming" or (
+        native_seen.verdict == "bursty" and largest < 2048
+    ), native_seen.reason
     assert wait.complete and wait.headers.get("content-encoding") == "gzip"
 
 
