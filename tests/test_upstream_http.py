@@ -573,34 +573,38 @@ async def test_a_wait_cancelled_as_the_response_head_arrives_closes_the_connecti
     assert was_closed
 
 
-async def test_a_body_compressed_as_a_transfer_coding_is_refused_as_compressed():
-    async def gzipped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+# Answers no relay can read as events, each named for what it is: a body compressed as a
+# transfer coding (not read as events and taken for llama-cpp-python's over-long prompt),
+# and an HTTP/2-only server's SETTINGS and GOAWAY frames (not "not valid HTTP").
+UNREADABLE_ANSWERS = {
+    "gzip transfer coding": (
+        HEAD.replace(b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip, chunked")
+        + chunked(gzip.compress(SSE)),
+        "answered a gzip-compressed stream, though asked for none",
+    ),
+    "http2 alone": (
+        b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # SETTINGS
+        + b"\x00\x00\x08\x07\x00\x00\x00\x00\x00"
+        + bytes(7)
+        + b"\x01",  # GOAWAY
+        "answered in HTTP/2 alone; this relay speaks HTTP/1.1",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE_ANSWERS))
+async def test_an_answer_the_relay_cannot_read_is_named_for_what_it_is(kind: str):
+    answer, named = UNREADABLE_ANSWERS[kind]
+
+    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
-        head = HEAD.replace(b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip, chunked")
-        writer.write(head + chunked(gzip.compress(SSE)))
+        writer.write(answer)
         await writer.drain()
 
-    async with raw_server(gzipped) as (_, url):
+    async with raw_server(answering) as (_, url):
         engine = engine_for(url)
         with pytest.raises(UpstreamUnavailable) as failure:
             await reply_of(engine)
         await engine.aclose()
     assert failure.value.code == "upstream_bad_response"
-    assert "answered a gzip-compressed stream, though asked for none" in str(failure.value)
-
-
-async def test_an_upstream_speaking_http2_alone_is_named_so():
-    async def h2(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-        goaway = b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + bytes(7) + b"\x01"  # PROTOCOL_ERROR
-        writer.write(settings + goaway)
-        await writer.drain()
-
-    async with raw_server(h2) as (_, url):
-        engine = engine_for(url)
-        with pytest.raises(UpstreamUnavailable) as failure:
-            await reply_of(engine)
-        await engine.aclose()
-    assert failure.value.code == "upstream_bad_response"
-    assert "answered in HTTP/2 alone; this relay speaks HTTP/1.1" in str(failure.value)
+    assert named in str(failure.value)

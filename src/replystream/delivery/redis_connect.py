@@ -454,7 +454,7 @@ async def first_contact(
         with contextlib.suppress(NoScriptError):  # allowed, and no such script: as expected
             await client.evalsha("0" * 40, 1, key)  # type: ignore[no-untyped-call, unused-ignore]
     except AuthenticationError as exc:  # a ConnectionError, but a waiting one never passes
-        return FirstContact(True, str(exc))
+        return FirstContact(True, error_text(exc))
     except RedisConnectionError as exc:
         # A Redis certificate this server does not trust is a setting to change, not an outage.
         refused = isinstance(exc.__cause__, ssl.SSLCertVerificationError)
@@ -462,11 +462,11 @@ async def first_contact(
     except RedisClusterException as exc:
         # No node could be asked: refused when one refused this server's password.
         refused = isinstance(exc.__cause__ or exc.__context__, AuthenticationError)
-        return FirstContact(refused, str(exc))
+        return FirstContact(refused, error_text(exc))
     except (RedisTimeoutError, OSError) as exc:
-        return FirstContact(False, str(exc))
+        return FirstContact(False, error_text(exc))
     except RedisError as exc:  # NOPERM, a database out of range, ...
-        return FirstContact(True, str(exc))
+        return FirstContact(True, error_text(exc))
     finally:
         with contextlib.suppress(Exception):
             await client.aclose()
