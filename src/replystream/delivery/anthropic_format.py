@@ -35,7 +35,9 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   the same order (a ``tool_use`` block's ``input`` parsed from the arguments).
 Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``stop_sequence`` (one of
 ``stop_sequences`` completed; ``stop_sequence`` names it), ``tool_use``, ``refusal`` (a check
-stopped the text, ours or a relayed upstream's filter). A format object serves one message.
+stopped the text, ours or a relayed upstream's filter; or the model declined to answer, a
+relayed upstream's refusal: ``Delta.refusal``, whose words are the message's text, as
+Anthropic's own API has no field for them). A format object serves one message.
 It must not know about sockets, tasks or stores.
 """
 
@@ -74,6 +76,16 @@ STOP_REASONS = {
     "tool_calls": "tool_use",
     "content_filter": "refusal",
 }
+
+
+def stop_reason_of(finish_reason: str, stop_sequence: str | None, refused: bool) -> str:
+    """The stop reason of a message that finished: ``stop_sequence`` when one ended it, else
+    its finish reason's (``refusal`` for a refusal the model finished)."""
+    if stop_sequence is not None:
+        return "stop_sequence"
+    if refused and finish_reason == "stop":
+        return "refusal"
+    return STOP_REASONS.get(finish_reason, "end_turn")
 
 
 def message_id(reply_id: str) -> str:
@@ -197,6 +209,7 @@ class AnthropicStreamFormat:
     _blocks: dict[int, int] = field(default_factory=dict)  # tool call index -> block index
     _delta_head: str = ""  # a text delta's JSON up to its text, for the open text block
     _calls: SequentialCalls | None = None  # one call at a time (None: no call yet)
+    _refused: bool = False  # the text is the model's refusal (``refusing``)
 
     def started(self, reply_id: str) -> list[Spec]:
         # Sent with the first event, when the engine has counted the prompt (its first
@@ -339,9 +352,10 @@ class AnthropicStreamFormat:
     def finished(
         self, finish_reason: str, usage: Usage, stop_sequence: str | None = None
     ) -> list[Spec]:
+        stop_reason = stop_reason_of(finish_reason, stop_sequence, self._refused)
         if stop_sequence is not None:
-            return self._ending("stop_sequence", usage, stop_sequence=stop_sequence)
-        return self._ending(STOP_REASONS.get(finish_reason, "end_turn"), usage)
+            return self._ending(stop_reason, usage, stop_sequence=stop_sequence)
+        return self._ending(stop_reason, usage)
 
     def error(self, message: str, code: str) -> list[Spec]:
         specs = self._message_start() + self._held()
@@ -349,6 +363,10 @@ class AnthropicStreamFormat:
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on
+
+    def refusing(self) -> list[Spec]:
+        self._refused = True  # said by the stop reason; the words are a text block's
+        return []
 
     def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
         return self._ending("refusal", usage, replystream_moderation=moderated_payload(violation))

@@ -154,6 +154,14 @@ class StreamFormat(Protocol):
         continuation): the dialect's marker, or nothing where it has no such event."""
         ...
 
+    def refusing(self) -> list[Spec]:
+        """The text from here on, before any text, is the model's refusal to answer
+        (``Delta.refusal``): the events that say so now, if any; the text's own events and
+        the ending spell it as the dialect spells a refusal (chat's ``refusal``, a Responses
+        ``refusal`` part, Anthropic's ``refusal`` stop reason), or as text where it has no
+        place for one."""
+        ...
+
 
 def error_spec(message: str, code: str) -> Spec:
     return "error", json.dumps({"error": {"message": message, "code": code}})
@@ -260,6 +268,9 @@ class LabFormat:
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []
 
+    def refusing(self) -> list[Spec]:
+        return []  # the article's stream is text alone: a refusal's words are its text
+
 
 class NativeFormat:
     """Named events: ``reply``, ``thinking``, ``token``, ``usage``, ``moderated``, ``error``,
@@ -305,3 +316,8 @@ class NativeFormat:
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return [("continued", json.dumps({"reason": reason, "after_tokens": tokens}))]
+
+    def refusing(self) -> list[Spec]:
+        # A relayed upstream refuses so only a reply held to a JSON form, which the native
+        # routes cannot ask for: should one come, its words are the reply's tokens.
+        return []

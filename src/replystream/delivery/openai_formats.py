@@ -10,6 +10,10 @@ This file decides what an OpenAI-compatible client reads, byte for byte:
   call (its first; ``arguments`` then as it came, ``""`` from our engines), then
   ``function.arguments`` fragments; the reply ends with ``finish_reason: "tool_calls"``.
   Whole, the message has ``tool_calls`` and ``content: null`` when it has no text.
+- A refusal (a relayed upstream's model declined to answer, most often a reply held to a JSON
+  form: ``Delta.refusal``) streams as OpenAI's own do, its text in ``delta.refusal`` instead of
+  ``delta.content``, finishing ``stop``; whole, the message has ``content: null`` and the
+  words in ``refusal``. A legacy completion has no such field: its words are its text.
 - A reasoning model's thinking, relayed, streams as ``delta.reasoning_content`` (DeepSeek's
   spelling, which the SDKs keep as an extra field and most gateways and clients read), one
   chunk per piece; the usage then names its tokens (``completion_tokens_details``). Whole, the
@@ -117,11 +121,16 @@ def logprob_entries(
     ]
 
 
-def chat_logprobs(made: tuple[TokenLogprob, ...], *, sliced: bool = False) -> dict[str, Any]:
+def chat_logprobs(
+    made: tuple[TokenLogprob, ...], *, sliced: bool = False, refusal: bool = False
+) -> dict[str, Any]:
     """A chat choice's ``logprobs`` object for these tokens (``sliced``: its entries made as
-    ``dumps_sliced`` writes them, for a whole reply's body)."""
-    content = Sliced(made, logprob_entries) if sliced else logprob_entries(made)
-    return {"content": content, "refusal": None}
+    ``dumps_sliced`` writes them, for a whole reply's body; ``refusal``: they are a
+    refusal's, listed under its name, as OpenAI lists them)."""
+    entries = Sliced(made, logprob_entries) if sliced else logprob_entries(made)
+    return (
+        {"content": None, "refusal": entries} if refusal else {"content": entries, "refusal": None}
+    )
 
 
 _utf8_decoder = codecs.getincrementaldecoder("utf-8")
@@ -237,6 +246,7 @@ class OpenAIStreamFormat:
     _offsets: TextOffsets = field(init=False)  # legacy text_offset
     # A text chunk's JSON before and after its text (see ``text``), made on first use.
     _text_parts: tuple[str, str] | None = field(default=None, init=False)
+    _refusing: bool = field(default=False, init=False)  # the text is a refusal (``refusing``)
 
     def __post_init__(self) -> None:
         self._offsets = TextOffsets(self.text_offset_from)
@@ -264,7 +274,7 @@ class OpenAIStreamFormat:
             choice = {"index": self.index, "text": text, "logprobs": None}
         else:
             if content is not None:
-                delta["content"] = content
+                delta["refusal" if self._refusing else "content"] = content
             choice = {"index": self.index, "delta": delta, "logprobs": None}
         choice["finish_reason"] = finish_reason
         return choice
@@ -298,7 +308,7 @@ class OpenAIStreamFormat:
     ) -> list[Spec]:
         choice = self._choice(text, None)
         if self.kind == "chat":
-            choice["logprobs"] = chat_logprobs(logprobs)
+            choice["logprobs"] = chat_logprobs(logprobs, refusal=self._refusing)
         else:
             choice["logprobs"] = completion_logprobs(logprobs, self._offsets)
         return [(None, _dumps(self._payload([choice])))]
@@ -341,6 +351,12 @@ class OpenAIStreamFormat:
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on
 
+    def refusing(self) -> list[Spec]:
+        if self.kind == "chat":  # (a legacy completion's words are its text)
+            self._refusing = True
+            self._text_parts = None  # the text's field is another
+        return []
+
     def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
         choice = self._choice(None, MODERATED_FINISH)
         chunk = self._chunk([choice], **{MODERATION_FIELD: moderated_payload(violation)})
@@ -356,26 +372,33 @@ def completion_choice(
     tool_calls: tuple[ToolCall, ...] = (),
     reasoning: str = "",
     text_offset_from: int = 0,
+    refusal: bool = False,
 ) -> dict[str, Any]:
     """One choice of a whole ``chat.completion`` or ``text_completion`` (``logprobs``: those
     of its tokens, when the request asked; ``tool_calls``: the calls it made, and
     ``reasoning``: the thinking relayed, chat only; ``text_offset_from``: a legacy
-    completion's prompt, in characters, where its ``text_offset`` begin). Its log
+    completion's prompt, in characters, where its ``text_offset`` begin; ``refusal``: the
+    text is the model's refusal, chat's ``refusal`` and no ``content``). Its log
     probabilities are ``Sliced``: the body is written by ``dumps_sliced``."""
     choice: dict[str, Any]
+    refused = refusal and kind == "chat"
     if kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if refused else text,
+            "refusal": text if refused else None,
+        }
         if reasoning:
             message["reasoning_content"] = reasoning
         if tool_calls:
-            message["content"] = text or None
+            message["content"] = None if refused else text or None
             message["tool_calls"] = [call.as_openai() for call in tool_calls]
         choice = {"index": index, "message": message, "logprobs": None}
     else:
         choice = {"index": index, "text": text, "logprobs": None}
     if logprobs is not None:  # the largest part of a body by far: written in slices
         choice["logprobs"] = (
-            chat_logprobs(logprobs, sliced=True)
+            chat_logprobs(logprobs, sliced=True, refusal=refused)
             if kind == "chat"
             else completion_logprobs(logprobs, TextOffsets(text_offset_from), sliced=True)
         )
@@ -398,14 +421,23 @@ def completion_body(
     tool_calls: tuple[ToolCall, ...] = (),
     reasoning: str = "",
     text_offset_from: int = 0,
+    refusal: bool = False,
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` or ``text_completion`` object: one choice of ``text`` (and
-    ``tool_calls``, ``reasoning``, ``text_offset_from``), or ``choices`` made by
+    ``tool_calls``, ``reasoning``, ``text_offset_from``, ``refusal``), or ``choices`` made by
     ``completion_choice``."""
     if choices is None:
         choices = [
             completion_choice(
-                kind, 0, text, finish_reason, logprobs, tool_calls, reasoning, text_offset_from
+                kind,
+                0,
+                text,
+                finish_reason,
+                logprobs,
+                tool_calls,
+                reasoning,
+                text_offset_from,
+                refusal,
             )
         ]
     body: dict[str, Any] = {

@@ -184,7 +184,12 @@ class ReplyPipeline:
                 if holdback.violation is not None:  # a tentative match was final at the break
                     return self._end_moderated(before)  # and the call is never sent
                 return self._entries(before + self.fmt.tool_call(delta.tool_call))
-            if not delta.tokens:  # a finish, or a relay's continuation marker
+            if not delta.tokens:  # a finish, or a relay's continuation or refusal marker
+                if delta.refusal:
+                    # The text from here on is a refusal, which the dialect spells apart
+                    # from an answer. It comes before any text, so nothing is held or
+                    # batched before it; the refusal's words are text to every check.
+                    return self._entries(self.fmt.refusing())
                 if delta.continued is not None:
                     # The text batched before the seam goes first, as the reply has it: the
                     # marker tells where the new upstream's text begins. (Text held for a

@@ -41,6 +41,11 @@ frameworks) reads, byte for byte:
   ``response.content_part.done`` and ``response.output_item.done`` when text or a call
   comes. Its ``summary`` is empty and it has no ``encrypted_content``: the thinking is given
   as it came. The usage counts its tokens in ``output_tokens_details.reasoning_tokens``.
+- A model's refusal to answer (a relayed upstream's: ``Delta.refusal``) is a message item
+  whose part is a ``refusal`` part, as OpenAI streams one: ``response.content_part.added``
+  (``{"type": "refusal", "refusal": ""}``), one ``response.refusal.delta`` per piece, then
+  ``response.refusal.done`` (the whole words) before ``response.content_part.done``. It has
+  no log probabilities, included or not.
 - Log probabilities, when the request included them (``message.output_text.logprobs``),
   are OpenAI's: each ``response.output_text.delta`` lists exactly its own tokens' (``token``,
   ``logprob``, ``top_logprobs``: the likeliest tokens, best first), the message's
@@ -75,6 +80,7 @@ from replystream.delivery.responses_objects import (
     message_item,
     output_text_part,
     reasoning_item,
+    refusal_part,
     response_error,
     response_object,
 )
@@ -98,6 +104,7 @@ class ResponsesStreamFormat:
     _next: int = 0  # the next spec's sequence number (its number in the log, less one)
     _text: list[str] = field(default_factory=list)
     _delta_head: str = ""  # a text delta's JSON up to its number, for the open message
+    _refused: bool = False  # the text is a refusal (``refusing``): its messages say so
     _calls: ToolCalls = field(default_factory=ToolCalls)
     _items: int = 0  # output items started so far
     _open_call: ToolCall | None = None  # the function call item open now, if any
@@ -131,6 +138,7 @@ class ResponsesStreamFormat:
             tool_calls=calls,
             thoughts=thoughts,
             logprobs=[entries or () for _, entries in self._logprobs],
+            refusal=self._refused,
             **details,
         )
 
@@ -165,6 +173,9 @@ class ResponsesStreamFormat:
             number = self._next
             self._next += 1
             # Spelt out: one per piece of text, the event every response sends most.
+            if self._refused:  # (a refusal's delta has no log probabilities)
+                delta = (self._delta_head % number) + json_string(text) + "}"
+                return [("response.refusal.delta", delta)]
             delta = (self._delta_head % number) + json_string(text) + ',"logprobs":[]}'
             return [("response.output_text.delta", delta)]
         if not text:
@@ -183,8 +194,9 @@ class ResponsesStreamFormat:
         self._message_from = len(self._text)
         self._logprobs.append((Written(), Written()))
         item_id = message_id(self._reply_id, output_index)
+        kind = "response.refusal.delta" if self._refused else "response.output_text.delta"
         self._delta_head = (
-            f'{{"type":"response.output_text.delta","sequence_number":%d,'
+            f'{{"type":"{kind}","sequence_number":%d,'
             f'"item_id":"{item_id}","output_index":{output_index},"content_index":0,"delta":'
         )
         item = {
@@ -194,7 +206,7 @@ class ResponsesStreamFormat:
             "role": "assistant",
             "content": [],
         }
-        part = output_text_part("")
+        part = refusal_part("") if self._refused else output_text_part("")
         where = {"item_id": item_id, "output_index": output_index, "content_index": 0}
         return [
             *specs,
@@ -205,6 +217,8 @@ class ResponsesStreamFormat:
     def text_logprobs(
         self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]
     ) -> list[Spec]:
+        if self._refused:
+            return self.text(text, tokens)  # a refusal part has no log probabilities
         specs: list[Spec] = []
         if self._open_message is None:
             if not text:  # text-less tokens with no message to hold them: nothing to show
@@ -347,12 +361,21 @@ class ResponsesStreamFormat:
         text = "".join(self._text[self._message_from :])
         plain, full = self._logprobs[-1]
         # (None written, as without log probabilities: a plain ``[]``, the events' quick way.)
-        item = message_item(self._reply_id, message, text, status, full or ())
+        item = message_item(
+            self._reply_id, message, text, status, full or (), refusal=self._refused
+        )
         part = item["content"][0]
         where = {"item_id": item["id"], "output_index": message, "content_index": 0}
         logprobs: Written | list[Any] = plain or []
+        done = (
+            self._event("response.refusal.done", {**where, "refusal": text})
+            if self._refused
+            else self._event(
+                "response.output_text.done", {**where, "text": text, "logprobs": logprobs}
+            )
+        )
         return [
-            self._event("response.output_text.done", {**where, "text": text, "logprobs": logprobs}),
+            done,
             self._event("response.content_part.done", {**where, "part": part}),
             self._event("response.output_item.done", {"output_index": message, "item": item}),
         ]
@@ -392,6 +415,10 @@ class ResponsesStreamFormat:
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on
+
+    def refusing(self) -> list[Spec]:
+        self._refused = True  # before any text: the messages it opens hold a refusal part
+        return []
 
     def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
         specs = self._opened() + self._held()

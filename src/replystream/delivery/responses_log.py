@@ -21,6 +21,7 @@ from replystream.delivery.replay import LogEntry
 from replystream.delivery.responses_objects import (
     compact_json,
     output_text_part,
+    refusal_part,
     response_error,
     response_id,
 )
@@ -103,6 +104,7 @@ ITEM_EVENTS = frozenset(
     {
         "response.output_item.added",
         "response.output_text.delta",
+        "response.refusal.delta",
         "response.reasoning_text.delta",
         "response.function_call_arguments.delta",
         "response.output_item.done",
@@ -132,6 +134,12 @@ def _follow_item(items: dict[str, dict[str, Any]], event: str, payload: dict[str
         item = items.get(payload["item_id"])
         if item is not None:
             item["content"][0]["text"] += payload["delta"]
+    elif event == "response.refusal.delta":  # a message whose part is a refusal
+        item = items.get(payload["item_id"])
+        if item is not None:
+            if item["content"][0]["type"] != "refusal":
+                item["content"][0] = refusal_part("")
+            item["content"][0]["refusal"] += payload["delta"]
     elif event == "response.function_call_arguments.delta":
         item = items.get(payload["item_id"])
         if item is not None:
@@ -162,7 +170,7 @@ class Call(NamedTuple):
 
 class Said(NamedTuple):
     """What a response said, as the next turn's assistant message takes it: its messages'
-    text, joined, and its function calls, in order."""
+    text (or a refusal's words), joined, and its function calls, in order."""
 
     text: str
     calls: list[Call]
@@ -172,10 +180,11 @@ def said_in_object(response: dict[str, Any]) -> Said:
     """What a response object's output says."""
     output = response["output"]
     text = "".join(
-        part["text"]
+        part["text"] if part.get("type") == "output_text" else part["refusal"]
         for item in output
+        if item.get("type") == "message"
         for part in item.get("content", [])
-        if part.get("type") == "output_text"
+        if part.get("type") in ("output_text", "refusal")
     )
     calls = [
         Call(item["call_id"], item["name"], item["arguments"])
@@ -197,7 +206,7 @@ async def said_in_events(entries: Sequence[LogEntry]) -> Said:
         if index and not index % SAID_SLICE:
             await asyncio.sleep(0)  # the other streams' turn
         event = entry.event
-        if event == "response.output_text.delta":
+        if event in ("response.output_text.delta", "response.refusal.delta"):
             texts.append(json.loads(entry.data)["delta"])
         elif event == "response.output_item.added":
             item = json.loads(entry.data)["item"]

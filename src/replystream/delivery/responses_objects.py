@@ -6,8 +6,10 @@ whole, ``GET /v1/responses/{id}`` and a reader's own ``response.failed`` (``resp
 Its output lists the thinking (``reasoning`` items), the text (``message`` items) and the
 function calls (``function_call`` items) in the order they came, each with the status its
 stream gave it. Every ``output_text`` part has its ``logprobs``, as OpenAI's do: its tokens'
-when the request included them (``message.output_text.logprobs``), else ``[]``. It must not
-know about events, sockets, tasks or stores.
+when the request included them (``message.output_text.logprobs``), else ``[]``. A model's
+refusal to answer (a relayed upstream's: ``Delta.refusal``) is a message whose one part is a
+``refusal`` part (``{"type": "refusal", "refusal"}``, no log probabilities), as OpenAI's is.
+It must not know about events, sockets, tasks or stores.
 """
 
 from __future__ import annotations
@@ -120,10 +122,13 @@ def response_object(
     tool_calls: tuple[ToolCall, ...] = (),
     thoughts: tuple[Thought, ...] = (),
     logprobs: MessageLogprobs = (),
+    refusal: bool = False,
 ) -> dict[str, Any]:
     """The ``response`` object, as ``GET /v1/responses/{id}`` and the events carry it: its
     output the thinking (reasoning items), text (message items) and calls in the order they
-    came; ``logprobs``: those of each message's tokens, in order (none: ``[]``)."""
+    came; ``logprobs``: those of each message's tokens, in order (none: ``[]``);
+    ``refusal``: the text is the model's refusal (its messages' parts are ``refusal``
+    parts)."""
     output: list[dict[str, Any]] = []
     pieces = [] if text is None else in_order(text, tool_calls, thoughts)
     messages = 0
@@ -133,7 +138,9 @@ def response_object(
         if isinstance(piece, str):
             made = logprobs[messages] if messages < len(logprobs) else ()
             messages += 1
-            output.append(message_item(reply_id, len(output), piece, item_status, made))
+            output.append(
+                message_item(reply_id, len(output), piece, item_status, made, refusal=refusal)
+            )
         elif isinstance(piece, Thought):
             output.append(reasoning_item(reply_id, len(output), piece.text, item_status))
         else:
@@ -194,20 +201,29 @@ def output_text_part(text: str, logprobs: TextLogprobs = ()) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": entries}
 
 
+def refusal_part(text: str) -> dict[str, Any]:
+    """A ``refusal`` content part: the words of a model that declined to answer."""
+    return {"type": "refusal", "refusal": text}
+
+
 def message_item(
     reply_id: str,
     output_index: int,
     text: str,
     status: ItemStatus,
     logprobs: TextLogprobs = (),
+    *,
+    refusal: bool = False,
 ) -> dict[str, Any]:
-    """A ``message`` output item of ``text`` (and its tokens' log probabilities)."""
+    """A ``message`` output item of ``text`` (and its tokens' log probabilities); with
+    ``refusal``, of a refusal's words (a ``refusal`` part, which has no log probabilities)."""
+    part = refusal_part(text) if refusal else output_text_part(text, logprobs)
     return {
         "type": "message",
         "id": message_id(reply_id, output_index),
         "status": status,
         "role": "assistant",
-        "content": [output_text_part(text, logprobs)],
+        "content": [part],
     }
 
 

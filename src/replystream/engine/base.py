@@ -351,6 +351,10 @@ class Delta(NamedTuple):
         reasoning_tokens: of ``tokens``, on a delta with no ``reasoning`` of its own, those
             that were thinking (a relay's last delta: what its upstream's usage counts as
             thinking beyond the pieces already relayed); 0 otherwise.
+        refusal: on an empty marker delta (no text, no tokens), before any text: the text
+            from here on is the model's refusal to answer, not its answer (OpenAI's
+            ``refusal``, which a relayed upstream streams in place of a reply held to a
+            JSON form); False otherwise.
     """
 
     text: str
@@ -365,6 +369,7 @@ class Delta(NamedTuple):
     continued: str | None = None
     reasoning: str = ""
     reasoning_tokens: int = 0
+    refusal: bool = False
 
 
 class DeltaStream(Protocol):

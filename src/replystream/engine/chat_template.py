@@ -92,7 +92,9 @@ def template_message(message: Mapping[str, Any], developer: bool = False) -> dic
     results (``tool`` messages): they are written into the text, one ``[call ID] NAME
     ARGUMENTS`` line per call and a result as ``[ID] text``, as the plain-text prompt of the
     other built-in engines writes them, rather than dropped."""
-    text = message_text(message.get("content"))
+    content = message.get("content")
+    # An assistant's refusal to answer (OpenAI's ``refusal``, content null) reads as its words.
+    text = message_text(message.get("refusal") if content is None else content)
     calls = message.get("tool_calls") or ()
     lines = [text] if text or not calls else []
     lines += (

@@ -142,7 +142,7 @@ def _has_output(choice: object) -> bool:
         return False
     delta = choice.get("delta")
     if isinstance(delta, dict):
-        return bool(delta.get("content") or delta.get("tool_calls"))
+        return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal"))
     return bool(choice.get("text"))
 
 
@@ -747,7 +747,8 @@ class ChunkReader:
         """A delta with no text may carry a reasoning model's thinking: relayed when the
         request asked for it, and the upstream at work either way (a relay's time limits
         count it as progress). One spelling only, the first found: an upstream that sends
-        both spells the same thought twice."""
+        both spells the same thought twice. Or it may carry a piece of the model's refusal
+        (``_refusal``)."""
         for key in REASONING_KEYS:
             thought = delta.get(key)
             if type(thought) is str and thought:
@@ -759,6 +760,20 @@ class ChunkReader:
                 else:
                     self._hidden_tokens += 1
                 return
+        refusal = delta.get("refusal")
+        if type(refusal) is str and refusal:
+            self._refusal(refusal, now)
+
+    def _refusal(self, piece: str, now: float) -> None:
+        """A piece of the model's refusal to answer (OpenAI's ``delta.refusal``, streamed in
+        place of ``content``, most often for a reply held to a JSON form): text, after a
+        marker that says so when it comes before any text or call (``Delta.refusal``), so
+        the client's dialect says it as a refusal. Dropped, a refusal would read as a reply
+        that finished with no text. One after text (no upstream sends one) is more text."""
+        if self._tokens == self._relayed_reasoning:  # nothing but thinking before it
+            self._pending.append(Delta("", 0, now, refusal=True))
+        self._tokens += 1
+        self._pending.append(Delta(piece, 1, now))
 
     def _tool_calls(self, calls: object, now: float) -> None:
         """Each ``tool_calls`` entry of a delta, as it came: one ``Delta`` (one token) each,

@@ -26,10 +26,10 @@ from aiohttp import web
 from replystream.delivery.anthropic_format import (
     DIALECT,
     PING,
-    STOP_REASONS,
     AnthropicStreamFormat,
     ReaderNotices,
     message_object,
+    stop_reason_of,
 )
 from replystream.delivery.formats import moderated_payload
 from replystream.delivery.moderation import Violation
@@ -238,9 +238,7 @@ async def _whole(
             reply_id,
             model,
             text=whole.text,
-            stop_reason="stop_sequence"
-            if stop is not None
-            else STOP_REASONS.get(whole.finish_reason, "end_turn"),
+            stop_reason=stop_reason_of(whole.finish_reason, stop, whole.refused),
             usage=whole.usage,  # the engine's own count of the prompt when it gave one
             stop_sequence=stop,
             tool_calls=whole.tool_calls,

@@ -50,6 +50,7 @@ class Whole(NamedTuple):
     # text before it, how many of ``logprobs`` are theirs), for a dialect that splits the
     # text there (a Responses output's message items).
     logprobs_at: tuple[tuple[int, int], ...] = ()
+    refused: bool = False  # ``text`` is the model's refusal to answer (``Delta.refusal``)
 
     @property
     def reasoning(self) -> str:
@@ -95,6 +96,7 @@ class _Collector:
         self.reasoning_tokens = 0
         self.finish_reason = "stop"
         self.tokens = 0
+        self.refused = False  # the text is a refusal (``Delta.refusal``)
         self.done = False  # a check failed or a stop string completed: take no more
 
     def take(self, delta: Delta) -> bool:
@@ -103,6 +105,9 @@ class _Collector:
         self.reasoning_tokens += delta.reasoning_tokens
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
+        if delta.refusal:  # a marker, before any text: the text is checked all the same
+            self.refused = True
+            return False
         if delta.reasoning:
             # As in a stream: the text before it is let out (with no check, so its end
             # fails nothing); text held for checks stays held.
@@ -158,7 +163,18 @@ class _Collector:
         usage = replace(usage, reasoning_tokens=self.reasoning_tokens)
         calls, thoughts = self.calls.whole(), self.thoughts.whole()
         breaks = tuple(self.made_at.items())
-        return Whole(text, finish, usage, stop, shown, holdback.violation, calls, thoughts, breaks)
+        return Whole(
+            text,
+            finish,
+            usage,
+            stop,
+            shown,
+            holdback.violation,
+            calls,
+            thoughts,
+            breaks,
+            self.refused,
+        )
 
 
 async def buffered_reply(

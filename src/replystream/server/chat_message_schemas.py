@@ -58,15 +58,16 @@ class Message(Strict):
     naming it in ``tool_call_id``.
 
     An assistant message the OpenAI SDK received and is sent back as history carries the
-    reply's other fields too, as OpenAI's API takes them: ``refusal``, ``audio`` and the
-    deprecated ``function_call`` as null (this server makes none of them), ``annotations``
-    (the reply's citations, not part of the prompt), and the parse helpers' ``parsed`` (the
-    content, parsed)."""
+    reply's other fields too, as OpenAI's API takes them: ``refusal`` (a model's refusal to
+    answer, relayed: then ``content`` may be null, and the refusal's words are the message's
+    text to an engine that reads text), ``audio`` and the deprecated ``function_call`` as
+    null (this server makes none of them), ``annotations`` (the reply's citations, not part
+    of the prompt), and the parse helpers' ``parsed`` (the content, parsed)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Content | None = None
     name: str | None = None
-    refusal: None = None
+    refusal: str | None = None
     audio: None = None
     function_call: None = None
     annotations: list[dict[str, Any]] | None = None
@@ -81,14 +82,20 @@ class Message(Strict):
         if (self.tool_call_id is None) == (self.role == "tool"):
             message = "a tool message needs tool_call_id, and only a tool message has one"
             raise invalid(message, "tool_call_id")
-        if self.content is None and self.tool_calls is None:
-            raise invalid("content is required (null only beside tool_calls)", "content")
+        if self.refusal is not None and self.role != "assistant":
+            raise invalid("only an assistant message may carry a refusal", "refusal")
+        if self.content is None and self.tool_calls is None and self.refusal is None:
+            raise invalid(
+                "content is required (null only beside tool_calls or a refusal)", "content"
+            )
         return self
 
     @property
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+        if self.content is None:
+            return self.refusal or ""
+        if isinstance(self.content, str):
+            return self.content
         return "".join(part.text for part in self.content)
 
 

@@ -159,6 +159,7 @@ async def _buffered(
             tool_calls=whole.tool_calls,
             reasoning=whole.reasoning,
             text_offset_from=ask.text_offset_from,
+            refusal=whole.refused,
         )
 
     def moderated(whole: Whole, violation: Violation) -> dict[str, Any]:
@@ -175,6 +176,7 @@ async def _buffered(
             tool_calls=whole.tool_calls,
             reasoning=whole.reasoning,
             text_offset_from=ask.text_offset_from,
+            refusal=whole.refused,
         )
 
     def several(wholes: list[Whole]) -> dict[str, Any]:
@@ -191,6 +193,7 @@ async def _buffered(
                 calls,
                 whole.reasoning,
                 ask.text_offset_from,
+                whole.refused,
             )
             if whole.violation is not None:
                 choice[MODERATION_FIELD] = moderated_payload(whole.violation)

@@ -299,6 +299,7 @@ async def _whole(
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
             logprobs=message_logprobs(whole),
+            refusal=whole.refused,
         )
 
     def moderated(whole: Whole, violation: Violation) -> dict[str, Any]:
@@ -312,6 +313,7 @@ async def _whole(
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
             logprobs=message_logprobs(whole),
+            refusal=whole.refused,
         )
         response["replystream_moderation"] = moderated_payload(violation)
         return response
@@ -329,6 +331,7 @@ async def _whole(
             tool_calls=made.tool_calls,
             thoughts=made.thoughts,
             logprobs=message_logprobs(made),
+            refusal=made.refused,
         )
 
     return await buffered(

@@ -35,7 +35,9 @@ from replystream.server.responses_schemas import (
     FunctionCallOutputItem,
     InputMessage,
     InputText,
+    MessagePart,
     ReasoningItem,
+    RefusalPart,
 )
 from replystream.server.responses_stored import (
     NO_SUCH_RESPONSE,
@@ -116,14 +118,19 @@ def _shape(item: Item, include: Collection[str]) -> dict[str, Any]:
 def _parts(message: InputMessage, with_logprobs: bool) -> list[dict[str, Any]]:
     """A message's content as the parts of its role's item: ``input_text`` for the client's
     roles, ``output_text`` (with its annotations and, when asked, the log probabilities it
-    was sent back with) for an assistant's message sent back."""
-    given = message.content
-    if isinstance(given, str):
-        given = [InputText(type="input_text", text=given)]
+    was sent back with; a refusal as its ``refusal`` part) for an assistant's message sent
+    back."""
+    content = message.content
+    given: Sequence[MessagePart] = (
+        [InputText(type="input_text", text=content)] if isinstance(content, str) else content
+    )
     if message.role != "assistant":
         return [{"type": "input_text", "text": part.text} for part in given]
-    parts = []
+    parts: list[dict[str, Any]] = []
     for part in given:
+        if isinstance(part, RefusalPart):
+            parts.append({"type": "refusal", "refusal": part.refusal})
+            continue
         shown = {"type": "output_text", "text": part.text, "annotations": part.annotations or []}
         if with_logprobs:
             shown["logprobs"] = part.logprobs or []

@@ -66,15 +66,58 @@ ResponseContent = Annotated[
 ]
 
 
+class RefusalPart(Strict):
+    """A model's refusal to answer, in an assistant's message sent back as history (an
+    output message's ``refusal`` part, as a relayed upstream's refusal is answered)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal  # its words, as the conversation's text
+
+
+def _part_kind(value: Any) -> str:
+    """A message part's branch: a refusal, else text (whose ``type`` check names any other);
+    of a part given (a dict) or made (a model, as it is written back)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "<refusal>" if kind == "refusal" else "<text_part>"
+
+
+MessagePart = Annotated[
+    Annotated[InputText, Tag("<text_part>")] | Annotated[RefusalPart, Tag("<refusal>")],
+    Discriminator(_part_kind),
+]
+MessageContent = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[MessagePart], Tag("<parts>")],
+    Discriminator(
+        content_kind,
+        custom_error_type="content_type",
+        custom_error_message="must be a string or a list of input_text parts",
+    ),
+]
+
+
 class InputMessage(Strict):
     """One message item of a Responses ``input`` (an output item sent back keeps its id and
-    status, which are read and not needed)."""
+    status, which are read and not needed). An assistant's may hold a ``refusal`` part."""
 
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
-    content: ResponseContent
+    content: MessageContent
     id: str | None = None
     status: str | None = None
+
+    @model_validator(mode="after")
+    def _refusal_is_the_assistants(self) -> InputMessage:
+        if self.role != "assistant" and not isinstance(self.content, str):
+            for place, part in enumerate(self.content):
+                if isinstance(part, RefusalPart):
+                    raise invalid(
+                        "only an assistant message may hold a refusal part", f"content[{place}]"
+                    )
+        return self
 
     @property
     def text(self) -> str:

@@ -59,6 +59,8 @@ UNION_TAGS = frozenset(
     {
         "<string>",
         "<parts>",
+        "<text_part>",
+        "<refusal>",
         *(f"<{tag}>" for tag in ITEM_TAGS + BLOCK_TAGS + CHOICE_TAGS + FORMAT_TAGS),
     }
 )

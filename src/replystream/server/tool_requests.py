@@ -404,6 +404,8 @@ def prompt_line(message: Mapping[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, list):
         content = "".join(part.get("text", "") for part in content)
+    if content is None:  # an assistant's refusal to answer: its words
+        content = message.get("refusal")
     role = message["role"]
     if role == "tool":
         return f"tool [{message.get('tool_call_id')}]: {content or ''}"
