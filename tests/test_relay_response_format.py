@@ -177,6 +177,24 @@ async def test_a_malformed_response_format_is_a_400_naming_its_field(fmt: object
     assert param in error["message"]  # the field named in the words too
 
 
+async def test_a_responses_json_schema_format_without_its_schema_is_a_400_naming_it():
+    # OpenAI's Responses API requires the schema (chat's may be left out): without one, the
+    # upstream would be sent a JSON Schema form with no schema to hold the text to.
+    up = JSONUpstream(["m"])
+    async with relay([up]) as url:
+        got = await post_events(
+            f"{url}/v1/responses",
+            {"input": "Which city?", "text": {"format": {"type": "json_schema", "name": "City"}}},
+        )
+    assert got.status == 400, got.raw
+    error = json.loads(got.raw)["error"]
+    assert (error["param"], error["message"]) == (
+        "text.format.schema",
+        "text.format.schema is required",
+    )
+    assert up.bodies == []
+
+
 async def test_a_tools_parameters_that_are_no_schema_are_named_in_the_message():
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
     async with relay([JSONUpstream(["m"])]) as url:

@@ -52,9 +52,12 @@ class ChatSchemaFormat(Strict):
 
 
 class ResponsesSchemaFormat(SchemaFields):
-    """The Responses API's ``{"type": "json_schema", "name", "schema", ...}``."""
+    """The Responses API's ``{"type": "json_schema", "name", "schema", ...}``, whose
+    ``schema`` is required, as OpenAI's is (chat's may be left out): without one, the
+    upstream would be sent a JSON Schema form with no schema to hold the text to."""
 
     type: Literal["json_schema"]
+    json_schema: JSONSchema = Field(alias="schema")
 
 
 def _format_kind(value: Any) -> str | None:
