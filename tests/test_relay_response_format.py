@@ -271,3 +271,28 @@ async def test_anthropics_output_format_is_refused_where_it_cannot_be_honoured()
         assert error.body["error"]["type"] == "invalid_request_error"
     assert "samples its text freely" in free.message
     assert "prefilled final assistant message" in prefill.message
+
+
+async def test_anthropics_strict_tool_goes_upstream_as_chats_strict_function():
+    # Anthropic's ``strict`` on a tool holds its input to ``input_schema`` exactly, as
+    # chat's ``strict`` holds a function's arguments: the upstream's grammar honours either.
+    up = JSONUpstream(["m"])
+    schema = City.model_json_schema() | {"additionalProperties": False}
+    ask: list[MessageParam] = [{"role": "user", "content": "Which city?"}]
+    async with (
+        relay([up]) as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as claude,
+    ):
+        for strict in (True, False):
+            await claude.messages.create(
+                model="m",
+                max_tokens=50,
+                messages=ask,
+                tools=[{"name": "city", "input_schema": schema, "strict": strict}],
+            )
+        await claude.messages.create(
+            model="m", max_tokens=50, messages=ask, tools=[{"name": "city", "input_schema": schema}]
+        )
+    functions = [body["tools"][0]["function"] for body in up.bodies]
+    assert [f.get("strict") for f in functions] == [True, False, None]
+    assert all(f["parameters"] == schema for f in functions)

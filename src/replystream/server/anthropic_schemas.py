@@ -178,6 +178,9 @@ class AnthropicTool(Strict):
     input_schema: ObjectSchema
     description: str | None = None
     cache_control: dict[str, Any] | None = None
+    # Whether the call's input must match ``input_schema`` exactly: chat's ``strict``, as a
+    # relay's upstream is sent it (its grammar holds the arguments to the schema).
+    strict: bool | None = None
 
 
 class AnthropicToolChoice(Strict):

@@ -136,12 +136,13 @@ def anthropic_tools(
     tools: Sequence[AnthropicTool] | None, choice: AnthropicToolChoice | None
 ) -> tuple[Tools | None, Choice | None]:
     """``tools`` and ``tool_choice`` of an Anthropic request, in chat's form (``any`` is
-    ``required``; ``tool`` names the function)."""
+    ``required``; ``tool`` names the function; a tool's ``strict`` is chat's)."""
     offered: list[dict[str, Any]] = [
         {
             "name": tool.name,
             **({} if tool.description is None else {"description": tool.description}),
             "parameters": tool.input_schema,
+            **({} if tool.strict is None else {"strict": tool.strict}),
         }
         for tool in tools or ()
     ]
