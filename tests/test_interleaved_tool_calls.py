@@ -114,15 +114,18 @@ def assert_blocks_one_at_a_time(events: list[tuple[str, dict[str, Any]]]) -> Non
 
 def assert_items_one_at_a_time(events: list[tuple[str, dict[str, Any]]]) -> None:
     """Every output item is added at the next index, gets its events while it is the open
-    one, and is done before the next is added; a call's ``.done`` arguments are its deltas."""
+    one, and is done before the next is added; a call's ``.done`` arguments are its deltas,
+    and it names the call, as OpenAI's event does (the spec requires ``name``)."""
     open_item: int | None = None
     added = 0
     arguments = ""
+    name = None
     for kind, data in events:
         if kind == "response.output_item.added":
             assert open_item is None, f"item {data['output_index']} added in item {open_item}"
             assert data["output_index"] == added
             open_item, added, arguments = added, added + 1, ""
+            name = data["item"].get("name")
         elif kind == "response.output_item.done":
             assert data["output_index"] == open_item
             open_item = None
@@ -132,6 +135,7 @@ def assert_items_one_at_a_time(events: list[tuple[str, dict[str, Any]]]) -> None
                 arguments += data["delta"]
             elif kind == "response.function_call_arguments.done":
                 assert data["arguments"] == arguments
+                assert data["name"] == name
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
             assert open_item is None
 

@@ -29,7 +29,7 @@ frameworks) reads, byte for byte:
   events), then ``response.output_item.added`` (``type: "function_call"``, ``call_id``,
   ``name``, ``arguments: ""``), one ``response.function_call_arguments.delta`` per fragment,
   and when the next item starts or the response ends
-  ``response.function_call_arguments.done`` (the whole arguments) and
+  ``response.function_call_arguments.done`` (the call's ``name`` and whole arguments) and
   ``response.output_item.done``. The whole response's ``output`` has the same items in the
   same order. Items never interleave: calls whose fragments an upstream interleaved (chat's
   indexes allow it) are one item after another, what came while a call's arguments were
@@ -347,7 +347,9 @@ class ResponsesStreamFormat:
             output_index = self._call_index[call.index]
             item = function_call_item(self._reply_id, call, status)
             where = {"item_id": item["id"], "output_index": output_index}
-            arguments = {**where, "arguments": call.arguments}
+            # The call's name too, as OpenAI's event carries it: a client that reads only
+            # the ``.done`` events has every call whole.
+            arguments = {**where, "name": call.name, "arguments": call.arguments}
             return [
                 self._event("response.function_call_arguments.done", arguments),
                 self._event(
