@@ -114,6 +114,47 @@ async def test_bad_request_gets_status_and_error_shape(path, body, status, code,
     assert engine.stats().started == 0
 
 
+# A value a rule of the schema refuses (a pattern, a bound it may not reach), said in our words:
+# pydantic's would read "String should match pattern '^[a-zA-Z0-9_-]{1,64}$'" or "Input should
+# be greater than 0", the library's wording and the pattern's syntax, to an API client.
+WORDED: list[tuple[str, Any, str, str]] = [
+    # (path, body, param, message)
+    (
+        CHAT,
+        {"messages": USER, "repetition_penalty": 0},
+        "repetition_penalty",
+        "repetition_penalty must be greater than 0.0, got 0",
+    ),
+    (
+        CHAT,
+        {"messages": USER, "logit_bias": {"the": 5}},
+        "logit_bias",
+        "a key of logit_bias must be a token id: 1 to 9 digits",
+    ),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "get weather"}}]},
+        "tools[0].function.name",
+        "tools[0].function.name must be 1 to 64 letters, digits, underscores or dashes",
+    ),
+    (
+        "/v1/responses",
+        {"input": "hi", "text": {"format": {"type": "json_schema", "name": "a.b", "schema": {}}}},
+        "text.format.name",
+        "text.format.name must be 1 to 64 letters, digits, underscores or dashes",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), WORDED)
+async def test_a_value_a_rule_refuses_is_said_in_words(path, body, param, message):
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}{path}", json=body) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+    assert (error["param"], error["code"], error["message"]) == (param, "invalid_value", message)
+
+
 async def test_malformed_json_oversized_body_and_long_prompt():
     config = ServerConfig(max_body_bytes=2000, max_prompt_chars=50)
     async with running(create_app(fast_engine(), config)) as url, aiohttp.ClientSession() as http:

@@ -23,6 +23,7 @@ that ``only`` takes at one value says so without it). A third,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -93,6 +94,20 @@ def only(allowed: object, why: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def matching(pattern: str, phrase: str) -> AfterValidator:
+    """Accept a string ``pattern`` matches whole; refuse another with ``phrase`` (what follows
+    the field's name), which says the rule in words: pydantic's own refusal would quote the
+    pattern to the client."""
+    rule = re.compile(pattern)
+
+    def check(value: str) -> str:
+        if rule.fullmatch(value) is None:
+            raise unfit(phrase)
+        return value
+
+    return AfterValidator(check)
+
+
 # Numbers: strict ints (a bool or 1.0 is refused), finite floats (an int is taken as one).
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
@@ -110,7 +125,8 @@ KeepaliveS = Annotated[float, Field(ge=KEEPALIVE_S_MIN, le=KEEPALIVE_S_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]  # it divides: 0 is none
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]  # a token id, as text
+# A token id, as text (a JSON object's key).
+TokenIdKey = Annotated[str, matching("[0-9]{1,9}", "must be a token id: 1 to 9 digits")]
 MAX_LOGIT_BIASES = 1024
 ClientTag = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_CHARS)]
 
@@ -175,7 +191,10 @@ def content_kind(value: Any) -> str | None:
 
 
 # A function's name, as OpenAI and Anthropic both spell the rule.
-ToolName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+ToolName = Annotated[
+    str,
+    matching("[a-zA-Z0-9_-]{1,64}", "must be 1 to 64 letters, digits, underscores or dashes"),
+]
 
 
 def _json_schema(value: Any) -> dict[str, Any]:

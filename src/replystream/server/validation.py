@@ -55,6 +55,8 @@ _PHRASES = {
     "literal_error": "must be {expected}",
     "greater_than_equal": "must be at least {ge}",
     "less_than_equal": "must be at most {le}",
+    "greater_than": "must be greater than {gt}",
+    "less_than": "must be less than {lt}",
     "too_short": "must have at least {min_length} item(s)",
     "too_long": "must have at most {max_length} item(s)",
     "string_too_short": "must have at least {min_length} character(s)",
