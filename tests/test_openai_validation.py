@@ -52,6 +52,9 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
     ),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "invalid_value", None),
     (CHAT, {"messages": USER, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
+    # A field with an empty name is named "" (it was "supplied: None", naming no field).
+    (CHAT, {"messages": USER, "": 1}, 400, "unknown_parameter", '""'),
+    (CHAT, {"messages": [{**USER[0], "": 1}]}, 400, "unknown_parameter", 'messages[0].""'),
     (CHAT, {"messages": USER, "batch_tokens": 0}, 400, "invalid_value", "batch_tokens"),
     (CHAT, {"messages": USER, "model": "gpt-4o"}, 404, "model_not_found", "model"),
     (CHAT, [1, 2], 400, "invalid_json", None),

@@ -229,13 +229,16 @@ def repeated(name: str, count: int, *, param: str | None = None) -> HTTPAPIError
 
 
 def field_path(loc: tuple[int | str, ...]) -> str | None:
-    """``("messages", 0, "role")`` as ``messages[0].role``; None for the input as a whole."""
+    """``("messages", 0, "role")`` as ``messages[0].role``; None for the input as a whole. A
+    field with an empty name (JSON allows ``{"": 1}``) is ``""``: else it would be no name at
+    all, and the error would name the body, or the object, that holds it."""
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
         elif part not in UNION_TAGS:
-            path += f".{part}" if path else part
+            name = part or '""'
+            path += f".{name}" if path else name
     return path or None
 
 
