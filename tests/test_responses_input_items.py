@@ -119,7 +119,14 @@ async def test_every_kind_of_item_is_listed_in_its_output_item_shape():
                 "id": f"msg_{own}_in_3",
                 "type": "message",
                 "role": "assistant",
-                "content": [{"type": "output_text", "text": "let me look", "annotations": []}],
+                "content": [
+                    {
+                        "type": "output_text",
+                        "text": "let me look",
+                        "annotations": [],
+                        "logprobs": [],
+                    }
+                ],
                 "status": "completed",
             },
             {"id": "fc_given", **CALL, "status": "completed"},
@@ -248,7 +255,9 @@ async def test_a_models_text_sent_back_lists_its_logprobs_when_asked():
             _, asked = await listed(
                 http, url, made.id, order="asc", **{"include[]": "message.output_text.logprobs"}
             )
-    assert plain["data"][0]["content"] == [{k: v for k, v in sent.items() if k != "logprobs"}]
+    # Not asked for, a part still has logprobs, empty: OpenAI's specification requires the
+    # field of an output_text part, and a response's own parts show [] so.
+    assert plain["data"][0]["content"] == [{**sent, "logprobs": []}]
     assert asked["data"][0]["content"] == [sent]
     assert asked["data"][1] == plain["data"][1]  # a user's input_text has none
     ResponseItemList.model_validate(asked)

@@ -63,8 +63,8 @@ def input_items(
 ) -> list[dict[str, Any]]:
     """The items of a request's ``input`` (``given``), in its order, as the API lists them.
     ``include``: what the request for the list asked to add (``reasoning.encrypted_content``:
-    a reasoning item's ``encrypted_content``; ``message.output_text.logprobs``: the
-    ``logprobs`` a model's text was sent back with; left out otherwise)."""
+    a reasoning item's ``encrypted_content``, left out otherwise; ``message.output_text.logprobs``:
+    the ``logprobs`` a model's text was sent back with, ``[]`` otherwise)."""
     if isinstance(given, str):  # a string is one user message
         given = [InputMessage(role="user", content=given)]
     items: list[dict[str, Any]] = []
@@ -119,7 +119,9 @@ def _parts(message: InputMessage, with_logprobs: bool) -> list[dict[str, Any]]:
     """A message's content as the parts of its role's item: ``input_text`` for the client's
     roles, ``output_text`` (with its annotations and, when asked, the log probabilities it
     was sent back with; a refusal as its ``refusal`` part) for an assistant's message sent
-    back."""
+    back. An ``output_text`` part always has ``logprobs``, as OpenAI's specification
+    requires and a response's own parts have it: ``[]`` when not asked for, as in a
+    response made without them."""
     content = message.content
     given: Sequence[MessagePart] = (
         [InputText(type="input_text", text=content)] if isinstance(content, str) else content
@@ -131,10 +133,16 @@ def _parts(message: InputMessage, with_logprobs: bool) -> list[dict[str, Any]]:
         if isinstance(part, RefusalPart):
             parts.append({"type": "refusal", "refusal": part.refusal})
             continue
-        shown = {"type": "output_text", "text": part.text, "annotations": part.annotations or []}
-        if with_logprobs:
-            shown["logprobs"] = part.logprobs or []
-        parts.append(shown)
+        logprobs = (part.logprobs or []) if with_logprobs else []
+        annotations = part.annotations or []
+        parts.append(
+            {
+                "type": "output_text",
+                "text": part.text,
+                "annotations": annotations,
+                "logprobs": logprobs,
+            }
+        )
     return parts
 
 
