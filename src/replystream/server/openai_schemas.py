@@ -25,7 +25,10 @@ from replystream.server.schema_fields import (
     JSONSchema,
     LegacyLogprobs,
     Metadata,
+    ModerationConfig,
     Penalty,
+    PromptCacheOptions,
+    PromptCacheRetention,
     RepetitionPenalty,
     SamplingFields,
     Strict,
@@ -163,6 +166,31 @@ class ChatBody(OpenAIBody):
     add_generation_prompt: bool | None = None
     # vLLM's: more variables for the model's chat template (Qwen3's ``enable_thinking``).
     chat_template_kwargs: TemplateVariables | None = None
+    # OpenAI's, for features this server lacks: taken at null (or, for ``modalities``, at
+    # text alone: what every reply here is), refused otherwise as ``unsupported_parameter``.
+    modalities: (
+        Annotated[
+            list[Literal["text", "audio"]],
+            only(["text"], '["text"]; this server makes text, not audio'),
+        ]
+        | None
+    ) = None
+    audio: Annotated[Any, only(None, "left out; this server makes text, not audio")] | None = None
+    prediction: (
+        Annotated[Any, only(None, "left out; this server does not use predicted outputs")] | None
+    ) = None
+    web_search_options: (
+        Annotated[Any, only(None, "left out; this server has no web search")] | None
+    ) = None
+    functions: (
+        Annotated[Any, only(None, "left out; offer functions as tools, as chat does now")] | None
+    ) = None
+    function_call: (
+        Annotated[Any, only(None, "left out; choose a function with tool_choice")] | None
+    ) = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    moderation: ModerationConfig | None = None
 
     @model_validator(mode="after")
     def _continued_message_is_the_assistants(self) -> ChatBody:

@@ -112,7 +112,8 @@ def _shape(item: Item, include: Collection[str]) -> dict[str, Any]:
             shown["encrypted_content"] = item.encrypted_content
         return {**shown, "status": status}
     content = _parts(item, LOGPROBS_INCLUDED in include)
-    return {"type": "message", "role": item.role, "content": content, "status": status}
+    message = {"type": "message", "role": item.role, "content": content, "status": status}
+    return message if item.phase is None else {**message, "phase": item.phase}
 
 
 def _parts(message: InputMessage, with_logprobs: bool) -> list[dict[str, Any]]:

@@ -29,7 +29,10 @@ from replystream.server.schema_fields import (
     KeepaliveS,
     Metadata,
     MinTokens,
+    ModerationConfig,
     Probability,
+    PromptCacheOptions,
+    PromptCacheRetention,
     Seed,
     Stop,
     Strict,
@@ -108,6 +111,9 @@ class InputMessage(Strict):
     content: MessageContent
     id: str | None = None
     status: str | None = None
+    # An assistant message's label (OpenAI's models mark commentary apart from the final
+    # answer, and ask clients to send it back): kept with the item, not part of the prompt.
+    phase: Literal["commentary", "final_answer"] | None = None
 
     @model_validator(mode="after")
     def _refusal_is_the_assistants(self) -> InputMessage:
@@ -135,6 +141,15 @@ class FunctionCallItem(Strict):
     arguments: str
     id: str | None = None
     status: str | None = None
+    # Null in every call this server makes (its tools have no namespace, and the model calls
+    # them itself), as the SDK's ``model_dump`` of one sends them back; a call of a tool in a
+    # namespace, or made by a program, is one this server never offered.
+    namespace: (
+        Annotated[Any, only(None, "left out; this server's tools have no namespace")] | None
+    ) = None
+    caller: (
+        Annotated[Any, only(None, "left out; here the model calls every tool itself")] | None
+    ) = None
 
 
 class FunctionCallOutputItem(Strict):
@@ -292,12 +307,12 @@ def _honoured_includes(values: list[str]) -> list[str]:
 class ResponsesPrompt(Strict):
     """What a response's prompt is made of: the fields ``POST /v1/responses`` and
     ``POST /v1/responses/input_tokens`` share (OpenAI's spec gives the count exactly these,
-    and ``conversation`` and ``personality``), so the two routes cannot read one input two
-    ways."""
+    and ``personality``), so the two routes cannot read one input two ways."""
 
     unknown_field: ClassVar[Literal["native", "openai"]] = "openai"
     field_codes: ClassVar[Mapping[str, str]] = {
         "truncation": "unsupported_parameter",
+        "conversation": "unsupported_parameter",
     }
 
     model: str | None = None
@@ -314,6 +329,11 @@ class ResponsesPrompt(Strict):
     truncation: (
         Annotated[str, only("disabled", "disabled; this server never drops input")] | None
     ) = None
+    # In the spec of both routes, and nothing this server can honour: it keeps no
+    # conversations (``previous_response_id`` continues one).
+    conversation: (
+        Annotated[Any, only(None, "left out; this server keeps no conversations")] | None
+    ) = None
 
 
 class InputTokensBody(ResponsesPrompt):
@@ -323,15 +343,10 @@ class InputTokensBody(ResponsesPrompt):
 
     field_codes: ClassVar[Mapping[str, str]] = {
         **ResponsesPrompt.field_codes,
-        "conversation": "unsupported_parameter",
         "personality": "unsupported_parameter",
     }
 
-    # In the count's spec, and nothing this server can honour: it keeps no conversations
-    # (``previous_response_id`` continues one) and has no style presets.
-    conversation: (
-        Annotated[Any, only(None, "left out; this server keeps no conversations")] | None
-    ) = None
+    # In the count's spec, and nothing this server can honour: it has no style presets.
     personality: (
         Annotated[Any, only(None, "left out; this server has no personality presets")] | None
     ) = None
@@ -375,6 +390,15 @@ class ResponsesBody(ResponsesPrompt):
     # probabilities, ``top_logprobs`` how many of the likeliest tokens each one lists.
     top_logprobs: TopLogprobs | None = None
     replystream: ResponsesExtensions | None = None
+    # OpenAI's, for features this server lacks: taken at null, refused otherwise as
+    # ``unsupported_parameter`` (not as unknown fields, which they are not).
+    prompt: Annotated[Any, only(None, "left out; this server stores no prompts")] | None = None
+    context_management: (
+        Annotated[Any, only(None, "left out; this server never compacts a conversation")] | None
+    ) = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    moderation: ModerationConfig | None = None
 
     @property
     def shown_logprobs(self) -> int | None:

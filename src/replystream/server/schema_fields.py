@@ -172,6 +172,21 @@ def choice_kind(value: Any) -> str | None:
     return None
 
 
+# Fields of OpenAI's specification, on chat and Responses alike, for features this server
+# lacks. Null asks for nothing, and is taken (clients made from the specification send every
+# field, null when unset); any other value is refused as a feature missing, not as an unknown
+# field, which OpenAI's own API would never call them.
+PromptCacheRetention = Annotated[
+    Any, only(None, "left out; this server sets no lifetime for a prompt cache")
+]
+PromptCacheOptions = Annotated[
+    Any, only(None, "left out; this server takes no prompt cache options")
+]
+ModerationConfig = Annotated[
+    Any, only(None, "left out; this server's moderation is the checks it was started with")
+]
+
+
 # OpenAI's ``metadata`` (chat and Responses): at most 16 pairs, keys of at most 64
 # characters, values of at most 512.
 Metadata = Annotated[
