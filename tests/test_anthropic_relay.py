@@ -100,3 +100,31 @@ async def test_tool_arguments_nested_past_the_recursion_limit_are_kept_as_their_
     assert [(block.type, getattr(block, "input", None)) for block in whole.content] == [
         ("tool_use", arguments)
     ]
+
+
+async def test_a_tools_eager_input_streaming_is_taken_beside_strict_and_not_relayed():
+    # Anthropic's tool definition has it (fine-grained tool streaming), and Vercel's AI SDK
+    # sends it on every tool of a streamed request, with strict where the tool asks.
+    upstream = RecordingUpstream()
+    tools: Any = [
+        {
+            "name": "get_weather",
+            "input_schema": {"type": "object"},
+            "strict": True,
+            "eager_input_streaming": True,
+        },
+        {"name": "get_time", "input_schema": {"type": "object"}, "eager_input_streaming": False},
+    ]
+    async with relayed(upstream) as client:
+        ask: Any = {"model": "m", "max_tokens": 5, "tools": tools, "messages": [USER]}
+        async with client.messages.stream(**ask) as stream:
+            streamed = await stream.get_final_message()
+        whole = await client.messages.create(**ask)
+    assert [block.text for block in (*streamed.content, *whole.content)] == ["sunny"] * 2
+    relayed_tools = [
+        {"name": "get_weather", "parameters": {"type": "object"}, "strict": True},
+        {"name": "get_time", "parameters": {"type": "object"}},
+    ]
+    for body in upstream.bodies:  # the streamed message's, then the whole one's
+        assert [tool["function"] for tool in body["tools"]] == relayed_tools
+    assert len(upstream.bodies) == 2

@@ -181,6 +181,10 @@ class AnthropicTool(Strict):
     # Whether the call's input must match ``input_schema`` exactly: chat's ``strict``, as a
     # relay's upstream is sent it (its grammar holds the arguments to the schema).
     strict: bool | None = None
+    # Fine-grained tool streaming: the input streamed as it is made, not buffered. Every
+    # fragment goes out as the engine makes it here, whatever this says (Vercel's AI SDK
+    # sends ``true`` on every tool of a streamed request by default).
+    eager_input_streaming: bool | None = None
 
 
 class AnthropicToolChoice(Strict):
