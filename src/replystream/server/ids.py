@@ -35,9 +35,14 @@ _pool = _Pool()
 os.register_at_fork(after_in_child=_pool.forget)
 
 
+REPLY_ID_BYTES = 18
+# Every reply id's length: the ids of a response's items hold it at a known place.
+REPLY_ID_CHARS = 4 * REPLY_ID_BYTES // 3
+
+
 def reply_id() -> str:
     """144 random bits, base64url (24 characters): not guessable, not enumerable."""
-    return base64.urlsafe_b64encode(_pool.take(18)).decode("ascii")
+    return base64.urlsafe_b64encode(_pool.take(REPLY_ID_BYTES)).decode("ascii")
 
 
 def request_id() -> str:

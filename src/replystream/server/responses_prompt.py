@@ -1,5 +1,6 @@
-"""What a Responses request's prompt is: its ``input`` as chat messages, after the history a
-``previous_response_id`` continues, with its ``instructions`` first; and the request that
+"""What a Responses request's prompt is: its ``input`` (each ``item_reference`` replaced by
+the stored item it names) as chat messages, after the history a ``previous_response_id``
+continues, with its ``instructions`` first; and the request that
 prompt makes, checked (tool calls and results, the prompt limit, tools and ``tool_choice``,
 the model).
 
@@ -23,7 +24,8 @@ from replystream.server.native import bad, check_prompt_size
 from replystream.server.openai_api import routed_model
 from replystream.server.output_formats import engine_format
 from replystream.server.refusal_names import FieldNames
-from replystream.server.responses_schemas import ResponsesPrompt
+from replystream.server.responses_references import resolved_input
+from replystream.server.responses_schemas import ResponseInput, ResponsesPrompt
 from replystream.server.responses_stored import (
     find_response,
     response_reply_id,
@@ -76,13 +78,14 @@ RESPONSES_FIELDS = FieldNames(
 )
 
 
-def input_messages(body: ResponsesPrompt) -> tuple[Messages, list[Origin]]:
-    """The request's ``input`` as chat messages, with where in it each came from."""
-    if body.input is None:  # a count of where a previous response's conversation is
+def input_messages(given: ResponseInput | None) -> tuple[Messages, list[Origin]]:
+    """A request's ``input`` (its references resolved) as chat messages, with where in it
+    each came from."""
+    if given is None:  # a count of where a previous response's conversation is
         return [], []
-    if isinstance(body.input, str):
-        return [{"role": "user", "content": body.input}], [Origin("input")]
-    return responses_messages(body.input)
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}], [Origin("input")]
+    return responses_messages(given)
 
 
 async def _history(request: web.Request, previous: str) -> Messages:
@@ -136,6 +139,7 @@ class ResponsePrompt:
 
     conversation: Messages
     generation: GenerationRequest
+    given: ResponseInput | None  # the request's ``input``, each item it referenced in place
 
 
 async def response_prompt(request: web.Request, body: ResponsesPrompt) -> ResponsePrompt:
@@ -143,7 +147,8 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
     response, tool calls and results, the prompt limit, tools and ``tool_choice``)."""
     app = request.app
     model = routed_model(app, body.model)
-    conversation, origins = input_messages(body)
+    given = await resolved_input(request, body.input)
+    conversation, origins = input_messages(given)
     if body.previous_response_id is not None:
         history = await _history(request, body.previous_response_id)
         conversation = [*history, *conversation]
@@ -174,4 +179,4 @@ async def response_prompt(request: web.Request, body: ResponsesPrompt) -> Respon
         relayed={k: v for k, v in relayed.items() if v is not None} or None,
         caller=caller_of(request),
     )
-    return ResponsePrompt(conversation, generation)
+    return ResponsePrompt(conversation, generation, given)

@@ -191,36 +191,64 @@ class ReasoningItem(Strict):
     status: str | None = None
 
 
+class ItemReference(Strict):
+    """An ``item_reference`` input item: an item of a stored response (of its output, or of
+    its input), named by its id in place of the item itself, as a client that keeps the
+    conversation sends the items the server already holds (Vercel's AI SDK sends each
+    earlier assistant message so while ``store`` is on). Its ``type`` may be left out."""
+
+    type: Literal["item_reference"] | None = None
+    id: str
+
+
 def _item_kind(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
-    kind = value.get("type", "message")
+    kind = value.get("type")
+    if kind is None:  # a message's type may be left out, and so may a reference's
+        kind = "item_reference" if "role" not in value and "id" in value else "message"
     return f"<{kind}>" if kind in ITEM_TAGS else None
 
+
+ITEM_ERROR = (
+    "must be an input item: a message, a function_call, a function_call_output, a reasoning "
+    "item or an item_reference"
+)
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("<message>")]
     | Annotated[FunctionCallItem, Tag("<function_call>")]
     | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
     | Annotated[ReasoningItem, Tag("<reasoning>")],
-    Discriminator(
-        _item_kind,
-        custom_error_type="item_type",
-        custom_error_message=(
-            "must be an input item: a message, a function_call, a function_call_output "
-            "or a reasoning item"
-        ),
-    ),
+    Discriminator(_item_kind, custom_error_type="item_type", custom_error_message=ITEM_ERROR),
+]
+# What a request's ``input`` list may hold: an item, or a reference to one already stored.
+RequestItem = Annotated[
+    Annotated[InputMessage, Tag("<message>")]
+    | Annotated[FunctionCallItem, Tag("<function_call>")]
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[ReasoningItem, Tag("<reasoning>")]
+    | Annotated[ItemReference, Tag("<item_reference>")],
+    Discriminator(_item_kind, custom_error_type="item_type", custom_error_message=ITEM_ERROR),
 ]
 
+
+_INPUT_KIND = Discriminator(
+    content_kind,
+    custom_error_type="input_type",
+    custom_error_message="must be a string or a non-empty list of input items",
+)
+# A stored response's input, as kept: its references already replaced by their items.
 ResponseInput = Annotated[
     Annotated[str, Tag("<string>")]
     | Annotated[Annotated[list[InputItem], Field(min_length=1)], Tag("<parts>")],
-    Discriminator(
-        content_kind,
-        custom_error_type="input_type",
-        custom_error_message="must be a string or a non-empty list of input items",
-    ),
+    _INPUT_KIND,
+]
+# A request's ``input``, as sent.
+RequestInput = Annotated[
+    Annotated[str, Tag("<string>")]
+    | Annotated[Annotated[list[RequestItem], Field(min_length=1)], Tag("<parts>")],
+    _INPUT_KIND,
 ]
 
 
@@ -316,7 +344,7 @@ class ResponsesPrompt(Strict):
     }
 
     model: str | None = None
-    input: ResponseInput | None = None
+    input: RequestInput | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
@@ -367,7 +395,7 @@ class ResponsesBody(ResponsesPrompt):
         "include": "unsupported_parameter",
     }
 
-    input: ResponseInput
+    input: RequestInput
     max_output_tokens: TokenCount | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
@@ -447,12 +475,12 @@ class Conversation(Strict):
 
 
 def kept_conversation(
-    messages: Sequence[Mapping[str, Any]], given: str | Sequence[Strict], *, background: bool
+    messages: Sequence[Mapping[str, Any]], given: ResponseInput | None, *, background: bool
 ) -> str:
     """The ``Conversation`` a stored response keeps, as JSON: ``messages`` (the history and
-    this request's input, as chat), ``given``, the request's validated ``input``, and whether
-    it runs in the ``background``."""
-    if isinstance(given, str):
+    this request's input, as chat), ``given``, the request's validated ``input`` (the items
+    it referenced in place), and whether it runs in the ``background``."""
+    if given is None or isinstance(given, str):
         return json.dumps({"messages": list(messages), "input": given, "background": background})
     items = [item.model_dump(exclude_none=True) for item in given]
     return json.dumps({"messages": list(messages), "input": items, "background": background})

@@ -9,7 +9,7 @@ response's events are made.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -112,6 +112,16 @@ async def response_body(
     if not logprobs:
         text = without_logprobs_json(text)
     return web.Response(text=text, content_type="application/json")
+
+
+async def response_now(store: ReplayStore, reply_id: str) -> dict[str, Any]:
+    """The response object as its log tells it now (a 404 once it is gone, a 410 when
+    events it needs were evicted)."""
+    told = await _read_told(store, reply_id)
+    response = response_from_log(told.entries, producer_lost=told.producer_lost)
+    if response is None:
+        raise _no_such_response()
+    return response
 
 
 async def response_said(store: ReplayStore, reply_id: str) -> Said | None:

@@ -52,7 +52,7 @@ from replystream.engine.seeds import MAX_SEED, MIN_SEED
 
 MAX_TAG_CHARS = 128
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
-ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
+ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
 BLOCK_TAGS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 CHOICE_TAGS = ("mode", "named")
 FORMAT_TAGS = ("text", "json_object", "json_schema")

@@ -1,0 +1,109 @@
+"""``item_reference`` input items on ``POST /v1/responses``, with the official openai SDK: a
+stored response's items sent back by id, as Vercel's AI SDK sends every earlier assistant
+message of a conversation (its default, ``store: true``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+
+from replystream.engine.reply_script import parse_reply_script
+from replystream.engine.simulated import SimulatedConfig, simulated_engine
+from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
+
+SCRIPT = [
+    {"text": "Let me look that up."},
+    {"tool_call": {"name": "weather", "id": "call_1", "arguments": '{"city": "Paris"}'}},
+]
+TOOLS: Any = [{"type": "function", "name": "weather", "parameters": {"type": "object"}}]
+USER: Any = {"role": "user", "content": "weather in Paris?"}
+RESULT: Any = {"type": "function_call_output", "call_id": "call_1", "output": "21 C"}
+
+
+def sdk(url: str, key: str = "key-a") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture
+async def url() -> AsyncIterator[str]:
+    config = SimulatedConfig(delay_ms=1.0, jitter_ms=0.0, script=parse_reply_script(SCRIPT))
+    app = create_app(simulated_engine(config), ServerConfig(api_keys=("key-a", "key-b")))
+    async with running(app) as base:
+        yield base
+
+
+def sent_back(item: Any) -> dict[str, Any]:
+    """An output item as a client sends it back whole."""
+    shown: dict[str, Any] = item.model_dump(exclude_none=True)
+    return shown
+
+
+async def test_a_turn_referring_to_the_last_ones_items_is_made_from_those_items(url: str):
+    async with sdk(url) as client:
+        first = await client.responses.create(model="simulated", input=[USER], tools=TOOLS)
+        message, call = first.output
+        assert (message.type, call.type) == ("message", "function_call")
+        # As Vercel's AI SDK sends a tool loop's next step: the message by reference.
+        ask: Any = {"model": "simulated", "tools": TOOLS, "tool_choice": "none"}
+        referred = [USER, {"type": "item_reference", "id": message.id}, sent_back(call), RESULT]
+        by_reference = await client.responses.create(input=referred, **ask)
+        whole = [USER, sent_back(message), sent_back(call), RESULT]
+        by_value = await client.responses.create(input=whole, **ask)
+        # The call too, and a reference without its type, which OpenAI's spec allows.
+        both = [USER, {"id": message.id}, {"type": "item_reference", "id": call.id}, RESULT]
+        all_referred = await client.responses.create(input=both, **ask)
+        listed = await client.responses.input_items.list(all_referred.id, order="asc")
+    assert by_reference.status == by_value.status == all_referred.status == "completed"
+    assert by_reference.output_text == "Let me look that up."
+    assert by_reference.usage is not None and by_value.usage is not None
+    assert all_referred.usage is not None
+    # The same prompt: the referenced items themselves, not their ids.
+    assert by_reference.usage.input_tokens == by_value.usage.input_tokens
+    assert all_referred.usage.input_tokens == by_value.usage.input_tokens
+    # The response keeps the items it was made from, under their own ids.
+    assert [item.id for item in listed.data][1:3] == [message.id, call.id]
+    assert listed.data[2].model_dump(include={"call_id", "name", "arguments"}) == {
+        "call_id": "call_1",
+        "name": "weather",
+        "arguments": '{"city": "Paris"}',
+    }
+
+
+async def test_an_input_item_of_a_stored_response_can_be_referred_to(url: str):
+    async with sdk(url) as client:
+        first = await client.responses.create(model="simulated", input="weather in Paris?")
+        [asked] = (await client.responses.input_items.list(first.id)).data
+        again = await client.responses.create(
+            model="simulated",
+            input=[{"type": "item_reference", "id": asked.id}],
+            tool_choice="none",
+        )
+    assert again.usage is not None and first.usage is not None
+    assert again.usage.input_tokens == first.usage.input_tokens
+
+
+async def test_an_item_not_kept_or_not_the_callers_is_a_404_naming_the_reference(url: str):
+    async with sdk(url) as client, sdk(url, "key-b") as other:
+        kept: Any = await client.responses.create(model="simulated", input=[USER])
+        unkept: Any = await client.responses.create(model="simulated", input=[USER], store=False)
+        theirs: Any = await other.responses.create(model="simulated", input=[USER])
+        for item_id in (
+            unkept.output[0].id,  # made with store: false
+            theirs.output[0].id,  # another key's
+            f"{kept.output[0].id}_9",  # no such place in a response that exists
+            "msg_mine",  # an id of no form of ours
+        ):
+            referred: Any = [USER, {"type": "item_reference", "id": item_id}]
+            with pytest.raises(openai.NotFoundError) as refused:
+                await client.responses.create(model="simulated", input=referred)
+            assert refused.value.body == {
+                "message": refused.value.body["message"],  # type: ignore[index]
+                "type": "invalid_request_error",
+                "param": "input[1]",
+                "code": "item_not_found",
+            }
+            assert repr(item_id) in refused.value.message
