@@ -225,6 +225,26 @@ async def test_the_fields_agent_frameworks_send_by_default_are_taken():
     assert events[-1].response.output_text == whole.output_text
 
 
+async def test_encrypted_reasoning_a_client_keeping_the_conversation_asks_for_is_taken():
+    # What Vercel's AI SDK sends for a reasoning model with store: false, then its next turn:
+    # the output sent back whole, with a reasoning item of the kind OpenAI's model makes.
+    engine = fast_engine(reply_text=REPLY)
+    ask: Any = {"model": "simulated", "store": False, "include": ["reasoning.encrypted_content"]}
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        first = await client.responses.create(input="count", **ask)
+        stream = await client.responses.create(input="count", stream=True, **ask)
+        events = [event async for event in stream]
+        thought = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA"}
+        told = [item.model_dump(exclude_none=True) for item in first.output]
+        history: Any = [{"role": "user", "content": "count"}, thought, *told]
+        second = await client.responses.create(
+            input=[*history, {"role": "user", "content": "again"}], **ask
+        )
+    assert first.status == second.status == events[-1].response.status == "completed"
+    assert first.output_text == events[-1].response.output_text == REPLY + " "
+    assert [item.type for item in first.output] == ["message"]  # no thinking: nothing added
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -245,7 +265,7 @@ async def test_the_fields_agent_frameworks_send_by_default_are_taken():
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format.name"),
         ({"input": "x", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
         ({"input": "x", "text": {"verbosity": "loud"}}, 400, "text.verbosity"),
-        ({"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+        ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
         ({"input": "x", "include": "all"}, 400, "include"),
         ({"input": "x", "stream_options": {"include_obfuscation": False}}, 400, "stream_options"),
         (

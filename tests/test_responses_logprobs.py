@@ -167,7 +167,7 @@ async def test_batched_text_cut_at_a_stop_string_lists_the_tokens_of_each_delta(
         ("top_logprobs", 2.5, "top_logprobs", "invalid_value"),
         ("top_logprobs", "5", "top_logprobs", "invalid_value"),
         ("top_logprobs", True, "top_logprobs", "invalid_value"),
-        ("include", [*INCLUDE, "reasoning.encrypted_content"], "include", "unsupported_parameter"),
+        ("include", [*INCLUDE, "file_search_call.results"], "include", "unsupported_parameter"),
         ("include", ["message.output_text"], "include", "unsupported_parameter"),
         ("include", "message.output_text.logprobs", "include", "unsupported_parameter"),
     ],

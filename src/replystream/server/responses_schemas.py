@@ -319,14 +319,22 @@ class ResponsesStreamOptions(Strict):
 
 # What ``include`` may ask for: the one addition to the output this server makes.
 LOGPROBS_INCLUDED = "message.output_text.logprobs"
+# The encrypted form of a response's reasoning, for a client that keeps the conversation
+# itself (``store: false``) to send back. Taken, and nothing to add: a reasoning item's
+# thinking is in its ``content`` in the clear, and one sent back is left out of the prompt,
+# as every earlier turn's thinking is, so such a conversation goes on as a stored one does.
+# OpenAI takes it so from a model that does not reason; Vercel's AI SDK asks it of every
+# reasoning model's response with ``store: false``.
+REASONING_INCLUDED = "reasoning.encrypted_content"
 
 
 def _honoured_includes(values: list[str]) -> list[str]:
     for value in values:
-        if value != LOGPROBS_INCLUDED:
+        if value not in (LOGPROBS_INCLUDED, REASONING_INCLUDED):
             message = (
-                f"include may hold only {LOGPROBS_INCLUDED!r}: this server adds nothing "
-                f"else to the output ({value[:100]!r} is not honoured)"
+                f"include may hold only {LOGPROBS_INCLUDED!r} and {REASONING_INCLUDED!r}: "
+                f"this server adds nothing else to the output ({value[:100]!r} is not "
+                "honoured)"
             )
             raise invalid(message)
     return values
@@ -412,7 +420,8 @@ class ResponsesBody(ResponsesPrompt):
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     stream_options: ResponsesStreamOptions | None = None
     # What the output should carry besides itself (logprobs, encrypted reasoning, ...). This
-    # server adds its tokens' log probabilities, and nothing else.
+    # server adds its tokens' log probabilities, takes encrypted reasoning (above), and
+    # refuses the rest.
     include: Annotated[list[str], AfterValidator(_honoured_includes)] | None = None
     # As OpenAI's spec has them, apart: ``include`` decides whether the output shows log
     # probabilities, ``top_logprobs`` how many of the likeliest tokens each one lists.
