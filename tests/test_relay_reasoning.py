@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import anthropic
 import openai
+import pytest
 
 from replystream.client.measure import measure_reply
 from replystream.delivery.formats import Usage
@@ -209,6 +210,42 @@ async def test_a_responses_reasoning_item_sent_back_as_input_is_accepted_and_not
         {"role": "assistant", "content": "".join(ANSWER)},
         follow_up,
     ]
+
+
+async def test_a_chat_messages_thinking_sent_back_is_accepted_and_not_prompted():
+    # The assistant message as this server gave it (reasoning_content), as Vercel's AI SDK
+    # sends it back in the next turn's history; and as vLLM spells it (reasoning).
+    question: Any = {"role": "user", "content": "What is 2 + 2?"}
+    follow_up: Any = {"role": "user", "content": "And 3 + 3?"}
+    async with (
+        relay("deepseek") as (url, upstream),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        first = await client.chat.completions.create(model="m", messages=[question])
+        given: Any = first.choices[0].message.model_dump(exclude_none=True)
+        assert given["reasoning_content"] == "".join(THOUGHTS)
+        spelled_by_vllm = {"role": "assistant", "content": given["content"], "reasoning": "hm"}
+        sent: Any
+        for sent in (given, spelled_by_vllm):
+            again = await client.chat.completions.create(
+                model="m", messages=[question, sent, follow_up]
+            )
+            assert again.choices[0].message.content == "".join(ANSWER)
+            # The thinking is no part of the prompt: the upstream hears the answer alone.
+            assert upstream.bodies[-1]["messages"] == [
+                question,
+                {"role": "assistant", "content": "".join(ANSWER)},
+                follow_up,
+            ]
+        misplaced_thought: Any = {**question, "reasoning_content": "hm"}
+        with pytest.raises(openai.BadRequestError) as misplaced:
+            await client.chat.completions.create(model="m", messages=[misplaced_thought])
+    assert misplaced.value.body == {
+        "message": "only an assistant message may carry reasoning_content",
+        "type": "invalid_request_error",
+        "param": "messages[0].reasoning_content",
+        "code": "invalid_value",
+    }
 
 
 async def test_a_message_with_thinking_enabled_has_a_thinking_block_before_its_text():

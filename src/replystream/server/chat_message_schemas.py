@@ -62,7 +62,11 @@ class Message(Strict):
     answer, relayed: then ``content`` may be null, and the refusal's words are the message's
     text to an engine that reads text), ``audio`` and the deprecated ``function_call`` as
     null (this server makes none of them), ``annotations`` (the reply's citations, not part
-    of the prompt), and the parse helpers' ``parsed`` (the content, parsed)."""
+    of the prompt), and the parse helpers' ``parsed`` (the content, parsed). A reasoning
+    model's thinking, as this server gives it (``reasoning_content``, DeepSeek's spelling)
+    or as vLLM and OpenRouter do (``reasoning``), comes back on the assistant message it was
+    given with (Vercel's AI SDK sends it back so): taken and, as a thinking block or a
+    reasoning item sent back on the other routes, no part of the prompt."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Content | None = None
@@ -74,11 +78,16 @@ class Message(Strict):
     parsed: Any = None
     tool_calls: Annotated[list[MessageToolCall], Field(min_length=1)] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> Message:
         if self.tool_calls is not None and self.role != "assistant":
             raise invalid("only an assistant message may carry tool_calls", "tool_calls")
+        for thought in ("reasoning_content", "reasoning"):
+            if getattr(self, thought) is not None and self.role != "assistant":
+                raise invalid(f"only an assistant message may carry {thought}", thought)
         if (self.tool_call_id is None) == (self.role == "tool"):
             message = "a tool message needs tool_call_id, and only a tool message has one"
             raise invalid(message, "tool_call_id")

@@ -89,12 +89,16 @@ def check_prompt_size(prompt: str, limit: int, param: str, *, noun: str = "promp
 
 # What the OpenAI SDK adds to an assistant message it received and sends back, and which
 # says nothing its other fields do not (or what this server never makes): not relayed, so
-# an upstream that takes only the documented message is not refused it.
+# an upstream that takes only the documented message is not refused it. Nor is the
+# thinking a client sends back: no part of the prompt here, as on every route (a thinking
+# block, a reasoning item), and a field no chat upstream is bound to take.
 SDK_ECHOES: dict[str, Any] = {
     "parsed": True,
     "annotations": True,
     "audio": True,
     "function_call": True,
+    "reasoning_content": True,
+    "reasoning": True,
     "tool_calls": {"__all__": {"index": True, "function": {"parsed_arguments": True}}},
 }
 
