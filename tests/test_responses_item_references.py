@@ -107,3 +107,24 @@ async def test_an_item_not_kept_or_not_the_callers_is_a_404_naming_the_reference
                 "code": "item_not_found",
             }
             assert repr(item_id) in refused.value.message
+
+
+async def test_an_item_still_being_made_is_a_400_naming_the_reference():
+    slow = [{"text": "Let me look", "delay_ms": 1}, {"text": " that up.", "delay_ms": 60_000}]
+    config = SimulatedConfig(delay_ms=1.0, jitter_ms=0.0, script=parse_reply_script(slow))
+    async with running(create_app(simulated_engine(config))) as base, sdk(base) as client:
+        stream = await client.responses.create(
+            model="simulated", input="hi", background=True, stream=True
+        )
+        message_id = ""
+        async for event in stream:
+            if event.type == "response.output_text.delta":  # its message has begun
+                message_id = event.item_id
+                break
+        await stream.close()
+        referred: Any = [{"type": "item_reference", "id": message_id}]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="simulated", input=referred)
+        await client.responses.cancel(message_id.replace("msg_", "resp_", 1))
+    assert (refused.value.code, refused.value.param) == ("invalid_value", "input[0]")
+    assert refused.value.body["message"] == f"item {message_id} (input[0]) is still being made"  # type: ignore[index]

@@ -221,6 +221,23 @@ async def said_in_events(entries: Sequence[LogEntry]) -> Said:
     return Said("".join(texts), made)
 
 
+async def items_in_events(entries: Sequence[LogEntry]) -> list[dict[str, Any]]:
+    """An ended response's output items, read from its whole log's small events (each item's
+    opening and its text, thinking or argument deltas), ``SAID_SLICE`` at a time with a turn
+    of the loop between, as ``said_in_events`` reads them: not from the events that repeat an
+    item whole. Without their statuses, which only those events give: what a next request
+    takes back as its input."""
+    items: dict[str, dict[str, Any]] = {}  # by item id, in order
+    for index, entry in enumerate(entries):
+        if index and not index % SAID_SLICE:
+            await asyncio.sleep(0)  # the other streams' turn
+        if entry.event in ITEM_EVENTS and entry.event != "response.output_item.done":
+            _follow_item(items, entry.event, json.loads(entry.data))
+    for item in items.values():
+        del item["status"]
+    return list(items.values())
+
+
 def opened_object(first: LogEntry) -> dict[str, Any] | None:
     """The response object a response's first logged event carried, if that event is its
     ``response.created`` (None: trimmed, or another event)."""

@@ -34,7 +34,7 @@ from replystream.server.responses_schemas import (
 )
 from replystream.server.responses_stored import (
     find_response,
-    response_now,
+    response_items,
     stored_conversation,
 )
 from replystream.server.resume_points import not_found_here
@@ -97,20 +97,22 @@ async def _items_of(request: web.Request, reply_id: str, param: str) -> Items:
     for a response not found (not stored, another key's, gone)."""
     try:
         store, _ = await find_response(request, reply_id, param)
-        response = await response_now(store, reply_id)
+        shown = await response_items(store, reply_id)
         kept = await stored_conversation(store, reply_id)
     except HTTPAPIError as exc:
         if exc.status != 404:
             raise
         return {}
-    shown = [*response["output"]]
     if kept is not None and kept.input is not None:
         shown += input_items(reply_id, kept.input)
     return {item["id"]: item for item in shown}
 
 
 def _as_input(shown: dict[str, Any], param: str) -> InputItem:
-    """A stored item, as the client would have sent it back."""
+    """A stored item, as the client would have sent it back, without the log probabilities
+    of its text (no part of a prompt, and megabytes in the input the new response keeps)."""
+    for part in shown.get("content") or ():
+        part.pop("logprobs", None)
     try:
         return _ITEM.validate_python(shown)
     except ValidationError:  # an item of a kind the input does not take

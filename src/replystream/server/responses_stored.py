@@ -17,6 +17,7 @@ from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, Store
 from replystream.delivery.responses_log import (
     TERMINAL,
     Said,
+    items_in_events,
     opened_object,
     response_from_log,
     response_json_from_log,
@@ -114,14 +115,18 @@ async def response_body(
     return web.Response(text=text, content_type="application/json")
 
 
-async def response_now(store: ReplayStore, reply_id: str) -> dict[str, Any]:
-    """The response object as its log tells it now (a 404 once it is gone, a 410 when
-    events it needs were evicted)."""
+async def response_items(store: ReplayStore, reply_id: str) -> list[dict[str, Any]]:
+    """A response's output items as its log tells them now, for a request that names them
+    by id: an ended one's from its small events (``items_in_events``, a slice at a time, no
+    statuses); one still running, or whose early events are gone, from its object."""
     told = await _read_told(store, reply_id)
+    if told.whole and told.ended:
+        return await items_in_events(told.entries)
     response = response_from_log(told.entries, producer_lost=told.producer_lost)
     if response is None:
         raise _no_such_response()
-    return response
+    output: list[dict[str, Any]] = response["output"]
+    return output
 
 
 async def response_said(store: ReplayStore, reply_id: str) -> Said | None:
