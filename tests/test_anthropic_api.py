@@ -221,6 +221,8 @@ PREFILL = {"role": "assistant", "content": "I"}
             {**ASK, "thinking": {"type": "adaptive", "budget_tokens": 1024}},
             "thinking.budget_tokens",
         ),
+        ({**ASK, "thinking": {"type": "disabled", "display": "omitted"}}, "thinking.display"),
+        ({**ADAPTIVE, "thinking": {"type": "adaptive", "display": "full"}}, "thinking.display"),
     ],
 )
 async def test_what_anthropic_refuses_with_thinking_on_is_refused(body, param):
@@ -239,6 +241,8 @@ async def test_thinking_on_takes_what_anthropic_allows_with_it():
         {**THINKING, "temperature": 1, "top_p": 0.95},
         {**ADAPTIVE, "tools": TOOLS, "tool_choice": {"type": "auto"}},
         {**THINKING, "thinking": {"type": "disabled"}, "temperature": 0.5, "top_k": 5},
+        {**ADAPTIVE, "thinking": {"type": "adaptive", "display": "summarized"}},
+        {**THINKING, "thinking": {"type": "enabled", "budget_tokens": 1024, "display": None}},
     ]
     engine = fast_engine(reply_text=REPLY)
     async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:

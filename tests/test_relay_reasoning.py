@@ -280,6 +280,40 @@ async def test_a_message_with_thinking_enabled_has_a_thinking_block_before_its_t
         assert message.content[1].text == "".join(ANSWER)  # type: ignore[union-attr]
 
 
+async def test_a_thinking_display_is_taken_omitted_sends_the_blocks_without_their_text():
+    """``thinking.display`` (Anthropic's current thinking configs have it, and clients send
+    it) was an unknown field, a 400. ``summarized`` shows the thinking as before; ``omitted``
+    sends each thinking block with its ``thinking`` empty and no ``thinking_delta``, as
+    Anthropic's API does, streamed and whole."""
+    async with (
+        relay("vllm") as (url, _),
+        anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as client,
+    ):
+        shown: dict[str, Any] = {}
+        for display in ("summarized", "omitted"):
+            configs: list[Any] = [
+                {"type": "enabled", "budget_tokens": 1024, "display": display},
+                {"type": "adaptive", "display": display},
+            ]
+            for thinking in configs:
+                ask: Any = {"model": "m", "max_tokens": 2048, "messages": ASK}
+                async with client.messages.stream(**ask, thinking=thinking) as stream:
+                    kinds = [event.type async for event in stream]
+                    streamed = await stream.get_final_message()
+                whole = await client.messages.create(**ask, thinking=thinking)
+                for message in (streamed, whole):
+                    blocks = [(b.type, getattr(b, "thinking", None)) for b in message.content]
+                    assert blocks[0] == shown.setdefault(display, blocks[0]), thinking
+                    assert blocks[1:] == [("text", None)], thinking
+                    assert message.usage.output_tokens == 5, thinking  # counted all the same
+                thoughts = kinds.count("thinking")
+                assert thoughts == (len(THOUGHTS) if display == "summarized" else 0), kinds
+    assert shown == {
+        "summarized": ("thinking", "".join(THOUGHTS)),
+        "omitted": ("thinking", ""),
+    }
+
+
 async def test_text_held_back_goes_out_before_the_thinking_that_follows_it():
     """Text, thinking, text: text held for a window or a stop string's possible start is let
     out before the thinking, so the streamed blocks are the whole message's, in its order."""

@@ -28,9 +28,11 @@ This file decides what an Anthropic client (the ``anthropic`` SDK) reads, byte f
   waiting until they are (``sequential_calls``).
 - A reasoning model's thinking, relayed when the request enabled ``thinking``, is a
   ``thinking`` block before the text (``{"type": "thinking", "thinking": "", "signature":
-  ""}``), one ``thinking_delta`` per piece. Its ``signature`` stays empty and no
-  ``signature_delta`` is sent: the signature is Anthropic's seal on its own models' thinking,
-  which no relay can make, so such a block cannot be sent back to Anthropic's own API.
+  ""}``), one ``thinking_delta`` per piece; asked with ``display: "omitted"``, the block
+  alone, no ``thinking_delta``, its ``thinking`` empty in the whole message too. Its
+  ``signature`` stays empty and no ``signature_delta`` is sent: the signature is Anthropic's
+  seal on its own models' thinking, which no relay can make, so such a block cannot be sent
+  back to Anthropic's own API.
 - The same message whole, not streamed, is the ``message`` object with the same blocks in
   the same order (a ``tool_use`` block's ``input`` parsed from the arguments).
 Stop reasons: ``end_turn`` (the model's own end), ``max_tokens``, ``stop_sequence`` (one of
@@ -106,15 +108,18 @@ def message_object(
     stop_sequence: str | None = None,
     tool_calls: tuple[ToolCall, ...] = (),
     thoughts: tuple[Thought, ...] = (),
+    thinking_text: bool = True,
 ) -> dict[str, Any]:
     """The ``message`` object (whole, or empty as ``message_start`` carries it: ``text``
-    None); its content the thinking, text and calls in the order they came."""
+    None); its content the thinking, text and calls in the order they came (a thinking
+    block's text left out unless ``thinking_text``)."""
     content: list[dict[str, Any]] = []
     for piece in () if text is None else in_order(text, tool_calls, thoughts):
         if isinstance(piece, str):
             content.append({"type": "text", "text": piece})
         elif isinstance(piece, Thought):
-            content.append({"type": "thinking", "thinking": piece.text, "signature": ""})
+            thought = piece.text if thinking_text else ""
+            content.append({"type": "thinking", "thinking": thought, "signature": ""})
         else:
             content.append(
                 {
@@ -199,6 +204,8 @@ class AnthropicStreamFormat:
     # The prompt's tokens, found only if a message must start before the engine's first delta
     # has counted them (an error came first): the engine's count found apart, or an estimate.
     count_input: Callable[[], int]
+    # ``thinking.display: "omitted"``: a thinking block is sent without its text.
+    thinking_text: bool = True
     input_tokens: int | None = None  # the engine's count, once its first delta gave it
     _cached_input_tokens: int | None = None  # of those, its prefix cache's, if it tells
     _reply_id: str | None = None  # until ``message_start`` is sent
@@ -304,6 +311,8 @@ class AnthropicStreamFormat:
         if not self._thinking_open:
             specs += self._start_block({"type": "thinking", "thinking": "", "signature": ""})
             self._thinking_open = True
+        if not self.thinking_text:
+            return specs  # the block says the model thought here; its words are not sent
         delta = {
             "type": "content_block_delta",
             "index": self._open,

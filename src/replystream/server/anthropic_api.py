@@ -178,20 +178,22 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         conversation,
         sampling=sampling_params(_sampling(body), body.max_tokens),
         continuation=_sampling(body).upstream_continue,
-        reasoning=body.shows_thinking and policy.shows_thinking,
+        reasoning=body.thinks and policy.shows_thinking,
         names_stop_sequence=True,  # ``stop_reason: "stop_sequence"`` and its ``stop_sequence``
         relayed=_relayed(conversation, body),
     )
     engine = app[ENGINE_KEY]
     with refusals_naming(_FIELDS):
+        thinking_text = not body.thinking_text_omitted
         if not body.stream:
             estimate = engine.count_tokens(generation.prompt)
-            return await _whole(request, generation, model, estimate, policy)
+            return await _whole(request, generation, model, estimate, policy, thinking_text)
+        count_input = partial(_input_tokens, engine, generation)
         reply = await start_reply(
             request,
             generation,
             endpoint="/v1/messages",
-            fmt=AnthropicStreamFormat(model, partial(_input_tokens, engine, generation)),
+            fmt=AnthropicStreamFormat(model, count_input, thinking_text),
             policy=policy,
             # None: the server's default, as on the other routes.
             resumable=body.replystream.resumable if body.replystream else None,
@@ -229,6 +231,7 @@ async def _whole(
     model: str,
     input_tokens: int,
     policy: DeliveryPolicy,
+    thinking_text: bool,
 ) -> web.StreamResponse:
     reply_id = ids.reply_id()
 
@@ -243,6 +246,7 @@ async def _whole(
             stop_sequence=stop,
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
+            thinking_text=thinking_text,
         )
 
     def moderated(whole: Whole, violation: Violation) -> dict[str, Any]:
@@ -254,6 +258,7 @@ async def _whole(
             usage=whole.usage,
             tool_calls=whole.tool_calls,
             thoughts=whole.thoughts,
+            thinking_text=thinking_text,
         )
         message["replystream_moderation"] = moderated_payload(violation)
         return message

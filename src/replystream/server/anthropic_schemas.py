@@ -203,16 +203,23 @@ class AnthropicToolChoice(Strict):
 class AnthropicThinking(Strict):
     """``thinking``: whether the message shows a reasoning model's thinking (thinking blocks),
     with Anthropic's checks on the budget. ``adaptive`` (the model decides how much to think,
-    with no budget) shows it as ``enabled`` does."""
+    with no budget) shows it as ``enabled`` does. ``display`` says how a thinking block
+    holds it: ``summarized``, its text (here as the model made it: no summary is made);
+    ``omitted``, the blocks with their ``thinking`` empty, as Anthropic's API sends them."""
 
     type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: Annotated[int, Field(ge=1024, le=MAX_TOKENS_LIMIT)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
     @model_validator(mode="after")
     def _budget_when_enabled(self) -> AnthropicThinking:
         if (self.budget_tokens is not None) != (self.type == "enabled"):
             message = 'thinking.budget_tokens is given exactly when thinking.type is "enabled"'
             raise invalid(message, "budget_tokens")  # named inside ``thinking``'s own place
+        if self.display is not None and self.type == "disabled":
+            # As Anthropic's types have it: a disabled thinking has nothing to display.
+            message = 'thinking.display is given only when thinking.type is not "disabled"'
+            raise invalid(message, "display")
         return self
 
 
@@ -276,8 +283,14 @@ class MessagesInput(Strict):
         return self
 
     @property
-    def shows_thinking(self) -> bool:
+    def thinks(self) -> bool:
+        """Whether thinking is on (its blocks shown, their text or not)."""
         return self.thinking is not None and self.thinking.type != "disabled"
+
+    @property
+    def thinking_text_omitted(self) -> bool:
+        """Whether the thinking blocks are sent with their ``thinking`` empty."""
+        return self.thinking is not None and self.thinking.display == "omitted"
 
     @property
     def system_text(self) -> str:
@@ -353,7 +366,7 @@ class MessagesBody(MessagesInput):
         (``temperature`` 1 only, ``top_p`` from 0.95, no ``top_k``), no forced tool use, and
         no reply begun for it (a final assistant message). Its API refuses each; a client
         that sends one here would be refused there."""
-        if not self.shows_thinking:
+        if not self.thinks:
             return self
         if self.temperature is not None and self.temperature != 1:
             raise invalid("temperature may only be set to 1 when thinking is on", "temperature")
