@@ -72,3 +72,31 @@ async def test_errors_on_the_model_routes_are_anthropics_for_its_clients(url: st
             await other.models.retrieve("nope")
     assert openais.value.code == "model_not_found"
     assert "type" not in openais.value.response.json()  # OpenAI's shape: the error alone
+
+
+async def test_the_list_keeps_to_the_lifecycle_stages_asked_for(url: str):
+    """``lifecycle`` (Anthropic's filter, ``lifecycle[]=...`` as the SDK sends it) was
+    ignored: a client asking for retired or deprecated models got the active ones. Every
+    model served here is active, so it is listed when ``active`` is asked or no stage is."""
+    async with sdk(url) as client:
+        pages = {
+            stages: await client.models.list(lifecycle=list(stages))
+            for stages in (("active",), ("deprecated", "active"), ("retired",), ("deprecated",))
+        }
+        past = await client.models.list(lifecycle=["retired"], after_id="alpha", limit=1)
+        with pytest.raises(anthropic.BadRequestError) as unknown:
+            await client.models.list(lifecycle=["beta"])  # type: ignore[list-item]
+        with pytest.raises(anthropic.BadRequestError) as too_many:
+            await client.models.list(lifecycle=["active", "deprecated", "retired", "active"])
+    listed = {stages: [m.id for m in page.data] for stages, page in pages.items()}
+    assert listed == {
+        ("active",): NAMES,
+        ("deprecated", "active"): NAMES,
+        ("retired",): [],
+        ("deprecated",): [],
+    }
+    empty = pages[("retired",)]
+    assert (empty.has_more, empty.first_id, empty.last_id) == (False, None, None)
+    assert (past.data, past.has_more) == ([], False)
+    assert unknown.value.body["error"]["param"] == "lifecycle[0]"  # type: ignore[index]
+    assert too_many.value.body["error"]["param"] == "lifecycle"  # type: ignore[index]

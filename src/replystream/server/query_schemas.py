@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, PlainValidator, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from replystream.engine.base import MAX_TOKENS_LIMIT
@@ -233,10 +240,32 @@ class InputItemsQuery(Query):
 ANTHROPIC_MODELS_PAGE_MAX = 1000  # Anthropic's range for ``limit``: 1 to 1000, 20 by default
 
 
+# Anthropic's lifecycle stages of a model, and how many its filter may name.
+LIFECYCLE_STAGES = ("active", "deprecated", "retired")
+LIFECYCLE_DEFAULT = ("active", "deprecated")  # retired models only when asked for
+
+
+def _lifecycle_stage(raw: Any) -> str:
+    if raw in LIFECYCLE_STAGES:
+        return str(raw)
+    raise PydanticCustomError(
+        "not_a_stage",
+        "must be one of {stages}; got {value}",
+        {"value": _cut(raw), "stages": ", ".join(LIFECYCLE_STAGES)},
+    )
+
+
 class AnthropicModelsQuery(Query):
     """``GET /v1/models`` asked by an Anthropic client: a page of at most ``limit`` models,
-    those after the model ``after_id`` and before the model ``before_id``."""
+    those after the model ``after_id`` and before the model ``before_id``, of the
+    ``lifecycle`` stages named (a list: ``lifecycle[]=...``, as the SDK sends it; up to 3, as
+    Anthropic's API takes them; none: its default, active and deprecated)."""
+
+    list_params: ClassVar[frozenset[str]] = frozenset({"lifecycle"})
 
     after_id: str | None = None
     before_id: str | None = None
     limit: Annotated[int, _digits("limit", 1, ANTHROPIC_MODELS_PAGE_MAX)] = 20
+    lifecycle: Annotated[
+        tuple[Annotated[str, PlainValidator(_lifecycle_stage)], ...], Field(max_length=3)
+    ] = LIFECYCLE_DEFAULT
