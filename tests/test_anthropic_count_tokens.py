@@ -226,6 +226,30 @@ ONE_CALL_ANSWERED_TWICE = [
             "invalid_value",
             "thinking.budget_tokens",
         ),
+        # What Anthropic refuses with thinking on that is the input's own: a forced call, a
+        # reply begun for the model (a count was taken where the message was refused).
+        (
+            {
+                "model": "simulated",
+                "messages": [USER],
+                "tools": TOOLS,
+                "tool_choice": {"type": "any"},
+                "thinking": {"type": "adaptive"},
+            },
+            400,
+            "invalid_value",
+            "tool_choice",
+        ),
+        (
+            {
+                "model": "simulated",
+                "messages": [USER, {"role": "assistant", "content": "It is"}],
+                "thinking": {"type": "adaptive"},
+            },
+            400,
+            "invalid_value",
+            "messages[1]",
+        ),
         (
             {"model": "simulated", "messages": [{"role": "user", "content": "x" * 200}]},
             400,

@@ -282,6 +282,22 @@ class MessagesInput(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _what_thinking_allows_of_the_input(self) -> MessagesInput:
+        """Anthropic's limits on a message's input with thinking on: no forced tool use, and
+        no reply begun for the model (a final assistant message). Its API refuses each; a
+        count takes the input a message would, so it refuses them as the message does."""
+        if not self.thinks:
+            return self
+        if self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
+            message = "thinking may not be on when tool_choice forces tool use"
+            raise invalid(message, "tool_choice")
+        last = len(self.messages) - 1
+        if self.messages[last].role == "assistant":
+            message = "a reply may not be begun (a final assistant message) when thinking is on"
+            raise invalid(message, f"messages[{last}]")
+        return self
+
     @property
     def thinks(self) -> bool:
         """Whether thinking is on (its blocks shown, their text or not)."""
@@ -362,10 +378,10 @@ class MessagesBody(MessagesInput):
 
     @model_validator(mode="after")
     def _what_thinking_allows(self) -> MessagesBody:
-        """Anthropic's limits on a message with thinking: its sampling is the model's own
-        (``temperature`` 1 only, ``top_p`` from 0.95, no ``top_k``), no forced tool use, and
-        no reply begun for it (a final assistant message). Its API refuses each; a client
-        that sends one here would be refused there."""
+        """Anthropic's limits on a message's sampling with thinking on: the model's own
+        (``temperature`` 1 only, ``top_p`` from 0.95, no ``top_k``); its input's are
+        ``MessagesInput``'s. Its API refuses each; a client that sends one here would be
+        refused there."""
         if not self.thinks:
             return self
         if self.temperature is not None and self.temperature != 1:
@@ -377,13 +393,6 @@ class MessagesBody(MessagesInput):
             raise invalid("top_k may not be set when thinking is on", "top_k")
         if self.replystream is not None and self.replystream.top_k is not None:
             raise invalid("top_k may not be set when thinking is on", "replystream.top_k")
-        if self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
-            message = "thinking may not be on when tool_choice forces tool use"
-            raise invalid(message, "tool_choice")
-        last = len(self.messages) - 1
-        if self.messages[last].role == "assistant":
-            message = "a reply may not be begun (a final assistant message) when thinking is on"
-            raise invalid(message, f"messages[{last}]")
         return self
 
     @model_validator(mode="after")
