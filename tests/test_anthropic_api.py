@@ -171,6 +171,11 @@ async def test_keys_are_read_from_x_api_key_and_errors_are_the_sdks_own_classes(
         ({**ASK, "stop_sequences": ["end", "\n\t "]}, "stop_sequences[1]"),
         ({**ASK, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
         ({**ASK, "service_tier": "priority"}, "service_tier"),
+        # Anthropic's tool_choice none is its type alone: no tool is called, none in parallel.
+        (
+            {**ASK, "tool_choice": {"type": "none", "disable_parallel_tool_use": True}},
+            "tool_choice.disable_parallel_tool_use",
+        ),
         # The API's own fields under their extension names too: one of the two would be
         # ignored.
         (

@@ -197,6 +197,10 @@ class AnthropicToolChoice(Strict):
         if (self.name is not None) != (self.type == "tool"):
             message = 'tool_choice names a tool exactly when its type is "tool"'
             raise invalid(message, "tool_choice")
+        if self.type == "none" and self.disable_parallel_tool_use is not None:
+            # Anthropic's ``none`` is its type alone, and its API refuses any other field.
+            message = 'disable_parallel_tool_use is not taken with tool_choice "none"'
+            raise invalid(message, "disable_parallel_tool_use")
         return self
 
 
