@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from replystream.delivery.moderation import RegexCheck
+from replystream.delivery.moderation import MAX_TENTATIVE_CHARS, Check, Finding, RegexCheck
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.reply_script import parse_reply_script
 from replystream.engine.simulated import SimulatedConfig, simulated_engine
@@ -188,3 +188,40 @@ async def test_a_word_a_token_begins_inside_is_not_shown_in_its_log_probability(
     assert released == [moderation]
     assert moderation["released_chars"] == len("I am your ")
     assert moderation["released_tokens"] == 1
+
+
+class CountedCheck:
+    """A check that counts the characters it is given to read, from where it may begin."""
+
+    def __init__(self, check: Check) -> None:
+        self.name = check.name
+        self.context_chars = check.context_chars
+        self._check = check
+        self.read = 0
+
+    def find(self, text: str, start: int = 0) -> Finding | None:
+        self.read += len(text) - start
+        return self._check.find(text, start)
+
+
+@pytest.mark.parametrize("pattern", [r"\bsk-[A-Za-z0-9_-]{20,}", r"[A-Za-z0-9]{32,}"])
+async def test_a_match_that_keeps_growing_is_final_at_its_length_limit(pattern: str):
+    # A key written on and on stays a possible match that the next text might undo: read
+    # again from its start with every token, a run of thousands of letters cost a reply its
+    # square (a pattern matching at every later place of the run, its cube: seconds of the
+    # event loop for a few thousand tokens). Past its limit it is final: the reply is
+    # stopped there, and each token's reading stays within the limit.
+    pieces = ["Here is ", "sk-", *["abcd"] * 2_000, " done."]
+    script = parse_reply_script([{"text": text} for text in pieces])
+    engine = simulated_engine(SimulatedConfig(delay_ms=0, jitter_ms=0, script=script))
+    check = CountedCheck(RegexCheck({"key": pattern}, name="regex"))
+    policy = DeliveryPolicy(holdback_tokens=0, checks=(check,))
+    route = "/v1/chat/completions"
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        body = await whole(f"{url}{route}", ask(route, False))
+    assert body["choices"][0]["finish_reason"] == "content_filter"
+    assert "abcd" * 10 not in body["choices"][0]["message"]["content"]
+    # Stopped within the limit's worth of tokens, the engine with it.
+    assert body["usage"]["completion_tokens"] <= 2 + MAX_TENTATIVE_CHARS // 4 + 2
+    tokens = body["usage"]["completion_tokens"]
+    assert check.read <= tokens * (MAX_TENTATIVE_CHARS + check.context_chars + 16)

@@ -31,6 +31,11 @@ from replystream.engine.stops import StopHit, StopScan
 
 # Alternatives' verdicts kept per reply: a few thousand distinct tokens at most, in practice.
 MAX_ALTERNATIVES_KEPT = 4096
+# The longest a tentative match may grow before it is taken as final. Each token reads a
+# tentative match again from its start, so one that kept growing (a key written on and on,
+# ``\bsk-[A-Za-z0-9_-]{20,}`` over a run of 40,000 letters) cost every token its whole
+# length: a reply's square. No match a model's word split leaves in doubt is this long.
+MAX_TENTATIVE_CHARS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,9 +401,14 @@ class HoldBack:
         finds. The tail keeps one character more than any check reads: every check starts
         after that character and may look back at it, so a pattern's ``\\b`` or ``^`` never
         takes the tail's cut for the start of a word or of the reply (``sk-...`` cut out of
-        ``task-...``). A tentative match found last time is read again from its start,
-        however far back that is (its text has not been released): the new text decides it.
-        After a tentative match, a check reads on for a final one that begins later.
+        ``task-...``). A tentative match found last time is read again from its start
+        (its text has not been released): the new text decides it, or its length does (one
+        longer than ``MAX_TENTATIVE_CHARS`` is final). A check's own final match behind its
+        tentative one is found once that one is decided, nothing from its start leaving
+        meanwhile: reading on past it at once found a tentative match at every later place
+        of a long run (``[A-Za-z0-9]{32,}``), each read to the run's end, a token's work the
+        cube of the run's length. Another check's final match behind it stops the text at
+        the tentative start.
         """
         tail = len(self._tail)
         end = self._held_chars if end is None else end
@@ -413,15 +423,14 @@ class HoldBack:
         tentative: Finding | None = None
         for check, start in zip(self._checks, starts, strict=True):
             finding = check.find(text, start - offset)
-            while finding is not None and finding.tentative:
-                if tentative is None or finding.start < tentative.start - offset:
-                    tentative = replace(
-                        finding, start=offset + finding.start, end=offset + finding.end
-                    )
-                if first is not None and finding.start >= first.start - offset:
-                    finding = None  # nothing later can come first
-                else:
-                    finding = check.find(text, finding.start + 1)
+            if finding is not None and finding.tentative:
+                if finding.end - finding.start <= MAX_TENTATIVE_CHARS:
+                    if tentative is None or finding.start < tentative.start - offset:
+                        tentative = replace(
+                            finding, start=offset + finding.start, end=offset + finding.end
+                        )
+                    continue
+                finding = replace(finding, tentative=False)
             if finding is not None and (first is None or finding.start < first.start - offset):
                 first = replace(finding, start=offset + finding.start, end=offset + finding.end)
         if tentative is not None and first is not None and tentative.start >= first.start:
