@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from operator import not_
 
 import pytest
@@ -17,6 +18,7 @@ from replystream.delivery.moderation import BannedPhrases, HoldBack
 from replystream.delivery.pipeline import ReplyPipeline
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.base import Delta
+from replystream.engine.stops import StopScan
 from replystream.server.buffered import WHOLE_REPLY
 
 # A small alphabet, so stop strings and their prefixes turn up often in random text.
@@ -221,3 +223,45 @@ def test_a_token_with_no_text_of_its_own_is_counted_with_the_next_text(stops: li
     tokens = [(d["text"], d["tokens"]) for d in data if d["event"] == "token"]
     assert tokens == [("caf", 1), ("\u00e9 au", 2), (" lait", 1)]
     assert pipeline.tokens == 5
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.text(alphabet="ab", max_size=6), max_size=12),
+    st.lists(st.text(alphabet="ab", min_size=1, max_size=12), min_size=1, max_size=4),
+)
+def test_a_scan_finds_the_first_stop_and_withholds_the_shortest_tail(
+    pieces: list[str], stops: list[str]
+) -> None:
+    # Two letters and stop strings longer than the pieces: partial matches that break off
+    # and fall back to a shorter start of the string, across piece edges, all the time.
+    scan = StopScan(stops)
+    so_far = ""
+    for piece in pieces:
+        hit = scan.feed(piece)
+        so_far += piece
+        before, stop = cut_before_first_stop(so_far, stops)
+        if stop is not None:
+            assert hit == (len(before), stop)
+            return
+        assert hit is None and scan.keep == could_begin_a_stop(so_far, stops)
+
+
+def scan_seconds(stops: list[str], pieces: list[str]) -> float:
+    """CPU seconds a scan takes over ``pieces``, none of which completes a stop string."""
+    scan = StopScan(stops)
+    began = time.process_time()
+    for piece in pieces:
+        assert scan.feed(piece) is None
+    return time.process_time() - began
+
+
+def test_a_long_stop_string_costs_a_piece_what_a_short_one_does():
+    # Found again in a window as long as itself, a stop string of 40,000 characters cost
+    # each token 40,000 characters of search; text that kept matching its start, then
+    # broke off, cost the square of that (each shorter start tried, each copied).
+    words = ["word "] * 20_000
+    assert scan_seconds(["zq" * 20_000], words) < 3 * scan_seconds(["zqzq"], words) + 0.05
+    starts = (["ab"] * 20_000 + ["?"]) * 2
+    long_start = scan_seconds(["ab" * 20_000 + "!"], starts)
+    assert long_start < 3 * scan_seconds(["ab!"], starts) + 0.05
