@@ -27,8 +27,6 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -49,6 +47,7 @@ from replystream.delivery.policy import (
 )
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED, MIN_SEED
+from replystream.server.json_schemas import schema_problem
 
 MAX_TAG_CHARS = 128
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
@@ -216,11 +215,10 @@ def _json_schema(value: Any) -> dict[str, Any]:
     """A JSON Schema (checked against the 2020-12 meta-schema), as a function's parameters."""
     if not isinstance(value, dict):
         raise unfit("must be a JSON Schema object")
-    try:
-        Draft202012Validator.check_schema(value)
-    except SchemaError as exc:
-        where = "/".join(str(part) for part in exc.path) or "the top"
-        raise unfit(f"is not a valid JSON Schema (at {where}: {exc.message[:200]})") from None
+    problem = schema_problem(value)
+    if problem is not None:
+        where, wrong = problem
+        raise unfit(f"is not a valid JSON Schema (at {where or 'the top'}: {wrong})")
     return value
 
 
