@@ -14,16 +14,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from replystream.delivery.tool_calls import ToolCall
+from replystream.delivery.tool_calls import Fragments, ToolCall
 
 
-@dataclass(slots=True)
 class Thought:
     """One stretch of thinking, and where in the reply it began."""
 
-    text: str
-    text_at: int = 0  # characters of the reply's text made before it began
-    calls_before: int = 0  # tool calls begun before it
+    __slots__ = ("_text", "calls_before", "text_at")
+
+    def __init__(self, text: str, text_at: int = 0, calls_before: int = 0) -> None:
+        self._text = Fragments(text)  # a reasoning model's thinking comes in thousands
+        self.text_at = text_at  # characters of the reply's text made before it began
+        self.calls_before = calls_before  # tool calls begun before it
+
+    @property
+    def text(self) -> str:
+        return self._text.text()
+
+    def add(self, piece: str) -> None:
+        self._text.add(piece)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Thought):
+            return NotImplemented
+        mine = (self.text, self.text_at, self.calls_before)
+        return mine == (other.text, other.text_at, other.calls_before)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it was
+
+    def __repr__(self) -> str:
+        return f"Thought({self.text!r}, {self.text_at!r}, {self.calls_before!r})"
 
 
 @dataclass(slots=True)
@@ -37,7 +57,7 @@ class Thoughts:
         """Take one piece; return its stretch, and whether the piece began it."""
         if self._open:
             last = self.stretches[-1]
-            last.text += piece
+            last.add(piece)
             return last, False
         stretch = Thought(piece, text_at, calls_before)
         self.stretches.append(stretch)

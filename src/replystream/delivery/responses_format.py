@@ -62,6 +62,7 @@ events repeat. It must not know about sockets, tasks or stores.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,7 @@ class ResponsesStreamFormat:
     _reply_id: str = ""
     _next: int = 0  # the next spec's sequence number (its number in the log, less one)
     _text: list[str] = field(default_factory=list)
+    _text_counted: tuple[int, int] = (0, 0)  # (pieces of ``_text`` counted, their characters)
     _delta_head: str = ""  # a text delta's JSON up to its number, for the open message
     _refused: bool = False  # the text is a refusal (``refusing``): its messages say so
     _calls: ToolCalls = field(default_factory=ToolCalls)
@@ -258,7 +260,7 @@ class ResponsesStreamFormat:
         specs: list[Spec] = []
         if call is None:  # a new call: close the item open now, then add a function_call item
             specs = self._opened() + self._close_open("completed")
-            call = self._calls.add(piece, sum(map(len, self._text)))
+            call = self._calls.add(piece, self._text_chars())
             self._call_index[call.index] = self._items
             self._items += 1
             self._open_call = call
@@ -294,7 +296,7 @@ class ResponsesStreamFormat:
         specs: list[Spec] = []
         if self._open_thought is None:  # close the item open now, then add a reasoning item
             specs = self._opened() + self._close_open("completed")
-        text_at = sum(map(len, self._text))
+        text_at = self._text_chars()
         stretch, began = self._thoughts.add(thought, text_at, len(self._calls.calls))
         if began:
             output_index = self._items
@@ -319,6 +321,17 @@ class ResponsesStreamFormat:
         }
         specs.append(self._event("response.reasoning_text.delta", {**where, "delta": thought}))
         return specs
+
+    def _text_chars(self) -> int:
+        """The characters of text so far, each piece counted once. Summed whole at each
+        piece of thinking, the text before a long thought cost each of its pieces all of
+        that text; counted here rather than as each piece of text comes, the text's own
+        path (every token's) does no more than before."""
+        counted, chars = self._text_counted
+        if counted < len(self._text):
+            chars += sum(map(len, itertools.islice(self._text, counted, None)))
+            self._text_counted = len(self._text), chars
+        return chars
 
     def _held(self) -> list[Spec]:
         """The events of every piece still held for a call's arguments: the response ends."""

@@ -20,15 +20,62 @@ from pydantic_core import from_json
 from replystream.engine.base import ToolCallDelta
 
 
-@dataclass(slots=True)
+class Fragments:
+    """Text that grows by fragments (a call's arguments, a stretch of thinking), joined when
+    read. Each fragment appended to one string copied all the text before it: a call's
+    arguments and a stretch of thinking of 160,000 fragments each (a file of 640 KB that a
+    tool writes) took 3.0 s of the event loop, 19 times what 40,000 took."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, text: str = "") -> None:
+        self._parts = [text] if text else []
+
+    def add(self, fragment: str) -> None:
+        self._parts.append(fragment)
+
+    def text(self) -> str:
+        """All the fragments so far, joined (once: a later read costs nothing more)."""
+        parts = self._parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+
 class ToolCall:
     """One whole tool call: its id, the function's name, and its arguments (JSON text)."""
 
-    index: int
-    id: str
-    name: str
-    arguments: str = ""
-    text_at: int = 0  # characters of the reply's text made before the call began
+    __slots__ = ("_arguments", "id", "index", "name", "text_at")
+
+    def __init__(
+        self, index: int, id: str, name: str, arguments: str = "", text_at: int = 0
+    ) -> None:
+        self.index = index
+        self.id = id
+        self.name = name
+        self._arguments = Fragments(arguments)
+        self.text_at = text_at  # characters of the reply's text made before the call began
+
+    @property
+    def arguments(self) -> str:
+        return self._arguments.text()
+
+    def add_arguments(self, fragment: str) -> None:
+        self._arguments.add(fragment)
+
+    def _fields(self) -> tuple[int, str, str, str, int]:
+        return self.index, self.id, self.name, self.arguments, self.text_at
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ToolCall):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it was
+
+    def __repr__(self) -> str:
+        index, id_, name, arguments, text_at = self._fields()
+        return f"ToolCall({index!r}, {id_!r}, {name!r}, {arguments!r}, text_at={text_at!r})"
 
     def parsed_arguments(self) -> Any:
         """The arguments as a JSON value (an empty string is ``{}``, as a call without
@@ -80,7 +127,7 @@ class ToolCalls:
             # Some servers repeat the id or name on later pieces: the first one stands.
             call.id = call.id or piece.id or ""
             call.name = call.name or piece.name or ""
-        call.arguments += piece.arguments
+        call.add_arguments(piece.arguments)
         return call
 
     def whole(self) -> tuple[ToolCall, ...]:
