@@ -15,8 +15,13 @@ one line. asyncio's own server pauses too, but logs a traceback for each accept 
 meanwhile (it goes on through its backlog after the first fails, and schedules a restart for
 each): tens of thousands of lines in a few seconds of shortage, so the server uses this one
 on asyncio's loop as well. A connection that fails before it is handed over is
-closed; one accepted before the server closes is still handed over. It must not know about
-HTTP.
+closed; one accepted before the server closes is still handed over.
+
+Each connection is set up for a stream to a client over a real network: no Nagle delay on
+small writes (``TCP_NODELAY``), and, given ``unacknowledged_s``, a bound on how long what it
+sends may go unacknowledged before the kernel drops it (``TCP_USER_TIMEOUT``): a client gone
+without a FIN or a reset is then lost as one that closed, instead of after the quarter of an
+hour of the system's retries. It must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from collections.abc import Callable
 log = logging.getLogger("replystream.server")
 
 ACCEPT_RETRY_S = 1.0  # asyncio's own pause when accept() runs out of a resource
+# Linux's (and Android's); elsewhere a vanished peer is left to the system's own retries.
+TCP_USER_TIMEOUT: int | None = getattr(socket, "TCP_USER_TIMEOUT", None)
 OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -44,11 +51,19 @@ class BatchAcceptingServer(asyncio.AbstractServer):
         sock: socket.socket,
         factory: Callable[[], asyncio.Protocol],
         backlog: int,
+        unacknowledged_s: float | None = None,
     ) -> None:
         self._loop = loop
         self._sock = sock
         self._factory = factory
         self._backlog = backlog  # every connection the kernel may hold, in one turn
+        # How long what a connection sends may stay unacknowledged before the kernel drops
+        # it (None: as long as the system's retries last, a quarter of an hour on Linux).
+        self._user_timeout_ms = (
+            None
+            if unacknowledged_s is None or TCP_USER_TIMEOUT is None
+            else max(1, round(unacknowledged_s * 1000))
+        )
         self._handing: set[asyncio.Task[None]] = set()  # connections not handed over yet
         self._clients: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()  # handed over
         self._paused: asyncio.TimerHandle | None = None
@@ -77,6 +92,8 @@ class BatchAcceptingServer(asyncio.AbstractServer):
         conn.setblocking(False)
         if conn.family in (socket.AF_INET, socket.AF_INET6):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._user_timeout_ms is not None and TCP_USER_TIMEOUT is not None:
+                conn.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, self._user_timeout_ms)
         task = self._loop.create_task(self._connect(conn))
         self._handing.add(task)
         task.add_done_callback(self._handing.discard)

@@ -409,13 +409,21 @@ class Connection(RequestHandler):
 
 class GuardedSockSite(web.SockSite):
     """A listening site whose connections are ``Connection``s sharing one set of header
-    deadlines."""
+    deadlines (and, given ``unacknowledged_s``, dropped by the kernel when what they send
+    goes unacknowledged that long: see ``accepting``)."""
 
     def __init__(
-        self, runner: web.BaseRunner, sock: object, *, header_timeout_s: float, backlog: int
+        self,
+        runner: web.BaseRunner,
+        sock: object,
+        *,
+        header_timeout_s: float,
+        backlog: int,
+        unacknowledged_s: float | None = None,
     ) -> None:
         super().__init__(runner, sock, backlog=backlog)  # type: ignore[arg-type]
         self.deadlines = HeaderDeadlines(header_timeout_s)
+        self._unacknowledged_s = unacknowledged_s
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
@@ -428,7 +436,9 @@ class GuardedSockSite(web.SockSite):
         def connection() -> asyncio.Protocol:
             return Connection(server, loop=loop, deadlines=self.deadlines, **options)
 
-        self._server = BatchAcceptingServer(loop, self._sock, connection, self._backlog)
+        self._server = BatchAcceptingServer(
+            loop, self._sock, connection, self._backlog, self._unacknowledged_s
+        )
 
     async def stop(self) -> None:
         self.deadlines.close()

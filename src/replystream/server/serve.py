@@ -24,6 +24,7 @@ from replystream.server.context import CONFIG_KEY, MANAGER_KEY
 from replystream.server.listening import LISTEN_BACKLOG, bind_socket, listening_lines, url_of
 from replystream.server.listening import announce as announce_lines
 from replystream.server.server_config import ServerConfig
+from replystream.server.socket_room import unacknowledged_limit_s
 
 log = logging.getLogger("replystream.server")
 
@@ -101,7 +102,11 @@ async def serving(
     sock = sock if sock is not None else bind_socket(host, port)
     try:
         site = GuardedSockSite(
-            runner, sock, header_timeout_s=config.guard.header_timeout_s, backlog=LISTEN_BACKLOG
+            runner,
+            sock,
+            header_timeout_s=config.guard.header_timeout_s,
+            backlog=LISTEN_BACKLOG,
+            unacknowledged_s=unacknowledged_limit_s(config.policy.slow_client_s),
         )
         await site.start()
         yield RunningServer(app, runner, site, url_of(sock), sock)

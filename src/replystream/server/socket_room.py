@@ -15,6 +15,7 @@ import asyncio
 from aiohttp.base_protocol import BaseProtocol
 
 WRITE_OVERHEAD = 8 * 1024  # room for what a write may add: headers, chunk or frame headers
+LAST_WORDS_S = 5.0  # how long a cut socket's final bytes (an event, a close frame) may take
 
 
 class SocketRoom:
@@ -44,6 +45,18 @@ class SocketRoom:
             and not transport.is_closing()
             and transport.get_write_buffer_size() < self._high_water
         )
+
+
+def unacknowledged_limit_s(slow_client_s: float) -> float:
+    """How long bytes sent to a client may wait for its acknowledgement before the kernel
+    drops the connection (``TCP_USER_TIMEOUT``): a peer gone without a FIN or a reset (a
+    phone in a tunnel, a host switched off) acknowledges nothing, and the server's own
+    limits cannot see it while the kernel's buffer still takes what it is sent (a reply at
+    a few tokens a second fills it in minutes, keep-alive comments never). As long as a
+    slow client is given, and its last words after: a client that stopped reading answers
+    the kernel's probes, but Linux counts a window kept shut that long too, and must not cut
+    it before the server's own limit does, with its ``slow_client`` event."""
+    return slow_client_s + LAST_WORDS_S
 
 
 def abort_later(transport: asyncio.WriteTransport, delay_s: float) -> None:

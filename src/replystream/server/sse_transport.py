@@ -20,10 +20,8 @@ from replystream.delivery.formats import KEEPALIVE, Notices
 from replystream.delivery.frame_transport import Ending
 from replystream.delivery.replay import LogEntry
 from replystream.server.front_door import SentLater
-from replystream.server.socket_room import SocketRoom, abort_later
+from replystream.server.socket_room import LAST_WORDS_S, SocketRoom, abort_later
 from replystream.sse import encode_data
-
-LAST_WORDS_S = 5.0  # how long a cut stream's final event may take to leave
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",

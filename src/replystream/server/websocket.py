@@ -82,10 +82,9 @@ from replystream.server.openai_api import routed_model
 from replystream.server.refusal_names import refusals_naming
 from replystream.server.replies import Reply, ReplyManager
 from replystream.server.socket_messages import BadMessage, auth_key, parse_message
-from replystream.server.socket_room import abort_later
+from replystream.server.socket_room import LAST_WORDS_S, abort_later
 from replystream.server.ws_transport import (
     CLOSE_PROTOCOL_ERROR,
-    LAST_WORDS_S,
     MaskedFramesOnly,
     SocketKeepalive,
     WebSocketTransport,

@@ -37,9 +37,8 @@ from aiohttp import web
 from replystream.delivery.formats import json_string
 from replystream.delivery.frame_transport import Ending
 from replystream.delivery.replay import LogEntry
-from replystream.server.socket_room import SocketRoom, abort_later
+from replystream.server.socket_room import LAST_WORDS_S, SocketRoom, abort_later
 
-LAST_WORDS_S = 5.0  # how long a cut socket's final frames may take to leave
 CLOSE_POLICY = 1008  # the client broke a rule of ours (it did not read)
 CLOSE_PROTOCOL_ERROR = 1002  # the client broke RFC 6455's
 MAX_FRAME_HEAD = 14  # two bytes, a 64-bit length, a 4-byte mask key (RFC 6455 5.2)
