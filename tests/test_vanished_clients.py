@@ -108,6 +108,23 @@ async def test_a_stream_whose_client_went_silent_is_stopped_within_the_slow_clie
     assert elapsed < BOUND_S + (1.0 if resumable else 0.0), elapsed
 
 
+async def test_a_reply_not_streamed_whose_client_went_silent_is_stopped_within_the_limit():
+    # Nothing is sent until the whole reply is made, so nothing goes unacknowledged: only
+    # the kernel's keep-alive probes, unanswered, tell that the client is gone.
+    engine = trickling_engine()
+    with client_namespace() as ns:
+        app = create_app(engine, config())
+        async with running(app, host=ns.server_ip) as url:
+            _, writer = await post_stream(ns, url, {"prompt": "x", "stream": False})
+            await wait_for(lambda: engine.stats().steps > 0)
+            await ns.blackout()
+            elapsed = await stopped_within(engine, time.monotonic())
+            writer.transport.abort()
+            await wait_for(lambda: not len(app[MANAGER_KEY]))
+    assert engine.stats().cancelled == 1
+    assert elapsed < BOUND_S, elapsed
+
+
 async def test_a_websocket_whose_client_went_silent_mid_reply_is_cut_within_the_limits():
     # The docs' bound for a WebSocket that is gone: keep-alive x 1.25 + slow-client-s after
     # the last frame when idle, sooner while replies are sent. Replies being sent fill no

@@ -19,9 +19,11 @@ closed; one accepted before the server closes is still handed over.
 
 Each connection is set up for a stream to a client over a real network: no Nagle delay on
 small writes (``TCP_NODELAY``), and, given ``unacknowledged_s``, a bound on how long what it
-sends may go unacknowledged before the kernel drops it (``TCP_USER_TIMEOUT``): a client gone
-without a FIN or a reset is then lost as one that closed, instead of after the quarter of an
-hour of the system's retries. It must not know about HTTP.
+sends may go unacknowledged before the kernel drops it (``TCP_USER_TIMEOUT``), with
+keep-alive probes (``SO_KEEPALIVE``) so that the bound holds for a connection with nothing
+to send too (a request waiting for a reply that is not streamed): a client gone without a
+FIN or a reset is then lost as one that closed, instead of after the quarter of an hour of
+the system's retries, or never. It must not know about HTTP.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ log = logging.getLogger("replystream.server")
 ACCEPT_RETRY_S = 1.0  # asyncio's own pause when accept() runs out of a resource
 # Linux's (and Android's); elsewhere a vanished peer is left to the system's own retries.
 TCP_USER_TIMEOUT: int | None = getattr(socket, "TCP_USER_TIMEOUT", None)
+TCP_KEEPIDLE: int | None = getattr(socket, "TCP_KEEPIDLE", None)
+# Keep-alive probes on a silent connection, this many to the limit: the kernel drops it at
+# the first probe due once the peer has been silent for the limit.
+PROBES_PER_LIMIT = 3
 OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -63,6 +69,13 @@ class BatchAcceptingServer(asyncio.AbstractServer):
             None
             if unacknowledged_s is None or TCP_USER_TIMEOUT is None
             else max(1, round(unacknowledged_s * 1000))
+        )
+        # And the period of the kernel's keep-alive probes (whole seconds), which a silent
+        # connection needs for the same limit to apply: one waiting for a reply not streamed.
+        self._probe_s = (
+            None
+            if unacknowledged_s is None or TCP_KEEPIDLE is None
+            else max(1, int(unacknowledged_s / PROBES_PER_LIMIT))
         )
         self._handing: set[asyncio.Task[None]] = set()  # connections not handed over yet
         self._clients: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()  # handed over
@@ -94,6 +107,10 @@ class BatchAcceptingServer(asyncio.AbstractServer):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._user_timeout_ms is not None and TCP_USER_TIMEOUT is not None:
                 conn.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, self._user_timeout_ms)
+                if self._probe_s is not None and TCP_KEEPIDLE is not None:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    conn.setsockopt(socket.IPPROTO_TCP, TCP_KEEPIDLE, self._probe_s)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self._probe_s)
         task = self._loop.create_task(self._connect(conn))
         self._handing.add(task)
         task.add_done_callback(self._handing.discard)

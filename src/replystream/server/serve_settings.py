@@ -305,8 +305,9 @@ DELIVERY = Group(
         Setting(
             "--slow-client-s",
             "cut a stream whose socket has not drained for this long; a connection whose client "
-            "acknowledges nothing sent to it for this long plus 5 s is dropped (a peer gone "
-            "without closing, or whose receive window stays shut)",
+            "acknowledges nothing sent to it (nor the kernel's keep-alive probes) for this "
+            "long plus 5 s is dropped (a peer gone without closing, or whose receive window "
+            "stays shut)",
             positive_float,
             fills=(DeliveryPolicy, "slow_client_s"),
         ),
