@@ -65,7 +65,9 @@ async def chromium() -> AsyncIterator[Browser]:
 
 
 class LoopbackProxy:
-    """A TCP proxy on loopback in front of ``upstream``; `cut` drops every open connection.
+    """A TCP proxy on loopback in front of ``upstream``; `cut` drops every open connection,
+    `stall` leaves them open but passes nothing more on them (a path that lost them: the
+    peer gone into a tunnel, a NAT that forgot the flow).
 
     It also keeps the bytes each client sent, so a test can see the requests the browser made
     (the headers of a reconnect, for instance).
@@ -75,6 +77,7 @@ class LoopbackProxy:
         self._upstream = (upstream_host, upstream_port)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._stalled: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent = bytearray()
         self.url = ""
@@ -100,6 +103,11 @@ class LoopbackProxy:
             writer.transport.abort()
         self._writers.clear()
 
+    def stall(self) -> None:
+        """Pass nothing more on the connections open now, either way, and keep them open;
+        new ones pass freely."""
+        self._stalled |= self._writers
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._upstream)
@@ -120,6 +128,7 @@ class LoopbackProxy:
                 self._tasks.discard(pipe)
             for end in (writer, up_writer):
                 self._writers.discard(end)
+                self._stalled.discard(end)
                 end.transport.abort()
 
     async def _pipe(
@@ -127,6 +136,8 @@ class LoopbackProxy:
     ) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             while chunk := await reader.read(65536):
+                if writer in self._stalled:
+                    continue  # read and dropped: the sender is not held up, nothing arrives
                 if record:
                     self.sent += chunk
                 writer.write(chunk)

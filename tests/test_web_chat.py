@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import aiohttp
 import pytest
 
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.simulated import split_words
 from replystream.engine.tiny import load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
@@ -207,6 +208,30 @@ async def test_dropped_connection_is_resumed_without_repeating_the_prompt(browse
             assert re.search(r"\r\nlast-event-id: \d+\r\n", sent)
             assert "reconnecting…" in await page.evaluate("statusSeen")
             assert await page.text_content("#status") == ""
+
+
+async def test_a_connection_gone_silent_is_resumed_after_three_keepalive_periods(
+    browser: Browser,
+):
+    # The path loses the connection without closing it (a phone in a tunnel): no byte comes,
+    # and a browser's read never ends by itself. The server's keep-alives keep a live
+    # stream busy, so three of them missed is a dropped connection, resumed as a reset one.
+    engine = TimedEngine(fast_engine(delay_ms=40.0, jitter_ms=5.0))
+    config = ServerConfig(policy=DeliveryPolicy(keepalive_s=0.5))
+    async with running(create_app(engine, config)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        async with LoopbackProxy(host, int(port)) as proxy:
+            page = await open_page(browser, proxy.url)
+            await set_delivery(page, max_tokens=60)
+            await send(page, "Keep going.")
+            await words_shown(page, "stream", 10)
+            proxy.stall()
+            await wait_state(page, "stream", "cut")
+            assert await shown_text(page, "stream") == reply_text(engine, 60)
+            assert engine.stats().started == 1  # resumed, never asked again
+            sent = proxy.sent.decode("latin-1").lower()
+            assert re.search(r"get /v1/replies/[^/ ]+/stream http/1.1\r\n", sent)
+            assert re.search(r"\r\nlast-event-id: \d+\r\n", sent)
 
 
 # Records each refusal of the page's content security policy, from the page's first script on.

@@ -12,7 +12,9 @@ requests it makes (to send the API key the settings keep elsewhere, say).
 
 The chat page's delivery fields say, empty, what the server does when a request leaves them
 out: the page is rendered once, as the application is made, with this server's defaults in
-their placeholders, and served from memory with an ETag of its bytes.
+their placeholders, and served from memory with an ETag of its bytes. It is told the server's
+keep-alive period too (``<meta name="keepalive-s">``, 0: none), after three of which with no
+byte a stream counts as dropped.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def delivery_placeholders(policy: DeliveryPolicy) -> dict[str, str]:
         "batch_ms": "none" if policy.batch_ms is None else f"{policy.batch_ms:g}",
         "holdback_tokens": str(policy.holdback_tokens),
     }
+
+
+def render_keepalive(page: str, policy: DeliveryPolicy) -> str:
+    """``page`` with its ``keepalive-s`` meta saying ``policy``'s period (0: none)."""
+    seconds = 0.0 if policy.keepalive_s is None else policy.keepalive_s
+    field = re.compile(r'(<meta name="keepalive-s" content=")[^"]*(")')
+    page, found = field.subn(rf"\g<1>{seconds:g}\g<2>", page)
+    if found != 1:
+        raise ValueError(f"the page has {found} keepalive-s metas")
+    return page
 
 
 def render_placeholders(page: str, placeholders: dict[str, str]) -> str:
@@ -128,6 +140,7 @@ def add_page_routes(app: web.Application, policy: DeliveryPolicy) -> None:
         path = WEB_DIR / name
         if name == "index.html":
             page = render_placeholders(path.read_text("utf-8"), delivery_placeholders(policy))
+            page = render_keepalive(page, policy)
             handler = _rendered_handler(path, page)
         else:
             handler = _file_handler(path)

@@ -34,6 +34,8 @@ const TOO_LONG = new Set(['context_length_exceeded', 'prompt_too_long']);
 // page cannot send; the page sends the key from its settings.
 const KEY_NOTE = ' The key goes in Delivery → API key.';
 const withKeyNote = (message, code) => (code === 'invalid_api_key' ? message + KEY_NOTE : message);
+// The server's keep-alive period, which the page is rendered with (0: it sends none).
+const KEEPALIVE_S = Number(document.querySelector('meta[name="keepalive-s"]')?.content) || 0;
 
 function formatMs(ms) {
   if (ms === null) return '—';
@@ -282,7 +284,7 @@ async function exchange(turn) {
       if (message) turn.stream.setState('reconnecting');
       else if (turn.stream.root.dataset.state === 'reconnecting') turn.stream.setState('streaming');
     },
-  }, { apiKey: key });
+  }, { apiKey: key, keepaliveS: KEEPALIVE_S });
   const waitAbort = new AbortController();
   turn.active = { stream, waitAbort, key };
 

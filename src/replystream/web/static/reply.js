@@ -11,6 +11,10 @@
 // 3. Stop cancels the work on the server, not just the local read: a resumable reply keeps
 //    generating when its reader leaves, so aborting the fetch is followed by an explicit
 //    POST /v1/replies/{id}/cancel.
+// 4. A connection that carries no byte for IDLE_KEEPALIVES of the server's keep-alive periods
+//    is dropped too: the path lost it without closing it (a phone in a tunnel, a NAT that
+//    forgot the flow), and a browser's read would wait for ever; a live stream is never that
+//    quiet (replystream.client.resume's idle timeout, the same three periods).
 // It must not know about the page: the caller gets text and status through callbacks.
 
 import { SSEParser } from './sse.js';
@@ -19,6 +23,8 @@ import { SSEParser } from './sse.js';
 export const BACKOFF = { baseMs: 300, maxMs: 8000, attempts: 8 };
 // In-band errors about one connection, not the reply (replystream.client.resume's too).
 export const RESUMABLE_CUTS = new Set(['slow_client', 'shutdown']);
+// Keep-alive periods with no byte after which a connection counts as dropped (rule 4).
+export const IDLE_KEEPALIVES = 3;
 
 /**
  * A reply's ending: state is 'done', 'cut' (it ended at its token limit: `max_tokens` or the
@@ -180,13 +186,15 @@ export class StreamedReply {
   #lastId = null;           // the id string to send as Last-Event-ID
   #retryMs = BACKOFF.baseMs;
   #usage = null;
+  #idleMs;                  // silence that drops a connection (0: never)
 
-  /** Options: base (URL prefix), apiKey. */
-  constructor(body, callbacks = {}, { base = '', apiKey = '' } = {}) {
+  /** Options: base (URL prefix), apiKey, keepaliveS (the server's keep-alive period; 0: none). */
+  constructor(body, callbacks = {}, { base = '', apiKey = '', keepaliveS = 0 } = {}) {
     this.#body = { ...body, stream: true, resumable: true };
     this.#base = base;
     this.#apiKey = apiKey;
     this.#on = callbacks;
+    this.#idleMs = keepaliveS > 0 ? IDLE_KEEPALIVES * keepaliveS * 1000 : 0;
   }
 
   get replyId() { return this.#replyId; }
@@ -261,7 +269,12 @@ export class StreamedReply {
     const parser = new SSEParser();
     try {
       for (;;) {
-        const { value, done } = await reader.read();
+        const read = await this.#readWithin(reader);
+        if (read === null) {  // silent too long: dropped (rule 4)
+          reader.cancel().catch(() => {});
+          return null;
+        }
+        const { value, done } = read;
         const text = done ? decoder.decode() : decoder.decode(value, { stream: true });
         const result = this.#handle(parser.feed(text));
         if (parser.retry !== null) this.#retryMs = parser.retry;
@@ -275,6 +288,14 @@ export class StreamedReply {
       if (this.#stopped) throw error;
       return null;  // reset, truncated chunked body, network change: all the same to us
     }
+  }
+
+  // The next read of the body, or null if nothing came within the idle limit.
+  #readWithin(reader) {
+    if (!this.#idleMs) return reader.read();
+    let timer;
+    const silence = new Promise((resolve) => { timer = setTimeout(resolve, this.#idleMs, null); });
+    return Promise.race([reader.read(), silence]).finally(() => clearTimeout(timer));
   }
 
   // Dispatch parsed events; the first terminal one ends the reply.
@@ -340,10 +361,10 @@ export class StreamedReply {
       const headers = { Accept: 'text/event-stream', ...authorization(this.#apiKey) };
       if (this.#lastId !== null) headers['Last-Event-ID'] = this.#lastId;
       try {
-        last = await fetch(url, { headers, cache: 'no-store', signal: this.#abort.signal });
+        last = await this.#fetchWithin(url, { headers, cache: 'no-store' });
       } catch (error) {
         if (this.#stopped) throw error;
-        continue;  // the server is not reachable yet
+        continue;  // the server is not reachable yet, or did not answer in time
       }
       if (isEventStream(last)) {
         this.#on.onStatus?.('');
@@ -353,6 +374,22 @@ export class StreamedReply {
     }
     if (last) return last;
     throw new Error(`gave up after ${BACKOFF.attempts} attempts to reconnect`);
+  }
+
+  // A fetch whose answer must begin within the idle limit: sent on a kept-alive connection
+  // the path lost (rule 4), it would wait for ever. Stop aborts it, and its body, too.
+  async #fetchWithin(url, options) {
+    const attempt = new AbortController();
+    const stop = this.#abort.signal;
+    stop.addEventListener('abort', () => attempt.abort(stop.reason), { once: true });
+    const timer = this.#idleMs
+      ? setTimeout(() => attempt.abort(new Error('no answer in time')), this.#idleMs)
+      : null;
+    try {
+      return await fetch(url, { ...options, signal: attempt.signal });
+    } finally {
+      clearTimeout(timer);
+    }
   }
 
   async #resumeFailure(response) {
