@@ -23,7 +23,7 @@ import socket
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import pytest
 
@@ -45,14 +45,19 @@ table inet blackout {
 """
 
 
+def _skip_or_fail(reason: str) -> NoReturn:
+    if services_required():
+        pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires it")
+    pytest.skip(reason)
+
+
 def require_netns() -> None:
     """Skip the test (or fail it under ``REPLYSTREAM_REQUIRE_SERVICES=1``) unless network
     namespaces can be made here: root, ``ip`` and ``nft``."""
     if os.geteuid() != 0:
-        reason = "network namespaces need root (the test puts a client on a network of its own)"
-        if services_required():
-            pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires it")
-        pytest.skip(reason)
+        _skip_or_fail(
+            "network namespaces need root (the test puts a client on a network of its own)"
+        )
     require_binary("ip", "iproute2")
     require_binary("nft", "nftables")
 
@@ -74,7 +79,11 @@ class Namespace:
 
     def _up(self) -> None:
         peer = f"{self.name}n"
-        _ip("netns", "add", self.name)
+        self._down()  # one left by a killed process that had the same id
+        try:
+            _ip("netns", "add", self.name)
+        except subprocess.CalledProcessError as exc:  # root in a container without the right
+            _skip_or_fail(f"no network namespace can be made here: {exc.stderr.decode().strip()}")
         _ip("link", "add", self.host_link, "type", "veth", "peer", "name", peer)
         _ip("link", "set", peer, "netns", self.name)
         _ip("addr", "add", f"{self.server_ip}/30", "dev", self.host_link)
