@@ -10,6 +10,7 @@ from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 
 USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT = "/v1/chat/completions"
 LEGACY = "/v1/completions"
 
@@ -85,7 +86,27 @@ CASES: list[tuple[str, Any, int, str, str | None]] = [
             ("metadata", {"k": "v"}),
             ("store", True),
             ("reasoning_effort", "low"),
+            ("messages", USER),
+            ("tools", []),
+            ("tool_choice", "none"),
+            ("response_format", {"type": "text"}),
+            ("max_completion_tokens", 2),
+            ("top_logprobs", 1),
+            ("continue_final_message", False),
+            ("add_generation_prompt", True),
+            ("chat_template_kwargs", {}),
+            ("modalities", None),  # chat takes these at null; the legacy route knows none
+            ("audio", None),
         )
+    ),
+    # The documented bounds, one past each: at most 128 tools, 1,024 token biases.
+    (CHAT, {"messages": USER, "tools": [TOOL] * 129}, 400, "invalid_value", "tools"),
+    (
+        CHAT,
+        {"messages": USER, "logit_bias": {str(i): 1 for i in range(1025)}},
+        400,
+        "invalid_value",
+        "logit_bias",
     ),
 ]
 
@@ -218,3 +239,29 @@ async def test_engine_failure_before_the_first_token_is_a_json_500_not_a_stream(
             assert response.status == 500
             error = (await response.json())["error"]
     assert error["type"] == "server_error" and error["code"] == "generation_failed"
+
+
+async def test_tools_and_biases_up_to_their_documented_bounds():
+    # docs/api.md: chat, Responses and Messages offer at most 128 tools; chat at most 1,024
+    # token biases. The bound is served, one past it refused naming the field.
+    schema = {"type": "object"}
+    names = [f"f{i}" for i in range(129)]
+    chat_tools = [
+        {"type": "function", "function": {"name": n, "parameters": schema}} for n in names
+    ]
+    responses_tools = [{"type": "function", "name": n, "parameters": schema} for n in names]
+    messages_tools = [{"name": n, "input_schema": schema} for n in names]
+    biases = {str(i): 1 for i in range(1024)}
+    bodies: list[tuple[str, dict[str, Any], list[Any]]] = [
+        (CHAT, {"messages": USER, "max_tokens": 1, "logit_bias": biases}, chat_tools),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1}, responses_tools),
+        ("/v1/messages", {"model": "simulated", "max_tokens": 1, "messages": USER}, messages_tools),
+    ]
+    async with running(create_app(fast_engine())) as url, aiohttp.ClientSession() as http:
+        for path, body, tools in bodies:
+            async with http.post(f"{url}{path}", json={**body, "tools": tools[:128]}) as response:
+                assert response.status == 200, (path, await response.text())
+            async with http.post(f"{url}{path}", json={**body, "tools": tools}) as response:
+                assert response.status == 400
+                error = (await response.json())["error"]
+                assert (error["param"], error["code"]) == ("tools", "invalid_value"), path

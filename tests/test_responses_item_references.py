@@ -125,6 +125,15 @@ async def test_an_item_still_being_made_is_a_400_naming_the_reference():
         referred: Any = [{"type": "item_reference", "id": message_id}]
         with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.create(model="simulated", input=referred)
-        await client.responses.cancel(message_id.replace("msg_", "resp_", 1))
+        # Its input is whole from the start: an item of it is taken while the response runs.
+        running_id = message_id.replace("msg_", "resp_", 1)
+        [asked] = (await client.responses.input_items.list(running_id)).data
+        taken = await client.responses.create(
+            model="simulated",
+            input=[{"type": "item_reference", "id": asked.id}],
+            max_output_tokens=1,  # its script's second step waits a minute
+        )
+        await client.responses.cancel(running_id)
     assert (refused.value.code, refused.value.param) == ("invalid_value", "input[0]")
     assert refused.value.body["message"] == f"item {message_id} (input[0]) is still being made"  # type: ignore[index]
+    assert taken.status == "incomplete"
