@@ -504,17 +504,18 @@ async def test_a_plain_get_is_a_400_in_the_error_shape():
 
 async def test_an_upgrade_over_http_1_0_or_of_another_version_is_refused_naming_13():
     # HTTP/1.0 has no 101 (its Upgrade header is to be ignored); a client asking a WebSocket
-    # version other than 13 is told the one the server speaks.
+    # version other than 13 is told the one the server speaks. Either is told what is wrong
+    # with its upgrade, not to send one (it did).
     key = b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
     upgrade = b"Upgrade: websocket\r\nConnection: Upgrade\r\n" + key
     async with running(create_app(fast_engine())) as url:
         parts = urlsplit(url)
         # 7 and 8: drafts before RFC 6455, which aiohttp alone would accept.
-        for version, ws_version in (
-            (b"1.0", b"13"),
-            (b"1.1", b"99"),
-            (b"1.1", b"8"),
-            (b"1.1", b"7"),
+        for version, ws_version, said in (
+            (b"1.0", b"13", "needs HTTP/1.1"),
+            (b"1.1", b"99", "version 13, not 99"),
+            (b"1.1", b"8", "version 13, not 8"),
+            (b"1.1", b"7", "version 13, not 7"),
         ):
             reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
             writer.write(
@@ -527,9 +528,17 @@ async def test_an_upgrade_over_http_1_0_or_of_another_version_is_refused_naming_
                 + b"\r\n\r\n"
             )
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            length = next(
+                int(line.split(":", 1)[1])
+                for line in head.split("\r\n")
+                if line.startswith("content-length:")
+            )
+            body = await reader.readexactly(length)
             writer.close()
             assert head.split("\r\n")[0].split()[1] == "400", head
             assert "sec-websocket-version: 13\r\n" in head
+            error = json.loads(body)["error"]
+            assert error["code"] == "upgrade_required" and said in error["message"], error
 
 
 async def read_raw_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:

@@ -504,6 +504,20 @@ class Session:
                 running.task.cancel()
 
 
+def _upgrade_refused(request: web.Request, asked: str) -> str:
+    """What is wrong with a request for ``GET /v1/ws`` that cannot be upgraded: a client that
+    did ask for a WebSocket is told what to change, not to ask for one."""
+    if (
+        request.version < HttpVersion11
+        and "websocket" in request.headers.get("Upgrade", "").lower()
+    ):
+        return "GET /v1/ws is a WebSocket, which needs HTTP/1.1: this request is HTTP/1.0"
+    if asked and asked != "13":
+        shown = asked if len(asked) <= 16 and asked.isprintable() else "another"
+        return f"GET /v1/ws speaks WebSocket version 13, not {shown} (Sec-WebSocket-Version)"
+    return "GET /v1/ws is a WebSocket: send an Upgrade request"
+
+
 async def handle_websocket(request: web.Request) -> web.StreamResponse:
     """``GET /v1/ws``: upgrade, authenticate if needed, then serve replies until closed.
 
@@ -526,14 +540,10 @@ async def handle_websocket(request: web.Request) -> web.StreamResponse:
     # request is a plain GET, never answered with a 101 its client cannot read. Only RFC
     # 6455's version 13 is spoken: aiohttp would take the drafts' 7 and 8 too, whose clients
     # name their page in ``Sec-WebSocket-Origin``, which the origin check does not read.
-    if (
-        request.version < HttpVersion11
-        or request.headers.get("Sec-WebSocket-Version", "").strip() != "13"
-        or not ws.can_prepare(request).ok
-    ):
-        refusal = HTTPAPIError(
-            400, "GET /v1/ws is a WebSocket: send an Upgrade request", code="upgrade_required"
-        ).response()
+    asked = request.headers.get("Sec-WebSocket-Version", "").strip()
+    if request.version < HttpVersion11 or asked != "13" or not ws.can_prepare(request).ok:
+        message = _upgrade_refused(request, asked)
+        refusal = HTTPAPIError(400, message, code="upgrade_required").response()
         # The version this server speaks, which a client asking another must be told
         # (RFC 6455, 4.2.2).
         refusal.headers["Sec-WebSocket-Version"] = "13"
