@@ -77,10 +77,50 @@ def test_page_sized_bursts_after_silences_are_bursty_and_name_the_buffer():
     assert result.hop is not None and "4 KiB" in result.hop and "nginx" in result.hop
 
 
-def test_content_encoding_on_an_event_stream_is_compressed_whatever_the_gaps():
+def test_a_compressed_stream_whose_events_came_one_by_one_streams():
+    # The compressor flushed after every event (nginx's gzip, mod_deflate, HAProxy's): it
+    # held nothing, and the reason still names the encoding.
     result = diagnose(timing(steady(100, 10.0), headers={**SSE, "content-encoding": "gzip"}))
+    assert result.verdict == "streaming", result.reason
+    assert "compressed (gzip) and flushed after every event" in result.reason
+    assert result.hop is None and result.fix is None
+
+
+def test_a_compressed_stream_whose_events_came_together_is_compressed():
+    held = [4000.0 + 0.01 * i for i in range(100)]
+    result = diagnose(timing(held, headers={**SSE, "content-encoding": "gzip"}))
     assert result.verdict == "compressed"
+    assert "and buffered" in result.reason
     assert result.fix is not None and "gzip_types" in result.fix
+    too_few = diagnose(timing(steady(3, 10.0), headers={**SSE, "content-encoding": "br"}))
+    assert too_few.verdict == "compressed"  # nothing to judge its delivery by
+
+
+def test_small_bursts_on_a_200_ms_beat_name_a_corking_hop():
+    # HAProxy's defaults: each write sent with MSG_MORE, released by Linux's 200 ms cork
+    # timer; 21 events (about 480 bytes) a burst, nowhere near a proxy buffer.
+    times = [205.0 + 210.0 * (i // 21) for i in range(400)]
+    result = diagnose(timing(times))
+    assert result.verdict == "bursty"
+    assert result.hop is not None and "small bursts every 210 ms" in result.hop
+    assert "HAProxy without option http-no-delay" in result.hop
+    assert result.fix is not None and result.fix.startswith("option http-no-delay")
+
+
+def test_bursts_on_another_beat_are_not_blamed_on_corking():
+    times = [500.0 + 500.0 * (i // 21) for i in range(400)]
+    result = diagnose(timing(times))
+    assert result.verdict == "bursty"
+    assert result.hop is not None and result.hop.startswith("a buffering hop")
+
+
+def test_varnish_is_named_from_its_via_header():
+    via = {**SSE, "via": "1.1 varnish (Varnish/7.1)"}
+    held = diagnose(timing([4000.0] * 100, headers=via))
+    assert held.verdict == "buffered"
+    assert held.hop is not None and held.hop.startswith("Varnish: beresp.do_stream = false")
+    zipped = diagnose(timing([4000.0] * 100, headers={**via, "content-encoding": "gzip"}))
+    assert zipped.hop is not None and zipped.hop.startswith("Varnish's gzip (beresp.do_gzip)")
 
 
 def test_a_json_body_is_buffered():

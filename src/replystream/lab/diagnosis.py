@@ -8,14 +8,23 @@ not know how the reply was requested.
 The rules, in order:
 1. failed: no complete reply (error status, in-band error, no end marker, timeout), or too few
    text events to judge;
-2. compressed: the event stream carries a ``Content-Encoding`` (a compressor holds small events);
-   when its events also arrived held (rule 5), the reason and the fix say so too, since a hop
-   that buffers as well as compresses still holds the stream once compression is off;
+2. compressed: the event stream carries a ``Content-Encoding`` and its events did not arrive
+   one by one (rule 4), or could not be read: a compressor that waits for enough bytes holds
+   small events. When they arrived held (rule 5), the reason and the fix say that too, since
+   a hop that buffers as well as compresses still holds the stream once compression is off.
+   A compressor that flushes after every event (nginx's gzip with proxy buffering off,
+   Apache's mod_deflate, HAProxy's compression) holds nothing: that stream is judged by its
+   events like any other, and a streaming verdict names the encoding;
 3. not an event stream at all: buffered (one JSON body);
 4. events are grouped into bursts, split wherever a gap exceeds ``burst_gap_ms``; when the
    median gap is above ``burst_gap_ms`` most events arrived on their own: streaming;
 5. otherwise most text arrived together: buffered when one burst holds ``buffered_share`` of the
    events (all at the end), else bursty (long silences, then buffer-sized bursts).
+
+The hop of a held stream, from its evidence: bursts of one proxy buffer (4 or 8 KiB) are a
+buffering proxy (nginx when its ``Server`` header says so); small bursts on a steady beat of
+about 200 ms are a hop that corks its writes (Linux sends a corked socket's partial segment
+after 200 ms), as HAProxy does unless ``option http-no-delay``; anything else, a buffering hop.
 
 Why the verdict does not depend on how fast the source makes tokens: a hop that holds text
 releases what it held in one write, and the client reads it at once, so the events of one
@@ -45,9 +54,15 @@ HEADERS = (
     "x-accel-buffering",
     "transfer-encoding",
     "server",
+    "via",  # a hop that leaves the app's Server header names itself here (Varnish does)
 )
 
 _PAGE_SIZES = (4096, 8192)
+
+# Linux holds a partial segment written with MSG_MORE or under TCP_CORK for at most 200 ms:
+# a hop that corks every write releases what it holds on that beat (seen 205-220 ms, the
+# timer's tick and the next event's arrival added).
+_CORK_BEAT_MS = (180.0, 260.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,9 +213,11 @@ def _verdict(
     timing: ReplyTiming, limits: Thresholds, median_gap: float | None, bursts: list[Burst]
 ) -> tuple[Verdict, str]:
     encoding = timing.headers.get("content-encoding", "identity").strip().lower()
-    # A compressed event stream is the verdict even when its encoding (br) could not be read.
     answered = timing.status is not None and 200 <= timing.status < 300
-    if answered and timing.streamed and encoding not in ("", "identity"):
+    compressed = answered and timing.streamed and encoding not in ("", "identity")
+    # A compressed event stream is the verdict even when its encoding (br) could not be read;
+    # one whose events came one by one was flushed after each, and streams.
+    if compressed and not (timing.complete and _one_by_one(timing, limits, median_gap)):
         unread = "" if timing.complete else f" ({timing.error})"
         return "compressed", (f"the event stream arrived with Content-Encoding: {encoding}{unread}")
     if not timing.complete:
@@ -214,9 +231,14 @@ def _verdict(
             f"only {events} text events: too few to judge, ask for a longer reply (max_tokens)"
         )
     if median_gap > limits.burst_gap_ms:
+        flushed = (
+            f"; compressed ({encoding}) and flushed after every event, so nothing held it"
+            if compressed
+            else ""
+        )
         return "streaming", (
             f"text spread over {events} events, median gap {median_gap:.1f} ms"
-            f" ({timing.tokens / events:.2f} tokens per event)"
+            f" ({timing.tokens / events:.2f} tokens per event){flushed}"
         )
     return _held(timing, limits, median_gap, bursts)
 
@@ -225,6 +247,12 @@ def _came_together(timing: ReplyTiming, limits: Thresholds, median_gap: float) -
     """Enough text events to judge, and most of them closer than ``burst_gap_ms``."""
     enough = len(timing.text_event_ms) >= limits.min_events
     return enough and median_gap <= limits.burst_gap_ms
+
+
+def _one_by_one(timing: ReplyTiming, limits: Thresholds, median_gap: float | None) -> bool:
+    """Enough text events to judge, and most of them further apart than ``burst_gap_ms``."""
+    enough = len(timing.text_event_ms) >= limits.min_events
+    return enough and median_gap is not None and median_gap > limits.burst_gap_ms
 
 
 def _held(
@@ -250,7 +278,12 @@ def _hop_and_fix(
 ) -> tuple[str | None, str | None]:
     server = headers.get("server", "").lower()
     nginx = "nginx" in server
+    varnish = "varnish" in headers.get("via", "").lower()
     if verdict == "compressed":
+        if varnish:  # its gzip compresses the whole object, then sends it
+            return "Varnish's gzip (beresp.do_gzip), which holds the reply until it ends", (
+                "do not set beresp.do_gzip for text/event-stream in vcl_backend_response"
+            )
         hop = "nginx gzip" if nginx else "a compressing hop (proxy, CDN or app middleware)"
         return hop, (
             "do not compress text/event-stream: drop it from gzip_types (nginx) or the "
@@ -262,6 +295,21 @@ def _hop_and_fix(
         return "the server: it answers with one body", "use the streaming endpoint (SSE)"
     page = _page_sized(bursts)
     sized = f"; bursts of about {page // 1024} KiB match one proxy buffer" if page else ""
+    beat = None if page else _cork_beat(bursts)
+    if beat is not None:
+        return (
+            f"a hop that corks its writes (small bursts every {beat:.0f} ms, the most Linux "
+            "holds a corked socket's data): HAProxy without option http-no-delay"
+        ), (
+            "option http-no-delay in HAProxy's frontend or backend for the streaming routes "
+            "(another proxy: send each write at once, TCP_NODELAY without TCP_CORK or MSG_MORE)"
+        )
+    if varnish and not page:
+        return "Varnish: beresp.do_stream = false (or its gzip) holds the reply", (
+            "in vcl_backend_response keep beresp.do_stream = true (its default) and "
+            "beresp.do_gzip unset for text/event-stream, or return (pipe) for the streaming "
+            "routes in vcl_recv"
+        )
     if nginx:
         return f"nginx proxy buffering{sized}", (
             "proxy_buffering off; in the streaming location (or send X-Accel-Buffering: no "
@@ -283,6 +331,20 @@ def _page_sized(bursts: list[Burst]) -> int | None:
         if 0.8 * size <= typical <= 1.1 * size:
             return size
     return None
+
+
+def _cork_beat(bursts: list[Burst]) -> float | None:
+    """The median time between bursts when it is Linux's cork timer, else None.
+
+    The last burst is left out: the end of the reply releases it, not the timer.
+    """
+    starts = [b.at_ms for b in bursts[:-1]]
+    beats = [after - before for before, after in itertools.pairwise(starts)]
+    if len(beats) < 3:
+        return None
+    beat = percentile(beats, 50)
+    low, high = _CORK_BEAT_MS
+    return beat if low <= beat <= high else None
 
 
 def compare(direct: Diagnosis, proxied: Diagnosis) -> str:
