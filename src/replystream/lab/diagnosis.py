@@ -24,7 +24,8 @@ The rules, in order:
 The hop of a held stream, from its evidence: bursts of one proxy buffer (4 or 8 KiB) are a
 buffering proxy (nginx when its ``Server`` header says so); small bursts on a steady beat of
 about 200 ms are a hop that corks its writes (Linux sends a corked socket's partial segment
-after 200 ms), as HAProxy does unless ``option http-no-delay``; anything else, a buffering hop.
+after 200 ms), as HAProxy does unless ``option http-no-delay``; a ``Via`` header naming
+Varnish (which leaves the app's ``Server`` alone) is Varnish; anything else, a buffering hop.
 
 Why the verdict does not depend on how fast the source makes tokens: a hop that holds text
 releases what it held in one write, and the client reads it at once, so the events of one
