@@ -176,3 +176,25 @@ async def test_a_client_that_shuts_its_window_is_cut_within_the_slow_client_limi
     assert engine.stats().cancelled == 1
     # The window shuts within a second or two (a few KB of events at 50 tokens a second).
     assert elapsed < BOUND_S, elapsed
+
+
+@pytest.mark.parametrize("slow_client_s", [100_000.0, 10_000_000.0, 1e308])
+async def test_a_slow_client_limit_past_the_kernels_ranges_still_serves_every_connection(
+    slow_client_s: float,
+):
+    # Linux takes a keep-alive period of at most 32,767 s and a TCP_USER_TIMEOUT that fits
+    # an int of milliseconds (24.8 days): a limit past either is held to it, not refused by
+    # the kernel at every accept (no connection served, a traceback each).
+    policy = DeliveryPolicy(slow_client_s=slow_client_s)
+    app = create_app(fast_engine(), ServerConfig(policy=policy))
+    async with running(app) as url:
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: server\r\nConnection: close\r\n\r\n")
+        try:
+            async with asyncio.timeout(10):
+                answer = await reader.read()
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]

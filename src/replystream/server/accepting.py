@@ -44,6 +44,11 @@ TCP_KEEPIDLE: int | None = getattr(socket, "TCP_KEEPIDLE", None)
 # Keep-alive probes on a silent connection, this many to the limit: the kernel drops it at
 # the first probe due once the peer has been silent for the limit.
 PROBES_PER_LIMIT = 3
+# The largest values Linux takes: a keep-alive period (MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL)
+# and TCP_USER_TIMEOUT's milliseconds (an int). A longer limit is held to them: past them
+# the kernel refused the option at every accept, and no connection was served.
+MAX_PROBE_S = 32_767
+MAX_USER_TIMEOUT_MS = 2**31 - 1
 OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -68,14 +73,14 @@ class BatchAcceptingServer(asyncio.AbstractServer):
         self._user_timeout_ms = (
             None
             if unacknowledged_s is None or TCP_USER_TIMEOUT is None
-            else max(1, round(unacknowledged_s * 1000))
+            else max(1, round(min(unacknowledged_s, MAX_USER_TIMEOUT_MS / 1000) * 1000))
         )
         # And the period of the kernel's keep-alive probes (whole seconds), which a silent
         # connection needs for the same limit to apply: one waiting for a reply not streamed.
         self._probe_s = (
             None
             if unacknowledged_s is None or TCP_KEEPIDLE is None
-            else max(1, int(unacknowledged_s / PROBES_PER_LIMIT))
+            else min(MAX_PROBE_S, max(1, int(unacknowledged_s / PROBES_PER_LIMIT)))
         )
         self._handing: set[asyncio.Task[None]] = set()  # connections not handed over yet
         self._clients: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()  # handed over
