@@ -4,6 +4,7 @@ message of a conversation (its default, ``store: true``)."""
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -137,3 +138,24 @@ async def test_an_item_still_being_made_is_a_400_naming_the_reference():
     assert (refused.value.code, refused.value.param) == ("invalid_value", "input[0]")
     assert refused.value.body["message"] == f"item {message_id} (input[0]) is still being made"  # type: ignore[index]
     assert taken.status == "incomplete"
+
+
+async def test_one_long_message_referred_to_thousands_of_times_is_refused_before_it_is_copied():
+    # A reference of 60 bytes stands for a message of any length: a body of 1 MB once made
+    # a prompt of 750 million characters (1.5 GB, 1.3 s of the loop) only to refuse it.
+    config = SimulatedConfig(delay_ms=0.0, jitter_ms=0.0, reply_text="x" * 20_000)
+    app = create_app(simulated_engine(config), ServerConfig(api_keys=("key-a",)))
+    async with running(app) as base, sdk(base) as client:
+        first = await client.responses.create(model="simulated", input="hi")
+        reference: Any = {"type": "item_reference", "id": first.output[0].id}
+        tracemalloc.start()
+        try:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.responses.create(model="simulated", input=[reference] * 2_000)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.param == "input"
+    # The request's own bytes and their parsing, not 2,000 copies of 20,000 characters.
+    assert peak < 20_000_000, peak

@@ -24,7 +24,9 @@ from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from replystream.server import ids
+from replystream.server.context import CONFIG_KEY
 from replystream.server.errors import HTTPAPIError
+from replystream.server.native import bad
 from replystream.server.responses_input_items import ID_PREFIXES, input_items
 from replystream.server.responses_schemas import (
     InputItem,
@@ -51,6 +53,12 @@ async def resolved_input(request: web.Request, given: RequestInput | None) -> Re
         return given
     found: dict[str, Items] = {}  # each response read once, however many items it gives
     resolved: list[InputItem] = []
+    # The prompt's characters the references bring: a reference of 60 bytes can stand for
+    # a message of any length, and the same one may come thousands of times. Counted as the
+    # items are taken, a request is refused as the prompt limit would refuse it, before
+    # those copies are made (a body of 1 MB made a prompt of 750 million characters first).
+    limit = request.app[CONFIG_KEY].max_prompt_chars
+    referred = 0
     for number, item in enumerate(given):
         if not isinstance(item, ItemReference):
             resolved.append(item)
@@ -78,8 +86,23 @@ async def resolved_input(request: web.Request, given: RequestInput | None) -> Re
                 code="invalid_value",
                 param=param,
             )
+        referred += _prompt_chars(shown)
+        if referred > limit:
+            message = (
+                f"the input is more than {limit} characters (its referenced items alone); "
+                f"this server's limit is {limit}"
+            )
+            raise bad("input", message, "context_length_exceeded")
         resolved.append(_as_input(shown, param))
     return resolved
+
+
+def _prompt_chars(shown: dict[str, Any]) -> int:
+    """Characters of a stored item that its prompt line holds whole: a message's text, a
+    call's arguments, a tool result given as a string (at least: its line has more)."""
+    texts = [part.get("text") for part in shown.get("content") or ()]
+    texts += [shown.get("arguments"), shown.get("output")]
+    return sum(len(text) for text in texts if isinstance(text, str))
 
 
 def _reply_id_in(item_id: str) -> str | None:
