@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from replystream.lab.local_server import stop_process
-from tests.services import REQUIRE_ENV, require_binary, services_required
+from tests.services import REQUIRE_ENV, require_binary, services_required, wait_listening
 
 _MAIN = """daemon off;
 master_process off;
@@ -76,10 +76,6 @@ def _write_config(http_config: str, tmp: Path) -> Path:
     return conf
 
 
-def _read(log: Path) -> str:
-    return log.read_text() if log.exists() else "(no error log)"
-
-
 @contextlib.asynccontextmanager
 async def running_nginx(http_config: str, port: int, tmp: Path) -> AsyncIterator[str]:
     """Start nginx with ``http_config`` inside its http block; yield ``http://127.0.0.1:port``.
@@ -99,25 +95,10 @@ async def _running(conf: Path, port: int, tmp: Path) -> AsyncIterator[None]:
         binary, "-p", str(tmp), "-c", str(conf), "-e", str(error_log)
     )
     try:
-        await _wait_listening(port, process, error_log)
+        await wait_listening("nginx", port, process, error_log, timeout_s=15)
         yield
     finally:
         await stop_process(process)
-
-
-async def _wait_listening(port: int, process: asyncio.subprocess.Process, log: Path) -> None:
-    async with asyncio.timeout(15):
-        while True:
-            if process.returncode is not None:
-                pytest.fail(f"nginx exited with {process.returncode}: {_read(log)}")
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
-            writer.close()
-            await writer.wait_closed()
-            return
 
 
 # Debian's libnginx-mod-stream: nginx's TCP and TLS proxying, a module loaded by path.

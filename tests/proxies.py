@@ -16,7 +16,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-import pytest
 
 from replystream.client import measure_reply
 from replystream.engine import SimulatedConfig, SimulatedEngine
@@ -24,7 +23,7 @@ from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 from replystream.lab.diagnosis import Diagnosis, diagnose
 from replystream.lab.local_server import stop_process
 from tests.conftest import wait_for
-from tests.services import require_binary
+from tests.services import require_binary, wait_listening
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "docs" / "deploy"
@@ -178,10 +177,6 @@ def _write(tmp: Path, name: str, text: str) -> Path:
     return path
 
 
-def _read(log: Path) -> str:
-    return log.read_text() if log.exists() else "(no output)"
-
-
 @contextlib.asynccontextmanager
 async def _running(
     name: str, command: list[str], port: int, log: Path, grace_s: float = 10.0
@@ -191,24 +186,8 @@ async def _running(
     with log.open("ab") as out:
         process = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out)
     try:
-        await _wait_listening(name, port, process, log)
+        # Varnish compiles its VCL with the C compiler first.
+        await wait_listening(name, port, process, log, timeout_s=30)
         yield
     finally:
         await stop_process(process, grace_s)
-
-
-async def _wait_listening(
-    name: str, port: int, process: asyncio.subprocess.Process, log: Path
-) -> None:
-    async with asyncio.timeout(30):  # Varnish compiles its VCL with the C compiler first
-        while True:
-            if process.returncode is not None:
-                pytest.fail(f"{name} exited with {process.returncode}: {_read(log)}")
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
-            writer.close()
-            await writer.wait_closed()
-            return

@@ -7,6 +7,7 @@ it), in which case it fails: CI must never pass by skipping the tests that matte
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -59,3 +60,26 @@ def require_smollm2() -> Path:
     if services_required():
         pytest.fail(f"{reason}, and {REQUIRE_ENV}=1 requires them")
     pytest.skip(reason)
+
+
+def log_text(log: Path) -> str:
+    return log.read_text() if log.exists() else "(no log)"
+
+
+async def wait_listening(
+    name: str, port: int, process: asyncio.subprocess.Process, log: Path, timeout_s: float
+) -> None:
+    """Return once ``process`` (a server called ``name``, writing to ``log``) accepts
+    connections on ``port``; fail the test, with its log, if it exits first or not in time."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if process.returncode is not None:
+                pytest.fail(f"{name} exited with {process.returncode}: {log_text(log)}")
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            writer.close()
+            await writer.wait_closed()
+            return
