@@ -201,11 +201,7 @@ async def test_dropped_connection_is_resumed_without_repeating_the_prompt(browse
             await words_shown(page, "stream", 10)
             proxy.cut()
             await wait_state(page, "stream", "cut")
-            assert await shown_text(page, "stream") == reply_text(engine, 60)
-            assert engine.stats().started == 1  # resumed, never asked again
-            sent = proxy.sent.decode("latin-1").lower()
-            assert re.search(r"get /v1/replies/[^/ ]+/stream http/1.1\r\n", sent)
-            assert re.search(r"\r\nlast-event-id: \d+\r\n", sent)
+            await assert_resumed_whole(page, engine, proxy)
             assert "reconnecting…" in await page.evaluate("statusSeen")
             assert await page.text_content("#status") == ""
 
@@ -227,11 +223,17 @@ async def test_a_connection_gone_silent_is_resumed_after_three_keepalive_periods
             await words_shown(page, "stream", 10)
             proxy.stall()
             await wait_state(page, "stream", "cut")
-            assert await shown_text(page, "stream") == reply_text(engine, 60)
-            assert engine.stats().started == 1  # resumed, never asked again
-            sent = proxy.sent.decode("latin-1").lower()
-            assert re.search(r"get /v1/replies/[^/ ]+/stream http/1.1\r\n", sent)
-            assert re.search(r"\r\nlast-event-id: \d+\r\n", sent)
+            await assert_resumed_whole(page, engine, proxy)
+
+
+async def assert_resumed_whole(page: Page, engine: TimedEngine, proxy: LoopbackProxy) -> None:
+    """The 60-token reply is shown whole, from one generation, resumed by a stream request
+    that named the last event the page had."""
+    assert await shown_text(page, "stream") == reply_text(engine, 60)
+    assert engine.stats().started == 1  # resumed, never asked again
+    sent = proxy.sent.decode("latin-1").lower()
+    assert re.search(r"get /v1/replies/[^/ ]+/stream http/1.1\r\n", sent)
+    assert re.search(r"\r\nlast-event-id: \d+\r\n", sent)
 
 
 # Records each refusal of the page's content security policy, from the page's first script on.
