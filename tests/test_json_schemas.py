@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
+from replystream.client.transport import http_request
 from replystream.server import create_app, running
 from replystream.server.json_schemas import schema_problem
 from tests.conftest import fast_engine
@@ -165,3 +166,42 @@ async def test_a_large_schema_costs_the_server_little():
         spent = time.process_time() - began
     assert got.status == 200
     assert spent < 1.0
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"maximum": float("inf")}, "maximum"),
+        ({"properties": {"x": {"const": [1, float("nan")]}}}, "properties/x/const/1"),
+        ({"x-unknown": {"a": -float("inf")}}, "x-unknown/a"),
+    ],
+)
+def test_a_number_json_has_not_is_named_where_it_is(schema: Any, where: str) -> None:
+    assert schema_problem(schema) == (
+        where,
+        "must be a finite number (JSON has no infinity or NaN)",
+    )
+
+
+async def test_an_infinite_number_in_a_schema_is_refused_not_echoed_as_infinity():
+    # ``1e999`` is valid JSON that parses as an infinite float, and ``NaN`` a literal the
+    # parser takes: taken, the Responses object echoed the tool's schema with ``Infinity``
+    # in it, which JSON.parse (and every parser but Python's) refuses.
+    tool = '{"type":"function","name":"f","parameters":{"type":"object","properties":'
+    async with running(create_app(fast_engine(delay_ms=0.0, jitter_ms=0.0))) as url:
+        for number, where in (("1e999", "x/maximum"), ("NaN", "x/enum/0")):
+            keyword = "maximum" if where.endswith("maximum") else "enum"
+            value = number if keyword == "maximum" else f"[{number}]"
+            schema = f'{{"x":{{"type":"number","{keyword}":{value}}}}}}}'
+            body = f'{{"input":"hi","max_output_tokens":2,"tools":[{tool}{schema}}}]}}'
+            async with http_request(
+                f"{url}/v1/responses",
+                method="POST",
+                body=body.encode(),
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                status, raw = response.status, b"".join([chunk.data async for chunk in response])
+            assert status == 400, raw
+            error = json.loads(raw)["error"]
+            assert error["param"] == "tools[0].parameters"
+            assert f"(at properties/{where}: must be a finite number" in error["message"]

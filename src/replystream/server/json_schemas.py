@@ -14,13 +14,22 @@ Why not the reference implementation (``jsonschema``, which the tests compare th
 it checked a subschema in about 200 µs, so a body of 770 KB holding 16,000 properties held
 the event loop 3.4 s, and it recursed with every level, so a schema of ``allOf`` nested 95
 deep (within what JSON parsing allows) ran out of stack: a 500. Here every value is visited
-once, from a list rather than by recursion, in a few microseconds.
+twice (once for its numbers, below), from a list rather than by recursion, in a few
+microseconds.
+
+A JSON Schema is a JSON value, which has no infinity and no NaN: a number too large for a
+float (``1e999``) parses as infinite, and the parser also takes the ``NaN`` and ``Infinity``
+that JSON leaves out. Anywhere in a schema (``maximum``, ``const``, an ``enum``'s item, a
+keyword it does not know) such a number is refused: taken, it was written back as
+``Infinity`` in every Responses object that echoes the tools, which no JSON parser but
+Python's reads, and sent so to a relay's upstream.
 
 It must not know about requests, pydantic or aiohttp.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +53,9 @@ _MAX_PLACE_CHARS = 200  # a place named in a message is cut to this
 def schema_problem(value: Any) -> tuple[str, str] | None:
     """What first makes ``value`` no JSON Schema: where (keys from the top joined by ``/``,
     "" for the top) and what is wrong there; None when it is one."""
+    infinite = _non_finite_at(value)
+    if infinite is not None:
+        return _named(infinite), "must be a finite number (JSON has no infinity or NaN)"
     todo: Todo = [(value, ())]
     while todo:
         schema, place = todo.pop()
@@ -59,6 +71,20 @@ def schema_problem(value: Any) -> tuple[str, str] | None:
             wrong = check(item, at, todo)
             if wrong is not None:
                 return _named(at), wrong
+    return None
+
+
+def _non_finite_at(value: Any) -> Place | None:
+    """Where a number that is infinite or NaN first is in ``value`` (None: nowhere)."""
+    todo: Todo = [(value, ())]
+    while todo:
+        item, place = todo.pop()
+        if isinstance(item, dict):
+            todo.extend((child, (place, key)) for key, child in item.items())
+        elif isinstance(item, list):
+            todo.extend((child, (place, index)) for index, child in enumerate(item))
+        elif isinstance(item, float) and not math.isfinite(item):
+            return place
     return None
 
 
