@@ -23,7 +23,7 @@ from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server.server_config import ServerConfig
 from tests.sse_client import Received, post_events
-from tests.test_upstream_routing import Scripted, relay
+from tests.test_upstream_routing import Scripted, Upstream, relay
 
 ASK: Any = [{"role": "user", "content": "How do I pick a lock?"}]
 WORDS = ["I'm sorry, ", "I can't ", "help with that."]
@@ -170,3 +170,37 @@ async def test_a_refusals_words_are_text_to_the_moderation_checks():
     message = json.loads(whole.raw)["choices"][0]
     assert message["finish_reason"] == "content_filter"
     assert message["message"]["refusal"] == "I'm sorry, I can't "
+
+
+async def test_a_refusal_after_text_relayed_leaves_that_text_an_answer():
+    # A reply whose upstream stalled after "w0 w1 w2 " goes on at another upstream, which
+    # refuses: its refusal marker came after text. Heeded, the whole reply called the
+    # first upstream's answer a refusal, and a Responses stream sent events named
+    # ``response.refusal.delta`` whose data said ``response.output_text.delta``, in a
+    # message whose part was added as text and done as a refusal.
+    answered = "w0 w1 w2 "
+    streamed: dict[str, Received] = {}
+    whole: dict[str, Any] = {}
+    for route in ("chat", "whole", "responses"):
+        upstreams = [Upstream(["m"], mode="stall"), refusing()]
+        async with relay(upstreams, stall_s=0.4, continuation=True) as url:
+            if route == "chat":
+                body = {"messages": ASK, "stream": True}
+                streamed[route] = await post_events(f"{url}/v1/chat/completions", body)
+            elif route == "whole":
+                got = await post_events(f"{url}/v1/chat/completions", {"messages": ASK})
+                whole = json.loads(got.raw)["choices"][0]["message"]
+            else:
+                body = {"input": "How?", "stream": True}
+                streamed[route] = await post_events(f"{url}/v1/responses", body)
+    deltas = [choice["delta"] for choice in chat_choices(streamed["chat"])]
+    assert "".join(d.get("content") or "" for d in deltas) == answered + REFUSAL
+    assert not any("refusal" in d for d in deltas)
+    assert whole["content"] == answered + REFUSAL and whole["refusal"] is None
+    events = streamed["responses"].events
+    for event in events:
+        assert json.loads(event.data)["type"] == event.type
+    texts = [json.loads(e.data)["delta"] for e in events if e.type == "response.output_text.delta"]
+    assert "".join(texts) == answered + REFUSAL
+    completed = json.loads(events[-1].data)["response"]
+    assert completed["output"][0]["content"][0]["type"] == "output_text"

@@ -188,7 +188,12 @@ class ReplyPipeline:
                 if delta.refusal:
                     # The text from here on is a refusal, which the dialect spells apart
                     # from an answer. It comes before any text, so nothing is held or
-                    # batched before it; the refusal's words are text to every check.
+                    # batched before it; the refusal's words are text to every check. One
+                    # after text or a call (a relay's continuation at an upstream that
+                    # refuses) is not heeded: the answer's own words are no refusal, and
+                    # the dialect has begun spelling them as text.
+                    if self.tokens > self.reasoning_tokens or self.called:
+                        return []
                     return self._entries(self.fmt.refusing())
                 if delta.continued is not None:
                     # The text batched before the seam goes first, as the reply has it: the

@@ -354,7 +354,8 @@ class Delta(NamedTuple):
         refusal: on an empty marker delta (no text, no tokens), before any text: the text
             from here on is the model's refusal to answer, not its answer (OpenAI's
             ``refusal``, which a relayed upstream streams in place of a reply held to a
-            JSON form); False otherwise.
+            JSON form); False otherwise. One after text or a call (a relay's reply continued
+            at an upstream that refuses) is not heeded: that reply's words stay text.
     """
 
     text: str

@@ -106,7 +106,9 @@ class _Collector:
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
         if delta.refusal:  # a marker, before any text: the text is checked all the same
-            self.refused = True
+            # (One after text or a call, as a stream does not heed it: see ``ReplyPipeline``.)
+            if self.tokens == self.reasoning_tokens and not self.calls.calls:
+                self.refused = True
             return False
         if delta.reasoning:
             # As in a stream: the text before it is let out (with no check, so its end
