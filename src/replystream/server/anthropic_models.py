@@ -36,7 +36,7 @@ def model_info(name: str, created: int) -> dict[str, Any]:
 def model_page(names: Sequence[str], created: int, query: AnthropicModelsQuery) -> dict[str, Any]:
     """The page of ``names`` the query asks for: after ``after_id`` and before ``before_id``,
     the first ``limit`` (with ``before_id`` alone, the last: the page just before it);
-    ``has_more`` when that left some out on the side it pages to. None when the
+    ``has_more`` when that left some out on the side it pages to. An empty page when the
     ``lifecycle`` stages asked for leave out the one every model here is in.
 
     Raises:
