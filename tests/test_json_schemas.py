@@ -111,6 +111,10 @@ def test_the_verdict_is_the_reference_implementations(value: Any) -> None:
         ({"required": ["a", "a"]}, "required", "must be a list of distinct strings"),
         ({"anyOf": [{}, {"minLength": -1}]}, "anyOf/1/minLength", "must be a whole number"),
         ({"$anchor": "1a"}, "$anchor", "must be a name"),
+        # Of several, the first as written (not the last, as a stack popped as filled had it).
+        ({"properties": {"a": {"type": 5}, "b": {"type": 6}}}, "properties/a/type", "must"),
+        ({"allOf": [{"minLength": -1}], "not": {"minLength": -2}}, "allOf/0/minLength", "must"),
+        ({"enum": [float("inf"), float("nan")]}, "enum/0", "must be a finite number"),
     ],
 )
 def test_the_first_problem_is_named_where_it_is(schema: Any, where: str, wrong: str) -> None:

@@ -52,7 +52,9 @@ _MAX_PLACE_CHARS = 200  # a place named in a message is cut to this
 
 def schema_problem(value: Any) -> tuple[str, str] | None:
     """What first makes ``value`` no JSON Schema: where (keys from the top joined by ``/``,
-    "" for the top) and what is wrong there; None when it is one."""
+    "" for the top) and what is wrong there; None when it is one. A schema's own keywords
+    are read before its subschemas, and those in the order they are written (a stack
+    popped as filled named the last bad property of many, not the first)."""
     infinite = _non_finite_at(value)
     if infinite is not None:
         return _named(infinite), "must be a finite number (JSON has no infinity or NaN)"
@@ -63,6 +65,7 @@ def schema_problem(value: Any) -> tuple[str, str] | None:
             continue
         if not isinstance(schema, dict):
             return _named(place), "must be a JSON Schema (an object or a boolean)"
+        pushed = len(todo)
         for keyword, item in schema.items():
             check = _KEYWORDS.get(keyword)
             if check is None:
@@ -71,6 +74,7 @@ def schema_problem(value: Any) -> tuple[str, str] | None:
             wrong = check(item, at, todo)
             if wrong is not None:
                 return _named(at), wrong
+        todo[pushed:] = reversed(todo[pushed:])  # its subschemas, the first on top
     return None
 
 
@@ -79,10 +83,10 @@ def _non_finite_at(value: Any) -> Place | None:
     todo: Todo = [(value, ())]
     while todo:
         item, place = todo.pop()
-        if isinstance(item, dict):
-            todo.extend((child, (place, key)) for key, child in item.items())
+        if isinstance(item, dict):  # (reversed: the first is popped first)
+            todo.extend((child, (place, key)) for key, child in reversed(item.items()))
         elif isinstance(item, list):
-            todo.extend((child, (place, index)) for index, child in enumerate(item))
+            todo.extend((item[index], (place, index)) for index in reversed(range(len(item))))
         elif isinstance(item, float) and not math.isfinite(item):
             return place
     return None
