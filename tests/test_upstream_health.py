@@ -98,10 +98,13 @@ async def test_an_upstream_killed_mid_reply_is_reported_in_our_words():
                 session.post(f"{relay}/v1/chat/completions", json=chat) as response,
             ):
                 assert response.status == 200
+                killed = False
                 async for data in response.content.iter_any():
                     events += parser.feed(data)
-                    if len(events) == 3:  # a few tokens relayed: the reply is under way
+                    # A few tokens relayed (one read may bring several): the reply is under way.
+                    if len(events) >= 3 and not killed:
                         upstream.send_signal(signal.SIGKILL)
+                        killed = True
             errors = [json.loads(e.data)["error"] for e in events if e.type == "error"]
             assert len(errors) == 1, events
             assert errors[0]["code"] == "upstream_disconnected"
