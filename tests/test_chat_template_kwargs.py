@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import pytest
 
 from replystream.engine.chat_template import ChatTemplate
@@ -84,3 +85,20 @@ async def test_a_variable_the_template_has_already_is_a_400_naming_the_field(nam
     assert got.status == 400
     error = json.loads(got.raw)["error"]
     assert error["param"] == "chat_template_kwargs" and repr(name) in error["message"]
+
+
+@pytest.mark.parametrize("number", ["1e999", "-1e999", "NaN"])
+async def test_a_number_json_has_not_is_a_400_not_written_on_as_infinity(number: str):
+    # The JSON parser reads 1e999 as infinity and takes NaN, which is no JSON: passed on as
+    # given, they would reach the upstream as Infinity and NaN, which strict parsers refuse.
+    up = Upstream(["m"])
+    raw = '{"messages": [{"role": "user", "content": "hi"}], '
+    raw += f'"chat_template_kwargs": {{"custom": {{"depth": [1, {number}]}}}}}}'
+    headers = {"Content-Type": "application/json"}
+    async with relay([up]) as url, aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", data=raw, headers=headers) as got:
+            status, error = got.status, (await got.json())["error"]
+    assert status == 400, error
+    assert error["param"] == "chat_template_kwargs"
+    assert "custom/depth/1" in error["message"] and "finite" in error["message"]
+    assert up.bodies == []

@@ -55,9 +55,9 @@ def schema_problem(value: Any) -> tuple[str, str] | None:
     "" for the top) and what is wrong there; None when it is one. A schema's own keywords
     are read before its subschemas, and those in the order they are written (a stack
     popped as filled named the last bad property of many, not the first)."""
-    infinite = _non_finite_at(value)
+    infinite = non_finite_place(value)
     if infinite is not None:
-        return _named(infinite), "must be a finite number (JSON has no infinity or NaN)"
+        return infinite, NOT_FINITE
     todo: Todo = [(value, ())]
     while todo:
         schema, place = todo.pop()
@@ -76,6 +76,19 @@ def schema_problem(value: Any) -> tuple[str, str] | None:
                 return _named(at), wrong
         todo[pushed:] = reversed(todo[pushed:])  # its subschemas, the first on top
     return None
+
+
+NOT_FINITE = "must be a finite number (JSON has no infinity or NaN)"
+
+
+def non_finite_place(value: Any) -> str | None:
+    """Where (keys from the top joined by ``/``, "" for the top) a number that is infinite or
+    NaN first is in ``value``, a request's JSON taken as it came; None: nowhere. The JSON
+    parser reads ``1e999`` as infinity, and ``NaN``, which is no JSON, as NaN: in a field
+    that takes any value, they would be written on as ``Infinity`` and ``NaN``, JSON that
+    strict parsers refuse."""
+    place = _non_finite_at(value)
+    return None if place is None else _named(place)
 
 
 def _non_finite_at(value: Any) -> Place | None:
