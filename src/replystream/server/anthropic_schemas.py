@@ -19,6 +19,7 @@ from replystream.server.output_formats import AnthropicSchemaFormat
 from replystream.server.responses_schemas import ResponsesExtensions
 from replystream.server.schema_fields import (
     BLOCK_TAGS,
+    Finite,
     ObjectSchema,
     Probability,
     Strict,
@@ -58,7 +59,7 @@ class AnthropicToolUse(Strict):
     type: Literal["tool_use"]
     id: Annotated[str, Field(min_length=1)]
     name: str
-    input: dict[str, Any]
+    input: Annotated[dict[str, Any], Finite]  # relayed as the call's arguments
     cache_control: dict[str, Any] | None = None
     # Who made the call and the toolset its tool belongs to, as Anthropic's API sends a
     # block (a response saved with the SDK's ``model_dump`` has both, null): they name no

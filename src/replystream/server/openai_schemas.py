@@ -16,13 +16,13 @@ from pydantic import AfterValidator, Discriminator, Field, PlainValidator, Tag, 
 from pydantic_core import PydanticCustomError
 
 from replystream.server.chat_message_schemas import Messages
-from replystream.server.json_schemas import NOT_FINITE, non_finite_place
 from replystream.server.output_formats import ChatResponseFormat
 from replystream.server.schema_fields import (
     CHOICE_ERROR,
     MAX_LOGIT_BIASES,
     Bias,
     ChoiceCount,
+    Finite,
     JSONSchema,
     LegacyLogprobs,
     Metadata,
@@ -107,13 +107,11 @@ def _template_variables(value: dict[str, Any]) -> dict[str, Any]:
             f"chat_template_kwargs may not give {taken[0]!r}: the template is given it "
             "already, or calls it"
         )
-    infinite = non_finite_place(value)
-    if infinite is not None:  # it would be written on to a relay's upstream as no JSON
-        raise invalid(f"chat_template_kwargs: at {infinite or 'the top'}, {NOT_FINITE}")
     return value
 
 
-TemplateVariables = Annotated[dict[str, Any], AfterValidator(_template_variables)]
+# Passed on to a relay's upstream as given.
+TemplateVariables = Annotated[dict[str, Any], AfterValidator(_template_variables), Finite]
 
 
 class OpenAIBody(SamplingFields):

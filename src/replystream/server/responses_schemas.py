@@ -24,6 +24,7 @@ from replystream.server.schema_fields import (
     ITEM_TAGS,
     BatchMs,
     BatchTokens,
+    Finite,
     HoldbackTokens,
     JSONSchema,
     KeepaliveS,
@@ -55,8 +56,9 @@ class InputText(Strict):
 
     type: Literal["input_text", "output_text"]
     text: str
-    annotations: list[Any] | None = None
-    logprobs: list[Any] | None = None  # an output_text part sent back has them: not needed
+    # Kept with a stored response's input and listed back as sent.
+    annotations: Annotated[list[Any], Finite] | None = None
+    logprobs: Annotated[list[Any], Finite] | None = None  # sent back with output_text: no prompt
 
 
 ResponseContent = Annotated[

@@ -47,7 +47,7 @@ from replystream.delivery.policy import (
 )
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.engine.seeds import MAX_SEED, MIN_SEED
-from replystream.server.json_schemas import schema_problem
+from replystream.server.json_schemas import non_finite_place, schema_problem
 
 MAX_TAG_CHARS = 128
 # Union branches are named with these tags; ``validation`` drops them from a field's path.
@@ -79,6 +79,20 @@ def unfit(phrase: str) -> PydanticCustomError:
     """A failure said as what follows the field's name (``must be ...``): the API's error
     puts the field's path before it."""
     return PydanticCustomError("unfit_value", phrase)
+
+
+def _finite(value: Any) -> Any:
+    infinite = non_finite_place(value)
+    if infinite is not None:
+        where = f" at {infinite}" if infinite else ""
+        raise unfit(f"holds a number JSON has not (infinity or NaN){where}")
+    return value
+
+
+# A field that takes any JSON and is passed on (to an upstream, a stored response, a listing):
+# the JSON parser reads ``1e999`` as infinity and takes ``NaN``, which would be written on as
+# ``Infinity`` and ``NaN``, JSON that strict parsers refuse.
+Finite = AfterValidator(_finite)
 
 
 def only(allowed: object, why: str) -> AfterValidator:
