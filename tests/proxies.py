@@ -11,19 +11,22 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from replystream.client import measure_reply
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedConfig, SimulatedEngine
 from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 from replystream.lab.diagnosis import Diagnosis, diagnose
 from replystream.lab.local_server import stop_process
+from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
 from tests.conftest import wait_for
-from tests.services import require_binary, wait_listening
+from tests.services import free_port, require_binary, wait_listening
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "docs" / "deploy"
@@ -118,6 +121,30 @@ async def leave_during_prefill(url: str, engine: SimulatedEngine, limit_s: float
     with contextlib.suppress(TimeoutError):
         await wait_for(lambda: engine.stats().active == 0, timeout_s=limit_s)
     return time.monotonic() - left
+
+
+# A proxy started in front of an app: (the app's URL, the proxy's port, a folder of its own)
+# in, the proxy's URL yielded.
+ProxyInFront = Callable[[str, int, Path], contextlib.AbstractAsyncContextManager[str]]
+
+
+async def assert_keepalives_hold_a_silent_prefill(proxy: ProxyInFront, tmp: Path) -> None:
+    """A 5 s prefill through ``proxy`` (its idle timeout set below that): with keep-alives
+    every 0.5 s the whole reply streams through; without them the proxy gives up on the
+    silent app and the stream is cut."""
+    engine = long_reply_engine(first_token_ms=5_000.0)
+    results = {}
+    for keepalive_s in (0.5, None):
+        config = ServerConfig(policy=DeliveryPolicy(keepalive_s=keepalive_s))
+        async with running(create_app(engine, config)) as app_url:
+            port = free_port()
+            async with proxy(app_url, port, tmp / str(keepalive_s)) as url:
+                results[keepalive_s] = await measure_reply(
+                    f"{url}/stream?max_tokens=20", timeout_s=30
+                )
+    assert results[0.5].complete, results[0.5].error
+    assert results[0.5].tokens == 20
+    assert not results[None].complete
 
 
 def substituted(text: str, replacements: Sequence[tuple[str, str]]) -> str:

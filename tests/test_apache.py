@@ -6,13 +6,15 @@ noticed at the second keep-alive, and the keep-alives hold a silent stream past 
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 
-from replystream.client import measure_reply
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from tests.proxies import (
     DEPLOY,
+    assert_keepalives_hold_a_silent_prefill,
     doctor,
     leave_during_prefill,
     long_reply_engine,
@@ -95,19 +97,8 @@ async def test_a_client_that_leaves_during_prefill_is_noticed_at_the_second_keep
 async def test_keepalives_hold_a_silent_stream_past_proxy_timeout(tmp_path):
     # ProxyTimeout at 2 s, keep-alives every 0.5 s: a 5 s prefill streams through; without
     # keep-alives Apache gives up on the app and the stream is cut.
-    engine = long_reply_engine(first_token_ms=5_000.0)
-    results = {}
-    for keepalive_s in (0.5, None):
-        config = ServerConfig(policy=DeliveryPolicy(keepalive_s=keepalive_s))
-        async with running(create_app(engine, config)) as app_url:
-            port = free_port()
-            site = substituted(
-                deploy_config(app_url, port), [("ProxyTimeout 3600", "ProxyTimeout 2")]
-            )
-            async with running_apache(site, port, tmp_path / str(keepalive_s)) as url:
-                results[keepalive_s] = await measure_reply(
-                    f"{url}/stream?max_tokens=20", timeout_s=30
-                )
-    assert results[0.5].complete, results[0.5].error
-    assert results[0.5].tokens == 20
-    assert not results[None].complete
+    def apache(app_url: str, port: int, tmp: Path) -> AbstractAsyncContextManager[str]:
+        site = substituted(deploy_config(app_url, port), [("ProxyTimeout 3600", "ProxyTimeout 2")])
+        return running_apache(site, port, tmp)
+
+    await assert_keepalives_hold_a_silent_prefill(apache, tmp_path)

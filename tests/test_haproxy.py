@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 
 import aiohttp
 
-from replystream.client import measure_reply
-from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from replystream.server.server_config import ServerConfig
 from tests.processes import replica
 from tests.proxies import (
     DEPLOY,
     HAPROXY_DEFAULTS,
     HAPROXY_GLOBAL,
+    assert_keepalives_hold_a_silent_prefill,
     doctor,
     leave_during_prefill,
     long_reply_engine,
@@ -100,27 +100,18 @@ async def test_a_client_that_leaves_during_prefill_cancels_at_once_with_abortonc
 async def test_keepalives_hold_a_silent_stream_past_the_idle_timeouts(tmp_path):
     # The deploy config's timeouts at a 30th (50 s -> 1.7 s), the keep-alive likewise
     # (15 s -> 0.5 s): a 5 s prefill streams through; without keep-alives it is cut.
-    engine = long_reply_engine(first_token_ms=5_000.0)
-    results = {}
-    for keepalive_s in (0.5, None):
-        config = ServerConfig(policy=DeliveryPolicy(keepalive_s=keepalive_s))
-        async with running(create_app(engine, config)) as app_url:
-            port = free_port()
-            text = substituted(
-                deploy_config(app_url, port),
-                [
-                    (r"timeout client 50s", "timeout client 1700ms"),
-                    (r"timeout server 50s", "timeout server 1700ms"),
-                    (r"timeout server 1h", "timeout server 1700ms"),
-                ],
-            )
-            async with running_haproxy(text, port, tmp_path / str(keepalive_s)) as url:
-                results[keepalive_s] = await measure_reply(
-                    f"{url}/stream?max_tokens=20", timeout_s=30
-                )
-    assert results[0.5].complete, results[0.5].error
-    assert results[0.5].tokens == 20
-    assert not results[None].complete
+    def haproxy(app_url: str, port: int, tmp: Path) -> AbstractAsyncContextManager[str]:
+        text = substituted(
+            deploy_config(app_url, port),
+            [
+                (r"timeout client 50s", "timeout client 1700ms"),
+                (r"timeout server 50s", "timeout server 1700ms"),
+                (r"timeout server 1h", "timeout server 1700ms"),
+            ],
+        )
+        return running_haproxy(text, port, tmp)
+
+    await assert_keepalives_hold_a_silent_prefill(haproxy, tmp_path)
 
 
 async def test_deploy_config_names_each_client_to_the_app(tmp_path):

@@ -6,14 +6,15 @@ silent stream past the pipe's idle timeout."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from replystream.client import measure_reply
-from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from replystream.server.server_config import ServerConfig
 from tests.proxies import (
     DEPLOY,
+    assert_keepalives_hold_a_silent_prefill,
     doctor,
     leave_during_prefill,
     long_reply_engine,
@@ -97,18 +98,7 @@ async def test_a_client_that_leaves_during_prefill_cancels_at_once_through_the_p
 async def test_keepalives_hold_a_silent_stream_past_the_pipe_timeout(tmp_path):
     # pipe_timeout at 2 s, keep-alives every 0.5 s: a 5 s prefill streams through; without
     # keep-alives Varnish closes the silent pipe.
-    engine = long_reply_engine(first_token_ms=5_000.0)
-    results = {}
-    for keepalive_s in (0.5, None):
-        config = ServerConfig(policy=DeliveryPolicy(keepalive_s=keepalive_s))
-        async with running(create_app(engine, config)) as app_url:
-            port = free_port()
-            vcl = deploy_vcl(app_url)
-            tmp = tmp_path / str(keepalive_s)
-            async with running_varnish(vcl, port, tmp, params=["pipe_timeout=2"]) as url:
-                results[keepalive_s] = await measure_reply(
-                    f"{url}/stream?max_tokens=20", timeout_s=30
-                )
-    assert results[0.5].complete, results[0.5].error
-    assert results[0.5].tokens == 20
-    assert not results[None].complete
+    def varnish(app_url: str, port: int, tmp: Path) -> AbstractAsyncContextManager[str]:
+        return running_varnish(deploy_vcl(app_url), port, tmp, params=["pipe_timeout=2"])
+
+    await assert_keepalives_hold_a_silent_prefill(varnish, tmp_path)
