@@ -159,3 +159,24 @@ async def test_one_long_message_referred_to_thousands_of_times_is_refused_before
     assert refused.value.param == "input"
     # The request's own bytes and their parsing, not 2,000 copies of 20,000 characters.
     assert peak < 20_000_000, peak
+
+
+async def test_a_referenced_reasoning_items_thinking_is_not_counted_against_the_prompt_limit():
+    # A reasoning item is left out of the prompt: the request with it by reference must be
+    # taken as the same request with it whole is, however long the thinking it keeps.
+    config = SimulatedConfig(delay_ms=0.0, jitter_ms=0.0)
+    app = create_app(simulated_engine(config), ServerConfig(max_prompt_chars=1_000))
+    async with running(app) as base, sdk(base) as client:
+        thought: Any = {
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "t" * 5_000}],
+        }
+        whole: Any = [USER, thought, {"role": "user", "content": "and tomorrow?"}]
+        first = await client.responses.create(model="simulated", input=whole)
+        listed = await client.responses.input_items.list(first.id, order="asc")
+        referred: Any = [{"type": "item_reference", "id": item.id} for item in listed.data]
+        again = await client.responses.create(model="simulated", input=referred)
+    assert [item.type for item in listed.data] == ["message", "reasoning", "message"]
+    assert again.usage is not None and first.usage is not None
+    assert again.usage.input_tokens == first.usage.input_tokens

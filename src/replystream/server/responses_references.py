@@ -99,7 +99,11 @@ async def resolved_input(request: web.Request, given: RequestInput | None) -> Re
 
 def _prompt_chars(shown: dict[str, Any]) -> int:
     """Characters of a stored item that its prompt line holds whole: a message's text, a
-    call's arguments, a tool result given as a string (at least: its line has more)."""
+    call's arguments, a tool result given as a string (at least: its line has more). A
+    reasoning item has no line (its thinking is left out of the prompt): none, however
+    long the thinking it keeps, or a request the prompt limit takes would be refused."""
+    if shown.get("type") == "reasoning":
+        return 0
     texts = [part.get("text") for part in shown.get("content") or ()]
     texts += [shown.get("arguments"), shown.get("output")]
     return sum(len(text) for text in texts if isinstance(text, str))
