@@ -4,8 +4,10 @@ message of a conversation (its default, ``store: true``)."""
 
 from __future__ import annotations
 
+import json
 import tracemalloc
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -15,6 +17,8 @@ from replystream.engine.reply_script import parse_reply_script
 from replystream.engine.simulated import SimulatedConfig, simulated_engine
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
+from tests.processes import replica
+from tests.redis_server import redis_server
 
 SCRIPT = [
     {"text": "Let me look that up."},
@@ -180,3 +184,37 @@ async def test_a_referenced_reasoning_items_thinking_is_not_counted_against_the_
     assert [item.type for item in listed.data] == ["message", "reasoning", "message"]
     assert again.usage is not None and first.usage is not None
     assert again.usage.input_tokens == first.usage.input_tokens
+
+
+async def test_items_one_replica_stored_are_taken_by_reference_on_the_other(tmp_path: Path):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    with redis_server(tmp_path) as redis:
+        args = ("--engine", "simulated", "--reply-script", str(script), "--redis-url", redis.url)
+        keys = ("--api-key", "key-a", "--api-key", "key-b")
+        async with (
+            replica(*args, *keys) as (_, a_url),
+            replica(*args, *keys) as (_, b_url),
+            sdk(a_url) as on_a,
+            sdk(b_url) as on_b,
+            sdk(b_url, "key-b") as other_on_b,
+        ):
+            first = await on_b.responses.create(model="simulated", input=[USER], tools=TOOLS)
+            [asked] = (await on_b.responses.input_items.list(first.id)).data
+            ids = [asked.id, *(item.id for item in first.output)]  # input, message, call
+            referred: Any = [*({"type": "item_reference", "id": i} for i in ids), RESULT]
+            ask: Any = {"model": "simulated", "tools": TOOLS, "tool_choice": "none"}
+            second = await on_a.responses.create(input=referred, **ask)
+            listed = [
+                [item.id for item in (await c.responses.input_items.list(second.id)).data]
+                for c in (on_a, on_b)
+            ]
+            with pytest.raises(openai.NotFoundError) as theirs:
+                await other_on_b.responses.create(input=referred, **ask)
+            await on_a.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError) as deleted:
+                await on_b.responses.create(input=referred, **ask)
+    assert second.status == "completed"
+    # Both replicas list the items themselves, under their own ids, never the references.
+    assert listed[0] == listed[1] and listed[0][::-1][:3] == ids
+    assert (theirs.value.code, deleted.value.code) == ("item_not_found", "item_not_found")
