@@ -190,6 +190,7 @@ async def buffered_reply(
     prompt_tokens: int,
     body: BodyFn,
     moderated_body: ModeratedFn,
+    named: str,
     several: Several | None = None,
     failed_body: FailedFn | None = None,
 ) -> web.Response:
@@ -203,7 +204,8 @@ async def buffered_reply(
     shutdown). The generation is stopped at the first stop string. ``several``: ``deltas``
     are several choices' (``Delta.choice``), each collected on its own, and the body is
     ``several.body`` of them all. Tool calls are joined from their pieces, in the order they
-    started (``Whole.tool_calls``).
+    started (``Whole.tool_calls``). ``named``: which reply the log says failed ("reply
+    <id>", or "request <id>" for one with no id).
     """
     channel = DeltaChannel()
     collectors = [
@@ -254,7 +256,7 @@ async def buffered_reply(
             payload = moderated_body(made, first.holdback.violation)
         elif isinstance(item, End) and item.how == "failed":
             assert item.error is not None
-            log.warning("generation failed: %s", item.error)
+            log.warning("%s: generation failed: %s", named, item.error)
             record.outcome, record.reason = "errored", item.error.code
             error = item.error
             if failed_body is not None and several is None:

@@ -470,6 +470,8 @@ async def buffered(
         moderated_body=moderated_body,
         several=several,
         failed_body=failed_body,
+        # The access log (INFO) names the request; at WARNING this name is all there is.
+        named=f"request {request.get(REQUEST_ID)}" if reply_id is None else f"reply {reply_id}",
     )
     if reply_id is not None:
         response.headers["X-Reply-Id"] = reply_id

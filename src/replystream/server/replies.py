@@ -374,7 +374,9 @@ class Reply:
             self._end(Ending("cancelled"))
         except Exception as exc:  # an EngineError, or a failure of our own
             if not self._end(Ending.of_error(exc)):
-                log.error("reply producer failed after it had stopped", exc_info=exc)
+                log.error(
+                    "reply %s: producer failed after it had stopped", self.reply_id, exc_info=exc
+                )
         finally:
             await close_quietly(self.deltas)
             self._conclude()
@@ -387,8 +389,9 @@ class Reply:
         ending, record = self._ending, self.record
         assert ending is not None  # decided on the way into STOPPING
         rule = ending.rule
-        if rule.log_level is not None:
-            log.log(rule.log_level, "%s", ending.fill(rule.log_message), exc_info=ending.error)
+        if rule.log_level is not None:  # named: at WARNING no access-log line names it
+            said = ending.fill(rule.log_message)
+            log.log(rule.log_level, "reply %s: %s", self.reply_id, said, exc_info=ending.error)
         last: list[LogEntry] = []
         reported = self.pipeline.prompt_tokens
         record.prompt_tokens = self.prompt_tokens if reported is None else reported
