@@ -490,8 +490,7 @@ class UpstreamEngine:
 
         Raises:
             TimeoutError: no head within ``within_s`` seconds (the caller words it).
-            UpstreamUnavailable, UpstreamTimeout: the connection failed (or its connect
-                timed out) before the head.
+            UpstreamUnavailable: the connection failed before the head.
             OutOfResources: this process had no file descriptor (or memory) for it.
             UpstreamRefusedClientKey: the caller's key, to be passed on, fits no HTTP header.
         """
@@ -515,11 +514,10 @@ class UpstreamEngine:
             raise
         except (HttpFailure, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             shows = backend.name in self._keys.certified
-            failure = connect_failure(exc, backend.name, within_s, shows_certificate=shows)
+            failure = connect_failure(exc, backend.name, shows_certificate=shows)
             if failure.code == OWN_SHORTAGE:
                 raise OutOfResources(failure.message, code=failure.code) from None
-            kind = UpstreamTimeout if failure.timed_out else UpstreamUnavailable
-            raise kind(failure.message, code=failure.code) from None
+            raise UpstreamUnavailable(failure.message, code=failure.code) from None
 
     @staticmethod
     def _timed_out(backend: Backend, timeout: float) -> UpstreamTimeout:

@@ -41,7 +41,6 @@ class Failure:
 
     message: str
     code: str
-    timed_out: bool = False
 
 
 # What to do about the two ways a URL's scheme can disagree with its port.
@@ -91,7 +90,6 @@ def _tls_reason(exc: BaseException, *, ca_hint: str = "") -> str:
 def connect_failure(
     exc: BaseException,
     base_url: str,
-    timeout_s: float,
     *,
     shows_certificate: bool,
 ) -> Failure:

@@ -218,7 +218,7 @@ class HealthProber:
             if own_shortage(exc) is not None:  # no file descriptor left here for the probe
                 raise _NoVerdict from None
             shows = backend.name in keys.certified
-            failure = connect_failure(exc, backend.name, self._timeout_s, shows_certificate=shows)
+            failure = connect_failure(exc, backend.name, shows_certificate=shows)
             return failure.message, []
         if front is not None:
             return f"{where} answered {status}: {front}", []
