@@ -186,8 +186,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     with refusals_naming(_FIELDS):
         thinking_text = not body.thinking_text_omitted
         if not body.stream:
-            estimate = engine.count_tokens(generation.prompt)
-            return await _whole(request, generation, model, estimate, policy, thinking_text)
+            return await _whole(request, generation, model, policy, thinking_text)
         count_input = partial(_input_tokens, engine, generation)
         reply = await start_reply(
             request,
@@ -229,7 +228,6 @@ async def _whole(
     request: web.Request,
     generation: GenerationRequest,
     model: str,
-    input_tokens: int,
     policy: DeliveryPolicy,
     thinking_text: bool,
 ) -> web.StreamResponse:
