@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from datetime import datetime
+from typing import Literal
 
 import anthropic
 import openai
@@ -14,6 +15,7 @@ from aiohttp import web
 from tests.chat_upstream import RecordingUpstream, relaying_to
 
 NAMES = ["alpha", "beta", "gamma"]
+Stage = Literal["active", "deprecated", "retired"]  # a model's lifecycle stage
 
 
 class ThreeModels(RecordingUpstream):
@@ -78,11 +80,14 @@ async def test_the_list_keeps_to_the_lifecycle_stages_asked_for(url: str):
     """``lifecycle`` (Anthropic's filter, ``lifecycle[]=...`` as the SDK sends it) was
     ignored: a client asking for retired or deprecated models got the active ones. Every
     model served here is active, so it is listed when ``active`` is asked or no stage is."""
+    asked: list[tuple[Stage, ...]] = [
+        ("active",),
+        ("deprecated", "active"),
+        ("retired",),
+        ("deprecated",),
+    ]
     async with sdk(url) as client:
-        pages = {
-            stages: await client.models.list(lifecycle=list(stages))
-            for stages in (("active",), ("deprecated", "active"), ("retired",), ("deprecated",))
-        }
+        pages = {stages: await client.models.list(lifecycle=list(stages)) for stages in asked}
         past = await client.models.list(lifecycle=["retired"], after_id="alpha", limit=1)
         with pytest.raises(anthropic.BadRequestError) as unknown:
             await client.models.list(lifecycle=["beta"])  # type: ignore[list-item]
