@@ -188,3 +188,28 @@ def test_dims_whose_product_is_past_any_file_are_refused_naming_the_tensor(
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"^tensor t runs past the end of the file$"):
         read_header(path)
+
+
+def test_a_tensor_kind_gguf_does_not_know_is_refused_naming_the_tensor_and_kind(
+    tmp_path: Path,
+) -> None:
+    """A kind llama.cpp added after the installed gguf's release: the enum's own words
+    ("4242 is not a valid GGMLQuantizationType") named neither the tensor nor the package."""
+    writer = GGUFWriter(tmp_path / "sound.gguf", "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 2), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFReader(tmp_path / "sound.gguf")
+    data = bytearray((tmp_path / "sound.gguf").read_bytes())
+    parts = reader.tensors[0].field.parts
+    at = parts[4].ctypes.data - reader.data.ctypes.data  # the kind, after the dims
+    struct.pack_into("<I", data, at, 4242)
+    path = tmp_path / "future.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as refused:
+        read_header(path)
+    message = str(refused.value)
+    assert message.startswith("tensor blk.0.attn_q.weight is of kind 4242, which gguf 0.")
+    assert "GGMLQuantizationType" not in message

@@ -16,6 +16,7 @@ both readers agree on the whole file. It must not know what the metadata means
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import mmap
 import stat
@@ -156,6 +157,25 @@ def read_header(path: Path) -> GGUFHeader:
         raise ValueError(f"a damaged GGUF header ({exc})") from None
 
 
+def _tensor_kind(name: str, number: int) -> GGMLQuantizationType:
+    """The kind of tensor ``name``, told in our words when the installed gguf does not know it
+    (a kind added to llama.cpp after that release: the enum's own message names no tensor)."""
+    try:
+        return GGMLQuantizationType(number)
+    except ValueError:
+        raise ValueError(
+            f"tensor {name} is of kind {number}, which gguf {_gguf_version()} does not know: "
+            "a newer gguf package may read it"
+        ) from None
+
+
+def _gguf_version() -> str:
+    try:
+        return importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+        return "(of unknown version)"
+
+
 def _parse(buffer: mmap.mmap) -> GGUFHeader:
     if buffer[:4] != MAGIC:
         raise ValueError("no GGUF magic at the start of the file")
@@ -176,8 +196,7 @@ def _parse(buffer: mmap.mmap) -> GGUFHeader:
     for _ in range(tensor_count):
         name = cursor.string()
         dims = tuple(cursor.unpack("<Q") for _ in range(cursor.unpack("<I")))
-        kind = GGMLQuantizationType(cursor.unpack("<I"))  # ValueError for an unknown kind
-        described.append((name, dims, kind, cursor.unpack("<Q")))
+        described.append((name, dims, _tensor_kind(name, cursor.unpack("<I")), cursor.unpack("<Q")))
     alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
     if (
         isinstance(alignment, bool)
