@@ -1,5 +1,6 @@
-"""A background response longer than its log holds (its newest 10,000 events) is cancelled,
-and refused as a previous response, while it runs, as a short one is, over a real server."""
+"""A background response longer than its log holds (its newest 10,000 events) is polled to its
+end, cancelled, and refused as a previous response, while it runs, as a short one is, over a
+real server."""
 
 from __future__ import annotations
 
@@ -7,11 +8,52 @@ import asyncio
 import time
 
 import aiohttp
+import openai
 
 from replystream.delivery.replay import MAX_LOG_ENTRIES
 from tests.processes import replica
 
 TOKENS = MAX_LOG_ENTRIES + 20_000  # 0.3 ms each: some 9 s in all
+
+
+async def past_its_logs_length(http: aiohttp.ClientSession, url: str, response_id: str) -> None:
+    """Poll the response until its log no longer holds its first events (one event a token):
+    its object, which no longer has its text so far, is then still in progress, output-less."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        async with http.get(f"{url}/v1/responses/{response_id}") as state:
+            shown = await state.json()
+            assert state.status == 200, shown
+        assert shown["status"] in ("queued", "in_progress"), shown["status"]
+        if shown["status"] == "in_progress" and not shown["output"]:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError("the response never went past its log's length")
+
+
+async def test_a_background_response_past_its_logs_length_is_polled_to_its_end() -> None:
+    """OpenAI's way to wait for a background response: retrieve it until it is neither queued
+    nor in progress. Past its log's length its object was a 410 (``reply_evicted``) until it
+    ended, and the SDK's loop raised on a response that was doing fine."""
+    tokens = MAX_LOG_ENTRIES + 5_000
+    args = ("--engine", "simulated", "--tokens", str(tokens), "--delay-ms", "0.3")
+    async with (
+        replica(*args) as (_, url),
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0) as client,
+    ):
+        response = await client.responses.create(
+            model="simulated", input="a long one", background=True, max_output_tokens=tokens
+        )
+        polls, output_less = 0, 0
+        async with asyncio.timeout(120):
+            while response.status in ("queued", "in_progress"):
+                await asyncio.sleep(0.05)
+                response = await client.responses.retrieve(response.id)
+                polls += 1
+                output_less += response.status == "in_progress" and not response.output
+    assert response.status == "completed", response
+    assert len(response.output_text.split()) == tokens  # its terminal object is whole
+    assert output_less > 0, f"no poll of {polls} came past the log's length"
 
 
 async def test_a_background_response_past_its_logs_length_is_cancelled() -> None:
@@ -20,15 +62,7 @@ async def test_a_background_response_past_its_logs_length_is_cancelled() -> None
         body = {"input": "a long one", "background": True, "max_output_tokens": TOKENS}
         async with http.post(f"{url}/v1/responses", json=body) as made:
             response_id = (await made.json())["id"]
-        # Until the log no longer holds the response's first events (one event a token):
-        # its object, told from them while it runs, is then a 410.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            async with http.get(f"{url}/v1/responses/{response_id}") as state:
-                if state.status == 410:
-                    break
-                assert (await state.json())["status"] in ("queued", "in_progress")
-            await asyncio.sleep(0.2)
+        await past_its_logs_length(http, url, response_id)
         # Continued while it runs, it is a response that has not finished, as a short one.
         follow = {"input": "and then?", "previous_response_id": response_id}
         for route, body in (("", {**follow, "max_output_tokens": 2}), ("/input_tokens", follow)):

@@ -72,6 +72,9 @@ def without_logprobs(response: dict[str, Any]) -> dict[str, Any]:
     return response
 
 
+GENERATOR_LOST = "the replica generating this response is gone"
+
+
 def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> dict[str, Any] | None:
     """A response object as its log tells it so far: the terminal event's when it has ended;
     else the one ``response.created`` carried, with the text so far (``failed``, naming the
@@ -91,8 +94,7 @@ def response_from_log(entries: Sequence[LogEntry], *, producer_lost: bool) -> di
         return None
     status = "in_progress" if started else created["status"]
     if producer_lost:
-        message = "the replica generating this response is gone"
-        created["error"] = response_error("generator_lost", message)
+        created["error"] = response_error("generator_lost", GENERATOR_LOST)
         status = "failed"
     created["status"] = status
     if started:

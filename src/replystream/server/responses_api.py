@@ -216,7 +216,10 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
                 # on for the detach grace, as theirs do.
                 disconnect="keep" if body.background else None if resumes_by_default else "cancel",
                 context=kept_conversation(
-                    made.conversation, made.given, background=body.background
+                    made.conversation,
+                    made.given,
+                    background=body.background,
+                    opened=response_object(settings, "", "in_progress"),
                 ),
             )
         except BaseException:

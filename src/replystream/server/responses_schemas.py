@@ -483,15 +483,26 @@ class Conversation(Strict):
     # Made with ``background: true`` (None in what a server before it kept): read by a cancel
     # when a long log no longer holds the response's first event, which says it too.
     background: bool | None = None
+    # The object it was created as, but its id (None in what a server before it kept): what a
+    # read tells of it while it runs once a long log no longer holds its first event.
+    opened: dict[str, Any] | None = None
 
 
 def kept_conversation(
-    messages: Sequence[Mapping[str, Any]], given: ResponseInput | None, *, background: bool
+    messages: Sequence[Mapping[str, Any]],
+    given: ResponseInput | None,
+    *,
+    background: bool,
+    opened: Mapping[str, Any],
 ) -> str:
     """The ``Conversation`` a stored response keeps, as JSON: ``messages`` (the history and
     this request's input, as chat), ``given``, the request's validated ``input`` (the items
-    it referenced in place), and whether it runs in the ``background``."""
+    it referenced in place), whether it runs in the ``background``, and the object it was
+    ``opened`` as (its id left out)."""
+    kept: dict[str, Any] = {"messages": list(messages), "background": background}
     if given is None or isinstance(given, str):
-        return json.dumps({"messages": list(messages), "input": given, "background": background})
-    items = [item.model_dump(exclude_none=True) for item in given]
-    return json.dumps({"messages": list(messages), "input": items, "background": background})
+        kept["input"] = given
+    else:
+        kept["input"] = [item.model_dump(exclude_none=True) for item in given]
+    kept["opened"] = {name: value for name, value in opened.items() if name != "id"}
+    return json.dumps(kept)

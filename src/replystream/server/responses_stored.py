@@ -1,7 +1,8 @@
 """A stored response, found and told from its log: the caller's response by id (a 404 for
 another key's, an unknown one, or a reply of another dialect), the conversation it keeps,
 its entries up to a point, and its object as the log tells it now (a 410 when events it
-needs were evicted: never a text with holes). The Responses routes (``responses_api``,
+needs were evicted: never a text with holes; a running one whose log no longer holds its
+first events is told with no output). The Responses routes (``responses_api``,
 ``responses_input_items``) read stored responses only through here. It must not know how a
 response's events are made.
 """
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
 from replystream.delivery.responses_log import (
+    GENERATOR_LOST,
     TERMINAL,
     Said,
     items_in_events,
@@ -25,7 +27,12 @@ from replystream.delivery.responses_log import (
     said_in_object,
     without_logprobs_json,
 )
-from replystream.delivery.responses_objects import reply_id_of
+from replystream.delivery.responses_objects import (
+    compact_json,
+    reply_id_of,
+    response_error,
+    response_id,
+)
 from replystream.server.errors import HTTPAPIError
 from replystream.server.replies import Reply
 from replystream.server.responses_schemas import Conversation
@@ -105,9 +112,18 @@ async def response_body(
     """The response object as its log tells it now, as a JSON answer: an ended response's as
     its terminal event wrote it, not parsed and written again (``response_json_from_log``).
     ``logprobs``: its text's log probabilities are shown (as its request made them; else
-    each ``output_text`` part's are ``[]``, as a retrieve that does not include them says)."""
-    told = await _read_told(store, reply_id)
-    text = response_json_from_log(told.entries, producer_lost=told.producer_lost)
+    each ``output_text`` part's are ``[]``, as a retrieve that does not include them says).
+    One still running whose log no longer holds its first events (past its newest 10,000, or
+    evicted) is told as it was created, in progress, with no output: its text so far cannot
+    be told whole, and a client waiting for it to end (OpenAI's way: a retrieve until it is
+    neither queued nor in progress) must not be refused meanwhile."""
+    told = await _read_told(store, reply_id, cut_short_ok=True)
+    text: str | None
+    if told.cut_short is not None:
+        opened = await _opened_past_its_log(store, reply_id, told.cut_short, told.producer_lost)
+        text = compact_json(opened)
+    else:
+        text = response_json_from_log(told.entries, producer_lost=told.producer_lost)
     if text is None:
         raise _no_such_response()
     if not logprobs:
@@ -202,10 +218,12 @@ class _Told(NamedTuple):
     producer_lost: bool  # not ended, and its producer is gone
     whole: bool  # no event of it was lost
     ended: bool  # its terminal event is among them
+    cut_short: tuple[int, int] | None = None  # not ended, and these events of it are gone
 
 
-async def _read_told(store: ReplayStore, reply_id: str) -> _Told:
-    """A response's log as it is now. A 410 when events it needs were evicted or trimmed."""
+async def _read_told(store: ReplayStore, reply_id: str, *, cut_short_ok: bool = False) -> _Told:
+    """A response's log as it is now. A 410 when events it needs were evicted or trimmed,
+    unless ``cut_short_ok``: then those it lost are said (``cut_short``)."""
     try:
         result = await read_log(store, reply_id)
         lost = False
@@ -224,15 +242,38 @@ async def _read_told(store: ReplayStore, reply_id: str) -> _Told:
     if result.lost is not None and not ended:
         # Events before these are gone (evicted, or trimmed): only a terminal event,
         # which carries the whole response, can be trusted; never a text with holes.
-        raise HTTPAPIError(
-            410,
-            f"events {result.lost[0]}-{result.lost[1]} of this response are no longer "
-            "kept (evicted by Redis under memory pressure, or trimmed): it cannot be "
-            "told whole",
-            code="reply_evicted",
-            param="response_id",
-        )
+        if not cut_short_ok or result.ending is not None:  # (ended: its terminal event lost)
+            raise _cut_short(result.lost)
+        return _Told(result.entries, lost, whole=False, ended=False, cut_short=result.lost)
     return _Told(result.entries, lost, whole=result.lost is None, ended=ended)
+
+
+def _cut_short(lost: tuple[int, int]) -> HTTPAPIError:
+    return HTTPAPIError(
+        410,
+        f"events {lost[0]}-{lost[1]} of this response are no longer kept (evicted by Redis "
+        "under memory pressure, or trimmed): it cannot be told whole",
+        code="reply_evicted",
+        param="response_id",
+    )
+
+
+async def _opened_past_its_log(
+    store: ReplayStore, reply_id: str, lost: tuple[int, int], producer_lost: bool
+) -> dict[str, Any]:
+    """A running response whose log no longer holds its first events (``lost``): the object
+    it was created as, in progress (failed, when its producer is gone), with no output. The
+    410 of ``_read_told`` for one kept by a server before its conversation kept that object."""
+    kept = await stored_conversation(store, reply_id)
+    if kept is None:  # expired or deleted since it was read
+        raise _no_such_response()
+    if kept.opened is None:
+        raise _cut_short(lost)
+    response = {"id": response_id(reply_id), **kept.opened, "status": "in_progress"}
+    if producer_lost:
+        response["error"] = response_error("generator_lost", GENERATOR_LOST)
+        response["status"] = "failed"
+    return response
 
 
 async def stored_conversation(store: ReplayStore, reply_id: str) -> Conversation | None:
