@@ -118,19 +118,3 @@ def _extend(fallbacks: list[int], stop: str) -> None:
     while k and stop[i] != stop[k]:
         k = fallbacks[k - 1]
     fallbacks.append(k + 1 if stop[i] == stop[k] else 0)
-
-
-def cut_at_first_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
-    """The text before the first stop string to complete, and that string (None: no stop).
-
-    The whole-text rule ``StopScan`` follows piece by piece; tests compare the two.
-    """
-    best: tuple[int, int, str] | None = None
-    for stop in dict.fromkeys(stops):
-        index = text.find(stop)
-        if index >= 0 and (best is None or (index + len(stop), -len(stop)) < best[:2]):
-            best = (index + len(stop), -len(stop), stop)
-    if best is None:
-        return text, None
-    end, negative_length, stop = best
-    return text[: end + negative_length], stop

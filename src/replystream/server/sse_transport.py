@@ -4,8 +4,9 @@ This file is the only place that knows an event stream's bytes on the wire (``ev
 ``id:``, ``data:``, keep-alive comments), HTTP/1.1 chunk framing, and the parts of aiohttp's
 response it must reach into: headers held back to leave with the first events, a write that
 goes straight into the socket (the follower's direct path), and a last event queued without
-waiting when the socket does not drain. A request that must have no body (``HEAD``) gets the
-headers only, whatever the route. It must not know about replies or how the log is kept.
+waiting when the socket does not drain. No route that streams takes ``HEAD`` (each answers it
+with 405: ``app``): a stream always has a body. It must not know about replies or how the log
+is kept.
 """
 
 from __future__ import annotations
@@ -128,12 +129,6 @@ class SSETransport(SocketRoom):
         ready, in one write with them (aiohttp holds the headers until the first body
         write; the follower's first catch-up makes it at once)."""
         response = self.response
-        if self.request.method == hdrs.METH_HEAD:
-            # Headers only: no body, and so nothing for the follower to write.
-            await response.send_headers(self.request)
-            await response.write_eof()
-            self._body_ended = True
-            raise ConnectionError("a HEAD response has no body")
         if with_first_events:
             response._send_headers_immediately = False
         await response.send_headers(self.request)
