@@ -437,6 +437,27 @@ async def test_a_deleted_reply_is_told_as_deleted_not_as_unknown_or_expired(stor
         cursor.close()
 
 
+async def test_what_a_producer_writes_after_a_delete_made_elsewhere_is_never_read(stores):
+    # Its producer hears of the delete at its next heartbeat, and writes on until then. A
+    # reader following the reply (on Redis: the shared XREAD) read those events from the
+    # stream they made again: the client got text said after the delete, or, had it been
+    # behind, an ``events_lost`` for the events the delete removed, never ``deleted``.
+    producer, reader = stores
+    await producer.create(ReplyInfo("r16", owner="k"))
+    producer.append("r16", frames(1, 4))
+    await settle(producer)
+    cursor = reader.cursor("r16", 0)
+    assert (await cursor.read(wait_s=0)).entries == frames(1, 4)
+    await reader.delete("r16")
+    producer.append("r16", frames(4, 6))
+    await settle(producer)
+    assert await cursor.read(wait_s=0.5) is None  # waiting for what follows event 3
+    gone = await cursor.gone()
+    assert gone is not None and gone.reason == "deleted"
+    cursor.close()
+    assert await reader.read("r16", 0, wait_s=0) is None
+
+
 async def test_an_unknown_or_expired_reply_is_not_told_as_gone_for_a_reason(stores):
     producer, reader = stores
     assert await reader.gone("never") is None

@@ -50,8 +50,10 @@ from replystream.delivery.replay import LogEntry, ReplyInfo, data_bytes
 #             ([seq, text, meta key index]) or null, live key index to delete (0: none), then
 #             4 values per entry: seq, type ("": none), data, log size (the last of several
 #             entries also gets the log's size before the first: ``redis_rows``)]
-# A reply deleted (``DELETE_SCRIPT``) on another replica may be written until its producer
-# hears of it at its next heartbeat; its ending, if it comes first, deletes what was.
+# A reply deleted (``DELETE_SCRIPT``) on another replica is written to until its producer
+# hears of it at its next heartbeat: its stream, which the delete removed, is not made again
+# (a reader following it would read what was said after the delete, or a gap where the
+# deleted events were); its ending, if it comes first, deletes what was.
 # Returns {count, index, error, index, error, ...}: the writer's count of its calls after this
 # one (INCR-ed last, so a count that survives a failover vouches for every write before it),
 # then the replies (from 0) whose writes Redis refused; or {0, count} when the count Redis
@@ -88,9 +90,9 @@ local function write(r)
   local key, trim, ending = KEYS[r[1]], r[2], r[4]
   local life = hold
   if ending ~= cjson.null then life = ttl end
-  -- Whether this call made the stream: one gone (deleted on another replica, evicted,
-  -- expired) is made again by the first entry, and given its TTL here, so it never
-  -- outlives the reply should its producer die before it hears.
+  -- Whether this call made the stream: one gone (evicted, expired) is made again by the
+  -- first entry, and given its TTL here, so it never outlives the reply should its producer
+  -- die before it hears. One deleted on another replica is not: nothing more of it is kept.
   local made = false
   -- The last of several entries also carries the log's size before the first ('a'), so a
   -- reader on another replica tells this write's bytes from those before it.
@@ -110,6 +112,9 @@ local function write(r)
         res = redis.pcall('XADD', key, 'NOMKSTREAM', id, 'e', r[7], 'd', r[8], 'b', r[9])
       end
       if res == false then
+        -- Its metadata's key (``redis_keys``: the stream's and ':meta', in its hash slot), read
+        -- only when the stream is gone rather than sent with every write.
+        if redis.call('HEXISTS', key .. ':meta', 'deleted') == 1 then return nil end
         made = true
         res = redis.pcall('XADD', key, id, 'e', r[7], 'd', r[8], 'b', r[9])
       end
