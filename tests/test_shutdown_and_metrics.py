@@ -4,6 +4,7 @@ import asyncio
 import json
 import re
 import signal
+from typing import Any
 
 import aiohttp
 import pytest
@@ -135,6 +136,37 @@ async def test_a_buffered_request_at_shutdown_gets_a_503():
         timing = await task
         await asyncio.wait_for(process.wait(), 15)
     assert timing.status == 503 and not timing.complete
+
+
+async def test_a_response_collected_whole_at_shutdown_is_its_failed_object_with_its_text():
+    """As OpenAI answers a response that failed: 200 with the object, ``failed`` with its
+    error, and the text made before the server went down; stored or not (the other routes'
+    whole replies are a 503)."""
+    async with replica(
+        "--engine", "simulated", "--delay-ms", "30", "--jitter-ms", "0", "--shutdown-grace-s", "0.3"
+    ) as (process, url):  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+
+            async def whole(store: bool) -> tuple[int, dict[str, Any]]:
+                asked = {"model": "simulated", "input": "hi", "store": store}
+                async with http.post(f"{url}/v1/responses", json=asked) as answer:
+                    return answer.status, await answer.json()
+
+            both = asyncio.gather(whole(True), whole(False))
+            await asyncio.sleep(0.3)
+            process.send_signal(signal.SIGTERM)
+            answers = await both
+        await asyncio.wait_for(process.wait(), 15)
+    for status, response in answers:
+        assert status == 200, response
+        assert response["status"] == "failed", response
+        assert response["error"] == {
+            "code": "server_error",
+            "message": "the server is shutting down (shutdown)",
+        }
+        [message] = response["output"]
+        assert message["status"] == "incomplete"
+        assert message["content"][0]["text"].startswith("A language model ")
 
 
 async def test_an_anthropic_stream_cut_by_shutdown_ends_overloaded_as_anthropics_would():
