@@ -1,6 +1,6 @@
 """A background response longer than its log holds (its newest 10,000 events) is polled to its
-end, cancelled, and refused as a previous response, while it runs, as a short one is, over a
-real server."""
+end, cancelled, refused as a previous response, and its input taken by reference, while it
+runs, as a short one is, over a real server."""
 
 from __future__ import annotations
 
@@ -71,6 +71,14 @@ async def test_a_background_response_past_its_logs_length_is_cancelled() -> None
                 assert refused.status == 400, error
             assert (error["code"], error["param"]) == ("invalid_value", "previous_response_id")
             assert error["message"] == f"response {response_id} has not finished yet"
+        # Its input, which its conversation keeps whole, is taken by reference (it was a 410:
+        # its output, read first, can no longer be told).
+        async with http.get(f"{url}/v1/responses/{response_id}/input_items") as listed:
+            [asked] = (await listed.json())["data"]
+        referred = [{"type": "item_reference", "id": asked["id"]}]
+        body = {"input": referred, "max_output_tokens": 1}
+        async with http.post(f"{url}/v1/responses", json=body) as taken:
+            assert taken.status == 200, await taken.text()
         async with http.post(f"{url}/v1/responses/{response_id}/cancel") as cancel:
             answer = await cancel.json()
             assert cancel.status == 200, answer

@@ -52,6 +52,7 @@ async def resolved_input(request: web.Request, given: RequestInput | None) -> Re
     if given is None or isinstance(given, str):
         return given
     found: dict[str, Items] = {}  # each response read once, however many items it gives
+    untold: dict[str, HTTPAPIError] = {}  # why a running response's output cannot be told
     resolved: list[InputItem] = []
     # The prompt's characters the references bring: a reference of 60 bytes can stand for
     # a message of any length, and the same one may come thousands of times. Counted as the
@@ -66,8 +67,10 @@ async def resolved_input(request: web.Request, given: RequestInput | None) -> Re
         param = f"input[{number}]"
         reply_id = _reply_id_in(item.id)
         if reply_id is not None and reply_id not in found:
-            found[reply_id] = await _items_of(request, reply_id, param)
+            found[reply_id] = await _items_of(request, reply_id, param, untold)
         shown = found.get(reply_id or "", {}).get(item.id)
+        if shown is None and reply_id in untold:
+            raise untold[reply_id]
         if shown is None:
             raise HTTPAPIError(
                 404,
@@ -119,13 +122,23 @@ def _reply_id_in(item_id: str) -> str | None:
     return reply_id if not tail or tail.startswith("_") else None
 
 
-async def _items_of(request: web.Request, reply_id: str, param: str) -> Items:
+async def _items_of(
+    request: web.Request, reply_id: str, param: str, untold: dict[str, HTTPAPIError]
+) -> Items:
     """The items of the caller's response ``reply_id`` by id: its output and its input; none
-    for a response not found (not stored, another key's, gone)."""
+    for a response not found (not stored, another key's, gone). Of a running one whose log
+    no longer holds its first events, its input alone (its conversation keeps it whole):
+    ``untold`` gets why its output is not told, for a reference to one of its items."""
     try:
         store, _ = await find_response(request, reply_id, param)
-        shown = await response_items(store, reply_id)
         kept = await stored_conversation(store, reply_id)
+        try:
+            shown = await response_items(store, reply_id)
+        except HTTPAPIError as exc:
+            if exc.status != 410 or kept is None or kept.input is None:
+                raise
+            untold[reply_id] = exc
+            shown = []
     except HTTPAPIError as exc:
         if exc.status != 404:
             raise
