@@ -1,5 +1,7 @@
 """A client on a network of its own: a Linux network namespace joined to this one by a veth
-pair, whose packets can all be dropped (a phone gone into a tunnel: no FIN, no reset).
+pair, whose packets can all be dropped (a phone gone into a tunnel: no FIN, no reset). A
+server the code under test depends on (Redis, an upstream) may run there too
+(``Namespace.inside``), listening on ``Namespace.client_ip``, to go dark the same way.
 
 The server under test listens on this side's address of the pair (``Namespace.server_ip``).
 A client runs inside the namespace on an event loop of its own (``Namespace.run``: a thread
@@ -96,6 +98,12 @@ class Namespace:
         # Deleting one end of a pair deletes both; the namespace goes with its last user.
         subprocess.run(["ip", "link", "del", self.host_link], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+
+    @property
+    def inside(self) -> tuple[str, ...]:
+        """The words that run a command inside the namespace (a server that goes dark with
+        it), to put before the command's own."""
+        return ("ip", "netns", "exec", self.name)
 
     async def _nft_run(self, *argv: str, stdin: bytes = b"") -> None:
         process = await asyncio.create_subprocess_exec(

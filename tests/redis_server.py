@@ -36,11 +36,25 @@ def _free(port: int) -> bool:
 
 
 class RedisServer:
+    """One redis-server, on loopback unless ``host`` names another address of this machine;
+    ``launcher`` is the words that run a command where it must run (``Namespace.inside``: on
+    a network of its own), none for here."""
+
     def __init__(
-        self, workdir: Path, *, cluster: bool = False, extra: tuple[str, ...] = ()
+        self,
+        workdir: Path,
+        *,
+        cluster: bool = False,
+        extra: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
     ) -> None:
         self.binary = require_binary("redis-server", "redis-server")
         self.workdir = workdir
+        self.host = host
+        self.launcher = launcher
+        if host != "127.0.0.1":  # else clients from other addresses are refused, no password
+            extra += ("--protected-mode", "no")
         self.cluster = cluster
         self.port = redis_port(cluster=cluster)
         self.process: subprocess.Popen[bytes] | None = None
@@ -51,7 +65,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self) -> None:
         """Start and wait for PONG. Another process can take the chosen port before
@@ -72,11 +86,12 @@ class RedisServer:
         """Run redis-server; True once it answers PING, False if it exits or stays silent."""
         self.process = subprocess.Popen(
             [
+                *self.launcher,
                 self.binary,
                 "--port",
                 str(self.port),
                 "--bind",
-                "127.0.0.1",
+                self.host,
                 "--save",
                 "",
                 "--appendonly",
@@ -92,7 +107,7 @@ class RedisServer:
         while time.monotonic() < deadline and self.process.poll() is None:
             with (
                 contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock,
+                socket.create_connection((self.host, self.port), timeout=0.2) as sock,
             ):
                 sock.sendall(b"PING\r\n")
                 if sock.recv(16).startswith(b"+PONG"):
@@ -126,18 +141,29 @@ def redis_server(workdir: Path, *extra: str) -> Iterator[RedisServer]:
 
 class RedisCluster:
     """A real Redis Cluster on loopback: ``shards`` primaries, each with ``replicas`` replicas,
-    made by ``redis-cli --cluster create`` as an operator would."""
+    made by ``redis-cli --cluster create`` as an operator would (its nodes at ``host``, run
+    with ``launcher``, as ``RedisServer``'s)."""
 
-    def __init__(self, workdir: Path, shards: int = 3, replicas: int = 1) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        shards: int = 3,
+        replicas: int = 1,
+        *,
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
+    ) -> None:
         self.cli = require_binary("redis-cli", "redis-tools")
+        self.host = host
         self.nodes = [
-            RedisServer(workdir / f"node{n}", cluster=True) for n in range(shards * (1 + replicas))
+            RedisServer(workdir / f"node{n}", cluster=True, host=host, launcher=launcher)
+            for n in range(shards * (1 + replicas))
         ]
         self.replicas = replicas
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
+        return "redis+cluster://" + ",".join(f"{self.host}:{n.port}" for n in self.nodes[:3])
 
     def start(self) -> None:
         try:
@@ -149,7 +175,7 @@ class RedisCluster:
     def _start(self) -> None:
         for node in self.nodes:
             node.start()
-        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        addresses = [f"{self.host}:{n.port}" for n in self.nodes]
         subprocess.run(
             [
                 self.cli,
@@ -174,7 +200,7 @@ class RedisCluster:
 
     def _state_ok(self, node: RedisServer) -> bool:
         info = subprocess.run(
-            [self.cli, "-p", str(node.port), "cluster", "info"],
+            [self.cli, "-h", self.host, "-p", str(node.port), "cluster", "info"],
             capture_output=True,
             timeout=10,
             check=False,
@@ -184,7 +210,7 @@ class RedisCluster:
     def command(self, *args: str) -> str:
         """One redis-cli command to the cluster (following redirections)."""
         result = subprocess.run(
-            [self.cli, "-c", "-p", str(self.nodes[0].port), *args],
+            [self.cli, "-c", "-h", self.host, "-p", str(self.nodes[0].port), *args],
             capture_output=True,
             timeout=10,
             check=True,
@@ -210,8 +236,15 @@ class RedisCluster:
 
 
 @contextlib.contextmanager
-def redis_cluster(workdir: Path, shards: int = 3, replicas: int = 1) -> Iterator[RedisCluster]:
-    cluster = RedisCluster(workdir, shards, replicas)
+def redis_cluster(
+    workdir: Path,
+    shards: int = 3,
+    replicas: int = 1,
+    *,
+    host: str = "127.0.0.1",
+    launcher: tuple[str, ...] = (),
+) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(workdir, shards, replicas, host=host, launcher=launcher)
     cluster.start()
     try:
         yield cluster

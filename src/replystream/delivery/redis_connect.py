@@ -43,7 +43,14 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoScriptError,
+    RedisClusterException,
+    RedisClusterUnreachableError,
+    RedisError,
+    SlotNotCoveredError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
@@ -334,15 +341,30 @@ async def follow_primary(client: RedisClient) -> None:
 
 
 @contextlib.contextmanager
-def _closed_mid_write_is_a_connection_error() -> Iterator[None]:
-    """redis-py (8.1) lets a connection closed while a command is written to it (a close
-    racing a send) escape as ``AttributeError`` or ``TypeError`` from the stream writer,
-    not ``ConnectionError`` (redis-py #3546, #4287): no retry layer knows them, ours
-    included. They are what they mean: Redis could not be reached this moment."""
+def _unreachable_is_a_connection_error() -> Iterator[None]:
+    """What a Cluster client raises when it cannot reach Redis, raised as ``ConnectionError``,
+    which every caller (the store's retries, its heartbeat, its readers) takes for Redis
+    unreachable:
+
+    - redis-py (8.1) lets a connection closed while a command is written to it (a close
+      racing a send) escape as ``AttributeError`` or ``TypeError`` from the stream writer
+      (redis-py #3546, #4287);
+    - no node answering (all down, or a network that drops every packet), or none holding a
+      key's slot, is ``RedisClusterUnreachableError`` or ``SlotNotCoveredError``: no
+      ``RedisError`` at all, so a heartbeat that met one ended for good, and a write was
+      told as a bug, with a traceback, instead of retried until Redis answers again. One
+      that no node answered for refusing this server's password is that refusal
+      (``AuthenticationError``), as a single Redis says it.
+    """
     try:
         yield
     except (AttributeError, TypeError) as exc:
         raise RedisConnectionError(f"connection closed while in use ({exc})") from exc
+    except (RedisClusterUnreachableError, SlotNotCoveredError) as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, AuthenticationError):
+            raise cause from exc
+        raise RedisConnectionError(str(exc)) from exc
 
 
 class _GatedPipeline(ClusterPipeline):
@@ -352,7 +374,7 @@ class _GatedPipeline(ClusterPipeline):
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
         async with self._gate:
-            with _closed_mid_write_is_a_connection_error():
+            with _unreachable_is_a_connection_error():
                 return await super().execute(raise_on_error, allow_redirections)
 
 
@@ -367,7 +389,7 @@ class GatedCluster(RedisCluster):
 
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
         async with self.gate:
-            with _closed_mid_write_is_a_connection_error():
+            with _unreachable_is_a_connection_error():
                 return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
@@ -460,7 +482,8 @@ async def first_contact(
         refused = isinstance(exc.__cause__, ssl.SSLCertVerificationError)
         return FirstContact(refused, error_text(exc))
     except RedisClusterException as exc:
-        # No node could be asked: refused when one refused this server's password.
+        # Any other failure of the Cluster client's own (no node answering, or refusing this
+        # server's password, comes as the two above): refused when it names that refusal.
         refused = isinstance(exc.__cause__ or exc.__context__, AuthenticationError)
         return FirstContact(refused, error_text(exc))
     except (RedisTimeoutError, OSError) as exc:

@@ -57,18 +57,27 @@ class Heartbeat:
     async def beat_forever(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
-            await self._check_servers()
-            self._writer.prune()
-            live = list(self._writer.tables.live)
-            if live:
-                await self._refresh(live)
-            reading = self._still_reading()
-            if reading:
-                await self._mark_read(reading)
-            left = [reply_id for reply_id in self._left if reply_id not in self._readers]
-            self._left.clear()
-            if left:
-                await self._unmark(left)
+            try:
+                await self._beat_once()
+            except Exception:
+                # Not Redis's failure (each call below tells of those) but a bug, ours or the
+                # client library's: told, and the next beat comes all the same. Ended, no
+                # reply of this process would be kept alive, or hear of a cancel, again.
+                log.exception("the reply store's heartbeat failed")
+
+    async def _beat_once(self) -> None:
+        await self._check_servers()
+        self._writer.prune()
+        live = list(self._writer.tables.live)
+        if live:
+            await self._refresh(live)
+        reading = self._still_reading()
+        if reading:
+            await self._mark_read(reading)
+        left = [reply_id for reply_id in self._left if reply_id not in self._readers]
+        self._left.clear()
+        if left:
+            await self._unmark(left)
 
     async def _check_servers(self) -> None:
         """Whether another Redis answers than at the last beat (restarted, or failed over):

@@ -1,0 +1,66 @@
+"""Redis on a network of its own (a veth pair into a namespace, ``tests/netns.py``) that goes
+dark: every packet dropped, no FIN, no reset, as behind a partition or a pulled cable. The
+store must tell Redis unreachable within its documented bounds, in one log line, and serve
+again as it was once the partition heals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from replystream.delivery.redis_link import BEAT_CONFIRM_S, HEARTBEAT_S
+from replystream.delivery.redis_store import RedisReplayStore
+from replystream.delivery.replay import LogEntry, ReplyInfo, StoreUnavailable
+from tests.netns import client_namespace
+from tests.redis_server import redis_cluster
+
+pytestmark = pytest.mark.slow
+
+LIVENESS_S = 3.0  # the store's default: a live reply's key lasts this long unless refreshed
+
+
+async def test_a_store_that_met_its_cluster_dark_keeps_its_replies_alive_once_it_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    # A replica started (or running) while no node of its Redis Cluster answers: the
+    # Cluster client then says so with errors of its own, outside redis-py's RedisError,
+    # which no part of the store took for Redis unreachable: the write was logged as a bug
+    # with a traceback, and the heartbeat ended for good, so that once the cluster answered
+    # again no live reply's liveness was refreshed, and a reader on another replica called
+    # its producer lost after a few quiet seconds.
+    with (
+        client_namespace() as ns,
+        redis_cluster(tmp_path, replicas=0, host=ns.client_ip, launcher=ns.inside) as cluster,
+    ):
+        await ns.blackout()
+        # Connects given up after a quarter of a second: a dark node costs each try that.
+        producer = RedisReplayStore(
+            cluster.url, liveness_s=LIVENESS_S, failover_s=0.5, connect_timeout_s=0.25
+        )
+        elsewhere = RedisReplayStore(cluster.url, liveness_s=LIVENESS_S)  # another replica
+        try:
+            with pytest.raises(StoreUnavailable):
+                await producer.create(ReplyInfo("early"))
+            await asyncio.sleep(4 * HEARTBEAT_S)  # beats that meet the cluster dark
+            await ns.restore()
+            await producer.create(ReplyInfo("later"))
+            producer.append("later", [LogEntry(1, "token", "{}")])
+            await producer.flush()
+            # Quiet (a long prefill, a tool call): only the heartbeat keeps it alive, past
+            # the time its liveness key lasts and a reader's wait for a beat.
+            until = time.monotonic() + LIVENESS_S + BEAT_CONFIRM_S + 3.0
+            while time.monotonic() < until:
+                result = await elsewhere.read("later", 1, wait_s=1.0)
+                assert result is not None and not result.producer_lost
+        finally:
+            await producer.aclose()
+            await elsewhere.aclose()
+    ours = [r for r in caplog.records if r.name.startswith("replystream")]
+    assert not [r for r in ours if r.levelno >= logging.ERROR or r.exc_info], [
+        r.getMessage() for r in ours
+    ]
