@@ -441,7 +441,14 @@ class Connection(asyncio.Protocol):
             self._releasing = None
         if self._transport is not None and not self._closed:
             self._closed = True
-            self._transport.close()
+            if self._transport.get_write_buffer_size():
+                # Part of a request given up on is still unsent (an upstream gone dark
+                # acknowledges nothing): a close would wait to send it, holding the socket
+                # and the request until the kernel gives up, a quarter of an hour later,
+                # and deliver it, for nobody, if the network healed meanwhile.
+                self._transport.abort()
+            else:
+                self._transport.close()
         self._origin.lost(self)
 
     def _ended(self, failure: Exception | None) -> None:
