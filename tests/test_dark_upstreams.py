@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 import os
 import socket
 import sys
 from urllib.parse import urlsplit
 
 import aiohttp
+import pytest
 
 from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
@@ -27,6 +29,7 @@ from tests.netns import Namespace, client_namespace
 from tests.processes import ready_url, stop
 
 HEAD_S = 2.0  # the relay's --upstream-timeout-s and --upstream-ttft-s here
+PROBE_S = 0.5  # its --upstream-health-s (a probe then waits this long at most)
 
 
 async def upstream_inside(ns: Namespace) -> tuple[asyncio.subprocess.Process, str]:
@@ -121,3 +124,57 @@ async def test_a_request_given_up_on_a_dark_upstream_lets_go_of_its_connection()
                     await ns.restore()
             finally:
                 await stop(dark)
+
+
+def told(caplog: pytest.LogCaptureFixture, about: str) -> list[str]:
+    """The relay's log lines that name ``about``."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "replystream.upstream" and about in r.getMessage()
+    ]
+
+
+async def test_an_upstream_gone_dark_is_logged_once_and_once_more_when_it_answers(
+    caplog: pytest.LogCaptureFixture,
+):
+    # Requests fail over from an upstream whose health probes fail, and at the default log
+    # level (attempts are INFO lines) nothing said so: an upstream gone dark, down or
+    # refusing the probe was out of routing without a word. Now one line as its probes
+    # begin to fail, one as one answers again, and none for each probe in between.
+    caplog.set_level(logging.WARNING, logger="replystream.upstream")
+    healthy = CountingUpstream()
+    with client_namespace() as ns:
+        dark, dark_url = await upstream_inside(ns)
+        engine: UpstreamEngine | None = None
+        dark_now = False
+        try:
+            async with running(healthy.app()) as healthy_url:
+                targets = (UpstreamTarget(f"{dark_url}/v1"), UpstreamTarget(f"{healthy_url}/v1"))
+                engine = UpstreamEngine(UpstreamConfig(targets, model="m", health_s=PROBE_S))
+                async with running(create_app(engine)) as url, aiohttp.ClientSession() as session:
+                    async with session.get(f"{url}/healthz") as health:  # the first probes
+                        assert health.status == 200
+                    backend = next(b for b in engine.pool.backends if b.name == f"{dark_url}/v1")
+                    assert backend.probe_ok and not told(caplog, dark_url)
+                    await ns.blackout()
+                    dark_now = True
+                    await wait_for(lambda: backend.probes["failed"] >= 4, timeout_s=10 * PROBE_S)
+                    assert len(told(caplog, dark_url)) == 1, told(caplog, dark_url)
+                    await ns.restore()
+                    dark_now = False
+                    await wait_for(lambda: len(told(caplog, dark_url)) == 2, timeout_s=10 * PROBE_S)
+                    async with session.post(f"{url}/v1/replies", json={"prompt": "x"}) as reply:
+                        assert reply.status == 200
+        finally:
+            try:
+                if engine is not None:
+                    await engine.aclose()
+                if dark_now:
+                    await ns.restore()
+            finally:
+                await stop(dark)
+    began, ended = told(caplog, dark_url)
+    assert began.startswith(f"health probe: the upstream at {dark_url}/v1 did not answer"), began
+    assert "told again once one answers" in began
+    assert ended.startswith(f"the upstream at {dark_url}/v1 answers its health probe again"), ended

@@ -4,12 +4,14 @@ and then every ``interval_s`` in the background, over the relay's own HTTP clien
 (``upstream_http``: the TLS, proxy and failures of a relayed request, on a kept-alive
 connection of the probes' own); a model list it answers with tells the pool
 which models that upstream serves (even where the routes file names them: whether a model it
-answered a chat request 404 for is listed again). An upstream that takes each caller's own key
-is probed without one: its refusal (401, 403) says it is up, and its models come from the
-routes file (or from no listing: it is sent any model). One that refuses our key is told in
-the words of a refused request: where that key is configured. A listed model whose name is
-also an alias stays behind the alias (requests for that name go to the alias's model, as
-configured): the first probe that finds one says so in the log, once per alias and upstream.
+answered a chat request 404 for is listed again). An upstream whose probes begin to fail is
+logged once, with why, and once more when one answers again. An upstream that takes each
+caller's own key is probed without one: its refusal (401, 403) says it is up, and its models
+come from the routes file (or from no listing: it is sent any model). One that refuses our
+key is told in the words of a refused request: where that key is configured. A listed model
+whose name is also an alias stays behind the alias (requests for that name go to the alias's
+model, as configured): the first probe that finds one says so in the log, once per alias and
+upstream.
 
 This file decides what a probe's answer means (a problem in words, or None) and when probes
 run. What a failed probe does to routing is ``upstream_pool``'s. It must not know about our
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
 from collections.abc import Callable, Sequence
 
 from pydantic_core import from_json
@@ -107,6 +110,8 @@ class HealthProber:
         self._probed = False
         # (alias, the model it stands for, upstream) already said to shadow a listed model.
         self._shadowed: set[tuple[str, str, str]] = set()
+        # The upstreams whose probes fail: since when, and how many have (``_tell``).
+        self._failing: dict[str, tuple[float, int]] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -127,6 +132,8 @@ class HealthProber:
         served = {b.name for b in self._pool.backends}
         for name in [name for name in self._origins if name not in served]:
             self._origins.pop(name)[0].close()  # out of the routes
+        for name in [name for name in self._failing if name not in served]:
+            del self._failing[name]
 
     def _origin(self, name: str, keys: UpstreamKeys) -> HttpOrigin:
         """The probes' connections to the upstream ``name``, reached as ``keys`` say."""
@@ -169,8 +176,37 @@ class HealthProber:
         except _NoVerdict:
             return  # this process's shortage says nothing of the upstream: as it was
         backend.probed(problem, models)
+        self._tell(backend.name, problem)
         self._pool.listed(backend, models)  # a model it answered 404 for may be back
         self.note_shadowed([backend])
+
+    def _tell(self, name: str, problem: str | None) -> None:
+        """Log an upstream's probes as they begin to fail, with why, and as one answers
+        again, not each probe in between: at the default level nothing else tells of an
+        upstream passed over (gone dark, down, or refusing the probe), as requests fail
+        over from it without a word."""
+        failing = self._failing.get(name)
+        if problem is None:
+            if failing is not None:
+                del self._failing[name]
+                since, count = failing
+                log.warning(
+                    "the upstream at %s answers its health probe again, after failing for "
+                    "%.1f s (%d probes)",
+                    name,
+                    time.monotonic() - since,
+                    count,
+                )
+            return
+        if failing is not None:
+            self._failing[name] = (failing[0], failing[1] + 1)
+            return
+        self._failing[name] = (time.monotonic(), 1)
+        log.warning(
+            "health probe: %s; requests go to the other upstreams serving the model, if any, "
+            "while its probes fail (told again once one answers)",
+            problem,
+        )
 
     def note_shadowed(self, backends: Sequence[Backend]) -> None:
         """Log, once, each alias whose name is a model one of ``backends`` lists: the alias
