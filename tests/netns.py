@@ -46,6 +46,22 @@ table inet blackout {
 }
 """
 
+# The same for the TCP ports of one server in the namespace (its address's, whoever the peer).
+_BLACKOUT_PORTS = """
+table inet blackout {{
+  chain incoming {{
+    type filter hook input priority -300;
+    ip daddr {ip} tcp dport {{ {ports} }} drop;
+    ip saddr {ip} tcp sport {{ {ports} }} drop;
+  }}
+  chain outgoing {{
+    type filter hook output priority -300;
+    ip saddr {ip} tcp sport {{ {ports} }} drop;
+    ip daddr {ip} tcp dport {{ {ports} }} drop;
+  }}
+}}
+"""
+
 
 def _skip_or_fail(reason: str) -> NoReturn:
     if services_required():
@@ -115,10 +131,15 @@ class Namespace:
         _, err = await process.communicate(stdin)
         assert process.returncode == 0, err.decode()
 
-    async def blackout(self) -> None:
+    async def blackout(self, *ports: int) -> None:
         """Drop every packet in and out of the namespace from now on: its peers hear
-        nothing more from it, not even a reset."""
-        await self._nft_run("-f", "-", stdin=_BLACKOUT.encode())
+        nothing more from it, not even a reset. With ``ports``, only the TCP packets to or
+        from those ports of the namespace's own: one server there gone dark, the others not."""
+        rules = _BLACKOUT
+        if ports:
+            listed = ", ".join(str(port) for port in ports)
+            rules = _BLACKOUT_PORTS.format(ports=listed, ip=self.client_ip)
+        await self._nft_run("-f", "-", stdin=rules.encode())
 
     async def restore(self) -> None:
         """Let packets pass again (those dropped meanwhile stay lost)."""

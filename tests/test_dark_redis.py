@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replystream.delivery.redis_link import BEAT_CONFIRM_S, HEARTBEAT_S
+from replystream.delivery.redis_link import BEAT_CONFIRM_S, COMMAND_TIMEOUT_S, HEARTBEAT_S
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo, StoreUnavailable
 from tests.netns import client_namespace
@@ -64,3 +64,54 @@ async def test_a_store_that_met_its_cluster_dark_keeps_its_replies_alive_once_it
     assert not [r for r in ours if r.levelno >= logging.ERROR or r.exc_info], [
         r.getMessage() for r in ours
     ]
+
+
+async def test_replies_on_the_shards_that_answer_stay_alive_while_one_shard_is_dark(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    # One primary of a Cluster gone dark, the others answering (before the cluster fails
+    # it over: its cluster-node-timeout, 15 s by default). The heartbeat waited on the dark
+    # node for the command timeout at each beat, twice (asking which servers answer, and
+    # its replies' refresh), so the replies on the shards that answer had no beat for 10 s
+    # at a time: readers on another replica called their live producer lost.
+    with (
+        client_namespace() as ns,
+        redis_cluster(tmp_path, replicas=0, host=ns.client_ip, launcher=ns.inside) as cluster,
+    ):
+        producer = RedisReplayStore(cluster.url, liveness_s=LIVENESS_S)
+        elsewhere = RedisReplayStore(cluster.url, liveness_s=LIVENESS_S)  # another replica
+        try:
+            ids = [f"reply{n:02d}" for n in range(12)]  # spread over the three shards
+            for reply_id in ids:
+                await producer.create(ReplyInfo(reply_id))
+                producer.append(reply_id, [LogEntry(1, "token", "{}")])
+            await producer.flush()
+            # The shard of the last slots: not the first, whose node the Cluster client asks
+            # what the keys of a blocking read are (its default node).
+            dark = cluster.nodes[-1]
+            owners = {reply_id: cluster.owner_of(producer.keys.key(reply_id)) for reply_id in ids}
+            answering = [r for r in ids if owners[r] != f"{ns.client_ip}:{dark.port}"]
+            assert 0 < len(answering) < len(ids), owners
+            for reply_id in answering:  # read once: the other replica knows the cluster
+                assert await elsewhere.read(reply_id, 0, wait_s=0) is not None
+            await ns.blackout(dark.port, dark.port + 10000)  # its clients' port, its bus's
+            # Quiet replies (a long prefill): only the heartbeat keeps them alive. Read past
+            # the time two slow beats took, and a reader's wait for a beat.
+            until = time.monotonic() + 4 * COMMAND_TIMEOUT_S
+            while time.monotonic() < until:
+                results = await asyncio.gather(
+                    *(elsewhere.read(reply_id, 1, wait_s=1.0) for reply_id in answering)
+                )
+                lost = [r for r, result in zip(answering, results, strict=True) if not result]
+                lost += [
+                    r
+                    for r, result in zip(answering, results, strict=True)
+                    if result and result.producer_lost
+                ]
+                assert not lost, f"called lost while their producer lives: {lost}"
+            await ns.restore()
+        finally:
+            await producer.aclose()
+            await elsewhere.aclose()
+    told = [r.getMessage() for r in caplog.records if r.name == "replystream.redis_store"]
+    assert sum("liveness refresh failed" in line for line in told) == 1, told

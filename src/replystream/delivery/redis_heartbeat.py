@@ -9,10 +9,12 @@ reader mark: a detached reply goes on while read), and asks its stream's length.
 started again at 1 (the metadata was gone) or a stream shorter than what Redis acknowledged
 means Redis evicted part of the reply: the writer writes it again from its copy
 (``Failover.rewrite``). For the replies produced elsewhere that a reader here follows, it
-refreshes their reader marks. Each beat also asks whether another Redis answers than at the
-last one (``RedisLink.servers_changed``: a restart or failover no failed call told of), and
-if so has every reply held here written again. A failed beat is tried again a second later;
-an outage is logged once as it begins and once as it ends (``OutageLog``).
+refreshes their reader marks. Beside the beats, one at a time, it asks whether another Redis
+answers than at the last time (``RedisLink.servers_changed``: a restart or failover no failed
+call told of), and if so has every reply held here written again. A beat waits for each of
+its calls at most ``BEAT_CALL_S``, so that a node that does not answer holds back neither the
+replies on the others nor the next beat. A failed beat is tried again a second later; an
+outage is logged once as it begins and once as it ends (``OutageLog``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ from replystream.delivery.redis_log_writer import LogWriter
 from replystream.delivery.redis_writes import HEARTBEAT_SCRIPT
 
 log = logging.getLogger("replystream.redis_store")
+
+# The most a beat waits for each of its calls to Redis. A node that does not answer (dark, or
+# hung) would hold each beat for the command timeout: the liveness of every reply, on the
+# shards that answer too, then lapsed, and readers on other replicas called live producers
+# lost. Cut short there, a beat comes at least every HEARTBEAT_S + 1 s (this, and the writer's
+# own bound on ``acknowledged``), within a reader's BEAT_CONFIRM_S; the call cut short counts
+# as failed, as Redis unreachable does. Asking which Redis answers (``servers_changed``, and
+# through Sentinel which one is the primary) is not cut short but runs beside the beats, one
+# at a time: Sentinels that do not answer are given up on one by one, the next one asked.
+BEAT_CALL_S = HEARTBEAT_S / 2
 
 
 class Heartbeat:
@@ -55,18 +67,22 @@ class Heartbeat:
         self._marks_outage = OutageLog(log, "reader marks' refresh")
 
     async def beat_forever(self) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            try:
-                await self._beat_once()
-            except Exception:
-                # Not Redis's failure (each call below tells of those) but a bug, ours or the
-                # client library's: told, and the next beat comes all the same. Ended, no
-                # reply of this process would be kept alive, or hear of a cancel, again.
-                log.exception("the reply store's heartbeat failed")
+        async with asyncio.TaskGroup() as group:
+            checking: asyncio.Task[None] | None = None
+            while True:
+                await asyncio.sleep(HEARTBEAT_S)
+                if checking is None or checking.done():
+                    checking = group.create_task(self._check_servers())
+                try:
+                    await self._beat_once()
+                except Exception:
+                    # Not Redis's failure (each call below tells of those) but a bug, ours or
+                    # the client library's: told, and the next beat comes all the same.
+                    # Ended, no reply of this process would be kept alive, or hear of a
+                    # cancel, again.
+                    log.exception("the reply store's heartbeat failed")
 
     async def _beat_once(self) -> None:
-        await self._check_servers()
         self._writer.prune()
         live = list(self._writer.tables.live)
         if live:
@@ -83,8 +99,12 @@ class Heartbeat:
         """Whether another Redis answers than at the last beat (restarted, or failed over):
         if so, the link has what this process holds written again (a failure of the call is
         an outage, which the writes find and tell of themselves)."""
-        with contextlib.suppress(RedisError, OSError):
+        try:
             await self._link.servers_changed()
+        except (RedisError, OSError):
+            pass
+        except Exception:  # a bug: told, and asked again at the next beat
+            log.exception("asking which Redis answers failed")
 
     async def reading(self, reply_id: str, joined: bool = False) -> None:
         """A reader here has just read reply ``reply_id``, produced elsewhere and not ended
@@ -118,12 +138,15 @@ class Heartbeat:
     async def _mark_read(self, replies: list[str]) -> None:
         """Leave each reply a reader's mark for its producer's heartbeat to find."""
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with asyncio.timeout(BEAT_CALL_S), self.redis.pipeline(transaction=False) as pipe:
                 for reply_id in replies:
                     pipe.set(
                         self._keys.key(reply_id, ":read"), b"1", ex=max(1, int(self.liveness_s))
                     )
                 await pipe.execute()
+        except TimeoutError:  # asyncio's: Redis's own is a RedisError
+            self._marks_outage.failed(_unanswered())
+            return
         except (RedisError, OSError) as exc:
             self._marks_outage.failed(exc)
             return
@@ -133,7 +156,10 @@ class Heartbeat:
         """Take away the marks of replies no reader here follows any more (a mark Redis
         cannot drop now lapses by itself within ``liveness_s``)."""
         try:
-            await self.redis.delete(*(self._keys.key(reply_id, ":read") for reply_id in replies))
+            async with asyncio.timeout(BEAT_CALL_S):
+                await self.redis.delete(*(self._keys.key(r, ":read") for r in replies))
+        except TimeoutError:  # asyncio's: Redis's own is a RedisError
+            self._marks_outage.failed(_unanswered())
         except (RedisError, OSError) as exc:
             self._marks_outage.failed(exc)
 
@@ -168,10 +194,13 @@ class Heartbeat:
                 self._keys.key(reply_id, ":read"),
             )
         try:
-            answer = await self._heartbeat(
-                keys=keys,
-                args=[max(1, int(self.liveness_s)), self._writer.hold_s],
-            )
+            async with asyncio.timeout(BEAT_CALL_S):
+                answer = await self._heartbeat(
+                    keys=keys,
+                    args=[max(1, int(self.liveness_s)), self._writer.hold_s],
+                )
+        except TimeoutError:  # asyncio's: Redis's own is a RedisError
+            return _unanswered()
         except (RedisError, OSError) as exc:
             return exc
         writer = self._writer
@@ -204,3 +233,7 @@ class Heartbeat:
                             self._keys.key(reply_id), self._keys.key(reply_id, ":live")
                         )
         return None
+
+
+def _unanswered() -> TimeoutError:
+    return TimeoutError(f"Redis did not answer within {BEAT_CALL_S:g} s")
