@@ -115,3 +115,52 @@ async def test_replies_on_the_shards_that_answer_stay_alive_while_one_shard_is_d
             await elsewhere.aclose()
     told = [r.getMessage() for r in caplog.records if r.name == "replystream.redis_store"]
     assert sum("liveness refresh failed" in line for line in told) == 1, told
+
+
+async def test_a_reader_elsewhere_gets_each_event_at_once_while_the_first_shard_is_dark(
+    tmp_path: Path,
+):
+    # The Cluster client asks one node of its own (its default: the first shard's primary)
+    # what the keys of a blocking XREAD are. With that node dark, the blocking read of the
+    # readers on another replica never came back in time: readers of the replies on the
+    # shards that answer got their events in bursts, as each gave up waiting (2.5 s, or
+    # the connect timeout if shorter) and read again plainly, not as they were made.
+    connect_s = 4.0
+    with (
+        client_namespace() as ns,
+        redis_cluster(tmp_path, replicas=0, host=ns.client_ip, launcher=ns.inside) as cluster,
+    ):
+        producer = RedisReplayStore(cluster.url, connect_timeout_s=connect_s)
+        elsewhere = RedisReplayStore(cluster.url, connect_timeout_s=connect_s)
+        try:
+            ids = [f"reply{n:02d}" for n in range(6)]
+            for reply_id in ids:
+                await producer.create(ReplyInfo(reply_id))
+                producer.append(reply_id, [LogEntry(1, "token", "{}")])
+            await producer.flush()
+            dark = cluster.nodes[0]  # the first slots' shard
+            owners = {r: cluster.owner_of(producer.keys.key(r)) for r in ids}
+            answering = [r for r in ids if owners[r] != f"{ns.client_ip}:{dark.port}"]
+            assert answering, owners
+            for reply_id in answering:  # read once: the other replica knows the cluster
+                assert await elsewhere.read(reply_id, 0, wait_s=0) is not None
+            await ns.blackout(dark.port, dark.port + 10000)
+            for seq in (2, 3, 4):
+                # The reader waits for the next event, which comes a moment later.
+                waits = [
+                    asyncio.create_task(elsewhere.read(r, seq - 1, wait_s=2 * connect_s))
+                    for r in answering
+                ]
+                await asyncio.sleep(0.3)
+                made = time.monotonic()
+                for reply_id in answering:
+                    producer.append(reply_id, [LogEntry(seq, "token", "{}")])
+                await producer.flush()
+                results = await asyncio.gather(*waits)
+                late = time.monotonic() - made
+                assert all(r is not None and [e.seq for e in r.entries] == [seq] for r in results)
+                assert late < connect_s / 2, f"event {seq} reached the reader {late:.1f} s late"
+            await ns.restore()
+        finally:
+            await producer.aclose()
+            await elsewhere.aclose()

@@ -378,6 +378,17 @@ class _GatedPipeline(ClusterPipeline):
                 return await super().execute(raise_on_error, allow_redirections)
 
 
+def _first_stream(args: tuple[EncodableT, ...]) -> str | None:
+    """The first stream an ``XREAD`` names (None for any other command)."""
+    if not args or str(args[0]).upper() != "XREAD":
+        return None
+    for n, word in enumerate(args[1:-1], start=1):
+        if word in (b"STREAMS", "STREAMS"):
+            key = args[n + 1]
+            return key.decode() if isinstance(key, bytes) else str(key)
+    return None
+
+
 class GatedCluster(RedisCluster):
     """A Cluster client whose commands (and pipelines, one connection per node each) pass a
     gate no larger than each node's pool: at most ``max_connections`` in use on any node,
@@ -390,6 +401,15 @@ class GatedCluster(RedisCluster):
     async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:
         async with self.gate:
             with _unreachable_is_a_connection_error():
+                if "target_nodes" not in kwargs:
+                    stream = _first_stream(args)
+                    if stream is not None:
+                        # redis-py asks its default node (the first shard's primary, kept
+                        # however it fails: its own retries are off) which keys an XREAD
+                        # names, before each one: with that node dark, or down, every
+                        # blocking read failed, those of the shards that answer too. Its
+                        # streams share a slot (the caller's rule): sent to that slot's node.
+                        kwargs["target_nodes"] = self.get_node_from_key(stream)
                 return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
