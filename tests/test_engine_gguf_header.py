@@ -165,6 +165,19 @@ def test_arrays_nested_past_any_use_are_refused_not_recursed_into(tmp_path: Path
         read_header(path)
 
 
+def one_tensor(path: Path, name: str) -> tuple[bytearray, list[Any], GGUFReader]:
+    """A sound file of one 2 x 2 tensor ``name``: its bytes to damage, its tensor's header
+    parts (name, dim count, dims, kind, offset) and gguf's reader of it (where each lies)."""
+    writer = GGUFWriter(path, "llama")
+    writer.add_tensor(name, np.zeros((2, 2), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFReader(path)
+    return bytearray(path.read_bytes()), list(reader.tensors[0].field.parts), reader
+
+
 @pytest.mark.parametrize(
     "dims", [(2**32, 2**32), (2**63 + 1, 1), (2**64 - 1, 2)], ids=["wraps", "past i64", "u64"]
 )
@@ -173,15 +186,7 @@ def test_dims_whose_product_is_past_any_file_are_refused_naming_the_tensor(
 ) -> None:
     """Multiplied as 64-bit integers, 2^32 x 2^32 wraps to 0 elements (a tensor that fits in
     any file) and a dim past 2^63 warns; counted exactly, each runs past the end."""
-    writer = GGUFWriter(tmp_path / "sound.gguf", "llama")
-    writer.add_tensor("t", np.zeros((2, 2), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    reader = GGUFReader(tmp_path / "sound.gguf")
-    data = bytearray((tmp_path / "sound.gguf").read_bytes())
-    parts = reader.tensors[0].field.parts
+    data, parts, reader = one_tensor(tmp_path / "sound.gguf", "t")
     at = parts[3].ctypes.data - reader.data.ctypes.data  # the dims, innermost first
     struct.pack_into("<QQ", data, at, *dims)
     path = tmp_path / "huge.gguf"
@@ -195,15 +200,7 @@ def test_a_tensor_kind_gguf_does_not_know_is_refused_naming_the_tensor_and_kind(
 ) -> None:
     """A kind llama.cpp added after the installed gguf's release: the enum's own words
     ("4242 is not a valid GGMLQuantizationType") named neither the tensor nor the package."""
-    writer = GGUFWriter(tmp_path / "sound.gguf", "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((2, 2), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    reader = GGUFReader(tmp_path / "sound.gguf")
-    data = bytearray((tmp_path / "sound.gguf").read_bytes())
-    parts = reader.tensors[0].field.parts
+    data, parts, reader = one_tensor(tmp_path / "sound.gguf", "blk.0.attn_q.weight")
     at = parts[4].ctypes.data - reader.data.ctypes.data  # the kind, after the dims
     struct.pack_into("<I", data, at, 4242)
     path = tmp_path / "future.gguf"
