@@ -68,17 +68,19 @@ def test_tool_call_pieces_follow_all_text_before_them_in_order(policy: DeliveryP
 @pytest.mark.parametrize(
     "policy", [DeliveryPolicy(), DeliveryPolicy(holdback_tokens=2, batch_tokens=3)]
 )
+@pytest.mark.parametrize("begun", ["ST", "S"])
 def test_a_tail_held_for_a_stop_string_goes_before_a_call_and_no_stop_spans_one(
-    policy: DeliveryPolicy,
+    policy: DeliveryPolicy, begun: str
 ):
     pipeline = ReplyPipeline(NativeFormat(), policy, stops=("STOP",), prompt_estimate=1)
     entries = pipeline.start("r1")
-    entries += pipeline.push(Delta("a ST"), 0.0)
+    entries += pipeline.push(Delta("a " + begun), 0.0)
     tail_held = "".join(json.loads(e.data)["text"] for e in entries if e.event == "token")
     assert tail_held in ("", "a ")  # "ST" could begin the stop string: withheld
     for piece in PIECES:
         entries += pipeline.push(Delta("", 1, 0.0, tool_call=piece), 0.0)
-    for word in ["OP ", "then STOP here"]:
+    rest = "STOP"[len(begun) :]
+    for word in [rest + " ", "then STOP here"]:
         entries += pipeline.push(Delta(word), 0.0)
     assert pipeline.halted  # the stop string after the call still ends the reply
     entries += pipeline.finish()
@@ -86,7 +88,8 @@ def test_a_tail_held_for_a_stop_string_goes_before_a_call_and_no_stop_spans_one(
     first_call = kinds.index("tool_call")
     before = "".join(json.loads(e.data)["text"] for e in entries[:first_call] if e.event == "token")
     after = "".join(json.loads(e.data)["text"] for e in entries[first_call:] if e.event == "token")
-    assert (before, after) == ("a ST", "OP then ")  # "ST" + call + "OP" is no stop string
+    # "ST" + call + "OP" is no stop string, nor is "S" + call + "TOP".
+    assert (before, after) == ("a " + begun, rest + " then ")
     # It made a call: it ends as one that did, whatever cut the text after it.
     assert json.loads(entries[-1].data) == {"finish_reason": "tool_calls"}
 
