@@ -46,6 +46,9 @@ def _run(pieces: list[bytes], max_event_size: int) -> Parsed:
     try:
         for piece in pieces:
             events += parser.feed(piece)
+            # A relay skips the parser for a read while it is at rest: never when the bytes
+            # so far ended anywhere but after a whole event and whole characters.
+            assert not parser.at_rest or parser.at_boundary
     except SSEError as exc:
         # Which events came out before the error depends on the chunking; only the error must not.
         with pytest.raises(SSEError):
@@ -346,6 +349,32 @@ def test_partial_bom_is_not_a_boundary(chunks: str) -> None:
     assert parsed.discarded_incomplete
 
 
+@pytest.mark.parametrize(
+    ("stream", "at_rest"),
+    [
+        (b"data: a\n\n", True),
+        (b"\xef\xbb\xbfdata: a\n\n: ping\n\n", True),
+        (b"data: \xc3\xa9\n\n", True),
+        (b"", False),  # a BOM may still come
+        (b"data: a\n", False),
+        (b"data: a\n\ndata", False),
+        (b"data: a\n\n\xc3", False),  # a character cut short
+        (b"data: a\r\r", False),  # an LF that comes next is the CR's partner, not a line
+    ],
+)
+def test_at_rest_only_after_a_whole_event_and_whole_characters(
+    chunks: str, stream: bytes, at_rest: bool
+) -> None:
+    # What a relay asks before reading the next bytes as a new event without the parser:
+    # true at the end of every whole event (else it never takes that short cut), and false
+    # wherever the parser holds anything the next bytes would go on from.
+    for pieces in CHUNKINGS[chunks](stream):
+        parser = EventParser()
+        for piece in pieces:
+            parser.feed(piece)
+        assert parser.at_rest is at_rest, pieces
+
+
 def test_close_is_idempotent_and_feed_after_close_raises(chunks: str) -> None:
     for pieces in CHUNKINGS[chunks](b"data: a\n\n"):
         parser = EventParser()
@@ -365,6 +394,37 @@ def test_event_of_exactly_max_event_size_is_accepted(chunks: str) -> None:
     # The limit counts the data buffer plus the line being read: "data: abc" is 9.
     parsed = feed_chunked(b"data: abc\n\n", chunks, max_event_size=9)
     assert datas(parsed) == ["abc"]
+
+
+@pytest.mark.parametrize(
+    ("stream", "limit", "expected"),
+    [
+        # The data buffer holds each value and its LF: 3 + 3, then "data: 56" (8) is read.
+        (b"data: 12\ndata: 34\ndata: 56\n\n", 14, ["12\n34\n56"]),
+        # The buffer starts empty again after each event: the second may be as large.
+        (b"data: abc\n\ndata: abc\n\n", 9, ["abc", "abc"]),
+        (b"data: abc\n\n: a comment\n\ndata: abc\n\n", 11, ["abc", "abc"]),
+    ],
+)
+def test_an_event_at_the_limit_is_accepted_and_one_character_more_is_not(
+    chunks: str, stream: bytes, limit: int, expected: list[str]
+) -> None:
+    # The bound is exact, for every line of an event and every event of a stream: a relay
+    # given a limit must not refuse a stream that keeps within it.
+    assert datas(feed_chunked(stream, chunks, max_event_size=limit)) == expected
+    assert feed_chunked(stream, chunks, max_event_size=limit - 1).error is EventTooLarge
+
+
+def test_an_error_line_counts_toward_the_limit_as_a_data_line() -> None:
+    # A relayed llama.cpp error (``error: {...}``) is read as an event's data, so it is
+    # bounded as data is.
+    for limit, fits in ((11, True), (10, False)):
+        parser = EventParser(max_event_size=limit, error_field=True)
+        if fits:
+            assert parser.feed(b"error: abc\ndata: x\n\n") == [Event("abc\nx", "error", "")]
+        else:
+            with pytest.raises(EventTooLarge):
+                parser.feed(b"error: abc\ndata: x\n\n")
 
 
 def test_huge_data_line_raises_event_too_large(chunks: str) -> None:
