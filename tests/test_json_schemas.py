@@ -115,6 +115,12 @@ def test_the_verdict_is_the_reference_implementations(value: Any) -> None:
         ({"properties": {"a": {"type": 5}, "b": {"type": 6}}}, "properties/a/type", "must"),
         ({"allOf": [{"minLength": -1}], "not": {"minLength": -2}}, "allOf/0/minLength", "must"),
         ({"enum": [float("inf"), float("nan")]}, "enum/0", "must be a finite number"),
+        # An older draft's ``dependencies``: a list of names, or a subschema checked as any.
+        ({"dependencies": {"a": ["b"], "c": {"type": 5}}}, "dependencies/c/type", "must be"),
+        ({"dependencies": {"a": ["b", "b"]}}, "dependencies", "'a' must be a JSON Schema"),
+        # A place of 200 characters is named whole; a longer one is cut to 200.
+        ({"properties": {"p" * 184: {"type": 5}}}, "properties/" + "p" * 184 + "/type", "must"),
+        ({"properties": {"p" * 185: {"type": 5}}}, "properties/" + "p" * 185 + "/...", "must"),
     ],
 )
 def test_the_first_problem_is_named_where_it_is(schema: Any, where: str, wrong: str) -> None:
