@@ -9,6 +9,7 @@ has its own key prefix).
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -165,6 +166,11 @@ async def test_entries_no_longer_kept_are_reported_as_lost_not_skipped(stores):
     first_kept = result.entries[0].seq
     assert result.lost == (11, first_kept - 1)
     assert first_kept > 11 and result.entries[-1].seq == 200
+    # A reader only just behind what is kept: told of the two it missed, then given all the
+    # rest (not only as many of the newest as it is behind).
+    near = await reader.read("r3", first_kept - 3, wait_s=0)
+    assert near.lost == (first_kept - 2, first_kept - 1)
+    assert [e.seq for e in near.entries] == list(range(first_kept, 201))
 
 
 async def test_a_log_keeps_its_newest_entries_within_its_byte_bound(stores):
@@ -174,6 +180,11 @@ async def test_a_log_keeps_its_newest_entries_within_its_byte_bound(stores):
     for seq in range(1, 13):
         producer.append("big", [LogEntry(seq, None, f'{{"n": {seq}, "t": "{"x" * 20_000}"}}')])
         await settle(producer)
+        # A trim drops the oldest down to nine tenths of the bound, no further: a reader a
+        # little behind still finds what it has not read.
+        so_far = await reader.read("big", 0, wait_s=0)
+        kept_now = sum(len(e.data) for e in so_far.entries)
+        assert kept_now >= min(seq * 20_000, KEPT_BYTES * 9 // 10 - 20_100)
     result = await reader.read("big", 0, wait_s=0)
     assert result is not None and result.lost is not None
     first_kept = result.entries[0].seq
@@ -195,6 +206,8 @@ async def test_a_log_keeps_its_newest_entries_within_its_byte_bound(stores):
     ended = await reader.read("big", 12, wait_s=0)
     assert ended is not None and [e.seq for e in ended.entries] == [13]
     assert (ended.lost, ended.ending) == (None, "finished")
+    if not isinstance(producer, RedisReplayStore):  # (Redis trims whole nodes: perhaps more)
+        assert [e.seq for e in (await producer.read("big", 0, wait_s=0)).entries] == [13]
 
 
 async def test_a_reader_blocked_on_a_live_reply_wakes_for_the_ending(stores):
@@ -212,6 +225,19 @@ async def test_a_reader_blocked_on_a_live_reply_wakes_for_the_ending(stores):
         group.create_task(end_later())
         result = await reader.read("r4", 1, wait_s=5)
     assert result.entries == [] and result.ending == "errored"
+
+
+async def test_a_read_with_nothing_new_waits_its_wait(stores):
+    producer, reader = stores
+    await producer.create(ReplyInfo("quiet"))
+    producer.append("quiet", frames(1, 2))
+    await settle(producer)
+    # A follower reads with a wait of a second at most (its liveness poll, or less to a
+    # keep-alive): a read of a quiet reply that came back at once would have it spin.
+    began = time.monotonic()
+    result = await reader.read("quiet", 1, wait_s=0.5)
+    assert result is not None and (result.entries, result.ending) == ([], None)
+    assert time.monotonic() - began >= 0.4
 
 
 async def test_cancel_requests_reach_the_producer(stores):
@@ -291,6 +317,9 @@ async def test_release_and_discard_never_lose_what_a_reader_still_needs(stores):
     producer.release("r9", 3)  # a reply nobody may resume: 1-3 were sent
     result = await producer.read("r9", 3, wait_s=0)
     assert [e.seq for e in result.entries] == [4, 5] and result.lost is None
+    producer.release("r9", 4)  # all but the newest
+    result = await producer.read("r9", 4, wait_s=0)
+    assert [e.seq for e in result.entries] == [5] and result.lost is None
     producer.end("r9", "finished")
     await settle(producer)
     producer.discard("r9")
@@ -300,6 +329,23 @@ async def test_release_and_discard_never_lose_what_a_reader_still_needs(stores):
         assert after_discard is not None and after_discard.ending == "finished"
     else:
         assert after_discard is None
+
+
+async def test_a_reader_releasing_as_it_goes_loses_nothing_however_long_the_reply(stores):
+    producer, _ = stores
+    await producer.create(ReplyInfo("long"))
+    # Five times the log's byte bound in all, never more than two entries unsent, released
+    # whole or but for the newest: the bound counts what is kept, not what came and went.
+    sent = 0
+    for seq in range(1, 331):
+        producer.append("long", [LogEntry(seq, None, "x" * 1000)])
+        if seq % 3 == 0:
+            result = await producer.read("long", sent, wait_s=0)
+            assert result.lost is None, seq
+            assert [e.seq for e in result.entries] == list(range(sent + 1, seq + 1))
+            sent = seq
+            producer.release("long", seq if seq % 2 else seq - 1)
+    await settle(producer)
 
 
 async def test_redis_reader_reports_a_producer_that_stopped_refreshing_liveness(tmp_path: Path):
