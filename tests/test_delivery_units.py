@@ -78,6 +78,24 @@ def test_secret_patterns_and_named_regexes():
     assert check.find("pay 1234-5678 now") is None
 
 
+@pytest.mark.parametrize(
+    ("secret", "shape"),
+    [
+        ("sk-proj-" + "A1b2C3d4" * 3, "openai_key"),
+        ("AKIA" + "ABCDEFGH23456789", "aws_access_key_id"),
+        ("ghp_" + "a1B2c3D4e5" * 4, "github_token"),
+        ("xoxb-" + "1234567890-abcdef", "slack_token"),
+        ("-----BEGIN RSA PRIVATE KEY-----", "private_key"),
+    ],
+)
+def test_every_shape_of_secret_stops_the_reply_before_it(secret: str, shape: str):
+    # Not only the first shape the check knows: each is looked for in every text.
+    holdback = HoldBack(2, [secret_check()])
+    out = pushed(holdback, ["Use ", "this: ", secret, "\n", "ok"]) + holdback.finish()[0]
+    assert holdback.violation is not None and holdback.violation.reason == shape
+    assert out == "Use this: "
+
+
 class CountingCheck:
     """A check that finds nothing and counts the characters it was asked to read."""
 
@@ -156,6 +174,9 @@ def test_a_letter_and_the_marks_after_it_are_matched_as_nfkc_composes_them():
     phrases = BannedPhrases(["café", "fire"])
     found = phrases.find("a cafe\u0301\u200b!")  # decomposed, an invisible character after it
     assert found is not None and (found.start, found.end) == (2, 8)
+    # A marked letter inside a phrase: the letters after it are read once, in order.
+    found = BannedPhrases(["café noir"]).find("un cafe\u0301 noir")
+    assert found is not None and (found.start, found.end) == (3, 13)
     assert phrases.find("cafe\u0301\u0327") is None  # a cedilla too: another letter
     # Characters folded to several (ß as ss, a ligature) and marked keep later places right.
     found = phrases.find("\u00df\u0301 \ufb01\u0301re fire")
@@ -209,12 +230,65 @@ def test_a_tentative_match_longer_than_its_checks_context_is_still_held():
     assert out == "my " and holdback.violation is not None
 
 
+def test_a_tentative_match_after_a_final_one_leaves_the_final_ones_text_held():
+    # In one push (a relayed chunk of several tokens), a phrase found whole and, after it, a
+    # word that only the text to come decides: the text stops where the phrase begins.
+    checks: list[Check] = [BannedPhrases(["bad"]), RegexCheck({"word": r"\bxyz\b"})]
+    for window in (0, 2):
+        holdback = HoldBack(window, checks)
+        out = pushed(holdback, ["fine ", "so bad xyz"]) + holdback.finish()[0]
+        assert holdback.violation is not None and holdback.violation.check == "banned_phrase"
+        assert out == "fine so "
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_a_key_that_ends_a_long_reply_stops_it_where_the_key_begins(window: int):
+    # The key is tentative until the text ends (it may go on), then final: the text before
+    # it goes out, counted from the reply's start, however much was released before.
+    key = "sk-" + "A1b2C3d4" * 3
+    holdback = HoldBack(window, [secret_check()])
+    out = pushed(holdback, ["word "] * 100 + ["see ", key]) + holdback.finish()[0]
+    assert holdback.violation is not None and holdback.violation.reason == "openai_key"
+    assert out == "word " * 100 + "see "
+
+
 def test_a_final_match_behind_a_tentative_one_stops_the_text_at_the_tentative_start():
     checks: list[Check] = [RegexCheck({"key": r"\bkey-\w+"}), BannedPhrases(["bad"])]
     holdback = HoldBack(0, checks)
     out = pushed(holdback, ["my ", "key-12bad34"])
     assert out == "my " and holdback.violation is not None
     assert holdback.violation.check == "banned_phrase"
+
+
+@pytest.mark.parametrize("window", [0, 2, 1 << 30])
+def test_no_check_reads_the_text_from_a_stop_string_on(window: int):
+    # The reply ends at "END": "bad" after it is never shown, so it stops nothing (a whole
+    # reply, window 1 << 30, holds all its pieces when the stop string completes).
+    holdback = HoldBack(window, [BannedPhrases(["bad"])], stops=["END"])
+    out = pushed(holdback, ["aaaa ", "bbbb ", "cccc ", "ENDbad", "x"])
+    assert (out, holdback.stop_sequence, holdback.violation) == ("aaaa bbbb cccc ", "END", None)
+
+
+def test_a_stop_strings_first_token_is_never_counted_released():
+    # A whole reply lists the log probabilities of the tokens released: not "ST", whose
+    # text, withheld as the start of a stop string, turned out to be one.
+    holdback = HoldBack(0, [], stops=["STOP"])
+    assert [holdback.push(t, 1) for t in ["a ", "ST", "OP"]] == [("a ", 1), ("", 0), ("", 0)]
+    assert (holdback.released_tokens, holdback.stop_sequence) == (1, "STOP")
+
+
+@pytest.mark.parametrize("window", [4, 5])
+def test_a_window_as_long_as_a_phrases_tokens_holds_it_whole_in_multi_token_characters(
+    window: int,
+):
+    # Byte-level tokens: each character takes two, the first ending inside it (no text).
+    # The window counts tokens, so a phrase of four never has its start out before its end.
+    holdback = HoldBack(window, [BannedPhrases(["\u30e5\u30fc"])])
+    out = ""
+    for text in ["", "\u30a2", "", "\u30cb", "", "\u30e5", "", "\u30fc"]:
+        out += holdback.push(text, 1)[0]
+    assert out == "\u30a2\u30cb" and holdback.violation is not None
+    assert holdback.violation.released_tokens == 4
 
 
 def test_a_stop_string_after_a_tentative_match_makes_it_final():
@@ -233,6 +307,9 @@ def test_a_finding_says_whether_more_text_could_undo_it():
     # A phrase found is found whatever comes next, even where it ends the text.
     phrase = BannedPhrases(["ass"]).find("your ass")
     assert phrase is not None and not phrase.tentative
+    # Written in other letters too: the reply stops at once, not at its end.
+    holdback = HoldBack(0, [BannedPhrases(["caf\u00e9"])])
+    assert holdback.push("un caf\u00e9", 1) == ("un ", 0) and holdback.ended
 
 
 def test_banned_phrases_case_sensitivity_and_blank_lists():
