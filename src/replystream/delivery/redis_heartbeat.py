@@ -23,8 +23,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from replystream.delivery.redis_keys import ReplyKeys
 from replystream.delivery.redis_link import HEARTBEAT_S, OutageLog, RedisLink
@@ -138,15 +140,12 @@ class Heartbeat:
     async def _mark_read(self, replies: list[str]) -> None:
         """Leave each reply a reader's mark for its producer's heartbeat to find."""
         try:
-            async with asyncio.timeout(BEAT_CALL_S), self.redis.pipeline(transaction=False) as pipe:
+            async with _within_a_beat(), self.redis.pipeline(transaction=False) as pipe:
                 for reply_id in replies:
                     pipe.set(
                         self._keys.key(reply_id, ":read"), b"1", ex=max(1, int(self.liveness_s))
                     )
                 await pipe.execute()
-        except TimeoutError:  # asyncio's: Redis's own is a RedisError
-            self._marks_outage.failed(_unanswered())
-            return
         except (RedisError, OSError) as exc:
             self._marks_outage.failed(exc)
             return
@@ -156,10 +155,8 @@ class Heartbeat:
         """Take away the marks of replies no reader here follows any more (a mark Redis
         cannot drop now lapses by itself within ``liveness_s``)."""
         try:
-            async with asyncio.timeout(BEAT_CALL_S):
+            async with _within_a_beat():
                 await self.redis.delete(*(self._keys.key(r, ":read") for r in replies))
-        except TimeoutError:  # asyncio's: Redis's own is a RedisError
-            self._marks_outage.failed(_unanswered())
         except (RedisError, OSError) as exc:
             self._marks_outage.failed(exc)
 
@@ -194,13 +191,11 @@ class Heartbeat:
                 self._keys.key(reply_id, ":read"),
             )
         try:
-            async with asyncio.timeout(BEAT_CALL_S):
+            async with _within_a_beat():
                 answer = await self._heartbeat(
                     keys=keys,
                     args=[max(1, int(self.liveness_s)), self._writer.hold_s],
                 )
-        except TimeoutError:  # asyncio's: Redis's own is a RedisError
-            return _unanswered()
         except (RedisError, OSError) as exc:
             return exc
         writer = self._writer
@@ -235,5 +230,12 @@ class Heartbeat:
         return None
 
 
-def _unanswered() -> TimeoutError:
-    return TimeoutError(f"Redis did not answer within {BEAT_CALL_S:g} s")
+@contextlib.asynccontextmanager
+async def _within_a_beat() -> AsyncIterator[None]:
+    """A beat's call to Redis, cut short past ``BEAT_CALL_S`` as Redis's own command timeout
+    is (a ``RedisError``, which every caller takes for Redis not answering)."""
+    try:
+        async with asyncio.timeout(BEAT_CALL_S):
+            yield
+    except TimeoutError:
+        raise RedisTimeoutError(f"Redis did not answer within {BEAT_CALL_S:g} s") from None
