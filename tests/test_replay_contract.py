@@ -171,6 +171,7 @@ async def test_entries_no_longer_kept_are_reported_as_lost_not_skipped(stores):
     near = await reader.read("r3", first_kept - 3, wait_s=0)
     assert near.lost == (first_kept - 2, first_kept - 1)
     assert [e.seq for e in near.entries] == list(range(first_kept, 201))
+    assert reader.stats().gaps == 2  # each read that found entries gone counted, no other
 
 
 async def test_a_log_keeps_its_newest_entries_within_its_byte_bound(stores):
