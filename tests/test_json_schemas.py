@@ -105,6 +105,7 @@ def test_the_verdict_is_the_reference_implementations(value: Any) -> None:
     ("schema", "where", "wrong"),
     [
         ({"type": "strin"}, "type", "must be one of array, boolean, integer"),
+        ({"type": ["string", "strin"]}, "type", "must be one of array, boolean, integer"),
         ({"properties": {"a": {"type": 5}}}, "properties/a/type", "must be one of"),
         ({"allOf": []}, "allOf", "must be a non-empty list of JSON Schemas"),
         ({"items": [{}]}, "items", "must be a JSON Schema (an object or a boolean)"),
