@@ -30,9 +30,10 @@ class EventParser:
     time, read it from `retry`.
 
     ``max_event_size`` bounds memory against hostile streams. It counts decoded characters
-    (equal to bytes for ASCII) of the pending event: the data buffer (values joined with LF)
-    plus the line being read. Any line, terminated or not, that would take that past the limit
-    raises `EventTooLarge`, whatever the chunking.
+    (equal to bytes for ASCII) of the pending event: the data buffer (each value and the LF
+    the standard appends after it: ``data: ab`` then ``data: c`` hold 5) plus the line being
+    read. Any line, terminated or not, that would take that past the limit raises
+    `EventTooLarge`, whatever the chunking.
 
     ``error_field`` reads a line of the field ``error``, which the standard ignores, as an
     ``event: error`` with its value as a ``data`` line: llama.cpp's server (its builds before
@@ -72,7 +73,7 @@ class EventParser:
         self._tail_size = 0
         self._skip_lf = False  # the last text ended in CR: a leading LF is its CRLF partner
         self._data: list[str] = []
-        self._data_size = 0  # len of the data buffer: values plus their LF separators
+        self._data_size = 0  # len of the data buffer: each value and the LF after it
         self._type = ""
         self._last_id = ""  # the last event ID buffer
         self._dispatched_id = ""  # the last event ID string: the buffer at the last blank line
