@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from replystream.lab.engine_lab import (
     run_ttft,
 )
 from replystream.lab.lab_engines import LabEngine, load_lab_engine
+from replystream.lab.spec_lab import PROMPTS as SPEC_PROMPTS
+from replystream.lab.spec_lab import SpecRun, report_spec, run_spec
 from tests.services import require_smollm2
 
 
@@ -83,6 +87,60 @@ def test_pool_experiment_shows_queueing_and_preemption(tiny: LabEngine, tmp_path
     assert not waited_for_blocks(big)
     with open(tmp_path / "t.txt", "w") as sink:
         assert report_pool([big, small], tmp_path, Console(file=sink)).exists()
+
+
+def _by_prompt(runs: list[SpecRun]) -> dict[str, tuple[SpecRun, SpecRun]]:
+    """Each prompt's (plain, lookup) runs."""
+    pairs = {}
+    for prompt in SPEC_PROMPTS:
+        plain, lookup = (r for r in runs if r.prompt == prompt)
+        pairs[prompt] = (plain, lookup)
+    return pairs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_spec_experiment_makes_the_same_text_in_fewer_steps_where_drafts_come_true(
+    tiny: LabEngine, tmp_path: Path, temperature: float
+) -> None:
+    runs = asyncio.run(run_spec(tiny, 24, 1, spec_tokens=4, ngram=2, temperature=temperature))
+    assert [(r.mode, r.prompt) for r in runs] == [
+        (mode, prompt) for mode in ("plain", "lookup k=4 n=2") for prompt in SPEC_PROMPTS
+    ]
+    for plain, lookup in _by_prompt(runs).values():
+        # Speculation changes how many steps the text takes, never the text (sampled too:
+        # a drafted token is kept only where the seeded sampler would have drawn it).
+        assert plain.text and lookup.text == plain.text
+        assert plain.tokens == lookup.tokens == 24
+        assert (plain.steps, plain.events, plain.proposed, plain.acceptance) == (24, 24, 0, None)
+        assert [n for _, n in plain.arrivals_ms] == list(range(1, 25))
+        assert lookup.accepted <= lookup.proposed
+        # one event a step, carrying the step's token and its accepted drafts
+        assert lookup.events == lookup.steps == lookup.tokens - lookup.accepted
+        assert lookup.arrivals_ms[-1][1] == 24
+        times = [t for t, _ in lookup.arrivals_ms]
+        assert times == sorted(times) and times[0] == 0.0
+    plain, lookup = _by_prompt(runs)["repetitive"]
+    assert lookup.accepted > 0 and lookup.steps < plain.steps
+    with open(tmp_path / "t.txt", "w") as sink:
+        path = report_spec(runs, tmp_path, Console(file=sink), temperature)
+    said = (tmp_path / "t.txt").read_text()
+    assert "repetitive: the same text in both modes: yes" in said
+    assert "prose: the same text in both modes: yes" in said
+    sampled = "" if temperature == 0 else "-sampled"
+    assert path == tmp_path / f"engine-spec{sampled}.png" and path.stat().st_size > 0
+
+
+def test_the_spec_experiment_runs_from_the_command_line(tmp_path: Path) -> None:
+    argv = ["lab-engine", "spec", "--engine", "tiny", "--tokens", "12", "--repeats", "1"]
+    argv += ["--spec-tokens", "3", "--spec-ngram", "2", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "replystream", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "lookup k=3 n=2" in done.stdout and "wrote" in done.stdout
+    assert "the same text in both modes: NO" not in done.stdout
+    assert done.stdout.count("the same text in both modes: yes") == 2
+    assert (tmp_path / "engine-spec.png").stat().st_size > 0
 
 
 def test_the_tiny_models_plots_keep_their_names_and_others_carry_the_model(
