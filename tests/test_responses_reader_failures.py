@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
 import openai
 
+from replystream.delivery.replay import LogEntry
+from replystream.delivery.responses_log import ReaderNotices
 from replystream.server import running
 from tests.conftest import our_code, wait_for
 from tests.stalling_proxy import (
@@ -17,22 +20,12 @@ from tests.stalling_proxy import (
 )
 
 
-def assembled_output(events: list[Any]) -> list[dict[str, Any]]:
-    """The output items as a client puts them together from the events it read."""
-    items: dict[int, dict[str, Any]] = {}
-    for event in events:
-        if event.type in ("response.output_item.added", "response.output_item.done"):
-            items[event.output_index] = event.item.model_dump(exclude_none=True)
-        elif event.type == "response.content_part.added":
-            items[event.output_index]["content"] = [event.part.model_dump(exclude_none=True)]
-        elif event.type == "response.output_text.delta":
-            items[event.output_index]["content"][0]["text"] += event.delta
-    return [items[index] for index in sorted(items)]
-
-
-async def test_a_slow_client_cut_fails_the_response_with_the_output_it_was_sent(caplog):
-    # The reader decides this failure alone; its response.failed still carries every output
-    # item the stream had sent (the open one cut: incomplete), numbered on after them.
+async def test_a_slow_client_cut_ends_its_stream_with_an_error_and_the_response_its_log(caplog):
+    # The reader decides this ending alone: OpenAI's error event, no response.failed (the
+    # response did not fail with it). Its end is its producer's, in its log, where a resume
+    # after the last number seen finds it: completed when the reply was made before the cut
+    # (300 tokens 1 ms apart, the cut 0.5 s after the socket fills), else stopped for want
+    # of a reader (failed, ``slow_client``).
     caplog.set_level(logging.INFO, logger="replystream.follower")
     app = server_cutting_stalled_readers()
     release = asyncio.Event()
@@ -56,31 +49,38 @@ async def test_a_slow_client_cut_fails_the_response_with_the_output_it_was_sent(
                     events = await reading
                 # Resumed after the last number the client saw: the response's next event.
                 last_seen = events[-1].sequence_number
+                response_id = events[0].response.id
                 resumed = await client.responses.retrieve(
-                    events[-1].response.id, stream=True, starting_after=last_seen
+                    response_id, stream=True, starting_after=last_seen
                 )
-                rest = [event async for event in resumed]
-    assert [event.type for event in events[-2:]] == ["error", "response.failed"]
-    # Nothing skipped: the event after the last one this stream wrote.
-    assert rest and rest[0].sequence_number == last_seen + 1 == events[-3].sequence_number + 1
-    failed = events[-1].response
-    assert (failed.status, our_code(failed.error)) == ("failed", "slow_client")
-    assert [event.type for event in events].count("response.output_text.delta") >= 1
-    told = [item.model_dump(exclude_none=True) for item in failed.output]
-    sent = assembled_output(events)
-    assert [item["status"] for item in told] == ["incomplete"]
-    assert told[0]["content"][0]["text"] == sent[0]["content"][0]["text"]
-    assert {**sent[0], "status": "incomplete"} == told[0]
-    # Every event once, in order; the reader's own two carry the last one written's number.
+                rest: list[Any] = [event async for event in resumed]
+                stored = await client.responses.retrieve(response_id)
+    *told, error = events
+    assert (error.type, error.code) == ("error", "slow_client")
+    assert "response.failed" not in [event.type for event in events]
+    assert [event.type for event in told].count("response.output_text.delta") >= 1
+    # Every event once, in order; the reader's own carries the last one written's number.
     numbers = [event.sequence_number for event in events]
-    assert numbers == [*range(len(events) - 2), len(events) - 3, len(events) - 3]
+    assert numbers == [*range(len(told)), len(told) - 1]
+    # Nothing skipped: the event after the last one this stream wrote, to the end the
+    # response's producer gave it.
+    assert rest and rest[0].sequence_number == last_seen + 1
+    ended = rest[-1]
+    assert ended.response.model_dump() == stored.model_dump()
+    if ended.type == "response.failed":
+        assert our_code(ended.response.error) == "slow_client"
+    else:
+        assert ended.type == "response.completed"
+    text = "".join(e.delta for e in [*told, *rest] if e.type == "response.output_text.delta")
+    assert stored.output_text == text
 
 
-async def test_a_resumed_reader_cut_fails_the_response_with_the_output_before_its_place_too(
+async def test_a_resumed_reader_cut_ends_its_stream_and_the_background_response_goes_on(
     caplog,
 ):
-    # The client resumed after event 6 (its first text was told by an earlier connection):
-    # the failure carries the whole message so far, not only what this connection sent.
+    # The client resumed after event 6 of a background response, and was cut: its stream
+    # ends with the error alone, in the response's numbers; the response, which no reader's
+    # leaving stops, completes, and a resume after the error's number reads it to its end.
     caplog.set_level(logging.INFO, logger="replystream.follower")
     app = server_cutting_stalled_readers()
     release = asyncio.Event()
@@ -104,21 +104,21 @@ async def test_a_resumed_reader_cut_fails_the_response_with_the_output_before_it
                 release.set()
                 async with asyncio.timeout(30):
                     events = await reading
+        *told, error = events
+        resumed = await direct.responses.retrieve(
+            queued.id, stream=True, starting_after=error.sequence_number
+        )
+        rest: list[Any] = [event async for event in resumed]
         whole = [event async for event in await direct.responses.retrieve(queued.id, stream=True)]
-    assert [event.type for event in events[-2:]] == ["error", "response.failed"]
-    assert events[0].sequence_number == 7
+    assert (error.type, error.code) == ("error", "slow_client")
+    assert "response.failed" not in [event.type for event in events]
+    assert told[0].sequence_number == 7
     numbers = [event.sequence_number for event in events]
-    assert numbers == [*range(7, 5 + len(events)), 4 + len(events), 4 + len(events)]
-    told_upto = events[-3].sequence_number
-    text = "".join(
-        event.delta
-        for event in whole
-        if event.type == "response.output_text.delta" and event.sequence_number <= told_upto
-    )
-    assert any(e.type == "response.output_text.delta" and e.sequence_number <= 6 for e in whole)
-    failed = events[-1].response
-    assert [(item.type, item.status) for item in failed.output] == [("message", "incomplete")]
-    assert failed.output[0].content[0].text == text
+    assert numbers == [*range(7, 7 + len(told)), 6 + len(told)]
+    assert [event.model_dump() for event in [*whole[:7], *told, *rest]] == [
+        event.model_dump() for event in whole
+    ]
+    assert whole[-1].type == "response.completed"
 
 
 async def test_a_closing_larger_than_the_byte_limit_reaches_a_reader_that_takes_it():
@@ -162,3 +162,42 @@ async def test_a_closing_larger_than_the_byte_limit_reaches_a_reader_that_takes_
     sent_before = sum(len(event.model_dump_json()) for event in deltas)
     assert sent_before < limit < closing and len(deltas) == 600
     assert "".join(event.delta for event in deltas) == events[-1].response.output_text
+
+
+def _entry(seq: int, kind: str, **fields: Any) -> LogEntry:
+    return LogEntry(seq, kind, json.dumps({"type": kind, "sequence_number": seq - 1, **fields}))
+
+
+def test_a_lost_producer_fails_the_response_with_the_output_told_before_and_after_a_place():
+    # Its producer gone, nobody will write the response's end: the reader's response.failed
+    # is it, with the whole message so far, the part told by an earlier connection (before
+    # the resumed reader's place) as well as what this one sent.
+    opened = {"id": "resp_r", "object": "response", "status": "in_progress", "model": "m"}
+    item = {"id": "msg_1", "type": "message", "status": "in_progress", "role": "assistant"}
+    before = [
+        _entry(1, "response.created", response=opened),
+        _entry(2, "response.output_item.added", output_index=0, item={**item, "content": []}),
+        _entry(3, "response.output_text.delta", item_id="msg_1", delta="Hello"),
+    ]
+    notices = ReaderNotices("r", opened, told=before)
+    notices.sent([_entry(4, "response.output_text.delta", item_id="msg_1", delta=", world")])
+    lost = json.dumps({"error": {"message": "the replica is gone", "code": "generator_lost"}})
+    (kind, said), (ended, failed) = notices("error", lost, 4)
+    assert (kind, ended) == ("error", "response.failed")
+    assert json.loads(said) == {
+        "type": "error",
+        "sequence_number": 3,
+        "code": "generator_lost",
+        "message": "the replica is gone",
+        "param": None,
+    }
+    response = json.loads(failed)["response"]
+    assert (response["status"], response["model"], response["usage"]) == ("failed", "m", None)
+    assert response["error"]["message"].endswith("(generator_lost)")
+    [message] = response["output"]
+    assert (message["status"], message["content"][0]["text"]) == ("incomplete", "Hello, world")
+    # Any other ending a reader decides is its stream's alone: the error, in the same numbers.
+    for code in ("slow_client", "shutdown", "events_lost", "replay_store_unavailable"):
+        cut = json.dumps({"error": {"message": "cut", "code": code}})
+        [(kind, said)] = notices("error", cut, 4)
+        assert kind == "error" and json.loads(said)["sequence_number"] == 3

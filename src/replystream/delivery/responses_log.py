@@ -249,23 +249,23 @@ def opened_object(first: LogEntry) -> dict[str, Any] | None:
     return opened
 
 
-# Codes of a reader's ending after which the response has no object to tell: it was
-# deleted while read (any later read of it is a 404), and did not fail.
-NO_OBJECT_CODES = frozenset({"deleted"})
+# Codes of a reader's ending that say the response itself failed: its producer is gone, and
+# nobody will write its end. Every other ending a reader decides (a slow client, this server
+# shutting down, a store it cannot reach, events lost, a place past the end, a delete) ends
+# its stream, not the response, which goes on (a client may resume it) or ends as its
+# producer ends it, in its log.
+RESPONSE_FAILED_CODES = frozenset({"generator_lost"})
 
 
 class ReaderNotices:
-    """How a Responses stream spells what its reader decides (a slow client, a lost
-    producer, a store that cannot be reached, events lost): an ``error`` event in OpenAI's
-    shape, then ``response.failed``; a fault of the reader's request (its error names a
-    ``param``: a place past the end), or a response deleted while read
-    (``NO_OBJECT_CODES``), is the ``error`` alone. They are not in the log and
-    have no ``id:``; each carries the ``sequence_number`` of the last event written before
-    them (0 when there was none), so a client that resumes after the last number it saw
-    (``starting_after``) gets the response's next event, which a number of their own would
-    have skipped.
-    Its object is the response as it opened (its settings, as ``response.created`` carried
-    them), failed, with the output items this stream has told its client (the open one
+    """How a Responses stream spells what its reader decides: OpenAI's ``error`` event; when
+    the response itself failed with it (``RESPONSE_FAILED_CODES``: its producer is gone),
+    then ``response.failed``. They are not in the log and have no ``id:``; each carries the
+    ``sequence_number`` of the last event written before them (0 when there was none), so a
+    client that resumes after the last number it saw (``starting_after``) gets the
+    response's next event, which a number of their own would have skipped.
+    The failed object is the response as it opened (its settings, as ``response.created``
+    carried them), with the output items this stream has told its client (the open one
     cut: ``incomplete``), so a client that puts the response together from the events has
     what the failure says. A reader that resumed starts from the entries before its place
     (``told``)."""
@@ -292,13 +292,9 @@ class ReaderNotices:
         number = max(after - 1, 0)  # the log's number, as a sequence number
         error = json.loads(data)["error"]
         code, message = error["code"], error["message"]
-        param = error.get("param")
-        if param is not None or code in NO_OBJECT_CODES:
-            # The reader's request was at fault (a place past the end), not the response:
-            # the error alone, naming the parameter; the response stands as it ended. Or
-            # the response was deleted: it did not fail, and there is no object to tell.
-            error_event = {"type": "error", "sequence_number": number}
-            error_event |= {"code": code, "message": message, "param": param}
+        error_event = {"type": "error", "sequence_number": number, "code": code}
+        error_event |= {"message": message, "param": error.get("param")}
+        if code not in RESPONSE_FAILED_CODES:
             return [("error", compact_json(error_event))]
         opened = self._opened or {"id": response_id(self._reply_id), "object": "response"}
         failed = {
@@ -308,13 +304,6 @@ class ReaderNotices:
             "incomplete_details": None,
             "output": output_from_log(self._told, cut=True),
             "usage": None,
-        }
-        error_event = {
-            "type": "error",
-            "sequence_number": number,
-            "code": code,
-            "message": message,
-            "param": None,
         }
         failed_event = {"type": "response.failed", "sequence_number": number, "response": failed}
         return [
