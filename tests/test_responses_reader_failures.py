@@ -9,10 +9,11 @@ from typing import Any
 
 import openai
 
-from replystream.delivery.replay import LogEntry
+from replystream.delivery.replay import LogEntry, MemoryReplayStore
 from replystream.delivery.responses_log import ReaderNotices
-from replystream.server import running
-from tests.conftest import our_code, wait_for
+from replystream.server import create_app, running
+from replystream.server.resume_dialects import notices_of
+from tests.conftest import fast_engine, our_code, wait_for
 from tests.stalling_proxy import (
     host_port,
     proxy_stalling_its_first_connection,
@@ -201,3 +202,31 @@ def test_a_lost_producer_fails_the_response_with_the_output_told_before_and_afte
         cut = json.dumps({"error": {"message": "cut", "code": code}})
         [(kind, said)] = notices("error", cut, 4)
         assert kind == "error" and json.loads(said)["sequence_number"] == 3
+
+
+async def test_a_lost_producer_fails_a_response_past_its_logs_length_as_it_was_created():
+    # A resumed reader of a response whose log no longer holds its ``response.created``: the
+    # response.failed it would send for a lost producer carries the object the response was
+    # created as, from what its conversation keeps, as a GET of it answers, not a bare id.
+    store = MemoryReplayStore(max_entries=20)
+    engine = fast_engine(reply_text="one two three " * 20, delay_ms=0, jitter_ms=0)
+    async with (
+        running(create_app(engine, store=store)) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-") as client,
+    ):
+        made = await client.responses.create(model="simulated", input="x", background=True)
+        async with asyncio.timeout(30):
+            while made.status in ("queued", "in_progress"):
+                made = await client.responses.retrieve(made.id)
+        reply_id = made.id.removeprefix("resp_")
+        kept = await store.read(reply_id, 0, 0.0)
+        assert kept is not None and kept.lost is not None  # its first events are gone
+        first = kept.entries[0]
+        notices, _ = await notices_of(first, reply_id, store, first.seq)
+    assert isinstance(notices, ReaderNotices)
+    lost = json.dumps({"error": {"message": "gone", "code": "generator_lost"}})
+    _, (_, failed) = notices("error", lost, first.seq)
+    told = json.loads(failed)["response"]
+    assert told["id"] == made.id and told["status"] == "failed"
+    assert (told["model"], told["background"]) == ("simulated", True)
+    assert told["created_at"] == made.created_at

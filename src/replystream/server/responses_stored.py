@@ -276,6 +276,16 @@ async def _opened_past_its_log(
     return response
 
 
+async def opened_as_kept(store: ReplayStore, reply_id: str) -> dict[str, Any] | None:
+    """The object a response was created as, from what its conversation keeps, for one whose
+    log no longer holds its ``response.created``; None if it keeps none (kept by a server
+    before conversations kept it) or is gone."""
+    kept = await stored_conversation(store, reply_id)
+    if kept is None or kept.opened is None:
+        return None
+    return {"id": response_id(reply_id), **kept.opened}
+
+
 async def stored_conversation(store: ReplayStore, reply_id: str) -> Conversation | None:
     """The conversation a stored response keeps (its history, and its request's input as
     given); None once the response is gone (expired or deleted since it was found)."""

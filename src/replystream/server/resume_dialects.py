@@ -24,7 +24,7 @@ from replystream.server.context import CONFIG_KEY, follow_reply
 from replystream.server.errors import HTTPAPIError
 from replystream.server.openai_api import SDK_KEEPALIVE
 from replystream.server.replies import Reply
-from replystream.server.responses_stored import FIRST_EVENT_WAIT_S, entries_until
+from replystream.server.responses_stored import FIRST_EVENT_WAIT_S, entries_until, opened_as_kept
 from replystream.server.sse_transport import EventStream
 
 # The events of an Anthropic message stream (its log holds no other).
@@ -107,16 +107,20 @@ async def _notices_from(
         except StoreUnavailable as exc:
             raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
         return None, KEEPALIVE
-    return await _notices_of(first, reply_id, store, after)
+    return await notices_of(first, reply_id, store, after)
 
 
-async def _notices_of(
+async def notices_of(
     first: LogEntry, reply_id: str, store: ReplayStore, after: int
 ) -> tuple[Notices | None, bytes]:
+    """The notices and keep-alive of the dialect whose events a log holds, told by its first
+    kept entry; a reader resuming after ``after`` has been told the entries up to it."""
     event = first.event or ""
     if event.startswith("response."):
         told = await entries_until(store, reply_id, after) if after > 0 else []
         opened = responses_log.opened_object(first)
+        if opened is None:  # a long response's log no longer holds its opening
+            opened = await opened_as_kept(store, reply_id)
         return responses_log.ReaderNotices(reply_id, opened, told), SDK_KEEPALIVE
     if event in ANTHROPIC_EVENTS:
         return anthropic_format.ReaderNotices(), PING
