@@ -9,8 +9,11 @@ import logging
 import aiohttp
 import anthropic
 import pytest
+from anthropic.types import ThreadUnsupportedRequestError
 
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine.reply_script import parse_reply_script
+from replystream.engine.simulated import SimulatedConfig, simulated_engine
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
@@ -364,3 +367,47 @@ async def test_the_request_id_is_where_the_sdk_reads_it_and_a_large_body_is_its_
     body = too_large.value.body
     assert isinstance(body, dict) and body["error"]["type"] == "request_too_large"
     assert too_large.value.request_id == body["request_id"] is not None
+
+
+WEATHER_CALL = [
+    {"text": "Checking. "},
+    {"tool_call": {"name": "get_weather", "id": "toolu_1", "arguments": ['{"city":', ' "Paris"}']}},
+]
+
+
+async def test_the_sdks_tool_runner_runs_its_loop_without_a_thread_this_server_cannot_hold():
+    """The SDK's tool loop (``beta.messages.tool_runner``) asks the server to hold the
+    conversation (``thread``) unless told not to. Refused as Anthropic's API refuses a request
+    it cannot thread (``details.error_code: thread_unsupported_request``), the SDK goes on
+    without one, sending the whole history each turn; refused as an unknown field, its loop
+    failed on its first request."""
+    script = parse_reply_script(WEATHER_CALL)
+    engine = simulated_engine(SimulatedConfig(delay_ms=2.0, jitter_ms=1.0, script=script))
+    asked: list[str] = []
+
+    @anthropic.beta_async_tool
+    async def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"sunny in {city}"
+
+    async with running(create_app(engine)) as url, sdk(url) as client:
+        runner = client.beta.messages.tool_runner(
+            model="simulated",
+            max_tokens=64,
+            messages=[{"role": "user", "content": "weather in Paris?"}],
+            tools=[get_weather],
+            max_iterations=2,
+        )
+        replies = [message async for message in runner]
+        # Asked for a thread directly, the SDK's own error class says why there is none.
+        with pytest.raises(ThreadUnsupportedRequestError) as refused:
+            await client.beta.messages.create(  # type: ignore[call-overload]
+                **ASK, thread={"type": "create"}
+            )
+    assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"]
+    assert asked == ["Paris", "Paris"]
+    assert refused.value.status_code == 400
+    error = refused.value.body["error"]  # type: ignore[index]
+    assert error["details"] == {"error_code": "thread_unsupported_request"}
+    assert error["param"] == "thread"

@@ -10,7 +10,8 @@ budget below ``max_tokens``). Turning a body into a request is ``server.anthropi
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
@@ -321,6 +322,7 @@ class MessagesInput(Strict):
 
 
 THINKING_TOP_P_MIN = 0.95  # the lowest top_p Anthropic takes with thinking on
+NO_THREADS = "absent; this server holds no conversation between requests"
 
 
 class MessagesExtensions(ResponsesExtensions):
@@ -335,6 +337,10 @@ class MessagesExtensions(ResponsesExtensions):
 class MessagesBody(MessagesInput):
     """``POST /v1/messages`` (Anthropic's Messages API)."""
 
+    # A ``thread`` is refused as Anthropic's API refuses a request it cannot thread, in the
+    # code its SDKs read (``server.errors.ANTHROPIC_DETAIL_CODES``).
+    field_codes: ClassVar[Mapping[str, str]] = {"thread": "thread_unsupported_request"}
+
     max_tokens: TokenCount
     temperature: Probability | None = None  # Anthropic's range is 0 to 1
     top_p: Probability | None = None
@@ -348,6 +354,11 @@ class MessagesBody(MessagesInput):
     # capacity, which is what either asks for.
     service_tier: Literal["auto", "standard_only"] | None = None
     replystream: MessagesExtensions | None = None
+    # Anthropic's conversation held by the server between requests (``{"type": "create"}``,
+    # or ``"continue"`` from an earlier message's id): this server holds none. Any thread is
+    # refused, whatever its fields, so the SDK's tool runner, which asks for one unless told
+    # not to, goes on without it and sends the whole history each turn.
+    thread: Annotated[dict[str, Any] | None, only(None, NO_THREADS)] = None
 
     @model_validator(mode="after")
     def _stops_are_visible(self) -> MessagesBody:

@@ -92,6 +92,12 @@ def speaks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
     return shared_route(path) and ANTHROPIC_HEADER in headers
 
 
+# Anthropic's own codes for a refusal, which its SDKs read in ``error.details.error_code``
+# to choose the error's class and what to do next: on ``thread_unsupported_request`` the tool
+# runner goes on without a server-held conversation. Our other codes are not Anthropic's, and
+# are given only beside its fields, as ``code``.
+ANTHROPIC_DETAIL_CODES = frozenset({"thread_unsupported_request"})
+
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id", "X-Should-Retry")
 
 
@@ -137,7 +143,9 @@ def in_route_shape(
     message, code, param = fields
     status = ANTHROPIC_OVERLOADED if response.status == 503 else response.status
     kind = anthropic_error_type(status)
-    error = {"type": kind, "message": message, "code": code, "param": param}
+    error: dict[str, Any] = {"type": kind, "message": message, "code": code, "param": param}
+    if code in ANTHROPIC_DETAIL_CODES:
+        error["details"] = {"error_code": code}
     body: dict[str, Any] = {"type": "error", "error": error}
     if request_id is not None:
         body["request_id"] = request_id
