@@ -295,8 +295,11 @@ class ReplyPipeline:
         event: the reply ends as its check failed."""
         assert self.holdback is not None and self.holdback.violation is not None
         self.ended = True
-        moderated = self.fmt.moderated(self.holdback.violation, self.usage())
-        return self._entries(released + self._flush() + moderated)
+        # The batched text is formatted before the ending: a dialect that keeps state (a
+        # Responses message item, a Messages text block) closes what holds that text, and
+        # numbers its events in the order they are written.
+        released = released + self._flush()
+        return self._entries(released + self.fmt.moderated(self.holdback.violation, self.usage()))
 
     def finish(self) -> list[LogEntry]:
         """The reply ended normally: release held text, flush, then the end marker. A

@@ -1,0 +1,83 @@
+"""One reply, every way of reading it, tells the same story: streamed on its own request,
+whole, read back as a stored object. Each case reads one ending over a real server on
+loopback with the official SDKs and compares what each reading says of the text, the
+ending and the output's items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anthropic
+import openai
+
+from replystream.delivery.moderation import BannedPhrases
+from replystream.delivery.policy import DeliveryPolicy
+from replystream.engine import SimulatedConfig, SimulatedEngine
+from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
+
+REPLY = "one two three four five six seven eight nine ten"
+# Batches of three tokens; the phrase begins inside "five", so the last batch, "four fi", is
+# released with the ending, cut where the match begins.
+RELEASED = "one two three four fi"
+
+
+@asynccontextmanager
+async def moderated_in_batches() -> AsyncIterator[str]:
+    engine = SimulatedEngine(SimulatedConfig(reply_text=REPLY, delay_ms=5.0, jitter_ms=1.0))
+    checks = (BannedPhrases(["ve si"]),)
+    policy = DeliveryPolicy(holdback_tokens=2, batch_tokens=3, checks=checks)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        yield url
+
+
+async def test_a_response_moderated_with_text_still_batched_is_one_message_in_every_reading():
+    async with (
+        moderated_in_batches() as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        stream = await client.responses.create(model="simulated", input="Hi", stream=True)
+        events = [event async for event in stream]
+        whole = await client.responses.create(model="simulated", input="Hi")
+        stored = await client.responses.retrieve(events[0].response.id)  # type: ignore[union-attr]
+    # Numbered as written, from 0, no number twice or skipped: what starting_after counts.
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0]  # one message: the last text is no new item after its ending
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    told = last.response
+    assert deltas == told.output_text == whole.output_text == stored.output_text == RELEASED
+    for response in (told, whole, stored):
+        assert response.incomplete_details is not None
+        assert response.incomplete_details.reason == "content_filter"
+        assert [item.status for item in response.output] == ["incomplete"]  # type: ignore[union-attr]
+
+
+async def test_a_message_moderated_with_text_still_batched_is_one_text_block_streamed_or_whole():
+    async with (
+        moderated_in_batches() as url,
+        anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as client,
+    ):
+        ask = {
+            "model": "simulated",
+            "max_tokens": 50,
+            "messages": [{"role": "user", "content": "Hi"}],
+        }
+        async with client.messages.stream(**ask) as stream:  # type: ignore[arg-type]
+            events = [event async for event in stream]
+            streamed = await stream.get_final_message()
+        whole = await client.messages.create(**ask)  # type: ignore[call-overload]
+    started = [e.index for e in events if e.type == "content_block_start"]
+    stopped = [e.index for e in events if e.type == "content_block_stop"]
+    assert started == stopped == [0]  # every block opened is closed, and there is one
+    assert streamed.stop_reason == whole.stop_reason == "refusal"
+    assert [block.model_dump() for block in streamed.content] == [
+        block.model_dump() for block in whole.content
+    ]
+    assert [block.model_dump() for block in whole.content] == [
+        {"type": "text", "text": RELEASED, "citations": None}
+    ]
