@@ -1,7 +1,7 @@
 """One reply, every way of reading it, tells the same story: streamed on its own request,
-whole, read back as a stored object. Each case reads one ending over a real server on
-loopback with the official SDKs and compares what each reading says of the text, the
-ending and the output's items.
+whole, read back as a stored object, by the official SDKs and by the measuring client. Each
+case reads one ending over a real server on loopback and compares what each reading says of
+the text, the ending and the output's items.
 """
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 import anthropic
 import openai
+import pytest
 
+from replystream.client import measure_reply
 from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine import SimulatedConfig, SimulatedEngine
@@ -81,3 +84,42 @@ async def test_a_message_moderated_with_text_still_batched_is_one_text_block_str
     assert [block.model_dump() for block in whole.content] == [
         {"type": "text", "text": RELEASED, "citations": None}
     ]
+
+
+@pytest.mark.parametrize("limit", [50, 3])  # completed; incomplete at the token limit
+async def test_the_measuring_client_reads_a_whole_response_as_it_reads_its_stream(limit: int):
+    engine = SimulatedEngine(SimulatedConfig(reply_text=REPLY, delay_ms=5.0, jitter_ms=1.0))
+    async with running(create_app(engine)) as url:
+        timings = [
+            await measure_reply(
+                f"{url}/v1/responses",
+                method="POST",
+                json_body={"input": "Hi", "max_output_tokens": limit, "stream": stream},
+            )
+            for stream in (True, False)
+        ]
+    streamed, whole = timings
+    assert not whole.streamed
+    assert (whole.complete, whole.error) == (streamed.complete, streamed.error) == (True, None)
+    assert whole.text == streamed.text == " ".join(REPLY.split()[:limit]) + " "
+    assert whole.tokens == streamed.tokens == min(limit, 10)
+    assert whole.tokens_counted and streamed.tokens_counted
+
+
+async def test_the_measuring_client_says_a_cancelled_response_was_cancelled_in_either_reading():
+    engine = SimulatedEngine(SimulatedConfig(reply_text=REPLY, delay_ms=50.0, jitter_ms=1.0))
+    async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+        body = {"input": "Hi", "background": True}
+        async with http.post(f"{url}/v1/responses", json=body) as created:
+            response_id = (await created.json())["id"]
+        async with http.post(f"{url}/v1/responses/{response_id}/cancel") as cancelled:
+            assert (await cancelled.json())["status"] == "cancelled"
+        timings = [
+            await measure_reply(f"{url}/v1/responses/{response_id}{query}")
+            for query in ("?stream=true", "")
+        ]
+    streamed, whole = timings
+    assert streamed.streamed and not whole.streamed
+    for timing in timings:
+        assert not timing.complete
+        assert timing.error == "response.failed: cancelled"  # not its null ``error``

@@ -15,8 +15,8 @@ carrying text and of saying "finished" or "failed":
 - a reasoning model's thinking, apart from its text: native ``thinking`` events, a chat
   delta's ``reasoning_content`` (or ``reasoning``), ``response.reasoning_text.delta``, a
   Messages ``thinking_delta``;
-- buffered bodies: ``{"text": ...}``, an OpenAI ``chat.completion`` / ``text_completion`` or
-  an Anthropic ``message``.
+- buffered bodies: ``{"text": ...}``, an OpenAI ``chat.completion`` / ``text_completion``, a
+  Responses object (its end read as its stream's terminal event is) or an Anthropic ``message``.
 ``event: error`` always means failure, and a terminal marker is required for success.
 """
 
@@ -219,18 +219,49 @@ def _responses_event(event: Event) -> Meaning:
         kind = _RESPONSES_DELTAS[event.type]
         return Meaning(kind, delta, 1) if isinstance(delta, str) and delta else OTHER
     response = payload.get("response")
-    response = response if isinstance(response, dict) else {}
+    return _response_ending(event.type, response if isinstance(response, dict) else {})
+
+
+def _response_ending(ending: str, response: dict[str, Any]) -> Meaning:
+    """What a Responses object says of its end, told by ``ending`` (a terminal event's type,
+    or ``response.`` and the status of an object answered whole)."""
     usage = response.get("usage")
     made = _count(usage.get("output_tokens"), least=0) if isinstance(usage, dict) else None
-    if event.type == "response.completed":
+    if ending == "response.completed":
         return Meaning("done", usage=made)
-    if event.type == "response.incomplete":
+    if ending == "response.incomplete":
         details = response.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         if reason == "max_output_tokens":
             return Meaning("done", usage=made)
         return Meaning("error", error=f"response.incomplete: {reason or 'no reason given'}")
-    return Meaning("error", error=f"response.failed: {_error_text(response)}")
+    # A cancelled response ends ``response.failed`` with ``error: null``: its status says why.
+    error = response.get("error")
+    said = _error_text(error) if error is not None else response.get("status", "no error given")
+    return Meaning("error", error=f"{ending}: {said}")
+
+
+def _response_object(response: dict[str, Any]) -> Meaning:
+    """A whole Responses object (``POST /v1/responses`` not streamed): its output text, and
+    its end read as the stream's terminal event is (its ``error`` is null unless it failed)."""
+    status = response.get("status")
+    ending = "response.failed" if status == "cancelled" else f"response.{status}"
+    if ending not in RESPONSES_ENDED:  # queued or in progress: answered before its end
+        return Meaning("error", error=f"response {status}: no reply yet")
+    meaning = _response_ending(ending, response)
+    if meaning.kind != "done":
+        return meaning
+    output = response.get("output")
+    pieces: list[str] = []
+    for item in output if isinstance(output, list) else []:
+        content = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(content, list) or item.get("type") != "message":
+            continue  # a function call or thinking: no text of the answer
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "output_text":
+                text = part.get("text")
+                pieces.append(text if isinstance(text, str) else "")
+    return Meaning("done", "".join(pieces), usage=meaning.usage)
 
 
 # The Anthropic Messages events that say something here (the rest: ``message_start``, a block's
@@ -287,6 +318,8 @@ def interpret_body(body: bytes) -> Meaning:
     except ValueError:
         return Meaning("error", error=f"body is not complete JSON ({len(body)} bytes)")
     if isinstance(payload, dict):
+        if payload.get("object") == "response":  # its ``error`` key is there, null or not
+            return _response_object(payload)
         if "error" in payload:
             return Meaning("error", error=_error_text(payload))
         if payload.get("finish_reason") == "moderated":
