@@ -3,15 +3,19 @@ how the upstream's ending and the request's tool results cross between the two d
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import pytest
 from aiohttp import web
 
+from replystream.engine.upstream import UpstreamEngine
+from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
+from replystream.server import create_app, running
 from tests.chat_upstream import ChatUpstream, RecordingUpstream, relaying_to
 
 USER: Any = {"role": "user", "content": "What is the weather in Paris?"}
@@ -128,3 +132,44 @@ async def test_a_tools_eager_input_streaming_is_taken_beside_strict_and_not_rela
     for body in upstream.bodies:  # the streamed message's, then the whole one's
         assert [tool["function"] for tool in body["tools"]] == relayed_tools
     assert len(upstream.bodies) == 2
+
+
+class StallingUpstream(ChatUpstream):
+    """Streams one piece of text, then nothing (a stalled model server)."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        piece = {"choices": [{"index": 0, "delta": {"content": "partial "}}]}
+        await response.write(b"data: " + json.dumps(piece).encode() + b"\n\n")
+        await asyncio.sleep(30)  # cut when the relay gives up on it
+        return response
+
+
+async def test_a_stalled_upstream_is_a_timeout_error_streamed_and_whole():
+    """A relay's upstream that stalls mid-reply is Anthropic's ``timeout_error`` in the
+    stream's ``error`` event, as the whole message's 504 is: one failure, one type."""
+    upstream = StallingUpstream()
+    async with running(upstream.app()) as upstream_url:
+        config = UpstreamConfig((UpstreamTarget(f"{upstream_url}/v1"),), stall_s=0.3)
+        engine = UpstreamEngine(config)
+        try:
+            async with (
+                running(create_app(engine)) as url,
+                anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as client,
+            ):
+                ask: Any = {"model": "m", "max_tokens": 50, "messages": [USER]}
+                with pytest.raises(anthropic.APIStatusError) as whole:
+                    await client.messages.create(**ask)
+                texts: list[str] = []
+                with pytest.raises(anthropic.APIStatusError) as streamed:
+                    async with client.messages.stream(**ask) as stream:
+                        async for text in stream.text_stream:
+                            texts.append(text)
+        finally:
+            await engine.aclose()
+    assert whole.value.status_code == 504
+    assert texts == ["partial "]  # the text before the stall was relayed
+    for raised in (whole.value, streamed.value):
+        error = cast(dict[str, Any], raised.body)["error"]
+        assert (error["type"], error["code"]) == ("timeout_error", "upstream_stalled")

@@ -162,17 +162,27 @@ def usage_counts(usage: Usage) -> dict[str, int]:
 OVERLOADED_CODES = frozenset(
     {"shutdown", "upstream_overloaded", "upstream_busy", "server_out_of_resources"}
 )
+# Our codes of a relay's upstream that took too long (a 504 before the stream), which
+# Anthropic's API says as its ``timeout_error``: mid-stream as before it, so a stalled reply
+# is the same error streamed or whole.
+TIMEOUT_CODES = frozenset({"upstream_timeout", "upstream_ttft_timeout", "upstream_stalled"})
 
 
 def error_object(message: str, code: str, param: str | None = None) -> dict[str, Any]:
     """Anthropic's error object (``type``, ``message``), with our code beside them: an
-    ``overloaded_error`` when the server cannot go on now, else its ``api_error``; with
+    ``overloaded_error`` when the server cannot go on now, a ``timeout_error`` when an
+    upstream took too long, else its ``api_error``; with
     ``param`` (the request's parameter at fault, named beside them too), or a code of the
     request's fault (``REQUEST_FAULT_CODES``), an ``invalid_request_error``."""
     if param is not None or code in REQUEST_FAULT_CODES:
         error = {"type": "invalid_request_error", "message": message, "code": code}
         return {"type": "error", "error": error if param is None else error | {"param": param}}
-    kind = "overloaded_error" if code in OVERLOADED_CODES else "api_error"
+    if code in OVERLOADED_CODES:
+        kind = "overloaded_error"
+    elif code in TIMEOUT_CODES:
+        kind = "timeout_error"
+    else:
+        kind = "api_error"
     return {"type": "error", "error": {"type": kind, "message": message, "code": code}}
 
 
