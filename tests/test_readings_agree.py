@@ -25,6 +25,9 @@ REPLY = "one two three four five six seven eight nine ten"
 # Batches of three tokens; the phrase begins inside "five", so the last batch, "four fi", is
 # released with the ending, cut where the match begins.
 RELEASED = "one two three four fi"
+CHAT = {"model": "simulated", "messages": [{"role": "user", "content": "Hi"}]}
+MESSAGES = {**CHAT, "max_tokens": 64}
+COMPLETION = {"model": "simulated", "prompt": "Hi"}
 
 
 @asynccontextmanager
@@ -123,3 +126,34 @@ async def test_the_measuring_client_says_a_cancelled_response_was_cancelled_in_e
     for timing in timings:
         assert not timing.complete
         assert timing.error == "response.failed: cancelled"  # not its null ``error``
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "said"),
+    [
+        ("/v1/replies", {"prompt": "Hi"}, "moderated: "),
+        ("/v1/chat/completions", CHAT, "finish_reason: content_filter"),
+        (
+            "/v1/completions",
+            {"model": "simulated", "prompt": "Hi"},
+            "finish_reason: content_filter",
+        ),
+        ("/v1/responses", {"input": "Hi"}, "response.incomplete: content_filter"),
+        ("/v1/messages", MESSAGES, "stop_reason: refusal"),
+    ],
+)
+async def test_the_measuring_client_says_a_moderated_reply_is_no_whole_one_in_every_dialect(
+    path: str, body: dict[str, object], said: str
+):
+    # A check here ended the reply and withheld the rest of its text: in every dialect, read
+    # streamed or whole, it is no whole reply, and bench counts it so, whatever the API.
+    async with moderated_in_batches() as url:
+        timings = [
+            await measure_reply(f"{url}{path}", method="POST", json_body={**body, "stream": s})
+            for s in (True, False)
+        ]
+    streamed, whole = timings
+    assert streamed.streamed and not whole.streamed
+    for timing in timings:
+        assert not timing.complete
+        assert timing.error is not None and timing.error.startswith(said), timing.error

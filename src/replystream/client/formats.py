@@ -6,12 +6,14 @@ carrying text and of saying "finished" or "failed":
 - replystream's native stream: named ``token`` events (``{"text", "tokens"}``), ended by ``done``;
 - OpenAI-compatible chunks: ``choices[0].delta.content`` (chat) or ``choices[0].text``,
   ended by ``data: [DONE]``, with an ``{"error": ...}`` object for in-band failures and a
-  ``usage`` chunk when asked for;
+  ``usage`` chunk when asked for (a ``content_filter`` finish ends it in failure: its text was
+  cut, as a native ``moderated`` event says);
 - OpenAI Responses events: ``response.output_text.delta`` carries text, ``response.completed``
   and ``response.incomplete`` at the token limit end it, ``response.failed`` (or an
   ``incomplete`` for any other reason, such as a content filter) ends it in failure;
 - Anthropic Messages events: a ``content_block_delta``'s ``text_delta`` carries text, the
-  ``message_delta``'s ``usage.output_tokens`` the count, ``message_stop`` ends it;
+  ``message_delta``'s ``usage.output_tokens`` the count, ``message_stop`` ends it (a
+  ``refusal`` stop reason, a content filter's, in failure);
 - a reasoning model's thinking, apart from its text: native ``thinking`` events, a chat
   delta's ``reasoning_content`` (or ``reasoning``), ``response.reasoning_text.delta``, a
   Messages ``thinking_delta``;
@@ -105,6 +107,18 @@ def _choice_text(payload: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else ""
 
 
+def _filtered_choice(payload: dict[str, Any]) -> Meaning | None:
+    """A chat or completion choice a content filter ended (``finish_reason:
+    content_filter``): its text was cut, so the reply is no whole one, as a native
+    ``moderated`` event and a Responses ``incomplete`` for ``content_filter`` say."""
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    if choices[0].get("finish_reason") != "content_filter":
+        return None
+    return Meaning("error", error="finish_reason: content_filter")
+
+
 # Where chat chunks carry a reasoning model's thinking (DeepSeek's spelling, newer vLLM's).
 _THINKING_KEYS = ("reasoning_content", "reasoning")
 
@@ -165,6 +179,9 @@ def interpret_event(event: Event) -> Meaning:
             if tokens is None:
                 return Meaning(kind, payload["text"], 1)
             return Meaning(kind, payload["text"], tokens, counted=True)
+        filtered = _filtered_choice(payload)
+        if filtered is not None:
+            return filtered
         text = _choice_text(payload)
         # An OpenAI usage chunk; or, from some servers (llama.cpp's, before it sent one of its
         # own), the usage in the chunk of the finish reason, or of the last text.
@@ -274,6 +291,15 @@ _MESSAGES_DELTAS: dict[str, tuple[Kind, str]] = {
 }
 
 
+# A Messages reply a content filter ended (Anthropic's streaming classifiers, or a check here):
+# its text was cut, so it is no whole reply, as a chat ``content_filter`` finish is not.
+REFUSED = "refusal"
+
+
+def _refused() -> Meaning:
+    return Meaning("error", error=f"stop_reason: {REFUSED}")
+
+
 def _messages_event(event: Event) -> Meaning:
     if event.type == "message_stop":
         return DONE
@@ -281,6 +307,9 @@ def _messages_event(event: Event) -> Meaning:
     if isinstance(payload, Meaning):
         return payload
     if event.type == "message_delta":  # its usage counts the whole reply's output so far
+        delta = payload.get("delta")
+        if isinstance(delta, dict) and delta.get("stop_reason") == REFUSED:
+            return _refused()
         usage = payload.get("usage")
         made = _count(usage.get("output_tokens"), least=0) if isinstance(usage, dict) else None
         return OTHER if made is None else Meaning("usage", tokens=made)
@@ -328,6 +357,9 @@ def interpret_body(body: bytes) -> Meaning:
         made = _count(usage.get("completion_tokens"), 0) if isinstance(usage, dict) else None
         if isinstance(payload.get("text"), str):
             return Meaning("done", payload["text"], usage=made)
+        filtered = _filtered_choice(payload)
+        if filtered is not None:
+            return filtered
         text = _choice_text(payload)
         if text is not None:
             return Meaning("done", text, usage=made)
@@ -338,6 +370,8 @@ def interpret_body(body: bytes) -> Meaning:
 
 def _anthropic_message(message: dict[str, Any]) -> Meaning:
     """A whole Anthropic ``message``: its text blocks' text, and ``usage.output_tokens``."""
+    if message.get("stop_reason") == REFUSED:
+        return _refused()
     blocks = [b for b in message["content"] if isinstance(b, dict) and b.get("type") == "text"]
     text = "".join(b["text"] for b in blocks if isinstance(b.get("text"), str))
     usage = message.get("usage")
