@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, cast
 
 import anthropic
+import openai
 import pytest
 from aiohttp import web
 
@@ -173,3 +174,59 @@ async def test_a_stalled_upstream_is_a_timeout_error_streamed_and_whole():
     for raised in (whole.value, streamed.value):
         error = cast(dict[str, Any], raised.body)["error"]
         assert (error["type"], error["code"]) == ("timeout_error", "upstream_stalled")
+
+
+class LimitsTheContinuation(ChatUpstream):
+    """Streams one piece of a fresh reply, then stalls; rate-limits the key of a continued
+    one (``continue_final_message``): a hosted API whose quota the reply's seam used up."""
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        if (await request.json()).get("continue_final_message"):
+            error = {"message": "Rate limit reached for requests", "type": "requests"}
+            return web.json_response({"error": error}, status=429, headers={"Retry-After": "7"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        piece = {"choices": [{"index": 0, "delta": {"content": "partial "}}]}
+        await response.write(b"data: " + json.dumps(piece).encode() + b"\n\n")
+        await asyncio.sleep(30)  # cut when the relay gives up on it
+        return response
+
+
+async def test_a_continued_reply_rate_limited_has_one_error_type_streamed_and_whole():
+    """A relayed reply continued at another upstream after a stall, which rate-limits the
+    caller's own key there: streamed, its in-band error has the type its whole reply's 429
+    has (Anthropic's ``rate_limit_error``, OpenAI's ``requests``), not a server failure's."""
+    upstreams = [LimitsTheContinuation(), LimitsTheContinuation()]
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(running(u.app())) for u in upstreams]
+        targets = tuple(UpstreamTarget(f"{u}/v1", pass_client_key=True) for u in urls)
+        config = UpstreamConfig(targets, stall_s=0.3, continuation=True, failures=100)
+        engine = UpstreamEngine(config)
+        stack.push_async_callback(engine.aclose)
+        url = await stack.enter_async_context(running(create_app(engine)))
+        client = await stack.enter_async_context(
+            anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
+        )
+        ask: Any = {"model": "m", "max_tokens": 50, "messages": [USER]}
+        with pytest.raises(anthropic.RateLimitError) as whole:
+            await client.messages.create(**ask)
+        texts: list[str] = []
+        with pytest.raises(anthropic.APIStatusError) as streamed:
+            async with client.messages.stream(**ask) as stream:
+                async for text in stream.text_stream:
+                    texts.append(text)
+        chat = await stack.enter_async_context(
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        )
+        chat_ask: Any = {"model": "m", "messages": [USER]}
+        with pytest.raises(openai.RateLimitError) as chat_whole:
+            await chat.chat.completions.create(**chat_ask)
+        with pytest.raises(openai.APIError) as chat_streamed:
+            async for _ in await chat.chat.completions.create(**chat_ask, stream=True):
+                pass
+    assert texts == ["partial "]  # the text before the stall was relayed
+    for raised in (whole.value, streamed.value):
+        error = cast(dict[str, Any], raised.body)["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "upstream_rate_limited")
+    for chat_raised in (chat_whole.value, chat_streamed.value):
+        assert (chat_raised.type, chat_raised.code) == ("requests", "upstream_rate_limited")

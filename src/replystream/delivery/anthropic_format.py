@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from replystream.delivery.error_types import anthropic_error_type
 from replystream.delivery.formats import (
     REQUEST_FAULT_CODES,
     Spec,
@@ -168,16 +169,23 @@ OVERLOADED_CODES = frozenset(
 TIMEOUT_CODES = frozenset({"upstream_timeout", "upstream_ttft_timeout", "upstream_stalled"})
 
 
-def error_object(message: str, code: str, param: str | None = None) -> dict[str, Any]:
-    """Anthropic's error object (``type``, ``message``), with our code beside them: an
-    ``overloaded_error`` when the server cannot go on now, a ``timeout_error`` when an
-    upstream took too long, else its ``api_error``; with
+def error_object(
+    message: str, code: str, param: str | None = None, status: int | None = None
+) -> dict[str, Any]:
+    """Anthropic's error object (``type``, ``message``), with our code beside them. With
     ``param`` (the request's parameter at fault, named beside them too), or a code of the
-    request's fault (``REQUEST_FAULT_CODES``), an ``invalid_request_error``."""
+    request's fault (``REQUEST_FAULT_CODES``), an ``invalid_request_error``; given the
+    ``status`` the failure is before a stream, the type of that status, as the whole
+    message's error has it (a relay's upstream that rate-limited a continued reply's key is
+    a ``rate_limit_error``, as its 429 is); else, by our code, an ``overloaded_error`` when
+    the server cannot go on now, a ``timeout_error`` when an upstream took too long, else
+    its ``api_error``."""
     if param is not None or code in REQUEST_FAULT_CODES:
         error = {"type": "invalid_request_error", "message": message, "code": code}
         return {"type": "error", "error": error if param is None else error | {"param": param}}
-    if code in OVERLOADED_CODES:
+    if status is not None:
+        kind = anthropic_error_type(status)
+    elif code in OVERLOADED_CODES:
         kind = "overloaded_error"
     elif code in TIMEOUT_CODES:
         kind = "timeout_error"
@@ -376,9 +384,9 @@ class AnthropicStreamFormat:
             return self._ending(stop_reason, usage, stop_sequence=stop_sequence)
         return self._ending(stop_reason, usage)
 
-    def error(self, message: str, code: str) -> list[Spec]:
+    def error(self, message: str, code: str, status: int | None = None) -> list[Spec]:
         specs = self._message_start() + self._held()
-        return [*specs, ("error", _dumps(error_object(message, code)))]
+        return [*specs, ("error", _dumps(error_object(message, code, status=status)))]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on

@@ -144,9 +144,9 @@ class ChoicesPipeline:
             [LogEntry(0, event, data) for event, data in self._ending(usage)]
         )
 
-    def fail(self, message: str, code: str) -> list[LogEntry]:
+    def fail(self, message: str, code: str, status: int | None = None) -> list[LogEntry]:
         """The reply ended early: text released so far goes out, then one in-band error."""
         self.ended = True
         flushed = [e for choice in self.choices for e in choice.flush()]
-        error = self.choices[0].fmt.error(message, code)
+        error = self.choices[0].fmt.error(message, code, status)
         return self._number(flushed + [LogEntry(0, event, data) for event, data in error])

@@ -141,7 +141,12 @@ class StreamFormat(Protocol):
         """The end of a reply that finished; ``stop_sequence``: the stop string it ended at."""
         ...
 
-    def error(self, message: str, code: str) -> list[Spec]: ...
+    def error(self, message: str, code: str, status: int | None = None) -> list[Spec]:
+        """The end of a reply that failed: an in-band error with ``code``. ``status``: the
+        HTTP status the same failure is before the stream, and asked whole (an engine's
+        ``EngineError.status``), whose error type (``error_types``) a dialect that types its
+        errors gives it here too; None for an ending no status tells (the reader's own)."""
+        ...
 
     def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
         """The end of a reply a check stopped; ``usage``: the tokens made up to the one that
@@ -259,8 +264,8 @@ class LabFormat:
     ) -> list[Spec]:
         return [(None, "[DONE]")]
 
-    def error(self, message: str, code: str) -> list[Spec]:
-        return [error_spec(message, code)]
+    def error(self, message: str, code: str, status: int | None = None) -> list[Spec]:
+        return [error_spec(message, code)]  # no error type in this dialect
 
     def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
         return [("moderated", json.dumps(moderated_payload(violation)))]  # no usage in the lab's
@@ -308,8 +313,8 @@ class NativeFormat:
             done = json.dumps({"finish_reason": finish_reason, "stop_sequence": stop_sequence})
         return [("usage", usage.as_json()), ("done", done)]
 
-    def error(self, message: str, code: str) -> list[Spec]:
-        return [error_spec(message, code)]
+    def error(self, message: str, code: str, status: int | None = None) -> list[Spec]:
+        return [error_spec(message, code)]  # no error type in this dialect
 
     def moderated(self, violation: Violation, usage: Usage) -> list[Spec]:
         return [("usage", usage.as_json()), ("moderated", json.dumps(moderated_payload(violation)))]

@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from replystream.delivery.error_types import openai_error_type
 from replystream.delivery.formats import (
     REQUEST_FAULT_CODES,
     Spec,
@@ -201,12 +202,20 @@ def _legacy_tops(made: Sequence[TokenLogprob]) -> list[dict[str, float]]:
     return tops
 
 
-def in_band_error(message: str, code: str, param: str | None = None) -> Spec:
+def in_band_error(
+    message: str, code: str, param: str | None = None, status: int | None = None
+) -> Spec:
     """An error after the stream started, in the shape the OpenAI SDKs raise ``APIError`` on;
     ``param``: the request's parameter at fault (the reply itself did not fail). That, or a
-    code of the request's fault (``REQUEST_FAULT_CODES``), is an ``invalid_request_error``."""
-    faulty = param is not None or code in REQUEST_FAULT_CODES
-    kind = "invalid_request_error" if faulty else "server_error"
+    code of the request's fault (``REQUEST_FAULT_CODES``), is an ``invalid_request_error``;
+    else, given the ``status`` the failure is before a stream, the type of that status (a
+    relay's upstream refusing a continued reply's key, or rate-limiting it, is the
+    ``invalid_request_error`` or ``requests`` its whole reply's 401 or 429 is), else a
+    ``server_error``."""
+    if param is not None or code in REQUEST_FAULT_CODES:
+        kind = "invalid_request_error"
+    else:
+        kind = "server_error" if status is None else openai_error_type(status)
     error = {"message": message, "type": kind, "param": param, "code": code}
     return "error", json_compact({"error": error})
 
@@ -345,8 +354,8 @@ class OpenAIStreamFormat:
             return [self._chunk([], usage=usage.as_dict()), DONE]
         return [DONE]
 
-    def error(self, message: str, code: str) -> list[Spec]:
-        return [in_band_error(message, code)]
+    def error(self, message: str, code: str, status: int | None = None) -> list[Spec]:
+        return [in_band_error(message, code, status=status)]
 
     def continued(self, reason: str, tokens: int) -> list[Spec]:
         return []  # no such event in this dialect: the text simply goes on

@@ -60,7 +60,7 @@ class Pipeline(Protocol):
 
     def finish(self) -> list[LogEntry]: ...
 
-    def fail(self, message: str, code: str) -> list[LogEntry]: ...
+    def fail(self, message: str, code: str, status: int | None = None) -> list[LogEntry]: ...
 
 
 class ReplyPipeline:
@@ -323,7 +323,7 @@ class ReplyPipeline:
         finish, stop = ending_of(self.called, self.finish_reason, self.stop_sequence)
         return self._entries(specs + self.fmt.finished(finish, self.usage(), stop))
 
-    def fail(self, message: str, code: str) -> list[LogEntry]:
+    def fail(self, message: str, code: str, status: int | None = None) -> list[LogEntry]:
         """The reply ended early: its text ends where it stopped, so what is still held goes
         out as at a normal end (held as it could begin a stop string, none can complete now;
         held for the checks, they read it as the text's end, and none of a match goes out),
@@ -333,4 +333,4 @@ class ReplyPipeline:
         if self.holdback is not None and self.batcher is not None:
             batch = self.batcher.add(*self.holdback.finish(), 0.0)
             specs = [] if batch is None else self._text(*batch)
-        return self._entries(specs + self._flush() + self.fmt.error(message, code))
+        return self._entries(specs + self._flush() + self.fmt.error(message, code, status))

@@ -418,8 +418,10 @@ class ResponsesStreamFormat:
             ),
         ]
 
-    def error(self, message: str, code: str) -> list[Spec]:
-        # Its output has every piece made, the held ones too (their events go first).
+    def error(self, message: str, code: str, status: int | None = None) -> list[Spec]:
+        # Its ``error.code`` is by our code (``response_error``), as a whole failed
+        # response's is: the same either way. Its output has every piece made, the held
+        # ones too (their events go first).
         specs = self._held()
         # A cancelled response is not an error: OpenAI's object has ``error: null``.
         if code == "cancelled":

@@ -20,54 +20,21 @@ from typing import Any
 
 from aiohttp import web
 
-# Anthropic's error types, by status.
-_ANTHROPIC_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "invalid_request_error",
-    410: "not_found_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-# Anthropic's API has no 503: a service that cannot take a request now is its 529, which its
-# SDKs raise as ``OverloadedError`` (and retry, as every 5xx).
-ANTHROPIC_OVERLOADED = 529
+from replystream.delivery.error_types import (
+    ANTHROPIC_OVERLOADED,
+    anthropic_error_type,
+    anthropic_status,
+    openai_error_type,
+)
 
 
 def error_body(
     message: str, *, code: str, status: int = 500, param: str | None = None
 ) -> dict[str, Any]:
-    """The JSON error object for ``status``, typed as OpenAI types its own: every refusal an
-    ``invalid_request_error`` (a wrong key and an unknown model too: the ``code`` tells them
-    apart), a rate limit on requests ``requests``, a failure on the server's side
-    ``server_error``."""
-    if status >= 500:
-        kind = "server_error"
-    elif status == 429:
-        kind = "requests"
-    else:
-        kind = "invalid_request_error"
+    """The JSON error object for ``status``, typed as OpenAI types its own
+    (``openai_error_type``)."""
+    kind = openai_error_type(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def anthropic_error_type(status: int) -> str:
-    """The ``error.type`` Anthropic's clients read for an HTTP ``status``: a failure of ours
-    or of an upstream is its ``api_error``, a gateway's time-out its ``timeout_error``, a body
-    too large its ``request_too_large``."""
-    if status == 504:
-        return "timeout_error"
-    if status == 413:
-        return "request_too_large"
-    kind = _ANTHROPIC_TYPE_BY_STATUS.get(status)
-    if kind is not None:
-        return kind
-    return "api_error" if status >= 500 else "invalid_request_error"
 
 
 # Where an error response keeps its fields, to be written in another route's shape.
@@ -141,7 +108,7 @@ def in_route_shape(
     if fields is None or not speaks_anthropic(path, headers or {}):
         return response
     message, code, param = fields
-    status = ANTHROPIC_OVERLOADED if response.status == 503 else response.status
+    status = anthropic_status(response.status)
     kind = anthropic_error_type(status)
     error: dict[str, Any] = {"type": kind, "message": message, "code": code, "param": param}
     if code in ANTHROPIC_DETAIL_CODES:

@@ -405,7 +405,8 @@ class Reply:
                 ending = self._ending = Ending("moderated", violation.check)
                 rule = ending.rule
         elif rule.in_band == "error":
-            last = self.pipeline.fail(ending.fill(rule.message), ending.fill(rule.code))
+            message, code = ending.fill(rule.message), ending.fill(rule.code)
+            last = self.pipeline.fail(message, code, ending.status)
         # (``moderated``: its event was logged as the check matched.)
         if rule.reason:
             record.reason = ending.fill(rule.reason)

@@ -131,12 +131,16 @@ class Ending:
         way: the row of ``ENDINGS``.
         detail: fills ``{detail}`` (see the rule's ``detail``).
         code: fills ``{code}``: an engine's error code.
+        status: an engine's error's HTTP status (``EngineError.status``), what the same
+            failure is before the stream and asked whole, whose error type the in-band
+            error takes (None: the dialect's type by code alone).
         error: the exception, when the log should show its traceback (a bug of ours).
     """
 
     way: Way
     detail: str = ""
     code: str = ""
+    status: int | None = None
     error: BaseException | None = None
 
     @classmethod
@@ -144,7 +148,7 @@ class Ending:
         """The ending an exception from the engine's stream means: an ``EngineError`` is
         the engine's to explain; anything else is a bug of ours."""
         if isinstance(error, EngineError):
-            return cls("engine_error", str(error), error.code)
+            return cls("engine_error", str(error), error.code, error.status)
         return cls("internal_error", type(error).__name__, error=error)
 
     @property
