@@ -371,6 +371,36 @@ async def test_a_client_that_stops_reading_is_cut_and_its_generation_cancelled()
     )
 
 
+@pytest.mark.parametrize(
+    ("route", "ask"),
+    [
+        ("/v1/replies", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+    ],
+)
+async def test_a_reader_cut_as_slow_is_counted_sent_every_byte_it_then_reads(route, ask):
+    """What a cut reader reads after its cut (the write that was waiting for its socket, then
+    the ``slow_client`` event) was handed to its socket: the events and bytes counters hold
+    every event and byte it read, as they do for a reader that was not cut."""
+    engine = fast_engine(reply_text=" ".join(["y" * 4000] * 3000), delay_ms=0.2, jitter_ms=0.1)
+    async with serve(engine, slow_client_s=1.0, slow_client_bytes=256 << 10) as url:
+        response = await raw_request(f"{url}{route}", "POST", json.dumps(ask).encode())
+        await wait_for(lambda: engine.stats().active == 0, timeout_s=20)
+        body = await response.read_body()  # now read everything the server left for us
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    assert b"slow_client" in body[-300:]
+
+    def sent(series: str) -> float:
+        found = re.search(
+            rb'replystream_%s_total\{endpoint="%s"\} (\S+)' % (series.encode(), route.encode()),
+            metrics,
+        )
+        assert found, series
+        return float(found.group(1))
+
+    assert (sent("bytes_sent"), sent("events_sent")) == (len(body), body.count(b"\n\n"))
+
+
 async def test_client_leaving_cancels_in_both_native_modes_and_metrics_say_so():
     engine = fast_engine(delay_ms=10, jitter_ms=0)
     async with serve(engine) as url:

@@ -251,7 +251,13 @@ class Follower:
         if self.transport.takes_at_once(len(data)):
             sent = await self.transport.write(data, last=last)  # cannot wait: no deadline
         else:
-            sent = await self._write_within_deadline(data, last)
+            try:
+                sent = await self._write_within_deadline(data, last)
+            except _Cut:
+                # Cut while its socket drained: the bytes were handed to it and leave before
+                # the cut's notice, so the reader reads them. Counted as sent, as they are.
+                self.record.on_send(len(data), events)
+                raise
         self.last_write = time.monotonic()
         self.record.on_send(sent, events)
 
@@ -352,13 +358,13 @@ class Follower:
             if cut.ending == "slow_client":
                 self.record.reason = str(cut)
             log.info("follower of %s cut: %s", self.reply_id[:8], cut)
-            self.transport.last_words(self._notice(str(cut), cut.ending), cut.ending)
+            self._say_last(self._notice(str(cut), cut.ending), cut.ending)
         except ConnectionError:
             ending = "client_gone"
         except Exception as exc:  # a bug of ours (or a store failing in a way it should not)
             ending = "failed"
             log.error("follower of %s failed", self.reply_id[:8], exc_info=exc)
-            self.transport.last_words(self._notice("internal error", "internal_error"), ending)
+            self._say_last(self._notice("internal error", "internal_error"), ending)
         finally:
             self.cursor.close()
             self.readers.forget_reader(self)
@@ -366,6 +372,12 @@ class Follower:
                 reply.followers.remove(self)
                 reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
             self.transport.finished(ending)
+
+    def _say_last(self, notice: bytes, ending: Ending) -> None:
+        """The notice that ends a cut stream, queued and counted as sent, as any event is."""
+        said = self.transport.last_words(notice, ending)
+        if said:
+            self.record.on_send(said, 1)
 
     async def _catch_up(self, wait_s: float) -> Ending | None:
         """Send what the log has after the cursor (waiting up to ``wait_s`` for something),

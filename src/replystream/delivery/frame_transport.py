@@ -81,10 +81,11 @@ class FrameTransport(Protocol):
         """End the stream properly (its terminal framing), if not ended by a last write."""
         ...
 
-    def last_words(self, notice: bytes, ending: Ending) -> None:
+    def last_words(self, notice: bytes, ending: Ending) -> int:
         """The follower was cut (``ending``): queue a final notice without waiting, and close
         what the cut closes; give up on it if it cannot leave soon (the client is not
-        reading)."""
+        reading). Returns the notice's bytes as ``write`` counts them, 0 if it could not be
+        queued (the connection is closing, or the stream had ended)."""
         ...
 
     def finished(self, ending: Ending) -> None:

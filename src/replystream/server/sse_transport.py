@@ -164,14 +164,15 @@ class SSETransport(SocketRoom):
             self._body_ended = True
             await self.response.write_eof()
 
-    def last_words(self, notice: bytes, ending: Ending) -> None:
+    def last_words(self, notice: bytes, ending: Ending) -> int:
         """Queue a final event without waiting, then close; abort if it cannot leave soon.
 
         Used when the socket is not draining, so the response's own (awaiting) writer cannot
         be used: the event goes to the socket directly, framed as the last HTTP chunk."""
         transport = self.request.transport
         if transport is None or transport.is_closing():
-            return
+            return 0
+        said = 0
         if self.response.prepared:
             # Headers held back to leave with the first events must go first.
             self.request.writer.send_headers()
@@ -179,12 +180,14 @@ class SSETransport(SocketRoom):
             # follows it.
             if not self._body_ended:
                 self._body_ended = True
+                said = len(notice)  # the body's bytes, as ``write`` counts them
                 if self._chunked:
                     notice = b"%x\r\n%s\r\n0\r\n\r\n" % (len(notice), notice)
                 transport.write(notice)
         transport.close()  # no headers yet: nothing can be said in-band
         # A client that never reads would keep the socket (and its buffer) forever.
         abort_later(transport, LAST_WORDS_S)
+        return said
 
     def finished(self, ending: Ending) -> None:
         sent = self.response.sent

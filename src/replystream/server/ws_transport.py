@@ -325,10 +325,10 @@ class WebSocketTransport(SocketRoom):
     async def end(self) -> None:
         return None  # the reply ended; the socket goes on
 
-    def last_words(self, notice: bytes, ending: Ending) -> None:
+    def last_words(self, notice: bytes, ending: Ending) -> int:
         transport = self._transport
         if transport is None or transport.is_closing() or self._closing():
-            return
+            return 0
         transport.write(notice)
         if ending == "slow_client":
             # The socket itself cannot keep up: it closes, and every reply on it with it.
@@ -338,6 +338,7 @@ class WebSocketTransport(SocketRoom):
             self._cut()
             transport.close()
             abort_later(transport, LAST_WORDS_S)
+        return len(notice)
 
     def finished(self, ending: Ending) -> None:
         return None
