@@ -264,3 +264,27 @@ async def test_a_whole_reply_that_failed_counts_its_error_body_as_sent():
     assert replies_count(metrics, "/v1/chat/completions", "errored") == 1
     assert sent_count(metrics, "events_sent", "/v1/chat/completions") == 1
     assert sent_count(metrics, "bytes_sent", "/v1/chat/completions") == len(answer)
+
+
+async def test_a_whole_anthropic_message_that_failed_counts_the_body_its_client_read():
+    """The Messages route answers a failure in Anthropic's error shape (its own fields, the
+    request's id): the body counted as sent is that one, byte for byte, not the body it was
+    made from."""
+    async with running(create_app(fast_engine(fail_after=2))) as url:
+        ask = {
+            "model": "simulated",
+            "max_tokens": 20,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        failed = await raw_request(
+            f"{url}/v1/messages",
+            "POST",
+            json.dumps(ask).encode(),
+            {"Content-Type": "application/json"},
+        )
+        answer = await failed.read_body()
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    assert failed.status == 500 and json.loads(answer)["type"] == "error"
+    assert replies_count(metrics, "/v1/messages", "errored") == 1
+    assert sent_count(metrics, "events_sent", "/v1/messages") == 1
+    assert sent_count(metrics, "bytes_sent", "/v1/messages") == len(answer)

@@ -191,6 +191,7 @@ async def buffered_reply(
     body: BodyFn,
     moderated_body: ModeratedFn,
     named: str,
+    shape_error: Callable[[web.Response], web.Response],
     several: Several | None = None,
     failed_body: FailedFn | None = None,
 ) -> web.Response:
@@ -205,7 +206,9 @@ async def buffered_reply(
     are several choices' (``Delta.choice``), each collected on its own, and the body is
     ``several.body`` of them all. Tool calls are joined from their pieces, in the order they
     started (``Whole.tool_calls``). ``named``: which reply the log says failed ("reply
-    <id>", or "request <id>" for one with no id).
+    <id>", or "request <id>" for one with no id). ``shape_error``: an error response in the
+    shape its route's clients read (``errors.in_route_shape``), made here so that the body
+    counted as sent is the one they read.
     """
     channel = DeltaChannel()
     collectors = [
@@ -264,17 +267,15 @@ async def buffered_reply(
                 payload = failed_body(made, error.code, str(error))
             else:
                 # An upstream's failure is a 502, 503 or 504, as it would be before any byte.
-                return sent(
-                    record,
-                    error_response(
-                        error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
-                    ),
+                failure = error_response(
+                    error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
                 )
+                return sent(record, shape_error(failure))
         elif isinstance(item, End) and item.how == "shutdown":
             record.outcome, record.reason = "shutdown", "shutdown"
             message = "the server is shutting down"
             if failed_body is None or several is not None:
-                return sent(record, error_response(503, message, code="shutdown"))
+                return sent(record, shape_error(error_response(503, message, code="shutdown")))
             made = first.whole(usage(record.tokens))
             payload = failed_body(made, "shutdown", message)
         elif several is None:

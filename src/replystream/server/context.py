@@ -54,7 +54,7 @@ from replystream.engine.choices import ChoicesStream, start_choices
 from replystream.server import ids
 from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
-from replystream.server.errors import HTTPAPIError
+from replystream.server.errors import HTTPAPIError, in_route_shape
 from replystream.server.guard import GATE_KEY, REPLY_ID, REQUEST_ID, identity_of
 from replystream.server.metrics import Metrics, ReaderSends, ReplyRecord
 from replystream.server.refusal_names import refused
@@ -468,6 +468,12 @@ async def buffered(
         prompt_tokens=app[ENGINE_KEY].count_tokens(generation.prompt),
         body=body,
         moderated_body=moderated_body,
+        shape_error=partial(
+            in_route_shape,
+            request.path,
+            headers=request.headers,
+            request_id=request.get(REQUEST_ID),
+        ),
         several=several,
         failed_body=failed_body,
         # The access log (INFO) names the request; at WARNING this name is all there is.

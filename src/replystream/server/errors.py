@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -65,6 +65,8 @@ def speaks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
 # are given only beside its fields, as ``code``.
 ANTHROPIC_DETAIL_CODES = frozenset({"thread_unsupported_request"})
 
+# Whatever kind of response ``in_route_shape`` is given, it gives back (or a reshaped one).
+AnyResponse = TypeVar("AnyResponse", bound=web.StreamResponse)
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "X-Reply-Id", "X-Should-Retry")
 
 
@@ -98,10 +100,10 @@ def error_response(
 
 def in_route_shape(
     path: str,
-    response: web.StreamResponse,
+    response: AnyResponse,
     headers: Mapping[str, str] | None = None,
     request_id: str | None = None,
-) -> web.StreamResponse:
+) -> AnyResponse | web.Response:
     """An error response of ours in the shape the route's clients read (``headers``: the
     request's, when known; ``request_id``: its id, which Anthropic's body carries)."""
     fields = response.get(API_ERROR)
