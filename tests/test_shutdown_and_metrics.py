@@ -288,3 +288,19 @@ async def test_a_whole_anthropic_message_that_failed_counts_the_body_its_client_
     assert replies_count(metrics, "/v1/messages", "errored") == 1
     assert sent_count(metrics, "events_sent", "/v1/messages") == 1
     assert sent_count(metrics, "bytes_sent", "/v1/messages") == len(answer)
+
+
+async def test_an_engine_that_fails_before_its_first_token_is_counted_errored_not_rejected():
+    """A request the engine failed to start (a 500 to its client) is an error, as a failure
+    after the first token is: an alert on ``errored`` must see every request failing at
+    once. A refusal (a 4xx, or a 503: no room now) stays ``rejected``."""
+    async with running(create_app(fast_engine(fail_after=0))) as url:
+        for path in ("/stream", "/v1/replies"):
+            method, body = ("GET", b"") if path == "/stream" else ("POST", b'{"prompt": "x"}')
+            failed = await raw_request(f"{url}{path}", method, body)
+            await failed.read_body()
+            assert failed.status == 500
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    for path in ("/stream", "/v1/replies"):
+        assert replies_count(metrics, path, "errored") == 1
+        assert replies_count(metrics, path, "rejected") == 0

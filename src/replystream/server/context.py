@@ -87,6 +87,9 @@ LOCAL_STORE_KEY = web.AppKey("local_store", MemoryReplayStore)  # the rest
 # Per-key metrics name a key by this much of its SHA-256 digest: enough to tell keys apart,
 # and an operator finds theirs with ``sha256sum``; the key itself is never written anywhere.
 KEY_LABEL_CHARS = 12
+# The status of an engine that cannot take a request now (a full queue, every upstream busy):
+# a refusal, as a 4xx is, not a failure.
+NO_ROOM_NOW = 503
 LAB_FORMAT = LabFormat()
 NATIVE_FORMAT = NativeFormat()
 
@@ -214,7 +217,12 @@ async def admitted(request: web.Request, record: ReplyRecord, starting: Awaitabl
     try:
         started = await starting
     except (RequestRejected, EngineError) as exc:
-        record.outcome, record.reason = "rejected", exc.code
+        # A refusal (a 4xx: the request's fault, a key refused upstream, too many requests;
+        # or a 503: no room now, every upstream busy) is ``rejected``; an engine or upstream
+        # that failed (500, 502, 504) is ``errored``, as a failure after the first token is,
+        # which an alert on errors must see.
+        failed = exc.status >= 500 and exc.status != NO_ROOM_NOW
+        record.outcome, record.reason = "errored" if failed else "rejected", exc.code
         app[METRICS_KEY].observe(record)
         wait = exc.retry_after_s  # the engine knows when it may take a request: say so
         if isinstance(exc, RequestRejected):  # a 400, or the 401/403/429 of a key passed on
