@@ -147,6 +147,22 @@ class StallingUpstream(ChatUpstream):
         return response
 
 
+async def failed_whole_and_streamed(
+    client: anthropic.AsyncAnthropic,
+) -> tuple[anthropic.APIStatusError, anthropic.APIStatusError, list[str]]:
+    """One message asked whole, then streamed, each failing: the two errors raised, and the
+    text the stream relayed before its error."""
+    ask: Any = {"model": "m", "max_tokens": 50, "messages": [USER]}
+    with pytest.raises(anthropic.APIStatusError) as whole:
+        await client.messages.create(**ask)
+    texts: list[str] = []
+    with pytest.raises(anthropic.APIStatusError) as streamed:
+        async with client.messages.stream(**ask) as stream:
+            async for text in stream.text_stream:
+                texts.append(text)
+    return whole.value, streamed.value, texts
+
+
 async def test_a_stalled_upstream_is_a_timeout_error_streamed_and_whole():
     """A relay's upstream that stalls mid-reply is Anthropic's ``timeout_error`` in the
     stream's ``error`` event, as the whole message's 504 is: one failure, one type."""
@@ -159,19 +175,12 @@ async def test_a_stalled_upstream_is_a_timeout_error_streamed_and_whole():
                 running(create_app(engine)) as url,
                 anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as client,
             ):
-                ask: Any = {"model": "m", "max_tokens": 50, "messages": [USER]}
-                with pytest.raises(anthropic.APIStatusError) as whole:
-                    await client.messages.create(**ask)
-                texts: list[str] = []
-                with pytest.raises(anthropic.APIStatusError) as streamed:
-                    async with client.messages.stream(**ask) as stream:
-                        async for text in stream.text_stream:
-                            texts.append(text)
+                whole, streamed, texts = await failed_whole_and_streamed(client)
         finally:
             await engine.aclose()
-    assert whole.value.status_code == 504
+    assert whole.status_code == 504
     assert texts == ["partial "]  # the text before the stall was relayed
-    for raised in (whole.value, streamed.value):
+    for raised in (whole, streamed):
         error = cast(dict[str, Any], raised.body)["error"]
         assert (error["type"], error["code"]) == ("timeout_error", "upstream_stalled")
 
@@ -202,14 +211,7 @@ async def test_a_continued_reply_rate_limited_has_one_error_type_streamed_and_wh
         client = await stack.enter_async_context(
             anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
         )
-        ask: Any = {"model": "m", "max_tokens": 50, "messages": [USER]}
-        with pytest.raises(anthropic.RateLimitError) as whole:
-            await client.messages.create(**ask)
-        texts: list[str] = []
-        with pytest.raises(anthropic.APIStatusError) as streamed:
-            async with client.messages.stream(**ask) as stream:
-                async for text in stream.text_stream:
-                    texts.append(text)
+        whole, streamed, texts = await failed_whole_and_streamed(client)
         chat = await stack.enter_async_context(
             openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
         )
@@ -219,8 +221,9 @@ async def test_a_continued_reply_rate_limited_has_one_error_type_streamed_and_wh
         with pytest.raises(openai.APIError) as chat_streamed:
             async for _ in await chat.chat.completions.create(**chat_ask, stream=True):
                 pass
+    assert isinstance(whole, anthropic.RateLimitError)
     assert texts == ["partial "]  # the text before the stall was relayed
-    for raised in (whole.value, streamed.value):
+    for raised in (whole, streamed):
         error = cast(dict[str, Any], raised.body)["error"]
         assert (error["type"], error["code"]) == ("rate_limit_error", "upstream_rate_limited")
     for chat_raised in (chat_whole.value, chat_streamed.value):
