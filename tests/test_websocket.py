@@ -133,6 +133,8 @@ async def test_bad_messages_get_an_error_message_and_the_socket_lives_on(message
             assert error["type"] == "error" and error["id"] == tag
             assert set(error["data"]["error"]) == {"message", "type", "param", "code"}
             assert error["data"]["error"]["code"] == (code or "invalid_value")
+            said, param = error["data"]["error"]["message"], error["data"]["error"]["param"]
+            assert not said.startswith(f"{param}: {param} "), said  # named once
             await ws.send_bytes(b"\x00")
             assert (await ws.receive_json())["data"]["error"]["code"] == "invalid_json"
             await ws.send_json({"type": "reply", "id": "ok", "prompt": "x", "max_tokens": 3})

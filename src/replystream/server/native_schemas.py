@@ -100,7 +100,7 @@ class ReplyMessage(ReplyBody):
             # --keepalive-s. A reply's own interval would be taken and never applied.
             raise PydanticCustomError(
                 "not_honoured",
-                "keepalive_s is not taken on a WebSocket: the server pings an idle socket "
+                "not taken on a WebSocket: the server pings an idle socket "
                 "every --keepalive-s, whatever its replies ask",
                 {"param": "keepalive_s"},
             )
