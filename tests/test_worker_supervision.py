@@ -187,6 +187,35 @@ async def test_a_worker_killed_again_and_again_is_restarted_after_longer_and_lon
         assert restarted == [("0.2", "1"), ("0.4", "2"), ("0.8", "3"), ("1.6", "4")], log
 
 
+async def test_no_connection_waits_for_a_worker_started_in_a_dead_ones_place():
+    """A worker started again takes its start (imports; a real model's load: seconds)
+    before it accepts. Meanwhile the others serve every new connection: none is queued for
+    the one not ready yet, to wait for it (or to be reset, if it dies before it is ready)."""
+    async with parent(*SIMULATED, "--workers", "2") as process:
+        url = await ready_url(process, ready_s=60.0)
+        victim, spared = children_of(process.pid)
+        os.kill(victim, signal.SIGKILL)
+        await until(lambda: bool(set(children_of(process.pid)) - {victim, spared}))
+        (starting,) = set(children_of(process.pid)) - {victim, spared}
+        os.kill(starting, signal.SIGSTOP)  # held in its start for as long as we ask
+        try:
+            for _ in range(12):  # the kernel spreads new connections over listening sockets
+                response = await asyncio.wait_for(raw_request(f"{url}/healthz"), 5.0)
+                assert response.status == 200
+                await response.read_body()
+            assert alive(spared)
+        finally:
+            os.kill(starting, signal.SIGCONT)
+        assert process.stderr is not None
+        async with asyncio.timeout(30):
+            while b"is ready, in place of one that exited" not in (await process.stderr.readline()):
+                pass
+        for _ in range(4):  # the new worker serves its share once it is ready
+            response = await raw_request(f"{url}/healthz")
+            assert response.status == 200
+            await response.read_body()
+
+
 def metrics_folders(where: Path) -> list[Path]:
     return sorted(where.glob("replystream-metrics-*"))
 

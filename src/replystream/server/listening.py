@@ -43,12 +43,14 @@ def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
     return _bound(socket.socket(family, kind, proto), address, shared=shared, listens=not shared)
 
 
-def also_listening(holder: socket.socket) -> socket.socket:
+def also_listening(holder: socket.socket, *, listens: bool = True) -> socket.socket:
     """Another listening socket on ``holder``'s address (``bind_socket(shared=True)``): the
     kernel spreads new connections evenly over every such socket that listens, one per
-    worker, instead of handing a burst to whichever worker woke first on one shared queue."""
+    worker, instead of handing a burst to whichever worker woke first on one shared queue.
+    Without ``listens`` it is only bound, and given no connection until its worker listens
+    on it (the server does as it starts accepting)."""
     sock = socket.socket(holder.family, holder.type, holder.proto)
-    return _bound(sock, holder.getsockname(), shared=True, listens=True)
+    return _bound(sock, holder.getsockname(), shared=True, listens=listens)
 
 
 def _bound(sock: socket.socket, address: Any, *, shared: bool, listens: bool) -> socket.socket:

@@ -253,7 +253,13 @@ class Supervisor:
             return
         try:
             if slot.listening is None:
-                slot.listening = also_listening(self._holder)
+                # A listening socket is given its share of new connections at once, queued
+                # until its worker accepts them: for the whole of a start (imports, a
+                # model's load: seconds), or reset if it dies before. While other workers
+                # serve, they take them instead, and this worker listens once it is ready.
+                # With none serving (the first start, every worker down) they are better
+                # queued than refused.
+                slot.listening = also_listening(self._holder, listens=not self._serving())
         except OSError as exc:
             self._cannot_start(slot, f"cannot listen for a worker: {self._why(exc)}")
             return
@@ -321,7 +327,7 @@ class Supervisor:
             return
         self._close_pipe(slot)
         # Closed with it: the kernel hands new connections to the others' sockets (those it
-        # had queued for this one are refused) until another takes its place on a new one.
+        # had queued for this one are refused) until another is ready in its place on a new one.
         self._stop_listening(slot)
         slot.process = None
         # Its counts stay in the totals; what it held (live gauges) does not.
