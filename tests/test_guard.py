@@ -542,7 +542,8 @@ async def test_the_model_routes_vary_on_the_header_that_picks_their_shape():
         lines = await raw_head(
             url, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
-        assert header_values(lines, "vary") == []
+        # Another route's answer takes one shape: it varies on no anthropic-version.
+        assert "anthropic-version" not in {v.lower() for v in header_values(lines, "vary")}
 
 
 async def test_a_client_at_its_limit_may_still_stop_and_poll_what_it_runs():

@@ -73,6 +73,7 @@ async def test_an_answer_is_gzipped_at_the_fastest_level(reply_text: str) -> Non
     text = json.loads(gzip.decompress(body))["choices"][0]["message"]["content"]
     assert text.strip() == reply_text
     assert "content-encoding" not in plain_headers
+    assert plain_headers["vary"] == "Accept-Encoding"
     assert json.loads(plain)["choices"][0]["message"]["content"] == text
     assert (len(plain) >= IN_THREAD_BYTES) is (reply_text == LONG_REPLY)
     assert len(body) < len(plain)
@@ -83,6 +84,8 @@ async def test_a_client_that_refuses_gzip_by_weight_gets_the_answer_plain() -> N
     async with running(create_app(engine)) as url:
         headers, body = await _chat(url, "gzip;q=0, deflate")
     assert "content-encoding" not in headers
+    # Its form was chosen by the request's Accept-Encoding: a cache must key it by that too.
+    assert headers["vary"] == "Accept-Encoding"
     assert json.loads(body)["choices"][0]["message"]["content"].strip() == LONG_REPLY
 
 

@@ -13,7 +13,8 @@ This file decides which answers are compressed, how hard, and where the work run
 - a large body in a worker thread (zlib lets go of the GIL while it works), so the event loop,
   and every stream it carries, goes on meanwhile; a megabyte at a time, so that it stops soon
   after the request is cancelled (its client gone).
-The answer says ``Vary: Accept-Encoding``, so a cache between keeps the two forms apart.
+Such an answer says ``Vary: Accept-Encoding``, compressed or not (a client that refuses gzip
+gets it plain), so a cache between keeps the two forms apart.
 """
 
 from __future__ import annotations
@@ -91,8 +92,13 @@ async def gzip_if_worthwhile(
         and isinstance(response.body, bytes)
         and len(response.body) >= min_bytes
         and hdrs.CONTENT_ENCODING not in response.headers
-        and accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, ""))
     ):
+        return
+    # Which form goes out depends on the request's Accept-Encoding, so the plain one says so
+    # too: a cache that kept it unmarked would hand it to every client, gzip-taking or not.
+    headers = response.headers
+    headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
+    if not accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")):
         return
     body = response.body
     if len(body) >= IN_THREAD_BYTES:
@@ -104,9 +110,7 @@ async def gzip_if_worthwhile(
             raise
     else:
         response.body = gzipped(body)
-    headers = response.headers
     headers[hdrs.CONTENT_ENCODING] = "gzip"
-    headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
     # A length a handler set is the plain body's: aiohttp writes the one it is left, so the
     # compressed body's is made when it is sent.
     headers.popall(hdrs.CONTENT_LENGTH, None)
