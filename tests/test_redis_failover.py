@@ -110,6 +110,11 @@ async def test_a_hole_in_a_stream_is_told_as_lost_never_skipped(tmp_path: Path):
         assert rest is not None
         assert rest.lost == (6, 8) and [e.seq for e in rest.entries] == [9, 10, 11, 12]
         assert rest.ending == "finished"
+        assert reader.stats().gaps == 0  # reads of the server's own tell nobody of a gap
+        cursor = reader.cursor("h", 5)  # a reader's: it is told
+        told = await cursor.read(0)
+        cursor.close()
+        assert told is not None and told.lost == (6, 8)
         assert reader.stats().gaps == 1
         await producer.aclose()
         await reader.aclose()

@@ -65,7 +65,7 @@ class RemoteReads:
         self._keys = keys
         self.redis = link.redis
         self.watch = StreamWatch(self.redis, READ_BATCH, keys.slot_of_key)
-        self.gaps = 0  # reads that told of lost entries
+        self.gaps = 0  # readers' reads that told of lost entries
         self.evictions = 0  # keys found evicted
         self._lost: dict[str, float] = {}  # replies whose producer was found lost, and when
 
@@ -155,10 +155,16 @@ class RemoteReads:
     async def read_measured(
         self, reply_id: str, after: int, wait_s: float
     ) -> tuple[ReadResult | None, Offsets]:
-        """A read of a reply produced elsewhere, with where its entries stand in bytes."""
-        return self._counting(
-            await self._link.retrying(lambda: self._read_waiting(reply_id, after, wait_s))
-        )
+        """A reader's read of a reply produced elsewhere, with where its entries stand in
+        bytes (lost entries it finds are told to it: a gap counted)."""
+        return self._counting(await self.look(reply_id, after, wait_s))
+
+    async def look(
+        self, reply_id: str, after: int, wait_s: float
+    ) -> tuple[ReadResult | None, Offsets]:
+        """The same read for the server's own use (finding a reply, its dialect, its object):
+        it tells no reader of what is lost, so counts no gap."""
+        return await self._link.retrying(lambda: self._read_waiting(reply_id, after, wait_s))
 
     async def follow(
         self, reply_id: str, after: int, wait_s: float

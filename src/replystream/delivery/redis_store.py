@@ -199,7 +199,7 @@ class RedisReplayStore:
     async def read(self, reply_id: str, after: int, wait_s: float) -> ReadResult | None:
         if await self._local.info(reply_id) is not None:
             return await self._local.read(reply_id, after, wait_s)
-        result, _ = await self.reads.read_measured(reply_id, after, wait_s)
+        result, _ = await self.reads.look(reply_id, after, wait_s)
         return result
 
     # What a ``RemoteCursor`` asks (``redis_follow.FollowedStore``).

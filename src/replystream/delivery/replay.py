@@ -146,7 +146,10 @@ class ReplayStats:
     live: int
     entries: int
     bytes: int
-    gaps: int = 0  # reads that found events a reader needed no longer kept (told as a gap)
+    # Reads of a reader (through a cursor) that found events it needed no longer kept: it is
+    # told (a gap). The server's own reads of a log (to find a reply, to answer an object)
+    # tell nobody, and count none.
+    gaps: int = 0
     # A remote store that lost writes it had acknowledged (a failover): how often that was
     # found, the reply logs repaired from their producer's copy, the events written again,
     # and those the producer no longer held (holes: their readers are told of a gap).
@@ -498,8 +501,6 @@ class MemoryReplayStore:
         if log is None:
             return None
         result = log.after(after)
-        if result.lost is not None:
-            self._gaps += 1
         if result.entries or result.lost or result.ending is not None or wait_s <= 0:
             return result
         waiter = asyncio.get_running_loop().create_future()
@@ -615,7 +616,10 @@ class MemoryCursor:
             self._sent_bytes = log.appended - entries_bytes(log.entries[start:])
 
     async def read(self, wait_s: float) -> ReadResult | None:
-        return await self._store.read(self.reply_id, self.after, wait_s)
+        result = await self._store.read(self.reply_id, self.after, wait_s)
+        if result is not None and result.lost is not None:
+            self._store._gaps += 1  # a reader's read: it is told of them
+        return result
 
     async def gone(self) -> Gone | None:
         return await self._store.gone(self.reply_id)
