@@ -10,7 +10,7 @@ import asyncio
 import json
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 
 from replystream.delivery.policy import DeliveryPolicy
-from replystream.engine.simulated import split_words
+from replystream.delivery.replay import MemoryReplayStore
+from replystream.engine.simulated import SimulatedEngine, split_words
 from replystream.engine.tiny import load_default_engine
 from replystream.engine.tiny_config import TinyEngineConfig
 from replystream.server import create_app, running
@@ -29,7 +30,7 @@ from tests.conftest import fast_engine, wait_for
 from tests.thinking_upstream import ANSWER, THINK_S, THOUGHTS, relay
 
 if TYPE_CHECKING:
-    from playwright.async_api import Browser, Page
+    from playwright.async_api import Browser, Page, Route
 
 pytestmark = pytest.mark.slow
 
@@ -987,3 +988,94 @@ async def test_the_eventsource_page_tells_its_reply_once_whole_as_it_ends(browse
         live = await page.eval_on_selector_all("[aria-live]", "nodes => nodes.map(n => n.id)")
         assert live == ["announcer"]
         assert await page.evaluate("() => window.liveChanges") <= 2
+
+
+async def in_flight(url: str) -> dict[str, float]:
+    """The server's gauges of what is still open: replies, streams, readers."""
+    names = (
+        "replystream_replies_in_flight",
+        "replystream_active_streams",
+        "replystream_open_readers",
+    )
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as response:
+        lines = (await response.text()).splitlines()
+    return {
+        name: float(line.split()[-1])
+        for line in lines
+        for name in names
+        if line.startswith(f"{name} ")
+    }
+
+
+def resume_after(
+    engine: SimulatedEngine, steps: int, first: int
+) -> Callable[[Route], Awaitable[None]]:
+    """A route handler that lets the first ``first`` requests through, and later ones once
+    the engine has made more than ``steps`` tokens."""
+    seen = 0
+
+    async def handle(route: Route) -> None:
+        nonlocal seen
+        seen += 1
+        if seen > first:
+            await wait_for(lambda: engine.stats().steps > steps, timeout_s=20)
+        await route.continue_()
+
+    return handle
+
+
+async def test_a_reply_that_lost_text_on_the_way_says_so_and_is_not_called_complete(
+    browser: Browser,
+):
+    # A resume that came back after the server's log had dropped the events it needed: the
+    # gap was marked in the text, but the reply was badged complete, no Retry was offered,
+    # and a screen reader was told "Reply complete." and the text with the hole closed up.
+    words = [f"w{i} " for i in range(150)]
+    engine = fast_engine(delay_ms=8.0, jitter_ms=0.0, reply_text="".join(words))
+    store = MemoryReplayStore(max_entries=20)  # a log that keeps the last 20-odd events
+    async with running(create_app(engine, store=store)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        async with LoopbackProxy(host, int(port)) as proxy:
+            # The chat page reads its first connection from the POST, the EventSource page
+            # from the resume URL: only the one after the cut waits.
+            for page_path, reply, first in [
+                ("/", pane("stream"), 0),
+                ("/eventsource.html", "#pane", 1),
+            ]:
+                page = await open_page(browser, proxy.url + page_path)
+                steps = engine.stats().steps + 80
+                await page.route("**/stream*", resume_after(engine, steps, first))
+                if page_path == "/":
+                    await send(page, "Count.")
+                else:
+                    await page.click("#go")
+                text = f"{reply} .reply-text"
+                await page.wait_for_function(
+                    "(sel) => document.querySelector(sel).textContent.length > 20", arg=text
+                )
+                proxy.cut()
+                await page.wait_for_selector(
+                    f'{reply}:is([data-state="done"], [data-state="incomplete"])'
+                )
+                assert await page.get_attribute(reply, "data-state") == "incomplete"
+                marker = page.locator(f"{text} .gap")
+                assert await marker.count() == 1
+                shown = await page.text_content(text) or ""
+                before, after = shown.split(await marker.text_content() or "")
+                full = "".join(words)
+                assert full.startswith(before) and full.endswith(after)
+                assert len(before) + len(after) < len(full) - 40  # whole events lost between
+                told = await page.text_content("#announcer") or ""
+                assert told.startswith(f"Reply incomplete. {shown}"), told
+                assert "lost" in told.removeprefix(f"Reply incomplete. {shown}")
+                if page_path == "/":
+                    assert "lost while reconnecting" in (
+                        await page.text_content(f"{pane('stream')} .pane-note") or ""
+                    )
+                    assert await page.is_visible(f"{TURN} .turn-actions button:has-text('Retry')")
+                    assert await page.is_enabled("#send") and await page.is_disabled("#stop")
+                else:
+                    assert await page.is_enabled("#go")
+                await wait_for(lambda: engine.stats().active == 0, timeout_s=10)
+                assert set((await in_flight(url)).values()) == {0.0}
+                await page.close()

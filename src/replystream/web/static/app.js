@@ -100,6 +100,9 @@ class Pane {
 
   get shownText() { return this.#sink.text; }
 
+  /** The note under the reply (why it ended as it did), or '' when there is none. */
+  get note() { return this.#note.hidden ? '' : ` ${this.#note.textContent}`; }
+
   start() {
     this.#sink.clear();
     this.#thought.textContent = '';
@@ -355,9 +358,11 @@ function setContextStart(start) {
 // conversation is not live: its text grows by the frame and its timers tick, each a change a
 // reader would be told of piece by piece, which aria-busy does not hold back in every reader.
 // (The side-by-side mode's two panes hold the same reply: the streamed one is told.)
+// The text as shown, with a gap's marker where text was lost; then the note, if any (why it
+// was cut, refused or withheld), which a sighted reader sees under it.
 function announce(pane) {
   const state = pane.root.dataset.state;
-  announcer.textContent = `Reply ${BADGES[state] ?? state}. ${pane.shownText}`;
+  announcer.textContent = `Reply ${BADGES[state] ?? state}. ${pane.text.textContent}${pane.note}`;
 }
 
 async function runTurn(turn) {

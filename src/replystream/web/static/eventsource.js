@@ -39,8 +39,10 @@ function finish(state, label, message) {
   sink.flush();
   setState(state, label);
   // Told once, whole, as it ends: the text itself is not live, or a screen reader would be
-  // told each frame's piece of it.
-  $('#announcer').textContent = `Reply ${label}. ${sink.text}`;
+  // told each frame's piece of it. The text as shown (a gap's marker where text was lost),
+  // and why a reply that is not complete ended, which the log shows a sighted reader.
+  const why = state === 'done' ? '' : ` ${message}`;
+  $('#announcer').textContent = `Reply ${label}. ${$('#text').textContent}${why}`;
   log(message);
   $('#go').disabled = false;
 }
@@ -95,12 +97,26 @@ function follow(id, apiKey) {
       const lost = `${data.lost_from}–${data.lost_to}`;
       if (gapsSeen.has(lost)) return;
       gapsSeen.add(lost);
+      sink.insert(Object.assign(document.createElement('span'), {
+        className: 'gap', title: `events ${lost}`, textContent: ' [some text was lost here] ',
+      }));
       log(`the server lost events ${lost}`);
     },
-    // A reply cut at its token limit is whole as far as it went, but not complete.
-    done: (data) => (data.finish_reason === 'length'
-      ? finish('cut', 'cut', 'cut at the token limit (length); source closed')
-      : finish('done', 'complete', `done (${data.finish_reason}); source closed`)),
+    done: (data) => {
+      // The reply reached its end, but not all of it reached the page: not complete.
+      if (gapsSeen.size) {
+        finish('incomplete', 'incomplete', `done (${data.finish_reason}), but events `
+          + `${[...gapsSeen].join(', ')} were lost on the way; source closed`);
+        current = null;  // nothing is left generating to cancel
+        return;
+      }
+      // A reply cut at its token limit is whole as far as it went, but not complete.
+      if (data.finish_reason === 'length') {
+        finish('cut', 'cut', 'cut at the token limit (length); source closed');
+      } else {
+        finish('done', 'complete', `done (${data.finish_reason}); source closed`);
+      }
+    },
     moderated: (data) => finish('moderated', 'moderated', `moderated by the ${data.check} check`),
   };
   for (const [type, handle] of Object.entries(handlers)) {

@@ -26,6 +26,10 @@ export const RESUMABLE_CUTS = new Set(['slow_client', 'shutdown']);
 // Keep-alive periods with no byte after which a connection counts as dropped (rule 4).
 export const IDLE_KEEPALIVES = 3;
 
+// What a reply that reached `done` with a gap in it says: its text is not whole.
+const LOST_NOTE = 'Part of this reply was lost while reconnecting (marked in the '
+  + 'text): the server no longer had it. Retry asks for the whole reply again.';
+
 /**
  * A reply's ending: state is 'done', 'cut' (it ended at its token limit: `max_tokens` or the
  * model's context, so the answer may be unfinished), 'error', 'moderated', 'incomplete' or
@@ -186,6 +190,7 @@ export class StreamedReply {
   #lastId = null;           // the id string to send as Last-Event-ID
   #retryMs = BACKOFF.baseMs;
   #usage = null;
+  #gaps = [];               // events the server no longer had when a resume asked for them
   #idleMs;                  // silence that drops a connection (0: never)
 
   /** Options: base (URL prefix), apiKey, keepaliveS (the server's keep-alive period; 0: none). */
@@ -320,11 +325,13 @@ export class StreamedReply {
         case 'token': this.#on.onText?.(data.text, data.tokens); break;
         case 'thinking': this.#on.onThinking?.(data.text, data.tokens); break;
         case 'usage': this.#usage = data; this.#on.onUsage?.(data); break;
-        case 'gap': this.#on.onGap?.(data); break;
-        case 'done':
-          return ending(data.finish_reason === 'length' ? 'cut' : 'done', '', {
-            finishReason: data.finish_reason, usage: this.#usage,
-          });
+        case 'gap': this.#gaps.push(data); this.#on.onGap?.(data); break;
+        case 'done': {
+          const extra = { finishReason: data.finish_reason, usage: this.#usage };
+          // The reply reached its end, but not all of it reached the page: not complete.
+          if (this.#gaps.length) return ending('incomplete', LOST_NOTE, extra);
+          return ending(data.finish_reason === 'length' ? 'cut' : 'done', '', extra);
+        }
         case 'moderated':
           return ending('moderated', `Stopped by the ${data.check} check: ${data.reason}`, {
             moderation: data,
