@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import aiohttp
 import pytest
 
+from replystream.delivery.moderation import BannedPhrases
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.delivery.replay import MemoryReplayStore
 from replystream.engine.simulated import SimulatedEngine, split_words
@@ -1079,3 +1080,42 @@ async def test_a_reply_that_lost_text_on_the_way_says_so_and_is_not_called_compl
                 await wait_for(lambda: engine.stats().active == 0, timeout_s=10)
                 assert set((await in_flight(url)).values()) == {0.0}
                 await page.close()
+
+
+async def test_a_moderated_or_failed_reply_tells_why_in_words_on_screen_and_aloud(
+    browser: Browser,
+):
+    # A moderated reply was "Stopped by the banned_phrase check: banned phrase" (the wait
+    # pane: "Stopped by the banned_phrase check."), never saying text was withheld; and a
+    # screen reader was told "Reply moderated." or "Reply error." with the text, never why.
+    policy = DeliveryPolicy(holdback_tokens=4, checks=(BannedPhrases(["one token"]),))
+    engine = fast_engine(delay_ms=5.0, jitter_ms=0.0)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        page = await open_page(browser, url)
+        await page.get_by_label("Wait vs stream").check()
+        await send(page, "Explain streaming.")
+        await wait_state(page, "stream", "moderated")
+        await wait_state(page, "wait", "moderated")
+        withheld = "Stopped by moderation (banned phrase): the text from there on was withheld."
+        for kind in ("stream", "wait"):
+            assert await page.text_content(f"{pane(kind)} .pane-note") == withheld
+            assert "one token" not in await shown_text(page, kind)
+        told = await page.text_content("#announcer")
+        assert told == f"Reply moderated. {await shown_text(page, 'stream')} {withheld}"
+        assert await page.is_enabled("#send") and await page.is_disabled("#stop")
+        page = await open_page(browser, f"{url}/eventsource.html")
+        await page.click("#go")
+        await page.wait_for_selector('#pane[data-state="moderated"]')
+        text = await page.text_content("#text") or ""
+        assert await page.text_content("#announcer") == f"Reply moderated. {text} {withheld}"
+        assert "one token" not in text
+
+    async with running(create_app(fast_engine(delay_ms=5.0, fail_after=4))) as url:
+        page = await open_page(browser, url)
+        await send(page, "Explain streaming.")
+        await wait_state(page, "stream", "error")
+        note = await page.text_content(f"{pane('stream')} .pane-note") or ""
+        assert "simulated failure after 4 tokens" in note
+        told = await page.text_content("#announcer")
+        assert told == f"Reply error. {await shown_text(page, 'stream')} {note}"
+        assert set((await in_flight(url)).values()) == {0.0}

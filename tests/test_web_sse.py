@@ -277,7 +277,7 @@ async def test_reply_renders_whole_in_any_chunking(page: Page, scenario: str):
     ("scenario", "state", "note"),
     [
         ("error", "error", "engine fell over"),
-        ("moderated", "moderated", "banned"),
+        ("moderated", "moderated", "Stopped by moderation (phrase): the text from there on"),
         ("end of file without done", "incomplete", "closed before the reply finished"),
     ],
 )

@@ -6,7 +6,9 @@
 // painted (the animation frame that drew it; a reasoning model's thinking, shown above the
 // answer, is not counted), "Total" when the whole reply was on screen.
 
-import { ReplyRefused, StreamedReply, bufferedReply, cancelReply } from './reply.js';
+import {
+  ReplyRefused, StreamedReply, bufferedReply, cancelReply, moderatedNote,
+} from './reply.js';
 import { TextSink } from './render.js';
 
 const $ = (selector) => document.querySelector(selector);
@@ -310,7 +312,7 @@ async function exchange(turn) {
         turn.wait.finish({
           state: moderated ? 'moderated' : cut ? 'cut' : 'done',
           usage: reply.usage,
-          message: moderated ? `Stopped by the ${reply.moderation?.check} check.` : cut ? CUT_NOTE : '',
+          message: moderated ? moderatedNote(reply.moderation?.reason) : cut ? CUT_NOTE : '',
         });
       },
       (error) => {

@@ -5,7 +5,7 @@
 
 import { TextSink } from './render.js';
 import {
-  BACKOFF, RESUMABLE_CUTS, cancelReply, refusal, unreachable, unsendableKey,
+  BACKOFF, RESUMABLE_CUTS, cancelReply, moderatedNote, refusal, unreachable, unsendableKey,
 } from './reply.js';
 
 const $ = (selector) => document.querySelector(selector);
@@ -117,7 +117,7 @@ function follow(id, apiKey) {
         finish('done', 'complete', `done (${data.finish_reason}); source closed`);
       }
     },
-    moderated: (data) => finish('moderated', 'moderated', `moderated by the ${data.check} check`),
+    moderated: (data) => finish('moderated', 'moderated', moderatedNote(data.reason)),
   };
   for (const [type, handle] of Object.entries(handlers)) {
     source.addEventListener(type, (event) => {

@@ -30,6 +30,12 @@ export const IDLE_KEEPALIVES = 3;
 const LOST_NOTE = 'Part of this reply was lost while reconnecting (marked in the '
   + 'text): the server no longer had it. Retry asks for the whole reply again.';
 
+/** What a reply a moderation check stopped says: the text from the match on was withheld. */
+export function moderatedNote(reason) {
+  return `Stopped by moderation (${reason || 'a check matched'}): the text from there on was `
+    + 'withheld.';
+}
+
 /**
  * A reply's ending: state is 'done', 'cut' (it ended at its token limit: `max_tokens` or the
  * model's context, so the answer may be unfinished), 'error', 'moderated', 'incomplete' or
@@ -333,9 +339,7 @@ export class StreamedReply {
           return ending(data.finish_reason === 'length' ? 'cut' : 'done', '', extra);
         }
         case 'moderated':
-          return ending('moderated', `Stopped by the ${data.check} check: ${data.reason}`, {
-            moderation: data,
-          });
+          return ending('moderated', moderatedNote(data.reason), { moderation: data });
         case 'error': {
           const { code = 'error', message = 'unknown error' } = data.error ?? {};
           // Cut as a slow reader, or the server going down: about this connection, not the
