@@ -11,6 +11,8 @@ import anthropic
 import pytest
 from anthropic.types import ThreadUnsupportedRequestError
 
+from replystream.delivery.anthropic_format import ReaderNotices
+from replystream.delivery.error_types import anthropic_error_type
 from replystream.delivery.policy import DeliveryPolicy
 from replystream.engine.reply_script import parse_reply_script
 from replystream.engine.simulated import SimulatedConfig, simulated_engine
@@ -411,3 +413,15 @@ async def test_the_sdks_tool_runner_runs_its_loop_without_a_thread_this_server_c
     error = refused.value.body["error"]  # type: ignore[index]
     assert error["details"] == {"error_code": "thread_unsupported_request"}
     assert error["param"] == "thread"
+
+
+def test_a_store_out_of_reach_is_overloaded_mid_stream_as_its_503_is_before_one():
+    # A reader that cannot reach the reply store (Redis down) ends its stream in-band; asked
+    # before a stream, the same failure is a 503, Anthropic's 529: one type either way, so a
+    # client retries it as it retries an overload.
+    lost = {"message": "the reply store is unavailable", "code": "replay_store_unavailable"}
+    [(kind, data)] = ReaderNotices()("error", json.dumps({"error": lost}), 4)
+    assert kind == "error"
+    error = json.loads(data)["error"]
+    assert (error["type"], error["code"]) == ("overloaded_error", "replay_store_unavailable")
+    assert anthropic_error_type(503) == error["type"]

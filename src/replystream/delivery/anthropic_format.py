@@ -159,9 +159,16 @@ def usage_counts(usage: Usage) -> dict[str, int]:
 
 
 # Our codes of a server that cannot go on now, which Anthropic's API says as its
-# ``overloaded_error`` (its 529), mid-stream as before it: shutting down, every upstream busy.
+# ``overloaded_error`` (its 529), mid-stream as before it: shutting down, every upstream busy,
+# the reply store out of reach (a 503 before a stream).
 OVERLOADED_CODES = frozenset(
-    {"shutdown", "upstream_overloaded", "upstream_busy", "server_out_of_resources"}
+    {
+        "shutdown",
+        "upstream_overloaded",
+        "upstream_busy",
+        "server_out_of_resources",
+        "replay_store_unavailable",
+    }
 )
 # Our codes of a relay's upstream that took too long (a 504 before the stream), which
 # Anthropic's API says as its ``timeout_error``: mid-stream as before it, so a stalled reply
