@@ -94,11 +94,18 @@ def _error_text(payload: Any) -> str:
     return str(payload)
 
 
-def _choice_text(payload: dict[str, Any]) -> str | None:
+def _first_choice(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """An OpenAI chunk's or body's first choice, the one a reader of one reply reads."""
     choices = payload.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return None
-    choice = choices[0]
+    return choices[0]
+
+
+def _choice_text(payload: dict[str, Any]) -> str | None:
+    choice = _first_choice(payload)
+    if choice is None:
+        return None
     for holder in (choice.get("delta"), choice.get("message")):
         if isinstance(holder, dict):
             content = holder.get("content")
@@ -111,10 +118,8 @@ def _filtered_choice(payload: dict[str, Any]) -> Meaning | None:
     """A chat or completion choice a content filter ended (``finish_reason:
     content_filter``): its text was cut, so the reply is no whole one, as a native
     ``moderated`` event and a Responses ``incomplete`` for ``content_filter`` say."""
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return None
-    if choices[0].get("finish_reason") != "content_filter":
+    choice = _first_choice(payload)
+    if choice is None or choice.get("finish_reason") != "content_filter":
         return None
     return Meaning("error", error="finish_reason: content_filter")
 
@@ -124,10 +129,10 @@ _THINKING_KEYS = ("reasoning_content", "reasoning")
 
 
 def _choice_thought(payload: dict[str, Any]) -> str | None:
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    choice = _first_choice(payload)
+    if choice is None:
         return None
-    delta = choices[0].get("delta")
+    delta = choice.get("delta")
     if not isinstance(delta, dict):
         return None
     for key in _THINKING_KEYS:

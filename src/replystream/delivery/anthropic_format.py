@@ -158,22 +158,11 @@ def usage_counts(usage: Usage) -> dict[str, int]:
     }
 
 
-# Our codes of a server that cannot go on now, which Anthropic's API says as its
-# ``overloaded_error`` (its 529), mid-stream as before it: shutting down, every upstream busy,
-# the reply store out of reach (a 503 before a stream).
-OVERLOADED_CODES = frozenset(
-    {
-        "shutdown",
-        "upstream_overloaded",
-        "upstream_busy",
-        "server_out_of_resources",
-        "replay_store_unavailable",
-    }
-)
-# Our codes of a relay's upstream that took too long (a 504 before the stream), which
-# Anthropic's API says as its ``timeout_error``: mid-stream as before it, so a stalled reply
-# is the same error streamed or whole.
-TIMEOUT_CODES = frozenset({"upstream_timeout", "upstream_ttft_timeout", "upstream_stalled"})
+# Our codes of endings no HTTP status tells (the server's own, a reader's) after which the
+# server cannot go on now, which Anthropic's API says as its ``overloaded_error`` (its 529),
+# as their 503 before a stream is: shutting down, the reply store out of reach. An engine's
+# failure carries its status, whose type it takes (``error_types``).
+OVERLOADED_CODES = frozenset({"shutdown", "replay_store_unavailable"})
 
 
 def error_object(
@@ -185,8 +174,7 @@ def error_object(
     ``status`` the failure is before a stream, the type of that status, as the whole
     message's error has it (a relay's upstream that rate-limited a continued reply's key is
     a ``rate_limit_error``, as its 429 is); else, by our code, an ``overloaded_error`` when
-    the server cannot go on now, a ``timeout_error`` when an upstream took too long, else
-    its ``api_error``."""
+    the server cannot go on now, else its ``api_error``."""
     if param is not None or code in REQUEST_FAULT_CODES:
         error = {"type": "invalid_request_error", "message": message, "code": code}
         return {"type": "error", "error": error if param is None else error | {"param": param}}
@@ -194,8 +182,6 @@ def error_object(
         kind = anthropic_error_type(status)
     elif code in OVERLOADED_CODES:
         kind = "overloaded_error"
-    elif code in TIMEOUT_CODES:
-        kind = "timeout_error"
     else:
         kind = "api_error"
     return {"type": "error", "error": {"type": kind, "message": message, "code": code}}
