@@ -217,6 +217,24 @@ async def test_a_responses_stream_is_counted_by_the_usage_its_last_event_gives()
     assert len(timing.text_event_ms) == 3
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_stream_of_several_choices_is_read_as_its_first_choice_alone(route: str):
+    # With n=2 every chunk carries one choice, index 0 or 1: the text read is choice 0's, as
+    # a whole body's is, not the two interleaved.
+    asked: dict[str, object] = (
+        {"messages": [{"role": "user", "content": "x"}]} if "chat" in route else {"prompt": "x"}
+    )
+    body = {**asked, "max_tokens": 6, "n": 2}
+    async with serve_engine(fast_engine(delay_ms=1, jitter_ms=0)) as url:
+        streamed = await measure_reply(
+            f"{url}{route}", method="POST", json_body={**body, "stream": True}
+        )
+        whole = await measure_reply(f"{url}{route}", method="POST", json_body=body)
+    assert streamed.complete and whole.complete
+    assert streamed.text == whole.text == "A language model does not write "
+    assert len(streamed.text_event_ms) == 6
+
+
 async def test_a_buffered_body_is_counted_by_its_usage_not_its_words():
     # The tiny model's tokens are pieces of words: a word count is no token count.
     body = {"prompt": "Once upon a time", "max_tokens": 20, "seed": 3, "stream": False}

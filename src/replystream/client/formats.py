@@ -95,11 +95,16 @@ def _error_text(payload: Any) -> str:
 
 
 def _first_choice(payload: dict[str, Any]) -> dict[str, Any] | None:
-    """An OpenAI chunk's or body's first choice, the one a reader of one reply reads."""
+    """An OpenAI chunk's or body's first choice (``index`` 0, or none given), the one a
+    reader of one reply reads. A stream of several choices (``n``) sends each in chunks of
+    its own, so a chunk may hold another choice alone: that chunk has none of this reply."""
     choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list):
         return None
-    return choices[0]
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
 
 
 def _choice_text(payload: dict[str, Any]) -> str | None:
