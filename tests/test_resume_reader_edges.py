@@ -181,6 +181,18 @@ async def test_giving_up_says_why():
             await read_all(ResumingReader(url, backoff=FAST))
 
 
+async def test_a_reader_told_to_try_a_thousand_times_and_more_gives_up_in_its_words():
+    # The reply's server is gone for good (nothing listens): every resume fails at once.
+    reader = ResumingReader(
+        f"http://127.0.0.1:{free_port()}/v1/replies",
+        backoff=Backoff(base_s=1e-6, cap_s=1e-6, max_attempts=1030),
+    )
+    reader.reply_id, reader.last_event_id = "R1", 3
+    with pytest.raises(ResumeFailed, match=r"gave up after 1030 attempts; the last: cannot"):
+        await read_all(reader)
+    assert reader.reconnects == 1030
+
+
 async def test_ids_that_are_no_numbers_and_a_malformed_reply_event_do_not_break_the_read():
     stream = b"id: \xc2\xb9\ndata: {}\n\nevent: reply\ndata: nope\n\nevent: done\ndata: {}\n\n"
     async with raw_server(closing(HEAD + stream)) as (url, _):

@@ -66,7 +66,10 @@ class Backoff:
     server_wait_cap_s: float = 60.0
 
     def delay(self, attempt: int, server_retry_s: float | None, rng: random.Random) -> float:
-        ceiling = min(self.cap_s, self.base_s * (2**attempt))
+        # 2^1024 is past a float: a reader told to try for hours (``max_attempts`` in the
+        # thousands) would fail with OverflowError at its 1025th attempt. The largest float
+        # power of two is past any cap anyway.
+        ceiling = min(self.cap_s, self.base_s * 2.0 ** min(attempt, 1023))
         wait = rng.uniform(0, ceiling)
         return max(wait, min(server_retry_s or 0.0, self.server_wait_cap_s))
 
