@@ -25,9 +25,9 @@ import os
 import random
 import socket
 import struct
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from replystream.client.resume import Backoff, ResumeFailed, ResumingReader
@@ -194,9 +194,8 @@ async def resume(url: str, ask_index: int, ask: Ask, cuts: list[int], seed: int)
     cut_connections = 0
     try:
         while ending is None:
-            # A generator underneath: closing it drops this connection, and the next one resumes.
-            events_of = cast(AsyncGenerator[Event, None], reader.events())
-            async with contextlib.aclosing(events_of) as events:
+            # Closing the generator drops this connection, and the next one resumes.
+            async with contextlib.aclosing(reader.events()) as events:
                 async for event in events:
                     if event.type == "token":
                         parts.append(_token_text(event))

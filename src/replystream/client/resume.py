@@ -130,8 +130,11 @@ class ResumingReader:
         self._retry_after_s: float | None = None  # the last refusal's Retry-After
         self._rng = random.Random(seed)
 
-    async def events(self) -> AsyncIterator[Event]:
-        """Every event of the reply once, in order, across reconnects."""
+    async def events(self) -> AsyncGenerator[Event, None]:
+        """Every event of the reply once, in order, across reconnects.
+
+        A generator: a caller that stops early closes the connection at once with
+        ``contextlib.aclosing`` (else when the generator is collected)."""
         attempt = 0
         while not self.finished:
             failure: Exception | None = None
