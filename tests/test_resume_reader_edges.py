@@ -4,13 +4,14 @@ sent alone, a server that is gone, ids that are no numbers, and proxy prefixes."
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
 
-from replystream.client import ResumeFailed, ResumingReader
+from replystream.client import ResumeFailed, ResumingReader, measure_reply
 from replystream.client.resume import Backoff, resume_url
 from replystream.server import create_app, running
 from tests.conftest import fast_engine
@@ -207,3 +208,26 @@ ROUTES = ["/v1/replies", "/stream", "/v1/chat/completions", "/v1/completions", "
 @pytest.mark.parametrize("route", [*ROUTES, "/v1/messages"])
 def test_a_resume_url_keeps_a_proxys_prefix_for_every_route(route: str):
     assert resume_url(f"https://h/api{route}", "R 1") == "https://h/api/v1/replies/R%201/stream"
+
+
+async def test_a_responses_reply_past_a_mebibyte_is_read_whole_and_a_bound_is_not_retried():
+    # 600 words of 2,000 characters: the closing events repeat the whole 1.2 MB reply, each
+    # one event. Read to its end by default; past a bound the reader sets, it fails at once
+    # (each resume would send the same event again).
+    engine = fast_engine(reply_text=("r" * 2000 + " ") * 600, delay_ms=0, jitter_ms=0)
+    body = {"input": "x", "max_output_tokens": 600, "stream": True, "background": True}
+    async with running(create_app(engine)) as url:
+        reader = ResumingReader(f"{url}/v1/responses", json_body=body, backoff=FAST)
+        events = [event async for event in reader.events()]
+        timing = await measure_reply(f"{url}/v1/responses", method="POST", json_body=body)
+        bounded = ResumingReader(
+            f"{url}/v1/responses", json_body=body, backoff=FAST, max_event_size=1 << 20
+        )
+        with pytest.raises(
+            ResumeFailed, match=r"larger than this reader takes \(.*max_event_size=1048576"
+        ):
+            await read_all(bounded)
+    assert events[-1].type == "response.completed" and reader.reconnects == 0
+    text = "".join(json.loads(e.data)["delta"] for e in events if e.type.endswith("text.delta"))
+    assert len(text) == 600 * 2001 and timing.complete and timing.text == text
+    assert bounded.reconnects == 0

@@ -53,6 +53,12 @@ class Meaning:
     counted: bool = False
 
 
+# The largest event a reader takes, in characters (the parser's ``max_event_size``): a bound
+# against a stream that never ends an event, not on replies. A Responses stream's closing
+# events repeat the whole reply, with its log probabilities when asked for (1.5 KiB a token
+# at ``top_logprobs`` 20), so a reply of 700 tokens passes 1 MiB in one event.
+MAX_EVENT_CHARS = 64 << 20
+
 # The largest token count believed from a server: beyond it a count is no count (a float
 # holds every whole number up to it, so rates and means stay exact and finite).
 MOST_TOKENS = 2**53

@@ -17,7 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from replystream.client.formats import interpret_body, interpret_event, words_added
+from replystream.client.formats import (
+    MAX_EVENT_CHARS,
+    interpret_body,
+    interpret_event,
+    words_added,
+)
 from replystream.client.transport import (
     ConnectError,
     Connection,
@@ -100,8 +105,15 @@ class ReplyTiming:
 class _Reading:
     """Mutable state of one read in progress; frozen into a ``ReplyTiming`` at the end."""
 
-    def __init__(self, url: str, started: float, stop_after_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        started: float,
+        stop_after_tokens: int | None = None,
+        max_event_size: int = MAX_EVENT_CHARS,
+    ) -> None:
         self.url = url
+        self.max_event_size = max_event_size
         self.started = started
         self.stop_after_tokens = stop_after_tokens
         self.cancelled = False
@@ -179,7 +191,7 @@ class _Reading:
 
 
 async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
-    parser = EventParser()
+    parser = EventParser(reading.max_event_size)
     async for chunk in response:
         at = reading.ms(chunk.at)
         if reading.first_byte_ms is None:
@@ -256,6 +268,7 @@ async def measure_reply(
     connection: Connection | None = None,
     stop_after_tokens: int | None = None,
     tls: ssl.SSLContext | None = None,
+    max_event_size: int = MAX_EVENT_CHARS,
 ) -> ReplyTiming:
     """Send one request and time how its reply arrives; never raises for a failed reply.
 
@@ -263,13 +276,17 @@ async def measure_reply(
     written, so connection setup is not counted; otherwise it starts before connecting.
     ``stop_after_tokens``: hang up once that many streamed tokens arrived (``cancelled``).
     ``tls``: the TLS context for an ``https://`` URL (see ``transport.connect``).
+    ``max_event_size``: the largest event read, in characters (see ``EventParser``); a
+    larger one fails the read.
     """
+    if max_event_size < 1:
+        raise ValueError(f"max_event_size must be positive, got {max_event_size}")
     body = b"" if json_body is None else json.dumps(json_body).encode()
     ours = {"Accept": "text/event-stream, application/json", "Accept-Encoding": "gzip, deflate"}
     if json_body is not None:
         ours["Content-Type"] = "application/json"
     sent = with_headers(ours, headers)
-    reading = _Reading(url, time.perf_counter(), stop_after_tokens)
+    reading = _Reading(url, time.perf_counter(), stop_after_tokens, max_event_size)
     try:
         async with asyncio.timeout(timeout_s):
             async with http_request(

@@ -13,7 +13,8 @@ once each (an id at or below the last one seen is dropped); ``gap`` events and t
 (``[DONE]`` or ``done``), an ``error`` or ``moderated`` event, when the server answers a
 resume with 409 ``reply_ended`` (the reply ended with the last event it holds: there is
 nothing more to read), or when attempts run out (``ResumeFailed``, which names the last
-failure). The end marker is each dialect's own: ``[DONE]``, ``done``, a Responses stream's
+failure, or an event past ``max_event_size`` characters, which a resume would send
+again). The end marker is each dialect's own: ``[DONE]``, ``done``, a Responses stream's
 ``response.completed``, ``response.incomplete`` or ``response.failed``, a Messages stream's
 ``message_stop``. A connection that carries no byte for ``idle_timeout_s`` (a peer gone
 without closing: a dead host, a NAT that forgot the flow) counts as dropped; the server's
@@ -34,9 +35,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from replystream.client.formats import RESPONSES_ENDED, server_json
+from replystream.client.formats import MAX_EVENT_CHARS, RESPONSES_ENDED, server_json
 from replystream.client.transport import HTTPResponse, TransportError, http_request
-from replystream.sse import Event, EventParser, SSEError
+from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 # How long a connection may carry nothing before it counts as dropped: a few times the
 # server's keep-alive interval (``--keepalive-s``, 15 s by default).
@@ -112,9 +113,12 @@ class ResumingReader:
         seed: int | None = None,
         tls: ssl.SSLContext | None = None,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_event_size: int = MAX_EVENT_CHARS,
     ) -> None:
         if idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
+        if max_event_size < 1:
+            raise ValueError(f"max_event_size must be positive, got {max_event_size}")
         self.url = url
         self.method = method
         self.json_body = json_body
@@ -122,6 +126,7 @@ class ResumingReader:
         self.backoff = backoff or Backoff()
         self.tls = tls  # for an https:// URL (see ``transport.connect``)
         self.idle_timeout_s = idle_timeout_s
+        self.max_event_size = max_event_size  # characters, see ``EventParser``
         self.reply_id: str | None = None
         self.last_event_id = 0
         self.reconnects = 0
@@ -194,10 +199,17 @@ class ResumingReader:
             if response.status != 200 or response.content_type != "text/event-stream":
                 raise ResumeFailed(f"HTTP {response.status}: {await self._detail(response)}")
             self.reply_id = self.reply_id or response.headers.get("x-reply-id")
-            parser = EventParser()
+            parser = EventParser(self.max_event_size)
             previous_id = ""
             async for data in self._body(response):
-                events = parser.feed(data)
+                try:
+                    events = parser.feed(data)
+                except EventTooLarge as exc:
+                    # No dropped connection: every resume would send the same event again.
+                    raise ResumeFailed(
+                        f"an event is larger than this reader takes ({exc}); every resume "
+                        "would send it again"
+                    ) from exc
                 # A ``retry`` field counts as soon as it is read, with or without an event.
                 if parser.retry is not None:
                     self._retry_s = parser.retry / 1000.0
