@@ -16,6 +16,7 @@ from replystream.client import measure_reply
 from replystream.engine.tiny import load_default_engine
 from replystream.server import create_app, running
 from tests.conftest import fast_engine, serve_engine
+from tests.test_resume_reader_edges import raw_server
 
 
 def broken_app() -> web.Application:
@@ -312,3 +313,30 @@ async def test_connections_closed_unused_leave_no_failure_nobody_reads(
     server.close()
     await server.wait_closed()
     assert "never retrieved" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b"", "the server closed the connection before answering"),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Ty",
+            "the server closed the connection within its answer's head, begun "
+            "b'HTTP/1.1 200 OK\\r\\nContent-Ty'",
+        ),
+        (  # a TLS alert, as a server that speaks https answers a request in plain text
+            b"\x15\x03\x01\x00\x02\x02\x46",
+            "the answer is not an HTTP/1.1 response: it begins b'\\x15\\x03\\x01\\x00\\x02\\x02F' "
+            "(a TLS record: the server speaks https)",
+        ),
+        (
+            b"SSH-2.0-OpenSSH_9.2\r\n",
+            "the answer is not an HTTP/1.1 response: it begins b'SSH-2.0-OpenSSH_9.2\\r\\n'",
+        ),
+    ],
+    ids=["nothing", "half a head", "TLS", "another protocol"],
+)
+async def test_an_answer_with_no_http_head_is_said_for_what_it_is(answer: bytes, said: str):
+    async with raw_server(lambda n: (answer, False)) as (url, _):
+        timing = await measure_reply(url, timeout_s=30)
+    assert timing.error == f"read failed: {said}" and timing.status is None

@@ -55,6 +55,21 @@ class Chunk:
     data: bytes
 
 
+# How much of an answer that is no HTTP response its error quotes.
+_QUOTED = 32
+
+
+def _no_head(start: bytes, *, closed: bool) -> str:
+    """Why no response head came: nothing at all, a head cut short, or bytes that are none
+    (a TLS record, first byte 0x15 or 0x16, from a server that speaks https)."""
+    if not start:
+        return "the server closed the connection before answering"
+    if closed and start.startswith(b"HTTP/"):
+        return f"the server closed the connection within its answer's head, begun {start!r}"
+    tls = " (a TLS record: the server speaks https)" if start[:1] in (b"\x15", b"\x16") else ""
+    return f"the answer is not an HTTP/1.1 response: it begins {start!r}{tls}"
+
+
 class _ResponseProtocol(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.conn = h11.Connection(h11.CLIENT)
@@ -63,6 +78,7 @@ class _ResponseProtocol(asyncio.Protocol):
         # closes or fails leaves no future whose exception nobody reads.
         self._head: asyncio.Future[h11.Response] | None = None
         self._head_event: h11.Response | None = None
+        self._before_head = b""  # the answer's first bytes while its head is incomplete
         self.head_at = 0.0
         self.chunks: deque[Chunk] = deque()
         self.ended = False
@@ -86,6 +102,8 @@ class _ResponseProtocol(asyncio.Protocol):
             self._fail(TransportError(f"connection lost before the response ended: {exc}"))
 
     def _receive(self, data: bytes, at: float) -> None:
+        if self._head_event is None and len(self._before_head) < _QUOTED:
+            self._before_head += data[: _QUOTED - len(self._before_head)]
         try:
             self.conn.receive_data(data)
             while True:
@@ -105,8 +123,10 @@ class _ResponseProtocol(asyncio.Protocol):
                     self.ended = True
                     break
         except h11.RemoteProtocolError as exc:
-            if not data and self._head_event is None:  # h11 words this as its own state's
-                self._fail(TransportError("the server closed the connection before answering"))
+            # h11 words a failure before the head as its own state's ("illegal request line"
+            # for bytes that are no status line): said here in terms of the answer.
+            if self._head_event is None:
+                self._fail(TransportError(_no_head(self._before_head, closed=not data)))
             else:
                 self._fail(TransportError(f"response broke HTTP/1.1 framing: {exc}"))
             return
