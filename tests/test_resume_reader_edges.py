@@ -14,6 +14,8 @@ import pytest
 from replystream.client import ResumeFailed, ResumingReader, measure_reply
 from replystream.client.resume import Backoff, resume_url
 from replystream.server import create_app, running
+from replystream.server.guard_config import GuardConfig
+from replystream.server.server_config import ServerConfig
 from tests.conftest import fast_engine
 from tests.services import free_port
 
@@ -231,3 +233,38 @@ async def test_a_responses_reply_past_a_mebibyte_is_read_whole_and_a_bound_is_no
     text = "".join(json.loads(e.data)["delta"] for e in events if e.type.endswith("text.delta"))
     assert len(text) == 600 * 2001 and timing.complete and timing.text == text
     assert bounded.reconnects == 0
+
+
+async def test_a_refused_first_request_tells_its_status_and_wait_for_the_program_to_act_on():
+    config = ServerConfig(guard=GuardConfig(per_minute=1))
+    async with running(create_app(fast_engine(delay_ms=1), config)) as url:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        first = ResumingReader(f"{url}/v1/chat/completions", json_body=body, backoff=FAST)
+        await read_all(first)
+        second = ResumingReader(f"{url}/v1/chat/completions", json_body=body, backoff=FAST)
+        with pytest.raises(ResumeFailed) as refused:
+            await read_all(second)
+    assert refused.value.status == 429
+    assert refused.value.retry_after_s is not None and 0 < refused.value.retry_after_s <= 60
+
+
+async def test_giving_up_on_refused_resumes_tells_the_last_refusal():
+    busy = BUSY % b"0"
+    async with raw_server(closing(HEAD + b"id: 1\ndata: {}\n\n", busy)) as (url, served):
+        with pytest.raises(ResumeFailed, match=r"HTTP 503") as refused:
+            await read_all(ResumingReader(url, backoff=FAST))
+    assert (refused.value.status, refused.value.retry_after_s) == (503, 0.0)
+    assert len(served) == 3
+    async with raw_server(closing(HEAD + b"id: 1\ndata: {}\n\n", b"")) as (url, _):
+        with pytest.raises(ResumeFailed) as dropped:
+            await read_all(ResumingReader(url, backoff=FAST))
+    assert (dropped.value.status, dropped.value.retry_after_s) == (None, None)
+    async with raw_server(
+        closing(
+            HEAD + b"id: 1\ndata: {}\n\n",
+            b"HTTP/1.1 404 Gone\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )
+    ) as (url, _):
+        with pytest.raises(ResumeFailed, match="is gone") as gone:
+            await read_all(ResumingReader(url, backoff=FAST))
+    assert gone.value.status == 404

@@ -52,7 +52,19 @@ DETAIL_BYTES = 300
 
 
 class ResumeFailed(Exception):
-    """The reply could not be read to its end within the allowed attempts."""
+    """The reply could not be read to its end within the allowed attempts.
+
+    ``status``: the HTTP status of the answer that ended the read, when an answer did (a 401
+    is the program's to mend, a 429 or 503 its to wait on); ``retry_after_s``: that answer's
+    ``Retry-After`` in seconds, when it gave one. Both ``None`` for a read ended by no answer
+    (a connection that dropped, an id that never came)."""
+
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +145,7 @@ class ResumingReader:
         self.finished = False
         self._retry_s: float | None = None
         self._retry_after_s: float | None = None  # the last refusal's Retry-After
+        self._refused: int | None = None  # the last failure's status, when it was a refusal
         self._rng = random.Random(seed)
 
     async def events(self) -> AsyncGenerator[Event, None]:
@@ -143,6 +156,7 @@ class ResumingReader:
         attempt = 0
         while not self.finished:
             failure: Exception | None = None
+            self._refused = None
             try:
                 async for event in self._one_connection():
                     attempt = 0
@@ -159,7 +173,9 @@ class ResumingReader:
             attempt += 1
             if attempt > self.backoff.max_attempts:
                 raise ResumeFailed(
-                    f"gave up after {self.backoff.max_attempts} attempts; the last{why}"
+                    f"gave up after {self.backoff.max_attempts} attempts; the last{why}",
+                    status=self._refused,
+                    retry_after_s=self._retry_after_s,
                 ) from failure
             told = max(self._retry_s or 0.0, self._retry_after_s or 0.0)
             self._retry_after_s = None
@@ -185,7 +201,9 @@ class ResumingReader:
             except TimeoutError:
                 raise TransportError(f"no response head within {self.idle_timeout_s:g} s") from None
             if response.status == 404 and self.reply_id is not None:
-                raise ResumeFailed(f"reply {self.reply_id} is gone (expired or never existed)")
+                raise ResumeFailed(
+                    f"reply {self.reply_id} is gone (expired or never existed)", status=404
+                )
             if response.status == 409 and self.reply_id is not None:
                 # ``reply_ended``: the reply ended with the last event this reader holds, so
                 # it has read everything there is (the drop came after that event).
@@ -193,11 +211,16 @@ class ResumingReader:
                 return
             if response.status in RETRIED_STATUSES and self.reply_id is not None:
                 self._retry_after_s = _retry_after(response.headers.get("retry-after", ""))
+                self._refused = response.status
                 raise TransportError(f"resume refused for now: HTTP {response.status}")
             # An event stream is a 200 (as an EventSource takes it): a 201, a 206 or a
             # redirect not followed is no stream to read, whatever its type.
             if response.status != 200 or response.content_type != "text/event-stream":
-                raise ResumeFailed(f"HTTP {response.status}: {await self._detail(response)}")
+                raise ResumeFailed(
+                    f"HTTP {response.status}: {await self._detail(response)}",
+                    status=response.status,
+                    retry_after_s=_retry_after(response.headers.get("retry-after", "")),
+                )
             self.reply_id = self.reply_id or response.headers.get("x-reply-id")
             parser = EventParser(self.max_event_size)
             previous_id = ""
