@@ -70,6 +70,7 @@ from replystream.engine.base import TokenLogprob, ToolCallDelta, TopLogprob, esc
 
 Kind = Literal["chat", "text"]
 DONE: Spec = (None, "[DONE]")
+DIALECT = "openai"  # a chat or completion reply's ``ReplyInfo.dialect``
 MODERATED_FINISH = "content_filter"
 MODERATION_FIELD = "replystream_moderation"
 _ID_PREFIX = {"chat": "chatcmpl-", "text": "cmpl-"}

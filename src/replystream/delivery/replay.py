@@ -101,9 +101,10 @@ class ReplyInfo:
     reply_id: str
     owner: str = ""  # a digest of the API key that started it ("" with auth off)
     context: str = ""  # what the reply's route keeps with it (the Responses API: its input)
-    # The dialect its events are in, for what a reader decides before the first is logged
-    # (``"anthropic"``: the Messages route logs nothing until the first token); "": told by
-    # the first event.
+    # The dialect its events are in, for what a reader decides when its log holds no event
+    # to tell it by (the Messages route logs nothing until the first token; a reply nobody
+    # may resume drops what its reader was sent): every route's but the native one's; "":
+    # told by the first event.
     dialect: str = ""
 
 

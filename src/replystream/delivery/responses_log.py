@@ -257,6 +257,9 @@ def opened_object(first: LogEntry) -> dict[str, Any] | None:
 RESPONSE_FAILED_CODES = frozenset({"generator_lost"})
 
 
+DIALECT = "responses"  # a response's ``ReplyInfo.dialect``
+
+
 class ReaderNotices:
     """How a Responses stream spells what its reader decides: OpenAI's ``error`` event; when
     the response itself failed with it (``RESPONSE_FAILED_CODES``: its producer is gone),

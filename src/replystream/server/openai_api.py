@@ -24,6 +24,7 @@ from aiohttp import web
 from replystream.delivery.formats import Usage, moderated_payload
 from replystream.delivery.moderation import Violation
 from replystream.delivery.openai_formats import (
+    DIALECT,
     MODERATED_FINISH,
     MODERATION_FIELD,
     Kind,
@@ -256,6 +257,9 @@ async def _complete(
             fmt=fmt,
             policy=policy,
             resumable=ask.resumable,
+            # A resume finding nothing kept to tell the dialect by (a reply nobody may resume
+            # drops what its reader sent) still speaks it.
+            dialect=DIALECT,
         )
     return follow_started(request, reply, policy, keepalive=SDK_KEEPALIVE, notices=ReaderNotices())
 

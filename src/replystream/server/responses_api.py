@@ -45,6 +45,7 @@ from replystream.delivery.replay import (
 )
 from replystream.delivery.responses_format import ResponsesStreamFormat
 from replystream.delivery.responses_log import (
+    DIALECT,
     ReaderNotices,
 )
 from replystream.delivery.responses_objects import (
@@ -192,6 +193,9 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
                 fmt=ResponsesStreamFormat(settings),
                 policy=policy,
                 resumable=False,
+                # Its log drops what its reader sent: a resume finding nothing kept to tell
+                # the dialect by still speaks it.
+                dialect=DIALECT,
             )
             return _follow(request, reply, policy, settings)
         answered_whole = not body.stream and not body.background
@@ -211,6 +215,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
                 fmt=ResponsesStreamFormat(settings),
                 policy=policy,
                 resumable=True,
+                dialect=DIALECT,
                 # Not in the background, it stops when its client leaves, as a reply on another
                 # route does, unless the server makes replies resumable by default: then it goes
                 # on for the detach grace, as theirs do.

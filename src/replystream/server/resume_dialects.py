@@ -5,10 +5,10 @@ The route resumes a reply from any route. Its log holds that route's events: cha
 Anthropic's message events, Responses events or our own. What the reader itself decides
 (events no longer kept, a lost producer, a slow client) must be said in the same dialect:
 a chat stream's client cannot be handed a native ``gap`` and then ``[DONE]``, as if its text
-were whole. This file decides the dialect from the log's first kept event (or, before the
-first is logged, from the dialect the route stored with the reply: ``ReplyInfo.dialect``),
-and the notices and keep-alive that dialect's own route uses. It must not know how the
-events are written.
+were whole. This file decides the dialect from the log's first kept event (or, when the log
+keeps none, from the dialect the route stored with the reply: ``ReplyInfo.dialect``), and
+the notices and keep-alive that dialect's own route uses. It must not know how the events
+are written.
 """
 
 from __future__ import annotations
@@ -88,26 +88,38 @@ async def _head(reply_id: str, store: ReplayStore) -> ReadResult | None:
 
 
 async def _dialect_stored(reply_id: str, store: ReplayStore) -> bool:
-    """Whether the reply's route stored its dialect with it (a Messages reply, whose first
-    event waits for its first token): then no event need be waited for to know it."""
+    """Whether the reply's route stored its dialect with it (every route but ours): then no
+    event need be waited for to know it."""
+    return await _stored_dialect(reply_id, store) != ""
+
+
+async def _stored_dialect(reply_id: str, store: ReplayStore) -> str:
     info = await store.info(reply_id)
-    return info is not None and info.dialect == anthropic_format.DIALECT
+    return "" if info is None else info.dialect
 
 
 async def _notices_from(
     head: ReadResult | None, reply_id: str, store: ReplayStore, after: int
 ) -> tuple[Notices | None, bytes]:
     first = head.entries[0] if head is not None and head.entries else None
-    if first is None:
-        # Nothing logged yet (a Messages reply before its first token): the dialect its
-        # route stored with it.
-        try:
-            if await _dialect_stored(reply_id, store):
-                return anthropic_format.ReaderNotices(), PING
-        except StoreUnavailable as exc:
-            raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
-        return None, KEEPALIVE
-    return await notices_of(first, reply_id, store, after)
+    if first is not None:
+        return await notices_of(first, reply_id, store, after)
+    # Nothing kept to tell it by: nothing logged yet (a Messages reply before its first
+    # token), or a reply nobody may resume whose reader has sent all there is so far (its
+    # log drops what was sent). The dialect its route stored with it.
+    try:
+        dialect = await _stored_dialect(reply_id, store)
+        if dialect == anthropic_format.DIALECT:
+            return anthropic_format.ReaderNotices(), PING
+        if dialect == openai_formats.DIALECT:
+            return openai_formats.ReaderNotices(), SDK_KEEPALIVE
+        if dialect == responses_log.DIALECT:
+            told = await entries_until(store, reply_id, after) if after > 0 else []
+            opened = await opened_as_kept(store, reply_id)
+            return responses_log.ReaderNotices(reply_id, opened, told), SDK_KEEPALIVE
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
+    return None, KEEPALIVE
 
 
 async def notices_of(

@@ -1,0 +1,78 @@
+"""Replies nobody may resume, reached from another connection while they run.
+
+Such a reply's log drops what its one reader has sent. A second reader that joins it on
+``GET /v1/replies/{id}/stream`` finds those events gone: the native stream says so with a
+``gap`` and goes on, and every other dialect ends with its own ``events_lost`` error, even
+when the log holds no event at that moment to tell the dialect by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from replystream.server import create_app, running
+from replystream.sse import EventParser
+from tests.conftest import fast_engine
+from tests.rawhttp import raw_request
+
+CHAT = {
+    "model": "simulated",
+    "messages": [{"role": "user", "content": "x"}],
+    "max_tokens": 12,
+    "stream": True,
+}
+COMPLETION = {"model": "simulated", "prompt": "x", "max_tokens": 12, "stream": True}
+RESPONSE = {
+    "model": "simulated",
+    "input": "x",
+    "max_output_tokens": 12,
+    "stream": True,
+    "store": False,
+}
+
+
+async def joined_events(route: str, body: dict[str, Any]) -> list[tuple[str, str]]:
+    """Start a reply nobody may resume on ``route`` and read its first events; then join it
+    from another connection while its first reader still reads (between two tokens, 200 ms
+    apart: its log holds nothing then). The joiner's events, as (type, data)."""
+    engine = fast_engine(delay_ms=200, jitter_ms=0)
+    async with running(create_app(engine)) as url:
+        first = await raw_request(f"{url}{route}", "POST", json.dumps(body).encode())
+        reply_id = first.headers["x-reply-id"]
+        for _ in range(3):  # the opening events and the first token, sent and so released
+            await first.reader.readuntil(b"\n\n")
+        joined = await raw_request(f"{url}/v1/replies/{reply_id}/stream")
+        assert joined.status == 200
+        async with asyncio.timeout(30):
+            raw = await joined.read_body()
+        await first.aclose()
+    return [(event.type, event.data) for event in EventParser().feed(raw)]
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+    ids=["chat", "completions"],
+)
+async def test_a_chat_or_completion_joined_after_its_sent_events_ends_with_events_lost(
+    route: str, body: dict[str, Any]
+):
+    events = await joined_events(route, body)
+    # Not a native ``gap`` and then the rest as if whole: OpenAI's in-band error, no [DONE].
+    assert len(events) == 1, events
+    kind, data = events[0]
+    assert kind == "error"
+    assert json.loads(data)["error"]["code"] == "events_lost"
+
+
+async def test_an_unstored_response_joined_after_its_sent_events_ends_with_events_lost():
+    events = await joined_events("/v1/responses", RESPONSE)
+    assert len(events) == 1, events
+    kind, data = events[0]
+    assert kind == "error"
+    error = json.loads(data)
+    assert (error["type"], error["code"]) == ("error", "events_lost")
