@@ -41,6 +41,8 @@ from tests.redis_server import redis_server
 from tests.stalling_proxy import host_port, proxy_stalling_its_first_connection, small_send_buffer
 from tests.test_scale_out import cluster
 
+KEPT = json.dumps({"messages": []})  # the least conversation a stored response keeps
+
 
 async def events_after(
     http: aiohttp.ClientSession, url: str, response_id: str, after: int, take: int
@@ -219,7 +221,8 @@ async def test_a_response_made_elsewhere_is_followed_before_its_first_event_is_l
             running(create_app(fast_engine(), ServerConfig(), reader)) as url,
             aiohttp.ClientSession() as http,
         ):
-            await producer.create(ReplyInfo("made-on-a"))  # what a replica's start writes
+            # What a replica's start writes for a stored response: its kept conversation.
+            await producer.create(ReplyInfo("made-on-a", context=KEPT))
             opened = {"id": "resp_made-on-a", "object": "response", "status": "in_progress"}
             created = json.dumps({"type": "response.created", "response": opened})
 
@@ -247,7 +250,7 @@ async def test_a_response_whose_log_expires_while_its_lost_producer_is_confirmed
     with redis_server(tmp_path) as redis:
         producer = RedisReplayStore(redis.url, liveness_s=1.0)
         reader = RedisReplayStore(redis.url)
-        await producer.create(ReplyInfo("dead"))
+        await producer.create(ReplyInfo("dead", context=KEPT))
         opened = {"id": "resp_dead", "object": "response", "status": "in_progress"}
         created = json.dumps({"type": "response.created", "response": opened})
         producer.append("dead", [LogEntry(1, "response.created", created)])

@@ -3,7 +3,9 @@
 Such a reply's log drops what its one reader has sent. A second reader that joins it on
 ``GET /v1/replies/{id}/stream`` finds those events gone: the native stream says so with a
 ``gap`` and goes on, and every other dialect ends with its own ``events_lost`` error, even
-when the log holds no event at that moment to tell the dialect by.
+when the log holds no event at that moment to tell the dialect by. And a response made
+with ``store: false`` is no stored response: the Responses API's retrieve, cancel and delete
+answer it 404 whatever its log holds at the moment, and never stop it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from typing import Any
 
 import pytest
 
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
+from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
-from tests.conftest import fast_engine
+from tests.conftest import fast_engine, wait_for
 from tests.rawhttp import raw_request
+from tests.stalling_proxy import small_send_buffer
 
 CHAT = {
     "model": "simulated",
@@ -76,3 +81,36 @@ async def test_an_unstored_response_joined_after_its_sent_events_ends_with_event
     assert kind == "error"
     error = json.loads(data)
     assert (error["type"], error["code"]) == ("error", "events_lost")
+
+
+async def test_an_unstored_response_is_not_found_by_the_responses_routes_while_it_runs():
+    # Its reader stops reading while its long tokens are made: what the server cannot write
+    # stays in its log, the moment in which a retrieve, a cancel or a delete found it.
+    engine = fast_engine(reply_text=("r" * 4000 + " ") * 400, delay_ms=5, jitter_ms=0)
+    patient = DeliveryPolicy(slow_client_bytes=1 << 30, slow_client_s=60.0)
+    app = create_app(engine, ServerConfig(policy=patient))
+    app.on_response_prepare.append(small_send_buffer)
+    async with running(app) as url:
+        body = json.dumps({**RESPONSE, "max_output_tokens": 400}).encode()
+        first = await raw_request(f"{url}/v1/responses", "POST", body)
+        reply_id = first.headers["x-reply-id"]
+        # 800 KB made: far more than the socket buffers of a reader that does not read.
+        await wait_for(lambda: engine.stats().steps >= 200, timeout_s=30)
+        answers = {}
+        for method, path in (
+            ("GET", f"/v1/responses/resp_{reply_id}"),
+            ("GET", f"/v1/responses/resp_{reply_id}?stream=true"),
+            ("POST", f"/v1/responses/resp_{reply_id}/cancel"),
+            ("DELETE", f"/v1/responses/resp_{reply_id}"),
+        ):
+            answer = await raw_request(f"{url}{path}", method)
+            async with asyncio.timeout(30):
+                answers[f"{method} {path}"] = (answer.status, await answer.read_body())
+        async with asyncio.timeout(30):
+            rest = await first.read_body()
+    for asked, (status, body) in answers.items():
+        assert status == 404, (asked, status, body[:300])
+        assert json.loads(body)["error"]["code"] == "reply_not_found", (asked, body)
+    # Neither stopped nor deleted: its own reader gets it to its end.
+    assert rest.rstrip().split(b"\n\n")[-1].startswith(b"event: response.completed\n")
+    assert b'"code":"deleted"' not in rest
