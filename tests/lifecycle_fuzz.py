@@ -1,0 +1,763 @@
+"""A seeded random driver of reply lifecycles against real servers.
+
+Many clients at once, each drawing (from its own seeded random source) a route to start a
+reply on, how much of it to read before cutting the connection, and what else to do to the
+reply meanwhile from other connections: resume it, cancel it, delete it, poll it, read it
+again from an earlier event. Every reader's events are checked as they come:
+
+- ids (and a response's sequence numbers) go up by one within a stream, from where it
+  started; only an ending the reader itself was told (no id of its own) repeats the last;
+- every reader that sees an event id sees the same text under it, and the text of a reply,
+  joined in id order, is a beginning of the simulated engine's text (which is fixed for a
+  length): no text twice at a seam, none lost;
+- a reply said complete has the whole text; a stored response polled has a beginning of it;
+- every request is answered within a generous bound, never with a 5xx, and a 4xx is in the
+  route's error format.
+
+After the run: the servers' gauges are back at their baseline and their logs hold no
+ERROR and no traceback. ``run()`` returns the failures (with the seed: a run replays its
+clients' plans, not the loop's exact timing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
+from replystream.sse import EventParser
+
+HANG_S = 30.0  # no request of the driver may take longer than this
+
+
+def reference(max_tokens: int) -> str:
+    return reply_of_length(DEFAULT_REPLY, max_tokens) + " "
+
+
+ROUTES = (
+    "native",
+    "native_whole",
+    "chat",
+    "chat_whole",
+    "responses",
+    "responses_bg_stream",
+    "responses_bg",
+    "responses_whole",
+    "messages",
+    "ws",
+)
+STREAMED = ("native", "chat", "responses", "responses_bg_stream", "messages")
+# Nothing in a run evicts, expires or shuts down: these codes are wrong here.
+UNEXPECTED_CODES = ("reply_evicted", "expired", "replay_store_unavailable", "internal_error")
+ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
+
+
+@dataclass
+class Reply:
+    """What the driver knows of one reply, across all its readers."""
+
+    seed: str
+    route: str
+    max_tokens: int
+    resumable: bool
+    reply_id: str | None = None
+    texts: dict[int, str] = field(default_factory=dict)  # event id -> text it carried
+    complete_told: int = 0  # readers told it ended whole
+    cancel_asked: bool = False
+    deleted: bool = False
+    final_ids: set[int] = field(default_factory=set)  # ids of terminal events
+    odd_endings: list[str] = field(default_factory=list)  # not complete, none asked to stop
+    stored: bool = True  # a response kept in the store (not ``store: false``)
+    base: str = ""  # the server that started it
+    body: str = ""  # the request that started it, for a failure's report
+    left_alone: bool = False  # a resume came after a pause that may outlast the detach grace
+
+    @property
+    def full(self) -> str:
+        return reference(self.max_tokens)
+
+    @property
+    def dialect(self) -> str:
+        if self.route.startswith("responses"):
+            return "responses"
+        if self.route.startswith("chat"):
+            return "chat"
+        if self.route == "messages":
+            return "messages"
+        return "native"
+
+    @property
+    def response_id(self) -> str:
+        return f"resp_{self.reply_id}"
+
+
+@dataclass
+class Run:
+    seed: int
+    urls: list[str]
+    failures: list[str] = field(default_factory=list)
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    replies: list[Reply] = field(default_factory=list)
+
+    def fail(self, reply: Reply | None, what: str) -> None:
+        where = f"[{reply.seed} {reply.route} {reply.reply_id} {reply.body}] " if reply else ""
+        self.failures.append(f"seed {self.seed} {where}{what}")
+
+
+def text_of(dialect: str, event_type: str, data: Any) -> str:
+    """The reply text one event carries in its dialect."""
+    if not isinstance(data, dict):
+        return ""
+    if dialect == "native":
+        return str(data.get("text", "")) if event_type == "token" else ""
+    if dialect == "chat":
+        choices = data.get("choices") or []
+        return str(choices[0]["delta"].get("content") or "") if choices else ""
+    if dialect == "responses":
+        return str(data.get("delta", "")) if event_type == "response.output_text.delta" else ""
+    if event_type == "content_block_delta" and data["delta"].get("type") == "text_delta":
+        return str(data["delta"]["text"])
+    return ""
+
+
+def ending_of(dialect: str, event_type: str, raw: str, data: Any) -> str | None:
+    """How a stream ends at this event: ``complete``, ``cancelled``, ``error:CODE`` or
+    ``failed:...``; None for an event that does not end it."""
+    if dialect == "native":
+        if event_type == "done":
+            return "complete"
+        if event_type in ("error", "moderated", "gap"):
+            code = data.get("error", data).get("code") if isinstance(data, dict) else None
+            return f"error:{code}" if event_type == "error" else event_type
+        return None
+    if dialect == "chat":
+        if raw == "[DONE]":
+            return "complete"
+        if isinstance(data, dict) and "error" in data:
+            return f"error:{data['error'].get('code')}"
+        return None
+    if dialect == "responses":
+        if event_type in ("response.completed", "response.incomplete"):
+            return "complete"
+        if event_type == "response.failed":
+            response = data["response"]
+            if response["status"] == "cancelled":
+                return "cancelled"
+            return f"failed:{(response.get('error') or {}).get('message')}"
+        if event_type == "error":
+            return f"error:{data.get('code')}"
+        return None
+    if event_type == "message_stop":
+        return "complete"
+    if event_type == "error":
+        error = data.get("error", {})
+        return f"error:{error.get('code') or error.get('type')}"
+    return None
+
+
+class Driver:
+    def __init__(self, run: Run, http: aiohttp.ClientSession) -> None:
+        self.run = run
+        self.http = http
+
+    def url(self, rng: random.Random) -> str:
+        return rng.choice(self.run.urls)
+
+    async def bounded(self, reply: Reply | None, what: str, call: Awaitable[Any]) -> Any:
+        try:
+            async with asyncio.timeout(HANG_S):
+                return await call
+        except TimeoutError:
+            self.run.fail(reply, f"{what}: no answer within {HANG_S} s")
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            self.run.counts[f"transport error {what}: {type(exc).__name__}"] += 1
+            if what.startswith(("cancel", "delete", "poll")):
+                self.run.fail(reply, f"{what}: {type(exc).__name__}: {exc}")
+        return None
+
+    async def check_status(
+        self, reply: Reply | None, what: str, response: aiohttp.ClientResponse, anthropic: bool
+    ) -> Any:
+        """The body as JSON for a 2xx, else check the error and return None."""
+        body = await response.read()
+        self.run.counts[f"{what} {response.status}"] += 1
+        if response.status >= 500:
+            self.run.fail(reply, f"{what}: {response.status} {body[:300]!r}")
+            return None
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            self.run.fail(reply, f"{what}: {response.status} not JSON: {body[:300]!r}")
+            return None
+        if response.status >= 400:
+            error: dict[str, Any] = {}
+            if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+                error = parsed["error"]
+            ok = "message" in error and "type" in error
+            ok = ok and (parsed.get("type") == "error" if anthropic else "code" in error)
+            if not ok:
+                self.run.fail(reply, f"{what}: {response.status} not our error format: {body!r}")
+            else:
+                code = error.get("code") or error.get("type")
+                self.run.counts[f"{what} {response.status} {code}"] += 1
+                if code in UNEXPECTED_CODES:
+                    self.run.fail(reply, f"{what}: {response.status} {error}")
+            return None
+        return parsed
+
+    async def read_stream(
+        self,
+        reply: Reply,
+        response: aiohttp.ClientResponse,
+        after: int,
+        stop_after: int | None,
+        what: str,
+        *,
+        joined: bool = False,
+    ) -> tuple[int, str | None]:
+        """Read SSE events into ``reply`` until its end or ``stop_after`` events; return the
+        last id read and how the stream ended (None: cut by us, or it just ended)."""
+        parser = EventParser()
+        last = after
+        seen = 0
+        dialect = reply.dialect
+        async for chunk in response.content.iter_any():
+            for event in parser.feed(chunk):
+                raw = event.data
+                data: Any = None
+                if raw != "[DONE]":
+                    try:
+                        data = json.loads(raw)
+                    except ValueError:
+                        self.run.fail(reply, f"{what}: event not JSON: {raw[:200]!r}")
+                        return last, "bad"
+                ending = ending_of(dialect, event.type, raw, data)
+                if joined and ending in ("gap", "error:events_lost"):
+                    if dialect == "native":  # told of the hole: read on after it
+                        last = json.loads(raw)["lost_to"]
+                        continue
+                    self.run.counts[f"join {dialect} {ending}"] += 1
+                    return last, ending
+                event_id = int(event.id) if event.id else last  # "": no id yet in this stream
+                logged = event_id != last
+                if logged and event_id != last + 1:
+                    self.run.fail(
+                        reply, f"{what}: id {event_id} after {last} ({event.type} {raw[:80]})"
+                    )
+                if not logged and not (ending or "").startswith(("error:", "failed:")):
+                    self.run.fail(reply, f"{what}: unlogged {event.type} {raw[:120]!r}")
+                if dialect == "responses" and isinstance(data, dict):
+                    number = data.get("sequence_number")
+                    if number != max(event_id, 1) - 1 and not (not logged and number == last - 1):
+                        self.run.fail(
+                            reply, f"{what}: sequence {number} at id {event_id} ({event.type})"
+                        )
+                if logged:
+                    text = text_of(dialect, event.type, data)
+                    known = reply.texts.setdefault(event_id, text)
+                    if known != text:
+                        self.run.fail(
+                            reply, f"{what}: id {event_id} text {text!r}, another saw {known!r}"
+                        )
+                    if ending is not None:
+                        reply.final_ids.add(event_id)
+                    last = event_id
+                if ending is not None:
+                    if ending == "complete":
+                        reply.complete_told += 1
+                    elif not reply.cancel_asked and not (
+                        reply.deleted or ending.startswith("error:reply_stopped")
+                    ):
+                        reply.odd_endings.append(f"{what}: {ending}")
+                    self.run.counts[f"ending {dialect} {ending}"] += 1
+                    return last, ending
+                seen += 1
+                if stop_after is not None and seen >= stop_after:
+                    return last, None
+        self.run.counts[f"eof without ending {what}"] += 1
+        reply.odd_endings.append(f"{what}: eof after id {last}")
+        return last, "eof"
+
+    # --- starts -------------------------------------------------------------------------
+
+    def start_body(self, reply: Reply, rng: random.Random) -> tuple[str, dict[str, Any]]:
+        n = reply.max_tokens
+        route = reply.route
+        if route.startswith("native"):
+            body: dict[str, Any] = {"prompt": "x", "max_tokens": n}
+            if route == "native_whole":
+                body["stream"] = False
+            elif reply.resumable:
+                body["resumable"] = True
+            return "/v1/replies", body
+        if route.startswith("chat"):
+            body = {
+                "model": "simulated",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": n,
+                "stream": route == "chat",
+            }
+            if route == "chat" and reply.resumable:
+                body["resumable"] = True
+            if route == "chat" and rng.random() < 0.5:
+                body["stream_options"] = {"include_usage": True}
+            return "/v1/chat/completions", body
+        if route == "messages":
+            body = {
+                "model": "simulated",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": n,
+                "stream": True,
+            }
+            if reply.resumable:
+                body["replystream"] = {"resumable": True}
+            return "/v1/messages", body
+        body = {"model": "simulated", "input": "x", "max_output_tokens": n}
+        if route == "responses":
+            body["stream"] = True
+            if rng.random() < 0.3:
+                body["store"] = False
+                reply.stored = False
+        elif route == "responses_bg_stream":
+            body.update(stream=True, background=True)
+        elif route == "responses_bg":
+            body["background"] = True
+        return "/v1/responses", body
+
+    def delivery(self, rng: random.Random) -> dict[str, Any]:
+        """Random batching (its timers race the reply's end), or none."""
+        extra: dict[str, Any] = {}
+        if rng.random() < 0.3:
+            extra["batch_tokens"] = rng.randint(1, 6)
+        if rng.random() < 0.2:
+            extra["batch_ms"] = rng.choice([0, 1, 5, 20])
+        if rng.random() < 0.15:
+            extra["holdback_tokens"] = rng.randint(0, 5)
+        return extra
+
+    async def episode(self, reply: Reply, rng: random.Random) -> None:
+        """Start the reply, act on it from other connections meanwhile, check it after."""
+        self.run.replies.append(reply)
+        if reply.route == "ws":
+            await self.ws_episode(reply, rng)
+            return
+        path, body = self.start_body(reply, rng)
+        extra = self.delivery(rng)
+        if extra and reply.dialect in ("responses", "messages"):
+            body["replystream"] = {**body.get("replystream", {}), **extra}
+        else:
+            body.update(extra)
+        reply.body = json.dumps({k: v for k, v in body.items() if k not in ("messages", "input")})
+        base = reply.base = self.url(rng)
+        stop_after = rng.choice([None, rng.randint(0, 12)])
+        got_id = asyncio.Event()
+        side: list[asyncio.Task[None]] = []
+        async with asyncio.TaskGroup() as group:
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+                side.append(group.create_task(self.side_action(reply, rng, got_id)))
+            await self.bounded(
+                reply, "start", self.start(reply, base, path, body, stop_after, rng, got_id)
+            )
+            got_id.set()  # a side action waiting for an id that never came goes on without
+        if reply.route == "responses_bg" or (
+            reply.route in ("responses", "responses_bg_stream")
+            and body.get("store", True)
+            and reply.reply_id
+        ):
+            await self.poll_until_ended(reply, rng)
+
+    async def start(
+        self,
+        reply: Reply,
+        base: str,
+        path: str,
+        body: dict[str, Any],
+        stop_after: int | None,
+        rng: random.Random,
+        got_id: asyncio.Event,
+    ) -> None:
+        anthropic = reply.dialect == "messages"
+        headers = ANTHROPIC_HEADERS if anthropic else {}
+        streamed = reply.route in STREAMED
+        async with self.http.post(base + path, json=body, headers=headers) as response:
+            if not streamed or response.status != 200:
+                parsed = await self.check_status(reply, f"start {reply.route}", response, anthropic)
+                if parsed is None:
+                    return
+                reply.reply_id = response.headers.get("X-Reply-Id")
+                got_id.set()
+                self.check_whole(reply, parsed)
+                return
+            reply.reply_id = response.headers.get("X-Reply-Id")
+            got_id.set()
+            self.run.counts[f"start {reply.route} 200"] += 1
+            last, ending = await self.read_stream(
+                reply, response, 0, stop_after, f"start {reply.route}"
+            )
+            if ending is None and not self.resumable(reply):
+                reply.cancel_asked = True  # its reader leaves: it stops (none may come back)
+        if ending is None and self.resumable(reply):
+            await self.pause(reply, rng)
+            await self.resume_chain(reply, rng, last, rng.randint(0, 3))
+
+    async def pause(self, reply: Reply, rng: random.Random) -> None:
+        """A short pause before a resume, or now and then one about the detach grace long."""
+        if rng.random() < 0.08:
+            reply.left_alone = True
+            await asyncio.sleep(rng.uniform(0.8, 1.3))
+        else:
+            await asyncio.sleep(rng.choice([0, 0, rng.uniform(0, 0.05)]))
+
+    def resumable(self, reply: Reply) -> bool:
+        return reply.resumable or reply.route in ("responses_bg_stream", "responses_bg")
+
+    def check_whole(self, reply: Reply, body: dict[str, Any]) -> None:
+        route = reply.route
+        if route == "native_whole":
+            text, done = body["text"], True
+        elif route == "chat_whole":
+            text, done = body["choices"][0]["message"]["content"], True
+        else:
+            status = body["status"]
+            if route == "responses_bg":
+                if status not in ("queued", "in_progress"):
+                    self.run.fail(reply, f"background POST status {status}")
+                return
+            text = response_text(body)
+            done = status in ("completed", "incomplete")
+            if not done and not (status == "cancelled" and reply.cancel_asked):
+                self.run.fail(reply, f"whole response status {status}: {body.get('error')}")
+        if done and text != reply.full:
+            self.run.fail(reply, f"whole text {text!r} != {reply.full!r}")
+        elif not reply.full.startswith(text):
+            self.run.fail(reply, f"whole text {text!r} not a beginning")
+
+    # --- resumes --------------------------------------------------------------------------
+
+    async def resume_chain(self, reply: Reply, rng: random.Random, last: int, cuts: int) -> None:
+        """Resume after ``last``, cut again ``cuts`` times, then read to the end."""
+        for cut in range(cuts + 1):
+            stop_after = rng.randint(1, 10) if cut < cuts else None
+            result = await self.bounded(
+                reply, "resume", self.resume_once(reply, rng, last, stop_after)
+            )
+            if result is None:
+                return
+            last, ending, status = result
+            if ending is not None or status != 200:
+                return
+            await self.pause(reply, rng)
+
+    async def resume_once(
+        self, reply: Reply, rng: random.Random, after: int, stop_after: int | None
+    ) -> tuple[int, str | None, int]:
+        base = self.url(rng)
+        headers: dict[str, str] = {}
+        if reply.dialect == "responses" and rng.random() < 0.6:
+            url = f"{base}/v1/responses/{reply.response_id}"
+            params = {"stream": "true"}
+            if after:
+                params["starting_after"] = str(after - 1)  # a sequence number: the id less one
+            what = "resume responses"
+        else:
+            url = f"{base}/v1/replies/{reply.reply_id}/stream"
+            params = {}
+            if after or rng.random() < 0.5:
+                headers["Last-Event-ID"] = str(after)
+            what = f"resume {reply.dialect}"
+        async with self.http.get(url, params=params, headers=headers) as response:
+            if response.status != 200:
+                await self.check_status(
+                    reply, what, response, reply.dialect == "messages" and "replies" not in url
+                )
+                return after, None, response.status
+            self.run.counts[f"{what} 200"] += 1
+            last, ending = await self.read_stream(reply, response, after, stop_after, what)
+            return last, ending, 200
+
+    async def join(self, reply: Reply, after: int) -> None:
+        url = f"{reply.base}/v1/replies/{reply.reply_id}/stream"
+        headers = {"Last-Event-ID": str(after)}
+        async with self.http.get(url, headers=headers) as response:
+            if response.status != 200:
+                await self.check_status(reply, "join", response, False)
+                return
+            self.run.counts["join 200"] += 1
+            await self.read_stream(reply, response, after, None, "join", joined=True)
+
+    # --- side actions ---------------------------------------------------------------------
+
+    async def side_action(self, reply: Reply, rng: random.Random, got_id: asyncio.Event) -> None:
+        await got_id.wait()
+        await asyncio.sleep(rng.choice([0, rng.uniform(0, 0.02), rng.uniform(0, 0.25)]))
+        if reply.reply_id is None:
+            return
+        choices = ["cancel_native", "reader"]
+        if reply.dialect == "responses":
+            choices += ["cancel_responses", "delete", "poll", "poll", "reader"]
+        action = rng.choice(choices)
+        self.run.counts[f"side {action}"] += 1
+        if action == "reader":
+            known = sorted(reply.texts)
+            after = rng.choice([0, *known]) if known else 0
+            if self.resumable(reply):
+                await self.resume_chain(reply, rng, after, rng.randint(0, 2))
+            elif reply.route in STREAMED and reply.base:
+                # A reply nobody may resume, joined on its own server while it runs: what its
+                # reader has sent is gone (a gap, or a dialect's events_lost), the rest follows.
+                await self.bounded(reply, "join", self.join(reply, after))
+        elif action == "poll":
+            await self.bounded(reply, "poll", self.poll(reply, rng))
+        else:
+            await self.bounded(reply, action, self.stop(reply, rng, action))
+
+    async def stop(self, reply: Reply, rng: random.Random, action: str) -> None:
+        base = self.url(rng)
+        if action == "delete":
+            call = self.http.delete(f"{base}/v1/responses/{reply.response_id}")
+        elif action == "cancel_responses":
+            call = self.http.post(f"{base}/v1/responses/{reply.response_id}/cancel")
+        else:
+            call = self.http.post(f"{base}/v1/replies/{reply.reply_id}/cancel")
+        reply.cancel_asked = True
+        if action == "delete":
+            reply.deleted = True
+        async with call as response:
+            body = await self.check_status(reply, action, response, False)
+            if not reply.stored and action != "cancel_native" and response.status != 404:
+                self.run.fail(reply, f"{action} of a response not stored: {response.status}")
+        if body is not None and action == "cancel_responses":
+            status = body.get("status")
+            if status not in ("cancelled", "completed", "incomplete", "failed"):
+                self.run.fail(reply, f"cancel answered status {status}")
+            self.check_object(reply, body, "cancel")
+
+    async def poll(self, reply: Reply, rng: random.Random) -> str | None:
+        base = self.url(rng)
+        async with self.http.get(f"{base}/v1/responses/{reply.response_id}") as response:
+            body = await self.check_status(reply, "poll", response, False)
+            if not reply.stored and response.status != 404:
+                self.run.fail(reply, f"poll of a response not stored: {response.status}")
+        if body is None:
+            return None
+        self.check_object(reply, body, "poll")
+        return str(body["status"])
+
+    def check_object(self, reply: Reply, body: dict[str, Any], what: str) -> None:
+        status = body["status"]
+        text = response_text(body)
+        if status in ("completed", "incomplete") and text != reply.full:
+            self.run.fail(reply, f"{what}: {status} with text {text!r}")
+        elif not reply.full.startswith(text):
+            self.run.fail(reply, f"{what}: {status} text {text!r} not a beginning")
+        if status in ("failed",):
+            self.run.fail(reply, f"{what}: failed {body.get('error')}")
+
+    async def poll_until_ended(self, reply: Reply, rng: random.Random) -> None:
+        """Poll a stored response until it ends (or is gone); it must end within bounds."""
+        deadline = time.monotonic() + HANG_S
+        while time.monotonic() < deadline:
+            status = await self.bounded(reply, "poll", self.poll(reply, rng))
+            if status is None or status not in ("queued", "in_progress"):
+                return
+            await asyncio.sleep(0.05)
+        self.run.fail(reply, "stored response still running after {HANG_S} s")
+
+    # --- WebSocket ------------------------------------------------------------------------
+
+    async def ws_episode(self, reply: Reply, rng: random.Random) -> None:
+        base = self.url(rng)
+        result = await self.bounded(reply, "ws", self.ws_read(reply, rng, base))
+        if result is None:
+            return
+        last, ended = result
+        if not ended and reply.resumable and reply.reply_id:
+            await self.pause(reply, rng)
+            await self.resume_chain(reply, rng, last, rng.randint(0, 2))
+
+    async def ws_read(self, reply: Reply, rng: random.Random, base: str) -> tuple[int, bool]:
+        stop_after = rng.choice([None, rng.randint(0, 12)])
+        cancel_after = rng.choice([None, None, rng.randint(0, 12)])
+        last = 0
+        seen = 0
+        async with self.http.ws_connect(base + "/v1/ws") as ws:
+            message: dict[str, Any] = {
+                "type": "reply",
+                "id": "a",
+                "prompt": "x",
+                "max_tokens": reply.max_tokens,
+            }
+            if reply.resumable:
+                message["resumable"] = True
+            await ws.send_json(message)
+            async for frame in ws:
+                if frame.type != aiohttp.WSMsgType.TEXT:
+                    self.run.fail(reply, f"ws frame {frame.type}")
+                    return last, True
+                data = json.loads(frame.data)
+                kind = data["type"]
+                if "seq" not in data:
+                    if kind == "error" and data["data"]["error"]["code"] == "reply_not_found":
+                        self.run.counts["ws cancel of an ended reply"] += 1
+                        continue
+                    self.run.fail(reply, f"ws message without seq: {data}")
+                    return last, True
+                reply.reply_id = data["reply_id"]
+                seq = data["seq"]
+                if seq != last + 1:
+                    self.run.fail(reply, f"ws seq {seq} after {last}")
+                last = seq
+                text = data["data"].get("text", "") if kind == "token" else ""
+                known = reply.texts.setdefault(seq, text)
+                if known != text:
+                    self.run.fail(reply, f"ws: seq {seq} text {text!r}, another saw {known!r}")
+                if kind in ("done", "error", "moderated"):
+                    reply.final_ids.add(seq)
+                    ending = "complete" if kind == "done" else f"error:{data['data']}"
+                    if kind == "error":
+                        ending = f"error:{data['data']['error']['code']}"
+                    if ending == "complete":
+                        reply.complete_told += 1
+                    self.run.counts[f"ending ws {ending}"] += 1
+                    return last, True
+                seen += 1
+                if cancel_after is not None and seen == cancel_after:
+                    reply.cancel_asked = True
+                    await ws.send_json({"type": "cancel", "id": "a"})
+                if stop_after is not None and seen >= stop_after:
+                    reply.cancel_asked |= not reply.resumable  # its socket closes: it stops
+                    return last, False
+        return last, False
+
+    # --- after ----------------------------------------------------------------------------
+
+    def check_reply(self, reply: Reply) -> None:
+        """The reply's text in id order is a beginning of the engine's text; whole if told."""
+        if not reply.texts:
+            return
+        ids = sorted(reply.texts)
+        joined = ""
+        holes = False
+        for expected, event_id in enumerate(ids, start=1):
+            if event_id != expected:
+                holes = True
+                break
+            joined += reply.texts[event_id]
+        if not reply.full.startswith(joined):
+            self.run.fail(reply, f"text {joined!r} is not a beginning of {reply.full!r}")
+        if reply.complete_told and not holes and joined != reply.full:
+            self.run.fail(reply, f"told complete with text {joined!r}")
+        if reply.odd_endings and not reply.left_alone:
+            self.run.fail(reply, f"ended oddly with nobody stopping it: {reply.odd_endings}")
+        if len(reply.final_ids) > 1:
+            self.run.fail(reply, f"several terminal events: {sorted(reply.final_ids)}")
+
+
+def response_text(body: dict[str, Any]) -> str:
+    return "".join(
+        part.get("text", "")
+        for item in body.get("output", [])
+        if item.get("type") == "message"
+        for part in item.get("content", [])
+    )
+
+
+async def client(driver: Driver, n: int, episodes: int) -> None:
+    rng = random.Random(f"{driver.run.seed}:{n}")
+    for e in range(episodes):
+        route = rng.choice(ROUTES)
+        resumable = route in ("native", "chat", "messages", "ws") and rng.random() < 0.7
+        reply = Reply(f"{n}.{e}", route, rng.randint(1, 40), resumable)
+        await driver.episode(reply, rng)
+        await asyncio.sleep(rng.uniform(0, 0.05))
+
+
+GAUGES = (
+    "replystream_active_streams",
+    "replystream_replies_in_flight",
+    "replystream_open_readers",
+    "replystream_engine_requests",
+    "replystream_open_tasks",
+)
+
+
+async def gauges(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in GAUGES or name.startswith("replystream_reply_logs"):
+            found[name] = float(value)
+    return found
+
+
+async def run(seed: int, urls: list[str], clients: int, episodes: int) -> Run:
+    """Drive ``clients`` clients of ``episodes`` replies each; return the run's record."""
+    result = Run(seed, urls)
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        await warm_up(http, urls)
+        baseline = {url: await gauges(http, url) for url in urls}
+        driver = Driver(result, http)
+        began = time.monotonic()
+        async with asyncio.TaskGroup() as group:
+            for n in range(clients):
+                group.create_task(client(driver, n, episodes))
+        result.counts["wall ms"] = int((time.monotonic() - began) * 1000)
+        for reply in result.replies:
+            driver.check_reply(reply)
+        await back_to_baseline(result, http, baseline)
+    return result
+
+
+async def warm_up(http: aiohttp.ClientSession, urls: list[str]) -> None:
+    """One resumable reply on each server, resumed on the next: what a server starts once,
+    at its first such reply (a store's flusher and heartbeat), is in the baseline."""
+    for n, url in enumerate(urls):
+        body = {"prompt": "x", "max_tokens": 2, "resumable": True}
+        async with http.post(url + "/v1/replies", json=body) as response:
+            await response.read()
+            reply_id = response.headers["X-Reply-Id"]
+        resume = f"{urls[(n + 1) % len(urls)]}/v1/replies/{reply_id}/stream"
+        async with http.get(resume, headers={"Last-Event-ID": "1"}) as response:
+            await response.read()
+    await asyncio.sleep(0.5)
+
+
+async def back_to_baseline(
+    result: Run, http: aiohttp.ClientSession, baseline: dict[str, dict[str, float]]
+) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        now = {url: await gauges(http, url) for url in baseline}
+        off = {
+            url: {
+                name: (baseline[url].get(name), value)
+                for name, value in values.items()
+                if name in GAUGES and value != baseline[url].get(name)
+            }
+            for url, values in now.items()
+        }
+        if not any(off.values()):
+            return
+        if time.monotonic() > deadline:
+            result.fail(None, f"gauges not back to baseline 20 s after: {off}")
+            return
+        await asyncio.sleep(0.2)
+
+
+def log_problems(text: str) -> list[str]:
+    return [
+        line
+        for line in text.splitlines()
+        if "ERROR" in line or "Traceback" in line or "exception" in line.lower()
+    ]
