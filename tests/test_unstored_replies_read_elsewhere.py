@@ -16,8 +16,11 @@ from typing import Any
 
 import pytest
 
+from replystream.delivery import openai_formats
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.replay import LogEntry, ReplyInfo
 from replystream.server import create_app, running
+from replystream.server.context import STORE_KEY
 from replystream.server.server_config import ServerConfig
 from replystream.sse import EventParser
 from tests.conftest import fast_engine, wait_for
@@ -114,3 +117,23 @@ async def test_an_unstored_response_is_not_found_by_the_responses_routes_while_i
     # Neither stopped nor deleted: its own reader gets it to its end.
     assert rest.rstrip().split(b"\n\n")[-1].startswith(b"event: response.completed\n")
     assert b'"code":"deleted"' not in rest
+
+
+async def test_a_chat_reply_whose_log_keeps_only_its_done_is_still_read_as_chat():
+    # The moment between a chat reply's last chunk sent and its ``[DONE]`` sent: the log of a
+    # reply nobody may resume keeps the ``[DONE]`` alone, which tells no dialect by itself.
+    app = create_app(fast_engine())
+    async with running(app) as url:
+        store = app[STORE_KEY]
+        await store.create(ReplyInfo("r1", dialect=openai_formats.DIALECT))
+        chunks = [LogEntry(n, None, '{"id":"chatcmpl-r1","choices":[]}') for n in range(1, 7)]
+        store.append("r1", [*chunks, LogEntry(7, None, "[DONE]")])
+        store.release("r1", 6)  # its reader was sent the chunks
+        store.end("r1", "done")
+        joined = await raw_request(f"{url}/v1/replies/r1/stream")
+        assert joined.status == 200
+        async with asyncio.timeout(30):
+            raw = await joined.read_body()
+    events = [(event.type, event.data) for event in EventParser().feed(raw)]
+    assert len(events) == 1, events
+    assert json.loads(events[0][1])["error"]["code"] == "events_lost"

@@ -103,10 +103,13 @@ async def _notices_from(
 ) -> tuple[Notices | None, bytes]:
     first = head.entries[0] if head is not None and head.entries else None
     if first is not None:
-        return await notices_of(first, reply_id, store, after)
-    # Nothing kept to tell it by: nothing logged yet (a Messages reply before its first
+        by_first = await notices_of(first, reply_id, store, after)
+        if by_first[0] is not None:
+            return by_first
+    # Nothing kept that tells it: nothing logged yet (a Messages reply before its first
     # token), or a reply nobody may resume whose reader has sent all there is so far (its
-    # log drops what was sent). The dialect its route stored with it.
+    # log drops what was sent), or all but a chat reply's ``[DONE]``, which is no chunk.
+    # The dialect its route stored with it.
     try:
         dialect = await _stored_dialect(reply_id, store)
         if dialect == anthropic_format.DIALECT:
