@@ -147,7 +147,10 @@ CASES: list[tuple[list[str], str]] = [
         "--engine wants smollm2, tiny, simulated, gguf:PATH, hf:PATH or",
     ),
     (["serve", "--engine", "hf:/nonexistent"], "--engine hf:PATH: /nonexistent is not"),
-    (["serve", "--engine", "gguf:/nonexistent"], "--engine gguf:PATH: /nonexistent: not a"),
+    (
+        ["serve", "--engine", "gguf:/nonexistent"],
+        "--engine gguf:PATH: /nonexistent: cannot be read",
+    ),
     (["serve", "--engine", "upstream:ftp://x"], "--engine upstream:URL: an upstream URL must be"),
     (
         ["serve", "--engine", "upstream:http://"],
@@ -706,7 +709,7 @@ UNBOUNDED: list[tuple[list[str], str]] = [
     ),
     (  # said once by serve, not once by each worker that would have loaded it
         ["serve", "--port", "0", "--workers", "2", "--engine", "gguf:/no/such.gguf"],
-        "--engine gguf:PATH: /no/such.gguf: not a readable GGUF file",
+        "--engine gguf:PATH: /no/such.gguf: cannot be read (No such file or directory)",
     ),
     (  # an empty Redis URL is not "no Redis"
         ["serve", "--engine", "simulated", "--port", "0", "--redis-url", ""],

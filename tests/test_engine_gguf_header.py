@@ -122,7 +122,7 @@ def test_damaged_files_are_refused_naming_what_is_wrong(tmp_path: Path) -> None:
         b"GGML" + data[4:]: "no GGUF magic",
         data[:4] + struct.pack("<I", 1) + data[8:]: "version 1",
         data[:4] + struct.pack(">I", 3) + data[8:]: "big-endian",
-        data[:200]: "damaged|past the end",  # the header cut short
+        data[:200]: "cut short|past the end",  # the header cut short
         data[: len(data) - 40]: "past the end",  # into the last tensor (padding < 32 bytes)
     }
     for i, (content, message) in enumerate(cases.items()):
@@ -210,3 +210,43 @@ def test_a_tensor_kind_gguf_does_not_know_is_refused_naming_the_tensor_and_kind(
     message = str(refused.value)
     assert message.startswith("tensor blk.0.attn_q.weight is of kind 4242, which gguf 0.")
     assert "GGMLQuantizationType" not in message
+
+
+def test_a_file_cut_short_or_empty_or_absent_is_told_in_words_of_its_own(tmp_path: Path) -> None:
+    """A download that did not finish ends anywhere in the header: each place is told as the
+    file cut short, not in ``struct``'s words about buffers; an empty file and a missing one
+    in words of their own too, not ``mmap``'s."""
+    good = tmp_path / "good.gguf"
+    write_sample(good)
+    data = good.read_bytes()
+    # Inside the version, the counts, the first key's length, its value's type.
+    for end in (6, 12, 20, 28, 54):
+        cut = tmp_path / f"cut{end}.gguf"
+        cut.write_bytes(data[:end])
+        with pytest.raises(ValueError) as refused:
+            read_header(cut)
+        said = str(refused.value)
+        assert said == f"the file ends at byte {end}, inside its header: it is cut short"
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^an empty file$"):
+        read_header(empty)
+    key = b"general.name"
+    latin = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    latin += struct.pack("<IQ", 8, 4) + "café".encode("latin-1")
+    bad_text = tmp_path / "latin.gguf"
+    bad_text.write_bytes(latin)
+    with pytest.raises(ValueError, match=r"^a string at byte 56 of the header is not UTF-8 text$"):
+        read_header(bad_text)
+
+
+def test_a_missing_file_is_one_line_naming_the_flag_and_the_file(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    missing = tmp_path / "model.gguf"
+    argv = [sys.executable, "-m", "replystream", "serve", "--engine", f"gguf:{missing}", "--check"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    said = f"--engine gguf:PATH: {missing}: cannot be read (No such file or directory)"
+    assert done.stderr == f"replystream serve: {said}\n"

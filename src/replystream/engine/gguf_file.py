@@ -188,7 +188,9 @@ def open_gguf(path: Path) -> GGUFModel:
     """
     try:
         reader = read_header(path)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # as every file the command line names is told (no errno, no repr)
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:
         raise ValueError(f"{path}: not a readable GGUF file ({exc})") from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":

@@ -101,8 +101,15 @@ class _Cursor:
         self.at = 0
 
     def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.at + size > len(self.buffer):
+            # A download that did not finish ends anywhere: told as that, not in ``struct``'s
+            # words about buffers and offsets.
+            raise ValueError(
+                f"the file ends at byte {len(self.buffer)}, inside its header: it is cut short"
+            )
         value = struct.unpack_from(fmt, self.buffer, self.at)[0]
-        self.at += struct.calcsize(fmt)
+        self.at += size
         return value
 
     def string(self) -> str:
@@ -110,7 +117,12 @@ class _Cursor:
         end = self.at + size
         if end > len(self.buffer):
             raise ValueError(f"a string of {size} bytes runs past the end of the file")
-        text = self.buffer[self.at : end].decode("utf-8")
+        try:
+            text = self.buffer[self.at : end].decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"a string at byte {self.at} of the header is not UTF-8 text"
+            ) from None
         self.at = end
         return text
 
@@ -141,19 +153,23 @@ def read_header(path: Path) -> GGUFHeader:
 
     Raises:
         OSError: ``path`` cannot be read (it is not there, say).
-        ValueError: not a regular file, not a GGUF file, a version or byte order this reader
-            does not read, a header that runs past the end of the file, or tensors not laid
-            out one after another as the header lists them (each named in the message).
+        ValueError: not a regular file, an empty file, not a GGUF file, a version or byte
+            order this reader does not read, a header that runs past the end of the file (a
+            file cut short), text that is not UTF-8, or tensors not laid out one after another
+            as the header lists them (each named in the message).
     """
     # A named pipe would block the open until something writes to it (a server that never
     # starts), a device has no size to map: only a regular file is opened.
-    if not stat.S_ISREG(path.stat().st_mode):
+    status = path.stat()
+    if not stat.S_ISREG(status.st_mode):
         raise ValueError("not a regular file")
+    if status.st_size == 0:  # which ``mmap`` refuses in words of its own
+        raise ValueError("an empty file")
     with path.open("rb") as file:
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _parse(buffer)
-    except (struct.error, UnicodeDecodeError, OverflowError) as exc:
+    except (struct.error, OverflowError) as exc:
         raise ValueError(f"a damaged GGUF header ({exc})") from None
 
 
