@@ -888,6 +888,72 @@ def test_a_folder_that_would_answer_noise_or_fail_every_chat_is_refused_at_start
     assert says in line, line
 
 
+@pytest.mark.parametrize(
+    ("claims", "prefix", "says"),
+    [
+        (  # a larger model's config.json over these weights: 1.2 billion parameters
+            {
+                "hidden_size": 8192,
+                "intermediate_size": 16384,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 16,
+            },
+            "",
+            "its weights are not the shapes config.json makes them: lm_head.weight is 320x32 "
+            "in the weights, 320x8192 by config.json (and 20 more)",
+        ),
+        ({"num_hidden_layers": 10**6}, "", "config.json says 1000000 layers; its weights hold 2"),
+        (  # weights named otherwise than the model names them: the totals tell
+            {"vocab_size": 2**28},
+            "transformer.",
+            "config.json makes a model of {needed:,} parameters; its weights hold {held:,}",
+        ),
+    ],
+    ids=["wider", "deeper", "named otherwise"],
+)
+def test_a_config_of_a_larger_model_than_its_weights_is_refused_before_it_is_built(
+    model_dir: Path, tmp_path: Path, claims: dict[str, Any], prefix: str, says: str
+):
+    """transformers builds the model config.json makes, at random, before it reads the weights
+    into it: a larger model's config.json over these weights took memory in proportion to
+    what it claimed (5 GB of float32 for the wider one, 17 GB for the larger vocabulary, every
+    layer of a million) before the shapes were compared. Refused first now, within 3 GiB of
+    address space and a minute."""
+    _require_hf()
+    import resource
+
+    from safetensors.torch import load_file, save_file
+
+    folder = copied(model_dir, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | claims))
+    weights = load_file(folder / "model.safetensors")
+    held = sum(tensor.numel() for tensor in weights.values())
+    if prefix:
+        renamed = {prefix + name: tensor for name, tensor in weights.items()}
+        save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    d, ff, layers = config["hidden_size"], config["intermediate_size"], 2
+    kv = d // config["num_attention_heads"] * config["num_key_value_heads"]
+    per_layer = 2 * d * d + 2 * kv * d + 3 * d * ff + 2 * d
+    needed = 2 * 2**28 * d + layers * per_layer + d  # embedding and output, layers, norm
+
+    def bound() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "replystream", "serve", "--check", "--engine", f"hf:{folder}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=bound,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    said = says.format(needed=needed, held=held)
+    assert done.stderr.splitlines() == [
+        f"replystream serve: --engine hf:PATH: cannot load a causal LM from {folder}: {said}"
+    ]
+
+
 def test_weights_that_cannot_take_the_models_layout_are_named_not_sent_to_a_report(
     model_dir: Path, tmp_path: Path
 ):

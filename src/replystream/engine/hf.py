@@ -23,7 +23,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as transformers_logging
 
 from replystream.engine.base import (
@@ -47,6 +47,7 @@ from replystream.engine.end_tokens import end_of_generation_ids
 from replystream.engine.hf_config import GENERATION_CONFIG, check_model_folder
 from replystream.engine.hf_config import HFEngineConfig as HFEngineConfig  # re-exported
 from replystream.engine.hf_text import HFChatPrompt, HFDetokenizer, HFTokenBytes, tokenizer_spec
+from replystream.engine.hf_weights import check_weights_fill, layers_named, not_the_shapes
 from replystream.engine.prompts import refuse_template_controls
 from replystream.engine.sampling import (
     StopMatcher,
@@ -369,20 +370,6 @@ class HFEngine(InProcessEngine):
 WORDS_MAX = 300
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def _layers_held(unexpected: Iterable[str]) -> int:
-    """How many decoder layers weights the loader did not take name (0: none): the highest
-    ``layers.N.`` among them, plus one."""
-    found = [int(m.group(1)) for key in unexpected if (m := _LAYER.search(key))]
-    return max(found) + 1 if found else 0
-
-
-def _shape(shape: Iterable[int]) -> str:
-    return "x".join(str(int(n)) for n in shape)
-
-
 # The line that ends a traceback: the exception's type and its words.
 _RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ", re.MULTILINE)
 
@@ -460,6 +447,11 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
         tokenizer = AutoTokenizer.from_pretrained(
             path, local_files_only=True, trust_remote_code=False
         )
+        # A larger model's config.json over these weights, refused before that model is
+        # built (at random, in memory in proportion to what config.json claims).
+        check_weights_fill(
+            path, AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        )
         # With output_loading_info the loader answers (model, what it found and lacked).
         # Weights of another shape than config.json's would make it raise words that send
         # the reader to its report ("look at the above report!"), which the quieted log does
@@ -493,15 +485,9 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
             f"the model needs ({shown})"
         )
     mismatched = sorted(loading.get("mismatched_keys") or ())
-    if mismatched:
-        name, in_file, in_config = mismatched[0]
-        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
-        raise ValueError(
-            f"cannot load a causal LM from {path}: its weights are not the shapes config.json "
-            f"makes them: {name} is {_shape(in_file)} in the weights, {_shape(in_config)} by "
-            f"config.json{more}"
-        )
-    held = _layers_held(loading.get("unexpected_keys") or ())
+    if mismatched:  # under names the loader mapped (the check before it compares its own)
+        raise ValueError(f"cannot load a causal LM from {path}: {not_the_shapes(mismatched)}")
+    held = layers_named(loading.get("unexpected_keys") or ())
     configured = getattr(model.config, "num_hidden_layers", None)
     if isinstance(configured, int) and held > configured:
         # The loader leaves the layers past config.json's count out with a note: a model cut
