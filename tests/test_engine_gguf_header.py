@@ -250,3 +250,24 @@ def test_a_missing_file_is_one_line_naming_the_flag_and_the_file(tmp_path: Path)
     assert done.returncode == 2
     said = f"--engine gguf:PATH: {missing}: cannot be read (No such file or directory)"
     assert done.stderr == f"replystream serve: {said}\n"
+
+
+LFS_POINTER = (
+    b"version https://git-lfs.github.com/spec/v1\n"
+    b"oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+    b"size 98362432\n"
+)
+
+
+def test_a_git_lfs_pointer_in_place_of_the_model_is_told_as_that(tmp_path: Path) -> None:
+    """A model repository cloned without Git LFS holds a pointer of a hundred bytes in place
+    of each large file: it was refused as a file with no GGUF magic, which said nothing of
+    why, nor of what to do."""
+    pointer = tmp_path / "model.gguf"
+    pointer.write_bytes(LFS_POINTER)
+    with pytest.raises(ValueError) as refused:
+        read_header(pointer)
+    assert str(refused.value) == (
+        "a Git LFS pointer, not the file of 98,362,432 bytes it stands for: fetch that file "
+        "(git lfs pull)"
+    )

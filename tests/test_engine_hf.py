@@ -954,6 +954,27 @@ def test_a_config_of_a_larger_model_than_its_weights_is_refused_before_it_is_bui
     ]
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_a_git_lfs_pointer_in_place_of_a_models_file_is_named_before_torch_loads(
+    tmp_path: Path, name: str
+):
+    """A model repository cloned without Git LFS holds a pointer of a hundred bytes in place
+    of each large file: safetensors refused it as a header "too large", the tokenizer as JSON
+    "Expecting value: line 1 column 1 (char 0)", neither naming the file or the cause."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / name).write_bytes(
+        b"version https://git-lfs.github.com/spec/v1\n"
+        b"oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+        b"size 538090408\n"
+    )
+    done = check_serve(tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"replystream serve: --engine hf:PATH: {tmp_path / name}: a Git LFS pointer, not the "
+        "file of 538,090,408 bytes it stands for: fetch that file (git lfs pull)"
+    ]
+
+
 def test_weights_that_cannot_take_the_models_layout_are_named_not_sent_to_a_report(
     model_dir: Path, tmp_path: Path
 ):

@@ -30,6 +30,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 from numpy.typing import NDArray
 
+from replystream.engine.lfs_pointer import lfs_pointer_words
+
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 counted with 32-bit integers; no file of it is still made
 DEFAULT_ALIGNMENT = 32
@@ -153,10 +155,10 @@ def read_header(path: Path) -> GGUFHeader:
 
     Raises:
         OSError: ``path`` cannot be read (it is not there, say).
-        ValueError: not a regular file, an empty file, not a GGUF file, a version or byte
-            order this reader does not read, a header that runs past the end of the file (a
-            file cut short), text that is not UTF-8, or tensors not laid out one after another
-            as the header lists them (each named in the message).
+        ValueError: not a regular file, an empty file, a Git LFS pointer, not a GGUF file, a
+            version or byte order this reader does not read, a header that runs past the end
+            of the file (a file cut short), text that is not UTF-8, or tensors not laid out
+            one after another as the header lists them (each named in the message).
     """
     # A named pipe would block the open until something writes to it (a server that never
     # starts), a device has no size to map: only a regular file is opened.
@@ -165,6 +167,9 @@ def read_header(path: Path) -> GGUFHeader:
         raise ValueError("not a regular file")
     if status.st_size == 0:  # which ``mmap`` refuses in words of its own
         raise ValueError("an empty file")
+    pointer = lfs_pointer_words(path)
+    if pointer is not None:
+        raise ValueError(pointer)
     with path.open("rb") as file:
         buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     try:

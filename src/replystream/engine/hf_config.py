@@ -10,14 +10,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from replystream.engine.lfs_pointer import lfs_pointer_words
+
 GENERATION_CONFIG = "generation_config.json"
 
 
 def check_model_folder(path: Path) -> None:
-    """Raise ``ValueError`` unless ``path`` is a folder a Hugging Face model may be in, its
-    ``generation_config.json`` (if any) readable JSON with usable end ids."""
+    """Raise ``ValueError`` unless ``path`` is a folder a Hugging Face model may be in, none of
+    its files a Git LFS pointer (a clone without Git LFS), its ``generation_config.json`` (if
+    any) readable JSON with usable end ids."""
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")
+    for file in sorted(path.iterdir()):
+        pointer = lfs_pointer_words(file)
+        if pointer is not None:
+            raise ValueError(f"{file}: {pointer}")
     check_generation_config(path / GENERATION_CONFIG)
 
 
