@@ -271,3 +271,19 @@ def test_a_git_lfs_pointer_in_place_of_the_model_is_told_as_that(tmp_path: Path)
         "a Git LFS pointer, not the file of 98,362,432 bytes it stands for: fetch that file "
         "(git lfs pull)"
     )
+
+
+def test_a_metadata_key_given_twice_is_refused_not_read_as_its_last_value(tmp_path: Path) -> None:
+    """llama.cpp and gguf's own reader refuse a file that gives a key twice; the last value
+    was taken here without a word, so the same file ran as another model than theirs."""
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+    for value in (2048, 8192):
+        data += text("llama.context_length") + struct.pack("<II", 4, value)
+    path = tmp_path / "twice.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"^metadata key llama\.context_length is given twice$"):
+        read_header(path)

@@ -212,6 +212,8 @@ def _parse(buffer: mmap.mmap) -> GGUFHeader:
     fields: dict[str, Any] = {}
     for _ in range(field_count):
         key = cursor.string()
+        if key in fields:  # as llama.cpp and gguf's reader refuse it: neither value is sure
+            raise ValueError(f"metadata key {key} is given twice")
         fields[key] = cursor.value(cursor.unpack("<I"))
     described = []
     for _ in range(tensor_count):
