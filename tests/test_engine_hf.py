@@ -975,6 +975,40 @@ def test_a_git_lfs_pointer_in_place_of_a_models_file_is_named_before_torch_loads
     ]
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "says"),
+    [
+        (
+            "tokenizer.json",
+            "{garbage",
+            "tokenizer.json is not a JSON file (Expecting property name enclosed in double "
+            "quotes: line 1 column 2 (char 1))",
+        ),
+        (
+            "tokenizer_config.json",
+            "",
+            "tokenizer_config.json is not a JSON file (Expecting value: line 1 column 1 (char 0))",
+        ),
+        ("tokenizer.json", "{}", "its tokenizer cannot be loaded: 'added_tokens' is missing"),
+    ],
+    ids=["tokenizer not JSON", "tokenizer config empty", "tokenizer of no vocabulary"],
+)
+def test_a_damaged_tokenizer_file_is_named(
+    model_dir: Path, tmp_path: Path, name: str, text: str, says: str
+):
+    """A tokenizer file that is not JSON was told in the JSON parser's words alone ("Expecting
+    value: line 1 column 1 (char 0)"), naming no file; one missing a key by the key's repr
+    alone ("'added_tokens'")."""
+    _require_hf()
+    folder = copied(model_dir, tmp_path)
+    (folder / name).write_text(text)
+    done = check_serve(folder)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"replystream serve: --engine hf:PATH: cannot load a causal LM from {folder}: {says}"
+    ]
+
+
 def test_weights_that_cannot_take_the_models_layout_are_named_not_sent_to_a_report(
     model_dir: Path, tmp_path: Path
 ):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import re
 import threading
@@ -405,8 +406,24 @@ def _cut(text: str) -> str:
 
 
 def _words(exc: BaseException) -> str:
-    """An exception's words on one line, cut at ``WORDS_MAX``."""
+    """An exception's words on one line, cut at ``WORDS_MAX`` (a missing key's said as that,
+    not as its bare repr)."""
+    if isinstance(exc, KeyError) and exc.args:
+        return _cut(f"{exc.args[0]!r} is missing")
     return _cut(str(exc)) or type(exc).__name__
+
+
+def _unreadable_json(folder: Path) -> str | None:
+    """The first of the folder's JSON files that is not JSON, named with the parser's words
+    (which the loader repeats alone, naming no file), or None."""
+    for file in sorted(folder.glob("*.json")):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except RecursionError:
+            continue  # told by the command, in words of its own, when the loader meets it
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            return _cut(f"{file.name} is not a JSON file ({exc})")
+    return None
 
 
 class _NamedRefusal(ValueError):
@@ -444,9 +461,15 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
         _read_generation_config(path)
         # trust_remote_code stated: a folder asking to run its own code is loaded with the
         # library's class of its kind, or refused, never asked about on a terminal.
-        tokenizer = AutoTokenizer.from_pretrained(
-            path, local_files_only=True, trust_remote_code=False
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=False
+            )
+        except (RecursionError, _NamedRefusal):
+            raise
+        except Exception as exc:
+            words = _unreadable_json(path) or f"its tokenizer cannot be loaded: {_words(exc)}"
+            raise _NamedRefusal(f"cannot load a causal LM from {path}: {words}") from exc
         # A larger model's config.json over these weights, refused before that model is
         # built (at random, in memory in proportion to what config.json claims).
         check_weights_fill(
@@ -469,7 +492,7 @@ def load_hf_engine(path: Path, config: HFEngineConfig | None = None) -> HFEngine
     except Exception as exc:
         # Whatever a damaged or foreign folder makes ``transformers`` (or safetensors, or
         # torch) raise: its words on one line, as a mistake on the command line is told.
-        words = _conversion_error(exc) or _words(exc)
+        words = _conversion_error(exc) or _unreadable_json(path) or _words(exc)
         raise ValueError(f"cannot load a causal LM from {path}: {words}") from exc
     finally:
         transformers_logging.set_verbosity(verbosity)
