@@ -287,3 +287,19 @@ def test_a_metadata_key_given_twice_is_refused_not_read_as_its_last_value(tmp_pa
     path.write_bytes(data)
     with pytest.raises(ValueError, match=r"^metadata key llama\.context_length is given twice$"):
         read_header(path)
+
+
+@pytest.mark.parametrize(("kind", "least"), [(8, 8), (9, 12)], ids=["strings", "arrays"])
+def test_an_array_counting_more_items_than_the_file_holds_is_refused_at_its_count(
+    tmp_path: Path, kind: int, least: int
+) -> None:
+    """A damaged count (2^60) of strings or arrays: each item takes at least ``least`` bytes,
+    so the count alone shows it runs past the end. It was read item by item to the end of
+    the file and told as a file cut short, which it is not."""
+    key = b"tokenizer.ggml.tokens"
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    data += struct.pack("<IIQ", 9, kind, 2**60) + struct.pack("<Q", 0) * 64
+    path = tmp_path / "count.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=f"^an array of {2**60} values runs past the end of"):
+        read_header(path)

@@ -53,6 +53,7 @@ _SCALARS: dict[int, tuple[str, np.dtype[Any]]] = {
     12: ("<d", np.dtype("<f8")),
 }
 _STRING, _ARRAY = 8, 9
+_LEAST_BYTES = {_STRING: 8, _ARRAY: 12}  # a string's length; an array's item kind and count
 # Tensor kinds stored as plain numbers (any other kind is bytes, in blocks).
 _PLAIN = {
     GGMLQuantizationType.F32: np.float32,
@@ -136,11 +137,14 @@ class _Cursor:
                 raise ValueError(f"arrays nested more than {MAX_NESTING} deep")
             item_kind, count = self.unpack("<I"), self.unpack("<Q")
             scalar = _SCALARS.get(item_kind)
+            # The fewest bytes an item takes: a damaged count is refused as it is read, not
+            # after reading items to the end of the file (as if the file were cut short).
+            least = scalar[1].itemsize if scalar else _LEAST_BYTES.get(item_kind, 0)
+            if self.at + count * least > len(self.buffer):
+                raise ValueError(f"an array of {count} values runs past the end of the file")
             if scalar is None:  # strings or nested arrays: one by one
                 return [self.value(item_kind, depth + 1) for _ in range(count)]
             dtype = scalar[1]
-            if self.at + count * dtype.itemsize > len(self.buffer):
-                raise ValueError(f"an array of {count} values runs past the end of the file")
             items = np.frombuffer(self.buffer, dtype, count, self.at)
             self.at += count * dtype.itemsize
             return items
