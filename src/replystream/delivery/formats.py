@@ -31,7 +31,7 @@ from pydantic_core import PydanticSerializationError, to_json
 from replystream.delivery.moderation import Violation
 from replystream.delivery.replay import LogEntry
 from replystream.engine.base import TokenLogprob, ToolCallDelta
-from replystream.sse import encode_comment, encode_data
+from replystream.sse import encode_comment
 
 KEEPALIVE = encode_comment("keep-alive")
 
@@ -176,11 +176,6 @@ def error_spec(message: str, code: str) -> Spec:
 # relay's upstream refusing the prompt inside its stream as past the model's context): the
 # dialects' error types say so, and an SDK does not take them for the server's to retry.
 REQUEST_FAULT_CODES = frozenset({"context_length_exceeded"})
-
-
-def error_frame(message: str, code: str) -> bytes:
-    """An unnumbered in-band error event (for endings decided by a reader, not the log)."""
-    return encode_data(error_spec(message, code)[1], type="error")
 
 
 def moderated_payload(violation: Violation) -> dict[str, object]:
