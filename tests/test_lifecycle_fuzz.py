@@ -18,6 +18,7 @@ import pytest
 
 from tests.lifecycle_fuzz import log_problems, run
 from tests.processes import launch, ready_url, stop
+from tests.redis_server import redis_server
 
 # Fast tokens; a detach grace short enough that some resumes come after it.
 SERVE = ("--engine", "simulated", "--delay-ms", "3", "--jitter-ms", "1", "--detach-grace-s", "1")
@@ -27,20 +28,37 @@ SEED = 22  # its plans join a reply nobody may resume between two of its reader'
 pytestmark = pytest.mark.timeout(120)
 
 
-async def test_random_interleavings_of_reply_lifecycles_keep_every_reader_whole(tmp_path: Path):
+async def fuzz(tmp_path: Path, extra: tuple[str, ...], replicas: int) -> None:
+    """Run the seed's plans against ``replicas`` server processes started with ``extra``."""
     seed = int(os.environ.get("REPLYSTREAM_LIFECYCLE_SEED", SEED))
     print(f"lifecycle seed {seed}")
-    log = tmp_path / "server.log"
-    with log.open("wb") as errors:
-        process = await launch(*SERVE, stderr=errors.fileno())
+    logs = [tmp_path / f"server{n}.log" for n in range(replicas)]
+    processes = []
     try:
-        url = await ready_url(process)
+        for log in logs:
+            with log.open("wb") as errors:
+                processes.append(await launch(*SERVE, *extra, stderr=errors.fileno()))
+        urls = [await ready_url(process) for process in processes]
         async with asyncio.timeout(90):
-            result = await run(seed, [url], CLIENTS, EPISODES)
+            result = await run(seed, urls, CLIENTS, EPISODES)
     finally:
-        await stop(process)
-    failures = result.failures + [f"server log: {line}" for line in log_problems(log.read_text())]
+        for process in processes:
+            await stop(process)
+    failures = result.failures + [
+        f"server log: {line}" for log in logs for line in log_problems(log.read_text())
+    ]
     endings = {k: v for k, v in sorted(result.counts.items()) if k.startswith("ending")}
     print(f"lifecycle seed {seed}: {len(result.replies)} replies; {endings}")
     assert not failures, "\n".join(failures[:20])
     assert len(result.replies) == CLIENTS * EPISODES
+
+
+async def test_random_interleavings_of_reply_lifecycles_keep_every_reader_whole(tmp_path: Path):
+    await fuzz(tmp_path, (), replicas=1)
+
+
+async def test_random_interleavings_across_two_replicas_on_redis(tmp_path: Path):
+    # Every reply started on one replica may be resumed, joined, cancelled, deleted or polled
+    # on the other.
+    with redis_server(tmp_path / "redis") as redis:
+        await fuzz(tmp_path, ("--redis-url", redis.url), replicas=2)
