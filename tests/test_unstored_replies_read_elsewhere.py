@@ -137,3 +137,26 @@ async def test_a_chat_reply_whose_log_keeps_only_its_done_is_still_read_as_chat(
     events = [(event.type, event.data) for event in EventParser().feed(raw)]
     assert len(events) == 1, events
     assert json.loads(events[0][1])["error"]["code"] == "events_lost"
+
+
+async def test_a_native_reply_whose_log_keeps_only_its_error_is_still_read_as_native():
+    # A native reply's ``error`` event is named as Anthropic's is: kept alone (what came
+    # before it released to its reader), it was taken for a Messages reply's, and a joiner
+    # was told of the hole in Anthropic's shape, as an end, with the reply's own error unsent.
+    app = create_app(fast_engine())
+    async with running(app) as url:
+        store = app[STORE_KEY]
+        await store.create(ReplyInfo("r2"))
+        tokens = [LogEntry(n, "token", f'{{"text": "t{n} "}}') for n in range(1, 6)]
+        failed = '{"error": {"message": "the engine failed", "code": "engine_error"}}'
+        store.append("r2", [*tokens, LogEntry(6, "error", failed)])
+        store.release("r2", 5)  # its reader was sent the tokens
+        store.end("r2", "error")
+        joined = await raw_request(f"{url}/v1/replies/r2/stream")
+        assert joined.status == 200
+        async with asyncio.timeout(30):
+            raw = await joined.read_body()
+    events = [(event.type, event.data) for event in EventParser().feed(raw)]
+    assert [kind for kind, _ in events] == ["gap", "error"], events
+    assert json.loads(events[0][1]) == {"lost_from": 1, "lost_to": 5}
+    assert json.loads(events[1][1])["error"]["code"] == "engine_error"

@@ -36,9 +36,8 @@ ANTHROPIC_EVENTS = frozenset(
         "content_block_stop",
         "message_delta",
         "message_stop",
-        "error",
     }
-)
+)  # not ``error``, which the native stream has too: a Messages reply stores its dialect
 # How a chat or completion chunk begins (``completion_id``, written compactly).
 OPENAI_CHUNKS = ('{"id":"chatcmpl-', '{"id":"cmpl-')
 
