@@ -1,6 +1,7 @@
 """GET /v1/ws over a real loopback socket: tagged replies side by side, cancel, close, bad input."""
 
 import asyncio
+import gc
 import json
 import logging
 import socket
@@ -101,6 +102,39 @@ async def test_closing_the_socket_stops_every_reply_on_it():
                 tokens += (await ws.receive_json())["type"] == "token"
         await wait_for(lambda: engine.stats().cancelled == 2)
     assert engine.stats().active == 0 and engine.stats().steps < 60
+
+
+async def test_replies_stopped_by_a_closed_socket_are_freed_without_the_cycle_collector():
+    """Each running reply's task is cancelled when its socket goes. A cancelled task keeps its
+    CancelledError, whose traceback holds the task's frames; with the task in their locals, the
+    reply (its log and everything it touched) waited for a full collection, which the server's
+    collector settings make rare: RSS grew 78 MiB per socket cut with 8,000 replies running."""
+    engine = fast_engine(delay_ms=20, jitter_ms=0)
+    tags = ("freed-one", "freed-two")
+    gc.collect()
+    gc.disable()
+    try:
+        async with running(create_app(engine)) as url, aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{url}/v1/ws") as ws:
+                for tag in tags:
+                    await ws.send_json({"type": "reply", "id": tag, "prompt": "p"})
+                tokens = 0
+                while tokens < 4:
+                    tokens += (await ws.receive_json())["type"] == "token"
+            await wait_for(lambda: engine.stats().cancelled == 2)
+            await asyncio.sleep(0.05)  # the session's tasks end after their replies
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [
+            task
+            for task in gc.garbage
+            if isinstance(task, asyncio.Task) and task.get_name().startswith("ws-reply-freed")
+        ]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
 
 
 @pytest.mark.parametrize(
