@@ -87,6 +87,9 @@ class StandInTransport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         pass
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # every write went at once
+
     def is_closing(self) -> bool:
         return False
 
@@ -197,6 +200,8 @@ def main() -> None:
     parser.add_argument("--replies", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.replies < 1 or args.repeats < 1:
+        parser.error("--replies and --repeats must be at least 1")
     print(report(measure(args.replies, args.repeats)))
 
 

@@ -1,0 +1,40 @@
+"""The benchmark scripts as their users run them: a real process each, the smallest
+parameters that still go through their code, and their mistakes refused in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_script(script: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def refused(done: subprocess.CompletedProcess[str], words: str) -> None:
+    """Refused as a command line mistake: exit 2, no traceback, ``words`` in the last line."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert words in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_parse_cost_measures_the_attached_path_through_the_relays_connection() -> None:
+    # Its stand-in transport is the relay's connection's socket: a connection the pool has no
+    # room for (past its 1,024 idle ones) is closed, and asks its socket what is still unsent.
+    done = run_script("relay/parse_cost.py", "--replies", "1100", "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    assert "attached, all of it:" in done.stdout
+
+
+def test_parse_cost_refuses_no_replies() -> None:
+    refused(run_script("relay/parse_cost.py", "--replies", "0"), "--replies")
