@@ -8,13 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def run_script(script: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+def run_script(
+    script: str, *args: str, env: dict[str, str] | None = None, timeout_s: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
-        env=os.environ,
+        env=os.environ if env is None else env,
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -38,3 +42,37 @@ def test_parse_cost_measures_the_attached_path_through_the_relays_connection() -
 
 def test_parse_cost_refuses_no_replies() -> None:
     refused(run_script("relay/parse_cost.py", "--replies", "0"), "--replies")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--workers", "0"], "--workers"),
+        (["--timeout-s", "0"], "--timeout-s"),
+        (["--rerun-if-busy", "-1"], "--rerun-if-busy"),
+        (["--json", "/nonexistent/dir/delivery.json"], "--json: no directory '/nonexistent/dir'"),
+        (["--servers", "starlette", "--transports", "ws"], "nothing to measure"),
+    ],
+)
+def test_the_delivery_benchmark_refuses_a_run_it_cannot_make_before_it_starts(
+    args: list[str], words: str
+) -> None:
+    # Before: 0 streams waited forever, a timeout of 0 ran every server to fail it, -1
+    # reruns ended in an AssertionError, an unwritable --json a traceback after the whole
+    # run, and transports no server has an empty table and exit 0.
+    refused(run_script("delivery/run.py", "--servers", "bare", *args, timeout_s=30), words)
+
+
+def test_the_delivery_benchmark_without_redis_says_so_before_it_starts(tmp_path: Path) -> None:
+    done = run_script(
+        "delivery/run.py",
+        "--servers",
+        "bare",
+        "replystream-redis",
+        "--concurrency",
+        "2",
+        env={**os.environ, "PATH": str(tmp_path)},  # no redis-server on it
+        timeout_s=30,
+    )
+    refused(done, "--servers replystream-redis: redis-server is not installed")

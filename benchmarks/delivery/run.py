@@ -49,6 +49,7 @@ from servers import (
     HERE,
     LOOPS,
     SERVER_NAMES,
+    SERVER_PROGRAMS,
     SERVER_TRANSPORTS,
     TRANSPORTS,
     Started,
@@ -56,6 +57,7 @@ from servers import (
     check_wire,
     started_server,
 )
+from tier import find_binary
 from workload import TOKENS, schedule, stream_seeds
 
 from replystream.engine import GenerationRequest, SamplingParams, SimulatedConfig, SimulatedEngine
@@ -296,6 +298,35 @@ def versions() -> dict[str, str]:
     return found
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, in one line and before any server starts, what no run could measure."""
+    if min(args.concurrency) < 1 or min(args.workers) < 1:
+        parser.error("every --concurrency and --workers must be at least 1")
+    if args.timeout_s <= 0:
+        parser.error("--timeout-s must be above 0")
+    if args.wait_quiet_s < 0 or args.rerun_if_busy < 0:
+        parser.error("--wait-quiet-s and --rerun-if-busy must not be negative")
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json: no directory {str(args.json.parent)!r} to write it in")
+    if not any(t in SERVER_TRANSPORTS[name] for name in args.servers for t in args.transports):
+        parser.error(
+            f"--transports {' '.join(args.transports)}: none of --servers"
+            f" {' '.join(args.servers)} has it, nothing to measure"
+        )
+    if "starlette" in args.servers and (missing := not_importable(STARLETTE_MODULES)):
+        parser.error(
+            f"--servers starlette: {', '.join(missing)} not installed"
+            " (pip install -e '.[bench]', or leave starlette out of --servers)"
+        )
+    for name in args.servers:
+        for program in SERVER_PROGRAMS.get(name, ()):
+            if find_binary(program) is None:
+                parser.error(
+                    f"--servers {name}: {program} is not installed"
+                    " (or not on PATH); leave it out of --servers"
+                )
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[100, 1000, 3000])
@@ -345,11 +376,7 @@ async def main() -> int:
     )
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     args = parser.parse_args()
-    if "starlette" in args.servers and (missing := not_importable(STARLETTE_MODULES)):
-        parser.error(
-            f"--servers starlette: {', '.join(missing)} not installed"
-            " (pip install -e '.[bench]', or leave starlette out of --servers)"
-        )
+    check_arguments(parser, args)
     nofile = raise_nofile()  # children inherit it
     check_schedule(max(args.concurrency))
     for name in args.servers:

@@ -53,6 +53,11 @@ SERVER_TRANSPORTS = {
     "replystream-redis-2": ("sse",),
 }
 REDIS_REPLICAS = {"replystream-redis": 1, "replystream-redis-2": 2}
+# The programs a server's run starts besides Python (``tier.py``).
+SERVER_PROGRAMS = {
+    "replystream-redis": ("redis-server",),
+    "replystream-redis-2": ("redis-server", "nginx"),
+}
 
 
 LOOPS = ("asyncio", "uvloop")

@@ -34,9 +34,19 @@ def free_port() -> int:
     return port
 
 
-def binary(name: str, *fallbacks: str) -> str:
+# Where each program the tier starts is looked for past PATH (sbin is not on every user's).
+FALLBACKS = {"redis-server": "/usr/sbin/redis-server", "nginx": "/usr/sbin/nginx"}
+
+
+def find_binary(name: str) -> str | None:
+    """The path of program ``name`` (``redis-server`` or ``nginx``), None if not installed."""
+    fallback = FALLBACKS[name]
+    return shutil.which(name) or (fallback if Path(fallback).exists() else None)
+
+
+def binary(name: str) -> str:
     """The path of program ``name``; a run without it cannot measure this server."""
-    found = shutil.which(name) or next((p for p in fallbacks if Path(p).exists()), None)
+    found = find_binary(name)
     if found is None:
         raise RuntimeError(f"{name} is not installed: the Redis-backed servers need it")
     return found
@@ -82,7 +92,7 @@ async def started_redis() -> AsyncIterator[RedisProcess]:
     """A fresh redis-server on a free loopback port, without persistence; stopped on exit."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as workdir:
-        command = [binary("redis-server", "/usr/sbin/redis-server"), "--port", str(port)]
+        command = [binary("redis-server"), "--port", str(port)]
         command += ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir]
         command += ["--maxclients", "10000"]
         process = await asyncio.create_subprocess_exec(
@@ -151,7 +161,7 @@ async def started_nginx(upstreams: Sequence[str], nofile: int) -> AsyncIterator[
                 port=port,
             )
         )
-        command = [binary("nginx", "/usr/sbin/nginx"), "-p", workdir, "-c", str(conf)]
+        command = [binary("nginx"), "-p", workdir, "-c", str(conf)]
         process = await asyncio.create_subprocess_exec(
             *command, "-e", str(tmp / "error.log"), stderr=asyncio.subprocess.DEVNULL
         )
