@@ -76,3 +76,24 @@ def test_the_delivery_benchmark_without_redis_says_so_before_it_starts(tmp_path:
         timeout_s=30,
     )
     refused(done, "--servers replystream-redis: redis-server is not installed")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--chunks", "0"], "--chunks"),
+        (["--interval-ms", "0"], "--interval-ms"),
+        (["--upstream-processes", "0"], "--upstream-processes"),
+        (["--timeout-s", "-1"], "--timeout-s"),
+        (["--json", "/nonexistent/dir/relay.json"], "--json: no directory '/nonexistent/dir'"),
+        (["--relays", "litellm", "--litellm", "/nonexistent/litellm"], "not an executable"),
+    ],
+)
+def test_the_relay_benchmark_refuses_a_run_it_cannot_make_before_it_starts(
+    args: list[str], words: str
+) -> None:
+    # Before: the upstream's own refusal came back as a RuntimeError traceback, a negative
+    # timeout measured nothing and exited 0, an unwritable --json and a missing litellm
+    # were tracebacks (the first after the whole run).
+    done = run_script("relay/run.py", "--relays", "pipe", "-C", "1", "--rounds", "1", *args)
+    refused(done, words)

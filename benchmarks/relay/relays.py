@@ -192,9 +192,16 @@ async def spawned(
         await stop_process(process)
 
 
+def nginx_binary() -> str | None:
+    """Where nginx is (sbin is not on every user's PATH); None if it is not installed."""
+    return shutil.which("nginx") or shutil.which("/usr/sbin/nginx")
+
+
 @contextlib.asynccontextmanager
 async def nginx_relay(upstream: str, tmp: Path) -> AsyncIterator[Target]:
-    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    binary = nginx_binary()
+    if binary is None:
+        raise RuntimeError("nginx is not installed")
     port = free_port()
     conf = tmp / "nginx.conf"
     conf.write_text(NGINX_CONF.format(tmp=tmp, port=port, upstream=upstream.split("//")[1]))

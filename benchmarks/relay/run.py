@@ -66,6 +66,7 @@ from relay.relays import (
     Target,
     litellm_relay,
     native_server,
+    nginx_binary,
     nginx_relay,
     pipe_relay,
     replystream_relay,
@@ -322,12 +323,20 @@ def parse_args() -> argparse.Namespace:
         parser.error(
             "--litellm: no litellm executable found (pip install -e '.[bench]', or give its path)"
         )
+    if "litellm" in args.relays and not shutil.which(args.litellm):
+        parser.error(f"--litellm: {args.litellm!r} is not an executable")
+    if "nginx" in args.relays and nginx_binary() is None:
+        parser.error("--relays nginx: nginx is not installed (or not on PATH)")
     if args.rounds < 1 or args.replies_per_slot < 1 or min(args.concurrency) < 1:
         parser.error("--rounds, --replies-per-slot and every -C must be at least 1")
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
+    if args.workers < 1 or args.upstream_processes < 1 or args.chunks < 1:
+        parser.error("--workers, --upstream-processes and --chunks must be at least 1")
+    if args.interval_ms <= 0 or args.timeout_s <= 0:
+        parser.error("--interval-ms and --timeout-s must be above 0")
     if args.first_chunk_ms < 0:
         parser.error("--first-chunk-ms must not be negative")
+    if args.json is not None and not Path(args.json).parent.is_dir():
+        parser.error(f"--json: no directory {str(Path(args.json).parent)!r} to write it in")
     return args
 
 
