@@ -97,3 +97,18 @@ def test_the_relay_benchmark_refuses_a_run_it_cannot_make_before_it_starts(
     # were tracebacks (the first after the whole run).
     done = run_script("relay/run.py", "--relays", "pipe", "-C", "1", "--rounds", "1", *args)
     refused(done, words)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--replies", "0"], "--replies must be more than --slow"),
+        (["--concurrency", "0"], "--concurrency"),
+        (["--asks", "0"], "--asks"),
+    ],
+)
+def test_the_soak_refuses_a_run_it_cannot_make_before_it_starts(
+    args: list[str], words: str
+) -> None:
+    # Before: no replies or no workers waited forever, no asks was a traceback.
+    refused(run_script("soak/run.py", "--engine", "simulated", *args, timeout_s=30), words)

@@ -310,6 +310,12 @@ async def main() -> int:
     parser.add_argument("--asks", type=int, default=256, help="distinct requests")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    if args.concurrency < 1 or args.asks < 1 or args.slow < 0:
+        parser.error("--concurrency and --asks must be at least 1, --slow not negative")
+    if args.replies <= args.slow:
+        parser.error(
+            f"--replies must be more than --slow ({args.slow}): the slow readers are of them"
+        )
     plan_ = plan(args.engine, args.asks)
     limits = [item for pair in LIMITS.items() for item in pair]
     started = time.monotonic()
