@@ -127,8 +127,12 @@ async def running(
 # Young objects the collector lets pile up before it runs (CPython's default is 700). A server
 # holding thousands of streams allocates fast and keeps most of it alive for the whole reply;
 # with the default, full collections walked every live stream's objects several times a
-# burst (80 ms each at 3,000 streams, stalling every stream). The cost: at most this many
-# objects of cyclic garbage wait a little longer to be freed.
+# burst (80 ms each at 3,000 streams, stalling every stream). The cost: cyclic garbage is
+# found later. A cycle caught young waits up to this many allocations; one that outlives a
+# young collection waits for a middle one (every 10 young ones) or, older still, for a full
+# collection (every 10 middle ones, and only once the old objects grew by a quarter). So a
+# cycle with much memory behind it (a cancelled task's error holding the task's frames)
+# is broken where it is made, not left to the collector.
 GC_YOUNG_THRESHOLD = 20_000
 
 
