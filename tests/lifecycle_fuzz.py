@@ -229,8 +229,10 @@ class Driver:
         last = after
         seen = 0
         dialect = reply.dialect
+        read: list[str] = []  # the stream's events as id:type, for a failure's report
         async for chunk in response.content.iter_any():
             for event in parser.feed(chunk):
+                read.append(f"{event.id}:{event.type}")
                 raw = event.data
                 data: Any = None
                 if raw != "[DONE]":
@@ -283,7 +285,11 @@ class Driver:
                 if stop_after is not None and seen >= stop_after:
                     return last, None
         self.run.counts[f"eof without ending {what}"] += 1
-        reply.odd_endings.append(f"{what}: eof after id {last}")
+        where = f"{response.url.host}:{response.url.port}"
+        reply.odd_endings.append(
+            f"{what}: eof after id {last} (from {where} after {after}, read {read[-8:]}; "
+            f"started on {reply.base})"
+        )
         return last, "eof"
 
     # --- starts -------------------------------------------------------------------------
