@@ -15,7 +15,9 @@ import asyncio
 import json
 import statistics
 
+from replystream.cli_values import float_between, int_between, positive_int
 from replystream.client.transport import http_request
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import local_server
 from replystream.sse import EventParser
 
@@ -42,9 +44,10 @@ async def token_arrivals(url: str, body: dict[str, object]) -> list[float]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--delay-ms", type=float, default=33.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int_between(1, MAX_TOKENS_LIMIT), default=96)
+    # Above 0: the 50 ms window's row divides by it. At most serve's own bound.
+    parser.add_argument("--delay-ms", type=float_between(0.0, 60_000.0, strict=True), default=33.0)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args()
     d = args.delay_ms
     settings: list[tuple[str, dict[str, object], str, str]] = [

@@ -27,6 +27,7 @@ import statistics
 import time
 from urllib.parse import parse_qs, urlsplit
 
+from replystream.cli_values import positive_int
 from replystream.client import measure_reply
 from replystream.sse import encode_data
 
@@ -96,10 +97,14 @@ def measure(base: str, kind: str, events: int, streams: int, paced: bool) -> tup
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--events", type=int, default=100_000, help="events in each bulk stream")
-    ap.add_argument("--streams", type=int, default=100, help="concurrent paced streams")
-    ap.add_argument("--paced-events", type=int, default=200, help="events per paced stream")
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument(
+        "--events", type=positive_int, default=100_000, help="events in each bulk stream"
+    )
+    ap.add_argument("--streams", type=positive_int, default=100, help="concurrent paced streams")
+    ap.add_argument(
+        "--paced-events", type=positive_int, default=200, help="events per paced stream"
+    )
+    ap.add_argument("--runs", type=positive_int, default=5)
     args = ap.parse_args()
 
     spawn = multiprocessing.get_context("spawn")

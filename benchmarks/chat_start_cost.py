@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from replystream.cli_values import non_negative_float, positive_int
 from replystream.lab.local_server import READY as SERVE_READY
 from replystream.lab.local_server import announced_process
 
@@ -239,24 +240,17 @@ def table(targets: list[Target], results: dict[tuple[str, str], list[tuple[float
             )
 
 
-def pause(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a pause (0 or more ms)")
-    return value
-
-
 def ratio(value: float, peer: float) -> str:
     return f"{value / peer:.1f}" if peer > 0 else "-"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-N", "--requests", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("-N", "--requests", type=positive_int, default=1000)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument(
         "--pause-ms",
-        type=pause,
+        type=non_negative_float,
         nargs="+",
         default=[0.0],
         help="the client's pause before each request (one table per value; default 0)",
@@ -269,7 +263,19 @@ def parse_args() -> argparse.Namespace:
         help="run replystream from this source tree (repeatable; default: as installed)",
     )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    labels = [spec.partition("=")[0] for spec in args.src]
+    for spec in args.src:
+        # Without a label its rows cannot be told apart; without replystream in PATH the
+        # servers would run the installed one under the label, measuring something else.
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not Path(path, "replystream").is_dir():
+            parser.error(
+                f"argument --src: want LABEL=PATH to a folder holding replystream, got {spec!r}"
+            )
+        if labels.count(label) > 1:
+            parser.error(f"argument --src: the label {label!r} is given twice")
+    return args
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
+from replystream.cli_values import int_at_least, positive_int
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
@@ -143,13 +144,20 @@ def transformers_tokens_per_second(model: TinyModel, prompt: list[int], new: int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--blas-threads", type=int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=40)
+    # At least 2: the batch's prompts run from half of it to all of it, none empty.
+    parser.add_argument("--prompt-tokens", type=int_at_least(2), default=64)
+    parser.add_argument("--blas-threads", type=positive_int, default=1)
     args = parser.parse_args()
 
     model = TinyModel.load(ASSETS)
     prompt = ByteTokenizer(ASSETS / "tokenizer.json").encode(PROMPT)[: args.prompt_tokens]
+    context = model.config.context
+    if len(prompt) + args.steps > context:  # each step is one more position
+        parser.error(
+            f"argument --steps: at most {context - len(prompt)} after a prompt of "
+            f"{len(prompt)} tokens (the model's context is {context}), got {args.steps}"
+        )
     bandwidth = memory_bandwidth()
     print(
         f"model: {model.parameter_count:,} parameters, {model.weight_bytes / 2**20:.2f} MiB "

@@ -39,12 +39,18 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
+from replystream.cli_values import positive_int
 from replystream.engine.gguf_engine import GGUF_ENGINE_DEFAULTS, load_gguf_model
 from replystream.engine.kv_cache import PagedKVCache
 from replystream.engine.model import Chunk, TinyModel
 from replystream.engine.smollm2_weights import SMOLLM2_INSTALL, smollm2_path
 
 PREFIX = 64  # prompt tokens per sequence before decode is timed
+
+
+def counts(text: str) -> list[int]:
+    """Comma-separated whole numbers >= 1 (batch sizes, prompt lengths)."""
+    return [positive_int(part) for part in text.split(",")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,21 +242,29 @@ def ratio(a: float, b: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batches", default="1,4,16,32")
-    parser.add_argument("--ttft", default="128,1024,4096")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=8)
+    parser.add_argument("--batches", type=counts, default="1,4,16,32")
+    parser.add_argument("--ttft", type=counts, default="128,1024,4096")
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama-cpp-python's figures")
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    lengths = [int(n) for n in args.ttft.split(",")]
+    batches: list[int] = args.batches
+    lengths: list[int] = args.ttft
     path = smollm2_path()
     if path is None:
         raise SystemExit(f"the SmolLM2 weights are not installed: {SMOLLM2_INSTALL}")
     wall, cpu = time.perf_counter(), time.process_time()
     _, model, _ = load_gguf_model(path)
     load = Took(time.perf_counter() - wall, time.process_time() - cpu)
+    context = model.config.context  # known once loaded; every position must fall in it
+    if PREFIX + args.steps > context:
+        parser.error(
+            f"argument --steps: at most {context - PREFIX} (the model's context is "
+            f"{context}, after a prompt of {PREFIX}), got {args.steps}"
+        )
+    if max(lengths) > context:
+        parser.error(f"argument --ttft: at most the model's context, {context}, got {max(lengths)}")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"model: {path.name}, {model.parameter_count:,} parameters")
     print(

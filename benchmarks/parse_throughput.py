@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from replystream.cli_values import positive_int
 from replystream.sse import EventParser, encode_data
 
 
@@ -49,8 +50,8 @@ def median_rate(run: Callable[[], int], n_events: int, runs: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--events", type=int, default=100_000)
-    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--events", type=positive_int, default=100_000)
+    ap.add_argument("--runs", type=positive_int, default=7)
     args = ap.parse_args()
 
     body = token_stream(args.events)

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from replystream.cli_values import positive_int
 from replystream.delivery.choices import ChoicesPipeline
 from replystream.delivery.openai_formats import OpenAIStreamFormat
 from replystream.delivery.pipeline import ReplyPipeline
@@ -92,8 +93,8 @@ def timed(run: Run, tokens: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--tokens", type=positive_int, default=2000)
+    parser.add_argument("--rounds", type=positive_int, default=15)
     args = parser.parse_args()
     settings = {
         "plain": plain(args.tokens),

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from replystream.cli_values import non_negative_int, positive_int
 from replystream.engine.base import GenerationRequest, SamplingParams
 from replystream.lab.lab_engines import LabEngine, load_lab_engine
 from replystream.server.tool_requests import prompt_of
@@ -75,10 +76,10 @@ async def conversation(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default="smollm2")
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--system-words", type=int, default=150)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--turns", type=positive_int, default=4)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--system-words", type=non_negative_int, default=150)
+    parser.add_argument("--tokens", type=positive_int, default=16)
     args = parser.parse_args()
     lab = load_lab_engine(args.engine, time.perf_counter)
     system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_words)).capitalize() + "."

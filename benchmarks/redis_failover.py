@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tests.failover_scenario import run
 
+from replystream.cli_values import positive_int
+
 
 async def main(replies: int, runs: int) -> None:
     failovers, stalls = [], []
@@ -34,7 +36,7 @@ async def main(replies: int, runs: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--replies", type=int, default=200)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--replies", type=positive_int, default=200)
+    parser.add_argument("--runs", type=positive_int, default=3)
     options = parser.parse_args()
     asyncio.run(main(options.replies, options.runs))

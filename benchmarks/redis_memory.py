@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tests.redis_server import redis_server
 
+from replystream.cli_values import positive_int
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 
@@ -107,5 +108,5 @@ async def main(replies: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--replies", type=int, default=300)
+    parser.add_argument("--replies", type=positive_int, default=300)
     asyncio.run(main(parser.parse_args().replies))

@@ -19,7 +19,9 @@ import json
 import statistics
 import time
 
+from replystream.cli_values import int_between, positive_int, schedule_ms
 from replystream.client.transport import connect, http_request
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import local_server
 from replystream.sse import EventParser
 from replystream.stats import percentile
@@ -81,8 +83,8 @@ async def main(rounds: int, tokens: int, delay_ms: float) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=60)
-    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--rounds", type=positive_int, default=20)
+    parser.add_argument("--tokens", type=int_between(1, MAX_TOKENS_LIMIT), default=60)
+    parser.add_argument("--delay-ms", type=schedule_ms, default=20.0)
     args = parser.parse_args()
     asyncio.run(main(args.rounds, args.tokens, args.delay_ms))

@@ -20,12 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from replystream.cli_values import int_between, positive_int
 from replystream.client.transport import http_request
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import serve_process
 from replystream.sse import EventParser
 from replystream.stats import percentile
 
 TICKS = os.sysconf("SC_CLK_TCK")
+# Each reply is cut after this many events and resumed from half of them: its reply must
+# be at least this many tokens long to be cut while it streams.
+CUT_AT = 20
 
 
 def cpu_seconds(pid: int) -> float:
@@ -93,11 +98,11 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
         memory_url, redis_a, redis_b = memory.url, redis_a_server.url, redis_b_server.url
         same, other, local = [], [], []
         for _ in range(args.repeats):
-            reply_id = await start_and_cut(memory_url, 20)
-            local.append(await first_event_after(memory_url, reply_id, 10))
-            reply_id = await start_and_cut(redis_a, 20)
-            same.append(await first_event_after(redis_a, reply_id, 10))
-            other.append(await first_event_after(redis_b, reply_id, 10))
+            reply_id = await start_and_cut(memory_url, CUT_AT)
+            local.append(await first_event_after(memory_url, reply_id, CUT_AT // 2))
+            reply_id = await start_and_cut(redis_a, CUT_AT)
+            same.append(await first_event_after(redis_a, reply_id, CUT_AT // 2))
+            other.append(await first_event_after(redis_b, reply_id, CUT_AT // 2))
         print(f"Reconnect to first replayed event ({args.repeats} resumes each)")
         print(f"  memory store, same replica      {summary(local)}")
         print(f"  Redis store, same replica       {summary(same)}")
@@ -122,9 +127,9 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--replies", type=int, default=40)
-    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--repeats", type=positive_int, default=20)
+    parser.add_argument("--replies", type=positive_int, default=40)
+    parser.add_argument("--tokens", type=int_between(CUT_AT, MAX_TOKENS_LIMIT), default=400)
     args = parser.parse_args()
     redis_binary = shutil.which("redis-server") or "/usr/sbin/redis-server"
     with socket.socket() as probe:

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from replystream.cli_values import positive_float, positive_int
 from replystream.lab.local_server import serve_process
 
 
@@ -41,9 +42,9 @@ def slow_cuts(url: str) -> int:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=500)
-    parser.add_argument("--slow-client-bytes", type=int, default=1 << 20)
-    parser.add_argument("--slow-client-s", type=float, default=5.0)
+    parser.add_argument("--clients", type=positive_int, default=500)
+    parser.add_argument("--slow-client-bytes", type=positive_int, default=1 << 20)
+    parser.add_argument("--slow-client-s", type=positive_float, default=5.0)
     args = parser.parse_args()
     word = "z" * 16000  # big tokens: the socket fills after a few hundred of them
     server_args = ["--engine", "simulated", "--reply-text", word, "--tokens", "2000"]

@@ -40,8 +40,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
+from replystream.cli_values import float_between, int_between, positive_int
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import READY, announced_process
 
 
@@ -233,9 +236,9 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--top", type=int, default=20, help="top_logprobs (0-20)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int_between(1, MAX_TOKENS_LIMIT), default=4096)
+    parser.add_argument("--top", type=int_between(0, 20), default=20, help="top_logprobs (0-20)")
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument(
         "--api",
         choices=["chat", "responses", "previous", "cancel"],
@@ -244,22 +247,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokens tokens (previous_response_id); cancel: a cancel of such a background "
         "response, ended",
     )
-    parser.add_argument("--delay-ms", type=float, default=1.0, help="the server's token time")
+    parser.add_argument(
+        "--delay-ms",
+        type=float_between(0.0, 60_000.0, strict=True),
+        default=1.0,
+        help="the server's token time",
+    )
     parser.add_argument("--src", action="append", default=[], metavar="LABEL=PATH")
     parser.add_argument(
         "--redis-url", help="the servers keep their reply logs in this Redis (a running one)"
     )
     args = parser.parse_args(argv)
-    if args.tokens < 1:
-        parser.error("--tokens must be at least 1")
-    if not 0 <= args.top <= 20:
-        parser.error("--top must be 0-20")
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    if args.delay_ms <= 0:
-        parser.error("--delay-ms must be above 0")
-    if any("=" not in s for s in args.src):
-        parser.error("--src takes LABEL=PATH")
+    labels = [spec.partition("=")[0] for spec in args.src]
+    for spec in args.src:
+        # Without a label its rows cannot be told apart; without replystream in PATH the
+        # server would run the installed one under the label, measuring something else.
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not Path(path, "replystream").is_dir():
+            parser.error(
+                f"argument --src: want LABEL=PATH to a folder holding replystream, got {spec!r}"
+            )
+        if labels.count(label) > 1:
+            parser.error(f"argument --src: the label {label!r} is given twice")
     return args
 
 

@@ -112,3 +112,34 @@ def test_the_soak_refuses_a_run_it_cannot_make_before_it_starts(
 ) -> None:
     # Before: no replies or no workers waited forever, no asks was a traceback.
     refused(run_script("soak/run.py", "--engine", "simulated", *args, timeout_s=30), words)
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "words"),
+    [
+        # Before, each of these was a traceback after some of the run, or never ended.
+        ("batching_delay.py", ["--tokens", "0"], "argument --tokens"),
+        ("batching_delay.py", ["--delay-ms", "0"], "argument --delay-ms"),
+        ("bench_client_parse.py", ["--runs", "0"], "argument --runs"),
+        ("chat_start_cost.py", ["-N", "0"], "argument -N/--requests"),
+        ("chat_start_cost.py", ["--src", "nolabel"], "argument --src: want LABEL=PATH"),
+        ("engine_decode.py", ["--steps", "200"], "argument --steps: at most 192"),
+        ("model_decode.py", ["--batches", "1,0"], "argument --batches"),
+        ("pipeline_options.py", ["--tokens", "0"], "argument --tokens"),
+        ("relay_latency.py", ["--rounds", "0"], "argument --rounds"),
+        ("resume.py", ["--tokens", "5"], "argument --tokens"),
+        ("stalled_clients.py", ["--clients", "0"], "argument --clients"),
+        ("whole_reply_stall.py", ["--src", "x"], "argument --src"),
+        ("delivery/start_cost.py", ["-N", "0"], "argument -N/--requests"),
+        ("delivery/memory_breakdown.py", ["-C", "0"], "argument -C/--concurrency"),
+        ("delivery/redis_write_cost.py", ["--replies", "0"], "argument --replies"),
+        ("delivery/bare_app.py", ["--port", "-1"], "argument --port"),
+        ("relay/layer_cost.py", ["--seconds", "0"], "argument --seconds"),
+        ("relay/embeddings_answer.py", ["--inputs", "4", "0"], "argument --inputs"),
+        ("relay/byte_pipe.py", ["--upstream", "localhost:0"], "argument --upstream"),
+    ],
+)
+def test_a_benchmark_refuses_a_count_or_duration_it_cannot_run_with(
+    script: str, args: list[str], words: str
+) -> None:
+    refused(run_script(script, *args, timeout_s=30), words)

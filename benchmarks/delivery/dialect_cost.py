@@ -20,6 +20,8 @@ import sys
 import aiohttp
 from procstats import cpu_seconds, process_tree
 
+from replystream.cli_values import int_between, positive_int
+from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import READY_PREFIX, stop_process
 from replystream.sse import EventParser
 
@@ -81,9 +83,11 @@ async def one_round(
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-C", "--streams", type=int, default=200, help="replies at once")
-    parser.add_argument("--tokens", type=int, default=120, help="tokens per reply")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("-C", "--streams", type=positive_int, default=200, help="replies at once")
+    parser.add_argument(
+        "--tokens", type=int_between(1, MAX_TOKENS_LIMIT), default=120, help="tokens per reply"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=3)
     args = parser.parse_args()
     process = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -31,6 +31,8 @@ from procstats import memory_kib, raise_nofile
 from run import WARMUP_STREAMS, WARMUP_TOKENS, run_client
 from workload import stream_seeds
 
+from replystream.cli_values import int_between, non_negative_float, positive_int
+
 OURS = "/replystream/"
 
 
@@ -165,12 +167,14 @@ def traced_tables(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", choices=["replystream", "bare"], default="replystream")
-    parser.add_argument("-C", "--concurrency", type=int, default=1000)
-    parser.add_argument("--after-s", type=float, default=3.0, help="when to look, from the burst")
-    parser.add_argument("--top", type=int, default=30, help="rows per table")
+    parser.add_argument("-C", "--concurrency", type=positive_int, default=1000)
+    parser.add_argument(
+        "--after-s", type=non_negative_float, default=3.0, help="when to look, from the burst"
+    )
+    parser.add_argument("--top", type=positive_int, default=30, help="rows per table")
     parser.add_argument(
         "--frames",
-        type=int,
+        type=int_between(1, 65535),  # tracemalloc's own range
         default=1,
         help="stack frames kept per allocation: more finds the replystream call behind a "
         "library's allocation, but slows the server so that it falls behind the schedule",

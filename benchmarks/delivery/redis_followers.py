@@ -19,6 +19,7 @@ from collections import Counter
 
 from tier import started_redis
 
+from replystream.cli_values import positive_int
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo, StoreUnavailable
 
@@ -88,8 +89,8 @@ async def measure(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readers", type=int, default=90)
-    parser.add_argument("--entries", type=int, default=20)
+    parser.add_argument("--readers", type=positive_int, default=90)
+    parser.add_argument("--entries", type=positive_int, default=20)
     asyncio.run(measure(parser.parse_args()))
 
 

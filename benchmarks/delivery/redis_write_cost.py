@@ -20,6 +20,7 @@ import time
 
 from tier import started_redis
 
+from replystream.cli_values import positive_int
 from replystream.delivery.redis_store import RedisReplayStore
 from replystream.delivery.replay import LogEntry, ReplyInfo
 
@@ -56,9 +57,9 @@ async def measure(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replies", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--flushes", type=int, default=20, help="per round")
+    parser.add_argument("--replies", type=positive_int, default=1000)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--flushes", type=positive_int, default=20, help="per round")
     asyncio.run(measure(parser.parse_args()))
 
 

@@ -58,6 +58,11 @@ def main() -> None:
         "--loop", default="asyncio", help="uvicorn's event loop (auto picks uvloop if installed)"
     )
     args = parser.parse_args()
+    # Checked by hand: a peer measured against replystream loads none of its code.
+    if not 0 <= args.port <= 65535:
+        parser.error(
+            f"argument --port: want a port from 0 to 65535 (0 picks a free one), got {args.port}"
+        )
     raise_nofile()
     # Bind here so a free port is known before serving; uvicorn serves on this socket.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -21,6 +21,8 @@ from run import run_client
 from servers import SERVER_NAMES, started_server
 from workload import stream_seeds
 
+from replystream.cli_values import positive_int
+
 
 async def one_burst(name: str, requests: int) -> tuple[float, float, float]:
     """User and system CPU (µs per request) and lateness p99 (ms) of one burst on a fresh server."""
@@ -42,8 +44,8 @@ async def one_burst(name: str, requests: int) -> tuple[float, float, float]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-N", "--requests", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("-N", "--requests", type=positive_int, default=1000)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument(
         "--servers", nargs="+", choices=SERVER_NAMES, default=["replystream", "bare"]
     )

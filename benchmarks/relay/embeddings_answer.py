@@ -44,6 +44,7 @@ from aiohttp import web
 from pydantic_core import from_json, to_json
 
 from relay.relays import free_port, wait_http
+from replystream.cli_values import positive_int
 from replystream.engine import upstream_embeddings
 from replystream.engine.base import Embeddings
 from replystream.engine.embeddings_answer import checked_answer
@@ -217,9 +218,9 @@ async def through_relay(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--inputs", type=int, nargs="+", default=[256, 2048])
-    parser.add_argument("--dims", type=int, default=1536)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--inputs", type=positive_int, nargs="+", default=[256, 2048])
+    parser.add_argument("--dims", type=positive_int, default=1536)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--through-relay", action="store_true")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument(

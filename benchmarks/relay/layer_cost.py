@@ -35,6 +35,7 @@ from procstats import cpu_seconds, raise_nofile
 from relay.layer_probe import LAYERS
 from relay.relays import upstream_server
 from relay.upstream_server import MARKER
+from replystream.cli_values import positive_float, positive_int
 from replystream.lab.local_server import READY, announced_process
 
 PROBE = Path(__file__).resolve().parent / "layer_probe.py"
@@ -158,8 +159,8 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-C", "--concurrency", type=int, default=100)
-    parser.add_argument("--seconds", type=float, default=8.0, help="measured per run")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per layer")
+    parser.add_argument("-C", "--concurrency", type=positive_int, default=100)
+    parser.add_argument("--seconds", type=positive_float, default=8.0, help="measured per run")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="runs per layer")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
     asyncio.run(main(parser.parse_args()))

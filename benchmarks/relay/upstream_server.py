@@ -259,6 +259,11 @@ def main() -> None:
         help="from the response head to the first chunk (default 0: the first comes with it)",
     )
     args = parser.parse_args()
+    # Checked by hand: a peer measured against replystream loads none of its code.
+    if not 0 <= args.port <= 65535:
+        parser.error(
+            f"argument --port: want a port from 0 to 65535 (0 picks a free one), got {args.port}"
+        )
     if args.processes < 1 or args.chunks < 1 or args.interval_ms <= 0:
         parser.error("--processes and --chunks must be at least 1, --interval-ms positive")
     if args.first_chunk_ms < 0:
