@@ -117,12 +117,11 @@ async def measure(args: argparse.Namespace, redis_url: str) -> None:
             f"Server CPU per event ({args.replies} resumable replies of "
             f"{args.tokens} tokens at once)"
         )
-        print(f"  memory store  {costs['memory']:6.1f} us")
-        print(
-            f"  Redis store   {costs['redis']:6.1f} us "
-            f"(+{costs['redis'] - costs['memory']:.1f} us, "
-            f"x{costs['redis'] / costs['memory']:.2f})"
-        )
+        memory_us, redis_us = costs["memory"], costs["redis"]
+        # A few replies may cost the memory store less than one clock tick (10 ms): no ratio.
+        times = f"x{redis_us / memory_us:.2f}" if memory_us else "x -"
+        print(f"  memory store  {memory_us:6.1f} us")
+        print(f"  Redis store   {redis_us:6.1f} us (+{redis_us - memory_us:.1f} us, {times})")
 
 
 def main() -> None:
