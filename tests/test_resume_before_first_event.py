@@ -17,9 +17,13 @@ from pathlib import Path
 
 import aiohttp
 
+from replystream.delivery.replay import MemoryReplayStore, ReplyInfo
+from replystream.server import create_app, running
 from replystream.server.responses_stored import FIRST_EVENT_WAIT_S
 from replystream.sse import EventParser
+from tests.conftest import fast_engine
 from tests.processes import replica, start_server, stop
+from tests.rawhttp import raw_request
 from tests.redis_server import redis_server
 
 SLOW_START = ("--engine", "simulated", "--first-token-ms", "60000", "--resumable-by-default")
@@ -75,3 +79,33 @@ async def test_a_messages_reply_resumed_before_its_first_token_is_answered_at_on
     finally:
         await stop(process)
     assert waited_s < FIRST_EVENT_WAIT_S - 0.2  # (it was answered after that wait, whole)
+
+
+class _DeletedAfterALook(MemoryReplayStore):
+    """A store whose reply is deleted right after its second look at the reply (a resume's
+    first look finds it; its second tells it has a dialect stored, so no event is waited
+    for): a DELETE from another connection landing between a resume's reads."""
+
+    looks = 0
+
+    async def info(self, reply_id: str) -> ReplyInfo | None:
+        found = await super().info(reply_id)
+        self.looks += 1
+        if self.looks == 2:
+            await self.delete(reply_id)
+        return found
+
+
+async def test_a_reply_deleted_between_a_resumes_reads_is_not_followed_in_our_dialect():
+    # Its log held no event yet, and its dialect (stored with it) was seen; deleted before
+    # the notices were chosen, its dialect could not be told, and the resume began a stream
+    # in ours whose deletion notice a Responses client cannot read. It is a 404 now.
+    store = _DeletedAfterALook()
+    app = create_app(fast_engine(), store=store)
+    async with running(app) as url:
+        await store.create(ReplyInfo("r4", dialect="responses"))
+        answer = await raw_request(f"{url}/v1/replies/r4/stream")
+        async with asyncio.timeout(30):
+            body = await answer.read_body()
+    assert answer.status == 404, body
+    assert json.loads(body)["error"]["code"] == "reply_not_found"

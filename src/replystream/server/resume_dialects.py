@@ -59,7 +59,7 @@ async def follow_resumed(
     head = await _head(reply_id, store)
     if head is None:
         raise gone or HTTPAPIError(404, "no such reply", code="reply_not_found")
-    notices, keepalive = await _notices_from(head, reply_id, store, after)
+    notices, keepalive = await _notices_from(head, reply_id, store, after, gone)
     return follow_reply(
         request,
         reply_id=reply_id,
@@ -89,16 +89,21 @@ async def _head(reply_id: str, store: ReplayStore) -> ReadResult | None:
 async def _dialect_stored(reply_id: str, store: ReplayStore) -> bool:
     """Whether the reply's route stored its dialect with it (every route but ours): then no
     event need be waited for to know it."""
-    return await _stored_dialect(reply_id, store) != ""
+    return bool(await _stored_dialect(reply_id, store))
 
 
-async def _stored_dialect(reply_id: str, store: ReplayStore) -> str:
+async def _stored_dialect(reply_id: str, store: ReplayStore) -> str | None:
+    """The dialect the reply's route stored with it ("": ours); None: the reply is gone."""
     info = await store.info(reply_id)
-    return "" if info is None else info.dialect
+    return None if info is None else info.dialect
 
 
 async def _notices_from(
-    head: ReadResult | None, reply_id: str, store: ReplayStore, after: int
+    head: ReadResult | None,
+    reply_id: str,
+    store: ReplayStore,
+    after: int,
+    gone: HTTPAPIError | None = None,
 ) -> tuple[Notices | None, bytes]:
     first = head.entries[0] if head is not None and head.entries else None
     if first is not None:
@@ -111,6 +116,10 @@ async def _notices_from(
     # The dialect its route stored with it.
     try:
         dialect = await _stored_dialect(reply_id, store)
+        if dialect is None:
+            # Deleted (or expired) since its log was first read: its dialect can no longer be
+            # told, and a stream begun in ours would say so in words its client cannot read.
+            raise gone or HTTPAPIError(404, "no such reply", code="reply_not_found")
         if dialect == anthropic_format.DIALECT:
             return anthropic_format.ReaderNotices(), PING
         if dialect == openai_formats.DIALECT:
