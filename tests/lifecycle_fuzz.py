@@ -7,10 +7,14 @@ again from an earlier event. Every reader's events are checked as they come:
 
 - ids (and a response's sequence numbers) go up by one within a stream, from where it
   started; only an ending the reader itself was told (no id of its own) repeats the last;
-- every reader that sees an event id sees the same text under it, and the text of a reply,
-  joined in id order, is a beginning of the simulated engine's text (which is fixed for a
-  length): no text twice at a seam, none lost;
-- a reply said complete has the whole text; a stored response polled has a beginning of it;
+- every reader that sees an event id sees the same text under it, and the text of a reply
+  (of each of its choices), joined in id order, is a beginning of the simulated engine's text
+  (which is fixed for a length) as its request's stop strings and the server's banned phrase
+  cut it (``lifecycle_expect``): no text twice at a seam, none lost, no part of a stop string
+  and never the whole banned phrase;
+- a reply said complete has the whole text, and says it finished as its request makes it
+  finish (its token limit, a stop string, moderation); a stored response polled has a
+  beginning of it; each piece of text has its tokens' log probabilities when asked for;
 - every request is answered within a generous bound, never with a 5xx, and a 4xx is in the
   route's error format.
 
@@ -32,14 +36,21 @@ from typing import Any
 
 import aiohttp
 
-from replystream.engine.simulated import DEFAULT_REPLY, reply_of_length
 from replystream.sse import EventParser
+from tests.lifecycle_expect import (
+    MAX_TOKENS,
+    Expected,
+    expected,
+    finishes,
+    logprob_entries,
+    logprob_problem,
+    overlaps_ban,
+    pieces,
+    reference,
+    response_finish,
+)
 
 HANG_S = 30.0  # no request of the driver may take longer than this
-
-
-def reference(max_tokens: int) -> str:
-    return reply_of_length(DEFAULT_REPLY, max_tokens) + " "
 
 
 ROUTES = (
@@ -69,7 +80,13 @@ class Reply:
     max_tokens: int
     resumable: bool
     reply_id: str | None = None
-    texts: dict[int, str] = field(default_factory=dict)  # event id -> text it carried
+    n: int = 1  # choices
+    stops: tuple[str, ...] = ()
+    window: int = 0  # hold-back tokens asked for
+    top_logprobs: int | None = None  # alternatives asked for with log probabilities
+    # event id -> the (choice, text) pairs it carried
+    texts: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+    finishes: set[tuple[int, str, str | None]] = field(default_factory=set)  # told
     complete_told: int = 0  # readers told it ended whole
     cancel_asked: bool = False
     deleted: bool = False
@@ -81,8 +98,8 @@ class Reply:
     left_alone: bool = False  # a resume came after a pause that may outlast the detach grace
 
     @property
-    def full(self) -> str:
-        return reference(self.max_tokens)
+    def expect(self) -> Expected:
+        return expected(self.max_tokens, self.stops, self.window)
 
     @property
     def dialect(self) -> str:
@@ -106,35 +123,24 @@ class Run:
     failures: list[str] = field(default_factory=list)
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     replies: list[Reply] = field(default_factory=list)
+    dead: set[str] = field(default_factory=set)  # servers killed during the run
+
+    @property
+    def live(self) -> list[str]:
+        return [url for url in self.urls if url not in self.dead]
 
     def fail(self, reply: Reply | None, what: str) -> None:
         where = f"[{reply.seed} {reply.route} {reply.reply_id} {reply.body}] " if reply else ""
         self.failures.append(f"seed {self.seed} {where}{what}")
 
 
-def text_of(dialect: str, event_type: str, data: Any) -> str:
-    """The reply text one event carries in its dialect."""
-    if not isinstance(data, dict):
-        return ""
-    if dialect == "native":
-        return str(data.get("text", "")) if event_type == "token" else ""
-    if dialect == "chat":
-        choices = data.get("choices") or []
-        return str(choices[0]["delta"].get("content") or "") if choices else ""
-    if dialect == "responses":
-        return str(data.get("delta", "")) if event_type == "response.output_text.delta" else ""
-    if event_type == "content_block_delta" and data["delta"].get("type") == "text_delta":
-        return str(data["delta"]["text"])
-    return ""
-
-
 def ending_of(dialect: str, event_type: str, raw: str, data: Any) -> str | None:
     """How a stream ends at this event: ``complete``, ``cancelled``, ``error:CODE`` or
     ``failed:...``; None for an event that does not end it."""
     if dialect == "native":
-        if event_type == "done":
+        if event_type in ("done", "moderated"):
             return "complete"
-        if event_type in ("error", "moderated", "gap"):
+        if event_type in ("error", "gap"):
             code = data.get("error", data).get("code") if isinstance(data, dict) else None
             return f"error:{code}" if event_type == "error" else event_type
         return None
@@ -169,7 +175,7 @@ class Driver:
         self.http = http
 
     def url(self, rng: random.Random) -> str:
-        return rng.choice(self.run.urls)
+        return rng.choice(self.run.live)
 
     async def bounded(self, reply: Reply | None, what: str, call: Awaitable[Any]) -> Any:
         try:
@@ -263,12 +269,20 @@ class Driver:
                             reply, f"{what}: sequence {number} at id {event_id} ({event.type})"
                         )
                 if logged:
-                    text = text_of(dialect, event.type, data)
+                    text = pieces(dialect, event.type, data)
                     known = reply.texts.setdefault(event_id, text)
                     if known != text:
                         self.run.fail(
                             reply, f"{what}: id {event_id} text {text!r}, another saw {known!r}"
                         )
+                    for told in finishes(dialect, event.type, data):
+                        reply.finishes.add(told)
+                        self.run.counts[f"finish {dialect} {told[1]}"] += 1
+                    if reply.top_logprobs is not None:
+                        for piece, entries in logprob_entries(dialect, event.type, data):
+                            problem = logprob_problem(piece, entries, reply.top_logprobs)
+                            if problem:
+                                self.run.fail(reply, f"{what}: id {event_id} {problem}")
                     if ending is not None:
                         reply.final_ids.add(event_id)
                     last = event_id
@@ -304,6 +318,8 @@ class Driver:
         route = reply.route
         if route.startswith("native"):
             body: dict[str, Any] = {"prompt": "x", "max_tokens": n}
+            if reply.stops:
+                body["stop"] = list(reply.stops)
             if route == "native_whole":
                 body["stream"] = False
             elif reply.resumable:
@@ -318,6 +334,12 @@ class Driver:
             }
             if route == "chat" and reply.resumable:
                 body["resumable"] = True
+            if reply.stops:
+                body["stop"] = list(reply.stops)
+            if reply.n > 1:
+                body["n"] = reply.n
+            if reply.top_logprobs is not None:
+                body.update(logprobs=True, top_logprobs=reply.top_logprobs)
             if route == "chat" and rng.random() < 0.5:
                 body["stream_options"] = {"include_usage": True}
             return "/v1/chat/completions", body
@@ -330,8 +352,14 @@ class Driver:
             }
             if reply.resumable:
                 body["replystream"] = {"resumable": True}
+            if reply.stops:
+                body["stop_sequences"] = list(reply.stops)
             return "/v1/messages", body
         body = {"model": "simulated", "input": "x", "max_output_tokens": n}
+        if reply.stops:
+            body["replystream"] = {"stop": list(reply.stops)}
+        if reply.top_logprobs is not None:
+            body.update(include=["message.output_text.logprobs"], top_logprobs=reply.top_logprobs)
         if route == "responses":
             body["stream"] = True
             if rng.random() < 0.3:
@@ -350,7 +378,7 @@ class Driver:
             extra["batch_tokens"] = rng.randint(1, 6)
         if rng.random() < 0.2:
             extra["batch_ms"] = rng.choice([0, 1, 5, 20])
-        if rng.random() < 0.15:
+        if rng.random() < 0.3:
             extra["holdback_tokens"] = rng.randint(0, 5)
         return extra
 
@@ -362,6 +390,7 @@ class Driver:
             return
         path, body = self.start_body(reply, rng)
         extra = self.delivery(rng)
+        reply.window = extra.get("holdback_tokens", 0)
         if extra and reply.dialect in ("responses", "messages"):
             body["replystream"] = {**body.get("replystream", {}), **extra}
         else:
@@ -433,23 +462,44 @@ class Driver:
     def check_whole(self, reply: Reply, body: dict[str, Any]) -> None:
         route = reply.route
         if route == "native_whole":
-            text, done = body["text"], True
+            told = [(0, body["text"], body["finish_reason"], body.get("stop_sequence"))]
         elif route == "chat_whole":
-            text, done = body["choices"][0]["message"]["content"], True
+            told = [
+                (c["index"], c["message"]["content"], c["finish_reason"], None)
+                for c in body["choices"]
+            ]
+            if sorted(c for c, *_ in told) != list(range(reply.n)):
+                self.run.fail(reply, f"whole chat choices {[c for c, *_ in told]}")
+            for choice in body["choices"]:
+                if reply.top_logprobs is not None and choice["message"]["content"]:
+                    entries = (choice.get("logprobs") or {}).get("content")
+                    problem = logprob_problem(
+                        choice["message"]["content"], entries, reply.top_logprobs
+                    )
+                    if problem:
+                        self.run.fail(reply, f"whole chat: {problem}")
         else:
             status = body["status"]
             if route == "responses_bg":
                 if status not in ("queued", "in_progress"):
                     self.run.fail(reply, f"background POST status {status}")
                 return
-            text = response_text(body)
-            done = status in ("completed", "incomplete")
-            if not done and not (status == "cancelled" and reply.cancel_asked):
-                self.run.fail(reply, f"whole response status {status}: {body.get('error')}")
-        if done and text != reply.full:
-            self.run.fail(reply, f"whole text {text!r} != {reply.full!r}")
-        elif not reply.full.startswith(text):
-            self.run.fail(reply, f"whole text {text!r} not a beginning")
+            if status not in ("completed", "incomplete"):
+                if not (status == "cancelled" and reply.cancel_asked):
+                    self.run.fail(reply, f"whole response status {status}: {body.get('error')}")
+                told = [(0, response_text(body), None, None)]
+            else:
+                finish = response_finish(body)[0][1]
+                told = [(0, response_text(body), finish, None)]
+        expect = reply.expect
+        for choice, text, finish, stop in told:
+            finish = {"content_filter": "moderated"}.get(finish, finish)
+            if finish is not None and (text, finish) != (expect.whole, expect.finish):
+                self.run.fail(reply, f"whole {choice}: {finish} with {text!r}, expected {expect}")
+            elif not expect.whole.startswith(text):
+                self.run.fail(reply, f"whole text {text!r} not a beginning of {expect.whole!r}")
+            if stop is not None and stop != expect.stop:
+                self.run.fail(reply, f"whole {choice}: stopped at {stop!r}, expected {expect}")
 
     # --- resumes --------------------------------------------------------------------------
 
@@ -565,9 +615,12 @@ class Driver:
     def check_object(self, reply: Reply, body: dict[str, Any], what: str) -> None:
         status = body["status"]
         text = response_text(body)
-        if status in ("completed", "incomplete") and text != reply.full:
-            self.run.fail(reply, f"{what}: {status} with text {text!r}")
-        elif not reply.full.startswith(text):
+        expect = reply.expect
+        if status in ("completed", "incomplete"):
+            finish = response_finish(body)[0][1]
+            if finish != expect.finish or not told_whole(expect, text):
+                self.run.fail(reply, f"{what}: {status} ({finish}) with {text!r}: {expect}")
+        elif not expect.most.startswith(text):
             self.run.fail(reply, f"{what}: {status} text {text!r} not a beginning")
         if status in ("failed",):
             self.run.fail(reply, f"{what}: failed {body.get('error')}")
@@ -608,6 +661,8 @@ class Driver:
             }
             if reply.resumable:
                 message["resumable"] = True
+            if reply.stops:
+                message["stop"] = list(reply.stops)
             await ws.send_json(message)
             async for frame in ws:
                 if frame.type != aiohttp.WSMsgType.TEXT:
@@ -626,13 +681,14 @@ class Driver:
                 if seq != last + 1:
                     self.run.fail(reply, f"ws seq {seq} after {last}")
                 last = seq
-                text = data["data"].get("text", "") if kind == "token" else ""
+                text = pieces("native", kind, data["data"])
                 known = reply.texts.setdefault(seq, text)
                 if known != text:
                     self.run.fail(reply, f"ws: seq {seq} text {text!r}, another saw {known!r}")
+                reply.finishes.update(finishes("native", kind, data["data"]))
                 if kind in ("done", "error", "moderated"):
                     reply.final_ids.add(seq)
-                    ending = "complete" if kind == "done" else f"error:{data['data']}"
+                    ending = "complete"
                     if kind == "error":
                         ending = f"error:{data['data']['error']['code']}"
                     if ending == "complete":
@@ -651,25 +707,43 @@ class Driver:
     # --- after ----------------------------------------------------------------------------
 
     def check_reply(self, reply: Reply) -> None:
-        """The reply's text in id order is a beginning of the engine's text; whole if told."""
+        """Each choice's text in id order is a beginning of what the request makes; whole if
+        told it ended, and finished as the request makes it finish."""
+        expect = reply.expect
+        for choice, finish, stop in sorted(reply.finishes, key=str):
+            # Chat and Responses do not name the stop string (OpenAI's do not).
+            named = expect.stop if reply.dialect in ("native", "messages") else None
+            if choice not in range(reply.n) or finish != expect.finish or stop != named:
+                self.run.fail(reply, f"choice {choice} told {finish} {stop!r}: {expect}")
         if not reply.texts:
             return
         ids = sorted(reply.texts)
-        joined = ""
+        joined = [""] * reply.n
         holes = False
-        for expected, event_id in enumerate(ids, start=1):
-            if event_id != expected:
+        for count, event_id in enumerate(ids, start=1):
+            if event_id != count:
                 holes = True
                 break
-            joined += reply.texts[event_id]
-        if not reply.full.startswith(joined):
-            self.run.fail(reply, f"text {joined!r} is not a beginning of {reply.full!r}")
-        if reply.complete_told and not holes and joined != reply.full:
-            self.run.fail(reply, f"told complete with text {joined!r}")
+            for choice, text in reply.texts[event_id]:
+                if choice not in range(reply.n):
+                    self.run.fail(reply, f"text of choice {choice}")
+                    return
+                joined[choice] += text
+        for choice, text in enumerate(joined):
+            if not expect.most.startswith(text):
+                self.run.fail(reply, f"choice {choice} text {text!r} not a beginning: {expect}")
+            if reply.complete_told and not holes and not told_whole(expect, text):
+                self.run.fail(reply, f"choice {choice} told complete with {text!r}: {expect}")
         if reply.odd_endings and not reply.left_alone:
             self.run.fail(reply, f"ended oddly with nobody stopping it: {reply.odd_endings}")
         if len(reply.final_ids) > 1:
             self.run.fail(reply, f"several terminal events: {sorted(reply.final_ids)}")
+
+
+def told_whole(expect: Expected, text: str) -> bool:
+    """A text told whole: exactly the whole reply's, but for the start of a banned phrase a
+    window shorter than it let out."""
+    return text.startswith(expect.whole) and expect.most_told.startswith(text)
 
 
 def response_text(body: dict[str, Any]) -> str:
@@ -681,12 +755,32 @@ def response_text(body: dict[str, Any]) -> str:
     )
 
 
+def draw_options(reply: Reply, rng: random.Random) -> None:
+    """Now and then stop strings (pieces of the engine's text, one word or across words),
+    several choices, log probabilities."""
+    if rng.random() < 0.25:
+        text = reference(MAX_TOKENS)
+        stops = []
+        for _ in range(rng.randint(1, 2)):
+            at = rng.randrange(len(text))
+            stop = text[at : at + rng.randint(1, 10)]
+            if stop.strip():
+                stops.append(stop)
+        if not overlaps_ban(reply.max_tokens, tuple(stops)):
+            reply.stops = tuple(stops)
+    if reply.route.startswith("chat") and rng.random() < 0.3:
+        reply.n = rng.randint(2, 3)
+    if reply.dialect in ("chat", "responses") and rng.random() < 0.25:
+        reply.top_logprobs = rng.randint(0, 3)
+
+
 async def client(driver: Driver, n: int, episodes: int) -> None:
     rng = random.Random(f"{driver.run.seed}:{n}")
     for e in range(episodes):
         route = rng.choice(ROUTES)
         resumable = route in ("native", "chat", "messages", "ws") and rng.random() < 0.7
-        reply = Reply(f"{n}.{e}", route, rng.randint(1, 40), resumable)
+        reply = Reply(f"{n}.{e}", route, rng.randint(1, MAX_TOKENS), resumable)
+        draw_options(reply, rng)
         await driver.episode(reply, rng)
         await asyncio.sleep(rng.uniform(0, 0.05))
 

@@ -16,12 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.lifecycle_expect import BANNED
 from tests.lifecycle_fuzz import log_problems, run
 from tests.processes import launch, ready_url, stop
 from tests.redis_server import redis_server
 
 # Fast tokens; a detach grace short enough that some resumes come after it.
-SERVE = ("--engine", "simulated", "--delay-ms", "3", "--jitter-ms", "1", "--detach-grace-s", "1")
+SERVE = (
+    *("--engine", "simulated", "--delay-ms", "3", "--jitter-ms", "1", "--detach-grace-s", "1"),
+    *("--ban", BANNED),
+)
 CLIENTS, EPISODES = 40, 8
 SEED = 22  # its plans join a reply nobody may resume between two of its reader's events
 
