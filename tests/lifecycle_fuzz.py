@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import random
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,6 +237,7 @@ class Driver:
         seen = 0
         dialect = reply.dialect
         read: list[str] = []  # the stream's events as id:type, for a failure's report
+        lost_told: str | None = None  # a Responses reader told its producer is gone
         async for chunk in response.content.iter_any():
             for event in parser.feed(chunk):
                 read.append(f"{event.id}:{event.type}")
@@ -248,6 +250,13 @@ class Driver:
                         self.run.fail(reply, f"{what}: event not JSON: {raw[:200]!r}")
                         return last, "bad"
                 ending = ending_of(dialect, event.type, raw, data)
+                if lost_told:
+                    # A lost producer's reader is told ``error``, then ``response.failed``.
+                    if not (ending or "").startswith("failed:") or not lost(
+                        data["response"]["error"]
+                    ):
+                        self.run.fail(reply, f"{what}: {event.type} after generator_lost")
+                    return last, lost_told
                 if joined and ending in ("gap", "error:events_lost"):
                     if dialect == "native":  # told of the hole: read on after it
                         last = json.loads(raw)["lost_to"]
@@ -287,24 +296,36 @@ class Driver:
                         reply.final_ids.add(event_id)
                     last = event_id
                 if ending is not None:
+                    if "generator_lost" in ending and dialect == "responses":
+                        lost_told = ending
                     if ending == "complete":
                         reply.complete_told += 1
                     elif not reply.cancel_asked and not (
-                        reply.deleted or ending.startswith("error:reply_stopped")
+                        reply.deleted
+                        or ending.startswith("error:reply_stopped")
+                        or (reply.base in self.run.dead and "generator_lost" in ending)
                     ):
                         reply.odd_endings.append(f"{what}: {ending}")
                     self.run.counts[f"ending {dialect} {ending}"] += 1
+                    if lost_told:
+                        continue
                     return last, ending
                 seen += 1
                 if stop_after is not None and seen >= stop_after:
                     return last, None
+        where = f"{response.url.scheme}://{response.url.host}:{response.url.port}"
+        if lost_told:
+            self.run.fail(reply, f"{what}: no response.failed after {lost_told}")
+            return last, lost_told
+        if where in self.run.dead:
+            self.run.counts[f"eof from the killed server {what}"] += 1
+            return last, "eof"
         if not read and after in reply.final_ids:
             # Placed at the reply's last event (another reader saw it) before this server
             # knew it ended: it had it all, so its stream just ends (a 409 once known).
             self.run.counts[f"eof placed at the end {what}"] += 1
             return last, "eof"
         self.run.counts[f"eof without ending {what}"] += 1
-        where = f"{response.url.host}:{response.url.port}"
         reply.odd_endings.append(
             f"{what}: eof after id {last} (from {where} after {after}, read {read[-8:]}; "
             f"started on {reply.base})"
@@ -591,7 +612,8 @@ class Driver:
         reply.cancel_asked = True
         if action == "delete":
             reply.deleted = True
-        async with call as response:
+        body = None
+        async with self.killed_or(base, action), call as response:
             body = await self.check_status(reply, action, response, False)
             if not reply.stored and action != "cancel_native" and response.status != 404:
                 self.run.fail(reply, f"{action} of a response not stored: {response.status}")
@@ -603,14 +625,29 @@ class Driver:
 
     async def poll(self, reply: Reply, rng: random.Random) -> str | None:
         base = self.url(rng)
-        async with self.http.get(f"{base}/v1/responses/{reply.response_id}") as response:
+        body = None
+        call = self.http.get(f"{base}/v1/responses/{reply.response_id}")
+        async with self.killed_or(base, "poll"), call as response:
             body = await self.check_status(reply, "poll", response, False)
             if not reply.stored and response.status != 404:
                 self.run.fail(reply, f"poll of a response not stored: {response.status}")
         if body is None:
-            return None
+            return "gone" if base in self.run.dead else None
         self.check_object(reply, body, "poll")
+        self.run.counts[f"poll status {body['status']}"] += 1
         return str(body["status"])
+
+    @contextlib.asynccontextmanager
+    async def killed_or(self, base: str, what: str) -> AsyncIterator[None]:
+        """A call whose server was killed under it fails on the wire, as it must."""
+        try:
+            yield
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            if base not in self.run.dead:
+                raise
+            self.run.counts[
+                f"transport error {what} on the killed server: {type(exc).__name__}"
+            ] += 1
 
     def check_object(self, reply: Reply, body: dict[str, Any], what: str) -> None:
         status = body["status"]
@@ -622,7 +659,7 @@ class Driver:
                 self.run.fail(reply, f"{what}: {status} ({finish}) with {text!r}: {expect}")
         elif not expect.most.startswith(text):
             self.run.fail(reply, f"{what}: {status} text {text!r} not a beginning")
-        if status in ("failed",):
+        if status == "failed" and not (reply.base in self.run.dead and lost(body.get("error"))):
             self.run.fail(reply, f"{what}: failed {body.get('error')}")
 
     async def poll_until_ended(self, reply: Reply, rng: random.Random) -> None:
@@ -638,7 +675,7 @@ class Driver:
     # --- WebSocket ------------------------------------------------------------------------
 
     async def ws_episode(self, reply: Reply, rng: random.Random) -> None:
-        base = self.url(rng)
+        base = reply.base = self.url(rng)
         result = await self.bounded(reply, "ws", self.ws_read(reply, rng, base))
         if result is None:
             return
@@ -746,6 +783,11 @@ def told_whole(expect: Expected, text: str) -> bool:
     return text.startswith(expect.whole) and expect.most_told.startswith(text)
 
 
+def lost(error: Any) -> bool:
+    """A response's error saying its producer is gone."""
+    return isinstance(error, dict) and str(error.get("message", "")).endswith("(generator_lost)")
+
+
 def response_text(body: dict[str, Any]) -> str:
     return "".join(
         part.get("text", "")
@@ -805,8 +847,25 @@ async def gauges(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return found
 
 
-async def run(seed: int, urls: list[str], clients: int, episodes: int) -> Run:
-    """Drive ``clients`` clients of ``episodes`` replies each; return the run's record."""
+@dataclass(frozen=True)
+class Kill:
+    """A server to kill (SIGKILL: no goodbye to Redis or to its clients) during the run,
+    ``after_s`` after it begins; the driver then uses the others alone."""
+
+    url: str
+    after_s: float
+    kill: Callable[[], None]
+
+
+async def run(
+    seed: int, urls: list[str], clients: int, episodes: int, kill: Kill | None = None
+) -> Run:
+    """Drive ``clients`` clients of ``episodes`` replies each; return the run's record.
+
+    With ``kill``, a reply its server produced when it died may end ``generator_lost`` (on
+    the Responses API, ``error`` then ``response.failed`` saying so), or its readers there
+    be cut; anything else is held to the same rules: every other reply, its readers
+    elsewhere, and every reply started after, are whole."""
     result = Run(seed, urls)
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -817,11 +876,20 @@ async def run(seed: int, urls: list[str], clients: int, episodes: int) -> Run:
         async with asyncio.TaskGroup() as group:
             for n in range(clients):
                 group.create_task(client(driver, n, episodes))
+            if kill is not None:
+                group.create_task(kill_later(result, kill))
         result.counts["wall ms"] = int((time.monotonic() - began) * 1000)
         for reply in result.replies:
             driver.check_reply(reply)
-        await back_to_baseline(result, http, baseline)
+        live = {url: values for url, values in baseline.items() if url not in result.dead}
+        await back_to_baseline(result, http, live)
     return result
+
+
+async def kill_later(result: Run, kill: Kill) -> None:
+    await asyncio.sleep(kill.after_s)
+    result.dead.add(kill.url)
+    kill.kill()
 
 
 async def warm_up(http: aiohttp.ClientSession, urls: list[str]) -> None:

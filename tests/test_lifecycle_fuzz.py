@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 from pathlib import Path
 
 import pytest
 
 from tests.lifecycle_expect import BANNED
-from tests.lifecycle_fuzz import log_problems, run
+from tests.lifecycle_fuzz import Kill, log_problems, run
 from tests.processes import launch, ready_url, stop
 from tests.redis_server import redis_server
 
@@ -32,8 +33,11 @@ SEED = 22  # its plans join a reply nobody may resume between two of its reader'
 pytestmark = pytest.mark.timeout(120)
 
 
-async def fuzz(tmp_path: Path, extra: tuple[str, ...], replicas: int) -> None:
-    """Run the seed's plans against ``replicas`` server processes started with ``extra``."""
+async def fuzz(
+    tmp_path: Path, extra: tuple[str, ...], replicas: int, *, kill_one: bool = False
+) -> None:
+    """Run the seed's plans against ``replicas`` server processes started with ``extra``;
+    with ``kill_one``, the last is killed at a moment the seed draws."""
     seed = int(os.environ.get("REPLYSTREAM_LIFECYCLE_SEED", SEED))
     print(f"lifecycle seed {seed}")
     logs = [tmp_path / f"server{n}.log" for n in range(replicas)]
@@ -43,8 +47,12 @@ async def fuzz(tmp_path: Path, extra: tuple[str, ...], replicas: int) -> None:
             with log.open("wb") as errors:
                 processes.append(await launch(*SERVE, *extra, stderr=errors.fileno()))
         urls = [await ready_url(process) for process in processes]
+        kill = None
+        if kill_one:
+            after_s = random.Random(f"{seed}:kill").uniform(0.3, 2.5)
+            kill = Kill(urls[-1], after_s, processes[-1].kill)
         async with asyncio.timeout(90):
-            result = await run(seed, urls, CLIENTS, EPISODES)
+            result = await run(seed, urls, CLIENTS, EPISODES, kill)
     finally:
         for process in processes:
             await stop(process)
@@ -66,3 +74,11 @@ async def test_random_interleavings_across_two_replicas_on_redis(tmp_path: Path)
     # on the other.
     with redis_server(tmp_path / "redis") as redis:
         await fuzz(tmp_path, ("--redis-url", redis.url), replicas=2)
+
+
+async def test_a_replica_killed_mid_run_loses_only_its_own_replies(tmp_path: Path):
+    # SIGKILL, mid-run: the replies it produced end generator_lost for their readers on the
+    # other replica (a Responses reader gets response.failed), none hangs, and every other
+    # reply, started before or after, is whole on the survivor.
+    with redis_server(tmp_path / "redis") as redis:
+        await fuzz(tmp_path, ("--redis-url", redis.url), replicas=2, kill_one=True)
