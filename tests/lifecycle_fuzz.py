@@ -274,9 +274,8 @@ class Driver:
                 if dialect == "responses" and isinstance(data, dict):
                     number = data.get("sequence_number")
                     if number != max(event_id, 1) - 1 and not (not logged and number == last - 1):
-                        self.run.fail(
-                            reply, f"{what}: sequence {number} at id {event_id} ({event.type})"
-                        )
+                        where = f"at id {event_id} ({event.type} {raw[:300]})"
+                        self.run.fail(reply, f"{what}: sequence {number} {where}")
                 if logged:
                     text = pieces(dialect, event.type, data)
                     known = reply.texts.setdefault(event_id, text)
