@@ -49,6 +49,7 @@ from aiohttp import web
 from replystream.cli_values import non_negative_float, positive_int
 from replystream.lab.local_server import READY as SERVE_READY
 from replystream.lab.local_server import announced_process
+from source_trees import source_trees
 
 HERE = Path(__file__).resolve().parent
 UPSTREAM = HERE / "relay" / "upstream_server.py"
@@ -264,17 +265,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    labels = [spec.partition("=")[0] for spec in args.src]
-    for spec in args.src:
-        # Without a label its rows cannot be told apart; without replystream in PATH the
-        # servers would run the installed one under the label, measuring something else.
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not Path(path, "replystream").is_dir():
-            parser.error(
-                f"argument --src: want LABEL=PATH to a folder holding replystream, got {spec!r}"
-            )
-        if labels.count(label) > 1:
-            parser.error(f"argument --src: the label {label!r} is given twice")
+    source_trees(parser, args.src)
     return args
 
 

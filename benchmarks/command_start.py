@@ -29,6 +29,8 @@ if __package__ in (None, ""):  # run as a script: the delivery benchmark's /proc
 
 from procstats import cpu_seconds, memory_kib
 
+from source_trees import source_trees
+
 SIMULATED = ["--engine", "simulated", "--delay-ms", "1", "--jitter-ms", "0"]
 # Each mistake: a case name, and the command line after ``python -m replystream``.
 MISTAKES: list[tuple[str, list[str]]] = [
@@ -120,14 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("argument -N/--runs: want a whole number >= 1")
-    sources: list[tuple[str, str | None]] = []
-    for spec in args.src:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not Path(path, "replystream").is_dir():
-            parser.error(
-                f"argument --src: want LABEL=PATH to a folder holding replystream, got {spec!r}"
-            )
-        sources.append((label, path))
+    sources: list[tuple[str, str | None]] = [*source_trees(parser, args.src)]
     if not sources:
         sources = [("installed", None)]
     started = [name + what for name, _ in SERVERS for what in (READY, CPU, RSS)]

@@ -40,12 +40,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from replystream.cli_values import float_between, int_between, positive_int
 from replystream.engine.base import MAX_TOKENS_LIMIT
 from replystream.lab.local_server import READY, announced_process
+from source_trees import source_trees
 
 
 @dataclass
@@ -258,17 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--redis-url", help="the servers keep their reply logs in this Redis (a running one)"
     )
     args = parser.parse_args(argv)
-    labels = [spec.partition("=")[0] for spec in args.src]
-    for spec in args.src:
-        # Without a label its rows cannot be told apart; without replystream in PATH the
-        # server would run the installed one under the label, measuring something else.
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not Path(path, "replystream").is_dir():
-            parser.error(
-                f"argument --src: want LABEL=PATH to a folder holding replystream, got {spec!r}"
-            )
-        if labels.count(label) > 1:
-            parser.error(f"argument --src: the label {label!r} is given twice")
+    source_trees(parser, args.src)
     return args
 
 
