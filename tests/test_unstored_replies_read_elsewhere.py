@@ -119,22 +119,33 @@ async def test_an_unstored_response_is_not_found_by_the_responses_routes_while_i
     assert b'"code":"deleted"' not in rest
 
 
-async def test_a_chat_reply_whose_log_keeps_only_its_done_is_still_read_as_chat():
-    # The moment between a chat reply's last chunk sent and its ``[DONE]`` sent: the log of a
-    # reply nobody may resume keeps the ``[DONE]`` alone, which tells no dialect by itself.
+async def joined_when_its_log_keeps_its_last(
+    info: ReplyInfo, sent: list[LogEntry], last: LogEntry, ending: str
+) -> list[tuple[str, str]]:
+    """The events a joiner reads of a reply nobody may resume whose reader was ``sent`` all
+    but its ``last`` event (the log keeps that one alone), as (type, data)."""
     app = create_app(fast_engine())
     async with running(app) as url:
         store = app[STORE_KEY]
-        await store.create(ReplyInfo("r1", dialect=openai_formats.DIALECT))
-        chunks = [LogEntry(n, None, '{"id":"chatcmpl-r1","choices":[]}') for n in range(1, 7)]
-        store.append("r1", [*chunks, LogEntry(7, None, "[DONE]")])
-        store.release("r1", 6)  # its reader was sent the chunks
-        store.end("r1", "done")
-        joined = await raw_request(f"{url}/v1/replies/r1/stream")
+        await store.create(info)
+        store.append(info.reply_id, [*sent, last])
+        store.release(info.reply_id, sent[-1].seq)
+        store.end(info.reply_id, ending)
+        joined = await raw_request(f"{url}/v1/replies/{info.reply_id}/stream")
         assert joined.status == 200
         async with asyncio.timeout(30):
             raw = await joined.read_body()
-    events = [(event.type, event.data) for event in EventParser().feed(raw)]
+    return [(event.type, event.data) for event in EventParser().feed(raw)]
+
+
+async def test_a_chat_reply_whose_log_keeps_only_its_done_is_still_read_as_chat():
+    # The moment between a chat reply's last chunk sent and its ``[DONE]`` sent: the log of a
+    # reply nobody may resume keeps the ``[DONE]`` alone, which tells no dialect by itself.
+    chunks = [LogEntry(n, None, '{"id":"chatcmpl-r1","choices":[]}') for n in range(1, 7)]
+    info = ReplyInfo("r1", dialect=openai_formats.DIALECT)
+    events = await joined_when_its_log_keeps_its_last(
+        info, chunks, LogEntry(7, None, "[DONE]"), "done"
+    )
     assert len(events) == 1, events
     assert json.loads(events[0][1])["error"]["code"] == "events_lost"
 
@@ -143,20 +154,11 @@ async def test_a_native_reply_whose_log_keeps_only_its_error_is_still_read_as_na
     # A native reply's ``error`` event is named as Anthropic's is: kept alone (what came
     # before it released to its reader), it was taken for a Messages reply's, and a joiner
     # was told of the hole in Anthropic's shape, as an end, with the reply's own error unsent.
-    app = create_app(fast_engine())
-    async with running(app) as url:
-        store = app[STORE_KEY]
-        await store.create(ReplyInfo("r2"))
-        tokens = [LogEntry(n, "token", f'{{"text": "t{n} "}}') for n in range(1, 6)]
-        failed = '{"error": {"message": "the engine failed", "code": "engine_error"}}'
-        store.append("r2", [*tokens, LogEntry(6, "error", failed)])
-        store.release("r2", 5)  # its reader was sent the tokens
-        store.end("r2", "error")
-        joined = await raw_request(f"{url}/v1/replies/r2/stream")
-        assert joined.status == 200
-        async with asyncio.timeout(30):
-            raw = await joined.read_body()
-    events = [(event.type, event.data) for event in EventParser().feed(raw)]
+    tokens = [LogEntry(n, "token", f'{{"text": "t{n} "}}') for n in range(1, 6)]
+    failed = '{"error": {"message": "the engine failed", "code": "engine_error"}}'
+    events = await joined_when_its_log_keeps_its_last(
+        ReplyInfo("r2"), tokens, LogEntry(6, "error", failed), "error"
+    )
     assert [kind for kind, _ in events] == ["gap", "error"], events
     assert json.loads(events[0][1]) == {"lost_from": 1, "lost_to": 5}
     assert json.loads(events[1][1])["error"]["code"] == "engine_error"
