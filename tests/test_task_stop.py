@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 from pathlib import Path
 
+import pytest
+
 from replystream.delivery.redis_connect import connect, parse_redis_url
-from replystream.delivery.task_stop import end_if_cancelled, stop_task
+from replystream.delivery.task_stop import drop_task, end_if_cancelled, stop_task
 from tests.redis_server import redis_server
 
 ROUNDS = 200
@@ -92,3 +95,41 @@ async def test_a_timeout_that_expired_and_was_handled_ends_nothing():
 
     async with asyncio.timeout(5):
         assert await asyncio.ensure_future(looping()) == 3
+
+
+class _Held:
+    """What a reply's task holds in its frame (its log, say), and the task itself."""
+
+    task: asyncio.Task[None] | None = None
+
+
+async def _holding(held: _Held) -> None:
+    held.task = asyncio.current_task()  # the frame holds the task: a cycle through its error
+    await asyncio.sleep(60)
+
+
+@pytest.mark.parametrize("let_go", ["stop_task", "drop_task"])
+async def test_a_task_let_go_of_is_freed_without_the_cycle_collector(let_go: str):
+    # A cancelled task keeps its CancelledError, whose traceback holds its frames: with the
+    # task in their locals, all it held waited for a full collection, which the server makes
+    # rare. Let go of here, it is freed as soon as nothing else holds it.
+    gc.collect()
+    gc.disable()
+    try:
+        task = asyncio.get_running_loop().create_task(_holding(_Held()), name="held")
+        await asyncio.sleep(0)
+        if let_go == "stop_task":
+            await stop_task(task)
+        else:
+            drop_task(task)
+            await asyncio.wait({task})
+            await asyncio.sleep(0)  # its done callbacks run
+        del task
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [t for t in gc.garbage if isinstance(t, asyncio.Task) and t.get_name() == "held"]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []

@@ -9,6 +9,11 @@ a task cancelled once by someone who does not wait for it (aiohttp cancels a req
 handler when its client disconnects) must notice the lost cancel itself
 (``end_if_cancelled``). A task let go of without waiting is cancelled if it runs, or has its
 outcome taken if it ended, so its failure is not logged as never retrieved (``drop_task``).
+A cancelled task keeps its ``CancelledError`` until someone asks for it, and that error's
+traceback holds the task's frames, whose locals often hold the task: a cycle only a full
+collection frees, which the server's collector settings (``serve.tune_collector``) make
+rare, with all the task held (a reply and its log). Every task let go of here has that error
+taken (``forget_cancellation``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ async def stop_task(task: asyncio.Task[Any]) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=RECANCEL_S)
-    if not task.cancelled():
+    if task.cancelled():
+        forget_cancellation(task)
+    else:
         with contextlib.suppress(Exception):
             task.result()
 
@@ -38,8 +45,19 @@ def drop_task(task: asyncio.Future[Any]) -> None:
     client's reset fails a write in the same turn as it cancels the handler waiting for it.)"""
     if not task.done():
         task.cancel()
-    elif not task.cancelled():
+        task.add_done_callback(forget_cancellation)
+    elif task.cancelled():
+        forget_cancellation(task)
+    else:
         task.exception()
+
+
+def forget_cancellation(task: asyncio.Future[Any]) -> None:
+    """Take a cancelled task's ``CancelledError`` (a done callback, or once it has ended), so
+    that the task no longer holds it, nor through it the frames that hold the task."""
+    if task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            task.exception()
 
 
 def end_if_cancelled() -> None:

@@ -50,6 +50,7 @@ from typing import Any
 from aiohttp import HttpVersion11, WSMessage, WSMsgType, web
 
 from replystream.delivery.policy import DeliveryPolicy
+from replystream.delivery.task_stop import forget_cancellation
 from replystream.server.auth import (
     AUTH_PENDING,
     KEY_RING,
@@ -298,7 +299,7 @@ class Session:
                     self._pinging = group.create_task(
                         self._keep_alive(self.keepalive), name="ws-ping"
                     )
-                    self._pinging.add_done_callback(_drop_cancellation)
+                    self._pinging.add_done_callback(forget_cancellation)
                 try:
                     async for msg in self.ws:
                         if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
@@ -425,7 +426,7 @@ class Session:
         if wait is not None:
             raise HTTPAPIError(429, RATE_LIMITED, code="rate_limited", retry_after_s=wait)
         task = group.create_task(self._reply(tag, ask), name=f"ws-reply-{tag[:16]}")
-        task.add_done_callback(_drop_cancellation)
+        task.add_done_callback(forget_cancellation)
         self.running[tag] = _Running(task)
 
     def _cancel(self, tag: str) -> None:
@@ -504,17 +505,6 @@ class Session:
             log.info("websocket cut: slow_client")
             for running in self.running.values():
                 running.task.cancel()
-
-
-def _drop_cancellation(task: asyncio.Task[None]) -> None:
-    """Let a cancelled task's CancelledError go. The task keeps it until asked for it, and
-    its traceback holds the task's frames, whose locals (a ``_Running``, an ``asyncio.timeout``)
-    hold the task: a cycle only a full collection frees, which the server's collector settings
-    (``serve.tune_collector``) make rare. A socket cut with thousands of replies running left
-    all of them, logs and all, in memory for as long (78 MiB per 8,000 replies)."""
-    if task.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            task.exception()  # hands the error over, and the task no longer holds it
 
 
 def _upgrade_refused(request: web.Request, asked: str) -> str:
