@@ -228,7 +228,7 @@ async def handle_resume(request: web.Request) -> web.StreamResponse:
     """``GET /v1/replies/{id}/stream``: replay after ``Last-Event-ID``, then follow live."""
     query = parse_mapping(request.query, ResumeCursor)
     after, param = resume_after(request, {"last_event_id": query.last_event_id})
-    reply_id, store, local = await find_reply(request, request.match_info["reply_id"])
+    reply_id, store, local, _ = await find_reply(request, request.match_info["reply_id"])
     if after > 0:
         await check_resume_point(reply_id, store, after, made_here=local is not None, param=param)
     gone = HTTPAPIError(404, NO_SUCH_REPLY, code="reply_not_found", param="reply_id")
@@ -241,7 +241,7 @@ async def handle_cancel(request: web.Request) -> web.StreamResponse:
     """``POST /v1/replies/{id}/cancel``: stop generating a reply (on whichever replica). A
     reply that has ended already is left as it ended, and the answer says no cancel was
     asked for (a client told ``true`` would take its reply for cancelled)."""
-    reply_id, store, _ = await find_reply(request, request.match_info["reply_id"])
+    reply_id, store, _, _ = await find_reply(request, request.match_info["reply_id"])
     try:
         tail = await store.tail(reply_id)
         running = tail is not None and not tail.ended

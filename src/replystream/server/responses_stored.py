@@ -50,14 +50,15 @@ async def find_response(
     """The store of the caller's response ``reply_id``, and its producer when it runs here;
     else a 404: a reply of another dialect is not a response, and is neither streamed as one
     nor deleted here."""
-    _, store, local = await find_reply(request, reply_id, param=param, missing=NO_SUCH_RESPONSE)
+    _, store, local, info = await find_reply(
+        request, reply_id, param=param, missing=NO_SUCH_RESPONSE
+    )
+    # A response made with ``store: false`` keeps no conversation: it is a plain reply, its
+    # log its one reader's (what was sent is dropped), and no route of stored responses
+    # reads, cancels or deletes it, whatever its log holds at the moment.
+    if not info.context:
+        raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
     try:
-        info = await store.info(reply_id)
-        # A response made with ``store: false`` keeps no conversation: it is a plain reply,
-        # its log its one reader's (what was sent is dropped), and no route of stored
-        # responses reads, cancels or deletes it, whatever its log holds at the moment.
-        if info is None or not info.context:
-            raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
         # A reply made on another replica may be known before its first event is: its
         # producer logs its events to the store a moment after it sends them.
         head = await store.read(reply_id, 0, FIRST_EVENT_WAIT_S)

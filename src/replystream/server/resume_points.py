@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from replystream.delivery.replay import ReplayStore, StoreUnavailable
+from replystream.delivery.replay import ReplayStore, ReplyInfo, StoreUnavailable
 from replystream.server.context import (
     LOCAL_STORE_KEY,
     MANAGER_KEY,
@@ -104,11 +104,11 @@ async def find_reply(
     *,
     param: str = "reply_id",
     missing: str = NO_SUCH_REPLY,
-) -> tuple[str, ReplayStore, Reply | None]:
+) -> tuple[str, ReplayStore, Reply | None, ReplyInfo]:
     """The reply ``reply_id``, if it exists, has not expired and is the caller's: its id, its
-    store, and its producer when it runs in this process (the request's access-log line
-    names it from here). Else a 404 naming ``param``, its message ``missing`` (the route's
-    word for what it looked for)."""
+    store, its producer when it runs in this process (the request's access-log line names it
+    from here), and what its store keeps of it. Else a 404 naming ``param``, its message
+    ``missing`` (the route's word for what it looked for)."""
     app = request.app
     local = app[MANAGER_KEY].get(reply_id)
     store = local.store if local is not None else app[STORE_KEY]
@@ -129,7 +129,7 @@ async def find_reply(
     if info is None or not secrets.compare_digest(info.owner, owner_of(request)):
         raise HTTPAPIError(404, not_found_here(app, missing), code="reply_not_found", param=param)
     request[REPLY_ID] = reply_id  # its access-log line names it (a cancel's, a read's too)
-    return reply_id, store, local
+    return reply_id, store, local, info
 
 
 async def check_resume_point(
