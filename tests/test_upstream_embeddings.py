@@ -13,6 +13,7 @@ import contextlib
 import gzip
 import json
 import logging
+import re
 import struct
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -28,6 +29,7 @@ from replystream.engine.upstream import UpstreamEngine
 from replystream.engine.upstream_config import UpstreamConfig, UpstreamTarget
 from replystream.server import create_app, running
 from replystream.server.server_config import ServerConfig
+from tests.rawhttp import raw_request
 
 
 def vector(text: str, index: int) -> list[float]:
@@ -222,6 +224,26 @@ async def test_a_large_answer_goes_on_byte_for_byte():
         async with session.post(f"{url}/v1/embeddings", json=body, headers=headers) as response:
             status, got = response.status, await response.read()
     assert status == 200 and got == answer
+
+
+async def test_an_answer_counts_its_bytes_as_sent_as_they_went_out():
+    # Gzipped for a client that takes it (the vectors' digits compress well): its bytes on the
+    # wire, which were counted nowhere.
+    async with relay([EmbeddingUpstream(["e"])]) as url:
+        body = {"model": "e", "input": ["x"] * 64, "encoding_format": "float"}
+        answers = []
+        for coding in ("gzip", "identity"):
+            headers = {"Content-Type": "application/json", "Accept-Encoding": coding}
+            answer = await raw_request(
+                f"{url}/v1/embeddings", "POST", json.dumps(body).encode(), headers
+            )
+            answers.append(await answer.read_body())
+            assert answer.headers.get("content-encoding", "identity") == coding
+        metrics = await (await raw_request(f"{url}/metrics")).read_body()
+    counted = re.search(
+        rb'replystream_bytes_sent_total\{endpoint="/v1/embeddings"\} (\S+)', metrics
+    )
+    assert counted and float(counted[1]) == sum(map(len, answers))
 
 
 async def test_token_ids_go_through_as_token_ids():

@@ -270,12 +270,12 @@ async def buffered_reply(
                 failure = error_response(
                     error.status, str(error), code=error.code, retry_after_s=error.retry_after_s
                 )
-                return sent(record, shape_error(failure))
+                return shape_error(failure)
         elif isinstance(item, End) and item.how == "shutdown":
             record.outcome, record.reason = "shutdown", "shutdown"
             message = "the server is shutting down"
             if failed_body is None or several is not None:
-                return sent(record, shape_error(error_response(503, message, code="shutdown")))
+                return shape_error(error_response(503, message, code="shutdown"))
             made = first.whole(usage(record.tokens))
             payload = failed_body(made, "shutdown", message)
         elif several is None:
@@ -288,7 +288,7 @@ async def buffered_reply(
             if violation is not None:
                 record.outcome, record.reason = "moderated", violation.check
             payload = several.body(wholes)
-        return sent(record, await json_response(payload))
+        return await json_response(payload)
     except asyncio.CancelledError:
         record.outcome, record.reason = "cancelled", "client_gone"
         raise
@@ -297,12 +297,6 @@ async def buffered_reply(
         await close_quietly(deltas)
         manager.untrack(channel)
         manager.metrics.observe(record)
-
-
-def sent(record: ReplyRecord, response: web.Response) -> web.Response:
-    """``response``, the reply's one body (its error too), counted as sent in ``record``."""
-    record.on_send(len(response.body) if isinstance(response.body, bytes) else 0)
-    return response
 
 
 async def json_response(payload: dict[str, Any]) -> web.Response:

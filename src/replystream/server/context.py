@@ -55,7 +55,15 @@ from replystream.server import ids
 from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError, in_route_shape
-from replystream.server.guard import GATE_KEY, REPLY_ID, REQUEST_ID, identity_of
+from replystream.server.guard import (
+    ACCOUNT,
+    GATE_KEY,
+    REPLY_ID,
+    REQUEST_ID,
+    UPGRADED,
+    Account,
+    identity_of,
+)
 from replystream.server.metrics import Metrics, ReaderSends, ReplyRecord
 from replystream.server.refusal_names import refused
 from replystream.server.replies import Disconnect, Reply, ReplyManager, close_quietly
@@ -241,6 +249,13 @@ async def admitted(request: web.Request, record: ReplyRecord, starting: Awaitabl
     return started
 
 
+def keep_account(request: web.Request, account: Account) -> None:
+    """Make ``account`` the request's (``guard.ACCOUNT``), unless the request is a
+    WebSocket's: its socket carries replies of its own, none of them the request's."""
+    if not request.get(UPGRADED):
+        request[ACCOUNT] = account
+
+
 def _gone_before_reply(app: web.Application, record: ReplyRecord) -> None:
     """A request whose client left before its reply existed: counted as cancelled, as a
     reply its client leaves is (no reply's ending will count it)."""
@@ -274,6 +289,7 @@ async def start_reply(
     owner = owner_of(request)
     record = app[METRICS_KEY].record(endpoint, streamed=True)
     record.key = owner[:KEY_LABEL_CHARS]
+    keep_account(request, record)
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()
     stops, logprobs = generation.sampling.stop, generation.sampling.logprobs is not None
@@ -453,6 +469,7 @@ async def buffered(
     app = request.app
     record = app[METRICS_KEY].record(endpoint, streamed=False)
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
+    request[ACCOUNT] = record
     several: Several | None = None
     deltas: DeltaStream
     if choices is None:

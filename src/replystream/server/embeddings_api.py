@@ -34,6 +34,7 @@ from replystream.server.context import (
 )
 from replystream.server.errors import HTTPAPIError
 from replystream.server.front_door import expect_later
+from replystream.server.guard import ACCOUNT
 from replystream.server.openai_api import routed_model, served_model
 from replystream.server.schema_fields import Strict, invalid
 from replystream.server.validation import read_model
@@ -110,6 +111,7 @@ async def handle_embeddings(request: web.Request) -> web.Response:
     fields = body.model_dump(exclude_none=True, exclude={"model"})
     record = app[METRICS_KEY].record(ENDPOINT, streamed=False)
     record.key = owner_of(request)[:KEY_LABEL_CHARS]
+    request[ACCOUNT] = record
     refuse_when_stopping(request, record)
     work = asyncio.ensure_future(
         engine.embed(fields, routed, routed or served_model(app), caller_of(request))

@@ -29,6 +29,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from replystream.server.errors import HTTPAPIError, error_response, in_route_shape
 from replystream.server.guard import (
+    ACCOUNT,
     ADMITTED,
     LIMITED_PREFIXES,
     UPGRADED,
@@ -142,6 +143,7 @@ def front_door(door: FrontDoor) -> Middleware:
                     # waiting: then it would be read as the next request. Nothing follows.
                     response.force_close()
                 await gzip_if_worthwhile(request, response, door.gzip_min_bytes)
+                count_whole_body(request, response)
             status = "client_gone" if gone else response.status
             if isinstance(response, SentLater):
                 sent_later = True
@@ -158,6 +160,18 @@ def front_door(door: FrontDoor) -> Middleware:
                 finish(request, request_id, started, gate, status)
 
     return front
+
+
+def count_whole_body(request: web.Request, response: web.StreamResponse) -> None:
+    """A body answered whole to a request that started or reads a reply (its reply, or its
+    refusal as the reply started) counts as its one event, as it goes on the wire: in its
+    last form (gzipped, when it is), written by aiohttp in one piece once this returns. A
+    stream's body (``SentLater``) is counted as its writes go out."""
+    account = request.get(ACCOUNT)
+    if account is not None and isinstance(response, web.Response):
+        body = response.body
+        if isinstance(body, bytes):
+            account.on_send(len(body), 1)
 
 
 def client_left(request: web.Request, exc: Exception) -> bool:

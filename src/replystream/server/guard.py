@@ -26,6 +26,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Protocol
 
 from aiohttp import web
 
@@ -108,6 +109,16 @@ def client_address(request: web.Request, proxies: Sequence[Network]) -> str:
 GUARD_KEY = web.AppKey("guard", GuardConfig)
 REQUEST_ID = web.RequestKey("request_id", str)
 REPLY_ID = web.RequestKey("reply_id", str)  # set by routes that start or follow a reply
+
+
+class Account(Protocol):
+    """Where a request that starts or reads a reply counts the bytes of a body it is answered
+    with whole (the front door counts them as they go out, gzipped or not)."""
+
+    def on_send(self, nbytes: int, events: int = 1) -> None: ...
+
+
+ACCOUNT = web.RequestKey("account", Account)  # set by the routes that start or read a reply
 # Set once a request was upgraded to a WebSocket: its status is 101 however the socket ends
 # (aiohttp cancels the handler when the peer's connection goes, before it returns).
 UPGRADED = web.RequestKey("upgraded", bool)
