@@ -1,18 +1,30 @@
 """What the server tells of each request: ``/metrics`` counts each body as it went on the
-wire (gzipped when it was; an error answered before the first token too)."""
+wire (gzipped when it was; an error answered before the first token too), and each
+access-log line of a reply route says how its request ended (``outcome``, ``reason``), in
+the words ``replystream_replies_total`` counts replies by."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gzip
 import json
+import logging
 import re
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, get_args
 
 import pytest
 
+from replystream.delivery.frame_transport import Ending as ReaderEnding
+from replystream.delivery.policy import DeliveryPolicy
 from replystream.server import create_app, running
-from tests.conftest import fast_engine
+from replystream.server.reply_endings import READER_CUTS
+from replystream.server.server_config import ServerConfig
+from tests.conftest import fast_engine, wait_for
+from tests.processes import launch, ready_url, stop
 from tests.rawhttp import RawResponse, raw_request
+from tests.scripted_engine import GroupedPushEngine
 
 CHAT = [{"role": "user", "content": "x"}]
 
@@ -77,3 +89,161 @@ async def test_an_error_answered_before_the_first_token_counts_as_sent(path, ask
     assert failed.status == 500 and b"simulated failure" in body
     assert sent_total(metrics, "bytes_sent", path) == len(body)
     assert sent_total(metrics, "events_sent", path) == 1
+
+
+# How each request ended, as its access-log line says.
+
+# A reply of up to 399 tokens never reaches the banned word; one of 400 is moderated there.
+REPLY_TEXT = "lorem " * 399 + "forbidden"
+LONG = 399  # tokens: 2 s at 5 ms each, far more than any step below takes
+SERVER = ["--engine", "simulated", "--delay-ms", "5", "--jitter-ms", "0", "--ban", "forbidden"]
+SERVER += ["--reply-text", REPLY_TEXT, "--shutdown-grace-s", "0"]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+class AccessLog:
+    """A server process's stderr, read as it comes; its access-log lines by request id."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.lines: dict[str, dict[str, Any]] = {}
+        self._reading = asyncio.ensure_future(self._read(stream))
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
+            _, found, text = raw.decode().partition(" replystream.access ")
+            if found and text.startswith("{"):
+                line = json.loads(text)
+                self.lines[line["request_id"]] = line
+
+    async def line(self, request_id: str) -> dict[str, Any]:
+        await wait_for(lambda: request_id in self.lines, timeout_s=15)
+        return self.lines[request_id]
+
+    async def aclose(self) -> None:
+        async with asyncio.timeout(15):
+            await self._reading  # to the end of the stream: the process has exited
+
+
+@contextlib.asynccontextmanager
+async def logged_server(
+    *args: str,
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, AccessLog]]:
+    process = await launch(*args, "--log-level", "INFO", stderr=asyncio.subprocess.PIPE)
+    assert process.stderr is not None
+    log = AccessLog(process.stderr)
+    try:
+        yield process, await ready_url(process), log
+    finally:
+        await stop(process)
+        await log.aclose()
+
+
+async def test_each_line_of_a_reply_route_says_how_its_request_ended():
+    ask_chat = {"messages": CHAT, "stream": True}
+    async with logged_server(*SERVER) as (process, url, log):
+        # Ended with their replies: finished in each dialect, streamed or whole; moderated;
+        # refused as it started (an error body before any event).
+        for request_id, path, body in (
+            ("chat", "/v1/chat/completions", {**ask_chat, "max_tokens": 3}),
+            ("messages", "/v1/messages", {**ask_chat, "max_tokens": 3, "model": "simulated"}),
+            ("responses", "/v1/responses", {"input": "x", "max_output_tokens": 3, "stream": True}),
+            ("native", "/v1/replies", {"prompt": "x", "max_tokens": 3}),
+            ("whole", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3}),
+            ("moderated", "/v1/replies", {"prompt": "x", "max_tokens": LONG + 1}),
+            (
+                "refused",
+                "/v1/chat/completions",
+                {**ask_chat, "tools": TOOLS, "tool_choice": "required"},
+            ),
+        ):
+            await (await post(url, path, body, request_id)).read_body()
+        # Stopped by a cancel request, its reader sending the end.
+        ask = {"prompt": "x", "max_tokens": LONG, "resumable": True}
+        stopped = await post(url, "/v1/replies", ask, "cancelled")
+        reply_id = stopped.headers["x-reply-id"]
+        await (await post(url, f"/v1/replies/{reply_id}/cancel", {}, "the-cancel")).read_body()
+        await stopped.read_body()
+        # Read again once ended: the log's end says how (the reason is the producer's alone).
+        again = {"X-Request-Id": "resumed"}
+        await (await raw_request(f"{url}/v1/replies/{reply_id}/stream", headers=again)).read_body()
+        # Left by its client: stopped with it (a reply nobody may resume), or going on for
+        # its client to come back (a resumable one).
+        long_chat = {**ask_chat, "max_tokens": LONG}
+        (await post(url, "/v1/chat/completions", long_chat, "gone")).writer.close()
+        (await post(url, "/v1/replies", ask, "detached")).writer.close()
+        # Answered at once, its reply going on without it.
+        background = {"input": "x", "max_output_tokens": LONG, "background": True}
+        await (await post(url, "/v1/responses", background, "background")).read_body()
+        # Cut by the server's shutdown.
+        cut = await post(url, "/v1/replies", {"prompt": "x", "max_tokens": LONG}, "shutdown")
+        for left in ("gone", "detached"):
+            await log.line(left)  # its client's leaving seen before the server stops
+        process.terminate()
+        await cut.read_body()
+        assert await process.wait() == 0
+        await log.aclose()
+    said = {
+        request_id: (line["status"], line["outcome"], line["reason"])
+        for request_id, line in log.lines.items()
+    }
+    assert said == {
+        "chat": (200, "finished", None),
+        "messages": (200, "finished", None),
+        "responses": (200, "finished", None),
+        "native": (200, "finished", None),
+        "whole": (200, "finished", None),
+        "moderated": (200, "moderated", "banned_phrase"),
+        "refused": (400, "rejected", "unsupported_parameter"),
+        "cancelled": (200, "cancelled", "cancelled"),
+        "the-cancel": (200, None, None),  # names the reply, made none
+        "resumed": (200, "cancelled", None),
+        "gone": ("client_gone", "cancelled", "client_gone"),
+        "detached": ("client_gone", "detached", None),
+        "background": (200, "detached", None),
+        "shutdown": (200, "shutdown", "shutdown"),
+    }
+    assert log.lines["the-cancel"]["reply_id"] == reply_id
+
+
+def test_every_way_a_reader_cuts_itself_has_its_outcome():
+    # Its other endings are its reply's (``ended``) or its client's (``client_gone``).
+    assert {*READER_CUTS, "ended", "client_gone"} == set(get_args(ReaderEnding))
+
+
+@pytest.fixture
+def access_lines(caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO, logger="replystream.access")
+
+    def lines() -> dict[str, dict[str, Any]]:
+        found = (
+            json.loads(r.getMessage()) for r in caplog.records if r.name == "replystream.access"
+        )
+        return {line["request_id"]: line for line in found if line["request_id"]}
+
+    return lines
+
+
+async def test_a_reply_that_failed_says_its_error_code(access_lines):
+    # After its first tokens (in-band), and before its first (a JSON error body).
+    ask = {"messages": CHAT, "max_tokens": 20, "stream": True}
+    for fail_after, request_id in ((2, "mid-stream"), (0, "before")):
+        async with running(create_app(fast_engine(fail_after=fail_after))) as url:
+            await (await post(url, "/v1/chat/completions", ask, request_id)).read_body()
+            await wait_for(lambda: request_id in access_lines())  # noqa: B023
+    said = {k: (v["status"], v["outcome"], v["reason"]) for k, v in access_lines().items()}
+    assert said == {
+        "mid-stream": (200, "errored", "generation_failed"),
+        "before": (500, "errored", "generation_failed"),
+    }
+
+
+async def test_a_reader_cut_as_slow_says_slow_client(access_lines):
+    # 200 tokens of 128 KB pushed at once to a client that reads nothing for a while.
+    engine = GroupedPushEngine(["y" * (128 << 10)] * 200, group=200)
+    policy = DeliveryPolicy(slow_client_bytes=256 << 10, slow_client_s=600.0)
+    async with running(create_app(engine, ServerConfig(policy=policy))) as url:
+        slow = await post(url, "/v1/replies", {"prompt": "x"}, "slow")
+        await wait_for(lambda: "slow" in access_lines(), timeout_s=30)
+        await slow.aclose()
+    line = access_lines()["slow"]
+    assert (line["status"], line["outcome"], line["reason"]) == (200, "slow_client", "slow_client")

@@ -171,8 +171,10 @@ class Follower:
         "_woken",
         "clock",
         "cursor",
+        "ending",
         "lag_limit",
         "last_write",
+        "log_end",
         "overflow",
         "policy",
         "readers",
@@ -222,6 +224,10 @@ class Follower:
         self._woken: asyncio.Future[None] | None = None  # while direct: done when there is work
         self._deadline: asyncio.Timeout | None = None
         self._broken: Exception | None = None  # a failure on the direct path, for the task
+        # How it ended, once it has (for its request's access-log line), and, when it sent the
+        # reply's end, the log's terminal entry (``ReplayStore.end``: the reply's outcome).
+        self.ending: Ending | None = None
+        self.log_end: str | None = None
 
     def interrupt(self, appended: list[LogEntry] | None = None) -> None:
         """Called on every append (``appended``: its entries) while this follower may be
@@ -371,6 +377,7 @@ class Follower:
             if reply is not None:
                 reply.followers.remove(self)
                 reply.reader_left("slow_client" if ending == "slow_client" else "client_gone")
+            self.ending = ending
             self.transport.finished(ending)
 
     def _say_last(self, notice: bytes, ending: Ending) -> None:
@@ -422,6 +429,7 @@ class Follower:
             self.cursor.sent(last, 0)
         await self._send_entries(result.entries, last=result.ending is not None)
         if result.ending is not None:
+            self.log_end = result.ending
             last_seq = result.last_seq
             if last_seq is not None and self.cursor.after == self._started_after > last_seq:
                 # It ended before the reader's place (a place past the end of a reply made

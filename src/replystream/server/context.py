@@ -52,6 +52,7 @@ from replystream.engine.base import (
 )
 from replystream.engine.choices import ChoicesStream, start_choices
 from replystream.server import ids
+from replystream.server.accounts import ReplyAccount
 from replystream.server.auth import OWNER, client_key
 from replystream.server.buffered import Several, Whole, buffered_reply
 from replystream.server.errors import HTTPAPIError, in_route_shape
@@ -289,7 +290,7 @@ async def start_reply(
     owner = owner_of(request)
     record = app[METRICS_KEY].record(endpoint, streamed=True)
     record.key = owner[:KEY_LABEL_CHARS]
-    keep_account(request, record)
+    keep_account(request, record)  # refused as it starts: the record says so
     store: ReplayStore = app[STORE_KEY] if resumable else app[LOCAL_STORE_KEY]
     reply_id = ids.reply_id()
     stops, logprobs = generation.sampling.stop, generation.sampling.logprobs is not None
@@ -351,6 +352,7 @@ async def start_reply(
         # Several choices are taken up as one: at once (no dialect with them tells a queue).
         queues=not isinstance(fmt, Choices) and app[ENGINE_KEY].queues,
     )
+    keep_account(request, ReplyAccount(record, reply))
     gate = app[GATE_KEY]
     if reply.disconnect == "detach" and gate.max_concurrent:
         # Left by its client, it generates for nobody: room for it among that client's
@@ -378,7 +380,7 @@ def follow_reply(
     sends it after the handler has returned."""
     request[REPLY_ID] = reply_id
     response = EventStream({**SSE_HEADERS, "X-Reply-Id": reply_id})
-    response.follower = follower_of(
+    response.follower = follower = follower_of(
         request,
         reply_id=reply_id,
         store=store,
@@ -390,6 +392,7 @@ def follow_reply(
         ),
         place=place,
     )
+    request[ACCOUNT] = ReplyAccount(follower.record, reply, follower)
     return response
 
 

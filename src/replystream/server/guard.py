@@ -112,10 +112,15 @@ REPLY_ID = web.RequestKey("reply_id", str)  # set by routes that start or follow
 
 
 class Account(Protocol):
-    """Where a request that starts or reads a reply counts the bytes of a body it is answered
-    with whole (the front door counts them as they go out, gzipped or not)."""
+    """What a request that starts or reads a reply keeps of it: where the bytes of a body it
+    is answered with whole count (the front door counts them as they go out, gzipped or not),
+    and how the request ended, for its access-log line."""
 
     def on_send(self, nbytes: int, events: int = 1) -> None: ...
+
+    def how_ended(self) -> tuple[str, str | None]:
+        """The request's outcome (``metrics.RequestOutcome``) and its reason (None: none)."""
+        ...
 
 
 ACCOUNT = web.RequestKey("account", Account)  # set by the routes that start or read a reply
@@ -317,9 +322,19 @@ def log_access(request: web.Request, request_id: str, status: int | str, started
                 "ms": round((time.monotonic() - started) * 1000.0, 1),
                 "client": client_address(request, request.app[GUARD_KEY].trusted_proxies),
                 "reply_id": request.get(REPLY_ID),
+                **_how_ended(request),
             }
         ),
     )
+
+
+def _how_ended(request: web.Request) -> dict[str, str | None]:
+    """The access-log fields that say how the request's reply ended (null: it made none)."""
+    account = request.get(ACCOUNT)
+    if account is None:
+        return {"outcome": None, "reason": None}
+    outcome, reason = account.how_ended()
+    return {"outcome": outcome, "reason": reason}
 
 
 def log_refused(client: str | None, status: int, code: str) -> None:
@@ -330,6 +345,7 @@ def log_refused(client: str | None, status: int, code: str) -> None:
         address = None if client is None else _address(client)
         shown = client if address is None else str(address)  # as ``client_address`` names it
         line |= {"status": status, "ms": None, "client": shown, "reply_id": None}
+        line |= {"outcome": None, "reason": None}
         line["refused"] = code
         access_log.info("%s", json.dumps(line))
 

@@ -82,6 +82,12 @@ OUTCOMES: tuple[Outcome, ...] = (
     "shutdown",
     "rejected",
 )
+# How one request ended, as its access-log line says (``outcome``): the outcome of its reply,
+# in the words above, when the reply ended with it; or ``detached``: the request ended and
+# its reply went on without it (a resumable reply its client left, within its detach grace; a
+# background response; a reply other readers still read), or was not this process's to stop
+# (made on another replica, or read once it had ended).
+RequestOutcome = Outcome | Literal["detached"]
 
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
@@ -291,6 +297,11 @@ class ReplyRecord:
         if first is None or last is None or per_choice <= 1:
             return None
         return (last - first) / (per_choice - 1)
+
+    def how_ended(self) -> tuple[Outcome, str | None]:
+        """The outcome and reason (None: none) of a reply collected whole, or refused as it
+        started, as its request's access-log line says them."""
+        return self.outcome, self.reason or None
 
     def on_send(self, nbytes: int, events: int = 1) -> None:
         self.bytes_sent += nbytes

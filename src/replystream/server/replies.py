@@ -40,7 +40,7 @@ from replystream.engine.base import (
     PushDeltaStream,
     QueuedDeltaStream,
 )
-from replystream.server.metrics import Metrics, ReplyRecord
+from replystream.server.metrics import Metrics, Outcome, ReplyRecord
 from replystream.server.reply_endings import Ending, StopReason
 from replystream.server.reply_phases import Event, Phase, next_phase
 
@@ -131,6 +131,16 @@ class Reply:
         """Begun and not yet ended."""
         phase = self._phase
         return phase is not _NEW and phase is not _ENDED
+
+    def how_ended(self) -> tuple[Outcome, str | None] | None:
+        """Its outcome and reason (None: none) as its record counts them, once its ending is
+        decided (a finish whose end a check then matched is ``moderated`` once concluded);
+        None while it goes on."""
+        ending = self._ending
+        if ending is None:
+            return None
+        rule = ending.rule
+        return rule.outcome, ending.fill(rule.reason) or None
 
     def _advance(self, event: Event) -> bool:
         """Apply ``event`` as the phase table says (the one place the phase changes); False

@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
+from replystream.delivery.follower import EVENTS_LOST, REPLY_EVICTED
+from replystream.delivery.frame_transport import Ending as ReaderEnding
 from replystream.delivery.replay import StoreUnavailable
 from replystream.engine.base import EngineError
 from replystream.server.metrics import Outcome
@@ -120,6 +122,23 @@ ENDINGS: dict[Way, EndingRule] = {
     # Its client left it as its key (or address) already had as many replies running for
     # nobody as it may have requests at once: stopped, as a reply nobody may resume is.
     "detach_refused": _stopped("detach_refused"),
+}
+
+
+# A request whose reader was cut by itself ended so, as its access-log line says (the
+# outcome in the metrics' words, and the code its client was told): its reply may have gone
+# on, or ended elsewhere. A reader's other endings are its reply's (``ended``) or its
+# client's leaving (``client_gone``): ``server.accounts`` reads those from the reply.
+READER_CUTS: dict[ReaderEnding, tuple[Outcome, str]] = {
+    "slow_client": ("slow_client", "slow_client"),
+    "shutdown": ("shutdown", "shutdown"),
+    "producer_lost": ("errored", "generator_lost"),
+    "expired": ("errored", "expired"),
+    "deleted": ("cancelled", "deleted"),  # as the producer's ending counts it
+    "evicted": ("errored", REPLY_EVICTED),
+    "store_unavailable": ("errored", StoreUnavailable.code),
+    "events_lost": ("errored", EVENTS_LOST),
+    "failed": ("errored", "internal_error"),
 }
 
 

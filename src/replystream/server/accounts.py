@@ -1,0 +1,61 @@
+"""How one request that started or read a reply ended, as its access-log line says it.
+
+A request's line says its ``outcome``, in the words ``replystream_replies_total`` counts
+replies by (``metrics.RequestOutcome``), and its ``reason`` (the record's reason: an error's
+code, the check that matched, why a reply was stopped). A request answered whole, or refused
+as its reply started, ends with its reply: the reply's record says it (``ReplyRecord`` is its
+own account). A request that streams a reply, or waits for a stored response, is this
+module's ``ReplyAccount``, read once, as the line is written:
+- its reader cut by itself (too slow, the server shutting down, the reply lost or gone):
+  ``reply_endings.READER_CUTS``, whatever the reply did then;
+- its reader sent the reply's end: the reply's outcome (from the log's terminal entry for a
+  reply made elsewhere, whose reason is not known here);
+- its client left, or it never read (a background response): the reply's outcome if its
+  ending is decided by then (stopped as its client left, or ended before), else ``detached``.
+
+Nothing here runs per event. It must not know how the log is kept or how bytes are framed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+from replystream.delivery.follower import Follower, SendRecord
+from replystream.server.metrics import Outcome, RequestOutcome
+from replystream.server.replies import Reply
+from replystream.server.reply_endings import READER_CUTS
+
+
+@dataclass(slots=True)
+class ReplyAccount:
+    """A request reading a reply: its own (streamed, or a stored response answered whole or
+    in the background), or one it resumes.
+
+    Attributes:
+        sends: where what it sends counts (the reply's record; a route's counters for a
+            reply made elsewhere).
+        reply: the reply's producer, when it runs in this process.
+        follower: the request's reader of the reply's log, for a stream.
+    """
+
+    sends: SendRecord
+    reply: Reply | None = None
+    follower: Follower | None = None
+
+    def on_send(self, nbytes: int, events: int = 1) -> None:
+        self.sends.on_send(nbytes, events)
+
+    def how_ended(self) -> tuple[RequestOutcome, str | None]:
+        follower, reply = self.follower, self.reply
+        ending = None if follower is None else follower.ending
+        if ending is not None and ending != "ended" and ending != "client_gone":
+            return READER_CUTS[ending]
+        if reply is not None:
+            decided = reply.how_ended()
+            if decided is not None:
+                return decided
+        elif follower is not None and follower.log_end is not None:
+            # The terminal entries are outcomes' words (``EndingRule.log_end``).
+            return cast(Outcome, follower.log_end), None
+        return "detached", None
