@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import redis.asyncio as aioredis
 
 from replystream.client.transport import http_request
@@ -81,4 +83,88 @@ async def test_a_resume_of_an_evicted_reply_is_told_what_is_gone(tmp_path: Path)
 
             unknown, body = await resume(f"{b_url}/v1/replies/{made['all']}/stream", after=3)
             assert unknown.status == 404 and json.loads(body)["error"]["code"] == "reply_not_found"
+        await client.aclose()
+
+
+async def test_a_response_whose_log_redis_evicted_is_told_as_evicted_on_every_route(
+    tmp_path: Path,
+):
+    """A stored response made on one replica ends; Redis evicts its stream (its metadata,
+    which keeps whose it is, its input and its ending, stays). Asked on the other replica,
+    its object is a 410 ``reply_evicted`` (it was a 404, as if it had never been), its
+    stream says its events are lost, its input is listed, and it can be deleted; on its own
+    replica its copy still tells it whole. With every key of it gone, nothing is left to
+    tell it from a response that never was: a 404 there."""
+    with redis_server(tmp_path) as server:
+        client = aioredis.Redis.from_url(server.url)
+        args = (*ENGINE, "--redis-url", server.url)
+        async with (
+            replica(*args) as (_, a_url),
+            replica(*args) as (_, b_url),
+            aiohttp.ClientSession() as http,
+        ):
+
+            async def ended_response() -> tuple[str, str]:
+                body = {"input": "why stream?", "background": True}
+                async with http.post(f"{a_url}/v1/responses", json=body) as made:
+                    response_id = (await made.json())["id"]
+                reply_id = response_id.removeprefix("resp_")
+                await written_through(client, reply_id)
+                return response_id, reply_id
+
+            async def error_of(method: str, url: str, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+                async with http.request(method, url, **kwargs) as answer:
+                    return answer.status, (await answer.json())["error"]
+
+            evicted, reply_id = await ended_response()
+            await client.delete(f"{PREFIX}{{{reply_id}}}")  # its stream: every event
+            status, error = await error_of("GET", f"{b_url}/v1/responses/{evicted}")
+            assert status == 410, error
+            assert (error["code"], error["param"], error["type"]) == (
+                "reply_evicted",
+                "response_id",
+                "invalid_request_error",
+            )
+            assert "no longer kept" in error["message"]
+            # Ended: a cancel has nothing to stop (no cancel is asked of anyone), and no
+            # object to answer with.
+            status, error = await error_of("POST", f"{b_url}/v1/responses/{evicted}/cancel")
+            assert (status, error["code"]) == (410, "reply_evicted"), error
+            assert not await client.exists(f"{PREFIX}{{{reply_id}}}:cancel")
+            # Continued, or an output item of it referred to: the field naming it is named.
+            follow = {"input": "and?", "previous_response_id": evicted}
+            status, error = await error_of("POST", f"{b_url}/v1/responses", json=follow)
+            assert (status, error["code"], error["param"]) == (
+                410,
+                "reply_evicted",
+                "previous_response_id",
+            )
+            referred = {"input": [{"type": "item_reference", "id": f"msg_{reply_id}"}]}
+            status, error = await error_of("POST", f"{b_url}/v1/responses", json=referred)
+            assert (status, error["code"], error["param"]) == (410, "reply_evicted", "input[0]")
+            # Its stream: what is lost is said, in the dialect, not that it never was.
+            async with http.get(f"{b_url}/v1/responses/{evicted}?stream=true") as streamed:
+                parsed = EventParser().feed(await streamed.read())
+                assert streamed.status == 200
+            assert [event.type for event in parsed] == ["error"]
+            assert json.loads(parsed[0].data)["code"] == "events_lost"
+            # Its input is kept with its metadata, whole.
+            async with http.get(f"{b_url}/v1/responses/{evicted}/input_items") as listed:
+                items = await listed.json()
+                assert listed.status == 200, items
+            assert items["data"][0]["content"] == [{"type": "input_text", "text": "why stream?"}]
+            # On its own replica, its copy tells it whole.
+            async with http.get(f"{a_url}/v1/responses/{evicted}") as whole:
+                assert (await whole.json())["status"] == "completed"
+            async with http.delete(f"{b_url}/v1/responses/{evicted}") as deleted:
+                assert deleted.status == 200 and (await deleted.json())["deleted"] is True
+            status, error = await error_of("GET", f"{b_url}/v1/responses/{evicted}")
+            assert (status, error["code"]) == (404, "reply_not_found"), error
+
+            forgotten, reply_id = await ended_response()
+            await client.delete(f"{PREFIX}{{{reply_id}}}", f"{PREFIX}{{{reply_id}}}:meta")
+            status, error = await error_of("GET", f"{b_url}/v1/responses/{forgotten}")
+            assert (status, error["code"]) == (404, "reply_not_found"), error
+            async with http.get(f"{a_url}/v1/responses/{forgotten}") as whole:
+                assert (await whole.json())["status"] == "completed"
         await client.aclose()

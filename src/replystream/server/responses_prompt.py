@@ -96,7 +96,7 @@ async def _history(request: web.Request, previous: str) -> Messages:
         store, _ = await find_response(request, reply_id, "previous_response_id")
         # Deleted or expired while read, the response is as gone as one never found.
         kept = await stored_conversation(store, reply_id)
-        said = await response_said(store, reply_id)
+        said = await response_said(store, reply_id, "previous_response_id")
     except HTTPAPIError as exc:
         if exc.status != 404:
             raise

@@ -133,7 +133,7 @@ async def _items_of(
         store, _ = await find_response(request, reply_id, param)
         kept = await stored_conversation(store, reply_id)
         try:
-            shown = await response_items(store, reply_id)
+            shown = await response_items(store, reply_id, param)
         except HTTPAPIError as exc:
             if exc.status != 410 or kept is None or kept.input is None:
                 raise

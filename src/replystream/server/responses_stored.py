@@ -16,6 +16,7 @@ from aiohttp import web
 
 from replystream.delivery.replay import LogEntry, ReadResult, ReplayStore, StoreUnavailable
 from replystream.delivery.responses_log import (
+    DIALECT,
     GENERATOR_LOST,
     TERMINAL,
     Said,
@@ -65,8 +66,15 @@ async def find_response(
     except StoreUnavailable as exc:
         raise HTTPAPIError(503, exc.describe(), code=exc.code) from exc
     # Every event of a response's log is named response.* (the first one, if it was trimmed).
+    # A log that holds none (Redis evicted its stream behind its end, whose metadata kept
+    # the ending) is told by the dialect its route stored: the response is there, and
+    # whoever asks is told what of it is left (a 410 for its object), not that it never was.
     first = head.entries[0] if head is not None and head.entries else None
-    if first is None or not (first.event or "").startswith("response."):
+    if first is None:
+        is_response = head is not None and info.dialect == DIALECT
+    else:
+        is_response = (first.event or "").startswith("response.")
+    if not is_response:
         raise HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param=param)
     return store, local
 
@@ -124,7 +132,7 @@ async def response_body(
     evicted) is told as it was created, in progress, with no output: its text so far cannot
     be told whole, and a client waiting for it to end (OpenAI's way: a retrieve until it is
     neither queued nor in progress) must not be refused meanwhile."""
-    told = await _read_told(store, reply_id, cut_short_ok=True)
+    told = await _read_told(store, reply_id, "response_id", cut_short_ok=True)
     text: str | None
     if told.cut_short is not None:
         opened = await _opened_past_its_log(store, reply_id, told.cut_short, told.producer_lost)
@@ -138,11 +146,12 @@ async def response_body(
     return web.Response(text=text, content_type="application/json")
 
 
-async def response_items(store: ReplayStore, reply_id: str) -> list[dict[str, Any]]:
+async def response_items(store: ReplayStore, reply_id: str, param: str) -> list[dict[str, Any]]:
     """A response's output items as its log tells them now, for a request that names them
-    by id: an ended one's from its small events (``items_in_events``, a slice at a time, no
-    statuses); one still running, or whose early events are gone, from its object."""
-    told = await _read_told(store, reply_id)
+    by id (in ``param``, which a 410 names): an ended one's from its small events
+    (``items_in_events``, a slice at a time, no statuses); one still running, or whose early
+    events are gone, from its object."""
+    told = await _read_told(store, reply_id, param)
     if told.whole and told.ended:
         return await items_in_events(told.entries)
     response = response_from_log(told.entries, producer_lost=told.producer_lost)
@@ -152,23 +161,19 @@ async def response_items(store: ReplayStore, reply_id: str) -> list[dict[str, An
     return output
 
 
-async def response_said(store: ReplayStore, reply_id: str) -> Said | None:
-    """What a response said, for the next turn's history; None while it has not finished
-    (queued, or in progress). An ended one's whole log is read from its small events
-    (``said_in_events``, a slice at a time); one whose early events are gone, or whose
-    producer was lost, from its object."""
+async def response_said(store: ReplayStore, reply_id: str, param: str) -> Said | None:
+    """What a response said, for the next turn's history (named by ``param``, which a 410
+    names); None while it has not finished (queued, or in progress). An ended one's whole
+    log is read from its small events (``said_in_events``, a slice at a time); one whose
+    early events are gone, or whose producer was lost, from its object."""
     try:
-        told = await _read_told(store, reply_id)
+        told = await _read_told(store, reply_id, param)
     except HTTPAPIError as exc:
         if exc.status != 410:
             raise
         # A log too long to still hold a running response's first events has no object
         # to tell until its terminal event: the response has not finished.
-        try:
-            tail = await store.tail(reply_id)
-        except StoreUnavailable as unavailable:
-            raise HTTPAPIError(503, unavailable.describe(), code=unavailable.code) from None
-        if tail is None or tail.ended:
+        if await _ended(store, reply_id):
             raise
         return None
     if told.whole and told.ended:
@@ -195,12 +200,14 @@ async def response_standing(store: ReplayStore, reply_id: str) -> Standing:
     ended, from its object; one still running whose first events a long log no longer
     holds, from what its conversation keeps."""
     try:
-        told = await _read_told(store, reply_id)
+        told = await _read_told(store, reply_id, "response_id")
     except HTTPAPIError as exc:
-        if exc.status != 410:
+        if exc.status != 410 or await _ended(store, reply_id):
+            # Ended, and its terminal event gone (Redis evicted its stream after its end):
+            # there is nothing left to cancel, nor an object to answer with.
             raise
-        # Not ended (an ended one's terminal event tells it whole), and too long for its log
-        # to hold its opening: it still runs, and its conversation says how it was made.
+        # Too long for its log to hold its opening: it still runs, and its conversation
+        # says how it was made.
         kept = await stored_conversation(store, reply_id)
         if kept is None or kept.background is None:
             raise
@@ -216,6 +223,16 @@ async def response_standing(store: ReplayStore, reply_id: str) -> Standing:
     return Standing(bool(response["background"]), response["status"] in ("queued", "in_progress"))
 
 
+async def _ended(store: ReplayStore, reply_id: str) -> bool:
+    """Whether a response has ended, as its log's tail says (one gone counts as ended: no
+    more of it will come)."""
+    try:
+        tail = await store.tail(reply_id)
+    except StoreUnavailable as exc:
+        raise HTTPAPIError(503, exc.describe(), code=exc.code) from None
+    return tail is None or tail.ended
+
+
 def _no_such_response() -> HTTPAPIError:
     return HTTPAPIError(404, NO_SUCH_RESPONSE, code="reply_not_found", param="response_id")
 
@@ -228,9 +245,12 @@ class _Told(NamedTuple):
     cut_short: tuple[int, int] | None = None  # not ended, and these events of it are gone
 
 
-async def _read_told(store: ReplayStore, reply_id: str, *, cut_short_ok: bool = False) -> _Told:
-    """A response's log as it is now. A 410 when events it needs were evicted or trimmed,
-    unless ``cut_short_ok``: then those it lost are said (``cut_short``)."""
+async def _read_told(
+    store: ReplayStore, reply_id: str, param: str, *, cut_short_ok: bool = False
+) -> _Told:
+    """A response's log as it is now. A 410 naming ``param`` (where the request named the
+    response) when events it needs were evicted or trimmed, unless ``cut_short_ok``: then
+    those it lost are said (``cut_short``)."""
     try:
         result = await read_log(store, reply_id)
         lost = False
@@ -250,18 +270,18 @@ async def _read_told(store: ReplayStore, reply_id: str, *, cut_short_ok: bool = 
         # Events before these are gone (evicted, or trimmed): only a terminal event,
         # which carries the whole response, can be trusted; never a text with holes.
         if not cut_short_ok or result.ending is not None:  # (ended: its terminal event lost)
-            raise _cut_short(result.lost)
+            raise _cut_short(result.lost, param)
         return _Told(result.entries, lost, whole=False, ended=False, cut_short=result.lost)
     return _Told(result.entries, lost, whole=result.lost is None, ended=ended)
 
 
-def _cut_short(lost: tuple[int, int]) -> HTTPAPIError:
+def _cut_short(lost: tuple[int, int], param: str) -> HTTPAPIError:
     return HTTPAPIError(
         410,
         f"events {lost[0]}-{lost[1]} of this response are no longer kept (evicted by Redis "
         "under memory pressure, or trimmed): it cannot be told whole",
         code="reply_evicted",
-        param="response_id",
+        param=param,
     )
 
 
@@ -275,7 +295,7 @@ async def _opened_past_its_log(
     if kept is None:  # expired or deleted since it was read
         raise _no_such_response()
     if kept.opened is None:
-        raise _cut_short(lost)
+        raise _cut_short(lost, "response_id")
     response = {"id": response_id(reply_id), **kept.opened, "status": "in_progress"}
     if producer_lost:
         response["error"] = response_error("generator_lost", GENERATOR_LOST)
