@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from replystream.delivery.redis_repair import LocalCopy, StreamState, plan
 from replystream.delivery.redis_store import RedisReplayStore
-from replystream.delivery.replay import LogEntry, LogTail, ReplyInfo, StoreUnavailable
+from replystream.delivery.replay import DELETED, LogEntry, LogTail, ReplyInfo, StoreUnavailable
 from tests.conftest import wait_for
 from tests.redis_server import redis_server
 
@@ -160,6 +160,51 @@ async def test_a_live_producer_writes_its_evicted_metadata_and_log_again(tmp_pat
         # Counted once the repair's write has answered, after readers may see it.
         await wait_for(lambda: producer.stats().repairs == 1)
         assert producer.stats().evictions == 1
+        await producer.aclose()
+        await reader.aclose()
+
+
+async def test_a_reader_following_a_reply_evicted_whole_waits_for_its_live_producer(
+    tmp_path: Path,
+):
+    """Every key of a live reply evicted at once, its liveness key among them: nothing in
+    Redis says a producer writes it, but one does, at its next beat. A reader that was
+    following it is not told it expired (it was cut so, with its producer alive); it waits
+    for the reply to be written again and reads on. A delete is still told at once."""
+    with redis_server(tmp_path) as server:
+        producer, reader = RedisReplayStore(server.url), RedisReplayStore(server.url)
+        await producer.create(ReplyInfo("w", owner="k"))
+        producer.append("w", events("w", 1, 4))
+        await producer.flush()
+        cursor = reader.cursor("w", 0)
+        first = await cursor.read(0)
+        assert first is not None and first.entries == events("w", 1, 4)
+        cursor.sent(3, 300)
+        await producer.redis.delete(*(key(producer, "w", part) for part in ("", ":meta", ":live")))
+        # A short wait: the reader looks before the producer's next beat has written it again.
+        during = await cursor.read(0.05)
+        assert during is not None and during.ending is None, during
+        producer.append("w", events("w", 4, 6))
+        producer.end("w", "finished")
+        await producer.flush()
+        async with asyncio.timeout(10):
+            rest = await cursor.read(1)
+            assert rest is not None and rest.entries == events("w", 4, 6) and not rest.lost
+        cursor.close()
+
+        await producer.create(ReplyInfo("x", owner="k"))
+        producer.append("x", events("x", 1, 4))
+        await producer.flush()
+        cursor = reader.cursor("x", 0)
+        assert (await cursor.read(0)) is not None
+        cursor.sent(3, 300)
+        await producer.delete("x")
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        assert await cursor.read(0.05) is None
+        assert (await cursor.gone()) == DELETED
+        assert loop.time() - began < 1.0  # not the wait for a producer to write it again
+        cursor.close()
         await producer.aclose()
         await reader.aclose()
 

@@ -11,8 +11,10 @@ resume) is told at once rather than after another such wait. A missing key is ne
 for something else: a stream gone behind an ended reply is a gap up to the ``last`` its
 metadata keeps, then the ending; metadata gone behind a surviving stream is reported as
 evicted; only a reply whose every key is gone (and no producer writing it again) reads as
-unknown. Every read is retried through a failover (``RedisLink.retrying``). This file reads;
-it writes nothing.
+unknown, and to a reader that was following it only once its producer has had
+``BEAT_CONFIRM_S`` to write it again (every key of a live reply evicted at once, its
+liveness key among them). Every read is retried through a failover
+(``RedisLink.retrying``). This file reads; it writes nothing.
 """
 
 from __future__ import annotations
@@ -201,7 +203,9 @@ class RemoteReads:
         if rows:
             return result_of(rows, after, READ_BATCH)
         result, offsets = await self._read_remote(reply_id, after)
-        if result is None or result.entries or result.lost or result.ending:
+        if result is None:
+            return await self._written_again(reply_id, after)
+        if result.entries or result.lost or result.ending:
             return result, offsets
         found_lost = self._lost.get(reply_id)
         if found_lost is not None and time.monotonic() - found_lost < LOST_REMEMBERED_S:
@@ -224,6 +228,27 @@ class RemoteReads:
             if not alive:
                 self._remember_lost(reply_id)
         return ReadResult([], result.lost, None, producer_lost=not alive), offsets
+
+    async def _written_again(self, reply_id: str, after: int) -> tuple[ReadResult | None, Offsets]:
+        """A reply found gone under a reader that was following it, not ended, read again
+        once its producer has had ``BEAT_CONFIRM_S`` to write it again. Every key of it gone
+        (its liveness key among them, so nothing says a producer writes it) is an eviction
+        under a live producer, which writes it all again at its next beat, more likely than
+        an expiry: a live reply's keys are held past its producer's beats, and a dead
+        producer's readers are told so long before its keys lapse. A delete's mark says so
+        at once."""
+        deadline = time.monotonic() + BEAT_CONFIRM_S
+        key = self._keys.key(reply_id)
+        while not await self.redis.hexists(self._keys.key(reply_id, ":meta"), "deleted"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            # Woken by the stream made again; its metadata may come back on its own.
+            await self.watch.after(key, after, min(left, HEARTBEAT_S / 4))
+            result, offsets = await self._read_remote(reply_id, after)
+            if result is not None:
+                return result, offsets
+        return None, Offsets(None, None)
 
     def _remember_lost(self, reply_id: str) -> None:
         now = time.monotonic()
