@@ -137,6 +137,77 @@ async def test_a_killed_producer_is_reported_on_the_other_replica(tmp_path: Path
     assert waited < 10  # liveness expires after 3 s; never a hang
 
 
+async def test_a_killed_producers_response_is_told_failed_by_get_and_cancel_as_soon_as_known(
+    tmp_path: Path,
+):
+    """A replica dies (SIGKILL) while it makes two background responses. On the other one,
+    a GET polled meanwhile says ``in_progress`` until the death is known, then ``failed``
+    (``generator_lost``), within the bound docs/api.md gives (its liveness key lapses at
+    most 3 s after its last heartbeat, then its heartbeat count stands still 2.5 s: 5.5 s);
+    and a cancel asked then answers ``failed`` as soon as that is known too. It answered
+    7.6 s after it was asked: its wait for the ending, cut at 5 s while it made sure the
+    producer had died, made sure again for its answer."""
+    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0", "--tokens", "2000")
+    with redis_server(tmp_path) as redis:
+        a_proc, a_url = await start_server(*slow, "--redis-url", redis.url)
+        try:
+            async with (
+                replica(*slow, "--redis-url", redis.url) as (_, b_url),
+                aiohttp.ClientSession() as http,
+                Redis.from_url(redis.url) as client,
+            ):
+                made = []
+                for _ in range(2):
+                    body = {"input": "x", "background": True}
+                    async with http.post(f"{a_url}/v1/responses", json=body) as created:
+                        made.append((await created.json())["id"])
+                polled, cancelled = made
+                await asyncio.sleep(0.5)
+                a_proc.send_signal(signal.SIGKILL)
+                await a_proc.wait()
+                loop = asyncio.get_running_loop()
+                killed_at = loop.time()
+                # As if A had died half a second after its last beat: the cancel's wait finds
+                # the key gone at its third read, and makes sure across its 5 s.
+                live = f"replystream:reply:{{{reply_id_of(cancelled)}}}:live"
+                assert await client.pexpire(live, 2500)
+
+                async def poll() -> list[tuple[float, dict[str, Any]]]:
+                    answers: list[tuple[float, dict[str, Any]]] = []
+                    while not answers or answers[-1][1]["status"] == "in_progress":
+                        async with http.get(f"{b_url}/v1/responses/{polled}") as read:
+                            assert read.status == 200, await read.text()
+                            answers.append((loop.time() - killed_at, await read.json()))
+                        await asyncio.sleep(0.2)
+                    return answers
+
+                async def cancel() -> tuple[float, dict[str, Any]]:
+                    asked = loop.time()
+                    async with http.post(f"{b_url}/v1/responses/{cancelled}/cancel") as told:
+                        assert told.status == 200, await told.text()
+                        return loop.time() - asked, await told.json()
+
+                async with asyncio.timeout(30):
+                    answers, (cancel_took, after_cancel) = await asyncio.gather(poll(), cancel())
+                    again = loop.time()
+                    async with http.get(f"{b_url}/v1/responses/{polled}") as read:
+                        assert (await read.json())["status"] == "failed"
+                    again = loop.time() - again
+        finally:
+            await stop(a_proc)
+    statuses = [shown["status"] for _, shown in answers]
+    assert statuses == ["in_progress"] * (len(answers) - 1) + ["failed"], statuses
+    known_after, failed = answers[-1]
+    assert our_code(failed["error"]) == "generator_lost"
+    assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"]
+    assert known_after < 5.5 + 3.5, known_after  # the documented bound, generously
+    assert again < 1.0  # the producer is known lost now: no need to make sure again
+    assert (after_cancel["status"], our_code(after_cancel["error"])) == ("failed", "generator_lost")
+    # Known at about 5.5 s (its key gone at 2.5 s, found at the next read, then 2.5 s).
+    print(f"GET failed {known_after:.2f} s after the kill, cancel took {cancel_took:.2f} s")
+    assert cancel_took < 7.0, cancel_took
+
+
 @asynccontextmanager
 async def two_slow_replicas(
     tmp_path: Path,
