@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ import redis.asyncio as aioredis
 
 from replystream.client.transport import http_request
 from replystream.sse import EventParser
-from tests.processes import replica
+from tests.conftest import our_code
+from tests.processes import replica, start_server, stop
 from tests.redis_server import redis_server
 from tests.sse_client import Received, post_events
 
@@ -168,3 +170,51 @@ async def test_a_response_whose_log_redis_evicted_is_told_as_evicted_on_every_ro
             async with http.get(f"{a_url}/v1/responses/{forgotten}") as whole:
                 assert (await whole.json())["status"] == "completed"
         await client.aclose()
+
+
+async def test_a_dead_producers_response_whose_log_redis_evicted_is_failed_not_unknown(
+    tmp_path: Path,
+):
+    """A replica dies while it makes a background response, and Redis then evicts the
+    response's stream (an idle reply's keys are the least recently used): its metadata
+    still says whose it is, and its stream's readers are told the producer is gone. A GET
+    answered 404, as if it had never been; it is the object the response was created as,
+    failed (``generator_lost``), as the stream's ``response.failed`` tells it, and so is a
+    cancel's answer."""
+    slow = ("--engine", "simulated", "--delay-ms", "50", "--jitter-ms", "0", "--tokens", "2000")
+    with redis_server(tmp_path) as server:
+        client = aioredis.Redis.from_url(server.url)
+        a_proc, a_url = await start_server(*slow, "--redis-url", server.url)
+        try:
+            async with (
+                replica(*slow, "--redis-url", server.url) as (_, b_url),
+                aiohttp.ClientSession() as http,
+            ):
+                made = []
+                for _ in range(2):
+                    body = {"input": "x", "background": True}
+                    async with http.post(f"{a_url}/v1/responses", json=body) as created:
+                        made.append((await created.json())["id"])
+                await asyncio.sleep(0.5)
+                a_proc.send_signal(signal.SIGKILL)
+                await a_proc.wait()
+                for response_id in made:
+                    await client.delete(f"{PREFIX}{{{response_id.removeprefix('resp_')}}}")
+                read, cancelled = made
+                async with asyncio.timeout(30):
+                    # In progress, as far as anyone can tell, until the death is known.
+                    shown: dict[str, Any] = {"status": "in_progress"}
+                    while shown["status"] == "in_progress":
+                        async with http.get(f"{b_url}/v1/responses/{read}") as got:
+                            shown = await got.json()
+                            assert got.status == 200, shown
+                    async with http.post(f"{b_url}/v1/responses/{cancelled}/cancel") as told:
+                        answer = await told.json()
+                        assert told.status == 200, answer
+        finally:
+            await stop(a_proc)
+        await client.aclose()
+    for response in (shown, answer):
+        assert (response["status"], our_code(response["error"])) == ("failed", "generator_lost")
+        assert response["output"] == [] and response["background"] is True
+    assert (shown["id"], answer["id"]) == (read, cancelled)

@@ -134,8 +134,8 @@ async def response_body(
     neither queued nor in progress) must not be refused meanwhile."""
     told = await _read_told(store, reply_id, "response_id", cut_short_ok=True)
     text: str | None
-    if told.cut_short is not None:
-        opened = await _opened_past_its_log(store, reply_id, told.cut_short, told.producer_lost)
+    if told.cut_short:
+        opened = await _opened_past_its_log(store, reply_id, told.gone, told.producer_lost)
         text = compact_json(opened)
     else:
         text = response_json_from_log(told.entries, producer_lost=told.producer_lost)
@@ -242,7 +242,8 @@ class _Told(NamedTuple):
     producer_lost: bool  # not ended, and its producer is gone
     whole: bool  # no event of it was lost
     ended: bool  # its terminal event is among them
-    cut_short: tuple[int, int] | None = None  # not ended, and these events of it are gone
+    cut_short: bool = False  # not ended, and events of it are gone
+    gone: tuple[int, int] | None = None  # those events, when its log says which
 
 
 async def _read_told(
@@ -250,14 +251,15 @@ async def _read_told(
 ) -> _Told:
     """A response's log as it is now. A 410 naming ``param`` (where the request named the
     response) when events it needs were evicted or trimmed, unless ``cut_short_ok``: then
-    those it lost are said (``cut_short``)."""
+    it is said to be ``cut_short``."""
     try:
         result = await read_log(store, reply_id)
         lost = False
-        if result is not None and result.ending is None and result.entries:
+        if result is not None and result.ending is None:
             # Not ended: is its producer still there? (A store says so when a read finds
             # nothing new; a short wait lets one remote read ask.)
-            after = await store.read(reply_id, result.entries[-1].seq, LIVENESS_WAIT_S)
+            last = result.entries[-1].seq if result.entries else 0
+            after = await store.read(reply_id, last, LIVENESS_WAIT_S)
             if after is None:  # gone meanwhile (expired while its dead producer was confirmed)
                 return _Told((), False, whole=True, ended=False)
             lost = after.producer_lost
@@ -266,29 +268,35 @@ async def _read_told(
     if result is None:
         return _Told((), lost, whole=True, ended=False)
     ended = any(entry.event in TERMINAL for entry in reversed(result.entries))
-    if result.lost is not None and not ended:
+    # A response logs its opening as it begins, and was found by it (``find_response``): a
+    # log with no event and no ending has lost every one it had (Redis evicted its stream,
+    # and its producer, gone since, or not written to since, has not written it again).
+    emptied = not result.entries and result.ending is None
+    if (result.lost is not None or emptied) and not ended:
         # Events before these are gone (evicted, or trimmed): only a terminal event,
         # which carries the whole response, can be trusted; never a text with holes.
         if not cut_short_ok or result.ending is not None:  # (ended: its terminal event lost)
             raise _cut_short(result.lost, param)
-        return _Told(result.entries, lost, whole=False, ended=False, cut_short=result.lost)
+        return _Told(result.entries, lost, False, False, cut_short=True, gone=result.lost)
     return _Told(result.entries, lost, whole=result.lost is None, ended=ended)
 
 
-def _cut_short(lost: tuple[int, int], param: str) -> HTTPAPIError:
+def _cut_short(lost: tuple[int, int] | None, param: str) -> HTTPAPIError:
+    which = "the events" if lost is None else f"events {lost[0]}-{lost[1]}"
     return HTTPAPIError(
         410,
-        f"events {lost[0]}-{lost[1]} of this response are no longer kept (evicted by Redis "
-        "under memory pressure, or trimmed): it cannot be told whole",
+        f"{which} of this response are no longer kept (evicted by Redis under memory "
+        "pressure, or trimmed): it cannot be told whole",
         code="reply_evicted",
         param=param,
     )
 
 
 async def _opened_past_its_log(
-    store: ReplayStore, reply_id: str, lost: tuple[int, int], producer_lost: bool
+    store: ReplayStore, reply_id: str, lost: tuple[int, int] | None, producer_lost: bool
 ) -> dict[str, Any]:
-    """A running response whose log no longer holds its first events (``lost``): the object
+    """A running response whose log no longer holds its first events (``lost``, when its
+    log says which; all of them, else): the object
     it was created as, in progress (failed, when its producer is gone), with no output. The
     410 of ``_read_told`` for one kept by a server before its conversation kept that object."""
     kept = await stored_conversation(store, reply_id)
