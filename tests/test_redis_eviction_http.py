@@ -211,6 +211,11 @@ async def test_a_dead_producers_response_whose_log_redis_evicted_is_failed_not_u
                     async with http.post(f"{b_url}/v1/responses/{cancelled}/cancel") as told:
                         answer = await told.json()
                         assert told.status == 200, answer
+                    # Continued: what it said is gone, and it will never finish.
+                    follow = {"input": "and?", "previous_response_id": read}
+                    async with http.post(f"{b_url}/v1/responses", json=follow) as refused:
+                        error = (await refused.json())["error"]
+                        status = refused.status
         finally:
             await stop(a_proc)
         await client.aclose()
@@ -218,3 +223,4 @@ async def test_a_dead_producers_response_whose_log_redis_evicted_is_failed_not_u
         assert (response["status"], our_code(response["error"])) == ("failed", "generator_lost")
         assert response["output"] == [] and response["background"] is True
     assert (shown["id"], answer["id"]) == (read, cancelled)
+    assert (status, error["code"], error["param"]) == (410, "reply_evicted", "previous_response_id")

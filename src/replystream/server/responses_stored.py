@@ -165,16 +165,15 @@ async def response_said(store: ReplayStore, reply_id: str, param: str) -> Said |
     """What a response said, for the next turn's history (named by ``param``, which a 410
     names); None while it has not finished (queued, or in progress). An ended one's whole
     log is read from its small events (``said_in_events``, a slice at a time); one whose
-    early events are gone, or whose producer was lost, from its object."""
-    try:
-        told = await _read_told(store, reply_id, param)
-    except HTTPAPIError as exc:
-        if exc.status != 410:
-            raise
+    early events are gone, or whose producer was lost, from its object (a 410 for one
+    with both: what it said is gone, and it will never finish)."""
+    told = await _read_told(store, reply_id, param, cut_short_ok=True)
+    if told.cut_short:
+        if told.producer_lost:
+            # It will never finish, and what it said is no longer kept.
+            raise _cut_short(told.gone, param)
         # A log too long to still hold a running response's first events has no object
         # to tell until its terminal event: the response has not finished.
-        if await _ended(store, reply_id):
-            raise
         return None
     if told.whole and told.ended:
         return await said_in_events(told.entries)
