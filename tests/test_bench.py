@@ -1018,7 +1018,7 @@ def _record(index: int, start_s: float, ttft_ms: float) -> RequestRecord:
         error=None,
         status=200,
         headers_ms=1.0,
-        first_byte_ms=ttft_ms,
+        first_chunk_ms=ttft_ms,
         first_text_ms=ttft_ms,
         last_text_ms=events[-1],
         closed_ms=events[-1] + 1.0,

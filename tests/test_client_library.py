@@ -48,6 +48,10 @@ async def timed(url: str) -> ReplyTiming:
     return await measure_reply(f"{url}/v1/replies", method="POST", json_body={"prompt": "Hi"})
 
 
+def waits(timing: ReplyTiming) -> tuple[float | None, float | None, float | None]:
+    return timing.headers_ms, timing.first_chunk_ms, timing.first_text_ms
+
+
 def parsed(raw: bytes) -> list[Event]:
     parser = EventParser()
     try:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from replystream.client import measure_reply
 from replystream.engine.tiny import load_default_engine
+from replystream.lab.diagnosis import diagnose
 from replystream.server import create_app, running
 from tests.conftest import fast_engine, serve_engine
 from tests.test_resume_reader_edges import raw_server
@@ -138,6 +139,21 @@ async def test_timings_are_ordered_and_count_every_event():
     assert wait.headers_ms is not None and wait.first_text_ms is not None
     assert wait.first_text_ms >= 100 + 120 * 4
     assert wait.text == stream.text
+
+
+async def test_a_timing_names_its_figures_as_doctor_and_bench_do():
+    # ``first_chunk_ms`` is the first body bytes in the library as in ``doctor`` and
+    # ``bench``; their ``first_byte_ms`` (the response head) is ``headers_ms``, and no field
+    # named ``first_byte_ms`` is left to mean the body's bytes.
+    async with serve_engine(fast_engine(first_token_ms=50)) as url:
+        timing = await measure_reply(f"{url}/stream")
+    assert timing.complete and timing.headers_ms is not None
+    assert timing.first_chunk_ms is not None and timing.first_text_ms is not None
+    assert timing.headers_ms <= timing.first_chunk_ms <= timing.first_text_ms
+    assert not hasattr(timing, "first_byte_ms") and "first_byte_ms" not in timing.as_dict()
+    assert timing.as_dict()["first_chunk_ms"] == timing.first_chunk_ms
+    seen = diagnose(timing)
+    assert (seen.first_byte_ms, seen.first_chunk_ms) == (timing.headers_ms, timing.first_chunk_ms)
 
 
 async def test_a_stream_that_never_ends_times_out_as_incomplete():

@@ -20,7 +20,7 @@ def timing(times: list[float], **overrides: Any) -> ReplyTiming:
         "error": None,
         "status": 200,
         "headers_ms": 1.0,
-        "first_byte_ms": times[0] if times else None,
+        "first_chunk_ms": times[0] if times else None,
         "first_text_ms": times[0] if times else None,
         "last_text_ms": times[-1] if times else None,
         "closed_ms": (times[-1] if times else 0.0) + 1,

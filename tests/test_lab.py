@@ -348,7 +348,7 @@ def _timing(first_ms: float | None, total_ms: float | None, *, streamed: bool) -
         error=None if first_ms is not None else "cut",
         status=200,
         headers_ms=1.0,
-        first_byte_ms=first_ms,
+        first_chunk_ms=first_ms,
         first_text_ms=first_ms,
         last_text_ms=total_ms,
         closed_ms=total_ms or 50.0,

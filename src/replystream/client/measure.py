@@ -37,7 +37,12 @@ from replystream.sse import EventParser, SSEError
 
 @dataclass(frozen=True, slots=True)
 class ReplyTiming:
-    """What one reader saw of one reply. Times are ms from request start; None if never."""
+    """What one reader saw of one reply. Times are ms from request start; None if never.
+
+    ``headers_ms``: the response head (status line and headers) arrived, what ``doctor`` and
+    ``bench`` report as ``first_byte_ms``; ``first_chunk_ms``: the first body bytes arrived
+    (for a compressed body, the first that decompressed to any), their ``first_chunk_ms``
+    too (docs/metrics.md)."""
 
     url: str
     streamed: bool
@@ -45,7 +50,7 @@ class ReplyTiming:
     error: str | None
     status: int | None
     headers_ms: float | None
-    first_byte_ms: float | None
+    first_chunk_ms: float | None
     first_text_ms: float | None
     last_text_ms: float | None
     closed_ms: float
@@ -87,7 +92,7 @@ class ReplyTiming:
             "error": self.error,
             "status": self.status,
             "headers_ms": self.headers_ms,
-            "first_byte_ms": self.first_byte_ms,
+            "first_chunk_ms": self.first_chunk_ms,
             "first_text_ms": self.first_text_ms,
             "last_text_ms": self.last_text_ms,
             "closed_ms": self.closed_ms,
@@ -122,7 +127,7 @@ class _Reading:
         self.error: str | None = None
         self.status: int | None = None
         self.headers_ms: float | None = None
-        self.first_byte_ms: float | None = None
+        self.first_chunk_ms: float | None = None
         self.body_bytes = 0
         self.read_from = 0  # the body bytes read before the current read
         self.parts: list[str] = []
@@ -168,7 +173,7 @@ class _Reading:
             error=self.error,
             status=self.status,
             headers_ms=self.headers_ms,
-            first_byte_ms=self.first_byte_ms,
+            first_chunk_ms=self.first_chunk_ms,
             first_text_ms=self.event_ms[0] if self.event_ms else None,
             last_text_ms=self.event_ms[-1] if self.event_ms else None,
             closed_ms=self.ms(time.perf_counter()),
@@ -194,8 +199,8 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
     parser = EventParser(reading.max_event_size)
     async for chunk in response:
         at = reading.ms(chunk.at)
-        if reading.first_byte_ms is None:
-            reading.first_byte_ms = at
+        if reading.first_chunk_ms is None:
+            reading.first_chunk_ms = at
         reading.read_from = reading.body_bytes
         reading.body_bytes += len(chunk.data)
         for event in parser.feed(chunk.data):
@@ -236,8 +241,8 @@ async def _read_body(reading: _Reading, response: HTTPResponse) -> None:
     at = 0.0
     async for chunk in response:
         at = reading.ms(chunk.at)
-        if reading.first_byte_ms is None:
-            reading.first_byte_ms = at
+        if reading.first_chunk_ms is None:
+            reading.first_chunk_ms = at
         reading.body_bytes += len(chunk.data)
         chunks.append(chunk.data)
     meaning = interpret_body(b"".join(chunks))

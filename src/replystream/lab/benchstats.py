@@ -133,7 +133,7 @@ def request_metrics(record: RequestRecord, warmup_s: float = 0.0) -> dict[str, A
         "max_itl_ms": (max(gaps) if gaps else 0.0) if t.complete else None,
         "e2el_ms": t.closed_ms,
         "first_byte_ms": t.headers_ms,
-        "first_chunk_ms": t.first_byte_ms,
+        "first_chunk_ms": t.first_chunk_ms,
         "last_text_ms": t.last_text_ms,
         "tokens": t.tokens,
         "events": events,

@@ -95,7 +95,7 @@ class _Read:
     error: str | None = None
     status: int | None = None
     headers_ms: float | None = None
-    first_byte_ms: float | None = None
+    first_chunk_ms: float | None = None
     body_bytes: int = 0
     reply_id: str | None = None
     response_id: str | None = None  # a Responses id, from ``response.created``
@@ -143,8 +143,8 @@ async def _follow(
         parser = EventParser()
         previous_id = ""
         async for chunk in response:
-            if read.first_byte_ms is None:
-                read.first_byte_ms = read.ms(chunk.at)
+            if read.first_chunk_ms is None:
+                read.first_chunk_ms = read.ms(chunk.at)
             read.body_bytes += len(chunk.data)
             for event in parser.feed(chunk.data):
                 sequenced = read.response_id is not None or event.type == "response.created"
@@ -338,7 +338,7 @@ async def drop_and_resume(
         error=read.error,
         status=read.status,
         headers_ms=read.headers_ms,
-        first_byte_ms=read.first_byte_ms,
+        first_chunk_ms=read.first_chunk_ms,
         first_text_ms=read.event_ms[0] if read.event_ms else None,
         last_text_ms=read.event_ms[-1] if read.event_ms else None,
         closed_ms=read.ms(time.perf_counter()),
