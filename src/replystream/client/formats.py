@@ -72,7 +72,7 @@ def _count(value: Any, least: int) -> int | None:
     return None
 
 
-def server_json(data: str | bytes) -> Any:
+def server_json(data: str | bytes | bytearray) -> Any:
     """What a server sent, read as JSON; ValueError when it is none. A document nested past
     the interpreter's recursion limit (an event of a hundred thousand ``[``) is one too:
     ``json.loads`` raises RecursionError for it, which no reader expected."""
@@ -355,7 +355,7 @@ def _completion_tokens(usage: Any) -> int | None:
     return _count(usage.get("completion_tokens"), least=0) if isinstance(usage, dict) else None
 
 
-def interpret_body(body: bytes) -> Meaning:
+def interpret_body(body: bytes | bytearray) -> Meaning:
     """The reply text in a complete buffered JSON body (``done``, with the body's
     ``usage.completion_tokens`` when it has one), or why there is none."""
     try:

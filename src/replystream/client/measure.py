@@ -24,6 +24,7 @@ from replystream.client.formats import (
     words_added,
 )
 from replystream.client.transport import (
+    MAX_BODY_BYTES,
     ConnectError,
     Connection,
     Headers,
@@ -237,15 +238,15 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
 
 
 async def _read_body(reading: _Reading, response: HTTPResponse) -> None:
-    chunks: list[bytes] = []
+    body = bytearray()  # grown in place: the body is held once, not again when joined
     at = 0.0
     async for chunk in response:
         at = reading.ms(chunk.at)
         if reading.first_chunk_ms is None:
             reading.first_chunk_ms = at
         reading.body_bytes += len(chunk.data)
-        chunks.append(chunk.data)
-    meaning = interpret_body(b"".join(chunks))
+        body += chunk.data
+    meaning = interpret_body(body)
     location = response.headers.get("location")
     if 300 <= response.status < 400 and location:
         # Not followed (a measured hop must be named, not skipped): say where it points.
@@ -274,6 +275,7 @@ async def measure_reply(
     stop_after_tokens: int | None = None,
     tls: ssl.SSLContext | None = None,
     max_event_size: int = MAX_EVENT_CHARS,
+    max_body_size: int = MAX_BODY_BYTES,
 ) -> ReplyTiming:
     """Send one request and time how its reply arrives; never raises for a failed reply.
 
@@ -283,9 +285,13 @@ async def measure_reply(
     ``tls``: the TLS context for an ``https://`` URL (see ``transport.connect``).
     ``max_event_size``: the largest event read, in characters (see ``EventParser``); a
     larger one fails the read.
+    ``max_body_size``: the most the body may hold, in bytes once its gzip or deflate is
+    undone (1 GiB by default); a larger one fails the read.
     """
     if max_event_size < 1:
         raise ValueError(f"max_event_size must be positive, got {max_event_size}")
+    if max_body_size < 1:
+        raise ValueError(f"max_body_size must be positive, got {max_body_size}")
     body = b"" if json_body is None else json.dumps(json_body).encode()
     ours = {"Accept": "text/event-stream, application/json", "Accept-Encoding": "gzip, deflate"}
     if json_body is not None:
@@ -295,7 +301,13 @@ async def measure_reply(
     try:
         async with asyncio.timeout(timeout_s):
             async with http_request(
-                url, method=method, body=body, headers=sent, connection=connection, tls=tls
+                url,
+                method=method,
+                body=body,
+                headers=sent,
+                connection=connection,
+                tls=tls,
+                max_body_size=max_body_size,
             ) as response:
                 reading.headers_ms = reading.ms(response.head_at)
                 reading.status = response.status

@@ -13,12 +13,12 @@ once each (an id at or below the last one seen is dropped); ``gap`` events and t
 (``[DONE]`` or ``done``), an ``error`` or ``moderated`` event, when the server answers a
 resume with 409 ``reply_ended`` (the reply ended with the last event it holds: there is
 nothing more to read), or when attempts run out (``ResumeFailed``, which names the last
-failure, or an event past ``max_event_size`` characters, which a resume would send
-again). The end marker is each dialect's own: ``[DONE]``, ``done``, a Responses stream's
-``response.completed``, ``response.incomplete`` or ``response.failed``, a Messages stream's
-``message_stop``. A connection that carries no byte for ``idle_timeout_s`` (a peer gone
-without closing: a dead host, a NAT that forgot the flow) counts as dropped; the server's
-keep-alive comments keep a live one busy. An unnumbered
+failure, or an event past ``max_event_size`` characters, or a body past ``max_body_size``
+bytes, which a resume would send again). The end marker is each dialect's own: ``[DONE]``,
+``done``, a Responses stream's ``response.completed``, ``response.incomplete`` or
+``response.failed``, a Messages stream's ``message_stop``. A connection that carries no byte
+for ``idle_timeout_s`` (a peer gone without closing: a dead host, a NAT that forgot the flow)
+counts as dropped; the server's keep-alive comments keep a live one busy. An unnumbered
 ``slow_client`` or ``shutdown`` error is about the connection, not the reply, so it leads to
 a resume too, in the native shape and in the Responses one (``code`` at the top of the
 event's data).
@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from replystream.client.formats import MAX_EVENT_CHARS, RESPONSES_ENDED, server_json
-from replystream.client.transport import HTTPResponse, TransportError, http_request
+from replystream.client.transport import (
+    MAX_BODY_BYTES,
+    BodyTooLarge,
+    HTTPResponse,
+    TransportError,
+    http_request,
+)
 from replystream.sse import Event, EventParser, EventTooLarge, SSEError
 
 # How long a connection may carry nothing before it counts as dropped: a few times the
@@ -126,11 +132,14 @@ class ResumingReader:
         tls: ssl.SSLContext | None = None,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_event_size: int = MAX_EVENT_CHARS,
+        max_body_size: int = MAX_BODY_BYTES,
     ) -> None:
         if idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
         if max_event_size < 1:
             raise ValueError(f"max_event_size must be positive, got {max_event_size}")
+        if max_body_size < 1:
+            raise ValueError(f"max_body_size must be positive, got {max_body_size}")
         self.url = url
         self.method = method
         self.json_body = json_body
@@ -139,6 +148,7 @@ class ResumingReader:
         self.tls = tls  # for an https:// URL (see ``transport.connect``)
         self.idle_timeout_s = idle_timeout_s
         self.max_event_size = max_event_size  # characters, see ``EventParser``
+        self.max_body_size = max_body_size  # bytes one connection's body may hold, decoded
         self.reply_id: str | None = None
         self.last_event_id = 0
         self.reconnects = 0
@@ -196,7 +206,14 @@ class ResumingReader:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
                     response = await stack.enter_async_context(
-                        http_request(url, method=method, body=body, headers=headers, tls=self.tls)
+                        http_request(
+                            url,
+                            method=method,
+                            body=body,
+                            headers=headers,
+                            tls=self.tls,
+                            max_body_size=self.max_body_size,
+                        )
                     )
             except TimeoutError:
                 raise TransportError(f"no response head within {self.idle_timeout_s:g} s") from None
@@ -279,6 +296,10 @@ class ResumingReader:
                     chunk = await anext(chunks)
             except StopAsyncIteration:
                 return
+            except BodyTooLarge as exc:
+                # Not resumed: a server that sent that much (or a body that inflates without
+                # end) would do it again on every resume.
+                raise ResumeFailed(f"the stream is longer than this reader takes: {exc}") from exc
             except TimeoutError:
                 raise TransportError(
                     f"the connection carried nothing for {self.idle_timeout_s:g} s"

@@ -20,7 +20,7 @@ import ssl
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +31,23 @@ import h11
 # The content codings undone here (x-gzip is gzip's old name, RFC 9110 section 8.4.1.3); the
 # decoder tells gzip from zlib-wrapped deflate by the header.
 DECODED_ENCODINGS = frozenset({"gzip", "x-gzip", "deflate"})
+# The most a body may hold, counted after its coding is undone, unless a reader says
+# otherwise: a bound against a server that sends without end, and against a small compressed
+# body that inflates without end (a gzip "bomb": 10 MB of gzip holds 10 GB of zeros). Far
+# above a reply's body: the largest a server here makes (128 choices of 1,000 tokens, each
+# with 20 log probabilities) is about 210 MB.
+MAX_BODY_BYTES = 1 << 30
+# The most one step of the decoder makes: a read of compressed bytes is handed on in pieces
+# of at most this size, so what a read holds in memory does not grow with how far it inflates.
+DECODED_PIECE = 1 << 20
 
 
 class TransportError(ConnectionError):
     """The connection failed or broke the HTTP framing before the response ended."""
+
+
+class BodyTooLarge(TransportError):
+    """The body passed the reader's ``max_body_size`` (bytes, after its coding is undone)."""
 
 
 class ConnectError(TransportError):
@@ -164,18 +177,75 @@ class _ResponseProtocol(asyncio.Protocol):
         return self.chunks.popleft()
 
 
-class HTTPResponse:
-    """A response being read: status and headers at once, then the body chunk by chunk."""
+class _Decoder:
+    """Undoes a gzip or deflate body in pieces of at most ``DECODED_PIECE`` bytes."""
 
-    def __init__(self, protocol: _ResponseProtocol, head: h11.Response) -> None:
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._zlib = zlib.decompressobj(zlib.MAX_WBITS | 32)
+        self._after_end = b""  # the first bytes after a gzip member's end, while fewer than 2
+        self._trailing = False  # what follows the body's end is no gzip member: dropped
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        """The decoded bytes that ``data``, the body's next bytes, completes.
+
+        Raises:
+            TransportError: the body is not the coding it claims.
+        """
+        while data and not self._trailing:
+            if self._zlib.eof:
+                data = self._next_member(data)
+                continue
+            try:
+                piece = self._zlib.decompress(data, DECODED_PIECE)
+            except zlib.error as exc:
+                claimed = self.encoding
+                raise TransportError(f"the body is not the {claimed} it claims: {exc}") from None
+            if piece:
+                yield piece
+            if self._zlib.eof:
+                data = self._zlib.unused_data
+            elif len(piece) == DECODED_PIECE:
+                data = self._zlib.unconsumed_tail
+                if not data:  # every byte taken, and output may still wait in the decoder
+                    while piece := self._zlib.decompress(b"", DECODED_PIECE):
+                        yield piece
+            else:
+                data = b""
+
+    def _next_member(self, data: bytes) -> bytes:
+        """After the end of a gzip member, ``data`` begins the next: a gzip body may hold
+        several, one after the other (RFC 1952 section 2.2). Anything else after it is
+        dropped, as other clients do. Returns the bytes to decode."""
+        seen = self._after_end + data
+        if self.encoding == "deflate" or not b"\x1f\x8b".startswith(seen[:2]):
+            self._trailing = True
+            return b""
+        if len(seen) < 2:  # a read may end within the next member's magic number
+            self._after_end = seen
+            return b""
+        self._after_end = b""
+        self._zlib = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        return seen
+
+
+class HTTPResponse:
+    """A response being read: status and headers at once, then the body chunk by chunk.
+
+    ``max_body_size``: the most the body may hold, in bytes after its coding is undone; past
+    it, reading fails with ``BodyTooLarge``."""
+
+    def __init__(
+        self, protocol: _ResponseProtocol, head: h11.Response, max_body_size: int = MAX_BODY_BYTES
+    ) -> None:
         self._protocol = protocol
         self.status = head.status_code
         self.head_at = protocol.head_at
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
         self._encoding = self.headers.get("content-encoding", "identity").strip().lower()
-        self._decoder = (
-            zlib.decompressobj(zlib.MAX_WBITS | 32) if self._encoding in DECODED_ENCODINGS else None
-        )
+        self._decoder = _Decoder(self._encoding) if self._encoding in DECODED_ENCODINGS else None
+        self._max_body_size = max_body_size
+        self.body_bytes = 0  # read so far, after decoding
 
     @property
     def content_type(self) -> str:
@@ -190,16 +260,21 @@ class HTTPResponse:
                     "not decode (it asks for gzip or deflate)"
                 )
             if self._decoder is None:
-                yield chunk
+                yield self._counted(chunk)
                 continue
-            try:
-                data = self._decoder.decompress(chunk.data)
-            except zlib.error as exc:
-                raise TransportError(
-                    f"the body is not the {self._encoding} it claims: {exc}"
-                ) from None
-            if data:
-                yield Chunk(chunk.at, data)
+            for piece in self._decoder.pieces(chunk.data):
+                yield self._counted(Chunk(chunk.at, piece))
+
+    def _counted(self, chunk: Chunk) -> Chunk:
+        self.body_bytes += len(chunk.data)
+        if self.body_bytes > self._max_body_size:
+            coded = (
+                "" if self._decoder is None else f", counted once its {self._encoding} is undone"
+            )
+            raise BodyTooLarge(
+                f"the body is larger than max_body_size={self._max_body_size} bytes{coded}"
+            )
+        return chunk
 
 
 class Connection:
@@ -293,9 +368,11 @@ async def http_request(
     headers: Headers | None = None,
     connection: Connection | None = None,
     tls: ssl.SSLContext | None = None,
+    max_body_size: int = MAX_BODY_BYTES,
 ) -> AsyncIterator[HTTPResponse]:
     """Send one request (on ``connection`` if given) and yield the response once its head
-    arrived. The connection is closed on exit. ``tls``: see ``connect``.
+    arrived. The connection is closed on exit. ``tls``: see ``connect``; ``max_body_size``:
+    see ``HTTPResponse``.
 
     Raises:
         TransportError: the connection failed or the response broke HTTP framing.
@@ -315,6 +392,6 @@ async def http_request(
         out += h11_conn.send(h11.EndOfMessage())
         conn.transport.write(out)
         head = await conn.protocol.response_head()
-        yield HTTPResponse(conn.protocol, head)
+        yield HTTPResponse(conn.protocol, head, max_body_size)
     finally:
         conn.close()
