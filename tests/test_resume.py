@@ -221,7 +221,7 @@ async def test_resumable_lab_stream_and_an_interrupted_reader_resumes():
 async def test_resume_of_an_expired_reply_fails_clearly():
     async with running(create_app(fast_engine())) as url:
         reader = ResumingReader(f"{url}/v1/replies", backoff=FAST_RETRY)
-        reader.reply_id, reader.last_event_id = "expired-or-never-existed", 4
+        reader.reply_id, reader.last_event_id = "expired-or-never-existed", "4"
         with pytest.raises(ResumeFailed, match="gone"):
             async for _ in reader.events():
                 pass
@@ -262,7 +262,7 @@ async def test_a_resume_refused_for_now_is_tried_again_after_its_retry_after():
         while (other := await raw_request(f"{url}/stream?max_tokens=40")).status == 429:
             await other.read_body()  # until the server has seen the first one go
         reader = ResumingReader(f"{url}/v1/replies", backoff=FAST_RETRY)
-        reader.reply_id, reader.last_event_id = reply_id, 1
+        reader.reply_id, reader.last_event_id = reply_id, "1"
         text, ids = await read_text(reader)
         await other.read_body()
     assert reader.reconnects >= 1 and reader.finished

@@ -80,7 +80,7 @@ async def test_a_resuming_reader_holding_the_last_event_finishes_instead_of_retr
         )
         # As after a drop that came right after the last event, before the reader saw it end.
         reader.reply_id = first.headers["x-reply-id"]
-        reader.last_event_id = int(first.events[-1].id or 0)
+        reader.last_event_id = first.events[-1].id or ""
         events = [event async for event in reader.events()]
     assert events == [] and reader.finished and reader.reconnects == 0
 

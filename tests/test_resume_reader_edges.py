@@ -32,16 +32,20 @@ Answer = Callable[[int], tuple[bytes, bool]]
 
 
 @asynccontextmanager
-async def raw_server(answer: Answer) -> AsyncIterator[tuple[str, list[int]]]:
-    """A server that reads a request head and answers its n-th connection with
-    ``answer(n)``."""
+async def raw_server(
+    answer: Answer, heads: list[bytes] | None = None
+) -> AsyncIterator[tuple[str, list[int]]]:
+    """A server that reads a request head (kept in ``heads``, if given) and answers its n-th
+    connection with ``answer(n)``."""
     served: list[int] = []
     writers: list[asyncio.StreamWriter] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
         served.append(len(served))
-        await reader.readuntil(b"\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        if heads is not None:
+            heads.append(head)
         data, stay_open = answer(served[-1])
         writer.write(data)
         await writer.drain()
@@ -98,7 +102,7 @@ async def test_a_connection_that_goes_silent_counts_as_dropped_and_is_resumed():
         reader = ResumingReader(url, backoff=FAST, idle_timeout_s=0.3)
         started = time.monotonic()
         await read_all(reader)
-    assert reader.finished and reader.reconnects == 1 and reader.last_event_id == 1
+    assert reader.finished and reader.reconnects == 1 and reader.last_event_id == "1"
     assert time.monotonic() - started >= 0.3 and served == [0, 1]
 
 
@@ -190,7 +194,7 @@ async def test_a_reader_told_to_try_a_thousand_times_and_more_gives_up_in_its_wo
         f"http://127.0.0.1:{free_port()}/v1/replies",
         backoff=Backoff(base_s=1e-6, cap_s=1e-6, max_attempts=1030),
     )
-    reader.reply_id, reader.last_event_id = "R1", 3
+    reader.reply_id, reader.last_event_id = "R1", "3"
     with pytest.raises(ResumeFailed, match=r"gave up after 1030 attempts; the last: cannot"):
         await read_all(reader)
     assert reader.reconnects == 1030
@@ -202,6 +206,76 @@ async def test_ids_that_are_no_numbers_and_a_malformed_reply_event_do_not_break_
         reader = ResumingReader(url, backoff=FAST)
         types = await read_all(reader)
     assert types == ["message", "reply", "done"] and reader.finished
+
+
+def last_event_id(head: bytes) -> bytes | None:
+    """The ``Last-Event-ID`` a request head sent (its bytes), or None."""
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"last-event-id":
+            return value.strip()
+    return None
+
+
+async def test_an_event_numbered_0_is_read_and_resumed_after():
+    # The SSE standard's ids are any string: ``0`` is one (a server counting from 0 sends it).
+    script = [
+        HEAD + b"id: 0\ndata: zero\n\n",
+        HEAD + b"id: 1\ndata: one\n\nevent: done\ndata: {}\n\n",
+    ]
+    heads: list[bytes] = []
+    async with raw_server(lambda n: (script[n], False), heads) as (url, served):
+        reader = ResumingReader(url, backoff=FAST)
+        async with asyncio.timeout(30):
+            events = [(event.id, event.data) async for event in reader.events()]
+    assert events == [("0", "zero"), ("1", "one"), ("1", "{}")]
+    assert [last_event_id(head) for head in heads] == [None, b"0"] and served == [0, 1]
+
+
+async def test_ids_that_are_no_numbers_are_sent_back_and_the_event_resumed_after_not_repeated():
+    # The resume sends the last id as it came (UTF-8, as an EventSource does); the server
+    # starts again with the event it resumes after (as some do), which is not yielded twice.
+    first = "id: a7f3\ndata: one\n\nid: é-2\ndata: two\n\n".encode()
+    again = "id: é-2\ndata: two\n\nid: z\ndata: three\n\nevent: done\ndata: {}\n\n".encode()
+    script = [HEAD + first, HEAD + again]
+    heads: list[bytes] = []
+    async with raw_server(lambda n: (script[n], False), heads) as (url, _):
+        reader = ResumingReader(url, backoff=FAST)
+        async with asyncio.timeout(30):
+            events = [(event.id, event.data) async for event in reader.events()]
+    assert events == [("a7f3", "one"), ("é-2", "two"), ("z", "three"), ("z", "{}")]
+    assert last_event_id(heads[1]) == "é-2".encode() and reader.last_event_id == "z"
+
+
+async def test_a_server_that_ignores_the_last_event_id_is_given_up_on():
+    # Each answer starts the reply again, its events' ids no numbers: the event resumed after
+    # comes back each time, which is no progress, so attempts run out.
+    answer = HEAD + b"id: x1\ndata: one\n\n"
+    async with raw_server(lambda n: (answer, False)) as (url, served):
+        reader = ResumingReader(url, backoff=FAST)
+        got: list[str] = []
+        with pytest.raises(ResumeFailed, match=r"gave up after 2 attempts"):
+            async with asyncio.timeout(10):
+                async for event in reader.events():
+                    got.append(event.data)
+    assert got == ["one"] and len(served) == 3
+
+
+async def test_an_id_of_thousands_of_digits_is_an_id_like_any():
+    # ``int`` refuses a string of more than 4,300 digits; the ids are compared without it.
+    big = b"9" * 5000
+    bigger = b"1" + b"0" * 5000
+    script = [
+        HEAD + b"id: " + big + b"\ndata: one\n\n",
+        HEAD + b"id: " + big + b"\ndata: one\n\nid: " + bigger + b"\ndata: two\n\n"
+        b"event: done\ndata: {}\n\n",
+    ]
+    heads: list[bytes] = []
+    async with raw_server(lambda n: (script[n], False), heads) as (url, _):
+        reader = ResumingReader(url, backoff=FAST)
+        async with asyncio.timeout(30):
+            events = [event.data async for event in reader.events()]
+    assert events == ["one", "two", "{}"] and last_event_id(heads[1]) == big
 
 
 ROUTES = ["/v1/replies", "/stream", "/v1/chat/completions", "/v1/completions", "/v1/responses"]

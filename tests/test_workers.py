@@ -58,7 +58,7 @@ async def test_two_workers_serve_one_port_and_resume_each_others_replies(tmp_pat
             texts = []
             for _ in range(4):  # a few resumes: both workers answer some of them
                 reader = ResumingReader(url, backoff=Backoff(base_s=0.01, max_attempts=10))
-                reader.reply_id, reader.last_event_id = reply_id, 0
+                reader.reply_id, reader.last_event_id = reply_id, ""
                 parts = [
                     json.loads(e.data)["text"] async for e in reader.events() if e.type == "token"
                 ]

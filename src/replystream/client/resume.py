@@ -7,8 +7,11 @@ is never sent twice. Between attempts it waits with capped exponential backoff a
 jitter, never less than the server's ``retry:`` value. A resume refused for now (429, 502,
 503, 504: the server or a proxy in front of it is busy or restarting) is an attempt like a
 dropped connection, and waits at least the ``Retry-After`` it came with. Either wait is
-bounded (``Backoff.server_wait_cap_s``, a minute by default). Events are yielded
-once each (an id at or below the last one seen is dropped); ``gap`` events and the
+bounded (``Backoff.server_wait_cap_s``, a minute by default). An event id is any string, as
+the SSE standard has it (``0`` and ``a7f3`` are ids like ``12``), and the last one read is
+sent back as ``Last-Event-ID``. Events are yielded once each: one whose id is the id resumed
+after is that event again, and so is, while ids are numbers (ASCII digits), one numbered at
+or below the last; ``gap`` events and the
 ``generator_lost`` error are yielded for the caller to see. It stops after the end marker
 (``[DONE]`` or ``done``), an ``error`` or ``moderated`` event, when the server answers a
 resume with 409 ``reply_ended`` (the reply ended with the last event it holds: there is
@@ -117,7 +120,8 @@ def resume_url(start_url: str, reply_id: str) -> str:
 class ResumingReader:
     """Reads one reply to its end across reconnects.
 
-    Attributes after (or during) a read: ``reply_id``, ``last_event_id``, ``reconnects``.
+    Attributes after (or during) a read: ``reply_id``, ``last_event_id`` (the standard's
+    last event ID string: the last ``id`` read, ``""`` before any), ``reconnects``.
     """
 
     def __init__(
@@ -150,7 +154,7 @@ class ResumingReader:
         self.max_event_size = max_event_size  # characters, see ``EventParser``
         self.max_body_size = max_body_size  # bytes one connection's body may hold, decoded
         self.reply_id: str | None = None
-        self.last_event_id = 0
+        self.last_event_id = ""
         self.reconnects = 0
         self.finished = False
         self._retry_s: float | None = None
@@ -194,6 +198,7 @@ class ResumingReader:
 
     async def _one_connection(self) -> AsyncIterator[Event]:
         headers = {"Accept": "text/event-stream", **self.headers}
+        resumed_after: str | None = None  # the last event ID string this connection resumes
         if self.reply_id is None:
             url, method = self.url, self.method
             body = b"" if self.json_body is None else json.dumps(self.json_body).encode()
@@ -201,7 +206,11 @@ class ResumingReader:
                 headers["Content-Type"] = "application/json"
         else:
             url, method, body = resume_url(self.url, self.reply_id), "GET", b""
-            headers["Last-Event-ID"] = str(self.last_event_id)
+            resumed_after = self.last_event_id
+            # No header while no id was read, as an EventSource sends none. An id's spaces
+            # at either end are none of a header's value (a server reads it without them).
+            if sent := resumed_after.strip(" \t"):
+                headers["Last-Event-ID"] = sent
         async with contextlib.AsyncExitStack() as stack:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
@@ -254,16 +263,16 @@ class ResumingReader:
                 if parser.retry is not None:
                     self._retry_s = parser.retry / 1000.0
                 for event in events:
-                    # Reply events carry increasing ids; an event that repeats the id in force
-                    # carried none: the server sent it about this connection (a gap, a cut).
+                    # Reply events carry ids of their own; an event that repeats the id in
+                    # force carried none: the server sent it about this connection (a gap, a
+                    # cut).
                     event_id = event.id or ""
-                    numbered = event_id != previous_id and _is_seq(event_id)
+                    own_id = event_id != previous_id
                     previous_id = event_id
-                    if numbered:
-                        seq = int(event_id)
-                        if seq <= self.last_event_id:
-                            continue  # already seen before the reconnect
-                        self.last_event_id = seq
+                    if own_id:
+                        if self._seen(event_id, resumed_after):
+                            continue  # already read before the reconnect
+                        self.last_event_id = event_id
                     elif event.type == "error" and _code(event) in RESUMABLE_CUTS:
                         return  # this connection was cut; the reply goes on: resume
                     if event.type == "reply" and self.reply_id is None:
@@ -273,6 +282,14 @@ class ResumingReader:
                     yield event
                     if self.finished:
                         return
+
+    def _seen(self, event_id: str, resumed_after: str | None) -> bool:
+        """Whether the event of this id (its own) was read before: it is the event resumed
+        after, sent again, or ids are numbers and it is at or below the last read."""
+        if resumed_after and event_id == resumed_after:
+            return True
+        last = self.last_event_id
+        return _is_seq(event_id) and _is_seq(last) and _seq_key(event_id) <= _seq_key(last)
 
     async def _detail(self, response: HTTPResponse) -> str:
         """The start of a refusal's body, for its message: up to ``DETAIL_BYTES``, and only
@@ -321,6 +338,13 @@ def _is_seq(event_id: str) -> bool:
     """An event id that is a reply's sequence number (ASCII digits only: ``"\u00b9"`` is a
     digit to ``str.isdigit`` and no number to ``int``)."""
     return event_id.isascii() and event_id.isdigit()
+
+
+def _seq_key(number: str) -> tuple[int, str]:
+    """An id of ASCII digits as a key that orders as its number does, of any length (``int``
+    refuses a string of more than 4,300 digits, and a server may send one)."""
+    digits = number.lstrip("0")
+    return len(digits), digits
 
 
 def _reply_id(event: Event) -> str | None:

@@ -386,7 +386,10 @@ async def http_request(
         if body:
             fields.append(("Content-Length", str(len(body))))
         h11_conn = conn.protocol.conn
-        out = h11_conn.send(h11.Request(method=method, target=target, headers=fields))
+        # Values go as UTF-8 (h11 would take ASCII alone): a resume's Last-Event-ID is any
+        # string a server sent as an event's id, and the SSE standard sends it so.
+        encoded = [(name.encode(), value.encode()) for name, value in fields]
+        out = h11_conn.send(h11.Request(method=method, target=target, headers=encoded))
         if body:
             out += h11_conn.send(h11.Data(data=body))
         out += h11_conn.send(h11.EndOfMessage())

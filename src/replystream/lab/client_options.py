@@ -24,8 +24,8 @@ def _header(text: str) -> tuple[str, str]:
     name, value = name.strip(), value.strip()
     if not colon or not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\0"):
         raise argparse.ArgumentTypeError(f"want 'NAME: VALUE' (one line), got {text!r}")
-    # The client writes headers as ASCII (as HTTP/1.1 fields are in practice): anything else
-    # could not be sent, and would fail every request with a traceback.
+    # HTTP/1.1 fields are ASCII in practice: other bytes a server may read as Latin-1, as
+    # UTF-8 (how the client sends them) or not at all, so a value given here is ASCII.
     if not all(c == "\t" or " " <= c <= "~" for c in value):
         raise argparse.ArgumentTypeError(
             f"a header value is printable ASCII (percent- or base64-encode the rest), got {text!r}"
