@@ -16,7 +16,7 @@ from replystream.client import measure_reply
 from replystream.engine.tiny import load_default_engine
 from replystream.lab.diagnosis import diagnose
 from replystream.server import create_app, running
-from tests.conftest import fast_engine, serve_engine
+from tests.conftest import fast_engine, serve_engine, wait_for
 from tests.test_resume_reader_edges import raw_server
 
 
@@ -356,3 +356,40 @@ async def test_an_answer_with_no_http_head_is_said_for_what_it_is(answer: bytes,
     async with raw_server(lambda n: (answer, False)) as (url, _):
         timing = await measure_reply(url, timeout_s=30)
     assert timing.error == f"read failed: {said}" and timing.status is None
+
+
+async def test_a_connection_given_for_a_second_request_is_refused_in_our_words():
+    # A Connection carries one request (it asks the server to close after the answer): a
+    # second is a ValueError naming the misuse, not h11's "can't handle event type Request".
+    from replystream.client.transport import connect
+
+    async with serve_engine(fast_engine(delay_ms=1)) as url:
+        connection = await connect(url)
+        first = await measure_reply(f"{url}/stream?max_tokens=3", connection=connection)
+        with pytest.raises(ValueError, match=r"already carried a request .* connect\(\)"):
+            await measure_reply(f"{url}/stream?max_tokens=3", connection=connection)
+    assert first.complete
+
+
+@pytest.mark.parametrize("reset", [False, True])
+async def test_a_connection_the_server_let_go_before_its_request_is_a_failed_reply(reset: bool):
+    # Opened ahead of its request (as the lab opens them), the connection was closed by the
+    # server meanwhile, orderly or by a reset: the reply failed, saying so (it was h11's
+    # LocalProtocolError raised out of measure_reply, which never raises for a failed reply).
+    from replystream.client.transport import connect
+
+    async def let_go(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if reset:
+            linger = struct.pack("ii", 1, 0)
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        writer.close()
+
+    server = await asyncio.start_server(let_go, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/stream"
+    connection = await connect(url)
+    await wait_for(connection.transport.is_closing)
+    timing = await measure_reply(url, connection=connection)
+    server.close()
+    await server.wait_closed()
+    assert not timing.complete and timing.status is None
+    assert timing.error == "read failed: the connection was closed before the request was sent"

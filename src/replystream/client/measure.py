@@ -280,7 +280,8 @@ async def measure_reply(
     """Send one request and time how its reply arrives; never raises for a failed reply.
 
     With an open ``connection`` (see ``transport.connect``), timing starts when the request is
-    written, so connection setup is not counted; otherwise it starts before connecting.
+    written, so connection setup is not counted; otherwise it starts before connecting. A
+    connection carries one request: one given again raises ``ValueError``.
     ``stop_after_tokens``: hang up once that many streamed tokens arrived (``cancelled``).
     ``tls``: the TLS context for an ``https://`` URL (see ``transport.connect``).
     ``max_event_size``: the largest event read, in characters (see ``EventParser``); a

@@ -278,12 +278,18 @@ class HTTPResponse:
 
 
 class Connection:
-    """An open connection to one server, ready to carry one request."""
+    """An open connection to one server, ready to carry one request.
+
+    One: the request asks the server to close the connection after its answer (each reply
+    is timed on a connection of its own, whatever came before on it), and the connection is
+    closed once the answer is read or left. A second request on it is refused with
+    ``ValueError``; open another with ``connect``."""
 
     def __init__(self, url: str, transport: asyncio.Transport, protocol: _ResponseProtocol):
         self.netloc = urlsplit(url).netloc
         self.transport = transport
         self.protocol = protocol
+        self.used = False  # a request was sent on it (or tried)
 
     def close(self) -> None:
         self.transport.close()
@@ -375,10 +381,22 @@ async def http_request(
     see ``HTTPResponse``.
 
     Raises:
-        TransportError: the connection failed or the response broke HTTP framing.
+        TransportError: the connection failed (or was closed before the request was sent) or
+            the response broke HTTP framing.
+        ValueError: ``connection`` already carried a request (see ``Connection``).
     """
+    if connection is not None and connection.used:
+        raise ValueError(
+            "this Connection already carried a request and is closed: a Connection carries "
+            "one; open another with connect()"
+        )
     conn = connection or await connect(url, tls)
+    conn.used = True
     try:
+        if conn.transport.is_closing():
+            # Opened ahead of its request, the connection was let go meanwhile: a server
+            # closes one that stays idle (nginx after 60 s without a request).
+            raise TransportError("the connection was closed before the request was sent")
         parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         fields = [("Host", conn.netloc), ("Connection", "close")]
