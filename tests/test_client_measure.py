@@ -393,3 +393,16 @@ async def test_a_connection_the_server_let_go_before_its_request_is_a_failed_rep
     await server.wait_closed()
     assert not timing.complete and timing.status is None
     assert timing.error == "read failed: the connection was closed before the request was sent"
+
+
+async def test_a_stream_held_open_after_its_end_marker_is_a_whole_reply():
+    # The end marker came, then nothing, the connection kept open (a server that leaves the
+    # reader to hang up, as an EventSource or the OpenAI SDK does at [DONE]): the reply is
+    # whole, ended there, and not a time-out.
+    events = b'data: "hi"\n\ndata: [DONE]\n\n'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    answer = head + b"\r\n%x\r\n%s\r\n" % (len(events), events)
+    async with raw_server(lambda n: (answer, True)) as (url, _):
+        timing = await measure_reply(url, timeout_s=5)
+    assert timing.complete and timing.error is None and timing.text == "hi"
+    assert timing.closed_ms < 4000

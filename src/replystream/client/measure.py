@@ -226,6 +226,10 @@ async def _read_stream(reading: _Reading, response: HTTPResponse) -> None:
                 reading.complete = True
                 if meaning.usage is not None:
                     reading.reported_tokens = meaning.usage
+                # The reply has ended: leaving hangs up, as a reader that has its reply does
+                # (and as the resuming reader does). A server that holds the connection open
+                # after its end marker would otherwise turn a whole reply into a time-out.
+                return
             elif meaning.kind == "usage":
                 reading.reported_tokens = meaning.tokens
             elif meaning.kind == "gap":
