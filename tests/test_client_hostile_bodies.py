@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import select
+import socket
+import threading
 import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Iterable
@@ -15,6 +18,8 @@ import pytest
 
 from replystream.client import ResumeFailed, ResumingReader, measure_reply
 from replystream.client.resume import Backoff
+from replystream.client.transport import http_request
+from tests.conftest import wait_for
 
 MiB = 1 << 20
 
@@ -147,3 +152,50 @@ async def test_a_whole_reply_in_a_gzip_body_of_several_members_is_read_whole():
     async with body_server(head, [body]) as (url, _):
         timing = await measure_reply(url)
     assert timing.complete and timing.text == "one two"
+
+
+class FastSender(threading.Thread):
+    """A server in a thread of its own (so the reader's loop cannot slow it): answers one
+    request with ``total`` body bytes as fast as the socket takes them. ``blocked`` is set
+    once the socket has taken nothing for ``stall_s`` (the reader stopped reading)."""
+
+    def __init__(self, total: int, stall_s: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/"
+        self.total, self.stall_s = total, stall_s
+        self.sent = 0
+        self.blocked = threading.Event()
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        with self.listener, self.listener.accept()[0] as peer:
+            peer.recv(65536)  # the request: one read holds it
+            head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % self.total
+            peer.sendall(head)
+            peer.setblocking(False)
+            block = b"x" * MiB
+            while self.sent < self.total:
+                if not select.select([], [peer], [], self.stall_s)[1]:
+                    self.blocked.set()
+                    select.select([], [peer], [], 30)  # until the reader reads again
+                    continue
+                self.sent += peer.send(block[: self.total - self.sent])
+            self.finished.set()
+
+
+async def test_a_reader_that_falls_behind_holds_a_bounded_part_of_the_body():
+    # A server faster than its reader (here: one that reads nothing for a while) once filled
+    # the connection's queue with the whole body; reading now stops at 16 MiB held, so the
+    # kernel's buffers fill (up to 32 MiB of receive buffer here) and the server waits, and
+    # goes on when the reader does.
+    sender = FastSender(256 * MiB)
+    sender.start()
+    async with http_request(sender.url) as response:
+        await wait_for(lambda: sender.blocked.is_set() or sender.finished.is_set(), 30)
+        assert sender.blocked.is_set() and sender.sent < 128 * MiB, sender.sent
+        read = 0
+        async for chunk in response:
+            read += len(chunk.data)
+    assert read == 256 * MiB and sender.finished.is_set()
+    sender.join(10)

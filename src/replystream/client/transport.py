@@ -37,6 +37,11 @@ DECODED_ENCODINGS = frozenset({"gzip", "x-gzip", "deflate"})
 # above a reply's body: the largest a server here makes (128 choices of 1,000 tokens, each
 # with 20 log probabilities) is about 210 MB.
 MAX_BODY_BYTES = 1 << 30
+# How many body bytes a connection holds that its reader has not taken yet before it stops
+# reading from the socket (the kernel's buffers fill, then the server waits), reading again
+# below a quarter of that. Far above what a reader that keeps up holds, so chunks are still
+# stamped as they arrive; a bound for one that falls behind a server sending faster.
+HELD_BYTES = 16 << 20
 # The most one step of the decoder makes: a read of compressed bytes is handed on in pieces
 # of at most this size, so what a read holds in memory does not grow with how far it inflates.
 DECODED_PIECE = 1 << 20
@@ -94,6 +99,8 @@ class _ResponseProtocol(asyncio.Protocol):
         self._before_head = b""  # the answer's first bytes while its head is incomplete
         self.head_at = 0.0
         self.chunks: deque[Chunk] = deque()
+        self._held = 0  # bytes in ``chunks``
+        self._paused = False  # reading stopped: ``chunks`` holds more than ``HELD_BYTES``
         self.ended = False
         self.error: TransportError | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -132,6 +139,10 @@ class _ResponseProtocol(asyncio.Protocol):
                         self._head.set_result(event)
                 elif isinstance(event, h11.Data):
                     self.chunks.append(Chunk(at, bytes(event.data)))
+                    self._held += len(event.data)
+                    if self._held > HELD_BYTES and not self._paused and self.transport:
+                        self.transport.pause_reading()
+                        self._paused = True
                 elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                     self.ended = True
                     break
@@ -174,7 +185,12 @@ class _ResponseProtocol(asyncio.Protocol):
                 raise self.error
             self._waiter = self._loop.create_future()
             await self._waiter
-        return self.chunks.popleft()
+        chunk = self.chunks.popleft()
+        self._held -= len(chunk.data)
+        if self._paused and self._held <= HELD_BYTES // 4 and self.transport:
+            self.transport.resume_reading()
+            self._paused = False
+        return chunk
 
 
 class _Decoder:
